@@ -1,0 +1,1 @@
+"""edgespec: speculative decoding across an edge fleet."""

@@ -1,0 +1,1 @@
+"""Spec-Bench benchmark: data and runner."""

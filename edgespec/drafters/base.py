@@ -1,0 +1,59 @@
+"""The drafter interface every drafting algorithm implements.
+
+A ``Drafter`` opens one ``DraftSession`` per generation. A draft session keeps its own belief of
+the sequence (``tokens``: prompt, committed output and its own not-yet-verified draft); ``propose``
+extends that belief by up to k tokens, ``rollback`` truncates it to a position (a fix from the
+verifier), ``append`` adds a known token (the verifier's token at the fix position).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+from ..config import SamplingParams
+from ..sampling import SparseQ
+
+
+@dataclass
+class Draft:
+    tokens: list[int] = field(default_factory=list)
+    # For model drafts in sampling mode: the sparse q' each token was sampled from; None when the
+    # draft is deterministic (q is one-hot), which includes every greedy draft.
+    q: list[SparseQ] | None = None
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+
+class DraftSession(ABC):
+    def __init__(self, tokens: list[int], params: SamplingParams):
+        self.tokens = list(tokens)
+        self.params = params
+
+    @abstractmethod
+    def propose(self, k: int) -> Draft:
+        """Draft up to k tokens after ``self.tokens`` and append them to it. May return fewer,
+        or none when nothing is likely to be accepted."""
+
+    def rollback(self, length: int) -> None:
+        if not 0 <= length <= len(self.tokens):
+            raise ValueError(f"cannot roll back to {length}: session has {len(self.tokens)} tokens")
+        del self.tokens[length:]
+
+    def append(self, tokens: list[int]) -> None:
+        self.tokens.extend(tokens)
+
+    def close(self) -> None:
+        """Release what the session holds (a KV slot for model drafters)."""
+
+
+class Drafter(ABC):
+    name: str = "drafter"
+    # How long a verification step should wait for this drafter's next chunk by default: about
+    # the time it needs to draft a few tokens.
+    wait_ms: float = 10.0
+
+    @abstractmethod
+    def open(self, tokens: list[int], params: SamplingParams) -> DraftSession:
+        """Start drafting for a session whose sequence so far is ``tokens``."""

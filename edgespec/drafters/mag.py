@@ -1,0 +1,108 @@
+"""MaG, the max-gram drafter (after CS-Drafting's statistical bottom drafter).
+
+Propose: find the longest suffix of the session's tokens (up to ``max_ngram``) that also occurs
+earlier in the prompt or output, and propose the tokens that followed its most recent earlier
+occurrence. Output that copies its input (summaries, RAG answers, code edits, translations of
+names) is drafted almost for free.
+
+Fallback: when no suffix of length >= ``min_ngram`` matches, chain a bigram table: for each token,
+its most frequent follower. The table is learned by the drafter itself, across all of its
+sessions: it counts the token pairs of every prompt it opens and of every stretch of output the
+verifier confirmed (the tokens before a fix). So a device that serves many requests of one kind
+learns that kind's frequent continuations. A bigram is proposed only when that follower made up
+at least ``bigram_min_share`` of the token's observed followers, so rare guesses cost no
+verification width.
+
+Drafting only where acceptance is likely: a suffix match of n tokens proposes at most
+``n * tokens_per_match_token`` tokens, so a one-token match (weak evidence) sends a short draft
+and a long match a long one.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+
+import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
+
+from ..config import SamplingParams
+from .base import Draft, Drafter, DraftSession
+
+
+class BigramTable:
+    def __init__(self) -> None:
+        self._followers: dict[int, Counter] = defaultdict(Counter)
+
+    def observe(self, tokens: list[int]) -> None:
+        for a, b in zip(tokens, tokens[1:]):
+            self._followers[a][b] += 1
+
+    def best(self, token: int) -> tuple[int | None, float]:
+        """(most frequent follower, its share of observed followers), or (None, 0)."""
+        counts = self._followers.get(token)
+        if not counts:
+            return None, 0.0
+        nxt, c = counts.most_common(1)[0]
+        return nxt, c / sum(counts.values())
+
+
+def longest_suffix_match(arr: np.ndarray, max_ngram: int, min_ngram: int) -> tuple[int, int]:
+    """(n, p): the longest n in [min_ngram, max_ngram] such that the last n tokens of ``arr``
+    occur earlier at ``p`` (most recent such p, with at least one token after it), else (0, -1)."""
+    length = len(arr)
+    for n in range(min(max_ngram, length - 1), min_ngram - 1, -1):
+        windows = sliding_window_view(arr[: length - 1], n)  # windows ending before the last token
+        hits = np.flatnonzero((windows == arr[length - n:]).all(axis=1))
+        if hits.size:
+            return n, int(hits[-1])
+    return 0, -1
+
+
+class MaGSession(DraftSession):
+    def __init__(self, drafter: "MaGDrafter", tokens: list[int], params: SamplingParams):
+        super().__init__(tokens, params)
+        self.drafter = drafter
+        self._verified = len(tokens)  # tokens before this index are confirmed (prompt/committed)
+
+    def propose(self, k: int) -> Draft:
+        d = self.drafter
+        arr = np.asarray(self.tokens, dtype=np.int64)
+        n, p = longest_suffix_match(arr, d.max_ngram, d.min_ngram)
+        out: list[int] = []
+        if n:
+            limit = min(k, n * d.tokens_per_match_token)
+            out = arr[p + n: p + n + limit].tolist()
+        else:
+            last = self.tokens[-1] if self.tokens else None
+            while last is not None and len(out) < k:
+                nxt, share = d.bigrams.best(last)
+                if nxt is None or share < d.bigram_min_share:
+                    break
+                out.append(nxt)
+                last = nxt
+        self.tokens.extend(out)
+        return Draft(tokens=out)
+
+    def rollback(self, length: int) -> None:
+        # Everything before a fix position was verified: let the bigram table learn it.
+        if length > self._verified:
+            self.drafter.bigrams.observe(self.tokens[self._verified - 1: length])
+            self._verified = length
+        super().rollback(length)
+
+
+class MaGDrafter(Drafter):
+    name = "mag"
+
+    def __init__(self, max_ngram: int = 8, min_ngram: int = 1, tokens_per_match_token: int = 2,
+                 bigram_min_share: float = 0.5):
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self.tokens_per_match_token = tokens_per_match_token
+        self.bigram_min_share = bigram_min_share
+        self.bigrams = BigramTable()
+
+    def open(self, tokens: list[int], params: SamplingParams) -> MaGSession:
+        self.bigrams.observe(tokens)
+        return MaGSession(self, tokens, params)

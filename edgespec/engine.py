@@ -1,0 +1,242 @@
+"""The in-process engine: a drafter thread and a batching verifier over the session protocol.
+
+The drafter thread (``DraftWorker``) drafts ahead into each session's draft, up to the window W,
+in chunks of c tokens, and applies fixes by rollback. The verifier (``SpecEngine.step``) waits a
+short deadline for drafts, verifies every active session in one forward pass, commits, and
+publishes fixes. A session whose draft is empty is decoded one token by the verifier alone, so
+drafting can only cost the verification width, never correctness.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from .config import ConfigError, EngineConfig, SamplingParams
+from .drafters import DraftLength, Drafter, DraftSession
+from .metrics import Stats
+from .runner import TargetRunner
+from .sampling import make_generator, verify_batch
+from .session import LocalSessionStore, SessionState, StaleChunkError
+
+log = logging.getLogger("edgespec.engine")
+
+
+@dataclass
+class Request:
+    prompt_ids: list[int]
+    max_new_tokens: int = 128
+    params: SamplingParams = field(default_factory=SamplingParams)
+    on_tokens: Callable[[list[int]], None] | None = None  # called with each committed chunk
+
+
+@dataclass
+class Result:
+    token_ids: list[int]
+    stats: Stats
+    finish_reason: str  # "stop" (a stop token) or "length"
+
+
+class _Active:
+    """The verifier's view of one session."""
+
+    def __init__(self, sid: str, req: Request, state: SessionState, slot: int, k: DraftLength):
+        self.sid, self.req, self.state, self.slot, self.k = sid, req, state, slot, k
+        self.generator = None if req.params.greedy else make_generator(req.params.seed)
+        self.output: list[int] = []
+        self.last_new: list[int] = []
+        self.stats = Stats()
+        self.finish: str | None = None
+
+
+class DraftWorker(threading.Thread):
+    """Drafts for every session of a store, never waiting for the verifier."""
+
+    def __init__(self, drafter: Drafter, store: LocalSessionStore, cfg: EngineConfig):
+        super().__init__(daemon=True, name=f"drafter-{drafter.name}")
+        self.drafter, self.store, self.cfg = drafter, store, cfg
+        self.sessions: dict[str, tuple[DraftSession, list[int]]] = {}  # sid -> (session, [fix id])
+        self.stopping = False
+
+    def stop(self) -> None:
+        with self.store.cond:
+            self.stopping = True
+            self.store.cond.notify_all()
+        self.join(timeout=5)
+
+    def run(self) -> None:
+        while True:
+            with self.store.cond:
+                if self.stopping:
+                    break
+                work = self._plan()
+                if not work:
+                    self.store.cond.wait(timeout=0.5)
+                    continue
+            for sid, state, session, epoch, start, room in work:
+                try:
+                    draft = session.propose(min(self.cfg.chunk, room))
+                except Exception as exc:  # a broken drafter costs speed, never the session
+                    self._give_up(sid, state, exc)
+                    continue
+                idle = len(draft) == 0
+                with self.store.cond:
+                    try:
+                        state.push_draft(epoch, start, draft.tokens, draft.q, idle=idle,
+                                         window=self.cfg.window)
+                    except StaleChunkError:
+                        pass  # a fix arrived meanwhile; it is applied on the next round
+                    self.store.cond.notify_all()
+        for session, _ in self.sessions.values():
+            session.close()
+
+    def _give_up(self, sid: str, state: SessionState, exc: Exception) -> None:
+        log.warning("drafter %s failed on session %s: %r; the verifier decodes it alone",
+                    self.drafter.name, sid, exc)
+        with self.store.cond:
+            state.has_drafter = False
+            self.store.cond.notify_all()
+
+    def _plan(self) -> list:
+        """Under the lock: open new sessions, apply fixes, close finished ones, and list the
+        sessions that have room to draft into."""
+        work = []
+        for sid, state in self.store.sessions.items():
+            if not state.has_drafter or state.done:
+                continue
+            if sid not in self.sessions:
+                self.sessions[sid] = (self.drafter.open(state.tokens, state.params), [0])
+            session, last_fix = self.sessions[sid]
+            for fix in state.fixes_after(last_fix[0]):
+                session.rollback(fix.position)
+                session.append([fix.token])
+                last_fix[0] = fix.id
+            start = len(session.tokens)
+            room = self.cfg.window - (start - state.end)
+            if state.drafter_idle or room <= 0 or start != state.end + len(state.draft):
+                continue
+            work.append((sid, state, session, state.epoch, start, room))
+        for sid in [s for s in self.sessions if s not in self.store.sessions
+                    or self.store.sessions[s].done]:
+            self.sessions.pop(sid)[0].close()
+        return work
+
+
+class SpecEngine:
+    def __init__(self, target: TargetRunner, drafter: Drafter | None = None,
+                 config: EngineConfig | None = None, stop_ids: set[int] | None = None):
+        self.target = target
+        self.drafter = drafter
+        self.cfg = config or EngineConfig()
+        self.stop_ids = set(stop_ids or ())
+        self.store = LocalSessionStore()
+        self.worker = DraftWorker(drafter, self.store, self.cfg) if drafter else None
+        if self.worker:
+            self.worker.start()
+        self._ids = itertools.count()
+        self.wait_ms = self.cfg.draft_wait_ms
+        if self.wait_ms is None:
+            self.wait_ms = drafter.wait_ms if drafter else 0.0
+        self.active: list[_Active] = []
+
+    def close(self) -> None:
+        if self.worker:
+            self.worker.stop()
+
+    def __enter__(self) -> "SpecEngine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- sessions ------------------------------------------------------------------------------
+    def add(self, req: Request) -> _Active:
+        """Prefill a request into a KV slot and register its session."""
+        n = len(req.prompt_ids)
+        if n == 0:
+            raise ConfigError("the prompt is empty")
+        if req.max_new_tokens < 1:
+            raise ConfigError(f"max_new_tokens must be >= 1, got {req.max_new_tokens}")
+        need = n + req.max_new_tokens + self.cfg.max_draft + 1
+        if need > self.target.max_len:
+            raise ConfigError(f"prompt ({n} tokens) + max_new_tokens ({req.max_new_tokens}) "
+                              f"exceeds the context limit ({self.target.max_len})")
+        if any(not 0 <= t < self.target.vocab_size for t in req.prompt_ids):
+            raise ConfigError(f"prompt token ids must be in [0, {self.target.vocab_size})")
+        slot = self.target.new_slot()
+        t0 = time.perf_counter()
+        self.target.prefill(slot, req.prompt_ids[:-1])
+        sid = f"local-{next(self._ids)}"
+        with self.store.cond:
+            state = self.store.create(sid, req.prompt_ids, self.worker is not None, req.params)
+        act = _Active(sid, req, state, slot,
+                      DraftLength(self.cfg.max_draft, adaptive=self.cfg.adaptive))
+        act.stats.prefill_s = time.perf_counter() - t0
+        act.stats.start = t0
+        self.active.append(act)
+        return act
+
+    def _finish(self, act: _Active) -> None:
+        act.stats.elapsed_s = time.perf_counter() - act.stats.start
+        self.store.close(act.sid)
+        self.target.free_slot(act.slot)
+        self.active.remove(act)
+
+    # -- one verification step over every active session -----------------------------------------
+    def step(self) -> None:
+        acts = list(self.active)
+        deadline = time.perf_counter() + self.wait_ms / 1000
+        with self.store.cond:
+            while not all(a.state.draft_ready(a.k.k) for a in acts):
+                left = deadline - time.perf_counter()
+                if left <= 0:
+                    break
+                self.store.cond.wait(timeout=left)
+            taken = [a.state.take_draft(a.k.k) for a in acts]
+        rows = [[a.state.prompt[-1] if not a.state.committed else a.state.committed[-1]]
+                + t.tokens for a, t in zip(acts, taken)]
+        logits = self.target.forward([a.slot for a in acts], rows)  # [B, T_max, V]
+        verdicts = verify_batch(logits, [t.tokens for t in taken], [t.q for t in taken],
+                                [a.req.params for a in acts], [a.generator for a in acts])
+        with self.store.cond:
+            for act, t, (n, token) in zip(acts, taken, verdicts):
+                new = t.tokens[:n] + [token]
+                new, finish = self._truncate(act, new)
+                act.state.commit(t.epoch, n, token, done=finish is not None)
+                self.target.commit(act.slot, t.start + n)  # KV of last committed + accepted
+                act.k.update(len(t.tokens), n)
+                act.stats.record_step(len(t.tokens), n)
+                act.output.extend(new)
+                act.finish = finish
+                act.last_new = new
+            self.store.cond.notify_all()
+        for act in acts:
+            if act.req.on_tokens:
+                act.req.on_tokens(act.last_new)
+            if act.finish:
+                self._finish(act)
+
+    def _truncate(self, act: _Active, new: list[int]) -> tuple[list[int], str | None]:
+        room = act.req.max_new_tokens - len(act.output)
+        for i, tok in enumerate(new[:room]):
+            if tok in self.stop_ids:
+                return new[: i + 1], "stop"
+        if len(new) >= room:
+            return new[:room], "length"
+        return new, None
+
+    # -- whole generations ---------------------------------------------------------------------
+    def generate_many(self, requests: list[Request]) -> list[Result]:
+        acts = [self.add(r) for r in requests]
+        while self.active:
+            self.step()
+        for a in acts:
+            a.stats.tokens = len(a.output)
+        return [Result(a.output, a.stats, a.finish) for a in acts]
+
+    def generate(self, req: Request) -> Result:
+        return self.generate_many([req])[0]

@@ -1,0 +1,61 @@
+"""Per-request speculative-decoding figures, named as vLLM names them.
+
+Acceptance rate = accepted / drafted tokens; mean acceptance length = 1 + accepted / drafts
+(a draft is one verification of a non-empty draft; the 1 counts the verifier's own token).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class Stats:
+    steps: int = 0  # verification forwards this session took part in
+    num_drafts: int = 0  # steps with a non-empty draft
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+    tokens: int = 0  # generated tokens
+    prefill_s: float = 0.0
+    elapsed_s: float = 0.0
+    start: float = 0.0
+
+    def record_step(self, drafted: int, accepted: int) -> None:
+        self.steps += 1
+        if drafted:
+            self.num_drafts += 1
+            self.draft_tokens += drafted
+            self.accepted_tokens += accepted
+            while len(self.accepted_per_pos) < drafted:
+                self.accepted_per_pos.append(0)
+            for i in range(accepted):
+                self.accepted_per_pos[i] += 1
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        return 1 + self.accepted_tokens / self.num_drafts if self.num_drafts else 1.0
+
+    @property
+    def tokens_per_step(self) -> float:
+        return self.tokens / self.steps if self.steps else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        decode = self.elapsed_s
+        return self.tokens / decode if decode > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.pop("start")
+        d.update(acceptance_rate=round(self.acceptance_rate, 4),
+                 mean_acceptance_length=round(self.mean_acceptance_length, 4),
+                 tokens_per_step=round(self.tokens_per_step, 4),
+                 tokens_per_s=round(self.tokens_per_s, 3))
+        d["drafted"] = self.draft_tokens
+        d["accepted"] = self.accepted_tokens
+        return d

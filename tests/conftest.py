@@ -1,0 +1,85 @@
+"""Shared fixtures: tiny random-weight Llama models (with a character tokenizer) on disk."""
+
+from __future__ import annotations
+
+import os
+import string
+
+import pytest
+import torch
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The user's model cache, captured before tests isolate themselves from it.
+REAL_CACHE = os.environ.get("EDGESPEC_CACHE_DIR")
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def make_tokenizer(extra: str = ""):
+    """A character-level tokenizer: one id per printable character, plus specials."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<unk>", "<s>", "<|end|>", "<|user|>", "<|assistant|>", "<|system|>"]
+    chars = sorted(set(string.printable) - set(string.whitespace) | {" "} | set(extra))
+    vocab = {t: i for i, t in enumerate(specials + chars)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
+                                   eos_token="<|end|>", pad_token="<|end|>")
+    fast.add_special_tokens({"additional_special_tokens": specials[3:]})
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def make_tiny_model(path, seed: int = 0, layers: int = 4, vocab: int | None = None,
+                    hidden: int = 64, tokenizer=None, init_range: float = 0.3):
+    """Save a random-weight Llama with peaked (large-init) distributions, so greedy argmax has
+    clear winners and outputs repeat (which gives MaG something to draft)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = tokenizer or make_tokenizer()
+    vocab = vocab or len(tokenizer)
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=1024, initializer_range=init_range,
+                      tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    model = LlamaForCausalLM(cfg).eval()
+    model.generation_config.eos_token_id = 2
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-target"), seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_draft_dir(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-draft"), seed=1, layers=2)
+
+
+@pytest.fixture(scope="session")
+def tiny(tiny_dir):
+    from edgespec.models import load_model
+
+    return load_model(str(tiny_dir))
+
+
+@pytest.fixture(autouse=True)
+def _isolated_cache(request, tmp_path, monkeypatch):
+    """Keep tests away from the user's model cache, except those marked ``real_model``."""
+    if request.node.get_closest_marker("real_model"):
+        if REAL_CACHE is None:
+            monkeypatch.delenv("EDGESPEC_CACHE_DIR", raising=False)
+        else:
+            monkeypatch.setenv("EDGESPEC_CACHE_DIR", REAL_CACHE)
+    else:
+        monkeypatch.setenv("EDGESPEC_CACHE_DIR", str(tmp_path / "edgespec-cache"))

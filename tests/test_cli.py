@@ -1,0 +1,76 @@
+"""The command line, run as a user runs it (a subprocess), on a tiny model."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from edgespec.models import encode_prompt
+
+
+def edgespec(*args, timeout=300):
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    return subprocess.run([sys.executable, "-m", "edgespec.cli", *map(str, args)],
+                          capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def test_generate_json_is_identical_to_target_only(tiny, tiny_dir):
+    ids = encode_prompt(tiny.tokenizer, "abcabcabc")
+    with torch.no_grad():
+        ref = tiny.model.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False,
+                                  eos_token_id=2, pad_token_id=2)[0, len(ids):].tolist()
+    for drafter in ("mag", "none", "layers:2"):
+        r = edgespec("generate", "abcabcabc", "--model", tiny_dir, "--drafter", drafter,
+                     "--max-new-tokens", 24, "--json")
+        assert r.returncode == 0, r.stderr
+        out = json.loads(r.stdout)
+        assert out["token_ids"] == ref
+        assert out["text"] == tiny.tokenizer.decode(ref, skip_special_tokens=True)
+        for key in ("drafted", "accepted", "mean_acceptance_length", "tokens_per_s"):
+            assert key in out["stats"]
+
+
+def test_generate_streams_text_and_reports_stats(tiny_dir):
+    r = edgespec("generate", "hello", "--model", tiny_dir, "--max-new-tokens", 10,
+                 "--temperature", 0.8, "--top-k", 20, "--seed", 1)
+    assert r.returncode == 0, r.stderr
+    assert "tok/s" in r.stderr and "mean acceptance length" in r.stderr
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--drafter", "bogus"], "unknown drafter"),
+    (["--temperature", "-1"], "temperature"),
+    (["--max-new-tokens", "0"], "max_new_tokens"),
+    (["--max-context", "8"], "context limit"),
+])
+def test_bad_options_give_one_readable_line(tiny_dir, args, message):
+    r = edgespec("generate", "hello", "--model", tiny_dir, *args)
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines()[-1].startswith("edgespec: error:")
+    assert message in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_missing_model_is_a_clear_error(tmp_path):
+    r = edgespec("generate", "hi", "--model", tmp_path / "nope")
+    assert r.returncode == 2 and "not found" in r.stderr
+
+
+def test_bench_writes_summary_json(tiny_dir, tmp_path):
+    out = tmp_path / "bench.json"
+    r = edgespec("bench", "--model", tiny_dir, "--categories", "qa", "translation",
+                 "--max-new-tokens", 12, "--drafters", "mag,layers:2", "--assist-layers", 2,
+                 "--json", out)
+    assert r.returncode == 0, r.stderr
+    report = json.loads(out.read_text())
+    summary = report["summary"]
+    for key in ("speedup_vs_target_only", "speedup_vs_hf_generate",
+                "speedup_vs_hf_prompt_lookup", "lossless"):
+        assert key in summary
+    assert summary["lossless"] is True
+    assert {r["method"] for r in report["results"]} >= {
+        "target_only", "hf_generate", "hf_prompt_lookup", "hf_assisted", "edgespec:mag"}
+    assert "== qa ==" in r.stdout and "[1/" in r.stderr  # tables and progress

@@ -1,0 +1,83 @@
+"""Drafters: MaG's matching and fallback, model drafters' rollback, the spec parser."""
+
+import numpy as np
+import pytest
+
+from edgespec.config import ConfigError, SamplingParams
+from edgespec.drafters import DraftLength, MaGDrafter, build_drafter
+from edgespec.drafters.mag import longest_suffix_match
+from edgespec.runner import TargetRunner
+
+
+def test_longest_suffix_match_prefers_longest_then_most_recent():
+    arr = np.array([1, 2, 3, 9, 2, 3, 8, 1, 2, 3])
+    assert longest_suffix_match(arr, 8, 1) == (3, 0)  # [1, 2, 3] at 0, followed by 9
+    arr = np.array([2, 3, 9, 2, 3, 8, 2, 3])
+    assert longest_suffix_match(arr, 8, 1) == (2, 3)  # most recent [2, 3] is followed by 8
+    assert longest_suffix_match(np.array([5, 6, 7]), 8, 1) == (0, -1)
+
+
+def test_mag_proposes_the_continuation_and_extends_its_tokens():
+    d = MaGDrafter(tokens_per_match_token=4)
+    s = d.open([10, 11, 12, 13, 14, 10, 11], SamplingParams())
+    draft = s.propose(3)
+    assert draft.tokens == [12, 13, 14] and draft.q is None
+    assert s.tokens[-3:] == [12, 13, 14]
+
+
+def test_mag_short_match_sends_a_short_draft():
+    d = MaGDrafter(tokens_per_match_token=2)
+    s = d.open([10, 11, 12, 13, 14, 15, 10], SamplingParams())
+    assert s.propose(8).tokens == [11, 12]  # a 1-token match earns at most 2 tokens
+
+
+def test_mag_bigram_fallback_learns_across_sessions():
+    d = MaGDrafter(min_ngram=2)
+    d.open([5, 6, 5, 6, 7], SamplingParams())  # teaches 5 -> 6, 6 -> 5|7
+    s = d.open([1, 5], SamplingParams())
+    assert s.propose(1).tokens == [6]
+    s2 = d.open([42], SamplingParams())
+    assert s2.propose(4).tokens == []  # an unseen token: nothing worth sending
+
+
+def test_draft_length_schedule():
+    k = DraftLength(k_max=8, k_init=3)
+    assert k.update(3, 3) == 5
+    assert k.update(5, 2) == 4
+    assert k.update(0, 0) == 4
+    fixed = DraftLength(k_max=8, adaptive=False)
+    assert fixed.update(8, 0) == 8
+
+
+@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=1.0, seed=3)])
+def test_model_drafter_rollback_reproduces_the_same_draft(tiny, params):
+    runner = TargetRunner(tiny.model, n_slots=2, max_len=128)
+    drafter = build_drafter("layers:2", tiny, runner, n_slots=2, max_len=128)
+    drafter.min_confidence = 0.0
+    s = drafter.open([3, 40, 41, 42], params)
+    first = s.propose(4)
+    assert len(first) == 4 and s.tokens[4:] == first.tokens
+    if not params.greedy:
+        assert len(first.q) == 4 and all(abs(sum(q.probs) - 1) < 1e-5 for q in first.q)
+        assert all(t in q.ids for t, q in zip(first.tokens, first.q))
+    if params.greedy:
+        s.rollback(5)  # keep the first drafted token, redo the rest
+        assert s.propose(3).tokens == first.tokens[1:]
+    s.close()
+
+
+def test_drafter_specs_are_parsed_with_clear_errors(tiny, tiny_draft_dir, tmp_path):
+    from conftest import make_tiny_model, make_tokenizer
+
+    assert build_drafter("none") is None
+    assert build_drafter("mag").name == "mag"
+    with pytest.raises(ConfigError, match="unknown drafter"):
+        build_drafter("bogus")
+    with pytest.raises(ConfigError, match="integer"):
+        build_drafter("layers:x", tiny)
+    other = make_tiny_model(tmp_path / "other", tokenizer=make_tokenizer(extra="äöü"))
+    with pytest.raises(ConfigError, match="different tokenizer"):
+        build_drafter(f"model:{other}", tiny)
+    with pytest.raises(ConfigError, match="not found"):
+        build_drafter(f"model:{tmp_path / 'missing'}", tiny)
+    assert build_drafter(f"model:{tiny_draft_dir}", tiny).name.startswith("model:")

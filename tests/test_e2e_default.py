@@ -1,0 +1,42 @@
+"""End to end on the real default model (SmolLM2-135M-Instruct, pulled on first use):
+speculative == edgespec target-only == transformers generate, greedy, token for token."""
+
+import pytest
+import torch
+
+from edgespec.config import SamplingParams
+
+pytestmark = pytest.mark.real_model
+
+PROMPTS = [
+    "Summarize in one sentence: The quick brown fox jumps over the lazy dog. The dog does not "
+    "move. The fox jumps over the lazy dog again and again.",
+    "What is the capital of France?",
+    "Write a Python function that returns the square of a number.",
+]
+
+
+@pytest.fixture(scope="module")
+def gen():
+    from edgespec.config import EngineConfig
+    from edgespec.local import LocalGenerator
+
+    g = LocalGenerator("default", "mag", config=EngineConfig(max_sessions=2, max_context=1024))
+    yield g
+    g.close()
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_speculative_equals_target_only_equals_transformers(gen, prompt):
+    ids = gen.encode(prompt)
+    with torch.no_grad():
+        hf = gen.target.model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                       max_new_tokens=32, do_sample=False,
+                                       eos_token_id=sorted(gen.stop_ids),
+                                       pad_token_id=sorted(gen.stop_ids)[0])[0, len(ids):].tolist()
+    plain = gen.generate(ids, 32, SamplingParams(), drafter="none")
+    assert plain.token_ids == hf
+    for drafter in ("mag", "layers:6"):
+        spec = gen.generate(ids, 32, SamplingParams(), drafter=drafter)
+        assert spec.token_ids == hf, drafter
+        assert spec.stats.draft_tokens > 0

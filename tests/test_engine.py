@@ -1,0 +1,158 @@
+"""The engine end to end on tiny models: lossless for every drafter, batched == alone."""
+
+import math
+from collections import Counter
+
+import pytest
+import torch
+
+from edgespec.config import ConfigError, EngineConfig, SamplingParams
+from edgespec.drafters import build_drafter
+from edgespec.engine import Request, SpecEngine
+from edgespec.runner import TargetRunner
+from edgespec.sampling import process_logits
+
+PROMPTS = [
+    [1, 10, 11, 12, 13, 10, 11, 12, 13, 10],
+    [1, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61],
+    [1, 30, 31, 30, 31, 30],
+]
+
+
+def hf_greedy(model, ids, n):
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                             max_new_tokens=n, do_sample=False, eos_token_id=2, pad_token_id=2)
+    return out[0, len(ids):].tolist()
+
+
+@pytest.fixture(scope="module")
+def setup(tiny):
+    runner = TargetRunner(tiny.model, n_slots=8, max_len=256)
+    refs = [hf_greedy(tiny.model, p, 40) for p in PROMPTS]
+    return runner, refs
+
+
+DRAFTERS = ["none", "mag", "layers:2", "model"]
+
+
+@pytest.mark.parametrize("spec", DRAFTERS)
+def test_greedy_output_identical_to_target_only(tiny, tiny_draft_dir, setup, spec):
+    runner, refs = setup
+    spec = f"model:{tiny_draft_dir}" if spec == "model" else spec
+    drafter = build_drafter(spec, tiny, runner, n_slots=4, max_len=256)
+    if drafter is not None and hasattr(drafter, "min_confidence"):
+        drafter.min_confidence = 0.0  # draft every time: exercise rejections
+    with SpecEngine(runner, drafter, EngineConfig(max_draft=4, window=8, chunk=2),
+                    stop_ids={2}) as engine:
+        for prompt, ref in zip(PROMPTS, refs):
+            res = engine.generate(Request(prompt, 40))
+            assert res.token_ids == ref
+            if spec != "none":
+                assert res.stats.draft_tokens > 0
+
+
+def test_mag_accepts_drafts_on_repetitive_output(setup, tiny):
+    runner, refs = setup
+    with SpecEngine(runner, build_drafter("mag"), EngineConfig(), stop_ids={2}) as engine:
+        res = engine.generate(Request(PROMPTS[0], 40))
+    assert res.token_ids == refs[0]
+    assert res.stats.accepted_tokens > 0 and res.stats.steps < len(res.token_ids)
+
+
+def test_batched_sessions_identical_to_alone(setup, tiny):
+    runner, refs = setup
+    seen = []
+    reqs = [Request(p, 40, on_tokens=seen.append) for p in PROMPTS]
+    with SpecEngine(runner, build_drafter("mag"), EngineConfig(max_draft=3), {2}) as engine:
+        results = engine.generate_many(reqs)
+    assert [r.token_ids for r in results] == refs
+    assert sum(len(c) for c in seen) == sum(len(r) for r in refs)  # streamed every token
+
+
+def test_stop_token_and_length_limits(setup):
+    runner, _ = setup
+    with SpecEngine(runner, None, EngineConfig(), stop_ids=set()) as engine:
+        res = engine.generate(Request(PROMPTS[1], 7))
+    assert len(res.token_ids) == 7 and res.finish_reason == "length"
+    first = res.token_ids[2]
+    with SpecEngine(runner, None, EngineConfig(), stop_ids={first}) as engine:
+        res2 = engine.generate(Request(PROMPTS[1], 7))
+    assert res2.token_ids == res.token_ids[: res.token_ids.index(first) + 1]
+    assert res2.finish_reason == "stop"
+
+
+def test_bad_requests_are_refused_without_disturbing_the_engine(setup):
+    runner, refs = setup
+    free = runner.cache.free_slots
+    with SpecEngine(runner, build_drafter("mag"), EngineConfig(), {2}) as engine:
+        with pytest.raises(ConfigError, match="empty"):
+            engine.generate(Request([], 5))
+        with pytest.raises(ConfigError, match="context limit"):
+            engine.generate(Request([1] * 250, 10))
+        with pytest.raises(ConfigError, match="token ids"):
+            engine.generate(Request([1, 10**6], 5))
+        assert runner.cache.free_slots == free
+        assert engine.generate(Request(PROMPTS[0], 40)).token_ids == refs[0]
+
+
+# -- sampling: the engine's output follows the target's distribution ----------------------------
+
+def _exact_two_token_marginals(model, prompt, params):
+    """P(first token) and P(second token) under target-only sampling, by enumeration."""
+    with torch.no_grad():
+        p1 = process_logits(model(torch.tensor([prompt])).logits[0, -1:], params)[0]
+        V = p1.shape[0]
+        ctx = torch.tensor([prompt + [a] for a in range(V)])
+        p2_given = process_logits(model(ctx).logits[:, -1], params)  # [V, V]
+    return p1, (p1[:, None] * p2_given).sum(0)
+
+
+def _chi2_ok(counts: Counter, probs: torch.Tensor, n: int) -> bool:
+    """Pearson chi-square against the exact distribution, cells with expectation >= 5."""
+    stat, df = 0.0, -1
+    for tok, p in enumerate(probs.tolist()):
+        exp = p * n
+        if exp >= 5:
+            stat += (counts.get(tok, 0) - exp) ** 2 / exp
+            df += 1
+    # Wilson-Hilferty upper quantile at p = 0.0005 (z = 3.29)
+    crit = df * (1 - 2 / (9 * df) + 3.29 * math.sqrt(2 / (9 * df))) ** 3
+    return stat < crit
+
+
+@pytest.fixture(scope="module")
+def small_vocab(tmp_path_factory):
+    from conftest import make_tiny_model
+    from edgespec.models import load_model
+
+    tgt = load_model(str(make_tiny_model(tmp_path_factory.mktemp("sv-t"), seed=3, vocab=8,
+                                         init_range=0.1)))
+    dft = make_tiny_model(tmp_path_factory.mktemp("sv-d"), seed=4, vocab=8, layers=1,
+                          init_range=0.1, tokenizer=tgt.tokenizer)
+    return tgt, dft
+
+
+@pytest.mark.parametrize("spec", ["mag", "model"])
+def test_sampled_output_follows_target_distribution(small_vocab, spec):
+    tgt, dft_dir = small_vocab
+    params_base = dict(temperature=0.9, top_k=6)
+    prompt = [1, 2, 3, 1, 2, 3, 1, 2]
+    p1, p2 = _exact_two_token_marginals(tgt.model, prompt, SamplingParams(**params_base))
+    runner = TargetRunner(tgt.model, n_slots=2, max_len=64)
+    drafter = build_drafter("mag" if spec == "mag" else f"model:{dft_dir}", tgt, runner,
+                            n_slots=2, max_len=64)
+    if spec == "model":
+        drafter.min_confidence = 0.0
+    n = 1500
+    c1, c2 = Counter(), Counter()
+    drafted = 0
+    with SpecEngine(runner, drafter, EngineConfig(max_draft=3, window=4), stop_ids=set()) as eng:
+        for seed in range(n):
+            res = eng.generate(Request(prompt, 2, SamplingParams(**params_base, seed=seed)))
+            c1[res.token_ids[0]] += 1
+            c2[res.token_ids[1]] += 1
+            drafted += res.stats.draft_tokens
+    assert drafted > n  # the drafter really took part
+    assert _chi2_ok(c1, p1, n) and _chi2_ok(c2, p2, n)
+    assert sum(c1[t] for t in range(8) if p1[t] == 0) == 0  # top-k respected

@@ -1,0 +1,89 @@
+"""The target runner against transformers' own forward, and its batching and rollback."""
+
+import pytest
+import torch
+
+from edgespec.config import ConfigError
+from edgespec.kv_cache import CacheFullError
+from edgespec.runner import TargetRunner
+
+
+@pytest.fixture()
+def runner(tiny):
+    return TargetRunner(tiny.model, n_slots=4, max_len=128)
+
+
+def _hf_logits(model, ids):
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].float()
+
+
+def test_logits_match_transformers_forward(tiny, runner):
+    ids = torch.randint(0, 90, (30,), generator=torch.Generator().manual_seed(0)).tolist()
+    ref = _hf_logits(tiny.model, ids)
+    slot = runner.new_slot()
+    runner.prefill(slot, ids[:20])
+    out = runner.forward([slot], [ids[20:]])[0]
+    assert torch.allclose(out, ref[20:], atol=1e-3, rtol=1e-3)
+    assert torch.equal(out.argmax(-1), ref[20:].argmax(-1))
+
+
+def test_batched_ragged_forward_equals_one_by_one(tiny, runner):
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 90, (n,), generator=g).tolist() for n in (5, 17, 9)]
+    drafts = [torch.randint(0, 90, (n,), generator=g).tolist() for n in (3, 1, 6)]
+    alone = []
+    for p, d in zip(prompts, drafts):
+        s = runner.new_slot()
+        runner.prefill(s, p)
+        alone.append(runner.forward([s], [d])[0])
+        runner.free_slot(s)
+    # non-contiguous slots exercise the gathering read path
+    slots = [runner.new_slot() for _ in range(4)][:1] + [3, 2]
+    for s, p in zip(slots, prompts):
+        runner.prefill(s, p)
+    batch = runner.forward(slots, drafts)
+    for b, d in enumerate(drafts):
+        assert torch.allclose(batch[b, : len(d)], alone[b], atol=1e-4)
+        assert torch.equal(batch[b, : len(d)].argmax(-1), alone[b].argmax(-1))
+
+
+def test_rollback_by_pointer_forgets_rejected_positions(tiny, runner):
+    ids = list(range(10, 30))
+    s = runner.new_slot()
+    runner.prefill(s, ids[:10])
+    fresh = runner.forward([s], [ids[10:15]])[0]
+    # write junk (a rejected draft) past the pointer, then roll back and redo
+    runner.forward([s], [[1, 2, 3, 4, 5, 6]])
+    runner.commit(s, 16)
+    runner.rollback(s, 10)
+    again = runner.forward([s], [ids[10:15]])[0]
+    assert torch.equal(fresh, again)
+
+
+def test_slot_limits_give_clear_errors(tiny):
+    r = TargetRunner(tiny.model, n_slots=1, max_len=16)
+    s = r.new_slot()
+    with pytest.raises(CacheFullError):
+        r.new_slot()
+    with pytest.raises(CacheFullError, match="positions"):
+        r.prefill(s, list(range(20)))
+    with pytest.raises(ValueError):
+        r.rollback(s, 5)
+
+
+def test_layer_skip_runner_shares_weights_and_uses_fewer_layers(tiny, runner):
+    skip = TargetRunner(tiny.model, n_slots=2, max_len=64, n_layers=2, share_weights=runner)
+    assert skip.layers[0] is runner.layers[0] and len(skip.layers) == 2
+    s = skip.new_slot()
+    out = skip.forward([s], [[5, 6, 7]])
+    assert out.shape == (1, 3, tiny.model.config.vocab_size)
+    with pytest.raises(ConfigError):
+        TargetRunner(tiny.model, n_layers=99)
+
+
+def test_unpacked_runner_agrees_with_packed(tiny, runner):
+    plain = TargetRunner(tiny.model, n_slots=1, max_len=64, pack=False)
+    a, b = runner.new_slot(), plain.new_slot()
+    ids = [[7, 8, 9, 10, 11]]
+    assert torch.allclose(runner.forward([a], ids), plain.forward([b], ids), atol=1e-4)
