@@ -21,7 +21,7 @@ from .drafters import DraftLength, Drafter, DraftSession
 from .metrics import Stats
 from .runner import TargetRunner
 from .sampling import make_generator, verify_batch
-from .session import LocalSessionStore, SessionState, StaleChunkError
+from .session import LocalSessionStore, SessionState, StaleChunkError, Verdict
 
 log = logging.getLogger("edgespec.engine")
 
@@ -44,10 +44,11 @@ class Result:
 class _Active:
     """The verifier's view of one session."""
 
-    def __init__(self, sid: str, req: Request, state: SessionState, slot: int, k: DraftLength):
-        self.sid, self.req, self.state, self.slot, self.k = sid, req, state, slot, k
+    def __init__(self, sid: str, req: Request, slot: int, k: DraftLength):
+        self.sid, self.req, self.slot, self.k = sid, req, slot, k
         self.generator = None if req.params.greedy else make_generator(req.params.seed)
         self.output: list[int] = []
+        self.last_token = req.prompt_ids[-1]
         self.last_new: list[int] = []
         self.stats = Stats()
         self.finish: str | None = None
@@ -127,20 +128,27 @@ class DraftWorker(threading.Thread):
 
 
 class SpecEngine:
+    """The verifier. With a ``drafter`` it drafts in process (a ``DraftWorker`` thread over a
+    ``LocalSessionStore``); with a ``store`` (the distributed draft cache) drafts come from
+    remote drafters through it."""
+
     def __init__(self, target: TargetRunner, drafter: Drafter | None = None,
-                 config: EngineConfig | None = None, stop_ids: set[int] | None = None):
+                 config: EngineConfig | None = None, stop_ids: set[int] | None = None,
+                 store=None):
+        if store is not None and drafter is not None:
+            raise ValueError("give a local drafter or an external store, not both")
         self.target = target
         self.drafter = drafter
         self.cfg = config or EngineConfig()
         self.stop_ids = set(stop_ids or ())
-        self.store = LocalSessionStore()
+        self.store = store if store is not None else LocalSessionStore()
         self.worker = DraftWorker(drafter, self.store, self.cfg) if drafter else None
         if self.worker:
             self.worker.start()
         self._ids = itertools.count()
         self.wait_ms = self.cfg.draft_wait_ms
         if self.wait_ms is None:
-            self.wait_ms = drafter.wait_ms if drafter else 0.0
+            self.wait_ms = drafter.wait_ms if drafter else getattr(store, "wait_ms", 0.0)
         self.active: list[_Active] = []
 
     def close(self) -> None:
@@ -154,8 +162,8 @@ class SpecEngine:
         self.close()
 
     # -- sessions ------------------------------------------------------------------------------
-    def add(self, req: Request) -> _Active:
-        """Prefill a request into a KV slot and register its session."""
+    def validate(self, req: Request) -> None:
+        """Refuse a request that cannot be served, before any work."""
         n = len(req.prompt_ids)
         if n == 0:
             raise ConfigError("the prompt is empty")
@@ -167,20 +175,39 @@ class SpecEngine:
                               f"exceeds the context limit ({self.target.max_len})")
         if any(not 0 <= t < self.target.vocab_size for t in req.prompt_ids):
             raise ConfigError(f"prompt token ids must be in [0, {self.target.vocab_size})")
+
+    def add(self, req: Request, session_id: str | None = None, device: str | None = None
+            ) -> _Active:
+        """Prefill a request into a KV slot and register its session. ``device``: the drafter
+        to ask for (distributed store); the local store drafts with its own drafter."""
+        self.validate(req)
         slot = self.target.new_slot()
         t0 = time.perf_counter()
-        self.target.prefill(slot, req.prompt_ids[:-1])
-        sid = f"local-{next(self._ids)}"
-        with self.store.cond:
-            state = self.store.create(sid, req.prompt_ids, self.worker is not None, req.params)
-        act = _Active(sid, req, state, slot,
-                      DraftLength(self.cfg.max_draft, adaptive=self.cfg.adaptive))
+        try:
+            self.target.prefill(slot, req.prompt_ids[:-1])
+            sid = session_id or f"local-{next(self._ids)}"
+            drafter = device if self.worker is None else self.drafter.name
+            self.store.create(sid, req.prompt_ids, req.params, drafter)
+        except BaseException:
+            self.target.free_slot(slot)
+            raise
+        act = _Active(sid, req, slot, DraftLength(self.cfg.max_draft, adaptive=self.cfg.adaptive))
         act.stats.prefill_s = time.perf_counter() - t0
         act.stats.start = t0
         self.active.append(act)
         return act
 
+    def cancel(self, sid: str) -> bool:
+        """Stop a session now (finish reason "cancelled"); False if it is not active."""
+        for act in self.active:
+            if act.sid == sid:
+                act.finish = "cancelled"
+                self._finish(act)
+                return True
+        return False
+
     def _finish(self, act: _Active) -> None:
+        act.stats.tokens = len(act.output)
         act.stats.elapsed_s = time.perf_counter() - act.stats.start
         self.store.close(act.sid)
         self.target.free_slot(act.slot)
@@ -189,31 +216,23 @@ class SpecEngine:
     # -- one verification step over every active session -----------------------------------------
     def step(self) -> None:
         acts = list(self.active)
-        deadline = time.perf_counter() + self.wait_ms / 1000
-        with self.store.cond:
-            while not all(a.state.draft_ready(a.k.k) for a in acts):
-                left = deadline - time.perf_counter()
-                if left <= 0:
-                    break
-                self.store.cond.wait(timeout=left)
-            taken = [a.state.take_draft(a.k.k) for a in acts]
-        rows = [[a.state.prompt[-1] if not a.state.committed else a.state.committed[-1]]
-                + t.tokens for a, t in zip(acts, taken)]
+        taken = self.store.take_when_ready([(a.sid, a.k.k) for a in acts], self.wait_ms / 1000)
+        rows = [[a.last_token] + t.tokens for a, t in zip(acts, taken)]
         logits = self.target.forward([a.slot for a in acts], rows)  # [B, T_max, V]
         verdicts = verify_batch(logits, [t.tokens for t in taken], [t.q for t in taken],
                                 [a.req.params for a in acts], [a.generator for a in acts])
-        with self.store.cond:
-            for act, t, (n, token) in zip(acts, taken, verdicts):
-                new = t.tokens[:n] + [token]
-                new, finish = self._truncate(act, new)
-                act.state.commit(t.epoch, n, token, done=finish is not None)
-                self.target.commit(act.slot, t.start + n)  # KV of last committed + accepted
-                act.k.update(len(t.tokens), n)
-                act.stats.record_step(len(t.tokens), n)
-                act.output.extend(new)
-                act.finish = finish
-                act.last_new = new
-            self.store.cond.notify_all()
+        commits = []
+        for act, t, (n, token) in zip(acts, taken, verdicts):
+            new, finish = self._truncate(act, t.tokens[:n] + [token])
+            commits.append(Verdict(act.sid, t.epoch, n, token, done=finish is not None))
+            self.target.commit(act.slot, t.start + n)  # KV of last committed + accepted
+            act.k.update(len(t.tokens), n)
+            act.stats.record_step(len(t.tokens), n)
+            act.output.extend(new)
+            act.last_token = token
+            act.finish = finish
+            act.last_new = new
+        self.store.commit_many(commits)
         for act in acts:
             if act.req.on_tokens:
                 act.req.on_tokens(act.last_new)
@@ -234,8 +253,6 @@ class SpecEngine:
         acts = [self.add(r) for r in requests]
         while self.active:
             self.step()
-        for a in acts:
-            a.stats.tokens = len(a.output)
         return [Result(a.output, a.stats, a.finish) for a in acts]
 
     def generate(self, req: Request) -> Result:

@@ -19,6 +19,7 @@ Rules:
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -36,6 +37,17 @@ class Fix:
     epoch: int
     position: int  # the verifier's token goes here; the drafter rolls back to this length
     token: int
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The verifier's decision on one session's draft taken under ``epoch``."""
+
+    session_id: str
+    epoch: int
+    n_accepted: int
+    token: int
+    done: bool = False
 
 
 @dataclass
@@ -135,22 +147,46 @@ class SessionState:
 
 class LocalSessionStore:
     """Sessions of one process, guarded by one condition variable that wakes drafters on fixes
-    and the verifier on new chunks."""
+    and the verifier on new chunks.
+
+    The verifier's side of the store (``create``, ``take_when_ready``, ``commit_many``,
+    ``close``) is the interface the Redis-backed store of the distributed cache also offers.
+    """
 
     def __init__(self) -> None:
         self.cond = threading.Condition()
         self.sessions: dict[str, SessionState] = {}
 
-    def create(self, session_id: str, prompt: list[int], has_drafter: bool,
-               params: SamplingParams | None = None) -> SessionState:
+    def create(self, session_id: str, prompt: list[int], params: SamplingParams,
+               drafter: str | None) -> SessionState:
         with self.cond:
             if session_id in self.sessions:
                 raise ValueError(f"session {session_id} exists")
-            state = SessionState(session_id, list(prompt), has_drafter=has_drafter,
-                                 params=params or SamplingParams())
+            state = SessionState(session_id, list(prompt), has_drafter=drafter is not None,
+                                 params=params)
             self.sessions[session_id] = state
             self.cond.notify_all()
             return state
+
+    def take_when_ready(self, wants: list[tuple[str, int]], wait_s: float) -> list[TakenDraft]:
+        """Wait up to ``wait_s`` until every session's draft is ready, then take up to k tokens
+        of each. wants: (session id, k) pairs."""
+        deadline = time.monotonic() + wait_s
+        with self.cond:
+            states = [self.sessions[sid] for sid, _ in wants]
+            while not all(st.draft_ready(k) for st, (_, k) in zip(states, wants)):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self.cond.wait(timeout=left)
+            return [st.take_draft(k) for st, (_, k) in zip(states, wants)]
+
+    def commit_many(self, verdicts: list[Verdict]) -> list[Fix | None]:
+        with self.cond:
+            fixes = [self.sessions[v.session_id].commit(v.epoch, v.n_accepted, v.token, v.done)
+                     for v in verdicts]
+            self.cond.notify_all()
+            return fixes
 
     def close(self, session_id: str) -> None:
         with self.cond:
