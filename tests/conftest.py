@@ -83,3 +83,20 @@ def _isolated_cache(request, tmp_path, monkeypatch):
             monkeypatch.setenv("EDGESPEC_CACHE_DIR", REAL_CACHE)
     else:
         monkeypatch.setenv("EDGESPEC_CACHE_DIR", str(tmp_path / "edgespec-cache"))
+
+
+@pytest.fixture(scope="session")
+def external_redis():
+    from redis_servers import ExternalRedis
+
+    ext = ExternalRedis()
+    yield ext.url
+    ext.stop()
+
+
+@pytest.fixture(scope="session", params=["embedded", "external"])
+def redis_url(request):
+    """A URL for each kind of real Redis: None means 'start the embedded one'."""
+    if request.param == "embedded":
+        return None
+    return request.getfixturevalue("external_redis")

@@ -1,0 +1,115 @@
+"""The Redis-backed session store against real Redis servers (embedded and external)."""
+
+import pytest
+
+from cache_service.redis_conn import RedisHandle
+from cache_service.store import RedisSessionStore, StoreError
+from edgespec.config import SamplingParams
+from edgespec.sampling import SparseQ
+from edgespec.session import Verdict
+
+
+@pytest.fixture()
+def store(redis_url):
+    handle = RedisHandle(redis_url)
+    handle.client.flushdb()
+    st = RedisSessionStore(handle.client, prefix="t:", ttl_s=30)
+    yield st
+    handle.close()
+
+
+def _attach(store, device="dev1"):
+    store.register_device(device, {"max_sessions": 4})
+    return device
+
+
+def test_push_take_commit_with_fix_reaches_the_inbox(store):
+    dev = _attach(store)
+    store.create("s1", [1, 2, 3], SamplingParams(), dev)
+    assert store.snapshot("s1").tokens == [1, 2, 3]
+    events = store.read_events(dev, "0-0", 10)
+    assert events[0][1] == {"t": "a", "sid": "s1"}
+    res = store.push("s1", 0, 3, [4, 5, 6], None, idle=False, window=8)
+    assert (res.kept, res.committed_end) == (3, 3)
+    [taken] = store.take_when_ready([("s1", 2)], 0.0)
+    assert (taken.epoch, taken.start, taken.tokens, taken.q) == (0, 3, [4, 5], None)
+    [fix] = store.commit_many([Verdict("s1", 0, 1, 9)])  # 4 accepted, 5 rejected -> 9
+    assert (fix.epoch, fix.position, fix.token) == (1, 4, 9)
+    snap = store.snapshot("s1")
+    assert snap.tokens == [1, 2, 3, 4, 9] and snap.epoch == 1
+    ev = store.read_events(dev, events[0][0], 10)
+    assert ev[-1][1] == {"t": "c", "sid": "s1", "epoch": "1", "end": "5", "fix": "1", "tok": "9"}
+
+
+def test_held_token_commits_without_fix(store):
+    dev = _attach(store)
+    store.create("s2", [1], SamplingParams(), dev)
+    store.push("s2", 0, 1, [7, 8, 9], None, idle=False, window=8)
+    store.take_when_ready([("s2", 1)], 0.0)
+    assert store.commit_many([Verdict("s2", 0, 1, 8)]) == [None]
+    [taken] = store.take_when_ready([("s2", 8)], 0.0)
+    assert taken.tokens == [9] and taken.start == 3 and taken.epoch == 0
+
+
+def test_stale_and_misplaced_chunks_are_refused_and_change_nothing(store):
+    dev = _attach(store)
+    store.create("s3", [1, 2], SamplingParams(), dev)
+    store.push("s3", 0, 2, [3], None, idle=False, window=8)
+    store.commit_many([Verdict("s3", 0, 0, 5)])  # rejection: epoch 1
+    with pytest.raises(StoreError) as e:
+        store.push("s3", 0, 3, [6], None, idle=False, window=8)
+    assert e.value.kind == "stale"
+    with pytest.raises(StoreError) as e:
+        store.push("s3", 1, 7, [6], None, idle=False, window=8)
+    assert e.value.kind == "position"
+    with pytest.raises(StoreError) as e:
+        store.push("nope", 0, 0, [6], None, idle=False, window=8)
+    assert e.value.kind == "unknown"
+    [taken] = store.take_when_ready([("s3", 8)], 0.0)
+    assert taken.tokens == [] and store.snapshot("s3").tokens == [1, 2, 5]
+
+
+def test_window_bounds_the_draft_and_sparse_q_round_trips(store):
+    dev = _attach(store)
+    store.create("s4", [1], SamplingParams(temperature=1.0, seed=4), dev)
+    q = [SparseQ([3, 4], [0.75, 0.25]), SparseQ([5], [1.0]), SparseQ([6], [1.0])]
+    assert store.push("s4", 0, 1, [3, 5, 6], q, idle=False, window=2).kept == 2
+    [taken] = store.take_when_ready([("s4", 8)], 0.0)
+    assert taken.tokens == [3, 5] and [x.ids for x in taken.q] == [[3, 4], [5]]
+    assert taken.q[0].probs == [0.75, 0.25]
+    assert store.snapshot("s4").params == SamplingParams(temperature=1.0, seed=4)
+
+
+def test_take_waits_for_a_live_drafter_but_not_for_a_dead_one(store):
+    import time
+
+    dev = _attach(store)
+    store.create("s5", [1], SamplingParams(), dev)
+    t0 = time.monotonic()
+    store.take_when_ready([("s5", 4)], 0.2)
+    assert time.monotonic() - t0 >= 0.15  # a live drafter with no draft yet: waited
+    store.mark_gone(dev)
+    t0 = time.monotonic()
+    store.take_when_ready([("s5", 4)], 0.5)
+    assert time.monotonic() - t0 < 0.3  # nobody drafting: no wait
+
+
+def test_sessions_expire_and_close_notifies_the_drafter(store):
+    dev = _attach(store)
+    store.create("s6", [1], SamplingParams(), dev)
+    ttl = store.r.ttl("t:s:s6")
+    assert 0 < ttl <= 30
+    store.close("s6", keep_s=5)
+    assert store.device_sessions(dev) == []
+    assert store.read_events(dev, "0-0", 10)[-1][1] == {"t": "x", "sid": "s6"}
+    assert 0 < store.r.ttl("t:s:s6") <= 5
+    assert store.snapshot("s6") is None
+
+
+def test_least_loaded_live_device_is_picked(store):
+    _attach(store, "a")
+    _attach(store, "b")
+    store.create("x1", [1], SamplingParams(), "a")
+    assert store.pick_device() == "b"
+    store.mark_gone("b")
+    assert store.pick_device() == "a"
