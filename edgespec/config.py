@@ -56,12 +56,14 @@ class EngineConfig:
     chunk: int = 4  # c: tokens a drafter pushes per chunk
     # how long a step waits for a draft that is on its way; None: the drafter's own suggestion
     draft_wait_ms: float | None = None
-    max_sessions: int = 16  # KV slots on the verifier
-    max_context: int = 4096  # tokens per KV slot (prompt + output + draft)
+    max_sessions: int = 16  # KV slots on the verifier: the most sessions in one batch
+    max_batch_tokens: int = 256  # the most tokens in one verification forward
+    max_context: int = 2048  # tokens per KV slot (prompt + output + draft)
     adaptive: bool = True  # grow/shrink the verified draft length from acceptance
 
     def __post_init__(self) -> None:
-        for name in ("max_draft", "window", "chunk", "max_sessions", "max_context"):
+        for name in ("max_draft", "window", "chunk", "max_sessions", "max_context",
+                     "max_batch_tokens"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.draft_wait_ms is not None and self.draft_wait_ms < 0:

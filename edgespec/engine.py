@@ -50,6 +50,7 @@ class _Active:
         self.output: list[int] = []
         self.last_token = req.prompt_ids[-1]
         self.last_new: list[int] = []
+        self.on_finish: Callable[[Result], None] | None = None
         self.stats = Stats()
         self.finish: str | None = None
 
@@ -209,14 +210,20 @@ class SpecEngine:
     def _finish(self, act: _Active) -> None:
         act.stats.tokens = len(act.output)
         act.stats.elapsed_s = time.perf_counter() - act.stats.start
-        self.store.close(act.sid)
-        self.target.free_slot(act.slot)
         self.active.remove(act)
+        self.target.free_slot(act.slot)
+        try:
+            self.store.close(act.sid)
+        finally:
+            if act.on_finish:
+                act.on_finish(Result(act.output, act.stats, act.finish))
 
     # -- one verification step over every active session -----------------------------------------
     def step(self) -> None:
         acts = list(self.active)
-        taken = self.store.take_when_ready([(a.sid, a.k.k) for a in acts], self.wait_ms / 1000)
+        ks = self._draft_budget([a.k.k for a in acts])
+        taken = self.store.take_when_ready([(a.sid, k) for a, k in zip(acts, ks)],
+                                           self.wait_ms / 1000)
         rows = [[a.last_token] + t.tokens for a, t in zip(acts, taken)]
         logits = self.target.forward([a.slot for a in acts], rows)  # [B, T_max, V]
         verdicts = verify_batch(logits, [t.tokens for t in taken], [t.q for t in taken],
@@ -238,6 +245,15 @@ class SpecEngine:
                 act.req.on_tokens(act.last_new)
             if act.finish:
                 self._finish(act)
+
+    def _draft_budget(self, ks: list[int]) -> list[int]:
+        """Cap the batch at ``max_batch_tokens`` (one own token per session + drafts) by
+        shortening the longest drafts first."""
+        budget = max(0, self.cfg.max_batch_tokens - len(ks))
+        ks = list(ks)
+        while sum(ks) > budget:
+            ks[ks.index(max(ks))] -= 1
+        return ks
 
     def _truncate(self, act: _Active, new: list[int]) -> tuple[list[int], str | None]:
         room = act.req.max_new_tokens - len(act.output)

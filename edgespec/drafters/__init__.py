@@ -19,9 +19,11 @@ DRAFTER_HELP = "none | mag | layers:L | model:PATH"
 
 
 def build_drafter(spec: str, target=None, target_runner=None, n_slots: int = 4,
-                  max_len: int = 2048, device: str = "cpu", dtype: str = "float32"):
+                  max_len: int = 2048, device: str = "cpu", dtype: str = "float32",
+                  loaded=None):
     """Make the drafter a spec names. ``target`` (a LoadedModel) and ``target_runner`` are needed
-    by ``layers:L`` (shares the target's weights) and ``model:PATH`` (tokenizer check)."""
+    by ``layers:L`` (shares the target's weights); with ``target``, ``model:PATH`` is checked
+    for the same tokenizer. ``loaded``: the draft model of ``model:PATH``, already loaded."""
     from ..runner import TargetRunner
 
     spec = (spec or "none").strip()
@@ -45,7 +47,7 @@ def build_drafter(spec: str, target=None, target_runner=None, n_slots: int = 4,
 
         if not arg:
             raise ConfigError("model:PATH needs a path")
-        draft = load_model(arg, device=device, dtype=dtype)
+        draft = loaded or load_model(arg, device=device, dtype=dtype)
         if target is not None:
             check_same_tokenizer(target.tokenizer, draft.tokenizer, arg)
         return ModelDrafter(TargetRunner(draft.model, n_slots=n_slots, max_len=max_len),

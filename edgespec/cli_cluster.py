@@ -1,0 +1,136 @@
+"""The distributed system's commands: ``serve``, ``verifier``, ``cache``, ``drafter``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from .config import ConfigError
+from .drafters import DRAFTER_HELP
+
+
+def _add_security(p: argparse.ArgumentParser, server: bool) -> None:
+    p.add_argument("--auth-token", default=None,
+                   help="shared token callers must send (default: $EDGESPEC_AUTH_TOKEN; "
+                        "none: no authentication)")
+    if server:
+        p.add_argument("--tls-cert", help="PEM certificate: serve TLS (needs --tls-key)")
+        p.add_argument("--tls-key", help="PEM private key for --tls-cert")
+    else:
+        p.add_argument("--tls", action="store_true", help="connect with TLS (system roots)")
+        p.add_argument("--tls-ca", help="PEM CA certificate to trust (implies --tls)")
+
+
+def _add_server(p: argparse.ArgumentParser, roles: tuple[str, ...]) -> None:
+    from .cli import add_engine_args, add_model_args
+
+    p.add_argument("--listen", default="127.0.0.1:50051",
+                   help="HOST:PORT for every gRPC service of this process (default: %(default)s)")
+    p.add_argument("--redis-url", default=None,
+                   help="external Redis (redis://host:port/db or unix:///socket); default: "
+                        "$EDGESPEC_REDIS_URL, else an embedded redis-server")
+    p.add_argument("--max-workers", type=int, default=64,
+                   help="gRPC worker threads: each open stream holds one (default: %(default)s)")
+    p.add_argument("--session-ttl", type=int, default=600,
+                   help="seconds after its last commit an abandoned session expires "
+                        "(default: %(default)s)")
+    p.add_argument("--log-level", default="INFO", help="(default: %(default)s)")
+    _add_security(p, server=True)
+    if "verifier" in roles:
+        add_model_args(p)
+        p.add_argument("--max-sessions", type=int, default=8,
+                       help="KV slots: sessions verified at once (default: %(default)s)")
+        p.add_argument("--max-batch-tokens", type=int, default=256,
+                       help="the most tokens in one verification forward (default: %(default)s)")
+        p.add_argument("--max-queue", type=int, default=64,
+                       help="requests waiting for a slot before RESOURCE_EXHAUSTED "
+                            "(default: %(default)s)")
+    add_engine_args(p)
+    p.set_defaults(func=cmd_server, roles=roles)
+
+
+def cmd_server(args) -> int:
+    from .config import EngineConfig
+    from .server import EdgespecServer, ServerOptions
+
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    engine = EngineConfig(max_draft=args.max_draft, window=args.window, chunk=args.chunk,
+                          draft_wait_ms=args.draft_wait_ms, max_context=args.max_context,
+                          adaptive=not args.no_adaptive,
+                          max_sessions=getattr(args, "max_sessions", 16),
+                          max_batch_tokens=getattr(args, "max_batch_tokens", 256))
+    opts = ServerOptions(listen=args.listen, roles=args.roles,
+                         model=getattr(args, "model", "default"),
+                         device=getattr(args, "device", "cpu"),
+                         dtype=getattr(args, "dtype", "float32"), redis_url=args.redis_url,
+                         auth_token=args.auth_token, tls_cert=args.tls_cert,
+                         tls_key=args.tls_key, max_workers=args.max_workers,
+                         max_queue=getattr(args, "max_queue", 64),
+                         session_ttl_s=args.session_ttl, engine=engine)
+    server = EdgespecServer(opts).start()
+    print(f"edgespec: {' + '.join(args.roles)} listening on {args.listen}", file=sys.stderr,
+          flush=True)
+    server.wait()
+    return 0
+
+
+def cmd_drafter(args) -> int:
+    from drafter_node.agent import DrafterAgent
+
+    from .drafters import build_drafter
+    from .models import load_model, tokenizer_fingerprint
+
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    fingerprint = ""
+    if args.drafter.startswith("model:"):
+        draft = load_model(args.drafter.split(":", 1)[1], args.device, args.dtype)
+        fingerprint = tokenizer_fingerprint(draft.tokenizer)
+        drafter = build_drafter(args.drafter, None, None, n_slots=args.max_sessions,
+                                max_len=args.max_context, device=args.device, dtype=args.dtype,
+                                loaded=draft)
+    elif args.drafter == "mag":
+        drafter = build_drafter("mag")
+    else:
+        raise ConfigError(f"an edge drafter runs mag or model:PATH, not {args.drafter!r}")
+    agent = DrafterAgent(args.cache, args.device_id, drafter, fingerprint, args.window,
+                         args.chunk, args.auth_token or os.environ.get("EDGESPEC_AUTH_TOKEN"),
+                         args.tls_ca, args.tls, args.max_sessions)
+    print(f"edgespec: drafter {args.device_id} ({drafter.name}) attaching to {args.cache}",
+          file=sys.stderr, flush=True)
+    try:
+        agent.run()
+    except KeyboardInterrupt:
+        agent.stop()
+    return 0
+
+
+def add_cluster_commands(sub) -> None:
+    s = sub.add_parser("serve", help="run the verifier and the draft cache on one address")
+    _add_server(s, ("verifier", "cache"))
+    v = sub.add_parser("verifier", help="run the verifier alone (shares Redis with a cache)")
+    _add_server(v, ("verifier",))
+    c = sub.add_parser("cache", help="run the draft cache alone (shares Redis with a verifier)")
+    _add_server(c, ("cache",))
+
+    d = sub.add_parser("drafter", help="run an edge drafter attached to a draft cache")
+    d.add_argument("--cache", default="127.0.0.1:50051", help="draft cache HOST:PORT "
+                   "(default: %(default)s)")
+    d.add_argument("--device-id", required=True, help="this device's name in the fleet")
+    d.add_argument("--drafter", default="mag", help=f"mag | model:PATH (default: %(default)s)")
+    d.add_argument("--window", type=int, default=None,
+                   help="tokens drafted beyond the committed position, W (default: the cache's)")
+    d.add_argument("--chunk", type=int, default=None,
+                   help="tokens per chunk, c (default: the cache's)")
+    d.add_argument("--max-sessions", type=int, default=8,
+                   help="sessions this device drafts for at once (default: %(default)s)")
+    d.add_argument("--max-context", type=int, default=4096,
+                   help="tokens per session for model drafters (default: %(default)s)")
+    d.add_argument("--device", default="cpu", help="where a model drafter runs")
+    d.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    d.add_argument("--log-level", default="INFO", help="(default: %(default)s)")
+    _add_security(d, server=False)
+    d.set_defaults(func=cmd_drafter)

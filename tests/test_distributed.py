@@ -1,0 +1,205 @@
+"""The distributed system on loopback with real processes: one `edgespec serve`, three drafters
+(two MaG, one tiny model drafter), concurrent clients, against embedded and external Redis."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+import torch
+
+import edgespec
+from edgespec.v1 import edgespec_pb2 as pb
+from edgespec.v1 import edgespec_pb2_grpc as pb_grpc
+from procs import start_drafter, start_serve
+
+TOKEN = "s3cret"
+PROMPTS = [
+    [1, 10, 11, 12, 13, 10, 11, 12, 13, 10],
+    [1, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61],
+    [1, 30, 31, 30, 31, 30],
+    [1, 20, 21, 22, 20, 21],
+    [1, 70, 71, 72, 73, 74],
+    [1, 40, 41, 40, 41, 40, 41],
+]
+
+
+def reference(model, ids, n):
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                             max_new_tokens=n, do_sample=False, eos_token_id=2, pad_token_id=2)
+    return out[0, len(ids):].tolist()
+
+
+@pytest.fixture(scope="module")
+def cluster(redis_url, tiny_dir, tiny_draft_dir, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("cluster")
+    if redis_url:  # a clean external database for each run
+        import redis
+
+        redis.Redis.from_url(redis_url).flushdb()
+    serve, address = start_serve(tiny_dir, tmp, redis_url, token=TOKEN)
+    drafters = {name: start_drafter(address, name, tmp, spec) for name, spec in
+                [("mag-1", "mag"), ("mag-2", "mag"), ("model-1", f"model:{tiny_draft_dir}")]}
+    for d in drafters.values():
+        d.wait_for("attached to")
+    state = {"address": address, "serve": serve, "drafters": drafters, "model": tiny_dir,
+             "redis_url": redis_url}
+    yield state
+    for d in drafters.values():
+        d.stop()
+    state["serve"].stop()
+
+
+@pytest.fixture(scope="module")
+def refs(tiny):
+    return [reference(tiny.model, p, 60) for p in PROMPTS]
+
+
+def client(cluster, **kw):
+    return edgespec.Client(cluster["address"], token=TOKEN, timeout=120, **kw)
+
+
+def test_six_concurrent_sessions_identical_to_target_only(cluster, refs):
+    def run(i):
+        with client(cluster) as c:
+            device = "model-1" if i == 5 else None  # one session on the model drafter
+            return c.generate(prompt_ids=PROMPTS[i], max_new_tokens=60, device_id=device)
+
+    with ThreadPoolExecutor(6) as pool:
+        results = list(pool.map(run, range(6)))
+    for res, ref in zip(results, refs):
+        assert res.token_ids == ref
+        assert res.finish_reason in ("stop", "length")
+    assert {r.device_id for r in results} >= {"mag-1", "mag-2", "model-1"}
+    assert sum(r.stats["drafted"] for r in results) > 0
+    assert sum(r.stats["accepted"] for r in results) > 0
+
+
+def test_stream_and_async_client_match(cluster, refs):
+    with client(cluster) as c:
+        pieces = list(c.stream(prompt_ids=PROMPTS[0], max_new_tokens=60))
+    assert [t for p in pieces for t in p.token_ids] == refs[0]
+
+    async def go():
+        async with edgespec.AsyncClient(cluster["address"], token=TOKEN, timeout=60) as ac:
+            return await ac.generate(prompt_ids=PROMPTS[2], max_new_tokens=60)
+
+    assert asyncio.run(go()).token_ids == refs[2]
+
+
+def test_text_prompt_goes_through_the_chat_template(cluster, tiny):
+    from edgespec.models import encode_prompt
+
+    ids = encode_prompt(tiny.tokenizer, "abcabc")
+    with client(cluster) as c:
+        res = c.generate("abcabc", max_new_tokens=20)
+        raw = c.generate("abcabc", raw=True, max_new_tokens=5)
+    assert res.prompt_tokens == len(ids) and res.token_ids == reference(tiny.model, ids, 20)
+    assert raw.prompt_tokens == len(tiny.tokenizer("abcabc")["input_ids"])
+
+
+def test_killed_drafter_mid_session_still_completes_identically(cluster, tiny, tmp_path):
+    victim = start_drafter(cluster["address"], "victim", tmp_path)
+    victim.wait_for("attached to")
+    prompt = PROMPTS[0]
+    ref = reference(tiny.model, prompt, 300)
+    got = []
+    with client(cluster) as c:
+        for i, piece in enumerate(c.stream(prompt_ids=prompt, max_new_tokens=300,
+                                           device_id="victim")):
+            got.extend(piece.token_ids)
+            if i == 3:
+                victim.kill()
+    assert got == ref
+    victim.stop()
+
+
+def test_stale_chunk_is_refused(cluster):
+    channel = grpc.insecure_channel(cluster["address"])
+    stub = pb_grpc.DraftCacheStub(channel)
+    meta = [("authorization", f"Bearer {TOKEN}")]
+    with client(cluster) as c:
+        stream = c.stream(prompt_ids=PROMPTS[1], max_new_tokens=300, device_id="mag-1")
+        next(stream)
+        sid = c.last_session_id
+        chunk = pb.DraftChunk(session_id=sid, epoch=0, start=len(PROMPTS[1]), tokens=[5])
+        with pytest.raises(grpc.RpcError) as e:
+            stub.PushDraft(chunk, metadata=meta + [("x-edgespec-device", "mag-1")])
+        assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "epoch" in e.value.details() or "starts at" in e.value.details()
+        with pytest.raises(grpc.RpcError) as e:  # not this device's session
+            stub.PushDraft(chunk, metadata=meta + [("x-edgespec-device", "mag-2")])
+        assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        with pytest.raises(grpc.RpcError) as e:
+            stub.PushDraft(pb.DraftChunk(session_id="nope", tokens=[1]), metadata=meta)
+        assert e.value.code() == grpc.StatusCode.NOT_FOUND
+        rest = [t for p in stream for t in p.token_ids]
+        assert len(rest) > 0
+    channel.close()
+
+
+def test_unauthenticated_calls_are_refused(cluster):
+    with edgespec.Client(cluster["address"], token="wrong", timeout=10) as c:
+        with pytest.raises(edgespec.Unauthenticated):
+            c.generate(prompt_ids=PROMPTS[0], max_new_tokens=5)
+    with edgespec.Client(cluster["address"], timeout=10) as c:
+        with pytest.raises(edgespec.Unauthenticated):
+            c.generate(prompt_ids=PROMPTS[0], max_new_tokens=5)
+
+
+@pytest.mark.parametrize("kwargs,error,needle", [
+    (dict(prompt_ids=[1, 10**6]), edgespec.InvalidRequest, "token ids"),
+    (dict(prompt_ids=[1] * 600), edgespec.InvalidRequest, "context limit"),
+    (dict(prompt_ids=[1, 2], device_id="nobody"), edgespec.PreconditionFailed, "not attached"),
+    (dict(prompt="x" * (5 * 1024 * 1024)), edgespec.Overloaded, ""),
+])
+def test_bad_requests_get_the_right_status_and_disturb_nobody(cluster, refs, kwargs, error, needle):
+    with client(cluster) as c:
+        with pytest.raises(error) as e:
+            c.generate(max_new_tokens=5, **kwargs)
+        assert needle in str(e.value)
+        assert c.generate(prompt_ids=PROMPTS[3], max_new_tokens=60).token_ids == refs[3]
+
+
+def test_cancel_unknown_and_running_sessions(cluster):
+    with client(cluster) as c:
+        with pytest.raises(edgespec.NotFound):
+            c.cancel("no-such-session")
+        stream = c.stream(prompt_ids=PROMPTS[4], max_new_tokens=400)
+        next(stream)
+        assert c.cancel(c.last_session_id)
+        pieces = list(stream)
+        assert sum(len(p.token_ids) for p in pieces) < 400
+
+
+def test_drafter_with_another_tokenizer_is_refused(cluster, tmp_path):
+    from conftest import make_tiny_model, make_tokenizer
+
+    other = make_tiny_model(tmp_path / "other", tokenizer=make_tokenizer(extra="éè"))
+    d = start_drafter(cluster["address"], "odd", tmp_path, f"model:{other}")
+    assert d.p.wait(timeout=120) == 2
+    assert "differs from the target" in d.text() and "Traceback" not in d.text()
+
+
+def test_drafter_reconnects_and_resumes_after_the_server_restarts(cluster, tiny, tmp_path):
+    """Runs last in the module: it restarts the server on the same address."""
+    serve = cluster["serve"]
+    port = int(cluster["address"].rsplit(":", 1)[1])
+    mag = cluster["drafters"]["mag-1"]
+    before = mag.text().count("attached to")
+    serve.stop()
+    new, address = start_serve(cluster["model"], tmp_path, cluster["redis_url"], port=port,
+                               token=TOKEN)
+    cluster["serve"] = new
+    t0 = time.monotonic()
+    while mag.text().count("attached to") <= before and time.monotonic() - t0 < 60:
+        time.sleep(0.2)
+    assert mag.text().count("attached to") > before, mag.text()
+    ref = reference(tiny.model, PROMPTS[0], 60)
+    with client(cluster) as c:
+        res = c.generate(prompt_ids=PROMPTS[0], max_new_tokens=60, device_id="mag-1")
+    assert res.token_ids == ref and res.stats["drafted"] > 0

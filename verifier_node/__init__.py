@@ -1,0 +1,1 @@
+"""The batching verifier: scheduler and gRPC service."""
