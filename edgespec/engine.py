@@ -222,12 +222,15 @@ class SpecEngine:
     def step(self) -> None:
         acts = list(self.active)
         ks = self._draft_budget([a.k.k for a in acts])
-        taken = self.store.take_when_ready([(a.sid, k) for a, k in zip(acts, ks)],
-                                           self.wait_ms / 1000)
+        t0 = time.perf_counter()
+        wants = [(a.sid, k, k if a.k.worth_waiting() else 0) for a, k in zip(acts, ks)]
+        taken = self.store.take_when_ready(wants, self.wait_ms / 1000)
+        t1 = time.perf_counter()
         rows = [[a.last_token] + t.tokens for a, t in zip(acts, taken)]
         logits = self.target.forward([a.slot for a in acts], rows)  # [B, T_max, V]
         verdicts = verify_batch(logits, [t.tokens for t in taken], [t.q for t in taken],
                                 [a.req.params for a in acts], [a.generator for a in acts])
+        t2 = time.perf_counter()
         commits = []
         for act, t, (n, token) in zip(acts, taken, verdicts):
             new, finish = self._truncate(act, t.tokens[:n] + [token])
@@ -240,7 +243,11 @@ class SpecEngine:
             act.finish = finish
             act.last_new = new
         self.store.commit_many(commits)
+        t3 = time.perf_counter()
         for act in acts:
+            act.stats.take_s += t1 - t0
+            act.stats.forward_s += t2 - t1
+            act.stats.commit_s += t3 - t2
             if act.req.on_tokens:
                 act.req.on_tokens(act.last_new)
             if act.finish:

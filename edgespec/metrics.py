@@ -19,6 +19,11 @@ class Stats:
     tokens: int = 0  # generated tokens
     prefill_s: float = 0.0
     elapsed_s: float = 0.0
+    # where the step time went (summed over steps): waiting for and taking drafts from the store,
+    # the target forward + verification, and committing to the store
+    take_s: float = 0.0
+    forward_s: float = 0.0
+    commit_s: float = 0.0
     start: float = 0.0
 
     def record_step(self, drafted: int, accepted: int) -> None:

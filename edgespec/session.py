@@ -168,18 +168,19 @@ class LocalSessionStore:
             self.cond.notify_all()
             return state
 
-    def take_when_ready(self, wants: list[tuple[str, int]], wait_s: float) -> list[TakenDraft]:
+    def take_when_ready(self, wants: list[tuple[str, int, int]], wait_s: float
+                        ) -> list[TakenDraft]:
         """Wait up to ``wait_s`` until every session's draft is ready, then take up to k tokens
-        of each. wants: (session id, k) pairs."""
+        of each. wants: (session id, k, tokens worth waiting for) triples."""
         deadline = time.monotonic() + wait_s
         with self.cond:
-            states = [self.sessions[sid] for sid, _ in wants]
-            while not all(st.draft_ready(k) for st, (_, k) in zip(states, wants)):
+            states = [self.sessions[w[0]] for w in wants]
+            while not all(st.draft_ready(w[2]) for st, w in zip(states, wants)):
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
                 self.cond.wait(timeout=left)
-            return [st.take_draft(k) for st, (_, k) in zip(states, wants)]
+            return [st.take_draft(w[1]) for st, w in zip(states, wants)]
 
     def commit_many(self, verdicts: list[Verdict]) -> list[Fix | None]:
         with self.cond:

@@ -31,7 +31,7 @@ def test_push_take_commit_with_fix_reaches_the_inbox(store):
     assert events[0][1] == {"t": "a", "sid": "s1"}
     res = store.push("s1", 0, 3, [4, 5, 6], None, idle=False, window=8)
     assert (res.kept, res.committed_end) == (3, 3)
-    [taken] = store.take_when_ready([("s1", 2)], 0.0)
+    [taken] = store.take_when_ready([("s1", 2, 2)], 0.0)
     assert (taken.epoch, taken.start, taken.tokens, taken.q) == (0, 3, [4, 5], None)
     [fix] = store.commit_many([Verdict("s1", 0, 1, 9)])  # 4 accepted, 5 rejected -> 9
     assert (fix.epoch, fix.position, fix.token) == (1, 4, 9)
@@ -45,9 +45,9 @@ def test_held_token_commits_without_fix(store):
     dev = _attach(store)
     store.create("s2", [1], SamplingParams(), dev)
     store.push("s2", 0, 1, [7, 8, 9], None, idle=False, window=8)
-    store.take_when_ready([("s2", 1)], 0.0)
+    store.take_when_ready([("s2", 1, 1)], 0.0)
     assert store.commit_many([Verdict("s2", 0, 1, 8)]) == [None]
-    [taken] = store.take_when_ready([("s2", 8)], 0.0)
+    [taken] = store.take_when_ready([("s2", 8, 8)], 0.0)
     assert taken.tokens == [9] and taken.start == 3 and taken.epoch == 0
 
 
@@ -65,7 +65,7 @@ def test_stale_and_misplaced_chunks_are_refused_and_change_nothing(store):
     with pytest.raises(StoreError) as e:
         store.push("nope", 0, 0, [6], None, idle=False, window=8)
     assert e.value.kind == "unknown"
-    [taken] = store.take_when_ready([("s3", 8)], 0.0)
+    [taken] = store.take_when_ready([("s3", 8, 8)], 0.0)
     assert taken.tokens == [] and store.snapshot("s3").tokens == [1, 2, 5]
 
 
@@ -74,7 +74,7 @@ def test_window_bounds_the_draft_and_sparse_q_round_trips(store):
     store.create("s4", [1], SamplingParams(temperature=1.0, seed=4), dev)
     q = [SparseQ([3, 4], [0.75, 0.25]), SparseQ([5], [1.0]), SparseQ([6], [1.0])]
     assert store.push("s4", 0, 1, [3, 5, 6], q, idle=False, window=2).kept == 2
-    [taken] = store.take_when_ready([("s4", 8)], 0.0)
+    [taken] = store.take_when_ready([("s4", 8, 8)], 0.0)
     assert taken.tokens == [3, 5] and [x.ids for x in taken.q] == [[3, 4], [5]]
     assert taken.q[0].probs == [0.75, 0.25]
     assert store.snapshot("s4").params == SamplingParams(temperature=1.0, seed=4)
@@ -86,11 +86,11 @@ def test_take_waits_for_a_live_drafter_but_not_for_a_dead_one(store):
     dev = _attach(store)
     store.create("s5", [1], SamplingParams(), dev)
     t0 = time.monotonic()
-    store.take_when_ready([("s5", 4)], 0.2)
+    store.take_when_ready([("s5", 4, 4)], 0.2)
     assert time.monotonic() - t0 >= 0.15  # a live drafter with no draft yet: waited
     store.mark_gone(dev)
     t0 = time.monotonic()
-    store.take_when_ready([("s5", 4)], 0.5)
+    store.take_when_ready([("s5", 4, 4)], 0.5)
     assert time.monotonic() - t0 < 0.3  # nobody drafting: no wait
 
 

@@ -29,7 +29,7 @@ class SparseQ(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class Stats(_message.Message):
-    __slots__ = ("steps", "num_drafts", "drafted", "accepted", "acceptance_rate", "mean_acceptance_length", "tokens_per_s", "prefill_s", "elapsed_s", "tokens", "accepted_per_pos")
+    __slots__ = ("steps", "num_drafts", "drafted", "accepted", "acceptance_rate", "mean_acceptance_length", "tokens_per_s", "prefill_s", "elapsed_s", "tokens", "accepted_per_pos", "take_s", "forward_s", "commit_s")
     STEPS_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFTS_FIELD_NUMBER: _ClassVar[int]
     DRAFTED_FIELD_NUMBER: _ClassVar[int]
@@ -41,6 +41,9 @@ class Stats(_message.Message):
     ELAPSED_S_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_PER_POS_FIELD_NUMBER: _ClassVar[int]
+    TAKE_S_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_S_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_S_FIELD_NUMBER: _ClassVar[int]
     steps: int
     num_drafts: int
     drafted: int
@@ -52,7 +55,10 @@ class Stats(_message.Message):
     elapsed_s: float
     tokens: int
     accepted_per_pos: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, steps: _Optional[int] = ..., num_drafts: _Optional[int] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_acceptance_length: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., elapsed_s: _Optional[float] = ..., tokens: _Optional[int] = ..., accepted_per_pos: _Optional[_Iterable[int]] = ...) -> None: ...
+    take_s: float
+    forward_s: float
+    commit_s: float
+    def __init__(self, steps: _Optional[int] = ..., num_drafts: _Optional[int] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_acceptance_length: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., elapsed_s: _Optional[float] = ..., tokens: _Optional[int] = ..., accepted_per_pos: _Optional[_Iterable[int]] = ..., take_s: _Optional[float] = ..., forward_s: _Optional[float] = ..., commit_s: _Optional[float] = ...) -> None: ...
 
 class ChatMessage(_message.Message):
     __slots__ = ("role", "content")

@@ -1,0 +1,177 @@
+"""``edgespec bench-net``: the distributed path on loopback against the in-process engine.
+
+Starts ``edgespec serve`` (embedded Redis) and one ``edgespec drafter`` as separate processes on
+this machine, then for each Spec-Bench prompt runs, one after the other, the in-process engine
+and a client call pinned to that drafter, both greedy with the same drafter. Reports tokens/s of
+both, their ratio, and where a distributed step's time goes: taking drafts from the cache
+(includes waiting for the drafter), the forward, and the commit to Redis, in ms per step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from ..config import ConfigError, SamplingParams
+from .run import CATEGORIES, load_questions
+
+
+def add_bench_net_args(p) -> None:
+    p.add_argument("--categories", nargs="+", default=CATEGORIES, choices=CATEGORIES,
+                   metavar="CAT", help="categories to run (default: all six)")
+    p.add_argument("--per-category", type=int, default=1, help="(default: %(default)s)")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="(default: %(default)s)")
+    p.add_argument("--drafter", default="mag", help="mag | model:PATH (default: %(default)s)")
+    p.add_argument("--json", dest="json_out", default="bench-results/bench-net.json",
+                   help="(default: %(default)s)")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawn(args: list[str], log: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "edgespec.cli", *args],
+                            stdout=open(log, "w"), stderr=subprocess.STDOUT,
+                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
+
+
+def _wait_for(log: Path, needle: str, proc: subprocess.Popen, timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if needle in log.read_text():
+            return
+        if proc.poll() is not None:
+            raise ConfigError(f"a benchmark process exited early:\n{log.read_text()[-2000:]}")
+        time.sleep(0.2)
+    raise ConfigError(f"timed out waiting for {needle!r} in {log}")
+
+
+def _per_step_ms(stats: dict, key: str) -> float:
+    return 1000 * stats[key] / stats["steps"] if stats["steps"] else 0.0
+
+
+def run_bench_net(args) -> int:
+    import edgespec
+
+    from ..cli import engine_config
+    from ..local import LocalGenerator
+
+    questions = load_questions(args.categories, args.per_category, False)
+    out_dir = Path(args.json_out).parent
+    out_dir.mkdir(parents=True, exist_ok=True)
+    port = _free_port()
+    address = f"127.0.0.1:{port}"
+    common = ["--model", args.model, "--device", args.device, "--dtype", args.dtype]
+    serve_log, drafter_log = out_dir / "bench-net-serve.log", out_dir / "bench-net-drafter.log"
+    print(f"starting edgespec serve on {address} and one drafter ({args.drafter})",
+          file=sys.stderr, flush=True)
+    serve = _spawn(["serve", "--listen", address, "--max-sessions", "2", *common], serve_log)
+    drafter = None
+    try:
+        _wait_for(serve_log, "listening on", serve)
+        drafter = _spawn(["drafter", "--cache", address, "--device-id", "bench",
+                          "--drafter", args.drafter], drafter_log)
+        _wait_for(drafter_log, "attached to", drafter)
+        gen = LocalGenerator(args.model, args.drafter, args.device, args.dtype,
+                             engine_config(args, 2))
+        client = edgespec.Client(address, timeout=600)
+        greedy = SamplingParams()
+        warm = gen.encode("Say hello.")
+        gen.generate(warm, 4, greedy)
+        client.generate(prompt_ids=warm, max_new_tokens=4, device_id="bench")
+        rows = []
+        for i, q in enumerate(questions, 1):
+            ids = gen.encode(q["prompt"])
+            t0 = time.perf_counter()
+            local = gen.generate(ids, args.max_new_tokens, greedy)
+            t_local = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            remote = client.generate(prompt_ids=ids, max_new_tokens=args.max_new_tokens,
+                                     device_id="bench")
+            t_remote = time.perf_counter() - t0
+            ls, rs = local.stats.to_dict(), remote.stats
+            row = {"question_id": q["id"], "category": q["category"], "prompt_tokens": len(ids),
+                   "tokens": len(remote.token_ids),
+                   "identical": remote.token_ids == local.token_ids,
+                   "inprocess_tokens_per_s": len(local.token_ids) / t_local,
+                   "distributed_tokens_per_s": len(remote.token_ids) / t_remote,
+                   "inprocess_steps": ls["steps"], "distributed_steps": rs["steps"],
+                   "inprocess_ms_per_step": {k: _per_step_ms(ls, k + "_s")
+                                             for k in ("take", "forward", "commit")},
+                   "distributed_ms_per_step": {k: _per_step_ms(rs, k + "_s")
+                                               for k in ("take", "forward", "commit")},
+                   "distributed_mean_acceptance_length": rs["mean_acceptance_length"],
+                   "inprocess_mean_acceptance_length": ls["mean_acceptance_length"]}
+            rows.append(row)
+            print(f"[{i}/{len(questions)}] {q['category']:<15} in-process "
+                  f"{row['inprocess_tokens_per_s']:6.1f} tok/s  distributed "
+                  f"{row['distributed_tokens_per_s']:6.1f} tok/s"
+                  f"{'' if row['identical'] else '  (outputs differ!)'}", file=sys.stderr,
+                  flush=True)
+        client.close()
+        gen.close()
+    finally:
+        for p in (drafter, serve):
+            if p is not None and p.poll() is None:
+                p.terminate()
+                p.wait(timeout=30)
+    report = _summarize(rows)
+    report["config"] = {"model": args.model, "drafter": args.drafter,
+                        "max_new_tokens": args.max_new_tokens, "questions": len(rows)}
+    report["results"] = rows
+    _print(report)
+    Path(args.json_out).write_text(json.dumps(report, indent=1))
+    print(f"wrote {args.json_out}", file=sys.stderr)
+    return 0
+
+
+def _summarize(rows: list[dict]) -> dict:
+    def total_rate(key):
+        toks = sum(r["tokens"] for r in rows)
+        secs = sum(r["tokens"] / r[key] for r in rows if r[key])
+        return toks / secs if secs else 0.0
+
+    local, remote = total_rate("inprocess_tokens_per_s"), total_rate("distributed_tokens_per_s")
+
+    def mean_ms(side, k):
+        steps = sum(r[f"{side}_steps"] for r in rows)
+        return sum(r[f"{side}_ms_per_step"][k] * r[f"{side}_steps"] for r in rows) / steps
+
+    per_step = {side: {k: round(mean_ms(side, k), 3) for k in ("take", "forward", "commit")}
+                for side in ("inprocess", "distributed")}
+    overhead = (per_step["distributed"]["take"] + per_step["distributed"]["commit"]
+                - per_step["inprocess"]["take"] - per_step["inprocess"]["commit"])
+    return {"summary": {"inprocess_tokens_per_s": round(local, 3),
+                        "distributed_tokens_per_s": round(remote, 3),
+                        "distributed_vs_inprocess": round(remote / local, 3) if local else 0.0,
+                        "ms_per_step": per_step,
+                        "transport_and_cache_overhead_ms_per_step": round(overhead, 3),
+                        "lossless": all(r["identical"] for r in rows)}}
+
+
+def _print(report: dict) -> None:
+    s = report["summary"]
+    print(f"\n{'category':<15} {'tokens':>6} {'in-proc tok/s':>13} {'distrib tok/s':>13} "
+          f"{'ratio':>6} {'same':>5}")
+    for r in report["results"]:
+        print(f"{r['category']:<15} {r['tokens']:>6} {r['inprocess_tokens_per_s']:>13.1f} "
+              f"{r['distributed_tokens_per_s']:>13.1f} "
+              f"{r['distributed_tokens_per_s'] / r['inprocess_tokens_per_s']:>6.2f} "
+              f"{r['identical']!s:>5}")
+    print(f"{'all':<15} {'':>6} {s['inprocess_tokens_per_s']:>13.1f} "
+          f"{s['distributed_tokens_per_s']:>13.1f} {s['distributed_vs_inprocess']:>6.2f} "
+          f"{s['lossless']!s:>5}")
+    print("\nms per step       take(wait+read)   forward   commit")
+    for side in ("inprocess", "distributed"):
+        m = s["ms_per_step"][side]
+        print(f"{side:<17} {m['take']:>15.2f} {m['forward']:>9.2f} {m['commit']:>8.2f}")
+    print(f"transport + cache overhead per step: "
+          f"{s['transport_and_cache_overhead_ms_per_step']:.2f} ms")
