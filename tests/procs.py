@@ -53,8 +53,12 @@ class Proc:
         return self.p.returncode
 
 
-def wait_healthy(address: str, timeout: float = 60) -> None:
-    channel = grpc.insecure_channel(address)
+def wait_healthy(address: str, timeout: float = 60, tls_ca=None) -> None:
+    if tls_ca:
+        creds = grpc.ssl_channel_credentials(open(tls_ca, "rb").read())
+        channel = grpc.secure_channel(address, creds)
+    else:
+        channel = grpc.insecure_channel(address)
     stub = health_pb2_grpc.HealthStub(channel)
     deadline = time.monotonic() + timeout
     try:
@@ -72,7 +76,7 @@ def wait_healthy(address: str, timeout: float = 60) -> None:
 
 
 def start_serve(model_dir, tmp_path, redis_url=None, port=None, token="s3cret",
-                extra=()) -> tuple[Proc, str]:
+                extra=(), tls_ca=None) -> tuple[Proc, str]:
     port = port or free_port()
     address = f"127.0.0.1:{port}"
     args = ["serve", "--listen", address, "--model", model_dir, "--auth-token", token,
@@ -80,7 +84,11 @@ def start_serve(model_dir, tmp_path, redis_url=None, port=None, token="s3cret",
     if redis_url:
         args += ["--redis-url", redis_url]
     proc = Proc(args, tmp_path / f"serve-{port}-{time.monotonic_ns()}.log")
-    wait_healthy(address)
+    try:
+        wait_healthy(address, tls_ca=tls_ca)
+    except TimeoutError:
+        proc.stop()
+        raise TimeoutError(f"serve did not become healthy:\n{proc.text()}") from None
     return proc, address
 
 

@@ -1,0 +1,44 @@
+"""TLS switched on with certificate paths: a client that trusts the CA gets through, a
+plaintext client does not."""
+
+import shutil
+import subprocess
+
+import pytest
+
+import edgespec
+from procs import start_serve
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory):
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is needed to make a test certificate")
+    d = tmp_path_factory.mktemp("tls")
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                    "-subj", "/CN=localhost", "-addext", "subjectAltName=IP:127.0.0.1",
+                    "-keyout", d / "key.pem", "-out", d / "cert.pem"],
+                   check=True, capture_output=True)
+    return d / "cert.pem", d / "key.pem"
+
+
+def test_tls_server_serves_trusting_clients_only(certs, tiny_dir, tmp_path):
+    cert, key = certs
+    serve, address = start_serve(tiny_dir, tmp_path, token="t",
+                                 extra=["--tls-cert", cert, "--tls-key", key], tls_ca=cert)
+    try:
+        with edgespec.Client(address, token="t", tls_ca=str(cert), timeout=60) as c:
+            res = c.generate(prompt_ids=[1, 10, 11, 12], max_new_tokens=8)
+        assert len(res.token_ids) >= 1
+        with edgespec.Client(address, token="t", timeout=5) as plain:
+            with pytest.raises(edgespec.EdgespecError):
+                plain.generate(prompt_ids=[1, 10, 11, 12], max_new_tokens=8)
+    finally:
+        serve.stop()
+
+
+def test_tls_needs_both_certificate_and_key(tiny_dir, certs):
+    from test_cli import edgespec as run_cli
+
+    r = run_cli("serve", "--model", tiny_dir, "--tls-cert", certs[0], "--listen", "127.0.0.1:0")
+    assert r.returncode == 2 and "--tls-key" in r.stderr
