@@ -18,6 +18,17 @@ CHAT_TEMPLATE = (
 )
 
 
+def hf_greedy(model, ids: list[int], n: int, eos=(2,)) -> list[int]:
+    """Target-only greedy decoding with transformers' own generate(): the reference output."""
+    eos = sorted(eos)
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]),
+                             attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                             max_new_tokens=n, do_sample=False, eos_token_id=eos,
+                             pad_token_id=eos[0])
+    return out[0, len(ids):].tolist()
+
+
 def make_tokenizer(extra: str = ""):
     """A character-level tokenizer: one id per printable character, plus specials."""
     from tokenizers import Tokenizer, models, pre_tokenizers, decoders

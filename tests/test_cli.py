@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 import pytest
-import torch
+from conftest import hf_greedy
 
 from edgespec.models import encode_prompt
 
@@ -19,9 +19,7 @@ def edgespec(*args, timeout=300):
 
 def test_generate_json_is_identical_to_target_only(tiny, tiny_dir):
     ids = encode_prompt(tiny.tokenizer, "abcabcabc")
-    with torch.no_grad():
-        ref = tiny.model.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False,
-                                  eos_token_id=2, pad_token_id=2)[0, len(ids):].tolist()
+    ref = hf_greedy(tiny.model, ids, 24)
     for drafter in ("mag", "none", "layers:2"):
         r = edgespec("generate", "abcabcabc", "--model", tiny_dir, "--drafter", drafter,
                      "--max-new-tokens", 24, "--json")

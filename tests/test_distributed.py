@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
-import torch
+from conftest import hf_greedy
 
 import edgespec
 from edgespec.v1 import edgespec_pb2 as pb
@@ -25,13 +25,6 @@ PROMPTS = [
     [1, 70, 71, 72, 73, 74],
     [1, 40, 41, 40, 41, 40, 41],
 ]
-
-
-def reference(model, ids, n):
-    with torch.no_grad():
-        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                             max_new_tokens=n, do_sample=False, eos_token_id=2, pad_token_id=2)
-    return out[0, len(ids):].tolist()
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +49,7 @@ def cluster(redis_url, tiny_dir, tiny_draft_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def refs(tiny):
-    return [reference(tiny.model, p, 60) for p in PROMPTS]
+    return [hf_greedy(tiny.model, p, 60) for p in PROMPTS]
 
 
 def client(cluster, **kw):
@@ -98,7 +91,7 @@ def test_text_prompt_goes_through_the_chat_template(cluster, tiny):
     with client(cluster) as c:
         res = c.generate("abcabc", max_new_tokens=20)
         raw = c.generate("abcabc", raw=True, max_new_tokens=5)
-    assert res.prompt_tokens == len(ids) and res.token_ids == reference(tiny.model, ids, 20)
+    assert res.prompt_tokens == len(ids) and res.token_ids == hf_greedy(tiny.model, ids, 20)
     assert raw.prompt_tokens == len(tiny.tokenizer("abcabc")["input_ids"])
 
 
@@ -106,7 +99,7 @@ def test_killed_drafter_mid_session_still_completes_identically(cluster, tiny, t
     victim = start_drafter(cluster["address"], "victim", tmp_path)
     victim.wait_for("attached to")
     prompt = PROMPTS[0]
-    ref = reference(tiny.model, prompt, 300)
+    ref = hf_greedy(tiny.model, prompt, 300)
     got = []
     with client(cluster) as c:
         for i, piece in enumerate(c.stream(prompt_ids=prompt, max_new_tokens=300,
@@ -199,7 +192,7 @@ def test_drafter_reconnects_and_resumes_after_the_server_restarts(cluster, tiny,
     while mag.text().count("attached to") <= before and time.monotonic() - t0 < 60:
         time.sleep(0.2)
     assert mag.text().count("attached to") > before, mag.text()
-    ref = reference(tiny.model, PROMPTS[0], 60)
+    ref = hf_greedy(tiny.model, PROMPTS[0], 60)
     with client(cluster) as c:
         res = c.generate(prompt_ids=PROMPTS[0], max_new_tokens=60, device_id="mag-1")
     assert res.token_ids == ref and res.stats["drafted"] > 0

@@ -2,7 +2,7 @@
 speculative == edgespec target-only == transformers generate, greedy, token for token."""
 
 import pytest
-import torch
+from conftest import hf_greedy
 
 from edgespec.config import SamplingParams
 
@@ -29,11 +29,7 @@ def gen():
 @pytest.mark.parametrize("prompt", PROMPTS)
 def test_speculative_equals_target_only_equals_transformers(gen, prompt):
     ids = gen.encode(prompt)
-    with torch.no_grad():
-        hf = gen.target.model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                       max_new_tokens=32, do_sample=False,
-                                       eos_token_id=sorted(gen.stop_ids),
-                                       pad_token_id=sorted(gen.stop_ids)[0])[0, len(ids):].tolist()
+    hf = hf_greedy(gen.target.model, ids, 32, eos=gen.stop_ids)
     plain = gen.generate(ids, 32, SamplingParams(), drafter="none")
     assert plain.token_ids == hf
     for drafter in ("mag", "layers:6"):

@@ -5,6 +5,7 @@ from collections import Counter
 
 import pytest
 import torch
+from conftest import hf_greedy
 
 from edgespec.config import ConfigError, EngineConfig, SamplingParams
 from edgespec.drafters import build_drafter
@@ -17,13 +18,6 @@ PROMPTS = [
     [1, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61],
     [1, 30, 31, 30, 31, 30],
 ]
-
-
-def hf_greedy(model, ids, n):
-    with torch.no_grad():
-        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                             max_new_tokens=n, do_sample=False, eos_token_id=2, pad_token_id=2)
-    return out[0, len(ids):].tolist()
 
 
 @pytest.fixture(scope="module")

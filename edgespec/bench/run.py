@@ -38,6 +38,10 @@ def add_bench_args(p) -> None:
     p.add_argument("--assist-layers", type=int, default=4,
                    help="layers of the self-draft for transformers' assisted generation "
                         "(default: %(default)s)")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="runs of each prompt and method; the fastest counts (shields figures "
+                        "from a busy machine; drafters do not learn from repeats) "
+                        "(default: %(default)s)")
     p.add_argument("--skip-hf", action="store_true",
                    help="skip the transformers baselines (faster; no speedup_vs_hf_* figures)")
     p.add_argument("--json", dest="json_out", default="bench-results/bench.json",
@@ -72,11 +76,13 @@ class HFBaselines:
             extra = {"prompt_lookup_num_tokens": 10}
         elif method == "hf_assisted":
             extra = {"assistant_early_exit": self.assist_layers}
+        from transformers import GenerationConfig
+
         inp = torch.tensor([ids], device=self.model.device)
+        config = GenerationConfig(max_new_tokens=max_new, **self.common, **extra)
         with torch.inference_mode():
             out = self.model.generate(inp, attention_mask=torch.ones_like(inp),
-                                      max_new_tokens=max_new, min_new_tokens=0,
-                                      **self.common, **extra)
+                                      generation_config=config)
         return out[0, len(ids):].tolist()
 
 
@@ -118,17 +124,32 @@ def run_bench(args) -> int:
     total = len(questions) * len(methods)
     done = 0
     t_start = time.perf_counter()
+    def run_best(method: str, ids: list[int]) -> dict:
+        drafter = gen.engine(method.split(":", 1)[1]).drafter if ":" in method else None
+        state = drafter.snapshot() if drafter else None
+        best = None
+        for i in range(max(1, args.repeat)):
+            if drafter is not None and i > 0:
+                drafter.restore(state)
+            r = run_one(method, ids, args.max_new_tokens)
+            if best is not None and r["token_ids"] != best["token_ids"]:
+                r["identical_to_target_only"] = False
+                return r
+            best = r if best is None or r["seconds"] < best["seconds"] else best
+        return best
+
     for q in questions:
         ids = gen.encode(q["prompt"])
         ref = None
         for m in methods:
-            r = run_one(m, ids, args.max_new_tokens)
+            r = run_best(m, ids)
             done += 1
             if m == "target_only":
                 ref = r["token_ids"]
             r.update(question_id=q["id"], category=q["category"], method=m,
                      prompt_tokens=len(ids), tokens=len(r["token_ids"]),
-                     identical_to_target_only=r["token_ids"] == ref)
+                     identical_to_target_only=r.get("identical_to_target_only", True)
+                     and r["token_ids"] == ref)
             records.append(r)
             eta = (time.perf_counter() - t_start) / done * (total - done)
             _log(f"[{done}/{total}] {q['category']:<15} q{q['id']:<4} {m:<22} "
@@ -139,7 +160,8 @@ def run_bench(args) -> int:
     report["config"] = {"model": gen.target.name, "device": args.device, "dtype": args.dtype,
                         "max_new_tokens": args.max_new_tokens, "questions": len(questions),
                         "threads": torch.get_num_threads(), "drafters": drafters,
-                        "max_draft": args.max_draft, "window": args.window}
+                        "max_draft": args.max_draft, "window": args.window,
+                        "repeat": args.repeat}
     report["results"] = records
     print_tables(report, methods)
     out = Path(args.json_out)

@@ -57,3 +57,10 @@ class Drafter(ABC):
     @abstractmethod
     def open(self, tokens: list[int], params: SamplingParams) -> DraftSession:
         """Start drafting for a session whose sequence so far is ``tokens``."""
+
+    def snapshot(self):
+        """What the drafter has learned across sessions (None: nothing), for ``restore``."""
+        return None
+
+    def restore(self, state) -> None:
+        """Go back to a ``snapshot`` (benchmarks repeat a prompt without learning from it)."""

@@ -20,6 +20,7 @@ and a long match a long one.
 
 from __future__ import annotations
 
+import copy
 from collections import Counter, defaultdict
 
 import numpy as np
@@ -106,3 +107,9 @@ class MaGDrafter(Drafter):
     def open(self, tokens: list[int], params: SamplingParams) -> MaGSession:
         self.bigrams.observe(tokens)
         return MaGSession(self, tokens, params)
+
+    def snapshot(self):
+        return copy.deepcopy(self.bigrams)
+
+    def restore(self, state) -> None:
+        self.bigrams = copy.deepcopy(state)
