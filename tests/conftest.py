@@ -48,9 +48,11 @@ def make_tokenizer(extra: str = ""):
 
 
 def make_tiny_model(path, seed: int = 0, layers: int = 4, vocab: int | None = None,
-                    hidden: int = 64, tokenizer=None, init_range: float = 0.3):
+                    hidden: int = 64, tokenizer=None, init_range: float = 0.3,
+                    looping: bool = False):
     """Save a random-weight Llama with peaked (large-init) distributions, so greedy argmax has
-    clear winners and outputs repeat (which gives MaG something to draft)."""
+    clear winners. ``looping``: zero every attention and MLP output, so the next token is a
+    fixed function of the last one and greedy output soon cycles (text MaG can draft)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     tokenizer = tokenizer or make_tokenizer()
@@ -61,6 +63,11 @@ def make_tiny_model(path, seed: int = 0, layers: int = 4, vocab: int | None = No
                       max_position_embeddings=1024, initializer_range=init_range,
                       tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=2)
     model = LlamaForCausalLM(cfg).eval()
+    if looping:
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.o_proj.weight.zero_()
+                layer.mlp.down_proj.weight.zero_()
     model.generation_config.eos_token_id = 2
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
@@ -111,3 +118,15 @@ def redis_url(request):
     if request.param == "embedded":
         return None
     return request.getfixturevalue("external_redis")
+
+
+@pytest.fixture(scope="session")
+def looping_dir(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("looping-target"), seed=5, looping=True)
+
+
+@pytest.fixture(scope="session")
+def looping(looping_dir):
+    from edgespec.models import load_model
+
+    return load_model(str(looping_dir))

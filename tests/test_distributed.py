@@ -28,18 +28,18 @@ PROMPTS = [
 
 
 @pytest.fixture(scope="module")
-def cluster(redis_url, tiny_dir, tiny_draft_dir, tmp_path_factory):
+def cluster(redis_url, looping_dir, tiny_draft_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("cluster")
     if redis_url:  # a clean external database for each run
         import redis
 
         redis.Redis.from_url(redis_url).flushdb()
-    serve, address = start_serve(tiny_dir, tmp, redis_url, token=TOKEN)
+    serve, address = start_serve(looping_dir, tmp, redis_url, token=TOKEN)
     drafters = {name: start_drafter(address, name, tmp, spec) for name, spec in
                 [("mag-1", "mag"), ("mag-2", "mag"), ("model-1", f"model:{tiny_draft_dir}")]}
     for d in drafters.values():
         d.wait_for("attached to")
-    state = {"address": address, "serve": serve, "drafters": drafters, "model": tiny_dir,
+    state = {"address": address, "serve": serve, "drafters": drafters, "model": looping_dir,
              "redis_url": redis_url}
     yield state
     for d in drafters.values():
@@ -48,8 +48,8 @@ def cluster(redis_url, tiny_dir, tiny_draft_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def refs(tiny):
-    return [hf_greedy(tiny.model, p, 60) for p in PROMPTS]
+def refs(looping):
+    return [hf_greedy(looping.model, p, 60) for p in PROMPTS]
 
 
 def client(cluster, **kw):
@@ -69,7 +69,8 @@ def test_six_concurrent_sessions_identical_to_target_only(cluster, refs):
         assert res.finish_reason in ("stop", "length")
     assert {r.device_id for r in results} >= {"mag-1", "mag-2", "model-1"}
     assert sum(r.stats["drafted"] for r in results) > 0
-    assert sum(r.stats["accepted"] for r in results) > 0
+    # the looping target's output cycles: MaG's drafts get accepted through the whole path
+    assert sum(r.stats["accepted"] for r in results) > 60
 
 
 def test_stream_and_async_client_match(cluster, refs):
@@ -84,22 +85,22 @@ def test_stream_and_async_client_match(cluster, refs):
     assert asyncio.run(go()).token_ids == refs[2]
 
 
-def test_text_prompt_goes_through_the_chat_template(cluster, tiny):
+def test_text_prompt_goes_through_the_chat_template(cluster, looping):
     from edgespec.models import encode_prompt
 
-    ids = encode_prompt(tiny.tokenizer, "abcabc")
+    ids = encode_prompt(looping.tokenizer, "abcabc")
     with client(cluster) as c:
         res = c.generate("abcabc", max_new_tokens=20)
         raw = c.generate("abcabc", raw=True, max_new_tokens=5)
-    assert res.prompt_tokens == len(ids) and res.token_ids == hf_greedy(tiny.model, ids, 20)
-    assert raw.prompt_tokens == len(tiny.tokenizer("abcabc")["input_ids"])
+    assert res.prompt_tokens == len(ids) and res.token_ids == hf_greedy(looping.model, ids, 20)
+    assert raw.prompt_tokens == len(looping.tokenizer("abcabc")["input_ids"])
 
 
-def test_killed_drafter_mid_session_still_completes_identically(cluster, tiny, tmp_path):
+def test_killed_drafter_mid_session_still_completes_identically(cluster, looping, tmp_path):
     victim = start_drafter(cluster["address"], "victim", tmp_path)
     victim.wait_for("attached to")
     prompt = PROMPTS[0]
-    ref = hf_greedy(tiny.model, prompt, 300)
+    ref = hf_greedy(looping.model, prompt, 300)
     got = []
     with client(cluster) as c:
         for i, piece in enumerate(c.stream(prompt_ids=prompt, max_new_tokens=300,
@@ -107,6 +108,7 @@ def test_killed_drafter_mid_session_still_completes_identically(cluster, tiny, t
             got.extend(piece.token_ids)
             if i == 3:
                 victim.kill()
+    assert i > 10  # the session went on well after its drafter died
     assert got == ref
     victim.stop()
 
@@ -178,7 +180,7 @@ def test_drafter_with_another_tokenizer_is_refused(cluster, tmp_path):
     assert "differs from the target" in d.text() and "Traceback" not in d.text()
 
 
-def test_drafter_reconnects_and_resumes_after_the_server_restarts(cluster, tiny, tmp_path):
+def test_drafter_reconnects_and_resumes_after_the_server_restarts(cluster, looping, tmp_path):
     """Runs last in the module: it restarts the server on the same address."""
     serve = cluster["serve"]
     port = int(cluster["address"].rsplit(":", 1)[1])
@@ -192,7 +194,7 @@ def test_drafter_reconnects_and_resumes_after_the_server_restarts(cluster, tiny,
     while mag.text().count("attached to") <= before and time.monotonic() - t0 < 60:
         time.sleep(0.2)
     assert mag.text().count("attached to") > before, mag.text()
-    ref = hf_greedy(tiny.model, PROMPTS[0], 60)
+    ref = hf_greedy(looping.model, PROMPTS[0], 60)
     with client(cluster) as c:
         res = c.generate(prompt_ids=PROMPTS[0], max_new_tokens=60, device_id="mag-1")
     assert res.token_ids == ref and res.stats["drafted"] > 0
