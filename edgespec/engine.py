@@ -221,9 +221,10 @@ class SpecEngine:
     # -- one verification step over every active session -----------------------------------------
     def step(self) -> None:
         acts = list(self.active)
-        ks = self._draft_budget([a.k.k for a in acts])
+        plans = [a.k.plan() for a in acts]
+        ks = self._draft_budget([k for k, _ in plans])
         t0 = time.perf_counter()
-        wants = [(a.sid, k, k if a.k.worth_waiting() else 0) for a, k in zip(acts, ks)]
+        wants = [(a.sid, k, min(k, w)) for a, k, (_, w) in zip(acts, ks, plans)]
         taken = self.store.take_when_ready(wants, self.wait_ms / 1000)
         t1 = time.perf_counter()
         rows = [[a.last_token] + t.tokens for a, t in zip(acts, taken)]

@@ -78,6 +78,7 @@ def verify_sampling(probs: torch.Tensor, draft: list[int], q: list[SparseQ] | No
     draft: T token ids; q: per draft token its SparseQ, or None for a deterministic draft.
     Returns (n_accepted, token), token being the recovered or bonus token.
     """
+    probs = probs.to(generator.device)  # e.g. CUDA logits, CPU generator: draw on its device
     vocab = probs.shape[-1]
     for i, x in enumerate(draft):
         p_i = probs[i]

@@ -180,6 +180,30 @@ def test_drafter_with_another_tokenizer_is_refused(cluster, tmp_path):
     assert "differs from the target" in d.text() and "Traceback" not in d.text()
 
 
+@pytest.mark.parametrize("device", ["mag-1", "model-1"])
+def test_sampled_output_over_the_network_follows_the_target(cluster, looping, device):
+    """Speculative sampling through the cache (q' of model drafts travels as float32 over gRPC
+    and Redis): the first two tokens follow target-only sampling's distribution."""
+    from collections import Counter
+
+    from edgespec.config import SamplingParams
+    from test_engine import _chi2_ok, _exact_two_token_marginals
+
+    prompt = PROMPTS[2]
+    p1, p2 = _exact_two_token_marginals(looping.model, prompt,
+                                        SamplingParams(temperature=1.0, top_k=5))
+    n, c1, c2, drafted = 400, Counter(), Counter(), 0
+    with client(cluster) as c:
+        for seed in range(n):
+            res = c.generate(prompt_ids=prompt, max_new_tokens=2, temperature=1.0, top_k=5,
+                             seed=seed, device_id=device)
+            c1[res.token_ids[0]] += 1
+            c2[res.token_ids[1]] += 1
+            drafted += res.stats["drafted"]
+    assert drafted > 0
+    assert _chi2_ok(c1, p1, n) and _chi2_ok(c2, p2, n)
+
+
 def test_drafter_reconnects_and_resumes_after_the_server_restarts(cluster, looping, tmp_path):
     """Runs last in the module: it restarts the server on the same address."""
     serve = cluster["serve"]

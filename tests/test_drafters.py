@@ -81,3 +81,16 @@ def test_drafter_specs_are_parsed_with_clear_errors(tiny, tiny_draft_dir, tmp_pa
     with pytest.raises(ConfigError, match="not found"):
         build_drafter(f"model:{tmp_path / 'missing'}", tiny)
     assert build_drafter(f"model:{tiny_draft_dir}", tiny).name.startswith("model:")
+
+
+def test_plan_falls_back_to_plain_decoding_where_drafts_do_not_pay():
+    k = DraftLength(k_max=4)
+    assert k.plan() == (4, 4)  # no evidence yet: wait for a full draft
+    for _ in range(10):
+        k.update(1, 0)  # every draft rejected
+    plans = [k.plan() for _ in range(16)]
+    assert plans.count((0, 0)) == 14  # neither verify nor wait ...
+    assert plans.count((1, 1)) == 2  # ... except a probe every 8th step
+    for _ in range(5):
+        k.update(1, 1)
+    assert k.plan()[1] > 0  # drafts pay again: waiting resumes

@@ -60,6 +60,20 @@ def test_mag_accepts_drafts_on_repetitive_output(tmp_path):
     assert res.stats.accepted_tokens > 20 and res.stats.steps < len(res.token_ids) / 2
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_speculative_equals_its_own_target_only(tiny_dir, dtype):
+    from edgespec.models import load_model
+
+    model = load_model(str(tiny_dir), dtype=dtype).model
+    runner = TargetRunner(model, n_slots=2, max_len=128)
+    assert runner.cache.k[0].dtype == getattr(torch, dtype)
+    outs = {}
+    for spec in ("none", "mag"):
+        with SpecEngine(runner, build_drafter(spec), EngineConfig(), {2}) as engine:
+            outs[spec] = engine.generate(Request(PROMPTS[0], 30)).token_ids
+    assert outs["mag"] == outs["none"] and len(outs["none"]) > 0
+
+
 def test_batched_sessions_identical_to_alone(setup, tiny):
     runner, refs = setup
     seen = []
