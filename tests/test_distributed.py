@@ -163,6 +163,13 @@ def test_bad_requests_get_the_right_status_and_disturb_nobody(cluster, refs, kwa
         assert c.generate(prompt_ids=PROMPTS[3], max_new_tokens=60).token_ids == refs[3]
 
 
+def test_deadline_is_enforced(cluster):
+    with client(cluster) as c:
+        with pytest.raises(edgespec.DeadlineExceeded):
+            c.generate(prompt_ids=PROMPTS[1], max_new_tokens=400, timeout=0.05)
+        assert c.generate(prompt_ids=PROMPTS[1], max_new_tokens=5).token_ids
+
+
 def test_cancel_unknown_and_running_sessions(cluster):
     with client(cluster) as c:
         with pytest.raises(edgespec.NotFound):
@@ -237,3 +244,33 @@ def test_drafter_reconnects_and_resumes_after_the_server_restarts(cluster, loopi
     with client(cluster) as c:
         res = c.generate(prompt_ids=PROMPTS[0], max_new_tokens=60, device_id="mag-1")
     assert res.token_ids == ref and res.stats["drafted"] > 0
+
+
+def test_verifier_and_cache_run_as_separate_processes(external_redis, looping_dir, looping,
+                                                      tmp_path):
+    """`edgespec verifier` and `edgespec cache` on their own addresses, sharing one Redis."""
+    import redis as redis_lib
+
+    from procs import Proc, wait_healthy
+    from redis_servers import free_port
+
+    redis_lib.Redis.from_url(external_redis).flushdb()
+    v_addr, c_addr = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+    common = ["--redis-url", external_redis, "--auth-token", TOKEN]
+    verifier = Proc(["verifier", "--listen", v_addr, "--model", looping_dir,
+                     "--max-context", 512, "--draft-wait-ms", 50, *common], tmp_path / "v.log")
+    cache = Proc(["cache", "--listen", c_addr, *common], tmp_path / "c.log")
+    drafter = None
+    try:
+        wait_healthy(v_addr)
+        wait_healthy(c_addr)
+        drafter = start_drafter(c_addr, "solo", tmp_path)
+        drafter.wait_for("attached to")
+        with edgespec.Client(v_addr, token=TOKEN, timeout=60) as c:
+            res = c.generate(prompt_ids=PROMPTS[0], max_new_tokens=60, device_id="solo")
+        assert res.token_ids == hf_greedy(looping.model, PROMPTS[0], 60)
+        assert res.stats["accepted"] > 0
+    finally:
+        for p in (drafter, cache, verifier):
+            if p is not None:
+                p.stop()
