@@ -15,7 +15,6 @@ import logging
 import queue
 import random
 import threading
-import time
 from dataclasses import dataclass
 
 import grpc

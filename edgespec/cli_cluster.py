@@ -8,7 +8,6 @@ import os
 import sys
 
 from .config import ConfigError
-from .drafters import DRAFTER_HELP
 
 
 def _add_security(p: argparse.ArgumentParser, server: bool) -> None:
@@ -120,7 +119,7 @@ def add_cluster_commands(sub) -> None:
     d.add_argument("--cache", default="127.0.0.1:50051", help="draft cache HOST:PORT "
                    "(default: %(default)s)")
     d.add_argument("--device-id", required=True, help="this device's name in the fleet")
-    d.add_argument("--drafter", default="mag", help=f"mag | model:PATH (default: %(default)s)")
+    d.add_argument("--drafter", default="mag", help="mag | model:PATH (default: %(default)s)")
     d.add_argument("--window", type=int, default=None,
                    help="tokens drafted beyond the committed position, W (default: the cache's)")
     d.add_argument("--chunk", type=int, default=None,
