@@ -130,8 +130,8 @@ class StoreError(Exception):
 
     KINDS = {-1: "unknown", -2: "stale", -3: "finished", -4: "position", -5: "mixed"}
 
-    def __init__(self, code: int, message: str):
-        super().__init__(message)
+    def __init__(self, code: int, message: str | bytes):
+        super().__init__(message.decode() if isinstance(message, bytes) else message)
         self.kind = self.KINDS.get(code, "error")
 
 
@@ -293,7 +293,7 @@ class RedisSessionStore:
         fixes = []
         for v, res in zip(verdicts, pipe.execute()):
             if res[0] < 0:
-                raise StoreError(res[0], res[1].decode() if isinstance(res[1], bytes) else res[1])
+                raise StoreError(res[0], res[1])
             isfix, epoch, end = res
             fixes.append(Fix(0, epoch, end - 1, v.token) if isfix else None)
         return fixes
@@ -319,7 +319,7 @@ class RedisSessionStore:
         res = self._push(keys=[*self._s(sid), self.wake_key],
                          args=[epoch, start, pack_tokens(tokens), len(qs), int(idle), window, *qs])
         if res[0] < 0:
-            raise StoreError(res[0], res[1].decode() if isinstance(res[1], bytes) else res[1])
+            raise StoreError(res[0], res[1])
         return PushResult(int(res[0]), int(res[1]))
 
     def session_device(self, sid: str) -> str | None:

@@ -50,10 +50,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def engine_config(args, max_sessions: int | None = None) -> EngineConfig:
+    """The engine options of a command (those it lacks keep EngineConfig's defaults)."""
+    d = EngineConfig()
     return EngineConfig(max_draft=args.max_draft, window=args.window, chunk=args.chunk,
                         draft_wait_ms=args.draft_wait_ms, max_context=args.max_context,
                         adaptive=not args.no_adaptive,
-                        max_sessions=max_sessions or EngineConfig().max_sessions)
+                        max_sessions=max_sessions or d.max_sessions,
+                        max_batch_tokens=getattr(args, "max_batch_tokens", d.max_batch_tokens))
 
 
 def cmd_generate(args) -> int:

@@ -51,16 +51,12 @@ def _add_server(p: argparse.ArgumentParser, roles: tuple[str, ...]) -> None:
 
 
 def cmd_server(args) -> int:
-    from .config import EngineConfig
+    from .cli import engine_config
     from .server import EdgespecServer, ServerOptions
 
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    engine = EngineConfig(max_draft=args.max_draft, window=args.window, chunk=args.chunk,
-                          draft_wait_ms=args.draft_wait_ms, max_context=args.max_context,
-                          adaptive=not args.no_adaptive,
-                          max_sessions=getattr(args, "max_sessions", 16),
-                          max_batch_tokens=getattr(args, "max_batch_tokens", 256))
+    engine = engine_config(args, getattr(args, "max_sessions", None))
     opts = ServerOptions(listen=args.listen, roles=args.roles,
                          model=getattr(args, "model", "default"),
                          device=getattr(args, "device", "cpu"),

@@ -21,7 +21,7 @@ import grpc
 from .config import SamplingParams
 from .v1 import edgespec_pb2 as pb
 from .v1 import edgespec_pb2_grpc as pb_grpc
-from .wire import MAX_MESSAGE_BYTES, auth_metadata, make_channel, params_to_pb, stats_from_pb
+from .wire import auth_metadata, make_channel, params_to_pb, stats_from_pb
 
 
 class EdgespecError(Exception):
@@ -193,13 +193,7 @@ class AsyncClient:
 
     def __init__(self, address: str = "127.0.0.1:50051", token: str | None = None,
                  tls_ca: str | None = None, tls: bool = False, timeout: float | None = None):
-        options = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
-        if tls or tls_ca:
-            ca = open(tls_ca, "rb").read() if tls_ca else None
-            self.channel = grpc.aio.secure_channel(address, grpc.ssl_channel_credentials(ca),
-                                                   options=options)
-        else:
-            self.channel = grpc.aio.insecure_channel(address, options=options)
+        self.channel = make_channel(address, tls_ca, tls, aio=True)
         self.stub = pb_grpc.VerifierStub(self.channel)
         self.metadata = auth_metadata(token)
         self.timeout = timeout

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hmac
 import os
+import socket
 from concurrent import futures
 
 import grpc
@@ -128,13 +129,24 @@ def bind(server: grpc.Server, address: str, tls_cert: str | None = None,
     return port
 
 
-def make_channel(address: str, tls_ca: str | None = None, tls: bool = False) -> grpc.Channel:
+def make_channel(address: str, tls_ca: str | None = None, tls: bool = False,
+                 aio: bool = False):
+    """A client channel (``aio``: a grpc.aio one) with edgespec's message limits; TLS when
+    ``tls`` or a CA certificate to trust is given."""
     options = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
+    mod = grpc.aio if aio else grpc
     if tls or tls_ca:
         creds = grpc.ssl_channel_credentials(_read(tls_ca) if tls_ca else None)
-        return grpc.secure_channel(address, creds, options=options)
-    return grpc.insecure_channel(address, options=options)
+        return mod.secure_channel(address, creds, options=options)
+    return mod.insecure_channel(address, options=options)
+
+
+def free_port() -> int:
+    """A TCP port on loopback that nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _read(path: str) -> bytes:

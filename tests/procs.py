@@ -11,7 +11,7 @@ import time
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from redis_servers import free_port
+from edgespec.wire import free_port
 
 
 class Proc:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -16,13 +15,9 @@ import time
 import pytest
 import redis
 
+from edgespec.wire import free_port
+
 SYSTEM_REDIS = "/usr/bin/redis-server"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class ExternalRedis:

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 from ..config import ConfigError, SamplingParams
+from ..wire import free_port
 from .run import CATEGORIES, load_questions
 
 
@@ -29,12 +29,6 @@ def add_bench_net_args(p) -> None:
     p.add_argument("--drafter", default="mag", help="mag | model:PATH (default: %(default)s)")
     p.add_argument("--json", dest="json_out", default="bench-results/bench-net.json",
                    help="(default: %(default)s)")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _spawn(args: list[str], log: Path) -> subprocess.Popen:
@@ -67,7 +61,7 @@ def run_bench_net(args) -> int:
     questions = load_questions(args.categories, args.per_category, False)
     out_dir = Path(args.json_out).parent
     out_dir.mkdir(parents=True, exist_ok=True)
-    port = _free_port()
+    port = free_port()
     address = f"127.0.0.1:{port}"
     common = ["--model", args.model, "--device", args.device, "--dtype", args.dtype]
     serve_log, drafter_log = out_dir / "bench-net-serve.log", out_dir / "bench-net-drafter.log"
