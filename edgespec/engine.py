@@ -20,8 +20,9 @@ from .config import ConfigError, EngineConfig, SamplingParams
 from .drafters import DraftLength, Drafter, DraftSession
 from .metrics import Stats
 from .runner import TargetRunner
-from .sampling import make_generator, verify_batch
-from .session import LocalSessionStore, SessionState, StaleChunkError, Verdict
+from .sampling import verify_batch, with_session_seed
+from .session import LocalSessionStore, SessionState, StaleChunkError, TakenDraft, Verdict
+from .store_api import DraftWant, SessionStore
 
 log = logging.getLogger("edgespec.engine")
 
@@ -32,27 +33,62 @@ class Request:
     max_new_tokens: int = 128
     params: SamplingParams = field(default_factory=SamplingParams)
     on_tokens: Callable[[list[int]], None] | None = None  # called with each committed chunk
+    # output already committed by an earlier verifier (a resumed session); counts towards
+    # max_new_tokens
+    committed: list[int] = field(default_factory=list)
 
 
 @dataclass
 class Result:
     token_ids: list[int]
     stats: Stats
-    finish_reason: str  # "stop" (a stop token) or "length"
+    finish_reason: str  # "stop" (a stop token), "length" or "cancelled"
+
+
+class SessionFailed(Exception):
+    """One session could not go on (it vanished from the store, its commit was refused, its
+    forward failed); the others are unaffected."""
 
 
 class _Active:
     """The verifier's view of one session."""
 
-    def __init__(self, sid: str, req: Request, slot: int, k: DraftLength):
-        self.sid, self.req, self.slot, self.k = sid, req, slot, k
-        self.generator = None if req.params.greedy else make_generator(req.params.seed)
-        self.output: list[int] = []
-        self.last_token = req.prompt_ids[-1]
-        self.last_new: list[int] = []
+    def __init__(self, sid: str, req: Request, slot: int, draft_len: DraftLength):
+        self.sid, self.req, self.slot, self.draft_len = sid, req, slot, draft_len
+        self.output: list[int] = list(req.committed)
+        self.last_token = (req.prompt_ids + req.committed)[-1]
         self.on_finish: Callable[[Result], None] | None = None
+        self.on_error: Callable[[Exception], None] | None = None
         self.stats = Stats()
         self.finish: str | None = None
+
+    @property
+    def end(self) -> int:
+        """Position after the last committed token."""
+        return len(self.req.prompt_ids) + len(self.output)
+
+
+@dataclass
+class _Decided:
+    """A session's verdict of this step, waiting for the store to take it."""
+
+    act: _Active
+    verdict: Verdict
+    new: list[int]  # tokens it adds to the output (cut at a stop token or the length limit)
+    drafted: int
+    finish: str | None
+
+
+@dataclass
+class _DraftWork:
+    """A session the drafter thread drafts for this round."""
+
+    sid: str
+    state: SessionState
+    session: DraftSession
+    epoch: int
+    start: int
+    room: int
 
 
 class DraftWorker(threading.Thread):
@@ -79,17 +115,17 @@ class DraftWorker(threading.Thread):
                 if not work:
                     self.store.cond.wait(timeout=0.5)
                     continue
-            for sid, state, session, epoch, start, room in work:
+            for w in work:
                 try:
-                    draft = session.propose(min(self.cfg.chunk, room))
+                    draft = w.session.propose(min(self.cfg.chunk, w.room))
                 except Exception as exc:  # a broken drafter costs speed, never the session
-                    self._give_up(sid, state, exc)
+                    self._give_up(w.sid, w.state, exc)
                     continue
                 idle = len(draft) == 0
                 with self.store.cond:
                     try:
-                        state.push_draft(epoch, start, draft.tokens, draft.q, idle=idle,
-                                         window=self.cfg.window)
+                        w.state.push_draft(w.epoch, w.start, draft.tokens, draft.q, idle=idle,
+                                           window=self.cfg.window)
                     except StaleChunkError:
                         pass  # a fix arrived meanwhile; it is applied on the next round
                     self.store.cond.notify_all()
@@ -103,7 +139,7 @@ class DraftWorker(threading.Thread):
             state.has_drafter = False
             self.store.cond.notify_all()
 
-    def _plan(self) -> list:
+    def _plan(self) -> list[_DraftWork]:
         """Under the lock: open new sessions, apply fixes, close finished ones, and list the
         sessions that have room to draft into."""
         work = []
@@ -111,7 +147,12 @@ class DraftWorker(threading.Thread):
             if not state.has_drafter or state.done:
                 continue
             if sid not in self.sessions:
-                self.sessions[sid] = (self.drafter.open(state.tokens, state.params), [0])
+                try:
+                    self.sessions[sid] = (self.drafter.open(state.tokens, state.params), [0])
+                except Exception as exc:  # e.g. no free KV slot: this session drafts nothing
+                    log.warning("drafter %s refused session %s: %r", self.drafter.name, sid, exc)
+                    state.has_drafter = False
+                    continue
             session, last_fix = self.sessions[sid]
             for fix in state.fixes_after(last_fix[0]):
                 session.rollback(fix.position)
@@ -121,7 +162,7 @@ class DraftWorker(threading.Thread):
             room = self.cfg.window - (start - state.end)
             if state.drafter_idle or room <= 0 or start != state.end + len(state.draft):
                 continue
-            work.append((sid, state, session, state.epoch, start, room))
+            work.append(_DraftWork(sid, state, session, state.epoch, start, room))
         for sid in [s for s in self.sessions if s not in self.store.sessions
                     or self.store.sessions[s].done]:
             self.sessions.pop(sid)[0].close()
@@ -135,7 +176,7 @@ class SpecEngine:
 
     def __init__(self, target: TargetRunner, drafter: Drafter | None = None,
                  config: EngineConfig | None = None, stop_ids: set[int] | None = None,
-                 store=None):
+                 store: SessionStore | None = None):
         if store is not None and drafter is not None:
             raise ValueError("give a local drafter or an external store, not both")
         self.target = target
@@ -149,8 +190,9 @@ class SpecEngine:
         self._ids = itertools.count()
         self.wait_ms = self.cfg.draft_wait_ms
         if self.wait_ms is None:
-            self.wait_ms = drafter.wait_ms if drafter else getattr(store, "wait_ms", 0.0)
+            self.wait_ms = drafter.wait_ms if drafter else self.store.wait_ms
         self.active: list[_Active] = []
+        self._undelivered: list[_Decided] = []
 
     def close(self) -> None:
         if self.worker:
@@ -174,21 +216,27 @@ class SpecEngine:
         if need > self.target.max_len:
             raise ConfigError(f"prompt ({n} tokens) + max_new_tokens ({req.max_new_tokens}) "
                               f"exceeds the context limit ({self.target.max_len})")
-        if any(not 0 <= t < self.target.vocab_size for t in req.prompt_ids):
-            raise ConfigError(f"prompt token ids must be in [0, {self.target.vocab_size})")
+        vocab = self.target.vocab_size
+        if any(not 0 <= t < vocab for t in req.prompt_ids + req.committed):
+            raise ConfigError(f"prompt token ids must be in [0, {vocab})")
+        if len(req.committed) >= req.max_new_tokens:
+            raise ConfigError("the resumed session has already produced max_new_tokens")
 
     def add(self, req: Request, session_id: str | None = None, device: str | None = None
             ) -> _Active:
         """Prefill a request into a KV slot and register its session. ``device``: the drafter
-        to ask for (distributed store); the local store drafts with its own drafter."""
+        to ask for (distributed store); the local store drafts with its own drafter. A request
+        with ``committed`` output resumes a session: prompt + committed are prefilled."""
+        req.params = with_session_seed(req.params)
         self.validate(req)
         slot = self.target.new_slot()
         t0 = time.perf_counter()
         try:
-            self.target.prefill(slot, req.prompt_ids[:-1])
+            self.target.prefill(slot, (req.prompt_ids + req.committed)[:-1])
             sid = session_id or f"local-{next(self._ids)}"
             drafter = device if self.worker is None else self.drafter.name
-            self.store.create(sid, req.prompt_ids, req.params, drafter)
+            self.store.create(sid, req.prompt_ids, req.params, drafter, req.max_new_tokens,
+                              committed=req.committed)
         except BaseException:
             self.target.free_slot(slot)
             raise
@@ -207,50 +255,112 @@ class SpecEngine:
                 return True
         return False
 
-    def _finish(self, act: _Active) -> None:
-        act.stats.tokens = len(act.output)
+    def _release(self, act: _Active, finish: str) -> None:
+        act.stats.tokens = len(act.output) - len(act.req.committed)
         act.stats.elapsed_s = time.perf_counter() - act.stats.start
-        self.active.remove(act)
-        self.target.free_slot(act.slot)
-        try:
-            self.store.close(act.sid)
-        finally:
-            if act.on_finish:
-                act.on_finish(Result(act.output, act.stats, act.finish))
+        if act in self.active:
+            self.active.remove(act)
+            self.target.free_slot(act.slot)
+        self.store.close(act.sid, finish)  # never raises
+
+    def _finish(self, act: _Active) -> None:
+        self._release(act, act.finish)
+        if act.on_finish:
+            act.on_finish(Result(act.output, act.stats, act.finish))
+
+    def fail(self, act: _Active, exc: Exception) -> None:
+        """End one session with an error; the others go on."""
+        log.warning("session %s failed: %s", act.sid, exc)
+        self._release(act, "error")
+        if act.on_error:
+            act.on_error(exc)
 
     # -- one verification step over every active session -----------------------------------------
     def step(self) -> None:
+        """Take drafts, verify every active session in one forward, commit. If the store cannot
+        be reached, this raises with the engine unchanged, or with the step's verdicts kept
+        aside: the next call commits those first (the store recognises a commit that landed)."""
+        if self._undelivered:
+            self._commit(self._undelivered)
+            return
         acts = list(self.active)
-        plans = [a.k.plan() for a in acts]
+        plans = [a.draft_len.plan() for a in acts]
         ks = self._draft_budget([k for k, _ in plans])
         t0 = time.perf_counter()
-        wants = [(a.sid, k, min(k, w)) for a, k, (_, w) in zip(acts, ks, plans)]
+        wants = [DraftWant(a.sid, k, min(k, w)) for a, k, (_, w) in zip(acts, ks, plans)]
         taken = self.store.take_when_ready(wants, self.wait_ms / 1000)
+        batch: list[tuple[_Active, TakenDraft]] = []
+        for act, t in zip(acts, taken):
+            if isinstance(t, Exception):
+                self.fail(act, SessionFailed(str(t)))
+            elif t.start != act.end:
+                self.fail(act, SessionFailed(f"the cache holds {t.start} tokens of session "
+                                             f"{act.sid}, the verifier {act.end}"))
+            else:
+                if any(not 0 <= x < self.target.vocab_size for x in t.tokens):
+                    t.tokens, t.q = [], None  # the cache validates; never verify garbage
+                batch.append((act, t))
+        if not batch:
+            return
         t1 = time.perf_counter()
-        rows = [[a.last_token] + t.tokens for a, t in zip(acts, taken)]
-        logits = self.target.forward([a.slot for a in acts], rows)  # [B, T_max, V]
-        verdicts = verify_batch(logits, [t.tokens for t in taken], [t.q for t in taken],
-                                [a.req.params for a in acts], [a.generator for a in acts])
+        verdicts = self._verify(batch)
         t2 = time.perf_counter()
-        commits = []
-        for act, t, (n, token) in zip(acts, taken, verdicts):
+        decided = []
+        for (act, t), (n, token) in zip(batch, verdicts):
+            if n < 0:
+                continue  # its forward failed: already failed alone
             new, finish = self._truncate(act, t.tokens[:n] + [token])
-            commits.append(Verdict(act.sid, t.epoch, n, token, done=finish is not None))
-            self.target.commit(act.slot, t.start + n)  # KV of last committed + accepted
-            act.k.update(len(t.tokens), n)
-            act.stats.record_step(len(t.tokens), n)
-            act.output.extend(new)
-            act.last_token = token
-            act.finish = finish
-            act.last_new = new
-        self.store.commit_many(commits)
-        t3 = time.perf_counter()
-        for act in acts:
+            decided.append(_Decided(act, Verdict(act.sid, t.epoch, t.start, n, token,
+                                                 done=finish is not None),
+                                    new, len(t.tokens), finish))
             act.stats.take_s += t1 - t0
             act.stats.forward_s += t2 - t1
-            act.stats.commit_s += t3 - t2
+        self._commit(decided)
+
+    def _verify(self, batch: list[tuple[_Active, TakenDraft]]) -> list[tuple[int, int]]:
+        """One forward over the batch; if it fails, each session alone, so that a failure
+        fails only the session it concerns (n = -1 marks those)."""
+        try:
+            return self._forward_and_verify(batch)
+        except Exception:
+            if len(batch) == 1:
+                act, _ = batch[0]
+                log.exception("verification of session %s failed", act.sid)
+                self.fail(act, SessionFailed("verification failed"))
+                return [(-1, -1)]
+        out = []
+        for item in batch:
+            out.extend(self._verify([item]))
+        return out
+
+    def _forward_and_verify(self, batch: list[tuple[_Active, TakenDraft]]
+                            ) -> list[tuple[int, int]]:
+        rows = [[a.last_token] + t.tokens for a, t in batch]
+        logits = self.target.forward([a.slot for a, _ in batch], rows)  # [B, T_max, V]
+        return verify_batch(logits, [t.tokens for _, t in batch],
+                            [a.req.params for a, _ in batch], [t.start for _, t in batch])
+
+    def _commit(self, decided: list[_Decided]) -> None:
+        decided = [d for d in decided if d.act in self.active]  # not cancelled meanwhile
+        self._undelivered = decided
+        t0 = time.perf_counter()
+        outcomes = self.store.commit_many([d.verdict for d in decided])  # may raise: retried
+        self._undelivered = []
+        dt = time.perf_counter() - t0
+        for d, outcome in zip(decided, outcomes):
+            act, v = d.act, d.verdict
+            if not outcome.ok:
+                self.fail(act, SessionFailed(f"the cache refused a commit: {outcome.error}"))
+                continue
+            self.target.commit(act.slot, v.start + v.n_accepted)  # KV of last + accepted
+            act.draft_len.update(d.drafted, v.n_accepted)
+            act.stats.record_step(d.drafted, v.n_accepted)
+            act.stats.commit_s += dt
+            act.output.extend(d.new)
+            act.last_token = v.token
+            act.finish = d.finish
             if act.req.on_tokens:
-                act.req.on_tokens(act.last_new)
+                act.req.on_tokens(d.new)
             if act.finish:
                 self._finish(act)
 
@@ -274,9 +384,14 @@ class SpecEngine:
 
     # -- whole generations ---------------------------------------------------------------------
     def generate_many(self, requests: list[Request]) -> list[Result]:
+        errors: list[Exception] = []
         acts = [self.add(r) for r in requests]
+        for a in acts:
+            a.on_error = errors.append
         while self.active:
             self.step()
+        if errors:
+            raise errors[0]
         return [Result(a.output, a.stats, a.finish) for a in acts]
 
     def generate(self, req: Request) -> Result:

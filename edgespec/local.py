@@ -16,6 +16,7 @@ from .engine import Request, SpecEngine
 from .metrics import Stats
 from .models import LoadedModel, encode_prompt, load_model, stop_token_ids
 from .runner import TargetRunner
+from .text_stream import TextStream
 
 
 @dataclass
@@ -29,23 +30,6 @@ class Generation:
     def to_dict(self) -> dict:
         return {"token_ids": self.token_ids, "text": self.text, "finish_reason": self.finish_reason,
                 "prompt_tokens": self.prompt_tokens, "stats": self.stats.to_dict()}
-
-
-class TextStream:
-    """Turns committed token chunks into printable text increments."""
-
-    def __init__(self, tokenizer, write: Callable[[str], None]):
-        self.tokenizer, self.write = tokenizer, write
-        self.ids: list[int] = []
-        self.shown = ""
-
-    def __call__(self, new_ids: list[int]) -> None:
-        self.ids.extend(new_ids)
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        if text.endswith("\ufffd"):  # half of a multi-byte character: wait for the rest
-            return
-        self.write(text[len(self.shown):])
-        self.shown = text
 
 
 class LocalGenerator:

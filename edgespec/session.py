@@ -22,9 +22,11 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Sequence
 
 from .config import SamplingParams
 from .sampling import SparseQ
+from .store_api import CommitOutcome, DraftWant, SessionVanished
 
 
 class StaleChunkError(Exception):
@@ -45,6 +47,7 @@ class Verdict:
 
     session_id: str
     epoch: int
+    start: int  # position of the first draft token (the committed end before this verdict)
     n_accepted: int
     token: int
     done: bool = False
@@ -153,43 +156,58 @@ class LocalSessionStore:
     ``close``) is the interface the Redis-backed store of the distributed cache also offers.
     """
 
+    wait_ms = 0.0  # no remote drafter to wait for: the engine's drafter suggests its own
+
     def __init__(self) -> None:
         self.cond = threading.Condition()
         self.sessions: dict[str, SessionState] = {}
 
     def create(self, session_id: str, prompt: list[int], params: SamplingParams,
-               drafter: str | None) -> SessionState:
+               drafter: str | None, max_new_tokens: int = 0,
+               committed: Sequence[int] = ()) -> SessionState:
         with self.cond:
             if session_id in self.sessions:
                 raise ValueError(f"session {session_id} exists")
-            state = SessionState(session_id, list(prompt), has_drafter=drafter is not None,
-                                 params=params)
+            state = SessionState(session_id, list(prompt), list(committed),
+                                 has_drafter=drafter is not None, params=params)
             self.sessions[session_id] = state
             self.cond.notify_all()
             return state
 
-    def take_when_ready(self, wants: list[tuple[str, int, int]], wait_s: float
-                        ) -> list[TakenDraft]:
+    def take_when_ready(self, wants: list[DraftWant], wait_s: float
+                        ) -> list[TakenDraft | SessionVanished]:
         """Wait up to ``wait_s`` until every session's draft is ready, then take up to k tokens
-        of each. wants: (session id, k, tokens worth waiting for) triples."""
+        of each."""
         deadline = time.monotonic() + wait_s
         with self.cond:
-            states = [self.sessions[w[0]] for w in wants]
-            while not all(st.draft_ready(w[2]) for st, w in zip(states, wants)):
+            states = [self.sessions.get(w.session_id) for w in wants]
+            while not all(st is None or st.draft_ready(w.wait_for)
+                          for st, w in zip(states, wants)):
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
                 self.cond.wait(timeout=left)
-            return [st.take_draft(w[1]) for st, w in zip(states, wants)]
+            return [SessionVanished(w.session_id) if st is None else st.take_draft(w.k)
+                    for st, w in zip(states, wants)]
 
-    def commit_many(self, verdicts: list[Verdict]) -> list[Fix | None]:
+    def commit_many(self, verdicts: list[Verdict]) -> list[CommitOutcome]:
+        out = []
         with self.cond:
-            fixes = [self.sessions[v.session_id].commit(v.epoch, v.n_accepted, v.token, v.done)
-                     for v in verdicts]
+            for v in verdicts:
+                state = self.sessions.get(v.session_id)
+                try:
+                    if state is None:
+                        raise StaleChunkError(f"unknown session {v.session_id}")
+                    if state.end != v.start:
+                        raise StaleChunkError(f"verdict at {v.start}, session ends at {state.end}")
+                    out.append(CommitOutcome(state.commit(v.epoch, v.n_accepted, v.token,
+                                                          v.done)))
+                except (StaleChunkError, ValueError) as e:
+                    out.append(CommitOutcome(error=str(e)))
             self.cond.notify_all()
-            return fixes
+        return out
 
-    def close(self, session_id: str) -> None:
+    def close(self, session_id: str, finish_reason: str = "stop") -> None:
         with self.cond:
             state = self.sessions.pop(session_id, None)
             if state is not None:

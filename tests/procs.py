@@ -19,7 +19,7 @@ class Proc:
         self.args = args
         self.log_path = log_path
         self.log = open(log_path, "w")
-        self.p = subprocess.Popen([sys.executable, "-m", "edgespec.cli", *map(str, args)],
+        self.p = subprocess.Popen([sys.executable, "-m", "edgespec_cli", *map(str, args)],
                                   stdout=self.log, stderr=subprocess.STDOUT,
                                   env=dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})))
 

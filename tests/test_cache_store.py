@@ -7,6 +7,7 @@ from cache_service.store import RedisSessionStore, StoreError
 from edgespec.config import SamplingParams
 from edgespec.sampling import SparseQ
 from edgespec.session import Verdict
+from edgespec.store_api import DraftWant, SessionVanished
 
 
 @pytest.fixture()
@@ -28,26 +29,28 @@ def test_push_take_commit_with_fix_reaches_the_inbox(store):
     store.create("s1", [1, 2, 3], SamplingParams(), dev)
     assert store.snapshot("s1").tokens == [1, 2, 3]
     events = store.read_events(dev, "0-0", 10)
-    assert events[0][1] == {"t": "a", "sid": "s1"}
+    assert events[0][1] == {"t": "assign", "sid": "s1"}
     res = store.push("s1", 0, 3, [4, 5, 6], None, idle=False, window=8)
     assert (res.kept, res.committed_end) == (3, 3)
-    [taken] = store.take_when_ready([("s1", 2, 2)], 0.0)
+    [taken] = store.take_when_ready([DraftWant("s1", 2, 2)], 0.0)
     assert (taken.epoch, taken.start, taken.tokens, taken.q) == (0, 3, [4, 5], None)
-    [fix] = store.commit_many([Verdict("s1", 0, 1, 9)])  # 4 accepted, 5 rejected -> 9
+    [out] = store.commit_many([Verdict("s1", 0, 3, 1, 9)])  # 4 accepted, 5 rejected -> 9
+    fix = out.fix
     assert (fix.epoch, fix.position, fix.token) == (1, 4, 9)
     snap = store.snapshot("s1")
     assert snap.tokens == [1, 2, 3, 4, 9] and snap.epoch == 1
     ev = store.read_events(dev, events[0][0], 10)
-    assert ev[-1][1] == {"t": "c", "sid": "s1", "epoch": "1", "end": "5", "fix": "1", "tok": "9"}
+    assert ev[-1][1] == {"t": "commit", "sid": "s1", "epoch": "1", "end": "5", "fix": "1", "tok": "9"}
 
 
 def test_held_token_commits_without_fix(store):
     dev = _attach(store)
     store.create("s2", [1], SamplingParams(), dev)
     store.push("s2", 0, 1, [7, 8, 9], None, idle=False, window=8)
-    store.take_when_ready([("s2", 1, 1)], 0.0)
-    assert store.commit_many([Verdict("s2", 0, 1, 8)]) == [None]
-    [taken] = store.take_when_ready([("s2", 8, 8)], 0.0)
+    store.take_when_ready([DraftWant("s2", 1, 1)], 0.0)
+    [out] = store.commit_many([Verdict("s2", 0, 1, 1, 8)])
+    assert out.ok and out.fix is None
+    [taken] = store.take_when_ready([DraftWant("s2", 8, 8)], 0.0)
     assert taken.tokens == [9] and taken.start == 3 and taken.epoch == 0
 
 
@@ -55,7 +58,7 @@ def test_stale_and_misplaced_chunks_are_refused_and_change_nothing(store):
     dev = _attach(store)
     store.create("s3", [1, 2], SamplingParams(), dev)
     store.push("s3", 0, 2, [3], None, idle=False, window=8)
-    store.commit_many([Verdict("s3", 0, 0, 5)])  # rejection: epoch 1
+    store.commit_many([Verdict("s3", 0, 2, 0, 5)])  # rejection: epoch 1
     with pytest.raises(StoreError) as e:
         store.push("s3", 0, 3, [6], None, idle=False, window=8)
     assert e.value.kind == "stale"
@@ -65,7 +68,7 @@ def test_stale_and_misplaced_chunks_are_refused_and_change_nothing(store):
     with pytest.raises(StoreError) as e:
         store.push("nope", 0, 0, [6], None, idle=False, window=8)
     assert e.value.kind == "unknown"
-    [taken] = store.take_when_ready([("s3", 8, 8)], 0.0)
+    [taken] = store.take_when_ready([DraftWant("s3", 8, 8)], 0.0)
     assert taken.tokens == [] and store.snapshot("s3").tokens == [1, 2, 5]
 
 
@@ -74,10 +77,17 @@ def test_window_bounds_the_draft_and_sparse_q_round_trips(store):
     store.create("s4", [1], SamplingParams(temperature=1.0, seed=4), dev)
     q = [SparseQ([3, 4], [0.75, 0.25]), SparseQ([5], [1.0]), SparseQ([6], [1.0])]
     assert store.push("s4", 0, 1, [3, 5, 6], q, idle=False, window=2).kept == 2
-    [taken] = store.take_when_ready([("s4", 8, 8)], 0.0)
+    [taken] = store.take_when_ready([DraftWant("s4", 8, 8)], 0.0)
     assert taken.tokens == [3, 5] and [x.ids for x in taken.q] == [[3, 4], [5]]
     assert taken.q[0].probs == [0.75, 0.25]
     assert store.snapshot("s4").params == SamplingParams(temperature=1.0, seed=4)
+
+
+class _NoWait:
+    seq = 0
+
+    def wait(self, seen, timeout):
+        raise AssertionError("waited for a drafter that is gone")
 
 
 def test_take_waits_for_a_live_drafter_but_not_for_a_dead_one(store):
@@ -86,12 +96,76 @@ def test_take_waits_for_a_live_drafter_but_not_for_a_dead_one(store):
     dev = _attach(store)
     store.create("s5", [1], SamplingParams(), dev)
     t0 = time.monotonic()
-    store.take_when_ready([("s5", 4, 4)], 0.2)
+    [taken] = store.take_when_ready([DraftWant("s5", 4, 4)], 0.2)
     assert time.monotonic() - t0 >= 0.15  # a live drafter with no draft yet: waited
+    assert taken.tokens == []
     store.mark_gone(dev)
-    t0 = time.monotonic()
-    store.take_when_ready([("s5", 4, 4)], 0.5)
-    assert time.monotonic() - t0 < 0.3  # nobody drafting: no wait
+    store._chunk_waker = _NoWait()  # nobody drafting: the take must not wait at all
+    [taken] = store.take_when_ready([DraftWant("s5", 4, 4)], 30)
+    assert taken.tokens == []
+
+
+def test_a_pushed_chunk_ends_the_wait(store):
+    import threading
+
+    dev = _attach(store)
+    store.create("s7", [1], SamplingParams(), dev)
+    store.take_when_ready([DraftWant("s7", 4, 4)], 0.0)  # subscribes the waker
+    timer = threading.Timer(0.3, store.push, ("s7", 0, 1, [2, 3, 4, 5], None, False, 8))
+    timer.start()
+    [taken] = store.take_when_ready([DraftWant("s7", 4, 4)], 120)  # woken by the push
+    timer.join()
+    assert taken.tokens == [2, 3, 4, 5]
+
+
+def test_commit_replayed_after_it_landed_is_not_applied_twice(store):
+    dev = _attach(store)
+    store.create("s8", [1, 2], SamplingParams(), dev)
+    store.push("s8", 0, 2, [3, 4], None, idle=False, window=8)
+    v = Verdict("s8", 0, 2, 2, 7)
+    [first] = store.commit_many([v])
+    [again] = store.commit_many([v])  # e.g. the reply was lost and the verifier retried
+    assert first.ok and again.ok
+    assert store.snapshot("s8").tokens == [1, 2, 3, 4, 7]
+    [wrong] = store.commit_many([Verdict("s8", 1, 3, 0, 9)])  # a position the cache is past
+    assert not wrong.ok and "ends at" in wrong.error
+
+
+def test_a_refused_commit_fails_only_its_own_session(store):
+    dev = _attach(store)
+    store.create("s9", [1], SamplingParams(), dev)
+    store.create("s10", [1], SamplingParams(), dev)
+    outs = store.commit_many([Verdict("gone", 0, 1, 0, 5), Verdict("s9", 0, 1, 0, 5),
+                              Verdict("s10", 0, 1, 0, 6)])
+    assert [o.ok for o in outs] == [False, True, True]
+    assert store.snapshot("s9").tokens == [1, 5] and store.snapshot("s10").tokens == [1, 6]
+
+
+def test_a_vanished_session_is_reported_in_its_slot(store):
+    dev = _attach(store)
+    store.create("s11", [1], SamplingParams(), dev)
+    store.r.delete(*store._s("s11"))
+    taken = store.take_when_ready([DraftWant("s11", 2, 2)], 5)
+    assert isinstance(taken[0], SessionVanished)
+
+
+def test_resume_record_and_epoch_moves_on(store):
+    dev = _attach(store)
+    params = SamplingParams(temperature=0.7, seed=3)
+    store.create("s12", [1, 2], params, dev, max_new_tokens=9)
+    store.push("s12", 0, 2, [3], None, idle=False, window=8)
+    store.commit_many([Verdict("s12", 0, 2, 1, 4)])
+    rec = store.load("s12")
+    assert (rec.prompt, rec.committed, rec.params, rec.max_new_tokens) == ([1, 2], [3, 4], params, 9)
+    assert rec.finish_reason is None
+    before = store.snapshot("s12").epoch
+    store.create("s12", rec.prompt, rec.params, dev, rec.max_new_tokens, committed=rec.committed)
+    snap = store.snapshot("s12")
+    assert snap.tokens == [1, 2, 3, 4] and snap.epoch > before
+    with pytest.raises(StoreError):  # a chunk drafted before the resume
+        store.push("s12", before, 4, [5], None, idle=False, window=8)
+    store.close("s12", "length")
+    assert store.load("s12").finish_reason == "length"
 
 
 def test_sessions_expire_and_close_notifies_the_drafter(store):
@@ -99,9 +173,9 @@ def test_sessions_expire_and_close_notifies_the_drafter(store):
     store.create("s6", [1], SamplingParams(), dev)
     ttl = store.r.ttl("t:s:s6")
     assert 0 < ttl <= 30
-    store.close("s6", keep_s=5)
+    store.close("s6", "stop", keep_s=5)
     assert store.device_sessions(dev) == []
-    assert store.read_events(dev, "0-0", 10)[-1][1] == {"t": "x", "sid": "s6"}
+    assert store.read_events(dev, "0-0", 10)[-1][1] == {"t": "close", "sid": "s6"}
     assert 0 < store.r.ttl("t:s:s6") <= 5
     assert store.snapshot("s6") is None
 

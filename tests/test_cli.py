@@ -13,7 +13,7 @@ from edgespec.models import encode_prompt
 
 def edgespec(*args, timeout=300):
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    return subprocess.run([sys.executable, "-m", "edgespec.cli", *map(str, args)],
+    return subprocess.run([sys.executable, "-m", "edgespec_cli", *map(str, args)],
                           capture_output=True, text=True, timeout=timeout, env=env)
 
 

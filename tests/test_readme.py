@@ -18,7 +18,7 @@ def test_ci_runs_the_readme_test_command():
 
 
 def test_readme_main_command_uses_existing_subcommand():
-    from edgespec.cli import build_parser
+    from edgespec_cli.main import build_parser
 
     run, _ = _first_commands()
     assert "torch==2.13.0" in run

@@ -6,18 +6,26 @@ cache with its drafter), then repeats one verification step over every active se
 drafts up to a short deadline, verify all in one forward pass, commit in the cache (fixes go to
 the drafters), hand committed tokens to the handlers. A full admission queue is backpressure:
 ``submit`` raises ``Overloaded`` instead of queueing without bound.
+
+Faults: a failure of one session (it vanished from the cache, its forward failed) fails that
+session only. The cache being unreachable fails none: the loop backs off and retries the step
+(the engine keeps its verdicts until the cache takes them), and ``healthy`` is False meanwhile.
+The loop never dies of an exception.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
 import threading
+import time
 import uuid
+from collections import deque
 from dataclasses import dataclass, field
 
+import redis
+
 from edgespec.config import ConfigError
-from edgespec.engine import Request, SpecEngine
+from edgespec.engine import Request, Result, SessionFailed, SpecEngine
 
 log = logging.getLogger("edgespec.verifier")
 
@@ -26,50 +34,138 @@ class Overloaded(Exception):
     pass
 
 
+class ShuttingDown(Exception):
+    """The verifier is stopping; the session can be resumed elsewhere or after a restart."""
+
+
+def new_session_id() -> str:
+    return uuid.uuid4().hex
+
+
 @dataclass
 class Ticket:
-    """A handler's view of one generation: events arrive on ``events``."""
+    """One generation as the handlers see it: the output so far and how it ended. Several
+    handlers may follow one ticket (a client that resumed its stream), each from its own
+    position."""
 
     request: Request
     device: str | None
     reserved: bool = False  # the device was picked (reserved) by the store for this ticket
-    session_id: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
-    events: queue.Queue = field(default_factory=queue.Queue)
-    # events: ("tokens", [ids]) ... then ("done", Result) or ("error", exception)
+    session_id: str = field(default_factory=new_session_id)
+    tokens: list[int] = field(default_factory=list)  # output committed so far
+    result: Result | None = None
+    error: Exception | None = None
+    followers: int = 0
+    cond: threading.Condition = field(default_factory=threading.Condition)
+
+    def __post_init__(self) -> None:
+        self.tokens = list(self.request.committed)
+
+    @property
+    def ended(self) -> bool:
+        return self.result is not None or self.error is not None
+
+    def publish(self, new: list[int]) -> None:
+        with self.cond:
+            self.tokens.extend(new)
+            self.cond.notify_all()
+
+    def finish(self, result: Result) -> None:
+        with self.cond:
+            self.result = result
+            self.cond.notify_all()
+
+    def fail(self, exc: Exception) -> None:
+        with self.cond:
+            if not self.ended:
+                self.error = exc
+            self.cond.notify_all()
+
+    def wait(self, cursor: int, timeout: float) -> list[int]:
+        """Tokens after ``cursor`` (waiting up to ``timeout`` for some, or for the end)."""
+        with self.cond:
+            if len(self.tokens) <= cursor and not self.ended:
+                self.cond.wait(timeout)
+            return self.tokens[cursor:]
 
 
 class Scheduler(threading.Thread):
     def __init__(self, engine: SpecEngine, max_queue: int = 64):
         super().__init__(daemon=True, name="verifier-scheduler")
         self.engine = engine
-        self.pending: queue.Queue[Ticket] = queue.Queue(maxsize=max_queue)
-        self.cancels: queue.Queue[str] = queue.Queue()
-        self.tickets: dict[str, Ticket] = {}
-        self._stop = threading.Event()
+        self.max_queue = max_queue
+        self._pending: deque[Ticket] = deque()
+        self._cancels: deque[str] = deque()
+        self._tickets: dict[str, Ticket] = {}  # queued or active, by session id
+        self._lock = threading.Lock()
+        self._stopping = threading.Event()  # (not ``_stop``: threading.Thread has a _stop())
         self._wake = threading.Event()
+        self.store_ok = True
+        self.draining = False
 
     # -- called from handler threads ------------------------------------------------------------
+    @property
+    def healthy(self) -> bool:
+        return self.is_alive() and self.store_ok and not self._stopping.is_set()
+
     def submit(self, ticket: Ticket) -> Ticket:
+        """Queue a ticket; if its session is already queued or running, the running ticket is
+        returned instead (a client resuming a stream that is still alive)."""
         self.engine.validate(ticket.request)  # ConfigError before any queueing
-        try:
-            self.pending.put_nowait(ticket)
-        except queue.Full:
-            raise Overloaded(f"{self.pending.maxsize} requests are already waiting") from None
+        with self._lock:
+            if self.draining or self._stopping.is_set():
+                raise ShuttingDown("the verifier is draining: it admits no new sessions")
+            running = self._tickets.get(ticket.session_id)
+            if running is not None:
+                return running
+            if len(self._pending) >= self.max_queue:
+                raise Overloaded(f"{self.max_queue} requests are already waiting")
+            self._pending.append(ticket)
+            self._tickets[ticket.session_id] = ticket
         self._wake.set()
         return ticket
 
-    def cancel(self, session_id: str) -> None:
-        self.cancels.put(session_id)
+    def ticket(self, session_id: str) -> Ticket | None:
+        with self._lock:
+            return self._tickets.get(session_id)
+
+    def cancel(self, session_id: str) -> bool:
+        """Cancel a queued or running session; False if there is none."""
+        with self._lock:
+            if session_id not in self._tickets:
+                return False
+            self._cancels.append(session_id)
         self._wake.set()
+        return True
+
+    def load(self) -> tuple[int, int]:
+        """(active sessions, queued requests)."""
+        with self._lock:
+            return len(self.engine.active), len(self._pending)
+
+    def drain(self, timeout: float) -> bool:
+        """Admit nothing new and wait up to ``timeout`` for queued and running sessions to
+        finish. True when all finished."""
+        with self._lock:
+            self.draining = True
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self._lock:
+                if not self._tickets:
+                    return True
+            time.sleep(0.05)
+        return False
 
     def stop(self) -> None:
-        self._stop.set()
+        self._stopping.set()
         self._wake.set()
-        self.join(timeout=10)
+        if self.is_alive():
+            self.join(timeout=30)
 
     # -- the loop ---------------------------------------------------------------------------
     def run(self) -> None:
-        while not self._stop.is_set():
+        backoff = 0.05
+        while not self._stopping.is_set():
             try:
                 self._apply_cancels()
                 self._admit()
@@ -78,57 +174,86 @@ class Scheduler(threading.Thread):
                 else:
                     self._wake.wait(timeout=0.5)
                     self._wake.clear()
-            except Exception as exc:  # keep serving the others; fail the sessions in flight
+                if not self.store_ok:
+                    log.info("the draft cache is reachable again")
+                self.store_ok, backoff = True, 0.05
+            except (redis.RedisError, OSError) as exc:
+                # the cache is unreachable: fail nothing, retry the step after a pause
+                if self.store_ok:
+                    log.error("the draft cache is unreachable (%s); retrying", exc)
+                self.store_ok = False
+                self._stopping.wait(backoff)
+                backoff = min(1.0, backoff * 2)
+            except Exception as exc:  # a bug: fail the sessions in flight, keep serving
                 log.exception("verification step failed")
                 for act in list(self.engine.active):
-                    self._fail(act.sid, exc)
+                    self.engine.fail(act, SessionFailed(f"verification step failed: {exc!r}"))
+        self._shut_down()
+
+    def _shut_down(self) -> None:
+        exc = ShuttingDown("the verifier is shutting down; resume the session")
         for act in list(self.engine.active):
-            self._fail(act.sid, RuntimeError("the verifier is shutting down"))
-        while not self.pending.empty():
-            t = self.pending.get_nowait()
-            t.events.put(("error", RuntimeError("the verifier is shutting down")))
+            self.engine.fail(act, exc)
+        with self._lock:
+            left = list(self._pending) + list(self._tickets.values())
+            self._pending.clear()
+            self._tickets.clear()
+        for t in left:
+            self._release_pick(t)
+            t.fail(exc)
+
+    def _release_pick(self, t: Ticket) -> None:
+        if t.reserved:
+            t.reserved = False
+            try:
+                self.engine.store.release_pick(t.device)
+            except Exception:
+                pass
 
     def _admit(self) -> None:
-        while self.engine.target.cache.free_slots and not self.pending.empty():
-            t = self.pending.get_nowait()
-            t.request.on_tokens = lambda new, t=t: t.events.put(("tokens", new))
+        while self.engine.target.cache.free_slots:
+            with self._lock:
+                if not self._pending:
+                    return
+                t = self._pending.popleft()
+            t.request.on_tokens = t.publish
             try:
                 act = self.engine.add(t.request, session_id=t.session_id, device=t.device)
-            except ConfigError as exc:
-                t.events.put(("error", exc))
+            except (redis.RedisError, OSError):
+                with self._lock:
+                    self._pending.appendleft(t)  # the cache is down: admit it later
+                raise
+            except Exception as exc:
+                if not isinstance(exc, ConfigError):
+                    log.exception("admitting session %s failed", t.session_id)
+                self._release_pick(t)
+                self._end(t, error=exc)
                 continue
-            finally:
-                if t.reserved:
-                    self.engine.store.release_pick(t.device)
-            act.on_finish = lambda res, t=t: self._finished(t, res)
-            self.tickets[t.session_id] = t
+            self._release_pick(t)
+            act.on_finish = lambda res, t=t: self._end(t, result=res)
+            act.on_error = lambda exc, t=t: self._end(t, error=exc)
 
-    def _finished(self, t: Ticket, result) -> None:
-        self.tickets.pop(t.session_id, None)
-        t.events.put(("done", result))
+    def _end(self, t: Ticket, result: Result | None = None,
+             error: Exception | None = None) -> None:
+        with self._lock:
+            if self._tickets.get(t.session_id) is t:
+                del self._tickets[t.session_id]
+        if error is not None:
+            t.fail(error)
+        else:
+            t.finish(result)
 
     def _apply_cancels(self) -> None:
-        while not self.cancels.empty():
-            sid = self.cancels.get_nowait()
-            if not self.engine.cancel(sid):
-                # still waiting for admission: drop it there
-                kept = []
-                while not self.pending.empty():
-                    t = self.pending.get_nowait()
-                    if t.session_id == sid:
-                        if t.reserved:
-                            self.engine.store.release_pick(t.device)
-                        t.events.put(("error", ConfigError("cancelled before it started")))
-                    else:
-                        kept.append(t)
-                for t in kept:
-                    self.pending.put_nowait(t)
-
-    def _fail(self, sid: str, exc: Exception) -> None:
-        t = self.tickets.pop(sid, None)
-        for act in list(self.engine.active):
-            if act.sid == sid:
-                act.on_finish = None
+        while True:
+            with self._lock:
+                if not self._cancels:
+                    return
+                sid = self._cancels.popleft()
+                queued = next((t for t in self._pending if t.session_id == sid), None)
+                if queued is not None:
+                    self._pending.remove(queued)
+            if queued is not None:
+                self._release_pick(queued)
+                self._end(queued, error=ConfigError("cancelled before it started"))
+            else:
                 self.engine.cancel(sid)
-        if t is not None:
-            t.events.put(("error", exc))

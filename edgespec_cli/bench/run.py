@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from ..config import ConfigError, SamplingParams
+from edgespec.config import ConfigError, SamplingParams
 
 CATEGORIES = ["mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag"]
 SPEC_BENCH = {"translation", "summarization", "qa", "math_reasoning", "rag"}  # else mt_bench
@@ -49,7 +49,7 @@ def add_bench_args(p) -> None:
 
 
 def load_questions(categories: list[str], per_category: int, full: bool) -> list[dict]:
-    text = resources.files("edgespec.bench").joinpath("spec_bench_questions.jsonl").read_text()
+    text = resources.files("edgespec_cli.bench").joinpath("spec_bench_questions.jsonl").read_text()
     picked, seen = [], defaultdict(int)
     for line in text.splitlines():
         q = json.loads(line)
@@ -91,14 +91,18 @@ def _rate(tokens: int, seconds: float) -> float:
 
 
 def run_bench(args) -> int:
-    from ..local import LocalGenerator
-
-    from ..cli import engine_config
+    from edgespec.cli_args import check_drafter_arg, check_model_arg, engine_config, set_threads
+    from edgespec.local import LocalGenerator
 
     questions = load_questions(args.categories, args.per_category, args.full)
     if not questions:
         raise ConfigError("no questions selected")
     drafters = [d.strip() for d in args.drafters.split(",") if d.strip()]
+    check_model_arg(args.model)
+    for d in drafters:
+        check_drafter_arg(d)
+    threads = set_threads(args.threads)
+    print(f"torch threads: {threads}", file=sys.stderr)
     gen = LocalGenerator(args.model, "none", args.device, args.dtype, engine_config(args, 2))
     hf = None if args.skip_hf else HFBaselines(gen.target.model, gen.stop_ids, args.assist_layers)
     methods = ["target_only"] + ([] if hf is None else BASELINES[1:]) + \

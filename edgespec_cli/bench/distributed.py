@@ -16,8 +16,8 @@ import sys
 import time
 from pathlib import Path
 
-from ..config import ConfigError, SamplingParams
-from ..wire import free_port
+from edgespec.config import ConfigError, SamplingParams
+from edgespec.wire import free_port
 from .run import CATEGORIES, load_questions
 
 
@@ -32,7 +32,7 @@ def add_bench_net_args(p) -> None:
 
 
 def _spawn(args: list[str], log: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "edgespec.cli", *args],
+    return subprocess.Popen([sys.executable, "-m", "edgespec_cli", *args],
                             stdout=open(log, "w"), stderr=subprocess.STDOUT,
                             env=dict(os.environ, PYTHONUNBUFFERED="1"))
 
@@ -55,9 +55,11 @@ def _per_step_ms(stats: dict, key: str) -> float:
 def run_bench_net(args) -> int:
     import edgespec
 
-    from ..cli import engine_config
-    from ..local import LocalGenerator
+    from edgespec.cli_args import check_model_arg, engine_config, set_threads
+    from edgespec.local import LocalGenerator
 
+    check_model_arg(args.model)
+    set_threads(args.threads)
     questions = load_questions(args.categories, args.per_category, False)
     out_dir = Path(args.json_out).parent
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,101 @@
+"""Command-line options every model-running command shares (the commands live in ``edgespec_cli``;
+the benchmarks and the role launchers use the same options), and the CPU thread policy."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from .config import ConfigError, EngineConfig
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="default",
+                   help="target model: 'default' (SmolLM2-135M-Instruct, pulled on first use), "
+                        "a transformers directory or a .gguf file (default: %(default)s)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: %(default)s)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="weights and activations dtype (default: %(default)s)")
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    d = EngineConfig()
+    p.add_argument("--max-draft", type=int, default=d.max_draft,
+                   help="most draft tokens verified per step, k (default: %(default)s)")
+    p.add_argument("--window", type=int, default=d.window,
+                   help="most tokens drafted beyond the committed position, W (default: %(default)s)")
+    p.add_argument("--chunk", type=int, default=d.chunk,
+                   help="tokens per draft chunk, c (default: %(default)s)")
+    p.add_argument("--draft-wait-ms", type=float, default=None,
+                   help="how long a step waits for a draft on its way (default: the drafter's "
+                        "own: 10 for mag, 100 for model drafters)")
+    p.add_argument("--max-context", type=int, default=d.max_context,
+                   help="tokens per session: prompt + output (default: %(default)s)")
+    p.add_argument("--no-adaptive", action="store_true",
+                   help="keep the verified draft length fixed at --max-draft")
+
+
+def engine_config(args, max_sessions: int | None = None) -> EngineConfig:
+    """The engine options of a command (those it lacks keep EngineConfig's defaults)."""
+    d = EngineConfig()
+    return EngineConfig(max_draft=args.max_draft, window=args.window, chunk=args.chunk,
+                        draft_wait_ms=args.draft_wait_ms, max_context=args.max_context,
+                        adaptive=not args.no_adaptive,
+                        max_sessions=max_sessions or d.max_sessions,
+                        max_batch_tokens=getattr(args, "max_batch_tokens", d.max_batch_tokens))
+
+
+def default_threads() -> int:
+    """Torch intra-op threads when ``--threads`` is not given: all cores but one (at least one).
+
+    A model-running process shares the machine with gRPC, Redis and drafter threads; torch's
+    default (one thread per core) oversubscribes a loaded machine badly (DESIGN section 10: on
+    2 cores under load, 1.4 tok/s with the default threads, 13.3 tok/s with one thread)."""
+    return max(1, (os.cpu_count() or 1) - 1)
+
+
+def add_threads_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads for the model (default: cores - 1, at least 1; "
+                        "$EDGESPEC_THREADS overrides the default)")
+
+
+def set_threads(n: int | None) -> int:
+    """Apply the thread policy; returns the count in use."""
+    if n is None:
+        env = os.environ.get("EDGESPEC_THREADS")
+        n = int(env) if env else default_threads()
+    if n < 1:
+        raise ConfigError(f"--threads must be >= 1, got {n}")
+    import torch
+
+    torch.set_num_threads(n)
+    return n
+
+
+def check_model_arg(spec: str) -> None:
+    """Refuse a model path that does not exist before anything loads (the default is pulled
+    later, on first use)."""
+    from .models import DEFAULT_MODEL_NAME, resolve_model_path
+
+    if spec not in ("", "default", DEFAULT_MODEL_NAME):
+        resolve_model_path(spec)
+
+
+def check_drafter_arg(spec: str, allowed: tuple[str, ...] = ("none", "mag", "layers", "model")
+                      ) -> None:
+    """Refuse an unknown drafter spec, or a model drafter whose path is missing, before any
+    model loads."""
+    from .drafters import DRAFTER_HELP
+
+    spec = (spec or "none").strip()
+    kind, _, arg = spec.partition(":")
+    if kind not in allowed or (kind in ("none", "mag") and arg):
+        raise ConfigError(f"unknown drafter {spec!r}; use "
+                          f"{DRAFTER_HELP if len(allowed) == 4 else ' | '.join(allowed)}")
+    if kind == "layers" and not arg.isdigit():
+        raise ConfigError(f"layers:L needs an integer L, got {arg!r}")
+    if kind == "model":
+        if not arg:
+            raise ConfigError("model:PATH needs a path")
+        check_model_arg(arg)

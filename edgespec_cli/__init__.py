@@ -1,0 +1,1 @@
+"""The ``edgespec`` commands: the top layer, composing the roles and the shared library."""

@@ -1,0 +1,204 @@
+"""Starting the server roles: the verifier, the draft cache, or both on one address.
+
+``edgespec serve`` runs both (and an embedded Redis unless ``--redis-url`` names one), so clients
+and drafters need one address. ``edgespec verifier`` and ``edgespec cache`` run one role each,
+sharing state through the same Redis. Every server also serves ``grpc.health.v1``, and it tells
+the truth: a monitor thread marks the services NOT_SERVING while the scheduler is dead or Redis
+is unreachable, and SERVING again when they recover.
+
+Threads: the sync gRPC server holds one worker thread per open stream. The worker pool is sized
+for every stream the verifier admits (KV slots + admission queue) and every drafter the cache
+attaches, plus a reserve, and streams beyond those limits are refused at once with
+RESOURCE_EXHAUSTED, so health checks and Cancel always find a free thread.
+
+SIGTERM or Ctrl-C drains: the services turn NOT_SERVING, new sessions are refused with
+UNAVAILABLE (the SDK resumes them elsewhere or after a restart), running sessions get up to
+``drain_timeout_s`` to finish, then what is left fails with UNAVAILABLE (resumable) and the
+process exits 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from dataclasses import dataclass
+
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from edgespec.config import EngineConfig
+from edgespec.v1 import edgespec_pb2_grpc as pb_grpc
+from edgespec.wire import bind, make_server, resolve_token
+
+log = logging.getLogger("edgespec.server")
+
+VERIFIER_SERVICE = "edgespec.v1.Verifier"
+CACHE_SERVICE = "edgespec.v1.DraftCache"
+
+
+RESERVE_THREADS = 16  # for health checks, Cancel and unary pushes when every stream is busy
+
+
+@dataclass
+class ServerOptions:
+    listen: str = "127.0.0.1:50051"
+    roles: tuple[str, ...] = ("verifier", "cache")
+    model: str = "default"
+    device: str = "cpu"
+    dtype: str = "float32"
+    redis_url: str | None = None
+    auth_token: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_client_ca: str | None = None  # require client certificates signed by this CA (mTLS)
+    device_tokens: str | None = None  # file of per-device drafter tokens ("device_id: token")
+    max_queue: int = 64
+    max_drafters: int = 64  # Attach streams the cache holds at once
+    session_ttl_s: int = 600
+    default_max_new_tokens: int = 128
+    drain_timeout_s: float = 30.0
+    engine: EngineConfig = None
+
+    def max_streams(self) -> int:
+        """Generate streams the verifier admits: one per KV slot and queue place."""
+        return (self.engine or EngineConfig()).max_sessions + self.max_queue
+
+
+class EdgespecServer:
+    def __init__(self, opts: ServerOptions):
+        from cache_service.redis_conn import RedisHandle
+        from cache_service.store import RedisSessionStore
+
+        self.opts = opts
+        self.engine_cfg = opts.engine or EngineConfig()
+        workers = RESERVE_THREADS
+        if "verifier" in opts.roles:
+            workers += opts.max_streams()
+        if "cache" in opts.roles:
+            workers += opts.max_drafters
+        self.redis = RedisHandle(opts.redis_url)
+        self.store = RedisSessionStore(self.redis.client, ttl_s=opts.session_ttl_s)
+        self.server = make_server(workers, resolve_token(opts.auth_token),
+                                  _stream_limits(opts))
+        self.health = health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.scheduler = None
+        self.cache = None
+        self._services = [""]
+        self._stopping = threading.Event()
+        self._serving: bool | None = None
+        try:
+            if "verifier" in opts.roles:
+                self._add_verifier()
+            if "cache" in opts.roles:
+                self._add_cache()
+            self.port = bind(self.server, opts.listen, opts.tls_cert, opts.tls_key,
+                             client_ca=opts.tls_client_ca)
+        except BaseException:
+            self.redis.close()
+            raise
+
+    def _add_verifier(self) -> None:
+        from verifier_node.scheduler import Scheduler
+        from verifier_node.service import VerifierService
+
+        from edgespec.engine import SpecEngine
+        from edgespec.models import load_model, stop_token_ids, tokenizer_fingerprint
+        from edgespec.runner import TargetRunner
+
+        cfg = self.engine_cfg
+        target = load_model(self.opts.model, self.opts.device, self.opts.dtype)
+        runner = TargetRunner(target.model, n_slots=cfg.max_sessions, max_len=cfg.max_context)
+        engine = SpecEngine(runner, None, cfg, stop_token_ids(target), store=self.store)
+        self.store.set_target({"model": target.name,
+                               "fingerprint": tokenizer_fingerprint(target.tokenizer),
+                               "vocab_size": runner.vocab_size, "window": cfg.window,
+                               "chunk": cfg.chunk})
+        self.scheduler = Scheduler(engine, max_queue=self.opts.max_queue)
+        service = VerifierService(self.scheduler, self.store, target.tokenizer,
+                                  runner.vocab_size, self.opts.default_max_new_tokens,
+                                  max_streams=self.opts.max_streams())
+        pb_grpc.add_VerifierServicer_to_server(service, self.server)
+        self._services.append(VERIFIER_SERVICE)
+
+    def _add_cache(self) -> None:
+        from cache_service.service import DraftCacheService
+
+        kwargs = {}
+        if self.opts.device_tokens:
+            from cache_service.credentials import DeviceCredentials
+
+            kwargs["credentials"] = DeviceCredentials.load(self.opts.device_tokens)
+        self.cache = DraftCacheService(self.store, self.engine_cfg.window, self.engine_cfg.chunk,
+                                       **kwargs)
+        pb_grpc.add_DraftCacheServicer_to_server(self.cache, self.server)
+        self._services.append(CACHE_SERVICE)
+
+    # -- health ---------------------------------------------------------------------------------
+    def healthy(self) -> bool:
+        if self._stopping.is_set():
+            return False
+        if self.scheduler is not None and not self.scheduler.healthy:
+            return False
+        try:
+            return bool(self.redis.client.ping())
+        except Exception:
+            return False
+
+    def _set_health(self, serving: bool) -> None:
+        if serving == self._serving:
+            return
+        self._serving = serving
+        status = (health_pb2.HealthCheckResponse.SERVING if serving
+                  else health_pb2.HealthCheckResponse.NOT_SERVING)
+        for name in self._services:
+            self.health.set(name, status)
+        log.info("health: %s", "SERVING" if serving else "NOT_SERVING")
+
+    def _monitor(self) -> None:
+        while not self._stopping.wait(0.5):
+            self._set_health(self.healthy())
+
+    def start(self) -> "EdgespecServer":
+        if self.scheduler:
+            self.scheduler.start()
+        self.server.start()
+        self._set_health(self.healthy())
+        threading.Thread(target=self._monitor, daemon=True, name="health-monitor").start()
+        log.info("serving %s on port %d (redis: %s)", ", ".join(self.opts.roles), self.port,
+                 "embedded" if self.redis.embedded else self.redis.url)
+        return self
+
+    def stop(self, drain_timeout_s: float | None = None) -> None:
+        """Drain, then stop: see the module docstring."""
+        timeout = self.opts.drain_timeout_s if drain_timeout_s is None else drain_timeout_s
+        self._stopping.set()
+        self._set_health(False)
+        if self.scheduler:
+            if not self.scheduler.drain(timeout):
+                log.warning("drain timed out after %.0fs; failing the sessions left", timeout)
+            self.scheduler.stop()
+        if self.cache:
+            self.cache.stop()
+        self.server.stop(grace=2.0).wait(5)
+        self.store.shutdown()
+        self.redis.close()
+
+    def wait(self) -> None:
+        """Block until SIGINT/SIGTERM, then drain and stop."""
+        stop = threading.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
+        stop.wait()
+        log.info("shutting down: draining for up to %.0fs", self.opts.drain_timeout_s)
+        self.stop()
+        log.info("stopped")
+
+
+def _stream_limits(opts: ServerOptions) -> dict[str, int]:
+    limits = {}
+    if "verifier" in opts.roles:
+        limits[f"/{VERIFIER_SERVICE}/Generate"] = opts.max_streams()
+    if "cache" in opts.roles:
+        limits[f"/{CACHE_SERVICE}/Attach"] = opts.max_drafters
+    return limits
