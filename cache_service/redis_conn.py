@@ -91,6 +91,19 @@ class RedisHandle:
             except redis.ConnectionError:
                 time.sleep(0.02)
 
+    def reachable(self) -> bool:
+        """One quick ping on a fresh connection, without the client's retries (health)."""
+        probe = redis.Redis(connection_pool=redis.ConnectionPool(
+            connection_class=self.client.connection_pool.connection_class,
+            **{**self.client.connection_pool.connection_kwargs, "socket_timeout": 1.0,
+               "socket_connect_timeout": 1.0, "retry": None}))
+        try:
+            return bool(probe.ping())
+        except (redis.RedisError, OSError):
+            return False
+        finally:
+            probe.close()
+
     @property
     def embedded(self) -> bool:
         return self.proc is not None

@@ -238,6 +238,8 @@ class Client:
                 if pause is None:
                     raise _translate(e) from None
                 time.sleep(pause)
+            finally:
+                call.cancel()  # a caller that stops reading ends its session on the server
 
     def stream(self, prompt: str | None = None, *, timeout: float | None = None, **kw):
         """Yield ``StreamPiece``s as tokens are committed; the last one carries the finish

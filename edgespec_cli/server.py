@@ -140,10 +140,7 @@ class EdgespecServer:
             return False
         if self.scheduler is not None and not self.scheduler.healthy:
             return False
-        try:
-            return bool(self.redis.client.ping())
-        except Exception:
-            return False
+        return self.redis.reachable()
 
     def _set_health(self, serving: bool) -> None:
         if serving == self._serving:

@@ -26,6 +26,7 @@ import redis
 
 from edgespec.config import ConfigError
 from edgespec.engine import Request, Result, SessionFailed, SpecEngine
+from edgespec.metrics import Stats
 
 log = logging.getLogger("edgespec.verifier")
 
@@ -254,6 +255,6 @@ class Scheduler(threading.Thread):
                     self._pending.remove(queued)
             if queued is not None:
                 self._release_pick(queued)
-                self._end(queued, error=ConfigError("cancelled before it started"))
+                self._end(queued, result=Result(list(queued.tokens), Stats(), "cancelled"))
             else:
                 self.engine.cancel(sid)

