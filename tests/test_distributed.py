@@ -275,3 +275,23 @@ def test_verifier_and_cache_run_as_separate_processes(external_redis, looping_di
         for p in (drafter, cache, verifier):
             if p is not None:
                 p.stop()
+
+
+def test_seeded_sampling_over_the_network_equals_target_only_whatever_the_drafter(cluster,
+                                                                                 looping):
+    """Randomness keyed by (seed, position): the same tokens with any drafter, over the
+    network, as target-only sampling in process, run after run."""
+    from edgespec.config import EngineConfig, SamplingParams
+    from edgespec.engine import Request, SpecEngine
+    from edgespec.models import stop_token_ids
+    from edgespec.runner import TargetRunner
+
+    params = SamplingParams(temperature=0.8, top_p=0.95, seed=7)
+    engine = SpecEngine(TargetRunner(looping.model, n_slots=1, max_len=512), None,
+                        EngineConfig(max_sessions=1, max_context=512), stop_token_ids(looping))
+    ref = engine.generate(Request(PROMPTS[1], 50, params)).token_ids
+    with client(cluster) as c:
+        for device in ("mag-1", "model-1", "mag-1"):
+            res = c.generate(prompt_ids=PROMPTS[1], max_new_tokens=50, temperature=0.8,
+                             top_p=0.95, seed=7, device_id=device)
+            assert res.token_ids == ref, device

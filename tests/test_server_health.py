@@ -1,0 +1,80 @@
+"""The composed server in process (real gRPC on loopback, embedded Redis): health tells the
+truth, stream caps refuse the excess at once, draining refuses new sessions."""
+
+from __future__ import annotations
+
+import queue
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from edgespec.config import EngineConfig
+from edgespec.v1 import edgespec_pb2 as pb
+from edgespec.v1 import edgespec_pb2_grpc as pb_grpc
+from edgespec_cli.server import EdgespecServer, ServerOptions
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+@pytest.fixture()
+def server(tiny_dir):
+    srv = EdgespecServer(ServerOptions(
+        listen="127.0.0.1:0", model=str(tiny_dir), max_drafters=1, drain_timeout_s=5,
+        engine=EngineConfig(max_sessions=2, max_context=256))).start()
+    yield srv
+    srv.stop(drain_timeout_s=0)
+
+
+def _status(port: int) -> int:
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+        return health_pb2_grpc.HealthStub(ch).Check(
+            health_pb2.HealthCheckRequest(service="edgespec.v1.Verifier"), timeout=10).status
+
+
+def _wait_status(port: int, want: int, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while _status(port) != want:
+        assert time.monotonic() < deadline, f"health never became {want}"
+        time.sleep(0.1)
+
+
+def test_health_is_not_serving_once_the_scheduler_is_dead(server):
+    _wait_status(server.port, SERVING)
+    server.scheduler.stop()  # the verification loop is gone: nothing would be served
+    _wait_status(server.port, NOT_SERVING)
+
+
+def test_health_follows_redis(server):
+    _wait_status(server.port, SERVING)
+    proc = server.redis.proc
+    proc.kill()
+    proc.wait()
+    _wait_status(server.port, NOT_SERVING)
+
+
+def test_attach_streams_beyond_the_cap_are_refused_at_once(server):
+    with grpc.insecure_channel(f"127.0.0.1:{server.port}") as ch:
+        stub = pb_grpc.DraftCacheStub(ch)
+        first_out: queue.Queue = queue.Queue()
+        first_out.put(pb.DrafterMessage(register=pb.Register(device_id="one")))
+        first = stub.Attach(iter(first_out.get, None), timeout=60)
+        assert next(first).HasField("registered")
+        second = stub.Attach(iter([pb.DrafterMessage(register=pb.Register(device_id="two"))]),
+                             timeout=60)
+        with pytest.raises(grpc.RpcError) as e:
+            next(second)
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        first_out.put(None)
+        first.cancel()
+
+
+def test_a_draining_verifier_refuses_new_sessions_as_unavailable(server):
+    server.scheduler.drain(0)
+    with grpc.insecure_channel(f"127.0.0.1:{server.port}") as ch:
+        stub = pb_grpc.VerifierStub(ch)
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.Generate(pb.GenerateRequest(prompt_ids=[1, 5, 6]), timeout=60))
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
