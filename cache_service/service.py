@@ -8,25 +8,45 @@ inbox stream in Redis: new assignments, commits (fixes among them), closed sessi
 drafter sends are checked and pushed atomically; each is answered with a ``ChunkAck`` whose code
 is a gRPC status code (FAILED_PRECONDITION for a stale epoch or a misplaced chunk). A newer
 stream for the same device id replaces an older one.
+
+A drafter is not trusted: device and session ids must match ``edgespec.ids`` (they are spliced
+into Redis keys), draft token ids must be in the vocabulary, and a sampled draft's q' must be a
+distribution (finite probabilities in [0, 1] over distinct in-vocabulary ids, summing to 1, the
+drafted token among them with a positive probability); anything else is INVALID_ARGUMENT.
+
+With per-device credentials (``credentials``, see ``cache_service.credentials``) the device is
+the one the caller's token belongs to: a Register for another device id, a PushDraft naming
+another device, and a chunk for a session assigned to another device are PERMISSION_DENIED.
+Without them, the device is what the drafter says (``Register.device_id``, or the
+``x-edgespec-device`` metadata of PushDraft), and a chunk for another device's session is
+FAILED_PRECONDITION.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
+import math
 import queue
 import threading
 
 import grpc
 
+from edgespec.config import ConfigError
+from edgespec.ids import check_device_id, check_session_id, shown
 from edgespec.v1 import edgespec_pb2 as pb
 from edgespec.v1 import edgespec_pb2_grpc as pb_grpc
 from edgespec.wire import params_to_pb, q_from_pb
 
+from .credentials import DeviceCredentials
 from .store import RedisSessionStore, StoreError
 
 log = logging.getLogger("edgespec.cache")
 
 DEVICE_METADATA = "x-edgespec-device"
+MAX_Q_IDS = 1024  # ids per sparse q'
+MAX_NAME_LEN = 256  # Register's draft model name and tokenizer fingerprint
+MAX_DEVICE_SESSIONS = 1 << 16
 _CODES = {"unknown": grpc.StatusCode.NOT_FOUND, "stale": grpc.StatusCode.FAILED_PRECONDITION,
           "finished": grpc.StatusCode.FAILED_PRECONDITION,
           "position": grpc.StatusCode.FAILED_PRECONDITION,
@@ -41,23 +61,48 @@ class ChunkRefused(Exception):
 
 class DraftCacheService(pb_grpc.DraftCacheServicer):
     def __init__(self, store: RedisSessionStore, window: int = 16, chunk: int = 4,
-                 poll_ms: int = 1000):
+                 poll_ms: int = 1000, credentials: DeviceCredentials | None = None):
+        """``credentials``: per-device tokens; None: drafters name their device themselves."""
         self.store, self.window, self.chunk, self.poll_ms = store, window, chunk, poll_ms
+        self.credentials = credentials
         self._lock = threading.Lock()
+        # device -> generation of its current Attach stream; an entry lives as long as the
+        # stream. Generations come from one counter, so a stream never mistakes a later one
+        # for itself.
         self._generation: dict[str, int] = {}
+        self._generations = itertools.count(1)
         self._stopping = threading.Event()
 
     def stop(self) -> None:
         self._stopping.set()
 
+    # -- who is calling ---------------------------------------------------------------------------
+    def _token_device(self, context) -> str:
+        """With credentials: the device the caller's token belongs to (else the call is
+        aborted UNAUTHENTICATED)."""
+        device = self.credentials.device_from_metadata(context.invocation_metadata())
+        if device is None:
+            context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                          "DraftCache calls need a device token (metadata "
+                          "'authorization: Bearer <the device's token>')")
+        return device
+
     # -- chunks ---------------------------------------------------------------------------------
     def _check_and_push(self, device: str, chunk: pb.DraftChunk, vocab: int) -> pb.ChunkAck:
-        owner = self.store.session_device(chunk.session_id)
+        try:
+            sid = check_session_id(chunk.session_id)
+        except ConfigError as e:
+            raise ChunkRefused(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+        owner = self.store.session_device(sid)
         if owner is None:
-            raise ChunkRefused(grpc.StatusCode.NOT_FOUND, f"unknown session {chunk.session_id!r}")
+            raise ChunkRefused(grpc.StatusCode.NOT_FOUND, f"unknown session {sid!r}")
+        if not device:
+            raise ChunkRefused(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"a chunk needs its device (metadata {DEVICE_METADATA!r})")
         if owner != device:
-            raise ChunkRefused(grpc.StatusCode.FAILED_PRECONDITION,
-                               f"session {chunk.session_id} is not assigned to {device!r}")
+            code = (grpc.StatusCode.PERMISSION_DENIED if self.credentials is not None
+                    else grpc.StatusCode.FAILED_PRECONDITION)
+            raise ChunkRefused(code, f"session {sid} is not assigned to {device!r}")
         tokens = list(chunk.tokens)
         if any(not 0 <= t < vocab for t in tokens):
             raise ChunkRefused(grpc.StatusCode.INVALID_ARGUMENT,
@@ -66,31 +111,63 @@ class DraftCacheService(pb_grpc.DraftCacheServicer):
         if q is not None:
             _check_q(q, tokens, vocab)
         try:
-            res = self.store.push(chunk.session_id, chunk.epoch, chunk.start, tokens, q,
-                                  chunk.idle, self.window)
+            res = self.store.push(sid, chunk.epoch, chunk.start, tokens, q, chunk.idle,
+                                  self.window)
         except StoreError as e:
             raise ChunkRefused(_CODES.get(e.kind, grpc.StatusCode.INTERNAL), str(e)) from None
-        return pb.ChunkAck(session_id=chunk.session_id, start=chunk.start, kept=res.kept,
+        return pb.ChunkAck(session_id=sid, start=chunk.start, kept=res.kept,
                            committed_end=res.committed_end, code=grpc.StatusCode.OK.value[0])
 
     def _vocab(self) -> int:
         return int(self.store.target().get("vocab_size", 1 << 31))
 
     def PushDraft(self, request, context):
-        device = dict(context.invocation_metadata()).get(DEVICE_METADATA, "")
+        named = dict(context.invocation_metadata()).get(DEVICE_METADATA, "")
         try:
+            if self.credentials is not None:
+                device = self._token_device(context)
+                if named and named != device:
+                    raise ChunkRefused(grpc.StatusCode.PERMISSION_DENIED,
+                                       f"this token belongs to device {device!r}, "
+                                       f"not {shown(named)}")
+            else:
+                device = named
+                if device:
+                    try:
+                        check_device_id(device)
+                    except ConfigError as e:
+                        raise ChunkRefused(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
             return self._check_and_push(device, request, self._vocab())
         except ChunkRefused as e:
             context.abort(e.code, str(e))
 
     # -- the attach stream ------------------------------------------------------------------------
+    def _check_register(self, reg: pb.Register, context) -> str:
+        """The registering device's id, or the call is aborted."""
+        try:
+            device = check_device_id(reg.device_id)
+        except ConfigError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        if self.credentials is not None:
+            owner = self._token_device(context)
+            if owner != device:
+                context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                              f"this token belongs to device {owner!r}, not {device!r}")
+        if len(reg.draft_model) > MAX_NAME_LEN or len(reg.tokenizer_fingerprint) > MAX_NAME_LEN:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"draft_model and tokenizer_fingerprint hold at most {MAX_NAME_LEN} "
+                          "characters")
+        if not 0 <= reg.max_sessions <= MAX_DEVICE_SESSIONS:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"max_sessions must be in [0, {MAX_DEVICE_SESSIONS}] (0: no limit)")
+        return device
+
     def Attach(self, request_iterator, context):
         first = next(request_iterator, None)
         if first is None or not first.HasField("register"):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first message must be Register")
         reg = first.register
-        if not reg.device_id or len(reg.device_id) > 128:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "device_id must be 1-128 characters")
+        device = self._check_register(reg, context)
         target = self.store.target()
         if not target:
             context.abort(grpc.StatusCode.UNAVAILABLE, "no verifier has registered a target yet")
@@ -98,9 +175,8 @@ class DraftCacheService(pb_grpc.DraftCacheServicer):
             context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                           f"drafter tokenizer {reg.tokenizer_fingerprint} differs from the "
                           f"target's {target['fingerprint']} ({target.get('model', '')})")
-        device = reg.device_id
         with self._lock:
-            gen = self._generation.get(device, 0) + 1
+            gen = next(self._generations)
             self._generation[device] = gen
         self.store.register_device(device, {"draft_model": reg.draft_model,
                                             "max_sessions": reg.max_sessions})
@@ -109,19 +185,19 @@ class DraftCacheService(pb_grpc.DraftCacheServicer):
         out: queue.Queue = queue.Queue()
         stop = threading.Event()
         context.add_callback(stop.set)
-        out.put(pb.CacheMessage(registered=pb.Registered(
-            target_model=target.get("model", ""), tokenizer_fingerprint=target["fingerprint"],
-            window=self.window, chunk=self.chunk, vocab_size=vocab)))
-        after = self.store.last_event_id(device)
-        for sid in self.store.device_sessions(device):
-            msg = self._assignment(sid)
-            if msg is not None:
-                out.put(msg)
-        threading.Thread(target=self._read_chunks, daemon=True, name=f"chunks-{device}",
-                         args=(request_iterator, device, vocab, out, stop)).start()
-        threading.Thread(target=self._pump_events, daemon=True, name=f"events-{device}",
-                         args=(device, gen, after, out, stop)).start()
         try:
+            out.put(pb.CacheMessage(registered=pb.Registered(
+                target_model=target.get("model", ""), tokenizer_fingerprint=target["fingerprint"],
+                window=self.window, chunk=self.chunk, vocab_size=vocab)))
+            after = self.store.last_event_id(device)
+            for sid in self.store.device_sessions(device):
+                msg = self._assignment(sid)
+                if msg is not None:
+                    out.put(msg)
+            threading.Thread(target=self._read_chunks, daemon=True, name=f"chunks-{device}",
+                             args=(request_iterator, device, vocab, out, stop)).start()
+            threading.Thread(target=self._pump_events, daemon=True, name=f"events-{device}",
+                             args=(device, gen, after, out, stop)).start()
             while not stop.is_set():
                 try:
                     msg = out.get(timeout=0.5)
@@ -132,11 +208,11 @@ class DraftCacheService(pb_grpc.DraftCacheServicer):
                 yield msg
         finally:
             stop.set()
-            with self._lock:
-                current = self._generation.get(device) == gen
-            if current:
-                self.store.mark_gone(device)
-                log.info("drafter %s detached", device)
+            with self._lock:  # mark_gone under the lock: a newer stream cannot slip in between
+                if self._generation.get(device) == gen:
+                    del self._generation[device]
+                    self.store.mark_gone(device)
+                    log.info("drafter %s detached", device)
 
     def _read_chunks(self, it, device, vocab, out, stop) -> None:
         try:
@@ -146,7 +222,10 @@ class DraftCacheService(pb_grpc.DraftCacheServicer):
                 try:
                     ack = self._check_and_push(device, msg.chunk, vocab)
                 except ChunkRefused as e:
-                    ack = pb.ChunkAck(session_id=msg.chunk.session_id, start=msg.chunk.start,
+                    sid = msg.chunk.session_id
+                    if e.code == grpc.StatusCode.INVALID_ARGUMENT and len(sid) > 64:
+                        sid = ""  # never echo a huge id back
+                    ack = pb.ChunkAck(session_id=sid, start=msg.chunk.start,
                                       code=e.code.value[0], message=str(e))
                 out.put(pb.CacheMessage(ack=ack))
         except grpc.RpcError:
@@ -170,7 +249,8 @@ class DraftCacheService(pb_grpc.DraftCacheServicer):
                     if msg is not None:
                         out.put(msg)
         except Exception:
-            log.exception("drafter %s: reading events failed", device)
+            if not self._stopping.is_set():  # at shutdown Redis may close under the read
+                log.exception("drafter %s: reading events failed", device)
         finally:
             stop.set()
             out.put(None)
@@ -185,11 +265,11 @@ class DraftCacheService(pb_grpc.DraftCacheServicer):
 
     def _event_message(self, ev: dict) -> pb.CacheMessage | None:
         kind, sid = ev.get("t"), ev.get("sid", "")
-        if kind == "a":
+        if kind == "assign":
             return self._assignment(sid)
-        if kind == "x":
+        if kind == "close":
             return pb.CacheMessage(closed=pb.SessionClosed(session_id=sid))
-        if kind == "c":
+        if kind == "commit":
             end = int(ev["end"])
             fix = ev["fix"] == "1"
             return pb.CacheMessage(commit=pb.Commit(
@@ -199,14 +279,25 @@ class DraftCacheService(pb_grpc.DraftCacheServicer):
 
 
 def _check_q(q, tokens: list[int], vocab: int) -> None:
+    """A sampled chunk's q': one distribution per drafted token. NaN compares false with
+    everything, so every test is written to pass only for good values."""
     if len(q) != len(tokens):
         raise ChunkRefused(grpc.StatusCode.INVALID_ARGUMENT, "a chunk needs one q' per token")
     for tok, x in zip(tokens, q):
-        if len(x.ids) != len(x.probs) or not x.ids or len(x.ids) > 1024:
-            raise ChunkRefused(grpc.StatusCode.INVALID_ARGUMENT, "q' needs 1-1024 ids and probs")
-        if any(not 0 <= i < vocab for i in x.ids) or any(p < 0 for p in x.probs):
-            raise ChunkRefused(grpc.StatusCode.INVALID_ARGUMENT, "q' ids or probabilities out of range")
-        if abs(sum(x.probs) - 1) > 1e-3:
-            raise ChunkRefused(grpc.StatusCode.INVALID_ARGUMENT, "q' probabilities must sum to 1")
-        if tok not in x.ids:
-            raise ChunkRefused(grpc.StatusCode.INVALID_ARGUMENT, "a drafted token is outside its q'")
+        if len(x.ids) != len(x.probs) or not x.ids or len(x.ids) > MAX_Q_IDS:
+            raise ChunkRefused(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"q' needs 1-{MAX_Q_IDS} ids and as many probabilities")
+        if not all(0 <= i < vocab for i in x.ids):
+            raise ChunkRefused(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"q' ids must be in [0, {vocab})")
+        if len(set(x.ids)) != len(x.ids):
+            raise ChunkRefused(grpc.StatusCode.INVALID_ARGUMENT, "q' ids must be distinct")
+        if not all(math.isfinite(p) and 0 <= p <= 1 + 1e-6 for p in x.probs):
+            raise ChunkRefused(grpc.StatusCode.INVALID_ARGUMENT,
+                               "q' probabilities must be finite and in [0, 1]")
+        if not abs(math.fsum(x.probs) - 1) <= 1e-3:
+            raise ChunkRefused(grpc.StatusCode.INVALID_ARGUMENT,
+                               "q' probabilities must sum to 1")
+        if not dict(zip(x.ids, x.probs)).get(tok, 0.0) > 0:
+            raise ChunkRefused(grpc.StatusCode.INVALID_ARGUMENT,
+                               "a drafted token needs a positive probability in its q'")

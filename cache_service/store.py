@@ -11,23 +11,24 @@ Keys (prefix ``es:`` by default):
     es:dev:{id}:sessions  set: the device's active sessions
     es:devices            hash: device id -> JSON registration
     es:target             hash: the verifier's model, tokenizer fingerprint, vocabulary, window
-    es:wake               list: a token per pushed chunk; the verifier blocks on it
+    es:wake               pub/sub channel: a message per pushed chunk wakes the verifier
 
-Bounds: a draft never exceeds the window, the inbox streams are capped (MAXLEN ~), the wake list
-is trimmed, and every session key expires ``ttl_s`` after its last commit, so an abandoned
-session disappears by itself.
+Bounds: a draft never exceeds the window, the inbox streams are capped (MAXLEN ~), and every
+session key expires ``ttl_s`` after its last commit, so an abandoned session disappears by itself.
 
-The verifier's side (``create``, ``take_when_ready``, ``commit_many``, ``close``) is the same
-interface as the in-process ``edgespec.session.LocalSessionStore``.
+The verifier's side (``create``, ``take_when_ready``, ``commit_many``, ``close``) implements
+``edgespec.store_api.SessionStore``, as the in-process ``LocalSessionStore`` does.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 from collections import Counter
 from dataclasses import dataclass
+from typing import Sequence
 
 import numpy as np
 import redis
@@ -35,6 +36,9 @@ import redis
 from edgespec.config import SamplingParams
 from edgespec.sampling import SparseQ
 from edgespec.session import Fix, TakenDraft, Verdict
+from edgespec.store_api import CommitOutcome, DraftWant, SessionVanished
+
+log = logging.getLogger("edgespec.cache")
 
 PUSH_LUA = """
 local h = redis.call('HMGET', KEYS[1], 'epoch', 'done')
@@ -58,23 +62,35 @@ if keep < 0 then keep = 0 end
 if keep > 0 then
   redis.call('APPEND', KEYS[3], string.sub(ARGV[3], 1, keep * 4))
   for i = 1, math.min(keep, nq) do redis.call('RPUSH', KEYS[4], ARGV[6 + i]) end
+  if nq > 0 then
+    -- the q' list is created here: it expires with the session, even if no commit follows
+    local ttl = redis.call('PTTL', KEYS[1])
+    if ttl > 0 then redis.call('PEXPIRE', KEYS[4], ttl) end
+  end
 end
 redis.call('HSET', KEYS[1], 'idle', ARGV[5])
-redis.call('LPUSH', KEYS[5], '1')
-redis.call('LTRIM', KEYS[5], 0, 63)
+redis.call('PUBLISH', KEYS[5], '1')
 return {keep, endpos}
 """
 
 COMMIT_LUA = """
 local h = redis.call('HMGET', KEYS[1], 'epoch', 'device')
 if not h[1] then return {-1, 'unknown session'} end
+local endpos = redis.call('STRLEN', KEYS[2]) / 4
+local start = tonumber(ARGV[9])
+local n = tonumber(ARGV[2])
+if endpos == start + n + 1 and redis.call('GETRANGE', KEYS[2], endpos * 4 - 4, -1) == ARGV[3] then
+  return {2, tonumber(h[1]), endpos}
+end
+if endpos ~= start then
+  return {-4, 'verdict at ' .. start .. ', the session ends at ' .. endpos}
+end
 if tonumber(h[1]) ~= tonumber(ARGV[1]) then return {-2, 'verdict for a stale epoch'} end
 local draft = redis.call('GET', KEYS[3]) or ''
-local n = tonumber(ARGV[2])
 local dlen = string.len(draft) / 4
 if n > dlen then return {-4, 'accepted more tokens than were drafted'} end
 redis.call('APPEND', KEYS[2], string.sub(draft, 1, n * 4) .. ARGV[3])
-local endpos = redis.call('STRLEN', KEYS[2]) / 4
+endpos = redis.call('STRLEN', KEYS[2]) / 4
 local epoch = tonumber(h[1])
 local isfix = 1
 if dlen > n and string.sub(draft, n * 4 + 1, n * 4 + 4) == ARGV[3] then
@@ -89,11 +105,46 @@ else
 end
 if ARGV[4] == '1' then redis.call('HSET', KEYS[1], 'done', '1') end
 if h[2] and h[2] ~= '' then
-  redis.call('XADD', KEYS[5], 'MAXLEN', '~', ARGV[6], '*', 't', 'c', 'sid', ARGV[7],
+  redis.call('XADD', KEYS[5], 'MAXLEN', '~', ARGV[6], '*', 't', 'commit', 'sid', ARGV[7],
              'epoch', epoch, 'end', endpos, 'fix', isfix, 'tok', ARGV[8])
 end
 for i = 1, 4 do redis.call('EXPIRE', KEYS[i], ARGV[5]) end
 return {isfix, epoch, endpos}
+"""
+# A commit replayed after it landed (the reply was lost with the connection) is recognised by
+# its position and last token and answered with code 2 instead of being applied twice.
+
+# Forget drafters last seen before ARGV[1] that are not alive now. KEYS: the devices hash, the
+# last-seen sorted set; ARGV[2]: the device key prefix ('es:dev:'); ARGV[3]: most per call.
+PRUNE_LUA = """
+local gone = {}
+local old = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', ARGV[1], 'LIMIT', 0, tonumber(ARGV[3]))
+for _, dev in ipairs(old) do
+  local base = ARGV[2] .. dev
+  if redis.call('EXISTS', base .. ':alive') == 0 then
+    redis.call('HDEL', KEYS[1], dev)
+    redis.call('ZREM', KEYS[2], dev)
+    redis.call('DEL', base .. ':sessions', base .. ':inbox')
+    table.insert(gone, dev)
+  end
+end
+return gone
+"""
+
+# A device's sessions that exist and are not done; the rest leave the set, whose expiry is
+# refreshed. KEYS[1]: the set; ARGV[1]: the session key prefix ('es:s:'); ARGV[2]: TTL (s).
+LIVE_SESSIONS_LUA = """
+local live = {}
+for _, sid in ipairs(redis.call('SMEMBERS', KEYS[1])) do
+  local done = redis.pcall('HGET', ARGV[1] .. sid, 'done')
+  if type(done) == 'string' and done ~= '1' then
+    table.insert(live, sid)
+  else
+    redis.call('SREM', KEYS[1], sid)
+  end
+end
+if #live > 0 then redis.call('EXPIRE', KEYS[1], ARGV[2]) end
+return live
 """
 
 
@@ -142,6 +193,67 @@ class PushResult:
 
 
 @dataclass
+class SessionRecord:
+    """A session as stored: what a verifier needs to resume it."""
+
+    session_id: str
+    prompt: list[int]
+    committed: list[int]
+    params: SamplingParams
+    max_new_tokens: int
+    device: str | None
+    finish_reason: str | None  # set once the session finished
+
+
+class ChunkWaker:
+    """Wakes a waiting verifier when a drafter pushes a chunk: a pub/sub subscription on its
+    own connection and thread, turned into a sequence number and a condition variable."""
+
+    def __init__(self, client: redis.Redis, channel: str):
+        self.client, self.channel = client, channel
+        self.seq = 0
+        self._cond = threading.Condition()
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._listen, daemon=True, name="chunk-waker")
+        self._thread.start()
+
+    def wait(self, seen: int, timeout: float) -> None:
+        with self._cond:
+            if self.seq == seen:
+                self._cond.wait(timeout)
+
+    def _bump(self) -> None:
+        with self._cond:
+            self.seq += 1
+            self._cond.notify_all()
+
+    def _listen(self) -> None:
+        delay = 0.05
+        while not self._stopping.is_set():
+            pubsub = None
+            try:
+                pubsub = self.client.pubsub(ignore_subscribe_messages=True)
+                pubsub.subscribe(self.channel)
+                delay = 0.05
+                while not self._stopping.is_set():
+                    if pubsub.get_message(timeout=0.5) is not None:
+                        self._bump()
+            except (redis.RedisError, OSError, ValueError):
+                self._bump()  # a lost subscription may have missed a wake-up: re-read
+                self._stopping.wait(delay)
+                delay = min(1.0, delay * 2)
+            finally:
+                if pubsub is not None:
+                    try:
+                        pubsub.close()
+                    except Exception:
+                        pass
+
+    def stop(self) -> None:
+        self._stopping.set()
+
+
+@dataclass
 class SessionSnapshot:
     session_id: str
     tokens: list[int]
@@ -152,8 +264,8 @@ class SessionSnapshot:
 class RedisSessionStore:
     def __init__(self, client: redis.Redis, prefix: str = "es:", ttl_s: int = 600,
                  inbox_maxlen: int = 10000, wait_ms: float = 10.0):
-        self.r = client
-        self.p = prefix
+        self.redis = client
+        self.prefix = prefix
         self.ttl_s = ttl_s
         self.inbox_maxlen = inbox_maxlen
         self.wait_ms = wait_ms
@@ -162,58 +274,127 @@ class RedisSessionStore:
         self._device_of: dict[str, str] = {}
         self._reserved: Counter = Counter()
         self._lock = threading.Lock()
+        self._chunk_waker: ChunkWaker | None = None
 
     # -- keys ------------------------------------------------------------------------------------
-    def _s(self, sid: str) -> list[str]:
-        base = f"{self.p}s:{sid}"
+    def session_keys(self, sid: str) -> list[str]:
+        """[hash, committed tokens, draft, q'] keys of a session."""
+        base = f"{self.prefix}s:{sid}"
         return [base, base + ":tok", base + ":draft", base + ":q"]
 
     def inbox_key(self, device: str) -> str:
-        return f"{self.p}dev:{device}:inbox"
+        return f"{self.prefix}dev:{device}:inbox"
 
     def alive_key(self, device: str) -> str:
-        return f"{self.p}dev:{device}:alive"
+        return f"{self.prefix}dev:{device}:alive"
 
     def sessions_key(self, device: str) -> str:
-        return f"{self.p}dev:{device}:sessions"
+        return f"{self.prefix}dev:{device}:sessions"
 
     @property
     def wake_key(self) -> str:
-        return f"{self.p}wake"
+        return f"{self.prefix}wake"
 
     # -- target and devices ------------------------------------------------------------------
     def set_target(self, info: dict) -> None:
-        self.r.hset(f"{self.p}target", mapping={k: str(v) for k, v in info.items()})
+        self.redis.hset(f"{self.prefix}target", mapping={k: str(v) for k, v in info.items()})
+
+    def ensure_target(self, info: dict) -> None:
+        """Register the target again if Redis lost it (a restart without persistence)."""
+        if not self.redis.exists(f"{self.prefix}target"):
+            self.set_target(info)
 
     def target(self) -> dict:
-        return {k.decode(): v.decode() for k, v in self.r.hgetall(f"{self.p}target").items()}
+        return {k.decode(): v.decode() for k, v in self.redis.hgetall(f"{self.prefix}target").items()}
+
+    # Registrations (es:devices) of drafters not seen alive for this long are forgotten, with
+    # their session set and inbox; es:devices:seen (sorted set) holds when each was last alive.
+    device_max_idle_s: float = 3600.0
+
+    @property
+    def devices_key(self) -> str:
+        return f"{self.prefix}devices"
+
+    @property
+    def seen_key(self) -> str:
+        return f"{self.prefix}devices:seen"
+
+    def _script(self, attr: str, text: str):
+        script = self.__dict__.get(attr)
+        if script is None:
+            script = self.__dict__[attr] = self.redis.register_script(text)
+        return script
 
     def register_device(self, device: str, info: dict) -> None:
-        self.r.hset(f"{self.p}devices", device, json.dumps(info))
+        now = time.time()
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.hset(self.devices_key, device, json.dumps(info))
+        pipe.zadd(self.seen_key, {device: now})
+        pipe.execute()
         self.mark_alive(device)
+        self.prune_devices(now)
 
     def mark_alive(self, device: str, ttl_ms: int = 5000) -> None:
-        self.r.set(self.alive_key(device), "1", px=ttl_ms)
+        """The device's stream is open: alive for ``ttl_ms``; its last-seen time and the expiry
+        of its session set are refreshed."""
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.set(self.alive_key(device), "1", px=ttl_ms)
+        pipe.zadd(self.seen_key, {device: time.time()})
+        pipe.expire(self.sessions_key(device), self.ttl_s)
+        pipe.execute()
 
     def mark_gone(self, device: str) -> None:
-        self.r.delete(self.alive_key(device))
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.delete(self.alive_key(device))
+        pipe.zadd(self.seen_key, {device: time.time()})
+        pipe.execute()
 
     def is_alive(self, device: str) -> bool:
-        return bool(device) and bool(self.r.exists(self.alive_key(device)))
+        return bool(device) and bool(self.redis.exists(self.alive_key(device)))
+
+    def prune_devices(self, now: float | None = None) -> list[str]:
+        """Forget drafters not alive and not seen for ``device_max_idle_s``: their
+        registration, session set and inbox. Returns the forgotten device ids."""
+        cutoff = (time.time() if now is None else now) - self.device_max_idle_s
+        gone = self._script("_prune_lua", PRUNE_LUA)(
+            keys=[self.devices_key, self.seen_key], args=[cutoff, f"{self.prefix}dev:", 256])
+        return [d.decode() for d in gone]
+
+    def _live_sessions(self, devices: list[str]) -> list[list[str]]:
+        """Per device, its sessions that still exist and are not done; the others are dropped
+        from its set (a crashed verifier never closes its sessions), and the set's expiry is
+        refreshed."""
+        script = self._script("_live_lua", LIVE_SESSIONS_LUA)
+        pipe = self.redis.pipeline(transaction=False)
+        for dev in devices:
+            script(keys=[self.sessions_key(dev)], args=[f"{self.prefix}s:", self.ttl_s], client=pipe)
+        return [sorted(s.decode() for s in live) for live in pipe.execute()]
 
     def pick_device(self) -> str | None:
-        """The attached drafter with the fewest sessions below its own limit, or None.
+        """The attached drafter with the fewest live sessions below its own limit, or None.
 
         The pick is reserved until ``create`` registers the session, so concurrent requests
         spread over the fleet instead of all choosing the same least-loaded device."""
+        now = time.time()
+        self.prune_devices(now)
+        regs = {d.decode(): raw for d, raw in self.redis.hgetall(self.devices_key).items()}
+        pipe = self.redis.pipeline(transaction=False)
+        for dev in regs:
+            pipe.exists(self.alive_key(dev))
+        up = pipe.execute()
+        alive = [dev for dev, a in zip(regs, up) if a]
+        dead = [dev for dev, a in zip(regs, up) if not a]
+        if dead:  # registrations from before last-seen marks start ageing now
+            self.redis.zadd(self.seen_key, {dev: now for dev in dead}, nx=True)
+        loads = dict(zip(alive, (len(s) for s in self._live_sessions(alive))))
         with self._lock:
             best, best_load = None, None
-            for dev, raw in self.r.hgetall(f"{self.p}devices").items():
-                dev = dev.decode()
-                if not self.is_alive(dev):
-                    continue
-                load = self.r.scard(self.sessions_key(dev)) + self._reserved[dev]
-                limit = json.loads(raw).get("max_sessions") or 1 << 30
+            for dev in alive:
+                load = loads[dev] + self._reserved[dev]
+                try:
+                    limit = int(json.loads(regs[dev]).get("max_sessions") or 0) or 1 << 30
+                except (ValueError, TypeError, AttributeError):
+                    limit = 1 << 30
                 if load < limit and (best_load is None or load < best_load):
                     best, best_load = dev, load
             if best is not None:
@@ -229,106 +410,163 @@ class RedisSessionStore:
 
     # -- the verifier's side -----------------------------------------------------------------
     def create(self, sid: str, prompt: list[int], params: SamplingParams,
-               drafter: str | None) -> None:
-        h, tok, draft, q = self._s(sid)
+               drafter: str | None, max_new_tokens: int = 0,
+               committed: Sequence[int] = ()) -> None:
+        """A new session, or (``committed`` given) one resumed from its committed output: the
+        epoch moves past any earlier one, so chunks drafted before the resume are refused."""
+        h, tok, draft, q = self.session_keys(sid)
         device = drafter or ""
-        self._device_of[sid] = device
-        pipe = self.r.pipeline(transaction=True)
+        old_epoch = self.redis.hget(h, "epoch")
+        epoch = int(old_epoch) + 1 if old_epoch is not None else 0
+        pipe = self.redis.pipeline(transaction=True)
         pipe.delete(h, tok, draft, q)
-        pipe.hset(h, mapping={"prompt_len": len(prompt), "epoch": 0, "device": device,
-                              "params": params_to_json(params), "idle": 0, "done": 0})
-        pipe.set(tok, pack_tokens(prompt))
+        pipe.hset(h, mapping={"prompt_len": len(prompt), "epoch": epoch, "device": device,
+                              "params": params_to_json(params), "idle": 0, "done": 0,
+                              "max_new": max_new_tokens, "finish": ""})
+        pipe.set(tok, pack_tokens(list(prompt) + list(committed)))
         pipe.set(draft, b"")
         for key in (h, tok, draft):
             pipe.expire(key, self.ttl_s)
         if device:
             pipe.sadd(self.sessions_key(device), sid)
-            pipe.xadd(self.inbox_key(device), {"t": "a", "sid": sid},
+            pipe.expire(self.sessions_key(device), self.ttl_s)
+            pipe.xadd(self.inbox_key(device), {"t": "assign", "sid": sid},
                       maxlen=self.inbox_maxlen, approximate=True)
         pipe.execute()
+        with self._lock:
+            self._device_of[sid] = device
 
-    def _read(self, wants: list[tuple[str, int, int]]) -> list[tuple]:
-        pipe = self.r.pipeline(transaction=True)
-        for sid, k, _ in wants:
-            h, tok, draft, q = self._s(sid)
+    def load(self, sid: str) -> SessionRecord | None:
+        """A session as the cache holds it (for resuming it), or None if it is gone."""
+        h, tok, _, _ = self.session_keys(sid)
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.hgetall(h)
+        pipe.get(tok)
+        fields, blob = pipe.execute()
+        if not fields or b"prompt_len" not in fields:
+            return None
+        f = {k.decode(): v.decode() for k, v in fields.items()}
+        tokens = unpack_tokens(blob)
+        n = int(f["prompt_len"])
+        return SessionRecord(sid, tokens[:n], tokens[n:], params_from_json(f.get("params")),
+                             int(f.get("max_new") or 0), f.get("device") or None,
+                             f.get("finish") or None if f.get("done") == "1" else None)
+
+    def _read(self, wants: list[DraftWant]) -> list[tuple]:
+        pipe = self.redis.pipeline(transaction=True)
+        with self._lock:
+            devices = [self._device_of.get(w.session_id) or "-" for w in wants]
+        for w, device in zip(wants, devices):
+            h, tok, draft, q = self.session_keys(w.session_id)
             pipe.hmget(h, "epoch", "idle", "device")
             pipe.strlen(tok)
             pipe.strlen(draft)
-            pipe.getrange(draft, 0, 4 * k - 1)
-            pipe.lrange(q, 0, k - 1)
-            pipe.exists(self.alive_key(self._device_of.get(sid) or "-"))
+            pipe.getrange(draft, 0, 4 * w.k - 1)
+            pipe.lrange(q, 0, w.k - 1)
+            pipe.exists(self.alive_key(device))
         out = pipe.execute()
         return [tuple(out[i:i + 6]) for i in range(0, len(out), 6)]
 
-    def take_when_ready(self, wants: list[tuple[str, int, int]], wait_s: float
-                        ) -> list[TakenDraft]:
+    def take_when_ready(self, wants: list[DraftWant], wait_s: float
+                        ) -> list[TakenDraft | SessionVanished]:
         """Wait up to ``wait_s`` until every session's draft is ready, then take up to k tokens
-        of each. wants: (session id, k, tokens worth waiting for) triples."""
+        of each. The wait ends early on a pushed chunk (a pub/sub wake-up), and its deadline is
+        kept to the millisecond by this process, not by Redis's coarse BLPOP timer."""
         deadline = time.monotonic() + wait_s
         while True:
+            seen = self._waker.seq
             rows = self._read(wants)
-            ready = all(_ready(row, w[2]) for row, w in zip(rows, wants))
+            ready = all(_ready(row, w.wait_for) for row, w in zip(rows, wants))
             left = deadline - time.monotonic()
             if ready or left <= 0:
                 break
-            self.r.blpop([self.wake_key], timeout=max(left, 0.001))
-        taken = []
-        for (hm, tok_len, _, draft, qs, _), (sid, _, _) in zip(rows, wants):
+            self._waker.wait(seen, left)
+        taken: list[TakenDraft | SessionVanished] = []
+        for (hm, tok_len, _, draft, qs, _), w in zip(rows, wants):
             if hm[0] is None:
-                raise KeyError(f"session {sid} vanished from the cache")
+                taken.append(SessionVanished(f"session {w.session_id} vanished from the cache"))
+                continue
             tokens = unpack_tokens(draft)
-            q = [unpack_q(b) for b in qs] if qs else None
+            try:
+                q = [unpack_q(b) for b in qs] if qs else None
+            except ValueError:
+                q = None
             taken.append(TakenDraft(int(hm[0]), tok_len // 4, tokens,
                                     q[: len(tokens)] if q else None))
         return taken
 
-    def commit_many(self, verdicts: list[Verdict]) -> list[Fix | None]:
-        pipe = self.r.pipeline(transaction=False)
-        for v in verdicts:
-            device = self._device_of.get(v.session_id, "")
-            self._commit(keys=[*self._s(v.session_id), self.inbox_key(device or "-")],
+    def commit_many(self, verdicts: list[Verdict]) -> list[CommitOutcome]:
+        """Apply verdicts in one round trip; a refused one is reported in its slot. Raises
+        only a ``redis.RedisError`` (then retry with the same verdicts)."""
+        pipe = self.redis.pipeline(transaction=False)
+        with self._lock:
+            devices = [self._device_of.get(v.session_id, "") for v in verdicts]
+        for v, device in zip(verdicts, devices):
+            self._commit(keys=[*self.session_keys(v.session_id), self.inbox_key(device or "-")],
                          args=[v.epoch, v.n_accepted, pack_tokens([v.token]), int(v.done),
-                               self.ttl_s, self.inbox_maxlen, v.session_id, v.token],
+                               self.ttl_s, self.inbox_maxlen, v.session_id, v.token, v.start],
                          client=pipe)
-        fixes = []
-        for v, res in zip(verdicts, pipe.execute()):
-            if res[0] < 0:
-                raise StoreError(res[0], res[1])
-            isfix, epoch, end = res
-            fixes.append(Fix(0, epoch, end - 1, v.token) if isfix else None)
-        return fixes
+        out = []
+        for v, res in zip(verdicts, pipe.execute(raise_on_error=False)):
+            if isinstance(res, redis.ConnectionError | redis.TimeoutError):
+                raise res
+            if isinstance(res, Exception):
+                out.append(CommitOutcome(error=str(res)))
+            elif res[0] < 0:
+                out.append(CommitOutcome(error=StoreError(res[0], res[1]).args[0]))
+            else:
+                isfix, epoch, end = res
+                out.append(CommitOutcome(Fix(0, epoch, end - 1, v.token) if isfix == 1 else None))
+        return out
 
-    def close(self, sid: str, keep_s: int = 60) -> None:
-        """Mark a session finished; its keys linger ``keep_s`` for late readers."""
-        device = self._device_of.pop(sid, "")
-        pipe = self.r.pipeline(transaction=True)
-        h = self._s(sid)[0]
-        pipe.hset(h, "done", 1)
-        for key in self._s(sid):
-            pipe.expire(key, keep_s)
-        if device:
-            pipe.srem(self.sessions_key(device), sid)
-            pipe.xadd(self.inbox_key(device), {"t": "x", "sid": sid},
-                      maxlen=self.inbox_maxlen, approximate=True)
-        pipe.execute()
+    def close(self, sid: str, finish_reason: str = "stop", keep_s: int = 120) -> None:
+        """Mark a session finished; its keys linger ``keep_s`` for late readers (a client
+        resuming to read its last tokens). Never raises: the keys expire by themselves."""
+        with self._lock:
+            device = self._device_of.pop(sid, "")
+        try:
+            pipe = self.redis.pipeline(transaction=True)
+            h = self.session_keys(sid)[0]
+            pipe.hset(h, mapping={"done": 1, "finish": finish_reason})
+            for key in self.session_keys(sid):
+                pipe.expire(key, keep_s)
+            if device:
+                pipe.srem(self.sessions_key(device), sid)
+                pipe.xadd(self.inbox_key(device), {"t": "close", "sid": sid},
+                          maxlen=self.inbox_maxlen, approximate=True)
+            pipe.execute()
+        except redis.RedisError as e:
+            log.warning("closing session %s in the cache failed (%s); it expires by itself",
+                        sid, e)
+
+    @property
+    def _waker(self) -> ChunkWaker:
+        with self._lock:
+            if self._chunk_waker is None:  # only a verifier waits for chunks
+                self._chunk_waker = ChunkWaker(self.redis, self.wake_key)
+            return self._chunk_waker
+
+    def shutdown(self) -> None:
+        if self._chunk_waker is not None:
+            self._chunk_waker.stop()
 
     # -- the drafters' side (the cache service) ------------------------------------------------
     def push(self, sid: str, epoch: int, start: int, tokens: list[int],
              q: list[SparseQ] | None, idle: bool, window: int) -> PushResult:
         qs = [pack_q(x) for x in q] if q else []
-        res = self._push(keys=[*self._s(sid), self.wake_key],
+        res = self._push(keys=[*self.session_keys(sid), self.wake_key],
                          args=[epoch, start, pack_tokens(tokens), len(qs), int(idle), window, *qs])
         if res[0] < 0:
             raise StoreError(res[0], res[1])
         return PushResult(int(res[0]), int(res[1]))
 
     def session_device(self, sid: str) -> str | None:
-        dev = self.r.hget(self._s(sid)[0], "device")
+        dev = self.redis.hget(self.session_keys(sid)[0], "device")
         return None if dev is None else dev.decode()
 
     def snapshot(self, sid: str) -> SessionSnapshot | None:
-        h, tok, _, _ = self._s(sid)
-        pipe = self.r.pipeline(transaction=True)
+        h, tok, _, _ = self.session_keys(sid)
+        pipe = self.redis.pipeline(transaction=True)
         pipe.hmget(h, "epoch", "params", "done")
         pipe.get(tok)
         (epoch, params, done), blob = pipe.execute()
@@ -337,14 +575,15 @@ class RedisSessionStore:
         return SessionSnapshot(sid, unpack_tokens(blob), params_from_json(params), int(epoch))
 
     def device_sessions(self, device: str) -> list[str]:
-        return sorted(s.decode() for s in self.r.smembers(self.sessions_key(device)))
+        """The device's sessions that still exist and are not done (stale ones are dropped)."""
+        return self._live_sessions([device])[0]
 
     def last_event_id(self, device: str) -> str:
-        last = self.r.xrevrange(self.inbox_key(device), count=1)
+        last = self.redis.xrevrange(self.inbox_key(device), count=1)
         return last[0][0].decode() if last else "0-0"
 
     def read_events(self, device: str, after: str, block_ms: int) -> list[tuple[str, dict]]:
-        got = self.r.xread({self.inbox_key(device): after}, block=block_ms, count=256)
+        got = self.redis.xread({self.inbox_key(device): after}, block=block_ms, count=256)
         if not got:
             return []
         return [(eid.decode(), {k.decode(): v.decode() for k, v in fields.items()})
@@ -352,6 +591,8 @@ class RedisSessionStore:
 
 
 def _ready(row: tuple, k: int) -> bool:
+    if row[0][0] is None:
+        return True  # vanished: nothing to wait for
     hm, _, draft_len, _, _, alive = row
     has_drafter = bool(hm[2]) and alive == 1
     return not has_drafter or hm[1] == b"1" or draft_len // 4 >= k

@@ -7,6 +7,12 @@ ahead for every session with room in its window (W tokens beyond the committed p
 chunks of c tokens, tagging each chunk with its epoch and start position, and never waits for a
 verdict. When the link drops, the agent forgets its sessions, waits with exponential backoff and
 attaches again; the cache then sends the current state of its sessions.
+
+A session the drafter cannot serve (``open`` fails, e.g. no free KV slot when a pinned session
+arrives beyond capacity, or ``propose``/``rollback`` fails later) is refused, never fatal: the
+agent logs it, keeps the session as refused, and pushes an empty ``idle`` chunk for it now and
+after each of its commits, so the verifier does not wait for drafts that will not come and
+decodes it alone. Other sessions go on as before.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import grpc
 
 from edgespec.config import ConfigError
 from edgespec.drafters import Drafter, DraftSession
+from edgespec.ids import check_device_id
 from edgespec.v1 import edgespec_pb2 as pb
 from edgespec.v1 import edgespec_pb2_grpc as pb_grpc
 from edgespec.wire import auth_metadata, make_channel, params_from_pb, q_to_pb
@@ -33,21 +40,45 @@ FATAL = {grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.FAILED_PRECONDITION,
 
 @dataclass
 class _Session:
-    draft: DraftSession
+    """A session this device drafts for. ``draft`` is None once the session was refused."""
+
+    draft: DraftSession | None
     epoch: int
     committed_end: int
     idle: bool = False
+
+    @property
+    def refused(self) -> bool:
+        return self.draft is None
+
+
+@dataclass
+class _Work:
+    """A session with room in its window: draft up to ``n`` tokens at ``start``."""
+
+    session_id: str
+    session: _Session
+    epoch: int
+    start: int
+    n: int
 
 
 class DrafterAgent:
     def __init__(self, cache: str, device_id: str, drafter: Drafter, fingerprint: str = "",
                  window: int | None = None, chunk: int | None = None, token: str | None = None,
                  tls_ca: str | None = None, tls: bool = False, max_sessions: int = 8,
-                 backoff_max_s: float = 10.0):
-        self.cache, self.device_id, self.drafter = cache, device_id, drafter
+                 backoff_max_s: float = 10.0, tls_cert: str | None = None,
+                 tls_key: str | None = None):
+        """``token``: the shared token, or this device's own token when the cache has
+        per-device credentials. ``tls_cert``/``tls_key``: this device's client certificate
+        (mutual TLS)."""
+        self.cache, self.device_id, self.drafter = cache, check_device_id(device_id), drafter
+        if bool(tls_cert) != bool(tls_key):
+            raise ConfigError("a client certificate needs both --tls-cert and --tls-key")
         self.fingerprint = fingerprint
         self.window, self.chunk = window, chunk
         self.token, self.tls_ca, self.tls = token, tls_ca, tls
+        self.tls_cert, self.tls_key = tls_cert, tls_key
         self.max_sessions = max_sessions
         self.backoff_max_s = backoff_max_s
         self.sessions: dict[str, _Session] = {}
@@ -56,12 +87,18 @@ class DrafterAgent:
         self.connected = threading.Event()
         self.attaches = 0  # successful registrations, reconnections included
         self.chunks_sent = 0
+        self.refused = 0  # sessions refused because the drafter failed on them
+        self._out: queue.Queue | None = None  # the current stream's outgoing messages
+        self._call = None  # the current Attach call, cancelled by stop()
 
     # -- lifecycle ------------------------------------------------------------------------------
     def stop(self) -> None:
         self.stopping.set()
         with self.cond:
+            call = self._call
             self.cond.notify_all()
+        if call is not None:
+            call.cancel()  # a quiet stream would otherwise hold run() until its next message
 
     def run(self) -> None:
         """Attach, serve, and re-attach with backoff until stopped or refused for good."""
@@ -71,11 +108,17 @@ class DrafterAgent:
                 self._attach_once()
                 delay = 0.2
             except grpc.RpcError as e:
+                if self.stopping.is_set():
+                    break  # stop() cancelled the stream
                 if e.code() in FATAL:
                     raise ConfigError(f"the cache refused drafter {self.device_id!r}: "
                                       f"{e.details()}") from None
                 log.warning("link to %s lost (%s); retrying in %.1fs", self.cache,
                             e.code().name, delay)
+            except ConfigError:
+                raise  # a setting to fix (an unreadable certificate file, ...)
+            except Exception:
+                log.exception("the link to %s failed; retrying in %.1fs", self.cache, delay)
             finally:
                 self.connected.clear()
                 self._forget_sessions()
@@ -84,11 +127,14 @@ class DrafterAgent:
             delay = min(self.backoff_max_s, delay * 2)
 
     def _attach_once(self) -> None:
-        channel = make_channel(self.cache, self.tls_ca, self.tls)
+        channel = make_channel(self.cache, self.tls_ca, self.tls, client_cert=self.tls_cert,
+                               client_key=self.tls_key)
         out: queue.Queue = queue.Queue()
         out.put(pb.DrafterMessage(register=pb.Register(
             device_id=self.device_id, draft_model=self.drafter.name,
             tokenizer_fingerprint=self.fingerprint, max_sessions=self.max_sessions)))
+        with self.cond:
+            self._out = out
 
         def outgoing():
             while True:
@@ -99,6 +145,10 @@ class DrafterAgent:
 
         stub = pb_grpc.DraftCacheStub(channel)
         responses = stub.Attach(outgoing(), metadata=auth_metadata(self.token))
+        with self.cond:
+            self._call = responses
+        if self.stopping.is_set():
+            responses.cancel()
         drafting = threading.Thread(target=self._draft_loop, args=(out,), daemon=True,
                                     name=f"draft-{self.device_id}")
         try:
@@ -111,6 +161,7 @@ class DrafterAgent:
         finally:
             out.put(None)
             with self.cond:
+                self._out = self._call = None
                 self.connected.clear()
                 self.cond.notify_all()
             responses.cancel()
@@ -120,9 +171,34 @@ class DrafterAgent:
 
     def _forget_sessions(self) -> None:
         with self.cond:
-            for s in self.sessions.values():
-                s.draft.close()
+            for sid, s in self.sessions.items():
+                self._close(sid, s)
             self.sessions.clear()
+
+    # -- refusing a session -------------------------------------------------------------------
+    def _close(self, sid: str, s: _Session) -> None:
+        """Under the lock: release what the session's draft holds; never raises."""
+        draft, s.draft = s.draft, None
+        if draft is not None:
+            try:
+                draft.close()
+            except Exception:
+                log.exception("closing the draft of session %s failed", sid)
+
+    def _refuse(self, sid: str, s: _Session, why: str, start: int | None = None) -> None:
+        """Under the lock: stop drafting for a session the drafter failed on and tell the
+        cache, with an idle chunk, that nothing is coming for it."""
+        log.warning("drafter %s cannot draft for session %s (%s); the verifier decodes it "
+                    "alone", self.device_id, sid, why)
+        self._close(sid, s)
+        s.idle = True
+        self.refused += 1
+        self._send_idle(sid, s, s.committed_end if start is None else start)
+
+    def _send_idle(self, sid: str, s: _Session, start: int) -> None:
+        if self._out is not None:
+            self._out.put(pb.DrafterMessage(chunk=pb.DraftChunk(
+                session_id=sid, epoch=s.epoch, start=start, idle=True)))
 
     # -- what the cache sends ---------------------------------------------------------------------
     def _apply(self, msg: pb.CacheMessage) -> None:
@@ -137,39 +213,59 @@ class DrafterAgent:
                 log.info("attached to %s as %s (target %s)", self.cache, self.device_id,
                          reg.target_model)
             elif kind == "assignment":
-                a = msg.assignment
-                if a.session_id in self.sessions:
-                    self.sessions.pop(a.session_id).draft.close()
-                draft = self.drafter.open(list(a.tokens), params_from_pb(a.sampling))
-                self.sessions[a.session_id] = _Session(draft, a.epoch, len(a.tokens))
+                self._apply_assignment(msg.assignment)
             elif kind == "commit":
                 self._apply_commit(msg.commit)
             elif kind == "closed":
                 s = self.sessions.pop(msg.closed.session_id, None)
                 if s is not None:
-                    s.draft.close()
+                    self._close(msg.closed.session_id, s)
             elif kind == "ack" and msg.ack.code != grpc.StatusCode.OK.value[0]:
                 log.debug("chunk refused: %s", msg.ack.message)
             self.cond.notify_all()
+
+    def _apply_assignment(self, a: pb.Assignment) -> None:
+        old = self.sessions.pop(a.session_id, None)
+        if old is not None:
+            self._close(a.session_id, old)
+        s = _Session(None, a.epoch, len(a.tokens))
+        self.sessions[a.session_id] = s
+        try:
+            s.draft = self.drafter.open(list(a.tokens), params_from_pb(a.sampling))
+        except Exception as e:
+            self._refuse(a.session_id, s, f"{type(e).__name__}: {e}")
 
     def _apply_commit(self, c: pb.Commit) -> None:
         s = self.sessions.get(c.session_id)
         if s is None:
             return
+        if s.refused:
+            if c.epoch >= s.epoch:
+                s.epoch = c.epoch
+                s.committed_end = max(s.committed_end, c.committed_end)
+                # a fix resets the session's idle flag in the cache: say it again
+                self._send_idle(c.session_id, s, s.committed_end)
+            return
+        s.committed_end = max(s.committed_end, c.committed_end)
         if c.is_fix and c.epoch > s.epoch:
-            s.draft.rollback(c.fix_position)
-            s.draft.append([c.fix_token])
             s.epoch = c.epoch
             s.idle = False
-        s.committed_end = max(s.committed_end, c.committed_end)
+            try:
+                s.draft.rollback(c.fix_position)
+                s.draft.append([c.fix_token])
+            except Exception as e:
+                self._refuse(c.session_id, s, f"applying a fix failed: {type(e).__name__}: {e}")
 
     # -- drafting ---------------------------------------------------------------------------------
-    def _next_work(self):
+    def _next_work(self) -> _Work | None:
         """Under the lock: a session with room in its window that is not idle."""
         for sid, s in self.sessions.items():
-            ahead = len(s.draft.tokens) - s.committed_end
-            if not s.idle and ahead < self.window:
-                return sid, s, min(self.chunk, self.window - ahead)
+            if s.idle or s.refused:
+                continue
+            start = len(s.draft.tokens)
+            ahead = start - s.committed_end
+            if ahead < self.window:
+                return _Work(sid, s, s.epoch, start, min(self.chunk, self.window - ahead))
         return None
 
     def _draft_loop(self, out: queue.Queue) -> None:
@@ -181,16 +277,17 @@ class DrafterAgent:
                 if work is None:
                     self.cond.wait(timeout=0.5)
                     continue
-                sid, s, n = work
-                epoch, start = s.epoch, len(s.draft.tokens)
+                s = work.session
                 try:
-                    draft = s.draft.propose(n)
-                except Exception:
-                    log.exception("drafting failed for %s; leaving it to the verifier", sid)
-                    s.idle = True
+                    draft = s.draft.propose(work.n)
+                    chunk = pb.DraftChunk(session_id=work.session_id, epoch=work.epoch,
+                                          start=work.start, tokens=draft.tokens,
+                                          q=q_to_pb(draft.q), idle=len(draft) == 0)
+                except Exception as e:
+                    self._refuse(work.session_id, s, f"drafting failed: {type(e).__name__}: {e}",
+                                 start=work.start)
                     continue
                 s.idle = len(draft) == 0
-            out.put(pb.DrafterMessage(chunk=pb.DraftChunk(
-                session_id=sid, epoch=epoch, start=start, tokens=draft.tokens,
-                q=q_to_pb(draft.q), idle=len(draft) == 0)))
+            out.put(pb.DrafterMessage(chunk=chunk))
             self.chunks_sent += 1
+

@@ -27,8 +27,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chunk", type=int, default=d.chunk,
                    help="tokens per draft chunk, c (default: %(default)s)")
     p.add_argument("--draft-wait-ms", type=float, default=None,
-                   help="how long a step waits for a draft on its way (default: the drafter's "
-                        "own: 10 for mag, 100 for model drafters)")
+                   help="how long a step waits for a draft on its way (default: in process, the "
+                        "drafter's own: 10 for mag, 100 for model drafters; a distributed "
+                        "verifier: 10)")
     p.add_argument("--max-context", type=int, default=d.max_context,
                    help="tokens per session: prompt + output (default: %(default)s)")
     p.add_argument("--no-adaptive", action="store_true",

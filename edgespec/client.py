@@ -197,12 +197,14 @@ class _Collector:
 
 
 class Client:
-    """``max_resumes``: how often a broken stream is resumed (0: never)."""
+    """``max_resumes``: how often a broken stream is resumed (0: never). ``tls_cert`` and
+    ``tls_key``: a client certificate for a server that requires one (``--tls-client-ca``)."""
 
     def __init__(self, address: str = "127.0.0.1:50051", token: str | None = None,
                  tls_ca: str | None = None, tls: bool = False, timeout: float | None = None,
-                 max_resumes: int = 8):
-        self.channel = make_channel(address, tls_ca, tls)
+                 max_resumes: int = 8, tls_cert: str | None = None, tls_key: str | None = None):
+        self.channel = make_channel(address, tls_ca, tls, client_cert=tls_cert,
+                                    client_key=tls_key)
         self.stub = pb_grpc.VerifierStub(self.channel)
         self.metadata = auth_metadata(token)
         self.timeout = timeout
@@ -270,8 +272,9 @@ class AsyncClient:
 
     def __init__(self, address: str = "127.0.0.1:50051", token: str | None = None,
                  tls_ca: str | None = None, tls: bool = False, timeout: float | None = None,
-                 max_resumes: int = 8):
-        self.channel = make_channel(address, tls_ca, tls, aio=True)
+                 max_resumes: int = 8, tls_cert: str | None = None, tls_key: str | None = None):
+        self.channel = make_channel(address, tls_ca, tls, aio=True, client_cert=tls_cert,
+                                    client_key=tls_key)
         self.stub = pb_grpc.VerifierStub(self.channel)
         self.metadata = auth_metadata(token)
         self.timeout = timeout

@@ -1,31 +1,50 @@
-"""Verification maths, as pure functions (DESIGN.md section 3).
+"""Verification maths, as pure functions (DESIGN.md sections 3 and 9).
 
 Vocabulary: a verification step sees the target's distributions at T+1 positions for a draft of
 T tokens, accepts a prefix of n draft tokens, and emits one token of its own: the *recovered*
 token after a rejection, or the *bonus* token after a full accept.
 
 - Greedy: accept while the draft token is the target's argmax; then emit the argmax.
-- Sampling: accept draft token x with probability min(1, p(x) / q(x)); on rejection sample from
-  norm(max(0, p - q)). A deterministic draft (MaG, n-gram) has a one-hot q, so this is "accept
-  with p(x), else sample from p without x". A model draft sends the top-k-truncated, renormalised
-  q' it really sampled from, as (token ids, probabilities).
+- Sampling: position-keyed Gumbel-max. The randomness of absolute position ``pos`` is a function
+  of ``(seed, pos)`` only: Gumbel noise ``G(seed, pos, x)`` for every token x, and the token
+  sampled there is ``argmax_x(log p(x) + G(seed, pos, x))``, an exact sample from p. A draft
+  token is accepted iff it equals that token; the first mismatch (or the bonus after a full
+  accept) emits it. So a seeded generation produces exactly the tokens target-only sampling
+  produces with that seed, whatever the drafter and however its drafts were chunked; for a
+  one-hot draft the acceptance probability stays p(x). A model drafter that samples with the same
+  keyed noise from its own q' agrees with the target wherever q' and p are close.
+
+The noise is a counter-based hash (splitmix64), not a stateful generator: the value for token x
+depends on (seed, pos, x) alone, so it is the same on every process, platform and torch version,
+and can be computed for a few token ids (a drafter's top-k) or the whole vocabulary alike.
 
 p is always the target's *processed* distribution (temperature, top-k, top-p applied), so the
-output follows exactly what target-only sampling would draw from.
+output follows exactly what target-only sampling would draw from; tokens with p = 0 never win.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+import math
+import numbers
+import secrets
 
+import numpy as np
 import torch
 
 from .config import SamplingParams
 
+_MASK64 = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15
+_MIX1 = 0xBF58476D1CE4E5B9
+_MIX2 = 0x94D049BB133111EB
 
-@dataclass
+
+@dataclasses.dataclass
 class SparseQ:
-    """A draft distribution over a few tokens: ids [k] and their probabilities [k] (sum 1)."""
+    """A draft distribution over a few tokens: ids [k] and their probabilities [k] (sum 1).
+
+    Model drafters still send it (the wire carries it), but verification no longer reads it."""
 
     ids: list[int]
     probs: list[float]
@@ -37,8 +56,10 @@ class SparseQ:
         return q
 
 
-def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Target probabilities after temperature, top-k and top-p. logits: [N, V] -> probs [N, V]."""
+# -- processed distributions ---------------------------------------------------------------------
+def filtered_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Temperature-scaled logits with top-k / top-p removed tokens at -inf: log p up to a
+    constant per row. logits: [N, V] -> float32 [N, V]."""
     logits = logits.float() / max(params.temperature, 1e-5)
     if params.top_k and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[:, -1:]
@@ -50,91 +71,153 @@ def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
         drop_sorted = (sorted_probs.cumsum(-1) - sorted_probs) >= params.top_p
         drop = drop_sorted.scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
-    return logits.softmax(-1)
+    return logits
 
 
-def make_generator(seed: int | None, device="cpu") -> torch.Generator:
-    g = torch.Generator(device=device)
-    if seed is None:
-        g.seed()
+def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Target probabilities after temperature, top-k and top-p. logits: [N, V] -> probs [N, V]."""
+    return filtered_logits(logits, params).softmax(-1)
+
+
+# -- position-keyed randomness --------------------------------------------------------------------
+def _splitmix64(x: int) -> int:
+    z = (x + _GOLDEN) & _MASK64
+    z = ((z ^ (z >> 30)) * _MIX1) & _MASK64
+    z = ((z ^ (z >> 27)) * _MIX2) & _MASK64
+    return z ^ (z >> 31)
+
+
+def position_key(seed: int, pos: int) -> int:
+    """The 64-bit key of absolute position ``pos`` in a generation seeded with ``seed``."""
+    return _splitmix64(_splitmix64(int(seed) & _MASK64) ^ (int(pos) & _MASK64))
+
+
+def keyed_gumbel(seed: int, pos: int, ids) -> torch.Tensor:
+    """Gumbel noise G(seed, pos, x) for each token id x in ``ids`` (an int: the whole vocabulary
+    ``range(ids)``), float64 on CPU. Token x's value does not depend on which other ids are asked
+    for: it is the splitmix64 stream of the position key at counter x + 1."""
+    if isinstance(ids, numbers.Integral):
+        x = np.arange(int(ids), dtype=np.uint64)
     else:
-        g.manual_seed(seed)
-    return g
+        x = np.asarray(ids, dtype=np.int64).astype(np.uint64)
+    with np.errstate(over="ignore"):
+        z = (x + np.uint64(1)) * np.uint64(_GOLDEN) + np.uint64(position_key(seed, pos))
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(_MIX1)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(_MIX2)
+        z = z ^ (z >> np.uint64(31))
+    u = ((z >> np.uint64(11)).astype(np.float64) + 0.5) * 2.0 ** -53  # uniform in (0, 1)
+    return torch.from_numpy(-np.log(-np.log(u)))
 
 
+def keyed_choice(scores: torch.Tensor, seed: int, pos: int) -> int:
+    """argmax_x(scores[x] + G(seed, pos, x)) over one row of log-probabilities (up to a constant;
+    -inf: impossible). An exact sample from softmax(scores), a function of (seed, pos) only.
+    Never raises on the content of ``scores`` (all -inf or NaN picks some token)."""
+    scores = scores.reshape(-1)
+    vocab = scores.shape[0]
+    support = torch.nonzero(scores > float("-inf")).flatten()
+    n = int(support.numel())
+    if 0 < n <= vocab // 4:  # a top-k / top-p support: noise for those ids only, same values
+        ids = support.cpu()
+        noisy = scores[support].double() + keyed_gumbel(seed, pos, ids).to(scores.device)
+        return int(ids[int(torch.argmax(noisy))])
+    noisy = scores.double() + keyed_gumbel(seed, pos, vocab).to(scores.device)
+    return int(torch.argmax(noisy))
+
+
+def sample_at(logits: torch.Tensor, params: SamplingParams, pos: int) -> int:
+    """Target-only decoding of absolute position ``pos`` from its logits [V] (greedy: argmax)."""
+    if params.greedy:
+        return int(torch.argmax(logits.reshape(-1)))
+    return keyed_choice(filtered_logits(logits.reshape(1, -1), params)[0], _seed_of(params), pos)
+
+
+def with_session_seed(params: SamplingParams) -> SamplingParams:
+    """``params`` with a random 63-bit seed when it samples without one; greedy or seeded
+    params unchanged. The engine calls it once per session, so every position's randomness is
+    fixed for the session and every drafter of it can use the same noise."""
+    if params.greedy or params.seed is not None:
+        return params
+    return dataclasses.replace(params, seed=secrets.randbits(63))
+
+
+def _seed_of(params: SamplingParams) -> int:
+    # Unseeded sampling params should have gone through with_session_seed; a fresh random seed
+    # per call keeps the output exact (the noise is independent of the draft), not reproducible.
+    return params.seed if params.seed is not None else secrets.randbits(63)
+
+
+# -- verification -------------------------------------------------------------------------------
 def verify_greedy(target_argmax: list[int], draft: list[int]) -> tuple[int, int]:
     """target_argmax: the target's argmax at each of the T+1 positions. -> (n_accepted, token)."""
     n = 0
-    while n < len(draft) and draft[n] == target_argmax[n]:
+    while n < len(draft) and _same(draft[n], target_argmax[n]):
         n += 1
     return n, target_argmax[n]
 
 
-def verify_sampling(probs: torch.Tensor, draft: list[int], q: list[SparseQ] | None,
-                    generator: torch.Generator) -> tuple[int, int]:
-    """Speculative sampling over one row.
-
-    probs: [T+1, V] processed target probabilities (row i scores the token after draft[:i]);
-    draft: T token ids; q: per draft token its SparseQ, or None for a deterministic draft.
-    Returns (n_accepted, token), token being the recovered or bonus token.
-    """
-    probs = probs.to(generator.device)  # e.g. CUDA logits, CPU generator: draw on its device
-    vocab = probs.shape[-1]
-    for i, x in enumerate(draft):
-        p_i = probs[i]
-        q_x = 1.0 if q is None else _q_at(q[i], x)
-        accept = min(1.0, float(p_i[x]) / q_x) if q_x > 0 else 0.0
-        if float(torch.rand((), generator=generator, device=generator.device)) < accept:
-            continue
-        if q is None:
-            residual = p_i.clone()
-            residual[x] = 0.0
-        else:
-            residual = (p_i - q[i].dense(vocab, p_i.device)).clamp_min(0.0)
-        total = float(residual.sum())
-        if total <= 0:  # p == q: rejection has probability 0, guard against round-off
-            residual, total = p_i, float(p_i.sum())
-        token = torch.multinomial(residual / total, 1, generator=generator)
-        return i, int(token)
-    token = torch.multinomial(probs[len(draft)], 1, generator=generator)
-    return len(draft), int(token)
+def verify_keyed(scores: torch.Tensor, draft: list[int], seed: int, start: int
+                 ) -> tuple[int, int]:
+    """Sampled verification of one row. scores: [T+1, V] filtered target logits (row i scores the
+    token after draft[:i]); draft token i sits at absolute position start + i. Accept while each
+    draft token equals the keyed sample at its position; then emit the keyed sample at the next.
+    Returns (n_accepted, token)."""
+    for i in range(len(draft) + 1):
+        token = keyed_choice(scores[i], seed, start + i)
+        if i == len(draft) or not _same(draft[i], token):
+            return i, token
+    raise AssertionError("unreachable")
 
 
-def _q_at(q: SparseQ, x: int) -> float:
-    for tid, pr in zip(q.ids, q.probs):
-        if tid == x:
-            return float(pr)
-    return 0.0
+def _same(x, token: int) -> bool:
+    """A draft entry matches only when it is an integer id equal to ``token`` (garbage never
+    matches, never raises)."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool) and int(x) == token
 
 
-def verify_batch(logits: torch.Tensor, drafts: list[list[int]], qs: list[list[SparseQ] | None],
-                 params: list[SamplingParams], generators: list[torch.Generator | None]
-                 ) -> list[tuple[int, int]]:
-    """Verify a padded batch. logits: [B, T_max, V]; row b uses its first len(drafts[b]) + 1."""
+def verify_batch(logits: torch.Tensor, drafts: list[list[int]], params: list[SamplingParams],
+                 starts: list[int]) -> list[tuple[int, int]]:
+    """Verify a padded batch. logits: [B, T_max, V]; row b uses its first len(drafts[b]) + 1
+    positions; starts[b]: absolute position of row b's first draft token (of the emitted token
+    when the draft is empty). Returns (n_accepted, token) per row."""
     out: list[tuple[int, int]] = []
     argmax = None
     for b, draft in enumerate(drafts):
+        draft = list(draft)[: logits.shape[1] - 1]  # never index past the row
         n_rows = len(draft) + 1
         if params[b].greedy:
             if argmax is None:
                 argmax = logits.argmax(-1).tolist()  # [B, T_max], one transfer for the batch
             out.append(verify_greedy(argmax[b][:n_rows], draft))
         else:
-            probs = process_logits(logits[b, :n_rows], params[b])
-            out.append(verify_sampling(probs, draft, qs[b], generators[b]))
+            scores = filtered_logits(logits[b, :n_rows], params[b])
+            out.append(verify_keyed(scores, draft, _seed_of(params[b]), starts[b]))
     return out
 
 
-def sample_sparse(logits: torch.Tensor, params: SamplingParams, top_k: int,
-                  generator: torch.Generator) -> tuple[int, SparseQ]:
-    """A drafter's sample from its top-k-truncated, renormalised distribution q'.
+# -- drafting -----------------------------------------------------------------------------------
+def sample_sparse(logits: torch.Tensor, params: SamplingParams, top_k: int, pos: int
+                  ) -> tuple[int, SparseQ]:
+    """A drafter's keyed sample at absolute position ``pos``, and the sparse q' it sends.
 
-    logits: [V]. Returns the sampled token and the exact q' it was drawn from.
-    """
-    probs = process_logits(logits[None], params)[0]
-    top = torch.topk(probs, min(top_k, probs.shape[-1]))
-    keep = top.values > 0
-    ids, vals = top.indices[keep], top.values[keep]
-    vals = vals / vals.sum()
-    pick = int(torch.multinomial(vals, 1, generator=generator))
-    return int(ids[pick]), SparseQ(ids=ids.tolist(), probs=vals.tolist())
+    The token is argmax_x(log q(x) + G(seed, pos, x)) over the drafter's whole processed
+    distribution q, with the very noise the verifier samples the target with: it is the target's
+    own token whenever q and p agree there (per token, about 1 - TV(p, q); a top-k-truncated pick
+    could never match a target token outside the top k). q' (the top-k of q, renormalised) still
+    travels with the token for the wire contract, which wants the token to have a positive q'
+    probability: a token outside the top k takes the place of the k-th. Acceptance ignores q'.
+
+    logits: [V]. Returns (token, q')."""
+    scores = filtered_logits(logits.reshape(1, -1), params)[0]
+    token = keyed_choice(scores, _seed_of(params), pos)
+    top = torch.topk(scores, max(1, min(top_k, scores.shape[-1])))
+    ids = [i for i, v in zip(top.indices.tolist(), top.values.tolist()) if v > float("-inf")]
+    if token not in ids:
+        if len(ids) >= max(1, top_k):
+            ids = ids[:-1]
+        ids.append(token)
+    vals = scores[torch.tensor(ids, device=scores.device)]
+    probs = (vals - vals.max()).softmax(-1).tolist()
+    if not all(math.isfinite(x) for x in probs):  # broken drafter logits: still a valid q'
+        ids, probs = [token], [1.0]
+    return token, SparseQ(ids=ids, probs=probs)

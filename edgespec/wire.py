@@ -31,8 +31,8 @@ def params_to_pb(p: SamplingParams) -> pb.SamplingParams:
 
 
 def params_from_pb(m: pb.SamplingParams) -> SamplingParams:
-    """Raises ConfigError on out-of-range values."""
-    top_p = m.top_p if m.top_p > 0 else 1.0
+    """Raises ConfigError on out-of-range values (NaN included). top_p 0 is proto3's unset."""
+    top_p = 1.0 if m.top_p == 0 else m.top_p
     return SamplingParams(temperature=m.temperature, top_k=m.top_k, top_p=top_p,
                           seed=m.seed if m.has_seed else None)
 
@@ -75,37 +75,92 @@ def auth_metadata(token: str | None) -> list[tuple[str, str]]:
 
 
 class TokenAuthInterceptor(grpc.ServerInterceptor):
-    def __init__(self, token: str):
-        self._expected = f"Bearer {token}".encode()
+    """Who may call what, from the ``authorization: Bearer <token>`` metadata.
 
-        def deny(request, context):
-            context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                          "missing or wrong auth token (metadata 'authorization: Bearer ...')")
+    ``token``: the shared token (None: none). ``device_tokens``: per-device credentials (an
+    object with ``device_for(token) -> device id | None``, as
+    ``cache_service.credentials.DeviceCredentials``; None: none). Health checks are always open.
 
-        self._deny_unary = grpc.unary_unary_rpc_method_handler(deny)
-        self._deny_stream = grpc.stream_stream_rpc_method_handler(
-            lambda it, ctx: deny(None, ctx))
-        self._deny_unary_stream = grpc.unary_stream_rpc_method_handler(deny)
+    - DraftCache methods: with device tokens configured, only a device token is accepted (the
+      cache then derives the device from it); the shared token is PERMISSION_DENIED there, since
+      it names no device. Without device tokens, the shared token as before.
+    - Every other method (the Verifier service): the shared token when one is configured, else
+      open; a device token is PERMISSION_DENIED (it is good for drafting only).
+    - A missing or unknown token where one is needed: UNAUTHENTICATED.
+    """
+
+    CACHE_PREFIX = "/edgespec.v1.DraftCache/"
+
+    def __init__(self, token: str | None, device_tokens=None):
+        self._expected = f"Bearer {token}".encode() if token else None
+        self._devices = device_tokens
+        if token and device_tokens is not None and device_tokens.device_for(token):
+            raise ConfigError("the shared auth token is also a device's token: give each "
+                              "device a token of its own")
+        self._deny = {
+            grpc.StatusCode.UNAUTHENTICATED: self._denier(
+                grpc.StatusCode.UNAUTHENTICATED,
+                "missing or wrong auth token (metadata 'authorization: Bearer ...')"),
+            grpc.StatusCode.PERMISSION_DENIED: self._denier(
+                grpc.StatusCode.PERMISSION_DENIED,
+                "this token is not good for this service: drafters use their device token "
+                "for DraftCache, clients the shared token for the rest"),
+        }
+
+    def _verdict(self, method: str, got: str) -> grpc.StatusCode | None:
+        """None: let the call through; else the code to refuse it with."""
+        if method.startswith(HEALTH_PREFIX):
+            return None
+        shared = self._expected is not None and hmac.compare_digest(
+            got.encode("utf-8", "surrogatepass"), self._expected)
+        device = None
+        if self._devices is not None and got.startswith("Bearer "):
+            device = self._devices.device_for(got[len("Bearer "):])
+        if method.startswith(self.CACHE_PREFIX) and self._devices is not None:
+            if device:
+                return None
+            return grpc.StatusCode.PERMISSION_DENIED if shared else grpc.StatusCode.UNAUTHENTICATED
+        if device:
+            return grpc.StatusCode.PERMISSION_DENIED
+        if shared or self._expected is None:
+            return None
+        return grpc.StatusCode.UNAUTHENTICATED
 
     def intercept_service(self, continuation, details):
-        if details.method.startswith(HEALTH_PREFIX):
-            return continuation(details)
-        got = dict(details.invocation_metadata).get("authorization", "")
-        if hmac.compare_digest(got.encode(), self._expected):
+        got = dict(details.invocation_metadata or ()).get("authorization", "")
+        code = self._verdict(details.method, got if isinstance(got, str) else "")
+        if code is None:
             return continuation(details)
         handler = continuation(details)
         if handler is None:
             return None
-        if handler.request_streaming:
-            return self._deny_stream
-        if handler.response_streaming:
-            return self._deny_unary_stream
-        return self._deny_unary
+        return self._deny[code][(handler.request_streaming, handler.response_streaming)]
+
+    @staticmethod
+    def _denier(code: grpc.StatusCode, message: str) -> dict:
+        """Handlers of every streaming kind that refuse a call with ``code``."""
+
+        def deny(request, context):
+            context.abort(code, message)
+
+        return {(False, False): grpc.unary_unary_rpc_method_handler(deny),
+                (False, True): grpc.unary_stream_rpc_method_handler(deny),
+                (True, False): grpc.stream_unary_rpc_method_handler(deny),
+                (True, True): grpc.stream_stream_rpc_method_handler(deny)}
 
 
 # -- servers and channels -----------------------------------------------------------------------
-def make_server(max_workers: int, token: str | None) -> grpc.Server:
-    interceptors = [TokenAuthInterceptor(token)] if token else []
+def make_server(max_workers: int, token: str | None,
+                stream_limits: dict[str, int] | None = None, device_tokens=None) -> grpc.Server:
+    """A sync gRPC server with authentication (the shared ``token`` and/or per-device
+    ``device_tokens``, see ``TokenAuthInterceptor``); ``stream_limits`` caps open streams per
+    method (see grpc_limits)."""
+    from .grpc_limits import StreamLimitInterceptor
+
+    interceptors = ([TokenAuthInterceptor(token, device_tokens)]
+                    if token or device_tokens else [])
+    if stream_limits:
+        interceptors.append(StreamLimitInterceptor(stream_limits))
     return grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
         interceptors=interceptors,
@@ -115,12 +170,21 @@ def make_server(max_workers: int, token: str | None) -> grpc.Server:
 
 
 def bind(server: grpc.Server, address: str, tls_cert: str | None = None,
-         tls_key: str | None = None) -> int:
-    """Listen on ``address``; TLS when a certificate and key are given. Returns the port."""
+         tls_key: str | None = None, client_ca: str | None = None) -> int:
+    """Listen on ``address``; TLS when a certificate and key are given, mutual TLS when
+    ``client_ca`` is given too (every client must present a certificate signed by that CA).
+    Returns the port."""
     if bool(tls_cert) != bool(tls_key):
         raise ConfigError("TLS needs both --tls-cert and --tls-key")
+    if client_ca and not tls_cert:
+        raise ConfigError("--tls-client-ca needs --tls-cert and --tls-key")
     if tls_cert:
-        creds = grpc.ssl_server_credentials([(_read(tls_key), _read(tls_cert))])
+        pair = [(_read(tls_key), _read(tls_cert))]
+        if client_ca:
+            creds = grpc.ssl_server_credentials(pair, root_certificates=_read(client_ca),
+                                                require_client_auth=True)
+        else:
+            creds = grpc.ssl_server_credentials(pair)
         port = server.add_secure_port(address, creds)
     else:
         port = server.add_insecure_port(address)
@@ -130,14 +194,26 @@ def bind(server: grpc.Server, address: str, tls_cert: str | None = None,
 
 
 def make_channel(address: str, tls_ca: str | None = None, tls: bool = False,
-                 aio: bool = False):
+                 aio: bool = False, client_cert: str | None = None,
+                 client_key: str | None = None):
     """A client channel (``aio``: a grpc.aio one) with edgespec's message limits; TLS when
-    ``tls`` or a CA certificate to trust is given."""
+    ``tls``, a CA certificate to trust, or a client certificate is given. ``client_cert`` and
+    ``client_key`` (PEM files, both or neither): the certificate presented for mutual TLS."""
     options = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-               ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
+               ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+               # reconnect within a second or two of a server restart, not gRPC's default
+               # backoff of up to two minutes (a resuming client would wait that long)
+               ("grpc.initial_reconnect_backoff_ms", 200),
+               ("grpc.min_reconnect_backoff_ms", 200),
+               ("grpc.max_reconnect_backoff_ms", 2000)]
     mod = grpc.aio if aio else grpc
-    if tls or tls_ca:
-        creds = grpc.ssl_channel_credentials(_read(tls_ca) if tls_ca else None)
+    if bool(client_cert) != bool(client_key):
+        raise ConfigError("a client certificate needs both --tls-cert and --tls-key")
+    if tls or tls_ca or client_cert:
+        creds = grpc.ssl_channel_credentials(
+            _read(tls_ca) if tls_ca else None,
+            private_key=_read(client_key) if client_key else None,
+            certificate_chain=_read(client_cert) if client_cert else None)
         return mod.secure_channel(address, creds, options=options)
     return mod.insecure_channel(address, options=options)
 

@@ -5,9 +5,11 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 
-from edgespec.config import ConfigError
+from edgespec.cli_args import add_threads_arg
+from edgespec.config import ConfigError, EngineConfig
 
 
 def _add_security(p: argparse.ArgumentParser, server: bool) -> None:
@@ -88,8 +90,8 @@ def cmd_server(args) -> int:
                          device=getattr(args, "device", "cpu"),
                          dtype=getattr(args, "dtype", "float32"), redis_url=args.redis_url,
                          auth_token=args.auth_token, tls_cert=args.tls_cert,
-                         tls_key=args.tls_key, tls_client_ca=getattr(args, "tls_client_ca", None),
-                         device_tokens=getattr(args, "device_tokens", None), max_drafters=args.max_drafters,
+                         tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,
+                         device_tokens=args.device_tokens, max_drafters=args.max_drafters,
                          max_queue=getattr(args, "max_queue", 64),
                          session_ttl_s=args.session_ttl, drain_timeout_s=args.drain_timeout,
                          engine=engine)
@@ -104,6 +106,7 @@ def cmd_server(args) -> int:
 def cmd_drafter(args) -> int:
     from drafter_node.agent import DrafterAgent
 
+    from edgespec.cli_args import check_drafter_arg, set_threads
     from edgespec.drafters import build_drafter
     from edgespec.ids import check_device_id
     from edgespec.models import load_model, tokenizer_fingerprint
@@ -111,6 +114,8 @@ def cmd_drafter(args) -> int:
     check_device_id(args.device_id)  # before loading a model
     if bool(args.tls_cert) != bool(args.tls_key):
         raise ConfigError("a client certificate needs both --tls-cert and --tls-key")
+    check_drafter_arg(args.drafter, allowed=("mag", "model"))
+    set_threads(args.threads)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     fingerprint = ""
@@ -130,6 +135,7 @@ def cmd_drafter(args) -> int:
                          tls_key=args.tls_key)
     print(f"edgespec: drafter {args.device_id} ({drafter.name}) attaching to {args.cache}",
           file=sys.stderr, flush=True)
+    signal.signal(signal.SIGTERM, lambda *_: agent.stop())  # stop cleanly: exit 0
     try:
         agent.run()
     except KeyboardInterrupt:
@@ -156,10 +162,11 @@ def add_cluster_commands(sub) -> None:
                    help="tokens per chunk, c (default: the cache's)")
     d.add_argument("--max-sessions", type=int, default=8,
                    help="sessions this device drafts for at once (default: %(default)s)")
-    d.add_argument("--max-context", type=int, default=4096,
+    d.add_argument("--max-context", type=int, default=EngineConfig().max_context,
                    help="tokens per session for model drafters (default: %(default)s)")
     d.add_argument("--device", default="cpu", help="where a model drafter runs")
     d.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    add_threads_arg(d)
     d.add_argument("--log-level", default="INFO", help="(default: %(default)s)")
     _add_security(d, server=False)
     d.set_defaults(func=cmd_drafter)

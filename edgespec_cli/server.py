@@ -76,10 +76,15 @@ class EdgespecServer:
             workers += opts.max_streams()
         if "cache" in opts.roles:
             workers += opts.max_drafters
+        self.credentials = None
+        if opts.device_tokens and "cache" in opts.roles:
+            from cache_service.credentials import DeviceCredentials
+
+            self.credentials = DeviceCredentials.load(opts.device_tokens)
+        self.server = make_server(workers, resolve_token(opts.auth_token),
+                                  _stream_limits(opts), self.credentials)
         self.redis = RedisHandle(opts.redis_url)
         self.store = RedisSessionStore(self.redis.client, ttl_s=opts.session_ttl_s)
-        self.server = make_server(workers, resolve_token(opts.auth_token),
-                                  _stream_limits(opts))
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.scheduler = None
@@ -110,10 +115,11 @@ class EdgespecServer:
         target = load_model(self.opts.model, self.opts.device, self.opts.dtype)
         runner = TargetRunner(target.model, n_slots=cfg.max_sessions, max_len=cfg.max_context)
         engine = SpecEngine(runner, None, cfg, stop_token_ids(target), store=self.store)
-        self.store.set_target({"model": target.name,
-                               "fingerprint": tokenizer_fingerprint(target.tokenizer),
-                               "vocab_size": runner.vocab_size, "window": cfg.window,
-                               "chunk": cfg.chunk})
+        self.target_info = {"model": target.name,
+                            "fingerprint": tokenizer_fingerprint(target.tokenizer),
+                            "vocab_size": runner.vocab_size, "window": cfg.window,
+                            "chunk": cfg.chunk}
+        self.store.set_target(self.target_info)
         self.scheduler = Scheduler(engine, max_queue=self.opts.max_queue)
         service = VerifierService(self.scheduler, self.store, target.tokenizer,
                                   runner.vocab_size, self.opts.default_max_new_tokens,
@@ -124,13 +130,8 @@ class EdgespecServer:
     def _add_cache(self) -> None:
         from cache_service.service import DraftCacheService
 
-        kwargs = {}
-        if self.opts.device_tokens:
-            from cache_service.credentials import DeviceCredentials
-
-            kwargs["credentials"] = DeviceCredentials.load(self.opts.device_tokens)
         self.cache = DraftCacheService(self.store, self.engine_cfg.window, self.engine_cfg.chunk,
-                                       **kwargs)
+                                       credentials=self.credentials)
         pb_grpc.add_DraftCacheServicer_to_server(self.cache, self.server)
         self._services.append(CACHE_SERVICE)
 
@@ -154,7 +155,13 @@ class EdgespecServer:
 
     def _monitor(self) -> None:
         while not self._stopping.wait(0.5):
-            self._set_health(self.healthy())
+            healthy = self.healthy()
+            if healthy and self.scheduler is not None:
+                try:  # a Redis that restarted without persistence forgot the target
+                    self.store.ensure_target(self.target_info)
+                except Exception:
+                    healthy = False
+            self._set_health(healthy)
 
     def start(self) -> "EdgespecServer":
         if self.scheduler:

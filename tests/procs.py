@@ -19,7 +19,7 @@ class Proc:
         self.args = args
         self.log_path = log_path
         self.log = open(log_path, "w")
-        self.p = subprocess.Popen([sys.executable, "-m", "edgespec_cli", *map(str, args)],
+        self.popen = subprocess.Popen([sys.executable, "-m", "edgespec_cli", *map(str, args)],
                                   stdout=self.log, stderr=subprocess.STDOUT,
                                   env=dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})))
 
@@ -32,25 +32,25 @@ class Proc:
         while time.monotonic() < deadline:
             if needle in self.text():
                 return
-            if self.p.poll() is not None:
-                raise RuntimeError(f"process exited ({self.p.returncode}):\n{self.text()}")
+            if self.popen.poll() is not None:
+                raise RuntimeError(f"process exited ({self.popen.returncode}):\n{self.text()}")
             time.sleep(0.1)
         raise TimeoutError(f"{needle!r} not seen:\n{self.text()}")
 
     def kill(self) -> None:
-        if self.p.poll() is None:
-            self.p.send_signal(signal.SIGKILL)
-            self.p.wait()
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGKILL)
+            self.popen.wait()
 
     def stop(self) -> int:
-        if self.p.poll() is None:
-            self.p.terminate()
+        if self.popen.poll() is None:
+            self.popen.terminate()
             try:
-                self.p.wait(timeout=15)
+                self.popen.wait(timeout=15)
             except subprocess.TimeoutExpired:
                 self.kill()
         self.log.close()
-        return self.p.returncode
+        return self.popen.returncode
 
 
 def wait_healthy(address: str, timeout: float = 60, tls_ca=None) -> None:

@@ -144,7 +144,7 @@ def test_a_refused_commit_fails_only_its_own_session(store):
 def test_a_vanished_session_is_reported_in_its_slot(store):
     dev = _attach(store)
     store.create("s11", [1], SamplingParams(), dev)
-    store.r.delete(*store._s("s11"))
+    store.redis.delete(*store.session_keys("s11"))
     taken = store.take_when_ready([DraftWant("s11", 2, 2)], 5)
     assert isinstance(taken[0], SessionVanished)
 
@@ -171,12 +171,12 @@ def test_resume_record_and_epoch_moves_on(store):
 def test_sessions_expire_and_close_notifies_the_drafter(store):
     dev = _attach(store)
     store.create("s6", [1], SamplingParams(), dev)
-    ttl = store.r.ttl("t:s:s6")
+    ttl = store.redis.ttl("t:s:s6")
     assert 0 < ttl <= 30
     store.close("s6", "stop", keep_s=5)
     assert store.device_sessions(dev) == []
     assert store.read_events(dev, "0-0", 10)[-1][1] == {"t": "close", "sid": "s6"}
-    assert 0 < store.r.ttl("t:s:s6") <= 5
+    assert 0 < store.redis.ttl("t:s:s6") <= 5
     assert store.snapshot("s6") is None
 
 

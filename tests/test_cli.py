@@ -41,7 +41,7 @@ def test_generate_streams_text_and_reports_stats(tiny_dir):
 @pytest.mark.parametrize("args,message", [
     (["--drafter", "bogus"], "unknown drafter"),
     (["--temperature", "-1"], "temperature"),
-    (["--max-new-tokens", "0"], "max_new_tokens"),
+    (["--max-new-tokens", "0"], "--max-new-tokens"),
     (["--max-context", "8"], "context limit"),
 ])
 def test_bad_options_give_one_readable_line(tiny_dir, args, message):

@@ -186,7 +186,7 @@ def test_drafter_with_another_tokenizer_is_refused(cluster, tmp_path):
 
     other = make_tiny_model(tmp_path / "other", tokenizer=make_tokenizer(extra="éè"))
     d = start_drafter(cluster["address"], "odd", tmp_path, f"model:{other}")
-    assert d.p.wait(timeout=120) == 2
+    assert d.popen.wait(timeout=120) == 2
     assert "differs from the target" in d.text() and "Traceback" not in d.text()
 
 
@@ -224,6 +224,26 @@ def test_sampled_output_over_the_network_follows_the_target(cluster, looping, de
             drafted += res.stats["drafted"]
     assert drafted > 0
     assert _chi2_ok(c1, p1, n) and _chi2_ok(c2, p2, n)
+
+
+def test_seeded_sampling_over_the_network_equals_target_only_whatever_the_drafter(cluster,
+                                                                                 looping):
+    """Randomness keyed by (seed, position): the same tokens with any drafter, over the
+    network, as target-only sampling in process, run after run."""
+    from edgespec.config import EngineConfig, SamplingParams
+    from edgespec.engine import Request, SpecEngine
+    from edgespec.models import stop_token_ids
+    from edgespec.runner import TargetRunner
+
+    params = SamplingParams(temperature=0.8, top_p=0.95, seed=7)
+    engine = SpecEngine(TargetRunner(looping.model, n_slots=1, max_len=512), None,
+                        EngineConfig(max_sessions=1, max_context=512), stop_token_ids(looping))
+    ref = engine.generate(Request(PROMPTS[1], 50, params)).token_ids
+    with client(cluster) as c:
+        for device in ("mag-1", "model-1", "mag-1"):
+            res = c.generate(prompt_ids=PROMPTS[1], max_new_tokens=50, temperature=0.8,
+                             top_p=0.95, seed=7, device_id=device)
+            assert res.token_ids == ref, device
 
 
 def test_drafter_reconnects_and_resumes_after_the_server_restarts(cluster, looping, tmp_path):
@@ -276,22 +296,3 @@ def test_verifier_and_cache_run_as_separate_processes(external_redis, looping_di
             if p is not None:
                 p.stop()
 
-
-def test_seeded_sampling_over_the_network_equals_target_only_whatever_the_drafter(cluster,
-                                                                                 looping):
-    """Randomness keyed by (seed, position): the same tokens with any drafter, over the
-    network, as target-only sampling in process, run after run."""
-    from edgespec.config import EngineConfig, SamplingParams
-    from edgespec.engine import Request, SpecEngine
-    from edgespec.models import stop_token_ids
-    from edgespec.runner import TargetRunner
-
-    params = SamplingParams(temperature=0.8, top_p=0.95, seed=7)
-    engine = SpecEngine(TargetRunner(looping.model, n_slots=1, max_len=512), None,
-                        EngineConfig(max_sessions=1, max_context=512), stop_token_ids(looping))
-    ref = engine.generate(Request(PROMPTS[1], 50, params)).token_ids
-    with client(cluster) as c:
-        for device in ("mag-1", "model-1", "mag-1"):
-            res = c.generate(prompt_ids=PROMPTS[1], max_new_tokens=50, temperature=0.8,
-                             top_p=0.95, seed=7, device_id=device)
-            assert res.token_ids == ref, device

@@ -40,6 +40,27 @@ def test_mag_bigram_fallback_learns_across_sessions():
     assert s2.propose(4).tokens == []  # an unseen token: nothing worth sending
 
 
+def test_bigram_table_stays_bounded_and_keeps_frequent_followers():
+    from edgespec.drafters.mag import BigramTable
+
+    t = BigramTable(max_leaders=4, max_followers=3)
+    rng = np.random.default_rng(0)
+    for _ in range(50):  # many sessions over a large vocabulary
+        t.observe(rng.integers(0, 1000, 200).tolist())
+        assert len(t) <= 4
+        assert all(len(t.followers(a)) <= 3 for a in range(1000))
+    t.observe([7, 8] * 20 + [7, 9, 7, 10, 7, 11, 7, 12])  # 7 -> 8 dominates, rare ones churn
+    assert len(t) <= 4 and len(t.followers(7)) == 3
+    assert t.best(7) == (8, 20 / 24)  # share counts every observation, evicted ones too
+    for leader in range(100, 104):
+        t.observe([leader, 1])
+    assert t.best(7) == (None, 0.0)  # least recently used leader forgotten
+    assert t.best(103) == (1, 1.0)
+    d = MaGDrafter(max_bigram_leaders=2, max_bigram_followers=1)
+    d.open(list(range(50)), SamplingParams())
+    assert len(d.bigrams) == 2
+
+
 def test_draft_length_schedule():
     k = DraftLength(k_max=8, k_init=3)
     assert k.update(3, 3) == 5
@@ -60,10 +81,13 @@ def test_model_drafter_rollback_reproduces_the_same_draft(tiny, params):
     if not params.greedy:
         assert len(first.q) == 4 and all(abs(sum(q.probs) - 1) < 1e-5 for q in first.q)
         assert all(t in q.ids for t, q in zip(first.tokens, first.q))
-    if params.greedy:
-        s.rollback(5)  # keep the first drafted token, redo the rest
-        assert s.propose(3).tokens == first.tokens[1:]
+    # sampled drafts are keyed by (seed, position) too: a rollback redraws the same tokens
+    s.rollback(5)  # keep the first drafted token, redo the rest
+    assert s.propose(3).tokens == first.tokens[1:]
     s.close()
+    again = drafter.open([3, 40, 41, 42], params)
+    assert again.propose(4).tokens == first.tokens  # a new session with the same seed
+    again.close()
 
 
 def test_drafter_specs_are_parsed_with_clear_errors(tiny, tiny_draft_dir, tmp_path):

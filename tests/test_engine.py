@@ -11,7 +11,8 @@ from edgespec.config import ConfigError, EngineConfig, SamplingParams
 from edgespec.drafters import build_drafter
 from edgespec.engine import Request, SpecEngine
 from edgespec.runner import TargetRunner
-from edgespec.sampling import process_logits
+from edgespec.drafters.base import Draft, Drafter, DraftSession
+from edgespec.sampling import SparseQ, process_logits, sample_at
 
 PROMPTS = [
     [1, 10, 11, 12, 13, 10, 11, 12, 13, 10],
@@ -153,20 +154,111 @@ def test_sampled_output_follows_target_distribution(small_vocab, spec):
     params_base = dict(temperature=0.9, top_k=6)
     prompt = [1, 2, 3, 1, 2, 3, 1, 2]
     p1, p2 = _exact_two_token_marginals(tgt.model, prompt, SamplingParams(**params_base))
-    runner = TargetRunner(tgt.model, n_slots=2, max_len=64)
+    runner = TargetRunner(tgt.model, n_slots=50, max_len=32)
     drafter = build_drafter("mag" if spec == "mag" else f"model:{dft_dir}", tgt, runner,
-                            n_slots=2, max_len=64)
+                            n_slots=50, max_len=32)
     if spec == "model":
         drafter.min_confidence = 0.0
-    n = 1500
+    # Keyed sampling is exact by construction (test_sampling checks it statistically, and
+    # test_seeded_sampling_* checks the engine equals target-only token for token): a few hundred
+    # seeds, decoded 50 sessions per batch, are enough to catch an engine that breaks it.
+    n, batch = 400, 50
     c1, c2 = Counter(), Counter()
     drafted = 0
     with SpecEngine(runner, drafter, EngineConfig(max_draft=3, window=4), stop_ids=set()) as eng:
-        for seed in range(n):
-            res = eng.generate(Request(prompt, 2, SamplingParams(**params_base, seed=seed)))
-            c1[res.token_ids[0]] += 1
-            c2[res.token_ids[1]] += 1
-            drafted += res.stats.draft_tokens
-    assert drafted > n  # the drafter really took part
+        for first in range(0, n, batch):
+            for res in eng.generate_many([Request(prompt, 2, SamplingParams(**params_base,
+                                                                            seed=seed))
+                                          for seed in range(first, first + batch)]):
+                c1[res.token_ids[0]] += 1
+                c2[res.token_ids[1]] += 1
+                drafted += res.stats.draft_tokens
+    assert drafted > n // 2  # the drafter really took part
     assert _chi2_ok(c1, p1, n) and _chi2_ok(c2, p2, n)
     assert sum(c1[t] for t in range(8) if p1[t] == 0) == 0  # top-k respected
+
+
+# -- seeded sampling: the same tokens whatever the drafter and timing -----------------------------
+
+def _target_only_sampled(model, prompt, n, params):
+    """Target-only sampling with transformers' forward and the keyed sampler, no engine."""
+    seq = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            seq.append(sample_at(model(torch.tensor([seq])).logits[0, -1], params, len(seq)))
+    return seq[len(prompt):]
+
+
+SEEDED = [SamplingParams(temperature=1.0, seed=5),
+          SamplingParams(temperature=0.7, top_k=10, top_p=0.9, seed=2 ** 62 + 3)]
+
+
+@pytest.mark.parametrize("params", SEEDED, ids=["plain", "filtered"])
+def test_seeded_sampling_identical_with_every_drafter(tiny, tiny_dir, tiny_draft_dir, setup,
+                                                      params):
+    runner, _ = setup
+    refs = [_target_only_sampled(tiny.model, p, 24, params) for p in PROMPTS]
+    assert len({t for r in refs for t in r}) > 10  # really sampled
+    configs = [EngineConfig(max_draft=4, window=8, chunk=2),
+               EngineConfig(max_draft=3, window=3, chunk=1, adaptive=False)]
+    for spec in ["none", "mag", "layers:2", f"model:{tiny_draft_dir}", f"model:{tiny_dir}"]:
+        for cfg in configs:
+            drafter = build_drafter(spec, tiny, runner, n_slots=4, max_len=256)
+            if drafter is not None and hasattr(drafter, "min_confidence"):
+                drafter.min_confidence = 0.0
+            with SpecEngine(runner, drafter, cfg, stop_ids=set()) as engine:
+                outs = [engine.generate(Request(p, 24, params)) for p in PROMPTS]
+                batched = engine.generate_many([Request(p, 24, params) for p in PROMPTS])
+            assert [r.token_ids for r in outs] == refs, spec
+            assert [r.token_ids for r in batched] == refs, spec
+            drafted = sum(r.stats.draft_tokens for r in outs)
+            accepted = sum(r.stats.accepted_tokens for r in outs)
+            if spec != "none":
+                assert drafted > 0
+            if spec == f"model:{tiny_dir}":  # the target drafting itself: the same keyed noise
+                assert accepted >= 0.9 * drafted  # at the same positions, so nearly all accepted
+
+
+def test_unseeded_sampling_gets_a_session_seed_that_reproduces_it(setup):
+    runner, _ = setup
+    with SpecEngine(runner, build_drafter("mag"), EngineConfig(), stop_ids=set()) as engine:
+        reqs = [Request(PROMPTS[1], 20, SamplingParams(temperature=1.0)) for _ in range(2)]
+        a, b = (engine.generate(r).token_ids for r in reqs)
+        assert reqs[0].params.seed != reqs[1].params.seed and a != b
+        again = engine.generate(Request(PROMPTS[1], 20, reqs[0].params)).token_ids
+    assert again == a
+
+
+class _GarbageQDrafter(Drafter):
+    """Proposes right and wrong tokens, each with a garbage q' (NaN, ids out of range)."""
+
+    name = "garbage-q"
+
+    def __init__(self, ref: list[int], prompt_len: int):
+        self.ref, self.prompt_len = ref, prompt_len
+
+    def open(self, tokens, params):
+        drafter = self
+
+        class Session(DraftSession):
+            def propose(self, k):
+                i = len(self.tokens) - drafter.prompt_len
+                out = drafter.ref[i: i + k]
+                if i % 3 == 1 and out:
+                    out = out[:-1] + [(out[-1] + 1) % 90]  # a wrong token now and then
+                self.tokens.extend(out)
+                q = [SparseQ([10 ** 9, -5], [float("nan"), float("inf")]) for _ in out]
+                return Draft(out, q)
+
+        return Session(tokens, params)
+
+
+def test_garbage_q_never_raises_nor_changes_the_output(tiny, setup):
+    runner, _ = setup
+    params = SEEDED[0]
+    ref = _target_only_sampled(tiny.model, PROMPTS[0], 24, params)
+    with SpecEngine(runner, _GarbageQDrafter(ref, len(PROMPTS[0])),
+                    EngineConfig(max_draft=4, window=8, chunk=3), stop_ids=set()) as engine:
+        res = engine.generate(Request(PROMPTS[0], 24, params))
+    assert res.token_ids == ref
+    assert res.stats.accepted_tokens > 5 and res.stats.accepted_tokens < res.stats.draft_tokens

@@ -109,9 +109,9 @@ def cluster(looping_dir, tmp_path_factory):
     wait_healthy(cache_address)
     state["drafter"] = start_drafter(cache_address, "frozen", tmp, "mag", token=TOKEN)
     state["drafter"].wait_for("attached to")
-    state["drafter"].p.send_signal(signal.SIGSTOP)
+    state["drafter"].popen.send_signal(signal.SIGSTOP)
     yield state
-    state["drafter"].p.send_signal(signal.SIGCONT)
+    state["drafter"].popen.send_signal(signal.SIGCONT)
     for name in ("drafter", "cache", "verifier"):
         state[name].stop()
     state["redis"].stop()
@@ -199,7 +199,7 @@ def test_verifier_killed_mid_generation_clients_resume_identically(cluster, refs
                                                                    sampled_ref):
     a, b = run_two(cluster)
     cluster["verifier"].kill()  # SIGKILL: no drain, no goodbye
-    assert cluster["verifier"].p.returncode == -signal.SIGKILL
+    assert cluster["verifier"].popen.returncode == -signal.SIGKILL
     cluster["verifier"] = start_verifier(cluster)
     check_two(a, b, refs, sampled_ref)
     assert a.resumes >= 1 and b.resumes >= 1
@@ -293,8 +293,8 @@ def test_sigterm_drains_running_sessions_and_exits_0(cluster, refs):
     a.start()
     a.first.wait(120)
     proc = cluster["verifier"]
-    proc.p.send_signal(signal.SIGTERM)
-    assert proc.p.wait(timeout=120) == 0
+    proc.popen.send_signal(signal.SIGTERM)
+    assert proc.popen.wait(timeout=120) == 0
     a.join(60)
     assert a.error is None and a.ids == refs[0]
     assert "drain" in proc.text()

@@ -152,8 +152,10 @@ class VerifierService(pb_grpc.VerifierServicer):
             log.warning("admission failed: %r", e)
             context.abort(grpc.StatusCode.UNAVAILABLE, f"cannot admit the request: {e}")
         sid = ticket.session_id
-        cursor = max(0, min(request.resume_from, len(ticket.tokens))) \
-            if request.resume_session_id else 0
+        # The client's own count wins even when the cache holds fewer tokens (Redis lost its
+        # last second): the output is deterministic, so the tokens regenerated up to that count
+        # are the ones the client has, and it gets no duplicates.
+        cursor = max(0, request.resume_from) if request.resume_session_id else 0
         with ticket.cond:
             ticket.followers += 1
         try:
@@ -171,10 +173,12 @@ class VerifierService(pb_grpc.VerifierServicer):
                                   prompt_tokens=len(ticket.request.prompt_ids),
                                   resumed=bool(request.resume_session_id))
         pieces: list[str] = []
-        text = TextStream(self.tokenizer, pieces.append, ticket.tokens[:cursor])
+        text = None  # made at the first new tokens, when the ones before the cursor exist
         while True:
             new = ticket.wait(cursor, POLL_S)
             if new:
+                if text is None:
+                    text = TextStream(self.tokenizer, pieces.append, ticket.tokens[:cursor])
                 cursor += len(new)
                 text(new)
                 yield pb.GenerateResponse(session_id=sid, token_ids=new, text="".join(pieces))

@@ -11,7 +11,9 @@ sessions: it counts the token pairs of every prompt it opens and of every stretc
 verifier confirmed (the tokens before a fix). So a device that serves many requests of one kind
 learns that kind's frequent continuations. A bigram is proposed only when that follower made up
 at least ``bigram_min_share`` of the token's observed followers, so rare guesses cost no
-verification width.
+verification width. The table is bounded, however long the drafter lives: at most
+``max_bigram_leaders`` tokens (the least recently seen is forgotten first), each with at most
+``max_bigram_followers`` followers (a new follower replaces the least counted one).
 
 Drafting only where acceptance is likely: a suffix match of n tokens proposes at most
 ``n * tokens_per_match_token`` tokens, so a one-token match (weak evidence) sends a short draft
@@ -21,7 +23,7 @@ and a long match a long one.
 from __future__ import annotations
 
 import copy
-from collections import Counter, defaultdict
+from collections import OrderedDict
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
@@ -30,21 +32,58 @@ from ..config import SamplingParams
 from .base import Draft, Drafter, DraftSession
 
 
-class BigramTable:
+class _Followers:
+    __slots__ = ("counts", "total")
+
     def __init__(self) -> None:
-        self._followers: dict[int, Counter] = defaultdict(Counter)
+        self.counts: dict[int, int] = {}  # at most max_followers entries
+        self.total = 0  # every observation, evicted followers' included
+
+
+class BigramTable:
+    """Follower counts per leader token, bounded: at most ``max_leaders`` leaders (least recently
+    used evicted) and ``max_followers`` followers per leader (least counted evicted)."""
+
+    def __init__(self, max_leaders: int = 16384, max_followers: int = 8) -> None:
+        if max_leaders < 1 or max_followers < 1:
+            raise ValueError("a bigram table needs room for at least one leader and follower")
+        self.max_leaders, self.max_followers = max_leaders, max_followers
+        self._followers: OrderedDict[int, _Followers] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._followers)
 
     def observe(self, tokens: list[int]) -> None:
+        table = self._followers
         for a, b in zip(tokens, tokens[1:]):
-            self._followers[a][b] += 1
+            entry = table.get(a)
+            if entry is None:
+                entry = table[a] = _Followers()
+                if len(table) > self.max_leaders:
+                    table.popitem(last=False)
+            else:
+                table.move_to_end(a)
+            counts = entry.counts
+            if b in counts:
+                counts[b] += 1
+            else:
+                if len(counts) >= self.max_followers:
+                    del counts[min(counts, key=counts.__getitem__)]
+                counts[b] = 1
+            entry.total += 1
+
+    def followers(self, token: int) -> dict[int, int]:
+        entry = self._followers.get(token)
+        return dict(entry.counts) if entry else {}
 
     def best(self, token: int) -> tuple[int | None, float]:
         """(most frequent follower, its share of observed followers), or (None, 0)."""
-        counts = self._followers.get(token)
-        if not counts:
+        entry = self._followers.get(token)
+        if entry is None or not entry.counts:
             return None, 0.0
-        nxt, c = counts.most_common(1)[0]
-        return nxt, c / sum(counts.values())
+        self._followers.move_to_end(token)
+        nxt = max(entry.counts, key=entry.counts.__getitem__)
+        return nxt, entry.counts[nxt] / entry.total
 
 
 def longest_suffix_match(arr: np.ndarray, max_ngram: int, min_ngram: int) -> tuple[int, int]:
@@ -96,13 +135,14 @@ class MaGDrafter(Drafter):
     name = "mag"
 
     def __init__(self, max_ngram: int = 8, min_ngram: int = 1, tokens_per_match_token: int = 2,
-                 bigram_min_share: float = 0.5):
+                 bigram_min_share: float = 0.5, max_bigram_leaders: int = 16384,
+                 max_bigram_followers: int = 8):
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
         self.tokens_per_match_token = tokens_per_match_token
         self.bigram_min_share = bigram_min_share
-        self.bigrams = BigramTable()
+        self.bigrams = BigramTable(max_bigram_leaders, max_bigram_followers)
 
     def open(self, tokens: list[int], params: SamplingParams) -> MaGSession:
         self.bigrams.observe(tokens)

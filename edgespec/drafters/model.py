@@ -2,9 +2,12 @@
 
 Both run on a ``TargetRunner`` with their own KV cache: one slot per draft session, rolled back by
 its length pointer when the verifier sends a fix. Greedy sessions draft the argmax; sampling
-sessions sample from the top-``q_top_k`` truncated, renormalised distribution q' and send q' with
-each token, so the verifier's speculative sampling stays exact. Drafting stops early when the
-drafter's top probability falls below ``min_confidence``.
+sessions sample from their own processed distribution with the session seed's position-keyed
+noise (``sampling.sample_sparse``), the same noise the verifier samples the target with, so a
+drafted token is the target's own sample wherever the two distributions are close. The
+top-``q_top_k`` truncated, renormalised q' still travels with each token (wire compatibility);
+acceptance does not use it. Drafting stops early when the drafter's top q' probability falls
+below ``min_confidence``.
 """
 
 from __future__ import annotations
@@ -13,10 +16,8 @@ import torch
 
 from ..config import SamplingParams
 from ..runner import TargetRunner
-from ..sampling import SparseQ, make_generator, sample_sparse
+from ..sampling import SparseQ, sample_sparse
 from .base import Draft, Drafter, DraftSession
-
-DRAFTER_SEED_OFFSET = 1_000_003
 
 
 class ModelDraftSession(DraftSession):
@@ -25,10 +26,6 @@ class ModelDraftSession(DraftSession):
         self.drafter = drafter
         self.runner = drafter.runner
         self.slot = self.runner.new_slot()
-        # The drafter's randomness must be independent of the verifier's acceptance draws, which
-        # use the request's seed: derive a different stream from it.
-        seed = None if params.seed is None else params.seed + DRAFTER_SEED_OFFSET
-        self.generator = make_generator(seed, self.runner.device)
         # positions of self.tokens[:kv_len] are in the cache; the last token is always fed next
         self.kv_len = 0
         if len(tokens) > 1:
@@ -51,7 +48,9 @@ class ModelDraftSession(DraftSession):
                 conf, tok = torch.max(probs, -1)
                 token, conf = int(tok), float(conf)
             else:
-                token, q = sample_sparse(logits, self.params, self.drafter.q_top_k, self.generator)
+                # keyed by the absolute position the token will take: len(self.tokens)
+                token, q = sample_sparse(logits, self.params, self.drafter.q_top_k,
+                                         len(self.tokens))
                 conf = max(q.probs)
             if out and conf < min_conf:  # the first token is always offered
                 # forget the last fed position so the next proposal re-feeds the last token

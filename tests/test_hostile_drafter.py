@@ -1,0 +1,483 @@
+"""A hostile or broken drafter against the real DraftCache service (in-process gRPC on loopback,
+the embedded Redis): malformed q' and ids are INVALID_ARGUMENT, per-device tokens keep a drafter
+to its own device and sessions, mutual TLS, bounded drafter-side state in Redis and in the
+service, the inbox event names, and an agent that outlives a drafter failing on a session."""
+
+from __future__ import annotations
+
+import queue
+import shutil
+import subprocess
+import threading
+import time
+from concurrent import futures
+
+import grpc
+import pytest
+
+from cache_service.credentials import DeviceCredentials
+from cache_service.redis_conn import RedisHandle
+from cache_service.service import DEVICE_METADATA, DraftCacheService
+from cache_service.store import RedisSessionStore
+from drafter_node.agent import DrafterAgent
+from edgespec.config import ConfigError, SamplingParams
+from edgespec.drafters import Draft, Drafter, DraftSession
+from edgespec.ids import check_device_id, check_session_id
+from edgespec.kv_cache import CacheFullError
+from edgespec.session import Verdict
+from edgespec.v1 import edgespec_pb2 as pb
+from edgespec.v1 import edgespec_pb2_grpc as pb_grpc
+from edgespec.wire import TokenAuthInterceptor, auth_metadata, bind, make_channel
+
+VOCAB = 100
+SAMPLED = SamplingParams(temperature=1.0, seed=3)
+WAIT_S = 30  # how long a test waits for something that must happen (never a timing assertion)
+
+
+def eventually(cond, what: str, timeout: float = WAIT_S):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = cond()
+        if got:
+            return got
+        time.sleep(0.02)
+    raise AssertionError(f"never happened: {what}")
+
+
+# -- a cache service on loopback ------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def redis_handle():
+    handle = RedisHandle()
+    yield handle
+    handle.close()
+
+
+@pytest.fixture()
+def store(redis_handle):
+    redis_handle.client.flushdb()
+    st = RedisSessionStore(redis_handle.client, prefix="h:", ttl_s=60)
+    st.set_target({"model": "tiny", "fingerprint": "fp", "vocab_size": VOCAB, "window": 8,
+                   "chunk": 4})
+    yield st
+    st.shutdown()
+
+
+class Cache:
+    """DraftCache (plus the Verifier's unimplemented base servicer, to see what the auth
+    interceptor does with Verifier calls) on 127.0.0.1."""
+
+    def __init__(self, store, token=None, credentials=None, tls=()):
+        interceptors = [TokenAuthInterceptor(token, credentials)] if token or credentials else []
+        self.server = grpc.server(futures.ThreadPoolExecutor(16), interceptors=interceptors)
+        self.service = DraftCacheService(store, window=8, chunk=4, poll_ms=100,
+                                         credentials=credentials)
+        pb_grpc.add_DraftCacheServicer_to_server(self.service, self.server)
+        pb_grpc.add_VerifierServicer_to_server(pb_grpc.VerifierServicer(), self.server)
+        self.port = bind(self.server, "127.0.0.1:0", *tls)
+        self.address = f"127.0.0.1:{self.port}"
+        self.server.start()
+        self.channel = grpc.insecure_channel(self.address) if not tls else None
+
+    def push(self, chunk, token=None, device=None):
+        meta = auth_metadata(token) + ([(DEVICE_METADATA, device)] if device else [])
+        return pb_grpc.DraftCacheStub(self.channel).PushDraft(chunk, metadata=meta, timeout=WAIT_S)
+
+    def stop(self):
+        if self.channel is not None:
+            self.channel.close()
+        self.service.stop()
+        self.server.stop(0)
+
+
+@pytest.fixture()
+def cache(store):
+    c = Cache(store)
+    yield c
+    c.stop()
+
+
+class Stream:
+    """A hand-driven Attach stream: register, send chunks, read what the cache sends."""
+
+    def __init__(self, channel, device, token=None):
+        self.out: queue.Queue = queue.Queue()
+        self.out.put(pb.DrafterMessage(register=pb.Register(device_id=device, draft_model="test",
+                                                            max_sessions=4)))
+        self.call = pb_grpc.DraftCacheStub(channel).Attach(iter(self.out.get, None),
+                                                            metadata=auth_metadata(token))
+        self.inbox: queue.Queue = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self):
+        try:
+            for msg in self.call:
+                self.inbox.put(msg)
+            self.inbox.put(None)
+        except grpc.RpcError as e:
+            self.inbox.put(e)
+
+    def next(self, kind: str) -> pb.CacheMessage:
+        """The next message of ``kind`` (others are skipped); raises the stream's error."""
+        deadline = time.monotonic() + WAIT_S
+        while True:
+            msg = self.inbox.get(timeout=max(0.01, deadline - time.monotonic()))
+            if isinstance(msg, grpc.RpcError):
+                raise msg
+            assert msg is not None, f"the stream ended before a {kind!r} message"
+            if msg.WhichOneof("kind") == kind:
+                return getattr(msg, kind)
+
+    def send(self, chunk: pb.DraftChunk) -> None:
+        self.out.put(pb.DrafterMessage(chunk=chunk))
+
+    def close(self):
+        self.out.put(None)
+        self.call.cancel()
+
+
+def code_of(call) -> grpc.StatusCode:
+    with pytest.raises(grpc.RpcError) as e:
+        call()
+    return e.value.code()
+
+
+def draft_len(store, sid) -> int:
+    return store.redis.strlen(store.session_keys(sid)[2]) // 4
+
+
+# -- 1. q' must be a distribution -----------------------------------------------------------------
+BAD_Q = {
+    "nan": ([5], [float("nan")]),
+    "nan among others": ([5, 6], [1.0, float("nan")]),
+    "inf": ([5], [float("inf")]),
+    "negative": ([5, 6], [1.5, -0.5]),
+    "above one": ([5], [1.0009]),  # within the sum tolerance, still not a probability
+    "sum far from one": ([5, 6], [0.3, 0.3]),
+    "duplicate ids": ([5, 5], [0.5, 0.5]),
+    "drafted token at zero": ([5, 6], [0.0, 1.0]),
+    "id out of the vocabulary": ([5, VOCAB], [0.5, 0.5]),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_Q))
+def test_malformed_q_is_invalid_argument_and_changes_nothing(cache, store, name):
+    store.create("s1", [1, 2, 3], SAMPLED, "dev1")
+    ids, probs = BAD_Q[name]
+    chunk = pb.DraftChunk(session_id="s1", epoch=0, start=3, tokens=[5],
+                          q=[pb.SparseQ(ids=ids, probs=probs)])
+    assert code_of(lambda: cache.push(chunk, device="dev1")) == grpc.StatusCode.INVALID_ARGUMENT
+    assert draft_len(store, "s1") == 0
+    good = pb.DraftChunk(session_id="s1", epoch=0, start=3, tokens=[5],
+                         q=[pb.SparseQ(ids=[5, 6], probs=[0.75, 0.25])])
+    assert cache.push(good, device="dev1").kept == 1
+
+
+# -- 2. ids are checked before they reach a Redis key ---------------------------------------------
+def test_id_formats():
+    for good in ("board-1", "a", "jetson.orin_2", "A" * 64):
+        assert check_device_id(good) == good
+    for bad in ("", "-x", ".x", "dev:1", "dev 1", "dev/1", "x" * 65, "dev\n", None, 7):
+        with pytest.raises(ConfigError):
+            check_device_id(bad)
+    for good in ("0123456789abcdef", "f" * 32, "s1", "a_b-C"):
+        assert check_session_id(good) == good
+    for bad in ("", "abc:tok", "a.b", "x" * 65, "a b", b"abc"):
+        with pytest.raises(ConfigError):
+            check_session_id(bad)
+    with pytest.raises(ConfigError) as e:
+        check_session_id("q" * 65536)
+    assert len(str(e.value)) < 200 and "q" * 41 not in str(e.value)
+
+
+def test_malformed_ids_are_invalid_argument(cache, store):
+    store.create("s1", [1, 2, 3], SamplingParams(), "dev1")
+    chunk = pb.DraftChunk(session_id="s1", epoch=0, start=3, tokens=[5])
+    # another key type of the same session (WRONGTYPE inside Redis before ids were checked)
+    bad_sid = pb.DraftChunk(session_id="s1:tok", epoch=0, start=3, tokens=[5])
+    assert code_of(lambda: cache.push(bad_sid, device="dev1")) == grpc.StatusCode.INVALID_ARGUMENT
+    assert code_of(lambda: cache.push(chunk, device="dev1:inbox")) == \
+        grpc.StatusCode.INVALID_ARGUMENT
+    huge = pb.DraftChunk(session_id="a" * 65536, epoch=0, start=3, tokens=[5])
+    with pytest.raises(grpc.RpcError) as e:
+        cache.push(huge, device="dev1")
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and len(e.value.details()) < 200
+    for device in ("dev:1", "x" * 100):
+        s = Stream(cache.channel, device)
+        with pytest.raises(grpc.RpcError) as e:
+            s.next("registered")
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        s.close()
+    assert cache.push(chunk, device="dev1").kept == 1
+
+
+def test_a_malformed_chunk_on_the_stream_is_refused_and_the_stream_goes_on(cache, store):
+    store.create("s1", [1, 2, 3], SamplingParams(), "dev1")
+    s = Stream(cache.channel, "dev1")
+    s.next("registered")
+    s.send(pb.DraftChunk(session_id="s1:tok", epoch=0, start=3, tokens=[5]))
+    ack = s.next("ack")
+    assert ack.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    s.send(pb.DraftChunk(session_id="s1", epoch=0, start=3, tokens=[5, 6]))
+    ack = s.next("ack")
+    assert ack.code == grpc.StatusCode.OK.value[0] and ack.kept == 2
+    s.close()
+
+
+# -- 4. per-device credentials --------------------------------------------------------------------
+TOKENS = {"dev-a": "token-a-0123456789", "dev-b": "token-b-0123456789"}
+SHARED = "shared-0123456789"
+
+
+def test_device_tokens_file(tmp_path):
+    path = tmp_path / "tokens"
+    path.write_text("# fleet\n\ndev-a: token-a-0123456789\n  dev-b :token-b:x#y   # lab\n")
+    creds = DeviceCredentials.load(str(path))
+    assert len(creds) == 2 and creds.devices == {"dev-a", "dev-b"}
+    assert creds.device_for("token-a-0123456789") == "dev-a"
+    assert creds.device_for("token-b:x#y") == "dev-b"
+    assert creds.device_for("token-a") is None and creds.device_for(None) is None
+    bad = {"no colon": "dev-a token\n", "bad id": "dev:a: t\n", "no token": "dev-a:\n",
+           "listed twice": "dev-a: t1\ndev-a: t2\n", "shared": "dev-a: same\ndev-b: same\n",
+           "space in token": "dev-a: secret-1 secret-2\n", "empty": "# nothing\n"}
+    for what, text in bad.items():
+        with pytest.raises(ConfigError) as e:
+            DeviceCredentials.parse(text)
+        assert "secret" not in str(e.value) and "same" not in str(e.value), what
+    with pytest.raises(ConfigError):
+        DeviceCredentials.load(str(tmp_path / "missing"))
+    with pytest.raises(ConfigError):  # the shared token cannot also be a device's
+        TokenAuthInterceptor("token-a-0123456789", creds)
+
+
+@pytest.fixture()
+def secured(store):
+    c = Cache(store, token=SHARED, credentials=DeviceCredentials(TOKENS))
+    store.create("sa", [1, 2, 3], SamplingParams(), "dev-a")
+    store.create("sb", [1, 2, 3], SamplingParams(), "dev-b")
+    yield c
+    c.stop()
+
+
+def test_a_device_token_pushes_only_as_its_device_into_its_sessions(secured, store):
+    tok_a = TOKENS["dev-a"]
+    into_b = pb.DraftChunk(session_id="sb", epoch=0, start=3, tokens=[5])
+    into_a = pb.DraftChunk(session_id="sa", epoch=0, start=3, tokens=[5])
+    denied = grpc.StatusCode.PERMISSION_DENIED
+    assert code_of(lambda: secured.push(into_b, tok_a, device="dev-b")) == denied  # as another
+    assert code_of(lambda: secured.push(into_b, tok_a)) == denied  # into another's session
+    assert code_of(lambda: secured.push(into_a, tok_a, device="dev-b")) == denied
+    assert code_of(lambda: secured.push(into_a, SHARED, device="dev-a")) == denied  # no device
+    assert code_of(lambda: secured.push(into_a, "wrong", device="dev-a")) == \
+        grpc.StatusCode.UNAUTHENTICATED
+    assert code_of(lambda: secured.push(into_a, None, device="dev-a")) == \
+        grpc.StatusCode.UNAUTHENTICATED
+    assert draft_len(store, "sa") == draft_len(store, "sb") == 0
+    assert secured.push(into_a, tok_a).kept == 1  # its own session, device from the token
+    assert secured.push(into_b, TOKENS["dev-b"], device="dev-b").kept == 1
+
+
+def test_a_device_token_registers_only_its_device(secured):
+    s = Stream(secured.channel, "dev-b", token=TOKENS["dev-a"])
+    with pytest.raises(grpc.RpcError) as e:
+        s.next("registered")
+    assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    s.close()
+    s = Stream(secured.channel, "dev-a", token=TOKENS["dev-a"])
+    s.next("registered")
+    assert s.next("assignment").session_id == "sa"
+    s.send(pb.DraftChunk(session_id="sb", epoch=0, start=3, tokens=[5]))
+    assert s.next("ack").code == grpc.StatusCode.PERMISSION_DENIED.value[0]
+    s.send(pb.DraftChunk(session_id="sa", epoch=0, start=3, tokens=[5]))
+    assert s.next("ack").code == grpc.StatusCode.OK.value[0]
+    s.close()
+
+
+def test_device_tokens_are_good_for_the_draft_cache_only(secured):
+    stub = pb_grpc.VerifierStub(secured.channel)
+    req = pb.CancelRequest(session_id="x")
+    assert code_of(lambda: stub.Cancel(req, metadata=auth_metadata(TOKENS["dev-a"]),
+                                       timeout=WAIT_S)) == grpc.StatusCode.PERMISSION_DENIED
+    # the shared token passes the interceptor (the test server's Verifier is unimplemented)
+    assert code_of(lambda: stub.Cancel(req, metadata=auth_metadata(SHARED),
+                                       timeout=WAIT_S)) == grpc.StatusCode.UNIMPLEMENTED
+    assert code_of(lambda: stub.Cancel(req, timeout=WAIT_S)) == grpc.StatusCode.UNAUTHENTICATED
+
+
+# -- 4. mutual TLS --------------------------------------------------------------------------------
+def _openssl(*args):
+    subprocess.run(["openssl", *map(str, args)], check=True, capture_output=True)
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory):
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is needed to make test certificates")
+    d = tmp_path_factory.mktemp("mtls")
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    _openssl("req", "-x509", *ec, "-days", "1", "-subj", "/CN=edgespec-test-ca",
+             "-keyout", d / "ca.key", "-out", d / "ca.pem")
+    (d / "server.ext").write_text("subjectAltName=IP:127.0.0.1\nextendedKeyUsage=serverAuth\n")
+    (d / "client.ext").write_text("extendedKeyUsage=clientAuth\n")
+    for who in ("server", "client"):
+        _openssl("req", *ec, "-subj", f"/CN={who}", "-keyout", d / f"{who}.key",
+                 "-out", d / f"{who}.csr")
+        _openssl("x509", "-req", "-in", d / f"{who}.csr", "-CA", d / "ca.pem", "-CAkey",
+                 d / "ca.key", "-CAcreateserial", "-days", "1", "-extfile", d / f"{who}.ext",
+                 "-out", d / f"{who}.pem")
+    _openssl("req", "-x509", *ec, "-days", "1", "-subj", "/CN=rogue",
+             "-keyout", d / "rogue.key", "-out", d / "rogue.pem")
+    return d
+
+
+class SlotDrafter(Drafter):
+    """A drafter with ``slots`` sessions at most (``open`` beyond them raises CacheFullError, as
+    a model drafter out of KV slots does); drafts token 7 forever, and fails to draft for a
+    prompt starting with ``poison``."""
+
+    name = "slots"
+
+    def __init__(self, slots: int = 8, poison: int = 99):
+        self.slots, self.poison, self.open_now = slots, poison, 0
+
+    def open(self, tokens, params):
+        if self.open_now >= self.slots:
+            raise CacheFullError(f"all {self.slots} KV slots are in use")
+        self.open_now += 1
+        return _SlotSession(self, tokens, params)
+
+
+class _SlotSession(DraftSession):
+    def __init__(self, drafter, tokens, params):
+        super().__init__(tokens, params)
+        self.drafter = drafter
+
+    def propose(self, k):
+        if self.tokens[0] == self.drafter.poison:
+            raise RuntimeError("the draft model fell over")
+        self.tokens.extend([7] * k)
+        return Draft([7] * k)
+
+    def close(self):
+        self.drafter.open_now -= 1
+
+
+def start_agent(agent: DrafterAgent) -> threading.Thread:
+    t = threading.Thread(target=agent.run, daemon=True)
+    t.start()
+    assert agent.connected.wait(WAIT_S)
+    return t
+
+
+def test_mutual_tls_admits_clients_with_a_certificate_of_the_ca_only(store, pki):
+    d = pki
+    c = Cache(store, tls=(str(d / "server.pem"), str(d / "server.key"), str(d / "ca.pem")))
+    try:
+        agent = DrafterAgent(c.address, "edge-tls", SlotDrafter(), tls_ca=str(d / "ca.pem"),
+                             tls_cert=str(d / "client.pem"), tls_key=str(d / "client.key"))
+        t = start_agent(agent)  # the handshake with the CA's client certificate works
+        agent.stop()
+        t.join(WAIT_S)
+        chunk = pb.DraftChunk(session_id="nope", tokens=[1])
+        for cert in (None, "rogue"):
+            kw = {} if cert is None else {"client_cert": str(d / f"{cert}.pem"),
+                                          "client_key": str(d / f"{cert}.key")}
+            channel = make_channel(c.address, tls_ca=str(d / "ca.pem"), **kw)
+            with pytest.raises(grpc.RpcError) as e:
+                pb_grpc.DraftCacheStub(channel).PushDraft(
+                    chunk, metadata=[(DEVICE_METADATA, "edge-tls")], timeout=WAIT_S)
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE  # no handshake, no call
+            channel.close()
+    finally:
+        c.stop()
+    with pytest.raises(ConfigError):
+        bind(grpc.server(futures.ThreadPoolExecutor(1)), "127.0.0.1:0",
+             client_ca=str(d / "ca.pem"))
+    with pytest.raises(ConfigError):
+        make_channel("127.0.0.1:1", client_cert=str(d / "client.pem"))
+
+
+# -- 3. the agent refuses what its drafter cannot do, and lives on --------------------------------
+def test_agent_refuses_a_session_its_drafter_cannot_open_and_keeps_serving(cache, store):
+    drafter = SlotDrafter(slots=1)
+    agent = DrafterAgent(cache.address, "edge-1", drafter, window=4, chunk=2, max_sessions=1)
+    t = start_agent(agent)
+    try:
+        idle = lambda sid: store.redis.hget(store.session_keys(sid)[0], "idle") == b"1"  # noqa: E731
+        store.create("s1", [1, 2, 3], SamplingParams(), "edge-1")
+        eventually(lambda: draft_len(store, "s1") > 0, "drafts for s1")
+        store.create("s2", [1, 2, 3], SamplingParams(), "edge-1")  # pinned beyond capacity
+        eventually(lambda: idle("s2"), "an idle chunk for the refused s2")
+        assert t.is_alive() and agent.refused == 1
+        # the verifier decodes s2 alone: its fix resets the idle flag, the agent sets it again
+        store.commit_many([Verdict(session_id="s2", epoch=0, start=3, n_accepted=0, token=9)])
+        eventually(lambda: idle("s2") and store.redis.hget(store.session_keys("s2")[0], "epoch") == b"1",
+                   "an idle chunk for s2 after its fix")
+        store.close("s1")
+        eventually(lambda: drafter.open_now == 0, "s1's slot freed")
+        store.create("s3", [1, 2, 3], SamplingParams(), "edge-1")
+        eventually(lambda: draft_len(store, "s3") > 0, "drafts for s3 after the refusal")
+        store.close("s3")
+        eventually(lambda: drafter.open_now == 0, "s3's slot freed")
+        store.create("s4", [99, 2, 3], SamplingParams(), "edge-1")  # propose raises
+        eventually(lambda: idle("s4"), "an idle chunk for s4 whose drafting failed")
+        assert t.is_alive() and agent.refused == 2 and drafter.open_now == 0
+        store.create("s5", [1, 2, 3], SamplingParams(), "edge-1")
+        eventually(lambda: draft_len(store, "s5") > 0, "drafts for s5")
+    finally:
+        agent.stop()
+        t.join(WAIT_S)
+
+
+# -- 5. bounded drafter-side state ----------------------------------------------------------------
+def test_pick_counts_only_live_sessions_and_drops_the_rest(store):
+    store.register_device("d1", {"max_sessions": 1})
+    store.create("gone", [1], SamplingParams(), "d1")
+    store.redis.delete(*store.session_keys("gone"))  # a crashed verifier never closed it; its keys expired
+    store.create("done", [1], SamplingParams(), "d1")
+    store.redis.hset(store.session_keys("done")[0], "done", 1)
+    assert store.pick_device() == "d1"
+    store.release_pick("d1")
+    assert store.redis.smembers(store.sessions_key("d1")) == set()
+    store.create("live", [1], SamplingParams(), "d1")
+    assert store.pick_device() is None  # full: one live session, limit 1
+    assert store.device_sessions("d1") == ["live"]
+    store.mark_alive("d1")
+    assert 0 < store.redis.ttl(store.sessions_key("d1")) <= store.ttl_s
+
+
+def test_registrations_not_seen_for_long_are_forgotten(store):
+    for dev in ("old", "fresh", "alive-old"):
+        store.register_device(dev, {"max_sessions": 4})
+    store.create("s-old", [1], SamplingParams(), "old")
+    store.mark_gone("old")
+    store.redis.zadd(store.seen_key, {"old": 0, "alive-old": 0})  # last seen in 1970
+    assert store.pick_device() in ("fresh", "alive-old")
+    regs = {d.decode() for d in store.redis.hkeys(store.devices_key)}
+    assert regs == {"fresh", "alive-old"}  # an alive device stays, whatever its mark says
+    assert not store.redis.exists(store.sessions_key("old"), store.inbox_key("old"))
+
+
+def test_a_device_generation_is_dropped_when_its_stream_ends(cache, store):
+    s = Stream(cache.channel, "dev1")
+    s.next("registered")
+    assert "dev1" in cache.service._generation and store.is_alive("dev1")
+    s.close()
+    eventually(lambda: "dev1" not in cache.service._generation, "the generation dropped")
+    assert not store.is_alive("dev1")
+
+
+# -- 6. inbox event names -------------------------------------------------------------------------
+def test_inbox_events_assign_commit_close_reach_the_drafter(cache, store):
+    s = Stream(cache.channel, "dev1")
+    s.next("registered")
+    store.create("s1", [1, 2, 3], SamplingParams(), "dev1")
+    a = s.next("assignment")
+    assert (a.session_id, list(a.tokens), a.epoch) == ("s1", [1, 2, 3], 0)
+    inbox = store.inbox_key("dev1")
+    store.redis.xadd(inbox, {"t": "commit", "sid": "s1", "epoch": 1, "end": 4, "fix": 1, "tok": 9})
+    c = s.next("commit")
+    assert (c.session_id, c.epoch, c.committed_end, c.is_fix, c.fix_position, c.fix_token) == \
+        ("s1", 1, 4, True, 3, 9)
+    store.redis.xadd(inbox, {"t": "close", "sid": "s1"})
+    assert s.next("closed").session_id == "s1"
+    s.close()
