@@ -2,7 +2,8 @@
 
 Keys (prefix ``es:`` by default):
 
-    es:s:{sid}            hash: prompt_len, epoch, device, params (JSON), idle, done
+    es:s:{sid}            hash: prompt_len, epoch, device, params (JSON, seed included), idle,
+                          done, finish (reason), max_new
     es:s:{sid}:tok        string: prompt + committed tokens, packed little-endian uint32
     es:s:{sid}:draft      string: the draft beyond the committed tokens, packed the same way
     es:s:{sid}:q          list: one packed sparse q' per draft token (sampled model drafts only)
@@ -10,6 +11,7 @@ Keys (prefix ``es:`` by default):
     es:dev:{id}:alive     string with a short TTL while the drafter's stream is open
     es:dev:{id}:sessions  set: the device's active sessions
     es:devices            hash: device id -> JSON registration
+    es:devices:seen       sorted set: device id -> last seen (registrations idle long are pruned)
     es:target             hash: the verifier's model, tokenizer fingerprint, vocabulary, window
     es:wake               pub/sub channel: a message per pushed chunk wakes the verifier
 

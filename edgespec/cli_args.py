@@ -50,7 +50,7 @@ def default_threads() -> int:
     """Torch intra-op threads when ``--threads`` is not given: all cores but one (at least one).
 
     A model-running process shares the machine with gRPC, Redis and drafter threads; torch's
-    default (one thread per core) oversubscribes a loaded machine badly (DESIGN section 10: on
+    default (one thread per core) oversubscribes a loaded machine badly (measured here: on
     2 cores under load, 1.4 tok/s with the default threads, 13.3 tok/s with one thread)."""
     return max(1, (os.cpu_count() or 1) - 1)
 

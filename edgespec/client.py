@@ -159,10 +159,10 @@ class _Resumer:
             self.session_id = r.session_id
         self.received += len(r.token_ids)
 
-    def retry_after(self, e: grpc.RpcError) -> float | None:
-        """Seconds to wait before resuming, or None to give up (raise)."""
+    def retry_after(self, e: grpc.RpcError) -> float:
+        """Seconds to wait before resuming; raises the error (as an EdgespecError) to give up."""
         if e.code() not in RESUMABLE or self.resumes >= self.max_resumes:
-            return None
+            raise _translate(e) from None
         self.resumes += 1
         return min(2.0, 0.1 * 2 ** self.resumes)
 
@@ -236,10 +236,7 @@ class Client:
                     yield r
                 return
             except grpc.RpcError as e:
-                pause = res.retry_after(e)
-                if pause is None:
-                    raise _translate(e) from None
-                time.sleep(pause)
+                time.sleep(res.retry_after(e))
             finally:
                 call.cancel()  # a caller that stops reading ends its session on the server
 
@@ -300,10 +297,9 @@ class AsyncClient:
                     yield r
                 return
             except grpc.RpcError as e:
-                pause = res.retry_after(e)
-                if pause is None:
-                    raise _translate(e) from None
-                await asyncio.sleep(pause)
+                await asyncio.sleep(res.retry_after(e))
+            finally:
+                call.cancel()
 
     async def stream(self, prompt: str | None = None, *, timeout: float | None = None, **kw):
         coll = _Collector()

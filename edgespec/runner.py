@@ -38,7 +38,8 @@ class Linear:
 
     Pre-packing matters: measured on 2 CPU cores, MKL's plain sgemm re-packs the weight on every
     call and costs ~2x a matrix-vector product for 2..8 rows, so a forward over a k+1-token draft
-    cost ~2x a forward over one token; with packed weights it costs ~1.2x. The packed kernel is
+    cost ~2x a forward over one token; with packed weights a 7-token forward costs ~1.5x a
+    1-token one (37.5 vs 55.6 ms, default model, 700-token context). The packed kernel is
     also row-invariant (a row's result does not depend on how many rows are in the call), which
     keeps verification and plain decoding bit-identical.
     """

@@ -1,4 +1,4 @@
-"""Verification maths, as pure functions (DESIGN.md sections 3 and 9).
+"""Verification maths, as pure functions (docs/architecture.md, "Verification maths").
 
 Vocabulary: a verification step sees the target's distributions at T+1 positions for a draft of
 T tokens, accepts a prefix of n draft tokens, and emits one token of its own: the *recovered*

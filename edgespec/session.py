@@ -1,4 +1,4 @@
-"""The session protocol (query-and-correct, DESIGN.md section 2), in process.
+"""The session protocol (query-and-correct, docs/architecture.md), in process.
 
 One ``SessionState`` per generation holds what the shared draft cache holds in the distributed
 system: the prompt, the committed tokens, the current draft beyond them, and the epoch. The

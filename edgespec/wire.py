@@ -1,8 +1,10 @@
-"""gRPC plumbing every role shares: conversions to and from the wire messages, the shared-token
-authentication interceptor, TLS credentials, and channel/server construction.
+"""gRPC plumbing every role shares: conversions to and from the wire messages, the
+authentication interceptor, TLS credentials (mutual TLS as an option), and channel/server
+construction.
 
-Authentication: when a token is configured, every call except health checks must carry the
-metadata ``authorization: Bearer <token>``; others are refused with UNAUTHENTICATED.
+Authentication: tokens travel as ``authorization: Bearer <token>`` metadata. A shared token
+guards every call but health checks; per-device tokens (the cache's ``--device-tokens``) admit
+drafters to DraftCache methods only, as the device they name. See ``TokenAuthInterceptor``.
 """
 
 from __future__ import annotations

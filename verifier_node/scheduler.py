@@ -119,8 +119,11 @@ class Scheduler(threading.Thread):
             running = self._tickets.get(ticket.session_id)
             if running is not None:
                 return running
-            if len(self._pending) >= self.max_queue:
-                raise Overloaded(f"{self.max_queue} requests are already waiting")
+            # running + queued, not queued alone: a ticket not yet moved to a free slot must not
+            # take a queue place
+            if len(self._tickets) >= self.engine.cfg.max_sessions + self.max_queue:
+                raise Overloaded(f"{self.engine.cfg.max_sessions} sessions are running and "
+                                 f"{self.max_queue} waiting")
             self._pending.append(ticket)
             self._tickets[ticket.session_id] = ticket
         self._wake.set()
