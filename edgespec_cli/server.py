@@ -104,6 +104,7 @@ class EdgespecServer:
             raise
 
     def _add_verifier(self) -> None:
+        from verifier_node.admission import Admission
         from verifier_node.scheduler import Scheduler
         from verifier_node.service import VerifierService
 
@@ -121,9 +122,9 @@ class EdgespecServer:
                             "chunk": cfg.chunk}
         self.store.set_target(self.target_info)
         self.scheduler = Scheduler(engine, max_queue=self.opts.max_queue)
-        service = VerifierService(self.scheduler, self.store, target.tokenizer,
-                                  runner.vocab_size, self.opts.default_max_new_tokens,
-                                  max_streams=self.opts.max_streams())
+        self.admission = Admission(self.scheduler, self.store, target.tokenizer,
+                                   runner.vocab_size, self.opts.default_max_new_tokens)
+        service = VerifierService(self.admission, max_streams=self.opts.max_streams())
         pb_grpc.add_VerifierServicer_to_server(service, self.server)
         self._services.append(VERIFIER_SERVICE)
 

@@ -1,0 +1,142 @@
+"""Turning a generation request into a running ticket, whatever transport it came by.
+
+Both front doors of the verifier, the gRPC ``Verifier`` service and the OpenAI-compatible HTTP
+API, describe a request as a ``GenerationRequest`` and go through ``Admission``: the prompt is
+checked and tokenized (a prompt that cannot fit is refused before the tokenizer spends seconds
+on it), a drafter is picked, and the ticket is queued; or, with ``resume_session_id``, the
+session is found running here or re-admitted from what the cache holds. ``follow`` counts a
+reader of a ticket and cancels the session when its last reader goes away.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+from edgespec.config import ConfigError, SamplingParams
+from edgespec.engine import Request, Result
+from edgespec.ids import check_device_id, check_session_id, shown
+from edgespec.metrics import Stats
+from edgespec.models import encode_prompt
+
+from .scheduler import Scheduler, Ticket
+
+# A prompt longer than this many characters per context token cannot fit: refused before the
+# tokenizer spends seconds on it.
+MAX_CHARS_PER_TOKEN = 64
+
+
+@dataclass
+class GenerationRequest:
+    """Exactly one of ``prompt`` (one user message through the chat template, or as is with
+    ``raw``), ``messages`` and ``prompt_ids``; or ``resume_session_id`` alone."""
+
+    prompt: str = ""
+    raw: bool = False
+    messages: list[dict] = field(default_factory=list)
+    prompt_ids: list[int] = field(default_factory=list)
+    max_new_tokens: int = 0  # 0: the server's default
+    params: SamplingParams = field(default_factory=SamplingParams)
+    device_id: str = ""
+    resume_session_id: str = ""
+
+
+class NotFound(Exception):
+    pass
+
+
+class DrafterMissing(Exception):
+    """A pinned drafter that is not attached."""
+
+
+class Admission:
+    def __init__(self, scheduler: Scheduler, store, tokenizer, vocab_size: int,
+                 default_max_new_tokens: int = 128):
+        self.scheduler, self.store, self.tokenizer = scheduler, store, tokenizer
+        self.vocab_size = vocab_size
+        self.default_max_new = default_max_new_tokens
+        self.max_len = scheduler.engine.target.max_len
+
+    def prompt_ids(self, g: GenerationRequest) -> list[int]:
+        given = [bool(g.prompt), bool(g.messages), bool(g.prompt_ids)]
+        if sum(given) != 1:
+            raise ConfigError("give exactly one of prompt, messages, prompt_ids")
+        if g.prompt_ids:
+            if len(g.prompt_ids) > self.max_len:
+                raise ConfigError(f"the prompt ({len(g.prompt_ids)} tokens) exceeds the "
+                                  f"context limit ({self.max_len})")
+            if any(not isinstance(t, int) or not 0 <= t < self.vocab_size for t in g.prompt_ids):
+                raise ConfigError(f"prompt token ids must be integers in [0, {self.vocab_size})")
+            return list(g.prompt_ids)
+        chars = len(g.prompt) + sum(len(str(m.get("content", ""))) + len(str(m.get("role", "")))
+                                    for m in g.messages)
+        if chars > MAX_CHARS_PER_TOKEN * self.max_len:
+            raise ConfigError(f"the prompt ({chars} characters) exceeds the context limit "
+                              f"({self.max_len} tokens)")
+        if g.messages:
+            return encode_prompt(self.tokenizer, messages=g.messages)
+        return encode_prompt(self.tokenizer, g.prompt, raw=g.raw)
+
+    def admit(self, g: GenerationRequest) -> Ticket:
+        """A queued (or running, or already finished) ticket. Raises ConfigError, NotFound,
+        DrafterMissing, or the scheduler's Overloaded / ShuttingDown."""
+        ticket = self._resume_ticket(g) if g.resume_session_id else self._new_ticket(g)
+        if ticket.ended:
+            return ticket
+        try:
+            return self.scheduler.submit(ticket)
+        except BaseException:
+            if ticket.reserved:
+                self.store.release_pick(ticket.device)
+            raise
+
+    def _ticket(self, request: Request, device: str | None, **kw) -> Ticket:
+        if device is None:
+            picked = self.store.pick_device()
+            return Ticket(request, picked, reserved=picked is not None, **kw)
+        return Ticket(request, device, **kw)
+
+    def _new_ticket(self, g: GenerationRequest) -> Ticket:
+        ids = self.prompt_ids(g)
+        if g.max_new_tokens < 0:
+            raise ConfigError("max_new_tokens must be >= 0 (0: the server's default)")
+        device = check_device_id(g.device_id) if g.device_id else None
+        if device and not self.store.is_alive(device):
+            raise DrafterMissing(f"drafter {device!r} is not attached")
+        return self._ticket(Request(ids, g.max_new_tokens or self.default_max_new, g.params),
+                            device)
+
+    def _resume_ticket(self, g: GenerationRequest) -> Ticket:
+        sid = check_session_id(g.resume_session_id)
+        if g.prompt or g.messages or g.prompt_ids:
+            raise ConfigError("a resumed session takes its prompt from the cache: send none")
+        running = self.scheduler.ticket(sid)
+        if running is not None:
+            return running
+        rec = self.store.load(sid)
+        if rec is None:
+            raise NotFound(f"no session {shown(sid)} in the cache (it finished long ago or "
+                           "expired)")
+        request = Request(rec.prompt, rec.max_new_tokens, rec.params, committed=rec.committed)
+        if rec.finish_reason in ("stop", "length"):
+            done = Ticket(request, rec.device, session_id=sid)
+            done.finish(Result(rec.committed, Stats(tokens=len(rec.committed)),
+                               rec.finish_reason))
+            return done
+        device = rec.device if rec.device and self.store.is_alive(rec.device) else None
+        return self._ticket(request, device, session_id=sid)
+
+    @contextlib.contextmanager
+    def follow(self, ticket: Ticket):
+        """Count a reader of ``ticket`` for the block; when the last reader leaves before the
+        session ended (a client that gave up), the session is cancelled, freeing its slot."""
+        with ticket.cond:
+            ticket.followers += 1
+        try:
+            yield ticket
+        finally:
+            with ticket.cond:
+                ticket.followers -= 1
+                orphaned = ticket.followers == 0 and not ticket.ended
+            if orphaned:
+                self.scheduler.cancel(ticket.session_id)
