@@ -20,6 +20,9 @@ another device, and a chunk for a session assigned to another device are PERMISS
 Without them, the device is what the drafter says (``Register.device_id``, or the
 ``x-edgespec-device`` metadata of PushDraft), and a chunk for another device's session is
 FAILED_PRECONDITION.
+
+With ``metrics`` (``cache_service.metrics.CacheMetrics``) the service counts open Attach streams,
+registrations by device, chunks by result and status code, and draft tokens stored.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import logging
 import math
 import queue
 import threading
+from typing import TYPE_CHECKING
 
 import grpc
 
@@ -40,6 +44,9 @@ from edgespec.wire import params_to_pb, q_from_pb
 
 from .credentials import DeviceCredentials
 from .store import RedisSessionStore, StoreError
+
+if TYPE_CHECKING:  # prometheus_client is needed only where metrics are kept
+    from .metrics import CacheMetrics
 
 log = logging.getLogger("edgespec.cache")
 
@@ -61,10 +68,13 @@ class ChunkRefused(Exception):
 
 class DraftCacheService(pb_grpc.DraftCacheServicer):
     def __init__(self, store: RedisSessionStore, window: int = 16, chunk: int = 4,
-                 poll_ms: int = 1000, credentials: DeviceCredentials | None = None):
-        """``credentials``: per-device tokens; None: drafters name their device themselves."""
+                 poll_ms: int = 1000, credentials: DeviceCredentials | None = None,
+                 metrics: CacheMetrics | None = None):
+        """``credentials``: per-device tokens; None: drafters name their device themselves.
+        ``metrics``: where to count attaches and chunks (None: not counted)."""
         self.store, self.window, self.chunk, self.poll_ms = store, window, chunk, poll_ms
         self.credentials = credentials
+        self.metrics = metrics
         self._lock = threading.Lock()
         # device -> generation of its current Attach stream; an entry lives as long as the
         # stream. Generations come from one counter, so a stream never mistakes a later one
@@ -88,6 +98,11 @@ class DraftCacheService(pb_grpc.DraftCacheServicer):
         return device
 
     # -- chunks ---------------------------------------------------------------------------------
+    def _refused(self, e: ChunkRefused) -> None:
+        """Count a refused chunk (stored ones are counted by ``_check_and_push``)."""
+        if self.metrics is not None:
+            self.metrics.chunk_refused(e.code)
+
     def _check_and_push(self, device: str, chunk: pb.DraftChunk, vocab: int) -> pb.ChunkAck:
         try:
             sid = check_session_id(chunk.session_id)
@@ -115,6 +130,8 @@ class DraftCacheService(pb_grpc.DraftCacheServicer):
                                   self.window)
         except StoreError as e:
             raise ChunkRefused(_CODES.get(e.kind, grpc.StatusCode.INTERNAL), str(e)) from None
+        if self.metrics is not None:
+            self.metrics.chunk_stored(res.kept)
         return pb.ChunkAck(session_id=sid, start=chunk.start, kept=res.kept,
                            committed_end=res.committed_end, code=grpc.StatusCode.OK.value[0])
 
@@ -139,6 +156,7 @@ class DraftCacheService(pb_grpc.DraftCacheServicer):
                         raise ChunkRefused(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
             return self._check_and_push(device, request, self._vocab())
         except ChunkRefused as e:
+            self._refused(e)
             context.abort(e.code, str(e))
 
     # -- the attach stream ------------------------------------------------------------------------
@@ -185,6 +203,8 @@ class DraftCacheService(pb_grpc.DraftCacheServicer):
         out: queue.Queue = queue.Queue()
         stop = threading.Event()
         context.add_callback(stop.set)
+        if self.metrics is not None:
+            self.metrics.attach(device)
         try:
             out.put(pb.CacheMessage(registered=pb.Registered(
                 target_model=target.get("model", ""), tokenizer_fingerprint=target["fingerprint"],
@@ -208,6 +228,8 @@ class DraftCacheService(pb_grpc.DraftCacheServicer):
                 yield msg
         finally:
             stop.set()
+            if self.metrics is not None:
+                self.metrics.detach()
             with self._lock:  # mark_gone under the lock: a newer stream cannot slip in between
                 if self._generation.get(device) == gen:
                     del self._generation[device]
@@ -222,6 +244,7 @@ class DraftCacheService(pb_grpc.DraftCacheServicer):
                 try:
                     ack = self._check_and_push(device, msg.chunk, vocab)
                 except ChunkRefused as e:
+                    self._refused(e)
                     sid = msg.chunk.session_id
                     if e.code == grpc.StatusCode.INVALID_ARGUMENT and len(sid) > 64:
                         sid = ""  # never echo a huge id back

@@ -195,6 +195,16 @@ class PushResult:
 
 
 @dataclass
+class DeviceInfo:
+    device_id: str
+    draft_model: str
+    attached: bool
+    sessions: int
+    max_sessions: int
+    last_seen_s: float  # 0 while attached
+
+
+@dataclass
 class SessionRecord:
     """A session as stored: what a verifier needs to resume it."""
 
@@ -402,6 +412,28 @@ class RedisSessionStore:
             if best is not None:
                 self._reserved[best] += 1
             return best
+
+    def devices(self) -> list[DeviceInfo]:
+        """Every registered drafter: attached or not, its load and when it was last seen."""
+        now = time.time()
+        regs = {d.decode(): raw for d, raw in self.redis.hgetall(self.devices_key).items()}
+        pipe = self.redis.pipeline(transaction=False)
+        for dev in regs:
+            pipe.exists(self.alive_key(dev))
+            pipe.zscore(self.seen_key, dev)
+        flags = pipe.execute()
+        loads = self._live_sessions(list(regs))
+        out = []
+        for j, (dev, raw) in enumerate(regs.items()):
+            alive, seen = flags[2 * j], flags[2 * j + 1]
+            try:
+                info = json.loads(raw)
+            except ValueError:
+                info = {}
+            out.append(DeviceInfo(dev, str(info.get("draft_model", "")), bool(alive),
+                                  len(loads[j]), int(info.get("max_sessions") or 0),
+                                  0.0 if alive or seen is None else max(0.0, now - seen)))
+        return sorted(out, key=lambda d: d.device_id)
 
     def release_pick(self, device: str | None) -> None:
         """Give back a reservation whose session was never created."""

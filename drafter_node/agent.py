@@ -22,6 +22,7 @@ import queue
 import random
 import threading
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import grpc
 
@@ -31,6 +32,9 @@ from edgespec.ids import check_device_id
 from edgespec.v1 import edgespec_pb2 as pb
 from edgespec.v1 import edgespec_pb2_grpc as pb_grpc
 from edgespec.wire import auth_metadata, make_channel, params_from_pb, q_to_pb
+
+if TYPE_CHECKING:  # prometheus_client is needed only where metrics are kept
+    from .metrics import DrafterMetrics
 
 log = logging.getLogger("edgespec.drafter")
 
@@ -68,10 +72,11 @@ class DrafterAgent:
                  window: int | None = None, chunk: int | None = None, token: str | None = None,
                  tls_ca: str | None = None, tls: bool = False, max_sessions: int = 8,
                  backoff_max_s: float = 10.0, tls_cert: str | None = None,
-                 tls_key: str | None = None):
+                 tls_key: str | None = None, metrics: DrafterMetrics | None = None):
         """``token``: the shared token, or this device's own token when the cache has
         per-device credentials. ``tls_cert``/``tls_key``: this device's client certificate
-        (mutual TLS)."""
+        (mutual TLS). ``metrics``: where to count chunks, fixes and link round trips (None:
+        not counted)."""
         self.cache, self.device_id, self.drafter = cache, check_device_id(device_id), drafter
         if bool(tls_cert) != bool(tls_key):
             raise ConfigError("a client certificate needs both --tls-cert and --tls-key")
@@ -81,6 +86,7 @@ class DrafterAgent:
         self.tls_cert, self.tls_key = tls_cert, tls_key
         self.max_sessions = max_sessions
         self.backoff_max_s = backoff_max_s
+        self.metrics = metrics
         self.sessions: dict[str, _Session] = {}
         self.cond = threading.Condition()
         self.stopping = threading.Event()
@@ -160,6 +166,8 @@ class DrafterAgent:
                     drafting.start()
         finally:
             out.put(None)
+            if self.metrics is not None:
+                self.metrics.link_lost()
             with self.cond:
                 self._out = self._call = None
                 self.connected.clear()
@@ -197,8 +205,13 @@ class DrafterAgent:
 
     def _send_idle(self, sid: str, s: _Session, start: int) -> None:
         if self._out is not None:
-            self._out.put(pb.DrafterMessage(chunk=pb.DraftChunk(
-                session_id=sid, epoch=s.epoch, start=start, idle=True)))
+            self._send(self._out, pb.DraftChunk(session_id=sid, epoch=s.epoch, start=start,
+                                                idle=True))
+
+    def _send(self, out: queue.Queue, chunk: pb.DraftChunk) -> None:
+        if self.metrics is not None:  # before queuing it: its ack cannot come first
+            self.metrics.chunk_sent(chunk.session_id, chunk.start, len(chunk.tokens))
+        out.put(pb.DrafterMessage(chunk=chunk))
 
     # -- what the cache sends ---------------------------------------------------------------------
     def _apply(self, msg: pb.CacheMessage) -> None:
@@ -220,8 +233,11 @@ class DrafterAgent:
                 s = self.sessions.pop(msg.closed.session_id, None)
                 if s is not None:
                     self._close(msg.closed.session_id, s)
-            elif kind == "ack" and msg.ack.code != grpc.StatusCode.OK.value[0]:
-                log.debug("chunk refused: %s", msg.ack.message)
+            elif kind == "ack":
+                if self.metrics is not None:
+                    self.metrics.ack_received(msg.ack.session_id, msg.ack.start, msg.ack.code)
+                if msg.ack.code != grpc.StatusCode.OK.value[0]:
+                    log.debug("chunk refused: %s", msg.ack.message)
             self.cond.notify_all()
 
     def _apply_assignment(self, a: pb.Assignment) -> None:
@@ -236,6 +252,8 @@ class DrafterAgent:
             self._refuse(a.session_id, s, f"{type(e).__name__}: {e}")
 
     def _apply_commit(self, c: pb.Commit) -> None:
+        if c.is_fix and self.metrics is not None:
+            self.metrics.fix_received()
         s = self.sessions.get(c.session_id)
         if s is None:
             return
@@ -288,6 +306,6 @@ class DrafterAgent:
                                  start=work.start)
                     continue
                 s.idle = len(draft) == 0
-            out.put(pb.DrafterMessage(chunk=chunk))
+            self._send(out, chunk)
             self.chunks_sent += 1
 

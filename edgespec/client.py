@@ -263,6 +263,18 @@ class Client:
         except grpc.RpcError as e:
             raise _translate(e) from None
 
+    def status(self) -> dict:
+        """What the verifier and its drafters are doing now (the ``Status`` RPC) as a dict."""
+        from google.protobuf.json_format import MessageToDict
+
+        try:
+            res = self.stub.Status(pb.StatusRequest(), timeout=self.timeout or 10,
+                                   metadata=self.metadata, wait_for_ready=True)
+        except grpc.RpcError as e:
+            raise _translate(e) from None
+        return MessageToDict(res, preserving_proto_field_name=True,
+                             always_print_fields_with_no_presence=True)
+
 
 class AsyncClient:
     """The asyncio twin of ``Client`` (grpc.aio), resuming broken streams the same way."""

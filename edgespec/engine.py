@@ -79,6 +79,21 @@ class _Decided:
     finish: str | None
 
 
+@dataclass(frozen=True)
+class StepReport:
+    """What one verification step did, for metrics."""
+
+    sessions: int  # rows in the forward
+    tokens: int  # tokens in the forward (one own token per row + draft tokens)
+    drafts: int  # sessions whose non-empty draft was verified
+    drafted: int
+    accepted: int
+    accepted_per_pos: tuple[int, ...]  # accepted draft tokens by position in the draft
+    take_s: float  # waiting for and taking drafts
+    forward_s: float  # the forward + verification
+    commit_s: float
+
+
 @dataclass
 class _DraftWork:
     """A session the drafter thread drafts for this round."""
@@ -276,13 +291,14 @@ class SpecEngine:
             act.on_error(exc)
 
     # -- one verification step over every active session -----------------------------------------
-    def step(self) -> None:
+    def step(self) -> StepReport | None:
         """Take drafts, verify every active session in one forward, commit. If the store cannot
         be reached, this raises with the engine unchanged, or with the step's verdicts kept
-        aside: the next call commits those first (the store recognises a commit that landed)."""
+        aside: the next call commits those first (the store recognises a commit that landed).
+        Returns what the step did (None when nothing was verified)."""
         if self._undelivered:
             self._commit(self._undelivered)
-            return
+            return None
         acts = list(self.active)
         plans = [a.draft_len.plan() for a in acts]
         ks = self._draft_budget([k for k, _ in plans])
@@ -301,7 +317,7 @@ class SpecEngine:
                     t.tokens, t.q = [], None  # the cache validates; never verify garbage
                 batch.append((act, t))
         if not batch:
-            return
+            return None
         t1 = time.perf_counter()
         verdicts = self._verify(batch)
         t2 = time.perf_counter()
@@ -315,7 +331,16 @@ class SpecEngine:
                                     new, len(t.tokens), finish))
             act.stats.take_s += t1 - t0
             act.stats.forward_s += t2 - t1
-        self._commit(decided)
+        t3 = time.perf_counter()
+        applied = self._commit(decided)
+        per_pos = [0] * max((d.drafted for d in applied), default=0)
+        for d in applied:
+            for i in range(d.verdict.n_accepted):
+                per_pos[i] += 1
+        return StepReport(len(batch), sum(1 + len(t.tokens) for _, t in batch),
+                          sum(1 for d in applied if d.drafted), sum(d.drafted for d in applied),
+                          sum(d.verdict.n_accepted for d in applied), tuple(per_pos),
+                          t1 - t0, t2 - t1, time.perf_counter() - t3)
 
     def _verify(self, batch: list[tuple[_Active, TakenDraft]]) -> list[tuple[int, int]]:
         """One forward over the batch; if it fails, each session alone, so that a failure
@@ -340,18 +365,21 @@ class SpecEngine:
         return verify_batch(logits, [t.tokens for _, t in batch],
                             [a.req.params for a, _ in batch], [t.start for _, t in batch])
 
-    def _commit(self, decided: list[_Decided]) -> None:
+    def _commit(self, decided: list[_Decided]) -> list[_Decided]:
+        """Commit verdicts in the store, then apply the ones it took; returns those."""
         decided = [d for d in decided if d.act in self.active]  # not cancelled meanwhile
         self._undelivered = decided
         t0 = time.perf_counter()
         outcomes = self.store.commit_many([d.verdict for d in decided])  # may raise: retried
         self._undelivered = []
         dt = time.perf_counter() - t0
+        applied = []
         for d, outcome in zip(decided, outcomes):
             act, v = d.act, d.verdict
             if not outcome.ok:
                 self.fail(act, SessionFailed(f"the cache refused a commit: {outcome.error}"))
                 continue
+            applied.append(d)
             self.target.commit(act.slot, v.start + v.n_accepted)  # KV of last + accepted
             act.draft_len.update(d.drafted, v.n_accepted)
             act.stats.record_step(d.drafted, v.n_accepted)
@@ -363,6 +391,7 @@ class SpecEngine:
                 act.req.on_tokens(d.new)
             if act.finish:
                 self._finish(act)
+        return applied
 
     def _draft_budget(self, ks: list[int]) -> list[int]:
         """Cap the batch at ``max_batch_tokens`` (one own token per session + drafts) by

@@ -49,6 +49,11 @@ def _add_server(p: argparse.ArgumentParser, roles: tuple[str, ...]) -> None:
     p.add_argument("--max-drafters", type=int, default=64,
                    help="drafters attached at once; more are refused with RESOURCE_EXHAUSTED "
                         "(default: %(default)s)")
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="serve Prometheus /metrics on this port (default: none; the verifier "
+                        "also serves them on --http-port)")
+    p.add_argument("--metrics-host", default="127.0.0.1",
+                   help="address for --metrics-port (default: %(default)s)")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds SIGTERM waits for running sessions before stopping "
                         "(default: %(default)s)")
@@ -66,6 +71,11 @@ def _add_server(p: argparse.ArgumentParser, roles: tuple[str, ...]) -> None:
         p.add_argument("--max-queue", type=int, default=64,
                        help="requests waiting for a slot before RESOURCE_EXHAUSTED "
                             "(default: %(default)s)")
+        p.add_argument("--http-port", type=int, default=None,
+                       help="serve the OpenAI-compatible HTTP API, /health and /metrics on this "
+                            "port (default: none)")
+        p.add_argument("--http-host", default="127.0.0.1",
+                       help="address for --http-port (default: %(default)s)")
         add_threads_arg(p)
     add_engine_args(p)
     p.set_defaults(func=cmd_server, roles=roles)
@@ -94,10 +104,15 @@ def cmd_server(args) -> int:
                          device_tokens=args.device_tokens, max_drafters=args.max_drafters,
                          max_queue=getattr(args, "max_queue", 64),
                          session_ttl_s=args.session_ttl, drain_timeout_s=args.drain_timeout,
+                         http_port=getattr(args, "http_port", None),
+                         http_host=getattr(args, "http_host", "127.0.0.1"),
+                         metrics_port=args.metrics_port, metrics_host=args.metrics_host,
                          engine=engine)
     server = EdgespecServer(opts).start()
     host = args.listen.rsplit(":", 1)[0]
-    print(f"edgespec: {' + '.join(args.roles)} ready, listening on {host}:{server.port}",
+    http = (f", HTTP API on http://{opts.http_host}:{server.http_port}/v1"
+            if server.http_port else "")
+    print(f"edgespec: {' + '.join(args.roles)} ready, listening on {host}:{server.port}{http}",
           file=sys.stderr, flush=True)
     server.wait()
     return 0
@@ -115,9 +130,27 @@ def cmd_drafter(args) -> int:
     if bool(args.tls_cert) != bool(args.tls_key):
         raise ConfigError("a client certificate needs both --tls-cert and --tls-key")
     check_drafter_arg(args.drafter, allowed=("mag", "model"))
+    if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
+        raise ConfigError("--metrics-port must be in [0, 65535]")
     set_threads(args.threads)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    metrics = None
+    if args.metrics_port is not None:  # before loading a model: a busy port fails at once
+        from prometheus_client import CollectorRegistry, start_http_server
+
+        from drafter_node.metrics import DrafterMetrics
+
+        registry = CollectorRegistry()
+        metrics = DrafterMetrics(registry)
+        try:
+            httpd, _ = start_http_server(args.metrics_port, addr=args.metrics_host,
+                                         registry=registry)
+        except OSError as e:
+            raise ConfigError(f"cannot serve metrics on {args.metrics_host}:"
+                              f"{args.metrics_port}: {e}") from None
+        print(f"edgespec: drafter metrics on http://{args.metrics_host}:{httpd.server_port}"
+              "/metrics", file=sys.stderr, flush=True)
     fingerprint = ""
     if args.drafter.startswith("model:"):
         draft = load_model(args.drafter.split(":", 1)[1], args.device, args.dtype)
@@ -132,7 +165,7 @@ def cmd_drafter(args) -> int:
     agent = DrafterAgent(args.cache, args.device_id, drafter, fingerprint, args.window,
                          args.chunk, args.auth_token or os.environ.get("EDGESPEC_AUTH_TOKEN"),
                          args.tls_ca, args.tls, args.max_sessions, tls_cert=args.tls_cert,
-                         tls_key=args.tls_key)
+                         tls_key=args.tls_key, metrics=metrics)
     print(f"edgespec: drafter {args.device_id} ({drafter.name}) attaching to {args.cache}",
           file=sys.stderr, flush=True)
     signal.signal(signal.SIGTERM, lambda *_: agent.stop())  # stop cleanly: exit 0
@@ -168,5 +201,9 @@ def add_cluster_commands(sub) -> None:
     d.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     add_threads_arg(d)
     d.add_argument("--log-level", default="INFO", help="(default: %(default)s)")
+    d.add_argument("--metrics-port", type=int, default=None,
+                   help="serve Prometheus metrics at http://HOST:PORT/metrics (default: none)")
+    d.add_argument("--metrics-host", default="127.0.0.1",
+                   help="address for --metrics-port (default: %(default)s)")
     _add_security(d, server=False)
     d.set_defaults(func=cmd_drafter)

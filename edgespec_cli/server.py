@@ -22,11 +22,13 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+import time
 from dataclasses import dataclass
 
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from prometheus_client import CollectorRegistry
 
-from edgespec.config import EngineConfig
+from edgespec.config import ConfigError, EngineConfig
 from edgespec.v1 import edgespec_pb2_grpc as pb_grpc
 from edgespec.wire import bind, make_server, resolve_token
 
@@ -57,6 +59,10 @@ class ServerOptions:
     session_ttl_s: int = 600
     default_max_new_tokens: int = 128
     drain_timeout_s: float = 30.0
+    http_port: int | None = None  # the OpenAI-compatible API and /metrics (verifier roles)
+    http_host: str = "127.0.0.1"
+    metrics_port: int | None = None  # a bare Prometheus /metrics endpoint
+    metrics_host: str = "127.0.0.1"
     engine: EngineConfig = None
 
     def max_streams(self) -> int:
@@ -85,6 +91,11 @@ class EdgespecServer:
                                   _stream_limits(opts), self.credentials)
         self.redis = RedisHandle(opts.redis_url)
         self.store = RedisSessionStore(self.redis.client, ttl_s=opts.session_ttl_s)
+        self.registry = CollectorRegistry()
+        self.metrics = None
+        self.http = None
+        self.http_port = None
+        self._metrics_server = None
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.scheduler = None
@@ -121,18 +132,31 @@ class EdgespecServer:
                             "vocab_size": runner.vocab_size, "window": cfg.window,
                             "chunk": cfg.chunk}
         self.store.set_target(self.target_info)
-        self.scheduler = Scheduler(engine, max_queue=self.opts.max_queue)
+        from verifier_node.metrics import VerifierMetrics
+
+        self.model_name = target.name
+        self.metrics = VerifierMetrics(self.registry)
+        self.scheduler = Scheduler(engine, max_queue=self.opts.max_queue, metrics=self.metrics)
+        self.metrics.bind_load(self.scheduler.load, lambda: runner.cache.free_slots)
         self.admission = Admission(self.scheduler, self.store, target.tokenizer,
                                    runner.vocab_size, self.opts.default_max_new_tokens)
-        service = VerifierService(self.admission, max_streams=self.opts.max_streams())
+        service = VerifierService(self.admission, max_streams=self.opts.max_streams(),
+                                  model_name=target.name)
         pb_grpc.add_VerifierServicer_to_server(service, self.server)
         self._services.append(VERIFIER_SERVICE)
 
     def _add_cache(self) -> None:
         from cache_service.service import DraftCacheService
 
+        kwargs = {}
+        try:
+            from cache_service.metrics import CacheMetrics
+
+            kwargs["metrics"] = CacheMetrics(self.registry)
+        except ImportError:
+            pass
         self.cache = DraftCacheService(self.store, self.engine_cfg.window, self.engine_cfg.chunk,
-                                       credentials=self.credentials)
+                                       credentials=self.credentials, **kwargs)
         pb_grpc.add_DraftCacheServicer_to_server(self.cache, self.server)
         self._services.append(CACHE_SERVICE)
 
@@ -164,10 +188,37 @@ class EdgespecServer:
                     healthy = False
             self._set_health(healthy)
 
+    def _start_http(self) -> None:
+        import uvicorn
+
+        from verifier_node.http_api import make_app
+
+        app = make_app(self.admission, self.model_name, self.registry, self.healthy,
+                       resolve_token(self.opts.auth_token))
+        self.http = uvicorn.Server(uvicorn.Config(
+            app, host=self.opts.http_host, port=self.opts.http_port, log_level="warning",
+            lifespan="off", timeout_graceful_shutdown=5))
+        thread = threading.Thread(target=self.http.run, daemon=True, name="http")
+        thread.start()
+        while not self.http.started:
+            if not thread.is_alive():
+                raise ConfigError(f"cannot serve HTTP on {self.opts.http_host}:"
+                                  f"{self.opts.http_port}")
+            time.sleep(0.02)
+        self.http_port = self.http.servers[0].sockets[0].getsockname()[1]
+        self._http_thread = thread
+
     def start(self) -> "EdgespecServer":
         if self.scheduler:
             self.scheduler.start()
         self.server.start()
+        if self.opts.http_port is not None and self.scheduler is not None:
+            self._start_http()
+        if self.opts.metrics_port is not None:
+            from prometheus_client import start_http_server
+
+            self._metrics_server, _ = start_http_server(
+                self.opts.metrics_port, addr=self.opts.metrics_host, registry=self.registry)
         self._set_health(self.healthy())
         threading.Thread(target=self._monitor, daemon=True, name="health-monitor").start()
         log.info("serving %s on port %d (redis: %s)", ", ".join(self.opts.roles), self.port,
@@ -185,6 +236,11 @@ class EdgespecServer:
             self.scheduler.stop()
         if self.cache:
             self.cache.stop()
+        if self.http is not None:
+            self.http.should_exit = True
+            self._http_thread.join(10)
+        if self._metrics_server is not None:
+            self._metrics_server.shutdown()
         self.server.stop(grace=2.0).wait(5)
         self.store.shutdown()
         self.redis.close()

@@ -58,9 +58,17 @@ class Ticket:
     error: Exception | None = None
     followers: int = 0
     cond: threading.Condition = field(default_factory=threading.Condition)
+    created: float = field(default_factory=time.monotonic)
+    last_token_at: float | None = None
+    # called (from the scheduler thread) after every change: new tokens, the end
+    listeners: list = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.tokens = list(self.request.committed)
+
+    def _notify(self) -> None:
+        for fn in list(self.listeners):
+            fn()
 
     @property
     def ended(self) -> bool:
@@ -70,17 +78,20 @@ class Ticket:
         with self.cond:
             self.tokens.extend(new)
             self.cond.notify_all()
+        self._notify()
 
     def finish(self, result: Result) -> None:
         with self.cond:
             self.result = result
             self.cond.notify_all()
+        self._notify()
 
     def fail(self, exc: Exception) -> None:
         with self.cond:
             if not self.ended:
                 self.error = exc
             self.cond.notify_all()
+        self._notify()
 
     def wait(self, cursor: int, timeout: float) -> list[int]:
         """Tokens after ``cursor`` (waiting up to ``timeout`` for some, or for the end)."""
@@ -91,9 +102,11 @@ class Ticket:
 
 
 class Scheduler(threading.Thread):
-    def __init__(self, engine: SpecEngine, max_queue: int = 64):
+    def __init__(self, engine: SpecEngine, max_queue: int = 64, metrics=None):
+        """``metrics``: a ``verifier_node.metrics.VerifierMetrics`` (or None)."""
         super().__init__(daemon=True, name="verifier-scheduler")
         self.engine = engine
+        self.metrics = metrics
         self.max_queue = max_queue
         self._pending: deque[Ticket] = deque()
         self._cancels: deque[str] = deque()
@@ -174,7 +187,9 @@ class Scheduler(threading.Thread):
                 self._apply_cancels()
                 self._admit()
                 if self.engine.active:
-                    self.engine.step()
+                    report = self.engine.step()
+                    if report is not None and self.metrics is not None:
+                        self.metrics.step(report)
                 else:
                     self._wake.wait(timeout=0.5)
                     self._wake.clear()
@@ -220,7 +235,7 @@ class Scheduler(threading.Thread):
                 if not self._pending:
                     return
                 t = self._pending.popleft()
-            t.request.on_tokens = t.publish
+            t.request.on_tokens = lambda new, t=t: self._on_tokens(t, new)
             try:
                 act = self.engine.add(t.request, session_id=t.session_id, device=t.device)
             except (redis.RedisError, OSError):
@@ -234,14 +249,31 @@ class Scheduler(threading.Thread):
                 self._end(t, error=exc)
                 continue
             self._release_pick(t)
+            if self.metrics is not None:
+                self.metrics.admitted(len(t.request.prompt_ids))
             act.on_finish = lambda res, t=t: self._end(t, result=res)
             act.on_error = lambda exc, t=t: self._end(t, error=exc)
+
+    def _on_tokens(self, t: Ticket, new: list[int]) -> None:
+        now = time.monotonic()
+        if self.metrics is not None and new:
+            since_last = None if t.last_token_at is None else now - t.last_token_at
+            self.metrics.tokens(len(new), since_last, now - t.created)
+        if new:
+            t.last_token_at = now
+        t.publish(new)
 
     def _end(self, t: Ticket, result: Result | None = None,
              error: Exception | None = None) -> None:
         with self._lock:
             if self._tickets.get(t.session_id) is t:
                 del self._tickets[t.session_id]
+        if self.metrics is not None:
+            if error is not None:
+                self.metrics.failed()
+            else:
+                self.metrics.finished(t.device, result.stats, result.finish_reason,
+                                      time.monotonic() - t.created)
         if error is not None:
             t.fail(error)
         else:

@@ -18,6 +18,7 @@ import threading
 
 import grpc
 
+from edgespec import __version__
 from edgespec.config import ConfigError
 from edgespec.ids import check_session_id
 from edgespec.text_stream import TextStream
@@ -44,8 +45,9 @@ def generation_request(req: pb.GenerateRequest) -> GenerationRequest:
 
 
 class VerifierService(pb_grpc.VerifierServicer):
-    def __init__(self, admission: Admission, max_streams: int = 72):
+    def __init__(self, admission: Admission, max_streams: int = 72, model_name: str = ""):
         self.admission = admission
+        self.model_name = model_name
         self.scheduler = admission.scheduler
         self.tokenizer = admission.tokenizer
         self.max_streams = max_streams
@@ -128,6 +130,23 @@ class VerifierService(pb_grpc.VerifierServicer):
             context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         log.error("session %s failed: %s", sid, exc)
         context.abort(grpc.StatusCode.UNAVAILABLE, f"session {sid} failed: {exc}")
+
+    def Status(self, request, context):
+        sched, metrics = self.scheduler, self.admission.scheduler.metrics
+        active, queued = sched.load()
+        cache = sched.engine.target.cache
+        drafters = []
+        for d in self.admission.store.devices():
+            rate, length = metrics.device_acceptance(d.device_id) if metrics else (0.0, 1.0)
+            drafters.append(pb.DrafterStatus(
+                device_id=d.device_id, draft_model=d.draft_model, attached=d.attached,
+                sessions=d.sessions, max_sessions=d.max_sessions, acceptance_rate=rate,
+                mean_acceptance_length=length, last_seen_s=d.last_seen_s))
+        return pb.StatusResponse(
+            model=self.model_name, version=__version__, drafters=drafters,
+            active_sessions=active, queued_sessions=queued, free_kv_slots=cache.free_slots,
+            kv_slots=sched.engine.cfg.max_sessions, healthy=sched.healthy,
+            tokens_per_s_last_minute=metrics.tokens_per_s_last_minute() if metrics else 0.0)
 
     def Cancel(self, request, context):
         try:

@@ -124,6 +124,52 @@ class CancelResponse(_message.Message):
     cancelled: bool
     def __init__(self, cancelled: _Optional[bool] = ...) -> None: ...
 
+class StatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DrafterStatus(_message.Message):
+    __slots__ = ("device_id", "draft_model", "attached", "sessions", "max_sessions", "acceptance_rate", "mean_acceptance_length", "last_seen_s")
+    DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_MODEL_FIELD_NUMBER: _ClassVar[int]
+    ATTACHED_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    MAX_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTANCE_RATE_FIELD_NUMBER: _ClassVar[int]
+    MEAN_ACCEPTANCE_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    LAST_SEEN_S_FIELD_NUMBER: _ClassVar[int]
+    device_id: str
+    draft_model: str
+    attached: bool
+    sessions: int
+    max_sessions: int
+    acceptance_rate: float
+    mean_acceptance_length: float
+    last_seen_s: float
+    def __init__(self, device_id: _Optional[str] = ..., draft_model: _Optional[str] = ..., attached: _Optional[bool] = ..., sessions: _Optional[int] = ..., max_sessions: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_acceptance_length: _Optional[float] = ..., last_seen_s: _Optional[float] = ...) -> None: ...
+
+class StatusResponse(_message.Message):
+    __slots__ = ("model", "version", "drafters", "active_sessions", "queued_sessions", "free_kv_slots", "kv_slots", "tokens_per_s_last_minute", "healthy")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    DRAFTERS_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    FREE_KV_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    KV_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_S_LAST_MINUTE_FIELD_NUMBER: _ClassVar[int]
+    HEALTHY_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    version: str
+    drafters: _containers.RepeatedCompositeFieldContainer[DrafterStatus]
+    active_sessions: int
+    queued_sessions: int
+    free_kv_slots: int
+    kv_slots: int
+    tokens_per_s_last_minute: float
+    healthy: bool
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[str] = ..., drafters: _Optional[_Iterable[_Union[DrafterStatus, _Mapping]]] = ..., active_sessions: _Optional[int] = ..., queued_sessions: _Optional[int] = ..., free_kv_slots: _Optional[int] = ..., kv_slots: _Optional[int] = ..., tokens_per_s_last_minute: _Optional[float] = ..., healthy: _Optional[bool] = ...) -> None: ...
+
 class Register(_message.Message):
     __slots__ = ("device_id", "draft_model", "tokenizer_fingerprint", "max_sessions")
     DEVICE_ID_FIELD_NUMBER: _ClassVar[int]

@@ -44,6 +44,11 @@ class VerifierStub:
                 request_serializer=edgespec_dot_v1_dot_edgespec__pb2.CancelRequest.SerializeToString,
                 response_deserializer=edgespec_dot_v1_dot_edgespec__pb2.CancelResponse.FromString,
                 _registered_method=True)
+        self.Status = channel.unary_unary(
+                '/edgespec.v1.Verifier/Status',
+                request_serializer=edgespec_dot_v1_dot_edgespec__pb2.StatusRequest.SerializeToString,
+                response_deserializer=edgespec_dot_v1_dot_edgespec__pb2.StatusResponse.FromString,
+                _registered_method=True)
 
 
 class VerifierServicer:
@@ -61,6 +66,13 @@ class VerifierServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Status(self, request, context):
+        """What the verifier and its fleet are doing now (edgespec status).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_VerifierServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -73,6 +85,11 @@ def add_VerifierServicer_to_server(servicer, server):
                     servicer.Cancel,
                     request_deserializer=edgespec_dot_v1_dot_edgespec__pb2.CancelRequest.FromString,
                     response_serializer=edgespec_dot_v1_dot_edgespec__pb2.CancelResponse.SerializeToString,
+            ),
+            'Status': grpc.unary_unary_rpc_method_handler(
+                    servicer.Status,
+                    request_deserializer=edgespec_dot_v1_dot_edgespec__pb2.StatusRequest.FromString,
+                    response_serializer=edgespec_dot_v1_dot_edgespec__pb2.StatusResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -129,6 +146,33 @@ class Verifier:
             '/edgespec.v1.Verifier/Cancel',
             edgespec_dot_v1_dot_edgespec__pb2.CancelRequest.SerializeToString,
             edgespec_dot_v1_dot_edgespec__pb2.CancelResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Status(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/edgespec.v1.Verifier/Status',
+            edgespec_dot_v1_dot_edgespec__pb2.StatusRequest.SerializeToString,
+            edgespec_dot_v1_dot_edgespec__pb2.StatusResponse.FromString,
             options,
             channel_credentials,
             insecure,

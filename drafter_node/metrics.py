@@ -1,0 +1,85 @@
+"""An edge drafter's Prometheus metrics (``edgespec:`` prefix, as the verifier's), served by
+``edgespec drafter --metrics-port``.
+
+``edgespec:drafter_chunks_sent_total`` (draft chunks sent to the cache, idle ones included);
+``edgespec:drafter_draft_tokens_total`` (drafted tokens sent); ``edgespec:drafter_fixes_received_total``
+(commits that carried a fix); ``edgespec:drafter_chunks_refused_total{code}`` (chunks the cache
+answered with a code other than OK; ``code``: the gRPC status code name);
+``edgespec:drafter_link_rtt_seconds`` (histogram: from queuing a chunk on the Attach stream to
+receiving its ChunkAck, matched by (session id, start)).
+
+A drafter process is one device, so its series carry no device label: Prometheus adds
+``instance`` (and the scrape config may add ``device``). Session ids are never labels.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+
+import grpc
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+RTT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.2, 2.5, 5.0,
+               10.0)
+MAX_PENDING = 1 << 14  # chunks awaiting their ack; beyond it those in flight are not timed
+_CODE_NAMES = {c.value[0]: c.name for c in grpc.StatusCode}
+
+
+class DrafterMetrics:
+    def __init__(self, registry: CollectorRegistry):
+        r = registry
+        self.chunks_sent = Counter("edgespec:drafter_chunks_sent",
+                                   "Draft chunks sent to the cache (idle chunks included)",
+                                   registry=r)
+        self.draft_tokens = Counter("edgespec:drafter_draft_tokens", "Drafted tokens sent",
+                                    registry=r)
+        self.fixes = Counter("edgespec:drafter_fixes_received",
+                             "Commits received that carried a fix", registry=r)
+        self.refused = Counter("edgespec:drafter_chunks_refused",
+                               "Chunks the cache refused, by gRPC status code", ["code"],
+                               registry=r)
+        self.rtt = Histogram("edgespec:drafter_link_rtt_seconds",
+                             "From queuing a chunk to receiving its ChunkAck",
+                             buckets=RTT_BUCKETS, registry=r)
+        self._lock = threading.Lock()
+        self._pending: dict[tuple[str, int], deque[float]] = {}  # (session, start) -> times
+        self._n_pending = 0
+
+    # -- hooks the agent calls --------------------------------------------------------------------
+    def chunk_sent(self, session_id: str, start: int, tokens: int) -> None:
+        """Called just before the chunk is queued on the stream (so its ack cannot come first)."""
+        self.chunks_sent.inc()
+        if tokens:
+            self.draft_tokens.inc(tokens)
+        key = (session_id, start)
+        with self._lock:
+            if self._n_pending >= MAX_PENDING:  # acks that never came: start afresh
+                self._pending.clear()
+                self._n_pending = 0
+            self._pending.setdefault(key, deque()).append(time.monotonic())
+            self._n_pending += 1
+
+    def ack_received(self, session_id: str, start: int, code: int) -> None:
+        if code != grpc.StatusCode.OK.value[0]:
+            self.refused.labels(_CODE_NAMES.get(code, "UNKNOWN")).inc()
+        key = (session_id, start)
+        with self._lock:
+            times = self._pending.get(key)
+            if not times:
+                return  # not ours, or sent before a reconnection
+            sent = times.popleft()
+            self._n_pending -= 1
+            if not times:
+                del self._pending[key]
+        self.rtt.observe(time.monotonic() - sent)
+
+    def fix_received(self) -> None:
+        self.fixes.inc()
+
+    def link_lost(self) -> None:
+        """The stream ended: the chunks in flight will never be acknowledged."""
+        with self._lock:
+            self._pending.clear()
+            self._n_pending = 0

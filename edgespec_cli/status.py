@@ -1,0 +1,70 @@
+"""``edgespec status``: what a running verifier and its fleet are doing, from its Status RPC."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+
+def add_status_command(sub) -> None:
+    s = sub.add_parser("status", help="show the verifier's sessions, KV slots, throughput and "
+                                      "attached drafters")
+    s.add_argument("--address", default="127.0.0.1:50051",
+                   help="the verifier's HOST:PORT (default: %(default)s)")
+    s.add_argument("--watch", action="store_true", help="refresh every --interval seconds")
+    s.add_argument("--interval", type=float, default=2.0, help="(default: %(default)s)")
+    s.add_argument("--json", action="store_true", help="print one JSON object per refresh")
+    s.add_argument("--auth-token", default=None,
+                   help="shared token (default: $EDGESPEC_AUTH_TOKEN)")
+    s.add_argument("--tls", action="store_true", help="connect with TLS (system roots)")
+    s.add_argument("--tls-ca", help="PEM CA certificate to trust (implies --tls)")
+    s.add_argument("--timeout", type=float, default=10.0,
+                   help="seconds to wait for the verifier (default: %(default)s)")
+    s.set_defaults(func=cmd_status)
+
+
+def render(st: dict) -> str:
+    lines = [f"model {st['model']} (edgespec {st['version']}), "
+             f"{'healthy' if st['healthy'] else 'NOT healthy'}",
+             f"sessions: {st['active_sessions']} active, {st['queued_sessions']} queued; "
+             f"KV slots free: {st['free_kv_slots']}/{st['kv_slots']}; "
+             f"throughput (last minute): {st['tokens_per_s_last_minute']:.1f} tok/s", ""]
+    head = ("device", "drafter", "attached", "sessions", "acc. rate", "acc. length", "last seen")
+    rows = [head] + [(d["device_id"], d["draft_model"], "yes" if d["attached"] else "no",
+                      f"{d['sessions']}/{d['max_sessions'] or '-'}",
+                      f"{d['acceptance_rate']:.2f}", f"{d['mean_acceptance_length']:.2f}",
+                      "now" if d["attached"] else f"{d['last_seen_s']:.0f}s ago")
+                     for d in st["drafters"]]
+    if len(rows) == 1:
+        return "\n".join(lines + ["no drafters registered"])
+    widths = [max(len(str(r[i])) for r in rows) for i in range(len(head))]
+    lines += ["  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    return "\n".join(lines)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    import os
+
+    import edgespec
+
+    with edgespec.Client(args.address, token=args.auth_token or os.environ.get(
+            "EDGESPEC_AUTH_TOKEN"), tls_ca=args.tls_ca, tls=args.tls,
+            timeout=args.timeout) as client:
+        while True:
+            try:
+                st = client.status()
+            except edgespec.EdgespecError as e:
+                print(f"edgespec: error: cannot read the status of {args.address}: {e}",
+                      file=sys.stderr)
+                return 1
+            if args.json:
+                print(json.dumps(st), flush=True)
+            else:
+                if args.watch:
+                    sys.stdout.write("\033[H\033[2J")
+                print(render(st), flush=True)
+            if not args.watch:
+                return 0
+            time.sleep(args.interval)

@@ -1,0 +1,279 @@
+"""The OpenAI-compatible HTTP API of a live `edgespec serve --http-port`, driven by the official
+`openai` client; /metrics parsed with prometheus_client's parser; `edgespec status`."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import openai
+import pytest
+from conftest import hf_greedy
+from prometheus_client.parser import text_string_to_metric_families
+
+from edgespec.models import encode_prompt
+from edgespec.wire import free_port
+from procs import start_drafter, start_serve
+
+
+def call(method: str, url: str, body=None, headers=None, raw: bytes | None = None
+         ) -> tuple[int, dict | str]:
+    """One plain HTTP call (stdlib): (status, parsed JSON or text)."""
+    import urllib.error
+    import urllib.request
+
+    data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
+    req = urllib.request.Request(url, data=data, method=method,
+                                 headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            status, text = r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        status, text = e.code, e.read().decode()
+    try:
+        return status, json.loads(text)
+    except ValueError:
+        return status, text
+
+TOKEN = "h77p"
+PROMPT = "abcabcab"
+MESSAGES = [{"role": "user", "content": "xyzxyz"}]
+N = 40
+
+
+@pytest.fixture(scope="module")
+def server(looping_dir, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("http")
+    http_port = free_port()
+    # the verifier waits (up to 5 s) for the drafter's answer at every step, with a fixed draft
+    # length: what is drafted does not depend on the machine's speed
+    serve, address = start_serve(looping_dir, tmp, token=TOKEN, extra=[
+        "--http-port", http_port, "--draft-wait-ms", 5000, "--no-adaptive"])
+    drafter = start_drafter(address, "board-1", tmp, "mag", token=TOKEN)
+    drafter.wait_for("attached to")
+    yield {"address": address, "base": f"http://127.0.0.1:{http_port}", "serve": serve}
+    drafter.stop()
+    assert serve.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def api(server):
+    client = openai.OpenAI(base_url=server["base"] + "/v1", api_key=TOKEN, max_retries=0,
+                           timeout=120)
+    client.model_id = client.models.list().data[0].id
+    return client
+
+
+def reference(looping, ids, n=N) -> tuple[list[int], str]:
+    out = hf_greedy(looping.model, ids, n)
+    return out, looping.tokenizer.decode(out, skip_special_tokens=True)
+
+
+def test_models_lists_the_served_model(api, looping_dir):
+    assert api.model_id == str(looping_dir)
+
+
+def test_completion_text_prompt_equals_target_only(api, looping):
+    ids = encode_prompt(looping.tokenizer, PROMPT, raw=True)
+    ref_ids, ref_text = reference(looping, ids)
+    r = api.completions.create(model=api.model_id, prompt=PROMPT, max_tokens=N, temperature=0)
+    assert r.choices[0].text == ref_text
+    assert r.choices[0].finish_reason == ("length" if len(ref_ids) == N else "stop")
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(ids), len(ref_ids))
+    assert r.usage.total_tokens == len(ids) + len(ref_ids)
+    stats = r.model_extra["edgespec"]
+    assert stats["lossless"] is True and stats["device"] == "board-1"
+    assert 0 <= stats["accepted"] <= stats["drafted"]
+
+
+def test_completion_token_ids_prompt(api, looping):
+    ids = [1, 30, 31, 30, 31, 30]
+    _, ref_text = reference(looping, ids)
+    r = api.completions.create(model=api.model_id, prompt=ids, max_tokens=N, temperature=0)
+    assert r.choices[0].text == ref_text
+
+
+def test_chat_completion_equals_target_only(api, looping):
+    ids = encode_prompt(looping.tokenizer, messages=MESSAGES)
+    ref_ids, ref_text = reference(looping, ids)
+    r = api.chat.completions.create(model=api.model_id, messages=MESSAGES, max_tokens=N,
+                                    temperature=0)
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content == ref_text
+    assert r.usage.completion_tokens == len(ref_ids)
+
+
+def test_streams_concatenate_to_the_whole_text_with_usage_last(api):
+    for chat in (False, True):
+        kw = dict(model=api.model_id, max_tokens=N, temperature=0)
+        if chat:
+            whole = api.chat.completions.create(messages=MESSAGES, **kw)
+            chunks = list(api.chat.completions.create(
+                messages=MESSAGES, stream=True, stream_options={"include_usage": True}, **kw))
+            text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            expected = whole.choices[0].message.content
+        else:
+            whole = api.completions.create(prompt=PROMPT, **kw)
+            chunks = list(api.completions.create(
+                prompt=PROMPT, stream=True, stream_options={"include_usage": True}, **kw))
+            text = "".join(c.choices[0].text for c in chunks if c.choices)
+            expected = whole.choices[0].text
+        assert text == expected
+        assert chunks[-1].choices == [] and chunks[-1].usage.model_dump()["completion_tokens"] \
+            == whole.usage.completion_tokens
+        finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+        assert finishes[-1] == whole.choices[0].finish_reason
+        assert all(f is None for f in finishes[:-1])
+
+
+def test_stop_string_cuts_the_text_before_it(api, looping):
+    ids = encode_prompt(looping.tokenizer, PROMPT, raw=True)
+    _, ref_text = reference(looping, ids)
+    stop = ref_text[6:8]
+    expected = ref_text[: ref_text.find(stop)]
+    for stream in (False, True):
+        kw = dict(model=api.model_id, prompt=PROMPT, max_tokens=N, temperature=0, stop=[stop])
+        if stream:
+            chunks = list(api.completions.create(stream=True, **kw))
+            text = "".join(c.choices[0].text for c in chunks if c.choices)
+            finish = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+        else:
+            r = api.completions.create(**kw)
+            text, finish = r.choices[0].text, r.choices[0].finish_reason
+        assert (text, finish) == (expected, "stop")
+
+
+def test_seeded_sampling_is_reproducible(api):
+    kw = dict(model=api.model_id, prompt=PROMPT, max_tokens=20, temperature=0.9, seed=11)
+    assert api.completions.create(**kw).choices[0].text == \
+        api.completions.create(**kw).choices[0].text
+
+
+@pytest.mark.parametrize("kw,status,param", [
+    (dict(model="no-such-model"), 404, "model"),
+    (dict(temperature=5), 400, "temperature"),
+    (dict(top_p=-0.5), 400, None),
+    (dict(max_tokens=0), 400, "max_tokens"),
+    (dict(n=2), 400, "n"),
+    (dict(stop=["a", "b", "c", "d", "e"]), 400, "stop"),
+    (dict(logit_bias={"5": 10}), 400, "logit_bias"),
+    (dict(prompt=""), 400, "prompt"),
+    (dict(prompt="a" * 200_000), 400, None),
+])
+def test_bad_requests_get_openai_errors(server, api, kw, status, param):
+    body = {"model": api.model_id, "prompt": PROMPT, "max_tokens": 5, **kw}
+    code, reply = call("POST", server["base"] + "/v1/completions", body,
+                       {"Authorization": f"Bearer {TOKEN}"})
+    assert code == status
+    err = reply["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    if param:
+        assert err["param"] == param
+
+
+def test_malformed_json_and_auth(server):
+    url = server["base"] + "/v1/chat/completions"
+    code, reply = call("POST", url, raw=b"{not json", headers={"Authorization": f"Bearer {TOKEN}"})
+    assert code == 400 and reply["error"]["type"] == "invalid_request_error"
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        code, reply = call("POST", url, {"model": "m", "messages": MESSAGES}, headers)
+        assert code == 401 and reply["error"]["type"] == "authentication_error"
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server["base"] + "/v1", api_key="wrong",
+                      max_retries=0).models.list()
+    assert call("GET", server["base"] + "/health")[0] == 200
+
+
+def _metrics(server) -> dict[str, float]:
+    text = call("GET", server["base"] + "/metrics")[1]
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            key = s.name + "".join(f"{{{k}={v}}}" for k, v in sorted(s.labels.items()))
+            out[key] = s.value
+    return out
+
+
+def test_metrics_agree_with_the_generation_just_made(server, api):
+    before = _metrics(server)
+    r = api.completions.create(model=api.model_id, prompt=PROMPT, max_tokens=N, temperature=0)
+    stats = r.model_extra["edgespec"]
+    after = _metrics(server)
+
+    def delta(name):
+        return after.get(name, 0) - before.get(name, 0)
+
+    assert delta("edgespec:generation_tokens_total") == r.usage.completion_tokens
+    assert delta("edgespec:prompt_tokens_total") == r.usage.prompt_tokens
+    assert delta("edgespec:spec_decode_num_draft_tokens_total") == stats["drafted"]
+    assert delta("edgespec:spec_decode_num_accepted_tokens_total") == stats["accepted"]
+    assert stats["drafted"] > 0  # the verifier waited for every draft: MaG drafts this prompt
+    per_pos = sum(v - before.get(k, 0) for k, v in after.items()
+                  if k.startswith("edgespec:spec_decode_num_accepted_tokens_per_pos_total"))
+    assert per_pos == stats["accepted"]
+    assert delta(f"edgespec:request_success_total{{finished_reason={r.choices[0].finish_reason}}}"
+                 ) == 1
+    assert delta("edgespec:time_to_first_token_seconds_count") == 1
+    assert after["edgespec:spec_decode_num_accepted_tokens_total"] <= \
+        after["edgespec:spec_decode_num_draft_tokens_total"]
+    assert after["edgespec:kv_slots_free"] == 8 and after["edgespec:num_requests_running"] == 0
+
+
+def test_status_command_after_a_generation(server, api):
+    api.completions.create(model=api.model_id, prompt=PROMPT, max_tokens=10, temperature=0)
+    cmd = [sys.executable, "-m", "edgespec_cli", "status", "--address", server["address"],
+           "--auth-token", TOKEN]
+    r = subprocess.run(cmd + ["--json"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    st = json.loads(r.stdout)
+    assert st["healthy"] and st["kv_slots"] == 8 and st["free_kv_slots"] == 8
+    [board] = [d for d in st["drafters"] if d["device_id"] == "board-1"]
+    assert board["attached"] and board["draft_model"] == "mag"
+    assert 0 < board["acceptance_rate"] <= 1 and board["mean_acceptance_length"] > 1
+    assert st["tokens_per_s_last_minute"] > 0
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "board-1" in r.stdout and "KV slots free: 8/8" in r.stdout
+
+
+def test_a_client_that_disconnects_cancels_its_session(looping_dir, tmp_path):
+    """A drafter frozen with SIGSTOP keeps its stream open, so each step waits 50 ms for it: a
+    2000-token generation takes over 100 s and is surely running when the client leaves."""
+    http_port = free_port()
+    serve, address = start_serve(looping_dir, tmp_path, token=TOKEN, extra=[
+        "--http-port", http_port, "--draft-wait-ms", 50, "--max-context", 4096])
+    frozen = start_drafter(address, "frozen", tmp_path, "mag", token=TOKEN)
+    try:
+        frozen.wait_for("attached to")
+        frozen.popen.send_signal(signal.SIGSTOP)
+        base = f"http://127.0.0.1:{http_port}"
+        model = call("GET", base + "/v1/models",
+                     headers={"Authorization": f"Bearer {TOKEN}"})[1]["data"][0]["id"]
+        body = {"model": model, "prompt": PROMPT, "max_tokens": 2000, "temperature": 0,
+                "stream": True}
+        conn = http.client.HTTPConnection("127.0.0.1", http_port, timeout=120)
+        conn.request("POST", "/v1/completions", json.dumps(body),
+                     {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"})
+        resp = conn.getresponse()
+        while True:
+            line = resp.fp.readline().decode()
+            assert line, "the stream ended before any text"
+            if line.startswith("data: ") and '"text": "' in line and '"text": ""' not in line:
+                break  # a first piece of text: the session runs; now leave
+        conn.sock.close()
+        conn.close()
+        deadline = time.monotonic() + 60
+        while True:
+            m = _metrics({"base": base})
+            if m.get("edgespec:request_success_total{finished_reason=cancelled}", 0) == 1:
+                break
+            assert time.monotonic() < deadline, "the abandoned session kept running"
+            time.sleep(0.2)
+        assert m["edgespec:num_requests_running"] == 0
+    finally:
+        frozen.popen.send_signal(signal.SIGCONT)
+        frozen.stop()
+        assert serve.stop() == 0

@@ -1,0 +1,237 @@
+"""The verifier's OpenAI-compatible HTTP API (Starlette routes under FastAPI, served by uvicorn).
+
+``POST /v1/completions`` (prompt as text or token ids, no chat template) and
+``POST /v1/chat/completions`` (messages through the chat template), both with ``stream: true``
+(Server-Sent Events ending with ``data: [DONE]``; ``stream_options.include_usage`` adds a last
+chunk with usage); ``GET /v1/models``; ``GET /health`` (200 when ready, 503 while loading,
+draining or unhealthy); ``GET /metrics`` (Prometheus). Every generation goes through the same
+``Admission`` as the gRPC service, so it is lossless and validated the same way. Each response
+carries the request's speculative-decoding figures in an ``edgespec`` field.
+
+Errors use OpenAI's body ``{"error": {"message", "type", "param", "code"}}``: 400 for malformed
+JSON, bad parameters or a prompt over the context limit, 401 without the bearer token (when the
+server has one), 404 for an unknown model, 429 when the verifier is overloaded, 503 while it
+drains. A client that disconnects mid-stream cancels its session.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import time
+
+import anyio
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+from edgespec.config import ConfigError
+from edgespec.text_stream import TextStream
+
+from .admission import Admission, DrafterMissing, NotFound
+from .openai_params import ApiError, parse_request
+from .scheduler import Overloaded, ShuttingDown, Ticket
+
+
+def error_response(status: int, message: str, kind: str, param: str | None = None,
+                   code: str | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param,
+                                   "code": code}}, status_code=status)
+
+
+def make_app(admission: Admission, model_name: str, registry: CollectorRegistry,
+             healthy, token: str | None = None) -> FastAPI:
+    """``healthy()``: the server's truthful health (False while draining or unhealthy)."""
+    app = FastAPI(title="edgespec", docs_url=None, redoc_url=None, openapi_url=None)
+    expected = f"Bearer {token}".encode() if token else None
+    created = int(time.time())
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request, exc: ApiError):
+        return error_response(exc.status, str(exc), exc.kind, exc.param, exc.code)
+
+    def check_auth(request: Request) -> None:
+        if expected is None:
+            return
+        got = request.headers.get("authorization", "").encode()
+        if not hmac.compare_digest(got, expected):
+            raise ApiError(401, "missing or wrong API key (header 'Authorization: Bearer ...')",
+                           "authentication_error", code="invalid_api_key")
+
+    @app.get("/health")
+    async def health():
+        ok = await anyio.to_thread.run_sync(healthy)
+        return Response(status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        check_auth(request)
+        return {"object": "list", "data": [{"id": model_name, "object": "model",
+                                            "created": created, "owned_by": "edgespec"}]}
+
+    async def generate(request: Request, chat: bool):
+        check_auth(request)
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise ApiError(400, "the request body is not valid JSON", "invalid_request_error")
+        params = parse_request(body, chat, model_name)
+        try:
+            ticket = await anyio.to_thread.run_sync(admission.admit, params.generation)
+        except ConfigError as e:
+            code = "context_length_exceeded" if "context limit" in str(e) else None
+            raise ApiError(400, str(e), "invalid_request_error", code=code) from None
+        except (NotFound, DrafterMissing) as e:
+            raise ApiError(400, str(e), "invalid_request_error") from None
+        except Overloaded as e:
+            raise ApiError(429, f"the verifier is overloaded: {e}", "rate_limit_error",
+                           code="overloaded") from None
+        except ShuttingDown as e:
+            raise ApiError(503, str(e), "service_unavailable") from None
+        run = _Run(admission, ticket, params, chat, model_name)
+        if params.stream:
+            return StreamingResponse(run.sse(), media_type="text/event-stream")
+        return await run.whole()
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await generate(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await generate(request, chat=True)
+
+    return app
+
+
+class _Run:
+    """One admitted generation turned into OpenAI's response shapes."""
+
+    def __init__(self, admission: Admission, ticket: Ticket, params, chat: bool, model: str):
+        self.admission, self.ticket, self.p, self.chat, self.model = (admission, ticket, params,
+                                                                      chat, model)
+        self.id = ("chatcmpl-" if chat else "cmpl-") + ticket.session_id
+        self.created = int(time.time())
+        self.pieces: list[str] = []
+        self.text = TextStream(admission.tokenizer, self.pieces.append)
+        self.completion_tokens = 0
+        self.finish_reason: str | None = None
+        self.shown = ""  # text already sent (or decided) before any stop string
+
+    async def _events(self):
+        """Yields text increments (held back where a stop string may begin), then returns with
+        ``finish_reason`` set. Cancels the session when a stop string ends it."""
+        loop = asyncio.get_running_loop()
+        changed = asyncio.Event()
+        wake = lambda: loop.call_soon_threadsafe(changed.set)  # noqa: E731
+        t = self.ticket
+        t.listeners.append(wake)
+        cursor, full = 0, ""
+        hold = max((len(s) for s in self.p.stop), default=1) - 1
+        try:
+            with self.admission.follow(t):
+                while True:
+                    changed.clear()
+                    with t.cond:
+                        new, result, error = t.tokens[cursor:], t.result, t.error
+                    if new:
+                        cursor += len(new)
+                        self.completion_tokens = cursor
+                        self.text(new)
+                        full += "".join(self.pieces)
+                        self.pieces.clear()
+                        cut = _find_stop(full, self.p.stop)
+                        if cut is not None:
+                            self.finish_reason = "stop"
+                            yield full[len(self.shown):cut]
+                            self.shown = full[:cut]
+                            self.admission.scheduler.cancel(t.session_id)
+                            while not t.ended:  # for its stats; the cancel ends it promptly
+                                changed.clear()
+                                if not t.ended:
+                                    await changed.wait()
+                            return
+                        safe = len(full) - hold if not (result or error) else len(full)
+                        if safe > len(self.shown):
+                            yield full[len(self.shown):safe]
+                            self.shown = full[:safe]
+                        continue
+                    if error is not None:
+                        raise ApiError(503 if isinstance(error, ShuttingDown) else 500,
+                                       f"generation failed: {error}", "server_error")
+                    if result is not None:
+                        if len(full) > len(self.shown):
+                            yield full[len(self.shown):]
+                            self.shown = full
+                        self.finish_reason = "length" if result.finish_reason == "length" \
+                            else "stop"
+                        return
+                    await changed.wait()
+        finally:
+            t.listeners.remove(wake)
+
+    def _usage(self) -> dict:
+        prompt = len(self.ticket.request.prompt_ids)
+        return {"prompt_tokens": prompt, "completion_tokens": self.completion_tokens,
+                "total_tokens": prompt + self.completion_tokens}
+
+    def _stats(self) -> dict:
+        res = self.ticket.result
+        s = res.stats if res is not None else None
+        return {"session_id": self.ticket.session_id, "device": self.ticket.device or None,
+                "drafted": s.draft_tokens if s else 0, "accepted": s.accepted_tokens if s else 0,
+                "acceptance_rate": round(s.acceptance_rate, 4) if s else 0.0,
+                "mean_acceptance_length": round(s.mean_acceptance_length, 4) if s else 1.0,
+                "lossless": True}
+
+    def _choice(self, text: str | None, finish: str | None, first: bool = False) -> dict:
+        if self.chat:
+            delta = {"role": "assistant", "content": text or ""} if first else \
+                ({"content": text} if text else {})
+            return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+
+    def _chunk(self, choices: list, **extra) -> str:
+        obj = {"id": self.id, "object": "chat.completion.chunk" if self.chat
+               else "text_completion", "created": self.created, "model": self.model,
+               "choices": choices, **extra}
+        return f"data: {json.dumps(obj)}\n\n"
+
+    async def sse(self):
+        try:
+            first = True
+            async for text in self._events():
+                if text or first:
+                    yield self._chunk([self._choice(text, None, first)])
+                    first = False
+            yield self._chunk([self._choice(None, self.finish_reason)],
+                              edgespec=self._stats())
+            if self.p.include_usage:
+                yield self._chunk([], usage=self._usage())
+        except ApiError as e:
+            yield f"data: {json.dumps({'error': {'message': str(e), 'type': e.kind}})}\n\n"
+        yield "data: [DONE]\n\n"
+
+    async def whole(self) -> JSONResponse:
+        text = "".join([t async for t in self._events()])
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                      "logprobs": None, "finish_reason": self.finish_reason}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None,
+                      "finish_reason": self.finish_reason}
+        return JSONResponse({"id": self.id, "object": "chat.completion" if self.chat
+                             else "text_completion", "created": self.created,
+                             "model": self.model, "choices": [choice],
+                             "usage": self._usage(), "edgespec": self._stats()})
+
+
+def _find_stop(text: str, stops: list[str]) -> int | None:
+    """Where the earliest stop string begins in ``text``, or None."""
+    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return min(hits) if hits else None

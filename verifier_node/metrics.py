@@ -1,0 +1,153 @@
+"""The verifier's Prometheus metrics, named as vLLM names its own with the ``edgespec:`` prefix.
+
+Speculative decoding (counted per verification step, once per committed verdict):
+``edgespec:spec_decode_num_drafts_total`` (verified non-empty drafts),
+``edgespec:spec_decode_num_draft_tokens_total``, ``edgespec:spec_decode_num_accepted_tokens_total``,
+``edgespec:spec_decode_num_accepted_tokens_per_pos_total{position}``; per device at a session's
+end: ``edgespec:device_draft_tokens_total{device}``, ``edgespec:device_accepted_tokens_total{device}``,
+``edgespec:device_drafts_total{device}``. Requests: ``edgespec:prompt_tokens_total``,
+``edgespec:generation_tokens_total``, ``edgespec:request_success_total{finished_reason}``,
+``edgespec:request_failure_total``. Latency histograms: ``edgespec:time_to_first_token_seconds``,
+``edgespec:inter_token_latency_seconds``, ``edgespec:e2e_request_latency_seconds``. Batches:
+``edgespec:batch_size_sessions``, ``edgespec:batch_size_tokens``,
+``edgespec:step_seconds{phase="wait"|"forward"|"commit"}``. Gauges read at scrape time:
+``edgespec:num_requests_running``, ``edgespec:num_requests_waiting``, ``edgespec:kv_slots_free``.
+
+Label cardinality stays bounded: a device id may be a label (a fleet has a bounded number of
+boards, and the cache forgets boards gone for long), a session id never is.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
+
+disable_created_metrics()  # no "_created" series next to every counter and histogram
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0,
+                   2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+MAX_POSITIONS = 32  # per-position acceptance counted for draft positions below this
+
+
+class VerifierMetrics:
+    def __init__(self, registry: CollectorRegistry):
+        r = registry
+        self.num_drafts = Counter("edgespec:spec_decode_num_drafts",
+                                  "Verified non-empty drafts", registry=r)
+        self.draft_tokens = Counter("edgespec:spec_decode_num_draft_tokens",
+                                    "Draft tokens verified", registry=r)
+        self.accepted_tokens = Counter("edgespec:spec_decode_num_accepted_tokens",
+                                       "Draft tokens accepted", registry=r)
+        self.accepted_per_pos = Counter("edgespec:spec_decode_num_accepted_tokens_per_pos",
+                                        "Draft tokens accepted, by position in the draft",
+                                        ["position"], registry=r)
+        self.device_drafts = Counter("edgespec:device_drafts", "Verified drafts by drafter",
+                                     ["device"], registry=r)
+        self.device_draft_tokens = Counter("edgespec:device_draft_tokens",
+                                           "Draft tokens verified, by drafter", ["device"],
+                                           registry=r)
+        self.device_accepted = Counter("edgespec:device_accepted_tokens",
+                                       "Draft tokens accepted, by drafter", ["device"],
+                                       registry=r)
+        self.prompt_tokens = Counter("edgespec:prompt_tokens", "Prompt tokens admitted",
+                                     registry=r)
+        self.generation_tokens = Counter("edgespec:generation_tokens",
+                                         "Tokens generated (committed)", registry=r)
+        self.success = Counter("edgespec:request_success", "Finished requests",
+                               ["finished_reason"], registry=r)
+        self.failure = Counter("edgespec:request_failure", "Requests that failed", registry=r)
+        self.ttft = Histogram("edgespec:time_to_first_token_seconds", "Time to first token",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("edgespec:inter_token_latency_seconds",
+                             "Time between committed tokens", buckets=LATENCY_BUCKETS,
+                             registry=r)
+        self.e2e = Histogram("edgespec:e2e_request_latency_seconds", "Request latency",
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.batch_sessions = Histogram("edgespec:batch_size_sessions",
+                                        "Sessions per verification forward",
+                                        buckets=SIZE_BUCKETS, registry=r)
+        self.batch_tokens = Histogram("edgespec:batch_size_tokens",
+                                      "Tokens per verification forward", buckets=SIZE_BUCKETS,
+                                      registry=r)
+        self.step_seconds = Histogram("edgespec:step_seconds",
+                                      "Verification step time by phase", ["phase"],
+                                      buckets=LATENCY_BUCKETS, registry=r)
+        self.running = Gauge("edgespec:num_requests_running", "Sessions in KV slots",
+                             registry=r)
+        self.waiting = Gauge("edgespec:num_requests_waiting", "Requests queued for a slot",
+                             registry=r)
+        self.kv_free = Gauge("edgespec:kv_slots_free", "Free KV slots", registry=r)
+        self._recent: deque[tuple[float, int]] = deque()  # (time, tokens) for throughput
+        self._by_device: dict[str, list[int]] = {}  # device -> [drafts, drafted, accepted]
+        self._lock = threading.Lock()
+
+    def bind_load(self, load, free_slots) -> None:
+        """Gauges read at scrape time: ``load() -> (running, waiting)``, ``free_slots()``."""
+        self.running.set_function(lambda: load()[0])
+        self.waiting.set_function(lambda: load()[1])
+        self.kv_free.set_function(free_slots)
+
+    # -- hooks the scheduler calls ------------------------------------------------------------
+    def step(self, report) -> None:
+        """One verification step (``edgespec.engine.StepReport``)."""
+        self.batch_sessions.observe(report.sessions)
+        self.batch_tokens.observe(report.tokens)
+        self.step_seconds.labels("wait").observe(report.take_s)
+        self.step_seconds.labels("forward").observe(report.forward_s)
+        self.step_seconds.labels("commit").observe(report.commit_s)
+        self.num_drafts.inc(report.drafts)
+        self.draft_tokens.inc(report.drafted)
+        self.accepted_tokens.inc(report.accepted)
+        for pos, n in enumerate(report.accepted_per_pos[:MAX_POSITIONS]):
+            if n:
+                self.accepted_per_pos.labels(str(pos)).inc(n)
+
+    def admitted(self, prompt_tokens: int) -> None:
+        self.prompt_tokens.inc(prompt_tokens)
+
+    def tokens(self, n: int, since_last_s: float | None, since_start_s: float) -> None:
+        """``n`` tokens committed for a session; ``since_last_s`` None for its first ones."""
+        self.generation_tokens.inc(n)
+        if since_last_s is None:
+            self.ttft.observe(since_start_s)
+        else:
+            self.itl.observe(since_last_s / max(n, 1))
+        now = time.monotonic()
+        with self._lock:
+            self._recent.append((now, n))
+            while self._recent and self._recent[0][0] < now - 60:
+                self._recent.popleft()
+
+    def finished(self, device: str | None, stats, reason: str, latency_s: float) -> None:
+        self.success.labels(reason).inc()
+        self.e2e.observe(latency_s)
+        if device and stats.num_drafts:
+            self.device_drafts.labels(device).inc(stats.num_drafts)
+            self.device_draft_tokens.labels(device).inc(stats.draft_tokens)
+            self.device_accepted.labels(device).inc(stats.accepted_tokens)
+            with self._lock:
+                agg = self._by_device.setdefault(device, [0, 0, 0])
+                agg[0] += stats.num_drafts
+                agg[1] += stats.draft_tokens
+                agg[2] += stats.accepted_tokens
+
+    def failed(self) -> None:
+        self.failure.inc()
+
+    # -- reads for the Status RPC ---------------------------------------------------------------
+    def tokens_per_s_last_minute(self) -> float:
+        now = time.monotonic()
+        with self._lock:
+            recent = [(t, n) for t, n in self._recent if t >= now - 60]
+        return sum(n for _, n in recent) / 60.0
+
+    def device_acceptance(self, device: str) -> tuple[float, float]:
+        """(acceptance rate, mean acceptance length) of the sessions this drafter served."""
+        with self._lock:
+            drafts, drafted, accepted = self._by_device.get(device, (0, 0, 0))
+        rate = accepted / drafted if drafted else 0.0
+        return rate, (1 + accepted / drafts) if drafts else 1.0

@@ -1,0 +1,138 @@
+"""Reading an OpenAI completions / chat-completions request body into edgespec's terms.
+
+Honoured: ``model``, ``prompt`` (text or token ids; completions) or ``messages`` (chat),
+``max_tokens`` / ``max_completion_tokens``, ``temperature`` (default 1, as OpenAI's), ``top_p``,
+``top_k`` (an extension), ``seed``, ``stop`` (a string or up to 4), ``n`` = 1, ``stream``,
+``stream_options.include_usage``. Ignored, as OpenAI documents them as optional hints or
+bookkeeping: ``user``, ``metadata``, ``store``, ``service_tier``, ``parallel_tool_calls``. Accepted
+only at their neutral value: ``presence_penalty``/``frequency_penalty`` 0, ``logprobs`` false or
+null, ``echo`` false, ``best_of`` 1, ``logit_bias`` empty. Anything else is refused by name, so
+a client never silently gets a different behaviour from the one it asked for.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from edgespec.config import ConfigError, SamplingParams
+
+from .admission import GenerationRequest
+
+IGNORED = {"model", "user", "metadata", "store", "service_tier", "parallel_tool_calls",
+           "stream", "stream_options"}
+NEUTRAL = {"presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0),
+           "logprobs": (None, False), "top_logprobs": (None, 0), "echo": (False, None),
+           "best_of": (1, None), "logit_bias": (None,), "suffix": (None, ""),
+           "response_format": (None,), "tools": (None,), "tool_choice": (None, "none")}
+SAMPLING = {"max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed",
+            "stop", "n"}
+MAX_STOP = 4
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, kind: str, param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.kind, self.param, self.code = status, kind, param, code
+
+
+def _bad(message: str, param: str | None = None) -> ApiError:
+    return ApiError(400, message, "invalid_request_error", param)
+
+
+@dataclass
+class OpenAIParams:
+    generation: GenerationRequest
+    stop: list[str] = field(default_factory=list)
+    stream: bool = False
+    include_usage: bool = False
+
+
+def _number(body: dict, name: str, default, kind=float, low=None, high=None):
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+            (kind is int and not float(value).is_integer()) or not math.isfinite(value):
+        raise _bad(f"'{name}' must be a finite {'integer' if kind is int else 'number'}", name)
+    if (low is not None and value < low) or (high is not None and value > high):
+        raise _bad(f"'{name}' must be in [{low}, {high}], got {value}", name)
+    return kind(value)
+
+
+def _prompt(body: dict, chat: bool, g: GenerationRequest) -> None:
+    if chat:
+        msgs = body.get("messages")
+        if not isinstance(msgs, list) or not msgs:
+            raise _bad("'messages' must be a non-empty list", "messages")
+        for m in msgs:
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                raise _bad("each message needs a 'role' and a 'content'", "messages")
+            content = m.get("content")
+            if isinstance(content, list):  # content parts: text only
+                if not all(isinstance(c, dict) and c.get("type") == "text" for c in content):
+                    raise _bad("only text content parts are supported", "messages")
+                content = "".join(str(c.get("text", "")) for c in content)
+            if not isinstance(content, str):
+                raise _bad("each message needs a 'role' and a 'content'", "messages")
+            g.messages.append({"role": m["role"], "content": content})
+        return
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str) and prompt:
+        g.prompt, g.raw = prompt, True
+    elif isinstance(prompt, list) and prompt and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        g.prompt_ids = list(prompt)
+    else:
+        raise _bad("'prompt' must be a non-empty string or list of token ids (one prompt per "
+                   "request)", "prompt")
+
+
+def parse_request(body, chat: bool, model_name: str) -> OpenAIParams:
+    if not isinstance(body, dict):
+        raise _bad("the request body must be a JSON object")
+    model = body.get("model")
+    if not isinstance(model, str):
+        raise _bad("'model' is required", "model")
+    if model != model_name:
+        raise ApiError(404, f"the model '{model[:80]}' does not exist; this server serves "
+                            f"'{model_name}'", "invalid_request_error", "model",
+                       "model_not_found")
+    known = IGNORED | SAMPLING | set(NEUTRAL) | {"messages" if chat else "prompt"}
+    for name in body:
+        if name not in known:
+            raise _bad(f"'{name[:80]}' is not supported by edgespec", name[:80])
+    for name, neutral in NEUTRAL.items():
+        if name in body and body[name] not in neutral and body[name] != {} and \
+                body[name] != []:
+            raise _bad(f"'{name}' is not supported by edgespec (only its default)", name)
+    g = GenerationRequest()
+    _prompt(body, chat, g)
+    limit = body.get("max_completion_tokens", body.get("max_tokens"))
+    g.max_new_tokens = _number({"max_tokens": limit}, "max_tokens", 0, int, 1)
+    if _number(body, "n", 1, int, 1) != 1:
+        raise _bad("only n = 1 is supported", "n")
+    seed = body.get("seed")
+    if seed is not None:
+        seed = _number(body, "seed", None, int)
+    try:
+        g.params = SamplingParams(_number(body, "temperature", 1.0, float, 0, 2),
+                                  _number(body, "top_k", 0, int, 0),
+                                  _number(body, "top_p", 1.0, float, 0, 1), seed)
+    except ConfigError as e:
+        raise _bad(str(e)) from None
+    stop = body.get("stop")
+    stops = [] if stop is None else [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or len(stops) > MAX_STOP or \
+            not all(isinstance(s, str) and s for s in stops):
+        raise _bad(f"'stop' must be a non-empty string or a list of up to {MAX_STOP}", "stop")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise _bad("'stream_options' must be an object", "stream_options")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise _bad("'stream' must be a boolean", "stream")
+    return OpenAIParams(g, stops, stream, bool(options.get("include_usage")))
