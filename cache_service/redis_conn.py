@@ -13,6 +13,7 @@ retryable UNAVAILABLE status, never with wrong tokens.
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import tempfile
@@ -25,6 +26,7 @@ from redis.retry import Retry
 from edgespec.config import ConfigError
 
 REDIS_URL_ENV = "EDGESPEC_REDIS_URL"
+log = logging.getLogger("edgespec.redis")
 
 # A Redis restart of a few seconds must cost a pause, not the sessions: every command retries on
 # a lost connection with exponential backoff (about 6 s in all before it gives up and the caller
@@ -59,6 +61,7 @@ class RedisHandle:
     def __init__(self, url: str | None = None):
         url = url or os.environ.get(REDIS_URL_ENV) or None
         self.proc: subprocess.Popen | None = None
+        self.client: redis.Redis | None = None
         self._tmp = None
         if url:
             self.url = url
@@ -73,6 +76,18 @@ class RedisHandle:
 
     def _start_embedded(self) -> None:
         self._tmp = tempfile.TemporaryDirectory(prefix="edgespec-redis-")
+        self._launch_embedded()
+
+    def ensure_running(self) -> bool:
+        """Restart the embedded server if it died (on the same socket and append-only file,
+        so the sessions come back); True when it had to. External servers are left alone."""
+        if self.proc is None or self.proc.poll() is None:
+            return False
+        log.error("the embedded redis-server exited (%s); restarting it", self.proc.returncode)
+        self._launch_embedded()
+        return True
+
+    def _launch_embedded(self) -> None:
         sock = os.path.join(self._tmp.name, "redis.sock")
         self.proc = subprocess.Popen(
             [embedded_redis_binary(), "--port", "0", "--unixsocket", sock, "--unixsocketperm",
@@ -80,7 +95,8 @@ class RedisHandle:
              "--dir", self._tmp.name],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=_die_with_parent)
         self.url = f"unix://{sock}"
-        self.client = redis.Redis(unix_socket_path=sock, **CLIENT_OPTIONS)
+        if getattr(self, "client", None) is None:  # a restart keeps the client: it reconnects
+            self.client = redis.Redis(unix_socket_path=sock, **CLIENT_OPTIONS)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -118,6 +118,9 @@ class DraftCacheService(pb_grpc.DraftCacheServicer):
             code = (grpc.StatusCode.PERMISSION_DENIED if self.credentials is not None
                     else grpc.StatusCode.FAILED_PRECONDITION)
             raise ChunkRefused(code, f"session {sid} is not assigned to {device!r}")
+        if len(chunk.tokens) > self.window:  # never stored anyway; refused before any work
+            raise ChunkRefused(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"a chunk holds at most {self.window} tokens (the window)")
         tokens = list(chunk.tokens)
         if any(not 0 <= t < vocab for t in tokens):
             raise ChunkRefused(grpc.StatusCode.INVALID_ARGUMENT,

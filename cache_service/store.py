@@ -43,7 +43,7 @@ from edgespec.store_api import CommitOutcome, DraftWant, SessionVanished
 log = logging.getLogger("edgespec.cache")
 
 PUSH_LUA = """
-local h = redis.call('HMGET', KEYS[1], 'epoch', 'done')
+local h = redis.call('HMGET', KEYS[1], 'epoch', 'done', 'idle')
 if not h[1] then return {-1, 'unknown session'} end
 if h[2] == '1' then return {-3, 'session is finished'} end
 if tonumber(h[1]) ~= tonumber(ARGV[1]) then
@@ -71,7 +71,9 @@ if keep > 0 then
   end
 end
 redis.call('HSET', KEYS[1], 'idle', ARGV[5])
-redis.call('PUBLISH', KEYS[5], '1')
+-- wake the verifier only for news: kept tokens or a changed idle flag (an empty chunk
+-- repeated in a loop must not keep it re-reading)
+if keep > 0 or h[3] ~= ARGV[5] then redis.call('PUBLISH', KEYS[5], '1') end
 return {keep, endpos}
 """
 
@@ -105,7 +107,7 @@ else
   epoch = epoch + 1
   redis.call('HSET', KEYS[1], 'epoch', epoch, 'idle', '0')
 end
-if ARGV[4] == '1' then redis.call('HSET', KEYS[1], 'done', '1') end
+if ARGV[4] == '1' then redis.call('HSET', KEYS[1], 'done', '1', 'finish', ARGV[10]) end
 if h[2] and h[2] ~= '' then
   redis.call('XADD', KEYS[5], 'MAXLEN', '~', ARGV[6], '*', 't', 'commit', 'sid', ARGV[7],
              'epoch', epoch, 'end', endpos, 'fix', isfix, 'tok', ARGV[8])
@@ -538,12 +540,14 @@ class RedisSessionStore:
         for v, device in zip(verdicts, devices):
             self._commit(keys=[*self.session_keys(v.session_id), self.inbox_key(device or "-")],
                          args=[v.epoch, v.n_accepted, pack_tokens([v.token]), int(v.done),
-                               self.ttl_s, self.inbox_maxlen, v.session_id, v.token, v.start],
+                               self.ttl_s, self.inbox_maxlen, v.session_id, v.token, v.start,
+                               v.finish_reason],
                          client=pipe)
         out = []
         for v, res in zip(verdicts, pipe.execute(raise_on_error=False)):
-            if isinstance(res, redis.ConnectionError | redis.TimeoutError):
-                raise res
+            if isinstance(res, redis.ConnectionError | redis.TimeoutError |
+                          redis.exceptions.NoScriptError):
+                raise res  # the store, not this session: the step is retried
             if isinstance(res, Exception):
                 out.append(CommitOutcome(error=str(res)))
             elif res[0] < 0:

@@ -238,7 +238,16 @@ class DrafterAgent:
                     self.metrics.ack_received(msg.ack.session_id, msg.ack.start, msg.ack.code)
                 if msg.ack.code != grpc.StatusCode.OK.value[0]:
                     log.debug("chunk refused: %s", msg.ack.message)
+                    self._forget_if_gone(msg.ack)
             self.cond.notify_all()
+
+    def _forget_if_gone(self, ack: pb.ChunkAck) -> None:
+        """A session the cache no longer has, or has finished, whose close we never got (the
+        verifier died, say): drop it so that it does not hold a KV slot for ever."""
+        gone = ack.code == grpc.StatusCode.NOT_FOUND.value[0] or "finished" in ack.message
+        s = self.sessions.pop(ack.session_id, None) if gone else None
+        if s is not None:
+            self._close(ack.session_id, s)
 
     def _apply_assignment(self, a: pb.Assignment) -> None:
         old = self.sessions.pop(a.session_id, None)

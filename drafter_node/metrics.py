@@ -2,9 +2,10 @@
 ``edgespec drafter --metrics-port``.
 
 ``edgespec:drafter_chunks_sent_total`` (draft chunks sent to the cache, idle ones included);
-``edgespec:drafter_draft_tokens_total`` (drafted tokens sent); ``edgespec:drafter_fixes_received_total``
-(commits that carried a fix); ``edgespec:drafter_chunks_refused_total{code}`` (chunks the cache
-answered with a code other than OK; ``code``: the gRPC status code name);
+``edgespec:drafter_draft_tokens_total`` (drafted tokens sent);
+``edgespec:drafter_fixes_received_total`` (commits that carried a fix);
+``edgespec:drafter_chunks_refused_total{code}`` (chunks the cache answered with a code other
+than OK; ``code``: the gRPC status code name);
 ``edgespec:drafter_link_rtt_seconds`` (histogram: from queuing a chunk on the Attach stream to
 receiving its ChunkAck, matched by (session id, start)).
 

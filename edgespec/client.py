@@ -161,7 +161,9 @@ class _Resumer:
 
     def retry_after(self, e: grpc.RpcError) -> float:
         """Seconds to wait before resuming; raises the error (as an EdgespecError) to give up."""
-        if e.code() not in RESUMABLE or self.resumes >= self.max_resumes:
+        resumable = e.code() in RESUMABLE or (  # a resume that found the server full
+            self.session_id is not None and e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED)
+        if not resumable or self.resumes >= self.max_resumes:
             raise _translate(e) from None
         self.resumes += 1
         return min(2.0, 0.1 * 2 ** self.resumes)

@@ -283,6 +283,15 @@ class SpecEngine:
         if act.on_finish:
             act.on_finish(Result(act.output, act.stats, act.finish))
 
+    def abandon(self, act: _Active, exc: Exception) -> None:
+        """Drop a session here but leave it in the store as it is, so that it can be resumed
+        (this verifier is stopping)."""
+        if act in self.active:
+            self.active.remove(act)
+            self.target.free_slot(act.slot)
+        if act.on_error:
+            act.on_error(exc)
+
     def fail(self, act: _Active, exc: Exception) -> None:
         """End one session with an error; the others go on."""
         log.warning("session %s failed: %s", act.sid, exc)
@@ -326,8 +335,11 @@ class SpecEngine:
             if n < 0:
                 continue  # its forward failed: already failed alone
             new, finish = self._truncate(act, t.tokens[:n] + [token])
+            # commit exactly what the output keeps: a stop token or the length limit may cut
+            # the accepted run (the kept last token is then a draft token the draft holds)
+            n, token = len(new) - 1, new[-1]
             decided.append(_Decided(act, Verdict(act.sid, t.epoch, t.start, n, token,
-                                                 done=finish is not None),
+                                                 finish_reason=finish or ""),
                                     new, len(t.tokens), finish))
             act.stats.take_s += t1 - t0
             act.stats.forward_s += t2 - t1

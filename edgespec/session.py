@@ -50,7 +50,11 @@ class Verdict:
     start: int  # position of the first draft token (the committed end before this verdict)
     n_accepted: int
     token: int
-    done: bool = False
+    finish_reason: str = ""  # set on the session's last verdict: "stop" or "length"
+
+    @property
+    def done(self) -> bool:
+        return bool(self.finish_reason)
 
 
 @dataclass

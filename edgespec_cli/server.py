@@ -180,6 +180,10 @@ class EdgespecServer:
 
     def _monitor(self) -> None:
         while not self._stopping.wait(0.5):
+            try:
+                self.redis.ensure_running()
+            except Exception as e:  # it will be tried again at the next tick
+                log.error("restarting the embedded Redis failed: %s", e)
             healthy = self.healthy()
             if healthy and self.scheduler is not None:
                 try:  # a Redis that restarted without persistence forgot the target
@@ -257,9 +261,7 @@ class EdgespecServer:
 
 
 def _stream_limits(opts: ServerOptions) -> dict[str, int]:
-    limits = {}
-    if "verifier" in opts.roles:
-        limits[f"/{VERIFIER_SERVICE}/Generate"] = opts.max_streams()
+    limits = {}  # Generate streams are capped by the service itself (resumes exempt)
     if "cache" in opts.roles:
         limits[f"/{CACHE_SERVICE}/Attach"] = opts.max_drafters
     return limits

@@ -47,12 +47,30 @@ def test_health_is_not_serving_once_the_scheduler_is_dead(server):
     _wait_status(server.port, NOT_SERVING)
 
 
-def test_health_follows_redis(server):
+def test_a_dead_embedded_redis_is_restarted_with_its_sessions(server):
+    """The embedded redis-server runs with an append-only file: the monitor restarts it on
+    the same socket and data, and the server serves again (an external Redis going away is
+    covered in test_faults.py: health turns NOT_SERVING until it is back)."""
+    import edgespec
+
     _wait_status(server.port, SERVING)
-    proc = server.redis.proc
-    proc.kill()
-    proc.wait()
-    _wait_status(server.port, NOT_SERVING)
+    server.store.redis.set("es:probe", "kept")
+    server.redis.client.execute_command("BGREWRITEAOF")
+    old = server.redis.proc
+    deadline = time.monotonic() + 30
+    while server.redis.client.info("persistence")["aof_rewrite_in_progress"]:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    old.kill()
+    old.wait()
+    deadline = time.monotonic() + 60
+    while server.redis.proc is old or server.redis.proc.poll() is not None:
+        assert time.monotonic() < deadline, "the embedded Redis was not restarted"
+        time.sleep(0.1)
+    _wait_status(server.port, SERVING)
+    assert server.store.redis.get("es:probe") == b"kept"
+    with edgespec.Client(f"127.0.0.1:{server.port}", timeout=120) as c:
+        assert c.generate(prompt_ids=[1, 5, 6], max_new_tokens=4).finish_reason
 
 
 def test_attach_streams_beyond_the_cap_are_refused_at_once(server):

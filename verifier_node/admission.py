@@ -84,11 +84,14 @@ class Admission:
         if ticket.ended:
             return ticket
         try:
-            return self.scheduler.submit(ticket)
+            got = self.scheduler.submit(ticket)
         except BaseException:
-            if ticket.reserved:
-                self.store.release_pick(ticket.device)
+            got = None
             raise
+        finally:
+            if got is not ticket and ticket.reserved:  # refused, or the session was running
+                self.store.release_pick(ticket.device)
+        return got
 
     def _ticket(self, request: Request, device: str | None, **kw) -> Ticket:
         if device is None:
@@ -139,4 +142,4 @@ class Admission:
                 ticket.followers -= 1
                 orphaned = ticket.followers == 0 and not ticket.ended
             if orphaned:
-                self.scheduler.cancel(ticket.session_id)
+                self.scheduler.cancel(ticket.session_id, orphaned=True)

@@ -109,7 +109,7 @@ class Scheduler(threading.Thread):
         self.metrics = metrics
         self.max_queue = max_queue
         self._pending: deque[Ticket] = deque()
-        self._cancels: deque[str] = deque()
+        self._cancels: deque[tuple[str, bool]] = deque()
         self._tickets: dict[str, Ticket] = {}  # queued or active, by session id
         self._lock = threading.Lock()
         self._stopping = threading.Event()  # (not ``_stop``: threading.Thread has a _stop())
@@ -127,11 +127,11 @@ class Scheduler(threading.Thread):
         returned instead (a client resuming a stream that is still alive)."""
         self.engine.validate(ticket.request)  # ConfigError before any queueing
         with self._lock:
-            if self.draining or self._stopping.is_set():
-                raise ShuttingDown("the verifier is draining: it admits no new sessions")
             running = self._tickets.get(ticket.session_id)
             if running is not None:
                 return running
+            if self.draining or self._stopping.is_set():
+                raise ShuttingDown("the verifier is draining: it admits no new sessions")
             # running + queued, not queued alone: a ticket not yet moved to a free slot must not
             # take a queue place
             if len(self._tickets) >= self.engine.cfg.max_sessions + self.max_queue:
@@ -146,12 +146,14 @@ class Scheduler(threading.Thread):
         with self._lock:
             return self._tickets.get(session_id)
 
-    def cancel(self, session_id: str) -> bool:
-        """Cancel a queued or running session; False if there is none."""
+    def cancel(self, session_id: str, orphaned: bool = False) -> bool:
+        """Cancel a queued or running session; False if there is none. ``orphaned``: only if
+        nobody follows it any more when the cancel is applied (a client may have resumed the
+        stream in between)."""
         with self._lock:
             if session_id not in self._tickets:
                 return False
-            self._cancels.append(session_id)
+            self._cancels.append((session_id, orphaned))
         self._wake.set()
         return True
 
@@ -212,7 +214,7 @@ class Scheduler(threading.Thread):
     def _shut_down(self) -> None:
         exc = ShuttingDown("the verifier is shutting down; resume the session")
         for act in list(self.engine.active):
-            self.engine.fail(act, exc)
+            self.engine.abandon(act, exc)  # kept in the cache, resumable
         with self._lock:
             left = list(self._pending) + list(self._tickets.values())
             self._pending.clear()
@@ -284,7 +286,10 @@ class Scheduler(threading.Thread):
             with self._lock:
                 if not self._cancels:
                     return
-                sid = self._cancels.popleft()
+                sid, orphaned = self._cancels.popleft()
+                t = self._tickets.get(sid)
+                if t is None or (orphaned and t.followers > 0):
+                    continue
                 queued = next((t for t in self._pending if t.session_id == sid), None)
                 if queued is not None:
                     self._pending.remove(queued)

@@ -56,8 +56,8 @@ class VerifierService(pb_grpc.VerifierServicer):
 
     # -- RPCs -------------------------------------------------------------------------------------
     def Generate(self, request, context):
-        with self._lock:
-            full = self._streams >= self.max_streams
+        with self._lock:  # a resume continues a session that already counts: never refused
+            full = self._streams >= self.max_streams and not request.resume_session_id
             if not full:
                 self._streams += 1
         if full:

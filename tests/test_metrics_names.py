@@ -1,0 +1,224 @@
+"""The metrics of the three roles against the dashboard and the scrape config that read them:
+every metric name the Grafana dashboard's PromQL names is exposed by one of the metrics classes;
+the draft cache and an edge drafter count what really crosses their link (an in-process DraftCache
+on loopback, the embedded Redis); ``edgespec drafter --metrics-port`` serves them over HTTP."""
+
+from __future__ import annotations
+
+import json
+import re
+import urllib.request
+from pathlib import Path
+
+import grpc
+import pytest
+import yaml
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.metrics import MetricWrapperBase
+from prometheus_client.parser import text_string_to_metric_families
+
+from cache_service.metrics import CacheMetrics
+from drafter_node.agent import DrafterAgent
+from drafter_node.metrics import DrafterMetrics
+from edgespec.config import SamplingParams
+from edgespec.session import Verdict
+from edgespec.v1 import edgespec_pb2 as pb
+from verifier_node.metrics import VerifierMetrics
+
+# the in-process cache of the hostile-drafter tests: its fixtures (used by name) and helpers
+from test_hostile_drafter import (  # noqa: F401
+    Cache, SlotDrafter, draft_len, eventually, redis_handle, start_agent, store)
+
+ROOT = Path(__file__).resolve().parents[1]
+DASHBOARD = ROOT / "deploy" / "grafana" / "edgespec.json"
+SCRAPE_CONFIG = ROOT / "deploy" / "prometheus.yml"
+NAME = re.compile(r"edgespec:[a-zA-Z0-9_:]+")  # a metric name (e2e has digits)
+
+
+def value(registry, name, **labels) -> float:
+    return registry.get_sample_value(name, labels) or 0.0
+
+
+def dashboard_queries(dash: dict) -> list[str]:
+    """Every PromQL text of the dashboard: panel targets (rows' nested panels included) and
+    templating queries."""
+    out = []
+
+    def panels(ps):
+        for p in ps:
+            out.extend(t["expr"] for t in p.get("targets", []) if t.get("expr"))
+            panels(p.get("panels", []))
+
+    panels(dash["panels"])
+    for v in dash["templating"]["list"]:
+        q = v.get("query")
+        q = q.get("query") if isinstance(q, dict) else q
+        if v.get("type") == "query" and q:
+            out.append(q)
+    return out
+
+
+def exposed_sample_names() -> set[str]:
+    """Sample names of the three roles' metrics in one registry, each labelled metric touched
+    once so that its series exist."""
+    registry = CollectorRegistry()
+    objs = [VerifierMetrics(registry), CacheMetrics(registry), DrafterMetrics(registry)]
+    for obj in objs:
+        for m in vars(obj).values():
+            if isinstance(m, MetricWrapperBase) and m._labelnames:
+                m.labels(*["x"] * len(m._labelnames))
+    text = generate_latest(registry).decode()
+    return {s.name for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def test_every_metric_the_dashboard_reads_is_exposed():
+    dash = json.loads(DASHBOARD.read_text())
+    assert dash["schemaVersion"] >= 36 and dash["uid"]
+    variables = {v["name"]: v for v in dash["templating"]["list"]}
+    assert variables["DS_PROMETHEUS"]["type"] == "datasource"
+    assert "label_values(edgespec:device_draft_tokens_total, device)" in \
+        json.dumps(variables["device"]["query"])
+    queries = dashboard_queries(dash)
+    assert len(queries) > 20
+    exposed = exposed_sample_names()
+    used = {name for q in queries for name in NAME.findall(q)}
+    assert all(NAME.search(q) for q in queries), "a query reads no edgespec metric"
+    missing = sorted(used - exposed)
+    assert not missing, f"the dashboard reads metrics nobody exposes: {missing}"
+    # every panel reads its data from the dashboard's data source variable
+    for p in dash["panels"]:
+        if p["type"] != "row":
+            assert p["datasource"]["uid"] == "${DS_PROMETHEUS}", p["title"]
+    # the panels the operators asked for are there
+    for name in ("edgespec:generation_tokens_total", "edgespec:device_accepted_tokens_total",
+                 "edgespec:device_drafts_total", "edgespec:time_to_first_token_seconds_bucket",
+                 "edgespec:inter_token_latency_seconds_bucket",
+                 "edgespec:e2e_request_latency_seconds_bucket",
+                 "edgespec:batch_size_sessions_bucket", "edgespec:batch_size_tokens_bucket",
+                 "edgespec:step_seconds_bucket", "edgespec:num_requests_running",
+                 "edgespec:num_requests_waiting", "edgespec:kv_slots_free",
+                 "edgespec:drafters_attached", "edgespec:drafter_link_rtt_seconds_bucket",
+                 "edgespec:drafter_chunks_sent_total"):
+        assert name in used, name
+
+
+def test_scrape_config_has_the_three_roles():
+    cfg = yaml.safe_load(SCRAPE_CONFIG.read_text())
+    jobs = {j["job_name"]: j for j in cfg["scrape_configs"]}
+    assert set(jobs) == {"edgespec-verifier", "edgespec-cache", "edgespec-drafters"}
+    for job in jobs.values():
+        assert job["metrics_path"] == "/metrics"
+        assert all(re.fullmatch(r"[\w.-]+:\d+", t)
+                   for sc in job["static_configs"] for t in sc["targets"])
+
+
+def test_metric_names_do_not_collide_and_labels_stay_bounded():
+    registry = CollectorRegistry()  # registering all three in one registry raises on a clash
+    VerifierMetrics(registry), CacheMetrics(registry), DrafterMetrics(registry)
+    m = CacheMetrics(CollectorRegistry())
+    m.chunk_refused(grpc.StatusCode.FAILED_PRECONDITION)
+    m.chunk_refused("not a code")
+    codes = {s.labels["code"] for fam in m.chunks.collect() for s in fam.samples}
+    assert codes <= {c.name for c in grpc.StatusCode} | {"UNKNOWN"}
+    d = DrafterMetrics(CollectorRegistry())
+    d.ack_received("s", 1, 12345)  # a code no gRPC status has
+    assert {s.labels["code"] for fam in d.refused.collect() for s in fam.samples} == {"UNKNOWN"}
+
+
+def test_link_rtt_matches_acks_to_chunks_by_session_and_start():
+    reg = CollectorRegistry()
+    d = DrafterMetrics(reg)
+    timed = lambda: value(reg, "edgespec:drafter_link_rtt_seconds_count")  # noqa: E731
+    d.chunk_sent("s1", 3, 2)
+    d.chunk_sent("s1", 3, 0)  # an idle chunk at the same position: timed on its own
+    d.chunk_sent("s2", 3, 4)
+    d.ack_received("s9", 3, 0)  # not ours
+    d.ack_received("s1", 3, 0)
+    d.ack_received("s1", 3, 0)
+    d.ack_received("s1", 3, 0)  # one more than sent
+    assert timed() == 2
+    d.link_lost()
+    d.ack_received("s2", 3, 0)  # in flight when the link dropped: not timed
+    assert timed() == 2
+    assert value(reg, "edgespec:drafter_chunks_sent_total") == 3
+    assert value(reg, "edgespec:drafter_draft_tokens_total") == 6
+
+
+# -- the cache and an agent over a real link -------------------------------------------------------
+def test_cache_and_drafter_count_what_crosses_the_link(store):
+    cache_reg, drafter_reg = CollectorRegistry(), CollectorRegistry()
+    cache = Cache(store)
+    cache.service.metrics = CacheMetrics(cache_reg)  # before any call: the service reads it late
+    dm = DrafterMetrics(drafter_reg)
+    agent = DrafterAgent(cache.address, "edge-m", SlotDrafter(), window=4, chunk=2, metrics=dm)
+    t = start_agent(agent)
+    try:
+        eventually(lambda: value(cache_reg, "edgespec:drafters_attached") == 1, "attached")
+        assert value(cache_reg, "edgespec:drafter_attaches_total", device="edge-m") == 1
+        store.create("s1", [1, 2, 3], SamplingParams(), "edge-m")
+        eventually(lambda: draft_len(store, "s1") == 4, "a full window of drafts")
+        eventually(lambda: value(drafter_reg, "edgespec:drafter_link_rtt_seconds_count") >= 2,
+                   "two chunks acknowledged")
+        assert value(drafter_reg, "edgespec:drafter_draft_tokens_total") >= 4
+        assert value(cache_reg, "edgespec:cache_chunks_total", result="ok", code="OK") >= 2
+        assert value(cache_reg, "edgespec:cache_draft_tokens_total") >= 4
+        # a fix reaches the drafter
+        store.commit_many([Verdict(session_id="s1", epoch=0, start=3, n_accepted=0, token=9)])
+        eventually(lambda: value(drafter_reg, "edgespec:drafter_fixes_received_total") == 1,
+                   "the fix counted")
+        # a chunk the cache refuses is counted on both sides, by its code
+        with agent.cond:
+            agent._send(agent._out, pb.DraftChunk(session_id="nope", start=1, tokens=[5]))
+        eventually(lambda: value(drafter_reg, "edgespec:drafter_chunks_refused_total",
+                                 code="NOT_FOUND") == 1, "the refusal counted by the drafter")
+        assert value(cache_reg, "edgespec:cache_chunks_total", result="refused",
+                     code="NOT_FOUND") == 1
+        with pytest.raises(grpc.RpcError):  # PushDraft refusals count too
+            cache.push(pb.DraftChunk(session_id="nope", start=1, tokens=[5]), device="edge-m")
+        assert value(cache_reg, "edgespec:cache_chunks_total", result="refused",
+                     code="NOT_FOUND") == 2
+    finally:
+        agent.stop()
+        t.join(30)
+    try:
+        sent = value(drafter_reg, "edgespec:drafter_chunks_sent_total")
+        assert sent == agent.chunks_sent + 1  # the hand-made chunk besides the drafted ones
+        assert value(drafter_reg, "edgespec:drafter_link_rtt_seconds_count") <= sent
+        eventually(lambda: value(cache_reg, "edgespec:drafters_attached") == 0, "detached")
+        ok = value(cache_reg, "edgespec:cache_chunks_total", result="ok", code="OK")
+        assert ok <= sent - 1  # chunks still queued when the link closed may never arrive
+    finally:
+        cache.stop()
+
+
+def test_drafter_command_serves_metrics(store, tmp_path):
+    from procs import Proc
+
+    cache = Cache(store)
+    cache.service.metrics = CacheMetrics(CollectorRegistry())
+    proc = Proc(["drafter", "--cache", cache.address, "--device-id", "edge-cli",
+                 "--metrics-port", 0, "--log-level", "INFO"], tmp_path / "drafter.log")
+    try:
+        proc.wait_for("attached to", timeout=120)
+        url = re.search(r"drafter metrics on (http://\S+/metrics)", proc.text()).group(1)
+        store.create("s1", [1, 2, 3, 1, 2, 3], SamplingParams(), "edge-cli")
+
+        def scraped():
+            text = urllib.request.urlopen(url, timeout=10).read().decode()
+            samples = {s.name: s.value for fam in text_string_to_metric_families(text)
+                       for s in fam.samples}
+            return samples if samples.get("edgespec:drafter_chunks_sent_total", 0) >= 1 \
+                else None
+
+        samples = eventually(scraped, "a chunk counted on the drafter's /metrics")
+        assert "edgespec:drafter_link_rtt_seconds_bucket" in samples
+    finally:
+        assert proc.stop() == 0
+        cache.stop()
+
+
+def test_drafter_metrics_port_is_checked_before_anything_starts(capsys):
+    from edgespec_cli.main import main
+
+    assert main(["drafter", "--device-id", "x", "--metrics-port", "70000"]) == 2
+    assert "--metrics-port" in capsys.readouterr().err

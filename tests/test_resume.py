@@ -1,0 +1,93 @@
+"""Resuming sessions, step by step and without timing: the scheduler's loop is driven by hand
+(its thread is never started), against the embedded Redis."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import hf_greedy
+
+from cache_service.redis_conn import RedisHandle
+from cache_service.store import RedisSessionStore
+from edgespec.config import EngineConfig, SamplingParams
+from edgespec.engine import Request, SpecEngine
+from edgespec.models import stop_token_ids
+from edgespec.runner import TargetRunner
+from edgespec.session import Verdict
+from verifier_node.admission import Admission, GenerationRequest
+from verifier_node.scheduler import Scheduler
+
+PROMPT = [1, 10, 11, 12, 13, 10, 11]
+
+
+@pytest.fixture()
+def parts(looping):
+    handle = RedisHandle()
+    store = RedisSessionStore(handle.client, ttl_s=60)
+    runner = TargetRunner(looping.model, n_slots=2, max_len=256)
+    engine = SpecEngine(runner, None, EngineConfig(max_sessions=2, max_context=256),
+                        stop_token_ids(looping), store=store)
+    sched = Scheduler(engine, max_queue=2)
+    admission = Admission(sched, store, looping.tokenizer, runner.vocab_size)
+    yield store, engine, sched, admission
+    handle.close()
+
+
+def test_the_last_commit_holds_exactly_the_output(parts, looping):
+    """A correct 6-token draft under max_new_tokens=2: the cache keeps 2 tokens, not 7."""
+    store, engine, _, _ = parts
+    ref = hf_greedy(looping.model, PROMPT, 8)
+    act = engine.add(Request(PROMPT, 2, SamplingParams()), session_id="s1")
+    store.redis.set(store.session_keys("s1")[2], b"".join(
+        t.to_bytes(4, "little") for t in ref[:6]))  # the draft, as a drafter would push it
+    engine.step()
+    assert act.output == ref[:2] and act.finish == "length"
+    rec = store.load("s1")
+    assert rec.committed == ref[:2] and rec.finish_reason == "length"
+
+
+def test_a_finished_session_whose_close_never_ran_is_replayed_not_regenerated(parts, looping):
+    store, _, _, admission = parts
+    store.create("s2", PROMPT, SamplingParams(), None, max_new_tokens=3)
+    ref = hf_greedy(looping.model, PROMPT, 3)
+    for i, tok in enumerate(ref):  # committed by a verifier killed before its close
+        store.commit_many([Verdict("s2", i, len(PROMPT) + i, 0, tok,  # no draft: each a fix
+                                   finish_reason="length" if i == 2 else "")])
+    ticket = admission.admit(GenerationRequest(resume_session_id="s2"))
+    assert ticket.ended and ticket.result.finish_reason == "length"
+    assert ticket.tokens == ref
+
+
+def test_an_orphan_cancel_does_not_end_a_session_a_client_resumed(parts):
+    _, engine, sched, admission = parts
+    ticket = admission.admit(GenerationRequest(prompt_ids=PROMPT, max_new_tokens=50))
+    sched._admit()
+    with admission.follow(ticket):
+        pass  # the first stream broke: its orphan cancel is queued ...
+    resumed = admission.admit(GenerationRequest(resume_session_id=ticket.session_id))
+    assert resumed is ticket  # ... but the client resumed before the loop applied it
+    with admission.follow(resumed):
+        sched._apply_cancels()
+        assert not ticket.ended and len(engine.active) == 1
+        engine.step()
+        assert len(ticket.tokens) >= 1
+    sched._apply_cancels()  # the resumed stream left too: now it is cancelled
+    assert ticket.result.finish_reason == "cancelled" and not engine.active
+
+
+def test_a_stopping_verifier_leaves_its_sessions_resumable(parts, looping):
+    store, engine, sched, admission = parts
+    ref = hf_greedy(looping.model, PROMPT, 12)
+    ticket = admission.admit(GenerationRequest(prompt_ids=PROMPT, max_new_tokens=12))
+    sched._admit()
+    engine.step()
+    engine.step()
+    sched._shut_down()
+    assert ticket.error is not None and not engine.active
+    rec = store.load(ticket.session_id)
+    assert rec.finish_reason is None and rec.committed == ref[:len(rec.committed)]
+    resumed = admission.admit(GenerationRequest(resume_session_id=ticket.session_id))
+    assert resumed is not ticket and resumed.tokens == rec.committed
+    sched._admit()
+    while engine.active:
+        engine.step()
+    assert resumed.result.token_ids == ref
