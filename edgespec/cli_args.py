@@ -39,9 +39,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 def engine_config(args, max_sessions: int | None = None) -> EngineConfig:
     """The engine options of a command (those it lacks keep EngineConfig's defaults)."""
     d = EngineConfig()
-    return EngineConfig(max_draft=args.max_draft, window=args.window, chunk=args.chunk,
-                        draft_wait_ms=args.draft_wait_ms, max_context=args.max_context,
-                        adaptive=not args.no_adaptive,
+    return EngineConfig(max_draft=getattr(args, "max_draft", d.max_draft),
+                        window=args.window, chunk=args.chunk,
+                        draft_wait_ms=getattr(args, "draft_wait_ms", d.draft_wait_ms),
+                        max_context=getattr(args, "max_context", d.max_context),
+                        adaptive=not getattr(args, "no_adaptive", False),
                         max_sessions=max_sessions or d.max_sessions,
                         max_batch_tokens=getattr(args, "max_batch_tokens", d.max_batch_tokens))
 
@@ -68,7 +70,10 @@ def set_threads(n: int | None) -> int:
     """Apply the thread policy; returns the count in use."""
     if n is None:
         env = os.environ.get("EDGESPEC_THREADS")
-        n = int(env) if env else default_threads()
+        try:
+            n = int(env) if env else default_threads()
+        except ValueError:
+            raise ConfigError(f"EDGESPEC_THREADS must be an integer, got {env[:20]!r}") from None
     if n < 1:
         raise ConfigError(f"--threads must be >= 1, got {n}")
     import torch
@@ -90,13 +95,12 @@ def check_drafter_arg(spec: str, allowed: tuple[str, ...] = ("none", "mag", "lay
                       ) -> None:
     """Refuse an unknown drafter spec, or a model drafter whose path is missing, before any
     model loads."""
-    from .drafters import DRAFTER_HELP
-
     spec = (spec or "none").strip()
     kind, _, arg = spec.partition(":")
     if kind not in allowed or (kind in ("none", "mag") and arg):
+        forms = {"none": "none", "mag": "mag", "layers": "layers:L", "model": "model:PATH"}
         raise ConfigError(f"unknown drafter {spec!r}; use "
-                          f"{DRAFTER_HELP if len(allowed) == 4 else ' | '.join(allowed)}")
+                          f"{' | '.join(forms[k] for k in allowed)}")
     if kind == "layers" and not arg.isdigit():
         raise ConfigError(f"layers:L needs an integer L, got {arg!r}")
     if kind == "model":

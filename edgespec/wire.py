@@ -187,9 +187,11 @@ def bind(server: grpc.Server, address: str, tls_cert: str | None = None,
                                                 require_client_auth=True)
         else:
             creds = grpc.ssl_server_credentials(pair)
-        port = server.add_secure_port(address, creds)
-    else:
-        port = server.add_insecure_port(address)
+    try:
+        port = (server.add_secure_port(address, creds) if tls_cert
+                else server.add_insecure_port(address))
+    except RuntimeError:  # newer grpc raises where older returned 0
+        port = 0
     if port == 0:
         raise ConfigError(f"cannot listen on {address}")
     return port

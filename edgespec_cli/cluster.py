@@ -77,7 +77,14 @@ def _add_server(p: argparse.ArgumentParser, roles: tuple[str, ...]) -> None:
         p.add_argument("--http-host", default="127.0.0.1",
                        help="address for --http-port (default: %(default)s)")
         add_threads_arg(p)
-    add_engine_args(p)
+        add_engine_args(p)
+    else:  # the cache alone uses only the drafting shape it hands to drafters
+        d = EngineConfig()
+        p.add_argument("--window", type=int, default=d.window,
+                       help="most tokens drafted beyond the committed position, W "
+                            "(default: %(default)s)")
+        p.add_argument("--chunk", type=int, default=d.chunk,
+                       help="tokens per draft chunk, c (default: %(default)s)")
     p.set_defaults(func=cmd_server, roles=roles)
 
 
@@ -197,8 +204,10 @@ def add_cluster_commands(sub) -> None:
                    help="sessions this device drafts for at once (default: %(default)s)")
     d.add_argument("--max-context", type=int, default=EngineConfig().max_context,
                    help="tokens per session for model drafters (default: %(default)s)")
-    d.add_argument("--device", default="cpu", help="where a model drafter runs")
-    d.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    d.add_argument("--device", default="cpu",
+                   help="where a model drafter runs (default: %(default)s)")
+    d.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="a model drafter's dtype (default: %(default)s)")
     add_threads_arg(d)
     d.add_argument("--log-level", default="INFO", help="(default: %(default)s)")
     d.add_argument("--metrics-port", type=int, default=None,

@@ -76,7 +76,7 @@ def cmd_bench(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="edgespec", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="edgespec", description="edgespec: speculative decoding across an edge fleet")
     parser.add_argument("--version", action="version", version=f"edgespec {__version__}")
     sub = parser.add_subparsers(dest="cmd", required=True)
 
@@ -90,7 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=None, help="sampling seed")
     g.add_argument("--raw", action="store_true", help="send the prompt as is, no chat template")
     g.add_argument("--json", action="store_true",
-                   help="print one JSON object (token_ids, text, stats) instead of streaming")
+                   help="print one JSON object (token_ids, text, finish_reason, prompt_tokens, "
+                        "stats) instead of streaming")
     add_model_args(g)
     add_threads_arg(g)
     add_engine_args(g)

@@ -104,13 +104,18 @@ class EdgespecServer:
         self._stopping = threading.Event()
         self._serving: bool | None = None
         try:
+            # listen first: a taken or malformed address fails before a model loads
+            self.port = bind(self.server, opts.listen, opts.tls_cert, opts.tls_key,
+                             client_ca=opts.tls_client_ca)
+            if opts.http_port is not None and "verifier" in opts.roles:
+                self._start_http()  # /health answers 503 while the model loads
             if "verifier" in opts.roles:
                 self._add_verifier()
             if "cache" in opts.roles:
                 self._add_cache()
-            self.port = bind(self.server, opts.listen, opts.tls_cert, opts.tls_key,
-                             client_ca=opts.tls_client_ca)
         except BaseException:
+            if self.http is not None:
+                self.http.should_exit = True
             self.redis.close()
             raise
 
@@ -195,10 +200,10 @@ class EdgespecServer:
     def _start_http(self) -> None:
         import uvicorn
 
-        from verifier_node.http_api import make_app
+        from verifier_node.http_api import ServingState, make_app
 
-        app = make_app(self.admission, self.model_name, self.registry, self.healthy,
-                       resolve_token(self.opts.auth_token))
+        self.http_state = ServingState(self.registry, self.healthy)
+        app = make_app(self.http_state, resolve_token(self.opts.auth_token))
         self.http = uvicorn.Server(uvicorn.Config(
             app, host=self.opts.http_host, port=self.opts.http_port, log_level="warning",
             lifespan="off", timeout_graceful_shutdown=5))
@@ -216,8 +221,9 @@ class EdgespecServer:
         if self.scheduler:
             self.scheduler.start()
         self.server.start()
-        if self.opts.http_port is not None and self.scheduler is not None:
-            self._start_http()
+        if self.http is not None:
+            self.http_state.model_name = self.model_name
+            self.http_state.admission = self.admission
         if self.opts.metrics_port is not None:
             from prometheus_client import start_http_server
 

@@ -24,3 +24,35 @@ def test_readme_main_command_uses_existing_subcommand():
     assert "torch==2.13.0" in run
     sub = re.search(r"edgespec (\w+)", run).group(1)
     build_parser().parse_args([sub, "x"] if sub == "generate" else [sub])
+
+
+def _parser_options() -> dict[str, set[str]]:
+    import argparse
+
+    from edgespec_cli.main import build_parser
+
+    out: dict[str, set[str]] = {}
+
+    def walk(parser, name):
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for sub, p in action.choices.items():
+                    walk(p, f"{name} {sub}".strip())
+            else:
+                out.setdefault(name, set()).update(
+                    o for o in action.option_strings if o.startswith("--") and o != "--help")
+    walk(build_parser(), "")
+    return out
+
+
+def test_every_command_option_is_documented_and_every_documented_option_exists():
+    text = (ROOT / "README.md").read_text()
+    documented = set(re.findall(r"(--[a-z][a-z-]+)", text))
+    options = _parser_options()
+    every = set().union(*options.values())
+    missing = {f"{cmd}: {o}" for cmd, opts in options.items() for o in opts
+               if o not in documented}
+    assert not missing, f"options missing from the README: {sorted(missing)}"
+    pip_flags = {"--index-url", "--no-deps", "--force-reinstall"}
+    unknown = {o for o in documented if o not in every and o not in pip_flags}
+    assert not unknown, f"the README names options no command has: {sorted(unknown)}"

@@ -20,6 +20,8 @@ import asyncio
 import hmac
 import json
 import time
+from dataclasses import dataclass
+from typing import Callable
 
 import anyio
 from fastapi import FastAPI, Request
@@ -40,9 +42,18 @@ def error_response(status: int, message: str, kind: str, param: str | None = Non
                                    "code": code}}, status_code=status)
 
 
-def make_app(admission: Admission, model_name: str, registry: CollectorRegistry,
-             healthy, token: str | None = None) -> FastAPI:
-    """``healthy()``: the server's truthful health (False while draining or unhealthy)."""
+@dataclass
+class ServingState:
+    """What the app serves from; the server fills ``admission`` and ``model_name`` once the
+    model is loaded (until then /health answers 503 and the API "loading")."""
+
+    registry: CollectorRegistry
+    healthy: Callable[[], bool]  # the server's truthful health (False while draining)
+    admission: Admission | None = None
+    model_name: str = ""
+
+
+def make_app(state: ServingState, token: str | None = None) -> FastAPI:
     app = FastAPI(title="edgespec", docs_url=None, redoc_url=None, openapi_url=None)
     expected = f"Bearer {token}".encode() if token else None
     created = int(time.time())
@@ -59,23 +70,31 @@ def make_app(admission: Admission, model_name: str, registry: CollectorRegistry,
             raise ApiError(401, "missing or wrong API key (header 'Authorization: Bearer ...')",
                            "authentication_error", code="invalid_api_key")
 
+    def ready() -> Admission:
+        if state.admission is None:
+            raise ApiError(503, "the model is still loading", "service_unavailable",
+                           code="loading")
+        return state.admission
+
     @app.get("/health")
     async def health():
-        ok = await anyio.to_thread.run_sync(healthy)
+        ok = state.admission is not None and await anyio.to_thread.run_sync(state.healthy)
         return Response(status_code=200 if ok else 503)
 
     @app.get("/metrics")
     async def metrics():
-        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(generate_latest(state.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models(request: Request):
         check_auth(request)
-        return {"object": "list", "data": [{"id": model_name, "object": "model",
+        ready()
+        return {"object": "list", "data": [{"id": state.model_name, "object": "model",
                                             "created": created, "owned_by": "edgespec"}]}
 
     async def generate(request: Request, chat: bool):
         check_auth(request)
+        admission, model_name = ready(), state.model_name
         try:
             body = await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError):
