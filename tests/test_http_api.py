@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import openai
 import pytest
@@ -17,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from edgespec.models import encode_prompt
 from edgespec.wire import free_port
-from procs import start_drafter, start_serve
+from procs import Proc, start_drafter, start_serve
 
 
 def call(method: str, url: str, body=None, headers=None, raw: bytes | None = None
@@ -53,9 +54,13 @@ def server(looping_dir, tmp_path_factory):
     # length: what is drafted does not depend on the machine's speed
     serve, address = start_serve(looping_dir, tmp, token=TOKEN, extra=[
         "--http-port", http_port, "--draft-wait-ms", 5000, "--no-adaptive"])
-    drafter = start_drafter(address, "board-1", tmp, "mag", token=TOKEN)
+    drafter_metrics = free_port()
+    drafter = Proc(["drafter", "--cache", address, "--device-id", "board-1", "--drafter", "mag",
+                    "--auth-token", TOKEN, "--metrics-port", drafter_metrics],
+                   tmp / "drafter-board-1.log")
     drafter.wait_for("attached to")
-    yield {"address": address, "base": f"http://127.0.0.1:{http_port}", "serve": serve}
+    yield {"address": address, "base": f"http://127.0.0.1:{http_port}", "serve": serve,
+           "drafter_metrics": f"http://127.0.0.1:{drafter_metrics}/metrics"}
     drafter.stop()
     assert serve.stop() == 0
 
@@ -221,6 +226,20 @@ def test_metrics_agree_with_the_generation_just_made(server, api):
     assert after["edgespec:spec_decode_num_accepted_tokens_total"] <= \
         after["edgespec:spec_decode_num_draft_tokens_total"]
     assert after["edgespec:kv_slots_free"] == 8 and after["edgespec:num_requests_running"] == 0
+
+
+def test_every_metric_the_dashboard_reads_is_in_the_live_metrics(server, api):
+    from test_metrics_names import NAME, dashboard_queries
+
+    api.completions.create(model=api.model_id, prompt=PROMPT, max_tokens=N, temperature=0)
+    exposed = set()
+    for url in (server["base"] + "/metrics", server["drafter_metrics"]):
+        for family in text_string_to_metric_families(call("GET", url)[1]):
+            exposed.update(s.name for s in family.samples)
+    dash = json.loads((Path(__file__).resolve().parent.parent / "deploy" / "grafana" /
+                       "edgespec.json").read_text())
+    used = {name for q in dashboard_queries(dash) for name in NAME.findall(q)}
+    assert used and not used - exposed, sorted(used - exposed)
 
 
 def test_status_command_after_a_generation(server, api):
