@@ -37,10 +37,12 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if not self.temperature >= 0:
             raise ConfigError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise ConfigError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0 <= self.top_k < (1 << 31):
+            raise ConfigError(f"top_k must be in [0, 2^31), got {self.top_k}")
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.seed is not None and not -(1 << 63) <= self.seed < (1 << 63):
+            raise ConfigError("seed must fit in 64 bits (signed)")
 
     @property
     def greedy(self) -> bool:

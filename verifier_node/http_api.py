@@ -97,7 +97,7 @@ def make_app(state: ServingState, token: str | None = None) -> FastAPI:
         admission, model_name = ready(), state.model_name
         try:
             body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
+        except (ValueError, RecursionError):  # bad JSON, bad UTF-8, absurd nesting
             raise ApiError(400, "the request body is not valid JSON", "invalid_request_error")
         params = parse_request(body, chat, model_name)
         try:

@@ -57,7 +57,8 @@ def _number(body: dict, name: str, default, kind=float, low=None, high=None):
             (kind is int and not float(value).is_integer()) or not math.isfinite(value):
         raise _bad(f"'{name}' must be a finite {'integer' if kind is int else 'number'}", name)
     if (low is not None and value < low) or (high is not None and value > high):
-        raise _bad(f"'{name}' must be in [{low}, {high}], got {value}", name)
+        bounds = f"in [{low}, {high}]" if high is not None else f">= {low}"
+        raise _bad(f"'{name}' must be {bounds}, got {value}", name)
     return kind(value)
 
 
@@ -116,8 +117,8 @@ def parse_request(body, chat: bool, model_name: str) -> OpenAIParams:
     if _number(body, "n", 1, int, 1) != 1:
         raise _bad("only n = 1 is supported", "n")
     seed = body.get("seed")
-    if seed is not None:
-        seed = _number(body, "seed", None, int)
+    if seed is not None:  # the wire carries seeds as int64
+        seed = _number(body, "seed", None, int, -(1 << 63), (1 << 63) - 1)
     try:
         g.params = SamplingParams(_number(body, "temperature", 1.0, float, 0, 2),
                                   _number(body, "top_k", 0, int, 0),
