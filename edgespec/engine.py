@@ -261,11 +261,12 @@ class SpecEngine:
         self.active.append(act)
         return act
 
-    def cancel(self, sid: str) -> bool:
-        """Stop a session now (finish reason "cancelled"); False if it is not active."""
+    def cancel(self, sid: str, reason: str = "cancelled") -> bool:
+        """Stop a session now (finish reason ``reason``: "cancelled", or "stop" for a stop
+        string found by a front door); False if it is not active."""
         for act in self.active:
             if act.sid == sid:
-                act.finish = "cancelled"
+                act.finish = reason
                 self._finish(act)
                 return True
         return False

@@ -202,11 +202,13 @@ class EdgespecServer:
 
         from verifier_node.http_api import ServingState, make_app
 
-        self.http_state = ServingState(self.registry, self.healthy)
+        self.http_state = ServingState(self.registry, lambda: self._serving is True)
         app = make_app(self.http_state, resolve_token(self.opts.auth_token))
+        tls = ({"ssl_certfile": self.opts.tls_cert, "ssl_keyfile": self.opts.tls_key}
+               if self.opts.tls_cert else {})  # HTTPS with the gRPC certificate
         self.http = uvicorn.Server(uvicorn.Config(
             app, host=self.opts.http_host, port=self.opts.http_port, log_level="warning",
-            lifespan="off", timeout_graceful_shutdown=5))
+            lifespan="off", timeout_graceful_shutdown=5, **tls))
         thread = threading.Thread(target=self.http.run, daemon=True, name="http")
         thread.start()
         while not self.http.started:

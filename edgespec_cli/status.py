@@ -57,8 +57,11 @@ def cmd_status(args: argparse.Namespace) -> int:
                 st = client.status()
             except edgespec.EdgespecError as e:
                 print(f"edgespec: error: cannot read the status of {args.address}: {e}",
-                      file=sys.stderr)
-                return 1
+                      file=sys.stderr, flush=True)
+                if not args.watch:
+                    return 1
+                time.sleep(args.interval)  # watching: keep trying until interrupted
+                continue
             if args.json:
                 print(json.dumps(st), flush=True)
             else:

@@ -135,7 +135,7 @@ def test_streams_concatenate_to_the_whole_text_with_usage_last(api):
         assert all(f is None for f in finishes[:-1])
 
 
-def test_stop_string_cuts_the_text_before_it(api, looping):
+def test_stop_string_cuts_the_text_before_it(server, api, looping):
     ids = encode_prompt(looping.tokenizer, PROMPT, raw=True)
     _, ref_text = reference(looping, ids)
     stop = ref_text[6:8]
@@ -150,6 +150,17 @@ def test_stop_string_cuts_the_text_before_it(api, looping):
             r = api.completions.create(**kw)
             text, finish = r.choices[0].text, r.choices[0].finish_reason
         assert (text, finish) == (expected, "stop")
+    before = _metrics(server)
+    r = api.completions.create(model=api.model_id, prompt=PROMPT, max_tokens=N, temperature=0,
+                               stop=[stop])
+    after = _metrics(server)
+    key = "edgespec:request_success_total{finished_reason=%s}"
+    assert after.get(key % "stop", 0) - before.get(key % "stop", 0) == 1
+    assert after.get(key % "cancelled", 0) == before.get(key % "cancelled", 0)
+    # usage counts the tokens up to the one that completes the stop string, not its chunk
+    stop_ids = encode_prompt(looping.tokenizer, ref_text[: ref_text.find(stop) + len(stop)],
+                             raw=True)
+    assert r.usage.completion_tokens == len(stop_ids)
 
 
 def test_seeded_sampling_is_reproducible(api):
@@ -168,6 +179,9 @@ def test_seeded_sampling_is_reproducible(api):
     (dict(logit_bias={"5": 10}), 400, "logit_bias"),
     (dict(prompt=""), 400, "prompt"),
     (dict(prompt="a" * 200_000), 400, None),
+    (dict(max_tokens=10 ** 400), 400, "max_tokens"),
+    (dict(seed=2 ** 64, temperature=1), 400, "seed"),
+    (dict(max_completion_tokens=None, max_tokens=-1), 400, "max_tokens"),
 ])
 def test_bad_requests_get_openai_errors(server, api, kw, status, param):
     body = {"model": api.model_id, "prompt": PROMPT, "max_tokens": 5, **kw}
@@ -187,6 +201,8 @@ def test_malformed_json_and_auth(server):
     for headers in ({}, {"Authorization": "Bearer wrong"}):
         code, reply = call("POST", url, {"model": "m", "messages": MESSAGES}, headers)
         assert code == 401 and reply["error"]["type"] == "authentication_error"
+    code, reply = call("GET", server["base"] + "/v1/nowhere")
+    assert code == 404 and set(reply["error"]) == {"message", "type", "param", "code"}
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=server["base"] + "/v1", api_key="wrong",
                       max_retries=0).models.list()
@@ -284,13 +300,26 @@ def test_a_client_that_disconnects_cancels_its_session(looping_dir, tmp_path):
                 break  # a first piece of text: the session runs; now leave
         conn.sock.close()
         conn.close()
-        deadline = time.monotonic() + 60
-        while True:
-            m = _metrics({"base": base})
-            if m.get("edgespec:request_success_total{finished_reason=cancelled}", 0) == 1:
-                break
-            assert time.monotonic() < deadline, "the abandoned session kept running"
-            time.sleep(0.2)
+        cancelled = "edgespec:request_success_total{finished_reason=cancelled}"
+
+        def wait_for(what, ok):
+            deadline = time.monotonic() + 60
+            while not ok(m := _metrics({"base": base})):
+                assert time.monotonic() < deadline, what
+                time.sleep(0.1)
+            return m
+
+        m = wait_for("the abandoned stream kept running", lambda m: m.get(cancelled) == 1)
+        generated = m["edgespec:generation_tokens_total"]
+        # a non-streamed request whose client goes away before the answer
+        conn = http.client.HTTPConnection("127.0.0.1", http_port, timeout=120)
+        conn.request("POST", "/v1/completions", json.dumps({**body, "stream": False}),
+                     {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"})
+        wait_for("the second session never ran",
+                 lambda m: m["edgespec:generation_tokens_total"] > generated)
+        conn.sock.close()
+        conn.close()
+        m = wait_for("the abandoned request kept running", lambda m: m.get(cancelled) == 2)
         assert m["edgespec:num_requests_running"] == 0
     finally:
         frozen.popen.send_signal(signal.SIGCONT)

@@ -73,9 +73,14 @@ class Admission:
         if chars > MAX_CHARS_PER_TOKEN * self.max_len:
             raise ConfigError(f"the prompt ({chars} characters) exceeds the context limit "
                               f"({self.max_len} tokens)")
-        if g.messages:
-            return encode_prompt(self.tokenizer, messages=g.messages)
-        return encode_prompt(self.tokenizer, g.prompt, raw=g.raw)
+        try:
+            if g.messages:
+                return encode_prompt(self.tokenizer, messages=g.messages)
+            return encode_prompt(self.tokenizer, g.prompt, raw=g.raw)
+        except ConfigError:
+            raise
+        except Exception as e:  # the chat template refused the conversation (roles, say)
+            raise ConfigError(f"the prompt cannot be encoded: {str(e)[:200]}") from None
 
     def admit(self, g: GenerationRequest) -> Ticket:
         """A queued (or running, or already finished) ticket. Raises ConfigError, NotFound,

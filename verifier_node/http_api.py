@@ -19,14 +19,17 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import logging
 import time
 from dataclasses import dataclass
 from typing import Callable
 
 import anyio
+import redis
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from edgespec.config import ConfigError
 from edgespec.text_stream import TextStream
@@ -34,6 +37,9 @@ from edgespec.text_stream import TextStream
 from .admission import Admission, DrafterMissing, NotFound
 from .openai_params import ApiError, parse_request
 from .scheduler import Overloaded, ShuttingDown, Ticket
+
+
+log = logging.getLogger("edgespec.http")
 
 
 def error_response(status: int, message: str, kind: str, param: str | None = None,
@@ -48,7 +54,7 @@ class ServingState:
     model is loaded (until then /health answers 503 and the API "loading")."""
 
     registry: CollectorRegistry
-    healthy: Callable[[], bool]  # the server's truthful health (False while draining)
+    healthy: Callable[[], bool]  # the server's last health verdict (cheap: no I/O)
     admission: Admission | None = None
     model_name: str = ""
 
@@ -61,6 +67,16 @@ def make_app(state: ServingState, token: str | None = None) -> FastAPI:
     @app.exception_handler(ApiError)
     async def _api_error(request, exc: ApiError):
         return error_response(exc.status, str(exc), exc.kind, exc.param, exc.code)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request, exc: StarletteHTTPException):
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return error_response(exc.status_code, str(exc.detail), kind)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request, exc: Exception):
+        log.exception("HTTP request failed")
+        return error_response(500, f"internal error: {type(exc).__name__}", "server_error")
 
     def check_auth(request: Request) -> None:
         if expected is None:
@@ -77,20 +93,32 @@ def make_app(state: ServingState, token: str | None = None) -> FastAPI:
         return state.admission
 
     @app.get("/health")
-    async def health():
-        ok = state.admission is not None and await anyio.to_thread.run_sync(state.healthy)
+    async def health():  # the monitor's last verdict: never waits behind anything
+        ok = state.admission is not None and state.healthy()
         return Response(status_code=200 if ok else 503)
 
     @app.get("/metrics")
     async def metrics():
         return Response(generate_latest(state.registry), media_type=CONTENT_TYPE_LATEST)
 
+    def model_card() -> dict:
+        return {"id": state.model_name, "object": "model", "created": created,
+                "owned_by": "edgespec"}
+
     @app.get("/v1/models")
     async def models(request: Request):
         check_auth(request)
         ready()
-        return {"object": "list", "data": [{"id": state.model_name, "object": "model",
-                                            "created": created, "owned_by": "edgespec"}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str, request: Request):
+        check_auth(request)
+        ready()
+        if model_id != state.model_name:
+            raise ApiError(404, f"the model '{model_id[:80]}' does not exist",
+                           "invalid_request_error", "model", "model_not_found")
+        return model_card()
 
     async def generate(request: Request, chat: bool):
         check_auth(request)
@@ -112,10 +140,13 @@ def make_app(state: ServingState, token: str | None = None) -> FastAPI:
                            code="overloaded") from None
         except ShuttingDown as e:
             raise ApiError(503, str(e), "service_unavailable") from None
+        except (redis.RedisError, OSError) as e:
+            raise ApiError(503, f"the draft cache is unreachable: {e}",
+                           "service_unavailable") from None
         run = _Run(admission, ticket, params, chat, model_name)
         if params.stream:
             return StreamingResponse(run.sse(), media_type="text/event-stream")
-        return await run.whole()
+        return await run.whole(request)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -159,17 +190,21 @@ class _Run:
                     with t.cond:
                         new, result, error = t.tokens[cursor:], t.result, t.error
                     if new:
-                        cursor += len(new)
+                        cut = None
+                        for tok in new:  # a token at a time: usage stops at the stop string
+                            cursor += 1
+                            self.text([tok])
+                            full += "".join(self.pieces)
+                            self.pieces.clear()
+                            cut = _find_stop(full, self.p.stop)
+                            if cut is not None:
+                                break
                         self.completion_tokens = cursor
-                        self.text(new)
-                        full += "".join(self.pieces)
-                        self.pieces.clear()
-                        cut = _find_stop(full, self.p.stop)
                         if cut is not None:
                             self.finish_reason = "stop"
                             yield full[len(self.shown):cut]
                             self.shown = full[:cut]
-                            self.admission.scheduler.cancel(t.session_id)
+                            self.admission.scheduler.cancel(t.session_id, reason="stop")
                             while not t.ended:  # for its stats; the cancel ends it promptly
                                 changed.clear()
                                 if not t.ended:
@@ -236,8 +271,27 @@ class _Run:
             yield f"data: {json.dumps({'error': {'message': str(e), 'type': e.kind}})}\n\n"
         yield "data: [DONE]\n\n"
 
-    async def whole(self) -> JSONResponse:
-        text = "".join([t async for t in self._events()])
+    async def whole(self, request: Request) -> Response:
+        """The whole completion; a client that disconnects meanwhile cancels its session (a
+        plain endpoint is not cancelled by the server, so a watcher does it)."""
+        async def collect() -> str:
+            return "".join([t async for t in self._events()])
+
+        async def left() -> None:
+            while not await request.is_disconnected():
+                await asyncio.sleep(0.25)
+
+        work, watch = asyncio.create_task(collect()), asyncio.create_task(left())
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+        watch.cancel()
+        if not work.done():  # the client is gone: stop following (the session is cancelled)
+            work.cancel()
+            try:
+                await work
+            except asyncio.CancelledError:
+                pass
+            return Response(status_code=499)
+        text = work.result()
         if self.chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": text},
                       "logprobs": None, "finish_reason": self.finish_reason}

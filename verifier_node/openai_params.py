@@ -53,9 +53,13 @@ def _number(body: dict, name: str, default, kind=float, low=None, high=None):
     value = body.get(name, default)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or \
-            (kind is int and not float(value).is_integer()) or not math.isfinite(value):
-        raise _bad(f"'{name}' must be a finite {'integer' if kind is int else 'number'}", name)
+    what = f"'{name}' must be a finite {'integer' if kind is int else 'number'}"
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _bad(what, name)
+    if isinstance(value, int) and abs(value) > 1 << 64:
+        raise _bad(f"'{name}' is out of range", name)  # before float() overflows on it
+    if not math.isfinite(value) or (kind is int and not float(value).is_integer()):
+        raise _bad(what, name)
     if (low is not None and value < low) or (high is not None and value > high):
         bounds = f"in [{low}, {high}]" if high is not None else f">= {low}"
         raise _bad(f"'{name}' must be {bounds}, got {value}", name)
@@ -112,7 +116,9 @@ def parse_request(body, chat: bool, model_name: str) -> OpenAIParams:
             raise _bad(f"'{name}' is not supported by edgespec (only its default)", name)
     g = GenerationRequest()
     _prompt(body, chat, g)
-    limit = body.get("max_completion_tokens", body.get("max_tokens"))
+    limit = body.get("max_completion_tokens")
+    if limit is None:
+        limit = body.get("max_tokens")
     g.max_new_tokens = _number({"max_tokens": limit}, "max_tokens", 0, int, 1)
     if _number(body, "n", 1, int, 1) != 1:
         raise _bad("only n = 1 is supported", "n")

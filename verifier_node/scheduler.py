@@ -68,7 +68,10 @@ class Ticket:
 
     def _notify(self) -> None:
         for fn in list(self.listeners):
-            fn()
+            try:
+                fn()
+            except Exception:  # a reader's trouble (a closed event loop) stays its own
+                log.exception("a listener of session %s failed", self.session_id)
 
     @property
     def ended(self) -> bool:
@@ -109,7 +112,7 @@ class Scheduler(threading.Thread):
         self.metrics = metrics
         self.max_queue = max_queue
         self._pending: deque[Ticket] = deque()
-        self._cancels: deque[tuple[str, bool]] = deque()
+        self._cancels: deque[tuple[str, bool, str]] = deque()
         self._tickets: dict[str, Ticket] = {}  # queued or active, by session id
         self._lock = threading.Lock()
         self._stopping = threading.Event()  # (not ``_stop``: threading.Thread has a _stop())
@@ -146,14 +149,15 @@ class Scheduler(threading.Thread):
         with self._lock:
             return self._tickets.get(session_id)
 
-    def cancel(self, session_id: str, orphaned: bool = False) -> bool:
+    def cancel(self, session_id: str, orphaned: bool = False, reason: str = "cancelled"
+               ) -> bool:
         """Cancel a queued or running session; False if there is none. ``orphaned``: only if
         nobody follows it any more when the cancel is applied (a client may have resumed the
-        stream in between)."""
+        stream in between). ``reason``: its finish reason ("stop" for a stop string)."""
         with self._lock:
             if session_id not in self._tickets:
                 return False
-            self._cancels.append((session_id, orphaned))
+            self._cancels.append((session_id, orphaned, reason))
         self._wake.set()
         return True
 
@@ -286,7 +290,7 @@ class Scheduler(threading.Thread):
             with self._lock:
                 if not self._cancels:
                     return
-                sid, orphaned = self._cancels.popleft()
+                sid, orphaned, reason = self._cancels.popleft()
                 t = self._tickets.get(sid)
                 if t is None or (orphaned and t.followers > 0):
                     continue
@@ -295,6 +299,6 @@ class Scheduler(threading.Thread):
                     self._pending.remove(queued)
             if queued is not None:
                 self._release_pick(queued)
-                self._end(queued, result=Result(list(queued.tokens), Stats(), "cancelled"))
+                self._end(queued, result=Result(list(queued.tokens), Stats(), reason))
             else:
-                self.engine.cancel(sid)
+                self.engine.cancel(sid, reason)

@@ -136,7 +136,12 @@ class VerifierService(pb_grpc.VerifierServicer):
         active, queued = sched.load()
         cache = sched.engine.target.cache
         drafters = []
-        for d in self.admission.store.devices():
+        try:
+            devices = self.admission.store.devices()
+        except Exception as e:  # the cache is unreachable: report what this process knows
+            log.warning("status: cannot read the drafters: %s", e)
+            devices = []
+        for d in devices:
             rate, length = metrics.device_acceptance(d.device_id) if metrics else (0.0, 1.0)
             drafters.append(pb.DrafterStatus(
                 device_id=d.device_id, draft_model=d.draft_model, attached=d.attached,

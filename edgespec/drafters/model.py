@@ -29,7 +29,12 @@ class ModelDraftSession(DraftSession):
         # positions of self.tokens[:kv_len] are in the cache; the last token is always fed next
         self.kv_len = 0
         if len(tokens) > 1:
-            self.runner.prefill(self.slot, tokens[:-1])
+            try:
+                self.runner.prefill(self.slot, tokens[:-1])
+            except BaseException:  # e.g. a prompt longer than the drafter's context
+                self.runner.free_slot(self.slot)
+                self.slot = None
+                raise
             self.kv_len = len(tokens) - 1
 
     def propose(self, k: int) -> Draft:
