@@ -87,25 +87,35 @@ class RedisHandle:
         self._launch_embedded()
         return True
 
-    def _launch_embedded(self) -> None:
+    def _launch_embedded(self, attempts: int = 3) -> None:
+        """Start the embedded server and wait for it to answer; a server that exits at start
+        is tried again (its log says why when all attempts fail)."""
         sock = os.path.join(self._tmp.name, "redis.sock")
-        self.proc = subprocess.Popen(
-            [embedded_redis_binary(), "--port", "0", "--unixsocket", sock, "--unixsocketperm",
-             "700", "--save", "", "--appendonly", "yes", "--appendfsync", "everysec",
-             "--dir", self._tmp.name],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+        log_path = os.path.join(self._tmp.name, "redis.log")
         self.url = f"unix://{sock}"
-        if getattr(self, "client", None) is None:  # a restart keeps the client: it reconnects
+        if self.client is None:  # a restart keeps the client: it reconnects by itself
             self.client = redis.Redis(unix_socket_path=sock, **CLIENT_OPTIONS)
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise ConfigError("the embedded redis-server exited at start")
-            try:
-                if self.client.ping():
-                    return
-            except redis.ConnectionError:
-                time.sleep(0.02)
+        for attempt in range(attempts):
+            with open(log_path, "ab") as out:
+                self.proc = subprocess.Popen(
+                    [embedded_redis_binary(), "--port", "0", "--unixsocket", sock,
+                     "--unixsocketperm", "700", "--save", "", "--appendonly", "yes",
+                     "--appendfsync", "everysec", "--dir", self._tmp.name],
+                    stdout=out, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline and self.proc.poll() is None:
+                try:
+                    if self.client.ping():
+                        return
+                except (redis.ConnectionError, redis.TimeoutError):
+                    time.sleep(0.05)
+            if self.proc.poll() is None:
+                return  # alive but slow (a loaded machine): the first command will wait
+            log.warning("the embedded redis-server exited at start (attempt %d of %d)",
+                        attempt + 1, attempts)
+        with open(log_path, "rb") as f:
+            tail = f.read()[-600:].decode(errors="replace").strip()
+        raise ConfigError(f"the embedded redis-server exited at start: {tail}")
 
     def reachable(self) -> bool:
         """One quick ping on a fresh connection, without the client's retries (health)."""

@@ -295,7 +295,7 @@ def test_a_client_that_disconnects_cancels_its_session(looping_dir, tmp_path):
         resp = conn.getresponse()
         while True:
             line = resp.fp.readline().decode()
-            assert line, "the stream ended before any text"
+            assert line, f"the stream ended before any text:\n{serve.text()[-3000:]}"
             if line.startswith("data: ") and '"text": "' in line and '"text": ""' not in line:
                 break  # a first piece of text: the session runs; now leave
         conn.sock.close()
@@ -305,7 +305,7 @@ def test_a_client_that_disconnects_cancels_its_session(looping_dir, tmp_path):
         def wait_for(what, ok):
             deadline = time.monotonic() + 60
             while not ok(m := _metrics({"base": base})):
-                assert time.monotonic() < deadline, what
+                assert time.monotonic() < deadline, f"{what}:\n{serve.text()[-3000:]}"
                 time.sleep(0.1)
             return m
 
