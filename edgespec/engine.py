@@ -306,9 +306,12 @@ class SpecEngine:
         be reached, this raises with the engine unchanged, or with the step's verdicts kept
         aside: the next call commits those first (the store recognises a commit that landed).
         Returns what the step did (None when nothing was verified)."""
-        if self._undelivered:
-            self._commit(self._undelivered)
-            return None
+        if self._undelivered:  # verdicts of a step whose commit did not reach the store
+            decided = self._undelivered
+            t0 = time.perf_counter()
+            return self._report(self._commit(decided), len(decided),
+                                sum(1 + d.drafted for d in decided), 0.0, 0.0,
+                                time.perf_counter() - t0)
         acts = list(self.active)
         plans = [a.draft_len.plan() for a in acts]
         ks = self._draft_budget([k for k, _ in plans])
@@ -346,14 +349,20 @@ class SpecEngine:
             act.stats.forward_s += t2 - t1
         t3 = time.perf_counter()
         applied = self._commit(decided)
+        return self._report(applied, len(batch), sum(1 + len(t.tokens) for _, t in batch),
+                            t1 - t0, t2 - t1, time.perf_counter() - t3)
+
+    @staticmethod
+    def _report(applied: list[_Decided], sessions: int, tokens: int, take_s: float,
+                forward_s: float, commit_s: float) -> StepReport:
         per_pos = [0] * max((d.drafted for d in applied), default=0)
         for d in applied:
             for i in range(d.verdict.n_accepted):
                 per_pos[i] += 1
-        return StepReport(len(batch), sum(1 + len(t.tokens) for _, t in batch),
-                          sum(1 for d in applied if d.drafted), sum(d.drafted for d in applied),
+        return StepReport(sessions, tokens, sum(1 for d in applied if d.drafted),
+                          sum(d.drafted for d in applied),
                           sum(d.verdict.n_accepted for d in applied), tuple(per_pos),
-                          t1 - t0, t2 - t1, time.perf_counter() - t3)
+                          take_s, forward_s, commit_s)
 
     def _verify(self, batch: list[tuple[_Active, TakenDraft]]) -> list[tuple[int, int]]:
         """One forward over the batch; if it fails, each session alone, so that a failure

@@ -31,6 +31,7 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5
                    2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 MAX_POSITIONS = 32  # per-position acceptance counted for draft positions below this
+MAX_DEVICES = 256  # distinct device labels; later ones are counted under "other"
 
 
 class VerifierMetrics:
@@ -126,6 +127,9 @@ class VerifierMetrics:
         self.success.labels(reason).inc()
         self.e2e.observe(latency_s)
         if device and stats.num_drafts:
+            with self._lock:
+                if device not in self._by_device and len(self._by_device) >= MAX_DEVICES:
+                    device = "other"  # drafters may choose their ids: keep the series bounded
             self.device_drafts.labels(device).inc(stats.num_drafts)
             self.device_draft_tokens.labels(device).inc(stats.draft_tokens)
             self.device_accepted.labels(device).inc(stats.accepted_tokens)
