@@ -20,7 +20,7 @@ import tempfile
 import time
 
 import redis
-from redis.backoff import ExponentialBackoff
+from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.retry import Retry
 
 from edgespec.config import ConfigError
@@ -62,6 +62,7 @@ class RedisHandle:
         url = url or os.environ.get(REDIS_URL_ENV) or None
         self.proc: subprocess.Popen | None = None
         self.client: redis.Redis | None = None
+        self._probe: redis.Redis | None = None
         self._tmp = None
         if url:
             self.url = url
@@ -118,23 +119,26 @@ class RedisHandle:
         raise ConfigError(f"the embedded redis-server exited at start: {tail}")
 
     def reachable(self) -> bool:
-        """One quick ping on a fresh connection, without the client's retries (health)."""
-        probe = redis.Redis(connection_pool=redis.ConnectionPool(
-            connection_class=self.client.connection_pool.connection_class,
-            **{**self.client.connection_pool.connection_kwargs, "socket_timeout": 1.0,
-               "socket_connect_timeout": 1.0, "retry": None}))
+        """One quick ping without the client's backoff (health): a dropped connection is
+        replaced once at once, then the answer is no."""
+        if self._probe is None:
+            pool = self.client.connection_pool
+            self._probe = redis.Redis(connection_pool=redis.ConnectionPool(
+                connection_class=pool.connection_class,
+                **{**pool.connection_kwargs, "socket_timeout": 1.0,
+                   "socket_connect_timeout": 1.0, "retry": Retry(NoBackoff(), 1)}))
         try:
-            return bool(probe.ping())
+            return bool(self._probe.ping())
         except (redis.RedisError, OSError):
             return False
-        finally:
-            probe.close()
 
     @property
     def embedded(self) -> bool:
         return self.proc is not None
 
     def close(self) -> None:
+        if self._probe is not None:
+            self._probe.close()
         self.client.close()
         if self.proc is not None:
             self.proc.terminate()

@@ -216,7 +216,9 @@ class SessionRecord:
     params: SamplingParams
     max_new_tokens: int
     device: str | None
-    finish_reason: str | None  # set once the session finished
+    finish_reason: str | None  # set once the session finished ("stop" or "length")
+    epoch: int
+    done: bool  # closed, whatever the reason (cancelled and failed sessions are resumable)
 
 
 class ChunkWaker:
@@ -484,9 +486,11 @@ class RedisSessionStore:
         f = {k.decode(): v.decode() for k, v in fields.items()}
         tokens = unpack_tokens(blob)
         n = int(f["prompt_len"])
+        done = f.get("done") == "1"
         return SessionRecord(sid, tokens[:n], tokens[n:], params_from_json(f.get("params")),
                              int(f.get("max_new") or 0), f.get("device") or None,
-                             f.get("finish") or None if f.get("done") == "1" else None)
+                             (f.get("finish") or None) if done else None,
+                             int(f.get("epoch") or 0), done)
 
     def _read(self, wants: list[DraftWant]) -> list[tuple]:
         pipe = self.redis.pipeline(transaction=True)
@@ -603,14 +607,11 @@ class RedisSessionStore:
         return None if dev is None else dev.decode()
 
     def snapshot(self, sid: str) -> SessionSnapshot | None:
-        h, tok, _, _ = self.session_keys(sid)
-        pipe = self.redis.pipeline(transaction=True)
-        pipe.hmget(h, "epoch", "params", "done")
-        pipe.get(tok)
-        (epoch, params, done), blob = pipe.execute()
-        if epoch is None or done == b"1":
+        """What a drafter needs to draft for a running session, or None."""
+        rec = self.load(sid)
+        if rec is None or rec.done:
             return None
-        return SessionSnapshot(sid, unpack_tokens(blob), params_from_json(params), int(epoch))
+        return SessionSnapshot(sid, rec.prompt + rec.committed, rec.params, rec.epoch)
 
     def device_sessions(self, device: str) -> list[str]:
         """The device's sessions that still exist and are not done (stale ones are dropped)."""

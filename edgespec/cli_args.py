@@ -91,19 +91,12 @@ def check_model_arg(spec: str) -> None:
         resolve_model_path(spec)
 
 
-def check_drafter_arg(spec: str, allowed: tuple[str, ...] = ("none", "mag", "layers", "model")
-                      ) -> None:
+def check_drafter_arg(spec: str, allowed: tuple[str, ...] = ("none", "mag", "layers", "model")):
     """Refuse an unknown drafter spec, or a model drafter whose path is missing, before any
-    model loads."""
-    spec = (spec or "none").strip()
-    kind, _, arg = spec.partition(":")
-    if kind not in allowed or (kind in ("none", "mag") and arg):
-        forms = {"none": "none", "mag": "mag", "layers": "layers:L", "model": "model:PATH"}
-        raise ConfigError(f"unknown drafter {spec!r}; use "
-                          f"{' | '.join(forms[k] for k in allowed)}")
-    if kind == "layers" and not arg.isdigit():
-        raise ConfigError(f"layers:L needs an integer L, got {arg!r}")
-    if kind == "model":
-        if not arg:
-            raise ConfigError("model:PATH needs a path")
-        check_model_arg(arg)
+    model loads; returns the parsed ``DrafterSpec``."""
+    from .drafters import parse_drafter_spec
+
+    parsed = parse_drafter_spec(spec, allowed)
+    if parsed.kind == "model":
+        check_model_arg(parsed.arg)
+    return parsed

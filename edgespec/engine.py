@@ -76,7 +76,6 @@ class _Decided:
     verdict: Verdict
     new: list[int]  # tokens it adds to the output (cut at a stop token or the length limit)
     drafted: int
-    finish: str | None
 
 
 @dataclass(frozen=True)
@@ -271,12 +270,16 @@ class SpecEngine:
                 return True
         return False
 
-    def _release(self, act: _Active, finish: str) -> None:
-        act.stats.tokens = len(act.output) - len(act.req.committed)
-        act.stats.elapsed_s = time.perf_counter() - act.stats.start
+    def _drop(self, act: _Active) -> None:
+        """Forget a session here and free its KV slot (the store is not told)."""
         if act in self.active:
             self.active.remove(act)
             self.target.free_slot(act.slot)
+
+    def _release(self, act: _Active, finish: str) -> None:
+        act.stats.tokens = len(act.output) - len(act.req.committed)
+        act.stats.elapsed_s = time.perf_counter() - act.stats.start
+        self._drop(act)
         self.store.close(act.sid, finish)  # never raises
 
     def _finish(self, act: _Active) -> None:
@@ -287,9 +290,7 @@ class SpecEngine:
     def abandon(self, act: _Active, exc: Exception) -> None:
         """Drop a session here but leave it in the store as it is, so that it can be resumed
         (this verifier is stopping)."""
-        if act in self.active:
-            self.active.remove(act)
-            self.target.free_slot(act.slot)
+        self._drop(act)
         if act.on_error:
             act.on_error(exc)
 
@@ -344,7 +345,7 @@ class SpecEngine:
             n, token = len(new) - 1, new[-1]
             decided.append(_Decided(act, Verdict(act.sid, t.epoch, t.start, n, token,
                                                  finish_reason=finish or ""),
-                                    new, len(t.tokens), finish))
+                                    new, len(t.tokens)))
             act.stats.take_s += t1 - t0
             act.stats.forward_s += t2 - t1
         t3 = time.perf_counter()
@@ -408,7 +409,7 @@ class SpecEngine:
             act.stats.commit_s += dt
             act.output.extend(d.new)
             act.last_token = v.token
-            act.finish = d.finish
+            act.finish = v.finish_reason or None
             if act.req.on_tokens:
                 act.req.on_tokens(d.new)
             if act.finish:

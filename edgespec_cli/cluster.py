@@ -136,7 +136,7 @@ def cmd_drafter(args) -> int:
     check_device_id(args.device_id)  # before loading a model
     if bool(args.tls_cert) != bool(args.tls_key):
         raise ConfigError("a client certificate needs both --tls-cert and --tls-key")
-    check_drafter_arg(args.drafter, allowed=("mag", "model"))
+    spec = check_drafter_arg(args.drafter, allowed=("mag", "model"))
     if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
         raise ConfigError("--metrics-port must be in [0, 65535]")
     set_threads(args.threads)
@@ -159,16 +159,14 @@ def cmd_drafter(args) -> int:
         print(f"edgespec: drafter metrics on http://{args.metrics_host}:{httpd.server_port}"
               "/metrics", file=sys.stderr, flush=True)
     fingerprint = ""
-    if args.drafter.startswith("model:"):
-        draft = load_model(args.drafter.split(":", 1)[1], args.device, args.dtype)
+    if spec.kind == "model":
+        draft = load_model(spec.arg, args.device, args.dtype)
         fingerprint = tokenizer_fingerprint(draft.tokenizer)
         drafter = build_drafter(args.drafter, None, None, n_slots=args.max_sessions,
                                 max_len=args.max_context, device=args.device, dtype=args.dtype,
                                 loaded=draft)
-    elif args.drafter == "mag":
-        drafter = build_drafter("mag")
     else:
-        raise ConfigError(f"an edge drafter runs mag or model:PATH, not {args.drafter!r}")
+        drafter = build_drafter("mag")
     agent = DrafterAgent(args.cache, args.device_id, drafter, fingerprint, args.window,
                          args.chunk, args.auth_token or os.environ.get("EDGESPEC_AUTH_TOKEN"),
                          args.tls_ca, args.tls, args.max_sessions, tls_cert=args.tls_cert,

@@ -145,8 +145,7 @@ class EdgespecServer:
         self.metrics.bind_load(self.scheduler.load, lambda: runner.cache.free_slots)
         self.admission = Admission(self.scheduler, self.store, target.tokenizer,
                                    runner.vocab_size, self.opts.default_max_new_tokens)
-        service = VerifierService(self.admission, max_streams=self.opts.max_streams(),
-                                  model_name=target.name)
+        service = VerifierService(self.admission, model_name=target.name)
         pb_grpc.add_VerifierServicer_to_server(service, self.server)
         self._services.append(VERIFIER_SERVICE)
 

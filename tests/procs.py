@@ -53,26 +53,35 @@ class Proc:
         return self.popen.returncode
 
 
-def wait_healthy(address: str, timeout: float = 60, tls_ca=None) -> None:
+def _channel(address: str, tls_ca=None) -> grpc.Channel:
     if tls_ca:
-        creds = grpc.ssl_channel_credentials(open(tls_ca, "rb").read())
-        channel = grpc.secure_channel(address, creds)
-    else:
-        channel = grpc.insecure_channel(address)
-    stub = health_pb2_grpc.HealthStub(channel)
+        return grpc.secure_channel(address, grpc.ssl_channel_credentials(open(tls_ca, "rb").read()))
+    return grpc.insecure_channel(address)
+
+
+def health_status(address: str, service: str = "", tls_ca=None, timeout: float = 10) -> int:
+    """One grpc.health.v1 check: the status the server reports for ``service``."""
+    with _channel(address, tls_ca) as channel:
+        return health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service=service), timeout=timeout).status
+
+
+def wait_health(address: str, status: int = health_pb2.HealthCheckResponse.SERVING,
+                timeout: float = 60, tls_ca=None, service: str = "") -> None:
+    """Poll until the server reports ``status`` (calls that fail meanwhile are retried)."""
     deadline = time.monotonic() + timeout
-    try:
-        while time.monotonic() < deadline:
-            try:
-                r = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1)
-                if r.status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                pass
-            time.sleep(0.2)
-        raise TimeoutError(f"{address} not healthy")
-    finally:
-        channel.close()
+    while time.monotonic() < deadline:
+        try:
+            if health_status(address, service, tls_ca, timeout=1) == status:
+                return
+        except grpc.RpcError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"{address} never reported health status {status}")
+
+
+def wait_healthy(address: str, timeout: float = 60, tls_ca=None) -> None:
+    wait_health(address, timeout=timeout, tls_ca=tls_ca)
 
 
 def start_serve(model_dir, tmp_path, redis_url=None, port=None, token="s3cret",

@@ -10,7 +10,6 @@ least N x 50 ms, so "mid-generation" is a matter of structure, not of timing luc
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import threading
@@ -20,14 +19,14 @@ import grpc
 import pytest
 import redis
 from conftest import hf_greedy
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 
 import edgespec
 from cache_service.redis_conn import embedded_redis_binary
 from edgespec.v1 import edgespec_pb2 as pb
 from edgespec.v1 import edgespec_pb2_grpc as pb_grpc
 from edgespec.wire import auth_metadata, free_port
-from procs import Proc, start_drafter, wait_healthy
+from procs import Proc, health_status, start_drafter, wait_health, wait_healthy
 
 TOKEN = "f4ults"
 N = 120  # tokens per generation: >= 6 s each with the frozen drafter
@@ -64,24 +63,6 @@ class AofRedis:
     def stop(self) -> int:
         self.proc.terminate()
         return self.proc.wait(timeout=30)
-
-
-def health(address: str) -> int:
-    with grpc.insecure_channel(address) as ch:
-        return health_pb2_grpc.HealthStub(ch).Check(
-            health_pb2.HealthCheckRequest(service=""), timeout=10).status
-
-
-def wait_health(address: str, status: int, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if health(address) == status:
-                return
-        except grpc.RpcError:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError(f"{address} never reported health status {status}")
 
 
 def start_verifier(cluster, port=None) -> Proc:
@@ -236,7 +217,7 @@ def test_burst_beyond_capacity_is_refused_at_once_and_health_answers(cluster):
             except grpc.RpcError as e:
                 refused += e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert refused == 6
-        assert health(cluster["address"]) == health_pb2.HealthCheckResponse.SERVING
+        assert health_status(cluster["address"]) == health_pb2.HealthCheckResponse.SERVING
         with pytest.raises(grpc.RpcError) as e:
             stub.Cancel(pb.CancelRequest(session_id="nosuchsession"), timeout=30,
                         metadata=auth_metadata(TOKEN))

@@ -8,12 +8,13 @@ import time
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 
 from edgespec.config import EngineConfig
 from edgespec.v1 import edgespec_pb2 as pb
 from edgespec.v1 import edgespec_pb2_grpc as pb_grpc
 from edgespec_cli.server import EdgespecServer, ServerOptions
+from procs import wait_health
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -28,17 +29,8 @@ def server(tiny_dir):
     srv.stop(drain_timeout_s=0)
 
 
-def _status(port: int) -> int:
-    with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
-        return health_pb2_grpc.HealthStub(ch).Check(
-            health_pb2.HealthCheckRequest(service="edgespec.v1.Verifier"), timeout=10).status
-
-
-def _wait_status(port: int, want: int, timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while _status(port) != want:
-        assert time.monotonic() < deadline, f"health never became {want}"
-        time.sleep(0.1)
+def _wait_status(port: int, want: int) -> None:
+    wait_health(f"127.0.0.1:{port}", want, timeout=30, service="edgespec.v1.Verifier")
 
 
 def test_health_is_not_serving_once_the_scheduler_is_dead(server):

@@ -122,6 +122,11 @@ class Scheduler(threading.Thread):
 
     # -- called from handler threads ------------------------------------------------------------
     @property
+    def capacity(self) -> int:
+        """Sessions it holds at once: running in KV slots plus waiting for one."""
+        return self.engine.cfg.max_sessions + self.max_queue
+
+    @property
     def healthy(self) -> bool:
         return self.is_alive() and self.store_ok and not self._stopping.is_set()
 
@@ -137,7 +142,7 @@ class Scheduler(threading.Thread):
                 raise ShuttingDown("the verifier is draining: it admits no new sessions")
             # running + queued, not queued alone: a ticket not yet moved to a free slot must not
             # take a queue place
-            if len(self._tickets) >= self.engine.cfg.max_sessions + self.max_queue:
+            if len(self._tickets) >= self.capacity:
                 raise Overloaded(f"{self.engine.cfg.max_sessions} sessions are running and "
                                  f"{self.max_queue} waiting")
             self._pending.append(ticket)

@@ -45,12 +45,12 @@ def generation_request(req: pb.GenerateRequest) -> GenerationRequest:
 
 
 class VerifierService(pb_grpc.VerifierServicer):
-    def __init__(self, admission: Admission, max_streams: int = 72, model_name: str = ""):
+    def __init__(self, admission: Admission, model_name: str = ""):
         self.admission = admission
         self.model_name = model_name
         self.scheduler = admission.scheduler
         self.tokenizer = admission.tokenizer
-        self.max_streams = max_streams
+        self.max_streams = self.scheduler.capacity  # one stream per session it can hold
         self._streams = 0
         self._lock = threading.Lock()
 
@@ -132,7 +132,7 @@ class VerifierService(pb_grpc.VerifierServicer):
         context.abort(grpc.StatusCode.UNAVAILABLE, f"session {sid} failed: {exc}")
 
     def Status(self, request, context):
-        sched, metrics = self.scheduler, self.admission.scheduler.metrics
+        sched, metrics = self.scheduler, self.scheduler.metrics
         active, queued = sched.load()
         cache = sched.engine.target.cache
         drafters = []

@@ -6,6 +6,8 @@ L layers as a self-draft), ``model:PATH`` (a small causal LM sharing the target'
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from ..config import ConfigError
 from .adaptive import DraftLength
 from .base import Draft, Drafter, DraftSession
@@ -13,9 +15,31 @@ from .mag import MaGDrafter
 from .model import ModelDrafter
 
 __all__ = ["Draft", "Drafter", "DraftSession", "DraftLength", "MaGDrafter", "ModelDrafter",
-           "build_drafter", "DRAFTER_HELP"]
+           "DrafterSpec", "build_drafter", "parse_drafter_spec", "DRAFTER_HELP"]
 
-DRAFTER_HELP = "none | mag | layers:L | model:PATH"
+FORMS = {"none": "none", "mag": "mag", "layers": "layers:L", "model": "model:PATH"}
+DRAFTER_HELP = " | ".join(FORMS.values())
+
+
+@dataclass(frozen=True)
+class DrafterSpec:
+    kind: str  # none | mag | layers | model
+    arg: str = ""  # layers: L; model: the path
+
+
+def parse_drafter_spec(spec: str | None, allowed: tuple[str, ...] = tuple(FORMS)
+                       ) -> DrafterSpec:
+    """Check a ``--drafter`` spec's form (no model is touched); ConfigError if it is wrong."""
+    spec = (spec or "none").strip()
+    kind, _, arg = spec.partition(":")
+    if kind not in allowed or (kind in ("none", "mag") and arg):
+        raise ConfigError(f"unknown drafter {spec!r}; use "
+                          f"{' | '.join(FORMS[k] for k in allowed)}")
+    if kind == "layers" and not arg.isdigit():
+        raise ConfigError(f"layers:L needs an integer L, got {arg!r}")
+    if kind == "model" and not arg:
+        raise ConfigError("model:PATH needs a path")
+    return DrafterSpec(kind, arg)
 
 
 def build_drafter(spec: str, target=None, target_runner=None, n_slots: int = 4,
@@ -26,30 +50,22 @@ def build_drafter(spec: str, target=None, target_runner=None, n_slots: int = 4,
     for the same tokenizer. ``loaded``: the draft model of ``model:PATH``, already loaded."""
     from ..runner import TargetRunner
 
-    spec = (spec or "none").strip()
-    if spec == "none":
+    parsed = parse_drafter_spec(spec)
+    kind, arg = parsed.kind, parsed.arg
+    if kind == "none":
         return None
-    if spec == "mag":
+    if kind == "mag":
         return MaGDrafter()
-    kind, _, arg = spec.partition(":")
     if kind == "layers":
         if target is None:
             raise ConfigError("layers:L needs the target model")
-        try:
-            n_layers = int(arg)
-        except ValueError:
-            raise ConfigError(f"layers:L needs an integer L, got {arg!r}") from None
-        runner = TargetRunner(target.model, n_slots=n_slots, max_len=max_len, n_layers=n_layers,
+        runner = TargetRunner(target.model, n_slots=n_slots, max_len=max_len, n_layers=int(arg),
                               share_weights=target_runner)
-        return ModelDrafter(runner, name=spec)
-    if kind == "model":
-        from ..models import check_same_tokenizer, load_model
+        return ModelDrafter(runner, name=f"layers:{arg}")
+    from ..models import check_same_tokenizer, load_model
 
-        if not arg:
-            raise ConfigError("model:PATH needs a path")
-        draft = loaded or load_model(arg, device=device, dtype=dtype)
-        if target is not None:
-            check_same_tokenizer(target.tokenizer, draft.tokenizer, arg)
-        return ModelDrafter(TargetRunner(draft.model, n_slots=n_slots, max_len=max_len),
-                            name=spec)
-    raise ConfigError(f"unknown drafter {spec!r}; use {DRAFTER_HELP}")
+    draft = loaded or load_model(arg, device=device, dtype=dtype)
+    if target is not None:
+        check_same_tokenizer(target.tokenizer, draft.tokenizer, arg)
+    return ModelDrafter(TargetRunner(draft.model, n_slots=n_slots, max_len=max_len),
+                        name=f"model:{arg}")
