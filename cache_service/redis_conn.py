@@ -17,7 +17,10 @@ import logging
 import os
 import subprocess
 import tempfile
+import socket
 import time
+from dataclasses import dataclass, replace
+from urllib.parse import quote
 
 import redis
 from redis.backoff import ExponentialBackoff, NoBackoff
@@ -55,15 +58,35 @@ def _die_with_parent() -> None:
         pass
 
 
+@dataclass(frozen=True)
+class ExposedRedis:
+    """Serve the embedded Redis on TCP as well, for verifiers on other machines (the fleet):
+    bound to ``host``, ``port`` 0 for a free one, a password always, and its append-only file in
+    ``data_dir`` so a restarted cache (a restarted Ray actor) finds its sessions again."""
+
+    host: str
+    port: int
+    password: str
+    data_dir: str
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
 class RedisHandle:
     """A client plus, for the embedded server, the process that serves it."""
 
-    def __init__(self, url: str | None = None):
+    def __init__(self, url: str | None = None, expose: ExposedRedis | None = None):
         url = url or os.environ.get(REDIS_URL_ENV) or None
         self.proc: subprocess.Popen | None = None
         self.client: redis.Redis | None = None
         self._probe: redis.Redis | None = None
         self._tmp = None
+        self.expose = expose
+        self.tcp_url: str | None = None  # the exposed server's URL (password included)
         if url:
             self.url = url
             self.client = redis.Redis.from_url(url, **CLIENT_OPTIONS)
@@ -77,6 +100,12 @@ class RedisHandle:
 
     def _start_embedded(self) -> None:
         self._tmp = tempfile.TemporaryDirectory(prefix="edgespec-redis-")
+        if self.expose is not None:
+            os.makedirs(self.expose.data_dir, exist_ok=True)
+            port = self.expose.port or _free_port(self.expose.host)
+            self.expose = replace(self.expose, port=port)  # a restart keeps the port
+            self.tcp_url = (f"redis://:{quote(self.expose.password, safe='')}@"
+                            f"{self.expose.host}:{port}/0")
         self._launch_embedded()
 
     def ensure_running(self) -> bool:
@@ -94,14 +123,21 @@ class RedisHandle:
         sock = os.path.join(self._tmp.name, "redis.sock")
         log_path = os.path.join(self._tmp.name, "redis.log")
         self.url = f"unix://{sock}"
+        network = ["--port", "0"]
+        data_dir = self._tmp.name
+        if self.expose is not None:
+            network = ["--port", str(self.expose.port), "--bind", self.expose.host,
+                       "--requirepass", self.expose.password]
+            data_dir = self.expose.data_dir
         if self.client is None:  # a restart keeps the client: it reconnects by itself
-            self.client = redis.Redis(unix_socket_path=sock, **CLIENT_OPTIONS)
+            password = self.expose.password if self.expose else None
+            self.client = redis.Redis(unix_socket_path=sock, password=password, **CLIENT_OPTIONS)
         for attempt in range(attempts):
             with open(log_path, "ab") as out:
                 self.proc = subprocess.Popen(
-                    [embedded_redis_binary(), "--port", "0", "--unixsocket", sock,
+                    [embedded_redis_binary(), *network, "--unixsocket", sock,
                      "--unixsocketperm", "700", "--save", "", "--appendonly", "yes",
-                     "--appendfsync", "everysec", "--dir", self._tmp.name],
+                     "--appendfsync", "everysec", "--dir", data_dir],
                     stdout=out, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
             deadline = time.monotonic() + 30
             while time.monotonic() < deadline and self.proc.poll() is None:

@@ -21,6 +21,7 @@ import logging
 import queue
 import random
 import threading
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -72,11 +73,13 @@ class DrafterAgent:
                  window: int | None = None, chunk: int | None = None, token: str | None = None,
                  tls_ca: str | None = None, tls: bool = False, max_sessions: int = 8,
                  backoff_max_s: float = 10.0, tls_cert: str | None = None,
-                 tls_key: str | None = None, metrics: DrafterMetrics | None = None):
+                 tls_key: str | None = None, metrics: DrafterMetrics | None = None,
+                 compute_slowdown: float = 1.0):
         """``token``: the shared token, or this device's own token when the cache has
         per-device credentials. ``tls_cert``/``tls_key``: this device's client certificate
         (mutual TLS). ``metrics``: where to count chunks, fixes and link round trips (None:
-        not counted)."""
+        not counted). ``compute_slowdown``: emulate a device this many times slower (a
+        simulated fleet): each chunk is sent (slowdown - 1) x its drafting time later."""
         self.cache, self.device_id, self.drafter = cache, check_device_id(device_id), drafter
         if bool(tls_cert) != bool(tls_key):
             raise ConfigError("a client certificate needs both --tls-cert and --tls-key")
@@ -87,6 +90,9 @@ class DrafterAgent:
         self.max_sessions = max_sessions
         self.backoff_max_s = backoff_max_s
         self.metrics = metrics
+        if compute_slowdown < 1:
+            raise ConfigError("compute_slowdown must be >= 1")
+        self.compute_slowdown = compute_slowdown
         self.sessions: dict[str, _Session] = {}
         self.cond = threading.Condition()
         self.stopping = threading.Event()
@@ -305,6 +311,7 @@ class DrafterAgent:
                     self.cond.wait(timeout=0.5)
                     continue
                 s = work.session
+                began = time.perf_counter()
                 try:
                     draft = s.draft.propose(work.n)
                     chunk = pb.DraftChunk(session_id=work.session_id, epoch=work.epoch,
@@ -315,6 +322,9 @@ class DrafterAgent:
                                  start=work.start)
                     continue
                 s.idle = len(draft) == 0
+                took = time.perf_counter() - began
+            if self.compute_slowdown > 1:  # outside the lock: commits and fixes still apply
+                time.sleep((self.compute_slowdown - 1) * took)
             self._send(out, chunk)
             self.chunks_sent += 1
 

@@ -126,17 +126,16 @@ def cmd_server(args) -> int:
 
 
 def cmd_drafter(args) -> int:
+    from drafter_node.actor import build_edge_drafter
     from drafter_node.agent import DrafterAgent
 
     from edgespec.cli_args import check_drafter_arg, set_threads
-    from edgespec.drafters import build_drafter
     from edgespec.ids import check_device_id
-    from edgespec.models import load_model, tokenizer_fingerprint
 
     check_device_id(args.device_id)  # before loading a model
     if bool(args.tls_cert) != bool(args.tls_key):
         raise ConfigError("a client certificate needs both --tls-cert and --tls-key")
-    spec = check_drafter_arg(args.drafter, allowed=("mag", "model"))
+    check_drafter_arg(args.drafter, allowed=("mag", "model"))
     if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
         raise ConfigError("--metrics-port must be in [0, 65535]")
     set_threads(args.threads)
@@ -158,15 +157,8 @@ def cmd_drafter(args) -> int:
                               f"{args.metrics_port}: {e}") from None
         print(f"edgespec: drafter metrics on http://{args.metrics_host}:{httpd.server_port}"
               "/metrics", file=sys.stderr, flush=True)
-    fingerprint = ""
-    if spec.kind == "model":
-        draft = load_model(spec.arg, args.device, args.dtype)
-        fingerprint = tokenizer_fingerprint(draft.tokenizer)
-        drafter = build_drafter(args.drafter, None, None, n_slots=args.max_sessions,
-                                max_len=args.max_context, device=args.device, dtype=args.dtype,
-                                loaded=draft)
-    else:
-        drafter = build_drafter("mag")
+    drafter, fingerprint = build_edge_drafter(args.drafter, args.max_sessions, args.max_context,
+                                              args.device, args.dtype)
     agent = DrafterAgent(args.cache, args.device_id, drafter, fingerprint, args.window,
                          args.chunk, args.auth_token or os.environ.get("EDGESPEC_AUTH_TOKEN"),
                          args.tls_ca, args.tls, args.max_sessions, tls_cert=args.tls_cert,

@@ -125,10 +125,12 @@ def build_parser() -> argparse.ArgumentParser:
     n.set_defaults(func=run_bench_net)
 
     from .cluster import add_cluster_commands
+    from .deploy import add_deploy_command
     from .status import add_status_command
 
     add_cluster_commands(sub)
     add_status_command(sub)
+    add_deploy_command(sub)
     return parser
 
 

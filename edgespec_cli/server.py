@@ -24,6 +24,7 @@ import signal
 import threading
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
@@ -31,6 +32,9 @@ from prometheus_client import CollectorRegistry
 from edgespec.config import ConfigError, EngineConfig
 from edgespec.v1 import edgespec_pb2_grpc as pb_grpc
 from edgespec.wire import bind, make_server, resolve_token
+
+if TYPE_CHECKING:
+    from cache_service.redis_conn import ExposedRedis
 
 log = logging.getLogger("edgespec.server")
 
@@ -64,6 +68,7 @@ class ServerOptions:
     metrics_port: int | None = None  # a bare Prometheus /metrics endpoint
     metrics_host: str = "127.0.0.1"
     engine: EngineConfig = None
+    expose_redis: "ExposedRedis | None" = None  # the embedded Redis on TCP too (the fleet's cache)
 
     def max_streams(self) -> int:
         """Generate streams the verifier admits: one per KV slot and queue place."""
@@ -89,7 +94,7 @@ class EdgespecServer:
             self.credentials = DeviceCredentials.load(opts.device_tokens)
         self.server = make_server(workers, resolve_token(opts.auth_token),
                                   _stream_limits(opts), self.credentials)
-        self.redis = RedisHandle(opts.redis_url)
+        self.redis = RedisHandle(opts.redis_url, expose=opts.expose_redis)
         self.store = RedisSessionStore(self.redis.client, ttl_s=opts.session_ttl_s)
         self.registry = CollectorRegistry()
         self.metrics = None

@@ -9,6 +9,11 @@ import pytest
 import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Ray replaces 127.0.0.1 by the machine's interface address (even given --node-ip-address)
+# unless multi-machine clusters are off; read when ray is imported, so set before any import.
+# Every Ray node a test starts then has the loopback address: all traffic stays on 127.0.0.1.
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
 # The user's model cache, captured before tests isolate themselves from it.
 REAL_CACHE = os.environ.get("EDGESPEC_CACHE_DIR")
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import Counter as Counter_
 from collections import deque
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
@@ -37,6 +38,7 @@ MAX_DEVICES = 256  # distinct device labels; later ones are counted under "other
 class VerifierMetrics:
     def __init__(self, registry: CollectorRegistry):
         r = registry
+        self.batch_counts: Counter_[int] = Counter_()  # sessions per forward -> forwards (exact)
         self.num_drafts = Counter("edgespec:spec_decode_num_drafts",
                                   "Verified non-empty drafts", registry=r)
         self.draft_tokens = Counter("edgespec:spec_decode_num_draft_tokens",
@@ -96,6 +98,7 @@ class VerifierMetrics:
     def step(self, report) -> None:
         """One verification step (``edgespec.engine.StepReport``)."""
         self.batch_sessions.observe(report.sessions)
+        self.batch_counts[report.sessions] += 1
         self.batch_tokens.observe(report.tokens)
         self.step_seconds.labels("wait").observe(report.take_s)
         self.step_seconds.labels("forward").observe(report.forward_s)

@@ -1,0 +1,88 @@
+"""The drafter role as a Ray actor (``edgespec deploy``, ``edgespec simulate``).
+
+The actor runs the same ``DrafterAgent`` as ``edgespec drafter``, in a thread of the actor's
+process, attached to the draft cache over gRPC. Ray restarts a failed actor by calling
+``__init__`` again with the same arguments, so a restarted drafter attaches again by itself.
+
+In a simulated fleet the actor also emulates its device: its link to the cache goes through a
+``LinkProxy`` in the actor (the drafter's real gRPC traffic is delayed, jittered, throttled and
+suffers retransmissions) and its drafting is slowed down by the profile's factor.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+
+from edgespec.cli_args import check_drafter_arg, set_threads
+from edgespec.drafters import Drafter, build_drafter
+
+log = logging.getLogger("edgespec.drafter")
+
+
+def build_edge_drafter(spec: str, max_sessions: int = 8, max_context: int = 2048,
+                       device: str = "cpu", dtype: str = "float32") -> tuple[Drafter, str]:
+    """The drafter an edge device runs, and its tokenizer fingerprint ("" for MaG)."""
+    from edgespec.models import load_model, tokenizer_fingerprint
+
+    parsed = check_drafter_arg(spec, allowed=("mag", "model"))
+    if parsed.kind != "model":
+        return build_drafter("mag"), ""
+    draft = load_model(parsed.arg, device, dtype)
+    drafter = build_drafter(spec, None, None, n_slots=max_sessions, max_len=max_context,
+                            device=device, dtype=dtype, loaded=draft)
+    return drafter, tokenizer_fingerprint(draft.tokenizer)
+
+
+class DrafterActor:
+    """One edge drafter. ``link`` (a ``LinkProfile``) and ``compute_slowdown`` emulate a device
+    (simulation); without them the actor is a plain drafter on its board."""
+
+    def __init__(self, cache: str, device_id: str, drafter: str = "mag", threads: int = 1,
+                 auth_token: str | None = None, max_sessions: int = 8, link=None,
+                 compute_slowdown: float = 1.0, profile: str = ""):
+        from .agent import DrafterAgent
+
+        logging.basicConfig(level=logging.INFO,
+                            format="%(asctime)s %(name)s %(levelname)s %(message)s")
+        set_threads(threads)
+        self.cache, self.device_id, self.spec, self.profile = cache, device_id, drafter, profile
+        self.proxy = None
+        address = cache
+        if link is not None:
+            from edgespec.link_emulation import LinkProxy
+
+            self.proxy = LinkProxy(cache, link).start()
+            address = self.proxy.address
+        built, fingerprint = build_edge_drafter(drafter, max_sessions)
+        self.agent = DrafterAgent(address, device_id, built, fingerprint, token=auth_token,
+                                  max_sessions=max_sessions, compute_slowdown=compute_slowdown)
+        self.error: str | None = None
+        self.thread = threading.Thread(target=self._run, daemon=True, name="drafter-agent")
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            self.agent.run()
+        except Exception as e:  # refused for good (a wrong token, a tokenizer mismatch)
+            self.error = f"{type(e).__name__}: {e}"
+            log.error("drafter %s stopped: %s", self.device_id, self.error)
+
+    def info(self) -> dict:
+        from edgespec.fleet import where
+
+        return {"role": "drafter", **where(), "pid": os.getpid(),
+                "device_id": self.device_id, "drafter": self.spec, "profile": self.profile,
+                "cache": self.cache, "attached": self.agent.connected.is_set(),
+                "attaches": self.agent.attaches, "error": self.error,
+                "link": self.proxy.address if self.proxy else None}
+
+    def wait_attached(self, timeout: float) -> bool:
+        return self.agent.connected.wait(timeout)
+
+    def stop(self) -> None:
+        self.agent.stop()
+        self.thread.join(10)
+        if self.proxy is not None:
+            self.proxy.stop()

@@ -1,0 +1,108 @@
+"""``edgespec deploy``: place the roles as Ray actors on a running cluster, list them, remove
+them (see edgespec/fleet.py for the placement rules)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def add_deploy_command(sub) -> None:
+    from edgespec.cli_args import add_threads_arg
+    from edgespec.drafters import DRAFTER_HELP
+
+    d = sub.add_parser("deploy", help="place the verifier, the cache and the drafters as Ray "
+                                      "actors on a running cluster (ray up)")
+    d.add_argument("--address", default=None,
+                   help="the Ray cluster, HEAD:PORT (default: $RAY_ADDRESS, else the cluster "
+                        "this machine runs)")
+    what = d.add_mutually_exclusive_group()
+    what.add_argument("--status", action="store_true",
+                      help="list the placed actors and their state, then exit")
+    what.add_argument("--down", action="store_true", help="remove every placed actor")
+    d.add_argument("--model", default="default",
+                   help="the target model on the verifier node: 'default', a transformers "
+                        "directory or a .gguf file (default: %(default)s)")
+    d.add_argument("--drafter", default="mag",
+                   help=f"the board drafters: {DRAFTER_HELP.replace('none | ', '')} "
+                        "(default: %(default)s)")
+    d.add_argument("--drafters-per-board", type=int, default=1,
+                   help="drafter actors on each node declaring 'edge' (default: %(default)s)")
+    d.add_argument("--verifiers", type=int, default=1,
+                   help="verifier replicas sharing the cache, each with its own KV slots; "
+                        "with more than one, a router on the head is the endpoint and spreads "
+                        "sessions over them (default: %(default)s)")
+    d.add_argument("--port", type=int, default=50051,
+                   help="the client endpoint's port; with --verifiers > 1 the router holds it "
+                        "and replica i listens on max(--port, --cache-port) + 1 + i "
+                        "(default: %(default)s)")
+    d.add_argument("--cache-port", type=int, default=50052,
+                   help="the draft cache's port on the head, where drafters attach "
+                        "(default: %(default)s)")
+    d.add_argument("--http-port", type=int, default=None,
+                   help="serve the OpenAI-compatible HTTP API on this port of the verifier "
+                        "node (replica i: port + i) (default: none)")
+    d.add_argument("--max-sessions", type=int, default=8,
+                   help="KV slots per verifier replica (default: %(default)s)")
+    d.add_argument("--auth-token", default=None,
+                   help="token every role and client uses (default: $EDGESPEC_AUTH_TOKEN; "
+                        "none: no authentication)")
+    d.add_argument("--timeout", type=float, default=900.0,
+                   help="seconds to wait for the fleet to come up, model load included "
+                        "(default: %(default)s)")
+    add_threads_arg(d)
+    d.set_defaults(func=cmd_deploy)
+
+
+def cmd_deploy(args: argparse.Namespace) -> int:
+    from edgespec.config import ConfigError
+
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        raise ConfigError("edgespec deploy needs Ray: pip install 'edgespec[fleet]'") from None
+    from cache_service.actor import CacheActor
+    from drafter_node.actor import DrafterActor
+    from verifier_node.actor import RouterActor, VerifierActor
+
+    from edgespec import fleet
+    from edgespec.drafters import parse_drafter_spec
+
+    if not (args.status or args.down):
+        parse_drafter_spec(args.drafter, allowed=("mag", "model"))
+        for name in ("port", "cache_port"):
+            if not 0 < getattr(args, name) < 65536:
+                raise ConfigError(f"--{name.replace('_', '-')} must be in [1, 65535]")
+        if args.port == args.cache_port:
+            raise ConfigError("--port and --cache-port must differ")
+    fleet.connect(args.address or os.environ.get("RAY_ADDRESS"))
+    if args.status:
+        actors = fleet.status()
+        print(fleet.format_table(actors) if actors else "nothing is deployed")
+        return 0
+    if args.down:
+        n = fleet.down()
+        left = fleet.placed_names()
+        print(f"removed {n} actor(s)" + (f"; still there: {', '.join(left)}" if left else ""))
+        return 1 if left else 0
+    roles = fleet.RoleActors(CacheActor, VerifierActor, DrafterActor, RouterActor)
+    spec = fleet.DeploySpec(model=args.model, drafter=args.drafter,
+                            drafters_per_board=args.drafters_per_board,
+                            verifiers=args.verifiers, port=args.port, cache_port=args.cache_port,
+                            http_port=args.http_port, max_sessions=args.max_sessions,
+                            threads=args.threads,
+                            auth_token=args.auth_token or os.environ.get("EDGESPEC_AUTH_TOKEN"),
+                            timeout_s=args.timeout)
+    try:
+        deployment = fleet.deploy(roles, spec,
+                                  progress=lambda m: print(f"edgespec: {m}", file=sys.stderr,
+                                                           flush=True))
+    except BaseException:
+        # a half-placed fleet is removed, so the next deploy starts clean
+        print("edgespec: deploy failed; removing what was placed", file=sys.stderr, flush=True)
+        fleet.down()
+        raise
+    print(fleet.format_table(deployment.actors))
+    print(deployment.endpoint)
+    return 0

@@ -1,0 +1,152 @@
+"""The fleet on a real multi-node Ray cluster on loopback (``ray.cluster_utils.Cluster``): a
+head declaring ``verifier``, two boards declaring ``edge`` and a plain node. ``edgespec deploy``
+places the roles; drafters land only on boards, verifiers on the head; two verifier replicas
+behind the router serve sessions identically to target-only; a killed drafter actor is restarted
+by Ray and attaches again; ``deploy --down`` leaves nothing behind."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import hf_greedy
+
+pytest.importorskip("ray")
+
+import edgespec  # noqa: E402
+from edgespec import fleet  # noqa: E402
+from edgespec.config import ConfigError  # noqa: E402
+from edgespec.wire import free_port  # noqa: E402
+
+# set by conftest before ray is imported too (see there); the CLI's subprocesses get them here
+RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
+PROMPTS = [[1, 10, 11, 12, 13, 10, 11, 12], [1, 50, 51, 52, 53, 54], [1, 30, 31, 30, 31]]
+
+
+def edgespec_cli(*args, timeout=300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "edgespec_cli", *map(str, args)],
+                          capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **RAY_ENV})
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 1, "resources": {"verifier": 1}, "include_dashboard": False,
+        "node_ip_address": "127.0.0.1"})
+    boards = [cluster.add_node(num_cpus=1, resources={"edge": 1}, node_ip_address="127.0.0.1")
+              for _ in range(2)]
+    plain = cluster.add_node(num_cpus=1, node_ip_address="127.0.0.1")
+    cluster.wait_for_nodes()
+    yield {"cluster": cluster, "address": cluster.address,
+           "head": cluster.head_node.node_id, "boards": {b.node_id for b in boards},
+           "plain": plain.node_id}
+    import ray
+
+    ray.shutdown()
+    cluster.shutdown()
+
+
+@pytest.fixture(scope="module")
+def deployed(ray_cluster, looping_dir):
+    import ray
+
+    port, cache_port = free_port(), free_port()
+    r = edgespec_cli("deploy", "--address", ray_cluster["address"], "--model", looping_dir,
+                     "--verifiers", 2, "--port", port, "--cache-port", cache_port,
+                     "--threads", 1, "--timeout", 240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    endpoint = r.stdout.strip().splitlines()[-1]
+    assert endpoint == f"127.0.0.1:{port}"
+    ray.init(address=ray_cluster["address"], namespace=fleet.NAMESPACE, log_to_driver=False)
+    yield {"endpoint": endpoint, "table": r.stdout, **ray_cluster}
+
+
+def test_placement_follows_declared_resources(deployed):
+    actors = fleet.status()
+    by_role: dict[str, list] = {}
+    for a in actors:
+        by_role.setdefault(a.role, []).append(a)
+    assert sorted(by_role) == ["cache", "drafter", "router", "verifier"]
+    assert len(by_role["verifier"]) == 2 and len(by_role["drafter"]) == 2
+    assert {a.node_id for a in by_role["drafter"]} == deployed["boards"]
+    for role in ("verifier", "cache", "router"):
+        assert {a.node_id for a in by_role[role]} == {deployed["head"]}, role
+    assert all(a.node_id != deployed["plain"] for a in actors)
+    assert all(a.state == "ready" for a in actors), fleet.format_table(actors)
+    for a in actors:  # the readiness table names every actor's node, role and address
+        assert f"{a.role}" in deployed["table"] and a.address in deployed["table"]
+
+
+def test_two_replicas_serve_sessions_identically_to_target_only(deployed, looping):
+    from concurrent.futures import ThreadPoolExecutor
+
+    refs = [hf_greedy(looping.model, p, 40) for p in PROMPTS]
+
+    def run(ids):
+        with edgespec.Client(deployed["endpoint"], timeout=120) as c:
+            return c.generate(prompt_ids=ids, raw=True, max_new_tokens=40).token_ids
+
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        outs = list(pool.map(run, PROMPTS * 2))
+    assert outs == refs * 2
+    with edgespec.Client(deployed["endpoint"], timeout=30) as c:
+        s = c.status()
+    assert s["kv_slots"] == 16 and s["healthy"]  # two replicas of 8 slots each
+    assert {d["device_id"] for d in s["drafters"] if d["attached"]} == {
+        fleet.device_id_for(n, 0) for n in fleet.nodes() if n.node_id in deployed["boards"]}
+
+
+def test_killed_drafter_actor_is_restarted_and_attaches_again(deployed, looping):
+    import ray
+
+    name = next(a.name for a in fleet.status() if a.role == "drafter")
+    handle = ray.get_actor(name, namespace=fleet.NAMESPACE)
+    before = ray.get(handle.info.remote(), timeout=30)
+    ray.kill(handle, no_restart=False)  # a crash: Ray restarts it
+    deadline = time.monotonic() + 120
+    info = None
+    while time.monotonic() < deadline:
+        try:
+            info = ray.get(handle.info.remote(), timeout=10)
+            if info["pid"] != before["pid"] and info["attached"]:
+                break
+        except Exception:  # restarting: the call fails until __init__ ran again
+            time.sleep(0.5)
+    assert info is not None and info["pid"] != before["pid"] and info["attached"], info
+    ids = PROMPTS[0]
+    with edgespec.Client(deployed["endpoint"], timeout=120) as c:  # pinned to the new drafter
+        out = c.generate(prompt_ids=ids, raw=True, max_new_tokens=30,
+                         device_id=before["device_id"])
+    assert out.token_ids == hf_greedy(looping.model, ids, 30)
+    assert out.device_id == before["device_id"]
+
+
+def test_placement_errors_say_which_resource_to_declare():
+    plain = fleet.Node("n1", "127.0.0.1", {"CPU": 2.0})
+    with pytest.raises(ConfigError, match="'verifier' resource"):
+        fleet.verifier_nodes([plain])
+    with pytest.raises(ConfigError, match="'edge' resource"):
+        fleet.edge_nodes([plain])
+    gpu = fleet.Node("n2", "127.0.0.1", {"GPU": 1.0})
+    assert fleet.verifier_nodes([plain, gpu]) == ([gpu], "GPU")
+
+
+def test_deploy_without_a_cluster_is_a_clear_error():
+    r = edgespec_cli("deploy", "--address", f"127.0.0.1:{free_port()}", "--status", timeout=120)
+    assert r.returncode == 2
+    assert "no Ray cluster" in r.stderr
+
+
+def test_down_leaves_no_actor_behind(deployed):
+    r = edgespec_cli("deploy", "--address", deployed["address"], "--down")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "removed 6 actor(s)" in r.stdout  # cache, router, 2 verifiers, 2 drafters
+    assert fleet.placed_names() == []
+    r = edgespec_cli("deploy", "--address", deployed["address"], "--status")
+    assert r.returncode == 0 and "nothing is deployed" in r.stdout

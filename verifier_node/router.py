@@ -1,0 +1,176 @@
+"""One client endpoint in front of several verifier replicas that share one draft cache.
+
+A replica is an ordinary verifier (``edgespec verifier``) with its own KV slots; the router
+implements the same ``Verifier`` service and forwards each call:
+
+- ``Generate`` goes to the healthy replica with the fewest sessions this router has in flight on
+  it (ties: the first). A replica that refuses before the first response (UNAVAILABLE: down or
+  draining; RESOURCE_EXHAUSTED: full) is skipped and the next is tried. A stream that breaks
+  midway is reported to the client as is: the SDK resumes it by session id, and the resume is
+  routed like a new session, to any replica, since the session's committed tokens live in Redis.
+- ``Cancel`` is sent to every replica (only the one running the session knows it).
+- ``Status`` merges the replicas' answers: slots and sessions summed, the fleet's drafters once.
+
+Health: a monitor thread checks every replica's health each second; the router is SERVING while
+at least one replica is.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from edgespec.v1 import edgespec_pb2 as pb
+from edgespec.v1 import edgespec_pb2_grpc as pb_grpc
+from edgespec.wire import auth_metadata, bind, make_channel, make_server, resolve_token
+
+log = logging.getLogger("edgespec.router")
+
+SKIP_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED}
+VERIFIER_SERVICE = "edgespec.v1.Verifier"
+
+
+class _Replica:
+    def __init__(self, address: str):
+        self.address = address
+        self.channel = make_channel(address)
+        self.stub = pb_grpc.VerifierStub(self.channel)
+        self.health = health_pb2_grpc.HealthStub(self.channel)
+        self.active = 0  # Generate streams this router has open on it
+        self.healthy = False
+
+
+class VerifierRouter(pb_grpc.VerifierServicer):
+    def __init__(self, listen: str, replicas: list[str], token: str | None = None,
+                 max_streams: int = 1024):
+        if not replicas:
+            raise ValueError("a router needs at least one replica")
+        self.token = resolve_token(token)
+        self.metadata = auth_metadata(self.token)
+        self._replicas = [_Replica(a) for a in replicas]
+        self._lock = threading.Lock()
+        self._stopping = threading.Event()
+        self.server = make_server(max_streams + 16, self.token)
+        pb_grpc.add_VerifierServicer_to_server(self, self.server)
+        self.health = health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.port = bind(self.server, listen)
+
+    @property
+    def replicas(self) -> list[str]:
+        return [r.address for r in self._replicas]
+
+    def healthy(self) -> bool:
+        return any(r.healthy for r in self._replicas)
+
+    def start(self) -> "VerifierRouter":
+        self._check_health()
+        self.server.start()
+        threading.Thread(target=self._monitor, daemon=True, name="router-health").start()
+        return self
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self.server.stop(grace=2.0).wait(5)
+        for r in self._replicas:
+            r.channel.close()
+
+    # -- health ---------------------------------------------------------------------------------
+    def _check_health(self) -> None:
+        for r in self._replicas:
+            try:
+                res = r.health.Check(health_pb2.HealthCheckRequest(service=VERIFIER_SERVICE),
+                                     timeout=1.0, metadata=self.metadata)
+                r.healthy = res.status == health_pb2.HealthCheckResponse.SERVING
+            except grpc.RpcError:
+                r.healthy = False
+        status = (health_pb2.HealthCheckResponse.SERVING if self.healthy()
+                  else health_pb2.HealthCheckResponse.NOT_SERVING)
+        for name in ("", VERIFIER_SERVICE):
+            self.health.set(name, status)
+
+    def _monitor(self) -> None:
+        while not self._stopping.wait(1.0):
+            self._check_health()
+
+    # -- routing --------------------------------------------------------------------------------
+    def _order(self) -> list[_Replica]:
+        """Replicas to try: healthy ones by fewest active streams, then the others."""
+        with self._lock:
+            ranked = sorted(range(len(self._replicas)),
+                            key=lambda i: (not self._replicas[i].healthy,
+                                           self._replicas[i].active, i))
+            return [self._replicas[i] for i in ranked]
+
+    def Generate(self, request, context):
+        last: grpc.RpcError | None = None
+        for replica in self._order():
+            with self._lock:
+                replica.active += 1
+            try:
+                call = replica.stub.Generate(request, timeout=_deadline(context),
+                                             metadata=self.metadata)
+                context.add_callback(call.cancel)  # the client left: so does the session
+                first = True
+                try:
+                    for response in call:
+                        first = False
+                        yield response
+                    return
+                except grpc.RpcError as e:
+                    if first and e.code() in SKIP_CODES and context.is_active():
+                        last = e
+                        log.info("replica %s refused (%s); trying the next", replica.address,
+                                 e.code().name)
+                        continue
+                    context.abort(e.code(), e.details() or "")
+            finally:
+                with self._lock:
+                    replica.active -= 1
+        if last is not None:
+            context.abort(last.code(), last.details() or "")
+        context.abort(grpc.StatusCode.UNAVAILABLE, "no verifier replica is available")
+
+    def Cancel(self, request, context):
+        found = False
+        for r in self._replicas:
+            try:
+                found |= r.stub.Cancel(request, timeout=5.0, metadata=self.metadata).cancelled
+            except grpc.RpcError as e:
+                if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                    context.abort(e.code(), e.details() or "")
+        if not found:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"no running session "
+                                                     f"{request.session_id[:40]!r}")
+        return pb.CancelResponse(cancelled=True)
+
+    def Status(self, request, context):
+        merged = pb.StatusResponse()
+        answered = 0
+        for r in self._replicas:
+            try:
+                s = r.stub.Status(request, timeout=5.0, metadata=self.metadata)
+            except grpc.RpcError:
+                continue
+            if answered == 0:
+                merged.model, merged.version = s.model, s.version
+                merged.drafters.extend(s.drafters)
+            answered += 1
+            merged.active_sessions += s.active_sessions
+            merged.queued_sessions += s.queued_sessions
+            merged.free_kv_slots += s.free_kv_slots
+            merged.kv_slots += s.kv_slots
+            merged.tokens_per_s_last_minute += s.tokens_per_s_last_minute
+            merged.healthy |= s.healthy
+        if answered == 0:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "no verifier replica answers")
+        return merged
+
+
+def _deadline(context) -> float | None:
+    """The caller's time left, None without a deadline (gRPC reports ~2**63 s then)."""
+    left = context.time_remaining()
+    return None if left is None or left > 1e9 else left
