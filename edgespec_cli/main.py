@@ -126,11 +126,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     from .cluster import add_cluster_commands
     from .deploy import add_deploy_command
+    from .simulate.cli import add_simulate_command
     from .status import add_status_command
 
     add_cluster_commands(sub)
     add_status_command(sub)
     add_deploy_command(sub)
+    add_simulate_command(sub)
     return parser
 
 

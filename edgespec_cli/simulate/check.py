@@ -1,0 +1,48 @@
+"""Losslessness of a simulated fleet: a sample of sessions against target-only decoding.
+
+For every run, one finished request per device (its first) is decoded again by transformers'
+own greedy ``generate`` on the same model, and the two token sequences must be identical.
+"""
+
+from __future__ import annotations
+
+from .records import RunRecord
+
+
+def sample(run: RunRecord) -> list:
+    """The first finished request of each device."""
+    picked = {}
+    for r in sorted(run.requests, key=lambda r: r.sent_at):
+        if r.error is None and r.tokens and r.device_id not in picked:
+            picked[r.device_id] = r
+    return list(picked.values())
+
+
+def check_lossless(target, runs: list[RunRecord], max_new_tokens: int) -> dict:
+    from edgespec.models import stop_token_ids
+
+    from ..bench.run import HFBaselines
+
+    reference = HFBaselines(target.model, stop_token_ids(target), 0)
+    cache: dict[tuple[int, ...], list[int]] = {}
+    checked = identical = 0
+    mismatches = []
+    devices_missing = []
+    for run in runs:
+        picked = sample(run)
+        seen = {r.device_id for r in picked}
+        devices_missing += [d for d in {r.device_id for r in run.requests} if d not in seen]
+        for r in picked:
+            key = tuple(r.prompt_ids)
+            if key not in cache:
+                cache[key] = reference.run("hf_generate", r.prompt_ids, max_new_tokens)
+            checked += 1
+            if cache[key] == r.tokens:
+                identical += 1
+            else:
+                mismatches.append({"batching": run.batching, "devices": run.devices,
+                                   "device_id": r.device_id, "session_id": r.session_id})
+    return {"checked": checked, "identical": identical, "reference": "transformers generate "
+            "(greedy, target only)", "devices_without_a_finished_session": devices_missing,
+            "mismatches": mismatches,
+            "ok": checked > 0 and identical == checked and not devices_missing}

@@ -1,0 +1,226 @@
+"""``edgespec simulate``: options, the runs they ask for, the losslessness check, the report."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from edgespec.config import ConfigError
+
+REAL_PARTS = ["verifier (the real model, batched verification)",
+              "draft cache (gRPC service + embedded redis-server)",
+              "drafters (real drafter agents in Ray actors)", "gRPC over loopback sockets",
+              "Ray (a local cluster, or the one at --address)", "clients (the edgespec SDK)"]
+
+
+def add_simulate_command(sub) -> None:
+    from edgespec.cli_args import add_threads_arg
+    from edgespec.device_profiles import PROFILES
+
+    s = sub.add_parser("simulate", help="a whole fleet on one machine: real verifier, cache "
+                                        "and drafters, emulated devices and links")
+    s.add_argument("--devices", default="4",
+                   help="emulated devices; a comma list (1,2,4,8) sweeps device counts "
+                        "(default: %(default)s)")
+    s.add_argument("--profile", default="rpi5",
+                   help=f"device profile(s), comma-separated; a mixed fleet cycles through "
+                        f"the list ({', '.join(PROFILES)}) (default: %(default)s)")
+    how_long = s.add_mutually_exclusive_group()
+    how_long.add_argument("--requests", type=int, default=None,
+                          help="requests in all, dealt to devices in turn (default: 2 per "
+                               "device)")
+    how_long.add_argument("--duration", type=float, default=None,
+                          help="send requests for this many seconds instead")
+    s.add_argument("--rate", type=float, default=None,
+                   help="open loop: requests per second over the fleet (default: closed loop, "
+                        "each device sends its next request when the last finishes)")
+    s.add_argument("--batching", choices=["on", "off", "both"], default="both",
+                   help="verify the devices' sessions batched in one forward (on), one session "
+                        "per forward (off), or both on the same requests (default: %(default)s)")
+    s.add_argument("--max-new-tokens", type=int, default=64,
+                   help="tokens per request (default: %(default)s)")
+    s.add_argument("--model", default="default",
+                   help="target model: 'default', a transformers directory or a .gguf file "
+                        "(default: %(default)s)")
+    s.add_argument("--json", metavar="FILE", default=None, help="write the report here")
+    s.add_argument("--plot", metavar="DIR", default=None, help="write PNG charts here")
+    s.add_argument("--seed", type=int, default=0,
+                   help="seeds the links' jitter and loss and the order of prompts "
+                        "(default: %(default)s)")
+    s.add_argument("--address", default=None,
+                   help="join this Ray cluster (HEAD:PORT) instead of starting a local one")
+    s.add_argument("--find-capacity", action="store_true",
+                   help="add devices until the slowest one's tokens/s falls below --slo; "
+                        "report the capacity with batching on and off")
+    s.add_argument("--slo", type=float, default=None,
+                   help="per-device tokens/s the capacity search holds (with --find-capacity)")
+    s.add_argument("--max-devices", type=int, default=32,
+                   help="the capacity search's upper bound (default: %(default)s)")
+    s.add_argument("--timeout", type=float, default=900.0,
+                   help="seconds a run may take to come up or a request to finish "
+                        "(default: %(default)s)")
+    add_threads_arg(s)
+    s.set_defaults(func=cmd_simulate)
+
+
+def parse_devices(text: str) -> list[int]:
+    try:
+        counts = sorted({int(x) for x in text.split(",") if x.strip()})
+    except ValueError:
+        raise ConfigError(f"--devices takes counts like 4 or 1,2,4, got {text!r}") from None
+    if not counts or counts[0] < 1:
+        raise ConfigError("--devices must be >= 1")
+    return counts
+
+
+def check_args(args) -> tuple[list[int], list]:
+    from edgespec.cli_args import check_model_arg
+    from edgespec.device_profiles import parse_profiles
+
+    counts = parse_devices(args.devices)
+    profiles = parse_profiles(args.profile)
+    for name, low in (("requests", 1), ("duration", 0), ("rate", 0), ("max_new_tokens", 1)):
+        value = getattr(args, name)
+        if value is not None and not value >= low or (value == 0 and low == 0):
+            raise ConfigError(f"--{name.replace('_', '-')} must be > {low - 1 if low else 0}")
+    if args.find_capacity and (args.slo is None or args.slo <= 0):
+        raise ConfigError("--find-capacity needs --slo TOKENS_PER_S > 0")
+    if args.slo is not None and not args.find_capacity:
+        raise ConfigError("--slo is for --find-capacity")
+    check_model_arg(args.model)
+    return counts, profiles
+
+
+def load_prompts(target, seed: int, max_new_tokens: int):
+    """Spec-Bench first turns in a seeded order, those that fit the context with their
+    output (a verifier slot holds EngineConfig.max_context tokens)."""
+    import random
+
+    from edgespec.config import EngineConfig
+    from edgespec.models import encode_prompt
+
+    from ..bench.run import load_questions
+    from .run import Prompt
+
+    limit = min(EngineConfig().max_context,
+                getattr(target.model.config, "max_position_embeddings", None) or 10**9)
+    questions = load_questions([], 0, full=True)
+    random.Random(seed).shuffle(questions)
+    prompts = [Prompt(q["category"], encode_prompt(target.tokenizer, q["prompt"]))
+               for q in questions]
+    fitting = [p for p in prompts if len(p.ids) + max_new_tokens <= limit]
+    if not fitting:
+        raise ConfigError(f"no Spec-Bench prompt fits {limit} tokens with --max-new-tokens "
+                          f"{max_new_tokens}")
+    return fitting
+
+
+def start_ray(address: str | None) -> None:
+    import ray
+
+    from edgespec import fleet
+
+    if address:
+        fleet.connect(address, namespace="edgespec-simulate")
+        return
+    ray.init(namespace="edgespec-simulate", include_dashboard=False, log_to_driver=False,
+             configure_logging=False, logging_level="WARNING")
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    # a local cluster keeps every address on loopback (see tests/conftest.py); read at import
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    counts, profiles = check_args(args)
+    try:
+        import matplotlib  # noqa: F401
+        import ray  # noqa: F401
+    except ImportError:
+        raise ConfigError("edgespec simulate needs Ray and matplotlib: "
+                          "pip install 'edgespec[fleet]'") from None
+    from edgespec.cli_args import set_threads
+    from edgespec.device_profiles import fleet_profiles
+    from edgespec.models import load_model
+
+    from . import report as rep
+    from .check import check_lossless
+    from .run import FleetRun, RoleSet, SimSettings
+
+    set_threads(args.threads)
+    print("simulate: loading the model for prompts and the losslessness check",
+          file=sys.stderr, flush=True)
+    target = load_model(args.model)
+    prompts = load_prompts(target, args.seed, args.max_new_tokens)
+    settings = SimSettings(model=args.model, max_new_tokens=args.max_new_tokens,
+                           requests=args.requests, duration_s=args.duration, rate=args.rate,
+                           threads=args.threads, seed=args.seed, timeout_s=args.timeout)
+    modes = ["on", "off"] if args.batching == "both" else [args.batching]
+    start_ray(args.address)
+    roles = RoleSet()
+
+    def run_one(mode: str, n: int):
+        fleet_of = fleet_profiles([p.name for p in profiles], n)
+        return FleetRun(roles, settings, fleet_of, mode, prompts).run()
+
+    runs, probes = [], []
+    capacity = {}
+    if args.find_capacity:
+        for mode in modes:
+            capacity[mode], tried = find_capacity(lambda n, m=mode: run_one(m, n), args.slo,
+                                                  args.max_devices)
+            runs += [r for r, _ in tried]
+            probes += [{"batching": mode, "devices": r.devices, "slowest_tokens_per_s": v}
+                       for r, v in tried]
+    else:
+        runs = [run_one(mode, n) for mode in modes for n in counts]
+    lossless = check_lossless(target, runs, args.max_new_tokens) if len(modes) == 2 else None
+    emulated = {p.name: {"drafter": p.drafter, "compute_slowdown": p.compute_slowdown,
+                         "link": p.link.describe(), "how": "TCP delaying proxy (LinkProxy) on "
+                         "the drafter's link to the cache and the client's link to the "
+                         "verifier; drafting slowed by sleeping (slowdown - 1) x its time"}
+                for p in profiles}
+    config = {k: v for k, v in vars(args).items() if k != "func"}
+    report = rep.build_report(runs, lossless=lossless, emulated=emulated, real=REAL_PARTS,
+                              config=config)
+    if args.find_capacity:
+        rep.add_capacity(report, capacity.get("on", 0), capacity.get("off", 0), args.slo,
+                         probes)
+    print(rep.format_table(report))
+    if args.json:
+        print(f"simulate: report written to {rep.write_json(report, args.json)}",
+              file=sys.stderr)
+    if args.plot:
+        for path in rep.write_plots(report, args.plot):
+            print(f"simulate: chart {path}", file=sys.stderr)
+    if lossless is not None and not lossless["ok"]:
+        print("simulate: error: an output differs from target-only decoding", file=sys.stderr)
+        return 1
+    return 0
+
+
+def find_capacity(run, slo: float, max_devices: int):
+    """The most devices whose slowest device still decodes at >= ``slo`` tokens/s: double
+    until one fails, then bisect. Returns (capacity, [(run, slowest rate), ...])."""
+    from .report import summarize_run
+
+    tried = []
+
+    def ok(n: int) -> bool:
+        r = run(n)
+        rates = [d["decode_tokens_per_s"] or 0.0 for d in summarize_run(r)["per_device"]]
+        slowest = min(rates) if rates else 0.0
+        tried.append((r, slowest))
+        return len(rates) == n and slowest >= slo
+
+    good, n = 0, 1
+    while n <= max_devices and ok(n):
+        good, n = n, n * 2
+    bad = min(n, max_devices + 1)
+    while bad - good > 1:
+        mid = (good + bad) // 2
+        if ok(mid):
+            good = mid
+        else:
+            bad = mid
+    return good, tried

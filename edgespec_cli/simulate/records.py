@@ -1,0 +1,37 @@
+"""What a simulation run records: one ``RequestRecord`` per request, one ``RunRecord`` per
+batching mode and device count. The report is computed from these alone."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RequestRecord:
+    device_id: str
+    profile: str  # the device profile's name
+    category: str  # the Spec-Bench category of the prompt
+    prompt_ids: list[int]
+    sent_at: float  # time.monotonic() when the request was sent
+    token_times: list[float] = field(default_factory=list)  # monotonic arrival of each token
+    tokens: list[int] = field(default_factory=list)  # output token ids, in order
+    session_id: str = ""
+    drafted: int = 0  # draft tokens the verifier checked for this session
+    accepted: int = 0  # of which accepted
+    mean_acceptance_length: float = 0.0  # tokens committed per verification step
+    error: str | None = None  # set when the request failed (then it counts no tokens)
+
+    @property
+    def done_at(self) -> float | None:
+        return self.token_times[-1] if self.token_times else None
+
+
+@dataclass
+class RunRecord:
+    batching: str  # "on": sessions batched in one forward; "off": one session per forward
+    devices: int
+    started: float  # monotonic, when the first request was sent
+    ended: float  # monotonic, when the last request ended
+    requests: list[RequestRecord]
+    batch_sizes: dict[int, int]  # sessions in a verification forward -> forwards of that size
+    max_sessions: int = 0  # the verifier's KV slots in this run

@@ -1,0 +1,327 @@
+"""Figures, JSON, text table and plots for ``edgespec simulate``, computed from the run records.
+
+Definitions (all times in seconds in the JSON; the text table shows latencies in ms):
+
+- A request *counts* when it has no ``error`` and at least one token; errored requests count no
+  tokens, no latencies and no acceptance, only in ``errors``.
+- ``system_tokens_per_s``: committed output tokens of all counting requests / (ended - started).
+- Per device, ``share_tokens_per_s``: the device's tokens / the run's wall time (its share of
+  the system throughput; the shares add up to it). ``decode_tokens_per_s``: the device's tokens /
+  ``busy_s``, the time it had a request in flight (the union of [sent_at, done_at] over its
+  counting requests, which is the sum of their durations when they do not overlap).
+- TTFT: first token time - sent_at, one value per counting request.
+- Inter-token latency (ITL): tokens with the same arrival time came in one piece. The first piece
+  gives the TTFT and no ITL; a later piece of n tokens arriving g seconds after the previous piece
+  gives n values of g/n, one per token.
+- Percentiles are nearest-rank: the p-th percentile of n sorted values is the value at 1-based
+  rank ceil(p/100 * n).
+- Acceptance: accepted / drafted (summed over requests), and ``mean_acceptance_length`` averaged
+  over requests weighted by their tokens.
+- Batch sizes: the verifier's histogram {sessions in a forward: forwards} (keys as strings, so the
+  JSON round-trips), and its mean weighted by forwards.
+
+A figure that is undefined (no tokens, no drafts, zero wall time, no forwards) is None.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections import defaultdict
+
+from edgespec_cli.simulate.records import RequestRecord, RunRecord
+
+PERCENTILE_METHOD = "nearest-rank"
+PLOT_NAMES = ("throughput_vs_devices.png", "itl_p99_vs_devices.png", "batching_on_vs_off.png",
+              "acceptance_per_device.png")
+MODE_COLORS = {"on": "tab:blue", "off": "tab:orange"}
+
+
+def nearest_rank(values: list[float], p: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = max(1, math.ceil(p / 100 * len(ordered)))
+    return ordered[rank - 1]
+
+
+def ratio(num: float | None, den: float | None) -> float | None:
+    if num is None or not den:
+        return None
+    return num / den
+
+
+def counts(req: RequestRecord) -> bool:
+    return req.error is None and bool(req.tokens) and bool(req.token_times)
+
+
+def ttft(req: RequestRecord) -> float:
+    return req.token_times[0] - req.sent_at
+
+
+def pieces(times: list[float]) -> list[tuple[float, int]]:
+    """Consecutive equal arrival times grouped into (time, tokens in the piece)."""
+    out: list[tuple[float, int]] = []
+    for t in times:
+        if out and out[-1][0] == t:
+            out[-1] = (t, out[-1][1] + 1)
+        else:
+            out.append((t, 1))
+    return out
+
+
+def inter_token_latencies(req: RequestRecord) -> list[float]:
+    groups = pieces(req.token_times)
+    itls: list[float] = []
+    for (prev_t, _), (t, n) in zip(groups, groups[1:]):
+        itls.extend([(t - prev_t) / n] * n)
+    return itls
+
+
+def busy_time(reqs: list[RequestRecord]) -> float:
+    """Length of the union of the requests' [sent_at, done_at] intervals."""
+    total, end = 0.0, -math.inf
+    for start, stop in sorted((r.sent_at, r.done_at) for r in reqs):
+        if stop <= end:
+            continue
+        total += stop - max(start, end)
+        end = stop
+    return total
+
+
+def percentiles(values: list[float]) -> dict:
+    return {"p50": nearest_rank(values, 50), "p99": nearest_rank(values, 99)}
+
+
+def acceptance(reqs: list[RequestRecord]) -> dict:
+    done = [r for r in reqs if counts(r)]
+    drafted = sum(r.drafted for r in done)
+    accepted = sum(r.accepted for r in done)
+    tokens = sum(len(r.tokens) for r in done)
+    weighted = sum(r.mean_acceptance_length * len(r.tokens) for r in done)
+    return {"drafted": drafted, "accepted": accepted, "rate": ratio(accepted, drafted),
+            "mean_acceptance_length": ratio(weighted, tokens)}
+
+
+def batch_summary(batch_sizes: dict[int, int]) -> dict:
+    hist = {str(size): n for size, n in sorted(batch_sizes.items(), key=lambda kv: int(kv[0]))}
+    forwards = sum(batch_sizes.values())
+    sessions = sum(int(size) * n for size, n in batch_sizes.items())
+    return {"histogram": hist, "forwards": forwards, "mean": ratio(sessions, forwards)}
+
+
+def summarize_device(device_id: str, reqs: list[RequestRecord], wall: float) -> dict:
+    done = [r for r in reqs if counts(r)]
+    tokens = sum(len(r.tokens) for r in done)
+    busy = busy_time(done)
+    acc = acceptance(reqs)
+    return {"device_id": device_id, "profile": reqs[0].profile, "requests": len(reqs),
+            "errors": sum(r.error is not None for r in reqs), "tokens": tokens,
+            "share_tokens_per_s": ratio(tokens, wall), "busy_s": busy,
+            "decode_tokens_per_s": ratio(tokens, busy),
+            "drafted": acc["drafted"], "accepted": acc["accepted"],
+            "acceptance_rate": acc["rate"],
+            "mean_acceptance_length": acc["mean_acceptance_length"]}
+
+
+def summarize_run(run: RunRecord) -> dict:
+    wall = max(run.ended - run.started, 0.0)
+    done = [r for r in run.requests if counts(r)]
+    tokens = sum(len(r.tokens) for r in done)
+    by_device: dict[str, list[RequestRecord]] = defaultdict(list)
+    for r in run.requests:
+        by_device[r.device_id].append(r)
+    return {
+        "batching": run.batching, "devices": run.devices, "max_sessions": run.max_sessions,
+        "wall_s": wall, "requests": len(run.requests), "completed": len(done),
+        "errors": sum(r.error is not None for r in run.requests), "tokens": tokens,
+        "error_samples": sorted({r.error for r in run.requests if r.error})[:5],
+        "system_tokens_per_s": ratio(tokens, wall),
+        "ttft_s": percentiles([ttft(r) for r in done]),
+        "itl_s": percentiles([x for r in done for x in inter_token_latencies(r)]),
+        "acceptance": acceptance(run.requests),
+        "batch_sizes": batch_summary(run.batch_sizes),
+        "per_device": [summarize_device(d, reqs, wall) for d, reqs in sorted(by_device.items())],
+    }
+
+
+def throughput_ratios(summaries: list[dict]) -> dict[int, float | None]:
+    """on/off system throughput per device count run in both modes."""
+    by_mode: dict[str, dict[int, float | None]] = defaultdict(dict)
+    for s in summaries:
+        by_mode[s["batching"]].setdefault(s["devices"], s["system_tokens_per_s"])
+    both = sorted(set(by_mode["on"]) & set(by_mode["off"]))
+    return {n: ratio(by_mode["on"][n], by_mode["off"][n]) for n in both}
+
+
+def build_report(runs: list[RunRecord], *, lossless: dict | None, emulated: dict,
+                 real: list[str], config: dict) -> dict:
+    """The JSON document. ``throughput_ratio`` (at the largest device count run in both modes)
+    and ``throughput_ratio_by_devices`` are present only when such a pair exists; ``lossless``
+    only when given."""
+    summaries = [summarize_run(r) for r in runs]
+    report: dict = {"config": config, "percentile_method": PERCENTILE_METHOD,
+                    "real": list(real), "emulated": emulated, "runs": summaries}
+    ratios = throughput_ratios(summaries)
+    if ratios:
+        report["throughput_ratio"] = ratios[max(ratios)]
+        report["throughput_ratio_by_devices"] = {str(n): r for n, r in ratios.items()}
+    if lossless is not None:
+        report["lossless"] = lossless
+    return report
+
+
+def add_capacity(report: dict, capacity_on: int, capacity_off: int, slo: float,
+                 probes: list[dict]) -> dict:
+    """Capacity: the most devices each mode serves with every device at or above ``slo``
+    tokens/s; ``probes`` are the orchestrator's trials, kept as given."""
+    report["capacity"] = {"slo_tokens_per_s": slo, "on": capacity_on, "off": capacity_off,
+                          "probes": probes}
+    report["capacity_ratio"] = ratio(capacity_on, capacity_off)
+    return report
+
+
+def fmt(value: float | None, scale: float = 1.0, digits: int = 1) -> str:
+    return "-" if value is None else f"{value * scale:.{digits}f}"
+
+
+def run_block(s: dict) -> list[str]:
+    ms = 1000.0
+    hist = " ".join(f"{k}:{v}" for k, v in s["batch_sizes"]["histogram"].items()) or "-"
+    lines = [
+        f"== batching {s['batching']}, {s['devices']} device(s): {s['requests']} requests, "
+        f"{s['tokens']} tokens, {s['errors']} errors, {fmt(s['wall_s'], digits=2)} s",
+        f"  system tokens/s  {fmt(s['system_tokens_per_s'], digits=2)}",
+        f"  TTFT ms          p50 {fmt(s['ttft_s']['p50'], ms)}  p99 {fmt(s['ttft_s']['p99'], ms)}",
+        f"  ITL ms           p50 {fmt(s['itl_s']['p50'], ms)}  p99 {fmt(s['itl_s']['p99'], ms)}",
+        f"  batch sizes      {hist}  (mean {fmt(s['batch_sizes']['mean'], digits=2)})",
+        f"  {'device':<16} {'profile':<12} {'share/s':>8} {'decode/s':>9} {'accept':>7} "
+        f"{'mean_len':>8} {'errors':>6}",
+    ]
+    for d in s["per_device"]:
+        lines.append(
+            f"  {d['device_id']:<16} {d['profile']:<12} "
+            f"{fmt(d['share_tokens_per_s'], digits=2):>8} "
+            f"{fmt(d['decode_tokens_per_s'], digits=2):>9} "
+            f"{fmt(d['acceptance_rate'], digits=3):>7} "
+            f"{fmt(d['mean_acceptance_length'], digits=2):>8} {d['errors']:>6}")
+    return lines
+
+
+def ratio_lines(report: dict) -> list[str]:
+    lines = []
+    if "throughput_ratio" in report:
+        by = ", ".join(f"{n} dev: {fmt(r, digits=2)}x"
+                       for n, r in report["throughput_ratio_by_devices"].items())
+        lines.append(f"throughput on/off: {fmt(report['throughput_ratio'], digits=2)}x ({by})")
+    if "capacity" in report:
+        cap = report["capacity"]
+        lines.append(f"capacity at {cap['slo_tokens_per_s']} tokens/s per device: on {cap['on']}, "
+                     f"off {cap['off']}, ratio {fmt(report['capacity_ratio'], digits=2)}x")
+    if "lossless" in report:
+        lines.append(f"lossless: {json.dumps(report['lossless'], sort_keys=True)}")
+    return lines
+
+
+def format_table(report: dict) -> str:
+    lines: list[str] = []
+    for s in report["runs"]:
+        lines.extend(run_block(s))
+        lines.append("")
+    lines.extend(ratio_lines(report))
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def write_json(report: dict, path: str) -> str:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(report, f, indent=2)
+        f.write("\n")
+    return path
+
+
+def as_summaries(runs_or_report: list[RunRecord] | dict) -> list[dict]:
+    if isinstance(runs_or_report, dict):
+        return runs_or_report["runs"]
+    return [summarize_run(r) for r in runs_or_report]
+
+
+def series(summaries: list[dict], mode: str, value) -> tuple[list[int], list[float]]:
+    points = sorted((s["devices"], value(s)) for s in summaries if s["batching"] == mode
+                    and value(s) is not None)
+    return [p[0] for p in points], [p[1] for p in points]
+
+
+def modes(summaries: list[dict]) -> list[str]:
+    present = {s["batching"] for s in summaries}
+    return [m for m in ("on", "off") if m in present] + sorted(present - {"on", "off"})
+
+
+def line_plot(plt, summaries: list[dict], value, ylabel: str, title: str, path: str) -> None:
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for mode in modes(summaries):
+        xs, ys = series(summaries, mode, value)
+        ax.plot(xs, ys, marker="o", label=f"batching {mode}", color=MODE_COLORS.get(mode))
+    ax.set_xticks(sorted({s["devices"] for s in summaries}))
+    ax.set_xlabel("devices")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    if summaries:
+        ax.legend()
+    save(plt, fig, path)
+
+
+def on_off_bars(plt, summaries: list[dict], path: str) -> None:
+    device_counts = sorted({s["devices"] for s in summaries})
+    fig, ax = plt.subplots(figsize=(6, 4))
+    width = 0.4
+    for i, mode in enumerate(("on", "off")):
+        xs, ys = series(summaries, mode, lambda s: s["system_tokens_per_s"])
+        pos = [device_counts.index(x) + (i - 0.5) * width for x in xs]
+        ax.bar(pos, ys, width, label=f"batching {mode}", color=MODE_COLORS[mode])
+    ax.set_xticks(range(len(device_counts)), [str(n) for n in device_counts])
+    ax.set_xlabel("devices")
+    ax.set_ylabel("system tokens/s")
+    ax.set_title("batched vs one session per forward")
+    ax.legend()
+    save(plt, fig, path)
+
+
+def acceptance_bars(plt, summaries: list[dict], path: str) -> None:
+    on = [s for s in summaries if s["batching"] == "on"] or summaries
+    run = max(on, key=lambda s: s["devices"], default=None)
+    devices = run["per_device"] if run else []
+    fig, ax = plt.subplots(figsize=(max(6, 0.5 * len(devices)), 4))
+    ax.bar(range(len(devices)), [d["acceptance_rate"] or 0.0 for d in devices])
+    ax.set_xticks(range(len(devices)), [d["device_id"] for d in devices], rotation=45,
+                  ha="right")
+    ax.set_ylim(0, 1)
+    ax.set_ylabel("acceptance rate")
+    ax.set_title(f"acceptance per device ({run['batching']}, {run['devices']} devices)"
+                 if run else "acceptance per device (no runs)")
+    save(plt, fig, path)
+
+
+def save(plt, fig, path: str) -> None:
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def write_plots(runs_or_report: list[RunRecord] | dict, out_dir: str) -> list[str]:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    summaries = as_summaries(runs_or_report)
+    os.makedirs(out_dir, exist_ok=True)
+    paths = [os.path.join(out_dir, name) for name in PLOT_NAMES]
+    line_plot(plt, summaries, lambda s: s["system_tokens_per_s"], "system tokens/s",
+              "system throughput", paths[0])
+    line_plot(plt, summaries, lambda s: None if s["itl_s"]["p99"] is None
+              else s["itl_s"]["p99"] * 1000, "ITL p99 (ms)", "p99 inter-token latency",
+              paths[1])
+    on_off_bars(plt, summaries, paths[2])
+    acceptance_bars(plt, summaries, paths[3])
+    return paths

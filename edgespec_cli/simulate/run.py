@@ -1,0 +1,219 @@
+"""Running a simulated fleet: real roles as Ray actors, emulated devices, real clients.
+
+One run = one batching mode and one device count: a draft cache (embedded Redis), one verifier
+(KV slots = the device count with batching on, 1 with batching off: one session per forward),
+N drafter actors each emulating its device profile (a ``LinkProxy`` on its gRPC link to the
+cache, its drafting slowed down by the profile's factor), and N client threads in this process,
+one per device, each talking to the verifier through its own ``LinkProxy`` with the device's
+link and pinning its sessions to its device's drafter.
+
+Requests are Spec-Bench first turns through the model's chat template, dealt to devices in turn
+(the same requests in the same order for every mode). Closed loop by default (a device sends its
+next request when the last one finished); ``rate`` makes it open loop (requests arrive at that
+rate overall, evenly spaced, whether or not earlier ones finished).
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from edgespec.device_profiles import DeviceProfile
+
+from .records import RequestRecord, RunRecord
+
+log = logging.getLogger("edgespec.simulate")
+
+
+@dataclass
+class Prompt:
+    category: str
+    ids: list[int]
+
+
+@dataclass
+class SimSettings:
+    model: str
+    max_new_tokens: int = 64
+    requests: int | None = None  # requests in all (default: 2 per device)
+    duration_s: float | None = None  # instead: send until this much time has passed
+    rate: float | None = None  # open loop, requests per second over the fleet
+    threads: int | None = None  # the verifier's torch threads
+    seed: int = 0
+    timeout_s: float = 900.0
+
+
+class RoleSet:
+    """The actor classes (from the roles' packages) a run places."""
+
+    def __init__(self):
+        from cache_service.actor import CacheActor
+        from drafter_node.actor import DrafterActor
+        from verifier_node.actor import VerifierActor
+
+        self.cache, self.verifier, self.drafter = CacheActor, VerifierActor, DrafterActor
+
+
+def device_ids(profiles: list[DeviceProfile]) -> list[str]:
+    return [f"dev{i:02d}-{p.name}" for i, p in enumerate(profiles)]
+
+
+def deal(prompts: list[Prompt], n_requests: int, n_devices: int) -> list[list[int]]:
+    """Request indices for each device: request k goes to device k mod n."""
+    out: list[list[int]] = [[] for _ in range(n_devices)]
+    for k in range(n_requests):
+        out[k % n_devices].append(k)
+    return out
+
+
+class FleetRun:
+    """Place the roles for one run, drive the clients, collect the records, remove the roles."""
+
+    def __init__(self, roles: RoleSet, settings: SimSettings, profiles: list[DeviceProfile],
+                 batching: str, prompts: list[Prompt], progress=None):
+        self.roles, self.s, self.profiles = roles, settings, profiles
+        self.batching, self.prompts = batching, prompts
+        self.progress = progress or (lambda msg: print(msg, file=sys.stderr, flush=True))
+        self.records: list[RequestRecord] = []
+        self._lock = threading.Lock()
+        self._actors = []
+        self._proxies = []
+        self._tmp = tempfile.mkdtemp(prefix="edgespec-sim-")
+
+    def _place(self) -> tuple[str, object]:
+        import ray
+
+        from edgespec import fleet
+
+        head = fleet.head_node(fleet.nodes())
+        cache = fleet.place(self.roles.cache, head).remote(
+            fleet_port(), self._tmp, "simulate", max_drafters=len(self.profiles) + 8)
+        self._actors.append(cache)
+        info = ray.get(cache.info.remote(), timeout=self.s.timeout_s)
+        slots = len(self.profiles) if self.batching == "on" else 1
+        verifier = fleet.place(self.roles.verifier, head).remote(
+            fleet_port(), info["redis_url"], model=self.s.model, max_sessions=slots,
+            threads=self.s.threads, max_queue=4 * len(self.profiles) + 16)
+        self._actors.append(verifier)
+        for dev, p in zip(device_ids(self.profiles), self.profiles):
+            d = fleet.place(self.roles.drafter, head).remote(
+                info["address"], dev, p.drafter, threads=1, link=p.link,
+                compute_slowdown=p.compute_slowdown, profile=p.name)
+            self._actors.append(d)
+        address = ray.get(verifier.info.remote(), timeout=self.s.timeout_s)["address"]
+        attached = ray.get([d.wait_attached.remote(self.s.timeout_s) for d in self._actors[2:]])
+        if not all(attached):
+            raise RuntimeError(f"{attached.count(False)} drafter(s) did not attach")
+        return address, verifier
+
+    def run(self) -> RunRecord:
+        from edgespec.link_emulation import LinkProxy
+
+        n = len(self.profiles)
+        self.progress(f"simulate: batching {self.batching}, {n} device(s): starting the fleet")
+        try:
+            address, verifier = self._place()
+            self._proxies = [LinkProxy(address, p.link).start() for p in self.profiles]
+            total = self.s.requests or 2 * n
+            plan = deal(self.prompts, total if self.s.duration_s is None else 10**6, n)
+            started = time.monotonic()
+            stop_at = started + self.s.duration_s if self.s.duration_s else None
+            done = threading.Event()
+            threading.Thread(target=self._report_progress, args=(started, total, done),
+                             daemon=True).start()
+            with ThreadPoolExecutor(max(n, 1) * (4 if self.s.rate else 1)) as pool:
+                if self.s.rate:
+                    self._open_loop(pool, plan, started, stop_at)
+                else:
+                    list(pool.map(lambda i: self._closed_loop(i, plan[i], stop_at), range(n)))
+            done.set()
+            ended = time.monotonic()
+            import ray
+
+            batches = ray.get(verifier.batch_sizes.remote(), timeout=60)
+            return RunRecord(self.batching, n, started, ended, list(self.records),
+                             {int(k): v for k, v in batches.items()},
+                             max_sessions=n if self.batching == "on" else 1)
+        finally:
+            self.close()
+
+    def _closed_loop(self, dev: int, indices: list[int], stop_at: float | None) -> None:
+        for k in indices:
+            if stop_at is not None and time.monotonic() >= stop_at:
+                return
+            self._request(dev, k)
+
+    def _open_loop(self, pool, plan, started: float, stop_at: float | None) -> None:
+        order = sorted((k, dev) for dev, ks in enumerate(plan) for k in ks)
+        futures = []
+        for k, dev in order:
+            due = started + k / self.s.rate
+            if stop_at is not None and due >= stop_at:
+                break
+            time.sleep(max(0.0, due - time.monotonic()))
+            futures.append(pool.submit(self._request, dev, k))
+        for f in futures:
+            f.result()
+
+    def _request(self, dev: int, k: int) -> None:
+        from edgespec.client import Client
+
+        prompt = self.prompts[k % len(self.prompts)]
+        profile = self.profiles[dev]
+        rec = RequestRecord(device_ids(self.profiles)[dev], profile.name, prompt.category,
+                            prompt.ids, time.monotonic())
+        try:
+            with Client(self._proxies[dev].address, timeout=self.s.timeout_s) as c:
+                for piece in c.stream(prompt_ids=prompt.ids, raw=True,
+                                      max_new_tokens=self.s.max_new_tokens,
+                                      device_id=rec.device_id):
+                    now = time.monotonic()
+                    rec.tokens.extend(piece.token_ids)
+                    rec.token_times.extend([now] * len(piece.token_ids))
+                    if piece.stats:
+                        rec.drafted = int(piece.stats.get("drafted", 0))
+                        rec.accepted = int(piece.stats.get("accepted", 0))
+                        rec.mean_acceptance_length = float(
+                            piece.stats.get("mean_acceptance_length", 0.0))
+                rec.session_id = c.last_session_id or ""
+        except Exception as e:  # one failed request is a figure of the run, not its end
+            rec.error = f"{type(e).__name__}: {e}"[:300]
+        with self._lock:
+            self.records.append(rec)
+
+    def _report_progress(self, started: float, total: int, done: threading.Event) -> None:
+        while not done.wait(5.0):
+            with self._lock:
+                finished = len(self.records)
+                tokens = sum(len(r.tokens) for r in self.records)
+            elapsed = time.monotonic() - started
+            of = f"/{total}" if self.s.duration_s is None else ""
+            self.progress(f"simulate: batching {self.batching}, {len(self.profiles)} device(s): "
+                          f"{finished}{of} requests done, {tokens} tokens, "
+                          f"{tokens / elapsed:.1f} tok/s, {elapsed:.0f} s")
+
+    def close(self) -> None:
+        import ray
+
+        for p in self._proxies:
+            p.stop()
+        for a in self._actors:
+            try:
+                ray.get(a.stop.remote(), timeout=15)
+            except Exception:
+                pass
+            ray.kill(a, no_restart=True)
+        self._actors, self._proxies = [], []
+        shutil.rmtree(self._tmp, ignore_errors=True)
+
+
+def fleet_port() -> int:
+    from edgespec.wire import free_port
+
+    return free_port()

@@ -1,0 +1,95 @@
+"""``edgespec simulate`` end to end on a tiny model: a local Ray cluster, the real verifier,
+cache and drafter actors, emulated links; the report's fields and losslessness. Plus the
+capacity search and option checks, which need no fleet."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from edgespec.config import ConfigError
+from edgespec_cli.simulate.cli import find_capacity, parse_devices
+from edgespec_cli.simulate.records import RequestRecord, RunRecord
+from edgespec_cli.simulate.run import deal
+
+pytest.importorskip("ray")
+
+
+def test_small_fleet_reports_every_figure_and_is_lossless(looping_dir, tmp_path):
+    out = tmp_path / "report.json"
+    r = subprocess.run(
+        [sys.executable, "-m", "edgespec_cli", "simulate", "--model", str(looping_dir),
+         "--devices", "2", "--profile", "local,phone-lte", "--requests", "4",
+         "--max-new-tokens", "24", "--batching", "both", "--threads", "1",
+         "--json", str(out), "--plot", str(tmp_path / "plots"), "--timeout", "300"],
+        capture_output=True, text=True, timeout=600, env={**os.environ, "HOME": str(tmp_path)})
+    assert r.returncode == 0, r.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["lossless"]["ok"] and report["lossless"]["checked"] >= 4  # 2 devices x 2 modes
+    assert report["throughput_ratio"] > 0
+    runs = {run["batching"]: run for run in report["runs"]}
+    assert set(runs) == {"on", "off"}
+    for mode, run in runs.items():
+        assert run["devices"] == 2 and run["requests"] == 4 and run["errors"] == 0, run
+        assert run["tokens"] > 0 and run["system_tokens_per_s"] > 0
+        for key in ("ttft_s", "itl_s"):
+            assert run[key]["p50"] is not None and run[key]["p99"] >= run[key]["p50"]
+        assert sorted(d["device_id"] for d in run["per_device"]) == [
+            "dev00-local", "dev01-phone-lte"]
+        for d in run["per_device"]:
+            assert d["tokens"] > 0 and d["decode_tokens_per_s"] > 0
+            assert d["acceptance_rate"] is None or 0 <= d["acceptance_rate"] <= 1
+        sizes = {int(k) for k in run["batch_sizes"]["histogram"]}
+        assert sizes and (sizes == {1} if mode == "off" else max(sizes) <= 2)
+    # the phone's link (50 ms RTT) is in its real traffic: its first token waits >= one RTT
+    assert "phone-lte" in report["emulated"] and report["real"]
+    assert "throughput on/off" in r.stdout and "dev01-phone-lte" in r.stdout
+    pngs = sorted(p.name for p in (tmp_path / "plots").iterdir())
+    assert pngs == ["acceptance_per_device.png", "batching_on_vs_off.png",
+                    "itl_p99_vs_devices.png", "throughput_vs_devices.png"]
+
+
+def _run(n: int, rate: float) -> RunRecord:
+    reqs = [RequestRecord(f"d{i}", "local", "qa", [1], 0.0, [1.0] * 10, list(range(10)))
+            for i in range(n)]
+    for r in reqs:  # 10 tokens in 10 / rate seconds
+        r.token_times = [10 / rate] * 10
+    return RunRecord("on", n, 0.0, 10 / rate, reqs, {n: 1})
+
+
+def test_capacity_search_finds_the_largest_fleet_meeting_the_slo():
+    # each device gets 100 / n tokens/s: with an SLO of 20, 5 devices pass and 6 fail
+    tried = []
+
+    def run(n):
+        tried.append(n)
+        return _run(n, 100 / n)
+
+    capacity, probes = find_capacity(run, slo=20, max_devices=32)
+    assert capacity == 5
+    assert tried[:4] == [1, 2, 4, 8] and 5 in tried and 6 in tried
+    assert all((v >= 20) == (r.devices <= 5) for r, v in probes)
+    assert find_capacity(lambda n: _run(n, 1.0), slo=20, max_devices=8)[0] == 0
+    assert find_capacity(lambda n: _run(n, 1000.0), slo=20, max_devices=8)[0] == 8
+
+
+def test_requests_are_dealt_to_devices_in_turn_and_devices_parse():
+    assert deal([], 5, 2) == [[0, 2, 4], [1, 3]]
+    assert parse_devices("4") == [4] and parse_devices("8,1,2") == [1, 2, 8]
+    for bad in ("0", "x", ""):
+        with pytest.raises(ConfigError):
+            parse_devices(bad)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--find-capacity"], "--slo"), (["--slo", "5"], "--find-capacity"),
+    (["--profile", "toaster"], "toaster"), (["--requests", "0"], "--requests"),
+    (["--devices", "0"], "--devices")])
+def test_bad_options_are_refused_before_anything_starts(args, message):
+    r = subprocess.run([sys.executable, "-m", "edgespec_cli", "simulate", *args],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and message in r.stderr, r.stderr
