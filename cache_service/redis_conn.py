@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import subprocess
 import tempfile
 import socket
@@ -66,14 +67,29 @@ class ExposedRedis:
 
     host: str
     port: int
-    password: str
+    password: str  # letters, digits, '-' and '_' (it goes into a config file unquoted)
     data_dir: str
 
+    def __post_init__(self) -> None:
+        if not re.fullmatch(r"[A-Za-z0-9_-]{8,128}", self.password):
+            raise ConfigError("the Redis password must be 8-128 letters, digits, '-' or '_'")
 
-def _free_port(host: str) -> int:
+
+def _kept_port(expose: ExposedRedis) -> int:
+    """The port this data folder's server used before (a restarted cache actor must be found
+    where the verifiers know it), else a free one, remembered in the folder."""
+    path = os.path.join(expose.data_dir, "port")
+    try:
+        with open(path) as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        pass
     with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+        s.bind((expose.host, 0))
+        port = s.getsockname()[1]
+    with open(path, "w") as f:
+        f.write(str(port))
+    return port
 
 
 class RedisHandle:
@@ -102,7 +118,7 @@ class RedisHandle:
         self._tmp = tempfile.TemporaryDirectory(prefix="edgespec-redis-")
         if self.expose is not None:
             os.makedirs(self.expose.data_dir, exist_ok=True)
-            port = self.expose.port or _free_port(self.expose.host)
+            port = self.expose.port or _kept_port(self.expose)
             self.expose = replace(self.expose, port=port)  # a restart keeps the port
             self.tcp_url = (f"redis://:{quote(self.expose.password, safe='')}@"
                             f"{self.expose.host}:{port}/0")
@@ -125,9 +141,12 @@ class RedisHandle:
         self.url = f"unix://{sock}"
         network = ["--port", "0"]
         data_dir = self._tmp.name
-        if self.expose is not None:
-            network = ["--port", str(self.expose.port), "--bind", self.expose.host,
-                       "--requirepass", self.expose.password]
+        if self.expose is not None:  # the password in a private file, not on the command line
+            conf = os.path.join(self._tmp.name, "redis.conf")
+            fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(f"requirepass {self.expose.password}\n")
+            network = [conf, "--port", str(self.expose.port), "--bind", self.expose.host]
             data_dir = self.expose.data_dir
         if self.client is None:  # a restart keeps the client: it reconnects by itself
             password = self.expose.password if self.expose else None

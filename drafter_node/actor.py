@@ -37,11 +37,13 @@ def build_edge_drafter(spec: str, max_sessions: int = 8, max_context: int = 2048
 
 class DrafterActor:
     """One edge drafter. ``link`` (a ``LinkProfile``) and ``compute_slowdown`` emulate a device
-    (simulation); without them the actor is a plain drafter on its board."""
+    (simulation); without them the actor is a plain drafter on its board. ``link_seed``: the
+    emulated link's jitter and loss draws."""
 
     def __init__(self, cache: str, device_id: str, drafter: str = "mag", threads: int = 1,
                  auth_token: str | None = None, max_sessions: int = 8, link=None,
-                 compute_slowdown: float = 1.0, profile: str = ""):
+                 compute_slowdown: float = 1.0, profile: str = "",
+                 link_seed: int | None = None):
         from .agent import DrafterAgent
 
         logging.basicConfig(level=logging.INFO,
@@ -53,7 +55,7 @@ class DrafterActor:
         if link is not None:
             from edgespec.link_emulation import LinkProxy
 
-            self.proxy = LinkProxy(cache, link).start()
+            self.proxy = LinkProxy(cache, link, seed=link_seed).start()
             address = self.proxy.address
         built, fingerprint = build_edge_drafter(drafter, max_sessions)
         self.agent = DrafterAgent(address, device_id, built, fingerprint, token=auth_token,

@@ -69,6 +69,25 @@ class DeploySpec:
     auth_token: str | None = None
     timeout_s: float = 900.0  # model downloads and loads included
 
+    def validate(self) -> None:
+        if self.verifiers < 1 or self.drafters_per_board < 1:
+            raise FleetError("--verifiers and --drafters-per-board must be >= 1")
+        ports = {"--port": self.port, "--cache-port": self.cache_port}
+        if self.verifiers > 1:
+            ports.update({f"replica {i}'s port": self.replica_port(i)
+                          for i in range(self.verifiers)})
+        if self.http_port is not None:
+            ports.update({f"--http-port + {i}": self.http_port + i
+                          for i in range(self.verifiers)})
+        for what, port in ports.items():
+            if not 0 < port < 65536:
+                raise FleetError(f"{what} ({port}) must be in [1, 65535]")
+        seen: dict[int, str] = {}
+        for what, port in ports.items():
+            if port in seen:
+                raise FleetError(f"{what} and {seen[port]} are both port {port}")
+            seen[port] = what
+
     def replica_port(self, i: int) -> int:
         """Replica ``i``'s port when a router holds ``port``: after both fixed ports."""
         return max(self.port, self.cache_port) + 1 + i
@@ -197,21 +216,27 @@ def share(node: Node, resource: str, count: int) -> dict:
 
 def deploy(roles: RoleActors, spec: DeploySpec, progress=print) -> Deployment:
     """Place the cache, the verifier(s) (and a router before replicas) and the drafters as
-    named detached actors; wait until the endpoint answers and a drafter is attached."""
-    import ray
-
-    if spec.verifiers < 1 or spec.drafters_per_board < 1:
-        raise FleetError("--verifiers and --drafters-per-board must be >= 1")
+    named detached actors; wait until the endpoint answers and a drafter is attached. Nothing
+    is placed when a check fails; what this call placed is removed when it fails later."""
+    spec.validate()
     if placed_names():
         raise FleetError("edgespec is already deployed on this cluster (`edgespec deploy "
                          "--status` lists it; `edgespec deploy --down` removes it)")
     all_nodes = nodes()
     vnodes, vres = verifier_nodes(all_nodes)
     boards = edge_nodes(all_nodes)
-    head = head_node(all_nodes)
-    deadline = time.monotonic() + spec.timeout_s
-    handles = {}
+    handles: dict = {}
+    try:
+        return _place_all(roles, spec, head_node(all_nodes), vnodes, vres, boards, handles,
+                          progress)
+    except BaseException:
+        progress("deploy failed; removing what it placed")
+        _remove(list(handles.values()), timeout_s=10.0)
+        raise
 
+
+def _place_all(roles, spec, head, vnodes, vres, boards, handles, progress) -> Deployment:
+    deadline = time.monotonic() + spec.timeout_s
     # the cache's Redis persists here (a restarted cache actor reloads it); removed by down()
     data_dir = os.path.join(cache_dir(), "fleet-redis", secrets.token_hex(6))
     handles["cache"] = place(roles.cache, head, name=PREFIX + "cache", detached=True).remote(
@@ -219,29 +244,32 @@ def deploy(roles: RoleActors, spec: DeploySpec, progress=print) -> Deployment:
     cache = _get(handles["cache"].info.remote(), deadline, "the draft cache")
     progress(f"cache ready on {cache['address']}")
 
-    per_node: dict[str, int] = {}
     assigned = [vnodes[i % len(vnodes)] for i in range(spec.verifiers)]
-    for n in assigned:
-        per_node[n.node_id] = per_node.get(n.node_id, 0) + 1
+    per_node = {n.node_id: assigned.count(n) for n in assigned}
     replicas = []
     for i, n in enumerate(assigned):
         port = spec.port if spec.verifiers == 1 else spec.replica_port(i)
         http = None if spec.http_port is None else spec.http_port + i
-        opts = (dict(resources=share(n, vres, per_node[n.node_id])) if vres == "verifier"
-                else dict(num_gpus=n.resources["GPU"] / per_node[n.node_id]))
+        gpus = n.resources.get("GPU", 0)
+        opts = {"num_gpus": (1 if gpus >= per_node[n.node_id] else gpus / per_node[n.node_id])
+                if gpus else 0}
+        if vres == "verifier":
+            opts["resources"] = share(n, vres, per_node[n.node_id])
         name = f"{PREFIX}verifier-{i}"
         handles[name] = place(roles.verifier, n, name=name, detached=True, **opts).remote(
             port, cache["redis_url"], model=spec.model, max_sessions=spec.max_sessions,
             threads=spec.threads, http_port=http, auth_token=spec.auth_token,
-            device="cuda" if vres == "GPU" else "cpu")
+            device="cuda" if gpus else "cpu")
     for n in boards:
+        # the board's cores shared by its drafters (a model drafter uses them)
+        threads = max(1, int(n.resources.get("CPU", 1) // spec.drafters_per_board))
         for j in range(spec.drafters_per_board):
             name = f"{PREFIX}drafter-{device_id_for(n, j)}"
             handles[name] = place(roles.drafter, n, name=name, detached=True,
                                   resources=share(n, "edge", spec.drafters_per_board)).remote(
-                cache["address"], device_id_for(n, j), spec.drafter, threads=spec.threads,
+                cache["address"], device_id_for(n, j), spec.drafter, threads=threads,
                 auth_token=spec.auth_token)
-    progress(f"placed {spec.verifiers} verifier(s) ({vres}) and "
+    progress(f"placed {spec.verifiers} verifier(s) on {vres} node(s) and "
              f"{len(boards) * spec.drafters_per_board} drafter(s) on {len(boards)} board(s); "
              "waiting for the model to load")
     for i in range(spec.verifiers):
@@ -255,24 +283,72 @@ def deploy(roles: RoleActors, spec: DeploySpec, progress=print) -> Deployment:
                                                                  spec.auth_token)
         endpoint = _get(handles[PREFIX + "router"].info.remote(), deadline, "the router")[
             "address"]
-    drafter_names = [n for n in handles if n.startswith(PREFIX + "drafter-")]
-    attached = _wait_drafters([handles[n] for n in drafter_names], deadline)
+    _wait_serving(endpoint, spec.auth_token, deadline)
+    progress(f"endpoint {endpoint} is serving; waiting for a drafter to attach")
+    drafters = {n: h for n, h in handles.items() if n.startswith(PREFIX + "drafter-")}
+    attached, problems = _wait_drafters(drafters, deadline)
+    for name, why in problems.items():
+        progress(f"warning: {name}: {why}")
     if not attached:
-        errors = [i.get("error") for i in ray.get([handles[n].info.remote()
-                                                   for n in drafter_names])]
-        why = next((e for e in errors if e), "none attached in time")
+        why = next(iter(problems.values()), "none attached in time")
         raise FleetError(f"no drafter attached to the cache at {cache['address']}: {why}")
     return Deployment(endpoint, status())
 
 
-def _wait_drafters(handles, deadline: float) -> int:
+def _wait_serving(endpoint: str, token: str | None, deadline: float) -> None:
+    """Until the endpoint answers gRPC health checks with SERVING."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from .wire import auth_metadata, make_channel
+
+    channel = make_channel(endpoint)
+    try:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while True:
+            try:
+                res = stub.Check(health_pb2.HealthCheckRequest(), timeout=5,
+                                 metadata=auth_metadata(token))
+                if res.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            if time.monotonic() >= deadline:
+                raise FleetError(f"the endpoint {endpoint} does not answer health checks "
+                                 "with SERVING")
+            time.sleep(0.5)
+    finally:
+        channel.close()
+
+
+def _wait_drafters(handles: dict, deadline: float) -> tuple[int, dict[str, str]]:
+    """Until one drafter is attached (each gets until the deadline to try); returns how many
+    are attached and why the others are not. A drafter that fails costs speed, not the fleet."""
     import ray
 
+    problems: dict[str, str] = {}
     while True:
         left = max(1.0, min(10.0, deadline - time.monotonic()))
-        attached = sum(ray.get([h.wait_attached.remote(left) for h in handles]))
+        refs = {h.info.remote(): name for name, h in handles.items()}
+        ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=left)
+        attached = 0
+        for ref, name in refs.items():
+            if ref not in ready:
+                problems[name] = "not answering (not placed yet, or restarting)"
+                continue
+            try:
+                info = ray.get(ref)
+            except Exception as e:
+                problems[name] = f"failed: {str(e).strip().splitlines()[-1][:200]}"
+                continue
+            if info.get("attached"):
+                attached += 1
+                problems.pop(name, None)
+            else:
+                problems[name] = info.get("error") or "not attached yet"
         if attached or time.monotonic() >= deadline:
-            return attached
+            return attached, problems
+        time.sleep(1.0)
 
 
 def _get(ref, deadline: float, what: str):
@@ -326,18 +402,25 @@ def down(timeout_s: float = 10.0) -> int:
     import ray
 
     names = placed_names()
-    handles = [ray.get_actor(n, namespace=NAMESPACE) for n in names]
-    stops = [h.stop.remote() for h in handles]
-    try:
-        ray.wait(stops, num_returns=len(stops), timeout=timeout_s)
-    except Exception:
-        pass  # an actor that cannot stop cleanly is killed all the same
-    for h in handles:
-        ray.kill(h, no_restart=True)
+    _remove([ray.get_actor(n, namespace=NAMESPACE) for n in names], timeout_s)
     deadline = time.monotonic() + timeout_s
     while placed_names() and time.monotonic() < deadline:
         time.sleep(0.2)
     return len(names)
+
+
+def _remove(handles: list, timeout_s: float) -> None:
+    """Ask the actors to stop cleanly, then kill them for good (no restart)."""
+    import ray
+
+    stops = [h.stop.remote() for h in handles]
+    if stops:
+        ray.wait(stops, num_returns=len(stops), timeout=timeout_s)
+    for h in handles:
+        try:
+            ray.kill(h, no_restart=True)
+        except Exception:
+            pass  # already gone
 
 
 def format_table(actors: list[PlacedActor]) -> str:

@@ -69,13 +69,17 @@ def cmd_deploy(args: argparse.Namespace) -> int:
     from edgespec import fleet
     from edgespec.drafters import parse_drafter_spec
 
-    if not (args.status or args.down):
+    roles = fleet.RoleActors(CacheActor, VerifierActor, DrafterActor, RouterActor)
+    spec = fleet.DeploySpec(model=args.model, drafter=args.drafter,
+                            drafters_per_board=args.drafters_per_board,
+                            verifiers=args.verifiers, port=args.port, cache_port=args.cache_port,
+                            http_port=args.http_port, max_sessions=args.max_sessions,
+                            threads=args.threads,
+                            auth_token=args.auth_token or os.environ.get("EDGESPEC_AUTH_TOKEN"),
+                            timeout_s=args.timeout)
+    if not (args.status or args.down):  # before touching the cluster
         parse_drafter_spec(args.drafter, allowed=("mag", "model"))
-        for name in ("port", "cache_port"):
-            if not 0 < getattr(args, name) < 65536:
-                raise ConfigError(f"--{name.replace('_', '-')} must be in [1, 65535]")
-        if args.port == args.cache_port:
-            raise ConfigError("--port and --cache-port must differ")
+        spec.validate()
     fleet.connect(args.address or os.environ.get("RAY_ADDRESS"))
     if args.status:
         actors = fleet.status()
@@ -86,23 +90,8 @@ def cmd_deploy(args: argparse.Namespace) -> int:
         left = fleet.placed_names()
         print(f"removed {n} actor(s)" + (f"; still there: {', '.join(left)}" if left else ""))
         return 1 if left else 0
-    roles = fleet.RoleActors(CacheActor, VerifierActor, DrafterActor, RouterActor)
-    spec = fleet.DeploySpec(model=args.model, drafter=args.drafter,
-                            drafters_per_board=args.drafters_per_board,
-                            verifiers=args.verifiers, port=args.port, cache_port=args.cache_port,
-                            http_port=args.http_port, max_sessions=args.max_sessions,
-                            threads=args.threads,
-                            auth_token=args.auth_token or os.environ.get("EDGESPEC_AUTH_TOKEN"),
-                            timeout_s=args.timeout)
-    try:
-        deployment = fleet.deploy(roles, spec,
-                                  progress=lambda m: print(f"edgespec: {m}", file=sys.stderr,
-                                                           flush=True))
-    except BaseException:
-        # a half-placed fleet is removed, so the next deploy starts clean
-        print("edgespec: deploy failed; removing what was placed", file=sys.stderr, flush=True)
-        fleet.down()
-        raise
+    deployment = fleet.deploy(roles, spec, progress=lambda m: print(
+        f"edgespec: {m}", file=sys.stderr, flush=True))
     print(fleet.format_table(deployment.actors))
     print(deployment.endpoint)
     return 0

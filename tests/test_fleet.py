@@ -26,10 +26,10 @@ RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": 
 PROMPTS = [[1, 10, 11, 12, 13, 10, 11, 12], [1, 50, 51, 52, 53, 54], [1, 30, 31, 30, 31]]
 
 
-def edgespec_cli(*args, timeout=300) -> subprocess.CompletedProcess:
+def edgespec_cli(*args, timeout=300, cache=None) -> subprocess.CompletedProcess:
+    env = {**os.environ, **RAY_ENV, **({"EDGESPEC_CACHE_DIR": str(cache)} if cache else {})}
     return subprocess.run([sys.executable, "-m", "edgespec_cli", *map(str, args)],
-                          capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, **RAY_ENV})
+                          capture_output=True, text=True, timeout=timeout, env=env)
 
 
 @pytest.fixture(scope="module")
@@ -53,22 +53,35 @@ def ray_cluster():
 
 
 @pytest.fixture(scope="module")
-def deployed(ray_cluster, looping_dir):
+def deployed(ray_cluster, looping_dir, tmp_path_factory):
     import ray
 
+    cache = tmp_path_factory.mktemp("fleet-cache")  # the cache actor's Redis files go here
     port, cache_port = free_port(), free_port()
     r = edgespec_cli("deploy", "--address", ray_cluster["address"], "--model", looping_dir,
                      "--verifiers", 2, "--port", port, "--cache-port", cache_port,
-                     "--threads", 1, "--timeout", 240)
+                     "--threads", 1, "--timeout", 240, cache=cache)
     assert r.returncode == 0, r.stderr[-3000:]
     endpoint = r.stdout.strip().splitlines()[-1]
     assert endpoint == f"127.0.0.1:{port}"
     ray.init(address=ray_cluster["address"], namespace=fleet.NAMESPACE, log_to_driver=False)
-    yield {"endpoint": endpoint, "table": r.stdout, **ray_cluster}
+    yield {"endpoint": endpoint, "table": r.stdout, "cache": cache, **ray_cluster}
+    if fleet.placed_names():  # the down test did not run or failed
+        fleet.down()
+
+
+def all_ready(timeout: float = 120) -> list:
+    """The placed actors once every one is ready (deploy returns when one drafter is)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        actors = fleet.status()
+        if all(a.state == "ready" for a in actors) or time.monotonic() > deadline:
+            return actors
+        time.sleep(0.5)
 
 
 def test_placement_follows_declared_resources(deployed):
-    actors = fleet.status()
+    actors = all_ready()
     by_role: dict[str, list] = {}
     for a in actors:
         by_role.setdefault(a.role, []).append(a)
@@ -117,7 +130,8 @@ def test_killed_drafter_actor_is_restarted_and_attaches_again(deployed, looping)
             if info["pid"] != before["pid"] and info["attached"]:
                 break
         except Exception:  # restarting: the call fails until __init__ ran again
-            time.sleep(0.5)
+            pass
+        time.sleep(0.5)
     assert info is not None and info["pid"] != before["pid"] and info["attached"], info
     ids = PROMPTS[0]
     with edgespec.Client(deployed["endpoint"], timeout=120) as c:  # pinned to the new drafter
@@ -143,6 +157,13 @@ def test_deploy_without_a_cluster_is_a_clear_error():
     assert "no Ray cluster" in r.stderr
 
 
+def test_a_second_deploy_is_refused_and_leaves_the_fleet_running(deployed):
+    r = edgespec_cli("deploy", "--address", deployed["address"], "--model", "default",
+                     "--port", free_port(), "--cache-port", free_port(), cache=deployed["cache"])
+    assert r.returncode == 2 and "already deployed" in r.stderr
+    assert len(fleet.placed_names()) == 6
+
+
 def test_down_leaves_no_actor_behind(deployed):
     r = edgespec_cli("deploy", "--address", deployed["address"], "--down")
     assert r.returncode == 0, r.stderr[-2000:]
@@ -150,3 +171,31 @@ def test_down_leaves_no_actor_behind(deployed):
     assert fleet.placed_names() == []
     r = edgespec_cli("deploy", "--address", deployed["address"], "--status")
     assert r.returncode == 0 and "nothing is deployed" in r.stdout
+    assert list((deployed["cache"] / "fleet-redis").iterdir()) == []  # the cache's files too
+
+
+def test_router_picks_fewest_active_healthy_replica_and_resumes_where_a_session_ran():
+    from verifier_node.router import VerifierRouter
+
+    router = VerifierRouter("127.0.0.1:0", ["127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3"])
+    try:
+        r0, r1, r2 = router._replicas
+        r0.healthy = r1.healthy = True  # r2 is down
+        assert router._acquire(set(), None) == 0  # tie: the first
+        assert router._acquire(set(), None) == 1  # r0 has a stream now
+        assert router._acquire(set(), None) == 0
+        assert router._acquire({0, 1}, None) == 2  # the unhealthy one only when nothing else
+        assert router._acquire({0, 1, 2}, None) is None
+        assert router._acquire(set(), 1) == 1  # a resume prefers its replica when healthy
+        assert router._acquire(set(), 2) != 2
+        assert [r.active for r in router._replicas] == [3, 2, 1]
+    finally:
+        router.stop()
+
+
+def test_deploy_refuses_clashing_ports_before_touching_a_cluster():
+    r = edgespec_cli("deploy", "--port", 6000, "--cache-port", 6002, "--http-port", 6002)
+    assert r.returncode == 2 and "both port 6002" in r.stderr
+    r = edgespec_cli("deploy", "--port", 65534, "--cache-port", 6002, "--verifiers", 2)
+    assert r.returncode == 2 and "must be in [1, 65535]" in r.stderr
+

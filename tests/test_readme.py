@@ -53,6 +53,7 @@ def test_every_command_option_is_documented_and_every_documented_option_exists()
     missing = {f"{cmd}: {o}" for cmd, opts in options.items() for o in opts
                if o not in documented}
     assert not missing, f"options missing from the README: {sorted(missing)}"
-    pip_flags = {"--index-url", "--no-deps", "--force-reinstall"}
-    unknown = {o for o in documented if o not in every and o not in pip_flags}
+    other_tools = {"--index-url", "--no-deps", "--force-reinstall",  # pip
+                   "--resources"}  # ray start
+    unknown = {o for o in documented if o not in every and o not in other_tools}
     assert not unknown, f"the README names options no command has: {sorted(unknown)}"

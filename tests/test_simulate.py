@@ -43,9 +43,10 @@ def test_small_fleet_reports_every_figure_and_is_lossless(looping_dir, tmp_path)
         for d in run["per_device"]:
             assert d["tokens"] > 0 and d["decode_tokens_per_s"] > 0
             assert d["acceptance_rate"] is None or 0 <= d["acceptance_rate"] <= 1
+        assert run["step_ms"]["steps"] == sum(run["batch_sizes"]["histogram"].values())
+        assert run["step_ms"]["forward"] > 0
         sizes = {int(k) for k in run["batch_sizes"]["histogram"]}
         assert sizes and (sizes == {1} if mode == "off" else max(sizes) <= 2)
-    # the phone's link (50 ms RTT) is in its real traffic: its first token waits >= one RTT
     assert "phone-lte" in report["emulated"] and report["real"]
     assert "throughput on/off" in r.stdout and "dev01-phone-lte" in r.stdout
     pngs = sorted(p.name for p in (tmp_path / "plots").iterdir())

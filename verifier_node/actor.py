@@ -51,6 +51,11 @@ class VerifierActor:
         """Verification forwards by sessions in the batch, since the actor started."""
         return dict(self.server.metrics.batch_counts)
 
+    def step_totals(self) -> dict:
+        """Steps since the actor started and the seconds they spent waiting for drafts, in
+        the forward (with verification) and committing."""
+        return dict(self.server.metrics.step_totals)
+
     def stop(self, drain_timeout_s: float = 0.0) -> None:
         self.server.stop(drain_timeout_s=drain_timeout_s)
 

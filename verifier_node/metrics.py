@@ -39,6 +39,7 @@ class VerifierMetrics:
     def __init__(self, registry: CollectorRegistry):
         r = registry
         self.batch_counts: Counter_[int] = Counter_()  # sessions per forward -> forwards (exact)
+        self.step_totals = {"steps": 0, "wait_s": 0.0, "forward_s": 0.0, "commit_s": 0.0}
         self.num_drafts = Counter("edgespec:spec_decode_num_drafts",
                                   "Verified non-empty drafts", registry=r)
         self.draft_tokens = Counter("edgespec:spec_decode_num_draft_tokens",
@@ -99,6 +100,11 @@ class VerifierMetrics:
         """One verification step (``edgespec.engine.StepReport``)."""
         self.batch_sessions.observe(report.sessions)
         self.batch_counts[report.sessions] += 1
+        totals = self.step_totals
+        totals["steps"] += 1
+        totals["wait_s"] += report.take_s
+        totals["forward_s"] += report.forward_s
+        totals["commit_s"] += report.commit_s
         self.batch_tokens.observe(report.tokens)
         self.step_seconds.labels("wait").observe(report.take_s)
         self.step_seconds.labels("forward").observe(report.forward_s)

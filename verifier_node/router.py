@@ -6,8 +6,9 @@ implements the same ``Verifier`` service and forwards each call:
 - ``Generate`` goes to the healthy replica with the fewest sessions this router has in flight on
   it (ties: the first). A replica that refuses before the first response (UNAVAILABLE: down or
   draining; RESOURCE_EXHAUSTED: full) is skipped and the next is tried. A stream that breaks
-  midway is reported to the client as is: the SDK resumes it by session id, and the resume is
-  routed like a new session, to any replica, since the session's committed tokens live in Redis.
+  midway is reported to the client as is: the SDK resumes it by session id. A resume goes first
+  to the replica the session ran on (it may still hold it, e.g. after a client's link broke),
+  else to any replica, since the session's committed tokens live in Redis.
 - ``Cancel`` is sent to every replica (only the one running the session knows it).
 - ``Status`` merges the replicas' answers: slots and sessions summed, the fleet's drafters once.
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import OrderedDict
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -29,6 +31,7 @@ from edgespec.wire import auth_metadata, bind, make_channel, make_server, resolv
 
 log = logging.getLogger("edgespec.router")
 
+MAX_REMEMBERED = 100_000  # sessions whose replica the router remembers for resumes
 SKIP_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED}
 VERIFIER_SERVICE = "edgespec.v1.Verifier"
 
@@ -51,6 +54,7 @@ class VerifierRouter(pb_grpc.VerifierServicer):
         self.token = resolve_token(token)
         self.metadata = auth_metadata(self.token)
         self._replicas = [_Replica(a) for a in replicas]
+        self._homes: OrderedDict[str, int] = OrderedDict()  # session id -> replica it ran on
         self._lock = threading.Lock()
         self._stopping = threading.Event()
         self.server = make_server(max_streams + 16, self.token)
@@ -97,19 +101,38 @@ class VerifierRouter(pb_grpc.VerifierServicer):
             self._check_health()
 
     # -- routing --------------------------------------------------------------------------------
-    def _order(self) -> list[_Replica]:
-        """Replicas to try: healthy ones by fewest active streams, then the others."""
+    def _acquire(self, tried: set[int], prefer: int | None) -> int | None:
+        """Pick the replica for the next try and count the stream on it, in one step: the
+        preferred one if healthy and untried, else healthy ones by fewest active streams, then
+        the others (a health check may lag)."""
         with self._lock:
-            ranked = sorted(range(len(self._replicas)),
-                            key=lambda i: (not self._replicas[i].healthy,
-                                           self._replicas[i].active, i))
-            return [self._replicas[i] for i in ranked]
+            left = [i for i in range(len(self._replicas)) if i not in tried]
+            if not left:
+                return None
+            if prefer in left and self._replicas[prefer].healthy:
+                pick = prefer
+            else:
+                pick = min(left, key=lambda i: (not self._replicas[i].healthy,
+                                                self._replicas[i].active, i))
+            self._replicas[pick].active += 1
+            return pick
+
+    def _remember(self, session_id: str, replica: int) -> None:
+        with self._lock:
+            self._homes[session_id] = replica
+            self._homes.move_to_end(session_id)
+            while len(self._homes) > MAX_REMEMBERED:
+                self._homes.popitem(last=False)
 
     def Generate(self, request, context):
+        # a resume goes first where the session ran: that replica may still hold it
+        with self._lock:
+            prefer = self._homes.get(request.resume_session_id)
+        tried: set[int] = set()
         last: grpc.RpcError | None = None
-        for replica in self._order():
-            with self._lock:
-                replica.active += 1
+        while (i := self._acquire(tried, prefer)) is not None:
+            tried.add(i)
+            replica = self._replicas[i]
             try:
                 call = replica.stub.Generate(request, timeout=_deadline(context),
                                              metadata=self.metadata)
@@ -117,7 +140,9 @@ class VerifierRouter(pb_grpc.VerifierServicer):
                 first = True
                 try:
                     for response in call:
-                        first = False
+                        if first:
+                            self._remember(response.session_id, i)
+                            first = False
                         yield response
                     return
                 except grpc.RpcError as e:
@@ -135,13 +160,17 @@ class VerifierRouter(pb_grpc.VerifierServicer):
         context.abort(grpc.StatusCode.UNAVAILABLE, "no verifier replica is available")
 
     def Cancel(self, request, context):
-        found = False
+        found = answered = False
         for r in self._replicas:
             try:
                 found |= r.stub.Cancel(request, timeout=5.0, metadata=self.metadata).cancelled
+                answered = True
             except grpc.RpcError as e:
                 if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
                     context.abort(e.code(), e.details() or "")
+                answered |= e.code() == grpc.StatusCode.NOT_FOUND
+        if not answered:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "no verifier replica answers")
         if not found:
             context.abort(grpc.StatusCode.NOT_FOUND, f"no running session "
                                                      f"{request.session_id[:40]!r}")

@@ -35,3 +35,5 @@ class RunRecord:
     requests: list[RequestRecord]
     batch_sizes: dict[int, int]  # sessions in a verification forward -> forwards of that size
     max_sessions: int = 0  # the verifier's KV slots in this run
+    # the verifier's steps: {"steps", "wait_s", "forward_s", "commit_s"} summed over the run
+    step_totals: dict = field(default_factory=dict)

@@ -125,6 +125,22 @@ def summarize_device(device_id: str, reqs: list[RequestRecord], wall: float) -> 
             "mean_acceptance_length": acc["mean_acceptance_length"]}
 
 
+def step_split(totals: dict) -> dict | None:
+    """Mean milliseconds per verifier step waiting for drafts, in the forward, committing."""
+    steps = totals.get("steps", 0) if totals else 0
+    if not steps:
+        return None
+    return {"steps": steps, **{k.replace("_s", ""): 1000 * totals[k] / steps
+                               for k in ("wait_s", "forward_s", "commit_s")}}
+
+
+def step_line(split: dict | None) -> str:
+    if not split:
+        return "-"
+    return (f"wait {split['wait']:.1f}  forward {split['forward']:.1f}  "
+            f"commit {split['commit']:.1f}  ({split['steps']} steps)")
+
+
 def summarize_run(run: RunRecord) -> dict:
     wall = max(run.ended - run.started, 0.0)
     done = [r for r in run.requests if counts(r)]
@@ -142,6 +158,7 @@ def summarize_run(run: RunRecord) -> dict:
         "itl_s": percentiles([x for r in done for x in inter_token_latencies(r)]),
         "acceptance": acceptance(run.requests),
         "batch_sizes": batch_summary(run.batch_sizes),
+        "step_ms": step_split(run.step_totals),
         "per_device": [summarize_device(d, reqs, wall) for d, reqs in sorted(by_device.items())],
     }
 
@@ -196,6 +213,7 @@ def run_block(s: dict) -> list[str]:
         f"  TTFT ms          p50 {fmt(s['ttft_s']['p50'], ms)}  p99 {fmt(s['ttft_s']['p99'], ms)}",
         f"  ITL ms           p50 {fmt(s['itl_s']['p50'], ms)}  p99 {fmt(s['itl_s']['p99'], ms)}",
         f"  batch sizes      {hist}  (mean {fmt(s['batch_sizes']['mean'], digits=2)})",
+        f"  step ms          {step_line(s.get('step_ms'))}",
         f"  {'device':<16} {'profile':<12} {'share/s':>8} {'decode/s':>9} {'accept':>7} "
         f"{'mean_len':>8} {'errors':>6}",
     ]

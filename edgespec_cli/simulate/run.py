@@ -16,15 +16,17 @@ rate overall, evenly spaced, whether or not earlier ones finished).
 from __future__ import annotations
 
 import logging
+import secrets
 import shutil
 import sys
 import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from edgespec.device_profiles import DeviceProfile
+from edgespec.fleet import FleetError
 
 from .records import RequestRecord, RunRecord
 
@@ -47,6 +49,7 @@ class SimSettings:
     threads: int | None = None  # the verifier's torch threads
     seed: int = 0
     timeout_s: float = 900.0
+    engine: dict = field(default_factory=dict)  # EngineConfig fields for the verifier
 
 
 class RoleSet:
@@ -93,38 +96,50 @@ class FleetRun:
 
         head = fleet.head_node(fleet.nodes())
         cache = fleet.place(self.roles.cache, head).remote(
-            fleet_port(), self._tmp, "simulate", max_drafters=len(self.profiles) + 8)
+            0, self._tmp, secrets.token_urlsafe(16), max_drafters=len(self.profiles) + 8)
         self._actors.append(cache)
         info = ray.get(cache.info.remote(), timeout=self.s.timeout_s)
         slots = len(self.profiles) if self.batching == "on" else 1
         verifier = fleet.place(self.roles.verifier, head).remote(
-            fleet_port(), info["redis_url"], model=self.s.model, max_sessions=slots,
-            threads=self.s.threads, max_queue=4 * len(self.profiles) + 16)
+            0, info["redis_url"], model=self.s.model, max_sessions=slots,
+            threads=self.s.threads, max_queue=4 * len(self.profiles) + 16,
+            engine=self.s.engine)
         self._actors.append(verifier)
-        for dev, p in zip(device_ids(self.profiles), self.profiles):
+        for i, (dev, p) in enumerate(zip(device_ids(self.profiles), self.profiles)):
             d = fleet.place(self.roles.drafter, head).remote(
                 info["address"], dev, p.drafter, threads=1, link=p.link,
-                compute_slowdown=p.compute_slowdown, profile=p.name)
+                compute_slowdown=p.compute_slowdown, profile=p.name,
+                link_seed=self.s.seed * 10_000 + i)
             self._actors.append(d)
         address = ray.get(verifier.info.remote(), timeout=self.s.timeout_s)["address"]
         attached = ray.get([d.wait_attached.remote(self.s.timeout_s) for d in self._actors[2:]])
         if not all(attached):
-            raise RuntimeError(f"{attached.count(False)} drafter(s) did not attach")
+            raise FleetError(f"{attached.count(False)} drafter(s) did not attach within "
+                             f"{self.s.timeout_s:.0f} s")
         return address, verifier
 
     def run(self) -> RunRecord:
+        from ray.exceptions import RayError
+
         from edgespec.link_emulation import LinkProxy
 
         n = len(self.profiles)
         self.progress(f"simulate: batching {self.batching}, {n} device(s): starting the fleet")
+        done = threading.Event()
         try:
-            address, verifier = self._place()
-            self._proxies = [LinkProxy(address, p.link).start() for p in self.profiles]
+            try:
+                address, verifier = self._place()
+            except (RayError, TimeoutError) as e:
+                raise FleetError(f"the fleet for batching {self.batching} with {n} device(s) "
+                                 f"did not start: {str(e).strip().splitlines()[-1][:300]}") \
+                    from None
+            for i, p in enumerate(self.profiles):  # one by one: each is stopped if one fails
+                self._proxies.append(
+                    LinkProxy(address, p.link, seed=self.s.seed * 10_000 + 5_000 + i).start())
             total = self.s.requests or 2 * n
-            plan = deal(self.prompts, total if self.s.duration_s is None else 10**6, n)
+            plan = deal(self.prompts, total if self.s.duration_s is None else 100_000, n)
             started = time.monotonic()
             stop_at = started + self.s.duration_s if self.s.duration_s else None
-            done = threading.Event()
             threading.Thread(target=self._report_progress, args=(started, total, done),
                              daemon=True).start()
             with ThreadPoolExecutor(max(n, 1) * (4 if self.s.rate else 1)) as pool:
@@ -132,15 +147,16 @@ class FleetRun:
                     self._open_loop(pool, plan, started, stop_at)
                 else:
                     list(pool.map(lambda i: self._closed_loop(i, plan[i], stop_at), range(n)))
-            done.set()
             ended = time.monotonic()
             import ray
 
             batches = ray.get(verifier.batch_sizes.remote(), timeout=60)
+            steps = ray.get(verifier.step_totals.remote(), timeout=60)
             return RunRecord(self.batching, n, started, ended, list(self.records),
                              {int(k): v for k, v in batches.items()},
-                             max_sessions=n if self.batching == "on" else 1)
+                             max_sessions=n if self.batching == "on" else 1, step_totals=steps)
         finally:
+            done.set()
             self.close()
 
     def _closed_loop(self, dev: int, indices: list[int], stop_at: float | None) -> None:
@@ -157,17 +173,19 @@ class FleetRun:
             if stop_at is not None and due >= stop_at:
                 break
             time.sleep(max(0.0, due - time.monotonic()))
-            futures.append(pool.submit(self._request, dev, k))
+            futures.append(pool.submit(self._request, dev, k, due))
         for f in futures:
             f.result()
 
-    def _request(self, dev: int, k: int) -> None:
+    def _request(self, dev: int, k: int, sent_at: float | None = None) -> None:
+        """One request; ``sent_at``: when it was due (open loop: waiting for a free client
+        thread counts in its latency)."""
         from edgespec.client import Client
 
         prompt = self.prompts[k % len(self.prompts)]
         profile = self.profiles[dev]
         rec = RequestRecord(device_ids(self.profiles)[dev], profile.name, prompt.category,
-                            prompt.ids, time.monotonic())
+                            prompt.ids, sent_at or time.monotonic())
         try:
             with Client(self._proxies[dev].address, timeout=self.s.timeout_s) as c:
                 for piece in c.stream(prompt_ids=prompt.ids, raw=True,
@@ -212,8 +230,3 @@ class FleetRun:
         self._actors, self._proxies = [], []
         shutil.rmtree(self._tmp, ignore_errors=True)
 
-
-def fleet_port() -> int:
-    from edgespec.wire import free_port
-
-    return free_port()
