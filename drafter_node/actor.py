@@ -57,10 +57,16 @@ class DrafterActor:
 
             self.proxy = LinkProxy(cache, link, seed=link_seed).start()
             address = self.proxy.address
-        built, fingerprint = build_edge_drafter(drafter, max_sessions)
+        self.error: str | None = None
+        self.agent = self.thread = None
+        try:  # a drafter that cannot be built says why (info) instead of restarting forever
+            built, fingerprint = build_edge_drafter(drafter, max_sessions)
+        except Exception as e:
+            self.error = f"{type(e).__name__}: {e}"
+            log.error("drafter %s cannot start: %s", device_id, self.error)
+            return
         self.agent = DrafterAgent(address, device_id, built, fingerprint, token=auth_token,
                                   max_sessions=max_sessions, compute_slowdown=compute_slowdown)
-        self.error: str | None = None
         self.thread = threading.Thread(target=self._run, daemon=True, name="drafter-agent")
         self.thread.start()
 
@@ -76,15 +82,17 @@ class DrafterActor:
 
         return {"role": "drafter", **where(), "pid": os.getpid(),
                 "device_id": self.device_id, "drafter": self.spec, "profile": self.profile,
-                "cache": self.cache, "attached": self.agent.connected.is_set(),
-                "attaches": self.agent.attaches, "error": self.error,
+                "cache": self.cache,
+                "attached": self.agent is not None and self.agent.connected.is_set(),
+                "attaches": self.agent.attaches if self.agent else 0, "error": self.error,
                 "link": self.proxy.address if self.proxy else None}
 
     def wait_attached(self, timeout: float) -> bool:
-        return self.agent.connected.wait(timeout)
+        return self.agent is not None and self.agent.connected.wait(timeout)
 
     def stop(self) -> None:
-        self.agent.stop()
-        self.thread.join(10)
+        if self.agent is not None:
+            self.agent.stop()
+            self.thread.join(10)
         if self.proxy is not None:
             self.proxy.stop()

@@ -140,8 +140,23 @@ def connect(address: str | None, namespace: str = NAMESPACE) -> None:
             from None
 
 
+def use_token_auth_if_present() -> None:
+    """Ray 2.60's `ray start` turns token authentication on when this machine has a token
+    (~/.ray/auth_token, written by any local `ray.init()`), while a driver joining by address
+    stays in 'disabled' mode unless told, and is refused. A driver in 'token' mode joins
+    clusters with or without authentication, so choose it when a token exists. Call before
+    ray is imported."""
+    token_file = os.path.join(os.path.expanduser("~"), ".ray", "auth_token")
+    if "RAY_AUTH_MODE" not in os.environ and (os.path.exists(token_file)
+                                              or os.environ.get("RAY_AUTH_TOKEN")):
+        os.environ["RAY_AUTH_MODE"] = "token"
+
+
 def _check_reachable(address: str) -> None:
     host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise FleetError(f"--address takes HOST:PORT (the Ray head's GCS port), got "
+                         f"{address[:60]!r}")
     try:
         socket.create_connection((host or "127.0.0.1", int(port)), timeout=5).close()
     except (OSError, ValueError) as e:
@@ -327,6 +342,7 @@ def _wait_drafters(handles: dict, deadline: float) -> tuple[int, dict[str, str]]
     import ray
 
     problems: dict[str, str] = {}
+    failed: set[str] = set()
     while True:
         left = max(1.0, min(10.0, deadline - time.monotonic()))
         refs = {h.info.remote(): name for name, h in handles.items()}
@@ -344,9 +360,12 @@ def _wait_drafters(handles: dict, deadline: float) -> tuple[int, dict[str, str]]
             if info.get("attached"):
                 attached += 1
                 problems.pop(name, None)
+            elif info.get("error"):
+                problems[name] = info["error"]
+                failed.add(name)  # refused for good or cannot start: waiting will not help
             else:
-                problems[name] = info.get("error") or "not attached yet"
-        if attached or time.monotonic() >= deadline:
+                problems[name] = "not attached yet"
+        if attached or failed == set(handles) or time.monotonic() >= deadline:
             return attached, problems
         time.sleep(1.0)
 

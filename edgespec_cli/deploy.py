@@ -10,7 +10,6 @@ import sys
 
 def add_deploy_command(sub) -> None:
     from edgespec.cli_args import add_threads_arg
-    from edgespec.drafters import DRAFTER_HELP
 
     d = sub.add_parser("deploy", help="place the verifier, the cache and the drafters as Ray "
                                       "actors on a running cluster (ray up)")
@@ -25,8 +24,7 @@ def add_deploy_command(sub) -> None:
                    help="the target model on the verifier node: 'default', a transformers "
                         "directory or a .gguf file (default: %(default)s)")
     d.add_argument("--drafter", default="mag",
-                   help=f"the board drafters: {DRAFTER_HELP.replace('none | ', '')} "
-                        "(default: %(default)s)")
+                   help="the board drafters: mag | model:PATH (default: %(default)s)")
     d.add_argument("--drafters-per-board", type=int, default=1,
                    help="drafter actors on each node declaring 'edge' (default: %(default)s)")
     d.add_argument("--verifiers", type=int, default=1,
@@ -57,7 +55,9 @@ def add_deploy_command(sub) -> None:
 
 def cmd_deploy(args: argparse.Namespace) -> int:
     from edgespec.config import ConfigError
+    from edgespec.fleet import use_token_auth_if_present
 
+    use_token_auth_if_present()
     try:
         import ray  # noqa: F401
     except ImportError:

@@ -141,6 +141,30 @@ def test_killed_drafter_actor_is_restarted_and_attaches_again(deployed, looping)
     assert out.device_id == before["device_id"]
 
 
+def test_a_killed_verifier_replica_costs_no_session(deployed, looping):
+    """Replica 0 dies (Ray restarts it): sessions sent through the router meanwhile go to the
+    other replica or to the restarted one, and come out identical to target-only."""
+    import ray
+
+    handle = ray.get_actor(f"{fleet.PREFIX}verifier-0", namespace=fleet.NAMESPACE)
+    before = ray.get(handle.info.remote(), timeout=30)
+    ray.kill(handle, no_restart=False)
+    with edgespec.Client(deployed["endpoint"], timeout=120) as c:
+        outs = [c.generate(prompt_ids=ids, raw=True, max_new_tokens=30).token_ids
+                for ids in PROMPTS]
+    assert outs == [hf_greedy(looping.model, ids, 30) for ids in PROMPTS]
+    deadline, info = time.monotonic() + 120, before
+    while time.monotonic() < deadline:  # and the replica comes back on its port
+        try:
+            info = ray.get(handle.info.remote(), timeout=10)
+            if info["pid"] != before["pid"]:
+                break
+        except Exception:
+            pass
+        time.sleep(0.5)
+    assert info["pid"] != before["pid"] and info["address"] == before["address"]
+
+
 def test_placement_errors_say_which_resource_to_declare():
     plain = fleet.Node("n1", "127.0.0.1", {"CPU": 2.0})
     with pytest.raises(ConfigError, match="'verifier' resource"):

@@ -136,6 +136,10 @@ def start_ray(address: str | None) -> None:
 def cmd_simulate(args: argparse.Namespace) -> int:
     if not args.address:  # a local cluster on loopback only (see docs/architecture.md)
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    else:
+        from edgespec.fleet import use_token_auth_if_present
+
+        use_token_auth_if_present()
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     counts, profiles = check_args(args)
     try:

@@ -282,6 +282,7 @@ def line_plot(plt, summaries: list[dict], value, ylabel: str, title: str, path: 
         xs, ys = series(summaries, mode, value)
         ax.plot(xs, ys, marker="o", label=f"batching {mode}", color=MODE_COLORS.get(mode))
     ax.set_xticks(sorted({s["devices"] for s in summaries}))
+    ax.set_ylim(bottom=0)
     ax.set_xlabel("devices")
     ax.set_ylabel(ylabel)
     ax.set_title(title)
