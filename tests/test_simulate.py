@@ -94,3 +94,22 @@ def test_bad_options_are_refused_before_anything_starts(args, message):
     r = subprocess.run([sys.executable, "-m", "edgespec_cli", "simulate", *args],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and message in r.stderr, r.stderr
+
+
+def test_open_loop_sends_requests_at_the_rate_in_order_until_the_duration_ends():
+    from concurrent.futures import ThreadPoolExecutor
+
+    from edgespec.device_profiles import PROFILES
+    from edgespec_cli.simulate.run import FleetRun, SimSettings
+
+    run = FleetRun(None, SimSettings(model="x", rate=1000.0), [PROFILES["local"]] * 2, "on",
+                   prompts=[])
+    sent = []
+    run._request = lambda dev, k, due: sent.append((k, dev, due))
+    try:
+        with ThreadPoolExecutor(1) as pool:  # one thread: calls complete in submission order
+            run._open_loop(pool, deal([], 10, 2), started=100.0, stop_at=100.0 + 0.0065)
+    finally:
+        run.close()
+    assert [(k, dev) for k, dev, _ in sent] == [(k, k % 2) for k in range(7)]
+    assert [due for *_, due in sent] == [100.0 + k / 1000.0 for k in range(7)]
