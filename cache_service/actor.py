@@ -9,32 +9,26 @@ actor that Ray restarts comes back with its sessions.
 
 from __future__ import annotations
 
-import logging
 import shutil
 
 
 class CacheActor:
     def __init__(self, port: int, data_dir: str, redis_password: str,
-                 redis_url: str | None = None, window: int | None = None,
-                 chunk: int | None = None, auth_token: str | None = None,
+                 redis_url: str | None = None, auth_token: str | None = None,
                  max_drafters: int = 256):
         from cache_service.redis_conn import ExposedRedis
-        from edgespec.config import EngineConfig
+        from edgespec.cli_args import configure_logging
         from edgespec.fleet import where
         from edgespec_cli.server import EdgespecServer, ServerOptions
 
-        logging.basicConfig(level=logging.INFO,
-                            format="%(asctime)s %(name)s %(levelname)s %(message)s")
+        configure_logging()
         self.where = where()
         self.data_dir = data_dir
         self.node_ip = self.where["node_ip"]
-        d = EngineConfig()
         expose = None if redis_url else ExposedRedis(self.node_ip, 0, redis_password, data_dir)
         opts = ServerOptions(listen=f"{self.node_ip}:{port}", roles=("cache",),
                              redis_url=redis_url, auth_token=auth_token,
-                             max_drafters=max_drafters, expose_redis=expose,
-                             engine=EngineConfig(window=window or d.window,
-                                                 chunk=chunk or d.chunk))
+                             max_drafters=max_drafters, expose_redis=expose)
         self.server = EdgespecServer(opts).start()
         self.redis_url = redis_url or self.server.redis.tcp_url
 

@@ -15,7 +15,7 @@ import logging
 import os
 import threading
 
-from edgespec.cli_args import check_drafter_arg, set_threads
+from edgespec.cli_args import check_drafter_arg, configure_logging, set_threads
 from edgespec.drafters import Drafter, build_drafter
 
 log = logging.getLogger("edgespec.drafter")
@@ -46,8 +46,7 @@ class DrafterActor:
                  link_seed: int | None = None):
         from .agent import DrafterAgent
 
-        logging.basicConfig(level=logging.INFO,
-                            format="%(asctime)s %(name)s %(levelname)s %(message)s")
+        configure_logging()
         set_threads(threads)
         self.cache, self.device_id, self.spec, self.profile = cache, device_id, drafter, profile
         self.proxy = None

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 from edgespec.config import ConfigError
+from edgespec.device_profiles import extra_compute_s
 from edgespec.drafters import Drafter, DraftSession
 from edgespec.ids import check_device_id
 from edgespec.v1 import edgespec_pb2 as pb
@@ -324,7 +325,7 @@ class DrafterAgent:
                 s.idle = len(draft) == 0
                 took = time.perf_counter() - began
             if self.compute_slowdown > 1:  # outside the lock: commits and fixes still apply
-                time.sleep((self.compute_slowdown - 1) * took)
+                time.sleep(extra_compute_s(self.compute_slowdown, took))
             self._send(out, chunk)
             self.chunks_sent += 1
 

@@ -4,9 +4,19 @@ the benchmarks and the role launchers use the same options), and the CPU thread 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
+import sys
 
 from .config import ConfigError, EngineConfig
+
+
+LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
+
+
+def configure_logging(level: str = "INFO") -> None:
+    """Logs of a role process (a command or a Ray actor) to stderr, one format for all."""
+    logging.basicConfig(level=level.upper(), stream=sys.stderr, format=LOG_FORMAT)
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:

@@ -21,6 +21,11 @@ from .config import ConfigError
 from .link_emulation import LinkProfile
 
 
+def extra_compute_s(slowdown: float, step_s: float) -> float:
+    """What a device ``slowdown`` times slower adds to a draft step of ``step_s`` seconds."""
+    return (slowdown - 1) * max(0.0, step_s)
+
+
 @dataclass(frozen=True)
 class DeviceProfile:
     name: str
@@ -39,7 +44,7 @@ class DeviceProfile:
 
     def extra_compute_s(self, step_s: float) -> float:
         """How long to sleep after a draft step that took ``step_s`` seconds here."""
-        return (self.compute_slowdown - 1) * max(0.0, step_s)
+        return extra_compute_s(self.compute_slowdown, step_s)
 
 
 PROFILES: dict[str, DeviceProfile] = {p.name: p for p in (

@@ -28,6 +28,8 @@ from .config import ConfigError, cache_dir
 NAMESPACE = "edgespec"
 PREFIX = "edgespec-"
 HEAD_RESOURCE = "node:__internal_head__"
+START_A_CLUSTER = ("start one with `ray up deploy/ray-onprem.yaml`, or "
+                   "`ray start --head --resources '{\"verifier\": 1}'` on the server")
 
 
 class FleetError(ConfigError):
@@ -133,11 +135,9 @@ def connect(address: str | None, namespace: str = NAMESPACE) -> None:
         ray.init(address=address or "auto", namespace=namespace, log_to_driver=False,
                  logging_level=logging.WARNING, configure_logging=False)
     except (ConnectionError, RuntimeError, ValueError) as e:
-        where = address or "this machine (auto)"
-        raise FleetError(f"no Ray cluster at {where}: {str(e).splitlines()[0][:200]}\n"
-                         "start one with `ray up deploy/ray-onprem.yaml`, or "
-                         "`ray start --head --resources '{\"verifier\": 1}'` on the server") \
-            from None
+        target = address or "this machine (auto)"
+        raise FleetError(f"no Ray cluster at {target}: {str(e).splitlines()[0][:200]}\n"
+                         f"{START_A_CLUSTER}") from None
 
 
 def use_token_auth_if_present() -> None:
@@ -158,11 +158,9 @@ def _check_reachable(address: str) -> None:
         raise FleetError(f"--address takes HOST:PORT (the Ray head's GCS port), got "
                          f"{address[:60]!r}")
     try:
-        socket.create_connection((host or "127.0.0.1", int(port)), timeout=5).close()
-    except (OSError, ValueError) as e:
-        raise FleetError(f"no Ray cluster at {address} ({e}): start one with `ray up "
-                         "deploy/ray-onprem.yaml`, or `ray start --head --resources "
-                         "'{\"verifier\": 1}'` on the server") from None
+        socket.create_connection((host, int(port)), timeout=5).close()
+    except OSError as e:
+        raise FleetError(f"no Ray cluster at {address} ({e}): {START_A_CLUSTER}") from None
 
 
 def nodes() -> list[Node]:
@@ -254,9 +252,10 @@ def _place_all(roles, spec, head, vnodes, vres, boards, handles, progress) -> De
     deadline = time.monotonic() + spec.timeout_s
     # the cache's Redis persists here (a restarted cache actor reloads it); removed by down()
     data_dir = os.path.join(cache_dir(), "fleet-redis", secrets.token_hex(6))
-    handles["cache"] = place(roles.cache, head, name=PREFIX + "cache", detached=True).remote(
+    handles[PREFIX + "cache"] = place(roles.cache, head, name=PREFIX + "cache",
+                                      detached=True).remote(
         spec.cache_port, data_dir, secrets.token_urlsafe(24), auth_token=spec.auth_token)
-    cache = _get(handles["cache"].info.remote(), deadline, "the draft cache")
+    cache = _get(handles[PREFIX + "cache"].info.remote(), deadline, "the draft cache")
     progress(f"cache ready on {cache['address']}")
 
     assigned = [vnodes[i % len(vnodes)] for i in range(spec.verifiers)]

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import signal
 import sys
 
-from edgespec.cli_args import add_threads_arg
+from edgespec.cli_args import add_threads_arg, configure_logging
 from edgespec.config import ConfigError, EngineConfig
 
 
@@ -93,8 +92,7 @@ def cmd_server(args) -> int:
 
     from .server import EdgespecServer, ServerOptions
 
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    configure_logging(args.log_level)
     engine = engine_config(args, getattr(args, "max_sessions", None))
     if "verifier" in args.roles:
         check_model_arg(args.model)
@@ -139,8 +137,7 @@ def cmd_drafter(args) -> int:
     if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
         raise ConfigError("--metrics-port must be in [0, 65535]")
     set_threads(args.threads)
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    configure_logging(args.log_level)
     metrics = None
     if args.metrics_port is not None:  # before loading a model: a busy port fails at once
         from prometheus_client import CollectorRegistry, start_http_server

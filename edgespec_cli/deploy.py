@@ -53,6 +53,17 @@ def add_deploy_command(sub) -> None:
     d.set_defaults(func=cmd_deploy)
 
 
+def role_actors():
+    """The roles' actor classes, from their packages, for edgespec/fleet.py."""
+    from cache_service.actor import CacheActor
+    from drafter_node.actor import DrafterActor
+    from verifier_node.actor import RouterActor, VerifierActor
+
+    from edgespec.fleet import RoleActors
+
+    return RoleActors(CacheActor, VerifierActor, DrafterActor, RouterActor)
+
+
 def cmd_deploy(args: argparse.Namespace) -> int:
     from edgespec.config import ConfigError
     from edgespec.fleet import use_token_auth_if_present
@@ -62,14 +73,10 @@ def cmd_deploy(args: argparse.Namespace) -> int:
         import ray  # noqa: F401
     except ImportError:
         raise ConfigError("edgespec deploy needs Ray: pip install 'edgespec[fleet]'") from None
-    from cache_service.actor import CacheActor
-    from drafter_node.actor import DrafterActor
-    from verifier_node.actor import RouterActor, VerifierActor
-
     from edgespec import fleet
     from edgespec.drafters import parse_drafter_spec
 
-    roles = fleet.RoleActors(CacheActor, VerifierActor, DrafterActor, RouterActor)
+    roles = role_actors()
     spec = fleet.DeploySpec(model=args.model, drafter=args.drafter,
                             drafters_per_board=args.drafters_per_board,
                             verifiers=args.verifiers, port=args.port, cache_port=args.cache_port,

@@ -10,7 +10,6 @@ it was running resume from their committed tokens in Redis.
 
 from __future__ import annotations
 
-import logging
 import os
 
 
@@ -21,13 +20,12 @@ class VerifierActor:
                  max_queue: int = 64, device: str = "cpu", dtype: str = "float32",
                  engine: dict | None = None):
         """``engine``: EngineConfig fields to override (max_draft, draft_wait_ms, ...)."""
-        from edgespec.cli_args import set_threads
+        from edgespec.cli_args import configure_logging, set_threads
         from edgespec.config import EngineConfig
         from edgespec.fleet import where
         from edgespec_cli.server import EdgespecServer, ServerOptions
 
-        logging.basicConfig(level=logging.INFO,
-                            format="%(asctime)s %(name)s %(levelname)s %(message)s")
+        configure_logging()
         set_threads(threads)
         self.where = where()
         self.node_ip = self.where["node_ip"]
@@ -64,12 +62,12 @@ class RouterActor:
     """The clients' endpoint in front of several verifier replicas."""
 
     def __init__(self, port: int, replicas: list[str], auth_token: str | None = None):
+        from edgespec.cli_args import configure_logging
         from edgespec.fleet import where
 
         from .router import VerifierRouter
 
-        logging.basicConfig(level=logging.INFO,
-                            format="%(asctime)s %(name)s %(levelname)s %(message)s")
+        configure_logging()
         self.where = where()
         self.node_ip = self.where["node_ip"]
         self.router = VerifierRouter(f"{self.node_ip}:{port}", replicas, auth_token).start()

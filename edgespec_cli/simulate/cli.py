@@ -154,7 +154,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
     from . import report as rep
     from .check import check_lossless
-    from .run import FleetRun, RoleSet, SimSettings
+    from ..deploy import role_actors
+    from .run import FleetRun, SimSettings
 
     set_threads(args.threads)
     print("simulate: loading the model for prompts and the losslessness check",
@@ -168,7 +169,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                            if args.max_batch_tokens else {})
     modes = ["on", "off"] if args.batching == "both" else [args.batching]
     start_ray(args.address)
-    roles = RoleSet()
+    roles = role_actors()
 
     def run_one(mode: str, n: int):
         fleet_of = fleet_profiles([p.name for p in profiles], n)

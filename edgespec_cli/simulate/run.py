@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from edgespec.device_profiles import DeviceProfile
-from edgespec.fleet import FleetError
+from edgespec.fleet import FleetError, RoleActors
 
 from .records import RequestRecord, RunRecord
 
@@ -52,17 +52,6 @@ class SimSettings:
     engine: dict = field(default_factory=dict)  # EngineConfig fields for the verifier
 
 
-class RoleSet:
-    """The actor classes (from the roles' packages) a run places."""
-
-    def __init__(self):
-        from cache_service.actor import CacheActor
-        from drafter_node.actor import DrafterActor
-        from verifier_node.actor import VerifierActor
-
-        self.cache, self.verifier, self.drafter = CacheActor, VerifierActor, DrafterActor
-
-
 def device_ids(profiles: list[DeviceProfile]) -> list[str]:
     return [f"dev{i:02d}-{p.name}" for i, p in enumerate(profiles)]
 
@@ -78,7 +67,7 @@ def deal(prompts: list[Prompt], n_requests: int, n_devices: int) -> list[list[in
 class FleetRun:
     """Place the roles for one run, drive the clients, collect the records, remove the roles."""
 
-    def __init__(self, roles: RoleSet, settings: SimSettings, profiles: list[DeviceProfile],
+    def __init__(self, roles: RoleActors, settings: SimSettings, profiles: list[DeviceProfile],
                  batching: str, prompts: list[Prompt], progress=None):
         self.roles, self.s, self.profiles = roles, settings, profiles
         self.batching, self.prompts = batching, prompts
