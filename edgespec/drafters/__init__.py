@@ -1,7 +1,12 @@
 """Drafters behind one interface, and the parser for ``--drafter`` specs.
 
-Specs: ``none`` (the verifier decodes alone), ``mag`` (max-gram), ``layers:L`` (the target's first
-L layers as a self-draft), ``model:PATH`` (a small causal LM sharing the target's tokenizer).
+Specs: ``none`` (the verifier decodes alone), ``mag`` (max-gram), ``cacheback`` (LRU n-gram
+tables, per session, per drafter and fleet-wide), ``mag+cacheback`` (a suffix match first, then
+Cacheback), ``layers:L`` (the target's first L layers as a self-draft), ``model:PATH`` (a small
+causal LM sharing the target's tokenizer), ``llamacpp:FILE.gguf`` (a GGUF model run by
+llama-cpp-python, the optional ``llamacpp`` extra), ``cascade:SPEC,SPEC,...`` (the first member
+drafts for the target; each next member drafts for the one before it and fills its later
+positions).
 """
 
 from __future__ import annotations
@@ -17,14 +22,20 @@ from .model import ModelDrafter
 __all__ = ["Draft", "Drafter", "DraftSession", "DraftLength", "MaGDrafter", "ModelDrafter",
            "DrafterSpec", "build_drafter", "parse_drafter_spec", "DRAFTER_HELP"]
 
-FORMS = {"none": "none", "mag": "mag", "layers": "layers:L", "model": "model:PATH"}
+FORMS = {"none": "none", "mag": "mag", "cacheback": "cacheback",
+         "mag+cacheback": "mag+cacheback", "layers": "layers:L", "model": "model:PATH",
+         "llamacpp": "llamacpp:FILE.gguf", "cascade": "cascade:SPEC,SPEC,..."}
 DRAFTER_HELP = " | ".join(FORMS.values())
+# what a drafter device (``edgespec drafter``, deploy, simulate) can run: no target on the board
+EDGE_KINDS = ("mag", "cacheback", "mag+cacheback", "model", "llamacpp", "cascade")
+_NO_ARG = ("none", "mag", "cacheback", "mag+cacheback")
 
 
 @dataclass(frozen=True)
 class DrafterSpec:
-    kind: str  # none | mag | layers | model
-    arg: str = ""  # layers: L; model: the path
+    kind: str  # one of FORMS
+    arg: str = ""  # layers: L; model: the path; llamacpp: the GGUF file; cascade: the members
+    members: tuple["DrafterSpec", ...] = ()  # cascade: top (drafting for the target) first
 
 
 def parse_drafter_spec(spec: str | None, allowed: tuple[str, ...] = tuple(FORMS)
@@ -32,36 +43,58 @@ def parse_drafter_spec(spec: str | None, allowed: tuple[str, ...] = tuple(FORMS)
     """Check a ``--drafter`` spec's form (no model is touched); ConfigError if it is wrong."""
     spec = (spec or "none").strip()
     kind, _, arg = spec.partition(":")
-    if kind not in allowed or (kind in ("none", "mag") and arg):
+    if kind not in allowed or (kind in _NO_ARG and arg):
         raise ConfigError(f"unknown drafter {spec!r}; use "
-                          f"{' | '.join(FORMS[k] for k in allowed)}")
+                          f"{' | '.join(FORMS[k] for k in allowed if k in FORMS)}")
     if kind == "layers" and not arg.isdigit():
         raise ConfigError(f"layers:L needs an integer L, got {arg!r}")
-    if kind == "model" and not arg:
-        raise ConfigError("model:PATH needs a path")
+    if kind in ("model", "llamacpp") and not arg:
+        raise ConfigError(f"{FORMS[kind]} needs a path")
+    if kind == "cascade":
+        inner = tuple(k for k in allowed if k not in ("none", "cascade"))
+        members = tuple(parse_drafter_spec(m, inner) for m in arg.split(",") if m.strip())
+        if len(members) < 2:
+            raise ConfigError(f"cascade:SPEC,SPEC,... needs at least two drafters, got {arg!r}")
+        return DrafterSpec(kind, arg, members)
     return DrafterSpec(kind, arg)
 
 
-def build_drafter(spec: str, target=None, target_runner=None, n_slots: int = 4,
+def build_drafter(spec: str | DrafterSpec, target=None, target_runner=None, n_slots: int = 4,
                   max_len: int = 2048, device: str = "cpu", dtype: str = "float32",
-                  loaded=None):
+                  loaded=None, fleet=None):
     """Make the drafter a spec names. ``target`` (a LoadedModel) and ``target_runner`` are needed
-    by ``layers:L`` (shares the target's weights); with ``target``, ``model:PATH`` is checked
-    for the same tokenizer. ``loaded``: the draft model of ``model:PATH``, already loaded."""
+    by ``layers:L`` (shares the target's weights); with ``target``, ``model:PATH`` and
+    ``llamacpp:FILE`` are checked for the same tokenizer. ``loaded``: the draft model of
+    ``model:PATH``, already loaded. ``fleet``: a ``FleetTable`` that Cacheback drafters read the
+    fleet's n-grams from (None: per session and per drafter only)."""
     from ..runner import TargetRunner
 
-    parsed = parse_drafter_spec(spec)
+    parsed = spec if isinstance(spec, DrafterSpec) else parse_drafter_spec(spec)
     kind, arg = parsed.kind, parsed.arg
     if kind == "none":
         return None
     if kind == "mag":
         return MaGDrafter()
+    if kind in ("cacheback", "mag+cacheback"):
+        from .cacheback import CachebackDrafter
+
+        return CachebackDrafter(fleet=fleet, with_mag=kind == "mag+cacheback")
     if kind == "layers":
         if target is None:
             raise ConfigError("layers:L needs the target model")
         runner = TargetRunner(target.model, n_slots=n_slots, max_len=max_len, n_layers=int(arg),
                               share_weights=target_runner)
         return ModelDrafter(runner, name=f"layers:{arg}")
+    if kind == "llamacpp":
+        from .llamacpp import LlamaCppDrafter
+
+        return LlamaCppDrafter(arg, n_slots=n_slots, max_len=max_len,
+                               target_tokenizer=target.tokenizer if target else None)
+    if kind == "cascade":
+        from .cascade import CascadeDrafter
+
+        return CascadeDrafter([build_drafter(m, target, target_runner, n_slots, max_len, device,
+                                             dtype, fleet=fleet) for m in parsed.members])
     from ..models import check_same_tokenizer, load_model
 
     draft = loaded or load_model(arg, device=device, dtype=dtype)

@@ -29,7 +29,7 @@ class SparseQ(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class Stats(_message.Message):
-    __slots__ = ("steps", "num_drafts", "drafted", "accepted", "acceptance_rate", "mean_acceptance_length", "tokens_per_s", "prefill_s", "elapsed_s", "tokens", "accepted_per_pos", "take_s", "forward_s", "commit_s")
+    __slots__ = ("steps", "num_drafts", "drafted", "accepted", "acceptance_rate", "mean_acceptance_length", "tokens_per_s", "prefill_s", "elapsed_s", "tokens", "accepted_per_pos", "take_s", "forward_s", "commit_s", "lossy")
     STEPS_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFTS_FIELD_NUMBER: _ClassVar[int]
     DRAFTED_FIELD_NUMBER: _ClassVar[int]
@@ -44,6 +44,7 @@ class Stats(_message.Message):
     TAKE_S_FIELD_NUMBER: _ClassVar[int]
     FORWARD_S_FIELD_NUMBER: _ClassVar[int]
     COMMIT_S_FIELD_NUMBER: _ClassVar[int]
+    LOSSY_FIELD_NUMBER: _ClassVar[int]
     steps: int
     num_drafts: int
     drafted: int
@@ -58,7 +59,8 @@ class Stats(_message.Message):
     take_s: float
     forward_s: float
     commit_s: float
-    def __init__(self, steps: _Optional[int] = ..., num_drafts: _Optional[int] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_acceptance_length: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., elapsed_s: _Optional[float] = ..., tokens: _Optional[int] = ..., accepted_per_pos: _Optional[_Iterable[int]] = ..., take_s: _Optional[float] = ..., forward_s: _Optional[float] = ..., commit_s: _Optional[float] = ...) -> None: ...
+    lossy: bool
+    def __init__(self, steps: _Optional[int] = ..., num_drafts: _Optional[int] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_acceptance_length: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., elapsed_s: _Optional[float] = ..., tokens: _Optional[int] = ..., accepted_per_pos: _Optional[_Iterable[int]] = ..., take_s: _Optional[float] = ..., forward_s: _Optional[float] = ..., commit_s: _Optional[float] = ..., lossy: _Optional[bool] = ...) -> None: ...
 
 class ChatMessage(_message.Message):
     __slots__ = ("role", "content")
@@ -69,7 +71,7 @@ class ChatMessage(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "raw", "messages", "prompt_ids", "max_new_tokens", "sampling", "device_id", "resume_session_id", "resume_from")
+    __slots__ = ("prompt", "raw", "messages", "prompt_ids", "max_new_tokens", "sampling", "device_id", "resume_session_id", "resume_from", "verify")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     RAW_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
@@ -79,6 +81,7 @@ class GenerateRequest(_message.Message):
     DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
     RESUME_SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     RESUME_FROM_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     raw: bool
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
@@ -88,7 +91,8 @@ class GenerateRequest(_message.Message):
     device_id: str
     resume_session_id: str
     resume_from: int
-    def __init__(self, prompt: _Optional[str] = ..., raw: _Optional[bool] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., device_id: _Optional[str] = ..., resume_session_id: _Optional[str] = ..., resume_from: _Optional[int] = ...) -> None: ...
+    verify: str
+    def __init__(self, prompt: _Optional[str] = ..., raw: _Optional[bool] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., device_id: _Optional[str] = ..., resume_session_id: _Optional[str] = ..., resume_from: _Optional[int] = ..., verify: _Optional[str] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("session_id", "token_ids", "text", "finished", "finish_reason", "stats", "device_id", "prompt_tokens", "resumed")
@@ -283,3 +287,29 @@ class CacheMessage(_message.Message):
     ack: ChunkAck
     closed: SessionClosed
     def __init__(self, registered: _Optional[_Union[Registered, _Mapping]] = ..., assignment: _Optional[_Union[Assignment, _Mapping]] = ..., commit: _Optional[_Union[Commit, _Mapping]] = ..., ack: _Optional[_Union[ChunkAck, _Mapping]] = ..., closed: _Optional[_Union[SessionClosed, _Mapping]] = ...) -> None: ...
+
+class FleetTableRequest(_message.Message):
+    __slots__ = ("since", "limit")
+    SINCE_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    since: int
+    limit: int
+    def __init__(self, since: _Optional[int] = ..., limit: _Optional[int] = ...) -> None: ...
+
+class FleetTableEntry(_message.Message):
+    __slots__ = ("leader", "followers")
+    LEADER_FIELD_NUMBER: _ClassVar[int]
+    FOLLOWERS_FIELD_NUMBER: _ClassVar[int]
+    leader: _containers.RepeatedScalarFieldContainer[int]
+    followers: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, leader: _Optional[_Iterable[int]] = ..., followers: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class FleetTableReply(_message.Message):
+    __slots__ = ("entries", "version", "more")
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    MORE_FIELD_NUMBER: _ClassVar[int]
+    entries: _containers.RepeatedCompositeFieldContainer[FleetTableEntry]
+    version: int
+    more: bool
+    def __init__(self, entries: _Optional[_Iterable[_Union[FleetTableEntry, _Mapping]]] = ..., version: _Optional[int] = ..., more: _Optional[bool] = ...) -> None: ...

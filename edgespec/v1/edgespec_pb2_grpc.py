@@ -203,6 +203,11 @@ class DraftCacheStub:
                 request_serializer=edgespec_dot_v1_dot_edgespec__pb2.DraftChunk.SerializeToString,
                 response_deserializer=edgespec_dot_v1_dot_edgespec__pb2.ChunkAck.FromString,
                 _registered_method=True)
+        self.FleetTable = channel.unary_unary(
+                '/edgespec.v1.DraftCache/FleetTable',
+                request_serializer=edgespec_dot_v1_dot_edgespec__pb2.FleetTableRequest.SerializeToString,
+                response_deserializer=edgespec_dot_v1_dot_edgespec__pb2.FleetTableReply.FromString,
+                _registered_method=True)
 
 
 class DraftCacheServicer:
@@ -222,6 +227,13 @@ class DraftCacheServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def FleetTable(self, request, context):
+        """The fleet-wide Cacheback table, in pieces that changed since a version.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DraftCacheServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -234,6 +246,11 @@ def add_DraftCacheServicer_to_server(servicer, server):
                     servicer.PushDraft,
                     request_deserializer=edgespec_dot_v1_dot_edgespec__pb2.DraftChunk.FromString,
                     response_serializer=edgespec_dot_v1_dot_edgespec__pb2.ChunkAck.SerializeToString,
+            ),
+            'FleetTable': grpc.unary_unary_rpc_method_handler(
+                    servicer.FleetTable,
+                    request_deserializer=edgespec_dot_v1_dot_edgespec__pb2.FleetTableRequest.FromString,
+                    response_serializer=edgespec_dot_v1_dot_edgespec__pb2.FleetTableReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -290,6 +307,33 @@ class DraftCache:
             '/edgespec.v1.DraftCache/PushDraft',
             edgespec_dot_v1_dot_edgespec__pb2.DraftChunk.SerializeToString,
             edgespec_dot_v1_dot_edgespec__pb2.ChunkAck.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FleetTable(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/edgespec.v1.DraftCache/FleetTable',
+            edgespec_dot_v1_dot_edgespec__pb2.FleetTableRequest.SerializeToString,
+            edgespec_dot_v1_dot_edgespec__pb2.FleetTableReply.FromString,
             options,
             channel_credentials,
             insecure,
