@@ -4,6 +4,10 @@ A ``Drafter`` opens one ``DraftSession`` per generation. A draft session keeps i
 the sequence (``tokens``: prompt, committed output and its own not-yet-verified draft); ``propose``
 extends that belief by up to k tokens, ``rollback`` truncates it to a position (a fix from the
 verifier), ``append`` adds a known token (the verifier's token at the fix position).
+
+Cascades (``cascade.py``) use two more hooks: ``check`` (a session that can, a model drafter's,
+verifies another drafter's proposal in one forward) and ``retract`` (drop the session's own
+unverified tokens, which is not a fix: nothing before the cut was confirmed by the verifier).
 """
 
 from __future__ import annotations
@@ -26,7 +30,19 @@ class Draft:
         return len(self.tokens)
 
 
+@dataclass
+class Checked(Draft):
+    """What ``DraftSession.check`` appended: the first ``accepted`` tokens of the proposal, then
+    the session's own next token (``tokens``, with a q' each in sampling mode)."""
+
+    accepted: int = 0
+    # the own token's top probability reached the drafter's confidence cut-off
+    confident: bool = True
+
+
 class DraftSession(ABC):
+    can_check: bool = False  # whether ``check`` works (model drafters)
+
     def __init__(self, tokens: list[int], params: SamplingParams):
         self.tokens = list(tokens)
         self.params = params
@@ -43,6 +59,19 @@ class DraftSession(ABC):
 
     def append(self, tokens: list[int]) -> None:
         self.tokens.extend(tokens)
+
+    def check(self, proposal: list[int], lenient_prob: float | None = None) -> Checked:
+        """Verify another drafter's ``proposal`` for the tokens after ``self.tokens``: keep its
+        longest prefix this session agrees with, add the session's own next token, append both
+        to ``self.tokens``. ``lenient_prob``: also agree with a proposed token that is this
+        session's second choice with at least that probability (greedy sessions). The default
+        session cannot check (statistical drafters have no distribution to check with)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot check proposals")
+
+    def retract(self, length: int) -> None:
+        """Drop this session's own draft tokens from ``length`` on. Unlike ``rollback`` it is
+        not a verifier's fix: sessions that learn from fixes override it to learn nothing."""
+        self.rollback(length)
 
     def close(self) -> None:
         """Release what the session holds (a KV slot for model drafters)."""
@@ -64,3 +93,7 @@ class Drafter(ABC):
 
     def restore(self, state) -> None:
         """Go back to a ``snapshot`` (benchmarks repeat a prompt without learning from it)."""
+
+    def use_fleet(self, table) -> None:
+        """Draft also from a fleet-wide table (a ``FleetTable``), synchronised in the
+        background; None stops that. Drafters that learn nothing across devices ignore it."""

@@ -130,6 +130,9 @@ class MaGSession(DraftSession):
             self._verified = length
         super().rollback(length)
 
+    def retract(self, length: int) -> None:
+        super().rollback(length)  # a cascade's correction, not the verifier's: learn nothing
+
 
 class MaGDrafter(Drafter):
     name = "mag"

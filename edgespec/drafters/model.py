@@ -8,6 +8,11 @@ drafted token is the target's own sample wherever the two distributions are clos
 top-``q_top_k`` truncated, renormalised q' still travels with each token (wire compatibility);
 acceptance does not use it. Drafting stops early when the drafter's top q' probability falls
 below ``min_confidence``.
+
+In a cascade a model session also ``check``s a cheaper drafter's proposal: one forward over the
+proposal, keeping the longest prefix that equals its own choice at each position (its argmax, or
+its keyed sample in sampling mode) plus its own next token, so a run of n agreeing tokens costs
+one forward instead of n.
 """
 
 from __future__ import annotations
@@ -17,10 +22,12 @@ import torch
 from ..config import SamplingParams
 from ..runner import TargetRunner
 from ..sampling import SparseQ, sample_sparse
-from .base import Draft, Drafter, DraftSession
+from .base import Checked, Draft, Drafter, DraftSession
 
 
 class ModelDraftSession(DraftSession):
+    can_check = True
+
     def __init__(self, drafter: "ModelDrafter", tokens: list[int], params: SamplingParams):
         super().__init__(tokens, params)
         self.drafter = drafter
@@ -48,15 +55,7 @@ class ModelDraftSession(DraftSession):
             logits = self.runner.forward([self.slot], [feed], logits="last")[0]  # [V]
             self.kv_len += len(feed)
             self.runner.commit(self.slot, self.kv_len)
-            if self.params.greedy:
-                probs = logits.softmax(-1)
-                conf, tok = torch.max(probs, -1)
-                token, conf = int(tok), float(conf)
-            else:
-                # keyed by the absolute position the token will take: len(self.tokens)
-                token, q = sample_sparse(logits, self.params, self.drafter.q_top_k,
-                                         len(self.tokens))
-                conf = max(q.probs)
+            token, conf, q = self._choose(logits, len(self.tokens))
             if out and conf < min_conf:  # the first token is always offered
                 # forget the last fed position so the next proposal re-feeds the last token
                 self.kv_len -= len(feed)
@@ -68,6 +67,48 @@ class ModelDraftSession(DraftSession):
                 qs.append(q)
         return Draft(tokens=out, q=None if self.params.greedy else qs)
 
+    def _choose(self, logits: torch.Tensor, pos: int) -> tuple[int, float, SparseQ | None]:
+        """This drafter's token at absolute position ``pos`` from its logits [V], its top
+        probability, and (sampling) the q' it was drawn from."""
+        if self.params.greedy:
+            conf, tok = torch.max(logits.softmax(-1), -1)
+            return int(tok), float(conf), None
+        token, q = sample_sparse(logits, self.params, self.drafter.q_top_k, pos)
+        return token, max(q.probs), q
+
+    def check(self, proposal: list[int], lenient_prob: float | None = None) -> Checked:
+        greedy = self.params.greedy
+        start = len(self.tokens)  # absolute position of proposal[0]
+        room = self.runner.max_len - start - 1
+        if room < 0:
+            return Checked(q=None if greedy else [], confident=False)
+        proposal = list(proposal[:room])
+        for i, tok in enumerate(proposal):  # never feed an id the embedding does not have
+            if not 0 <= tok < self.runner.vocab_size:
+                del proposal[i:]
+                break
+        feed = self.tokens[self.kv_len:] + proposal
+        logits = self.runner.forward([self.slot], [feed], logits="all")[0]  # [len(feed), V]
+        rows = logits[len(feed) - len(proposal) - 1:]  # [len(proposal) + 1, V]: row i -> start + i
+        tokens: list[int] = []
+        qs: list[SparseQ] = []
+        conf = 0.0
+        for i, row in enumerate(rows):
+            token, conf, q = self._choose(row, start + i)
+            qs.append(q)
+            agrees = i < len(proposal) and (
+                proposal[i] == token
+                or (greedy and lenient_prob is not None
+                    and _is_likely_second(row, proposal[i], lenient_prob)))
+            tokens.append(proposal[i] if agrees else token)
+            if not agrees:  # the own token: the first disagreement, or after the proposal
+                break
+        self.tokens.extend(tokens)
+        self.kv_len = start + len(tokens) - 1  # the last token (own) is fed next time
+        self.runner.commit(self.slot, self.kv_len)
+        return Checked(tokens, None if greedy else qs, accepted=len(tokens) - 1,
+                       confident=conf >= self.drafter.min_confidence)
+
     def rollback(self, length: int) -> None:
         super().rollback(length)
         if self.kv_len > max(0, length - 1):
@@ -78,6 +119,12 @@ class ModelDraftSession(DraftSession):
         if self.slot is not None:
             self.runner.free_slot(self.slot)
             self.slot = None
+
+
+def _is_likely_second(logits: torch.Tensor, token: int, min_prob: float) -> bool:
+    """Whether ``token`` is the second most likely under logits [V], with >= ``min_prob``."""
+    top = torch.topk(logits.softmax(-1), 2)
+    return int(top.indices[1]) == token and float(top.values[1]) >= min_prob
 
 
 class ModelDrafter(Drafter):
