@@ -8,7 +8,10 @@
 
 A prompt is one user message through the model's chat template (``raw=True`` sends it as is,
 ``messages=[...]`` sends a conversation, ``prompt_ids=[...]`` sends token ids). ``device_id`` pins
-the session to one drafter. ``timeout`` is a deadline in seconds for the whole call: a server that is
+the session to one drafter. ``verify="loose"`` asks for FLy's lossy verification (refused with
+``InvalidRequest`` unless the verifier was started with ``--verify loose``), ``verify="exact"``
+insists on lossless verification; ``result.lossless`` (and ``stats["lossless"]``) says which the
+session got. ``timeout`` is a deadline in seconds for the whole call: a server that is
 not up yet is waited for within it, and a stream that breaks (the verifier restarted) is resumed
 by session id within it, token-identically. Failures raise subclasses of ``EdgespecError`` named
 after their gRPC status.
@@ -100,10 +103,15 @@ class GenerateResult:
     stats: dict = field(default_factory=dict)
     resumed: int = 0  # how many times the stream was resumed after a break
 
+    @property
+    def lossless(self) -> bool:
+        """False when the session was verified loosely: the text may differ from the target's."""
+        return self.stats.get("lossless", True)
+
 
 def build_request(prompt=None, *, messages=None, prompt_ids=None, raw=False, max_new_tokens=0,
-                  temperature=0.0, top_k=0, top_p=1.0, seed=None, device_id=None
-                  ) -> pb.GenerateRequest:
+                  temperature=0.0, top_k=0, top_p=1.0, seed=None, device_id=None,
+                  verify=None) -> pb.GenerateRequest:
     """Validate locally (raises InvalidRequest) and build the wire request."""
     given = sum(x is not None for x in (prompt, messages, prompt_ids))
     if given != 1:
@@ -114,8 +122,11 @@ def build_request(prompt=None, *, messages=None, prompt_ids=None, raw=False, max
         params = SamplingParams(temperature, top_k, top_p, seed)
     except ValueError as e:
         raise InvalidRequest(str(e)) from None
+    if verify not in (None, "", "exact", "loose"):
+        raise InvalidRequest(f"verify must be 'exact' or 'loose', got {str(verify)[:20]!r}")
     req = pb.GenerateRequest(prompt=prompt or "", raw=raw, max_new_tokens=max_new_tokens,
-                             sampling=params_to_pb(params), device_id=device_id or "")
+                             sampling=params_to_pb(params), device_id=device_id or "",
+                             verify=verify or "")
     if messages is not None:
         req.messages.extend(pb.ChatMessage(role=m["role"], content=m["content"])
                             for m in messages)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 CACHE_ENV = "EDGESPEC_CACHE_DIR"
@@ -49,6 +49,36 @@ class SamplingParams:
         return self.temperature == 0
 
 
+VERIFY_MODES = ("exact", "loose")
+
+
+@dataclass(frozen=True)
+class LooseParams:
+    """FLy's knobs for ``verify="loose"`` (see ``edgespec.loose_verify``): a mismatching draft
+    token is accepted only where the target's entropy exceeds ``entropy`` nats and the next
+    ``window`` draft tokens all agree with the target."""
+
+    entropy: float = 1.0
+    window: int = 3
+
+    def __post_init__(self) -> None:
+        if not self.entropy >= 0:
+            raise ConfigError(f"the loose entropy threshold must be >= 0 nats, got {self.entropy}")
+        if not 0 <= self.window <= 64:
+            raise ConfigError(f"the loose window must be in [0, 64], got {self.window}")
+
+
+def session_verify_mode(requested: str, configured: str) -> str:
+    """The verification mode of a session: the request's ("" = the verifier's own). Loose
+    verification is lossy, so a request may ask for it only where the operator opted in."""
+    if not isinstance(requested, str) or requested not in ("",) + VERIFY_MODES:
+        raise ConfigError(f"verify must be 'exact' or 'loose', got {str(requested)[:20]!r}")
+    if requested == "loose" and configured != "loose":
+        raise ConfigError("loose (lossy) verification is off on this verifier: its operator "
+                          "must start it with --verify loose")
+    return requested or configured
+
+
 @dataclass
 class EngineConfig:
     """Knobs of the in-process engine (the distributed verifier reuses them)."""
@@ -62,6 +92,8 @@ class EngineConfig:
     max_batch_tokens: int = 256  # the most tokens in one verification forward
     max_context: int = 2048  # tokens per KV slot (prompt + output + draft)
     adaptive: bool = True  # grow/shrink the verified draft length from acceptance
+    verify: str = "exact"  # "loose": FLy's lossy acceptance (opt-in; see LooseParams)
+    loose: LooseParams = field(default_factory=LooseParams)
 
     def __post_init__(self) -> None:
         for name in ("max_draft", "window", "chunk", "max_sessions", "max_context",
@@ -70,3 +102,5 @@ class EngineConfig:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.draft_wait_ms is not None and self.draft_wait_ms < 0:
             raise ConfigError(f"draft_wait_ms must be >= 0, got {self.draft_wait_ms}")
+        if self.verify not in VERIFY_MODES:
+            raise ConfigError(f"verify must be 'exact' or 'loose', got {self.verify!r}")

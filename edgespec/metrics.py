@@ -2,6 +2,7 @@
 
 Acceptance rate = accepted / drafted tokens; mean acceptance length = 1 + accepted / drafts
 (a draft is one verification of a non-empty draft; the 1 counts the verifier's own token).
+``lossless`` is false for a session verified loosely (``--verify loose``).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ class Stats:
     forward_s: float = 0.0
     commit_s: float = 0.0
     start: float = 0.0
+    lossy: bool = False  # verified loosely (FLy): the output may differ from the target's own
 
     def record_step(self, drafted: int, accepted: int) -> None:
         self.steps += 1
@@ -63,4 +65,5 @@ class Stats:
                  tokens_per_s=round(self.tokens_per_s, 3))
         d["drafted"] = self.draft_tokens
         d["accepted"] = self.accepted_tokens
+        d["lossless"] = not d.pop("lossy")
         return d

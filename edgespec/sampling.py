@@ -20,6 +20,9 @@ and can be computed for a few token ids (a drafter's top-k) or the whole vocabul
 
 p is always the target's *processed* distribution (temperature, top-k, top-p applied), so the
 output follows exactly what target-only sampling would draw from; tokens with p = 0 never win.
+
+``verify_batch(..., verify="loose")`` applies FLy's lossy rule instead (``loose_verify``): opt-in
+only, never the default.
 """
 
 from __future__ import annotations
@@ -32,7 +35,8 @@ import secrets
 import numpy as np
 import torch
 
-from .config import SamplingParams
+from .config import LooseParams, SamplingParams
+from .loose_verify import accept_loosely, entropy
 
 _MASK64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
@@ -175,17 +179,45 @@ def _same(x, token: int) -> bool:
     return isinstance(x, numbers.Integral) and not isinstance(x, bool) and int(x) == token
 
 
+def verify_loose(logits: torch.Tensor, draft: list[int], params: SamplingParams, start: int,
+                 loose: LooseParams) -> tuple[int, int]:
+    """FLy's lossy verification of one row (``edgespec.loose_verify``). logits: [T+1, V] raw
+    target logits (row i scores the token after draft[:i]); draft token i sits at absolute
+    position start + i. Returns (n_accepted, token)."""
+    if params.greedy:
+        choices = logits.argmax(-1).tolist()
+        return accept_loosely(draft, choices.__getitem__, lambda i: entropy(logits[i]),
+                              lambda i, x: x < logits.shape[-1], loose)
+    scores = filtered_logits(logits, params)
+    seed, picked = _seed_of(params), {}
+
+    def choice_at(i: int) -> int:
+        if i not in picked:
+            picked[i] = keyed_choice(scores[i], seed, start + i)
+        return picked[i]
+
+    return accept_loosely(draft, choice_at, lambda i: entropy(scores[i]),
+                          lambda i, x: x < scores.shape[-1] and bool(scores[i, x] > float("-inf")),
+                          loose)
+
+
 def verify_batch(logits: torch.Tensor, drafts: list[list[int]], params: list[SamplingParams],
-                 starts: list[int]) -> list[tuple[int, int]]:
+                 starts: list[int], verify: str | list[str] = "exact",
+                 loose: LooseParams | None = None) -> list[tuple[int, int]]:
     """Verify a padded batch. logits: [B, T_max, V]; row b uses its first len(drafts[b]) + 1
     positions; starts[b]: absolute position of row b's first draft token (of the emitted token
-    when the draft is empty). Returns (n_accepted, token) per row."""
+    when the draft is empty). ``verify``: "exact" (lossless), "loose" (FLy, lossy, with the
+    ``loose`` knobs), or one of those per row. Returns (n_accepted, token) per row."""
+    modes = [verify] * len(drafts) if isinstance(verify, str) else list(verify)
     out: list[tuple[int, int]] = []
     argmax = None
     for b, draft in enumerate(drafts):
         draft = list(draft)[: logits.shape[1] - 1]  # never index past the row
         n_rows = len(draft) + 1
-        if params[b].greedy:
+        if modes[b] == "loose":
+            out.append(verify_loose(logits[b, :n_rows], draft, params[b], starts[b],
+                                    loose or LooseParams()))
+        elif params[b].greedy:
             if argmax is None:
                 argmax = logits.argmax(-1).tolist()  # [B, T_max], one transfer for the batch
             out.append(verify_greedy(argmax[b][:n_rows], draft))

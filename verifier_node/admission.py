@@ -39,6 +39,7 @@ class GenerationRequest:
     params: SamplingParams = field(default_factory=SamplingParams)
     device_id: str = ""
     resume_session_id: str = ""
+    verify: str = ""  # "" (the verifier's mode), "exact" or "loose" (lossy; opt-in)
 
 
 class NotFound(Exception):
@@ -111,8 +112,8 @@ class Admission:
         device = check_device_id(g.device_id) if g.device_id else None
         if device and not self.store.is_alive(device):
             raise DrafterMissing(f"drafter {device!r} is not attached")
-        return self._ticket(Request(ids, g.max_new_tokens or self.default_max_new, g.params),
-                            device)
+        return self._ticket(Request(ids, g.max_new_tokens or self.default_max_new, g.params,
+                                    verify=g.verify), device)
 
     def _resume_ticket(self, g: GenerationRequest) -> Ticket:
         sid = check_session_id(g.resume_session_id)

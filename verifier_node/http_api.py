@@ -5,8 +5,10 @@
 (Server-Sent Events ending with ``data: [DONE]``; ``stream_options.include_usage`` adds a last
 chunk with usage); ``GET /v1/models``; ``GET /health`` (200 when ready, 503 while loading,
 draining or unhealthy); ``GET /metrics`` (Prometheus). Every generation goes through the same
-``Admission`` as the gRPC service, so it is lossless and validated the same way. Each response
-carries the request's speculative-decoding figures in an ``edgespec`` field.
+``Admission`` as the gRPC service, so it is validated the same way and lossless unless the
+verifier was started with ``--verify loose``. Each response carries the request's
+speculative-decoding figures in an ``edgespec`` field, ``lossless`` among them (false for a
+session verified loosely).
 
 Errors use OpenAI's body ``{"error": {"message", "type", "param", "code"}}``: 400 for malformed
 JSON, bad parameters or a prompt over the context limit, 401 without the bearer token (when the
@@ -241,7 +243,11 @@ class _Run:
                 "drafted": s.draft_tokens if s else 0, "accepted": s.accepted_tokens if s else 0,
                 "acceptance_rate": round(s.acceptance_rate, 4) if s else 0.0,
                 "mean_acceptance_length": round(s.mean_acceptance_length, 4) if s else 1.0,
-                "lossless": True}
+                "lossless": not (s.lossy if s else self._loose())}
+
+    def _loose(self) -> bool:
+        mode = self.ticket.request.verify or self.admission.scheduler.engine.cfg.verify
+        return mode == "loose"
 
     def _choice(self, text: str | None, finish: str | None, first: bool = False) -> dict:
         if self.chat:

@@ -2,8 +2,9 @@
 
 Honoured: ``model``, ``prompt`` (text or token ids; completions) or ``messages`` (chat),
 ``max_tokens`` / ``max_completion_tokens``, ``temperature`` (default 1, as OpenAI's), ``top_p``,
-``top_k`` (an extension), ``seed``, ``stop`` (a string or up to 4), ``n`` = 1, ``stream``,
-``stream_options.include_usage``. Ignored, as OpenAI documents them as optional hints or
+``top_k`` (an extension), ``verify`` (an extension: "exact", or "loose" where the verifier was
+started with ``--verify loose``), ``seed``, ``stop`` (a string or up to 4), ``n`` = 1,
+``stream``, ``stream_options.include_usage``. Ignored, as OpenAI documents them as optional hints or
 bookkeeping: ``user``, ``metadata``, ``store``, ``service_tier``, ``parallel_tool_calls``. Accepted
 only at their neutral value: ``presence_penalty``/``frequency_penalty`` 0, ``logprobs`` false or
 null, ``echo`` false, ``best_of`` 1, ``logit_bias`` empty. Anything else is refused by name, so
@@ -26,7 +27,7 @@ NEUTRAL = {"presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0),
            "best_of": (1, None), "logit_bias": (None,), "suffix": (None, ""),
            "response_format": (None,), "tools": (None,), "tool_choice": (None, "none")}
 SAMPLING = {"max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed",
-            "stop", "n"}
+            "stop", "n", "verify"}
 MAX_STOP = 4
 
 
@@ -131,6 +132,10 @@ def parse_request(body, chat: bool, model_name: str) -> OpenAIParams:
                                   _number(body, "top_p", 1.0, float, 0, 1), seed)
     except ConfigError as e:
         raise _bad(str(e)) from None
+    verify = body.get("verify")
+    if verify is not None and verify not in ("exact", "loose"):
+        raise _bad("'verify' must be \"exact\" or \"loose\"", "verify")
+    g.verify = verify or ""
     stop = body.get("stop")
     stops = [] if stop is None else [stop] if isinstance(stop, str) else stop
     if not isinstance(stops, list) or len(stops) > MAX_STOP or \

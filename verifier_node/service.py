@@ -41,7 +41,7 @@ def generation_request(req: pb.GenerateRequest) -> GenerationRequest:
         messages=[{"role": m.role, "content": m.content} for m in req.messages],
         prompt_ids=list(req.prompt_ids), max_new_tokens=req.max_new_tokens,
         params=params_from_pb(req.sampling), device_id=req.device_id,
-        resume_session_id=req.resume_session_id)
+        resume_session_id=req.resume_session_id, verify=req.verify)
 
 
 class VerifierService(pb_grpc.VerifierServicer):
