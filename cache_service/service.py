@@ -35,6 +35,7 @@ import threading
 from typing import TYPE_CHECKING
 
 import grpc
+import redis
 
 from edgespec.config import ConfigError
 from edgespec.ids import check_device_id, check_session_id, shown
@@ -121,6 +122,9 @@ class DraftCacheService(pb_grpc.DraftCacheServicer):
         if len(chunk.tokens) > self.window:  # never stored anyway; refused before any work
             raise ChunkRefused(grpc.StatusCode.INVALID_ARGUMENT,
                                f"a chunk holds at most {self.window} tokens (the window)")
+        if chunk.tree_version > 0 or chunk.tree_parents:  # the draft store holds chains only
+            raise ChunkRefused(grpc.StatusCode.INVALID_ARGUMENT,
+                               "tree drafts are not accepted by this cache yet")
         tokens = list(chunk.tokens)
         if any(not 0 <= t < vocab for t in tokens):
             raise ChunkRefused(grpc.StatusCode.INVALID_ARGUMENT,
@@ -161,6 +165,22 @@ class DraftCacheService(pb_grpc.DraftCacheServicer):
         except ChunkRefused as e:
             self._refused(e)
             context.abort(e.code, str(e))
+
+    def FleetTable(self, request, context):
+        """The fleet-wide Cacheback table's entries changed since ``request.since``."""
+        fleet = self.store.fleet
+        if fleet is None:
+            return pb.FleetTableReply()
+        if request.since < 0 or request.limit < 0:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "since and limit must be >= 0")
+        try:
+            piece = fleet.pull(request.since, request.limit or 2048)
+        except redis.RedisError as e:
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"the cache's Redis: {e}")
+        return pb.FleetTableReply(
+            entries=[pb.FleetTableEntry(leader=e.leader, followers=e.followers)
+                     for e in piece.entries],
+            version=piece.version, more=piece.more)
 
     # -- the attach stream ------------------------------------------------------------------------
     def _check_register(self, reg: pb.Register, context) -> str:

@@ -14,6 +14,8 @@ Keys (prefix ``es:`` by default):
     es:devices:seen       sorted set: device id -> last seen (registrations idle long are pruned)
     es:target             hash: the verifier's model, tokenizer fingerprint, vocabulary, window
     es:wake               pub/sub channel: a message per pushed chunk wakes the verifier
+    es:cb:f, es:cb:lru, es:cb:v   the fleet-wide Cacheback table (``cache_service.fleet_table``),
+                          taught every session's output when the verifier closes it
 
 Bounds: a draft never exceeds the window, the inbox streams are capped (MAXLEN ~), and every
 session key expires ``ttl_s`` after its last commit, so an abandoned session disappears by itself.
@@ -36,9 +38,12 @@ import numpy as np
 import redis
 
 from edgespec.config import SamplingParams
+from edgespec.fleet_table import MAX_ORDER
 from edgespec.sampling import SparseQ
 from edgespec.session import Fix, TakenDraft, Verdict
 from edgespec.store_api import CommitOutcome, DraftWant, SessionVanished
+
+from .fleet_table import RedisFleetTable
 
 log = logging.getLogger("edgespec.cache")
 
@@ -279,8 +284,11 @@ class SessionSnapshot:
 
 class RedisSessionStore:
     def __init__(self, client: redis.Redis, prefix: str = "es:", ttl_s: int = 600,
-                 inbox_maxlen: int = 10000, wait_ms: float = 10.0):
+                 inbox_maxlen: int = 10000, wait_ms: float = 10.0,
+                 fleet_leaders: int = 1 << 17):
         self.redis = client
+        # the fleet-wide Cacheback table: every closed session's output is recorded into it
+        self.fleet = RedisFleetTable(client, prefix, fleet_leaders) if fleet_leaders else None
         self.prefix = prefix
         self.ttl_s = ttl_s
         self.inbox_maxlen = inbox_maxlen
@@ -566,6 +574,7 @@ class RedisSessionStore:
         resuming to read its last tokens). Never raises: the keys expire by themselves."""
         with self._lock:
             device = self._device_of.pop(sid, "")
+        self._record_fleet(sid)
         try:
             pipe = self.redis.pipeline(transaction=True)
             h = self.session_keys(sid)[0]
@@ -580,6 +589,22 @@ class RedisSessionStore:
         except redis.RedisError as e:
             log.warning("closing session %s in the cache failed (%s); it expires by itself",
                         sid, e)
+
+    def _record_fleet(self, sid: str) -> None:
+        """Teach the fleet table a session's committed output (its prompt's tail as leaders)."""
+        if self.fleet is None:
+            return
+        h, tok = self.session_keys(sid)[:2]
+        try:
+            prompt_len, blob = self.redis.hget(h, "prompt_len"), self.redis.get(tok)
+        except redis.RedisError as e:
+            log.warning("session %s not recorded in the fleet table: %s", sid, e)
+            return
+        if prompt_len is None or blob is None:
+            return
+        start = int(prompt_len)
+        tokens = unpack_tokens(blob)[max(0, start - MAX_ORDER):]
+        self.fleet.record(tokens, min(start, MAX_ORDER))
 
     @property
     def _waker(self) -> ChunkWaker:

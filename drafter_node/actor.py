@@ -16,23 +16,42 @@ import os
 import threading
 
 from edgespec.cli_args import check_drafter_arg, configure_logging, set_threads
-from edgespec.drafters import Drafter, build_drafter
+from edgespec.config import ConfigError
+from edgespec.drafters import EDGE_KINDS, Drafter, DrafterSpec, build_drafter
 
 log = logging.getLogger("edgespec.drafter")
 
 
 def build_edge_drafter(spec: str, max_sessions: int = 8, max_context: int = 2048,
                        device: str = "cpu", dtype: str = "float32") -> tuple[Drafter, str]:
-    """The drafter an edge device runs, and its tokenizer fingerprint ("" for MaG)."""
-    from edgespec.models import load_model, tokenizer_fingerprint
+    """The drafter an edge device runs, and the tokenizer fingerprint it registers with ("" for
+    tokenizer-free drafters: MaG, Cacheback). A cascade registers its model members'
+    fingerprint; members with different tokenizers are refused."""
+    parsed = check_drafter_arg(spec, allowed=EDGE_KINDS)
+    members = parsed.members or (parsed,)
+    prints = {_fingerprint(m) for m in members} - {""}
+    if len(prints) > 1:
+        raise ConfigError(f"the members of {spec!r} use different tokenizers")
+    drafter = build_drafter(parsed, None, None, n_slots=max_sessions, max_len=max_context,
+                            device=device, dtype=dtype)
+    return drafter, prints.pop() if prints else ""
 
-    parsed = check_drafter_arg(spec, allowed=("mag", "model"))
-    if parsed.kind != "model":
-        return build_drafter("mag"), ""
-    draft = load_model(parsed.arg, device, dtype)
-    drafter = build_drafter(spec, None, None, n_slots=max_sessions, max_len=max_context,
-                            device=device, dtype=dtype, loaded=draft)
-    return drafter, tokenizer_fingerprint(draft.tokenizer)
+
+def _fingerprint(spec: DrafterSpec) -> str:
+    from edgespec.models import resolve_model_path, tokenizer_fingerprint
+
+    from transformers import AutoTokenizer
+
+    if spec.kind == "model":
+        path, gguf = resolve_model_path(spec.arg)
+        return tokenizer_fingerprint(AutoTokenizer.from_pretrained(path, gguf_file=gguf))
+    if spec.kind == "llamacpp":
+        from edgespec.drafters.llamacpp import resolve_gguf
+
+        gguf = resolve_gguf(spec.arg)
+        return tokenizer_fingerprint(AutoTokenizer.from_pretrained(gguf.parent,
+                                                                   gguf_file=gguf.name))
+    return ""
 
 
 class DrafterActor:

@@ -35,6 +35,8 @@ from edgespec.v1 import edgespec_pb2 as pb
 from edgespec.v1 import edgespec_pb2_grpc as pb_grpc
 from edgespec.wire import auth_metadata, make_channel, params_from_pb, q_to_pb
 
+from .fleet_client import RemoteFleetTable
+
 if TYPE_CHECKING:  # prometheus_client is needed only where metrics are kept
     from .metrics import DrafterMetrics
 
@@ -114,7 +116,18 @@ class DrafterAgent:
             call.cancel()  # a quiet stream would otherwise hold run() until its next message
 
     def run(self) -> None:
-        """Attach, serve, and re-attach with backoff until stopped or refused for good."""
+        """Attach, serve, and re-attach with backoff until stopped or refused for good. A
+        drafter that drafts from the fleet-wide table (Cacheback) pulls it meanwhile."""
+        fleet = RemoteFleetTable(self.cache, self.token, self.tls_ca, self.tls, self.tls_cert,
+                                 self.tls_key)
+        self.drafter.use_fleet(fleet)
+        try:
+            self._serve()
+        finally:
+            self.drafter.use_fleet(None)
+            fleet.close()
+
+    def _serve(self) -> None:
         delay = 0.2
         while not self.stopping.is_set():
             try:

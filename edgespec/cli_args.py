@@ -8,7 +8,7 @@ import logging
 import os
 import sys
 
-from .config import ConfigError, EngineConfig
+from .config import ConfigError, EngineConfig, LooseParams
 
 
 LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
@@ -46,16 +46,44 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="keep the verified draft length fixed at --max-draft")
 
 
+def add_verify_args(p: argparse.ArgumentParser) -> None:
+    """The verification mode, for the commands that verify (``generate``, the servers)."""
+    d = LooseParams()
+    p.add_argument("--verify", choices=["exact", "loose"], default="exact",
+                   help="exact: output identical to the target model's (default); loose: FLy's "
+                        "lenient acceptance, faster but LOSSY (output may differ)")
+    p.add_argument("--loose-entropy", type=float, default=d.entropy,
+                   help="with --verify loose: accept a mismatching draft token only where the "
+                        "target's entropy exceeds this many nats (default: %(default)s)")
+    p.add_argument("--loose-window", type=int, default=d.window,
+                   help="with --verify loose: accept it only when the N draft tokens after it "
+                        "all agree with the target; 0: the entropy gate alone "
+                        "(default: %(default)s)")
+
+
+LOSSY_WARNING = ("edgespec: warning: --verify loose is lossy: the output may differ from what "
+                 "the target model alone would produce")
+
+
+def warn_if_lossy(cfg: EngineConfig) -> None:
+    """Say on stderr that a loosely verifying engine's output is not the target's own."""
+    if cfg.verify == "loose":
+        print(LOSSY_WARNING, file=sys.stderr, flush=True)
+
+
 def engine_config(args, max_sessions: int | None = None) -> EngineConfig:
     """The engine options of a command (those it lacks keep EngineConfig's defaults)."""
     d = EngineConfig()
+    loose = LooseParams(getattr(args, "loose_entropy", d.loose.entropy),
+                        getattr(args, "loose_window", d.loose.window))
     return EngineConfig(max_draft=getattr(args, "max_draft", d.max_draft),
                         window=args.window, chunk=args.chunk,
                         draft_wait_ms=getattr(args, "draft_wait_ms", d.draft_wait_ms),
                         max_context=getattr(args, "max_context", d.max_context),
                         adaptive=not getattr(args, "no_adaptive", False),
                         max_sessions=max_sessions or d.max_sessions,
-                        max_batch_tokens=getattr(args, "max_batch_tokens", d.max_batch_tokens))
+                        max_batch_tokens=getattr(args, "max_batch_tokens", d.max_batch_tokens),
+                        verify=getattr(args, "verify", d.verify), loose=loose)
 
 
 def default_threads() -> int:
@@ -101,12 +129,19 @@ def check_model_arg(spec: str) -> None:
         resolve_model_path(spec)
 
 
-def check_drafter_arg(spec: str, allowed: tuple[str, ...] = ("none", "mag", "layers", "model")):
-    """Refuse an unknown drafter spec, or a model drafter whose path is missing, before any
-    model loads; returns the parsed ``DrafterSpec``."""
-    from .drafters import parse_drafter_spec
+def check_drafter_arg(spec: str, allowed: tuple[str, ...] | None = None):
+    """Refuse an unknown drafter spec (``allowed``: the kinds this command runs; None: every
+    kind), or a model drafter or GGUF file (a cascade's members included) that is missing,
+    before any model loads; returns the parsed ``DrafterSpec``."""
+    from pathlib import Path
 
-    parsed = parse_drafter_spec(spec, allowed)
-    if parsed.kind == "model":
-        check_model_arg(parsed.arg)
+    from .drafters import FORMS, parse_drafter_spec
+
+    parsed = parse_drafter_spec(spec, tuple(FORMS) if allowed is None else allowed)
+    for member in parsed.members or (parsed,):
+        if member.kind == "model":
+            check_model_arg(member.arg)
+        if member.kind == "llamacpp" and member.arg != "default" and \
+                not Path(member.arg).expanduser().is_file():
+            raise ConfigError(f"llamacpp drafter: GGUF file {member.arg!r} not found")
     return parsed

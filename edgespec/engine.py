@@ -16,8 +16,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from .config import ConfigError, EngineConfig, SamplingParams
+from .config import ConfigError, EngineConfig, SamplingParams, session_verify_mode
+from .draft_planner import ForwardCost, allocate
 from .drafters import DraftLength, Drafter, DraftSession
+from .fleet_table import FleetTable
 from .metrics import Stats
 from .runner import TargetRunner
 from .sampling import verify_batch, with_session_seed
@@ -36,6 +38,9 @@ class Request:
     # output already committed by an earlier verifier (a resumed session); counts towards
     # max_new_tokens
     committed: list[int] = field(default_factory=list)
+    # "": the engine's verification mode; "exact" forces lossless verification on a loose
+    # engine; "loose" is refused unless the engine was configured with verify="loose"
+    verify: str = ""
 
 
 @dataclass
@@ -190,14 +195,15 @@ class SpecEngine:
 
     def __init__(self, target: TargetRunner, drafter: Drafter | None = None,
                  config: EngineConfig | None = None, stop_ids: set[int] | None = None,
-                 store: SessionStore | None = None):
+                 store: SessionStore | None = None, fleet: FleetTable | None = None):
         if store is not None and drafter is not None:
             raise ValueError("give a local drafter or an external store, not both")
         self.target = target
         self.drafter = drafter
         self.cfg = config or EngineConfig()
         self.stop_ids = set(stop_ids or ())
-        self.store = store if store is not None else LocalSessionStore()
+        # fleet: a Cacheback fleet table the local store teaches each finished session's output
+        self.store = store if store is not None else LocalSessionStore(fleet)
         self.worker = DraftWorker(drafter, self.store, self.cfg) if drafter else None
         if self.worker:
             self.worker.start()
@@ -206,6 +212,7 @@ class SpecEngine:
         if self.wait_ms is None:
             self.wait_ms = drafter.wait_ms if drafter else self.store.wait_ms
         self.active: list[_Active] = []
+        self.cost = ForwardCost()  # the measured cost of the verification forward
         self._undelivered: list[_Decided] = []
 
     def close(self) -> None:
@@ -235,6 +242,7 @@ class SpecEngine:
             raise ConfigError(f"prompt token ids must be in [0, {vocab})")
         if len(req.committed) >= req.max_new_tokens:
             raise ConfigError("the resumed session has already produced max_new_tokens")
+        session_verify_mode(req.verify, self.cfg.verify)
 
     def add(self, req: Request, session_id: str | None = None, device: str | None = None
             ) -> _Active:
@@ -257,6 +265,7 @@ class SpecEngine:
         act = _Active(sid, req, slot, DraftLength(self.cfg.max_draft, adaptive=self.cfg.adaptive))
         act.stats.prefill_s = time.perf_counter() - t0
         act.stats.start = t0
+        act.stats.lossy = session_verify_mode(req.verify, self.cfg.verify) == "loose"
         self.active.append(act)
         return act
 
@@ -314,10 +323,9 @@ class SpecEngine:
                                 sum(1 + d.drafted for d in decided), 0.0, 0.0,
                                 time.perf_counter() - t0)
         acts = list(self.active)
-        plans = [a.draft_len.plan() for a in acts]
-        ks = self._draft_budget([k for k, _ in plans])
+        ks = self._draft_budget(self._plan_drafts(acts))
         t0 = time.perf_counter()
-        wants = [DraftWant(a.sid, k, min(k, w)) for a, k, (_, w) in zip(acts, ks, plans)]
+        wants = [DraftWant(a.sid, k, k) for a, k in zip(acts, ks)]
         taken = self.store.take_when_ready(wants, self.wait_ms / 1000)
         batch: list[tuple[_Active, TakenDraft]] = []
         for act, t in zip(acts, taken):
@@ -335,6 +343,7 @@ class SpecEngine:
         t1 = time.perf_counter()
         verdicts = self._verify(batch)
         t2 = time.perf_counter()
+        self.cost.observe(sum(1 + len(t.tokens) for _, t in batch), t2 - t1)
         decided = []
         for (act, t), (n, token) in zip(batch, verdicts):
             if n < 0:
@@ -386,7 +395,9 @@ class SpecEngine:
         rows = [[a.last_token] + t.tokens for a, t in batch]
         logits = self.target.forward([a.slot for a, _ in batch], rows)  # [B, T_max, V]
         return verify_batch(logits, [t.tokens for _, t in batch],
-                            [a.req.params for a, _ in batch], [t.start for _, t in batch])
+                            [a.req.params for a, _ in batch], [t.start for _, t in batch],
+                            [session_verify_mode(a.req.verify, self.cfg.verify) for a, _ in batch],
+                            self.cfg.loose)
 
     def _commit(self, decided: list[_Decided]) -> list[_Decided]:
         """Commit verdicts in the store, then apply the ones it took; returns those."""
@@ -415,6 +426,15 @@ class SpecEngine:
             if act.finish:
                 self._finish(act)
         return applied
+
+    def _plan_drafts(self, acts: list[_Active]) -> list[int]:
+        """Draft tokens each session verifies (and waits for) this step: its adaptive length,
+        cut by the planner to what pays given measured acceptance and forward cost."""
+        caps = [a.draft_len.k for a in acts]
+        if not self.cfg.adaptive:
+            return caps
+        ks = allocate([a.draft_len.alpha for a in acts], caps, self.cost)
+        return [a.draft_len.probe(k) for a, k in zip(acts, ks)]
 
     def _draft_budget(self, ks: list[int]) -> list[int]:
         """Cap the batch at ``max_batch_tokens`` (one own token per session + drafts) by

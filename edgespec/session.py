@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from .config import SamplingParams
+from .fleet_table import MAX_ORDER, FleetTable
 from .sampling import SparseQ
 from .store_api import CommitOutcome, DraftWant, SessionVanished
 
@@ -162,9 +163,11 @@ class LocalSessionStore:
 
     wait_ms = 0.0  # no remote drafter to wait for: the engine's drafter suggests its own
 
-    def __init__(self) -> None:
+    def __init__(self, fleet: FleetTable | None = None) -> None:
         self.cond = threading.Condition()
         self.sessions: dict[str, SessionState] = {}
+        self.fleet = fleet  # taught each session's output when it closes, as the cache does
+
 
     def create(self, session_id: str, prompt: list[int], params: SamplingParams,
                drafter: str | None, max_new_tokens: int = 0,
@@ -217,3 +220,6 @@ class LocalSessionStore:
             if state is not None:
                 state.done = True
             self.cond.notify_all()
+        if state is not None and self.fleet is not None:
+            start = max(0, len(state.prompt) - MAX_ORDER)
+            self.fleet.record(state.tokens[start:], len(state.prompt) - start)

@@ -38,7 +38,8 @@ def _add_security(p: argparse.ArgumentParser, server: bool) -> None:
 
 
 def _add_server(p: argparse.ArgumentParser, roles: tuple[str, ...]) -> None:
-    from edgespec.cli_args import add_engine_args, add_model_args, add_threads_arg
+    from edgespec.cli_args import (add_engine_args, add_model_args, add_threads_arg,
+                                    add_verify_args)
 
     p.add_argument("--listen", default="127.0.0.1:50051",
                    help="HOST:PORT for every gRPC service of this process (default: %(default)s)")
@@ -77,6 +78,7 @@ def _add_server(p: argparse.ArgumentParser, roles: tuple[str, ...]) -> None:
                        help="address for --http-port (default: %(default)s)")
         add_threads_arg(p)
         add_engine_args(p)
+        add_verify_args(p)
     else:  # the cache alone uses only the drafting shape it hands to drafters
         d = EngineConfig()
         p.add_argument("--window", type=int, default=d.window,
@@ -88,7 +90,7 @@ def _add_server(p: argparse.ArgumentParser, roles: tuple[str, ...]) -> None:
 
 
 def cmd_server(args) -> int:
-    from edgespec.cli_args import check_model_arg, engine_config, set_threads
+    from edgespec.cli_args import check_model_arg, engine_config, set_threads, warn_if_lossy
 
     from .server import EdgespecServer, ServerOptions
 
@@ -97,6 +99,7 @@ def cmd_server(args) -> int:
     if "verifier" in args.roles:
         check_model_arg(args.model)
         set_threads(args.threads)
+        warn_if_lossy(engine)
     for name in ("max_drafters", "drain_timeout"):
         if getattr(args, name) < 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 0")
@@ -128,12 +131,13 @@ def cmd_drafter(args) -> int:
     from drafter_node.agent import DrafterAgent
 
     from edgespec.cli_args import check_drafter_arg, set_threads
+    from edgespec.drafters import EDGE_KINDS
     from edgespec.ids import check_device_id
 
     check_device_id(args.device_id)  # before loading a model
     if bool(args.tls_cert) != bool(args.tls_key):
         raise ConfigError("a client certificate needs both --tls-cert and --tls-key")
-    check_drafter_arg(args.drafter, allowed=("mag", "model"))
+    check_drafter_arg(args.drafter, allowed=EDGE_KINDS)
     if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
         raise ConfigError("--metrics-port must be in [0, 65535]")
     set_threads(args.threads)
@@ -182,7 +186,9 @@ def add_cluster_commands(sub) -> None:
     d.add_argument("--cache", default="127.0.0.1:50051", help="draft cache HOST:PORT "
                    "(default: %(default)s)")
     d.add_argument("--device-id", required=True, help="this device's name in the fleet")
-    d.add_argument("--drafter", default="mag", help="mag | model:PATH (default: %(default)s)")
+    d.add_argument("--drafter", default="mag",
+                   help="mag | cacheback | mag+cacheback | model:PATH | llamacpp:FILE.gguf | "
+                        "cascade:SPEC,SPEC,... (default: %(default)s)")
     d.add_argument("--window", type=int, default=None,
                    help="tokens drafted beyond the committed position, W (default: the cache's)")
     d.add_argument("--chunk", type=int, default=None,

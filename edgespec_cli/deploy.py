@@ -24,7 +24,8 @@ def add_deploy_command(sub) -> None:
                    help="the target model on the verifier node: 'default', a transformers "
                         "directory or a .gguf file (default: %(default)s)")
     d.add_argument("--drafter", default="mag",
-                   help="the board drafters: mag | model:PATH (default: %(default)s)")
+                   help="the board drafters: mag | cacheback | mag+cacheback | model:PATH | "
+                        "llamacpp:FILE.gguf | cascade:SPEC,SPEC,... (default: %(default)s)")
     d.add_argument("--drafters-per-board", type=int, default=1,
                    help="drafter actors on each node declaring 'edge' (default: %(default)s)")
     d.add_argument("--verifiers", type=int, default=1,
@@ -74,7 +75,7 @@ def cmd_deploy(args: argparse.Namespace) -> int:
     except ImportError:
         raise ConfigError("edgespec deploy needs Ray: pip install 'edgespec[fleet]'") from None
     from edgespec import fleet
-    from edgespec.drafters import parse_drafter_spec
+    from edgespec.drafters import EDGE_KINDS, parse_drafter_spec
 
     roles = role_actors()
     spec = fleet.DeploySpec(model=args.model, drafter=args.drafter,
@@ -85,7 +86,7 @@ def cmd_deploy(args: argparse.Namespace) -> int:
                             auth_token=args.auth_token or os.environ.get("EDGESPEC_AUTH_TOKEN"),
                             timeout_s=args.timeout)
     if not (args.status or args.down):  # before touching the cluster
-        parse_drafter_spec(args.drafter, allowed=("mag", "model"))
+        parse_drafter_spec(args.drafter, allowed=EDGE_KINDS)
         spec.validate()
     fleet.connect(args.address or os.environ.get("RAY_ADDRESS"))
     if args.status:

@@ -60,15 +60,41 @@ def test_missing_model_is_a_clear_error(tmp_path):
 def test_bench_writes_summary_json(tiny_dir, tmp_path):
     out = tmp_path / "bench.json"
     r = edgespec("bench", "--model", tiny_dir, "--categories", "qa", "translation",
-                 "--max-new-tokens", 12, "--drafters", "mag,layers:2", "--assist-layers", 2,
-                 "--json", out)
+                 "--max-new-tokens", 12, "--drafters", "mag;cacheback;cascade:layers:2,mag",
+                 "--assist-layers", 2, "--loose", "mag", "--skip-llamacpp", "--json", out)
     assert r.returncode == 0, r.stderr
     report = json.loads(out.read_text())
     summary = report["summary"]
     for key in ("speedup_vs_target_only", "speedup_vs_hf_generate",
-                "speedup_vs_hf_prompt_lookup", "lossless"):
+                "speedup_vs_hf_prompt_lookup", "per_category_speedup_vs_target_only", "lossless"):
         assert key in summary
     assert summary["lossless"] is True
-    assert {r["method"] for r in report["results"]} >= {
-        "target_only", "hf_generate", "hf_prompt_lookup", "hf_assisted", "edgespec:mag"}
-    assert "== qa ==" in r.stdout and "[1/" in r.stderr  # tables and progress
+    drafters = summary["drafters"]
+    assert set(drafters) == {"mag", "cacheback", "cascade:layers:2,mag", "loose:mag"}
+    assert summary["method"] in {f"edgespec:{d}" for d in drafters}
+    assert drafters["loose:mag"]["lossless"] is False and "token_match_rate" in drafters["loose:mag"]
+    for name in ("mag", "cacheback", "cascade:layers:2,mag"):
+        fig = drafters[name]
+        assert fig["lossless"] is True and fig["speedup_vs_target_only"] > 0
+        assert set(fig["per_category_speedup_vs_target_only"]) == {"qa", "translation"}
+    results = report["results"]
+    assert {r["method"] for r in results} >= {
+        "target_only", "hf_generate", "hf_prompt_lookup", "hf_assisted", "edgespec:mag",
+        "edgespec-loose:mag"}
+    loose = [r for r in results if r["method"] == "edgespec-loose:mag"]
+    assert all(r["stats"]["lossless"] is False and 0 <= r["token_match_rate"] <= 1
+               for r in loose)
+    assert all(r["stats"]["lossless"] is True for r in results
+               if r["method"].startswith("edgespec:"))
+    # translation has references in Spec-Bench: every method's output is scored against them
+    assert all("task_score" in r for r in results if r["category"] == "translation")
+    row = report["categories"]["all"]["edgespec:cacheback"]
+    assert row["tokens_per_forward"] >= 1 and row["forward_ms_per_token"] > 0
+    [levels] = report["cascade_levels"].values()
+    assert levels[0]["upper"] == "layers:2" and levels[0]["lower"] == "mag"
+    warm = report["fleet_warm"]
+    assert warm["entries_pulled_by_b"] > 0
+    for cat in ("qa", "translation"):
+        both = warm["categories"][cat]
+        assert both["cold"]["identical_to_target_only"] and both["warm"]["identical_to_target_only"]
+    assert "== qa ==" in r.stdout and "[1/" in r.stderr and "fleet table cold" in r.stdout

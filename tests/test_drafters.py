@@ -107,14 +107,16 @@ def test_drafter_specs_are_parsed_with_clear_errors(tiny, tiny_draft_dir, tmp_pa
     assert build_drafter(f"model:{tiny_draft_dir}", tiny).name.startswith("model:")
 
 
-def test_plan_falls_back_to_plain_decoding_where_drafts_do_not_pay():
+def test_alpha_follows_acceptance_and_probes_come_back():
     k = DraftLength(k_max=4)
-    assert k.plan() == (4, 4)  # no evidence yet: wait for a full draft
+    assert k.alpha == 0.5  # the prior
     for _ in range(10):
-        k.update(1, 0)  # every draft rejected
-    plans = [k.plan() for _ in range(16)]
-    assert plans.count((0, 0)) == 14  # neither verify nor wait ...
-    assert plans.count((1, 1)) == 2  # ... except a probe every 8th step
+        k.update(4, 0)  # every draft rejected at once
+    low = k.alpha
+    assert low < 0.05
+    probes = [k.probe(0) for _ in range(16)]
+    assert probes.count(0) == 14 and probes.count(1) == 2  # a short probe every 8th step
+    assert k.probe(3) == 3  # a planned draft goes through unchanged
     for _ in range(5):
-        k.update(1, 1)
-    assert k.plan()[1] > 0  # drafts pay again: waiting resumes
+        k.update(4, 4)
+    assert k.alpha > 0.8 > low

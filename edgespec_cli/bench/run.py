@@ -2,13 +2,17 @@
 
 Methods: edgespec's own runner with no drafter (target-only), transformers ``generate()``
 (target-only), transformers prompt-lookup decoding, transformers assisted generation with the
-layer-skip self-draft (``assistant_early_exit``), and edgespec with each drafter asked for.
-Prints a table per category and writes JSON. Throughput is end to end (prefill included) for every
-method; edgespec rows also carry decode-only figures.
+layer-skip self-draft (``assistant_early_exit``), llama.cpp alone and its prompt lookup (when
+``llama-cpp-python`` is installed; they decode the GGUF, a quantised model, so their outputs
+differ), edgespec with each drafter asked for, and edgespec with loose verification (lossy,
+marked so). Prints a table per category and writes JSON. Throughput is end to end (prefill
+included) for every method; edgespec rows also carry decode-only figures. With a Cacheback
+drafter, the fleet table's warm-up is measured too (``fleet_warm``).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import sys
 import time
@@ -20,9 +24,13 @@ import torch
 
 from edgespec.config import ConfigError, SamplingParams
 
-CATEGORIES = ["mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag"]
+from .drift import first_reference, task_score, token_match_rate
+from .report import CATEGORIES, LOOSE_PREFIX, print_tables, summarize
+
 SPEC_BENCH = {"translation", "summarization", "qa", "math_reasoning", "rag"}  # else mt_bench
-BASELINES = ["target_only", "hf_generate", "hf_prompt_lookup", "hf_assisted"]
+HF_METHODS = ["hf_generate", "hf_prompt_lookup", "hf_assisted"]
+LLAMACPP_METHODS = ["llamacpp_target_only", "llamacpp_prompt_lookup"]
+DEFAULT_DRAFTERS = "mag;cacheback;mag+cacheback;layers:4;cascade:layers:4,mag"
 
 
 def add_bench_args(p) -> None:
@@ -33,8 +41,13 @@ def add_bench_args(p) -> None:
     p.add_argument("--max-new-tokens", type=int, default=128, help="(default: %(default)s)")
     p.add_argument("--full", action="store_true",
                    help="all 480 questions (overrides --categories and --per-category)")
-    p.add_argument("--drafters", default="mag,layers:4",
-                   help="comma-separated edgespec drafters to run (default: %(default)s)")
+    p.add_argument("--drafters", default=DEFAULT_DRAFTERS,
+                   help="edgespec drafters to run, separated by ';' (or by ',' when no cascade "
+                        "is among them); llamacpp:default is added when llama-cpp-python is "
+                        "installed (default: %(default)s)")
+    p.add_argument("--loose", default="mag", metavar="SPEC",
+                   help="also run this drafter with loose verification (lossy: reported with "
+                        "its drift from target-only); 'none' skips it (default: %(default)s)")
     p.add_argument("--assist-layers", type=int, default=4,
                    help="layers of the self-draft for transformers' assisted generation "
                         "(default: %(default)s)")
@@ -44,8 +57,17 @@ def add_bench_args(p) -> None:
                         "(default: %(default)s)")
     p.add_argument("--skip-hf", action="store_true",
                    help="skip the transformers baselines (faster; no speedup_vs_hf_* figures)")
+    p.add_argument("--skip-llamacpp", action="store_true",
+                   help="skip llama.cpp's baselines and drafter even when it is installed")
+    p.add_argument("--no-fleet-warm", action="store_true",
+                   help="skip the Cacheback fleet-table warm-up run")
     p.add_argument("--json", dest="json_out", default="bench-results/bench.json",
                    help="where to write the JSON results (default: %(default)s)")
+
+
+def split_drafters(text: str) -> list[str]:
+    sep = ";" if ";" in text else ","
+    return [d.strip() for d in text.split(sep) if d.strip()]
 
 
 def load_questions(categories: list[str], per_category: int, full: bool) -> list[dict]:
@@ -57,7 +79,8 @@ def load_questions(categories: list[str], per_category: int, full: bool) -> list
         if not full and (cat not in categories or seen[cat] >= per_category):
             continue
         seen[cat] += 1
-        picked.append({"id": q["question_id"], "category": cat, "prompt": q["turns"][0]})
+        picked.append({"id": q["question_id"], "category": cat, "prompt": q["turns"][0],
+                       "reference": first_reference(q)})
     return picked
 
 
@@ -86,8 +109,8 @@ class HFBaselines:
         return out[0, len(ids):].tolist()
 
 
-def _rate(tokens: int, seconds: float) -> float:
-    return tokens / seconds if seconds > 0 else 0.0
+def llamacpp_installed() -> bool:
+    return importlib.util.find_spec("llama_cpp") is not None
 
 
 def run_bench(args) -> int:
@@ -97,16 +120,33 @@ def run_bench(args) -> int:
     questions = load_questions(args.categories, args.per_category, args.full)
     if not questions:
         raise ConfigError("no questions selected")
-    drafters = [d.strip() for d in args.drafters.split(",") if d.strip()]
+    drafters = split_drafters(args.drafters)
+    use_llamacpp = llamacpp_installed() and not args.skip_llamacpp
+    if use_llamacpp and not any(d.startswith("llamacpp:") for d in drafters):
+        drafters.append("llamacpp:default")
+    loose = None if args.loose in ("", "none") else args.loose
     check_model_arg(args.model)
-    for d in drafters:
+    for d in drafters + ([loose] if loose else []):
         check_drafter_arg(d)
     threads = set_threads(args.threads)
-    print(f"torch threads: {threads}", file=sys.stderr)
-    gen = LocalGenerator(args.model, "none", args.device, args.dtype, engine_config(args, 2))
+    _log(f"torch threads: {threads}")
+    cfg = engine_config(args, 2)
+    gen = LocalGenerator(args.model, "none", args.device, args.dtype, cfg)
+    loose_gen = None
+    if loose:
+        from dataclasses import replace
+
+        loose_gen = LocalGenerator(gen.target, "none", args.device, args.dtype,
+                                   replace(cfg, verify="loose"))
     hf = None if args.skip_hf else HFBaselines(gen.target.model, gen.stop_ids, args.assist_layers)
-    methods = ["target_only"] + ([] if hf is None else BASELINES[1:]) + \
-              [f"edgespec:{d}" for d in drafters]
+    gguf = None
+    if use_llamacpp:
+        from edgespec.models import default_model_gguf
+
+        gguf = default_model_gguf()
+    methods = ["target_only"] + ([] if hf is None else HF_METHODS) + \
+              (LLAMACPP_METHODS if gguf else []) + [f"edgespec:{d}" for d in drafters] + \
+              ([f"{LOOSE_PREFIX}{loose}"] if loose else [])
     greedy = SamplingParams()
 
     def run_one(method: str, ids: list[int], max_new: int) -> dict:
@@ -114,22 +154,28 @@ def run_bench(args) -> int:
         if method.startswith("hf_"):
             out = hf.run(method, ids, max_new)
             return {"token_ids": out, "seconds": time.perf_counter() - t0}
-        drafter = "none" if method == "target_only" else method.split(":", 1)[1]
-        g = gen.generate(ids, max_new, greedy, drafter=drafter)
-        s = g.stats
-        return {"token_ids": g.token_ids, "seconds": time.perf_counter() - t0,
+        if method.startswith("llamacpp_"):
+            from .llamacpp_baseline import llamacpp_prompt_lookup, llamacpp_target_only
+
+            run = llamacpp_prompt_lookup if method.endswith("lookup") else llamacpp_target_only
+            out = run(gguf, ids, max_new, gen.stop_ids)
+            return {"token_ids": out, "seconds": time.perf_counter() - t0}
+        g, drafter = _generator_for(method, gen, loose_gen)
+        res = g.generate(ids, max_new, greedy, drafter=drafter)
+        s = res.stats
+        return {"token_ids": res.token_ids, "seconds": time.perf_counter() - t0,
                 "decode_seconds": s.elapsed_s - s.prefill_s, "stats": s.to_dict()}
 
     _log(f"warming up {len(methods)} methods")
     warm_ids = gen.encode("Say hello.")
     for m in methods:
         run_one(m, warm_ids, 4)
-    records = []
-    total = len(questions) * len(methods)
-    done = 0
-    t_start = time.perf_counter()
+
     def run_best(method: str, ids: list[int]) -> dict:
-        drafter = gen.engine(method.split(":", 1)[1]).drafter if ":" in method else None
+        drafter = None
+        if method.startswith(("edgespec:", LOOSE_PREFIX)):
+            g, spec = _generator_for(method, gen, loose_gen)
+            drafter = g.engine(spec).drafter
         state = drafter.snapshot() if drafter else None
         best = None
         for i in range(max(1, args.repeat)):
@@ -142,28 +188,45 @@ def run_bench(args) -> int:
             best = r if best is None or r["seconds"] < best["seconds"] else best
         return best
 
+    records, refs, encoded = [], {}, []
+    total, done, t_start = len(questions) * len(methods), 0, time.perf_counter()
     for q in questions:
         ids = gen.encode(q["prompt"])
-        ref = None
+        encoded.append(ids)
         for m in methods:
             r = run_best(m, ids)
             done += 1
             if m == "target_only":
-                ref = r["token_ids"]
+                refs[q["id"]] = r["token_ids"]
+            ref = refs[q["id"]]
             r.update(question_id=q["id"], category=q["category"], method=m,
                      prompt_tokens=len(ids), tokens=len(r["token_ids"]),
                      identical_to_target_only=r.get("identical_to_target_only", True)
-                     and r["token_ids"] == ref)
+                     and r["token_ids"] == ref,
+                     token_match_rate=round(token_match_rate(r["token_ids"], ref), 4))
+            if q["reference"] is not None:
+                text = gen.target.tokenizer.decode(r["token_ids"], skip_special_tokens=True)
+                r["task_score"] = round(task_score(text, q["reference"]), 4)
             records.append(r)
             eta = (time.perf_counter() - t_start) / done * (total - done)
-            _log(f"[{done}/{total}] {q['category']:<15} q{q['id']:<4} {m:<22} "
-                 f"{_rate(r['tokens'], r['seconds']):6.1f} tok/s"
+            _log(f"[{done}/{total}] {q['category']:<15} q{q['id']:<4} {m:<26} "
+                 f"{r['tokens'] / max(r['seconds'], 1e-9):6.1f} tok/s"
                  f"{'' if r['identical_to_target_only'] else '  (differs from target-only)'}"
                  f"  eta {eta:4.0f}s")
-    report = summarize(records, methods, drafters)
+    report = summarize(records, methods)
+    levels = {m: gen.engine(m.split(":", 1)[1]).drafter.level_stats() for m in methods
+              if m.startswith("edgespec:cascade:")}
+    if levels:
+        report["cascade_levels"] = levels
+    if not args.no_fleet_warm and any("cacheback" in d for d in drafters):
+        from .fleet_warm import run_fleet_warm
+
+        report["fleet_warm"] = run_fleet_warm(gen, questions, encoded, refs,
+                                              args.max_new_tokens, _log)
     report["config"] = {"model": gen.target.name, "device": args.device, "dtype": args.dtype,
                         "max_new_tokens": args.max_new_tokens, "questions": len(questions),
                         "threads": torch.get_num_threads(), "drafters": drafters,
+                        "loose": loose, "loose_params": vars(cfg.loose),
                         "max_draft": args.max_draft, "window": args.window,
                         "repeat": args.repeat}
     report["results"] = records
@@ -173,74 +236,18 @@ def run_bench(args) -> int:
     out.write_text(json.dumps(report, indent=1))
     _log(f"wrote {out}")
     gen.close()
+    if loose_gen is not None:
+        loose_gen.close()
     return 0
 
 
-def _aggregate(rows: list[dict]) -> dict:
-    tokens = sum(r["tokens"] for r in rows)
-    seconds = sum(r["seconds"] for r in rows)
-    agg = {"tokens": tokens, "seconds": round(seconds, 3),
-           "tokens_per_s": round(_rate(tokens, seconds), 3),
-           "identical_to_target_only": all(r["identical_to_target_only"] for r in rows)}
-    if rows and "stats" in rows[0]:
-        drafts = sum(r["stats"]["num_drafts"] for r in rows)
-        drafted = sum(r["stats"]["drafted"] for r in rows)
-        accepted = sum(r["stats"]["accepted"] for r in rows)
-        steps = sum(r["stats"]["steps"] for r in rows)
-        decode = sum(r["decode_seconds"] for r in rows)
-        agg.update(mean_acceptance_length=round(1 + accepted / drafts, 3) if drafts else 1.0,
-                   acceptance_rate=round(accepted / drafted, 3) if drafted else 0.0,
-                   tokens_per_step=round(tokens / steps, 3) if steps else 0.0,
-                   decode_tokens_per_s=round(_rate(tokens, decode), 3))
-    return agg
-
-
-def summarize(records: list[dict], methods: list[str], drafters: list[str]) -> dict:
-    by = defaultdict(list)
-    for r in records:
-        by[(r["category"], r["method"])].append(r)
-        by[("all", r["method"])].append(r)
-    cats = sorted({r["category"] for r in records}, key=CATEGORIES.index) + ["all"]
-    table = {c: {m: _aggregate(by[(c, m)]) for m in methods} for c in cats}
-    for c in cats:
-        for m in methods:
-            row = table[c][m]
-            for base in BASELINES:
-                if base in table[c] and table[c][base]["tokens_per_s"]:
-                    row[f"speedup_vs_{base}"] = round(
-                        row["tokens_per_s"] / table[c][base]["tokens_per_s"], 3)
-    edgespec = [m for m in methods if m.startswith("edgespec:")]
-    main = "edgespec:mag" if "edgespec:mag" in methods else (edgespec[0] if edgespec else None)
-    summary = {"method": main,
-               "lossless": all(r["identical_to_target_only"] for r in records
-                               if r["method"].startswith("edgespec:"))}
-    if main:
-        row = table["all"][main]
-        for base in BASELINES:
-            if f"speedup_vs_{base}" in row:
-                summary[f"speedup_vs_{base}"] = row[f"speedup_vs_{base}"]
-        summary["per_category_speedup_vs_target_only"] = {
-            c: table[c][main].get("speedup_vs_target_only") for c in cats if c != "all"}
-    return {"summary": summary, "categories": table}
-
-
-def print_tables(report: dict, methods: list[str]) -> None:
-    cols = [("tok/s", "tokens_per_s", "{:7.1f}"), ("x target", "speedup_vs_target_only", "{:8.2f}"),
-            ("x hf gen", "speedup_vs_hf_generate", "{:8.2f}"),
-            ("x hf pld", "speedup_vs_hf_prompt_lookup", "{:8.2f}"),
-            ("MAL", "mean_acceptance_length", "{:5.2f}"), ("acc", "acceptance_rate", "{:5.2f}"),
-            ("same", "identical_to_target_only", "{!s:>5}")]
-    for cat, rows in report["categories"].items():
-        print(f"\n== {cat} ==")
-        print(f"{'method':<22}" + " ".join(f"{h:>{len(fmt.format(0))}}" for h, _, fmt in cols))
-        for m in methods:
-            row = rows[m]
-            cells = []
-            for _, key, fmt in cols:
-                width = len(fmt.format(0))
-                cells.append(fmt.format(row[key]) if key in row else "-".rjust(width))
-            print(f"{m:<22}" + " ".join(cells))
-    print("\nsummary:", json.dumps(report["summary"]))
+def _generator_for(method: str, gen, loose_gen):
+    """(the LocalGenerator, the drafter spec) an edgespec method runs with."""
+    if method == "target_only":
+        return gen, "none"
+    if method.startswith(LOOSE_PREFIX):
+        return loose_gen, method[len(LOOSE_PREFIX):]
+    return gen, method.split(":", 1)[1]
 
 
 def _log(msg: str) -> None:
