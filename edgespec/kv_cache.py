@@ -79,6 +79,14 @@ class KVCache:
         self.k[layer][idx] = k
         self.v[layer][idx] = v
 
+    def move(self, slot: int, src: list[int], dst: list[int]) -> None:
+        """Copy the keys/values at positions ``src`` of a slot to positions ``dst``, in every
+        layer (the source entries are read before any is overwritten)."""
+        src_t = torch.as_tensor(src, dtype=torch.long, device=self.k[0].device)
+        dst_t = torch.as_tensor(dst, dtype=torch.long, device=self.k[0].device)
+        for cache in self.k + self.v:
+            cache[slot, :, dst_t] = cache[slot, :, src_t]  # the gather copies first
+
     def read(self, layer: int, slots: torch.Tensor, contiguous_from: int | None,
              n_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of positions [0, n_pos) for the step's slots: [B, kv_heads, n_pos, hd]."""

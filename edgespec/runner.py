@@ -7,7 +7,9 @@ positions, grouped-query attention, gated SiLU MLP) with its own static KV cache
 - one forward verifies a draft of k tokens ([last committed token] + draft);
 - one forward serves many sessions with different context and draft lengths (rows are padded to
   the longest; each row has its own positions and causal mask);
-- rejected positions are dropped by moving the slot's length pointer back.
+- rejected positions are dropped by moving the slot's length pointer back;
+- a token tree (``edgespec.tree_verify``) is verified in one forward with a tree attention mask
+  (``forward_tree``), and its accepted path moved into place (``compact``).
 
 The layer-skip self-draft is the same runner over the first L layers, with the final norm and head.
 """
@@ -19,6 +21,7 @@ import torch.nn.functional as F
 
 from .config import ConfigError
 from .kv_cache import KVCache, contiguous_start
+from .tree_verify import DraftTree, check_token
 
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2")
 
@@ -180,16 +183,84 @@ class TargetRunner:
         for s, st in zip(slots, starts):
             self.cache.check_room(s, st, T)
         dev = self.device
-        tokens = torch.zeros(B, T, dtype=torch.long)
-        for i, r in enumerate(rows):
-            tokens[i, : len(r)] = torch.as_tensor(r, dtype=torch.long)
-        tokens = tokens.to(dev)
+        tokens = _pad_rows(rows, T).to(dev)
         start_t = torch.as_tensor(starts, dtype=torch.long, device=dev)
         pos = start_t[:, None] + torch.arange(T, device=dev)[None, :]  # [B, T]
         n_pos = max(starts) + T
         # causal mask over the slot: row b's token t sees keys at positions <= its own
         mask = (torch.arange(n_pos, device=dev)[None, None, :] <= pos[:, :, None])[:, None]
-        cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]  # [B, 1, T, hd]
+        x = self._run_layers(slots, tokens, pos, pos, mask, n_pos)
+        if logits == "none":
+            return None
+        if logits == "last":
+            last = torch.as_tensor([len(r) - 1 for r in rows], device=dev)
+            x = x[torch.arange(B, device=dev), last]  # [B, H]
+        return self.lm_head(self._rms(x, self.norm)).float()
+
+    @torch.inference_mode()
+    def forward_tree(self, slots: list[int], roots: list[int], trees: list[DraftTree]
+                     ) -> torch.Tensor:
+        """Score token trees: one tree per slot, each hanging from its root (the slot's last
+        committed token, not yet in the KV), all in one forward pass.
+
+        Row b holds [root] + trees[b].tokens, stored at the slot's length L onwards in node
+        order (node i at L + 1 + i), but positioned by depth (node i at L + depth(i)): a token
+        sees the slot's prefix, the root and its own ancestors only, so each node's logits are
+        those of the chain root -> ... -> node (up to float rounding). Writes keys/values
+        without moving the length pointer; ``compact`` then keeps the accepted path. Returns
+        [B, 1 + N_max, V] float32: row 0 scores the root's successor, row 1 + i node i's (rows
+        past a tree's end are padding).
+        """
+        if not len(slots) == len(roots) == len(trees) >= 1:
+            raise ValueError("forward_tree needs one root and one tree per slot")
+        for root, tree in zip(roots, trees):
+            tree.check(self.vocab_size)
+            check_token(root, self.vocab_size, "root token")
+        T = 1 + max(len(t) for t in trees)
+        starts = [self.cache.lengths[s] for s in slots]
+        for s, st in zip(slots, starts):
+            self.cache.check_room(s, st, T)
+        dev = self.device
+        tokens = _pad_rows([[r] + list(t.tokens) for r, t in zip(roots, trees)], T).to(dev)
+        start_t = torch.as_tensor(starts, dtype=torch.long, device=dev)
+        store = start_t[:, None] + torch.arange(T, device=dev)[None, :]  # [B, T]
+        depth = torch.stack([_row_depths(t, T) for t in trees]).to(dev)  # [B, T]
+        rope = start_t[:, None] + depth
+        n_pos = max(starts) + T
+        keys = torch.arange(n_pos, device=dev)
+        prefix = keys[None, None, :] < start_t[:, None, None]  # [B, 1, n_pos]
+        # within the row's own T positions: self and ancestors (padding: causal, never used)
+        own = torch.zeros(len(trees), T, n_pos, dtype=torch.bool)
+        for b, (st, tree) in enumerate(zip(starts, trees)):
+            own[b, :, st:st + T] = _row_ancestors(tree, T)
+        mask = (prefix | own.to(dev))[:, None]  # [B, 1, T, n_pos]
+        x = self._run_layers(slots, tokens, store, rope, mask, n_pos)
+        return self.lm_head(self._rms(x, self.norm)).float()
+
+    def compact(self, slot: int, path: list[int]) -> None:
+        """Keep a verified tree's accepted path: move the keys/values of nodes ``path`` (node
+        indices, root to leaf) to the positions right after the root, and set the slot's length
+        to cover root + path, as if the chain root + path had been verified. Call it right
+        after ``forward_tree`` on this slot (the length pointer still at the root)."""
+        root = self.cache.lengths[slot]
+        path = [int(i) for i in path]
+        if any(b <= a for a, b in zip(path, path[1:])) or (path and path[0] < 0):
+            raise ValueError(f"a path is increasing node indices >= 0, got {path}")
+        end = root + 1 + len(path)
+        self.cache.check_room(slot, root + 1, (path[-1] + 1) if path else 0)
+        if any(i != j for j, i in enumerate(path)):
+            self.cache.move(slot, [root + 1 + i for i in path],
+                            [root + 1 + j for j in range(len(path))])
+        self.cache.commit(slot, end)
+
+    def _run_layers(self, slots: list[int], tokens: torch.Tensor, store: torch.Tensor,
+                    rope: torch.Tensor, mask: torch.Tensor, n_pos: int) -> torch.Tensor:
+        """The decoder layers over tokens [B, T]: keys/values written at KV positions
+        ``store`` [B, T], rotary positions ``rope`` [B, T], attention ``mask`` [B, 1, T, n_pos]
+        over the slots' first n_pos positions. Returns the last hidden states [B, T, H]."""
+        B, T = tokens.shape
+        dev = self.device
+        cos, sin = self.cos[rope][:, None], self.sin[rope][:, None]  # [B, 1, T, hd]
         slot_t = torch.as_tensor(slots, dtype=torch.long, device=dev)
         run_from = contiguous_start(slots)
         nh, kvh, hd = self.n_heads, self.kv_heads, self.head_dim
@@ -201,19 +272,14 @@ class TargetRunner:
             q, k, v = qkv.split([nh * hd, kvh * hd, kvh * hd], dim=-1)
             q = self._rotate(q.view(B, T, nh, hd).transpose(1, 2), cos, sin)  # [B, nh, T, hd]
             k = self._rotate(k.view(B, T, kvh, hd).transpose(1, 2), cos, sin)
-            self.cache.write(li, slot_t, pos, k.transpose(1, 2), v.view(B, T, kvh, hd))
+            self.cache.write(li, slot_t, store, k.transpose(1, 2), v.view(B, T, kvh, hd))
             keys, values = self.cache.read(li, slot_t, run_from, n_pos)
             att = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
                                                  enable_gqa=kvh != nh)
             x = x + layer.o(att.transpose(1, 2).reshape(B, T, nh * hd))
             gate, up = layer.gate_up(self._rms(x, layer.ln2)).chunk(2, dim=-1)
             x = x + layer.down(F.silu(gate) * up)
-        if logits == "none":
-            return None
-        if logits == "last":
-            last = torch.as_tensor([len(r) - 1 for r in rows], device=dev)
-            x = x[torch.arange(B, device=dev), last]  # [B, H]
-        return self.lm_head(self._rms(x, self.norm)).float()
+        return x
 
     def prefill(self, slot: int, tokens: list[int], chunk: int = 512) -> None:
         """Write a prompt's keys/values into a fresh slot, in chunks (no logits computed)."""
@@ -223,3 +289,31 @@ class TargetRunner:
             part = tokens[i:i + chunk]
             self.forward([slot], [part], logits="none")
             self.commit(slot, i + len(part))
+
+
+def _pad_rows(rows: list[list[int]], T: int) -> torch.Tensor:
+    """Token rows right-padded with 0 to length T: [B, T] long (on CPU)."""
+    tokens = torch.zeros(len(rows), T, dtype=torch.long)
+    for i, r in enumerate(rows):
+        tokens[i, : len(r)] = torch.as_tensor(r, dtype=torch.long)
+    return tokens
+
+
+def _row_depths(tree: DraftTree, T: int) -> torch.Tensor:
+    """Depth of each row of [root] + tree, padded to T with consecutive values: [T] long."""
+    depths = [0] + tree.depths()
+    depths += range(len(depths), T)
+    return torch.as_tensor(depths, dtype=torch.long)
+
+
+def _row_ancestors(tree: DraftTree, T: int) -> torch.Tensor:
+    """[T, T] bool: row t of [root] + tree sees row u iff u is t or one of its ancestors
+    (padding rows: causal)."""
+    seen = torch.ones(T, T, dtype=torch.bool).tril()
+    n = len(tree)
+    seen[: n + 1] = False
+    seen[0, 0] = True
+    for i, parent in enumerate(tree.parents):
+        seen[1 + i] = seen[1 + parent]  # a root parent (-1) is row 0
+        seen[1 + i, 1 + i] = True
+    return seen

@@ -223,6 +223,18 @@ def test_a_malformed_chunk_on_the_stream_is_refused_and_the_stream_goes_on(cache
     s.close()
 
 
+def test_a_tree_draft_is_refused_until_the_cache_stores_trees(cache, store):
+    store.create("s1", [1, 2, 3], SamplingParams(), "dev1")
+    tree = pb.DraftChunk(session_id="s1", epoch=0, start=3, tokens=[5, 6, 7],
+                         tree_parents=[-1, -1, 0], tree_version=1)
+    with pytest.raises(grpc.RpcError) as e:
+        cache.push(tree, device="dev1")
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "tree" in e.value.details()
+    assert draft_len(store, "s1") == 0
+    chain = pb.DraftChunk(session_id="s1", epoch=0, start=3, tokens=[5, 6], tree_version=0)
+    assert cache.push(chain, device="dev1").kept == 2
+
+
 # -- 4. per-device credentials --------------------------------------------------------------------
 TOKENS = {"dev-a": "token-a-0123456789", "dev-b": "token-b-0123456789"}
 SHARED = "shared-0123456789"

@@ -187,20 +187,24 @@ class Register(_message.Message):
     def __init__(self, device_id: _Optional[str] = ..., draft_model: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ..., max_sessions: _Optional[int] = ...) -> None: ...
 
 class DraftChunk(_message.Message):
-    __slots__ = ("session_id", "epoch", "start", "tokens", "q", "idle")
+    __slots__ = ("session_id", "epoch", "start", "tokens", "q", "idle", "tree_parents", "tree_version")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     Q_FIELD_NUMBER: _ClassVar[int]
     IDLE_FIELD_NUMBER: _ClassVar[int]
+    TREE_PARENTS_FIELD_NUMBER: _ClassVar[int]
+    TREE_VERSION_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     epoch: int
     start: int
     tokens: _containers.RepeatedScalarFieldContainer[int]
     q: _containers.RepeatedCompositeFieldContainer[SparseQ]
     idle: bool
-    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., start: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., q: _Optional[_Iterable[_Union[SparseQ, _Mapping]]] = ..., idle: _Optional[bool] = ...) -> None: ...
+    tree_parents: _containers.RepeatedScalarFieldContainer[int]
+    tree_version: int
+    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., start: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., q: _Optional[_Iterable[_Union[SparseQ, _Mapping]]] = ..., idle: _Optional[bool] = ..., tree_parents: _Optional[_Iterable[int]] = ..., tree_version: _Optional[int] = ...) -> None: ...
 
 class DrafterMessage(_message.Message):
     __slots__ = ("register", "chunk")

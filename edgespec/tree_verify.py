@@ -1,0 +1,185 @@
+"""Token trees: verifying several candidate continuations in one forward pass (SpecInfer,
+CARD's beam tree).
+
+A draft tree is (tokens, parents): node i holds tokens[i] and hangs from node parents[i], or from
+the root (-1): the session's last committed token. Parents come first (parents[i] < i), so node
+order is a topological order and every root-to-node path is a chain of increasing indices.
+
+Verification walks from the root: at the current node the target decides its next token (greedy:
+the argmax; sampling: the position-keyed sample of ``edgespec.sampling`` at the absolute position
+of that token); if a child of the current node holds that token, the walk moves to it, else it
+stops and emits the token. The accepted path is then the longest one that target-only decoding
+would have produced, and the emitted tokens are exactly target-only decoding's: the keyed sample
+at a position depends on (seed, position, the target's distribution there) only, never on which
+candidates were drafted. A chain is the tree whose node i hangs from node i - 1, and gives
+exactly ``verify_greedy`` / ``verify_keyed``'s verdict.
+
+``TargetRunner.forward_tree`` computes the logits of every node with a tree attention mask;
+``TargetRunner.compact`` keeps the accepted path's keys/values; ``step_tree`` ties the three.
+"""
+
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Sequence
+
+import torch
+
+from .config import SamplingParams
+from .sampling import _seed_of, filtered_logits, keyed_choice
+
+if TYPE_CHECKING:
+    from .runner import TargetRunner
+
+MAX_TREE_NODES = 64  # the most nodes a tree may have unless the caller says otherwise
+
+
+def check_token(x, vocab_size: int, what: str = "token") -> int:
+    """``x`` as a token id in [0, vocab_size), or ValueError."""
+    if not isinstance(x, numbers.Integral) or isinstance(x, bool) or not 0 <= x < vocab_size:
+        raise ValueError(f"{what} must be a token id in [0, {vocab_size}), got {x!r}")
+    return int(x)
+
+
+@dataclass(frozen=True)
+class DraftTree:
+    """A draft tree: node i holds ``tokens[i]`` and hangs from node ``parents[i]`` (-1: the
+    root). Construction checks the shape (equal lengths, -1 <= parents[i] < i); ``check`` adds
+    the vocabulary and size limits."""
+
+    tokens: tuple[int, ...]
+    parents: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        tokens, parents = list(self.tokens), list(self.parents)
+        if len(tokens) != len(parents):
+            raise ValueError(f"a tree needs one parent per token: {len(tokens)} tokens, "
+                             f"{len(parents)} parents")
+        for i, p in enumerate(parents):
+            if not isinstance(p, numbers.Integral) or isinstance(p, bool) or not -1 <= p < i:
+                raise ValueError(f"parents[{i}] must be -1 (the root) or an earlier node "
+                                 f"in [0, {i}), got {p!r}")
+        for i, t in enumerate(tokens):
+            if not isinstance(t, numbers.Integral) or isinstance(t, bool) or t < 0:
+                raise ValueError(f"tokens[{i}] must be a token id, got {t!r}")
+        object.__setattr__(self, "tokens", tuple(int(t) for t in tokens))
+        object.__setattr__(self, "parents", tuple(int(p) for p in parents))
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def check(self, vocab_size: int, max_nodes: int = MAX_TREE_NODES) -> "DraftTree":
+        """Refuse (ValueError) a tree with a token outside the vocabulary or too many nodes."""
+        if len(self) > max_nodes:
+            raise ValueError(f"a tree has at most {max_nodes} nodes, got {len(self)}")
+        for i, t in enumerate(self.tokens):
+            check_token(t, vocab_size, f"tokens[{i}]")
+        return self
+
+    # -- shape -------------------------------------------------------------------------------
+    def depths(self) -> list[int]:
+        """Depth of each node: 1 for a child of the root."""
+        out: list[int] = []
+        for p in self.parents:
+            out.append(1 if p < 0 else out[p] + 1)
+        return out
+
+    def children(self) -> dict[int, list[int]]:
+        """Node -> its children in node order; key -1 is the root. Leaves are absent."""
+        out: dict[int, list[int]] = {}
+        for i, p in enumerate(self.parents):
+            out.setdefault(p, []).append(i)
+        return out
+
+    def path_to(self, node: int) -> list[int]:
+        """The nodes from the root's child down to ``node`` (empty for the root, -1)."""
+        path = []
+        while node >= 0:
+            path.append(node)
+            node = self.parents[node]
+        return path[::-1]
+
+    # -- construction ------------------------------------------------------------------------
+    @classmethod
+    def chain(cls, tokens: Sequence[int]) -> "DraftTree":
+        """A chain draft as a tree: node i hangs from node i - 1."""
+        return cls(tuple(tokens), tuple(range(-1, len(tokens) - 1)))
+
+    @classmethod
+    def from_branches(cls, branches: Sequence[Sequence[int]]) -> "DraftTree":
+        """The prefix tree (trie) of several candidate continuations: branches sharing a prefix
+        share its nodes. Nodes are numbered in the order they first appear."""
+        tokens: list[int] = []
+        parents: list[int] = []
+        index: dict[tuple[int, int], int] = {}  # (parent, token) -> node
+        for branch in branches:
+            node = -1
+            for t in branch:
+                key = (node, t)
+                if key not in index:
+                    index[key] = len(tokens)
+                    tokens.append(t)
+                    parents.append(node)
+                node = index[key]
+        return cls(tuple(tokens), tuple(parents))
+
+
+@dataclass(frozen=True)
+class TreeVerdict:
+    """The accepted path (node indices, root's child first), its tokens, and the token the
+    target emits after it."""
+
+    path: list[int]
+    tokens: list[int]
+    token: int
+
+    @property
+    def n_accepted(self) -> int:
+        return len(self.path)
+
+
+def verify_tree(logits: torch.Tensor, tree: DraftTree, params: SamplingParams, start: int
+                ) -> TreeVerdict:
+    """Verify one tree. logits: [1 + N, V] raw target logits (row 0 scores the token after the
+    root, row 1 + i the token after node i, as ``forward_tree`` returns them); ``start``: the
+    absolute position of the root's successor, so a node at depth d sits at start + d - 1."""
+    if logits.dim() != 2 or logits.shape[0] < 1 + len(tree):
+        raise ValueError(f"a tree of {len(tree)} nodes needs logits [{1 + len(tree)}, V], "
+                         f"got {list(logits.shape)}")
+    tree.check(logits.shape[-1], max_nodes=len(tree))
+    rows = logits[: 1 + len(tree)]
+    if params.greedy:
+        argmax = rows.argmax(-1).tolist()  # one transfer for every node
+
+        def choose(row: int, pos: int) -> int:
+            return argmax[row]
+    else:
+        scores = filtered_logits(rows, params)
+        seed = _seed_of(params)
+
+        def choose(row: int, pos: int) -> int:
+            return keyed_choice(scores[row], seed, pos)
+
+    children = tree.children()
+    node, depth, path = -1, 0, []
+    while True:
+        token = choose(node + 1, start + depth)  # node i's row is 1 + i, the root's (-1) 0
+        nxt = next((c for c in children.get(node, ()) if tree.tokens[c] == token), None)
+        if nxt is None:
+            return TreeVerdict(path, [tree.tokens[i] for i in path], token)
+        path.append(nxt)
+        node, depth = nxt, depth + 1
+
+
+def step_tree(runner: "TargetRunner", slot: int, root: int, tree: DraftTree,
+              params: SamplingParams) -> TreeVerdict:
+    """One verification step of a session that drafted a tree: forward the tree after the
+    slot's committed prefix, verify it, and keep the accepted path's keys/values. Afterwards
+    the slot holds root + the accepted tokens; the session's new tokens are
+    ``verdict.tokens + [verdict.token]``, and ``verdict.token`` is the next step's root."""
+    start = runner.length(slot) + 1  # the root sits at the slot's length
+    logits = runner.forward_tree([slot], [root], [tree])[0]  # [1 + N, V]
+    verdict = verify_tree(logits, tree, params, start)
+    runner.compact(slot, verdict.path)
+    return verdict
