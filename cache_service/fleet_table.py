@@ -8,7 +8,8 @@ observation takes the next version, so a drafter pulls exactly what changed sinc
 
 Bounded: at most ``max_leaders`` leaders of ``MAX_FOLLOWERS`` followers each; the least recently
 updated leaders are evicted in the same script that adds new ones. At the default 131072
-leaders the table takes about 20 MB of Redis memory (measured figure in the README).
+leaders the table took 27.8 MB of Redis memory here (random token ids, mostly one follower each;
+recording a 512-token session took ~28 ms, pulling 8192 entries ~0.2 s).
 
 The verifier's store records each session when it closes (``RedisSessionStore.close``): the
 source of the table is committed tokens only, never what a drafter claims.

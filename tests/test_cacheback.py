@@ -3,6 +3,8 @@ drafters in the background); lossless through the engine and the distributed pat
 
 from __future__ import annotations
 
+import time
+
 import grpc
 import pytest
 from conftest import hf_greedy
@@ -112,6 +114,7 @@ def test_a_closed_session_teaches_the_fleet_table_its_output(redis_client):
     store = RedisSessionStore(redis_client, prefix="t:", ttl_s=30)
     store.create("s1", [1, 2, 3], SamplingParams(), None, committed=[4, 5])
     store.close("s1", "stop")
+    store.flush_fleet()
     got = {e.leader: e.followers for e in store.fleet.pull(0).entries}
     assert got[(1, 2, 3)] == (4,) and got[(2, 3, 4)] == (5,)
     assert (1, 2) not in got  # the prompt's own pairs are not recorded, only its tail as leaders
@@ -184,14 +187,20 @@ def test_distributed_cacheback_is_lossless_and_feeds_the_fleet_table(cacheback_c
     with edgespec.Client(cacheback_cluster, token="tok", timeout=120) as c:
         res = c.generate(prompt_ids=prompt, max_new_tokens=30, device_id="cb-1")
     assert res.token_ids == hf_greedy(looping.model, prompt, 30)
+    out = prompt + res.token_ids
+    leader = tuple(out[4:7])  # the prompt's tail, followed by the first output token
     table = RemoteFleetTable(cacheback_cluster, token="tok")
     try:
-        pulled = table.pull(0, limit=8192)
+        deadline = time.monotonic() + 60
+        while True:  # the verifier records a closed session in the background
+            pulled = table.pull(0, limit=8192)
+            got = {e.leader: e.followers for e in pulled.entries}
+            if leader in got or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
     finally:
         table.close()
-    got = {e.leader: e.followers for e in pulled.entries}
-    out = prompt + res.token_ids
-    assert got[tuple(out[4:7])][0] == out[7]  # the session's first output token, learned
+    assert got[leader][0] == out[7]  # the session's first output token, learned
     assert pulled.version > 0
 
 
