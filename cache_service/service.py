@@ -122,7 +122,7 @@ class DraftCacheService(pb_grpc.DraftCacheServicer):
         if len(chunk.tokens) > self.window:  # never stored anyway; refused before any work
             raise ChunkRefused(grpc.StatusCode.INVALID_ARGUMENT,
                                f"a chunk holds at most {self.window} tokens (the window)")
-        if chunk.tree_version > 0 or chunk.tree_parents:  # the draft store holds chains only
+        if chunk.tree_version != 0 or chunk.tree_parents:  # the draft store holds chains only
             raise ChunkRefused(grpc.StatusCode.INVALID_ARGUMENT,
                                "tree drafts are not accepted by this cache yet")
         tokens = list(chunk.tokens)

@@ -225,6 +225,7 @@ class SessionRecord:
     finish_reason: str | None  # set once the session finished ("stop" or "length")
     epoch: int
     done: bool  # closed, whatever the reason (cancelled and failed sessions are resumable)
+    verify: str = ""  # "exact" or "loose" as verified so far ("": recorded before it was kept)
 
 
 class ChunkWaker:
@@ -291,7 +292,7 @@ class RedisSessionStore:
         # the fleet-wide Cacheback table: every closed session's output is recorded into it, by
         # a thread of its own (a 512-token session costs ~28 ms of Lua) off the verifier's loop
         self.fleet = RedisFleetTable(client, prefix, fleet_leaders) if fleet_leaders else None
-        self._fleet_queue: queue.Queue[str] = queue.Queue(maxsize=1024)
+        self._fleet_queue: queue.Queue[str | None] = queue.Queue(maxsize=1024)
         self._fleet_thread: threading.Thread | None = None
         self.prefix = prefix
         self.ttl_s = ttl_s
@@ -461,7 +462,7 @@ class RedisSessionStore:
     # -- the verifier's side -----------------------------------------------------------------
     def create(self, sid: str, prompt: list[int], params: SamplingParams,
                drafter: str | None, max_new_tokens: int = 0,
-               committed: Sequence[int] = ()) -> None:
+               committed: Sequence[int] = (), verify: str = "exact") -> None:
         """A new session, or (``committed`` given) one resumed from its committed output: the
         epoch moves past any earlier one, so chunks drafted before the resume are refused."""
         h, tok, draft, q = self.session_keys(sid)
@@ -472,7 +473,7 @@ class RedisSessionStore:
         pipe.delete(h, tok, draft, q)
         pipe.hset(h, mapping={"prompt_len": len(prompt), "epoch": epoch, "device": device,
                               "params": params_to_json(params), "idle": 0, "done": 0,
-                              "max_new": max_new_tokens, "finish": ""})
+                              "max_new": max_new_tokens, "finish": "", "verify": verify})
         pipe.set(tok, pack_tokens(list(prompt) + list(committed)))
         pipe.set(draft, b"")
         for key in (h, tok, draft):
@@ -502,7 +503,7 @@ class RedisSessionStore:
         return SessionRecord(sid, tokens[:n], tokens[n:], params_from_json(f.get("params")),
                              int(f.get("max_new") or 0), f.get("device") or None,
                              (f.get("finish") or None) if done else None,
-                             int(f.get("epoch") or 0), done)
+                             int(f.get("epoch") or 0), done, f.get("verify", ""))
 
     def _read(self, wants: list[DraftWant]) -> list[tuple]:
         pipe = self.redis.pipeline(transaction=True)
@@ -610,6 +611,9 @@ class RedisSessionStore:
     def _record_fleet_forever(self) -> None:
         while True:
             sid = self._fleet_queue.get()
+            if sid is None:
+                self._fleet_queue.task_done()
+                return
             try:
                 self._record_fleet(sid)
             except Exception:  # never lose the thread: the next session is recorded again
@@ -647,6 +651,11 @@ class RedisSessionStore:
     def shutdown(self) -> None:
         if self._chunk_waker is not None:
             self._chunk_waker.stop()
+        with self._lock:
+            thread, self._fleet_thread = self._fleet_thread, None
+        if thread is not None:  # it records what is queued, then stops
+            self._fleet_queue.put(None)
+            thread.join(timeout=10)
 
     # -- the drafters' side (the cache service) ------------------------------------------------
     def push(self, sid: str, epoch: int, start: int, tokens: list[int],

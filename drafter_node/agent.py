@@ -118,6 +118,9 @@ class DrafterAgent:
     def run(self) -> None:
         """Attach, serve, and re-attach with backoff until stopped or refused for good. A
         drafter that drafts from the fleet-wide table (Cacheback) pulls it meanwhile."""
+        if not self.drafter.uses_fleet:
+            self._serve()
+            return
         fleet = RemoteFleetTable(self.cache, self.token, self.tls_ca, self.tls, self.tls_cert,
                                  self.tls_key)
         self.drafter.use_fleet(fleet)

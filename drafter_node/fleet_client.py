@@ -31,7 +31,7 @@ class RemoteFleetTable:
         entries = [FleetEntry(tuple(e.leader), tuple(e.followers)) for e in reply.entries
                    if 1 <= len(e.leader) <= MAX_ORDER and e.followers
                    and all(0 <= t < self.vocab_size for t in (*e.leader, *e.followers))]
-        return FleetPull(entries, max(since, reply.version), reply.more)
+        return FleetPull(entries, reply.version, reply.more)
 
     def close(self) -> None:
         self._channel.close()

@@ -56,16 +56,21 @@ VERIFY_MODES = ("exact", "loose")
 class LooseParams:
     """FLy's knobs for ``verify="loose"`` (see ``edgespec.loose_verify``): a mismatching draft
     token is accepted only where the target's entropy exceeds ``entropy`` nats and the next
-    ``window`` draft tokens all agree with the target."""
+    ``window`` draft tokens all agree with the target, and only a token the target finds
+    plausible: at least ``min_ratio`` times as likely as the target's top token (an untrusted
+    drafter cannot slip in a token the target all but rules out)."""
 
     entropy: float = 1.0
     window: int = 3
+    min_ratio: float = 0.1
 
     def __post_init__(self) -> None:
         if not self.entropy >= 0:
             raise ConfigError(f"the loose entropy threshold must be >= 0 nats, got {self.entropy}")
         if not 0 <= self.window <= 64:
             raise ConfigError(f"the loose window must be in [0, 64], got {self.window}")
+        if not 0 < self.min_ratio <= 1:
+            raise ConfigError(f"the loose min_ratio must be in (0, 1], got {self.min_ratio}")
 
 
 def session_verify_mode(requested: str, configured: str) -> str:

@@ -46,7 +46,10 @@ class ForwardCost:
         prior = self.prior_share * my
         # the prior slope weighs as much as prior_weight steps spread by one token
         w = self.prior_weight / self.n
-        slope = max(1e-6 * my, (cov + w * prior) / (var + w))
+        slope = (cov + w * prior) / (var + w)
+        # one preempted wide step must not stop drafting for a while: stay within 1/4..4x the
+        # prior slope
+        slope = min(4 * prior, max(prior / 4, slope))
         fixed = max(1e-6, my - slope * mx)
         return fixed, slope
 

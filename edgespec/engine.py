@@ -258,7 +258,8 @@ class SpecEngine:
             sid = session_id or f"local-{next(self._ids)}"
             drafter = device if self.worker is None else self.drafter.name
             self.store.create(sid, req.prompt_ids, req.params, drafter, req.max_new_tokens,
-                              committed=req.committed)
+                              committed=req.committed,
+                              verify=session_verify_mode(req.verify, self.cfg.verify))
         except BaseException:
             self.target.free_slot(slot)
             raise

@@ -38,7 +38,8 @@ class FleetTable(Protocol):
         as leaders only). Never raises: a table that cannot be reached loses the update."""
 
     def pull(self, since: int, limit: int = 2048) -> FleetPull:
-        """The entries changed after version ``since``, oldest change first, at most ``limit``."""
+        """The entries changed after version ``since``, oldest change first, at most ``limit``.
+        A version below ``since`` with no entries means the table started over."""
 
 
 def ngram_pairs(tokens: list[int], start: int = 0, orders: tuple[int, ...] = ORDERS

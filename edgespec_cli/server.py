@@ -61,6 +61,7 @@ class ServerOptions:
     max_queue: int = 64
     max_drafters: int = 64  # Attach streams the cache holds at once
     session_ttl_s: int = 600
+    fleet_leaders: int = 1 << 17  # the fleet-wide Cacheback table's bound; 0: no table
     default_max_new_tokens: int = 128
     drain_timeout_s: float = 30.0
     http_port: int | None = None  # the OpenAI-compatible API and /metrics (verifier roles)
@@ -95,7 +96,8 @@ class EdgespecServer:
         self.server = make_server(workers, resolve_token(opts.auth_token),
                                   _stream_limits(opts), self.credentials)
         self.redis = RedisHandle(opts.redis_url, expose=opts.expose_redis)
-        self.store = RedisSessionStore(self.redis.client, ttl_s=opts.session_ttl_s)
+        self.store = RedisSessionStore(self.redis.client, ttl_s=opts.session_ttl_s,
+                                       fleet_leaders=opts.fleet_leaders)
         self.registry = CollectorRegistry()
         self.metrics = None
         self.http = None

@@ -187,3 +187,10 @@ def test_least_loaded_live_device_is_picked(store):
     assert store.pick_device() == "b"
     store.mark_gone("b")
     assert store.pick_device() == "a"
+
+
+def test_a_session_keeps_its_verification_mode_for_a_resume(store):
+    store.create("sv", [1, 2], SamplingParams(), None, verify="loose")
+    assert store.load("sv").verify == "loose"
+    store.create("se", [1, 2], SamplingParams(), None)
+    assert store.load("se").verify == "exact"

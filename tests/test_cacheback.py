@@ -127,6 +127,9 @@ def test_fleet_sync_copies_the_table_into_a_drafter(redis_client):
     fleet.record([11, 12, 13, 14])
     assert sync.pull_now() == 6
     assert d.fleet_mirror.follower((11, 12, 13)) == 14
+    fleet.clear()  # the table starts over (a Redis without persistence restarted)
+    fleet.record([21, 22])
+    assert sync.pull_now() == 1 and d.fleet_mirror.follower((21,)) == 22
     s = d.open([7, 11, 12], SamplingParams())
     assert s.propose(2).tokens == [13, 14]  # drafted from the fleet's tokens alone
 

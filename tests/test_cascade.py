@@ -186,6 +186,9 @@ def test_rollback_mid_draft_drafts_like_a_fresh_session(tiny_draft_dir, params):
 
 # -- the engine: lossless with a cascade ---------------------------------------------------------
 
+# a fixed draft length, waited for: what is drafted does not depend on the machine's speed
+FIXED = EngineConfig(max_draft=4, window=8, chunk=4, adaptive=False, draft_wait_ms=5000)
+
 def test_greedy_cascade_output_identical_to_target_only(tiny, tiny_dir, tiny_draft_dir):
     runner = TargetRunner(tiny.model, n_slots=4, max_len=256)
     refs = [hf_greedy(tiny.model, p, 30) for p in PROMPTS]
@@ -193,7 +196,7 @@ def test_greedy_cascade_output_identical_to_target_only(tiny, tiny_dir, tiny_dra
                  f"cascade:model:{tiny_dir},model:{tiny_draft_dir},mag"]:
         drafter = build_drafter(spec, tiny, runner, n_slots=4, max_len=256)
         assert drafter.name == spec
-        with SpecEngine(runner, drafter, EngineConfig(max_draft=4, window=8, chunk=4),
+        with SpecEngine(runner, drafter, FIXED,
                         stop_ids={2}) as engine:
             results = [engine.generate(Request(p, 30)) for p in PROMPTS]
         assert [r.token_ids for r in results] == refs, spec
@@ -210,7 +213,7 @@ def test_cascade_on_a_looping_model_accepts_the_cheap_members_proposals(looping,
     # the top member is the target itself: it keeps MaG's proposals exactly where the target will
     drafter = build_drafter(f"cascade:model:{looping_dir},mag", looping, runner, n_slots=2,
                             max_len=256)
-    with SpecEngine(runner, drafter, EngineConfig(max_draft=4, window=8, chunk=4),
+    with SpecEngine(runner, drafter, FIXED,
                     stop_ids={2}) as engine:
         res = engine.generate(Request(PROMPTS[0], 60))
     assert res.token_ids == ref

@@ -55,7 +55,9 @@ def test_mag_accepts_drafts_on_repetitive_output(tmp_path):
     ref = hf_greedy(looping, PROMPTS[0], 60)
     assert len(set(ref[-20:])) < 15  # the output really cycles
     runner = TargetRunner(looping, n_slots=2, max_len=128)
-    with SpecEngine(runner, build_drafter("mag"), EngineConfig(), stop_ids={2}) as engine:
+    # a fixed draft length, waited for: what is drafted does not depend on the machine's speed
+    cfg = EngineConfig(adaptive=False, draft_wait_ms=5000)
+    with SpecEngine(runner, build_drafter("mag"), cfg, stop_ids={2}) as engine:
         res = engine.generate(Request(PROMPTS[0], 60))
     assert res.token_ids == ref
     assert res.stats.accepted_tokens > 20 and res.stats.steps < len(res.token_ids) / 2
@@ -165,7 +167,9 @@ def test_sampled_output_follows_target_distribution(small_vocab, spec):
     n, batch = 400, 50
     c1, c2 = Counter(), Counter()
     drafted = 0
-    with SpecEngine(runner, drafter, EngineConfig(max_draft=3, window=4), stop_ids=set()) as eng:
+    # a fixed draft length, waited for: the drafter takes part however fast the machine is
+    cfg = EngineConfig(max_draft=3, window=4, adaptive=False, draft_wait_ms=5000)
+    with SpecEngine(runner, drafter, cfg, stop_ids=set()) as eng:
         for first in range(0, n, batch):
             for res in eng.generate_many([Request(prompt, 2, SamplingParams(**params_base,
                                                                             seed=seed))

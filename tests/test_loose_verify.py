@@ -204,7 +204,8 @@ def test_loose_engine_accepts_what_exact_rejects_and_marks_its_sessions_lossy(ru
     exact_runs = _run(runner, {})
     # gate always open (the tiny model's entropy is well above 0), no window: every draft
     # token is accepted, but for the last step's, which the length limit may cut
-    loose_runs = _run(runner, {"verify": "loose", "loose": LooseParams(entropy=0.0, window=0)})
+    loose_runs = _run(runner, {"verify": "loose",
+                               "loose": LooseParams(entropy=0.0, window=0, min_ratio=1e-30)})
     for res in loose_runs:
         assert res.stats.lossy is True and res.stats.to_dict()["lossless"] is False
         assert res.stats.draft_tokens > 0
@@ -322,3 +323,19 @@ def test_a_loose_verifier_says_lossy_over_grpc_and_http(looping_dir, looping):
         assert status == 400 and r["error"]["param"] == "verify"
     finally:
         srv.stop(drain_timeout_s=0)
+
+
+def test_an_implausible_token_is_never_accepted_loosely():
+    from edgespec.sampling import verify_loose
+
+    # position 0: a flat distribution over tokens 0-3 (high entropy) and token 7 far below
+    row0 = torch.full((8,), -30.0)
+    row0[:4] = 0.0
+    row0[7] = -3.0  # e^-3 ~ 0.05 of the top token's probability
+    rows = torch.stack([row0] + [torch.nn.functional.one_hot(torch.tensor(t), 8).float() * 9
+                                 for t in (5, 5, 5)])
+    params = SamplingParams()
+    lax = LooseParams(entropy=0.5, window=1, min_ratio=0.01)
+    assert verify_loose(rows, [7, 5], params, 0, lax)[0] == 2  # plausible enough for 0.01
+    strict = LooseParams(entropy=0.5, window=1)  # the default min_ratio 0.1
+    assert verify_loose(rows, [7, 5], params, 0, strict) == (0, 0)

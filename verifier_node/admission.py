@@ -126,10 +126,14 @@ class Admission:
         if rec is None:
             raise NotFound(f"no session {shown(sid)} in the cache (it finished long ago or "
                            "expired)")
-        request = Request(rec.prompt, rec.max_new_tokens, rec.params, committed=rec.committed)
+        # a resumed session keeps its verification mode: a loose one is refused by an exact
+        # verifier (validate), an exact one stays exact on a loose verifier
+        request = Request(rec.prompt, rec.max_new_tokens, rec.params, committed=rec.committed,
+                          verify=rec.verify)
         if rec.finish_reason in ("stop", "length"):
             done = Ticket(request, rec.device, session_id=sid)
-            done.finish(Result(rec.committed, Stats(tokens=len(rec.committed)),
+            done.finish(Result(rec.committed, Stats(tokens=len(rec.committed),
+                                                    lossy=rec.verify == "loose"),
                                rec.finish_reason))
             return done
         device = rec.device if rec.device and self.store.is_alive(rec.device) else None

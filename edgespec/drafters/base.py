@@ -82,6 +82,7 @@ class Drafter(ABC):
     # How long a verification step should wait for this drafter's next chunk by default: about
     # the time it needs to draft a few tokens.
     wait_ms: float = 10.0
+    uses_fleet: bool = False  # drafts from the fleet-wide table (``use_fleet``)
 
     @abstractmethod
     def open(self, tokens: list[int], params: SamplingParams) -> DraftSession:

@@ -154,6 +154,7 @@ class CachebackDrafter(Drafter):
                  session_leaders: int = 1 << 16, drafter_leaders: int = 1 << 18,
                  fleet_leaders: int = 1 << 18, weak_limit: int = 1):
         self.name = "mag+cacheback" if with_mag else "cacheback"
+        self.uses_fleet = True
         self.with_mag = with_mag
         self.session_leaders = session_leaders
         self.weak_limit = weak_limit
@@ -202,6 +203,9 @@ class FleetSync(threading.Thread):
         taken = 0
         for _ in range(max_rounds):
             piece = self.source.pull(self.version)
+            if piece.version < self.version and not piece.entries:
+                self.version = 0  # the table started over: pull it from the start
+                continue
             for e in piece.entries:
                 self.mirror.replace(e.leader, list(e.followers))
             taken += len(piece.entries)

@@ -138,8 +138,14 @@ class CascadeSession(DraftSession):
             s.append(tokens)
 
     def close(self) -> None:
-        for s in self.sessions:
-            s.close()
+        errors = []
+        for s in self.sessions:  # every member releases what it holds, whatever the others do
+            try:
+                s.close()
+            except Exception as exc:
+                errors.append(exc)
+        if errors:
+            raise errors[0]
 
 
 class CascadeDrafter(Drafter):
@@ -157,6 +163,7 @@ class CascadeDrafter(Drafter):
         self.members = list(members)
         self.name = "cascade:" + ",".join(m.name for m in self.members)
         self.wait_ms = self.members[0].wait_ms
+        self.uses_fleet = any(m.uses_fleet for m in self.members)
         self.lenient_prob, self.top_depth = lenient_prob, top_depth
         self._lock = threading.Lock()
         self._counts = [_LevelCounts() for _ in self.members[1:]]

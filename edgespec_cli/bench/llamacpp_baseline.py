@@ -27,8 +27,10 @@ def _load(gguf_path: str, prompt_lookup: bool, n_threads: int):
 
         draft = LlamaPromptLookupDecoding(num_pred_tokens=10)
     # weights loaded as the llamacpp drafter loads them (load_llama: no extra buffer types)
+    # prompt lookup verifies drafts from the logits of every fed position: llama-cpp-python
+    # keeps them only with logits_all (without it, a prompt longer than its batch fails)
     return load_llama(gguf_path, n_ctx=N_CTX, n_threads=n_threads, n_threads_batch=n_threads,
-                      draft_model=draft)
+                      draft_model=draft, logits_all=prompt_lookup)
 
 
 def _greedy(llm, prompt_ids: list[int], max_new_tokens: int, stop_ids) -> list[int]:

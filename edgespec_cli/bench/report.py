@@ -10,7 +10,8 @@ CATEGORIES = ["mt_bench", "translation", "summarization", "qa", "math_reasoning"
 # baselines every method is compared with, where the run measured them
 BASELINES = ["target_only", "hf_generate", "hf_prompt_lookup", "hf_assisted",
              "llamacpp_target_only", "llamacpp_prompt_lookup"]
-SUMMARY_BASELINES = ["target_only", "hf_generate", "hf_prompt_lookup", "llamacpp_prompt_lookup"]
+SUMMARY_BASELINES = ["target_only", "hf_generate", "hf_prompt_lookup", "hf_assisted",
+                     "llamacpp_prompt_lookup"]
 LOOSE_PREFIX = "edgespec-loose:"
 
 
@@ -39,6 +40,7 @@ def aggregate(rows: list[dict]) -> dict:
         agg.update(mean_acceptance_length=round(1 + accepted / drafts, 3) if drafts else 1.0,
                    acceptance_rate=round(accepted / drafted, 3) if drafted else 0.0,
                    tokens_per_forward=round(tokens / steps, 3) if steps else 0.0,
+                   tokens_per_step=round(tokens / steps, 3) if steps else 0.0,  # the old name
                    forward_ms_per_token=round(1000 * forward / tokens, 3) if tokens else 0.0,
                    decode_tokens_per_s=round(_rate(tokens, decode), 3),
                    lossless=not any(s.get("lossless") is False for s in st))
