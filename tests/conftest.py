@@ -34,6 +34,18 @@ def hf_greedy(model, ids: list[int], n: int, eos=(2,)) -> list[int]:
     return out[0, len(ids):].tolist()
 
 
+def hf_keyed_sampled(model, ids: list[int], n: int, params) -> list[int]:
+    """Target-only keyed sampling with transformers' forward and edgespec's sampler, no engine:
+    the reference output of a seeded sampled generation."""
+    from edgespec.sampling import sample_at
+
+    seq = list(ids)
+    with torch.no_grad():
+        for _ in range(n):
+            seq.append(sample_at(model(torch.tensor([seq])).logits[0, -1], params, len(seq)))
+    return seq[len(ids):]
+
+
 def make_tokenizer(extra: str = ""):
     """A character-level tokenizer: one id per printable character, plus specials."""
     from tokenizers import Tokenizer, models, pre_tokenizers, decoders

@@ -2,14 +2,13 @@
 
 import pytest
 import torch
-from conftest import hf_greedy
+from conftest import hf_greedy, hf_keyed_sampled
 
 from edgespec.config import ConfigError, EngineConfig, SamplingParams
 from edgespec.drafters import MaGDrafter, build_drafter, parse_drafter_spec
 from edgespec.drafters.cascade import CascadeDrafter
 from edgespec.engine import Request, SpecEngine
 from edgespec.runner import TargetRunner
-from edgespec.sampling import sample_at
 
 PROMPTS = [
     [1, 10, 11, 12, 13, 10, 11, 12, 13, 10],
@@ -23,14 +22,6 @@ def _model_drafter(path, n_slots=4, max_len=256):
     drafter = build_drafter(f"model:{path}", n_slots=n_slots, max_len=max_len)
     drafter.min_confidence = 0.0  # draft every position
     return drafter
-
-
-def _target_only_sampled(model, prompt, n, params):
-    seq = list(prompt)
-    with torch.no_grad():
-        for _ in range(n):
-            seq.append(sample_at(model(torch.tensor([seq])).logits[0, -1], params, len(seq)))
-    return seq[len(prompt):]
 
 
 # -- a model session checks a proposal in one forward ---------------------------------------------
@@ -230,7 +221,7 @@ def test_cascade_on_a_looping_model_accepts_the_cheap_members_proposals(looping,
 def test_seeded_sampling_with_a_cascade_identical_to_target_only(tiny, tiny_dir, tiny_draft_dir,
                                                                  members):
     params = SamplingParams(temperature=0.8, top_k=20, seed=11)
-    refs = [_target_only_sampled(tiny.model, p, 20, params) for p in PROMPTS]
+    refs = [hf_keyed_sampled(tiny.model, p, 20, params) for p in PROMPTS]
     assert len({t for r in refs for t in r}) > 8  # really sampled
     runner = TargetRunner(tiny.model, n_slots=4, max_len=256)
     spec = "cascade:" + members.format(draft=tiny_draft_dir, target=tiny_dir)

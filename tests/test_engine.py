@@ -5,14 +5,14 @@ from collections import Counter
 
 import pytest
 import torch
-from conftest import hf_greedy
+from conftest import hf_greedy, hf_keyed_sampled
 
 from edgespec.config import ConfigError, EngineConfig, SamplingParams
 from edgespec.drafters import build_drafter
 from edgespec.engine import Request, SpecEngine
 from edgespec.runner import TargetRunner
 from edgespec.drafters.base import Draft, Drafter, DraftSession
-from edgespec.sampling import SparseQ, process_logits, sample_at
+from edgespec.sampling import SparseQ, process_logits
 
 PROMPTS = [
     [1, 10, 11, 12, 13, 10, 11, 12, 13, 10],
@@ -184,15 +184,6 @@ def test_sampled_output_follows_target_distribution(small_vocab, spec):
 
 # -- seeded sampling: the same tokens whatever the drafter and timing -----------------------------
 
-def _target_only_sampled(model, prompt, n, params):
-    """Target-only sampling with transformers' forward and the keyed sampler, no engine."""
-    seq = list(prompt)
-    with torch.no_grad():
-        for _ in range(n):
-            seq.append(sample_at(model(torch.tensor([seq])).logits[0, -1], params, len(seq)))
-    return seq[len(prompt):]
-
-
 SEEDED = [SamplingParams(temperature=1.0, seed=5),
           SamplingParams(temperature=0.7, top_k=10, top_p=0.9, seed=2 ** 62 + 3)]
 
@@ -201,7 +192,7 @@ SEEDED = [SamplingParams(temperature=1.0, seed=5),
 def test_seeded_sampling_identical_with_every_drafter(tiny, tiny_dir, tiny_draft_dir, setup,
                                                       params):
     runner, _ = setup
-    refs = [_target_only_sampled(tiny.model, p, 24, params) for p in PROMPTS]
+    refs = [hf_keyed_sampled(tiny.model, p, 24, params) for p in PROMPTS]
     assert len({t for r in refs for t in r}) > 10  # really sampled
     configs = [EngineConfig(max_draft=4, window=8, chunk=2),
                EngineConfig(max_draft=3, window=3, chunk=1, adaptive=False)]
@@ -260,7 +251,7 @@ class _GarbageQDrafter(Drafter):
 def test_garbage_q_never_raises_nor_changes_the_output(tiny, setup):
     runner, _ = setup
     params = SEEDED[0]
-    ref = _target_only_sampled(tiny.model, PROMPTS[0], 24, params)
+    ref = hf_keyed_sampled(tiny.model, PROMPTS[0], 24, params)
     with SpecEngine(runner, _GarbageQDrafter(ref, len(PROMPTS[0])),
                     EngineConfig(max_draft=4, window=8, chunk=3), stop_ids=set()) as engine:
         res = engine.generate(Request(PROMPTS[0], 24, params))

@@ -64,15 +64,10 @@ def test_greedy_output_equals_target_only_and_transformers(gen):
 
 @pytest.mark.real_model
 def test_seeded_sampling_equals_target_only(gen):
-    from edgespec.sampling import sample_at
+    from conftest import hf_keyed_sampled
 
     ids = gen.encode(PROMPT)
-    seq = list(ids)
-    with torch.no_grad():  # target-only keyed sampling, transformers' forward, no engine
-        for _ in range(16):
-            seq.append(sample_at(gen.target.model(torch.tensor([seq])).logits[0, -1], SEEDED,
-                                 len(seq)))
-    ref = seq[len(ids):]
+    ref = hf_keyed_sampled(gen.target.model, ids, 16, SEEDED)
     assert gen.generate(ids, 16, SEEDED, drafter="none").token_ids == ref
     spec = gen.generate(ids, 16, SEEDED, drafter="llamacpp:default")
     assert spec.token_ids == ref

@@ -24,8 +24,9 @@ import torch
 
 from ..config import ConfigError, SamplingParams
 from ..kv_cache import CacheFullError
-from ..sampling import SparseQ, sample_sparse
+from ..sampling import SparseQ
 from .base import Draft, Drafter, DraftSession
+from .model import choose_token
 
 
 def import_llama_cpp():
@@ -151,14 +152,9 @@ class LlamaCppDraftSession(DraftSession):
                 break
             feed = self.tokens[self.kv_len:]
             logits = self._forward(feed)
-            if self.params.greedy:
-                conf, tok = torch.max(logits.softmax(-1), -1)
-                token, conf = int(tok), float(conf)
-            else:
-                # keyed by the absolute position the token will take: len(self.tokens)
-                token, q = sample_sparse(logits, self.params, self.drafter.q_top_k,
-                                         len(self.tokens))
-                conf = max(q.probs)
+            # keyed by the absolute position the token will take: len(self.tokens)
+            token, conf, q = choose_token(logits, self.params, self.drafter.q_top_k,
+                                          len(self.tokens))
             if out and conf < min_conf:  # the first token is always offered
                 # forget the last fed position so the next proposal re-feeds the last token
                 self._truncate(self.kv_len - len(feed))

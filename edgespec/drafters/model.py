@@ -25,6 +25,18 @@ from ..sampling import SparseQ, sample_sparse
 from .base import Checked, Draft, Drafter, DraftSession
 
 
+def choose_token(logits: torch.Tensor, params: SamplingParams, q_top_k: int, pos: int
+                 ) -> tuple[int, float, SparseQ | None]:
+    """A language-model drafter's token at absolute position ``pos`` from its logits [V], its
+    top probability, and (sampling) the q' it was drawn from: the argmax when greedy, else the
+    session's keyed sample (``sample_sparse``)."""
+    if params.greedy:
+        conf, tok = torch.max(logits.softmax(-1), -1)
+        return int(tok), float(conf), None
+    token, q = sample_sparse(logits, params, q_top_k, pos)
+    return token, max(q.probs), q
+
+
 class ModelDraftSession(DraftSession):
     can_check = True
 
@@ -55,7 +67,8 @@ class ModelDraftSession(DraftSession):
             logits = self.runner.forward([self.slot], [feed], logits="last")[0]  # [V]
             self.kv_len += len(feed)
             self.runner.commit(self.slot, self.kv_len)
-            token, conf, q = self._choose(logits, len(self.tokens))
+            token, conf, q = choose_token(logits, self.params, self.drafter.q_top_k,
+                                          len(self.tokens))
             if out and conf < min_conf:  # the first token is always offered
                 # forget the last fed position so the next proposal re-feeds the last token
                 self.kv_len -= len(feed)
@@ -66,15 +79,6 @@ class ModelDraftSession(DraftSession):
             if not self.params.greedy:
                 qs.append(q)
         return Draft(tokens=out, q=None if self.params.greedy else qs)
-
-    def _choose(self, logits: torch.Tensor, pos: int) -> tuple[int, float, SparseQ | None]:
-        """This drafter's token at absolute position ``pos`` from its logits [V], its top
-        probability, and (sampling) the q' it was drawn from."""
-        if self.params.greedy:
-            conf, tok = torch.max(logits.softmax(-1), -1)
-            return int(tok), float(conf), None
-        token, q = sample_sparse(logits, self.params, self.drafter.q_top_k, pos)
-        return token, max(q.probs), q
 
     def check(self, proposal: list[int], lenient_prob: float | None = None) -> Checked:
         greedy = self.params.greedy
@@ -94,7 +98,7 @@ class ModelDraftSession(DraftSession):
         qs: list[SparseQ] = []
         conf = 0.0
         for i, row in enumerate(rows):
-            token, conf, q = self._choose(row, start + i)
+            token, conf, q = choose_token(row, self.params, self.drafter.q_top_k, start + i)
             qs.append(q)
             agrees = i < len(proposal) and (
                 proposal[i] == token

@@ -18,13 +18,11 @@ from pathlib import Path
 
 from edgespec.config import ConfigError, SamplingParams
 from edgespec.wire import free_port
-from .run import CATEGORIES, load_questions
+from .run import add_question_args, load_questions
 
 
 def add_bench_net_args(p) -> None:
-    p.add_argument("--categories", nargs="+", default=CATEGORIES, choices=CATEGORIES,
-                   metavar="CAT", help="categories to run (default: all six)")
-    p.add_argument("--per-category", type=int, default=1, help="(default: %(default)s)")
+    add_question_args(p)
     p.add_argument("--max-new-tokens", type=int, default=128, help="(default: %(default)s)")
     p.add_argument("--drafter", default="mag", help="mag | model:PATH (default: %(default)s)")
     p.add_argument("--json", dest="json_out", default="bench-results/bench-net.json",

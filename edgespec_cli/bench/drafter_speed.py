@@ -19,16 +19,13 @@ import torch
 
 from edgespec.config import ConfigError, SamplingParams
 
-from .run import CATEGORIES, load_questions
+from .run import add_question_args, load_questions
 
 DEFAULT_DRAFTERS = "model:default,llamacpp:default"
 
 
 def add_bench_drafters_args(p) -> None:
-    p.add_argument("--categories", nargs="+", default=CATEGORIES, choices=CATEGORIES,
-                   metavar="CAT", help=f"categories to run (default: all of {' '.join(CATEGORIES)})")
-    p.add_argument("--per-category", type=int, default=1,
-                   help="prompts per category, the first N of each (default: %(default)s)")
+    add_question_args(p)
     p.add_argument("--draft-tokens", type=int, default=64,
                    help="tokens each drafter drafts per prompt (default: %(default)s)")
     p.add_argument("--drafters", default=DEFAULT_DRAFTERS,

@@ -33,11 +33,16 @@ LLAMACPP_METHODS = ["llamacpp_target_only", "llamacpp_prompt_lookup"]
 DEFAULT_DRAFTERS = "mag;cacheback;mag+cacheback;layers:4;cascade:layers:4,mag"
 
 
-def add_bench_args(p) -> None:
+def add_question_args(p) -> None:
+    """The Spec-Bench question selection every benchmark command takes."""
     p.add_argument("--categories", nargs="+", default=CATEGORIES, choices=CATEGORIES,
                    metavar="CAT", help=f"categories to run (default: all of {' '.join(CATEGORIES)})")
     p.add_argument("--per-category", type=int, default=1,
                    help="prompts per category, the first N of each (default: %(default)s)")
+
+
+def add_bench_args(p) -> None:
+    add_question_args(p)
     p.add_argument("--max-new-tokens", type=int, default=128, help="(default: %(default)s)")
     p.add_argument("--full", action="store_true",
                    help="all 480 questions (overrides --categories and --per-category)")
