@@ -39,7 +39,7 @@ import numpy as np
 import redis
 
 from edgespec.config import SamplingParams
-from edgespec.fleet_table import MAX_ORDER
+from edgespec.fleet_table import record_output
 from edgespec.sampling import SparseQ
 from edgespec.session import Fix, TakenDraft, Verdict
 from edgespec.store_api import CommitOutcome, DraftWant, SessionVanished
@@ -637,9 +637,7 @@ class RedisSessionStore:
             return
         if prompt_len is None or blob is None:
             return
-        start = int(prompt_len)
-        tokens = unpack_tokens(blob)[max(0, start - MAX_ORDER):]
-        self.fleet.record(tokens, min(start, MAX_ORDER))
+        record_output(self.fleet, unpack_tokens(blob), int(prompt_len))
 
     @property
     def _waker(self) -> ChunkWaker:

@@ -66,6 +66,7 @@ class _Active:
         self.on_error: Callable[[Exception], None] | None = None
         self.stats = Stats()
         self.finish: str | None = None
+        self.verify = "exact"  # "exact" or "loose": how this session's drafts are verified
 
     @property
     def end(self) -> int:
@@ -226,8 +227,9 @@ class SpecEngine:
         self.close()
 
     # -- sessions ------------------------------------------------------------------------------
-    def validate(self, req: Request) -> None:
-        """Refuse a request that cannot be served, before any work."""
+    def validate(self, req: Request) -> str:
+        """Refuse a request that cannot be served, before any work; returns the session's
+        verification mode ("exact" or "loose")."""
         n = len(req.prompt_ids)
         if n == 0:
             raise ConfigError("the prompt is empty")
@@ -242,7 +244,7 @@ class SpecEngine:
             raise ConfigError(f"prompt token ids must be in [0, {vocab})")
         if len(req.committed) >= req.max_new_tokens:
             raise ConfigError("the resumed session has already produced max_new_tokens")
-        session_verify_mode(req.verify, self.cfg.verify)
+        return session_verify_mode(req.verify, self.cfg.verify)
 
     def add(self, req: Request, session_id: str | None = None, device: str | None = None
             ) -> _Active:
@@ -250,7 +252,7 @@ class SpecEngine:
         to ask for (distributed store); the local store drafts with its own drafter. A request
         with ``committed`` output resumes a session: prompt + committed are prefilled."""
         req.params = with_session_seed(req.params)
-        self.validate(req)
+        verify = self.validate(req)
         slot = self.target.new_slot()
         t0 = time.perf_counter()
         try:
@@ -258,15 +260,15 @@ class SpecEngine:
             sid = session_id or f"local-{next(self._ids)}"
             drafter = device if self.worker is None else self.drafter.name
             self.store.create(sid, req.prompt_ids, req.params, drafter, req.max_new_tokens,
-                              committed=req.committed,
-                              verify=session_verify_mode(req.verify, self.cfg.verify))
+                              committed=req.committed, verify=verify)
         except BaseException:
             self.target.free_slot(slot)
             raise
         act = _Active(sid, req, slot, DraftLength(self.cfg.max_draft, adaptive=self.cfg.adaptive))
+        act.verify = verify
         act.stats.prefill_s = time.perf_counter() - t0
         act.stats.start = t0
-        act.stats.lossy = session_verify_mode(req.verify, self.cfg.verify) == "loose"
+        act.stats.lossy = verify == "loose"
         self.active.append(act)
         return act
 
@@ -397,7 +399,7 @@ class SpecEngine:
         logits = self.target.forward([a.slot for a, _ in batch], rows)  # [B, T_max, V]
         return verify_batch(logits, [t.tokens for _, t in batch],
                             [a.req.params for a, _ in batch], [t.start for _, t in batch],
-                            [session_verify_mode(a.req.verify, self.cfg.verify) for a, _ in batch],
+                            [a.verify for a, _ in batch],
                             self.cfg.loose)
 
     def _commit(self, decided: list[_Decided]) -> list[_Decided]:

@@ -42,6 +42,13 @@ class FleetTable(Protocol):
         A version below ``since`` with no entries means the table started over."""
 
 
+def record_output(table: FleetTable, tokens: list[int], prompt_len: int) -> None:
+    """Teach ``table`` a session's output: ``tokens`` is prompt + output; the pairs whose
+    follower is an output token are recorded, the prompt's last tokens serving as leaders."""
+    start = max(0, prompt_len - MAX_ORDER)
+    table.record(tokens[start:], prompt_len - start)
+
+
 def ngram_pairs(tokens: list[int], start: int = 0, orders: tuple[int, ...] = ORDERS
                 ) -> Iterator[tuple[tuple[int, ...], int]]:
     """(leader, follower) for every follower tokens[i], i >= max(start, 1), and every order n

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from .config import SamplingParams
-from .fleet_table import MAX_ORDER, FleetTable
+from .fleet_table import FleetTable, record_output
 from .sampling import SparseQ
 from .store_api import CommitOutcome, DraftWant, SessionVanished
 
@@ -221,5 +221,4 @@ class LocalSessionStore:
                 state.done = True
             self.cond.notify_all()
         if state is not None and self.fleet is not None:
-            start = max(0, len(state.prompt) - MAX_ORDER)
-            self.fleet.record(state.tokens[start:], len(state.prompt) - start)
+            record_output(self.fleet, state.tokens, len(state.prompt))
