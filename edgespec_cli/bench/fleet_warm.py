@@ -36,7 +36,7 @@ def run_fleet_warm(gen, questions: list[dict], encoded: list[list[int]], refs: d
         size = fleet.size()
     finally:
         handle.close()
-    cats = sorted({q["category"] for q in questions}, key=[q["category"] for q in questions].index)
+    cats = list(dict.fromkeys(q["category"] for q in questions))  # in the questions' order
     out = {c: {"cold": aggregate([r for r in cold if r["category"] == c]),
                "warm": aggregate([r for r in warm if r["category"] == c])} for c in cats}
     out["all"] = {"cold": aggregate(cold), "warm": aggregate(warm)}
