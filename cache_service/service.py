@@ -38,7 +38,9 @@ import grpc
 import redis
 
 from edgespec.config import ConfigError
+from edgespec.drafters.base import Branch
 from edgespec.ids import check_device_id, check_session_id, shown
+from edgespec.tree_wire import MAX_BRANCH_NODES, TREE_VERSION, tree_from_wire
 from edgespec.v1 import edgespec_pb2 as pb
 from edgespec.v1 import edgespec_pb2_grpc as pb_grpc
 from edgespec.wire import params_to_pb, q_from_pb
@@ -119,14 +121,8 @@ class DraftCacheService(pb_grpc.DraftCacheServicer):
             code = (grpc.StatusCode.PERMISSION_DENIED if self.credentials is not None
                     else grpc.StatusCode.FAILED_PRECONDITION)
             raise ChunkRefused(code, f"session {sid} is not assigned to {device!r}")
-        if len(chunk.tokens) > self.window:  # never stored anyway; refused before any work
-            raise ChunkRefused(grpc.StatusCode.INVALID_ARGUMENT,
-                               f"a chunk holds at most {self.window} tokens (the window)")
-        if chunk.tree_version != 0 or chunk.tree_parents:  # the draft store holds chains only
-            raise ChunkRefused(grpc.StatusCode.INVALID_ARGUMENT,
-                               "tree drafts are not accepted by this cache yet")
-        tokens = list(chunk.tokens)
-        if any(not 0 <= t < vocab for t in tokens):
+        tokens, branches = _chunk_draft(chunk, self.window)
+        if any(not 0 <= t < vocab for t in chunk.tokens):
             raise ChunkRefused(grpc.StatusCode.INVALID_ARGUMENT,
                                f"draft token ids must be in [0, {vocab})")
         q = q_from_pb(chunk.q)
@@ -134,7 +130,7 @@ class DraftCacheService(pb_grpc.DraftCacheServicer):
             _check_q(q, tokens, vocab)
         try:
             res = self.store.push(sid, chunk.epoch, chunk.start, tokens, q, chunk.idle,
-                                  self.window)
+                                  self.window, branches)
         except StoreError as e:
             raise ChunkRefused(_CODES.get(e.kind, grpc.StatusCode.INTERNAL), str(e)) from None
         if self.metrics is not None:
@@ -317,11 +313,39 @@ class DraftCacheService(pb_grpc.DraftCacheServicer):
             return pb.CacheMessage(closed=pb.SessionClosed(session_id=sid))
         if kind == "commit":
             end = int(ev["end"])
-            fix = ev["fix"] == "1"
+            if ev["fix"] != "1":
+                return pb.CacheMessage(commit=pb.Commit(session_id=sid, epoch=int(ev["epoch"]),
+                                                        committed_end=end))
+            more = [int(t) for t in ev.get("more", "").split(",") if t]
             return pb.CacheMessage(commit=pb.Commit(
-                session_id=sid, epoch=int(ev["epoch"]), committed_end=end, is_fix=fix,
-                fix_position=end - 1 if fix else 0, fix_token=int(ev["tok"]) if fix else 0))
+                session_id=sid, epoch=int(ev["epoch"]), committed_end=end, is_fix=True,
+                fix_position=int(ev.get("pos", end - 1 - len(more))), fix_token=int(ev["tok"]),
+                fix_more=more))
         return None
+
+
+def _chunk_draft(chunk: pb.DraftChunk, window: int) -> tuple[list[int], list[Branch]]:
+    """A chunk's chain and branches (tree chunks, ``edgespec.tree_wire``), its size and shape
+    checked before any work."""
+    bad = grpc.StatusCode.INVALID_ARGUMENT
+    if chunk.tree_version not in (0, TREE_VERSION):
+        raise ChunkRefused(bad, f"tree_version {chunk.tree_version} is not known to this cache "
+                                f"(0: a chain, {TREE_VERSION}: a chain with branches)")
+    if len(chunk.tokens) > window + (MAX_BRANCH_NODES if chunk.tree_version else 0):
+        raise ChunkRefused(bad, f"a chunk holds at most {window} tokens (the window)"
+                           + (f" and {MAX_BRANCH_NODES} branch tokens"
+                              if chunk.tree_version else ""))
+    if not chunk.tree_version:
+        if chunk.tree_parents:
+            raise ChunkRefused(bad, "a chain chunk (tree_version 0) has no tree_parents")
+        return list(chunk.tokens), []
+    try:
+        tokens, branches = tree_from_wire(list(chunk.tokens), list(chunk.tree_parents))
+    except ValueError as e:
+        raise ChunkRefused(bad, f"malformed tree chunk: {e}") from None
+    if len(tokens) > window:
+        raise ChunkRefused(bad, f"a chunk holds at most {window} tokens (the window)")
+    return tokens, branches
 
 
 def _check_q(q, tokens: list[int], vocab: int) -> None:

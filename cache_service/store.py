@@ -7,6 +7,7 @@ Keys (prefix ``es:`` by default):
     es:s:{sid}:tok        string: prompt + committed tokens, packed little-endian uint32
     es:s:{sid}:draft      string: the draft beyond the committed tokens, packed the same way
     es:s:{sid}:q          list: one packed sparse q' per draft token (sampled model drafts only)
+    es:s:{sid}:br         list: the draft's branches (token trees), each packed [pos, tokens...]
     es:dev:{id}:inbox     stream: assignment / commit (fix) / close events for a drafter
     es:dev:{id}:alive     string with a short TTL while the drafter's stream is open
     es:dev:{id}:sessions  set: the device's active sessions
@@ -41,122 +42,14 @@ import redis
 from edgespec.config import SamplingParams
 from edgespec.fleet_table import record_output
 from edgespec.sampling import SparseQ
-from edgespec.session import Fix, TakenDraft, Verdict
+from edgespec.session import MAX_BRANCHES, DraftBranch, Fix, TakenDraft, Verdict, \
+    chunk_branches, take_branches
 from edgespec.store_api import CommitOutcome, DraftWant, SessionVanished
 
 from .fleet_table import RedisFleetTable
+from .store_lua import COMMIT_LUA, LIVE_SESSIONS_LUA, PRUNE_LUA, PUSH_LUA
 
 log = logging.getLogger("edgespec.cache")
-
-PUSH_LUA = """
-local h = redis.call('HMGET', KEYS[1], 'epoch', 'done', 'idle')
-if not h[1] then return {-1, 'unknown session'} end
-if h[2] == '1' then return {-3, 'session is finished'} end
-if tonumber(h[1]) ~= tonumber(ARGV[1]) then
-  return {-2, 'chunk from epoch ' .. ARGV[1] .. ', session is at epoch ' .. h[1]}
-end
-local endpos = redis.call('STRLEN', KEYS[2]) / 4
-local dlen = redis.call('STRLEN', KEYS[3]) / 4
-if tonumber(ARGV[2]) ~= endpos + dlen then
-  return {-4, 'chunk starts at ' .. ARGV[2] .. ', the draft ends at ' .. (endpos + dlen)}
-end
-local nq = tonumber(ARGV[4])
-local qlen = redis.call('LLEN', KEYS[4])
-if dlen > 0 and ((nq > 0) ~= (qlen > 0)) then
-  return {-5, 'a draft cannot mix sampled and deterministic chunks'}
-end
-local keep = math.min(string.len(ARGV[3]) / 4, tonumber(ARGV[6]) - dlen)
-if keep < 0 then keep = 0 end
-if keep > 0 then
-  redis.call('APPEND', KEYS[3], string.sub(ARGV[3], 1, keep * 4))
-  for i = 1, math.min(keep, nq) do redis.call('RPUSH', KEYS[4], ARGV[6 + i]) end
-  if nq > 0 then
-    -- the q' list is created here: it expires with the session, even if no commit follows
-    local ttl = redis.call('PTTL', KEYS[1])
-    if ttl > 0 then redis.call('PEXPIRE', KEYS[4], ttl) end
-  end
-end
-redis.call('HSET', KEYS[1], 'idle', ARGV[5])
--- wake the verifier only for news: kept tokens or a changed idle flag (an empty chunk
--- repeated in a loop must not keep it re-reading)
-if keep > 0 or h[3] ~= ARGV[5] then redis.call('PUBLISH', KEYS[5], '1') end
-return {keep, endpos}
-"""
-
-COMMIT_LUA = """
-local h = redis.call('HMGET', KEYS[1], 'epoch', 'device')
-if not h[1] then return {-1, 'unknown session'} end
-local endpos = redis.call('STRLEN', KEYS[2]) / 4
-local start = tonumber(ARGV[9])
-local n = tonumber(ARGV[2])
-if endpos == start + n + 1 and redis.call('GETRANGE', KEYS[2], endpos * 4 - 4, -1) == ARGV[3] then
-  return {2, tonumber(h[1]), endpos}
-end
-if endpos ~= start then
-  return {-4, 'verdict at ' .. start .. ', the session ends at ' .. endpos}
-end
-if tonumber(h[1]) ~= tonumber(ARGV[1]) then return {-2, 'verdict for a stale epoch'} end
-local draft = redis.call('GET', KEYS[3]) or ''
-local dlen = string.len(draft) / 4
-if n > dlen then return {-4, 'accepted more tokens than were drafted'} end
-redis.call('APPEND', KEYS[2], string.sub(draft, 1, n * 4) .. ARGV[3])
-endpos = redis.call('STRLEN', KEYS[2]) / 4
-local epoch = tonumber(h[1])
-local isfix = 1
-if dlen > n and string.sub(draft, n * 4 + 1, n * 4 + 4) == ARGV[3] then
-  isfix = 0
-  redis.call('SET', KEYS[3], string.sub(draft, n * 4 + 5))
-  redis.call('LTRIM', KEYS[4], n + 1, -1)
-else
-  redis.call('SET', KEYS[3], '')
-  redis.call('DEL', KEYS[4])
-  epoch = epoch + 1
-  redis.call('HSET', KEYS[1], 'epoch', epoch, 'idle', '0')
-end
-if ARGV[4] == '1' then redis.call('HSET', KEYS[1], 'done', '1', 'finish', ARGV[10]) end
-if h[2] and h[2] ~= '' then
-  redis.call('XADD', KEYS[5], 'MAXLEN', '~', ARGV[6], '*', 't', 'commit', 'sid', ARGV[7],
-             'epoch', epoch, 'end', endpos, 'fix', isfix, 'tok', ARGV[8])
-end
-for i = 1, 4 do redis.call('EXPIRE', KEYS[i], ARGV[5]) end
-return {isfix, epoch, endpos}
-"""
-# A commit replayed after it landed (the reply was lost with the connection) is recognised by
-# its position and last token and answered with code 2 instead of being applied twice.
-
-# Forget drafters last seen before ARGV[1] that are not alive now. KEYS: the devices hash, the
-# last-seen sorted set; ARGV[2]: the device key prefix ('es:dev:'); ARGV[3]: most per call.
-PRUNE_LUA = """
-local gone = {}
-local old = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', ARGV[1], 'LIMIT', 0, tonumber(ARGV[3]))
-for _, dev in ipairs(old) do
-  local base = ARGV[2] .. dev
-  if redis.call('EXISTS', base .. ':alive') == 0 then
-    redis.call('HDEL', KEYS[1], dev)
-    redis.call('ZREM', KEYS[2], dev)
-    redis.call('DEL', base .. ':sessions', base .. ':inbox')
-    table.insert(gone, dev)
-  end
-end
-return gone
-"""
-
-# A device's sessions that exist and are not done; the rest leave the set, whose expiry is
-# refreshed. KEYS[1]: the set; ARGV[1]: the session key prefix ('es:s:'); ARGV[2]: TTL (s).
-LIVE_SESSIONS_LUA = """
-local live = {}
-for _, sid in ipairs(redis.call('SMEMBERS', KEYS[1])) do
-  local done = redis.pcall('HGET', ARGV[1] .. sid, 'done')
-  if type(done) == 'string' and done ~= '1' then
-    table.insert(live, sid)
-  else
-    redis.call('SREM', KEYS[1], sid)
-  end
-end
-if #live > 0 then redis.call('EXPIRE', KEYS[1], ARGV[2]) end
-return live
-"""
-
 
 def pack_tokens(tokens) -> bytes:
     return np.asarray(tokens, dtype="<u4").tobytes()
@@ -307,9 +200,9 @@ class RedisSessionStore:
 
     # -- keys ------------------------------------------------------------------------------------
     def session_keys(self, sid: str) -> list[str]:
-        """[hash, committed tokens, draft, q'] keys of a session."""
+        """[hash, committed tokens, draft, q', branches] keys of a session."""
         base = f"{self.prefix}s:{sid}"
-        return [base, base + ":tok", base + ":draft", base + ":q"]
+        return [base, base + ":tok", base + ":draft", base + ":q", base + ":br"]
 
     def inbox_key(self, device: str) -> str:
         return f"{self.prefix}dev:{device}:inbox"
@@ -465,12 +358,12 @@ class RedisSessionStore:
                committed: Sequence[int] = (), verify: str = "exact") -> None:
         """A new session, or (``committed`` given) one resumed from its committed output: the
         epoch moves past any earlier one, so chunks drafted before the resume are refused."""
-        h, tok, draft, q = self.session_keys(sid)
+        h, tok, draft, q, br = self.session_keys(sid)
         device = drafter or ""
         old_epoch = self.redis.hget(h, "epoch")
         epoch = int(old_epoch) + 1 if old_epoch is not None else 0
         pipe = self.redis.pipeline(transaction=True)
-        pipe.delete(h, tok, draft, q)
+        pipe.delete(h, tok, draft, q, br)
         pipe.hset(h, mapping={"prompt_len": len(prompt), "epoch": epoch, "device": device,
                               "params": params_to_json(params), "idle": 0, "done": 0,
                               "max_new": max_new_tokens, "finish": "", "verify": verify})
@@ -489,7 +382,7 @@ class RedisSessionStore:
 
     def load(self, sid: str) -> SessionRecord | None:
         """A session as the cache holds it (for resuming it), or None if it is gone."""
-        h, tok, _, _ = self.session_keys(sid)
+        h, tok = self.session_keys(sid)[:2]
         pipe = self.redis.pipeline(transaction=True)
         pipe.hgetall(h)
         pipe.get(tok)
@@ -510,15 +403,18 @@ class RedisSessionStore:
         with self._lock:
             devices = [self._device_of.get(w.session_id) or "-" for w in wants]
         for w, device in zip(wants, devices):
-            h, tok, draft, q = self.session_keys(w.session_id)
+            h, tok, draft, q, br = self.session_keys(w.session_id)
             pipe.hmget(h, "epoch", "idle", "device")
             pipe.strlen(tok)
             pipe.strlen(draft)
             pipe.getrange(draft, 0, 4 * w.k - 1)
             pipe.lrange(q, 0, w.k - 1)
             pipe.exists(self.alive_key(device))
-        out = pipe.execute()
-        return [tuple(out[i:i + 6]) for i in range(0, len(out), 6)]
+            if w.side:
+                pipe.lrange(br, 0, MAX_BRANCHES - 1)
+        out = iter(pipe.execute())
+        return [tuple(next(out) for _ in range(7 if w.side else 6)) + (() if w.side else ([],))
+                for w in wants]
 
     def take_when_ready(self, wants: list[DraftWant], wait_s: float
                         ) -> list[TakenDraft | SessionVanished]:
@@ -535,7 +431,7 @@ class RedisSessionStore:
                 break
             self._waker.wait(seen, left)
         taken: list[TakenDraft | SessionVanished] = []
-        for (hm, tok_len, _, draft, qs, _), w in zip(rows, wants):
+        for (hm, tok_len, _, draft, qs, _, brs), w in zip(rows, wants):
             if hm[0] is None:
                 taken.append(SessionVanished(f"session {w.session_id} vanished from the cache"))
                 continue
@@ -544,8 +440,11 @@ class RedisSessionStore:
                 q = [unpack_q(b) for b in qs] if qs else None
             except ValueError:
                 q = None
-            taken.append(TakenDraft(int(hm[0]), tok_len // 4, tokens,
-                                    q[: len(tokens)] if q else None))
+            start = tok_len // 4
+            branches = [DraftBranch(x[0], tuple(x[1:])) for x in map(unpack_tokens, brs)
+                        if len(x) > 1]
+            taken.append(TakenDraft(int(hm[0]), start, tokens, q[: len(tokens)] if q else None,
+                                    take_branches(branches, start, len(tokens), w.side)))
         return taken
 
     def commit_many(self, verdicts: list[Verdict]) -> list[CommitOutcome]:
@@ -555,10 +454,13 @@ class RedisSessionStore:
         with self._lock:
             devices = [self._device_of.get(v.session_id, "") for v in verdicts]
         for v, device in zip(verdicts, devices):
+            # a fix's tokens: the branch's (if the verdict took one) and the verifier's own
+            fix = [*v.branch, v.token]
             self._commit(keys=[*self.session_keys(v.session_id), self.inbox_key(device or "-")],
                          args=[v.epoch, v.n_accepted, pack_tokens([v.token]), int(v.done),
-                               self.ttl_s, self.inbox_maxlen, v.session_id, v.token, v.start,
-                               v.finish_reason],
+                               self.ttl_s, self.inbox_maxlen, v.session_id, fix[0], v.start,
+                               v.finish_reason, pack_tokens(v.branch),
+                               ",".join(map(str, fix[1:]))],
                          client=pipe)
         out = []
         for v, res in zip(verdicts, pipe.execute(raise_on_error=False)):
@@ -570,8 +472,11 @@ class RedisSessionStore:
             elif res[0] < 0:
                 out.append(CommitOutcome(error=StoreError(res[0], res[1]).args[0]))
             else:
-                isfix, epoch, end = res
-                out.append(CommitOutcome(Fix(0, epoch, end - 1, v.token) if isfix == 1 else None))
+                isfix, epoch, _ = res
+                out.append(CommitOutcome(Fix(0, epoch, v.start + v.n_accepted,
+                                             (v.branch or (v.token,))[0],
+                                             (*v.branch[1:], v.token) if v.branch else ())
+                                         if isfix == 1 else None))
         return out
 
     def close(self, sid: str, finish_reason: str = "stop", keep_s: int = 120) -> None:
@@ -657,10 +562,15 @@ class RedisSessionStore:
 
     # -- the drafters' side (the cache service) ------------------------------------------------
     def push(self, sid: str, epoch: int, start: int, tokens: list[int],
-             q: list[SparseQ] | None, idle: bool, window: int) -> PushResult:
+             q: list[SparseQ] | None, idle: bool, window: int, branches=()) -> PushResult:
+        """Append a chunk (``branches``: alternatives to its tokens, ``at`` relative to it)."""
         qs = [pack_q(x) for x in q] if q else []
+        brs = []
+        for b in chunk_branches(start, tokens, branches, len(tokens)):
+            brs += [b.pos, pack_tokens([b.pos, *b.tokens])]
         res = self._push(keys=[*self.session_keys(sid), self.wake_key],
-                         args=[epoch, start, pack_tokens(tokens), len(qs), int(idle), window, *qs])
+                         args=[epoch, start, pack_tokens(tokens), len(qs), int(idle), window,
+                               MAX_BRANCHES, len(brs) // 2, *qs, *brs])
         if res[0] < 0:
             raise StoreError(res[0], res[1])
         return PushResult(int(res[0]), int(res[1]))
@@ -695,6 +605,6 @@ class RedisSessionStore:
 def _ready(row: tuple, k: int) -> bool:
     if row[0][0] is None:
         return True  # vanished: nothing to wait for
-    hm, _, draft_len, _, _, alive = row
+    hm, _, draft_len, _, _, alive, _ = row
     has_drafter = bool(hm[2]) and alive == 1
     return not has_drafter or hm[1] == b"1" or draft_len // 4 >= k

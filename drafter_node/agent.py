@@ -13,6 +13,10 @@ arrives beyond capacity, or ``propose``/``rollback`` fails later) is refused, ne
 agent logs it, keeps the session as refused, and pushes an empty ``idle`` chunk for it now and
 after each of its commits, so the verifier does not wait for drafts that will not come and
 decodes it alone. Other sessions go on as before.
+
+With ``tree_width`` > 1 the agent drafts trees (``propose_tree``) and sends them as version-1
+tree chunks (``edgespec.tree_wire``); a fix that carries a branch's tokens (``fix_more``) rolls
+the session back and appends them all.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from edgespec.config import ConfigError
 from edgespec.device_profiles import extra_compute_s
 from edgespec.drafters import Drafter, DraftSession
 from edgespec.ids import check_device_id
+from edgespec.tree_wire import TREE_VERSION, tree_to_wire
 from edgespec.v1 import edgespec_pb2 as pb
 from edgespec.v1 import edgespec_pb2_grpc as pb_grpc
 from edgespec.wire import auth_metadata, make_channel, params_from_pb, q_to_pb
@@ -77,12 +82,14 @@ class DrafterAgent:
                  tls_ca: str | None = None, tls: bool = False, max_sessions: int = 8,
                  backoff_max_s: float = 10.0, tls_cert: str | None = None,
                  tls_key: str | None = None, metrics: DrafterMetrics | None = None,
-                 compute_slowdown: float = 1.0):
+                 compute_slowdown: float = 1.0, tree_width: int = 1):
         """``token``: the shared token, or this device's own token when the cache has
         per-device credentials. ``tls_cert``/``tls_key``: this device's client certificate
         (mutual TLS). ``metrics``: where to count chunks, fixes and link round trips (None:
         not counted). ``compute_slowdown``: emulate a device this many times slower (a
-        simulated fleet): each chunk is sent (slowdown - 1) x its drafting time later."""
+        simulated fleet): each chunk is sent (slowdown - 1) x its drafting time later.
+        ``tree_width`` > 1: send tree chunks, the drafter's chain with up to tree_width - 1
+        branches (the verifier verifies them within its batch budget)."""
         self.cache, self.device_id, self.drafter = cache, check_device_id(device_id), drafter
         if bool(tls_cert) != bool(tls_key):
             raise ConfigError("a client certificate needs both --tls-cert and --tls-key")
@@ -96,6 +103,9 @@ class DrafterAgent:
         if compute_slowdown < 1:
             raise ConfigError("compute_slowdown must be >= 1")
         self.compute_slowdown = compute_slowdown
+        if not 1 <= tree_width <= 16:
+            raise ConfigError(f"tree_width must be in [1, 16], got {tree_width}")
+        self.tree_width = tree_width
         self.sessions: dict[str, _Session] = {}
         self.cond = threading.Condition()
         self.stopping = threading.Event()
@@ -302,7 +312,7 @@ class DrafterAgent:
             s.idle = False
             try:
                 s.draft.rollback(c.fix_position)
-                s.draft.append([c.fix_token])
+                s.draft.append([c.fix_token, *c.fix_more])
             except Exception as e:
                 self._refuse(c.session_id, s, f"applying a fix failed: {type(e).__name__}: {e}")
 
@@ -318,6 +328,22 @@ class DrafterAgent:
                 return _Work(sid, s, s.epoch, start, min(self.chunk, self.window - ahead))
         return None
 
+    def _propose(self, work: _Work) -> pb.DraftChunk:
+        """Draft a chunk for ``work``: a chain, or with ``tree_width`` > 1 a tree chunk when the
+        drafter offered branches."""
+        if self.tree_width > 1:
+            draft = work.session.draft.propose_tree(work.n, self.tree_width)
+        else:
+            draft = work.session.draft.propose(work.n)
+        chunk = pb.DraftChunk(session_id=work.session_id, epoch=work.epoch, start=work.start,
+                              tokens=draft.tokens, q=q_to_pb(draft.q), idle=len(draft) == 0)
+        if draft.branches:
+            nodes, parents = tree_to_wire(draft.tokens, draft.branches)
+            chunk.tokens[:] = nodes
+            chunk.tree_parents.extend(parents)
+            chunk.tree_version = TREE_VERSION
+        return chunk
+
     def _draft_loop(self, out: queue.Queue) -> None:
         while not self.stopping.is_set():
             with self.cond:
@@ -330,15 +356,12 @@ class DrafterAgent:
                 s = work.session
                 began = time.perf_counter()
                 try:
-                    draft = s.draft.propose(work.n)
-                    chunk = pb.DraftChunk(session_id=work.session_id, epoch=work.epoch,
-                                          start=work.start, tokens=draft.tokens,
-                                          q=q_to_pb(draft.q), idle=len(draft) == 0)
+                    chunk = self._propose(work)
                 except Exception as e:
                     self._refuse(work.session_id, s, f"drafting failed: {type(e).__name__}: {e}",
                                  start=work.start)
                     continue
-                s.idle = len(draft) == 0
+                s.idle = len(chunk.tokens) == 0
                 took = time.perf_counter() - began
             if self.compute_slowdown > 1:  # outside the lock: commits and fixes still apply
                 time.sleep(extra_compute_s(self.compute_slowdown, took))

@@ -44,6 +44,18 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="tokens per session: prompt + output (default: %(default)s)")
     p.add_argument("--no-adaptive", action="store_true",
                    help="keep the verified draft length fixed at --max-draft")
+    p.add_argument("--tree-nodes", type=int, default=d.tree_nodes,
+                   help="most branch tokens of a token-tree draft verified per session per "
+                        "step, within the batch's token budget; 0: chains only "
+                        "(default: %(default)s)")
+
+
+def add_tree_width_arg(p: argparse.ArgumentParser) -> None:
+    """Token-tree drafting, for the commands that draft (``generate``, ``bench``, ``drafter``)."""
+    p.add_argument("--tree-width", type=int, default=EngineConfig().tree_width,
+                   help="draft token trees: each chunk carries up to N - 1 alternative "
+                        "continuations (branches) beside its chain; 1: chains "
+                        "(default: %(default)s)")
 
 
 def add_verify_args(p: argparse.ArgumentParser) -> None:
@@ -83,7 +95,9 @@ def engine_config(args, max_sessions: int | None = None) -> EngineConfig:
                         adaptive=not getattr(args, "no_adaptive", False),
                         max_sessions=max_sessions or d.max_sessions,
                         max_batch_tokens=getattr(args, "max_batch_tokens", d.max_batch_tokens),
-                        verify=getattr(args, "verify", d.verify), loose=loose)
+                        verify=getattr(args, "verify", d.verify), loose=loose,
+                        tree_width=getattr(args, "tree_width", d.tree_width),
+                        tree_nodes=getattr(args, "tree_nodes", d.tree_nodes))
 
 
 def default_threads() -> int:

@@ -99,12 +99,21 @@ class EngineConfig:
     adaptive: bool = True  # grow/shrink the verified draft length from acceptance
     verify: str = "exact"  # "loose": FLy's lossy acceptance (opt-in; see LooseParams)
     loose: LooseParams = field(default_factory=LooseParams)
+    # token trees: the in-process drafter proposes up to tree_width - 1 alternatives per chunk
+    # (1: chains); the verifier verifies at most tree_nodes branch tokens per session per step,
+    # within max_batch_tokens (0: never verifies branches)
+    tree_width: int = 1
+    tree_nodes: int = 8
 
     def __post_init__(self) -> None:
         for name in ("max_draft", "window", "chunk", "max_sessions", "max_context",
                      "max_batch_tokens"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 1 <= self.tree_width <= 16:
+            raise ConfigError(f"tree_width must be in [1, 16], got {self.tree_width}")
+        if not 0 <= self.tree_nodes <= 64:
+            raise ConfigError(f"tree_nodes must be in [0, 64], got {self.tree_nodes}")
         if self.draft_wait_ms is not None and self.draft_wait_ms < 0:
             raise ConfigError(f"draft_wait_ms must be >= 0, got {self.draft_wait_ms}")
         if self.verify not in VERIFY_MODES:

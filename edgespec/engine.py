@@ -5,26 +5,33 @@ in chunks of c tokens, and applies fixes by rollback. The verifier (``SpecEngine
 short deadline for drafts, verifies every active session in one forward pass, commits, and
 publishes fixes. A session whose draft is empty is decoded one token by the verifier alone, so
 drafting can only cost the verification width, never correctness.
+
+Token trees: a draft may carry branches (``tree_width`` > 1 for the in-process drafter, or a
+remote drafter's tree chunks). The step then gives each session a share of the batch's token
+budget left after the chains (at most ``tree_nodes``), and a batch where any session has
+branches is verified in one tree forward (``TargetRunner.forward_tree``, chains as trees), each
+tree by ``verify_tree``, its accepted path's keys/values compacted into place.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable
 
 from .config import ConfigError, EngineConfig, SamplingParams, session_verify_mode
 from .draft_planner import ForwardCost, allocate
-from .drafters import DraftLength, Drafter, DraftSession
+from .draft_worker import DraftWorker
+from .drafters import DraftLength, Drafter
 from .fleet_table import FleetTable
 from .metrics import Stats
 from .runner import TargetRunner
 from .sampling import verify_batch, with_session_seed
-from .session import LocalSessionStore, SessionState, StaleChunkError, TakenDraft, Verdict
+from .session import LocalSessionStore, TakenDraft, Verdict
 from .store_api import DraftWant, SessionStore
+from .tree_verify import DraftTree, tree_of_draft, verify_tree
 
 log = logging.getLogger("edgespec.engine")
 
@@ -74,6 +81,16 @@ class _Active:
         return len(self.req.prompt_ids) + len(self.output)
 
 
+@dataclass(frozen=True)
+class _Checked:
+    """One row's verification: n chain tokens accepted, then ``branch`` (tokens of a branch,
+    trees only), then the target's own ``token``. n = -1: the row's forward failed."""
+
+    n: int
+    token: int
+    branch: tuple[int, ...] = ()
+
+
 @dataclass
 class _Decided:
     """A session's verdict of this step, waiting for the store to take it."""
@@ -81,7 +98,12 @@ class _Decided:
     act: _Active
     verdict: Verdict
     new: list[int]  # tokens it adds to the output (cut at a stop token or the length limit)
-    drafted: int
+    drafted: int  # draft tokens verified: the chain's and the branches'
+    chain: int = 0  # of which the chain's
+
+    @property
+    def accepted(self) -> int:
+        return self.verdict.n_accepted + len(self.verdict.branch)
 
 
 @dataclass(frozen=True)
@@ -97,96 +119,6 @@ class StepReport:
     take_s: float  # waiting for and taking drafts
     forward_s: float  # the forward + verification
     commit_s: float
-
-
-@dataclass
-class _DraftWork:
-    """A session the drafter thread drafts for this round."""
-
-    sid: str
-    state: SessionState
-    session: DraftSession
-    epoch: int
-    start: int
-    room: int
-
-
-class DraftWorker(threading.Thread):
-    """Drafts for every session of a store, never waiting for the verifier."""
-
-    def __init__(self, drafter: Drafter, store: LocalSessionStore, cfg: EngineConfig):
-        super().__init__(daemon=True, name=f"drafter-{drafter.name}")
-        self.drafter, self.store, self.cfg = drafter, store, cfg
-        self.sessions: dict[str, tuple[DraftSession, list[int]]] = {}  # sid -> (session, [fix id])
-        self.stopping = False
-
-    def stop(self) -> None:
-        with self.store.cond:
-            self.stopping = True
-            self.store.cond.notify_all()
-        self.join(timeout=5)
-
-    def run(self) -> None:
-        while True:
-            with self.store.cond:
-                if self.stopping:
-                    break
-                work = self._plan()
-                if not work:
-                    self.store.cond.wait(timeout=0.5)
-                    continue
-            for w in work:
-                try:
-                    draft = w.session.propose(min(self.cfg.chunk, w.room))
-                except Exception as exc:  # a broken drafter costs speed, never the session
-                    self._give_up(w.sid, w.state, exc)
-                    continue
-                idle = len(draft) == 0
-                with self.store.cond:
-                    try:
-                        w.state.push_draft(w.epoch, w.start, draft.tokens, draft.q, idle=idle,
-                                           window=self.cfg.window)
-                    except StaleChunkError:
-                        pass  # a fix arrived meanwhile; it is applied on the next round
-                    self.store.cond.notify_all()
-        for session, _ in self.sessions.values():
-            session.close()
-
-    def _give_up(self, sid: str, state: SessionState, exc: Exception) -> None:
-        log.warning("drafter %s failed on session %s: %r; the verifier decodes it alone",
-                    self.drafter.name, sid, exc)
-        with self.store.cond:
-            state.has_drafter = False
-            self.store.cond.notify_all()
-
-    def _plan(self) -> list[_DraftWork]:
-        """Under the lock: open new sessions, apply fixes, close finished ones, and list the
-        sessions that have room to draft into."""
-        work = []
-        for sid, state in self.store.sessions.items():
-            if not state.has_drafter or state.done:
-                continue
-            if sid not in self.sessions:
-                try:
-                    self.sessions[sid] = (self.drafter.open(state.tokens, state.params), [0])
-                except Exception as exc:  # e.g. no free KV slot: this session drafts nothing
-                    log.warning("drafter %s refused session %s: %r", self.drafter.name, sid, exc)
-                    state.has_drafter = False
-                    continue
-            session, last_fix = self.sessions[sid]
-            for fix in state.fixes_after(last_fix[0]):
-                session.rollback(fix.position)
-                session.append([fix.token])
-                last_fix[0] = fix.id
-            start = len(session.tokens)
-            room = self.cfg.window - (start - state.end)
-            if state.drafter_idle or room <= 0 or start != state.end + len(state.draft):
-                continue
-            work.append(_DraftWork(sid, state, session, state.epoch, start, room))
-        for sid in [s for s in self.sessions if s not in self.store.sessions
-                    or self.store.sessions[s].done]:
-            self.sessions.pop(sid)[0].close()
-        return work
 
 
 class SpecEngine:
@@ -327,8 +259,10 @@ class SpecEngine:
                                 time.perf_counter() - t0)
         acts = list(self.active)
         ks = self._draft_budget(self._plan_drafts(acts))
+        side = self._tree_budget(ks)
         t0 = time.perf_counter()
-        wants = [DraftWant(a.sid, k, k) for a, k in zip(acts, ks)]
+        wants = [DraftWant(a.sid, k, k, side if k and a.verify == "exact" else 0)
+                 for a, k in zip(acts, ks)]
         taken = self.store.take_when_ready(wants, self.wait_ms / 1000)
         batch: list[tuple[_Active, TakenDraft]] = []
         for act, t in zip(acts, taken):
@@ -338,46 +272,52 @@ class SpecEngine:
                 self.fail(act, SessionFailed(f"the cache holds {t.start} tokens of session "
                                              f"{act.sid}, the verifier {act.end}"))
             else:
-                if any(not 0 <= x < self.target.vocab_size for x in t.tokens):
-                    t.tokens, t.q = [], None  # the cache validates; never verify garbage
+                vocab = self.target.vocab_size
+                if any(not 0 <= x < vocab for x in t.tokens):
+                    t.tokens, t.q, t.branches = [], None, []  # the cache validates; never
+                    # verify garbage
+                if act.verify != "exact" or any(not 0 <= x < vocab for b in t.branches
+                                                for x in b.tokens):
+                    t.branches = []
                 batch.append((act, t))
         if not batch:
             return None
         t1 = time.perf_counter()
         verdicts = self._verify(batch)
         t2 = time.perf_counter()
-        self.cost.observe(sum(1 + len(t.tokens) for _, t in batch), t2 - t1)
+        width = sum(1 + _side_tokens(t) + len(t.tokens) for _, t in batch)
+        self.cost.observe(width, t2 - t1)
         decided = []
-        for (act, t), (n, token) in zip(batch, verdicts):
-            if n < 0:
+        for (act, t), c in zip(batch, verdicts):
+            if c.n < 0:
                 continue  # its forward failed: already failed alone
-            new, finish = self._truncate(act, t.tokens[:n] + [token])
+            new, finish = self._truncate(act, t.tokens[:c.n] + list(c.branch) + [c.token])
             # commit exactly what the output keeps: a stop token or the length limit may cut
             # the accepted run (the kept last token is then a draft token the draft holds)
-            n, token = len(new) - 1, new[-1]
-            decided.append(_Decided(act, Verdict(act.sid, t.epoch, t.start, n, token,
-                                                 finish_reason=finish or ""),
-                                    new, len(t.tokens)))
+            n, branch = min(c.n, len(new) - 1), tuple(new[c.n:len(new) - 1])
+            decided.append(_Decided(act, Verdict(act.sid, t.epoch, t.start, n, new[-1],
+                                                 finish_reason=finish or "", branch=branch),
+                                    new, len(t.tokens) + _side_tokens(t), len(t.tokens)))
             act.stats.take_s += t1 - t0
             act.stats.forward_s += t2 - t1
         t3 = time.perf_counter()
         applied = self._commit(decided)
-        return self._report(applied, len(batch), sum(1 + len(t.tokens) for _, t in batch),
-                            t1 - t0, t2 - t1, time.perf_counter() - t3)
+        return self._report(applied, len(batch), width, t1 - t0, t2 - t1,
+                            time.perf_counter() - t3)
 
     @staticmethod
     def _report(applied: list[_Decided], sessions: int, tokens: int, take_s: float,
                 forward_s: float, commit_s: float) -> StepReport:
-        per_pos = [0] * max((d.drafted for d in applied), default=0)
+        per_pos = [0] * max((d.accepted for d in applied), default=0)
         for d in applied:
-            for i in range(d.verdict.n_accepted):
+            for i in range(d.accepted):
                 per_pos[i] += 1
         return StepReport(sessions, tokens, sum(1 for d in applied if d.drafted),
                           sum(d.drafted for d in applied),
-                          sum(d.verdict.n_accepted for d in applied), tuple(per_pos),
+                          sum(d.accepted for d in applied), tuple(per_pos),
                           take_s, forward_s, commit_s)
 
-    def _verify(self, batch: list[tuple[_Active, TakenDraft]]) -> list[tuple[int, int]]:
+    def _verify(self, batch: list[tuple[_Active, TakenDraft]]) -> list[_Checked]:
         """One forward over the batch; if it fails, each session alone, so that a failure
         fails only the session it concerns (n = -1 marks those)."""
         try:
@@ -387,20 +327,45 @@ class SpecEngine:
                 act, _ = batch[0]
                 log.exception("verification of session %s failed", act.sid)
                 self.fail(act, SessionFailed("verification failed"))
-                return [(-1, -1)]
+                return [_Checked(-1, -1)]
         out = []
         for item in batch:
             out.extend(self._verify([item]))
         return out
 
-    def _forward_and_verify(self, batch: list[tuple[_Active, TakenDraft]]
-                            ) -> list[tuple[int, int]]:
+    def _forward_and_verify(self, batch: list[tuple[_Active, TakenDraft]]) -> list[_Checked]:
+        slots = [a.slot for a, _ in batch]
+        if any(t.branches for _, t in batch):
+            return self._forward_and_verify_trees(batch)
         rows = [[a.last_token] + t.tokens for a, t in batch]
-        logits = self.target.forward([a.slot for a, _ in batch], rows)  # [B, T_max, V]
+        logits = self.target.forward(slots, rows)  # [B, T_max, V]
+        return [_Checked(n, token) for n, token in self._verify_chains(logits, batch)]
+
+    def _verify_chains(self, logits, batch: list[tuple[_Active, TakenDraft]]
+                       ) -> list[tuple[int, int]]:
         return verify_batch(logits, [t.tokens for _, t in batch],
                             [a.req.params for a, _ in batch], [t.start for _, t in batch],
-                            [a.verify for a, _ in batch],
-                            self.cfg.loose)
+                            [a.verify for a, _ in batch], self.cfg.loose)
+
+    def _forward_and_verify_trees(self, batch: list[tuple[_Active, TakenDraft]]
+                                  ) -> list[_Checked]:
+        """One tree forward for the batch: chains are trees whose node i hangs from node i - 1
+        (stored where the chain forward stores them, so their rows verify as chains)."""
+        trees = [tree_of_draft(t.tokens, t.branches, t.start) if t.branches
+                 else DraftTree.chain(t.tokens) for _, t in batch]
+        slots = [a.slot for a, _ in batch]
+        logits = self.target.forward_tree(slots, [a.last_token for a, _ in batch], trees)
+        chains = self._verify_chains(logits, batch)  # [B, 1 + N_max, V]
+        out = []
+        for b, ((act, t), tree) in enumerate(zip(batch, trees)):
+            if not t.branches:
+                out.append(_Checked(*chains[b]))
+                continue
+            v = verify_tree(logits[b, :1 + len(tree)], tree, act.req.params, t.start)
+            self.target.compact(act.slot, v.path)
+            n = sum(1 for i in v.path if i < len(t.tokens))  # the path's chain nodes come first
+            out.append(_Checked(n, v.token, tuple(v.tokens[n:])))
+        return out
 
     def _commit(self, decided: list[_Decided]) -> list[_Decided]:
         """Commit verdicts in the store, then apply the ones it took; returns those."""
@@ -417,9 +382,10 @@ class SpecEngine:
                 self.fail(act, SessionFailed(f"the cache refused a commit: {outcome.error}"))
                 continue
             applied.append(d)
-            self.target.commit(act.slot, v.start + v.n_accepted)  # KV of last + accepted
-            act.draft_len.update(d.drafted, v.n_accepted)
-            act.stats.record_step(d.drafted, v.n_accepted)
+            # KV of last + accepted (a tree's accepted path was compacted into place)
+            self.target.commit(act.slot, v.start + v.n_accepted + len(v.branch))
+            act.draft_len.update(d.chain, min(d.accepted, d.chain))
+            act.stats.record_step(d.drafted, d.accepted, len(v.branch))
             act.stats.commit_s += dt
             act.output.extend(d.new)
             act.last_token = v.token
@@ -448,6 +414,15 @@ class SpecEngine:
             ks[ks.index(max(ks))] -= 1
         return ks
 
+    def _tree_budget(self, ks: list[int]) -> int:
+        """Branch tokens each drafting session may add to this step's forward: an equal share
+        of what ``max_batch_tokens`` leaves after the chains, at most ``tree_nodes``."""
+        drafting = sum(1 for k in ks if k)
+        if not drafting or not self.cfg.tree_nodes:
+            return 0
+        left = self.cfg.max_batch_tokens - len(ks) - sum(ks)
+        return max(0, min(self.cfg.tree_nodes, left // drafting))
+
     def _truncate(self, act: _Active, new: list[int]) -> tuple[list[int], str | None]:
         room = act.req.max_new_tokens - len(act.output)
         for i, tok in enumerate(new[:room]):
@@ -471,3 +446,7 @@ class SpecEngine:
 
     def generate(self, req: Request) -> Result:
         return self.generate_many([req])[0]
+
+
+def _side_tokens(t: TakenDraft) -> int:
+    return sum(len(b.tokens) for b in t.branches)

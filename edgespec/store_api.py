@@ -32,6 +32,7 @@ class DraftWant:
     session_id: str
     k: int  # take at most k draft tokens
     wait_for: int  # tokens worth waiting for (the deadline still bounds the wait)
+    side: int = 0  # the most branch tokens (trees) to take with the draft
 
 
 @dataclass(frozen=True)

@@ -125,6 +125,28 @@ class DraftTree:
         return cls(tuple(tokens), tuple(parents))
 
 
+def tree_of_draft(spine: Sequence[int], branches: Sequence, start: int) -> DraftTree:
+    """The tree of a chain draft ``spine`` (first token at absolute position ``start``) and its
+    branches (objects with ``pos``, absolute, and ``tokens``; each hangs from the spine token
+    at pos - 1, or from the root at ``start``). The spine is nodes 0..len(spine) - 1, so a
+    path's leading nodes below len(spine) are spine tokens; a branch that repeats existing
+    nodes shares them (a trie), and one that does not hang from the spine is ignored."""
+    tokens, parents = list(spine), list(range(-1, len(spine) - 1))
+    index = {(p, t): i for i, (p, t) in enumerate(zip(parents, tokens))}
+    for b in branches:
+        node = b.pos - start - 1  # the spine node it hangs from; -1: the root
+        if not -1 <= node < len(spine) - 1:
+            continue
+        for t in b.tokens:
+            nxt = index.get((node, t))
+            if nxt is None:
+                nxt = index[(node, t)] = len(tokens)
+                tokens.append(t)
+                parents.append(node)
+            node = nxt
+    return DraftTree(tuple(tokens), tuple(parents))
+
+
 @dataclass(frozen=True)
 class TreeVerdict:
     """The accepted path (node indices, root's child first), its tokens, and the token the

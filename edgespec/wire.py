@@ -55,7 +55,8 @@ def stats_to_pb(s: Stats) -> pb.Stats:
                     mean_acceptance_length=s.mean_acceptance_length,
                     tokens_per_s=s.tokens_per_s, prefill_s=s.prefill_s, elapsed_s=s.elapsed_s,
                     tokens=s.tokens, accepted_per_pos=s.accepted_per_pos, take_s=s.take_s,
-                    forward_s=s.forward_s, commit_s=s.commit_s, lossy=s.lossy)
+                    forward_s=s.forward_s, commit_s=s.commit_s, lossy=s.lossy,
+                    branch_tokens=s.branch_tokens)
 
 
 def stats_from_pb(m: pb.Stats) -> dict:
@@ -64,7 +65,8 @@ def stats_from_pb(m: pb.Stats) -> dict:
             "mean_acceptance_length": m.mean_acceptance_length, "tokens_per_s": m.tokens_per_s,
             "prefill_s": m.prefill_s, "elapsed_s": m.elapsed_s, "tokens": m.tokens,
             "accepted_per_pos": list(m.accepted_per_pos), "take_s": m.take_s,
-            "forward_s": m.forward_s, "commit_s": m.commit_s, "lossless": not m.lossy}
+            "forward_s": m.forward_s, "commit_s": m.commit_s, "lossless": not m.lossy,
+            "branch_tokens": m.branch_tokens}
 
 
 # -- authentication -----------------------------------------------------------------------------

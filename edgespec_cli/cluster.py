@@ -7,7 +7,7 @@ import os
 import signal
 import sys
 
-from edgespec.cli_args import add_threads_arg, configure_logging
+from edgespec.cli_args import add_threads_arg, add_tree_width_arg, configure_logging
 from edgespec.config import ConfigError, EngineConfig
 
 
@@ -167,7 +167,7 @@ def cmd_drafter(args) -> int:
     agent = DrafterAgent(args.cache, args.device_id, drafter, fingerprint, args.window,
                          args.chunk, args.auth_token or os.environ.get("EDGESPEC_AUTH_TOKEN"),
                          args.tls_ca, args.tls, args.max_sessions, tls_cert=args.tls_cert,
-                         tls_key=args.tls_key, metrics=metrics)
+                         tls_key=args.tls_key, metrics=metrics, tree_width=args.tree_width)
     print(f"edgespec: drafter {args.device_id} ({drafter.name}) attaching to {args.cache}",
           file=sys.stderr, flush=True)
     signal.signal(signal.SIGTERM, lambda *_: agent.stop())  # stop cleanly: exit 0
@@ -206,6 +206,7 @@ def add_cluster_commands(sub) -> None:
     d.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="a model drafter's dtype (default: %(default)s)")
     add_threads_arg(d)
+    add_tree_width_arg(d)
     d.add_argument("--log-level", default="INFO", help="(default: %(default)s)")
     d.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus metrics at http://HOST:PORT/metrics (default: none)")

@@ -22,6 +22,7 @@ import sys
 
 from edgespec import __version__
 from edgespec.cli_args import (add_engine_args, add_model_args, add_threads_arg,
+                                add_tree_width_arg,
                                 add_verify_args, check_drafter_arg, check_model_arg,
                                 engine_config, set_threads, warn_if_lossy)
 from edgespec.config import ConfigError, SamplingParams
@@ -99,6 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(g)
     add_threads_arg(g)
     add_engine_args(g)
+    add_tree_width_arg(g)
     add_verify_args(g)
     g.set_defaults(func=cmd_generate)
 
@@ -117,6 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(b)
     add_threads_arg(b)
     add_engine_args(b)
+    add_tree_width_arg(b)
     b.set_defaults(func=cmd_bench)
 
     n = sub.add_parser("bench-net", help="the distributed path on loopback vs the in-process "

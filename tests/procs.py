@@ -101,6 +101,7 @@ def start_serve(model_dir, tmp_path, redis_url=None, port=None, token="s3cret",
     return proc, address
 
 
-def start_drafter(address, device, tmp_path, drafter="mag", token="s3cret") -> Proc:
+def start_drafter(address, device, tmp_path, drafter="mag", token="s3cret", extra=()) -> Proc:
     return Proc(["drafter", "--cache", address, "--device-id", device, "--drafter", drafter,
-                 "--auth-token", token, "--log-level", "INFO"], tmp_path / f"drafter-{device}.log")
+                 "--auth-token", token, "--log-level", "INFO", *extra],
+                tmp_path / f"drafter-{device}.log")

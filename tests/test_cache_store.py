@@ -6,7 +6,8 @@ from cache_service.redis_conn import RedisHandle
 from cache_service.store import RedisSessionStore, StoreError
 from edgespec.config import SamplingParams
 from edgespec.sampling import SparseQ
-from edgespec.session import Verdict
+from edgespec.drafters.base import Branch
+from edgespec.session import DraftBranch, Verdict
 from edgespec.store_api import DraftWant, SessionVanished
 
 
@@ -40,7 +41,8 @@ def test_push_take_commit_with_fix_reaches_the_inbox(store):
     snap = store.snapshot("s1")
     assert snap.tokens == [1, 2, 3, 4, 9] and snap.epoch == 1
     ev = store.read_events(dev, events[0][0], 10)
-    assert ev[-1][1] == {"t": "commit", "sid": "s1", "epoch": "1", "end": "5", "fix": "1", "tok": "9"}
+    assert ev[-1][1] == {"t": "commit", "sid": "s1", "epoch": "1", "end": "5", "fix": "1", "tok": "9",
+                         "pos": "4", "more": ""}
 
 
 def test_held_token_commits_without_fix(store):
@@ -52,6 +54,37 @@ def test_held_token_commits_without_fix(store):
     assert out.ok and out.fix is None
     [taken] = store.take_when_ready([DraftWant("s2", 8, 8)], 0.0)
     assert taken.tokens == [9] and taken.start == 3 and taken.epoch == 0
+
+
+def test_branches_are_stored_taken_kept_ahead_and_dropped_by_a_fix(store):
+    dev = _attach(store)
+    store.create("s9", [1, 2], SamplingParams(), dev)
+    res = store.push("s9", 0, 2, [10, 11, 12, 13], None, idle=False, window=3, branches=[
+        Branch(0, (20, 21)), Branch(2, (22,)), Branch(3, (23,)),  # at 3: beyond the window
+        Branch(1, (11,))])  # the chain's own token: not a branch
+    assert res.kept == 3
+    [taken] = store.take_when_ready([DraftWant("s9", 3, 3, side=2)], 0.0)
+    assert taken.tokens == [10, 11, 12]
+    assert taken.branches == [DraftBranch(2, (20, 21))]  # the side budget: two tokens
+    [taken] = store.take_when_ready([DraftWant("s9", 3, 3)], 0.0)
+    assert taken.branches == []  # no side budget: a chain
+    [out] = store.commit_many([Verdict("s9", 0, 2, 1, 11)])  # 10 accepted, 11 held
+    assert out.ok and out.fix is None
+    [taken] = store.take_when_ready([DraftWant("s9", 3, 3, side=8)], 0.0)
+    assert (taken.start, taken.tokens, taken.branches) == (4, [12], [DraftBranch(4, (22,))])
+    store.push("s9", 0, 5, [14], None, idle=False, window=8, branches=[Branch(0, (24, 25))])
+    ev0 = store.read_events(dev, "0-0", 100)[-1][0]
+    [out] = store.commit_many([Verdict("s9", 0, 4, 1, 7, branch=(24,))])  # 12, then branch 24
+    fix = out.fix
+    assert (fix.epoch, fix.position, fix.token, fix.more) == (1, 5, 24, (7,))
+    assert store.snapshot("s9").tokens == [1, 2, 10, 11, 12, 24, 7]
+    assert store.redis.llen(store.session_keys("s9")[4]) == 0  # a fix drops the branches
+    ev = store.read_events(dev, ev0, 10)
+    assert ev[-1][1] == {"t": "commit", "sid": "s9", "epoch": "1", "end": "7", "fix": "1",
+                         "tok": "24", "pos": "5", "more": "7"}
+    # a replayed branch commit is recognised, not applied twice
+    [again] = store.commit_many([Verdict("s9", 0, 4, 1, 7, branch=(24,))])
+    assert again.ok and store.snapshot("s9").tokens == [1, 2, 10, 11, 12, 24, 7]
 
 
 def test_stale_and_misplaced_chunks_are_refused_and_change_nothing(store):

@@ -1,5 +1,6 @@
-"""The distributed system on loopback with real processes: one `edgespec serve`, three drafters
-(two MaG, one tiny model drafter), concurrent clients, against embedded and external Redis."""
+"""The distributed system on loopback with real processes: one `edgespec serve`, four drafters
+(two MaG, one tiny model drafter, one drafting token trees), concurrent clients, against
+embedded and external Redis."""
 
 from __future__ import annotations
 
@@ -38,8 +39,11 @@ def cluster(redis_url, looping_dir, tiny_draft_dir, tmp_path_factory):
     # what gets drafted and accepted then does not depend on how fast the machine is
     serve, address = start_serve(looping_dir, tmp, redis_url, token=TOKEN,
                                  extra=["--draft-wait-ms", 5000, "--no-adaptive"])
-    drafters = {name: start_drafter(address, name, tmp, spec) for name, spec in
-                [("mag-1", "mag"), ("mag-2", "mag"), ("model-1", f"model:{tiny_draft_dir}")]}
+    drafters = {name: start_drafter(address, name, tmp, spec, extra=extra)
+                for name, spec, extra in
+                [("mag-1", "mag", ()), ("mag-2", "mag", ()),
+                 ("model-1", f"model:{tiny_draft_dir}", ()),
+                 ("tree-1", f"model:{tiny_draft_dir}", ("--tree-width", "4"))]}
     for d in drafters.values():
         d.wait_for("attached to")
     state = {"address": address, "serve": serve, "drafters": drafters, "model": looping_dir,
@@ -74,6 +78,20 @@ def test_six_concurrent_sessions_identical_to_target_only(cluster, refs):
     assert sum(r.stats["drafted"] for r in results) > 0
     # the looping target's output cycles: MaG's drafts get accepted through the whole path
     assert sum(r.stats["accepted"] for r in results) > 60
+
+
+def test_a_tree_drafting_device_gives_target_only_output(cluster, refs):
+    """`edgespec drafter --tree-width 4`: tree chunks through the cache and the verifier."""
+    def run(i):
+        with client(cluster) as c:
+            return c.generate(prompt_ids=PROMPTS[i], max_new_tokens=60, device_id="tree-1")
+
+    with ThreadPoolExecutor(3) as pool:
+        results = list(pool.map(run, range(3)))
+    for res, ref in zip(results, refs):
+        assert res.token_ids == ref and res.device_id == "tree-1"
+    assert sum(r.stats["drafted"] for r in results) > 0
+    assert "cannot draft" not in cluster["drafters"]["tree-1"].text()
 
 
 def test_stream_and_async_client_match(cluster, refs):

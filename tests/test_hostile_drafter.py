@@ -24,7 +24,8 @@ from edgespec.config import ConfigError, SamplingParams
 from edgespec.drafters import Draft, Drafter, DraftSession
 from edgespec.ids import check_device_id, check_session_id
 from edgespec.kv_cache import CacheFullError
-from edgespec.session import Verdict
+from edgespec.session import DraftBranch, Verdict
+from edgespec.store_api import DraftWant
 from edgespec.v1 import edgespec_pb2 as pb
 from edgespec.v1 import edgespec_pb2_grpc as pb_grpc
 from edgespec.wire import TokenAuthInterceptor, auth_metadata, bind, make_channel
@@ -223,16 +224,39 @@ def test_a_malformed_chunk_on_the_stream_is_refused_and_the_stream_goes_on(cache
     s.close()
 
 
-def test_a_tree_draft_is_refused_until_the_cache_stores_trees(cache, store):
+@pytest.mark.parametrize("tokens,parents,version,needle", [
+    ([5, 6, 7], [-1, 0, 1], 2, "tree_version 2"),  # a layout this cache does not know
+    ([5, 6], [-1, 0], 0, "no tree_parents"),  # a chain chunk with parents
+    ([5, 6, 7], [-1, 0], 1, "one parent per token"),
+    ([5, 6, 7], [-1, 0, 5], 1, "tree_parents[2]"),  # a parent after the node
+    ([5, 6, 7, 8, 9], [-1, 0, 1, -1, 2], 1, "tree_parents[4]"),  # from the chain's last node
+    ([5, 6, 7, 8, 9], [-1, 0, -1, 0, 2], 1, "tree_parents[4]"),  # continues another branch
+    ([5, 6, 1 << 20], [-1, 0, -1], 1, "token ids"),  # a branch token outside the vocabulary
+    ([5] + [7] * 70, [-1] + [-1] * 70, 1, "at most"),  # too many branch nodes
+])
+def test_a_malformed_tree_chunk_is_refused_and_stores_nothing(cache, store, tokens, parents,
+                                                              version, needle):
     store.create("s1", [1, 2, 3], SamplingParams(), "dev1")
-    tree = pb.DraftChunk(session_id="s1", epoch=0, start=3, tokens=[5, 6, 7],
-                         tree_parents=[-1, -1, 0], tree_version=1)
+    tree = pb.DraftChunk(session_id="s1", epoch=0, start=3, tokens=tokens,
+                         tree_parents=parents, tree_version=version)
     with pytest.raises(grpc.RpcError) as e:
         cache.push(tree, device="dev1")
-    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "tree" in e.value.details()
-    assert draft_len(store, "s1") == 0
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and needle in e.value.details()
+    assert draft_len(store, "s1") == 0 and store.redis.llen(store.session_keys("s1")[4]) == 0
     chain = pb.DraftChunk(session_id="s1", epoch=0, start=3, tokens=[5, 6], tree_version=0)
     assert cache.push(chain, device="dev1").kept == 2
+
+
+def test_a_tree_chunk_stores_its_chain_and_branches(cache, store):
+    store.create("s1", [1, 2, 3], SamplingParams(), "dev1")
+    # chain 5 6 7; a branch 8 9 instead of 6; a branch 4 instead of 5
+    tree = pb.DraftChunk(session_id="s1", epoch=0, start=3, tokens=[5, 6, 7, 8, 9, 4],
+                         tree_parents=[-1, 0, 1, 0, 3, -1], tree_version=1)
+    assert cache.push(tree, device="dev1").kept == 3  # the chain's tokens
+    assert draft_len(store, "s1") == 3
+    (taken,) = store.take_when_ready([DraftWant("s1", 3, 3, side=8)], 0)
+    assert taken.tokens == [5, 6, 7]
+    assert taken.branches == [DraftBranch(4, (8, 9)), DraftBranch(3, (4,))]
 
 
 # -- 4. per-device credentials --------------------------------------------------------------------

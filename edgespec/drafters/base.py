@@ -8,6 +8,11 @@ verifier), ``append`` adds a known token (the verifier's token at the fix positi
 Cascades (``cascade.py``) use two more hooks: ``check`` (a session that can, a model drafter's,
 verifies another drafter's proposal in one forward) and ``retract`` (drop the session's own
 unverified tokens, which is not a fix: nothing before the cut was confirmed by the verifier).
+
+Token trees: ``propose_tree(k, width)`` may add ``Branch``es to its draft, alternative
+continuations the verifier checks in the same forward (``edgespec.tree_verify``). The session's
+belief stays the chain (``Draft.tokens``); branches are never appended to ``tokens``, and when
+the verifier accepts one, the fix carries the branch's tokens (``Fix.more``).
 """
 
 from __future__ import annotations
@@ -19,12 +24,24 @@ from ..config import SamplingParams
 from ..sampling import SparseQ
 
 
+@dataclass(frozen=True)
+class Branch:
+    """An alternative to the draft's token ``at`` (0-based in the draft's ``tokens``): it hangs
+    from the token before it (the draft's token at - 1, or the session's last token when at is
+    0) and continues with ``tokens`` (a chain; its first token differs from the draft's)."""
+
+    at: int
+    tokens: tuple[int, ...]
+
+
 @dataclass
 class Draft:
     tokens: list[int] = field(default_factory=list)
     # For model drafts in sampling mode: the sparse q' each token was sampled from; None when the
     # draft is deterministic (q is one-hot), which includes every greedy draft.
     q: list[SparseQ] | None = None
+    # alternatives to some of ``tokens`` (``propose_tree``); each hangs from the chain
+    branches: list[Branch] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -51,6 +68,12 @@ class DraftSession(ABC):
     def propose(self, k: int) -> Draft:
         """Draft up to k tokens after ``self.tokens`` and append them to it. May return fewer,
         or none when nothing is likely to be accepted."""
+
+    def propose_tree(self, k: int, width: int) -> Draft:
+        """``propose(k)``, plus up to ``width`` - 1 alternatives (``Draft.branches``) at the
+        positions where the drafter had other likely candidates, each at most k tokens long.
+        The default has none: a chain."""
+        return self.propose(k)
 
     def rollback(self, length: int) -> None:
         if not 0 <= length <= len(self.tokens):

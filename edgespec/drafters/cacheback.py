@@ -25,10 +25,12 @@ import numpy as np
 
 from ..config import SamplingParams
 from ..fleet_table import MAX_FOLLOWERS, ORDERS, FleetTable, ngram_pairs
-from .base import Draft, Drafter, DraftSession
-from .mag import longest_suffix_match
+from .base import Branch, Draft, Drafter, DraftSession
+from .mag import longest_suffix_match, match_branches
 
 log = logging.getLogger("edgespec.cacheback")
+
+BRANCH_DEPTH = 4  # the most tokens a Cacheback branch holds
 
 
 class NgramTable:
@@ -83,18 +85,36 @@ class NgramTable:
             self._followers.move_to_end(leader)
             return followers[0]
 
+    def followers(self, leader: tuple[int, ...]) -> list[int]:
+        """The followers of ``leader``, most recent first; a peek (not a use of the leader)."""
+        with self.lock:
+            return list(self._followers.get(leader, ()))
+
 
 def next_token(tables: list[NgramTable], tokens: list[int]) -> tuple[int | None, int]:
     """(follower of the longest leader ending ``tokens`` that any table knows, the leader's
     length), the narrower table first at equal length; (None, 0) if none knows one."""
+    token, n, _ = _lookup(tables, tokens, peek=False)
+    return token, n
+
+
+def _lookup(tables: list[NgramTable], tokens: list[int], peek: bool
+            ) -> tuple[int | None, int, list[int]]:
+    """``next_token``'s (token, order), and the followers of the leader and table that gave it,
+    most recent first (only when ``peek``: then no table counts the look-up as a use)."""
     for n in ORDERS:
         if len(tokens) >= n:
             leader = tuple(tokens[-n:])
             for table in tables:
-                token = table.follower(leader)
-                if token is not None:
-                    return token, n
-    return None, 0
+                if peek:
+                    followers = table.followers(leader)
+                    if followers:
+                        return followers[0], n, followers
+                else:
+                    token = table.follower(leader)
+                    if token is not None:
+                        return token, n, []
+    return None, 0, []
 
 
 class CachebackSession(DraftSession):
@@ -113,6 +133,64 @@ class CachebackSession(DraftSession):
             out = self._chain(k)
         self.tokens.extend(out)
         return Draft(tokens=out)
+
+    def propose_tree(self, k: int, width: int) -> Draft:
+        if width <= 1:
+            return self.propose(k)
+        out: list[int] = []
+        if self.drafter.with_mag and k > 0:
+            out = self._suffix_match(k)
+            if out:
+                branches = match_branches(np.asarray(self.tokens, dtype=np.int64), out, k,
+                                          8, 2, 2, width - 1)
+        if not out:
+            out = self._chain(k)
+            branches = self._chain_branches(out, k, width - 1)
+        self.tokens.extend(out)
+        return Draft(tokens=out, branches=branches)
+
+    def _chain_branches(self, chain: list[int], k: int, max_branches: int) -> list[Branch]:
+        """Older followers of the leader behind each of ``chain``'s tokens, continued by peeked
+        look-ups; rank 1 (the next most recent) at every position first, then rank 2, ..."""
+        d = self.drafter
+        tables = [self.table, d.table, d.fleet_mirror]
+        ctx = self.tokens[-ORDERS[0]:]
+        alternatives: list[list[int]] = []  # per position: the other followers, recent first
+        weaks: list[int] = []  # per position: the chain's count of weak leaders there
+        weak = 0
+        for token in chain:
+            _, order, followers = _lookup(tables, ctx, peek=True)
+            weak = weak + 1 if order == 1 else 0
+            alternatives.append([f for f in dict.fromkeys(followers) if f != token])
+            weaks.append(weak)
+            ctx = (ctx + [token])[-ORDERS[0]:]
+        branches: list[Branch] = []
+        for rank in range(max((len(a) for a in alternatives), default=0)):
+            for i, alts in enumerate(alternatives):
+                if rank < len(alts):
+                    before = (self.tokens[-ORDERS[0]:] + chain[:i])[-ORDERS[0]:]
+                    tokens = self._continue(tables, before, alts[rank], weaks[i],
+                                            min(k - i, BRANCH_DEPTH))
+                    branches.append(Branch(i, tuple(tokens)))
+                    if len(branches) >= max_branches:
+                        return branches
+        return branches
+
+    def _continue(self, tables: list[NgramTable], ctx: list[int], first: int, weak: int,
+                  limit: int) -> list[int]:
+        """``first`` and up to ``limit`` - 1 peeked look-ups after it (the chain's rules)."""
+        out = [first]
+        ctx = (ctx + [first])[-ORDERS[0]:]
+        while len(out) < limit:
+            token, order, _ = _lookup(tables, ctx, peek=True)
+            if token is None:
+                break
+            weak = weak + 1 if order == 1 else 0
+            if weak > self.drafter.weak_limit:
+                break
+            out.append(token)
+            ctx = (ctx + [token])[-ORDERS[0]:]
+        return out
 
     def _suffix_match(self, k: int) -> list[int]:
         arr = np.asarray(self.tokens, dtype=np.int64)

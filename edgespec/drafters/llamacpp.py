@@ -6,7 +6,8 @@ holds one llama.cpp context from a pool of at most ``n_slots``; a verifier fix r
 back by removing the positions after the fix. Drafting follows ``ModelDraftSession``: greedy
 sessions draft the argmax, sampling sessions sample from the llama logits with the session's
 position-keyed noise (``sampling.sample_sparse``), and a draft stops when the top probability
-falls below ``min_confidence``.
+falls below ``min_confidence``. ``propose_tree`` adds one-token branches as the model drafter
+does (``model.BranchPicker``): the next most likely tokens of the logits already computed.
 
 llama-cpp-python is an optional extra (``pip install "edgespec[llamacpp]"``) and is imported only
 when such a drafter is built.
@@ -26,7 +27,7 @@ from ..config import ConfigError, SamplingParams
 from ..kv_cache import CacheFullError
 from ..sampling import SparseQ
 from .base import Draft, Drafter, DraftSession
-from .model import choose_token
+from .model import BranchPicker, choose_token
 
 
 def import_llama_cpp():
@@ -144,9 +145,16 @@ class LlamaCppDraftSession(DraftSession):
         self.kv_len = self.llm.n_tokens = length
 
     def propose(self, k: int) -> Draft:
+        return self._propose(k, 1)
+
+    def propose_tree(self, k: int, width: int) -> Draft:
+        return self._propose(k, width)
+
+    def _propose(self, k: int, width: int) -> Draft:
         out: list[int] = []
         qs: list[SparseQ] = []
         min_conf = self.drafter.min_confidence
+        picker = BranchPicker(width - 1, self.drafter.branch_min_prob) if width > 1 else None
         for _ in range(k):
             if len(self.tokens) + 1 > self.drafter.max_len:
                 break
@@ -159,11 +167,14 @@ class LlamaCppDraftSession(DraftSession):
                 # forget the last fed position so the next proposal re-feeds the last token
                 self._truncate(self.kv_len - len(feed))
                 break
+            if picker is not None:
+                picker.add(len(out), logits, q, token)
             out.append(token)
             self.tokens.append(token)
             if not self.params.greedy:
                 qs.append(q)
-        return Draft(tokens=out, q=None if self.params.greedy else qs)
+        return Draft(tokens=out, q=None if self.params.greedy else qs,
+                     branches=picker.branches() if picker is not None else [])
 
     def rollback(self, length: int) -> None:
         super().rollback(length)
@@ -181,13 +192,14 @@ class LlamaCppDrafter(Drafter):
 
     def __init__(self, path: str, n_slots: int = 4, max_len: int = 2048, target_tokenizer=None,
                  n_threads: int | None = None, q_top_k: int = 8, min_confidence: float = 0.3,
-                 extra_buffers: bool = False):
+                 extra_buffers: bool = False, branch_min_prob: float = 0.1):
         self.path = resolve_gguf(path)
         self.llama_cpp = import_llama_cpp()
         self.name = f"llamacpp:{self.path.name}"
         self.n_slots, self.max_len = n_slots, max_len
         self.n_threads = n_threads or torch.get_num_threads()
         self.q_top_k, self.min_confidence = q_top_k, min_confidence
+        self.branch_min_prob = branch_min_prob  # the least probability a tree branch needs
         self.extra_buffers = extra_buffers  # see load_llama
         self._lock = threading.Lock()
         first = self._new_context()  # a file llama.cpp cannot load fails here, not in a session

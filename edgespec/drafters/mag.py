@@ -18,6 +18,14 @@ verification width. The table is bounded, however long the drafter lives: at mos
 Drafting only where acceptance is likely: a suffix match of n tokens proposes at most
 ``n * tokens_per_match_token`` tokens, so a one-token match (weak evidence) sends a short draft
 and a long match a long one.
+
+Token trees (``propose_tree``): the chain is ``propose``'s. Its branches are the other earlier
+occurrences of a suffix match (any length from ``max_ngram`` down to ``min_ngram``; longer
+matches first, then the more recent) whose continuation, limited like a chain from a match of
+that length, differs from the chain's: a branch starts at the first differing position and holds
+the rest of that continuation. In the bigram fallback, a position's branch is its leader's most
+frequent follower other than the chain's token (one token), offered when its share is at least
+half ``bigram_min_share``, one per position, the first positions first.
 """
 
 from __future__ import annotations
@@ -29,7 +37,7 @@ import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from ..config import SamplingParams
-from .base import Draft, Drafter, DraftSession
+from .base import Branch, Draft, Drafter, DraftSession
 
 
 class _Followers:
@@ -85,6 +93,16 @@ class BigramTable:
         nxt = max(entry.counts, key=entry.counts.__getitem__)
         return nxt, entry.counts[nxt] / entry.total
 
+    def runner_up(self, token: int, besides: int) -> tuple[int | None, float]:
+        """(the most frequent follower of ``token`` other than ``besides``, its share), or
+        (None, 0). A peek: unlike ``best`` it does not count as a use of the leader."""
+        entry = self._followers.get(token)
+        rest = {t: c for t, c in entry.counts.items() if t != besides} if entry else {}
+        if not rest:
+            return None, 0.0
+        nxt = max(rest, key=rest.__getitem__)
+        return nxt, rest[nxt] / entry.total
+
 
 def longest_suffix_match(arr: np.ndarray, max_ngram: int, min_ngram: int) -> tuple[int, int]:
     """(n, p): the longest n in [min_ngram, max_ngram] such that the last n tokens of ``arr``
@@ -98,6 +116,55 @@ def longest_suffix_match(arr: np.ndarray, max_ngram: int, min_ngram: int) -> tup
     return 0, -1
 
 
+def match_branches(arr: np.ndarray, chain: list[int], k: int, max_ngram: int, min_ngram: int,
+                   tokens_per_match_token: int, max_branches: int) -> list[Branch]:
+    """Alternatives to ``chain`` (the draft after ``arr``) from the other earlier occurrences of
+    a suffix of ``arr`` of n in [min_ngram, max_ngram] tokens: each occurrence's continuation
+    (at most min(k, n * tokens_per_match_token) tokens) that differs from the chain gives a
+    branch from its first differing position on. Longer matches first, then the more recent;
+    one branch per (position, first token); at most ``max_branches``."""
+    length, depth = len(arr), len(chain)
+    top = min(max_ngram, length - 1)
+    if max_branches <= 0 or depth == 0 or top < min_ngram:
+        return []
+    # run[j]: how many tokens ending at j equal the same number ending arr (j < length - 1, so
+    # a continuation follows), capped at max_ngram
+    alive = np.ones(length - 1, dtype=bool)
+    run = np.zeros(length - 1, dtype=np.int64)
+    for m in range(top):
+        alive[:m] = False  # no token at j - m
+        alive[m:] &= arr[: length - 1 - m] == arr[length - 1 - m]
+        if not alive.any():
+            break
+        run += alive
+    found = np.flatnonzero(run >= min_ngram)
+    if found.size == 0:
+        return []
+    n = run[found]
+    order = np.lexsort((-found, -n))  # longest match first, then most recent
+    found, n = found[order], n[order]
+    limits = np.minimum(k, n * tokens_per_match_token)
+    # continuations as rows, compared with the chain where both have a token
+    steps = np.arange(depth)
+    at = found[:, None] + 1 + steps
+    valid = (at < length) & (steps < limits[:, None])
+    conts = np.where(valid, arr[np.minimum(at, length - 1)], -1)
+    differs = valid & (conts != np.asarray(chain, dtype=arr.dtype))
+    first = differs.argmax(axis=1)
+    branches: list[Branch] = []
+    seen: set[tuple[int, int]] = set()
+    for row in np.flatnonzero(differs.any(axis=1)):
+        i, start = int(first[row]), int(found[row]) + 1
+        tokens = arr[start + i: start + int(limits[row])].tolist()
+        if (i, tokens[0]) in seen:
+            continue
+        seen.add((i, tokens[0]))
+        branches.append(Branch(i, tuple(tokens)))
+        if len(branches) >= max_branches:
+            break
+    return branches
+
+
 class MaGSession(DraftSession):
     def __init__(self, drafter: "MaGDrafter", tokens: list[int], params: SamplingParams):
         super().__init__(tokens, params)
@@ -105,23 +172,46 @@ class MaGSession(DraftSession):
         self._verified = len(tokens)  # tokens before this index are confirmed (prompt/committed)
 
     def propose(self, k: int) -> Draft:
-        d = self.drafter
-        arr = np.asarray(self.tokens, dtype=np.int64)
-        n, p = longest_suffix_match(arr, d.max_ngram, d.min_ngram)
-        out: list[int] = []
-        if n:
-            limit = min(k, n * d.tokens_per_match_token)
-            out = arr[p + n: p + n + limit].tolist()
-        else:
-            last = self.tokens[-1] if self.tokens else None
-            while last is not None and len(out) < k:
-                nxt, share = d.bigrams.best(last)
-                if nxt is None or share < d.bigram_min_share:
-                    break
-                out.append(nxt)
-                last = nxt
+        out, _ = self._chain(k, np.asarray(self.tokens, dtype=np.int64))
         self.tokens.extend(out)
         return Draft(tokens=out)
+
+    def propose_tree(self, k: int, width: int) -> Draft:
+        if width <= 1:
+            return self.propose(k)
+        d = self.drafter
+        arr = np.asarray(self.tokens, dtype=np.int64)
+        out, matched = self._chain(k, arr)
+        if matched:
+            branches = match_branches(arr, out, k, d.max_ngram, d.min_ngram,
+                                      d.tokens_per_match_token, width - 1)
+        else:
+            branches = []
+            for i, token in enumerate(out[: width - 1]):
+                leader = out[i - 1] if i else self.tokens[-1]
+                alt, share = d.bigrams.runner_up(leader, token)
+                if alt is not None and share >= d.bigram_min_share / 2:
+                    branches.append(Branch(i, (alt,)))
+        self.tokens.extend(out)
+        return Draft(tokens=out, branches=branches)
+
+    def _chain(self, k: int, arr: np.ndarray) -> tuple[list[int], bool]:
+        """The draft after ``arr`` (the session's tokens), and whether a suffix match made it
+        (else the bigram fallback did)."""
+        d = self.drafter
+        n, p = longest_suffix_match(arr, d.max_ngram, d.min_ngram)
+        if n:
+            limit = min(k, n * d.tokens_per_match_token)
+            return arr[p + n: p + n + limit].tolist(), True
+        out: list[int] = []
+        last = self.tokens[-1] if self.tokens else None
+        while last is not None and len(out) < k:
+            nxt, share = d.bigrams.best(last)
+            if nxt is None or share < d.bigram_min_share:
+                break
+            out.append(nxt)
+            last = nxt
+        return out, False
 
     def rollback(self, length: int) -> None:
         # Everything before a fix position was verified: let the bigram table learn it.

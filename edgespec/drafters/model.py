@@ -13,6 +13,14 @@ In a cascade a model session also ``check``s a cheaper drafter's proposal: one f
 proposal, keeping the longest prefix that equals its own choice at each position (its argmax, or
 its keyed sample in sampling mode) plus its own next token, so a run of n agreeing tokens costs
 one forward instead of n.
+
+Token trees (``propose_tree``): the chain is ``propose``'s, token for token (the same
+``choose_token``), and the branches come from the logits its forwards already computed, with no
+forward of their own: at each drafted position the drafter's next most likely tokens (greedy:
+its softmax; sampling: the q' the token was drawn from), each a one-token branch when its
+probability is at least ``branch_min_prob``. Of those, the ``width`` - 1 with the highest path
+probability (the chain's token probabilities before the position times the alternative's) are
+kept, best first; so early positions, which are the likelier to be reached, are preferred.
 """
 
 from __future__ import annotations
@@ -22,7 +30,7 @@ import torch
 from ..config import SamplingParams
 from ..runner import TargetRunner
 from ..sampling import SparseQ, sample_sparse
-from .base import Checked, Draft, Drafter, DraftSession
+from .base import Branch, Checked, Draft, Drafter, DraftSession
 
 
 def choose_token(logits: torch.Tensor, params: SamplingParams, q_top_k: int, pos: int
@@ -35,6 +43,37 @@ def choose_token(logits: torch.Tensor, params: SamplingParams, q_top_k: int, pos
         return int(tok), float(conf), None
     token, q = sample_sparse(logits, params, q_top_k, pos)
     return token, max(q.probs), q
+
+
+class BranchPicker:
+    """Collects a model draft's one-token alternatives position by position (``add``) and keeps
+    the ``max_branches`` most likely to be on the target's path (``branches``)."""
+
+    def __init__(self, max_branches: int, min_prob: float):
+        self.max_branches, self.min_prob = max_branches, min_prob
+        self.reach = 1.0  # the drafter's probability of the chain so far
+        self.candidates: list[tuple[float, int, int]] = []  # (path probability, at, token)
+
+    def add(self, at: int, logits: torch.Tensor, q: SparseQ | None, token: int) -> None:
+        """Draft position ``at`` chose ``token`` from ``logits`` [V] (greedy, q None) or from
+        the sampled q'."""
+        n = self.max_branches + 1
+        if q is None:
+            probs = logits.float().softmax(-1)
+            top = torch.topk(probs, min(n, probs.shape[-1]))
+            pairs = list(zip(top.indices.tolist(), top.values.tolist()))
+            p_token = float(probs[token])
+        else:
+            pairs = sorted(zip(q.ids, q.probs), key=lambda x: -x[1])[:n]
+            p_token = dict(zip(q.ids, q.probs)).get(token, 0.0)
+        for alt, p in pairs:
+            if alt != token and p >= self.min_prob:
+                self.candidates.append((self.reach * p, at, alt))
+        self.reach *= p_token
+
+    def branches(self) -> list[Branch]:
+        best = sorted(self.candidates, key=lambda c: (-c[0], c[1]))[: self.max_branches]
+        return [Branch(at, (token,)) for _, at, token in best]
 
 
 class ModelDraftSession(DraftSession):
@@ -57,9 +96,16 @@ class ModelDraftSession(DraftSession):
             self.kv_len = len(tokens) - 1
 
     def propose(self, k: int) -> Draft:
+        return self._propose(k, 1)
+
+    def propose_tree(self, k: int, width: int) -> Draft:
+        return self._propose(k, width)
+
+    def _propose(self, k: int, width: int) -> Draft:
         out: list[int] = []
         qs: list[SparseQ] = []
         min_conf = self.drafter.min_confidence
+        picker = BranchPicker(width - 1, self.drafter.branch_min_prob) if width > 1 else None
         for _ in range(k):
             if len(self.tokens) + 1 > self.runner.max_len:
                 break
@@ -74,11 +120,14 @@ class ModelDraftSession(DraftSession):
                 self.kv_len -= len(feed)
                 self.runner.rollback(self.slot, self.kv_len)
                 break
+            if picker is not None:
+                picker.add(len(out), logits, q, token)
             out.append(token)
             self.tokens.append(token)
             if not self.params.greedy:
                 qs.append(q)
-        return Draft(tokens=out, q=None if self.params.greedy else qs)
+        return Draft(tokens=out, q=None if self.params.greedy else qs,
+                     branches=picker.branches() if picker is not None else [])
 
     def check(self, proposal: list[int], lenient_prob: float | None = None) -> Checked:
         greedy = self.params.greedy
@@ -134,11 +183,12 @@ def _is_likely_second(logits: torch.Tensor, token: int, min_prob: float) -> bool
 class ModelDrafter(Drafter):
     wait_ms = 100.0  # a forward per drafted token
     def __init__(self, runner: TargetRunner, name: str = "model", q_top_k: int = 8,
-                 min_confidence: float = 0.3):
+                 min_confidence: float = 0.3, branch_min_prob: float = 0.1):
         self.runner = runner
         self.name = name
         self.q_top_k = q_top_k
         self.min_confidence = min_confidence
+        self.branch_min_prob = branch_min_prob  # the least probability a tree branch needs
 
     def open(self, tokens: list[int], params: SamplingParams) -> ModelDraftSession:
         return ModelDraftSession(self, tokens, params)

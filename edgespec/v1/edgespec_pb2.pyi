@@ -29,7 +29,7 @@ class SparseQ(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class Stats(_message.Message):
-    __slots__ = ("steps", "num_drafts", "drafted", "accepted", "acceptance_rate", "mean_acceptance_length", "tokens_per_s", "prefill_s", "elapsed_s", "tokens", "accepted_per_pos", "take_s", "forward_s", "commit_s", "lossy")
+    __slots__ = ("steps", "num_drafts", "drafted", "accepted", "acceptance_rate", "mean_acceptance_length", "tokens_per_s", "prefill_s", "elapsed_s", "tokens", "accepted_per_pos", "take_s", "forward_s", "commit_s", "lossy", "branch_tokens")
     STEPS_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFTS_FIELD_NUMBER: _ClassVar[int]
     DRAFTED_FIELD_NUMBER: _ClassVar[int]
@@ -45,6 +45,7 @@ class Stats(_message.Message):
     FORWARD_S_FIELD_NUMBER: _ClassVar[int]
     COMMIT_S_FIELD_NUMBER: _ClassVar[int]
     LOSSY_FIELD_NUMBER: _ClassVar[int]
+    BRANCH_TOKENS_FIELD_NUMBER: _ClassVar[int]
     steps: int
     num_drafts: int
     drafted: int
@@ -60,7 +61,8 @@ class Stats(_message.Message):
     forward_s: float
     commit_s: float
     lossy: bool
-    def __init__(self, steps: _Optional[int] = ..., num_drafts: _Optional[int] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_acceptance_length: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., elapsed_s: _Optional[float] = ..., tokens: _Optional[int] = ..., accepted_per_pos: _Optional[_Iterable[int]] = ..., take_s: _Optional[float] = ..., forward_s: _Optional[float] = ..., commit_s: _Optional[float] = ..., lossy: _Optional[bool] = ...) -> None: ...
+    branch_tokens: int
+    def __init__(self, steps: _Optional[int] = ..., num_drafts: _Optional[int] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_acceptance_length: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., elapsed_s: _Optional[float] = ..., tokens: _Optional[int] = ..., accepted_per_pos: _Optional[_Iterable[int]] = ..., take_s: _Optional[float] = ..., forward_s: _Optional[float] = ..., commit_s: _Optional[float] = ..., lossy: _Optional[bool] = ..., branch_tokens: _Optional[int] = ...) -> None: ...
 
 class ChatMessage(_message.Message):
     __slots__ = ("role", "content")
@@ -241,20 +243,22 @@ class Assignment(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class Commit(_message.Message):
-    __slots__ = ("session_id", "epoch", "committed_end", "is_fix", "fix_position", "fix_token")
+    __slots__ = ("session_id", "epoch", "committed_end", "is_fix", "fix_position", "fix_token", "fix_more")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_END_FIELD_NUMBER: _ClassVar[int]
     IS_FIX_FIELD_NUMBER: _ClassVar[int]
     FIX_POSITION_FIELD_NUMBER: _ClassVar[int]
     FIX_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    FIX_MORE_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     epoch: int
     committed_end: int
     is_fix: bool
     fix_position: int
     fix_token: int
-    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., committed_end: _Optional[int] = ..., is_fix: _Optional[bool] = ..., fix_position: _Optional[int] = ..., fix_token: _Optional[int] = ...) -> None: ...
+    fix_more: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., committed_end: _Optional[int] = ..., is_fix: _Optional[bool] = ..., fix_position: _Optional[int] = ..., fix_token: _Optional[int] = ..., fix_more: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ChunkAck(_message.Message):
     __slots__ = ("session_id", "start", "kept", "committed_end", "code", "message")

@@ -1,0 +1,190 @@
+"""Token trees through the session protocol and the engine: chunks with branches stored, taken
+within a budget and committed (a branch's path is a fix that carries its tokens), the draft's
+tree built chain-first, and whole generations with tree drafts identical to target-only
+decoding, greedy and seeded sampling, alone and batched with chain sessions."""
+
+import pytest
+from conftest import hf_greedy, hf_keyed_sampled
+from tree_oracle import OracleTreeDrafter
+
+from edgespec.config import ConfigError, EngineConfig, SamplingParams
+from edgespec.drafters.base import Branch
+from edgespec.engine import Request, SpecEngine
+from edgespec.runner import TargetRunner
+from edgespec.session import MAX_BRANCHES, DraftBranch, SessionState, StaleChunkError
+from edgespec.tree_verify import tree_of_draft
+
+
+# -- the session protocol ---------------------------------------------------------------------
+def _state(prompt=(1, 2, 3)):
+    return SessionState("s", list(prompt), has_drafter=True)
+
+
+def test_push_keeps_valid_branches_of_kept_tokens_only():
+    st = _state()
+    kept = st.push_draft(0, 3, [10, 11, 12], branches=[
+        Branch(0, (20, 21)), Branch(1, (11,)),  # repeats the chain's token: dropped
+        Branch(2, (22,)), Branch(0, (20, 99)),  # same (at, first token) as the first: dropped
+        Branch(5, (30,))], window=2)  # past the chunk: dropped; the window keeps two tokens
+    assert kept == 2 and st.draft == [10, 11]
+    assert st.branches == [DraftBranch(3, (20, 21))]  # at 2 is beyond the kept tokens
+
+
+def test_branches_are_bounded():
+    st = _state()
+    for i in range(MAX_BRANCHES + 4):
+        st.push_draft(0, 3 + i, [10 + i], branches=[Branch(0, tuple(range(40, 60)))])
+    assert len(st.branches) == MAX_BRANCHES
+    assert all(len(b.tokens) <= 8 for b in st.branches)
+
+
+def test_take_draft_cuts_branches_to_the_side_budget_and_the_taken_chain():
+    st = _state()
+    st.push_draft(0, 3, [10, 11, 12, 13],
+                  branches=[Branch(0, (20, 21, 22)), Branch(2, (23, 24)), Branch(3, (25,))])
+    t = st.take_draft(3, side=4)
+    assert t.tokens == [10, 11, 12]
+    # the branch at 3 + 3 is an alternative to a token not taken; the budget cuts the second
+    assert t.branches == [DraftBranch(3, (20, 21, 22)), DraftBranch(5, (23,))]
+    assert st.take_draft(3, side=0).branches == []
+    assert st.take_draft(0, side=8).branches == []
+
+
+def test_commit_along_the_chain_keeps_the_branches_ahead():
+    st = _state()
+    st.push_draft(0, 3, [10, 11, 12, 13], branches=[Branch(0, (20,)), Branch(3, (25,))])
+    assert st.commit(0, 1, 11) is None  # accepted 10, the verifier's 11 is the draft's
+    assert st.committed == [10, 11] and st.draft == [12, 13]
+    assert st.branches == [DraftBranch(6, (25,))]
+    fix = st.commit(0, 0, 99)  # a rejection: a fix, and the branches go with the draft
+    assert fix is not None and fix.tokens == [99] and st.branches == [] and st.epoch == 1
+
+
+def test_commit_of_a_branch_is_a_fix_carrying_its_tokens():
+    st = _state()
+    st.push_draft(0, 3, [10, 11, 12], branches=[Branch(1, (20, 21, 22))])
+    fix = st.commit(0, 1, 7, branch=(20, 21))
+    assert st.committed == [10, 20, 21, 7]
+    assert (fix.position, fix.token, fix.more, fix.tokens) == (4, 20, (21, 7), [20, 21, 7])
+    assert st.draft == [] and st.branches == [] and st.epoch == 1 and fix.epoch == 1
+    st.push_draft(1, 7, [30], branches=[Branch(0, (31,))])
+    with pytest.raises(ValueError, match="branch"):
+        st.commit(1, 0, 5, branch=(32,))  # not a branch the draft holds
+    with pytest.raises(StaleChunkError):
+        st.commit(0, 0, 5)
+
+
+def test_tree_of_draft_puts_the_chain_first_and_shares_prefixes():
+    tree = tree_of_draft([10, 11, 12], [DraftBranch(5, (20, 21)), DraftBranch(5, (20, 22)),
+                                        DraftBranch(3, (10, 30)),  # shares the chain's 10
+                                        DraftBranch(6, (40,)),  # not an alternative: ignored
+                                        DraftBranch(2, (41,))], start=5 - 2)
+    # start 3: pos 5 hangs from chain node 1 (token 11); pos 3 from the root
+    assert tree.tokens == (10, 11, 12, 20, 21, 22, 30)
+    assert tree.parents == (-1, 0, 1, 1, 3, 3, 0)
+
+
+def test_tree_settings_are_checked():
+    with pytest.raises(ConfigError, match="tree_width"):
+        EngineConfig(tree_width=0)
+    with pytest.raises(ConfigError, match="tree_nodes"):
+        EngineConfig(tree_nodes=65)
+
+
+# -- whole generations ------------------------------------------------------------------------
+PROMPTS = [[1, 10, 11, 12, 13, 10, 11, 12, 13, 10], [1, 50, 51, 52, 53, 54, 55, 56],
+           [1, 30, 31, 30, 31, 30]]
+CFG = dict(adaptive=False, draft_wait_ms=5000, tree_width=3)
+
+
+@pytest.mark.parametrize("model", ["tiny", "looping"])
+def test_greedy_with_tree_drafts_equals_transformers_greedy(request, model):
+    hf = request.getfixturevalue(model).model
+    refs = {tuple(p): hf_greedy(hf, p, 40) for p in PROMPTS}
+    runner = TargetRunner(hf, n_slots=4, max_len=128)
+    drafter = OracleTreeDrafter(refs, runner.vocab_size, seed=3)
+    with SpecEngine(runner, drafter, EngineConfig(**CFG), stop_ids={2}) as engine:
+        results = [engine.generate(Request(p, 40)) for p in PROMPTS]
+    for p, r in zip(PROMPTS, results):
+        assert r.token_ids == refs[tuple(p)]
+    assert sum(r.stats.branch_tokens for r in results) > 10  # branches really were accepted
+
+
+def test_batched_tree_and_chain_sessions_equal_target_only(tiny):
+    """Several sessions in one forward: some drafting trees, one verified as a chain (a budget
+    of no branch tokens would make every row a chain; here rows mix)."""
+    hf = tiny.model
+    refs = {tuple(p): hf_greedy(hf, p, 30) for p in PROMPTS}
+    runner = TargetRunner(hf, n_slots=4, max_len=128)
+    drafter = OracleTreeDrafter(refs, runner.vocab_size, seed=5)
+    with SpecEngine(runner, drafter, EngineConfig(**CFG), stop_ids={2}) as engine:
+        results = engine.generate_many([Request(p, 30) for p in PROMPTS])
+    for p, r in zip(PROMPTS, results):
+        assert r.token_ids == refs[tuple(p)]
+    assert sum(r.stats.branch_tokens for r in results) > 5
+
+
+def test_no_branch_budget_means_chains_only(tiny):
+    hf = tiny.model
+    refs = {tuple(p): hf_greedy(hf, p, 20) for p in PROMPTS}
+    runner = TargetRunner(hf, n_slots=4, max_len=128)
+    drafter = OracleTreeDrafter(refs, runner.vocab_size, seed=5)
+    with SpecEngine(runner, drafter, EngineConfig(**CFG, tree_nodes=0), stop_ids={2}) as engine:
+        results = engine.generate_many([Request(p, 20) for p in PROMPTS])
+    for p, r in zip(PROMPTS, results):
+        assert r.token_ids == refs[tuple(p)]
+        assert r.stats.branch_tokens == 0
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0, seed=5),
+                                    SamplingParams(temperature=0.7, top_k=10, top_p=0.9,
+                                                   seed=2 ** 62 + 3)], ids=["plain", "filtered"])
+def test_seeded_sampling_with_tree_drafts_equals_target_only(tiny, params):
+    hf = tiny.model
+    refs = {tuple(p): hf_keyed_sampled(hf, p, 24, params) for p in PROMPTS}
+    assert len({t for r in refs.values() for t in r}) > 10  # really sampled
+    runner = TargetRunner(hf, n_slots=4, max_len=128)
+    drafter = OracleTreeDrafter(refs, runner.vocab_size, seed=9)
+    with SpecEngine(runner, drafter, EngineConfig(**CFG), stop_ids=set()) as engine:
+        results = engine.generate_many([Request(p, 24, params) for p in PROMPTS])
+    for p, r in zip(PROMPTS, results):
+        assert r.token_ids == refs[tuple(p)]
+    assert sum(r.stats.branch_tokens for r in results) > 5
+
+
+def test_a_loose_session_verifies_the_chain_only(looping):
+    hf = looping.model
+    refs = {tuple(p): hf_greedy(hf, p, 20) for p in PROMPTS}
+    runner = TargetRunner(hf, n_slots=4, max_len=128)
+    drafter = OracleTreeDrafter(refs, runner.vocab_size, seed=1)
+    cfg = EngineConfig(**CFG, verify="loose")
+    with SpecEngine(runner, drafter, cfg, stop_ids={2}) as engine:
+        results = [engine.generate(Request(p, 20)) for p in PROMPTS]
+    assert all(r.stats.branch_tokens == 0 and r.stats.lossy for r in results)
+
+
+class FixBreakingDrafter(OracleTreeDrafter):
+    """Its sessions fail on the first fix they are given (a broken device)."""
+
+    def open(self, tokens, params):
+        session = super().open(tokens, params)
+
+        def append(_tokens):
+            raise RuntimeError("broken")
+
+        session.append = append
+        return session
+
+
+def test_a_drafter_failing_on_a_fix_costs_its_sessions_speed_not_output(tiny):
+    hf = tiny.model
+    refs = {tuple(p): hf_greedy(hf, p, 20) for p in PROMPTS}
+    runner = TargetRunner(hf, n_slots=4, max_len=128)
+    drafter = FixBreakingDrafter(refs, runner.vocab_size, seed=2)
+    with SpecEngine(runner, drafter, EngineConfig(**CFG), stop_ids={2}) as engine:
+        results = engine.generate_many([Request(p, 20) for p in PROMPTS])
+        assert engine.worker.is_alive()
+        again = engine.generate(Request(PROMPTS[0], 20))  # the drafter thread still serves
+    for p, r in zip(PROMPTS, results):
+        assert r.token_ids == refs[tuple(p)]
+    assert again.token_ids == refs[tuple(PROMPTS[0])]
