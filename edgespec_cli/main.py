@@ -119,7 +119,6 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(b)
     add_threads_arg(b)
     add_engine_args(b)
-    add_tree_width_arg(b)
     b.set_defaults(func=cmd_bench)
 
     n = sub.add_parser("bench-net", help="the distributed path on loopback vs the in-process "

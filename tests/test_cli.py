@@ -61,7 +61,8 @@ def test_bench_writes_summary_json(tiny_dir, tmp_path):
     out = tmp_path / "bench.json"
     r = edgespec("bench", "--model", tiny_dir, "--categories", "qa", "translation",
                  "--max-new-tokens", 12, "--drafters", "mag;cacheback;cascade:layers:2,mag",
-                 "--assist-layers", 2, "--loose", "mag", "--skip-llamacpp", "--json", out)
+                 "--assist-layers", 2, "--loose", "mag", "--trees", "mag+cacheback",
+                 "--tree-width", 3, "--skip-llamacpp", "--json", out)
     assert r.returncode == 0, r.stderr
     report = json.loads(out.read_text())
     summary = report["summary"]
@@ -70,10 +71,11 @@ def test_bench_writes_summary_json(tiny_dir, tmp_path):
         assert key in summary
     assert summary["lossless"] is True
     drafters = summary["drafters"]
-    assert set(drafters) == {"mag", "cacheback", "cascade:layers:2,mag", "loose:mag"}
+    assert set(drafters) == {"mag", "cacheback", "cascade:layers:2,mag",
+                             "mag+cacheback@tree3", "loose:mag"}
     assert summary["method"] in {f"edgespec:{d}" for d in drafters}
     assert drafters["loose:mag"]["lossless"] is False and "token_match_rate" in drafters["loose:mag"]
-    for name in ("mag", "cacheback", "cascade:layers:2,mag"):
+    for name in ("mag", "cacheback", "cascade:layers:2,mag", "mag+cacheback@tree3"):
         fig = drafters[name]
         assert fig["lossless"] is True and fig["speedup_vs_target_only"] > 0
         assert set(fig["per_category_speedup_vs_target_only"]) == {"qa", "translation"}
@@ -88,6 +90,7 @@ def test_bench_writes_summary_json(tiny_dir, tmp_path):
                if r["method"].startswith("edgespec:"))
     # translation has references in Spec-Bench: every method's output is scored against them
     assert all("task_score" in r for r in results if r["category"] == "translation")
+    assert report["config"]["trees"] == ["mag+cacheback"] and report["config"]["tree_width"] == 3
     row = report["categories"]["all"]["edgespec:cacheback"]
     assert row["tokens_per_forward"] >= 1 and row["forward_ms_per_token"] > 0
     [levels] = report["cascade_levels"].values()

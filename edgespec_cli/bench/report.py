@@ -13,6 +13,7 @@ BASELINES = ["target_only", "hf_generate", "hf_prompt_lookup", "hf_assisted",
 SUMMARY_BASELINES = ["target_only", "hf_generate", "hf_prompt_lookup", "hf_assisted",
                      "llamacpp_prompt_lookup"]
 LOOSE_PREFIX = "edgespec-loose:"
+TREE_TAG = "@tree"  # edgespec:SPEC@treeN: the drafter SPEC drafting token trees of width N
 
 
 def is_drafter(method: str) -> bool:

@@ -4,7 +4,8 @@ Methods: edgespec's own runner with no drafter (target-only), transformers ``gen
 (target-only), transformers prompt-lookup decoding, transformers assisted generation with the
 layer-skip self-draft (``assistant_early_exit``), llama.cpp alone and its prompt lookup (when
 ``llama-cpp-python`` is installed; they decode the GGUF, a quantised model, so their outputs
-differ), edgespec with each drafter asked for, and edgespec with loose verification (lossy,
+differ), edgespec with each drafter asked for, the drafters asked for with token trees
+(``SPEC@treeN``: chunks with up to N - 1 branches), and edgespec with loose verification (lossy,
 marked so). Prints a table per category and writes JSON. Throughput is end to end (prefill
 included) for every method; edgespec rows also carry decode-only figures. With a Cacheback
 drafter, the fleet table's warm-up is measured too (``fleet_warm``).
@@ -25,7 +26,7 @@ import torch
 from edgespec.config import ConfigError, SamplingParams
 
 from .drift import first_reference, task_score, token_match_rate
-from .report import CATEGORIES, LOOSE_PREFIX, print_tables, summarize
+from .report import CATEGORIES, LOOSE_PREFIX, TREE_TAG, print_tables, summarize
 
 SPEC_BENCH = {"translation", "summarization", "qa", "math_reasoning", "rag"}  # else mt_bench
 HF_METHODS = ["hf_generate", "hf_prompt_lookup", "hf_assisted"]
@@ -50,6 +51,12 @@ def add_bench_args(p) -> None:
                    help="edgespec drafters to run, separated by ';' (or by ',' when no cascade "
                         "is among them); llamacpp:default is added when llama-cpp-python is "
                         "installed (default: %(default)s)")
+    p.add_argument("--trees", default="mag+cacheback", metavar="SPECS",
+                   help="also run these drafters (';'-separated) drafting token trees, as "
+                        "SPEC@treeN rows; 'none' skips them (default: %(default)s)")
+    p.add_argument("--tree-width", dest="bench_tree_width", type=int, default=4,
+                   help="N of the --trees rows: up to N - 1 branches per chunk "
+                        "(default: %(default)s)")
     p.add_argument("--loose", default="mag", metavar="SPEC",
                    help="also run this drafter with loose verification (lossy: reported with "
                         "its drift from target-only); 'none' skips it (default: %(default)s)")
@@ -130,19 +137,26 @@ def run_bench(args) -> int:
     if use_llamacpp and not any(d.startswith("llamacpp:") for d in drafters):
         drafters.append("llamacpp:default")
     loose = None if args.loose in ("", "none") else args.loose
+    trees = [] if args.trees in ("", "none") else split_drafters(args.trees)
     check_model_arg(args.model)
-    for d in drafters + ([loose] if loose else []):
+    for d in drafters + trees + ([loose] if loose else []):
         check_drafter_arg(d)
+    if trees and not 2 <= args.bench_tree_width <= 16:
+        raise ConfigError(f"--tree-width must be in [2, 16], got {args.bench_tree_width}")
     threads = set_threads(args.threads)
     _log(f"torch threads: {threads}")
     cfg = engine_config(args, 2)
     gen = LocalGenerator(args.model, "none", args.device, args.dtype, cfg)
-    loose_gen = None
-    if loose:
-        from dataclasses import replace
+    from dataclasses import replace
 
+    loose_gen = tree_gen = None
+    if loose:
         loose_gen = LocalGenerator(gen.target, "none", args.device, args.dtype,
                                    replace(cfg, verify="loose"))
+    if trees:
+        tree_gen = LocalGenerator(gen.target, "none", args.device, args.dtype,
+                                  replace(cfg, tree_width=args.bench_tree_width))
+    gens = {"loose": loose_gen, "tree": tree_gen}
     hf = None if args.skip_hf else HFBaselines(gen.target.model, gen.stop_ids, args.assist_layers)
     gguf = None
     if use_llamacpp:
@@ -151,6 +165,7 @@ def run_bench(args) -> int:
         gguf = default_model_gguf()
     methods = ["target_only"] + ([] if hf is None else HF_METHODS) + \
               (LLAMACPP_METHODS if gguf else []) + [f"edgespec:{d}" for d in drafters] + \
+              [f"edgespec:{d}{TREE_TAG}{args.bench_tree_width}" for d in trees] + \
               ([f"{LOOSE_PREFIX}{loose}"] if loose else [])
     greedy = SamplingParams()
 
@@ -165,7 +180,7 @@ def run_bench(args) -> int:
             run = llamacpp_prompt_lookup if method.endswith("lookup") else llamacpp_target_only
             out = run(gguf, ids, max_new, gen.stop_ids)
             return {"token_ids": out, "seconds": time.perf_counter() - t0}
-        g, drafter = _generator_for(method, gen, loose_gen)
+        g, drafter = _generator_for(method, gen, gens)
         res = g.generate(ids, max_new, greedy, drafter=drafter)
         s = res.stats
         return {"token_ids": res.token_ids, "seconds": time.perf_counter() - t0,
@@ -179,7 +194,7 @@ def run_bench(args) -> int:
     def run_best(method: str, ids: list[int]) -> dict:
         drafter = None
         if method.startswith(("edgespec:", LOOSE_PREFIX)):
-            g, spec = _generator_for(method, gen, loose_gen)
+            g, spec = _generator_for(method, gen, gens)
             drafter = g.engine(spec).drafter
         state = drafter.snapshot() if drafter else None
         best = None
@@ -219,8 +234,9 @@ def run_bench(args) -> int:
                  f"{'' if r['identical_to_target_only'] else '  (differs from target-only)'}"
                  f"  eta {eta:4.0f}s")
     report = summarize(records, methods)
-    levels = {m: gen.engine(m.split(":", 1)[1]).drafter.level_stats() for m in methods
-              if m.startswith("edgespec:cascade:")}
+    levels = {m: g.engine(spec).drafter.level_stats() for m in methods
+              if m.startswith("edgespec:cascade:")
+              for g, spec in [_generator_for(m, gen, gens)]}
     if levels:
         report["cascade_levels"] = levels
     if not args.no_fleet_warm and any("cacheback" in d for d in drafters):
@@ -231,7 +247,8 @@ def run_bench(args) -> int:
     report["config"] = {"model": gen.target.name, "device": args.device, "dtype": args.dtype,
                         "max_new_tokens": args.max_new_tokens, "questions": len(questions),
                         "threads": torch.get_num_threads(), "drafters": drafters,
-                        "loose": loose, "loose_params": vars(cfg.loose),
+                        "loose": loose, "loose_params": vars(cfg.loose), "trees": trees,
+                        "tree_width": args.bench_tree_width,
                         "max_draft": args.max_draft, "window": args.window,
                         "repeat": args.repeat}
     report["results"] = records
@@ -241,18 +258,23 @@ def run_bench(args) -> int:
     out.write_text(json.dumps(report, indent=1))
     _log(f"wrote {out}")
     gen.close()
-    if loose_gen is not None:
-        loose_gen.close()
+    for g in gens.values():
+        if g is not None:
+            g.close()
     return 0
 
 
-def _generator_for(method: str, gen, loose_gen):
-    """(the LocalGenerator, the drafter spec) an edgespec method runs with."""
+def _generator_for(method: str, gen, gens: dict):
+    """(the LocalGenerator, the drafter spec) an edgespec method runs with; ``gens``: the
+    loose and tree generators."""
     if method == "target_only":
         return gen, "none"
     if method.startswith(LOOSE_PREFIX):
-        return loose_gen, method[len(LOOSE_PREFIX):]
-    return gen, method.split(":", 1)[1]
+        return gens["loose"], method[len(LOOSE_PREFIX):]
+    spec = method.split(":", 1)[1]
+    if TREE_TAG in spec:
+        return gens["tree"], spec.rsplit(TREE_TAG, 1)[0]
+    return gen, spec
 
 
 def _log(msg: str) -> None:
