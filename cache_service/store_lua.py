@@ -10,7 +10,9 @@ COMMIT (KEYS: hash, tok, draft, q, br, inbox; ARGV: epoch, n, packed token, done
 sid, first fix token, start, finish, packed branch tokens, the fix's further tokens as CSV)
 appends draft[:n] + branch + token to the committed tokens. A commit the draft held keeps the
 branches still ahead; anything else (a rejection, a bonus token, a branch) is a fix: the draft
-and its branches are dropped, the epoch moves on, and the drafter's inbox gets the fix.
+and its branches are dropped, the epoch moves on, and the drafter's inbox gets the fix. The
+verifier is trusted: the branch it names is not checked against the stored ones (the in-process
+store checks it, as a test of the engine).
 """
 
 PUSH_LUA = """

@@ -272,6 +272,11 @@ class DrafterAgent:
                 if msg.ack.code != grpc.StatusCode.OK.value[0]:
                     log.debug("chunk refused: %s", msg.ack.message)
                     self._forget_if_gone(msg.ack)
+                    if self.tree_width > 1 and "tree" in msg.ack.message and \
+                            msg.ack.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]:
+                        log.warning("the cache refuses tree chunks (%s): drafting chains",
+                                    msg.ack.message)
+                        self.tree_width = 1
             self.cond.notify_all()
 
     def _forget_if_gone(self, ack: pb.ChunkAck) -> None:

@@ -114,6 +114,10 @@ class EngineConfig:
             raise ConfigError(f"tree_width must be in [1, 16], got {self.tree_width}")
         if not 0 <= self.tree_nodes <= 64:
             raise ConfigError(f"tree_nodes must be in [0, 64], got {self.tree_nodes}")
+        if self.tree_nodes and self.max_draft + self.tree_nodes > 64:
+            raise ConfigError(f"a tree has at most 64 nodes: max_draft ({self.max_draft}) + "
+                              f"tree_nodes ({self.tree_nodes}) must be <= 64; lower either, or "
+                              "set tree_nodes to 0 (chains only)")
         if self.draft_wait_ms is not None and self.draft_wait_ms < 0:
             raise ConfigError(f"draft_wait_ms must be >= 0, got {self.draft_wait_ms}")
         if self.verify not in VERIFY_MODES:

@@ -259,7 +259,7 @@ class SpecEngine:
                                 time.perf_counter() - t0)
         acts = list(self.active)
         ks = self._draft_budget(self._plan_drafts(acts))
-        side = self._tree_budget(ks)
+        side = self._tree_budget(acts, ks)
         t0 = time.perf_counter()
         wants = [DraftWant(a.sid, k, k, side if k and a.verify == "exact" else 0)
                  for a, k in zip(acts, ks)]
@@ -355,13 +355,20 @@ class SpecEngine:
                  else DraftTree.chain(t.tokens) for _, t in batch]
         slots = [a.slot for a, _ in batch]
         logits = self.target.forward_tree(slots, [a.last_token for a, _ in batch], trees)
-        chains = self._verify_chains(logits, batch)  # [B, 1 + N_max, V]
+        chain_rows = [b for b, (_, t) in enumerate(batch) if not t.branches]
+        chains = dict(zip(chain_rows, self._verify_chains(
+            logits[chain_rows], [batch[b] for b in chain_rows]))) if chain_rows else {}
+        verdicts = {b: verify_tree(logits[b, :1 + len(tree)], tree, batch[b][0].req.params,
+                                   batch[b][1].start)
+                    for b, tree in enumerate(trees) if b not in chains}
+        # compact only once every row is verified: a failure before leaves every slot as the
+        # forward left it, so the per-session retry starts from the same place
         out = []
-        for b, ((act, t), tree) in enumerate(zip(batch, trees)):
-            if not t.branches:
+        for b, (act, t) in enumerate(batch):
+            if b in chains:
                 out.append(_Checked(*chains[b]))
                 continue
-            v = verify_tree(logits[b, :1 + len(tree)], tree, act.req.params, t.start)
+            v = verdicts[b]
             self.target.compact(act.slot, v.path)
             n = sum(1 for i in v.path if i < len(t.tokens))  # the path's chain nodes come first
             out.append(_Checked(n, v.token, tuple(v.tokens[n:])))
@@ -384,7 +391,7 @@ class SpecEngine:
             applied.append(d)
             # KV of last + accepted (a tree's accepted path was compacted into place)
             self.target.commit(act.slot, v.start + v.n_accepted + len(v.branch))
-            act.draft_len.update(d.chain, min(d.accepted, d.chain))
+            act.draft_len.update(d.chain, v.n_accepted)  # the chain's own acceptance
             act.stats.record_step(d.drafted, d.accepted, len(v.branch))
             act.stats.commit_s += dt
             act.output.extend(d.new)
@@ -414,14 +421,17 @@ class SpecEngine:
             ks[ks.index(max(ks))] -= 1
         return ks
 
-    def _tree_budget(self, ks: list[int]) -> int:
-        """Branch tokens each drafting session may add to this step's forward: an equal share
-        of what ``max_batch_tokens`` leaves after the chains, at most ``tree_nodes``."""
-        drafting = sum(1 for k in ks if k)
+    def _tree_budget(self, acts: list[_Active], ks: list[int]) -> int:
+        """Branch tokens each exactly verified drafting session may add to this step's forward:
+        an equal share of what ``max_batch_tokens`` leaves after the chains, at most
+        ``tree_nodes``, and no more than the fullest KV slot of the batch has room for (the
+        tree forward writes 1 + k + side positions for every row)."""
+        drafting = sum(1 for a, k in zip(acts, ks) if k and a.verify == "exact")
         if not drafting or not self.cfg.tree_nodes:
             return 0
         left = self.cfg.max_batch_tokens - len(ks) - sum(ks)
-        return max(0, min(self.cfg.tree_nodes, left // drafting))
+        room = min(self.target.max_len - a.end for a in acts) - 1 - max(ks)
+        return max(0, min(self.cfg.tree_nodes, left // drafting, room))
 
     def _truncate(self, act: _Active, new: list[int]) -> tuple[list[int], str | None]:
         room = act.req.max_new_tokens - len(act.output)

@@ -22,9 +22,13 @@ MAX_BRANCH_NODES = 64  # branch nodes one chunk may carry
 
 def tree_to_wire(tokens: Sequence[int], branches: Sequence[Branch]
                  ) -> tuple[list[int], list[int]]:
-    """A chain and its branches as (nodes, parents) of a version-1 tree chunk."""
+    """A chain and its branches as (nodes, parents) of a version-1 tree chunk; a branch that is
+    no alternative to a chain token (``at`` outside the chain, empty, or repeating the chain's
+    token) is left out, as the session protocol would drop it."""
     nodes, parents = list(tokens), list(range(-1, len(tokens) - 1))
     for b in branches:
+        if not 0 <= b.at < len(tokens) or not b.tokens or b.tokens[0] == tokens[b.at]:
+            continue
         parent = b.at - 1
         for t in b.tokens:
             nodes.append(int(t))

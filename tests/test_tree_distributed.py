@@ -85,3 +85,17 @@ def test_tree_chunks_over_grpc_and_redis_give_target_only_output(fleet, tiny, sa
         ref = refs[tuple(p)]
         assert act.output == ref[:len(act.output)] and (len(act.output) == n or act.output[-1] == 2)
     assert sum(a.stats.branch_tokens for a in acts) > 3  # branches were verified and accepted
+
+
+def test_an_agent_falls_back_to_chains_when_the_cache_refuses_trees():
+    """A cache from before token trees refuses tree chunks: the agent then drafts chains."""
+    from edgespec.drafters import MaGDrafter
+    from edgespec.v1 import edgespec_pb2 as pb
+
+    agent = DrafterAgent("127.0.0.1:1", "edge-old", MaGDrafter(), tree_width=4)
+    agent._apply(pb.CacheMessage(ack=pb.ChunkAck(session_id="s", code=3, message="the window")))
+    assert agent.tree_width == 4  # another refusal: trees stay on
+    agent._apply(pb.CacheMessage(ack=pb.ChunkAck(
+        session_id="s", code=grpc.StatusCode.INVALID_ARGUMENT.value[0],
+        message="tree drafts are not accepted by this cache yet")))
+    assert agent.tree_width == 1

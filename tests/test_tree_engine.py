@@ -8,7 +8,7 @@ from conftest import hf_greedy, hf_keyed_sampled
 from tree_oracle import OracleTreeDrafter
 
 from edgespec.config import ConfigError, EngineConfig, SamplingParams
-from edgespec.drafters.base import Branch
+from edgespec.drafters.base import Branch, Draft
 from edgespec.engine import Request, SpecEngine
 from edgespec.runner import TargetRunner
 from edgespec.session import MAX_BRANCHES, DraftBranch, SessionState, StaleChunkError
@@ -188,3 +188,59 @@ def test_a_drafter_failing_on_a_fix_costs_its_sessions_speed_not_output(tiny):
     for p, r in zip(PROMPTS, results):
         assert r.token_ids == refs[tuple(p)]
     assert again.token_ids == refs[tuple(PROMPTS[0])]
+
+
+class WideTreeDrafter(OracleTreeDrafter):
+    """Always the widest trees it may send: the right chain padded to k tokens, and a k-token
+    branch of other tokens at each of its first width - 1 positions."""
+
+    def open(self, tokens, params):
+        session = super().open(tokens, params)
+        drafter = self
+
+        def propose_tree(k, width):
+            ref = drafter.refs[tuple(session.tokens[:session.n_prompt])]
+            pos = len(session.tokens) - session.n_prompt
+            if session.tokens[session.n_prompt:] != ref[:pos]:
+                return Draft()
+            chain = (ref[pos:pos + k] + [3] * k)[:k]
+            session.tokens.extend(chain)
+            return Draft(chain, branches=[
+                Branch(at, tuple((chain[at] + 1 + i) % drafter.vocab for i in range(k)))
+                for at in range(min(k, width - 1))])
+
+        session.propose_tree = propose_tree
+        return session
+
+
+def test_a_tree_session_at_the_context_limit_finishes(tiny):
+    """The branch budget leaves room in the fullest KV slot: a request admitted right at the
+    context limit is verified with trees to its last token."""
+    hf = tiny.model
+    prompt, max_len = PROMPTS[1], 64
+    n = max_len - len(prompt) - 8 - 1  # max_draft 8: the largest request admitted
+    refs = {tuple(prompt): hf_greedy(hf, prompt, n, eos=(max_len + 1000,))}
+    runner = TargetRunner(hf, n_slots=2, max_len=max_len)
+    drafter = WideTreeDrafter(refs, runner.vocab_size)
+    cfg = EngineConfig(**{**CFG, "tree_width": 8}, tree_nodes=16)
+    with SpecEngine(runner, drafter, cfg, stop_ids=set()) as engine:
+        result = engine.generate(Request(prompt, n))
+    assert result.token_ids == refs[tuple(prompt)] and result.finish_reason == "length"
+    assert result.stats.draft_tokens > result.stats.steps * 8  # trees were verified
+
+
+def test_trees_fit_the_tree_size_limit():
+    with pytest.raises(ConfigError, match="64 nodes"):
+        EngineConfig(max_draft=60, tree_nodes=8)
+    EngineConfig(max_draft=60, tree_nodes=0)  # chains only: no tree forward, no limit
+    EngineConfig(max_draft=56, tree_nodes=8)
+
+
+def test_tree_to_wire_leaves_out_what_is_no_alternative():
+    from edgespec.tree_wire import tree_from_wire, tree_to_wire
+
+    nodes, parents = tree_to_wire([5, 6], [Branch(2, (7,)), Branch(0, ()), Branch(1, (6, 9)),
+                                           Branch(1, (8, 9))])
+    assert (nodes, parents) == ([5, 6, 8, 9], [-1, 0, 0, 2])
+    assert tree_from_wire(nodes, parents) == ([5, 6], [Branch(1, (8, 9))])
+    assert tree_to_wire([], [Branch(0, (5, 6))]) == ([], [])
