@@ -9,6 +9,11 @@ step's expected tokens per second: a token worth g tokens at a cost of per_token
 iff g / per_token > (tokens so far) / (seconds so far). So a session whose drafts are rarely
 accepted is decoded plainly (k = 0: no wider forward, no wait), and draft lengths shrink as a
 batch grows or the forward gets dearer per token, as on a CPU.
+
+Token trees the same way (``allocate_branches``): after the chains, a session's branch tokens
+are worth beta expected tokens each (its measured accepted branch tokens per branch token), and
+are added while they raise the step's expected tokens per second; on a CPU, where a wider
+forward is dear, trees that rarely pay are left out.
 """
 
 from __future__ import annotations
@@ -52,6 +57,25 @@ class ForwardCost:
         slope = min(4 * prior, max(prior / 4, slope))
         fixed = max(1e-6, my - slope * mx)
         return fixed, slope
+
+
+def allocate_branches(betas: list[float], caps: list[int], alphas: list[float], ks: list[int],
+                      cost: ForwardCost) -> list[int]:
+    """Branch tokens per session (each at most its cap) on top of chains of ks tokens, while
+    each raises the step's expected tokens per second. betas[i]: session i's accepted tokens
+    per branch token verified; alphas[i]: its chain's per-token acceptance."""
+    fit = cost.fit()
+    if fit is None:
+        return list(caps)
+    fixed, per_token = fit
+    gain = sum(1 + sum(a ** m for m in range(1, k + 1)) for a, k in zip(alphas, ks))
+    seconds = fixed + per_token * (len(ks) + sum(ks))
+    sides = [0] * len(caps)
+    for i in sorted(range(len(caps)), key=lambda j: -betas[j]):
+        while sides[i] < caps[i] and betas[i] * seconds > per_token * gain:
+            sides[i] += 1
+            gain, seconds = gain + betas[i], seconds + per_token
+    return sides
 
 
 def allocate(alphas: list[float], caps: list[int], cost: ForwardCost) -> list[int]:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from .config import ConfigError, EngineConfig, SamplingParams, session_verify_mode
-from .draft_planner import ForwardCost, allocate
+from .draft_planner import ForwardCost, allocate, allocate_branches
 from .draft_worker import DraftWorker
 from .drafters import DraftLength, Drafter
 from .fleet_table import FleetTable
@@ -259,10 +259,9 @@ class SpecEngine:
                                 time.perf_counter() - t0)
         acts = list(self.active)
         ks = self._draft_budget(self._plan_drafts(acts))
-        side = self._tree_budget(acts, ks)
+        sides = self._plan_branches(acts, ks)
         t0 = time.perf_counter()
-        wants = [DraftWant(a.sid, k, k, side if k and a.verify == "exact" else 0)
-                 for a, k in zip(acts, ks)]
+        wants = [DraftWant(a.sid, k, k, side) for a, k, side in zip(acts, ks, sides)]
         taken = self.store.take_when_ready(wants, self.wait_ms / 1000)
         batch: list[tuple[_Active, TakenDraft]] = []
         for act, t in zip(acts, taken):
@@ -392,6 +391,7 @@ class SpecEngine:
             # KV of last + accepted (a tree's accepted path was compacted into place)
             self.target.commit(act.slot, v.start + v.n_accepted + len(v.branch))
             act.draft_len.update(d.chain, v.n_accepted)  # the chain's own acceptance
+            act.draft_len.update_branches(d.drafted - d.chain, len(v.branch))
             act.stats.record_step(d.drafted, d.accepted, len(v.branch))
             act.stats.commit_s += dt
             act.output.extend(d.new)
@@ -420,6 +420,17 @@ class SpecEngine:
         while sum(ks) > budget:
             ks[ks.index(max(ks))] -= 1
         return ks
+
+    def _plan_branches(self, acts: list[_Active], ks: list[int]) -> list[int]:
+        """Branch tokens each session may add this step: at most the step's tree budget, for
+        exactly verified sessions with a chain; the planner keeps those that pay."""
+        cap = self._tree_budget(acts, ks)
+        caps = [cap if k and a.verify == "exact" else 0 for a, k in zip(acts, ks)]
+        if not cap or not self.cfg.adaptive:
+            return caps
+        sides = allocate_branches([a.draft_len.beta for a in acts], caps,
+                                  [a.draft_len.alpha for a in acts], ks, self.cost)
+        return [a.draft_len.probe_branches(s, c) for a, s, c in zip(acts, sides, caps)]
 
     def _tree_budget(self, acts: list[_Active], ks: list[int]) -> int:
         """Branch tokens each exactly verified drafting session may add to this step's forward:

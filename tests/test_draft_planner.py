@@ -2,7 +2,7 @@
 
 import pytest
 
-from edgespec.draft_planner import ForwardCost, allocate
+from edgespec.draft_planner import ForwardCost, allocate, allocate_branches
 
 
 def fitted(fixed: float, per_token: float, counts=(1, 2, 5, 9, 3, 6)) -> ForwardCost:
@@ -68,3 +68,49 @@ def test_each_allocated_token_raises_the_expected_rate():
             other[i] += d
             if 0 <= other[i] <= caps[i]:
                 assert rate(other) <= rate(best) + 1e-12
+
+
+# -- token trees: branch tokens where they pay ------------------------------------------------------
+def test_branches_before_any_step_keep_the_caps():
+    assert allocate_branches([0.01], [8], [0.5], [4], ForwardCost()) == [8]
+
+
+def test_branches_are_left_out_where_they_rarely_pay_and_kept_where_tokens_are_cheap():
+    alphas, ks = [0.5, 0.5], [4, 4]
+    dear = fitted(0.040, 0.004)  # a CPU: a token costs 10% of a step
+    assert allocate_branches([0.1, 0.1], [8, 8], alphas, ks, dear) == [0, 0]
+    assert allocate_branches([0.1, 0.6], [8, 8], alphas, ks, dear) == [0, 8]
+    cheap = fitted(0.040, 0.00005)  # a GPU-like forward: width is almost free
+    assert allocate_branches([0.1, 0.1], [8, 8], alphas, ks, cheap) == [8, 8]
+
+
+def test_each_allocated_branch_token_raises_the_expected_rate():
+    cost = fitted(0.040, 0.002)
+    fixed, per_token = cost.fit()
+    alphas, ks, betas, caps = [0.6, 0.4], [3, 2], [0.08, 0.2], [8, 8]
+
+    def rate(sides):
+        gain = sum(1 + sum(a ** m for m in range(1, k + 1)) for a, k in zip(alphas, ks))
+        gain += sum(b * s for b, s in zip(betas, sides))
+        return gain / (fixed + per_token * (len(ks) + sum(ks) + sum(sides)))
+
+    sides = allocate_branches(betas, caps, alphas, ks, cost)
+    for i in range(2):
+        for delta in (-1, 1):
+            other = list(sides)
+            other[i] += delta
+            if 0 <= other[i] <= caps[i]:
+                assert rate(other) <= rate(sides) + 1e-12
+
+
+def test_a_session_without_branches_is_probed_now_and_then():
+    from edgespec.drafters.adaptive import DraftLength
+
+    dl = DraftLength(8)
+    assert dl.beta == pytest.approx(0.1)
+    planned = [dl.probe_branches(0, 6) for _ in range(16)]
+    assert planned.count(6) == 2 and planned.count(0) == 14
+    dl.update_branches(8, 0)
+    low = dl.beta
+    dl.update_branches(4, 4)
+    assert 0 < low < dl.beta

@@ -9,7 +9,8 @@ it were (successes over trials, recent verifications weighing most); the engine'
 (``edgespec.draft_planner``) turns it and the measured cost of a wider forward into the number of
 draft tokens a step verifies (and waits for), 0 where drafting does not pay. A session planned
 without drafts is probed now and then (``probe``), so a session whose text turns repetitive is
-noticed.
+noticed. ``beta`` is the same for token trees: accepted branch tokens per branch token verified,
+which the planner weighs against a wider forward's cost (``probe_branches`` likewise).
 """
 
 from __future__ import annotations
@@ -26,6 +27,9 @@ class DraftLength:
         self._since_probe = 0
         self._hits = prior_alpha * prior_trials  # decayed accepted draft tokens ...
         self._trials = prior_trials  # ... and decayed draft tokens tested (each reject ends one)
+        self._since_branch_probe = 0
+        self._branch_hits = 0.5  # decayed accepted branch tokens (prior: 0.1 per token) ...
+        self._branch_trials = 5.0  # ... and decayed branch tokens verified
 
     @property
     def alpha(self) -> float:
@@ -43,6 +47,29 @@ class DraftLength:
                 else:
                     self.k = max(self.k_min, self.k - 1)
         return self.k
+
+    @property
+    def beta(self) -> float:
+        """Estimated accepted tokens per branch token verified (token trees)."""
+        return self._branch_hits / self._branch_trials
+
+    def update_branches(self, verified: int, accepted: int) -> None:
+        """Record one verification of ``verified`` branch tokens, ``accepted`` of them taken."""
+        if verified > 0:
+            self._branch_hits = 0.85 * self._branch_hits + accepted
+            self._branch_trials = 0.85 * self._branch_trials + verified
+
+    def probe_branches(self, side: int, cap: int, probe_every: int = 8) -> int:
+        """``side`` branch tokens as planned, except that every ``probe_every``-th step planned
+        without any verifies ``cap`` anyway, to measure ``beta`` again."""
+        if side > 0 or cap <= 0:
+            self._since_branch_probe = 0
+            return side
+        self._since_branch_probe += 1
+        if self._since_branch_probe >= probe_every:
+            self._since_branch_probe = 0
+            return cap
+        return 0
 
     def probe(self, k: int, probe_every: int = 8) -> int:
         """``k`` as planned, except that every ``probe_every``-th step planned without a draft
