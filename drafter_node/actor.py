@@ -62,7 +62,7 @@ class DrafterActor:
     def __init__(self, cache: str, device_id: str, drafter: str = "mag", threads: int = 1,
                  auth_token: str | None = None, max_sessions: int = 8, link=None,
                  compute_slowdown: float = 1.0, profile: str = "",
-                 link_seed: int | None = None):
+                 link_seed: int | None = None, tree_width: int = 1):
         from .agent import DrafterAgent
 
         configure_logging()
@@ -84,7 +84,8 @@ class DrafterActor:
             log.error("drafter %s cannot start: %s", device_id, self.error)
             return
         self.agent = DrafterAgent(address, device_id, built, fingerprint, token=auth_token,
-                                  max_sessions=max_sessions, compute_slowdown=compute_slowdown)
+                                  max_sessions=max_sessions, compute_slowdown=compute_slowdown,
+                                  tree_width=tree_width)
         self.thread = threading.Thread(target=self._run, daemon=True, name="drafter-agent")
         self.thread.start()
 

@@ -62,6 +62,7 @@ class DeploySpec:
     model: str = "default"
     drafter: str = "mag"
     drafters_per_board: int = 1
+    tree_width: int = 1  # board drafters send token trees of this width (1: chains)
     verifiers: int = 1
     port: int = 50051  # the client endpoint (the verifier, or the router before replicas)
     cache_port: int = 50052
@@ -74,6 +75,8 @@ class DeploySpec:
     def validate(self) -> None:
         if self.verifiers < 1 or self.drafters_per_board < 1:
             raise FleetError("--verifiers and --drafters-per-board must be >= 1")
+        if not 1 <= self.tree_width <= 16:
+            raise FleetError(f"--tree-width must be in [1, 16], got {self.tree_width}")
         ports = {"--port": self.port, "--cache-port": self.cache_port}
         if self.verifiers > 1:
             ports.update({f"replica {i}'s port": self.replica_port(i)
@@ -282,7 +285,7 @@ def _place_all(roles, spec, head, vnodes, vres, boards, handles, progress) -> De
             handles[name] = place(roles.drafter, n, name=name, detached=True,
                                   resources=share(n, "edge", spec.drafters_per_board)).remote(
                 cache["address"], device_id_for(n, j), spec.drafter, threads=threads,
-                auth_token=spec.auth_token)
+                auth_token=spec.auth_token, tree_width=spec.tree_width)
     progress(f"placed {spec.verifiers} verifier(s) on {vres} node(s) and "
              f"{len(boards) * spec.drafters_per_board} drafter(s) on {len(boards)} board(s); "
              "waiting for the model to load")

@@ -9,7 +9,7 @@ import sys
 
 
 def add_deploy_command(sub) -> None:
-    from edgespec.cli_args import add_threads_arg
+    from edgespec.cli_args import add_threads_arg, add_tree_width_arg
 
     d = sub.add_parser("deploy", help="place the verifier, the cache and the drafters as Ray "
                                       "actors on a running cluster (ray up)")
@@ -28,6 +28,7 @@ def add_deploy_command(sub) -> None:
                         "llamacpp:FILE.gguf | cascade:SPEC,SPEC,... (default: %(default)s)")
     d.add_argument("--drafters-per-board", type=int, default=1,
                    help="drafter actors on each node declaring 'edge' (default: %(default)s)")
+    add_tree_width_arg(d)
     d.add_argument("--verifiers", type=int, default=1,
                    help="verifier replicas sharing the cache, each with its own KV slots; "
                         "with more than one, a router on the head is the endpoint and spreads "
@@ -80,6 +81,7 @@ def cmd_deploy(args: argparse.Namespace) -> int:
     roles = role_actors()
     spec = fleet.DeploySpec(model=args.model, drafter=args.drafter,
                             drafters_per_board=args.drafters_per_board,
+                            tree_width=args.tree_width,
                             verifiers=args.verifiers, port=args.port, cache_port=args.cache_port,
                             http_port=args.http_port, max_sessions=args.max_sessions,
                             threads=args.threads,

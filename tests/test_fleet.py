@@ -60,7 +60,7 @@ def deployed(ray_cluster, looping_dir, tmp_path_factory):
     port, cache_port = free_port(), free_port()
     r = edgespec_cli("deploy", "--address", ray_cluster["address"], "--model", looping_dir,
                      "--verifiers", 2, "--port", port, "--cache-port", cache_port,
-                     "--threads", 1, "--timeout", 240, cache=cache)
+                     "--threads", 1, "--tree-width", 3, "--timeout", 240, cache=cache)
     assert r.returncode == 0, r.stderr[-3000:]
     endpoint = r.stdout.strip().splitlines()[-1]
     assert endpoint == f"127.0.0.1:{port}"
@@ -223,3 +223,5 @@ def test_deploy_refuses_clashing_ports_before_touching_a_cluster():
     r = edgespec_cli("deploy", "--port", 65534, "--cache-port", 6002, "--verifiers", 2)
     assert r.returncode == 2 and "must be in [1, 65535]" in r.stderr
 
+    r = edgespec_cli("deploy", "--tree-width", 0)
+    assert r.returncode == 2 and "--tree-width must be in [1, 16]" in r.stderr

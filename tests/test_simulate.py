@@ -24,7 +24,7 @@ def test_small_fleet_reports_every_figure_and_is_lossless(looping_dir, tmp_path)
     r = subprocess.run(
         [sys.executable, "-m", "edgespec_cli", "simulate", "--model", str(looping_dir),
          "--devices", "2", "--profile", "local,phone-lte", "--requests", "4",
-         "--max-new-tokens", "24", "--batching", "both", "--threads", "1",
+         "--max-new-tokens", "24", "--batching", "both", "--threads", "1", "--tree-width", "3",
          "--json", str(out), "--plot", str(tmp_path / "plots"), "--timeout", "300"],
         capture_output=True, text=True, timeout=600, env={**os.environ, "HOME": str(tmp_path)})
     assert r.returncode == 0, r.stderr[-3000:]
@@ -89,7 +89,7 @@ def test_requests_are_dealt_to_devices_in_turn_and_devices_parse():
 @pytest.mark.parametrize("args, message", [
     (["--find-capacity"], "--slo"), (["--slo", "5"], "--find-capacity"),
     (["--profile", "toaster"], "toaster"), (["--requests", "0"], "--requests"),
-    (["--devices", "0"], "--devices")])
+    (["--devices", "0"], "--devices"), (["--tree-width", "0"], "--tree-width must be in")])
 def test_bad_options_are_refused_before_anything_starts(args, message):
     r = subprocess.run([sys.executable, "-m", "edgespec_cli", "simulate", *args],
                        capture_output=True, text=True, timeout=120)

@@ -16,7 +16,7 @@ REAL_PARTS = ["verifier (the real model, batched verification)",
 
 
 def add_simulate_command(sub) -> None:
-    from edgespec.cli_args import add_threads_arg
+    from edgespec.cli_args import add_threads_arg, add_tree_width_arg
     from edgespec.device_profiles import PROFILES
 
     s = sub.add_parser("simulate", help="a whole fleet on one machine: real verifier, cache "
@@ -66,6 +66,7 @@ def add_simulate_command(sub) -> None:
                    help="seconds a run may take to come up or a request to finish "
                         "(default: %(default)s)")
     add_threads_arg(s)
+    add_tree_width_arg(s)
     s.set_defaults(func=cmd_simulate)
 
 
@@ -93,6 +94,8 @@ def check_args(args) -> tuple[list[int], list]:
         raise ConfigError("--find-capacity needs --slo TOKENS_PER_S > 0")
     if args.slo is not None and not args.find_capacity:
         raise ConfigError("--slo is for --find-capacity")
+    if not 1 <= args.tree_width <= 16:
+        raise ConfigError(f"--tree-width must be in [1, 16], got {args.tree_width}")
     check_model_arg(args.model)
     return counts, profiles
 
@@ -165,6 +168,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     settings = SimSettings(model=args.model, max_new_tokens=args.max_new_tokens,
                            requests=args.requests, duration_s=args.duration, rate=args.rate,
                            threads=args.threads, seed=args.seed, timeout_s=args.timeout,
+                           tree_width=args.tree_width,
                            engine={"max_batch_tokens": args.max_batch_tokens}
                            if args.max_batch_tokens else {})
     modes = ["on", "off"] if args.batching == "both" else [args.batching]

@@ -50,6 +50,7 @@ class SimSettings:
     seed: int = 0
     timeout_s: float = 900.0
     engine: dict = field(default_factory=dict)  # EngineConfig fields for the verifier
+    tree_width: int = 1  # the drafters send token trees of this width (1: chains)
 
 
 def device_ids(profiles: list[DeviceProfile]) -> list[str]:
@@ -98,7 +99,7 @@ class FleetRun:
             d = fleet.place(self.roles.drafter, head).remote(
                 info["address"], dev, p.drafter, threads=1, link=p.link,
                 compute_slowdown=p.compute_slowdown, profile=p.name,
-                link_seed=self.s.seed * 10_000 + i)
+                link_seed=self.s.seed * 10_000 + i, tree_width=self.s.tree_width)
             self._actors.append(d)
         address = ray.get(verifier.info.remote(), timeout=self.s.timeout_s)["address"]
         attached = ray.get([d.wait_attached.remote(self.s.timeout_s) for d in self._actors[2:]])
