@@ -94,6 +94,7 @@ class DraftWorker(threading.Thread):
                 except Exception as exc:  # e.g. no free KV slot: this session drafts nothing
                     log.warning("drafter %s refused session %s: %r", self.drafter.name, sid, exc)
                     state.has_drafter = False
+                    self.store.cond.notify_all()  # a verifier waiting for its draft goes on
                     continue
             session, last_fix = self.sessions[sid]
             try:
@@ -105,6 +106,7 @@ class DraftWorker(threading.Thread):
                 log.warning("drafter %s failed to apply a fix to session %s: %r",
                             self.drafter.name, sid, exc)
                 state.has_drafter = False
+                self.store.cond.notify_all()
                 continue
             start = len(session.tokens)
             room = self.cfg.window - (start - state.end)

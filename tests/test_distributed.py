@@ -43,7 +43,7 @@ def cluster(redis_url, looping_dir, tiny_draft_dir, tmp_path_factory):
                 for name, spec, extra in
                 [("mag-1", "mag", ()), ("mag-2", "mag", ()),
                  ("model-1", f"model:{tiny_draft_dir}", ()),
-                 ("tree-1", f"model:{tiny_draft_dir}", ("--tree-width", "4"))]}
+                 ("tree-1", "mag+cacheback", ("--tree-width", "4"))]}
     for d in drafters.values():
         d.wait_for("attached to")
     state = {"address": address, "serve": serve, "drafters": drafters, "model": looping_dir,
