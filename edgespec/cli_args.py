@@ -51,7 +51,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_tree_width_arg(p: argparse.ArgumentParser) -> None:
-    """Token-tree drafting, for the commands that draft (``generate``, ``bench``, ``drafter``)."""
+    """Token-tree drafting, for the commands that draft (``generate``, ``drafter``, ``deploy``,
+    ``simulate``)."""
     p.add_argument("--tree-width", type=int, default=EngineConfig().tree_width,
                    help="draft token trees: each chunk carries up to N - 1 alternative "
                         "continuations (branches) beside its chain; 1: chains "

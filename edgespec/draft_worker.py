@@ -71,15 +71,32 @@ class DraftWorker(threading.Thread):
                     except StaleChunkError:
                         pass  # a fix arrived meanwhile; it is applied on the next round
                     self.store.cond.notify_all()
-        for session, _ in self.sessions.values():
-            session.close()
+        for sid in list(self.sessions):
+            self._close(sid)
+
+    def _close(self, sid: str) -> None:
+        """Forget a draft session and release what it holds (a KV slot); a failing close is
+        logged, never fatal to the thread."""
+        entry = self.sessions.pop(sid, None)
+        if entry is None:
+            return
+        try:
+            entry[0].close()
+        except Exception as exc:
+            log.warning("drafter %s failed to close session %s: %r", self.drafter.name, sid, exc)
+
+    def _drop(self, sid: str, state: SessionState) -> None:
+        """Under the lock: this session drafts no more (the verifier decodes it alone, and is
+        woken so that it does not wait out the draft deadline); its draft session is closed."""
+        state.has_drafter = False
+        self._close(sid)
+        self.store.cond.notify_all()
 
     def _give_up(self, sid: str, state: SessionState, exc: Exception) -> None:
         log.warning("drafter %s failed on session %s: %r; the verifier decodes it alone",
                     self.drafter.name, sid, exc)
         with self.store.cond:
-            state.has_drafter = False
-            self.store.cond.notify_all()
+            self._drop(sid, state)
 
     def _plan(self) -> list[_DraftWork]:
         """Under the lock: open new sessions, apply fixes, close finished ones, and list the
@@ -93,8 +110,7 @@ class DraftWorker(threading.Thread):
                     self.sessions[sid] = (self.drafter.open(state.tokens, state.params), [0])
                 except Exception as exc:  # e.g. no free KV slot: this session drafts nothing
                     log.warning("drafter %s refused session %s: %r", self.drafter.name, sid, exc)
-                    state.has_drafter = False
-                    self.store.cond.notify_all()  # a verifier waiting for its draft goes on
+                    self._drop(sid, state)
                     continue
             session, last_fix = self.sessions[sid]
             try:
@@ -105,8 +121,7 @@ class DraftWorker(threading.Thread):
             except Exception as exc:  # as a failed propose: the verifier decodes it alone
                 log.warning("drafter %s failed to apply a fix to session %s: %r",
                             self.drafter.name, sid, exc)
-                state.has_drafter = False
-                self.store.cond.notify_all()
+                self._drop(sid, state)
                 continue
             start = len(session.tokens)
             room = self.cfg.window - (start - state.end)
@@ -115,5 +130,5 @@ class DraftWorker(threading.Thread):
             work.append(_DraftWork(sid, state, session, state.epoch, start, room))
         for sid in [s for s in self.sessions if s not in self.store.sessions
                     or self.store.sessions[s].done]:
-            self.sessions.pop(sid)[0].close()
+            self._close(sid)
         return work

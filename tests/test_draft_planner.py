@@ -109,7 +109,11 @@ def test_a_session_without_branches_is_probed_now_and_then():
     dl = DraftLength(8)
     assert dl.beta == pytest.approx(0.1)
     planned = [dl.probe_branches(0, 6) for _ in range(16)]
-    assert planned.count(6) == 2 and planned.count(0) == 14
+    assert planned.count(2) == 2 and planned.count(0) == 14  # a short probe every 8th step
+    for i in range(7):  # steps with no room for branches (no chain) do not reset the count
+        assert dl.probe_branches(0, 6) == 0
+        assert dl.probe_branches(0, 0) == 0
+    assert dl.probe_branches(0, 6) == 2
     dl.update_branches(8, 0)
     low = dl.beta
     dl.update_branches(4, 4)

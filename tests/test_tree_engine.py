@@ -3,6 +3,8 @@ within a budget and committed (a branch's path is a fix that carries its tokens)
 tree built chain-first, and whole generations with tree drafts identical to target-only
 decoding, greedy and seeded sampling, alone and batched with chain sessions."""
 
+import time
+
 import pytest
 from conftest import hf_greedy, hf_keyed_sampled
 from tree_oracle import OracleTreeDrafter
@@ -166,13 +168,18 @@ def test_a_loose_session_verifies_the_chain_only(looping):
 class FixBreakingDrafter(OracleTreeDrafter):
     """Its sessions fail on the first fix they are given (a broken device)."""
 
+    closed = 0
+
     def open(self, tokens, params):
         session = super().open(tokens, params)
 
         def append(_tokens):
             raise RuntimeError("broken")
 
-        session.append = append
+        def close():
+            self.closed += 1
+
+        session.append, session.close = append, close
         return session
 
 
@@ -184,6 +191,10 @@ def test_a_drafter_failing_on_a_fix_costs_its_sessions_speed_not_output(tiny):
     with SpecEngine(runner, drafter, EngineConfig(**CFG), stop_ids={2}) as engine:
         results = engine.generate_many([Request(p, 20) for p in PROMPTS])
         assert engine.worker.is_alive()
+        deadline = time.monotonic() + 30  # the drafter thread closes them when it next plans
+        while drafter.closed < len(PROMPTS) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert drafter.closed == len(PROMPTS)  # every session gave back what it held
         again = engine.generate(Request(PROMPTS[0], 20))  # the drafter thread still serves
     for p, r in zip(PROMPTS, results):
         assert r.token_ids == refs[tuple(p)]
@@ -244,3 +255,21 @@ def test_tree_to_wire_leaves_out_what_is_no_alternative():
     assert (nodes, parents) == ([5, 6, 8, 9], [-1, 0, 0, 2])
     assert tree_from_wire(nodes, parents) == ([5, 6], [Branch(1, (8, 9))])
     assert tree_to_wire([], [Branch(0, (5, 6))]) == ([], [])
+
+
+def test_with_the_planner_trees_stay_lossless_and_branches_are_measured(tiny):
+    """The adaptive engine (the default): the planner decides chain and branch tokens from
+    measured acceptance and forward cost; every session's branch yield (beta) is measured."""
+    hf = tiny.model
+    refs = {tuple(p): hf_greedy(hf, p, 30) for p in PROMPTS}
+    runner = TargetRunner(hf, n_slots=4, max_len=128)
+    drafter = OracleTreeDrafter(refs, runner.vocab_size, seed=8)
+    cfg = EngineConfig(draft_wait_ms=5000, tree_width=3)
+    with SpecEngine(runner, drafter, cfg, stop_ids={2}) as engine:
+        acts = [engine.add(Request(p, 30)) for p in PROMPTS]
+        while engine.active:
+            engine.step()
+    for p, act in zip(PROMPTS, acts):
+        assert act.output == refs[tuple(p)]
+    assert any(a.draft_len.beta != pytest.approx(0.1) for a in acts)
+    assert sum(a.stats.branch_tokens for a in acts) > 0

@@ -60,15 +60,19 @@ class DraftLength:
             self._branch_trials = 0.85 * self._branch_trials + verified
 
     def probe_branches(self, side: int, cap: int, probe_every: int = 8) -> int:
-        """``side`` branch tokens as planned, except that every ``probe_every``-th step planned
-        without any verifies ``cap`` anyway, to measure ``beta`` again."""
-        if side > 0 or cap <= 0:
+        """``side`` branch tokens as planned, except that every ``probe_every``-th step that
+        could have had branches (``cap`` > 0) but was planned without any verifies a few (at
+        most 2) anyway, to measure ``beta`` again. Steps without room for branches (no chain,
+        say) neither count nor reset the count."""
+        if cap <= 0:
+            return 0
+        if side > 0:
             self._since_branch_probe = 0
             return side
         self._since_branch_probe += 1
         if self._since_branch_probe >= probe_every:
             self._since_branch_probe = 0
-            return cap
+            return min(cap, 2)
         return 0
 
     def probe(self, k: int, probe_every: int = 8) -> int:
