@@ -413,8 +413,11 @@ class RedisSessionStore:
             if w.side:
                 pipe.lrange(br, 0, MAX_BRANCHES - 1)
         out = iter(pipe.execute())
-        return [tuple(next(out) for _ in range(7 if w.side else 6)) + (() if w.side else ([],))
-                for w in wants]
+        rows = []
+        for w in wants:
+            row = tuple(next(out) for _ in range(6))
+            rows.append(row + (next(out) if w.side else [],))  # + the branches, if asked for
+        return rows
 
     def take_when_ready(self, wants: list[DraftWant], wait_s: float
                         ) -> list[TakenDraft | SessionVanished]:

@@ -336,10 +336,7 @@ class DrafterAgent:
     def _propose(self, work: _Work) -> pb.DraftChunk:
         """Draft a chunk for ``work``: a chain, or with ``tree_width`` > 1 a tree chunk when the
         drafter offered branches."""
-        if self.tree_width > 1:
-            draft = work.session.draft.propose_tree(work.n, self.tree_width)
-        else:
-            draft = work.session.draft.propose(work.n)
+        draft = work.session.draft.propose_tree(work.n, self.tree_width)  # 1: propose's chain
         chunk = pb.DraftChunk(session_id=work.session_id, epoch=work.epoch, start=work.start,
                               tokens=draft.tokens, q=q_to_pb(draft.q), idle=len(draft) == 0)
         if draft.branches:

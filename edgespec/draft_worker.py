@@ -57,9 +57,9 @@ class DraftWorker(threading.Thread):
                     continue
             for w in work:
                 try:
-                    k = min(self.cfg.chunk, w.room)
-                    draft = (w.session.propose_tree(k, self.cfg.tree_width)
-                             if self.cfg.tree_width > 1 else w.session.propose(k))
+                    # a width of 1 is propose's chain
+                    draft = w.session.propose_tree(min(self.cfg.chunk, w.room),
+                                                   self.cfg.tree_width)
                 except Exception as exc:  # a broken drafter costs speed, never the session
                     self._give_up(w.sid, w.state, exc)
                     continue

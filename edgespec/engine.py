@@ -271,10 +271,10 @@ class SpecEngine:
                 self.fail(act, SessionFailed(f"the cache holds {t.start} tokens of session "
                                              f"{act.sid}, the verifier {act.end}"))
             else:
+                # the cache validates; never verify garbage (nor branches, unless exactly)
                 vocab = self.target.vocab_size
                 if any(not 0 <= x < vocab for x in t.tokens):
-                    t.tokens, t.q, t.branches = [], None, []  # the cache validates; never
-                    # verify garbage
+                    t.tokens, t.q, t.branches = [], None, []
                 if act.verify != "exact" or any(not 0 <= x < vocab for b in t.branches
                                                 for x in b.tokens):
                     t.branches = []
@@ -284,7 +284,7 @@ class SpecEngine:
         t1 = time.perf_counter()
         verdicts = self._verify(batch)
         t2 = time.perf_counter()
-        width = sum(1 + _side_tokens(t) + len(t.tokens) for _, t in batch)
+        width = sum(1 + len(t.tokens) + t.branch_tokens for _, t in batch)
         self.cost.observe(width, t2 - t1)
         decided = []
         for (act, t), c in zip(batch, verdicts):
@@ -296,7 +296,7 @@ class SpecEngine:
             n, branch = min(c.n, len(new) - 1), tuple(new[c.n:len(new) - 1])
             decided.append(_Decided(act, Verdict(act.sid, t.epoch, t.start, n, new[-1],
                                                  finish_reason=finish or "", branch=branch),
-                                    new, len(t.tokens) + _side_tokens(t), len(t.tokens)))
+                                    new, len(t.tokens) + t.branch_tokens, len(t.tokens)))
             act.stats.take_s += t1 - t0
             act.stats.forward_s += t2 - t1
         t3 = time.perf_counter()
@@ -333,11 +333,10 @@ class SpecEngine:
         return out
 
     def _forward_and_verify(self, batch: list[tuple[_Active, TakenDraft]]) -> list[_Checked]:
-        slots = [a.slot for a, _ in batch]
         if any(t.branches for _, t in batch):
             return self._forward_and_verify_trees(batch)
         rows = [[a.last_token] + t.tokens for a, t in batch]
-        logits = self.target.forward(slots, rows)  # [B, T_max, V]
+        logits = self.target.forward([a.slot for a, _ in batch], rows)  # [B, T_max, V]
         return [_Checked(n, token) for n, token in self._verify_chains(logits, batch)]
 
     def _verify_chains(self, logits, batch: list[tuple[_Active, TakenDraft]]
@@ -352,8 +351,8 @@ class SpecEngine:
         (stored where the chain forward stores them, so their rows verify as chains)."""
         trees = [tree_of_draft(t.tokens, t.branches, t.start) if t.branches
                  else DraftTree.chain(t.tokens) for _, t in batch]
-        slots = [a.slot for a, _ in batch]
-        logits = self.target.forward_tree(slots, [a.last_token for a, _ in batch], trees)
+        logits = self.target.forward_tree([a.slot for a, _ in batch],
+                                          [a.last_token for a, _ in batch], trees)
         chain_rows = [b for b, (_, t) in enumerate(batch) if not t.branches]
         chains = dict(zip(chain_rows, self._verify_chains(
             logits[chain_rows], [batch[b] for b in chain_rows]))) if chain_rows else {}
@@ -467,7 +466,3 @@ class SpecEngine:
 
     def generate(self, req: Request) -> Result:
         return self.generate_many([req])[0]
-
-
-def _side_tokens(t: TakenDraft) -> int:
-    return sum(len(b.tokens) for b in t.branches)

@@ -125,6 +125,10 @@ class TakenDraft:
     q: list[SparseQ] | None
     branches: list[DraftBranch] = field(default_factory=list)  # alternatives hanging from it
 
+    @property
+    def branch_tokens(self) -> int:
+        return sum(len(b.tokens) for b in self.branches)
+
 
 @dataclass
 class SessionState:

@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from .drafters.base import Branch
+from .session import chunk_branches
 
 TREE_VERSION = 1  # the newest tree chunk layout this code reads and writes
 MAX_BRANCH_NODES = 64  # branch nodes one chunk may carry
@@ -22,14 +23,12 @@ MAX_BRANCH_NODES = 64  # branch nodes one chunk may carry
 
 def tree_to_wire(tokens: Sequence[int], branches: Sequence[Branch]
                  ) -> tuple[list[int], list[int]]:
-    """A chain and its branches as (nodes, parents) of a version-1 tree chunk; a branch that is
-    no alternative to a chain token (``at`` outside the chain, empty, or repeating the chain's
-    token) is left out, as the session protocol would drop it."""
+    """A chain and its branches as (nodes, parents) of a version-1 tree chunk. Only what the
+    session protocol would store is sent (``session.chunk_branches``: alternatives to a chain
+    token, not repeated, within its bounds)."""
     nodes, parents = list(tokens), list(range(-1, len(tokens) - 1))
-    for b in branches:
-        if not 0 <= b.at < len(tokens) or not b.tokens or b.tokens[0] == tokens[b.at]:
-            continue
-        parent = b.at - 1
+    for b in chunk_branches(0, tokens, branches, len(tokens)):  # start 0: pos is at
+        parent = b.pos - 1
         for t in b.tokens:
             nodes.append(int(t))
             parents.append(parent)

@@ -99,14 +99,21 @@ PROMPTS = [[1, 10, 11, 12, 13, 10, 11, 12, 13, 10], [1, 50, 51, 52, 53, 54, 55, 
 CFG = dict(adaptive=False, draft_wait_ms=5000, tree_width=3)
 
 
+def generate_with_oracle(hf, refs, n, seed, cfg=None, params=None, stop_ids=(2,),
+                         batched=True):
+    """Every prompt generated with the oracle tree drafter: in one batch, or one at a time."""
+    runner = TargetRunner(hf, n_slots=4, max_len=128)
+    drafter = OracleTreeDrafter(refs, runner.vocab_size, seed=seed)
+    reqs = [Request(p, n, params or SamplingParams()) for p in PROMPTS]
+    with SpecEngine(runner, drafter, cfg or EngineConfig(**CFG), stop_ids=set(stop_ids)) as engine:
+        return engine.generate_many(reqs) if batched else [engine.generate(r) for r in reqs]
+
+
 @pytest.mark.parametrize("model", ["tiny", "looping"])
 def test_greedy_with_tree_drafts_equals_transformers_greedy(request, model):
     hf = request.getfixturevalue(model).model
     refs = {tuple(p): hf_greedy(hf, p, 40) for p in PROMPTS}
-    runner = TargetRunner(hf, n_slots=4, max_len=128)
-    drafter = OracleTreeDrafter(refs, runner.vocab_size, seed=3)
-    with SpecEngine(runner, drafter, EngineConfig(**CFG), stop_ids={2}) as engine:
-        results = [engine.generate(Request(p, 40)) for p in PROMPTS]
+    results = generate_with_oracle(hf, refs, 40, seed=3, batched=False)
     for p, r in zip(PROMPTS, results):
         assert r.token_ids == refs[tuple(p)]
     assert sum(r.stats.branch_tokens for r in results) > 10  # branches really were accepted
@@ -117,10 +124,7 @@ def test_batched_tree_and_chain_sessions_equal_target_only(tiny):
     of no branch tokens would make every row a chain; here rows mix)."""
     hf = tiny.model
     refs = {tuple(p): hf_greedy(hf, p, 30) for p in PROMPTS}
-    runner = TargetRunner(hf, n_slots=4, max_len=128)
-    drafter = OracleTreeDrafter(refs, runner.vocab_size, seed=5)
-    with SpecEngine(runner, drafter, EngineConfig(**CFG), stop_ids={2}) as engine:
-        results = engine.generate_many([Request(p, 30) for p in PROMPTS])
+    results = generate_with_oracle(hf, refs, 30, seed=5)
     for p, r in zip(PROMPTS, results):
         assert r.token_ids == refs[tuple(p)]
     assert sum(r.stats.branch_tokens for r in results) > 5
@@ -129,10 +133,7 @@ def test_batched_tree_and_chain_sessions_equal_target_only(tiny):
 def test_no_branch_budget_means_chains_only(tiny):
     hf = tiny.model
     refs = {tuple(p): hf_greedy(hf, p, 20) for p in PROMPTS}
-    runner = TargetRunner(hf, n_slots=4, max_len=128)
-    drafter = OracleTreeDrafter(refs, runner.vocab_size, seed=5)
-    with SpecEngine(runner, drafter, EngineConfig(**CFG, tree_nodes=0), stop_ids={2}) as engine:
-        results = engine.generate_many([Request(p, 20) for p in PROMPTS])
+    results = generate_with_oracle(hf, refs, 20, seed=5, cfg=EngineConfig(**CFG, tree_nodes=0))
     for p, r in zip(PROMPTS, results):
         assert r.token_ids == refs[tuple(p)]
         assert r.stats.branch_tokens == 0
@@ -145,10 +146,7 @@ def test_seeded_sampling_with_tree_drafts_equals_target_only(tiny, params):
     hf = tiny.model
     refs = {tuple(p): hf_keyed_sampled(hf, p, 24, params) for p in PROMPTS}
     assert len({t for r in refs.values() for t in r}) > 10  # really sampled
-    runner = TargetRunner(hf, n_slots=4, max_len=128)
-    drafter = OracleTreeDrafter(refs, runner.vocab_size, seed=9)
-    with SpecEngine(runner, drafter, EngineConfig(**CFG), stop_ids=set()) as engine:
-        results = engine.generate_many([Request(p, 24, params) for p in PROMPTS])
+    results = generate_with_oracle(hf, refs, 24, seed=9, params=params, stop_ids=())
     for p, r in zip(PROMPTS, results):
         assert r.token_ids == refs[tuple(p)]
     assert sum(r.stats.branch_tokens for r in results) > 5
@@ -157,11 +155,8 @@ def test_seeded_sampling_with_tree_drafts_equals_target_only(tiny, params):
 def test_a_loose_session_verifies_the_chain_only(looping):
     hf = looping.model
     refs = {tuple(p): hf_greedy(hf, p, 20) for p in PROMPTS}
-    runner = TargetRunner(hf, n_slots=4, max_len=128)
-    drafter = OracleTreeDrafter(refs, runner.vocab_size, seed=1)
-    cfg = EngineConfig(**CFG, verify="loose")
-    with SpecEngine(runner, drafter, cfg, stop_ids={2}) as engine:
-        results = [engine.generate(Request(p, 20)) for p in PROMPTS]
+    results = generate_with_oracle(hf, refs, 20, seed=1, cfg=EngineConfig(**CFG, verify="loose"),
+                                   batched=False)
     assert all(r.stats.branch_tokens == 0 and r.stats.lossy for r in results)
 
 

@@ -72,7 +72,8 @@ class DraftSession(ABC):
     def propose_tree(self, k: int, width: int) -> Draft:
         """``propose(k)``, plus up to ``width`` - 1 alternatives (``Draft.branches``) at the
         positions where the drafter had other likely candidates, each at most k tokens long.
-        The default has none: a chain."""
+        With ``width`` <= 1 it is exactly ``propose(k)`` (drafting threads always call this).
+        The default has no branches: a chain."""
         return self.propose(k)
 
     def rollback(self, length: int) -> None:

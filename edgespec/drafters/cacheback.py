@@ -31,6 +31,8 @@ from .mag import longest_suffix_match, match_branches
 log = logging.getLogger("edgespec.cacheback")
 
 BRANCH_DEPTH = 4  # the most tokens a Cacheback branch holds
+# mag+cacheback's suffix match: 2-8 tokens, proposing up to 2 tokens per matched token
+MATCH_MAX, MATCH_MIN, MATCH_TOKENS_PER_TOKEN = 8, 2, 2
 
 
 class NgramTable:
@@ -128,7 +130,7 @@ class CachebackSession(DraftSession):
     def propose(self, k: int) -> Draft:
         out: list[int] = []
         if self.drafter.with_mag and k > 0:
-            out = self._suffix_match(k)
+            out = self._suffix_match(k, np.asarray(self.tokens, dtype=np.int64))
         if not out:
             out = self._chain(k)
         self.tokens.extend(out)
@@ -139,10 +141,11 @@ class CachebackSession(DraftSession):
             return self.propose(k)
         out: list[int] = []
         if self.drafter.with_mag and k > 0:
-            out = self._suffix_match(k)
+            arr = np.asarray(self.tokens, dtype=np.int64)
+            out = self._suffix_match(k, arr)
             if out:
-                branches = match_branches(np.asarray(self.tokens, dtype=np.int64), out, k,
-                                          8, 2, 2, width - 1)
+                branches = match_branches(arr, out, k, MATCH_MAX, MATCH_MIN,
+                                          MATCH_TOKENS_PER_TOKEN, width - 1)
         if not out:
             out = self._chain(k)
             branches = self._chain_branches(out, k, width - 1)
@@ -192,10 +195,10 @@ class CachebackSession(DraftSession):
             ctx = (ctx + [token])[-ORDERS[0]:]
         return out
 
-    def _suffix_match(self, k: int) -> list[int]:
-        arr = np.asarray(self.tokens, dtype=np.int64)
-        n, p = longest_suffix_match(arr, 8, 2)
-        return arr[p + n: p + n + min(k, 2 * n)].tolist() if n else []
+    def _suffix_match(self, k: int, arr: np.ndarray) -> list[int]:
+        """MaG's draft after ``arr`` (the session's tokens), or [] without a match."""
+        n, p = longest_suffix_match(arr, MATCH_MAX, MATCH_MIN)
+        return arr[p + n: p + n + min(k, MATCH_TOKENS_PER_TOKEN * n)].tolist() if n else []
 
     def _chain(self, k: int) -> list[int]:
         d = self.drafter

@@ -3,7 +3,8 @@
 ``llamacpp:FILE.gguf`` drafts with any GGUF causal LM whose vocabulary is the target's (token
 texts compared id by id); ``llamacpp:default`` is the default model's own Q4_1 GGUF. Each session
 holds one llama.cpp context from a pool of at most ``n_slots``; a verifier fix rolls its KV cache
-back by removing the positions after the fix. Drafting follows ``ModelDraftSession``: greedy
+back by removing the positions after the fix. Drafting is ``model.LogitsDraftSession``'s loop,
+as the torch model drafter's: greedy
 sessions draft the argmax, sampling sessions sample from the llama logits with the session's
 position-keyed noise (``sampling.sample_sparse``), and a draft stops when the top probability
 falls below ``min_confidence``. ``propose_tree`` adds one-token branches as the model drafter
@@ -25,9 +26,8 @@ import torch
 
 from ..config import ConfigError, SamplingParams
 from ..kv_cache import CacheFullError
-from ..sampling import SparseQ
-from .base import Draft, Drafter, DraftSession
-from .model import BranchPicker, choose_token
+from .base import Drafter
+from .model import LogitsDraftSession
 
 
 def import_llama_cpp():
@@ -110,7 +110,7 @@ def check_gguf_tokenizer(target_tokenizer, gguf_texts: list[str], draft_name: st
         f"{theirs}); speculative decoding needs the same vocabulary")
 
 
-class LlamaCppDraftSession(DraftSession):
+class LlamaCppDraftSession(LogitsDraftSession):
     def __init__(self, drafter: "LlamaCppDrafter", tokens: list[int], params: SamplingParams):
         super().__init__(tokens, params)
         self.drafter = drafter
@@ -144,37 +144,14 @@ class LlamaCppDraftSession(DraftSession):
             length = 0
         self.kv_len = self.llm.n_tokens = length
 
-    def propose(self, k: int) -> Draft:
-        return self._propose(k, 1)
+    def _max_len(self) -> int:
+        return self.drafter.max_len
 
-    def propose_tree(self, k: int, width: int) -> Draft:
-        return self._propose(k, width)
+    def _feed(self, feed: list[int]) -> torch.Tensor:
+        return self._forward(feed)
 
-    def _propose(self, k: int, width: int) -> Draft:
-        out: list[int] = []
-        qs: list[SparseQ] = []
-        min_conf = self.drafter.min_confidence
-        picker = BranchPicker(width - 1, self.drafter.branch_min_prob) if width > 1 else None
-        for _ in range(k):
-            if len(self.tokens) + 1 > self.drafter.max_len:
-                break
-            feed = self.tokens[self.kv_len:]
-            logits = self._forward(feed)
-            # keyed by the absolute position the token will take: len(self.tokens)
-            token, conf, q = choose_token(logits, self.params, self.drafter.q_top_k,
-                                          len(self.tokens))
-            if out and conf < min_conf:  # the first token is always offered
-                # forget the last fed position so the next proposal re-feeds the last token
-                self._truncate(self.kv_len - len(feed))
-                break
-            if picker is not None:
-                picker.add(len(out), logits, q, token)
-            out.append(token)
-            self.tokens.append(token)
-            if not self.params.greedy:
-                qs.append(q)
-        return Draft(tokens=out, q=None if self.params.greedy else qs,
-                     branches=picker.branches() if picker is not None else [])
+    def _unfeed(self, n: int) -> None:
+        self._truncate(self.kv_len - n)
 
     def rollback(self, length: int) -> None:
         super().rollback(length)

@@ -76,7 +76,61 @@ class BranchPicker:
         return [Branch(at, (token,)) for _, at, token in best]
 
 
-class ModelDraftSession(DraftSession):
+class LogitsDraftSession(DraftSession):
+    """The drafting loop of drafters that choose each token from their own logits (the torch
+    model drafter, llama.cpp's): feed the tokens not yet cached, choose the next token
+    (``choose_token``), stop at low confidence, and collect one-token branches for trees.
+    Subclasses keep ``kv_len`` and provide ``_max_len``, ``_feed`` and ``_unfeed``; their
+    ``drafter`` has ``min_confidence``, ``q_top_k`` and ``branch_min_prob``."""
+
+    kv_len: int  # positions of self.tokens[:kv_len] are cached; the last token is fed next
+
+    def _max_len(self) -> int:
+        """The most tokens a session holds."""
+        raise NotImplementedError
+
+    def _feed(self, feed: list[int]) -> torch.Tensor:
+        """Run ``feed`` after the cached positions and cache it; the logits [V] after it."""
+        raise NotImplementedError
+
+    def _unfeed(self, n: int) -> None:
+        """Forget the last ``n`` cached positions."""
+        raise NotImplementedError
+
+    def propose(self, k: int) -> Draft:
+        return self._propose(k, 1)
+
+    def propose_tree(self, k: int, width: int) -> Draft:
+        return self._propose(k, width)
+
+    def _propose(self, k: int, width: int) -> Draft:
+        out: list[int] = []
+        qs: list[SparseQ] = []
+        min_conf = self.drafter.min_confidence
+        picker = BranchPicker(width - 1, self.drafter.branch_min_prob) if width > 1 else None
+        for _ in range(k):
+            if len(self.tokens) + 1 > self._max_len():
+                break
+            feed = self.tokens[self.kv_len:]
+            logits = self._feed(feed)
+            # keyed by the absolute position the token will take: len(self.tokens)
+            token, conf, q = choose_token(logits, self.params, self.drafter.q_top_k,
+                                          len(self.tokens))
+            if out and conf < min_conf:  # the first token is always offered
+                # forget the last fed position so the next proposal re-feeds the last token
+                self._unfeed(len(feed))
+                break
+            if picker is not None:
+                picker.add(len(out), logits, q, token)
+            out.append(token)
+            self.tokens.append(token)
+            if not self.params.greedy:
+                qs.append(q)
+        return Draft(tokens=out, q=None if self.params.greedy else qs,
+                     branches=picker.branches() if picker is not None else [])
+
+
+class ModelDraftSession(LogitsDraftSession):
     can_check = True
 
     def __init__(self, drafter: "ModelDrafter", tokens: list[int], params: SamplingParams):
@@ -95,39 +149,18 @@ class ModelDraftSession(DraftSession):
                 raise
             self.kv_len = len(tokens) - 1
 
-    def propose(self, k: int) -> Draft:
-        return self._propose(k, 1)
+    def _max_len(self) -> int:
+        return self.runner.max_len
 
-    def propose_tree(self, k: int, width: int) -> Draft:
-        return self._propose(k, width)
+    def _feed(self, feed: list[int]) -> torch.Tensor:
+        logits = self.runner.forward([self.slot], [feed], logits="last")[0]  # [V]
+        self.kv_len += len(feed)
+        self.runner.commit(self.slot, self.kv_len)
+        return logits
 
-    def _propose(self, k: int, width: int) -> Draft:
-        out: list[int] = []
-        qs: list[SparseQ] = []
-        min_conf = self.drafter.min_confidence
-        picker = BranchPicker(width - 1, self.drafter.branch_min_prob) if width > 1 else None
-        for _ in range(k):
-            if len(self.tokens) + 1 > self.runner.max_len:
-                break
-            feed = self.tokens[self.kv_len:]
-            logits = self.runner.forward([self.slot], [feed], logits="last")[0]  # [V]
-            self.kv_len += len(feed)
-            self.runner.commit(self.slot, self.kv_len)
-            token, conf, q = choose_token(logits, self.params, self.drafter.q_top_k,
-                                          len(self.tokens))
-            if out and conf < min_conf:  # the first token is always offered
-                # forget the last fed position so the next proposal re-feeds the last token
-                self.kv_len -= len(feed)
-                self.runner.rollback(self.slot, self.kv_len)
-                break
-            if picker is not None:
-                picker.add(len(out), logits, q, token)
-            out.append(token)
-            self.tokens.append(token)
-            if not self.params.greedy:
-                qs.append(q)
-        return Draft(tokens=out, q=None if self.params.greedy else qs,
-                     branches=picker.branches() if picker is not None else [])
+    def _unfeed(self, n: int) -> None:
+        self.kv_len -= n
+        self.runner.rollback(self.slot, self.kv_len)
 
     def check(self, proposal: list[int], lenient_prob: float | None = None) -> Checked:
         greedy = self.params.greedy
