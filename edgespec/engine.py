@@ -31,7 +31,7 @@ from .runner import TargetRunner
 from .sampling import verify_batch, with_session_seed
 from .session import LocalSessionStore, TakenDraft, Verdict
 from .store_api import DraftWant, SessionStore
-from .tree_verify import DraftTree, tree_of_draft, verify_tree
+from .tree_verify import DraftTree, exact_part, tree_of_draft, verify_tree
 
 log = logging.getLogger("edgespec.engine")
 
@@ -84,11 +84,13 @@ class _Active:
 @dataclass(frozen=True)
 class _Checked:
     """One row's verification: n chain tokens accepted, then ``branch`` (tokens of a branch,
-    trees only), then the target's own ``token``. n = -1: the row's forward failed."""
+    trees only), then the target's own ``token`` (``branch_hit``: a branch had drafted it).
+    n = -1: the row's forward failed."""
 
     n: int
     token: int
     branch: tuple[int, ...] = ()
+    branch_hit: bool = False
 
 
 @dataclass
@@ -100,6 +102,7 @@ class _Decided:
     new: list[int]  # tokens it adds to the output (cut at a stop token or the length limit)
     drafted: int  # draft tokens verified: the chain's and the branches'
     chain: int = 0  # of which the chain's
+    branch_hit: bool = False  # a branch had drafted the emitted token
 
     @property
     def accepted(self) -> int:
@@ -296,7 +299,8 @@ class SpecEngine:
             n, branch = min(c.n, len(new) - 1), tuple(new[c.n:len(new) - 1])
             decided.append(_Decided(act, Verdict(act.sid, t.epoch, t.start, n, new[-1],
                                                  finish_reason=finish or "", branch=branch),
-                                    new, len(t.tokens) + t.branch_tokens, len(t.tokens)))
+                                    new, len(t.tokens) + t.branch_tokens, len(t.tokens),
+                                    c.branch_hit))
             act.stats.take_s += t1 - t0
             act.stats.forward_s += t2 - t1
         t3 = time.perf_counter()
@@ -366,10 +370,11 @@ class SpecEngine:
             if b in chains:
                 out.append(_Checked(*chains[b]))
                 continue
-            v = verdicts[b]
+            v = exact_part(verdicts[b], trees[b])
             self.target.compact(act.slot, v.path)
             n = sum(1 for i in v.path if i < len(t.tokens))  # the path's chain nodes come first
-            out.append(_Checked(n, v.token, tuple(v.tokens[n:])))
+            hit = len(v.path) < len(verdicts[b].path)
+            out.append(_Checked(n, v.token, tuple(v.tokens[n:]), hit))
         return out
 
     def _commit(self, decided: list[_Decided]) -> list[_Decided]:
@@ -391,7 +396,7 @@ class SpecEngine:
             self.target.commit(act.slot, v.start + v.n_accepted + len(v.branch))
             act.draft_len.update(d.chain, v.n_accepted)  # the chain's own acceptance
             act.draft_len.update_branches(d.drafted - d.chain, len(v.branch))
-            act.stats.record_step(d.drafted, d.accepted, len(v.branch))
+            act.stats.record_step(d.drafted, d.accepted, len(v.branch) + d.branch_hit)
             act.stats.commit_s += dt
             act.output.extend(d.new)
             act.last_token = v.token

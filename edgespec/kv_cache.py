@@ -1,6 +1,8 @@
 """A static, slotted KV cache: one slot per session, rollback by moving a length pointer.
 
-Memory is allocated once: per layer, keys and values of shape [slots, kv_heads, max_len, head_dim].
+Memory is allocated once: per layer, keys of shape [slots, kv_heads, max_len, head_dim] and values
+of shape [slots, kv_heads, max_len, head_dim + 1], whose last column is all ones (so that the
+attention's values product also sums its probabilities: ``edgespec.attention``).
 Writing a step's keys scatters them into the rows' slots in place; reading returns a view when the
 step's slots are a contiguous ascending run (the common case: one session, or a full batch), and
 otherwise gathers only the first ``max(length)`` positions of the slots involved.
@@ -19,12 +21,19 @@ class CacheFullError(ConfigError):
 
 class KVCache:
     def __init__(self, n_layers: int, n_slots: int, max_len: int, kv_heads: int, head_dim: int,
-                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
-        shape = (n_slots, kv_heads, max_len, head_dim)
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                 capacity: int | None = None):
+        # capacity >= max_len: positions allocated (attention reads whole blocks past the end)
+        self.capacity = max(max_len, capacity or max_len)
+        shape = (n_slots, kv_heads, self.capacity, head_dim)
         # zeros, not empty: masked-out positions still enter p @ V with p == 0, and 0 * NaN from
         # uninitialised memory would poison the row
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        vshape = (n_slots, kv_heads, self.capacity, head_dim + 1)
+        self.v = [torch.zeros(vshape, dtype=dtype, device=device) for _ in range(n_layers)]
+        for v in self.v:
+            v[..., head_dim] = 1
+        self.head_dim = head_dim
         self.max_len = max_len
         self.lengths = [0] * n_slots  # valid positions per slot: the rollback pointer
         self._free = list(range(n_slots))
@@ -77,7 +86,7 @@ class KVCache:
         """
         idx = (slots[:, None], slice(None), positions)
         self.k[layer][idx] = k
-        self.v[layer][idx] = v
+        self.v[layer][idx + (slice(0, self.head_dim),)] = v
 
     def move(self, slot: int, src: list[int], dst: list[int]) -> None:
         """Copy the keys/values at positions ``src`` of a slot to positions ``dst``, in every
@@ -89,7 +98,8 @@ class KVCache:
 
     def read(self, layer: int, slots: torch.Tensor, contiguous_from: int | None,
              n_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of positions [0, n_pos) for the step's slots: [B, kv_heads, n_pos, hd]."""
+        """Keys [B, kv_heads, n_pos, hd] and values [B, kv_heads, n_pos, hd + 1] of positions
+        [0, n_pos) for the step's slots."""
         if contiguous_from is not None:
             end = contiguous_from + slots.numel()
             return (self.k[layer][contiguous_from:end, :, :n_pos],
