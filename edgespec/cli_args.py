@@ -24,8 +24,15 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="target model: 'default' (SmolLM2-135M-Instruct, pulled on first use), "
                         "a transformers directory or a .gguf file (default: %(default)s)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: %(default)s)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                   help="weights and activations dtype (default: %(default)s)")
+    add_dtype_arg(p)
+
+
+def add_dtype_arg(p: argparse.ArgumentParser, who: str = "") -> None:
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help=f"{who}weights and activations dtype; auto: bfloat16 where its exact "
+                        "(batch-invariant) path runs on that machine, else float32, decided by a "
+                        "probe at start; a dtype that is not exact there is refused "
+                        "(default: %(default)s)")
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:

@@ -69,6 +69,7 @@ class DeploySpec:
     http_port: int | None = None  # replica i serves HTTP on http_port + i
     max_sessions: int = 8
     threads: int | None = None
+    dtype: str = "auto"  # the verifiers' (auto: bfloat16 where exact there, else float32)
     auth_token: str | None = None
     timeout_s: float = 900.0  # model downloads and loads included
 
@@ -276,7 +277,7 @@ def _place_all(roles, spec, head, vnodes, vres, boards, handles, progress) -> De
         handles[name] = place(roles.verifier, n, name=name, detached=True, **opts).remote(
             port, cache["redis_url"], model=spec.model, max_sessions=spec.max_sessions,
             threads=spec.threads, http_port=http, auth_token=spec.auth_token,
-            device="cuda" if gpus else "cpu")
+            device="cuda" if gpus else "cpu", dtype=spec.dtype)
     for n in boards:
         # the board's cores shared by its drafters (a model drafter uses them)
         threads = max(1, int(n.resources.get("CPU", 1) // spec.drafters_per_board))

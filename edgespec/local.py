@@ -26,15 +26,17 @@ class Generation:
     stats: Stats
     finish_reason: str
     prompt_tokens: int
+    dtype: str = "float32"  # the target's dtype that served it
 
     def to_dict(self) -> dict:
         return {"token_ids": self.token_ids, "text": self.text, "finish_reason": self.finish_reason,
-                "prompt_tokens": self.prompt_tokens, "stats": self.stats.to_dict()}
+                "prompt_tokens": self.prompt_tokens, "dtype": self.dtype,
+                "stats": self.stats.to_dict()}
 
 
 class LocalGenerator:
     def __init__(self, model: str | LoadedModel = "default", drafter: str = "mag",
-                 device: str = "cpu", dtype: str = "float32",
+                 device: str = "cpu", dtype: str = "auto",
                  config: EngineConfig | None = None):
         self.cfg = config or EngineConfig()
         self.target = model if isinstance(model, LoadedModel) else load_model(model, device, dtype)
@@ -43,7 +45,7 @@ class LocalGenerator:
         self.stop_ids = stop_token_ids(self.target)
         self.engines: dict[str, SpecEngine] = {}
         self.default_drafter = drafter
-        self.device, self.dtype = device, dtype
+        self.device, self.dtype = device, self.target.dtype
 
     def engine(self, drafter: str | None = None) -> SpecEngine:
         spec = drafter or self.default_drafter
@@ -64,7 +66,7 @@ class LocalGenerator:
         req = Request(ids, max_new_tokens, params or SamplingParams(), on_tokens)
         res = self.engine(drafter).generate(req)
         text = self.target.tokenizer.decode(res.token_ids, skip_special_tokens=True)
-        return Generation(res.token_ids, text, res.stats, res.finish_reason, len(ids))
+        return Generation(res.token_ids, text, res.stats, res.finish_reason, len(ids), self.dtype)
 
     def close(self) -> None:
         for e in self.engines.values():

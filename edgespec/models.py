@@ -26,8 +26,8 @@ from .config import (
     ConfigError,
     cache_dir,
 )
+from .dtype_probe import DTYPES, resolve_dtype
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def default_model_dir() -> Path:
@@ -148,27 +148,28 @@ class LoadedModel:
     model: torch.nn.Module  # a transformers causal LM, in eval mode
     tokenizer: object
     name: str
+    dtype: str = "float32"  # the dtype it was loaded in (``auto`` resolved)
 
     @property
     def fingerprint(self) -> str:
         return tokenizer_fingerprint(self.tokenizer)
 
 
-def load_model(spec: str = "default", device: str = "cpu", dtype: str = "float32") -> LoadedModel:
-    """Load a causal LM and its tokenizer from a spec, on ``device`` in ``dtype``."""
+def load_model(spec: str = "default", device: str = "cpu", dtype: str = "auto") -> LoadedModel:
+    """Load a causal LM and its tokenizer from a spec, on ``device`` in ``dtype`` ("auto":
+    bfloat16 where its exact path runs here, else float32; ``edgespec.dtype_probe``)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    if dtype not in DTYPES:
-        raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ConfigError(f"device {device!r} asked for, but no CUDA device is available")
+    dtype = resolve_dtype(dtype, device)
     directory, gguf = resolve_model_path(spec)
     kwargs = {"gguf_file": gguf} if gguf else {}
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=DTYPES[dtype], **kwargs)
     model.to(device).eval()
     tokenizer = AutoTokenizer.from_pretrained(directory, **kwargs)
     name = DEFAULT_MODEL_NAME if spec in ("", "default") else str(spec)
-    return LoadedModel(model=model, tokenizer=tokenizer, name=name)
+    return LoadedModel(model=model, tokenizer=tokenizer, name=name, dtype=dtype)
 
 
 def tokenizer_fingerprint(tokenizer) -> str:

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from .attention import KEY_BLOCK, invariant_attention, padded_keys
 from .config import ConfigError
+from .dtype_probe import attention_tile
 from .kv_cache import KVCache, contiguous_start
 from .tree_verify import DraftTree, check_token
 
@@ -115,6 +116,10 @@ class TargetRunner:
         capacity = -(-max_len // KEY_BLOCK) * KEY_BLOCK  # attention reads whole key blocks
         self._init_rope(base.rotary_emb, capacity)
         self.scale = self.head_dim ** -0.5
+        self.col_tile = attention_tile(self.dtype, str(self.device))
+        if self.col_tile is None:
+            raise ConfigError(f"attention in {self.dtype} on {self.device} is not batch-invariant "
+                              "here (its probe failed): use float32 or --dtype auto")
         self.cache = KVCache(self.n_layers, n_slots, max_len, self.kv_heads, self.head_dim,
                              dtype=self.dtype, device=self.device, capacity=capacity)
 
@@ -284,7 +289,7 @@ class TargetRunner:
             self.cache.write(li, slot_t, store, k.transpose(1, 2), v.view(B, T, kvh, hd))
             keys, values = self.cache.read(li, slot_t, run_from, n_pos)
             att = invariant_attention((q * self.scale).view(B, kvh, grp, T, hd), keys, values,
-                                      visible)  # [B, T, nh * hd]
+                                      visible, self.col_tile)  # [B, T, nh * hd]
             x = x + layer.o(att)
             gate, up = layer.gate_up(self._rms(x, layer.ln2)).chunk(2, dim=-1)
             x = x + layer.down(F.silu(gate) * up)

@@ -109,7 +109,7 @@ def cmd_server(args) -> int:
     opts = ServerOptions(listen=args.listen, roles=args.roles,
                          model=getattr(args, "model", "default"),
                          device=getattr(args, "device", "cpu"),
-                         dtype=getattr(args, "dtype", "float32"), redis_url=args.redis_url,
+                         dtype=getattr(args, "dtype", "auto"), redis_url=args.redis_url,
                          auth_token=args.auth_token, tls_cert=args.tls_cert,
                          tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,
                          device_tokens=args.device_tokens, max_drafters=args.max_drafters,

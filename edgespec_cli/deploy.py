@@ -9,7 +9,7 @@ import sys
 
 
 def add_deploy_command(sub) -> None:
-    from edgespec.cli_args import add_threads_arg, add_tree_width_arg
+    from edgespec.cli_args import add_dtype_arg, add_threads_arg, add_tree_width_arg
 
     d = sub.add_parser("deploy", help="place the verifier, the cache and the drafters as Ray "
                                       "actors on a running cluster (ray up)")
@@ -52,6 +52,7 @@ def add_deploy_command(sub) -> None:
                    help="seconds to wait for the fleet to come up, model load included "
                         "(default: %(default)s)")
     add_threads_arg(d)
+    add_dtype_arg(d, "the verifiers' ")
     d.set_defaults(func=cmd_deploy)
 
 
@@ -84,7 +85,7 @@ def cmd_deploy(args: argparse.Namespace) -> int:
                             tree_width=args.tree_width,
                             verifiers=args.verifiers, port=args.port, cache_port=args.cache_port,
                             http_port=args.http_port, max_sessions=args.max_sessions,
-                            threads=args.threads,
+                            threads=args.threads, dtype=args.dtype,
                             auth_token=args.auth_token or os.environ.get("EDGESPEC_AUTH_TOKEN"),
                             timeout_s=args.timeout)
     if not (args.status or args.down):  # before touching the cluster

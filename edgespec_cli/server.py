@@ -51,7 +51,7 @@ class ServerOptions:
     roles: tuple[str, ...] = ("verifier", "cache")
     model: str = "default"
     device: str = "cpu"
-    dtype: str = "float32"
+    dtype: str = "auto"
     redis_url: str | None = None
     auth_token: str | None = None
     tls_cert: str | None = None
@@ -150,6 +150,7 @@ class EdgespecServer:
         self.metrics = VerifierMetrics(self.registry)
         self.scheduler = Scheduler(engine, max_queue=self.opts.max_queue, metrics=self.metrics)
         self.metrics.bind_load(self.scheduler.load, lambda: runner.cache.free_slots)
+        self.metrics.bind_model(target.dtype)
         self.admission = Admission(self.scheduler, self.store, target.tokenizer,
                                    runner.vocab_size, self.opts.default_max_new_tokens)
         service = VerifierService(self.admission, model_name=target.name)

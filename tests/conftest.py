@@ -105,7 +105,7 @@ def tiny_draft_dir(tmp_path_factory):
 def tiny(tiny_dir):
     from edgespec.models import load_model
 
-    return load_model(str(tiny_dir))
+    return load_model(str(tiny_dir), dtype="float32")
 
 
 @pytest.fixture(autouse=True)
@@ -146,4 +146,4 @@ def looping_dir(tmp_path_factory):
 def looping(looping_dir):
     from edgespec.models import load_model
 
-    return load_model(str(looping_dir))
+    return load_model(str(looping_dir), dtype="float32")

@@ -89,7 +89,8 @@ def start_serve(model_dir, tmp_path, redis_url=None, port=None, token="s3cret",
     port = port or free_port()
     address = f"127.0.0.1:{port}"
     args = ["serve", "--listen", address, "--model", model_dir, "--auth-token", token,
-            "--max-sessions", 8, "--max-context", 512, "--log-level", "INFO", *extra]
+            "--max-sessions", 8, "--max-context", 512, "--log-level", "INFO",
+            "--dtype", "float32", *extra]
     if redis_url:
         args += ["--redis-url", redis_url]
     proc = Proc(args, tmp_path / f"serve-{port}-{time.monotonic_ns()}.log")

@@ -22,13 +22,38 @@ def test_generate_json_is_identical_to_target_only(tiny, tiny_dir):
     ref = hf_greedy(tiny.model, ids, 24)
     for drafter in ("mag", "none", "layers:2"):
         r = edgespec("generate", "abcabcabc", "--model", tiny_dir, "--drafter", drafter,
-                     "--max-new-tokens", 24, "--json")
+                     "--max-new-tokens", 24, "--json", "--dtype", "float32")
         assert r.returncode == 0, r.stderr
         out = json.loads(r.stdout)
-        assert out["token_ids"] == ref
+        assert out["token_ids"] == ref and out["dtype"] == "float32"
         assert out["text"] == tiny.tokenizer.decode(ref, skip_special_tokens=True)
         for key in ("drafted", "accepted", "mean_acceptance_length", "tokens_per_s"):
             assert key in out["stats"]
+
+
+def test_generate_default_dtype_is_the_probed_one_and_lossless_in_it(tiny_dir):
+    """``--dtype auto`` (the default) serves what the probe picks here (bfloat16 on an AMX
+    CPU), says so in --json, and speculative output equals target-only in that dtype."""
+    from edgespec.dtype_probe import resolve_dtype
+
+    outs = {}
+    for drafter in ("none", "mag", "layers:2"):
+        r = edgespec("generate", "abcabcabc", "--model", tiny_dir, "--drafter", drafter,
+                     "--max-new-tokens", 24, "--json")
+        assert r.returncode == 0, r.stderr
+        out = json.loads(r.stdout)
+        assert out["dtype"] == resolve_dtype("auto")
+        outs[drafter] = out["token_ids"]
+    assert len(outs["none"]) == 24 and outs["mag"] == outs["none"] == outs["layers:2"]
+
+
+def test_a_dtype_that_is_not_exact_here_is_refused(tiny_dir):
+    from edgespec.dtype_probe import exact_here
+
+    if exact_here("float16"):
+        pytest.skip("float16 is batch-invariant on this machine")
+    r = edgespec("generate", "hi", "--model", tiny_dir, "--dtype", "float16")
+    assert r.returncode != 0 and "not batch-invariant" in r.stderr
 
 
 def test_generate_streams_text_and_reports_stats(tiny_dir):

@@ -60,7 +60,8 @@ def deployed(ray_cluster, looping_dir, tmp_path_factory):
     port, cache_port = free_port(), free_port()
     r = edgespec_cli("deploy", "--address", ray_cluster["address"], "--model", looping_dir,
                      "--verifiers", 2, "--port", port, "--cache-port", cache_port,
-                     "--threads", 1, "--tree-width", 3, "--timeout", 240, cache=cache)
+                     "--threads", 1, "--tree-width", 3, "--timeout", 240, "--dtype", "float32",
+                     cache=cache)
     assert r.returncode == 0, r.stderr[-3000:]
     endpoint = r.stdout.strip().splitlines()[-1]
     assert endpoint == f"127.0.0.1:{port}"

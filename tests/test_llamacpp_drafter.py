@@ -29,7 +29,7 @@ def gen(llama_cpp):
     from edgespec.local import LocalGenerator
 
     # every step waits for the drafter's answer, so what is drafted does not depend on timing
-    g = LocalGenerator("default", "none", config=EngineConfig(
+    g = LocalGenerator("default", "none", dtype="float32", config=EngineConfig(
         max_sessions=2, max_context=512, draft_wait_ms=600_000, adaptive=False))
     yield g
     g.close()

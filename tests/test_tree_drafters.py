@@ -229,7 +229,7 @@ def test_branch_picker_ranks_by_path_probability():
 def draft_model(tiny_draft_dir):
     from edgespec.models import load_model
 
-    return load_model(str(tiny_draft_dir))
+    return load_model(str(tiny_draft_dir), dtype="float32")
 
 
 def _model_drafter(draft_model, **kw):

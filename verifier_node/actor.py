@@ -17,7 +17,7 @@ class VerifierActor:
     def __init__(self, port: int, redis_url: str, model: str = "default",
                  max_sessions: int = 8, threads: int | None = None,
                  http_port: int | None = None, auth_token: str | None = None,
-                 max_queue: int = 64, device: str = "cpu", dtype: str = "float32",
+                 max_queue: int = 64, device: str = "cpu", dtype: str = "auto",
                  engine: dict | None = None):
         """``engine``: EngineConfig fields to override (max_draft, draft_wait_ms, ...)."""
         from edgespec.cli_args import configure_logging, set_threads

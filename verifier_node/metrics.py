@@ -85,9 +85,15 @@ class VerifierMetrics:
         self.waiting = Gauge("edgespec:num_requests_waiting", "Requests queued for a slot",
                              registry=r)
         self.kv_free = Gauge("edgespec:kv_slots_free", "Free KV slots", registry=r)
+        self.model_info = Gauge("edgespec:model_info", "The target that serves (value 1)",
+                                ["dtype"], registry=r)
         self._recent: deque[tuple[float, int]] = deque()  # (time, tokens) for throughput
         self._by_device: dict[str, list[int]] = {}  # device -> [drafts, drafted, accepted]
         self._lock = threading.Lock()
+
+    def bind_model(self, dtype: str) -> None:
+        """The served target's dtype, as a label of ``edgespec:model_info``."""
+        self.model_info.labels(dtype=dtype).set(1)
 
     def bind_load(self, load, free_slots) -> None:
         """Gauges read at scrape time: ``load() -> (running, waiting)``, ``free_slots()``."""

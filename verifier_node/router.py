@@ -185,7 +185,7 @@ class VerifierRouter(pb_grpc.VerifierServicer):
             except grpc.RpcError:
                 continue
             if answered == 0:
-                merged.model, merged.version = s.model, s.version
+                merged.model, merged.version, merged.dtype = s.model, s.version, s.dtype
                 merged.drafters.extend(s.drafters)
             answered += 1
             merged.active_sessions += s.active_sessions

@@ -151,6 +151,7 @@ class VerifierService(pb_grpc.VerifierServicer):
             model=self.model_name, version=__version__, drafters=drafters,
             active_sessions=active, queued_sessions=queued, free_kv_slots=cache.free_slots,
             kv_slots=sched.engine.cfg.max_sessions, healthy=sched.healthy,
+            dtype=str(sched.engine.target.dtype).removeprefix("torch."),
             tokens_per_s_last_minute=metrics.tokens_per_s_last_minute() if metrics else 0.0)
 
     def Cancel(self, request, context):

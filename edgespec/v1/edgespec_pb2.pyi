@@ -155,7 +155,7 @@ class DrafterStatus(_message.Message):
     def __init__(self, device_id: _Optional[str] = ..., draft_model: _Optional[str] = ..., attached: _Optional[bool] = ..., sessions: _Optional[int] = ..., max_sessions: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_acceptance_length: _Optional[float] = ..., last_seen_s: _Optional[float] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("model", "version", "drafters", "active_sessions", "queued_sessions", "free_kv_slots", "kv_slots", "tokens_per_s_last_minute", "healthy")
+    __slots__ = ("model", "version", "drafters", "active_sessions", "queued_sessions", "free_kv_slots", "kv_slots", "tokens_per_s_last_minute", "healthy", "dtype")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     DRAFTERS_FIELD_NUMBER: _ClassVar[int]
@@ -165,6 +165,7 @@ class StatusResponse(_message.Message):
     KV_SLOTS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_PER_S_LAST_MINUTE_FIELD_NUMBER: _ClassVar[int]
     HEALTHY_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
     model: str
     version: str
     drafters: _containers.RepeatedCompositeFieldContainer[DrafterStatus]
@@ -174,7 +175,8 @@ class StatusResponse(_message.Message):
     kv_slots: int
     tokens_per_s_last_minute: float
     healthy: bool
-    def __init__(self, model: _Optional[str] = ..., version: _Optional[str] = ..., drafters: _Optional[_Iterable[_Union[DrafterStatus, _Mapping]]] = ..., active_sessions: _Optional[int] = ..., queued_sessions: _Optional[int] = ..., free_kv_slots: _Optional[int] = ..., kv_slots: _Optional[int] = ..., tokens_per_s_last_minute: _Optional[float] = ..., healthy: _Optional[bool] = ...) -> None: ...
+    dtype: str
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[str] = ..., drafters: _Optional[_Iterable[_Union[DrafterStatus, _Mapping]]] = ..., active_sessions: _Optional[int] = ..., queued_sessions: _Optional[int] = ..., free_kv_slots: _Optional[int] = ..., kv_slots: _Optional[int] = ..., tokens_per_s_last_minute: _Optional[float] = ..., healthy: _Optional[bool] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class Register(_message.Message):
     __slots__ = ("device_id", "draft_model", "tokenizer_fingerprint", "max_sessions")

@@ -1,7 +1,9 @@
 """Losslessness of a simulated fleet: a sample of sessions against target-only decoding.
 
-For every run, one finished request per device (its first) is decoded again by transformers'
-own greedy ``generate`` on the same model, and the two token sequences must be identical.
+For every run, one finished request per device (its first) is decoded again by target-only
+greedy decoding in the served dtype (float32: transformers' own ``generate``; another dtype:
+edgespec's runner with no drafter, that dtype's lossless reference), and the two token sequences
+must be identical.
 """
 
 from __future__ import annotations
@@ -23,7 +25,21 @@ def check_lossless(target, runs: list[RunRecord], max_new_tokens: int) -> dict:
 
     from ..bench.run import HFBaselines
 
-    reference = HFBaselines(target.model, stop_token_ids(target), 0)
+    if target.dtype == "float32":
+        reference = HFBaselines(target.model, stop_token_ids(target), 0)
+        name = "transformers generate (greedy, target only, float32)"
+
+        def decode(ids: list[int]) -> list[int]:
+            return reference.run("hf_generate", ids, max_new_tokens)
+    else:
+        from edgespec.config import EngineConfig, SamplingParams
+        from edgespec.local import LocalGenerator
+
+        gen = LocalGenerator(target, "none", config=EngineConfig(max_sessions=1))
+        name = f"edgespec target-only decoding (greedy, {target.dtype})"
+
+        def decode(ids: list[int]) -> list[int]:
+            return gen.generate(ids, max_new_tokens, SamplingParams()).token_ids
     cache: dict[tuple[int, ...], list[int]] = {}
     checked = identical = 0
     mismatches = []
@@ -35,14 +51,14 @@ def check_lossless(target, runs: list[RunRecord], max_new_tokens: int) -> dict:
         for r in picked:
             key = tuple(r.prompt_ids)
             if key not in cache:
-                cache[key] = reference.run("hf_generate", r.prompt_ids, max_new_tokens)
+                cache[key] = decode(r.prompt_ids)
             checked += 1
             if cache[key] == r.tokens:
                 identical += 1
             else:
                 mismatches.append({"batching": run.batching, "devices": run.devices,
                                    "device_id": r.device_id, "session_id": r.session_id})
-    return {"checked": checked, "identical": identical, "reference": "transformers generate "
-            "(greedy, target only)", "devices_without_a_finished_session": devices_missing,
+    return {"checked": checked, "identical": identical, "reference": name,
+            "devices_without_a_finished_session": devices_missing,
             "mismatches": mismatches,
             "ok": checked > 0 and identical == checked and not devices_missing}

@@ -16,7 +16,7 @@ REAL_PARTS = ["verifier (the real model, batched verification)",
 
 
 def add_simulate_command(sub) -> None:
-    from edgespec.cli_args import add_threads_arg, add_tree_width_arg
+    from edgespec.cli_args import add_dtype_arg, add_threads_arg, add_tree_width_arg
     from edgespec.device_profiles import PROFILES
 
     s = sub.add_parser("simulate", help="a whole fleet on one machine: real verifier, cache "
@@ -66,6 +66,7 @@ def add_simulate_command(sub) -> None:
                    help="seconds a run may take to come up or a request to finish "
                         "(default: %(default)s)")
     add_threads_arg(s)
+    add_dtype_arg(s, "the verifier's ")
     add_tree_width_arg(s)
     s.set_defaults(func=cmd_simulate)
 
@@ -163,11 +164,12 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     set_threads(args.threads)
     print("simulate: loading the model for prompts and the losslessness check",
           file=sys.stderr, flush=True)
-    target = load_model(args.model)
+    target = load_model(args.model, dtype=args.dtype)
     prompts = load_prompts(target, args.seed, args.max_new_tokens)
     settings = SimSettings(model=args.model, max_new_tokens=args.max_new_tokens,
                            requests=args.requests, duration_s=args.duration, rate=args.rate,
-                           threads=args.threads, seed=args.seed, timeout_s=args.timeout,
+                           threads=args.threads, dtype=target.dtype, seed=args.seed,
+                           timeout_s=args.timeout,
                            tree_width=args.tree_width,
                            engine={"max_batch_tokens": args.max_batch_tokens}
                            if args.max_batch_tokens else {})

@@ -47,6 +47,7 @@ class SimSettings:
     duration_s: float | None = None  # instead: send until this much time has passed
     rate: float | None = None  # open loop, requests per second over the fleet
     threads: int | None = None  # the verifier's torch threads
+    dtype: str = "auto"  # the verifier's
     seed: int = 0
     timeout_s: float = 900.0
     engine: dict = field(default_factory=dict)  # EngineConfig fields for the verifier
@@ -92,7 +93,7 @@ class FleetRun:
         slots = len(self.profiles) if self.batching == "on" else 1
         verifier = fleet.place(self.roles.verifier, head).remote(
             0, info["redis_url"], model=self.s.model, max_sessions=slots,
-            threads=self.s.threads, max_queue=4 * len(self.profiles) + 16,
+            threads=self.s.threads, dtype=self.s.dtype, max_queue=4 * len(self.profiles) + 16,
             engine=self.s.engine)
         self._actors.append(verifier)
         for i, (dev, p) in enumerate(zip(device_ids(self.profiles), self.profiles)):

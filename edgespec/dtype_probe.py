@@ -1,0 +1,81 @@
+"""Which dtypes this machine serves exactly, decided by probes at start, not by CPU flags.
+
+A dtype is served as lossless only if the runner's kernels are batch-invariant in it here: the
+attention (``edgespec.attention.probe_invariance``, for a query-column tile of 16, else 32, 64 or
+128) and the packed linear layers (one row alone and inside 8 rows give the same bits, and the
+product is right: within bfloat16 rounding of a float32 reference). ``auto`` takes bfloat16 where
+both hold (on this CPU: AMX through oneDNN, about 2x float32's forward), else float32. CPU flags
+are not trusted: the machine this was built on advertises AMX, and llama.cpp's AMX path faults on
+it, while oneDNN's runs.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+
+from .config import ConfigError
+
+log = logging.getLogger("edgespec.dtype")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_CHOICES = ("auto", *DTYPES)
+COL_TILES = (16, 32, 64, 128)
+
+
+@functools.lru_cache(maxsize=None)
+def attention_tile(dtype: torch.dtype, device: str = "cpu") -> int | None:
+    """The smallest query-column tile at which attention is batch-invariant here, or None."""
+    from .attention import probe_invariance
+
+    for tile in COL_TILES:
+        try:
+            if probe_invariance(dtype, device, col_tile=tile):
+                return tile
+        except RuntimeError as exc:  # a kernel this machine lacks for the dtype
+            log.info("attention probe in %s on %s failed: %s", dtype, device, exc)
+            return None
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def packed_linear_exact(dtype: torch.dtype, device: str = "cpu") -> bool:
+    """Whether the runner's linear layer in ``dtype`` computes the right product and gives a row
+    the same bits alone and among 8 rows (576 -> 1536, the default model's MLP shape)."""
+    from .runner import Linear
+
+    g = torch.Generator().manual_seed(1)
+    w = (torch.randn(1536, 576, generator=g) * 0.05).to(device=device, dtype=dtype)
+    x = torch.randn(8, 576, generator=g).to(device=device, dtype=dtype)
+    try:
+        lin = Linear(w)
+        wide, alone = lin(x), lin(x[3:4])
+    except RuntimeError as exc:
+        log.info("packed linear probe in %s on %s failed: %s", dtype, device, exc)
+        return False
+    ref = x.float() @ w.float().t()
+    err = (wide.float() - ref).abs().max().item()
+    return torch.equal(alone[0], wide[3]) and err <= 0.05 * ref.abs().max().item()
+
+
+def exact_here(name: str, device: str = "cpu") -> bool:
+    dtype = DTYPES[name]
+    return packed_linear_exact(dtype, device) and attention_tile(dtype, device) is not None
+
+
+def resolve_dtype(name: str, device: str = "cpu") -> str:
+    """The dtype to serve for ``name`` ("auto" or one of DTYPES) on ``device``; ConfigError for
+    a dtype this machine cannot serve exactly (lossless decoding is never served inexactly)."""
+    if name not in DTYPE_CHOICES:
+        raise ConfigError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {name!r}")
+    if name == "auto":
+        chosen = "bfloat16" if exact_here("bfloat16", device) else "float32"
+        log.info("dtype auto: %s on %s", chosen, device)
+        name = chosen
+    if not exact_here(name, device):
+        raise ConfigError(
+            f"dtype {name} is not batch-invariant on this {device} (its probe failed), so "
+            f"speculative decoding in it would not be lossless; use --dtype auto or float32")
+    return name
