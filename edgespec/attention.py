@@ -10,12 +10,12 @@ Here every reduction a query's output goes through has a shape that does not dep
 
 - scores: keys @ queries^T as one matrix product per (row, kv head) with the keys as the product's
   rows (a multiple of ``KEY_BLOCK``) and the queries as its columns (padded to a multiple of
-  ``col_tile``), reducing over head_dim only;
+  ``col_tile``, at most ``MAX_COLS`` a product), reducing over head_dim only;
 - max over the keys: exact in any order; exp: elementwise;
 - values: per key block of ``KEY_BLOCK`` keys, values^T @ probs with a fixed reduction length
   (the block), a ones row appended to the values so the same product also yields the softmax
-  denominator; blocks are then summed in float32 along one dimension, in order: blocks past a
-  query's context add exact zeros.
+  denominator; blocks are then summed in order by one running sum (``cumsum``: ``sum`` picks
+  its association from the shape): blocks past a query's context add exact zeros.
 
 Measured here (oneDNN bfloat16, MKL float32): every product of these shapes gives each output
 element the same bits for any number of rows, batch entries and (for float32) columns in
@@ -28,6 +28,8 @@ import torch
 
 KEY_BLOCK = 64  # keys per block of the values product: its reduction length
 COL_TILE = 16  # query columns are padded to a multiple of this (float32 needs it; see above)
+MAX_COLS = 256  # at most this many query columns per product (MKL float32 blocks wider ones
+# differently); a longer call (a prefill chunk) runs in pieces of queries
 
 
 def padded_keys(n: int, max_len: int) -> int:
@@ -46,6 +48,11 @@ def invariant_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     Returns [B, T, kvh * g * hd] in q's dtype.
     """
     B, kvh, g, T, hd = q.shape
+    if g * T > MAX_COLS:
+        step = max(1, MAX_COLS // g)
+        return torch.cat([invariant_attention(q[:, :, :, i:i + step], keys, values,
+                                              visible[:, i:i + step], col_tile)
+                          for i in range(0, T, step)], dim=1)
     n = keys.shape[2]
     nb = n // KEY_BLOCK
     m = g * T
@@ -61,7 +68,8 @@ def invariant_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     probs = torch.exp(scores - scores.amax(dim=2, keepdim=True)).to(values.dtype)
     vt = values.view(B, kvh, nb, KEY_BLOCK, hd + 1).transpose(-1, -2)  # [B, kvh, nb, hd+1, KB]
     part = torch.matmul(vt, probs.view(B, kvh, nb, KEY_BLOCK, cols))  # [B, kvh, nb, hd+1, cols]
-    total = part.float().sum(dim=2)  # [B, kvh, hd + 1, cols]
+    # in block order, one running (float64) sum: sum() would pick its order by the shape
+    total = part.float().cumsum(dim=2)[:, :, -1]  # [B, kvh, hd + 1, cols]
     out = (total[:, :, :hd, :m] / total[:, :, hd:, :m]).to(q.dtype)  # [B, kvh, hd, g*T]
     return out.view(B, kvh, hd, g, T).permute(0, 4, 1, 3, 2).reshape(B, T, kvh * g * hd)
 
@@ -85,6 +93,15 @@ def probe_invariance(dtype: torch.dtype, device: str | torch.device = "cpu",
     ctx = torch.tensor([70, 130, 200], device=device)  # row b's query t sits at ctx[b] + t
     visible = pos[None, None, :] <= (ctx[:, None] + torch.arange(7, device=device))[:, :, None]
     wide = invariant_attention(q, keys, values, visible, col_tile)
+    long_q = rand(1, kvh, grp, 150, hd)  # a prefill chunk: pieces of MAX_COLS columns
+    long_vis = pos[None, None, :] <= (50 + torch.arange(150, device=device))[None, :, None]
+    long_out = invariant_attention(long_q, keys[:1], values[:1], long_vis, col_tile)
+    for t in (0, 99, 149):
+        n = padded_keys(51 + t, n_big)
+        alone = invariant_attention(long_q[:, :, :, t:t + 1], keys[:1, :, :n], values[:1, :, :n],
+                                    long_vis[:, t:t + 1, :n], col_tile)
+        if not torch.equal(alone[0, 0], long_out[0, t]):
+            return False
     for b in range(3):
         for t in (0, 3, 6):
             n = padded_keys(int(ctx[b]) + t + 1, n_big)
