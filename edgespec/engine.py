@@ -9,8 +9,10 @@ drafting can only cost the verification width, never correctness.
 Token trees: a draft may carry branches (``tree_width`` > 1 for the in-process drafter, or a
 remote drafter's tree chunks). The step then gives each session a share of the batch's token
 budget left after the chains (at most ``tree_nodes``), and a batch where any session has
-branches is verified in one tree forward (``TargetRunner.forward_tree``, chains as trees), each
-tree by ``verify_tree``, its accepted path's keys/values compacted into place.
+branches is run as one tree forward (``TargetRunner.forward_tree``, chains as trees). Every
+step, chains and trees alike, is verified by one call on the device
+(``edgespec.verification.verify_step``); only spine nodes are accepted (their logits are decoding's
+own), a branch that held the target's token counts as a branch hit.
 """
 
 from __future__ import annotations
@@ -28,10 +30,11 @@ from .drafters import DraftLength, Drafter
 from .fleet_table import FleetTable
 from .metrics import Stats
 from .runner import TargetRunner
-from .sampling import verify_batch, with_session_seed
+from .sampling import with_session_seed
 from .session import LocalSessionStore, TakenDraft, Verdict
 from .store_api import DraftWant, SessionStore
-from .tree_verify import DraftTree, exact_part, tree_of_draft, verify_tree
+from .tree_verify import DraftTree, tree_of_draft
+from .verification import VerifyBatch, verify_step
 
 log = logging.getLogger("edgespec.engine")
 
@@ -337,45 +340,25 @@ class SpecEngine:
         return out
 
     def _forward_and_verify(self, batch: list[tuple[_Active, TakenDraft]]) -> list[_Checked]:
-        if any(t.branches for _, t in batch):
-            return self._forward_and_verify_trees(batch)
-        rows = [[a.last_token] + t.tokens for a, t in batch]
-        logits = self.target.forward([a.slot for a, _ in batch], rows)  # [B, T_max, V]
-        return [_Checked(n, token) for n, token in self._verify_chains(logits, batch)]
-
-    def _verify_chains(self, logits, batch: list[tuple[_Active, TakenDraft]]
-                       ) -> list[tuple[int, int]]:
-        return verify_batch(logits, [t.tokens for _, t in batch],
-                            [a.req.params for a, _ in batch], [t.start for _, t in batch],
-                            [a.verify for a, _ in batch], self.cfg.loose)
-
-    def _forward_and_verify_trees(self, batch: list[tuple[_Active, TakenDraft]]
-                                  ) -> list[_Checked]:
-        """One tree forward for the batch: chains are trees whose node i hangs from node i - 1
-        (stored where the chain forward stores them, so their rows verify as chains)."""
+        """One forward over the batch (a tree forward if any row has branches: chains are
+        trees whose node i hangs from node i - 1), then every row verified at once on the
+        device (``edgespec.verification``): one host sync."""
         trees = [tree_of_draft(t.tokens, t.branches, t.start) if t.branches
                  else DraftTree.chain(t.tokens) for _, t in batch]
-        logits = self.target.forward_tree([a.slot for a, _ in batch],
-                                          [a.last_token for a, _ in batch], trees)
-        chain_rows = [b for b, (_, t) in enumerate(batch) if not t.branches]
-        chains = dict(zip(chain_rows, self._verify_chains(
-            logits[chain_rows], [batch[b] for b in chain_rows]))) if chain_rows else {}
-        verdicts = {b: verify_tree(logits[b, :1 + len(tree)], tree, batch[b][0].req.params,
-                                   batch[b][1].start)
-                    for b, tree in enumerate(trees) if b not in chains}
-        # compact only once every row is verified: a failure before leaves every slot as the
-        # forward left it, so the per-session retry starts from the same place
-        out = []
-        for b, (act, t) in enumerate(batch):
-            if b in chains:
-                out.append(_Checked(*chains[b]))
-                continue
-            v = exact_part(verdicts[b], trees[b])
-            self.target.compact(act.slot, v.path)
-            n = sum(1 for i in v.path if i < len(t.tokens))  # the path's chain nodes come first
-            hit = len(v.path) < len(verdicts[b].path)
-            out.append(_Checked(n, v.token, tuple(v.tokens[n:]), hit))
-        return out
+        slots, roots = [a.slot for a, _ in batch], [a.last_token for a, _ in batch]
+        if any(t.branches for _, t in batch):
+            logits = self.target.forward_tree(slots, roots, trees)  # [B, 1 + N, V]
+        else:
+            logits = self.target.forward(slots, [[r] + t.tokens for r, (_, t) in
+                                                 zip(roots, batch)])  # [B, 1 + k, V]
+        vb = VerifyBatch.build([(tr.tokens, tr.parents) for tr in trees],
+                               [t.start for _, t in batch], [a.req.params for a, _ in batch],
+                               [a.verify for a, _ in batch], self.target.vocab_size,
+                               self.target.device)
+        out = verify_step(logits, vb, self.cfg.loose)
+        # the accepted nodes are the spine's first n, already where decoding stores them
+        return [_Checked(n, token, (), hit)
+                for n, token, hit in zip(out.accepted, out.tokens, out.branch_hits)]
 
     def _commit(self, decided: list[_Decided]) -> list[_Decided]:
         """Commit verdicts in the store, then apply the ones it took; returns those."""
@@ -392,7 +375,7 @@ class SpecEngine:
                 self.fail(act, SessionFailed(f"the cache refused a commit: {outcome.error}"))
                 continue
             applied.append(d)
-            # KV of last + accepted (a tree's accepted path was compacted into place)
+            # KV of last + accepted (spine nodes: already where decoding stores them)
             self.target.commit(act.slot, v.start + v.n_accepted + len(v.branch))
             act.draft_len.update(d.chain, v.n_accepted)  # the chain's own acceptance
             act.draft_len.update_branches(d.drafted - d.chain, len(v.branch))

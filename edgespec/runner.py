@@ -16,6 +16,8 @@ The layer-skip self-draft is the same runner over the first L layers, with the f
 
 from __future__ import annotations
 
+from typing import Protocol, Sequence
+
 import torch
 import torch.nn.functional as F
 
@@ -23,9 +25,16 @@ from .attention import KEY_BLOCK, invariant_attention, padded_keys
 from .config import ConfigError
 from .dtype_probe import attention_tile
 from .kv_cache import KVCache, contiguous_start
-from .tree_verify import DraftTree, check_token
 
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2")
+
+
+class TreeShape(Protocol):
+    """A draft tree as ``forward_tree`` reads it (``tree_verify.DraftTree`` is one): node i holds
+    tokens[i] and hangs from node parents[i] (-1: the root), parents[i] < i."""
+
+    tokens: Sequence[int]
+    parents: Sequence[int]
 
 
 class _Layer:
@@ -210,7 +219,7 @@ class TargetRunner:
         return self.lm_head(self._rms(x, self.norm)).float()
 
     @torch.inference_mode()
-    def forward_tree(self, slots: list[int], roots: list[int], trees: list[DraftTree]
+    def forward_tree(self, slots: list[int], roots: list[int], trees: Sequence[TreeShape]
                      ) -> torch.Tensor:
         """Score token trees: one tree per slot, each hanging from its root (the slot's last
         committed token, not yet in the KV), all in one forward pass.
@@ -218,34 +227,36 @@ class TargetRunner:
         Row b holds [root] + trees[b].tokens, stored at the slot's length L onwards in node
         order (node i at L + 1 + i), but positioned by depth (node i at L + depth(i)): a token
         sees the slot's prefix, the root and its own ancestors only, so each node's logits are
-        those of the chain root -> ... -> node (up to float rounding). Writes keys/values
-        without moving the length pointer; ``compact`` then keeps the accepted path. Returns
+        those of the chain root -> ... -> node: bitwise for the spine (nodes 0..s-1 hanging
+        one from the next, stored where decoding stores them), up to float rounding for branch
+        nodes (their keys sit out of decoding order). The mask is built on the device from the
+        parents. Trees are trusted (the caller validated them). Writes keys/values without
+        moving the length pointer; ``compact`` then keeps the accepted path. Returns
         [B, 1 + N_max, V] float32: row 0 scores the root's successor, row 1 + i node i's (rows
         past a tree's end are padding).
         """
         if not len(slots) == len(roots) == len(trees) >= 1:
             raise ValueError("forward_tree needs one root and one tree per slot")
-        for root, tree in zip(roots, trees):
-            tree.check(self.vocab_size)
-            check_token(root, self.vocab_size, "root token")
         T = 1 + max(len(t) for t in trees)
         starts = [self.cache.lengths[s] for s in slots]
         for s, st in zip(slots, starts):
             self.cache.check_room(s, st, T)
         dev = self.device
         tokens = _pad_rows([[r] + list(t.tokens) for r, t in zip(roots, trees)], T).to(dev)
+        # each row's parent row: the root (row 0) its own, node i's 1 + parents[i]; padding rows
+        # hang from the row before (causal, never read)
+        par = torch.arange(-1, T - 1).clamp_min(0).repeat(len(trees), 1)
+        for b, t in enumerate(trees):
+            par[b, 1:1 + len(t)] = torch.as_tensor(t.parents, dtype=torch.long) + 1
+        seen = _ancestors(par.to(dev), max(len(t) for t in trees))  # [B, T, T]
         start_t = torch.as_tensor(starts, dtype=torch.long, device=dev)
-        store = start_t[:, None] + torch.arange(T, device=dev)[None, :]  # [B, T]
-        depth = torch.stack([_row_depths(t, T) for t in trees]).to(dev)  # [B, T]
-        rope = start_t[:, None] + depth
+        own = torch.arange(T, device=dev)
+        store = start_t[:, None] + own[None, :]  # [B, T]
+        rope = start_t[:, None] + seen.sum(-1) - 1  # positioned by depth
         n_pos = padded_keys(max(starts) + T, self.cache.capacity)
         keys = torch.arange(n_pos, device=dev)
-        prefix = keys[None, None, :] < start_t[:, None, None]  # [B, 1, n_pos]
-        # within the row's own T positions: self and ancestors (padding: causal, never used)
-        own = torch.zeros(len(trees), T, n_pos, dtype=torch.bool)
-        for b, (st, tree) in enumerate(zip(starts, trees)):
-            own[b, :, st:st + T] = _row_ancestors(tree, T)
-        visible = prefix | own.to(dev)  # [B, T, n_pos]
+        visible = (keys[None, None, :] < start_t[:, None, None]).expand(-1, T, -1).clone()
+        visible.scatter_(2, store[:, None, :].expand(-1, T, -1), seen)  # [B, T, n_pos]
         x = self._run_layers(slots, tokens, store, rope, visible, n_pos)
         return self.lm_head(self._rms(x, self.norm)).float()
 
@@ -313,21 +324,14 @@ def _pad_rows(rows: list[list[int]], T: int) -> torch.Tensor:
     return tokens
 
 
-def _row_depths(tree: DraftTree, T: int) -> torch.Tensor:
-    """Depth of each row of [root] + tree, padded to T with consecutive values: [T] long."""
-    depths = [0] + tree.depths()
-    depths += range(len(depths), T)
-    return torch.as_tensor(depths, dtype=torch.long)
-
-
-def _row_ancestors(tree: DraftTree, T: int) -> torch.Tensor:
-    """[T, T] bool: row t of [root] + tree sees row u iff u is t or one of its ancestors
-    (padding rows: causal)."""
-    seen = torch.ones(T, T, dtype=torch.bool).tril()
-    n = len(tree)
-    seen[: n + 1] = False
-    seen[0, 0] = True
-    for i, parent in enumerate(tree.parents):
-        seen[1 + i] = seen[1 + parent]  # a root parent (-1) is row 0
-        seen[1 + i, 1 + i] = True
+def _ancestors(parent: torch.Tensor, depth: int) -> torch.Tensor:
+    """[B, T, T] bool on parent's device: row t sees row u iff u is t or one of its ancestors,
+    from each row's parent row ``parent`` [B, T] (the root, row 0, its own), by ``depth``
+    steps up the tree."""
+    B, T = parent.shape
+    seen = torch.eye(T, dtype=torch.bool, device=parent.device).repeat(B, 1, 1)
+    cur = torch.arange(T, device=parent.device).repeat(B, 1)
+    for _ in range(depth):
+        cur = parent.gather(1, cur)
+        seen.scatter_(2, cur[..., None], True)
     return seen

@@ -21,8 +21,9 @@ and can be computed for a few token ids (a drafter's top-k) or the whole vocabul
 p is always the target's *processed* distribution (temperature, top-k, top-p applied), so the
 output follows exactly what target-only sampling would draw from; tokens with p = 0 never win.
 
-``verify_batch(..., verify="loose")`` applies FLy's lossy rule instead (``loose_verify``): opt-in
-only, never the default.
+The per-row functions here (``verify_greedy``, ``verify_keyed``, ``verify_loose``) state the rules
+one row at a time; the verifier runs them for a whole step on the device
+(``edgespec.verification``), with the same noise integers (``position_keys``, ``gumbel_of_keys``).
 """
 
 from __future__ import annotations
@@ -96,21 +97,50 @@ def position_key(seed: int, pos: int) -> int:
     return _splitmix64(_splitmix64(int(seed) & _MASK64) ^ (int(pos) & _MASK64))
 
 
+def _signed(c: int) -> int:
+    """A 64-bit pattern as the int64 torch stores it."""
+    c &= _MASK64
+    return c - (1 << 64) if c >= 1 << 63 else c
+
+
+_GOLDEN_S, _MIX1_S, _MIX2_S = _signed(_GOLDEN), _signed(_MIX1), _signed(_MIX2)
+
+
+def _shr(z: torch.Tensor, s: int) -> torch.Tensor:
+    """Logical right shift of int64 bit patterns (torch's >> is arithmetic)."""
+    return (z >> s) & ((1 << (64 - s)) - 1)
+
+
+def _mix(z: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finaliser on int64 tensors: products wrap modulo 2**64 like uint64's."""
+    z = (z ^ _shr(z, 30)) * _MIX1_S
+    z = (z ^ _shr(z, 27)) * _MIX2_S
+    return z ^ _shr(z, 31)
+
+
+def position_keys(seeds: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """``position_key`` on tensors, on their device: seeds and positions int64 (broadcast)."""
+    return _mix((_mix(seeds + _GOLDEN_S) ^ pos) + _GOLDEN_S)
+
+
+def gumbel_of_keys(keys: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Gumbel noise G(key, x) = -log(-log(u)), u uniform in (0, 1) from the splitmix64 stream of
+    ``key`` at counter x + 1: keys [..., 1] and token ids [..., V] (int64, broadcast) ->
+    float64 [..., V], computed in integer tensor ops on their device."""
+    z = _mix((ids + 1) * _GOLDEN_S + keys)
+    u = (_shr(z, 11).double() + 0.5) * 2.0 ** -53
+    return -torch.log(-torch.log(u))
+
+
 def keyed_gumbel(seed: int, pos: int, ids) -> torch.Tensor:
     """Gumbel noise G(seed, pos, x) for each token id x in ``ids`` (an int: the whole vocabulary
     ``range(ids)``), float64 on CPU. Token x's value does not depend on which other ids are asked
     for: it is the splitmix64 stream of the position key at counter x + 1."""
     if isinstance(ids, numbers.Integral):
-        x = np.arange(int(ids), dtype=np.uint64)
+        x = torch.arange(int(ids), dtype=torch.long)
     else:
-        x = np.asarray(ids, dtype=np.int64).astype(np.uint64)
-    with np.errstate(over="ignore"):
-        z = (x + np.uint64(1)) * np.uint64(_GOLDEN) + np.uint64(position_key(seed, pos))
-        z = (z ^ (z >> np.uint64(30))) * np.uint64(_MIX1)
-        z = (z ^ (z >> np.uint64(27))) * np.uint64(_MIX2)
-        z = z ^ (z >> np.uint64(31))
-    u = ((z >> np.uint64(11)).astype(np.float64) + 0.5) * 2.0 ** -53  # uniform in (0, 1)
-    return torch.from_numpy(-np.log(-np.log(u)))
+        x = torch.as_tensor(np.asarray(ids, dtype=np.int64))
+    return gumbel_of_keys(torch.tensor(_signed(position_key(seed, pos))), x)
 
 
 def keyed_choice(scores: torch.Tensor, seed: int, pos: int) -> int:
@@ -204,32 +234,6 @@ def verify_loose(logits: torch.Tensor, draft: list[int], params: SamplingParams,
 
     return accept_loosely(draft, choice_at, lambda i: entropy(scores[i]),
                           lambda i, x: plausible(scores[i], x), loose)
-
-
-def verify_batch(logits: torch.Tensor, drafts: list[list[int]], params: list[SamplingParams],
-                 starts: list[int], verify: str | list[str] = "exact",
-                 loose: LooseParams | None = None) -> list[tuple[int, int]]:
-    """Verify a padded batch. logits: [B, T_max, V]; row b uses its first len(drafts[b]) + 1
-    positions; starts[b]: absolute position of row b's first draft token (of the emitted token
-    when the draft is empty). ``verify``: "exact" (lossless), "loose" (FLy, lossy, with the
-    ``loose`` knobs), or one of those per row. Returns (n_accepted, token) per row."""
-    modes = [verify] * len(drafts) if isinstance(verify, str) else list(verify)
-    out: list[tuple[int, int]] = []
-    argmax = None
-    for b, draft in enumerate(drafts):
-        draft = list(draft)[: logits.shape[1] - 1]  # never index past the row
-        n_rows = len(draft) + 1
-        if modes[b] == "loose":
-            out.append(verify_loose(logits[b, :n_rows], draft, params[b], starts[b],
-                                    loose or LooseParams()))
-        elif params[b].greedy:
-            if argmax is None:
-                argmax = logits.argmax(-1).tolist()  # [B, T_max], one transfer for the batch
-            out.append(verify_greedy(argmax[b][:n_rows], draft))
-        else:
-            scores = filtered_logits(logits[b, :n_rows], params[b])
-            out.append(verify_keyed(scores, draft, _seed_of(params[b]), starts[b]))
-    return out
 
 
 # -- drafting -----------------------------------------------------------------------------------

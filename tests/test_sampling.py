@@ -9,8 +9,9 @@ import torch
 
 from edgespec.config import ConfigError, SamplingParams
 from edgespec.sampling import (SparseQ, keyed_choice, keyed_gumbel, position_key,
-                               process_logits, sample_at, sample_sparse, verify_batch,
-                               verify_greedy, with_session_seed)
+                               process_logits, sample_at, sample_sparse, verify_greedy,
+                               with_session_seed)
+from edgespec.verification import verify_batch
 
 
 def test_greedy_full_accept_gives_bonus_token():

@@ -71,14 +71,11 @@ def test_trees_beyond_the_vocabulary_or_size_are_refused(tiny, runner):
         DraftTree([1, vocab], [-1, 0]).check(vocab)
     with pytest.raises(ValueError, match="at most 4 nodes"):
         DraftTree.chain([1] * 5).check(vocab, max_nodes=4)
+    with pytest.raises(ValueError, match="at most 64 nodes"):
+        DraftTree.chain([1] * 65).check(vocab)
+    # the runner trusts its trees: they are validated once, where they enter (the engine's take)
     slot = _prefilled(runner, PROMPTS[0])
     try:
-        with pytest.raises(ValueError, match="at most 64 nodes"):
-            runner.forward_tree([slot], [5], [DraftTree.chain([1] * 65)])
-        with pytest.raises(ValueError, match=r"tokens\[0\]"):
-            runner.forward_tree([slot], [5], [DraftTree([vocab], [-1])])
-        with pytest.raises(ValueError, match="root token"):
-            runner.forward_tree([slot], [vocab], [DraftTree.chain([1])])
         with pytest.raises(ValueError, match="one root and one tree per slot"):
             runner.forward_tree([slot], [5, 6], [DraftTree.chain([1])])
         with pytest.raises(ValueError, match="increasing"):

@@ -1,0 +1,142 @@
+"""One verification path on the device: the same verdicts as the per-row rules, the same noise
+integers as the host hash, and at most one host synchronisation per step."""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import pytest
+import torch
+from conftest import hf_greedy
+from tree_oracle import OracleTreeDrafter
+
+from edgespec.config import EngineConfig, SamplingParams
+from edgespec.drafters import build_drafter
+from edgespec.engine import Request, SpecEngine
+from edgespec.runner import TargetRunner
+from edgespec.sampling import (_MASK64, _signed, gumbel_of_keys, keyed_choice, position_key,
+                               position_keys)
+from edgespec.tree_verify import DraftTree, exact_part, verify_tree
+from edgespec.verification import VerifyBatch, verify_step
+
+V = 40
+
+
+def _splitmix_stream(key: int, x: int) -> int:
+    """The host hash in plain Python integers: the 64-bit word behind token x's noise."""
+    z = ((x + 1) * 0x9E3779B97F4A7C15 + key) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def test_device_noise_uses_the_host_hash_integers():
+    seeds, positions = [0, 1, 42, -1, 2 ** 62 + 5], [0, 7, 2 ** 40, 123456]
+    keys = position_keys(torch.tensor([[_signed(s)] for s in seeds]), torch.tensor([positions]))
+    for i, s in enumerate(seeds):
+        for j, p in enumerate(positions):
+            assert keys[i, j].item() == _signed(position_key(s, p))
+    key = position_key(42, 7)
+    ids = torch.tensor([0, 1, 5, 49151, 2 ** 20])
+    u = (torch.tensor([_splitmix_stream(key, int(x)) >> 11 for x in ids], dtype=torch.float64)
+         + 0.5) * 2.0 ** -53
+    assert torch.equal(gumbel_of_keys(torch.tensor(_signed(key)), ids), -torch.log(-torch.log(u)))
+
+
+def _random_tree(rng: random.Random) -> DraftTree:
+    n = rng.randint(0, 7)
+    spine = rng.randint(0, n)
+    parents = list(range(-1, spine - 1)) + [rng.randrange(-1, max(1, i)) for i in range(spine, n)]
+    parents = [min(p, i - 1) for i, p in enumerate(parents)]
+    return DraftTree(tuple(rng.randrange(V) for _ in range(n)), tuple(parents))
+
+
+@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=1.0, seed=3),
+                                    SamplingParams(temperature=0.7, top_k=6, top_p=0.9, seed=9)])
+def test_one_call_gives_each_rows_own_verdict(params):
+    """Random trees (chains among them) and peaked random logits, verified in one batch: each
+    row's verdict is what the per-row rule gives (``verify_tree``, cut to its exact part)."""
+    rng = random.Random(str(params))
+    for _ in range(20):
+        trees = [_random_tree(rng) for _ in range(rng.randint(1, 9))]
+        N = max(len(t) for t in trees)
+        logits = torch.randn(len(trees), 1 + N, V) * 3
+        starts = [rng.randrange(100) for _ in trees]
+        for b, t in enumerate(trees):  # make the drafts right often enough to be accepted
+            for i, p in enumerate(t.parents):
+                if rng.random() < 0.6:
+                    logits[b, p + 1, t.tokens[i]] += 30
+        vb = VerifyBatch.build([(t.tokens, t.parents) for t in trees], starts,
+                               [params] * len(trees), ["exact"] * len(trees), V)
+        out = verify_step(logits, vb)
+        for b, t in enumerate(trees):
+            full = verify_tree(logits[b, :1 + len(t)], t, params, starts[b])
+            ref = exact_part(full, t)
+            assert (out.accepted[b], out.tokens[b]) == (len(ref.path), ref.token)
+            assert out.branch_hits[b] == (len(ref.path) < len(full.path))
+
+
+def test_sampled_choices_equal_the_host_keyed_choice():
+    """The keyed sample on the device equals ``keyed_choice`` (the host's) for these seeds, on
+    every device present (CUDA where a GPU is)."""
+    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 5, 300, generator=g) * 2
+    params = [SamplingParams(temperature=0.9, seed=s) for s in (1, 2, 3, 4, 5, 6)]
+    for dev in devices:
+        vb = VerifyBatch.build([([], [])] * 6, [10 * b for b in range(6)], params, ["exact"] * 6,
+                               300, dev)
+        out = verify_step(logits[:, :1].to(dev), vb)
+        for b, p in enumerate(params):
+            scores = logits[b, 0] / 0.9
+            assert out.tokens[b] == keyed_choice(scores, p.seed, 10 * b), (dev, b)
+
+
+class _SyncCounter:
+    """Counts, on the calling thread, the tensor methods that wait for the device."""
+
+    NAMES = ("tolist", "item", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
+
+    def __init__(self, monkeypatch):
+        self.count, self.thread = 0, threading.get_ident()
+        for name in self.NAMES:
+            orig = getattr(torch.Tensor, name)
+
+            def wrapped(t, *a, _orig=orig, **k):
+                if threading.get_ident() == self.thread:
+                    self.count += 1
+                return _orig(t, *a, **k)
+
+            monkeypatch.setattr(torch.Tensor, name, wrapped)
+
+
+@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=0.8, seed=4)],
+                         ids=["greedy", "sampled"])
+@pytest.mark.parametrize("trees", [False, True], ids=["chains", "trees"])
+def test_a_step_of_8_sessions_syncs_with_the_host_at_most_once(tiny, monkeypatch, params, trees):
+    hf = tiny.model
+    prompts = [[1] + [10 + (i * 7 + j) % 60 for j in range(6 + i)] for i in range(8)]
+    runner = TargetRunner(hf, n_slots=8, max_len=128)
+    if trees:
+        refs = {tuple(p): hf_greedy(hf, p, 12) for p in prompts}
+        drafter = OracleTreeDrafter(refs, runner.vocab_size, seed=1)
+    else:
+        drafter = build_drafter("mag")
+    cfg = EngineConfig(adaptive=False, draft_wait_ms=5000, tree_width=3 if trees else 1,
+                       max_draft=4)
+    with SpecEngine(runner, drafter, cfg, stop_ids={2}) as engine:
+        for p in prompts:
+            engine.add(Request(p, 12, params))
+        counter = _SyncCounter(monkeypatch)
+        steps = 0
+        while engine.active:
+            before = counter.count
+            report = engine.step()
+            steps += 1
+            synced = counter.count - before
+            # exactly the verdicts' one transfer (the counter sees it: it can fail)
+            assert synced == (1 if report else 0), f"step {steps} synced {synced}x"
+            if steps == 1:
+                assert report.sessions == 8
+    assert steps > 1
