@@ -2,8 +2,8 @@
 
 A dtype is served as lossless only if the runner's kernels are batch-invariant in it here: the
 attention (``edgespec.attention.probe_invariance``, for a query-column tile of 16, else 32, 64 or
-128) and the packed linear layers (one row alone and inside 8 rows give the same bits, and the
-product is right: within bfloat16 rounding of a float32 reference). ``auto`` takes bfloat16 where
+128) and the packed linear layers (every row alone, in pairs and among 64 rows gives the same
+bits, and the product is right: within bfloat16 rounding of a float32 reference). ``auto`` takes bfloat16 where
 both hold (on this CPU: AMX through oneDNN, about 2x float32's forward), else float32. CPU flags
 are not trusted: the machine this was built on advertises AMX, and llama.cpp's AMX path faults on
 it, while oneDNN's runs.
@@ -42,22 +42,26 @@ def attention_tile(dtype: torch.dtype, device: str = "cpu") -> int | None:
 
 @functools.lru_cache(maxsize=None)
 def packed_linear_exact(dtype: torch.dtype, device: str = "cpu") -> bool:
-    """Whether the runner's linear layer in ``dtype`` computes the right product and gives a row
-    the same bits alone and among 8 rows (576 -> 1536, the default model's MLP shape)."""
+    """Whether the runner's linear layer in ``dtype`` computes the right product and gives every
+    row the same bits alone and among 64 rows, for the default model's widest reduction (its
+    down projection, 1536 -> 576: a lone row once took another path there)."""
     from .runner import Linear
 
     g = torch.Generator().manual_seed(1)
-    w = (torch.randn(1536, 576, generator=g) * 0.05).to(device=device, dtype=dtype)
-    x = torch.randn(8, 576, generator=g).to(device=device, dtype=dtype)
+    w = (torch.randn(576, 1536, generator=g) * 0.05).to(device=device, dtype=dtype)
+    x = (torch.randn(64, 1536, generator=g) * 2).to(device=device, dtype=dtype)
     try:
         lin = Linear(w)
-        wide, alone = lin(x), lin(x[3:4])
+        wide = lin(x)
+        alone = torch.cat([lin(x[i:i + 1]) for i in range(64)])
+        pairs = torch.cat([lin(x[i:i + 2]) for i in range(0, 64, 2)])
     except RuntimeError as exc:
         log.info("packed linear probe in %s on %s failed: %s", dtype, device, exc)
         return False
     ref = x.float() @ w.float().t()
     err = (wide.float() - ref).abs().max().item()
-    return torch.equal(alone[0], wide[3]) and err <= 0.05 * ref.abs().max().item()
+    return (torch.equal(alone, wide) and torch.equal(pairs, wide)
+            and err <= 0.05 * ref.abs().max().item())
 
 
 def exact_here(name: str, device: str = "cpu") -> bool:

@@ -29,13 +29,14 @@ def _devices() -> list:
 
 @pytest.fixture(scope="module")
 def hd64_model():
-    """A small Llama with the default model's head size (64) and grouping (3 query heads per
-    kv head), random weights."""
+    """A two-layer Llama with the default model's widths (hidden 576, 9 heads of 64 in 3 kv
+    groups, MLP 1536: a lone row once summed the 1536-wide down projection in another order),
+    random weights."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(3)
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=192, intermediate_size=320,
-                      num_hidden_layers=2, num_attention_heads=3, num_key_value_heads=1,
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=576, intermediate_size=1536,
+                      num_hidden_layers=2, num_attention_heads=9, num_key_value_heads=3,
                       max_position_embeddings=1024, initializer_range=0.1,
                       tie_word_embeddings=False)
     return LlamaForCausalLM(cfg).eval()

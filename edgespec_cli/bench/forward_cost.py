@@ -1,0 +1,198 @@
+"""``edgespec bench-forward``: what one verification forward costs, by dtype, sessions and tokens.
+
+For each dtype served exactly here (``--dtypes``, default every one whose probe passes), the
+target runner gets ``max(--batches)`` KV slots, each prefilled with a random ``--context``-token
+prefix; then for every (sessions B, tokens a row T) the forward over B slots of T new tokens each
+is timed ``--repeat`` times (the slots' lengths are never moved, so every run sees the same
+context) and the median counts. The table gives milliseconds, the cost relative to the same
+dtype's 1 x 1 forward (what a wider forward costs on top of a decode step) and to float32's.
+``--profile B,T`` splits one such forward into linear layers, attention, the LM head and the rest
+(norms, rotary, KV writes and reads, masks), timed by wrapping those calls.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+from edgespec.config import ConfigError
+
+
+def add_bench_forward_args(p) -> None:
+    p.add_argument("--dtypes", default=None,
+                   help="comma-separated dtypes (default: float32 and every other dtype that is "
+                        "exact on this machine)")
+    p.add_argument("--batches", default="1,2,4,8,16",
+                   help="sessions in the forward, comma-separated (default: %(default)s)")
+    p.add_argument("--tokens", default="1,2,5,9",
+                   help="tokens a session adds, comma-separated: 1 is a decode step, 1 + k "
+                        "verifies a k-token draft (default: %(default)s)")
+    p.add_argument("--context", type=int, default=300,
+                   help="tokens already in every KV slot (default: %(default)s)")
+    p.add_argument("--repeat", type=int, default=6,
+                   help="timed runs per cell; the median counts (default: %(default)s)")
+    p.add_argument("--profile", default="8,5",
+                   help="B,T of the forward split into linear / attention / head / other "
+                        "('' for none; default: %(default)s)")
+    p.add_argument("--json", dest="json_out", default="bench-results/forward-cost.json",
+                   help="where to write the JSON results (default: %(default)s)")
+
+
+def _ints(text: str, name: str) -> list[int]:
+    try:
+        out = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ConfigError(f"{name} takes comma-separated integers, got {text!r}") from None
+    if not out or min(out) < 1:
+        raise ConfigError(f"{name} needs integers >= 1, got {text!r}")
+    return out
+
+
+def _prepared_runner(model, slots: int, context: int, max_len: int):
+    from edgespec.runner import TargetRunner
+
+    runner = TargetRunner(model, n_slots=slots, max_len=max_len)
+    g = torch.Generator().manual_seed(0)
+    for s in range(slots):
+        runner.new_slot()
+        ids = torch.randint(0, runner.vocab_size, (context,), generator=g).tolist()
+        runner.prefill(s, ids)
+    return runner
+
+
+def _time_forward(runner, B: int, T: int, repeat: int) -> float:
+    """Median seconds of a forward over slots 0..B-1 with T new tokens each."""
+    rows = [[(7 * b + t) % runner.vocab_size for t in range(T)] for b in range(B)]
+    runner.forward(list(range(B)), rows)  # warm-up (first-touch, oneDNN's primitive cache)
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        runner.forward(list(range(B)), rows)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+@contextmanager
+def _timed_parts(runner, totals: dict[str, float]):
+    """Accumulate wall time of the runner's linear layers, LM head and attention calls."""
+    import edgespec.runner as runner_mod
+
+    lin_call = runner_mod.Linear.__call__
+    attention = runner_mod.invariant_attention
+    head = runner.lm_head
+
+    def timed_linear(self, x):
+        t0 = time.perf_counter()
+        out = lin_call(self, x)
+        totals["head" if self is head else "linear"] += time.perf_counter() - t0
+        return out
+
+    def timed_attention(*a, **k):
+        t0 = time.perf_counter()
+        out = attention(*a, **k)
+        totals["attention"] += time.perf_counter() - t0
+        return out
+
+    runner_mod.Linear.__call__ = timed_linear
+    runner_mod.invariant_attention = timed_attention
+    try:
+        yield
+    finally:
+        runner_mod.Linear.__call__ = lin_call
+        runner_mod.invariant_attention = attention
+
+
+def profile_forward(runner, B: int, T: int, repeat: int) -> dict[str, float]:
+    """Milliseconds of one B x T forward split into linear / attention / head / other (medians
+    of ``repeat`` runs)."""
+    rows = [[(7 * b + t) % runner.vocab_size for t in range(T)] for b in range(B)]
+    runner.forward(list(range(B)), rows)
+    runs = []
+    for _ in range(repeat):
+        parts = {"linear": 0.0, "attention": 0.0, "head": 0.0}
+        with _timed_parts(runner, parts):
+            t0 = time.perf_counter()
+            runner.forward(list(range(B)), rows)
+            total = time.perf_counter() - t0
+        parts["other"] = total - sum(parts.values())
+        parts["total"] = total
+        runs.append(parts)
+    return {k: 1000 * statistics.median(r[k] for r in runs) for k in runs[0]}
+
+
+def run_bench_forward(args) -> int:
+    from edgespec.cli_args import set_threads
+    from edgespec.dtype_probe import DTYPES, exact_here
+    from edgespec.models import load_model
+
+    threads = set_threads(args.threads)
+    batches, tokens = _ints(args.batches, "--batches"), _ints(args.tokens, "--tokens")
+    if args.dtypes:
+        dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+        for d in dtypes:
+            if d not in DTYPES:
+                raise ConfigError(f"--dtypes takes {', '.join(DTYPES)}, got {d!r}")
+    else:
+        dtypes = ["float32"] + [d for d in DTYPES if d != "float32" and exact_here(d)]
+    profile = _ints(args.profile, "--profile") if args.profile else None
+    if profile and len(profile) != 2:
+        raise ConfigError("--profile takes B,T")
+    slots = max(batches + ([profile[0]] if profile else []))
+    width = max(tokens + ([profile[1]] if profile else []))
+    cells, profiles = [], {}
+    for dt in dtypes:
+        print(f"bench-forward: {dt}: loading and prefilling {slots} slots of {args.context} "
+              "tokens", file=sys.stderr, flush=True)
+        target = load_model(args.model, args.device, dt)
+        runner = _prepared_runner(target.model, slots, args.context, args.context + width + 1)
+        for B in batches:
+            for T in tokens:
+                ms = 1000 * _time_forward(runner, B, T, args.repeat)
+                cells.append({"dtype": dt, "sessions": B, "tokens": T, "ms": ms})
+                print(f"  {dt:9s} {B:3d} x {T}: {ms:8.2f} ms", file=sys.stderr, flush=True)
+        if profile:
+            profiles[dt] = profile_forward(runner, profile[0], profile[1], args.repeat)
+        del runner, target
+    base = {c["dtype"]: c["ms"] for c in cells if c["sessions"] == 1 and c["tokens"] == 1}
+    f32 = {(c["sessions"], c["tokens"]): c["ms"] for c in cells if c["dtype"] == "float32"}
+    for c in cells:
+        c["vs_decode_step"] = c["ms"] / base[c["dtype"]] if c["dtype"] in base else None
+        ref = f32.get((c["sessions"], c["tokens"]))
+        c["vs_float32"] = c["ms"] / ref if ref else None
+    report = {"model": args.model, "threads": threads, "context": args.context,
+              "repeat": args.repeat, "cells": cells,
+              "profile": {"sessions": profile[0], "tokens": profile[1], "ms": profiles}
+              if profile else None,
+              "command": "edgespec " + " ".join(sys.argv[1:])}
+    print(format_table(report))
+    out = Path(args.json_out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+    print(f"bench-forward: wrote {out}", file=sys.stderr)
+    return 0
+
+
+def format_table(report: dict) -> str:
+    lines = [f"forward cost, {report['model']}, {report['context']}-token contexts, "
+             f"{report['threads']} threads, median of {report['repeat']}",
+             f"{'dtype':9s} {'sessions':>8s} {'tokens':>6s} {'ms':>9s} {'x decode step':>13s} "
+             f"{'x float32':>9s}"]
+    for c in report["cells"]:
+        vs32 = f"{c['vs_float32']:.2f}" if c["vs_float32"] else "-"
+        step = f"{c['vs_decode_step']:.2f}" if c["vs_decode_step"] else "-"
+        lines.append(f"{c['dtype']:9s} {c['sessions']:8d} {c['tokens']:6d} {c['ms']:9.2f} "
+                     f"{step:>13s} {vs32:>9s}")
+    prof = report.get("profile")
+    if prof:
+        lines.append(f"one {prof['sessions']} x {prof['tokens']} forward, ms: "
+                     "linear / attention / head / other (total)")
+        for dt, p in prof["ms"].items():
+            lines.append(f"  {dt:9s} {p['linear']:.1f} / {p['attention']:.1f} / {p['head']:.1f}"
+                         f" / {p['other']:.1f} ({p['total']:.1f})")
+    return "\n".join(lines)
