@@ -24,6 +24,8 @@ multiples of 16; ``probe_invariance`` checks that on the machine at hand before 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 KEY_BLOCK = 64  # keys per block of the values product: its reduction length
@@ -38,17 +40,34 @@ def padded_keys(n: int, max_len: int) -> int:
     return min(max_len, -(-n // KEY_BLOCK) * KEY_BLOCK)
 
 
+@dataclass
+class TailKeys:
+    """Keys of queries whose own ancestors are stored out of decoding order (a token tree's
+    branch nodes): from logical block ``block0`` on, each such query reads the positions
+    ``index`` in decoding order; its earlier keys are its row's first 64 * block0 positions
+    (the main ``visible`` must hide every later position from it)."""
+
+    rows: torch.Tensor  # [S] long: the query's batch row
+    queries: torch.Tensor  # [S] long: the query's index t in its row
+    index: torch.Tensor  # [S, TB] long: physical position of logical position 64*block0 + j
+    visible: torch.Tensor  # [S, TB] bool
+    block0: torch.Tensor  # [S] long: the first logical block read through ``index``
+    n_blocks: int  # blocks the sum spans: >= max(block0) + TB / KEY_BLOCK
+
+
 def invariant_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                        visible: torch.Tensor, col_tile: int = COL_TILE) -> torch.Tensor:
+                        visible: torch.Tensor, col_tile: int = COL_TILE,
+                        tail: TailKeys | None = None) -> torch.Tensor:
     """Attention of grouped queries over a slot's keys, batch-invariantly.
 
     q: [B, kvh, g, T, hd] (already scaled and rotated; query head kv * g + j is [:, kv, j]);
     keys: [B, kvh, n, hd]; values: [B, kvh, n, hd + 1], the last column all ones;
-    visible: [B, T, n] bool (query t of row b may see key j); n a multiple of KEY_BLOCK.
+    visible: [B, T, n] bool (query t of row b may see key j); n a multiple of KEY_BLOCK;
+    ``tail``: the queries that read their last blocks in decoding order (tree branch nodes).
     Returns [B, T, kvh * g * hd] in q's dtype.
     """
     B, kvh, g, T, hd = q.shape
-    if g * T > MAX_COLS:
+    if g * T > MAX_COLS and tail is None:
         step = max(1, MAX_COLS // g)
         return torch.cat([invariant_attention(q[:, :, :, i:i + step], keys, values,
                                               visible[:, i:i + step], col_tile)
@@ -65,13 +84,60 @@ def invariant_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     if cols != m:  # padding columns see every key (their output is dropped; no 0/0)
         vis = torch.nn.functional.pad(vis, (0, cols - m), value=True)
     scores = scores.masked_fill(~vis, float("-inf"))
-    probs = torch.exp(scores - scores.amax(dim=2, keepdim=True)).to(values.dtype)
+    top = scores.amax(dim=2, keepdim=True)  # [B, kvh, 1, cols]
+    if tail is not None:
+        t_probs, t_cols = _tail_scores(q, keys, tail, top, col_tile)
+    probs = torch.exp(scores - top).to(values.dtype)
     vt = values.view(B, kvh, nb, KEY_BLOCK, hd + 1).transpose(-1, -2)  # [B, kvh, nb, hd+1, KB]
     part = torch.matmul(vt, probs.view(B, kvh, nb, KEY_BLOCK, cols))  # [B, kvh, nb, hd+1, cols]
+    if tail is not None:
+        part = _place_tail(part, values, tail, t_probs, t_cols, g)
     # in block order, one running (float64) sum: sum() would pick its order by the shape
     total = part.float().cumsum(dim=2)[:, :, -1]  # [B, kvh, hd + 1, cols]
     out = (total[:, :, :hd, :m] / total[:, :, hd:, :m]).to(q.dtype)  # [B, kvh, hd, g*T]
     return out.view(B, kvh, hd, g, T).permute(0, 4, 1, 3, 2).reshape(B, T, kvh * g * hd)
+
+
+def _tail_scores(q: torch.Tensor, keys: torch.Tensor, tail: TailKeys, top: torch.Tensor,
+                 col_tile: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scores of the tail queries over their decoding-order blocks; folds their max into
+    ``top`` (in place) and returns (probabilities [S, kvh, TB, cols_t] in float32, the queries'
+    columns in the main layout [S, g])."""
+    B, kvh, g, T, hd = q.shape
+    kt = keys[tail.rows[:, None], :, tail.index].permute(0, 2, 1, 3)  # [S, kvh, TB, hd]
+    qs = q[tail.rows, :, :, tail.queries].transpose(-1, -2)  # [S, kvh, hd, g]
+    ct = -(-g // col_tile) * col_tile
+    if ct != g:
+        qs = torch.nn.functional.pad(qs, (0, ct - g))
+    st = torch.matmul(kt, qs).float()  # [S, kvh, TB, ct]
+    vis = torch.nn.functional.pad(tail.visible[:, None, :, None].expand(-1, 1, -1, g),
+                                  (0, ct - g), value=True)
+    st = st.masked_fill(~vis, float("-inf"))
+    t_top = st.amax(dim=2)  # [S, kvh, ct]
+    cols = torch.arange(g, device=q.device) * T + tail.queries[:, None]  # [S, g]
+    both = torch.maximum(top[tail.rows[:, None], :, 0, cols], t_top[..., :g].transpose(1, 2))
+    top[tail.rows[:, None], :, 0, cols] = both  # [S, g, kvh]
+    t_top = torch.cat([both.transpose(1, 2), t_top[..., g:]], dim=-1)
+    return torch.exp(st - t_top[:, :, None, :]), cols
+
+
+def _place_tail(part: torch.Tensor, values: torch.Tensor, tail: TailKeys, t_probs: torch.Tensor,
+                cols: torch.Tensor, g: int) -> torch.Tensor:
+    """The tail queries' value blocks, each one product of the same shape as the main call's,
+    put at their logical block indices in ``part`` (where the main call left exact zeros)."""
+    B, kvh, nb, hd1, n_cols = part.shape
+    S, TB = tail.index.shape
+    nbt = TB // KEY_BLOCK
+    vt = values[tail.rows[:, None], :, tail.index].permute(0, 2, 1, 3).contiguous()
+    vt = vt.view(S, kvh, nbt, KEY_BLOCK, hd1).transpose(-1, -2)  # [S, kvh, nbt, hd+1, KB]
+    pt = t_probs.to(values.dtype).view(S, kvh, nbt, KEY_BLOCK, -1)
+    t_part = torch.matmul(vt, pt)[..., :g]  # [S, kvh, nbt, hd+1, g]
+    if tail.n_blocks > nb:
+        part = torch.cat([part, part.new_zeros(B, kvh, tail.n_blocks - nb, hd1, n_cols)], 2)
+    blocks = tail.block0[:, None] + torch.arange(nbt, device=part.device)  # [S, nbt]
+    part[tail.rows[:, None, None], :, blocks[:, :, None], :, cols[:, None, :]] = \
+        t_part.permute(0, 2, 4, 1, 3)  # [S, nbt, g, kvh, hd+1]
+    return part
 
 
 def probe_invariance(dtype: torch.dtype, device: str | torch.device = "cpu",

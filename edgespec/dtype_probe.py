@@ -3,10 +3,10 @@
 A dtype is served as lossless only if the runner's kernels are batch-invariant in it here: the
 attention (``edgespec.attention.probe_invariance``, for a query-column tile of 16, else 32, 64 or
 128) and the packed linear layers (every row alone, in pairs and among 64 rows gives the same
-bits, and the product is right: within bfloat16 rounding of a float32 reference). ``auto`` takes bfloat16 where
-both hold (on this CPU: AMX through oneDNN, about 2x float32's forward), else float32. CPU flags
-are not trusted: the machine this was built on advertises AMX, and llama.cpp's AMX path faults on
-it, while oneDNN's runs.
+bits, and the product is right: within bfloat16 rounding of a float32 reference). ``auto``
+takes bfloat16 where both hold (on this CPU: AMX through oneDNN, about 1.5x float32's forward),
+else float32. CPU flags are not trusted: the machine this was built on advertises AMX, and
+llama.cpp's AMX path faults on it, while oneDNN's runs.
 """
 
 from __future__ import annotations

@@ -11,8 +11,8 @@ remote drafter's tree chunks). The step then gives each session a share of the b
 budget left after the chains (at most ``tree_nodes``), and a batch where any session has
 branches is run as one tree forward (``TargetRunner.forward_tree``, chains as trees). Every
 step, chains and trees alike, is verified by one call on the device
-(``edgespec.verification.verify_step``); only spine nodes are accepted (their logits are decoding's
-own), a branch that held the target's token counts as a branch hit.
+(``edgespec.verification.verify_step``); a tree's accepted path has its keys/values compacted
+into place.
 """
 
 from __future__ import annotations
@@ -87,13 +87,11 @@ class _Active:
 @dataclass(frozen=True)
 class _Checked:
     """One row's verification: n chain tokens accepted, then ``branch`` (tokens of a branch,
-    trees only), then the target's own ``token`` (``branch_hit``: a branch had drafted it).
-    n = -1: the row's forward failed."""
+    trees only), then the target's own ``token``. n = -1: the row's forward failed."""
 
     n: int
     token: int
     branch: tuple[int, ...] = ()
-    branch_hit: bool = False
 
 
 @dataclass
@@ -105,7 +103,6 @@ class _Decided:
     new: list[int]  # tokens it adds to the output (cut at a stop token or the length limit)
     drafted: int  # draft tokens verified: the chain's and the branches'
     chain: int = 0  # of which the chain's
-    branch_hit: bool = False  # a branch had drafted the emitted token
 
     @property
     def accepted(self) -> int:
@@ -302,8 +299,7 @@ class SpecEngine:
             n, branch = min(c.n, len(new) - 1), tuple(new[c.n:len(new) - 1])
             decided.append(_Decided(act, Verdict(act.sid, t.epoch, t.start, n, new[-1],
                                                  finish_reason=finish or "", branch=branch),
-                                    new, len(t.tokens) + t.branch_tokens, len(t.tokens),
-                                    c.branch_hit))
+                                    new, len(t.tokens) + t.branch_tokens, len(t.tokens)))
             act.stats.take_s += t1 - t0
             act.stats.forward_s += t2 - t1
         t3 = time.perf_counter()
@@ -356,9 +352,13 @@ class SpecEngine:
                                [a.verify for a, _ in batch], self.target.vocab_size,
                                self.target.device)
         out = verify_step(logits, vb, self.cfg.loose)
-        # the accepted nodes are the spine's first n, already where decoding stores them
-        return [_Checked(n, token, (), hit)
-                for n, token, hit in zip(out.accepted, out.tokens, out.branch_hits)]
+        checked = []
+        for (act, t), tree, path, token in zip(batch, trees, out.paths, out.tokens):
+            if any(i != j for j, i in enumerate(path)):  # a branch: its keys/values into place
+                self.target.compact(act.slot, path)
+            n = sum(1 for i in path if i < len(t.tokens))  # the path's chain nodes come first
+            checked.append(_Checked(n, token, tuple(tree.tokens[i] for i in path[n:])))
+        return checked
 
     def _commit(self, decided: list[_Decided]) -> list[_Decided]:
         """Commit verdicts in the store, then apply the ones it took; returns those."""
@@ -375,11 +375,11 @@ class SpecEngine:
                 self.fail(act, SessionFailed(f"the cache refused a commit: {outcome.error}"))
                 continue
             applied.append(d)
-            # KV of last + accepted (spine nodes: already where decoding stores them)
+            # KV of last + accepted (a tree's accepted path was compacted into place)
             self.target.commit(act.slot, v.start + v.n_accepted + len(v.branch))
             act.draft_len.update(d.chain, v.n_accepted)  # the chain's own acceptance
             act.draft_len.update_branches(d.drafted - d.chain, len(v.branch))
-            act.stats.record_step(d.drafted, d.accepted, len(v.branch) + d.branch_hit)
+            act.stats.record_step(d.drafted, d.accepted, len(v.branch))
             act.stats.commit_s += dt
             act.output.extend(d.new)
             act.last_token = v.token

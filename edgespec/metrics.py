@@ -3,8 +3,7 @@
 Acceptance rate = accepted / drafted tokens; mean acceptance length = 1 + accepted / drafts
 (a draft is one verification of a non-empty draft; the 1 counts the verifier's own token).
 With token trees, drafted tokens count every node verified (the chain's and the branches'),
-accepted tokens the accepted path, and ``branch_tokens`` the emitted tokens a branch had drafted
-(where the chain was wrong: the target's own token there, so a hit, not an extra token).
+accepted tokens the accepted path, and ``branch_tokens`` those of it taken from a branch.
 ``lossless`` is false for a session verified loosely (``--verify loose``).
 """
 
@@ -30,7 +29,7 @@ class Stats:
     commit_s: float = 0.0
     start: float = 0.0
     lossy: bool = False  # verified loosely (FLy): the output may differ from the target's own
-    branch_tokens: int = 0  # emitted tokens a tree's branch had drafted (the chain had not)
+    branch_tokens: int = 0  # accepted tokens that came from a tree's branch, not the chain
 
     def record_step(self, drafted: int, accepted: int, from_branch: int = 0) -> None:
         self.steps += 1

@@ -21,7 +21,7 @@ from typing import Protocol, Sequence
 import torch
 import torch.nn.functional as F
 
-from .attention import KEY_BLOCK, invariant_attention, padded_keys
+from .attention import KEY_BLOCK, TailKeys, invariant_attention, padded_keys
 from .config import ConfigError
 from .dtype_probe import attention_tile
 from .kv_cache import KVCache, contiguous_start
@@ -267,7 +267,11 @@ class TargetRunner:
         keys = torch.arange(n_pos, device=dev)
         visible = (keys[None, None, :] < start_t[:, None, None]).expand(-1, T, -1).clone()
         visible.scatter_(2, store[:, None, :].expand(-1, T, -1), seen)  # [B, T, n_pos]
-        x = self._run_layers(slots, tokens, store, rope, visible, n_pos)
+        tail = _branch_tails(trees, starts, T, dev)
+        if tail is not None:  # branch nodes see their row's whole blocks, the rest in order
+            visible[tail.rows, tail.queries] = \
+                keys[None, :] < (tail.block0 * KEY_BLOCK)[:, None]
+        x = self._run_layers(slots, tokens, store, rope, visible, n_pos, tail)
         return self.lm_head(self._rms(x, self.norm)).float()
 
     def compact(self, slot: int, path: list[int]) -> None:
@@ -287,7 +291,8 @@ class TargetRunner:
         self.cache.commit(slot, end)
 
     def _run_layers(self, slots: list[int], tokens: torch.Tensor, store: torch.Tensor,
-                    rope: torch.Tensor, visible: torch.Tensor, n_pos: int) -> torch.Tensor:
+                    rope: torch.Tensor, visible: torch.Tensor, n_pos: int,
+                    tail: TailKeys | None = None) -> torch.Tensor:
         """The decoder layers over tokens [B, T]: keys/values written at KV positions
         ``store`` [B, T], rotary positions ``rope`` [B, T], ``visible`` [B, T, n_pos] (which of
         the slots' first n_pos positions each token attends to; n_pos a whole number of key
@@ -310,7 +315,7 @@ class TargetRunner:
             self.cache.write(li, slot_t, store, k.transpose(1, 2), v.view(B, T, kvh, hd))
             keys, values = self.cache.read(li, slot_t, run_from, n_pos)
             att = invariant_attention((q * self.scale).view(B, kvh, grp, T, hd), keys, values,
-                                      visible, self.col_tile)  # [B, T, nh * hd]
+                                      visible, self.col_tile, tail)  # [B, T, nh * hd]
             x = x + layer.o(att)
             gate, up = layer.gate_up(self._rms(x, layer.ln2)).chunk(2, dim=-1)
             x = x + layer.down(F.silu(gate) * up)
@@ -332,6 +337,43 @@ def _pad_rows(rows: list[list[int]], T: int) -> torch.Tensor:
     for i, r in enumerate(rows):
         tokens[i, : len(r)] = torch.as_tensor(r, dtype=torch.long)
     return tokens
+
+
+def _branch_tails(trees: Sequence[TreeShape], starts: list[int], T: int, dev
+                  ) -> TailKeys | None:
+    """The decoding-order key blocks of every branch node (a node past its tree's spine): from
+    the block holding the root on, its logical position L + d reads the row of its ancestor at
+    depth d (row r of a tree is stored at L + r; row 0 is the root). None without branches."""
+    rows, queries, paths, block0 = [], [], [], []
+    for b, tree in enumerate(trees):
+        parents = list(tree.parents)
+        spine = 0
+        while spine < len(parents) and parents[spine] == spine - 1:
+            spine += 1
+        for i in range(spine, len(parents)):
+            path, node = [], i
+            while node >= 0:
+                path.append(1 + node)
+                node = parents[node]
+            rows.append(b)
+            queries.append(1 + i)
+            paths.append([0] + path[::-1])  # root row, then the rows down to the node
+            block0.append(starts[b] // KEY_BLOCK)
+    if not rows:
+        return None
+    span = max(starts[b] - KEY_BLOCK * k + len(p) for b, k, p in zip(rows, block0, paths))
+    width = -(-span // KEY_BLOCK) * KEY_BLOCK
+    index = torch.zeros(len(rows), width, dtype=torch.long)
+    seen = torch.zeros(len(rows), width, dtype=torch.bool)
+    for s, (b, k, path) in enumerate(zip(rows, block0, paths)):
+        first = KEY_BLOCK * k
+        pre = starts[b] - first  # prefix positions inside the first block
+        index[s, :pre] = torch.arange(first, starts[b])
+        index[s, pre:pre + len(path)] = starts[b] + torch.as_tensor(path)
+        seen[s, :pre + len(path)] = True
+    n_blocks = max(k + width // KEY_BLOCK for k in block0)
+    return TailKeys(torch.as_tensor(rows, device=dev), torch.as_tensor(queries, device=dev),
+                    index.to(dev), seen.to(dev), torch.as_tensor(block0, device=dev), n_blocks)
 
 
 def _ancestors(parent: torch.Tensor, depth: int) -> torch.Tensor:

@@ -16,9 +16,10 @@ exactly ``verify_greedy`` / ``verify_keyed``'s verdict.
 
 ``TargetRunner.forward_tree`` computes the logits of every node with a tree attention mask;
 ``TargetRunner.compact`` keeps the accepted path's keys/values; ``step_tree`` ties the three.
-Only the spine's rows (and the root's) are bitwise decoding's own, so a step keeps the part of
-the verdict read from them (``exact_part``): a branch can replace a rejected spine token, and
-its later tokens wait for the next step.
+Every node's logits are bitwise those of its root-to-node chain (``edgespec.attention``: branch
+nodes read their ancestors' keys in decoding order), so the verdict is exactly decoding's.
+``verify_tree`` states the walk for one tree; the verifier runs it for a whole step on the
+device (``edgespec.verification``).
 """
 
 from __future__ import annotations
@@ -94,14 +95,6 @@ class DraftTree:
         for i, p in enumerate(self.parents):
             out.setdefault(p, []).append(i)
         return out
-
-    def spine_length(self) -> int:
-        """How many leading nodes form a chain from the root (node i hangs from node i - 1):
-        the nodes a tree forward stores where decoding them one by one would."""
-        n = 0
-        while n < len(self.parents) and self.parents[n] == n - 1:
-            n += 1
-        return n
 
     def path_to(self, node: int) -> list[int]:
         """The nodes from the root's child down to ``node`` (empty for the root, -1)."""
@@ -205,23 +198,6 @@ def verify_tree(logits: torch.Tensor, tree: DraftTree, params: SamplingParams, s
         node, depth = nxt, depth + 1
 
 
-def exact_part(verdict: TreeVerdict, tree: DraftTree) -> TreeVerdict:
-    """The part of a verdict that is exact by construction: a branch node's logits come from
-    keys stored out of their decoding order (``forward_tree`` stores nodes in node order), which
-    the batch-invariant attention does not promise to reproduce bit for bit, while the spine's
-    and the root's are decoding's own. So the walk keeps the spine nodes it accepted, and where
-    it would step into a branch, that branch token (the target's choice there, read from a
-    spine row) becomes the emitted token; the branch's later tokens are left to the next step.
-    """
-    spine = tree.spine_length()
-    n = 0
-    while n < len(verdict.path) and verdict.path[n] < spine:
-        n += 1
-    if n == len(verdict.path):
-        return verdict
-    return TreeVerdict(verdict.path[:n], verdict.tokens[:n], tree.tokens[verdict.path[n]])
-
-
 def step_tree(runner: "TargetRunner", slot: int, root: int, tree: DraftTree,
               params: SamplingParams) -> TreeVerdict:
     """One verification step of a session that drafted a tree: forward the tree after the
@@ -230,6 +206,6 @@ def step_tree(runner: "TargetRunner", slot: int, root: int, tree: DraftTree,
     ``verdict.tokens + [verdict.token]``, and ``verdict.token`` is the next step's root."""
     start = runner.length(slot) + 1  # the root sits at the slot's length
     logits = runner.forward_tree([slot], [root], [tree])[0]  # [1 + N, V]
-    verdict = exact_part(verify_tree(logits, tree, params, start), tree)
+    verdict = verify_tree(logits, tree, params, start)
     runner.compact(slot, verdict.path)
     return verdict

@@ -2,15 +2,15 @@
 and loose, computed on the runner's device with one host synchronisation.
 
 ``VerifyBatch`` is built once per step from the drafts (host data) and moved to the device;
-``verify_step(logits, batch)`` decides every row at once and returns a ``VerifyOutcome`` after a single
-``.tolist()``. A chain is the tree whose node i hangs from node i - 1. The maths is that of
+``verify_step(logits, batch)`` decides every row at once and returns a ``VerifyOutcome`` after
+a single ``.tolist()``. A chain is the tree whose node i hangs from node i - 1. The maths is that of
 ``edgespec.sampling`` (greedy argmax; the position-keyed Gumbel-max sample, its noise computed on
 the device with the same integers as the host's) and ``edgespec.loose_verify`` (FLy, opt-in).
 
-Exactness: only nodes stored at their decoding positions (a tree's spine: nodes 0..spine-1,
-node i hanging from i - 1) have logits that are bitwise decoding's own, so only they are
-accepted; a branch node that holds the target's token where the spine did not is a *branch hit*
-(the emitted token is the target's own either way). See ``tree_verify.exact_part``.
+A node is accepted when it holds its parent's choice and its parent is accepted (the root
+always is): the accepted nodes form the longest path target-only decoding would have taken, its
+last node's choice is the emitted token. Every node's logits are decoding's own bit for bit
+(``edgespec.attention``), branch nodes included.
 """
 
 from __future__ import annotations
@@ -36,7 +36,6 @@ class VerifyBatch:
     parents: torch.Tensor  # [B, N] long: each node's parent node, -1: the root
     depths: torch.Tensor  # [B, 1 + N] long: 0 for the root, a node's depth after it
     counts: torch.Tensor  # [B] long: nodes in the row
-    spine: torch.Tensor  # [B] long: leading nodes stored at their decoding positions
     starts: torch.Tensor  # [B] long: absolute position of the root's successor
     seeds: torch.Tensor  # [B] long: keyed-noise seeds (int64 bit patterns; greedy rows 0)
     temperature: torch.Tensor  # [B] float32 (greedy rows 1)
@@ -51,6 +50,7 @@ class VerifyBatch:
     any_top_p: bool
     any_loose: bool
     max_nodes: int
+    max_depth: int  # the deepest node's depth (0 without nodes)
 
     @classmethod
     def build(cls, drafts: list[tuple[list[int], list[int]]], starts: list[int],
@@ -64,7 +64,7 @@ class VerifyBatch:
         tokens = torch.full((B, N), -1, dtype=torch.long)
         parents = torch.full((B, N), -1, dtype=torch.long)
         depths = torch.zeros(B, 1 + N, dtype=torch.long)
-        spine, counts = [], []
+        counts, max_depth = [], 0
         for b, (toks, pars) in enumerate(drafts):
             n = len(toks)
             counts.append(n)
@@ -75,10 +75,7 @@ class VerifyBatch:
             for p in pars:
                 d.append(d[p + 1] + 1)
             depths[b, :n + 1] = torch.as_tensor(d, dtype=torch.long)
-            k = 0
-            while k < n and pars[k] == k - 1:
-                k += 1
-            spine.append(k)
+            max_depth = max(max_depth, *d)
         greedy = [p.greedy for p in params]
         seeds = [0 if g else _signed(_seed_of(p)) for g, p in zip(greedy, params)]
 
@@ -86,7 +83,7 @@ class VerifyBatch:
             return torch.as_tensor(x, dtype=dtype).to(device)
 
         return cls(tokens=tokens.to(device), parents=parents.to(device),
-                   depths=depths.to(device), counts=dev(counts), spine=dev(spine),
+                   depths=depths.to(device), counts=dev(counts),
                    starts=dev(starts), seeds=dev(seeds),
                    temperature=dev([1.0 if g else max(p.temperature, 1e-5)
                                     for g, p in zip(greedy, params)], torch.float32),
@@ -100,17 +97,17 @@ class VerifyBatch:
                    max_top_k=max([p.top_k or 0 for g, p in zip(greedy, params) if not g],
                                  default=0),
                    any_top_p=any(not g and p.top_p < 1.0 for g, p in zip(greedy, params)),
-                   any_loose=any(m == "loose" for m in modes), max_nodes=N)
+                   any_loose=any(m == "loose" for m in modes), max_nodes=N,
+                   max_depth=max_depth)
 
 
 @dataclass(frozen=True)
 class VerifyOutcome:
-    """Per row: draft nodes accepted (the spine's first ``accepted``), the token the target
-    emits after them, and whether a branch had drafted that token."""
+    """Per row: the accepted path (node indices, root's child first) and the token the target
+    emits after it."""
 
-    accepted: list[int]
+    paths: list[list[int]]
     tokens: list[int]
-    branch_hits: list[bool]
 
 
 def filter_scores(logits: torch.Tensor, vb: VerifyBatch) -> torch.Tensor:
@@ -190,18 +187,24 @@ def verify_step(logits: torch.Tensor, vb: VerifyBatch, loose: LooseParams | None
     idx = torch.arange(N, device=logits.device)
     valid = idx[None] < vb.counts.clamp(max=N)[:, None]
     match = valid & (tokens == choices.gather(1, parents + 1))  # node holds its parent's choice
-    on_spine = idx[None] < vb.spine[:, None]
-    accept = match & on_spine
-    if vb.any_loose:
-        accept = accept | (vb.loose[:, None] & on_spine & valid &
-                           _loose_accepts(match, tokens, scores, vb.counts, loose or LooseParams()))
-    n = accept.long().cumprod(1).sum(1)  # [B]: the accepted spine prefix
-    token = choices.gather(1, n[:, None])[:, 0]
-    # a branch hanging from the last accepted node (or the root) held the target's token
-    hanging = parents == (n - 1)[:, None]
-    hit = (match & hanging & ~on_spine).any(1)
-    host = torch.stack([n, token, hit.long()], 1).tolist()  # the step's one sync
-    return VerifyOutcome([r[0] for r in host], [r[1] for r in host], [bool(r[2]) for r in host])
+    if vb.any_loose:  # loose rows are chains
+        match = match | (vb.loose[:, None] & valid &
+                         _loose_accepts(match, tokens, scores, vb.counts, loose or LooseParams()))
+    # of siblings holding the same token (a malformed tree), the first one counts, as in
+    # ``tree_verify.verify_tree``: the accepted nodes stay one path
+    earlier = (parents[:, :, None] == parents[:, None, :]) & \
+        (idx[None, :, None] > idx[None, None, :])  # [B, N, N]: j is an earlier sibling of i
+    match = match & ~(earlier & match[:, None, :]).any(-1)
+    accepted = match
+    root = torch.ones(len(tokens), 1, dtype=torch.bool, device=logits.device)
+    for _ in range(max(0, vb.max_depth - 1)):  # a node is accepted with all its ancestors
+        accepted = match & torch.cat([root, accepted], 1).gather(1, parents + 1)
+    last = torch.where(accepted, idx + 1, 0).amax(1, keepdim=True) if N else \
+        torch.zeros(len(tokens), 1, dtype=torch.long, device=logits.device)
+    token = choices.gather(1, last)  # after the path's last node (row 0: the root)
+    host = torch.cat([token, accepted.long()], 1).tolist()  # the step's one sync
+    return VerifyOutcome([[i for i, a in enumerate(r[1:]) if a] for r in host],
+                         [r[0] for r in host])
 
 
 def verify_batch(logits: torch.Tensor, drafts: list[list[int]], params: list[SamplingParams],
@@ -217,7 +220,7 @@ def verify_batch(logits: torch.Tensor, drafts: list[list[int]], params: list[Sam
     vb = VerifyBatch.build([(d, list(range(-1, len(d) - 1))) for d in drafts], starts, params,
                            modes, logits.shape[-1], logits.device)
     out = verify_step(logits, vb, loose)
-    return list(zip(out.accepted, out.tokens))
+    return [(len(p), t) for p, t in zip(out.paths, out.tokens)]
 
 
 def _is_id(x, vocab: int) -> bool:

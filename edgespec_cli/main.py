@@ -140,6 +140,15 @@ def build_parser() -> argparse.ArgumentParser:
     add_threads_arg(d)
     d.set_defaults(func=run_bench_drafters)
 
+    f = sub.add_parser("bench-forward", help="what one verification forward costs, by dtype, "
+                                             "sessions and tokens a session (and where it goes)")
+    from .bench.forward_cost import add_bench_forward_args, run_bench_forward
+
+    add_bench_forward_args(f)
+    add_model_args(f)
+    add_threads_arg(f)
+    f.set_defaults(func=run_bench_forward)
+
     from .cluster import add_cluster_commands
     from .deploy import add_deploy_command
     from .simulate.cli import add_simulate_command

@@ -26,7 +26,8 @@ def add_status_command(sub) -> None:
 
 
 def render(st: dict) -> str:
-    lines = [f"model {st['model']} (edgespec {st['version']}), "
+    lines = [f"model {st['model']} ({st.get('dtype') or 'dtype not reported'}, "
+             f"edgespec {st['version']}), "
              f"{'healthy' if st['healthy'] else 'NOT healthy'}",
              f"sessions: {st['active_sessions']} active, {st['queued_sessions']} queued; "
              f"KV slots free: {st['free_kv_slots']}/{st['kv_slots']}; "

@@ -90,9 +90,9 @@ def test_chains_in_ragged_batches_have_the_bits_of_one_at_a_time(hd64_model, dty
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_trees_mixed_with_chains_have_the_bits_of_one_at_a_time(hd64_model, dtype, device):
     """Each row is a tree: the session's continuation as its spine plus random branches (a
-    chain row has none); the root's and every spine node's logits equal decoding the spine
-    alone (a branch node's keys are stored out of decoding order, so verification reads spine
-    rows only: ``tree_verify.exact_part``)."""
+    chain row has none); every spine node's logits equal decoding the spine alone, and a
+    branch node's equal decoding its own path (its keys, stored out of decoding order, are read
+    in decoding order: ``attention.TailKeys``)."""
     runner = _runner(hd64_model, dtype, device)
     rng = random.Random(f"trees-{dtype}")
     for batch in (1, 4, 11):
@@ -100,7 +100,7 @@ def test_trees_mixed_with_chains_have_the_bits_of_one_at_a_time(hd64_model, dtyp
         for _ in range(batch):
             prompt, cont = _session(rng)
             tokens, parents = list(cont[1:]), list(range(-1, len(cont) - 2))
-            for _ in range(rng.choice([0, 0, 2, 5])):  # branches off random spine nodes
+            for _ in range(rng.choice([0, 0, 2, 5, 12])):  # branches off any node
                 parents.append(rng.randrange(-1, len(tokens)))
                 tokens.append(rng.randrange(VOCAB))
             rows.append((prompt, cont[0], DraftTree(tuple(tokens), tuple(parents))))
@@ -112,7 +112,7 @@ def test_trees_mixed_with_chains_have_the_bits_of_one_at_a_time(hd64_model, dtyp
         for s in slots:
             runner.free_slot(s)
         for b, (prompt, root, tree) in enumerate(rows):
-            for node in range(-1, tree.spine_length()):
+            for node in range(-1, len(tree)):
                 path = [root] + [tree.tokens[i] for i in tree.path_to(node)]
                 ref = _one_at_a_time(runner, prompt, path)[-1]
                 assert torch.equal(logits[b, node + 1], ref), (dtype, batch, b, node)

@@ -112,6 +112,7 @@ def test_two_replicas_serve_sessions_identically_to_target_only(deployed, loopin
     with edgespec.Client(deployed["endpoint"], timeout=30) as c:
         s = c.status()
     assert s["kv_slots"] == 16 and s["healthy"]  # two replicas of 8 slots each
+    assert s["dtype"] == "float32"  # deploy --dtype reached the verifiers
     assert {d["device_id"] for d in s["drafters"] if d["attached"]} == {
         fleet.device_id_for(n, 0) for n in fleet.nodes() if n.node_id in deployed["boards"]}
 

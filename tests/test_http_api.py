@@ -242,6 +242,7 @@ def test_metrics_agree_with_the_generation_just_made(server, api):
     assert after["edgespec:spec_decode_num_accepted_tokens_total"] <= \
         after["edgespec:spec_decode_num_draft_tokens_total"]
     assert after["edgespec:kv_slots_free"] == 8 and after["edgespec:num_requests_running"] == 0
+    assert after["edgespec:model_info{dtype=float32}"] == 1
 
 
 def test_every_metric_the_dashboard_reads_is_in_the_live_metrics(server, api):
@@ -266,12 +267,14 @@ def test_status_command_after_a_generation(server, api):
     assert r.returncode == 0, r.stderr
     st = json.loads(r.stdout)
     assert st["healthy"] and st["kv_slots"] == 8 and st["free_kv_slots"] == 8
+    assert st["dtype"] == "float32"  # what served (the test server pins float32)
     [board] = [d for d in st["drafters"] if d["device_id"] == "board-1"]
     assert board["attached"] and board["draft_model"] == "mag"
     assert 0 < board["acceptance_rate"] <= 1 and board["mean_acceptance_length"] > 1
     assert st["tokens_per_s_last_minute"] > 0
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "board-1" in r.stdout and "KV slots free: 8/8" in r.stdout
+    assert "float32" in r.stdout
 
 
 def test_a_client_that_disconnects_cancels_its_session(looping_dir, tmp_path):

@@ -84,7 +84,7 @@ def test_tree_chunks_over_grpc_and_redis_give_target_only_output(fleet, tiny, sa
     for p, act in zip(PROMPTS, acts):
         ref = refs[tuple(p)]
         assert act.output == ref[:len(act.output)] and (len(act.output) == n or act.output[-1] == 2)
-    assert sum(a.stats.branch_tokens for a in acts) > 3  # branches were verified and hit
+    assert sum(a.stats.branch_tokens for a in acts) > 3  # branches were verified and accepted
 
 
 def test_an_agent_falls_back_to_chains_when_the_cache_refuses_trees():

@@ -178,29 +178,30 @@ def test_batched_tree_forward_equals_one_by_one(runner):
             runner.free_slot(s)
 
 
-def test_a_step_keeps_the_spine_and_emits_the_branch_token_with_decodings_bits(tiny, runner):
-    """A walk that would step into a branch keeps the spine nodes it accepted and emits the
-    branch token (the target's choice, read from a spine row): the slot then holds bit for bit
-    what decoding the same tokens one at a time leaves, and the next logits agree exactly."""
+def test_compaction_leaves_the_kv_a_chain_decode_of_the_path_leaves(tiny, runner):
+    """A path through a branch: the verdict is decoding's, and after compaction the slot holds
+    bit for bit what decoding the same tokens one at a time leaves (the branch's keys were
+    computed with its ancestors read in decoding order), so the next logits agree exactly."""
     prompt = PROMPTS[1]
-    ref = hf_greedy(tiny.model, prompt, 4)
-    assert len(ref) == 4
+    ref = hf_greedy(tiny.model, prompt, 5)
+    assert len(ref) == 5
     wrong = [(t + 1) % runner.vocab_size for t in ref]
+    # the accepted branch leaves the chain at depth 3 and comes last: its nodes must move
     tree = DraftTree.from_branches([[ref[0], ref[1], wrong[2]], [ref[0], wrong[1]],
                                     [ref[0], ref[1], ref[2], ref[3]]])
-    assert tree.spine_length() == 3
     s, c = _prefilled(runner, prompt), _prefilled(runner, prompt)
     try:
         verdict = step_tree(runner, s, prompt[-1], tree, SamplingParams())
-        assert verdict.path == [0, 1] and verdict.tokens == ref[:2] and verdict.token == ref[2]
-        for i, t in enumerate([prompt[-1]] + ref[:2]):
+        assert verdict.path == [0, 1, 4, 5]
+        assert verdict.tokens == ref[:4] and verdict.token == ref[4]
+        for i, t in enumerate([prompt[-1]] + ref[:4]):
             runner.forward([c], [[t]])
             runner.commit(c, len(prompt) + i)
         n = runner.length(s)
-        assert n == runner.length(c) == len(prompt) + 2
+        assert n == runner.length(c) == len(prompt) + 4
         for cache in runner.cache.k + runner.cache.v:
             assert torch.equal(cache[s, :, :n], cache[c, :, :n])
-        nxt = [ref[2], 20, 21]
+        nxt = [ref[4], 20, 21]
         assert torch.equal(runner.forward([s], [nxt])[0], runner.forward([c], [nxt])[0])
     finally:
         runner.free_slot(s)

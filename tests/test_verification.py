@@ -17,7 +17,7 @@ from edgespec.engine import Request, SpecEngine
 from edgespec.runner import TargetRunner
 from edgespec.sampling import (_MASK64, _signed, gumbel_of_keys, keyed_choice, position_key,
                                position_keys)
-from edgespec.tree_verify import DraftTree, exact_part, verify_tree
+from edgespec.tree_verify import DraftTree, verify_tree
 from edgespec.verification import VerifyBatch, verify_step
 
 V = 40
@@ -45,18 +45,18 @@ def test_device_noise_uses_the_host_hash_integers():
 
 
 def _random_tree(rng: random.Random) -> DraftTree:
-    n = rng.randint(0, 7)
-    spine = rng.randint(0, n)
-    parents = list(range(-1, spine - 1)) + [rng.randrange(-1, max(1, i)) for i in range(spine, n)]
-    parents = [min(p, i - 1) for i, p in enumerate(parents)]
-    return DraftTree(tuple(rng.randrange(V) for _ in range(n)), tuple(parents))
+    """A chain, or a trie of a few random branches (siblings hold distinct tokens)."""
+    if rng.random() < 0.3:
+        return DraftTree.chain([rng.randrange(V) for _ in range(rng.randint(0, 7))])
+    return DraftTree.from_branches([[rng.randrange(6) for _ in range(rng.randint(1, 5))]
+                                    for _ in range(rng.randint(1, 4))])
 
 
 @pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=1.0, seed=3),
                                     SamplingParams(temperature=0.7, top_k=6, top_p=0.9, seed=9)])
 def test_one_call_gives_each_rows_own_verdict(params):
     """Random trees (chains among them) and peaked random logits, verified in one batch: each
-    row's verdict is what the per-row rule gives (``verify_tree``, cut to its exact part)."""
+    row's verdict is what the per-row rule gives (``verify_tree``)."""
     rng = random.Random(str(params))
     for _ in range(20):
         trees = [_random_tree(rng) for _ in range(rng.randint(1, 9))]
@@ -71,10 +71,20 @@ def test_one_call_gives_each_rows_own_verdict(params):
                                [params] * len(trees), ["exact"] * len(trees), V)
         out = verify_step(logits, vb)
         for b, t in enumerate(trees):
-            full = verify_tree(logits[b, :1 + len(t)], t, params, starts[b])
-            ref = exact_part(full, t)
-            assert (out.accepted[b], out.tokens[b]) == (len(ref.path), ref.token)
-            assert out.branch_hits[b] == (len(ref.path) < len(full.path))
+            ref = verify_tree(logits[b, :1 + len(t)], t, params, starts[b])
+            assert (out.paths[b], out.tokens[b]) == (ref.path, ref.token)
+
+
+def test_siblings_holding_the_same_token_give_one_path():
+    """A malformed tree (an untrusted drafter's: two children of the root with the same token):
+    the first of them counts, as in ``verify_tree``, so the accepted nodes stay one path."""
+    tree = DraftTree((5, 5, 7, 8), (-1, -1, 0, 1))
+    logits = torch.zeros(1, 5, V)
+    logits[0, 0, 5] = logits[0, 1, 7] = logits[0, 2, 8] = logits[0, 3, 9] = 10
+    vb = VerifyBatch.build([(tree.tokens, tree.parents)], [3], [SamplingParams()], ["exact"], V)
+    out = verify_step(logits, vb)
+    ref = verify_tree(logits[0], tree, SamplingParams(), 3)
+    assert out.paths == [ref.path] == [[0, 2]] and out.tokens == [ref.token]
 
 
 def test_sampled_choices_equal_the_host_keyed_choice():

@@ -8,10 +8,11 @@ from collections import defaultdict
 
 CATEGORIES = ["mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag"]
 # baselines every method is compared with, where the run measured them
-BASELINES = ["target_only", "hf_generate", "hf_prompt_lookup", "hf_assisted",
-             "llamacpp_target_only", "llamacpp_prompt_lookup"]
-SUMMARY_BASELINES = ["target_only", "hf_generate", "hf_prompt_lookup", "hf_assisted",
-                     "llamacpp_prompt_lookup"]
+# (target_only_float32: float32 target-only, run when edgespec serves another dtype)
+BASELINES = ["target_only", "target_only_float32", "hf_generate", "hf_prompt_lookup",
+             "hf_assisted", "llamacpp_target_only", "llamacpp_prompt_lookup"]
+SUMMARY_BASELINES = ["target_only", "target_only_float32", "hf_generate", "hf_prompt_lookup",
+                     "hf_assisted", "llamacpp_target_only", "llamacpp_prompt_lookup"]
 LOOSE_PREFIX = "edgespec-loose:"
 TREE_TAG = "@tree"  # edgespec:SPEC@treeN: the drafter SPEC drafting token trees of width N
 
@@ -101,6 +102,7 @@ def _figures(table: dict, cats: list[str], method: str) -> dict:
 
 
 COLUMNS = [("tok/s", "tokens_per_s", "{:7.1f}"), ("x target", "speedup_vs_target_only", "{:8.2f}"),
+           ("x f32", "speedup_vs_target_only_float32", "{:6.2f}"),
            ("x hf gen", "speedup_vs_hf_generate", "{:8.2f}"),
            ("x hf pld", "speedup_vs_hf_prompt_lookup", "{:8.2f}"),
            ("x ll pld", "speedup_vs_llamacpp_prompt_lookup", "{:8.2f}"),

@@ -30,6 +30,7 @@ from .report import CATEGORIES, LOOSE_PREFIX, TREE_TAG, print_tables, summarize
 
 SPEC_BENCH = {"translation", "summarization", "qa", "math_reasoning", "rag"}  # else mt_bench
 HF_METHODS = ["hf_generate", "hf_prompt_lookup", "hf_assisted"]
+FLOAT32_TARGET = "target_only_float32"  # float32 target-only beside another served dtype
 LLAMACPP_METHODS = ["llamacpp_target_only", "llamacpp_prompt_lookup"]
 DEFAULT_DRAFTERS = "mag;cacheback;mag+cacheback;layers:4;cascade:layers:4,mag"
 
@@ -156,14 +157,20 @@ def run_bench(args) -> int:
     if trees:
         tree_gen = LocalGenerator(gen.target, "none", args.device, args.dtype,
                                   replace(cfg, tree_width=args.bench_tree_width))
-    gens = {"loose": loose_gen, "tree": tree_gen}
-    hf = None if args.skip_hf else HFBaselines(gen.target.model, gen.stop_ids, args.assist_layers)
+    # another dtype than float32: float32 target-only runs beside it, and transformers'
+    # baselines run in float32 (what a user would otherwise run)
+    f32 = None if gen.dtype == "float32" else LocalGenerator(args.model, "none", args.device,
+                                                             "float32", cfg)
+    gens = {"loose": loose_gen, "tree": tree_gen, "float32": f32}
+    hf = None if args.skip_hf else HFBaselines((f32 or gen).target.model, gen.stop_ids,
+                                               args.assist_layers)
     gguf = None
     if use_llamacpp:
         from edgespec.models import default_model_gguf
 
         gguf = default_model_gguf()
-    methods = ["target_only"] + ([] if hf is None else HF_METHODS) + \
+    methods = ["target_only"] + ([FLOAT32_TARGET] if f32 else []) + \
+              ([] if hf is None else HF_METHODS) + \
               (LLAMACPP_METHODS if gguf else []) + [f"edgespec:{d}" for d in drafters] + \
               [f"edgespec:{d}{TREE_TAG}{args.bench_tree_width}" for d in trees] + \
               ([f"{LOOSE_PREFIX}{loose}"] if loose else [])
@@ -244,7 +251,7 @@ def run_bench(args) -> int:
 
         report["fleet_warm"] = run_fleet_warm(gen, questions, encoded, refs,
                                               args.max_new_tokens, _log)
-    report["config"] = {"model": gen.target.name, "device": args.device, "dtype": args.dtype,
+    report["config"] = {"model": gen.target.name, "device": args.device, "dtype": gen.dtype,
                         "max_new_tokens": args.max_new_tokens, "questions": len(questions),
                         "threads": torch.get_num_threads(), "drafters": drafters,
                         "loose": loose, "loose_params": vars(cfg.loose), "trees": trees,
@@ -269,6 +276,8 @@ def _generator_for(method: str, gen, gens: dict):
     loose and tree generators."""
     if method == "target_only":
         return gen, "none"
+    if method == FLOAT32_TARGET:
+        return gens["float32"], "none"
     if method.startswith(LOOSE_PREFIX):
         return gens["loose"], method[len(LOOSE_PREFIX):]
     spec = method.split(":", 1)[1]
