@@ -126,3 +126,19 @@ def test_bench_writes_summary_json(tiny_dir, tmp_path):
         both = warm["categories"][cat]
         assert both["cold"]["identical_to_target_only"] and both["warm"]["identical_to_target_only"]
     assert "== qa ==" in r.stdout and "[1/" in r.stderr and "fleet table cold" in r.stdout
+
+def test_bench_forward_prints_a_table_and_writes_json(tiny_dir, tmp_path):
+    out = tmp_path / "fc.json"
+    r = edgespec("bench-forward", "--model", tiny_dir, "--batches", "1,2", "--tokens", "1,3",
+                 "--context", 20, "--repeat", 1, "--profile", "2,3", "--threads", 1,
+                 "--dtypes", "float32", "--json", out)
+    assert r.returncode == 0, r.stderr
+    report = json.loads(out.read_text())
+    cells = {(c["sessions"], c["tokens"]): c for c in report["cells"]}
+    assert set(cells) == {(1, 1), (1, 3), (2, 1), (2, 3)}
+    assert cells[(1, 1)]["vs_decode_step"] == 1.0 and all(c["ms"] > 0 for c in cells.values())
+    prof = report["profile"]["ms"]["float32"]
+    assert prof["total"] > 0 and set(prof) == {"linear", "attention", "head", "other", "total"}
+    assert "x decode step" in r.stdout and report["threads"] == 1
+    bad = edgespec("bench-forward", "--model", tiny_dir, "--batches", "0")
+    assert bad.returncode == 2 and "--batches" in bad.stderr
