@@ -11,7 +11,8 @@ Here every reduction a query's output goes through has a shape that does not dep
 - scores: keys @ queries^T as one matrix product per (row, kv head) with the keys as the product's
   rows (a multiple of ``KEY_BLOCK``) and the queries as its columns (padded to a multiple of
   ``col_tile``, at most ``MAX_COLS`` a product), reducing over head_dim only;
-- max over the keys: exact in any order; exp: elementwise;
+- max over the keys: exact in any order; exp: elementwise, every element on the vectorised path
+  (``pointwise``);
 - values: per key block of ``KEY_BLOCK`` keys, values^T @ probs with a fixed reduction length
   (the block), a ones row appended to the values so the same product also yields the softmax
   denominator; blocks are then summed in order by one running sum (``cumsum``: ``sum`` picks
@@ -31,7 +32,32 @@ import torch
 KEY_BLOCK = 64  # keys per block of the values product: its reduction length
 COL_TILE = 16  # query columns are padded to a multiple of this (float32 needs it; see above)
 MAX_COLS = 256  # at most this many query columns per product (MKL float32 blocks wider ones
-# differently); a longer call (a prefill chunk) runs in pieces of queries
+# differently); wider calls (a prefill chunk, a long tree of a wide-grouped model) run in pieces
+PIECE = 32768  # torch runs a pointwise op on fewer elements on one thread (its grain size)
+
+
+def pointwise(fn, x: torch.Tensor) -> torch.Tensor:
+    """``fn(x)`` for a pointwise op whose vectorised and scalar code differ in the last bit
+    (exp, log, silu), with every element on the vectorised path whatever the shape and the
+    thread count: torch hands the last elements of each thread's share (which depend on the
+    tensor's size and the threads) to scalar code. So on CPU the flattened input is padded to a
+    multiple of 64 and run in pieces of at most ``PIECE`` elements, each on one thread."""
+    if x.device.type != "cpu":
+        return fn(x)
+    flat = x.reshape(-1)
+    n = flat.numel()
+    if n % 64:
+        flat = torch.cat([flat, flat.new_zeros(64 - n % 64)])
+    out = fn(flat) if flat.numel() <= PIECE else torch.cat([fn(p) for p in flat.split(PIECE)])
+    return out[:n].view(x.shape)
+
+
+def _by_columns(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b with at most MAX_COLS of b's columns per product."""
+    if b.shape[-1] <= MAX_COLS:
+        return torch.matmul(a, b)
+    return torch.cat([torch.matmul(a, b[..., i:i + MAX_COLS])
+                      for i in range(0, b.shape[-1], MAX_COLS)], dim=-1)
 
 
 def padded_keys(n: int, max_len: int) -> int:
@@ -67,11 +93,6 @@ def invariant_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     Returns [B, T, kvh * g * hd] in q's dtype.
     """
     B, kvh, g, T, hd = q.shape
-    if g * T > MAX_COLS and tail is None:
-        step = max(1, MAX_COLS // g)
-        return torch.cat([invariant_attention(q[:, :, :, i:i + step], keys, values,
-                                              visible[:, i:i + step], col_tile)
-                          for i in range(0, T, step)], dim=1)
     n = keys.shape[2]
     nb = n // KEY_BLOCK
     m = g * T
@@ -79,7 +100,7 @@ def invariant_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     qt = q.permute(0, 1, 4, 2, 3).reshape(B, kvh, hd, m)  # [B, kvh, hd, g*T]
     if cols != m:
         qt = torch.nn.functional.pad(qt, (0, cols - m))
-    scores = torch.matmul(keys, qt).float()  # [B, kvh, n, cols]
+    scores = _by_columns(keys, qt).float()  # [B, kvh, n, cols]
     vis = visible.transpose(1, 2)[:, None, :, None, :].expand(B, 1, n, g, T).reshape(B, 1, n, m)
     if cols != m:  # padding columns see every key (their output is dropped; no 0/0)
         vis = torch.nn.functional.pad(vis, (0, cols - m), value=True)
@@ -87,12 +108,13 @@ def invariant_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     top = scores.amax(dim=2, keepdim=True)  # [B, kvh, 1, cols]
     if tail is not None:
         t_probs, t_cols = _tail_scores(q, keys, tail, top, col_tile)
-    probs = torch.exp(scores - top).to(values.dtype)
+    probs = pointwise(torch.exp, scores - top).to(values.dtype)
     vt = values.view(B, kvh, nb, KEY_BLOCK, hd + 1).transpose(-1, -2)  # [B, kvh, nb, hd+1, KB]
-    part = torch.matmul(vt, probs.view(B, kvh, nb, KEY_BLOCK, cols))  # [B, kvh, nb, hd+1, cols]
+    part = _by_columns(vt, probs.view(B, kvh, nb, KEY_BLOCK, cols))  # [B, kvh, nb, hd+1, cols]
     if tail is not None:
         part = _place_tail(part, values, tail, t_probs, t_cols, g)
-    # in block order, one running (float64) sum: sum() would pick its order by the shape
+    # in block order, one running sum (cumsum; on CPU it accumulates in float64): sum() would
+    # pick its association by the shape
     total = part.float().cumsum(dim=2)[:, :, -1]  # [B, kvh, hd + 1, cols]
     out = (total[:, :, :hd, :m] / total[:, :, hd:, :m]).to(q.dtype)  # [B, kvh, hd, g*T]
     return out.view(B, kvh, hd, g, T).permute(0, 4, 1, 3, 2).reshape(B, T, kvh * g * hd)
@@ -118,7 +140,7 @@ def _tail_scores(q: torch.Tensor, keys: torch.Tensor, tail: TailKeys, top: torch
     both = torch.maximum(top[tail.rows[:, None], :, 0, cols], t_top[..., :g].transpose(1, 2))
     top[tail.rows[:, None], :, 0, cols] = both  # [S, g, kvh]
     t_top = torch.cat([both.transpose(1, 2), t_top[..., g:]], dim=-1)
-    return torch.exp(st - t_top[:, :, None, :]), cols
+    return pointwise(torch.exp, st - t_top[:, :, None, :]), cols
 
 
 def _place_tail(part: torch.Tensor, values: torch.Tensor, tail: TailKeys, t_probs: torch.Tensor,
@@ -141,12 +163,13 @@ def _place_tail(part: torch.Tensor, values: torch.Tensor, tail: TailKeys, t_prob
 
 
 def probe_invariance(dtype: torch.dtype, device: str | torch.device = "cpu",
-                     col_tile: int = COL_TILE) -> bool:
+                     col_tile: int = COL_TILE, kv_heads: int = 2, group: int = 3,
+                     head_dim: int = 64) -> bool:
     """Whether ``invariant_attention`` gives a query the same bits alone and inside a wider,
-    longer call on this machine, in ``dtype``: a few milliseconds, run before a dtype is served
-    as lossless."""
+    longer call on this machine, in ``dtype``, for a model's head layout (kv heads, query heads
+    per kv head, head size): milliseconds, run before a dtype is served as lossless."""
     g = torch.Generator().manual_seed(0)
-    kvh, grp, hd, n_big = 2, 3, 64, 4 * KEY_BLOCK
+    kvh, grp, hd, n_big = kv_heads, group, head_dim, 4 * KEY_BLOCK
 
     def rand(*shape):
         return torch.randn(*shape, generator=g).to(dtype=dtype, device=device)
@@ -159,7 +182,7 @@ def probe_invariance(dtype: torch.dtype, device: str | torch.device = "cpu",
     ctx = torch.tensor([70, 130, 200], device=device)  # row b's query t sits at ctx[b] + t
     visible = pos[None, None, :] <= (ctx[:, None] + torch.arange(7, device=device))[:, :, None]
     wide = invariant_attention(q, keys, values, visible, col_tile)
-    long_q = rand(1, kvh, grp, 150, hd)  # a prefill chunk: pieces of MAX_COLS columns
+    long_q = rand(1, kvh, grp, 150, hd)  # a prefill chunk: products of MAX_COLS columns
     long_vis = pos[None, None, :] <= (50 + torch.arange(150, device=device))[None, :, None]
     long_out = invariant_attention(long_q, keys[:1], values[:1], long_vis, col_tile)
     for t in (0, 99, 149):

@@ -26,13 +26,15 @@ COL_TILES = (16, 32, 64, 128)
 
 
 @functools.lru_cache(maxsize=None)
-def attention_tile(dtype: torch.dtype, device: str = "cpu") -> int | None:
-    """The smallest query-column tile at which attention is batch-invariant here, or None."""
+def attention_tile(dtype: torch.dtype, device: str = "cpu", kv_heads: int = 2, group: int = 3,
+                   head_dim: int = 64) -> int | None:
+    """The smallest query-column tile at which attention is batch-invariant here for this head
+    layout, or None."""
     from .attention import probe_invariance
 
     for tile in COL_TILES:
         try:
-            if probe_invariance(dtype, device, col_tile=tile):
+            if probe_invariance(dtype, device, tile, kv_heads, group, head_dim):
                 return tile
         except RuntimeError as exc:  # a kernel this machine lacks for the dtype
             log.info("attention probe in %s on %s failed: %s", dtype, device, exc)
@@ -62,6 +64,18 @@ def packed_linear_exact(dtype: torch.dtype, device: str = "cpu") -> bool:
     err = (wide.float() - ref).abs().max().item()
     return (torch.equal(alone, wide) and torch.equal(pairs, wide)
             and err <= 0.05 * ref.abs().max().item())
+
+
+def linear_rows_exact(lin, rows: int = 16, seed: int = 2) -> bool:
+    """Whether a runner ``Linear`` gives each of ``rows`` random rows the same bits alone, in
+    pairs and all together (the served model's own weights and shapes)."""
+    g = torch.Generator().manual_seed(seed)
+    w = lin.weight
+    x = torch.randn(rows, w.shape[1], generator=g).to(device=w.device, dtype=w.dtype)
+    wide = lin(x)
+    alone = torch.cat([lin(x[i:i + 1]) for i in range(rows)])
+    pairs = torch.cat([lin(x[i:i + 2]) for i in range(0, rows, 2)])
+    return torch.equal(alone, wide) and torch.equal(pairs, wide)
 
 
 def exact_here(name: str, device: str = "cpu") -> bool:

@@ -21,9 +21,9 @@ from typing import Protocol, Sequence
 import torch
 import torch.nn.functional as F
 
-from .attention import KEY_BLOCK, TailKeys, invariant_attention, padded_keys
+from .attention import KEY_BLOCK, TailKeys, invariant_attention, padded_keys, pointwise
 from .config import ConfigError
-from .dtype_probe import attention_tile
+from .dtype_probe import attention_tile, linear_rows_exact
 from .kv_cache import KVCache, contiguous_start
 
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2")
@@ -135,12 +135,23 @@ class TargetRunner:
         capacity = -(-max_len // KEY_BLOCK) * KEY_BLOCK  # attention reads whole key blocks
         self._init_rope(base.rotary_emb, capacity)
         self.scale = self.head_dim ** -0.5
-        self.col_tile = attention_tile(self.dtype, str(self.device))
-        if self.col_tile is None:
-            raise ConfigError(f"attention in {self.dtype} on {self.device} is not batch-invariant "
-                              "here (its probe failed): use float32 or --dtype auto")
+        self.col_tile = attention_tile(self.dtype, str(self.device), self.kv_heads,
+                                       self.n_heads // self.kv_heads, self.head_dim)
         self.cache = KVCache(self.n_layers, n_slots, max_len, self.kv_heads, self.head_dim,
                              dtype=self.dtype, device=self.device, capacity=capacity)
+        self._check_invariance()
+
+    def _check_invariance(self) -> None:
+        """Refuse (ConfigError) to serve a model whose kernels are not batch-invariant here in
+        its dtype: the attention probe at this model's head layout, and the row check on the
+        first layer's linears and the LM head (its own weights), a few hundred milliseconds."""
+        layer = self.layers[0]
+        lins = [layer.qkv, layer.o, layer.gate_up, layer.down, self.lm_head]
+        if self.col_tile is None or not all(linear_rows_exact(lin) for lin in lins):
+            raise ConfigError(
+                f"this model's kernels in {str(self.dtype).removeprefix('torch.')} on "
+                f"{self.device} are not batch-invariant here (their probe failed), so "
+                "speculative decoding would not be lossless: use float32 or --dtype auto")
 
     @staticmethod
     def _load_layer(hf_layer: torch.nn.Module, pack: bool) -> _Layer:
@@ -237,10 +248,10 @@ class TargetRunner:
         Row b holds [root] + trees[b].tokens, stored at the slot's length L onwards in node
         order (node i at L + 1 + i), but positioned by depth (node i at L + depth(i)): a token
         sees the slot's prefix, the root and its own ancestors only, so each node's logits are
-        those of the chain root -> ... -> node: bitwise for the spine (nodes 0..s-1 hanging
-        one from the next, stored where decoding stores them), up to float rounding for branch
-        nodes (their keys sit out of decoding order). The mask is built on the device from the
-        parents. Trees are trusted (the caller validated them). Writes keys/values without
+        those of the chain root -> ... -> node, bit for bit: the spine (nodes 0..s-1 hanging
+        one from the next) is stored where decoding stores it, and a branch node reads its
+        ancestors' keys in decoding order (``attention.TailKeys``). The mask is built on the
+        device from the parents. Trees are trusted (the caller validated them). Writes keys/values without
         moving the length pointer; ``compact`` then keeps the accepted path. Returns
         [B, 1 + N_max, V] float32: row 0 scores the root's successor, row 1 + i node i's (rows
         past a tree's end are padding).
@@ -318,7 +329,7 @@ class TargetRunner:
                                       visible, self.col_tile, tail)  # [B, T, nh * hd]
             x = x + layer.o(att)
             gate, up = layer.gate_up(self._rms(x, layer.ln2)).chunk(2, dim=-1)
-            x = x + layer.down(F.silu(gate) * up)
+            x = x + layer.down(pointwise(F.silu, gate) * up)
         return x
 
     def prefill(self, slot: int, tokens: list[int], chunk: int = 512) -> None:

@@ -36,6 +36,7 @@ import secrets
 import numpy as np
 import torch
 
+from .attention import pointwise
 from .config import LooseParams, SamplingParams
 from .loose_verify import accept_loosely, entropy
 
@@ -129,7 +130,7 @@ def gumbel_of_keys(keys: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     float64 [..., V], computed in integer tensor ops on their device."""
     z = _mix((ids + 1) * _GOLDEN_S + keys)
     u = (_shr(z, 11).double() + 0.5) * 2.0 ** -53
-    return -torch.log(-torch.log(u))
+    return pointwise(lambda t: -torch.log(-torch.log(t)), u)
 
 
 def keyed_gumbel(seed: int, pos: int, ids) -> torch.Tensor:

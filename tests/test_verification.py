@@ -75,6 +75,43 @@ def test_one_call_gives_each_rows_own_verdict(params):
             assert (out.paths[b], out.tokens[b]) == (ref.path, ref.token)
 
 
+def test_rows_with_their_own_settings_and_modes_in_one_call():
+    """Greedy, sampled, top-k, top-p and loose rows side by side: each row's verdict is its own
+    rule's (``verify_tree`` for exact rows, ``sampling.verify_loose`` for loose chains)."""
+    from edgespec.config import LooseParams
+    from edgespec.sampling import verify_loose
+
+    loose = LooseParams(entropy=0.5, window=1)
+    settings = [SamplingParams(), SamplingParams(temperature=1.0, seed=5),
+                SamplingParams(temperature=0.8, top_k=3, seed=6),
+                SamplingParams(temperature=1.2, top_p=0.7, seed=7),
+                SamplingParams(temperature=0.9, top_k=50, top_p=0.5, seed=8),
+                SamplingParams(temperature=0.7, top_k=1, seed=9)]
+    rng = random.Random(1)
+    for _ in range(15):
+        rows = []
+        for p in settings:
+            mode = rng.choice(["exact", "exact", "loose"])
+            tree = _random_tree(rng) if mode == "exact" else \
+                DraftTree.chain([rng.randrange(6) for _ in range(rng.randint(0, 6))])
+            rows.append((p, mode, tree))
+        N = max(len(t) for _, _, t in rows)
+        logits = torch.randn(len(rows), 1 + N, V) * 2
+        logits[:, :, :6] += 3  # the drafted ids are likely
+        starts = [rng.randrange(50) for _ in rows]
+        vb = VerifyBatch.build([(t.tokens, t.parents) for _, _, t in rows], starts,
+                               [p for p, _, _ in rows], [m for _, m, _ in rows], V)
+        out = verify_step(logits, vb, loose)
+        for b, (p, mode, t) in enumerate(rows):
+            if mode == "loose":
+                n, token = verify_loose(logits[b, :1 + len(t)], list(t.tokens), p, starts[b],
+                                        loose)
+                assert (len(out.paths[b]), out.tokens[b]) == (n, token), (b, p)
+            else:
+                ref = verify_tree(logits[b, :1 + len(t)], t, p, starts[b])
+                assert (out.paths[b], out.tokens[b]) == (ref.path, ref.token), (b, p)
+
+
 def test_siblings_holding_the_same_token_give_one_path():
     """A malformed tree (an untrusted drafter's: two children of the root with the same token):
     the first of them counts, as in ``verify_tree``, so the accepted nodes stay one path."""
