@@ -155,14 +155,20 @@ class LoadedModel:
         return tokenizer_fingerprint(self.tokenizer)
 
 
-def load_model(spec: str = "default", device: str = "cpu", dtype: str = "auto") -> LoadedModel:
+def load_model(spec: str = "default", device: str = "cpu", dtype: str = "auto",
+               exact: bool = True) -> LoadedModel:
     """Load a causal LM and its tokenizer from a spec, on ``device`` in ``dtype`` ("auto":
-    bfloat16 where its exact path runs here, else float32; ``edgespec.dtype_probe``)."""
+    bfloat16 where its exact path runs here, else float32; ``edgespec.dtype_probe``). A target
+    (``exact``) is refused in a dtype that is not batch-invariant here; a drafter's model may
+    use any dtype."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ConfigError(f"device {device!r} asked for, but no CUDA device is available")
-    dtype = resolve_dtype(dtype, device)
+    if exact or dtype == "auto":
+        dtype = resolve_dtype(dtype, device)
+    elif dtype not in DTYPES:
+        raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     directory, gguf = resolve_model_path(spec)
     kwargs = {"gguf_file": gguf} if gguf else {}
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=DTYPES[dtype], **kwargs)

@@ -21,7 +21,8 @@ from typing import Protocol, Sequence
 import torch
 import torch.nn.functional as F
 
-from .attention import KEY_BLOCK, TailKeys, invariant_attention, padded_keys, pointwise
+from .attention import (COL_TILE, KEY_BLOCK, TailKeys, invariant_attention, padded_keys,
+                        pointwise)
 from .config import ConfigError
 from .dtype_probe import attention_tile, linear_rows_exact
 from .kv_cache import KVCache, contiguous_start
@@ -105,7 +106,7 @@ def _fuse(mods: list[torch.nn.Linear], attr: str = "weight") -> torch.Tensor | N
 
 class TargetRunner:
     def __init__(self, model: torch.nn.Module, n_slots: int = 4, max_len: int = 2048,
-                 n_layers: int | None = None, pack: bool = True,
+                 n_layers: int | None = None, pack: bool = True, exact: bool = True,
                  share_weights: "TargetRunner | None" = None):
         cfg = model.config
         if cfg.model_type not in SUPPORTED_TYPES:
@@ -135,19 +136,23 @@ class TargetRunner:
         capacity = -(-max_len // KEY_BLOCK) * KEY_BLOCK  # attention reads whole key blocks
         self._init_rope(base.rotary_emb, capacity)
         self.scale = self.head_dim ** -0.5
-        self.col_tile = attention_tile(self.dtype, str(self.device), self.kv_heads,
-                                       self.n_heads // self.kv_heads, self.head_dim)
+        # exact: the target (verification must be batch-invariant); a drafter's runner need
+        # not be (a draft may be anything), so it is neither checked nor refused
+        tile = attention_tile(self.dtype, str(self.device), self.kv_heads,
+                              self.n_heads // self.kv_heads, self.head_dim) if exact else None
+        self.col_tile = tile or COL_TILE
         self.cache = KVCache(self.n_layers, n_slots, max_len, self.kv_heads, self.head_dim,
                              dtype=self.dtype, device=self.device, capacity=capacity)
-        self._check_invariance()
+        if exact:
+            self._check_invariance(tile)
 
-    def _check_invariance(self) -> None:
+    def _check_invariance(self, tile: int | None) -> None:
         """Refuse (ConfigError) to serve a model whose kernels are not batch-invariant here in
         its dtype: the attention probe at this model's head layout, and the row check on the
         first layer's linears and the LM head (its own weights), a few hundred milliseconds."""
         layer = self.layers[0]
         lins = [layer.qkv, layer.o, layer.gate_up, layer.down, self.lm_head]
-        if self.col_tile is None or not all(linear_rows_exact(lin) for lin in lins):
+        if tile is None or not all(linear_rows_exact(lin) for lin in lins):
             raise ConfigError(
                 f"this model's kernels in {str(self.dtype).removeprefix('torch.')} on "
                 f"{self.device} are not batch-invariant here (their probe failed), so "

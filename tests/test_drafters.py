@@ -120,3 +120,19 @@ def test_alpha_follows_acceptance_and_probes_come_back():
     for _ in range(5):
         k.update(4, 4)
     assert k.alpha > 0.8 > low
+
+
+def test_a_model_drafter_may_run_in_a_dtype_a_target_may_not(tiny_draft_dir):
+    """Drafts need not be exact: a model drafter loads and drafts in float16, which this CPU's
+    probe refuses for a target (it is not batch-invariant here)."""
+    from edgespec.config import ConfigError, SamplingParams
+    from edgespec.dtype_probe import exact_here
+    from edgespec.models import load_model
+
+    d = build_drafter(f"model:{tiny_draft_dir}", dtype="float16")
+    session = d.open([1, 10, 11, 12], SamplingParams())
+    assert all(isinstance(t, int) for t in session.propose(3).tokens)
+    session.close()
+    if not exact_here("float16"):
+        with pytest.raises(ConfigError, match="not batch-invariant"):
+            load_model(str(tiny_draft_dir), dtype="float16")

@@ -82,8 +82,12 @@ def test_layer_skip_runner_shares_weights_and_uses_fewer_layers(tiny, runner):
         TargetRunner(tiny.model, n_layers=99)
 
 
-def test_unpacked_runner_agrees_with_packed(tiny, runner):
-    plain = TargetRunner(tiny.model, n_slots=1, max_len=64, pack=False)
+def test_unpacked_runner_agrees_with_packed_and_is_refused_as_a_target(tiny, runner):
+    """Unpacked float32 weights (MKL's sgemm) are not row-invariant: a target runner refuses
+    them; a drafter's runner (exact=False) may use them."""
+    with pytest.raises(ConfigError, match="not batch-invariant"):
+        TargetRunner(tiny.model, n_slots=1, max_len=64, pack=False)
+    plain = TargetRunner(tiny.model, n_slots=1, max_len=64, pack=False, exact=False)
     a, b = runner.new_slot(), plain.new_slot()
     ids = [[7, 8, 9, 10, 11]]
     assert torch.allclose(runner.forward([a], ids), plain.forward([b], ids), atol=1e-4)

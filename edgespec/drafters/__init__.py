@@ -83,7 +83,7 @@ def build_drafter(spec: str | DrafterSpec, target=None, target_runner=None, n_sl
         if target is None:
             raise ConfigError("layers:L needs the target model")
         runner = TargetRunner(target.model, n_slots=n_slots, max_len=max_len, n_layers=int(arg),
-                              share_weights=target_runner)
+                              share_weights=target_runner, exact=False)
         return ModelDrafter(runner, name=f"layers:{arg}")
     if kind == "llamacpp":
         from .llamacpp import LlamaCppDrafter
@@ -97,8 +97,8 @@ def build_drafter(spec: str | DrafterSpec, target=None, target_runner=None, n_sl
                                              dtype, fleet=fleet) for m in parsed.members])
     from ..models import check_same_tokenizer, load_model
 
-    draft = loaded or load_model(arg, device=device, dtype=dtype)
+    draft = loaded or load_model(arg, device=device, dtype=dtype, exact=False)
     if target is not None:
         check_same_tokenizer(target.tokenizer, draft.tokenizer, arg)
-    return ModelDrafter(TargetRunner(draft.model, n_slots=n_slots, max_len=max_len),
+    return ModelDrafter(TargetRunner(draft.model, n_slots=n_slots, max_len=max_len, exact=False),
                         name=f"model:{arg}")

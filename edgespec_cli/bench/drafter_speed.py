@@ -75,7 +75,7 @@ def bench_drafters(specs: list[str], target, prompts: list[list[int]], n_tokens:
     for spec in specs:
         parsed = parse_drafter_spec(spec)
         if parsed.kind == "layers" and runner is None:
-            runner = TargetRunner(target.model, n_slots=1, max_len=max_len)
+            runner = TargetRunner(target.model, n_slots=1, max_len=max_len, exact=False)
         drafter = build_drafter(parsed, target, runner, n_slots=1, max_len=max_len,
                                 loaded=target if parsed.kind == "model"
                                 and parsed.arg == target_spec else None)
