@@ -108,6 +108,12 @@ def test_bench_writes_summary_json(tiny_dir, tmp_path):
     assert {r["method"] for r in results} >= {
         "target_only", "hf_generate", "hf_prompt_lookup", "hf_assisted", "edgespec:mag",
         "edgespec-loose:mag"}
+    from edgespec.dtype_probe import resolve_dtype
+
+    assert report["config"]["dtype"] == resolve_dtype("auto")
+    if report["config"]["dtype"] != "float32":  # float32 target-only runs beside it
+        assert "target_only_float32" in {r["method"] for r in results}
+        assert summary["speedup_vs_target_only_float32"] > 0
     loose = [r for r in results if r["method"] == "edgespec-loose:mag"]
     assert all(r["stats"]["lossless"] is False and 0 <= r["token_match_rate"] <= 1
                for r in loose)
