@@ -39,17 +39,24 @@ PIECE = 32768  # torch runs a pointwise op on fewer elements on one thread (its 
 def pointwise(fn, x: torch.Tensor) -> torch.Tensor:
     """``fn(x)`` for a pointwise op whose vectorised and scalar code differ in the last bit
     (exp, log, silu), with every element on the vectorised path whatever the shape and the
-    thread count: torch hands the last elements of each thread's share (which depend on the
-    tensor's size and the threads) to scalar code. So on CPU the flattened input is padded to a
-    multiple of 64 and run in pieces of at most ``PIECE`` elements, each on one thread."""
+    thread count. torch runs such an op on k = min(threads, ceil(n / PIECE)) threads, each
+    taking ceil(n / k) elements, and hands the last n % 64 (or fewer) elements of each share to
+    scalar code; so on CPU the flattened input is padded until every share is a whole number
+    of 64 elements."""
     if x.device.type != "cpu":
         return fn(x)
     flat = x.reshape(-1)
-    n = flat.numel()
-    if n % 64:
-        flat = torch.cat([flat, flat.new_zeros(64 - n % 64)])
-    out = fn(flat) if flat.numel() <= PIECE else torch.cat([fn(p) for p in flat.split(PIECE)])
-    return out[:n].view(x.shape)
+    n = size = flat.numel()
+    threads = torch.get_num_threads()
+    while True:  # grows at most a few times: a share of 64 * k more each time
+        k = max(1, min(threads, -(-size // PIECE)))
+        padded = -(-size // (64 * k)) * 64 * k
+        if padded == size:
+            break
+        size = padded
+    if size != n:
+        flat = torch.cat([flat, flat.new_zeros(size - n)])
+    return fn(flat)[:n].view(x.shape)
 
 
 def _by_columns(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
