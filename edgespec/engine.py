@@ -354,8 +354,7 @@ class SpecEngine:
         out = verify_step(logits, vb, self.cfg.loose)
         checked = []
         for (act, t), tree, path, token in zip(batch, trees, out.paths, out.tokens):
-            if any(i != j for j, i in enumerate(path)):  # a branch: its keys/values into place
-                self.target.compact(act.slot, path)
+            self.target.compact(act.slot, path)  # a branch's keys/values into place
             n = sum(1 for i in path if i < len(t.tokens))  # the path's chain nodes come first
             checked.append(_Checked(n, token, tuple(tree.tokens[i] for i in path[n:])))
         return checked

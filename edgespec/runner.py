@@ -256,8 +256,9 @@ class TargetRunner:
         those of the chain root -> ... -> node, bit for bit: the spine (nodes 0..s-1 hanging
         one from the next) is stored where decoding stores it, and a branch node reads its
         ancestors' keys in decoding order (``attention.TailKeys``). The mask is built on the
-        device from the parents. Trees are trusted (the caller validated them). Writes keys/values without
-        moving the length pointer; ``compact`` then keeps the accepted path. Returns
+        device from the parents. Trees are trusted (the caller validated them). Writes
+        keys/values without moving the length pointer; ``compact`` then keeps the accepted path
+        (it moves nothing for a path along the spine). Returns
         [B, 1 + N_max, V] float32: row 0 scores the root's successor, row 1 + i node i's (rows
         past a tree's end are padding).
         """
@@ -294,7 +295,8 @@ class TargetRunner:
         """Keep a verified tree's accepted path: move the keys/values of nodes ``path`` (node
         indices, root to leaf) to the positions right after the root, and set the slot's length
         to cover root + path, as if the chain root + path had been verified. Call it right
-        after ``forward_tree`` on this slot (the length pointer still at the root)."""
+        after ``forward`` or ``forward_tree`` on this slot (the length pointer still at the
+        root); a path along the chain moves nothing."""
         root = self.cache.lengths[slot]
         path = [int(i) for i in path]
         if any(b <= a for a, b in zip(path, path[1:])) or (path and path[0] < 0):

@@ -86,18 +86,6 @@ def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
 
 
 # -- position-keyed randomness --------------------------------------------------------------------
-def _splitmix64(x: int) -> int:
-    z = (x + _GOLDEN) & _MASK64
-    z = ((z ^ (z >> 30)) * _MIX1) & _MASK64
-    z = ((z ^ (z >> 27)) * _MIX2) & _MASK64
-    return z ^ (z >> 31)
-
-
-def position_key(seed: int, pos: int) -> int:
-    """The 64-bit key of absolute position ``pos`` in a generation seeded with ``seed``."""
-    return _splitmix64(_splitmix64(int(seed) & _MASK64) ^ (int(pos) & _MASK64))
-
-
 def _signed(c: int) -> int:
     """A 64-bit pattern as the int64 torch stores it."""
     c &= _MASK64
@@ -120,8 +108,17 @@ def _mix(z: torch.Tensor) -> torch.Tensor:
 
 
 def position_keys(seeds: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-    """``position_key`` on tensors, on their device: seeds and positions int64 (broadcast)."""
+    """The keys of absolute positions ``pos`` in generations seeded with ``seeds``:
+    splitmix64(splitmix64(seed) ^ pos) as int64 bit patterns, on the tensors' device (seeds and
+    positions int64, broadcast)."""
     return _mix((_mix(seeds + _GOLDEN_S) ^ pos) + _GOLDEN_S)
+
+
+def position_key(seed: int, pos: int) -> int:
+    """The 64-bit key of absolute position ``pos`` in a generation seeded with ``seed``
+    (``position_keys`` for one position, as an unsigned integer)."""
+    return int(position_keys(torch.tensor(_signed(int(seed))), torch.tensor(_signed(int(pos))))
+               ) & _MASK64
 
 
 def gumbel_of_keys(keys: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -141,7 +138,8 @@ def keyed_gumbel(seed: int, pos: int, ids) -> torch.Tensor:
         x = torch.arange(int(ids), dtype=torch.long)
     else:
         x = torch.as_tensor(np.asarray(ids, dtype=np.int64))
-    return gumbel_of_keys(torch.tensor(_signed(position_key(seed, pos))), x)
+    return gumbel_of_keys(position_keys(torch.tensor(_signed(int(seed))),
+                                        torch.tensor(_signed(int(pos)))), x)
 
 
 def keyed_choice(scores: torch.Tensor, seed: int, pos: int) -> int:

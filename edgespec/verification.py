@@ -45,12 +45,14 @@ class VerifyBatch:
     loose: torch.Tensor  # [B] bool: FLy's rule (chains only)
     # what runs, known on the host without looking at a tensor
     any_sampled: bool
-    any_top_k: bool
     max_top_k: int  # the largest top-k of a sampled row (0: none)
     any_top_p: bool
     any_loose: bool
-    max_nodes: int
     max_depth: int  # the deepest node's depth (0 without nodes)
+
+    @property
+    def max_nodes(self) -> int:
+        return self.tokens.shape[1]
 
     @classmethod
     def build(cls, drafts: list[tuple[list[int], list[int]]], starts: list[int],
@@ -93,12 +95,10 @@ class VerifyBatch:
                    greedy=dev(greedy, torch.bool), loose=dev([m == "loose" for m in modes],
                                                             torch.bool),
                    any_sampled=not all(greedy),
-                   any_top_k=any(not g and p.top_k for g, p in zip(greedy, params)),
                    max_top_k=max([p.top_k or 0 for g, p in zip(greedy, params) if not g],
                                  default=0),
                    any_top_p=any(not g and p.top_p < 1.0 for g, p in zip(greedy, params)),
-                   any_loose=any(m == "loose" for m in modes), max_nodes=N,
-                   max_depth=max_depth)
+                   any_loose=any(m == "loose" for m in modes), max_depth=max_depth)
 
 
 @dataclass(frozen=True)
@@ -116,7 +116,7 @@ def filter_scores(logits: torch.Tensor, vb: VerifyBatch) -> torch.Tensor:
     ``sampling.filtered_logits`` row by row."""
     x = logits.float() / vb.temperature[:, None, None]
     V = x.shape[-1]
-    if vb.any_top_k:
+    if vb.max_top_k:
         k = vb.top_k.clamp(0, V)
         kmax = min(V, vb.max_top_k)  # each row's k-th largest, from one top-kmax
         kth = torch.topk(x, kmax, dim=-1).values.gather(

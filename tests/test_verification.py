@@ -23,6 +23,13 @@ from edgespec.verification import VerifyBatch, verify_step
 V = 40
 
 
+def _splitmix64(x: int) -> int:
+    z = (x + 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
 def _splitmix_stream(key: int, x: int) -> int:
     """The host hash in plain Python integers: the 64-bit word behind token x's noise."""
     z = ((x + 1) * 0x9E3779B97F4A7C15 + key) & _MASK64
@@ -36,7 +43,8 @@ def test_device_noise_uses_the_host_hash_integers():
     keys = position_keys(torch.tensor([[_signed(s)] for s in seeds]), torch.tensor([positions]))
     for i, s in enumerate(seeds):
         for j, p in enumerate(positions):
-            assert keys[i, j].item() == _signed(position_key(s, p))
+            ref = _splitmix64(_splitmix64(s & _MASK64) ^ (p & _MASK64))  # in plain integers
+            assert keys[i, j].item() == _signed(ref) and position_key(s, p) == ref
     key = position_key(42, 7)
     ids = torch.tensor([0, 1, 5, 49151, 2 ** 20])
     u = (torch.tensor([_splitmix_stream(key, int(x)) >> 11 for x in ids], dtype=torch.float64)
