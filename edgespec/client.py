@@ -11,10 +11,14 @@ A prompt is one user message through the model's chat template (``raw=True`` sen
 the session to one drafter. ``verify="loose"`` asks for FLy's lossy verification (refused with
 ``InvalidRequest`` unless the verifier was started with ``--verify loose``), ``verify="exact"``
 insists on lossless verification; ``result.lossless`` (and ``stats["lossless"]``) says which the
-session got. ``timeout`` is a deadline in seconds for the whole call: a server that is
-not up yet is waited for within it, and a stream that breaks (the verifier restarted) is resumed
-by session id within it, token-identically. Failures raise subclasses of ``EdgespecError`` named
-after their gRPC status.
+session got. A client's first call fails at once with ``Unavailable`` when no connection can
+be made at all ("nothing is listening at ADDR"). ``timeout`` is a deadline in seconds for the
+whole call: a server that is restarting is waited for within it, and a stream that breaks
+(the verifier restarted) is resumed by session id within it, token-identically; a session the
+verifier's cache lost meanwhile (a resume answered NOT_FOUND) is re-created from the prompt
+and the tokens already received, and goes on as target-only decoding would (``result.seed``:
+the session's sampling seed, the verifier's choice when none was given). Failures raise
+subclasses of ``EdgespecError`` named after their gRPC status.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from .config import SamplingParams
+from .reachability import ConnectWatch, unreachable_reason_aio
 from .v1 import edgespec_pb2 as pb
 from .v1 import edgespec_pb2_grpc as pb_grpc
 from .wire import auth_metadata, make_channel, params_to_pb, stats_from_pb
@@ -102,6 +107,7 @@ class GenerateResult:
     prompt_tokens: int
     stats: dict = field(default_factory=dict)
     resumed: int = 0  # how many times the stream was resumed after a break
+    seed: int | None = None  # the session's sampling seed (the verifier's choice if none given)
 
     @property
     def lossless(self) -> bool:
@@ -142,19 +148,40 @@ class _Resumer:
     dropped) is resumed by session id, up to ``max_resumes`` times within the call's deadline;
     the verifier sends only the tokens after those already received, so the caller sees one
     unbroken stream. Before a session id is known, nothing was admitted: the request is sent
-    again as it was."""
+    again as it was. A resume answered NOT_FOUND (the cache lost the session: a Redis without
+    persistence restarted with the verifier) re-creates the session: the request again, with
+    the tokens received as ``committed_ids`` and the seed the verifier reported."""
 
     def __init__(self, req: pb.GenerateRequest, timeout: float | None, max_resumes: int):
         self.req, self.max_resumes = req, max_resumes
         self.deadline = None if timeout is None else time.monotonic() + timeout
         self.session_id: str | None = None
-        self.received = 0
+        self.tokens: list[int] = []  # every output token received
+        self.seed: int | None = req.sampling.seed if req.sampling.has_seed else None
         self.resumes = 0
+        self.recreating = False  # the cache lost the session: send the request again
+        self._first = True  # the next response is a stream's first
+
+    @property
+    def received(self) -> int:
+        return len(self.tokens)
 
     def next_request(self) -> pb.GenerateRequest:
+        self._first = True
         if self.session_id is None:
             return self.req
+        if self.recreating:
+            return self.recreate_request()
         return pb.GenerateRequest(resume_session_id=self.session_id, resume_from=self.received)
+
+    def recreate_request(self) -> pb.GenerateRequest:
+        req = pb.GenerateRequest()
+        req.CopyFrom(self.req)
+        req.committed_ids.extend(self.tokens)
+        req.lost_session_id = self.session_id or ""
+        if self.seed is not None:
+            req.sampling.has_seed, req.sampling.seed = True, self.seed
+        return req
 
     def time_left(self) -> float | None:
         if self.deadline is None:
@@ -166,17 +193,30 @@ class _Resumer:
         return left
 
     def seen(self, r: pb.GenerateResponse) -> None:
+        if self._first:
+            self._first = False
+            if self.recreating and not r.resumed:  # a verifier that predates re-creation
+                raise NotFound(f"NOT_FOUND: the verifier lost session {self.session_id} and "
+                               "cannot re-create it", grpc.StatusCode.NOT_FOUND)
+            self.recreating = False
+            if r.sampling.has_seed:
+                self.seed = r.sampling.seed
         if r.session_id:
             self.session_id = r.session_id
-        self.received += len(r.token_ids)
+        self.tokens.extend(r.token_ids)
 
     def retry_after(self, e: grpc.RpcError) -> float:
         """Seconds to wait before resuming; raises the error (as an EdgespecError) to give up."""
         resumable = e.code() in RESUMABLE or (  # a resume that found the server full
             self.session_id is not None and e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED)
-        if not resumable or self.resumes >= self.max_resumes:
+        lost = (self.session_id is not None and not self.recreating
+                and e.code() == grpc.StatusCode.NOT_FOUND)  # a resume the cache cannot serve
+        if not (resumable or lost) or self.resumes >= self.max_resumes:
             raise _translate(e) from None
         self.resumes += 1
+        if lost:
+            self.recreating = True
+            return 0.0
         return min(2.0, 0.1 * 2 ** self.resumes)
 
 
@@ -188,10 +228,13 @@ class _Collector:
         self.text, self.ids = [], []
         self.meta = pb.GenerateResponse()
         self.final = None
+        self.seed: int | None = None
 
     def add(self, r: pb.GenerateResponse) -> StreamPiece | None:
         if r.device_id or r.prompt_tokens:
             self.meta = r
+        if r.sampling.has_seed:
+            self.seed = r.sampling.seed
         if r.finished:
             self.final = r
             return StreamPiece([], "", r.finish_reason, stats_from_pb(r.stats))
@@ -206,7 +249,8 @@ class _Collector:
             raise EdgespecError("the stream ended without a final response")
         return GenerateResult("".join(self.text), self.ids, self.final.finish_reason,
                               self.final.session_id, self.meta.device_id,
-                              self.meta.prompt_tokens, stats_from_pb(self.final.stats), resumes)
+                              self.meta.prompt_tokens, stats_from_pb(self.final.stats), resumes,
+                              self.seed)
 
 
 class Client:
@@ -218,14 +262,18 @@ class Client:
                  max_resumes: int = 8, tls_cert: str | None = None, tls_key: str | None = None):
         self.channel = make_channel(address, tls_ca, tls, client_cert=tls_cert,
                                     client_key=tls_key)
+        self._watch = ConnectWatch(self.channel, address)
+        self._reached = False  # the channel connected once: calls wait for restarts after
         self.stub = pb_grpc.VerifierStub(self.channel)
         self.metadata = auth_metadata(token)
         self.timeout = timeout
         self.max_resumes = max_resumes
         self.last_session_id: str | None = None
         self.last_resumes = 0
+        self.last_seed: int | None = None  # the last stream's sampling seed, once reported
 
     def close(self) -> None:
+        self._watch.stop()
         self.channel.close()
 
     def __enter__(self) -> "Client":
@@ -234,10 +282,21 @@ class Client:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    def _first_contact(self, timeout: float | None) -> None:
+        """Before the first call, fail fast (Unavailable) where the connection cannot be made
+        at all, a wrong address say (see edgespec.reachability)."""
+        if self._reached:
+            return
+        reason = self._watch.unreachable_reason(timeout)
+        if reason is not None:
+            raise Unavailable(f"UNAVAILABLE: {reason}")
+        self._reached = True
+
     def _responses(self, req, timeout):
         """The stream's responses, resumed across breaks. ``wait_for_ready``: a server that is
-        not up yet (or restarting) is waited for, up to the deadline."""
+        restarting is waited for, up to the deadline."""
         res = _Resumer(req, timeout or self.timeout, self.max_resumes)
+        self._first_contact(res.time_left())
         while True:
             call = self.stub.Generate(res.next_request(), timeout=res.time_left(),
                                       metadata=self.metadata, wait_for_ready=True)
@@ -246,6 +305,7 @@ class Client:
                     res.seen(r)
                     self.last_session_id = res.session_id
                     self.last_resumes = res.resumes
+                    self.last_seed = res.seed
                     yield r
                 return
             except grpc.RpcError as e:
@@ -270,6 +330,7 @@ class Client:
         return coll.result(self.last_resumes)
 
     def cancel(self, session_id: str) -> bool:
+        self._first_contact(self.timeout or 10)
         try:
             return self.stub.Cancel(pb.CancelRequest(session_id=session_id),
                                     timeout=self.timeout or 10, metadata=self.metadata).cancelled
@@ -280,6 +341,7 @@ class Client:
         """What the verifier and its drafters are doing now (the ``Status`` RPC) as a dict."""
         from google.protobuf.json_format import MessageToDict
 
+        self._first_contact(self.timeout or 10)
         try:
             res = self.stub.Status(pb.StatusRequest(), timeout=self.timeout or 10,
                                    metadata=self.metadata, wait_for_ready=True)
@@ -297,6 +359,8 @@ class AsyncClient:
                  max_resumes: int = 8, tls_cert: str | None = None, tls_key: str | None = None):
         self.channel = make_channel(address, tls_ca, tls, aio=True, client_cert=tls_cert,
                                     client_key=tls_key)
+        self.address = address
+        self._reached = False
         self.stub = pb_grpc.VerifierStub(self.channel)
         self.metadata = auth_metadata(token)
         self.timeout = timeout
@@ -311,8 +375,17 @@ class AsyncClient:
     async def __aexit__(self, *exc) -> None:
         await self.close()
 
+    async def _first_contact(self, timeout: float | None) -> None:
+        if self._reached:
+            return
+        reason = await unreachable_reason_aio(self.channel, self.address, timeout)
+        if reason is not None:
+            raise Unavailable(f"UNAVAILABLE: {reason}")
+        self._reached = True
+
     async def _responses(self, req, timeout, res: _Resumer | None = None):
         res = res or _Resumer(req, timeout or self.timeout, self.max_resumes)
+        await self._first_contact(res.time_left())
         while True:
             call = self.stub.Generate(res.next_request(), timeout=res.time_left(),
                                       metadata=self.metadata, wait_for_ready=True)
@@ -342,6 +415,7 @@ class AsyncClient:
         return coll.result(res.resumes)
 
     async def cancel(self, session_id: str) -> bool:
+        await self._first_contact(self.timeout or 10)
         try:
             res = await self.stub.Cancel(pb.CancelRequest(session_id=session_id),
                                          timeout=self.timeout or 10, metadata=self.metadata)

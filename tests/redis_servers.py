@@ -28,7 +28,8 @@ class ExternalRedis:
             return
         binary = SYSTEM_REDIS if os.path.exists(SYSTEM_REDIS) else None
         if binary is None:
-            pytest.skip("no external Redis: install redis-server or set EDGESPEC_TEST_REDIS_URL")
+            pytest.skip("no external Redis: install redis-server (apt-get install redis-server) "
+                        "or set EDGESPEC_TEST_REDIS_URL")
         port = free_port()
         self.dir = tempfile.mkdtemp(prefix="es-ext-redis-")
         self.proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1",

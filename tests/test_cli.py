@@ -99,7 +99,8 @@ def test_bench_writes_summary_json(tiny_dir, tmp_path):
     assert set(drafters) == {"mag", "cacheback", "cascade:layers:2,mag",
                              "mag+cacheback@tree3", "loose:mag"}
     assert summary["method"] in {f"edgespec:{d}" for d in drafters}
-    assert drafters["loose:mag"]["lossless"] is False and "token_match_rate" in drafters["loose:mag"]
+    loose = drafters["loose:mag"]
+    assert loose["lossless"] is False and "token_match_rate" in loose
     for name in ("mag", "cacheback", "cascade:layers:2,mag", "mag+cacheback@tree3"):
         fig = drafters[name]
         assert fig["lossless"] is True and fig["speedup_vs_target_only"] > 0
@@ -148,3 +149,32 @@ def test_bench_forward_prints_a_table_and_writes_json(tiny_dir, tmp_path):
     assert "x decode step" in r.stdout and report["threads"] == 1
     bad = edgespec("bench-forward", "--model", tiny_dir, "--batches", "0")
     assert bad.returncode == 2 and "--batches" in bad.stderr
+
+
+def test_generate_reads_the_prompt_from_a_file_or_stdin(tiny, tiny_dir, tmp_path):
+    prompt = "abc\nabc abc"  # a newline, kept
+    ref = hf_greedy(tiny.model, encode_prompt(tiny.tokenizer, prompt), 12)
+    path = tmp_path / "prompt.txt"
+    path.write_text(prompt, encoding="utf-8")
+    common = ["--model", tiny_dir, "--max-new-tokens", 12, "--json", "--dtype", "float32"]
+    r = edgespec("generate", "--prompt-file", path, *common)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["token_ids"] == ref
+    r = subprocess.run([sys.executable, "-m", "edgespec_cli", "generate", "--prompt-file", "-",
+                        *map(str, common)], input=prompt, capture_output=True, text=True,
+                       timeout=300, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["token_ids"] == ref
+
+
+@pytest.mark.parametrize("args,message", [
+    (["hello", "--prompt-file", "prompt.txt"], "not both"),
+    ([], "no prompt"),
+    (["--prompt-file", "missing.txt"], "cannot read the prompt file"),
+])
+def test_prompt_and_prompt_file_exactly_one(tiny_dir, tmp_path, args, message):
+    (tmp_path / "prompt.txt").write_text("hi")
+    args = [str(tmp_path / a) if a.endswith(".txt") else a for a in args]
+    r = edgespec("generate", *args, "--model", tiny_dir)
+    assert r.returncode == 2 and message in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr

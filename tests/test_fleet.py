@@ -14,10 +14,11 @@ import time
 import pytest
 from conftest import hf_greedy
 
-pytest.importorskip("ray")
+pytest.importorskip("ray", reason="ray is not installed (pip install -e '.[fleet]', or the "
+                           "test extra)")
 
 import edgespec  # noqa: E402
-from edgespec import fleet  # noqa: E402
+from edgespec_cli.fleet import placement as fleet  # noqa: E402
 from edgespec.config import ConfigError  # noqa: E402
 from edgespec.wire import free_port  # noqa: E402
 

@@ -16,7 +16,8 @@ from edgespec_cli.simulate.cli import find_capacity, parse_devices
 from edgespec_cli.simulate.records import RequestRecord, RunRecord
 from edgespec_cli.simulate.run import deal
 
-pytest.importorskip("ray")
+pytest.importorskip("ray", reason="ray is not installed (pip install -e '.[fleet]', or the "
+                           "test extra)")
 
 
 def test_small_fleet_reports_every_figure_and_is_lossless(looping_dir, tmp_path):
@@ -79,7 +80,7 @@ def test_capacity_search_finds_the_largest_fleet_meeting_the_slo():
 
 
 def test_requests_are_dealt_to_devices_in_turn_and_devices_parse():
-    assert deal([], 5, 2) == [[0, 2, 4], [1, 3]]
+    assert deal(5, 2) == [[0, 2, 4], [1, 3]]
     assert parse_devices("4") == [4] and parse_devices("8,1,2") == [1, 2, 8]
     for bad in ("0", "x", ""):
         with pytest.raises(ConfigError):
@@ -99,7 +100,7 @@ def test_bad_options_are_refused_before_anything_starts(args, message):
 def test_open_loop_sends_requests_at_the_rate_in_order_until_the_duration_ends():
     from concurrent.futures import ThreadPoolExecutor
 
-    from edgespec.device_profiles import PROFILES
+    from edgespec_cli.fleet.device_profiles import PROFILES
     from edgespec_cli.simulate.run import FleetRun, SimSettings
 
     run = FleetRun(None, SimSettings(model="x", rate=1000.0), [PROFILES["local"]] * 2, "on",
@@ -108,7 +109,7 @@ def test_open_loop_sends_requests_at_the_rate_in_order_until_the_duration_ends()
     run._request = lambda dev, k, due: sent.append((k, dev, due))
     try:
         with ThreadPoolExecutor(1) as pool:  # one thread: calls complete in submission order
-            run._open_loop(pool, deal([], 10, 2), started=100.0, stop_at=100.0 + 0.0065)
+            run._open_loop(pool, deal(10, 2), started=100.0, stop_at=100.0 + 0.0065)
     finally:
         run.close()
     assert [(k, dev) for k, dev, _ in sent] == [(k, k % 2) for k in range(7)]

@@ -6,9 +6,9 @@ import json
 import pytest
 
 from edgespec_cli.simulate.records import RequestRecord, RunRecord
-from edgespec_cli.simulate.report import (add_capacity, build_report, busy_time, format_table,
-                                          inter_token_latencies, nearest_rank, summarize_run,
-                                          write_json, write_plots)
+from edgespec_cli.simulate.report import (add_capacity, build_report, busy_time, figures,
+                                          format_table, inter_token_latencies, nearest_rank,
+                                          summarize_run, write_json, write_plots)
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 REAL = ["verifier", "draft cache (embedded Redis)", "drafters (MaG)", "gRPC"]
@@ -195,3 +195,59 @@ def test_write_plots_single_device_count_and_error_only(tmp_path):
                 tmp_path / "one")
     assert_pngs(write_plots([error_only_run()], str(tmp_path / "err")), tmp_path / "err")
     assert_pngs(write_plots([], str(tmp_path / "none")), tmp_path / "none")
+
+
+def chart_texts(fig) -> dict:
+    """What a chart says: its caption, its axes' value labels, its legend entries."""
+    ax = fig.axes[0]
+    legend = ax.get_legend()
+    return {"caption": [t.get_text() for t in fig.texts],
+            "labels": [t.get_text() for t in ax.texts],
+            "legend": [t.get_text() for t in legend.get_texts()] if legend else []}
+
+
+def test_summarize_run_counts_latency_samples():
+    assert summarize_run(run())["samples"] == {"ttft": 3, "itl": 8}
+    assert summarize_run(error_only_run())["samples"] == {"ttft": 0, "itl": 0}
+
+
+def test_charts_carry_values_sample_counts_and_the_run_settings():
+    import matplotlib.pyplot as plt
+
+    report = build_report(sweep(), lossless=None, real=REAL, config={
+        "model": "tiny", "dtype": "float32", "devices": "1,2,4", "prompts": 4, "json": "x"},
+        emulated={"pi5": {"drafter": "mag", "link": "20 ms"}})
+    figs = figures(report)
+    try:
+        texts = {name: chart_texts(fig) for name, fig in figs.items()}
+    finally:
+        for fig in figs.values():
+            plt.close(fig)
+    for name, t in texts.items():
+        (caption,) = t["caption"]
+        for setting in ("model tiny", "dtype float32", "devices 1,2,4", "prompts 4",
+                        "drafters pi5: mag", "KV slots 8", "5 run(s), 20 requests, 5 errors"):
+            assert setting in caption, (name, caption)
+        assert "json" not in caption
+    # on: 11 tokens in 5 s at 1 device, 11 in 10 s at 2 and 4; off: 11/15 and 11/20
+    throughput = texts["throughput_vs_devices.png"]
+    assert throughput["labels"] == ["2.2", "1.1", "1.1", "0.733", "0.55"]
+    assert throughput["legend"] == ["batching on (n=9 requests)", "batching off (n=6 requests)"]
+    assert texts["itl_p99_vs_devices.png"]["legend"] == [
+        "batching on (n=24 ITL samples)", "batching off (n=16 ITL samples)"]
+    bars = texts["batching_on_vs_off.png"]
+    assert sorted(bars["labels"]) == sorted(["2.2", "1.1", "1.1", "0.733", "0.55"])
+    assert bars["legend"] == ["batching on (n=9 requests)", "batching off (n=6 requests)"]
+    assert texts["acceptance_per_device.png"]["labels"] == ["0.70\nn=20", "0.20\nn=5"]
+
+
+def test_charts_from_runs_alone_still_have_a_caption():
+    import matplotlib.pyplot as plt
+
+    figs = figures([run("on", 2)])
+    try:
+        captions = [chart_texts(fig)["caption"] for fig in figs.values()]
+    finally:
+        for fig in figs.values():
+            plt.close(fig)
+    assert all(c == ["KV slots 8; 1 run(s), 4 requests, 1 errors"] for c in captions), captions

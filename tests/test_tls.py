@@ -13,7 +13,7 @@ from procs import start_serve
 @pytest.fixture(scope="module")
 def certs(tmp_path_factory):
     if shutil.which("openssl") is None:
-        pytest.skip("openssl is needed to make a test certificate")
+        pytest.skip("openssl is needed to make a test certificate (apt-get install openssl)")
     d = tmp_path_factory.mktemp("tls")
     subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
                     "-subj", "/CN=localhost", "-addext", "subjectAltName=IP:127.0.0.1",

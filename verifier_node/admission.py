@@ -11,6 +11,7 @@ reader of a ticket and cancels the session when its last reader goes away.
 from __future__ import annotations
 
 import contextlib
+import logging
 from dataclasses import dataclass, field
 
 from edgespec.config import ConfigError, SamplingParams
@@ -18,8 +19,11 @@ from edgespec.engine import Request, Result
 from edgespec.ids import check_device_id, check_session_id, shown
 from edgespec.metrics import Stats
 from edgespec.models import encode_prompt
+from edgespec.sampling import with_session_seed
 
 from .scheduler import Scheduler, Ticket
+
+log = logging.getLogger("edgespec.verifier")
 
 # A prompt longer than this many characters per context token cannot fit: refused before the
 # tokenizer spends seconds on it.
@@ -40,6 +44,10 @@ class GenerationRequest:
     device_id: str = ""
     resume_session_id: str = ""
     verify: str = ""  # "" (the verifier's mode), "exact" or "loose" (lossy; opt-in)
+    # re-creating a session the cache lost: the output the client already has (the session
+    # continues after it) and the id it held (a pinned drafter that is gone is then passed over)
+    committed: list[int] = field(default_factory=list)
+    lost_session_id: str = ""
 
 
 class NotFound(Exception):
@@ -110,15 +118,44 @@ class Admission:
         if g.max_new_tokens < 0:
             raise ConfigError("max_new_tokens must be >= 0 (0: the server's default)")
         device = check_device_id(g.device_id) if g.device_id else None
+        lost = check_session_id(g.lost_session_id) if g.lost_session_id else ""
         if device and not self.store.is_alive(device):
-            raise DrafterMissing(f"drafter {device!r} is not attached")
-        return self._ticket(Request(ids, g.max_new_tokens or self.default_max_new, g.params,
-                                    verify=g.verify), device)
+            if not lost:
+                raise DrafterMissing(f"drafter {device!r} is not attached")
+            device = None  # a re-created session, like a resumed one, goes on without it
+        # the seed is chosen here, not at prefill, so that the first response can report it
+        request = Request(ids, g.max_new_tokens or self.default_max_new,
+                          with_session_seed(g.params), committed=list(g.committed),
+                          verify=g.verify)
+        if lost:
+            log.info("re-creating session %s (lost by the cache) from %d tokens the client "
+                     "holds", shown(lost), len(g.committed))
+            done = self._already_done(request)
+            if done is not None:
+                return done
+        return self._ticket(request, device)
+
+    def _already_done(self, request: Request) -> Ticket | None:
+        """A re-created session whose client already holds its whole output (only the last
+        response was lost): a finished ticket, nothing to generate."""
+        out = request.committed
+        if len(out) >= request.max_new_tokens:
+            reason = "length"
+        elif out and out[-1] in self.scheduler.engine.stop_ids:
+            reason = "stop"
+        else:
+            return None
+        if any(not isinstance(t, int) or not 0 <= t < self.vocab_size for t in out):
+            raise ConfigError(f"committed token ids must be integers in [0, {self.vocab_size})")
+        done = Ticket(request, None)
+        done.finish(Result(out, Stats(lossy=request.verify == "loose"), reason))
+        return done
 
     def _resume_ticket(self, g: GenerationRequest) -> Ticket:
         sid = check_session_id(g.resume_session_id)
-        if g.prompt or g.messages or g.prompt_ids:
-            raise ConfigError("a resumed session takes its prompt from the cache: send none")
+        if g.prompt or g.messages or g.prompt_ids or g.committed:
+            raise ConfigError("a resumed session takes its prompt and output from the cache: "
+                              "send none")
         running = self.scheduler.ticket(sid)
         if running is not None:
             return running

@@ -25,6 +25,7 @@ from collections import OrderedDict
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from edgespec.request_parsing import add_servicer
 from edgespec.v1 import edgespec_pb2 as pb
 from edgespec.v1 import edgespec_pb2_grpc as pb_grpc
 from edgespec.wire import auth_metadata, bind, make_channel, make_server, resolve_token
@@ -58,9 +59,9 @@ class VerifierRouter(pb_grpc.VerifierServicer):
         self._lock = threading.Lock()
         self._stopping = threading.Event()
         self.server = make_server(max_streams + 16, self.token)
-        pb_grpc.add_VerifierServicer_to_server(self, self.server)
+        add_servicer(pb_grpc.add_VerifierServicer_to_server, self, self.server)
         self.health = health.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        add_servicer(health_pb2_grpc.add_HealthServicer_to_server, self.health, self.server)
         self.port = bind(self.server, listen)
 
     @property

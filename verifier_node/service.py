@@ -8,7 +8,11 @@ UNAVAILABLE (retryable: the SDK resumes the session). A client that goes away, o
 passes, cancels its session unless another stream follows it.
 
 A request with ``resume_session_id`` continues a session from what the cache holds: the
-running one when this verifier runs it, else re-admitted from its committed tokens.
+running one when this verifier runs it, else re-admitted from its committed tokens. A session
+the cache lost is re-created by the client: its original request again, with the tokens it
+received (``committed_ids``) and ``lost_session_id``; the stream then starts after them. The
+first response reports the session's sampling parameters, the seed the verifier chose for
+unseeded sampling included, so that a re-created session continues the same draw.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from edgespec.ids import check_session_id
 from edgespec.text_stream import TextStream
 from edgespec.v1 import edgespec_pb2 as pb
 from edgespec.v1 import edgespec_pb2_grpc as pb_grpc
-from edgespec.wire import params_from_pb, stats_to_pb
+from edgespec.wire import params_from_pb, params_to_pb, stats_to_pb
 
 from .admission import Admission, DrafterMissing, GenerationRequest, NotFound
 from .scheduler import Overloaded, ShuttingDown, Ticket
@@ -41,7 +45,8 @@ def generation_request(req: pb.GenerateRequest) -> GenerationRequest:
         messages=[{"role": m.role, "content": m.content} for m in req.messages],
         prompt_ids=list(req.prompt_ids), max_new_tokens=req.max_new_tokens,
         params=params_from_pb(req.sampling), device_id=req.device_id,
-        resume_session_id=req.resume_session_id, verify=req.verify)
+        resume_session_id=req.resume_session_id, verify=req.verify,
+        committed=list(req.committed_ids), lost_session_id=req.lost_session_id)
 
 
 class VerifierService(pb_grpc.VerifierServicer):
@@ -88,7 +93,9 @@ class VerifierService(pb_grpc.VerifierServicer):
         # The client's own count wins even when the cache holds fewer tokens (Redis lost its
         # last second): the output is deterministic, so the tokens regenerated up to that count
         # are the ones the client has, and it gets no duplicates.
-        cursor = max(0, request.resume_from) if request.resume_session_id else 0
+        # A re-created session (the cache lost it) starts after the tokens the client holds.
+        cursor = (max(0, request.resume_from) if request.resume_session_id
+                  else len(request.committed_ids))
         with self.admission.follow(ticket):
             yield from self._follow(ticket, cursor, request, context)
 
@@ -96,7 +103,9 @@ class VerifierService(pb_grpc.VerifierServicer):
         sid = ticket.session_id
         yield pb.GenerateResponse(session_id=sid, device_id=ticket.device or "",
                                   prompt_tokens=len(ticket.request.prompt_ids),
-                                  resumed=bool(request.resume_session_id))
+                                  resumed=bool(request.resume_session_id
+                                               or request.lost_session_id),
+                                  sampling=params_to_pb(ticket.request.params))
         pieces: list[str] = []
         text = None  # made at the first new tokens, when the ones before the cursor exist
         while True:

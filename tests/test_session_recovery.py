@@ -1,0 +1,257 @@
+"""Sessions the verifier's cache lost are re-created by the SDK from what it holds.
+
+A verifier whose Redis does not keep its sessions (``edgespec serve``'s embedded Redis lives in a
+temporary folder of the process; an external Redis without persistence) forgets every session
+when it is killed. A client whose stream broke then resumes by session id and is answered
+NOT_FOUND; the SDK sends its request again with the output tokens it already received
+(``committed_ids``) and, for sampling without a seed, the seed the verifier reported on the
+first response, so the caller sees one unbroken stream identical to target-only decoding.
+
+Three layers: the SDK's resume logic alone (no server), admission in process (the embedded
+Redis, the scheduler driven by hand), and a real ``edgespec serve`` killed with SIGKILL while
+three streams (greedy, seeded, unseeded) run, restarted on the same port. A drafter attached and
+frozen with SIGSTOP (``--draft-wait-ms 2000``) makes every step of the first serve wait 2 s for
+drafts, so the kill after the first token lands between tokens: "mid-generation" is structural,
+not a matter of timing luck. (The sampled prompts end in tokens after which the looping model
+samples its stop token with a probability below 1e-5: their first token never ends them.)
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+
+import grpc
+import pytest
+from conftest import hf_greedy
+
+import edgespec
+from cache_service.redis_conn import RedisHandle
+from cache_service.store import RedisSessionStore
+from edgespec.client import NotFound, _Resumer, build_request
+from edgespec.config import ConfigError, EngineConfig, SamplingParams
+from edgespec.engine import Request, SpecEngine
+from edgespec.models import stop_token_ids
+from edgespec.runner import TargetRunner
+from edgespec.v1 import edgespec_pb2 as pb
+from edgespec.wire import free_port
+from procs import start_drafter, start_serve
+from verifier_node.admission import Admission, GenerationRequest, NotFound as AdmissionNotFound
+from verifier_node.scheduler import Scheduler
+
+TOKEN = "rec0ver"
+PROMPT = [1, 10, 11, 12, 13, 10, 11]
+N = 120  # tokens per streamed generation
+PROMPTS = [[1, 10, 11, 12, 13, 10, 11], [1, 30, 31, 7], [1, 40, 41, 13]]
+SEED = 1234
+TEMPERATURE = 0.7
+
+
+def target_only(model, prompt, n, params) -> list[int]:
+    """Target-only decoding in process (no drafter): the reference every path must match."""
+    runner = TargetRunner(model.model, n_slots=1, max_len=512)
+    engine = SpecEngine(runner, None, EngineConfig(max_sessions=1, max_context=512),
+                        stop_token_ids(model))
+    return engine.generate(Request(list(prompt), n, params)).token_ids
+
+
+# -- the SDK's resume logic ------------------------------------------------------------------------
+class _Err(grpc.RpcError):
+    def __init__(self, code: grpc.StatusCode):
+        self._code = code
+
+    def code(self):
+        return self._code
+
+    def details(self):
+        return "test"
+
+
+SID_A, SID_B = "a" * 32, "b" * 32
+
+
+def test_a_resume_answered_not_found_recreates_the_session_from_what_the_client_holds():
+    req = build_request("hi", max_new_tokens=9, temperature=0.7, device_id="d1")
+    res = _Resumer(req, None, max_resumes=8)
+    assert res.next_request() is req
+    res.seen(pb.GenerateResponse(session_id=SID_A, prompt_tokens=3, sampling=pb.SamplingParams(
+        temperature=0.7, top_p=1.0, has_seed=True, seed=77)))  # the seed the verifier chose
+    res.seen(pb.GenerateResponse(session_id=SID_A, token_ids=[5, 6]))
+    assert res.retry_after(_Err(grpc.StatusCode.UNAVAILABLE)) > 0  # the verifier died
+    resume = res.next_request()
+    assert resume.resume_session_id == SID_A and resume.resume_from == 2
+    assert res.retry_after(_Err(grpc.StatusCode.NOT_FOUND)) == 0  # its cache lost the session
+    again = res.next_request()
+    assert again.prompt == "hi" and again.max_new_tokens == 9 and again.device_id == "d1"
+    assert list(again.committed_ids) == [5, 6] and again.lost_session_id == SID_A
+    assert again.sampling.has_seed and again.sampling.seed == 77
+    assert again.sampling.temperature == pytest.approx(0.7)
+    assert not req.committed_ids and not req.sampling.has_seed  # the original is left as it was
+    # a verifier restarting meanwhile: the re-creation is sent again, not a resume
+    assert res.retry_after(_Err(grpc.StatusCode.UNAVAILABLE)) > 0
+    assert res.next_request().lost_session_id == SID_A
+    res.seen(pb.GenerateResponse(session_id=SID_B, resumed=True, sampling=again.sampling))
+    res.seen(pb.GenerateResponse(session_id=SID_B, token_ids=[7]))
+    later = res.next_request()  # the re-created session breaks in turn: resumed by its id
+    assert later.resume_session_id == SID_B and later.resume_from == 3
+    assert res.resumes == 3
+
+
+def test_not_found_before_any_session_or_from_an_old_verifier_is_raised():
+    res = _Resumer(build_request(prompt_ids=[1, 2]), None, max_resumes=8)
+    with pytest.raises(NotFound):  # nothing was admitted: a real NOT_FOUND
+        res.retry_after(_Err(grpc.StatusCode.NOT_FOUND))
+    res.seen(pb.GenerateResponse(session_id=SID_A, token_ids=[4]))
+    assert res.retry_after(_Err(grpc.StatusCode.NOT_FOUND)) == 0
+    res.next_request()
+    with pytest.raises(NotFound):  # a verifier that ignores committed_ids would repeat tokens
+        res.seen(pb.GenerateResponse(session_id=SID_B, resumed=False))
+
+
+# -- admission in process --------------------------------------------------------------------------
+@pytest.fixture()
+def parts(looping):
+    handle = RedisHandle()
+    store = RedisSessionStore(handle.client, ttl_s=60)
+    runner = TargetRunner(looping.model, n_slots=2, max_len=256)
+    engine = SpecEngine(runner, None, EngineConfig(max_sessions=2, max_context=256),
+                        stop_token_ids(looping), store=store)
+    sched = Scheduler(engine, max_queue=2)
+    admission = Admission(sched, store, looping.tokenizer, runner.vocab_size)
+    yield store, engine, sched, admission
+    handle.close()
+
+
+def run_out(sched, engine) -> None:
+    sched._admit()
+    while engine.active:
+        engine.step()
+
+
+def test_a_recreated_session_continues_after_the_clients_tokens(parts, looping):
+    _, engine, sched, admission = parts
+    ref = hf_greedy(looping.model, PROMPT, 12)
+    ticket = admission.admit(GenerationRequest(
+        prompt_ids=PROMPT, max_new_tokens=12, device_id="gone", lost_session_id=SID_A,
+        committed=ref[:5]))  # pinned to a drafter that is not attached: passed over
+    assert ticket.device is None and ticket.tokens == ref[:5] and ticket.session_id != SID_A
+    run_out(sched, engine)
+    assert ticket.result.token_ids == ref
+
+
+def test_unseeded_sampling_reports_its_seed_and_a_recreation_continues_the_draw(parts, looping):
+    store, engine, sched, admission = parts
+    ticket = admission.admit(GenerationRequest(prompt_ids=PROMPT, max_new_tokens=40,
+                                               params=SamplingParams(temperature=1.0)))
+    seed = ticket.request.params.seed  # chosen at admission: the first response reports it
+    assert seed is not None
+    sched._admit()
+    for _ in range(3):
+        engine.step()
+    sched._shut_down()  # the verifier stops; then its Redis forgets the session
+    held = list(ticket.tokens)
+    assert 0 < len(held) < 40
+    store.redis.delete(*store.session_keys(ticket.session_id))
+    with pytest.raises(AdmissionNotFound):
+        admission.admit(GenerationRequest(resume_session_id=ticket.session_id))
+    again = admission.admit(GenerationRequest(
+        prompt_ids=PROMPT, max_new_tokens=40, lost_session_id=ticket.session_id,
+        params=SamplingParams(temperature=1.0, seed=seed), committed=held))
+    run_out(sched, engine)
+    ref = target_only(looping, PROMPT, 40, SamplingParams(temperature=1.0, seed=seed))
+    assert again.result.token_ids == ref
+
+
+def test_a_client_holding_the_whole_output_gets_the_end_and_no_more_tokens(parts, looping):
+    _, _, _, admission = parts
+    ref = hf_greedy(looping.model, PROMPT, 6)
+    done = admission.admit(GenerationRequest(prompt_ids=PROMPT, max_new_tokens=6,
+                                             committed=ref, lost_session_id=SID_A))
+    assert done.ended and done.result.finish_reason == "length" and done.tokens == ref
+    stopped = admission.admit(GenerationRequest(prompt_ids=PROMPT, max_new_tokens=50,
+                                                committed=ref[:3] + [2], lost_session_id=SID_A))
+    assert stopped.ended and stopped.result.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("kw", [
+    dict(resume_session_id=SID_A, committed=[5]),  # a resume takes its output from the cache
+    dict(prompt_ids=PROMPT, committed=[1 << 20], lost_session_id=SID_A),  # out of the vocab
+    dict(prompt_ids=PROMPT, committed=[5], lost_session_id="x:y"),  # not a session id
+])
+def test_bad_recreations_are_refused(parts, kw):
+    with pytest.raises(ConfigError):
+        parts[3].admit(GenerationRequest(max_new_tokens=8, **kw))
+
+
+# -- a real serve killed mid-generation ------------------------------------------------------------
+class Streamer(threading.Thread):
+    def __init__(self, address, **kw):
+        super().__init__(daemon=True)
+        self.address, self.kw = address, kw
+        self.first = threading.Event()
+        self.ids: list[int] = []
+        self.final = None
+        self.error = None
+        self.resumes = 0
+        self.seed = None
+
+    def run(self):
+        try:
+            with edgespec.Client(self.address, token=TOKEN, timeout=240) as c:
+                for piece in c.stream(**self.kw):
+                    self.ids.extend(piece.token_ids)
+                    if piece.token_ids:
+                        self.first.set()
+                    if piece.finish_reason:
+                        self.final = piece
+                self.resumes, self.seed = c.last_resumes, c.last_seed
+        except Exception as e:  # reported by the test
+            self.error = e
+        finally:
+            self.first.set()
+
+
+def test_serve_killed_mid_generation_streams_complete_as_target_only(looping, looping_dir,
+                                                                     tmp_path):
+    port = free_port()
+    serve, address = start_serve(looping_dir, tmp_path, port=port, token=TOKEN,
+                                 extra=["--draft-wait-ms", 2000])
+    drafter = start_drafter(address, "frozen", tmp_path, token=TOKEN)
+    restarted = None
+    try:
+        drafter.wait_for("attached to")
+        drafter.popen.send_signal(signal.SIGSTOP)
+        pinned = dict(max_new_tokens=N, device_id="frozen")
+        greedy = Streamer(address, prompt_ids=PROMPTS[0], **pinned)
+        seeded = Streamer(address, prompt_ids=PROMPTS[1], temperature=TEMPERATURE, seed=SEED,
+                          **pinned)
+        unseeded = Streamer(address, prompt_ids=PROMPTS[2], temperature=TEMPERATURE, **pinned)
+        streams = (greedy, seeded, unseeded)
+        for s in streams:
+            s.start()
+        for s in streams:
+            assert s.first.wait(120)
+        serve.kill()  # SIGKILL: its embedded Redis goes with it, and every session
+        assert serve.popen.returncode == -signal.SIGKILL
+        restarted, _ = start_serve(looping_dir, tmp_path, port=port, token=TOKEN)
+        for s in streams:
+            s.join(240)
+            assert not s.is_alive()
+        for s in streams:
+            assert s.error is None, s.error
+            assert s.resumes >= 2  # the resume (NOT_FOUND), then the re-creation
+            assert s.final.finish_reason in ("stop", "length")
+        assert greedy.ids == hf_greedy(looping.model, PROMPTS[0], N)
+        assert seeded.seed == SEED
+        assert seeded.ids == target_only(looping, PROMPTS[1], N,
+                                         SamplingParams(temperature=TEMPERATURE, seed=SEED))
+        assert unseeded.seed is not None  # the seed the first serve chose and reported
+        assert unseeded.ids == target_only(
+            looping, PROMPTS[2], N, SamplingParams(temperature=TEMPERATURE, seed=unseeded.seed))
+        assert "re-creating session" in restarted.text()
+    finally:
+        drafter.popen.send_signal(signal.SIGCONT)
+        assert drafter.stop() == 0
+        if restarted is not None:
+            assert restarted.stop() == 0
+        serve.stop()

@@ -1,0 +1,61 @@
+"""A wrong server address fails at once with words, not a deadline: the SDK (blocking and
+asyncio) raises Unavailable "nothing is listening at ADDR", ``edgespec status`` prints it and
+exits non-zero. No timing is asserted: a wait would show up as a hung test."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import subprocess
+import sys
+
+import pytest
+
+import edgespec
+from edgespec.reachability import describe_failure, split_address
+from edgespec.wire import free_port
+
+
+@pytest.fixture()
+def nowhere() -> str:
+    return f"127.0.0.1:{free_port()}"
+
+
+def test_the_client_says_nothing_is_listening(nowhere):
+    with edgespec.Client(nowhere, timeout=120) as client:
+        with pytest.raises(edgespec.Unavailable, match=f"nothing is listening at {nowhere}"):
+            client.generate("hello", max_new_tokens=4)
+        with pytest.raises(edgespec.Unavailable, match=f"nothing is listening at {nowhere}"):
+            client.status()
+
+
+def test_the_async_client_says_nothing_is_listening(nowhere):
+    async def generate():
+        async with edgespec.AsyncClient(nowhere, timeout=120) as client:
+            await client.generate("hello", max_new_tokens=4)
+
+    with pytest.raises(edgespec.Unavailable, match=f"nothing is listening at {nowhere}"):
+        asyncio.run(generate())
+
+
+def test_status_command_says_nothing_is_listening(nowhere):
+    r = subprocess.run([sys.executable, "-m", "edgespec_cli", "status", "--address", nowhere,
+                        "--timeout", "120"], capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0
+    assert f"nothing is listening at {nowhere}" in r.stderr
+
+
+def test_something_listening_that_is_not_grpc_is_told_apart():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        address = f"127.0.0.1:{s.getsockname()[1]}"
+        assert "accepts connections" in describe_failure(address)
+
+
+@pytest.mark.parametrize("address,parts", [
+    ("127.0.0.1:50051", ("127.0.0.1", 50051)), ("[::1]:7", ("::1", 7)),
+    ("dns:///example.org:443", ("example.org", 443)), ("unix:/tmp/sock", None),
+    ("ipv4:127.0.0.1:5", None), ("no-port", None)])
+def test_split_address(address, parts):
+    assert split_address(address) == parts
