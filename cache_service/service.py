@@ -10,9 +10,8 @@ is a gRPC status code (FAILED_PRECONDITION for a stale epoch or a misplaced chun
 stream for the same device id replaces an older one.
 
 A drafter is not trusted: device and session ids must match ``edgespec.ids`` (they are spliced
-into Redis keys), draft token ids must be in the vocabulary, and a sampled draft's q' must be a
-distribution (finite probabilities in [0, 1] over distinct in-vocabulary ids, summing to 1, the
-drafted token among them with a positive probability); anything else is INVALID_ARGUMENT.
+into Redis keys), draft token ids must be in the vocabulary, and a tree chunk must be well formed; anything else
+is INVALID_ARGUMENT.
 
 With per-device credentials (``credentials``, see ``cache_service.credentials``) the device is
 the one the caller's token belongs to: a Register for another device id, a PushDraft naming
@@ -29,7 +28,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import math
 import queue
 import threading
 from typing import TYPE_CHECKING
@@ -43,7 +41,7 @@ from edgespec.ids import check_device_id, check_session_id, shown
 from edgespec.tree_wire import MAX_BRANCH_NODES, TREE_VERSION, tree_from_wire
 from edgespec.v1 import edgespec_pb2 as pb
 from edgespec.v1 import edgespec_pb2_grpc as pb_grpc
-from edgespec.wire import params_to_pb, q_from_pb
+from edgespec.wire import params_to_pb, retry_after_metadata
 
 from .credentials import DeviceCredentials
 from .store import RedisSessionStore, StoreError
@@ -54,9 +52,11 @@ if TYPE_CHECKING:  # prometheus_client is needed only where metrics are kept
 log = logging.getLogger("edgespec.cache")
 
 DEVICE_METADATA = "x-edgespec-device"
-MAX_Q_IDS = 1024  # ids per sparse q'
 MAX_NAME_LEN = 256  # Register's draft model name and tokenizer fingerprint
 MAX_DEVICE_SESSIONS = 1 << 16
+# A drafter refused while the cache's Redis recovers (or before a verifier registered the target)
+# is asked to come back after this long instead of backing off for seconds.
+RETRY_AFTER_MS = 500
 _CODES = {"unknown": grpc.StatusCode.NOT_FOUND, "stale": grpc.StatusCode.FAILED_PRECONDITION,
           "finished": grpc.StatusCode.FAILED_PRECONDITION,
           "position": grpc.StatusCode.FAILED_PRECONDITION,
@@ -125,11 +125,8 @@ class DraftCacheService(pb_grpc.DraftCacheServicer):
         if any(not 0 <= t < vocab for t in chunk.tokens):
             raise ChunkRefused(grpc.StatusCode.INVALID_ARGUMENT,
                                f"draft token ids must be in [0, {vocab})")
-        q = q_from_pb(chunk.q)
-        if q is not None:
-            _check_q(q, tokens, vocab)
         try:
-            res = self.store.push(sid, chunk.epoch, chunk.start, tokens, q, chunk.idle,
+            res = self.store.push(sid, chunk.epoch, chunk.start, tokens, chunk.idle,
                                   self.window, branches)
         except StoreError as e:
             raise ChunkRefused(_CODES.get(e.kind, grpc.StatusCode.INTERNAL), str(e)) from None
@@ -205,9 +202,12 @@ class DraftCacheService(pb_grpc.DraftCacheServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first message must be Register")
         reg = first.register
         device = self._check_register(reg, context)
-        target = self.store.target()
+        try:
+            target = self.store.target()
+        except redis.RedisError as e:
+            self._refuse_for_now(context, f"the cache's Redis is unreachable: {e}")
         if not target:
-            context.abort(grpc.StatusCode.UNAVAILABLE, "no verifier has registered a target yet")
+            self._refuse_for_now(context, "no verifier has registered a target yet")
         if reg.tokenizer_fingerprint and reg.tokenizer_fingerprint != target["fingerprint"]:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                           f"drafter tokenizer {reg.tokenizer_fingerprint} differs from the "
@@ -215,12 +215,19 @@ class DraftCacheService(pb_grpc.DraftCacheServicer):
         with self._lock:
             gen = next(self._generations)
             self._generation[device] = gen
-        self.store.register_device(device, {"draft_model": reg.draft_model,
-                                            "max_sessions": reg.max_sessions})
+        try:
+            self.store.register_device(device, {"draft_model": reg.draft_model,
+                                                "max_sessions": reg.max_sessions})
+        except redis.RedisError as e:
+            with self._lock:
+                if self._generation.get(device) == gen:
+                    del self._generation[device]
+            self._refuse_for_now(context, f"the cache's Redis is unreachable: {e}")
         log.info("drafter %s attached (%s)", device, reg.draft_model)
         vocab = int(target.get("vocab_size", 1 << 31))
         out: queue.Queue = queue.Queue()
         stop = threading.Event()
+        lost: list[str] = []  # why the cache ended the stream (its Redis failed or restarted)
         context.add_callback(stop.set)
         if self.metrics is not None:
             self.metrics.attach(device)
@@ -228,15 +235,18 @@ class DraftCacheService(pb_grpc.DraftCacheServicer):
             out.put(pb.CacheMessage(registered=pb.Registered(
                 target_model=target.get("model", ""), tokenizer_fingerprint=target["fingerprint"],
                 window=self.window, chunk=self.chunk, vocab_size=vocab)))
-            after = self.store.last_event_id(device)
-            for sid in self.store.device_sessions(device):
-                msg = self._assignment(sid)
-                if msg is not None:
-                    out.put(msg)
+            try:
+                after = self.store.last_event_id(device)
+                for sid in self.store.device_sessions(device):
+                    msg = self._assignment(sid)
+                    if msg is not None:
+                        out.put(msg)
+            except redis.RedisError as e:
+                self._refuse_for_now(context, f"the cache's Redis is unreachable: {e}")
             threading.Thread(target=self._read_chunks, daemon=True, name=f"chunks-{device}",
-                             args=(request_iterator, device, vocab, out, stop)).start()
+                             args=(request_iterator, device, vocab, out, stop, lost)).start()
             threading.Thread(target=self._pump_events, daemon=True, name=f"events-{device}",
-                             args=(device, gen, after, out, stop)).start()
+                             args=(device, gen, after, out, stop, lost)).start()
             while not stop.is_set():
                 try:
                     msg = out.get(timeout=0.5)
@@ -245,6 +255,8 @@ class DraftCacheService(pb_grpc.DraftCacheServicer):
                 if msg is None:
                     break
                 yield msg
+            if lost and not self._stopping.is_set():
+                self._refuse_for_now(context, lost[0])
         finally:
             stop.set()
             if self.metrics is not None:
@@ -252,10 +264,21 @@ class DraftCacheService(pb_grpc.DraftCacheServicer):
             with self._lock:  # mark_gone under the lock: a newer stream cannot slip in between
                 if self._generation.get(device) == gen:
                     del self._generation[device]
-                    self.store.mark_gone(device)
+                    try:
+                        self.store.mark_gone(device)
+                    except redis.RedisError as e:  # its alive mark expires by itself
+                        log.warning("drafter %s: cannot mark it gone: %s", device, e)
                     log.info("drafter %s detached", device)
 
-    def _read_chunks(self, it, device, vocab, out, stop) -> None:
+    @staticmethod
+    def _refuse_for_now(context, why: str) -> None:
+        """End an Attach call UNAVAILABLE with a retry hint: the cache is up but cannot serve the
+        drafter yet (its Redis is recovering), so the drafter comes back after the hint instead
+        of backing off."""
+        context.set_trailing_metadata(retry_after_metadata(RETRY_AFTER_MS))
+        context.abort(grpc.StatusCode.UNAVAILABLE, why)
+
+    def _read_chunks(self, it, device, vocab, out, stop, lost) -> None:
         try:
             for msg in it:
                 if not msg.HasField("chunk"):
@@ -272,24 +295,40 @@ class DraftCacheService(pb_grpc.DraftCacheServicer):
                 out.put(pb.CacheMessage(ack=ack))
         except grpc.RpcError:
             pass  # the drafter went away
+        except redis.RedisError as e:
+            lost.append(f"the cache's Redis failed: {e}")
+            log.warning("drafter %s: storing a chunk failed: %s", device, e)
         except Exception:
             log.exception("drafter %s: reading chunks failed", device)
         finally:
             stop.set()
             out.put(None)
 
-    def _pump_events(self, device, gen, after, out, stop) -> None:
+    def _pump_events(self, device, gen, after, out, stop, lost) -> None:
         try:
             while not stop.is_set() and not self._stopping.is_set():
                 with self._lock:
                     if self._generation.get(device) != gen:
                         break  # a newer stream took this device over
                 self.store.mark_alive(device, ttl_ms=self.poll_ms * 5)
+                if not self.store.redis.hexists(self.store.devices_key, device):
+                    # Redis restarted without persistence: it forgot the registration (so no
+                    # session would be assigned to this drafter) and the drafter's sessions.
+                    # The drafter attaches again, after the retry hint.
+                    lost.append("the cache's Redis restarted and lost this drafter's "
+                                "registration: attach again")
+                    log.warning("drafter %s: its registration vanished (Redis restarted); "
+                                "asking it to attach again", device)
+                    break
                 for eid, ev in self.store.read_events(device, after, self.poll_ms):
                     after = eid
                     msg = self._event_message(ev)
                     if msg is not None:
                         out.put(msg)
+        except redis.RedisError as e:
+            if not self._stopping.is_set():
+                lost.append(f"the cache's Redis failed: {e}")
+                log.warning("drafter %s: reading events failed: %s", device, e)
         except Exception:
             if not self._stopping.is_set():  # at shutdown Redis may close under the read
                 log.exception("drafter %s: reading events failed", device)
@@ -347,27 +386,3 @@ def _chunk_draft(chunk: pb.DraftChunk, window: int) -> tuple[list[int], list[Bra
         raise ChunkRefused(bad, f"a chunk holds at most {window} tokens (the window)")
     return tokens, branches
 
-
-def _check_q(q, tokens: list[int], vocab: int) -> None:
-    """A sampled chunk's q': one distribution per drafted token. NaN compares false with
-    everything, so every test is written to pass only for good values."""
-    if len(q) != len(tokens):
-        raise ChunkRefused(grpc.StatusCode.INVALID_ARGUMENT, "a chunk needs one q' per token")
-    for tok, x in zip(tokens, q):
-        if len(x.ids) != len(x.probs) or not x.ids or len(x.ids) > MAX_Q_IDS:
-            raise ChunkRefused(grpc.StatusCode.INVALID_ARGUMENT,
-                               f"q' needs 1-{MAX_Q_IDS} ids and as many probabilities")
-        if not all(0 <= i < vocab for i in x.ids):
-            raise ChunkRefused(grpc.StatusCode.INVALID_ARGUMENT,
-                               f"q' ids must be in [0, {vocab})")
-        if len(set(x.ids)) != len(x.ids):
-            raise ChunkRefused(grpc.StatusCode.INVALID_ARGUMENT, "q' ids must be distinct")
-        if not all(math.isfinite(p) and 0 <= p <= 1 + 1e-6 for p in x.probs):
-            raise ChunkRefused(grpc.StatusCode.INVALID_ARGUMENT,
-                               "q' probabilities must be finite and in [0, 1]")
-        if not abs(math.fsum(x.probs) - 1) <= 1e-3:
-            raise ChunkRefused(grpc.StatusCode.INVALID_ARGUMENT,
-                               "q' probabilities must sum to 1")
-        if not dict(zip(x.ids, x.probs)).get(tok, 0.0) > 0:
-            raise ChunkRefused(grpc.StatusCode.INVALID_ARGUMENT,
-                               "a drafted token needs a positive probability in its q'")

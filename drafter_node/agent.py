@@ -6,7 +6,10 @@ session back and append the verifier's token, closes end sessions); a drafting t
 ahead for every session with room in its window (W tokens beyond the committed position), in
 chunks of c tokens, tagging each chunk with its epoch and start position, and never waits for a
 verdict. When the link drops, the agent forgets its sessions, waits with exponential backoff and
-attaches again; the cache then sends the current state of its sessions.
+attaches again; the cache then sends the current state of its sessions. A cache that answers but
+refuses for now (its Redis recovering) says when to come back (trailing metadata
+``retry-after-ms``): the agent comes back then instead of backing off (``next_backoff``), so
+drafting resumes within moments of the cache serving again.
 
 A session the drafter cannot serve (``open`` fails, e.g. no free KV slot when a pinned session
 arrives beyond capacity, or ``propose``/``rollback`` fails later) is refused, never fatal: the
@@ -32,13 +35,12 @@ from typing import TYPE_CHECKING
 import grpc
 
 from edgespec.config import ConfigError
-from edgespec.device_profiles import extra_compute_s
 from edgespec.drafters import Drafter, DraftSession
 from edgespec.ids import check_device_id
 from edgespec.tree_wire import TREE_VERSION, tree_to_wire
 from edgespec.v1 import edgespec_pb2 as pb
 from edgespec.v1 import edgespec_pb2_grpc as pb_grpc
-from edgespec.wire import auth_metadata, make_channel, params_from_pb, q_to_pb
+from edgespec.wire import auth_metadata, make_channel, params_from_pb, retry_after_s
 
 from .fleet_client import RemoteFleetTable
 
@@ -49,6 +51,21 @@ log = logging.getLogger("edgespec.drafter")
 
 FATAL = {grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.FAILED_PRECONDITION,
          grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.PERMISSION_DENIED}
+BACKOFF_START_S = 0.2
+
+
+def next_backoff(delay: float, error: grpc.RpcError | None, backoff_max_s: float,
+                 jitter: float | None = None) -> tuple[float, float]:
+    """After a link ended: (seconds to wait before attaching again, the backoff for the next
+    failure). A refusal that carries a retry hint (a live cache, refusing for now) is retried
+    after the hint (at most ``backoff_max_s``) and resets the backoff; anything else (no cache
+    answering, a stream that ended) waits ``delay`` and doubles it up to ``backoff_max_s``.
+    Both waits are jittered by +-20% (``jitter`` in [0, 1]; None: random)."""
+    factor = 0.8 + 0.4 * (random.random() if jitter is None else jitter)
+    hint = retry_after_s(error) if error is not None else None
+    if hint is not None:
+        return min(backoff_max_s, hint) * factor, BACKOFF_START_S
+    return delay * factor, min(backoff_max_s, delay * 2)
 
 
 @dataclass
@@ -113,6 +130,7 @@ class DrafterAgent:
         self.attaches = 0  # successful registrations, reconnections included
         self.chunks_sent = 0
         self.refused = 0  # sessions refused because the drafter failed on them
+        self._unreachable_told = False  # this outage is logged: further failures at debug
         self._out: queue.Queue | None = None  # the current stream's outgoing messages
         self._call = None  # the current Attach call, cancelled by stop()
 
@@ -141,29 +159,47 @@ class DrafterAgent:
             fleet.close()
 
     def _serve(self) -> None:
-        delay = 0.2
+        delay = BACKOFF_START_S
         while not self.stopping.is_set():
+            error = None
+            attaches = self.attaches
             try:
                 self._attach_once()
-                delay = 0.2
+                delay = BACKOFF_START_S
             except grpc.RpcError as e:
                 if self.stopping.is_set():
                     break  # stop() cancelled the stream
                 if e.code() in FATAL:
                     raise ConfigError(f"the cache refused drafter {self.device_id!r}: "
                                       f"{e.details()}") from None
-                log.warning("link to %s lost (%s); retrying in %.1fs", self.cache,
-                            e.code().name, delay)
+                error = e
             except ConfigError:
                 raise  # a setting to fix (an unreadable certificate file, ...)
             except Exception:
-                log.exception("the link to %s failed; retrying in %.1fs", self.cache, delay)
+                log.exception("the link to %s failed", self.cache)
             finally:
                 self.connected.clear()
                 self._forget_sessions()
-            if self.stopping.wait(delay * (0.8 + 0.4 * random.random())):
+            wait, delay = next_backoff(delay, error, self.backoff_max_s)
+            if error is not None:
+                self._log_retry(error, wait, attached=self.attaches > attaches)
+            if self.stopping.wait(wait):
                 break
-            delay = min(self.backoff_max_s, delay * 2)
+
+    def _log_retry(self, error: grpc.RpcError, wait: float, attached: bool) -> None:
+        """"lost" only for a link that existed; a cache not reached (yet, or again) is said
+        once, then quietly."""
+        why = f"{error.code().name}: {error.details()}"
+        if attached:
+            self._unreachable_told = False
+            log.warning("link to %s lost (%s); retrying in %.1fs", self.cache, why, wait)
+        elif not self._unreachable_told:
+            self._unreachable_told = True
+            when = "since the link was lost" if self.attaches else "yet"
+            log.warning("cannot reach the cache at %s %s (%s); retrying", self.cache, when, why)
+        else:
+            log.debug("still cannot reach the cache at %s (%s); retrying in %.1fs", self.cache,
+                      why, wait)
 
     def _attach_once(self) -> None:
         channel = make_channel(self.cache, self.tls_ca, self.tls, client_cert=self.tls_cert,
@@ -338,7 +374,7 @@ class DrafterAgent:
         drafter offered branches."""
         draft = work.session.draft.propose_tree(work.n, self.tree_width)  # 1: propose's chain
         chunk = pb.DraftChunk(session_id=work.session_id, epoch=work.epoch, start=work.start,
-                              tokens=draft.tokens, q=q_to_pb(draft.q), idle=len(draft) == 0)
+                              tokens=draft.tokens, idle=len(draft) == 0)
         if draft.branches:
             nodes, parents = tree_to_wire(draft.tokens, draft.branches)
             chunk.tokens[:] = nodes
@@ -366,7 +402,7 @@ class DrafterAgent:
                 s.idle = len(chunk.tokens) == 0
                 took = time.perf_counter() - began
             if self.compute_slowdown > 1:  # outside the lock: commits and fixes still apply
-                time.sleep(extra_compute_s(self.compute_slowdown, took))
+                time.sleep((self.compute_slowdown - 1) * max(0.0, took))
             self._send(out, chunk)
             self.chunks_sent += 1
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 
 from .config import DTYPE_NAMES, ConfigError, EngineConfig, LooseParams
+from .threads import default_threads, set_threads, threads_in_use  # noqa: F401 (the commands' API)
 
 
 LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
@@ -40,7 +40,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-draft", type=int, default=d.max_draft,
                    help="most draft tokens verified per step, k (default: %(default)s)")
     p.add_argument("--window", type=int, default=d.window,
-                   help="most tokens drafted beyond the committed position, W (default: %(default)s)")
+                   help="most tokens drafted beyond the committed position, W "
+                        "(default: %(default)s)")
     p.add_argument("--chunk", type=int, default=d.chunk,
                    help="tokens per draft chunk, c (default: %(default)s)")
     p.add_argument("--draft-wait-ms", type=float, default=None,
@@ -108,38 +109,10 @@ def engine_config(args, max_sessions: int | None = None) -> EngineConfig:
                         tree_nodes=getattr(args, "tree_nodes", d.tree_nodes))
 
 
-def default_threads() -> int:
-    """Torch intra-op threads when ``--threads`` is not given: all cores but one (at least one).
-
-    A model-running process shares the machine with gRPC, Redis and drafter threads, and often
-    with another model process; torch's default (a thread per core) then oversubscribes the
-    cores. Measured here (2 cores, default model, ``generate --drafter mag``, 96 tokens):
-    alone, 18.0 tok/s with 2 threads and 14.5 with 1; two generations at once, 4.8 + 4.8 tok/s
-    with 2 threads each and 15.3 + 12.2 with 1 each. Giving up a core costs ~20% alone and wins
-    ~3x under load, so the default leaves one core to the rest."""
-    return max(1, (os.cpu_count() or 1) - 1)
-
-
 def add_threads_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads for the model (default: cores - 1, at least 1; "
                         "$EDGESPEC_THREADS overrides the default)")
-
-
-def set_threads(n: int | None) -> int:
-    """Apply the thread policy; returns the count in use."""
-    if n is None:
-        env = os.environ.get("EDGESPEC_THREADS")
-        try:
-            n = int(env) if env else default_threads()
-        except ValueError:
-            raise ConfigError(f"EDGESPEC_THREADS must be an integer, got {env[:20]!r}") from None
-    if n < 1:
-        raise ConfigError(f"--threads must be >= 1, got {n}")
-    import torch
-
-    torch.set_num_threads(n)
-    return n
 
 
 def check_model_arg(spec: str) -> None:

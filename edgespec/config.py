@@ -24,6 +24,11 @@ class ConfigError(ValueError):
     """A setting or request that cannot be honoured; the message says what to change."""
 
 
+class CacheFullError(ConfigError):
+    """No free slot, or a session would grow past its slot's length (a KV cache, a llama.cpp
+    context pool)."""
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How the target's next-token distribution is turned into a token.

@@ -12,11 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from .config import ConfigError
-
-
-class CacheFullError(ConfigError):
-    """No free slot, or a session would grow past its slot's length."""
+from .config import CacheFullError
 
 
 class KVCache:

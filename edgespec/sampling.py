@@ -12,7 +12,8 @@ token after a rejection, or the *bonus* token after a full accept.
   accept) emits it. So a seeded generation produces exactly the tokens target-only sampling
   produces with that seed, whatever the drafter and however its drafts were chunked; for a
   one-hot draft the acceptance probability stays p(x). A model drafter that samples with the same
-  keyed noise from its own q' agrees with the target wherever q' and p are close.
+  keyed noise from its own q (``edgespec.drafters.token_choice``) agrees with the target wherever
+  q and p are close.
 
 The noise is a counter-based hash (splitmix64), not a stateful generator: the value for token x
 depends on (seed, pos, x) alone, so it is the same on every process, platform and torch version,
@@ -46,22 +47,6 @@ _MIX1 = 0xBF58476D1CE4E5B9
 _MIX2 = 0x94D049BB133111EB
 
 
-@dataclasses.dataclass
-class SparseQ:
-    """A draft distribution over a few tokens: ids [k] and their probabilities [k] (sum 1).
-
-    Model drafters still send it (the wire carries it), but verification no longer reads it."""
-
-    ids: list[int]
-    probs: list[float]
-
-    def dense(self, vocab_size: int, device=None) -> torch.Tensor:
-        q = torch.zeros(vocab_size, dtype=torch.float32, device=device)
-        q[torch.as_tensor(self.ids, device=device)] = torch.as_tensor(
-            self.probs, dtype=torch.float32, device=device)
-        return q
-
-
 # -- processed distributions ---------------------------------------------------------------------
 def filtered_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Temperature-scaled logits with top-k / top-p removed tokens at -inf: log p up to a
@@ -78,11 +63,6 @@ def filtered_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
         drop = drop_sorted.scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     return logits
-
-
-def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Target probabilities after temperature, top-k and top-p. logits: [N, V] -> probs [N, V]."""
-    return filtered_logits(logits, params).softmax(-1)
 
 
 # -- position-keyed randomness --------------------------------------------------------------------
@@ -158,13 +138,6 @@ def keyed_choice(scores: torch.Tensor, seed: int, pos: int) -> int:
     return int(torch.argmax(noisy))
 
 
-def sample_at(logits: torch.Tensor, params: SamplingParams, pos: int) -> int:
-    """Target-only decoding of absolute position ``pos`` from its logits [V] (greedy: argmax)."""
-    if params.greedy:
-        return int(torch.argmax(logits.reshape(-1)))
-    return keyed_choice(filtered_logits(logits.reshape(1, -1), params)[0], _seed_of(params), pos)
-
-
 def with_session_seed(params: SamplingParams) -> SamplingParams:
     """``params`` with a random 63-bit seed when it samples without one; greedy or seeded
     params unchanged. The engine calls it once per session, so every position's randomness is
@@ -233,31 +206,3 @@ def verify_loose(logits: torch.Tensor, draft: list[int], params: SamplingParams,
 
     return accept_loosely(draft, choice_at, lambda i: entropy(scores[i]),
                           lambda i, x: plausible(scores[i], x), loose)
-
-
-# -- drafting -----------------------------------------------------------------------------------
-def sample_sparse(logits: torch.Tensor, params: SamplingParams, top_k: int, pos: int
-                  ) -> tuple[int, SparseQ]:
-    """A drafter's keyed sample at absolute position ``pos``, and the sparse q' it sends.
-
-    The token is argmax_x(log q(x) + G(seed, pos, x)) over the drafter's whole processed
-    distribution q, with the very noise the verifier samples the target with: it is the target's
-    own token whenever q and p agree there (per token, about 1 - TV(p, q); a top-k-truncated pick
-    could never match a target token outside the top k). q' (the top-k of q, renormalised) still
-    travels with the token for the wire contract, which wants the token to have a positive q'
-    probability: a token outside the top k takes the place of the k-th. Acceptance ignores q'.
-
-    logits: [V]. Returns (token, q')."""
-    scores = filtered_logits(logits.reshape(1, -1), params)[0]
-    token = keyed_choice(scores, _seed_of(params), pos)
-    top = torch.topk(scores, max(1, min(top_k, scores.shape[-1])))
-    ids = [i for i, v in zip(top.indices.tolist(), top.values.tolist()) if v > float("-inf")]
-    if token not in ids:
-        if len(ids) >= max(1, top_k):
-            ids = ids[:-1]
-        ids.append(token)
-    vals = scores[torch.tensor(ids, device=scores.device)]
-    probs = (vals - vals.max()).softmax(-1).tolist()
-    if not all(math.isfinite(x) for x in probs):  # broken drafter logits: still a valid q'
-        ids, probs = [token], [1.0]
-    return token, SparseQ(ids=ids, probs=probs)

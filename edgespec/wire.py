@@ -18,7 +18,6 @@ import grpc
 
 from .config import ConfigError, SamplingParams
 from .metrics import Stats
-from .sampling import SparseQ
 from .v1 import edgespec_pb2 as pb
 
 AUTH_ENV = "EDGESPEC_AUTH_TOKEN"
@@ -39,16 +38,6 @@ def params_from_pb(m: pb.SamplingParams) -> SamplingParams:
                           seed=m.seed if m.has_seed else None)
 
 
-def q_to_pb(q: list[SparseQ] | None) -> list[pb.SparseQ]:
-    return [pb.SparseQ(ids=x.ids, probs=x.probs) for x in q or []]
-
-
-def q_from_pb(qs) -> list[SparseQ] | None:
-    if not qs:
-        return None
-    return [SparseQ(list(x.ids), [float(p) for p in x.probs]) for x in qs]
-
-
 def stats_to_pb(s: Stats) -> pb.Stats:
     return pb.Stats(steps=s.steps, num_drafts=s.num_drafts, drafted=s.draft_tokens,
                     accepted=s.accepted_tokens, acceptance_rate=s.acceptance_rate,
@@ -67,6 +56,34 @@ def stats_from_pb(m: pb.Stats) -> dict:
             "accepted_per_pos": list(m.accepted_per_pos), "take_s": m.take_s,
             "forward_s": m.forward_s, "commit_s": m.commit_s, "lossless": not m.lossy,
             "branch_tokens": m.branch_tokens}
+
+
+# -- retry hints --------------------------------------------------------------------------------
+# A live server that refuses for now (the cache while its Redis recovers) says when to come
+# back in this trailing metadata key (milliseconds); a caller honours it instead of its own
+# backoff, which is meant for a server that does not answer at all.
+RETRY_AFTER_MD = "retry-after-ms"
+
+
+def retry_after_metadata(ms: int) -> tuple[tuple[str, str], ...]:
+    return ((RETRY_AFTER_MD, str(int(ms))),)
+
+
+def retry_after_s(error: grpc.RpcError) -> float | None:
+    """The delay (seconds) a refusal's trailing metadata asks for, or None (no hint: the
+    server was not reached, or did not say)."""
+    try:
+        md = error.trailing_metadata() or ()
+    except Exception:  # an error raised without a call behind it
+        return None
+    for key, value in md:
+        if key == RETRY_AFTER_MD:
+            try:
+                ms = float(value)
+            except (TypeError, ValueError):
+                return None
+            return ms / 1000 if 0 <= ms < float("inf") else None
+    return None
 
 
 # -- authentication -----------------------------------------------------------------------------
@@ -182,7 +199,7 @@ def bind(server: grpc.Server, address: str, tls_cert: str | None = None,
         raise ConfigError("TLS needs both --tls-cert and --tls-key")
     if client_ca and not tls_cert:
         raise ConfigError("--tls-client-ca needs --tls-cert and --tls-key")
-    if tls_cert:
+    if tls_cert and tls_key:  # both or neither (checked above)
         pair = [(_read(tls_key), _read(tls_cert))]
         if client_ca:
             creds = grpc.ssl_server_credentials(pair, root_certificates=_read(client_ca),

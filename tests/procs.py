@@ -15,11 +15,15 @@ from edgespec.wire import free_port
 
 
 class Proc:
-    def __init__(self, args: list[str], log_path, env: dict | None = None):
+    """``python -m edgespec_cli ARGS`` logging to a file; ``python``: another environment's
+    interpreter (default: this one's)."""
+
+    def __init__(self, args: list[str], log_path, env: dict | None = None,
+                 python: str = sys.executable):
         self.args = args
         self.log_path = log_path
         self.log = open(log_path, "w")
-        self.popen = subprocess.Popen([sys.executable, "-m", "edgespec_cli", *map(str, args)],
+        self.popen = subprocess.Popen([python, "-m", "edgespec_cli", *map(str, args)],
                                   stdout=self.log, stderr=subprocess.STDOUT,
                                   env=dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})))
 

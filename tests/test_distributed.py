@@ -210,14 +210,14 @@ def test_drafter_with_another_tokenizer_is_refused(cluster, tmp_path):
 
 @pytest.mark.parametrize("device", ["mag-1", "model-1"])
 def test_sampled_output_over_the_network_follows_the_target(cluster, looping, device):
-    """Speculative sampling through the cache (q' of model drafts travels as float32 over gRPC
-    and Redis): the first two tokens follow target-only sampling's distribution."""
+    """Speculative sampling through the cache (a model drafter's keyed samples over gRPC and
+    Redis): the first two tokens follow target-only sampling's distribution."""
     from collections import Counter
 
     import torch
 
     from edgespec.config import SamplingParams
-    from edgespec.sampling import process_logits
+    from reference import process_logits
     from test_engine import _chi2_ok
 
     prompt = PROMPTS[2]

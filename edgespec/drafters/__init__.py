@@ -17,7 +17,6 @@ from ..config import ConfigError
 from .adaptive import DraftLength
 from .base import Draft, Drafter, DraftSession
 from .mag import MaGDrafter
-from .model import ModelDrafter
 
 __all__ = ["Draft", "Drafter", "DraftSession", "DraftLength", "MaGDrafter", "ModelDrafter",
            "DrafterSpec", "build_drafter", "parse_drafter_spec", "DRAFTER_HELP"]
@@ -59,6 +58,16 @@ def parse_drafter_spec(spec: str | None, allowed: tuple[str, ...] = tuple(FORMS)
     return DrafterSpec(kind, arg)
 
 
+def __getattr__(name):
+    # the model drafter needs torch: imported when asked for, so that the package (MaG,
+    # Cacheback, llama.cpp) loads on a board without it
+    if name == "ModelDrafter":
+        from .model import ModelDrafter
+
+        return ModelDrafter
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def build_drafter(spec: str | DrafterSpec, target=None, target_runner=None, n_slots: int = 4,
                   max_len: int = 2048, device: str = "cpu", dtype: str = "float32",
                   loaded=None, fleet=None):
@@ -67,8 +76,6 @@ def build_drafter(spec: str | DrafterSpec, target=None, target_runner=None, n_sl
     ``llamacpp:FILE`` are checked for the same tokenizer. ``loaded``: the draft model of
     ``model:PATH``, already loaded. ``fleet``: a ``FleetTable`` that Cacheback drafters read the
     fleet's n-grams from (None: per session and per drafter only)."""
-    from ..runner import TargetRunner
-
     parsed = spec if isinstance(spec, DrafterSpec) else parse_drafter_spec(spec)
     kind, arg = parsed.kind, parsed.arg
     if kind == "none":
@@ -82,6 +89,9 @@ def build_drafter(spec: str | DrafterSpec, target=None, target_runner=None, n_sl
     if kind == "layers":
         if target is None:
             raise ConfigError("layers:L needs the target model")
+        from ..runner import TargetRunner
+        from .model import ModelDrafter
+
         runner = TargetRunner(target.model, n_slots=n_slots, max_len=max_len, n_layers=int(arg),
                               share_weights=target_runner, exact=False)
         return ModelDrafter(runner, name=f"layers:{arg}")
@@ -96,6 +106,8 @@ def build_drafter(spec: str | DrafterSpec, target=None, target_runner=None, n_sl
         return CascadeDrafter([build_drafter(m, target, target_runner, n_slots, max_len, device,
                                              dtype, fleet=fleet) for m in parsed.members])
     from ..models import check_same_tokenizer, load_model
+    from ..runner import TargetRunner
+    from .model import ModelDrafter
 
     draft = loaded or load_model(arg, device=device, dtype=dtype, exact=False)
     if target is not None:

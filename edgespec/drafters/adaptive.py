@@ -16,31 +16,70 @@ which the planner weighs against a wider forward's cost (``probe_branches`` like
 from __future__ import annotations
 
 
+DECAY = 0.85  # each verification's weight relative to the next one's
+
+
+class DecayedRate:
+    """Successes per trial, recent verifications weighing most (``DECAY``), from a prior."""
+
+    def __init__(self, prior: float, prior_trials: float):
+        self.hits, self.trials = prior * prior_trials, prior_trials
+
+    @property
+    def rate(self) -> float:
+        return self.hits / self.trials
+
+    def observe(self, hits: float, trials: float) -> None:
+        self.hits = DECAY * self.hits + hits
+        self.trials = DECAY * self.trials + trials
+
+
+class Prober:
+    """Lets every ``every``-th step that was planned without any (drafts, or branches) verify a
+    few anyway, so that an estimate that dropped to "not worth it" is measured again."""
+
+    def __init__(self, every: int = 8):
+        self.every, self.since = every, 0
+
+    def planned(self, n: int, small: int) -> int:
+        """``n`` as planned, or ``small`` on a probing step when ``n`` is 0."""
+        if n > 0:
+            self.since = 0
+            return n
+        self.since += 1
+        if self.since >= self.every:
+            self.since = 0
+            return small
+        return 0
+
+
 class DraftLength:
     def __init__(self, k_max: int, k_init: int | None = None, k_min: int = 1,
-                 adaptive: bool = True, prior_alpha: float = 0.5, prior_trials: float = 2.0):
+                 adaptive: bool = True, prior_alpha: float = 0.5, prior_trials: float = 2.0,
+                 probe_every: int = 8):
         if not 1 <= k_min <= k_max:
             raise ValueError(f"need 1 <= k_min <= k_max, got {k_min}, {k_max}")
         self.k_min, self.k_max, self.adaptive = k_min, k_max, adaptive
         self.k = k_max if k_init is None else max(k_min, min(k_max, k_init))
-
-        self._since_probe = 0
-        self._hits = prior_alpha * prior_trials  # decayed accepted draft tokens ...
-        self._trials = prior_trials  # ... and decayed draft tokens tested (each reject ends one)
-        self._since_branch_probe = 0
-        self._branch_hits = 0.5  # decayed accepted branch tokens (prior: 0.1 per token) ...
-        self._branch_trials = 5.0  # ... and decayed branch tokens verified
+        # accepted draft tokens per draft token tested (a rejection ends a test)
+        self.chain = DecayedRate(prior_alpha, prior_trials)
+        self.branch = DecayedRate(0.1, 5.0)  # accepted branch tokens per branch token verified
+        self._draft_probe, self._branch_probe = Prober(probe_every), Prober(probe_every)
 
     @property
     def alpha(self) -> float:
         """Estimated probability that the next draft token is accepted."""
-        return self._hits / self._trials
+        return self.chain.rate
+
+    @property
+    def beta(self) -> float:
+        """Estimated accepted tokens per branch token verified (token trees)."""
+        return self.branch.rate
 
     def update(self, drafted: int, accepted: int) -> int:
         """Record one verification of ``drafted`` tokens of which ``accepted`` passed."""
         if drafted > 0:
-            self._hits = 0.85 * self._hits + accepted
-            self._trials = 0.85 * self._trials + accepted + (1 if accepted < drafted else 0)
+            self.chain.observe(accepted, accepted + (1 if accepted < drafted else 0))
             if self.adaptive:
                 if accepted == drafted:
                     self.k = min(self.k_max, self.k + 2)
@@ -48,41 +87,22 @@ class DraftLength:
                     self.k = max(self.k_min, self.k - 1)
         return self.k
 
-    @property
-    def beta(self) -> float:
-        """Estimated accepted tokens per branch token verified (token trees)."""
-        return self._branch_hits / self._branch_trials
-
     def update_branches(self, verified: int, accepted: int) -> None:
         """Record one verification of ``verified`` branch tokens, ``accepted`` of them taken."""
         if verified > 0:
-            self._branch_hits = 0.85 * self._branch_hits + accepted
-            self._branch_trials = 0.85 * self._branch_trials + verified
+            self.branch.observe(accepted, verified)
 
-    def probe_branches(self, side: int, cap: int, probe_every: int = 8) -> int:
-        """``side`` branch tokens as planned, except that every ``probe_every``-th step that
-        could have had branches (``cap`` > 0) but was planned without any verifies a few (at
-        most 2) anyway, to measure ``beta`` again. Steps without room for branches (no chain,
-        say) neither count nor reset the count."""
+    def probe(self, k: int) -> int:
+        """``k`` as planned, except that a step planned without a draft verifies a short one
+        now and then (``Prober``), to measure acceptance again."""
+        if not self.adaptive:
+            return k
+        return self._draft_probe.planned(k, min(self.k, 2))
+
+    def probe_branches(self, budget: int, cap: int) -> int:
+        """``budget`` branch tokens as planned, except that a step that could have had branches
+        (``cap`` > 0) but was planned without any verifies a few (at most 2) now and then.
+        Steps without room for branches (no chain, say) neither count nor reset the count."""
         if cap <= 0:
             return 0
-        if side > 0:
-            self._since_branch_probe = 0
-            return side
-        self._since_branch_probe += 1
-        if self._since_branch_probe >= probe_every:
-            self._since_branch_probe = 0
-            return min(cap, 2)
-        return 0
-
-    def probe(self, k: int, probe_every: int = 8) -> int:
-        """``k`` as planned, except that every ``probe_every``-th step planned without a draft
-        verifies a short one anyway, to measure acceptance again."""
-        if k > 0 or not self.adaptive:
-            self._since_probe = 0
-            return k
-        self._since_probe += 1
-        if self._since_probe >= probe_every:
-            self._since_probe = 0
-            return min(self.k, 2)
-        return 0
+        return self._branch_probe.planned(budget, min(cap, 2))

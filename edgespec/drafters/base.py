@@ -12,7 +12,7 @@ unverified tokens, which is not a fix: nothing before the cut was confirmed by t
 Token trees: ``propose_tree(k, width)`` may add ``Branch``es to its draft, alternative
 continuations the verifier checks in the same forward (``edgespec.tree_verify``). The session's
 belief stays the chain (``Draft.tokens``); branches are never appended to ``tokens``, and when
-the verifier accepts one, the fix carries the branch's tokens (``Fix.more``).
+the verifier accepts one, the fix carries the branch's tokens (``Fix.tokens``).
 """
 
 from __future__ import annotations
@@ -21,25 +21,12 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
 from ..config import SamplingParams
-from ..sampling import SparseQ
-
-
-@dataclass(frozen=True)
-class Branch:
-    """An alternative to the draft's token ``at`` (0-based in the draft's ``tokens``): it hangs
-    from the token before it (the draft's token at - 1, or the session's last token when at is
-    0) and continues with ``tokens`` (a chain; its first token differs from the draft's)."""
-
-    at: int
-    tokens: tuple[int, ...]
+from ..protocol import Branch  # the one branch shape (a draft and its alternatives)
 
 
 @dataclass
 class Draft:
     tokens: list[int] = field(default_factory=list)
-    # For model drafts in sampling mode: the sparse q' each token was sampled from; None when the
-    # draft is deterministic (q is one-hot), which includes every greedy draft.
-    q: list[SparseQ] | None = None
     # alternatives to some of ``tokens`` (``propose_tree``); each hangs from the chain
     branches: list[Branch] = field(default_factory=list)
 
@@ -50,7 +37,7 @@ class Draft:
 @dataclass
 class Checked(Draft):
     """What ``DraftSession.check`` appended: the first ``accepted`` tokens of the proposal, then
-    the session's own next token (``tokens``, with a q' each in sampling mode)."""
+    the session's own next token (``tokens``)."""
 
     accepted: int = 0
     # the own token's top probability reached the drafter's confidence cut-off

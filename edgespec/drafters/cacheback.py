@@ -9,9 +9,10 @@ Three tables are consulted, narrowest first:
   a look-up never waits on the network.
 
 A look-up takes the longest leader (3, 2, then 1 token) known to any table (the narrowest table
-first at equal length) and proposes its most recent follower; the chain stops where no table knows the tail, or (with only a one-token
-leader, weak evidence) after ``weak_limit`` tokens. ``mag+cacheback`` tries MaG's longest suffix
-match within the session first and chains Cacheback only where it finds none.
+first at equal length) and proposes its most recent follower; the chain stops where no table
+knows the tail, or (with only a one-token leader, weak evidence) after ``weak_limit`` tokens.
+``mag+cacheback`` tries MaG's longest suffix match within the session first and chains Cacheback
+only where it finds none.
 """
 
 from __future__ import annotations

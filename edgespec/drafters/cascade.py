@@ -29,7 +29,6 @@ import threading
 from dataclasses import dataclass
 
 from ..config import SamplingParams
-from ..sampling import SparseQ
 from .base import Draft, Drafter, DraftSession
 
 
@@ -76,11 +75,11 @@ class CascadeSession(DraftSession):
             proposal = self._draft(level + 1, vertical - drafted - 1)
             checked = top.check(proposal.tokens, d.lenient_prob)
             n = checked.accepted
-            kept = Draft(checked.tokens, checked.q)
+            kept = Draft(checked.tokens)
             if kept.tokens and not checked.confident and (drafted or n):
                 # a doubtful own token is dropped, unless it is the only token of the proposal
                 top.retract(len(top.tokens) - 1)
-                kept = Draft(kept.tokens[:-1], None if kept.q is None else kept.q[:-1])
+                kept = Draft(kept.tokens[:-1])
             below = len(self.sessions[level + 1].tokens) - len(proposal)
             self._retract_below(level, below + n)
             self._append_below(level, kept.tokens[n:])
@@ -112,15 +111,8 @@ class CascadeSession(DraftSession):
             s.retract(length)
 
     def _joined(self, pieces: list[Draft]) -> Draft:
-        """One draft of the pieces' tokens. Sampling: one q' per token, one-hot where a piece
-        came from a deterministic member (q None)."""
-        tokens = [t for p in pieces for t in p.tokens]
-        if self.params.greedy:
-            return Draft(tokens)
-        qs: list[SparseQ] = []
-        for p in pieces:
-            qs.extend(p.q if p.q is not None else [SparseQ([t], [1.0]) for t in p.tokens])
-        return Draft(tokens, qs)
+        """One draft of the pieces' tokens."""
+        return Draft([t for p in pieces for t in p.tokens])
 
     def rollback(self, length: int) -> None:
         super().rollback(length)

@@ -3,31 +3,33 @@
 ``llamacpp:FILE.gguf`` drafts with any GGUF causal LM whose vocabulary is the target's (token
 texts compared id by id); ``llamacpp:default`` is the default model's own Q4_1 GGUF. Each session
 holds one llama.cpp context from a pool of at most ``n_slots``; a verifier fix rolls its KV cache
-back by removing the positions after the fix. Drafting is ``model.LogitsDraftSession``'s loop,
-as the torch model drafter's: greedy
-sessions draft the argmax, sampling sessions sample from the llama logits with the session's
-position-keyed noise (``sampling.sample_sparse``), and a draft stops when the top probability
-falls below ``min_confidence``. ``propose_tree`` adds one-token branches as the model drafter
-does (``model.BranchPicker``): the next most likely tokens of the logits already computed.
+back by removing the positions after the fix. Drafting is ``logits_session``'s loop, as the torch
+model drafter's: greedy sessions draft the argmax, sampling sessions draw the session's keyed
+sample from the llama logits (``token_choice``), and a draft stops when the top probability falls
+below ``min_confidence``; ``propose_tree`` adds one-token branches from the logits already
+computed.
 
-llama-cpp-python is an optional extra (``pip install "edgespec[llamacpp]"``) and is imported only
-when such a drafter is built.
+llama-cpp-python is the optional ``llamacpp`` extra (``pip install ".[llamacpp]"`` in a clone),
+imported only when
+such a drafter is built, before anything else (a missing extra is reported before the default
+GGUF is fetched). Nothing here needs torch: a board runs it with the core install plus the extra.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import threading
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
-import torch
 
-from ..config import ConfigError, SamplingParams
-from ..kv_cache import CacheFullError
+from ..threads import threads_in_use
+from ..config import CacheFullError, ConfigError, SamplingParams
 from .base import Drafter
-from .model import LogitsDraftSession
+from .logits_session import LogitsDraftSession
 
 
 def import_llama_cpp():
@@ -36,7 +38,8 @@ def import_llama_cpp():
         import llama_cpp
     except ImportError as e:
         raise ConfigError(
-            f"the llamacpp drafter needs llama-cpp-python ({e}): pip install \"edgespec[llamacpp]\" "
+            f"the llamacpp drafter needs llama-cpp-python ({e}), the llamacpp extra: "
+            "pip install \".[llamacpp]\" in the edgespec repository (or WHEEL[llamacpp]) "
             "(it compiles llama.cpp from source, which takes a while and needs a C++ compiler "
             "and cmake)") from None
     return llama_cpp
@@ -71,7 +74,7 @@ def load_llama(path, extra_buffers: bool = False, **kwargs):
 def resolve_gguf(spec: str) -> Path:
     """The GGUF file a ``llamacpp:`` spec names: ``default`` is the default model's own GGUF."""
     if spec == "default":
-        from ..models import default_model_gguf
+        from ..model_files import default_model_gguf
 
         return default_model_gguf()
     path = Path(spec).expanduser()
@@ -88,7 +91,7 @@ def gguf_token_texts(llm) -> list[str]:
             for i in range(llama_cpp.llama_vocab_n_tokens(vocab))]
 
 
-def vocab_fingerprint(texts: list[str | None]) -> str:
+def vocab_fingerprint(texts: Sequence[str | None]) -> str:
     """A short hash of a vocabulary given as token texts in id order."""
     return hashlib.sha256(json.dumps(texts, ensure_ascii=False).encode()).hexdigest()[:16]
 
@@ -111,6 +114,8 @@ def check_gguf_tokenizer(target_tokenizer, gguf_texts: list[str], draft_name: st
 
 
 class LlamaCppDraftSession(LogitsDraftSession):
+    drafter: LlamaCppDrafter
+
     def __init__(self, drafter: "LlamaCppDrafter", tokens: list[int], params: SamplingParams):
         super().__init__(tokens, params)
         self.drafter = drafter
@@ -124,7 +129,7 @@ class LlamaCppDraftSession(LogitsDraftSession):
             self.close()
             raise
 
-    def _forward(self, feed: list[int]) -> torch.Tensor:
+    def _forward(self, feed: list[int]) -> np.ndarray:
         """Decode ``feed`` after the cached positions; the logits [V] after its last token."""
         if self.kv_len + len(feed) > self.drafter.max_len:
             raise CacheFullError(f"session needs {self.kv_len + len(feed)} positions, a llama.cpp "
@@ -133,7 +138,7 @@ class LlamaCppDraftSession(LogitsDraftSession):
         self.llm.eval(feed)
         self.kv_len += len(feed)
         ptr = self.drafter.llama_cpp.llama_get_logits_ith(self.llm.ctx, -1)
-        return torch.from_numpy(np.ctypeslib.as_array(ptr, shape=(self.drafter.n_vocab,)).copy())
+        return np.ctypeslib.as_array(ptr, shape=(self.drafter.n_vocab,)).copy()
 
     def _truncate(self, length: int) -> None:
         """Forget the cached positions from ``length`` on."""
@@ -147,7 +152,7 @@ class LlamaCppDraftSession(LogitsDraftSession):
     def _max_len(self) -> int:
         return self.drafter.max_len
 
-    def _feed(self, feed: list[int]) -> torch.Tensor:
+    def _feed(self, feed: list[int]) -> np.ndarray:
         return self._forward(feed)
 
     def _unfeed(self, n: int) -> None:
@@ -168,14 +173,15 @@ class LlamaCppDrafter(Drafter):
     wait_ms = 100.0  # a decode per drafted token, like ModelDrafter
 
     def __init__(self, path: str, n_slots: int = 4, max_len: int = 2048, target_tokenizer=None,
-                 n_threads: int | None = None, q_top_k: int = 8, min_confidence: float = 0.3,
+                 n_threads: int | None = None, min_confidence: float = 0.3,
                  extra_buffers: bool = False, branch_min_prob: float = 0.1):
-        self.path = resolve_gguf(path)
         self.llama_cpp = import_llama_cpp()
+        self.path = resolve_gguf(path)
         self.name = f"llamacpp:{self.path.name}"
         self.n_slots, self.max_len = n_slots, max_len
-        self.n_threads = n_threads or torch.get_num_threads()
-        self.q_top_k, self.min_confidence = q_top_k, min_confidence
+        # the process's thread policy (cli_args.set_threads), else every core
+        self.n_threads = n_threads or threads_in_use() or os.cpu_count() or 1
+        self.min_confidence = min_confidence
         self.branch_min_prob = branch_min_prob  # the least probability a tree branch needs
         self.extra_buffers = extra_buffers  # see load_llama
         self._lock = threading.Lock()

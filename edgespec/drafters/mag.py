@@ -98,7 +98,7 @@ class BigramTable:
         (None, 0). A peek: unlike ``best`` it does not count as a use of the leader."""
         entry = self._followers.get(token)
         rest = {t: c for t, c in entry.counts.items() if t != besides} if entry else {}
-        if not rest:
+        if entry is None or not rest:
             return None, 0.0
         nxt = max(rest, key=rest.__getitem__)
         return nxt, rest[nxt] / entry.total

@@ -20,14 +20,6 @@ class SamplingParams(_message.Message):
     seed: int
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., has_seed: _Optional[bool] = ..., seed: _Optional[int] = ...) -> None: ...
 
-class SparseQ(_message.Message):
-    __slots__ = ("ids", "probs")
-    IDS_FIELD_NUMBER: _ClassVar[int]
-    PROBS_FIELD_NUMBER: _ClassVar[int]
-    ids: _containers.RepeatedScalarFieldContainer[int]
-    probs: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ...) -> None: ...
-
 class Stats(_message.Message):
     __slots__ = ("steps", "num_drafts", "drafted", "accepted", "acceptance_rate", "mean_acceptance_length", "tokens_per_s", "prefill_s", "elapsed_s", "tokens", "accepted_per_pos", "take_s", "forward_s", "commit_s", "lossy", "branch_tokens")
     STEPS_FIELD_NUMBER: _ClassVar[int]
@@ -73,7 +65,7 @@ class ChatMessage(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "raw", "messages", "prompt_ids", "max_new_tokens", "sampling", "device_id", "resume_session_id", "resume_from", "verify")
+    __slots__ = ("prompt", "raw", "messages", "prompt_ids", "max_new_tokens", "sampling", "device_id", "resume_session_id", "resume_from", "verify", "committed_ids", "lost_session_id")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     RAW_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
@@ -84,6 +76,8 @@ class GenerateRequest(_message.Message):
     RESUME_SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     RESUME_FROM_FIELD_NUMBER: _ClassVar[int]
     VERIFY_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOST_SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     raw: bool
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
@@ -94,10 +88,12 @@ class GenerateRequest(_message.Message):
     resume_session_id: str
     resume_from: int
     verify: str
-    def __init__(self, prompt: _Optional[str] = ..., raw: _Optional[bool] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., device_id: _Optional[str] = ..., resume_session_id: _Optional[str] = ..., resume_from: _Optional[int] = ..., verify: _Optional[str] = ...) -> None: ...
+    committed_ids: _containers.RepeatedScalarFieldContainer[int]
+    lost_session_id: str
+    def __init__(self, prompt: _Optional[str] = ..., raw: _Optional[bool] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., device_id: _Optional[str] = ..., resume_session_id: _Optional[str] = ..., resume_from: _Optional[int] = ..., verify: _Optional[str] = ..., committed_ids: _Optional[_Iterable[int]] = ..., lost_session_id: _Optional[str] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("session_id", "token_ids", "text", "finished", "finish_reason", "stats", "device_id", "prompt_tokens", "resumed")
+    __slots__ = ("session_id", "token_ids", "text", "finished", "finish_reason", "stats", "device_id", "prompt_tokens", "resumed", "sampling")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -107,6 +103,7 @@ class GenerateResponse(_message.Message):
     DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     RESUMED_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
@@ -116,7 +113,8 @@ class GenerateResponse(_message.Message):
     device_id: str
     prompt_tokens: int
     resumed: bool
-    def __init__(self, session_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., stats: _Optional[_Union[Stats, _Mapping]] = ..., device_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., resumed: _Optional[bool] = ...) -> None: ...
+    sampling: SamplingParams
+    def __init__(self, session_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., stats: _Optional[_Union[Stats, _Mapping]] = ..., device_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., resumed: _Optional[bool] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
 
 class CancelRequest(_message.Message):
     __slots__ = ("session_id",)
@@ -191,12 +189,11 @@ class Register(_message.Message):
     def __init__(self, device_id: _Optional[str] = ..., draft_model: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ..., max_sessions: _Optional[int] = ...) -> None: ...
 
 class DraftChunk(_message.Message):
-    __slots__ = ("session_id", "epoch", "start", "tokens", "q", "idle", "tree_parents", "tree_version")
+    __slots__ = ("session_id", "epoch", "start", "tokens", "idle", "tree_parents", "tree_version")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
-    Q_FIELD_NUMBER: _ClassVar[int]
     IDLE_FIELD_NUMBER: _ClassVar[int]
     TREE_PARENTS_FIELD_NUMBER: _ClassVar[int]
     TREE_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -204,11 +201,10 @@ class DraftChunk(_message.Message):
     epoch: int
     start: int
     tokens: _containers.RepeatedScalarFieldContainer[int]
-    q: _containers.RepeatedCompositeFieldContainer[SparseQ]
     idle: bool
     tree_parents: _containers.RepeatedScalarFieldContainer[int]
     tree_version: int
-    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., start: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., q: _Optional[_Iterable[_Union[SparseQ, _Mapping]]] = ..., idle: _Optional[bool] = ..., tree_parents: _Optional[_Iterable[int]] = ..., tree_version: _Optional[int] = ...) -> None: ...
+    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., start: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., idle: _Optional[bool] = ..., tree_parents: _Optional[_Iterable[int]] = ..., tree_version: _Optional[int] = ...) -> None: ...
 
 class DrafterMessage(_message.Message):
     __slots__ = ("register", "chunk")

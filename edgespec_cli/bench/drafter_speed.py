@@ -15,7 +15,6 @@ import sys
 import time
 from pathlib import Path
 
-import torch
 
 from edgespec.config import ConfigError, SamplingParams
 
@@ -31,7 +30,8 @@ def add_bench_drafters_args(p) -> None:
     p.add_argument("--drafters", default=DEFAULT_DRAFTERS,
                    help="comma-separated drafter specs to measure (default: %(default)s)")
     p.add_argument("--repeat", type=int, default=1,
-                   help="runs of each prompt and drafter; the fastest counts (default: %(default)s)")
+                   help="runs of each prompt and drafter; the fastest counts "
+                        "(default: %(default)s)")
     p.add_argument("--json", dest="json_out", default="bench-results/drafter-speed.json",
                    help="where to write the JSON results (default: %(default)s)")
 
@@ -71,7 +71,9 @@ def bench_drafters(specs: list[str], target, prompts: list[list[int]], n_tokens:
 
     max_len = max(len(p) for p in prompts) + n_tokens + 2
     runner = None
-    rows, totals, first_tokens = [], {}, {}
+    rows: list[dict] = []
+    totals: dict[str, dict] = {}
+    first_tokens: dict[int, list[int]] = {}
     for spec in specs:
         parsed = parse_drafter_spec(spec)
         if parsed.kind == "layers" and runner is None:
@@ -112,12 +114,15 @@ def print_drafter_table(report: dict) -> None:
     first = next(iter(report["drafters"]), "")
     print(f"\n{'drafter':<22}{'draft tok/s':>12}{'ms/token':>10}{'prefill tok/s':>15}"
           f"{'agree w/ ' + first:>{max(12, len(first) + 11)}}")
+    agree_w = max(12, len(first) + 11)
     for spec, t in report["drafters"].items():
         print(f"{spec:<22}{t['draft_tokens_per_s']:>12.1f}{t['ms_per_token']:>10.1f}"
-              f"{t['prefill_tokens_per_s']:>15.1f}{t['prefix_agreement']:>{max(12, len(first) + 11)}.2f}")
+              f"{t['prefill_tokens_per_s']:>15.1f}{t['prefix_agreement']:>{agree_w}.2f}")
 
 
 def run_bench_drafters(args) -> int:
+    import torch
+
     from edgespec.cli_args import check_model_arg, set_threads
     from edgespec.drafters import parse_drafter_spec
     from edgespec.models import encode_prompt, load_model

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-import torch
 
 N_CTX = 2048  # prompt + output tokens a baseline run may hold (edgespec: --max-context)
 
@@ -50,6 +49,8 @@ def _greedy(llm, prompt_ids: list[int], max_new_tokens: int, stop_ids) -> list[i
 def llamacpp_target_only(gguf_path, prompt_ids: list[int], max_new_tokens: int, stop_ids,
                          n_threads: int | None = None) -> list[int]:
     """Greedy decoding of ``prompt_ids`` by llama.cpp alone; the new token ids."""
+    import torch
+
     llm = _load(str(gguf_path), False, n_threads or torch.get_num_threads())
     return _greedy(llm, prompt_ids, max_new_tokens, stop_ids)
 
@@ -58,5 +59,7 @@ def llamacpp_prompt_lookup(gguf_path, prompt_ids: list[int], max_new_tokens: int
                            n_threads: int | None = None) -> list[int]:
     """Greedy prompt-lookup decoding by llama-cpp-python (``LlamaPromptLookupDecoding`` drafts,
     the model verifies); the new token ids."""
+    import torch
+
     llm = _load(str(gguf_path), True, n_threads or torch.get_num_threads())
     return _greedy(llm, prompt_ids, max_new_tokens, stop_ids)

@@ -75,7 +75,7 @@ def summarize(records: list[dict], methods: list[str]) -> dict:
                 _figures(table, cats, m)
                 for m in methods if is_drafter(m) or m.startswith(LOOSE_PREFIX)}
     best = max(lossless, key=lambda m: table["all"][m]["tokens_per_s"], default=None)
-    summary = {"method": best,
+    summary: dict[str, object] = {"method": best,
                # every lossless drafter's output was identical to target-only on every prompt
                "lossless": all(r["identical_to_target_only"] for r in records
                                if is_drafter(r["method"]))}
@@ -106,7 +106,8 @@ COLUMNS = [("tok/s", "tokens_per_s", "{:7.1f}"), ("x target", "speedup_vs_target
            ("x hf gen", "speedup_vs_hf_generate", "{:8.2f}"),
            ("x hf pld", "speedup_vs_hf_prompt_lookup", "{:8.2f}"),
            ("x ll pld", "speedup_vs_llamacpp_prompt_lookup", "{:8.2f}"),
-           ("MAL", "mean_acceptance_length", "{:5.2f}"), ("tok/fwd", "tokens_per_forward", "{:7.2f}"),
+           ("MAL", "mean_acceptance_length", "{:5.2f}"),
+           ("tok/fwd", "tokens_per_forward", "{:7.2f}"),
            ("fwd ms/tok", "forward_ms_per_token", "{:10.1f}"),
            ("match", "token_match_rate", "{:5.2f}"), ("score", "task_score", "{:5.2f}"),
            ("same", "identical_to_target_only", "{!s:>5}")]
@@ -131,10 +132,12 @@ def print_tables(report: dict, methods: list[str]) -> None:
         print(f"{'category':<16}{'cold MAL':>9}{'warm MAL':>9}{'cold tok/s':>11}"
               f"{'warm tok/s':>11}{'same':>6}")
         for cat, row in warm["categories"].items():
+            identical = (row['cold']['identical_to_target_only']
+                         and row['warm']['identical_to_target_only'])
             print(f"{cat:<16}{row['cold']['mean_acceptance_length']:9.2f}"
                   f"{row['warm']['mean_acceptance_length']:9.2f}"
                   f"{row['cold']['tokens_per_s']:11.1f}{row['warm']['tokens_per_s']:11.1f}"
-                  f"{row['cold']['identical_to_target_only'] and row['warm']['identical_to_target_only']!s:>6}")
+                  f"{identical!s:>6}")
     levels = report.get("cascade_levels")
     if levels:
         print("\n== cascade levels (lower member's proposals checked by the upper) ==")

@@ -21,7 +21,6 @@ from collections import defaultdict
 from importlib import resources
 from pathlib import Path
 
-import torch
 
 from edgespec.config import ConfigError, SamplingParams
 
@@ -38,7 +37,8 @@ DEFAULT_DRAFTERS = "mag;cacheback;mag+cacheback;layers:4;cascade:layers:4,mag"
 def add_question_args(p) -> None:
     """The Spec-Bench question selection every benchmark command takes."""
     p.add_argument("--categories", nargs="+", default=CATEGORIES, choices=CATEGORIES,
-                   metavar="CAT", help=f"categories to run (default: all of {' '.join(CATEGORIES)})")
+                   metavar="CAT",
+                   help=f"categories to run (default: all of {' '.join(CATEGORIES)})")
     p.add_argument("--per-category", type=int, default=1,
                    help="prompts per category, the first N of each (default: %(default)s)")
 
@@ -85,7 +85,8 @@ def split_drafters(text: str) -> list[str]:
 
 def load_questions(categories: list[str], per_category: int, full: bool) -> list[dict]:
     text = resources.files("edgespec_cli.bench").joinpath("spec_bench_questions.jsonl").read_text()
-    picked, seen = [], defaultdict(int)
+    picked: list[dict] = []
+    seen: defaultdict[str, int] = defaultdict(int)
     for line in text.splitlines():
         q = json.loads(line)
         cat = q["category"] if q["category"] in SPEC_BENCH else "mt_bench"
@@ -107,6 +108,8 @@ class HFBaselines:
                            pad_token_id=eos[0] if eos else None)
 
     def run(self, method: str, ids: list[int], max_new: int) -> list[int]:
+        import torch
+
         extra = {}
         if method == "hf_prompt_lookup":
             extra = {"prompt_lookup_num_tokens": 10}
@@ -166,7 +169,7 @@ def run_bench(args) -> int:
                                                args.assist_layers)
     gguf = None
     if use_llamacpp:
-        from edgespec.models import default_model_gguf
+        from edgespec.model_files import default_model_gguf
 
         gguf = default_model_gguf()
     methods = ["target_only"] + ([FLOAT32_TARGET] if f32 else []) + \
@@ -179,6 +182,7 @@ def run_bench(args) -> int:
     def run_one(method: str, ids: list[int], max_new: int) -> dict:
         t0 = time.perf_counter()
         if method.startswith("hf_"):
+            assert hf is not None  # hf_ methods are run only when the baselines loaded
             out = hf.run(method, ids, max_new)
             return {"token_ids": out, "seconds": time.perf_counter() - t0}
         if method.startswith("llamacpp_"):
@@ -213,6 +217,7 @@ def run_bench(args) -> int:
                 r["identical_to_target_only"] = False
                 return r
             best = r if best is None or r["seconds"] < best["seconds"] else best
+        assert best is not None  # at least one repeat
         return best
 
     records, refs, encoded = [], {}, []
@@ -253,7 +258,7 @@ def run_bench(args) -> int:
                                               args.max_new_tokens, _log)
     report["config"] = {"model": gen.target.name, "device": args.device, "dtype": gen.dtype,
                         "max_new_tokens": args.max_new_tokens, "questions": len(questions),
-                        "threads": torch.get_num_threads(), "drafters": drafters,
+                        "threads": threads, "drafters": drafters,
                         "loose": loose, "loose_params": vars(cfg.loose), "trees": trees,
                         "tree_width": args.bench_tree_width,
                         "max_draft": args.max_draft, "window": args.window,

@@ -1,0 +1,100 @@
+"""The drafting loop of drafters that choose each token from their own logits (the torch model
+drafter, llama.cpp's), without torch.
+
+Each step feeds the tokens not yet cached, chooses the next token (``token_choice.choose_token``:
+the argmax when greedy, else the session's keyed sample), and stops early when the drafter's
+confidence (its top probability) falls below ``min_confidence``; the first token is always
+offered.
+
+Token trees (``propose_tree``): the chain is ``propose``'s, token for token, and the branches come
+from the distributions its forwards already computed, with no forward of their own: at each
+drafted position the drafter's next most likely tokens, each a one-token branch when its
+probability is at least ``branch_min_prob``. Of those, the ``width`` - 1 with the highest path
+probability (the chain's token probabilities before the position times the alternative's) are
+kept, best first; so early positions, which are the likelier to be reached, are preferred.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import numpy as np
+
+from .base import Branch, Draft, DraftSession
+from .token_choice import choose_token, top_tokens
+
+
+class BranchPicker:
+    """Collects a model draft's one-token alternatives position by position (``add``) and keeps
+    the ``max_branches`` most likely to be on the target's path (``branches``)."""
+
+    def __init__(self, max_branches: int, min_prob: float):
+        self.max_branches, self.min_prob = max_branches, min_prob
+        self.reach = 1.0  # the drafter's probability of the chain so far
+        self.candidates: list[tuple[float, int, int]] = []  # (path probability, at, token)
+
+    def add(self, at: int, probs: np.ndarray, token: int) -> None:
+        """Draft position ``at`` chose ``token`` from the probabilities ``probs`` [V]."""
+        for alt, p in top_tokens(probs, self.max_branches + 1):
+            if alt != token and p >= self.min_prob:
+                self.candidates.append((self.reach * p, at, alt))
+        self.reach *= float(probs[token])
+
+    def branches(self) -> list[Branch]:
+        best = sorted(self.candidates, key=lambda c: (-c[0], c[1]))[: self.max_branches]
+        return [Branch(at, (token,)) for _, at, token in best]
+
+
+class LogitsDrafterKnobs(Protocol):
+    """What ``LogitsDraftSession`` reads of its session's drafter."""
+
+    min_confidence: float
+    branch_min_prob: float
+
+
+class LogitsDraftSession(DraftSession):
+    """Subclasses keep ``kv_len`` and provide ``_max_len``, ``_feed`` and ``_unfeed``; their
+    ``drafter`` has ``min_confidence`` and ``branch_min_prob``."""
+
+    kv_len: int  # positions of self.tokens[:kv_len] are cached; the last token is fed next
+    drafter: LogitsDrafterKnobs  # a subclass narrows it to its own drafter class
+
+    def _max_len(self) -> int:
+        """The most tokens a session holds."""
+        raise NotImplementedError
+
+    def _feed(self, feed: list[int]):
+        """Run ``feed`` after the cached positions and cache it; the logits [V] after it (any
+        array NumPy can read)."""
+        raise NotImplementedError
+
+    def _unfeed(self, n: int) -> None:
+        """Forget the last ``n`` cached positions."""
+        raise NotImplementedError
+
+    def propose(self, k: int) -> Draft:
+        return self._propose(k, 1)
+
+    def propose_tree(self, k: int, width: int) -> Draft:
+        return self._propose(k, width)
+
+    def _propose(self, k: int, width: int) -> Draft:
+        out: list[int] = []
+        min_conf = self.drafter.min_confidence
+        picker = BranchPicker(width - 1, self.drafter.branch_min_prob) if width > 1 else None
+        for _ in range(k):
+            if len(self.tokens) + 1 > self._max_len():
+                break
+            feed = self.tokens[self.kv_len:]
+            logits = self._feed(feed)
+            # keyed by the absolute position the token will take: len(self.tokens)
+            token, conf, probs = choose_token(logits, self.params, len(self.tokens))
+            if out and conf < min_conf:  # the first token is always offered
+                # forget the last fed position so the next proposal re-feeds the last token
+                self._unfeed(len(feed))
+                break
+            if picker is not None:
+                picker.add(len(out), probs, token)
+            out.append(token)
+            self.tokens.append(token)
+        return Draft(tokens=out, branches=picker.branches() if picker is not None else [])
