@@ -6,7 +6,6 @@ Keys (prefix ``es:`` by default):
                           done, finish (reason), max_new
     es:s:{sid}:tok        string: prompt + committed tokens, packed little-endian uint32
     es:s:{sid}:draft      string: the draft beyond the committed tokens, packed the same way
-    es:s:{sid}:q          list: one packed sparse q' per draft token (sampled model drafts only)
     es:s:{sid}:br         list: the draft's branches (token trees), each packed [pos, tokens...]
     es:dev:{id}:inbox     stream: assignment / commit (fix) / close events for a drafter
     es:dev:{id}:alive     string with a short TTL while the drafter's stream is open
@@ -22,11 +21,12 @@ Bounds: a draft never exceeds the window, the inbox streams are capped (MAXLEN ~
 session key expires ``ttl_s`` after its last commit, so an abandoned session disappears by itself.
 
 The verifier's side (``create``, ``take_when_ready``, ``commit_many``, ``close``) implements
-``edgespec.store_api.SessionStore``, as the in-process ``LocalSessionStore`` does.
+``edgespec.protocol.SessionStore``, as the in-process ``LocalSessionStore`` does.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import queue
@@ -41,15 +41,28 @@ import redis
 
 from edgespec.config import SamplingParams
 from edgespec.fleet_table import record_output
-from edgespec.sampling import SparseQ
-from edgespec.session import MAX_BRANCHES, DraftBranch, Fix, TakenDraft, Verdict, \
-    chunk_branches, take_branches
-from edgespec.store_api import CommitOutcome, DraftWant, SessionVanished
+from edgespec.protocol import (MAX_BRANCHES, Branch, CommitOutcome, DraftWant, Fix,
+                               SessionVanished, StoreUnavailable, TakenDraft, Verdict,
+                               chunk_branches, take_branches)
 
 from .fleet_table import RedisFleetTable
 from .store_lua import COMMIT_LUA, LIVE_SESSIONS_LUA, PRUNE_LUA, PUSH_LUA
 
 log = logging.getLogger("edgespec.cache")
+
+
+def _unavailable_on_redis_errors(method):
+    """The verifier's calls raise ``StoreUnavailable`` when Redis cannot serve them (down,
+    restarting, out of memory), so that no role above the store knows it is Redis."""
+
+    @functools.wraps(method)
+    def wrapper(*args, **kwargs):
+        try:
+            return method(*args, **kwargs)
+        except (redis.RedisError, OSError) as e:
+            raise StoreUnavailable(f"the draft cache's Redis: {e}") from e
+
+    return wrapper
 
 def pack_tokens(tokens) -> bytes:
     return np.asarray(tokens, dtype="<u4").tobytes()
@@ -57,17 +70,6 @@ def pack_tokens(tokens) -> bytes:
 
 def unpack_tokens(blob: bytes | None) -> list[int]:
     return np.frombuffer(blob or b"", dtype="<u4").astype(np.int64).tolist()
-
-
-def pack_q(q: SparseQ) -> bytes:
-    return np.asarray(q.ids, dtype="<i4").tobytes() + np.asarray(q.probs, dtype="<f4").tobytes()
-
-
-def unpack_q(blob: bytes) -> SparseQ:
-    m = len(blob) // 8
-    ids = np.frombuffer(blob[: 4 * m], dtype="<i4").tolist()
-    probs = np.frombuffer(blob[4 * m:], dtype="<f4").astype(np.float64).tolist()
-    return SparseQ(ids, probs)
 
 
 def params_to_json(p: SamplingParams) -> str:
@@ -200,9 +202,9 @@ class RedisSessionStore:
 
     # -- keys ------------------------------------------------------------------------------------
     def session_keys(self, sid: str) -> list[str]:
-        """[hash, committed tokens, draft, q', branches] keys of a session."""
+        """[hash, committed tokens, draft, branches] keys of a session."""
         base = f"{self.prefix}s:{sid}"
-        return [base, base + ":tok", base + ":draft", base + ":q", base + ":br"]
+        return [base, base + ":tok", base + ":draft", base + ":br"]
 
     def inbox_key(self, device: str) -> str:
         return f"{self.prefix}dev:{device}:inbox"
@@ -292,6 +294,7 @@ class RedisSessionStore:
             script(keys=[self.sessions_key(dev)], args=[f"{self.prefix}s:", self.ttl_s], client=pipe)
         return [sorted(s.decode() for s in live) for live in pipe.execute()]
 
+    @_unavailable_on_redis_errors
     def pick_device(self) -> str | None:
         """The attached drafter with the fewest live sessions below its own limit, or None.
 
@@ -353,17 +356,18 @@ class RedisSessionStore:
                     self._reserved[device] -= 1
 
     # -- the verifier's side -----------------------------------------------------------------
+    @_unavailable_on_redis_errors
     def create(self, sid: str, prompt: list[int], params: SamplingParams,
                drafter: str | None, max_new_tokens: int = 0,
                committed: Sequence[int] = (), verify: str = "exact") -> None:
         """A new session, or (``committed`` given) one resumed from its committed output: the
         epoch moves past any earlier one, so chunks drafted before the resume are refused."""
-        h, tok, draft, q, br = self.session_keys(sid)
+        h, tok, draft, br = self.session_keys(sid)
         device = drafter or ""
         old_epoch = self.redis.hget(h, "epoch")
         epoch = int(old_epoch) + 1 if old_epoch is not None else 0
         pipe = self.redis.pipeline(transaction=True)
-        pipe.delete(h, tok, draft, q, br)
+        pipe.delete(h, tok, draft, br)
         pipe.hset(h, mapping={"prompt_len": len(prompt), "epoch": epoch, "device": device,
                               "params": params_to_json(params), "idle": 0, "done": 0,
                               "max_new": max_new_tokens, "finish": "", "verify": verify})
@@ -380,8 +384,12 @@ class RedisSessionStore:
         with self._lock:
             self._device_of[sid] = device
 
+    @_unavailable_on_redis_errors
     def load(self, sid: str) -> SessionRecord | None:
         """A session as the cache holds it (for resuming it), or None if it is gone."""
+        return self._load(sid)
+
+    def _load(self, sid: str) -> SessionRecord | None:
         h, tok = self.session_keys(sid)[:2]
         pipe = self.redis.pipeline(transaction=True)
         pipe.hgetall(h)
@@ -403,22 +411,22 @@ class RedisSessionStore:
         with self._lock:
             devices = [self._device_of.get(w.session_id) or "-" for w in wants]
         for w, device in zip(wants, devices):
-            h, tok, draft, q, br = self.session_keys(w.session_id)
+            h, tok, draft, br = self.session_keys(w.session_id)
             pipe.hmget(h, "epoch", "idle", "device")
             pipe.strlen(tok)
             pipe.strlen(draft)
             pipe.getrange(draft, 0, 4 * w.k - 1)
-            pipe.lrange(q, 0, w.k - 1)
             pipe.exists(self.alive_key(device))
-            if w.side:
+            if w.branch_budget:
                 pipe.lrange(br, 0, MAX_BRANCHES - 1)
         out = iter(pipe.execute())
         rows = []
         for w in wants:
-            row = tuple(next(out) for _ in range(6))
-            rows.append(row + (next(out) if w.side else [],))  # + the branches, if asked for
+            row = tuple(next(out) for _ in range(5))
+            rows.append(row + (next(out) if w.branch_budget else [],))  # + asked-for branches
         return rows
 
+    @_unavailable_on_redis_errors
     def take_when_ready(self, wants: list[DraftWant], wait_s: float
                         ) -> list[TakenDraft | SessionVanished]:
         """Wait up to ``wait_s`` until every session's draft is ready, then take up to k tokens
@@ -428,37 +436,34 @@ class RedisSessionStore:
         while True:
             seen = self._waker.seq
             rows = self._read(wants)
-            ready = all(_ready(row, w.wait_for) for row, w in zip(rows, wants))
+            ready = all(_ready(row, w.k) for row, w in zip(rows, wants))
             left = deadline - time.monotonic()
             if ready or left <= 0:
                 break
             self._waker.wait(seen, left)
         taken: list[TakenDraft | SessionVanished] = []
-        for (hm, tok_len, _, draft, qs, _, brs), w in zip(rows, wants):
+        for (hm, tok_len, _, draft, _, brs), w in zip(rows, wants):
             if hm[0] is None:
                 taken.append(SessionVanished(f"session {w.session_id} vanished from the cache"))
                 continue
             tokens = unpack_tokens(draft)
-            try:
-                q = [unpack_q(b) for b in qs] if qs else None
-            except ValueError:
-                q = None
             start = tok_len // 4
-            branches = [DraftBranch(x[0], tuple(x[1:])) for x in map(unpack_tokens, brs)
+            # stored as [absolute position, tokens...]: at is taken from the draft's start
+            branches = [Branch(x[0] - start, tuple(x[1:])) for x in map(unpack_tokens, brs)
                         if len(x) > 1]
-            taken.append(TakenDraft(int(hm[0]), start, tokens, q[: len(tokens)] if q else None,
-                                    take_branches(branches, start, len(tokens), w.side)))
+            taken.append(TakenDraft(int(hm[0]), start, tokens,
+                                    take_branches(branches, len(tokens), w.branch_budget)))
         return taken
 
+    @_unavailable_on_redis_errors
     def commit_many(self, verdicts: list[Verdict]) -> list[CommitOutcome]:
         """Apply verdicts in one round trip; a refused one is reported in its slot. Raises
-        only a ``redis.RedisError`` (then retry with the same verdicts)."""
+        only ``StoreUnavailable`` (then retry with the same verdicts)."""
         pipe = self.redis.pipeline(transaction=False)
         with self._lock:
             devices = [self._device_of.get(v.session_id, "") for v in verdicts]
         for v, device in zip(verdicts, devices):
-            # a fix's tokens: the branch's (if the verdict took one) and the verifier's own
-            fix = [*v.branch, v.token]
+            fix = Fix.of_verdict(v, 0).tokens  # the inbox event's, if it is a fix
             self._commit(keys=[*self.session_keys(v.session_id), self.inbox_key(device or "-")],
                          args=[v.epoch, v.n_accepted, pack_tokens([v.token]), int(v.done),
                                self.ttl_s, self.inbox_maxlen, v.session_id, fix[0], v.start,
@@ -469,17 +474,15 @@ class RedisSessionStore:
         for v, res in zip(verdicts, pipe.execute(raise_on_error=False)):
             if isinstance(res, redis.ConnectionError | redis.TimeoutError |
                           redis.exceptions.NoScriptError):
-                raise res  # the store, not this session: the step is retried
+                # the store, not this session: the step is retried
+                raise StoreUnavailable(f"the draft cache's Redis: {res}") from res
             if isinstance(res, Exception):
                 out.append(CommitOutcome(error=str(res)))
             elif res[0] < 0:
                 out.append(CommitOutcome(error=StoreError(res[0], res[1]).args[0]))
             else:
-                isfix, epoch, _ = res
-                out.append(CommitOutcome(Fix(0, epoch, v.start + v.n_accepted,
-                                             (v.branch or (v.token,))[0],
-                                             (*v.branch[1:], v.token) if v.branch else ())
-                                         if isfix == 1 else None))
+                isfix, epoch, _ = res  # isfix 2: a replay, answered as applied
+                out.append(CommitOutcome(Fix.of_verdict(v, epoch) if isfix == 1 else None))
         return out
 
     def close(self, sid: str, finish_reason: str = "stop", keep_s: int = 120) -> None:
@@ -529,10 +532,6 @@ class RedisSessionStore:
             finally:
                 self._fleet_queue.task_done()
 
-    def flush_fleet(self) -> None:
-        """Wait until every closed session so far is recorded in the fleet table."""
-        self._fleet_queue.join()
-
     def _record_fleet(self, sid: str) -> None:
         """Teach the fleet table a session's committed output (its prompt's tail as leaders)."""
         if self.fleet is None:
@@ -564,16 +563,16 @@ class RedisSessionStore:
             thread.join(timeout=10)
 
     # -- the drafters' side (the cache service) ------------------------------------------------
-    def push(self, sid: str, epoch: int, start: int, tokens: list[int],
-             q: list[SparseQ] | None, idle: bool, window: int, branches=()) -> PushResult:
+    def push(self, sid: str, epoch: int, start: int, tokens: list[int], idle: bool,
+             window: int, branches=()) -> PushResult:
         """Append a chunk (``branches``: alternatives to its tokens, ``at`` relative to it)."""
-        qs = [pack_q(x) for x in q] if q else []
         brs = []
-        for b in chunk_branches(start, tokens, branches, len(tokens)):
-            brs += [b.pos, pack_tokens([b.pos, *b.tokens])]
+        for b in chunk_branches(tokens, branches, len(tokens)):
+            pos = start + b.at  # stored by absolute position: the draft's start moves
+            brs += [pos, pack_tokens([pos, *b.tokens])]
         res = self._push(keys=[*self.session_keys(sid), self.wake_key],
-                         args=[epoch, start, pack_tokens(tokens), len(qs), int(idle), window,
-                               MAX_BRANCHES, len(brs) // 2, *qs, *brs])
+                         args=[epoch, start, pack_tokens(tokens), int(idle), window,
+                               MAX_BRANCHES, len(brs) // 2, *brs])
         if res[0] < 0:
             raise StoreError(res[0], res[1])
         return PushResult(int(res[0]), int(res[1]))
@@ -584,7 +583,7 @@ class RedisSessionStore:
 
     def snapshot(self, sid: str) -> SessionSnapshot | None:
         """What a drafter needs to draft for a running session, or None."""
-        rec = self.load(sid)
+        rec = self._load(sid)
         if rec is None or rec.done:
             return None
         return SessionSnapshot(sid, rec.prompt + rec.committed, rec.params, rec.epoch)
@@ -608,6 +607,6 @@ class RedisSessionStore:
 def _ready(row: tuple, k: int) -> bool:
     if row[0][0] is None:
         return True  # vanished: nothing to wait for
-    hm, _, draft_len, _, _, alive, _ = row
+    hm, _, draft_len, _, alive, _ = row
     has_drafter = bool(hm[2]) and alive == 1
     return not has_drafter or hm[1] == b"1" or draft_len // 4 >= k

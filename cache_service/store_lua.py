@@ -1,18 +1,20 @@
 """The draft cache's atomic operations on a session, as Lua scripts run inside Redis
 (``cache_service.store`` holds the key layout and calls them).
 
-PUSH (KEYS: hash, tok, draft, q, br, wake; ARGV: epoch, start, tokens, nq, idle, window,
-max_branches, nb, then nq packed q's, then nb (pos, packed [pos, tokens...]) pairs) appends a
+PUSH (KEYS: hash, tok, draft, br, wake; ARGV: epoch, start, tokens, idle, window,
+max_branches, nb, then nb (pos, packed [pos, tokens...]) pairs) appends a
 chunk if its epoch and start are current, within the window; its branches (alternatives to the
 kept tokens) are kept while the session holds fewer than max_branches.
 
-COMMIT (KEYS: hash, tok, draft, q, br, inbox; ARGV: epoch, n, packed token, done, ttl, maxlen,
+COMMIT (KEYS: hash, tok, draft, br, inbox; ARGV: epoch, n, packed token, done, ttl, maxlen,
 sid, first fix token, start, finish, packed branch tokens, the fix's further tokens as CSV)
 appends draft[:n] + branch + token to the committed tokens. A commit the draft held keeps the
 branches still ahead; anything else (a rejection, a bonus token, a branch) is a fix: the draft
-and its branches are dropped, the epoch moves on, and the drafter's inbox gets the fix. The
-verifier is trusted: the branch it names is not checked against the stored ones (the in-process
-store checks it, as a test of the engine).
+and its branches are dropped, the epoch moves on, and the drafter's inbox gets the fix. A
+verdict that names a branch the draft does not hold is refused. A commit replayed after it
+landed (its reply lost with the connection) is recognised by its position and last token and
+answered with code 2, not applied twice. Both rules are the in-process store's too
+(``edgespec.session``); tests/test_store_contract.py holds the two stores to the same cases.
 """
 
 PUSH_LUA = """
@@ -27,38 +29,28 @@ local dlen = redis.call('STRLEN', KEYS[3]) / 4
 if tonumber(ARGV[2]) ~= endpos + dlen then
   return {-4, 'chunk starts at ' .. ARGV[2] .. ', the draft ends at ' .. (endpos + dlen)}
 end
-local nq = tonumber(ARGV[4])
-local qlen = redis.call('LLEN', KEYS[4])
-if dlen > 0 and ((nq > 0) ~= (qlen > 0)) then
-  return {-5, 'a draft cannot mix sampled and deterministic chunks'}
-end
-local keep = math.min(string.len(ARGV[3]) / 4, tonumber(ARGV[6]) - dlen)
+local keep = math.min(string.len(ARGV[3]) / 4, tonumber(ARGV[5]) - dlen)
 if keep < 0 then keep = 0 end
-local nb = tonumber(ARGV[8])
+local nb = tonumber(ARGV[7])
 if keep > 0 then
   redis.call('APPEND', KEYS[3], string.sub(ARGV[3], 1, keep * 4))
-  for i = 1, math.min(keep, nq) do redis.call('RPUSH', KEYS[4], ARGV[8 + i]) end
-  local have = redis.call('LLEN', KEYS[5])
+  local have = redis.call('LLEN', KEYS[4])
   local added = 0
   for i = 1, nb do
-    local pos = tonumber(ARGV[8 + nq + 2 * i - 1])
-    if have + added < tonumber(ARGV[7]) and pos < tonumber(ARGV[2]) + keep then
-      redis.call('RPUSH', KEYS[5], ARGV[8 + nq + 2 * i])
+    local pos = tonumber(ARGV[7 + 2 * i - 1])
+    if have + added < tonumber(ARGV[6]) and pos < tonumber(ARGV[2]) + keep then
+      redis.call('RPUSH', KEYS[4], ARGV[7 + 2 * i])
       added = added + 1
     end
   end
-  -- the q' and branch lists are created here: they expire with the session, even if no
-  -- commit follows
+  -- the branch list is created here: it expires with the session, even if no commit follows
   local ttl = redis.call('PTTL', KEYS[1])
-  if ttl > 0 then
-    if nq > 0 then redis.call('PEXPIRE', KEYS[4], ttl) end
-    if added > 0 then redis.call('PEXPIRE', KEYS[5], ttl) end
-  end
+  if ttl > 0 and added > 0 then redis.call('PEXPIRE', KEYS[4], ttl) end
 end
-redis.call('HSET', KEYS[1], 'idle', ARGV[5])
+redis.call('HSET', KEYS[1], 'idle', ARGV[4])
 -- wake the verifier only for news: kept tokens or a changed idle flag (an empty chunk
 -- repeated in a loop must not keep it re-reading)
-if keep > 0 or h[3] ~= ARGV[5] then redis.call('PUBLISH', KEYS[6], '1') end
+if keep > 0 or h[3] ~= ARGV[4] then redis.call('PUBLISH', KEYS[5], '1') end
 return {keep, endpos}
 """
 
@@ -80,6 +72,16 @@ if tonumber(h[1]) ~= tonumber(ARGV[1]) then return {-2, 'verdict for a stale epo
 local draft = redis.call('GET', KEYS[3]) or ''
 local dlen = string.len(draft) / 4
 if n > dlen then return {-4, 'accepted more tokens than were drafted'} end
+if nbr > 0 then
+  local held = false
+  for _, b in ipairs(redis.call('LRANGE', KEYS[4], 0, -1)) do
+    if struct.unpack('<I4', b) == start + n and string.sub(b, 5, 4 + nbr * 4) == branch then
+      held = true
+      break
+    end
+  end
+  if not held then return {-5, 'the verdict accepted a branch the draft does not hold'} end
+end
 redis.call('APPEND', KEYS[2], string.sub(draft, 1, n * 4) .. branch .. ARGV[3])
 endpos = redis.call('STRLEN', KEYS[2]) / 4
 local epoch = tonumber(h[1])
@@ -87,32 +89,29 @@ local isfix = 1
 if nbr == 0 and dlen > n and string.sub(draft, n * 4 + 1, n * 4 + 4) == ARGV[3] then
   isfix = 0
   redis.call('SET', KEYS[3], string.sub(draft, n * 4 + 5))
-  redis.call('LTRIM', KEYS[4], n + 1, -1)
   -- keep the branches that are alternatives to tokens still ahead
   local kept = {}
-  for _, b in ipairs(redis.call('LRANGE', KEYS[5], 0, -1)) do
+  for _, b in ipairs(redis.call('LRANGE', KEYS[4], 0, -1)) do
     if struct.unpack('<I4', b) >= endpos then table.insert(kept, b) end
   end
-  redis.call('DEL', KEYS[5])
-  if #kept > 0 then redis.call('RPUSH', KEYS[5], unpack(kept)) end
+  redis.call('DEL', KEYS[4])
+  if #kept > 0 then redis.call('RPUSH', KEYS[4], unpack(kept)) end
 else
   redis.call('SET', KEYS[3], '')
-  redis.call('DEL', KEYS[4], KEYS[5])
+  redis.call('DEL', KEYS[4])
   epoch = epoch + 1
   redis.call('HSET', KEYS[1], 'epoch', epoch, 'idle', '0')
 end
 if ARGV[4] == '1' then redis.call('HSET', KEYS[1], 'done', '1', 'finish', ARGV[10]) end
 if h[2] and h[2] ~= '' then
   -- a fix: roll back to pos, then append tok and the tokens in more
-  redis.call('XADD', KEYS[6], 'MAXLEN', '~', ARGV[6], '*', 't', 'commit', 'sid', ARGV[7],
+  redis.call('XADD', KEYS[5], 'MAXLEN', '~', ARGV[6], '*', 't', 'commit', 'sid', ARGV[7],
              'epoch', epoch, 'end', endpos, 'fix', isfix, 'tok', ARGV[8],
              'pos', start + n, 'more', ARGV[12])
 end
-for i = 1, 5 do redis.call('EXPIRE', KEYS[i], ARGV[5]) end
+for i = 1, 4 do redis.call('EXPIRE', KEYS[i], ARGV[5]) end
 return {isfix, epoch, endpos}
 """
-# A commit replayed after it landed (the reply was lost with the connection) is recognised by
-# its position and last token and answered with code 2 instead of being applied twice.
 
 # Forget drafters last seen before ARGV[1] that are not alive now. KEYS: the devices hash, the
 # last-seen sorted set; ARGV[2]: the device key prefix ('es:dev:'); ARGV[3]: most per call.

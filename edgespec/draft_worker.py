@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 from .config import EngineConfig
 from .drafters import Drafter, DraftSession
-from .session import LocalSessionStore, SessionState, StaleChunkError
+from .protocol import StaleChunkError
+from .session import LocalSessionStore, SessionState
 
 log = logging.getLogger("edgespec.engine")
 
@@ -66,7 +67,7 @@ class DraftWorker(threading.Thread):
                 idle = len(draft) == 0
                 with self.store.cond:
                     try:
-                        w.state.push_draft(w.epoch, w.start, draft.tokens, draft.q, idle=idle,
+                        w.state.push_draft(w.epoch, w.start, draft.tokens, idle=idle,
                                            window=self.cfg.window, branches=draft.branches)
                     except StaleChunkError:
                         pass  # a fix arrived meanwhile; it is applied on the next round

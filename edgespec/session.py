@@ -1,25 +1,24 @@
-"""The session protocol (query-and-correct, docs/architecture.md), in process.
+"""The session protocol (``edgespec.protocol``), in process.
 
 One ``SessionState`` per generation holds what the shared draft cache holds in the distributed
-system: the prompt, the committed tokens, the current draft beyond them, and the epoch. The
-drafter pushes chunks (``push_draft``), the verifier takes a draft (``take_draft``) and commits
-its verdict (``commit``), which may publish a ``Fix``. All positions are absolute indices into
-prompt + output.
+system: the prompt, the committed tokens, the current draft beyond them, its branches, and the
+epoch. The drafter pushes chunks (``push_draft``), the verifier takes a draft (``take_draft``)
+and commits its verdict (``commit``), which may publish a ``Fix``. ``LocalSessionStore`` is the
+verifier's side over many sessions, the ``SessionStore`` the Redis store also implements, with
+the same rules (tests/test_store_contract.py):
 
-Rules:
-- a chunk carries the epoch it was drafted under and the position it starts at; a stale epoch or
-  a gap/overlap is refused, so a late chunk is never verified against the wrong prefix;
-- a commit appends accepted + the verifier's own token; when the draft did not hold that token at
-  that position (a rejection, a bonus token past the draft, or no draft), the epoch is bumped, the
-  draft dropped, and a fix (epoch, position, token) published;
+- a chunk carries the epoch it was drafted under and the position it starts at; a stale epoch,
+  a gap or an overlap, or a finished session is refused (``StaleChunkError``); the window
+  bounds the draft; branches are kept by ``protocol.chunk_branches``, at most MAX_BRANCHES;
+- a commit appends accepted + branch + the verifier's own token; when the draft did not hold
+  that token at that position (a rejection, a bonus token past the draft, no draft, or a
+  branch), the epoch is bumped, the draft and its branches dropped, and a fix published; a held
+  commit keeps the branches still ahead;
+- a verdict is refused when its epoch or position is stale, when it accepts more tokens than
+  were drafted, or a branch the draft does not hold; one replayed after it landed (same end,
+  same last token) is answered as applied, without a fix, and changes nothing;
 - fixes are kept in an ordered, bounded log with increasing ids, so a drafter reads what it
   missed (the Redis stream of the distributed cache).
-
-Token trees: a chunk may carry branches, alternatives to some of its tokens (``DraftBranch``,
-at an absolute position). The draft stays a chain, the drafter's belief; branches ride along
-and are taken with it, up to a node budget. A verdict that accepted a branch (``Verdict.branch``)
-left the chain, so it is always a fix, and the fix carries the branch's tokens (``Fix.more``).
-A commit that the draft held keeps the branches that still lie ahead.
 """
 
 from __future__ import annotations
@@ -32,102 +31,8 @@ from typing import Sequence
 
 from .config import SamplingParams
 from .fleet_table import FleetTable, record_output
-from .sampling import SparseQ
-from .store_api import CommitOutcome, DraftWant, SessionVanished
-
-
-MAX_BRANCHES = 8  # branches a session's draft keeps (more are dropped)
-MAX_BRANCH_TOKENS = 8  # tokens a branch keeps
-
-
-class StaleChunkError(Exception):
-    """A draft chunk from an old epoch or at the wrong position."""
-
-
-@dataclass(frozen=True)
-class DraftBranch:
-    """An alternative continuation stored with a draft: its first token is an alternative to
-    the draft's token at absolute position ``pos`` (it hangs from the token at pos - 1)."""
-
-    pos: int
-    tokens: tuple[int, ...]
-
-
-def chunk_branches(start: int, tokens: Sequence[int], branches, keep: int
-                   ) -> list[DraftBranch]:
-    """A chunk's branches (objects with ``at`` and ``tokens``, ``at`` relative to the chunk)
-    as stored ones: those that are alternatives to one of the ``keep`` tokens kept, differ from
-    the chain there and are not repeated, each cut to MAX_BRANCH_TOKENS, at most MAX_BRANCHES."""
-    out: list[DraftBranch] = []
-    seen = set()
-    for b in branches:
-        toks = tuple(int(t) for t in b.tokens[:MAX_BRANCH_TOKENS])
-        if not 0 <= b.at < keep or not toks or toks[0] == tokens[b.at] or \
-                (b.at, toks[0]) in seen:
-            continue
-        seen.add((b.at, toks[0]))
-        out.append(DraftBranch(start + b.at, toks))
-    return out[:MAX_BRANCHES]
-
-
-def take_branches(branches: Sequence[DraftBranch], start: int, n_spine: int, budget: int
-                  ) -> list[DraftBranch]:
-    """The branches that hang from a taken draft of ``n_spine`` tokens at ``start`` (each an
-    alternative to one of them), cut so that they hold at most ``budget`` tokens in all."""
-    out = []
-    for b in branches:
-        if budget <= 0:
-            break
-        if start <= b.pos < start + n_spine:
-            toks = b.tokens[:budget]
-            budget -= len(toks)
-            out.append(DraftBranch(b.pos, toks))
-    return out
-
-
-@dataclass(frozen=True)
-class Fix:
-    id: int
-    epoch: int
-    position: int  # the verifier's token goes here; the drafter rolls back to this length
-    token: int
-    more: tuple[int, ...] = ()  # tokens after ``token`` (the verifier accepted a branch)
-
-    @property
-    def tokens(self) -> list[int]:
-        """What the drafter appends after rolling back to ``position``."""
-        return [self.token, *self.more]
-
-
-@dataclass(frozen=True)
-class Verdict:
-    """The verifier's decision on one session's draft taken under ``epoch``."""
-
-    session_id: str
-    epoch: int
-    start: int  # position of the first draft token (the committed end before this verdict)
-    n_accepted: int
-    token: int
-    finish_reason: str = ""  # set on the session's last verdict: "stop" or "length"
-    # tokens accepted from a branch at start + n_accepted, before ``token`` (trees only)
-    branch: tuple[int, ...] = ()
-
-    @property
-    def done(self) -> bool:
-        return bool(self.finish_reason)
-
-
-@dataclass
-class TakenDraft:
-    epoch: int
-    start: int  # position of the first draft token
-    tokens: list[int]
-    q: list[SparseQ] | None
-    branches: list[DraftBranch] = field(default_factory=list)  # alternatives hanging from it
-
-    @property
-    def branch_tokens(self) -> int:
-        return sum(len(b.tokens) for b in self.branches)
+from .protocol import (MAX_BRANCHES, Branch, CommitOutcome, DraftWant, Fix, SessionVanished,
+                       StaleChunkError, TakenDraft, Verdict, chunk_branches, take_branches)
 
 
 @dataclass
@@ -136,8 +41,7 @@ class SessionState:
     prompt: list[int]
     committed: list[int] = field(default_factory=list)
     draft: list[int] = field(default_factory=list)
-    draft_q: list[SparseQ] | None = None
-    branches: list[DraftBranch] = field(default_factory=list)
+    branches: list[Branch] = field(default_factory=list)  # at: within self.draft
     epoch: int = 0
     drafter_idle: bool = False  # the drafter has nothing more for the current draft end
     has_drafter: bool = False
@@ -155,9 +59,8 @@ class SessionState:
     def tokens(self) -> list[int]:
         return self.prompt + self.committed
 
-    def push_draft(self, epoch: int, start: int, tokens: list[int],
-                   q: list[SparseQ] | None = None, idle: bool = False, window: int = 1 << 30,
-                   branches=()) -> int:
+    def push_draft(self, epoch: int, start: int, tokens: list[int], idle: bool = False,
+                   window: int = 1 << 30, branches=()) -> int:
         """Append a drafted chunk; returns how many tokens were kept (the window bounds it).
         ``branches``: alternatives to the chunk's tokens (``at`` relative to the chunk)."""
         if self.done:
@@ -167,20 +70,14 @@ class SessionState:
         expected = self.end + len(self.draft)
         if start != expected:
             raise StaleChunkError(f"chunk starts at {start}, the draft ends at {expected}")
-        if q is not None and len(q) != len(tokens):
-            raise ValueError("a chunk needs one q' per token")
         keep = max(0, min(len(tokens), window - len(self.draft)))
-        if keep and (q is None) != (self.draft_q is None) and self.draft:
-            raise ValueError("a draft mixes deterministic and sampled chunks")
         if keep:
-            if not self.draft:
-                self.draft_q = None if q is None else []
             self.draft.extend(tokens[:keep])
-            if q is not None:
-                self.draft_q.extend(q[:keep])
             room = MAX_BRANCHES - len(self.branches)
             if branches and room > 0:
-                self.branches.extend(chunk_branches(start, tokens, branches, keep)[:room])
+                offset = len(self.draft) - keep  # the chunk's first token in the draft
+                self.branches.extend(Branch(offset + b.at, b.tokens) for b in
+                                     chunk_branches(tokens, branches, keep)[:room])
         self.drafter_idle = idle
         return keep
 
@@ -188,47 +85,48 @@ class SessionState:
         """True when waiting longer would not give the verifier a longer draft."""
         return not self.has_drafter or self.drafter_idle or len(self.draft) >= k
 
-    def take_draft(self, k: int, side: int = 0) -> TakenDraft:
-        """Up to k draft tokens, and branches hanging from them of at most ``side`` tokens."""
-        q = None if self.draft_q is None else self.draft_q[:k]
+    def take_draft(self, k: int, branch_budget: int = 0) -> TakenDraft:
+        """Up to k draft tokens, and branches hanging from them of at most ``branch_budget``
+        tokens in all."""
         spine = self.draft[:k]
-        return TakenDraft(self.epoch, self.end, spine, q,
-                          take_branches(self.branches, self.end, len(spine), side))
+        return TakenDraft(self.epoch, self.end, spine,
+                          take_branches(self.branches, len(spine), branch_budget))
 
-    def commit(self, epoch: int, n_accepted: int, token: int, done: bool = False,
-               branch: Sequence[int] = ()) -> Fix | None:
-        """Apply the verifier's verdict on a draft taken under ``epoch``."""
-        if epoch != self.epoch:
-            raise StaleChunkError(f"verdict for epoch {epoch}, session is at epoch {self.epoch}")
-        if n_accepted > len(self.draft):
-            raise ValueError(f"accepted {n_accepted} of a {len(self.draft)}-token draft")
-        branch = tuple(branch)
-        if branch and not any(b.pos == self.end + n_accepted and b.tokens[:len(branch)] == branch
+    def is_replay(self, v: Verdict) -> bool:
+        """Whether ``v`` already landed (its commit's reply was lost): the session ends where
+        it would leave it, with its token."""
+        return self.end == v.end and self.tokens[-1] == v.token
+
+    def commit(self, v: Verdict) -> Fix | None:
+        """Apply the verifier's verdict on a draft it took (module docstring: the rules)."""
+        if v.start != self.end:
+            raise StaleChunkError(f"verdict at {v.start}, the session ends at {self.end}")
+        if v.epoch != self.epoch:
+            raise StaleChunkError(f"verdict for epoch {v.epoch}, session is at epoch "
+                                  f"{self.epoch}")
+        n = v.n_accepted
+        if n > len(self.draft):
+            raise StaleChunkError(f"accepted {n} of a {len(self.draft)}-token draft")
+        branch = tuple(v.branch)
+        if branch and not any(b.at == n and b.tokens[:len(branch)] == branch
                               for b in self.branches):
-            raise ValueError("the verdict accepted a branch the draft does not hold")
-        self.committed.extend(self.draft[:n_accepted])
-        position = self.end
-        self.committed.extend(branch)
-        self.committed.append(token)
-        held = not branch and len(self.draft) > n_accepted and self.draft[n_accepted] == token
+            raise StaleChunkError("the verdict accepted a branch the draft does not hold")
+        self.committed.extend([*self.draft[:n], *branch, v.token])
+        held = not branch and len(self.draft) > n and self.draft[n] == v.token
         fix = None
         if held:
-            del self.draft[: n_accepted + 1]
-            if self.draft_q is not None:
-                del self.draft_q[: n_accepted + 1]
-            self.branches = [b for b in self.branches if b.pos >= self.end]
+            del self.draft[: n + 1]
+            self.branches = [Branch(b.at - n - 1, b.tokens) for b in self.branches
+                             if b.at > n]
         else:
             self.draft.clear()
-            self.draft_q = None
             self.branches = []
             self.epoch += 1
             self.drafter_idle = False
-            more = (*branch[1:], token) if branch else ()
-            fix = Fix(self._next_fix_id, self.epoch, position, branch[0] if branch else token,
-                      more)
+            fix = Fix.of_verdict(v, self.epoch, self._next_fix_id)
             self._next_fix_id += 1
             self.fixes.append(fix)
-        self.done = self.done or done
+        self.done = self.done or v.done
         return fix
 
     def fixes_after(self, fix_id: int) -> list[Fix]:
@@ -270,14 +168,14 @@ class LocalSessionStore:
         deadline = time.monotonic() + wait_s
         with self.cond:
             states = [self.sessions.get(w.session_id) for w in wants]
-            while not all(st is None or st.draft_ready(w.wait_for)
+            while not all(st is None or st.draft_ready(w.k)
                           for st, w in zip(states, wants)):
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
                 self.cond.wait(timeout=left)
-            return [SessionVanished(w.session_id) if st is None else st.take_draft(w.k, w.side)
-                    for st, w in zip(states, wants)]
+            return [SessionVanished(w.session_id) if st is None
+                    else st.take_draft(w.k, w.branch_budget) for st, w in zip(states, wants)]
 
     def commit_many(self, verdicts: list[Verdict]) -> list[CommitOutcome]:
         out = []
@@ -287,11 +185,11 @@ class LocalSessionStore:
                 try:
                     if state is None:
                         raise StaleChunkError(f"unknown session {v.session_id}")
-                    if state.end != v.start:
-                        raise StaleChunkError(f"verdict at {v.start}, session ends at {state.end}")
-                    out.append(CommitOutcome(state.commit(v.epoch, v.n_accepted, v.token,
-                                                          v.done, v.branch)))
-                except (StaleChunkError, ValueError) as e:
+                    if state.is_replay(v):
+                        out.append(CommitOutcome())
+                        continue
+                    out.append(CommitOutcome(state.commit(v)))
+                except StaleChunkError as e:
                     out.append(CommitOutcome(error=str(e)))
             self.cond.notify_all()
         return out

@@ -15,7 +15,8 @@ candidates were drafted. A chain is the tree whose node i hangs from node i - 1,
 exactly ``verify_greedy`` / ``verify_keyed``'s verdict.
 
 ``TargetRunner.forward_tree`` computes the logits of every node with a tree attention mask;
-``TargetRunner.compact`` keeps the accepted path's keys/values; ``step_tree`` ties the three.
+``TargetRunner.compact`` keeps the accepted path's keys/values (the engine's step ties the
+three).
 Every node's logits are bitwise those of its root-to-node chain (``edgespec.attention``: branch
 nodes read their ancestors' keys in decoding order), so the verdict is exactly decoding's.
 ``verify_tree`` states the walk for one tree; the verifier runs it for a whole step on the
@@ -26,22 +27,20 @@ from __future__ import annotations
 
 import numbers
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 import torch
 
 from .config import SamplingParams
+from .protocol import Branch
 from .sampling import _seed_of, filtered_logits, keyed_choice
-
-if TYPE_CHECKING:
-    from .runner import TargetRunner
 
 MAX_TREE_NODES = 64  # the most nodes a tree may have unless the caller says otherwise
 
 
 def check_token(x, vocab_size: int, what: str = "token") -> int:
     """``x`` as a token id in [0, vocab_size), or ValueError."""
-    if not isinstance(x, numbers.Integral) or isinstance(x, bool) or not 0 <= x < vocab_size:
+    if not isinstance(x, numbers.Integral) or isinstance(x, bool) or not 0 <= int(x) < vocab_size:
         raise ValueError(f"{what} must be a token id in [0, {vocab_size}), got {x!r}")
     return int(x)
 
@@ -96,49 +95,23 @@ class DraftTree:
             out.setdefault(p, []).append(i)
         return out
 
-    def path_to(self, node: int) -> list[int]:
-        """The nodes from the root's child down to ``node`` (empty for the root, -1)."""
-        path = []
-        while node >= 0:
-            path.append(node)
-            node = self.parents[node]
-        return path[::-1]
-
     # -- construction ------------------------------------------------------------------------
     @classmethod
     def chain(cls, tokens: Sequence[int]) -> "DraftTree":
         """A chain draft as a tree: node i hangs from node i - 1."""
         return cls(tuple(tokens), tuple(range(-1, len(tokens) - 1)))
 
-    @classmethod
-    def from_branches(cls, branches: Sequence[Sequence[int]]) -> "DraftTree":
-        """The prefix tree (trie) of several candidate continuations: branches sharing a prefix
-        share its nodes. Nodes are numbered in the order they first appear."""
-        tokens: list[int] = []
-        parents: list[int] = []
-        index: dict[tuple[int, int], int] = {}  # (parent, token) -> node
-        for branch in branches:
-            node = -1
-            for t in branch:
-                key = (node, t)
-                if key not in index:
-                    index[key] = len(tokens)
-                    tokens.append(t)
-                    parents.append(node)
-                node = index[key]
-        return cls(tuple(tokens), tuple(parents))
 
-
-def tree_of_draft(spine: Sequence[int], branches: Sequence, start: int) -> DraftTree:
-    """The tree of a chain draft ``spine`` (first token at absolute position ``start``) and its
-    branches (objects with ``pos``, absolute, and ``tokens``; each hangs from the spine token
-    at pos - 1, or from the root at ``start``). The spine is nodes 0..len(spine) - 1, so a
-    path's leading nodes below len(spine) are spine tokens; a branch that repeats existing
-    nodes shares them (a trie), and one that does not hang from the spine is ignored."""
+def tree_of_draft(spine: Sequence[int], branches: Sequence[Branch]) -> DraftTree:
+    """The verifier's node layout of a chain draft ``spine`` and its branches (each hangs from
+    the spine token at - 1, or from the root when at is 0). The spine is nodes
+    0..len(spine) - 1, so a path's leading nodes below len(spine) are spine tokens; a branch
+    that repeats existing nodes shares them (a trie), and one that does not hang from the
+    spine is ignored."""
     tokens, parents = list(spine), list(range(-1, len(spine) - 1))
     index = {(p, t): i for i, (p, t) in enumerate(zip(parents, tokens))}
     for b in branches:
-        node = b.pos - start - 1  # the spine node it hangs from; -1: the root
+        node = b.at - 1  # the spine node it hangs from; -1: the root
         if not -1 <= node < len(spine) - 1:
             continue
         for t in b.tokens:
@@ -188,7 +161,8 @@ def verify_tree(logits: torch.Tensor, tree: DraftTree, params: SamplingParams, s
             return keyed_choice(scores[row], seed, pos)
 
     children = tree.children()
-    node, depth, path = -1, 0, []
+    node, depth = -1, 0
+    path: list[int] = []
     while True:
         token = choose(node + 1, start + depth)  # node i's row is 1 + i, the root's (-1) 0
         nxt = next((c for c in children.get(node, ()) if tree.tokens[c] == token), None)
@@ -196,16 +170,3 @@ def verify_tree(logits: torch.Tensor, tree: DraftTree, params: SamplingParams, s
             return TreeVerdict(path, [tree.tokens[i] for i in path], token)
         path.append(nxt)
         node, depth = nxt, depth + 1
-
-
-def step_tree(runner: "TargetRunner", slot: int, root: int, tree: DraftTree,
-              params: SamplingParams) -> TreeVerdict:
-    """One verification step of a session that drafted a tree: forward the tree after the
-    slot's committed prefix, verify it, and keep the accepted path's keys/values. Afterwards
-    the slot holds root + the accepted tokens; the session's new tokens are
-    ``verdict.tokens + [verdict.token]``, and ``verdict.token`` is the next step's root."""
-    start = runner.length(slot) + 1  # the root sits at the slot's length
-    logits = runner.forward_tree([slot], [root], [tree])[0]  # [1 + N, V]
-    verdict = verify_tree(logits, tree, params, start)
-    runner.compact(slot, verdict.path)
-    return verdict

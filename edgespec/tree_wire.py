@@ -6,16 +6,14 @@ parent in the chunk, -1 for the token before ``start``. The chain is the leading
 whose parent is the node before them (node 0 hangs from -1). Every later node either starts a
 branch (its parent is -1 or a chain node other than the last: it is an alternative to the chain
 node after its parent) or continues the branch of the node right before it. So a branch is a
-chain hanging from the chain, as ``DraftSession.propose_tree`` proposes them; q' (sampled
-drafts) covers the chain's tokens only, since verification needs none for branches.
+chain hanging from the chain, as ``DraftSession.propose_tree`` proposes them.
 """
 
 from __future__ import annotations
 
 from typing import Sequence
 
-from .drafters.base import Branch
-from .session import chunk_branches
+from .protocol import Branch, chunk_branches
 
 TREE_VERSION = 1  # the newest tree chunk layout this code reads and writes
 MAX_BRANCH_NODES = 64  # branch nodes one chunk may carry
@@ -24,11 +22,11 @@ MAX_BRANCH_NODES = 64  # branch nodes one chunk may carry
 def tree_to_wire(tokens: Sequence[int], branches: Sequence[Branch]
                  ) -> tuple[list[int], list[int]]:
     """A chain and its branches as (nodes, parents) of a version-1 tree chunk. Only what the
-    session protocol would store is sent (``session.chunk_branches``: alternatives to a chain
+    session protocol would store is sent (``protocol.chunk_branches``: alternatives to a chain
     token, not repeated, within its bounds)."""
     nodes, parents = list(tokens), list(range(-1, len(tokens) - 1))
-    for b in chunk_branches(0, tokens, branches, len(tokens)):  # start 0: pos is at
-        parent = b.pos - 1
+    for b in chunk_branches(tokens, branches, len(tokens)):
+        parent = b.at - 1
         for t in b.tokens:
             nodes.append(int(t))
             parents.append(parent)

@@ -5,10 +5,7 @@ import pytest
 from cache_service.redis_conn import RedisHandle
 from cache_service.store import RedisSessionStore, StoreError
 from edgespec.config import SamplingParams
-from edgespec.sampling import SparseQ
-from edgespec.drafters.base import Branch
-from edgespec.session import DraftBranch, Verdict
-from edgespec.store_api import DraftWant, SessionVanished
+from edgespec.protocol import Branch, DraftWant, SessionVanished, Verdict
 
 
 @pytest.fixture()
@@ -31,54 +28,54 @@ def test_push_take_commit_with_fix_reaches_the_inbox(store):
     assert store.snapshot("s1").tokens == [1, 2, 3]
     events = store.read_events(dev, "0-0", 10)
     assert events[0][1] == {"t": "assign", "sid": "s1"}
-    res = store.push("s1", 0, 3, [4, 5, 6], None, idle=False, window=8)
+    res = store.push("s1", 0, 3, [4, 5, 6], idle=False, window=8)
     assert (res.kept, res.committed_end) == (3, 3)
-    [taken] = store.take_when_ready([DraftWant("s1", 2, 2)], 0.0)
-    assert (taken.epoch, taken.start, taken.tokens, taken.q) == (0, 3, [4, 5], None)
+    [taken] = store.take_when_ready([DraftWant("s1", 2)], 0.0)
+    assert (taken.epoch, taken.start, taken.tokens) == (0, 3, [4, 5])
     [out] = store.commit_many([Verdict("s1", 0, 3, 1, 9)])  # 4 accepted, 5 rejected -> 9
     fix = out.fix
-    assert (fix.epoch, fix.position, fix.token) == (1, 4, 9)
+    assert (fix.epoch, fix.position, fix.tokens) == (1, 4, (9,))
     snap = store.snapshot("s1")
     assert snap.tokens == [1, 2, 3, 4, 9] and snap.epoch == 1
     ev = store.read_events(dev, events[0][0], 10)
-    assert ev[-1][1] == {"t": "commit", "sid": "s1", "epoch": "1", "end": "5", "fix": "1", "tok": "9",
-                         "pos": "4", "more": ""}
+    assert ev[-1][1] == {"t": "commit", "sid": "s1", "epoch": "1", "end": "5", "fix": "1",
+                         "tok": "9", "pos": "4", "more": ""}
 
 
 def test_held_token_commits_without_fix(store):
     dev = _attach(store)
     store.create("s2", [1], SamplingParams(), dev)
-    store.push("s2", 0, 1, [7, 8, 9], None, idle=False, window=8)
-    store.take_when_ready([DraftWant("s2", 1, 1)], 0.0)
+    store.push("s2", 0, 1, [7, 8, 9], idle=False, window=8)
+    store.take_when_ready([DraftWant("s2", 1)], 0.0)
     [out] = store.commit_many([Verdict("s2", 0, 1, 1, 8)])
     assert out.ok and out.fix is None
-    [taken] = store.take_when_ready([DraftWant("s2", 8, 8)], 0.0)
+    [taken] = store.take_when_ready([DraftWant("s2", 8)], 0.0)
     assert taken.tokens == [9] and taken.start == 3 and taken.epoch == 0
 
 
 def test_branches_are_stored_taken_kept_ahead_and_dropped_by_a_fix(store):
     dev = _attach(store)
     store.create("s9", [1, 2], SamplingParams(), dev)
-    res = store.push("s9", 0, 2, [10, 11, 12, 13], None, idle=False, window=3, branches=[
+    res = store.push("s9", 0, 2, [10, 11, 12, 13], idle=False, window=3, branches=[
         Branch(0, (20, 21)), Branch(2, (22,)), Branch(3, (23,)),  # at 3: beyond the window
         Branch(1, (11,))])  # the chain's own token: not a branch
     assert res.kept == 3
-    [taken] = store.take_when_ready([DraftWant("s9", 3, 3, side=2)], 0.0)
+    [taken] = store.take_when_ready([DraftWant("s9", 3, 2)], 0.0)
     assert taken.tokens == [10, 11, 12]
-    assert taken.branches == [DraftBranch(2, (20, 21))]  # the side budget: two tokens
-    [taken] = store.take_when_ready([DraftWant("s9", 3, 3)], 0.0)
-    assert taken.branches == []  # no side budget: a chain
+    assert taken.branches == [Branch(0, (20, 21))]  # the branch budget: two tokens
+    [taken] = store.take_when_ready([DraftWant("s9", 3)], 0.0)
+    assert taken.branches == []  # no branch budget: a chain
     [out] = store.commit_many([Verdict("s9", 0, 2, 1, 11)])  # 10 accepted, 11 held
     assert out.ok and out.fix is None
-    [taken] = store.take_when_ready([DraftWant("s9", 3, 3, side=8)], 0.0)
-    assert (taken.start, taken.tokens, taken.branches) == (4, [12], [DraftBranch(4, (22,))])
-    store.push("s9", 0, 5, [14], None, idle=False, window=8, branches=[Branch(0, (24, 25))])
+    [taken] = store.take_when_ready([DraftWant("s9", 3, 8)], 0.0)
+    assert (taken.start, taken.tokens, taken.branches) == (4, [12], [Branch(0, (22,))])
+    store.push("s9", 0, 5, [14], idle=False, window=8, branches=[Branch(0, (24, 25))])
     ev0 = store.read_events(dev, "0-0", 100)[-1][0]
     [out] = store.commit_many([Verdict("s9", 0, 4, 1, 7, branch=(24,))])  # 12, then branch 24
     fix = out.fix
-    assert (fix.epoch, fix.position, fix.token, fix.more) == (1, 5, 24, (7,))
+    assert (fix.epoch, fix.position, fix.tokens) == (1, 5, (24, 7))
     assert store.snapshot("s9").tokens == [1, 2, 10, 11, 12, 24, 7]
-    assert store.redis.llen(store.session_keys("s9")[4]) == 0  # a fix drops the branches
+    assert store.redis.llen(store.session_keys("s9")[3]) == 0  # a fix drops the branches
     ev = store.read_events(dev, ev0, 10)
     assert ev[-1][1] == {"t": "commit", "sid": "s9", "epoch": "1", "end": "7", "fix": "1",
                          "tok": "24", "pos": "5", "more": "7"}
@@ -90,29 +87,27 @@ def test_branches_are_stored_taken_kept_ahead_and_dropped_by_a_fix(store):
 def test_stale_and_misplaced_chunks_are_refused_and_change_nothing(store):
     dev = _attach(store)
     store.create("s3", [1, 2], SamplingParams(), dev)
-    store.push("s3", 0, 2, [3], None, idle=False, window=8)
+    store.push("s3", 0, 2, [3], idle=False, window=8)
     store.commit_many([Verdict("s3", 0, 2, 0, 5)])  # rejection: epoch 1
     with pytest.raises(StoreError) as e:
-        store.push("s3", 0, 3, [6], None, idle=False, window=8)
+        store.push("s3", 0, 3, [6], idle=False, window=8)
     assert e.value.kind == "stale"
     with pytest.raises(StoreError) as e:
-        store.push("s3", 1, 7, [6], None, idle=False, window=8)
+        store.push("s3", 1, 7, [6], idle=False, window=8)
     assert e.value.kind == "position"
     with pytest.raises(StoreError) as e:
-        store.push("nope", 0, 0, [6], None, idle=False, window=8)
+        store.push("nope", 0, 0, [6], idle=False, window=8)
     assert e.value.kind == "unknown"
-    [taken] = store.take_when_ready([DraftWant("s3", 8, 8)], 0.0)
+    [taken] = store.take_when_ready([DraftWant("s3", 8)], 0.0)
     assert taken.tokens == [] and store.snapshot("s3").tokens == [1, 2, 5]
 
 
-def test_window_bounds_the_draft_and_sparse_q_round_trips(store):
+def test_window_bounds_the_draft_and_params_round_trip(store):
     dev = _attach(store)
     store.create("s4", [1], SamplingParams(temperature=1.0, seed=4), dev)
-    q = [SparseQ([3, 4], [0.75, 0.25]), SparseQ([5], [1.0]), SparseQ([6], [1.0])]
-    assert store.push("s4", 0, 1, [3, 5, 6], q, idle=False, window=2).kept == 2
-    [taken] = store.take_when_ready([DraftWant("s4", 8, 8)], 0.0)
-    assert taken.tokens == [3, 5] and [x.ids for x in taken.q] == [[3, 4], [5]]
-    assert taken.q[0].probs == [0.75, 0.25]
+    assert store.push("s4", 0, 1, [3, 5, 6], idle=False, window=2).kept == 2
+    [taken] = store.take_when_ready([DraftWant("s4", 8)], 0.0)
+    assert taken.tokens == [3, 5]
     assert store.snapshot("s4").params == SamplingParams(temperature=1.0, seed=4)
 
 
@@ -129,12 +124,12 @@ def test_take_waits_for_a_live_drafter_but_not_for_a_dead_one(store):
     dev = _attach(store)
     store.create("s5", [1], SamplingParams(), dev)
     t0 = time.monotonic()
-    [taken] = store.take_when_ready([DraftWant("s5", 4, 4)], 0.2)
+    [taken] = store.take_when_ready([DraftWant("s5", 4)], 0.2)
     assert time.monotonic() - t0 >= 0.15  # a live drafter with no draft yet: waited
     assert taken.tokens == []
     store.mark_gone(dev)
     store._chunk_waker = _NoWait()  # nobody drafting: the take must not wait at all
-    [taken] = store.take_when_ready([DraftWant("s5", 4, 4)], 30)
+    [taken] = store.take_when_ready([DraftWant("s5", 4)], 30)
     assert taken.tokens == []
 
 
@@ -143,10 +138,10 @@ def test_a_pushed_chunk_ends_the_wait(store):
 
     dev = _attach(store)
     store.create("s7", [1], SamplingParams(), dev)
-    store.take_when_ready([DraftWant("s7", 4, 4)], 0.0)  # subscribes the waker
-    timer = threading.Timer(0.3, store.push, ("s7", 0, 1, [2, 3, 4, 5], None, False, 8))
+    store.take_when_ready([DraftWant("s7", 4)], 0.0)  # subscribes the waker
+    timer = threading.Timer(0.3, store.push, ("s7", 0, 1, [2, 3, 4, 5], False, 8))
     timer.start()
-    [taken] = store.take_when_ready([DraftWant("s7", 4, 4)], 120)  # woken by the push
+    [taken] = store.take_when_ready([DraftWant("s7", 4)], 120)  # woken by the push
     timer.join()
     assert taken.tokens == [2, 3, 4, 5]
 
@@ -154,7 +149,7 @@ def test_a_pushed_chunk_ends_the_wait(store):
 def test_commit_replayed_after_it_landed_is_not_applied_twice(store):
     dev = _attach(store)
     store.create("s8", [1, 2], SamplingParams(), dev)
-    store.push("s8", 0, 2, [3, 4], None, idle=False, window=8)
+    store.push("s8", 0, 2, [3, 4], idle=False, window=8)
     v = Verdict("s8", 0, 2, 2, 7)
     [first] = store.commit_many([v])
     [again] = store.commit_many([v])  # e.g. the reply was lost and the verifier retried
@@ -178,7 +173,7 @@ def test_a_vanished_session_is_reported_in_its_slot(store):
     dev = _attach(store)
     store.create("s11", [1], SamplingParams(), dev)
     store.redis.delete(*store.session_keys("s11"))
-    taken = store.take_when_ready([DraftWant("s11", 2, 2)], 5)
+    taken = store.take_when_ready([DraftWant("s11", 2)], 5)
     assert isinstance(taken[0], SessionVanished)
 
 
@@ -186,17 +181,18 @@ def test_resume_record_and_epoch_moves_on(store):
     dev = _attach(store)
     params = SamplingParams(temperature=0.7, seed=3)
     store.create("s12", [1, 2], params, dev, max_new_tokens=9)
-    store.push("s12", 0, 2, [3], None, idle=False, window=8)
+    store.push("s12", 0, 2, [3], idle=False, window=8)
     store.commit_many([Verdict("s12", 0, 2, 1, 4)])
     rec = store.load("s12")
-    assert (rec.prompt, rec.committed, rec.params, rec.max_new_tokens) == ([1, 2], [3, 4], params, 9)
+    assert (rec.prompt, rec.committed, rec.params, rec.max_new_tokens) == \
+        ([1, 2], [3, 4], params, 9)
     assert rec.finish_reason is None
     before = store.snapshot("s12").epoch
     store.create("s12", rec.prompt, rec.params, dev, rec.max_new_tokens, committed=rec.committed)
     snap = store.snapshot("s12")
     assert snap.tokens == [1, 2, 3, 4] and snap.epoch > before
     with pytest.raises(StoreError):  # a chunk drafted before the resume
-        store.push("s12", before, 4, [5], None, idle=False, window=8)
+        store.push("s12", before, 4, [5], idle=False, window=8)
     store.close("s12", "length")
     assert store.load("s12").finish_reason == "length"
 

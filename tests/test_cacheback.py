@@ -113,8 +113,10 @@ def test_redis_fleet_table_pulls_changes_in_pieces_and_stays_bounded(redis_clien
 def test_a_closed_session_teaches_the_fleet_table_its_output(redis_client):
     store = RedisSessionStore(redis_client, prefix="t:", ttl_s=30)
     store.create("s1", [1, 2, 3], SamplingParams(), None, committed=[4, 5])
-    store.close("s1", "stop")
-    store.flush_fleet()
+    store.close("s1", "stop")  # recorded by the store's recorder thread, soon
+    deadline = time.monotonic() + 60
+    while not store.fleet.pull(0).entries and time.monotonic() < deadline:
+        time.sleep(0.05)
     got = {e.leader: e.followers for e in store.fleet.pull(0).entries}
     assert got[(1, 2, 3)] == (4,) and got[(2, 3, 4)] == (5,)
     assert (1, 2) not in got  # the prompt's own pairs are not recorded, only its tail as leaders

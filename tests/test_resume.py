@@ -12,7 +12,7 @@ from edgespec.config import EngineConfig, SamplingParams
 from edgespec.engine import Request, SpecEngine
 from edgespec.models import stop_token_ids
 from edgespec.runner import TargetRunner
-from edgespec.session import Verdict
+from edgespec.protocol import Verdict
 from verifier_node.admission import Admission, GenerationRequest
 from verifier_node.scheduler import Scheduler
 

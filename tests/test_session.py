@@ -1,60 +1,28 @@
-"""The session protocol: epochs, positions, fixes."""
+"""The in-process session state beyond the protocol's shared rules (tests/test_store_contract.py
+runs those on both stores): the fix log a drafter reads, readiness, and the commit's own
+argument checks."""
 
 import pytest
 
-from edgespec.session import SessionState, StaleChunkError
+from edgespec.protocol import StaleChunkError, Verdict
+from edgespec.session import SessionState
 
 
 def _state():
     return SessionState("s", [1, 2, 3], has_drafter=True)
 
 
-def test_full_accept_with_bonus_publishes_fix_at_the_draft_end():
-    st = _state()
-    st.push_draft(0, 3, [4, 5])
-    taken = st.take_draft(8)
-    assert (taken.epoch, taken.start, taken.tokens) == (0, 3, [4, 5])
-    fix = st.commit(0, 2, 6)
-    assert st.committed == [4, 5, 6] and st.draft == []
-    assert (fix.epoch, fix.position, fix.token) == (1, 5, 6) and st.epoch == 1
-
-
-def test_token_the_draft_already_held_needs_no_fix():
-    st = _state()
-    st.push_draft(0, 3, [4, 5, 6, 7])
-    st.take_draft(2)  # the verifier only looked at [4, 5]; its bonus 6 is the next draft token
-    assert st.commit(0, 2, 6) is None
-    assert st.committed == [4, 5, 6] and st.draft == [7] and st.epoch == 0
-    st.push_draft(0, 7, [8])  # the drafter continues at the same epoch
-    assert st.draft == [7, 8]
-
-
-def test_rejection_drops_the_draft_and_bumps_the_epoch():
+def test_fixes_are_logged_in_order_for_a_drafter_to_catch_up():
     st = _state()
     st.push_draft(0, 3, [4, 5, 6])
-    fix = st.commit(0, 1, 9)
+    first = st.commit(Verdict("s", 0, 3, 1, 9))
     assert st.committed == [4, 9] and st.draft == [] and st.epoch == 1
-    assert (fix.position, fix.token) == (4, 9)
-    assert st.fixes_after(0) == [fix] and st.fixes_after(fix.id) == []
-
-
-def test_stale_epoch_chunk_is_refused_and_changes_nothing():
-    st = _state()
-    st.push_draft(0, 3, [4])
-    st.commit(0, 0, 7)  # rejected: epoch 1 now
-    with pytest.raises(StaleChunkError, match="epoch"):
-        st.push_draft(0, 4, [5, 6])
-    assert st.draft == [] and st.committed == [7]
-
-
-def test_chunk_at_the_wrong_position_is_refused():
-    st = _state()
-    st.push_draft(0, 3, [4])
-    with pytest.raises(StaleChunkError, match="starts at"):
-        st.push_draft(0, 3, [4])  # overlap
-    with pytest.raises(StaleChunkError, match="starts at"):
-        st.push_draft(0, 6, [4])  # gap
-    assert st.draft == [4]
+    assert (first.position, first.tokens) == (4, (9,))
+    st.push_draft(1, 5, [7])
+    second = st.commit(Verdict("s", 1, 5, 1, 8))  # a bonus token: a fix too
+    assert second.id > first.id and (second.epoch, second.position) == (2, 6)
+    assert st.fixes_after(0) == [first, second] and st.fixes_after(first.id) == [second]
+    assert st.fixes_after(second.id) == []
 
 
 def test_window_bounds_the_draft_and_idle_marks_readiness():
@@ -63,12 +31,15 @@ def test_window_bounds_the_draft_and_idle_marks_readiness():
     assert st.draft == [4, 5] and not st.draft_ready(4)
     st.push_draft(0, 5, [], idle=True)
     assert st.draft_ready(4)
+    st.commit(Verdict("s", 0, 3, 0, 9))  # a fix: the drafter is busy again
+    assert not st.draft_ready(4)
 
 
-def test_finished_session_refuses_chunks_and_stale_verdicts():
+def test_a_commit_on_a_finished_session_with_a_stale_epoch_is_refused():
     st = _state()
-    st.commit(0, 0, 4, done=True)
+    st.commit(Verdict("s", 0, 3, 0, 4, finish_reason="stop"))
+    assert st.done
     with pytest.raises(StaleChunkError):
         st.push_draft(1, 4, [5])
     with pytest.raises(StaleChunkError):
-        st.commit(0, 0, 5)
+        st.commit(Verdict("s", 0, 4, 0, 5))

@@ -1,7 +1,7 @@
-"""Token trees through the session protocol and the engine: chunks with branches stored, taken
-within a budget and committed (a branch's path is a fix that carries its tokens), the draft's
-tree built chain-first, and whole generations with tree drafts identical to target-only
-decoding, greedy and seeded sampling, alone and batched with chain sessions."""
+"""Token trees through the engine: the draft's tree built chain-first, and whole generations
+with tree drafts identical to target-only decoding, greedy and seeded sampling, alone and
+batched with chain sessions. (How the stores keep, take and commit branches:
+tests/test_store_contract.py.)"""
 
 import time
 
@@ -10,78 +10,19 @@ from conftest import hf_greedy, hf_keyed_sampled
 from tree_oracle import OracleTreeDrafter
 
 from edgespec.config import ConfigError, EngineConfig, SamplingParams
-from edgespec.drafters.base import Branch, Draft
+from edgespec.drafters.base import Draft
+from edgespec.protocol import Branch
 from edgespec.engine import Request, SpecEngine
 from edgespec.runner import TargetRunner
-from edgespec.session import MAX_BRANCHES, DraftBranch, SessionState, StaleChunkError
 from edgespec.tree_verify import tree_of_draft
 
 
-# -- the session protocol ---------------------------------------------------------------------
-def _state(prompt=(1, 2, 3)):
-    return SessionState("s", list(prompt), has_drafter=True)
-
-
-def test_push_keeps_valid_branches_of_kept_tokens_only():
-    st = _state()
-    kept = st.push_draft(0, 3, [10, 11, 12], branches=[
-        Branch(0, (20, 21)), Branch(1, (11,)),  # repeats the chain's token: dropped
-        Branch(2, (22,)), Branch(0, (20, 99)),  # same (at, first token) as the first: dropped
-        Branch(5, (30,))], window=2)  # past the chunk: dropped; the window keeps two tokens
-    assert kept == 2 and st.draft == [10, 11]
-    assert st.branches == [DraftBranch(3, (20, 21))]  # at 2 is beyond the kept tokens
-
-
-def test_branches_are_bounded():
-    st = _state()
-    for i in range(MAX_BRANCHES + 4):
-        st.push_draft(0, 3 + i, [10 + i], branches=[Branch(0, tuple(range(40, 60)))])
-    assert len(st.branches) == MAX_BRANCHES
-    assert all(len(b.tokens) <= 8 for b in st.branches)
-
-
-def test_take_draft_cuts_branches_to_the_side_budget_and_the_taken_chain():
-    st = _state()
-    st.push_draft(0, 3, [10, 11, 12, 13],
-                  branches=[Branch(0, (20, 21, 22)), Branch(2, (23, 24)), Branch(3, (25,))])
-    t = st.take_draft(3, side=4)
-    assert t.tokens == [10, 11, 12]
-    # the branch at 3 + 3 is an alternative to a token not taken; the budget cuts the second
-    assert t.branches == [DraftBranch(3, (20, 21, 22)), DraftBranch(5, (23,))]
-    assert st.take_draft(3, side=0).branches == []
-    assert st.take_draft(0, side=8).branches == []
-
-
-def test_commit_along_the_chain_keeps_the_branches_ahead():
-    st = _state()
-    st.push_draft(0, 3, [10, 11, 12, 13], branches=[Branch(0, (20,)), Branch(3, (25,))])
-    assert st.commit(0, 1, 11) is None  # accepted 10, the verifier's 11 is the draft's
-    assert st.committed == [10, 11] and st.draft == [12, 13]
-    assert st.branches == [DraftBranch(6, (25,))]
-    fix = st.commit(0, 0, 99)  # a rejection: a fix, and the branches go with the draft
-    assert fix is not None and fix.tokens == [99] and st.branches == [] and st.epoch == 1
-
-
-def test_commit_of_a_branch_is_a_fix_carrying_its_tokens():
-    st = _state()
-    st.push_draft(0, 3, [10, 11, 12], branches=[Branch(1, (20, 21, 22))])
-    fix = st.commit(0, 1, 7, branch=(20, 21))
-    assert st.committed == [10, 20, 21, 7]
-    assert (fix.position, fix.token, fix.more, fix.tokens) == (4, 20, (21, 7), [20, 21, 7])
-    assert st.draft == [] and st.branches == [] and st.epoch == 1 and fix.epoch == 1
-    st.push_draft(1, 7, [30], branches=[Branch(0, (31,))])
-    with pytest.raises(ValueError, match="branch"):
-        st.commit(1, 0, 5, branch=(32,))  # not a branch the draft holds
-    with pytest.raises(StaleChunkError):
-        st.commit(0, 0, 5)
-
-
 def test_tree_of_draft_puts_the_chain_first_and_shares_prefixes():
-    tree = tree_of_draft([10, 11, 12], [DraftBranch(5, (20, 21)), DraftBranch(5, (20, 22)),
-                                        DraftBranch(3, (10, 30)),  # shares the chain's 10
-                                        DraftBranch(6, (40,)),  # not an alternative: ignored
-                                        DraftBranch(2, (41,))], start=5 - 2)
-    # start 3: pos 5 hangs from chain node 1 (token 11); pos 3 from the root
+    tree = tree_of_draft([10, 11, 12], [Branch(2, (20, 21)), Branch(2, (20, 22)),
+                                        Branch(0, (10, 30)),  # shares the chain's 10
+                                        Branch(3, (40,)),  # not an alternative: ignored
+                                        Branch(-1, (41,))])
+    # at 2 hangs from chain node 1 (token 11); at 0 from the root
     assert tree.tokens == (10, 11, 12, 20, 21, 22, 30)
     assert tree.parents == (-1, 0, 1, 1, 3, 3, 0)
 

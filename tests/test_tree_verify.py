@@ -12,9 +12,10 @@ from edgespec.config import EngineConfig, SamplingParams
 from edgespec.engine import Request, SpecEngine
 from edgespec.models import load_model
 from edgespec.runner import TargetRunner
-from edgespec.sampling import filtered_logits, keyed_choice, process_logits, verify_greedy, \
-    verify_keyed
-from edgespec.tree_verify import DraftTree, TreeVerdict, step_tree, verify_tree
+from reference import path_to, process_logits, step_tree, trie
+
+from edgespec.sampling import filtered_logits, keyed_choice, verify_greedy, verify_keyed
+from edgespec.tree_verify import DraftTree, TreeVerdict, verify_tree
 
 PROMPTS = [
     [1, 10, 11, 12, 13, 10, 11, 12, 13, 10],
@@ -38,11 +39,11 @@ def _prefilled(runner, prompt):
 
 # -- the tree's shape -----------------------------------------------------------------------------
 def test_tree_helpers():
-    tree = DraftTree.from_branches([[5, 6, 7], [5, 8], [9], [5, 6, 4]])
+    tree = trie([[5, 6, 7], [5, 8], [9], [5, 6, 4]])
     assert tree.tokens == (5, 6, 7, 8, 9, 4) and tree.parents == (-1, 0, 1, 0, -1, 1)
     assert tree.depths() == [1, 2, 3, 2, 1, 3]
     assert tree.children() == {-1: [0, 4], 0: [1, 3], 1: [2, 5]}
-    assert tree.path_to(5) == [0, 1, 5] and tree.path_to(-1) == []
+    assert path_to(tree, 5) == [0, 1, 5] and path_to(tree, -1) == []
     chain = DraftTree.chain([3, 4, 5])
     assert chain.parents == (-1, 0, 1) and chain.depths() == [1, 2, 3]
     assert len(DraftTree.chain([])) == 0
@@ -80,7 +81,7 @@ def test_trees_beyond_the_vocabulary_or_size_are_refused(tiny, runner):
             runner.forward_tree([slot], [5, 6], [DraftTree.chain([1])])
         with pytest.raises(ValueError, match="increasing"):
             runner.compact(slot, [2, 1])
-        assert runner.length(slot) == len(PROMPTS[0]) - 1  # nothing moved
+        assert runner.cache.lengths[slot] == len(PROMPTS[0]) - 1  # nothing moved
         with pytest.raises(ValueError, match=r"logits \[3, V\]"):
             verify_tree(torch.zeros(2, vocab), DraftTree.chain([1, 2]), SamplingParams(), 5)
     finally:
@@ -137,14 +138,14 @@ BRANCHES = [[40, 41, 42], [40, 43], [50, 51, 52, 53], [50, 51, 60], [70]]
 
 def test_tree_logits_are_each_branchs_chain_logits(runner):
     prompt = list(range(10, 30))
-    tree = DraftTree.from_branches(BRANCHES)
+    tree = trie(BRANCHES)
     s, c = _prefilled(runner, prompt), _prefilled(runner, prompt)
     try:
         out = runner.forward_tree([s], [prompt[-1]], [tree])[0]
         assert out.shape == (1 + len(tree), runner.vocab_size)
-        assert runner.length(s) == len(prompt) - 1  # the pointer stays at the root
+        assert runner.cache.lengths[s] == len(prompt) - 1  # the pointer stays at the root
         for leaf in range(len(tree)):
-            path = tree.path_to(leaf)
+            path = path_to(tree, leaf)
             chain = runner.forward([c], [[prompt[-1]] + [tree.tokens[i] for i in path]])[0]
             rows = out[[0] + [1 + i for i in path]]
             assert torch.allclose(rows, chain, atol=1e-5)
@@ -157,8 +158,8 @@ def test_tree_logits_are_each_branchs_chain_logits(runner):
 def test_batched_tree_forward_equals_one_by_one(runner):
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 90, (n,), generator=g).tolist() for n in (5, 17, 9)]
-    trees = [DraftTree.from_branches(BRANCHES), DraftTree([], []),
-             DraftTree.from_branches([[7, 8], [7, 9, 10, 11, 12, 13, 14], [6]])]
+    trees = [trie(BRANCHES), DraftTree([], []),
+             trie([[7, 8], [7, 9, 10, 11, 12, 13, 14], [6]])]
     alone = []
     for p, t in zip(prompts, trees):
         s = _prefilled(runner, p)
@@ -187,7 +188,7 @@ def test_compaction_leaves_the_kv_a_chain_decode_of_the_path_leaves(tiny, runner
     assert len(ref) == 5
     wrong = [(t + 1) % runner.vocab_size for t in ref]
     # the accepted branch leaves the chain at depth 3 and comes last: its nodes must move
-    tree = DraftTree.from_branches([[ref[0], ref[1], wrong[2]], [ref[0], wrong[1]],
+    tree = trie([[ref[0], ref[1], wrong[2]], [ref[0], wrong[1]],
                                     [ref[0], ref[1], ref[2], ref[3]]])
     s, c = _prefilled(runner, prompt), _prefilled(runner, prompt)
     try:
@@ -197,8 +198,8 @@ def test_compaction_leaves_the_kv_a_chain_decode_of_the_path_leaves(tiny, runner
         for i, t in enumerate([prompt[-1]] + ref[:4]):
             runner.forward([c], [[t]])
             runner.commit(c, len(prompt) + i)
-        n = runner.length(s)
-        assert n == runner.length(c) == len(prompt) + 4
+        n = runner.cache.lengths[s]
+        assert n == runner.cache.lengths[c] == len(prompt) + 4
         for cache in runner.cache.k + runner.cache.v:
             assert torch.equal(cache[s, :, :n], cache[c, :, :n])
         nxt = [ref[4], 20, 21]
@@ -228,7 +229,7 @@ def propose_tree(rng: random.Random, ref: list[int], pos: int, vocab: int) -> Dr
         branch += [rng.randrange(vocab) for _ in range(depth - len(branch))]
         branches.append(branch)
     rng.shuffle(branches)
-    return DraftTree.from_branches(branches)
+    return trie(branches)
 
 
 def decode_with_trees(runner, prompt, n, params, propose, stop=()):
@@ -310,7 +311,7 @@ def test_sampled_tree_verification_follows_the_target_distribution(small_vocab):
     top3 = sorted(range(8), key=lambda x: -p1[x])[:3]
     branches = [[x] for x in range(8)] + [[x, y] for x in top3 for y in range(8)]
     branches.append([top3[0], top3[0], 4, 5])
-    tree = DraftTree.from_branches(branches)
+    tree = trie(branches)
     slot = _prefilled(runner, prompt)
     logits = runner.forward_tree([slot], [prompt[-1]], [tree])[0]
     start = len(prompt)

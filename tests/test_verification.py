@@ -9,6 +9,7 @@ import threading
 import pytest
 import torch
 from conftest import hf_greedy
+from reference import trie
 from tree_oracle import OracleTreeDrafter
 
 from edgespec.config import EngineConfig, SamplingParams
@@ -56,7 +57,7 @@ def _random_tree(rng: random.Random) -> DraftTree:
     """A chain, or a trie of a few random branches (siblings hold distinct tokens)."""
     if rng.random() < 0.3:
         return DraftTree.chain([rng.randrange(V) for _ in range(rng.randint(0, 7))])
-    return DraftTree.from_branches([[rng.randrange(6) for _ in range(rng.randint(1, 5))]
+    return trie([[rng.randrange(6) for _ in range(rng.randint(1, 5))]
                                     for _ in range(rng.randint(1, 4))])
 
 

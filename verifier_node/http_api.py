@@ -27,13 +27,13 @@ from dataclasses import dataclass
 from typing import Callable
 
 import anyio
-import redis
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from edgespec.config import ConfigError
+from edgespec.protocol import StoreUnavailable
 from edgespec.text_stream import TextStream
 
 from .admission import Admission, DrafterMissing, NotFound
@@ -142,7 +142,7 @@ def make_app(state: ServingState, token: str | None = None) -> FastAPI:
                            code="overloaded") from None
         except ShuttingDown as e:
             raise ApiError(503, str(e), "service_unavailable") from None
-        except (redis.RedisError, OSError) as e:
+        except (StoreUnavailable, OSError) as e:
             raise ApiError(503, f"the draft cache is unreachable: {e}",
                            "service_unavailable") from None
         run = _Run(admission, ticket, params, chat, model_name)

@@ -22,11 +22,11 @@ import uuid
 from collections import deque
 from dataclasses import dataclass, field
 
-import redis
 
 from edgespec.config import ConfigError
 from edgespec.engine import Request, Result, SessionFailed, SpecEngine
 from edgespec.metrics import Stats
+from edgespec.protocol import StoreUnavailable
 
 log = logging.getLogger("edgespec.verifier")
 
@@ -207,7 +207,7 @@ class Scheduler(threading.Thread):
                 if not self.store_ok:
                     log.info("the draft cache is reachable again")
                 self.store_ok, backoff = True, 0.05
-            except (redis.RedisError, OSError) as exc:
+            except (StoreUnavailable, OSError) as exc:
                 # the cache is unreachable: fail nothing, retry the step after a pause
                 if self.store_ok:
                     log.error("the draft cache is unreachable (%s); retrying", exc)
@@ -249,7 +249,7 @@ class Scheduler(threading.Thread):
             t.request.on_tokens = lambda new, t=t: self._on_tokens(t, new)
             try:
                 act = self.engine.add(t.request, session_id=t.session_id, device=t.device)
-            except (redis.RedisError, OSError):
+            except (StoreUnavailable, OSError):
                 with self._lock:
                     self._pending.appendleft(t)  # the cache is down: admit it later
                 raise

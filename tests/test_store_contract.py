@@ -1,0 +1,290 @@
+"""The session protocol's rules (``edgespec.protocol``) held against both stores: the in-process
+``LocalSessionStore`` and the ``RedisSessionStore`` (Lua in a real Redis, embedded and
+external). Every case runs on each; a store is driven through its verifier side (the
+``SessionStore`` calls) and its drafter side (a chunk push), the two sides the protocol has."""
+
+from __future__ import annotations
+
+import pytest
+
+from edgespec.config import SamplingParams
+from edgespec.protocol import (MAX_BRANCH_TOKENS, MAX_BRANCHES, Branch, DraftWant, Fix,
+                               SessionVanished, StaleChunkError, Verdict)
+from edgespec.session import LocalSessionStore
+
+PROMPT = [1, 2, 3]
+
+
+class Refused(Exception):
+    """A chunk the store refused (either store's own error)."""
+
+
+class LocalSide:
+    """The in-process store and its drafter side (``SessionState.push_draft``)."""
+
+    def __init__(self):
+        self.store = LocalSessionStore()
+
+    def push(self, sid, epoch, start, tokens, window=8, branches=(), idle=False) -> int:
+        try:
+            return self.store.sessions[sid].push_draft(epoch, start, tokens, idle=idle,
+                                                       window=window, branches=branches)
+        except StaleChunkError as e:
+            raise Refused(str(e)) from None
+
+    def tokens(self, sid) -> list[int]:
+        return self.store.sessions[sid].tokens
+
+    def fixes(self, sid) -> list[tuple]:
+        return [(f.epoch, f.position, f.tokens) for f in self.store.sessions[sid].fixes_after(0)]
+
+    def forget(self, sid) -> None:
+        self.store.sessions.pop(sid)
+
+
+class RedisSide:
+    """The Redis store and its drafter side (``push``, as the cache service calls it); fixes
+    are read from the device's inbox stream."""
+
+    def __init__(self, store):
+        self.store = store
+        store.register_device("dev", {"max_sessions": 8})
+
+    def push(self, sid, epoch, start, tokens, window=8, branches=(), idle=False) -> int:
+        from cache_service.store import StoreError
+
+        try:
+            return self.store.push(sid, epoch, start, tokens, idle, window, branches).kept
+        except StoreError as e:
+            raise Refused(str(e)) from None
+
+    def tokens(self, sid) -> list[int]:
+        rec = self.store.load(sid)
+        return rec.prompt + rec.committed
+
+    def fixes(self, sid) -> list[tuple]:
+        out = []
+        for _, ev in self.store.read_events("dev", "0-0", 0):
+            if ev.get("t") == "commit" and ev["sid"] == sid and ev["fix"] == "1":
+                more = tuple(int(t) for t in ev["more"].split(",") if t)
+                out.append((int(ev["epoch"]), int(ev["pos"]), (int(ev["tok"]), *more)))
+        return out
+
+    def forget(self, sid) -> None:
+        self.store.redis.delete(*self.store.session_keys(sid))
+
+
+@pytest.fixture(params=["local", "redis-embedded", "redis-external"])
+def side(request):
+    if request.param == "local":
+        yield LocalSide()
+        return
+    from cache_service.redis_conn import RedisHandle
+    from cache_service.store import RedisSessionStore
+
+    url = None if request.param == "redis-embedded" else request.getfixturevalue("external_redis")
+    handle = RedisHandle(url)
+    handle.client.flushdb()
+    store = RedisSessionStore(handle.client, prefix="c:", ttl_s=30)
+    yield RedisSide(store)
+    store.shutdown()
+    handle.close()
+
+
+def _new(side, sid="s", prompt=PROMPT, params=SamplingParams()):
+    side.store.create(sid, list(prompt), params, "dev", 64)
+
+
+def _take(side, sid="s", k=8, budget=0):
+    [taken] = side.store.take_when_ready([DraftWant(sid, k, budget)], 0.0)
+    return taken
+
+
+def _commit(side, *verdicts):
+    return side.store.commit_many(list(verdicts))
+
+
+# -- chunks ---------------------------------------------------------------------------------------
+def test_a_pushed_chunk_is_taken_at_the_committed_end(side):
+    _new(side)
+    assert side.push("s", 0, 3, [4, 5, 6]) == 3
+    t = _take(side, k=2)
+    assert (t.epoch, t.start, t.tokens, t.branches) == (0, 3, [4, 5], [])
+    assert _take(side).tokens == [4, 5, 6]  # taking does not consume
+
+
+def test_the_window_bounds_the_draft(side):
+    _new(side)
+    assert side.push("s", 0, 3, [4, 5, 6], window=2) == 2
+    assert side.push("s", 0, 5, [6], window=2) == 0
+    assert _take(side).tokens == [4, 5]
+
+
+@pytest.mark.parametrize("epoch, start", [(1, 4), (0, 3), (0, 5)],
+                         ids=["stale epoch", "overlap", "gap"])
+def test_a_chunk_from_another_epoch_or_position_is_refused_and_changes_nothing(side, epoch,
+                                                                              start):
+    _new(side)
+    side.push("s", 0, 3, [4])  # the next chunk belongs at epoch 0, position 4
+    with pytest.raises(Refused):
+        side.push("s", epoch, start, [9])
+    assert _take(side).tokens == [4]
+
+
+def test_after_a_fix_only_the_new_epoch_is_accepted(side):
+    _new(side)
+    side.push("s", 0, 3, [4, 5])
+    _commit(side, Verdict("s", 0, 3, 0, 7))  # 4 rejected: 7; epoch 1
+    with pytest.raises(Refused):
+        side.push("s", 0, 4, [5])
+    assert side.push("s", 1, 4, [8]) == 1
+    assert _take(side).tokens == [8]
+
+
+def test_a_finished_session_refuses_chunks(side):
+    _new(side)
+    [out] = _commit(side, Verdict("s", 0, 3, 0, 4, finish_reason="stop"))
+    assert out.ok
+    with pytest.raises(Refused):
+        side.push("s", 1, 4, [5])
+
+
+# -- verdicts ------------------------------------------------------------------------------------
+def test_a_full_accept_with_a_bonus_publishes_a_fix_at_the_draft_end(side):
+    _new(side)
+    side.push("s", 0, 3, [4, 5])
+    [out] = _commit(side, Verdict("s", 0, 3, 2, 6))
+    assert out.ok and out.fix == Fix(out.fix.id, 1, 5, (6,))
+    assert side.tokens("s") == [1, 2, 3, 4, 5, 6] and _take(side).tokens == []
+    assert side.fixes("s") == [(1, 5, (6,))]
+
+
+def test_a_token_the_draft_held_needs_no_fix_and_the_rest_stays(side):
+    _new(side)
+    side.push("s", 0, 3, [4, 5, 6, 7])
+    [out] = _commit(side, Verdict("s", 0, 3, 2, 6))  # looked at [4, 5]; 6 is the draft's next
+    assert out.ok and out.fix is None
+    t = _take(side)
+    assert (t.epoch, t.start, t.tokens) == (0, 6, [7])
+    assert side.push("s", 0, 7, [8]) == 1  # the drafter goes on at the same epoch
+    assert side.fixes("s") == []
+
+
+def test_a_rejection_drops_the_draft_and_moves_the_epoch(side):
+    _new(side)
+    side.push("s", 0, 3, [4, 5, 6])
+    [out] = _commit(side, Verdict("s", 0, 3, 1, 9))
+    assert out.fix is not None and (out.fix.epoch, out.fix.position, out.fix.tokens) == \
+        (1, 4, (9,))
+    assert side.tokens("s") == [1, 2, 3, 4, 9]
+    t = _take(side)
+    assert (t.epoch, t.start, t.tokens) == (1, 5, [])
+
+
+@pytest.mark.parametrize("verdict", [Verdict("s", 1, 3, 0, 9), Verdict("s", 0, 4, 0, 9),
+                                     Verdict("s", 0, 3, 3, 9)],
+                         ids=["stale epoch", "wrong position", "more than drafted"])
+def test_a_verdict_that_does_not_fit_is_refused_and_changes_nothing(side, verdict):
+    _new(side)
+    side.push("s", 0, 3, [4, 5])
+    [out] = _commit(side, verdict)
+    assert not out.ok and out.fix is None and out.error
+    assert side.tokens("s") == PROMPT and _take(side).tokens == [4, 5]
+    assert side.fixes("s") == []
+
+
+@pytest.mark.parametrize("verdict", [Verdict("s", 0, 3, 1, 5), Verdict("s", 0, 3, 1, 8),
+                                     Verdict("s", 0, 3, 0, 4, finish_reason="length")],
+                         ids=["held", "fix", "last"])
+def test_a_replayed_commit_is_answered_as_applied_and_changes_nothing(side, verdict):
+    _new(side)
+    side.push("s", 0, 3, [4, 5, 6])
+    [first] = _commit(side, verdict)
+    assert first.ok
+    after = side.tokens("s"), _take(side), side.fixes("s")
+    [again] = _commit(side, verdict)  # its reply was lost: the verifier sends it again
+    assert again.ok and again.fix is None
+    assert (side.tokens("s"), _take(side), side.fixes("s")) == after
+
+
+def test_verdicts_of_one_call_are_answered_in_their_own_slots(side):
+    _new(side, "a")
+    _new(side, "b")
+    side.push("a", 0, 3, [4])
+    outs = _commit(side, Verdict("a", 0, 3, 1, 5), Verdict("b", 7, 3, 0, 5),
+                   Verdict("gone", 0, 3, 0, 5))
+    assert [o.ok for o in outs] == [True, False, False]
+    assert side.tokens("a") == [1, 2, 3, 4, 5] and side.tokens("b") == PROMPT
+
+
+def test_a_vanished_session_is_reported_in_its_slot(side):
+    _new(side, "a")
+    _new(side, "b")
+    side.forget("b")
+    taken = side.store.take_when_ready([DraftWant("a", 4), DraftWant("b", 4)], 0.0)
+    assert taken[0].tokens == [] and isinstance(taken[1], SessionVanished)
+
+
+# -- branches ------------------------------------------------------------------------------------
+def test_branches_kept_are_alternatives_to_kept_tokens_cut_and_bounded(side):
+    _new(side)
+    long = tuple(range(20, 20 + MAX_BRANCH_TOKENS + 3))
+    kept = side.push("s", 0, 3, [10, 11, 12], window=2, branches=[
+        Branch(0, long),  # cut to MAX_BRANCH_TOKENS
+        Branch(1, (11, 30)),  # the chain's own token: not an alternative
+        Branch(0, (20, 99)),  # repeats the first branch's alternative at 0
+        Branch(2, (31,)),  # an alternative to a token the window dropped
+        Branch(1, (32,)), Branch(5, (33,)), Branch(0, ())])
+    assert kept == 2
+    t = _take(side, k=8, budget=64)
+    assert t.branches == [Branch(0, long[:MAX_BRANCH_TOKENS]), Branch(1, (32,))]
+    many = [Branch(0, (40 + i,)) for i in range(MAX_BRANCHES + 4)]
+    side.push("s", 0, 5, [13], branches=[Branch(0, (50,))])
+    side.push("s", 0, 6, [14], branches=many)
+    assert len(_take(side, budget=64).branches) == MAX_BRANCHES
+
+
+def test_branches_are_taken_within_the_budget_and_the_taken_chain(side):
+    _new(side)
+    side.push("s", 0, 3, [10, 11, 12, 13], branches=[Branch(0, (20, 21, 22)),
+                                                      Branch(2, (23,)), Branch(3, (24,))])
+    assert _take(side, k=3, budget=4).branches == [Branch(0, (20, 21, 22)), Branch(2, (23,))]
+    assert _take(side, k=3, budget=2).branches == [Branch(0, (20, 21))]
+    assert _take(side, k=3, budget=0).branches == []
+    assert _take(side, k=1, budget=8).branches == [Branch(0, (20, 21, 22))]
+
+
+def test_a_held_commit_keeps_the_branches_ahead_and_a_fix_drops_them(side):
+    _new(side)
+    side.push("s", 0, 3, [10, 11, 12, 13], branches=[Branch(0, (20,)), Branch(3, (25,))])
+    [out] = _commit(side, Verdict("s", 0, 3, 1, 11))  # 10 accepted, 11 the draft's: held
+    assert out.fix is None
+    t = _take(side, budget=8)
+    assert (t.start, t.tokens, t.branches) == (5, [12, 13], [Branch(1, (25,))])
+    [out] = _commit(side, Verdict("s", 0, 5, 0, 99))
+    assert out.fix is not None and _take(side, budget=8).branches == []
+
+
+def test_a_verdict_that_takes_a_branch_is_a_fix_carrying_its_tokens(side):
+    _new(side)
+    side.push("s", 0, 3, [10, 11, 12], branches=[Branch(1, (20, 21, 22))])
+    [out] = _commit(side, Verdict("s", 0, 3, 1, 7, branch=(20, 21)))
+    assert out.fix is not None and (out.fix.epoch, out.fix.position, out.fix.tokens) == \
+        (1, 4, (20, 21, 7))
+    assert side.tokens("s") == [1, 2, 3, 10, 20, 21, 7]
+    assert side.fixes("s") == [(1, 4, (20, 21, 7))]
+    t = _take(side, budget=8)
+    assert (t.epoch, t.tokens, t.branches) == (1, [], [])
+
+
+@pytest.mark.parametrize("verdict", [Verdict("s", 0, 3, 1, 7, branch=(21,)),
+                                     Verdict("s", 0, 3, 0, 7, branch=(20,)),
+                                     Verdict("s", 0, 3, 1, 7, branch=(20, 21, 22, 23))],
+                         ids=["other tokens", "other position", "longer than held"])
+def test_a_verdict_that_takes_a_branch_the_draft_does_not_hold_is_refused(side, verdict):
+    _new(side)
+    side.push("s", 0, 3, [10, 11, 12], branches=[Branch(1, (20, 21, 22))])
+    [out] = _commit(side, verdict)
+    assert not out.ok and out.fix is None
+    assert side.tokens("s") == PROMPT
+    assert _take(side, budget=8).branches == [Branch(1, (20, 21, 22))]
