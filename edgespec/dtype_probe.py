@@ -47,7 +47,7 @@ def packed_linear_exact(dtype: torch.dtype, device: str = "cpu") -> bool:
     """Whether the runner's linear layer in ``dtype`` computes the right product and gives every
     row the same bits alone and among 64 rows, for the default model's widest reduction (its
     down projection, 1536 -> 576: a lone row once took another path there)."""
-    from .runner import Linear
+    from .linear import Linear
 
     g = torch.Generator().manual_seed(1)
     w = (torch.randn(576, 1536, generator=g) * 0.05).to(device=device, dtype=dtype)

@@ -16,7 +16,7 @@ The layer-skip self-draft is the same runner over the first L layers, with the f
 
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+from typing import Any, Literal, Protocol, Sequence, overload
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +26,7 @@ from .attention import (COL_TILE, KEY_BLOCK, TailKeys, invariant_attention, padd
 from .config import ConfigError
 from .dtype_probe import attention_tile, linear_rows_exact
 from .kv_cache import KVCache, contiguous_start
+from .linear import Linear
 
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2")
 
@@ -34,56 +35,26 @@ class TreeShape(Protocol):
     """A draft tree as ``forward_tree`` reads it (``tree_verify.DraftTree`` is one): node i holds
     tokens[i] and hangs from node parents[i] (-1: the root), parents[i] < i."""
 
-    tokens: Sequence[int]
-    parents: Sequence[int]
+    @property
+    def tokens(self) -> Sequence[int]: ...
+
+    @property
+    def parents(self) -> Sequence[int]: ...
+
+    def __len__(self) -> int: ...
 
 
 class _Layer:
     __slots__ = ("ln1", "qkv", "o", "ln2", "gate_up", "down")
 
-
-PACKED_DTYPES = (torch.float32, torch.bfloat16)
-
-
-def _mkldnn_ok(weight: torch.Tensor) -> bool:
-    return (weight.device.type == "cpu" and weight.dtype in PACKED_DTYPES
-            and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+    ln1: torch.Tensor
+    qkv: Linear
+    o: Linear
+    ln2: torch.Tensor
+    gate_up: Linear
+    down: Linear
 
 
-class Linear:
-    """y = x W^T + b. On CPU in float32 and bfloat16 the weight is pre-packed for oneDNN once
-    (bfloat16: AMX where the CPU has it, ~2x float32 per row and flat up to 8 rows).
-
-    Rows are batch-invariant from 2 rows up (measured: 1..512 rows, every layer shape of the
-    default model, float32 and bfloat16); a lone row goes through as two.
-
-    Pre-packing matters: measured on 2 CPU cores, MKL's plain sgemm re-packs the weight on every
-    call and costs ~2x a matrix-vector product for 2..8 rows, so a forward over a k+1-token draft
-    cost ~2x a forward over one token; with packed weights a 7-token forward costs ~1.5x a
-    1-token one (37.5 vs 55.6 ms, default model, 700-token context).
-    """
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                 pack: bool = True, batch_hint: int = 8):
-        self.weight, self.bias = weight, bias
-        self.packed = None
-        if pack and _mkldnn_ok(weight):
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_hint)
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() == x.shape[-1]:
-            # one row: oneDNN (and MKL) take a single-row path that sums a long input (the MLP's
-            # down projection, 1536 wide) in another order than for 2 rows and more, so a decode
-            # step would not have a verification row's bits; 2 rows cost about what 1 does
-            two = x.reshape(1, -1).expand(2, -1).contiguous()
-            return self._apply(two)[:1].reshape(*x.shape[:-1], -1)
-        return self._apply(x)
-
-    def _apply(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        return F.linear(x, self.weight, self.bias)
 
 
 def _fuse(mods: list[torch.nn.Linear], attr: str = "weight") -> torch.Tensor | None:
@@ -108,31 +79,36 @@ class TargetRunner:
     def __init__(self, model: torch.nn.Module, n_slots: int = 4, max_len: int = 2048,
                  n_layers: int | None = None, pack: bool = True, exact: bool = True,
                  share_weights: "TargetRunner | None" = None):
-        cfg = model.config
+        # a transformers model: its config and submodules are dynamic attributes
+        cfg: Any = model.config
         if cfg.model_type not in SUPPORTED_TYPES:
             raise ConfigError(
                 f"the runner supports {', '.join(SUPPORTED_TYPES)} models, not {cfg.model_type!r}"
             )
-        base = model.model
+        base: Any = model.model
         total = len(base.layers)
         self.n_layers = total if n_layers is None else n_layers
         if not 1 <= self.n_layers <= total:
             raise ConfigError(f"layers must be in 1..{total}, got {n_layers}")
-        self.n_heads = cfg.num_attention_heads
-        self.kv_heads = getattr(cfg, "num_key_value_heads", None) or self.n_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads
-        self.eps = cfg.rms_norm_eps
-        self.vocab_size = cfg.vocab_size
-        self.embed = base.embed_tokens.weight
-        self.norm = base.norm.weight
+        self.n_heads: int = cfg.num_attention_heads
+        self.kv_heads: int = getattr(cfg, "num_key_value_heads", None) or self.n_heads
+        self.head_dim: int = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads
+        self.eps: float = cfg.rms_norm_eps
+        self.vocab_size: int = cfg.vocab_size
+        self.embed: torch.Tensor = base.embed_tokens.weight
+        self.norm: torch.Tensor = base.norm.weight
         self.dtype = self.embed.dtype
         self.device = self.embed.device
+        self.lm_head: Linear
+        self.layers: list[_Layer]
         if share_weights is not None:  # e.g. the layer-skip draft: same tensors, own KV cache
             self.lm_head = share_weights.lm_head
             self.layers = share_weights.layers[: self.n_layers]
         else:
-            self.lm_head = Linear(model.lm_head.weight, pack=pack)
-            self.layers = [self._load_layer(hf_layer, pack) for hf_layer in base.layers[: self.n_layers]]
+            head: Any = model.lm_head
+            self.lm_head = Linear(head.weight, pack=pack)
+            self.layers = [self._load_layer(hf_layer, pack)
+                           for hf_layer in base.layers[: self.n_layers]]
         capacity = -(-max_len // KEY_BLOCK) * KEY_BLOCK  # attention reads whole key blocks
         self._init_rope(base.rotary_emb, capacity)
         self.scale = self.head_dim ** -0.5
@@ -159,20 +135,25 @@ class TargetRunner:
                 "speculative decoding would not be lossless: use float32 or --dtype auto")
 
     @staticmethod
-    def _load_layer(hf_layer: torch.nn.Module, pack: bool) -> _Layer:
+    def _load_layer(hf_layer: Any, pack: bool) -> _Layer:
+        """``hf_layer``: a transformers decoder layer (its submodules are dynamic attributes)."""
         att, mlp = hf_layer.self_attn, hf_layer.mlp
         layer = _Layer()
         layer.ln1 = hf_layer.input_layernorm.weight
         layer.ln2 = hf_layer.post_attention_layernorm.weight
         qkv = [att.q_proj, att.k_proj, att.v_proj]
-        layer.qkv = Linear(_fuse(qkv), _fuse(qkv, "bias"), pack=pack)
+        qkv_weight, gate_up = _fuse(qkv), _fuse([mlp.gate_proj, mlp.up_proj])
+        assert qkv_weight is not None and gate_up is not None  # linears always have weights
+        layer.qkv = Linear(qkv_weight, _fuse(qkv, "bias"), pack=pack)
         layer.o = Linear(att.o_proj.weight, pack=pack)
-        layer.gate_up = Linear(_fuse([mlp.gate_proj, mlp.up_proj]), pack=pack)
+        layer.gate_up = Linear(gate_up, pack=pack)
         layer.down = Linear(mlp.down_proj.weight, pack=pack)
         return layer
 
     def _init_rope(self, rotary: torch.nn.Module, max_len: int) -> None:
-        inv_freq = rotary.inv_freq.float().to(self.device)  # [head_dim / 2]
+        inv_freq = rotary.inv_freq
+        assert isinstance(inv_freq, torch.Tensor)  # a buffer of the rotary embedding module
+        inv_freq = inv_freq.float().to(self.device)  # [head_dim / 2]
         scale = float(getattr(rotary, "attention_scaling", 1.0))
         freqs = torch.outer(torch.arange(max_len, device=self.device, dtype=torch.float32),
                             inv_freq)
@@ -191,9 +172,6 @@ class TargetRunner:
     def free_slot(self, slot: int) -> None:
         self.cache.release(slot)
 
-    def length(self, slot: int) -> int:
-        return self.cache.lengths[slot]
-
     def rollback(self, slot: int, length: int) -> None:
         self.cache.rollback(slot, length)
 
@@ -211,6 +189,17 @@ class TargetRunner:
         half = x.shape[-1] // 2
         rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
         return x * cos + rot * sin
+
+    @overload
+    def forward(self, slots: list[int], rows: list[list[int]],
+                logits: Literal["all", "last"] = "all") -> torch.Tensor: ...
+
+    @overload
+    def forward(self, slots: list[int], rows: list[list[int]], logits: Literal["none"]) -> None: ...
+
+    @overload
+    def forward(self, slots: list[int], rows: list[list[int]], logits: str
+                ) -> torch.Tensor | None: ...
 
     @torch.inference_mode()
     def forward(self, slots: list[int], rows: list[list[int]], logits: str = "all"

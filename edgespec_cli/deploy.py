@@ -57,26 +57,26 @@ def add_deploy_command(sub) -> None:
 
 
 def role_actors():
-    """The roles' actor classes, from their packages, for edgespec/fleet.py."""
-    from cache_service.actor import CacheActor
-    from drafter_node.actor import DrafterActor
-    from verifier_node.actor import RouterActor, VerifierActor
-
-    from edgespec.fleet import RoleActors
+    """The roles' actor classes, for ``fleet.placement``."""
+    from .fleet.cache_actor import CacheActor
+    from .fleet.drafter_actor import DrafterActor
+    from .fleet.placement import RoleActors
+    from .fleet.verifier_actor import RouterActor, VerifierActor
 
     return RoleActors(CacheActor, VerifierActor, DrafterActor, RouterActor)
 
 
 def cmd_deploy(args: argparse.Namespace) -> int:
     from edgespec.config import ConfigError
-    from edgespec.fleet import use_token_auth_if_present
+    from .fleet.placement import use_token_auth_if_present
 
     use_token_auth_if_present()
     try:
         import ray  # noqa: F401
     except ImportError:
-        raise ConfigError("edgespec deploy needs Ray: pip install 'edgespec[fleet]'") from None
-    from edgespec import fleet
+        raise ConfigError("edgespec deploy needs Ray, the fleet extra: pip install '.[fleet]' in "
+                          "the edgespec repository") from None
+    from .fleet import placement as fleet
     from edgespec.drafters import EDGE_KINDS, parse_drafter_spec
 
     roles = role_actors()

@@ -37,7 +37,7 @@ def hf_greedy(model, ids: list[int], n: int, eos=(2,)) -> list[int]:
 def hf_keyed_sampled(model, ids: list[int], n: int, params) -> list[int]:
     """Target-only keyed sampling with transformers' forward and edgespec's sampler, no engine:
     the reference output of a seeded sampled generation."""
-    from edgespec.sampling import sample_at
+    from reference import sample_at
 
     seq = list(ids)
     with torch.no_grad():

@@ -14,10 +14,12 @@ import random
 
 import pytest
 import torch
+from reference import path_to
 
 from edgespec.attention import probe_invariance
 from edgespec.dtype_probe import exact_here, linear_rows_exact
-from edgespec.runner import Linear, TargetRunner
+from edgespec.linear import Linear
+from edgespec.runner import TargetRunner
 from edgespec.tree_verify import DraftTree
 
 VOCAB = 96
@@ -133,7 +135,7 @@ def test_trees_mixed_with_chains_have_the_bits_of_one_at_a_time(hd64_model, dtyp
             runner.free_slot(s)
         for b, (prompt, root, tree) in enumerate(rows):
             for node in range(-1, len(tree)):
-                path = [root] + [tree.tokens[i] for i in tree.path_to(node)]
+                path = [root] + [tree.tokens[i] for i in path_to(tree, node)]
                 ref = _one_at_a_time(runner, prompt, path)[-1]
                 assert torch.equal(logits[b, node + 1], ref), (dtype, batch, b, node)
 

@@ -17,8 +17,9 @@ import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from edgespec.config import ConfigError
-from edgespec.device_profiles import PROFILES, DeviceProfile, fleet_profiles, parse_profiles
-from edgespec.link_emulation import LinkDirection, LinkProfile, LinkProxy, split_host_port
+from edgespec_cli.fleet.device_profiles import (PROFILES, DeviceProfile, fleet_profiles,
+                                                parse_profiles)
+from edgespec_cli.fleet.link_emulation import LinkDirection, LinkProfile, LinkProxy, split_host_port
 
 SLACK_S = 0.001  # timer and clock granularity; delays are never shorter than configured
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 from dataclasses import replace
@@ -17,7 +18,7 @@ REAL_PARTS = ["verifier (the real model, batched verification)",
 
 def add_simulate_command(sub) -> None:
     from edgespec.cli_args import add_dtype_arg, add_threads_arg, add_tree_width_arg
-    from edgespec.device_profiles import PROFILES
+    from ..fleet.device_profiles import PROFILES
 
     s = sub.add_parser("simulate", help="a whole fleet on one machine: real verifier, cache "
                                         "and drafters, emulated devices and links")
@@ -83,7 +84,7 @@ def parse_devices(text: str) -> list[int]:
 
 def check_args(args) -> tuple[list[int], list]:
     from edgespec.cli_args import check_model_arg
-    from edgespec.device_profiles import parse_profiles
+    from ..fleet.device_profiles import parse_profiles
 
     counts = parse_devices(args.devices)
     profiles = parse_profiles(args.profile)
@@ -128,20 +129,20 @@ def load_prompts(target, seed: int, max_new_tokens: int):
 def start_ray(address: str | None) -> None:
     import ray
 
-    from edgespec import fleet
+    from ..fleet import placement as fleet
 
     if address:
         fleet.connect(address, namespace="edgespec-simulate")
         return
     ray.init(namespace="edgespec-simulate", include_dashboard=False, log_to_driver=False,
-             configure_logging=False, logging_level="WARNING")
+             configure_logging=False, logging_level=logging.WARNING)
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
     if not args.address:  # a local cluster on loopback only (see docs/architecture.md)
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     else:
-        from edgespec.fleet import use_token_auth_if_present
+        from ..fleet.placement import use_token_auth_if_present
 
         use_token_auth_if_present()
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -150,10 +151,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         import matplotlib  # noqa: F401
         import ray  # noqa: F401
     except ImportError:
-        raise ConfigError("edgespec simulate needs Ray and matplotlib: "
-                          "pip install 'edgespec[fleet]'") from None
+        raise ConfigError("edgespec simulate needs Ray and matplotlib, the fleet extra: "
+                          "pip install '.[fleet]' in the edgespec repository") from None
     from edgespec.cli_args import set_threads
-    from edgespec.device_profiles import fleet_profiles
+    from ..fleet.device_profiles import fleet_profiles
     from edgespec.models import load_model
 
     from . import report as rep

@@ -24,11 +24,15 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
-from edgespec.device_profiles import DeviceProfile
-from edgespec.fleet import FleetError, RoleActors
+from ..fleet.device_profiles import DeviceProfile
+from ..fleet.placement import FleetError, RoleActors
 
 from .records import RequestRecord, RunRecord
+
+if TYPE_CHECKING:
+    from ..fleet.link_emulation import LinkProxy
 
 log = logging.getLogger("edgespec.simulate")
 
@@ -58,8 +62,9 @@ def device_ids(profiles: list[DeviceProfile]) -> list[str]:
     return [f"dev{i:02d}-{p.name}" for i, p in enumerate(profiles)]
 
 
-def deal(prompts: list[Prompt], n_requests: int, n_devices: int) -> list[list[int]]:
-    """Request indices for each device: request k goes to device k mod n."""
+def deal(n_requests: int, n_devices: int) -> list[list[int]]:
+    """Request indices for each device: request k goes to device k mod n (request k asks
+    prompt k mod len(prompts))."""
     out: list[list[int]] = [[] for _ in range(n_devices)]
     for k in range(n_requests):
         out[k % n_devices].append(k)
@@ -76,14 +81,14 @@ class FleetRun:
         self.progress = progress or (lambda msg: print(msg, file=sys.stderr, flush=True))
         self.records: list[RequestRecord] = []
         self._lock = threading.Lock()
-        self._actors = []
-        self._proxies = []
+        self._actors: list[Any] = []  # Ray actor handles
+        self._proxies: list[LinkProxy] = []
         self._tmp = tempfile.mkdtemp(prefix="edgespec-sim-")
 
-    def _place(self) -> tuple[str, object]:
+    def _place(self) -> tuple[str, Any]:  # the verifier's address and Ray actor
         import ray
 
-        from edgespec import fleet
+        from ..fleet import placement as fleet
 
         head = fleet.head_node(fleet.nodes())
         cache = fleet.place(self.roles.cache, head).remote(
@@ -112,7 +117,7 @@ class FleetRun:
     def run(self) -> RunRecord:
         from ray.exceptions import RayError
 
-        from edgespec.link_emulation import LinkProxy
+        from ..fleet.link_emulation import LinkProxy
 
         n = len(self.profiles)
         self.progress(f"simulate: batching {self.batching}, {n} device(s): starting the fleet")
@@ -128,7 +133,7 @@ class FleetRun:
                 self._proxies.append(
                     LinkProxy(address, p.link, seed=self.s.seed * 10_000 + 5_000 + i).start())
             total = self.s.requests or 2 * n
-            plan = deal(self.prompts, total if self.s.duration_s is None else 100_000, n)
+            plan = deal(total if self.s.duration_s is None else 100_000, n)
             started = time.monotonic()
             stop_at = started + self.s.duration_s if self.s.duration_s else None
             threading.Thread(target=self._report_progress, args=(started, total, done),

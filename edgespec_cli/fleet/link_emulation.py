@@ -37,7 +37,7 @@ import socket
 import threading
 from dataclasses import dataclass
 
-from .config import ConfigError
+from edgespec.config import ConfigError
 
 SEGMENT_BYTES = 1460  # a typical TCP MSS on Ethernet-sized MTUs
 MIN_RTO_S = 0.2

@@ -15,43 +15,10 @@ import logging
 import os
 import threading
 
-from edgespec.cli_args import check_drafter_arg, configure_logging, set_threads
-from edgespec.config import ConfigError
-from edgespec.drafters import EDGE_KINDS, Drafter, DrafterSpec, build_drafter
+from drafter_node.edge_drafter import build_edge_drafter
+from edgespec.cli_args import configure_logging, set_threads
 
 log = logging.getLogger("edgespec.drafter")
-
-
-def build_edge_drafter(spec: str, max_sessions: int = 8, max_context: int = 2048,
-                       device: str = "cpu", dtype: str = "float32") -> tuple[Drafter, str]:
-    """The drafter an edge device runs, and the tokenizer fingerprint it registers with ("" for
-    tokenizer-free drafters: MaG, Cacheback). A cascade registers its model members'
-    fingerprint; members with different tokenizers are refused."""
-    parsed = check_drafter_arg(spec, allowed=EDGE_KINDS)
-    members = parsed.members or (parsed,)
-    prints = {_fingerprint(m) for m in members} - {""}
-    if len(prints) > 1:
-        raise ConfigError(f"the members of {spec!r} use different tokenizers")
-    drafter = build_drafter(parsed, None, None, n_slots=max_sessions, max_len=max_context,
-                            device=device, dtype=dtype)
-    return drafter, prints.pop() if prints else ""
-
-
-def _fingerprint(spec: DrafterSpec) -> str:
-    from edgespec.models import resolve_model_path, tokenizer_fingerprint
-
-    from transformers import AutoTokenizer
-
-    if spec.kind == "model":
-        path, gguf = resolve_model_path(spec.arg)
-        return tokenizer_fingerprint(AutoTokenizer.from_pretrained(path, gguf_file=gguf))
-    if spec.kind == "llamacpp":
-        from edgespec.drafters.llamacpp import resolve_gguf
-
-        gguf = resolve_gguf(spec.arg)
-        return tokenizer_fingerprint(AutoTokenizer.from_pretrained(gguf.parent,
-                                                                   gguf_file=gguf.name))
-    return ""
 
 
 class DrafterActor:
@@ -63,7 +30,7 @@ class DrafterActor:
                  auth_token: str | None = None, max_sessions: int = 8, link=None,
                  compute_slowdown: float = 1.0, profile: str = "",
                  link_seed: int | None = None, tree_width: int = 1):
-        from .agent import DrafterAgent
+        from drafter_node.agent import DrafterAgent
 
         configure_logging()
         set_threads(threads)
@@ -71,7 +38,7 @@ class DrafterActor:
         self.proxy = None
         address = cache
         if link is not None:
-            from edgespec.link_emulation import LinkProxy
+            from .link_emulation import LinkProxy
 
             self.proxy = LinkProxy(cache, link, seed=link_seed).start()
             address = self.proxy.address
@@ -97,7 +64,7 @@ class DrafterActor:
             log.error("drafter %s stopped: %s", self.device_id, self.error)
 
     def info(self) -> dict:
-        from edgespec.fleet import where
+        from .placement import where
 
         return {"role": "drafter", **where(), "pid": os.getpid(),
                 "device_id": self.device_id, "drafter": self.spec, "profile": self.profile,

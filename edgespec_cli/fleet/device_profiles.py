@@ -3,7 +3,7 @@
 A ``DeviceProfile`` names a drafter, a compute slowdown (the device's drafting takes this many
 times as long as on the machine running the simulation: after each draft step of duration t the
 emulated drafter sleeps ``(compute_slowdown - 1) * t``) and a ``LinkProfile`` (applied to the
-device's real gRPC traffic by ``edgespec.link_emulation.LinkProxy``).
+device's real gRPC traffic by ``link_emulation.LinkProxy``).
 
 The shipped numbers are approximations built from public figures, cited next to each profile.
 The slowdowns assume the simulating machine has a current desktop/server x86 core; on a slower
@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from itertools import cycle, islice
 
-from .config import ConfigError
+from edgespec.config import ConfigError
 from .link_emulation import LinkProfile
 
 

@@ -22,8 +22,9 @@ class VerifierActor:
         """``engine``: EngineConfig fields to override (max_draft, draft_wait_ms, ...)."""
         from edgespec.cli_args import configure_logging, set_threads
         from edgespec.config import EngineConfig
-        from edgespec.fleet import where
         from edgespec_cli.server import EdgespecServer, ServerOptions
+
+        from .placement import where
 
         configure_logging()
         set_threads(threads)
@@ -63,9 +64,9 @@ class RouterActor:
 
     def __init__(self, port: int, replicas: list[str], auth_token: str | None = None):
         from edgespec.cli_args import configure_logging
-        from edgespec.fleet import where
+        from verifier_node.router import VerifierRouter
 
-        from .router import VerifierRouter
+        from .placement import where
 
         configure_logging()
         self.where = where()

@@ -18,8 +18,9 @@ class CacheActor:
                  max_drafters: int = 256):
         from cache_service.redis_conn import ExposedRedis
         from edgespec.cli_args import configure_logging
-        from edgespec.fleet import where
         from edgespec_cli.server import EdgespecServer, ServerOptions
+
+        from .placement import where
 
         configure_logging()
         self.where = where()

@@ -7,9 +7,9 @@ Placement follows what each node declares with ``ray start --resources``:
 - verifier replicas on nodes declaring ``verifier``, else on nodes with a GPU, round-robin;
 - drafters on every node declaring ``edge``, ``drafters_per_board`` on each.
 
-The actor classes come from the roles' packages (``cache_service.actor``,
-``verifier_node.actor``, ``drafter_node.actor``) through ``RoleActors``: this shared library
-never imports the roles. Every actor is restarted by Ray when it fails (``max_restarts=-1``);
+The actor classes (``cache_actor``, ``verifier_actor``, ``drafter_actor`` beside this module)
+are passed in through ``RoleActors``, so that ``deploy`` and ``simulate`` choose theirs. Every
+actor is restarted by Ray when it fails (``max_restarts=-1``);
 ``deploy`` makes them named and detached in the ``edgespec`` namespace so they outlive the
 command, and ``simulate`` makes them owned by its process.
 """
@@ -23,7 +23,7 @@ import socket
 import time
 from dataclasses import dataclass, field
 
-from .config import ConfigError, cache_dir
+from edgespec.config import ConfigError, cache_dir
 
 NAMESPACE = "edgespec"
 PREFIX = "edgespec-"
