@@ -70,12 +70,12 @@ def allocate_branches(betas: list[float], caps: list[int], alphas: list[float], 
     fixed, per_token = fit
     gain = sum(1 + sum(a ** m for m in range(1, k + 1)) for a, k in zip(alphas, ks))
     seconds = fixed + per_token * (len(ks) + sum(ks))
-    sides = [0] * len(caps)
+    budgets = [0] * len(caps)
     for i in sorted(range(len(caps)), key=lambda j: -betas[j]):
-        while sides[i] < caps[i] and betas[i] * seconds > per_token * gain:
-            sides[i] += 1
+        while budgets[i] < caps[i] and betas[i] * seconds > per_token * gain:
+            budgets[i] += 1
             gain, seconds = gain + betas[i], seconds + per_token
-    return sides
+    return budgets
 
 
 def allocate(alphas: list[float], caps: list[int], cost: ForwardCost) -> list[int]:

@@ -20,74 +20,32 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import dataclass, field
-from typing import Callable
+from dataclasses import dataclass
 
-from .config import ConfigError, EngineConfig, SamplingParams, session_verify_mode
-from .draft_planner import ForwardCost, allocate, allocate_branches
+from .config import ConfigError, EngineConfig, session_verify_mode
+from .draft_planner import ForwardCost
 from .draft_worker import DraftWorker
 from .drafters import DraftLength, Drafter
 from .fleet_table import FleetTable
-from .metrics import Stats
+from .generation import ActiveSession, Request, Result, SessionFailed
+from .protocol import DraftWant, SessionStore, TakenDraft, Verdict
 from .runner import TargetRunner
 from .sampling import with_session_seed
-from .session import LocalSessionStore, TakenDraft, Verdict
-from .store_api import DraftWant, SessionStore
+from .session import LocalSessionStore
+from .step_planning import plan_branch_budgets, plan_drafts
+from .step_report import StepReport, step_report
 from .tree_verify import DraftTree, tree_of_draft
 from .verification import VerifyBatch, verify_step
 
+__all__ = ["ActiveSession", "Request", "Result", "SessionFailed", "SpecEngine", "StepReport"]
+
 log = logging.getLogger("edgespec.engine")
-
-
-@dataclass
-class Request:
-    prompt_ids: list[int]
-    max_new_tokens: int = 128
-    params: SamplingParams = field(default_factory=SamplingParams)
-    on_tokens: Callable[[list[int]], None] | None = None  # called with each committed chunk
-    # output already committed by an earlier verifier (a resumed session); counts towards
-    # max_new_tokens
-    committed: list[int] = field(default_factory=list)
-    # "": the engine's verification mode; "exact" forces lossless verification on a loose
-    # engine; "loose" is refused unless the engine was configured with verify="loose"
-    verify: str = ""
-
-
-@dataclass
-class Result:
-    token_ids: list[int]
-    stats: Stats
-    finish_reason: str  # "stop" (a stop token), "length" or "cancelled"
-
-
-class SessionFailed(Exception):
-    """One session could not go on (it vanished from the store, its commit was refused, its
-    forward failed); the others are unaffected."""
-
-
-class _Active:
-    """The verifier's view of one session."""
-
-    def __init__(self, sid: str, req: Request, slot: int, draft_len: DraftLength):
-        self.sid, self.req, self.slot, self.draft_len = sid, req, slot, draft_len
-        self.output: list[int] = list(req.committed)
-        self.last_token = (req.prompt_ids + req.committed)[-1]
-        self.on_finish: Callable[[Result], None] | None = None
-        self.on_error: Callable[[Exception], None] | None = None
-        self.stats = Stats()
-        self.finish: str | None = None
-        self.verify = "exact"  # "exact" or "loose": how this session's drafts are verified
-
-    @property
-    def end(self) -> int:
-        """Position after the last committed token."""
-        return len(self.req.prompt_ids) + len(self.output)
 
 
 @dataclass(frozen=True)
 class _Checked:
     """One row's verification: n chain tokens accepted, then ``branch`` (tokens of a branch,
-    trees only), then the target's own ``token``. n = -1: the row's forward failed."""
+    trees only), then the target's own ``token``."""
 
     n: int
     token: int
@@ -98,7 +56,7 @@ class _Checked:
 class _Decided:
     """A session's verdict of this step, waiting for the store to take it."""
 
-    act: _Active
+    act: ActiveSession
     verdict: Verdict
     new: list[int]  # tokens it adds to the output (cut at a stop token or the length limit)
     drafted: int  # draft tokens verified: the chain's and the branches'
@@ -107,21 +65,6 @@ class _Decided:
     @property
     def accepted(self) -> int:
         return self.verdict.n_accepted + len(self.verdict.branch)
-
-
-@dataclass(frozen=True)
-class StepReport:
-    """What one verification step did, for metrics."""
-
-    sessions: int  # rows in the forward
-    tokens: int  # tokens in the forward (one own token per row + draft tokens)
-    drafts: int  # sessions whose non-empty draft was verified
-    drafted: int
-    accepted: int
-    accepted_per_pos: tuple[int, ...]  # accepted draft tokens by position in the draft
-    take_s: float  # waiting for and taking drafts
-    forward_s: float  # the forward + verification
-    commit_s: float
 
 
 class SpecEngine:
@@ -147,7 +90,7 @@ class SpecEngine:
         self.wait_ms = self.cfg.draft_wait_ms
         if self.wait_ms is None:
             self.wait_ms = drafter.wait_ms if drafter else self.store.wait_ms
-        self.active: list[_Active] = []
+        self.active: list[ActiveSession] = []
         self.cost = ForwardCost()  # the measured cost of the verification forward
         self._undelivered: list[_Decided] = []
 
@@ -182,7 +125,7 @@ class SpecEngine:
         return session_verify_mode(req.verify, self.cfg.verify)
 
     def add(self, req: Request, session_id: str | None = None, device: str | None = None
-            ) -> _Active:
+            ) -> ActiveSession:
         """Prefill a request into a KV slot and register its session. ``device``: the drafter
         to ask for (distributed store); the local store drafts with its own drafter. A request
         with ``committed`` output resumes a session: prompt + committed are prefilled."""
@@ -199,7 +142,7 @@ class SpecEngine:
         except BaseException:
             self.target.free_slot(slot)
             raise
-        act = _Active(sid, req, slot, DraftLength(self.cfg.max_draft, adaptive=self.cfg.adaptive))
+        act = ActiveSession(sid, req, slot, DraftLength(self.cfg.max_draft, adaptive=self.cfg.adaptive))
         act.verify = verify
         act.stats.prefill_s = time.perf_counter() - t0
         act.stats.start = t0
@@ -217,31 +160,31 @@ class SpecEngine:
                 return True
         return False
 
-    def _drop(self, act: _Active) -> None:
+    def _drop(self, act: ActiveSession) -> None:
         """Forget a session here and free its KV slot (the store is not told)."""
         if act in self.active:
             self.active.remove(act)
             self.target.free_slot(act.slot)
 
-    def _release(self, act: _Active, finish: str) -> None:
+    def _release(self, act: ActiveSession, finish: str) -> None:
         act.stats.tokens = len(act.output) - len(act.req.committed)
         act.stats.elapsed_s = time.perf_counter() - act.stats.start
         self._drop(act)
         self.store.close(act.sid, finish)  # never raises
 
-    def _finish(self, act: _Active) -> None:
+    def _finish(self, act: ActiveSession) -> None:
         self._release(act, act.finish)
         if act.on_finish:
             act.on_finish(Result(act.output, act.stats, act.finish))
 
-    def abandon(self, act: _Active, exc: Exception) -> None:
+    def abandon(self, act: ActiveSession, exc: Exception) -> None:
         """Drop a session here but leave it in the store as it is, so that it can be resumed
         (this verifier is stopping)."""
         self._drop(act)
         if act.on_error:
             act.on_error(exc)
 
-    def fail(self, act: _Active, exc: Exception) -> None:
+    def fail(self, act: ActiveSession, exc: Exception) -> None:
         """End one session with an error; the others go on."""
         log.warning("session %s failed: %s", act.sid, exc)
         self._release(act, "error")
@@ -257,16 +200,16 @@ class SpecEngine:
         if self._undelivered:  # verdicts of a step whose commit did not reach the store
             decided = self._undelivered
             t0 = time.perf_counter()
-            return self._report(self._commit(decided), len(decided),
-                                sum(1 + d.drafted for d in decided), 0.0, 0.0,
-                                time.perf_counter() - t0)
+            return _report(self._commit(decided), len(decided),
+                           sum(1 + d.drafted for d in decided), 0.0, 0.0,
+                           time.perf_counter() - t0)
         acts = list(self.active)
-        ks = self._draft_budget(self._plan_drafts(acts))
-        sides = self._plan_branches(acts, ks)
+        ks = plan_drafts(acts, self.cfg, self.cost)
+        budgets = plan_branch_budgets(acts, ks, self.cfg, self.cost, self.target.max_len)
         t0 = time.perf_counter()
-        wants = [DraftWant(a.sid, k, k, side) for a, k, side in zip(acts, ks, sides)]
+        wants = [DraftWant(a.sid, k, b) for a, k, b in zip(acts, ks, budgets)]
         taken = self.store.take_when_ready(wants, self.wait_ms / 1000)
-        batch: list[tuple[_Active, TakenDraft]] = []
+        batch: list[tuple[ActiveSession, TakenDraft]] = []
         for act, t in zip(acts, taken):
             if isinstance(t, Exception):
                 self.fail(act, SessionFailed(str(t)))
@@ -277,7 +220,7 @@ class SpecEngine:
                 # the cache validates; never verify garbage (nor branches, unless exactly)
                 vocab = self.target.vocab_size
                 if any(not 0 <= x < vocab for x in t.tokens):
-                    t.tokens, t.q, t.branches = [], None, []
+                    t.tokens, t.branches = [], []
                 if act.verify != "exact" or any(not 0 <= x < vocab for b in t.branches
                                                 for x in b.tokens):
                     t.branches = []
@@ -291,7 +234,7 @@ class SpecEngine:
         self.cost.observe(width, t2 - t1)
         decided = []
         for (act, t), c in zip(batch, verdicts):
-            if c.n < 0:
+            if c is None:
                 continue  # its forward failed: already failed alone
             new, finish = self._truncate(act, t.tokens[:c.n] + list(c.branch) + [c.token])
             # commit exactly what the output keeps: a stop token or the length limit may cut
@@ -304,24 +247,11 @@ class SpecEngine:
             act.stats.forward_s += t2 - t1
         t3 = time.perf_counter()
         applied = self._commit(decided)
-        return self._report(applied, len(batch), width, t1 - t0, t2 - t1,
-                            time.perf_counter() - t3)
+        return _report(applied, len(batch), width, t1 - t0, t2 - t1, time.perf_counter() - t3)
 
-    @staticmethod
-    def _report(applied: list[_Decided], sessions: int, tokens: int, take_s: float,
-                forward_s: float, commit_s: float) -> StepReport:
-        per_pos = [0] * max((d.accepted for d in applied), default=0)
-        for d in applied:
-            for i in range(d.accepted):
-                per_pos[i] += 1
-        return StepReport(sessions, tokens, sum(1 for d in applied if d.drafted),
-                          sum(d.drafted for d in applied),
-                          sum(d.accepted for d in applied), tuple(per_pos),
-                          take_s, forward_s, commit_s)
-
-    def _verify(self, batch: list[tuple[_Active, TakenDraft]]) -> list[_Checked]:
+    def _verify(self, batch: list[tuple[ActiveSession, TakenDraft]]) -> list[_Checked | None]:
         """One forward over the batch; if it fails, each session alone, so that a failure
-        fails only the session it concerns (n = -1 marks those)."""
+        fails only the session it concerns (None marks those)."""
         try:
             return self._forward_and_verify(batch)
         except Exception:
@@ -329,17 +259,17 @@ class SpecEngine:
                 act, _ = batch[0]
                 log.exception("verification of session %s failed", act.sid)
                 self.fail(act, SessionFailed("verification failed"))
-                return [_Checked(-1, -1)]
-        out = []
+                return [None]
+        out: list[_Checked | None] = []
         for item in batch:
             out.extend(self._verify([item]))
         return out
 
-    def _forward_and_verify(self, batch: list[tuple[_Active, TakenDraft]]) -> list[_Checked]:
+    def _forward_and_verify(self, batch: list[tuple[ActiveSession, TakenDraft]]) -> list[_Checked]:
         """One forward over the batch (a tree forward if any row has branches: chains are
         trees whose node i hangs from node i - 1), then every row verified at once on the
         device (``edgespec.verification``): one host sync."""
-        trees = [tree_of_draft(t.tokens, t.branches, t.start) if t.branches
+        trees = [tree_of_draft(t.tokens, t.branches) if t.branches
                  else DraftTree.chain(t.tokens) for _, t in batch]
         slots, roots = [a.slot for a, _ in batch], [a.last_token for a, _ in batch]
         if any(t.branches for _, t in batch):
@@ -389,48 +319,7 @@ class SpecEngine:
                 self._finish(act)
         return applied
 
-    def _plan_drafts(self, acts: list[_Active]) -> list[int]:
-        """Draft tokens each session verifies (and waits for) this step: its adaptive length,
-        cut by the planner to what pays given measured acceptance and forward cost."""
-        caps = [a.draft_len.k for a in acts]
-        if not self.cfg.adaptive:
-            return caps
-        ks = allocate([a.draft_len.alpha for a in acts], caps, self.cost)
-        return [a.draft_len.probe(k) for a, k in zip(acts, ks)]
-
-    def _draft_budget(self, ks: list[int]) -> list[int]:
-        """Cap the batch at ``max_batch_tokens`` (one own token per session + drafts) by
-        shortening the longest drafts first."""
-        budget = max(0, self.cfg.max_batch_tokens - len(ks))
-        ks = list(ks)
-        while sum(ks) > budget:
-            ks[ks.index(max(ks))] -= 1
-        return ks
-
-    def _plan_branches(self, acts: list[_Active], ks: list[int]) -> list[int]:
-        """Branch tokens each session may add this step: at most the step's tree budget, for
-        exactly verified sessions with a chain; the planner keeps those that pay."""
-        cap = self._tree_budget(acts, ks)
-        caps = [cap if k and a.verify == "exact" else 0 for a, k in zip(acts, ks)]
-        if not cap or not self.cfg.adaptive:
-            return caps
-        sides = allocate_branches([a.draft_len.beta for a in acts], caps,
-                                  [a.draft_len.alpha for a in acts], ks, self.cost)
-        return [a.draft_len.probe_branches(s, c) for a, s, c in zip(acts, sides, caps)]
-
-    def _tree_budget(self, acts: list[_Active], ks: list[int]) -> int:
-        """Branch tokens each exactly verified drafting session may add to this step's forward:
-        an equal share of what ``max_batch_tokens`` leaves after the chains, at most
-        ``tree_nodes``, and no more than the fullest KV slot of the batch has room for (the
-        tree forward writes 1 + k + side positions for every row)."""
-        drafting = sum(1 for a, k in zip(acts, ks) if k and a.verify == "exact")
-        if not drafting or not self.cfg.tree_nodes:
-            return 0
-        left = self.cfg.max_batch_tokens - len(ks) - sum(ks)
-        room = min(self.target.max_len - a.end for a in acts) - 1 - max(ks)
-        return max(0, min(self.cfg.tree_nodes, left // drafting, room))
-
-    def _truncate(self, act: _Active, new: list[int]) -> tuple[list[int], str | None]:
+    def _truncate(self, act: ActiveSession, new: list[int]) -> tuple[list[int], str | None]:
         room = act.req.max_new_tokens - len(act.output)
         for i, tok in enumerate(new[:room]):
             if tok in self.stop_ids:
@@ -453,3 +342,9 @@ class SpecEngine:
 
     def generate(self, req: Request) -> Result:
         return self.generate_many([req])[0]
+
+
+def _report(applied: list[_Decided], sessions: int, tokens: int, take_s: float,
+            forward_s: float, commit_s: float) -> StepReport:
+    return step_report([d.accepted for d in applied], [d.drafted for d in applied], sessions,
+                       tokens, take_s, forward_s, commit_s)

@@ -70,7 +70,7 @@ def test_each_allocated_token_raises_the_expected_rate():
                 assert rate(other) <= rate(best) + 1e-12
 
 
-# -- token trees: branch tokens where they pay ------------------------------------------------------
+# -- token trees: branch tokens where they pay ----------------------------------------------------
 def test_branches_before_any_step_keep_the_caps():
     assert allocate_branches([0.01], [8], [0.5], [4], ForwardCost()) == [8]
 
