@@ -1,15 +1,16 @@
 """The edge drafter agent: attach to the draft cache, draft for assigned sessions, apply fixes.
 
-One bidirectional ``Attach`` stream carries everything. A receiver thread applies what the cache
-sends (assignments open draft sessions, commits move the committed position, fixes roll a
-session back and append the verifier's token, closes end sessions); a drafting thread drafts
-ahead for every session with room in its window (W tokens beyond the committed position), in
-chunks of c tokens, tagging each chunk with its epoch and start position, and never waits for a
-verdict. When the link drops, the agent forgets its sessions, waits with exponential backoff and
-attaches again; the cache then sends the current state of its sessions. A cache that answers but
-refuses for now (its Redis recovering) says when to come back (trailing metadata
-``retry-after-ms``): the agent comes back then instead of backing off (``next_backoff``), so
-drafting resumes within moments of the cache serving again.
+One bidirectional ``Attach`` stream carries everything. A receiver thread records what the cache
+sends in the drafting loop's book (assignments, commits, fixes, closed sessions); a drafting
+thread runs the drafting loop (``edgespec.drafting_loop``, the same loop the in-process engine
+runs over its local store) with the agent as its transport: it drafts ahead for every session
+with room in its window (W tokens beyond the committed position), in chunks of c tokens, outside
+the lock (a fix never waits behind a model drafter's forward), tags each chunk with its epoch
+and start position, and never waits for a verdict. When the link drops, the agent forgets its
+sessions, waits with exponential backoff and attaches again; the cache then sends the current
+state of its sessions. A cache that answers but refuses for now (its Redis recovering) says when
+to come back (trailing metadata ``retry-after-ms``): the agent comes back then instead of
+backing off (``next_backoff``), so drafting resumes within moments of the cache serving again.
 
 A session the drafter cannot serve (``open`` fails, e.g. no free KV slot when a pinned session
 arrives beyond capacity, or ``propose``/``rollback`` fails later) is refused, never fatal: the
@@ -28,14 +29,13 @@ import logging
 import queue
 import random
 import threading
-import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import grpc
 
-from edgespec.config import ConfigError
-from edgespec.drafters import Drafter, DraftSession
+from edgespec.config import ConfigError, SamplingParams
+from edgespec.drafters import Draft, Drafter
+from edgespec.drafting_loop import DraftBook, DraftTarget, run_drafting
 from edgespec.ids import check_device_id
 from edgespec.tree_wire import TREE_VERSION, tree_to_wire
 from edgespec.v1 import edgespec_pb2 as pb
@@ -68,44 +68,17 @@ def next_backoff(delay: float, error: grpc.RpcError | None, backoff_max_s: float
     return delay * factor, min(backoff_max_s, delay * 2)
 
 
-@dataclass
-class _Session:
-    """A session this device drafts for. ``draft`` is None once the session was refused."""
-
-    draft: DraftSession | None
-    epoch: int
-    committed_end: int
-    idle: bool = False
-
-    @property
-    def refused(self) -> bool:
-        return self.draft is None
-
-
-@dataclass
-class _Work:
-    """A session with room in its window: draft up to ``n`` tokens at ``start``."""
-
-    session_id: str
-    session: _Session
-    epoch: int
-    start: int
-    n: int
-
-
 class DrafterAgent:
     def __init__(self, cache: str, device_id: str, drafter: Drafter, fingerprint: str = "",
                  window: int | None = None, chunk: int | None = None, token: str | None = None,
                  tls_ca: str | None = None, tls: bool = False, max_sessions: int = 8,
                  backoff_max_s: float = 10.0, tls_cert: str | None = None,
                  tls_key: str | None = None, metrics: DrafterMetrics | None = None,
-                 compute_slowdown: float = 1.0, tree_width: int = 1):
+                 tree_width: int = 1):
         """``token``: the shared token, or this device's own token when the cache has
         per-device credentials. ``tls_cert``/``tls_key``: this device's client certificate
         (mutual TLS). ``metrics``: where to count chunks, fixes and link round trips (None:
-        not counted). ``compute_slowdown``: emulate a device this many times slower (a
-        simulated fleet): each chunk is sent (slowdown - 1) x its drafting time later.
-        ``tree_width`` > 1: send tree chunks, the drafter's chain with up to tree_width - 1
+        not counted). ``tree_width`` > 1: send tree chunks, the drafter's chain with up to tree_width - 1
         branches (the verifier verifies them within its batch budget)."""
         self.cache, self.device_id, self.drafter = cache, check_device_id(device_id), drafter
         if bool(tls_cert) != bool(tls_key):
@@ -117,13 +90,10 @@ class DrafterAgent:
         self.max_sessions = max_sessions
         self.backoff_max_s = backoff_max_s
         self.metrics = metrics
-        if compute_slowdown < 1:
-            raise ConfigError("compute_slowdown must be >= 1")
-        self.compute_slowdown = compute_slowdown
         if not 1 <= tree_width <= 16:
             raise ConfigError(f"tree_width must be in [1, 16], got {tree_width}")
         self.tree_width = tree_width
-        self.sessions: dict[str, _Session] = {}
+        self.book = DraftBook()  # the sessions drafted for, guarded by cond
         self.cond = threading.Condition()
         self.stopping = threading.Event()
         self.connected = threading.Event()
@@ -224,8 +194,10 @@ class DrafterAgent:
             self._call = responses
         if self.stopping.is_set():
             responses.cancel()
-        drafting = threading.Thread(target=self._draft_loop, args=(out,), daemon=True,
-                                    name=f"draft-{self.device_id}")
+        drafting = threading.Thread(
+            target=run_drafting, daemon=True, name=f"draft-{self.device_id}",
+            args=(self.drafter, self, self.book,
+                  lambda: self.connected.is_set() and not self.stopping.is_set()))
         try:
             for msg in responses:
                 if self.stopping.is_set():
@@ -248,33 +220,38 @@ class DrafterAgent:
 
     def _forget_sessions(self) -> None:
         with self.cond:
-            for sid, s in self.sessions.items():
-                self._close(sid, s)
-            self.sessions.clear()
+            self.book.close_all()
 
-    # -- refusing a session -------------------------------------------------------------------
-    def _close(self, sid: str, s: _Session) -> None:
-        """Under the lock: release what the session's draft holds; never raises."""
-        draft, s.draft = s.draft, None
-        if draft is not None:
-            try:
-                draft.close()
-            except Exception:
-                log.exception("closing the draft of session %s failed", sid)
+    # -- the drafting loop's transport (edgespec.drafting_loop.DraftChannel) ------------------
+    def refresh(self, book: DraftBook) -> None:
+        """Nothing to do: the receiver records what the cache sends as it comes."""
 
-    def _refuse(self, sid: str, s: _Session, why: str, start: int | None = None) -> None:
-        """Under the lock: stop drafting for a session the drafter failed on and tell the
-        cache, with an idle chunk, that nothing is coming for it."""
-        log.warning("drafter %s cannot draft for session %s (%s); the verifier decodes it "
-                    "alone", self.device_id, sid, why)
-        self._close(sid, s)
-        s.idle = True
+    def can_draft(self, sid: str, start: int) -> bool:
+        return True  # the cache answers a misplaced chunk with a refusal, never a wrong draft
+
+    def deliver(self, sid: str, target: DraftTarget, start: int, draft: Draft) -> None:
+        """A drafted chunk to the cache: a chain, or a tree chunk when the drafter offered
+        branches."""
+        if self._out is None:
+            return
+        chunk = pb.DraftChunk(session_id=sid, epoch=target.epoch, start=start,
+                              tokens=draft.tokens, idle=len(draft) == 0)
+        if draft.branches:
+            nodes, parents = tree_to_wire(draft.tokens, draft.branches)
+            chunk.tokens[:] = nodes
+            chunk.tree_parents.extend(parents)
+            chunk.tree_version = TREE_VERSION
+        self._send(self._out, chunk)
+        self.chunks_sent += 1
+
+    def refuse(self, sid: str, target: DraftTarget, start: int, why: str) -> None:
+        """Tell the cache, with an idle chunk, that nothing is coming for this session."""
         self.refused += 1
-        self._send_idle(sid, s, s.committed_end if start is None else start)
+        self._send_idle(sid, target, start)
 
-    def _send_idle(self, sid: str, s: _Session, start: int) -> None:
+    def _send_idle(self, sid: str, target: DraftTarget, start: int) -> None:
         if self._out is not None:
-            self._send(self._out, pb.DraftChunk(session_id=sid, epoch=s.epoch, start=start,
+            self._send(self._out, pb.DraftChunk(session_id=sid, epoch=target.epoch, start=start,
                                                 idle=True))
 
     def _send(self, out: queue.Queue, chunk: pb.DraftChunk) -> None:
@@ -299,9 +276,7 @@ class DrafterAgent:
             elif kind == "commit":
                 self._apply_commit(msg.commit)
             elif kind == "closed":
-                s = self.sessions.pop(msg.closed.session_id, None)
-                if s is not None:
-                    self._close(msg.closed.session_id, s)
+                self.book.close(msg.closed.session_id)
             elif kind == "ack":
                 if self.metrics is not None:
                     self.metrics.ack_received(msg.ack.session_id, msg.ack.start, msg.ack.code)
@@ -318,91 +293,34 @@ class DrafterAgent:
     def _forget_if_gone(self, ack: pb.ChunkAck) -> None:
         """A session the cache no longer has, or has finished, whose close we never got (the
         verifier died, say): drop it so that it does not hold a KV slot for ever."""
-        gone = ack.code == grpc.StatusCode.NOT_FOUND.value[0] or "finished" in ack.message
-        s = self.sessions.pop(ack.session_id, None) if gone else None
-        if s is not None:
-            self._close(ack.session_id, s)
+        if ack.code == grpc.StatusCode.NOT_FOUND.value[0] or "finished" in ack.message:
+            self.book.close(ack.session_id)
 
     def _apply_assignment(self, a: pb.Assignment) -> None:
-        old = self.sessions.pop(a.session_id, None)
-        if old is not None:
-            self._close(a.session_id, old)
-        s = _Session(None, a.epoch, len(a.tokens))
-        self.sessions[a.session_id] = s
         try:
-            s.draft = self.drafter.open(list(a.tokens), params_from_pb(a.sampling))
-        except Exception as e:
-            self._refuse(a.session_id, s, f"{type(e).__name__}: {e}")
+            params = params_from_pb(a.sampling)
+        except ConfigError as e:  # not a session this drafter can draft for
+            self.book.assign(a.session_id, list(a.tokens), SamplingParams(), a.epoch)
+            target = self.book.targets[a.session_id]
+            target.opening, target.refused, target.idle = None, True, True
+            log.warning("drafter %s refuses session %s: %s", self.device_id, a.session_id, e)
+            self.refuse(a.session_id, target, len(a.tokens), str(e))
+            return
+        self.book.assign(a.session_id, list(a.tokens), params, a.epoch)
 
     def _apply_commit(self, c: pb.Commit) -> None:
         if c.is_fix and self.metrics is not None:
             self.metrics.fix_received()
-        s = self.sessions.get(c.session_id)
-        if s is None:
+        target = self.book.targets.get(c.session_id)
+        if target is None:
             return
-        if s.refused:
-            if c.epoch >= s.epoch:
-                s.epoch = c.epoch
-                s.committed_end = max(s.committed_end, c.committed_end)
+        if target.refused:
+            if c.epoch >= target.epoch:
+                target.epoch = c.epoch
+                target.committed_end = max(target.committed_end, c.committed_end)
                 # a fix resets the session's idle flag in the cache: say it again
-                self._send_idle(c.session_id, s, s.committed_end)
+                self._send_idle(c.session_id, target, target.committed_end)
             return
-        s.committed_end = max(s.committed_end, c.committed_end)
-        if c.is_fix and c.epoch > s.epoch:
-            s.epoch = c.epoch
-            s.idle = False
-            try:
-                s.draft.rollback(c.fix_position)
-                s.draft.append([c.fix_token, *c.fix_more])
-            except Exception as e:
-                self._refuse(c.session_id, s, f"applying a fix failed: {type(e).__name__}: {e}")
-
-    # -- drafting ---------------------------------------------------------------------------------
-    def _next_work(self) -> _Work | None:
-        """Under the lock: a session with room in its window that is not idle."""
-        for sid, s in self.sessions.items():
-            if s.idle or s.refused:
-                continue
-            start = len(s.draft.tokens)
-            ahead = start - s.committed_end
-            if ahead < self.window:
-                return _Work(sid, s, s.epoch, start, min(self.chunk, self.window - ahead))
-        return None
-
-    def _propose(self, work: _Work) -> pb.DraftChunk:
-        """Draft a chunk for ``work``: a chain, or with ``tree_width`` > 1 a tree chunk when the
-        drafter offered branches."""
-        draft = work.session.draft.propose_tree(work.n, self.tree_width)  # 1: propose's chain
-        chunk = pb.DraftChunk(session_id=work.session_id, epoch=work.epoch, start=work.start,
-                              tokens=draft.tokens, idle=len(draft) == 0)
-        if draft.branches:
-            nodes, parents = tree_to_wire(draft.tokens, draft.branches)
-            chunk.tokens[:] = nodes
-            chunk.tree_parents.extend(parents)
-            chunk.tree_version = TREE_VERSION
-        return chunk
-
-    def _draft_loop(self, out: queue.Queue) -> None:
-        while not self.stopping.is_set():
-            with self.cond:
-                if not self.connected.is_set():
-                    return
-                work = self._next_work()
-                if work is None:
-                    self.cond.wait(timeout=0.5)
-                    continue
-                s = work.session
-                began = time.perf_counter()
-                try:
-                    chunk = self._propose(work)
-                except Exception as e:
-                    self._refuse(work.session_id, s, f"drafting failed: {type(e).__name__}: {e}",
-                                 start=work.start)
-                    continue
-                s.idle = len(chunk.tokens) == 0
-                took = time.perf_counter() - began
-            if self.compute_slowdown > 1:  # outside the lock: commits and fixes still apply
-                time.sleep((self.compute_slowdown - 1) * max(0.0, took))
-            self._send(out, chunk)
-            self.chunks_sent += 1
-
+        if c.is_fix:
+            self.book.fix(c.session_id, c.epoch, c.fix_position, (c.fix_token, *c.fix_more))
+        self.book.commit(c.session_id, c.epoch, c.committed_end)

@@ -1,35 +1,68 @@
-"""The in-process drafter thread: drafts ahead into every session of a ``LocalSessionStore``.
+"""The in-process drafter thread: the drafting loop (``edgespec.drafting_loop``) over the local
+session store, the same loop an edge board's agent runs over the cache's Attach stream.
 
-For each session with room (the window W beyond the committed position) it proposes a chunk of
-at most c tokens (a chain, or with ``tree_width`` > 1 a chain with branches) and pushes it; it
-applies the verifier's fixes by rollback before drafting again, and never waits for the
-verifier. A drafter that fails on a session costs that session its drafts, never its output.
+``LocalChannel`` is the loop's transport here: each round it records in the book the store's new
+sessions, their fixes (from the store's fix log) and commits, and the sessions that ended; a
+chunk is pushed into the session's state; a session the drafter fails on is handed to the
+verifier alone (``has_drafter`` off, the verifier woken so that it does not wait out the draft
+deadline).
 """
 
 from __future__ import annotations
 
-import logging
 import threading
-from dataclasses import dataclass
 
 from .config import EngineConfig
-from .drafters import Drafter, DraftSession
+from .drafters import Draft, Drafter
+from .drafting_loop import DraftBook, DraftTarget, run_drafting
 from .protocol import StaleChunkError
-from .session import LocalSessionStore, SessionState
-
-log = logging.getLogger("edgespec.engine")
+from .session import LocalSessionStore
 
 
-@dataclass
-class _DraftWork:
-    """A session the drafter thread drafts for this round."""
+class LocalChannel:
+    """The drafting loop's transport over a ``LocalSessionStore``."""
 
-    sid: str
-    state: SessionState
-    session: DraftSession
-    epoch: int
-    start: int
-    room: int
+    def __init__(self, store: LocalSessionStore, cfg: EngineConfig):
+        self.store, self.cond = store, store.cond
+        self.window, self.chunk, self.tree_width = cfg.window, cfg.chunk, cfg.tree_width
+        self._last_fix: dict[str, int] = {}  # sid -> the last fix id the book has
+
+    def refresh(self, book: DraftBook) -> None:
+        for sid, state in self.store.sessions.items():
+            if not state.has_drafter or state.done:
+                continue
+            if sid not in book.targets:
+                book.assign(sid, state.tokens, state.params, state.epoch)
+                self._last_fix[sid] = state.fixes[-1].id if state.fixes else 0
+                continue
+            for fix in state.fixes_after(self._last_fix[sid]):
+                book.fix(sid, fix.epoch, fix.position, fix.tokens)
+                self._last_fix[sid] = fix.id
+            book.commit(sid, state.epoch, state.end)
+        for sid in [s for s in book.targets if s not in self.store.sessions
+                    or self.store.sessions[s].done]:
+            book.close(sid)
+            self._last_fix.pop(sid, None)
+
+    def can_draft(self, sid: str, start: int) -> bool:
+        state = self.store.sessions.get(sid)
+        return state is not None and not state.drafter_idle and \
+            start == state.end + len(state.draft)
+
+    def deliver(self, sid: str, target: DraftTarget, start: int, draft: Draft) -> None:
+        state = self.store.sessions.get(sid)
+        if state is None:
+            return
+        try:
+            state.push_draft(target.epoch, start, draft.tokens, idle=len(draft) == 0,
+                             window=self.window, branches=draft.branches)
+        except StaleChunkError:
+            pass  # a fix the book has not seen yet: applied next round
+
+    def refuse(self, sid: str, target: DraftTarget, start: int, why: str) -> None:
+        state = self.store.sessions.get(sid)
+        if state is not None:
+            state.has_drafter = False
 
 
 class DraftWorker(threading.Thread):
@@ -37,99 +70,20 @@ class DraftWorker(threading.Thread):
 
     def __init__(self, drafter: Drafter, store: LocalSessionStore, cfg: EngineConfig):
         super().__init__(daemon=True, name=f"drafter-{drafter.name}")
-        self.drafter, self.store, self.cfg = drafter, store, cfg
-        self.sessions: dict[str, tuple[DraftSession, list[int]]] = {}  # sid -> (session, [fix id])
+        self.drafter = drafter
+        self.channel = LocalChannel(store, cfg)
+        self.book = DraftBook()
         self.stopping = False
 
     def stop(self) -> None:
-        with self.store.cond:
+        with self.channel.cond:
             self.stopping = True
-            self.store.cond.notify_all()
+            self.channel.cond.notify_all()
         self.join(timeout=5)
 
     def run(self) -> None:
-        while True:
-            with self.store.cond:
-                if self.stopping:
-                    break
-                work = self._plan()
-                if not work:
-                    self.store.cond.wait(timeout=0.5)
-                    continue
-            for w in work:
-                try:
-                    # a width of 1 is propose's chain
-                    draft = w.session.propose_tree(min(self.cfg.chunk, w.room),
-                                                   self.cfg.tree_width)
-                except Exception as exc:  # a broken drafter costs speed, never the session
-                    self._give_up(w.sid, w.state, exc)
-                    continue
-                idle = len(draft) == 0
-                with self.store.cond:
-                    try:
-                        w.state.push_draft(w.epoch, w.start, draft.tokens, idle=idle,
-                                           window=self.cfg.window, branches=draft.branches)
-                    except StaleChunkError:
-                        pass  # a fix arrived meanwhile; it is applied on the next round
-                    self.store.cond.notify_all()
-        for sid in list(self.sessions):
-            self._close(sid)
-
-    def _close(self, sid: str) -> None:
-        """Forget a draft session and release what it holds (a KV slot); a failing close is
-        logged, never fatal to the thread."""
-        entry = self.sessions.pop(sid, None)
-        if entry is None:
-            return
         try:
-            entry[0].close()
-        except Exception as exc:
-            log.warning("drafter %s failed to close session %s: %r", self.drafter.name, sid, exc)
-
-    def _drop(self, sid: str, state: SessionState) -> None:
-        """Under the lock: this session drafts no more (the verifier decodes it alone, and is
-        woken so that it does not wait out the draft deadline); its draft session is closed."""
-        state.has_drafter = False
-        self._close(sid)
-        self.store.cond.notify_all()
-
-    def _give_up(self, sid: str, state: SessionState, exc: Exception) -> None:
-        log.warning("drafter %s failed on session %s: %r; the verifier decodes it alone",
-                    self.drafter.name, sid, exc)
-        with self.store.cond:
-            self._drop(sid, state)
-
-    def _plan(self) -> list[_DraftWork]:
-        """Under the lock: open new sessions, apply fixes, close finished ones, and list the
-        sessions that have room to draft into."""
-        work = []
-        for sid, state in self.store.sessions.items():
-            if not state.has_drafter or state.done:
-                continue
-            if sid not in self.sessions:
-                try:
-                    self.sessions[sid] = (self.drafter.open(state.tokens, state.params), [0])
-                except Exception as exc:  # e.g. no free KV slot: this session drafts nothing
-                    log.warning("drafter %s refused session %s: %r", self.drafter.name, sid, exc)
-                    self._drop(sid, state)
-                    continue
-            session, last_fix = self.sessions[sid]
-            try:
-                for fix in state.fixes_after(last_fix[0]):
-                    session.rollback(fix.position)
-                    session.append(fix.tokens)
-                    last_fix[0] = fix.id
-            except Exception as exc:  # as a failed propose: the verifier decodes it alone
-                log.warning("drafter %s failed to apply a fix to session %s: %r",
-                            self.drafter.name, sid, exc)
-                self._drop(sid, state)
-                continue
-            start = len(session.tokens)
-            room = self.cfg.window - (start - state.end)
-            if state.drafter_idle or room <= 0 or start != state.end + len(state.draft):
-                continue
-            work.append(_DraftWork(sid, state, session, state.epoch, start, room))
-        for sid in [s for s in self.sessions if s not in self.store.sessions
-                    or self.store.sessions[s].done]:
-            self._close(sid)
-        return work
+            run_drafting(self.drafter, self.channel, self.book, lambda: not self.stopping)
+        finally:
+            with self.channel.cond:
+                self.book.close_all()

@@ -330,3 +330,25 @@ def test_device_profile_slowdown():
         DeviceProfile("fast", "mag", 0.5, LinkProfile(rtt_ms=1))
     assert PROFILES["rpi5"].extra_compute_s(0.01) == pytest.approx(0.02)
     assert PROFILES["local"].extra_compute_s(0.01) == 0
+
+
+def test_a_slowed_drafter_sleeps_its_slowdown_after_each_proposal(monkeypatch):
+    """The simulated device's compute: (slowdown - 1) x each proposal's own time asleep after
+    it; the drafts themselves are the inner drafter's."""
+    from edgespec.config import SamplingParams
+    from edgespec.drafters import MaGDrafter
+    from edgespec_cli.fleet import device_emulation
+
+    clock = iter([10.0, 10.5, 20.0, 20.25])
+    slept = []
+    monkeypatch.setattr(device_emulation.time, "perf_counter", lambda: next(clock))
+    monkeypatch.setattr(device_emulation.time, "sleep", slept.append)
+    slowed = device_emulation.SlowedDrafter(MaGDrafter(), 3.0)
+    tokens = [1, 5, 6, 7, 5, 6]
+    session = slowed.open(tokens, SamplingParams())
+    plain = MaGDrafter().open(tokens, SamplingParams())
+    assert session.propose(2).tokens == plain.propose(2).tokens
+    assert session.propose_tree(2, 2).tokens == plain.propose_tree(2, 2).tokens
+    assert slept == [1.0, 0.5]
+    with pytest.raises(ConfigError):
+        device_emulation.SlowedDrafter(MaGDrafter(), 0.5)

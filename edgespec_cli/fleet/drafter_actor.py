@@ -18,6 +18,8 @@ import threading
 from drafter_node.edge_drafter import build_edge_drafter
 from edgespec.cli_args import configure_logging, set_threads
 
+from .device_emulation import SlowedDrafter
+
 log = logging.getLogger("edgespec.drafter")
 
 
@@ -46,13 +48,14 @@ class DrafterActor:
         self.agent = self.thread = None
         try:  # a drafter that cannot be built says why (info) instead of restarting forever
             built, fingerprint = build_edge_drafter(drafter, max_sessions)
+            if compute_slowdown != 1:
+                built = SlowedDrafter(built, compute_slowdown)
         except Exception as e:
             self.error = f"{type(e).__name__}: {e}"
             log.error("drafter %s cannot start: %s", device_id, self.error)
             return
         self.agent = DrafterAgent(address, device_id, built, fingerprint, token=auth_token,
-                                  max_sessions=max_sessions, compute_slowdown=compute_slowdown,
-                                  tree_width=tree_width)
+                                  max_sessions=max_sessions, tree_width=tree_width)
         self.thread = threading.Thread(target=self._run, daemon=True, name="drafter-agent")
         self.thread.start()
 

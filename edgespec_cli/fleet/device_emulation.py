@@ -1,0 +1,53 @@
+"""A simulated device's compute: its drafter drafts ``slowdown`` times slower than it does here
+(each proposal is followed by (slowdown - 1) times its own duration asleep). The drafting loop
+drafts outside its lock, so fixes and commits still reach the agent meanwhile, as on a slow
+board."""
+
+from __future__ import annotations
+
+import functools
+import time
+
+from edgespec.config import ConfigError, SamplingParams
+from edgespec.drafters import Drafter, DraftSession
+
+from .device_profiles import extra_compute_s
+
+
+class SlowedDrafter(Drafter):
+    """``inner`` with every proposal slowed down ``slowdown`` times (the rest delegated)."""
+
+    def __init__(self, inner: Drafter, slowdown: float):
+        if not slowdown >= 1:
+            raise ConfigError(f"compute_slowdown must be >= 1, got {slowdown!r}")
+        self.inner, self.slowdown = inner, slowdown
+        self.name, self.wait_ms = inner.name, inner.wait_ms
+
+    @property
+    def uses_fleet(self) -> bool:
+        return self.inner.uses_fleet
+
+    def use_fleet(self, fleet) -> None:
+        self.inner.use_fleet(fleet)
+
+    def open(self, tokens: list[int], params: SamplingParams) -> DraftSession:
+        session = self.inner.open(tokens, params)
+        for name in ("propose", "propose_tree"):
+            setattr(session, name, self._slowed(getattr(session, name)))
+        return session
+
+    def _slowed(self, propose):
+        @functools.wraps(propose)
+        def slowed(*args, **kwargs):
+            began = time.perf_counter()
+            out = propose(*args, **kwargs)
+            time.sleep(extra_compute_s(self.slowdown, time.perf_counter() - began))
+            return out
+
+        return slowed
+
+    def snapshot(self):
+        return self.inner.snapshot()
+
+    def restore(self, state) -> None:
+        self.inner.restore(state)
