@@ -18,6 +18,7 @@ source of the table is committed tokens only, never what a drafter claims.
 from __future__ import annotations
 
 import logging
+from typing import cast
 
 import redis
 
@@ -85,7 +86,7 @@ class RedisFleetTable:
         pairs = [(_key(leader), str(int(f))) for leader, f in ngram_pairs(tokens, start)]
         try:
             for i in range(0, len(pairs), MAX_PAIRS_PER_CALL):
-                args = [self.max_leaders, self.max_followers]
+                args: list[int | str] = [self.max_leaders, self.max_followers]
                 for leader, follower in pairs[i:i + MAX_PAIRS_PER_CALL]:
                     args += [leader, follower]
                 self._record(keys=self.keys, args=args)
@@ -98,8 +99,9 @@ class RedisFleetTable:
         # the version is read first: whatever is recorded after it gets a later one, so an
         # empty answer never skips an update made meanwhile
         current = int(self.redis.get(ver) or 0)
-        rows = self.redis.zrangebyscore(lru, f"({int(since)}", "+inf", start=0, num=limit,
-                                        withscores=True)
+        # withscores: (member, score) pairs (redis-py's return type covers every variant)
+        rows = cast("list[tuple[bytes | str, float]]", self.redis.zrangebyscore(
+            lru, f"({int(since)}", "+inf", start=0, num=limit, withscores=True))
         if not rows:
             # current < since: the table started over (cleared, or a Redis without
             # persistence restarted); the puller then starts over too

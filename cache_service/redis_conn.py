@@ -21,6 +21,7 @@ import tempfile
 import socket
 import time
 from dataclasses import dataclass, replace
+from typing import Any
 from urllib.parse import quote
 
 import redis
@@ -35,7 +36,7 @@ log = logging.getLogger("edgespec.redis")
 # A Redis restart of a few seconds must cost a pause, not the sessions: every command retries on
 # a lost connection with exponential backoff (about 6 s in all before it gives up and the caller
 # sees the error), and no socket read blocks forever.
-CLIENT_OPTIONS = dict(
+CLIENT_OPTIONS: dict[str, Any] = dict(  # keyword arguments of redis.Redis
     retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), retries=10),
     retry_on_error=[redis.ConnectionError, redis.TimeoutError],
     socket_timeout=10.0, socket_connect_timeout=2.0, health_check_interval=15)
@@ -98,9 +99,9 @@ class RedisHandle:
     def __init__(self, url: str | None = None, expose: ExposedRedis | None = None):
         url = url or os.environ.get(REDIS_URL_ENV) or None
         self.proc: subprocess.Popen | None = None
-        self.client: redis.Redis | None = None
+        self.client: redis.Redis  # from the URL, or the embedded server's (_start_embedded)
         self._probe: redis.Redis | None = None
-        self._tmp = None
+        self._tmp: tempfile.TemporaryDirectory[str] | None = None
         self.expose = expose
         self.tcp_url: str | None = None  # the exposed server's URL (password included)
         if url:
@@ -122,6 +123,10 @@ class RedisHandle:
             self.expose = replace(self.expose, port=port)  # a restart keeps the port
             self.tcp_url = (f"redis://:{quote(self.expose.password, safe='')}@"
                             f"{self.expose.host}:{port}/0")
+        # a restart (_launch_embedded again) keeps this client: it reconnects by itself
+        password = self.expose.password if self.expose else None
+        self.client = redis.Redis(unix_socket_path=os.path.join(self._tmp.name, "redis.sock"),
+                                  password=password, **CLIENT_OPTIONS)
         self._launch_embedded()
 
     def ensure_running(self) -> bool:
@@ -136,6 +141,7 @@ class RedisHandle:
     def _launch_embedded(self, attempts: int = 3) -> None:
         """Start the embedded server and wait for it to answer; a server that exits at start
         is tried again (its log says why when all attempts fail)."""
+        assert self._tmp is not None  # the embedded server's folder (_start_embedded)
         sock = os.path.join(self._tmp.name, "redis.sock")
         log_path = os.path.join(self._tmp.name, "redis.log")
         self.url = f"unix://{sock}"
@@ -148,9 +154,6 @@ class RedisHandle:
                 f.write(f"requirepass {self.expose.password}\n")
             network = [conf, "--port", str(self.expose.port), "--bind", self.expose.host]
             data_dir = self.expose.data_dir
-        if self.client is None:  # a restart keeps the client: it reconnects by itself
-            password = self.expose.password if self.expose else None
-            self.client = redis.Redis(unix_socket_path=sock, password=password, **CLIENT_OPTIONS)
         for attempt in range(attempts):
             with open(log_path, "ab") as out:
                 self.proc = subprocess.Popen(

@@ -8,13 +8,13 @@ character (decoded as U+FFFD) is held back until the rest arrives.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Sequence
 
 CONTEXT_TOKENS = 6
 
 
 class TextStream:
-    def __init__(self, tokenizer, write: Callable[[str], None], shown_ids: list[int] = ()):
+    def __init__(self, tokenizer, write: Callable[[str], None], shown_ids: Sequence[int] = ()):
         """``shown_ids``: output tokens whose text the reader already has (a resumed stream)."""
         self.tokenizer, self.write = tokenizer, write
         self.ids: list[int] = list(shown_ids)

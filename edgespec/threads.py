@@ -31,7 +31,7 @@ def threads_in_use() -> int | None:
 def set_threads(n: int | None) -> int:
     """Apply the thread policy; returns the count in use."""
     if n is None:
-        env = os.environ.get("EDGESPEC_THREADS")
+        env = os.environ.get("EDGESPEC_THREADS") or ""
         try:
             n = int(env) if env else default_threads()
         except ValueError:

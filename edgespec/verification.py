@@ -224,4 +224,4 @@ def verify_batch(logits: torch.Tensor, drafts: list[list[int]], params: list[Sam
 
 
 def _is_id(x, vocab: int) -> bool:
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool) and 0 <= x < vocab
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool) and 0 <= int(x) < vocab

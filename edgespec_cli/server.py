@@ -24,17 +24,25 @@ import signal
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
 
 from edgespec.config import ConfigError, EngineConfig
+from edgespec.request_parsing import add_servicer
 from edgespec.v1 import edgespec_pb2_grpc as pb_grpc
 from edgespec.wire import bind, make_server, resolve_token
 
 if TYPE_CHECKING:
+    from wsgiref.simple_server import WSGIServer
+
+    import uvicorn
+
     from cache_service.redis_conn import ExposedRedis
+    from cache_service.service import DraftCacheService
+    from verifier_node.metrics import VerifierMetrics
+    from verifier_node.scheduler import Scheduler
 
 log = logging.getLogger("edgespec.server")
 
@@ -68,7 +76,7 @@ class ServerOptions:
     http_host: str = "127.0.0.1"
     metrics_port: int | None = None  # a bare Prometheus /metrics endpoint
     metrics_host: str = "127.0.0.1"
-    engine: EngineConfig = None
+    engine: EngineConfig | None = None
     expose_redis: "ExposedRedis | None" = None  # the embedded Redis on TCP too (the fleet's cache)
 
     def max_streams(self) -> int:
@@ -99,14 +107,14 @@ class EdgespecServer:
         self.store = RedisSessionStore(self.redis.client, ttl_s=opts.session_ttl_s,
                                        fleet_leaders=opts.fleet_leaders)
         self.registry = CollectorRegistry()
-        self.metrics = None
-        self.http = None
-        self.http_port = None
-        self._metrics_server = None
+        self.metrics: VerifierMetrics | None = None
+        self.http: uvicorn.Server | None = None
+        self.http_port: int | None = None
+        self._metrics_server: WSGIServer | None = None
         self.health = health.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        self.scheduler = None
-        self.cache = None
+        add_servicer(health_pb2_grpc.add_HealthServicer_to_server, self.health, self.server)
+        self.scheduler: Scheduler | None = None
+        self.cache: DraftCacheService | None = None
         self._services = [""]
         self._stopping = threading.Event()
         self._serving: bool | None = None
@@ -115,7 +123,7 @@ class EdgespecServer:
             self.port = bind(self.server, opts.listen, opts.tls_cert, opts.tls_key,
                              client_ca=opts.tls_client_ca)
             if opts.http_port is not None and "verifier" in opts.roles:
-                self._start_http()  # /health answers 503 while the model loads
+                self._start_http(opts.http_port)  # /health answers 503 while the model loads
             if "verifier" in opts.roles:
                 self._add_verifier()
             if "cache" in opts.roles:
@@ -154,13 +162,13 @@ class EdgespecServer:
         self.admission = Admission(self.scheduler, self.store, target.tokenizer,
                                    runner.vocab_size, self.opts.default_max_new_tokens)
         service = VerifierService(self.admission, model_name=target.name)
-        pb_grpc.add_VerifierServicer_to_server(service, self.server)
+        add_servicer(pb_grpc.add_VerifierServicer_to_server, service, self.server)
         self._services.append(VERIFIER_SERVICE)
 
     def _add_cache(self) -> None:
         from cache_service.service import DraftCacheService
 
-        kwargs = {}
+        kwargs: dict[str, Any] = {}
         try:
             from cache_service.metrics import CacheMetrics
 
@@ -169,7 +177,7 @@ class EdgespecServer:
             pass
         self.cache = DraftCacheService(self.store, self.engine_cfg.window, self.engine_cfg.chunk,
                                        credentials=self.credentials, **kwargs)
-        pb_grpc.add_DraftCacheServicer_to_server(self.cache, self.server)
+        add_servicer(pb_grpc.add_DraftCacheServicer_to_server, self.cache, self.server)
         self._services.append(CACHE_SERVICE)
 
     # -- health ---------------------------------------------------------------------------------
@@ -204,26 +212,26 @@ class EdgespecServer:
                     healthy = False
             self._set_health(healthy)
 
-    def _start_http(self) -> None:
+    def _start_http(self, port: int) -> None:
         import uvicorn
 
         from verifier_node.http_api import ServingState, make_app
 
         self.http_state = ServingState(self.registry, lambda: self._serving is True)
         app = make_app(self.http_state, resolve_token(self.opts.auth_token))
-        tls = ({"ssl_certfile": self.opts.tls_cert, "ssl_keyfile": self.opts.tls_key}
-               if self.opts.tls_cert else {})  # HTTPS with the gRPC certificate
-        self.http = uvicorn.Server(uvicorn.Config(
-            app, host=self.opts.http_host, port=self.opts.http_port, log_level="warning",
+        tls: dict[str, Any] = ({"ssl_certfile": self.opts.tls_cert,
+                                "ssl_keyfile": self.opts.tls_key}
+                               if self.opts.tls_cert else {})  # HTTPS with the gRPC certificate
+        self.http = http = uvicorn.Server(uvicorn.Config(
+            app, host=self.opts.http_host, port=port, log_level="warning",
             lifespan="off", timeout_graceful_shutdown=5, **tls))
-        thread = threading.Thread(target=self.http.run, daemon=True, name="http")
+        thread = threading.Thread(target=http.run, daemon=True, name="http")
         thread.start()
-        while not self.http.started:
+        while not http.started:
             if not thread.is_alive():
-                raise ConfigError(f"cannot serve HTTP on {self.opts.http_host}:"
-                                  f"{self.opts.http_port}")
+                raise ConfigError(f"cannot serve HTTP on {self.opts.http_host}:{port}")
             time.sleep(0.02)
-        self.http_port = self.http.servers[0].sockets[0].getsockname()[1]
+        self.http_port = http.servers[0].sockets[0].getsockname()[1]
         self._http_thread = thread
 
     def start(self) -> "EdgespecServer":

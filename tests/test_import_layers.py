@@ -31,8 +31,10 @@ def project_modules() -> dict[str, Path]:
     return out
 
 
-def imports_of(name: str, path: Path, known: set[str]) -> set[str]:
-    """The project modules ``name`` imports anywhere in its source."""
+def imports_of(name: str, path: Path, known: set[str], unresolved: list[str] | None = None
+               ) -> set[str]:
+    """The project modules ``name`` imports anywhere in its source (``unresolved`` collects
+    project names that are no module: a stale import after a move)."""
     is_package = path.name == "__init__.py"
     package = name if is_package else name.rpartition(".")[0]
     found: set[str] = set()
@@ -49,6 +51,13 @@ def imports_of(name: str, path: Path, known: set[str]) -> set[str]:
             # ``from pkg import sub`` names a submodule when there is one
             targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base
                        for a in node.names]
+        # the module an import reads from must exist: ``import a.b``'s a.b, ``from a.b import
+        # x``'s a.b
+        read_from = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+            [base] if isinstance(node, ast.ImportFrom) else []
+        for m in read_from:
+            if unresolved is not None and m.split(".")[0] in LAYERS and m not in known:
+                unresolved.append(f"{name} -> {m}")
         for t in targets:
             while t and t not in known:  # ``import a.b.c`` of a name inside a module
                 t = t.rpartition(".")[0]
@@ -92,6 +101,14 @@ def test_the_import_graph_has_no_cycle():
         if start not in state:
             visit(start, [start])
     assert [" -> ".join(c) for c in cycles] == []
+
+
+def test_every_project_import_names_a_module_that_exists():
+    mods = project_modules()
+    unresolved: list[str] = []
+    for name, path in mods.items():
+        imports_of(name, path, set(mods), unresolved)
+    assert unresolved == []
 
 
 def test_the_walker_sees_every_kind_of_import(tmp_path):

@@ -4,14 +4,15 @@ Speculative decoding (counted per verification step, once per committed verdict)
 ``edgespec:spec_decode_num_drafts_total`` (verified non-empty drafts),
 ``edgespec:spec_decode_num_draft_tokens_total``, ``edgespec:spec_decode_num_accepted_tokens_total``,
 ``edgespec:spec_decode_num_accepted_tokens_per_pos_total{position}``; per device at a session's
-end: ``edgespec:device_draft_tokens_total{device}``, ``edgespec:device_accepted_tokens_total{device}``,
-``edgespec:device_drafts_total{device}``. Requests: ``edgespec:prompt_tokens_total``,
-``edgespec:generation_tokens_total``, ``edgespec:request_success_total{finished_reason}``,
-``edgespec:request_failure_total``. Latency histograms: ``edgespec:time_to_first_token_seconds``,
-``edgespec:inter_token_latency_seconds``, ``edgespec:e2e_request_latency_seconds``. Batches:
-``edgespec:batch_size_sessions``, ``edgespec:batch_size_tokens``,
-``edgespec:step_seconds{phase="wait"|"forward"|"commit"}``. Gauges read at scrape time:
-``edgespec:num_requests_running``, ``edgespec:num_requests_waiting``, ``edgespec:kv_slots_free``.
+end: ``edgespec:device_draft_tokens_total{device}``,
+``edgespec:device_accepted_tokens_total{device}``, ``edgespec:device_drafts_total{device}``.
+Requests: ``edgespec:prompt_tokens_total``, ``edgespec:generation_tokens_total``,
+``edgespec:request_success_total{finished_reason}``, ``edgespec:request_failure_total``. Latency
+histograms: ``edgespec:time_to_first_token_seconds``, ``edgespec:inter_token_latency_seconds``,
+``edgespec:e2e_request_latency_seconds``. Batches: ``edgespec:batch_size_sessions``,
+``edgespec:batch_size_tokens``, ``edgespec:step_seconds{phase="wait"|"forward"|"commit"}``.
+Gauges read at scrape time: ``edgespec:num_requests_running``, ``edgespec:num_requests_waiting``,
+``edgespec:kv_slots_free``.
 
 Label cardinality stays bounded: a device id may be a label (a fleet has a bounded number of
 boards, and the cache forgets boards gone for long), a session id never is.
