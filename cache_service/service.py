@@ -10,8 +10,8 @@ is a gRPC status code (FAILED_PRECONDITION for a stale epoch or a misplaced chun
 stream for the same device id replaces an older one.
 
 A drafter is not trusted: device and session ids must match ``edgespec.ids`` (they are spliced
-into Redis keys), draft token ids must be in the vocabulary, and a tree chunk must be well formed; anything else
-is INVALID_ARGUMENT.
+into Redis keys), draft token ids must be in the vocabulary, and a tree chunk must be well
+formed; anything else is INVALID_ARGUMENT.
 
 With per-device credentials (``credentials``, see ``cache_service.credentials``) the device is
 the one the caller's token belongs to: a Register for another device id, a PushDraft naming
@@ -216,7 +216,7 @@ class DraftCacheService(pb_grpc.DraftCacheServicer):
             gen = next(self._generations)
             self._generation[device] = gen
         try:
-            self.store.register_device(device, {"draft_model": reg.draft_model,
+            self.store.devices.register(device, {"draft_model": reg.draft_model,
                                                 "max_sessions": reg.max_sessions})
         except redis.RedisError as e:
             with self._lock:
@@ -237,7 +237,7 @@ class DraftCacheService(pb_grpc.DraftCacheServicer):
                 window=self.window, chunk=self.chunk, vocab_size=vocab)))
             try:
                 after = self.store.last_event_id(device)
-                for sid in self.store.device_sessions(device):
+                for sid in self.store.devices.sessions_of(device):
                     msg = self._assignment(sid)
                     if msg is not None:
                         out.put(msg)
@@ -265,7 +265,7 @@ class DraftCacheService(pb_grpc.DraftCacheServicer):
                 if self._generation.get(device) == gen:
                     del self._generation[device]
                     try:
-                        self.store.mark_gone(device)
+                        self.store.devices.mark_gone(device)
                     except redis.RedisError as e:  # its alive mark expires by itself
                         log.warning("drafter %s: cannot mark it gone: %s", device, e)
                     log.info("drafter %s detached", device)
@@ -310,8 +310,8 @@ class DraftCacheService(pb_grpc.DraftCacheServicer):
                 with self._lock:
                     if self._generation.get(device) != gen:
                         break  # a newer stream took this device over
-                self.store.mark_alive(device, ttl_ms=self.poll_ms * 5)
-                if not self.store.redis.hexists(self.store.devices_key, device):
+                self.store.devices.mark_alive(device, ttl_ms=self.poll_ms * 5)
+                if not self.store.redis.hexists(self.store.keys.devices, device):
                     # Redis restarted without persistence: it forgot the registration (so no
                     # session would be assigned to this drafter) and the drafter's sessions.
                     # The drafter attaches again, after the retry hint.

@@ -62,7 +62,8 @@ local start = tonumber(ARGV[9])
 local n = tonumber(ARGV[2])
 local branch = ARGV[11]
 local nbr = string.len(branch) / 4
-if endpos == start + n + nbr + 1 and redis.call('GETRANGE', KEYS[2], endpos * 4 - 4, -1) == ARGV[3] then
+if endpos == start + n + nbr + 1
+    and redis.call('GETRANGE', KEYS[2], endpos * 4 - 4, -1) == ARGV[3] then
   return {2, tonumber(h[1]), endpos}
 end
 if endpos ~= start then

@@ -78,8 +78,8 @@ class DrafterAgent:
         """``token``: the shared token, or this device's own token when the cache has
         per-device credentials. ``tls_cert``/``tls_key``: this device's client certificate
         (mutual TLS). ``metrics``: where to count chunks, fixes and link round trips (None:
-        not counted). ``tree_width`` > 1: send tree chunks, the drafter's chain with up to tree_width - 1
-        branches (the verifier verifies them within its batch budget)."""
+        not counted). ``tree_width`` > 1: send tree chunks, the drafter's chain with up to
+        tree_width - 1 branches (the verifier verifies them within its batch budget)."""
         self.cache, self.device_id, self.drafter = cache, check_device_id(device_id), drafter
         if bool(tls_cert) != bool(tls_key):
             raise ConfigError("a client certificate needs both --tls-cert and --tls-key")

@@ -94,6 +94,11 @@ class SpecEngine:
         self.cost = ForwardCost()  # the measured cost of the verification forward
         self._undelivered: list[_Decided] = []
 
+    @property
+    def free_slots(self) -> int:
+        """Sessions the target's KV cache can take now."""
+        return self.target.cache.free_slots
+
     def close(self) -> None:
         if self.worker:
             self.worker.stop()
@@ -142,7 +147,8 @@ class SpecEngine:
         except BaseException:
             self.target.free_slot(slot)
             raise
-        act = ActiveSession(sid, req, slot, DraftLength(self.cfg.max_draft, adaptive=self.cfg.adaptive))
+        act = ActiveSession(sid, req, slot,
+                            DraftLength(self.cfg.max_draft, adaptive=self.cfg.adaptive))
         act.verify = verify
         act.stats.prefill_s = time.perf_counter() - t0
         act.stats.start = t0

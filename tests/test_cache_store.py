@@ -18,7 +18,7 @@ def store(redis_url):
 
 
 def _attach(store, device="dev1"):
-    store.register_device(device, {"max_sessions": 4})
+    store.devices.register(device, {"max_sessions": 4})
     return device
 
 
@@ -75,7 +75,7 @@ def test_branches_are_stored_taken_kept_ahead_and_dropped_by_a_fix(store):
     fix = out.fix
     assert (fix.epoch, fix.position, fix.tokens) == (1, 5, (24, 7))
     assert store.snapshot("s9").tokens == [1, 2, 10, 11, 12, 24, 7]
-    assert store.redis.llen(store.session_keys("s9")[3]) == 0  # a fix drops the branches
+    assert store.redis.llen(store.keys.session("s9")[3]) == 0  # a fix drops the branches
     ev = store.read_events(dev, ev0, 10)
     assert ev[-1][1] == {"t": "commit", "sid": "s9", "epoch": "1", "end": "7", "fix": "1",
                          "tok": "24", "pos": "5", "more": "7"}
@@ -127,7 +127,7 @@ def test_take_waits_for_a_live_drafter_but_not_for_a_dead_one(store):
     [taken] = store.take_when_ready([DraftWant("s5", 4)], 0.2)
     assert time.monotonic() - t0 >= 0.15  # a live drafter with no draft yet: waited
     assert taken.tokens == []
-    store.mark_gone(dev)
+    store.devices.mark_gone(dev)
     store._chunk_waker = _NoWait()  # nobody drafting: the take must not wait at all
     [taken] = store.take_when_ready([DraftWant("s5", 4)], 30)
     assert taken.tokens == []
@@ -172,7 +172,7 @@ def test_a_refused_commit_fails_only_its_own_session(store):
 def test_a_vanished_session_is_reported_in_its_slot(store):
     dev = _attach(store)
     store.create("s11", [1], SamplingParams(), dev)
-    store.redis.delete(*store.session_keys("s11"))
+    store.redis.delete(*store.keys.session("s11"))
     taken = store.take_when_ready([DraftWant("s11", 2)], 5)
     assert isinstance(taken[0], SessionVanished)
 
@@ -203,7 +203,7 @@ def test_sessions_expire_and_close_notifies_the_drafter(store):
     ttl = store.redis.ttl("t:s:s6")
     assert 0 < ttl <= 30
     store.close("s6", "stop", keep_s=5)
-    assert store.device_sessions(dev) == []
+    assert store.devices.sessions_of(dev) == []
     assert store.read_events(dev, "0-0", 10)[-1][1] == {"t": "close", "sid": "s6"}
     assert 0 < store.redis.ttl("t:s:s6") <= 5
     assert store.snapshot("s6") is None
@@ -213,9 +213,9 @@ def test_least_loaded_live_device_is_picked(store):
     _attach(store, "a")
     _attach(store, "b")
     store.create("x1", [1], SamplingParams(), "a")
-    assert store.pick_device() == "b"
-    store.mark_gone("b")
-    assert store.pick_device() == "a"
+    assert store.devices.pick() == "b"
+    store.devices.mark_gone("b")
+    assert store.devices.pick() == "a"
 
 
 def test_a_session_keeps_its_verification_mode_for_a_resume(store):

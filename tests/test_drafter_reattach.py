@@ -134,13 +134,13 @@ def test_a_redis_that_forgot_a_drafter_sends_it_to_attach_again(cache):
     stream = attach(channel)
     got, err = next(stream)
     assert got == ["registered"] and err is None
-    store.redis.delete(store.devices_key)  # what a Redis restarted without persistence forgot
+    store.redis.delete(store.keys.devices)  # what a Redis restarted without persistence forgot
     got, err = next(g for g in stream if g[1] is not None)
     assert err.code() == grpc.StatusCode.UNAVAILABLE and "registration" in err.details()
     assert retry_after_s(err) == RETRY_AFTER_MS / 1000
     again = attach(channel)  # attaching again registers it again
     assert next(again) == (["registered"], None)
-    assert store.redis.hexists(store.devices_key, "d1")
+    assert store.redis.hexists(store.keys.devices, "d1")
     again.close()
 
 

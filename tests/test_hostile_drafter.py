@@ -143,7 +143,7 @@ def code_of(call) -> grpc.StatusCode:
 
 
 def draft_len(store, sid) -> int:
-    return store.redis.strlen(store.session_keys(sid)[2]) // 4
+    return store.redis.strlen(store.keys.session(sid)[2]) // 4
 
 
 # -- 1. an old drafter's q' (a removed field) is skipped, not refused -----------------------------
@@ -227,7 +227,7 @@ def test_a_malformed_tree_chunk_is_refused_and_stores_nothing(cache, store, toke
     with pytest.raises(grpc.RpcError) as e:
         cache.push(tree, device="dev1")
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and needle in e.value.details()
-    assert draft_len(store, "s1") == 0 and store.redis.llen(store.session_keys("s1")[3]) == 0
+    assert draft_len(store, "s1") == 0 and store.redis.llen(store.keys.session("s1")[3]) == 0
     chain = pb.DraftChunk(session_id="s1", epoch=0, start=3, tokens=[5, 6], tree_version=0)
     assert cache.push(chain, device="dev1").kept == 2
 
@@ -423,7 +423,7 @@ def test_agent_refuses_a_session_its_drafter_cannot_open_and_keeps_serving(cache
     agent = DrafterAgent(cache.address, "edge-1", drafter, window=4, chunk=2, max_sessions=1)
     t = start_agent(agent)
     try:
-        idle = lambda sid: store.redis.hget(store.session_keys(sid)[0], "idle") == b"1"  # noqa: E731
+        idle = lambda sid: store.redis.hget(store.keys.session(sid)[0], "idle") == b"1"  # noqa: E731
         store.create("s1", [1, 2, 3], SamplingParams(), "edge-1")
         eventually(lambda: draft_len(store, "s1") > 0, "drafts for s1")
         store.create("s2", [1, 2, 3], SamplingParams(), "edge-1")  # pinned beyond capacity
@@ -432,7 +432,7 @@ def test_agent_refuses_a_session_its_drafter_cannot_open_and_keeps_serving(cache
         # the verifier decodes s2 alone: its fix resets the idle flag, the agent sets it again
         store.commit_many([Verdict(session_id="s2", epoch=0, start=3, n_accepted=0, token=9)])
         eventually(lambda: idle("s2")
-                   and store.redis.hget(store.session_keys("s2")[0], "epoch") == b"1",
+                   and store.redis.hget(store.keys.session("s2")[0], "epoch") == b"1",
                    "an idle chunk for s2 after its fix")
         store.close("s1")
         eventually(lambda: drafter.open_now == 0, "s1's slot freed")
@@ -452,41 +452,41 @@ def test_agent_refuses_a_session_its_drafter_cannot_open_and_keeps_serving(cache
 
 # -- 5. bounded drafter-side state ----------------------------------------------------------------
 def test_pick_counts_only_live_sessions_and_drops_the_rest(store):
-    store.register_device("d1", {"max_sessions": 1})
+    store.devices.register("d1", {"max_sessions": 1})
     store.create("gone", [1], SamplingParams(), "d1")
     # a crashed verifier never closed it; its keys expired
-    store.redis.delete(*store.session_keys("gone"))
+    store.redis.delete(*store.keys.session("gone"))
     store.create("done", [1], SamplingParams(), "d1")
-    store.redis.hset(store.session_keys("done")[0], "done", 1)
-    assert store.pick_device() == "d1"
-    store.release_pick("d1")
-    assert store.redis.smembers(store.sessions_key("d1")) == set()
+    store.redis.hset(store.keys.session("done")[0], "done", 1)
+    assert store.devices.pick() == "d1"
+    store.devices.release("d1")
+    assert store.redis.smembers(store.keys.sessions("d1")) == set()
     store.create("live", [1], SamplingParams(), "d1")
-    assert store.pick_device() is None  # full: one live session, limit 1
-    assert store.device_sessions("d1") == ["live"]
-    store.mark_alive("d1")
-    assert 0 < store.redis.ttl(store.sessions_key("d1")) <= store.ttl_s
+    assert store.devices.pick() is None  # full: one live session, limit 1
+    assert store.devices.sessions_of("d1") == ["live"]
+    store.devices.mark_alive("d1")
+    assert 0 < store.redis.ttl(store.keys.sessions("d1")) <= store.ttl_s
 
 
 def test_registrations_not_seen_for_long_are_forgotten(store):
     for dev in ("old", "fresh", "alive-old"):
-        store.register_device(dev, {"max_sessions": 4})
+        store.devices.register(dev, {"max_sessions": 4})
     store.create("s-old", [1], SamplingParams(), "old")
-    store.mark_gone("old")
-    store.redis.zadd(store.seen_key, {"old": 0, "alive-old": 0})  # last seen in 1970
-    assert store.pick_device() in ("fresh", "alive-old")
-    regs = {d.decode() for d in store.redis.hkeys(store.devices_key)}
+    store.devices.mark_gone("old")
+    store.redis.zadd(store.keys.seen, {"old": 0, "alive-old": 0})  # last seen in 1970
+    assert store.devices.pick() in ("fresh", "alive-old")
+    regs = {d.decode() for d in store.redis.hkeys(store.keys.devices)}
     assert regs == {"fresh", "alive-old"}  # an alive device stays, whatever its mark says
-    assert not store.redis.exists(store.sessions_key("old"), store.inbox_key("old"))
+    assert not store.redis.exists(store.keys.sessions("old"), store.keys.inbox("old"))
 
 
 def test_a_device_generation_is_dropped_when_its_stream_ends(cache, store):
     s = Stream(cache.channel, "dev1")
     s.next("registered")
-    assert "dev1" in cache.service._generation and store.is_alive("dev1")
+    assert "dev1" in cache.service._generation and store.devices.is_alive("dev1")
     s.close()
     eventually(lambda: "dev1" not in cache.service._generation, "the generation dropped")
-    assert not store.is_alive("dev1")
+    assert not store.devices.is_alive("dev1")
 
 
 # -- 6. inbox event names -------------------------------------------------------------------------
@@ -496,7 +496,7 @@ def test_inbox_events_assign_commit_close_reach_the_drafter(cache, store):
     store.create("s1", [1, 2, 3], SamplingParams(), "dev1")
     a = s.next("assignment")
     assert (a.session_id, list(a.tokens), a.epoch) == ("s1", [1, 2, 3], 0)
-    inbox = store.inbox_key("dev1")
+    inbox = store.keys.inbox("dev1")
     store.redis.xadd(inbox, {"t": "commit", "sid": "s1", "epoch": 1, "end": 4, "fix": 1, "tok": 9})
     c = s.next("commit")
     assert (c.session_id, c.epoch, c.committed_end, c.is_fix, c.fix_position, c.fix_token) == \

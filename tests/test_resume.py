@@ -37,7 +37,7 @@ def test_the_last_commit_holds_exactly_the_output(parts, looping):
     store, engine, _, _ = parts
     ref = hf_greedy(looping.model, PROMPT, 8)
     act = engine.add(Request(PROMPT, 2, SamplingParams()), session_id="s1")
-    store.redis.set(store.session_keys("s1")[2], b"".join(
+    store.redis.set(store.keys.session("s1")[2], b"".join(
         t.to_bytes(4, "little") for t in ref[:6]))  # the draft, as a drafter would push it
     engine.step()
     assert act.output == ref[:2] and act.finish == "length"

@@ -151,7 +151,7 @@ def test_unseeded_sampling_reports_its_seed_and_a_recreation_continues_the_draw(
     sched._shut_down()  # the verifier stops; then its Redis forgets the session
     held = list(ticket.tokens)
     assert 0 < len(held) < 40
-    store.redis.delete(*store.session_keys(ticket.session_id))
+    store.redis.delete(*store.keys.session(ticket.session_id))
     with pytest.raises(AdmissionNotFound):
         admission.admit(GenerationRequest(resume_session_id=ticket.session_id))
     again = admission.admit(GenerationRequest(

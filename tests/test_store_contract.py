@@ -48,7 +48,7 @@ class RedisSide:
 
     def __init__(self, store):
         self.store = store
-        store.register_device("dev", {"max_sessions": 8})
+        store.devices.register("dev", {"max_sessions": 8})
 
     def push(self, sid, epoch, start, tokens, window=8, branches=(), idle=False) -> int:
         from cache_service.store import StoreError
@@ -71,7 +71,7 @@ class RedisSide:
         return out
 
     def forget(self, sid) -> None:
-        self.store.redis.delete(*self.store.session_keys(sid))
+        self.store.redis.delete(*self.store.keys.session(sid))
 
 
 @pytest.fixture(params=["local", "redis-embedded", "redis-external"])

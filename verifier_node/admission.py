@@ -103,14 +103,16 @@ class Admission:
             got = None
             raise
         finally:
-            if got is not ticket and ticket.reserved:  # refused, or the session was running
-                self.store.release_pick(ticket.device)
+            if got is not ticket and ticket.release_pick is not None:  # refused, or running
+                ticket.release_pick()
+                ticket.release_pick = None
         return got
 
     def _ticket(self, request: Request, device: str | None, **kw) -> Ticket:
         if device is None:
-            picked = self.store.pick_device()
-            return Ticket(request, picked, reserved=picked is not None, **kw)
+            picked = self.store.devices.pick()
+            release = (lambda: self.store.devices.release(picked)) if picked else None
+            return Ticket(request, picked, release_pick=release, **kw)
         return Ticket(request, device, **kw)
 
     def _new_ticket(self, g: GenerationRequest) -> Ticket:
@@ -119,7 +121,7 @@ class Admission:
             raise ConfigError("max_new_tokens must be >= 0 (0: the server's default)")
         device = check_device_id(g.device_id) if g.device_id else None
         lost = check_session_id(g.lost_session_id) if g.lost_session_id else ""
-        if device and not self.store.is_alive(device):
+        if device and not self.store.devices.is_alive(device):
             if not lost:
                 raise DrafterMissing(f"drafter {device!r} is not attached")
             device = None  # a re-created session, like a resumed one, goes on without it
@@ -173,7 +175,7 @@ class Admission:
                                                     lossy=rec.verify == "loose"),
                                rec.finish_reason))
             return done
-        device = rec.device if rec.device and self.store.is_alive(rec.device) else None
+        device = rec.device if rec.device and self.store.devices.is_alive(rec.device) else None
         return self._ticket(request, device, session_id=sid)
 
     @contextlib.contextmanager

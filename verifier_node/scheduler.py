@@ -21,7 +21,7 @@ import time
 import uuid
 from collections import deque
 from dataclasses import dataclass, field
-
+from typing import Callable
 
 from edgespec.config import ConfigError
 from edgespec.engine import Request, Result, SessionFailed, SpecEngine
@@ -51,7 +51,9 @@ class Ticket:
 
     request: Request
     device: str | None
-    reserved: bool = False  # the device was picked (reserved) by the store for this ticket
+    # gives back the device's reservation (admission picked the device for this ticket); the
+    # scheduler calls it once the session exists or will not
+    release_pick: Callable[[], None] | None = None
     session_id: str = field(default_factory=new_session_id)
     tokens: list[int] = field(default_factory=list)  # output committed so far
     result: Result | None = None
@@ -233,15 +235,15 @@ class Scheduler(threading.Thread):
             t.fail(exc)
 
     def _release_pick(self, t: Ticket) -> None:
-        if t.reserved:
-            t.reserved = False
+        release, t.release_pick = t.release_pick, None
+        if release is not None:
             try:
-                self.engine.store.release_pick(t.device)
+                release()
             except Exception:
                 pass
 
     def _admit(self) -> None:
-        while self.engine.target.cache.free_slots:
+        while self.engine.free_slots:
             with self._lock:
                 if not self._pending:
                     return

@@ -146,7 +146,7 @@ class VerifierService(pb_grpc.VerifierServicer):
         cache = sched.engine.target.cache
         drafters = []
         try:
-            devices = self.admission.store.devices()
+            devices = self.admission.store.devices.listing()
         except Exception as e:  # the cache is unreachable: report what this process knows
             log.warning("status: cannot read the drafters: %s", e)
             devices = []

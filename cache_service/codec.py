@@ -1,0 +1,110 @@
+"""How the draft cache keeps its state in Redis: the key layout (``KeyLayout``), the encodings of
+tokens and sampling parameters, and the translation of Redis failures into the protocol's
+``StoreUnavailable``.
+
+Keys (prefix ``es:`` by default):
+
+    es:s:{sid}            hash: prompt_len, epoch, device, params (JSON, seed included), idle,
+                          done, finish (reason), max_new, verify
+    es:s:{sid}:tok        string: prompt + committed tokens, packed little-endian uint32
+    es:s:{sid}:draft      string: the draft beyond the committed tokens, packed the same way
+    es:s:{sid}:br         list: the draft's branches (token trees), each packed [pos, tokens...]
+                          (pos absolute: the draft's start moves as commits are held)
+    es:dev:{id}:inbox     stream: assignment / commit (fix) / close events for a drafter
+    es:dev:{id}:alive     string with a short TTL while the drafter's stream is open
+    es:dev:{id}:sessions  set: the device's active sessions
+    es:devices            hash: device id -> JSON registration
+    es:devices:seen       sorted set: device id -> last seen (registrations idle long are pruned)
+    es:target             hash: the verifier's model, tokenizer fingerprint, vocabulary, window
+    es:wake               pub/sub channel: a message per pushed chunk wakes the verifier
+    es:cb:f, es:cb:lru, es:cb:v   the fleet-wide Cacheback table (``cache_service.fleet_table``),
+                          taught every session's output when the verifier closes it
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass
+
+import numpy as np
+import redis
+
+from edgespec.config import SamplingParams
+from edgespec.protocol import StoreUnavailable
+
+
+@dataclass(frozen=True)
+class KeyLayout:
+    """The Redis keys under one prefix (module docstring)."""
+
+    prefix: str = "es:"
+
+    def session(self, sid: str) -> list[str]:
+        """[hash, committed tokens, draft, branches] keys of a session."""
+        base = f"{self.prefix}s:{sid}"
+        return [base, base + ":tok", base + ":draft", base + ":br"]
+
+    @property
+    def session_prefix(self) -> str:
+        return f"{self.prefix}s:"
+
+    @property
+    def device_prefix(self) -> str:
+        return f"{self.prefix}dev:"
+
+    def inbox(self, device: str) -> str:
+        return f"{self.prefix}dev:{device}:inbox"
+
+    def alive(self, device: str) -> str:
+        return f"{self.prefix}dev:{device}:alive"
+
+    def sessions(self, device: str) -> str:
+        return f"{self.prefix}dev:{device}:sessions"
+
+    @property
+    def devices(self) -> str:
+        return f"{self.prefix}devices"
+
+    @property
+    def seen(self) -> str:
+        return f"{self.prefix}devices:seen"
+
+    @property
+    def target(self) -> str:
+        return f"{self.prefix}target"
+
+    @property
+    def wake(self) -> str:
+        return f"{self.prefix}wake"
+
+
+def pack_tokens(tokens) -> bytes:
+    return np.asarray(tokens, dtype="<u4").tobytes()
+
+
+def unpack_tokens(blob: bytes | None) -> list[int]:
+    return np.frombuffer(blob or b"", dtype="<u4").astype(np.int64).tolist()
+
+
+def params_to_json(p: SamplingParams) -> str:
+    return json.dumps({"temperature": p.temperature, "top_k": p.top_k, "top_p": p.top_p,
+                       "seed": p.seed})
+
+
+def params_from_json(s: str | bytes | None) -> SamplingParams:
+    return SamplingParams(**json.loads(s)) if s else SamplingParams()
+
+
+def raises_store_unavailable(method):
+    """The verifier's calls raise ``StoreUnavailable`` when Redis cannot serve them (down,
+    restarting, out of memory), so that no role above the store knows it is Redis."""
+
+    @functools.wraps(method)
+    def wrapper(*args, **kwargs):
+        try:
+            return method(*args, **kwargs)
+        except (redis.RedisError, OSError) as e:
+            raise StoreUnavailable(f"the draft cache's Redis: {e}") from e
+
+    return wrapper

@@ -1,0 +1,158 @@
+"""The draft cache's drafters in Redis: registrations, liveness (a short-lived mark while a
+drafter's stream is open), pruning of drafters gone for long, each one's live sessions, and the
+pick of the least-loaded attached drafter for a new session (reserved until its session exists,
+so that concurrent requests spread over the fleet)."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass
+
+import redis
+
+from .codec import KeyLayout, raises_store_unavailable
+from .store_lua import LIVE_SESSIONS_LUA, PRUNE_LUA
+
+
+@dataclass
+class DeviceInfo:
+    device_id: str
+    draft_model: str
+    attached: bool
+    sessions: int
+    max_sessions: int
+    last_seen_s: float  # 0 while attached
+
+
+class DeviceRegistry:
+    """The drafters registered in one Redis under ``keys``."""
+
+    def __init__(self, client: redis.Redis, keys: KeyLayout, ttl_s: int = 600,
+                 max_idle_s: float = 3600.0):
+        self.redis, self.keys, self.ttl_s = client, keys, ttl_s
+        # registrations of drafters not seen alive for this long are forgotten, with their
+        # session set and inbox; keys.seen (a sorted set) holds when each was last alive
+        self.max_idle_s = max_idle_s
+        self._reserved: Counter = Counter()
+        self._lock = threading.Lock()
+
+
+    def _script(self, attr: str, text: str):
+        script = self.__dict__.get(attr)
+        if script is None:
+            script = self.__dict__[attr] = self.redis.register_script(text)
+        return script
+
+    def register(self, device: str, info: dict) -> None:
+        now = time.time()
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.hset(self.keys.devices, device, json.dumps(info))
+        pipe.zadd(self.keys.seen, {device: now})
+        pipe.execute()
+        self.mark_alive(device)
+        self.prune(now)
+
+    def mark_alive(self, device: str, ttl_ms: int = 5000) -> None:
+        """The device's stream is open: alive for ``ttl_ms``; its last-seen time and the expiry
+        of its session set are refreshed."""
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.set(self.keys.alive(device), "1", px=ttl_ms)
+        pipe.zadd(self.keys.seen, {device: time.time()})
+        pipe.expire(self.keys.sessions(device), self.ttl_s)
+        pipe.execute()
+
+    def mark_gone(self, device: str) -> None:
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.delete(self.keys.alive(device))
+        pipe.zadd(self.keys.seen, {device: time.time()})
+        pipe.execute()
+
+    def is_alive(self, device: str) -> bool:
+        return bool(device) and bool(self.redis.exists(self.keys.alive(device)))
+
+    def prune(self, now: float | None = None) -> list[str]:
+        """Forget drafters not alive and not seen for ``max_idle_s``: their
+        registration, session set and inbox. Returns the forgotten device ids."""
+        cutoff = (time.time() if now is None else now) - self.max_idle_s
+        gone = self._script("_prune_lua", PRUNE_LUA)(
+            keys=[self.keys.devices, self.keys.seen], args=[cutoff, self.keys.device_prefix, 256])
+        return [d.decode() for d in gone]
+
+    def live_sessions(self, devices: list[str]) -> list[list[str]]:
+        """Per device, its sessions that still exist and are not done; the others are dropped
+        from its set (a crashed verifier never closes its sessions), and the set's expiry is
+        refreshed."""
+        script = self._script("_live_lua", LIVE_SESSIONS_LUA)
+        pipe = self.redis.pipeline(transaction=False)
+        for dev in devices:
+            script(keys=[self.keys.sessions(dev)], args=[self.keys.session_prefix, self.ttl_s],
+                   client=pipe)
+        return [sorted(s.decode() for s in live) for live in pipe.execute()]
+
+    @raises_store_unavailable
+    def pick(self) -> str | None:
+        """The attached drafter with the fewest live sessions below its own limit, or None.
+
+        The pick is reserved until ``create`` registers the session, so concurrent requests
+        spread over the fleet instead of all choosing the same least-loaded device."""
+        now = time.time()
+        self.prune(now)
+        regs = {d.decode(): raw for d, raw in self.redis.hgetall(self.keys.devices).items()}
+        pipe = self.redis.pipeline(transaction=False)
+        for dev in regs:
+            pipe.exists(self.keys.alive(dev))
+        up = pipe.execute()
+        alive = [dev for dev, a in zip(regs, up) if a]
+        dead = [dev for dev, a in zip(regs, up) if not a]
+        if dead:  # registrations from before last-seen marks start ageing now
+            self.redis.zadd(self.keys.seen, {dev: now for dev in dead}, nx=True)
+        loads = dict(zip(alive, (len(s) for s in self.live_sessions(alive))))
+        with self._lock:
+            best, best_load = None, None
+            for dev in alive:
+                load = loads[dev] + self._reserved[dev]
+                try:
+                    limit = int(json.loads(regs[dev]).get("max_sessions") or 0) or 1 << 30
+                except (ValueError, TypeError, AttributeError):
+                    limit = 1 << 30
+                if load < limit and (best_load is None or load < best_load):
+                    best, best_load = dev, load
+            if best is not None:
+                self._reserved[best] += 1
+            return best
+
+    def listing(self) -> list[DeviceInfo]:
+        """Every registered drafter: attached or not, its load and when it was last seen."""
+        now = time.time()
+        regs = {d.decode(): raw for d, raw in self.redis.hgetall(self.keys.devices).items()}
+        pipe = self.redis.pipeline(transaction=False)
+        for dev in regs:
+            pipe.exists(self.keys.alive(dev))
+            pipe.zscore(self.keys.seen, dev)
+        flags = pipe.execute()
+        loads = self.live_sessions(list(regs))
+        out = []
+        for j, (dev, raw) in enumerate(regs.items()):
+            alive, seen = flags[2 * j], flags[2 * j + 1]
+            try:
+                info = json.loads(raw)
+            except ValueError:
+                info = {}
+            out.append(DeviceInfo(dev, str(info.get("draft_model", "")), bool(alive),
+                                  len(loads[j]), int(info.get("max_sessions") or 0),
+                                  0.0 if alive or seen is None else max(0.0, now - seen)))
+        return sorted(out, key=lambda d: d.device_id)
+
+    def release(self, device: str | None) -> None:
+        """Give back a reservation whose session was never created."""
+        if device:
+            with self._lock:
+                if self._reserved[device] > 0:
+                    self._reserved[device] -= 1
+
+    def sessions_of(self, device: str) -> list[str]:
+        """The device's sessions that still exist and are not done (stale ones are dropped)."""
+        return self.live_sessions([device])[0]
