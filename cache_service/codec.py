@@ -83,7 +83,14 @@ def pack_tokens(tokens) -> bytes:
     return np.asarray(tokens, dtype="<u4").tobytes()
 
 
-def unpack_tokens(blob: bytes | None) -> list[int]:
+def text(x: bytes | str) -> str:
+    """A Redis reply as text (the clients here return bytes; redis-py types replies as either)."""
+    return x.decode() if isinstance(x, bytes) else x
+
+
+def unpack_tokens(blob: bytes | str | None) -> list[int]:
+    if isinstance(blob, str):
+        blob = blob.encode("latin-1")
     return np.frombuffer(blob or b"", dtype="<u4").astype(np.int64).tolist()
 
 

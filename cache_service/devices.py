@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import redis
 
-from .codec import KeyLayout, raises_store_unavailable
+from .codec import KeyLayout, raises_store_unavailable, text
 from .store_lua import LIVE_SESSIONS_LUA, PRUNE_LUA
 
 
@@ -100,7 +100,7 @@ class DeviceRegistry:
         spread over the fleet instead of all choosing the same least-loaded device."""
         now = time.time()
         self.prune(now)
-        regs = {d.decode(): raw for d, raw in self.redis.hgetall(self.keys.devices).items()}
+        regs = {text(d): raw for d, raw in self.redis.hgetall(self.keys.devices).items()}
         pipe = self.redis.pipeline(transaction=False)
         for dev in regs:
             pipe.exists(self.keys.alive(dev))
@@ -127,7 +127,7 @@ class DeviceRegistry:
     def listing(self) -> list[DeviceInfo]:
         """Every registered drafter: attached or not, its load and when it was last seen."""
         now = time.time()
-        regs = {d.decode(): raw for d, raw in self.redis.hgetall(self.keys.devices).items()}
+        regs = {text(d): raw for d, raw in self.redis.hgetall(self.keys.devices).items()}
         pipe = self.redis.pipeline(transaction=False)
         for dev in regs:
             pipe.exists(self.keys.alive(dev))

@@ -59,8 +59,7 @@ MAX_DEVICE_SESSIONS = 1 << 16
 RETRY_AFTER_MS = 500
 _CODES = {"unknown": grpc.StatusCode.NOT_FOUND, "stale": grpc.StatusCode.FAILED_PRECONDITION,
           "finished": grpc.StatusCode.FAILED_PRECONDITION,
-          "position": grpc.StatusCode.FAILED_PRECONDITION,
-          "mixed": grpc.StatusCode.INVALID_ARGUMENT}
+          "position": grpc.StatusCode.FAILED_PRECONDITION}
 
 
 class ChunkRefused(Exception):
@@ -93,11 +92,13 @@ class DraftCacheService(pb_grpc.DraftCacheServicer):
     def _token_device(self, context) -> str:
         """With credentials: the device the caller's token belongs to (else the call is
         aborted UNAUTHENTICATED)."""
+        assert self.credentials is not None  # callers check for credentials first
         device = self.credentials.device_from_metadata(context.invocation_metadata())
         if device is None:
             context.abort(grpc.StatusCode.UNAUTHENTICATED,
                           "DraftCache calls need a device token (metadata "
                           "'authorization: Bearer <the device's token>')")
+            raise AssertionError("unreachable: context.abort raises")
         return device
 
     # -- chunks ---------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import redis
 
@@ -26,7 +26,7 @@ from edgespec.protocol import (MAX_BRANCHES, Branch, CommitOutcome, DraftWant, F
 
 from .chunk_waker import ChunkWaker
 from .codec import (KeyLayout, pack_tokens, params_from_json, params_to_json,
-                    raises_store_unavailable, unpack_tokens)
+                    raises_store_unavailable, text, unpack_tokens)
 from .devices import DeviceRegistry
 from .fleet_recorder import FleetRecorder
 from .fleet_table import RedisFleetTable
@@ -105,7 +105,7 @@ class RedisSessionStore:
 
     def target(self) -> dict:
         raw = self.redis.hgetall(self.keys.target)
-        return {_text(k): _text(v) for k, v in raw.items()}
+        return {text(k): text(v) for k, v in raw.items()}
 
     # -- the verifier's side -----------------------------------------------------------------
     @raises_store_unavailable
@@ -276,7 +276,7 @@ class RedisSessionStore:
     def push(self, sid: str, epoch: int, start: int, tokens: list[int], idle: bool,
              window: int, branches=()) -> PushResult:
         """Append a chunk (``branches``: alternatives to its tokens, ``at`` relative to it)."""
-        brs = []
+        brs: list[int | bytes] = []
         for b in chunk_branches(tokens, branches, len(tokens)):
             pos = start + b.at  # stored by absolute position: the draft's start moves
             brs += [pos, pack_tokens([pos, *b.tokens])]
@@ -289,7 +289,7 @@ class RedisSessionStore:
 
     def session_device(self, sid: str) -> str | None:
         dev = self.redis.hget(self.keys.session(sid)[0], "device")
-        return None if dev is None else dev.decode()
+        return None if dev is None else text(dev)
 
     def snapshot(self, sid: str) -> SessionSnapshot | None:
         """What a drafter needs to draft for a running session, or None."""
@@ -299,14 +299,15 @@ class RedisSessionStore:
         return SessionSnapshot(sid, rec.prompt + rec.committed, rec.params, rec.epoch)
 
     def last_event_id(self, device: str) -> str:
-        last = self.redis.xrevrange(self.keys.inbox(device), count=1)
-        return last[0][0].decode() if last else "0-0"
+        last: Any = self.redis.xrevrange(self.keys.inbox(device), count=1)
+        return text(last[0][0]) if last else "0-0"
 
     def read_events(self, device: str, after: str, block_ms: int) -> list[tuple[str, dict]]:
-        got = self.redis.xread({self.keys.inbox(device): after}, block=block_ms, count=256)
+        # [[stream, [(id, {field: value})]]] (redis-py types a reply as a union of shapes)
+        got: Any = self.redis.xread({self.keys.inbox(device): after}, block=block_ms, count=256)
         if not got:
             return []
-        return [(eid.decode(), {k.decode(): v.decode() for k, v in fields.items()})
+        return [(text(eid), {text(k): text(v) for k, v in fields.items()})
                 for eid, fields in got[0][1]]
 
 
@@ -316,7 +317,3 @@ def _ready(row: tuple, k: int) -> bool:
     hm, _, draft_len, _, alive, _ = row
     has_drafter = bool(hm[2]) and alive == 1
     return not has_drafter or hm[1] == b"1" or draft_len // 4 >= k
-
-
-def _text(x: bytes | str) -> str:
-    return x.decode() if isinstance(x, bytes) else x

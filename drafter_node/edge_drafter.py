@@ -40,5 +40,6 @@ def _fingerprint(spec: DrafterSpec) -> str:
     from edgespec.drafters.llamacpp import import_llama_cpp, resolve_gguf
 
     import_llama_cpp()  # a missing extra is said before the default GGUF is fetched
-    gguf = resolve_gguf(spec.arg)
-    return tokenizer_fingerprint(AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name))
+    gguf_path = resolve_gguf(spec.arg)
+    return tokenizer_fingerprint(AutoTokenizer.from_pretrained(gguf_path.parent,
+                                                               gguf_file=gguf_path.name))

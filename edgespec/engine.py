@@ -20,6 +20,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .config import ConfigError, EngineConfig, session_verify_mode
@@ -82,14 +83,22 @@ class SpecEngine:
         self.cfg = config or EngineConfig()
         self.stop_ids = set(stop_ids or ())
         # fleet: a Cacheback fleet table the local store teaches each finished session's output
-        self.store = store if store is not None else LocalSessionStore(fleet)
-        self.worker = DraftWorker(drafter, self.store, self.cfg) if drafter else None
+        self.worker: DraftWorker | None = None
+        self.store: SessionStore  # mypy checks that both stores are one
+        if store is None:
+            local = LocalSessionStore(fleet)  # the worker drafts only over a local store
+            if drafter:
+                self.worker = DraftWorker(drafter, local, self.cfg)
+            self.store = local
+        else:
+            self.store = store
         if self.worker:
             self.worker.start()
         self._ids = itertools.count()
-        self.wait_ms = self.cfg.draft_wait_ms
-        if self.wait_ms is None:
-            self.wait_ms = drafter.wait_ms if drafter else self.store.wait_ms
+        wait_ms = self.cfg.draft_wait_ms
+        if wait_ms is None:
+            wait_ms = drafter.wait_ms if drafter else self.store.wait_ms
+        self.wait_ms: float = wait_ms
         self.active: list[ActiveSession] = []
         self.cost = ForwardCost()  # the measured cost of the verification forward
         self._undelivered: list[_Decided] = []
@@ -141,7 +150,7 @@ class SpecEngine:
         try:
             self.target.prefill(slot, (req.prompt_ids + req.committed)[:-1])
             sid = session_id or f"local-{next(self._ids)}"
-            drafter = device if self.worker is None else self.drafter.name
+            drafter = device if self.worker is None else self.worker.drafter.name
             self.store.create(sid, req.prompt_ids, req.params, drafter, req.max_new_tokens,
                               committed=req.committed, verify=verify)
         except BaseException:
@@ -179,9 +188,11 @@ class SpecEngine:
         self.store.close(act.sid, finish)  # never raises
 
     def _finish(self, act: ActiveSession) -> None:
-        self._release(act, act.finish)
+        finish = act.finish
+        assert finish is not None  # called once the session has ended
+        self._release(act, finish)
         if act.on_finish:
-            act.on_finish(Result(act.output, act.stats, act.finish))
+            act.on_finish(Result(act.output, act.stats, finish))
 
     def abandon(self, act: ActiveSession, exc: Exception) -> None:
         """Drop a session here but leave it in the store as it is, so that it can be resumed
@@ -255,7 +266,8 @@ class SpecEngine:
         applied = self._commit(decided)
         return _report(applied, len(batch), width, t1 - t0, t2 - t1, time.perf_counter() - t3)
 
-    def _verify(self, batch: list[tuple[ActiveSession, TakenDraft]]) -> list[_Checked | None]:
+    def _verify(self, batch: list[tuple[ActiveSession, TakenDraft]]
+                ) -> Sequence[_Checked | None]:
         """One forward over the batch; if it fails, each session alone, so that a failure
         fails only the session it concerns (None marks those)."""
         try:
@@ -283,7 +295,7 @@ class SpecEngine:
         else:
             logits = self.target.forward(slots, [[r] + t.tokens for r, (_, t) in
                                                  zip(roots, batch)])  # [B, 1 + k, V]
-        vb = VerifyBatch.build([(tr.tokens, tr.parents) for tr in trees],
+        vb = VerifyBatch.build([(list(tr.tokens), list(tr.parents)) for tr in trees],
                                [t.start for _, t in batch], [a.req.params for a, _ in batch],
                                [a.verify for a, _ in batch], self.target.vocab_size,
                                self.target.device)
@@ -344,7 +356,11 @@ class SpecEngine:
             self.step()
         if errors:
             raise errors[0]
-        return [Result(a.output, a.stats, a.finish) for a in acts]
+        results: list[Result] = []
+        for a in acts:
+            assert a.finish is not None  # no error: every session ended with a finish reason
+            results.append(Result(a.output, a.stats, a.finish))
+        return results
 
     def generate(self, req: Request) -> Result:
         return self.generate_many([req])[0]

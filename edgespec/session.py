@@ -151,15 +151,14 @@ class LocalSessionStore:
 
     def create(self, session_id: str, prompt: list[int], params: SamplingParams,
                drafter: str | None, max_new_tokens: int = 0,
-               committed: Sequence[int] = (), verify: str = "exact") -> SessionState:
+               committed: Sequence[int] = (), verify: str = "exact") -> None:
         with self.cond:
             if session_id in self.sessions:
                 raise ValueError(f"session {session_id} exists")
-            state = SessionState(session_id, list(prompt), list(committed),
-                                 has_drafter=drafter is not None, params=params)
-            self.sessions[session_id] = state
+            self.sessions[session_id] = SessionState(session_id, list(prompt), list(committed),
+                                                     has_drafter=drafter is not None,
+                                                     params=params)
             self.cond.notify_all()
-            return state
 
     def take_when_ready(self, wants: list[DraftWant], wait_s: float
                         ) -> list[TakenDraft | SessionVanished]:

@@ -1,5 +1,5 @@
 """``edgespec deploy``: place the roles as Ray actors on a running cluster, list them, remove
-them (see edgespec/fleet.py for the placement rules)."""
+them (see edgespec_cli/fleet/placement.py for the placement rules)."""
 
 from __future__ import annotations
 

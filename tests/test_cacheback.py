@@ -187,6 +187,7 @@ def cacheback_cluster(looping_dir, tmp_path_factory):
     serve.stop()
 
 
+@pytest.mark.slow  # a serve process and drafters
 def test_distributed_cacheback_is_lossless_and_feeds_the_fleet_table(cacheback_cluster, looping):
     prompt = [1, 40, 41, 40, 41, 40, 41]
     with edgespec.Client(cacheback_cluster, token="tok", timeout=120) as c:

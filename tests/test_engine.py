@@ -194,7 +194,8 @@ SEEDED = [SamplingParams(temperature=1.0, seed=5),
           SamplingParams(temperature=0.7, top_k=10, top_p=0.9, seed=2 ** 62 + 3)]
 
 
-@pytest.mark.parametrize("params", SEEDED, ids=["plain", "filtered"])
+@pytest.mark.parametrize("params", [SEEDED[0], pytest.param(SEEDED[1], marks=pytest.mark.slow)],
+                         ids=["plain", "filtered"])
 def test_seeded_sampling_identical_with_every_drafter(tiny, tiny_dir, tiny_draft_dir, setup,
                                                       params):
     runner, _ = setup

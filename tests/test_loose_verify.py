@@ -240,6 +240,7 @@ def run_cli(*args):
                           capture_output=True, text=True, timeout=300, env=env)
 
 
+@pytest.mark.slow  # a generate process
 def test_generate_loose_warns_and_reports_lossy_stats(tiny_dir):
     r = run_cli("generate", "abcabcabc", "--model", tiny_dir, "--max-new-tokens", 12,
                 "--verify", "loose", "--loose-entropy", 0.5, "--loose-window", 1, "--json")
@@ -252,6 +253,7 @@ def test_generate_loose_warns_and_reports_lossy_stats(tiny_dir):
     assert "lossless: false" in r.stderr
 
 
+@pytest.mark.slow  # a generate process
 def test_generate_exact_does_not_warn(tiny_dir):
     r = run_cli("generate", "abcabcabc", "--model", tiny_dir, "--max-new-tokens", 6)
     assert r.returncode == 0, r.stderr

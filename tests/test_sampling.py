@@ -202,6 +202,7 @@ def _first_token_counts(logits, params, draft, pos=17):
     return counts
 
 
+@pytest.mark.slow  # 16 statistical cases; test_bonus_token_follows... keeps one in the fast tier
 @pytest.mark.parametrize("params", CASES, ids=["top_k", "top_p", "hot", "all"])
 @pytest.mark.parametrize("draft", [[], [0, 1], [2, 4], [5]], ids=["none", "d0", "d2", "d5"])
 def test_first_token_follows_the_processed_target(params, draft):

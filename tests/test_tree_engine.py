@@ -119,6 +119,7 @@ class FixBreakingDrafter(OracleTreeDrafter):
         return session
 
 
+@pytest.mark.slow
 def test_a_drafter_failing_on_a_fix_costs_its_sessions_speed_not_output(tiny):
     hf = tiny.model
     refs = {tuple(p): hf_greedy(hf, p, 20) for p in PROMPTS}

@@ -97,16 +97,14 @@ class Admission:
         ticket = self._resume_ticket(g) if g.resume_session_id else self._new_ticket(g)
         if ticket.ended:
             return ticket
+        got: Ticket | None = None  # stays None if the scheduler refuses it
         try:
             got = self.scheduler.submit(ticket)
-        except BaseException:
-            got = None
-            raise
+            return got
         finally:
             if got is not ticket and ticket.release_pick is not None:  # refused, or running
                 ticket.release_pick()
                 ticket.release_pick = None
-        return got
 
     def _ticket(self, request: Request, device: str | None, **kw) -> Ticket:
         if device is None:

@@ -281,16 +281,16 @@ class Scheduler(threading.Thread):
         with self._lock:
             if self._tickets.get(t.session_id) is t:
                 del self._tickets[t.session_id]
-        if self.metrics is not None:
-            if error is not None:
-                self.metrics.failed()
-            else:
-                self.metrics.finished(t.device, result.stats, result.finish_reason,
-                                      time.monotonic() - t.created)
         if error is not None:
+            if self.metrics is not None:
+                self.metrics.failed()
             t.fail(error)
-        else:
-            t.finish(result)
+            return
+        assert result is not None  # a session ends with a result or an error
+        if self.metrics is not None:
+            self.metrics.finished(t.device, result.stats, result.finish_reason,
+                                  time.monotonic() - t.created)
+        t.finish(result)
 
     def _apply_cancels(self) -> None:
         while True:

@@ -22,10 +22,7 @@ class SlowedDrafter(Drafter):
             raise ConfigError(f"compute_slowdown must be >= 1, got {slowdown!r}")
         self.inner, self.slowdown = inner, slowdown
         self.name, self.wait_ms = inner.name, inner.wait_ms
-
-    @property
-    def uses_fleet(self) -> bool:
-        return self.inner.uses_fleet
+        self.uses_fleet = inner.uses_fleet
 
     def use_fleet(self, fleet) -> None:
         self.inner.use_fleet(fleet)

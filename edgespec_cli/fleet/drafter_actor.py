@@ -60,6 +60,7 @@ class DrafterActor:
         self.thread.start()
 
     def _run(self) -> None:
+        assert self.agent is not None  # the thread starts once the agent is built
         try:
             self.agent.run()
         except Exception as e:  # refused for good (a wrong token, a tokenizer mismatch)
@@ -82,6 +83,7 @@ class DrafterActor:
     def stop(self) -> None:
         if self.agent is not None:
             self.agent.stop()
+            assert self.thread is not None  # started right after the agent was built
             self.thread.join(10)
         if self.proxy is not None:
             self.proxy.stop()

@@ -203,6 +203,7 @@ class LinkProxy:
             asyncio.run_coroutine_threadsafe(self._shutdown(), loop).result(10)
         finally:
             loop.call_soon_threadsafe(loop.stop)
+            assert self._thread is not None  # started together with the loop
             self._thread.join(10)
             if not loop.is_running():
                 loop.close()
@@ -245,7 +246,9 @@ class LinkProxy:
             await asyncio.sleep(self._up.propagation_s() + self._down.propagation_s())
             target_reader, target_writer = await asyncio.open_connection(
                 self._target_host, self._target_port)
-            up, down = asyncio.Queue(QUEUED_CHUNKS), asyncio.Queue(QUEUED_CHUNKS)
+            # (delivery time, chunk); an empty chunk is the half-close
+            up: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue(QUEUED_CHUNKS)
+            down: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue(QUEUED_CHUNKS)
             tasks = [asyncio.create_task(c) for c in (
                 self._read_side(client_reader, self._up, up),
                 self._write_side(up, target_writer, "bytes_to_target"),

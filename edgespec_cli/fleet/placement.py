@@ -22,6 +22,7 @@ import secrets
 import socket
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from edgespec.config import ConfigError, cache_dir
 
@@ -269,12 +270,12 @@ def _place_all(roles, spec, head, vnodes, vres, boards, handles, progress) -> De
         port = spec.port if spec.verifiers == 1 else spec.replica_port(i)
         http = None if spec.http_port is None else spec.http_port + i
         gpus = n.resources.get("GPU", 0)
-        opts = {"num_gpus": (1 if gpus >= per_node[n.node_id] else gpus / per_node[n.node_id])
-                if gpus else 0}
-        if vres == "verifier":
-            opts["resources"] = share(n, vres, per_node[n.node_id])
+        num_gpus = ((1 if gpus >= per_node[n.node_id] else gpus / per_node[n.node_id])
+                    if gpus else 0)
+        resources = share(n, vres, per_node[n.node_id]) if vres == "verifier" else None
         name = f"{PREFIX}verifier-{i}"
-        handles[name] = place(roles.verifier, n, name=name, detached=True, **opts).remote(
+        handles[name] = place(roles.verifier, n, name=name, detached=True, resources=resources,
+                              num_gpus=num_gpus).remote(
             port, cache["redis_url"], model=spec.model, max_sessions=spec.max_sessions,
             threads=spec.threads, http_port=http, auth_token=spec.auth_token,
             device="cuda" if gpus else "cpu", dtype=spec.dtype)
@@ -400,10 +401,11 @@ def status(timeout_s: float = 5.0) -> list[PlacedActor]:
 
     out = []
     for name in placed_names():
-        handle = ray.get_actor(name, namespace=NAMESPACE)
+        # Any: ray types an ActorHandle's methods as Never (its __getattr__ is dynamic)
+        handle: Any = ray.get_actor(name, namespace=NAMESPACE)
         role = name[len(PREFIX):].split("-", 1)[0]
         try:
-            info = ray.get(handle.info.remote(), timeout=timeout_s)
+            info: dict = ray.get(handle.info.remote(), timeout=timeout_s)
         except Exception as e:
             out.append(PlacedActor(name, role, "?", "?", f"not answering ({type(e).__name__})"))
             continue

@@ -48,12 +48,16 @@ class VerifierActor:
 
     def batch_sizes(self) -> dict[int, int]:
         """Verification forwards by sessions in the batch, since the actor started."""
-        return dict(self.server.metrics.batch_counts)
+        metrics = self.server.metrics
+        assert metrics is not None  # a verifier role's server always keeps metrics
+        return dict(metrics.batch_counts)
 
     def step_totals(self) -> dict:
         """Steps since the actor started and the seconds they spent waiting for drafts, in
         the forward (with verification) and committing."""
-        return dict(self.server.metrics.step_totals)
+        metrics = self.server.metrics
+        assert metrics is not None  # a verifier role's server always keeps metrics
+        return dict(metrics.step_totals)
 
     def stop(self, drain_timeout_s: float = 0.0) -> None:
         self.server.stop(drain_timeout_s=drain_timeout_s)
