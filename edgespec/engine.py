@@ -31,7 +31,7 @@ from .fleet_table import FleetTable
 from .generation import ActiveSession, Request, Result, SessionFailed
 from .protocol import DraftWant, SessionStore, TakenDraft, Verdict
 from .runner import TargetRunner
-from .sampling import with_session_seed
+from .keyed_noise import with_session_seed
 from .session import LocalSessionStore
 from .step_planning import plan_branch_budgets, plan_drafts
 from .step_report import StepReport, step_report

@@ -33,7 +33,8 @@ import torch
 
 from .config import SamplingParams
 from .protocol import Branch
-from .sampling import _seed_of, filtered_logits, keyed_choice
+from .keyed_noise import keyed_choice, seed_of
+from .sampling import filtered_logits
 
 MAX_TREE_NODES = 64  # the most nodes a tree may have unless the caller says otherwise
 
@@ -155,7 +156,7 @@ def verify_tree(logits: torch.Tensor, tree: DraftTree, params: SamplingParams, s
             return argmax[row]
     else:
         scores = filtered_logits(rows, params)
-        seed = _seed_of(params)
+        seed = seed_of(params)
 
         def choose(row: int, pos: int) -> int:
             return keyed_choice(scores[row], seed, pos)

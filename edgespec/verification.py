@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from .config import LooseParams, SamplingParams
-from .sampling import _seed_of, _signed, gumbel_of_keys, position_keys
+from .keyed_noise import _signed, gumbel_of_keys, position_keys, seed_of
 
 
 @dataclass
@@ -79,7 +79,7 @@ class VerifyBatch:
             depths[b, :n + 1] = torch.as_tensor(d, dtype=torch.long)
             max_depth = max(max_depth, *d)
         greedy = [p.greedy for p in params]
-        seeds = [0 if g else _signed(_seed_of(p)) for g, p in zip(greedy, params)]
+        seeds = [0 if g else _signed(seed_of(p)) for g, p in zip(greedy, params)]
 
         def dev(x, dtype=torch.long):
             return torch.as_tensor(x, dtype=dtype).to(device)

@@ -8,7 +8,8 @@ from __future__ import annotations
 import torch
 
 from edgespec.config import SamplingParams
-from edgespec.sampling import _seed_of, filtered_logits, keyed_choice
+from edgespec.keyed_noise import keyed_choice, seed_of
+from edgespec.sampling import filtered_logits
 from edgespec.tree_verify import DraftTree, TreeVerdict, verify_tree
 
 
@@ -21,7 +22,7 @@ def sample_at(logits: torch.Tensor, params: SamplingParams, pos: int) -> int:
     """Target-only decoding of absolute position ``pos`` from its logits [V] (greedy: argmax)."""
     if params.greedy:
         return int(torch.argmax(logits.reshape(-1)))
-    return keyed_choice(filtered_logits(logits.reshape(1, -1), params)[0], _seed_of(params), pos)
+    return keyed_choice(filtered_logits(logits.reshape(1, -1), params)[0], seed_of(params), pos)
 
 
 def trie(branches) -> DraftTree:

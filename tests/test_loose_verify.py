@@ -23,7 +23,8 @@ from edgespec.drafters import build_drafter
 from edgespec.engine import Request, SpecEngine
 from edgespec.loose_verify import accept_loosely, entropy
 from edgespec.runner import TargetRunner
-from edgespec.sampling import filtered_logits, keyed_choice, verify_greedy
+from edgespec.keyed_noise import keyed_choice
+from edgespec.sampling import filtered_logits, verify_greedy
 from edgespec.verification import verify_batch
 from edgespec.v1 import edgespec_pb2 as pb
 from edgespec.v1 import edgespec_pb2_grpc as pb_grpc

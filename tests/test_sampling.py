@@ -10,8 +10,8 @@ import torch
 from edgespec.config import ConfigError, SamplingParams
 from reference import process_logits, sample_at
 
-from edgespec.sampling import (keyed_choice, keyed_gumbel, position_key, verify_greedy,
-                               with_session_seed)
+from edgespec.keyed_noise import keyed_choice, keyed_gumbel, position_key, with_session_seed
+from edgespec.sampling import verify_greedy
 from edgespec.verification import verify_batch
 
 

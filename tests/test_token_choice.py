@@ -11,8 +11,9 @@ from edgespec.drafters.token_choice import (choose_token, keyed_noise, position_
                                             processed_scores, softmax, top_tokens)
 from reference import process_logits, sample_at
 
-from edgespec.sampling import filtered_logits, keyed_gumbel
-from edgespec.sampling import position_key as torch_position_key
+from edgespec.keyed_noise import keyed_gumbel
+from edgespec.keyed_noise import position_key as torch_position_key
+from edgespec.sampling import filtered_logits
 
 
 @pytest.mark.parametrize("seed", [0, 1, 12345, 2**62 + 7, 2**63 - 1])

@@ -14,7 +14,8 @@ from edgespec.models import load_model
 from edgespec.runner import TargetRunner
 from reference import path_to, process_logits, step_tree, trie
 
-from edgespec.sampling import filtered_logits, keyed_choice, verify_greedy, verify_keyed
+from edgespec.keyed_noise import keyed_choice
+from edgespec.sampling import filtered_logits, verify_greedy, verify_keyed
 from edgespec.tree_verify import DraftTree, TreeVerdict, verify_tree
 
 PROMPTS = [

@@ -15,9 +15,9 @@ from tree_oracle import OracleTreeDrafter
 from edgespec.config import EngineConfig, SamplingParams
 from edgespec.drafters import build_drafter
 from edgespec.engine import Request, SpecEngine
+from edgespec.keyed_noise import (_MASK64, _signed, gumbel_of_keys, keyed_choice, position_key,
+                                  position_keys)
 from edgespec.runner import TargetRunner
-from edgespec.sampling import (_MASK64, _signed, gumbel_of_keys, keyed_choice, position_key,
-                               position_keys)
 from edgespec.tree_verify import DraftTree, verify_tree
 from edgespec.verification import VerifyBatch, verify_step
 

@@ -19,7 +19,7 @@ from edgespec.engine import Request, Result
 from edgespec.ids import check_device_id, check_session_id, shown
 from edgespec.metrics import Stats
 from edgespec.models import encode_prompt
-from edgespec.sampling import with_session_seed
+from edgespec.keyed_noise import with_session_seed
 
 from .scheduler import Scheduler, Ticket
 

@@ -10,7 +10,7 @@ sessions that check may be lenient (``lenient_prob``: also keep a proposed token
 member's second choice with at least that probability). This is allowed between drafters only:
 the target still verifies every token exactly, so leniency trades target acceptance for fewer
 drafter forwards, never output. Sampled sessions check exactly against the member's keyed
-sample (``sampling.sample_sparse`` at the token's absolute position), the member's best guess at
+sample (``token_choice.choose_token`` at the token's absolute position), the member's best guess at
 the target's keyed sample.
 
 Horizontal: past ``top_depth`` positions of a proposal, or once a checking member's own next

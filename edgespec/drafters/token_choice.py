@@ -8,7 +8,7 @@ x + 1). Using the same noise makes a drafted token the target's own sample where
 target's p agree there (per token, about 1 - TV(p, q)).
 
 The noise integers are the verifier's bit for bit (tests/test_token_choice.py checks them against
-``edgespec.sampling.position_keys``/``gumbel_of_keys``); its floating-point logarithms may differ
+``edgespec.keyed_noise.position_keys``/``gumbel_of_keys``); its floating-point logarithms may differ
 in the last bit, which can change a drafted token only where two candidates tie to 1e-16. A
 draft is a proposal to keyed verification, so that never changes the output.
 
@@ -90,7 +90,7 @@ def choose_token(logits, params: SamplingParams, pos: int) -> tuple[int, float, 
         return int(np.argmax(raw)), float(probs.max(initial=0.0)), probs
     scores = processed_scores(raw, params)
     probs = softmax(scores)
-    # unseeded params should have gone through sampling.with_session_seed; a fresh seed per
+    # unseeded params should have gone through keyed_noise.with_session_seed; a fresh seed per
     # call still gives a valid proposal
     seed = params.seed if params.seed is not None else secrets.randbits(63)
     noisy = scores + keyed_noise(seed, pos, scores.shape[0])
