@@ -158,7 +158,8 @@ class RedisSessionStore:
                              (f.get("finish") or None) if done else None,
                              int(f.get("epoch") or 0), done, f.get("verify", ""))
 
-    def _read(self, wants: list[DraftWant]) -> list[tuple]:
+    def _read(self, wants: list[DraftWant]) -> list[_DraftRow]:
+        """Each wanted session's state, read in one transaction."""
         pipe = self.redis.pipeline(transaction=True)
         with self._lock:
             devices = [self._device_of.get(w.session_id) or "-" for w in wants]
@@ -174,8 +175,10 @@ class RedisSessionStore:
         out = iter(pipe.execute())
         rows = []
         for w in wants:
-            row = tuple(next(out) for _ in range(5))
-            rows.append(row + (next(out) if w.branch_budget else [],))  # + asked-for branches
+            (epoch, idle, device), tok_len, draft_len, draft, alive = (next(out) for _ in range(5))
+            rows.append(_DraftRow(None if epoch is None else int(epoch), idle == b"1",
+                                  bool(device) and alive == 1, tok_len // 4, draft_len // 4,
+                                  draft, next(out) if w.branch_budget else []))
         return rows
 
     @raises_store_unavailable
@@ -188,22 +191,21 @@ class RedisSessionStore:
         while True:
             seen = self._waker.seq
             rows = self._read(wants)
-            ready = all(_ready(row, w.k) for row, w in zip(rows, wants))
+            ready = all(row.ready(w.k) for row, w in zip(rows, wants))
             left = deadline - time.monotonic()
             if ready or left <= 0:
                 break
             self._waker.wait(seen, left)
         taken: list[TakenDraft | SessionVanished] = []
-        for (hm, tok_len, _, draft, _, brs), w in zip(rows, wants):
-            if hm[0] is None:
+        for row, w in zip(rows, wants):
+            if row.epoch is None:
                 taken.append(SessionVanished(f"session {w.session_id} vanished from the cache"))
                 continue
-            tokens = unpack_tokens(draft)
-            start = tok_len // 4
+            tokens, start = unpack_tokens(row.draft), row.committed_end
             # stored as [absolute position, tokens...]: at is taken from the draft's start
-            branches = [Branch(x[0] - start, tuple(x[1:])) for x in map(unpack_tokens, brs)
-                        if len(x) > 1]
-            taken.append(TakenDraft(int(hm[0]), start, tokens,
+            branches = [Branch(x[0] - start, tuple(x[1:]))
+                        for x in map(unpack_tokens, row.branches) if len(x) > 1]
+            taken.append(TakenDraft(row.epoch, start, tokens,
                                     take_branches(branches, len(tokens), w.branch_budget)))
         return taken
 
@@ -311,9 +313,18 @@ class RedisSessionStore:
                 for eid, fields in got[0][1]]
 
 
-def _ready(row: tuple, k: int) -> bool:
-    if row[0][0] is None:
-        return True  # vanished: nothing to wait for
-    hm, _, draft_len, _, alive, _ = row
-    has_drafter = bool(hm[2]) and alive == 1
-    return not has_drafter or hm[1] == b"1" or draft_len // 4 >= k
+@dataclass
+class _DraftRow:
+    """A session as ``take_when_ready`` reads it."""
+
+    epoch: int | None  # None: the session vanished
+    idle: bool  # its drafter has nothing more until a fix
+    drafting: bool  # it has a drafter, attached now
+    committed_end: int
+    draft_len: int
+    draft: bytes  # the first k draft tokens, packed
+    branches: list[bytes]  # packed, when branches were asked for
+
+    def ready(self, k: int) -> bool:
+        """Waiting longer would not give a longer draft (or the session is gone)."""
+        return self.epoch is None or not self.drafting or self.idle or self.draft_len >= k

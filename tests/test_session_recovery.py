@@ -36,7 +36,7 @@ from edgespec.runner import TargetRunner
 from edgespec.v1 import edgespec_pb2 as pb
 from edgespec.wire import free_port
 from procs import start_drafter, start_serve
-from verifier_node.admission import Admission, GenerationRequest, NotFound as AdmissionNotFound
+from verifier_node.admission import Admission, GenerationRequest, SessionNotFound
 from verifier_node.scheduler import Scheduler
 
 TOKEN = "rec0ver"
@@ -152,7 +152,7 @@ def test_unseeded_sampling_reports_its_seed_and_a_recreation_continues_the_draw(
     held = list(ticket.tokens)
     assert 0 < len(held) < 40
     store.redis.delete(*store.keys.session(ticket.session_id))
-    with pytest.raises(AdmissionNotFound):
+    with pytest.raises(SessionNotFound):
         admission.admit(GenerationRequest(resume_session_id=ticket.session_id))
     again = admission.admit(GenerationRequest(
         prompt_ids=PROMPT, max_new_tokens=40, lost_session_id=ticket.session_id,

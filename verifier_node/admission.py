@@ -50,7 +50,7 @@ class GenerationRequest:
     lost_session_id: str = ""
 
 
-class NotFound(Exception):
+class SessionNotFound(Exception):
     pass
 
 
@@ -92,8 +92,8 @@ class Admission:
             raise ConfigError(f"the prompt cannot be encoded: {str(e)[:200]}") from None
 
     def admit(self, g: GenerationRequest) -> Ticket:
-        """A queued (or running, or already finished) ticket. Raises ConfigError, NotFound,
-        DrafterMissing, or the scheduler's Overloaded / ShuttingDown."""
+        """A queued (or running, or already finished) ticket. Raises ConfigError, SessionNotFound,
+        DrafterMissing, or the scheduler's QueueFull / ShuttingDown."""
         ticket = self._resume_ticket(g) if g.resume_session_id else self._new_ticket(g)
         if ticket.ended:
             return ticket
@@ -161,7 +161,7 @@ class Admission:
             return running
         rec = self.store.load(sid)
         if rec is None:
-            raise NotFound(f"no session {shown(sid)} in the cache (it finished long ago or "
+            raise SessionNotFound(f"no session {shown(sid)} in the cache (it finished long ago or "
                            "expired)")
         # a resumed session keeps its verification mode: a loose one is refused by an exact
         # verifier (validate), an exact one stays exact on a loose verifier

@@ -36,9 +36,9 @@ from edgespec.config import ConfigError
 from edgespec.protocol import StoreUnavailable
 from edgespec.text_stream import TextStream
 
-from .admission import Admission, DrafterMissing, NotFound
+from .admission import Admission, DrafterMissing, SessionNotFound
 from .openai_params import ApiError, parse_request
-from .scheduler import Overloaded, ShuttingDown, Ticket
+from .scheduler import QueueFull, ShuttingDown, Ticket
 
 
 log = logging.getLogger("edgespec.http")
@@ -135,9 +135,9 @@ def make_app(state: ServingState, token: str | None = None) -> FastAPI:
         except ConfigError as e:
             code = "context_length_exceeded" if "context limit" in str(e) else None
             raise ApiError(400, str(e), "invalid_request_error", code=code) from None
-        except (NotFound, DrafterMissing) as e:
+        except (SessionNotFound, DrafterMissing) as e:
             raise ApiError(400, str(e), "invalid_request_error") from None
-        except Overloaded as e:
+        except QueueFull as e:
             raise ApiError(429, f"the verifier is overloaded: {e}", "rate_limit_error",
                            code="overloaded") from None
         except ShuttingDown as e:

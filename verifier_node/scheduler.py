@@ -5,7 +5,7 @@ queue; the scheduler admits them while KV slots are free (prefill, session creat
 cache with its drafter), then repeats one verification step over every active session: wait for
 drafts up to a short deadline, verify all in one forward pass, commit in the cache (fixes go to
 the drafters), hand committed tokens to the handlers. A full admission queue is backpressure:
-``submit`` raises ``Overloaded`` instead of queueing without bound.
+``submit`` raises ``QueueFull`` instead of queueing without bound.
 
 Faults: a failure of one session (it vanished from the cache, its forward failed) fails that
 session only. The cache being unreachable fails none: the loop backs off and retries the step
@@ -31,7 +31,7 @@ from edgespec.protocol import StoreUnavailable
 log = logging.getLogger("edgespec.verifier")
 
 
-class Overloaded(Exception):
+class QueueFull(Exception):
     pass
 
 
@@ -145,7 +145,7 @@ class Scheduler(threading.Thread):
             # running + queued, not queued alone: a ticket not yet moved to a free slot must not
             # take a queue place
             if len(self._tickets) >= self.capacity:
-                raise Overloaded(f"{self.engine.cfg.max_sessions} sessions are running and "
+                raise QueueFull(f"{self.engine.cfg.max_sessions} sessions are running and "
                                  f"{self.max_queue} waiting")
             self._pending.append(ticket)
             self._tickets[ticket.session_id] = ticket

@@ -30,8 +30,8 @@ from edgespec.v1 import edgespec_pb2 as pb
 from edgespec.v1 import edgespec_pb2_grpc as pb_grpc
 from edgespec.wire import params_from_pb, params_to_pb, stats_to_pb
 
-from .admission import Admission, DrafterMissing, GenerationRequest, NotFound
-from .scheduler import Overloaded, ShuttingDown, Ticket
+from .admission import Admission, DrafterMissing, GenerationRequest, SessionNotFound
+from .scheduler import QueueFull, ShuttingDown, Ticket
 
 log = logging.getLogger("edgespec.verifier")
 
@@ -79,11 +79,11 @@ class VerifierService(pb_grpc.VerifierServicer):
             ticket = self.admission.admit(generation_request(request))
         except ConfigError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        except NotFound as e:
+        except SessionNotFound as e:
             context.abort(grpc.StatusCode.NOT_FOUND, str(e))
         except DrafterMissing as e:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
-        except Overloaded as e:
+        except QueueFull as e:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"verifier overloaded: {e}")
         except ShuttingDown as e:
             context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
