@@ -1,5 +1,5 @@
 """``edgespec deploy``: place the roles as Ray actors on a running cluster, list them, remove
-them (see edgespec_cli/fleet/placement.py for the placement rules)."""
+them (see edgespec_cli/deployment/placement.py for the placement rules)."""
 
 from __future__ import annotations
 
@@ -57,18 +57,18 @@ def add_deploy_command(sub) -> None:
 
 
 def role_actors():
-    """The roles' actor classes, for ``fleet.placement``."""
-    from .fleet.cache_actor import CacheActor
-    from .fleet.drafter_actor import DrafterActor
-    from .fleet.placement import RoleActors
-    from .fleet.verifier_actor import RouterActor, VerifierActor
+    """The roles' actor classes, for ``deployment.placement``."""
+    from .deployment.cache_actor import CacheActor
+    from .deployment.drafter_actor import DrafterActor
+    from .deployment.placement import RoleActors
+    from .deployment.verifier_actor import RouterActor, VerifierActor
 
     return RoleActors(CacheActor, VerifierActor, DrafterActor, RouterActor)
 
 
 def cmd_deploy(args: argparse.Namespace) -> int:
     from edgespec.config import ConfigError
-    from .fleet.placement import use_token_auth_if_present
+    from .deployment.placement import use_token_auth_if_present
 
     use_token_auth_if_present()
     try:
@@ -76,7 +76,7 @@ def cmd_deploy(args: argparse.Namespace) -> int:
     except ImportError:
         raise ConfigError("edgespec deploy needs Ray, the fleet extra: pip install '.[fleet]' in "
                           "the edgespec repository") from None
-    from .fleet import placement as fleet
+    from .deployment import placement as fleet
     from edgespec.drafters import EDGE_KINDS, parse_drafter_spec
 
     roles = role_actors()

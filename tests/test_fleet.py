@@ -18,7 +18,7 @@ pytest.importorskip("ray", reason="ray is not installed (pip install -e '.[fleet
                            "test extra)")
 
 import edgespec  # noqa: E402
-from edgespec_cli.fleet import placement as fleet  # noqa: E402
+from edgespec_cli.deployment import placement as fleet  # noqa: E402
 from edgespec.config import ConfigError  # noqa: E402
 from edgespec.wire import free_port  # noqa: E402
 

@@ -17,9 +17,10 @@ import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from edgespec.config import ConfigError
-from edgespec_cli.fleet.device_profiles import (PROFILES, DeviceProfile, fleet_profiles,
-                                                parse_profiles)
-from edgespec_cli.fleet.link_emulation import LinkDirection, LinkProfile, LinkProxy, split_host_port
+from edgespec_cli.deployment.device_profiles import (PROFILES, DeviceProfile, fleet_profiles,
+                                                     parse_profiles)
+from edgespec_cli.deployment.link_emulation import (LinkDirection, LinkProfile, LinkProxy,
+                                                    split_host_port)
 
 SLACK_S = 0.001  # timer and clock granularity; delays are never shorter than configured
 
@@ -337,7 +338,7 @@ def test_a_slowed_drafter_sleeps_its_slowdown_after_each_proposal(monkeypatch):
     it; the drafts themselves are the inner drafter's."""
     from edgespec.config import SamplingParams
     from edgespec.drafters import MaGDrafter
-    from edgespec_cli.fleet import device_emulation
+    from edgespec_cli.deployment import device_emulation
 
     clock = iter([10.0, 10.5, 20.0, 20.25])
     slept = []

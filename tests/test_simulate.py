@@ -100,7 +100,7 @@ def test_bad_options_are_refused_before_anything_starts(args, message):
 def test_open_loop_sends_requests_at_the_rate_in_order_until_the_duration_ends():
     from concurrent.futures import ThreadPoolExecutor
 
-    from edgespec_cli.fleet.device_profiles import PROFILES
+    from edgespec_cli.deployment.device_profiles import PROFILES
     from edgespec_cli.simulate.run import FleetRun, SimSettings
 
     run = FleetRun(None, SimSettings(model="x", rate=1000.0), [PROFILES["local"]] * 2, "on",

@@ -18,7 +18,7 @@ REAL_PARTS = ["verifier (the real model, batched verification)",
 
 def add_simulate_command(sub) -> None:
     from edgespec.cli_args import add_dtype_arg, add_threads_arg, add_tree_width_arg
-    from ..fleet.device_profiles import PROFILES
+    from ..deployment.device_profiles import PROFILES
 
     s = sub.add_parser("simulate", help="a whole fleet on one machine: real verifier, cache "
                                         "and drafters, emulated devices and links")
@@ -84,7 +84,7 @@ def parse_devices(text: str) -> list[int]:
 
 def check_args(args) -> tuple[list[int], list]:
     from edgespec.cli_args import check_model_arg
-    from ..fleet.device_profiles import parse_profiles
+    from ..deployment.device_profiles import parse_profiles
 
     counts = parse_devices(args.devices)
     profiles = parse_profiles(args.profile)
@@ -129,7 +129,7 @@ def load_prompts(target, seed: int, max_new_tokens: int):
 def start_ray(address: str | None) -> None:
     import ray
 
-    from ..fleet import placement as fleet
+    from ..deployment import placement as fleet
 
     if address:
         fleet.connect(address, namespace="edgespec-simulate")
@@ -142,7 +142,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     if not args.address:  # a local cluster on loopback only (see docs/architecture.md)
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     else:
-        from ..fleet.placement import use_token_auth_if_present
+        from ..deployment.placement import use_token_auth_if_present
 
         use_token_auth_if_present()
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -154,7 +154,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         raise ConfigError("edgespec simulate needs Ray and matplotlib, the fleet extra: "
                           "pip install '.[fleet]' in the edgespec repository") from None
     from edgespec.cli_args import set_threads
-    from ..fleet.device_profiles import fleet_profiles
+    from ..deployment.device_profiles import fleet_profiles
     from edgespec.models import load_model
 
     from . import report as rep

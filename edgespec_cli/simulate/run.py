@@ -26,13 +26,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ..fleet.device_profiles import DeviceProfile
-from ..fleet.placement import FleetError, RoleActors
+from ..deployment.device_profiles import DeviceProfile
+from ..deployment.placement import FleetError, RoleActors
 
 from .records import RequestRecord, RunRecord
 
 if TYPE_CHECKING:
-    from ..fleet.link_emulation import LinkProxy
+    from ..deployment.link_emulation import LinkProxy
 
 log = logging.getLogger("edgespec.simulate")
 
@@ -88,7 +88,7 @@ class FleetRun:
     def _place(self) -> tuple[str, Any]:  # the verifier's address and Ray actor
         import ray
 
-        from ..fleet import placement as fleet
+        from ..deployment import placement as fleet
 
         head = fleet.head_node(fleet.nodes())
         cache = fleet.place(self.roles.cache, head).remote(
@@ -117,7 +117,7 @@ class FleetRun:
     def run(self) -> RunRecord:
         from ray.exceptions import RayError
 
-        from ..fleet.link_emulation import LinkProxy
+        from ..deployment.link_emulation import LinkProxy
 
         n = len(self.profiles)
         self.progress(f"simulate: batching {self.batching}, {n} device(s): starting the fleet")

@@ -1,4 +1,0 @@
-"""The fleet, above the roles: Ray placement (``placement``), each role as a Ray actor
-(``cache_actor``, ``verifier_actor``, ``drafter_actor``), and the emulation of edge devices a
-simulated fleet runs with (``device_profiles``, ``link_emulation``). ``edgespec deploy`` and
-``edgespec simulate`` use it; the roles never import it."""
