@@ -36,8 +36,8 @@ import grpc
 import redis
 
 from edgespec.config import ConfigError
-from edgespec.drafters.base import Branch
 from edgespec.ids import check_device_id, check_session_id, shown
+from edgespec.protocol import Branch
 from edgespec.tree_wire import MAX_BRANCH_NODES, TREE_VERSION, tree_from_wire
 from edgespec.v1 import edgespec_pb2 as pb
 from edgespec.v1 import edgespec_pb2_grpc as pb_grpc

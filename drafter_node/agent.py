@@ -129,6 +129,20 @@ class DrafterAgent:
             fleet.close()
 
     def _serve(self) -> None:
+        # one drafting loop for the agent's life, over the sessions of whichever link is up
+        drafting = threading.Thread(
+            target=run_drafting, daemon=True, name=f"draft-{self.device_id}",
+            args=(self.drafter, self, self.book, lambda: not self.stopping.is_set()))
+        drafting.start()
+        try:
+            self._attach_until_stopped()
+        finally:
+            self.stopping.set()
+            with self.cond:
+                self.cond.notify_all()
+            drafting.join()
+
+    def _attach_until_stopped(self) -> None:
         delay = BACKOFF_START_S
         while not self.stopping.is_set():
             error = None
@@ -194,17 +208,11 @@ class DrafterAgent:
             self._call = responses
         if self.stopping.is_set():
             responses.cancel()
-        drafting = threading.Thread(
-            target=run_drafting, daemon=True, name=f"draft-{self.device_id}",
-            args=(self.drafter, self, self.book,
-                  lambda: self.connected.is_set() and not self.stopping.is_set()))
         try:
             for msg in responses:
                 if self.stopping.is_set():
                     break
                 self._apply(msg)
-                if msg.HasField("registered") and not drafting.is_alive():
-                    drafting.start()
         finally:
             out.put(None)
             if self.metrics is not None:
@@ -215,8 +223,6 @@ class DrafterAgent:
                 self.cond.notify_all()
             responses.cancel()
             channel.close()
-            if drafting.is_alive():
-                drafting.join(timeout=5)
 
     def _forget_sessions(self) -> None:
         with self.cond:

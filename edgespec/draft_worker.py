@@ -63,6 +63,7 @@ class LocalChannel:
         state = self.store.sessions.get(sid)
         if state is not None:
             state.has_drafter = False
+            self.cond.notify_all()  # the verifier stops waiting for its drafts
 
 
 class DraftWorker(threading.Thread):
@@ -82,8 +83,4 @@ class DraftWorker(threading.Thread):
         self.join(timeout=5)
 
     def run(self) -> None:
-        try:
-            run_drafting(self.drafter, self.channel, self.book, lambda: not self.stopping)
-        finally:
-            with self.channel.cond:
-                self.book.close_all()
+        run_drafting(self.drafter, self.channel, self.book, lambda: not self.stopping)

@@ -12,9 +12,13 @@ a commit never waits behind a model drafter's forward, then hands the chunk to t
 under the lock, unless a fix arrived meanwhile (the chunk is then stale and dropped; the fix's
 rollback removes its tokens from the draft session).
 
-A draft session is only ever touched by the loop's thread. A session whose drafter fails (open,
-propose or a fix) is refused through the transport: it costs the session its drafts, never its
-output; the verifier decodes it alone.
+A draft session is only ever touched by the loop's thread: a session closed by the transport
+is marked closed and its draft session handed to the loop, which closes it (a model drafter's
+KV slot is freed by the thread that runs its forwards). Of the sessions with room, the one
+furthest behind is drafted first, so that every session gets its chunk in turn. A session whose
+drafter fails (open, propose or a fix) is refused through the transport: it costs the session
+its drafts, never its output; the verifier decodes it alone. A transport call that fails is
+logged and costs its session its drafts, never the loop.
 """
 
 from __future__ import annotations
@@ -51,6 +55,8 @@ class DraftBook:
 
     def __init__(self) -> None:
         self.targets: dict[str, DraftTarget] = {}
+        # draft sessions of closed targets, for the loop's thread to close
+        self.retired: list[tuple[str, DraftSession]] = []
 
     def assign(self, sid: str, tokens: list[int], params: SamplingParams, epoch: int) -> None:
         """A session to draft for, from ``tokens`` (prompt + committed) under ``epoch``."""
@@ -78,24 +84,28 @@ class DraftBook:
     def close(self, sid: str) -> None:
         t = self.targets.pop(sid, None)
         if t is not None:
-            _retire(sid, t)
+            self.retire(sid, t)
 
     def close_all(self) -> None:
         for sid in list(self.targets):
             self.close(sid)
 
+    def retire(self, sid: str, t: DraftTarget) -> None:
+        """Mark a target closed and hand its draft session to the loop to close (a busy one
+        is handed over when its job returns)."""
+        t.closed = True
+        if not t.busy and t.draft is not None:
+            self.retired.append((sid, t.draft))
+            t.draft = None
 
-def _retire(sid: str, t: DraftTarget) -> None:
-    """Mark a target closed and release its draft session, unless the loop holds it now (it
-    then releases it when its job returns)."""
-    t.closed = True
-    if not t.busy:
-        _close_draft(sid, t)
+    def take_retired(self) -> list[tuple[str, DraftSession]]:
+        out, self.retired = self.retired, []
+        return out
 
 
-def _close_draft(sid: str, t: DraftTarget) -> None:
-    draft, t.draft = t.draft, None
-    if draft is not None:
+def close_drafts(drafts: list[tuple[str, DraftSession]]) -> None:
+    """Outside the lock, on the loop's thread: release retired draft sessions."""
+    for sid, draft in drafts:
         try:
             draft.close()
         except Exception as exc:  # a failing close costs nothing but the log line
@@ -138,22 +148,40 @@ class _Job:
 
 def run_drafting(drafter: Drafter, channel: DraftChannel, book: DraftBook,
                  keep_going: Callable[[], bool]) -> None:
-    """Draft for the book's sessions until ``keep_going()`` (asked under the lock) is False."""
+    """Draft for the book's sessions until ``keep_going()`` (asked under the lock) is False;
+    one loop per book. On the way out, the book's sessions are closed."""
     cond = channel.cond
-    while True:
-        with cond:
-            if not keep_going():
+    try:
+        while True:
+            with cond:
+                retired = book.take_retired()
+                going = keep_going()
+                job = None
+                if going:
+                    try:
+                        channel.refresh(book)
+                    except Exception:  # the transport's trouble, not a session's
+                        log.exception("the drafting loop could not read its sessions")
+                    job = _next_job(channel, book)
+                    if job is not None:
+                        job.target.busy = True
+            close_drafts(retired)
+            if not going:
                 return
-            channel.refresh(book)
-            job = _next_job(channel, book)
             if job is None:
-                cond.wait(timeout=0.5)
+                with cond:
+                    if not book.retired:
+                        cond.wait(timeout=0.5)
                 continue
-            job.target.busy = True
-        outcome, error = _do(job, channel.tree_width, drafter)
+            outcome, error = _do(job, channel.tree_width, drafter)
+            with cond:
+                _finish(job, outcome, error, channel, book)
+                cond.notify_all()
+    finally:
         with cond:
-            _finish(job, outcome, error, channel)
-            cond.notify_all()
+            book.close_all()
+            retired = book.take_retired()
+        close_drafts(retired)
 
 
 def _next_job(channel: DraftChannel, book: DraftBook) -> _Job | None:
@@ -165,20 +193,24 @@ def _next_job(channel: DraftChannel, book: DraftBook) -> _Job | None:
                     t.draft.rollback(position)
                     t.draft.append(list(tokens))
             except Exception as exc:
-                _refuse(sid, t, t.committed_end, f"applying a fix failed: {exc!r}", channel)
+                _refuse(sid, t, t.committed_end, f"applying a fix failed: {exc!r}", channel,
+                        book)
             t.fixes.clear()
+    best: _Job | None = None
     for sid, t in book.targets.items():
-        if t.refused:
+        if t.refused or t.busy:
             continue
         if t.opening is not None:
             return _Job(sid, t, True, t.epoch)
         if t.idle or t.draft is None:
             continue
         start = len(t.draft.tokens)
-        room = channel.window - (start - t.committed_end)
-        if room > 0 and channel.can_draft(sid, start):
-            return _Job(sid, t, False, t.epoch, start, min(channel.chunk, room))
-    return None
+        lead = start - t.committed_end
+        room = channel.window - lead
+        if room > 0 and channel.can_draft(sid, start) and \
+                (best is None or lead < best.start - best.target.committed_end):
+            best = _Job(sid, t, False, t.epoch, start, min(channel.chunk, room))
+    return best
 
 
 def _do(job: _Job, tree_width: int, drafter: Drafter):
@@ -194,7 +226,8 @@ def _do(job: _Job, tree_width: int, drafter: Drafter):
         return None, exc
 
 
-def _finish(job: _Job, outcome, error: Exception | None, channel: DraftChannel) -> None:
+def _finish(job: _Job, outcome, error: Exception | None, channel: DraftChannel,
+            book: DraftBook) -> None:
     """Under the lock: keep what the job made, unless the session moved on meanwhile."""
     t, sid = job.target, job.sid
     t.busy = False
@@ -202,23 +235,32 @@ def _finish(job: _Job, outcome, error: Exception | None, channel: DraftChannel) 
         t.opening = None
         t.draft = outcome
     if t.closed:
-        _close_draft(sid, t)
+        book.retire(sid, t)
         return
     if error is not None:
         what = "opening" if job.opening else "drafting"
         start = t.committed_end if job.opening or t.epoch != job.epoch else job.start
-        _refuse(sid, t, start, f"{what} failed: {type(error).__name__}: {error}", channel)
+        _refuse(sid, t, start, f"{what} failed: {type(error).__name__}: {error}", channel, book)
         return
     if job.opening or t.epoch != job.epoch:
         return  # opened; or a fix came while drafting: the chunk is stale
     t.idle = len(outcome) == 0
-    channel.deliver(sid, t, job.start, outcome)
+    try:
+        channel.deliver(sid, t, job.start, outcome)
+    except Exception as exc:  # e.g. a metrics call: the session loses its drafts, not more
+        _refuse(sid, t, job.start, f"handing on its chunk failed: {exc!r}", channel, book)
 
 
-def _refuse(sid: str, t: DraftTarget, start: int, why: str, channel: DraftChannel) -> None:
+def _refuse(sid: str, t: DraftTarget, start: int, why: str, channel: DraftChannel,
+            book: DraftBook) -> None:
     log.warning("the drafter cannot draft for session %s (%s); the verifier decodes it alone",
                 sid, why)
     t.refused, t.idle = True, True
     t.fixes.clear()
-    _close_draft(sid, t)
-    channel.refuse(sid, t, start, why)
+    if t.draft is not None:
+        book.retired.append((sid, t.draft))
+        t.draft = None
+    try:
+        channel.refuse(sid, t, start, why)
+    except Exception:
+        log.exception("telling the verifier that session %s gets no drafts failed", sid)

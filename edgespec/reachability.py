@@ -3,7 +3,8 @@
 A call with ``wait_for_ready`` waits for a server that is not up, so a mistyped address looks
 like a hang that ends in DEADLINE_EXCEEDED. Before its first call, a client waits until its
 channel either connects (READY: go on, and retry as usual from then on) or fails to
-(TRANSIENT_FAILURE: the connection cannot be made at all), and in the second case says why in
+(TRANSIENT_FAILURE: the connection cannot be made at all). A server that is starting is given
+``CONNECT_GRACE_S`` (within the call's deadline) to come up; past that the client says why in
 words: nothing listening, or something listening that does not speak this channel's gRPC.
 A channel still connecting when the call's time is up is left to the call itself.
 """
@@ -18,6 +19,7 @@ import grpc
 
 SETTLED = (grpc.ChannelConnectivity.READY, grpc.ChannelConnectivity.TRANSIENT_FAILURE)
 PROBE_TIMEOUT_S = 2.0
+CONNECT_GRACE_S = 3.0  # a server starting up (a client started first) is waited for this long
 
 
 class ConnectWatch:
@@ -43,8 +45,9 @@ class ConnectWatch:
         with self._cond:
             self._cond.wait_for(lambda: self._state in SETTLED, timeout)
             state = self._state
-        if state == grpc.ChannelConnectivity.TRANSIENT_FAILURE:
-            return describe_failure(self.address)
+        if state == grpc.ChannelConnectivity.TRANSIENT_FAILURE and \
+                not _ready_within(self.channel, _grace(timeout)):
+            return f"{describe_failure(self.address)} (waited {_grace(timeout):g} s)"
         self.stop()  # connected, or left to the call: the client asks no more
         return None
 
@@ -69,7 +72,29 @@ async def unreachable_reason_aio(channel: grpc.aio.Channel, address: str,
         return None
     if state == grpc.ChannelConnectivity.READY:
         return None
-    return await asyncio.get_running_loop().run_in_executor(None, describe_failure, address)
+    try:  # a server starting up
+        await asyncio.wait_for(channel.channel_ready(), _grace(timeout))
+        return None
+    except asyncio.TimeoutError:
+        pass
+    why = await asyncio.get_running_loop().run_in_executor(None, describe_failure, address)
+    return f"{why} (waited {_grace(timeout):g} s)"
+
+
+def _grace(timeout: float | None) -> float:
+    return CONNECT_GRACE_S if timeout is None else max(0.0, min(timeout, CONNECT_GRACE_S))
+
+
+def _ready_within(channel: grpc.Channel, seconds: float) -> bool:
+    """Whether the channel connects within ``seconds`` (it keeps trying meanwhile)."""
+    ready = grpc.channel_ready_future(channel)
+    try:
+        ready.result(timeout=seconds)
+        return True
+    except grpc.FutureTimeoutError:
+        return False
+    finally:
+        ready.cancel()  # its subscription ends with it
 
 
 async def _settled_state(channel: grpc.aio.Channel) -> grpc.ChannelConnectivity:

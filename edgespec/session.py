@@ -76,8 +76,10 @@ class SessionState:
             room = MAX_BRANCHES - len(self.branches)
             if branches and room > 0:
                 offset = len(self.draft) - keep  # the chunk's first token in the draft
-                self.branches.extend(Branch(offset + b.at, b.tokens) for b in
-                                     chunk_branches(tokens, branches, keep)[:room])
+                # as the Redis store: the chunk's branches first (at most MAX_BRANCHES), then
+                # those of kept tokens, up to the room left
+                kept = [b for b in chunk_branches(tokens, branches, len(tokens)) if b.at < keep]
+                self.branches.extend(Branch(offset + b.at, b.tokens) for b in kept[:room])
         self.drafter_idle = idle
         return keep
 
@@ -130,6 +132,8 @@ class SessionState:
         return fix
 
     def fixes_after(self, fix_id: int) -> list[Fix]:
+        if not self.fixes or self.fixes[-1].id <= fix_id:  # the common case: nothing new
+            return []
         return [f for f in self.fixes if f.id > fix_id]
 
 

@@ -340,7 +340,7 @@ def test_a_slowed_drafter_sleeps_its_slowdown_after_each_proposal(monkeypatch):
     from edgespec.drafters import MaGDrafter
     from edgespec_cli.deployment import device_emulation
 
-    clock = iter([10.0, 10.5, 20.0, 20.25])
+    clock = iter([10.0, 10.5, 20.0, 20.25, 30.0, 30.5])
     slept = []
     monkeypatch.setattr(device_emulation.time, "perf_counter", lambda: next(clock))
     monkeypatch.setattr(device_emulation.time, "sleep", slept.append)
@@ -348,8 +348,11 @@ def test_a_slowed_drafter_sleeps_its_slowdown_after_each_proposal(monkeypatch):
     tokens = [1, 5, 6, 7, 5, 6]
     session = slowed.open(tokens, SamplingParams())
     plain = MaGDrafter().open(tokens, SamplingParams())
-    assert session.propose(2).tokens == plain.propose(2).tokens
+    # what the drafting loop calls: a chain (width 1, which MaG drafts with its own propose)
+    # and a tree, each slowed once
+    assert session.propose_tree(2, 1).tokens == plain.propose_tree(2, 1).tokens
     assert session.propose_tree(2, 2).tokens == plain.propose_tree(2, 2).tokens
     assert slept == [1.0, 0.5]
+    assert session.propose(1).tokens == plain.propose(1).tokens and len(slept) == 2
     with pytest.raises(ConfigError):
         device_emulation.SlowedDrafter(MaGDrafter(), 0.5)

@@ -288,3 +288,12 @@ def test_a_verdict_that_takes_a_branch_the_draft_does_not_hold_is_refused(side, 
     assert not out.ok and out.fix is None
     assert side.tokens("s") == PROMPT
     assert _take(side, budget=8).branches == [Branch(1, (20, 21, 22))]
+
+
+def test_branches_are_capped_before_the_window_cuts_the_chunk(side):
+    """More candidate branches than a draft keeps, some at tokens the window drops: both stores
+    cap the chunk's branches first, then keep those of kept tokens."""
+    _new(side)
+    many = [Branch(2, (40 + i,)) for i in range(MAX_BRANCHES)] + [Branch(0, (60,))]
+    assert side.push("s", 0, 3, [10, 11, 12], window=2, branches=many) == 2
+    assert _take(side, budget=64).branches == []  # the cap kept only alternatives to token 2

@@ -59,3 +59,35 @@ def test_something_listening_that_is_not_grpc_is_told_apart():
     ("ipv4:127.0.0.1:5", None), ("no-port", None)])
 def test_split_address(address, parts):
     assert split_address(address) == parts
+
+
+def test_a_server_that_comes_up_during_the_grace_is_waited_for(monkeypatch):
+    """A client started before its server (start order, a restart) is not refused: the server
+    listening a moment later answers the first call. The grace is widened so that a loaded
+    machine cannot make the test depend on how the race falls."""
+    import threading
+    from concurrent import futures
+
+    import grpc
+
+    from edgespec import reachability
+    from edgespec.v1 import edgespec_pb2 as pb
+    from edgespec.v1 import edgespec_pb2_grpc as pb_grpc
+
+    class Verifier(pb_grpc.VerifierServicer):
+        def Status(self, request, context):
+            return pb.StatusResponse(model="late")
+
+    monkeypatch.setattr(reachability, "CONNECT_GRACE_S", 60.0)
+    port = free_port()
+    server = grpc.server(futures.ThreadPoolExecutor(2))
+    pb_grpc.add_VerifierServicer_to_server(Verifier(), server)
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    late = threading.Timer(0.5, server.start)
+    late.start()
+    try:
+        with edgespec.Client(f"127.0.0.1:{port}", timeout=120) as client:
+            assert client.status()["model"] == "late"
+    finally:
+        late.join()
+        server.stop(0)

@@ -143,7 +143,6 @@ class VerifierService(pb_grpc.VerifierServicer):
     def Status(self, request, context):
         sched, metrics = self.scheduler, self.scheduler.metrics
         active, queued = sched.load()
-        cache = sched.engine.target.cache
         drafters = []
         try:
             devices = self.admission.store.devices.listing()
@@ -158,7 +157,7 @@ class VerifierService(pb_grpc.VerifierServicer):
                 mean_acceptance_length=length, last_seen_s=d.last_seen_s))
         return pb.StatusResponse(
             model=self.model_name, version=__version__, drafters=drafters,
-            active_sessions=active, queued_sessions=queued, free_kv_slots=cache.free_slots,
+            active_sessions=active, queued_sessions=queued, free_kv_slots=sched.engine.free_slots,
             kv_slots=sched.engine.cfg.max_sessions, healthy=sched.healthy,
             dtype=str(sched.engine.target.dtype).removeprefix("torch."),
             tokens_per_s_last_minute=metrics.tokens_per_s_last_minute() if metrics else 0.0)

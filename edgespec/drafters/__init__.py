@@ -18,7 +18,9 @@ from .adaptive import DraftLength
 from .base import Draft, Drafter, DraftSession
 from .mag import MaGDrafter
 
-__all__ = ["Draft", "Drafter", "DraftSession", "DraftLength", "MaGDrafter", "ModelDrafter",
+# ModelDrafter (torch) is importable by name but left out of *: importing the package must not
+# load torch
+__all__ = ["Draft", "Drafter", "DraftSession", "DraftLength", "MaGDrafter",
            "DrafterSpec", "build_drafter", "parse_drafter_spec", "DRAFTER_HELP"]
 
 FORMS = {"none": "none", "mag": "mag", "cacheback": "cacheback",
