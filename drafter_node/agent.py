@@ -317,16 +317,10 @@ class DrafterAgent:
     def _apply_commit(self, c: pb.Commit) -> None:
         if c.is_fix and self.metrics is not None:
             self.metrics.fix_received()
-        target = self.book.targets.get(c.session_id)
-        if target is None:
-            return
-        if target.refused:
-            if c.epoch >= target.epoch:
-                target.epoch = c.epoch
-                target.committed_end = max(target.committed_end, c.committed_end)
-                # a fix resets the session's idle flag in the cache: say it again
-                self._send_idle(c.session_id, target, target.committed_end)
-            return
         if c.is_fix:
             self.book.fix(c.session_id, c.epoch, c.fix_position, (c.fix_token, *c.fix_more))
-        self.book.commit(c.session_id, c.epoch, c.committed_end)
+        target = self.book.commit(c.session_id, c.epoch, c.committed_end)
+        if target is not None and target.refused and c.epoch >= target.epoch:
+            # the verifier decodes it alone, and a commit may have reset the cache's idle flag
+            # (a fix does): say it again
+            self._send_idle(c.session_id, target, target.committed_end)

@@ -94,7 +94,12 @@ class DraftBook:
         """Mark a target closed and hand its draft session to the loop to close (a busy one
         is handed over when its job returns)."""
         t.closed = True
-        if not t.busy and t.draft is not None:
+        if not t.busy:
+            self.release_draft(sid, t)
+
+    def release_draft(self, sid: str, t: DraftTarget) -> None:
+        """Hand a target's draft session (if any) to the loop to close."""
+        if t.draft is not None:
             self.retired.append((sid, t.draft))
             t.draft = None
 
@@ -257,9 +262,7 @@ def _refuse(sid: str, t: DraftTarget, start: int, why: str, channel: DraftChanne
                 sid, why)
     t.refused, t.idle = True, True
     t.fixes.clear()
-    if t.draft is not None:
-        book.retired.append((sid, t.draft))
-        t.draft = None
+    book.release_draft(sid, t)
     try:
         channel.refuse(sid, t, start, why)
     except Exception:

@@ -153,6 +153,30 @@ def redis_url(request):
     return request.getfixturevalue("external_redis")
 
 
+@pytest.fixture()
+def verifier_parts(looping):
+    """A verifier's parts in process over the embedded Redis, without a gRPC server: (store,
+    engine, scheduler, admission), the scheduler not started (tests drive it)."""
+    from cache_service.redis_conn import RedisHandle
+    from cache_service.store import RedisSessionStore
+    from edgespec.config import EngineConfig
+    from edgespec.engine import SpecEngine
+    from edgespec.models import stop_token_ids
+    from edgespec.runner import TargetRunner
+    from verifier_node.admission import Admission
+    from verifier_node.scheduler import Scheduler
+
+    handle = RedisHandle()
+    store = RedisSessionStore(handle.client, ttl_s=60)
+    runner = TargetRunner(looping.model, n_slots=2, max_len=256)
+    engine = SpecEngine(runner, None, EngineConfig(max_sessions=2, max_context=256),
+                        stop_token_ids(looping), store=store)
+    sched = Scheduler(engine, max_queue=2)
+    admission = Admission(sched, store, looping.tokenizer, runner.vocab_size)
+    yield store, engine, sched, admission
+    handle.close()
+
+
 @pytest.fixture(scope="session")
 def looping_dir(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("looping-target"), seed=5, looping=True)

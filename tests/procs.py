@@ -6,10 +6,13 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+import edgespec
 
 from edgespec.wire import free_port
 
@@ -110,3 +113,34 @@ def start_drafter(address, device, tmp_path, drafter="mag", token="s3cret", extr
     return Proc(["drafter", "--cache", address, "--device-id", device, "--drafter", drafter,
                  "--auth-token", token, "--log-level", "INFO", *extra],
                 tmp_path / f"drafter-{device}.log")
+
+
+class Streamer(threading.Thread):
+    """One generation read as a stream through the SDK on its own thread; ``first`` is set at
+    the first token (or when the call ends). Afterwards: ``ids``, the ``final`` piece, the SDK's
+    ``resumes`` and the session's ``seed``, or the ``error`` it raised."""
+
+    def __init__(self, address: str, token: str, **kw):
+        super().__init__(daemon=True)
+        self.address, self.token, self.kw = address, token, kw
+        self.first = threading.Event()
+        self.ids: list[int] = []
+        self.final = None
+        self.error: Exception | None = None
+        self.resumes = 0
+        self.seed: int | None = None
+
+    def run(self):
+        try:
+            with edgespec.Client(self.address, token=self.token, timeout=240) as c:
+                for piece in c.stream(**self.kw):
+                    self.ids.extend(piece.token_ids)
+                    if piece.token_ids:
+                        self.first.set()
+                    if piece.finish_reason:
+                        self.final = piece
+                self.resumes, self.seed = c.last_resumes, c.last_seed
+        except Exception as e:  # reported by the test
+            self.error = e
+        finally:
+            self.first.set()

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import signal
 import subprocess
-import threading
 import time
 
 import grpc
@@ -26,7 +25,7 @@ from cache_service.redis_conn import embedded_redis_binary
 from edgespec.v1 import edgespec_pb2 as pb
 from edgespec.v1 import edgespec_pb2_grpc as pb_grpc
 from edgespec.wire import auth_metadata, free_port
-from procs import Proc, health_status, start_drafter, wait_health, wait_healthy
+from procs import Proc, Streamer, health_status, start_drafter, wait_health, wait_healthy
 
 TOKEN = "f4ults"
 N = 120  # tokens per generation: >= 6 s each with the frozen drafter
@@ -122,37 +121,13 @@ def client(cluster, **kw):
     return edgespec.Client(cluster["address"], token=TOKEN, timeout=240, **kw)
 
 
-class Streamer(threading.Thread):
-    """One generation read as a stream on its own thread; ``first`` is set at the first token."""
-
-    def __init__(self, cluster, **kw):
-        super().__init__(daemon=True)
-        self.cluster, self.kw = cluster, kw
-        self.first = threading.Event()
-        self.ids: list[int] = []
-        self.final = None
-        self.error = None
-        self.resumes = 0
-
-    def run(self):
-        try:
-            with client(self.cluster) as c:
-                for piece in c.stream(**self.kw):
-                    self.ids.extend(piece.token_ids)
-                    if piece.token_ids:
-                        self.first.set()
-                    if piece.finish_reason:
-                        self.final = piece
-                self.resumes = c.last_resumes
-        except Exception as e:  # reported by the test
-            self.error = e
-        finally:
-            self.first.set()
+def streamer(cluster, **kw) -> Streamer:
+    return Streamer(cluster["address"], TOKEN, **kw)
 
 
 def run_two(cluster):
-    a = Streamer(cluster, prompt_ids=PROMPTS[0], max_new_tokens=N, device_id="frozen")
-    b = Streamer(cluster, prompt_ids=PROMPTS[1], max_new_tokens=N, device_id="frozen",
+    a = streamer(cluster, prompt_ids=PROMPTS[0], max_new_tokens=N, device_id="frozen")
+    b = streamer(cluster, prompt_ids=PROMPTS[1], max_new_tokens=N, device_id="frozen",
                  temperature=1.0, seed=SEED)
     a.start(), b.start()
     a.first.wait(120), b.first.wait(120)
@@ -281,7 +256,7 @@ def _code(cluster, req) -> grpc.StatusCode:
 
 
 def test_sigterm_drains_running_sessions_and_exits_0(cluster, refs):
-    a = Streamer(cluster, prompt_ids=PROMPTS[0], max_new_tokens=N, device_id="frozen")
+    a = streamer(cluster, prompt_ids=PROMPTS[0], max_new_tokens=N, device_id="frozen")
     a.start()
     a.first.wait(120)
     proc = cluster["verifier"]

@@ -3,38 +3,19 @@
 
 from __future__ import annotations
 
-import pytest
 from conftest import hf_greedy
 
-from cache_service.redis_conn import RedisHandle
-from cache_service.store import RedisSessionStore
-from edgespec.config import EngineConfig, SamplingParams
-from edgespec.engine import Request, SpecEngine
-from edgespec.models import stop_token_ids
-from edgespec.runner import TargetRunner
+from edgespec.config import SamplingParams
+from edgespec.engine import Request
 from edgespec.protocol import Verdict
-from verifier_node.admission import Admission, GenerationRequest
-from verifier_node.scheduler import Scheduler
+from verifier_node.admission import GenerationRequest
 
 PROMPT = [1, 10, 11, 12, 13, 10, 11]
 
 
-@pytest.fixture()
-def parts(looping):
-    handle = RedisHandle()
-    store = RedisSessionStore(handle.client, ttl_s=60)
-    runner = TargetRunner(looping.model, n_slots=2, max_len=256)
-    engine = SpecEngine(runner, None, EngineConfig(max_sessions=2, max_context=256),
-                        stop_token_ids(looping), store=store)
-    sched = Scheduler(engine, max_queue=2)
-    admission = Admission(sched, store, looping.tokenizer, runner.vocab_size)
-    yield store, engine, sched, admission
-    handle.close()
-
-
-def test_the_last_commit_holds_exactly_the_output(parts, looping):
+def test_the_last_commit_holds_exactly_the_output(verifier_parts, looping):
     """A correct 6-token draft under max_new_tokens=2: the cache keeps 2 tokens, not 7."""
-    store, engine, _, _ = parts
+    store, engine, _, _ = verifier_parts
     ref = hf_greedy(looping.model, PROMPT, 8)
     act = engine.add(Request(PROMPT, 2, SamplingParams()), session_id="s1")
     store.redis.set(store.keys.session("s1")[2], b"".join(
@@ -45,8 +26,9 @@ def test_the_last_commit_holds_exactly_the_output(parts, looping):
     assert rec.committed == ref[:2] and rec.finish_reason == "length"
 
 
-def test_a_finished_session_whose_close_never_ran_is_replayed_not_regenerated(parts, looping):
-    store, _, _, admission = parts
+def test_a_finished_session_whose_close_never_ran_is_replayed_not_regenerated(verifier_parts,
+                                                                              looping):
+    store, _, _, admission = verifier_parts
     store.create("s2", PROMPT, SamplingParams(), None, max_new_tokens=3)
     ref = hf_greedy(looping.model, PROMPT, 3)
     for i, tok in enumerate(ref):  # committed by a verifier killed before its close
@@ -57,8 +39,8 @@ def test_a_finished_session_whose_close_never_ran_is_replayed_not_regenerated(pa
     assert ticket.tokens == ref
 
 
-def test_an_orphan_cancel_does_not_end_a_session_a_client_resumed(parts):
-    _, engine, sched, admission = parts
+def test_an_orphan_cancel_does_not_end_a_session_a_client_resumed(verifier_parts):
+    _, engine, sched, admission = verifier_parts
     ticket = admission.admit(GenerationRequest(prompt_ids=PROMPT, max_new_tokens=50))
     sched._admit()
     with admission.follow(ticket):
@@ -74,8 +56,8 @@ def test_an_orphan_cancel_does_not_end_a_session_a_client_resumed(parts):
     assert ticket.result.finish_reason == "cancelled" and not engine.active
 
 
-def test_a_stopping_verifier_leaves_its_sessions_resumable(parts, looping):
-    store, engine, sched, admission = parts
+def test_a_stopping_verifier_leaves_its_sessions_resumable(verifier_parts, looping):
+    store, engine, sched, admission = verifier_parts
     ref = hf_greedy(looping.model, PROMPT, 12)
     ticket = admission.admit(GenerationRequest(prompt_ids=PROMPT, max_new_tokens=12))
     sched._admit()

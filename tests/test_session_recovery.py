@@ -19,15 +19,11 @@ samples its stop token with a probability below 1e-5: their first token never en
 from __future__ import annotations
 
 import signal
-import threading
 
 import grpc
 import pytest
 from conftest import hf_greedy
 
-import edgespec
-from cache_service.redis_conn import RedisHandle
-from cache_service.store import RedisSessionStore
 from edgespec.client import NotFound, _Resumer, build_request
 from edgespec.config import ConfigError, EngineConfig, SamplingParams
 from edgespec.engine import Request, SpecEngine
@@ -35,9 +31,8 @@ from edgespec.models import stop_token_ids
 from edgespec.runner import TargetRunner
 from edgespec.v1 import edgespec_pb2 as pb
 from edgespec.wire import free_port
-from procs import start_drafter, start_serve
-from verifier_node.admission import Admission, GenerationRequest, SessionNotFound
-from verifier_node.scheduler import Scheduler
+from procs import Streamer, start_drafter, start_serve
+from verifier_node.admission import GenerationRequest, SessionNotFound
 
 TOKEN = "rec0ver"
 PROMPT = [1, 10, 11, 12, 13, 10, 11]
@@ -109,27 +104,14 @@ def test_not_found_before_any_session_or_from_an_old_verifier_is_raised():
 
 
 # -- admission in process --------------------------------------------------------------------------
-@pytest.fixture()
-def parts(looping):
-    handle = RedisHandle()
-    store = RedisSessionStore(handle.client, ttl_s=60)
-    runner = TargetRunner(looping.model, n_slots=2, max_len=256)
-    engine = SpecEngine(runner, None, EngineConfig(max_sessions=2, max_context=256),
-                        stop_token_ids(looping), store=store)
-    sched = Scheduler(engine, max_queue=2)
-    admission = Admission(sched, store, looping.tokenizer, runner.vocab_size)
-    yield store, engine, sched, admission
-    handle.close()
-
-
 def run_out(sched, engine) -> None:
     sched._admit()
     while engine.active:
         engine.step()
 
 
-def test_a_recreated_session_continues_after_the_clients_tokens(parts, looping):
-    _, engine, sched, admission = parts
+def test_a_recreated_session_continues_after_the_clients_tokens(verifier_parts, looping):
+    _, engine, sched, admission = verifier_parts
     ref = hf_greedy(looping.model, PROMPT, 12)
     ticket = admission.admit(GenerationRequest(
         prompt_ids=PROMPT, max_new_tokens=12, device_id="gone", lost_session_id=SID_A,
@@ -139,8 +121,9 @@ def test_a_recreated_session_continues_after_the_clients_tokens(parts, looping):
     assert ticket.result.token_ids == ref
 
 
-def test_unseeded_sampling_reports_its_seed_and_a_recreation_continues_the_draw(parts, looping):
-    store, engine, sched, admission = parts
+def test_unseeded_sampling_reports_its_seed_and_a_recreation_continues_the_draw(verifier_parts,
+                                                                               looping):
+    store, engine, sched, admission = verifier_parts
     ticket = admission.admit(GenerationRequest(prompt_ids=PROMPT, max_new_tokens=40,
                                                params=SamplingParams(temperature=1.0)))
     seed = ticket.request.params.seed  # chosen at admission: the first response reports it
@@ -162,8 +145,8 @@ def test_unseeded_sampling_reports_its_seed_and_a_recreation_continues_the_draw(
     assert again.result.token_ids == ref
 
 
-def test_a_client_holding_the_whole_output_gets_the_end_and_no_more_tokens(parts, looping):
-    _, _, _, admission = parts
+def test_a_client_holding_the_whole_output_gets_the_end_and_no_more_tokens(verifier_parts, looping):
+    _, _, _, admission = verifier_parts
     ref = hf_greedy(looping.model, PROMPT, 6)
     done = admission.admit(GenerationRequest(prompt_ids=PROMPT, max_new_tokens=6,
                                              committed=ref, lost_session_id=SID_A))
@@ -178,39 +161,12 @@ def test_a_client_holding_the_whole_output_gets_the_end_and_no_more_tokens(parts
     dict(prompt_ids=PROMPT, committed=[1 << 20], lost_session_id=SID_A),  # out of the vocab
     dict(prompt_ids=PROMPT, committed=[5], lost_session_id="x:y"),  # not a session id
 ])
-def test_bad_recreations_are_refused(parts, kw):
+def test_bad_recreations_are_refused(verifier_parts, kw):
     with pytest.raises(ConfigError):
-        parts[3].admit(GenerationRequest(max_new_tokens=8, **kw))
+        verifier_parts[3].admit(GenerationRequest(max_new_tokens=8, **kw))
 
 
 # -- a real serve killed mid-generation ------------------------------------------------------------
-class Streamer(threading.Thread):
-    def __init__(self, address, **kw):
-        super().__init__(daemon=True)
-        self.address, self.kw = address, kw
-        self.first = threading.Event()
-        self.ids: list[int] = []
-        self.final = None
-        self.error = None
-        self.resumes = 0
-        self.seed = None
-
-    def run(self):
-        try:
-            with edgespec.Client(self.address, token=TOKEN, timeout=240) as c:
-                for piece in c.stream(**self.kw):
-                    self.ids.extend(piece.token_ids)
-                    if piece.token_ids:
-                        self.first.set()
-                    if piece.finish_reason:
-                        self.final = piece
-                self.resumes, self.seed = c.last_resumes, c.last_seed
-        except Exception as e:  # reported by the test
-            self.error = e
-        finally:
-            self.first.set()
-
-
 def test_serve_killed_mid_generation_streams_complete_as_target_only(looping, looping_dir,
                                                                      tmp_path):
     port = free_port()
@@ -222,10 +178,11 @@ def test_serve_killed_mid_generation_streams_complete_as_target_only(looping, lo
         drafter.wait_for("attached to")
         drafter.popen.send_signal(signal.SIGSTOP)
         pinned = dict(max_new_tokens=N, device_id="frozen")
-        greedy = Streamer(address, prompt_ids=PROMPTS[0], **pinned)
-        seeded = Streamer(address, prompt_ids=PROMPTS[1], temperature=TEMPERATURE, seed=SEED,
+        greedy = Streamer(address, TOKEN, prompt_ids=PROMPTS[0], **pinned)
+        seeded = Streamer(address, TOKEN, prompt_ids=PROMPTS[1], temperature=TEMPERATURE, seed=SEED,
                           **pinned)
-        unseeded = Streamer(address, prompt_ids=PROMPTS[2], temperature=TEMPERATURE, **pinned)
+        unseeded = Streamer(address, TOKEN, prompt_ids=PROMPTS[2], temperature=TEMPERATURE,
+                            **pinned)
         streams = (greedy, seeded, unseeded)
         for s in streams:
             s.start()
