@@ -222,7 +222,7 @@ class RedisSessionStore:
                          args=[v.epoch, v.n_accepted, pack_tokens([v.token]), int(v.done),
                                self.ttl_s, self.inbox_maxlen, v.session_id, fix[0], v.start,
                                v.finish_reason, pack_tokens(v.branch),
-                               ",".join(map(str, fix[1:]))],
+                               ",".join(map(str, fix[1:])), int(v.own_branch)],
                          client=pipe)
         out = []
         for v, res in zip(verdicts, pipe.execute(raise_on_error=False)):

@@ -7,11 +7,13 @@ chunk if its epoch and start are current, within the window; its branches (alter
 kept tokens) are kept while the session holds fewer than max_branches.
 
 COMMIT (KEYS: hash, tok, draft, br, inbox; ARGV: epoch, n, packed token, done, ttl, maxlen,
-sid, first fix token, start, finish, packed branch tokens, the fix's further tokens as CSV)
+sid, first fix token, start, finish, packed branch tokens, the fix's further tokens as CSV,
+own branch 1/0)
 appends draft[:n] + branch + token to the committed tokens. A commit the draft held keeps the
 branches still ahead; anything else (a rejection, a bonus token, a branch) is a fix: the draft
 and its branches are dropped, the epoch moves on, and the drafter's inbox gets the fix. A
-verdict that names a branch the draft does not hold is refused. A commit replayed after it
+verdict that names a branch the draft does not hold is refused, unless the branch is the
+verifier's own (a draft head's). A commit replayed after it
 landed (its reply lost with the connection) is recognised by its position and last token and
 answered with code 2, not applied twice. Both rules are the in-process store's too
 (``edgespec.session``); tests/test_store_contract.py holds the two stores to the same cases.
@@ -73,7 +75,7 @@ if tonumber(h[1]) ~= tonumber(ARGV[1]) then return {-2, 'verdict for a stale epo
 local draft = redis.call('GET', KEYS[3]) or ''
 local dlen = string.len(draft) / 4
 if n > dlen then return {-4, 'accepted more tokens than were drafted'} end
-if nbr > 0 then
+if nbr > 0 and ARGV[13] ~= '1' then
   local held = false
   for _, b in ipairs(redis.call('LRANGE', KEYS[4], 0, -1)) do
     if struct.unpack('<I4', b) == start + n and string.sub(b, 5, 4 + nbr * 4) == branch then

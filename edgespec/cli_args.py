@@ -56,6 +56,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="most branch tokens of a token-tree draft verified per session per "
                         "step, within the batch's token budget; 0: chains only "
                         "(default: %(default)s)")
+    p.add_argument("--head", default=None, metavar="DIR",
+                   help="a trained draft head drafting inside the verifier from its own "
+                        "forward's features, for every session, beside its drafter's drafts: a "
+                        "head folder (made by edgespec distill), 'default' (the default model's "
+                        "shipped head) or a shipped kind (eagle, specformer, ctc) (default: none)")
 
 
 def add_tree_width_arg(p: argparse.ArgumentParser) -> None:
@@ -106,7 +111,8 @@ def engine_config(args, max_sessions: int | None = None) -> EngineConfig:
                         max_batch_tokens=getattr(args, "max_batch_tokens", d.max_batch_tokens),
                         verify=getattr(args, "verify", d.verify), loose=loose,
                         tree_width=getattr(args, "tree_width", d.tree_width),
-                        tree_nodes=getattr(args, "tree_nodes", d.tree_nodes))
+                        tree_nodes=getattr(args, "tree_nodes", d.tree_nodes),
+                        head=getattr(args, "head", None) or d.head)
 
 
 def add_threads_arg(p: argparse.ArgumentParser) -> None:

@@ -111,6 +111,9 @@ class EngineConfig:
     # within max_batch_tokens (0: never verifies branches)
     tree_width: int = 1
     tree_nodes: int = 8
+    # a draft head drafting in the verifier from its own forward's features (a head folder,
+    # "default" or a kind: ``edgespec.heads.manifest.resolve_head_dir``); "": none
+    head: str = ""
 
     def __post_init__(self) -> None:
         for name in ("max_draft", "window", "chunk", "max_sessions", "max_context",

@@ -29,6 +29,7 @@ from .draft_worker import DraftWorker
 from .drafters import DraftLength, Drafter
 from .fleet_table import FleetTable
 from .generation import ActiveSession, Request, Result, SessionFailed
+from .heads.proposer import HeadProposer, accepted_from, head_branch, held_branch
 from .protocol import DraftWant, SessionStore, TakenDraft, Verdict
 from .runner import TargetRunner
 from .keyed_noise import with_session_seed
@@ -51,6 +52,7 @@ class _Checked:
     n: int
     token: int
     branch: tuple[int, ...] = ()
+    own: bool = False  # the branch is the verifier's head's draft, not the drafter's
 
 
 @dataclass
@@ -62,6 +64,7 @@ class _Decided:
     new: list[int]  # tokens it adds to the output (cut at a stop token or the length limit)
     drafted: int  # draft tokens verified: the chain's and the branches'
     chain: int = 0  # of which the chain's
+    head_offer: tuple[int, ...] = ()  # the head's proposal verified this step
 
     @property
     def accepted(self) -> int:
@@ -75,12 +78,18 @@ class SpecEngine:
 
     def __init__(self, target: TargetRunner, drafter: Drafter | None = None,
                  config: EngineConfig | None = None, stop_ids: set[int] | None = None,
-                 store: SessionStore | None = None, fleet: FleetTable | None = None):
+                 store: SessionStore | None = None, fleet: FleetTable | None = None,
+                 head: HeadProposer | None = None):
         if store is not None and drafter is not None:
             raise ValueError("give a local drafter or an external store, not both")
         self.target = target
         self.drafter = drafter
         self.cfg = config or EngineConfig()
+        if head is None and self.cfg.head:
+            from .heads.manifest import load_head
+
+            head = HeadProposer(load_head(self.cfg.head, target))
+        self.head = head  # a draft head drafting from the verification forward's features
         self.stop_ids = set(stop_ids or ())
         # fleet: a Cacheback fleet table the local store teaches each finished session's output
         self.worker: DraftWorker | None = None
@@ -159,6 +168,8 @@ class SpecEngine:
         act = ActiveSession(sid, req, slot,
                             DraftLength(self.cfg.max_draft, adaptive=self.cfg.adaptive))
         act.verify = verify
+        if self.head is not None:
+            act.head_context = self.head.new_context(self.target.device)
         act.stats.prefill_s = time.perf_counter() - t0
         act.stats.start = t0
         act.stats.lossy = verify == "loose"
@@ -242,6 +253,7 @@ class SpecEngine:
                                                 for x in b.tokens):
                     t.branches = []
                 batch.append((act, t))
+        offers = [self._offer_head_draft(act, t) for act, t in batch]
         if not batch:
             return None
         t1 = time.perf_counter()
@@ -250,7 +262,7 @@ class SpecEngine:
         width = sum(1 + len(t.tokens) + t.branch_tokens for _, t in batch)
         self.cost.observe(width, t2 - t1)
         decided = []
-        for (act, t), c in zip(batch, verdicts):
+        for (act, t), c, offer in zip(batch, verdicts, offers):
             if c is None:
                 continue  # its forward failed: already failed alone
             new, finish = self._truncate(act, t.tokens[:c.n] + list(c.branch) + [c.token])
@@ -258,13 +270,27 @@ class SpecEngine:
             # the accepted run (the kept last token is then a draft token the draft holds)
             n, branch = min(c.n, len(new) - 1), tuple(new[c.n:len(new) - 1])
             decided.append(_Decided(act, Verdict(act.sid, t.epoch, t.start, n, new[-1],
-                                                 finish_reason=finish or "", branch=branch),
-                                    new, len(t.tokens) + t.branch_tokens, len(t.tokens)))
+                                                 finish_reason=finish or "", branch=branch,
+                                                 own_branch=c.own and bool(branch)),
+                                    new, len(t.tokens) + t.branch_tokens, len(t.tokens),
+                                    offer))
             act.stats.take_s += t1 - t0
             act.stats.forward_s += t2 - t1
         t3 = time.perf_counter()
         applied = self._commit(decided)
         return _report(applied, len(batch), width, t1 - t0, t2 - t1, time.perf_counter() - t3)
+
+    def _offer_head_draft(self, act: ActiveSession, t: TakenDraft) -> tuple[int, ...]:
+        """Add the head's draft for this session to its draft as a branch (exact sessions);
+        returns what the head proposed (empty: nothing)."""
+        offer = tuple(act.head_draft)
+        act.head_draft = []
+        if not offer or act.verify != "exact":
+            return ()
+        branch = head_branch(t.tokens, offer)
+        if branch is not None:
+            t.branches.append(branch)
+        return offer
 
     def _verify(self, batch: list[tuple[ActiveSession, TakenDraft]]
                 ) -> Sequence[_Checked | None]:
@@ -291,20 +317,30 @@ class SpecEngine:
                  else DraftTree.chain(t.tokens) for _, t in batch]
         slots, roots = [a.slot for a, _ in batch], [a.last_token for a, _ in batch]
         if any(t.branches for _, t in batch):
-            logits = self.target.forward_tree(slots, roots, trees)  # [B, 1 + N, V]
+            scored = self.target.score_tree(slots, roots, trees)  # [B, 1 + N, V]
         else:
-            logits = self.target.forward(slots, [[r] + t.tokens for r, (_, t) in
-                                                 zip(roots, batch)])  # [B, 1 + k, V]
+            scored = self.target.score(slots, [[r] + t.tokens for r, (_, t) in
+                                               zip(roots, batch)])  # [B, 1 + k, V]
         vb = VerifyBatch.build([(list(tr.tokens), list(tr.parents)) for tr in trees],
                                [t.start for _, t in batch], [a.req.params for a, _ in batch],
                                [a.verify for a, _ in batch], self.target.vocab_size,
                                self.target.device)
-        out = verify_step(logits, vb, self.cfg.loose)
+        proposal = None
+        if self.head is not None:
+            proposal = self.head.for_step([a.head_context for a, _ in batch], scored.features,
+                                          vb.tokens, vb.depths)
+        out = verify_step(scored.logits, vb, self.cfg.loose, proposal)
         checked = []
-        for (act, t), tree, path, token in zip(batch, trees, out.paths, out.tokens):
+        for b, ((act, t), tree, path, token) in enumerate(zip(batch, trees, out.paths,
+                                                             out.tokens)):
             self.target.compact(act.slot, path)  # a branch's keys/values into place
             n = sum(1 for i in path if i < len(t.tokens))  # the path's chain nodes come first
-            checked.append(_Checked(n, token, tuple(tree.tokens[i] for i in path[n:])))
+            branch = tuple(tree.tokens[i] for i in path[n:])
+            checked.append(_Checked(n, token, branch,
+                                    own=bool(branch) and not held_branch(t.branches, n, branch)))
+            if proposal is not None:
+                act.head_context = proposal.after[b]
+                act.head_draft = list(itertools.takewhile(lambda x: x >= 0, out.proposals[b]))
         return checked
 
     def _commit(self, decided: list[_Decided]) -> list[_Decided]:
@@ -327,6 +363,10 @@ class SpecEngine:
             act.draft_len.update(d.chain, v.n_accepted)  # the chain's own acceptance
             act.draft_len.update_branches(d.drafted - d.chain, len(v.branch))
             act.stats.record_step(d.drafted, d.accepted, len(v.branch))
+            if d.head_offer:
+                act.stats.head_tokens += len(d.head_offer)
+                act.stats.head_accepted += accepted_from(
+                    d.head_offer, d.new[:v.n_accepted + len(v.branch)])
             act.stats.commit_s += dt
             act.output.extend(d.new)
             act.last_token = v.token

@@ -5,6 +5,7 @@ ends one session and no other."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 from typing import Callable
 
 from .config import SamplingParams
@@ -50,6 +51,10 @@ class ActiveSession:
         self.stats = Stats()
         self.finish: str | None = None
         self.verify = "exact"  # "exact" or "loose": how this session's drafts are verified
+        # the verifier's draft head, if it has one (``edgespec.heads.proposer``): this
+        # session's context pairs and the head's draft for the next step
+        self.head_context: Any = None
+        self.head_draft: list[int] = []
 
     @property
     def end(self) -> int:

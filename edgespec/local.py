@@ -7,7 +7,7 @@ parts around its own session store.
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 from .config import EngineConfig, SamplingParams
@@ -52,7 +52,10 @@ class LocalGenerator:
         if spec not in self.engines:
             d = build_drafter(spec, self.target, self.runner, n_slots=self.cfg.max_sessions,
                               max_len=self.cfg.max_context, device=self.device, dtype=self.dtype)
-            self.engines[spec] = SpecEngine(self.runner, d, self.cfg, self.stop_ids)
+            cfg = self.cfg
+            if spec.startswith("head:"):  # the head alone, drafting in the verifier
+                cfg = replace(cfg, head=spec.partition(":")[2])
+            self.engines[spec] = SpecEngine(self.runner, d, cfg, self.stop_ids)
         return self.engines[spec]
 
     def encode(self, prompt: str, raw: bool = False) -> list[int]:

@@ -30,6 +30,8 @@ class Stats:
     start: float = 0.0
     lossy: bool = False  # verified loosely (FLy): the output may differ from the target's own
     branch_tokens: int = 0  # accepted tokens that came from a tree's branch, not the chain
+    head_tokens: int = 0  # tokens the verifier's draft head proposed
+    head_accepted: int = 0  # of which accepted
 
     def record_step(self, drafted: int, accepted: int, from_branch: int = 0) -> None:
         self.steps += 1

@@ -128,6 +128,9 @@ class Verdict:
     finish_reason: str = ""  # set on the session's last verdict: "stop" or "length"
     # tokens accepted from a branch at start + n_accepted, before ``token`` (trees only)
     branch: tuple[int, ...] = ()
+    # the branch was the verifier's own draft (a draft head's), not one the draft holds: the
+    # store commits it as a fix without looking for it among the draft's branches
+    own_branch: bool = False
 
     @property
     def done(self) -> bool:

@@ -16,6 +16,7 @@ The layer-skip self-draft is the same runner over the first L layers, with the f
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Literal, Protocol, Sequence, overload
 
 import torch
@@ -42,6 +43,14 @@ class TreeShape(Protocol):
     def parents(self) -> Sequence[int]: ...
 
     def __len__(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class Scored:
+    """A forward's logits and the features they were read from (what a draft head takes)."""
+
+    logits: torch.Tensor  # [B, T, V] float32
+    features: torch.Tensor  # [B, T, H] runner dtype: the final norm's output (LM head input)
 
 
 class _Layer:
@@ -87,6 +96,7 @@ class TargetRunner:
             )
         base: Any = model.model
         total = len(base.layers)
+        self.n_total_layers = total
         self.n_layers = total if n_layers is None else n_layers
         if not 1 <= self.n_layers <= total:
             raise ConfigError(f"layers must be in 1..{total}, got {n_layers}")
@@ -211,7 +221,26 @@ class TargetRunner:
         (T = longest row; positions past a row's end are padding), "last" returns [B, V] for each
         row's last token, "none" returns None.
         """
-        B = len(rows)
+        x = self._hidden(slots, rows)
+        if logits == "none":
+            return None
+        if logits == "last":
+            dev = self.device
+            last = torch.as_tensor([len(r) - 1 for r in rows], device=dev)
+            x = x[torch.arange(len(rows), device=dev), last]  # [B, H]
+        return self.lm_head(self._rms(x, self.norm)).float()
+
+    @torch.inference_mode()
+    def score(self, slots: list[int], rows: list[list[int]]) -> Scored:
+        """``forward`` with every position's logits and features."""
+        return self._scored(self._hidden(slots, rows))
+
+    def _scored(self, x: torch.Tensor) -> Scored:
+        feats = self._rms(x, self.norm)
+        return Scored(self.lm_head(feats).float(), feats)
+
+    def _hidden(self, slots: list[int], rows: list[list[int]]) -> torch.Tensor:
+        """The last decoder layer's output [B, T, H] for ``forward``'s rows."""
         T = max(len(r) for r in rows)
         if min(len(r) for r in rows) < 1:
             raise ValueError("every row needs at least one token")
@@ -225,17 +254,17 @@ class TargetRunner:
         n_pos = padded_keys(max(starts) + T, self.cache.capacity)
         # causal: row b's token t sees keys at positions <= its own
         visible = torch.arange(n_pos, device=dev)[None, None, :] <= pos[:, :, None]  # [B, T, n]
-        x = self._run_layers(slots, tokens, pos, pos, visible, n_pos)
-        if logits == "none":
-            return None
-        if logits == "last":
-            last = torch.as_tensor([len(r) - 1 for r in rows], device=dev)
-            x = x[torch.arange(B, device=dev), last]  # [B, H]
-        return self.lm_head(self._rms(x, self.norm)).float()
+        return self._run_layers(slots, tokens, pos, pos, visible, n_pos)
 
     @torch.inference_mode()
     def forward_tree(self, slots: list[int], roots: list[int], trees: Sequence[TreeShape]
                      ) -> torch.Tensor:
+        """``score_tree``'s logits [B, 1 + N_max, V] float32."""
+        return self.score_tree(slots, roots, trees).logits
+
+    @torch.inference_mode()
+    def score_tree(self, slots: list[int], roots: list[int], trees: Sequence[TreeShape]
+                   ) -> Scored:
         """Score token trees: one tree per slot, each hanging from its root (the slot's last
         committed token, not yet in the KV), all in one forward pass.
 
@@ -247,9 +276,9 @@ class TargetRunner:
         ancestors' keys in decoding order (``attention.TailKeys``). The mask is built on the
         device from the parents. Trees are trusted (the caller validated them). Writes
         keys/values without moving the length pointer; ``compact`` then keeps the accepted path
-        (it moves nothing for a path along the spine). Returns
-        [B, 1 + N_max, V] float32: row 0 scores the root's successor, row 1 + i node i's (rows
-        past a tree's end are padding).
+        (it moves nothing for a path along the spine). Returns the logits
+        [B, 1 + N_max, V] float32 (row 0 scores the root's successor, row 1 + i node i's; rows
+        past a tree's end are padding) and the features of those rows.
         """
         if not len(slots) == len(roots) == len(trees) >= 1:
             raise ValueError("forward_tree needs one root and one tree per slot")
@@ -278,7 +307,7 @@ class TargetRunner:
             visible[tail.rows, tail.queries] = \
                 keys[None, :] < (tail.block0 * KEY_BLOCK)[:, None]
         x = self._run_layers(slots, tokens, store, rope, visible, n_pos, tail)
-        return self.lm_head(self._rms(x, self.norm)).float()
+        return self._scored(x)
 
     def compact(self, slot: int, path: list[int]) -> None:
         """Keep a verified tree's accepted path: move the keys/values of nodes ``path`` (node

@@ -110,8 +110,8 @@ class SessionState:
         if n > len(self.draft):
             raise StaleChunkError(f"accepted {n} of a {len(self.draft)}-token draft")
         branch = tuple(v.branch)
-        if branch and not any(b.at == n and b.tokens[:len(branch)] == branch
-                              for b in self.branches):
+        if branch and not v.own_branch and not any(
+                b.at == n and b.tokens[:len(branch)] == branch for b in self.branches):
             raise StaleChunkError("the verdict accepted a branch the draft does not hold")
         self.committed.extend([*self.draft[:n], *branch, v.token])
         held = not branch and len(self.draft) > n and self.draft[n] == v.token

@@ -105,7 +105,8 @@ class DraftTree:
 
 def tree_of_draft(spine: Sequence[int], branches: Sequence[Branch]) -> DraftTree:
     """The verifier's node layout of a chain draft ``spine`` and its branches (each hangs from
-    the spine token at - 1, or from the root when at is 0). The spine is nodes
+    the spine token at - 1, or from the root when at is 0; at len(spine), a draft head's
+    proposal past the chain, it extends the chain's last token). The spine is nodes
     0..len(spine) - 1, so a path's leading nodes below len(spine) are spine tokens; a branch
     that repeats existing nodes shares them (a trie), and one that does not hang from the
     spine is ignored."""
@@ -113,7 +114,7 @@ def tree_of_draft(spine: Sequence[int], branches: Sequence[Branch]) -> DraftTree
     index = {(p, t): i for i, (p, t) in enumerate(zip(parents, tokens))}
     for b in branches:
         node = b.at - 1  # the spine node it hangs from; -1: the root
-        if not -1 <= node < len(spine) - 1:
+        if not -1 <= node < len(spine):
             continue
         for t in b.tokens:
             nxt = index.get((node, t))

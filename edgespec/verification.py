@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
@@ -108,6 +109,12 @@ class VerifyOutcome:
 
     paths: list[list[int]]
     tokens: list[int]
+    proposals: list[list[int]] = field(default_factory=list)  # a proposer's next drafts
+
+
+# drafts the next step on the device from a step's decisions: (accepted [B, N] bool, emitted
+# token [B] long) -> target token ids [B, K] long (-1: none); its output joins the step's sync
+Proposer = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def filter_scores(logits: torch.Tensor, vb: VerifyBatch) -> torch.Tensor:
@@ -176,10 +183,11 @@ def _loose_accepts(match: torch.Tensor, tokens: torch.Tensor, scores: torch.Tens
     return (ent > loose.entropy) & plausible & window_ok & inside
 
 
-def verify_step(logits: torch.Tensor, vb: VerifyBatch, loose: LooseParams | None = None
-           ) -> VerifyOutcome:
+def verify_step(logits: torch.Tensor, vb: VerifyBatch, loose: LooseParams | None = None,
+                propose: Proposer | None = None) -> VerifyOutcome:
     """Decide every row of a step. logits: [B, 1 + N', V] from ``forward`` (chains) or
-    ``forward_tree``; a row uses its first 1 + count entries. One host sync."""
+    ``forward_tree``; a row uses its first 1 + count entries. ``propose``: drafts for the next
+    step from the decisions, computed before the sync. One host sync."""
     N = min(vb.max_nodes, logits.shape[1] - 1)
     logits = logits[:, :1 + N]  # rows past every draft: padding
     choices, scores = target_choices(logits, vb)  # [B, 1 + N]
@@ -202,9 +210,13 @@ def verify_step(logits: torch.Tensor, vb: VerifyBatch, loose: LooseParams | None
     last = torch.where(accepted, idx + 1, 0).amax(1, keepdim=True) if N else \
         torch.zeros(len(tokens), 1, dtype=torch.long, device=logits.device)
     token = choices.gather(1, last)  # after the path's last node (row 0: the root)
-    host = torch.cat([token, accepted.long()], 1).tolist()  # the step's one sync
-    return VerifyOutcome([[i for i, a in enumerate(r[1:]) if a] for r in host],
-                         [r[0] for r in host])
+    parts = [token, accepted.long()]
+    if propose is not None:
+        parts.append(propose(accepted, token[:, 0]))
+    host = torch.cat(parts, 1).tolist()  # the step's one sync
+    return VerifyOutcome([[i for i, a in enumerate(r[1:1 + N]) if a] for r in host],
+                         [r[0] for r in host],
+                         [r[1 + N:] for r in host] if propose is not None else [])
 
 
 def verify_batch(logits: torch.Tensor, drafts: list[list[int]], params: list[SamplingParams],

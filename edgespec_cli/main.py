@@ -184,6 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     from .cluster import add_cluster_commands
     from .deploy import add_deploy_command
+    from .distill import add_distill_command
     from .simulate.cli import add_simulate_command
     from .status import add_status_command
 
@@ -191,6 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_status_command(sub)
     add_deploy_command(sub)
     add_simulate_command(sub)
+    add_distill_command(sub)
     return parser
 
 

@@ -20,11 +20,12 @@ from edgespec.tree_verify import tree_of_draft
 def test_tree_of_draft_puts_the_chain_first_and_shares_prefixes():
     tree = tree_of_draft([10, 11, 12], [Branch(2, (20, 21)), Branch(2, (20, 22)),
                                         Branch(0, (10, 30)),  # shares the chain's 10
-                                        Branch(3, (40,)),  # not an alternative: ignored
+                                        Branch(3, (40,)),  # extends the chain's end
+                                        Branch(4, (42,)),  # past the chain: ignored
                                         Branch(-1, (41,))])
-    # at 2 hangs from chain node 1 (token 11); at 0 from the root
-    assert tree.tokens == (10, 11, 12, 20, 21, 22, 30)
-    assert tree.parents == (-1, 0, 1, 1, 3, 3, 0)
+    # at 2 hangs from chain node 1 (token 11); at 0 from the root; at 3 from the last node
+    assert tree.tokens == (10, 11, 12, 20, 21, 22, 30, 40)
+    assert tree.parents == (-1, 0, 1, 1, 3, 3, 0, 2)
 
 
 def test_tree_settings_are_checked():

@@ -25,7 +25,8 @@ __all__ = ["Draft", "Drafter", "DraftSession", "DraftLength", "MaGDrafter",
 
 FORMS = {"none": "none", "mag": "mag", "cacheback": "cacheback",
          "mag+cacheback": "mag+cacheback", "layers": "layers:L", "model": "model:PATH",
-         "llamacpp": "llamacpp:FILE.gguf", "cascade": "cascade:SPEC,SPEC,..."}
+         "llamacpp": "llamacpp:FILE.gguf", "cascade": "cascade:SPEC,SPEC,...",
+         "head": "head:DIR"}
 DRAFTER_HELP = " | ".join(FORMS.values())
 # what a drafter device (``edgespec drafter``, deploy, simulate) can run: no target on the board
 EDGE_KINDS = ("mag", "cacheback", "mag+cacheback", "model", "llamacpp", "cascade")
@@ -49,10 +50,10 @@ def parse_drafter_spec(spec: str | None, allowed: tuple[str, ...] = tuple(FORMS)
                           f"{' | '.join(FORMS[k] for k in allowed if k in FORMS)}")
     if kind == "layers" and not arg.isdigit():
         raise ConfigError(f"layers:L needs an integer L, got {arg!r}")
-    if kind in ("model", "llamacpp") and not arg:
+    if kind in ("model", "llamacpp", "head") and not arg:
         raise ConfigError(f"{FORMS[kind]} needs a path")
     if kind == "cascade":
-        inner = tuple(k for k in allowed if k not in ("none", "cascade"))
+        inner = tuple(k for k in allowed if k not in ("none", "cascade", "head"))
         members = tuple(parse_drafter_spec(m, inner) for m in arg.split(",") if m.strip())
         if len(members) < 2:
             raise ConfigError(f"cascade:SPEC,SPEC,... needs at least two drafters, got {arg!r}")
@@ -80,7 +81,7 @@ def build_drafter(spec: str | DrafterSpec, target=None, target_runner=None, n_sl
     fleet's n-grams from (None: per session and per drafter only)."""
     parsed = spec if isinstance(spec, DrafterSpec) else parse_drafter_spec(spec)
     kind, arg = parsed.kind, parsed.arg
-    if kind == "none":
+    if kind in ("none", "head"):  # a head drafts in the verifier (EngineConfig.head)
         return None
     if kind == "mag":
         return MaGDrafter()

@@ -1,0 +1,28 @@
+"""A target model's identity for its heads: a head learned one target's features and is refused by
+any other (a different model, or the same architecture with other weights).
+
+The fingerprint hashes the shape of the model and a sample of its weights rounded to bfloat16,
+so the same checkpoint loaded in float32 or bfloat16 (the dtypes the verifier serves) gives the
+same fingerprint.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+
+def target_fingerprint(embed: torch.Tensor, norm: torch.Tensor, n_layers: int) -> str:
+    """From the target's token embedding [V, H], final norm weight [H] and layer count."""
+    h = hashlib.sha256()
+    h.update(f"{tuple(embed.shape)}|{n_layers}".encode())
+    sample = embed[:: max(1, embed.shape[0] // 257)].detach()  # [~257, H]: every 191st row here
+    for t in (sample, norm.detach()):
+        h.update(t.to("cpu", torch.bfloat16).float().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def runner_fingerprint(runner) -> str:
+    """The fingerprint of a ``TargetRunner``'s model (all its layers)."""
+    return target_fingerprint(runner.embed, runner.norm, runner.n_total_layers)

@@ -1,0 +1,94 @@
+"""A draft head as a proposer inside the verifier (``edgespec.engine``).
+
+Each step, the verification forward's features of every session's accepted path extend that
+session's context and the head drafts the next step's tokens, on the device, before the step's
+one host sync (``verification.verify_step``'s ``propose``). The next step verifies the head's
+draft as a branch of the session's draft tree beside whatever a drafter sent (the branch starts
+where the two first differ; with no draft it is the whole chain). A head draft is only a
+proposal: verification decides, so outputs are the target's whatever the head says.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from ..protocol import Branch
+from .drafting import HeadContext, draft, next_context
+from .modules import DraftHead
+
+
+class HeadBranch(Branch):
+    """A branch the verifier's head drafted (no drafter's store holds it)."""
+
+
+def held_branch(branches: Sequence[Branch], n: int, branch: Sequence[int]) -> bool:
+    """Whether a drafter's branch (not the head's) holds an accepted branch at n."""
+    return any(not isinstance(b, HeadBranch) and b.at == n and
+               tuple(b.tokens[:len(branch)]) == tuple(branch) for b in branches)
+
+
+def head_branch(spine: Sequence[int], proposal: Sequence[int]) -> Branch | None:
+    """The head's proposal as a branch of a draft whose chain is ``spine``: from the first
+    position where they differ (``at`` may be len(spine): it extends the chain); None when
+    the chain already holds all of it."""
+    at = 0
+    while at < len(spine) and at < len(proposal) and spine[at] == proposal[at]:
+        at += 1
+    if at == len(proposal):
+        return None
+    return HeadBranch(at, tuple(proposal[at:]))
+
+
+def accepted_from(proposal: Sequence[int], accepted: Sequence[int]) -> int:
+    """How many of a proposal's tokens the step accepted (its common prefix with them)."""
+    n = 0
+    while n < len(proposal) and n < len(accepted) and proposal[n] == accepted[n]:
+        n += 1
+    return n
+
+
+@dataclass
+class StepProposal:
+    """One step's proposer: the sessions' contexts before it, and after it once run."""
+
+    head: DraftHead
+    contexts: list[HeadContext]
+    features: torch.Tensor  # [B, 1 + N, H]: the step forward's rows
+    node_tokens: torch.Tensor  # [B, N]
+    depths: torch.Tensor  # [B, 1 + N]
+    depth: int  # K: tokens drafted per session
+    after: list[HeadContext] = field(default_factory=list)
+
+    def __call__(self, accepted: torch.Tensor, emitted: torch.Tensor) -> torch.Tensor:
+        """``verification.Proposer``: [B, N] bool, [B] long -> [B, K] long."""
+        N = accepted.shape[1]
+        feats, toks, vis = next_context(
+            torch.stack([c.features for c in self.contexts]),
+            torch.stack([c.tokens for c in self.contexts]),
+            torch.stack([c.visible for c in self.contexts]),
+            self.features[:, :1 + N], self.node_tokens[:, :N].clamp_min(0),
+            self.depths[:, :1 + N], accepted, emitted)
+        self.after = [HeadContext(f, t, v) for f, t, v in zip(feats, toks, vis)]
+        return draft(self.head, feats, toks, vis, self.depth)
+
+
+class HeadProposer:
+    """The verifier's head: fresh contexts for new sessions and a ``StepProposal`` a step."""
+
+    def __init__(self, head: DraftHead, depth: int | None = None):
+        self.head = head
+        self.depth = depth or head.cfg.depth
+
+    @property
+    def name(self) -> str:
+        return f"head:{self.head.cfg.kind}"
+
+    def new_context(self, device) -> HeadContext:
+        return HeadContext.empty(self.head.cfg.context, self.head.cfg.hidden, device)
+
+    def for_step(self, contexts: list[HeadContext], features: torch.Tensor,
+                 node_tokens: torch.Tensor, depths: torch.Tensor) -> StepProposal:
+        return StepProposal(self.head, contexts, features, node_tokens, depths, self.depth)

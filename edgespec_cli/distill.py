@@ -1,0 +1,111 @@
+"""``edgespec distill``: build a distillation dataset from the target itself, then train draft
+heads on it.
+
+    edgespec distill --out DIR [--kinds eagle,ctc,specformer] [--prompts FILE ...]
+                     [--max-minutes M] [--threads N] [--seed S] ...
+
+DIR/data holds the dataset (``edgespec.heads.dataset``), DIR/KIND each head folder
+(``edgespec.heads.manifest``). Both steps resume: the harvest from its first missing shard, a
+head from its last checkpoint; a finished head is not trained again.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+import time
+from pathlib import Path
+
+from edgespec.cli_args import add_model_args, add_threads_arg, set_threads
+from edgespec.config import ConfigError
+
+KINDS = ("eagle", "specformer", "ctc")
+
+
+def add_distill_command(sub) -> None:
+    p = sub.add_parser(
+        "distill", help="make draft heads for a target from its own responses",
+        description="Generate the target's responses (greedy and sampled) to prompts, record the "
+                    "features its LM head reads and its next-token distributions into a sharded "
+                    "dataset (OUT/data), then train draft heads on it (OUT/KIND). Resumable: run "
+                    "the same command again after a stop.")
+    p.add_argument("--out", required=True, metavar="DIR", help="where the data and heads go")
+    p.add_argument("--kinds", default=",".join(KINDS),
+                   help="head kinds to train, comma-separated, of " + ", ".join(KINDS) +
+                        " (default: %(default)s; 'none': only the data)")
+    p.add_argument("--prompts", nargs="*", default=[], metavar="FILE",
+                   help="JSONL prompt files: a line is {\"prompt\": TEXT}, {\"messages\": "
+                        "[...]} (chat messages) or {\"turns\": [TEXT, ...]} (the first turn)")
+    p.add_argument("--no-spec-bench", action="store_true",
+                   help="leave out the Spec-Bench questions (by default they are used, except "
+                        "the first --hold-out of each category, which benchmarks use)")
+    p.add_argument("--hold-out", type=int, default=2, metavar="N",
+                   help="Spec-Bench questions per category never trained on, the first N "
+                        "(default: %(default)s; bench's default subset is the first 1)")
+    p.add_argument("--samples", type=int, default=1,
+                   help="sampled responses per prompt, besides the greedy one "
+                        "(default: %(default)s)")
+    p.add_argument("--temperature", type=float, default=0.8,
+                   help="temperature of the sampled responses (default: %(default)s)")
+    p.add_argument("--max-new-tokens", type=int, default=192,
+                   help="longest response harvested (default: %(default)s)")
+    p.add_argument("--max-prompt-tokens", type=int, default=768,
+                   help="leave out longer prompts: decoding them together with short ones "
+                        "slows every row (default: %(default)s)")
+    p.add_argument("--slots", type=int, default=16,
+                   help="responses decoded together (default: %(default)s)")
+    p.add_argument("--per-shard", type=int, default=16,
+                   help="responses per shard (default: %(default)s)")
+    p.add_argument("--max-minutes", type=float, default=None,
+                   help="stop (resumably) after this long, harvest and training together")
+    p.add_argument("--train-steps", type=int, default=1500,
+                   help="training steps per head kind (default: %(default)s)")
+    p.add_argument("--vocab", type=int, default=8192,
+                   help="draft vocabulary: the most frequent tokens of the data "
+                        "(default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
+    add_model_args(p)
+    add_threads_arg(p)
+    p.set_defaults(func=run_distill)
+
+
+def run_distill(args) -> int:
+    threads = set_threads(args.threads)
+    kinds = [] if args.kinds == "none" else [k.strip() for k in args.kinds.split(",")]
+    bad = [k for k in kinds if k not in KINDS]
+    if bad:
+        raise ConfigError(f"unknown head kind {bad[0]!r}: give some of {', '.join(KINDS)}")
+    deadline = None if args.max_minutes is None else time.monotonic() + 60 * args.max_minutes
+    out = Path(args.out)
+    command = "edgespec " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    print(f"distill: torch threads {threads}; output in {out}", flush=True)
+    from .distill_data import make_dataset
+
+    finished = make_dataset(args, out / "data", command, deadline)
+    if not finished:
+        print("distill: stopped by --max-minutes during the harvest; run the same command "
+              "again to resume", flush=True)
+        return 0
+    from edgespec.heads.manifest import MANIFEST
+    from edgespec.heads.training import TargetTensors, TrainSettings, train_head
+    from edgespec.models import load_model
+
+    target = None
+    for kind in kinds:
+        if (out / kind / MANIFEST).exists():
+            print(f"distill: {kind} head already in {out / kind}", flush=True)
+            continue
+        if target is None:
+            loaded = load_model(args.model, args.device, args.dtype)
+            target = TargetTensors.of_model(loaded.model, loaded.name)
+        settings = TrainSettings(kind=kind, vocab=args.vocab, steps=args.train_steps,
+                                 seed=args.seed, threads=threads)
+        report = train_head(target, out / "data", out / kind, settings, command, deadline,
+                            say=lambda m: print(f"distill: {m}", flush=True))
+        if report is None:
+            print("distill: stopped by --max-minutes during training; run the same command "
+                  "again to resume", flush=True)
+            return 0
+        print(f"distill: {kind} head in {out / kind}: " + json.dumps(report), flush=True)
+    return 0
