@@ -290,6 +290,21 @@ def test_a_verdict_that_takes_a_branch_the_draft_does_not_hold_is_refused(side, 
     assert _take(side, budget=8).branches == [Branch(1, (20, 21, 22))]
 
 
+@pytest.mark.parametrize("n, branch", [(1, (30, 31)), (3, (40, 41)), (0, (50,))],
+                         ids=["inside the draft", "past the draft's end", "at its first token"])
+def test_the_verifiers_own_branch_is_committed_as_a_fix(side, n, branch):
+    """A draft head's proposal (own_branch) is no branch of the draft: committed all the same,
+    as a fix carrying its tokens, wherever it starts within or right after the draft."""
+    _new(side)
+    side.push("s", 0, 3, [10, 11, 12], branches=[Branch(1, (20, 21))])
+    [out] = _commit(side, Verdict("s", 0, 3, n, 7, branch=branch, own_branch=True))
+    assert out.fix is not None and (out.fix.epoch, out.fix.position, out.fix.tokens) == \
+        (1, 3 + n, (*branch, 7))
+    assert side.tokens("s") == [1, 2, 3, *[10, 11, 12][:n], *branch, 7]
+    t = _take(side, budget=8)
+    assert (t.epoch, t.tokens, t.branches) == (1, [], [])
+
+
 def test_branches_are_capped_before_the_window_cuts_the_chunk(side):
     """More candidate branches than a draft keeps, some at tokens the window drops: both stores
     cap the chunk's branches first, then keep those of kept tokens."""

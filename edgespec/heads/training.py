@@ -110,9 +110,11 @@ def make_head(kind: str, target: TargetTensors, vocab_ids: torch.Tensor, s: Trai
 
 def train_head(target: TargetTensors, data_dir: Path, out_dir: Path, s: TrainSettings,
                command: str = "", deadline: float | None = None,
-               say: Callable[[str], None] = print) -> dict | None:
+               say: Callable[[str], None] = print, until_step: int | None = None
+               ) -> dict | None:
     """Train (or resume) a head of ``s.kind`` into ``out_dir``; returns its report, or None if
-    the deadline (``time.monotonic``) stopped it first (the checkpoint stays)."""
+    the deadline (``time.monotonic``) or ``until_step`` stopped it first (the checkpoint
+    stays, and the same call resumes it)."""
     info, seqs = load_sequences(data_dir)
     if info.target != target.fingerprint:
         raise ConfigError(f"the dataset in {data_dir} was made from another target "
@@ -140,7 +142,7 @@ def train_head(target: TargetTensors, data_dir: Path, out_dir: Path, s: TrainSet
     t0, last_save, last_say, first = time.monotonic(), time.monotonic(), time.monotonic(), step
     head.train()
     while step < s.steps:
-        if deadline is not None and time.monotonic() >= deadline:
+        if (deadline is not None and time.monotonic() >= deadline) or step == until_step:
             _save_checkpoint(ckpt, head, opt, g, step, spent + time.monotonic() - t0, losses,
                              s, info.command)
             return None
@@ -155,7 +157,7 @@ def train_head(target: TargetTensors, data_dir: Path, out_dir: Path, s: TrainSet
         torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
         opt.step()
         step += 1
-        losses.append(float(loss))
+        losses.append(loss.item())
         now = time.monotonic()
         if now - last_say >= 15 or step == s.steps:
             rate = (step - first) / max(1e-9, now - t0)
