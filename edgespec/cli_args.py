@@ -61,6 +61,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "forward's features, for every session, beside its drafter's drafts: a "
                         "head folder (made by edgespec distill), 'default' (the default model's "
                         "shipped head) or a shipped kind (eagle, specformer, ctc) (default: none)")
+    p.add_argument("--learn", action="store_true",
+                   help="with --head: fine-tune the head on this verifier's own traffic in a "
+                        "low-priority background thread, swapping in a new version only when it "
+                        "drafts better on recent held-out sessions (version and acceptance in "
+                        "status and metrics)")
 
 
 def add_tree_width_arg(p: argparse.ArgumentParser) -> None:
@@ -112,7 +117,8 @@ def engine_config(args, max_sessions: int | None = None) -> EngineConfig:
                         verify=getattr(args, "verify", d.verify), loose=loose,
                         tree_width=getattr(args, "tree_width", d.tree_width),
                         tree_nodes=getattr(args, "tree_nodes", d.tree_nodes),
-                        head=getattr(args, "head", None) or d.head)
+                        head=getattr(args, "head", None) or d.head,
+                        learn=getattr(args, "learn", False))
 
 
 def add_threads_arg(p: argparse.ArgumentParser) -> None:

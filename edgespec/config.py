@@ -114,6 +114,7 @@ class EngineConfig:
     # a draft head drafting in the verifier from its own forward's features (a head folder,
     # "default" or a kind: ``edgespec.heads.manifest.resolve_head_dir``); "": none
     head: str = ""
+    learn: bool = False  # fine-tune the head on live traffic (``edgespec.heads.online``)
 
     def __post_init__(self) -> None:
         for name in ("max_draft", "window", "chunk", "max_sessions", "max_context",
@@ -130,5 +131,7 @@ class EngineConfig:
                               "set tree_nodes to 0 (chains only)")
         if self.draft_wait_ms is not None and self.draft_wait_ms < 0:
             raise ConfigError(f"draft_wait_ms must be >= 0, got {self.draft_wait_ms}")
+        if self.learn and not self.head:
+            raise ConfigError("--learn fine-tunes a draft head: give --head DIR too")
         if self.verify not in VERIFY_MODES:
             raise ConfigError(f"verify must be 'exact' or 'loose', got {self.verify!r}")

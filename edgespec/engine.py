@@ -88,7 +88,8 @@ class SpecEngine:
         if head is None and self.cfg.head:
             from .heads.manifest import load_head
 
-            head = HeadProposer(load_head(self.cfg.head, target))
+            head = HeadProposer(load_head(self.cfg.head, target), source=self.cfg.head,
+                                learn=self.cfg.learn)
         self.head = head  # a draft head drafting from the verification forward's features
         self.stop_ids = set(stop_ids or ())
         # fleet: a Cacheback fleet table the local store teaches each finished session's output
@@ -120,6 +121,8 @@ class SpecEngine:
     def close(self) -> None:
         if self.worker:
             self.worker.stop()
+        if self.head is not None:
+            self.head.close()
 
     def __enter__(self) -> "SpecEngine":
         return self
@@ -191,6 +194,8 @@ class SpecEngine:
         if act in self.active:
             self.active.remove(act)
             self.target.free_slot(act.slot)
+            if self.head is not None:
+                self.head.finish(act.sid)
 
     def _release(self, act: ActiveSession, finish: str) -> None:
         act.stats.tokens = len(act.output) - len(act.req.committed)
@@ -338,8 +343,9 @@ class SpecEngine:
             branch = tuple(tree.tokens[i] for i in path[n:])
             checked.append(_Checked(n, token, branch,
                                     own=bool(branch) and not held_branch(t.branches, n, branch)))
-            if proposal is not None:
+            if proposal is not None and self.head is not None:
                 act.head_context = proposal.after[b]
+                self.head.observe(act.sid, act.head_context, len(path) + 1)
                 act.head_draft = list(itertools.takewhile(lambda x: x >= 0, out.proposals[b]))
         return checked
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 from typing import Callable
 
 from .config import EngineConfig, SamplingParams
-from .drafters import build_drafter
+from .drafters import build_drafter, parse_drafter_spec
 from .engine import Request, SpecEngine
 from .metrics import Stats
 from .models import LoadedModel, encode_prompt, load_model, stop_token_ids
@@ -53,8 +53,9 @@ class LocalGenerator:
             d = build_drafter(spec, self.target, self.runner, n_slots=self.cfg.max_sessions,
                               max_len=self.cfg.max_context, device=self.device, dtype=self.dtype)
             cfg = self.cfg
-            if spec.startswith("head:"):  # the head alone, drafting in the verifier
-                cfg = replace(cfg, head=spec.partition(":")[2])
+            head = parse_drafter_spec(spec).head
+            if head:  # head:DIR, or SPEC+head:DIR: a head drafting in the verifier
+                cfg = replace(cfg, head=head)
             self.engines[spec] = SpecEngine(self.runner, d, cfg, self.stop_ids)
         return self.engines[spec]
 

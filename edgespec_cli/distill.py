@@ -64,6 +64,8 @@ def add_distill_command(sub) -> None:
     p.add_argument("--vocab", type=int, default=8192,
                    help="draft vocabulary: the most frequent tokens of the data "
                         "(default: %(default)s)")
+    p.add_argument("--no-harvest", action="store_true",
+                   help="train on the shards finished so far, without resuming the harvest")
     p.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
     add_model_args(p)
     add_threads_arg(p)
@@ -82,7 +84,7 @@ def run_distill(args) -> int:
     print(f"distill: torch threads {threads}; output in {out}", flush=True)
     from .distill_data import make_dataset
 
-    finished = make_dataset(args, out / "data", command, deadline)
+    finished = args.no_harvest or make_dataset(args, out / "data", command, deadline)
     if not finished:
         print("distill: stopped by --max-minutes during the harvest; run the same command "
               "again to resume", flush=True)

@@ -159,6 +159,8 @@ class EdgespecServer:
         self.scheduler = Scheduler(engine, max_queue=self.opts.max_queue, metrics=self.metrics)
         self.metrics.bind_load(self.scheduler.load, lambda: runner.cache.free_slots)
         self.metrics.bind_model(target.dtype)
+        if self.scheduler.engine.head is not None:
+            self.metrics.bind_head(self.scheduler.engine.head)
         self.admission = Admission(self.scheduler, self.store, target.tokenizer,
                                    runner.vocab_size, self.opts.default_max_new_tokens)
         service = VerifierService(self.admission, model_name=target.name)
@@ -261,6 +263,7 @@ class EdgespecServer:
             if not self.scheduler.drain(timeout):
                 log.warning("drain timed out after %.0fs; failing the sessions left", timeout)
             self.scheduler.stop()
+            self.scheduler.engine.close()  # its drafter thread and head learner, if any
         if self.cache:
             self.cache.stop()
         if self.http is not None:

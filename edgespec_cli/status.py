@@ -31,7 +31,16 @@ def render(st: dict) -> str:
              f"{'healthy' if st['healthy'] else 'NOT healthy'}",
              f"sessions: {st['active_sessions']} active, {st['queued_sessions']} queued; "
              f"KV slots free: {st['free_kv_slots']}/{st['kv_slots']}; "
-             f"throughput (last minute): {st['tokens_per_s_last_minute']:.1f} tok/s", ""]
+             f"throughput (last minute): {st['tokens_per_s_last_minute']:.1f} tok/s"]
+    h = st.get("head") or {}
+    if h.get("kind"):
+        drafted, accepted = int(h.get("draft_tokens", 0)), int(h.get("accepted_tokens", 0))
+        lines.append(f"draft head: {h['kind']} from {h.get('source') or '?'}, version "
+                     f"{h.get('version', 0)}, held-out {h.get('held_out_tokens_per_step', 0):.2f} "
+                     f"tokens/step; accepted {accepted}/{drafted} proposed"
+                     + (f"; learning ({int(h.get('buffered_tokens', 0))} tokens buffered)"
+                        if h.get("learning") else ""))
+    lines.append("")
     head = ("device", "drafter", "attached", "sessions", "acc. rate", "acc. length", "last seen")
     rows = [head] + [(d["device_id"], d["draft_model"], "yes" if d["attached"] else "no",
                       f"{d['sessions']}/{d['max_sessions'] or '-'}",

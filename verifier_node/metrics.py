@@ -12,7 +12,9 @@ histograms: ``edgespec:time_to_first_token_seconds``, ``edgespec:inter_token_lat
 ``edgespec:e2e_request_latency_seconds``. Batches: ``edgespec:batch_size_sessions``,
 ``edgespec:batch_size_tokens``, ``edgespec:step_seconds{phase="wait"|"forward"|"commit"}``.
 Gauges read at scrape time: ``edgespec:num_requests_running``, ``edgespec:num_requests_waiting``,
-``edgespec:kv_slots_free``.
+``edgespec:kv_slots_free``. The draft head (``--head``): ``edgespec:head_draft_tokens_total``,
+``edgespec:head_accepted_tokens_total``, and gauges ``edgespec:head_version`` and
+``edgespec:head_held_out_tokens_per_step`` (``--learn`` moves both).
 
 Label cardinality stays bounded: a device id may be a label (a fleet has a bounded number of
 boards, and the cache forgets boards gone for long), a session id never is.
@@ -86,15 +88,39 @@ class VerifierMetrics:
         self.waiting = Gauge("edgespec:num_requests_waiting", "Requests queued for a slot",
                              registry=r)
         self.kv_free = Gauge("edgespec:kv_slots_free", "Free KV slots", registry=r)
+        self.head_tokens = Counter("edgespec:head_draft_tokens",
+                                   "Tokens the verifier's draft head proposed (finished "
+                                   "sessions)", registry=r)
+        self.head_accepted = Counter("edgespec:head_accepted_tokens",
+                                     "Draft-head tokens accepted (finished sessions)",
+                                     registry=r)
+        self.head_version = Gauge("edgespec:head_version",
+                                  "The serving draft head's version (0: as loaded; --learn "
+                                  "adds one a swap)", registry=r)
+        self.head_held_out = Gauge("edgespec:head_held_out_tokens_per_step",
+                                   "The serving head's tokens per step where last measured "
+                                   "(distill's validation, then --learn's held-out traffic)",
+                                   registry=r)
         self.model_info = Gauge("edgespec:model_info", "The target that serves (value 1)",
                                 ["dtype"], registry=r)
         self._recent: deque[tuple[float, int]] = deque()  # (time, tokens) for throughput
         self._by_device: dict[str, list[int]] = {}  # device -> [drafts, drafted, accepted]
+        self._head = [0, 0]  # head tokens proposed, accepted
         self._lock = threading.Lock()
 
     def bind_model(self, dtype: str) -> None:
         """The served target's dtype, as a label of ``edgespec:model_info``."""
         self.model_info.labels(dtype=dtype).set(1)
+
+    def bind_head(self, head) -> None:
+        """Gauges of a ``HeadProposer``, read at scrape time."""
+        self.head_version.set_function(lambda: head.version)
+        self.head_held_out.set_function(lambda: head.held_out)
+
+    def head_totals(self) -> tuple[int, int]:
+        """(proposed, accepted) head tokens so far."""
+        with self._lock:
+            return self._head[0], self._head[1]
 
     def bind_load(self, load, free_slots) -> None:
         """Gauges read at scrape time: ``load() -> (running, waiting)``, ``free_slots()``."""
@@ -142,6 +168,11 @@ class VerifierMetrics:
     def finished(self, device: str | None, stats, reason: str, latency_s: float) -> None:
         self.success.labels(reason).inc()
         self.e2e.observe(latency_s)
+        self.head_tokens.inc(stats.head_tokens)
+        self.head_accepted.inc(stats.head_accepted)
+        with self._lock:
+            self._head[0] += stats.head_tokens
+            self._head[1] += stats.head_accepted
         if device and stats.num_drafts:
             with self._lock:
                 if device not in self._by_device and len(self._by_device) >= MAX_DEVICES:

@@ -160,7 +160,8 @@ class VerifierService(pb_grpc.VerifierServicer):
             active_sessions=active, queued_sessions=queued, free_kv_slots=sched.engine.free_slots,
             kv_slots=sched.engine.cfg.max_sessions, healthy=sched.healthy,
             dtype=str(sched.engine.target.dtype).removeprefix("torch."),
-            tokens_per_s_last_minute=metrics.tokens_per_s_last_minute() if metrics else 0.0)
+            tokens_per_s_last_minute=metrics.tokens_per_s_last_minute() if metrics else 0.0,
+            head=head_status(sched.engine.head, metrics))
 
     def Cancel(self, request, context):
         try:
@@ -171,3 +172,14 @@ class VerifierService(pb_grpc.VerifierServicer):
             context.abort(grpc.StatusCode.NOT_FOUND, f"no running session {sid!r}")
         return pb.CancelResponse(cancelled=True)
 
+
+def head_status(head, metrics) -> pb.HeadStatus:
+    """The verifier's draft head for the Status RPC (empty without one)."""
+    if head is None:
+        return pb.HeadStatus()
+    drafted, accepted = metrics.head_totals() if metrics else (0, 0)
+    learner = head.learner
+    return pb.HeadStatus(kind=head.head.cfg.kind, source=head.source, version=head.version,
+                         held_out_tokens_per_step=head.held_out, draft_tokens=drafted,
+                         accepted_tokens=accepted, learning=learner is not None,
+                         buffered_tokens=learner.buffered_tokens if learner else 0)

@@ -26,7 +26,7 @@ __all__ = ["Draft", "Drafter", "DraftSession", "DraftLength", "MaGDrafter",
 FORMS = {"none": "none", "mag": "mag", "cacheback": "cacheback",
          "mag+cacheback": "mag+cacheback", "layers": "layers:L", "model": "model:PATH",
          "llamacpp": "llamacpp:FILE.gguf", "cascade": "cascade:SPEC,SPEC,...",
-         "head": "head:DIR"}
+         "head": "head:DIR (or SPEC+head:DIR)"}
 DRAFTER_HELP = " | ".join(FORMS.values())
 # what a drafter device (``edgespec drafter``, deploy, simulate) can run: no target on the board
 EDGE_KINDS = ("mag", "cacheback", "mag+cacheback", "model", "llamacpp", "cascade")
@@ -38,12 +38,22 @@ class DrafterSpec:
     kind: str  # one of FORMS
     arg: str = ""  # layers: L; model: the path; llamacpp: the GGUF file; cascade: the members
     members: tuple["DrafterSpec", ...] = ()  # cascade: top (drafting for the target) first
+    head: str = ""  # SPEC+head:DIR: a draft head drafting in the verifier beside the drafter
 
 
 def parse_drafter_spec(spec: str | None, allowed: tuple[str, ...] = tuple(FORMS)
                        ) -> DrafterSpec:
     """Check a ``--drafter`` spec's form (no model is touched); ConfigError if it is wrong."""
     spec = (spec or "none").strip()
+    base, plus, head = spec.partition("+head:")
+    if plus:
+        if not head or "head" not in allowed:
+            raise ConfigError(f"unknown drafter {spec!r}; SPEC+head:DIR needs a head folder "
+                              "(and a command that verifies)")
+        drafter = parse_drafter_spec(base, allowed)
+        if drafter.kind == "head":
+            raise ConfigError(f"one head at a time, got {spec!r}")
+        return DrafterSpec(drafter.kind, drafter.arg, drafter.members, head=head)
     kind, _, arg = spec.partition(":")
     if kind not in allowed or (kind in _NO_ARG and arg):
         raise ConfigError(f"unknown drafter {spec!r}; use "
@@ -52,6 +62,8 @@ def parse_drafter_spec(spec: str | None, allowed: tuple[str, ...] = tuple(FORMS)
         raise ConfigError(f"layers:L needs an integer L, got {arg!r}")
     if kind in ("model", "llamacpp", "head") and not arg:
         raise ConfigError(f"{FORMS[kind]} needs a path")
+    if kind == "head":
+        return DrafterSpec(kind, arg, head=arg)
     if kind == "cascade":
         inner = tuple(k for k in allowed if k not in ("none", "cascade", "head"))
         members = tuple(parse_drafter_spec(m, inner) for m in arg.split(",") if m.strip())

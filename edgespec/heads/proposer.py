@@ -76,11 +76,24 @@ class StepProposal:
 
 
 class HeadProposer:
-    """The verifier's head: fresh contexts for new sessions and a ``StepProposal`` a step."""
+    """The verifier's head: fresh contexts for new sessions, a ``StepProposal`` a step, and (with
+    ``learn``) an ``OnlineLearner`` fed with every session's accepted pairs, which may swap in a
+    better head (``version`` counts the swaps)."""
 
-    def __init__(self, head: DraftHead, depth: int | None = None):
+    def __init__(self, head: DraftHead, depth: int | None = None, source: str = "",
+                 learn: bool = False):
         self.head = head
         self.depth = depth or head.cfg.depth
+        self.source = source
+        self.version = 0
+        manifest = getattr(head, "manifest", None)
+        self.held_out = float(manifest.validation.get("tokens_per_step", 0.0)) if manifest \
+            else 0.0
+        self.learner = None
+        if learn:
+            from .online import OnlineLearner
+
+            self.learner = OnlineLearner(self)
 
     @property
     def name(self) -> str:
@@ -92,3 +105,27 @@ class HeadProposer:
     def for_step(self, contexts: list[HeadContext], features: torch.Tensor,
                  node_tokens: torch.Tensor, depths: torch.Tensor) -> StepProposal:
         return StepProposal(self.head, contexts, features, node_tokens, depths, self.depth)
+
+    # -- learning ------------------------------------------------------------------------------
+    def observe(self, sid: str, context: HeadContext, new_pairs: int) -> None:
+        """A session's context after a step that added ``new_pairs`` accepted pairs."""
+        if self.learner is not None and new_pairs > 0:
+            self.learner.record(sid, context.features[-new_pairs:],
+                                context.tokens[-new_pairs:])
+
+    def finish(self, sid: str) -> None:
+        if self.learner is not None:
+            self.learner.finish(sid)
+
+    def swap(self, head: DraftHead, held_out: float) -> None:
+        """Serve ``head`` from the next step on (the learner found it better)."""
+        self.head = head
+        self.version += 1
+        self.held_out = held_out
+
+    def measured(self, held_out: float) -> None:
+        self.held_out = held_out
+
+    def close(self) -> None:
+        if self.learner is not None:
+            self.learner.close()

@@ -153,7 +153,7 @@ class DrafterStatus(_message.Message):
     def __init__(self, device_id: _Optional[str] = ..., draft_model: _Optional[str] = ..., attached: _Optional[bool] = ..., sessions: _Optional[int] = ..., max_sessions: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_acceptance_length: _Optional[float] = ..., last_seen_s: _Optional[float] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("model", "version", "drafters", "active_sessions", "queued_sessions", "free_kv_slots", "kv_slots", "tokens_per_s_last_minute", "healthy", "dtype")
+    __slots__ = ("model", "version", "drafters", "active_sessions", "queued_sessions", "free_kv_slots", "kv_slots", "tokens_per_s_last_minute", "healthy", "dtype", "head")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     DRAFTERS_FIELD_NUMBER: _ClassVar[int]
@@ -164,6 +164,7 @@ class StatusResponse(_message.Message):
     TOKENS_PER_S_LAST_MINUTE_FIELD_NUMBER: _ClassVar[int]
     HEALTHY_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
+    HEAD_FIELD_NUMBER: _ClassVar[int]
     model: str
     version: str
     drafters: _containers.RepeatedCompositeFieldContainer[DrafterStatus]
@@ -174,7 +175,28 @@ class StatusResponse(_message.Message):
     tokens_per_s_last_minute: float
     healthy: bool
     dtype: str
-    def __init__(self, model: _Optional[str] = ..., version: _Optional[str] = ..., drafters: _Optional[_Iterable[_Union[DrafterStatus, _Mapping]]] = ..., active_sessions: _Optional[int] = ..., queued_sessions: _Optional[int] = ..., free_kv_slots: _Optional[int] = ..., kv_slots: _Optional[int] = ..., tokens_per_s_last_minute: _Optional[float] = ..., healthy: _Optional[bool] = ..., dtype: _Optional[str] = ...) -> None: ...
+    head: HeadStatus
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[str] = ..., drafters: _Optional[_Iterable[_Union[DrafterStatus, _Mapping]]] = ..., active_sessions: _Optional[int] = ..., queued_sessions: _Optional[int] = ..., free_kv_slots: _Optional[int] = ..., kv_slots: _Optional[int] = ..., tokens_per_s_last_minute: _Optional[float] = ..., healthy: _Optional[bool] = ..., dtype: _Optional[str] = ..., head: _Optional[_Union[HeadStatus, _Mapping]] = ...) -> None: ...
+
+class HeadStatus(_message.Message):
+    __slots__ = ("kind", "source", "version", "held_out_tokens_per_step", "draft_tokens", "accepted_tokens", "learning", "buffered_tokens")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    HELD_OUT_TOKENS_PER_STEP_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LEARNING_FIELD_NUMBER: _ClassVar[int]
+    BUFFERED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    source: str
+    version: int
+    held_out_tokens_per_step: float
+    draft_tokens: int
+    accepted_tokens: int
+    learning: bool
+    buffered_tokens: int
+    def __init__(self, kind: _Optional[str] = ..., source: _Optional[str] = ..., version: _Optional[int] = ..., held_out_tokens_per_step: _Optional[float] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., learning: _Optional[bool] = ..., buffered_tokens: _Optional[int] = ...) -> None: ...
 
 class Register(_message.Message):
     __slots__ = ("device_id", "draft_model", "tokenizer_fingerprint", "max_sessions")

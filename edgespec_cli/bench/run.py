@@ -137,6 +137,9 @@ def run_bench(args) -> int:
     if not questions:
         raise ConfigError("no questions selected")
     drafters = split_drafters(args.drafters)
+    if getattr(args, "head", None):  # the head alone, and beside each drafter
+        drafters += [f"head:{args.head}"] + [f"{d}+head:{args.head}" for d in drafters
+                                             if d != "none" and "+head:" not in d]
     use_llamacpp = llamacpp_installed() and not args.skip_llamacpp
     if use_llamacpp and not any(d.startswith("llamacpp:") for d in drafters):
         drafters.append("llamacpp:default")
@@ -147,11 +150,12 @@ def run_bench(args) -> int:
         check_drafter_arg(d)
     if trees and not 2 <= args.bench_tree_width <= 16:
         raise ConfigError(f"--tree-width must be in [2, 16], got {args.bench_tree_width}")
+    from dataclasses import replace
+
     threads = set_threads(args.threads)
     _log(f"torch threads: {threads}")
-    cfg = engine_config(args, 2)
+    cfg = replace(engine_config(args, 2), head="", learn=False)  # heads: per row
     gen = LocalGenerator(args.model, "none", args.device, args.dtype, cfg)
-    from dataclasses import replace
 
     loose_gen = tree_gen = None
     if loose:

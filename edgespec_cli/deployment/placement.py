@@ -73,6 +73,7 @@ class DeploySpec:
     dtype: str = "auto"  # the verifiers' (auto: bfloat16 where exact there, else float32)
     auth_token: str | None = None
     timeout_s: float = 900.0  # model downloads and loads included
+    head: str = ""  # a draft head in the verifiers (a folder on their node, or a shipped one)
 
     def validate(self) -> None:
         if self.verifiers < 1 or self.drafters_per_board < 1:
@@ -278,7 +279,8 @@ def _place_all(roles, spec, head, vnodes, vres, boards, handles, progress) -> De
                               num_gpus=num_gpus).remote(
             port, cache["redis_url"], model=spec.model, max_sessions=spec.max_sessions,
             threads=spec.threads, http_port=http, auth_token=spec.auth_token,
-            device="cuda" if gpus else "cpu", dtype=spec.dtype)
+            device="cuda" if gpus else "cpu", dtype=spec.dtype,
+            engine={"head": spec.head} if spec.head else None)
     for n in boards:
         # the board's cores shared by its drafters (a model drafter uses them)
         threads = max(1, int(n.resources.get("CPU", 1) // spec.drafters_per_board))

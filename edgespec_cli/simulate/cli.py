@@ -59,6 +59,10 @@ def add_simulate_command(sub) -> None:
                    help="per-device tokens/s the capacity search holds (with --find-capacity)")
     s.add_argument("--max-devices", type=int, default=32,
                    help="the capacity search's upper bound (default: %(default)s)")
+    s.add_argument("--head", default=None, metavar="DIR",
+                   help="a trained draft head in the verifier, drafting from its own forward's "
+                        "features beside the devices' drafts: 'default' (shipped), a kind "
+                        "(eagle, specformer, ctc) or a head folder (default: none)")
     s.add_argument("--max-batch-tokens", type=int, default=None,
                    help="the verifier's most tokens in one forward (own token + drafts of "
                         "every session; the longest drafts are cut first): a small budget "
@@ -172,8 +176,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                            threads=args.threads, dtype=target.dtype, seed=args.seed,
                            timeout_s=args.timeout,
                            tree_width=args.tree_width,
-                           engine={"max_batch_tokens": args.max_batch_tokens}
-                           if args.max_batch_tokens else {})
+                           engine={**({"max_batch_tokens": args.max_batch_tokens}
+                                      if args.max_batch_tokens else {}),
+                                   **({"head": args.head} if args.head else {})})
     modes = ["on", "off"] if args.batching == "both" else [args.batching]
     start_ray(args.address)
     roles = role_actors()
