@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import replace
 from collections import defaultdict
 from pathlib import Path
 
@@ -90,12 +91,12 @@ def make_dataset(args, folder: Path, command: str, deadline: float | None) -> bo
                        max_new_tokens=args.max_new_tokens, sources=sources, command=command)
     if (folder / "dataset.json").exists():
         old = DatasetInfo.load(folder)
-        if old != info:
+        if replace(old, command="") != replace(info, command=""):  # any stop/train options
             raise ConfigError(f"{folder} holds a dataset made otherwise ({old.command!r}); "
                               "give another --out or the same options")
     else:
         info.save(folder)
-    print(f"distill: {len(requests)} prompts, {len(items)} responses in {info.shards} shards, "
+    print(f"distill: {len(prompts)} prompts, {len(items)} responses in {info.shards} shards, "
           f"model loaded in {time.monotonic() - t0:.0f} s ({target.dtype})", flush=True)
     harvester = Harvester(runner, stop_token_ids(target), args.max_new_tokens, info.top_k)
     with torch.inference_mode():

@@ -174,3 +174,32 @@ def test_another_model_gives_another_fingerprint(tmp_path, looping):
     a = runner_fingerprint(TargetRunner(looping.model, n_slots=1, max_len=32))
     b = runner_fingerprint(TargetRunner(other.model, n_slots=1, max_len=32))
     assert a != b
+
+
+def test_learning_from_live_traffic_swaps_in_a_better_head_and_keeps_outputs(looping,
+                                                                            tmp_path):
+    """An untrained head learns from the sessions it serves: the learner's round swaps in a
+    version that drafts better on the held-out newest sessions; outputs stay the target's."""
+    from edgespec.heads.manifest import HeadManifest as Manifest, save_head
+    from edgespec.heads.online import LearnSettings
+    from edgespec.heads.training import make_head
+
+    runner = TargetRunner(looping.model, n_slots=12, max_len=256)
+    target = TargetTensors.of_model(looping.model, "looping")
+    untrained = make_head("eagle", target, torch.arange(10, 90), TrainSettings(
+        kind="eagle", **SETTINGS))
+    save_head(tmp_path / "h", untrained, Manifest(untrained.cfg, target.fingerprint, "looping",
+                                                  "float32"))
+    settings = LearnSettings(min_new_tokens=200, steps=80, lr=3e-3, share=1.0)
+    head = HeadProposer(load_head(str(tmp_path / "h"), runner), learn=settings)
+    prompts = _prompts(24, seed=7)
+    with SpecEngine(runner, None, EngineConfig(), {2}, head=head) as engine:
+        first = engine.generate_many([Request(p, 30) for p in prompts[:12]])
+        deadline = time.monotonic() + 300
+        while head.learner.rounds == 0 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert head.learner.rounds >= 1 and head.version >= 1
+        later = engine.generate_many([Request(p, 30) for p in prompts[12:]])
+    refs = [hf_greedy(looping.model, p, 30) for p in prompts]
+    assert [r.token_ids for r in first + later] == refs
+    assert sum(r.stats.head_accepted for r in later) > sum(r.stats.head_accepted for r in first)

@@ -12,12 +12,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..protocol import Branch
 from .drafting import HeadContext, draft, next_context
 from .modules import DraftHead
+
+if TYPE_CHECKING:
+    from .online import LearnSettings
 
 
 class HeadBranch(Branch):
@@ -81,7 +85,7 @@ class HeadProposer:
     better head (``version`` counts the swaps)."""
 
     def __init__(self, head: DraftHead, depth: int | None = None, source: str = "",
-                 learn: bool = False):
+                 learn: "bool | LearnSettings" = False):
         self.head = head
         self.depth = depth or head.cfg.depth
         self.source = source
@@ -93,7 +97,7 @@ class HeadProposer:
         if learn:
             from .online import OnlineLearner
 
-            self.learner = OnlineLearner(self)
+            self.learner = OnlineLearner(self, None if learn is True else learn)
 
     @property
     def name(self) -> str:
