@@ -66,6 +66,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "low-priority background thread, swapping in a new version only when it "
                         "drafts better on recent held-out sessions (version and acceptance in "
                         "status and metrics)")
+    p.add_argument("--auto", action="store_true",
+                   help="choose for each session, step by step, which draft sources to verify "
+                        "(its drafter's drafts, the head's, both or none) by the latency per "
+                        "token its own measured acceptance and the measured forward cost give; "
+                        "lossless whatever it picks (--drafter auto: mag+cacheback and the "
+                        "shipped head, with this on)")
 
 
 def add_tree_width_arg(p: argparse.ArgumentParser) -> None:
@@ -118,7 +124,8 @@ def engine_config(args, max_sessions: int | None = None) -> EngineConfig:
                         tree_width=getattr(args, "tree_width", d.tree_width),
                         tree_nodes=getattr(args, "tree_nodes", d.tree_nodes),
                         head=getattr(args, "head", None) or d.head,
-                        learn=getattr(args, "learn", False))
+                        learn=getattr(args, "learn", False),
+                        auto=getattr(args, "auto", False))
 
 
 def add_threads_arg(p: argparse.ArgumentParser) -> None:

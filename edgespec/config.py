@@ -115,6 +115,8 @@ class EngineConfig:
     # "default" or a kind: ``edgespec.heads.manifest.resolve_head_dir``); "": none
     head: str = ""
     learn: bool = False  # fine-tune the head on live traffic (``edgespec.heads.online``)
+    # choose per session and step which draft sources to verify (``edgespec.stack_choice``)
+    auto: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_draft", "window", "chunk", "max_sessions", "max_context",

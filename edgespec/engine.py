@@ -35,6 +35,7 @@ from .runner import TargetRunner
 from .keyed_noise import with_session_seed
 from .session import LocalSessionStore
 from .step_planning import plan_branch_budgets, plan_drafts
+from .stack_choice import StackChooser
 from .step_report import StepReport, step_report
 from .tree_verify import DraftTree, tree_of_draft
 from .verification import VerifyBatch, verify_step
@@ -173,6 +174,9 @@ class SpecEngine:
         act.verify = verify
         if self.head is not None:
             act.head_context = self.head.new_context(self.target.device)
+        if self.cfg.auto:
+            act.chooser = StackChooser()
+            act.stats.stacks = act.chooser.chosen
         act.stats.prefill_s = time.perf_counter() - t0
         act.stats.start = t0
         act.stats.lossy = verify == "loose"
@@ -258,6 +262,10 @@ class SpecEngine:
                                                 for x in b.tokens):
                     t.branches = []
                 batch.append((act, t))
+        proposals = [{"drafter": list(t.tokens), "head": list(act.head_draft)}
+                     for act, t in batch]
+        if self.cfg.auto:
+            self._choose_stacks(batch)
         offers = [self._offer_head_draft(act, t) for act, t in batch]
         if not batch:
             return None
@@ -267,10 +275,12 @@ class SpecEngine:
         width = sum(1 + len(t.tokens) + t.branch_tokens for _, t in batch)
         self.cost.observe(width, t2 - t1)
         decided = []
-        for (act, t), c, offer in zip(batch, verdicts, offers):
+        for (act, t), c, offer, proposed in zip(batch, verdicts, offers, proposals):
             if c is None:
                 continue  # its forward failed: already failed alone
             new, finish = self._truncate(act, t.tokens[:c.n] + list(c.branch) + [c.token])
+            if act.chooser is not None:
+                act.chooser.observe(proposed, new)
             # commit exactly what the output keeps: a stop token or the length limit may cut
             # the accepted run (the kept last token is then a draft token the draft holds)
             n, branch = min(c.n, len(new) - 1), tuple(new[c.n:len(new) - 1])
@@ -284,6 +294,18 @@ class SpecEngine:
         t3 = time.perf_counter()
         applied = self._commit(decided)
         return _report(applied, len(batch), width, t1 - t0, t2 - t1, time.perf_counter() - t3)
+
+    def _choose_stacks(self, batch: list[tuple[ActiveSession, TakenDraft]]) -> None:
+        """--auto: drop the draft sources each session's chooser leaves out this step."""
+        fixed, per_token = self.cost.fit() or (1.0, 0.05)
+        for act, t in batch:
+            offered = {"drafter": len(t.tokens),
+                       "head": len(act.head_draft) if act.verify == "exact" else 0}
+            stack = act.chooser.choose(offered, fixed, per_token)
+            if "drafter" not in stack:
+                t.tokens, t.branches = [], []
+            if "head" not in stack:
+                act.head_draft = []
 
     def _offer_head_draft(self, act: ActiveSession, t: TakenDraft) -> tuple[int, ...]:
         """Add the head's draft for this session to its draft as a branch (exact sessions);

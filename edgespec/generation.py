@@ -55,6 +55,7 @@ class ActiveSession:
         # session's context pairs and the head's draft for the next step
         self.head_context: Any = None
         self.head_draft: list[int] = []
+        self.chooser: Any = None  # --auto: its ``stack_choice.StackChooser``
 
     @property
     def end(self) -> int:

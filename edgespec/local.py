@@ -10,7 +10,7 @@ import sys
 from dataclasses import dataclass, replace
 from typing import Callable
 
-from .config import EngineConfig, SamplingParams
+from .config import ConfigError, EngineConfig, SamplingParams
 from .drafters import build_drafter, parse_drafter_spec
 from .engine import Request, SpecEngine
 from .metrics import Stats
@@ -53,9 +53,11 @@ class LocalGenerator:
             d = build_drafter(spec, self.target, self.runner, n_slots=self.cfg.max_sessions,
                               max_len=self.cfg.max_context, device=self.device, dtype=self.dtype)
             cfg = self.cfg
-            head = parse_drafter_spec(spec).head
-            if head:  # head:DIR, or SPEC+head:DIR: a head drafting in the verifier
-                cfg = replace(cfg, head=head)
+            parsed = parse_drafter_spec(spec)
+            if parsed.head:  # head:DIR, or SPEC+head:DIR: a head drafting in the verifier
+                cfg = replace(cfg, head=parsed.head)
+            if parsed.kind == "auto":  # mag+cacheback, the shipped head if it fits, chosen
+                cfg = replace(cfg, auto=True, head=cfg.head or shipped_head_for(self.target))
             self.engines[spec] = SpecEngine(self.runner, d, cfg, self.stop_ids)
         return self.engines[spec]
 
@@ -75,6 +77,17 @@ class LocalGenerator:
     def close(self) -> None:
         for e in self.engines.values():
             e.close()
+
+
+def shipped_head_for(target: LoadedModel) -> str:
+    """'default' when this install ships a head for the target's model, else ''."""
+    from .heads.manifest import resolve_head_dir
+
+    try:
+        resolve_head_dir("default", target.name)
+    except ConfigError:
+        return ""
+    return "default"
 
 
 def print_stream(text: str) -> None:

@@ -32,6 +32,7 @@ class Stats:
     branch_tokens: int = 0  # accepted tokens that came from a tree's branch, not the chain
     head_tokens: int = 0  # tokens the verifier's draft head proposed
     head_accepted: int = 0  # of which accepted
+    stacks: dict[str, int] = field(default_factory=dict)  # --auto: steps per chosen stack
 
     def record_step(self, drafted: int, accepted: int, from_branch: int = 0) -> None:
         self.steps += 1

@@ -203,3 +203,22 @@ def test_learning_from_live_traffic_swaps_in_a_better_head_and_keeps_outputs(loo
     refs = [hf_greedy(looping.model, p, 30) for p in prompts]
     assert [r.token_ids for r in first + later] == refs
     assert sum(r.stats.head_accepted for r in later) > sum(r.stats.head_accepted for r in first)
+
+
+@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=0.8, seed=11)],
+                         ids=["greedy", "sampled"])
+def test_auto_chooses_stacks_per_session_and_stays_lossless(looping, trained, params):
+    root, _, _ = trained
+    runner = TargetRunner(looping.model, n_slots=4, max_len=256)
+    head = HeadProposer(load_head(str(root / "eagle"), runner))
+    sample = params.temperature > 0
+    refs = [hf_keyed_sampled(looping.model, p, 40, params) if sample else
+            hf_greedy(looping.model, p, 40) for p in PROMPTS]
+    with SpecEngine(runner, build_drafter("mag"), EngineConfig(auto=True),
+                    set() if sample else {2}, head=head) as engine:
+        results = engine.generate_many([Request(p, 40, params) for p in PROMPTS])
+    assert [r.token_ids for r in results] == refs
+    for r in results:
+        assert sum(r.stats.stacks.values()) == r.stats.steps
+        assert set(r.stats.stacks) <= {"none", "drafter", "head", "drafter+head"}
+    assert any(n for r in results for s, n in r.stats.stacks.items() if "head" in s)

@@ -14,7 +14,8 @@ histograms: ``edgespec:time_to_first_token_seconds``, ``edgespec:inter_token_lat
 Gauges read at scrape time: ``edgespec:num_requests_running``, ``edgespec:num_requests_waiting``,
 ``edgespec:kv_slots_free``. The draft head (``--head``): ``edgespec:head_draft_tokens_total``,
 ``edgespec:head_accepted_tokens_total``, and gauges ``edgespec:head_version`` and
-``edgespec:head_held_out_tokens_per_step`` (``--learn`` moves both).
+``edgespec:head_held_out_tokens_per_step`` (``--learn`` moves both). ``--auto``:
+``edgespec:auto_stack_steps_total{stack}`` (none, drafter, head, drafter+head).
 
 Label cardinality stays bounded: a device id may be a label (a fleet has a bounded number of
 boards, and the cache forgets boards gone for long), a session id never is.
@@ -94,6 +95,9 @@ class VerifierMetrics:
         self.head_accepted = Counter("edgespec:head_accepted_tokens",
                                      "Draft-head tokens accepted (finished sessions)",
                                      registry=r)
+        self.auto_stacks = Counter("edgespec:auto_stack_steps",
+                                   "--auto: session steps by the draft sources chosen "
+                                   "(finished sessions)", ["stack"], registry=r)
         self.head_version = Gauge("edgespec:head_version",
                                   "The serving draft head's version (0: as loaded; --learn "
                                   "adds one a swap)", registry=r)
@@ -170,6 +174,8 @@ class VerifierMetrics:
         self.e2e.observe(latency_s)
         self.head_tokens.inc(stats.head_tokens)
         self.head_accepted.inc(stats.head_accepted)
+        for stack, n in stats.stacks.items():
+            self.auto_stacks.labels(stack).inc(n)
         with self._lock:
             self._head[0] += stats.head_tokens
             self._head[1] += stats.head_accepted

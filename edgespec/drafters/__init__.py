@@ -23,14 +23,14 @@ from .mag import MaGDrafter
 __all__ = ["Draft", "Drafter", "DraftSession", "DraftLength", "MaGDrafter",
            "DrafterSpec", "build_drafter", "parse_drafter_spec", "DRAFTER_HELP"]
 
-FORMS = {"none": "none", "mag": "mag", "cacheback": "cacheback",
+FORMS = {"none": "none", "auto": "auto", "mag": "mag", "cacheback": "cacheback",
          "mag+cacheback": "mag+cacheback", "layers": "layers:L", "model": "model:PATH",
          "llamacpp": "llamacpp:FILE.gguf", "cascade": "cascade:SPEC,SPEC,...",
          "head": "head:DIR (or SPEC+head:DIR)"}
 DRAFTER_HELP = " | ".join(FORMS.values())
 # what a drafter device (``edgespec drafter``, deploy, simulate) can run: no target on the board
 EDGE_KINDS = ("mag", "cacheback", "mag+cacheback", "model", "llamacpp", "cascade")
-_NO_ARG = ("none", "mag", "cacheback", "mag+cacheback")
+_NO_ARG = ("none", "auto", "mag", "cacheback", "mag+cacheback")
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,7 @@ def parse_drafter_spec(spec: str | None, allowed: tuple[str, ...] = tuple(FORMS)
     if kind == "head":
         return DrafterSpec(kind, arg, head=arg)
     if kind == "cascade":
-        inner = tuple(k for k in allowed if k not in ("none", "cascade", "head"))
+        inner = tuple(k for k in allowed if k not in ("none", "auto", "cascade", "head"))
         members = tuple(parse_drafter_spec(m, inner) for m in arg.split(",") if m.strip())
         if len(members) < 2:
             raise ConfigError(f"cascade:SPEC,SPEC,... needs at least two drafters, got {arg!r}")
@@ -97,10 +97,10 @@ def build_drafter(spec: str | DrafterSpec, target=None, target_runner=None, n_sl
         return None
     if kind == "mag":
         return MaGDrafter()
-    if kind in ("cacheback", "mag+cacheback"):
+    if kind in ("cacheback", "mag+cacheback", "auto"):  # auto: with a head, chosen per step
         from .cacheback import CachebackDrafter
 
-        return CachebackDrafter(fleet=fleet, with_mag=kind == "mag+cacheback")
+        return CachebackDrafter(fleet=fleet, with_mag=kind != "cacheback")
     if kind == "layers":
         if target is None:
             raise ConfigError("layers:L needs the target model")

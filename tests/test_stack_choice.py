@@ -1,0 +1,42 @@
+"""--auto's per-session choice of draft sources (edgespec.stack_choice), with measured inputs."""
+
+from edgespec.stack_choice import StackChooser, accepted_prefix
+
+
+def test_a_proposal_counts_its_common_prefix_with_what_was_committed():
+    assert accepted_prefix([5, 6, 7], [5, 6, 9, 1]) == 2
+    assert accepted_prefix([5, 6], [5, 6, 7]) == 2
+    assert accepted_prefix([], [1]) == 0 and accepted_prefix([4], [5]) == 0
+
+
+def _run(chooser, steps, head_hits, drafter_hits, fixed=1.0, per_token=0.05):
+    """Steps where the head's 6-token proposal has its first head_hits tokens right and the
+    drafter's 4-token proposal its first drafter_hits."""
+    committed = list(range(100, 110))
+    for _ in range(steps):
+        stack = chooser.choose({"drafter": 4, "head": 6}, fixed, per_token)
+        head = committed[:head_hits] + [0] * (6 - head_hits)
+        drafter = committed[:drafter_hits] + [1] * (4 - drafter_hits)
+        chooser.observe({"head": head, "drafter": drafter}, committed[:7])
+    return stack
+
+
+def test_the_source_that_lands_is_kept_and_the_one_that_never_does_is_dropped():
+    assert _run(StackChooser(), 40, head_hits=4, drafter_hits=0) == ("head",)
+    assert _run(StackChooser(), 40, head_hits=0, drafter_hits=3) == ("drafter",)
+
+
+def test_nothing_is_verified_when_nothing_lands_and_width_is_dear():
+    assert _run(StackChooser(), 40, head_hits=0, drafter_hits=0, per_token=0.5) == ()
+
+
+def test_both_are_verified_when_they_land_on_different_steps():
+    chooser = StackChooser()
+    committed = list(range(100, 110))
+    for i in range(60):
+        chooser.choose({"drafter": 3, "head": 3}, 1.0, 0.02)
+        good, bad = committed[:3], [0, 0, 0]
+        chooser.observe({"head": good if i % 2 else bad, "drafter": bad if i % 2 else good},
+                        committed[:4])
+    assert chooser.choose({"drafter": 3, "head": 3}, 1.0, 0.02) == ("drafter", "head")
+    assert sum(chooser.chosen.values()) == 61
