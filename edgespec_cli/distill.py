@@ -31,6 +31,9 @@ def add_distill_command(sub) -> None:
                     "dataset (OUT/data), then train draft heads on it (OUT/KIND). Resumable: run "
                     "the same command again after a stop.")
     p.add_argument("--out", required=True, metavar="DIR", help="where the data and heads go")
+    p.add_argument("--data", default=None, metavar="DIR",
+                   help="the dataset folder (default: OUT/data), e.g. another run's, to train "
+                        "other heads on the same data")
     p.add_argument("--kinds", default=",".join(KINDS),
                    help="head kinds to train, comma-separated, of " + ", ".join(KINDS) +
                         " (default: %(default)s; 'none': only the data)")
@@ -64,6 +67,10 @@ def add_distill_command(sub) -> None:
     p.add_argument("--vocab", type=int, default=8192,
                    help="draft vocabulary: the most frequent tokens of the data "
                         "(default: %(default)s)")
+    p.add_argument("--hold-out-category", action="append", default=[], metavar="CAT",
+                   help="train the heads without this Spec-Bench category's responses (the "
+                        "data keeps them), e.g. to measure --learn on a category a head never "
+                        "saw (bench-learn); repeatable")
     p.add_argument("--no-harvest", action="store_true",
                    help="train on the shards finished so far, without resuming the harvest")
     p.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
@@ -84,7 +91,8 @@ def run_distill(args) -> int:
     print(f"distill: torch threads {threads}; output in {out}", flush=True)
     from .distill_data import make_dataset
 
-    finished = args.no_harvest or make_dataset(args, out / "data", command, deadline)
+    data = Path(args.data) if args.data else out / "data"
+    finished = args.no_harvest or make_dataset(args, data, command, deadline)
     if not finished:
         print("distill: stopped by --max-minutes during the harvest; run the same command "
               "again to resume", flush=True)
@@ -93,7 +101,7 @@ def run_distill(args) -> int:
     from edgespec.heads.training import TargetTensors, TrainSettings, train_head
     from edgespec.models import load_model
 
-    target = None
+    target, exclude = None, None
     for kind in kinds:
         if (out / kind / MANIFEST).exists():
             print(f"distill: {kind} head already in {out / kind}", flush=True)
@@ -101,10 +109,18 @@ def run_distill(args) -> int:
         if target is None:
             loaded = load_model(args.model, args.device, args.dtype)
             target = TargetTensors.of_model(loaded.model, loaded.name)
+            if args.hold_out_category:
+                from .distill_data import sequences_tagged
+
+                exclude = sequences_tagged(args, loaded.tokenizer, set(args.hold_out_category))
+                print(f"distill: {len(exclude)} responses of "
+                      f"{', '.join(args.hold_out_category)} left out of training", flush=True)
         settings = TrainSettings(kind=kind, vocab=args.vocab, steps=args.train_steps,
                                  seed=args.seed, threads=threads)
-        report = train_head(target, out / "data", out / kind, settings, command, deadline,
-                            say=lambda m: print(f"distill: {m}", flush=True))
+        report = train_head(target, data, out / kind, settings, command, deadline,
+                            say=lambda m: print(f"distill: {m}", flush=True), exclude=exclude,
+                            data_note={"held_out_categories": args.hold_out_category}
+                            if args.hold_out_category else None)
         if report is None:
             print("distill: stopped by --max-minutes during training; run the same command "
                   "again to resume", flush=True)

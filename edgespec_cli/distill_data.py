@@ -47,8 +47,43 @@ def spec_bench_training_prompts(hold_out: int) -> list[dict]:
     for q in load_questions([], 0, full=True):
         seen[q["category"]] += 1
         if seen[q["category"]] > hold_out:
-            out.append({"prompt": q["prompt"]})
+            out.append({"prompt": q["prompt"], "tag": q["category"]})
     return out
+
+
+def distill_work(args, tokenizer) -> tuple[list, list[str]]:
+    """The harvest's work list (``heads.harvest.WorkItem``s, each tagged with its prompt's
+    Spec-Bench category or file) and the prompts' sources, from the distill options."""
+    from edgespec.heads.harvest import work_list
+    from edgespec.models import encode_prompt
+
+    requests = [] if args.no_spec_bench else spec_bench_training_prompts(args.hold_out)
+    sources = [] if args.no_spec_bench else [f"spec-bench minus the first {args.hold_out} "
+                                             "of each category"]
+    for path in args.prompts:
+        requests += [{**r, "tag": path} for r in read_prompt_file(path)]
+        sources.append(path)
+    if not requests:
+        raise ConfigError("no prompts: give --prompts FILE or leave Spec-Bench on")
+    encoded = [(encode_prompt(tokenizer, r.get("prompt"), messages=r.get("messages")), r["tag"])
+               for r in requests]
+    kept = [(p, tag) for p, tag in encoded if len(p) <= args.max_prompt_tokens]
+    if not kept:
+        raise ConfigError(f"every prompt is longer than --max-prompt-tokens "
+                          f"{args.max_prompt_tokens}")
+    if len(kept) < len(encoded):
+        print(f"distill: left out {len(encoded) - len(kept)} prompts longer than "
+              f"{args.max_prompt_tokens} tokens", flush=True)
+    items = work_list([p for p, _ in kept], args.samples, args.temperature, args.seed,
+                      [tag for _, tag in kept])
+    return items, sources
+
+
+def sequences_tagged(args, tokenizer, tags: set[str]) -> set[int]:
+    """The dataset's sequences (their indices: a shard keeps its work items' order) whose
+    prompts carry one of ``tags``."""
+    items, _ = distill_work(args, tokenizer)
+    return {i for i, w in enumerate(items) if w.tag in tags}
 
 
 def make_dataset(args, folder: Path, command: str, deadline: float | None) -> bool:
@@ -57,34 +92,16 @@ def make_dataset(args, folder: Path, command: str, deadline: float | None) -> bo
 
     from edgespec.heads.dataset import DatasetInfo
     from edgespec.heads.fingerprint import runner_fingerprint
-    from edgespec.heads.harvest import Harvester, work_list
-    from edgespec.models import encode_prompt, load_model, stop_token_ids
+    from edgespec.heads.harvest import Harvester
+    from edgespec.models import load_model, stop_token_ids
     from edgespec.runner import TargetRunner
 
-    requests = [] if args.no_spec_bench else spec_bench_training_prompts(args.hold_out)
-    sources = [] if args.no_spec_bench else [f"spec-bench minus the first {args.hold_out} "
-                                             "of each category"]
-    for path in args.prompts:
-        requests += read_prompt_file(path)
-        sources.append(path)
-    if not requests:
-        raise ConfigError("no prompts: give --prompts FILE or leave Spec-Bench on")
     t0 = time.monotonic()
     target = load_model(args.model, args.device, args.dtype)
-    prompts = [encode_prompt(target.tokenizer, r.get("prompt"), messages=r.get("messages"))
-               for r in requests]
-    kept = [p for p in prompts if len(p) <= args.max_prompt_tokens]
-    if not kept:
-        raise ConfigError(f"every prompt is longer than --max-prompt-tokens "
-                          f"{args.max_prompt_tokens}")
-    if len(kept) < len(prompts):
-        print(f"distill: left out {len(prompts) - len(kept)} prompts longer than "
-              f"{args.max_prompt_tokens} tokens", flush=True)
-    prompts = kept
-    longest = max(len(p) for p in prompts)
+    items, sources = distill_work(args, target.tokenizer)
+    longest = max(len(w.prompt_ids) for w in items)
     runner = TargetRunner(target.model, n_slots=args.slots,
                           max_len=min(2048, longest + args.max_new_tokens + 2))
-    items = work_list(prompts, args.samples, args.temperature, args.seed)
     info = DatasetInfo(target=runner_fingerprint(runner), hidden=runner.embed.shape[1],
                        vocab=runner.vocab_size, feature_dtype=target.dtype, top_k=16,
                        per_shard=args.per_shard, items=len(items), seed=args.seed,
@@ -96,7 +113,8 @@ def make_dataset(args, folder: Path, command: str, deadline: float | None) -> bo
                               "give another --out or the same options")
     else:
         info.save(folder)
-    print(f"distill: {len(prompts)} prompts, {len(items)} responses in {info.shards} shards, "
+    prompts = len({tuple(w.prompt_ids) for w in items})
+    print(f"distill: {prompts} prompts, {len(items)} responses in {info.shards} shards, "
           f"model loaded in {time.monotonic() - t0:.0f} s ({target.dtype})", flush=True)
     harvester = Harvester(runner, stop_token_ids(target), args.max_new_tokens, info.top_k)
     with torch.inference_mode():

@@ -6,6 +6,8 @@
     edgespec bench [--categories ...] [--per-category N] [--max-new-tokens N] [--full] [--json FILE]
     edgespec bench-net [--categories ...] [--per-category N] [--max-new-tokens N] [--json FILE]
     edgespec bench-drafters [--drafters LIST] [--draft-tokens N] [--json FILE]
+    edgespec bench-learn --head DIR [--category CAT] [--requests N] [--json FILE] [--plot FILE]
+    edgespec distill --out DIR [--kinds eagle,specformer,ctc] [--prompts FILE ...] ...
     edgespec serve [--listen HOST:PORT] [--redis-url URL] ...
     edgespec verifier | cache [--listen HOST:PORT] --redis-url URL ...
     edgespec drafter --cache HOST:PORT --device-id ID [--drafter SPEC]
@@ -181,6 +183,15 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(f)
     add_threads_arg(f)
     f.set_defaults(func=run_bench_forward)
+
+    lr = sub.add_parser("bench-learn", help="a head's acceptance over a stream of requests "
+                                            "with --learn on and off")
+    from .bench.head_learning import add_bench_learn_args, run_bench_learn
+
+    add_bench_learn_args(lr)
+    add_model_args(lr)
+    add_threads_arg(lr)
+    lr.set_defaults(func=run_bench_learn)
 
     from .cluster import add_cluster_commands
     from .deploy import add_deploy_command

@@ -25,6 +25,7 @@ class WorkItem:
     prompt_ids: list[int]
     temperature: float  # 0: greedy
     seed: int
+    tag: str = ""  # where the prompt came from (a Spec-Bench category, a file)
 
 
 @dataclass
@@ -40,18 +41,18 @@ class _Slot:
     top_probs: list[torch.Tensor] = field(default_factory=list)
 
 
-def work_list(prompts: list[list[int]], samples: int, temperature: float, seed: int
-              ) -> list[WorkItem]:
+def work_list(prompts: list[list[int]], samples: int, temperature: float, seed: int,
+              tags: list[str] | None = None) -> list[WorkItem]:
     """Each prompt greedy and ``samples`` times sampled, shorter prompts first (rows decoded
     together attend over the longest one's context), ties in a seeded shuffled order."""
     items = []
-    for p in prompts:
-        items.append(WorkItem(p, 0.0, 0))
-        items.extend(WorkItem(p, temperature, 0) for _ in range(samples))
+    for p, tag in zip(prompts, tags or [""] * len(prompts)):
+        items.append(WorkItem(p, 0.0, 0, tag))
+        items.extend(WorkItem(p, temperature, 0, tag) for _ in range(samples))
     rng = random.Random(seed)
     rng.shuffle(items)
     items.sort(key=lambda w: len(w.prompt_ids))
-    return [WorkItem(w.prompt_ids, w.temperature, seed * 1_000_003 + i)
+    return [WorkItem(w.prompt_ids, w.temperature, seed * 1_000_003 + i, w.tag)
             for i, w in enumerate(items)]
 
 

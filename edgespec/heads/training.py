@@ -110,15 +110,19 @@ def make_head(kind: str, target: TargetTensors, vocab_ids: torch.Tensor, s: Trai
 
 def train_head(target: TargetTensors, data_dir: Path, out_dir: Path, s: TrainSettings,
                command: str = "", deadline: float | None = None,
-               say: Callable[[str], None] = print, until_step: int | None = None
+               say: Callable[[str], None] = print, until_step: int | None = None,
+               exclude: set[int] | None = None, data_note: dict | None = None
                ) -> dict | None:
     """Train (or resume) a head of ``s.kind`` into ``out_dir``; returns its report, or None if
     the deadline (``time.monotonic``) or ``until_step`` stopped it first (the checkpoint
-    stays, and the same call resumes it)."""
+    stays, and the same call resumes it). ``exclude``: dataset sequences never trained on nor
+    validated on (a held-out category's); ``data_note``: recorded in the manifest's data."""
     info, seqs = load_sequences(data_dir)
     if info.target != target.fingerprint:
         raise ConfigError(f"the dataset in {data_dir} was made from another target "
                           f"(fingerprint {info.target}, this one {target.fingerprint})")
+    if exclude:
+        seqs = seqs.select([i for i in range(seqs.n_sequences) if i not in exclude])
     train, val = split_sequences(seqs, s.held_out, s.seed)
     vocab_ids, coverage = draft_vocabulary(train, val, s.vocab)
     torch.manual_seed(s.seed)
@@ -176,7 +180,7 @@ def train_head(target: TargetTensors, data_dir: Path, out_dir: Path, s: TrainSet
         head.cfg, target.fingerprint, target.name, info.feature_dtype,
         data={"folder": str(data_dir), "tokens": train.n_tokens,
               "sequences": train.n_sequences, "sources": info.sources,
-              "vocab_coverage": round(coverage, 4)},
+              "vocab_coverage": round(coverage, 4), **(data_note or {})},
         command=command,
         training={"steps": s.steps, "seconds": round(spent, 1), "seed": s.seed,
                   "batch": s.batch, "span": s.span, "lr": s.lr,

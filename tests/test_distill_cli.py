@@ -1,0 +1,71 @@
+"""``edgespec distill`` and heads on the command line, run as a user runs them, on tiny models:
+the data and a head made from a prompt file, resumed after a stop, used by generate (lossless),
+refused by another target, bad input refused with one line."""
+
+import json
+
+from conftest import hf_greedy, make_tiny_model
+from test_cli import edgespec
+
+from edgespec.models import encode_prompt
+
+PROMPTS = ["hello there", "count: 1 2 3 4", "abcabcabc", "the quick brown fox",
+           "x y z x y z", "print('hi')", "colours: red, green", "a long list: a, b, c, d"]
+
+
+def _distill(tmp_path, model, *extra):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS) +
+                       json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    return edgespec("distill", "--model", model, "--dtype", "float32", "--out",
+                    tmp_path / "out", "--no-spec-bench", "--prompts", prompts, "--kinds",
+                    "eagle", "--train-steps", 30, "--slots", 4, "--per-shard", 3,
+                    "--max-new-tokens", 16, "--vocab", 64, "--threads", 1, *extra)
+
+
+def test_distill_makes_data_and_a_head_that_generate_uses_losslessly(tiny, tiny_dir, tmp_path):
+    r = _distill(tmp_path, tiny_dir)
+    assert r.returncode == 0, r.stderr
+    assert "harvest: shard 6/6" in r.stdout and "ETA" in r.stdout
+    manifest = json.loads((tmp_path / "out" / "eagle" / "head.json").read_text())
+    assert manifest["kind"] == "eagle" and manifest["feature_dtype"] == "float32"
+    assert manifest["command"].startswith("edgespec distill") and manifest["validation"]
+    assert manifest["data"]["sources"] == [str(tmp_path / "prompts.jsonl")]
+    again = _distill(tmp_path, tiny_dir)  # nothing left to do
+    assert again.returncode == 0 and "eagle head already in" in again.stdout
+    ref = hf_greedy(tiny.model, encode_prompt(tiny.tokenizer, "abcabc"), 20)
+    for drafter in (f"head:{tmp_path / 'out' / 'eagle'}",
+                    f"mag+head:{tmp_path / 'out' / 'eagle'}"):
+        g = edgespec("generate", "abcabc", "--model", tiny_dir, "--drafter", drafter,
+                     "--max-new-tokens", 20, "--json", "--dtype", "float32")
+        assert g.returncode == 0, g.stderr
+        out = json.loads(g.stdout)
+        assert out["token_ids"] == ref and out["stats"]["head_tokens"] > 0
+
+
+def test_a_stopped_distill_resumes(tiny_dir, tmp_path):
+    r = _distill(tmp_path, tiny_dir, "--max-minutes", 0)
+    assert r.returncode == 0 and "run the same command again to resume" in r.stdout
+    assert not (tmp_path / "out" / "eagle").exists()
+    r = _distill(tmp_path, tiny_dir)
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "out" / "eagle" / "head.json").exists()
+
+
+def test_a_head_for_another_target_and_bad_input_are_refused(tiny_dir, tmp_path):
+    assert _distill(tmp_path, tiny_dir).returncode == 0
+    other = make_tiny_model(tmp_path / "other", seed=3)
+    g = edgespec("generate", "abc", "--model", other, "--drafter",
+                 f"head:{tmp_path / 'out' / 'eagle'}", "--dtype", "float32")
+    assert g.returncode == 2 and "made for another target" in g.stderr
+    g = edgespec("generate", "abc", "--model", other, "--drafter", f"head:{tmp_path / 'none'}")
+    assert g.returncode == 2 and "not found" in g.stderr
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "no prompt key"}\n')
+    r = edgespec("distill", "--model", tiny_dir, "--out", tmp_path / "o2", "--no-spec-bench",
+                 "--prompts", bad)
+    assert r.returncode == 2 and 'needs "prompt"' in r.stderr
+    r = edgespec("distill", "--model", tiny_dir, "--out", tmp_path / "o3", "--kinds", "medusa")
+    assert r.returncode == 2 and "unknown head kind" in r.stderr
+    r = edgespec("generate", "abc", "--model", tiny_dir, "--learn")
+    assert r.returncode == 2 and "--learn fine-tunes a draft head" in r.stderr
