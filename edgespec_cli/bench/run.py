@@ -1,4 +1,5 @@
-"""``edgespec bench``: Spec-Bench first turns, greedy, every method measured in the same run.
+"""``edgespec bench``: Spec-Bench first turns, greedy (or keyed-sampled with --temperature),
+every method measured in the same run.
 
 Methods: edgespec's own runner with no drafter (target-only), transformers ``generate()``
 (target-only), transformers prompt-lookup decoding, transformers assisted generation with the
@@ -68,6 +69,11 @@ def add_bench_args(p) -> None:
                    help="runs of each prompt and method; the fastest counts (shields figures "
                         "from a busy machine; drafters do not learn from repeats) "
                         "(default: %(default)s)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sample every edgespec row at this temperature with per-question keyed "
+                        "seeds, so target-only and every drafter draw the same tokens; "
+                        "transformers' and llama.cpp's baselines are greedy and are skipped "
+                        "(default: 0, greedy)")
     p.add_argument("--skip-hf", action="store_true",
                    help="skip the transformers baselines (faster; no speedup_vs_hf_* figures)")
     p.add_argument("--skip-llamacpp", action="store_true",
@@ -140,7 +146,7 @@ def run_bench(args) -> int:
     if getattr(args, "head", None):  # the head alone, and beside each drafter
         drafters += [f"head:{args.head}"] + [f"{d}+head:{args.head}" for d in drafters
                                              if d != "none" and "+head:" not in d]
-    use_llamacpp = llamacpp_installed() and not args.skip_llamacpp
+    use_llamacpp = llamacpp_installed() and not args.skip_llamacpp and args.temperature <= 0
     if use_llamacpp and not any(d.startswith("llamacpp:") for d in drafters):
         drafters.append("llamacpp:default")
     loose = None if args.loose in ("", "none") else args.loose
@@ -169,8 +175,9 @@ def run_bench(args) -> int:
     f32 = None if gen.dtype == "float32" else LocalGenerator(args.model, "none", args.device,
                                                              "float32", cfg)
     gens = {"loose": loose_gen, "tree": tree_gen, "float32": f32}
-    hf = None if args.skip_hf else HFBaselines((f32 or gen).target.model, gen.stop_ids,
-                                               args.assist_layers)
+    skip_hf = args.skip_hf or args.temperature > 0
+    hf = None if skip_hf else HFBaselines((f32 or gen).target.model, gen.stop_ids,
+                                          args.assist_layers)
     gguf = None
     if use_llamacpp:
         from edgespec.model_files import default_model_gguf
@@ -181,7 +188,12 @@ def run_bench(args) -> int:
               (LLAMACPP_METHODS if gguf else []) + [f"edgespec:{d}" for d in drafters] + \
               [f"edgespec:{d}{TREE_TAG}{args.bench_tree_width}" for d in trees] + \
               ([f"{LOOSE_PREFIX}{loose}"] if loose else [])
-    greedy = SamplingParams()
+    sampled = args.temperature > 0
+
+    def params_for(ids: list[int]) -> SamplingParams:
+        if not sampled:
+            return SamplingParams()
+        return SamplingParams(temperature=args.temperature, seed=len(ids) * 7919 + sum(ids))
 
     def run_one(method: str, ids: list[int], max_new: int) -> dict:
         t0 = time.perf_counter()
@@ -196,7 +208,7 @@ def run_bench(args) -> int:
             out = run(gguf, ids, max_new, gen.stop_ids)
             return {"token_ids": out, "seconds": time.perf_counter() - t0}
         g, drafter = _generator_for(method, gen, gens)
-        res = g.generate(ids, max_new, greedy, drafter=drafter)
+        res = g.generate(ids, max_new, params_for(ids), drafter=drafter)
         s = res.stats
         return {"token_ids": res.token_ids, "seconds": time.perf_counter() - t0,
                 "decode_seconds": s.elapsed_s - s.prefill_s, "stats": s.to_dict()}
@@ -262,6 +274,7 @@ def run_bench(args) -> int:
                                               args.max_new_tokens, _log)
     report["config"] = {"model": gen.target.name, "device": args.device, "dtype": gen.dtype,
                         "max_new_tokens": args.max_new_tokens, "questions": len(questions),
+                        "temperature": args.temperature,
                         "threads": threads, "drafters": drafters,
                         "loose": loose, "loose_params": vars(cfg.loose), "trees": trees,
                         "tree_width": args.bench_tree_width,
