@@ -45,7 +45,8 @@ def stats_to_pb(s: Stats) -> pb.Stats:
                     tokens_per_s=s.tokens_per_s, prefill_s=s.prefill_s, elapsed_s=s.elapsed_s,
                     tokens=s.tokens, accepted_per_pos=s.accepted_per_pos, take_s=s.take_s,
                     forward_s=s.forward_s, commit_s=s.commit_s, lossy=s.lossy,
-                    branch_tokens=s.branch_tokens)
+                    branch_tokens=s.branch_tokens, head_tokens=s.head_tokens,
+                    head_accepted=s.head_accepted, stacks=s.stacks)
 
 
 def stats_from_pb(m: pb.Stats) -> dict:
@@ -55,7 +56,8 @@ def stats_from_pb(m: pb.Stats) -> dict:
             "prefill_s": m.prefill_s, "elapsed_s": m.elapsed_s, "tokens": m.tokens,
             "accepted_per_pos": list(m.accepted_per_pos), "take_s": m.take_s,
             "forward_s": m.forward_s, "commit_s": m.commit_s, "lossless": not m.lossy,
-            "branch_tokens": m.branch_tokens}
+            "branch_tokens": m.branch_tokens, "head_tokens": m.head_tokens,
+            "head_accepted": m.head_accepted, "stacks": dict(m.stacks)}
 
 
 # -- retry hints --------------------------------------------------------------------------------

@@ -30,7 +30,8 @@ CHAT_TEMPLATE = (
 SLOW_MODULES = {"test_distributed", "test_cli", "test_faults", "test_batch_invariance",
                 "test_ray_up", "test_fleet", "test_simulate", "test_http_api",
                 "test_session_recovery", "test_drafter_reattach", "test_tls", "test_e2e_default",
-                "test_install_roles", "test_server_health"}
+                "test_install_roles", "test_server_health", "test_heads", "test_distill_cli",
+                "test_head_serving"}
 
 
 def pytest_collection_modifyitems(config, items):
