@@ -104,7 +104,7 @@ def load_head(spec: str, runner, device: str | torch.device | None = None) -> Dr
     head = DraftHead(manifest.config, bind_target(runner.embed, runner.lm_head.weight,
                                                   runner.norm, vocab_ids, torch.float32))
     head.load_state_dict({k: v.float() for k, v in weights.items()}, strict=False)
-    head.manifest = manifest  # type: ignore[assignment]  # carried for reports
+    head.held_out = float(manifest.validation.get("tokens_per_step", 0.0))
     return head.to(dev).eval()
 
 

@@ -117,6 +117,7 @@ class DraftHead(nn.Module):
         if cfg.kind not in KINDS:
             raise ValueError(f"unknown head kind {cfg.kind!r}")
         self.cfg, self.target = cfg, target
+        self.held_out = 0.0  # tokens per step on held-out data, where it was last measured
         H, D = cfg.hidden, cfg.width
         self.feat_ln = nn.Parameter(torch.ones(H))
         self.tok_ln = nn.Parameter(torch.ones(H))

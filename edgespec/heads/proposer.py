@@ -90,9 +90,7 @@ class HeadProposer:
         self.depth = depth or head.cfg.depth
         self.source = source
         self.version = 0
-        manifest = getattr(head, "manifest", None)
-        self.held_out = float(manifest.validation.get("tokens_per_step", 0.0)) if manifest \
-            else 0.0
+        self.held_out = head.held_out
         self.learner = None
         if learn:
             from .online import OnlineLearner
