@@ -40,3 +40,22 @@ def test_both_are_verified_when_they_land_on_different_steps():
                         committed[:4])
     assert chooser.choose({"drafter": 3, "head": 3}, 1.0, 0.02) == ("drafter", "head")
     assert sum(chooser.chosen.values()) == 61
+
+
+def test_drafter_specs_name_heads_and_auto():
+    import pytest
+
+    from edgespec.config import ConfigError
+    from edgespec.drafters import EDGE_KINDS, build_drafter, parse_drafter_spec
+
+    assert parse_drafter_spec("mag+cacheback+head:/x/y").head == "/x/y"
+    assert parse_drafter_spec("mag+cacheback+head:/x/y").kind == "mag+cacheback"
+    assert parse_drafter_spec("head:eagle").kind == "head"
+    assert build_drafter("head:eagle") is None  # the head drafts in the verifier
+    assert build_drafter("auto").name == "mag+cacheback"
+    for bad in ("head:", "mag+head:", "head:a+head:b", "cascade:mag,head:x", "auto:x"):
+        with pytest.raises(ConfigError):
+            parse_drafter_spec(bad)
+    for board_refused in ("head:eagle", "mag+head:eagle", "auto"):  # no target on a board
+        with pytest.raises(ConfigError):
+            parse_drafter_spec(board_refused, EDGE_KINDS)
