@@ -29,7 +29,8 @@ from .draft_worker import DraftWorker
 from .drafters import DraftLength, Drafter
 from .fleet_table import FleetTable
 from .generation import ActiveSession, Request, Result, SessionFailed
-from .heads.proposer import HeadProposer, accepted_from, head_branch, held_branch
+from .heads.proposer import (HeadBranch, HeadProposer, accepted_from, head_branch,
+                             held_branch)
 from .protocol import DraftWant, SessionStore, TakenDraft, Verdict
 from .runner import TargetRunner
 from .keyed_noise import with_session_seed
@@ -266,7 +267,13 @@ class SpecEngine:
                      for act, t in batch]
         if self.cfg.auto:
             self._choose_stacks(batch)
-        offers = [self._offer_head_draft(act, t) for act, t in batch]
+        room = self.cfg.max_batch_tokens - sum(1 + len(t.tokens) + t.branch_tokens
+                                               for _, t in batch)
+        offers = []
+        for act, t in batch:  # the head's drafts, within the batch's token budget
+            offers.append(self._offer_head_draft(act, t, room))
+            room -= len(t.branches[-1].tokens) if offers[-1] and t.branches and \
+                isinstance(t.branches[-1], HeadBranch) else 0
         if not batch:
             return None
         t1 = time.perf_counter()
@@ -307,10 +314,11 @@ class SpecEngine:
             if "head" not in stack:
                 act.head_draft = []
 
-    def _offer_head_draft(self, act: ActiveSession, t: TakenDraft) -> tuple[int, ...]:
-        """Add the head's draft for this session to its draft as a branch (exact sessions);
-        returns what the head proposed (empty: nothing)."""
-        offer = tuple(act.head_draft)
+    def _offer_head_draft(self, act: ActiveSession, t: TakenDraft, room: int
+                          ) -> tuple[int, ...]:
+        """Add the head's draft for this session to its draft as a branch (exact sessions), at
+        most ``room`` tokens of it; returns what the head proposed (empty: nothing)."""
+        offer = tuple(act.head_draft)[:max(0, room)]
         act.head_draft = []
         if not offer or act.verify != "exact":
             return ()
