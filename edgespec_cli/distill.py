@@ -64,6 +64,9 @@ def add_distill_command(sub) -> None:
                    help="stop (resumably) after this long, harvest and training together")
     p.add_argument("--train-steps", type=int, default=1500,
                    help="training steps per head kind (default: %(default)s)")
+    p.add_argument("--data-share", type=float, default=1.0, metavar="F",
+                   help="train on this share of the dataset's training responses, to see how "
+                        "acceptance grows with data (default: %(default)s)")
     p.add_argument("--vocab", type=int, default=8192,
                    help="draft vocabulary: the most frequent tokens of the data "
                         "(default: %(default)s)")
@@ -115,8 +118,10 @@ def run_distill(args) -> int:
                 exclude = sequences_tagged(args, loaded.tokenizer, set(args.hold_out_category))
                 print(f"distill: {len(exclude)} responses of "
                       f"{', '.join(args.hold_out_category)} left out of training", flush=True)
+        if not 0 < args.data_share <= 1:
+            raise ConfigError(f"--data-share must be in (0, 1], got {args.data_share}")
         settings = TrainSettings(kind=kind, vocab=args.vocab, steps=args.train_steps,
-                                 seed=args.seed, threads=threads)
+                                 seed=args.seed, threads=threads, data_share=args.data_share)
         report = train_head(target, data, out / kind, settings, command, deadline,
                             say=lambda m: print(f"distill: {m}", flush=True), exclude=exclude,
                             data_note={"held_out_categories": args.hold_out_category}

@@ -43,6 +43,7 @@ class TrainSettings:
     seed: int = 0
     threads: int = 1
     held_out: float = 0.05  # share of sequences kept for validation
+    data_share: float = 1.0  # train on this share of the training sequences (ablations)
 
 
 @dataclass
@@ -124,6 +125,9 @@ def train_head(target: TargetTensors, data_dir: Path, out_dir: Path, s: TrainSet
     if exclude:
         seqs = seqs.select([i for i in range(seqs.n_sequences) if i not in exclude])
     train, val = split_sequences(seqs, s.held_out, s.seed)
+    if s.data_share < 1.0:  # the first share of a seeded order: a smaller run's data is inside
+        keep = torch.randperm(train.n_sequences, generator=torch.Generator().manual_seed(s.seed))
+        train = train.select(sorted(keep[:max(1, int(s.data_share * len(keep)))].tolist()))
     vocab_ids, coverage = draft_vocabulary(train, val, s.vocab)
     torch.manual_seed(s.seed)
     head = make_head(s.kind, target, vocab_ids, s)
