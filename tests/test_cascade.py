@@ -213,7 +213,10 @@ def test_seeded_sampling_with_a_cascade_identical_to_target_only(tiny, tiny_dir,
     runner = TargetRunner(tiny.model, n_slots=4, max_len=256)
     spec = "cascade:" + members.format(draft=tiny_draft_dir, target=tiny_dir)
     drafter = build_drafter(spec, tiny, runner, n_slots=4, max_len=256)
-    with SpecEngine(runner, drafter, EngineConfig(max_draft=4, window=8, chunk=3),
+    # every step waits for the drafter's answer: what is drafted does not depend on how fast
+    # the drafter thread ran (a loaded machine otherwise verifies stale or partial drafts)
+    with SpecEngine(runner, drafter, EngineConfig(max_draft=4, window=8, chunk=3,
+                                                  adaptive=False, draft_wait_ms=5000),
                     stop_ids=set()) as engine:
         results = engine.generate_many([Request(p, 20, params) for p in PROMPTS])
     assert [r.token_ids for r in results] == refs
