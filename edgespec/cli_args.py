@@ -108,9 +108,22 @@ def warn_if_lossy(cfg: EngineConfig) -> None:
         print(LOSSY_WARNING, file=sys.stderr, flush=True)
 
 
+SHIPPED_HEADS = ("default", "eagle", "specformer", "ctc")
+
+
+def check_head_arg(spec: str | None) -> None:
+    """Refuse a head folder that does not exist before anything loads."""
+    from pathlib import Path
+
+    if spec and spec not in SHIPPED_HEADS and not Path(spec).expanduser().is_dir():
+        raise ConfigError(f"head {spec!r} not found: give a head folder (made by edgespec "
+                          f"distill), or one of {', '.join(SHIPPED_HEADS)} (shipped)")
+
+
 def engine_config(args, max_sessions: int | None = None) -> EngineConfig:
     """The engine options of a command (those it lacks keep EngineConfig's defaults)."""
     d = EngineConfig()
+    check_head_arg(getattr(args, "head", None))
     loose = LooseParams(getattr(args, "loose_entropy", d.loose.entropy),
                         getattr(args, "loose_window", d.loose.window))
     return EngineConfig(max_draft=getattr(args, "max_draft", d.max_draft),
@@ -152,6 +165,7 @@ def check_drafter_arg(spec: str, allowed: tuple[str, ...] | None = None):
     from .drafters import FORMS, parse_drafter_spec
 
     parsed = parse_drafter_spec(spec, tuple(FORMS) if allowed is None else allowed)
+    check_head_arg(parsed.head)
     for member in parsed.members or (parsed,):
         if member.kind == "model":
             check_model_arg(member.arg)

@@ -23,7 +23,8 @@ def _distill(tmp_path, model, *extra):
                     "--max-new-tokens", 16, "--vocab", 64, "--threads", 1, *extra)
 
 
-def test_distill_makes_data_and_a_head_that_generate_uses_losslessly(tiny, tiny_dir, tmp_path):
+def test_distill_makes_a_head_that_generate_uses_losslessly_and_others_refuse(tiny, tiny_dir,
+                                                                           tmp_path):
     r = _distill(tmp_path, tiny_dir)
     assert r.returncode == 0, r.stderr
     assert "harvest: shard 6/6" in r.stdout and "ETA" in r.stdout
@@ -41,6 +42,10 @@ def test_distill_makes_data_and_a_head_that_generate_uses_losslessly(tiny, tiny_
         assert g.returncode == 0, g.stderr
         out = json.loads(g.stdout)
         assert out["token_ids"] == ref and out["stats"]["head_tokens"] > 0
+    other = make_tiny_model(tmp_path / "other", seed=3)
+    g = edgespec("generate", "abc", "--model", other, "--drafter",
+                 f"head:{tmp_path / 'out' / 'eagle'}", "--dtype", "float32")
+    assert g.returncode == 2 and "made for another target" in g.stderr
 
 
 def test_a_stopped_distill_resumes(tiny_dir, tmp_path):
@@ -52,13 +57,9 @@ def test_a_stopped_distill_resumes(tiny_dir, tmp_path):
     assert (tmp_path / "out" / "eagle" / "head.json").exists()
 
 
-def test_a_head_for_another_target_and_bad_input_are_refused(tiny_dir, tmp_path):
-    assert _distill(tmp_path, tiny_dir).returncode == 0
-    other = make_tiny_model(tmp_path / "other", seed=3)
-    g = edgespec("generate", "abc", "--model", other, "--drafter",
-                 f"head:{tmp_path / 'out' / 'eagle'}", "--dtype", "float32")
-    assert g.returncode == 2 and "made for another target" in g.stderr
-    g = edgespec("generate", "abc", "--model", other, "--drafter", f"head:{tmp_path / 'none'}")
+def test_bad_heads_and_bad_input_are_refused_with_one_line(tiny_dir, tmp_path):
+    g = edgespec("generate", "abc", "--model", tiny_dir, "--drafter",
+                 f"head:{tmp_path / 'none'}")
     assert g.returncode == 2 and "not found" in g.stderr
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "no prompt key"}\n')
