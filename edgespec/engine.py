@@ -399,10 +399,11 @@ class SpecEngine:
             act.draft_len.update(d.chain, v.n_accepted)  # the chain's own acceptance
             act.draft_len.update_branches(d.drafted - d.chain, len(v.branch))
             act.stats.record_step(d.drafted, d.accepted, len(v.branch))
-            if d.head_offer:
+            if d.head_offer and self.head is not None:
+                got = accepted_from(d.head_offer, d.new[:v.n_accepted + len(v.branch)])
                 act.stats.head_tokens += len(d.head_offer)
-                act.stats.head_accepted += accepted_from(
-                    d.head_offer, d.new[:v.n_accepted + len(v.branch)])
+                act.stats.head_accepted += got
+                self.head.offered(len(d.head_offer), got)
             act.stats.commit_s += dt
             act.output.extend(d.new)
             act.last_token = v.token
