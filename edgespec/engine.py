@@ -263,7 +263,8 @@ class SpecEngine:
                                                 for x in b.tokens):
                     t.branches = []
                 batch.append((act, t))
-        proposals = [{"drafter": list(t.tokens), "head": list(act.head_draft)}
+        proposals = [{"drafter": list(t.tokens),
+                      "head": None if act.head_draft is None else list(act.head_draft)}
                      for act, t in batch]
         if self.cfg.auto:
             self._choose_stacks(batch)
@@ -305,10 +306,11 @@ class SpecEngine:
     def _choose_stacks(self, batch: list[tuple[ActiveSession, TakenDraft]]) -> None:
         """--auto: drop the draft sources each session's chooser leaves out this step."""
         fixed, per_token = self.cost.fit() or (1.0, 0.05)
+        costs = {"head": self.head.cost_s / len(batch)} if self.head is not None else {}
         for act, t in batch:
             offered = {"drafter": len(t.tokens),
-                       "head": len(act.head_draft) if act.verify == "exact" else 0}
-            stack = act.chooser.choose(offered, fixed, per_token)
+                       "head": len(act.head_draft or ()) if act.verify == "exact" else 0}
+            stack = act.chooser.choose(offered, fixed, per_token, costs)
             if "drafter" not in stack:
                 t.tokens, t.branches = [], []
             if "head" not in stack:
@@ -318,7 +320,7 @@ class SpecEngine:
                           ) -> tuple[int, ...]:
         """Add the head's draft for this session to its draft as a branch (exact sessions), at
         most ``room`` tokens of it; returns what the head proposed (empty: nothing)."""
-        offer = tuple(act.head_draft)[:max(0, room)]
+        offer = tuple(act.head_draft or ())[:max(0, room)]
         act.head_draft = []
         if not offer or act.verify != "exact":
             return ()
@@ -362,9 +364,12 @@ class SpecEngine:
                                self.target.device)
         proposal = None
         if self.head is not None:
+            wanted = not self.cfg.auto or any("head" in a.chooser.last for a, _ in batch)
             proposal = self.head.for_step([a.head_context for a, _ in batch], scored.features,
-                                          vb.tokens, vb.depths)
+                                          vb.tokens, vb.depths, wanted)
         out = verify_step(scored.logits, vb, self.cfg.loose, proposal)
+        if proposal is not None and self.head is not None:
+            self.head.ran(proposal)
         checked = []
         for b, ((act, t), tree, path, token) in enumerate(zip(batch, trees, out.paths,
                                                              out.tokens)):
@@ -376,7 +381,8 @@ class SpecEngine:
             if proposal is not None and self.head is not None:
                 act.head_context = proposal.after[b]
                 self.head.observe(act.sid, act.head_context, len(path) + 1)
-                act.head_draft = list(itertools.takewhile(lambda x: x >= 0, out.proposals[b]))
+                act.head_draft = list(itertools.takewhile(lambda x: x >= 0, out.proposals[b])) \
+                    if proposal.drafting else None
         return checked
 
     def _commit(self, decided: list[_Decided]) -> list[_Decided]:

@@ -12,9 +12,10 @@ stacks, found exactly each step:
                  / (1 + E[accepted tokens of S])
 
 ``fixed`` and ``per_token`` are the verifier's measured forward cost (``ForwardCost``); the
-head runs for the whole batch whatever a session chooses (its cost is shared, so it does not
-move the choice) and a drafter's work happens off the verification path. E[accepted] of every
-stack is measured on every step, chosen or not: each source proposes every step, and what a
+cost of S's drafting is the head's measured drafting time shared by the batch's sessions (a
+drafter's work happens off the verification path). When no session of a batch chooses the
+head, it drafts only every 8th step (``heads.proposer.PROBE_EVERY``), to keep measuring it.
+E[accepted] of every stack is measured on every step its sources proposed, chosen or not: what a
 proposal would have had accepted is its common prefix with the tokens the step committed (the
 target's choices are fixed by position-keyed noise, so this holds for sampling too). The choice
 changes only what is verified, so every stack is lossless.
@@ -65,25 +66,34 @@ class StackChooser:
         # optimistic priors: every source is tried before the measurements speak
         self.gain = {s: _Mean(1.0 if s else 0.0) for s in self.stacks}
         self.chosen: dict[str, int] = {}  # stack name -> steps
+        self.last: tuple[str, ...] = self.sources  # the latest choice (at first: all)
 
-    def choose(self, offered: dict[str, int], fixed: float, per_token: float
-               ) -> tuple[str, ...]:
+    def choose(self, offered: dict[str, int], fixed: float, per_token: float,
+               costs: dict[str, float] | None = None) -> tuple[str, ...]:
         """The stack to verify this step among the sources that offered tokens (``offered``:
-        source -> draft tokens it offers now)."""
+        source -> draft tokens it offers now; ``costs``: source -> seconds a step of its
+        drafting costs this session, 0 when not given)."""
+        costs = costs or {}
         best, best_latency = (), float("inf")
         for stack in self.stacks:
             if any(offered.get(s, 0) == 0 for s in stack):
                 continue
             width = sum(offered[s] for s in stack)
-            latency = (fixed + per_token * (1 + width)) / (1 + self.gain[stack].value)
+            cost = fixed + per_token * (1 + width) + sum(costs.get(s, 0.0) for s in stack)
+            latency = cost / (1 + self.gain[stack].value)
             if latency < best_latency - 1e-12:
                 best, best_latency = stack, latency
         name = stack_name(best)
         self.chosen[name] = self.chosen.get(name, 0) + 1
+        self.last = best
         return best
 
-    def observe(self, proposals: dict[str, Sequence[int]], committed: Sequence[int]) -> None:
-        """A step's proposals (verified or not) against what it committed."""
-        got = {s: accepted_prefix(proposals.get(s, ()), committed) for s in self.sources}
+    def observe(self, proposals: dict[str, Sequence[int] | None],
+                committed: Sequence[int]) -> None:
+        """A step's proposals (verified or not) against what it committed; a source that was
+        not asked this step (None) leaves the stacks holding it unmeasured."""
+        got = {s: accepted_prefix(proposals.get(s) or (), committed) for s in self.sources}
         for stack in self.stacks:
+            if any(proposals.get(s, ()) is None for s in stack):
+                continue
             self.gain[stack].add(max((got[s] for s in stack), default=0))

@@ -59,3 +59,18 @@ def test_drafter_specs_name_heads_and_auto():
     for board_refused in ("head:eagle", "mag+head:eagle", "auto"):  # no target on a board
         with pytest.raises(ConfigError):
             parse_drafter_spec(board_refused, EDGE_KINDS)
+
+
+def test_a_source_not_asked_leaves_its_stacks_unmeasured_and_costs_count():
+    chooser = StackChooser()
+    committed = list(range(100, 110))
+    for _ in range(30):  # the head lands 3 tokens, the drafter none
+        chooser.choose({"drafter": 3, "head": 3}, 1.0, 0.02)
+        chooser.observe({"head": committed[:3], "drafter": [0]}, committed[:5])
+    before = chooser.gain[("head",)].value
+    for _ in range(30):  # the head was not asked: its stacks keep their measurement
+        chooser.observe({"head": None, "drafter": [0]}, committed[:5])
+    assert chooser.gain[("head",)].value == before > 2.5
+    assert chooser.choose({"drafter": 3, "head": 3}, 1.0, 0.02) == ("head",)
+    # a head that costs more per step than the tokens it saves is left out
+    assert "head" not in chooser.choose({"drafter": 3, "head": 3}, 1.0, 0.02, {"head": 10.0})

@@ -10,6 +10,7 @@ proposal: verification decides, so outputs are the target's whatever the head sa
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -22,6 +23,9 @@ from .modules import DraftHead
 
 if TYPE_CHECKING:
     from .online import LearnSettings
+
+
+PROBE_EVERY = 8  # --auto: steps between two drafts of a head no session chooses
 
 
 class HeadBranch(Branch):
@@ -64,10 +68,13 @@ class StepProposal:
     node_tokens: torch.Tensor  # [B, N]
     depths: torch.Tensor  # [B, 1 + N]
     depth: int  # K: tokens drafted per session
+    drafting: bool = True  # False: only the contexts move on (no session wants the head)
     after: list[HeadContext] = field(default_factory=list)
+    seconds: float = 0.0  # what drafting took (host time: the device's on a CPU)
 
     def __call__(self, accepted: torch.Tensor, emitted: torch.Tensor) -> torch.Tensor:
-        """``verification.Proposer``: [B, N] bool, [B] long -> [B, K] long."""
+        """``verification.Proposer``: [B, N] bool, [B] long -> [B, K] long (K = 0 when not
+        drafting)."""
         N = accepted.shape[1]
         feats, toks, vis = next_context(
             torch.stack([c.features for c in self.contexts]),
@@ -76,7 +83,12 @@ class StepProposal:
             self.features[:, :1 + N], self.node_tokens[:, :N].clamp_min(0),
             self.depths[:, :1 + N], accepted, emitted)
         self.after = [HeadContext(f, t, v) for f, t, v in zip(feats, toks, vis)]
-        return draft(self.head, feats, toks, vis, self.depth)
+        if not self.drafting:
+            return torch.zeros(len(toks), 0, dtype=torch.long, device=toks.device)
+        t0 = time.perf_counter()
+        out = draft(self.head, feats, toks, vis, self.depth)
+        self.seconds = time.perf_counter() - t0
+        return out
 
 
 class HeadProposer:
@@ -90,6 +102,8 @@ class HeadProposer:
         self.max_depth = depth or head.cfg.depth
         self.depth = self.max_depth
         self._accepted = 1.0  # recent head tokens accepted per offer (decayed), optimistic
+        self.cost_s = 0.0  # recent seconds a drafting step takes (decayed)
+        self._idle_steps = 0  # steps since it last drafted
         self.source = source
         self.version = 0
         self.held_out = head.held_out
@@ -107,8 +121,21 @@ class HeadProposer:
         return HeadContext.empty(self.head.cfg.context, self.head.cfg.hidden, device)
 
     def for_step(self, contexts: list[HeadContext], features: torch.Tensor,
-                 node_tokens: torch.Tensor, depths: torch.Tensor) -> StepProposal:
-        return StepProposal(self.head, contexts, features, node_tokens, depths, self.depth)
+                 node_tokens: torch.Tensor, depths: torch.Tensor, wanted: bool = True
+                 ) -> StepProposal:
+        """``wanted``: some session of the batch chose the head's drafts (--auto); when none
+        did, the head drafts only every PROBE_EVERY-th step, so that its acceptance keeps
+        being measured while its cost is not paid."""
+        self._idle_steps = 0 if wanted else self._idle_steps + 1
+        drafting = wanted or self._idle_steps % PROBE_EVERY == 0
+        return StepProposal(self.head, contexts, features, node_tokens, depths, self.depth,
+                            drafting)
+
+    def ran(self, step: StepProposal) -> None:
+        """A step's drafting time, for --auto's cost model."""
+        if step.drafting:
+            self.cost_s = step.seconds if self.cost_s == 0 else \
+                0.9 * self.cost_s + 0.1 * step.seconds
 
     def offered(self, proposed: int, accepted: int) -> None:
         """A session's step took ``accepted`` of the head's ``proposed`` tokens: the depth the
