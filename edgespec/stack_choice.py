@@ -74,7 +74,8 @@ class StackChooser:
         source -> draft tokens it offers now; ``costs``: source -> seconds a step of its
         drafting costs this session, 0 when not given)."""
         costs = costs or {}
-        best, best_latency = (), float("inf")
+        best: tuple[str, ...] = ()
+        best_latency = float("inf")
         for stack in self.stacks:
             if any(offered.get(s, 0) == 0 for s in stack):
                 continue
