@@ -316,6 +316,15 @@ class SpecEngine:
             if "head" not in stack:
                 act.head_draft = []
 
+    def _head_wanted(self, batch: list[tuple[ActiveSession, TakenDraft]]) -> bool:
+        """--auto: whether a session of the batch would choose the head's drafts next step."""
+        assert self.head is not None  # asked only with a head
+        fixed, per_token = self.cost.fit() or (1.0, 0.05)
+        costs = {"head": self.head.cost_s / len(batch)}
+        return any(a.verify == "exact" and
+                   a.chooser.wants("head", self.head.depth, fixed, per_token, costs)
+                   for a, _ in batch)
+
     def _offer_head_draft(self, act: ActiveSession, t: TakenDraft, room: int
                           ) -> tuple[int, ...]:
         """Add the head's draft for this session to its draft as a branch (exact sessions), at
@@ -364,7 +373,7 @@ class SpecEngine:
                                self.target.device)
         proposal = None
         if self.head is not None:
-            wanted = not self.cfg.auto or any("head" in a.chooser.last for a, _ in batch)
+            wanted = not self.cfg.auto or self._head_wanted(batch)
             proposal = self.head.for_step([a.head_context for a, _ in batch], scored.features,
                                           vb.tokens, vb.depths, wanted)
         out = verify_step(scored.logits, vb, self.cfg.loose, proposal)

@@ -54,7 +54,7 @@ class ActiveSession:
         # the verifier's draft head, if it has one (``edgespec.heads.proposer``): this
         # session's context pairs and the head's draft for the next step
         self.head_context: Any = None
-        self.head_draft: list[int] | None = []  # None: the head did not draft this step
+        self.head_draft: list[int] | None = None  # None: the head did not draft this step
         self.chooser: Any = None  # --auto: its ``stack_choice.StackChooser``
 
     @property

@@ -66,14 +66,27 @@ class StackChooser:
         # optimistic priors: every source is tried before the measurements speak
         self.gain = {s: _Mean(1.0 if s else 0.0) for s in self.stacks}
         self.chosen: dict[str, int] = {}  # stack name -> steps
-        self.last: tuple[str, ...] = self.sources  # the latest choice (at first: all)
+        self.last: tuple[str, ...] = ()  # the latest choice
 
     def choose(self, offered: dict[str, int], fixed: float, per_token: float,
                costs: dict[str, float] | None = None) -> tuple[str, ...]:
         """The stack to verify this step among the sources that offered tokens (``offered``:
         source -> draft tokens it offers now; ``costs``: source -> seconds a step of its
         drafting costs this session, 0 when not given)."""
-        costs = costs or {}
+        best = self.best(offered, fixed, per_token, costs or {})
+        name = stack_name(best)
+        self.chosen[name] = self.chosen.get(name, 0) + 1
+        self.last = best
+        return best
+
+    def wants(self, source: str, width: int, fixed: float, per_token: float,
+              costs: dict[str, float]) -> bool:
+        """Whether the best stack would hold ``source`` if every source offered ``width``
+        tokens (whether a source that drafts at a cost should draft for the next step)."""
+        return source in self.best({s: width for s in self.sources}, fixed, per_token, costs)
+
+    def best(self, offered: dict[str, int], fixed: float, per_token: float,
+             costs: dict[str, float]) -> tuple[str, ...]:
         best: tuple[str, ...] = ()
         best_latency = float("inf")
         for stack in self.stacks:
@@ -84,9 +97,6 @@ class StackChooser:
             latency = cost / (1 + self.gain[stack].value)
             if latency < best_latency - 1e-12:
                 best, best_latency = stack, latency
-        name = stack_name(best)
-        self.chosen[name] = self.chosen.get(name, 0) + 1
-        self.last = best
         return best
 
     def observe(self, proposals: dict[str, Sequence[int] | None],

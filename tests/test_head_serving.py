@@ -1,6 +1,7 @@
 """A draft head in the distributed verifier (``edgespec serve --head``), real processes on
 loopback: sessions with and without a board drafter stay identical to target-only, the head's
-drafts are accepted, and status and metrics report the head."""
+drafts are accepted, and status and metrics report the head. (``--auto`` on the wire: its
+per-stack steps cross in Stats, tested in test_stack_choice.)"""
 
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ def test_serve_with_a_head_is_lossless_with_and_without_a_board(looping, looping
                                                                  head_dir, tmp_path):
     http = free_port()
     serve, address = start_serve(looping_dir, tmp_path, token=TOKEN,
-                                 extra=["--head", head_dir, "--auto", "--http-port", http])
+                                 extra=["--head", head_dir, "--http-port", http])
     drafter = start_drafter(address, "mag-1", tmp_path, "mag")
     try:
         drafter.wait_for("attached to")
@@ -49,14 +50,12 @@ def test_serve_with_a_head_is_lossless_with_and_without_a_board(looping, looping
             assert [r.token_ids for r in res] == refs
         assert all(r.device_id == "" for r in alone)
         assert sum(r.stats["head_accepted"] for r in alone) > 0
-        assert all(sum(r.stats["stacks"].values()) == r.stats["steps"] for r in alone)
         head = status["head"]
         assert head["kind"] == "eagle" and head["source"] == str(head_dir)
         assert int(head["accepted_tokens"]) == sum(r.stats["head_accepted"]
                                                    for r in with_board + alone)
         text = urllib.request.urlopen(f"http://127.0.0.1:{http}/metrics", timeout=10).read()
         assert b"edgespec:head_accepted_tokens_total" in text
-        assert b"edgespec:auto_stack_steps_total" in text
     finally:
         drafter.stop()
         rc = serve.stop()

@@ -74,3 +74,13 @@ def test_a_source_not_asked_leaves_its_stacks_unmeasured_and_costs_count():
     assert chooser.choose({"drafter": 3, "head": 3}, 1.0, 0.02) == ("head",)
     # a head that costs more per step than the tokens it saves is left out
     assert "head" not in chooser.choose({"drafter": 3, "head": 3}, 1.0, 0.02, {"head": 10.0})
+
+
+def test_head_and_auto_figures_cross_the_wire():
+    from edgespec.metrics import Stats
+    from edgespec.wire import stats_from_pb, stats_to_pb
+
+    s = Stats(steps=5, head_tokens=12, head_accepted=4, stacks={"head": 3, "drafter+head": 2})
+    back = stats_from_pb(stats_to_pb(s))
+    assert (back["head_tokens"], back["head_accepted"]) == (12, 4)
+    assert back["stacks"] == {"head": 3, "drafter+head": 2}
