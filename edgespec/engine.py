@@ -29,14 +29,13 @@ from .draft_worker import DraftWorker
 from .drafters import DraftLength, Drafter
 from .fleet_table import FleetTable
 from .generation import ActiveSession, Request, Result, SessionFailed
-from .heads.proposer import (HeadBranch, HeadProposer, accepted_from, head_branch,
-                             held_branch)
+from .heads.proposer import HeadProposer, head_branch, held_branch
 from .protocol import DraftWant, SessionStore, TakenDraft, Verdict
 from .runner import TargetRunner
 from .keyed_noise import with_session_seed
 from .session import LocalSessionStore
 from .step_planning import plan_branch_budgets, plan_drafts
-from .stack_choice import StackChooser
+from .stack_choice import StackChooser, accepted_prefix
 from .step_report import StepReport, step_report
 from .tree_verify import DraftTree, tree_of_draft
 from .verification import VerifyBatch, verify_step
@@ -263,18 +262,20 @@ class SpecEngine:
                                                 for x in b.tokens):
                     t.branches = []
                 batch.append((act, t))
-        proposals = [{"drafter": list(t.tokens),
-                      "head": None if act.head_draft is None else list(act.head_draft)}
-                     for act, t in batch]
+        # --auto: every source's proposal, verified or not
+        proposals: list[dict | None] = [None] * len(batch)
         if self.cfg.auto:
+            proposals = [{"drafter": list(t.tokens),
+                          "head": None if act.head_draft is None else list(act.head_draft)}
+                         for act, t in batch]
             self._choose_stacks(batch)
         room = self.cfg.max_batch_tokens - sum(1 + len(t.tokens) + t.branch_tokens
                                                for _, t in batch)
         offers = []
         for act, t in batch:  # the head's drafts, within the batch's token budget
+            before = t.branch_tokens
             offers.append(self._offer_head_draft(act, t, room))
-            room -= len(t.branches[-1].tokens) if offers[-1] and t.branches and \
-                isinstance(t.branches[-1], HeadBranch) else 0
+            room -= t.branch_tokens - before
         if not batch:
             return None
         t1 = time.perf_counter()
@@ -287,7 +288,7 @@ class SpecEngine:
             if c is None:
                 continue  # its forward failed: already failed alone
             new, finish = self._truncate(act, t.tokens[:c.n] + list(c.branch) + [c.token])
-            if act.chooser is not None:
+            if proposed is not None:
                 act.chooser.observe(proposed, new)
             # commit exactly what the output keeps: a stop token or the length limit may cut
             # the accepted run (the kept last token is then a draft token the draft holds)
@@ -415,7 +416,7 @@ class SpecEngine:
             act.draft_len.update_branches(d.drafted - d.chain, len(v.branch))
             act.stats.record_step(d.drafted, d.accepted, len(v.branch))
             if d.head_offer and self.head is not None:
-                got = accepted_from(d.head_offer, d.new[:v.n_accepted + len(v.branch)])
+                got = accepted_prefix(d.head_offer, d.new[:v.n_accepted + len(v.branch)])
                 act.stats.head_tokens += len(d.head_offer)
                 act.stats.head_accepted += got
                 self.head.offered(len(d.head_offer), got)

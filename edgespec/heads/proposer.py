@@ -50,14 +50,6 @@ def head_branch(spine: Sequence[int], proposal: Sequence[int]) -> Branch | None:
     return HeadBranch(at, tuple(proposal[at:]))
 
 
-def accepted_from(proposal: Sequence[int], accepted: Sequence[int]) -> int:
-    """How many of a proposal's tokens the step accepted (its common prefix with them)."""
-    n = 0
-    while n < len(proposal) and n < len(accepted) and proposal[n] == accepted[n]:
-        n += 1
-    return n
-
-
 @dataclass
 class StepProposal:
     """One step's proposer: the sessions' contexts before it, and after it once run."""
