@@ -24,9 +24,8 @@ from dataclasses import dataclass, replace
 import torch
 
 from .dataset import Sequences
-from .losses import head_loss
 from .modules import DraftHead
-from .training import TrainSettings, sample_batch
+from .training import TrainSettings, optimizer_step, sample_batch
 from .validation import held_out_acceptance
 
 log = logging.getLogger("edgespec.heads.online")
@@ -139,13 +138,7 @@ class OnlineLearner:
             if self._stop.is_set():
                 return
             t0 = time.monotonic()
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=candidate.target.embed
-                                .device.type == "cpu"):
-                loss = head_loss(candidate, sample_batch(train, ts, g))
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(candidate.parameters(), 1.0)
-            opt.step()
+            optimizer_step(candidate, opt, sample_batch(train, ts, g))
             busy = time.monotonic() - t0
             time.sleep(busy * (1 - self.s.share) / self.s.share)  # the CPU share bound
         candidate.eval()

@@ -100,6 +100,19 @@ def sample_batch(seqs: Sequences, s: TrainSettings, g: torch.Generator) -> Batch
                  future_valid=fut_valid & valid)
 
 
+def optimizer_step(head: DraftHead, opt: torch.optim.Optimizer, batch: Batch) -> float:
+    """One training step on a batch (bfloat16 autocast on a CPU, gradients clipped at 1);
+    returns the loss."""
+    with torch.autocast("cpu", dtype=torch.bfloat16,
+                        enabled=head.target.embed.device.type == "cpu"):
+        loss = head_loss(head, batch)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
+    opt.step()
+    return loss.item()
+
+
 def make_head(kind: str, target: TargetTensors, vocab_ids: torch.Tensor, s: TrainSettings
               ) -> DraftHead:
     H = target.embed.shape[1]
@@ -158,14 +171,8 @@ def train_head(target: TargetTensors, data_dir: Path, out_dir: Path, s: TrainSet
         for group in opt.param_groups:
             group["lr"] = lr * min(1.0, (step + 1) / 50)  # warm up over 50 steps
         batch = sample_batch(train, s, g)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = head_loss(head, batch)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
-        opt.step()
+        losses.append(optimizer_step(head, opt, batch))
         step += 1
-        losses.append(loss.item())
         now = time.monotonic()
         if now - last_say >= 15 or step == s.steps:
             rate = (step - first) / max(1e-9, now - t0)
