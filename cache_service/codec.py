@@ -31,7 +31,7 @@ import numpy as np
 import redis
 
 from edgespec.config import SamplingParams
-from edgespec.protocol import StoreUnavailable
+from edgespec.protocol.contract import StoreUnavailable
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,8 @@ share a token. Error messages name line numbers, never tokens.
 With credentials configured, a drafter sends its own token the usual way
 (``authorization: Bearer <token>``) and the cache derives the device from it: a Register for
 another device id, a PushDraft that names another device, and a chunk for a session assigned to
-another device are refused with PERMISSION_DENIED (see ``edgespec.wire.TokenAuthInterceptor`` for
+another device are refused with PERMISSION_DENIED (see
+``edgespec.wire.convert.TokenAuthInterceptor`` for
 which tokens each service accepts).
 """
 
@@ -19,7 +20,7 @@ import re
 from collections.abc import Iterable, Mapping
 
 from edgespec.config import ConfigError
-from edgespec.ids import check_device_id
+from edgespec.protocol.ids import check_device_id
 
 _COMMENT = re.compile(r"\s#")  # a '#' after whitespace starts a comment
 

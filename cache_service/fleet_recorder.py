@@ -10,7 +10,7 @@ import threading
 
 import redis
 
-from edgespec.fleet_table import record_output
+from edgespec.protocol.fleet_table import record_output
 
 from .codec import KeyLayout, unpack_tokens
 from .fleet_table import RedisFleetTable

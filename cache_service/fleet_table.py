@@ -22,7 +22,7 @@ from typing import cast
 
 import redis
 
-from edgespec.fleet_table import MAX_FOLLOWERS, FleetEntry, FleetPull, ngram_pairs
+from edgespec.protocol.fleet_table import MAX_FOLLOWERS, FleetEntry, FleetPull, ngram_pairs
 
 log = logging.getLogger("edgespec.cache")
 

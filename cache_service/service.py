@@ -9,7 +9,8 @@ drafter sends are checked and pushed atomically; each is answered with a ``Chunk
 is a gRPC status code (FAILED_PRECONDITION for a stale epoch or a misplaced chunk). A newer
 stream for the same device id replaces an older one.
 
-A drafter is not trusted: device and session ids must match ``edgespec.ids`` (they are spliced
+A drafter is not trusted: device and session ids must match ``edgespec.protocol.ids`` (they are
+spliced
 into Redis keys), draft token ids must be in the vocabulary, and a tree chunk must be well
 formed; anything else is INVALID_ARGUMENT.
 
@@ -36,12 +37,12 @@ import grpc
 import redis
 
 from edgespec.config import ConfigError
-from edgespec.ids import check_device_id, check_session_id, shown
-from edgespec.protocol import Branch
-from edgespec.tree_wire import MAX_BRANCH_NODES, TREE_VERSION, tree_from_wire
+from edgespec.protocol.ids import check_device_id, check_session_id, shown
+from edgespec.protocol.contract import Branch
+from edgespec.wire.trees import MAX_BRANCH_NODES, TREE_VERSION, tree_from_wire
 from edgespec.v1 import edgespec_pb2 as pb
 from edgespec.v1 import edgespec_pb2_grpc as pb_grpc
-from edgespec.wire import params_to_pb, retry_after_metadata
+from edgespec.wire.convert import params_to_pb, retry_after_metadata
 
 from .credentials import DeviceCredentials
 from .store import RedisSessionStore, StoreError
@@ -365,7 +366,7 @@ class DraftCacheService(pb_grpc.DraftCacheServicer):
 
 
 def _chunk_draft(chunk: pb.DraftChunk, window: int) -> tuple[list[int], list[Branch]]:
-    """A chunk's chain and branches (tree chunks, ``edgespec.tree_wire``), its size and shape
+    """A chunk's chain and branches (tree chunks, ``edgespec.wire.trees``), its size and shape
     checked before any work."""
     bad = grpc.StatusCode.INVALID_ARGUMENT
     if chunk.tree_version not in (0, TREE_VERSION):

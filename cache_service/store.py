@@ -1,6 +1,7 @@
 """The draft cache's session state in Redis and the atomic operations on it (Lua scripts,
 ``store_lua``): the verifier's side (``create``, ``take_when_ready``, ``commit_many``, ``close``:
-``edgespec.protocol.SessionStore``, as the in-process ``LocalSessionStore``) and the drafters'
+``edgespec.protocol.contract.SessionStore``, as the in-process ``LocalSessionStore``) and the
+drafters'
 (``push``, ``snapshot``, their inbox events), over the key layout of ``codec``. The drafters
 themselves are ``devices``'s; closed sessions teach the fleet table through ``fleet_recorder``;
 a pushed chunk wakes a waiting verifier through ``chunk_waker``.
@@ -20,7 +21,7 @@ from typing import Any, Sequence
 import redis
 
 from edgespec.config import SamplingParams
-from edgespec.protocol import (MAX_BRANCHES, Branch, CommitOutcome, DraftWant, Fix,
+from edgespec.protocol.contract import (MAX_BRANCHES, Branch, CommitOutcome, DraftWant, Fix,
                                SessionVanished, StoreUnavailable, TakenDraft, Verdict,
                                chunk_branches, take_branches)
 

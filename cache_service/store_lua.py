@@ -16,7 +16,8 @@ verdict that names a branch the draft does not hold is refused, unless the branc
 verifier's own (a draft head's). A commit replayed after it
 landed (its reply lost with the connection) is recognised by its position and last token and
 answered with code 2, not applied twice. Both rules are the in-process store's too
-(``edgespec.session``); tests/test_store_contract.py holds the two stores to the same cases.
+(``edgespec.protocol.local_store``); tests/test_store_contract.py holds the two stores to the same
+cases.
 """
 
 PUSH_LUA = """

@@ -2,7 +2,8 @@
 
 One bidirectional ``Attach`` stream carries everything. A receiver thread records what the cache
 sends in the drafting loop's book (assignments, commits, fixes, closed sessions); a drafting
-thread runs the drafting loop (``edgespec.drafting_loop``, the same loop the in-process engine
+thread runs the drafting loop (``edgespec.drafters.drafting_loop``, the same loop the in-process
+engine
 runs over its local store) with the agent as its transport: it drafts ahead for every session
 with room in its window (W tokens beyond the committed position), in chunks of c tokens, outside
 the lock (a fix never waits behind a model drafter's forward), tags each chunk with its epoch
@@ -19,7 +20,7 @@ after each of its commits, so the verifier does not wait for drafts that will no
 decodes it alone. Other sessions go on as before.
 
 With ``tree_width`` > 1 the agent drafts trees (``propose_tree``) and sends them as version-1
-tree chunks (``edgespec.tree_wire``); a fix that carries a branch's tokens (``fix_more``) rolls
+tree chunks (``edgespec.wire.trees``); a fix that carries a branch's tokens (``fix_more``) rolls
 the session back and appends them all.
 """
 
@@ -35,12 +36,12 @@ import grpc
 
 from edgespec.config import ConfigError, SamplingParams
 from edgespec.drafters import Draft, Drafter
-from edgespec.drafting_loop import DraftBook, DraftTarget, run_drafting
-from edgespec.ids import check_device_id
-from edgespec.tree_wire import TREE_VERSION, tree_to_wire
+from edgespec.drafters.drafting_loop import DraftBook, DraftTarget, run_drafting
+from edgespec.protocol.ids import check_device_id
+from edgespec.wire.trees import TREE_VERSION, tree_to_wire
 from edgespec.v1 import edgespec_pb2 as pb
 from edgespec.v1 import edgespec_pb2_grpc as pb_grpc
-from edgespec.wire import auth_metadata, make_channel, params_from_pb, retry_after_s
+from edgespec.wire.convert import auth_metadata, make_channel, params_from_pb, retry_after_s
 
 from .fleet_client import RemoteFleetTable
 
@@ -228,7 +229,7 @@ class DrafterAgent:
         with self.cond:
             self.book.close_all()
 
-    # -- the drafting loop's transport (edgespec.drafting_loop.DraftChannel) ------------------
+    # -- the drafting loop's transport (edgespec.drafters.drafting_loop.DraftChannel) ---
     def refresh(self, book: DraftBook) -> None:
         """Nothing to do: the receiver records what the cache sends as it comes."""
 

@@ -3,7 +3,7 @@ fingerprint it registers with (``edgespec drafter`` and the fleet's drafter acto
 
 from __future__ import annotations
 
-from edgespec.cli_args import check_drafter_arg
+from edgespec.drafters.spec_check import check_drafter_arg
 from edgespec.config import ConfigError
 from edgespec.drafters import EDGE_KINDS, Drafter, DrafterSpec, build_drafter
 
@@ -30,10 +30,10 @@ def _fingerprint(spec: DrafterSpec) -> str:
         return ""
     from transformers import AutoTokenizer
 
-    from edgespec.tokenizer_id import tokenizer_fingerprint
+    from edgespec.models.tokenizer_id import tokenizer_fingerprint
 
     if spec.kind == "model":
-        from edgespec.models import resolve_model_path
+        from edgespec.models.loading import resolve_model_path
 
         path, gguf = resolve_model_path(spec.arg)
         return tokenizer_fingerprint(AutoTokenizer.from_pretrained(path, gguf_file=gguf))

@@ -5,10 +5,10 @@ nothing here."""
 
 from __future__ import annotations
 
-from edgespec.fleet_table import MAX_ORDER, FleetEntry, FleetPull
+from edgespec.protocol.fleet_table import MAX_ORDER, FleetEntry, FleetPull
 from edgespec.v1 import edgespec_pb2 as pb
 from edgespec.v1 import edgespec_pb2_grpc as pb_grpc
-from edgespec.wire import auth_metadata, make_channel
+from edgespec.wire.convert import auth_metadata, make_channel
 
 
 class RemoteFleetTable:

@@ -30,10 +30,10 @@ from dataclasses import dataclass, field
 import grpc
 
 from .config import SamplingParams
-from .reachability import ConnectWatch, unreachable_reason_aio
+from .wire.reachability import ConnectWatch, unreachable_reason_aio
 from .v1 import edgespec_pb2 as pb
 from .v1 import edgespec_pb2_grpc as pb_grpc
-from .wire import auth_metadata, make_channel, params_to_pb, stats_from_pb
+from .wire.convert import auth_metadata, make_channel, params_to_pb, stats_from_pb
 
 
 class EdgespecError(Exception):
@@ -284,7 +284,7 @@ class Client:
 
     def _first_contact(self, timeout: float | None) -> None:
         """Before the first call, fail fast (Unavailable) where the connection cannot be made
-        at all, a wrong address say (see edgespec.reachability)."""
+        at all, a wrong address say (see edgespec.wire.reachability)."""
         if self._reached:
             return
         reason = self._watch.unreachable_reason(timeout)

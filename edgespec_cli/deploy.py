@@ -9,7 +9,7 @@ import sys
 
 
 def add_deploy_command(sub) -> None:
-    from edgespec.cli_args import add_dtype_arg, add_threads_arg, add_tree_width_arg
+    from edgespec_cli.cli_args import add_dtype_arg, add_threads_arg, add_tree_width_arg
 
     d = sub.add_parser("deploy", help="place the verifier, the cache and the drafters as Ray "
                                       "actors on a running cluster (ray up)")

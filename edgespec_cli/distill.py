@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from edgespec.cli_args import add_model_args, add_threads_arg, set_threads
+from edgespec_cli.cli_args import add_model_args, add_threads_arg, set_threads
 from edgespec.config import ConfigError
 
 KINDS = ("eagle", "specformer", "ctc")
@@ -102,7 +102,7 @@ def run_distill(args) -> int:
         return 0
     from edgespec.heads.manifest import MANIFEST
     from edgespec.heads.training import TargetTensors, TrainSettings, train_head
-    from edgespec.models import load_model
+    from edgespec.models.loading import load_model
 
     target, exclude = None, None
     for kind in kinds:

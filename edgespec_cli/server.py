@@ -30,9 +30,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
 
 from edgespec.config import ConfigError, EngineConfig
-from edgespec.request_parsing import add_servicer
+from edgespec.wire.request_parsing import add_servicer
 from edgespec.v1 import edgespec_pb2_grpc as pb_grpc
-from edgespec.wire import bind, make_server, resolve_token
+from edgespec.wire.convert import bind, make_server, resolve_token
 
 if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer
@@ -139,9 +139,9 @@ class EdgespecServer:
         from verifier_node.scheduler import Scheduler
         from verifier_node.service import VerifierService
 
-        from edgespec.engine import SpecEngine
-        from edgespec.models import load_model, stop_token_ids, tokenizer_fingerprint
-        from edgespec.runner import TargetRunner
+        from edgespec.engine.spec_engine import SpecEngine
+        from edgespec.models.loading import load_model, stop_token_ids, tokenizer_fingerprint
+        from edgespec.runner.target_runner import TargetRunner
 
         cfg = self.engine_cfg
         target = load_model(self.opts.model, self.opts.device, self.opts.dtype)

@@ -120,7 +120,7 @@ def tiny_draft_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny(tiny_dir):
-    from edgespec.models import load_model
+    from edgespec.models.loading import load_model
 
     return load_model(str(tiny_dir), dtype="float32")
 
@@ -161,9 +161,9 @@ def verifier_parts(looping):
     from cache_service.redis_conn import RedisHandle
     from cache_service.store import RedisSessionStore
     from edgespec.config import EngineConfig
-    from edgespec.engine import SpecEngine
-    from edgespec.models import stop_token_ids
-    from edgespec.runner import TargetRunner
+    from edgespec.engine.spec_engine import SpecEngine
+    from edgespec.models.loading import stop_token_ids
+    from edgespec.runner.target_runner import TargetRunner
     from verifier_node.admission import Admission
     from verifier_node.scheduler import Scheduler
 
@@ -185,6 +185,6 @@ def looping_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def looping(looping_dir):
-    from edgespec.models import load_model
+    from edgespec.models.loading import load_model
 
     return load_model(str(looping_dir), dtype="float32")

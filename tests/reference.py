@@ -8,9 +8,9 @@ from __future__ import annotations
 import torch
 
 from edgespec.config import SamplingParams
-from edgespec.keyed_noise import keyed_choice, seed_of
-from edgespec.sampling import filtered_logits
-from edgespec.tree_verify import DraftTree, TreeVerdict, verify_tree
+from edgespec.verify.keyed_noise import keyed_choice, seed_of
+from edgespec.verify.sampling import filtered_logits
+from edgespec.verify.trees import DraftTree, TreeVerdict, verify_tree
 
 
 def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

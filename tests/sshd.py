@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-from edgespec.wire import free_port
+from edgespec.wire.convert import free_port
 
 SSHD = "/usr/sbin/sshd"
 

@@ -16,11 +16,11 @@ import pytest
 import torch
 from reference import path_to
 
-from edgespec.attention import probe_invariance
-from edgespec.dtype_probe import exact_here, linear_rows_exact
-from edgespec.linear import Linear
-from edgespec.runner import TargetRunner
-from edgespec.tree_verify import DraftTree
+from edgespec.runner.attention import probe_invariance
+from edgespec.runner.dtype_probe import exact_here, linear_rows_exact
+from edgespec.runner.linear import Linear
+from edgespec.runner.target_runner import TargetRunner
+from edgespec.verify.trees import DraftTree
 
 VOCAB = 96
 
@@ -161,7 +161,7 @@ def test_prefill_in_chunks_and_long_contexts_keep_the_bits(hd64_model, dtype, de
 def test_the_attention_probe_catches_a_shape_dependent_kernel(monkeypatch):
     import torch.nn.functional as F
 
-    import edgespec.attention as attention
+    import edgespec.runner.attention as attention
 
     assert probe_invariance(torch.float32)
 

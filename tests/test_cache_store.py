@@ -5,7 +5,7 @@ import pytest
 from cache_service.redis_conn import RedisHandle
 from cache_service.store import RedisSessionStore, StoreError
 from edgespec.config import SamplingParams
-from edgespec.protocol import Branch, DraftWant, SessionVanished, Verdict
+from edgespec.protocol.contract import Branch, DraftWant, SessionVanished, Verdict
 
 
 @pytest.fixture()

@@ -17,9 +17,9 @@ from drafter_node.fleet_client import RemoteFleetTable
 from edgespec.config import EngineConfig, SamplingParams
 from edgespec.drafters import build_drafter
 from edgespec.drafters.cacheback import CachebackDrafter, FleetSync, NgramTable
-from edgespec.engine import Request, SpecEngine
-from edgespec.fleet_table import ngram_pairs
-from edgespec.runner import TargetRunner
+from edgespec.engine.spec_engine import Request, SpecEngine
+from edgespec.protocol.fleet_table import ngram_pairs
+from edgespec.runner.target_runner import TargetRunner
 from edgespec.v1 import edgespec_pb2 as pb
 from edgespec.v1 import edgespec_pb2_grpc as pb_grpc
 from procs import start_drafter, start_serve

@@ -7,8 +7,8 @@ from conftest import hf_greedy, hf_keyed_sampled
 from edgespec.config import ConfigError, EngineConfig, SamplingParams
 from edgespec.drafters import MaGDrafter, build_drafter, parse_drafter_spec
 from edgespec.drafters.cascade import CascadeDrafter
-from edgespec.engine import Request, SpecEngine
-from edgespec.runner import TargetRunner
+from edgespec.engine.spec_engine import Request, SpecEngine
+from edgespec.runner.target_runner import TargetRunner
 
 PROMPTS = [
     [1, 10, 11, 12, 13, 10, 11, 12, 13, 10],
@@ -247,7 +247,7 @@ def test_cascade_spec_lists_members_top_first(tiny_draft_dir):
 
 
 def test_the_cli_checks_every_cascade_member_before_loading(tiny_draft_dir, tmp_path):
-    from edgespec.cli_args import check_drafter_arg
+    from edgespec.drafters.spec_check import check_drafter_arg
 
     assert check_drafter_arg(f"cascade:model:{tiny_draft_dir},mag").kind == "cascade"
     with pytest.raises(ConfigError, match="not found"):

@@ -8,7 +8,7 @@ import sys
 import pytest
 from conftest import hf_greedy
 
-from edgespec.models import encode_prompt
+from edgespec.models.loading import encode_prompt
 
 
 def edgespec(*args, timeout=300):
@@ -34,7 +34,7 @@ def test_generate_json_is_identical_to_target_only(tiny, tiny_dir):
 def test_generate_default_dtype_is_the_probed_one_and_lossless_in_it(tiny_dir):
     """``--dtype auto`` (the default) serves what the probe picks here (bfloat16 on an AMX
     CPU), says so in --json, and speculative output equals target-only in that dtype."""
-    from edgespec.dtype_probe import resolve_dtype
+    from edgespec.runner.dtype_probe import resolve_dtype
 
     outs = {}
     for drafter in ("none", "mag", "layers:2"):
@@ -48,7 +48,7 @@ def test_generate_default_dtype_is_the_probed_one_and_lossless_in_it(tiny_dir):
 
 
 def test_a_dtype_that_is_not_exact_here_is_refused(tiny_dir):
-    from edgespec.dtype_probe import exact_here
+    from edgespec.runner.dtype_probe import exact_here
 
     if exact_here("float16"):
         pytest.skip("float16 is batch-invariant on this machine")
@@ -109,7 +109,7 @@ def test_bench_writes_summary_json(tiny_dir, tmp_path):
     assert {r["method"] for r in results} >= {
         "target_only", "hf_generate", "hf_prompt_lookup", "hf_assisted", "edgespec:mag",
         "edgespec-loose:mag"}
-    from edgespec.dtype_probe import resolve_dtype
+    from edgespec.runner.dtype_probe import resolve_dtype
 
     assert report["config"]["dtype"] == resolve_dtype("auto")
     if report["config"]["dtype"] != "float32":  # float32 target-only runs beside it

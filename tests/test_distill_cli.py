@@ -7,7 +7,7 @@ import json
 from conftest import hf_greedy, make_tiny_model
 from test_cli import edgespec
 
-from edgespec.models import encode_prompt
+from edgespec.models.loading import encode_prompt
 
 PROMPTS = ["hello there", "count: 1 2 3 4", "abcabcabc", "the quick brown fox",
            "x y z x y z", "print('hi')", "colours: red, green", "a long list: a, b, c, d"]

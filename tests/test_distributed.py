@@ -107,7 +107,7 @@ def test_stream_and_async_client_match(cluster, refs):
 
 
 def test_text_prompt_goes_through_the_chat_template(cluster, looping):
-    from edgespec.models import encode_prompt
+    from edgespec.models.loading import encode_prompt
 
     ids = encode_prompt(looping.tokenizer, "abcabc")
     with client(cluster) as c:
@@ -249,9 +249,9 @@ def test_seeded_sampling_over_the_network_equals_target_only_whatever_the_drafte
     """Randomness keyed by (seed, position): the same tokens with any drafter, over the
     network, as target-only sampling in process, run after run."""
     from edgespec.config import EngineConfig, SamplingParams
-    from edgespec.engine import Request, SpecEngine
-    from edgespec.models import stop_token_ids
-    from edgespec.runner import TargetRunner
+    from edgespec.engine.spec_engine import Request, SpecEngine
+    from edgespec.models.loading import stop_token_ids
+    from edgespec.runner.target_runner import TargetRunner
 
     params = SamplingParams(temperature=0.8, top_p=0.95, seed=7)
     engine = SpecEngine(TargetRunner(looping.model, n_slots=1, max_len=512), None,
@@ -290,7 +290,7 @@ def test_verifier_and_cache_run_as_separate_processes(external_redis, looping_di
     import redis as redis_lib
 
     from procs import Proc, wait_healthy
-    from edgespec.wire import free_port
+    from edgespec.wire.convert import free_port
 
     redis_lib.Redis.from_url(external_redis).flushdb()
     v_addr, c_addr = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"

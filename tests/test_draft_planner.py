@@ -2,7 +2,7 @@
 
 import pytest
 
-from edgespec.draft_planner import ForwardCost, allocate, allocate_branches
+from edgespec.engine.draft_planner import ForwardCost, allocate, allocate_branches
 
 
 def fitted(fixed: float, per_token: float, counts=(1, 2, 5, 9, 3, 6)) -> ForwardCost:

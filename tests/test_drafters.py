@@ -6,7 +6,7 @@ import pytest
 from edgespec.config import ConfigError, SamplingParams
 from edgespec.drafters import DraftLength, MaGDrafter, build_drafter
 from edgespec.drafters.mag import longest_suffix_match
-from edgespec.runner import TargetRunner
+from edgespec.runner.target_runner import TargetRunner
 
 
 def test_longest_suffix_match_prefers_longest_then_most_recent():
@@ -123,8 +123,8 @@ def test_a_model_drafter_may_run_in_a_dtype_a_target_may_not(tiny_draft_dir):
     """Drafts need not be exact: a model drafter loads and drafts in float16, which this CPU's
     probe refuses for a target (it is not batch-invariant here)."""
     from edgespec.config import ConfigError, SamplingParams
-    from edgespec.dtype_probe import exact_here
-    from edgespec.models import load_model
+    from edgespec.runner.dtype_probe import exact_here
+    from edgespec.models.loading import load_model
 
     d = build_drafter(f"model:{tiny_draft_dir}", dtype="float16")
     session = d.open([1, 10, 11, 12], SamplingParams())

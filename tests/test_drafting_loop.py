@@ -1,4 +1,5 @@
-"""The one drafting loop (``edgespec.drafting_loop``) with a drafter that blocks in the middle of
+"""The one drafting loop (``edgespec.drafters.drafting_loop``) with a drafter that blocks in the
+middle of
 a proposal: the lock is free meanwhile (a fix is recorded while the drafter works), the chunk
 drafted before the fix is dropped as stale and the fix applied before the next chunk, a session
 closed while busy is closed once, by the loop's own thread, and a drafter that fails costs its
@@ -12,7 +13,7 @@ import pytest
 
 from edgespec.config import SamplingParams
 from edgespec.drafters import Draft, Drafter, DraftSession
-from edgespec.drafting_loop import DraftBook, run_drafting
+from edgespec.drafters.drafting_loop import DraftBook, run_drafting
 
 WAIT_S = 60
 

@@ -19,7 +19,7 @@ PROMPTS = [
 @pytest.fixture(scope="module")
 def gen():
     from edgespec.config import EngineConfig
-    from edgespec.local import LocalGenerator
+    from edgespec.engine.local import LocalGenerator
 
     # every step waits until the drafter has answered (a draft of k tokens, or "nothing more"),
     # so what gets drafted does not depend on how fast the drafter thread happened to run
@@ -45,8 +45,8 @@ def test_speculative_equals_target_only_equals_transformers(gen, prompt):
 @pytest.fixture(scope="module")
 def gen_bf16():
     from edgespec.config import EngineConfig
-    from edgespec.dtype_probe import exact_here
-    from edgespec.local import LocalGenerator
+    from edgespec.runner.dtype_probe import exact_here
+    from edgespec.engine.local import LocalGenerator
 
     if not exact_here("bfloat16"):
         pytest.skip("bfloat16 is not exact on this machine (its probe failed): not served")

@@ -9,8 +9,8 @@ from conftest import hf_greedy, hf_keyed_sampled
 
 from edgespec.config import ConfigError, EngineConfig, SamplingParams
 from edgespec.drafters import build_drafter
-from edgespec.engine import Request, SpecEngine
-from edgespec.runner import TargetRunner
+from edgespec.engine.spec_engine import Request, SpecEngine
+from edgespec.runner.target_runner import TargetRunner
 from edgespec.drafters.base import Draft, Drafter, DraftSession
 from reference import process_logits
 
@@ -49,7 +49,7 @@ def test_greedy_output_identical_to_target_only(tiny, tiny_draft_dir, setup, spe
 
 def test_mag_accepts_drafts_on_repetitive_output(tmp_path):
     from conftest import make_tiny_model
-    from edgespec.models import load_model
+    from edgespec.models.loading import load_model
 
     looping = load_model(str(make_tiny_model(tmp_path / "loop", seed=5, looping=True)),
                          dtype="float32").model
@@ -66,8 +66,8 @@ def test_mag_accepts_drafts_on_repetitive_output(tmp_path):
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_half_precision_speculative_equals_its_own_target_only(tiny_dir, dtype):
-    from edgespec.dtype_probe import exact_here
-    from edgespec.models import load_model
+    from edgespec.runner.dtype_probe import exact_here
+    from edgespec.models.loading import load_model
 
     if not exact_here(dtype):  # refused, never served inexactly
         with pytest.raises(ConfigError, match="not batch-invariant"):
@@ -147,7 +147,7 @@ def _chi2_ok(counts: Counter, probs: torch.Tensor, n: int) -> bool:
 @pytest.fixture(scope="module")
 def small_vocab(tmp_path_factory):
     from conftest import make_tiny_model
-    from edgespec.models import load_model
+    from edgespec.models.loading import load_model
 
     tgt = load_model(str(make_tiny_model(tmp_path_factory.mktemp("sv-t"), seed=3, vocab=8,
                                          init_range=0.1)))

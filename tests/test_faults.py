@@ -24,7 +24,7 @@ import edgespec
 from cache_service.redis_conn import embedded_redis_binary
 from edgespec.v1 import edgespec_pb2 as pb
 from edgespec.v1 import edgespec_pb2_grpc as pb_grpc
-from edgespec.wire import auth_metadata, free_port
+from edgespec.wire.convert import auth_metadata, free_port
 from procs import Proc, Streamer, health_status, start_drafter, wait_health, wait_healthy
 
 TOKEN = "f4ults"
@@ -106,9 +106,9 @@ def refs(looping):
 def sampled_ref(looping):
     """Target-only sampling with the seed, in process: what every path must reproduce."""
     from edgespec.config import EngineConfig, SamplingParams
-    from edgespec.engine import Request, SpecEngine
-    from edgespec.models import stop_token_ids
-    from edgespec.runner import TargetRunner
+    from edgespec.engine.spec_engine import Request, SpecEngine
+    from edgespec.models.loading import stop_token_ids
+    from edgespec.runner.target_runner import TargetRunner
 
     runner = TargetRunner(looping.model, n_slots=1, max_len=512)
     engine = SpecEngine(runner, None, EngineConfig(max_sessions=1, max_context=512),

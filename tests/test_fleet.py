@@ -20,7 +20,7 @@ pytest.importorskip("ray", reason="ray is not installed (pip install -e '.[fleet
 import edgespec  # noqa: E402
 from edgespec_cli.deployment import placement as fleet  # noqa: E402
 from edgespec.config import ConfigError  # noqa: E402
-from edgespec.wire import free_port  # noqa: E402
+from edgespec.wire.convert import free_port  # noqa: E402
 
 # set by conftest before ray is imported too (see there); the CLI's subprocesses get them here
 RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}

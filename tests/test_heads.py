@@ -13,7 +13,7 @@ from conftest import hf_greedy, hf_keyed_sampled, make_tiny_model
 
 from edgespec.config import ConfigError, EngineConfig, SamplingParams
 from edgespec.drafters import build_drafter
-from edgespec.engine import Request, SpecEngine
+from edgespec.engine.spec_engine import Request, SpecEngine
 from edgespec.heads.dataset import DatasetInfo, load_sequences
 from edgespec.heads.harvest import Harvester, work_list
 from edgespec.heads.fingerprint import runner_fingerprint
@@ -21,8 +21,8 @@ from edgespec.heads.manifest import HeadManifest, load_head
 from edgespec.heads.modules import KINDS
 from edgespec.heads.proposer import HeadProposer
 from edgespec.heads.training import TargetTensors, TrainSettings, train_head
-from edgespec.models import load_model
-from edgespec.runner import TargetRunner
+from edgespec.models.loading import load_model
+from edgespec.runner.target_runner import TargetRunner
 
 SETTINGS = dict(vocab=64, steps=120, batch=8, span=16, context=8, depth=4, lr=3e-3)
 
@@ -153,7 +153,7 @@ def test_a_head_keeps_seeded_sampling_identical(looping, trained, kind):
 
 
 def test_a_head_trained_on_float32_features_serves_a_bfloat16_target(looping_dir, trained):
-    from edgespec.dtype_probe import exact_here
+    from edgespec.runner.dtype_probe import exact_here
 
     if not exact_here("bfloat16"):
         pytest.skip("bfloat16 is not exact on this machine, so it is not served here")

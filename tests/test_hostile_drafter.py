@@ -23,12 +23,12 @@ from cache_service.store import RedisSessionStore
 from drafter_node.agent import DrafterAgent
 from edgespec.config import ConfigError, SamplingParams
 from edgespec.drafters import Draft, Drafter, DraftSession
-from edgespec.ids import check_device_id, check_session_id
-from edgespec.kv_cache import CacheFullError
-from edgespec.protocol import Branch, DraftWant, Verdict
+from edgespec.protocol.ids import check_device_id, check_session_id
+from edgespec.runner.kv_cache import CacheFullError
+from edgespec.protocol.contract import Branch, DraftWant, Verdict
 from edgespec.v1 import edgespec_pb2 as pb
 from edgespec.v1 import edgespec_pb2_grpc as pb_grpc
-from edgespec.wire import TokenAuthInterceptor, auth_metadata, bind, free_port, make_channel
+from edgespec.wire.convert import TokenAuthInterceptor, auth_metadata, bind, free_port, make_channel
 
 VOCAB = 100
 SAMPLED = SamplingParams(temperature=1.0, seed=3)

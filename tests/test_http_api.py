@@ -16,8 +16,8 @@ import pytest
 from conftest import hf_greedy
 from prometheus_client.parser import text_string_to_metric_families
 
-from edgespec.models import encode_prompt
-from edgespec.wire import free_port
+from edgespec.models.loading import encode_prompt
+from edgespec.wire.convert import free_port
 from procs import Proc, start_drafter, start_serve
 
 

@@ -3,8 +3,11 @@
 Layers, lowest first: the shared library ``edgespec`` (its generated ``edgespec.v1`` included);
 the roles ``cache_service``, ``drafter_node`` and ``verifier_node``; the commands and the fleet
 code above them, ``edgespec_cli``. A module may import its own layer or a lower one, never a
-higher one, and the module graph has no cycle. Every import counts: at the top, under
-``TYPE_CHECKING`` and inside functions alike (read from the source, not by importing it)."""
+higher one, and the module graph has no cycle. Inside ``edgespec`` the subpackages are layered
+the same way (``EDGESPEC_ORDER``, lowest first): the contract, the wire, the runner,
+verification, models, heads, drafters, the engine, and the client SDK on top. Every import
+counts: at the top, under ``TYPE_CHECKING`` and inside functions alike (read from the source,
+not by importing it)."""
 
 from __future__ import annotations
 
@@ -14,6 +17,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 LAYERS = {"edgespec": 0, "cache_service": 1, "drafter_node": 1, "verifier_node": 1,
           "edgespec_cli": 2}
+EDGESPEC_ORDER = [("config", "v1"), ("protocol",), ("wire",), ("runner",), ("verify",),
+                  ("models",), ("heads",), ("drafters",), ("engine",), ("client", "")]
 
 
 def _module_name(path: Path) -> str:
@@ -83,6 +88,27 @@ def test_no_module_imports_a_higher_layer():
     assert upward == []
 
 
+def _sublayer(module: str) -> int:
+    """The rank of an ``edgespec`` module's subpackage (``""``: the package itself)."""
+    part = module.split(".")[1] if "." in module else ""
+    for rank, names in enumerate(EDGESPEC_ORDER):
+        if part in names:
+            return rank
+    raise AssertionError(f"{module}: edgespec.{part} has no place in EDGESPEC_ORDER")
+
+
+def test_edgespec_subpackages_import_only_lower_ones():
+    graph = import_graph()
+    inside = {a: {b for b in deps if b.split(".")[0] == "edgespec"}
+              for a, deps in graph.items() if a.split(".")[0] == "edgespec"}
+    upward = sorted(f"{a} -> {b}" for a, deps in inside.items() for b in deps
+                    if _sublayer(b) > _sublayer(a))
+    assert upward == []
+    # every module has a place, and the order is not vacuous: the engine reads the runner
+    assert {_sublayer(m) for m in inside} == set(range(len(EDGESPEC_ORDER)))
+    assert "edgespec.runner.target_runner" in inside["edgespec.engine.spec_engine"]
+
+
 def test_the_import_graph_has_no_cycle():
     graph = import_graph()
     state: dict[str, int] = {}  # 1: on the current path, 2: done
@@ -115,9 +141,9 @@ def test_the_walker_sees_every_kind_of_import(tmp_path):
     """The checks above cannot pass by seeing nothing: imports at the top, relative ones, under
     TYPE_CHECKING and inside a function are all found in the real sources."""
     graph = import_graph()
-    assert "edgespec.config" in graph["edgespec.session"]  # relative, at the top
-    assert "edgespec.protocol" in graph["cache_service.store"]  # absolute
+    assert "edgespec.config" in graph["edgespec.protocol.local_store"]  # relative, at the top
+    assert "edgespec.protocol.contract" in graph["cache_service.store"]  # absolute
     # inside a function (build_drafter imports the runner only for layers:L)
-    assert "edgespec.runner" in graph["edgespec.drafters"]
+    assert "edgespec.runner.target_runner" in graph["edgespec.drafters"]
     assert "cache_service.metrics" in graph["cache_service.service"]  # under TYPE_CHECKING
     assert len(graph) > 60

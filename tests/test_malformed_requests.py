@@ -14,7 +14,7 @@ from grpc_health.v1 import health_pb2
 
 from edgespec.config import EngineConfig
 from edgespec.v1 import edgespec_pb2 as pb
-from edgespec.wire import auth_metadata
+from edgespec.wire.convert import auth_metadata
 from edgespec_cli.server import EdgespecServer, ServerOptions
 from procs import wait_healthy
 
@@ -150,7 +150,7 @@ def wait_detached(channel, device: str) -> None:
 
 
 def test_the_router_refuses_malformed_requests_too():
-    from edgespec.wire import free_port
+    from edgespec.wire.convert import free_port
     from verifier_node.router import VerifierRouter
 
     router = VerifierRouter("127.0.0.1:0", [f"127.0.0.1:{free_port()}"]).start()

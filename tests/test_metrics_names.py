@@ -21,7 +21,7 @@ from cache_service.metrics import CacheMetrics
 from drafter_node.agent import DrafterAgent
 from drafter_node.metrics import DrafterMetrics
 from edgespec.config import SamplingParams
-from edgespec.protocol import Verdict
+from edgespec.protocol.contract import Verdict
 from edgespec.v1 import edgespec_pb2 as pb
 from verifier_node.metrics import VerifierMetrics
 

@@ -1,6 +1,6 @@
 """The committed generated code is exactly what grpcio-tools makes from proto/."""
 
-from edgespec.protogen import ROOT, generate
+from edgespec.wire.protogen import ROOT, generate
 
 
 def test_regenerating_gives_the_committed_files(tmp_path):
@@ -10,7 +10,7 @@ def test_regenerating_gives_the_committed_files(tmp_path):
     for f in fresh:
         committed = ROOT / "edgespec" / "v1" / f.name
         assert committed.read_bytes() == f.read_bytes(), f"{f.name} is stale: run " \
-                                                          "python -m edgespec.protogen"
+                                                          "python -m edgespec.wire.protogen"
 
 
 def test_messages_carry_numbers_not_pickles():

@@ -6,8 +6,8 @@ from __future__ import annotations
 from conftest import hf_greedy
 
 from edgespec.config import SamplingParams
-from edgespec.engine import Request
-from edgespec.protocol import Verdict
+from edgespec.engine.spec_engine import Request
+from edgespec.protocol.contract import Verdict
 from verifier_node.admission import GenerationRequest
 
 PROMPT = [1, 10, 11, 12, 13, 10, 11]

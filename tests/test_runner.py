@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from edgespec.config import ConfigError
-from edgespec.kv_cache import CacheFullError
-from edgespec.runner import TargetRunner
+from edgespec.runner.kv_cache import CacheFullError
+from edgespec.runner.target_runner import TargetRunner
 
 
 @pytest.fixture()

@@ -10,9 +10,9 @@ import torch
 from edgespec.config import ConfigError, SamplingParams
 from reference import process_logits, sample_at
 
-from edgespec.keyed_noise import keyed_choice, keyed_gumbel, position_key, with_session_seed
-from edgespec.sampling import verify_greedy
-from edgespec.verification import verify_batch
+from edgespec.verify.keyed_noise import keyed_choice, keyed_gumbel, position_key, with_session_seed
+from edgespec.verify.sampling import verify_greedy
+from edgespec.verify.verify_step import verify_batch
 
 
 def test_greedy_full_accept_gives_bonus_token():

@@ -4,8 +4,8 @@ argument checks."""
 
 import pytest
 
-from edgespec.protocol import StaleChunkError, Verdict
-from edgespec.session import SessionState
+from edgespec.protocol.contract import StaleChunkError, Verdict
+from edgespec.protocol.local_store import SessionState
 
 
 def _state():

@@ -26,11 +26,11 @@ from conftest import hf_greedy
 
 from edgespec.client import NotFound, _Resumer, build_request
 from edgespec.config import ConfigError, EngineConfig, SamplingParams
-from edgespec.engine import Request, SpecEngine
-from edgespec.models import stop_token_ids
-from edgespec.runner import TargetRunner
+from edgespec.engine.spec_engine import Request, SpecEngine
+from edgespec.models.loading import stop_token_ids
+from edgespec.runner.target_runner import TargetRunner
 from edgespec.v1 import edgespec_pb2 as pb
-from edgespec.wire import free_port
+from edgespec.wire.convert import free_port
 from procs import Streamer, start_drafter, start_serve
 from verifier_node.admission import GenerationRequest, SessionNotFound
 

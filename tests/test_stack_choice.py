@@ -1,6 +1,7 @@
-"""--auto's per-session choice of draft sources (edgespec.stack_choice), with measured inputs."""
+"""--auto's per-session choice of draft sources (edgespec.engine.stack_choice), with measured
+inputs."""
 
-from edgespec.stack_choice import StackChooser, accepted_prefix
+from edgespec.engine.stack_choice import StackChooser, accepted_prefix
 
 
 def test_a_proposal_counts_its_common_prefix_with_what_was_committed():
@@ -77,8 +78,8 @@ def test_a_source_not_asked_leaves_its_stacks_unmeasured_and_costs_count():
 
 
 def test_head_and_auto_figures_cross_the_wire():
-    from edgespec.metrics import Stats
-    from edgespec.wire import stats_from_pb, stats_to_pb
+    from edgespec.protocol.request_stats import Stats
+    from edgespec.wire.convert import stats_from_pb, stats_to_pb
 
     s = Stats(steps=5, head_tokens=12, head_accepted=4, stacks={"head": 3, "drafter+head": 2})
     back = stats_from_pb(stats_to_pb(s))

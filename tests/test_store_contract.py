@@ -1,4 +1,5 @@
-"""The session protocol's rules (``edgespec.protocol``) held against both stores: the in-process
+"""The session protocol's rules (``edgespec.protocol.contract``) held against both stores: the
+in-process
 ``LocalSessionStore`` and the ``RedisSessionStore`` (Lua in a real Redis, embedded and
 external). Every case runs on each; a store is driven through its verifier side (the
 ``SessionStore`` calls) and its drafter side (a chunk push), the two sides the protocol has."""
@@ -8,9 +9,9 @@ from __future__ import annotations
 import pytest
 
 from edgespec.config import SamplingParams
-from edgespec.protocol import (MAX_BRANCH_TOKENS, MAX_BRANCHES, Branch, DraftWant, Fix,
+from edgespec.protocol.contract import (MAX_BRANCH_TOKENS, MAX_BRANCHES, Branch, DraftWant, Fix,
                                SessionVanished, StaleChunkError, Verdict)
-from edgespec.session import LocalSessionStore
+from edgespec.protocol.local_store import LocalSessionStore
 
 PROMPT = [1, 2, 3]
 

@@ -1,5 +1,6 @@
 """A drafter's token choice in NumPy (``edgespec.drafters.token_choice``) against the verifier's
-torch maths (``edgespec.sampling``): the same noise integers, the same processed distribution,
+torch maths (``edgespec.verify.sampling``): the same noise integers, the same processed
+distribution,
 and so the target's own token wherever the drafter's distribution is the target's."""
 
 import numpy as np
@@ -11,9 +12,9 @@ from edgespec.drafters.token_choice import (choose_token, keyed_noise, position_
                                             processed_scores, softmax, top_tokens)
 from reference import process_logits, sample_at
 
-from edgespec.keyed_noise import keyed_gumbel
-from edgespec.keyed_noise import position_key as torch_position_key
-from edgespec.sampling import filtered_logits
+from edgespec.verify.keyed_noise import keyed_gumbel
+from edgespec.verify.keyed_noise import position_key as torch_position_key
+from edgespec.verify.sampling import filtered_logits
 
 
 @pytest.mark.parametrize("seed", [0, 1, 12345, 2**62 + 7, 2**63 - 1])

@@ -20,10 +20,10 @@ from cache_service.service import DraftCacheService
 from cache_service.store import RedisSessionStore
 from drafter_node.agent import DrafterAgent
 from edgespec.config import EngineConfig, SamplingParams
-from edgespec.engine import Request, SpecEngine
-from edgespec.runner import TargetRunner
+from edgespec.engine.spec_engine import Request, SpecEngine
+from edgespec.runner.target_runner import TargetRunner
 from edgespec.v1 import edgespec_pb2_grpc as pb_grpc
-from edgespec.wire import bind
+from edgespec.wire.convert import bind
 
 PROMPTS = [[1, 10, 11, 12, 13, 10, 11, 12, 13, 10], [1, 50, 51, 52, 53, 54, 55, 56],
            [1, 30, 31, 30, 31, 30]]

@@ -17,7 +17,7 @@ from edgespec.drafters.mag import MaGDrafter, match_branches
 from edgespec.drafters.logits_session import BranchPicker
 from edgespec.drafters.model import ModelDrafter
 from edgespec.drafters.token_choice import processed_scores, softmax
-from edgespec.runner import TargetRunner
+from edgespec.runner.target_runner import TargetRunner
 
 GREEDY = SamplingParams()
 SAMPLED = SamplingParams(temperature=1.0, seed=3)
@@ -227,7 +227,7 @@ def test_branch_picker_ranks_by_path_probability():
 
 @pytest.fixture(scope="module")
 def draft_model(tiny_draft_dir):
-    from edgespec.models import load_model
+    from edgespec.models.loading import load_model
 
     return load_model(str(tiny_draft_dir), dtype="float32")
 

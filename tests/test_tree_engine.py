@@ -11,10 +11,10 @@ from tree_oracle import OracleTreeDrafter
 
 from edgespec.config import ConfigError, EngineConfig, SamplingParams
 from edgespec.drafters.base import Draft
-from edgespec.protocol import Branch
-from edgespec.engine import Request, SpecEngine
-from edgespec.runner import TargetRunner
-from edgespec.tree_verify import tree_of_draft
+from edgespec.protocol.contract import Branch
+from edgespec.engine.spec_engine import Request, SpecEngine
+from edgespec.runner.target_runner import TargetRunner
+from edgespec.verify.trees import tree_of_draft
 
 
 def test_tree_of_draft_puts_the_chain_first_and_shares_prefixes():
@@ -186,7 +186,7 @@ def test_trees_fit_the_tree_size_limit():
 
 
 def test_tree_to_wire_leaves_out_what_is_no_alternative():
-    from edgespec.tree_wire import tree_from_wire, tree_to_wire
+    from edgespec.wire.trees import tree_from_wire, tree_to_wire
 
     nodes, parents = tree_to_wire([5, 6], [Branch(2, (7,)), Branch(0, ()), Branch(1, (6, 9)),
                                            Branch(1, (8, 9))])

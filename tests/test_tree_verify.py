@@ -9,14 +9,14 @@ import torch
 from conftest import hf_greedy, make_tiny_model
 
 from edgespec.config import EngineConfig, SamplingParams
-from edgespec.engine import Request, SpecEngine
-from edgespec.models import load_model
-from edgespec.runner import TargetRunner
+from edgespec.engine.spec_engine import Request, SpecEngine
+from edgespec.models.loading import load_model
+from edgespec.runner.target_runner import TargetRunner
 from reference import path_to, process_logits, step_tree, trie
 
-from edgespec.keyed_noise import keyed_choice
-from edgespec.sampling import filtered_logits, verify_greedy, verify_keyed
-from edgespec.tree_verify import DraftTree, TreeVerdict, verify_tree
+from edgespec.verify.keyed_noise import keyed_choice
+from edgespec.verify.sampling import filtered_logits, verify_greedy, verify_keyed
+from edgespec.verify.trees import DraftTree, TreeVerdict, verify_tree
 
 PROMPTS = [
     [1, 10, 11, 12, 13, 10, 11, 12, 13, 10],

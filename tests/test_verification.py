@@ -14,12 +14,12 @@ from tree_oracle import OracleTreeDrafter
 
 from edgespec.config import EngineConfig, SamplingParams
 from edgespec.drafters import build_drafter
-from edgespec.engine import Request, SpecEngine
-from edgespec.keyed_noise import (_MASK64, _signed, gumbel_of_keys, keyed_choice, position_key,
-                                  position_keys)
-from edgespec.runner import TargetRunner
-from edgespec.tree_verify import DraftTree, verify_tree
-from edgespec.verification import VerifyBatch, verify_step
+from edgespec.engine.spec_engine import Request, SpecEngine
+from edgespec.verify.keyed_noise import (_MASK64, _signed, gumbel_of_keys, keyed_choice,
+                                          position_key, position_keys)
+from edgespec.runner.target_runner import TargetRunner
+from edgespec.verify.trees import DraftTree, verify_tree
+from edgespec.verify.verify_step import VerifyBatch, verify_step
 
 V = 40
 
@@ -88,7 +88,7 @@ def test_rows_with_their_own_settings_and_modes_in_one_call():
     """Greedy, sampled, top-k, top-p and loose rows side by side: each row's verdict is its own
     rule's (``verify_tree`` for exact rows, ``sampling.verify_loose`` for loose chains)."""
     from edgespec.config import LooseParams
-    from edgespec.sampling import verify_loose
+    from edgespec.verify.sampling import verify_loose
 
     loose = LooseParams(entropy=0.5, window=1)
     settings = [SamplingParams(), SamplingParams(temperature=1.0, seed=5),

@@ -12,8 +12,8 @@ import sys
 import pytest
 
 import edgespec
-from edgespec.reachability import describe_failure, split_address
-from edgespec.wire import free_port
+from edgespec.wire.reachability import describe_failure, split_address
+from edgespec.wire.convert import free_port
 
 
 @pytest.fixture()
@@ -70,7 +70,7 @@ def test_a_server_that_comes_up_during_the_grace_is_waited_for(monkeypatch):
 
     import grpc
 
-    from edgespec import reachability
+    from edgespec.wire import reachability
     from edgespec.v1 import edgespec_pb2 as pb
     from edgespec.v1 import edgespec_pb2_grpc as pb_grpc
 

@@ -15,11 +15,11 @@ import logging
 from dataclasses import dataclass, field
 
 from edgespec.config import ConfigError, SamplingParams
-from edgespec.engine import Request, Result
-from edgespec.ids import check_device_id, check_session_id, shown
-from edgespec.metrics import Stats
-from edgespec.models import encode_prompt
-from edgespec.keyed_noise import with_session_seed
+from edgespec.engine.spec_engine import Request, Result
+from edgespec.protocol.ids import check_device_id, check_session_id, shown
+from edgespec.protocol.request_stats import Stats
+from edgespec.models.loading import encode_prompt
+from edgespec.verify.keyed_noise import with_session_seed
 
 from .scheduler import Scheduler, Ticket
 

@@ -33,8 +33,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from edgespec.config import ConfigError
-from edgespec.protocol import StoreUnavailable
-from edgespec.text_stream import TextStream
+from edgespec.protocol.contract import StoreUnavailable
+from edgespec.models.text_stream import TextStream
 
 from .admission import Admission, DrafterMissing, SessionNotFound
 from .openai_params import ApiError, parse_request

@@ -134,7 +134,7 @@ class VerifierMetrics:
 
     # -- hooks the scheduler calls ------------------------------------------------------------
     def step(self, report) -> None:
-        """One verification step (``edgespec.engine.StepReport``)."""
+        """One verification step (``edgespec.engine.spec_engine.StepReport``)."""
         self.batch_sessions.observe(report.sessions)
         self.batch_counts[report.sessions] += 1
         totals = self.step_totals

@@ -25,10 +25,10 @@ from collections import OrderedDict
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from edgespec.request_parsing import add_servicer
+from edgespec.wire.request_parsing import add_servicer
 from edgespec.v1 import edgespec_pb2 as pb
 from edgespec.v1 import edgespec_pb2_grpc as pb_grpc
-from edgespec.wire import auth_metadata, bind, make_channel, make_server, resolve_token
+from edgespec.wire.convert import auth_metadata, bind, make_channel, make_server, resolve_token
 
 log = logging.getLogger("edgespec.router")
 

@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from edgespec.config import ConfigError
-from edgespec.engine import Request, Result, SessionFailed, SpecEngine
-from edgespec.metrics import Stats
-from edgespec.protocol import StoreUnavailable
+from edgespec.engine.spec_engine import Request, Result, SessionFailed, SpecEngine
+from edgespec.protocol.request_stats import Stats
+from edgespec.protocol.contract import StoreUnavailable
 
 log = logging.getLogger("edgespec.verifier")
 

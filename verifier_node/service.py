@@ -24,11 +24,11 @@ import grpc
 
 from edgespec import __version__
 from edgespec.config import ConfigError
-from edgespec.ids import check_session_id
-from edgespec.text_stream import TextStream
+from edgespec.protocol.ids import check_session_id
+from edgespec.models.text_stream import TextStream
 from edgespec.v1 import edgespec_pb2 as pb
 from edgespec.v1 import edgespec_pb2_grpc as pb_grpc
-from edgespec.wire import params_from_pb, params_to_pb, stats_to_pb
+from edgespec.wire.convert import params_from_pb, params_to_pb, stats_to_pb
 
 from .admission import Admission, DrafterMissing, GenerationRequest, SessionNotFound
 from .scheduler import QueueFull, ShuttingDown, Ticket

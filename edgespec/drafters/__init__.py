@@ -104,7 +104,7 @@ def build_drafter(spec: str | DrafterSpec, target=None, target_runner=None, n_sl
     if kind == "layers":
         if target is None:
             raise ConfigError("layers:L needs the target model")
-        from ..runner import TargetRunner
+        from ..runner.target_runner import TargetRunner
         from .model import ModelDrafter
 
         runner = TargetRunner(target.model, n_slots=n_slots, max_len=max_len, n_layers=int(arg),
@@ -120,8 +120,8 @@ def build_drafter(spec: str | DrafterSpec, target=None, target_runner=None, n_sl
 
         return CascadeDrafter([build_drafter(m, target, target_runner, n_slots, max_len, device,
                                              dtype, fleet=fleet) for m in parsed.members])
-    from ..models import check_same_tokenizer, load_model
-    from ..runner import TargetRunner
+    from ..models.loading import check_same_tokenizer, load_model
+    from ..runner.target_runner import TargetRunner
     from .model import ModelDrafter
 
     draft = loaded or load_model(arg, device=device, dtype=dtype, exact=False)

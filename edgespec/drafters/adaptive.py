@@ -6,7 +6,8 @@ own confidence cut-offs decide where a draft stops being worth sending at all.
 
 ``alpha`` estimates the probability that a draft token is accepted given that the tokens before
 it were (successes over trials, recent verifications weighing most); the engine's planner
-(``edgespec.draft_planner``) turns it and the measured cost of a wider forward into the number of
+(``edgespec.engine.draft_planner``) turns it and the measured cost of a wider forward into the
+number of
 draft tokens a step verifies (and waits for), 0 where drafting does not pay. A session planned
 without drafts is probed now and then (``probe``), so a session whose text turns repetitive is
 noticed. ``beta`` is the same for token trees: accepted branch tokens per branch token verified,

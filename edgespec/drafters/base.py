@@ -10,7 +10,7 @@ verifies another drafter's proposal in one forward) and ``retract`` (drop the se
 unverified tokens, which is not a fix: nothing before the cut was confirmed by the verifier).
 
 Token trees: ``propose_tree(k, width)`` may add ``Branch``es to its draft, alternative
-continuations the verifier checks in the same forward (``edgespec.tree_verify``). The session's
+continuations the verifier checks in the same forward (``edgespec.verify.trees``). The session's
 belief stays the chain (``Draft.tokens``); branches are never appended to ``tokens``, and when
 the verifier accepts one, the fix carries the branch's tokens (``Fix.tokens``).
 """
@@ -21,7 +21,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
 from ..config import SamplingParams
-from ..protocol import Branch  # the one branch shape (a draft and its alternatives)
+from ..protocol.contract import Branch  # the one branch shape (a draft and its alternatives)
 
 
 @dataclass

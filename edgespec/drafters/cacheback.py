@@ -25,7 +25,7 @@ from collections import OrderedDict
 import numpy as np
 
 from ..config import SamplingParams
-from ..fleet_table import MAX_FOLLOWERS, ORDERS, FleetTable, ngram_pairs
+from ..protocol.fleet_table import MAX_FOLLOWERS, ORDERS, FleetTable, ngram_pairs
 from .base import Branch, Draft, Drafter, DraftSession
 from .mag import longest_suffix_match, match_branches
 

@@ -26,7 +26,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ..threads import threads_in_use
+from ..runner.threads import threads_in_use
 from ..config import CacheFullError, ConfigError, SamplingParams
 from .base import Drafter
 from .logits_session import LogitsDraftSession
@@ -74,7 +74,7 @@ def load_llama(path, extra_buffers: bool = False, **kwargs):
 def resolve_gguf(spec: str) -> Path:
     """The GGUF file a ``llamacpp:`` spec names: ``default`` is the default model's own GGUF."""
     if spec == "default":
-        from ..model_files import default_model_gguf
+        from ..models.files import default_model_gguf
 
         return default_model_gguf()
     path = Path(spec).expanduser()

@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..config import SamplingParams
-from ..runner import TargetRunner
+from ..runner.target_runner import TargetRunner
 from .base import Checked, Drafter
 from .logits_session import LogitsDraftSession
 from .token_choice import choose_token, softmax, top_tokens

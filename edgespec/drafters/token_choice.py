@@ -3,12 +3,13 @@
 The drafters that draft from their own logits (the torch model drafter, llama.cpp's) choose each
 token here: the argmax when greedy, else the session's keyed sample ``argmax_x(log q(x) +
 G(seed, pos, x))`` over the drafter's processed distribution q, with the Gumbel noise the verifier
-samples the target with (``edgespec.sampling``: splitmix64 of the position key at counter
+samples the target with (``edgespec.verify.sampling``: splitmix64 of the position key at counter
 x + 1). Using the same noise makes a drafted token the target's own sample wherever q and the
 target's p agree there (per token, about 1 - TV(p, q)).
 
 The noise integers are the verifier's bit for bit (tests/test_token_choice.py checks them against
-``edgespec.keyed_noise.position_keys``/``gumbel_of_keys``); its floating-point logarithms may differ
+``edgespec.verify.keyed_noise.position_keys``/``gumbel_of_keys``); its floating-point logarithms
+may differ
 in the last bit, which can change a drafted token only where two candidates tie to 1e-16. A
 draft is a proposal to keyed verification, so that never changes the output.
 

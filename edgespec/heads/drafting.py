@@ -2,7 +2,8 @@
 
 ``draft`` turns each session's context pairs into up to K target token ids (-1 where a head
 has nothing more to say); ``HeadContext`` keeps each session's last W pairs between steps and
-``next_context`` extends them with a step's accepted path (``edgespec.engine`` wires both
+``next_context`` extends them with a step's accepted path (``edgespec.engine.spec_engine`` wires
+both
 into ``verification.verify_step``).
 """
 

@@ -1,4 +1,4 @@
-"""A draft head as a proposer inside the verifier (``edgespec.engine``).
+"""A draft head as a proposer inside the verifier (``edgespec.engine.spec_engine``).
 
 Each step, the verification forward's features of every session's accepted path extend that
 session's context and the head drafts the next step's tokens, on the device, before the step's
@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..protocol import Branch
+from ..protocol.contract import Branch
 from .drafting import HeadContext, draft, next_context
 from .modules import DraftHead
 

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from edgespec.config import ConfigError, SamplingParams
-from edgespec.wire import free_port
+from edgespec.wire.convert import free_port
 from .run import add_question_args, load_questions
 
 
@@ -53,8 +53,8 @@ def _per_step_ms(stats: dict, key: str) -> float:
 def run_bench_net(args) -> int:
     import edgespec
 
-    from edgespec.cli_args import check_model_arg, engine_config, set_threads
-    from edgespec.local import LocalGenerator
+    from edgespec_cli.cli_args import check_model_arg, engine_config, set_threads
+    from edgespec.engine.local import LocalGenerator
 
     check_model_arg(args.model)
     set_threads(args.threads)

@@ -67,7 +67,7 @@ def bench_drafters(specs: list[str], target, prompts: list[list[int]], n_tokens:
     checks tokenizers and is reused by ``model:`` specs naming ``target_spec``. Returns the
     report: per drafter totals (``drafters``) and per prompt rows (``results``)."""
     from edgespec.drafters import build_drafter, parse_drafter_spec
-    from edgespec.runner import TargetRunner
+    from edgespec.runner.target_runner import TargetRunner
 
     max_len = max(len(p) for p in prompts) + n_tokens + 2
     runner = None
@@ -123,9 +123,9 @@ def print_drafter_table(report: dict) -> None:
 def run_bench_drafters(args) -> int:
     import torch
 
-    from edgespec.cli_args import check_model_arg, set_threads
+    from edgespec_cli.cli_args import check_model_arg, set_threads
     from edgespec.drafters import parse_drafter_spec
-    from edgespec.models import encode_prompt, load_model
+    from edgespec.models.loading import encode_prompt, load_model
 
     if args.draft_tokens < 1:
         raise ConfigError(f"--draft-tokens must be >= 1, got {args.draft_tokens}")

@@ -13,7 +13,7 @@ import time
 
 from edgespec.config import SamplingParams
 from edgespec.drafters.cacheback import CachebackDrafter, FleetSync
-from edgespec.engine import Request, SpecEngine
+from edgespec.engine.spec_engine import Request, SpecEngine
 
 from .report import aggregate
 

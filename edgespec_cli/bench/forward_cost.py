@@ -56,7 +56,7 @@ def _ints(text: str, name: str) -> list[int]:
 def _prepared_runner(model, slots: int, context: int, max_len: int):
     import torch
 
-    from edgespec.runner import TargetRunner
+    from edgespec.runner.target_runner import TargetRunner
 
     runner = TargetRunner(model, n_slots=slots, max_len=max_len)
     g = torch.Generator().manual_seed(0)
@@ -82,7 +82,7 @@ def _time_forward(runner, B: int, T: int, repeat: int) -> float:
 @contextmanager
 def _timed_parts(runner, totals: dict[str, float]):
     """Accumulate wall time of the runner's linear layers, LM head and attention calls."""
-    import edgespec.runner as runner_mod
+    import edgespec.runner.target_runner as runner_mod
 
     lin_call = runner_mod.Linear.__call__
     attention = runner_mod.invariant_attention
@@ -128,9 +128,9 @@ def profile_forward(runner, B: int, T: int, repeat: int) -> dict[str, float]:
 
 
 def run_bench_forward(args) -> int:
-    from edgespec.cli_args import set_threads
-    from edgespec.dtype_probe import DTYPES, exact_here
-    from edgespec.models import load_model
+    from edgespec_cli.cli_args import set_threads
+    from edgespec.runner.dtype_probe import DTYPES, exact_here
+    from edgespec.models.loading import load_model
 
     threads = set_threads(args.threads)
     batches, tokens = _ints(args.batches, "--batches"), _ints(args.tokens, "--tokens")

@@ -53,7 +53,7 @@ def stream_of(category: str, n: int) -> list[tuple[str, SamplingParams]]:
 
 def run_stream(gen, engine, prompts: list[list[int]], params: list[SamplingParams],
                max_new: int, label: str) -> list[dict]:
-    from edgespec.engine import Request
+    from edgespec.engine.spec_engine import Request
 
     rows = []
     for i, (ids, sp) in enumerate(zip(prompts, params)):
@@ -72,14 +72,14 @@ def run_stream(gen, engine, prompts: list[list[int]], params: list[SamplingParam
 
 
 def run_bench_learn(args) -> int:
-    from edgespec.cli_args import set_threads
+    from edgespec_cli.cli_args import set_threads
     from edgespec.config import EngineConfig
     from edgespec.drafters import build_drafter
-    from edgespec.engine import SpecEngine
+    from edgespec.engine.spec_engine import SpecEngine
     from edgespec.heads.manifest import load_head
     from edgespec.heads.online import LearnSettings
     from edgespec.heads.proposer import HeadProposer
-    from edgespec.local import LocalGenerator
+    from edgespec.engine.local import LocalGenerator
 
     threads = set_threads(args.threads)
     print(f"bench-learn: torch threads {threads}", file=sys.stderr, flush=True)

@@ -136,8 +136,8 @@ def llamacpp_installed() -> bool:
 
 
 def run_bench(args) -> int:
-    from edgespec.cli_args import check_drafter_arg, check_model_arg, engine_config, set_threads
-    from edgespec.local import LocalGenerator
+    from edgespec_cli.cli_args import check_drafter_arg, check_model_arg, engine_config, set_threads
+    from edgespec.engine.local import LocalGenerator
 
     questions = load_questions(args.categories, args.per_category, args.full)
     if not questions:
@@ -180,7 +180,7 @@ def run_bench(args) -> int:
                                           args.assist_layers)
     gguf = None
     if use_llamacpp:
-        from edgespec.model_files import default_model_gguf
+        from edgespec.models.files import default_model_gguf
 
         gguf = default_model_gguf()
     methods = ["target_only"] + ([FLOAT32_TARGET] if f32 else []) + \

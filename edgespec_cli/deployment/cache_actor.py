@@ -17,7 +17,7 @@ class CacheActor:
                  redis_url: str | None = None, auth_token: str | None = None,
                  max_drafters: int = 256):
         from cache_service.redis_conn import ExposedRedis
-        from edgespec.cli_args import configure_logging
+        from edgespec_cli.cli_args import configure_logging
         from edgespec_cli.server import EdgespecServer, ServerOptions
 
         from .placement import where

@@ -16,7 +16,7 @@ import os
 import threading
 
 from drafter_node.edge_drafter import build_edge_drafter
-from edgespec.cli_args import configure_logging, set_threads
+from edgespec_cli.cli_args import configure_logging, set_threads
 
 from .device_emulation import SlowedDrafter
 

@@ -20,7 +20,7 @@ class VerifierActor:
                  max_queue: int = 64, device: str = "cpu", dtype: str = "auto",
                  engine: dict | None = None):
         """``engine``: EngineConfig fields to override (max_draft, draft_wait_ms, ...)."""
-        from edgespec.cli_args import configure_logging, set_threads
+        from edgespec_cli.cli_args import configure_logging, set_threads
         from edgespec.config import EngineConfig
         from edgespec_cli.server import EdgespecServer, ServerOptions
 
@@ -67,7 +67,7 @@ class RouterActor:
     """The clients' endpoint in front of several verifier replicas."""
 
     def __init__(self, port: int, replicas: list[str], auth_token: str | None = None):
-        from edgespec.cli_args import configure_logging
+        from edgespec_cli.cli_args import configure_logging
         from verifier_node.router import VerifierRouter
 
         from .placement import where

@@ -21,7 +21,7 @@ def sample(run: RunRecord) -> list:
 
 
 def check_lossless(target, runs: list[RunRecord], max_new_tokens: int) -> dict:
-    from edgespec.models import stop_token_ids
+    from edgespec.models.loading import stop_token_ids
 
     from ..bench.run import HFBaselines
 
@@ -33,7 +33,7 @@ def check_lossless(target, runs: list[RunRecord], max_new_tokens: int) -> dict:
             return reference.run("hf_generate", ids, max_new_tokens)
     else:
         from edgespec.config import EngineConfig, SamplingParams
-        from edgespec.local import LocalGenerator
+        from edgespec.engine.local import LocalGenerator
 
         gen = LocalGenerator(target, "none", config=EngineConfig(max_sessions=1))
         name = f"edgespec target-only decoding (greedy, {target.dtype})"

@@ -17,7 +17,7 @@ REAL_PARTS = ["verifier (the real model, batched verification)",
 
 
 def add_simulate_command(sub) -> None:
-    from edgespec.cli_args import add_dtype_arg, add_threads_arg, add_tree_width_arg
+    from edgespec_cli.cli_args import add_dtype_arg, add_threads_arg, add_tree_width_arg
     from ..deployment.device_profiles import PROFILES
 
     s = sub.add_parser("simulate", help="a whole fleet on one machine: real verifier, cache "
@@ -87,7 +87,7 @@ def parse_devices(text: str) -> list[int]:
 
 
 def check_args(args) -> tuple[list[int], list]:
-    from edgespec.cli_args import check_model_arg
+    from edgespec_cli.cli_args import check_model_arg
     from ..deployment.device_profiles import parse_profiles
 
     counts = parse_devices(args.devices)
@@ -112,7 +112,7 @@ def load_prompts(target, seed: int, max_new_tokens: int):
     import random
 
     from edgespec.config import EngineConfig
-    from edgespec.models import encode_prompt
+    from edgespec.models.loading import encode_prompt
 
     from ..bench.run import load_questions
     from .run import Prompt
@@ -157,9 +157,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     except ImportError:
         raise ConfigError("edgespec simulate needs Ray and matplotlib, the fleet extra: "
                           "pip install '.[fleet]' in the edgespec repository") from None
-    from edgespec.cli_args import set_threads
+    from edgespec_cli.cli_args import set_threads
     from ..deployment.device_profiles import fleet_profiles
-    from edgespec.models import load_model
+    from edgespec.models.loading import load_model
 
     from . import report as rep
     from .check import check_lossless

@@ -1,0 +1,269 @@
+"""One drafting loop for every drafter: the in-process engine's drafter thread and an edge
+board's agent run this same loop, each over its transport (a ``DraftChannel``): the local
+session store, or the draft cache's Attach stream.
+
+The loop keeps a ``DraftTarget`` per session it drafts for, in a ``DraftBook`` guarded by the
+channel's lock. The transport records what happens to the sessions (a new one, the verifier's
+commits and fixes, a close) in the book, under that lock. Round by round the loop, under the
+lock, applies the fixes received (roll back, append the verifier's tokens) and picks one job: a
+session to open, or a session with room in its window (W tokens beyond the committed position)
+to draft a chunk of at most c tokens for. It does the job outside the lock, so receiving a fix or
+a commit never waits behind a model drafter's forward, then hands the chunk to the transport
+under the lock, unless a fix arrived meanwhile (the chunk is then stale and dropped; the fix's
+rollback removes its tokens from the draft session).
+
+A draft session is only ever touched by the loop's thread: a session closed by the transport
+is marked closed and its draft session handed to the loop, which closes it (a model drafter's
+KV slot is freed by the thread that runs its forwards). Of the sessions with room, the one
+furthest behind is drafted first, so that every session gets its chunk in turn. A session whose
+drafter fails (open, propose or a fix) is refused through the transport: it costs the session
+its drafts, never its output; the verifier decodes it alone. A transport call that fails is
+logged and costs its session its drafts, never the loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
+
+from ..config import SamplingParams
+from . import Draft, Drafter, DraftSession
+
+log = logging.getLogger("edgespec.drafting")
+
+
+@dataclass
+class DraftTarget:
+    """A session the loop drafts for."""
+
+    params: SamplingParams
+    epoch: int  # the session's epoch as the loop knows it: chunks carry it
+    committed_end: int
+    opening: list[int] | None = None  # the tokens to open the draft session on, until opened
+    draft: DraftSession | None = None
+    idle: bool = False  # its last chunk was empty: nothing more until a fix
+    refused: bool = False  # the drafter failed on it: no more drafts
+    closed: bool = False
+    busy: bool = False  # the loop is opening or drafting it outside the lock
+    fixes: list[tuple[int, tuple[int, ...]]] = field(default_factory=list)  # (position, tokens)
+
+
+class DraftBook:
+    """The sessions a loop drafts for. Every method is called under the channel's lock."""
+
+    def __init__(self) -> None:
+        self.targets: dict[str, DraftTarget] = {}
+        # draft sessions of closed targets, for the loop's thread to close
+        self.retired: list[tuple[str, DraftSession]] = []
+
+    def assign(self, sid: str, tokens: list[int], params: SamplingParams, epoch: int) -> None:
+        """A session to draft for, from ``tokens`` (prompt + committed) under ``epoch``."""
+        self.close(sid)
+        self.targets[sid] = DraftTarget(params, epoch, len(tokens), opening=list(tokens))
+
+    def commit(self, sid: str, epoch: int, committed_end: int) -> DraftTarget | None:
+        """The verifier committed up to ``committed_end``; the session's target, if known."""
+        t = self.targets.get(sid)
+        if t is not None and epoch >= t.epoch:
+            t.committed_end = max(t.committed_end, committed_end)
+        return t
+
+    def fix(self, sid: str, epoch: int, position: int, tokens: tuple[int, ...]) -> None:
+        """The verifier's fix: roll back to ``position``, append ``tokens``, go on under
+        ``epoch`` (applied by the loop before it drafts again)."""
+        t = self.targets.get(sid)
+        if t is None or epoch <= t.epoch:
+            return
+        t.epoch, t.idle = epoch, False
+        t.committed_end = max(t.committed_end, position + len(tokens))
+        if not t.refused:
+            t.fixes.append((position, tuple(tokens)))
+
+    def close(self, sid: str) -> None:
+        t = self.targets.pop(sid, None)
+        if t is not None:
+            self.retire(sid, t)
+
+    def close_all(self) -> None:
+        for sid in list(self.targets):
+            self.close(sid)
+
+    def retire(self, sid: str, t: DraftTarget) -> None:
+        """Mark a target closed and hand its draft session to the loop to close (a busy one
+        is handed over when its job returns)."""
+        t.closed = True
+        if not t.busy:
+            self.release_draft(sid, t)
+
+    def release_draft(self, sid: str, t: DraftTarget) -> None:
+        """Hand a target's draft session (if any) to the loop to close."""
+        if t.draft is not None:
+            self.retired.append((sid, t.draft))
+            t.draft = None
+
+    def take_retired(self) -> list[tuple[str, DraftSession]]:
+        out, self.retired = self.retired, []
+        return out
+
+
+def close_drafts(drafts: list[tuple[str, DraftSession]]) -> None:
+    """Outside the lock, on the loop's thread: release retired draft sessions."""
+    for sid, draft in drafts:
+        try:
+            draft.close()
+        except Exception as exc:  # a failing close costs nothing but the log line
+            log.warning("closing the draft of session %s failed: %r", sid, exc)
+
+
+class DraftChannel(Protocol):
+    """A transport's side of the loop: its lock, its settings, and where chunks go."""
+
+    cond: threading.Condition  # guards the book; notified when there is news for the loop
+    window: int  # tokens drafted beyond the committed position
+    chunk: int  # tokens per chunk
+    tree_width: int  # 1: chains; more: chains with up to tree_width - 1 branches
+
+    def refresh(self, book: DraftBook) -> None:
+        """Under the lock: record in the book what happened to the sessions since the last
+        round (a transport that records as messages come does nothing)."""
+
+    def can_draft(self, sid: str, start: int) -> bool:
+        """Under the lock: whether a chunk at ``start`` would be placed (a transport that
+        cannot tell says True)."""
+
+    def deliver(self, sid: str, target: DraftTarget, start: int, draft: Draft) -> None:
+        """Under the lock: hand on a chunk drafted at ``start`` under ``target.epoch``."""
+
+    def refuse(self, sid: str, target: DraftTarget, start: int, why: str) -> None:
+        """Under the lock: the drafter failed on this session; tell the verifier that no
+        drafts are coming (``start``: where the session's draft ends)."""
+
+
+@dataclass
+class _Job:
+    sid: str
+    target: DraftTarget
+    opening: bool  # open the draft session (else draft a chunk)
+    epoch: int
+    start: int = 0
+    n: int = 0
+
+
+def run_drafting(drafter: Drafter, channel: DraftChannel, book: DraftBook,
+                 keep_going: Callable[[], bool]) -> None:
+    """Draft for the book's sessions until ``keep_going()`` (asked under the lock) is False;
+    one loop per book. On the way out, the book's sessions are closed."""
+    cond = channel.cond
+    try:
+        while True:
+            with cond:
+                retired = book.take_retired()
+                going = keep_going()
+                job = None
+                if going:
+                    try:
+                        channel.refresh(book)
+                    except Exception:  # the transport's trouble, not a session's
+                        log.exception("the drafting loop could not read its sessions")
+                    job = _next_job(channel, book)
+                    if job is not None:
+                        job.target.busy = True
+            close_drafts(retired)
+            if not going:
+                return
+            if job is None:
+                with cond:
+                    if not book.retired:
+                        cond.wait(timeout=0.5)
+                continue
+            outcome, error = _do(job, channel.tree_width, drafter)
+            with cond:
+                _finish(job, outcome, error, channel, book)
+                cond.notify_all()
+    finally:
+        with cond:
+            book.close_all()
+            retired = book.take_retired()
+        close_drafts(retired)
+
+
+def _next_job(channel: DraftChannel, book: DraftBook) -> _Job | None:
+    """Under the lock: apply the fixes received, then pick a session to open or draft for."""
+    for sid, t in list(book.targets.items()):
+        if t.fixes and t.draft is not None:
+            try:
+                for position, tokens in t.fixes:
+                    t.draft.rollback(position)
+                    t.draft.append(list(tokens))
+            except Exception as exc:
+                _refuse(sid, t, t.committed_end, f"applying a fix failed: {exc!r}", channel,
+                        book)
+            t.fixes.clear()
+    best: _Job | None = None
+    for sid, t in book.targets.items():
+        if t.refused or t.busy:
+            continue
+        if t.opening is not None:
+            return _Job(sid, t, True, t.epoch)
+        if t.idle or t.draft is None:
+            continue
+        start = len(t.draft.tokens)
+        lead = start - t.committed_end
+        room = channel.window - lead
+        if room > 0 and channel.can_draft(sid, start) and \
+                (best is None or lead < best.start - best.target.committed_end):
+            best = _Job(sid, t, False, t.epoch, start, min(channel.chunk, room))
+    return best
+
+
+def _do(job: _Job, tree_width: int, drafter: Drafter):
+    """Outside the lock: open the session or draft its chunk; (result, error)."""
+    try:
+        if job.opening:
+            return drafter.open(list(job.target.opening or ()), job.target.params), None
+        draft = job.target.draft
+        assert draft is not None  # a chunk is drafted only for an opened session
+        # a width of 1 is propose's chain
+        return draft.propose_tree(job.n, tree_width), None
+    except Exception as exc:  # a broken drafter costs speed, never the session
+        return None, exc
+
+
+def _finish(job: _Job, outcome, error: Exception | None, channel: DraftChannel,
+            book: DraftBook) -> None:
+    """Under the lock: keep what the job made, unless the session moved on meanwhile."""
+    t, sid = job.target, job.sid
+    t.busy = False
+    if job.opening:
+        t.opening = None
+        t.draft = outcome
+    if t.closed:
+        book.retire(sid, t)
+        return
+    if error is not None:
+        what = "opening" if job.opening else "drafting"
+        start = t.committed_end if job.opening or t.epoch != job.epoch else job.start
+        _refuse(sid, t, start, f"{what} failed: {type(error).__name__}: {error}", channel, book)
+        return
+    if job.opening or t.epoch != job.epoch:
+        return  # opened; or a fix came while drafting: the chunk is stale
+    t.idle = len(outcome) == 0
+    try:
+        channel.deliver(sid, t, job.start, outcome)
+    except Exception as exc:  # e.g. a metrics call: the session loses its drafts, not more
+        _refuse(sid, t, job.start, f"handing on its chunk failed: {exc!r}", channel, book)
+
+
+def _refuse(sid: str, t: DraftTarget, start: int, why: str, channel: DraftChannel,
+            book: DraftBook) -> None:
+    log.warning("the drafter cannot draft for session %s (%s); the verifier decodes it alone",
+                sid, why)
+    t.refused, t.idle = True, True
+    t.fixes.clear()
+    book.release_draft(sid, t)
+    try:
+        channel.refuse(sid, t, start, why)
+    except Exception:
+        log.exception("telling the verifier that session %s gets no drafts failed", sid)

@@ -1,0 +1,87 @@
+"""The in-process drafter thread: the drafting loop (``edgespec.drafters.drafting_loop``) over the
+local
+session store, the same loop an edge board's agent runs over the cache's Attach stream.
+
+``LocalChannel`` is the loop's transport here: each round it records in the book the store's new
+sessions, their fixes (from the store's fix log) and commits, and the sessions that ended; a
+chunk is pushed into the session's state; a session the drafter fails on is handed to the
+verifier alone (``has_drafter`` off, the verifier woken so that it does not wait out the draft
+deadline).
+"""
+
+from __future__ import annotations
+
+import threading
+
+from ..config import EngineConfig
+from ..drafters import Draft, Drafter
+from ..drafters.drafting_loop import DraftBook, DraftTarget, run_drafting
+from ..protocol.contract import StaleChunkError
+from ..protocol.local_store import LocalSessionStore
+
+
+class LocalChannel:
+    """The drafting loop's transport over a ``LocalSessionStore``."""
+
+    def __init__(self, store: LocalSessionStore, cfg: EngineConfig):
+        self.store, self.cond = store, store.cond
+        self.window, self.chunk, self.tree_width = cfg.window, cfg.chunk, cfg.tree_width
+        self._last_fix: dict[str, int] = {}  # sid -> the last fix id the book has
+
+    def refresh(self, book: DraftBook) -> None:
+        for sid, state in self.store.sessions.items():
+            if not state.has_drafter or state.done:
+                continue
+            if sid not in book.targets:
+                book.assign(sid, state.tokens, state.params, state.epoch)
+                self._last_fix[sid] = state.fixes[-1].id if state.fixes else 0
+                continue
+            for fix in state.fixes_after(self._last_fix[sid]):
+                book.fix(sid, fix.epoch, fix.position, fix.tokens)
+                self._last_fix[sid] = fix.id
+            book.commit(sid, state.epoch, state.end)
+        for sid in [s for s in book.targets if s not in self.store.sessions
+                    or self.store.sessions[s].done]:
+            book.close(sid)
+            self._last_fix.pop(sid, None)
+
+    def can_draft(self, sid: str, start: int) -> bool:
+        state = self.store.sessions.get(sid)
+        return state is not None and not state.drafter_idle and \
+            start == state.end + len(state.draft)
+
+    def deliver(self, sid: str, target: DraftTarget, start: int, draft: Draft) -> None:
+        state = self.store.sessions.get(sid)
+        if state is None:
+            return
+        try:
+            state.push_draft(target.epoch, start, draft.tokens, idle=len(draft) == 0,
+                             window=self.window, branches=draft.branches)
+        except StaleChunkError:
+            pass  # a fix the book has not seen yet: applied next round
+
+    def refuse(self, sid: str, target: DraftTarget, start: int, why: str) -> None:
+        state = self.store.sessions.get(sid)
+        if state is not None:
+            state.has_drafter = False
+            self.cond.notify_all()  # the verifier stops waiting for its drafts
+
+
+class DraftWorker(threading.Thread):
+    """Drafts for every session of a store, never waiting for the verifier."""
+
+    def __init__(self, drafter: Drafter, store: LocalSessionStore, cfg: EngineConfig):
+        super().__init__(daemon=True, name=f"drafter-{drafter.name}")
+        self.drafter = drafter
+        self.channel = LocalChannel(store, cfg)
+        self.book = DraftBook()
+        self.stopping = False
+
+    def stop(self) -> None:
+        with self.channel.cond:
+            self.stopping = True
+            self.channel.cond.notify_all()
+        self.join(timeout=5)
+
+    def run(self) -> None:
+        run_drafting(self.drafter, self.channel, self.book, lambda: not self.stopping)

@@ -1,0 +1,63 @@
+"""What a generation is to the engine: the ``Request`` a caller makes, the ``Result`` it gets,
+the ``ActiveSession`` the verifier keeps while it runs, and ``SessionFailed``, the error that
+ends one session and no other."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+from typing import Callable
+
+from ..config import SamplingParams
+from ..drafters.adaptive import DraftLength
+from ..protocol.request_stats import Stats
+
+
+@dataclass
+class Request:
+    prompt_ids: list[int]
+    max_new_tokens: int = 128
+    params: SamplingParams = field(default_factory=SamplingParams)
+    on_tokens: Callable[[list[int]], None] | None = None  # called with each committed chunk
+    # output already committed by an earlier verifier (a resumed session); counts towards
+    # max_new_tokens
+    committed: list[int] = field(default_factory=list)
+    # "": the engine's verification mode; "exact" forces lossless verification on a loose
+    # engine; "loose" is refused unless the engine was configured with verify="loose"
+    verify: str = ""
+
+
+@dataclass
+class Result:
+    token_ids: list[int]
+    stats: Stats
+    finish_reason: str  # "stop" (a stop token), "length" or "cancelled"
+
+
+class SessionFailed(Exception):
+    """One session could not go on (it vanished from the store, its commit was refused, its
+    forward failed); the others are unaffected."""
+
+
+class ActiveSession:
+    """The verifier's view of one session it is running (``SpecEngine.add`` returns it)."""
+
+    def __init__(self, sid: str, req: Request, slot: int, draft_len: DraftLength):
+        self.sid, self.req, self.slot, self.draft_len = sid, req, slot, draft_len
+        self.output: list[int] = list(req.committed)
+        self.last_token = (req.prompt_ids + req.committed)[-1]
+        self.on_finish: Callable[[Result], None] | None = None
+        self.on_error: Callable[[Exception], None] | None = None
+        self.stats = Stats()
+        self.finish: str | None = None
+        self.verify = "exact"  # "exact" or "loose": how this session's drafts are verified
+        # the verifier's draft head, if it has one (``edgespec.heads.proposer``): this
+        # session's context pairs and the head's draft for the next step
+        self.head_context: Any = None
+        self.head_draft: list[int] | None = None  # None: the head did not draft this step
+        self.chooser: Any = None  # --auto: its ``stack_choice.StackChooser``
+
+    @property
+    def end(self) -> int:
+        """Position after the last committed token."""
+        return len(self.req.prompt_ids) + len(self.output)

@@ -1,0 +1,95 @@
+"""One-process speculative generation: model + runner + drafter + engine, from names.
+
+Used by ``edgespec generate`` and ``edgespec bench``; the distributed verifier builds the same
+parts around its own session store.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, replace
+from typing import Callable
+
+from ..config import ConfigError, EngineConfig, SamplingParams
+from ..drafters import build_drafter, parse_drafter_spec
+from .spec_engine import Request, SpecEngine
+from ..protocol.request_stats import Stats
+from ..models.loading import LoadedModel, encode_prompt, load_model, stop_token_ids
+from ..runner.target_runner import TargetRunner
+from ..models.text_stream import TextStream
+
+
+@dataclass
+class Generation:
+    token_ids: list[int]
+    text: str
+    stats: Stats
+    finish_reason: str
+    prompt_tokens: int
+    dtype: str = "float32"  # the target's dtype that served it
+
+    def to_dict(self) -> dict:
+        return {"token_ids": self.token_ids, "text": self.text, "finish_reason": self.finish_reason,
+                "prompt_tokens": self.prompt_tokens, "dtype": self.dtype,
+                "stats": self.stats.to_dict()}
+
+
+class LocalGenerator:
+    def __init__(self, model: str | LoadedModel = "default", drafter: str = "mag",
+                 device: str = "cpu", dtype: str = "auto",
+                 config: EngineConfig | None = None):
+        self.cfg = config or EngineConfig()
+        self.target = model if isinstance(model, LoadedModel) else load_model(model, device, dtype)
+        self.runner = TargetRunner(self.target.model, n_slots=self.cfg.max_sessions,
+                                   max_len=self.cfg.max_context)
+        self.stop_ids = stop_token_ids(self.target)
+        self.engines: dict[str, SpecEngine] = {}
+        self.default_drafter = drafter
+        self.device, self.dtype = device, self.target.dtype
+
+    def engine(self, drafter: str | None = None) -> SpecEngine:
+        spec = drafter or self.default_drafter
+        if spec not in self.engines:
+            d = build_drafter(spec, self.target, self.runner, n_slots=self.cfg.max_sessions,
+                              max_len=self.cfg.max_context, device=self.device, dtype=self.dtype)
+            cfg = self.cfg
+            parsed = parse_drafter_spec(spec)
+            if parsed.head:  # head:DIR, or SPEC+head:DIR: a head drafting in the verifier
+                cfg = replace(cfg, head=parsed.head)
+            if parsed.kind == "auto":  # mag+cacheback, the shipped head if it fits, chosen
+                cfg = replace(cfg, auto=True, head=cfg.head or shipped_head_for(self.target))
+            self.engines[spec] = SpecEngine(self.runner, d, cfg, self.stop_ids)
+        return self.engines[spec]
+
+    def encode(self, prompt: str, raw: bool = False) -> list[int]:
+        return encode_prompt(self.target.tokenizer, prompt, raw=raw)
+
+    def generate(self, prompt: str | list[int], max_new_tokens: int = 128,
+                 params: SamplingParams | None = None, drafter: str | None = None,
+                 raw: bool = False, stream: Callable[[str], None] | None = None) -> Generation:
+        ids = prompt if isinstance(prompt, list) else self.encode(prompt, raw)
+        on_tokens = TextStream(self.target.tokenizer, stream) if stream else None
+        req = Request(ids, max_new_tokens, params or SamplingParams(), on_tokens)
+        res = self.engine(drafter).generate(req)
+        text = self.target.tokenizer.decode(res.token_ids, skip_special_tokens=True)
+        return Generation(res.token_ids, text, res.stats, res.finish_reason, len(ids), self.dtype)
+
+    def close(self) -> None:
+        for e in self.engines.values():
+            e.close()
+
+
+def shipped_head_for(target: LoadedModel) -> str:
+    """'default' when this install ships a head for the target's model, else ''."""
+    from ..heads.manifest import resolve_head_dir
+
+    try:
+        resolve_head_dir("default", target.name)
+    except ConfigError:
+        return ""
+    return "default"
+
+
+def print_stream(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()

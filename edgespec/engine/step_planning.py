@@ -1,0 +1,54 @@
+"""How much each session drafts in a verification step: the draft tokens it verifies (and waits
+for) and the branch tokens it may add, planned from the measured acceptance and forward cost
+(``draft_planner``) within the step's token budget."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from ..config import EngineConfig
+from .draft_planner import ForwardCost, allocate, allocate_branches
+from .generation import ActiveSession
+
+
+def plan_drafts(acts: Sequence[ActiveSession], cfg: EngineConfig, cost: ForwardCost
+                ) -> list[int]:
+    """Draft tokens each session verifies this step: its adaptive length, cut by the planner to
+    what pays, then the batch capped at ``max_batch_tokens`` (one own token per session +
+    drafts) by shortening the longest drafts first."""
+    ks = [a.draft_len.k for a in acts]
+    if cfg.adaptive:
+        planned = allocate([a.draft_len.alpha for a in acts], ks, cost)
+        ks = [a.draft_len.probe(k) for a, k in zip(acts, planned)]
+    budget = max(0, cfg.max_batch_tokens - len(ks))
+    while sum(ks) > budget:
+        ks[ks.index(max(ks))] -= 1
+    return ks
+
+
+def plan_branch_budgets(acts: Sequence[ActiveSession], ks: Sequence[int], cfg: EngineConfig,
+                        cost: ForwardCost, max_len: int) -> list[int]:
+    """Branch tokens each session may add this step: at most the step's tree budget
+    (``tree_budget``), for exactly verified sessions with a chain; the planner keeps those that
+    pay."""
+    cap = tree_budget(acts, ks, cfg, max_len)
+    caps = [cap if k and a.verify == "exact" else 0 for a, k in zip(acts, ks)]
+    if not cap or not cfg.adaptive:
+        return caps
+    budgets = allocate_branches([a.draft_len.beta for a in acts], caps,
+                                [a.draft_len.alpha for a in acts], list(ks), cost)
+    return [a.draft_len.probe_branches(b, c) for a, b, c in zip(acts, budgets, caps)]
+
+
+def tree_budget(acts: Sequence[ActiveSession], ks: Sequence[int], cfg: EngineConfig,
+                max_len: int) -> int:
+    """Branch tokens each exactly verified drafting session may add to this step's forward:
+    an equal share of what ``max_batch_tokens`` leaves after the chains, at most
+    ``tree_nodes``, and no more than the fullest KV slot of the batch has room for (the tree
+    forward writes 1 + k + branch budget positions for every row)."""
+    drafting = sum(1 for a, k in zip(acts, ks) if k and a.verify == "exact")
+    if not drafting or not cfg.tree_nodes:
+        return 0
+    left = cfg.max_batch_tokens - len(ks) - sum(ks)
+    room = min(max_len - a.end for a in acts) - 1 - max(ks)
+    return max(0, min(cfg.tree_nodes, left // drafting, room))

@@ -1,0 +1,192 @@
+"""The session protocol's contract (query-and-correct, docs/architecture.md): the types the
+verifier, the session stores and the drafters exchange, the rules on a draft's branches that
+every store applies, and the store interface the verifier drives.
+
+A session's state is the prompt, the committed tokens, the current draft beyond them and the
+epoch. A drafter pushes chunks under an epoch at the draft's end; the verifier takes a draft
+(``TakenDraft``), commits its ``Verdict``, and when the draft did not hold the verifier's token
+the store publishes a ``Fix`` and moves the epoch on, so a late chunk is never verified against
+the wrong prefix. All positions are absolute indices into prompt + output.
+
+Token trees have one shape here: a chain (the drafter's belief) and ``Branch``es, alternatives
+to some of its tokens, each indexed by ``at`` within the draft that holds it. The wire's nodes
+and parents (``edgespec.wire.trees``), the verifier's node layout (``tree_verify.DraftTree``) and
+Redis's packed encoding are conversions at those boundaries.
+
+Two stores implement ``SessionStore``: ``edgespec.protocol.local_store.LocalSessionStore`` (in
+process) and
+``cache_service.store.RedisSessionStore`` (Lua scripts in Redis). tests/test_store_contract.py
+holds both to the same rules, replays and refusals.
+
+Failure rules the verifier relies on:
+- ``take_when_ready`` and ``commit_many`` answer per session: one session's trouble (it vanished
+  from the store, a refused commit) is reported in its own slot, never raised for the batch;
+- they raise only ``StoreUnavailable``, when the store itself cannot be reached; nothing was
+  then applied by ``take_when_ready``, and ``commit_many`` may be retried with the same verdicts
+  (a commit that did land is recognised by its position and last token and answered as before,
+  not applied twice);
+- ``close`` never raises.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence
+
+from ..config import SamplingParams
+
+MAX_BRANCHES = 8  # branches a session's draft keeps (more are dropped)
+MAX_BRANCH_TOKENS = 8  # tokens a branch keeps
+
+
+class StaleChunkError(Exception):
+    """A draft chunk or verdict from an old epoch or at the wrong position."""
+
+
+class SessionVanished(Exception):
+    """The store no longer holds the session (expired, or lost with a non-persistent Redis)."""
+
+
+class StoreUnavailable(Exception):
+    """The session store itself cannot be reached (Redis down or restarting): the step that met
+    it is retried; no session is failed for it."""
+
+
+@dataclass(frozen=True)
+class Branch:
+    """An alternative to the draft's token ``at`` (0-based in the draft that holds it): it hangs
+    from the token before it (the draft's token at - 1, or the session's last committed token
+    when at is 0) and continues with ``tokens`` (a chain; its first token differs from the
+    draft's)."""
+
+    at: int
+    tokens: tuple[int, ...]
+
+
+def chunk_branches(tokens: Sequence[int], branches: Sequence[Branch], keep: int
+                   ) -> list[Branch]:
+    """What a store keeps of a chunk's branches (``at`` within the chunk): those that are
+    alternatives to one of the ``keep`` tokens kept, differ from the chain there and are not
+    repeated, each cut to MAX_BRANCH_TOKENS, at most MAX_BRANCHES."""
+    out: list[Branch] = []
+    seen = set()
+    for b in branches:
+        toks = tuple(int(t) for t in b.tokens[:MAX_BRANCH_TOKENS])
+        if not 0 <= b.at < keep or not toks or toks[0] == tokens[b.at] or \
+                (b.at, toks[0]) in seen:
+            continue
+        seen.add((b.at, toks[0]))
+        out.append(Branch(b.at, toks))
+    return out[:MAX_BRANCHES]
+
+
+def take_branches(branches: Sequence[Branch], n_spine: int, budget: int) -> list[Branch]:
+    """The branches that hang from the first ``n_spine`` tokens of their draft (each an
+    alternative to one of them), cut so that they hold at most ``budget`` tokens in all."""
+    out = []
+    for b in branches:
+        if budget <= 0:
+            break
+        if 0 <= b.at < n_spine:
+            toks = b.tokens[:budget]
+            budget -= len(toks)
+            out.append(Branch(b.at, toks))
+    return out
+
+
+@dataclass(frozen=True)
+class DraftWant:
+    """What the verifier asks of one session's draft this step: up to ``k`` tokens (it waits for
+    k, or for the drafter to be idle, until the deadline), and branches hanging from them of at
+    most ``branch_budget`` tokens in all."""
+
+    session_id: str
+    k: int
+    branch_budget: int = 0
+
+
+@dataclass
+class TakenDraft:
+    epoch: int
+    start: int  # position of the first draft token (the committed end)
+    tokens: list[int]
+    branches: list[Branch] = field(default_factory=list)  # at: within tokens
+
+    @property
+    def branch_tokens(self) -> int:
+        return sum(len(b.tokens) for b in self.branches)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The verifier's decision on one session's draft taken under ``epoch``."""
+
+    session_id: str
+    epoch: int
+    start: int  # position of the first draft token (the committed end before this verdict)
+    n_accepted: int
+    token: int
+    finish_reason: str = ""  # set on the session's last verdict: "stop" or "length"
+    # tokens accepted from a branch at start + n_accepted, before ``token`` (trees only)
+    branch: tuple[int, ...] = ()
+    # the branch was the verifier's own draft (a draft head's), not one the draft holds: the
+    # store commits it as a fix without looking for it among the draft's branches
+    own_branch: bool = False
+
+    @property
+    def done(self) -> bool:
+        return bool(self.finish_reason)
+
+    @property
+    def end(self) -> int:
+        """The committed end after this verdict."""
+        return self.start + self.n_accepted + len(self.branch) + 1
+
+
+@dataclass(frozen=True)
+class Fix:
+    """A correction for the drafter: roll back to ``position``, append ``tokens`` (the accepted
+    branch's tokens, if the verdict took one, then the verifier's own token), and continue
+    under ``epoch``. ``id`` orders the in-process log (0 where the store keeps no log)."""
+
+    id: int
+    epoch: int
+    position: int
+    tokens: tuple[int, ...]
+
+    @classmethod
+    def of_verdict(cls, v: Verdict, epoch: int, fix_id: int = 0) -> "Fix":
+        """The fix a verdict the draft did not hold publishes, under the new ``epoch``."""
+        return cls(fix_id, epoch, v.start + v.n_accepted, (*v.branch, v.token))
+
+
+@dataclass(frozen=True)
+class CommitOutcome:
+    """One verdict's fate: applied (``fix`` set when the draft did not hold the token), or
+    refused with ``error``."""
+
+    fix: Fix | None = None
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+class SessionStore(Protocol):
+    """What the verifier drives, per session life: ``create`` (a new session, or a resumed one
+    whose committed output is already known), ``take_when_ready`` (the drafts to verify this
+    step), ``commit_many`` (the verdicts) and ``close``."""
+
+    wait_ms: float  # the store's suggested draft deadline
+
+    def create(self, session_id: str, prompt: list[int], params: SamplingParams,
+               drafter: str | None, max_new_tokens: int,
+               committed: Sequence[int] = (), verify: str = "exact") -> None: ...
+
+    def take_when_ready(self, wants: list[DraftWant], wait_s: float
+                        ) -> list[TakenDraft | SessionVanished]: ...
+
+    def commit_many(self, verdicts: list[Verdict]) -> list[CommitOutcome]: ...
+
+    def close(self, session_id: str, finish_reason: str = "stop") -> None: ...

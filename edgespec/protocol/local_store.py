@@ -1,0 +1,207 @@
+"""The session protocol (``edgespec.protocol.contract``), in process.
+
+One ``SessionState`` per generation holds what the shared draft cache holds in the distributed
+system: the prompt, the committed tokens, the current draft beyond them, its branches, and the
+epoch. The drafter pushes chunks (``push_draft``), the verifier takes a draft (``take_draft``)
+and commits its verdict (``commit``), which may publish a ``Fix``. ``LocalSessionStore`` is the
+verifier's side over many sessions, the ``SessionStore`` the Redis store also implements, with
+the same rules (tests/test_store_contract.py):
+
+- a chunk carries the epoch it was drafted under and the position it starts at; a stale epoch,
+  a gap or an overlap, or a finished session is refused (``StaleChunkError``); the window
+  bounds the draft; branches are kept by ``protocol.chunk_branches``, at most MAX_BRANCHES;
+- a commit appends accepted + branch + the verifier's own token; when the draft did not hold
+  that token at that position (a rejection, a bonus token past the draft, no draft, or a
+  branch), the epoch is bumped, the draft and its branches dropped, and a fix published; a held
+  commit keeps the branches still ahead;
+- a verdict is refused when its epoch or position is stale, when it accepts more tokens than
+  were drafted, or a branch the draft does not hold; one replayed after it landed (same end,
+  same last token) is answered as applied, without a fix, and changes nothing;
+- fixes are kept in an ordered, bounded log with increasing ids, so a drafter reads what it
+  missed (the Redis stream of the distributed cache).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from ..config import SamplingParams
+from .fleet_table import FleetTable, record_output
+from .contract import (MAX_BRANCHES, Branch, CommitOutcome, DraftWant, Fix, SessionVanished,
+                       StaleChunkError, TakenDraft, Verdict, chunk_branches, take_branches)
+
+
+@dataclass
+class SessionState:
+    session_id: str
+    prompt: list[int]
+    committed: list[int] = field(default_factory=list)
+    draft: list[int] = field(default_factory=list)
+    branches: list[Branch] = field(default_factory=list)  # at: within self.draft
+    epoch: int = 0
+    drafter_idle: bool = False  # the drafter has nothing more for the current draft end
+    has_drafter: bool = False
+    params: SamplingParams = field(default_factory=SamplingParams)
+    done: bool = False
+    fixes: deque = field(default_factory=lambda: deque(maxlen=256))
+    _next_fix_id: int = 1
+
+    @property
+    def end(self) -> int:
+        """Position after the last committed token."""
+        return len(self.prompt) + len(self.committed)
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.committed
+
+    def push_draft(self, epoch: int, start: int, tokens: list[int], idle: bool = False,
+                   window: int = 1 << 30, branches=()) -> int:
+        """Append a drafted chunk; returns how many tokens were kept (the window bounds it).
+        ``branches``: alternatives to the chunk's tokens (``at`` relative to the chunk)."""
+        if self.done:
+            raise StaleChunkError(f"session {self.session_id} is finished")
+        if epoch != self.epoch:
+            raise StaleChunkError(f"chunk from epoch {epoch}, session is at epoch {self.epoch}")
+        expected = self.end + len(self.draft)
+        if start != expected:
+            raise StaleChunkError(f"chunk starts at {start}, the draft ends at {expected}")
+        keep = max(0, min(len(tokens), window - len(self.draft)))
+        if keep:
+            self.draft.extend(tokens[:keep])
+            room = MAX_BRANCHES - len(self.branches)
+            if branches and room > 0:
+                offset = len(self.draft) - keep  # the chunk's first token in the draft
+                # as the Redis store: the chunk's branches first (at most MAX_BRANCHES), then
+                # those of kept tokens, up to the room left
+                kept = [b for b in chunk_branches(tokens, branches, len(tokens)) if b.at < keep]
+                self.branches.extend(Branch(offset + b.at, b.tokens) for b in kept[:room])
+        self.drafter_idle = idle
+        return keep
+
+    def draft_ready(self, k: int) -> bool:
+        """True when waiting longer would not give the verifier a longer draft."""
+        return not self.has_drafter or self.drafter_idle or len(self.draft) >= k
+
+    def take_draft(self, k: int, branch_budget: int = 0) -> TakenDraft:
+        """Up to k draft tokens, and branches hanging from them of at most ``branch_budget``
+        tokens in all."""
+        spine = self.draft[:k]
+        return TakenDraft(self.epoch, self.end, spine,
+                          take_branches(self.branches, len(spine), branch_budget))
+
+    def is_replay(self, v: Verdict) -> bool:
+        """Whether ``v`` already landed (its commit's reply was lost): the session ends where
+        it would leave it, with its token."""
+        return self.end == v.end and self.tokens[-1] == v.token
+
+    def commit(self, v: Verdict) -> Fix | None:
+        """Apply the verifier's verdict on a draft it took (module docstring: the rules)."""
+        if v.start != self.end:
+            raise StaleChunkError(f"verdict at {v.start}, the session ends at {self.end}")
+        if v.epoch != self.epoch:
+            raise StaleChunkError(f"verdict for epoch {v.epoch}, session is at epoch "
+                                  f"{self.epoch}")
+        n = v.n_accepted
+        if n > len(self.draft):
+            raise StaleChunkError(f"accepted {n} of a {len(self.draft)}-token draft")
+        branch = tuple(v.branch)
+        if branch and not v.own_branch and not any(
+                b.at == n and b.tokens[:len(branch)] == branch for b in self.branches):
+            raise StaleChunkError("the verdict accepted a branch the draft does not hold")
+        self.committed.extend([*self.draft[:n], *branch, v.token])
+        held = not branch and len(self.draft) > n and self.draft[n] == v.token
+        fix = None
+        if held:
+            del self.draft[: n + 1]
+            self.branches = [Branch(b.at - n - 1, b.tokens) for b in self.branches
+                             if b.at > n]
+        else:
+            self.draft.clear()
+            self.branches = []
+            self.epoch += 1
+            self.drafter_idle = False
+            fix = Fix.of_verdict(v, self.epoch, self._next_fix_id)
+            self._next_fix_id += 1
+            self.fixes.append(fix)
+        self.done = self.done or v.done
+        return fix
+
+    def fixes_after(self, fix_id: int) -> list[Fix]:
+        if not self.fixes or self.fixes[-1].id <= fix_id:  # the common case: nothing new
+            return []
+        return [f for f in self.fixes if f.id > fix_id]
+
+
+class LocalSessionStore:
+    """Sessions of one process, guarded by one condition variable that wakes drafters on fixes
+    and the verifier on new chunks.
+
+    The verifier's side of the store (``create``, ``take_when_ready``, ``commit_many``,
+    ``close``) is the interface the Redis-backed store of the distributed cache also offers.
+    """
+
+    wait_ms = 0.0  # no remote drafter to wait for: the engine's drafter suggests its own
+
+    def __init__(self, fleet: FleetTable | None = None) -> None:
+        self.cond = threading.Condition()
+        self.sessions: dict[str, SessionState] = {}
+        self.fleet = fleet  # taught each session's output when it closes, as the cache does
+
+
+    def create(self, session_id: str, prompt: list[int], params: SamplingParams,
+               drafter: str | None, max_new_tokens: int = 0,
+               committed: Sequence[int] = (), verify: str = "exact") -> None:
+        with self.cond:
+            if session_id in self.sessions:
+                raise ValueError(f"session {session_id} exists")
+            self.sessions[session_id] = SessionState(session_id, list(prompt), list(committed),
+                                                     has_drafter=drafter is not None,
+                                                     params=params)
+            self.cond.notify_all()
+
+    def take_when_ready(self, wants: list[DraftWant], wait_s: float
+                        ) -> list[TakenDraft | SessionVanished]:
+        """Wait up to ``wait_s`` until every session's draft is ready, then take up to k tokens
+        of each."""
+        deadline = time.monotonic() + wait_s
+        with self.cond:
+            states = [self.sessions.get(w.session_id) for w in wants]
+            while not all(st is None or st.draft_ready(w.k)
+                          for st, w in zip(states, wants)):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self.cond.wait(timeout=left)
+            return [SessionVanished(w.session_id) if st is None
+                    else st.take_draft(w.k, w.branch_budget) for st, w in zip(states, wants)]
+
+    def commit_many(self, verdicts: list[Verdict]) -> list[CommitOutcome]:
+        out = []
+        with self.cond:
+            for v in verdicts:
+                state = self.sessions.get(v.session_id)
+                try:
+                    if state is None:
+                        raise StaleChunkError(f"unknown session {v.session_id}")
+                    if state.is_replay(v):
+                        out.append(CommitOutcome())
+                        continue
+                    out.append(CommitOutcome(state.commit(v)))
+                except StaleChunkError as e:
+                    out.append(CommitOutcome(error=str(e)))
+            self.cond.notify_all()
+        return out
+
+    def close(self, session_id: str, finish_reason: str = "stop") -> None:
+        with self.cond:
+            state = self.sessions.pop(session_id, None)
+            if state is not None:
+                state.done = True
+            self.cond.notify_all()
+        if state is not None and self.fleet is not None:
+            record_output(self.fleet, state.tokens, len(state.prompt))

@@ -1,0 +1,110 @@
+"""A static, slotted KV cache: one slot per session, rollback by moving a length pointer.
+
+Memory is allocated once: per layer, keys of shape [slots, kv_heads, max_len, head_dim] and values
+of shape [slots, kv_heads, max_len, head_dim + 1], whose last column is all ones (so that the
+attention's values product also sums its probabilities: ``edgespec.runner.attention``).
+Writing a step's keys scatters them into the rows' slots in place; reading returns a view when the
+step's slots are a contiguous ascending run (the common case: one session, or a full batch), and
+otherwise gathers only the first ``max(length)`` positions of the slots involved.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..config import CacheFullError
+
+
+class KVCache:
+    def __init__(self, n_layers: int, n_slots: int, max_len: int, kv_heads: int, head_dim: int,
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                 capacity: int | None = None):
+        # capacity >= max_len: positions allocated (attention reads whole blocks past the end)
+        self.capacity = max(max_len, capacity or max_len)
+        shape = (n_slots, kv_heads, self.capacity, head_dim)
+        # zeros, not empty: masked-out positions still enter p @ V with p == 0, and 0 * NaN from
+        # uninitialised memory would poison the row
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        vshape = (n_slots, kv_heads, self.capacity, head_dim + 1)
+        self.v = [torch.zeros(vshape, dtype=dtype, device=device) for _ in range(n_layers)]
+        for v in self.v:
+            v[..., head_dim] = 1
+        self.head_dim = head_dim
+        self.max_len = max_len
+        self.lengths = [0] * n_slots  # valid positions per slot: the rollback pointer
+        self._free = list(range(n_slots))
+
+    # -- slots ---------------------------------------------------------------------------------
+    def allocate(self) -> int:
+        """Take the lowest free slot (keeps active slots compact, so reads stay views)."""
+        if not self._free:
+            raise CacheFullError(f"all {len(self.lengths)} KV slots are in use")
+        self._free.sort()
+        slot = self._free.pop(0)
+        self.lengths[slot] = 0
+        return slot
+
+    def release(self, slot: int) -> None:
+        if slot in self._free:
+            raise ValueError(f"slot {slot} is not allocated")
+        self.lengths[slot] = 0
+        self._free.append(slot)
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free)
+
+    # -- positions -----------------------------------------------------------------------------
+    def rollback(self, slot: int, length: int) -> None:
+        """Forget every position at or beyond ``length`` (no data moves)."""
+        if not 0 <= length <= self.lengths[slot]:
+            raise ValueError(f"cannot roll slot {slot} back to {length} (has {self.lengths[slot]})")
+        self.lengths[slot] = length
+
+    def commit(self, slot: int, length: int) -> None:
+        """Declare positions below ``length`` valid (they were written by a forward pass)."""
+        if not 0 <= length <= self.max_len:
+            raise CacheFullError(f"length {length} exceeds the slot size {self.max_len}")
+        self.lengths[slot] = length
+
+    def check_room(self, slot: int, start: int, n_tokens: int) -> None:
+        if start + n_tokens > self.max_len:
+            raise CacheFullError(
+                f"session needs {start + n_tokens} positions, a KV slot holds {self.max_len}"
+            )
+
+    # -- data ----------------------------------------------------------------------------------
+    def write(self, layer: int, slots: torch.Tensor, positions: torch.Tensor,
+              k: torch.Tensor, v: torch.Tensor) -> None:
+        """Scatter a step's keys/values into place.
+
+        slots: [B] long; positions: [B, T] long; k, v: [B, T, kv_heads, head_dim].
+        """
+        idx = (slots[:, None], slice(None), positions)
+        self.k[layer][idx] = k
+        self.v[layer][idx + (slice(0, self.head_dim),)] = v
+
+    def move(self, slot: int, src: list[int], dst: list[int]) -> None:
+        """Copy the keys/values at positions ``src`` of a slot to positions ``dst``, in every
+        layer (the source entries are read before any is overwritten)."""
+        src_t = torch.as_tensor(src, dtype=torch.long, device=self.k[0].device)
+        dst_t = torch.as_tensor(dst, dtype=torch.long, device=self.k[0].device)
+        for cache in self.k + self.v:
+            cache[slot, :, dst_t] = cache[slot, :, src_t]  # the gather copies first
+
+    def read(self, layer: int, slots: torch.Tensor, contiguous_from: int | None,
+             n_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys [B, kv_heads, n_pos, hd] and values [B, kv_heads, n_pos, hd + 1] of positions
+        [0, n_pos) for the step's slots."""
+        if contiguous_from is not None:
+            end = contiguous_from + slots.numel()
+            return (self.k[layer][contiguous_from:end, :, :n_pos],
+                    self.v[layer][contiguous_from:end, :, :n_pos])
+        return self.k[layer][slots, :, :n_pos], self.v[layer][slots, :, :n_pos]
+
+
+def contiguous_start(slots: list[int]) -> int | None:
+    """The first slot if ``slots`` is an ascending run of consecutive ids, else None."""
+    if all(b - a == 1 for a, b in zip(slots, slots[1:])):
+        return slots[0]
+    return None

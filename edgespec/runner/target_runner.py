@@ -1,0 +1,425 @@
+"""The target runner: a lean forward pass over many sessions' KV slots at once.
+
+It runs the weights of a transformers Llama-family model (llama, mistral, qwen2: RMSNorm, rotary
+positions, grouped-query attention, gated SiLU MLP) with its own static KV cache, so that
+
+- a session's cache lives in a slot between steps and is never re-prefilled;
+- one forward verifies a draft of k tokens ([last committed token] + draft);
+- one forward serves many sessions with different context and draft lengths (rows are padded to
+  the longest; each row has its own positions and causal mask);
+- rejected positions are dropped by moving the slot's length pointer back;
+- a token tree (``edgespec.verify.trees``) is verified in one forward with a tree attention mask
+  (``forward_tree``), and its accepted path moved into place (``compact``).
+
+The layer-skip self-draft is the same runner over the first L layers, with the final norm and head.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol, Sequence, overload
+
+import torch
+import torch.nn.functional as F
+
+from .attention import (COL_TILE, KEY_BLOCK, TailKeys, invariant_attention, padded_keys,
+                        pointwise)
+from ..config import ConfigError
+from .dtype_probe import attention_tile, linear_rows_exact
+from .kv_cache import KVCache, contiguous_start
+from .linear import Linear
+
+SUPPORTED_TYPES = ("llama", "mistral", "qwen2")
+
+
+class TreeShape(Protocol):
+    """A draft tree as ``forward_tree`` reads it (``tree_verify.DraftTree`` is one): node i holds
+    tokens[i] and hangs from node parents[i] (-1: the root), parents[i] < i."""
+
+    @property
+    def tokens(self) -> Sequence[int]: ...
+
+    @property
+    def parents(self) -> Sequence[int]: ...
+
+    def __len__(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class Scored:
+    """A forward's logits and the features they were read from (what a draft head takes)."""
+
+    logits: torch.Tensor  # [B, T, V] float32
+    features: torch.Tensor  # [B, T, H] runner dtype: the final norm's output (LM head input)
+
+
+class _Layer:
+    __slots__ = ("ln1", "qkv", "o", "ln2", "gate_up", "down")
+
+    ln1: torch.Tensor
+    qkv: Linear
+    o: Linear
+    ln2: torch.Tensor
+    gate_up: Linear
+    down: Linear
+
+
+
+
+def _fuse(mods: list[torch.nn.Linear], attr: str = "weight") -> torch.Tensor | None:
+    """Concatenate the modules' weights (or biases) along dim 0 and make the modules view it.
+
+    The transformers model keeps working (its parameters become views into the fused tensor), so
+    the weights exist once in memory.
+    """
+    parts = [getattr(m, attr) for m in mods]
+    if any(p is None for p in parts):
+        return None
+    fused = torch.cat([p.data for p in parts], 0)
+    offset = 0
+    for p in parts:
+        n = p.shape[0]
+        p.data = fused[offset:offset + n]
+        offset += n
+    return fused
+
+
+class TargetRunner:
+    def __init__(self, model: torch.nn.Module, n_slots: int = 4, max_len: int = 2048,
+                 n_layers: int | None = None, pack: bool = True, exact: bool = True,
+                 share_weights: "TargetRunner | None" = None):
+        # a transformers model: its config and submodules are dynamic attributes
+        cfg: Any = model.config
+        if cfg.model_type not in SUPPORTED_TYPES:
+            raise ConfigError(
+                f"the runner supports {', '.join(SUPPORTED_TYPES)} models, not {cfg.model_type!r}"
+            )
+        base: Any = model.model
+        total = len(base.layers)
+        self.n_total_layers = total
+        self.n_layers = total if n_layers is None else n_layers
+        if not 1 <= self.n_layers <= total:
+            raise ConfigError(f"layers must be in 1..{total}, got {n_layers}")
+        self.n_heads: int = cfg.num_attention_heads
+        self.kv_heads: int = getattr(cfg, "num_key_value_heads", None) or self.n_heads
+        self.head_dim: int = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads
+        self.eps: float = cfg.rms_norm_eps
+        self.vocab_size: int = cfg.vocab_size
+        self.embed: torch.Tensor = base.embed_tokens.weight
+        self.norm: torch.Tensor = base.norm.weight
+        self.dtype = self.embed.dtype
+        self.device = self.embed.device
+        self.lm_head: Linear
+        self.layers: list[_Layer]
+        if share_weights is not None:  # e.g. the layer-skip draft: same tensors, own KV cache
+            self.lm_head = share_weights.lm_head
+            self.layers = share_weights.layers[: self.n_layers]
+        else:
+            head: Any = model.lm_head
+            self.lm_head = Linear(head.weight, pack=pack)
+            self.layers = [self._load_layer(hf_layer, pack)
+                           for hf_layer in base.layers[: self.n_layers]]
+        capacity = -(-max_len // KEY_BLOCK) * KEY_BLOCK  # attention reads whole key blocks
+        self._init_rope(base.rotary_emb, capacity)
+        self.scale = self.head_dim ** -0.5
+        # exact: the target (verification must be batch-invariant); a drafter's runner need
+        # not be (a draft may be anything), so it is neither checked nor refused
+        tile = attention_tile(self.dtype, str(self.device), self.kv_heads,
+                              self.n_heads // self.kv_heads, self.head_dim) if exact else None
+        self.col_tile = tile or COL_TILE
+        self.cache = KVCache(self.n_layers, n_slots, max_len, self.kv_heads, self.head_dim,
+                             dtype=self.dtype, device=self.device, capacity=capacity)
+        if exact:
+            self._check_invariance(tile)
+
+    def _check_invariance(self, tile: int | None) -> None:
+        """Refuse (ConfigError) to serve a model whose kernels are not batch-invariant here in
+        its dtype: the attention probe at this model's head layout, and the row check on the
+        first layer's linears and the LM head (its own weights), a few hundred milliseconds."""
+        layer = self.layers[0]
+        lins = [layer.qkv, layer.o, layer.gate_up, layer.down, self.lm_head]
+        if tile is None or not all(linear_rows_exact(lin) for lin in lins):
+            raise ConfigError(
+                f"this model's kernels in {str(self.dtype).removeprefix('torch.')} on "
+                f"{self.device} are not batch-invariant here (their probe failed), so "
+                "speculative decoding would not be lossless: use float32 or --dtype auto")
+
+    @staticmethod
+    def _load_layer(hf_layer: Any, pack: bool) -> _Layer:
+        """``hf_layer``: a transformers decoder layer (its submodules are dynamic attributes)."""
+        att, mlp = hf_layer.self_attn, hf_layer.mlp
+        layer = _Layer()
+        layer.ln1 = hf_layer.input_layernorm.weight
+        layer.ln2 = hf_layer.post_attention_layernorm.weight
+        qkv = [att.q_proj, att.k_proj, att.v_proj]
+        qkv_weight, gate_up = _fuse(qkv), _fuse([mlp.gate_proj, mlp.up_proj])
+        assert qkv_weight is not None and gate_up is not None  # linears always have weights
+        layer.qkv = Linear(qkv_weight, _fuse(qkv, "bias"), pack=pack)
+        layer.o = Linear(att.o_proj.weight, pack=pack)
+        layer.gate_up = Linear(gate_up, pack=pack)
+        layer.down = Linear(mlp.down_proj.weight, pack=pack)
+        return layer
+
+    def _init_rope(self, rotary: torch.nn.Module, max_len: int) -> None:
+        inv_freq = rotary.inv_freq
+        assert isinstance(inv_freq, torch.Tensor)  # a buffer of the rotary embedding module
+        inv_freq = inv_freq.float().to(self.device)  # [head_dim / 2]
+        scale = float(getattr(rotary, "attention_scaling", 1.0))
+        freqs = torch.outer(torch.arange(max_len, device=self.device, dtype=torch.float32),
+                            inv_freq)
+        emb = torch.cat([freqs, freqs], dim=-1)  # [max_len, head_dim]
+        self.cos = (emb.cos() * scale).to(self.dtype)
+        self.sin = (emb.sin() * scale).to(self.dtype)
+
+    # -- slot management (a session's KV slot) -------------------------------------------------
+    @property
+    def max_len(self) -> int:
+        return self.cache.max_len
+
+    def new_slot(self) -> int:
+        return self.cache.allocate()
+
+    def free_slot(self, slot: int) -> None:
+        self.cache.release(slot)
+
+    def rollback(self, slot: int, length: int) -> None:
+        self.cache.rollback(slot, length)
+
+    def commit(self, slot: int, length: int) -> None:
+        self.cache.commit(slot, length)
+
+    # -- forward -------------------------------------------------------------------------------
+    def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return w * xf.to(x.dtype)
+
+    @staticmethod
+    def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * cos + rot * sin
+
+    @overload
+    def forward(self, slots: list[int], rows: list[list[int]],
+                logits: Literal["all", "last"] = "all") -> torch.Tensor: ...
+
+    @overload
+    def forward(self, slots: list[int], rows: list[list[int]], logits: Literal["none"]) -> None: ...
+
+    @overload
+    def forward(self, slots: list[int], rows: list[list[int]], logits: str
+                ) -> torch.Tensor | None: ...
+
+    @torch.inference_mode()
+    def forward(self, slots: list[int], rows: list[list[int]], logits: str = "all"
+                ) -> torch.Tensor | None:
+        """Run rows of new tokens, each appended at its slot's current length.
+
+        Writes the keys/values of every row's tokens into its slot but does not move the length
+        pointers (the caller commits what it keeps). ``logits``: "all" returns [B, T, V] float32
+        (T = longest row; positions past a row's end are padding), "last" returns [B, V] for each
+        row's last token, "none" returns None.
+        """
+        x = self._hidden(slots, rows)
+        if logits == "none":
+            return None
+        if logits == "last":
+            dev = self.device
+            last = torch.as_tensor([len(r) - 1 for r in rows], device=dev)
+            x = x[torch.arange(len(rows), device=dev), last]  # [B, H]
+        return self.lm_head(self._rms(x, self.norm)).float()
+
+    @torch.inference_mode()
+    def score(self, slots: list[int], rows: list[list[int]]) -> Scored:
+        """``forward`` with every position's logits and features."""
+        return self._scored(self._hidden(slots, rows))
+
+    def _scored(self, x: torch.Tensor) -> Scored:
+        feats = self._rms(x, self.norm)
+        return Scored(self.lm_head(feats).float(), feats)
+
+    def _hidden(self, slots: list[int], rows: list[list[int]]) -> torch.Tensor:
+        """The last decoder layer's output [B, T, H] for ``forward``'s rows."""
+        T = max(len(r) for r in rows)
+        if min(len(r) for r in rows) < 1:
+            raise ValueError("every row needs at least one token")
+        starts = [self.cache.lengths[s] for s in slots]
+        for s, st in zip(slots, starts):
+            self.cache.check_room(s, st, T)
+        dev = self.device
+        tokens = _pad_rows(rows, T).to(dev)
+        start_t = torch.as_tensor(starts, dtype=torch.long, device=dev)
+        pos = start_t[:, None] + torch.arange(T, device=dev)[None, :]  # [B, T]
+        n_pos = padded_keys(max(starts) + T, self.cache.capacity)
+        # causal: row b's token t sees keys at positions <= its own
+        visible = torch.arange(n_pos, device=dev)[None, None, :] <= pos[:, :, None]  # [B, T, n]
+        return self._run_layers(slots, tokens, pos, pos, visible, n_pos)
+
+    @torch.inference_mode()
+    def forward_tree(self, slots: list[int], roots: list[int], trees: Sequence[TreeShape]
+                     ) -> torch.Tensor:
+        """``score_tree``'s logits [B, 1 + N_max, V] float32."""
+        return self.score_tree(slots, roots, trees).logits
+
+    @torch.inference_mode()
+    def score_tree(self, slots: list[int], roots: list[int], trees: Sequence[TreeShape]
+                   ) -> Scored:
+        """Score token trees: one tree per slot, each hanging from its root (the slot's last
+        committed token, not yet in the KV), all in one forward pass.
+
+        Row b holds [root] + trees[b].tokens, stored at the slot's length L onwards in node
+        order (node i at L + 1 + i), but positioned by depth (node i at L + depth(i)): a token
+        sees the slot's prefix, the root and its own ancestors only, so each node's logits are
+        those of the chain root -> ... -> node, bit for bit: the spine (nodes 0..s-1 hanging
+        one from the next) is stored where decoding stores it, and a branch node reads its
+        ancestors' keys in decoding order (``attention.TailKeys``). The mask is built on the
+        device from the parents. Trees are trusted (the caller validated them). Writes
+        keys/values without moving the length pointer; ``compact`` then keeps the accepted path
+        (it moves nothing for a path along the spine). Returns the logits
+        [B, 1 + N_max, V] float32 (row 0 scores the root's successor, row 1 + i node i's; rows
+        past a tree's end are padding) and the features of those rows.
+        """
+        if not len(slots) == len(roots) == len(trees) >= 1:
+            raise ValueError("forward_tree needs one root and one tree per slot")
+        T = 1 + max(len(t) for t in trees)
+        starts = [self.cache.lengths[s] for s in slots]
+        for s, st in zip(slots, starts):
+            self.cache.check_room(s, st, T)
+        dev = self.device
+        tokens = _pad_rows([[r] + list(t.tokens) for r, t in zip(roots, trees)], T).to(dev)
+        # each row's parent row: the root (row 0) its own, node i's 1 + parents[i]; padding rows
+        # hang from the row before (causal, never read)
+        par = torch.arange(-1, T - 1).clamp_min(0).repeat(len(trees), 1)
+        for b, t in enumerate(trees):
+            par[b, 1:1 + len(t)] = torch.as_tensor(t.parents, dtype=torch.long) + 1
+        seen = _ancestors(par.to(dev), max(len(t) for t in trees))  # [B, T, T]
+        start_t = torch.as_tensor(starts, dtype=torch.long, device=dev)
+        own = torch.arange(T, device=dev)
+        store = start_t[:, None] + own[None, :]  # [B, T]
+        rope = start_t[:, None] + seen.sum(-1) - 1  # positioned by depth
+        n_pos = padded_keys(max(starts) + T, self.cache.capacity)
+        keys = torch.arange(n_pos, device=dev)
+        visible = (keys[None, None, :] < start_t[:, None, None]).expand(-1, T, -1).clone()
+        visible.scatter_(2, store[:, None, :].expand(-1, T, -1), seen)  # [B, T, n_pos]
+        tail = _branch_tails(trees, starts, T, dev)
+        if tail is not None:  # branch nodes see their row's whole blocks, the rest in order
+            visible[tail.rows, tail.queries] = \
+                keys[None, :] < (tail.block0 * KEY_BLOCK)[:, None]
+        x = self._run_layers(slots, tokens, store, rope, visible, n_pos, tail)
+        return self._scored(x)
+
+    def compact(self, slot: int, path: list[int]) -> None:
+        """Keep a verified tree's accepted path: move the keys/values of nodes ``path`` (node
+        indices, root to leaf) to the positions right after the root, and set the slot's length
+        to cover root + path, as if the chain root + path had been verified. Call it right
+        after ``forward`` or ``forward_tree`` on this slot (the length pointer still at the
+        root); a path along the chain moves nothing."""
+        root = self.cache.lengths[slot]
+        path = [int(i) for i in path]
+        if any(b <= a for a, b in zip(path, path[1:])) or (path and path[0] < 0):
+            raise ValueError(f"a path is increasing node indices >= 0, got {path}")
+        end = root + 1 + len(path)
+        self.cache.check_room(slot, root + 1, (path[-1] + 1) if path else 0)
+        if any(i != j for j, i in enumerate(path)):
+            self.cache.move(slot, [root + 1 + i for i in path],
+                            [root + 1 + j for j in range(len(path))])
+        self.cache.commit(slot, end)
+
+    def _run_layers(self, slots: list[int], tokens: torch.Tensor, store: torch.Tensor,
+                    rope: torch.Tensor, visible: torch.Tensor, n_pos: int,
+                    tail: TailKeys | None = None) -> torch.Tensor:
+        """The decoder layers over tokens [B, T]: keys/values written at KV positions
+        ``store`` [B, T], rotary positions ``rope`` [B, T], ``visible`` [B, T, n_pos] (which of
+        the slots' first n_pos positions each token attends to; n_pos a whole number of key
+        blocks). Returns the last hidden states [B, T, H]."""
+        B, T = tokens.shape
+        dev = self.device
+        cos, sin = self.cos[rope][:, None], self.sin[rope][:, None]  # [B, 1, T, hd]
+        slot_t = torch.as_tensor(slots, dtype=torch.long, device=dev)
+        run_from = contiguous_start(slots)
+        nh, kvh, hd = self.n_heads, self.kv_heads, self.head_dim
+        grp = nh // kvh
+
+        x = F.embedding(tokens, self.embed)  # [B, T, H]
+        for li, layer in enumerate(self.layers):
+            h = self._rms(x, layer.ln1)
+            qkv = layer.qkv(h)
+            q, k, v = qkv.split([nh * hd, kvh * hd, kvh * hd], dim=-1)
+            q = self._rotate(q.view(B, T, nh, hd).transpose(1, 2), cos, sin)  # [B, nh, T, hd]
+            k = self._rotate(k.view(B, T, kvh, hd).transpose(1, 2), cos, sin)
+            self.cache.write(li, slot_t, store, k.transpose(1, 2), v.view(B, T, kvh, hd))
+            keys, values = self.cache.read(li, slot_t, run_from, n_pos)
+            att = invariant_attention((q * self.scale).view(B, kvh, grp, T, hd), keys, values,
+                                      visible, self.col_tile, tail)  # [B, T, nh * hd]
+            x = x + layer.o(att)
+            gate, up = layer.gate_up(self._rms(x, layer.ln2)).chunk(2, dim=-1)
+            x = x + layer.down(pointwise(F.silu, gate) * up)
+        return x
+
+    def prefill(self, slot: int, tokens: list[int], chunk: int = 512) -> None:
+        """Write a prompt's keys/values into a fresh slot, in chunks (no logits computed)."""
+        self.cache.check_room(slot, 0, len(tokens))
+        self.rollback(slot, 0)
+        for i in range(0, len(tokens), chunk):
+            part = tokens[i:i + chunk]
+            self.forward([slot], [part], logits="none")
+            self.commit(slot, i + len(part))
+
+
+def _pad_rows(rows: list[list[int]], T: int) -> torch.Tensor:
+    """Token rows right-padded with 0 to length T: [B, T] long (on CPU)."""
+    tokens = torch.zeros(len(rows), T, dtype=torch.long)
+    for i, r in enumerate(rows):
+        tokens[i, : len(r)] = torch.as_tensor(r, dtype=torch.long)
+    return tokens
+
+
+def _branch_tails(trees: Sequence[TreeShape], starts: list[int], T: int, dev
+                  ) -> TailKeys | None:
+    """The decoding-order key blocks of every branch node (a node past its tree's spine): from
+    the block holding the root on, its logical position L + d reads the row of its ancestor at
+    depth d (row r of a tree is stored at L + r; row 0 is the root). None without branches."""
+    rows, queries, paths, block0 = [], [], [], []
+    for b, tree in enumerate(trees):
+        parents = list(tree.parents)
+        spine = 0
+        while spine < len(parents) and parents[spine] == spine - 1:
+            spine += 1
+        for i in range(spine, len(parents)):
+            path, node = [], i
+            while node >= 0:
+                path.append(1 + node)
+                node = parents[node]
+            rows.append(b)
+            queries.append(1 + i)
+            paths.append([0] + path[::-1])  # root row, then the rows down to the node
+            block0.append(starts[b] // KEY_BLOCK)
+    if not rows:
+        return None
+    span = max(starts[b] - KEY_BLOCK * k + len(p) for b, k, p in zip(rows, block0, paths))
+    width = -(-span // KEY_BLOCK) * KEY_BLOCK
+    index = torch.zeros(len(rows), width, dtype=torch.long)
+    seen = torch.zeros(len(rows), width, dtype=torch.bool)
+    for s, (b, k, path) in enumerate(zip(rows, block0, paths)):
+        first = KEY_BLOCK * k
+        pre = starts[b] - first  # prefix positions inside the first block
+        index[s, :pre] = torch.arange(first, starts[b])
+        index[s, pre:pre + len(path)] = starts[b] + torch.as_tensor(path)
+        seen[s, :pre + len(path)] = True
+    n_blocks = max(k + width // KEY_BLOCK for k in block0)
+    return TailKeys(torch.as_tensor(rows, device=dev), torch.as_tensor(queries, device=dev),
+                    index.to(dev), seen.to(dev), torch.as_tensor(block0, device=dev), n_blocks)
+
+
+def _ancestors(parent: torch.Tensor, depth: int) -> torch.Tensor:
+    """[B, T, T] bool on parent's device: row t sees row u iff u is t or one of its ancestors,
+    from each row's parent row ``parent`` [B, T] (the root, row 0, its own), by ``depth``
+    steps up the tree."""
+    B, T = parent.shape
+    seen = torch.eye(T, dtype=torch.bool, device=parent.device).repeat(B, 1, 1)
+    cur = torch.arange(T, device=parent.device).repeat(B, 1)
+    for _ in range(depth):
+        cur = parent.gather(1, cur)
+        seen.scatter_(2, cur[..., None], True)
+    return seen

@@ -1,0 +1,258 @@
+"""gRPC plumbing every role shares: conversions to and from the wire messages, the
+authentication interceptor, TLS credentials (mutual TLS as an option), and channel/server
+construction.
+
+Authentication: tokens travel as ``authorization: Bearer <token>`` metadata. A shared token
+guards every call but health checks; per-device tokens (the cache's ``--device-tokens``) admit
+drafters to DraftCache methods only, as the device they name. See ``TokenAuthInterceptor``.
+"""
+
+from __future__ import annotations
+
+import hmac
+import os
+import socket
+from concurrent import futures
+
+import grpc
+
+from ..config import ConfigError, SamplingParams
+from ..protocol.request_stats import Stats
+from ..v1 import edgespec_pb2 as pb
+
+AUTH_ENV = "EDGESPEC_AUTH_TOKEN"
+MAX_MESSAGE_BYTES = 4 * 1024 * 1024  # larger messages are refused with RESOURCE_EXHAUSTED
+HEALTH_PREFIX = "/grpc.health.v1.Health/"
+
+
+# -- conversions ------------------------------------------------------------------------------
+def params_to_pb(p: SamplingParams) -> pb.SamplingParams:
+    return pb.SamplingParams(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
+                             has_seed=p.seed is not None, seed=p.seed or 0)
+
+
+def params_from_pb(m: pb.SamplingParams) -> SamplingParams:
+    """Raises ConfigError on out-of-range values (NaN included). top_p 0 is proto3's unset."""
+    top_p = 1.0 if m.top_p == 0 else m.top_p
+    return SamplingParams(temperature=m.temperature, top_k=m.top_k, top_p=top_p,
+                          seed=m.seed if m.has_seed else None)
+
+
+def stats_to_pb(s: Stats) -> pb.Stats:
+    return pb.Stats(steps=s.steps, num_drafts=s.num_drafts, drafted=s.draft_tokens,
+                    accepted=s.accepted_tokens, acceptance_rate=s.acceptance_rate,
+                    mean_acceptance_length=s.mean_acceptance_length,
+                    tokens_per_s=s.tokens_per_s, prefill_s=s.prefill_s, elapsed_s=s.elapsed_s,
+                    tokens=s.tokens, accepted_per_pos=s.accepted_per_pos, take_s=s.take_s,
+                    forward_s=s.forward_s, commit_s=s.commit_s, lossy=s.lossy,
+                    branch_tokens=s.branch_tokens, head_tokens=s.head_tokens,
+                    head_accepted=s.head_accepted, stacks=s.stacks)
+
+
+def stats_from_pb(m: pb.Stats) -> dict:
+    return {"steps": m.steps, "num_drafts": m.num_drafts, "drafted": m.drafted,
+            "accepted": m.accepted, "acceptance_rate": m.acceptance_rate,
+            "mean_acceptance_length": m.mean_acceptance_length, "tokens_per_s": m.tokens_per_s,
+            "prefill_s": m.prefill_s, "elapsed_s": m.elapsed_s, "tokens": m.tokens,
+            "accepted_per_pos": list(m.accepted_per_pos), "take_s": m.take_s,
+            "forward_s": m.forward_s, "commit_s": m.commit_s, "lossless": not m.lossy,
+            "branch_tokens": m.branch_tokens, "head_tokens": m.head_tokens,
+            "head_accepted": m.head_accepted, "stacks": dict(m.stacks)}
+
+
+# -- retry hints --------------------------------------------------------------------------------
+# A live server that refuses for now (the cache while its Redis recovers) says when to come
+# back in this trailing metadata key (milliseconds); a caller honours it instead of its own
+# backoff, which is meant for a server that does not answer at all.
+RETRY_AFTER_MD = "retry-after-ms"
+
+
+def retry_after_metadata(ms: int) -> tuple[tuple[str, str], ...]:
+    return ((RETRY_AFTER_MD, str(int(ms))),)
+
+
+def retry_after_s(error: grpc.RpcError) -> float | None:
+    """The delay (seconds) a refusal's trailing metadata asks for, or None (no hint: the
+    server was not reached, or did not say)."""
+    try:
+        md = error.trailing_metadata() or ()
+    except Exception:  # an error raised without a call behind it
+        return None
+    for key, value in md:
+        if key == RETRY_AFTER_MD:
+            try:
+                ms = float(value)
+            except (TypeError, ValueError):
+                return None
+            return ms / 1000 if 0 <= ms < float("inf") else None
+    return None
+
+
+# -- authentication -----------------------------------------------------------------------------
+def resolve_token(token: str | None) -> str | None:
+    return token or os.environ.get(AUTH_ENV) or None
+
+
+def auth_metadata(token: str | None) -> list[tuple[str, str]]:
+    return [("authorization", f"Bearer {token}")] if token else []
+
+
+class TokenAuthInterceptor(grpc.ServerInterceptor):
+    """Who may call what, from the ``authorization: Bearer <token>`` metadata.
+
+    ``token``: the shared token (None: none). ``device_tokens``: per-device credentials (an
+    object with ``device_for(token) -> device id | None``, as
+    ``cache_service.credentials.DeviceCredentials``; None: none). Health checks are always open.
+
+    - DraftCache methods: with device tokens configured, only a device token is accepted (the
+      cache then derives the device from it); the shared token is PERMISSION_DENIED there, since
+      it names no device. Without device tokens, the shared token as before.
+    - Every other method (the Verifier service): the shared token when one is configured, else
+      open; a device token is PERMISSION_DENIED (it is good for drafting only).
+    - A missing or unknown token where one is needed: UNAUTHENTICATED.
+    """
+
+    CACHE_PREFIX = "/edgespec.v1.DraftCache/"
+
+    def __init__(self, token: str | None, device_tokens=None):
+        self._expected = f"Bearer {token}".encode() if token else None
+        self._devices = device_tokens
+        if token and device_tokens is not None and device_tokens.device_for(token):
+            raise ConfigError("the shared auth token is also a device's token: give each "
+                              "device a token of its own")
+        self._deny = {
+            grpc.StatusCode.UNAUTHENTICATED: self._denier(
+                grpc.StatusCode.UNAUTHENTICATED,
+                "missing or wrong auth token (metadata 'authorization: Bearer ...')"),
+            grpc.StatusCode.PERMISSION_DENIED: self._denier(
+                grpc.StatusCode.PERMISSION_DENIED,
+                "this token is not good for this service: drafters use their device token "
+                "for DraftCache, clients the shared token for the rest"),
+        }
+
+    def _verdict(self, method: str, got: str) -> grpc.StatusCode | None:
+        """None: let the call through; else the code to refuse it with."""
+        if method.startswith(HEALTH_PREFIX):
+            return None
+        shared = self._expected is not None and hmac.compare_digest(
+            got.encode("utf-8", "surrogatepass"), self._expected)
+        device = None
+        if self._devices is not None and got.startswith("Bearer "):
+            device = self._devices.device_for(got[len("Bearer "):])
+        if method.startswith(self.CACHE_PREFIX) and self._devices is not None:
+            if device:
+                return None
+            return grpc.StatusCode.PERMISSION_DENIED if shared else grpc.StatusCode.UNAUTHENTICATED
+        if device:
+            return grpc.StatusCode.PERMISSION_DENIED
+        if shared or self._expected is None:
+            return None
+        return grpc.StatusCode.UNAUTHENTICATED
+
+    def intercept_service(self, continuation, details):
+        got = dict(details.invocation_metadata or ()).get("authorization", "")
+        code = self._verdict(details.method, got if isinstance(got, str) else "")
+        if code is None:
+            return continuation(details)
+        handler = continuation(details)
+        if handler is None:
+            return None
+        return self._deny[code][(handler.request_streaming, handler.response_streaming)]
+
+    @staticmethod
+    def _denier(code: grpc.StatusCode, message: str) -> dict:
+        """Handlers of every streaming kind that refuse a call with ``code``."""
+
+        def deny(request, context):
+            context.abort(code, message)
+
+        return {(False, False): grpc.unary_unary_rpc_method_handler(deny),
+                (False, True): grpc.unary_stream_rpc_method_handler(deny),
+                (True, False): grpc.stream_unary_rpc_method_handler(deny),
+                (True, True): grpc.stream_stream_rpc_method_handler(deny)}
+
+
+# -- servers and channels -----------------------------------------------------------------------
+def make_server(max_workers: int, token: str | None,
+                stream_limits: dict[str, int] | None = None, device_tokens=None) -> grpc.Server:
+    """A sync gRPC server with authentication (the shared ``token`` and/or per-device
+    ``device_tokens``, see ``TokenAuthInterceptor``); ``stream_limits`` caps open streams per
+    method (see grpc_limits)."""
+    from .grpc_limits import StreamLimitInterceptor
+
+    interceptors = ([TokenAuthInterceptor(token, device_tokens)]
+                    if token or device_tokens else [])
+    if stream_limits:
+        interceptors.append(StreamLimitInterceptor(stream_limits))
+    return grpc.server(
+        futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
+        interceptors=interceptors,
+        options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                 ("grpc.so_reuseport", 0)])
+
+
+def bind(server: grpc.Server, address: str, tls_cert: str | None = None,
+         tls_key: str | None = None, client_ca: str | None = None) -> int:
+    """Listen on ``address``; TLS when a certificate and key are given, mutual TLS when
+    ``client_ca`` is given too (every client must present a certificate signed by that CA).
+    Returns the port."""
+    if bool(tls_cert) != bool(tls_key):
+        raise ConfigError("TLS needs both --tls-cert and --tls-key")
+    if client_ca and not tls_cert:
+        raise ConfigError("--tls-client-ca needs --tls-cert and --tls-key")
+    if tls_cert and tls_key:  # both or neither (checked above)
+        pair = [(_read(tls_key), _read(tls_cert))]
+        if client_ca:
+            creds = grpc.ssl_server_credentials(pair, root_certificates=_read(client_ca),
+                                                require_client_auth=True)
+        else:
+            creds = grpc.ssl_server_credentials(pair)
+    try:
+        port = (server.add_secure_port(address, creds) if tls_cert
+                else server.add_insecure_port(address))
+    except RuntimeError:  # newer grpc raises where older returned 0
+        port = 0
+    if port == 0:
+        raise ConfigError(f"cannot listen on {address}")
+    return port
+
+
+def make_channel(address: str, tls_ca: str | None = None, tls: bool = False,
+                 aio: bool = False, client_cert: str | None = None,
+                 client_key: str | None = None):
+    """A client channel (``aio``: a grpc.aio one) with edgespec's message limits; TLS when
+    ``tls``, a CA certificate to trust, or a client certificate is given. ``client_cert`` and
+    ``client_key`` (PEM files, both or neither): the certificate presented for mutual TLS."""
+    options = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+               ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+               # reconnect within a second or two of a server restart, not gRPC's default
+               # backoff of up to two minutes (a resuming client would wait that long)
+               ("grpc.initial_reconnect_backoff_ms", 200),
+               ("grpc.min_reconnect_backoff_ms", 200),
+               ("grpc.max_reconnect_backoff_ms", 2000)]
+    mod = grpc.aio if aio else grpc
+    if bool(client_cert) != bool(client_key):
+        raise ConfigError("a client certificate needs both --tls-cert and --tls-key")
+    if tls or tls_ca or client_cert:
+        creds = grpc.ssl_channel_credentials(
+            _read(tls_ca) if tls_ca else None,
+            private_key=_read(client_key) if client_key else None,
+            certificate_chain=_read(client_cert) if client_cert else None)
+        return mod.secure_channel(address, creds, options=options)
+    return mod.insecure_channel(address, options=options)
+
+
+def free_port() -> int:
+    """A TCP port on loopback that nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _read(path: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as e:
+        raise ConfigError(f"cannot read {path}: {e.strerror}") from None

@@ -1,0 +1,139 @@
+"""Command-line options every model-running command shares (the benchmarks and the role launchers
+use the same options). The checks a role also runs live in the packages they check (a drafter
+spec or model path in ``edgespec.drafters.spec_check``) and are re-exported here for the
+commands."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from edgespec.config import DTYPE_NAMES, EngineConfig, LooseParams
+from edgespec.drafters.spec_check import (  # noqa: F401 (the commands' API)
+    check_drafter_arg, check_head_arg, check_model_arg)
+from edgespec.runner.threads import default_threads, set_threads, threads_in_use  # noqa: F401 (the commands' API)
+
+
+LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
+
+
+def configure_logging(level: str = "INFO") -> None:
+    """Logs of a role process (a command or a Ray actor) to stderr, one format for all."""
+    logging.basicConfig(level=level.upper(), stream=sys.stderr, format=LOG_FORMAT)
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="default",
+                   help="target model: 'default' (SmolLM2-135M-Instruct, pulled on first use), "
+                        "a transformers directory or a .gguf file (default: %(default)s)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: %(default)s)")
+    add_dtype_arg(p)
+
+
+def add_dtype_arg(p: argparse.ArgumentParser, who: str = "") -> None:
+    p.add_argument("--dtype", default="auto", choices=["auto", *DTYPE_NAMES],
+                   help=f"{who}weights and activations dtype; auto: bfloat16 where its exact "
+                        "(batch-invariant) path runs on that machine, else float32, decided by a "
+                        "probe at start; a dtype that is not exact there is refused "
+                        "(default: %(default)s)")
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    d = EngineConfig()
+    p.add_argument("--max-draft", type=int, default=d.max_draft,
+                   help="most draft tokens verified per step, k (default: %(default)s)")
+    p.add_argument("--window", type=int, default=d.window,
+                   help="most tokens drafted beyond the committed position, W "
+                        "(default: %(default)s)")
+    p.add_argument("--chunk", type=int, default=d.chunk,
+                   help="tokens per draft chunk, c (default: %(default)s)")
+    p.add_argument("--draft-wait-ms", type=float, default=None,
+                   help="how long a step waits for a draft on its way (default: in process, the "
+                        "drafter's own: 10 for mag, 100 for model drafters; a distributed "
+                        "verifier: 10)")
+    p.add_argument("--max-context", type=int, default=d.max_context,
+                   help="tokens per session: prompt + output (default: %(default)s)")
+    p.add_argument("--no-adaptive", action="store_true",
+                   help="keep the verified draft length fixed at --max-draft")
+    p.add_argument("--tree-nodes", type=int, default=d.tree_nodes,
+                   help="most branch tokens of a token-tree draft verified per session per "
+                        "step, within the batch's token budget; 0: chains only "
+                        "(default: %(default)s)")
+    p.add_argument("--head", default=None, metavar="DIR",
+                   help="a trained draft head drafting inside the verifier from its own "
+                        "forward's features, for every session, beside its drafter's drafts: a "
+                        "head folder (made by edgespec distill), 'default' (the default model's "
+                        "shipped head) or a shipped kind (eagle, specformer, ctc) (default: none)")
+    p.add_argument("--learn", action="store_true",
+                   help="with --head: fine-tune the head on this verifier's own traffic in a "
+                        "low-priority background thread, swapping in a new version only when it "
+                        "drafts better on recent held-out sessions (version and acceptance in "
+                        "status and metrics)")
+    p.add_argument("--auto", action="store_true",
+                   help="choose for each session, step by step, which draft sources to verify "
+                        "(its drafter's drafts, the head's, both or none) by the latency per "
+                        "token its own measured acceptance and the measured forward cost give; "
+                        "lossless whatever it picks (--drafter auto: mag+cacheback and the "
+                        "shipped head, with this on)")
+
+
+def add_tree_width_arg(p: argparse.ArgumentParser) -> None:
+    """Token-tree drafting, for the commands that draft (``generate``, ``drafter``, ``deploy``,
+    ``simulate``)."""
+    p.add_argument("--tree-width", type=int, default=EngineConfig().tree_width,
+                   help="draft token trees: each chunk carries up to N - 1 alternative "
+                        "continuations (branches) beside its chain; 1: chains "
+                        "(default: %(default)s)")
+
+
+def add_verify_args(p: argparse.ArgumentParser) -> None:
+    """The verification mode, for the commands that verify (``generate``, the servers)."""
+    d = LooseParams()
+    p.add_argument("--verify", choices=["exact", "loose"], default="exact",
+                   help="exact: output identical to the target model's (default); loose: FLy's "
+                        "lenient acceptance, faster but LOSSY (output may differ)")
+    p.add_argument("--loose-entropy", type=float, default=d.entropy,
+                   help="with --verify loose: accept a mismatching draft token only where the "
+                        "target's entropy exceeds this many nats (default: %(default)s)")
+    p.add_argument("--loose-window", type=int, default=d.window,
+                   help="with --verify loose: accept it only when the N draft tokens after it "
+                        "all agree with the target; 0: the entropy gate alone "
+                        "(default: %(default)s)")
+
+
+LOSSY_WARNING = ("edgespec: warning: --verify loose is lossy: the output may differ from what "
+                 "the target model alone would produce")
+
+
+def warn_if_lossy(cfg: EngineConfig) -> None:
+    """Say on stderr that a loosely verifying engine's output is not the target's own."""
+    if cfg.verify == "loose":
+        print(LOSSY_WARNING, file=sys.stderr, flush=True)
+
+
+def engine_config(args, max_sessions: int | None = None) -> EngineConfig:
+    """The engine options of a command (those it lacks keep EngineConfig's defaults)."""
+    d = EngineConfig()
+    check_head_arg(getattr(args, "head", None))
+    loose = LooseParams(getattr(args, "loose_entropy", d.loose.entropy),
+                        getattr(args, "loose_window", d.loose.window))
+    return EngineConfig(max_draft=getattr(args, "max_draft", d.max_draft),
+                        window=args.window, chunk=args.chunk,
+                        draft_wait_ms=getattr(args, "draft_wait_ms", d.draft_wait_ms),
+                        max_context=getattr(args, "max_context", d.max_context),
+                        adaptive=not getattr(args, "no_adaptive", False),
+                        max_sessions=max_sessions or d.max_sessions,
+                        max_batch_tokens=getattr(args, "max_batch_tokens", d.max_batch_tokens),
+                        verify=getattr(args, "verify", d.verify), loose=loose,
+                        tree_width=getattr(args, "tree_width", d.tree_width),
+                        tree_nodes=getattr(args, "tree_nodes", d.tree_nodes),
+                        head=getattr(args, "head", None) or d.head,
+                        learn=getattr(args, "learn", False),
+                        auto=getattr(args, "auto", False))
+
+
+def add_threads_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads for the model (default: cores - 1, at least 1; "
+                        "$EDGESPEC_THREADS overrides the default)")
