@@ -2,11 +2,14 @@
 runner: one at a time, as a draft of any length, as a token tree, in a batch with other
 sessions of any lengths, after a prompt prefilled in one piece or in chunks. Compared with
 ``torch.equal``, never a tolerance, for every dtype edgespec serves as lossless on the devices
-present (CUDA where a GPU is, else said in the skip reason).
+present: on CPU float32 and bfloat16 where this CPU serves it; on CUDA, wherever a GPU is and
+whatever the host CPU, float32 and bfloat16, each either served and swept or asserted to be
+refused with its message.
 
 Putting ``scaled_dot_product_attention`` back in ``TargetRunner._run_layers``, or sending a lone
-row through the linear layers as it is, fails this sweep (checked when each fix went in); the
-start probes are shown to catch both (the last tests)."""
+row through the linear layers as it is (or, on CUDA, a call that is not padded to whole tiles),
+fails this sweep (checked when each fix went in); the start probes are shown to catch all three
+(the last tests)."""
 
 from __future__ import annotations
 
@@ -16,8 +19,10 @@ import pytest
 import torch
 from reference import path_to
 
+from edgespec.config import ConfigError
 from edgespec.runner.attention import probe_invariance
-from edgespec.runner.dtype_probe import exact_here, linear_rows_exact
+from edgespec.runner.dtype_probe import (exact_here, first_varying_count, linear_rows_exact,
+                                         probe_input, probe_row_counts)
 from edgespec.runner.linear import Linear
 from edgespec.runner.target_runner import TargetRunner
 from edgespec.verify.trees import DraftTree
@@ -25,14 +30,13 @@ from edgespec.verify.trees import DraftTree
 VOCAB = 96
 
 
-DTYPES = ["float32", pytest.param("bfloat16", marks=pytest.mark.skipif(
-    not exact_here("bfloat16"), reason="bfloat16 is not exact on this machine: never served"))]
-
-
-def _devices() -> list:
-    cuda = pytest.mark.skipif(not torch.cuda.is_available(),
-                              reason="no CUDA device here: the CUDA sweep runs on a GPU machine")
-    return ["cpu", pytest.param("cuda", marks=cuda)]
+NO_CUDA = pytest.mark.skipif(not torch.cuda.is_available(),
+                             reason="no CUDA device here: the CUDA sweep runs on a GPU machine")
+CASES = [pytest.param("cpu", "float32", id="cpu-float32"),
+         pytest.param("cpu", "bfloat16", id="cpu-bfloat16", marks=pytest.mark.skipif(
+             not exact_here("bfloat16"), reason="this CPU does not serve bfloat16 (refused)")),
+         pytest.param("cuda", "float32", id="cuda-float32", marks=NO_CUDA),
+         pytest.param("cuda", "bfloat16", id="cuda-bfloat16", marks=NO_CUDA)]
 
 
 @pytest.fixture(scope="module")
@@ -50,10 +54,17 @@ def hd64_model():
     return LlamaForCausalLM(cfg).eval()
 
 
-def _runner(model, dtype: str, device: str, slots: int = 16) -> TargetRunner:
+def _runner(model, dtype: str, device: str, slots: int = 16) -> TargetRunner | None:
+    """The runner in ``dtype`` on ``device``; None where that dtype is not served on a GPU, after
+    asserting that the runner refuses it and says why (a CPU dtype this CPU refuses is skipped
+    by its mark)."""
     import copy
 
     m = copy.deepcopy(model).to(device=device, dtype=getattr(torch, dtype))
+    if device == "cuda" and not exact_here(dtype, "cuda"):
+        with pytest.raises(ConfigError, match="not batch-invariant"):
+            TargetRunner(m, n_slots=slots, max_len=300)
+        return None
     return TargetRunner(m, n_slots=slots, max_len=300)  # not a whole number of key blocks
 
 
@@ -85,11 +96,14 @@ def threads(request):
     torch.set_num_threads(before)
 
 
-@pytest.mark.parametrize("device", _devices())
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("device,dtype", CASES)
 def test_chains_in_ragged_batches_have_the_bits_of_one_at_a_time(hd64_model, dtype, device,
                                                                  threads):
+    if device == "cuda" and threads != 2:
+        pytest.skip("torch's CPU thread count does not reach CUDA kernels: one count is enough")
     runner = _runner(hd64_model, dtype, device)
+    if runner is None:
+        return
     rng = random.Random(f"chains-{dtype}-{threads}")
     for batch in (1, 2, 3, 5, 8, 16):
         sessions = [_session(rng) for _ in range(batch)]
@@ -108,14 +122,15 @@ def test_chains_in_ragged_batches_have_the_bits_of_one_at_a_time(hd64_model, dty
             runner.free_slot(s)
 
 
-@pytest.mark.parametrize("device", _devices())
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("device,dtype", CASES)
 def test_trees_mixed_with_chains_have_the_bits_of_one_at_a_time(hd64_model, dtype, device):
     """Each row is a tree: the session's continuation as its spine plus random branches (a
     chain row has none); every spine node's logits equal decoding the spine alone, and a
     branch node's equal decoding its own path (its keys, stored out of decoding order, are read
     in decoding order: ``attention.TailKeys``)."""
     runner = _runner(hd64_model, dtype, device)
+    if runner is None:
+        return
     rng = random.Random(f"trees-{dtype}")
     for batch in (1, 4, 11):
         rows = []
@@ -140,12 +155,13 @@ def test_trees_mixed_with_chains_have_the_bits_of_one_at_a_time(hd64_model, dtyp
                 assert torch.equal(logits[b, node + 1], ref), (dtype, batch, b, node)
 
 
-@pytest.mark.parametrize("device", _devices())
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("device,dtype", CASES)
 def test_prefill_in_chunks_and_long_contexts_keep_the_bits(hd64_model, dtype, device):
     """A prompt prefilled in one piece or in chunks of any size leaves the same keys/values:
     the next forward's logits agree, also past several key blocks (up to the slot's end)."""
     runner = _runner(hd64_model, dtype, device, slots=2)
+    if runner is None:
+        return
     rng = random.Random(f"prefill-{dtype}")
     for n in (5, 63, 64, 65, 200, 290):
         prompt = [rng.randrange(VOCAB) for _ in range(n)]
@@ -182,3 +198,88 @@ def test_the_linear_probe_catches_a_lone_row_path(monkeypatch):
     assert linear_rows_exact(lin, rows=64)
     monkeypatch.setattr(Linear, "__call__", Linear._apply)  # a lone row as it is
     assert not linear_rows_exact(lin, rows=64)
+
+
+# -- the linear layer's row tiles and the start check over the served model's shapes ------------
+
+# the shapes whose rows cuBLAS gave other bits by row count on an H200 (bfloat16: the 1.7B down
+# projection, the 8B o and down projections), and the default model's down projection
+VARYING_SHAPES = [(8192, 2048), (4096, 4096), (14336, 4096), (1536, 576)]
+TILED_CASES = [pytest.param("cpu", "float32", id="cpu-float32"),
+               pytest.param("cuda", "float32", id="cuda-float32", marks=NO_CUDA),
+               pytest.param("cuda", "bfloat16", id="cuda-bfloat16", marks=NO_CUDA)]
+
+
+def _varying(lin: Linear, max_rows: int = 300) -> int | None:
+    w = lin.weight
+    return first_varying_count(lin, probe_input(max_rows, w.shape[1], w),
+                               list(range(1, max_rows + 1)))
+
+
+@pytest.mark.parametrize("device,dtype", TILED_CASES)
+@pytest.mark.parametrize("k,n", VARYING_SHAPES, ids=lambda v: str(v))
+def test_row_tiles_give_every_row_the_bits_of_a_full_call(device, dtype, k, n):
+    """Rows in fixed 128-row tiles, each call padded: a row's bits do not depend on the call's row
+    count (1..300, three tiles) or its place in it. On the CPU the tiled path runs through plain
+    ``F.linear`` (MKL's float32 sgemm, which is not row-invariant on its own: next test)."""
+    g = torch.Generator().manual_seed(k + n)
+    w = (torch.randn(n, k, generator=g) * 0.02).to(device=device, dtype=getattr(torch, dtype))
+    assert _varying(Linear(w, pack=False, tiled=True)) is None
+
+
+@pytest.mark.parametrize("device,dtype", TILED_CASES)
+def test_without_row_tiles_the_sweep_fails(device, dtype):
+    """The mutation check: the same sweep over plain calls (padding switched off) finds a row
+    count that changes a row's bits: on CUDA (cuBLAS, measured in bfloat16 and float32 on an
+    H200) and on this CPU in float32 (MKL's sgemm)."""
+    shape = (8192, 2048) if device == "cuda" else (1536, 576)
+    g = torch.Generator().manual_seed(5)
+    w = (torch.randn(shape[1], shape[0], generator=g) * 0.02).to(device=device,
+                                                                  dtype=getattr(torch, dtype))
+    assert _varying(Linear(w, pack=False, tiled=False)) is not None
+
+
+def test_the_start_check_names_the_linear_layer_and_the_row_count(hd64_model, monkeypatch):
+    """A linear path that gives a lone row other bits (the packed kernel's single-row path,
+    called as it is) is refused at start, naming the layer, its shape and the row count."""
+    monkeypatch.setattr(Linear, "__call__", Linear._apply)
+    with pytest.raises(ConfigError, match=r"linear layer \w+ \(\d+ -> \d+\) is not batch-invariant "
+                                          r"here: a call of 1 rows gives a row other bits"):
+        _runner(hd64_model, "float32", "cpu")
+
+
+def test_the_start_check_covers_the_row_wise_norm(hd64_model, monkeypatch):
+    """A norm whose result depends on how many rows share the call is refused at start."""
+    def norm_by_row_count(self, x, w):
+        return w * x * (1 + 1e-3 * x.shape[0])
+
+    monkeypatch.setattr(TargetRunner, "_rms", norm_by_row_count)
+    with pytest.raises(ConfigError, match="the RMS norm is not batch-invariant here"):
+        _runner(hd64_model, "float32", "cpu")
+
+
+@pytest.mark.parametrize("device,max_rows", [("cpu", 1040), ("cuda", 1040), ("cuda", 300)])
+def test_start_check_row_counts(device, max_rows):
+    """On CUDA every count up to two tiles (every padding of a first and a second tile) and the
+    most rows a forward sends; on CPU the counts where oneDNN's blocking changes, up to 64."""
+    counts = probe_row_counts(device, max_rows)
+    assert counts == sorted(set(counts))
+    if device == "cuda":
+        assert counts == [*range(1, 257), max_rows]
+    else:
+        assert {1, 2, 3, 15, 16, 17, 63, 64} <= set(counts) and counts[-1] == 64
+        assert len(counts) < 20
+
+
+def test_the_cuda_norm_path_is_row_invariant_and_agrees_with_the_mean(hd64_model):
+    """On CUDA the RMS norm sums a row's squares through a row-tiled product with ones (torch's
+    reduction kernels give 1..15 rows wider blocks than 16 and more): the same path, run here,
+    gives every row its bits whatever the row count, and agrees with the plain mean to float32
+    rounding."""
+    runner = _runner(hd64_model, "float32", "cpu")
+    x = probe_input(300, runner.embed.shape[1], runner.embed)
+    plain = runner._rms(x, runner.norm)
+    runner._row_sum = Linear(torch.ones(1, x.shape[1]), pack=False, tiled=True)
+    assert first_varying_count(lambda t: runner._rms(t, runner.norm), x,
+                               list(range(1, 300))) is None
+    torch.testing.assert_close(runner._rms(x, runner.norm), plain)

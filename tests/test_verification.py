@@ -196,3 +196,49 @@ def test_a_step_of_8_sessions_syncs_with_the_host_at_most_once(tiny, monkeypatch
             if steps == 1:
                 assert report.sessions == 8
     assert steps > 1
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA device here: the GPU sitting runs it"))])
+def test_top_p_and_top_k_filtering_gives_a_row_its_bits_in_any_batch(device):
+    """The processed distribution a sampled row draws from has the same bits alone and among
+    up to 64 x 15 rows, with ties everywhere (scores on a coarse grid, as bfloat16 logits are)
+    over a vocabulary of the 8B model's size: the sort is stable and a lone row is scanned the
+    way many are."""
+    V = 128256
+    g = torch.Generator().manual_seed(4)
+    logits = (torch.randn(64, 15, V, generator=g) * 8).round() / 4  # many exact ties
+    params = [SamplingParams(temperature=0.8, top_p=0.9, top_k=[0, 50][b % 2], seed=b)
+              for b in range(64)]
+    from edgespec.verify.verify_step import filter_scores
+
+    def scores(rows: int, cols: int) -> torch.Tensor:
+        vb = VerifyBatch.build([([], [])] * rows, [0] * rows, params[:rows], ["exact"] * rows,
+                               V, device)
+        return filter_scores(logits[:rows, :cols].to(device), vb).cpu()
+
+    full = scores(64, 15)
+    for rows, cols in ((1, 1), (1, 7), (2, 1), (8, 5), (64, 1)):
+        assert torch.equal(scores(rows, cols), full[:rows, :cols]), (rows, cols)
+
+
+def test_top_p_cuts_tied_scores_together_whatever_their_ids():
+    """Tied scores stay or go together, so the cut does not depend on the order a sort gives
+    tied ids: shuffling the vocabulary shuffles the decisions, and a tie run that straddles the
+    top_p mass is kept whole. The drafter's NumPy rule makes the same cut."""
+    from edgespec.drafters.token_choice import processed_scores
+    from edgespec.verify.verify_step import top_p_drop
+
+    g = torch.Generator().manual_seed(9)
+    scores = (torch.randn(16, 4000, generator=g) * 6).round() / 4  # runs of equal scores
+    top_p = torch.full((16,), 0.8)
+    drop = top_p_drop(scores, top_p)
+    perm = torch.randperm(4000, generator=g)
+    assert torch.equal(top_p_drop(scores[:, perm], top_p), drop[:, perm])
+    for row, d in zip(scores, drop):
+        kept_min = row[~d].min()
+        assert not d[row == kept_min].any()  # the lowest kept score's ties are all kept
+        probs = row.softmax(-1)
+        assert probs[row > kept_min].sum() < 0.8 <= probs[row >= kept_min].sum() + 1e-6
+        numpy_kept = processed_scores(row.numpy(), SamplingParams(temperature=1.0, top_p=0.8))
+        assert torch.equal(torch.from_numpy(numpy_kept > float("-inf")), ~d)

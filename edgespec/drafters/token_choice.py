@@ -62,12 +62,14 @@ def processed_scores(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
         kth = np.partition(scores, -params.top_k)[-params.top_k]
         scores = np.where(scores < kth, -np.inf, scores)
     if params.top_p < 1.0:
-        order = np.argsort(-scores, kind="stable")
-        probs = softmax(scores[order])
-        # drop a token when the tokens ranked above it already cover top_p
-        drop = (np.cumsum(probs) - probs) >= params.top_p
-        scores = scores.copy()
-        scores[order[drop]] = -np.inf
+        ranked = -np.sort(-scores)
+        probs = softmax(ranked)
+        before = np.cumsum(probs) - probs  # the mass ranked ahead of each position
+        # a token goes when the tokens scored strictly above it hold top_p; ties go together
+        new_run = np.concatenate([[True], ranked[1:] != ranked[:-1]])
+        run_start = np.maximum.accumulate(np.where(new_run, np.arange(len(ranked)), 0))
+        kept = int((before[run_start] < params.top_p).sum())
+        scores = np.where(scores < ranked[max(kept - 1, 0)], -np.inf, scores)
     return scores
 
 

@@ -81,6 +81,43 @@ def linear_rows_exact(lin, rows: int = 16, seed: int = 2) -> bool:
     return _rows_agree(lin, x, lin(x))
 
 
+def probe_row_counts(device: str, max_rows: int) -> list[int]:
+    """The row counts a start check tries, up to ``max_rows`` (the most rows one forward
+    sends). On CUDA, where every call is padded to whole tiles, the counts that can differ are
+    the paddings of a tile: every count up to two tiles (each padding of a first and of a second
+    tile), and ``max_rows`` (above two tiles a call only repeats the same tile calls). On CPU,
+    where oneDNN chooses its blocking by powers of two and a lone row once took its own path:
+    1, 2, 3 and each power of two and its neighbours up to 64 (well under a second for the
+    default model: the packed kernel was measured invariant from 2 to 512 rows)."""
+    from .linear import TILE_ROWS
+
+    if device.startswith("cuda"):
+        counts = set(range(1, 2 * TILE_ROWS + 1))
+    else:
+        max_rows = min(max_rows, 64)
+        counts = {1, 2, 3} | {p + d for p in (4, 8, 16, 32, 64) for d in (-1, 0, 1)}
+    return sorted(c for c in counts | {max_rows} if 1 <= c <= max_rows)
+
+
+def first_varying_count(fn, x: torch.Tensor, counts: list[int]) -> int | None:
+    """The first row count at which a row-wise ``fn`` gives rows other bits than it gave them
+    among all of x [R, K] (rows taken from the start and from the end of x, so a row's place in
+    the call changes too), or None if every count agrees."""
+    full = fn(x)
+    n = len(x)
+    for c in counts:
+        if not (torch.equal(fn(x[:c]), full[:c]) and torch.equal(fn(x[n - c:]), full[n - c:])):
+            return c
+    return None
+
+
+def probe_input(rows: int, width: int, like: torch.Tensor, seed: int = 2) -> torch.Tensor:
+    """Random rows [rows, width] on ``like``'s device in its dtype, made on the CPU generator so
+    every device probes the same numbers."""
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(rows, width, generator=g) * 2).to(device=like.device, dtype=like.dtype)
+
+
 def exact_here(name: str, device: str = "cpu") -> bool:
     dtype = DTYPES[name]
     return packed_linear_exact(dtype, device) and attention_tile(dtype, device) is not None

@@ -1,6 +1,16 @@
-"""The runner's linear layer: pre-packed oneDNN weights on CPU, rows batch-invariant (a lone row
-goes through as two), the building block ``edgespec.runner.target_runner`` and
-``edgespec.runner.dtype_probe`` share."""
+"""The runner's linear layer, rows batch-invariant on every device: a row gets the same bits
+whatever else is in the call. On CPU the weights are pre-packed for oneDNN (a lone row goes
+through as two); on CUDA the rows go through in fixed tiles of ``TILE_ROWS``, each call padded to
+a whole tile, so cuBLAS only ever sees one problem shape per layer. The building block
+``edgespec.runner.target_runner`` and ``edgespec.runner.dtype_probe`` share.
+
+Why tiles on CUDA (measured on an H200, torch 2.11 + CUDA 13, docs/measured/gpu/): cuBLAS picks
+its kernel by the row count, and some kernels split the reduction another way, so a row's bits
+depended on the call's row count (bfloat16: 8192 -> 2048, 4096 -> 4096, 14336 -> 4096; float32:
+nearly every shape). One call padded to a multiple of 128 rows was not enough (a 256-row call
+takes another kernel than a 128-row one); 128-row tiles, one padded call each, made every shape
+invariant in both dtypes up to 511 rows. vLLM's pinned cuBLASLt settings fixed bfloat16 only.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
+TILE_ROWS = 128  # rows per cuBLAS call on CUDA: every call has exactly this many
 
 
 def _mkldnn_ok(weight: torch.Tensor) -> bool:
@@ -21,7 +32,8 @@ class Linear:
     (bfloat16: AMX where the CPU has it, ~2x float32 per row and flat up to 8 rows).
 
     Rows are batch-invariant from 2 rows up (measured: 1..512 rows, every layer shape of the
-    default model, float32 and bfloat16); a lone row goes through as two.
+    default model, float32 and bfloat16); a lone row goes through as two. On CUDA (and wherever
+    ``tiled`` is asked for) every call is ``TILE_ROWS`` rows instead.
 
     Pre-packing matters: measured on 2 CPU cores, MKL's plain sgemm re-packs the weight on every
     call and costs ~2x a matrix-vector product for 2..8 rows, so a forward over a k+1-token draft
@@ -30,13 +42,22 @@ class Linear:
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                 pack: bool = True, batch_hint: int = 8):
+                 pack: bool = True, batch_hint: int = 8, tiled: bool | None = None):
+        """``tiled``: rows in fixed tiles (None: on CUDA, where cuBLAS needs it)."""
         self.weight, self.bias = weight, bias
         self.packed = None
         if pack and _mkldnn_ok(weight):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_hint)
+        self.tiled = weight.device.type == "cuda" if tiled is None else tiled
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(in features, out features)."""
+        return self.weight.shape[1], self.weight.shape[0]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tiled:
+            return self._in_tiles(x)
         if x.numel() == x.shape[-1]:
             # one row: oneDNN (and MKL) take a single-row path that sums a long input (the MLP's
             # down projection, 1536 wide) in another order than for 2 rows and more, so a decode
@@ -44,6 +65,18 @@ class Linear:
             two = x.reshape(1, -1).expand(2, -1).contiguous()
             return self._apply(two)[:1].reshape(*x.shape[:-1], -1)
         return self._apply(x)
+
+    def _in_tiles(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., K] -> [..., N], the rows padded with zeros to whole tiles and each tile one
+        call (rows never interact in a product, so the padding does not touch them)."""
+        rows = x.reshape(-1, x.shape[-1])
+        n = rows.shape[0]
+        tiles = max(1, -(-n // TILE_ROWS))
+        if n != tiles * TILE_ROWS:
+            rows = F.pad(rows, (0, 0, 0, tiles * TILE_ROWS - n))
+        out = self._apply(rows) if tiles == 1 else torch.cat(
+            [self._apply(rows[i * TILE_ROWS:(i + 1) * TILE_ROWS]) for i in range(tiles)])
+        return out[:n].reshape(*x.shape[:-1], out.shape[-1])
 
     def _apply(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:

@@ -35,6 +35,7 @@ import torch
 from ..config import LooseParams, SamplingParams
 from .keyed_noise import keyed_choice, seed_of
 from .loose import accept_loosely, entropy
+from .verify_step import top_p_drop
 
 # -- processed distributions ---------------------------------------------------------------------
 def filtered_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -45,12 +46,8 @@ def filtered_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
         kth = torch.topk(logits, params.top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if params.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        sorted_probs = sorted_logits.softmax(-1)
-        # drop a token when the tokens ranked above it already cover top_p
-        drop_sorted = (sorted_probs.cumsum(-1) - sorted_probs) >= params.top_p
-        drop = drop_sorted.scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
+        top_p = torch.full(logits.shape[:-1], params.top_p, dtype=torch.float32)
+        logits = logits.masked_fill(top_p_drop(logits, top_p), float("-inf"))
     return logits
 
 

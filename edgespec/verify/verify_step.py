@@ -132,12 +132,39 @@ def filter_scores(logits: torch.Tensor, vb: VerifyBatch) -> torch.Tensor:
         on = ((k > 0) & (k < V))[:, None, None]
         x = x.masked_fill(on & (x < kth), float("-inf"))
     if vb.any_top_p:
-        sorted_x, order = torch.sort(x, dim=-1, descending=True)
-        probs = sorted_x.softmax(-1)
-        drop_sorted = (probs.cumsum(-1) - probs) >= vb.top_p[:, None, None]
-        drop = drop_sorted.scatter(-1, order, drop_sorted) & (vb.top_p < 1.0)[:, None, None]
+        drop = top_p_drop(x, vb.top_p[:, None]) & (vb.top_p < 1.0)[:, None, None]
         x = x.masked_fill(drop, float("-inf"))
     return x
+
+
+def top_p_drop(scores: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Which tokens top-p removes: scores [..., V] float32, top_p [...] -> bool [..., V].
+
+    A token goes when the tokens scored strictly above it already hold top_p of the mass; tied
+    scores stay or go together. The rule reads only the sorted scores' values, never the order
+    the sort gave tied ids (sorts differ there by row count on CUDA, and bfloat16 logits tie
+    often), and the cut is a score compared with each token's own, so a row gets the same
+    decision alone or among any rows."""
+    sorted_x = torch.sort(scores, dim=-1, descending=True).values
+    probs = sorted_x.softmax(-1)
+    before = _row_cumsum(probs) - probs  # the mass ranked ahead of each sorted position
+    V = scores.shape[-1]
+    pos = torch.arange(V, device=scores.device)
+    new_run = torch.ones_like(sorted_x, dtype=torch.bool)
+    new_run[..., 1:] = sorted_x[..., 1:] != sorted_x[..., :-1]
+    run_start = torch.where(new_run, pos, 0).cummax(-1).values  # each tie run's first position
+    kept = (before.gather(-1, run_start) < top_p[..., None]).sum(-1, keepdim=True)
+    cut = sorted_x.gather(-1, (kept - 1).clamp_min(0))  # the lowest score kept
+    return scores < cut
+
+
+def _row_cumsum(x: torch.Tensor) -> torch.Tensor:
+    """Running sums along the last dim, each row's bits independent of how many rows there are:
+    CUDA scans a lone row with a device-wide kernel (another summation order) and many rows
+    row by row, so a lone row is scanned beside a copy of itself."""
+    if x.device.type == "cuda" and x.numel() == x.shape[-1]:
+        return x.reshape(1, -1).expand(2, -1).cumsum(-1)[:1].reshape(x.shape)
+    return x.cumsum(-1)
 
 
 def target_choices(logits: torch.Tensor, vb: VerifyBatch) -> tuple[torch.Tensor, torch.Tensor]:

@@ -7,7 +7,10 @@ is timed ``--repeat`` times (the slots' lengths are never moved, so every run se
 context) and the median counts. The table gives milliseconds, the cost relative to the same
 dtype's 1 x 1 forward (what a wider forward costs on top of a decode step) and to float32's.
 ``--profile B,T`` splits one such forward into linear layers, attention, the LM head and the rest
-(norms, rotary, KV writes and reads, masks), timed by wrapping those calls.
+(norms, rotary, KV writes and reads, masks), timed by wrapping those calls. On a GPU every timed
+forward (and every profiled part) ends with a device synchronisation, so the clock reads what the
+GPU did, not when the kernels were launched. ``--shape 135m|1.7b|8b`` times a random-weight model
+of that shape, built on the device from its config (no download; ``edgespec.models.shapes``).
 """
 
 from __future__ import annotations
@@ -25,8 +28,8 @@ from edgespec.config import ConfigError
 
 def add_bench_forward_args(p) -> None:
     p.add_argument("--dtypes", default=None,
-                   help="comma-separated dtypes (default: float32 and every other dtype that is "
-                        "exact on this machine)")
+                   help="comma-separated dtypes (default: every dtype that is exact on "
+                        "--device here)")
     p.add_argument("--batches", default="1,2,4,8,16",
                    help="sessions in the forward, comma-separated (default: %(default)s)")
     p.add_argument("--tokens", default="1,2,5,9",
@@ -39,6 +42,9 @@ def add_bench_forward_args(p) -> None:
     p.add_argument("--profile", default="8,5",
                    help="B,T of the forward split into linear / attention / head / other "
                         "('' for none; default: %(default)s)")
+    p.add_argument("--shape", default=None,
+                   help="time a random-weight model of this shape instead of --model: "
+                        "135m, 1.7b or 8b (built on --device from its config, no download)")
     p.add_argument("--json", dest="json_out", default="bench-results/forward-cost.json",
                    help="where to write the JSON results (default: %(default)s)")
 
@@ -67,14 +73,24 @@ def _prepared_runner(model, slots: int, context: int, max_len: int):
     return runner
 
 
+def synchronize(device) -> None:
+    """Wait for the device's queued work (a GPU runs kernels after their launch returns)."""
+    import torch
+
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def _time_forward(runner, B: int, T: int, repeat: int) -> float:
-    """Median seconds of a forward over slots 0..B-1 with T new tokens each."""
+    """Median seconds of a forward over slots 0..B-1 with T new tokens each, synchronised."""
     rows = [[(7 * b + t) % runner.vocab_size for t in range(T)] for b in range(B)]
     runner.forward(list(range(B)), rows)  # warm-up (first-touch, oneDNN's primitive cache)
+    synchronize(runner.device)
     times = []
     for _ in range(repeat):
         t0 = time.perf_counter()
         runner.forward(list(range(B)), rows)
+        synchronize(runner.device)
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
@@ -88,15 +104,21 @@ def _timed_parts(runner, totals: dict[str, float]):
     attention = runner_mod.invariant_attention
     head = runner.lm_head
 
+    dev = runner.device
+
     def timed_linear(self, x):
+        synchronize(dev)
         t0 = time.perf_counter()
         out = lin_call(self, x)
+        synchronize(dev)
         totals["head" if self is head else "linear"] += time.perf_counter() - t0
         return out
 
     def timed_attention(*a, **k):
+        synchronize(dev)
         t0 = time.perf_counter()
         out = attention(*a, **k)
+        synchronize(dev)
         totals["attention"] += time.perf_counter() - t0
         return out
 
@@ -118,8 +140,10 @@ def profile_forward(runner, B: int, T: int, repeat: int) -> dict[str, float]:
     for _ in range(repeat):
         parts = {"linear": 0.0, "attention": 0.0, "head": 0.0}
         with _timed_parts(runner, parts):
+            synchronize(runner.device)
             t0 = time.perf_counter()
             runner.forward(list(range(B)), rows)
+            synchronize(runner.device)
             total = time.perf_counter() - t0
         parts["other"] = total - sum(parts.values())
         parts["total"] = total
@@ -129,8 +153,9 @@ def profile_forward(runner, B: int, T: int, repeat: int) -> dict[str, float]:
 
 def run_bench_forward(args) -> int:
     from edgespec_cli.cli_args import set_threads
-    from edgespec.runner.dtype_probe import DTYPES, exact_here
+    from edgespec.runner.dtype_probe import DTYPES, exact_here, resolve_dtype
     from edgespec.models.loading import load_model
+    from edgespec.models.shapes import random_model, shape_named
 
     threads = set_threads(args.threads)
     batches, tokens = _ints(args.batches, "--batches"), _ints(args.tokens, "--tokens")
@@ -140,7 +165,9 @@ def run_bench_forward(args) -> int:
             if d not in DTYPES:
                 raise ConfigError(f"--dtypes takes {', '.join(DTYPES)}, got {d!r}")
     else:
-        dtypes = ["float32"] + [d for d in DTYPES if d != "float32" and exact_here(d)]
+        dtypes = [d for d in DTYPES if exact_here(d, args.device)] or ["float32"]
+    if args.shape:
+        shape_named(args.shape)  # an unknown shape is refused before anything is built
     profile = _ints(args.profile, "--profile") if args.profile else None
     if profile and len(profile) != 2:
         raise ConfigError("--profile takes B,T")
@@ -150,8 +177,12 @@ def run_bench_forward(args) -> int:
     for dt in dtypes:
         print(f"bench-forward: {dt}: loading and prefilling {slots} slots of {args.context} "
               "tokens", file=sys.stderr, flush=True)
-        target = load_model(args.model, args.device, dt)
-        runner = _prepared_runner(target.model, slots, args.context, args.context + width + 1)
+        if args.shape:
+            resolve_dtype(dt, args.device)  # refused where it is not exact, as a model would be
+            model = random_model(args.shape, args.device, dt)
+        else:
+            model = load_model(args.model, args.device, dt).model
+        runner = _prepared_runner(model, slots, args.context, args.context + width + 1)
         for B in batches:
             for T in tokens:
                 ms = 1000 * _time_forward(runner, B, T, args.repeat)
@@ -159,14 +190,15 @@ def run_bench_forward(args) -> int:
                 print(f"  {dt:9s} {B:3d} x {T}: {ms:8.2f} ms", file=sys.stderr, flush=True)
         if profile:
             profiles[dt] = profile_forward(runner, profile[0], profile[1], args.repeat)
-        del runner, target
+        del runner, model
     base = {c["dtype"]: c["ms"] for c in cells if c["sessions"] == 1 and c["tokens"] == 1}
     f32 = {(c["sessions"], c["tokens"]): c["ms"] for c in cells if c["dtype"] == "float32"}
     for c in cells:
         c["vs_decode_step"] = c["ms"] / base[c["dtype"]] if c["dtype"] in base else None
         ref = f32.get((c["sessions"], c["tokens"]))
         c["vs_float32"] = c["ms"] / ref if ref else None
-    report = {"model": args.model, "threads": threads, "context": args.context,
+    report = {"model": f"random {args.shape}" if args.shape else args.model,
+              "device": _device_name(args.device), "threads": threads, "context": args.context,
               "repeat": args.repeat, "cells": cells,
               "profile": {"sessions": profile[0], "tokens": profile[1], "ms": profiles}
               if profile else None,
@@ -179,8 +211,17 @@ def run_bench_forward(args) -> int:
     return 0
 
 
+def _device_name(device: str) -> str:
+    import torch
+
+    if torch.device(device).type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return "cpu"
+
+
 def format_table(report: dict) -> str:
-    lines = [f"forward cost, {report['model']}, {report['context']}-token contexts, "
+    lines = [f"forward cost, {report['model']} on {report.get('device', 'cpu')}, "
+             f"{report['context']}-token contexts, "
              f"{report['threads']} threads, median of {report['repeat']}",
              f"{'dtype':9s} {'sessions':>8s} {'tokens':>6s} {'ms':>9s} {'x decode step':>13s} "
              f"{'x float32':>9s}"]
