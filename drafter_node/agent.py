@@ -30,6 +30,7 @@ import logging
 import queue
 import random
 import threading
+import time
 from typing import TYPE_CHECKING
 
 import grpc
@@ -42,6 +43,7 @@ from edgespec.wire.trees import TREE_VERSION, tree_to_wire
 from edgespec.v1 import edgespec_pb2 as pb
 from edgespec.v1 import edgespec_pb2_grpc as pb_grpc
 from edgespec.wire.convert import auth_metadata, make_channel, params_from_pb, retry_after_s
+from edgespec.wire.reachability import check_address
 
 from .fleet_client import RemoteFleetTable
 
@@ -53,6 +55,7 @@ log = logging.getLogger("edgespec.drafter")
 FATAL = {grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.FAILED_PRECONDITION,
          grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.PERMISSION_DENIED}
 BACKOFF_START_S = 0.2
+STILL_UNREACHABLE_LOG_S = 30.0  # while the cache stays unreachable, say so this often
 
 
 def next_backoff(delay: float, error: grpc.RpcError | None, backoff_max_s: float,
@@ -81,6 +84,7 @@ class DrafterAgent:
         (mutual TLS). ``metrics``: where to count chunks, fixes and link round trips (None:
         not counted). ``tree_width`` > 1: send tree chunks, the drafter's chain with up to
         tree_width - 1 branches (the verifier verifies them within its batch budget)."""
+        check_address(cache, "--cache")
         self.cache, self.device_id, self.drafter = cache, check_device_id(device_id), drafter
         if bool(tls_cert) != bool(tls_key):
             raise ConfigError("a client certificate needs both --tls-cert and --tls-key")
@@ -101,7 +105,8 @@ class DrafterAgent:
         self.attaches = 0  # successful registrations, reconnections included
         self.chunks_sent = 0
         self.refused = 0  # sessions refused because the drafter failed on them
-        self._unreachable_told = False  # this outage is logged: further failures at debug
+        self._outage_since: float | None = None  # when the cache became unreachable
+        self._outage_told_at = 0.0  # when the outage was last logged (rate-limited)
         self._out: queue.Queue | None = None  # the current stream's outgoing messages
         self._call = None  # the current Attach call, cancelled by stop()
 
@@ -166,22 +171,29 @@ class DrafterAgent:
                 self.connected.clear()
                 self._forget_sessions()
             wait, delay = next_backoff(delay, error, self.backoff_max_s)
-            if error is not None:
+            if not self.stopping.is_set():
                 self._log_retry(error, wait, attached=self.attaches > attaches)
             if self.stopping.wait(wait):
                 break
 
-    def _log_retry(self, error: grpc.RpcError, wait: float, attached: bool) -> None:
-        """"lost" only for a link that existed; a cache not reached (yet, or again) is said
-        once, then quietly."""
-        why = f"{error.code().name}: {error.details()}"
+    def _log_retry(self, error: grpc.RpcError | None, wait: float, attached: bool) -> None:
+        """Every lost link is logged ("lost": a link that existed, ended by an error or closed
+        by the cache); a cache not reached (yet, or again) is said at once, then every
+        ``STILL_UNREACHABLE_LOG_S`` while it lasts."""
+        why = (f"{error.code().name}: {error.details()}" if error is not None
+               else "the cache closed the stream")
+        now = time.monotonic()
         if attached:
-            self._unreachable_told = False
+            self._outage_since = None  # a failed re-attach starts an outage (said at once)
             log.warning("link to %s lost (%s); retrying in %.1fs", self.cache, why, wait)
-        elif not self._unreachable_told:
-            self._unreachable_told = True
+        elif self._outage_since is None:
+            self._outage_since = self._outage_told_at = now
             when = "since the link was lost" if self.attaches else "yet"
             log.warning("cannot reach the cache at %s %s (%s); retrying", self.cache, when, why)
+        elif now - self._outage_told_at >= STILL_UNREACHABLE_LOG_S:
+            self._outage_told_at = now
+            log.warning("still cannot reach the cache at %s after %.0f s (%s); retrying",
+                        self.cache, now - self._outage_since, why)
         else:
             log.debug("still cannot reach the cache at %s (%s); retrying in %.1fs", self.cache,
                       why, wait)
@@ -276,6 +288,7 @@ class DrafterAgent:
                 self.chunk = self.chunk or reg.chunk
                 self.attaches += 1
                 self.connected.set()
+                self._outage_since = None
                 log.info("attached to %s as %s (target %s)", self.cache, self.device_id,
                          reg.target_model)
             elif kind == "assignment":

@@ -33,7 +33,8 @@ from .config import SamplingParams
 from .wire.reachability import ConnectWatch, unreachable_reason_aio
 from .v1 import edgespec_pb2 as pb
 from .v1 import edgespec_pb2_grpc as pb_grpc
-from .wire.convert import auth_metadata, make_channel, params_to_pb, stats_from_pb
+from .wire.convert import (REFUSAL_METADATA, auth_metadata, make_channel, params_to_pb,
+                           stats_from_pb)
 
 
 class EdgespecError(Exception):
@@ -159,6 +160,7 @@ class _Resumer:
         self.tokens: list[int] = []  # every output token received
         self.seed: int | None = req.sampling.seed if req.sampling.has_seed else None
         self.resumes = 0
+        self.last_error: str | None = None  # the last refusal or break, for a deadline's words
         self.recreating = False  # the cache lost the session: send the request again
         self._first = True  # the next response is a stream's first
 
@@ -188,7 +190,12 @@ class _Resumer:
             return None
         left = self.deadline - time.monotonic()
         if left <= 0:
-            raise DeadlineExceeded("DEADLINE_EXCEEDED: the deadline passed while resuming",
+            if self.session_id is None:
+                why = "before the verifier took the request"
+            else:
+                why = f"while resuming session {self.session_id}"
+            last = f" (last answer: {self.last_error})" if self.last_error else ""
+            raise DeadlineExceeded(f"DEADLINE_EXCEEDED: the deadline passed {why}{last}",
                                    grpc.StatusCode.DEADLINE_EXCEEDED)
         return left
 
@@ -206,7 +213,12 @@ class _Resumer:
         self.tokens.extend(r.token_ids)
 
     def retry_after(self, e: grpc.RpcError) -> float:
-        """Seconds to wait before resuming; raises the error (as an EdgespecError) to give up."""
+        """Seconds to wait before resuming; raises the error (as an EdgespecError) to give up.
+        A new session refused by a draining verifier fails at once: it would be refused until
+        that verifier has stopped."""
+        self.last_error = f"{e.code().name}: {e.details()}"
+        if self.session_id is None and _refusal(e) == "draining":
+            raise Unavailable(f"UNAVAILABLE: {e.details()}", e.code()) from None
         resumable = e.code() in RESUMABLE or (  # a resume that found the server full
             self.session_id is not None and e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED)
         lost = (self.session_id is not None and not self.recreating
@@ -221,6 +233,15 @@ class _Resumer:
 
 
 RESUMABLE = {grpc.StatusCode.UNAVAILABLE}
+
+
+def _refusal(e: grpc.RpcError) -> str | None:
+    """Why the server refused the call, where it said (``REFUSAL_METADATA``)."""
+    trailing = getattr(e, "trailing_metadata", None)
+    for key, value in (trailing() if callable(trailing) else None) or ():
+        if key == REFUSAL_METADATA:
+            return value
+    return None
 
 
 class _Collector:

@@ -137,8 +137,10 @@ def cmd_drafter(args) -> int:
     from edgespec_cli.cli_args import check_drafter_arg, set_threads
     from edgespec.drafters import EDGE_KINDS
     from edgespec.protocol.ids import check_device_id
+    from edgespec.wire.reachability import check_address
 
     check_device_id(args.device_id)  # before loading a model
+    check_address(args.cache, "--cache")
     if bool(args.tls_cert) != bool(args.tls_key):
         raise ConfigError("a client certificate needs both --tls-cert and --tls-key")
     check_drafter_arg(args.drafter, allowed=EDGE_KINDS)

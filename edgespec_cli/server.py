@@ -117,6 +117,8 @@ class EdgespecServer:
         self.cache: DraftCacheService | None = None
         self._services = [""]
         self._stopping = threading.Event()
+        self._abort_drain = threading.Event()  # a third signal: stop waiting for sessions
+        self._drain_until = 0.0
         self._serving: bool | None = None
         try:
             # listen first: a taken or malformed address fails before a model loads
@@ -257,10 +259,11 @@ class EdgespecServer:
     def stop(self, drain_timeout_s: float | None = None) -> None:
         """Drain, then stop: see the module docstring."""
         timeout = self.opts.drain_timeout_s if drain_timeout_s is None else drain_timeout_s
+        self._drain_until = time.monotonic() + timeout
         self._stopping.set()
         self._set_health(False)
         if self.scheduler:
-            if not self.scheduler.drain(timeout):
+            if not self.scheduler.drain(timeout, self._abort_drain):
                 log.warning("drain timed out after %.0fs; failing the sessions left", timeout)
             self.scheduler.stop()
             self.scheduler.engine.close()  # its drafter thread and head learner, if any
@@ -276,12 +279,30 @@ class EdgespecServer:
         self.redis.close()
 
     def wait(self) -> None:
-        """Block until SIGINT/SIGTERM, then drain and stop."""
+        """Block until SIGINT/SIGTERM, then drain and stop. A second signal says what the drain
+        has left; a third ends it (the sessions left fail, resumable elsewhere)."""
         stop = threading.Event()
+        signals = 0
+
+        def on_signal(*_) -> None:
+            nonlocal signals
+            signals += 1
+            if signals == 1:
+                stop.set()
+            elif signals == 2:
+                left = self.scheduler.sessions_left() if self.scheduler else 0
+                log.warning("still draining: %d session(s) left, up to %.0fs more; signal again "
+                            "to stop now (they fail)", left,
+                            max(0.0, self._drain_until - time.monotonic()))
+            else:
+                log.warning("stopping now: ending the drain")
+                self._abort_drain.set()
+
         for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, lambda *_: stop.set())
+            signal.signal(sig, on_signal)
         stop.wait()
-        log.info("shutting down: draining for up to %.0fs", self.opts.drain_timeout_s)
+        log.info("shutting down: draining for up to %.0fs (signal twice more to stop at once)",
+                 self.opts.drain_timeout_s)
         self.stop()
         log.info("stopped")
 

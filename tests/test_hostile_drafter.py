@@ -67,14 +67,14 @@ class Cache:
     """DraftCache (plus the Verifier's unimplemented base servicer, to see what the auth
     interceptor does with Verifier calls) on 127.0.0.1."""
 
-    def __init__(self, store, token=None, credentials=None, tls=()):
+    def __init__(self, store, token=None, credentials=None, tls=(), listen="127.0.0.1:0"):
         interceptors = [TokenAuthInterceptor(token, credentials)] if token or credentials else []
         self.server = grpc.server(futures.ThreadPoolExecutor(16), interceptors=interceptors)
         self.service = DraftCacheService(store, window=8, chunk=4, poll_ms=100,
                                          credentials=credentials)
         pb_grpc.add_DraftCacheServicer_to_server(self.service, self.server)
         pb_grpc.add_VerifierServicer_to_server(pb_grpc.VerifierServicer(), self.server)
-        self.port = bind(self.server, "127.0.0.1:0", *tls)
+        self.port = bind(self.server, listen, *tls)
         self.address = f"127.0.0.1:{self.port}"
         self.server.start()
         self.channel = grpc.insecure_channel(self.address) if not tls else None
@@ -546,3 +546,60 @@ def test_an_agent_says_lost_only_for_a_link_it_had(store, caplog):
     assert len(warnings) == 2, warnings
     assert f"link to {c.address} lost" in warnings[0]
     assert f"cannot reach the cache at {c.address} since the link was lost" in warnings[1]
+
+
+def test_an_agent_logs_every_lost_link_across_restarts(store, caplog):
+    """Two restarts of the cache on one address: each lost link is logged, and each re-attach
+    (the "already said" state of an outage ends with the link it was about)."""
+    caplog.set_level(logging.DEBUG, logger="edgespec.drafter")
+    address = f"127.0.0.1:{free_port()}"
+    c = Cache(store, listen=address)
+    agent = DrafterAgent(address, "edge-restarts", SlotDrafter(), backoff_max_s=0.2)
+    t = threading.Thread(target=agent.run, daemon=True)
+    t.start()
+    try:
+        for restart in (1, 2):
+            eventually(lambda: agent.attaches == restart, f"attach {restart}")
+            c.stop()
+            eventually(lambda: sum("lost" in m for m in agent_messages(caplog, logging.WARNING))
+                       == restart, f"lost link {restart} logged")
+            c = Cache(store, listen=address)
+        eventually(lambda: agent.attaches == 3, "attach 3")
+    finally:
+        agent.stop()
+        c.stop()
+        t.join(WAIT_S)
+    infos = [m for m in agent_messages(caplog, logging.INFO) if m.startswith("attached to")]
+    assert len(infos) == 3
+    lost = [m for m in agent_messages(caplog, logging.WARNING) if "lost" in m]
+    assert len(lost) == 2 and all(f"link to {address} lost" in m for m in lost)
+
+
+def test_an_unreachable_cache_is_said_again_while_it_lasts(caplog, monkeypatch):
+    import drafter_node.agent as agent_mod
+
+    monkeypatch.setattr(agent_mod, "STILL_UNREACHABLE_LOG_S", 0.3)
+    caplog.set_level(logging.DEBUG, logger="edgespec.drafter")
+    address = f"127.0.0.1:{free_port()}"
+    agent = DrafterAgent(address, "edge-still", SlotDrafter(), backoff_max_s=0.2)
+    t = threading.Thread(target=agent.run, daemon=True)
+    t.start()
+    try:
+        eventually(lambda: sum("still cannot reach" in m for m in
+                               agent_messages(caplog, logging.WARNING)) >= 2, "reminders")
+    finally:
+        agent.stop()
+        t.join(WAIT_S)
+    warnings = agent_messages(caplog, logging.WARNING)
+    assert f"cannot reach the cache at {address} yet" in warnings[0]
+    assert all(f"still cannot reach the cache at {address} after" in m for m in warnings[1:])
+
+
+@pytest.mark.parametrize("address,why", [("127.0.0.1", "the port included"),
+                                         ("http://127.0.0.1:5", "without a scheme"),
+                                         ("grpc://h:1", "without a scheme")])
+def test_an_agent_refuses_an_address_gRPC_would_misread(address, why):
+    with pytest.raises(ConfigError, match=why):
+        DrafterAgent(address, "edge-bad", SlotDrafter())
+    DrafterAgent("dns:///localhost:5", "edge-ok", SlotDrafter())  # these forms stay accepted
+    DrafterAgent("[::1]:5", "edge-ok", SlotDrafter())

@@ -88,3 +88,46 @@ def test_a_draining_verifier_refuses_new_sessions_as_unavailable(server):
         with pytest.raises(grpc.RpcError) as e:
             list(stub.Generate(pb.GenerateRequest(prompt_ids=[1, 5, 6]), timeout=60))
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_an_sdk_call_during_a_drain_fails_at_once_with_the_draining_message(server):
+    """The SDK does not retry a new session against a draining verifier until its deadline (it
+    would be refused until the verifier stops): it raises Unavailable with the server's words."""
+    import edgespec
+
+    _wait_status(server.port, SERVING)
+    server.scheduler.drain(0)
+    with edgespec.Client(f"127.0.0.1:{server.port}", timeout=300) as client:
+        with pytest.raises(edgespec.Unavailable, match="the verifier is draining"):
+            client.generate("hello", max_new_tokens=4)
+
+
+def test_a_drain_can_be_ended_while_sessions_run(server, monkeypatch):
+    """What a third Ctrl-C does: the drain stops waiting for the sessions still running."""
+    import threading
+
+    import edgespec
+
+    _wait_status(server.port, SERVING)
+    runner = server.scheduler.engine.target
+    forward, score = runner.forward, runner.score
+
+    def slow(fn):
+        def wrapped(*a, **k):
+            time.sleep(0.2)  # a long generation: the session is still running when asked
+            return fn(*a, **k)
+        return wrapped
+
+    monkeypatch.setattr(runner, "forward", slow(forward))
+    monkeypatch.setattr(runner, "score", slow(score))
+    client = edgespec.Client(f"127.0.0.1:{server.port}", timeout=300, max_resumes=0)
+    stream = client.stream("hello", max_new_tokens=200, raw=True)
+    started = threading.Thread(target=lambda: next(iter(stream)), daemon=True)
+    started.start()
+    started.join(120)
+    assert server.scheduler.sessions_left() == 1
+    abort = threading.Event()
+    abort.set()
+    assert server.scheduler.drain(300, abort) is False  # returns at once, a session left
+    assert server.scheduler.sessions_left() == 1
+    client.close()

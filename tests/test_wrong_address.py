@@ -91,3 +91,72 @@ def test_a_server_that_comes_up_during_the_grace_is_waited_for(monkeypatch):
     finally:
         late.join()
         server.stop(0)
+
+
+def test_a_deadline_before_any_answer_says_so_not_resuming():
+    import time
+
+    from edgespec.client import _Resumer
+    from edgespec.v1 import edgespec_pb2 as pb
+
+    res = _Resumer(pb.GenerateRequest(prompt="hi"), 0.01, 8)
+    time.sleep(0.05)
+    with pytest.raises(edgespec.DeadlineExceeded, match="before the verifier took the request"):
+        res.time_left()
+
+
+def test_a_server_that_opened_its_port_but_does_not_serve_yet_is_waited_for(monkeypatch):
+    """An edgespec server opens its port, then loads its model, then serves: a client started
+    with it sees a port that accepts connections and answers nothing ("silent"), and waits for
+    it past the grace for a port that is not open yet, instead of calling it a TLS mismatch."""
+    import threading
+    from concurrent import futures
+
+    import grpc
+
+    from edgespec.v1 import edgespec_pb2 as pb
+    from edgespec.v1 import edgespec_pb2_grpc as pb_grpc
+    from edgespec.wire import reachability
+
+    class Verifier(pb_grpc.VerifierServicer):
+        def Status(self, request, context):
+            return pb.StatusResponse(model="loaded")
+
+    monkeypatch.setattr(reachability, "CONNECT_GRACE_S", 0.2)
+    port = free_port()
+    server = grpc.server(futures.ThreadPoolExecutor(2))
+    pb_grpc.add_VerifierServicer_to_server(Verifier(), server)
+    server.add_insecure_port(f"127.0.0.1:{port}")  # bound, not serving: the model "loads"
+    assert reachability.probe(f"127.0.0.1:{port}")[0] == "silent"
+    late = threading.Timer(2.0, server.start)
+    late.start()
+    try:
+        with edgespec.Client(f"127.0.0.1:{port}", timeout=120) as client:
+            assert client.status()["model"] == "loaded"
+    finally:
+        late.join()
+        server.stop(0)
+
+
+def test_a_tls_mismatch_is_told_from_a_starting_server():
+    """A plaintext server that serves, reached by a TLS client, answers the probe: told as a
+    TLS mismatch (at once, not after the deadline)."""
+    from concurrent import futures
+
+    import grpc
+
+    from edgespec.v1 import edgespec_pb2_grpc as pb_grpc
+    from edgespec.wire import reachability
+
+    port = free_port()
+    server = grpc.server(futures.ThreadPoolExecutor(2))
+    pb_grpc.add_VerifierServicer_to_server(pb_grpc.VerifierServicer(), server)
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    server.start()
+    try:
+        assert reachability.probe(f"127.0.0.1:{port}")[0] == "answered"
+        with edgespec.Client(f"127.0.0.1:{port}", tls=True, timeout=300) as client:
+            with pytest.raises(edgespec.Unavailable, match="TLS mismatch"):
+                client.status()
+    finally:
+        server.stop(0)

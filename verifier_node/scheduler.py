@@ -173,18 +173,22 @@ class Scheduler(threading.Thread):
         with self._lock:
             return len(self.engine.active), len(self._pending)
 
-    def drain(self, timeout: float) -> bool:
+    def drain(self, timeout: float, abort: threading.Event | None = None) -> bool:
         """Admit nothing new and wait up to ``timeout`` for queued and running sessions to
-        finish. True when all finished."""
+        finish (``abort`` set: stop waiting). True when all finished."""
         with self._lock:
             self.draining = True
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            with self._lock:
-                if not self._tickets:
-                    return True
+        while time.monotonic() < deadline and not (abort is not None and abort.is_set()):
+            if self.sessions_left() == 0:
+                return True
             time.sleep(0.05)
-        return False
+        return self.sessions_left() == 0
+
+    def sessions_left(self) -> int:
+        """Sessions queued or running."""
+        with self._lock:
+            return len(self._tickets)
 
     def stop(self) -> None:
         self._stopping.set()

@@ -22,6 +22,9 @@ from ..v1 import edgespec_pb2 as pb
 
 AUTH_ENV = "EDGESPEC_AUTH_TOKEN"
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024  # larger messages are refused with RESOURCE_EXHAUSTED
+# trailing metadata saying why a call was refused, where the status code alone cannot:
+# "draining" (UNAVAILABLE: the verifier is shutting down and admits nothing new)
+REFUSAL_METADATA = "x-edgespec-refusal"
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
 
 
