@@ -24,20 +24,10 @@ CHAT_TEMPLATE = (
 
 
 # The developer's fast tier is ``pytest -m "not slow"`` (under 2 minutes on 2 cores: the engine,
-# the drafters, the session protocol against both stores, the verification maths). These modules
-# start processes, servers, Ray or ssh, install environments or load the real model: the slow
-# tier, which CI runs with everything else. A single slow test elsewhere is marked where it is.
-SLOW_MODULES = {"test_distributed", "test_cli", "test_faults", "test_batch_invariance",
-                "test_ray_up", "test_fleet", "test_simulate", "test_http_api",
-                "test_session_recovery", "test_drafter_reattach", "test_tls", "test_e2e_default",
-                "test_install_roles", "test_server_health", "test_heads", "test_distill_cli",
-                "test_head_serving"}
-
-
-def pytest_collection_modifyitems(config, items):
-    for item in items:
-        if item.module.__name__ in SLOW_MODULES:
-            item.add_marker(pytest.mark.slow)
+# the drafters, the session protocol against both stores, the verification maths). A module
+# that starts processes, servers, Ray or ssh, installs environments or runs long sweeps says so
+# itself (``pytestmark = pytest.mark.slow``), and so does every test that loads the real default
+# model (``real_model`` with ``slow``): a renamed module keeps its tier.
 
 
 def hf_greedy(model, ids: list[int], n: int, eos=(2,)) -> list[int]:

@@ -27,6 +27,8 @@ from edgespec.runner.linear import Linear
 from edgespec.runner.target_runner import TargetRunner
 from edgespec.verify.trees import DraftTree
 
+pytestmark = pytest.mark.slow  # processes, servers or long sweeps: not the fast tier
+
 VOCAB = 96
 
 

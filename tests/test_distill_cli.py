@@ -4,10 +4,14 @@ refused by another target, bad input refused with one line."""
 
 import json
 
+import pytest
+
 from conftest import hf_greedy, make_tiny_model
 from test_cli import edgespec
 
 from edgespec.models.loading import encode_prompt
+
+pytestmark = pytest.mark.slow  # processes, servers or long sweeps: not the fast tier
 
 PROMPTS = ["hello there", "count: 1 2 3 4", "abcabcabc", "the quick brown fox",
            "x y z x y z", "print('hi')", "colours: red, green", "a long list: a, b, c, d"]

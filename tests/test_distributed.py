@@ -17,6 +17,8 @@ from edgespec.v1 import edgespec_pb2 as pb
 from edgespec.v1 import edgespec_pb2_grpc as pb_grpc
 from procs import start_drafter, start_serve
 
+pytestmark = pytest.mark.slow  # processes, servers or long sweeps: not the fast tier
+
 TOKEN = "s3cret"
 PROMPTS = [
     [1, 10, 11, 12, 13, 10, 11, 12, 13, 10],

@@ -38,6 +38,8 @@ from edgespec.wire.convert import RETRY_AFTER_MD, bind, free_port, retry_after_s
 from procs import start_drafter, start_serve, wait_healthy
 from redis_servers import SYSTEM_REDIS
 
+pytestmark = pytest.mark.slow  # processes, servers or long sweeps: not the fast tier
+
 TOKEN = "re4ttach"
 WAIT_S = 30  # how long a test waits for something that must happen (never a timing assertion)
 

@@ -6,7 +6,7 @@ from conftest import hf_greedy
 
 from edgespec.config import SamplingParams
 
-pytestmark = pytest.mark.real_model
+pytestmark = [pytest.mark.real_model, pytest.mark.slow]
 
 PROMPTS = [
     "Summarize in one sentence: The quick brown fox jumps over the lazy dog. The dog does not "

@@ -27,6 +27,8 @@ from edgespec.v1 import edgespec_pb2_grpc as pb_grpc
 from edgespec.wire.convert import auth_metadata, free_port
 from procs import Proc, Streamer, health_status, start_drafter, wait_health, wait_healthy
 
+pytestmark = pytest.mark.slow  # processes, servers or long sweeps: not the fast tier
+
 TOKEN = "f4ults"
 N = 120  # tokens per generation: >= 6 s each with the frozen drafter
 PROMPTS = [[1, 10, 11, 12, 13, 10, 11], [1, 30, 31, 30, 31, 30]]

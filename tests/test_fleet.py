@@ -22,6 +22,8 @@ from edgespec_cli.deployment import placement as fleet  # noqa: E402
 from edgespec.config import ConfigError  # noqa: E402
 from edgespec.wire.convert import free_port  # noqa: E402
 
+pytestmark = pytest.mark.slow  # processes, servers or long sweeps: not the fast tier
+
 # set by conftest before ray is imported too (see there); the CLI's subprocesses get them here
 RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
 PROMPTS = [[1, 10, 11, 12, 13, 10, 11, 12], [1, 50, 51, 52, 53, 54], [1, 30, 31, 30, 31]]

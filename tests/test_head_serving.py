@@ -17,6 +17,8 @@ from test_heads import _harvest, _prompts
 from edgespec.heads.harvest import work_list
 from edgespec.heads.training import TargetTensors, TrainSettings, train_head
 
+pytestmark = pytest.mark.slow  # processes, servers or long sweeps: not the fast tier
+
 TOKEN = "s3cret"
 PROMPTS = [[1, 10, 11, 12, 13, 10, 11], [1, 50, 51, 52, 53, 54], [1, 30, 31, 30, 31, 30]]
 

@@ -24,6 +24,8 @@ from edgespec.heads.training import TargetTensors, TrainSettings, train_head
 from edgespec.models.loading import load_model
 from edgespec.runner.target_runner import TargetRunner
 
+pytestmark = pytest.mark.slow  # processes, servers or long sweeps: not the fast tier
+
 SETTINGS = dict(vocab=64, steps=120, batch=8, span=16, context=8, depth=4, lr=3e-3)
 
 

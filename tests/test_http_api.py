@@ -20,6 +20,8 @@ from edgespec.models.loading import encode_prompt
 from edgespec.wire.convert import free_port
 from procs import Proc, start_drafter, start_serve
 
+pytestmark = pytest.mark.slow  # processes, servers or long sweeps: not the fast tier
+
 
 def call(method: str, url: str, body=None, headers=None, raw: bytes | None = None
          ) -> tuple[int, dict | str]:

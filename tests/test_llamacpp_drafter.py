@@ -50,6 +50,7 @@ def _drafter(gen, **kw):
 
 
 @pytest.mark.real_model
+@pytest.mark.slow
 def test_greedy_output_equals_target_only_and_transformers(gen):
     ids = gen.encode(PROMPT)
     hf = hf_greedy(gen.target.model, ids, 24, eos=gen.stop_ids)
@@ -63,6 +64,7 @@ def test_greedy_output_equals_target_only_and_transformers(gen):
 
 
 @pytest.mark.real_model
+@pytest.mark.slow
 def test_seeded_sampling_equals_target_only(gen):
     from conftest import hf_keyed_sampled
 
@@ -76,6 +78,7 @@ def test_seeded_sampling_equals_target_only(gen):
 
 
 @pytest.mark.real_model
+@pytest.mark.slow
 def test_sampled_drafts_are_reproducible(gen):
     d = _drafter(gen)
     ids = gen.encode(PROMPT)
@@ -89,6 +92,7 @@ def test_sampled_drafts_are_reproducible(gen):
 
 
 @pytest.mark.real_model
+@pytest.mark.slow
 def test_rollback_after_a_fix_drafts_as_a_fresh_session(gen):
     d = _drafter(gen, min_confidence=0.0)
     ids = gen.encode(PROMPT)
@@ -107,6 +111,7 @@ def test_rollback_after_a_fix_drafts_as_a_fresh_session(gen):
 
 
 @pytest.mark.real_model
+@pytest.mark.slow
 def test_contexts_are_a_bounded_pool(gen):
     from edgespec.runner.kv_cache import CacheFullError
 
@@ -128,6 +133,7 @@ def test_contexts_are_a_bounded_pool(gen):
 
 
 @pytest.mark.real_model
+@pytest.mark.slow
 def test_another_tokenizer_is_refused(llama_cpp, tiny):
     from edgespec.drafters import build_drafter
 
@@ -162,6 +168,7 @@ def test_without_the_extra_the_error_says_how_to_install(tmp_path, monkeypatch):
 
 
 @pytest.mark.real_model
+@pytest.mark.slow
 def test_llamacpp_prompt_lookup_equals_its_target_only(gen, gguf):
     from edgespec_cli.bench.llamacpp_baseline import (llamacpp_prompt_lookup,
                                                       llamacpp_target_only)

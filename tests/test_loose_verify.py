@@ -126,6 +126,8 @@ def test_exact_mode_is_unchanged_for_greedy_and_sampling_rows():
               SamplingParams(temperature=1.2, seed=3)]
     starts = [10, 20, 30]
     default = verify_batch(logits, drafts, params, starts)
+    # the loosest parameters change what loose mode accepts, and nothing in exact mode
+    assert verify_batch(logits, drafts, params, starts, "loose", LooseParams(0.0, 0)) != default
     assert verify_batch(logits, drafts, params, starts, "exact", LooseParams(0.0, 0)) == default
     assert default[0] == verify_greedy(logits[0].argmax(-1).tolist()[:4], drafts[0])
 

@@ -29,6 +29,8 @@ from procs import Proc
 from sshd import (RAY_LOOPBACK_ENV, LoopbackSshd, SshdUnavailable, close_ssh_masters,
                   loopback_config)
 
+pytestmark = pytest.mark.slow  # processes, servers or long sweeps: not the fast tier
+
 SHIPPED = Path(__file__).resolve().parents[1] / "deploy" / "ray-onprem.yaml"
 RAY = str(Path(sys.executable).parent / "ray")
 PROMPT = [1, 10, 11, 12, 13, 10, 11, 12, 13, 10]

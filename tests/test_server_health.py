@@ -16,6 +16,8 @@ from edgespec.v1 import edgespec_pb2_grpc as pb_grpc
 from edgespec_cli.server import EdgespecServer, ServerOptions
 from procs import wait_health
 
+pytestmark = pytest.mark.slow  # processes, servers or long sweeps: not the fast tier
+
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 

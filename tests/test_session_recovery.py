@@ -34,6 +34,8 @@ from edgespec.wire.convert import free_port
 from procs import Streamer, start_drafter, start_serve
 from verifier_node.admission import GenerationRequest, SessionNotFound
 
+pytestmark = pytest.mark.slow  # processes, servers or long sweeps: not the fast tier
+
 TOKEN = "rec0ver"
 PROMPT = [1, 10, 11, 12, 13, 10, 11]
 N = 120  # tokens per streamed generation

@@ -16,6 +16,8 @@ from edgespec_cli.simulate.cli import find_capacity, parse_devices
 from edgespec_cli.simulate.records import RequestRecord, RunRecord
 from edgespec_cli.simulate.run import deal
 
+pytestmark = pytest.mark.slow  # processes, servers or long sweeps: not the fast tier
+
 pytest.importorskip("ray", reason="ray is not installed (pip install -e '.[fleet]', or the "
                            "test extra)")
 

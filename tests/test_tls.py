@@ -9,6 +9,8 @@ import pytest
 import edgespec
 from procs import start_serve
 
+pytestmark = pytest.mark.slow  # processes, servers or long sweeps: not the fast tier
+
 
 @pytest.fixture(scope="module")
 def certs(tmp_path_factory):

@@ -272,6 +272,7 @@ def test_model_branches_are_the_drafters_next_best_tokens(draft_model, params):
 
 
 @pytest.mark.real_model
+@pytest.mark.slow
 def test_llamacpp_width_one_is_propose_and_trees_keep_the_chain():
     pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (the optional "
                         "extra: pip install \".[llamacpp]\")")
