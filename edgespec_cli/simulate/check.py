@@ -23,7 +23,7 @@ def sample(run: RunRecord) -> list:
 def check_lossless(target, runs: list[RunRecord], max_new_tokens: int) -> dict:
     from edgespec.models.loading import stop_token_ids
 
-    from ..bench.run import HFBaselines
+    from ..bench.methods import HFBaselines
 
     if target.dtype == "float32":
         reference = HFBaselines(target.model, stop_token_ids(target), 0)

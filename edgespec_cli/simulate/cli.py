@@ -143,13 +143,9 @@ def start_ray(address: str | None) -> None:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
-    if not args.address:  # a local cluster on loopback only (see docs/architecture.md)
-        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    else:
-        from ..deployment.placement import use_token_auth_if_present
-
-        use_token_auth_if_present()
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    """Run the fleet (each device count, batching on and/or off), check the outputs against
+    target-only, and report."""
+    _prepare_ray_env(args)
     counts, profiles = check_args(args)
     try:
         import matplotlib  # noqa: F401
@@ -158,49 +154,20 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         raise ConfigError("edgespec simulate needs Ray and matplotlib, the fleet extra: "
                           "pip install '.[fleet]' in the edgespec repository") from None
     from edgespec_cli.cli_args import set_threads
-    from ..deployment.device_profiles import fleet_profiles
     from edgespec.models.loading import load_model
 
     from . import report as rep
     from .check import check_lossless
-    from ..deploy import role_actors
-    from .run import FleetRun, SimSettings
 
     set_threads(args.threads)
     print("simulate: loading the model for prompts and the losslessness check",
           file=sys.stderr, flush=True)
     target = load_model(args.model, dtype=args.dtype)
-    prompts = load_prompts(target, args.seed, args.max_new_tokens)
-    settings = SimSettings(model=args.model, max_new_tokens=args.max_new_tokens,
-                           requests=args.requests, duration_s=args.duration, rate=args.rate,
-                           threads=args.threads, dtype=target.dtype, seed=args.seed,
-                           timeout_s=args.timeout,
-                           tree_width=args.tree_width,
-                           engine={**({"max_batch_tokens": args.max_batch_tokens}
-                                      if args.max_batch_tokens else {}),
-                                   **({"head": args.head} if args.head else {})})
     modes = ["on", "off"] if args.batching == "both" else [args.batching]
     start_ray(args.address)
-    roles = role_actors()
-
-    def run_one(mode: str, n: int):
-        fleet_of = fleet_profiles([p.name for p in profiles], n)
-        run_settings = settings
-        if args.find_capacity:  # --requests is per device there: every probe loads each alike
-            run_settings = replace(settings, requests=(args.requests or 2) * n)
-        return FleetRun(roles, run_settings, fleet_of, mode, prompts).run()
-
-    runs, probes = [], []
-    capacity = {}
-    if args.find_capacity:
-        for mode in modes:
-            capacity[mode], tried = find_capacity(lambda n, m=mode: run_one(m, n), args.slo,
-                                                  args.max_devices)
-            runs += [r for r, _ in tried]
-            probes += [{"batching": mode, "devices": r.devices, "slowest_tokens_per_s": v}
-                       for r, v in tried]
-    else:
-        runs = [run_one(mode, n) for mode in modes for n in counts]
+    runs, capacity, probes = _run_fleets(args, counts, profiles, modes,
+                                         _settings(args, target.dtype),
+                                         load_prompts(target, args.seed, args.max_new_tokens))
     lossless = check_lossless(target, runs, args.max_new_tokens) if len(modes) == 2 else None
     emulated = {p.name: {"drafter": p.drafter, "compute_slowdown": p.compute_slowdown,
                          "link": p.link.describe(), "how": "TCP delaying proxy (LinkProxy) on "
@@ -213,13 +180,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     if args.find_capacity:
         rep.add_capacity(report, capacity.get("on", 0), capacity.get("off", 0), args.slo,
                          probes)
-    print(rep.format_table(report))
-    if args.json:
-        print(f"simulate: report written to {rep.write_json(report, args.json)}",
-              file=sys.stderr)
-    if args.plot:
-        for path in rep.write_plots(report, args.plot):
-            print(f"simulate: chart {path}", file=sys.stderr)
+    _write_outputs(args, report)
     if lossless is not None and lossless["mismatches"]:
         print("simulate: error: an output differs from target-only decoding", file=sys.stderr)
         return 1
@@ -227,6 +188,69 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         print("simulate: warning: some devices finished no request, so their output was not "
               "checked (see error_samples in the report)", file=sys.stderr)
     return 0
+
+
+def _prepare_ray_env(args: argparse.Namespace) -> None:
+    if not args.address:  # a local cluster on loopback only (see docs/architecture.md)
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    else:
+        from ..deployment.placement import use_token_auth_if_present
+
+        use_token_auth_if_present()
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+
+def _settings(args: argparse.Namespace, dtype: str):
+    from .run import SimSettings
+
+    return SimSettings(model=args.model, max_new_tokens=args.max_new_tokens,
+                       requests=args.requests, duration_s=args.duration, rate=args.rate,
+                       threads=args.threads, dtype=dtype, seed=args.seed,
+                       timeout_s=args.timeout, tree_width=args.tree_width,
+                       engine={**({"max_batch_tokens": args.max_batch_tokens}
+                                  if args.max_batch_tokens else {}),
+                               **({"head": args.head} if args.head else {})})
+
+
+def _run_fleets(args: argparse.Namespace, counts, profiles, modes: list[str], settings,
+                prompts) -> tuple[list, dict, list]:
+    """The fleet runs: each device count per batching mode, or the capacity search. Returns
+    (runs, capacity per mode, the capacity probes)."""
+    from ..deploy import role_actors
+    from ..deployment.device_profiles import fleet_profiles
+    from .run import FleetRun
+
+    roles = role_actors()
+
+    def run_one(mode: str, n: int):
+        fleet_of = fleet_profiles([p.name for p in profiles], n)
+        run_settings = settings
+        if args.find_capacity:  # --requests is per device there: every probe loads each alike
+            run_settings = replace(settings, requests=(args.requests or 2) * n)
+        return FleetRun(roles, run_settings, fleet_of, mode, prompts).run()
+
+    if not args.find_capacity:
+        return [run_one(mode, n) for mode in modes for n in counts], {}, []
+    runs, probes, capacity = [], [], {}
+    for mode in modes:
+        capacity[mode], tried = find_capacity(lambda n, m=mode: run_one(m, n), args.slo,
+                                              args.max_devices)
+        runs += [r for r, _ in tried]
+        probes += [{"batching": mode, "devices": r.devices, "slowest_tokens_per_s": v}
+                   for r, v in tried]
+    return runs, capacity, probes
+
+
+def _write_outputs(args: argparse.Namespace, report: dict) -> None:
+    from . import report as rep
+
+    print(rep.format_table(report))
+    if args.json:
+        print(f"simulate: report written to {rep.write_json(report, args.json)}",
+              file=sys.stderr)
+    if args.plot:
+        for path in rep.write_plots(report, args.plot):
+            print(f"simulate: chart {path}", file=sys.stderr)
 
 
 def find_capacity(run, slo: float, max_devices: int):
