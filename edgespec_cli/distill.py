@@ -18,9 +18,9 @@ import time
 from pathlib import Path
 
 from edgespec_cli.cli_args import add_model_args, add_threads_arg, set_threads
-from edgespec.config import ConfigError
+from edgespec.config import HEAD_KINDS, ConfigError
 
-KINDS = ("eagle", "specformer", "ctc")
+KINDS = HEAD_KINDS
 
 
 def add_distill_command(sub) -> None:

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..config import DEFAULT_MODEL_NAME, ConfigError
+from ..config import DEFAULT_MODEL_NAME, HEAD_KINDS, ConfigError
 from . import FORMS, parse_drafter_spec
 
-SHIPPED_HEADS = ("default", "eagle", "specformer", "ctc")
+SHIPPED_HEADS = ("default", *HEAD_KINDS)
 
 
 def check_head_arg(spec: str | None) -> None:

@@ -26,7 +26,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-KINDS = ("eagle", "specformer", "ctc")
+from ..config import HEAD_KINDS
+
+KINDS = HEAD_KINDS
 
 
 @dataclass(frozen=True)

@@ -52,6 +52,15 @@ class StoreUnavailable(Exception):
     it is retried; no session is failed for it."""
 
 
+def spine_length(parents: Sequence[int]) -> int:
+    """How many nodes of a tree, given as each node's parent (-1: the root), form its spine:
+    the leading nodes that hang each from the one before (the chain the tree carries)."""
+    n = 0
+    while n < len(parents) and parents[n] == n - 1:
+        n += 1
+    return n
+
+
 @dataclass(frozen=True)
 class Branch:
     """An alternative to the draft's token ``at`` (0-based in the draft that holds it): it hangs

@@ -24,14 +24,15 @@ import torch.nn.functional as F
 
 from .attention import (COL_TILE, KEY_BLOCK, TailKeys, invariant_attention, padded_keys,
                         pointwise)
-from ..config import ConfigError
+from ..config import MAX_TREE_NODES, ConfigError
+from ..protocol.contract import spine_length
 from .dtype_probe import attention_tile, first_varying_count, probe_input, probe_row_counts
 from .kv_cache import KVCache, contiguous_start
 from .linear import Linear
 
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2")
 PREFILL_CHUNK = 512  # prompt tokens per prefill forward
-MAX_QUERY = 65  # the most tokens one session sends in one step: a 64-node tree and its root
+MAX_QUERY = MAX_TREE_NODES + 1  # the most tokens one session sends in one step: a tree + root
 
 
 class TreeShape(Protocol):
@@ -428,10 +429,7 @@ def _branch_tails(trees: Sequence[TreeShape], starts: list[int], T: int, dev
     rows, queries, paths, block0 = [], [], [], []
     for b, tree in enumerate(trees):
         parents = list(tree.parents)
-        spine = 0
-        while spine < len(parents) and parents[spine] == spine - 1:
-            spine += 1
-        for i in range(spine, len(parents)):
+        for i in range(spine_length(parents), len(parents)):
             path, node = [], i
             while node >= 0:
                 path.append(1 + node)

@@ -37,15 +37,13 @@ from typing import Callable
 import torch
 
 from ..config import LooseParams
+from .verify_step import row_entropy
 
 
 def entropy(scores: torch.Tensor) -> float:
     """Entropy in nats of softmax(scores) over one row of logits (-inf: impossible tokens).
     A row that is not a distribution (NaN) reads as 0: never loose."""
-    logp = torch.log_softmax(scores.reshape(-1).double(), -1)
-    p = logp.exp()
-    h = float(-torch.where(p > 0, p * logp, torch.zeros_like(p)).sum())
-    return h if h == h else 0.0
+    return float(row_entropy(scores.reshape(1, -1))[0])
 
 
 def accept_loosely(draft: list, choice_at: Callable[[int], int],

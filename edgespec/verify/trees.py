@@ -33,12 +33,10 @@ from typing import Sequence
 
 import torch
 
-from ..config import SamplingParams
+from ..config import MAX_TREE_NODES, SamplingParams
 from ..protocol.contract import Branch
 from .keyed_noise import keyed_choice, seed_of
 from .sampling import filtered_logits
-
-MAX_TREE_NODES = 64  # the most nodes a tree may have unless the caller says otherwise
 
 
 def check_token(x, vocab_size: int, what: str = "token") -> int:

@@ -183,8 +183,9 @@ def target_choices(logits: torch.Tensor, vb: VerifyBatch) -> tuple[torch.Tensor,
     return choices, scores
 
 
-def _entropy(scores: torch.Tensor) -> torch.Tensor:
-    """Entropy in nats of softmax over the last dim (NaN rows: 0), float64."""
+def row_entropy(scores: torch.Tensor) -> torch.Tensor:
+    """Entropy in nats of softmax over the last dim (-inf: impossible tokens; a row that is not
+    a distribution, NaN, reads as 0), float64 [...]."""
     logp = torch.log_softmax(scores.double(), -1)
     p = logp.exp()
     h = -torch.where(p > 0, p * logp, torch.zeros_like(p)).sum(-1)
@@ -198,7 +199,7 @@ def _loose_accepts(match: torch.Tensor, tokens: torch.Tensor, scores: torch.Tens
     ``min_ratio`` of the top probability) and the next ``window`` draft tokens all match."""
     B, N = match.shape
     rows = scores[:, :N]  # row i scores draft token i
-    ent = _entropy(rows)  # [B, N]
+    ent = row_entropy(rows)  # [B, N]
     at = rows.float().gather(-1, tokens.clamp_min(0)[..., None])[..., 0]
     plausible = (tokens >= 0) & (at > float("-inf")) & \
         (at - rows.float().amax(-1) >= math.log(loose.min_ratio))

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from ..protocol.contract import Branch, chunk_branches
+from ..config import MAX_TREE_NODES
+from ..protocol.contract import Branch, chunk_branches, spine_length
 
 TREE_VERSION = 1  # the newest tree chunk layout this code reads and writes
-MAX_BRANCH_NODES = 64  # branch nodes one chunk may carry
+MAX_BRANCH_NODES = MAX_TREE_NODES  # branch nodes one chunk may carry
 
 
 def tree_to_wire(tokens: Sequence[int], branches: Sequence[Branch]
@@ -40,9 +41,7 @@ def tree_from_wire(nodes: Sequence[int], parents: Sequence[int]
     if len(nodes) != len(parents):
         raise ValueError(f"a tree chunk needs one parent per token: {len(nodes)} tokens, "
                          f"{len(parents)} parents")
-    n = 0
-    while n < len(parents) and parents[n] == n - 1:
-        n += 1
+    n = spine_length(parents)
     if len(nodes) - n > MAX_BRANCH_NODES:
         raise ValueError(f"a tree chunk carries at most {MAX_BRANCH_NODES} branch tokens")
     branches: list[tuple[int, list[int]]] = []

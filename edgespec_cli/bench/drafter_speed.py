@@ -17,6 +17,7 @@ from pathlib import Path
 
 
 from edgespec.config import ConfigError, SamplingParams
+from edgespec.engine.stack_choice import accepted_prefix
 
 from .run import add_question_args, load_questions
 
@@ -54,13 +55,6 @@ def draft_tokens(drafter, ids: list[int], n: int) -> dict:
     return {"tokens": out, "prefill_s": t1 - t0, "draft_s": t2 - t1}
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
-
-
 def bench_drafters(specs: list[str], target, prompts: list[list[int]], n_tokens: int,
                    repeat: int = 1, target_spec: str = "default") -> dict:
     """Draft ``n_tokens`` after each prompt with each drafter spec. ``target`` (a LoadedModel)
@@ -91,7 +85,7 @@ def bench_drafters(specs: list[str], target, prompts: list[list[int]], n_tokens:
                        key=lambda r: r["draft_s"])
             first_tokens.setdefault(i, best["tokens"])
             rows.append({"drafter": spec, "prompt": i, "prompt_tokens": len(ids), **best,
-                         "prefix_agreement": _common_prefix(best["tokens"], first_tokens[i])
+                         "prefix_agreement": accepted_prefix(best["tokens"], first_tokens[i])
                          / max(1, n_tokens)})
         if hasattr(drafter, "close"):
             drafter.close()
