@@ -55,9 +55,7 @@ def read_prompt(args) -> str:
 def cmd_generate(args) -> int:
     from edgespec.engine.local import LocalGenerator, print_stream
 
-    args.prompt = read_prompt(args)
-    if not args.prompt.strip():
-        raise ConfigError("the prompt is empty")
+    args.prompt = read_prompt(args)  # "" is a prompt; one of zero tokens (--raw) is refused
     if args.max_new_tokens < 1:
         raise ConfigError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     params = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)

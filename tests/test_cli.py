@@ -178,3 +178,20 @@ def test_prompt_and_prompt_file_exactly_one(tiny_dir, tmp_path, args, message):
     r = edgespec("generate", *args, "--model", tiny_dir)
     assert r.returncode == 2 and message in r.stderr, r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_an_empty_prompt_generates_and_a_prompt_of_zero_tokens_is_refused(tiny, tiny_dir):
+    """The one rule for empty prompts: "" through the chat template is an empty user message,
+    which the template makes into tokens, and generates; with --raw it is zero tokens: exit 2
+    with the message every surface gives (tests/test_http_api.py: the SDK and HTTP)."""
+    ids = encode_prompt(tiny.tokenizer, "")
+    assert ids  # the template's own tokens
+    ref = hf_greedy(tiny.model, ids, 12)
+    common = ["--model", tiny_dir, "--max-new-tokens", 12, "--json", "--dtype", "float32"]
+    r = edgespec("generate", "", *common)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["token_ids"] == ref
+    r = edgespec("generate", "", "--raw", *common)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip().splitlines()[-1] == "edgespec: error: the prompt is empty"
+    assert "Traceback" not in r.stderr

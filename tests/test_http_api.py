@@ -13,6 +13,8 @@ from pathlib import Path
 
 import openai
 import pytest
+
+import edgespec
 from conftest import hf_greedy
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -161,6 +163,28 @@ def test_stop_string_cuts_the_text_before_it(server, api, looping):
     stop_ids = encode_prompt(looping.tokenizer, ref_text[: ref_text.find(stop) + len(stop)],
                              raw=True)
     assert r.usage.completion_tokens == len(stop_ids)
+
+
+def test_an_empty_prompt_is_one_rule_on_every_surface(server, api, looping):
+    """"" through the chat template is an empty user message, which the template makes into
+    tokens: it generates, over HTTP and through the SDK (gRPC) alike, what target-only does. A
+    prompt of zero tokens (raw "", no token ids) is refused on both with one message (the CLI:
+    tests/test_cli.py)."""
+    ids = encode_prompt(looping.tokenizer, "")
+    ref_ids, ref_text = reference(looping, ids)
+    r = api.chat.completions.create(model=api.model_id, messages=[{"role": "user", "content": ""}],
+                                    max_tokens=N, temperature=0)
+    assert r.choices[0].message.content == ref_text and r.usage.prompt_tokens == len(ids)
+    with edgespec.Client(server["address"], token=TOKEN) as client:
+        out = client.generate("", max_new_tokens=N)
+        assert out.token_ids == ref_ids and out.prompt_tokens == len(ids)
+        for kw in (dict(prompt="", raw=True), dict(prompt_ids=[])):
+            with pytest.raises(edgespec.InvalidRequest, match="the prompt is empty$"):
+                client.generate(**kw, max_new_tokens=N)
+    for prompt in ("", []):
+        with pytest.raises(openai.BadRequestError) as e:
+            api.completions.create(model=api.model_id, prompt=prompt, max_tokens=N)
+        assert e.value.body["message"] == "the prompt is empty" and e.value.param == "prompt"
 
 
 def test_seeded_sampling_is_reproducible(api):

@@ -32,7 +32,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from edgespec.config import ConfigError
+from edgespec.config import ConfigError, EmptyPrompt
 from edgespec.protocol.contract import StoreUnavailable
 from edgespec.models.text_stream import TextStream
 
@@ -132,6 +132,9 @@ def make_app(state: ServingState, token: str | None = None) -> FastAPI:
         params = parse_request(body, chat, model_name)
         try:
             ticket = await anyio.to_thread.run_sync(admission.admit, params.generation)
+        except EmptyPrompt as e:
+            raise ApiError(400, str(e), "invalid_request_error",
+                           "messages" if chat else "prompt") from None
         except ConfigError as e:
             code = "context_length_exceeded" if "context limit" in str(e) else None
             raise ApiError(400, str(e), "invalid_request_error", code=code) from None

@@ -68,6 +68,8 @@ def _number(body: dict, name: str, default, kind=float, low=None, high=None):
 
 
 def _prompt(body: dict, chat: bool, g: GenerationRequest) -> None:
+    """The prompt into ``g``. "" and [] are prompts: one of zero tokens is refused at admission,
+    with every other surface's message."""
     if chat:
         msgs = body.get("messages")
         if not isinstance(msgs, list) or not msgs:
@@ -87,14 +89,14 @@ def _prompt(body: dict, chat: bool, g: GenerationRequest) -> None:
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
-    if isinstance(prompt, str) and prompt:
+    if isinstance(prompt, str):
         g.prompt, g.raw = prompt, True
-    elif isinstance(prompt, list) and prompt and all(
+    elif isinstance(prompt, list) and all(
             isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         g.prompt_ids = list(prompt)
     else:
-        raise _bad("'prompt' must be a non-empty string or list of token ids (one prompt per "
-                   "request)", "prompt")
+        raise _bad("'prompt' must be a string or a list of token ids (one prompt per request)",
+                   "prompt")
 
 
 def parse_request(body, chat: bool, model_name: str) -> OpenAIParams:
