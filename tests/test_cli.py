@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -195,3 +196,14 @@ def test_an_empty_prompt_generates_and_a_prompt_of_zero_tokens_is_refused(tiny, 
     assert r.returncode == 2, r.stderr
     assert r.stderr.strip().splitlines()[-1] == "edgespec: error: the prompt is empty"
     assert "Traceback" not in r.stderr
+
+
+def test_no_command_lists_the_commands():
+    """``edgespec`` alone is a usage error (status 2) that shows what to type: every command
+    with its one line, not argparse's "the following arguments are required"."""
+    r = edgespec(timeout=120)
+    assert r.returncode == 2
+    assert "required" not in r.stderr and "Traceback" not in r.stderr
+    listed = set(re.findall(r"^ {4}([a-z-]+)\b", r.stderr, flags=re.M))
+    assert {"generate", "serve", "verifier", "cache", "drafter", "status"} <= listed
+    assert "edgespec COMMAND --help" in r.stderr

@@ -233,6 +233,22 @@ def test_malformed_json_and_auth(server):
     assert call("GET", server["base"] + "/health")[0] == 200
 
 
+def test_a_base_url_without_v1_gets_a_hint(server):
+    """A client whose base_url lacks /v1 asks for /chat/completions: the 404 says what to
+    change. Paths that are not the API's get the plain 404."""
+    bare = openai.OpenAI(base_url=server["base"], api_key=TOKEN, max_retries=0, timeout=120)
+    with pytest.raises(openai.NotFoundError) as e:
+        bare.chat.completions.create(model="m", messages=MESSAGES)
+    assert e.value.body["message"] == ("no route /chat/completions: did you mean "
+                                       "/v1/chat/completions? set the client's base_url to "
+                                       f"{server['base']}/v1")
+    for method, path in (("POST", "/completions"), ("GET", "/models")):
+        code, reply = call(method, server["base"] + path, {} if method == "POST" else None)
+        assert code == 404 and f"did you mean /v1{path}?" in reply["error"]["message"]
+    code, reply = call("GET", server["base"] + "/nowhere")
+    assert code == 404 and "base_url" not in reply["error"]["message"]
+
+
 def _metrics(server) -> dict[str, float]:
     text = call("GET", server["base"] + "/metrics")[1]
     out = {}

@@ -12,8 +12,9 @@ session verified loosely).
 
 Errors use OpenAI's body ``{"error": {"message", "type", "param", "code"}}``: 400 for malformed
 JSON, bad parameters or a prompt over the context limit, 401 without the bearer token (when the
-server has one), 404 for an unknown model, 429 when the verifier is overloaded, 503 while it
-drains. A client that disconnects mid-stream cancels its session.
+server has one), 404 for an unknown model or route (a route of /v1 asked for without it, as a
+client whose base_url lacks /v1 does, gets a hint saying so), 429 when the verifier is
+overloaded, 503 while it drains. A client that disconnects mid-stream cancels its session.
 """
 
 from __future__ import annotations
@@ -50,6 +51,21 @@ def error_response(status: int, message: str, kind: str, param: str | None = Non
                                    "code": code}}, status_code=status)
 
 
+# the API's paths that a client whose base_url lacks /v1 asks for without it
+V1_PATHS = ("/chat/completions", "/completions", "/models")
+
+
+def missing_v1_hint(request: Request) -> str | None:
+    """For a path that exists under /v1 (POST /chat/completions from a client whose base_url
+    lacks /v1), what to change; None for any other path."""
+    path = request.url.path.rstrip("/")
+    if path not in V1_PATHS and not path.startswith("/models/"):
+        return None
+    base = str(request.base_url).rstrip("/")
+    return (f"no route {path}: did you mean /v1{path}? set the client's base_url to "
+            f"{base}/v1")
+
+
 @dataclass
 class ServingState:
     """What the app serves from; the server fills ``admission`` and ``model_name`` once the
@@ -73,7 +89,8 @@ def make_app(state: ServingState, token: str | None = None) -> FastAPI:
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request, exc: StarletteHTTPException):
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return error_response(exc.status_code, str(exc.detail), kind)
+        hint = missing_v1_hint(request) if exc.status_code == 404 else None
+        return error_response(exc.status_code, hint or str(exc.detail), kind)
 
     @app.exception_handler(Exception)
     async def _unexpected(request, exc: Exception):
