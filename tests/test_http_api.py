@@ -218,6 +218,20 @@ def test_bad_requests_get_openai_errors(server, api, kw, status, param):
         assert err["param"] == param
 
 
+def test_a_message_role_openai_does_not_have_is_refused_by_name(api, looping):
+    """OpenAI's five roles go through the chat template; any other role is a 400 naming it."""
+    with pytest.raises(openai.BadRequestError) as e:
+        api.chat.completions.create(model=api.model_id, max_tokens=8, messages=[
+            {"role": "user", "content": "hi"}, {"role": "wizard", "content": "abracadabra"}])
+    assert "'wizard'" in e.value.body["message"] and e.value.param == "messages.[1].role"
+    every = [{"role": r, "content": f"{r}!"}
+             for r in ("system", "developer", "user", "assistant", "tool", "user")]
+    _, ref_text = reference(looping, encode_prompt(looping.tokenizer, messages=every), 8)
+    r = api.chat.completions.create(model=api.model_id, messages=every, max_tokens=8,
+                                    temperature=0)
+    assert r.choices[0].message.content == ref_text
+
+
 def test_malformed_json_and_auth(server):
     url = server["base"] + "/v1/chat/completions"
     code, reply = call("POST", url, raw=b"{not json", headers={"Authorization": f"Bearer {TOKEN}"})
