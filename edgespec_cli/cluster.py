@@ -81,6 +81,10 @@ def _add_server(p: argparse.ArgumentParser, roles: tuple[str, ...]) -> None:
         p.add_argument("--http-port", type=int, default=None,
                        help="serve the OpenAI-compatible HTTP API, /health and /metrics on this "
                             "port (default: none)")
+        p.add_argument("--max-request-bytes", type=int, default=None, metavar="N",
+                       help="the largest HTTP request body; a larger one is answered 413 before "
+                            "it is read whole (default: 4 MiB + 384 bytes per --max-context "
+                            "token, room for the longest prompt admitted)")
         p.add_argument("--http-host", default="127.0.0.1",
                        help="the interface --http-port listens on, e.g. 0.0.0.0 for every "
                             "one (default: %(default)s)")
@@ -111,6 +115,9 @@ def cmd_server(args) -> int:
     for name in ("max_drafters", "drain_timeout", "fleet_table"):
         if getattr(args, name) < 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 0")
+    max_request_bytes = getattr(args, "max_request_bytes", None)
+    if max_request_bytes is not None and max_request_bytes < 1:
+        raise ConfigError(f"--max-request-bytes must be >= 1, got {max_request_bytes}")
     opts = ServerOptions(listen=args.listen, roles=args.roles,
                          model=getattr(args, "model", "default"),
                          device=getattr(args, "device", "cpu"),
@@ -123,6 +130,7 @@ def cmd_server(args) -> int:
                          drain_timeout_s=args.drain_timeout,
                          http_port=getattr(args, "http_port", None),
                          http_host=getattr(args, "http_host", "127.0.0.1"),
+                         http_max_request_bytes=max_request_bytes,
                          metrics_port=args.metrics_port, metrics_host=args.metrics_host,
                          engine=engine)
     server = EdgespecServer(opts).start()

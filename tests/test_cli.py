@@ -207,3 +207,9 @@ def test_no_command_lists_the_commands():
     listed = set(re.findall(r"^ {4}([a-z-]+)\b", r.stderr, flags=re.M))
     assert {"generate", "serve", "verifier", "cache", "drafter", "status"} <= listed
     assert "edgespec COMMAND --help" in r.stderr
+
+
+def test_serve_refuses_a_request_body_limit_under_one_byte(tiny_dir):
+    r = edgespec("serve", "--model", tiny_dir, "--listen", "127.0.0.1:0", "--max-request-bytes",
+                 0, timeout=120)
+    assert r.returncode == 2 and "--max-request-bytes must be >= 1, got 0" in r.stderr

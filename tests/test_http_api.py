@@ -19,6 +19,8 @@ from conftest import hf_greedy
 from prometheus_client.parser import text_string_to_metric_families
 
 from edgespec.models.loading import encode_prompt
+from verifier_node.admission import MAX_CHARS_PER_TOKEN
+from verifier_node.body_limit import default_max_request_bytes
 from edgespec.wire.convert import free_port
 from procs import Proc, start_drafter, start_serve
 
@@ -46,6 +48,7 @@ TOKEN = "h77p"
 PROMPT = "abcabcab"
 MESSAGES = [{"role": "user", "content": "xyzxyz"}]
 N = 40
+MAX_BODY = 1_000_000  # the test server's --max-request-bytes
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +58,8 @@ def server(looping_dir, tmp_path_factory):
     # the verifier waits (up to 5 s) for the drafter's answer at every step, with a fixed draft
     # length: what is drafted does not depend on the machine's speed
     serve, address = start_serve(looping_dir, tmp, token=TOKEN, extra=[
-        "--http-port", http_port, "--draft-wait-ms", 5000, "--no-adaptive"])
+        "--http-port", http_port, "--draft-wait-ms", 5000, "--no-adaptive",
+        "--max-request-bytes", MAX_BODY])
     drafter_metrics = free_port()
     drafter = Proc(["drafter", "--cache", address, "--device-id", "board-1", "--drafter", "mag",
                     "--auth-token", TOKEN, "--metrics-port", drafter_metrics],
@@ -261,6 +265,52 @@ def test_a_base_url_without_v1_gets_a_hint(server):
         assert code == 404 and f"did you mean /v1{path}?" in reply["error"]["message"]
     code, reply = call("GET", server["base"] + "/nowhere")
     assert code == 404 and "base_url" not in reply["error"]["message"]
+
+
+def _post_chat(conn: http.client.HTTPConnection, model: str, content: str, chunked: bool):
+    """POST /v1/chat/completions on ``conn``, the body whole with a Content-Length or in 64 KiB
+    chunks without one; (status, parsed reply)."""
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": content}],
+                       "max_tokens": 5}).encode()
+    headers = {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"}
+    if chunked:  # an iterable body without Content-Length: Transfer-Encoding: chunked
+        conn.request("POST", "/v1/chat/completions", headers=headers,
+                     body=(body[i:i + 65536] for i in range(0, len(body), 65536)))
+    else:
+        conn.request("POST", "/v1/chat/completions", body=body, headers=headers)
+    resp = conn.getresponse()
+    return resp.status, json.loads(resp.read())
+
+
+def test_an_oversized_body_is_a_413_and_the_server_goes_on(server, api):
+    """A 20 MB body is refused with 413 before it is read whole, whether it declares its
+    length or comes chunked; the same connection, and the server, then serve as before."""
+    port = int(server["base"].rsplit(":", 1)[1])
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    try:
+        for chunked in (False, True):
+            status, reply = _post_chat(conn, api.model_id, "a" * 20_000_000, chunked)
+            assert status == 413, reply
+            assert reply["error"]["code"] == "request_too_large"
+            assert str(MAX_BODY) in reply["error"]["message"]
+        status, reply = _post_chat(conn, api.model_id, "a" * (MAX_BODY - 1000), chunked=True)
+        assert status == 400 and "context limit" in reply["error"]["message"]  # read, parsed
+    finally:
+        conn.close()
+    r = api.chat.completions.create(model=api.model_id, messages=MESSAGES, max_tokens=5,
+                                    temperature=0)
+    assert r.choices[0].message.content and call("GET", server["base"] + "/health")[0] == 200
+
+
+def test_the_default_body_limit_fits_the_longest_prompt_admitted():
+    """Without --max-request-bytes, a chat request whose prompt has the most characters the
+    verifier admits (MAX_CHARS_PER_TOKEN a context token), each escaped at its longest in
+    JSON, is under the cap."""
+    for max_context in (2048, 32768):
+        content = "\u2028" * (MAX_CHARS_PER_TOKEN * max_context)  # \u2028 in JSON: 6 bytes
+        body = json.dumps({"model": "some-model", "messages": [
+            {"role": "user", "content": content}], "max_tokens": 128, "temperature": 0})
+        assert len(body.encode()) <= default_max_request_bytes(max_context)
 
 
 def _metrics(server) -> dict[str, float]:

@@ -13,8 +13,9 @@ session verified loosely).
 Errors use OpenAI's body ``{"error": {"message", "type", "param", "code"}}``: 400 for malformed
 JSON, bad parameters or a prompt over the context limit, 401 without the bearer token (when the
 server has one), 404 for an unknown model or route (a route of /v1 asked for without it, as a
-client whose base_url lacks /v1 does, gets a hint saying so), 429 when the verifier is
-overloaded, 503 while it drains. A client that disconnects mid-stream cancels its session.
+client whose base_url lacks /v1 does, gets a hint saying so), 413 for a request body over
+``max_request_bytes`` (refused before it is read whole: ``body_limit``), 429 when the verifier
+is overloaded, 503 while it drains. A client that disconnects mid-stream cancels its session.
 """
 
 from __future__ import annotations
@@ -38,17 +39,12 @@ from edgespec.protocol.contract import StoreUnavailable
 from edgespec.models.text_stream import TextStream
 
 from .admission import Admission, DrafterMissing, SessionNotFound
-from .openai_params import ApiError, parse_request
+from .body_limit import MIN_BYTES, BodyLimit
+from .openai_params import ApiError, error_response, parse_request
 from .scheduler import QueueFull, ShuttingDown, Ticket
 
 
 log = logging.getLogger("edgespec.http")
-
-
-def error_response(status: int, message: str, kind: str, param: str | None = None,
-                   code: str | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param,
-                                   "code": code}}, status_code=status)
 
 
 # the API's paths that a client whose base_url lacks /v1 asks for without it
@@ -77,8 +73,10 @@ class ServingState:
     model_name: str = ""
 
 
-def make_app(state: ServingState, token: str | None = None) -> FastAPI:
+def make_app(state: ServingState, token: str | None = None,
+             max_request_bytes: int = MIN_BYTES) -> FastAPI:
     app = FastAPI(title="edgespec", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(BodyLimit, max_bytes=max_request_bytes)  # 413 before a body is read
     expected = f"Bearer {token}".encode() if token else None
     created = int(time.time())
 

@@ -17,6 +17,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from starlette.responses import JSONResponse
+
 from edgespec.config import ConfigError, SamplingParams
 
 from .admission import GenerationRequest
@@ -38,6 +40,13 @@ class ApiError(Exception):
                  code: str | None = None):
         super().__init__(message)
         self.status, self.kind, self.param, self.code = status, kind, param, code
+
+
+def error_response(status: int, message: str, kind: str, param: str | None = None,
+                   code: str | None = None) -> JSONResponse:
+    """OpenAI's error body."""
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param,
+                                   "code": code}}, status_code=status)
 
 
 def _bad(message: str, param: str | None = None) -> ApiError:
