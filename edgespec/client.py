@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from .config import SamplingParams
+from .config import EmptyPrompt, SamplingParams
 from .wire.reachability import ConnectWatch, unreachable_reason_aio
 from .v1 import edgespec_pb2 as pb
 from .v1 import edgespec_pb2_grpc as pb_grpc
@@ -119,21 +119,28 @@ class GenerateResult:
 def build_request(prompt=None, *, messages=None, prompt_ids=None, raw=False, max_new_tokens=0,
                   temperature=0.0, top_k=0, top_p=1.0, seed=None, device_id=None,
                   verify=None) -> pb.GenerateRequest:
-    """Validate locally (raises InvalidRequest) and build the wire request."""
+    """Validate locally (raises InvalidRequest) and build the wire request. An empty
+    ``prompt`` is sent (through the chat template it is an empty message; raw, the verifier
+    refuses its zero tokens); empty ``prompt_ids`` or ``messages`` cannot travel (the wire does
+    not tell them from none) and are refused here."""
     given = sum(x is not None for x in (prompt, messages, prompt_ids))
     if given != 1:
         raise InvalidRequest("give exactly one of prompt, messages, prompt_ids")
-    if prompt is not None and not prompt:
-        raise InvalidRequest("the prompt is empty")
+    if prompt_ids is not None and len(prompt_ids) == 0:
+        raise InvalidRequest(EmptyPrompt.MESSAGE)
+    if messages is not None and len(messages) == 0:
+        raise InvalidRequest("messages is empty: give at least one message")
     try:
         params = SamplingParams(temperature, top_k, top_p, seed)
     except ValueError as e:
         raise InvalidRequest(str(e)) from None
     if verify not in (None, "", "exact", "loose"):
         raise InvalidRequest(f"verify must be 'exact' or 'loose', got {str(verify)[:20]!r}")
-    req = pb.GenerateRequest(prompt=prompt or "", raw=raw, max_new_tokens=max_new_tokens,
+    req = pb.GenerateRequest(raw=raw, max_new_tokens=max_new_tokens,
                              sampling=params_to_pb(params), device_id=device_id or "",
                              verify=verify or "")
+    if prompt is not None:  # "" too: the field has presence
+        req.prompt = prompt
     if messages is not None:
         req.messages.extend(pb.ChatMessage(role=m["role"], content=m["content"])
                             for m in messages)

@@ -26,6 +26,18 @@ class ConfigError(ValueError):
     """A setting or request that cannot be honoured; the message says what to change."""
 
 
+class EmptyPrompt(ConfigError):
+    """A prompt of zero tokens (an empty raw prompt, an empty list of token ids): there is
+    nothing to decode from. An empty message through the chat template is not one: the
+    template adds its own tokens. Every surface refuses it with this one message (the engine's
+    own check says the same)."""
+
+    MESSAGE = "the prompt is empty"
+
+    def __init__(self) -> None:
+        super().__init__(self.MESSAGE)
+
+
 class CacheFullError(ConfigError):
     """No free slot, or a session would grow past its slot's length (a KV cache, a llama.cpp
     context pool)."""

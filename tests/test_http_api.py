@@ -13,10 +13,14 @@ from pathlib import Path
 
 import openai
 import pytest
+
+import edgespec
 from conftest import hf_greedy
 from prometheus_client.parser import text_string_to_metric_families
 
 from edgespec.models.loading import encode_prompt
+from verifier_node.admission import MAX_CHARS_PER_TOKEN
+from verifier_node.body_limit import default_max_request_bytes
 from edgespec.wire.convert import free_port
 from procs import Proc, start_drafter, start_serve
 
@@ -46,6 +50,7 @@ TOKEN = "h77p"
 PROMPT = "abcabcab"
 MESSAGES = [{"role": "user", "content": "xyzxyz"}]
 N = 40
+MAX_BODY = 1_000_000  # the test server's --max-request-bytes
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +60,8 @@ def server(looping_dir, tmp_path_factory):
     # the verifier waits (up to 5 s) for the drafter's answer at every step, with a fixed draft
     # length: what is drafted does not depend on the machine's speed
     serve, address = start_serve(looping_dir, tmp, token=TOKEN, extra=[
-        "--http-port", http_port, "--draft-wait-ms", 5000, "--no-adaptive"])
+        "--http-port", http_port, "--draft-wait-ms", 5000, "--no-adaptive",
+        "--max-request-bytes", MAX_BODY])
     drafter_metrics = free_port()
     drafter = Proc(["drafter", "--cache", address, "--device-id", "board-1", "--drafter", "mag",
                     "--auth-token", TOKEN, "--metrics-port", drafter_metrics],
@@ -165,6 +171,28 @@ def test_stop_string_cuts_the_text_before_it(server, api, looping):
     assert r.usage.completion_tokens == len(stop_ids)
 
 
+def test_an_empty_prompt_is_one_rule_on_every_surface(server, api, looping):
+    """"" through the chat template is an empty user message, which the template makes into
+    tokens: it generates, over HTTP and through the SDK (gRPC) alike, what target-only does. A
+    prompt of zero tokens (raw "", no token ids) is refused on both with one message (the CLI:
+    tests/test_cli.py)."""
+    ids = encode_prompt(looping.tokenizer, "")
+    ref_ids, ref_text = reference(looping, ids)
+    r = api.chat.completions.create(model=api.model_id, messages=[{"role": "user", "content": ""}],
+                                    max_tokens=N, temperature=0)
+    assert r.choices[0].message.content == ref_text and r.usage.prompt_tokens == len(ids)
+    with edgespec.Client(server["address"], token=TOKEN) as client:
+        out = client.generate("", max_new_tokens=N)
+        assert out.token_ids == ref_ids and out.prompt_tokens == len(ids)
+        for kw in (dict(prompt="", raw=True), dict(prompt_ids=[])):
+            with pytest.raises(edgespec.InvalidRequest, match="the prompt is empty$"):
+                client.generate(**kw, max_new_tokens=N)
+    for prompt in ("", []):
+        with pytest.raises(openai.BadRequestError) as e:
+            api.completions.create(model=api.model_id, prompt=prompt, max_tokens=N)
+        assert e.value.body["message"] == "the prompt is empty" and e.value.param == "prompt"
+
+
 def test_seeded_sampling_is_reproducible(api):
     kw = dict(model=api.model_id, prompt=PROMPT, max_tokens=20, temperature=0.9, seed=11)
     assert api.completions.create(**kw).choices[0].text == \
@@ -196,6 +224,20 @@ def test_bad_requests_get_openai_errors(server, api, kw, status, param):
         assert err["param"] == param
 
 
+def test_a_message_role_openai_does_not_have_is_refused_by_name(api, looping):
+    """OpenAI's five roles go through the chat template; any other role is a 400 naming it."""
+    with pytest.raises(openai.BadRequestError) as e:
+        api.chat.completions.create(model=api.model_id, max_tokens=8, messages=[
+            {"role": "user", "content": "hi"}, {"role": "wizard", "content": "abracadabra"}])
+    assert "'wizard'" in e.value.body["message"] and e.value.param == "messages.[1].role"
+    every = [{"role": r, "content": f"{r}!"}
+             for r in ("system", "developer", "user", "assistant", "tool", "user")]
+    _, ref_text = reference(looping, encode_prompt(looping.tokenizer, messages=every), 8)
+    r = api.chat.completions.create(model=api.model_id, messages=every, max_tokens=8,
+                                    temperature=0)
+    assert r.choices[0].message.content == ref_text
+
+
 def test_malformed_json_and_auth(server):
     url = server["base"] + "/v1/chat/completions"
     code, reply = call("POST", url, raw=b"{not json", headers={"Authorization": f"Bearer {TOKEN}"})
@@ -209,6 +251,68 @@ def test_malformed_json_and_auth(server):
         openai.OpenAI(base_url=server["base"] + "/v1", api_key="wrong",
                       max_retries=0).models.list()
     assert call("GET", server["base"] + "/health")[0] == 200
+
+
+def test_a_base_url_without_v1_gets_a_hint(server):
+    """A client whose base_url lacks /v1 asks for /chat/completions: the 404 says what to
+    change. Paths that are not the API's get the plain 404."""
+    bare = openai.OpenAI(base_url=server["base"], api_key=TOKEN, max_retries=0, timeout=120)
+    with pytest.raises(openai.NotFoundError) as e:
+        bare.chat.completions.create(model="m", messages=MESSAGES)
+    assert e.value.body["message"] == ("no route /chat/completions: did you mean "
+                                       "/v1/chat/completions? set the client's base_url to "
+                                       f"{server['base']}/v1")
+    for method, path in (("POST", "/completions"), ("GET", "/models")):
+        code, reply = call(method, server["base"] + path, {} if method == "POST" else None)
+        assert code == 404 and f"did you mean /v1{path}?" in reply["error"]["message"]
+    code, reply = call("GET", server["base"] + "/nowhere")
+    assert code == 404 and "base_url" not in reply["error"]["message"]
+
+
+def _post_chat(conn: http.client.HTTPConnection, model: str, content: str, chunked: bool):
+    """POST /v1/chat/completions on ``conn``, the body whole with a Content-Length or in 64 KiB
+    chunks without one; (status, parsed reply)."""
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": content}],
+                       "max_tokens": 5}).encode()
+    headers = {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"}
+    if chunked:  # an iterable body without Content-Length: Transfer-Encoding: chunked
+        conn.request("POST", "/v1/chat/completions", headers=headers,
+                     body=(body[i:i + 65536] for i in range(0, len(body), 65536)))
+    else:
+        conn.request("POST", "/v1/chat/completions", body=body, headers=headers)
+    resp = conn.getresponse()
+    return resp.status, json.loads(resp.read())
+
+
+def test_an_oversized_body_is_a_413_and_the_server_goes_on(server, api):
+    """A 20 MB body is refused with 413 before it is read whole, whether it declares its
+    length or comes chunked; the same connection, and the server, then serve as before."""
+    port = int(server["base"].rsplit(":", 1)[1])
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    try:
+        for chunked in (False, True):
+            status, reply = _post_chat(conn, api.model_id, "a" * 20_000_000, chunked)
+            assert status == 413, reply
+            assert reply["error"]["code"] == "request_too_large"
+            assert str(MAX_BODY) in reply["error"]["message"]
+        status, reply = _post_chat(conn, api.model_id, "a" * (MAX_BODY - 1000), chunked=True)
+        assert status == 400 and "context limit" in reply["error"]["message"]  # read, parsed
+    finally:
+        conn.close()
+    r = api.chat.completions.create(model=api.model_id, messages=MESSAGES, max_tokens=5,
+                                    temperature=0)
+    assert r.choices[0].message.content and call("GET", server["base"] + "/health")[0] == 200
+
+
+def test_the_default_body_limit_fits_the_longest_prompt_admitted():
+    """Without --max-request-bytes, a chat request whose prompt has the most characters the
+    verifier admits (MAX_CHARS_PER_TOKEN a context token), each escaped at its longest in
+    JSON, is under the cap."""
+    for max_context in (2048, 32768):
+        content = "\u2028" * (MAX_CHARS_PER_TOKEN * max_context)  # \u2028 in JSON: 6 bytes
+        body = json.dumps({"model": "some-model", "messages": [
+            {"role": "user", "content": content}], "max_tokens": 128, "temperature": 0})
+        assert len(body.encode()) <= default_max_request_bytes(max_context)
 
 
 def _metrics(server) -> dict[str, float]:

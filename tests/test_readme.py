@@ -51,12 +51,13 @@ def test_every_command_option_is_documented_and_every_documented_option_exists()
     text = (ROOT / "README.md").read_text()
     documented = set(re.findall(r"(--[a-z][a-z-]+)", text))
     options = _parser_options()
-    every = set().union(*options.values())
+    every = set().union(*options.values()) | {"--help"}  # every command has it
     missing = {f"{cmd}: {o}" for cmd, opts in options.items() for o in opts
                if o not in documented}
     assert not missing, f"options missing from the README: {sorted(missing)}"
     other_tools = {"--index-url", "--no-deps", "--force-reinstall",  # pip
-                   "--resources"}  # ray start
+                   "--resources",  # ray start
+                   "--wheels", "--dry-run"}  # scripts/gpu_sitting.sh
     unknown = {o for o in documented if o not in every and o not in other_tools}
     assert not unknown, f"the README names options no command has: {sorted(unknown)}"
 

@@ -14,7 +14,7 @@ import contextlib
 import logging
 from dataclasses import dataclass, field
 
-from edgespec.config import ConfigError, SamplingParams
+from edgespec.config import ConfigError, EmptyPrompt, SamplingParams
 from edgespec.engine.spec_engine import Request, Result
 from edgespec.protocol.ids import check_device_id, check_session_id, shown
 from edgespec.protocol.request_stats import Stats
@@ -33,12 +33,13 @@ MAX_CHARS_PER_TOKEN = 64
 @dataclass
 class GenerationRequest:
     """Exactly one of ``prompt`` (one user message through the chat template, or as is with
-    ``raw``), ``messages`` and ``prompt_ids``; or ``resume_session_id`` alone."""
+    ``raw``; "" is a prompt), ``messages`` and ``prompt_ids`` (``[]`` is a prompt, of zero
+    tokens); or ``resume_session_id`` alone. None: not given."""
 
-    prompt: str = ""
+    prompt: str | None = None
     raw: bool = False
     messages: list[dict] = field(default_factory=list)
-    prompt_ids: list[int] = field(default_factory=list)
+    prompt_ids: list[int] | None = None
     max_new_tokens: int = 0  # 0: the server's default
     params: SamplingParams = field(default_factory=SamplingParams)
     device_id: str = ""
@@ -67,25 +68,33 @@ class Admission:
         self.max_len = scheduler.engine.target.max_len
 
     def prompt_ids(self, g: GenerationRequest) -> list[int]:
-        given = [bool(g.prompt), bool(g.messages), bool(g.prompt_ids)]
+        """The request's prompt as token ids; one of zero tokens is refused (EmptyPrompt), an
+        empty message through the chat template is not zero tokens."""
+        ids = self._encode(g)
+        if not ids:
+            raise EmptyPrompt()
+        return ids
+
+    def _encode(self, g: GenerationRequest) -> list[int]:
+        given = [g.prompt is not None, bool(g.messages), g.prompt_ids is not None]
         if sum(given) != 1:
             raise ConfigError("give exactly one of prompt, messages, prompt_ids")
-        if g.prompt_ids:
+        if g.prompt_ids is not None:
             if len(g.prompt_ids) > self.max_len:
                 raise ConfigError(f"the prompt ({len(g.prompt_ids)} tokens) exceeds the "
                                   f"context limit ({self.max_len})")
             if any(not isinstance(t, int) or not 0 <= t < self.vocab_size for t in g.prompt_ids):
                 raise ConfigError(f"prompt token ids must be integers in [0, {self.vocab_size})")
             return list(g.prompt_ids)
-        chars = len(g.prompt) + sum(len(str(m.get("content", ""))) + len(str(m.get("role", "")))
-                                    for m in g.messages)
+        chars = len(g.prompt or "") + sum(len(str(m.get("content", "")))
+                                          + len(str(m.get("role", ""))) for m in g.messages)
         if chars > MAX_CHARS_PER_TOKEN * self.max_len:
             raise ConfigError(f"the prompt ({chars} characters) exceeds the context limit "
                               f"({self.max_len} tokens)")
         try:
             if g.messages:
                 return encode_prompt(self.tokenizer, messages=g.messages)
-            return encode_prompt(self.tokenizer, g.prompt, raw=g.raw)
+            return encode_prompt(self.tokenizer, g.prompt or "", raw=g.raw)
         except ConfigError:
             raise
         except Exception as e:  # the chat template refused the conversation (roles, say)
@@ -153,7 +162,7 @@ class Admission:
 
     def _resume_ticket(self, g: GenerationRequest) -> Ticket:
         sid = check_session_id(g.resume_session_id)
-        if g.prompt or g.messages or g.prompt_ids or g.committed:
+        if g.prompt is not None or g.messages or g.prompt_ids or g.committed:
             raise ConfigError("a resumed session takes its prompt and output from the cache: "
                               "send none")
         running = self.scheduler.ticket(sid)

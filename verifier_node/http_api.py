@@ -12,8 +12,10 @@ session verified loosely).
 
 Errors use OpenAI's body ``{"error": {"message", "type", "param", "code"}}``: 400 for malformed
 JSON, bad parameters or a prompt over the context limit, 401 without the bearer token (when the
-server has one), 404 for an unknown model, 429 when the verifier is overloaded, 503 while it
-drains. A client that disconnects mid-stream cancels its session.
+server has one), 404 for an unknown model or route (a route of /v1 asked for without it, as a
+client whose base_url lacks /v1 does, gets a hint saying so), 413 for a request body over
+``max_request_bytes`` (refused before it is read whole: ``body_limit``), 429 when the verifier
+is overloaded, 503 while it drains. A client that disconnects mid-stream cancels its session.
 """
 
 from __future__ import annotations
@@ -32,22 +34,32 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from edgespec.config import ConfigError
+from edgespec.config import ConfigError, EmptyPrompt
 from edgespec.protocol.contract import StoreUnavailable
 from edgespec.models.text_stream import TextStream
 
 from .admission import Admission, DrafterMissing, SessionNotFound
-from .openai_params import ApiError, parse_request
+from .body_limit import MIN_BYTES, BodyLimit
+from .openai_params import ApiError, error_response, parse_request
 from .scheduler import QueueFull, ShuttingDown, Ticket
 
 
 log = logging.getLogger("edgespec.http")
 
 
-def error_response(status: int, message: str, kind: str, param: str | None = None,
-                   code: str | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param,
-                                   "code": code}}, status_code=status)
+# the API's paths that a client whose base_url lacks /v1 asks for without it
+V1_PATHS = ("/chat/completions", "/completions", "/models")
+
+
+def missing_v1_hint(request: Request) -> str | None:
+    """For a path that exists under /v1 (POST /chat/completions from a client whose base_url
+    lacks /v1), what to change; None for any other path."""
+    path = request.url.path.rstrip("/")
+    if path not in V1_PATHS and not path.startswith("/models/"):
+        return None
+    base = str(request.base_url).rstrip("/")
+    return (f"no route {path}: did you mean /v1{path}? set the client's base_url to "
+            f"{base}/v1")
 
 
 @dataclass
@@ -61,8 +73,10 @@ class ServingState:
     model_name: str = ""
 
 
-def make_app(state: ServingState, token: str | None = None) -> FastAPI:
+def make_app(state: ServingState, token: str | None = None,
+             max_request_bytes: int = MIN_BYTES) -> FastAPI:
     app = FastAPI(title="edgespec", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(BodyLimit, max_bytes=max_request_bytes)  # 413 before a body is read
     expected = f"Bearer {token}".encode() if token else None
     created = int(time.time())
 
@@ -73,7 +87,8 @@ def make_app(state: ServingState, token: str | None = None) -> FastAPI:
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request, exc: StarletteHTTPException):
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return error_response(exc.status_code, str(exc.detail), kind)
+        hint = missing_v1_hint(request) if exc.status_code == 404 else None
+        return error_response(exc.status_code, hint or str(exc.detail), kind)
 
     @app.exception_handler(Exception)
     async def _unexpected(request, exc: Exception):
@@ -132,6 +147,9 @@ def make_app(state: ServingState, token: str | None = None) -> FastAPI:
         params = parse_request(body, chat, model_name)
         try:
             ticket = await anyio.to_thread.run_sync(admission.admit, params.generation)
+        except EmptyPrompt as e:
+            raise ApiError(400, str(e), "invalid_request_error",
+                           "messages" if chat else "prompt") from None
         except ConfigError as e:
             code = "context_length_exceeded" if "context limit" in str(e) else None
             raise ApiError(400, str(e), "invalid_request_error", code=code) from None

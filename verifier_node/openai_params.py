@@ -1,6 +1,7 @@
 """Reading an OpenAI completions / chat-completions request body into edgespec's terms.
 
-Honoured: ``model``, ``prompt`` (text or token ids; completions) or ``messages`` (chat),
+Honoured: ``model``, ``prompt`` (text or token ids; completions) or ``messages`` (chat; roles
+system, developer, user, assistant, tool, as OpenAI's: another is refused by name),
 ``max_tokens`` / ``max_completion_tokens``, ``temperature`` (default 1, as OpenAI's), ``top_p``,
 ``top_k`` (an extension), ``verify`` (an extension: "exact", or "loose" where the verifier was
 started with ``--verify loose``), ``seed``, ``stop`` (a string or up to 4), ``n`` = 1,
@@ -16,6 +17,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from starlette.responses import JSONResponse
+
 from edgespec.config import ConfigError, SamplingParams
 
 from .admission import GenerationRequest
@@ -29,6 +32,7 @@ NEUTRAL = {"presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0),
 SAMPLING = {"max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed",
             "stop", "n", "verify"}
 MAX_STOP = 4
+ROLES = ("system", "developer", "user", "assistant", "tool")  # OpenAI's chat roles
 
 
 class ApiError(Exception):
@@ -36,6 +40,13 @@ class ApiError(Exception):
                  code: str | None = None):
         super().__init__(message)
         self.status, self.kind, self.param, self.code = status, kind, param, code
+
+
+def error_response(status: int, message: str, kind: str, param: str | None = None,
+                   code: str | None = None) -> JSONResponse:
+    """OpenAI's error body."""
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param,
+                                   "code": code}}, status_code=status)
 
 
 def _bad(message: str, param: str | None = None) -> ApiError:
@@ -67,34 +78,44 @@ def _number(body: dict, name: str, default, kind=float, low=None, high=None):
     return kind(value)
 
 
+def _message(i: int, m) -> dict:
+    """One chat message as {"role", "content"}: one of OpenAI's roles, text content."""
+    if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+        raise _bad("each message needs a 'role' and a 'content'", "messages")
+    if m["role"] not in ROLES:
+        raise ApiError(400, f"messages[{i}] has the unknown role '{m['role'][:40]}': the roles "
+                            f"are {', '.join(ROLES)}", "invalid_request_error",
+                       f"messages.[{i}].role", "invalid_value")
+    content = m.get("content")
+    if isinstance(content, list):  # content parts: text only
+        if not all(isinstance(c, dict) and c.get("type") == "text" for c in content):
+            raise _bad("only text content parts are supported", "messages")
+        content = "".join(str(c.get("text", "")) for c in content)
+    if not isinstance(content, str):
+        raise _bad("each message needs a 'role' and a 'content'", "messages")
+    return {"role": m["role"], "content": content}
+
+
 def _prompt(body: dict, chat: bool, g: GenerationRequest) -> None:
+    """The prompt into ``g``. "" and [] are prompts: one of zero tokens is refused at admission,
+    with every other surface's message."""
     if chat:
         msgs = body.get("messages")
         if not isinstance(msgs, list) or not msgs:
             raise _bad("'messages' must be a non-empty list", "messages")
-        for m in msgs:
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-                raise _bad("each message needs a 'role' and a 'content'", "messages")
-            content = m.get("content")
-            if isinstance(content, list):  # content parts: text only
-                if not all(isinstance(c, dict) and c.get("type") == "text" for c in content):
-                    raise _bad("only text content parts are supported", "messages")
-                content = "".join(str(c.get("text", "")) for c in content)
-            if not isinstance(content, str):
-                raise _bad("each message needs a 'role' and a 'content'", "messages")
-            g.messages.append({"role": m["role"], "content": content})
+        g.messages = [_message(i, m) for i, m in enumerate(msgs)]
         return
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
-    if isinstance(prompt, str) and prompt:
+    if isinstance(prompt, str):
         g.prompt, g.raw = prompt, True
-    elif isinstance(prompt, list) and prompt and all(
+    elif isinstance(prompt, list) and all(
             isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         g.prompt_ids = list(prompt)
     else:
-        raise _bad("'prompt' must be a non-empty string or list of token ids (one prompt per "
-                   "request)", "prompt")
+        raise _bad("'prompt' must be a string or a list of token ids (one prompt per request)",
+                   "prompt")
 
 
 def parse_request(body, chat: bool, model_name: str) -> OpenAIParams:

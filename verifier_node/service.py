@@ -41,9 +41,10 @@ POLL_S = 0.5  # how often a waiting handler checks that its client is still ther
 def generation_request(req: pb.GenerateRequest) -> GenerationRequest:
     """The transport-neutral request of a wire one (raises ConfigError on bad parameters)."""
     return GenerationRequest(
-        prompt=req.prompt, raw=req.raw,
+        prompt=req.prompt if req.HasField("prompt") else None, raw=req.raw,
         messages=[{"role": m.role, "content": m.content} for m in req.messages],
-        prompt_ids=list(req.prompt_ids), max_new_tokens=req.max_new_tokens,
+        # a repeated field cannot tell [] from none: the SDK refuses an empty list itself
+        prompt_ids=list(req.prompt_ids) or None, max_new_tokens=req.max_new_tokens,
         params=params_from_pb(req.sampling), device_id=req.device_id,
         resume_session_id=req.resume_session_id, verify=req.verify,
         committed=list(req.committed_ids), lost_session_id=req.lost_session_id)

@@ -50,8 +50,9 @@ def add_simulate_command(sub) -> None:
     s.add_argument("--seed", type=int, default=0,
                    help="seeds the links' jitter and loss and the order of prompts "
                         "(default: %(default)s)")
-    s.add_argument("--address", default=None,
-                   help="join this Ray cluster (HEAD:PORT) instead of starting a local one")
+    s.add_argument("--address", default=None, metavar="HEAD:PORT",
+                   help="join this Ray cluster (its head's IP and Ray port, e.g. 10.8.0.1:6380) "
+                        "instead of starting a local one")
     s.add_argument("--find-capacity", action="store_true",
                    help="add devices until the slowest one's tokens/s falls below --slo; "
                         "report the capacity with batching on and off")
