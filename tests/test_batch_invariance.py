@@ -205,11 +205,17 @@ def test_the_linear_probe_catches_a_lone_row_path(monkeypatch):
 # -- the linear layer's row tiles and the start check over the served model's shapes ------------
 
 # the shapes whose rows cuBLAS gave other bits by row count on an H200 (bfloat16: the 1.7B down
-# projection, the 8B o and down projections), and the default model's down projection
-VARYING_SHAPES = [(8192, 2048), (4096, 4096), (14336, 4096), (1536, 576)]
-TILED_CASES = [pytest.param("cpu", "float32", id="cpu-float32"),
-               pytest.param("cuda", "float32", id="cuda-float32", marks=NO_CUDA),
-               pytest.param("cuda", "bfloat16", id="cuda-bfloat16", marks=NO_CUDA)]
+# projection, the 8B o and down projections), and the default model's down projection; on the
+# CPU only the default model's shapes (a 14336-wide product swept 300 times costs minutes there)
+GPU_SHAPES = [(8192, 2048), (4096, 4096), (14336, 4096), (1536, 576)]
+TILED_CASES = [pytest.param("cpu", "float32", shape, id=f"cpu-float32-{shape[0]}-{shape[1]}")
+               for shape in ((1536, 576), (576, 1536))] + \
+              [pytest.param("cuda", dtype, shape, id=f"cuda-{dtype}-{shape[0]}-{shape[1]}",
+                            marks=NO_CUDA)
+               for dtype in ("float32", "bfloat16") for shape in GPU_SHAPES]
+DEVICE_CASES = [pytest.param("cpu", "float32", id="cpu-float32"),
+                pytest.param("cuda", "float32", id="cuda-float32", marks=NO_CUDA),
+                pytest.param("cuda", "bfloat16", id="cuda-bfloat16", marks=NO_CUDA)]
 
 
 def _varying(lin: Linear, max_rows: int = 300) -> int | None:
@@ -218,18 +224,19 @@ def _varying(lin: Linear, max_rows: int = 300) -> int | None:
                                list(range(1, max_rows + 1)))
 
 
-@pytest.mark.parametrize("device,dtype", TILED_CASES)
-@pytest.mark.parametrize("k,n", VARYING_SHAPES, ids=lambda v: str(v))
-def test_row_tiles_give_every_row_the_bits_of_a_full_call(device, dtype, k, n):
+@pytest.mark.parametrize("device,dtype,shape", TILED_CASES)
+def test_row_tiles_give_every_row_the_bits_of_a_full_call(device, dtype, shape):
     """Rows in fixed 128-row tiles, each call padded: a row's bits do not depend on the call's row
-    count (1..300, three tiles) or its place in it. On the CPU the tiled path runs through plain
-    ``F.linear`` (MKL's float32 sgemm, which is not row-invariant on its own: next test)."""
+    count (1..300, three tiles) or its place in it. On CUDA the shapes whose rows cuBLAS gave
+    other bits by row count on an H200; on the CPU the default model's, the tiled path running
+    through plain ``F.linear`` (MKL's float32 sgemm, not row-invariant on its own: next test)."""
+    k, n = shape
     g = torch.Generator().manual_seed(k + n)
     w = (torch.randn(n, k, generator=g) * 0.02).to(device=device, dtype=getattr(torch, dtype))
     assert _varying(Linear(w, pack=False, tiled=True)) is None
 
 
-@pytest.mark.parametrize("device,dtype", TILED_CASES)
+@pytest.mark.parametrize("device,dtype", DEVICE_CASES)
 def test_without_row_tiles_the_sweep_fails(device, dtype):
     """The mutation check: the same sweep over plain calls (padding switched off) finds a row
     count that changes a row's bits: on CUDA (cuBLAS, measured in bfloat16 and float32 on an

@@ -67,36 +67,50 @@ def test_split_address(address, parts):
     assert split_address(address) == parts
 
 
-def test_a_server_that_comes_up_during_the_grace_is_waited_for(monkeypatch):
-    """A client started before its server (start order, a restart) is not refused: the server
-    listening a moment later answers the first call. The grace is widened so that a loaded
-    machine cannot make the test depend on how the race falls."""
-    import threading
+def _bound_verifier(model: str):
+    """A gRPC server with a Verifier whose Status names ``model``, bound to a free port on
+    loopback but not started: (server, address)."""
     from concurrent import futures
 
     import grpc
 
-    from edgespec.wire import reachability
     from edgespec.v1 import edgespec_pb2 as pb
     from edgespec.v1 import edgespec_pb2_grpc as pb_grpc
 
     class Verifier(pb_grpc.VerifierServicer):
         def Status(self, request, context):
-            return pb.StatusResponse(model="late")
+            return pb.StatusResponse(model=model)
 
-    monkeypatch.setattr(reachability, "CONNECT_GRACE_S", 60.0)
     port = free_port()
     server = grpc.server(futures.ThreadPoolExecutor(2))
     pb_grpc.add_VerifierServicer_to_server(Verifier(), server)
     server.add_insecure_port(f"127.0.0.1:{port}")
-    late = threading.Timer(0.5, server.start)
+    return server, f"127.0.0.1:{port}"
+
+
+def _status_once_started(server, address: str, after_s: float) -> str:
+    """The model a client's first call reads, the server starting ``after_s`` into it."""
+    import threading
+
+    late = threading.Timer(after_s, server.start)
     late.start()
     try:
-        with edgespec.Client(f"127.0.0.1:{port}", timeout=120) as client:
-            assert client.status()["model"] == "late"
+        with edgespec.Client(address, timeout=120) as client:
+            return client.status()["model"]
     finally:
         late.join()
         server.stop(0)
+
+
+def test_a_server_that_comes_up_during_the_grace_is_waited_for(monkeypatch):
+    """A client started before its server (start order, a restart) is not refused: the server
+    listening a moment later answers the first call. The grace is widened so that a loaded
+    machine cannot make the test depend on how the race falls."""
+    from edgespec.wire import reachability
+
+    monkeypatch.setattr(reachability, "CONNECT_GRACE_S", 60.0)
+    server, address = _bound_verifier("late")
+    assert _status_once_started(server, address, 0.5) == "late"
 
 
 def test_a_deadline_before_any_answer_says_so_not_resuming():
@@ -115,33 +129,12 @@ def test_a_server_that_opened_its_port_but_does_not_serve_yet_is_waited_for(monk
     """An edgespec server opens its port, then loads its model, then serves: a client started
     with it sees a port that accepts connections and answers nothing ("silent"), and waits for
     it past the grace for a port that is not open yet, instead of calling it a TLS mismatch."""
-    import threading
-    from concurrent import futures
-
-    import grpc
-
-    from edgespec.v1 import edgespec_pb2 as pb
-    from edgespec.v1 import edgespec_pb2_grpc as pb_grpc
     from edgespec.wire import reachability
 
-    class Verifier(pb_grpc.VerifierServicer):
-        def Status(self, request, context):
-            return pb.StatusResponse(model="loaded")
-
     monkeypatch.setattr(reachability, "CONNECT_GRACE_S", 0.2)
-    port = free_port()
-    server = grpc.server(futures.ThreadPoolExecutor(2))
-    pb_grpc.add_VerifierServicer_to_server(Verifier(), server)
-    server.add_insecure_port(f"127.0.0.1:{port}")  # bound, not serving: the model "loads"
-    assert reachability.probe(f"127.0.0.1:{port}")[0] == "silent"
-    late = threading.Timer(2.0, server.start)
-    late.start()
-    try:
-        with edgespec.Client(f"127.0.0.1:{port}", timeout=120) as client:
-            assert client.status()["model"] == "loaded"
-    finally:
-        late.join()
-        server.stop(0)
+    server, address = _bound_verifier("loaded")  # bound, not serving: the model "loads"
+    assert reachability.probe(address)[0] == "silent"
+    assert _status_once_started(server, address, 2.0) == "loaded"
 
 
 def test_a_tls_mismatch_is_told_from_a_starting_server(monkeypatch):

@@ -40,12 +40,17 @@ class MethodPlan:
                 + ([f"{LOOSE_PREFIX}{self.loose}"] if self.loose else []))
 
 
+def split_drafters(text: str) -> list[str]:
+    """``--drafters``' list: ';'-separated (a cascade's members are ','-separated), or
+    ','-separated when there is no ';'."""
+    sep = ";" if ";" in text else ","
+    return [d.strip() for d in text.split(sep) if d.strip()]
+
+
 def plan_methods(args) -> MethodPlan:
     """The methods the options ask for; an unknown drafter or a missing model is refused
     before anything loads."""
     from edgespec_cli.cli_args import check_drafter_arg, check_model_arg
-
-    from .run import split_drafters
 
     drafters = split_drafters(args.drafters)
     if getattr(args, "head", None):  # the head alone, and beside each drafter

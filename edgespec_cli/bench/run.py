@@ -81,11 +81,6 @@ def add_bench_args(p) -> None:
                    help="where to write the JSON results (default: %(default)s)")
 
 
-def split_drafters(text: str) -> list[str]:
-    sep = ";" if ";" in text else ","
-    return [d.strip() for d in text.split(sep) if d.strip()]
-
-
 def load_questions(categories: list[str], per_category: int, full: bool) -> list[dict]:
     text = resources.files("edgespec_cli.bench").joinpath("spec_bench_questions.jsonl").read_text()
     picked: list[dict] = []
