@@ -19,13 +19,26 @@ verifier's cache lost meanwhile (a resume answered NOT_FOUND) is re-created from
 and the tokens already received, and goes on as target-only decoding would (``result.seed``:
 the session's sampling seed, the verifier's choice when none was given). Failures raise
 subclasses of ``EdgespecError`` named after their gRPC status.
+
+The client makes its own gRPC channel (``client.channel``) with edgespec's message limits and a
+reconnect backoff of 0.2 s up to 2 s (``edgespec.wire.convert.CHANNEL_OPTIONS``). To tune it,
+pass ``channel_options``, ``(name, value)`` pairs of gRPC channel arguments, rather than
+replacing the channel: they are applied after edgespec's own, so one with the same name
+replaces edgespec's value::
+
+    edgespec.Client("10.0.0.5:50051", channel_options=[
+        ("grpc.keepalive_time_ms", 20_000),        # ping an idle connection every 20 s
+        ("grpc.max_reconnect_backoff_ms", 10_000),  # back off up to 10 s, not 2 s
+        ("grpc.primary_user_agent", "my-app/1.2")])
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 
@@ -283,13 +296,16 @@ class _Collector:
 
 class Client:
     """``max_resumes``: how often a broken stream is resumed (0: never). ``tls_cert`` and
-    ``tls_key``: a client certificate for a server that requires one (``--tls-client-ca``)."""
+    ``tls_key``: a client certificate for a server that requires one (``--tls-client-ca``).
+    ``channel_options``: gRPC channel arguments, applied after edgespec's own (see the module
+    docstring)."""
 
     def __init__(self, address: str = "127.0.0.1:50051", token: str | None = None,
                  tls_ca: str | None = None, tls: bool = False, timeout: float | None = None,
-                 max_resumes: int = 8, tls_cert: str | None = None, tls_key: str | None = None):
+                 max_resumes: int = 8, tls_cert: str | None = None, tls_key: str | None = None,
+                 channel_options: Sequence[tuple[str, Any]] = ()):
         self.channel = make_channel(address, tls_ca, tls, client_cert=tls_cert,
-                                    client_key=tls_key)
+                                    client_key=tls_key, options=channel_options)
         self._watch = ConnectWatch(self.channel, address)
         self._reached = False  # the channel connected once: calls wait for restarts after
         self.stub = pb_grpc.VerifierStub(self.channel)
@@ -384,9 +400,10 @@ class AsyncClient:
 
     def __init__(self, address: str = "127.0.0.1:50051", token: str | None = None,
                  tls_ca: str | None = None, tls: bool = False, timeout: float | None = None,
-                 max_resumes: int = 8, tls_cert: str | None = None, tls_key: str | None = None):
+                 max_resumes: int = 8, tls_cert: str | None = None, tls_key: str | None = None,
+                 channel_options: Sequence[tuple[str, Any]] = ()):
         self.channel = make_channel(address, tls_ca, tls, aio=True, client_cert=tls_cert,
-                                    client_key=tls_key)
+                                    client_key=tls_key, options=channel_options)
         self.address = address
         self._reached = False
         self.stub = pb_grpc.VerifierStub(self.channel)

@@ -24,10 +24,11 @@ def configure_logging(level: str = "INFO") -> None:
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="default",
+    p.add_argument("--model", metavar="M", default="default",
                    help="target model: 'default' (SmolLM2-135M-Instruct, pulled on first use), "
                         "a transformers directory or a .gguf file (default: %(default)s)")
-    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: %(default)s)")
+    p.add_argument("--device", metavar="D", default="cpu",
+                   help="cpu, cuda or cuda:N (default: %(default)s)")
     add_dtype_arg(p)
 
 
@@ -41,14 +42,14 @@ def add_dtype_arg(p: argparse.ArgumentParser, who: str = "") -> None:
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     d = EngineConfig()
-    p.add_argument("--max-draft", type=int, default=d.max_draft,
+    p.add_argument("--max-draft", metavar="K", type=int, default=d.max_draft,
                    help="most draft tokens verified per step, k (default: %(default)s)")
-    p.add_argument("--window", type=int, default=d.window,
+    p.add_argument("--window", metavar="W", type=int, default=d.window,
                    help="most tokens drafted beyond the committed position, W "
                         "(default: %(default)s)")
-    p.add_argument("--chunk", type=int, default=d.chunk,
+    p.add_argument("--chunk", metavar="C", type=int, default=d.chunk,
                    help="tokens per draft chunk, c (default: %(default)s)")
-    p.add_argument("--draft-wait-ms", type=float, default=None,
+    p.add_argument("--draft-wait-ms", metavar="MS", type=float, default=None,
                    help="how long a step waits for a draft on its way (default: in process, the "
                         "drafter's own: 10 for mag, 100 for model drafters; a distributed "
                         "verifier: 10)")
@@ -91,9 +92,9 @@ def add_verify_args(p: argparse.ArgumentParser) -> None:
     """The verification mode, for the commands that verify (``generate``, the servers)."""
     d = LooseParams()
     p.add_argument("--verify", choices=["exact", "loose"], default="exact",
-                   help="exact: output identical to the target model's (default); loose: FLy's "
-                        "lenient acceptance, faster but LOSSY (output may differ)")
-    p.add_argument("--loose-entropy", type=float, default=d.entropy,
+                   help="exact: output identical to the target model's; loose: FLy's lenient "
+                        "acceptance, faster but LOSSY (output may differ) (default: %(default)s)")
+    p.add_argument("--loose-entropy", metavar="H", type=float, default=d.entropy,
                    help="with --verify loose: accept a mismatching draft token only where the "
                         "target's entropy exceeds this many nats (default: %(default)s)")
     p.add_argument("--loose-window", type=int, default=d.window,

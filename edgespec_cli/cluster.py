@@ -13,7 +13,7 @@ from edgespec.config import ConfigError, EngineConfig
 
 def _add_security(p: argparse.ArgumentParser, server: bool) -> None:
     if server:
-        p.add_argument("--auth-token", default=None,
+        p.add_argument("--auth-token", metavar="TOKEN", default=None,
                        help="shared token callers must send (default: $EDGESPEC_AUTH_TOKEN; "
                             "none: no authentication)")
         p.add_argument("--device-tokens", metavar="FILE", default=None,
@@ -21,20 +21,23 @@ def _add_security(p: argparse.ArgumentParser, server: bool) -> None:
                             "comments): drafters then authenticate with their own token, "
                             "which is good for the DraftCache service only and for that "
                             "device only")
-        p.add_argument("--tls-cert", help="PEM certificate: serve TLS (needs --tls-key)")
-        p.add_argument("--tls-key", help="PEM private key for --tls-cert")
+        p.add_argument("--tls-cert", metavar="FILE",
+                       help="PEM certificate: serve TLS (needs --tls-key)")
+        p.add_argument("--tls-key", metavar="FILE", help="PEM private key for --tls-cert")
         p.add_argument("--tls-client-ca", metavar="FILE", default=None,
                        help="PEM CA certificate: require every client to present a "
                             "certificate it signed (mutual TLS; needs --tls-cert)")
     else:
-        p.add_argument("--auth-token", default=None,
+        p.add_argument("--auth-token", metavar="TOKEN", default=None,
                        help="token to send: the shared one, or this device's own when the "
                             "cache has per-device tokens (default: $EDGESPEC_AUTH_TOKEN)")
         p.add_argument("--tls", action="store_true", help="connect with TLS (system roots)")
-        p.add_argument("--tls-ca", help="PEM CA certificate to trust (implies --tls)")
-        p.add_argument("--tls-cert", help="PEM client certificate for mutual TLS (implies "
-                                          "--tls; needs --tls-key)")
-        p.add_argument("--tls-key", help="PEM private key for --tls-cert")
+        p.add_argument("--tls-ca", metavar="FILE",
+                       help="PEM CA certificate to trust (implies --tls)")
+        p.add_argument("--tls-cert", metavar="FILE",
+                       help="PEM client certificate for mutual TLS (implies --tls; needs "
+                            "--tls-key)")
+        p.add_argument("--tls-key", metavar="FILE", help="PEM private key for --tls-cert")
 
 
 def _add_server(p: argparse.ArgumentParser, roles: tuple[str, ...]) -> None:
@@ -46,28 +49,29 @@ def _add_server(p: argparse.ArgumentParser, roles: tuple[str, ...]) -> None:
                         "clients (edgespec.Client, status --address) and drafters (drafter "
                         "--cache) are given; e.g. 0.0.0.0:50051 for other machines "
                         "(default: %(default)s)")
-    p.add_argument("--redis-url", default=None,
+    p.add_argument("--redis-url", metavar="URL", default=None,
                    help="external Redis (redis://host:port/db or unix:///socket); default: "
                         "$EDGESPEC_REDIS_URL, else an embedded redis-server")
     p.add_argument("--max-drafters", type=int, default=64,
                    help="drafters attached at once; more are refused with RESOURCE_EXHAUSTED "
                         "(default: %(default)s)")
-    p.add_argument("--metrics-port", type=int, default=None,
-                   help="serve Prometheus /metrics on this port (default: none; the verifier "
-                        "also serves them on --http-port)")
-    p.add_argument("--metrics-host", default="127.0.0.1",
+    p.add_argument("--metrics-port", metavar="PORT", type=int, default=None,
+                   help="serve Prometheus /metrics on this port (the verifier also serves them "
+                        "on --http-port) (default: none)")
+    p.add_argument("--metrics-host", metavar="HOST", default="127.0.0.1",
                    help="the interface --metrics-port listens on, e.g. 0.0.0.0 for every one "
                         "(default: %(default)s)")
-    p.add_argument("--drain-timeout", type=float, default=30.0,
+    p.add_argument("--drain-timeout", metavar="S", type=float, default=30.0,
                    help="seconds SIGTERM waits for running sessions before stopping "
                         "(default: %(default)s)")
     p.add_argument("--fleet-table", type=int, default=1 << 17, metavar="LEADERS",
                    help="most leader n-grams in the fleet-wide Cacheback table that every closed "
                         "session's output teaches; 0 turns the table off (default: %(default)s)")
-    p.add_argument("--session-ttl", type=int, default=600,
+    p.add_argument("--session-ttl", metavar="S", type=int, default=600,
                    help="seconds after its last commit an abandoned session expires "
                         "(default: %(default)s)")
-    p.add_argument("--log-level", default="INFO", help="(default: %(default)s)")
+    p.add_argument("--log-level", metavar="LEVEL", default="INFO",
+                   help="DEBUG, INFO, WARNING or ERROR (default: %(default)s)")
     _add_security(p, server=True)
     if "verifier" in roles:
         add_model_args(p)
@@ -78,14 +82,14 @@ def _add_server(p: argparse.ArgumentParser, roles: tuple[str, ...]) -> None:
         p.add_argument("--max-queue", type=int, default=64,
                        help="requests waiting for a slot before RESOURCE_EXHAUSTED "
                             "(default: %(default)s)")
-        p.add_argument("--http-port", type=int, default=None,
+        p.add_argument("--http-port", metavar="PORT", type=int, default=None,
                        help="serve the OpenAI-compatible HTTP API, /health and /metrics on this "
                             "port (default: none)")
         p.add_argument("--max-request-bytes", type=int, default=None, metavar="N",
                        help="the largest HTTP request body; a larger one is answered 413 before "
                             "it is read whole (default: 4 MiB + 384 bytes per --max-context "
                             "token, room for the longest prompt admitted)")
-        p.add_argument("--http-host", default="127.0.0.1",
+        p.add_argument("--http-host", metavar="HOST", default="127.0.0.1",
                        help="the interface --http-port listens on, e.g. 0.0.0.0 for every "
                             "one (default: %(default)s)")
         add_threads_arg(p)
@@ -93,10 +97,10 @@ def _add_server(p: argparse.ArgumentParser, roles: tuple[str, ...]) -> None:
         add_verify_args(p)
     else:  # the cache alone uses only the drafting shape it hands to drafters
         d = EngineConfig()
-        p.add_argument("--window", type=int, default=d.window,
+        p.add_argument("--window", metavar="W", type=int, default=d.window,
                        help="most tokens drafted beyond the committed position, W "
                             "(default: %(default)s)")
-        p.add_argument("--chunk", type=int, default=d.chunk,
+        p.add_argument("--chunk", metavar="C", type=int, default=d.chunk,
                        help="tokens per draft chunk, c (default: %(default)s)")
     p.set_defaults(func=cmd_server, roles=roles)
 
@@ -203,30 +207,34 @@ def add_cluster_commands(sub) -> None:
 
     d = sub.add_parser("drafter", help="run an edge drafter attached to a draft cache")
     d.add_argument("--cache", default="127.0.0.1:50051", metavar="HOST:PORT",
-                   help="the draft cache's gRPC address, as given to serve or cache --listen "
-                        "(e.g. 192.168.1.10:50051; default: %(default)s)")
-    d.add_argument("--device-id", required=True, help="this device's name in the fleet")
-    d.add_argument("--drafter", default="mag",
-                   help="mag | cacheback | mag+cacheback | model:PATH | llamacpp:FILE.gguf | "
-                        "cascade:SPEC,SPEC,... (default: %(default)s)")
-    d.add_argument("--window", type=int, default=None,
+                   help="the draft cache's gRPC address, as given to serve or cache --listen, "
+                        "e.g. 192.168.1.10:50051; one without a port or with a scheme (http://) "
+                        "is refused (default: %(default)s)")
+    d.add_argument("--device-id", required=True, metavar="ID",
+                   help="this device's name in the fleet: 1-64 letters, digits, '.', '_', '-', "
+                        "starting with a letter or digit")
+    d.add_argument("--drafter", metavar="SPEC", default="mag",
+                   help="who drafts: mag | cacheback | mag+cacheback | model:PATH | "
+                        "llamacpp:FILE.gguf | cascade:SPEC,SPEC,... (default: %(default)s)")
+    d.add_argument("--window", metavar="W", type=int, default=None,
                    help="tokens drafted beyond the committed position, W (default: the cache's)")
-    d.add_argument("--chunk", type=int, default=None,
+    d.add_argument("--chunk", metavar="C", type=int, default=None,
                    help="tokens per chunk, c (default: the cache's)")
     d.add_argument("--max-sessions", type=int, default=8,
                    help="sessions this device drafts for at once (default: %(default)s)")
     d.add_argument("--max-context", type=int, default=EngineConfig().max_context,
                    help="tokens per session for model drafters (default: %(default)s)")
-    d.add_argument("--device", default="cpu",
+    d.add_argument("--device", metavar="D", default="cpu",
                    help="where a model drafter runs (default: %(default)s)")
     d.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="a model drafter's dtype (default: %(default)s)")
     add_threads_arg(d)
     add_tree_width_arg(d)
-    d.add_argument("--log-level", default="INFO", help="(default: %(default)s)")
-    d.add_argument("--metrics-port", type=int, default=None,
+    d.add_argument("--log-level", metavar="LEVEL", default="INFO",
+                   help="DEBUG, INFO, WARNING or ERROR (default: %(default)s)")
+    d.add_argument("--metrics-port", metavar="PORT", type=int, default=None,
                    help="serve Prometheus metrics at http://HOST:PORT/metrics (default: none)")
-    d.add_argument("--metrics-host", default="127.0.0.1",
+    d.add_argument("--metrics-host", metavar="HOST", default="127.0.0.1",
                    help="the interface --metrics-port listens on: the board's LAN address or "
                         "0.0.0.0 for a remote Prometheus (default: %(default)s)")
     _add_security(d, server=False)

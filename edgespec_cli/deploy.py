@@ -21,10 +21,10 @@ def add_deploy_command(sub) -> None:
     what.add_argument("--status", action="store_true",
                       help="list the placed actors and their state, then exit")
     what.add_argument("--down", action="store_true", help="remove every placed actor")
-    d.add_argument("--model", default="default",
+    d.add_argument("--model", metavar="M", default="default",
                    help="the target model on the verifier node: 'default', a transformers "
                         "directory or a .gguf file (default: %(default)s)")
-    d.add_argument("--drafter", default="mag",
+    d.add_argument("--drafter", metavar="SPEC", default="mag",
                    help="the board drafters: mag | cacheback | mag+cacheback | model:PATH | "
                         "llamacpp:FILE.gguf | cascade:SPEC,SPEC,... (default: %(default)s)")
     d.add_argument("--drafters-per-board", type=int, default=1,
@@ -34,22 +34,22 @@ def add_deploy_command(sub) -> None:
                    help="verifier replicas sharing the cache, each with its own KV slots; "
                         "with more than one, a router on the head is the endpoint and spreads "
                         "sessions over them (default: %(default)s)")
-    d.add_argument("--port", type=int, default=50051,
+    d.add_argument("--port", metavar="PORT", type=int, default=50051,
                    help="the client endpoint's port; with --verifiers > 1 the router holds it "
                         "and replica i listens on max(--port, --cache-port) + 1 + i "
                         "(default: %(default)s)")
-    d.add_argument("--cache-port", type=int, default=50052,
+    d.add_argument("--cache-port", metavar="PORT", type=int, default=50052,
                    help="the draft cache's port on the head, where drafters attach "
                         "(default: %(default)s)")
-    d.add_argument("--http-port", type=int, default=None,
+    d.add_argument("--http-port", metavar="PORT", type=int, default=None,
                    help="serve the OpenAI-compatible HTTP API on this port of the verifier "
                         "node (replica i: port + i) (default: none)")
     d.add_argument("--max-sessions", type=int, default=8,
                    help="KV slots per verifier replica (default: %(default)s)")
-    d.add_argument("--auth-token", default=None,
+    d.add_argument("--auth-token", metavar="TOKEN", default=None,
                    help="token every role and client uses (default: $EDGESPEC_AUTH_TOKEN; "
                         "none: no authentication)")
-    d.add_argument("--timeout", type=float, default=900.0,
+    d.add_argument("--timeout", metavar="S", type=float, default=900.0,
                    help="seconds to wait for the fleet to come up, model load included "
                         "(default: %(default)s)")
     add_threads_arg(d)

@@ -34,9 +34,9 @@ def add_distill_command(sub) -> None:
     p.add_argument("--data", default=None, metavar="DIR",
                    help="the dataset folder (default: OUT/data), e.g. another run's, to train "
                         "other heads on the same data")
-    p.add_argument("--kinds", default=",".join(KINDS),
+    p.add_argument("--kinds", metavar="LIST", default=",".join(KINDS),
                    help="head kinds to train, comma-separated, of " + ", ".join(KINDS) +
-                        " (default: %(default)s; 'none': only the data)")
+                        "; 'none': only the data (default: %(default)s)")
     p.add_argument("--prompts", nargs="*", default=[], metavar="FILE",
                    help="JSONL prompt files: a line is {\"prompt\": TEXT}, {\"messages\": "
                         "[...]} (chat messages) or {\"turns\": [TEXT, ...]} (the first turn)")
@@ -44,12 +44,12 @@ def add_distill_command(sub) -> None:
                    help="leave out the Spec-Bench questions (by default they are used, except "
                         "the first --hold-out of each category, which benchmarks use)")
     p.add_argument("--hold-out", type=int, default=2, metavar="N",
-                   help="Spec-Bench questions per category never trained on, the first N "
-                        "(default: %(default)s; bench's default subset is the first 1)")
+                   help="Spec-Bench questions per category never trained on, the first N; "
+                        "bench's default subset is the first 1 (default: %(default)s)")
     p.add_argument("--samples", type=int, default=1,
                    help="sampled responses per prompt, besides the greedy one "
                         "(default: %(default)s)")
-    p.add_argument("--temperature", type=float, default=0.8,
+    p.add_argument("--temperature", metavar="T", type=float, default=0.8,
                    help="temperature of the sampled responses (default: %(default)s)")
     p.add_argument("--max-new-tokens", type=int, default=192,
                    help="longest response harvested (default: %(default)s)")
@@ -60,7 +60,7 @@ def add_distill_command(sub) -> None:
                    help="responses decoded together (default: %(default)s)")
     p.add_argument("--per-shard", type=int, default=16,
                    help="responses per shard (default: %(default)s)")
-    p.add_argument("--max-minutes", type=float, default=None,
+    p.add_argument("--max-minutes", metavar="M", type=float, default=None,
                    help="stop (resumably) after this long, harvest and training together")
     p.add_argument("--train-steps", type=int, default=1500,
                    help="training steps per head kind (default: %(default)s)")
@@ -76,7 +76,9 @@ def add_distill_command(sub) -> None:
                         "saw (bench-learn); repeatable")
     p.add_argument("--no-harvest", action="store_true",
                    help="train on the shards finished so far, without resuming the harvest")
-    p.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
+    p.add_argument("--seed", metavar="S", type=int, default=0,
+                   help="seeds the work list, the sampled responses and training "
+                        "(default: %(default)s)")
     add_model_args(p)
     add_threads_arg(p)
     p.set_defaults(func=run_distill)

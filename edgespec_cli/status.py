@@ -15,13 +15,14 @@ def add_status_command(sub) -> None:
                    help="the verifier's gRPC address, as given to serve or verifier --listen "
                         "(e.g. 192.168.1.10:50051; default: %(default)s)")
     s.add_argument("--watch", action="store_true", help="refresh every --interval seconds")
-    s.add_argument("--interval", type=float, default=2.0, help="(default: %(default)s)")
+    s.add_argument("--interval", metavar="S", type=float, default=2.0,
+                   help="seconds between two refreshes with --watch (default: %(default)s)")
     s.add_argument("--json", action="store_true", help="print one JSON object per refresh")
-    s.add_argument("--auth-token", default=None,
+    s.add_argument("--auth-token", metavar="TOKEN", default=None,
                    help="shared token (default: $EDGESPEC_AUTH_TOKEN)")
     s.add_argument("--tls", action="store_true", help="connect with TLS (system roots)")
-    s.add_argument("--tls-ca", help="PEM CA certificate to trust (implies --tls)")
-    s.add_argument("--timeout", type=float, default=10.0,
+    s.add_argument("--tls-ca", metavar="FILE", help="PEM CA certificate to trust (implies --tls)")
+    s.add_argument("--timeout", metavar="S", type=float, default=10.0,
                    help="seconds to wait for the verifier (default: %(default)s)")
     s.set_defaults(func=cmd_status)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -18,6 +19,7 @@ import edgespec
 from conftest import hf_greedy
 from prometheus_client.parser import text_string_to_metric_families
 
+from edgespec.config import DEFAULT_MODEL_NAME
 from edgespec.models.loading import encode_prompt
 from verifier_node.admission import MAX_CHARS_PER_TOKEN
 from verifier_node.body_limit import default_max_request_bytes
@@ -88,6 +90,47 @@ def reference(looping, ids, n=N) -> tuple[list[int], str]:
 
 def test_models_lists_the_served_model(api, looping_dir):
     assert api.model_id == str(looping_dir)
+
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+def test_the_readme_http_examples_work(server, api):
+    """The README's curl commands and openai example, pointed at this server (its port, the model
+    id it serves, its token), answer as the README says: /v1/models lists that id, in the shape
+    the README shows; the chat completion answers; the openai example prints its reply."""
+    text = README.read_text()
+    port = re.search(r"edgespec serve [^\n]*--http-port (\d+)", text).group(1)
+
+    def here(snippet: str) -> str:
+        return (snippet.replace(f"http://127.0.0.1:{port}", server["base"])
+                .replace(DEFAULT_MODEL_NAME, api.model_id))
+
+    def curl(command: str) -> dict:
+        command = here(command).replace("curl -s", f'curl -s -H "Authorization: Bearer {TOKEN}"')
+        out = subprocess.run(["bash", "-c", command], capture_output=True, text=True,
+                             timeout=120, check=True)
+        return json.loads(out.stdout)
+
+    listing_cmd, chat_cmd = [b for b in re.findall(r"```bash\n(.+?)\n```", text, flags=re.S)
+                             if b.startswith("curl ")]
+    listing = curl(listing_cmd)
+    shown = json.loads(re.search(r"```json\n(.+?)\n```", text, flags=re.S).group(1))
+    assert [m["id"] for m in listing["data"]] == [api.model_id]
+    assert set(listing) == set(shown) and set(listing["data"][0]) == set(shown["data"][0])
+    chat = curl(chat_cmd)
+    assert chat["object"] == "chat.completion" and chat["model"] == api.model_id
+    assert isinstance(chat["choices"][0]["message"]["content"], str)
+    assert chat["usage"]["completion_tokens"] > 0
+
+    example = next(b for b in re.findall(r"```python\n(.+?)\n```", text, flags=re.S)
+                   if "openai.OpenAI(" in b)
+    assert 'api_key="unused"' in example
+    example = here(example).replace('api_key="unused"', f'api_key="{TOKEN}"')
+    out = subprocess.run([sys.executable, "-c", example], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.endswith("\n")  # it printed the reply
 
 
 def test_completion_text_prompt_equals_target_only(api, looping):

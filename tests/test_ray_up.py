@@ -150,7 +150,7 @@ def test_ray_up_onprem_yaml_then_deploy_on_loopback(looping_dir, looping):
             res = client.generate(prompt_ids=PROMPT, raw=True, max_new_tokens=24)
         assert res.token_ids == ref
 
-        # the checks the README's "Deploy on a fleet" gives
+        # the checks docs/deploy.md ("Check it is up") gives
         st = _run([sys.executable, "-m", "edgespec_cli", "deploy", "--address", address,
                    "--status"], es_env, log, timeout=120)
         assert st.returncode == 0 and "verifier" in st.stdout and "drafter" in st.stdout, \

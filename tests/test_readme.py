@@ -1,6 +1,8 @@
-"""The README stays true: CI runs its test command verbatim, the CLI has what its main command
-names, every option is documented, its links resolve, and nothing tells users to install
-edgespec from PyPI (it is not there)."""
+"""The README and docs/ stay true: CI runs the README's test command verbatim, the CLI has what
+its main command names, the command reference (docs/reference/commands.md) is what its generator
+prints from the parsers and documents every option of every command and no other, the commands
+the pages show use options those commands have, the HTTP examples name the model the server
+serves, links resolve, and nothing tells users to install edgespec from PyPI (it is not there)."""
 
 import re
 from pathlib import Path
@@ -47,19 +49,64 @@ def _parser_options() -> dict[str, set[str]]:
     return out
 
 
-def test_every_command_option_is_documented_and_every_documented_option_exists():
-    text = (ROOT / "README.md").read_text()
-    documented = set(re.findall(r"(--[a-z][a-z-]+)", text))
+REFERENCE = ROOT / "docs" / "reference" / "commands.md"
+
+
+def test_the_command_reference_is_what_the_parsers_generate():
+    """The reference page is generated from the parsers; after changing an option, regenerate it:
+    python -m edgespec_cli.docs_reference > docs/reference/commands.md"""
+    from edgespec_cli.docs_reference import OUT, reference
+
+    assert ROOT / OUT == REFERENCE
+    assert REFERENCE.read_text() == reference(), (
+        "docs/reference/commands.md is stale: run "
+        "python -m edgespec_cli.docs_reference > docs/reference/commands.md")
+
+
+def _reference_sections() -> dict[str, str]:
+    """The reference page's text under each command's heading ("## `edgespec CMD`"), by CMD."""
+    parts = re.split(r"^## `edgespec ([a-z -]+)`$", REFERENCE.read_text(), flags=re.M)
+    return dict(zip(parts[1::2], parts[2::2]))
+
+
+def test_the_reference_documents_every_option_of_every_command_and_no_other():
+    """Each command's section lists exactly the options its parser has: none missing, none that
+    the command does not have (whatever wrote the page)."""
+    options = _parser_options()
+    sections = _reference_sections()
+    commands = {cmd for cmd in options  # leaves only: "models pull", not "models"
+                if cmd and not any(c.startswith(f"{cmd} ") for c in options)}
+    assert set(sections) == commands, "one section per command"
+    wrong = []
+    for cmd, text in sections.items():
+        rows = [r for r in text.splitlines() if r.startswith("| `--")]
+        listed = {o for r in rows for o in re.findall(r"--[a-z][a-z-]+", r.split(" | ")[0])}
+        wrong += [f"{cmd}: {o} missing" for o in options[cmd] - listed]
+        wrong += [f"{cmd}: {o} is not an option of it" for o in listed - options[cmd]]
+    assert not wrong, wrong
+    assert options[""] <= set(re.findall(r"--[a-z][a-z-]+", REFERENCE.read_text()))  # --version
+
+
+def _pages() -> list[Path]:
+    """The README and every page of docs/ (the measured reports included)."""
+    return [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+
+
+OTHER_TOOLS = {"--index-url", "--no-deps", "--force-reinstall",  # pip
+               "--resources", "--node-ip-address",  # ray start
+               "--retry", "--retry-connrefused",  # curl
+               "--wheels", "--dry-run", "--budget-s"}  # scripts/gpu_sitting.sh
+
+
+def test_every_option_the_pages_name_exists():
+    """An option the README or a docs page names is an option of some command (or of pip, curl,
+    ray start, scripts/gpu_sitting.sh)."""
     options = _parser_options()
     every = set().union(*options.values()) | {"--help"}  # every command has it
-    missing = {f"{cmd}: {o}" for cmd, opts in options.items() for o in opts
-               if o not in documented}
-    assert not missing, f"options missing from the README: {sorted(missing)}"
-    other_tools = {"--index-url", "--no-deps", "--force-reinstall",  # pip
-                   "--resources",  # ray start
-                   "--wheels", "--dry-run"}  # scripts/gpu_sitting.sh
-    unknown = {o for o in documented if o not in every and o not in other_tools}
-    assert not unknown, f"the README names options no command has: {sorted(unknown)}"
+    unknown = [f"{page.relative_to(ROOT)}: {o}" for page in _pages()
+               for o in sorted(set(re.findall(r"(--[a-z][a-z-]+)", page.read_text())))
+               if o not in every and o not in OTHER_TOOLS]
+    assert not unknown, f"pages name options no command has: {unknown}"
 
 
 def _anchors(page: Path) -> set[str]:
@@ -104,19 +151,50 @@ def test_headline_figures_link_to_measured_reports():
             f"{report.relative_to(ROOT)} gives no command"
 
 
-def test_measured_reports_commands_name_existing_options():
-    """The commands the measured reports give (`edgespec CMD --option ...`, continued lines
-    included) use options CMD still has, so they can be run again."""
+# `edgespec CMD` and what follows it: in code, on its line or lines continued with a backslash;
+# in a measured report's prose, across lines too (as its commands are written)
+COMMAND_IN_CODE = re.compile(r"edgespec ([a-z-]+)((?:(?:[ \t]+|[ \t]*\\\n[ \t]*)[^\s`|]+)*)")
+COMMAND_IN_PROSE = re.compile(r"edgespec ([a-z-]+)((?:[ \\\n]+(?:--[a-z-]+|[^\s`|]+))*)")
+
+
+def test_commands_the_pages_give_use_options_those_commands_have():
+    """The commands the README and docs/ give (`edgespec CMD --option ...`) use options CMD has,
+    so they can be run as written: those in code (blocks and `spans`) on every page, and those
+    in the measured reports' prose."""
     options = _parser_options()
     wrong = []
-    for report in (ROOT / "docs" / "measured").rglob("*.md"):
-        for m in re.finditer(r"edgespec ([a-z-]+)((?:[ \\\n]+(?:--[a-z-]+|[^\s`|]+))*)",
-                             report.read_text()):
-            cmd, rest = m.groups()
-            if cmd in options:
-                wrong += [f"{report.relative_to(ROOT)}: {cmd} {o}"
-                          for o in re.findall(r"--[a-z][a-z-]+", rest) if o not in options[cmd]]
-    assert not wrong, wrong
+    for page in _pages():
+        text = page.read_text()
+        code = re.findall(r"```[a-z]*\n(.*?)```", text, flags=re.S)
+        code += re.findall(r"`([^`\n]+)`", re.sub(r"```.*?```", "", text, flags=re.S))
+        found = [m.groups() for piece in code for m in COMMAND_IN_CODE.finditer(piece)]
+        if page.is_relative_to(ROOT / "docs" / "measured"):
+            found += [m.groups() for m in COMMAND_IN_PROSE.finditer(text)]
+        wrong += [f"{page.relative_to(ROOT)}: {cmd} {o}" for cmd, rest in found if cmd in options
+                  for o in re.findall(r"--[a-z][a-z-]+", rest) if o not in options[cmd]]
+    assert not wrong, sorted(set(wrong))
+
+
+def test_the_readme_http_examples_name_the_model_the_server_serves():
+    """The README's curl and openai examples use the port the server is started with, send the
+    default model's id, show /v1/models's answer with it, and give the openai client a base_url
+    ending in /v1 (tests/test_http_api.py runs them against a live server)."""
+    import json
+
+    from edgespec.config import DEFAULT_MODEL_NAME
+
+    text = (ROOT / "README.md").read_text()
+    port = re.search(r"edgespec serve [^\n]*--http-port (\d+)", text).group(1)
+    urls = re.findall(r"http://127\.0\.0\.1:(\d+)(/\S*)", text)
+    assert urls and {p for p, _ in urls} == {port}
+    assert any(path.startswith("/v1/models") for _, path in urls)
+    assert any(path.startswith("/v1/chat/completions") for _, path in urls)
+    listing = json.loads(re.search(r"```json\n(.+?)\n```", text, flags=re.S).group(1))
+    assert [m["id"] for m in listing["data"]] == [DEFAULT_MODEL_NAME]
+    bodies = [json.loads(b) for b in re.findall(r"-d '(\{.+?\})'", text)]
+    assert bodies and all(b["model"] == DEFAULT_MODEL_NAME for b in bodies)
+    base_url = re.search(r'base_url="([^"]+)"', text).group(1)
+    assert base_url == f"http://127.0.0.1:{port}/v1"
 
 
 def test_nothing_installs_edgespec_from_pypi():

@@ -12,7 +12,9 @@ from __future__ import annotations
 import hmac
 import os
 import socket
+from collections.abc import Sequence
 from concurrent import futures
+from typing import Any
 
 import grpc
 
@@ -221,19 +223,28 @@ def bind(server: grpc.Server, address: str, tls_cert: str | None = None,
     return port
 
 
+# A client channel's gRPC arguments, before the caller's own (make_channel's ``options``).
+CHANNEL_OPTIONS: tuple[tuple[str, Any], ...] = (
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    # reconnect within a second or two of a server restart, not gRPC's default backoff of up
+    # to two minutes (a resuming client would wait that long)
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.min_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 2000))
+
+
 def make_channel(address: str, tls_ca: str | None = None, tls: bool = False,
                  aio: bool = False, client_cert: str | None = None,
-                 client_key: str | None = None):
+                 client_key: str | None = None, options: Sequence[tuple[str, Any]] = ()):
     """A client channel (``aio``: a grpc.aio one) with edgespec's message limits; TLS when
     ``tls``, a CA certificate to trust, or a client certificate is given. ``client_cert`` and
-    ``client_key`` (PEM files, both or neither): the certificate presented for mutual TLS."""
-    options = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-               ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-               # reconnect within a second or two of a server restart, not gRPC's default
-               # backoff of up to two minutes (a resuming client would wait that long)
-               ("grpc.initial_reconnect_backoff_ms", 200),
-               ("grpc.min_reconnect_backoff_ms", 200),
-               ("grpc.max_reconnect_backoff_ms", 2000)]
+    ``client_key`` (PEM files, both or neither): the certificate presented for mutual TLS.
+    ``options``: more gRPC channel arguments, ``(name, value)`` pairs merged after edgespec's
+    own (``CHANNEL_OPTIONS``): one with the same name replaces edgespec's value."""
+    merged = dict(CHANNEL_OPTIONS)
+    merged.update(options)  # a caller's option replaces edgespec's of the same name
+    args = list(merged.items())
     mod = grpc.aio if aio else grpc
     if bool(client_cert) != bool(client_key):
         raise ConfigError("a client certificate needs both --tls-cert and --tls-key")
@@ -242,8 +253,8 @@ def make_channel(address: str, tls_ca: str | None = None, tls: bool = False,
             _read(tls_ca) if tls_ca else None,
             private_key=_read(client_key) if client_key else None,
             certificate_chain=_read(client_cert) if client_cert else None)
-        return mod.secure_channel(address, creds, options=options)
-    return mod.insecure_channel(address, options=options)
+        return mod.secure_channel(address, creds, options=args)
+    return mod.insecure_channel(address, options=args)
 
 
 def free_port() -> int:

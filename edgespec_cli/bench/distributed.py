@@ -23,10 +23,13 @@ from .run import add_question_args, load_questions
 
 def add_bench_net_args(p) -> None:
     add_question_args(p)
-    p.add_argument("--max-new-tokens", type=int, default=128, help="(default: %(default)s)")
-    p.add_argument("--drafter", default="mag", help="mag | model:PATH (default: %(default)s)")
+    p.add_argument("--max-new-tokens", type=int, default=128,
+                   help="most tokens generated per prompt (default: %(default)s)")
+    p.add_argument("--drafter", metavar="SPEC", default="mag",
+                   help="the drafter process's drafter: mag | model:PATH (default: %(default)s)")
     p.add_argument("--json", dest="json_out", default="bench-results/bench-net.json",
-                   help="(default: %(default)s)")
+                   metavar="FILE",
+                   help="where to write the JSON results (default: %(default)s)")
 
 
 def _spawn(args: list[str], log: Path) -> subprocess.Popen:

@@ -28,12 +28,13 @@ def add_bench_drafters_args(p) -> None:
     add_question_args(p)
     p.add_argument("--draft-tokens", type=int, default=64,
                    help="tokens each drafter drafts per prompt (default: %(default)s)")
-    p.add_argument("--drafters", default=DEFAULT_DRAFTERS,
+    p.add_argument("--drafters", metavar="LIST", default=DEFAULT_DRAFTERS,
                    help="comma-separated drafter specs to measure (default: %(default)s)")
     p.add_argument("--repeat", type=int, default=1,
                    help="runs of each prompt and drafter; the fastest counts "
                         "(default: %(default)s)")
     p.add_argument("--json", dest="json_out", default="bench-results/drafter-speed.json",
+                   metavar="FILE",
                    help="where to write the JSON results (default: %(default)s)")
 
 

@@ -27,25 +27,26 @@ from edgespec.config import ConfigError
 
 
 def add_bench_forward_args(p) -> None:
-    p.add_argument("--dtypes", default=None,
+    p.add_argument("--dtypes", metavar="LIST", default=None,
                    help="comma-separated dtypes (default: every dtype that is exact on "
                         "--device here)")
-    p.add_argument("--batches", default="1,2,4,8,16",
+    p.add_argument("--batches", metavar="LIST", default="1,2,4,8,16",
                    help="sessions in the forward, comma-separated (default: %(default)s)")
-    p.add_argument("--tokens", default="1,2,5,9",
+    p.add_argument("--tokens", metavar="LIST", default="1,2,5,9",
                    help="tokens a session adds, comma-separated: 1 is a decode step, 1 + k "
                         "verifies a k-token draft (default: %(default)s)")
     p.add_argument("--context", type=int, default=300,
                    help="tokens already in every KV slot (default: %(default)s)")
     p.add_argument("--repeat", type=int, default=6,
                    help="timed runs per cell; the median counts (default: %(default)s)")
-    p.add_argument("--profile", default="8,5",
+    p.add_argument("--profile", metavar="B,T", default="8,5",
                    help="B,T of the forward split into linear / attention / head / other "
                         "('' for none; default: %(default)s)")
     p.add_argument("--shape", default=None,
                    help="time a random-weight model of this shape instead of --model: "
                         "135m, 1.7b or 8b (built on --device from its config, no download)")
     p.add_argument("--json", dest="json_out", default="bench-results/forward-cost.json",
+                   metavar="FILE",
                    help="where to write the JSON results (default: %(default)s)")
 
 

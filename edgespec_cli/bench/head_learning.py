@@ -21,20 +21,23 @@ from edgespec.config import ConfigError, SamplingParams
 def add_bench_learn_args(p) -> None:
     p.add_argument("--head", required=True, metavar="DIR",
                    help="the head to start from: a head folder, 'default' or a shipped kind")
-    p.add_argument("--category", default="translation",
+    p.add_argument("--category", metavar="CAT", default="translation",
                    help="the Spec-Bench category of the stream (one the head was not trained "
                         "on: see edgespec distill --hold-out-category) (default: %(default)s)")
-    p.add_argument("--requests", type=int, default=100, help="(default: %(default)s)")
-    p.add_argument("--max-new-tokens", type=int, default=64, help="(default: %(default)s)")
-    p.add_argument("--drafter", default="none",
+    p.add_argument("--requests", type=int, default=100,
+                   help="requests in the stream (default: %(default)s)")
+    p.add_argument("--max-new-tokens", type=int, default=64,
+                   help="most tokens generated per request (default: %(default)s)")
+    p.add_argument("--drafter", metavar="SPEC", default="none",
                    help="the in-process drafter beside the head, in both runs "
                         "(default: %(default)s)")
     p.add_argument("--learn-every", type=int, default=1000, metavar="TOKENS",
                    help="new live tokens between two --learn rounds (default: %(default)s)")
     p.add_argument("--json", dest="json_out", default="bench-results/head-learning.json",
-                   help="(default: %(default)s)")
-    p.add_argument("--plot", default="bench-results/head-learning.png",
-                   help="the chart (default: %(default)s)")
+                   metavar="FILE",
+                   help="where to write the JSON results (default: %(default)s)")
+    p.add_argument("--plot", metavar="FILE", default="bench-results/head-learning.png",
+                   help="where to draw the chart, a PNG (needs matplotlib) (default: %(default)s)")
 
 
 def stream_of(category: str, n: int) -> list[tuple[str, SamplingParams]]:

@@ -43,13 +43,15 @@ def add_question_args(p) -> None:
 
 def add_bench_args(p) -> None:
     add_question_args(p)
-    p.add_argument("--max-new-tokens", type=int, default=128, help="(default: %(default)s)")
+    p.add_argument("--max-new-tokens", type=int, default=128,
+                   help="most tokens generated per question (default: %(default)s)")
     p.add_argument("--full", action="store_true",
                    help="all 480 questions (overrides --categories and --per-category)")
-    p.add_argument("--drafters", default=DEFAULT_DRAFTERS,
+    p.add_argument("--drafters", metavar="LIST", default=DEFAULT_DRAFTERS,
                    help="edgespec drafters to run, separated by ';' (or by ',' when no cascade "
                         "is among them); llamacpp:default is added when llama-cpp-python is "
-                        "installed (default: %(default)s)")
+                        "installed; head:DIR, SPEC+head:DIR and auto are drafters too "
+                        "(default: %(default)s)")
     p.add_argument("--trees", default="mag+cacheback", metavar="SPECS",
                    help="also run these drafters (';'-separated) drafting token trees, as "
                         "SPEC@treeN rows; 'none' skips them (default: %(default)s)")
@@ -66,7 +68,7 @@ def add_bench_args(p) -> None:
                    help="runs of each prompt and method; the fastest counts (shields figures "
                         "from a busy machine; drafters do not learn from repeats) "
                         "(default: %(default)s)")
-    p.add_argument("--temperature", type=float, default=0.0,
+    p.add_argument("--temperature", metavar="T", type=float, default=0.0,
                    help="sample every edgespec row at this temperature with per-question keyed "
                         "seeds, so target-only and every drafter draw the same tokens; "
                         "transformers' and llama.cpp's baselines are greedy and are skipped "
@@ -77,7 +79,7 @@ def add_bench_args(p) -> None:
                    help="skip llama.cpp's baselines and drafter even when it is installed")
     p.add_argument("--no-fleet-warm", action="store_true",
                    help="skip the Cacheback fleet-table warm-up run")
-    p.add_argument("--json", dest="json_out", default="bench-results/bench.json",
+    p.add_argument("--json", metavar="FILE", dest="json_out", default="bench-results/bench.json",
                    help="where to write the JSON results (default: %(default)s)")
 
 

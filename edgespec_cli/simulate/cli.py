@@ -22,19 +22,19 @@ def add_simulate_command(sub) -> None:
 
     s = sub.add_parser("simulate", help="a whole fleet on one machine: real verifier, cache "
                                         "and drafters, emulated devices and links")
-    s.add_argument("--devices", default="4",
+    s.add_argument("--devices", metavar="N[,N...]", default="4",
                    help="emulated devices; a comma list (1,2,4,8) sweeps device counts "
                         "(default: %(default)s)")
-    s.add_argument("--profile", default="rpi5",
+    s.add_argument("--profile", metavar="NAME[,NAME...]", default="rpi5",
                    help=f"device profile(s), comma-separated; a mixed fleet cycles through "
                         f"the list ({', '.join(PROFILES)}) (default: %(default)s)")
     how_long = s.add_mutually_exclusive_group()
     how_long.add_argument("--requests", type=int, default=None,
-                          help="requests in all, dealt to devices in turn (default: 2 per "
-                               "device; with --find-capacity: per device)")
-    how_long.add_argument("--duration", type=float, default=None,
+                          help="requests in all, dealt to devices in turn; with "
+                               "--find-capacity, requests per device (default: 2 per device)")
+    how_long.add_argument("--duration", metavar="S", type=float, default=None,
                           help="send requests for this many seconds instead")
-    s.add_argument("--rate", type=float, default=None,
+    s.add_argument("--rate", metavar="R", type=float, default=None,
                    help="open loop: requests per second over the fleet (default: closed loop, "
                         "each device sends its next request when the last finishes)")
     s.add_argument("--batching", choices=["on", "off", "both"], default="both",
@@ -42,12 +42,16 @@ def add_simulate_command(sub) -> None:
                         "per forward (off), or both on the same requests (default: %(default)s)")
     s.add_argument("--max-new-tokens", type=int, default=64,
                    help="tokens per request (default: %(default)s)")
-    s.add_argument("--model", default="default",
+    s.add_argument("--model", metavar="M", default="default",
                    help="target model: 'default', a transformers directory or a .gguf file "
                         "(default: %(default)s)")
-    s.add_argument("--json", metavar="FILE", default=None, help="write the report here")
-    s.add_argument("--plot", metavar="DIR", default=None, help="write PNG charts here")
-    s.add_argument("--seed", type=int, default=0,
+    s.add_argument("--json", metavar="FILE", default=None,
+                   help="write the report, as JSON, to this file (default: none)")
+    s.add_argument("--plot", metavar="DIR", default=None,
+                   help="draw PNG charts into this folder: throughput and p99 inter-token latency "
+                        "against device count, batching on against off, per-device acceptance "
+                        "(default: none)")
+    s.add_argument("--seed", metavar="S", type=int, default=0,
                    help="seeds the links' jitter and loss and the order of prompts "
                         "(default: %(default)s)")
     s.add_argument("--address", default=None, metavar="HEAD:PORT",
@@ -56,7 +60,7 @@ def add_simulate_command(sub) -> None:
     s.add_argument("--find-capacity", action="store_true",
                    help="add devices until the slowest one's tokens/s falls below --slo; "
                         "report the capacity with batching on and off")
-    s.add_argument("--slo", type=float, default=None,
+    s.add_argument("--slo", metavar="TOK_S", type=float, default=None,
                    help="per-device tokens/s the capacity search holds (with --find-capacity)")
     s.add_argument("--max-devices", type=int, default=32,
                    help="the capacity search's upper bound (default: %(default)s)")
@@ -68,7 +72,7 @@ def add_simulate_command(sub) -> None:
                    help="the verifier's most tokens in one forward (own token + drafts of "
                         "every session; the longest drafts are cut first): a small budget "
                         "shortens drafts as the batch grows (default: the verifier's, 256)")
-    s.add_argument("--timeout", type=float, default=900.0,
+    s.add_argument("--timeout", metavar="S", type=float, default=900.0,
                    help="seconds a run may take to come up or a request to finish "
                         "(default: %(default)s)")
     add_threads_arg(s)
