@@ -138,6 +138,24 @@ def _build_parser() -> argparse.ArgumentParser:
     # not required: with no command, main prints this help rather than argparse's one line
     sub = parser.add_subparsers(dest="cmd", title="commands", metavar="COMMAND")
 
+    _add_generate(sub)
+    _add_models(sub)
+    _add_benchmarks(sub)
+    from .cluster import add_cluster_commands
+    from .deploy import add_deploy_command
+    from .distill import add_distill_command
+    from .simulate.cli import add_simulate_command
+    from .status import add_status_command
+
+    add_cluster_commands(sub)
+    add_status_command(sub)
+    add_deploy_command(sub)
+    add_simulate_command(sub)
+    add_distill_command(sub)
+    return parser
+
+
+def _add_generate(sub) -> None:
     g = sub.add_parser("generate", help="generate text from a prompt, speculatively, in process",
                        description="Generate text from a prompt, speculatively, in process. "
                                    "The prompt is the PROMPT argument or the contents of "
@@ -175,6 +193,8 @@ def _build_parser() -> argparse.ArgumentParser:
     add_verify_args(g)
     g.set_defaults(func=cmd_generate)
 
+
+def _add_models(sub) -> None:
     m = sub.add_parser("models", help="fetch or locate the default model")
     msub = m.add_subparsers(dest="models_cmd", required=True, metavar="{pull,path}")
     pull = msub.add_parser("pull", help="download and convert the default model into the cache")
@@ -184,6 +204,9 @@ def _build_parser() -> argparse.ArgumentParser:
     msub.add_parser("path", help="print the default model's directory (pulls it if missing)")
     m.set_defaults(func=cmd_models)
 
+
+def _add_benchmarks(sub) -> None:
+    """bench, bench-net, bench-drafters, bench-forward and bench-learn."""
     b = sub.add_parser("bench", help="Spec-Bench: edgespec against target-only and transformers")
     from .bench.run import add_bench_args
 
@@ -229,19 +252,6 @@ def _build_parser() -> argparse.ArgumentParser:
     add_model_args(lr)
     add_threads_arg(lr)
     lr.set_defaults(func=run_bench_learn)
-
-    from .cluster import add_cluster_commands
-    from .deploy import add_deploy_command
-    from .distill import add_distill_command
-    from .simulate.cli import add_simulate_command
-    from .status import add_status_command
-
-    add_cluster_commands(sub)
-    add_status_command(sub)
-    add_deploy_command(sub)
-    add_simulate_command(sub)
-    add_distill_command(sub)
-    return parser
 
 
 # what the models extra installs: a command that runs a model in torch needs it

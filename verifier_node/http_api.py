@@ -79,21 +79,7 @@ def make_app(state: ServingState, token: str | None = None,
     app.add_middleware(BodyLimit, max_bytes=max_request_bytes)  # 413 before a body is read
     expected = f"Bearer {token}".encode() if token else None
     created = int(time.time())
-
-    @app.exception_handler(ApiError)
-    async def _api_error(request, exc: ApiError):
-        return error_response(exc.status, str(exc), exc.kind, exc.param, exc.code)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request, exc: StarletteHTTPException):
-        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        hint = missing_v1_hint(request) if exc.status_code == 404 else None
-        return error_response(exc.status_code, hint or str(exc.detail), kind)
-
-    @app.exception_handler(Exception)
-    async def _unexpected(request, exc: Exception):
-        log.exception("HTTP request failed")
-        return error_response(500, f"internal error: {type(exc).__name__}", "server_error")
+    _add_error_handlers(app)
 
     def check_auth(request: Request) -> None:
         if expected is None:
@@ -145,24 +131,7 @@ def make_app(state: ServingState, token: str | None = None,
         except (ValueError, RecursionError):  # bad JSON, bad UTF-8, absurd nesting
             raise ApiError(400, "the request body is not valid JSON", "invalid_request_error")
         params = parse_request(body, chat, model_name)
-        try:
-            ticket = await anyio.to_thread.run_sync(admission.admit, params.generation)
-        except EmptyPrompt as e:
-            raise ApiError(400, str(e), "invalid_request_error",
-                           "messages" if chat else "prompt") from None
-        except ConfigError as e:
-            code = "context_length_exceeded" if "context limit" in str(e) else None
-            raise ApiError(400, str(e), "invalid_request_error", code=code) from None
-        except (SessionNotFound, DrafterMissing) as e:
-            raise ApiError(400, str(e), "invalid_request_error") from None
-        except QueueFull as e:
-            raise ApiError(429, f"the verifier is overloaded: {e}", "rate_limit_error",
-                           code="overloaded") from None
-        except ShuttingDown as e:
-            raise ApiError(503, str(e), "service_unavailable") from None
-        except (StoreUnavailable, OSError) as e:
-            raise ApiError(503, f"the draft cache is unreachable: {e}",
-                           "service_unavailable") from None
+        ticket = await _admit(admission, params, chat)
         run = _Run(admission, ticket, params, chat, model_name)
         if params.stream:
             return StreamingResponse(run.sse(), media_type="text/event-stream")
@@ -177,6 +146,48 @@ def make_app(state: ServingState, token: str | None = None,
         return await generate(request, chat=True)
 
     return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every error as OpenAI's error body: ours (ApiError), the framework's (a 404 with a hint
+    where /v1 is missing) and anything unexpected (500, logged)."""
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request, exc: ApiError):
+        return error_response(exc.status, str(exc), exc.kind, exc.param, exc.code)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request, exc: StarletteHTTPException):
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        hint = missing_v1_hint(request) if exc.status_code == 404 else None
+        return error_response(exc.status_code, hint or str(exc.detail), kind)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request, exc: Exception):
+        log.exception("HTTP request failed")
+        return error_response(500, f"internal error: {type(exc).__name__}", "server_error")
+
+
+async def _admit(admission: Admission, params, chat: bool):
+    """The request admitted (its ticket), or the ApiError that says why not."""
+    try:
+        return await anyio.to_thread.run_sync(admission.admit, params.generation)
+    except EmptyPrompt as e:
+        raise ApiError(400, str(e), "invalid_request_error",
+                       "messages" if chat else "prompt") from None
+    except ConfigError as e:
+        code = "context_length_exceeded" if "context limit" in str(e) else None
+        raise ApiError(400, str(e), "invalid_request_error", code=code) from None
+    except (SessionNotFound, DrafterMissing) as e:
+        raise ApiError(400, str(e), "invalid_request_error") from None
+    except QueueFull as e:
+        raise ApiError(429, f"the verifier is overloaded: {e}", "rate_limit_error",
+                       code="overloaded") from None
+    except ShuttingDown as e:
+        raise ApiError(503, str(e), "service_unavailable") from None
+    except (StoreUnavailable, OSError) as e:
+        raise ApiError(503, f"the draft cache is unreachable: {e}",
+                       "service_unavailable") from None
 
 
 class _Run:
