@@ -1,6 +1,7 @@
 """How the draft cache keeps its state in Redis: the key layout (``KeyLayout``), the encodings of
-tokens and sampling parameters, and the translation of Redis failures into the protocol's
-``StoreUnavailable``.
+tokens, sampling parameters and a drafter's inbox events (``InboxEvent``: one codec for the
+fields ``store`` and the commit script write and the service reads), and the translation of
+Redis failures into the protocol's ``StoreUnavailable``.
 
 Keys (prefix ``es:`` by default):
 
@@ -29,6 +30,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import redis
+from redis.typing import EncodableT, FieldT
 
 from edgespec.config import SamplingParams
 from edgespec.protocol.contract import StoreUnavailable
@@ -77,6 +79,51 @@ class KeyLayout:
     @property
     def wake(self) -> str:
         return f"{self.prefix}wake"
+
+
+# the fields of a commit event, in the order the commit script (store_lua.COMMIT_LUA) writes
+# them; assign and close events carry the first two (tests/test_cache_store.py reads the script)
+COMMIT_FIELDS = ("t", "sid", "epoch", "end", "fix", "tok", "pos", "more")
+
+
+@dataclass(frozen=True)
+class InboxEvent:
+    """One entry of a drafter's inbox stream: a session assigned to it, a commit (a fix when
+    the draft did not hold the verifier's token: the session rolls back to ``position`` and
+    continues with ``token`` and ``more``), or a session closed."""
+
+    kind: str  # "assign", "commit" or "close"
+    session_id: str
+    epoch: int = 0
+    end: int = 0  # commit: the committed end
+    fix: bool = False
+    token: int = 0  # fix: the verifier's first token, at ``position``
+    position: int = 0
+    more: tuple[int, ...] = ()  # fix: its further tokens (a branch's)
+
+    def fields(self) -> dict[FieldT, EncodableT]:
+        """The stream entry (the commit script writes commits itself, in these fields)."""
+        out: dict[FieldT, EncodableT] = {"t": self.kind, "sid": self.session_id}
+        if self.kind == "commit":
+            out.update(epoch=str(self.epoch), end=str(self.end), fix="1" if self.fix else "0",
+                       tok=str(self.token), pos=str(self.position),
+                       more=",".join(map(str, self.more)))
+        return out
+
+    @classmethod
+    def parse(cls, fields: dict[str, str]) -> "InboxEvent | None":
+        """The event of a stream entry's fields; None for a kind this version does not know."""
+        kind, sid = fields.get("t"), fields.get("sid", "")
+        if kind in ("assign", "close"):
+            return cls(kind, sid)
+        if kind != "commit":
+            return None
+        end, epoch = int(fields["end"]), int(fields["epoch"])
+        if fields.get("fix") != "1":
+            return cls("commit", sid, epoch, end)
+        more = tuple(int(t) for t in fields.get("more", "").split(",") if t)
+        return cls("commit", sid, epoch, end, True, int(fields["tok"]),
+                   int(fields.get("pos", end - 1 - len(more))), more)
 
 
 def pack_tokens(tokens) -> bytes:

@@ -44,6 +44,7 @@ from edgespec.v1 import edgespec_pb2 as pb
 from edgespec.v1 import edgespec_pb2_grpc as pb_grpc
 from edgespec.wire.convert import params_to_pb, retry_after_metadata
 
+from .codec import InboxEvent
 from .credentials import DeviceCredentials
 from .store import RedisSessionStore, StoreError
 
@@ -346,23 +347,19 @@ class DraftCacheService(pb_grpc.DraftCacheServicer):
             session_id=sid, tokens=snap.tokens, sampling=params_to_pb(snap.params),
             epoch=snap.epoch))
 
-    def _event_message(self, ev: dict) -> pb.CacheMessage | None:
-        kind, sid = ev.get("t"), ev.get("sid", "")
-        if kind == "assign":
-            return self._assignment(sid)
-        if kind == "close":
-            return pb.CacheMessage(closed=pb.SessionClosed(session_id=sid))
-        if kind == "commit":
-            end = int(ev["end"])
-            if ev["fix"] != "1":
-                return pb.CacheMessage(commit=pb.Commit(session_id=sid, epoch=int(ev["epoch"]),
-                                                        committed_end=end))
-            more = [int(t) for t in ev.get("more", "").split(",") if t]
-            return pb.CacheMessage(commit=pb.Commit(
-                session_id=sid, epoch=int(ev["epoch"]), committed_end=end, is_fix=True,
-                fix_position=int(ev.get("pos", end - 1 - len(more))), fix_token=int(ev["tok"]),
-                fix_more=more))
-        return None
+    def _event_message(self, ev: InboxEvent | None) -> pb.CacheMessage | None:
+        if ev is None:
+            return None
+        if ev.kind == "assign":
+            return self._assignment(ev.session_id)
+        if ev.kind == "close":
+            return pb.CacheMessage(closed=pb.SessionClosed(session_id=ev.session_id))
+        if not ev.fix:
+            return pb.CacheMessage(commit=pb.Commit(session_id=ev.session_id, epoch=ev.epoch,
+                                                    committed_end=ev.end))
+        return pb.CacheMessage(commit=pb.Commit(
+            session_id=ev.session_id, epoch=ev.epoch, committed_end=ev.end, is_fix=True,
+            fix_position=ev.position, fix_token=ev.token, fix_more=list(ev.more)))
 
 
 def _chunk_draft(chunk: pb.DraftChunk, window: int) -> tuple[list[int], list[Branch]]:

@@ -26,7 +26,7 @@ from edgespec.protocol.contract import (MAX_BRANCHES, Branch, CommitOutcome, Dra
                                chunk_branches, take_branches)
 
 from .chunk_waker import ChunkWaker
-from .codec import (KeyLayout, pack_tokens, params_from_json, params_to_json,
+from .codec import (InboxEvent, KeyLayout, pack_tokens, params_from_json, params_to_json,
                     raises_store_unavailable, text, unpack_tokens)
 from .devices import DeviceRegistry
 from .fleet_recorder import FleetRecorder
@@ -131,7 +131,7 @@ class RedisSessionStore:
         if device:
             pipe.sadd(self.keys.sessions(device), sid)
             pipe.expire(self.keys.sessions(device), self.ttl_s)
-            pipe.xadd(self.keys.inbox(device), {"t": "assign", "sid": sid},
+            pipe.xadd(self.keys.inbox(device), InboxEvent("assign", sid).fields(),
                       maxlen=self.inbox_maxlen, approximate=True)
         pipe.execute()
         with self._lock:
@@ -255,7 +255,7 @@ class RedisSessionStore:
                 pipe.expire(key, keep_s)
             if device:
                 pipe.srem(self.keys.sessions(device), sid)
-                pipe.xadd(self.keys.inbox(device), {"t": "close", "sid": sid},
+                pipe.xadd(self.keys.inbox(device), InboxEvent("close", sid).fields(),
                           maxlen=self.inbox_maxlen, approximate=True)
             pipe.execute()
         except redis.RedisError as e:
@@ -305,12 +305,15 @@ class RedisSessionStore:
         last: Any = self.redis.xrevrange(self.keys.inbox(device), count=1)
         return text(last[0][0]) if last else "0-0"
 
-    def read_events(self, device: str, after: str, block_ms: int) -> list[tuple[str, dict]]:
+    def read_events(self, device: str, after: str, block_ms: int
+                    ) -> list[tuple[str, InboxEvent | None]]:
+        """The inbox entries after ``after``: (entry id, its event; None: a kind this version
+        does not know, skipped by the reader)."""
         # [[stream, [(id, {field: value})]]] (redis-py types a reply as a union of shapes)
         got: Any = self.redis.xread({self.keys.inbox(device): after}, block=block_ms, count=256)
         if not got:
             return []
-        return [(text(eid), {text(k): text(v) for k, v in fields.items()})
+        return [(text(eid), InboxEvent.parse({text(k): text(v) for k, v in fields.items()}))
                 for eid, fields in got[0][1]]
 
 

@@ -2,6 +2,7 @@
 
 import pytest
 
+from cache_service.codec import COMMIT_FIELDS, InboxEvent
 from cache_service.redis_conn import RedisHandle
 from cache_service.store import RedisSessionStore, StoreError
 from edgespec.config import SamplingParams
@@ -27,7 +28,7 @@ def test_push_take_commit_with_fix_reaches_the_inbox(store):
     store.create("s1", [1, 2, 3], SamplingParams(), dev)
     assert store.snapshot("s1").tokens == [1, 2, 3]
     events = store.read_events(dev, "0-0", 10)
-    assert events[0][1] == {"t": "assign", "sid": "s1"}
+    assert events[0][1] == InboxEvent("assign", "s1")
     res = store.push("s1", 0, 3, [4, 5, 6], idle=False, window=8)
     assert (res.kept, res.committed_end) == (3, 3)
     [taken] = store.take_when_ready([DraftWant("s1", 2)], 0.0)
@@ -38,8 +39,8 @@ def test_push_take_commit_with_fix_reaches_the_inbox(store):
     snap = store.snapshot("s1")
     assert snap.tokens == [1, 2, 3, 4, 9] and snap.epoch == 1
     ev = store.read_events(dev, events[0][0], 10)
-    assert ev[-1][1] == {"t": "commit", "sid": "s1", "epoch": "1", "end": "5", "fix": "1",
-                         "tok": "9", "pos": "4", "more": ""}
+    assert ev[-1][1] == InboxEvent("commit", "s1", epoch=1, end=5, fix=True, token=9,
+                                   position=4)
 
 
 def test_held_token_commits_without_fix(store):
@@ -77,8 +78,8 @@ def test_branches_are_stored_taken_kept_ahead_and_dropped_by_a_fix(store):
     assert store.snapshot("s9").tokens == [1, 2, 10, 11, 12, 24, 7]
     assert store.redis.llen(store.keys.session("s9")[3]) == 0  # a fix drops the branches
     ev = store.read_events(dev, ev0, 10)
-    assert ev[-1][1] == {"t": "commit", "sid": "s9", "epoch": "1", "end": "7", "fix": "1",
-                         "tok": "24", "pos": "5", "more": "7"}
+    assert ev[-1][1] == InboxEvent("commit", "s9", epoch=1, end=7, fix=True, token=24,
+                                   position=5, more=(7,))
     # a replayed branch commit is recognised, not applied twice
     [again] = store.commit_many([Verdict("s9", 0, 4, 1, 7, branch=(24,))])
     assert again.ok and store.snapshot("s9").tokens == [1, 2, 10, 11, 12, 24, 7]
@@ -204,7 +205,7 @@ def test_sessions_expire_and_close_notifies_the_drafter(store):
     assert 0 < ttl <= 30
     store.close("s6", "stop", keep_s=5)
     assert store.devices.sessions_of(dev) == []
-    assert store.read_events(dev, "0-0", 10)[-1][1] == {"t": "close", "sid": "s6"}
+    assert store.read_events(dev, "0-0", 10)[-1][1] == InboxEvent("close", "s6")
     assert 0 < store.redis.ttl("t:s:s6") <= 5
     assert store.snapshot("s6") is None
 
@@ -223,3 +224,22 @@ def test_a_session_keeps_its_verification_mode_for_a_resume(store):
     assert store.load("sv").verify == "loose"
     store.create("se", [1, 2], SamplingParams(), None)
     assert store.load("se").verify == "exact"
+
+
+def test_one_codec_for_inbox_events():
+    """The commit script writes exactly the fields ``InboxEvent`` reads, in its order, and every
+    event survives its own fields; an unknown kind reads as None (skipped)."""
+    import re
+
+    from cache_service.store_lua import COMMIT_LUA
+
+    xadd = COMMIT_LUA[COMMIT_LUA.index("'XADD'"):]
+    xadd = xadd[:xadd.index("\n", xadd.index("'more'"))]
+    names = re.findall(r"'(\w+)'", xadd.split("'*',", 1)[1])
+    assert tuple(n for n in names if n != "commit") == COMMIT_FIELDS
+    for ev in (InboxEvent("assign", "s1"), InboxEvent("close", "s2"),
+               InboxEvent("commit", "s3", epoch=2, end=9),
+               InboxEvent("commit", "s4", epoch=3, end=12, fix=True, token=7, position=9,
+                          more=(8, 1))):
+        assert InboxEvent.parse(ev.fields()) == ev
+    assert InboxEvent.parse({"t": "future-kind", "sid": "s5"}) is None

@@ -66,9 +66,8 @@ class RedisSide:
     def fixes(self, sid) -> list[tuple]:
         out = []
         for _, ev in self.store.read_events("dev", "0-0", 0):
-            if ev.get("t") == "commit" and ev["sid"] == sid and ev["fix"] == "1":
-                more = tuple(int(t) for t in ev["more"].split(",") if t)
-                out.append((int(ev["epoch"]), int(ev["pos"]), (int(ev["tok"]), *more)))
+            if ev is not None and ev.kind == "commit" and ev.session_id == sid and ev.fix:
+                out.append((ev.epoch, ev.position, (ev.token, *ev.more)))
         return out
 
     def forget(self, sid) -> None:
