@@ -5,12 +5,11 @@ blank lines and lines starting with ``#`` are skipped, and a ``#`` after whitesp
 Tokens are any printable ASCII without whitespace; a device id appears once, and no two devices
 share a token. Error messages name line numbers, never tokens.
 
-With credentials configured, a drafter sends its own token the usual way
-(``authorization: Bearer <token>``) and the cache derives the device from it: a Register for
-another device id, a PushDraft that names another device, and a chunk for a session assigned to
-another device are refused with PERMISSION_DENIED (see
-``edgespec.wire.convert.TokenAuthInterceptor`` for
-which tokens each service accepts).
+With credentials configured, a drafter sends its own token the usual way (``authorization: Bearer
+<token>``) and the cache derives the device from it: a Register for another device id, a PushDraft
+that names another device, and a chunk for a session assigned to another device are refused with
+PERMISSION_DENIED (see ``edgespec.wire.convert.TokenAuthInterceptor`` for which tokens each service
+accepts).
 """
 
 from __future__ import annotations

@@ -10,8 +10,7 @@ is a gRPC status code (FAILED_PRECONDITION for a stale epoch or a misplaced chun
 stream for the same device id replaces an older one.
 
 A drafter is not trusted: device and session ids must match ``edgespec.protocol.ids`` (they are
-spliced
-into Redis keys), draft token ids must be in the vocabulary, and a tree chunk must be well
+spliced into Redis keys), draft token ids must be in the vocabulary, and a tree chunk must be well
 formed; anything else is INVALID_ARGUMENT.
 
 With per-device credentials (``credentials``, see ``cache_service.credentials``) the device is

@@ -1,10 +1,9 @@
 """The draft cache's session state in Redis and the atomic operations on it (Lua scripts,
 ``store_lua``): the verifier's side (``create``, ``take_when_ready``, ``commit_many``, ``close``:
 ``edgespec.protocol.contract.SessionStore``, as the in-process ``LocalSessionStore``) and the
-drafters'
-(``push``, ``snapshot``, their inbox events), over the key layout of ``codec``. The drafters
-themselves are ``devices``'s; closed sessions teach the fleet table through ``fleet_recorder``;
-a pushed chunk wakes a waiting verifier through ``chunk_waker``.
+drafters' (``push``, ``snapshot``, their inbox events), over the key layout of ``codec``. The
+drafters themselves are ``devices``'s; closed sessions teach the fleet table through
+``fleet_recorder``; a pushed chunk wakes a waiting verifier through ``chunk_waker``.
 
 Bounds: a draft never exceeds the window, the inbox streams are capped (MAXLEN ~), and every
 session key expires ``ttl_s`` after its last commit, so an abandoned session disappears by itself.

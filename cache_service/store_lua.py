@@ -6,18 +6,16 @@ max_branches, nb, then nb (pos, packed [pos, tokens...]) pairs) appends a
 chunk if its epoch and start are current, within the window; its branches (alternatives to the
 kept tokens) are kept while the session holds fewer than max_branches.
 
-COMMIT (KEYS: hash, tok, draft, br, inbox; ARGV: epoch, n, packed token, done, ttl, maxlen,
-sid, first fix token, start, finish, packed branch tokens, the fix's further tokens as CSV,
-own branch 1/0)
-appends draft[:n] + branch + token to the committed tokens. A commit the draft held keeps the
-branches still ahead; anything else (a rejection, a bonus token, a branch) is a fix: the draft
-and its branches are dropped, the epoch moves on, and the drafter's inbox gets the fix. A
-verdict that names a branch the draft does not hold is refused, unless the branch is the
-verifier's own (a draft head's). A commit replayed after it
-landed (its reply lost with the connection) is recognised by its position and last token and
-answered with code 2, not applied twice. Both rules are the in-process store's too
-(``edgespec.protocol.local_store``); tests/test_store_contract.py holds the two stores to the same
-cases.
+COMMIT (KEYS: hash, tok, draft, br, inbox; ARGV: epoch, n, packed token, done, ttl, maxlen, sid,
+first fix token, start, finish, packed branch tokens, the fix's further tokens as CSV, own branch
+1/0) appends draft[:n] + branch + token to the committed tokens. A commit the draft held keeps the
+branches still ahead; anything else (a rejection, a bonus token, a branch) is a fix: the draft and
+its branches are dropped, the epoch moves on, and the drafter's inbox gets the fix. A verdict that
+names a branch the draft does not hold is refused, unless the branch is the verifier's own (a draft
+head's). A commit replayed after it landed (its reply lost with the connection) is recognised by its
+position and last token and answered with code 2, not applied twice. Both rules are the in-process
+store's too (``edgespec.protocol.local_store``); tests/test_store_contract.py holds the two stores
+to the same cases.
 """
 
 PUSH_LUA = """

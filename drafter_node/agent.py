@@ -1,17 +1,16 @@
 """The edge drafter agent: attach to the draft cache, draft for assigned sessions, apply fixes.
 
 One bidirectional ``Attach`` stream carries everything. A receiver thread records what the cache
-sends in the drafting loop's book (assignments, commits, fixes, closed sessions); a drafting
-thread runs the drafting loop (``edgespec.drafters.drafting_loop``, the same loop the in-process
-engine
-runs over its local store) with the agent as its transport: it drafts ahead for every session
-with room in its window (W tokens beyond the committed position), in chunks of c tokens, outside
-the lock (a fix never waits behind a model drafter's forward), tags each chunk with its epoch
-and start position, and never waits for a verdict. When the link drops, the agent forgets its
-sessions, waits with exponential backoff and attaches again; the cache then sends the current
-state of its sessions. A cache that answers but refuses for now (its Redis recovering) says when
-to come back (trailing metadata ``retry-after-ms``): the agent comes back then instead of
-backing off (``next_backoff``), so drafting resumes within moments of the cache serving again.
+sends in the drafting loop's book (assignments, commits, fixes, closed sessions); a drafting thread
+runs the drafting loop (``edgespec.drafters.drafting_loop``, the same loop the in-process engine
+runs over its local store) with the agent as its transport: it drafts ahead for every session with
+room in its window (W tokens beyond the committed position), in chunks of c tokens, outside the lock
+(a fix never waits behind a model drafter's forward), tags each chunk with its epoch and start
+position, and never waits for a verdict. When the link drops, the agent forgets its sessions, waits
+with exponential backoff and attaches again; the cache then sends the current state of its sessions.
+A cache that answers but refuses for now (its Redis recovering) says when to come back (trailing
+metadata ``retry-after-ms``): the agent comes back then instead of backing off (``next_backoff``),
+so drafting resumes within moments of the cache serving again.
 
 A session the drafter cannot serve (``open`` fails, e.g. no free KV slot when a pinned session
 arrives beyond capacity, or ``propose``/``rollback`` fails later) is refused, never fatal: the

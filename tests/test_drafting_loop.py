@@ -1,9 +1,8 @@
 """The one drafting loop (``edgespec.drafters.drafting_loop``) with a drafter that blocks in the
-middle of
-a proposal: the lock is free meanwhile (a fix is recorded while the drafter works), the chunk
-drafted before the fix is dropped as stale and the fix applied before the next chunk, a session
-closed while busy is closed once, by the loop's own thread, and a drafter that fails costs its
-session its drafts and nothing else."""
+middle of a proposal: the lock is free meanwhile (a fix is recorded while the drafter works), the
+chunk drafted before the fix is dropped as stale and the fix applied before the next chunk, a
+session closed while busy is closed once, by the loop's own thread, and a drafter that fails costs
+its session its drafts and nothing else."""
 
 from __future__ import annotations
 

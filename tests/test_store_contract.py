@@ -1,6 +1,5 @@
 """The session protocol's rules (``edgespec.protocol.contract``) held against both stores: the
-in-process
-``LocalSessionStore`` and the ``RedisSessionStore`` (Lua in a real Redis, embedded and
+in-process ``LocalSessionStore`` and the ``RedisSessionStore`` (Lua in a real Redis, embedded and
 external). Every case runs on each; a store is driven through its verifier side (the
 ``SessionStore`` calls) and its drafter side (a chunk push), the two sides the protocol has."""
 

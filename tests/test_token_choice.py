@@ -1,7 +1,6 @@
 """A drafter's token choice in NumPy (``edgespec.drafters.token_choice``) against the verifier's
 torch maths (``edgespec.verify.sampling``): the same noise integers, the same processed
-distribution,
-and so the target's own token wherever the drafter's distribution is the target's."""
+distribution, and so the target's own token wherever the drafter's distribution is the target's."""
 
 import numpy as np
 import pytest

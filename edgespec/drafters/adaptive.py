@@ -4,13 +4,12 @@ The schedule is transformers' heuristic (also PEARL's spirit): after a full acce
 may be 2 tokens longer, after a rejection it is 1 shorter, within [k_min, k_max]. The drafters'
 own confidence cut-offs decide where a draft stops being worth sending at all.
 
-``alpha`` estimates the probability that a draft token is accepted given that the tokens before
-it were (successes over trials, recent verifications weighing most); the engine's planner
+``alpha`` estimates the probability that a draft token is accepted given that the tokens before it
+were (successes over trials, recent verifications weighing most); the engine's planner
 (``edgespec.engine.draft_planner``) turns it and the measured cost of a wider forward into the
-number of
-draft tokens a step verifies (and waits for), 0 where drafting does not pay. A session planned
-without drafts is probed now and then (``probe``), so a session whose text turns repetitive is
-noticed. ``beta`` is the same for token trees: accepted branch tokens per branch token verified,
+number of draft tokens a step verifies (and waits for), 0 where drafting does not pay. A session
+planned without drafts is probed now and then (``probe``), so a session whose text turns repetitive
+is noticed. ``beta`` is the same for token trees: accepted branch tokens per branch token verified,
 which the planner weighs against a wider forward's cost (``probe_branches`` likewise).
 """
 

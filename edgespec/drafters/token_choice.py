@@ -8,9 +8,8 @@ x + 1). Using the same noise makes a drafted token the target's own sample where
 target's p agree there (per token, about 1 - TV(p, q)).
 
 The noise integers are the verifier's bit for bit (tests/test_token_choice.py checks them against
-``edgespec.verify.keyed_noise.position_keys``/``gumbel_of_keys``); its floating-point logarithms
-may differ
-in the last bit, which can change a drafted token only where two candidates tie to 1e-16. A
+``edgespec.verify.keyed_noise.position_keys``/``gumbel_of_keys``); its floating-point logarithms may
+differ in the last bit, which can change a drafted token only where two candidates tie to 1e-16. A
 draft is a proposal to keyed verification, so that never changes the output.
 
 Kept in NumPy so that a board running the llama.cpp drafter needs no torch.

@@ -1,6 +1,5 @@
 """The in-process drafter thread: the drafting loop (``edgespec.drafters.drafting_loop``) over the
-local
-session store, the same loop an edge board's agent runs over the cache's Attach stream.
+local session store, the same loop an edge board's agent runs over the cache's Attach stream.
 
 ``LocalChannel`` is the loop's transport here: each round it records in the book the store's new
 sessions, their fixes (from the store's fix log) and commits, and the sessions that ended; a

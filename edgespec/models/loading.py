@@ -95,11 +95,10 @@ class LoadedModel:
 
 def load_model(spec: str = "default", device: str = "cpu", dtype: str = "auto",
                exact: bool = True) -> LoadedModel:
-    """Load a causal LM and its tokenizer from a spec, on ``device`` in ``dtype`` ("auto":
-    bfloat16 where its exact path runs here, else float32; ``edgespec.runner.dtype_probe``). A
-    target
-    (``exact``) is refused in a dtype that is not batch-invariant here; a drafter's model may
-    use any dtype."""
+    """Load a causal LM and its tokenizer from a spec, on ``device`` in ``dtype`` ("auto": bfloat16
+    where its exact path runs here, else float32; ``edgespec.runner.dtype_probe``). A target
+    (``exact``) is refused in a dtype that is not batch-invariant here; a drafter's model may use
+    any dtype."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if device.startswith("cuda") and not torch.cuda.is_available():

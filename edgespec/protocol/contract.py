@@ -14,9 +14,8 @@ and parents (``edgespec.wire.trees``), the verifier's node layout (``tree_verify
 Redis's packed encoding are conversions at those boundaries.
 
 Two stores implement ``SessionStore``: ``edgespec.protocol.local_store.LocalSessionStore`` (in
-process) and
-``cache_service.store.RedisSessionStore`` (Lua scripts in Redis). tests/test_store_contract.py
-holds both to the same rules, replays and refusals.
+process) and ``cache_service.store.RedisSessionStore`` (Lua scripts in Redis).
+tests/test_store_contract.py holds both to the same rules, replays and refusals.
 
 Failure rules the verifier relies on:
 - ``take_when_ready`` and ``commit_many`` answer per session: one session's trouble (it vanished

@@ -2,11 +2,11 @@
 and loose, computed on the runner's device with one host synchronisation.
 
 ``VerifyBatch`` is built once per step from the drafts (host data) and moved to the device;
-``verify_step(logits, batch)`` decides every row at once and returns a ``VerifyOutcome`` after
-a single ``.tolist()``. A chain is the tree whose node i hangs from node i - 1. The maths is that of
+``verify_step(logits, batch)`` decides every row at once and returns a ``VerifyOutcome`` after a
+single ``.tolist()``. A chain is the tree whose node i hangs from node i - 1. The maths is that of
 ``edgespec.verify.sampling`` (greedy argmax; the position-keyed Gumbel-max sample, its noise
-computed on
-the device with the same integers as the host's) and ``edgespec.verify.loose`` (FLy, opt-in).
+computed on the device with the same integers as the host's) and ``edgespec.verify.loose`` (FLy,
+opt-in).
 
 A node is accepted when it holds its parent's choice and its parent is accepted (the root
 always is): the accepted nodes form the longest path target-only decoding would have taken, its
