@@ -47,7 +47,7 @@ from .wire.reachability import ConnectWatch, unreachable_reason_aio
 from .v1 import edgespec_pb2 as pb
 from .v1 import edgespec_pb2_grpc as pb_grpc
 from .wire.convert import (REFUSAL_METADATA, auth_metadata, make_channel, params_to_pb,
-                           stats_from_pb)
+                           stats_from_pb, trailing_value)
 
 
 class EdgespecError(Exception):
@@ -237,7 +237,7 @@ class _Resumer:
         A new session refused by a draining verifier fails at once: it would be refused until
         that verifier has stopped."""
         self.last_error = f"{e.code().name}: {e.details()}"
-        if self.session_id is None and _refusal(e) == "draining":
+        if self.session_id is None and trailing_value(e, REFUSAL_METADATA) == "draining":
             raise Unavailable(f"UNAVAILABLE: {e.details()}", e.code()) from None
         resumable = e.code() in RESUMABLE or (  # a resume that found the server full
             self.session_id is not None and e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED)
@@ -253,15 +253,6 @@ class _Resumer:
 
 
 RESUMABLE = {grpc.StatusCode.UNAVAILABLE}
-
-
-def _refusal(e: grpc.RpcError) -> str | None:
-    """Why the server refused the call, where it said (``REFUSAL_METADATA``)."""
-    trailing = getattr(e, "trailing_metadata", None)
-    for key, value in (trailing() if callable(trailing) else None) or ():
-        if key == REFUSAL_METADATA:
-            return value
-    return None
 
 
 class _Collector:

@@ -21,8 +21,8 @@ from reference import path_to
 
 from edgespec.config import ConfigError
 from edgespec.runner.attention import probe_invariance
-from edgespec.runner.dtype_probe import (exact_here, first_varying_count, linear_rows_exact,
-                                         probe_input, probe_row_counts)
+from edgespec.runner.dtype_probe import (exact_here, first_varying_count, probe_input,
+                                         probe_row_counts)
 from edgespec.runner.linear import Linear
 from edgespec.runner.target_runner import TargetRunner
 from edgespec.verify.trees import DraftTree
@@ -195,11 +195,14 @@ def test_the_attention_probe_catches_a_shape_dependent_kernel(monkeypatch):
 
 
 def test_the_linear_probe_catches_a_lone_row_path(monkeypatch):
+    """The start check's sweep (``first_varying_count`` over the CPU's row counts) finds the
+    packed kernel's single-row path at one row, and nothing once a lone row goes as two."""
     g = torch.Generator().manual_seed(0)
     lin = Linear(torch.randn(576, 1536, generator=g) * 0.05)  # the default model's down shape
-    assert linear_rows_exact(lin, rows=64)
+    x, counts = probe_input(64, 1536, lin.weight), probe_row_counts("cpu", 64)
+    assert first_varying_count(lin, x, counts) is None
     monkeypatch.setattr(Linear, "__call__", Linear._apply)  # a lone row as it is
-    assert not linear_rows_exact(lin, rows=64)
+    assert first_varying_count(lin, x, counts) == 1
 
 
 # -- the linear layer's row tiles and the start check over the served model's shapes ------------

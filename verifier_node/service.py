@@ -28,7 +28,7 @@ from edgespec.protocol.ids import check_session_id
 from edgespec.models.text_stream import TextStream
 from edgespec.v1 import edgespec_pb2 as pb
 from edgespec.v1 import edgespec_pb2_grpc as pb_grpc
-from edgespec.wire.convert import REFUSAL_METADATA, params_from_pb, params_to_pb, stats_to_pb
+from edgespec.wire.convert import params_from_pb, params_to_pb, refusal_metadata, stats_to_pb
 
 from .admission import Admission, DrafterMissing, GenerationRequest, SessionNotFound
 from .scheduler import QueueFull, ShuttingDown, Ticket
@@ -89,7 +89,7 @@ class VerifierService(pb_grpc.VerifierServicer):
         except ShuttingDown as e:
             # marked, so that the SDK fails a new call at once instead of retrying until its
             # deadline (a draining verifier admits nothing new until it has stopped)
-            context.set_trailing_metadata(((REFUSAL_METADATA, "draining"),))
+            context.set_trailing_metadata(refusal_metadata("draining"))
             context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         except Exception as e:  # the cache is unreachable, say
             log.warning("admission failed: %r", e)

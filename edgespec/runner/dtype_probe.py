@@ -72,15 +72,6 @@ def _rows_agree(lin, x: torch.Tensor, wide: torch.Tensor) -> bool:
     return torch.equal(alone, wide) and torch.equal(pairs, wide)
 
 
-def linear_rows_exact(lin, rows: int = 16, seed: int = 2) -> bool:
-    """Whether a runner ``Linear`` gives each of ``rows`` random rows the same bits alone, in
-    pairs and all together (the served model's own weights and shapes)."""
-    g = torch.Generator().manual_seed(seed)
-    w = lin.weight
-    x = torch.randn(rows, w.shape[1], generator=g).to(device=w.device, dtype=w.dtype)
-    return _rows_agree(lin, x, lin(x))
-
-
 def probe_row_counts(device: str, max_rows: int) -> list[int]:
     """The row counts a start check tries, up to ``max_rows`` (the most rows one forward
     sends). On CUDA, where every call is padded to whole tiles, the counts that can differ are

@@ -76,21 +76,32 @@ def retry_after_metadata(ms: int) -> tuple[tuple[str, str], ...]:
     return ((RETRY_AFTER_MD, str(int(ms))),)
 
 
+def trailing_value(error: grpc.RpcError, key: str) -> str | None:
+    """The value a failed call's trailing metadata holds for ``key``, or None (not said, or the
+    server was not reached: an error raised without a call behind it has none)."""
+    try:
+        md = error.trailing_metadata() or ()
+    except Exception:
+        return None
+    return next((value for k, value in md if k == key), None)
+
+
 def retry_after_s(error: grpc.RpcError) -> float | None:
     """The delay (seconds) a refusal's trailing metadata asks for, or None (no hint: the
     server was not reached, or did not say)."""
-    try:
-        md = error.trailing_metadata() or ()
-    except Exception:  # an error raised without a call behind it
+    value = trailing_value(error, RETRY_AFTER_MD)
+    if value is None:
         return None
-    for key, value in md:
-        if key == RETRY_AFTER_MD:
-            try:
-                ms = float(value)
-            except (TypeError, ValueError):
-                return None
-            return ms / 1000 if 0 <= ms < float("inf") else None
-    return None
+    try:
+        ms = float(value)
+    except (TypeError, ValueError):
+        return None
+    return ms / 1000 if 0 <= ms < float("inf") else None
+
+
+def refusal_metadata(why: str) -> tuple[tuple[str, str], ...]:
+    """Trailing metadata saying why a call was refused (``REFUSAL_METADATA``)."""
+    return ((REFUSAL_METADATA, why),)
 
 
 # -- authentication -----------------------------------------------------------------------------
