@@ -9,8 +9,9 @@ import torch
 
 from edgespec.config import SamplingParams
 from edgespec.verify.keyed_noise import keyed_choice, seed_of
-from edgespec.verify.sampling import filtered_logits
-from edgespec.verify.trees import DraftTree, TreeVerdict, verify_tree
+from oracles import filtered_logits
+from edgespec.verify.trees import DraftTree
+from oracles import TreeVerdict, verify_tree
 
 
 def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

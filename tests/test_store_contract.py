@@ -311,3 +311,19 @@ def test_branches_are_capped_before_the_window_cuts_the_chunk(side):
     many = [Branch(2, (40 + i,)) for i in range(MAX_BRANCHES)] + [Branch(0, (60,))]
     assert side.push("s", 0, 3, [10, 11, 12], window=2, branches=many) == 2
     assert _take(side, budget=64).branches == []  # the cap kept only alternatives to token 2
+
+
+@pytest.mark.parametrize("bad", [None, -1, 2.0, True, "3", 99, 10 ** 30])
+def test_the_local_store_refuses_draft_ids_outside_the_vocabulary(bad):
+    """Draft ids are checked where drafts enter (the cache service checks a board's chunks,
+    tests/test_hostile_drafter.py), so the verifier trusts what it takes: nothing of a bad chunk
+    is kept, in its chain or its branches."""
+    store = LocalSessionStore(vocab_size=50)
+    store.create("s", list(PROMPT), SamplingParams(), "dev", 64)
+    state = store.sessions["s"]
+    with pytest.raises(ValueError, match=r"\[0, 50\)"):
+        state.push_draft(0, len(PROMPT), [4, bad])
+    with pytest.raises(ValueError, match=r"\[0, 50\)"):
+        state.push_draft(0, len(PROMPT), [4, 5], branches=[Branch(1, (bad,))])
+    assert state.draft == [] and state.branches == []
+    assert state.push_draft(0, len(PROMPT), [4, 49], branches=[Branch(1, (7,))]) == 2

@@ -1,6 +1,7 @@
 """A drafter's token choice in NumPy (``edgespec.drafters.token_choice``) against the verifier's
-torch maths (``edgespec.verify.sampling``): the same noise integers, the same processed
-distribution, and so the target's own token wherever the drafter's distribution is the target's."""
+torch maths (tests/oracles.py, held to ``edgespec.verify.verify_step``): the same noise integers,
+the same processed distribution, and so the target's own token wherever the drafter's
+distribution is the target's."""
 
 import numpy as np
 import pytest
@@ -13,7 +14,7 @@ from reference import process_logits, sample_at
 
 from edgespec.verify.keyed_noise import keyed_gumbel
 from edgespec.verify.keyed_noise import position_key as torch_position_key
-from edgespec.verify.sampling import filtered_logits
+from oracles import filtered_logits
 
 
 @pytest.mark.parametrize("seed", [0, 1, 12345, 2**62 + 7, 2**63 - 1])

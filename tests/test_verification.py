@@ -18,7 +18,8 @@ from edgespec.engine.spec_engine import Request, SpecEngine
 from edgespec.verify.keyed_noise import (_MASK64, _signed, gumbel_of_keys, keyed_choice,
                                           position_key, position_keys)
 from edgespec.runner.target_runner import TargetRunner
-from edgespec.verify.trees import DraftTree, verify_tree
+from edgespec.verify.trees import DraftTree
+from oracles import verify_tree
 from edgespec.verify.verify_step import VerifyBatch, verify_step
 
 V = 40
@@ -77,7 +78,7 @@ def test_one_call_gives_each_rows_own_verdict(params):
                 if rng.random() < 0.6:
                     logits[b, p + 1, t.tokens[i]] += 30
         vb = VerifyBatch.build([(t.tokens, t.parents) for t in trees], starts,
-                               [params] * len(trees), ["exact"] * len(trees), V)
+                               [params] * len(trees), ["exact"] * len(trees))
         out = verify_step(logits, vb)
         for b, t in enumerate(trees):
             ref = verify_tree(logits[b, :1 + len(t)], t, params, starts[b])
@@ -88,7 +89,7 @@ def test_rows_with_their_own_settings_and_modes_in_one_call():
     """Greedy, sampled, top-k, top-p and loose rows side by side: each row's verdict is its own
     rule's (``verify_tree`` for exact rows, ``sampling.verify_loose`` for loose chains)."""
     from edgespec.config import LooseParams
-    from edgespec.verify.sampling import verify_loose
+    from oracles import verify_loose
 
     loose = LooseParams(entropy=0.5, window=1)
     settings = [SamplingParams(), SamplingParams(temperature=1.0, seed=5),
@@ -109,7 +110,7 @@ def test_rows_with_their_own_settings_and_modes_in_one_call():
         logits[:, :, :6] += 3  # the drafted ids are likely
         starts = [rng.randrange(50) for _ in rows]
         vb = VerifyBatch.build([(t.tokens, t.parents) for _, _, t in rows], starts,
-                               [p for p, _, _ in rows], [m for _, m, _ in rows], V)
+                               [p for p, _, _ in rows], [m for _, m, _ in rows])
         out = verify_step(logits, vb, loose)
         for b, (p, mode, t) in enumerate(rows):
             if mode == "loose":
@@ -127,7 +128,7 @@ def test_siblings_holding_the_same_token_give_one_path():
     tree = DraftTree((5, 5, 7, 8), (-1, -1, 0, 1))
     logits = torch.zeros(1, 5, V)
     logits[0, 0, 5] = logits[0, 1, 7] = logits[0, 2, 8] = logits[0, 3, 9] = 10
-    vb = VerifyBatch.build([(tree.tokens, tree.parents)], [3], [SamplingParams()], ["exact"], V)
+    vb = VerifyBatch.build([(tree.tokens, tree.parents)], [3], [SamplingParams()], ["exact"])
     out = verify_step(logits, vb)
     ref = verify_tree(logits[0], tree, SamplingParams(), 3)
     assert out.paths == [ref.path] == [[0, 2]] and out.tokens == [ref.token]
@@ -142,7 +143,7 @@ def test_sampled_choices_equal_the_host_keyed_choice():
     params = [SamplingParams(temperature=0.9, seed=s) for s in (1, 2, 3, 4, 5, 6)]
     for dev in devices:
         vb = VerifyBatch.build([([], [])] * 6, [10 * b for b in range(6)], params, ["exact"] * 6,
-                               300, dev)
+                               dev)
         out = verify_step(logits[:, :1].to(dev), vb)
         for b, p in enumerate(params):
             scores = logits[b, 0] / 0.9
@@ -215,7 +216,7 @@ def test_top_p_and_top_k_filtering_gives_a_row_its_bits_in_any_batch(device):
 
     def scores(rows: int, cols: int) -> torch.Tensor:
         vb = VerifyBatch.build([([], [])] * rows, [0] * rows, params[:rows], ["exact"] * rows,
-                               V, device)
+                               device)
         return filter_scores(logits[:rows, :cols].to(device), vb).cpu()
 
     full = scores(rows, cols)

@@ -3,7 +3,7 @@
 The drafters that draft from their own logits (the torch model drafter, llama.cpp's) choose each
 token here: the argmax when greedy, else the session's keyed sample ``argmax_x(log q(x) +
 G(seed, pos, x))`` over the drafter's processed distribution q, with the Gumbel noise the verifier
-samples the target with (``edgespec.verify.sampling``: splitmix64 of the position key at counter
+samples the target with (``edgespec.verify.keyed_noise``: splitmix64 of the position key at counter
 x + 1). Using the same noise makes a drafted token the target's own sample wherever q and the
 target's p agree there (per token, about 1 - TV(p, q)).
 

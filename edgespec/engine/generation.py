@@ -51,10 +51,6 @@ class ActiveSession:
         self.stats = Stats()
         self.finish: str | None = None
         self.verify = "exact"  # "exact" or "loose": how this session's drafts are verified
-        # the verifier's draft head, if it has one (``edgespec.heads.proposer``): this
-        # session's context pairs and the head's draft for the next step
-        self.head_context: Any = None
-        self.head_draft: list[int] | None = None  # None: the head did not draft this step
         self.chooser: Any = None  # --auto: its ``stack_choice.StackChooser``
 
     @property

@@ -21,55 +21,30 @@ import itertools
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from ..config import ConfigError, EngineConfig, session_verify_mode
-from .draft_planner import ForwardCost
-from .draft_worker import DraftWorker
 from ..drafters import DraftLength, Drafter
+from ..heads.proposer import HeadProposer
+from ..protocol.contract import (DraftWant, Proposal, Proposer, SessionStore,
+                                 TakenDraft, Verdict)
 from ..protocol.fleet_table import FleetTable
-from .generation import ActiveSession, Request, Result, SessionFailed
-from ..heads.proposer import HeadProposer, head_branch, held_branch
-from ..protocol.contract import DraftWant, SessionStore, TakenDraft, Verdict
+from ..protocol.local_store import LocalSessionStore
+from ..runner.step_rows import DraftShape, StepRows
 from ..runner.target_runner import TargetRunner
 from ..verify.keyed_noise import with_session_seed
-from ..protocol.local_store import LocalSessionStore
-from .step_planning import plan_branch_budgets, plan_drafts
-from .stack_choice import StackChooser, accepted_prefix
-from .step_report import StepReport, step_report
-from ..verify.trees import DraftTree, tree_of_draft
 from ..verify.verify_step import VerifyBatch, verify_step
+from .draft_planner import ForwardCost
+from .draft_worker import DraftWorker
+from .generation import ActiveSession, Request, Result, SessionFailed
+from .decisions import Decision, decide
+from .proposals import DrafterProposer, StepDraft, drafter_row, with_head
+from .stack_choice import StackChooser, accepted_prefix
+from .step_planning import plan_branch_budgets, plan_drafts
+from .step_report import StepReport, step_report
 
 __all__ = ["ActiveSession", "Request", "Result", "SessionFailed", "SpecEngine", "StepReport"]
 
 log = logging.getLogger("edgespec.engine.spec_engine")
-
-
-@dataclass(frozen=True)
-class _Checked:
-    """One row's verification: n chain tokens accepted, then ``branch`` (tokens of a branch,
-    trees only), then the target's own ``token``."""
-
-    n: int
-    token: int
-    branch: tuple[int, ...] = ()
-    own: bool = False  # the branch is the verifier's head's draft, not the drafter's
-
-
-@dataclass
-class _Decided:
-    """A session's verdict of this step, waiting for the store to take it."""
-
-    act: ActiveSession
-    verdict: Verdict
-    new: list[int]  # tokens it adds to the output (cut at a stop token or the length limit)
-    drafted: int  # draft tokens verified: the chain's and the branches'
-    chain: int = 0  # of which the chain's
-    head_offer: tuple[int, ...] = ()  # the head's proposal verified this step
-
-    @property
-    def accepted(self) -> int:
-        return self.verdict.n_accepted + len(self.verdict.branch)
 
 
 class SpecEngine:
@@ -92,12 +67,15 @@ class SpecEngine:
             head = HeadProposer(load_head(self.cfg.head, target), source=self.cfg.head,
                                 learn=self.cfg.learn)
         self.head = head  # a draft head drafting from the verification forward's features
+        self.proposers: list[Proposer] = [DrafterProposer()]  # the sources of each step's drafts
+        if head is not None:
+            self.proposers.append(head)
         self.stop_ids = set(stop_ids or ())
         # fleet: a Cacheback fleet table the local store teaches each finished session's output
         self.worker: DraftWorker | None = None
         self.store: SessionStore  # mypy checks that both stores are one
         if store is None:
-            local = LocalSessionStore(fleet)  # the worker drafts only over a local store
+            local = LocalSessionStore(fleet, target.vocab_size)  # the worker drafts only here
             if drafter:
                 self.worker = DraftWorker(drafter, local, self.cfg)
             self.store = local
@@ -112,7 +90,7 @@ class SpecEngine:
         self.wait_ms: float = wait_ms
         self.active: list[ActiveSession] = []
         self.cost = ForwardCost()  # the measured cost of the verification forward
-        self._undelivered: list[_Decided] = []
+        self._undelivered: list[Decision] = []
 
     @property
     def free_slots(self) -> int:
@@ -173,7 +151,7 @@ class SpecEngine:
                             DraftLength(self.cfg.max_draft, adaptive=self.cfg.adaptive))
         act.verify = verify
         if self.head is not None:
-            act.head_context = self.head.new_context(self.target.device)
+            self.head.start(sid, self.target.device)
         if self.cfg.auto:
             act.chooser = StackChooser()
             act.stats.stacks = act.chooser.chosen
@@ -230,172 +208,160 @@ class SpecEngine:
 
     # -- one verification step over every active session -----------------------------------------
     def step(self) -> StepReport | None:
-        """Take drafts, verify every active session in one forward, commit. If the store cannot
-        be reached, this raises with the engine unchanged, or with the step's verdicts kept
-        aside: the next call commits those first (the store recognises a commit that landed).
-        Returns what the step did (None when nothing was verified)."""
+        """Take drafts, verify every active session in one forward, commit: plan -> take ->
+        propose -> verify -> decide -> commit. If the store cannot be reached, this raises with
+        the engine unchanged, or with the step's verdicts kept aside: the next call commits
+        those first (the store recognises a commit that landed). Returns what the step did
+        (None when nothing was verified)."""
         if self._undelivered:  # verdicts of a step whose commit did not reach the store
-            decided = self._undelivered
-            t0 = time.perf_counter()
-            return _report(self._commit(decided), len(decided),
-                           sum(1 + d.drafted for d in decided), 0.0, 0.0,
-                           time.perf_counter() - t0)
+            kept, t0 = self._undelivered, time.perf_counter()
+            return _report(self._commit(kept), len(kept), sum(d.draft.width for d in kept),
+                           0.0, 0.0, time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        taken = self._take(self._plan())
+        drafts = self._propose(taken)
+        if not drafts:
+            return None
+        t1 = time.perf_counter()
+        verdicts = self._verify(drafts)
+        t2 = time.perf_counter()
+        width = sum(d.width for d in drafts)
+        self.cost.observe(width, t2 - t1)
+        decided = []
+        for d, v in zip(drafts, verdicts):
+            if v is None:
+                continue  # its forward failed: already failed alone
+            decided.append(self._decide(d, v))
+            d.act.stats.take_s += t1 - t0
+            d.act.stats.forward_s += t2 - t1
+        t3 = time.perf_counter()
+        applied = self._commit(decided)
+        return _report(applied, len(drafts), width, t1 - t0, t2 - t1, time.perf_counter() - t3)
+
+    def _plan(self) -> list[DraftWant]:
+        """What to ask of each active session's draft: its length, and its share of branch
+        tokens."""
         acts = list(self.active)
         ks = plan_drafts(acts, self.cfg, self.cost)
         budgets = plan_branch_budgets(acts, ks, self.cfg, self.cost, self.target.max_len)
-        t0 = time.perf_counter()
-        wants = [DraftWant(a.sid, k, b) for a, k, b in zip(acts, ks, budgets)]
+        return [DraftWant(a.sid, k, b) for a, k, b in zip(acts, ks, budgets)]
+
+    def _take(self, wants: list[DraftWant]) -> list[tuple[ActiveSession, TakenDraft]]:
+        """The store's drafts (it waits up to the deadline); a session the store lost, or
+        holds at another position, fails alone."""
+        acts = {a.sid: a for a in self.active}
         taken = self.store.take_when_ready(wants, self.wait_ms / 1000)
-        batch: list[tuple[ActiveSession, TakenDraft]] = []
-        for act, t in zip(acts, taken):
+        out = []
+        for want, t in zip(wants, taken):
+            act = acts[want.session_id]
             if isinstance(t, Exception):
                 self.fail(act, SessionFailed(str(t)))
             elif t.start != act.end:
                 self.fail(act, SessionFailed(f"the cache holds {t.start} tokens of session "
                                              f"{act.sid}, the verifier {act.end}"))
             else:
-                # the cache validates; never verify garbage (nor branches, unless exactly)
-                vocab = self.target.vocab_size
-                if any(not 0 <= x < vocab for x in t.tokens):
-                    t.tokens, t.branches = [], []
-                if act.verify != "exact" or any(not 0 <= x < vocab for b in t.branches
-                                                for x in b.tokens):
-                    t.branches = []
-                batch.append((act, t))
-        # --auto: every source's proposal, verified or not
-        proposals: list[dict | None] = [None] * len(batch)
-        if self.cfg.auto:
-            proposals = [{"drafter": list(t.tokens),
-                          "head": None if act.head_draft is None else list(act.head_draft)}
-                         for act, t in batch]
-            self._choose_stacks(batch)
-        room = self.cfg.max_batch_tokens - sum(1 + len(t.tokens) + t.branch_tokens
-                                               for _, t in batch)
-        offers = []
-        for act, t in batch:  # the head's drafts, within the batch's token budget
-            before = t.branch_tokens
-            offers.append(self._offer_head_draft(act, t, room))
-            room -= t.branch_tokens - before
-        if not batch:
-            return None
-        t1 = time.perf_counter()
-        verdicts = self._verify(batch)
-        t2 = time.perf_counter()
-        width = sum(1 + len(t.tokens) + t.branch_tokens for _, t in batch)
-        self.cost.observe(width, t2 - t1)
-        decided = []
-        for (act, t), c, offer, proposed in zip(batch, verdicts, offers, proposals):
-            if c is None:
-                continue  # its forward failed: already failed alone
-            new, finish = self._truncate(act, t.tokens[:c.n] + list(c.branch) + [c.token])
-            if proposed is not None:
-                act.chooser.observe(proposed, new)
-            # commit exactly what the output keeps: a stop token or the length limit may cut
-            # the accepted run (the kept last token is then a draft token the draft holds)
-            n, branch = min(c.n, len(new) - 1), tuple(new[c.n:len(new) - 1])
-            decided.append(_Decided(act, Verdict(act.sid, t.epoch, t.start, n, new[-1],
-                                                 finish_reason=finish or "", branch=branch,
-                                                 own_branch=c.own and bool(branch)),
-                                    new, len(t.tokens) + t.branch_tokens, len(t.tokens),
-                                    offer))
-            act.stats.take_s += t1 - t0
-            act.stats.forward_s += t2 - t1
-        t3 = time.perf_counter()
-        applied = self._commit(decided)
-        return _report(applied, len(batch), width, t1 - t0, t2 - t1, time.perf_counter() - t3)
+                out.append((act, t))
+        return out
 
-    def _choose_stacks(self, batch: list[tuple[ActiveSession, TakenDraft]]) -> None:
-        """--auto: drop the draft sources each session's chooser leaves out this step."""
+    def _propose(self, taken: list[tuple[ActiveSession, TakenDraft]]) -> list[StepDraft]:
+        """Each session's row: every proposer's draft, the sources ``--auto`` leaves out
+        dropped, the head's within what the batch's token budget leaves."""
+        asked = [{p.name: p.propose(act.sid, t) for p in self.proposers} for act, t in taken]
+        offers: list[dict[str, tuple[int, ...] | None] | None] = [None] * len(taken)
+        if self.cfg.auto:  # every source's proposal, verified or not
+            offers = [{n: None if p is None else p.tokens for n, p in props.items()}
+                      for props in asked]
+            asked = [self._choose_sources(act, props, len(taken))
+                     for (act, _), props in zip(taken, asked)]
+        rows = [drafter_row(act, t, props.get("drafter"), o)
+                for (act, t), props, o in zip(taken, asked, offers)]
+        room = self.cfg.max_batch_tokens - sum(r.width for r in rows)
+        for i, props in enumerate(asked):  # the head's drafts, within the batch's token budget
+            row = with_head(rows[i], props.get("head"), room)
+            room -= row.branch_tokens - rows[i].branch_tokens
+            rows[i] = row
+        return rows
+
+    def _choose_sources(self, act: ActiveSession, proposals: dict[str, Proposal | None],
+                        batch: int) -> dict[str, Proposal | None]:
+        """--auto: the proposals of the sources this session's chooser keeps this step."""
         fixed, per_token = self.cost.fit() or (1.0, 0.05)
-        costs = {"head": self.head.cost_s / len(batch)} if self.head is not None else {}
-        for act, t in batch:
-            offered = {"drafter": len(t.tokens),
-                       "head": len(act.head_draft or ()) if act.verify == "exact" else 0}
-            stack = act.chooser.choose(offered, fixed, per_token, costs)
-            if "drafter" not in stack:
-                t.tokens, t.branches = [], []
-            if "head" not in stack:
-                act.head_draft = []
+        costs = {"head": self.head.cost_s / batch} if self.head is not None else {}
+        offered = {name: len(p.tokens) if p is not None else 0
+                   for name, p in proposals.items()}
+        if act.verify != "exact":
+            offered["head"] = 0
+        stack = act.chooser.choose(offered, fixed, per_token, costs)
+        return {name: p for name, p in proposals.items() if name in stack}
 
-    def _head_wanted(self, batch: list[tuple[ActiveSession, TakenDraft]]) -> bool:
+    def _head_wanted(self, drafts: list[StepDraft]) -> bool:
         """--auto: whether a session of the batch would choose the head's drafts next step."""
         assert self.head is not None  # asked only with a head
         fixed, per_token = self.cost.fit() or (1.0, 0.05)
-        costs = {"head": self.head.cost_s / len(batch)}
-        return any(a.verify == "exact" and
-                   a.chooser.wants("head", self.head.depth, fixed, per_token, costs)
-                   for a, _ in batch)
+        costs = {"head": self.head.cost_s / len(drafts)}
+        return any(d.act.verify == "exact" and
+                   d.act.chooser.wants("head", self.head.depth, fixed, per_token, costs)
+                   for d in drafts)
 
-    def _offer_head_draft(self, act: ActiveSession, t: TakenDraft, room: int
-                          ) -> tuple[int, ...]:
-        """Add the head's draft for this session to its draft as a branch (exact sessions), at
-        most ``room`` tokens of it; returns what the head proposed (empty: nothing)."""
-        offer = tuple(act.head_draft or ())[:max(0, room)]
-        act.head_draft = []
-        if not offer or act.verify != "exact":
-            return ()
-        branch = head_branch(t.tokens, offer)
-        if branch is not None:
-            t.branches.append(branch)
-        return offer
-
-    def _verify(self, batch: list[tuple[ActiveSession, TakenDraft]]
-                ) -> Sequence[_Checked | None]:
+    def _verify(self, drafts: list[StepDraft]) -> Sequence[Verdict | None]:
         """One forward over the batch; if it fails, each session alone, so that a failure
         fails only the session it concerns (None marks those)."""
         try:
-            return self._forward_and_verify(batch)
+            return self._forward_and_verify(drafts)
         except Exception:
-            if len(batch) == 1:
-                act, _ = batch[0]
+            if len(drafts) == 1:
+                act = drafts[0].act
                 log.exception("verification of session %s failed", act.sid)
                 self.fail(act, SessionFailed("verification failed"))
                 return [None]
-        out: list[_Checked | None] = []
-        for item in batch:
-            out.extend(self._verify([item]))
+        out: list[Verdict | None] = []
+        for d in drafts:
+            out.extend(self._verify([d]))
         return out
 
-    def _forward_and_verify(self, batch: list[tuple[ActiveSession, TakenDraft]]) -> list[_Checked]:
+    def _forward_and_verify(self, drafts: list[StepDraft]) -> list[Verdict]:
         """One forward over the batch (a tree forward if any row has branches: chains are
         trees whose node i hangs from node i - 1), then every row verified at once on the
-        device (``edgespec.verify.verify_step``): one host sync."""
-        trees = [tree_of_draft(t.tokens, t.branches) if t.branches
-                 else DraftTree.chain(t.tokens) for _, t in batch]
-        slots, roots = [a.slot for a, _ in batch], [a.last_token for a, _ in batch]
-        if any(t.branches for _, t in batch):
-            scored = self.target.score_tree(slots, roots, trees)  # [B, 1 + N, V]
-        else:
-            scored = self.target.score(slots, [[r] + t.tokens for r, (_, t) in
-                                               zip(roots, batch)])  # [B, 1 + k, V]
-        vb = VerifyBatch.build([(list(tr.tokens), list(tr.parents)) for tr in trees],
-                               [t.start for _, t in batch], [a.req.params for a, _ in batch],
-                               [a.verify for a, _ in batch], self.target.vocab_size,
-                               self.target.device)
+        device (``edgespec.verify.verify_step``): one host sync. Each row's verdict is the
+        accepted path's chain tokens, then its branch, then the target's token."""
+        trees = [d.tree() for d in drafts]
+        rows = StepRows.build([d.act.slot for d in drafts],
+                              [self.target.cache.lengths[d.act.slot] for d in drafts],
+                              [d.act.last_token for d in drafts],
+                              DraftShape.of([(tr.tokens, tr.parents) for tr in trees]),
+                              self.target.device)
+        scored = self.target.score_rows(rows)  # [B, 1 + N, V]
+        vb = VerifyBatch.of_rows(rows, [d.start for d in drafts],
+                                 [d.act.req.params for d in drafts],
+                                 [d.act.verify for d in drafts])
+        sids = [d.act.sid for d in drafts]
         proposal = None
         if self.head is not None:
-            wanted = not self.cfg.auto or self._head_wanted(batch)
-            proposal = self.head.for_step([a.head_context for a, _ in batch], scored.features,
-                                          vb.tokens, vb.depths, wanted)
+            wanted = not self.cfg.auto or self._head_wanted(drafts)
+            proposal = self.head.for_step(sids, scored.features, vb.tokens, vb.depths, wanted)
         out = verify_step(scored.logits, vb, self.cfg.loose, proposal)
         if proposal is not None and self.head is not None:
-            self.head.ran(proposal)
-        checked = []
-        for b, ((act, t), tree, path, token) in enumerate(zip(batch, trees, out.paths,
-                                                             out.tokens)):
-            self.target.compact(act.slot, path)  # a branch's keys/values into place
-            n = sum(1 for i in path if i < len(t.tokens))  # the path's chain nodes come first
+            self.head.after_step(sids, proposal, [len(p) for p in out.paths], out.proposals)
+        verdicts = []
+        for d, tree, path, token in zip(drafts, trees, out.paths, out.tokens):
+            self.target.compact(d.act.slot, path)  # a branch's keys/values into place
+            n = sum(1 for i in path if i < len(d.tokens))  # the path's chain nodes come first
             branch = tuple(tree.tokens[i] for i in path[n:])
-            checked.append(_Checked(n, token, branch,
-                                    own=bool(branch) and not held_branch(t.branches, n, branch)))
-            if proposal is not None and self.head is not None:
-                act.head_context = proposal.after[b]
-                self.head.observe(act.sid, act.head_context, len(path) + 1)
-                act.head_draft = list(itertools.takewhile(lambda x: x >= 0, out.proposals[b])) \
-                    if proposal.drafting else None
-        return checked
+            verdicts.append(Verdict(d.act.sid, d.epoch, d.start, n, token, branch=branch,
+                                    own_branch=bool(branch) and not d.kept_branch(n, branch)))
+        return verdicts
 
-    def _commit(self, decided: list[_Decided]) -> list[_Decided]:
+    def _decide(self, draft: StepDraft, v: Verdict) -> Decision:
+        """The verdict the store takes (cut at a stop token or the length limit); --auto's
+        chooser learns what each source's proposal would have kept."""
+        room = draft.act.req.max_new_tokens - len(draft.act.output)
+        d = decide(draft, v, room, self.stop_ids)
+        if draft.offers is not None:
+            draft.act.chooser.observe({n: None if p is None else list(p)
+                                       for n, p in draft.offers.items()}, d.new)
+        return d
+
+    def _commit(self, decided: list[Decision]) -> list[Decision]:
         """Commit verdicts in the store, then apply the ones it took; returns those."""
         decided = [d for d in decided if d.act in self.active]  # not cancelled meanwhile
         self._undelivered = decided
@@ -405,39 +371,36 @@ class SpecEngine:
         dt = time.perf_counter() - t0
         applied = []
         for d, outcome in zip(decided, outcomes):
-            act, v = d.act, d.verdict
             if not outcome.ok:
-                self.fail(act, SessionFailed(f"the cache refused a commit: {outcome.error}"))
+                self.fail(d.act, SessionFailed(f"the cache refused a commit: {outcome.error}"))
                 continue
             applied.append(d)
-            # KV of last + accepted (a tree's accepted path was compacted into place)
-            self.target.commit(act.slot, v.start + v.n_accepted + len(v.branch))
-            act.draft_len.update(d.chain, v.n_accepted)  # the chain's own acceptance
-            act.draft_len.update_branches(d.drafted - d.chain, len(v.branch))
-            act.stats.record_step(d.drafted, d.accepted, len(v.branch))
-            if d.head_offer and self.head is not None:
-                got = accepted_prefix(d.head_offer, d.new[:v.n_accepted + len(v.branch)])
-                act.stats.head_tokens += len(d.head_offer)
-                act.stats.head_accepted += got
-                self.head.offered(len(d.head_offer), got)
-            act.stats.commit_s += dt
-            act.output.extend(d.new)
-            act.last_token = v.token
-            act.finish = v.finish_reason or None
-            if act.req.on_tokens:
-                act.req.on_tokens(d.new)
-            if act.finish:
-                self._finish(act)
+            self._apply(d, dt)
         return applied
 
-    def _truncate(self, act: ActiveSession, new: list[int]) -> tuple[list[int], str | None]:
-        room = act.req.max_new_tokens - len(act.output)
-        for i, tok in enumerate(new[:room]):
-            if tok in self.stop_ids:
-                return new[: i + 1], "stop"
-        if len(new) >= room:
-            return new[:room], "length"
-        return new, None
+    def _apply(self, d: Decision, commit_s: float) -> None:
+        """A verdict the store took, applied here: the KV cache, the draft length, the stats,
+        the output."""
+        act, v, new = d.act, d.verdict, d.new
+        # KV of last + accepted (a tree's accepted path was compacted into place)
+        self.target.commit(act.slot, v.start + v.n_accepted + len(v.branch))
+        act.draft_len.update(len(d.draft.tokens), v.n_accepted)  # the chain's own acceptance
+        act.draft_len.update_branches(d.draft.branch_tokens, len(v.branch))
+        act.stats.record_step(d.draft.drafted, d.accepted, len(v.branch))
+        offer = d.draft.head_offer
+        if offer and self.head is not None:
+            got = accepted_prefix(offer, new[:d.accepted])
+            act.stats.head_tokens += len(offer)
+            act.stats.head_accepted += got
+            self.head.offered(len(offer), got)
+        act.stats.commit_s += commit_s
+        act.output.extend(new)
+        act.last_token = v.token
+        act.finish = v.finish_reason or None
+        if act.req.on_tokens:
+            act.req.on_tokens(new)
+        if act.finish:
+            self._finish(act)
 
     # -- whole generations ---------------------------------------------------------------------
     def generate_many(self, requests: list[Request]) -> list[Result]:
@@ -459,7 +422,7 @@ class SpecEngine:
         return self.generate_many([req])[0]
 
 
-def _report(applied: list[_Decided], sessions: int, tokens: int, take_s: float,
+def _report(applied: list[Decision], sessions: int, tokens: int, take_s: float,
             forward_s: float, commit_s: float) -> StepReport:
-    return step_report([d.accepted for d in applied], [d.drafted for d in applied], sessions,
+    return step_report([d.accepted for d in applied], [d.draft.drafted for d in applied], sessions,
                        tokens, take_s, forward_s, commit_s)

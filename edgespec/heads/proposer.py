@@ -2,7 +2,7 @@
 
 Each step, the verification forward's features of every session's accepted path extend that
 session's context and the head drafts the next step's tokens, on the device, before the step's
-one host sync (``verification.verify_step``'s ``propose``). The next step verifies the head's
+one host sync (``edgespec.verify.verify_step``'s ``propose``). The next step verifies the head's
 draft as a branch of the session's draft tree beside whatever a drafter sent (the branch starts
 where the two first differ; with no draft it is the whole chain). A head draft is only a
 proposal: verification decides, so outputs are the target's whatever the head says.
@@ -11,13 +11,13 @@ proposal: verification decides, so outputs are the target's whatever the head sa
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from itertools import takewhile
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
-from ..protocol.contract import Branch
+from ..protocol.contract import Proposal, TakenDraft
 from .drafting import HeadContext, draft, next_context
 from .modules import DraftHead
 
@@ -26,28 +26,6 @@ if TYPE_CHECKING:
 
 
 PROBE_EVERY = 8  # --auto: steps between two drafts of a head no session chooses
-
-
-class HeadBranch(Branch):
-    """A branch the verifier's head drafted (no drafter's store holds it)."""
-
-
-def held_branch(branches: Sequence[Branch], n: int, branch: Sequence[int]) -> bool:
-    """Whether a drafter's branch (not the head's) holds an accepted branch at n."""
-    return any(not isinstance(b, HeadBranch) and b.at == n and
-               tuple(b.tokens[:len(branch)]) == tuple(branch) for b in branches)
-
-
-def head_branch(spine: Sequence[int], proposal: Sequence[int]) -> Branch | None:
-    """The head's proposal as a branch of a draft whose chain is ``spine``: from the first
-    position where they differ (``at`` may be len(spine): it extends the chain); None when
-    the chain already holds all of it."""
-    at = 0
-    while at < len(spine) and at < len(proposal) and spine[at] == proposal[at]:
-        at += 1
-    if at == len(proposal):
-        return None
-    return HeadBranch(at, tuple(proposal[at:]))
 
 
 @dataclass
@@ -65,7 +43,7 @@ class StepProposal:
     seconds: float = 0.0  # what drafting took (host time: the device's on a CPU)
 
     def __call__(self, accepted: torch.Tensor, emitted: torch.Tensor) -> torch.Tensor:
-        """``verification.Proposer``: [B, N] bool, [B] long -> [B, K] long (K = 0 when not
+        """``verify_step``'s ``propose``: [B, N] bool, [B] long -> [B, K] long (K = 0 when not
         drafting)."""
         N = accepted.shape[1]
         feats, toks, vis = next_context(
@@ -84,9 +62,12 @@ class StepProposal:
 
 
 class HeadProposer:
-    """The verifier's head: fresh contexts for new sessions, a ``StepProposal`` a step, and (with
-    ``learn``) an ``OnlineLearner`` fed with every session's accepted pairs, which may swap in a
-    better head (``version`` counts the swaps)."""
+    """The verifier's head, a ``Proposer`` (``edgespec.protocol.contract``): each session's
+    context and its draft for the next step, a ``StepProposal`` a step, and (with ``learn``) an
+    ``OnlineLearner`` fed with every session's accepted pairs, which may swap in a better head
+    (``version`` counts the swaps)."""
+
+    name = "head"
 
     def __init__(self, head: DraftHead, depth: int | None = None, source: str = "",
                  learn: "bool | LearnSettings" = False):
@@ -99,35 +80,52 @@ class HeadProposer:
         self.source = source
         self.version = 0
         self.held_out = head.held_out
+        self._contexts: dict[str, HeadContext] = {}  # session -> its accepted pairs so far
+        # session -> the head's draft for its next step (None: the head did not draft)
+        self._drafts: dict[str, tuple[int, ...] | None] = {}
         self.learner = None
         if learn:
             from .online import OnlineLearner
 
             self.learner = OnlineLearner(self, None if learn is True else learn)
 
-    @property
-    def name(self) -> str:
-        return f"head:{self.head.cfg.kind}"
+    def start(self, sid: str, device) -> None:
+        """A new session: an empty context, no draft yet."""
+        self._contexts[sid] = HeadContext.empty(self.head.cfg.context, self.head.cfg.hidden,
+                                                device)
+        self._drafts[sid] = None
 
-    def new_context(self, device) -> HeadContext:
-        return HeadContext.empty(self.head.cfg.context, self.head.cfg.hidden, device)
+    def propose(self, session_id: str, taken: TakenDraft) -> Proposal | None:
+        """The draft the head made for this session during the previous step (None: it did
+        not draft then); each draft is proposed once."""
+        tokens = self._drafts.get(session_id)
+        self._drafts[session_id] = None
+        return None if tokens is None else Proposal(tokens)
 
-    def for_step(self, contexts: list[HeadContext], features: torch.Tensor,
-                 node_tokens: torch.Tensor, depths: torch.Tensor, wanted: bool = True
-                 ) -> StepProposal:
-        """``wanted``: some session of the batch chose the head's drafts (--auto); when none
-        did, the head drafts only every PROBE_EVERY-th step, so that its acceptance keeps
-        being measured while its cost is not paid."""
+    def for_step(self, sids: list[str], features: torch.Tensor, node_tokens: torch.Tensor,
+                 depths: torch.Tensor, wanted: bool = True) -> StepProposal:
+        """The step's proposer over the batch's sessions ``sids`` (features [B, 1 + N, H],
+        node_tokens [B, N], depths [B, 1 + N]). ``wanted``: some session of the batch chose
+        the head's drafts (--auto); when none did, the head drafts only every PROBE_EVERY-th
+        step, so that its acceptance keeps being measured while its cost is not paid."""
         self._idle_steps = 0 if wanted else self._idle_steps + 1
         drafting = wanted or self._idle_steps % PROBE_EVERY == 0
-        return StepProposal(self.head, contexts, features, node_tokens, depths, self.depth,
-                            drafting)
+        return StepProposal(self.head, [self._contexts[s] for s in sids], features,
+                            node_tokens, depths, self.depth, drafting)
 
-    def ran(self, step: StepProposal) -> None:
-        """A step's drafting time, for --auto's cost model."""
-        if step.drafting:
+    def after_step(self, sids: list[str], step: StepProposal, path_lengths: list[int],
+                   drafts: list[list[int]]) -> None:
+        """A step ran ``step``: each session's context moves on by its accepted path
+        (``path_lengths[b]`` nodes, and the emitted token) and keeps the head's next draft
+        (``drafts[b]``, -1 padded)."""
+        if step.drafting:  # the drafting time, for --auto's cost model
             self.cost_s = step.seconds if self.cost_s == 0 else \
                 0.9 * self.cost_s + 0.1 * step.seconds
+        for sid, ctx, n, drafted in zip(sids, step.after, path_lengths, drafts):
+            self._contexts[sid] = ctx
+            self.observe(sid, ctx, n + 1)
+            self._drafts[sid] = tuple(takewhile(lambda x: x >= 0, drafted)) \
+                if step.drafting else None
 
     def offered(self, proposed: int, accepted: int) -> None:
         """A session's step took ``accepted`` of the head's ``proposed`` tokens: the depth the
@@ -146,6 +144,8 @@ class HeadProposer:
                                 context.tokens[-new_pairs:])
 
     def finish(self, sid: str) -> None:
+        self._contexts.pop(sid, None)
+        self._drafts.pop(sid, None)
         if self.learner is not None:
             self.learner.finish(sid)
 

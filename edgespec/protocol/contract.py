@@ -126,6 +126,30 @@ class TakenDraft:
 
 
 @dataclass(frozen=True)
+class Proposal:
+    """One source's draft for one session's next verification: a chain from the session's
+    committed end, and alternatives hanging from it (``at`` within ``tokens``)."""
+
+    tokens: tuple[int, ...] = ()
+    branches: tuple[Branch, ...] = ()
+
+
+NO_PROPOSAL = Proposal()
+
+
+class Proposer(Protocol):
+    """A source of draft tokens the verifier asks each step (the drafter behind the store, the
+    verifier's draft head); ``name`` is its name in ``--auto``'s stacks."""
+
+    name: str
+
+    def propose(self, session_id: str, taken: TakenDraft) -> Proposal | None:
+        """This step's draft for the session (``taken``: what the store gave for it); None
+        when the source was not asked this step (--auto measures only those it asked)."""
+        ...
+
+
+@dataclass(frozen=True)
 class Verdict:
     """The verifier's decision on one session's draft taken under ``epoch``."""
 

@@ -23,6 +23,7 @@ the same rules (tests/test_store_contract.py):
 
 from __future__ import annotations
 
+import numbers
 import threading
 import time
 from collections import deque
@@ -33,6 +34,14 @@ from ..config import SamplingParams
 from .fleet_table import FleetTable, record_output
 from .contract import (MAX_BRANCHES, Branch, CommitOutcome, DraftWant, Fix, SessionVanished,
                        StaleChunkError, TakenDraft, Verdict, chunk_branches, take_branches)
+
+
+def check_draft_ids(tokens: Sequence[int], vocab_size: int) -> None:
+    """Refuse (ValueError) draft token ids outside [0, vocab_size)."""
+    for t in tokens:
+        if not isinstance(t, numbers.Integral) or isinstance(t, bool) or \
+                not 0 <= int(t) < vocab_size:
+            raise ValueError(f"draft token ids must be in [0, {vocab_size}), got {t!r}")
 
 
 @dataclass
@@ -46,6 +55,7 @@ class SessionState:
     drafter_idle: bool = False  # the drafter has nothing more for the current draft end
     has_drafter: bool = False
     params: SamplingParams = field(default_factory=SamplingParams)
+    vocab_size: int | None = None  # draft token ids must be below it (None: not checked)
     done: bool = False
     fixes: deque = field(default_factory=lambda: deque(maxlen=256))
     _next_fix_id: int = 1
@@ -62,7 +72,13 @@ class SessionState:
     def push_draft(self, epoch: int, start: int, tokens: list[int], idle: bool = False,
                    window: int = 1 << 30, branches=()) -> int:
         """Append a drafted chunk; returns how many tokens were kept (the window bounds it).
-        ``branches``: alternatives to the chunk's tokens (``at`` relative to the chunk)."""
+        ``branches``: alternatives to the chunk's tokens (``at`` relative to the chunk). Token
+        ids are checked here, where drafts enter, and trusted by the verifier afterwards: an id
+        outside the vocabulary raises ValueError (the drafting loop then stops drafting for
+        the session, which the verifier decodes alone)."""
+        if self.vocab_size is not None:
+            check_draft_ids([*tokens, *(t for b in branches for t in b.tokens)],
+                            self.vocab_size)
         if self.done:
             raise StaleChunkError(f"session {self.session_id} is finished")
         if epoch != self.epoch:
@@ -147,10 +163,11 @@ class LocalSessionStore:
 
     wait_ms = 0.0  # no remote drafter to wait for: the engine's drafter suggests its own
 
-    def __init__(self, fleet: FleetTable | None = None) -> None:
+    def __init__(self, fleet: FleetTable | None = None, vocab_size: int | None = None) -> None:
         self.cond = threading.Condition()
         self.sessions: dict[str, SessionState] = {}
         self.fleet = fleet  # taught each session's output when it closes, as the cache does
+        self.vocab_size = vocab_size  # the target's: draft ids are checked against it
 
 
     def create(self, session_id: str, prompt: list[int], params: SamplingParams,
@@ -161,7 +178,7 @@ class LocalSessionStore:
                 raise ValueError(f"session {session_id} exists")
             self.sessions[session_id] = SessionState(session_id, list(prompt), list(committed),
                                                      has_drafter=drafter is not None,
-                                                     params=params)
+                                                     params=params, vocab_size=self.vocab_size)
             self.cond.notify_all()
 
     def take_when_ready(self, wants: list[DraftWant], wait_s: float

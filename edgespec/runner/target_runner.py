@@ -17,7 +17,7 @@ The layer-skip self-draft is the same runner over the first L layers, with the f
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol, Sequence, overload
+from typing import Any, Literal, Sequence, overload
 
 import torch
 import torch.nn.functional as F
@@ -25,27 +25,14 @@ import torch.nn.functional as F
 from .attention import (COL_TILE, KEY_BLOCK, TailKeys, invariant_attention, padded_keys,
                         pointwise)
 from ..config import MAX_TREE_NODES, ConfigError
-from ..protocol.contract import spine_length
 from .dtype_probe import attention_tile, first_varying_count, probe_input, probe_row_counts
 from .kv_cache import KVCache, contiguous_start
+from .step_rows import DraftShape, StepRows, TreeShape
 from .linear import Linear
 
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2")
 PREFILL_CHUNK = 512  # prompt tokens per prefill forward
 MAX_QUERY = MAX_TREE_NODES + 1  # the most tokens one session sends in one step: a tree + root
-
-
-class TreeShape(Protocol):
-    """A draft tree as ``forward_tree`` reads it (``tree_verify.DraftTree`` is one): node i holds
-    tokens[i] and hangs from node parents[i] (-1: the root), parents[i] < i."""
-
-    @property
-    def tokens(self) -> Sequence[int]: ...
-
-    @property
-    def parents(self) -> Sequence[int]: ...
-
-    def __len__(self) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -298,9 +285,7 @@ class TargetRunner:
         start_t = torch.as_tensor(starts, dtype=torch.long, device=dev)
         pos = start_t[:, None] + torch.arange(T, device=dev)[None, :]  # [B, T]
         n_pos = padded_keys(max(starts) + T, self.cache.capacity)
-        # causal: row b's token t sees keys at positions <= its own
-        visible = torch.arange(n_pos, device=dev)[None, None, :] <= pos[:, :, None]  # [B, T, n]
-        return self._run_layers(slots, tokens, pos, pos, visible, n_pos)
+        return self._run_layers(slots, tokens, pos, pos, _causal(pos, n_pos), n_pos)
 
     @torch.inference_mode()
     def forward_tree(self, slots: list[int], roots: list[int], trees: Sequence[TreeShape]
@@ -328,31 +313,38 @@ class TargetRunner:
         """
         if not len(slots) == len(roots) == len(trees) >= 1:
             raise ValueError("forward_tree needs one root and one tree per slot")
-        T = 1 + max(len(t) for t in trees)
-        starts = [self.cache.lengths[s] for s in slots]
-        for s, st in zip(slots, starts):
+        shape = DraftShape.of([(t.tokens, t.parents) for t in trees])
+        return self.score_rows(StepRows.build(slots, [self.cache.lengths[s] for s in slots],
+                                              roots, shape, self.device, tree=True))
+
+    @torch.inference_mode()
+    def score_rows(self, rows: StepRows) -> Scored:
+        """Score a step's rows (``StepRows``, built once for the forward and the
+        verification): as chains when no row branches, else as trees (``score_tree``). Returns
+        the logits [B, T, V] float32 and features of every row."""
+        T = rows.width
+        for s, st in zip(rows.slots, rows.starts):
             self.cache.check_room(s, st, T)
-        dev = self.device
-        tokens = _pad_rows([[r] + list(t.tokens) for r, t in zip(roots, trees)], T).to(dev)
-        # each row's parent row: the root (row 0) its own, node i's 1 + parents[i]; padding rows
-        # hang from the row before (causal, never read)
-        par = torch.arange(-1, T - 1).clamp_min(0).repeat(len(trees), 1)
-        for b, t in enumerate(trees):
-            par[b, 1:1 + len(t)] = torch.as_tensor(t.parents, dtype=torch.long) + 1
-        seen = _ancestors(par.to(dev), max(len(t) for t in trees))  # [B, T, T]
-        start_t = torch.as_tensor(starts, dtype=torch.long, device=dev)
-        own = torch.arange(T, device=dev)
-        store = start_t[:, None] + own[None, :]  # [B, T]
+        start_t = rows.start_index
+        n_pos = padded_keys(max(rows.starts) + T, self.cache.capacity)
+        store = start_t[:, None] + torch.arange(T, device=start_t.device)[None, :]  # [B, T]
+        if not rows.tree:
+            visible = _causal(store, n_pos)
+            x = self._run_layers(rows.slots, rows.tokens, store, store, visible, n_pos,
+                                 slot_index=rows.slot_index)
+            return self._scored(x)
+        seen = rows.ancestors
+        assert seen is not None  # built with every tree
         rope = start_t[:, None] + seen.sum(-1) - 1  # positioned by depth
-        n_pos = padded_keys(max(starts) + T, self.cache.capacity)
-        keys = torch.arange(n_pos, device=dev)
+        keys = torch.arange(n_pos, device=start_t.device)
         visible = (keys[None, None, :] < start_t[:, None, None]).expand(-1, T, -1).clone()
         visible.scatter_(2, store[:, None, :].expand(-1, T, -1), seen)  # [B, T, n_pos]
-        tail = _branch_tails(trees, starts, T, dev)
+        tail = rows.tail
         if tail is not None:  # branch nodes see their row's whole blocks, the rest in order
             visible[tail.rows, tail.queries] = \
                 keys[None, :] < (tail.block0 * KEY_BLOCK)[:, None]
-        x = self._run_layers(slots, tokens, store, rope, visible, n_pos, tail)
+        x = self._run_layers(rows.slots, rows.tokens, store, rope, visible, n_pos, tail,
+                             slot_index=rows.slot_index)
         return self._scored(x)
 
     def compact(self, slot: int, path: list[int]) -> None:
@@ -374,15 +366,18 @@ class TargetRunner:
 
     def _run_layers(self, slots: list[int], tokens: torch.Tensor, store: torch.Tensor,
                     rope: torch.Tensor, visible: torch.Tensor, n_pos: int,
-                    tail: TailKeys | None = None) -> torch.Tensor:
+                    tail: TailKeys | None = None, slot_index: torch.Tensor | None = None
+                    ) -> torch.Tensor:
         """The decoder layers over tokens [B, T]: keys/values written at KV positions
         ``store`` [B, T], rotary positions ``rope`` [B, T], ``visible`` [B, T, n_pos] (which of
         the slots' first n_pos positions each token attends to; n_pos a whole number of key
-        blocks). Returns the last hidden states [B, T, H]."""
+        blocks); ``slot_index``: ``slots`` on the device, when the caller has them there.
+        Returns the last hidden states [B, T, H]."""
         B, T = tokens.shape
         dev = self.device
         cos, sin = self.cos[rope][:, None], self.sin[rope][:, None]  # [B, 1, T, hd]
-        slot_t = torch.as_tensor(slots, dtype=torch.long, device=dev)
+        slot_t = torch.as_tensor(slots, dtype=torch.long, device=dev) if slot_index is None \
+            else slot_index
         run_from = contiguous_start(slots)
         nh, kvh, hd = self.n_heads, self.kv_heads, self.head_dim
         grp = nh // kvh
@@ -421,48 +416,6 @@ def _pad_rows(rows: list[list[int]], T: int) -> torch.Tensor:
     return tokens
 
 
-def _branch_tails(trees: Sequence[TreeShape], starts: list[int], T: int, dev
-                  ) -> TailKeys | None:
-    """The decoding-order key blocks of every branch node (a node past its tree's spine): from
-    the block holding the root on, its logical position L + d reads the row of its ancestor at
-    depth d (row r of a tree is stored at L + r; row 0 is the root). None without branches."""
-    rows, queries, paths, block0 = [], [], [], []
-    for b, tree in enumerate(trees):
-        parents = list(tree.parents)
-        for i in range(spine_length(parents), len(parents)):
-            path, node = [], i
-            while node >= 0:
-                path.append(1 + node)
-                node = parents[node]
-            rows.append(b)
-            queries.append(1 + i)
-            paths.append([0] + path[::-1])  # root row, then the rows down to the node
-            block0.append(starts[b] // KEY_BLOCK)
-    if not rows:
-        return None
-    span = max(starts[b] - KEY_BLOCK * k + len(p) for b, k, p in zip(rows, block0, paths))
-    width = -(-span // KEY_BLOCK) * KEY_BLOCK
-    index = torch.zeros(len(rows), width, dtype=torch.long)
-    seen = torch.zeros(len(rows), width, dtype=torch.bool)
-    for s, (b, k, path) in enumerate(zip(rows, block0, paths)):
-        first = KEY_BLOCK * k
-        pre = starts[b] - first  # prefix positions inside the first block
-        index[s, :pre] = torch.arange(first, starts[b])
-        index[s, pre:pre + len(path)] = starts[b] + torch.as_tensor(path)
-        seen[s, :pre + len(path)] = True
-    n_blocks = max(k + width // KEY_BLOCK for k in block0)
-    return TailKeys(torch.as_tensor(rows, device=dev), torch.as_tensor(queries, device=dev),
-                    index.to(dev), seen.to(dev), torch.as_tensor(block0, device=dev), n_blocks)
-
-
-def _ancestors(parent: torch.Tensor, depth: int) -> torch.Tensor:
-    """[B, T, T] bool on parent's device: row t sees row u iff u is t or one of its ancestors,
-    from each row's parent row ``parent`` [B, T] (the root, row 0, its own), by ``depth``
-    steps up the tree."""
-    B, T = parent.shape
-    seen = torch.eye(T, dtype=torch.bool, device=parent.device).repeat(B, 1, 1)
-    cur = torch.arange(T, device=parent.device).repeat(B, 1)
-    for _ in range(depth):
-        cur = parent.gather(1, cur)
-        seen.scatter_(2, cur[..., None], True)
-    return seen
+def _causal(pos: torch.Tensor, n_pos: int) -> torch.Tensor:
+    """[B, T, n_pos] bool: row b's token t sees the keys at positions <= its own ``pos``."""
+    return torch.arange(n_pos, device=pos.device)[None, None, :] <= pos[:, :, None]

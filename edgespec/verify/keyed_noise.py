@@ -1,5 +1,5 @@
 """Position-keyed randomness: the Gumbel noise G(seed, pos, x) that sampled verification and
-sampling drafters use (``edgespec.verify.sampling``: the token at absolute position ``pos`` is
+sampling drafters use (``edgespec.verify.verify_step``: the token at absolute position ``pos`` is
 ``argmax_x(log p(x) + G(seed, pos, x))``).
 
 The noise is a counter-based hash (splitmix64), not a stateful generator: the value for token x

@@ -20,66 +20,49 @@ bounds what a hostile one can slip into an output, but within it, at uncertain p
 drafter does steer the text; that is what loose verification trades for speed.
 
 "The target's choice" is what exact verification compares with: the argmax when greedy, the
-position-keyed sample when sampling (``edgespec.verify.sampling``). The entropy is that of the
+position-keyed sample when sampling (``edgespec.verify.verify_step``). The entropy is that of the
 target's softmax at temperature 1 when greedy (temperature 0 has no spread to measure), of the
 processed distribution (temperature, top-k, top-p) when sampling.
 
 The output may differ from what the target alone would produce: sessions verified this way are
 marked lossy in their stats, and no verifier uses this rule unless started with
-``--verify loose``.
+``--verify loose``. ``loose_accepts`` is the rule the verification step runs for a whole step
+(``edgespec.verify.verify_step``); tests/oracles.py walks it token by token.
 """
 
 from __future__ import annotations
 
-import numbers
-from typing import Callable
+import math
 
 import torch
 
 from ..config import LooseParams
-from .verify_step import row_entropy
 
 
-def entropy(scores: torch.Tensor) -> float:
-    """Entropy in nats of softmax(scores) over one row of logits (-inf: impossible tokens).
-    A row that is not a distribution (NaN) reads as 0: never loose."""
-    return float(row_entropy(scores.reshape(1, -1))[0])
+def row_entropy(scores: torch.Tensor) -> torch.Tensor:
+    """Entropy in nats of softmax over the last dim (-inf: impossible tokens; a row that is not
+    a distribution, NaN, reads as 0), float64 [...]."""
+    logp = torch.log_softmax(scores.double(), -1)
+    p = logp.exp()
+    h = -torch.where(p > 0, p * logp, torch.zeros_like(p)).sum(-1)
+    return torch.nan_to_num(h, nan=0.0)
 
 
-def accept_loosely(draft: list, choice_at: Callable[[int], int],
-                   entropy_at: Callable[[int], float], possible: Callable[[int, int], bool],
-                   params: LooseParams) -> tuple[int, int]:
-    """FLy's rule over one draft. ``choice_at(i)``: the target's own token at draft position i
-    (i = len(draft): the bonus position); ``entropy_at(i)``: the target's entropy there;
-    ``possible(i, token)``: whether the target's processed distribution allows ``token`` at i.
-    The callables are asked lazily, only where the rule needs them.
-
-    Returns (n_accepted, token): the draft's first n tokens are kept, then ``token`` (the
-    target's choice at n)."""
-    n = len(draft)
-    i = 0
-    while i < n:
-        token = choice_at(i)
-        if not _same(draft[i], token) and not _loose_accept(draft, i, choice_at, entropy_at,
-                                                             possible, params):
-            return i, token
-        i += 1
-    return n, choice_at(n)
-
-
-def _loose_accept(draft: list, i: int, choice_at, entropy_at, possible,
-                  params: LooseParams) -> bool:
-    x = draft[i]
-    if not _is_id(x) or i + params.window >= len(draft):
-        return False  # garbage, or the window is not all in this draft: cannot confirm
-    if not entropy_at(i) > params.entropy or not possible(i, int(x)):
-        return False
-    return all(_same(draft[j], choice_at(j)) for j in range(i + 1, i + params.window + 1))
-
-
-def _is_id(x) -> bool:
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool) and int(x) >= 0
-
-
-def _same(x, token: int) -> bool:
-    return _is_id(x) and int(x) == token
+def loose_accepts(match: torch.Tensor, tokens: torch.Tensor, scores: torch.Tensor,
+                   counts: torch.Tensor, loose: LooseParams) -> torch.Tensor:
+    """FLy's rule on chain rows, on the device: draft token i mismatching the target is
+    accepted where the entropy at i is above the gate, the token is plausible (at least
+    ``min_ratio`` of the top probability) and the next ``window`` draft tokens all match."""
+    B, N = match.shape
+    rows = scores[:, :N]  # row i scores draft token i
+    ent = row_entropy(rows)  # [B, N]
+    at = rows.float().gather(-1, tokens.clamp_min(0)[..., None])[..., 0]
+    plausible = (tokens >= 0) & (at > float("-inf")) & \
+        (at - rows.float().amax(-1) >= math.log(loose.min_ratio))
+    ok = match.long()
+    csum = torch.cat([torch.zeros(B, 1, dtype=torch.long, device=ok.device), ok.cumsum(1)], 1)
+    idx = torch.arange(N, device=ok.device)
+    end = (idx + loose.window + 1).clamp(max=N)
+    window_ok = (csum[:, end] - csum[:, idx + 1]) == loose.window
+    inside = (idx[None] + loose.window) < counts[:, None]
+    return (ent > loose.entropy) & plausible & window_ok & inside

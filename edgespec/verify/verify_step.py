@@ -1,12 +1,32 @@
 """One verification path for every step: chains and trees, greedy and keyed sampling, exact
-and loose, computed on the runner's device with one host synchronisation.
+and loose, computed on the runner's device with one host synchronisation (docs/architecture.md,
+"Verification maths").
+
+Vocabulary: a verification step sees the target's distributions at T+1 positions for a draft of
+T tokens, accepts a prefix of n draft tokens, and emits one token of its own: the *recovered*
+token after a rejection, or the *bonus* token after a full accept.
+
+- Greedy: accept while the draft token is the target's argmax; then emit the argmax.
+- Sampling: position-keyed Gumbel-max. The randomness of absolute position ``pos`` is a function
+  of ``(seed, pos)`` only: Gumbel noise ``G(seed, pos, x)`` for every token x, and the token
+  sampled there is ``argmax_x(log p(x) + G(seed, pos, x))``, an exact sample from p. A draft
+  token is accepted iff it equals that token; the first mismatch (or the bonus after a full
+  accept) emits it. So a seeded generation produces exactly the tokens target-only sampling
+  produces with that seed, whatever the drafter and however its drafts were chunked; for a
+  one-hot draft the acceptance probability stays p(x). A model drafter that samples with the same
+  keyed noise from its own q (``edgespec.drafters.token_choice``) agrees with the target wherever
+  q and p are close.
+
+The noise is ``edgespec.verify.keyed_noise``'s: a function of (seed, pos, x) alone.
+
+p is always the target's *processed* distribution (temperature, top-k, top-p applied), so the
+output follows exactly what target-only sampling would draw from; tokens with p = 0 never win.
 
 ``VerifyBatch`` is built once per step from the drafts (host data) and moved to the device;
 ``verify_step(logits, batch)`` decides every row at once and returns a ``VerifyOutcome`` after a
-single ``.tolist()``. A chain is the tree whose node i hangs from node i - 1. The maths is that of
-``edgespec.verify.sampling`` (greedy argmax; the position-keyed Gumbel-max sample, its noise
-computed on the device with the same integers as the host's) and ``edgespec.verify.loose`` (FLy,
-opt-in).
+single ``.tolist()``. A chain is the tree whose node i hangs from node i - 1. Loose rows follow
+FLy's rule (``edgespec.verify.loose``, opt-in). tests/oracles.py states each rule one row at a
+time, for the tests to hold this path to.
 
 A node is accepted when it holds its parent's choice and its parent is accepted (the root
 always is): the accepted nodes form the longest path target-only decoding would have taken, its
@@ -16,15 +36,15 @@ last node's choice is the emitted token. Every node's logits are decoding's own 
 
 from __future__ import annotations
 
-import math
-import numbers
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from ..config import LooseParams, SamplingParams
+from ..runner.step_rows import DraftShape, StepRows, to_device
 from .keyed_noise import _signed, gumbel_of_keys, position_keys, seed_of
+from .loose import loose_accepts
 
 
 @dataclass
@@ -34,7 +54,7 @@ class VerifyBatch:
     Row b of the forward's logits [B, 1 + N, V] scores the token after the row's root (index 0)
     and after each of its draft nodes (index 1 + i)."""
 
-    tokens: torch.Tensor  # [B, N] long: draft nodes, -1 for padding and for invalid ids
+    tokens: torch.Tensor  # [B, N] long: draft nodes, -1 for padding
     parents: torch.Tensor  # [B, N] long: each node's parent node, -1: the root
     depths: torch.Tensor  # [B, 1 + N] long: 0 for the root, a node's depth after it
     counts: torch.Tensor  # [B] long: nodes in the row
@@ -58,44 +78,44 @@ class VerifyBatch:
 
     @classmethod
     def build(cls, drafts: list[tuple[list[int], list[int]]], starts: list[int],
-              params: list[SamplingParams], modes: list[str], vocab: int,
+              params: list[SamplingParams], modes: list[str],
               device: str | torch.device = "cpu") -> "VerifyBatch":
-        """drafts[b] = (tokens, parents) of row b's tree (a chain: parents -1, 0, 1, ...);
-        starts[b]: the absolute position of the root's successor; modes[b]: "exact" or
-        "loose". A token outside [0, vocab) never matches."""
-        B = len(drafts)
-        N = max(1, max(len(t) for t, _ in drafts))
-        tokens = torch.full((B, N), -1, dtype=torch.long)
-        parents = torch.full((B, N), -1, dtype=torch.long)
-        depths = torch.zeros(B, 1 + N, dtype=torch.long)
-        counts, max_depth = [], 0
-        for b, (toks, pars) in enumerate(drafts):
-            n = len(toks)
-            counts.append(n)
-            tokens[b, :n] = torch.as_tensor([t if _is_id(t, vocab) else -1 for t in toks],
-                                            dtype=torch.long)
-            parents[b, :n] = torch.as_tensor(list(pars), dtype=torch.long)
-            d = [0]
-            for p in pars:
-                d.append(d[p + 1] + 1)
-            depths[b, :n + 1] = torch.as_tensor(d, dtype=torch.long)
-            max_depth = max(max_depth, *d)
+        """drafts[b] = (tokens, parents) of row b's tree (a chain: parents -1, 0, 1, ...), its
+        token ids checked where the draft entered (the stores); starts[b]: the absolute
+        position of the root's successor; modes[b]: "exact" or "loose"."""
+        shape = DraftShape.of(drafts)
+        nodes, parents, depths, counts = to_device(
+            [torch.from_numpy(a) for a in (shape.nodes, shape.parents, shape.depths,
+                                           shape.counts)], device, torch.long)
+        return cls.of_shape(nodes, parents, depths, counts, shape.max_depth, starts, params,
+                            modes)
+
+    @classmethod
+    def of_rows(cls, rows: StepRows, starts: list[int], params: list[SamplingParams],
+                modes: list[str]) -> "VerifyBatch":
+        """The verification of a step's rows, on the tensors the forward read."""
+        return cls.of_shape(rows.nodes, rows.parents, rows.depths, rows.counts, rows.max_depth,
+                            starts, params, modes)
+
+    @classmethod
+    def of_shape(cls, nodes: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor,
+                 counts: torch.Tensor, max_depth: int, starts: list[int],
+                 params: list[SamplingParams], modes: list[str]) -> "VerifyBatch":
+        """The drafts' tensors (on the device) with each row's sampling settings, moved there
+        in two copies (integers, floats)."""
         greedy = [p.greedy for p in params]
-        seeds = [0 if g else _signed(seed_of(p)) for g, p in zip(greedy, params)]
-
-        def dev(x, dtype=torch.long):
-            return torch.as_tensor(x, dtype=dtype).to(device)
-
-        return cls(tokens=tokens.to(device), parents=parents.to(device),
-                   depths=depths.to(device), counts=dev(counts),
-                   starts=dev(starts), seeds=dev(seeds),
-                   temperature=dev([1.0 if g else max(p.temperature, 1e-5)
-                                    for g, p in zip(greedy, params)], torch.float32),
-                   top_k=dev([0 if g else (p.top_k or 0) for g, p in zip(greedy, params)]),
-                   top_p=dev([1.0 if g else p.top_p for g, p in zip(greedy, params)],
-                             torch.float32),
-                   greedy=dev(greedy, torch.bool), loose=dev([m == "loose" for m in modes],
-                                                            torch.bool),
+        ints = torch.tensor([starts, [0 if g else _signed(seed_of(p))
+                                      for g, p in zip(greedy, params)],
+                             [0 if g else (p.top_k or 0) for g, p in zip(greedy, params)],
+                             greedy, [m == "loose" for m in modes]],
+                            dtype=torch.long).reshape(5, len(params)).to(nodes.device)
+        floats = torch.tensor([[1.0 if g else max(p.temperature, 1e-5)
+                                for g, p in zip(greedy, params)],
+                               [1.0 if g else p.top_p for g, p in zip(greedy, params)]],
+                              dtype=torch.float32).reshape(2, len(params)).to(nodes.device)
+        return cls(tokens=nodes, parents=parents, depths=depths, counts=counts,
+                   starts=ints[0], seeds=ints[1], top_k=ints[2], greedy=ints[3].bool(),
+                   loose=ints[4].bool(), temperature=floats[0], top_p=floats[1],
                    any_sampled=not all(greedy),
                    max_top_k=max([p.top_k or 0 for g, p in zip(greedy, params) if not g],
                                  default=0),
@@ -120,8 +140,8 @@ Proposer = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 def filter_scores(logits: torch.Tensor, vb: VerifyBatch) -> torch.Tensor:
     """Each row's processed log-probabilities up to a constant (temperature, top-k, top-p; -inf
-    where removed): logits [B, R, V] -> float32 [B, R, V]; the same bits as
-    ``sampling.filtered_logits`` row by row."""
+    where removed): logits [B, R, V] -> float32 [B, R, V]; tests hold it to the one-row oracle
+    (tests/oracles.py ``filtered_logits``)."""
     x = logits.float() / vb.temperature[:, None, None]
     V = x.shape[-1]
     if vb.max_top_k:
@@ -183,35 +203,6 @@ def target_choices(logits: torch.Tensor, vb: VerifyBatch) -> tuple[torch.Tensor,
     return choices, scores
 
 
-def row_entropy(scores: torch.Tensor) -> torch.Tensor:
-    """Entropy in nats of softmax over the last dim (-inf: impossible tokens; a row that is not
-    a distribution, NaN, reads as 0), float64 [...]."""
-    logp = torch.log_softmax(scores.double(), -1)
-    p = logp.exp()
-    h = -torch.where(p > 0, p * logp, torch.zeros_like(p)).sum(-1)
-    return torch.nan_to_num(h, nan=0.0)
-
-
-def _loose_accepts(match: torch.Tensor, tokens: torch.Tensor, scores: torch.Tensor,
-                   counts: torch.Tensor, loose: LooseParams) -> torch.Tensor:
-    """FLy's rule on chain rows (``loose_verify``): draft token i mismatching the target is
-    accepted where the entropy at i is above the gate, the token is plausible (at least
-    ``min_ratio`` of the top probability) and the next ``window`` draft tokens all match."""
-    B, N = match.shape
-    rows = scores[:, :N]  # row i scores draft token i
-    ent = row_entropy(rows)  # [B, N]
-    at = rows.float().gather(-1, tokens.clamp_min(0)[..., None])[..., 0]
-    plausible = (tokens >= 0) & (at > float("-inf")) & \
-        (at - rows.float().amax(-1) >= math.log(loose.min_ratio))
-    ok = match.long()
-    csum = torch.cat([torch.zeros(B, 1, dtype=torch.long, device=ok.device), ok.cumsum(1)], 1)
-    idx = torch.arange(N, device=ok.device)
-    end = (idx + loose.window + 1).clamp(max=N)
-    window_ok = (csum[:, end] - csum[:, idx + 1]) == loose.window
-    inside = (idx[None] + loose.window) < counts[:, None]
-    return (ent > loose.entropy) & plausible & window_ok & inside
-
-
 def verify_step(logits: torch.Tensor, vb: VerifyBatch, loose: LooseParams | None = None,
                 propose: Proposer | None = None) -> VerifyOutcome:
     """Decide every row of a step. logits: [B, 1 + N', V] from ``forward`` (chains) or
@@ -226,9 +217,9 @@ def verify_step(logits: torch.Tensor, vb: VerifyBatch, loose: LooseParams | None
     match = valid & (tokens == choices.gather(1, parents + 1))  # node holds its parent's choice
     if vb.any_loose:  # loose rows are chains
         match = match | (vb.loose[:, None] & valid &
-                         _loose_accepts(match, tokens, scores, vb.counts, loose or LooseParams()))
-    # of siblings holding the same token (a malformed tree), the first one counts, as in
-    # ``tree_verify.verify_tree``: the accepted nodes stay one path
+                         loose_accepts(match, tokens, scores, vb.counts, loose or LooseParams()))
+    # of siblings holding the same token (a malformed tree), the first one counts: the
+    # accepted nodes stay one path
     earlier = (parents[:, :, None] == parents[:, None, :]) & \
         (idx[None, :, None] > idx[None, None, :])  # [B, N, N]: j is an earlier sibling of i
     match = match & ~(earlier & match[:, None, :]).any(-1)
@@ -246,23 +237,3 @@ def verify_step(logits: torch.Tensor, vb: VerifyBatch, loose: LooseParams | None
     return VerifyOutcome([[i for i, a in enumerate(r[1:1 + N]) if a] for r in host],
                          [r[0] for r in host],
                          [r[1 + N:] for r in host] if propose is not None else [])
-
-
-def verify_batch(logits: torch.Tensor, drafts: list[list[int]], params: list[SamplingParams],
-                 starts: list[int], verify: str | list[str] = "exact",
-                 loose: LooseParams | None = None) -> list[tuple[int, int]]:
-    """Verify a padded batch of chains. logits: [B, T_max, V]; row b uses its first
-    len(drafts[b]) + 1 positions; starts[b]: absolute position of row b's first draft token (of
-    the emitted token when the draft is empty). ``verify``: "exact" (lossless), "loose" (FLy,
-    lossy, with the ``loose`` knobs), or one of those per row. Returns (n_accepted, token) per
-    row."""
-    modes = [verify] * len(drafts) if isinstance(verify, str) else list(verify)
-    drafts = [list(d)[: logits.shape[1] - 1] for d in drafts]  # never past the row
-    vb = VerifyBatch.build([(d, list(range(-1, len(d) - 1))) for d in drafts], starts, params,
-                           modes, logits.shape[-1], logits.device)
-    out = verify_step(logits, vb, loose)
-    return [(len(p), t) for p, t in zip(out.paths, out.tokens)]
-
-
-def _is_id(x, vocab: int) -> bool:
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool) and 0 <= int(x) < vocab

@@ -1,0 +1,107 @@
+"""What a verification step verifies for each session: the proposers' drafts, combined into one
+``StepDraft`` per row.
+
+Two sources propose tokens, behind one interface (``Proposer``): the drafter (a board through
+the distributed cache, or the in-process ``DraftWorker``), whose draft the store hands over as a
+``TakenDraft``, and the verifier's own draft head (``edgespec.heads.proposer.HeadProposer``),
+which drafted on the device during the previous step. The drafter's chain is the row's spine
+and its branches hang from it; the head's proposal joins as a branch from where it first
+differs from the spine (``head_branch``). ``--auto`` leaves out the sources a session's chooser
+does not pick this step. The store's objects are read, never edited: a ``StepDraft`` is a new,
+frozen value.
+
+Drafts are trusted here: token ids were checked where they entered (the cache service for a
+board's chunks, the local store for the in-process drafter's).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+
+from ..protocol.contract import NO_PROPOSAL, Branch, Proposal, TakenDraft
+from ..verify.trees import DraftTree, tree_of_draft
+from .generation import ActiveSession
+from .stack_choice import accepted_prefix
+
+
+class DrafterProposer:
+    """The drafter's draft as the store gave it."""
+
+    name = "drafter"
+
+    def propose(self, session_id: str, taken: TakenDraft) -> Proposal:
+        return Proposal(tuple(taken.tokens), tuple(taken.branches))
+
+
+class HeadBranch(Branch):
+    """A branch the verifier's head drafted (no drafter's store holds it)."""
+
+
+def head_branch(spine: Sequence[int], proposal: Sequence[int]) -> Branch | None:
+    """The head's proposal as a branch of a draft whose chain is ``spine``: from the first
+    position where they differ (``at`` may be len(spine): it extends the chain); None when
+    the chain already holds all of it."""
+    at = accepted_prefix(proposal, spine)  # where the two first differ
+    if at == len(proposal):
+        return None
+    return HeadBranch(at, tuple(proposal[at:]))
+
+
+@dataclass(frozen=True)
+class StepDraft:
+    """One row of a step: a session's draft as verified (the drafter's chain and branches, the
+    head's branch), under the store's ``epoch`` from position ``start``."""
+
+    act: ActiveSession
+    epoch: int
+    start: int  # position of the first draft token (the session's committed end)
+    tokens: tuple[int, ...]  # the chain
+    branches: tuple[Branch, ...] = ()  # the drafter's, then the head's (a HeadBranch)
+    head_offer: tuple[int, ...] = ()  # what the head proposed (what its stats count)
+    # --auto: every source's proposal, verified or not (None: the source was not asked)
+    offers: Mapping[str, tuple[int, ...] | None] | None = None
+
+    @property
+    def branch_tokens(self) -> int:
+        return sum(len(b.tokens) for b in self.branches)
+
+    @property
+    def drafted(self) -> int:
+        """Draft tokens verified: the chain's and the branches'."""
+        return len(self.tokens) + self.branch_tokens
+
+    @property
+    def width(self) -> int:
+        """Tokens the row puts in the forward: the session's last token and the draft."""
+        return 1 + self.drafted
+
+    def tree(self) -> DraftTree:
+        return tree_of_draft(list(self.tokens), list(self.branches)) if self.branches \
+            else DraftTree.chain(list(self.tokens))
+
+    def kept_branch(self, n: int, branch: Sequence[int]) -> bool:
+        """Whether an accepted ``branch`` at ``n`` is one the drafter's draft holds (the store
+        finds it there), not the head's own."""
+        return any(not isinstance(b, HeadBranch) and b.at == n and
+                   tuple(b.tokens[:len(branch)]) == tuple(branch) for b in self.branches)
+
+
+def drafter_row(act: ActiveSession, taken: TakenDraft, drafter: Proposal | None,
+                offers: Mapping[str, tuple[int, ...] | None] | None = None) -> StepDraft:
+    """A session's row from the drafter's proposal (None: left out this step): its chain, and
+    its branches for a session verified exactly (loose verification walks chains)."""
+    drafter = drafter or NO_PROPOSAL
+    branches = drafter.branches if act.verify == "exact" else ()
+    return StepDraft(act, taken.epoch, taken.start, drafter.tokens, branches, offers=offers)
+
+
+def with_head(row: StepDraft, head: Proposal | None, room: int) -> StepDraft:
+    """``row`` with the head's proposal (at most ``room`` tokens of it) as a branch from where
+    it leaves the chain; exact sessions only."""
+    offer = (head or NO_PROPOSAL).tokens[:max(0, room)]
+    if not offer or row.act.verify != "exact":
+        return row
+    extra = head_branch(row.tokens, offer)
+    branches = row.branches if extra is None else (*row.branches, extra)
+    return replace(row, branches=branches, head_offer=offer)

@@ -1,0 +1,194 @@
+"""One verification step's rows, built once: what the forward and the verification read.
+
+A step verifies B sessions; row b holds the session's last committed token (the root) and its
+draft, a tree given as each node's parent (-1: the root; a chain is node i hanging from i - 1).
+``DraftShape`` lays the drafts out as padded host tensors with tensor ops (no Python loop over
+tokens); ``StepRows`` adds what the forward needs (KV slots and lengths, the tree's ancestor
+matrix, the branch nodes' decoding-order keys) and moves it all to the device in two copies (one
+of integers, one of booleans). The forward (``TargetRunner.score_rows``) and the verification
+(``edgespec.verify.verify_step.VerifyBatch.of_rows``) then read the same tensors, as vLLM's
+speculative-decoding metadata is built once per step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from .attention import KEY_BLOCK, TailKeys
+
+
+class TreeShape(Protocol):
+    """A draft tree as the runner reads it (``edgespec.verify.trees.DraftTree`` is one): node i
+    holds tokens[i] and hangs from node parents[i] (-1: the root), parents[i] < i."""
+
+    @property
+    def tokens(self) -> Sequence[int]: ...
+
+    @property
+    def parents(self) -> Sequence[int]: ...
+
+    def __len__(self) -> int: ...
+
+
+def _padded(rows: list[list[int]], width: int, fill: int) -> np.ndarray:
+    """[len(rows), width] int64: each row right-padded with ``fill``."""
+    return np.array([r + [fill] * (width - len(r)) for r in rows], dtype=np.int64) \
+        .reshape(len(rows), width)
+
+
+@dataclass(frozen=True)
+class DraftShape:
+    """The drafts of a step as padded host arrays (N = max(1, the most nodes of a row)), built
+    with NumPy: host work that never waits for a device."""
+
+    nodes: np.ndarray  # [B, N] int64: draft tokens, -1 padding
+    parents: np.ndarray  # [B, N] int64: each node's parent node, -1 the root and padding
+    depths: np.ndarray  # [B, 1 + N] int64: 0 the root and padding, a node's depth
+    counts: np.ndarray  # [B] int64: nodes in the row
+    ancestors: np.ndarray | None  # [B, 1 + N, 1 + N] bool: row t sees row u (trees only)
+    max_nodes: int  # the most nodes of a row (0: no row has any)
+    max_depth: int
+    is_tree: bool  # some node hangs off its row's chain (its spine)
+
+    @classmethod
+    def of(cls, drafts: Sequence[tuple[Sequence[int], Sequence[int]]]) -> "DraftShape":
+        """drafts[b] = (tokens, parents) of row b's tree, trusted (checked where they
+        entered)."""
+        most = max((len(t) for t, _ in drafts), default=0)
+        N = max(1, most)
+        nodes = _padded([list(t) for t, _ in drafts], N, -1)
+        parents = _padded([list(p) for _, p in drafts], N, -1)
+        counts = np.array([len(t) for t, _ in drafts], dtype=np.int64)
+        idx = np.arange(N)
+        valid = idx[None] < counts[:, None]
+        is_tree = bool((valid & (parents != idx - 1)).any())
+        ancestors = None
+        if is_tree:
+            ancestors = ancestor_rows(parents, counts)  # [B, 1 + N, 1 + N]
+            depth = ancestors.sum(-1)[:, 1:] - 1
+        else:
+            depth = np.broadcast_to(idx + 1, (len(drafts), N))
+        depths = np.zeros((len(drafts), 1 + N), dtype=np.int64)
+        depths[:, 1:] = np.where(valid, depth, 0)
+        return cls(nodes, parents, depths, counts, ancestors, most, int(depths.max()), is_tree)
+
+
+def ancestor_rows(parents: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """[B, 1 + N, 1 + N] bool: row t (0: the root, 1 + i: node i) sees row u iff u is t or one
+    of its ancestors, from the nodes' parents [B, N] (-1: the root) of rows holding counts [B]
+    nodes. Padding rows hang from the row before them (causal, never read)."""
+    B, N = parents.shape
+    idx = np.arange(N)
+    par = np.where(idx[None] < counts[:, None], parents + 1, idx[None])
+    par = np.concatenate([np.zeros((B, 1), dtype=np.int64), par], 1)  # each row's parent row
+    T = N + 1
+    seen = np.broadcast_to(np.eye(T, dtype=bool), (B, T, T)).copy()
+    cur = np.broadcast_to(np.arange(T), (B, T)).copy()
+    batch = np.arange(B)[:, None]
+    for _ in range(N):  # N steps up reach the root from any node
+        cur = np.take_along_axis(par, cur, 1)
+        seen[batch, np.arange(T)[None], cur] = True
+    return seen
+
+
+@dataclass(frozen=True)
+class StepRows:
+    """A step's rows on the runner's device: row b is [root, node 0, node 1, ...] of the
+    session in KV slot ``slots[b]``, stored from the slot's length ``starts[b]`` on."""
+
+    slots: list[int]
+    starts: list[int]  # each slot's KV length: where its root is stored
+    width: int  # T: 1 + the most nodes of a row
+    tree: bool  # run as a tree (an attention mask from the parents), not as chains
+    slot_index: torch.Tensor  # [B] long: slots
+    start_index: torch.Tensor  # [B] long: starts
+    tokens: torch.Tensor  # [B, T] long: the root, then the nodes; 0 padding
+    nodes: torch.Tensor  # [B, N] long: DraftShape's, on the device
+    parents: torch.Tensor  # [B, N] long
+    depths: torch.Tensor  # [B, 1 + N] long
+    counts: torch.Tensor  # [B] long
+    ancestors: torch.Tensor | None  # [B, T, T] bool (trees)
+    tail: TailKeys | None  # the branch nodes' decoding-order keys (trees with branches)
+    max_depth: int
+
+    @classmethod
+    def build(cls, slots: list[int], starts: list[int], roots: list[int], shape: DraftShape,
+              device: str | torch.device, tree: bool | None = None) -> "StepRows":
+        """``tree``: force the tree forward (True) or leave it to the drafts' shape (None)."""
+        B, T = len(slots), 1 + shape.max_nodes
+        is_tree = shape.is_tree if tree is None else tree
+        N = shape.nodes.shape[1]
+        valid = np.arange(N)[None] < shape.counts[:, None]
+        tokens = np.concatenate([np.array(roots, dtype=np.int64).reshape(B, 1),
+                                 np.where(valid, shape.nodes, 0)], 1)[:, :T]
+        start_h = np.array(starts, dtype=np.int64).reshape(B)
+        ancestors, tail_h = None, None
+        if is_tree:
+            full = shape.ancestors if shape.ancestors is not None else \
+                ancestor_rows(shape.parents, shape.counts)
+            ancestors = np.ascontiguousarray(full[:, :T, :T])
+            tail_h = _branch_tails(shape, ancestors, start_h)
+        ints = [torch.from_numpy(np.ascontiguousarray(a)) for a in
+                (tokens, shape.nodes, shape.parents, shape.depths, shape.counts, start_h,
+                 np.array(slots, dtype=np.int64).reshape(B))]
+        bools = [] if ancestors is None else [torch.from_numpy(ancestors)]
+        if tail_h is not None:
+            ints += [tail_h.rows, tail_h.queries, tail_h.index, tail_h.block0]
+            bools.append(tail_h.visible)
+        on_dev = to_device(ints, device, torch.long)  # the step's one copy of integers
+        flags = to_device(bools, device, torch.bool) if bools else []
+        tail = None
+        if tail_h is not None:
+            tail = TailKeys(on_dev[7], on_dev[8], on_dev[9], flags[-1], on_dev[10],
+                            tail_h.n_blocks)
+        return cls(list(slots), list(starts), T, is_tree, on_dev[6], on_dev[5], on_dev[0],
+                   on_dev[1], on_dev[2], on_dev[3], on_dev[4],
+                   flags[0] if ancestors is not None else None, tail, shape.max_depth)
+
+
+def to_device(parts: list[torch.Tensor], device, dtype) -> list[torch.Tensor]:
+    """``parts`` moved to ``device`` in one copy, as views of one buffer, shapes kept."""
+    flat = torch.cat([p.reshape(-1).to(dtype) for p in parts]).to(device)
+    out, at = [], 0
+    for p in parts:
+        out.append(flat[at:at + p.numel()].view(p.shape))
+        at += p.numel()
+    return out
+
+
+def _branch_tails(shape: DraftShape, ancestors: np.ndarray, starts: np.ndarray
+                  ) -> TailKeys | None:
+    """The decoding-order key blocks of every branch node (a node past its row's spine), on
+    the host: from the block holding the root on, its logical position L + d reads the row of
+    its ancestor at depth d (row r of a tree is stored at L + r; row 0 is the root). None
+    without branches. Its tensors are host tensors, for ``StepRows`` to move."""
+    parents, counts = shape.parents, shape.counts
+    N = parents.shape[1]
+    idx = np.arange(N)
+    valid = idx[None] < counts[:, None]
+    spine = ((parents == idx - 1) & valid).cumprod(1).sum(1)  # [B]
+    rows, nodes = np.nonzero(valid & (idx[None] >= spine[:, None]))
+    if len(rows) == 0:
+        return None
+    queries = 1 + nodes
+    st = starts[rows]
+    block0 = st // KEY_BLOCK
+    pre = st - KEY_BLOCK * block0  # prefix positions inside the first block
+    path = ancestors[rows, queries]  # [S, T]: the root's row, then the rows down to the node
+    ends = pre + path.sum(-1)
+    width = -(-int(ends.max()) // KEY_BLOCK) * KEY_BLOCK
+    col = np.arange(width)[None]
+    index = np.zeros((len(rows), width + 1), dtype=np.int64)  # the last column: a dummy
+    index[:, :width] = np.where(col < pre[:, None], KEY_BLOCK * block0[:, None] + col, 0)
+    at = np.where(path, pre[:, None] + path.cumsum(-1) - 1, width)
+    S, T = path.shape
+    index[np.arange(S)[:, None], at] = np.where(path, st[:, None] + np.arange(T)[None], 0)
+    n_blocks = int((block0 + width // KEY_BLOCK).max())
+    return TailKeys(torch.from_numpy(rows), torch.from_numpy(queries),
+                    torch.from_numpy(np.ascontiguousarray(index[:, :width])),
+                    torch.from_numpy(col < ends[:, None]), torch.from_numpy(block0), n_blocks)

@@ -1,0 +1,123 @@
+"""A step's rows built once (``edgespec.runner.step_rows``), held to the rules written out node by
+node: depths, the ancestor matrix, the branch nodes' decoding-order keys, and one copy of each
+kind to the device."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from reference import trie
+
+from edgespec.runner.attention import KEY_BLOCK
+from edgespec.runner.step_rows import DraftShape, StepRows, ancestor_rows
+from edgespec.verify.trees import DraftTree
+
+
+def _random_tree(rng: random.Random) -> DraftTree:
+    kind = rng.random()
+    if kind < 0.3:
+        return DraftTree.chain([rng.randrange(100) for _ in range(rng.randint(0, 9))])
+    return trie([[rng.randrange(4) for _ in range(rng.randint(1, 6))]
+                 for _ in range(rng.randint(1, 5))])
+
+
+def _depths(tree: DraftTree) -> list[int]:
+    d = [0]
+    for p in tree.parents:
+        d.append(d[p + 1] + 1)
+    return d
+
+
+def _path_rows(tree: DraftTree, node: int) -> list[int]:
+    """Rows of the root and of the node's ancestors down to it (row 1 + i is node i)."""
+    path = []
+    while node >= 0:
+        path.append(1 + node)
+        node = tree.parents[node]
+    return [0] + path[::-1]
+
+
+def _spine(tree: DraftTree) -> int:
+    n = 0
+    while n < len(tree) and tree.parents[n] == n - 1:
+        n += 1
+    return n
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_shape_depths_and_ancestors_are_the_node_by_node_rules(seed):
+    rng = random.Random(seed)
+    trees = [_random_tree(rng) for _ in range(rng.randint(1, 6))]
+    shape = DraftShape.of([(t.tokens, t.parents) for t in trees])
+    N = max(1, max(len(t) for t in trees))
+    assert shape.nodes.shape == shape.parents.shape == (len(trees), N)
+    assert shape.is_tree == any(_spine(t) < len(t) for t in trees)
+    assert shape.max_depth == max(max(_depths(t)) for t in trees)
+    seen = ancestor_rows(shape.parents, shape.counts)
+    for b, t in enumerate(trees):
+        n = len(t)
+        assert list(shape.nodes[b, :n]) == list(t.tokens) and (shape.nodes[b, n:] == -1).all()
+        assert list(shape.depths[b, :n + 1]) == _depths(t)
+        assert (shape.depths[b, n + 1:] == 0).all()
+        for i in range(n):
+            assert sorted(seen[b, 1 + i].nonzero()[0]) == sorted(_path_rows(t, i))
+        last = _path_rows(t, n - 1) if n else [0]
+        for r in range(n + 1, N + 1):  # a padding row hangs from the row before it
+            assert sorted(seen[b, r].nonzero()[0]) == last + list(range(n + 1, r + 1))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_branch_nodes_read_their_ancestors_in_decoding_order(seed):
+    rng = random.Random(100 + seed)
+    trees = [_random_tree(rng) for _ in range(rng.randint(1, 5))]
+    if all(_spine(t) == len(t) for t in trees):
+        trees.append(trie([[1, 2, 3], [1, 5], [4]]))
+    starts = [rng.randrange(300) for _ in trees]
+    shape = DraftShape.of([(t.tokens, t.parents) for t in trees])
+    rows = StepRows.build(list(range(len(trees))), starts, [7] * len(trees), shape, "cpu")
+    assert rows.tree and rows.tail is not None
+    tail = rows.tail
+    expected = [(b, 1 + i) for b, t in enumerate(trees) for i in range(_spine(t), len(t))]
+    assert list(zip(tail.rows.tolist(), tail.queries.tolist())) == expected
+    for s, (b, q) in enumerate(expected):
+        first = KEY_BLOCK * (starts[b] // KEY_BLOCK)
+        want = list(range(first, starts[b])) + \
+            [starts[b] + r for r in _path_rows(trees[b], q - 1)]
+        assert tail.block0[s] == starts[b] // KEY_BLOCK
+        assert tail.index[s, :len(want)].tolist() == want
+        assert tail.visible[s].tolist() == [j < len(want) for j in range(tail.index.shape[1])]
+        assert (tail.index[s, len(want):] == 0).all()
+    assert tail.index.shape[1] % KEY_BLOCK == 0
+    assert tail.n_blocks == max(int(k) + tail.index.shape[1] // KEY_BLOCK for k in tail.block0)
+
+
+def test_chains_run_as_chains_unless_a_tree_forward_is_asked_for():
+    shape = DraftShape.of([([5, 6, 7], [-1, 0, 1]), ([], [])])
+    assert not shape.is_tree and shape.max_depth == 3
+    chains = StepRows.build([0, 1], [10, 20], [1, 2], shape, "cpu")
+    assert not chains.tree and chains.ancestors is None and chains.tail is None
+    assert chains.tokens.tolist() == [[1, 5, 6, 7], [2, 0, 0, 0]]
+    forced = StepRows.build([0, 1], [10, 20], [1, 2], shape, "cpu", tree=True)
+    assert forced.tree and forced.tail is None and forced.ancestors is not None
+    assert forced.ancestors.shape == (2, 4, 4)
+    empty = StepRows.build([0], [3], [9], DraftShape.of([([], [])]), "cpu")
+    assert empty.width == 1 and empty.tokens.tolist() == [[9]]
+
+
+def test_the_rows_reach_the_device_in_one_copy_per_kind(monkeypatch):
+    """Integers in one copy, booleans in another, however many rows and branches."""
+    copies = []
+    orig = torch.Tensor.to
+
+    def counting(t, *a, **k):
+        if any(isinstance(x, (str, torch.device)) for x in (*a, k.get("device"))):
+            copies.append(t.dtype)  # a move to a device, not a cast
+        return orig(t, *a, **k)
+
+    shape = DraftShape.of([(t.tokens, t.parents) for t in
+                           [trie([[1, 2, 3], [1, 5], [4]]), DraftTree.chain([3, 3])]])
+    monkeypatch.setattr(torch.Tensor, "to", counting)
+    StepRows.build([0, 1], [70, 5], [1, 1], shape, "cpu")
+    assert sorted(map(str, copies)) == ["torch.bool", "torch.int64"]
