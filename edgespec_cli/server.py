@@ -148,7 +148,8 @@ class EdgespecServer:
 
         cfg = self.engine_cfg
         target = load_model(self.opts.model, self.opts.device, self.opts.dtype)
-        runner = TargetRunner(target.model, n_slots=cfg.max_sessions, max_len=cfg.max_context)
+        runner = TargetRunner(target.model, n_slots=cfg.max_sessions, max_len=cfg.max_context,
+                              graphs=cfg.cuda_graphs)
         engine = SpecEngine(runner, None, cfg, stop_token_ids(target), store=self.store)
         self.target_info = {"model": target.name,
                             "fingerprint": tokenizer_fingerprint(target.tokenizer),

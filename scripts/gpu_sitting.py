@@ -47,7 +47,7 @@ from edgespec.runner.target_runner import TargetRunner  # noqa: E402
 from edgespec_cli.bench.forward_cost import _prepared_runner, _time_forward, synchronize  # noqa: E402,E501
 
 CUDA_TESTS = ["tests/test_batch_invariance.py", "tests/test_verification.py",
-              "tests/test_cuda_lossless.py"]
+              "tests/test_cuda_lossless.py", "tests/test_step_graphs.py"]
 CUDA_SELECT = "cuda or host_keyed_choice"  # the CUDA cases, and the test that loops devices
 
 
@@ -172,7 +172,7 @@ def lossless(s: Sitting, shape: str, model) -> None:
     prompts = [[1] + [rng.randrange(3, runner.vocab_size) for _ in range(rng.randint(8, 60))]
                for _ in range(n_prompts)]
     cfg = EngineConfig(max_sessions=n_prompts, max_context=160)
-    identical = total = 0
+    identical = total = g_identical = 0
     for sampled in (False, True):
         params = [SamplingParams(temperature=0.8, seed=i) if sampled else SamplingParams()
                   for i in range(n_prompts)]
@@ -184,8 +184,16 @@ def lossless(s: Sitting, shape: str, model) -> None:
                 got = engine.generate_many([Request(p, new, q) for p, q in zip(prompts, params)])
             identical += sum(r.token_ids == ref for r, ref in zip(got, refs))
             total += len(refs)
-    s.data["lossless"][shape] = {"identical": identical, "total": total, "tokens": new}
-    say(f"   {shape}: {identical} of {total} speculative outputs identical to target-only")
+        graphed = TargetRunner(model, n_slots=n_prompts, max_len=160, graphs=True)
+        with SpecEngine(graphed, build_drafter("mag"), cfg, stop_ids={2}) as engine:
+            got = engine.generate_many([Request(p, new, q) for p, q in zip(prompts, params)])
+        g_identical += sum(r.token_ids == ref for r, ref in zip(got, refs))
+        del graphed
+    s.data["lossless"][shape] = {"identical": identical, "total": total, "tokens": new,
+                                 "cuda_graphs_identical": g_identical,
+                                 "cuda_graphs_total": 2 * n_prompts}
+    say(f"   {shape}: {identical} of {total} speculative outputs identical to target-only; "
+        f"with CUDA graphs {g_identical} of {2 * n_prompts}")
 
 
 def forward_costs(s: Sitting, shape: str, model) -> None:
@@ -220,6 +228,18 @@ def end_to_end(s: Sitting, shape: str, model) -> None:
         ours = len(res.token_ids) / (time.perf_counter() - t)
     del runner
     row = {"target_only_tok_s": round(ours, 1)}
+    graphed = TargetRunner(model, n_slots=1, max_len=256, graphs=True)
+    with SpecEngine(graphed, None, EngineConfig(max_sessions=1, max_context=256),
+                    stop_ids=set()) as engine:
+        t = time.perf_counter()
+        engine.generate(Request(prompt, new))  # captures the buckets it meets
+        synchronize(graphed.device)
+        row["cuda_graphs_warmup_s"] = round(time.perf_counter() - t, 1)
+        t = time.perf_counter()
+        res = engine.generate(Request(prompt, new))
+        row["target_only_cuda_graphs_tok_s"] = round(
+            len(res.token_ids) / (time.perf_counter() - t), 1)
+    del graphed
     s.data["e2e"][shape] = row
     ids = torch.tensor([prompt], device=s.device)
     kw = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)

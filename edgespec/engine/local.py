@@ -41,7 +41,7 @@ class LocalGenerator:
         self.cfg = config or EngineConfig()
         self.target = model if isinstance(model, LoadedModel) else load_model(model, device, dtype)
         self.runner = TargetRunner(self.target.model, n_slots=self.cfg.max_sessions,
-                                   max_len=self.cfg.max_context)
+                                   max_len=self.cfg.max_context, graphs=self.cfg.cuda_graphs)
         self.stop_ids = stop_token_ids(self.target)
         self.engines: dict[str, SpecEngine] = {}
         self.default_drafter = drafter

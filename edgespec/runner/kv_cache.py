@@ -44,6 +44,11 @@ class KVCache:
         self.lengths[slot] = 0
         return slot
 
+    def reserve(self) -> int:
+        """Take the highest free slot for good (a scratch slot no session is given)."""
+        self._free.sort()
+        return self._free.pop()
+
     def release(self, slot: int) -> None:
         if slot in self._free:
             raise ValueError(f"slot {slot} is not allocated")

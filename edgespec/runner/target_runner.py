@@ -27,6 +27,7 @@ from .attention import (COL_TILE, KEY_BLOCK, TailKeys, invariant_attention, padd
 from ..config import MAX_TREE_NODES, ConfigError
 from .dtype_probe import attention_tile, first_varying_count, probe_input, probe_row_counts
 from .kv_cache import KVCache, contiguous_start
+from .step_graphs import StepGraphs
 from .step_rows import DraftShape, StepRows, TreeShape
 from .linear import Linear
 
@@ -77,9 +78,12 @@ def _fuse(mods: list[torch.nn.Linear], attr: str = "weight") -> torch.Tensor | N
 class TargetRunner:
     def __init__(self, model: torch.nn.Module, n_slots: int = 4, max_len: int = 2048,
                  n_layers: int | None = None, pack: bool = True, exact: bool = True,
-                 share_weights: "TargetRunner | None" = None, max_rows: int | None = None):
+                 share_weights: "TargetRunner | None" = None, max_rows: int | None = None,
+                 graphs: bool = False):
         """``max_rows``: the most rows one forward sends through a layer (default: a prefill
-        chunk, or every slot sending a full tree), up to which the start check runs."""
+        chunk, or every slot sending a full tree), up to which the start check runs.
+        ``graphs``: run steps of chains over bucketed shapes (``step_graphs``), captured as CUDA
+        graphs on a GPU (on a CPU the buckets run eagerly, slower)."""
         # a transformers model: its config and submodules are dynamic attributes
         cfg: Any = model.config
         if cfg.model_type not in SUPPORTED_TYPES:
@@ -126,8 +130,11 @@ class TargetRunner:
         tile = attention_tile(self.dtype, str(self.device), self.kv_heads,
                               self.n_heads // self.kv_heads, self.head_dim) if exact else None
         self.col_tile = tile or COL_TILE
-        self.cache = KVCache(self.n_layers, n_slots, max_len, self.kv_heads, self.head_dim,
-                             dtype=self.dtype, device=self.device, capacity=capacity)
+        # with graphs, one more slot: the bucket rows past a step's sessions write there
+        self.cache = KVCache(self.n_layers, n_slots + int(graphs), max_len, self.kv_heads,
+                             self.head_dim, dtype=self.dtype, device=self.device,
+                             capacity=capacity)
+        self.graphs = StepGraphs(self, self.cache.reserve(), capture=True) if graphs else None
         self.max_rows = max_rows or max(PREFILL_CHUNK, n_slots * MAX_QUERY)
         if exact:
             self._check_invariance(tile)
@@ -325,6 +332,10 @@ class TargetRunner:
         T = rows.width
         for s, st in zip(rows.slots, rows.starts):
             self.cache.check_room(s, st, T)
+        if self.graphs is not None:
+            bucketed = self.graphs.score(rows)
+            if bucketed is not None:
+                return bucketed
         start_t = rows.start_index
         n_pos = padded_keys(max(rows.starts) + T, self.cache.capacity)
         store = start_t[:, None] + torch.arange(T, device=start_t.device)[None, :]  # [B, T]
@@ -366,19 +377,20 @@ class TargetRunner:
 
     def _run_layers(self, slots: list[int], tokens: torch.Tensor, store: torch.Tensor,
                     rope: torch.Tensor, visible: torch.Tensor, n_pos: int,
-                    tail: TailKeys | None = None, slot_index: torch.Tensor | None = None
-                    ) -> torch.Tensor:
+                    tail: TailKeys | None = None, slot_index: torch.Tensor | None = None,
+                    contiguous: bool = True) -> torch.Tensor:
         """The decoder layers over tokens [B, T]: keys/values written at KV positions
         ``store`` [B, T], rotary positions ``rope`` [B, T], ``visible`` [B, T, n_pos] (which of
         the slots' first n_pos positions each token attends to; n_pos a whole number of key
-        blocks); ``slot_index``: ``slots`` on the device, when the caller has them there.
+        blocks); ``slot_index``: ``slots`` on the device, when the caller has them there;
+        ``contiguous``: read a run of consecutive slots as a view (False: always by gather).
         Returns the last hidden states [B, T, H]."""
         B, T = tokens.shape
         dev = self.device
         cos, sin = self.cos[rope][:, None], self.sin[rope][:, None]  # [B, 1, T, hd]
         slot_t = torch.as_tensor(slots, dtype=torch.long, device=dev) if slot_index is None \
             else slot_index
-        run_from = contiguous_start(slots)
+        run_from = contiguous_start(slots) if contiguous else None
         nh, kvh, hd = self.n_heads, self.kv_heads, self.head_dim
         grp = nh // kvh
 
