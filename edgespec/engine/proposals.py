@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from ..protocol.contract import NO_PROPOSAL, Branch, Proposal, TakenDraft
-from ..verify.trees import DraftTree, tree_of_draft
+from ..verify.trees import tree_of_draft
 from .generation import ActiveSession
 from .stack_choice import accepted_prefix
 
@@ -76,9 +76,13 @@ class StepDraft:
         """Tokens the row puts in the forward: the session's last token and the draft."""
         return 1 + self.drafted
 
-    def tree(self) -> DraftTree:
-        return tree_of_draft(list(self.tokens), list(self.branches)) if self.branches \
-            else DraftTree.chain(list(self.tokens))
+    def nodes(self) -> tuple[Sequence[int], Sequence[int]]:
+        """The row's draft as (tokens, parents): the chain's nodes first, then the branches'
+        (``tree_of_draft``); a chain's without building a tree."""
+        if self.branches:
+            tree = tree_of_draft(list(self.tokens), list(self.branches))
+            return tree.tokens, tree.parents
+        return self.tokens, range(-1, len(self.tokens) - 1)
 
     def kept_branch(self, n: int, branch: Sequence[int]) -> bool:
         """Whether an accepted ``branch`` at ``n`` is one the drafter's draft holds (the store

@@ -18,6 +18,7 @@ into place.
 from __future__ import annotations
 
 import itertools
+from bisect import bisect_left
 import logging
 import time
 from collections.abc import Sequence
@@ -324,11 +325,10 @@ class SpecEngine:
         trees whose node i hangs from node i - 1), then every row verified at once on the
         device (``edgespec.verify.verify_step``): one host sync. Each row's verdict is the
         accepted path's chain tokens, then its branch, then the target's token."""
-        trees = [d.tree() for d in drafts]
+        nodes = [d.nodes() for d in drafts]
         rows = StepRows.build([d.act.slot for d in drafts],
                               [self.target.cache.lengths[d.act.slot] for d in drafts],
-                              [d.act.last_token for d in drafts],
-                              DraftShape.of([(tr.tokens, tr.parents) for tr in trees]),
+                              [d.act.last_token for d in drafts], DraftShape.of(nodes),
                               self.target.device)
         scored = self.target.score_rows(rows)  # [B, 1 + N, V]
         vb = VerifyBatch.of_rows(rows, [d.start for d in drafts],
@@ -343,10 +343,10 @@ class SpecEngine:
         if proposal is not None and self.head is not None:
             self.head.after_step(sids, proposal, [len(p) for p in out.paths], out.proposals)
         verdicts = []
-        for d, tree, path, token in zip(drafts, trees, out.paths, out.tokens):
+        for d, (tokens, _), path, token in zip(drafts, nodes, out.paths, out.tokens):
             self.target.compact(d.act.slot, path)  # a branch's keys/values into place
-            n = sum(1 for i in path if i < len(d.tokens))  # the path's chain nodes come first
-            branch = tuple(tree.tokens[i] for i in path[n:])
+            n = bisect_left(path, len(d.tokens))  # the path's chain nodes come first
+            branch = tuple(tokens[i] for i in path[n:])
             verdicts.append(Verdict(d.act.sid, d.epoch, d.start, n, token, branch=branch,
                                     own_branch=bool(branch) and not d.kept_branch(n, branch)))
         return verdicts

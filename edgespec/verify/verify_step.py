@@ -230,10 +230,11 @@ def verify_step(logits: torch.Tensor, vb: VerifyBatch, loose: LooseParams | None
     last = torch.where(accepted, idx + 1, 0).amax(1, keepdim=True) if N else \
         torch.zeros(len(tokens), 1, dtype=torch.long, device=logits.device)
     token = choices.gather(1, last)  # after the path's last node (row 0: the root)
-    parts = [token, accepted.long()]
+    # the accepted nodes in index order (a path's nodes increase), then N for the rest
+    path = torch.where(accepted, idx, N).sort(1).values
+    parts = [token, accepted.sum(1, keepdim=True), path]
     if propose is not None:
         parts.append(propose(accepted, token[:, 0]))
     host = torch.cat(parts, 1).tolist()  # the step's one sync
-    return VerifyOutcome([[i for i, a in enumerate(r[1:1 + N]) if a] for r in host],
-                         [r[0] for r in host],
-                         [r[1 + N:] for r in host] if propose is not None else [])
+    return VerifyOutcome([r[2:2 + r[1]] for r in host], [r[0] for r in host],
+                         [r[2 + N:] for r in host] if propose is not None else [])
