@@ -54,6 +54,9 @@ def add_deploy_command(sub) -> None:
                         "(default: %(default)s)")
     add_threads_arg(d)
     add_dtype_arg(d, "the verifiers' ")
+    d.add_argument("--cuda-graphs", action="store_true",
+                   help="verifiers on a GPU node replay their chain steps as CUDA graphs over "
+                        "bucketed shapes (see serve --cuda-graphs)")
     d.add_argument("--head", default=None, metavar="DIR",
                    help="a trained draft head in the verifiers, drafting from their own "
                         "forward's features beside the boards' drafts: 'default' (shipped), a "
@@ -93,7 +96,8 @@ def cmd_deploy(args: argparse.Namespace) -> int:
                             http_port=args.http_port, max_sessions=args.max_sessions,
                             threads=args.threads, dtype=args.dtype,
                             auth_token=args.auth_token or os.environ.get("EDGESPEC_AUTH_TOKEN"),
-                            timeout_s=args.timeout, head=args.head or "")
+                            timeout_s=args.timeout, head=args.head or "",
+                            cuda_graphs=args.cuda_graphs)
     if not (args.status or args.down):  # before touching the cluster
         parse_drafter_spec(args.drafter, allowed=EDGE_KINDS)
         spec.validate()

@@ -1,9 +1,9 @@
 """Losslessness of a simulated fleet: a sample of sessions against target-only decoding.
 
 For every run, one finished request per device (its first) is decoded again by target-only
-greedy decoding in the served dtype (float32: transformers' own ``generate``; another dtype:
-edgespec's runner with no drafter, that dtype's lossless reference), and the two token sequences
-must be identical.
+greedy decoding in the served dtype on the verifier's device (float32 on a CPU: transformers' own
+``generate``; another dtype or a GPU: edgespec's runner with no drafter, the lossless reference
+there), and the two token sequences must be identical.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ def check_lossless(target, runs: list[RunRecord], max_new_tokens: int) -> dict:
 
     from ..bench.methods import HFBaselines
 
-    if target.dtype == "float32":
+    if target.dtype == "float32" and next(target.model.parameters()).device.type == "cpu":
         reference = HFBaselines(target.model, stop_token_ids(target), 0)
         name = "transformers generate (greedy, target only, float32)"
 

@@ -75,6 +75,13 @@ def add_simulate_command(sub) -> None:
     s.add_argument("--timeout", metavar="S", type=float, default=900.0,
                    help="seconds a run may take to come up or a request to finish "
                         "(default: %(default)s)")
+    s.add_argument("--device", metavar="D", default="cpu",
+                   help="where the verifier runs: cpu, cuda or cuda:N (on a GPU its actor asks "
+                        "Ray for one; the losslessness check decodes there too) "
+                        "(default: %(default)s)")
+    s.add_argument("--cuda-graphs", action="store_true",
+                   help="the verifier's chain steps replayed as CUDA graphs over bucketed "
+                        "shapes (see serve --cuda-graphs)")
     add_threads_arg(s)
     add_dtype_arg(s, "the verifier's ")
     add_tree_width_arg(s)
@@ -167,7 +174,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     set_threads(args.threads)
     print("simulate: loading the model for prompts and the losslessness check",
           file=sys.stderr, flush=True)
-    target = load_model(args.model, dtype=args.dtype)
+    target = load_model(args.model, device=args.device, dtype=args.dtype)
     modes = ["on", "off"] if args.batching == "both" else [args.batching]
     start_ray(args.address)
     runs, capacity, probes = _run_fleets(args, counts, profiles, modes,
@@ -210,11 +217,12 @@ def _settings(args: argparse.Namespace, dtype: str):
 
     return SimSettings(model=args.model, max_new_tokens=args.max_new_tokens,
                        requests=args.requests, duration_s=args.duration, rate=args.rate,
-                       threads=args.threads, dtype=dtype, seed=args.seed,
+                       threads=args.threads, dtype=dtype, device=args.device, seed=args.seed,
                        timeout_s=args.timeout, tree_width=args.tree_width,
                        engine={**({"max_batch_tokens": args.max_batch_tokens}
                                   if args.max_batch_tokens else {}),
-                               **({"head": args.head} if args.head else {})})
+                               **({"head": args.head} if args.head else {}),
+                               **({"cuda_graphs": True} if args.cuda_graphs else {})})
 
 
 def _run_fleets(args: argparse.Namespace, counts, profiles, modes: list[str], settings,

@@ -52,6 +52,7 @@ class SimSettings:
     rate: float | None = None  # open loop, requests per second over the fleet
     threads: int | None = None  # the verifier's torch threads
     dtype: str = "auto"  # the verifier's
+    device: str = "cpu"  # the verifier's
     seed: int = 0
     timeout_s: float = 900.0
     engine: dict = field(default_factory=dict)  # EngineConfig fields for the verifier
@@ -96,9 +97,11 @@ class FleetRun:
         self._actors.append(cache)
         info = ray.get(cache.info.remote(), timeout=self.s.timeout_s)
         slots = len(self.profiles) if self.batching == "on" else 1
-        verifier = fleet.place(self.roles.verifier, head).remote(
+        gpu = self.s.device.startswith("cuda")
+        verifier = fleet.place(self.roles.verifier, head, num_gpus=1 if gpu else 0).remote(
             0, info["redis_url"], model=self.s.model, max_sessions=slots,
-            threads=self.s.threads, dtype=self.s.dtype, max_queue=4 * len(self.profiles) + 16,
+            threads=self.s.threads, dtype=self.s.dtype, device=self.s.device,
+            max_queue=4 * len(self.profiles) + 16,
             engine=self.s.engine)
         self._actors.append(verifier)
         for i, (dev, p) in enumerate(zip(device_ids(self.profiles), self.profiles)):
