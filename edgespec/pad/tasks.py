@@ -9,7 +9,7 @@ test split is disjoint from the train split whatever seeds made them, and labels
 Families (each tuned so that SmolLM2-135M-Instruct, greedy, is right on 30-90% of them):
 
 - ``arith``: one addition or subtraction of small numbers; scored ``number``;
-- ``convert``: a unit conversion by a whole factor (metres to centimetres, hours to minutes ...);
+- ``convert``: a metric unit conversion (metres to centimetres ...) or hours and minutes;
   scored ``number``;
 - ``extract``: one named numeric field of a templated record; scored ``number``;
 - ``choice``: which of two objects a two-sentence passage gives a person; scored ``regex``: the
@@ -59,9 +59,9 @@ def _arith(rng: random.Random) -> Problem:
 
 
 _UNITS = [("metres", "centimetres", 100), ("kilometres", "metres", 1000),
-          ("hours", "minutes", 60), ("minutes", "seconds", 60), ("days", "hours", 24),
-          ("weeks", "days", 7), ("kilograms", "grams", 1000), ("years", "months", 12),
-          ("feet", "inches", 12)]
+          ("centimetres", "millimetres", 10), ("kilograms", "grams", 1000),
+          ("grams", "milligrams", 1000), ("litres", "millilitres", 1000),
+          ("hours", "minutes", 60), ("minutes", "seconds", 60)]
 
 
 def _convert(rng: random.Random) -> Problem:
