@@ -76,7 +76,7 @@ def add_pad_train_command(sub) -> None:
                         "(default: %(default)s)")
     p.add_argument("--max-candidates", type=int, default=4,
                    help="mismatching positions labelled per problem (default: %(default)s)")
-    p.add_argument("--max-new-tokens", type=int, default=32,
+    p.add_argument("--max-new-tokens", type=int, default=48,
                    help="longest answer or continuation (default: %(default)s)")
     p.add_argument("--tap", type=int, default=-8,
                    help="the target layer the classifier reads, counted as transformers' "

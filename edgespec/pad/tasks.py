@@ -9,7 +9,8 @@ test split is disjoint from the train split whatever seeds made them, and labels
 Families (each tuned so that SmolLM2-135M-Instruct, greedy, is right on 30-90% of them):
 
 - ``arith``: one addition or subtraction of small numbers; scored ``number``;
-- ``convert``: a metric unit conversion (metres to centimetres ...) or hours and minutes;
+- ``convert``: a unit conversion with its factor given (metres to centimetres, hours to
+  minutes ...);
   scored ``number``;
 - ``extract``: one named numeric field of a templated record; scored ``number``;
 - ``choice``: which of two objects a two-sentence passage gives a person; scored ``regex``: the
@@ -58,18 +59,20 @@ def _arith(rng: random.Random) -> Problem:
     return Problem(f"What is {a} + {b}? Reply with the number only.", str(a + b))
 
 
-_UNITS = [("metres", "centimetres", 100), ("kilometres", "metres", 1000),
-          ("centimetres", "millimetres", 10), ("kilograms", "grams", 1000),
-          ("grams", "milligrams", 1000), ("litres", "millilitres", 1000),
-          ("hours", "minutes", 60), ("minutes", "seconds", 60)]
+_UNITS = [("metre", "centimetres", 100), ("kilometre", "metres", 1000),
+          ("centimetre", "millimetres", 10), ("kilogram", "grams", 1000),
+          ("gram", "milligrams", 1000), ("litre", "millilitres", 1000),
+          ("hour", "minutes", 60), ("minute", "seconds", 60)]
+_ASK = ["How many {small} are in {n} {big}s?", "Convert {n} {big}s to {small}.",
+        "What is {n} {big}s in {small}?"]
 
 
 def _convert(rng: random.Random) -> Problem:
     big, small, factor = rng.choice(_UNITS)
-    n = rng.randint(2, 12)
-    ask = f"How many {small} are in {n} {big}?" if rng.random() < 0.5 else \
-        f"Convert {n} {big} to {small}."
-    return Problem(f"{ask} Reply with the number only.", str(n * factor))
+    n = rng.randint(2, 9)
+    ask = rng.choice(_ASK).format(small=small, n=n, big=big)
+    return Problem(f"One {big} is {factor} {small}. {ask} Reply with the number only.",
+                   str(n * factor))
 
 
 _NAMES = ["Anna", "Ben", "Carla", "David", "Elena", "Farid", "Grace", "Hugo", "Ines", "Jonas"]
