@@ -57,6 +57,17 @@ def label_task(args, target, tasks, folder: Path, command: str, deadline, say) -
     return labeller.run(folder, deadline, say=lambda m: say(f"{tasks.name}: {m}"))
 
 
+def _check_labels_target(folder: Path, target) -> None:
+    """Refuse labels made for another target than ``target`` (a ``LoadedModel``)."""
+    from edgespec.heads.fingerprint import target_fingerprint
+    from edgespec.pad.labels import LabelInfo
+
+    base = target.model.model  # a transformers causal LM's decoder
+    mine = target_fingerprint(base.embed_tokens.weight, base.norm.weight, len(base.layers))
+    if LabelInfo.load(folder).target != mine:
+        raise ConfigError(f"the labels in {folder} were made for another target")
+
+
 def label_and_train(args, target, out: Path, command: str, deadline, say) -> dict | None:
     """Label every task, then train; the classifier's manifest as a dict, or None when stopped
     by the deadline or without enough labels."""
@@ -71,6 +82,9 @@ def label_and_train(args, target, out: Path, command: str, deadline, say) -> dic
     sets = task_sets(args, "train", args.problems)
     for tasks in sets:
         folder = out / "labels" / (Path(tasks.name).stem if args.tasks_file else tasks.name)
+        if args.no_label:
+            _check_labels_target(folder, target)
+            continue
         with torch.inference_mode():
             if not label_task(args, target, tasks, folder, command, deadline, say):
                 say("stopped by --max-minutes during the labelling; run the same command "

@@ -87,6 +87,9 @@ def add_pad_train_command(sub) -> None:
                    help="problems per labels shard (default: %(default)s)")
     p.add_argument("--train-steps", type=int, default=400,
                    help="classifier training steps (default: %(default)s)")
+    p.add_argument("--no-label", action="store_true",
+                   help="train on the labels' shards finished so far, without resuming the "
+                        "labelling")
     p.add_argument("--measure", metavar="N", type=int, default=None,
                    help="only print the target's greedy success on N test problems")
     p.add_argument("--max-minutes", metavar="M", type=float, default=None,

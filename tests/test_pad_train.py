@@ -46,6 +46,8 @@ def test_pad_train_labels_resumably_and_saves_a_classifier_for_its_target(tiny, 
     r = _pad_train(tiny_dir, out, tasks, "--drafter", "layers:1", "--max-minutes", 0)
     assert r.returncode == 0 and "run the same command again to resume" in r.stdout
     assert not (out / "classifier").exists()
+    r = _pad_train(tiny_dir, out, tasks, "--drafter", "layers:1", "--no-label")
+    assert r.returncode == 0 and "no classifier: 0 pivots" in r.stdout
     r = _pad_train(tiny_dir, out, tasks, "--drafter", "layers:1")
     assert r.returncode == 0, r.stderr
     assert "labels: shard 4/4" in r.stdout and "ETA" in r.stdout
