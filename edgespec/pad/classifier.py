@@ -94,7 +94,8 @@ def pad_keep(classifier: PivotClassifier, features: torch.Tensor, entropy: torch
              min_prob: float = DEFAULT_MIN_PROB) -> torch.Tensor:
     """PAD's keep rule for draft tokens the exact rule rejects: features [B, N, H] (the tap's
     hidden state at the position scoring draft token i), entropy [B, N] (nats, of the target's
-    distribution there), token_prob [B, N] (the target's probability of draft token i) ->
+    distribution there), token_prob [B, N] (the target's probability of draft token i; both at
+    temperature 1, before any sampling filter, as the labels were made) ->
     keep [B, N] bool: the pivot probability is at most ``sigma`` and the target gives the token
     at least ``min_prob``. A NaN anywhere in a row's inputs is never kept. The caller keeps a
     token when the exact rule keeps it or this does, and stops at the first it keeps neither."""
