@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..heads.harvest import Harvester, WorkItem
-from .tasks import Problem, TaskSet
+from .tasks import TaskSet
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,3 @@ def greedy_success(runner, tokenizer, stop_ids: set[int], tasks: TaskSet,
     assert news is not None  # no deadline
     return [tasks.scorer.correct(answer_text(tokenizer, c, n), p.answer)
             for c, n, p in zip(todo, news, tasks.problems)]
-
-
-def is_right(tasks: TaskSet, problem: Problem, text: str) -> bool:
-    return tasks.scorer.correct(text, problem.answer)
