@@ -74,8 +74,8 @@ def test_pad_train_labels_resumably_and_saves_a_classifier_for_its_target(tiny, 
 
     again = _pad_train(tiny_dir, out, tasks, "--drafter", "layers:1")
     assert again.returncode == 0 and "classifier already in" in again.stdout
-    other = _pad_train(tiny_dir, out, tasks, "--drafter", "layers:2", "--out", tmp_path / "o2",
-                       "--drafter", f"model:{tiny_draft_dir}", "--train-steps", 20)
+    other = _pad_train(tiny_dir, tmp_path / "o2", tasks, "--drafter", f"model:{tiny_draft_dir}",
+                       "--train-steps", 20)
     assert other.returncode == 0, other.stderr
     assert "drafter model:" in other.stdout
 
