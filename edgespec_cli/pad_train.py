@@ -54,9 +54,12 @@ def add_pad_train_command(sub) -> None:
                         "(default: %(default)s)")
     p.add_argument("--problems", type=int, default=200,
                    help="train problems to label, per family (default: %(default)s)")
-    p.add_argument("--drafter", metavar="SPEC", default="layers:8",
+    p.add_argument("--drafter", metavar="SPEC", default="layers:28",
                    help="the drafter whose mismatches are labelled: layers:L (the target's "
-                        "first L layers) or model:PATH (a small model, same tokenizer) "
+                        "first L layers) or model:PATH (a small model, same tokenizer); its "
+                        "mistakes should be ones a drafter makes: on the default model (30 "
+                        "layers) layers:28 agrees with the target on 62%% of answer tokens, "
+                        "layers:8 and 20 on 12%% and 20%% with mostly implausible tokens "
                         "(default: %(default)s)")
     p.add_argument("--rollouts", metavar="N", type=int, default=8,
                    help="continuations sampled per side of a candidate, and to measure the "
