@@ -144,6 +144,7 @@ def _build_parser() -> argparse.ArgumentParser:
     from .cluster import add_cluster_commands
     from .deploy import add_deploy_command
     from .distill import add_distill_command
+    from .pad_train import add_pad_train_command
     from .simulate.cli import add_simulate_command
     from .status import add_status_command
 
@@ -152,6 +153,7 @@ def _build_parser() -> argparse.ArgumentParser:
     add_deploy_command(sub)
     add_simulate_command(sub)
     add_distill_command(sub)
+    add_pad_train_command(sub)
     return parser
 
 

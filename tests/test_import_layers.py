@@ -5,9 +5,9 @@ the roles ``cache_service``, ``drafter_node`` and ``verifier_node``; the command
 code above them, ``edgespec_cli``. A module may import its own layer or a lower one, never a
 higher one, and the module graph has no cycle. Inside ``edgespec`` the subpackages are layered
 the same way (``EDGESPEC_ORDER``, lowest first): the contract, the wire, the runner,
-verification, models, heads, drafters, the engine, and the client SDK on top. Every import
-counts: at the top, under ``TYPE_CHECKING`` and inside functions alike (read from the source,
-not by importing it)."""
+verification, models, heads, drafters, PAD (pivot-aware verification), the engine, and the client
+SDK on top. Every import counts: at the top, under ``TYPE_CHECKING`` and inside functions alike
+(read from the source, not by importing it)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parent.parent
 LAYERS = {"edgespec": 0, "cache_service": 1, "drafter_node": 1, "verifier_node": 1,
           "edgespec_cli": 2}
 EDGESPEC_ORDER = [("config", "v1"), ("protocol",), ("wire",), ("runner",), ("verify",),
-                  ("models",), ("heads",), ("drafters",), ("engine",), ("client", "")]
+                  ("models",), ("heads",), ("drafters",), ("pad",), ("engine",), ("client", "")]
 
 
 def _module_name(path: Path) -> str:

@@ -38,10 +38,14 @@ MAX_QUERY = MAX_TREE_NODES + 1  # the most tokens one session sends in one step:
 
 @dataclass(frozen=True)
 class Scored:
-    """A forward's logits and the features they were read from (what a draft head takes)."""
+    """A forward's logits and the features they were read from (what a draft head takes), and,
+    when ``score`` was asked for a tap, one intermediate layer's hidden state."""
 
     logits: torch.Tensor  # [B, T, V] float32
     features: torch.Tensor  # [B, T, H] runner dtype: the final norm's output (LM head input)
+    # [B, T, H] runner dtype: the residual stream after ``tap_layers(tap)`` decoder layers
+    # (transformers' hidden_states[tap]); None unless asked for
+    tapped: torch.Tensor | None = None
 
 
 class _Layer:
@@ -271,16 +275,34 @@ class TargetRunner:
         return self.lm_head(self._rms(x, self.norm)).float()
 
     @torch.inference_mode()
-    def score(self, slots: list[int], rows: list[list[int]]) -> Scored:
-        """``forward`` with every position's logits and features."""
-        return self._scored(self._hidden(slots, rows))
+    def score(self, slots: list[int], rows: list[list[int]], tap: int | None = None) -> Scored:
+        """``forward`` with every position's logits and features; with ``tap``, also the hidden
+        state after ``tap_layers(tap)`` layers (the logits and features are the same bits
+        either way: the tap only keeps a reference to a tensor the forward makes anyway)."""
+        if tap is None:
+            return self._scored(self._hidden(slots, rows))
+        kept: list[torch.Tensor] = []
+        x = self._hidden(slots, rows, (self.tap_layers(tap), kept))
+        return self._scored(x, kept[0])
 
-    def _scored(self, x: torch.Tensor) -> Scored:
+    def tap_layers(self, tap: int) -> int:
+        """How many decoder layers a tap runs before it is read: ``tap`` itself, or counted
+        from the end when negative as transformers' hidden_states are (-1: every layer, before
+        the final norm; -8: all but the last seven). ValueError outside this runner's layers."""
+        after = tap if tap >= 0 else self.n_total_layers + 1 + tap
+        if not 1 <= after <= self.n_layers:
+            raise ValueError(f"tap {tap} is not after one of this runner's {self.n_layers} "
+                             "layers")
+        return after
+
+    def _scored(self, x: torch.Tensor, tapped: torch.Tensor | None = None) -> Scored:
         feats = self._rms(x, self.norm)
-        return Scored(self.lm_head(feats).float(), feats)
+        return Scored(self.lm_head(feats).float(), feats, tapped)
 
-    def _hidden(self, slots: list[int], rows: list[list[int]]) -> torch.Tensor:
-        """The last decoder layer's output [B, T, H] for ``forward``'s rows."""
+    def _hidden(self, slots: list[int], rows: list[list[int]],
+                tap: tuple[int, list[torch.Tensor]] | None = None) -> torch.Tensor:
+        """The last decoder layer's output [B, T, H] for ``forward``'s rows (``tap``: see
+        ``_run_layers``)."""
         T = max(len(r) for r in rows)
         if min(len(r) for r in rows) < 1:
             raise ValueError("every row needs at least one token")
@@ -292,7 +314,7 @@ class TargetRunner:
         start_t = torch.as_tensor(starts, dtype=torch.long, device=dev)
         pos = start_t[:, None] + torch.arange(T, device=dev)[None, :]  # [B, T]
         n_pos = padded_keys(max(starts) + T, self.cache.capacity)
-        return self._run_layers(slots, tokens, pos, pos, _causal(pos, n_pos), n_pos)
+        return self._run_layers(slots, tokens, pos, pos, _causal(pos, n_pos), n_pos, tap=tap)
 
     @torch.inference_mode()
     def forward_tree(self, slots: list[int], roots: list[int], trees: Sequence[TreeShape]
@@ -378,12 +400,14 @@ class TargetRunner:
     def _run_layers(self, slots: list[int], tokens: torch.Tensor, store: torch.Tensor,
                     rope: torch.Tensor, visible: torch.Tensor, n_pos: int,
                     tail: TailKeys | None = None, slot_index: torch.Tensor | None = None,
-                    contiguous: bool = True) -> torch.Tensor:
+                    contiguous: bool = True,
+                    tap: tuple[int, list[torch.Tensor]] | None = None) -> torch.Tensor:
         """The decoder layers over tokens [B, T]: keys/values written at KV positions
         ``store`` [B, T], rotary positions ``rope`` [B, T], ``visible`` [B, T, n_pos] (which of
         the slots' first n_pos positions each token attends to; n_pos a whole number of key
         blocks); ``slot_index``: ``slots`` on the device, when the caller has them there;
-        ``contiguous``: read a run of consecutive slots as a view (False: always by gather).
+        ``contiguous``: read a run of consecutive slots as a view (False: always by gather);
+        ``tap`` (n, into): append the hidden state after n layers [B, T, H] to ``into``.
         Returns the last hidden states [B, T, H]."""
         B, T = tokens.shape
         dev = self.device
@@ -408,6 +432,8 @@ class TargetRunner:
             x = x + layer.o(att)
             gate, up = layer.gate_up(self._rms(x, layer.ln2)).chunk(2, dim=-1)
             x = x + layer.down(pointwise(F.silu, gate) * up)
+            if tap is not None and li + 1 == tap[0]:
+                tap[1].append(x)
         return x
 
     def prefill(self, slot: int, tokens: list[int], chunk: int = PREFILL_CHUNK) -> None:
