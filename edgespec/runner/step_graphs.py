@@ -30,15 +30,18 @@ from __future__ import annotations
 import logging
 from bisect import bisect_left
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from .attention import KEY_BLOCK
+from .kv_cache import KVCache
+from .step_rows import Scored, StepRows
 
-if TYPE_CHECKING:
-    from .step_rows import StepRows
-    from .target_runner import Scored, TargetRunner
+# a bucket's forward over its buffers: (tokens [B, T], KV write positions [B, T], slots [B],
+# key positions read) -> every row's logits and features (the runner's ``_bucket_forward``)
+BucketForward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], Scored]
 
 log = logging.getLogger("edgespec.runner.step_graphs")
 
@@ -71,21 +74,22 @@ class StepGraphs:
     bucket (captured on CUDA when ``capture``), or returns None when no bucket holds it (the
     caller runs it eagerly)."""
 
-    def __init__(self, runner: "TargetRunner", scratch_slot: int, capture: bool):
-        self.runner = runner
+    def __init__(self, forward: BucketForward, cache: KVCache, scratch_slot: int,
+                 capture: bool):
+        self.forward, self.cache = forward, cache
         self.scratch = scratch_slot
-        self.capture = capture and runner.device.type == "cuda"
+        self.capture = capture  # CUDA only
         self.buckets: dict[tuple[int, int, int], _Bucket] = {}
         self.pool: Any = None  # the captured graphs share one memory pool
         self.replays = 0  # steps run through a bucket (captured or not)
 
-    def shape_for(self, rows: "StepRows") -> tuple[int, int, int] | None:
+    def shape_for(self, rows: StepRows) -> tuple[int, int, int] | None:
         """The bucket (sessions, tokens, key positions) a step of chains pads up to."""
         B, T = len(rows.slots), rows.width
         Bb, Tb = bucket_of(B, SESSION_BUCKETS), bucket_of(T, TOKEN_BUCKETS)
         if rows.tree or Bb is None or Tb is None:
             return None
-        cap = self.runner.cache.capacity
+        cap = self.cache.capacity
         if max(rows.starts) + Tb > cap:  # padding columns would write past a slot's end
             return None
         Kb = bucket_of(max(rows.starts) + Tb, KEY_BUCKETS)
@@ -93,10 +97,8 @@ class StepGraphs:
             Kb = cap
         return Bb, Tb, Kb
 
-    def score(self, rows: "StepRows") -> "Scored | None":
+    def score(self, rows: StepRows) -> Scored | None:
         """The step's logits [B, T, V] and features [B, T, H], through its bucket."""
-        from .target_runner import Scored
-
         shape = self.shape_for(rows)
         if shape is None:
             return None
@@ -118,14 +120,14 @@ class StepGraphs:
         return Scored(b.logits[:B, :T], b.features[:B, :T])
 
     def _new_bucket(self, B: int, T: int, n_pos: int) -> _Bucket:
-        dev = self.runner.device
+        dev = self.cache.k[0].device
         b = _Bucket(torch.zeros(B, T, dtype=torch.long, device=dev),
                     torch.arange(T, device=dev).repeat(B, 1),
                     torch.full((B,), self.scratch, dtype=torch.long, device=dev), n_pos)
         self.buckets[(B, T, n_pos)] = b
         return b
 
-    def _fill(self, b: _Bucket, rows: "StepRows") -> None:
+    def _fill(self, b: _Bucket, rows: StepRows) -> None:
         """The step's rows into the bucket's buffers (device to device); rows past the step
         write into the scratch slot from position 0."""
         B, T = len(rows.slots), rows.width
@@ -140,12 +142,7 @@ class StepGraphs:
 
     def _run(self, b: _Bucket) -> tuple[torch.Tensor, torch.Tensor]:
         """The captured region: the forward over the bucket's buffers alone."""
-        r = self.runner
-        visible = torch.arange(b.n_pos, device=b.store.device)[None, None, :] <= \
-            b.store[:, :, None]
-        x = r._run_layers(b.slots.shape[0] * [self.scratch], b.tokens, b.store, b.store,
-                          visible, b.n_pos, slot_index=b.slots, contiguous=False)
-        scored = r._scored(x)
+        scored = self.forward(b.tokens, b.store, b.slots, b.n_pos)
         return scored.logits, scored.features
 
     def _capture(self, b: _Bucket) -> None:

@@ -7,7 +7,7 @@ tokens); ``StepRows`` adds what the forward needs (KV slots and lengths, the tre
 matrix, the branch nodes' decoding-order keys) and moves it all to the device in two copies (one
 of integers, one of booleans). The forward (``TargetRunner.score_rows``) and the verification
 (``edgespec.verify.verify_step.VerifyBatch.of_rows``) then read the same tensors, as vLLM's
-speculative-decoding metadata is built once per step.
+speculative-decoding metadata is built once per step; a forward's output is a ``Scored``.
 """
 
 from __future__ import annotations
@@ -39,6 +39,18 @@ def _padded(rows: list[list[int]], width: int, fill: int) -> np.ndarray:
     """[len(rows), width] int64: each row right-padded with ``fill``."""
     return np.array([r + [fill] * (width - len(r)) for r in rows], dtype=np.int64) \
         .reshape(len(rows), width)
+
+
+@dataclass(frozen=True)
+class Scored:
+    """A forward's logits and the features they were read from (what a draft head takes), and,
+    when ``score`` was asked for a tap, one intermediate layer's hidden state."""
+
+    logits: torch.Tensor  # [B, T, V] float32
+    features: torch.Tensor  # [B, T, H] runner dtype: the final norm's output (LM head input)
+    # [B, T, H] runner dtype: the residual stream after ``tap_layers(tap)`` decoder layers
+    # (transformers' hidden_states[tap]); None unless asked for
+    tapped: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,6 @@ The layer-skip self-draft is the same runner over the first L layers, with the f
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Literal, Sequence, overload
 
 import torch
@@ -28,24 +27,12 @@ from ..config import MAX_TREE_NODES, ConfigError
 from .dtype_probe import attention_tile, first_varying_count, probe_input, probe_row_counts
 from .kv_cache import KVCache, contiguous_start
 from .step_graphs import StepGraphs
-from .step_rows import DraftShape, StepRows, TreeShape
+from .step_rows import DraftShape, Scored, StepRows, TreeShape
 from .linear import Linear
 
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2")
 PREFILL_CHUNK = 512  # prompt tokens per prefill forward
 MAX_QUERY = MAX_TREE_NODES + 1  # the most tokens one session sends in one step: a tree + root
-
-
-@dataclass(frozen=True)
-class Scored:
-    """A forward's logits and the features they were read from (what a draft head takes), and,
-    when ``score`` was asked for a tap, one intermediate layer's hidden state."""
-
-    logits: torch.Tensor  # [B, T, V] float32
-    features: torch.Tensor  # [B, T, H] runner dtype: the final norm's output (LM head input)
-    # [B, T, H] runner dtype: the residual stream after ``tap_layers(tap)`` decoder layers
-    # (transformers' hidden_states[tap]); None unless asked for
-    tapped: torch.Tensor | None = None
 
 
 class _Layer:
@@ -138,7 +125,8 @@ class TargetRunner:
         self.cache = KVCache(self.n_layers, n_slots + int(graphs), max_len, self.kv_heads,
                              self.head_dim, dtype=self.dtype, device=self.device,
                              capacity=capacity)
-        self.graphs = StepGraphs(self, self.cache.reserve(), capture=True) if graphs else None
+        self.graphs = StepGraphs(self._bucket_forward, self.cache, self.cache.reserve(),
+                                 capture=self.device.type == "cuda") if graphs else None
         self.max_rows = max_rows or max(PREFILL_CHUNK, n_slots * MAX_QUERY)
         if exact:
             self._check_invariance(tile)
@@ -396,6 +384,15 @@ class TargetRunner:
             self.cache.move(slot, [root + 1 + i for i in path],
                             [root + 1 + j for j in range(len(path))])
         self.cache.commit(slot, end)
+
+    def _bucket_forward(self, tokens: torch.Tensor, store: torch.Tensor,
+                        slot_index: torch.Tensor, n_pos: int) -> Scored:
+        """A bucket's forward (``step_graphs``): chains over device buffers alone, the causal
+        mask made from the write positions, slots read by gather (no host decision)."""
+        x = self._run_layers(slot_index.shape[0] * [0], tokens, store, store,
+                             _causal(store, n_pos), n_pos, slot_index=slot_index,
+                             contiguous=False)
+        return self._scored(x)
 
     def _run_layers(self, slots: list[int], tokens: torch.Tensor, store: torch.Tensor,
                     rope: torch.Tensor, visible: torch.Tensor, n_pos: int,
