@@ -31,7 +31,7 @@ class DrafterActor:
     def __init__(self, cache: str, device_id: str, drafter: str = "mag", threads: int = 1,
                  auth_token: str | None = None, max_sessions: int = 8, link=None,
                  compute_slowdown: float = 1.0, profile: str = "",
-                 link_seed: int | None = None, tree_width: int = 1):
+                 link_seed: int | None = None, tree_width: int = 1, device: str = "cpu"):
         from drafter_node.agent import DrafterAgent
 
         configure_logging()
@@ -47,7 +47,7 @@ class DrafterActor:
         self.error: str | None = None
         self.agent = self.thread = None
         try:  # a drafter that cannot be built says why (info) instead of restarting forever
-            built, fingerprint = build_edge_drafter(drafter, max_sessions)
+            built, fingerprint = build_edge_drafter(drafter, max_sessions, device=device)
             if compute_slowdown != 1:
                 built = SlowedDrafter(built, compute_slowdown)
         except Exception as e:

@@ -288,10 +288,13 @@ def _place_all(roles, spec, head, vnodes, vres, boards, handles, progress) -> De
         threads = max(1, int(n.resources.get("CPU", 1) // spec.drafters_per_board))
         for j in range(spec.drafters_per_board):
             name = f"{PREFIX}drafter-{device_id_for(n, j)}"
+            board_gpus = n.resources.get("GPU", 0)  # a board's GPU runs its model drafters
             handles[name] = place(roles.drafter, n, name=name, detached=True,
-                                  resources=share(n, "edge", spec.drafters_per_board)).remote(
+                                  resources=share(n, "edge", spec.drafters_per_board),
+                                  num_gpus=board_gpus / spec.drafters_per_board).remote(
                 cache["address"], device_id_for(n, j), spec.drafter, threads=threads,
-                auth_token=spec.auth_token, tree_width=spec.tree_width)
+                auth_token=spec.auth_token, tree_width=spec.tree_width,
+                device="cuda" if board_gpus else "cpu")
     progress(f"placed {spec.verifiers} verifier(s) on {vres} node(s) and "
              f"{len(boards) * spec.drafters_per_board} drafter(s) on {len(boards)} board(s); "
              "waiting for the model to load")
