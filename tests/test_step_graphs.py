@@ -117,3 +117,18 @@ def test_cuda_captured_steps_replay_the_eager_bits(tiny, dtype):
         assert torch.equal(got.logits, want.logits)
     assert graphs.graphs.replays == 4 and any(b.graph is not None
                                               for b in graphs.graphs.buckets.values())
+
+
+def test_a_step_too_near_the_slots_end_for_its_bucket_runs_eagerly(tiny):
+    """Padding columns must not write past a slot's end: such a step is not bucketed."""
+    eager = TargetRunner(tiny.model, n_slots=1, max_len=128, graphs=False)
+    padded = TargetRunner(tiny.model, n_slots=1, max_len=128, graphs=True)
+    prompt = [1] + [5 + i % 90 for i in range(120)]
+    for r in (eager, padded):
+        r.new_slot()
+        r.prefill(0, prompt)
+    rows = StepRows.build([0], [eager.cache.lengths[0]], [7],
+                          DraftShape.of([([5, 6, 7, 8, 9, 10], [-1, 0, 1, 2, 3, 4])]), "cpu")
+    assert padded.graphs.shape_for(rows) is None  # 121 + 7 tokens fit, the bucket's 8 do not
+    got, want = padded.score_rows(rows), eager.score_rows(rows)
+    assert padded.graphs.replays == 0 and torch.equal(got.logits, want.logits)

@@ -131,3 +131,33 @@ def test_a_step_never_edits_the_stores_drafts_and_stays_lossless(tiny):
         assert r.token_ids == refs[tuple(p)]
     assert recording.handed and any(t.branches for t, _ in recording.handed)
     assert all(t == before for t, before in recording.handed)
+
+
+class _GarbageStore(_RecordingStore):
+    """A store that lets token ids outside the vocabulary through (as a store whose check was
+    skipped would)."""
+
+    def __init__(self, store, vocab):
+        super().__init__(store)
+        self.vocab = vocab
+
+    def take_when_ready(self, wants, wait_s):
+        taken = self.inner.take_when_ready(wants, wait_s)
+        return [TakenDraft(t.epoch, t.start, [self.vocab + 5, *t.tokens[1:]], t.branches)
+                if isinstance(t, TakenDraft) and t.tokens else t for t in taken]
+
+
+def test_ids_past_the_vocabulary_cost_their_drafts_not_the_session(tiny):
+    """The forward's own guard: a row holding an id outside the vocabulary is verified without
+    its draft (on CUDA such an id would be a device assert ending every session)."""
+    prompts = [[1, 10, 11, 12, 13, 10, 11], [1, 50, 51, 52, 53]]
+    refs = {tuple(p): hf_greedy(tiny.model, p, 16) for p in prompts}
+    runner = TargetRunner(tiny.model, n_slots=2, max_len=128)
+    drafter = OracleTreeDrafter(refs, runner.vocab_size, seed=3)
+    cfg = EngineConfig(adaptive=False, draft_wait_ms=5000, tree_width=3)
+    with SpecEngine(runner, drafter, cfg, stop_ids={2}) as engine:
+        engine.store = _GarbageStore(engine.store, runner.vocab_size)
+        results = engine.generate_many([Request(p, 16) for p in prompts])
+    for p, r in zip(prompts, results):
+        assert r.token_ids == refs[tuple(p)] and r.finish_reason in ("stop", "length")
+        assert r.stats.accepted_tokens == 0  # no draft token was verified

@@ -87,7 +87,7 @@ def test_one_call_gives_each_rows_own_verdict(params):
 
 def test_rows_with_their_own_settings_and_modes_in_one_call():
     """Greedy, sampled, top-k, top-p and loose rows side by side: each row's verdict is its own
-    rule's (``verify_tree`` for exact rows, ``sampling.verify_loose`` for loose chains)."""
+    rule's (the oracles' ``verify_tree`` for exact rows, ``verify_loose`` for loose chains)."""
     from edgespec.config import LooseParams
     from oracles import verify_loose
 

@@ -9,7 +9,7 @@ drafting can only cost the verification width, never correctness.
 Token trees: a draft may carry branches (``tree_width`` > 1 for the in-process drafter, or a
 remote drafter's tree chunks). The step then gives each session a share of the batch's token
 budget left after the chains (at most ``tree_nodes``), and a batch where any session has
-branches is run as one tree forward (``TargetRunner.forward_tree``, chains as trees). Every
+branches is run as one tree forward (``TargetRunner.score_rows``, chains as trees). Every
 step, chains and trees alike, is verified by one call on the device
 (``edgespec.verify.verify_step.verify_step``); a tree's accepted path has its keys/values compacted
 into place.
@@ -22,6 +22,7 @@ from bisect import bisect_left
 import logging
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 
 from ..config import ConfigError, EngineConfig, session_verify_mode
 from ..drafters import DraftLength, Drafter
@@ -39,7 +40,7 @@ from .draft_worker import DraftWorker
 from .generation import ActiveSession, Request, Result, SessionFailed
 from .decisions import Decision, decide
 from .proposals import DrafterProposer, StepDraft, drafter_row, with_head
-from .stack_choice import StackChooser, accepted_prefix
+from .stack_choice import SOURCES, StackChooser, accepted_prefix
 from .step_planning import plan_branch_budgets, plan_drafts
 from .step_report import StepReport, step_report
 
@@ -270,7 +271,8 @@ class SpecEngine:
         asked = [{p.name: p.propose(act.sid, t) for p in self.proposers} for act, t in taken]
         offers: list[dict[str, tuple[int, ...] | None] | None] = [None] * len(taken)
         if self.cfg.auto:  # every source's proposal, verified or not
-            offers = [{n: None if p is None else p.tokens for n, p in props.items()}
+            offers = [{**dict.fromkeys(SOURCES), **{n: None if p is None else p.tokens
+                                                     for n, p in props.items()}}
                       for props in asked]
             asked = [self._choose_sources(act, props, len(taken))
                      for (act, _), props in zip(taken, asked)]
@@ -321,15 +323,23 @@ class SpecEngine:
         return out
 
     def _forward_and_verify(self, drafts: list[StepDraft]) -> list[Verdict]:
-        """One forward over the batch (a tree forward if any row has branches: chains are
-        trees whose node i hangs from node i - 1), then every row verified at once on the
-        device (``edgespec.verify.verify_step``): one host sync. Each row's verdict is the
-        accepted path's chain tokens, then its branch, then the target's token."""
+        """One forward over the batch (as trees when a row branches, else as chains), then
+        every row verified at once on the device (``edgespec.verify.verify_step``): one host
+        sync. Each row's verdict is the accepted path's chain tokens, then its branch, then the
+        target's token."""
         nodes = [d.nodes() for d in drafts]
+        shape = DraftShape.of(nodes)
+        outside = shape.rows_outside(self.target.vocab_size)
+        if outside:  # a store let an id past: that row is verified without its draft
+            log.warning("drafts of %d session(s) held token ids outside the vocabulary: "
+                        "verified without them", len(outside))
+            drafts = [replace(d, tokens=(), branches=()) if i in outside else d
+                      for i, d in enumerate(drafts)]
+            nodes = [d.nodes() for d in drafts]
+            shape = DraftShape.of(nodes)
         rows = StepRows.build([d.act.slot for d in drafts],
                               [self.target.cache.lengths[d.act.slot] for d in drafts],
-                              [d.act.last_token for d in drafts], DraftShape.of(nodes),
-                              self.target.device)
+                              [d.act.last_token for d in drafts], shape, self.target.device)
         scored = self.target.score_rows(rows)  # [B, 1 + N, V]
         vb = VerifyBatch.of_rows(rows, [d.start for d in drafts],
                                  [d.act.req.params for d in drafts],
@@ -340,8 +350,6 @@ class SpecEngine:
             wanted = not self.cfg.auto or self._head_wanted(drafts)
             proposal = self.head.for_step(sids, scored.features, vb.tokens, vb.depths, wanted)
         out = verify_step(scored.logits, vb, self.cfg.loose, proposal)
-        if proposal is not None and self.head is not None:
-            self.head.after_step(sids, proposal, [len(p) for p in out.paths], out.proposals)
         verdicts = []
         for d, (tokens, _), path, token in zip(drafts, nodes, out.paths, out.tokens):
             self.target.compact(d.act.slot, path)  # a branch's keys/values into place
@@ -349,6 +357,8 @@ class SpecEngine:
             branch = tuple(tokens[i] for i in path[n:])
             verdicts.append(Verdict(d.act.sid, d.epoch, d.start, n, token, branch=branch,
                                     own_branch=bool(branch) and not d.kept_branch(n, branch)))
+        if proposal is not None and self.head is not None:  # once the batch has succeeded
+            self.head.after_step(sids, proposal, [len(p) for p in out.paths], out.proposals)
         return verdicts
 
     def _decide(self, draft: StepDraft, v: Verdict) -> Decision:

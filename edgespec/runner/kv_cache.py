@@ -33,12 +33,13 @@ class KVCache:
         self.max_len = max_len
         self.lengths = [0] * n_slots  # valid positions per slot: the rollback pointer
         self._free = list(range(n_slots))
+        self._reserved = 0  # slots taken for good (``reserve``)
 
     # -- slots ---------------------------------------------------------------------------------
     def allocate(self) -> int:
         """Take the lowest free slot (keeps active slots compact, so reads stay views)."""
         if not self._free:
-            raise CacheFullError(f"all {len(self.lengths)} KV slots are in use")
+            raise CacheFullError(f"all {len(self.lengths) - self._reserved} KV slots are in use")
         self._free.sort()
         slot = self._free.pop(0)
         self.lengths[slot] = 0
@@ -47,6 +48,7 @@ class KVCache:
     def reserve(self) -> int:
         """Take the highest free slot for good (a scratch slot no session is given)."""
         self._free.sort()
+        self._reserved += 1
         return self._free.pop()
 
     def release(self, slot: int) -> None:

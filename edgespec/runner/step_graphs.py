@@ -14,7 +14,9 @@ static buffers:
 - the captured region reads only those buffers: the causal mask is made inside it from the
   write positions, the slots are read by gather (the eager forward's contiguous-slot shortcut is
   a host decision); nothing in it copies from the host or waits for the device;
-- the outputs [B, T] of the bucket are sliced back to the step's rows and tokens.
+- the outputs [B, T] of the bucket are sliced back to the step's rows and tokens: views of the
+  bucket's static outputs, valid until the next step (the verification reads them within the
+  step; a head's context gathers what it keeps into its own memory).
 
 Every row's bits are those of the eager forward: the runner's kernels are batch-invariant in the
 row count (``edgespec.runner.dtype_probe``), and fully masked key blocks and padding columns
@@ -82,6 +84,7 @@ class StepGraphs:
         self.buckets: dict[tuple[int, int, int], _Bucket] = {}
         self.pool: Any = None  # the captured graphs share one memory pool
         self.replays = 0  # steps run through a bucket (captured or not)
+        self.disabled = False  # a capture failed: every step runs unpadded and eager
 
     def shape_for(self, rows: StepRows) -> tuple[int, int, int] | None:
         """The bucket (sessions, tokens, key positions) a step of chains pads up to."""
@@ -99,7 +102,7 @@ class StepGraphs:
 
     def score(self, rows: StepRows) -> Scored | None:
         """The step's logits [B, T, V] and features [B, T, H], through its bucket."""
-        shape = self.shape_for(rows)
+        shape = None if self.disabled else self.shape_for(rows)
         if shape is None:
             return None
         b = self.buckets.get(shape) or self._new_bucket(*shape)
@@ -108,8 +111,10 @@ class StepGraphs:
             try:
                 self._capture(b)
             except Exception:  # a capture that fails costs the graphs' speed, never a step
-                log.exception("capturing the step of bucket %s failed: running eagerly", shape)
-                self.capture = False
+                log.exception("capturing the step of bucket %s failed: the runner goes back "
+                              "to its unpadded eager forward", shape)
+                self.disabled = True
+                return None
         if b.graph is not None:
             b.graph.replay()
         else:
@@ -154,7 +159,8 @@ class StepGraphs:
             self._run(b)  # warm-up: lazy initialisations happen outside the capture
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        # thread_local: a drafter or learner thread using the GPU meanwhile does not break it
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             b.logits, b.features = self._run(b)
         self.pool = graph.pool() if self.pool is None else self.pool
         b.graph = graph

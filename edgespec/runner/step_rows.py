@@ -89,6 +89,14 @@ class DraftShape:
         depths[:, 1:] = np.where(valid, depth, 0)
         return cls(nodes, parents, depths, counts, ancestors, most, int(depths.max()), is_tree)
 
+    def rows_outside(self, vocab_size: int) -> list[int]:
+        """The rows holding a token id outside [0, vocab_size). The stores check ids where
+        drafts enter; this vectorised look is the forward's own guard (on CUDA an id past the
+        embedding is a device assert that ends every session of the process, not one)."""
+        valid = np.arange(self.nodes.shape[1])[None] < self.counts[:, None]
+        bad = valid & ((self.nodes < 0) | (self.nodes >= vocab_size))
+        return np.nonzero(bad.any(1))[0].tolist()
+
 
 def ancestor_rows(parents: np.ndarray, counts: np.ndarray) -> np.ndarray:
     """[B, 1 + N, 1 + N] bool: row t (0: the root, 1 + i: node i) sees row u iff u is t or one
