@@ -70,7 +70,9 @@ def run_bench_net(args) -> int:
     serve_log, drafter_log = out_dir / "bench-net-serve.log", out_dir / "bench-net-drafter.log"
     print(f"starting edgespec serve on {address} and one drafter ({args.drafter})",
           file=sys.stderr, flush=True)
-    serve = _spawn(["serve", "--listen", address, "--max-sessions", "2", *common], serve_log)
+    graphs = ["--cuda-graphs"] if getattr(args, "cuda_graphs", False) else []
+    serve = _spawn(["serve", "--listen", address, "--max-sessions", "2", *common, *graphs],
+                   serve_log)
     drafter = None
     try:
         _wait_for(serve_log, "listening on", serve)
