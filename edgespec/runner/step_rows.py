@@ -2,7 +2,7 @@
 
 A step verifies B sessions; row b holds the session's last committed token (the root) and its
 draft, a tree given as each node's parent (-1: the root; a chain is node i hanging from i - 1).
-``DraftShape`` lays the drafts out as padded host tensors with tensor ops (no Python loop over
+``DraftShape`` lays the drafts out as padded NumPy arrays with array ops (no Python loop over
 tokens); ``StepRows`` adds what the forward needs (KV slots and lengths, the tree's ancestor
 matrix, the branch nodes' decoding-order keys) and moves it all to the device in two copies (one
 of integers, one of booleans). The forward (``TargetRunner.score_rows``) and the verification
@@ -89,12 +89,16 @@ class DraftShape:
         depths[:, 1:] = np.where(valid, depth, 0)
         return cls(nodes, parents, depths, counts, ancestors, most, int(depths.max()), is_tree)
 
+    @property
+    def valid(self) -> np.ndarray:
+        """[B, N] bool: which entries of ``nodes`` are a row's nodes, not padding."""
+        return np.arange(self.nodes.shape[1])[None] < self.counts[:, None]
+
     def rows_outside(self, vocab_size: int) -> list[int]:
         """The rows holding a token id outside [0, vocab_size). The stores check ids where
         drafts enter; this vectorised look is the forward's own guard (on CUDA an id past the
         embedding is a device assert that ends every session of the process, not one)."""
-        valid = np.arange(self.nodes.shape[1])[None] < self.counts[:, None]
-        bad = valid & ((self.nodes < 0) | (self.nodes >= vocab_size))
+        bad = self.valid & ((self.nodes < 0) | (self.nodes >= vocab_size))
         return np.nonzero(bad.any(1))[0].tolist()
 
 
@@ -142,10 +146,8 @@ class StepRows:
         """``tree``: force the tree forward (True) or leave it to the drafts' shape (None)."""
         B, T = len(slots), 1 + shape.max_nodes
         is_tree = shape.is_tree if tree is None else tree
-        N = shape.nodes.shape[1]
-        valid = np.arange(N)[None] < shape.counts[:, None]
         tokens = np.concatenate([np.array(roots, dtype=np.int64).reshape(B, 1),
-                                 np.where(valid, shape.nodes, 0)], 1)[:, :T]
+                                 np.where(shape.valid, shape.nodes, 0)], 1)[:, :T]
         start_h = np.array(starts, dtype=np.int64).reshape(B)
         ancestors, tail_h = None, None
         if is_tree:
@@ -187,10 +189,8 @@ def _branch_tails(shape: DraftShape, ancestors: np.ndarray, starts: np.ndarray
     the host: from the block holding the root on, its logical position L + d reads the row of
     its ancestor at depth d (row r of a tree is stored at L + r; row 0 is the root). None
     without branches. Its tensors are host tensors, for ``StepRows`` to move."""
-    parents, counts = shape.parents, shape.counts
-    N = parents.shape[1]
-    idx = np.arange(N)
-    valid = idx[None] < counts[:, None]
+    parents, valid = shape.parents, shape.valid
+    idx = np.arange(parents.shape[1])
     spine = ((parents == idx - 1) & valid).cumprod(1).sum(1)  # [B]
     rows, nodes = np.nonzero(valid & (idx[None] >= spine[:, None]))
     if len(rows) == 0:
