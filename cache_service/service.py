@@ -37,7 +37,7 @@ import redis
 
 from edgespec.config import ConfigError
 from edgespec.protocol.ids import check_device_id, check_session_id, shown
-from edgespec.protocol.contract import Branch
+from edgespec.protocol.contract import Branch, check_draft_ids
 from edgespec.wire.trees import MAX_BRANCH_NODES, TREE_VERSION, tree_from_wire
 from edgespec.v1 import edgespec_pb2 as pb
 from edgespec.v1 import edgespec_pb2_grpc as pb_grpc
@@ -124,9 +124,10 @@ class DraftCacheService(pb_grpc.DraftCacheServicer):
                     else grpc.StatusCode.FAILED_PRECONDITION)
             raise ChunkRefused(code, f"session {sid} is not assigned to {device!r}")
         tokens, branches = _chunk_draft(chunk, self.window)
-        if any(not 0 <= t < vocab for t in chunk.tokens):
-            raise ChunkRefused(grpc.StatusCode.INVALID_ARGUMENT,
-                               f"draft token ids must be in [0, {vocab})")
+        try:
+            check_draft_ids(chunk.tokens, vocab)  # the chain's and the branches' nodes
+        except ValueError as e:
+            raise ChunkRefused(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         try:
             res = self.store.push(sid, chunk.epoch, chunk.start, tokens, chunk.idle,
                                   self.window, branches)

@@ -29,6 +29,7 @@ Failure rules the verifier relies on:
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
@@ -49,6 +50,15 @@ class SessionVanished(Exception):
 class StoreUnavailable(Exception):
     """The session store itself cannot be reached (Redis down or restarting): the step that met
     it is retried; no session is failed for it."""
+
+
+def check_draft_ids(tokens: Sequence[int], vocab_size: int) -> None:
+    """Refuse (ValueError) draft token ids outside [0, vocab_size): the check every store
+    applies where drafts enter (the local store on a push, the cache service on a chunk)."""
+    for t in tokens:
+        if not isinstance(t, numbers.Integral) or isinstance(t, bool) or \
+                not 0 <= int(t) < vocab_size:
+            raise ValueError(f"draft token ids must be in [0, {vocab_size}), got {t!r}")
 
 
 def spine_length(parents: Sequence[int]) -> int:

@@ -23,7 +23,6 @@ the same rules (tests/test_store_contract.py):
 
 from __future__ import annotations
 
-import numbers
 import threading
 import time
 from collections import deque
@@ -33,15 +32,8 @@ from typing import Sequence
 from ..config import SamplingParams
 from .fleet_table import FleetTable, record_output
 from .contract import (MAX_BRANCHES, Branch, CommitOutcome, DraftWant, Fix, SessionVanished,
-                       StaleChunkError, TakenDraft, Verdict, chunk_branches, take_branches)
-
-
-def check_draft_ids(tokens: Sequence[int], vocab_size: int) -> None:
-    """Refuse (ValueError) draft token ids outside [0, vocab_size)."""
-    for t in tokens:
-        if not isinstance(t, numbers.Integral) or isinstance(t, bool) or \
-                not 0 <= int(t) < vocab_size:
-            raise ValueError(f"draft token ids must be in [0, {vocab_size}), got {t!r}")
+                       StaleChunkError, TakenDraft, Verdict, check_draft_ids, chunk_branches,
+                       take_branches)
 
 
 @dataclass
