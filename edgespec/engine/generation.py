@@ -10,6 +10,7 @@ from typing import Callable
 
 from ..config import SamplingParams
 from ..drafters.adaptive import DraftLength
+from ..models.vision import ImageInput
 from ..protocol.request_stats import Stats
 
 
@@ -25,6 +26,9 @@ class Request:
     # "": the engine's verification mode; "exact" forces lossless verification on a loose
     # engine; "loose" is refused unless the engine was configured with verify="loose"
     verify: str = ""
+    # a vision-language target's images (``edgespec.models.vision``): their features are
+    # prefilled at the prompt's image tokens; None for a text prompt
+    images: ImageInput | None = None
 
 
 @dataclass

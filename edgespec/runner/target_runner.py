@@ -288,9 +288,10 @@ class TargetRunner:
         return Scored(self.lm_head(feats).float(), feats, tapped)
 
     def _hidden(self, slots: list[int], rows: list[list[int]],
-                tap: tuple[int, list[torch.Tensor]] | None = None) -> torch.Tensor:
-        """The last decoder layer's output [B, T, H] for ``forward``'s rows (``tap``: see
-        ``_run_layers``)."""
+                tap: tuple[int, list[torch.Tensor]] | None = None,
+                embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """The last decoder layer's output [B, T, H] for ``forward``'s rows (``tap``, ``embeds``:
+        see ``_run_layers``; ``embeds`` only for rows of one length)."""
         T = max(len(r) for r in rows)
         if min(len(r) for r in rows) < 1:
             raise ValueError("every row needs at least one token")
@@ -302,7 +303,8 @@ class TargetRunner:
         start_t = torch.as_tensor(starts, dtype=torch.long, device=dev)
         pos = start_t[:, None] + torch.arange(T, device=dev)[None, :]  # [B, T]
         n_pos = padded_keys(max(starts) + T, self.cache.capacity)
-        return self._run_layers(slots, tokens, pos, pos, _causal(pos, n_pos), n_pos, tap=tap)
+        return self._run_layers(slots, tokens, pos, pos, _causal(pos, n_pos), n_pos, tap=tap,
+                                embeds=embeds)
 
     @torch.inference_mode()
     def forward_tree(self, slots: list[int], roots: list[int], trees: Sequence[TreeShape]
@@ -398,14 +400,17 @@ class TargetRunner:
                     rope: torch.Tensor, visible: torch.Tensor, n_pos: int,
                     tail: TailKeys | None = None, slot_index: torch.Tensor | None = None,
                     contiguous: bool = True,
-                    tap: tuple[int, list[torch.Tensor]] | None = None) -> torch.Tensor:
+                    tap: tuple[int, list[torch.Tensor]] | None = None,
+                    embeds: torch.Tensor | None = None) -> torch.Tensor:
         """The decoder layers over tokens [B, T]: keys/values written at KV positions
         ``store`` [B, T], rotary positions ``rope`` [B, T], ``visible`` [B, T, n_pos] (which of
         the slots' first n_pos positions each token attends to; n_pos a whole number of key
         blocks); ``slot_index``: ``slots`` on the device, when the caller has them there;
         ``contiguous``: read a run of consecutive slots as a view (False: always by gather);
-        ``tap`` (n, into): append the hidden state after n layers [B, T, H] to ``into``.
-        Returns the last hidden states [B, T, H]."""
+        ``tap`` (n, into): append the hidden state after n layers [B, T, H] to ``into``;
+        ``embeds`` [B, T, H]: the tokens' input embeddings, given (a vision-language prompt's,
+        image features at its image tokens) instead of looked up. Returns the last hidden
+        states [B, T, H]."""
         B, T = tokens.shape
         dev = self.device
         cos, sin = self.cos[rope][:, None], self.sin[rope][:, None]  # [B, 1, T, hd]
@@ -415,7 +420,7 @@ class TargetRunner:
         nh, kvh, hd = self.n_heads, self.kv_heads, self.head_dim
         grp = nh // kvh
 
-        x = F.embedding(tokens, self.embed)  # [B, T, H]
+        x = F.embedding(tokens, self.embed) if embeds is None else embeds  # [B, T, H]
         for li, layer in enumerate(self.layers):
             h = self._rms(x, layer.ln1)
             qkv = layer.qkv(h)
@@ -433,13 +438,23 @@ class TargetRunner:
                 tap[1].append(x)
         return x
 
-    def prefill(self, slot: int, tokens: list[int], chunk: int = PREFILL_CHUNK) -> None:
-        """Write a prompt's keys/values into a fresh slot, in chunks (no logits computed)."""
+    @torch.inference_mode()
+    def prefill(self, slot: int, tokens: list[int], chunk: int = PREFILL_CHUNK,
+                embeds: torch.Tensor | None = None) -> None:
+        """Write a prompt's keys/values into a fresh slot, in chunks (no logits computed).
+        ``embeds`` [len(tokens), H] in the runner's dtype: the prompt's input embeddings, given
+        instead of looked up (a vision-language prompt: ``edgespec.models.vision``); the rows
+        of its text tokens are their embedding rows, so only the image positions differ."""
         self.cache.check_room(slot, 0, len(tokens))
+        if embeds is not None and tuple(embeds.shape) != (len(tokens), self.embed.shape[1]):
+            raise ValueError(f"embeds must be [{len(tokens)}, {self.embed.shape[1]}], got "
+                             f"{list(embeds.shape)}")
         self.rollback(slot, 0)
         for i in range(0, len(tokens), chunk):
             part = tokens[i:i + chunk]
-            self.forward([slot], [part], logits="none")
+            given = None if embeds is None else embeds[i:i + chunk][None].to(self.device,
+                                                                           self.dtype)
+            self._hidden([slot], [part], embeds=given)
             self.commit(slot, i + len(part))
 
 
