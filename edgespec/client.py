@@ -7,18 +7,21 @@
         print(piece.text, end="")
 
 A prompt is one user message through the model's chat template (``raw=True`` sends it as is,
-``messages=[...]`` sends a conversation, ``prompt_ids=[...]`` sends token ids). ``device_id`` pins
-the session to one drafter. ``verify="loose"`` asks for FLy's lossy verification (refused with
-``InvalidRequest`` unless the verifier was started with ``--verify loose``), ``verify="exact"``
-insists on lossless verification; ``result.lossless`` (and ``stats["lossless"]``) says which the
-session got. A client's first call fails at once with ``Unavailable`` when no connection can
-be made at all ("nothing is listening at ADDR"). ``timeout`` is a deadline in seconds for the
-whole call: a server that is restarting is waited for within it, and a stream that breaks
-(the verifier restarted) is resumed by session id within it, token-identically; a session the
-verifier's cache lost meanwhile (a resume answered NOT_FOUND) is re-created from the prompt
-and the tokens already received, and goes on as target-only decoding would (``result.seed``:
-the session's sampling seed, the verifier's choice when none was given). Failures raise
-subclasses of ``EdgespecError`` named after their gRPC status.
+``messages=[...]`` sends a conversation, ``prompt_ids=[...]`` sends token ids). ``images=[...]``
+(file paths, bytes of image files, or PIL images) go with a prompt or messages to a
+vision-language target, one per ``<image>`` mark in the text, else all before it; a text-only
+target refuses them. ``device_id`` pins the session to one drafter. ``verify="loose"`` asks for
+FLy's lossy verification (refused with ``InvalidRequest`` unless the verifier was started with
+``--verify loose``), ``verify="exact"`` insists on lossless verification; ``result.lossless``
+(and ``stats["lossless"]``) says which the session got. A client's first call fails at once with
+``Unavailable`` when no connection can be made at all ("nothing is listening at ADDR").
+``timeout`` is a deadline in seconds for the whole call: a server that is restarting is waited
+for within it, and a stream that breaks (the verifier restarted) is resumed by session id within
+it, token-identically; a session the verifier's cache lost meanwhile (a resume answered
+NOT_FOUND) is re-created from the prompt and the tokens already received, and goes on as
+target-only decoding would (``result.seed``: the session's sampling seed, the verifier's choice
+when none was given). Failures raise subclasses of ``EdgespecError`` named after their gRPC
+status.
 
 The client makes its own gRPC channel (``client.channel``) with edgespec's message limits and a
 reconnect backoff of 0.2 s up to 2 s (``edgespec.wire.convert.CHANNEL_OPTIONS``). To tune it,
@@ -42,7 +45,8 @@ from typing import Any
 
 import grpc
 
-from .config import EmptyPrompt, SamplingParams
+from .config import ConfigError, EmptyPrompt, SamplingParams
+from .models.images import check_image_bytes, image_bytes
 from .wire.reachability import ConnectWatch, unreachable_reason_aio
 from .v1 import edgespec_pb2 as pb
 from .v1 import edgespec_pb2_grpc as pb_grpc
@@ -131,7 +135,7 @@ class GenerateResult:
 
 def build_request(prompt=None, *, messages=None, prompt_ids=None, raw=False, max_new_tokens=0,
                   temperature=0.0, top_k=0, top_p=1.0, seed=None, device_id=None,
-                  verify=None) -> pb.GenerateRequest:
+                  verify=None, images=None) -> pb.GenerateRequest:
     """Validate locally (raises InvalidRequest) and build the wire request. An empty
     ``prompt`` is sent (through the chat template it is an empty message; raw, the verifier
     refuses its zero tokens); empty ``prompt_ids`` or ``messages`` cannot travel (the wire does
@@ -159,6 +163,16 @@ def build_request(prompt=None, *, messages=None, prompt_ids=None, raw=False, max
                             for m in messages)
     if prompt_ids is not None:
         req.prompt_ids.extend(int(t) for t in prompt_ids)
+    if images:
+        if prompt_ids is not None:
+            raise InvalidRequest("images go with a prompt or messages, not token ids (the "
+                                 "verifier's processor places their tokens)")
+        try:
+            data = [image_bytes(i) for i in images]
+            check_image_bytes(data)
+        except ConfigError as e:
+            raise InvalidRequest(str(e)) from None
+        req.images.extend(data)
     return req
 
 

