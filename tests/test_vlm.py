@@ -10,8 +10,7 @@ import pytest
 import torch
 
 from conftest import make_tiny_model
-from reference import sample_at
-from vlm_models import make_tiny_vlm, png, vlm_greedy
+from vlm_models import make_tiny_vlm, png, vlm_greedy, vlm_keyed
 
 from edgespec.config import ConfigError, EngineConfig, SamplingParams
 from edgespec.engine.generation import Request
@@ -79,22 +78,10 @@ def test_several_images_go_where_the_marks_stand(vlm, gen):
     assert raw.token_ids == vlm_greedy(vlm.vision, ids, pictures, N)
 
 
-def _keyed_reference(vlm, ids, pictures, n, params) -> list[int]:
-    """Target-only keyed sampling with the VLM's own forward over the pixels."""
-    seq = list(ids)
-    with torch.no_grad():
-        for _ in range(n):
-            logits = vlm.vision.vlm(input_ids=torch.tensor([seq]),
-                                    pixel_values=pictures.pixel_values,
-                                    pixel_attention_mask=pictures.pixel_attention_mask).logits
-            seq.append(sample_at(logits[0, -1], params, len(seq)))
-    return seq[len(ids):]
-
-
 def test_keyed_sampling_of_an_image_session_is_the_vlms_own(vlm, gen):
     params = SamplingParams(temperature=0.8, top_k=20, seed=11)
     ids, pictures = gen.encode_with_images("tell", images=[png(6)])
-    want = _keyed_reference(vlm, ids, pictures, N, params)
+    want = vlm_keyed(vlm.vision, ids, pictures, N, params)
     for drafter in ("mag", "none", "layers:2"):
         assert gen.generate("tell", N, params, drafter=drafter, images=[png(6)]).token_ids \
             == want

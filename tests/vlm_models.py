@@ -84,3 +84,26 @@ def vlm_greedy(vision, ids: list[int], pictures, n: int) -> list[int]:
                            max_new_tokens=n, do_sample=False, eos_token_id=[2],
                            pad_token_id=2, **kwargs)
     return out[0, len(ids):].tolist()
+
+
+def vlm_keyed(vision, ids: list[int], pictures, n: int, params) -> list[int]:
+    """The VLM's own forward with edgespec's keyed sampler, target-only: the reference of a
+    seeded sampled image session. The prompt's embeddings are transformers' own (its
+    ``inputs_merger`` puts the image features at the prompt's image tokens); each token sampled
+    after it enters as its embedding row, an image token included, as in ``generate``."""
+    from reference import sample_at
+
+    vlm = vision.vlm
+    with torch.no_grad():
+        ids_t = torch.tensor([ids])
+        embeds = vlm.get_input_embeddings()(ids_t)
+        feats = vlm.get_image_features(pixel_values=pictures.pixel_values,
+                                       pixel_attention_mask=pictures.pixel_attention_mask)
+        embeds = vlm.model.inputs_merger(ids_t, embeds, torch.cat(list(feats.pooler_output)))
+        out: list[int] = []
+        for _ in range(n):
+            logits = vlm(inputs_embeds=embeds).logits[0, -1]
+            out.append(sample_at(logits, params, len(ids) + len(out)))
+            row = vlm.get_input_embeddings()(torch.tensor([[out[-1]]]))
+            embeds = torch.cat([embeds, row], 1)
+    return out

@@ -1,0 +1,160 @@
+"""A vision-language target end to end: `edgespec serve --model` of a tiny random-weight SmolVLM
+(Idefics3) folder with a MaG board drafting (it drafts on the session's token ids: no image),
+asked through the HTTP API with the official `openai` client (images as `data:` URLs in
+`image_url` parts) and through the SDK over gRPC. The output is the VLM's own, greedy and keyed
+sampled; bad images are refused with a 400 (HTTP) or INVALID_ARGUMENT (gRPC) that says why."""
+
+from __future__ import annotations
+
+import base64
+
+import openai
+import pytest
+
+import edgespec
+from vlm_models import make_tiny_vlm, png, vlm_greedy, vlm_keyed
+
+from edgespec.config import SamplingParams
+from edgespec.models.images import decode_images
+from edgespec.models.loading import load_model
+from edgespec.wire.convert import free_port
+from procs import start_drafter, start_serve
+
+pytestmark = pytest.mark.slow  # processes and servers: not the fast tier
+
+TOKEN = "v1s10n"
+N = 24
+
+
+@pytest.fixture(scope="module")
+def vlm_dir(tmp_path_factory):
+    return make_tiny_vlm(tmp_path_factory.mktemp("tiny-vlm"))
+
+
+@pytest.fixture(scope="module")
+def vlm(vlm_dir):
+    return load_model(str(vlm_dir), dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def server(vlm_dir, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("vlm-serve")
+    http_port = free_port()
+    serve, address = start_serve(vlm_dir, tmp, token=TOKEN, extra=[
+        "--http-port", http_port, "--draft-wait-ms", 5000, "--no-adaptive"])
+    board = start_drafter(address, "board-1", tmp, "mag", token=TOKEN)
+    board.wait_for("attached to")
+    yield {"address": address, "base": f"http://127.0.0.1:{http_port}"}
+    board.stop()
+    assert serve.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def api(server):
+    client = openai.OpenAI(base_url=server["base"] + "/v1", api_key=TOKEN, max_retries=0,
+                           timeout=120)
+    client.model_id = client.models.list().data[0].id
+    return client
+
+
+@pytest.fixture(scope="module")
+def sdk(server):
+    with edgespec.Client(server["address"], token=TOKEN, timeout=120) as client:
+        yield client
+
+
+def data_url(image: bytes, media: str = "image/png") -> str:
+    return f"data:{media};base64,{base64.b64encode(image).decode()}"
+
+
+def expected(vlm, text: str, images: list[bytes], n: int = N) -> tuple[list[int], list[int]]:
+    """(prompt ids, the VLM's own greedy output) for one user message with its images."""
+    ids, pictures = vlm.vision.encode(text, images=decode_images(images))
+    return ids, vlm_greedy(vlm.vision, ids, pictures, n)
+
+
+def test_an_image_chat_over_http_is_the_vlms_own_output(api, vlm):
+    image = png(21)
+    ids, want = expected(vlm, "<image>what is this?", [image])
+    messages = [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": data_url(image), "detail": "auto"}},
+        {"type": "text", "text": "what is this?"}]}]
+    r = api.chat.completions.create(model=api.model_id, messages=messages, max_tokens=N,
+                                    temperature=0)
+    text = vlm.tokenizer.decode(want, skip_special_tokens=True)
+    assert r.choices[0].message.content == text
+    assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == len(want)
+    stats = r.model_extra["edgespec"]
+    assert stats["device"] == "board-1" and stats["lossless"] is True  # the board drafted
+    # streamed: the same text; an image between two texts goes where it stands
+    chunks = api.chat.completions.create(model=api.model_id, messages=messages, max_tokens=N,
+                                         temperature=0, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+    jpeg = png(22, (50, 30), fmt="JPEG")
+    _, want = expected(vlm, "left <image> right", [jpeg])
+    r = api.chat.completions.create(model=api.model_id, max_tokens=N, temperature=0, messages=[
+        {"role": "user", "content": [
+            {"type": "text", "text": "left "},
+            {"type": "image_url", "image_url": {"url": data_url(jpeg, "image/jpeg")}},
+            {"type": "text", "text": " right"}]}])
+    assert r.choices[0].message.content == vlm.tokenizer.decode(want, skip_special_tokens=True)
+
+
+def test_sdk_images_give_the_vlms_own_greedy_and_sampled_output(sdk, vlm, tmp_path):
+    image = png(23, (32, 48))
+    path = tmp_path / "picture.png"
+    path.write_bytes(image)
+    ids, want = expected(vlm, "describe", [image])
+    for given in (image, str(path)):
+        out = sdk.generate("describe", images=[given], max_new_tokens=N)
+        assert out.token_ids == want and out.prompt_tokens == len(ids)
+        assert out.device_id == "board-1"
+    params = SamplingParams(temperature=0.9, top_k=30, seed=5)
+    _, pictures = vlm.vision.encode("describe", images=decode_images([image]))
+    want = vlm_keyed(vlm.vision, ids, pictures, N, params)
+    out = sdk.generate("describe", images=[image], max_new_tokens=N, temperature=0.9,
+                       top_k=30, seed=5)
+    assert out.token_ids == want
+
+
+def _refusal(api, content, match: str) -> openai.BadRequestError:
+    with pytest.raises(openai.BadRequestError, match=match) as err:
+        api.chat.completions.create(model=api.model_id, max_tokens=4,
+                                    messages=[{"role": "user", "content": content}])
+    return err.value
+
+
+def _image_part(url: str) -> list[dict]:
+    return [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "hi"}]
+
+
+def test_bad_images_over_http_are_refused_with_the_reason(api):
+    err = _refusal(api, _image_part("https://example.com/cat.png"),
+                   "remote image URLs are refused .*data:image/png;base64")
+    assert err.body["code"] == "image_url_not_inline"
+    assert err.body["param"] == "messages[0].content[0].image_url.url"
+    _refusal(api, _image_part("data:image/png;base64,@@not base64@@"), "not valid base64")
+    _refusal(api, _image_part("data:text/plain;base64,aGk="), "not an image")
+    _refusal(api, _image_part(data_url(b"hello, no image here")),
+             "image 0 cannot be decoded: it is not an image")
+    _refusal(api, _image_part(data_url(png(1, (64, 64))[:150])), "truncated or corrupt")
+    _refusal(api, [{"type": "input_audio", "input_audio": {}}], "text and image_url")
+    _refusal(api, "<image> twice <image>", "2 <image> mark.* but 0 image")
+
+
+def test_bad_images_over_grpc_are_refused_with_the_reason(sdk):
+    with pytest.raises(edgespec.InvalidRequest, match="image 0 cannot be decoded"):
+        sdk.generate("hi", images=[b"not an image"], max_new_tokens=4)
+    with pytest.raises(edgespec.InvalidRequest, match="not token ids"):
+        sdk.generate(prompt_ids=[5, 6], images=[png(1)], max_new_tokens=4)
+
+
+def test_a_text_only_verifier_refuses_images(verifier_parts):
+    """The admission both front doors share: a text-only target refuses a request's images
+    before any work (INVALID_ARGUMENT over gRPC, 400 over HTTP)."""
+    from edgespec.models.images import ImageRefused
+    from verifier_node.admission import GenerationRequest
+
+    _, _, _, admission = verifier_parts
+    with pytest.raises(ImageRefused, match="text-only: it takes no images"):
+        admission.admit(GenerationRequest(prompt="describe", images=[png(1)]))
