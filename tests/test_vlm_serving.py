@@ -158,3 +158,39 @@ def test_a_text_only_verifier_refuses_images(verifier_parts):
     _, _, _, admission = verifier_parts
     with pytest.raises(ImageRefused, match="text-only: it takes no images"):
         admission.admit(GenerationRequest(prompt="describe", images=[png(1)]))
+
+
+def test_generate_image_on_the_command_line(vlm_dir, vlm, tmp_path, tiny_dir):
+    """`edgespec generate --image PATH` (repeatable): the VLM's own output; a text-only model,
+    an unreadable path and a file that is no image are one line and status 2."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    def edgespec(*args):
+        return subprocess.run([sys.executable, "-m", "edgespec_cli", *map(str, args)],
+                              capture_output=True, text=True, timeout=300,
+                              env=dict(os.environ, PYTHONUNBUFFERED="1"))
+
+    first, second = tmp_path / "a.png", tmp_path / "b.jpg"
+    first.write_bytes(png(31))
+    second.write_bytes(png(32, fmt="JPEG"))
+    ids, pictures = vlm.vision.encode("<image> vs <image>",
+                                      images=decode_images([png(31), png(32, fmt="JPEG")]))
+    want = vlm_greedy(vlm.vision, ids, pictures, N)
+    r = edgespec("generate", "<image> vs <image>", "--model", vlm_dir, "--image", first,
+                 "--image", second, "--max-new-tokens", N, "--json", "--dtype", "float32",
+                 "--threads", 1)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["token_ids"] == want and out["prompt_tokens"] == len(ids)
+    bad = tmp_path / "bad.png"
+    bad.write_bytes(b"no image")
+    for model, image, message in ((tiny_dir, first, "text-only: it takes no images"),
+                                  (vlm_dir, tmp_path / "missing.png", "cannot read the image"),
+                                  (vlm_dir, bad, "image 0 cannot be decoded")):
+        r = edgespec("generate", "hi", "--model", model, "--image", image, "--dtype", "float32",
+                     "--threads", 1)
+        assert r.returncode == 2 and message in r.stderr, r.stderr
+        assert "Traceback" not in r.stderr
