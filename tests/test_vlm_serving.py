@@ -194,3 +194,48 @@ def test_generate_image_on_the_command_line(vlm_dir, vlm, tmp_path, tiny_dir):
                      "--threads", 1)
         assert r.returncode == 2 and message in r.stderr, r.stderr
         assert "Traceback" not in r.stderr
+
+
+def test_an_image_session_lost_by_its_verifier_is_recreated_with_its_images(vlm):
+    """The cache keeps a session's token ids, not its images: a resume of an image session that
+    runs on no verifier is answered as a lost session (NOT_FOUND over gRPC), and the SDK's
+    re-creation (the request again, its images included, with the tokens received) goes on as
+    the VLM alone would."""
+    from cache_service.redis_conn import RedisHandle
+    from cache_service.store import RedisSessionStore
+    from edgespec.config import EngineConfig
+    from edgespec.engine.spec_engine import SpecEngine
+    from edgespec.models.loading import stop_token_ids
+    from edgespec.runner.target_runner import TargetRunner
+    from verifier_node.admission import Admission, GenerationRequest, SessionNotFound
+    from verifier_node.scheduler import Scheduler
+
+    image = png(41)
+    _, want = expected(vlm, "describe", [image], 12)
+    handle = RedisHandle()
+    try:
+        store = RedisSessionStore(handle.client, ttl_s=60)
+        runner = TargetRunner(vlm.model, n_slots=2, max_len=256)
+        engine = SpecEngine(runner, None, EngineConfig(max_sessions=2, max_context=256),
+                            stop_token_ids(vlm), store=store, vision=vlm.vision)
+        sched = Scheduler(engine, max_queue=2)
+        admission = Admission(sched, store, vlm.tokenizer, runner.vocab_size)
+        ticket = admission.admit(GenerationRequest(prompt="describe", images=[image],
+                                                   max_new_tokens=12))
+        sched._admit()
+        for _ in range(3):
+            engine.step()
+        got = list(ticket.tokens)
+        assert 0 < len(got) < 12 and got == want[:len(got)]
+        engine.abandon(engine.active[0], RuntimeError("the verifier stopped"))
+        with pytest.raises(SessionNotFound, match="has images, which the cache does not keep"):
+            admission.admit(GenerationRequest(resume_session_id=ticket.session_id))
+        again = admission.admit(GenerationRequest(
+            prompt="describe", images=[image], max_new_tokens=12, committed=got,
+            lost_session_id=ticket.session_id))
+        sched._admit()
+        while engine.active:
+            engine.step()
+        assert again.result is not None and again.result.token_ids == want
+    finally:
+        handle.close()

@@ -4,9 +4,10 @@ Both front doors of the verifier, the gRPC ``Verifier`` service and the OpenAI-c
 API, describe a request as a ``GenerationRequest`` and go through ``Admission``: the prompt is
 checked and tokenized (a prompt that cannot fit is refused before the tokenizer spends seconds
 on it), a drafter is picked, and the ticket is queued; or, with ``resume_session_id``, the
-session is found running here or re-admitted from what the cache holds. ``follow`` counts a
-reader of a ticket and cancels the session when its last reader goes away.
-"""
+session is found running here or re-admitted from what the cache holds (a session with images
+only while it runs here: the cache keeps no images, so elsewhere it is answered as lost, and the
+SDK re-creates it with its images). ``follow`` counts a reader of a ticket and cancels the
+session when its last reader goes away."""
 
 from __future__ import annotations
 
@@ -200,6 +201,12 @@ class Admission:
                                                     lossy=rec.verify == "loose"),
                                rec.finish_reason))
             return done
+        if self.vision is not None and self.vision.image_token_id in rec.prompt:
+            # the cache keeps token ids, not images: answered as a session the cache lost, so
+            # that the SDK re-creates it with the images it holds (and the tokens it received)
+            raise SessionNotFound(f"session {shown(sid)} has images, which the cache does not "
+                                  "keep: send the request again with its images (the SDK "
+                                  "re-creates it)")
         device = rec.device if rec.device and self.store.devices.is_alive(rec.device) else None
         return self._ticket(request, device, session_id=sid)
 
