@@ -156,6 +156,8 @@ class SpecEngine:
                 assert self.vision is not None  # validate refused images without it
                 embeds = self.vision.prompt_embeds(ids, req.images, self.target.embed)  # [n, H]
             self.target.prefill(slot, ids, embeds=embeds)
+            if req.images is not None:
+                req.images = req.images.spent()  # in the KV now: the pixels are not kept
             sid = session_id or f"local-{next(self._ids)}"
             drafter = device if self.worker is None else self.worker.drafter.name
             self.store.create(sid, req.prompt_ids, req.params, drafter, req.max_new_tokens,

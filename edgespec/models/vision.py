@@ -56,6 +56,11 @@ class ImageInput:
     count: int  # images given
     tokens: int  # the image tokens they fill in the prompt
 
+    def spent(self) -> "ImageInput":
+        """The same images once prefilled: their counts without the pixels (a SmolVLM image in
+        17 crops is 53 MB of float32, which a running session need not hold)."""
+        return ImageInput(torch.empty(0), None, self.count, self.tokens)
+
 
 class TextView(torch.nn.Module):
     """The VLM's text model as a causal LM: ``model`` (its Llama), ``lm_head``, ``config`` (the
