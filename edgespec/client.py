@@ -8,8 +8,9 @@
 
 A prompt is one user message through the model's chat template (``raw=True`` sends it as is,
 ``messages=[...]`` sends a conversation, ``prompt_ids=[...]`` sends token ids). ``device_id`` pins
-the session to one drafter. ``verify="loose"`` asks for FLy's lossy verification (refused with
-``InvalidRequest`` unless the verifier was started with ``--verify loose``), ``verify="exact"``
+the session to one drafter. ``verify="loose"`` asks for FLy's lossy verification, ``"pad"`` for
+PAD's (each refused with ``InvalidRequest`` unless the verifier was started in that mode: ``--verify
+loose``, ``--verify pad:DIR``), ``verify="exact"``
 insists on lossless verification; ``result.lossless`` (and ``stats["lossless"]``) says which the
 session got. A client's first call fails at once with ``Unavailable`` when no connection can
 be made at all ("nothing is listening at ADDR"). ``timeout`` is a deadline in seconds for the
@@ -42,7 +43,7 @@ from typing import Any
 
 import grpc
 
-from .config import EmptyPrompt, SamplingParams
+from .config import VERIFY_MODES, EmptyPrompt, SamplingParams
 from .wire.reachability import ConnectWatch, unreachable_reason_aio
 from .v1 import edgespec_pb2 as pb
 from .v1 import edgespec_pb2_grpc as pb_grpc
@@ -147,8 +148,9 @@ def build_request(prompt=None, *, messages=None, prompt_ids=None, raw=False, max
         params = SamplingParams(temperature, top_k, top_p, seed)
     except ValueError as e:
         raise InvalidRequest(str(e)) from None
-    if verify not in (None, "", "exact", "loose"):
-        raise InvalidRequest(f"verify must be 'exact' or 'loose', got {str(verify)[:20]!r}")
+    if verify not in (None, "") + VERIFY_MODES:
+        raise InvalidRequest("verify must be 'exact', 'loose' or 'pad', got "
+                             f"{str(verify)[:20]!r}")
     req = pb.GenerateRequest(raw=raw, max_new_tokens=max_new_tokens,
                              sampling=params_to_pb(params), device_id=device_id or "",
                              verify=verify or "")
