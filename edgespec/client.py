@@ -11,17 +11,17 @@ A prompt is one user message through the model's chat template (``raw=True`` sen
 (file paths, bytes of image files, or PIL images) go with a prompt or messages to a
 vision-language target, one per ``<image>`` mark in the text, else all before it; a text-only
 target refuses them. ``device_id`` pins the session to one drafter. ``verify="loose"`` asks for
-FLy's lossy verification (refused with ``InvalidRequest`` unless the verifier was started with
-``--verify loose``), ``verify="exact"`` insists on lossless verification; ``result.lossless``
-(and ``stats["lossless"]``) says which the session got. A client's first call fails at once with
-``Unavailable`` when no connection can be made at all ("nothing is listening at ADDR").
-``timeout`` is a deadline in seconds for the whole call: a server that is restarting is waited
-for within it, and a stream that breaks (the verifier restarted) is resumed by session id within
-it, token-identically; a session the verifier's cache lost meanwhile (a resume answered
-NOT_FOUND) is re-created from the prompt and the tokens already received, and goes on as
-target-only decoding would (``result.seed``: the session's sampling seed, the verifier's choice
-when none was given). Failures raise subclasses of ``EdgespecError`` named after their gRPC
-status.
+FLy's lossy verification, ``"pad"`` for PAD's (each refused with ``InvalidRequest`` unless the
+verifier was started in that mode: ``--verify loose``, ``--verify pad:DIR``), ``verify="exact"``
+insists on lossless verification; ``result.lossless`` (and ``stats["lossless"]``) says which the
+session got. A client's first call fails at once with ``Unavailable`` when no connection can be
+made at all ("nothing is listening at ADDR"). ``timeout`` is a deadline in seconds for the whole
+call: a server that is restarting is waited for within it, and a stream that breaks (the
+verifier restarted) is resumed by session id within it, token-identically; a session the
+verifier's cache lost meanwhile (a resume answered NOT_FOUND) is re-created from the prompt and
+the tokens already received, and goes on as target-only decoding would (``result.seed``: the
+session's sampling seed, the verifier's choice when none was given). Failures raise subclasses
+of ``EdgespecError`` named after their gRPC status.
 
 The client makes its own gRPC channel (``client.channel``) with edgespec's message limits and a
 reconnect backoff of 0.2 s up to 2 s (``edgespec.wire.convert.CHANNEL_OPTIONS``). To tune it,
@@ -45,7 +45,7 @@ from typing import Any
 
 import grpc
 
-from .config import ConfigError, EmptyPrompt, SamplingParams
+from .config import VERIFY_MODES, ConfigError, EmptyPrompt, SamplingParams
 from .models.images import check_image_bytes, image_bytes
 from .wire.reachability import ConnectWatch, unreachable_reason_aio
 from .v1 import edgespec_pb2 as pb
@@ -151,8 +151,9 @@ def build_request(prompt=None, *, messages=None, prompt_ids=None, raw=False, max
         params = SamplingParams(temperature, top_k, top_p, seed)
     except ValueError as e:
         raise InvalidRequest(str(e)) from None
-    if verify not in (None, "", "exact", "loose"):
-        raise InvalidRequest(f"verify must be 'exact' or 'loose', got {str(verify)[:20]!r}")
+    if verify not in (None, "") + VERIFY_MODES:
+        raise InvalidRequest("verify must be 'exact', 'loose' or 'pad', got "
+                             f"{str(verify)[:20]!r}")
     req = pb.GenerateRequest(raw=raw, max_new_tokens=max_new_tokens,
                              sampling=params_to_pb(params), device_id=device_id or "",
                              verify=verify or "")

@@ -70,7 +70,21 @@ class SamplingParams:
         return self.temperature == 0
 
 
-VERIFY_MODES = ("exact", "loose")
+VERIFY_MODES = ("exact", "loose", "pad")
+# the modes whose output may differ from the target's own: opt-in only, never a default
+LOSSY_MODES = ("loose", "pad")
+
+
+def is_lossy(mode: str) -> bool:
+    """Whether a session verified in ``mode`` may emit what the target alone would not."""
+    return mode in LOSSY_MODES
+
+
+def verifies_trees(mode: str) -> bool:
+    """Whether a session verified in ``mode`` takes token trees (branches, a head's drafts):
+    exact and PAD rows do; loose rows are chains (FLy's window reads the draft tokens after a
+    mismatch along one chain)."""
+    return mode != "loose"
 
 
 @dataclass(frozen=True)
@@ -94,14 +108,45 @@ class LooseParams:
             raise ConfigError(f"the loose min_ratio must be in (0, 1], got {self.min_ratio}")
 
 
+@dataclass(frozen=True)
+class PadParams:
+    """PAD's knobs for ``verify="pad"`` (``edgespec.pad``): a draft token the exact rule
+    rejects is kept when the pivot classifier in ``classifier`` (a folder, or "default": the
+    one shipped for the default model) gives it a pivot probability of at most ``sigma`` (0:
+    never) and the target gives it at least ``min_prob``."""
+
+    classifier: str = ""
+    sigma: float = 0.5
+    min_prob: float = 1e-4
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.sigma <= 1:
+            raise ConfigError(f"--pad-sigma must be in [0, 1], got {self.sigma}")
+        if not 0 <= self.min_prob <= 1:
+            raise ConfigError(f"--pad-min-prob must be in [0, 1], got {self.min_prob}")
+
+
+def parse_verify(spec: str) -> tuple[str, str]:
+    """``--verify``'s value: "exact", "loose" or "pad:DIR" -> (mode, classifier folder)."""
+    if spec in ("exact", "loose"):
+        return spec, ""
+    if spec.startswith("pad:") and spec[4:]:
+        return "pad", spec[4:]
+    raise ConfigError(f"--verify must be exact, loose or pad:DIR (pad:default: the classifier "
+                      f"shipped for the default model), got {spec[:40]!r}")
+
+
 def session_verify_mode(requested: str, configured: str) -> str:
-    """The verification mode of a session: the request's ("" = the verifier's own). Loose
-    verification is lossy, so a request may ask for it only where the operator opted in."""
+    """The verification mode of a session: the request's ("" = the verifier's own). Loose and
+    PAD verification are lossy, so a request may ask for one only where the operator started
+    the verifier in that mode."""
     if not isinstance(requested, str) or requested not in ("",) + VERIFY_MODES:
-        raise ConfigError(f"verify must be 'exact' or 'loose', got {str(requested)[:20]!r}")
-    if requested == "loose" and configured != "loose":
-        raise ConfigError("loose (lossy) verification is off on this verifier: its operator "
-                          "must start it with --verify loose")
+        raise ConfigError("verify must be 'exact', 'loose' or 'pad', got "
+                          f"{str(requested)[:20]!r}")
+    if is_lossy(requested) and configured != requested:
+        flag = "--verify loose" if requested == "loose" else "--verify pad:DIR"
+        raise ConfigError(f"{requested} (lossy) verification is off on this verifier: its "
+                          f"operator must start it with {flag}")
     return requested or configured
 
 
@@ -118,8 +163,9 @@ class EngineConfig:
     max_batch_tokens: int = 256  # the most tokens in one verification forward
     max_context: int = 2048  # tokens per KV slot (prompt + output + draft)
     adaptive: bool = True  # grow/shrink the verified draft length from acceptance
-    verify: str = "exact"  # "loose": FLy's lossy acceptance (opt-in; see LooseParams)
+    verify: str = "exact"  # "loose": FLy's, "pad": PAD's lossy acceptance (opt-in)
     loose: LooseParams = field(default_factory=LooseParams)
+    pad: PadParams = field(default_factory=PadParams)
     # token trees: the in-process drafter proposes up to tree_width - 1 alternatives per chunk
     # (1: chains); the verifier verifies at most tree_nodes branch tokens per session per step,
     # within max_batch_tokens (0: never verifies branches)
@@ -156,4 +202,7 @@ class EngineConfig:
         if self.learn and not self.head:
             raise ConfigError("--learn fine-tunes a draft head: give --head DIR too")
         if self.verify not in VERIFY_MODES:
-            raise ConfigError(f"verify must be 'exact' or 'loose', got {self.verify!r}")
+            raise ConfigError(f"verify must be 'exact', 'loose' or 'pad', got {self.verify!r}")
+        if self.verify == "pad" and not self.pad.classifier:
+            raise ConfigError("--verify pad needs a classifier: pad:DIR (pad:default: the one "
+                              "shipped for the default model)")

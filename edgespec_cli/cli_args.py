@@ -9,7 +9,8 @@ import argparse
 import logging
 import sys
 
-from edgespec.config import DTYPE_NAMES, EngineConfig, LooseParams
+from edgespec.config import (DTYPE_NAMES, EngineConfig, LooseParams, PadParams, is_lossy,
+                             parse_verify)
 from edgespec.drafters.spec_check import (  # noqa: F401 (the commands' API)
     check_drafter_arg, check_head_arg, check_model_arg)
 from edgespec.runner.threads import default_threads, set_threads, threads_in_use  # noqa: F401 (the commands' API)
@@ -95,10 +96,20 @@ def add_tree_width_arg(p: argparse.ArgumentParser) -> None:
 
 def add_verify_args(p: argparse.ArgumentParser) -> None:
     """The verification mode, for the commands that verify (``generate``, the servers)."""
-    d = LooseParams()
-    p.add_argument("--verify", choices=["exact", "loose"], default="exact",
+    d, pad = LooseParams(), PadParams()
+    p.add_argument("--verify", metavar="MODE", default="exact",
                    help="exact: output identical to the target model's; loose: FLy's lenient "
-                        "acceptance, faster but LOSSY (output may differ) (default: %(default)s)")
+                        "acceptance, faster but LOSSY (output may differ); pad:DIR: PAD's "
+                        "pivot classifier in DIR keeps draft tokens it judges harmless, also "
+                        "LOSSY (pad:default: the classifier shipped for the default model) "
+                        "(default: %(default)s)")
+    p.add_argument("--pad-sigma", metavar="S", type=float, default=pad.sigma,
+                   help="with --verify pad:DIR: keep a mismatching draft token whose pivot "
+                        "probability is at most S (0: none, as exact verification) "
+                        "(default: %(default)s)")
+    p.add_argument("--pad-min-prob", metavar="P", type=float, default=pad.min_prob,
+                   help="with --verify pad:DIR: ... and that the target gives at least "
+                        "probability P (default: %(default)s)")
     p.add_argument("--loose-entropy", metavar="H", type=float, default=d.entropy,
                    help="with --verify loose: accept a mismatching draft token only where the "
                         "target's entropy exceeds this many nats (default: %(default)s)")
@@ -108,14 +119,16 @@ def add_verify_args(p: argparse.ArgumentParser) -> None:
                         "(default: %(default)s)")
 
 
-LOSSY_WARNING = ("edgespec: warning: --verify loose is lossy: the output may differ from what "
+LOSSY_WARNING = ("edgespec: warning: --verify {mode} is lossy: the output may differ from what "
                  "the target model alone would produce")
 
 
 def warn_if_lossy(cfg: EngineConfig) -> None:
-    """Say on stderr that a loosely verifying engine's output is not the target's own."""
-    if cfg.verify == "loose":
-        print(LOSSY_WARNING, file=sys.stderr, flush=True)
+    """Say on stderr that an engine verifying in a lossy mode emits what the target alone may
+    not."""
+    if is_lossy(cfg.verify):
+        mode = "loose" if cfg.verify == "loose" else f"pad:{cfg.pad.classifier}"
+        print(LOSSY_WARNING.format(mode=mode), file=sys.stderr, flush=True)
 
 
 def engine_config(args, max_sessions: int | None = None) -> EngineConfig:
@@ -124,6 +137,9 @@ def engine_config(args, max_sessions: int | None = None) -> EngineConfig:
     check_head_arg(getattr(args, "head", None))
     loose = LooseParams(getattr(args, "loose_entropy", d.loose.entropy),
                         getattr(args, "loose_window", d.loose.window))
+    verify, classifier = parse_verify(getattr(args, "verify", d.verify))
+    pad = PadParams(classifier, getattr(args, "pad_sigma", d.pad.sigma),
+                    getattr(args, "pad_min_prob", d.pad.min_prob))
     return EngineConfig(max_draft=getattr(args, "max_draft", d.max_draft),
                         window=args.window, chunk=args.chunk,
                         draft_wait_ms=getattr(args, "draft_wait_ms", d.draft_wait_ms),
@@ -131,7 +147,7 @@ def engine_config(args, max_sessions: int | None = None) -> EngineConfig:
                         adaptive=not getattr(args, "no_adaptive", False),
                         max_sessions=max_sessions or d.max_sessions,
                         max_batch_tokens=getattr(args, "max_batch_tokens", d.max_batch_tokens),
-                        verify=getattr(args, "verify", d.verify), loose=loose,
+                        verify=verify, loose=loose, pad=pad,
                         tree_width=getattr(args, "tree_width", d.tree_width),
                         tree_nodes=getattr(args, "tree_nodes", d.tree_nodes),
                         head=getattr(args, "head", None) or d.head,

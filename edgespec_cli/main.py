@@ -79,7 +79,9 @@ def cmd_generate(args) -> int:
         s = out.stats
         print(f"\n[{s.tokens} tokens, {s.tokens_per_s:.1f} tok/s, drafted {s.draft_tokens}, "
               f"accepted {s.accepted_tokens}, mean acceptance length "
-              f"{s.mean_acceptance_length:.2f}, lossless: {str(not s.lossy).lower()}]",
+              f"{s.mean_acceptance_length:.2f}, lossless: {str(not s.lossy).lower()}"
+              + (f" ({s.verify}: {s.lenient_tokens} draft tokens kept that exact "
+                 "verification rejects)" if s.lossy else "") + "]",
               file=sys.stderr)
     return 0
 

@@ -142,17 +142,20 @@ class TreeVerdict:
     path: list[int]
     tokens: list[int]
     token: int
+    lenient: int = 0  # nodes of the path only a lossy keep rule let stand
 
     @property
     def n_accepted(self) -> int:
         return len(self.path)
 
 
-def verify_tree(logits: torch.Tensor, tree: DraftTree, params: SamplingParams, start: int
-                ) -> TreeVerdict:
+def verify_tree(logits: torch.Tensor, tree: DraftTree, params: SamplingParams, start: int,
+                keep: list[bool] | None = None) -> TreeVerdict:
     """Verify one tree. logits: [1 + N, V] raw target logits (row 0 scores the token after the
     root, row 1 + i the token after node i, as ``forward_tree`` returns them); ``start``: the
-    absolute position of the root's successor, so a node at depth d sits at start + d - 1."""
+    absolute position of the root's successor, so a node at depth d sits at start + d - 1.
+    ``keep`` (PAD's rows): node i may stand where the target chose otherwise; a child holding
+    the target's choice still goes first, then the first kept child."""
     if logits.dim() != 2 or logits.shape[0] < 1 + len(tree):
         raise ValueError(f"a tree of {len(tree)} nodes needs logits [{1 + len(tree)}, V], "
                          f"got {list(logits.shape)}")
@@ -170,13 +173,16 @@ def verify_tree(logits: torch.Tensor, tree: DraftTree, params: SamplingParams, s
             return keyed_choice(scores[row], seed, pos)
 
     children = tree.children()
-    node, depth = -1, 0
+    node, depth, lenient = -1, 0, 0
     path: list[int] = []
     while True:
         token = choose(node + 1, start + depth)  # node i's row is 1 + i, the root's (-1) 0
         nxt = next((c for c in children.get(node, ()) if tree.tokens[c] == token), None)
+        if nxt is None and keep is not None:
+            nxt = next((c for c in children.get(node, ()) if keep[c]), None)
+            lenient += nxt is not None
         if nxt is None:
-            return TreeVerdict(path, [tree.tokens[i] for i in path], token)
+            return TreeVerdict(path, [tree.tokens[i] for i in path], token, lenient)
         path.append(nxt)
         node, depth = nxt, depth + 1
 

@@ -15,7 +15,7 @@ import contextlib
 import logging
 from dataclasses import dataclass, field
 
-from edgespec.config import ConfigError, EmptyPrompt, SamplingParams
+from edgespec.config import ConfigError, EmptyPrompt, SamplingParams, is_lossy
 from edgespec.engine.spec_engine import Request, Result
 from edgespec.protocol.ids import check_device_id, check_session_id, shown
 from edgespec.protocol.request_stats import Stats
@@ -47,7 +47,7 @@ class GenerationRequest:
     params: SamplingParams = field(default_factory=SamplingParams)
     device_id: str = ""
     resume_session_id: str = ""
-    verify: str = ""  # "" (the verifier's mode), "exact" or "loose" (lossy; opt-in)
+    verify: str = ""  # "" (the verifier's mode), "exact", "loose" or "pad" (lossy; opt-in)
     # re-creating a session the cache lost: the output the client already has (the session
     # continues after it) and the id it held (a pinned drafter that is gone is then passed over)
     committed: list[int] = field(default_factory=list)
@@ -176,7 +176,8 @@ class Admission:
         if any(not isinstance(t, int) or not 0 <= t < self.vocab_size for t in out):
             raise ConfigError(f"committed token ids must be integers in [0, {self.vocab_size})")
         done = Ticket(request, None)
-        done.finish(Result(out, Stats(lossy=request.verify == "loose"), reason))
+        mode = request.verify or self.scheduler.engine.cfg.verify
+        done.finish(Result(out, Stats(lossy=is_lossy(mode), verify=mode), reason))
         return done
 
     def _resume_ticket(self, g: GenerationRequest) -> Ticket:
@@ -191,14 +192,15 @@ class Admission:
         if rec is None:
             raise SessionNotFound(f"no session {shown(sid)} in the cache (it finished long ago or "
                            "expired)")
-        # a resumed session keeps its verification mode: a loose one is refused by an exact
-        # verifier (validate), an exact one stays exact on a loose verifier
+        # a resumed session keeps its verification mode: a lossy one is refused by a verifier
+        # not started in that mode (validate), an exact one stays exact on a lossy verifier
         request = Request(rec.prompt, rec.max_new_tokens, rec.params, committed=rec.committed,
                           verify=rec.verify)
         if rec.finish_reason in ("stop", "length"):
             done = Ticket(request, rec.device, session_id=sid)
+            mode = rec.verify or "exact"
             done.finish(Result(rec.committed, Stats(tokens=len(rec.committed),
-                                                    lossy=rec.verify == "loose"),
+                                                    lossy=is_lossy(mode), verify=mode),
                                rec.finish_reason))
             return done
         if self.vision is not None and self.vision.image_token_id in rec.prompt:

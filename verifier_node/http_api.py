@@ -6,9 +6,10 @@
 chunk with usage); ``GET /v1/models``; ``GET /health`` (200 when ready, 503 while loading,
 draining or unhealthy); ``GET /metrics`` (Prometheus). Every generation goes through the same
 ``Admission`` as the gRPC service, so it is validated the same way and lossless unless the
-verifier was started with ``--verify loose``. Each response carries the request's
-speculative-decoding figures in an ``edgespec`` field, ``lossless`` among them (false for a
-session verified loosely).
+verifier was started in a lossy mode (``--verify loose`` or ``--verify pad:DIR``). Each response
+carries the request's speculative-decoding figures in an ``edgespec`` field: ``lossless`` (false
+for a session verified in a lossy mode), ``verify`` (the mode) and ``lenient_tokens`` among
+them.
 
 Errors use OpenAI's body ``{"error": {"message", "type", "param", "code"}}``: 400 for malformed
 JSON, bad parameters or a prompt over the context limit, 401 without the bearer token (when the
@@ -34,7 +35,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from edgespec.config import ConfigError, EmptyPrompt
+from edgespec.config import ConfigError, EmptyPrompt, is_lossy
 from edgespec.protocol.contract import StoreUnavailable
 from edgespec.models.text_stream import TextStream
 
@@ -272,11 +273,12 @@ class _Run:
                 "drafted": s.draft_tokens if s else 0, "accepted": s.accepted_tokens if s else 0,
                 "acceptance_rate": round(s.acceptance_rate, 4) if s else 0.0,
                 "mean_acceptance_length": round(s.mean_acceptance_length, 4) if s else 1.0,
-                "lossless": not (s.lossy if s else self._loose())}
+                "lossless": not (s.lossy if s else is_lossy(self._mode())),
+                "verify": s.verify if s else self._mode(),
+                "lenient_tokens": s.lenient_tokens if s else 0}
 
-    def _loose(self) -> bool:
-        mode = self.ticket.request.verify or self.admission.scheduler.engine.cfg.verify
-        return mode == "loose"
+    def _mode(self) -> str:
+        return self.ticket.request.verify or self.admission.scheduler.engine.cfg.verify
 
     def _choice(self, text: str | None, finish: str | None, first: bool = False) -> dict:
         if self.chat:

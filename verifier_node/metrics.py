@@ -15,7 +15,10 @@ Gauges read at scrape time: ``edgespec:num_requests_running``, ``edgespec:num_re
 ``edgespec:kv_slots_free``. The draft head (``--head``): ``edgespec:head_draft_tokens_total``,
 ``edgespec:head_accepted_tokens_total``, and gauges ``edgespec:head_version`` and
 ``edgespec:head_held_out_tokens_per_step`` (``--learn`` moves both). ``--auto``:
-``edgespec:auto_stack_steps_total{stack}`` (none, drafter, head, drafter+head).
+``edgespec:auto_stack_steps_total{stack}`` (none, drafter, head, drafter+head). Lossy modes
+(``--verify loose``, ``--verify pad:DIR``): ``edgespec:lenient_accepted_tokens_total{mode}``, the
+accepted draft tokens exact verification would have rejected (finished sessions), and
+``edgespec:lossy_requests_total{mode}``.
 
 Label cardinality stays bounded: a device id may be a label (a fleet has a bounded number of
 boards, and the cache forgets boards gone for long), a session id never is.
@@ -29,6 +32,8 @@ from collections import Counter as Counter_
 from collections import deque
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
+
+from edgespec.config import LOSSY_MODES
 
 disable_created_metrics()  # no "_created" series next to every counter and histogram
 
@@ -98,6 +103,13 @@ class VerifierMetrics:
         self.auto_stacks = Counter("edgespec:auto_stack_steps",
                                    "--auto: session steps by the draft sources chosen "
                                    "(finished sessions)", ["stack"], registry=r)
+        self.lenient_tokens = Counter("edgespec:lenient_accepted_tokens",
+                                      "Accepted draft tokens that exact verification would "
+                                      "have rejected, by lossy mode (finished sessions)",
+                                      ["mode"], registry=r)
+        self.lossy_requests = Counter("edgespec:lossy_requests",
+                                      "Finished sessions verified in a lossy mode", ["mode"],
+                                      registry=r)
         self.head_version = Gauge("edgespec:head_version",
                                   "The serving draft head's version (0: as loaded; --learn "
                                   "adds one a swap)", registry=r)
@@ -176,6 +188,10 @@ class VerifierMetrics:
         self.head_accepted.inc(stats.head_accepted)
         for stack, n in stats.stacks.items():
             self.auto_stacks.labels(stack).inc(n)
+        if stats.lossy:
+            mode = stats.verify if stats.verify in LOSSY_MODES else "loose"
+            self.lossy_requests.labels(mode).inc()
+            self.lenient_tokens.labels(mode).inc(stats.lenient_tokens)
         with self._lock:
             self._head[0] += stats.head_tokens
             self._head[1] += stats.head_accepted

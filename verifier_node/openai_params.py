@@ -4,11 +4,11 @@ Honoured: ``model``, ``prompt`` (text or token ids; completions) or ``messages``
 system, developer, user, assistant, tool, as OpenAI's: another is refused by name), content
 parts ``text`` and ``image_url`` (an image as a ``data:`` URL, for a vision-language target:
 ``image_parts``), ``max_tokens`` / ``max_completion_tokens``, ``temperature`` (default 1, as
-OpenAI's), ``top_p``, ``top_k`` (an extension), ``verify`` (an extension: "exact", or "loose"
-where the verifier was started with ``--verify loose``), ``seed``, ``stop`` (a string or up to
-4), ``n`` = 1, ``stream``, ``stream_options.include_usage``. Ignored, as OpenAI documents them
-as optional hints or bookkeeping: ``user``, ``metadata``, ``store``, ``service_tier``,
-``parallel_tool_calls``. Accepted only at their neutral value:
+OpenAI's), ``top_p``, ``top_k`` (an extension), ``verify`` (an extension: "exact", or "loose" /
+"pad" where the verifier was started with ``--verify loose`` / ``--verify pad:DIR``), ``seed``,
+``stop`` (a string or up to 4), ``n`` = 1, ``stream``, ``stream_options.include_usage``.
+Ignored, as OpenAI documents them as optional hints or bookkeeping: ``user``, ``metadata``,
+``store``, ``service_tier``, ``parallel_tool_calls``. Accepted only at their neutral value:
 ``presence_penalty``/``frequency_penalty`` 0, ``logprobs`` false or null, ``echo`` false,
 ``best_of`` 1, ``logit_bias`` empty. Anything else is refused by name, so a client never
 silently gets a different behaviour from the one it asked for."""
@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from edgespec.config import ConfigError, SamplingParams
+from edgespec.config import VERIFY_MODES, ConfigError, SamplingParams
 
 from .admission import GenerationRequest
 from .api_errors import ApiError, error_response
@@ -142,8 +142,8 @@ def parse_request(body, chat: bool, model_name: str) -> OpenAIParams:
     except ConfigError as e:
         raise _bad(str(e)) from None
     verify = body.get("verify")
-    if verify is not None and verify not in ("exact", "loose"):
-        raise _bad("'verify' must be \"exact\" or \"loose\"", "verify")
+    if verify is not None and verify not in VERIFY_MODES:
+        raise _bad("'verify' must be \"exact\", \"loose\" or \"pad\"", "verify")
     g.verify = verify or ""
     stop = body.get("stop")
     stops = [] if stop is None else [stop] if isinstance(stop, str) else stop

@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
+from ..config import verifies_trees
 from ..protocol.contract import NO_PROPOSAL, Branch, Proposal, TakenDraft
 from ..verify.trees import tree_of_draft
 from .generation import ActiveSession
@@ -94,17 +95,17 @@ class StepDraft:
 def drafter_row(act: ActiveSession, taken: TakenDraft, drafter: Proposal | None,
                 offers: Mapping[str, tuple[int, ...] | None] | None = None) -> StepDraft:
     """A session's row from the drafter's proposal (None: left out this step): its chain, and
-    its branches for a session verified exactly (loose verification walks chains)."""
+    its branches unless the session is verified loosely (loose verification walks chains)."""
     drafter = drafter or NO_PROPOSAL
-    branches = drafter.branches if act.verify == "exact" else ()
+    branches = drafter.branches if verifies_trees(act.verify) else ()
     return StepDraft(act, taken.epoch, taken.start, drafter.tokens, branches, offers=offers)
 
 
 def with_head(row: StepDraft, head: Proposal | None, room: int) -> StepDraft:
     """``row`` with the head's proposal (at most ``room`` tokens of it) as a branch from where
-    it leaves the chain; exact sessions only."""
+    it leaves the chain; not for a session verified loosely (chains only)."""
     offer = (head or NO_PROPOSAL).tokens[:max(0, room)]
-    if not offer or row.act.verify != "exact":
+    if not offer or not verifies_trees(row.act.verify):
         return row
     extra = head_branch(row.tokens, offer)
     branches = row.branches if extra is None else (*row.branches, extra)

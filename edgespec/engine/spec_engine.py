@@ -24,9 +24,11 @@ import time
 from collections.abc import Sequence
 from dataclasses import replace
 
-from ..config import ConfigError, EngineConfig, session_verify_mode
+from ..config import (ConfigError, EngineConfig, is_lossy, session_verify_mode,
+                      verifies_trees)
 from ..drafters import DraftLength, Drafter
 from ..heads.proposer import HeadProposer
+from ..pad.verify_rule import PadVerifier
 from ..protocol.contract import (DraftWant, Proposal, Proposer, SessionStore,
                                  TakenDraft, Verdict)
 from ..models.vision import VisionModel
@@ -74,6 +76,9 @@ class SpecEngine:
             head = HeadProposer(load_head(self.cfg.head, target), source=self.cfg.head,
                                 learn=self.cfg.learn)
         self.head = head  # a draft head drafting from the verification forward's features
+        self.pad: PadVerifier | None = None  # PAD's classifier (--verify pad:DIR)
+        if self.cfg.verify == "pad":
+            self.pad = PadVerifier.load(self.cfg.pad, target)
         self.proposers: list[Proposer] = [DrafterProposer()]  # the sources of each step's drafts
         if head is not None:
             self.proposers.append(head)
@@ -175,7 +180,8 @@ class SpecEngine:
             act.stats.stacks = act.chooser.chosen
         act.stats.prefill_s = time.perf_counter() - t0
         act.stats.start = t0
-        act.stats.lossy = verify == "loose"
+        act.stats.lossy = is_lossy(verify)
+        act.stats.verify = verify
         self.active.append(act)
         return act
 
@@ -308,7 +314,7 @@ class SpecEngine:
         costs = {"head": self.head.cost_s / batch} if self.head is not None else {}
         offered = {name: len(p.tokens) if p is not None else 0
                    for name, p in proposals.items()}
-        if act.verify != "exact":
+        if not verifies_trees(act.verify):
             offered["head"] = 0
         stack = act.chooser.choose(offered, fixed, per_token, costs)
         return {name: p for name, p in proposals.items() if name in stack}
@@ -318,7 +324,7 @@ class SpecEngine:
         assert self.head is not None  # asked only with a head
         fixed, per_token = self.cost.fit() or (1.0, 0.05)
         costs = {"head": self.head.cost_s / len(drafts)}
-        return any(d.act.verify == "exact" and
+        return any(verifies_trees(d.act.verify) and
                    d.act.chooser.wants("head", self.head.depth, fixed, per_token, costs)
                    for d in drafts)
 
@@ -356,7 +362,9 @@ class SpecEngine:
         rows = StepRows.build([d.act.slot for d in drafts],
                               [self.target.cache.lengths[d.act.slot] for d in drafts],
                               [d.act.last_token for d in drafts], shape, self.target.device)
-        scored = self.target.score_rows(rows)  # [B, 1 + N, V]
+        pad = self.pad if self.pad is not None and \
+            any(d.act.verify == "pad" for d in drafts) else None
+        scored = self.target.score_rows(rows, tap=pad.tap if pad else None)  # [B, 1 + N, V]
         vb = VerifyBatch.of_rows(rows, [d.start for d in drafts],
                                  [d.act.req.params for d in drafts],
                                  [d.act.verify for d in drafts])
@@ -365,14 +373,17 @@ class SpecEngine:
         if self.head is not None:
             wanted = not self.cfg.auto or self._head_wanted(drafts)
             proposal = self.head.for_step(sids, scored.features, vb.tokens, vb.depths, wanted)
-        out = verify_step(scored.logits, vb, self.cfg.loose, proposal)
+        lenient = pad.rule(scored.tapped) if pad and scored.tapped is not None else None
+        out = verify_step(scored.logits, vb, self.cfg.loose, proposal, lenient)
         verdicts = []
-        for d, (tokens, _), path, token in zip(drafts, nodes, out.paths, out.tokens):
+        for d, (tokens, _), path, token, kept in zip(drafts, nodes, out.paths, out.tokens,
+                                                     out.lenient):
             self.target.compact(d.act.slot, path)  # a branch's keys/values into place
             n = bisect_left(path, len(d.tokens))  # the path's chain nodes come first
             branch = tuple(tokens[i] for i in path[n:])
             verdicts.append(Verdict(d.act.sid, d.epoch, d.start, n, token, branch=branch,
                                     own_branch=bool(branch) and not d.kept_branch(n, branch)))
+            d.act.stats.lenient_tokens += kept
         if proposal is not None and self.head is not None:  # once the batch has succeeded
             self.head.after_step(sids, proposal, [len(p) for p in out.paths], out.proposals)
         return verdicts

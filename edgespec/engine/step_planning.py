@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from ..config import EngineConfig
+from ..config import EngineConfig, verifies_trees
 from .draft_planner import ForwardCost, allocate, allocate_branches
 from .generation import ActiveSession
 
@@ -32,7 +32,7 @@ def plan_branch_budgets(acts: Sequence[ActiveSession], ks: Sequence[int], cfg: E
     (``tree_budget``), for exactly verified sessions with a chain; the planner keeps those that
     pay."""
     cap = tree_budget(acts, ks, cfg, max_len)
-    caps = [cap if k and a.verify == "exact" else 0 for a, k in zip(acts, ks)]
+    caps = [cap if k and verifies_trees(a.verify) else 0 for a, k in zip(acts, ks)]
     if not cap or not cfg.adaptive:
         return caps
     budgets = allocate_branches([a.draft_len.beta for a in acts], caps,
@@ -46,7 +46,7 @@ def tree_budget(acts: Sequence[ActiveSession], ks: Sequence[int], cfg: EngineCon
     an equal share of what ``max_batch_tokens`` leaves after the chains, at most
     ``tree_nodes``, and no more than the fullest KV slot of the batch has room for (the tree
     forward writes 1 + k + branch budget positions for every row)."""
-    drafting = sum(1 for a, k in zip(acts, ks) if k and a.verify == "exact")
+    drafting = sum(1 for a, k in zip(acts, ks) if k and verifies_trees(a.verify))
     if not drafting or not cfg.tree_nodes:
         return 0
     left = cfg.max_batch_tokens - len(ks) - sum(ks)

@@ -13,7 +13,7 @@ fingerprint, the tap, the labels and command that made it, its held-out validati
 made for another target is refused (``ConfigError``), as draft heads are.
 
 PAD is lossy: a token it keeps may differ from what the target alone would emit. It is opt-in
-(``--verify pad:DIR`` once wired in); nothing here changes exact verification.
+(``--verify pad:DIR``, ``edgespec.pad.verify_rule``); nothing here changes exact verification.
 """
 
 from __future__ import annotations
@@ -26,13 +26,13 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from ..config import ConfigError
+from ..config import ConfigError, PadParams
 from ..heads.fingerprint import runner_fingerprint
 
 WEIGHTS, MANIFEST = "pad.safetensors", "pad.json"
 FORMAT = 1
-DEFAULT_SIGMA = 0.5  # keep a mismatch whose pivot probability is at most this
-DEFAULT_MIN_PROB = 1e-4  # ... and that the target gives at least this probability
+DEFAULT_SIGMA = PadParams.sigma  # keep a mismatch whose pivot probability is at most this
+DEFAULT_MIN_PROB = PadParams.min_prob  # ... and that the target gives at least this probability
 
 
 @dataclass(frozen=True)
@@ -87,6 +87,14 @@ class PivotClassifier(nn.Module):
                    token_prob: torch.Tensor) -> torch.Tensor:
         """The probability [...] float32 that each position is a pivot."""
         return self(features, entropy, token_prob).softmax(-1)[..., 1]
+
+
+def position_inputs(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The classifier's scalar inputs at every position: logits [..., V] (the target's raw
+    scores) -> (log-probabilities [..., V] float32, entropy [...] nats), at temperature 1. The
+    labels and the verification step both compute them here, so they agree."""
+    logp = logits.float().log_softmax(-1)
+    return logp, -(logp.exp() * logp).nansum(-1)
 
 
 def pad_keep(classifier: PivotClassifier, features: torch.Tensor, entropy: torch.Tensor,

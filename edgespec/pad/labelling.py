@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from .classifier import position_inputs
 from .labels import Candidates, LabelInfo, finished_shards, save_shard
 from .rollouts import Continuation, answer_text, decode_all
 from .tasks import TaskSet
@@ -136,11 +137,11 @@ class Labeller:
         out = []
         for j in mismatch:
             pos = first + j
-            logp = logits[pos].log_softmax(-1)  # [V]
+            logp, entropy = position_inputs(logits[pos])  # [V], []
             d = int(drafted[pos])
             feats = target.tapped[0, pos].float().clone()  # [H]
             out.append(_Candidate(i, j, answer[:j], d, answer[j], feats,
-                                  float(-(logp.exp() * logp).nansum()), float(logp[d].exp())))
+                                  float(entropy), float(logp[d].exp())))
         return out
 
     def _utilities(self, found: list[_Candidate], deadline: float | None) -> Candidates | None:

@@ -4,7 +4,9 @@ Acceptance rate = accepted / drafted tokens; mean acceptance length = 1 + accept
 (a draft is one verification of a non-empty draft; the 1 counts the verifier's own token).
 With token trees, drafted tokens count every node verified (the chain's and the branches'),
 accepted tokens the accepted path, and ``branch_tokens`` those of it taken from a branch.
-``lossless`` is false for a session verified loosely (``--verify loose``).
+``lossless`` is false for a session verified in a lossy mode (``verify``: "loose", FLy's rule, or
+"pad", PAD's); ``lenient_tokens`` counts the accepted draft tokens the exact rule would have
+rejected.
 """
 
 from __future__ import annotations
@@ -28,7 +30,9 @@ class Stats:
     forward_s: float = 0.0
     commit_s: float = 0.0
     start: float = 0.0
-    lossy: bool = False  # verified loosely (FLy): the output may differ from the target's own
+    lossy: bool = False  # a lossy mode (loose, pad): the output may differ from the target's own
+    verify: str = "exact"  # the verification mode: "exact", "loose" or "pad"
+    lenient_tokens: int = 0  # accepted draft tokens exact verification would have rejected
     branch_tokens: int = 0  # accepted tokens that came from a tree's branch, not the chain
     head_tokens: int = 0  # tokens the verifier's draft head proposed
     head_accepted: int = 0  # of which accepted

@@ -337,14 +337,18 @@ class TargetRunner:
                                               roots, shape, self.device, tree=True))
 
     @torch.inference_mode()
-    def score_rows(self, rows: StepRows) -> Scored:
+    def score_rows(self, rows: StepRows, tap: int | None = None) -> Scored:
         """Score a step's rows (``StepRows``, built once for the forward and the
         verification): as chains when no row branches, else as trees (``score_tree``). Returns
-        the logits [B, T, V] float32 and features of every row."""
+        the logits [B, T, V] float32 and features of every row, and with ``tap`` (see
+        ``score``) the hidden state there too (such a step runs eagerly: the graph buckets
+        keep no tap)."""
         T = rows.width
         for s, st in zip(rows.slots, rows.starts):
             self.cache.check_room(s, st, T)
-        if self.graphs is not None:
+        kept: list[torch.Tensor] = []
+        tapping = None if tap is None else (self.tap_layers(tap), kept)
+        if self.graphs is not None and tap is None:
             bucketed = self.graphs.score(rows)
             if bucketed is not None:
                 return bucketed
@@ -354,8 +358,8 @@ class TargetRunner:
         if not rows.tree:
             visible = _causal(store, n_pos)
             x = self._run_layers(rows.slots, rows.tokens, store, store, visible, n_pos,
-                                 slot_index=rows.slot_index)
-            return self._scored(x)
+                                 slot_index=rows.slot_index, tap=tapping)
+            return self._scored(x, kept[0] if kept else None)
         seen = rows.ancestors
         assert seen is not None  # built with every tree
         rope = start_t[:, None] + seen.sum(-1) - 1  # positioned by depth
@@ -367,8 +371,8 @@ class TargetRunner:
             visible[tail.rows, tail.queries] = \
                 keys[None, :] < (tail.block0 * KEY_BLOCK)[:, None]
         x = self._run_layers(rows.slots, rows.tokens, store, rope, visible, n_pos, tail,
-                             slot_index=rows.slot_index)
-        return self._scored(x)
+                             slot_index=rows.slot_index, tap=tapping)
+        return self._scored(x, kept[0] if kept else None)
 
     def compact(self, slot: int, path: list[int]) -> None:
         """Keep a verified tree's accepted path: move the keys/values of nodes ``path`` (node

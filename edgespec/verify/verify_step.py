@@ -1,6 +1,6 @@
 """One verification path for every step: chains and trees, greedy and keyed sampling, exact
-and loose, computed on the runner's device with one host synchronisation (docs/architecture.md,
-"Verification maths").
+and the lossy loose and PAD rules, computed on the runner's device with one host
+synchronisation (docs/architecture.md, "Verification maths").
 
 Vocabulary: a verification step sees the target's distributions at T+1 positions for a draft of
 T tokens, accepts a prefix of n draft tokens, and emits one token of its own: the *recovered*
@@ -25,7 +25,10 @@ output follows exactly what target-only sampling would draw from; tokens with p 
 ``VerifyBatch`` is built once per step from the drafts (host data) and moved to the device;
 ``verify_step(logits, batch)`` decides every row at once and returns a ``VerifyOutcome`` after a
 single ``.tolist()``. A chain is the tree whose node i hangs from node i - 1. Loose rows follow
-FLy's rule (``edgespec.verify.loose``, opt-in). tests/oracles.py states each rule one row at a
+FLy's rule (``edgespec.verify.loose``, opt-in). PAD rows (opt-in) also keep a node the exact rule
+rejects where a ``LenientRule`` (PAD's pivot classifier, ``edgespec.pad.verify_rule``) says so;
+among siblings an exactly matching node goes first, so a PAD row never leaves the path exact
+verification would take for a lenient node. tests/oracles.py states each rule one row at a
 time, for the tests to hold this path to.
 
 A node is accepted when it holds its parent's choice and its parent is accepted (the root
@@ -38,6 +41,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -65,11 +69,13 @@ class VerifyBatch:
     top_p: torch.Tensor  # [B] float32 (1: off)
     greedy: torch.Tensor  # [B] bool
     loose: torch.Tensor  # [B] bool: FLy's rule (chains only)
+    pad: torch.Tensor  # [B] bool: PAD's rule (chains and trees)
     # what runs, known on the host without looking at a tensor
     any_sampled: bool
     max_top_k: int  # the largest top-k of a sampled row (0: none)
     any_top_p: bool
     any_loose: bool
+    any_pad: bool
     max_depth: int  # the deepest node's depth (0 without nodes)
 
     @property
@@ -82,7 +88,7 @@ class VerifyBatch:
               device: str | torch.device = "cpu") -> "VerifyBatch":
         """drafts[b] = (tokens, parents) of row b's tree (a chain: parents -1, 0, 1, ...), its
         token ids checked where the draft entered (the stores); starts[b]: the absolute
-        position of the root's successor; modes[b]: "exact" or "loose"."""
+        position of the root's successor; modes[b]: "exact", "loose" or "pad"."""
         shape = DraftShape.of(drafts)
         nodes, parents, depths, counts = to_device(
             [torch.from_numpy(a) for a in (shape.nodes, shape.parents, shape.depths,
@@ -107,35 +113,47 @@ class VerifyBatch:
         ints = torch.tensor([starts, [0 if g else _signed(seed_of(p))
                                       for g, p in zip(greedy, params)],
                              [0 if g else (p.top_k or 0) for g, p in zip(greedy, params)],
-                             greedy, [m == "loose" for m in modes]],
-                            dtype=torch.long).reshape(5, len(params)).to(nodes.device)
+                             greedy, [m == "loose" for m in modes], [m == "pad" for m in modes]],
+                            dtype=torch.long).reshape(6, len(params)).to(nodes.device)
         floats = torch.tensor([[1.0 if g else max(p.temperature, 1e-5)
                                 for g, p in zip(greedy, params)],
                                [1.0 if g else p.top_p for g, p in zip(greedy, params)]],
                               dtype=torch.float32).reshape(2, len(params)).to(nodes.device)
         return cls(tokens=nodes, parents=parents, depths=depths, counts=counts,
                    starts=ints[0], seeds=ints[1], top_k=ints[2], greedy=ints[3].bool(),
-                   loose=ints[4].bool(), temperature=floats[0], top_p=floats[1],
+                   loose=ints[4].bool(), pad=ints[5].bool(), temperature=floats[0], top_p=floats[1],
                    any_sampled=not all(greedy),
                    max_top_k=max([p.top_k or 0 for g, p in zip(greedy, params) if not g],
                                  default=0),
                    any_top_p=any(not g and p.top_p < 1.0 for g, p in zip(greedy, params)),
-                   any_loose=any(m == "loose" for m in modes), max_depth=max_depth)
+                   any_loose=any(m == "loose" for m in modes),
+                   any_pad=any(m == "pad" for m in modes), max_depth=max_depth)
 
 
 @dataclass(frozen=True)
 class VerifyOutcome:
-    """Per row: the accepted path (node indices, root's child first) and the token the target
-    emits after it."""
+    """Per row: the accepted path (node indices, root's child first), the token the target
+    emits after it, and how many of the path's nodes only a lossy rule kept."""
 
     paths: list[list[int]]
     tokens: list[int]
     proposals: list[list[int]] = field(default_factory=list)  # a proposer's next drafts
+    lenient: list[int] = field(default_factory=list)  # nodes the exact rule would reject
 
 
 # drafts the next step on the device from a step's decisions: (accepted [B, N] bool, emitted
 # token [B] long) -> target token ids [B, K] long (-1: none); its output joins the step's sync
 Proposer = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class LenientRule(Protocol):
+    """A lossy keep rule for PAD rows, run inside the step on the device: the forward's logits
+    [B, 1 + N, V] (row 0 scores the root's successor, 1 + i node i's), the nodes [B, N] long
+    (-1: padding) and their parents [B, N] long (-1: the root) -> keep [B, N] bool: node i may
+    stand although the target's choice after its parent differs (padding's value is unused)."""
+
+    def __call__(self, logits: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor
+                 ) -> torch.Tensor: ...
 
 
 def filter_scores(logits: torch.Tensor, vb: VerifyBatch) -> torch.Tensor:
@@ -204,24 +222,31 @@ def target_choices(logits: torch.Tensor, vb: VerifyBatch) -> tuple[torch.Tensor,
 
 
 def verify_step(logits: torch.Tensor, vb: VerifyBatch, loose: LooseParams | None = None,
-                propose: Proposer | None = None) -> VerifyOutcome:
+                propose: Proposer | None = None, lenient: LenientRule | None = None
+                ) -> VerifyOutcome:
     """Decide every row of a step. logits: [B, 1 + N', V] from ``forward`` (chains) or
     ``forward_tree``; a row uses its first 1 + count entries. ``propose``: drafts for the next
-    step from the decisions, computed before the sync. One host sync."""
+    step from the decisions, computed before the sync. ``lenient``: PAD rows' keep rule (PAD
+    rows are verified exactly without one). One host sync."""
     N = min(vb.max_nodes, logits.shape[1] - 1)
     logits = logits[:, :1 + N]  # rows past every draft: padding
     choices, scores = target_choices(logits, vb)  # [B, 1 + N]
     tokens, parents = vb.tokens[:, :N], vb.parents[:, :N]
     idx = torch.arange(N, device=logits.device)
     valid = idx[None] < vb.counts.clamp(max=N)[:, None]
-    match = valid & (tokens == choices.gather(1, parents + 1))  # node holds its parent's choice
+    exact = valid & (tokens == choices.gather(1, parents + 1))  # holds its parent's choice
+    match = exact
     if vb.any_loose:  # loose rows are chains
         match = match | (vb.loose[:, None] & valid &
-                         loose_accepts(match, tokens, scores, vb.counts, loose or LooseParams()))
-    # of siblings holding the same token (a malformed tree), the first one counts: the
-    # accepted nodes stay one path
-    earlier = (parents[:, :, None] == parents[:, None, :]) & \
-        (idx[None, :, None] > idx[None, None, :])  # [B, N, N]: j is an earlier sibling of i
+                         loose_accepts(exact, tokens, scores, vb.counts, loose or LooseParams()))
+    siblings = parents[:, :, None] == parents[:, None, :]  # [B, N, N]: i and j share a parent
+    if vb.any_pad and lenient is not None:
+        kept = vb.pad[:, None] & valid & lenient(logits, tokens, parents)
+        # a lenient node gives way to a sibling the exact rule accepts
+        match = exact | (kept & ~(siblings & exact[:, None, :]).any(-1))
+    # of siblings holding the same token (a malformed tree), or both kept by a lossy rule, the
+    # first one counts: the accepted nodes stay one path
+    earlier = siblings & (idx[None, :, None] > idx[None, None, :])  # j an earlier sibling of i
     match = match & ~(earlier & match[:, None, :]).any(-1)
     accepted = match
     root = torch.ones(len(tokens), 1, dtype=torch.bool, device=logits.device)
@@ -232,9 +257,10 @@ def verify_step(logits: torch.Tensor, vb: VerifyBatch, loose: LooseParams | None
     token = choices.gather(1, last)  # after the path's last node (row 0: the root)
     # the accepted nodes in index order (a path's nodes increase), then N for the rest
     path = torch.where(accepted, idx, N).sort(1).values
-    parts = [token, accepted.sum(1, keepdim=True), path]
+    parts = [token, accepted.sum(1, keepdim=True), (accepted & ~exact).sum(1, keepdim=True), path]
     if propose is not None:
         parts.append(propose(accepted, token[:, 0]))
     host = torch.cat(parts, 1).tolist()  # the step's one sync
-    return VerifyOutcome([r[2:2 + r[1]] for r in host], [r[0] for r in host],
-                         [r[2 + N:] for r in host] if propose is not None else [])
+    return VerifyOutcome([r[3:3 + r[1]] for r in host], [r[0] for r in host],
+                         [r[3 + N:] for r in host] if propose is not None else [],
+                         [r[2] for r in host])

@@ -51,7 +51,8 @@ def stats_to_pb(s: Stats) -> pb.Stats:
                     tokens=s.tokens, accepted_per_pos=s.accepted_per_pos, take_s=s.take_s,
                     forward_s=s.forward_s, commit_s=s.commit_s, lossy=s.lossy,
                     branch_tokens=s.branch_tokens, head_tokens=s.head_tokens,
-                    head_accepted=s.head_accepted, stacks=s.stacks)
+                    head_accepted=s.head_accepted, stacks=s.stacks, verify=s.verify,
+                    lenient_tokens=s.lenient_tokens)
 
 
 def stats_from_pb(m: pb.Stats) -> dict:
@@ -62,7 +63,9 @@ def stats_from_pb(m: pb.Stats) -> dict:
             "accepted_per_pos": list(m.accepted_per_pos), "take_s": m.take_s,
             "forward_s": m.forward_s, "commit_s": m.commit_s, "lossless": not m.lossy,
             "branch_tokens": m.branch_tokens, "head_tokens": m.head_tokens,
-            "head_accepted": m.head_accepted, "stacks": dict(m.stacks)}
+            "head_accepted": m.head_accepted, "stacks": dict(m.stacks),
+            "verify": m.verify or ("loose" if m.lossy else "exact"),
+            "lenient_tokens": m.lenient_tokens}
 
 
 # -- retry hints --------------------------------------------------------------------------------

@@ -1,0 +1,193 @@
+"""PAD in the verification step (``--verify pad:DIR``): the device rule against the one-row
+oracle over random trees, greedy and keyed-sampled; the engine with a classifier (sigma 0 is
+exact verification token for token, a classifier that keeps everything lengthens acceptance and
+marks its sessions lossy, trees compose); a classifier for another target refused; the modes a
+request may ask for; the command line's warning."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from conftest import hf_greedy, make_tiny_model
+from oracles import verify_tree
+
+from edgespec.config import (ConfigError, EngineConfig, PadParams, SamplingParams, parse_verify,
+                             session_verify_mode)
+from edgespec.drafters import build_drafter
+from edgespec.engine.spec_engine import Request, SpecEngine
+from edgespec.heads.fingerprint import runner_fingerprint
+from edgespec.models.loading import load_model
+from edgespec.pad.classifier import PadConfig, PadManifest, PivotClassifier, save_classifier
+from edgespec.pad.verify_rule import PadVerifier, resolve_classifier_dir
+from edgespec.runner.target_runner import TargetRunner
+from edgespec.verify.trees import DraftTree
+from edgespec.verify.verify_step import VerifyBatch, verify_step
+
+PROMPTS = [[1, 10, 11, 12, 13, 10, 11, 12, 13, 10], [1, 30, 31, 30, 31, 30]]
+
+
+@pytest.fixture(scope="module")
+def runner(tiny):
+    return TargetRunner(tiny.model, n_slots=4, max_len=256)
+
+
+def make_classifier(runner, folder, pivot_logit: float) -> str:
+    """A classifier for ``runner`` whose pivot probability is sigmoid(pivot_logit) everywhere
+    (its last layer's weights zero): -50 keeps every token, +50 none."""
+    cfg = PadConfig(hidden=runner.embed.shape[1], tap=-2, tap_layers=runner.tap_layers(-2))
+    model = PivotClassifier(cfg)
+    with torch.no_grad():
+        model.out.weight.zero_()
+        model.out.bias.copy_(torch.tensor([0.0, pivot_logit]))
+    save_classifier(folder, model, PadManifest(cfg, runner_fingerprint(runner), "tiny"))
+    return str(folder)
+
+
+# -- the rule on the device against the oracle ------------------------------------------------
+def _random_tree(rng: random.Random, n: int, vocab: int) -> DraftTree:
+    parents = [rng.randrange(-1, i) for i in range(n)]
+    return DraftTree(tuple(rng.randrange(vocab) for _ in range(n)), tuple(parents))
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_the_device_rule_is_the_oracles_over_random_trees(sampled):
+    rng = random.Random(7)
+    torch.manual_seed(7)
+    V = 6  # few tokens: matches, mismatches and equal siblings all happen
+    for trial in range(40):
+        B = rng.randrange(1, 6)
+        trees = [_random_tree(rng, rng.randrange(0, 9), V) for _ in range(B)]
+        N = max(len(t) for t in trees)
+        logits = torch.randn(B, 1 + N, V) * 2
+        keep = torch.rand(B, N) < 0.5  # [B, N]: what a classifier would keep
+        modes = [rng.choice(["exact", "pad"]) for _ in range(B)]
+        params = [SamplingParams(temperature=0.8, top_k=4, seed=trial * 10 + b) if sampled
+                  and b % 2 == 0 else SamplingParams() for b in range(B)]
+        starts = [rng.randrange(3, 40) for _ in range(B)]
+        vb = VerifyBatch.build([(list(t.tokens), list(t.parents)) for t in trees], starts,
+                               params, modes)
+        out = verify_step(logits, vb, lenient=lambda lg, tokens, parents: keep[:, :N])
+        for b, tree in enumerate(trees):
+            row_keep = keep[b, :len(tree)].tolist() if modes[b] == "pad" else None
+            want = verify_tree(logits[b, :1 + len(tree)], tree, params[b], starts[b], row_keep)
+            assert (out.paths[b], out.tokens[b], out.lenient[b]) == \
+                (want.path, want.token, want.lenient), (trial, b, modes[b])
+
+
+def test_a_pad_row_without_a_rule_is_verified_exactly():
+    logits = torch.zeros(1, 3, 4)
+    logits[0, :, 2] = 5.0  # the target chooses 2 everywhere
+    vb = VerifyBatch.build([([1, 2], [-1, 0])], [5], [SamplingParams()], ["pad"])
+    out = verify_step(logits, vb)
+    assert (out.paths, out.tokens, out.lenient) == ([[]], [2], [0])
+    out = verify_step(logits, vb, lenient=lambda lg, t, p: torch.ones_like(t, dtype=torch.bool))
+    assert (out.paths, out.tokens, out.lenient) == ([[0, 1]], [2], [1])
+
+
+def test_the_classifier_rule_reads_the_parents_position(runner, tmp_path):
+    pad = PadVerifier.load(PadParams(make_classifier(runner, tmp_path / "c", -50.0), 0.5, 0.2),
+                           runner)
+    V = runner.vocab_size
+    logits = torch.full((1, 3, V), -30.0)
+    logits[0, 0, 4], logits[0, 0, 5] = 0.0, -0.5  # after the root: 4 first, 5 close behind
+    logits[0, 1, 6] = 0.0  # after node 0: 6 alone
+    tapped = torch.zeros(1, 3, runner.embed.shape[1])
+    keep = pad.keep(tapped, logits, torch.tensor([[5, 7]]), torch.tensor([[-1, 0]]))
+    # node 0 (token 5) is scored at the root's row: probability ~0.38 >= 0.2; node 1 (token 7)
+    # at node 0's row, where the target gives 7 almost nothing
+    assert keep.tolist() == [[True, False]]
+    zero = PadVerifier(pad.classifier, PadParams(pad.params.classifier, 0.0, 0.0))
+    assert not zero.keep(tapped, logits, torch.tensor([[5, 7]]), torch.tensor([[-1, 0]])).any()
+
+
+# -- the engine -------------------------------------------------------------------------------
+def _mag():
+    drafter = build_drafter("mag")
+    drafter.min_confidence = 0.0  # draft every time: exercise rejections
+    return drafter
+
+
+def _run(runner, cfg: dict, params=SamplingParams(), **req):
+    cfg = EngineConfig(max_draft=4, window=8, chunk=2, adaptive=False, draft_wait_ms=2000,
+                       **cfg)
+    with SpecEngine(runner, _mag(), cfg, stop_ids={2}) as engine:
+        return [engine.generate(Request(p, 40, params, **req)) for p in PROMPTS]
+
+
+@pytest.mark.parametrize("params", [SamplingParams(),
+                                    SamplingParams(temperature=0.9, top_p=0.9, seed=11)])
+def test_sigma_zero_gives_the_exact_paths_tokens(runner, tmp_path, params):
+    keep_all = make_classifier(runner, tmp_path / "c", -50.0)
+    exact = _run(runner, {}, params)
+    pad = _run(runner, {"verify": "pad", "pad": PadParams(keep_all, 0.0, 0.0)}, params)
+    for e, p in zip(exact, pad):
+        assert p.token_ids == e.token_ids
+        assert p.stats.lenient_tokens == 0 and p.stats.verify == "pad" and p.stats.lossy
+
+
+def test_exact_is_still_target_only_beside_a_pad_engine(tiny, runner, tmp_path):
+    keep_all = make_classifier(runner, tmp_path / "c", -50.0)
+    results = _run(runner, {"verify": "pad", "pad": PadParams(keep_all, 0.5, 0.0)},
+                   verify="exact")
+    for res, prompt in zip(results, PROMPTS):
+        assert res.token_ids == hf_greedy(tiny.model, prompt, 40)
+        assert not res.stats.lossy and res.stats.verify == "exact"
+
+
+@pytest.mark.parametrize("tree_width", [1, 3])
+def test_a_classifier_that_keeps_everything_accepts_whole_drafts(runner, tmp_path, tree_width):
+    keep_all = make_classifier(runner, tmp_path / "c", -50.0)
+    keep_none = make_classifier(runner, tmp_path / "n", 50.0)
+    base = {"verify": "pad", "tree_width": tree_width}
+    exact = _run(runner, {**base, "pad": PadParams(keep_none, 0.5, 0.0)})
+    loose = _run(runner, {**base, "pad": PadParams(keep_all, 0.5, 0.0)})
+    for e, p in zip(exact, loose):
+        assert e.stats.lenient_tokens == 0  # a classifier that calls everything a pivot
+        assert p.stats.lenient_tokens > 0 and p.stats.to_dict()["lossless"] is False
+        assert p.stats.to_dict()["verify"] == "pad"
+    rate = lambda runs: (sum(r.stats.accepted_tokens for r in runs)  # noqa: E731
+                         / sum(r.stats.draft_tokens for r in runs))
+    assert rate(loose) > rate(exact)
+    if tree_width == 1:  # chains: every draft token kept but where the length limit cuts
+        for p in loose:
+            assert p.stats.draft_tokens - p.stats.accepted_tokens <= 4
+
+
+def test_a_classifier_made_for_another_target_is_refused(runner, tmp_path):
+    other = load_model(str(make_tiny_model(tmp_path / "other", seed=3)), dtype="float32")
+    folder = make_classifier(TargetRunner(other.model, n_slots=1, max_len=16), tmp_path / "c",
+                             0.0)
+    with pytest.raises(ConfigError, match="made for another target"):
+        SpecEngine(runner, None, EngineConfig(verify="pad", pad=PadParams(folder)))
+    with pytest.raises(ConfigError, match="not a PAD classifier folder"):
+        SpecEngine(runner, None, EngineConfig(verify="pad", pad=PadParams(str(tmp_path))))
+
+
+def test_the_modes_a_request_may_ask_for():
+    assert session_verify_mode("", "pad") == "pad"
+    assert session_verify_mode("exact", "pad") == "exact"
+    with pytest.raises(ConfigError, match="--verify pad:DIR"):
+        session_verify_mode("pad", "exact")
+    with pytest.raises(ConfigError, match="--verify loose"):
+        session_verify_mode("loose", "pad")
+    with pytest.raises(ConfigError, match="--verify pad:DIR"):
+        session_verify_mode("pad", "loose")
+    assert parse_verify("pad:/x/y") == ("pad", "/x/y")
+    assert parse_verify("loose") == ("loose", "")
+    for bad in ("pad:", "pad", "strict"):
+        with pytest.raises(ConfigError, match="exact, loose or pad:DIR"):
+            parse_verify(bad)
+    with pytest.raises(ConfigError, match="needs a classifier"):
+        EngineConfig(verify="pad")
+    with pytest.raises(ConfigError, match="pad-sigma"):
+        PadParams("x", sigma=1.5)
+
+
+def test_a_run_folder_resolves_to_its_classifier(tmp_path):
+    (tmp_path / "classifier").mkdir()
+    (tmp_path / "classifier" / "pad.json").write_text("{}")
+    assert resolve_classifier_dir(str(tmp_path)) == tmp_path / "classifier"
+    with pytest.raises(ConfigError, match="no PAD classifier is shipped"):
+        resolve_classifier_dir("default", "some-other-model")
