@@ -277,3 +277,38 @@ def test_the_metrics_count_kept_tokens_by_lossy_mode():
     assert 'edgespec:lenient_accepted_tokens_total{mode="loose"} 1.0' in text
     assert 'edgespec:lossy_requests_total{mode="pad"} 2.0' in text
     assert 'mode="exact"' not in text
+
+
+@pytest.mark.slow  # a bench-pad process
+def test_bench_pad_writes_rows_for_each_method_from_one_run(tiny, tiny_dir, tmp_path):
+    import json
+
+    from test_cli import edgespec
+    from test_pad_train import SCORER, _tasks_file
+
+    from edgespec_cli.bench.pad_utility import wilson
+
+    folder = make_classifier(TargetRunner(tiny.model, n_slots=1, max_len=16), tmp_path / "c",
+                             -50.0)
+    tasks = _tasks_file(tiny, tmp_path / "tasks.jsonl")
+    out, png = tmp_path / "pad.json", tmp_path / "pad.png"
+    r = edgespec("bench-pad", "--model", tiny_dir, "--dtype", "float32", "--classifier", folder,
+                 "--tasks-file", tasks, "--scorer", SCORER, "--problems", 4, "--sigmas", "0,0.5",
+                 "--pad-min-prob", 0, "--drafter", "mag", "--max-new-tokens", 10,
+                 "--threads", 1, "--json", out, "--plot", png)
+    assert r.returncode == 0, r.stderr
+    report = json.loads(out.read_text())
+    rows = {row["method"]: row for row in report["rows"]}
+    assert list(rows) == ["target_only", "exact", "pad@0", "pad@0.5"]
+    assert report["recommended_sigma"] == PadParams().sigma and report["config"]["transfer"]
+    for row in rows.values():
+        assert 0 <= row["ci95"][0] <= row["accuracy"] <= row["ci95"][1] <= 1
+        assert row["tokens_per_s"] > 0 and row["speedup_vs_target_only"] > 0
+    # the exact methods, and PAD at sigma 0, give target-only's answers
+    for m in ("target_only", "exact", "pad@0"):
+        assert rows[m]["identical_share"] == 1.0 and rows[m]["lenient_tokens"] == 0
+    assert rows["target_only"]["speedup_vs_target_only"] == 1.0
+    assert rows["pad@0.5"]["lenient_tokens"] > 0  # a classifier that keeps every token
+    assert rows["pad@0.5"]["mean_acceptance_length"] > rows["exact"]["mean_acceptance_length"]
+    assert "pad@0.5" in r.stdout and "identical" in r.stdout and png.stat().st_size > 0
+    assert wilson(0, 10)[0] == 0 and wilson(10, 10)[1] == 1 and wilson(5, 10) == [0.2366, 0.7634]
