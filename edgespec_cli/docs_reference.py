@@ -30,6 +30,7 @@ GUIDES = {
     "deploy": "../deploy.md",
     "simulate": "../simulate.md",
     "distill": "../heads.md#making-heads-edgespec-distill",
+    "pad-train": "../pad.md", "bench-pad": "../pad.md#measured-edgespec-bench-pad",
 }
 
 HEADER = f"""# Command reference

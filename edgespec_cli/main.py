@@ -7,6 +7,7 @@
     edgespec bench-net [--categories ...] [--per-category N] [--max-new-tokens N] [--json FILE]
     edgespec bench-drafters [--drafters LIST] [--draft-tokens N] [--json FILE]
     edgespec bench-learn --head DIR [--category CAT] [--requests N] [--json FILE] [--plot FILE]
+    edgespec bench-pad [--classifier DIR] [--task NAME] [--sigmas LIST] [--json FILE] [--plot FILE]
     edgespec distill --out DIR [--kinds eagle,specformer,ctc] [--prompts FILE ...] ...
     edgespec serve [--listen HOST:PORT] [--redis-url URL] ...
     edgespec verifier | cache [--listen HOST:PORT] --redis-url URL ...
@@ -216,7 +217,7 @@ def _add_models(sub) -> None:
 
 
 def _add_benchmarks(sub) -> None:
-    """bench, bench-net, bench-drafters, bench-forward and bench-learn."""
+    """bench, bench-net, bench-drafters, bench-forward, bench-learn and bench-pad."""
     b = sub.add_parser("bench", help="Spec-Bench: edgespec against target-only and transformers")
     from .bench.run import add_bench_args
 
@@ -262,6 +263,22 @@ def _add_benchmarks(sub) -> None:
     add_model_args(lr)
     add_threads_arg(lr)
     lr.set_defaults(func=run_bench_learn)
+
+    pd = sub.add_parser("bench-pad", help="PAD (lossy) against target-only and exact "
+                                          "speculative decoding: accuracy and speed on a task's "
+                                          "test problems",
+                        description="Answer a task's test problems (never labelled) with "
+                                    "target-only decoding, exact speculative decoding and PAD "
+                                    "at each sigma, with the same drafter, in one run: "
+                                    "accuracy (95%% interval), answers identical to "
+                                    "target-only, acceptance length, tokens/s and speed-ups; "
+                                    "a table, a JSON file and a plot.")
+    from .bench.pad_utility import add_bench_pad_args, run_bench_pad
+
+    add_bench_pad_args(pd)
+    add_model_args(pd)
+    add_threads_arg(pd)
+    pd.set_defaults(func=run_bench_pad)
 
 
 # what the models extra installs: a command that runs a model in torch needs it

@@ -191,3 +191,124 @@ def test_a_run_folder_resolves_to_its_classifier(tmp_path):
     assert resolve_classifier_dir(str(tmp_path)) == tmp_path / "classifier"
     with pytest.raises(ConfigError, match="no PAD classifier is shipped"):
         resolve_classifier_dir("default", "some-other-model")
+
+
+# -- the verifier and the command line ----------------------------------------------------------
+def test_a_pad_verifier_says_lossy_and_counts_kept_tokens_over_grpc_http_and_metrics(
+        looping_dir, looping, tmp_path):
+    import urllib.request
+
+    import edgespec
+    from edgespec_cli.server import EdgespecServer, ServerOptions
+    from test_loose_verify import post
+
+    folder = make_classifier(TargetRunner(looping.model, n_slots=1, max_len=16), tmp_path / "c",
+                             -50.0)
+    srv = EdgespecServer(ServerOptions(
+        listen="127.0.0.1:0", model=str(looping_dir), drain_timeout_s=5, http_port=0,
+        engine=EngineConfig(max_sessions=2, max_context=256, verify="pad",
+                            pad=PadParams(folder, 0.5, 0.0)))).start()
+    try:
+        with edgespec.Client(f"127.0.0.1:{srv.port}", timeout=120) as c:
+            pad = c.generate(prompt_ids=PROMPTS[1], max_new_tokens=12)
+            exact = c.generate(prompt_ids=PROMPTS[1], max_new_tokens=12, verify="exact")
+            with pytest.raises(edgespec.client.InvalidRequest, match="--verify loose"):
+                c.generate(prompt_ids=PROMPTS[1], max_new_tokens=4, verify="loose")
+        assert not pad.lossless and pad.stats["verify"] == "pad"
+        assert exact.lossless and exact.stats["verify"] == "exact"
+        assert exact.token_ids == hf_greedy(looping.model, PROMPTS[1], 12)
+        url = f"http://127.0.0.1:{srv.http_port}"
+        body = {"model": srv.model_name, "prompt": PROMPTS[1], "max_tokens": 6,
+                "temperature": 0}
+        status, r = post(url + "/v1/completions", body)
+        assert status == 200 and r["edgespec"]["lossless"] is False
+        assert r["edgespec"]["verify"] == "pad"
+        status, r = post(url + "/v1/completions", {**body, "verify": "pad"})
+        assert status == 200 and r["edgespec"]["verify"] == "pad"
+        status, r = post(url + "/v1/completions", {**body, "verify": "exact"})
+        assert status == 200 and r["edgespec"]["lossless"] is True
+        with urllib.request.urlopen(url + "/metrics", timeout=60) as m:
+            text = m.read().decode()
+        lossy = [ln for ln in text.splitlines()
+                 if ln.startswith('edgespec:lossy_requests_total{mode="pad"}')]
+        assert lossy and float(lossy[0].split()[-1]) == 3  # the gRPC one and two over HTTP
+        kept = [ln for ln in text.splitlines()
+                if ln.startswith('edgespec:lenient_accepted_tokens_total{mode="pad"}')]
+        # no drafter is attached here, so nothing was drafted: the series exists, at 0
+        assert kept and float(kept[0].split()[-1]) == pad.stats["lenient_tokens"] == 0
+    finally:
+        srv.stop(drain_timeout_s=0)
+
+
+@pytest.mark.slow  # generate processes
+def test_generate_with_pad_warns_and_refuses_a_missing_classifier(tiny, tiny_dir, tmp_path):
+    import json
+
+    from test_loose_verify import run_cli
+
+    folder = make_classifier(TargetRunner(tiny.model, n_slots=1, max_len=16), tmp_path / "c",
+                             -50.0)
+    r = run_cli("generate", "abcabcabc", "--model", tiny_dir, "--max-new-tokens", 12,
+                "--verify", f"pad:{folder}", "--pad-min-prob", 0, "--json")
+    assert r.returncode == 0, r.stderr
+    assert f"--verify pad:{folder} is lossy" in r.stderr
+    stats = json.loads(r.stdout)["stats"]
+    assert stats["lossless"] is False and stats["verify"] == "pad"
+    r = run_cli("generate", "abc", "--model", tiny_dir, "--verify", f"pad:{tmp_path}/none")
+    assert r.returncode == 2 and "not a PAD classifier folder" in r.stderr
+    r = run_cli("generate", "abc", "--model", tiny_dir, "--verify", "pad")
+    assert r.returncode == 2 and "exact, loose or pad:DIR" in r.stderr
+
+
+def test_the_metrics_count_kept_tokens_by_lossy_mode():
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from edgespec.protocol.request_stats import Stats
+    from verifier_node.metrics import VerifierMetrics
+
+    registry = CollectorRegistry()
+    m = VerifierMetrics(registry)
+    m.finished(None, Stats(lossy=True, verify="pad", lenient_tokens=5), "stop", 0.1)
+    m.finished(None, Stats(lossy=True, verify="pad", lenient_tokens=2), "length", 0.1)
+    m.finished(None, Stats(lossy=True, verify="loose", lenient_tokens=1), "stop", 0.1)
+    m.finished(None, Stats(lenient_tokens=0), "stop", 0.1)
+    text = generate_latest(registry).decode()
+    assert 'edgespec:lenient_accepted_tokens_total{mode="pad"} 7.0' in text
+    assert 'edgespec:lenient_accepted_tokens_total{mode="loose"} 1.0' in text
+    assert 'edgespec:lossy_requests_total{mode="pad"} 2.0' in text
+    assert 'mode="exact"' not in text
+
+
+@pytest.mark.slow  # a bench-pad process
+def test_bench_pad_writes_rows_for_each_method_from_one_run(tiny, tiny_dir, tmp_path):
+    import json
+
+    from test_cli import edgespec
+    from test_pad_train import SCORER, _tasks_file
+
+    from edgespec_cli.bench.pad_utility import wilson
+
+    folder = make_classifier(TargetRunner(tiny.model, n_slots=1, max_len=16), tmp_path / "c",
+                             -50.0)
+    tasks = _tasks_file(tiny, tmp_path / "tasks.jsonl")
+    out, png = tmp_path / "pad.json", tmp_path / "pad.png"
+    r = edgespec("bench-pad", "--model", tiny_dir, "--dtype", "float32", "--classifier", folder,
+                 "--tasks-file", tasks, "--scorer", SCORER, "--problems", 4, "--sigmas", "0,0.5",
+                 "--pad-min-prob", 0, "--drafter", "mag", "--max-new-tokens", 10,
+                 "--threads", 1, "--json", out, "--plot", png)
+    assert r.returncode == 0, r.stderr
+    report = json.loads(out.read_text())
+    rows = {row["method"]: row for row in report["rows"]}
+    assert list(rows) == ["target_only", "exact", "pad@0", "pad@0.5"]
+    assert report["recommended_sigma"] == PadParams().sigma and report["config"]["transfer"]
+    for row in rows.values():
+        assert 0 <= row["ci95"][0] <= row["accuracy"] <= row["ci95"][1] <= 1
+        assert row["tokens_per_s"] > 0 and row["speedup_vs_target_only"] > 0
+    # the exact methods, and PAD at sigma 0, give target-only's answers
+    for m in ("target_only", "exact", "pad@0"):
+        assert rows[m]["identical_share"] == 1.0 and rows[m]["lenient_tokens"] == 0
+    assert rows["target_only"]["speedup_vs_target_only"] == 1.0
+    assert rows["pad@0.5"]["lenient_tokens"] > 0  # a classifier that keeps every token
+    assert rows["pad@0.5"]["mean_acceptance_length"] > rows["exact"]["mean_acceptance_length"]
+    assert "pad@0.5" in r.stdout and "identical" in r.stdout and png.stat().st_size > 0
+    assert wilson(0, 10)[0] == 0 and wilson(10, 10)[1] == 1 and wilson(5, 10) == [0.2366, 0.7634]
