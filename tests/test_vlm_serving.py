@@ -15,7 +15,7 @@ import edgespec
 from vlm_models import make_tiny_vlm, png, vlm_greedy, vlm_keyed
 
 from edgespec.config import SamplingParams
-from edgespec.models.images import decode_images
+from edgespec.models.images import MAX_IMAGE_BYTES, decode_images
 from edgespec.models.loading import load_model
 from edgespec.wire.convert import free_port
 from procs import start_drafter, start_serve
@@ -140,13 +140,33 @@ def test_bad_images_over_http_are_refused_with_the_reason(api):
     _refusal(api, _image_part(data_url(b"hello, no image here")),
              "image 0 cannot be decoded: it is not an image")
     _refusal(api, _image_part(data_url(png(1, (64, 64))[:150])), "truncated or corrupt")
+    _refusal(api, _image_part(data_url(_solid(5000, 4000))), "5000x4000 pixels: at most")
+    _refusal(api, _image_part(data_url(b"\x89PNG" + bytes(MAX_IMAGE_BYTES))),
+             f"images are {MAX_IMAGE_BYTES + 4} bytes together: a request takes at most")
+    _refusal(api, _image_part(data_url(bytes(MAX_IMAGE_BYTES + 8))),
+             f"over {MAX_IMAGE_BYTES} bytes")  # refused before its base64 is decoded
     _refusal(api, [{"type": "input_audio", "input_audio": {}}], "text and image_url")
     _refusal(api, "<image> twice <image>", "2 <image> mark.* but 0 image")
+
+
+def _solid(width: int, height: int) -> bytes:
+    """One colour, as PNG: a few kilobytes however many pixels."""
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (width, height), (20, 90, 200)).save(buf, format="PNG")
+    return buf.getvalue()
 
 
 def test_bad_images_over_grpc_are_refused_with_the_reason(sdk):
     with pytest.raises(edgespec.InvalidRequest, match="image 0 cannot be decoded"):
         sdk.generate("hi", images=[b"not an image"], max_new_tokens=4)
+    with pytest.raises(edgespec.InvalidRequest, match="5000x4000 pixels"):
+        sdk.generate("hi", images=[_solid(5000, 4000)], max_new_tokens=4)
+    with pytest.raises(edgespec.InvalidRequest, match="at most 8"):  # refused by the SDK
+        sdk.generate("hi", images=[png(1)] * 9, max_new_tokens=4)
     with pytest.raises(edgespec.InvalidRequest, match="not token ids"):
         sdk.generate(prompt_ids=[5, 6], images=[png(1)], max_new_tokens=4)
 
