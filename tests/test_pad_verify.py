@@ -7,11 +7,13 @@ request may ask for; the command line's warning."""
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 import torch
 from conftest import hf_greedy, make_tiny_model
 from oracles import verify_tree
+from test_head_serving import head_dir  # noqa: F401 (a fixture)
 
 from edgespec.config import (ConfigError, EngineConfig, PadParams, SamplingParams, parse_verify,
                              session_verify_mode)
@@ -312,3 +314,24 @@ def test_bench_pad_writes_rows_for_each_method_from_one_run(tiny, tiny_dir, tmp_
     assert rows["pad@0.5"]["mean_acceptance_length"] > rows["exact"]["mean_acceptance_length"]
     assert "pad@0.5" in r.stdout and "identical" in r.stdout and png.stat().st_size > 0
     assert wilson(0, 10)[0] == 0 and wilson(10, 10)[1] == 1 and wilson(5, 10) == [0.2366, 0.7634]
+
+
+@pytest.mark.slow  # trains a tiny head
+def test_pad_composes_with_a_draft_head(looping, head_dir):
+    from edgespec.heads.manifest import load_head
+    from edgespec.heads.proposer import HeadProposer
+
+    runner = TargetRunner(looping.model, n_slots=2, max_len=256)
+    prompts = [[1, 10, 11, 12, 13, 10, 11], [1, 50, 51, 52, 53, 54]]
+    for sigma in (0.0, 0.5):
+        folder = make_classifier(runner, Path(str(head_dir)) / f"../pad{sigma}", -50.0)
+        cfg = EngineConfig(max_sessions=2, verify="pad", pad=PadParams(folder, sigma, 0.0))
+        head = HeadProposer(load_head(str(head_dir), runner), source=str(head_dir))
+        with SpecEngine(runner, None, cfg, stop_ids={2}, head=head) as engine:
+            results = [engine.generate(Request(p, 40)) for p in prompts]
+        assert all(r.stats.head_tokens > 0 for r in results)
+        if sigma == 0.0:  # exact verification with the head's drafts: target-only's tokens
+            assert [r.token_ids for r in results] == [hf_greedy(looping.model, p, 40)
+                                                       for p in prompts]
+        else:
+            assert sum(r.stats.lenient_tokens for r in results) > 0
