@@ -104,3 +104,25 @@ def test_the_default_head_and_auto_keep_bfloat16_output_greedy_and_sampled(gen_b
                 assert sum(out.stats.stacks.values()) == out.stats.steps
             else:
                 assert out.stats.head_tokens > 0
+
+
+def test_the_shipped_pad_classifier_serves_the_default_model(gen_bf16):
+    """``--verify pad:default``: the shipped classifier loads for the default model (its
+    fingerprint matches), at sigma 0 it is exact verification token for token, and at the
+    recommended sigma its sessions are marked lossy."""
+    from edgespec.config import EngineConfig, PadParams
+    from edgespec.drafters import build_drafter
+    from edgespec.engine.spec_engine import Request, SpecEngine
+    from edgespec.pad.tasks import family_problems
+
+    problem = family_problems("extract", "test", 1).problems[0]
+    ids = gen_bf16.encode(problem.prompt)
+    plain = gen_bf16.generate(ids, 40, SamplingParams(), drafter="none")
+    for sigma in (0.0, PadParams().sigma):
+        cfg = EngineConfig(max_sessions=1, verify="pad", pad=PadParams("default", sigma))
+        drafter = build_drafter("mag+cacheback", gen_bf16.target, gen_bf16.runner)
+        with SpecEngine(gen_bf16.runner, drafter, cfg, gen_bf16.stop_ids) as engine:
+            out = engine.generate(Request(ids, 40, SamplingParams()))
+        assert out.stats.lossy and out.stats.verify == "pad"
+        if sigma == 0.0:
+            assert out.token_ids == plain.token_ids and out.stats.lenient_tokens == 0

@@ -153,13 +153,13 @@ def run_bench_pad(args) -> int:
     gen = LocalGenerator(args.model, "none", args.device, args.dtype, cfg)
     folder = resolve_classifier_dir(args.classifier, gen.target.name)
     manifest = PadManifest.read(folder)
-    trained_on = manifest.labels.get("task", "")
+    trained_on = ",".join(manifest.labels.get("tasks", {}))  # the families it was labelled on
     if args.tasks_file:
         tasks = file_problems(args.tasks_file, args.scorer, "test")
         tasks = replace(tasks, problems=tasks.problems[:args.problems])
     else:
-        tasks = family_problems(args.task or trained_on or "extract", "test", args.problems,
-                                args.seed)
+        tasks = family_problems(args.task or trained_on.split(",")[0] or "extract", "test",
+                                args.problems, args.seed)
     prompts = [gen.encode(p.prompt) for p in tasks.problems]
     decode = lambda ids: gen.target.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
     gen.engine("none").generate(Request(prompts[0], 8, SamplingParams()))  # warm-up, untimed
@@ -188,7 +188,8 @@ def run_bench_pad(args) -> int:
         r["acceptance_vs_exact"] = round(r["mean_acceptance_length"] /
                                          exact["mean_acceptance_length"], 4)
     report = {"config": {"classifier": str(folder), "trained_on": trained_on,
-                         "task": tasks.name, "transfer": tasks.name != trained_on,
+                         "task": tasks.name,
+                         "transfer": tasks.name not in trained_on.split(","),
                          "problems": len(prompts), "sigmas": sigmas,
                          "pad_min_prob": args.pad_min_prob, "drafter": args.drafter,
                          "max_new_tokens": args.max_new_tokens, "seed": args.seed,
