@@ -6,7 +6,8 @@ about what a command does rather than about the process; those keep a real subpr
 
 What a command changes in the process is put back afterwards: torch's thread count and the one
 edgespec's thread policy recorded, the global RNGs (training seeds them), the root logger's
-handlers and level, and standard input."""
+handlers and level, standard input and ``sys.argv`` (``["edgespec", *ARGS]`` meanwhile, as the
+commands that record their command line read it)."""
 
 from __future__ import annotations
 
@@ -31,8 +32,9 @@ def run_cli(*args, stdin: str | None = None) -> subprocess.CompletedProcess:
     out, err = io.StringIO(), io.StringIO()
     root = logging.getLogger()
     saved = (torch.get_num_threads(), threads._threads, torch.get_rng_state(),
-             random.getstate(), root.handlers[:], root.level, sys.stdin)
+             random.getstate(), root.handlers[:], root.level, sys.stdin, sys.argv)
     try:
+        sys.argv = ["edgespec", *argv]
         if stdin is not None:
             sys.stdin = io.StringIO(stdin)
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
@@ -41,7 +43,7 @@ def run_cli(*args, stdin: str | None = None) -> subprocess.CompletedProcess:
             except SystemExit as e:  # argparse's usage errors
                 code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     finally:
-        n_threads, threads._threads, rng, py_rng, handlers, level, sys.stdin = saved
+        n_threads, threads._threads, rng, py_rng, handlers, level, sys.stdin, sys.argv = saved
         torch.set_num_threads(n_threads)
         torch.set_rng_state(rng)
         random.setstate(py_rng)

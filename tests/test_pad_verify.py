@@ -281,11 +281,11 @@ def test_the_metrics_count_kept_tokens_by_lossy_mode():
     assert 'mode="exact"' not in text
 
 
-@pytest.mark.slow  # a bench-pad process
+@pytest.mark.slow  # a bench-pad run
 def test_bench_pad_writes_rows_for_each_method_from_one_run(tiny, tiny_dir, tmp_path):
     import json
 
-    from test_cli import edgespec
+    from cli_inprocess import run_cli as edgespec
     from test_pad_train import SCORER, _tasks_file
 
     from edgespec_cli.bench.pad_utility import wilson
