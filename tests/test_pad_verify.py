@@ -242,11 +242,11 @@ def test_a_pad_verifier_says_lossy_and_counts_kept_tokens_over_grpc_http_and_met
         srv.stop(drain_timeout_s=0)
 
 
-@pytest.mark.slow  # generate processes
+@pytest.mark.slow  # generate runs
 def test_generate_with_pad_warns_and_refuses_a_missing_classifier(tiny, tiny_dir, tmp_path):
     import json
 
-    from test_loose_verify import run_cli
+    from cli_inprocess import run_cli  # in this process: main(argv) and its status
 
     folder = make_classifier(TargetRunner(tiny.model, n_slots=1, max_len=16), tmp_path / "c",
                              -50.0)
