@@ -1,4 +1,8 @@
-"""The command line, run as a user runs it (a subprocess), on a tiny model."""
+"""The command line on a tiny model. Run as a user runs it (a subprocess: ``edgespec``) where
+the process is what is tested (a generation streamed to the terminal, JSON on a real stdout, the
+exit status of a usage error, a server that must refuse to start); otherwise in this process
+(``run_cli``: the same ``main`` and its exit status, without a new interpreter importing torch
+and transformers for each command)."""
 
 import json
 import os
@@ -7,6 +11,7 @@ import subprocess
 import sys
 
 import pytest
+from cli_inprocess import run_cli
 from conftest import hf_greedy
 
 from edgespec.models.loading import encode_prompt
@@ -23,9 +28,9 @@ def edgespec(*args, timeout=300):
 def test_generate_json_is_identical_to_target_only(tiny, tiny_dir):
     ids = encode_prompt(tiny.tokenizer, "abcabcabc")
     ref = hf_greedy(tiny.model, ids, 24)
-    for drafter in ("mag", "none", "layers:2"):
-        r = edgespec("generate", "abcabcabc", "--model", tiny_dir, "--drafter", drafter,
-                     "--max-new-tokens", 24, "--json", "--dtype", "float32")
+    for drafter, run in (("mag", edgespec), ("none", run_cli), ("layers:2", run_cli)):
+        r = run("generate", "abcabcabc", "--model", tiny_dir, "--drafter", drafter,
+                "--max-new-tokens", 24, "--json", "--dtype", "float32")
         assert r.returncode == 0, r.stderr
         out = json.loads(r.stdout)
         assert out["token_ids"] == ref and out["dtype"] == "float32"
@@ -41,8 +46,8 @@ def test_generate_default_dtype_is_the_probed_one_and_lossless_in_it(tiny_dir):
 
     outs = {}
     for drafter in ("none", "mag", "layers:2"):
-        r = edgespec("generate", "abcabcabc", "--model", tiny_dir, "--drafter", drafter,
-                     "--max-new-tokens", 24, "--json")
+        r = run_cli("generate", "abcabcabc", "--model", tiny_dir, "--drafter", drafter,
+                    "--max-new-tokens", 24, "--json")
         assert r.returncode == 0, r.stderr
         out = json.loads(r.stdout)
         assert out["dtype"] == resolve_dtype("auto")
@@ -55,7 +60,7 @@ def test_a_dtype_that_is_not_exact_here_is_refused(tiny_dir):
 
     if exact_here("float16"):
         pytest.skip("float16 is batch-invariant on this machine")
-    r = edgespec("generate", "hi", "--model", tiny_dir, "--dtype", "float16")
+    r = run_cli("generate", "hi", "--model", tiny_dir, "--dtype", "float16")
     assert r.returncode != 0 and "not batch-invariant" in r.stderr
 
 
@@ -73,7 +78,7 @@ def test_generate_streams_text_and_reports_stats(tiny_dir):
     (["--max-context", "8"], "context limit"),
 ])
 def test_bad_options_give_one_readable_line(tiny_dir, args, message):
-    r = edgespec("generate", "hello", "--model", tiny_dir, *args)
+    r = run_cli("generate", "hello", "--model", tiny_dir, *args)
     assert r.returncode == 2
     assert r.stderr.strip().splitlines()[-1].startswith("edgespec: error:")
     assert message in r.stderr
@@ -87,10 +92,10 @@ def test_missing_model_is_a_clear_error(tmp_path):
 
 def test_bench_writes_summary_json(tiny_dir, tmp_path):
     out = tmp_path / "bench.json"
-    r = edgespec("bench", "--model", tiny_dir, "--categories", "qa", "translation",
-                 "--max-new-tokens", 12, "--drafters", "mag;cacheback;cascade:layers:2,mag",
-                 "--assist-layers", 2, "--loose", "mag", "--trees", "mag+cacheback",
-                 "--tree-width", 3, "--skip-llamacpp", "--json", out)
+    r = run_cli("bench", "--model", tiny_dir, "--categories", "qa", "translation",
+                "--max-new-tokens", 12, "--drafters", "mag;cacheback;cascade:layers:2,mag",
+                "--assist-layers", 2, "--loose", "mag", "--trees", "mag+cacheback",
+                "--tree-width", 3, "--skip-llamacpp", "--json", out)
     assert r.returncode == 0, r.stderr
     report = json.loads(out.read_text())
     summary = report["summary"]
@@ -145,9 +150,9 @@ def test_bench_writes_summary_json(tiny_dir, tmp_path):
 
 def test_bench_forward_prints_a_table_and_writes_json(tiny_dir, tmp_path):
     out = tmp_path / "fc.json"
-    r = edgespec("bench-forward", "--model", tiny_dir, "--batches", "1,2", "--tokens", "1,3",
-                 "--context", 20, "--repeat", 1, "--profile", "2,3", "--threads", 1,
-                 "--dtypes", "float32", "--json", out)
+    r = run_cli("bench-forward", "--model", tiny_dir, "--batches", "1,2", "--tokens", "1,3",
+                "--context", 20, "--repeat", 1, "--profile", "2,3", "--threads", 1,
+                "--dtypes", "float32", "--json", out)
     assert r.returncode == 0, r.stderr
     report = json.loads(out.read_text())
     cells = {(c["sessions"], c["tokens"]): c for c in report["cells"]}
@@ -156,7 +161,7 @@ def test_bench_forward_prints_a_table_and_writes_json(tiny_dir, tmp_path):
     prof = report["profile"]["ms"]["float32"]
     assert prof["total"] > 0 and set(prof) == {"linear", "attention", "head", "other", "total"}
     assert "x decode step" in r.stdout and report["threads"] == 1
-    bad = edgespec("bench-forward", "--model", tiny_dir, "--batches", "0")
+    bad = run_cli("bench-forward", "--model", tiny_dir, "--batches", "0")
     assert bad.returncode == 2 and "--batches" in bad.stderr
 
 
@@ -166,12 +171,10 @@ def test_generate_reads_the_prompt_from_a_file_or_stdin(tiny, tiny_dir, tmp_path
     path = tmp_path / "prompt.txt"
     path.write_text(prompt, encoding="utf-8")
     common = ["--model", tiny_dir, "--max-new-tokens", 12, "--json", "--dtype", "float32"]
-    r = edgespec("generate", "--prompt-file", path, *common)
+    r = run_cli("generate", "--prompt-file", path, *common)
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["token_ids"] == ref
-    r = subprocess.run([sys.executable, "-m", "edgespec_cli", "generate", "--prompt-file", "-",
-                        *map(str, common)], input=prompt, capture_output=True, text=True,
-                       timeout=300, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    r = run_cli("generate", "--prompt-file", "-", *common, stdin=prompt)
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["token_ids"] == ref
 
@@ -184,7 +187,7 @@ def test_generate_reads_the_prompt_from_a_file_or_stdin(tiny, tiny_dir, tmp_path
 def test_prompt_and_prompt_file_exactly_one(tiny_dir, tmp_path, args, message):
     (tmp_path / "prompt.txt").write_text("hi")
     args = [str(tmp_path / a) if a.endswith(".txt") else a for a in args]
-    r = edgespec("generate", *args, "--model", tiny_dir)
+    r = run_cli("generate", *args, "--model", tiny_dir)
     assert r.returncode == 2 and message in r.stderr, r.stderr
     assert "Traceback" not in r.stderr
 
@@ -197,10 +200,10 @@ def test_an_empty_prompt_generates_and_a_prompt_of_zero_tokens_is_refused(tiny, 
     assert ids  # the template's own tokens
     ref = hf_greedy(tiny.model, ids, 12)
     common = ["--model", tiny_dir, "--max-new-tokens", 12, "--json", "--dtype", "float32"]
-    r = edgespec("generate", "", *common)
+    r = run_cli("generate", "", *common)
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["token_ids"] == ref
-    r = edgespec("generate", "", "--raw", *common)
+    r = run_cli("generate", "", "--raw", *common)
     assert r.returncode == 2, r.stderr
     assert r.stderr.strip().splitlines()[-1] == "edgespec: error: the prompt is empty"
     assert "Traceback" not in r.stderr

@@ -1,13 +1,14 @@
-"""``edgespec distill`` and heads on the command line, run as a user runs them, on tiny models:
-the data and a head made from a prompt file after a stop and a resume, used by generate (lossless),
-refused by another target, bad input refused with one line."""
+"""``edgespec distill`` and heads on the command line (in this process: tests/cli_inprocess.py;
+tests/test_cli.py runs commands as processes), on tiny models: the data and a head made from a
+prompt file after a stop and a resume, used by generate (lossless), refused by another target,
+bad input refused with one line."""
 
 import json
 
 import pytest
 
+from cli_inprocess import run_cli as edgespec
 from conftest import hf_greedy, make_tiny_model
-from test_cli import edgespec
 
 from edgespec.models.loading import encode_prompt
 

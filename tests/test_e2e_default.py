@@ -29,10 +29,24 @@ def gen():
     g.close()
 
 
+@pytest.fixture(scope="module")
+def hf_ref(gen):
+    """transformers' greedy output of the float32 target, computed once per (prompt, length) in
+    the module: two tests compare against the same prompt's."""
+    refs: dict = {}
+
+    def ref(ids: list[int], n: int) -> list[int]:
+        key = (tuple(ids), n)
+        if key not in refs:
+            refs[key] = hf_greedy(gen.target.model, ids, n, eos=gen.stop_ids)
+        return list(refs[key])
+    return ref
+
+
 @pytest.mark.parametrize("prompt", PROMPTS)
-def test_speculative_equals_target_only_equals_transformers(gen, prompt):
+def test_speculative_equals_target_only_equals_transformers(gen, hf_ref, prompt):
     ids = gen.encode(prompt)
-    hf = hf_greedy(gen.target.model, ids, 32, eos=gen.stop_ids)
+    hf = hf_ref(ids, 32)
     plain = gen.generate(ids, 32, SamplingParams(), drafter="none")
     assert plain.token_ids == hf
     for drafter in ("mag", "layers:6"):
@@ -82,11 +96,11 @@ def test_bfloat16_seeded_sampling_equals_its_target_only(gen_bf16):
     assert gen_bf16.generate(ids, 48, params, drafter="layers:6").token_ids == plain.token_ids
 
 
-def test_the_shipped_heads_keep_float32_output_and_get_accepted(gen):
+def test_the_shipped_heads_keep_float32_output_and_get_accepted(gen, hf_ref):
     """The repository's heads of the default model (trained on its bfloat16 features), in a
     float32 target: the same tokens as target-only and transformers, head drafts accepted."""
     ids = gen.encode(PROMPTS[2])
-    hf = hf_greedy(gen.target.model, ids, 32, eos=gen.stop_ids)
+    hf = hf_ref(ids, 32)
     for drafter in ("head:eagle", "mag+head:specformer", "head:ctc"):
         out = gen.generate(ids, 32, SamplingParams(), drafter=drafter)
         assert out.token_ids == hf, drafter

@@ -6,15 +6,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
 import urllib.error
 import urllib.request
 
 import grpc
 import pytest
 import torch
+from cli_inprocess import run_cli
 from conftest import hf_greedy
 
 import edgespec
@@ -230,13 +228,8 @@ def test_an_exact_engine_refuses_a_loose_request(runner):
 
 
 # -- the command line -------------------------------------------------------------------------
-def run_cli(*args):
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    return subprocess.run([sys.executable, "-m", "edgespec_cli", *map(str, args)],
-                          capture_output=True, text=True, timeout=300, env=env)
-
-
-@pytest.mark.slow  # a generate process
+# in this process (tests/cli_inprocess.py); tests/test_cli.py runs generate as a process
+@pytest.mark.slow  # generate runs
 def test_generate_loose_warns_and_reports_lossy_stats(tiny_dir):
     r = run_cli("generate", "abcabcabc", "--model", tiny_dir, "--max-new-tokens", 12,
                 "--verify", "loose", "--loose-entropy", 0.5, "--loose-window", 1, "--json")
@@ -249,7 +242,7 @@ def test_generate_loose_warns_and_reports_lossy_stats(tiny_dir):
     assert "lossless: false" in r.stderr
 
 
-@pytest.mark.slow  # a generate process
+@pytest.mark.slow  # a generate run
 def test_generate_exact_does_not_warn(tiny_dir):
     r = run_cli("generate", "abcabcabc", "--model", tiny_dir, "--max-new-tokens", 6)
     assert r.returncode == 0, r.stderr

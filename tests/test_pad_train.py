@@ -1,15 +1,15 @@
-"""``edgespec pad-train`` as a user runs it, on tiny models: a tasks file labelled after a stop
-and a resume, with an early-exit drafter and with a draft model, the labels' utilities on disk,
-a classifier saved with the target's fingerprint that loads for its target; ``--measure``; bad
-input refused with one line."""
+"""``edgespec pad-train`` as a user runs it (in this process: tests/cli_inprocess.py), on tiny
+models: a tasks file labelled after a stop and a resume, with an early-exit drafter and with a
+draft model, the labels' utilities on disk, a classifier saved with the target's fingerprint that
+loads for its target; ``--measure``; bad input refused with one line."""
 
 import json
 
 import pytest
 import torch
 
+from cli_inprocess import run_cli as edgespec
 from conftest import hf_greedy
-from test_cli import edgespec
 
 from edgespec.models.loading import encode_prompt
 

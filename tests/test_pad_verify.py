@@ -242,11 +242,11 @@ def test_a_pad_verifier_says_lossy_and_counts_kept_tokens_over_grpc_http_and_met
         srv.stop(drain_timeout_s=0)
 
 
-@pytest.mark.slow  # generate processes
+@pytest.mark.slow  # generate runs
 def test_generate_with_pad_warns_and_refuses_a_missing_classifier(tiny, tiny_dir, tmp_path):
     import json
 
-    from test_loose_verify import run_cli
+    from cli_inprocess import run_cli  # in this process: main(argv) and its status
 
     folder = make_classifier(TargetRunner(tiny.model, n_slots=1, max_len=16), tmp_path / "c",
                              -50.0)
@@ -281,11 +281,11 @@ def test_the_metrics_count_kept_tokens_by_lossy_mode():
     assert 'mode="exact"' not in text
 
 
-@pytest.mark.slow  # a bench-pad process
+@pytest.mark.slow  # a bench-pad run
 def test_bench_pad_writes_rows_for_each_method_from_one_run(tiny, tiny_dir, tmp_path):
     import json
 
-    from test_cli import edgespec
+    from cli_inprocess import run_cli as edgespec
     from test_pad_train import SCORER, _tasks_file
 
     from edgespec_cli.bench.pad_utility import wilson

@@ -195,11 +195,16 @@ CASES = [SamplingParams(temperature=0.8, top_k=5), SamplingParams(temperature=1.
 
 
 def _first_token_counts(logits, params, draft, pos=17):
+    """One row per seed, all in one batch: a row's verdict depends on its own logits, seed and
+    position only (test_batched_rows_are_verified_independently), so this counts what DRAWS
+    one-row calls would, in a fraction of the time."""
     V = logits.shape[-1]
     counts = torch.zeros(V)
-    for seed in range(DRAWS):
-        sp = SamplingParams(params.temperature, params.top_k, params.top_p, seed=seed)
-        (k, tok), = verify_batch(logits[None], [draft], [sp], [pos + seed % 5])
+    seeds = range(DRAWS)
+    out = verify_batch(logits.expand(DRAWS, *logits.shape), [draft] * DRAWS,
+                       [SamplingParams(params.temperature, params.top_k, params.top_p, seed=seed)
+                        for seed in seeds], [pos + seed % 5 for seed in seeds])
+    for k, tok in out:
         counts[draft[0] if k else tok] += 1
     return counts
 
@@ -223,8 +228,9 @@ def test_bonus_token_follows_target_after_full_accept():
     logits[0, 3] = 0.0  # the draft token is certain: always accepted
     logits[1] = torch.log(torch.tensor([0.1, 0.2, 0.3, 0.15, 0.25]))
     counts = torch.zeros(5)
-    for seed in range(DRAWS):
-        (k, tok), = verify_batch(logits[None], [[3]], [SamplingParams(1.0, seed=seed)], [50])
+    out = verify_batch(logits.expand(DRAWS, *logits.shape), [[3]] * DRAWS,
+                       [SamplingParams(1.0, seed=seed) for seed in range(DRAWS)], [50] * DRAWS)
+    for k, tok in out:
         assert k == 1
         counts[tok] += 1
     assert _tv(counts, logits[1].exp()) < TV_MAX

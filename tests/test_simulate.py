@@ -94,8 +94,9 @@ def test_requests_are_dealt_to_devices_in_turn_and_devices_parse():
     (["--profile", "toaster"], "toaster"), (["--requests", "0"], "--requests"),
     (["--devices", "0"], "--devices"), (["--tree-width", "0"], "--tree-width must be in")])
 def test_bad_options_are_refused_before_anything_starts(args, message):
-    r = subprocess.run([sys.executable, "-m", "edgespec_cli", "simulate", *args],
-                       capture_output=True, text=True, timeout=120)
+    from cli_inprocess import run_cli
+
+    r = run_cli("simulate", *args)
     assert r.returncode == 2 and message in r.stderr, r.stderr
 
 

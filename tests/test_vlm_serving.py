@@ -186,14 +186,8 @@ def test_generate_image_on_the_command_line(vlm_dir, vlm, tmp_path, tiny_dir):
     """`edgespec generate --image PATH` (repeatable): the VLM's own output; a text-only model,
     an unreadable path and a file that is no image are one line and status 2."""
     import json
-    import os
-    import subprocess
-    import sys
 
-    def edgespec(*args):
-        return subprocess.run([sys.executable, "-m", "edgespec_cli", *map(str, args)],
-                              capture_output=True, text=True, timeout=300,
-                              env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    from cli_inprocess import run_cli as edgespec  # in this process: main(argv) and its status
 
     first, second = tmp_path / "a.png", tmp_path / "b.jpg"
     first.write_bytes(png(31))
