@@ -115,6 +115,21 @@ def tiny(tiny_dir):
     return load_model(str(tiny_dir), dtype="float32")
 
 
+@pytest.fixture(scope="session")
+def vlm_dir(tmp_path_factory):
+    """A tiny random-weight SmolVLM/Idefics3 folder (tests/vlm_models.py)."""
+    from vlm_models import make_tiny_vlm
+
+    return make_tiny_vlm(tmp_path_factory.mktemp("tiny-vlm"))
+
+
+@pytest.fixture(scope="session")
+def vlm(vlm_dir):
+    from edgespec.models.loading import load_model
+
+    return load_model(str(vlm_dir), dtype="float32")
+
+
 @pytest.fixture(autouse=True)
 def _isolated_cache(request, tmp_path, monkeypatch):
     """Keep tests away from the user's model cache, except those marked ``real_model``."""

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import make_tiny_model
-from vlm_models import make_tiny_vlm, png, vlm_greedy, vlm_keyed
+from vlm_models import png, vlm_greedy, vlm_keyed
 
 from edgespec.config import ConfigError, EngineConfig, SamplingParams
 from edgespec.engine.generation import Request
@@ -21,15 +21,6 @@ from edgespec.models.loading import load_model
 N = 24
 CFG = EngineConfig(max_sessions=2, max_context=256)
 
-
-@pytest.fixture(scope="module")
-def vlm_dir(tmp_path_factory):
-    return make_tiny_vlm(tmp_path_factory.mktemp("tiny-vlm"))
-
-
-@pytest.fixture(scope="module")
-def vlm(vlm_dir):
-    return load_model(str(vlm_dir), dtype="float32")
 
 
 @pytest.fixture(scope="module")

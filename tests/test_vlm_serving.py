@@ -12,11 +12,10 @@ import openai
 import pytest
 
 import edgespec
-from vlm_models import make_tiny_vlm, png, vlm_greedy, vlm_keyed
+from vlm_models import png, vlm_greedy, vlm_keyed
 
 from edgespec.config import SamplingParams
 from edgespec.models.images import MAX_IMAGE_BYTES, decode_images
-from edgespec.models.loading import load_model
 from edgespec.wire.convert import free_port
 from procs import start_drafter, start_serve
 
@@ -25,15 +24,6 @@ pytestmark = pytest.mark.slow  # processes and servers: not the fast tier
 TOKEN = "v1s10n"
 N = 24
 
-
-@pytest.fixture(scope="module")
-def vlm_dir(tmp_path_factory):
-    return make_tiny_vlm(tmp_path_factory.mktemp("tiny-vlm"))
-
-
-@pytest.fixture(scope="module")
-def vlm(vlm_dir):
-    return load_model(str(vlm_dir), dtype="float32")
 
 
 @pytest.fixture(scope="module")
