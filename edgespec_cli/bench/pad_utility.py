@@ -3,7 +3,7 @@ exact answers, against target-only decoding and exact speculative decoding with 
 all measured in one run on the same problems.
 
     edgespec bench-pad [--classifier DIR] [--task NAME | --tasks-file FILE --scorer S]
-                       [--sigmas 0.3,0.5,0.7] [--problems N] [--drafter SPEC] [--threads N]
+                       [--sigmas 0.1,0.2,0.3,0.5] [--problems N] [--drafter SPEC] [--threads N]
                        [--json FILE] [--plot FILE]
 
 The problems are the task's test split, never used for labels (``edgespec.pad.tasks``); the
@@ -45,13 +45,14 @@ def add_bench_pad_args(p) -> None:
                         "(default: %(default)s)")
     p.add_argument("--problems", type=int, default=60,
                    help="test problems answered by every method (default: %(default)s)")
-    p.add_argument("--sigmas", default="0.3,0.5,0.7", metavar="LIST",
+    p.add_argument("--sigmas", default="0.1,0.2,0.3,0.5", metavar="LIST",
                    help="PAD's sigmas to run, comma-separated (default: %(default)s)")
     p.add_argument("--pad-min-prob", metavar="P", type=float, default=PadParams.min_prob,
                    help="PAD's floor on the target's probability of a kept token "
                         "(default: %(default)s)")
     p.add_argument("--drafter", metavar="SPEC", default="mag+cacheback",
-                   help="the drafter of the exact and PAD runs (default: %(default)s)")
+                   help="the drafter of the exact and PAD runs; head:DIR or SPEC+head:DIR "
+                        "drafts with a head in the verifier (default: %(default)s)")
     p.add_argument("--max-new-tokens", type=int, default=48,
                    help="longest answer (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0,
@@ -137,7 +138,7 @@ def row_of(run: MethodRun, base: MethodRun) -> dict:
 def run_bench_pad(args) -> int:
     from edgespec_cli.cli_args import set_threads
     from edgespec.config import EngineConfig
-    from edgespec.drafters import build_drafter
+    from edgespec.drafters import build_drafter, parse_drafter_spec
     from edgespec.engine.local import LocalGenerator
     from edgespec.engine.spec_engine import Request, SpecEngine
     from edgespec.pad.classifier import PadManifest
@@ -169,8 +170,9 @@ def run_bench_pad(args) -> int:
                                 max_len=cfg.max_context, device=gen.device, dtype=gen.dtype)
         pad = PadParams(str(folder), sigma, args.pad_min_prob) if verify == "pad" else \
             PadParams()
+        head = parse_drafter_spec(args.drafter).head or ""  # head:DIR, SPEC+head:DIR
         return SpecEngine(gen.runner, drafter, EngineConfig(max_sessions=1, verify=verify,
-                                                            pad=pad), gen.stop_ids)
+                                                            pad=pad, head=head), gen.stop_ids)
 
     runs = [run_method("target_only", gen.engine("none"), prompts, tasks, decode,
                        args.max_new_tokens)]
