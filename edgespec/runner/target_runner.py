@@ -398,14 +398,16 @@ class TargetRunner:
                     rope: torch.Tensor, visible: torch.Tensor, n_pos: int,
                     tail: TailKeys | None = None, slot_index: torch.Tensor | None = None,
                     contiguous: bool = True,
-                    tap: tuple[int, list[torch.Tensor]] | None = None) -> torch.Tensor:
+                    tap: tuple[int, list[torch.Tensor]] | None = None,
+                    upto: int | None = None) -> torch.Tensor:
         """The decoder layers over tokens [B, T]: keys/values written at KV positions
         ``store`` [B, T], rotary positions ``rope`` [B, T], ``visible`` [B, T, n_pos] (which of
         the slots' first n_pos positions each token attends to; n_pos a whole number of key
         blocks); ``slot_index``: ``slots`` on the device, when the caller has them there;
         ``contiguous``: read a run of consecutive slots as a view (False: always by gather);
-        ``tap`` (n, into): append the hidden state after n layers [B, T, H] to ``into``.
-        Returns the last hidden states [B, T, H]."""
+        ``tap`` (n, into): append the hidden state after n layers [B, T, H] to ``into``;
+        ``upto``: run only the first ``upto`` layers. Returns the last hidden states
+        [B, T, H] (after ``upto`` layers when given)."""
         B, T = tokens.shape
         dev = self.device
         cos, sin = self.cos[rope][:, None], self.sin[rope][:, None]  # [B, 1, T, hd]
@@ -416,7 +418,7 @@ class TargetRunner:
         grp = nh // kvh
 
         x = F.embedding(tokens, self.embed)  # [B, T, H]
-        for li, layer in enumerate(self.layers):
+        for li, layer in enumerate(self.layers[:upto]):
             h = self._rms(x, layer.ln1)
             qkv = layer.qkv(h)
             q, k, v = qkv.split([nh * hd, kvh * hd, kvh * hd], dim=-1)
@@ -432,6 +434,27 @@ class TargetRunner:
             if tap is not None and li + 1 == tap[0]:
                 tap[1].append(x)
         return x
+
+    @torch.inference_mode()
+    def early_hidden(self, slots: list[int], tokens: torch.Tensor, starts: list[int],
+                     layers: int) -> torch.Tensor:
+        """The hidden state after the first ``layers`` decoder layers [B, T, H] of tokens
+        [B, T] (long, on the device) placed at positions ``starts[b]``.. of each slot: those
+        layers' keys/values are written there (deeper layers' are not; no length pointer
+        moves). The same bits the full forward has after that many layers (the kernels are
+        batch-invariant). An early exit, and imitation drafting (``edgespec.heads.imitation``),
+        read it."""
+        if not 1 <= layers <= self.n_layers:
+            raise ValueError(f"layers must be in 1..{self.n_layers}, got {layers}")
+        B, T = tokens.shape
+        for s, st in zip(slots, starts):
+            self.cache.check_room(s, st, T)
+        dev = self.device
+        pos = torch.as_tensor(starts, dtype=torch.long, device=dev)[:, None] + \
+            torch.arange(T, device=dev)[None, :]  # [B, T]
+        n_pos = padded_keys(max(starts) + T, self.cache.capacity)
+        return self._run_layers(slots, tokens, pos, pos, _causal(pos, n_pos), n_pos,
+                                upto=layers)
 
     def prefill(self, slot: int, tokens: list[int], chunk: int = PREFILL_CHUNK) -> None:
         """Write a prompt's keys/values into a fresh slot, in chunks (no logits computed)."""
