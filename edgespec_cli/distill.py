@@ -42,8 +42,9 @@ def add_distill_command(sub) -> None:
     p.add_argument("--exit-layer", metavar="L", default=None,
                    help="imitation: the target layer its drafts exit after, or a comma-separated "
                         "list (one network each, in OUT/imitation-L)")
-    p.add_argument("--imitation-steps", type=int, default=3000, metavar="N",
-                   help="imitation: training steps per network (default: %(default)s)")
+    p.add_argument("--imitation-steps", type=int, default=2000, metavar="N",
+                   help="imitation: training steps of 256 positions per network "
+                        "(default: %(default)s)")
     p.add_argument("--imitation-ffn", type=int, default=1536, metavar="D",
                    help="imitation: the network's feed-forward width d_ff "
                         "(default: %(default)s)")

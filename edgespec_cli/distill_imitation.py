@@ -65,9 +65,9 @@ def run_imitation(args, out: Path, data: Path, command: str, deadline: float | N
     runner = TargetRunner(loaded.model, n_slots=1, max_len=longest + args.max_new_tokens + 2,
                           n_layers=max(todo), exact=False)
     target = TargetTensors.of_model(loaded.model, loaded.name)
+    if not make_exit_states(runner, data, prompts, todo, deadline, say):  # one pass for all
+        return False
     for L in todo:
-        if not make_exit_states(runner, data, prompts, L, deadline, say):
-            return False
         settings = ImitationSettings(exit_layer=L, ffn=args.imitation_ffn, vocab=args.vocab,
                                      steps=args.imitation_steps, seed=args.seed)
         report = train_imitation(target, n_layers, data, imitation_dir(out, L), settings,

@@ -25,6 +25,8 @@ from edgespec.heads.training import TargetTensors
 from edgespec.runner.target_runner import TargetRunner
 from test_heads import _harvest, _prompts
 
+pytestmark = pytest.mark.slow  # a harvest and a training: not the fast tier
+
 SETTINGS = dict(exit_layer=2, ffn=128, vocab=64, steps=100, batch=64, lr=1e-2, depth=4)
 
 
@@ -36,7 +38,7 @@ def imitated(tiny, tmp_path_factory):
     items = work_list(_prompts(16), 1, 0.8, seed=0)
     assert _harvest(tiny.model, root / "data", items)
     runner = TargetRunner(tiny.model, n_slots=1, max_len=128, n_layers=2, exact=False)
-    assert make_exit_states(runner, root / "data", [w.prompt_ids for w in items], 2,
+    assert make_exit_states(runner, root / "data", [w.prompt_ids for w in items], [1, 2],
                             say=lambda m: None)
     target = TargetTensors.of_model(tiny.model, "tiny")
     report = train_imitation(target, 4, root / "data", root / "net",
@@ -54,7 +56,9 @@ def test_the_early_exit_is_the_full_forward_after_l_layers(tiny):
     rest = runner.early_hidden([other], torch.tensor([ids[4:]]), [4], 2)
     assert torch.equal(torch.cat([early, rest], 1), full)
     assert runner.cache.lengths[other] == 0  # no length pointer moves
-    assert torch.equal(sequence_states(runner, other, ids[:3], ids[3:], 2), full[0, 2:5])
+    one, two = sequence_states(runner, other, ids[:3], ids[3:], [1, 2])
+    assert torch.equal(two, full[0, 2:5])
+    assert torch.equal(one, runner.score([slot], [ids], tap=1).tapped[0, 2:5])
 
 
 def test_the_states_line_up_with_the_dataset_and_a_resumed_pass_matches(tiny, imitated,
@@ -70,12 +74,13 @@ def test_the_states_line_up_with_the_dataset_and_a_resumed_pass_matches(tiny, im
         (tmp_path / "data" / f.name).write_bytes(f.read_bytes())
     runner = TargetRunner(tiny.model, n_slots=1, max_len=128, n_layers=2, exact=False)
     prompts = [w.prompt_ids for w in items]
-    assert not make_exit_states(runner, tmp_path / "data", prompts, 2, deadline=0.0,
+    assert not make_exit_states(runner, tmp_path / "data", prompts, [2], deadline=0.0,
                                 say=lambda m: None)
-    assert make_exit_states(runner, tmp_path / "data", prompts, 2, say=lambda m: None)
+    assert make_exit_states(runner, tmp_path / "data", prompts, [2], say=lambda m: None)
     assert torch.equal(load_exit_states(tmp_path / "data", 2), states)
+    assert not torch.equal(load_exit_states(root / "data", 1), states)
     with pytest.raises(ConfigError, match="responses, the work list"):
-        make_exit_states(runner, tmp_path / "data", prompts[:-1], 2, say=lambda m: None)
+        make_exit_states(runner, tmp_path / "data", prompts[:-1], [2], say=lambda m: None)
 
 
 def test_training_lowers_the_loss_and_beats_the_plain_exit(imitated):

@@ -38,23 +38,23 @@ def states_path(folder: Path, n: int) -> Path:
 
 @torch.inference_mode()
 def sequence_states(runner, slot: int, prompt: Sequence[int], response: Sequence[int],
-                    layer: int) -> torch.Tensor:
-    """Layer ``layer``'s states [n, H] at a response's n positions (the prompt's last token,
-    then its first n - 1 tokens), teacher-forced in ``slot`` (left dirty)."""
+                    layers: list[int]) -> list[torch.Tensor]:
+    """Each of ``layers``' states [n, H] at a response's n positions (the prompt's last token,
+    then its first n - 1 tokens), teacher-forced in ``slot`` (left dirty): one pass."""
     ids = list(prompt) + list(response[:-1])
-    out = []
+    out: list[list[torch.Tensor]] = [[] for _ in layers]
     for at in range(0, len(ids), CHUNK):
         part = torch.as_tensor([ids[at:at + CHUNK]], dtype=torch.long, device=runner.device)
-        out.append(runner.early_hidden([slot], part, [at], layer)[0])
-    states = torch.cat(out)  # [P + n - 1, H]
-    return states[len(prompt) - 1:]
+        for keep, state in zip(out, runner.early_states([slot], part, [at], layers)):
+            keep.append(state[0])
+    return [torch.cat(parts)[len(prompt) - 1:] for parts in out]  # [n, H] each
 
 
-def make_exit_states(runner, data: Path, prompts: list[list[int]], layer: int,
+def make_exit_states(runner, data: Path, prompts: list[list[int]], layers: list[int],
                      deadline: float | None = None, say: Callable[[str], None] = print) -> bool:
-    """Compute the missing state shards of ``data`` at ``layer`` (``prompts``: each dataset
-    sequence's prompt ids, in the work list's order); False when the deadline (a
-    ``time.monotonic`` value) stopped it first."""
+    """Compute the missing state shards of ``data`` at each of ``layers``, one teacher-forced
+    pass for all (``prompts``: each dataset sequence's prompt ids, in the work list's order);
+    False when the deadline (a ``time.monotonic`` value) stopped it first."""
     info = DatasetInfo.load(data)
     if len(prompts) != info.items:
         raise ConfigError(f"{data} holds {info.items} responses, the work list {len(prompts)}: "
@@ -62,35 +62,40 @@ def make_exit_states(runner, data: Path, prompts: list[list[int]], layer: int,
     shards = finished_shards(data, info)  # --no-harvest: the finished ones
     if shards == 0:
         raise ConfigError(f"the dataset in {data} has no finished shard yet")
-    folder = states_dir(data, layer)
-    folder.mkdir(parents=True, exist_ok=True)
-    meta = {"exit_layer": layer, "target": info.target, "dataset": info.command}
-    meta_path = folder / "states.json"
-    if meta_path.exists() and json.loads(meta_path.read_text()) != meta:
-        raise ConfigError(f"{folder} holds states of another dataset or target: delete it")
-    meta_path.write_text(json.dumps(meta, indent=1) + "\n")
+    for layer in layers:
+        folder = states_dir(data, layer)
+        folder.mkdir(parents=True, exist_ok=True)
+        meta = {"exit_layer": layer, "target": info.target, "dataset": info.command}
+        meta_path = folder / "states.json"
+        if meta_path.exists() and json.loads(meta_path.read_text()) != meta:
+            raise ConfigError(f"{folder} holds states of another dataset or target: delete it")
+        meta_path.write_text(json.dumps(meta, indent=1) + "\n")
     slot = runner.new_slot()
     t0, done = time.monotonic(), 0
     try:
         for n in range(shards):
-            if states_path(folder, n).exists():
+            todo = [L for L in layers if not states_path(states_dir(data, L), n).exists()]
+            if not todo:
                 continue
             if deadline is not None and time.monotonic() >= deadline:
                 return False
             t = load_file(str(shard_path(data, n)))
             starts, tokens = t["starts"], t["next_tokens"]
-            parts = []
+            parts: list[list[torch.Tensor]] = [[] for _ in todo]
             for s in range(len(starts) - 1):
                 response = tokens[int(starts[s]):int(starts[s + 1])].tolist()
                 item = n * info.per_shard + s
-                parts.append(sequence_states(runner, slot, prompts[item], response, layer)
-                             .to(torch.bfloat16).cpu())
+                states = sequence_states(runner, slot, prompts[item], response, todo)
+                for keep, state in zip(parts, states):
+                    keep.append(state.to(torch.bfloat16).cpu())
                 done += len(prompts[item]) + len(response) - 1
-            tmp = folder / f".states-{n:05d}.tmp"
-            save_file({"states": torch.cat(parts).contiguous()}, str(tmp))
-            tmp.replace(states_path(folder, n))
-            if (n + 1) % 10 == 0 or n + 1 == shards:
-                say(f"exit states (layer {layer}): shard {n + 1}/{shards}, "
+            for L, keep in zip(todo, parts):
+                folder = states_dir(data, L)
+                tmp = folder / f".states-{n:05d}.tmp"
+                save_file({"states": torch.cat(keep).contiguous()}, str(tmp))
+                tmp.replace(states_path(folder, n))
+            if (n + 1) % 5 == 0 or n + 1 == shards:
+                say(f"exit states (layers {','.join(map(str, todo))}): shard {n + 1}/{shards}, "
                     f"{done / max(1e-9, time.monotonic() - t0):.0f} tok/s")
     finally:
         runner.free_slot(slot)

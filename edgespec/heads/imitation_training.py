@@ -43,8 +43,8 @@ class ImitationSettings:
     exit_layer: int
     ffn: int = 1536  # d_ff
     vocab: int = 8192  # draft vocabulary size
-    steps: int = 3000
-    batch: int = 512  # positions a step
+    steps: int = 2000
+    batch: int = 256  # positions a step
     lr: float = 1e-3
     weight_decay: float = 0.01
     cos_weight: float = 1.0

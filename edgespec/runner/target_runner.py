@@ -270,7 +270,7 @@ class TargetRunner:
         if tap is None:
             return self._scored(self._hidden(slots, rows))
         kept: list[torch.Tensor] = []
-        x = self._hidden(slots, rows, (self.tap_layers(tap), kept))
+        x = self._hidden(slots, rows, ((self.tap_layers(tap),), kept))
         return self._scored(x, kept[0])
 
     def tap_layers(self, tap: int) -> int:
@@ -288,7 +288,7 @@ class TargetRunner:
         return Scored(self.lm_head(feats).float(), feats, tapped)
 
     def _hidden(self, slots: list[int], rows: list[list[int]],
-                tap: tuple[int, list[torch.Tensor]] | None = None) -> torch.Tensor:
+                tap: tuple[tuple[int, ...], list[torch.Tensor]] | None = None) -> torch.Tensor:
         """The last decoder layer's output [B, T, H] for ``forward``'s rows (``tap``: see
         ``_run_layers``)."""
         T = max(len(r) for r in rows)
@@ -398,14 +398,15 @@ class TargetRunner:
                     rope: torch.Tensor, visible: torch.Tensor, n_pos: int,
                     tail: TailKeys | None = None, slot_index: torch.Tensor | None = None,
                     contiguous: bool = True,
-                    tap: tuple[int, list[torch.Tensor]] | None = None,
+                    tap: tuple[tuple[int, ...], list[torch.Tensor]] | None = None,
                     upto: int | None = None) -> torch.Tensor:
         """The decoder layers over tokens [B, T]: keys/values written at KV positions
         ``store`` [B, T], rotary positions ``rope`` [B, T], ``visible`` [B, T, n_pos] (which of
         the slots' first n_pos positions each token attends to; n_pos a whole number of key
         blocks); ``slot_index``: ``slots`` on the device, when the caller has them there;
         ``contiguous``: read a run of consecutive slots as a view (False: always by gather);
-        ``tap`` (n, into): append the hidden state after n layers [B, T, H] to ``into``;
+        ``tap`` (ns, into): append the hidden state after n layers [B, T, H] to ``into`` for
+        each n of ``ns`` (in increasing order);
         ``upto``: run only the first ``upto`` layers. Returns the last hidden states
         [B, T, H] (after ``upto`` layers when given)."""
         B, T = tokens.shape
@@ -431,11 +432,10 @@ class TargetRunner:
             x = x + layer.o(att)
             gate, up = layer.gate_up(self._rms(x, layer.ln2)).chunk(2, dim=-1)
             x = x + layer.down(pointwise(F.silu, gate) * up)
-            if tap is not None and li + 1 == tap[0]:
+            if tap is not None and li + 1 in tap[0]:
                 tap[1].append(x)
         return x
 
-    @torch.inference_mode()
     def early_hidden(self, slots: list[int], tokens: torch.Tensor, starts: list[int],
                      layers: int) -> torch.Tensor:
         """The hidden state after the first ``layers`` decoder layers [B, T, H] of tokens
@@ -444,7 +444,14 @@ class TargetRunner:
         moves). The same bits the full forward has after that many layers (the kernels are
         batch-invariant). An early exit, and imitation drafting (``edgespec.heads.imitation``),
         read it."""
-        if not 1 <= layers <= self.n_layers:
+        return self.early_states(slots, tokens, starts, [layers])[0]
+
+    @torch.inference_mode()
+    def early_states(self, slots: list[int], tokens: torch.Tensor, starts: list[int],
+                     layers: list[int]) -> list[torch.Tensor]:
+        """``early_hidden`` after each of ``layers`` (one forward through the deepest): a
+        [B, T, H] state per layer, in their order."""
+        if not layers or not all(1 <= n <= self.n_layers for n in layers):
             raise ValueError(f"layers must be in 1..{self.n_layers}, got {layers}")
         B, T = tokens.shape
         for s, st in zip(slots, starts):
@@ -453,8 +460,11 @@ class TargetRunner:
         pos = torch.as_tensor(starts, dtype=torch.long, device=dev)[:, None] + \
             torch.arange(T, device=dev)[None, :]  # [B, T]
         n_pos = padded_keys(max(starts) + T, self.cache.capacity)
-        return self._run_layers(slots, tokens, pos, pos, _causal(pos, n_pos), n_pos,
-                                upto=layers)
+        kept: list[torch.Tensor] = []
+        order = sorted(set(layers))
+        self._run_layers(slots, tokens, pos, pos, _causal(pos, n_pos), n_pos,
+                         tap=(tuple(order), kept), upto=order[-1])
+        return [kept[order.index(n)] for n in layers]
 
     def prefill(self, slot: int, tokens: list[int], chunk: int = PREFILL_CHUNK) -> None:
         """Write a prompt's keys/values into a fresh slot, in chunks (no logits computed)."""
