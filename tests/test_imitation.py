@@ -88,7 +88,7 @@ def test_training_lowers_the_loss_and_beats_the_plain_exit(imitated):
     assert r["loss_last"] < 0.9 * r["loss_first"]
     assert r["first_draft_accuracy"] > r["plain_exit_accuracy"]
     m = ImitationManifest.read(root / "net")
-    assert m.config.exit_layer == 2 and m.command == "test"
+    assert m.config.exit_layer == 2 and m.command == "test" and m.config.kind == "imitation"
     raw = json.loads((root / "net" / "imitation.json").read_text())
     assert raw["exit_layer"] == 2 and raw["kind"] == "imitation"
     assert r["parameters"] == m.training["parameters"] > 0

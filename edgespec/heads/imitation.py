@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +39,7 @@ FORMAT = 1
 
 @dataclass(frozen=True)
 class ImitationConfig:
+    kind: ClassVar[str] = "imitation"  # what the verifier's status reports as the head's kind
     exit_layer: int  # L: the target layer drafts exit after (1..n_layers - 1)
     n_layers: int  # the target's decoder layers
     hidden: int  # d
