@@ -174,7 +174,9 @@ class EngineConfig:
     tree_width: int = 1
     tree_nodes: int = 8
     # a draft head drafting in the verifier from its own forward's features (a head folder,
-    # "default" or a kind: ``edgespec.heads.manifest.resolve_head_dir``); "": none
+    # "default" or a kind: ``edgespec.heads.manifest.resolve_head_dir``), or "imitation:DIR":
+    # the target drafting for itself through an imitation network
+    # (``edgespec.heads.imitation``); "": none
     head: str = ""
     learn: bool = False  # fine-tune the head on live traffic (``edgespec.heads.online``)
     # choose per session and step which draft sources to verify (``edgespec.engine.stack_choice``)
@@ -203,6 +205,8 @@ class EngineConfig:
             raise ConfigError(f"draft_wait_ms must be >= 0, got {self.draft_wait_ms}")
         if self.learn and not self.head:
             raise ConfigError("--learn fine-tunes a draft head: give --head DIR too")
+        if self.learn and self.head.startswith("imitation:"):
+            raise ConfigError("--learn fine-tunes a draft head, not an imitation network")
         if self.verify not in VERIFY_MODES:
             raise ConfigError(f"verify must be 'exact', 'loose' or 'pad', got {self.verify!r}")
         if self.verify == "pad" and not self.pad.classifier:

@@ -1,12 +1,14 @@
 """``edgespec distill``: build a distillation dataset from the target itself, then train draft
 heads on it.
 
-    edgespec distill --out DIR [--kinds eagle,ctc,specformer] [--prompts FILE ...]
-                     [--max-minutes M] [--threads N] [--seed S] ...
+    edgespec distill --out DIR [--kinds eagle,ctc,specformer,imitation] [--exit-layer L]
+                     [--prompts FILE ...] [--max-minutes M] [--threads N] [--seed S] ...
 
 DIR/data holds the dataset (``edgespec.heads.dataset``), DIR/KIND each head folder
-(``edgespec.heads.manifest``). Both steps resume: the harvest from its first missing shard, a
-head from its last checkpoint; a finished head is not trained again.
+(``edgespec.heads.manifest``), DIR/imitation-L an imitation network drafting from layer L
+(``edgespec.heads.imitation``; its layer-L states beside the data, DATA/exit-L). Both steps
+resume: the harvest from its first missing shard, a head from its last checkpoint; a finished
+head is not trained again.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from pathlib import Path
 from edgespec_cli.cli_args import add_model_args, add_threads_arg, set_threads
 from edgespec.config import HEAD_KINDS, ConfigError
 
-KINDS = HEAD_KINDS
+KINDS = (*HEAD_KINDS, "imitation")
 
 
 def add_distill_command(sub) -> None:
@@ -37,6 +39,15 @@ def add_distill_command(sub) -> None:
     p.add_argument("--kinds", metavar="LIST", default=",".join(KINDS),
                    help="head kinds to train, comma-separated, of " + ", ".join(KINDS) +
                         "; 'none': only the data (default: %(default)s)")
+    p.add_argument("--exit-layer", metavar="L", default=None,
+                   help="imitation: the target layer its drafts exit after, or a comma-separated "
+                        "list (one network each, in OUT/imitation-L)")
+    p.add_argument("--imitation-steps", type=int, default=2000, metavar="N",
+                   help="imitation: training steps of 256 positions per network "
+                        "(default: %(default)s)")
+    p.add_argument("--imitation-ffn", type=int, default=1536, metavar="D",
+                   help="imitation: the network's feed-forward width d_ff "
+                        "(default: %(default)s)")
     p.add_argument("--prompts", nargs="*", default=[], metavar="FILE",
                    help="JSONL prompt files: a line is {\"prompt\": TEXT}, {\"messages\": "
                         "[...]} (chat messages) or {\"turns\": [TEXT, ...]} (the first turn)")
@@ -90,6 +101,10 @@ def run_distill(args) -> int:
     bad = [k for k in kinds if k not in KINDS]
     if bad:
         raise ConfigError(f"unknown head kind {bad[0]!r}: give some of {', '.join(KINDS)}")
+    if "imitation" in kinds:
+        from .distill_imitation import parse_exit_layers
+
+        parse_exit_layers(args.exit_layer)  # refused before any work
     deadline = None if args.max_minutes is None else time.monotonic() + 60 * args.max_minutes
     out = Path(args.out)
     command = "edgespec " + " ".join(shlex.quote(a) for a in sys.argv[1:])
@@ -108,6 +123,14 @@ def run_distill(args) -> int:
 
     target, exclude = None, None
     for kind in kinds:
+        if kind == "imitation":
+            from .distill_imitation import run_imitation
+
+            if not run_imitation(args, out, data, command, deadline):
+                print("distill: stopped by --max-minutes during the imitation step; run the "
+                      "same command again to resume", flush=True)
+                return 0
+            continue
         if (out / kind / MANIFEST).exists():
             print(f"distill: {kind} head already in {out / kind}", flush=True)
             continue

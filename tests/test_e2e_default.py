@@ -97,11 +97,12 @@ def test_bfloat16_seeded_sampling_equals_its_target_only(gen_bf16):
 
 
 def test_the_shipped_heads_keep_float32_output_and_get_accepted(gen, hf_ref):
-    """The repository's heads of the default model (trained on its bfloat16 features), in a
-    float32 target: the same tokens as target-only and transformers, head drafts accepted."""
+    """The repository's heads and imitation network of the default model (trained on its
+    bfloat16 features), in a float32 target: the same tokens as target-only and transformers,
+    their drafts accepted."""
     ids = gen.encode(PROMPTS[2])
     hf = hf_ref(ids, 32)
-    for drafter in ("head:eagle", "mag+head:specformer", "head:ctc"):
+    for drafter in ("head:eagle", "mag+head:specformer", "head:ctc", "imitation:default"):
         out = gen.generate(ids, 32, SamplingParams(), drafter=drafter)
         assert out.token_ids == hf, drafter
         assert out.stats.head_accepted > 0, drafter
@@ -111,7 +112,7 @@ def test_the_default_head_and_auto_keep_bfloat16_output_greedy_and_sampled(gen_b
     ids = gen_bf16.encode(_spec_bench(("qa",))[0])
     for params in (SamplingParams(), SamplingParams(temperature=0.7, seed=3)):
         plain = gen_bf16.generate(ids, 40, params, drafter="none")
-        for drafter in ("head:default", "auto"):
+        for drafter in ("head:default", "auto", "imitation:default"):
             out = gen_bf16.generate(ids, 40, params, drafter=drafter)
             assert out.token_ids == plain.token_ids, (drafter, params)
             if drafter == "auto":  # it picks what pays here; every step is accounted for

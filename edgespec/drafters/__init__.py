@@ -26,7 +26,8 @@ __all__ = ["Draft", "Drafter", "DraftSession", "DraftLength", "MaGDrafter",
 FORMS = {"none": "none", "auto": "auto", "mag": "mag", "cacheback": "cacheback",
          "mag+cacheback": "mag+cacheback", "layers": "layers:L", "model": "model:PATH",
          "llamacpp": "llamacpp:FILE.gguf", "cascade": "cascade:SPEC,SPEC,...",
-         "head": "head:DIR (or SPEC+head:DIR)"}
+         "head": "head:DIR (or SPEC+head:DIR)",
+         "imitation": "imitation:DIR (or SPEC+imitation:DIR)"}
 DRAFTER_HELP = " | ".join(FORMS.values())
 # what a drafter device (``edgespec drafter``, deploy, simulate) can run: no target on the board
 EDGE_KINDS = ("mag", "cacheback", "mag+cacheback", "model", "llamacpp", "cascade")
@@ -38,34 +39,42 @@ class DrafterSpec:
     kind: str  # one of FORMS
     arg: str = ""  # layers: L; model: the path; llamacpp: the GGUF file; cascade: the members
     members: tuple["DrafterSpec", ...] = ()  # cascade: top (drafting for the target) first
-    head: str = ""  # SPEC+head:DIR: a draft head drafting in the verifier beside the drafter
+    # SPEC+head:DIR: a draft head drafting in the verifier beside the drafter; "imitation:DIR"
+    # for imitation drafting (EngineConfig.head)
+    head: str = ""
 
 
 def parse_drafter_spec(spec: str | None, allowed: tuple[str, ...] = tuple(FORMS)
                        ) -> DrafterSpec:
     """Check a ``--drafter`` spec's form (no model is touched); ConfigError if it is wrong."""
     spec = (spec or "none").strip()
-    base, plus, head = spec.partition("+head:")
-    if plus:
-        if not head or "head" not in allowed:
-            raise ConfigError(f"unknown drafter {spec!r}; SPEC+head:DIR needs a head folder "
+    for form in ("head", "imitation"):
+        base, plus, head = spec.partition(f"+{form}:")
+        if not plus:
+            continue
+        if not head or form not in allowed:
+            raise ConfigError(f"unknown drafter {spec!r}; SPEC+{form}:DIR needs a folder "
                               "(and a command that verifies)")
         drafter = parse_drafter_spec(base, allowed)
-        if drafter.kind == "head":
+        if drafter.head:
             raise ConfigError(f"one head at a time, got {spec!r}")
-        return DrafterSpec(drafter.kind, drafter.arg, drafter.members, head=head)
+        return DrafterSpec(drafter.kind, drafter.arg, drafter.members,
+                           head=head if form == "head" else f"imitation:{head}")
     kind, _, arg = spec.partition(":")
     if kind not in allowed or (kind in _NO_ARG and arg):
         raise ConfigError(f"unknown drafter {spec!r}; use "
                           f"{' | '.join(FORMS[k] for k in allowed if k in FORMS)}")
     if kind == "layers" and not arg.isdigit():
         raise ConfigError(f"layers:L needs an integer L, got {arg!r}")
-    if kind in ("model", "llamacpp", "head") and not arg:
+    if kind in ("model", "llamacpp", "head", "imitation") and not arg:
         raise ConfigError(f"{FORMS[kind]} needs a path")
     if kind == "head":
         return DrafterSpec(kind, arg, head=arg)
+    if kind == "imitation":
+        return DrafterSpec(kind, arg, head=f"imitation:{arg}")
     if kind == "cascade":
-        inner = tuple(k for k in allowed if k not in ("none", "auto", "cascade", "head"))
+        inner = tuple(k for k in allowed
+                      if k not in ("none", "auto", "cascade", "head", "imitation"))
         members = tuple(parse_drafter_spec(m, inner) for m in arg.split(",") if m.strip())
         if len(members) < 2:
             raise ConfigError(f"cascade:SPEC,SPEC,... needs at least two drafters, got {arg!r}")
@@ -93,7 +102,7 @@ def build_drafter(spec: str | DrafterSpec, target=None, target_runner=None, n_sl
     fleet's n-grams from (None: per session and per drafter only)."""
     parsed = spec if isinstance(spec, DrafterSpec) else parse_drafter_spec(spec)
     kind, arg = parsed.kind, parsed.arg
-    if kind in ("none", "head"):  # a head drafts in the verifier (EngineConfig.head)
+    if kind in ("none", "head", "imitation"):  # they draft in the verifier (EngineConfig.head)
         return None
     if kind == "mag":
         return MaGDrafter()

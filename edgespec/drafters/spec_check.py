@@ -13,7 +13,14 @@ SHIPPED_HEADS = ("default", *HEAD_KINDS)
 
 
 def check_head_arg(spec: str | None) -> None:
-    """Refuse a head folder that does not exist before anything loads."""
+    """Refuse a head folder (or an imitation network's, ``imitation:DIR``) that does not exist
+    before anything loads."""
+    if spec and spec.startswith("imitation:"):
+        folder = spec.removeprefix("imitation:")
+        if folder != "default" and not Path(folder).expanduser().is_dir():
+            raise ConfigError(f"imitation network {folder!r} not found: give a folder made by "
+                              "edgespec distill --kinds imitation, or 'default' (shipped)")
+        return
     if spec and spec not in SHIPPED_HEADS and not Path(spec).expanduser().is_dir():
         raise ConfigError(f"head {spec!r} not found: give a head folder (made by edgespec "
                           f"distill), or one of {', '.join(SHIPPED_HEADS)} (shipped)")

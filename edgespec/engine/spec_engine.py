@@ -27,7 +27,7 @@ from dataclasses import replace
 from ..config import (ConfigError, EngineConfig, is_lossy, session_verify_mode,
                       verifies_trees)
 from ..drafters import DraftLength, Drafter
-from ..heads.proposer import HeadProposer
+from ..heads.proposer import HeadProposer, VerifierHead
 from ..pad.verify_rule import PadVerifier
 from ..protocol.contract import (DraftWant, Proposal, Proposer, SessionStore,
                                  TakenDraft, Verdict)
@@ -51,6 +51,8 @@ __all__ = ["ActiveSession", "Request", "Result", "SessionFailed", "SpecEngine", 
 
 log = logging.getLogger("edgespec.engine.spec_engine")
 
+IMITATION = "imitation:"  # EngineConfig.head "imitation:DIR": imitation drafting
+
 
 class SpecEngine:
     """The verifier. With a ``drafter`` it drafts in process (a ``DraftWorker`` thread over a
@@ -60,7 +62,7 @@ class SpecEngine:
     def __init__(self, target: TargetRunner, drafter: Drafter | None = None,
                  config: EngineConfig | None = None, stop_ids: set[int] | None = None,
                  store: SessionStore | None = None, fleet: FleetTable | None = None,
-                 head: HeadProposer | None = None, vision: VisionModel | None = None):
+                 head: VerifierHead | None = None, vision: VisionModel | None = None):
         """``vision``: a vision-language target's VLM (``edgespec.models.vision``), which turns
         a request's images into its prompt's embeddings at prefill; None: a text-only target,
         which refuses images."""
@@ -70,12 +72,20 @@ class SpecEngine:
         self.vision = vision
         self.drafter = drafter
         self.cfg = config or EngineConfig()
-        if head is None and self.cfg.head:
+        if head is None and self.cfg.head.startswith(IMITATION):
+            from ..heads.imitation import load_imitation
+            from ..heads.imitation_proposer import ImitationProposer
+
+            spec = self.cfg.head.removeprefix(IMITATION)
+            head = ImitationProposer(load_imitation(spec, target), target, source=spec)
+        elif head is None and self.cfg.head:
             from ..heads.manifest import load_head
 
             head = HeadProposer(load_head(self.cfg.head, target), source=self.cfg.head,
                                 learn=self.cfg.learn)
-        self.head = head  # a draft head drafting from the verification forward's features
+        # a draft head drafting from the verification forward's features, or the target
+        # drafting for itself through an imitation network
+        self.head = head
         self.pad: PadVerifier | None = None  # PAD's classifier (--verify pad:DIR)
         if self.cfg.verify == "pad":
             self.pad = PadVerifier.load(self.cfg.pad, target)
@@ -174,7 +184,7 @@ class SpecEngine:
                             DraftLength(self.cfg.max_draft, adaptive=self.cfg.adaptive))
         act.verify = verify
         if self.head is not None:
-            self.head.start(sid, self.target.device)
+            self.head.start(sid, self.target.device, slot=slot)
         if self.cfg.auto:
             act.chooser = StackChooser()
             act.stats.stacks = act.chooser.chosen

@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from itertools import takewhile
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -26,6 +26,38 @@ if TYPE_CHECKING:
 
 
 PROBE_EVERY = 8  # --auto: steps between two drafts of a head no session chooses
+
+
+class VerifierHead(Protocol):
+    """What ``SpecEngine`` drives of a drafter inside the verifier: a draft head
+    (``HeadProposer``) or imitation drafting (``heads.imitation_proposer``). Each step
+    ``for_step`` gives ``verify_step``'s ``propose`` hook; once the accepted paths are in place
+    ``after_step`` keeps each session's next draft, which ``propose`` hands to the next step."""
+
+    name: str
+    head: Any  # the network (status reports its cfg.kind)
+    source: str
+    version: int
+    held_out: float
+    depth: int
+    cost_s: float
+    learner: Any
+
+    def start(self, sid: str, device, slot: int | None = None) -> None: ...
+
+    def propose(self, session_id: str, taken: TakenDraft) -> Proposal | None: ...
+
+    def for_step(self, sids: list[str], features: torch.Tensor, node_tokens: torch.Tensor,
+                 depths: torch.Tensor, wanted: bool = True) -> Any: ...
+
+    def after_step(self, sids: list[str], step: Any, path_lengths: list[int],
+                   drafts: list[list[int]]) -> None: ...
+
+    def offered(self, proposed: int, accepted: int) -> None: ...
+
+    def finish(self, sid: str) -> None: ...
+
+    def close(self) -> None: ...
 
 
 @dataclass
@@ -89,8 +121,8 @@ class HeadProposer:
 
             self.learner = OnlineLearner(self, None if learn is True else learn)
 
-    def start(self, sid: str, device) -> None:
-        """A new session: an empty context, no draft yet."""
+    def start(self, sid: str, device, slot: int | None = None) -> None:
+        """A new session: an empty context, no draft yet (``slot``: its KV slot, unused)."""
         self._contexts[sid] = HeadContext.empty(self.head.cfg.context, self.head.cfg.hidden,
                                                 device)
         self._drafts[sid] = None

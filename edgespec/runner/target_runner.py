@@ -270,7 +270,7 @@ class TargetRunner:
         if tap is None:
             return self._scored(self._hidden(slots, rows))
         kept: list[torch.Tensor] = []
-        x = self._hidden(slots, rows, (self.tap_layers(tap), kept))
+        x = self._hidden(slots, rows, ((self.tap_layers(tap),), kept))
         return self._scored(x, kept[0])
 
     def tap_layers(self, tap: int) -> int:
@@ -288,7 +288,7 @@ class TargetRunner:
         return Scored(self.lm_head(feats).float(), feats, tapped)
 
     def _hidden(self, slots: list[int], rows: list[list[int]],
-                tap: tuple[int, list[torch.Tensor]] | None = None,
+                tap: tuple[tuple[int, ...], list[torch.Tensor]] | None = None,
                 embeds: torch.Tensor | None = None) -> torch.Tensor:
         """The last decoder layer's output [B, T, H] for ``forward``'s rows (``tap``, ``embeds``:
         see ``_run_layers``; ``embeds`` only for rows of one length)."""
@@ -347,7 +347,7 @@ class TargetRunner:
         for s, st in zip(rows.slots, rows.starts):
             self.cache.check_room(s, st, T)
         kept: list[torch.Tensor] = []
-        tapping = None if tap is None else (self.tap_layers(tap), kept)
+        tapping = None if tap is None else ((self.tap_layers(tap),), kept)
         if self.graphs is not None and tap is None:
             bucketed = self.graphs.score(rows)
             if bucketed is not None:
@@ -404,17 +404,19 @@ class TargetRunner:
                     rope: torch.Tensor, visible: torch.Tensor, n_pos: int,
                     tail: TailKeys | None = None, slot_index: torch.Tensor | None = None,
                     contiguous: bool = True,
-                    tap: tuple[int, list[torch.Tensor]] | None = None,
-                    embeds: torch.Tensor | None = None) -> torch.Tensor:
+                    tap: tuple[tuple[int, ...], list[torch.Tensor]] | None = None,
+                    embeds: torch.Tensor | None = None,
+                    upto: int | None = None) -> torch.Tensor:
         """The decoder layers over tokens [B, T]: keys/values written at KV positions
         ``store`` [B, T], rotary positions ``rope`` [B, T], ``visible`` [B, T, n_pos] (which of
         the slots' first n_pos positions each token attends to; n_pos a whole number of key
         blocks); ``slot_index``: ``slots`` on the device, when the caller has them there;
         ``contiguous``: read a run of consecutive slots as a view (False: always by gather);
-        ``tap`` (n, into): append the hidden state after n layers [B, T, H] to ``into``;
-        ``embeds`` [B, T, H]: the tokens' input embeddings, given (a vision-language prompt's,
-        image features at its image tokens) instead of looked up. Returns the last hidden
-        states [B, T, H]."""
+        ``tap`` (ns, into): append the hidden state after n layers [B, T, H] to ``into`` for
+        each n of ``ns`` (in increasing order); ``embeds`` [B, T, H]: the tokens' input
+        embeddings, given (a vision-language prompt's, image features at its image tokens)
+        instead of looked up; ``upto``: run only the first ``upto`` layers. Returns the last
+        hidden states [B, T, H] (after ``upto`` layers when given)."""
         B, T = tokens.shape
         dev = self.device
         cos, sin = self.cos[rope][:, None], self.sin[rope][:, None]  # [B, 1, T, hd]
@@ -425,7 +427,7 @@ class TargetRunner:
         grp = nh // kvh
 
         x = F.embedding(tokens, self.embed) if embeds is None else embeds  # [B, T, H]
-        for li, layer in enumerate(self.layers):
+        for li, layer in enumerate(self.layers[:upto]):
             h = self._rms(x, layer.ln1)
             qkv = layer.qkv(h)
             q, k, v = qkv.split([nh * hd, kvh * hd, kvh * hd], dim=-1)
@@ -438,9 +440,39 @@ class TargetRunner:
             x = x + layer.o(att)
             gate, up = layer.gate_up(self._rms(x, layer.ln2)).chunk(2, dim=-1)
             x = x + layer.down(pointwise(F.silu, gate) * up)
-            if tap is not None and li + 1 == tap[0]:
+            if tap is not None and li + 1 in tap[0]:
                 tap[1].append(x)
         return x
+
+    def early_hidden(self, slots: list[int], tokens: torch.Tensor, starts: list[int],
+                     layers: int) -> torch.Tensor:
+        """The hidden state after the first ``layers`` decoder layers [B, T, H] of tokens
+        [B, T] (long, on the device) placed at positions ``starts[b]``.. of each slot: those
+        layers' keys/values are written there (deeper layers' are not; no length pointer
+        moves). The same bits the full forward has after that many layers (the kernels are
+        batch-invariant). An early exit, and imitation drafting (``edgespec.heads.imitation``),
+        read it."""
+        return self.early_states(slots, tokens, starts, [layers])[0]
+
+    @torch.inference_mode()
+    def early_states(self, slots: list[int], tokens: torch.Tensor, starts: list[int],
+                     layers: list[int]) -> list[torch.Tensor]:
+        """``early_hidden`` after each of ``layers`` (one forward through the deepest): a
+        [B, T, H] state per layer, in their order."""
+        if not layers or not all(1 <= n <= self.n_layers for n in layers):
+            raise ValueError(f"layers must be in 1..{self.n_layers}, got {layers}")
+        B, T = tokens.shape
+        for s, st in zip(slots, starts):
+            self.cache.check_room(s, st, T)
+        dev = self.device
+        pos = torch.as_tensor(starts, dtype=torch.long, device=dev)[:, None] + \
+            torch.arange(T, device=dev)[None, :]  # [B, T]
+        n_pos = padded_keys(max(starts) + T, self.cache.capacity)
+        kept: list[torch.Tensor] = []
+        order = sorted(set(layers))
+        self._run_layers(slots, tokens, pos, pos, _causal(pos, n_pos), n_pos,
+                         tap=(tuple(order), kept), upto=order[-1])
+        return [kept[order.index(n)] for n in layers]
 
     @torch.inference_mode()
     def prefill(self, slot: int, tokens: list[int], chunk: int = PREFILL_CHUNK,

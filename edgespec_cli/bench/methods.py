@@ -151,8 +151,12 @@ class BenchMethods:
         g, drafter = self.generator_for(method)
         res = g.generate(ids, max_new, self.params_for(ids), drafter=drafter)
         s = res.stats
-        return {"token_ids": res.token_ids, "seconds": time.perf_counter() - t0,
-                "decode_seconds": s.elapsed_s - s.prefill_s, "stats": s.to_dict()}
+        row = {"token_ids": res.token_ids, "seconds": time.perf_counter() - t0,
+               "decode_seconds": s.elapsed_s - s.prefill_s, "stats": s.to_dict()}
+        layer = exit_layer(g.engine(drafter))
+        if layer is not None:
+            row["exit_layer"] = layer
+        return row
 
     def run_best(self, method: str, ids: list[int]) -> dict:
         """The fastest of ``--repeat`` runs (a drafter's state restored before each); a repeat
@@ -201,3 +205,16 @@ class BenchMethods:
         for g in self.gens.values():
             if g is not None:
                 g.close()
+
+
+def exit_layer(engine) -> int | None:
+    """The layer an early-exit drafter drafts from: ``layers:L``'s L, or an imitation
+    network's (None for other drafters)."""
+    head_cfg = getattr(getattr(engine.head, "head", None), "cfg", None)
+    layer = getattr(head_cfg, "exit_layer", None)
+    if layer is not None:
+        return int(layer)
+    name = getattr(engine.drafter, "name", "")
+    if isinstance(name, str) and name.startswith("layers:"):
+        return int(name.split(":", 1)[1])
+    return None

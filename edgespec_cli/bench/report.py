@@ -64,6 +64,9 @@ def summarize(records: list[dict], methods: list[str]) -> dict:
     for c in cats:
         for m in methods:
             row = table[c][m]
+            layers = {r["exit_layer"] for r in by[(c, m)] if "exit_layer" in r}
+            if len(layers) == 1:  # an early-exit drafter: layers:L, imitation:DIR
+                row["exit_layer"] = layers.pop()
             for base in BASELINES:
                 if base in table[c] and table[c][base]["tokens_per_s"]:
                     row[f"speedup_vs_{base}"] = round(
@@ -95,6 +98,8 @@ def _figures(table: dict, cats: list[str], method: str) -> dict:
         c: table[c][method].get("speedup_vs_target_only") for c in cats if c != "all"}
     out["mean_acceptance_length"] = row.get("mean_acceptance_length")
     out["lossless"] = row["identical_to_target_only"] and row.get("lossless", True)
+    if "exit_layer" in row:
+        out["exit_layer"] = row["exit_layer"]
     for key in ("token_match_rate", "task_score"):
         if key in row:
             out[key] = row[key]

@@ -1,0 +1,78 @@
+"""The imitation step of ``edgespec distill --kinds imitation --exit-layer L``: the layer-L states
+of the dataset's responses (``edgespec.heads.exit_states``, beside the data in DATA/exit-L), then
+the imitation network trained on them (``edgespec.heads.imitation_training``) into
+OUT/imitation-L. Both resume: the states from their first missing shard, the network from its
+last checkpoint; a finished network is not trained again."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from edgespec.config import ConfigError
+
+
+def parse_exit_layers(text: str | None) -> list[int]:
+    """``--exit-layer``: one layer or a comma-separated list (each trains its own network)."""
+    if not text:
+        raise ConfigError("--kinds imitation needs --exit-layer L (the layer drafts exit after)")
+    try:
+        layers = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ConfigError(f"--exit-layer takes layer numbers, got {text!r}") from None
+    if not layers or min(layers) < 1:
+        raise ConfigError(f"--exit-layer takes layer numbers >= 1, got {text!r}")
+    return layers
+
+
+def imitation_dir(out: Path, layer: int) -> Path:
+    return out / f"imitation-{layer}"
+
+
+def run_imitation(args, out: Path, data: Path, command: str, deadline: float | None
+                  ) -> bool:
+    """Every ``--exit-layer``'s network; False when the deadline stopped it (resumable)."""
+    from edgespec.heads.exit_states import make_exit_states
+    from edgespec.heads.imitation import MANIFEST
+    from edgespec.heads.imitation_training import ImitationSettings, train_imitation
+    from edgespec.heads.training import TargetTensors
+    from edgespec.models.loading import load_model
+    from edgespec.runner.target_runner import TargetRunner
+
+    from .distill_data import distill_work
+
+    def say(m: str) -> None:
+        print(f"distill: {m}", flush=True)
+
+    layers = parse_exit_layers(args.exit_layer)
+    todo = [L for L in layers if not (imitation_dir(out, L) / MANIFEST).exists()]
+    for L in layers:
+        if L not in todo:
+            say(f"imitation network (layer {L}) already in {imitation_dir(out, L)}")
+    if not todo:
+        return True
+    loaded = load_model(args.model, args.device, args.dtype)
+    model_cfg: Any = loaded.model.config  # a transformers config
+    n_layers = int(model_cfg.num_hidden_layers)
+    bad = [L for L in todo if not 1 <= L < n_layers]
+    if bad:
+        raise ConfigError(f"--exit-layer must be in 1..{n_layers - 1} for this target, "
+                          f"got {bad[0]}")
+    items, _ = distill_work(args, loaded.tokenizer)
+    prompts = [w.prompt_ids for w in items]
+    longest = max(len(p) for p in prompts)
+    runner = TargetRunner(loaded.model, n_slots=1, max_len=longest + args.max_new_tokens + 2,
+                          n_layers=max(todo), exact=False)
+    target = TargetTensors.of_model(loaded.model, loaded.name)
+    if not make_exit_states(runner, data, prompts, todo, deadline, say):  # one pass for all
+        return False
+    for L in todo:
+        settings = ImitationSettings(exit_layer=L, ffn=args.imitation_ffn, vocab=args.vocab,
+                                     steps=args.imitation_steps, seed=args.seed)
+        report = train_imitation(target, n_layers, data, imitation_dir(out, L), settings,
+                                 command, deadline, say)
+        if report is None:
+            return False
+        say(f"imitation network (layer {L}) in {imitation_dir(out, L)}: " + json.dumps(report))
+    return True
