@@ -31,7 +31,7 @@ def test_distill_makes_an_imitation_network_that_generate_uses_losslessly(tiny, 
     assert r.returncode == 0 and "run the same command again to resume" in r.stdout
     r = _distill(tmp_path, tiny_dir)
     assert r.returncode == 0, r.stderr
-    assert "exit states (layer 2)" in r.stdout and "imitation network (layer 2) in" in r.stdout
+    assert "exit states (layers 2)" in r.stdout and "imitation network (layer 2) in" in r.stdout
     net = tmp_path / "out" / "imitation-2"
     manifest = json.loads((net / "imitation.json").read_text())
     assert manifest["exit_layer"] == 2 and manifest["command"].startswith("edgespec distill")
