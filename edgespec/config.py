@@ -209,6 +209,10 @@ class EngineConfig:
             raise ConfigError("--learn fine-tunes a draft head, not an imitation network")
         if self.verify not in VERIFY_MODES:
             raise ConfigError(f"verify must be 'exact', 'loose' or 'pad', got {self.verify!r}")
+        if self.learn and is_lossy(self.verify):
+            raise ConfigError("--learn fine-tunes the head on the output, which a lossy "
+                              "verification mode lets drift from the target's: use exact "
+                              "verification with --learn")
         if self.verify == "pad" and not self.pad.classifier:
             raise ConfigError("--verify pad needs a classifier: pad:DIR (pad:default: the one "
                               "shipped for the default model)")

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -142,7 +142,7 @@ class TreeVerdict:
     path: list[int]
     tokens: list[int]
     token: int
-    lenient: int = 0  # nodes of the path only a lossy keep rule let stand
+    lenient: list[int] = field(default_factory=list)  # per path node: 1 if only a lossy rule
 
     @property
     def n_accepted(self) -> int:
@@ -173,17 +173,22 @@ def verify_tree(logits: torch.Tensor, tree: DraftTree, params: SamplingParams, s
             return keyed_choice(scores[row], seed, pos)
 
     children = tree.children()
-    node, depth, lenient = -1, 0, 0
+    node, depth = -1, 0
+    lenient: list[int] = []
     path: list[int] = []
     while True:
         token = choose(node + 1, start + depth)  # node i's row is 1 + i, the root's (-1) 0
         nxt = next((c for c in children.get(node, ()) if tree.tokens[c] == token), None)
-        if nxt is None and keep is not None:
-            nxt = next((c for c in children.get(node, ()) if keep[c]), None)
-            lenient += nxt is not None
+        exact = nxt is not None
+        if nxt is None and keep is not None:  # a sampled row keeps only what its filters leave
+            nxt = next((c for c in children.get(node, ()) if keep[c] and
+                        (params.greedy or bool(scores[node + 1, tree.tokens[c]].isfinite()))),
+                       None)
         if nxt is None:
             return TreeVerdict(path, [tree.tokens[i] for i in path], token, lenient)
         path.append(nxt)
+        if keep is not None:
+            lenient.append(0 if exact else 1)
         node, depth = nxt, depth + 1
 
 

@@ -74,8 +74,9 @@ def test_the_device_rule_is_the_oracles_over_random_trees(sampled):
         for b, tree in enumerate(trees):
             row_keep = keep[b, :len(tree)].tolist() if modes[b] == "pad" else None
             want = verify_tree(logits[b, :1 + len(tree)], tree, params[b], starts[b], row_keep)
+            flags = want.lenient if modes[b] == "pad" else [0] * len(want.path)
             assert (out.paths[b], out.tokens[b], out.lenient[b]) == \
-                (want.path, want.token, want.lenient), (trial, b, modes[b])
+                (want.path, want.token, flags), (trial, b, modes[b])
 
 
 def test_a_pad_row_without_a_rule_is_verified_exactly():
@@ -83,9 +84,36 @@ def test_a_pad_row_without_a_rule_is_verified_exactly():
     logits[0, :, 2] = 5.0  # the target chooses 2 everywhere
     vb = VerifyBatch.build([([1, 2], [-1, 0])], [5], [SamplingParams()], ["pad"])
     out = verify_step(logits, vb)
-    assert (out.paths, out.tokens, out.lenient) == ([[]], [2], [0])
+    assert (out.paths, out.tokens, out.lenient) == ([[]], [2], [[]])
     out = verify_step(logits, vb, lenient=lambda lg, t, p: torch.ones_like(t, dtype=torch.bool))
-    assert (out.paths, out.tokens, out.lenient) == ([[0, 1]], [2], [1])
+    assert (out.paths, out.tokens, out.lenient) == ([[0, 1]], [2], [[1, 0]])
+
+
+def test_loose_and_pad_rows_keep_their_own_rules_in_one_batch():
+    from edgespec.config import LooseParams
+
+    V = 8
+    logits = torch.zeros(2, 4, V)
+    logits[0, 0, 5] = 0.5  # loose row: after the root a flat distribution (5 by a little)
+    for i, w in ((1, 6), (2, 7), (3, 1)):
+        logits[0, i, w] = 40.0  # ... then sharp rows that agree with the draft's 6, 7
+    logits[1, :, 2] = 5.0  # pad row: the target chooses 2 everywhere
+    vb = VerifyBatch.build([([3, 6, 7], [-1, 0, 1]), ([1, 2], [-1, 0])], [5, 5],
+                           [SamplingParams(), SamplingParams()], ["loose", "pad"])
+    never = lambda lg, t, p: torch.zeros_like(t, dtype=torch.bool)  # noqa: E731
+    out = verify_step(logits, vb, LooseParams(entropy=1.0, window=2), lenient=never)
+    assert (out.paths, out.tokens) == ([[0, 1, 2], []], [1, 2])
+    assert out.lenient == [[1, 0, 0], []]  # the loose row's mismatch counts as lenient too
+
+
+def test_a_sampled_pad_row_keeps_no_token_its_filters_remove():
+    logits = torch.zeros(1, 2, 6)
+    logits[0, 0, 4], logits[0, 0, 3] = 9.0, 1.0  # top-k 1 leaves 4 alone
+    vb = VerifyBatch.build([([3], [-1])], [7], [SamplingParams(temperature=1.0, top_k=1,
+                                                              seed=3)], ["pad"])
+    always = lambda lg, t, p: torch.ones_like(t, dtype=torch.bool)  # noqa: E731
+    out = verify_step(logits, vb, lenient=always)
+    assert (out.paths, out.tokens) == ([[]], [4])
 
 
 def test_the_classifier_rule_reads_the_parents_position(runner, tmp_path):
@@ -102,6 +130,34 @@ def test_the_classifier_rule_reads_the_parents_position(runner, tmp_path):
     assert keep.tolist() == [[True, False]]
     zero = PadVerifier(pad.classifier, PadParams(pad.params.classifier, 0.0, 0.0))
     assert not zero.keep(tapped, logits, torch.tensor([[5, 7]]), torch.tensor([[-1, 0]])).any()
+
+
+def test_the_rule_feeds_the_classifier_each_nodes_parents_row(runner, tmp_path):
+    """A classifier with weights on every input, over a random tree: the rule's decision for
+    node i is ``pad_keep`` on the tapped state, entropy and token probability of the row that
+    scores it (its parent's), gathered here one node at a time; stop tokens are never kept."""
+    from edgespec.pad.classifier import load_classifier, pad_keep, position_inputs
+
+    torch.manual_seed(3)
+    folder = make_classifier(runner, tmp_path / "c", 0.0)
+    model = load_classifier(folder, runner)
+    with torch.no_grad():
+        for layer in (model.hidden_in, model.scalar_in, model.mix, model.out):
+            layer.weight.normal_(0, 0.5)
+    pad = PadVerifier(model, PadParams(folder, 0.5, 1e-3))
+    H, V = runner.embed.shape[1], runner.vocab_size
+    tree = _random_tree(random.Random(5), 12, V)
+    tokens, parents = torch.tensor([tree.tokens]), torch.tensor([tree.parents])
+    tapped, logits = torch.randn(1, 13, H), torch.randn(1, 13, V) * 3
+    got = pad.keep(tapped, logits, tokens, parents)[0].tolist()
+    want = []
+    for i, (tok, par) in enumerate(zip(tree.tokens, tree.parents)):
+        logp, ent = position_inputs(logits[0, par + 1])
+        want.append(bool(pad_keep(model, tapped[0, par + 1], ent, logp[tok].exp(), 0.5, 1e-3)))
+    assert got == want and 0 < sum(got) < len(got)  # the classifier decides both ways here
+    kept = [t for t, k in zip(tree.tokens, got) if k]
+    no_stops = pad.keep(tapped, logits, tokens, parents, stop_ids={kept[0]})[0].tolist()
+    assert no_stops == [k and t != kept[0] for t, k in zip(tree.tokens, got)]
 
 
 # -- the engine -------------------------------------------------------------------------------

@@ -113,6 +113,7 @@ class SpecEngine:
         self.active: list[ActiveSession] = []
         self.cost = ForwardCost()  # the measured cost of the verification forward
         self._undelivered: list[Decision] = []
+        self._lenient: dict[str, list[int]] = {}  # this step's verdicts: lossy-kept path nodes
 
     @property
     def free_slots(self) -> int:
@@ -171,15 +172,15 @@ class SpecEngine:
                 assert self.vision is not None  # validate refused images without it
                 embeds = self.vision.prompt_embeds(ids, req.images, self.target.embed)  # [n, H]
             self.target.prefill(slot, ids, embeds=embeds)
-            if req.images is not None:
-                req.images = req.images.spent()  # in the KV now: the pixels are not kept
             sid = session_id or f"local-{next(self._ids)}"
             drafter = device if self.worker is None else self.worker.drafter.name
             self.store.create(sid, req.prompt_ids, req.params, drafter, req.max_new_tokens,
                               committed=req.committed, verify=verify)
         except BaseException:
             self.target.free_slot(slot)
-            raise
+            raise  # a request the scheduler retries (the store unavailable) keeps its images
+        if req.images is not None:
+            req.images = req.images.spent()  # in the KV now: the pixels are not kept
         act = ActiveSession(sid, req, slot,
                             DraftLength(self.cfg.max_draft, adaptive=self.cfg.adaptive))
         act.verify = verify
@@ -210,6 +211,7 @@ class SpecEngine:
         if act in self.active:
             self.active.remove(act)
             self.target.free_slot(act.slot)
+            self._lenient.pop(act.sid, None)
             if self.head is not None:
                 self.head.finish(act.sid)
 
@@ -383,7 +385,8 @@ class SpecEngine:
         if self.head is not None:
             wanted = not self.cfg.auto or self._head_wanted(drafts)
             proposal = self.head.for_step(sids, scored.features, vb.tokens, vb.depths, wanted)
-        lenient = pad.rule(scored.tapped) if pad and scored.tapped is not None else None
+        lenient = pad.rule(scored.tapped, self.stop_ids) if pad and scored.tapped is not None \
+            else None
         out = verify_step(scored.logits, vb, self.cfg.loose, proposal, lenient)
         verdicts = []
         for d, (tokens, _), path, token, kept in zip(drafts, nodes, out.paths, out.tokens,
@@ -393,7 +396,7 @@ class SpecEngine:
             branch = tuple(tokens[i] for i in path[n:])
             verdicts.append(Verdict(d.act.sid, d.epoch, d.start, n, token, branch=branch,
                                     own_branch=bool(branch) and not d.kept_branch(n, branch)))
-            d.act.stats.lenient_tokens += kept
+            self._lenient[d.act.sid] = kept
         if proposal is not None and self.head is not None:  # once the batch has succeeded
             self.head.after_step(sids, proposal, [len(p) for p in out.paths], out.proposals)
         return verdicts
@@ -441,6 +444,8 @@ class SpecEngine:
             act.stats.head_accepted += got
             self.head.offered(len(offer), got)
         act.stats.commit_s += commit_s
+        # the path's nodes only a lossy rule kept, as far as the output took them
+        act.stats.lenient_tokens += sum(self._lenient.pop(act.sid, [])[:len(new)])
         act.output.extend(new)
         act.last_token = v.token
         act.finish = v.finish_reason or None

@@ -15,6 +15,7 @@ chosen is accepted as always, and the target's own token still follows the accep
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -64,24 +65,30 @@ class PadVerifier:
         """The tap the forward is asked for (``TargetRunner.score_rows(tap=...)``)."""
         return self.classifier.cfg.tap
 
-    def rule(self, tapped: torch.Tensor) -> LenientRule:
-        """The step's keep rule over the forward's tapped hidden states [B, 1 + N, H]."""
+    def rule(self, tapped: torch.Tensor, stop_ids: Collection[int] = ()) -> LenientRule:
+        """The step's keep rule over the forward's tapped hidden states [B, 1 + N, H]; a
+        stop token is never kept leniently (it would end the answer where the target did
+        not)."""
 
         def keep(logits: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor
                  ) -> torch.Tensor:
-            return self.keep(tapped, logits, tokens, parents)
+            return self.keep(tapped, logits, tokens, parents, stop_ids)
         return keep
 
     def keep(self, tapped: torch.Tensor, logits: torch.Tensor, tokens: torch.Tensor,
-             parents: torch.Tensor) -> torch.Tensor:
+             parents: torch.Tensor, stop_ids: Collection[int] = ()) -> torch.Tensor:
         """tapped [B, R, H], logits [B, R, V] (R >= 1 + N), tokens/parents [B, N] ->
         keep [B, N] bool."""
         if self.params.sigma <= 0 or tokens.shape[1] == 0:
             return torch.zeros_like(tokens, dtype=torch.bool)
         at = (parents + 1).clamp(min=0)  # [B, N]: the row scoring each node
         logp, entropy = position_inputs(logits)  # [B, R, V], [B, R]
-        rows = logp.gather(1, at[..., None].expand(-1, -1, logp.shape[-1]))  # [B, N, V]
-        token_prob = rows.gather(2, tokens.clamp(min=0)[..., None])[..., 0].exp()  # [B, N]
+        rows = torch.arange(len(tokens), device=tokens.device)[:, None]
+        token_prob = logp[rows, at, tokens.clamp(min=0)].exp()  # [B, N]
         feats = tapped.gather(1, at[..., None].expand(-1, -1, tapped.shape[-1]))  # [B, N, H]
-        return pad_keep(self.classifier, feats, entropy.gather(1, at), token_prob,
+        keep = pad_keep(self.classifier, feats, entropy.gather(1, at), token_prob,
                         self.params.sigma, self.params.min_prob)
+        if stop_ids:
+            stops = torch.tensor(sorted(stop_ids), dtype=tokens.dtype, device=tokens.device)
+            keep = keep & ~torch.isin(tokens, stops)
+        return keep

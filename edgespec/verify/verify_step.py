@@ -133,12 +133,13 @@ class VerifyBatch:
 @dataclass(frozen=True)
 class VerifyOutcome:
     """Per row: the accepted path (node indices, root's child first), the token the target
-    emits after it, and how many of the path's nodes only a lossy rule kept."""
+    emits after it, and which of the path's nodes only a lossy rule kept."""
 
     paths: list[list[int]]
     tokens: list[int]
     proposals: list[list[int]] = field(default_factory=list)  # a proposer's next drafts
-    lenient: list[int] = field(default_factory=list)  # nodes the exact rule would reject
+    # per row, one flag (0/1) per path node: 1 where the exact rule would have rejected it
+    lenient: list[list[int]] = field(default_factory=list)
 
 
 # drafts the next step on the device from a step's decisions: (accepted [B, N] bool, emitted
@@ -242,8 +243,12 @@ def verify_step(logits: torch.Tensor, vb: VerifyBatch, loose: LooseParams | None
     siblings = parents[:, :, None] == parents[:, None, :]  # [B, N, N]: i and j share a parent
     if vb.any_pad and lenient is not None:
         kept = vb.pad[:, None] & valid & lenient(logits, tokens, parents)
+        if vb.any_sampled:  # only a token the row's sampling filters (top-k, top-p) leave
+            at = (parents + 1).clamp(min=0)
+            rows = torch.arange(len(tokens), device=logits.device)[:, None]
+            kept = kept & scores[rows, at, tokens.clamp(min=0)].isfinite()
         # a lenient node gives way to a sibling the exact rule accepts
-        match = exact | (kept & ~(siblings & exact[:, None, :]).any(-1))
+        match = match | (kept & ~(siblings & exact[:, None, :]).any(-1))
     # of siblings holding the same token (a malformed tree), or both kept by a lossy rule, the
     # first one counts: the accepted nodes stay one path
     earlier = siblings & (idx[None, :, None] > idx[None, None, :])  # j an earlier sibling of i
@@ -257,10 +262,12 @@ def verify_step(logits: torch.Tensor, vb: VerifyBatch, loose: LooseParams | None
     token = choices.gather(1, last)  # after the path's last node (row 0: the root)
     # the accepted nodes in index order (a path's nodes increase), then N for the rest
     path = torch.where(accepted, idx, N).sort(1).values
-    parts = [token, accepted.sum(1, keepdim=True), (accepted & ~exact).sum(1, keepdim=True), path]
+    # along each path: whether the node stands only by a lossy rule (index N: padding)
+    off_exact = torch.cat([accepted & ~exact, accepted[:, :1] & False], 1).gather(1, path)
+    parts = [token, accepted.sum(1, keepdim=True), path, off_exact.long()]
     if propose is not None:
         parts.append(propose(accepted, token[:, 0]))
     host = torch.cat(parts, 1).tolist()  # the step's one sync
-    return VerifyOutcome([r[3:3 + r[1]] for r in host], [r[0] for r in host],
-                         [r[3 + N:] for r in host] if propose is not None else [],
-                         [r[2] for r in host])
+    return VerifyOutcome([r[2:2 + r[1]] for r in host], [r[0] for r in host],
+                         [r[2 + 2 * N:] for r in host] if propose is not None else [],
+                         [r[2 + N:2 + N + r[1]] for r in host])
