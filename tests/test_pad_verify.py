@@ -241,6 +241,8 @@ def test_the_modes_a_request_may_ask_for():
         EngineConfig(verify="pad")
     with pytest.raises(ConfigError, match="pad-sigma"):
         PadParams("x", sigma=1.5)
+    with pytest.raises(ConfigError, match="--learn"):
+        EngineConfig(verify="pad", pad=PadParams("x"), head="h", learn=True)
 
 
 def test_a_run_folder_resolves_to_its_classifier(tmp_path):
