@@ -36,9 +36,10 @@ def add_distill_command(sub) -> None:
     p.add_argument("--data", default=None, metavar="DIR",
                    help="the dataset folder (default: OUT/data), e.g. another run's, to train "
                         "other heads on the same data")
-    p.add_argument("--kinds", metavar="LIST", default=",".join(KINDS),
+    p.add_argument("--kinds", metavar="LIST", default=",".join(HEAD_KINDS),
                    help="head kinds to train, comma-separated, of " + ", ".join(KINDS) +
-                        "; 'none': only the data (default: %(default)s)")
+                        " (imitation needs --exit-layer); 'none': only the data "
+                        "(default: %(default)s)")
     p.add_argument("--exit-layer", metavar="L", default=None,
                    help="imitation: the target layer its drafts exit after, or a comma-separated "
                         "list (one network each, in OUT/imitation-L)")
