@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config import ConfigError
+from .checkpoint import load_checkpoint, save_checkpoint
 from .dataset import Sequences, load_sequences
 from .exit_states import load_exit_states
 from .imitation import ImitationConfig, ImitationManifest, ImitationNet, save_imitation
@@ -144,17 +145,12 @@ def train_imitation(target: TargetTensors, n_layers: int, data_dir: Path, out_di
     params = [p for n, p in net.named_parameters() if not n.startswith("target.")]
     opt = torch.optim.AdamW(params, lr=s.lr, weight_decay=s.weight_decay)
     rng = torch.Generator().manual_seed(s.seed + 1)
-    step, spent, losses = 0, 0.0, []
+    step, spent = 0, 0.0
+    losses: list[float] = []
     ckpt = out_dir / CHECKPOINT
-    if ckpt.exists():
-        state = torch.load(ckpt, weights_only=False)
-        if state["settings"] != asdict(s) or state["data"] != info.command:
-            raise ConfigError(f"{ckpt} is a checkpoint of other settings or data: delete it "
-                              "or give the same options")
-        net.load_state_dict(state["net"], strict=False)
-        opt.load_state_dict(state["opt"])
-        rng.set_state(state["rng"])
-        step, spent, losses = state["step"], state["spent"], state["losses"]
+    resumed = load_checkpoint(ckpt, "net", net, opt, rng, asdict(s), info.command)
+    if resumed is not None:
+        step, spent, losses = resumed
         say(f"train imitation (layer {s.exit_layer}): resuming at step {step}/{s.steps}")
     out_dir.mkdir(parents=True, exist_ok=True)
     t0 = last_save = last_say = time.monotonic()
@@ -210,9 +206,4 @@ def train_imitation(target: TargetTensors, n_layers: int, data_dir: Path, out_di
 
 def _save(path: Path, net: ImitationNet, opt, rng: torch.Generator, step: int, spent: float,
           losses: list[float], s: ImitationSettings, data: str) -> None:
-    tmp = path.with_suffix(".tmp")
-    torch.save({"net": {k: v for k, v in net.state_dict().items()
-                        if not k.startswith("target.")},
-                "opt": opt.state_dict(), "rng": rng.get_state(), "step": step, "spent": spent,
-                "losses": losses, "settings": asdict(s), "data": data}, tmp)
-    tmp.replace(path)
+    save_checkpoint(path, "net", net, opt, rng, step, spent, losses, asdict(s), data)

@@ -20,6 +20,7 @@ from typing import Callable
 import torch
 
 from ..config import ConfigError
+from .checkpoint import load_checkpoint, save_checkpoint
 from .dataset import Sequences, load_sequences
 from .fingerprint import target_fingerprint
 from .losses import Batch, head_loss
@@ -147,17 +148,12 @@ def train_head(target: TargetTensors, data_dir: Path, out_dir: Path, s: TrainSet
     opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=s.lr,
                             weight_decay=0.0)
     g = torch.Generator().manual_seed(s.seed + 1)
-    step, spent, losses = 0, 0.0, []
+    step, spent = 0, 0.0
+    losses: list[float] = []
     ckpt = out_dir / CHECKPOINT
-    if ckpt.exists():
-        state = torch.load(ckpt, weights_only=False)
-        if state["settings"] != asdict(s) or state["data"] != info.command:
-            raise ConfigError(f"{ckpt} is a checkpoint of other settings or data: delete it "
-                              "or give the same options")
-        head.load_state_dict(state["head"], strict=False)
-        opt.load_state_dict(state["opt"])
-        g.set_state(state["rng"])
-        step, spent, losses = state["step"], state["spent"], state["losses"]
+    resumed = load_checkpoint(ckpt, "head", head, opt, g, asdict(s), info.command)
+    if resumed is not None:
+        step, spent, losses = resumed
         say(f"train {s.kind}: resuming at step {step}/{s.steps}")
     out_dir.mkdir(parents=True, exist_ok=True)
     t0, last_save, last_say, first = time.monotonic(), time.monotonic(), time.monotonic(), step
@@ -206,9 +202,4 @@ def train_head(target: TargetTensors, data_dir: Path, out_dir: Path, s: TrainSet
 
 def _save_checkpoint(path: Path, head: DraftHead, opt, g: torch.Generator, step: int,
                      spent: float, losses: list[float], s: TrainSettings, data: str) -> None:
-    tmp = path.with_suffix(".tmp")
-    torch.save({"head": {k: v for k, v in head.state_dict().items()
-                         if not k.startswith("target.")},
-                "opt": opt.state_dict(), "rng": g.get_state(), "step": step, "spent": spent,
-                "losses": losses, "settings": asdict(s), "data": data}, tmp)
-    tmp.replace(path)
+    save_checkpoint(path, "head", head, opt, g, step, spent, losses, asdict(s), data)
