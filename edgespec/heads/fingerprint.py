@@ -12,6 +12,8 @@ import hashlib
 
 import torch
 
+from ..config import ConfigError
+
 
 def target_fingerprint(embed: torch.Tensor, norm: torch.Tensor, n_layers: int) -> str:
     """From the target's token embedding [V, H], final norm weight [H] and layer count."""
@@ -26,3 +28,13 @@ def target_fingerprint(embed: torch.Tensor, norm: torch.Tensor, n_layers: int) -
 def runner_fingerprint(runner) -> str:
     """The fingerprint of a ``TargetRunner``'s model (all its layers)."""
     return target_fingerprint(runner.embed, runner.norm, runner.n_total_layers)
+
+
+def check_made_for(runner, made_for: str, made_for_name: str, what: str, remake: str) -> None:
+    """Refuse (ConfigError) something learned on another target than ``runner``'s: ``what``
+    names it ("head DIR"), ``made_for``/``made_for_name`` are its manifest's fingerprint and
+    target name, ``remake`` says how to make one for this target."""
+    mine = runner_fingerprint(runner)
+    if made_for != mine:
+        raise ConfigError(f"{what} was made for another target ({made_for_name}, fingerprint "
+                          f"{made_for}); this one's fingerprint is {mine}: {remake}")

@@ -24,12 +24,12 @@ from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch import nn
 
 from ..config import DEFAULT_MODEL_NAME, ConfigError
-from .fingerprint import runner_fingerprint
-from .manifest import SHIPPED, bind_target
+from .fingerprint import check_made_for
+from .manifest import SHIPPED, bind_target, save_bound
 from .modules import TargetParts
 
 WEIGHTS, MANIFEST = "imitation.safetensors", "imitation.json"
@@ -129,12 +129,7 @@ class ImitationManifest:
 
 def save_imitation(folder: Path, net: ImitationNet, manifest: ImitationManifest) -> None:
     """The network's weights (bfloat16), its draft vocabulary and manifest into ``folder``."""
-    folder.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v.detach().to(torch.bfloat16).contiguous()
-               for k, v in net.state_dict().items() if not k.startswith("target.")}
-    tensors["vocab_ids"] = net.target.vocab_ids.to(torch.int32).contiguous()
-    save_file(tensors, str(folder / WEIGHTS))
-    (folder / MANIFEST).write_text(manifest.to_json())
+    save_bound(folder, net, net.target.vocab_ids, WEIGHTS, MANIFEST, manifest.to_json())
 
 
 def resolve_imitation_dir(spec: str, model_name: str = DEFAULT_MODEL_NAME) -> Path:
@@ -165,12 +160,8 @@ def load_imitation(spec: str, runner) -> ImitationNet:
     Float32, on the runner's device."""
     folder = resolve_imitation_dir(spec)
     manifest = ImitationManifest.read(folder)
-    mine = runner_fingerprint(runner)
-    if manifest.target != mine:
-        raise ConfigError(
-            f"imitation network {folder} was made for another target ({manifest.target_name}, "
-            f"fingerprint {manifest.target}); this one's fingerprint is {mine}: make one for it "
-            "with edgespec distill --kinds imitation --model ...")
+    check_made_for(runner, manifest.target, manifest.target_name, f"imitation network {folder}",
+                   "make one for it with edgespec distill --kinds imitation --model ...")
     cfg = manifest.config
     if not 1 <= cfg.exit_layer < runner.n_layers:
         raise ConfigError(f"imitation network {folder} exits after layer {cfg.exit_layer}; "

@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ..config import DEFAULT_MODEL_NAME, ConfigError
-from .fingerprint import runner_fingerprint
+from .fingerprint import check_made_for
 from .modules import KINDS, DraftHead, HeadConfig, TargetParts
 
 WEIGHTS, MANIFEST = "head.safetensors", "head.json"
@@ -60,12 +60,20 @@ class HeadManifest:
 
 def save_head(folder: Path, head: DraftHead, manifest: HeadManifest) -> None:
     """Write the head's trainable weights (bfloat16) and manifest into ``folder``."""
+    save_bound(folder, head, head.target.vocab_ids, WEIGHTS, MANIFEST, manifest.to_json())
+
+
+def save_bound(folder: Path, module: torch.nn.Module, vocab_ids: torch.Tensor, weights: str,
+               manifest: str, manifest_text: str) -> None:
+    """A module bound to a target's tensors (``bind_target``: its ``target.`` entries are the
+    target's, not saved), written into ``folder``: its own weights in bfloat16 and its draft
+    vocabulary's ids [D] in ``weights``, ``manifest_text`` in ``manifest``."""
     folder.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().to(torch.bfloat16).contiguous()
-               for k, v in head.state_dict().items() if not k.startswith("target.")}
-    tensors["vocab_ids"] = head.target.vocab_ids.to(torch.int32).contiguous()
-    save_file(tensors, str(folder / WEIGHTS))
-    (folder / MANIFEST).write_text(manifest.to_json())
+               for k, v in module.state_dict().items() if not k.startswith("target.")}
+    tensors["vocab_ids"] = vocab_ids.to(torch.int32).contiguous()
+    save_file(tensors, str(folder / weights))
+    (folder / manifest).write_text(manifest_text)
 
 
 def resolve_head_dir(spec: str, model_name: str = DEFAULT_MODEL_NAME) -> Path:
@@ -92,12 +100,8 @@ def load_head(spec: str, runner, device: str | torch.device | None = None) -> Dr
     (ConfigError) when it was made for another target. Runs in float32 on the runner's device."""
     folder = resolve_head_dir(spec)
     manifest = HeadManifest.read(folder)
-    mine = runner_fingerprint(runner)
-    if manifest.target != mine:
-        raise ConfigError(
-            f"head {folder} was made for another target ({manifest.target_name}, fingerprint "
-            f"{manifest.target}); this one's fingerprint is {mine}: make a head for it with "
-            "edgespec distill --model ...")
+    check_made_for(runner, manifest.target, manifest.target_name, f"head {folder}",
+                   "make a head for it with edgespec distill --model ...")
     weights = load_file(str(folder / WEIGHTS))
     vocab_ids = weights.pop("vocab_ids").long()
     dev = device or runner.device

@@ -27,7 +27,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from ..config import ConfigError, PadParams
-from ..heads.fingerprint import runner_fingerprint
+from ..heads.fingerprint import check_made_for
 
 WEIGHTS, MANIFEST = "pad.safetensors", "pad.json"
 FORMAT = 1
@@ -156,12 +156,8 @@ def load_classifier(folder: str | Path, runner) -> PivotClassifier:
     mode, on the runner's device; ConfigError when it was made for another target."""
     folder = Path(folder).expanduser()
     manifest = PadManifest.read(folder)
-    mine = runner_fingerprint(runner)
-    if manifest.target != mine:
-        raise ConfigError(
-            f"PAD classifier {folder} was made for another target ({manifest.target_name}, "
-            f"fingerprint {manifest.target}); this one's fingerprint is {mine}: make one for "
-            "it with edgespec pad-train --model ...")
+    check_made_for(runner, manifest.target, manifest.target_name, f"PAD classifier {folder}",
+                   "make one for it with edgespec pad-train --model ...")
     classifier = PivotClassifier(manifest.config)
     classifier.load_state_dict(load_file(str(folder / WEIGHTS)))
     return classifier.to(runner.device).eval()
