@@ -16,10 +16,11 @@ from conftest import hf_greedy, hf_keyed_sampled
 from edgespec.config import ConfigError, EngineConfig, SamplingParams
 from edgespec.drafters import build_drafter, parse_drafter_spec
 from edgespec.engine.spec_engine import Request, SpecEngine
+from edgespec.protocol.contract import Branch
 from edgespec.heads.exit_states import load_exit_states, make_exit_states, sequence_states
 from edgespec.heads.harvest import work_list
 from edgespec.heads.imitation import ImitationManifest, load_imitation
-from edgespec.heads.imitation_proposer import ImitationProposer
+from edgespec.heads.imitation_proposer import ImitationProposer, imitation_draft
 from edgespec.heads.imitation_training import ImitationSettings, train_imitation
 from edgespec.heads.training import TargetTensors
 from edgespec.runner.target_runner import TargetRunner
@@ -123,6 +124,33 @@ def test_a_network_for_another_target_or_a_missing_folder_is_refused(imitated, l
         EngineConfig(head="imitation:x", learn=True)
 
 
+def test_the_draft_is_the_networks_greedy_chain_with_its_next_likeliest_beside_it(tiny,
+                                                                                imitated):
+    root, _, _ = imitated
+    runner = TargetRunner(tiny.model, n_slots=2, max_len=64)
+    net = load_imitation(str(root / "net"), runner)
+    prompt = [1, 10, 11, 12, 13]
+    slot, other = runner.new_slot(), runner.new_slot()
+    for s in (slot, other):
+        runner.prefill(s, prompt[:-1])
+        runner.commit(s, len(prompt) - 1)
+    [draft] = imitation_draft(net, runner, [slot], [prompt[-1]], [4], depth=3, min_prob=0.0,
+                              widths=(3, 1))
+    assert len(draft.tokens) == 3
+    # the same states in one teacher-forced pass: each row's four likeliest tokens
+    h = runner.early_hidden([other], torch.tensor([prompt[-1:] + list(draft.tokens[:2])]), [4],
+                            net.cfg.exit_layer)  # [1, 3, H]
+    with torch.no_grad():
+        probs = net.logits(net.features(h[0].float())).softmax(-1)  # [3, Vd]
+    top = net.target.vocab_ids[probs.topk(4, dim=-1).indices].tolist()
+    assert draft.tokens == tuple(row[0] for row in top)
+    assert draft.branches == (*(Branch(0, (t,)) for t in top[0][1:4]), Branch(1, (top[1][1],)),
+                              Branch(2, (top[2][1],)))
+    [sure] = imitation_draft(net, runner, [slot], [prompt[-1]], [4], depth=3, min_prob=1.01,
+                             widths=(2,))  # never confident: one forward, its chain token
+    assert sure.tokens == draft.tokens[:1] and sure.branches == draft.branches[:2]
+
+
 @pytest.mark.parametrize("drafter", ["none", "mag"])
 def test_imitation_drafting_is_lossless_greedy_and_keyed_sampling(tiny, imitated, drafter):
     root, _, _ = imitated
@@ -143,3 +171,20 @@ def test_imitation_drafting_is_lossless_greedy_and_keyed_sampling(tiny, imitated
     assert [r.token_ids for r in sampled] == \
         [hf_keyed_sampled(tiny.model, p, 30, sp) for p, sp in zip(prompts, params)]
     assert sum(r.stats.head_accepted for r in sampled) > 0
+
+
+def test_alternatives_beside_the_chain_are_accepted_and_stay_lossless(tiny, imitated):
+    """Every draft-vocabulary token beside the first chain token: the target's next token is
+    among them wherever the vocabulary holds it, so steps accept more than the chain."""
+    root, _, _ = imitated
+    runner = TargetRunner(tiny.model, n_slots=4, max_len=256)
+    net = load_imitation(str(root / "net"), runner)
+    wide = ImitationProposer(net, runner, widths=(len(net.target.vocab_ids) - 1, 0))
+    prompts = [[1, 10, 11, 12, 13, 10, 11], [1, 50, 51, 52, 53, 54]]
+    with SpecEngine(runner, build_drafter("none"), EngineConfig(max_draft=6), {2},
+                    head=wide) as engine:
+        results = engine.generate_many([Request(p, 30) for p in prompts])
+    for p, res in zip(prompts, results):
+        assert res.token_ids == hf_greedy(tiny.model, p, 30)
+    assert sum(r.stats.accepted_tokens for r in results) > \
+        sum(r.stats.head_accepted for r in results)  # all the head's: some beside its chain

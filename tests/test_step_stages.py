@@ -47,6 +47,26 @@ def test_the_drafter_row_keeps_branches_for_exact_sessions_only():
     assert drafter_row(_session(), taken, None).tokens == ()  # left out by --auto
 
 
+def test_the_heads_alternatives_join_the_tree_within_the_room():
+    row = _row([5, 6, 7])
+    alts = (Branch(0, (4,)), Branch(1, (6,)), Branch(2, (3,)))  # beside head tokens 5, 8, 9
+    joined = with_head(row, Proposal((5, 8, 9), alts), room=10)
+    assert joined.branches == (HeadBranch(1, (8, 9)), HeadBranch(0, (4,)), HeadBranch(1, (6,)),
+                               HeadBranch(1, (8, 3)))
+    tokens, parents = joined.nodes()  # 6 is the chain's own node; 8 is shared by two branches
+    assert list(tokens) == [5, 6, 7, 8, 9, 4, 3] and list(parents) == [-1, 0, 1, 0, 3, -1, 3]
+    assert joined.branch_tokens == 4 and joined.drafted == 7 and joined.width == 8
+    cut = with_head(row, Proposal((5, 8, 9), alts), room=3)
+    assert cut.branches == (HeadBranch(1, (8, 9)), HeadBranch(0, (4,)))
+    short = with_head(row, Proposal((5, 8, 9), alts), room=1)  # only (5,): the chain has it
+    assert short.branches == (HeadBranch(0, (4,)),) and short.head_offer == (5,)
+    alone = with_head(_row([]), Proposal((5, 8), (Branch(1, (2,)),)), room=10)
+    assert alone.branches == (HeadBranch(0, (5, 8)), HeadBranch(0, (5, 2)))
+    assert alone.nodes() == ((5, 8, 2), (-1, 0, 0))
+    loose = _row([5, 6, 7], verify="loose")
+    assert with_head(loose, Proposal((4,), (Branch(0, (3,)),)), room=10) is loose
+
+
 def test_the_heads_proposal_joins_as_a_branch_where_it_leaves_the_chain():
     row = _row([5, 6, 7])
     joined = with_head(row, Proposal((5, 8, 9)), room=10)

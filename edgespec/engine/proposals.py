@@ -65,7 +65,11 @@ class StepDraft:
 
     @property
     def branch_tokens(self) -> int:
-        return sum(len(b.tokens) for b in self.branches)
+        """Draft tokens the branches add to the tree (a token two branches share counts
+        once)."""
+        if not self.branches:
+            return 0
+        return len(self.nodes()[0]) - len(self.tokens)
 
     @property
     def drafted(self) -> int:
@@ -102,11 +106,28 @@ def drafter_row(act: ActiveSession, taken: TakenDraft, drafter: Proposal | None,
 
 
 def with_head(row: StepDraft, head: Proposal | None, room: int) -> StepDraft:
-    """``row`` with the head's proposal (at most ``room`` tokens of it) as a branch from where
-    it leaves the chain; not for a session verified loosely (chains only)."""
-    offer = (head or NO_PROPOSAL).tokens[:max(0, room)]
+    """``row`` with the head's proposal as branches, within ``room`` draft tokens: its chain
+    from where it leaves the row's chain, then its own branches (alternatives to one of its
+    chain tokens) each as far as room remains; not for a session verified loosely (chains
+    only). A head branch past where the head's chain leaves the row's repeats that chain's
+    tokens up to it (the draft tree shares them: ``tree_of_draft``)."""
+    head = head or NO_PROPOSAL
+    offer = head.tokens[:max(0, room)]
     if not offer or not verifies_trees(row.act.verify):
         return row
     extra = head_branch(row.tokens, offer)
-    branches = row.branches if extra is None else (*row.branches, extra)
-    return replace(row, branches=branches, head_offer=offer)
+    branches = list(row.branches)
+    leaves = len(offer)  # where the head's chain leaves the row's
+    if extra is not None:
+        branches.append(extra)
+        leaves = extra.at
+        room -= len(extra.tokens)
+    for b in head.branches:
+        if not 0 <= b.at < len(offer) or len(b.tokens) > room:
+            continue  # hangs from a chain token cut away, or no room
+        if b.at < leaves:  # an alternative to a token the row's chain holds
+            branches.append(HeadBranch(b.at, b.tokens))
+        else:
+            branches.append(HeadBranch(leaves, (*offer[leaves:b.at], *b.tokens)))
+        room -= len(b.tokens)
+    return replace(row, branches=tuple(branches), head_offer=offer)

@@ -5,9 +5,11 @@ norm and LM head, in its own KV cache. No other process and no other cache.
 After a verification step has compacted every session's accepted path into place (each slot's
 length at the emitted token's position), the proposer feeds the emitted token through layers
 1..L of the target, in the target's KV slots, then each drafted token after it: one L-layer
-forward per draft token for the whole batch (greedy, a session stopping once its token's
-probability falls below ``min_prob``). The next step verifies the draft as the head's branch
-(``engine.proposals.with_head``), so outputs are the target's whatever the network says.
+forward per draft token for the whole batch (greedy; a session's chain goes no deeper once
+its token's probability falls below ``min_prob``), with, where ``widths`` asks, the forward's
+next likeliest tokens as alternatives beside each chain token. The next step verifies the
+draft as the head's branches (``engine.proposals.with_head``), so outputs are the target's
+whatever the network says.
 
 KV: drafting reads the layers 1..L keys/values the verification forward wrote for the committed
 context (no draft cache to keep in step, no catch-up feeding of accepted tokens as a separate
@@ -22,14 +24,18 @@ over one, so it would save little of a step.
 from __future__ import annotations
 
 import time
-from itertools import takewhile
+from collections.abc import Sequence
 
 import torch
 
-from ..protocol.contract import Proposal, TakenDraft
+from ..protocol.contract import Branch, Proposal, TakenDraft
 from .imitation import ImitationNet
 
-MIN_PROB = 0.3  # a session's draft stops at a token the network gives less than this
+MIN_PROB = 0.3  # a session's chain stops after a token the network gives less than this
+# alternatives verified beside the chain token at each depth (the last repeats). None by
+# default: on this CPU a tree's branch nodes cost the verification forward ~3 ms each (their
+# decoding-order attention tail), more than the acceptance they add (docs/heads.md)
+WIDTHS = (0,)
 
 
 class ImitationStep:
@@ -48,14 +54,18 @@ class ImitationStep:
 
 @torch.no_grad()
 def imitation_draft(net: ImitationNet, runner, slots: list[int], first: list[int],
-                    starts: list[int], depth: int, min_prob: float = MIN_PROB
-                    ) -> list[list[int]]:
-    """Each session's greedy draft (up to ``depth`` target token ids) after token ``first[b]``
-    at position ``starts[b]`` of slot ``slots[b]``: layers 1..L over it and then over each
-    drafted token, through the network. Writes layers 1..L's keys/values at positions
-    starts[b].. (past the committed length: verification overwrites them)."""
+                    starts: list[int], depth: int, min_prob: float = MIN_PROB,
+                    widths: Sequence[int] = WIDTHS) -> list[Proposal]:
+    """Each session's draft after token ``first[b]`` at position ``starts[b]`` of slot
+    ``slots[b]``: a greedy chain of up to ``depth`` target token ids, one L-layer forward per
+    chain token, and at chain position j the next ``widths[j]`` most likely tokens of the same
+    forward (the last width repeats) as one-token branches beside it. The chain goes one
+    forward deeper only while its last token's probability is at least ``min_prob``. Writes
+    layers 1..L's keys/values at positions starts[b].. (past the committed length:
+    verification overwrites them)."""
     L = net.cfg.exit_layer
-    out: list[list[int]] = [[] for _ in slots]
+    chains: list[list[int]] = [[] for _ in slots]
+    branches: list[list[Branch]] = [[] for _ in slots]
     live = [b for b in range(len(slots)) if starts[b] + 1 < runner.max_len]
     last = list(first)
     for j in range(depth):
@@ -67,18 +77,19 @@ def imitation_draft(net: ImitationNet, runner, slots: list[int], first: list[int
         h = runner.early_hidden([slots[b] for b in live], tokens,
                                 [starts[b] + j for b in live], L)  # [b, 1, H]
         probs = net.logits(net.features(h[:, 0].float())).softmax(-1)  # [b, Vd]
-        p, best = probs.max(-1)
-        ids = net.target.vocab_ids[best].tolist()
+        width = widths[min(j, len(widths) - 1)] if widths else 0
+        top = probs.topk(1 + width, dim=-1)
+        ids = net.target.vocab_ids[top.indices].tolist()  # [b, 1 + width] target ids
+        confident = (top.values[:, 0] >= min_prob).tolist()
         keep = []
-        for b, tok, pb in zip(live, ids, p.tolist()):
-            if out[b] and pb < min_prob:
-                continue  # the first token always; later ones while confident
-            out[b].append(tok)
-            last[b] = tok
-            if pb >= min_prob:
+        for b, row, sure in zip(live, ids, confident):
+            chains[b].append(row[0])
+            branches[b].extend(Branch(j, (t,)) for t in row[1:])
+            last[b] = row[0]
+            if sure:
                 keep.append(b)
         live = keep
-    return out
+    return [Proposal(tuple(c), tuple(br)) for c, br in zip(chains, branches)]
 
 
 class ImitationProposer:
@@ -88,12 +99,13 @@ class ImitationProposer:
     name = "head"
 
     def __init__(self, net: ImitationNet, runner, depth: int | None = None, source: str = "",
-                 min_prob: float = MIN_PROB):
+                 min_prob: float = MIN_PROB, widths: Sequence[int] = WIDTHS):
         self.head = net  # what status reports (its cfg.kind)
         self.runner = runner
         self.max_depth = depth or net.cfg.depth
         self.depth = self.max_depth
         self.min_prob = min_prob
+        self.widths = tuple(widths)
         self._accepted = 1.0
         self.cost_s = 0.0  # recent seconds a drafting step takes (decayed)
         self._idle_steps = 0
@@ -102,7 +114,7 @@ class ImitationProposer:
         self.held_out = net.held_out
         self.learner = None  # never learns online
         self._slots: dict[str, int] = {}
-        self._drafts: dict[str, tuple[int, ...] | None] = {}
+        self._drafts: dict[str, Proposal | None] = {}
 
     def start(self, sid: str, device, slot: int | None = None) -> None:
         if slot is None:
@@ -111,9 +123,9 @@ class ImitationProposer:
         self._drafts[sid] = None
 
     def propose(self, session_id: str, taken: TakenDraft) -> Proposal | None:
-        tokens = self._drafts.get(session_id)
+        draft = self._drafts.get(session_id)
         self._drafts[session_id] = None
-        return None if tokens is None else Proposal(tokens)
+        return draft
 
     def for_step(self, sids: list[str], features: torch.Tensor, node_tokens: torch.Tensor,
                  depths: torch.Tensor, wanted: bool = True) -> ImitationStep:
@@ -133,11 +145,11 @@ class ImitationProposer:
         slots = [self._slots[s] for s in sids]
         starts = [self.runner.cache.lengths[s] for s in slots]
         made = imitation_draft(self.head, self.runner, slots, step.emitted.tolist(), starts,
-                               self.depth, self.min_prob)
+                               self.depth, self.min_prob, self.widths)
         seconds = time.perf_counter() - t0
         self.cost_s = seconds if self.cost_s == 0 else 0.9 * self.cost_s + 0.1 * seconds
         for sid, tokens in zip(sids, made):
-            self._drafts[sid] = tuple(takewhile(lambda x: x >= 0, tokens)) or None
+            self._drafts[sid] = tokens if tokens.tokens else None
 
     def offered(self, proposed: int, accepted: int) -> None:
         """The depth follows what lands (each draft token costs an L-layer forward)."""

@@ -86,6 +86,10 @@ class TailKeys:
     visible: torch.Tensor  # [S, TB] bool
     block0: torch.Tensor  # [S] long: the first logical block read through ``index``
     n_blocks: int  # blocks the sum spans: >= max(block0) + TB / KEY_BLOCK
+    # [B, T, n] bool: every key each query of the call attends to, wherever it is stored (the
+    # softmax's max and probabilities come from it; ``invariant_attention``'s ``visible`` is
+    # what the main value product sums). None: the runner sets it per forward (its n).
+    seen: torch.Tensor | None = None
 
 
 def invariant_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
@@ -108,14 +112,18 @@ def invariant_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     if cols != m:
         qt = torch.nn.functional.pad(qt, (0, cols - m))
     scores = _by_columns(keys, qt).float()  # [B, kvh, n, cols]
-    vis = visible.transpose(1, 2)[:, None, :, None, :].expand(B, 1, n, g, T).reshape(B, 1, n, m)
-    if cols != m:  # padding columns see every key (their output is dropped; no 0/0)
-        vis = torch.nn.functional.pad(vis, (0, cols - m), value=True)
-    scores = scores.masked_fill(~vis, float("-inf"))
-    top = scores.amax(dim=2, keepdim=True)  # [B, kvh, 1, cols]
-    if tail is not None:
-        t_probs, t_cols = _tail_scores(q, keys, tail, top, col_tile)
-    probs = pointwise(torch.exp, scores - top).to(values.dtype)
+    vis = _column_mask(visible, g, cols)  # [B, 1, n, cols]
+    if tail is None:
+        scores = scores.masked_fill(~vis, float("-inf"))
+        top = scores.amax(dim=2, keepdim=True)  # [B, kvh, 1, cols]
+        probs = pointwise(torch.exp, scores - top).to(values.dtype)
+    else:  # the max and probabilities over every key a query sees; the main sum only ``vis``
+        assert tail.seen is not None
+        scores = scores.masked_fill(~_column_mask(tail.seen, g, cols), float("-inf"))
+        top = scores.amax(dim=2, keepdim=True)
+        probs = pointwise(torch.exp, scores - top).to(values.dtype)
+        t_probs, t_cols = _tail_probs(probs, tail, g, T, col_tile)
+        probs = probs.masked_fill(~vis, 0)
     vt = values.view(B, kvh, nb, KEY_BLOCK, hd + 1).transpose(-1, -2)  # [B, kvh, nb, hd+1, KB]
     part = _by_columns(vt, probs.view(B, kvh, nb, KEY_BLOCK, cols))  # [B, kvh, nb, hd+1, cols]
     if tail is not None:
@@ -127,27 +135,32 @@ def invariant_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     return out.view(B, kvh, hd, g, T).permute(0, 4, 1, 3, 2).reshape(B, T, kvh * g * hd)
 
 
-def _tail_scores(q: torch.Tensor, keys: torch.Tensor, tail: TailKeys, top: torch.Tensor,
-                 col_tile: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Scores of the tail queries over their decoding-order blocks; folds their max into
-    ``top`` (in place) and returns (probabilities [S, kvh, TB, cols_t] in float32, the queries'
-    columns in the main layout [S, g])."""
-    B, kvh, g, T, hd = q.shape
-    kt = keys[tail.rows[:, None], :, tail.index].permute(0, 2, 1, 3)  # [S, kvh, TB, hd]
-    qs = q[tail.rows, :, :, tail.queries].transpose(-1, -2)  # [S, kvh, hd, g]
+def _column_mask(visible: torch.Tensor, g: int, cols: int) -> torch.Tensor:
+    """visible [B, T, n] -> [B, 1, n, cols]: the score columns' layout (query head j of a
+    group, token t at column j * T + t); padding columns see every key (their output is
+    dropped; no 0/0)."""
+    B, T, n = visible.shape
+    vis = visible.transpose(1, 2)[:, None, :, None, :].expand(B, 1, n, g, T).reshape(B, 1, n,
+                                                                                    g * T)
+    if cols != g * T:
+        vis = torch.nn.functional.pad(vis, (0, cols - g * T), value=True)
+    return vis
+
+
+def _tail_probs(probs: torch.Tensor, tail: TailKeys, g: int, T: int, col_tile: int
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tail queries' probabilities [S, kvh, TB, ct] (float32 is not needed: the main
+    call's, in the values' dtype) at their keys in decoding order, zero where a query sees
+    none, its g columns padded to ``col_tile``; and the queries' columns in the main layout
+    [S, g]. A probability is the same bits wherever its key is stored: a score reduces over
+    head_dim only, the max is exact in any order, exp is pointwise."""
+    cols = torch.arange(g, device=probs.device) * T + tail.queries[:, None]  # [S, g]
+    picked = probs[tail.rows[:, None, None], :, tail.index[:, :, None], cols[:, None, :]]
+    picked = picked.permute(0, 3, 1, 2) * tail.visible[:, None, :, None]  # [S, kvh, TB, g]
     ct = -(-g // col_tile) * col_tile
     if ct != g:
-        qs = torch.nn.functional.pad(qs, (0, ct - g))
-    st = torch.matmul(kt, qs).float()  # [S, kvh, TB, ct]
-    vis = torch.nn.functional.pad(tail.visible[:, None, :, None].expand(-1, 1, -1, g),
-                                  (0, ct - g), value=True)
-    st = st.masked_fill(~vis, float("-inf"))
-    t_top = st.amax(dim=2)  # [S, kvh, ct]
-    cols = torch.arange(g, device=q.device) * T + tail.queries[:, None]  # [S, g]
-    both = torch.maximum(top[tail.rows[:, None], :, 0, cols], t_top[..., :g].transpose(1, 2))
-    top[tail.rows[:, None], :, 0, cols] = both  # [S, g, kvh]
-    t_top = torch.cat([both.transpose(1, 2), t_top[..., g:]], dim=-1)
-    return pointwise(torch.exp, st - t_top[:, :, None, :]), cols
+        picked = torch.nn.functional.pad(picked, (0, ct - g))
+    return picked, cols
 
 
 def _place_tail(part: torch.Tensor, values: torch.Tensor, tail: TailKeys, t_probs: torch.Tensor,
@@ -159,7 +172,7 @@ def _place_tail(part: torch.Tensor, values: torch.Tensor, tail: TailKeys, t_prob
     nbt = TB // KEY_BLOCK
     vt = values[tail.rows[:, None], :, tail.index].permute(0, 2, 1, 3).contiguous()
     vt = vt.view(S, kvh, nbt, KEY_BLOCK, hd1).transpose(-1, -2)  # [S, kvh, nbt, hd+1, KB]
-    pt = t_probs.to(values.dtype).view(S, kvh, nbt, KEY_BLOCK, -1)
+    pt = t_probs.reshape(S, kvh, nbt, KEY_BLOCK, -1)
     t_part = torch.matmul(vt, pt)[..., :g]  # [S, kvh, nbt, hd+1, g]
     if tail.n_blocks > nb:
         part = torch.cat([part, part.new_zeros(B, kvh, tail.n_blocks - nb, hd1, n_cols)], 2)

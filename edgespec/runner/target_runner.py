@@ -16,6 +16,7 @@ The layer-skip self-draft is the same runner over the first L layers, with the f
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Literal, Sequence, overload
 
 import torch
@@ -367,7 +368,8 @@ class TargetRunner:
         visible = (keys[None, None, :] < start_t[:, None, None]).expand(-1, T, -1).clone()
         visible.scatter_(2, store[:, None, :].expand(-1, T, -1), seen)  # [B, T, n_pos]
         tail = rows.tail
-        if tail is not None:  # branch nodes see their row's whole blocks, the rest in order
+        if tail is not None:  # branch nodes sum their row's whole blocks, the rest in order
+            tail = replace(tail, seen=visible.clone())
             visible[tail.rows, tail.queries] = \
                 keys[None, :] < (tail.block0 * KEY_BLOCK)[:, None]
         x = self._run_layers(rows.slots, rows.tokens, store, rope, visible, n_pos, tail,
