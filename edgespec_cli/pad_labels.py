@@ -19,6 +19,27 @@ def task_sets(args, split: str, n: int) -> list:
     return [family_problems(name, split, n, args.seed) for name in names]
 
 
+def _grows(args, old, new) -> bool:
+    """Whether labels ``old`` (a ``LabelInfo``) continue as ``new``: a generated family with
+    more problems and otherwise the same options (its first problems are the same whatever
+    the count: ``family_problems``), its last shard whole."""
+    return (not args.tasks_file and new.problems > old.problems
+            and old.problems % old.per_shard == 0
+            and replace(old, problems=new.problems, command="") == replace(new, command=""))
+
+
+def labels_grow(args, sets, out: Path) -> bool:
+    """Whether a task's saved labels cover fewer problems than asked (the run grows)."""
+    from edgespec.pad.labels import MANIFEST, LabelInfo
+
+    for tasks in sets:
+        folder = out / "labels" / tasks.name
+        if not args.tasks_file and (folder / MANIFEST).exists() and \
+                LabelInfo.load(folder).problems < len(tasks.problems):
+            return True
+    return False
+
+
 def label_task(args, target, tasks, folder: Path, command: str, deadline, say) -> bool:
     """Label one task set into ``folder`` (resuming); False if the deadline stopped it."""
     from edgespec.heads.fingerprint import runner_fingerprint
@@ -44,9 +65,14 @@ def label_task(args, target, tasks, folder: Path, command: str, deadline, say) -
                      command)
     if (folder / "labels.json").exists():
         old = LabelInfo.load(folder)
-        if replace(old, command="") != replace(info, command=""):
+        if _grows(args, old, info):
+            say(f"labels: {tasks.name} grows from {old.problems} to {info.problems} problems "
+                "(the first ones are the same)")
+            info.save(folder)
+        elif replace(old, command="") != replace(info, command=""):
             raise ConfigError(f"{folder} holds labels made otherwise ({old.command!r}); give "
-                              "another --out or the same labelling options")
+                              "another --out or the same labelling options (a generated task "
+                              "may only grow: a larger --problems continues it)")
     else:
         info.save(folder)
     drafter = drafter_runner(args.drafter, target, runner, max_len, target.dtype)
@@ -76,10 +102,11 @@ def label_and_train(args, target, out: Path, command: str, deadline, say) -> dic
     from edgespec.pad.classifier import MANIFEST, PadConfig, PadManifest, save_classifier
     from edgespec.pad.labels import Candidates, load_labels
     from edgespec.pad.training import TooFewLabels, TrainSettings, train_classifier
-    if (out / "classifier" / MANIFEST).exists():
+    sets = task_sets(args, "train", args.problems)
+    if (out / "classifier" / MANIFEST).exists() and \
+            (args.no_label or not labels_grow(args, sets, out)):
         say(f"classifier already in {out / 'classifier'}")
         return None
-    sets = task_sets(args, "train", args.problems)
     for tasks in sets:
         folder = out / "labels" / (Path(tasks.name).stem if args.tasks_file else tasks.name)
         if args.no_label:

@@ -8,7 +8,9 @@ classifier on them.
 
 DIR/labels holds the labels (``edgespec.pad.labels``), DIR/classifier the classifier
 (``edgespec.pad.classifier``). The labelling resumes from its first missing shard; a finished
-classifier is not trained again. ``--measure N``: the target's greedy success rate on N test
+classifier is not trained again, unless a larger ``--problems`` grows a generated task's labels
+(the first problems are the same whatever the count), which trains it again on all of them.
+``--measure N``: the target's greedy success rate on N test
 problems of each task, and nothing else (is the task one the target can do?).
 
 A command of its own rather than ``distill --kinds pad``: distill's data is the target's
@@ -53,7 +55,9 @@ def add_pad_train_command(sub) -> None:
                    help="with --tasks-file: exact, number or regex:PATTERN "
                         "(default: %(default)s)")
     p.add_argument("--problems", type=int, default=200,
-                   help="train problems to label, per family (default: %(default)s)")
+                   help="train problems to label, per family; a larger N on a finished or "
+                        "stopped run continues it (its first problems are the same) and "
+                        "trains the classifier again (default: %(default)s)")
     p.add_argument("--drafter", metavar="SPEC", default="layers:28",
                    help="the drafter whose mismatches are labelled: layers:L (the target's "
                         "first L layers) or model:PATH (a small model, same tokenizer); its "

@@ -80,6 +80,38 @@ def test_pad_train_labels_resumably_and_saves_a_classifier_for_its_target(tiny, 
     assert "drafter model:" in other.stdout
 
 
+def test_a_generated_task_grows_with_a_larger_problems_count(tiny_dir, tmp_path):
+    """A finished run on a generated family continues when asked for more problems: the first
+    shards are kept, the new ones labelled, the classifier trained again on all of them (or,
+    as here, none: the tiny target fails this task); any other change is refused."""
+    from edgespec.pad.labels import LabelInfo, finished_shards
+
+    out, folder = tmp_path / "out", tmp_path / "out" / "labels" / "arith"
+
+    def run(n, *extra):
+        return edgespec("pad-train", "--model", tiny_dir, "--dtype", "float32", "--out", out,
+                        "--task", "arith", "--problems", n, "--rollouts", 2,
+                        "--max-new-tokens", 4, "--slots", 4, "--per-shard", 2, "--threads", 1,
+                        "--tap", -2, "--drafter", "layers:1", "--skip-at", 0, *extra)
+
+    first = run(2)
+    assert first.returncode == 0, first.stderr
+    shard0 = (folder / "shard-00000.safetensors").read_bytes()
+    (out / "classifier").mkdir(exist_ok=True)  # as if the first run had trained one
+    (out / "classifier" / "pad.json").write_text("{}")
+    grown = run(4)
+    assert grown.returncode == 0, grown.stderr
+    assert "grows from 2 to 4 problems" in grown.stdout and "resuming after 1 of 2" in grown.stdout
+    assert "classifier already in" not in grown.stdout  # trained again (here: too few labels)
+    assert "classifier already in" in run(4).stdout  # nothing to grow
+    info = LabelInfo.load(folder)
+    assert info.problems == 4 and finished_shards(folder, info) == 2
+    assert (folder / "shard-00000.safetensors").read_bytes() == shard0  # kept, not redone
+    other = run(6, "--rollouts", 3)
+    assert other.returncode != 0 and "made otherwise" in other.stderr
+    assert LabelInfo.load(folder).problems == 4
+
+
 def test_measure_and_bad_input(tiny_dir, tmp_path):
     r = edgespec("pad-train", "--model", tiny_dir, "--dtype", "float32", "--measure", 4,
                  "--task", "arith", "--max-new-tokens", 4, "--threads", 1)
