@@ -29,7 +29,8 @@ def _grows(args, old, new) -> bool:
 
 
 def labels_grow(args, sets, out: Path) -> bool:
-    """Whether a task's saved labels cover fewer problems than asked (the run grows)."""
+    """Whether a generated task's saved labels cover fewer problems than asked (the run
+    grows)."""
     from edgespec.pad.labels import MANIFEST, LabelInfo
 
     for tasks in sets:
@@ -38,6 +39,19 @@ def labels_grow(args, sets, out: Path) -> bool:
                 LabelInfo.load(folder).problems < len(tasks.problems):
             return True
     return False
+
+
+def set_aside_for_growth(out: Path, say) -> None:
+    """The labels grow: the classifier made from fewer of them moves to classifier.previous
+    (replacing one there), so that a growth stopped before its training leaves no classifier
+    that looks finished; the grown run trains a new one."""
+    import shutil
+
+    old, aside = out / "classifier", out / "classifier.previous"
+    if old.exists():
+        shutil.rmtree(aside, ignore_errors=True)
+        old.rename(aside)
+        say(f"the labels grow: the classifier made before moves to {aside}")
 
 
 def label_task(args, target, tasks, folder: Path, command: str, deadline, say) -> bool:
@@ -72,7 +86,8 @@ def label_task(args, target, tasks, folder: Path, command: str, deadline, say) -
         elif replace(old, command="") != replace(info, command=""):
             raise ConfigError(f"{folder} holds labels made otherwise ({old.command!r}); give "
                               "another --out or the same labelling options (a generated task "
-                              "may only grow: a larger --problems continues it)")
+                              "may grow: a larger --problems continues it when its last shard "
+                              "is whole)")
     else:
         info.save(folder)
     drafter = drafter_runner(args.drafter, target, runner, max_len, target.dtype)
@@ -103,8 +118,9 @@ def label_and_train(args, target, out: Path, command: str, deadline, say) -> dic
     from edgespec.pad.labels import Candidates, load_labels
     from edgespec.pad.training import TooFewLabels, TrainSettings, train_classifier
     sets = task_sets(args, "train", args.problems)
-    if (out / "classifier" / MANIFEST).exists() and \
-            (args.no_label or not labels_grow(args, sets, out)):
+    if not args.no_label and labels_grow(args, sets, out):
+        set_aside_for_growth(out, say)
+    if (out / "classifier" / MANIFEST).exists():
         say(f"classifier already in {out / 'classifier'}")
         return None
     for tasks in sets:

@@ -175,16 +175,20 @@ def test_imitation_drafting_is_lossless_greedy_and_keyed_sampling(tiny, imitated
 
 def test_alternatives_beside_the_chain_are_accepted_and_stay_lossless(tiny, imitated):
     """Every draft-vocabulary token beside the first chain token: the target's next token is
-    among them wherever the vocabulary holds it, so steps accept more than the chain."""
+    among them wherever the vocabulary holds it, so steps accept more than the chain. The tree
+    is cut to what the step may hold (64 nodes, the room left in the KV slot: the context
+    ends 7 positions short of it)."""
     root, _, _ = imitated
-    runner = TargetRunner(tiny.model, n_slots=4, max_len=256)
+    runner = TargetRunner(tiny.model, n_slots=4, max_len=64)
     net = load_imitation(str(root / "net"), runner)
     wide = ImitationProposer(net, runner, widths=(len(net.target.vocab_ids) - 1, 0))
-    prompts = [[1, 10, 11, 12, 13, 10, 11], [1, 50, 51, 52, 53, 54]]
+    prompts = [[1, 10, 11, 12, 13, 10, 11], [1, 50, 51, 52, 53, 54, 55]]
     with SpecEngine(runner, build_drafter("none"), EngineConfig(max_draft=6), {2},
                     head=wide) as engine:
-        results = engine.generate_many([Request(p, 30) for p in prompts])
+        results = engine.generate_many([Request(p, 50) for p in prompts])
     for p, res in zip(prompts, results):
-        assert res.token_ids == hf_greedy(tiny.model, p, 30)
+        assert res.token_ids == hf_greedy(tiny.model, p, 50)
     assert sum(r.stats.accepted_tokens for r in results) > \
         sum(r.stats.head_accepted for r in results)  # all the head's: some beside its chain
+    with pytest.raises(ValueError, match="widths"):
+        ImitationProposer(net, runner, widths=(2, -1))

@@ -99,11 +99,15 @@ def test_a_generated_task_grows_with_a_larger_problems_count(tiny_dir, tmp_path)
     shard0 = (folder / "shard-00000.safetensors").read_bytes()
     (out / "classifier").mkdir(exist_ok=True)  # as if the first run had trained one
     (out / "classifier" / "pad.json").write_text("{}")
+    stopped = run(4, "--max-minutes", 0)  # grows, then stops before its new shard
+    assert stopped.returncode == 0, stopped.stderr
+    assert "grows from 2 to 4 problems" in stopped.stdout
+    assert "run the same command again to resume" in stopped.stdout
+    assert (out / "classifier.previous" / "pad.json").exists()  # not left looking current
+    assert not (out / "classifier").exists()
     grown = run(4)
     assert grown.returncode == 0, grown.stderr
-    assert "grows from 2 to 4 problems" in grown.stdout and "resuming after 1 of 2" in grown.stdout
-    assert "classifier already in" not in grown.stdout  # trained again (here: too few labels)
-    assert "classifier already in" in run(4).stdout  # nothing to grow
+    assert "resuming after 1 of 2" in grown.stdout and "classifier already in" not in grown.stdout
     info = LabelInfo.load(folder)
     assert info.problems == 4 and finished_shards(folder, info) == 2
     assert (folder / "shard-00000.safetensors").read_bytes() == shard0  # kept, not redone

@@ -6,7 +6,8 @@ the distributed cache, or the in-process ``DraftWorker``), whose draft the store
 ``TakenDraft``, and the verifier's own draft head (``edgespec.heads.proposer.HeadProposer``),
 which drafted on the device during the previous step. The drafter's chain is the row's spine
 and its branches hang from it; the head's proposal joins as a branch from where it first
-differs from the spine (``head_branch``). ``--auto`` leaves out the sources a session's chooser
+differs from the spine (``head_branch``), and its own alternatives, if it has any, as branches
+beside its tokens. ``--auto`` leaves out the sources a session's chooser
 does not pick this step. The store's objects are read, never edited: a ``StepDraft`` is a new,
 frozen value.
 
@@ -58,7 +59,7 @@ class StepDraft:
     epoch: int
     start: int  # position of the first draft token (the session's committed end)
     tokens: tuple[int, ...]  # the chain
-    branches: tuple[Branch, ...] = ()  # the drafter's, then the head's (a HeadBranch)
+    branches: tuple[Branch, ...] = ()  # the drafter's, then the head's (HeadBranches)
     head_offer: tuple[int, ...] = ()  # what the head proposed (what its stats count)
     # --auto: every source's proposal, verified or not (None: the source was not asked)
     offers: Mapping[str, tuple[int, ...] | None] | None = None

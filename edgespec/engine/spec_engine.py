@@ -24,7 +24,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import replace
 
-from ..config import (ConfigError, EngineConfig, is_lossy, session_verify_mode,
+from ..config import (MAX_TREE_NODES, ConfigError, EngineConfig, is_lossy, session_verify_mode,
                       verifies_trees)
 from ..drafters import DraftLength, Drafter
 from ..heads.proposer import HeadProposer, VerifierHead
@@ -313,8 +313,11 @@ class SpecEngine:
         rows = [drafter_row(act, t, props.get("drafter"), o)
                 for (act, t), props, o in zip(taken, asked, offers)]
         room = self.cfg.max_batch_tokens - sum(r.width for r in rows)
+        # every row of the forward is as wide as the widest: the fullest slot bounds them all
+        fits = min(self.target.max_len - r.start for r in rows)
         for i, props in enumerate(asked):  # the head's drafts, within the batch's token budget
-            row = with_head(rows[i], props.get("head"), room)
+            cap = min(room, MAX_TREE_NODES - rows[i].drafted, fits - rows[i].width)
+            row = with_head(rows[i], props.get("head"), cap)
             room -= row.branch_tokens - rows[i].branch_tokens
             rows[i] = row
         return rows

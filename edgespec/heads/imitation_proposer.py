@@ -33,8 +33,8 @@ from .imitation import ImitationNet
 
 MIN_PROB = 0.3  # a session's chain stops after a token the network gives less than this
 # alternatives verified beside the chain token at each depth (the last repeats). None by
-# default: on this CPU a tree's branch nodes cost the verification forward ~3 ms each (their
-# decoding-order attention tail), more than the acceptance they add (docs/heads.md)
+# default: on this CPU a tree's branch nodes cost the verification forward 1.5-2.5 ms each
+# (their decoding-order attention tail), more than the acceptance they add (docs/heads.md)
 WIDTHS = (0,)
 
 
@@ -78,7 +78,7 @@ def imitation_draft(net: ImitationNet, runner, slots: list[int], first: list[int
                                 [starts[b] + j for b in live], L)  # [b, 1, H]
         probs = net.logits(net.features(h[:, 0].float())).softmax(-1)  # [b, Vd]
         width = widths[min(j, len(widths) - 1)] if widths else 0
-        top = probs.topk(1 + width, dim=-1)
+        top = probs.topk(min(1 + width, probs.shape[-1]), dim=-1)
         ids = net.target.vocab_ids[top.indices].tolist()  # [b, 1 + width] target ids
         confident = (top.values[:, 0] >= min_prob).tolist()
         keep = []
@@ -105,6 +105,8 @@ class ImitationProposer:
         self.max_depth = depth or net.cfg.depth
         self.depth = self.max_depth
         self.min_prob = min_prob
+        if any(w < 0 for w in widths):
+            raise ValueError(f"widths are alternatives per depth, >= 0: got {tuple(widths)}")
         self.widths = tuple(widths)
         self._accepted = 1.0
         self.cost_s = 0.0  # recent seconds a drafting step takes (decayed)
