@@ -9,10 +9,12 @@ network, torch threads set by ``--threads`` (default 2):
    (k = 1..8), over the target's own greedy answers to 12 Spec-Bench questions (teacher-forced:
    the layer-L states drafting would see);
 2. what a verification forward costs with branch nodes beside a chain (the branch nodes' keys
-   are read in decoding order: ``runner.attention.TailKeys``), median of 15;
+   are read in decoding order: ``runner.attention.TailKeys``), and what one draft forward
+   costs (layers 1..L, then the network and the draft head), median of 15;
 3. whole generations through ``SpecEngine`` (4 questions, 96 tokens, greedy) with no head
    (target-only), a chain, and a chain with alternatives (``ImitationProposer(widths=...)``),
-   in one run: tok/s, acceptance length, ratios to target-only.
+   in one run: tok/s, acceptance length, ratios to target-only, and per step the forward's
+   time (the step's verification and, with a head, its drafting) and the rest of the step.
 
 Prints a table of each and writes them as JSON. Measured figures: docs/heads.md.
 """
@@ -111,6 +113,22 @@ def tree_costs(runner: TargetRunner) -> dict[str, float]:
     return out
 
 
+@torch.inference_mode()
+def draft_costs(runner: TargetRunner, net) -> dict[str, float]:
+    """One session's draft forward: the first L layers over one token, then the network and
+    the draft-vocabulary head."""
+    slot = runner.new_slot()
+    runner.prefill(slot, list(range(100, 400)))
+    runner.commit(slot, 300)
+    token = torch.tensor([[500]])
+    L = net.cfg.exit_layer
+    layers = median_ms(lambda: runner.early_hidden([slot], token, [300], L))
+    h = runner.early_hidden([slot], token, [300], L)[:, 0].float()  # [1, H]
+    readout = median_ms(lambda: net.logits(net.features(h)).softmax(-1).max(-1))
+    runner.free_slot(slot)
+    return {f"layers 1..{L}": layers, "network and draft head": readout}
+
+
 def generations(loaded, net_spec: str) -> dict[str, dict[str, float]]:
     prompts = [encode_prompt(loaded.tokenizer, q) for q in questions(80, 4)]
     rows = {}
@@ -118,7 +136,8 @@ def generations(loaded, net_spec: str) -> dict[str, dict[str, float]]:
         runner = TargetRunner(loaded.model, n_slots=2, max_len=2048)
         head = None if widths is None else \
             ImitationProposer(load_imitation(net_spec, runner), runner, widths=widths)
-        tokens = accepted = drafts = 0
+        tokens = accepted = drafts = steps = 0
+        forward_s = 0.0
         t0 = time.perf_counter()
         with SpecEngine(runner, build_drafter("none"), EngineConfig(max_draft=6),
                         stop_token_ids(loaded), head=head) as engine:
@@ -127,9 +146,13 @@ def generations(loaded, net_spec: str) -> dict[str, dict[str, float]]:
                 tokens += len(res.token_ids)
                 accepted += res.stats.accepted_tokens
                 drafts += res.stats.num_drafts
+                steps += res.stats.steps
+                forward_s += res.stats.forward_s
         seconds = time.perf_counter() - t0
         rows[name] = {"tokens_per_s": tokens / seconds,
-                      "mean_acceptance_length": 1 + accepted / max(drafts, 1)}
+                      "mean_acceptance_length": 1 + accepted / max(drafts, 1),
+                      "forward_ms_per_step": 1000 * forward_s / steps,
+                      "rest_ms_per_step": 1000 * (seconds - forward_s) / steps}
     base = rows["target-only"]["tokens_per_s"]
     for row in rows.values():
         row["speedup_vs_target_only"] = row["tokens_per_s"] / base
@@ -149,17 +172,23 @@ def main() -> None:
     net = load_imitation(args.imitation, runner)
     result = {"threads": args.threads, "exit_layer": net.cfg.exit_layer,
               "top_k": top_k_accuracy(runner, net, loaded.tokenizer),
-              "verify_ms": tree_costs(runner), "generation": generations(loaded, args.imitation)}
+              "verify_ms": tree_costs(runner), "draft_ms": draft_costs(runner, net),
+              "generation": generations(loaded, args.imitation)}
     print(f"\nfirst draft within the top k ({result['top_k']['positions']} positions)")
     for k in TOP_K:
         print(f"  top {k}: {result['top_k'][f'top_{k}']:.3f}")
     print("\nverification forward, 9 rows (median ms)")
     for name, ms in result["verify_ms"].items():
         print(f"  {name:30s} {ms:6.1f}")
-    print(f"\n{'generation':16s} {'tok/s':>7s} {'x target':>9s} {'MAL':>6s}")
+    print("\none draft forward (median ms)")
+    for name, ms in result["draft_ms"].items():
+        print(f"  {name:30s} {ms:6.1f}")
+    print(f"\n{'generation':16s} {'tok/s':>7s} {'x target':>9s} {'MAL':>6s} "
+          f"{'forward ms/step':>16s} {'rest ms/step':>13s}")
     for name, row in result["generation"].items():
         print(f"{name:16s} {row['tokens_per_s']:7.1f} {row['speedup_vs_target_only']:9.2f} "
-              f"{row['mean_acceptance_length']:6.2f}")
+              f"{row['mean_acceptance_length']:6.2f} {row['forward_ms_per_step']:16.1f} "
+              f"{row['rest_ms_per_step']:13.1f}")
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(result, indent=1))
     print(f"wrote {args.json}")
