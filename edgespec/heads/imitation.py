@@ -28,7 +28,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from ..config import DEFAULT_MODEL_NAME, ConfigError
-from .fingerprint import check_made_for
+from .fingerprint import check_made_for, read_manifest
 from .manifest import SHIPPED, bind_target, save_bound
 from .modules import TargetParts
 
@@ -114,17 +114,11 @@ class ImitationManifest:
 
     @classmethod
     def read(cls, folder: Path) -> "ImitationManifest":
-        path = folder / MANIFEST
-        try:
-            raw = json.loads(path.read_text())
-            return cls(ImitationConfig(**raw["config"]), raw["target"], raw["target_name"],
-                       raw.get("data", {}), raw.get("command", ""), raw.get("training", {}),
-                       raw.get("validation", {}))
-        except FileNotFoundError:
-            raise ConfigError(f"{folder} is not an imitation folder (no {MANIFEST}); make one "
-                              "with edgespec distill --kinds imitation") from None
-        except (KeyError, TypeError, ValueError) as e:
-            raise ConfigError(f"{path} is not a valid imitation manifest: {e}") from None
+        return read_manifest(folder, MANIFEST, lambda raw: cls(
+            ImitationConfig(**raw["config"]), raw["target"], raw["target_name"],
+            raw.get("data", {}), raw.get("command", ""), raw.get("training", {}),
+            raw.get("validation", {})), "an imitation", "imitation",
+            "edgespec distill --kinds imitation")
 
 
 def save_imitation(folder: Path, net: ImitationNet, manifest: ImitationManifest) -> None:

@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ..config import DEFAULT_MODEL_NAME, ConfigError
-from .fingerprint import check_made_for
+from .fingerprint import check_made_for, read_manifest
 from .modules import KINDS, DraftHead, HeadConfig, TargetParts
 
 WEIGHTS, MANIFEST = "head.safetensors", "head.json"
@@ -45,17 +45,11 @@ class HeadManifest:
 
     @classmethod
     def read(cls, folder: Path) -> "HeadManifest":
-        path = folder / MANIFEST
-        try:
-            raw = json.loads(path.read_text())
-            return cls(HeadConfig(**raw["config"]), raw["target"], raw["target_name"],
-                       raw["feature_dtype"], raw.get("data", {}), raw.get("command", ""),
-                       raw.get("training", {}), raw.get("validation", {}))
-        except FileNotFoundError:
-            raise ConfigError(f"{folder} is not a head folder (no {MANIFEST}); make one with "
-                              "edgespec distill") from None
-        except (KeyError, TypeError, ValueError) as e:
-            raise ConfigError(f"{path} is not a valid head manifest: {e}") from None
+        return read_manifest(folder, MANIFEST, lambda raw: cls(
+            HeadConfig(**raw["config"]), raw["target"], raw["target_name"],
+            raw["feature_dtype"], raw.get("data", {}), raw.get("command", ""),
+            raw.get("training", {}), raw.get("validation", {})), "a head", "head",
+            "edgespec distill")
 
 
 def save_head(folder: Path, head: DraftHead, manifest: HeadManifest) -> None:

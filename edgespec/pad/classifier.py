@@ -26,8 +26,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from ..config import ConfigError, PadParams
-from ..heads.fingerprint import check_made_for
+from ..config import PadParams
+from ..heads.fingerprint import check_made_for, read_manifest
 
 WEIGHTS, MANIFEST = "pad.safetensors", "pad.json"
 FORMAT = 1
@@ -130,17 +130,10 @@ class PadManifest:
 
     @classmethod
     def read(cls, folder: Path) -> "PadManifest":
-        path = folder / MANIFEST
-        try:
-            raw = json.loads(path.read_text())
-            return cls(PadConfig(**raw["config"]), raw["target"], raw["target_name"],
-                       raw.get("labels", {}), raw.get("command", ""), raw.get("training", {}),
-                       raw.get("validation", {}))
-        except FileNotFoundError:
-            raise ConfigError(f"{folder} is not a PAD classifier folder (no {MANIFEST}); make "
-                              "one with edgespec pad-train") from None
-        except (KeyError, TypeError, ValueError) as e:
-            raise ConfigError(f"{path} is not a valid PAD manifest: {e}") from None
+        return read_manifest(folder, MANIFEST, lambda raw: cls(
+            PadConfig(**raw["config"]), raw["target"], raw["target_name"],
+            raw.get("labels", {}), raw.get("command", ""), raw.get("training", {}),
+            raw.get("validation", {})), "a PAD classifier", "PAD", "edgespec pad-train")
 
 
 def save_classifier(folder: Path, classifier: PivotClassifier, manifest: PadManifest) -> None:
