@@ -19,6 +19,20 @@ from edgespec.runner.threads import default_threads, set_threads, threads_in_use
 LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
 
 
+def positive_ints(text: str, option: str, what: str = "integers") -> list[int]:
+    """An option's comma-separated integers, each >= 1 (ConfigError naming ``option`` and
+    what it takes otherwise)."""
+    from edgespec.config import ConfigError
+
+    try:
+        out = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ConfigError(f"{option} takes comma-separated {what}, got {text!r}") from None
+    if not out or min(out) < 1:
+        raise ConfigError(f"{option} needs {what} >= 1, got {text!r}")
+    return out
+
+
 def configure_logging(level: str = "INFO") -> None:
     """Logs of a role process (a command or a Ray actor) to stderr, one format for all."""
     logging.basicConfig(level=level.upper(), stream=sys.stderr, format=LOG_FORMAT)

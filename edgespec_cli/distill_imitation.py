@@ -15,15 +15,11 @@ from edgespec.config import ConfigError
 
 def parse_exit_layers(text: str | None) -> list[int]:
     """``--exit-layer``: one layer or a comma-separated list (each trains its own network)."""
+    from edgespec_cli.cli_args import positive_ints
+
     if not text:
         raise ConfigError("--kinds imitation needs --exit-layer L (the layer drafts exit after)")
-    try:
-        layers = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise ConfigError(f"--exit-layer takes layer numbers, got {text!r}") from None
-    if not layers or min(layers) < 1:
-        raise ConfigError(f"--exit-layer takes layer numbers >= 1, got {text!r}")
-    return layers
+    return positive_ints(text, "--exit-layer", "layer numbers")
 
 
 def imitation_dir(out: Path, layer: int) -> Path:

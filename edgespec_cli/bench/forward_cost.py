@@ -50,16 +50,6 @@ def add_bench_forward_args(p) -> None:
                    help="where to write the JSON results (default: %(default)s)")
 
 
-def _ints(text: str, name: str) -> list[int]:
-    try:
-        out = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise ConfigError(f"{name} takes comma-separated integers, got {text!r}") from None
-    if not out or min(out) < 1:
-        raise ConfigError(f"{name} needs integers >= 1, got {text!r}")
-    return out
-
-
 def _prepared_runner(model, slots: int, context: int, max_len: int):
     import torch
 
@@ -153,13 +143,14 @@ def profile_forward(runner, B: int, T: int, repeat: int) -> dict[str, float]:
 
 
 def run_bench_forward(args) -> int:
-    from edgespec_cli.cli_args import set_threads
+    from edgespec_cli.cli_args import positive_ints, set_threads
     from edgespec.runner.dtype_probe import DTYPES, exact_here, resolve_dtype
     from edgespec.models.loading import load_model
     from edgespec.models.shapes import random_model, shape_named
 
     threads = set_threads(args.threads)
-    batches, tokens = _ints(args.batches, "--batches"), _ints(args.tokens, "--tokens")
+    batches = positive_ints(args.batches, "--batches")
+    tokens = positive_ints(args.tokens, "--tokens")
     if args.dtypes:
         dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
         for d in dtypes:
@@ -169,7 +160,7 @@ def run_bench_forward(args) -> int:
         dtypes = [d for d in DTYPES if exact_here(d, args.device)] or ["float32"]
     if args.shape:
         shape_named(args.shape)  # an unknown shape is refused before anything is built
-    profile = _ints(args.profile, "--profile") if args.profile else None
+    profile = positive_ints(args.profile, "--profile") if args.profile else None
     if profile and len(profile) != 2:
         raise ConfigError("--profile takes B,T")
     slots = max(batches + ([profile[0]] if profile else []))
