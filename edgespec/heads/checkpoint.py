@@ -1,10 +1,12 @@
 """A training run's checkpoint, shared by the draft heads' and the imitation networks' training:
 the trained module's own weights (not the target's tensors it binds), the optimiser, the
 sampling generator and the progress, written atomically; resumed only by a run of the same
-settings on the same data (``ConfigError`` otherwise)."""
+settings on the same data (``ConfigError`` otherwise). Also what both training loops share
+besides: the learning-rate schedule, the progress line and the loss summary."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import torch
@@ -41,3 +43,28 @@ def load_checkpoint(path: Path, key: str, module: nn.Module, opt: torch.optim.Op
     opt.load_state_dict(state["opt"])
     rng.set_state(state["rng"])
     return state["step"], state["spent"], state["losses"]
+
+
+def set_learning_rate(opt: torch.optim.Optimizer, lr: float, step: int, steps: int,
+                      warmup: int) -> None:
+    """Step ``step`` of ``steps``: cosine decay from ``lr``, warmed up linearly over the first
+    ``warmup`` steps."""
+    rate = lr * 0.5 * (1 + math.cos(math.pi * step / steps))
+    for group in opt.param_groups:
+        group["lr"] = rate * min(1.0, (step + 1) / warmup)
+
+
+def progress_line(step: int, steps: int, first: int, seconds: float,
+                  losses: list[float]) -> str:
+    """Where a run stands: the step, the recent loss, steps a second since it (re)started at
+    ``first`` ``seconds`` ago, and the time left."""
+    rate = (step - first) / max(1e-9, seconds)
+    recent = sum(losses[-50:]) / len(losses[-50:])
+    return (f"step {step}/{steps}, loss {recent:.3f}, {rate:.1f} steps/s, "
+            f"ETA {(steps - step) / max(rate, 1e-9) / 60:.1f} min")
+
+
+def loss_summary(losses: list[float]) -> dict[str, float]:
+    """The mean loss of the first and of the last 20 steps, for a manifest."""
+    return {"loss_first": round(sum(losses[:20]) / max(1, len(losses[:20])), 4),
+            "loss_last": round(sum(losses[-20:]) / max(1, len(losses[-20:])), 4)}

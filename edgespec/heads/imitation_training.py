@@ -17,7 +17,6 @@ head, as ``layers:L`` drafts) and through the network.
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -27,7 +26,8 @@ import torch
 import torch.nn.functional as F
 
 from ..config import ConfigError
-from .checkpoint import load_checkpoint, save_checkpoint
+from .checkpoint import (load_checkpoint, loss_summary, progress_line, save_checkpoint,
+                         set_learning_rate)
 from .dataset import Sequences, load_sequences
 from .exit_states import load_exit_states
 from .imitation import ImitationConfig, ImitationManifest, ImitationNet, save_imitation
@@ -161,9 +161,7 @@ def train_imitation(target: TargetTensors, n_layers: int, data_dir: Path, out_di
             _save(ckpt, net, opt, rng, step, spent + time.monotonic() - t0, losses, s,
                   info.command)
             return None
-        lr = s.lr * 0.5 * (1 + math.cos(math.pi * step / s.steps))
-        for group in opt.param_groups:
-            group["lr"] = lr * min(1.0, (step + 1) / 100)  # warm up over 100 steps
+        set_learning_rate(opt, s.lr, step, s.steps, warmup=100)
         idx = torch.randint(len(train), (s.batch,), generator=rng)
         with torch.autocast("cpu", dtype=torch.bfloat16,
                             enabled=target.embed.device.type == "cpu"):
@@ -176,11 +174,8 @@ def train_imitation(target: TargetTensors, n_layers: int, data_dir: Path, out_di
         step += 1
         now = time.monotonic()
         if now - last_say >= 30 or step == s.steps:
-            rate = (step - first) / max(1e-9, now - t0)
-            recent = sum(losses[-50:]) / len(losses[-50:])
-            say(f"train imitation (layer {s.exit_layer}): step {step}/{s.steps}, loss "
-                f"{recent:.3f}, {rate:.1f} steps/s, "
-                f"ETA {(s.steps - step) / max(rate, 1e-9) / 60:.1f} min")
+            say(f"train imitation (layer {s.exit_layer}): "
+                f"{progress_line(step, s.steps, first, now - t0, losses)}")
             last_say = now
         if now - last_save >= 60:
             _save(ckpt, net, opt, rng, step, spent + now - t0, losses, s, info.command)
@@ -195,8 +190,7 @@ def train_imitation(target: TargetTensors, n_layers: int, data_dir: Path, out_di
         command=command,
         training={"steps": s.steps, "seconds": round(spent, 1), "seed": s.seed,
                   "batch": s.batch, "lr": s.lr, "parameters": net.parameter_count(),
-                  "loss_first": round(sum(losses[:20]) / max(1, len(losses[:20])), 4),
-                  "loss_last": round(sum(losses[-20:]) / max(1, len(losses[-20:])), 4)},
+                  **loss_summary(losses)},
         validation=accuracy)
     save_imitation(out_dir, net, manifest)
     ckpt.unlink(missing_ok=True)

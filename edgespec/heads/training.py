@@ -11,7 +11,6 @@ target's continuation (ctc).
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -20,7 +19,8 @@ from typing import Callable
 import torch
 
 from ..config import ConfigError
-from .checkpoint import load_checkpoint, save_checkpoint
+from .checkpoint import (load_checkpoint, loss_summary, progress_line, save_checkpoint,
+                         set_learning_rate)
 from .dataset import Sequences, load_sequences
 from .fingerprint import target_fingerprint
 from .losses import Batch, head_loss
@@ -163,18 +163,13 @@ def train_head(target: TargetTensors, data_dir: Path, out_dir: Path, s: TrainSet
             _save_checkpoint(ckpt, head, opt, g, step, spent + time.monotonic() - t0, losses,
                              s, info.command)
             return None
-        lr = s.lr * 0.5 * (1 + math.cos(math.pi * step / s.steps))
-        for group in opt.param_groups:
-            group["lr"] = lr * min(1.0, (step + 1) / 50)  # warm up over 50 steps
+        set_learning_rate(opt, s.lr, step, s.steps, warmup=50)
         batch = sample_batch(train, s, g)
         losses.append(optimizer_step(head, opt, batch))
         step += 1
         now = time.monotonic()
         if now - last_say >= 15 or step == s.steps:
-            rate = (step - first) / max(1e-9, now - t0)
-            recent = sum(losses[-50:]) / len(losses[-50:])
-            say(f"train {s.kind}: step {step}/{s.steps}, loss {recent:.3f}, "
-                f"{rate:.1f} steps/s, ETA {(s.steps - step) / max(rate, 1e-9) / 60:.1f} min")
+            say(f"train {s.kind}: {progress_line(step, s.steps, first, now - t0, losses)}")
             last_say = now
         if now - last_save >= 60:
             _save_checkpoint(ckpt, head, opt, g, step, spent + now - t0, losses, s,
@@ -190,9 +185,7 @@ def train_head(target: TargetTensors, data_dir: Path, out_dir: Path, s: TrainSet
               "vocab_coverage": round(coverage, 4), **(data_note or {})},
         command=command,
         training={"steps": s.steps, "seconds": round(spent, 1), "seed": s.seed,
-                  "batch": s.batch, "span": s.span, "lr": s.lr,
-                  "loss_first": round(sum(losses[:20]) / max(1, len(losses[:20])), 4),
-                  "loss_last": round(sum(losses[-20:]) / max(1, len(losses[-20:])), 4)},
+                  "batch": s.batch, "span": s.span, "lr": s.lr, **loss_summary(losses)},
         validation=acceptance)
     save_head(out_dir, head, manifest)
     ckpt.unlink(missing_ok=True)
