@@ -94,15 +94,22 @@ class TailKeys:
 
 def invariant_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                         visible: torch.Tensor, col_tile: int = COL_TILE,
-                        tail: TailKeys | None = None) -> torch.Tensor:
+                        tail: TailKeys | None = None,
+                        products: torch.dtype | None = None) -> torch.Tensor:
     """Attention of grouped queries over a slot's keys, batch-invariantly.
 
     q: [B, kvh, g, T, hd] (already scaled and rotated; query head kv * g + j is [:, kv, j]);
     keys: [B, kvh, n, hd]; values: [B, kvh, n, hd + 1], the last column all ones;
     visible: [B, T, n] bool (query t of row b may see key j); n a multiple of KEY_BLOCK;
-    ``tail``: the queries that read their last blocks in decoding order (tree branch nodes).
+    ``tail``: the queries that read their last blocks in decoding order (tree branch nodes);
+    ``products``: the dtype the two products run in (None: q's; float32 where bfloat16 is
+    emulated, ``cpu_kind``: a product of bfloat16 inputs is exact in float32, so only the
+    summation order is the kernel's, and MKL's float32 one is fixed).
     Returns [B, T, kvh * g * hd] in q's dtype.
     """
+    out_dtype = q.dtype
+    if products is not None and products != q.dtype:
+        q, keys, values = q.to(products), keys.to(products), values.to(products)
     B, kvh, g, T, hd = q.shape
     n = keys.shape[2]
     nb = n // KEY_BLOCK
@@ -131,7 +138,7 @@ def invariant_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     # in block order, one running sum (cumsum; on CPU it accumulates in float64): sum() would
     # pick its association by the shape
     total = part.float().cumsum(dim=2)[:, :, -1]  # [B, kvh, hd + 1, cols]
-    out = (total[:, :, :hd, :m] / total[:, :, hd:, :m]).to(q.dtype)  # [B, kvh, hd, g*T]
+    out = (total[:, :, :hd, :m] / total[:, :, hd:, :m]).to(out_dtype)  # [B, kvh, hd, g*T]
     return out.view(B, kvh, hd, g, T).permute(0, 4, 1, 3, 2).reshape(B, T, kvh * g * hd)
 
 
@@ -184,7 +191,7 @@ def _place_tail(part: torch.Tensor, values: torch.Tensor, tail: TailKeys, t_prob
 
 def probe_invariance(dtype: torch.dtype, device: str | torch.device = "cpu",
                      col_tile: int = COL_TILE, kv_heads: int = 2, group: int = 3,
-                     head_dim: int = 64) -> bool:
+                     head_dim: int = 64, products: torch.dtype | None = None) -> bool:
     """Whether ``invariant_attention`` gives a query the same bits alone and inside a wider,
     longer call on this machine, in ``dtype``, for a model's head layout (kv heads, query heads
     per kv head, head size): milliseconds, run before a dtype is served as lossless."""
@@ -201,22 +208,24 @@ def probe_invariance(dtype: torch.dtype, device: str | torch.device = "cpu",
     pos = torch.arange(n_big, device=device)
     ctx = torch.tensor([70, 130, 200], device=device)  # row b's query t sits at ctx[b] + t
     visible = pos[None, None, :] <= (ctx[:, None] + torch.arange(7, device=device))[:, :, None]
-    wide = invariant_attention(q, keys, values, visible, col_tile)
+    def attend(*args):
+        return invariant_attention(*args, col_tile, products=products)
+
+    wide = attend(q, keys, values, visible)
     long_q = rand(1, kvh, grp, 150, hd)  # a prefill chunk: products of MAX_COLS columns
     long_vis = pos[None, None, :] <= (50 + torch.arange(150, device=device))[None, :, None]
-    long_out = invariant_attention(long_q, keys[:1], values[:1], long_vis, col_tile)
-    for t in (0, 99, 149):
+    long_out = attend(long_q, keys[:1], values[:1], long_vis)
+    for t in range(150):  # each query alone: its key blocks and columns differ
         n = padded_keys(51 + t, n_big)
-        alone = invariant_attention(long_q[:, :, :, t:t + 1], keys[:1, :, :n], values[:1, :, :n],
-                                    long_vis[:, t:t + 1, :n], col_tile)
+        alone = attend(long_q[:, :, :, t:t + 1], keys[:1, :, :n], values[:1, :, :n],
+                       long_vis[:, t:t + 1, :n])
         if not torch.equal(alone[0, 0], long_out[0, t]):
             return False
     for b in range(3):
         for t in (0, 3, 6):
             n = padded_keys(int(ctx[b]) + t + 1, n_big)
-            alone = invariant_attention(q[b:b + 1, :, :, t:t + 1], keys[b:b + 1, :, :n],
-                                        values[b:b + 1, :, :n], visible[b:b + 1, t:t + 1, :n],
-                                        col_tile)
+            alone = attend(q[b:b + 1, :, :, t:t + 1], keys[b:b + 1, :, :n],
+                           values[b:b + 1, :, :n], visible[b:b + 1, t:t + 1, :n])
             if not torch.equal(alone[0, 0], wide[b, t]):
                 return False
     return True

@@ -1,22 +1,28 @@
-"""Which dtypes this machine serves exactly, decided by probes at start, not by CPU flags.
+"""Which dtypes this machine serves exactly, decided by probes at start, not by CPU flags, at
+the thread count that will serve (torch's kernels split their work by it).
 
 A dtype is served as lossless only if the runner's kernels are batch-invariant in it here: the
 attention (``edgespec.runner.attention.probe_invariance``, for a query-column tile of 16, else
-32, 64 or 128) and the packed linear layers (every row alone, in pairs and among 64 rows gives
-the same bits, and the product is right: within bfloat16 rounding of a float32 reference).
-``auto`` takes bfloat16 where both hold (on this CPU: AMX through oneDNN, about 1.5x float32's
-forward), else float32. CPU flags are not trusted: the machine this was built on advertises AMX,
-and llama.cpp's AMX path faults on it, while oneDNN's runs.
+32, 64 or 128, with its products in the dtype itself or, where oneDNN emulates bfloat16, in
+float32: ``cpu_kind``) and the packed linear layers (every row alone, in pairs and among 64 rows
+gives the same bits, and the product is right: within bfloat16 rounding of a float32 reference).
+``auto`` measures: among the dtypes that pass, the one whose linear layer is faster here (on an
+AMX CPU bfloat16, about 1.5x float32's forward; on Cascade Lake, where oneDNN emulates bfloat16,
+float32). CPU flags are not trusted: the machine this was built on advertises AMX, and
+llama.cpp's AMX path faults on it, while oneDNN's runs.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import time
+from dataclasses import dataclass
 
 import torch
 
 from ..config import DTYPE_NAMES, ConfigError
+from .cpu_kind import cpu_kind
 
 log = logging.getLogger("edgespec.dtype")
 
@@ -25,28 +31,63 @@ DTYPE_CHOICES = ("auto", *DTYPE_NAMES)
 COL_TILES = (16, 32, 64, 128)
 
 
+@dataclass(frozen=True)
+class AttentionKernel:
+    """How the runner's attention runs batch-invariantly here: its query-column tile and the
+    dtype of its two products (None: the model's own)."""
+
+    col_tile: int
+    products: torch.dtype | None = None
+
+
+def attention_kernel(dtype: torch.dtype, device: str = "cpu", kv_heads: int = 2,
+                     group: int = 3, head_dim: int = 64) -> AttentionKernel | None:
+    """The attention kernel that is batch-invariant here, at torch's thread count now, for this
+    head layout, or None."""
+    return _attention_kernel(dtype, device, kv_heads, group, head_dim, torch.get_num_threads())
+
+
 @functools.lru_cache(maxsize=None)
-def attention_tile(dtype: torch.dtype, device: str = "cpu", kv_heads: int = 2, group: int = 3,
-                   head_dim: int = 64) -> int | None:
-    """The smallest query-column tile at which attention is batch-invariant here for this head
-    layout, or None."""
+def _attention_kernel(dtype: torch.dtype, device: str, kv_heads: int, group: int,
+                      head_dim: int, threads: int) -> AttentionKernel | None:
     from .attention import probe_invariance
 
-    for tile in COL_TILES:
-        try:
-            if probe_invariance(dtype, device, tile, kv_heads, group, head_dim):
-                return tile
-        except RuntimeError as exc:  # a kernel this machine lacks for the dtype
-            log.info("attention probe in %s on %s failed: %s", dtype, device, exc)
-            return None
+    products: list[torch.dtype | None] = [None]
+    if device == "cpu" and dtype == torch.bfloat16 and not cpu_kind().bf16_native:
+        # oneDNN's emulated bfloat16 gemm splits small batched products by the thread count:
+        # seen to change a column's bits at 8 threads that no random probe caught
+        log.info("bfloat16 is emulated on this CPU: the attention's products run in float32")
+        products = [torch.float32]
+    elif dtype != torch.float32:
+        products.append(torch.float32)
+    for prod in products:
+        for tile in COL_TILES:
+            try:
+                if probe_invariance(dtype, device, tile, kv_heads, group, head_dim, prod):
+                    return AttentionKernel(tile, prod)
+            except RuntimeError as exc:  # a kernel this machine lacks for the dtype
+                log.info("attention probe in %s on %s failed: %s", dtype, device, exc)
+                return None
     return None
 
 
-@functools.lru_cache(maxsize=None)
+def attention_tile(dtype: torch.dtype, device: str = "cpu", kv_heads: int = 2, group: int = 3,
+                   head_dim: int = 64) -> int | None:
+    """The query-column tile of ``attention_kernel``, or None."""
+    kernel = attention_kernel(dtype, device, kv_heads, group, head_dim)
+    return None if kernel is None else kernel.col_tile
+
+
 def packed_linear_exact(dtype: torch.dtype, device: str = "cpu") -> bool:
     """Whether the runner's linear layer in ``dtype`` computes the right product and gives every
     row the same bits alone and among 64 rows, for the default model's widest reduction (its
-    down projection, 1536 -> 576: a lone row once took another path there)."""
+    down projection, 1536 -> 576: a lone row once took another path there), at torch's thread
+    count now."""
+    return _packed_linear_exact(dtype, device, torch.get_num_threads())
+
+
+@functools.lru_cache(maxsize=None)
+def _packed_linear_exact(dtype: torch.dtype, device: str, threads: int) -> bool:
     from .linear import Linear
 
     g = torch.Generator().manual_seed(1)
@@ -78,15 +119,16 @@ def probe_row_counts(device: str, max_rows: int) -> list[int]:
     the paddings of a tile: every count up to two tiles (each padding of a first and of a second
     tile), and ``max_rows`` (above two tiles a call only repeats the same tile calls). On CPU,
     where oneDNN chooses its blocking by powers of two and a lone row once took its own path:
-    1, 2, 3 and each power of two and its neighbours up to 64 (well under a second for the
+    1, 2, 3 and each power of two and its neighbours up to 128, past a prefill chunk's 64 rows
+    into the sizes where a threaded gemm splits its rows another way (about a second for the
     default model: the packed kernel was measured invariant from 2 to 512 rows)."""
     from .linear import TILE_ROWS
 
     if device.startswith("cuda"):
         counts = set(range(1, 2 * TILE_ROWS + 1))
     else:
-        max_rows = min(max_rows, 64)
-        counts = {1, 2, 3} | {p + d for p in (4, 8, 16, 32, 64) for d in (-1, 0, 1)}
+        max_rows = min(max_rows, 129)
+        counts = {1, 2, 3} | {p + d for p in (4, 8, 16, 32, 64, 128) for d in (-1, 0, 1)}
     return sorted(c for c in counts | {max_rows} if 1 <= c <= max_rows)
 
 
@@ -114,17 +156,84 @@ def exact_here(name: str, device: str = "cpu") -> bool:
     return packed_linear_exact(dtype, device) and attention_tile(dtype, device) is not None
 
 
+def linear_cost_ms(dtype: torch.dtype, device: str = "cpu", rows: int = 8,
+                   repeats: int = 21) -> float:
+    """Median milliseconds of the runner's linear layer over ``rows`` rows (a verification
+    step's) at the default model's MLP width (576 -> 3072, its gate and up projections: the
+    shape most of a forward's time goes through), at torch's thread count now."""
+    from .linear import Linear
+
+    g = torch.Generator().manual_seed(3)
+    w = (torch.randn(3072, 576, generator=g) * 0.05).to(device=device, dtype=dtype)
+    x = (torch.randn(rows, 576, generator=g)).to(device=device, dtype=dtype)
+    lin = Linear(w)
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    times = []
+    for i in range(repeats + 3):
+        sync()
+        t0 = time.perf_counter()
+        lin(x)
+        sync()
+        if i >= 3:  # the first calls pack and warm caches
+            times.append((time.perf_counter() - t0) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+@dataclass(frozen=True)
+class DtypeChoice:
+    """What ``auto`` chose and why: the exact candidates' measured linear cost (ms)."""
+
+    dtype: str
+    cost_ms: dict[str, float]
+    refused: tuple[str, ...]  # candidates whose probe failed here
+
+    def reason(self) -> str:
+        costs = ", ".join(f"{d} {ms:.3f} ms" for d, ms in self.cost_ms.items())
+        why = (f"exact here and measured faster (a 576->3072 linear over 8 rows: {costs}; "
+               f"bfloat16 only if under {BF16_MARGIN:.0%} of float32's)"
+               if len(self.cost_ms) > 1 else "the only exact candidate")
+        refused = f"; not batch-invariant here: {', '.join(self.refused)}" if self.refused else ""
+        return f"{self.dtype}: {why}{refused}"
+
+
+AUTO_CANDIDATES = ("bfloat16", "float32")
+# bfloat16 must cost under this share of float32's to be chosen: near a tie the choice would
+# depend on the moment's load, and float32 is then as fast and simpler to trust
+BF16_MARGIN = 0.9
+
+
+def choose_auto(device: str = "cpu") -> DtypeChoice:
+    """Among the exact candidates, the one whose linear layer is faster here, measured."""
+    exact = [d for d in AUTO_CANDIDATES if exact_here(d, device)]
+    refused = tuple(d for d in AUTO_CANDIDATES if d not in exact)
+    if not exact:
+        raise ConfigError(f"no dtype is batch-invariant on this {device}: neither "
+                          f"{' nor '.join(AUTO_CANDIDATES)} passed its probe")
+    costs = {d: linear_cost_ms(DTYPES[d], device) for d in exact} if len(exact) > 1 else {
+        exact[0]: float("nan")}
+    best = exact[0]
+    if len(exact) > 1:
+        best = "bfloat16" if costs["bfloat16"] < BF16_MARGIN * costs["float32"] else "float32"
+    return DtypeChoice(best, costs, refused)
+
+
 def resolve_dtype(name: str, device: str = "cpu") -> str:
-    """The dtype to serve for ``name`` ("auto" or one of DTYPES) on ``device``; ConfigError for
-    a dtype this machine cannot serve exactly (lossless decoding is never served inexactly)."""
+    """The dtype to serve for ``name`` ("auto" or one of DTYPES) on ``device``, at torch's
+    thread count now (set it first: the probes run at it); ConfigError for a dtype this machine
+    cannot serve exactly (lossless decoding is never served inexactly)."""
     if name not in DTYPE_CHOICES:
         raise ConfigError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {name!r}")
+    threads = torch.get_num_threads()
     if name == "auto":
-        chosen = "bfloat16" if exact_here("bfloat16", device) else "float32"
-        log.info("dtype auto: %s on %s", chosen, device)
-        name = chosen
+        choice = choose_auto(device)
+        where = cpu_kind().describe() if device == "cpu" else device
+        log.info("dtype auto: %s on %s at %d threads (%s)", choice.dtype, device, threads,
+                 choice.reason())
+        log.info("this CPU: %s", where)
+        return choice.dtype
     if not exact_here(name, device):
         raise ConfigError(
-            f"dtype {name} is not batch-invariant on this {device} (its probe failed), so "
-            f"speculative decoding in it would not be lossless; use --dtype auto or float32")
+            f"dtype {name} is not batch-invariant on this {device} at {threads} threads (its "
+            f"probe failed), so speculative decoding in it would not be lossless; use --dtype "
+            f"auto or float32")
     return name

@@ -25,7 +25,8 @@ import torch.nn.functional as F
 from .attention import (COL_TILE, KEY_BLOCK, TailKeys, invariant_attention, padded_keys,
                         pointwise)
 from ..config import MAX_TREE_NODES, ConfigError
-from .dtype_probe import attention_tile, first_varying_count, probe_input, probe_row_counts
+from .dtype_probe import (AttentionKernel, attention_kernel, first_varying_count, probe_input,
+                          probe_row_counts)
 from .kv_cache import KVCache, contiguous_start
 from .step_graphs import StepGraphs
 from .step_rows import DraftShape, Scored, StepRows, TreeShape
@@ -119,9 +120,10 @@ class TargetRunner:
             self._row_sum = Linear(ones, pack=False, tiled=True)
         # exact: the target (verification must be batch-invariant); a drafter's runner need
         # not be (a draft may be anything), so it is neither checked nor refused
-        tile = attention_tile(self.dtype, str(self.device), self.kv_heads,
-                              self.n_heads // self.kv_heads, self.head_dim) if exact else None
-        self.col_tile = tile or COL_TILE
+        kernel = attention_kernel(self.dtype, str(self.device), self.kv_heads,
+                                  self.n_heads // self.kv_heads, self.head_dim) if exact else None
+        self.col_tile = kernel.col_tile if kernel else COL_TILE
+        self.attention_products = kernel.products if kernel else None
         # with graphs, one more slot: the bucket rows past a step's sessions write there
         self.cache = KVCache(self.n_layers, n_slots + int(graphs), max_len, self.kv_heads,
                              self.head_dim, dtype=self.dtype, device=self.device,
@@ -130,9 +132,9 @@ class TargetRunner:
                                  capture=self.device.type == "cuda") if graphs else None
         self.max_rows = max_rows or max(PREFILL_CHUNK, n_slots * MAX_QUERY)
         if exact:
-            self._check_invariance(tile)
+            self._check_invariance(kernel)
 
-    def _check_invariance(self, tile: int | None) -> None:
+    def _check_invariance(self, kernel: AttentionKernel | None) -> None:
         """Refuse (ConfigError) to serve a model whose kernels are not batch-invariant here in
         its dtype, naming the part and the row count that failed: the attention probe at this
         model's head layout, every distinct linear shape of the model (its own weights) and the
@@ -142,7 +144,7 @@ class TargetRunner:
         dtype = str(self.dtype).removeprefix("torch.")
         refuse = (f"so speculative decoding in {dtype} on {self.device} would not be lossless: "
                   "use --dtype auto (or float32 where it is served)")
-        if tile is None:
+        if kernel is None:
             raise ConfigError(f"attention with {self.kv_heads} kv heads x "
                               f"{self.n_heads // self.kv_heads} x {self.head_dim} is not "
                               f"batch-invariant here (its probe failed), {refuse}")
@@ -438,7 +440,8 @@ class TargetRunner:
             self.cache.write(li, slot_t, store, k.transpose(1, 2), v.view(B, T, kvh, hd))
             keys, values = self.cache.read(li, slot_t, run_from, n_pos)
             att = invariant_attention((q * self.scale).view(B, kvh, grp, T, hd), keys, values,
-                                      visible, self.col_tile, tail)  # [B, T, nh * hd]
+                                      visible, self.col_tile, tail,
+                                      self.attention_products)  # [B, T, nh * hd]
             x = x + layer.o(att)
             gate, up = layer.gate_up(self._rms(x, layer.ln2)).chunk(2, dim=-1)
             x = x + layer.down(pointwise(F.silu, gate) * up)
