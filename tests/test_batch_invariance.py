@@ -13,6 +13,7 @@ fails this sweep (checked when each fix went in); the start probes are shown to 
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -37,6 +38,11 @@ NO_CUDA = pytest.mark.skipif(not torch.cuda.is_available(),
 CASES = [pytest.param("cpu", "float32", id="cpu-float32"),
          pytest.param("cpu", "bfloat16", id="cpu-bfloat16", marks=pytest.mark.skipif(
              not exact_here("bfloat16"), reason="this CPU does not serve bfloat16 (refused)")),
+         # the kernels a CPU that emulates bfloat16 gets (float32 attention products), on any
+         # CPU whose linears serve bfloat16
+         pytest.param("cpu", "bfloat16-emulated", id="cpu-bfloat16-emulated",
+                      marks=pytest.mark.skipif(not exact_here("bfloat16"),
+                                               reason="this CPU does not serve bfloat16")),
          pytest.param("cuda", "float32", id="cuda-float32", marks=NO_CUDA),
          pytest.param("cuda", "bfloat16", id="cuda-bfloat16", marks=NO_CUDA)]
 
@@ -62,12 +68,33 @@ def _runner(model, dtype: str, device: str, slots: int = 16) -> TargetRunner | N
     by its mark)."""
     import copy
 
+    if dtype == "bfloat16-emulated":
+        return _emulated_bf16_runner(model, slots)
     m = copy.deepcopy(model).to(device=device, dtype=getattr(torch, dtype))
     if device == "cuda" and not exact_here(dtype, "cuda"):
         with pytest.raises(ConfigError, match="not batch-invariant"):
             TargetRunner(m, n_slots=slots, max_len=300)
         return None
     return TargetRunner(m, n_slots=slots, max_len=300)  # not a whole number of key blocks
+
+
+def _emulated_bf16_runner(model, slots: int) -> TargetRunner:
+    """A bfloat16 runner with the kernels chosen where oneDNN emulates bfloat16."""
+    import copy
+
+    from edgespec.runner import dtype_probe
+    from edgespec.runner.cpu_kind import cpu_kind
+
+    emulated = dataclasses.replace(cpu_kind(), flags=("avx2", "avx512f", "avx512_vnni"))
+    assert not emulated.bf16_native
+    m = copy.deepcopy(model).to(dtype=torch.bfloat16)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(dtype_probe, "cpu_kind", lambda: emulated)
+        dtype_probe._attention_kernel.cache_clear()
+        runner = TargetRunner(m, n_slots=slots, max_len=300)
+    dtype_probe._attention_kernel.cache_clear()
+    assert runner.attention_products == torch.float32
+    return runner
 
 
 def _one_at_a_time(runner: TargetRunner, prompt: list[int], cont: list[int]) -> torch.Tensor:
@@ -88,7 +115,7 @@ def _session(rng: random.Random, max_prompt: int = 150) -> tuple[list[int], list
     return prompt, [rng.randrange(VOCAB) for _ in range(rng.randint(1, 9))]
 
 
-@pytest.fixture(params=[2, 5, 8], ids=lambda n: f"{n}threads")
+@pytest.fixture(params=[1, 2, 5, 8], ids=lambda n: f"{n}threads")
 def threads(request):
     """torch's thread count: it decides where each thread's share of a pointwise op ends (5
     threads once left silu's last elements of a share to scalar code)."""
@@ -295,3 +322,73 @@ def test_the_cuda_norm_path_is_row_invariant_and_agrees_with_the_mean(hd64_model
     assert first_varying_count(lambda t: runner._rms(t, runner.norm), x,
                                list(range(1, 300))) is None
     torch.testing.assert_close(runner._rms(x, runner.norm), plain)
+
+
+def test_the_probes_run_at_the_thread_count_in_force(monkeypatch):
+    """A kernel that is invariant at 2 threads and not at 8 is refused at 8: the probes' results
+    are kept per thread count (the start check once ran at one count and served another)."""
+    import edgespec.runner.attention as attention
+    from edgespec.runner import dtype_probe
+
+    real = attention.probe_invariance
+    monkeypatch.setattr(attention, "probe_invariance",
+                        lambda *a, **k: torch.get_num_threads() != 8 and real(*a, **k))
+    dtype_probe._attention_kernel.cache_clear()
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert exact_here("float32")
+        torch.set_num_threads(8)
+        assert not exact_here("float32")
+        with pytest.raises(ConfigError, match="not batch-invariant on this cpu at 8 threads"):
+            dtype_probe.resolve_dtype("float32")
+    finally:
+        torch.set_num_threads(before)
+        dtype_probe._attention_kernel.cache_clear()
+
+
+def test_emulated_bfloat16_gets_float32_attention_products(monkeypatch):
+    """Where bfloat16 is emulated (no AVX-512 BF16 nor AMX, or oneDNN capped below them) the
+    attention kernel runs its products in float32; natively it keeps bfloat16's."""
+    from edgespec.runner import dtype_probe
+    from edgespec.runner.cpu_kind import cpu_kind
+
+    kind = cpu_kind()
+    for flags, cap, native in ((("avx512f", "avx512_vnni"), "", False),
+                               (("avx512f", "avx512_bf16"), "", True),
+                               (("avx512f", "avx512_bf16", "amx_bf16"), "AVX512_CORE_VNNI", False),
+                               (("avx512f", "amx_bf16"), "AVX512_CORE_AMX", True)):
+        fake = dataclasses.replace(kind, flags=flags, onednn_cap=cap)
+        assert fake.bf16_native is native
+        assert ("bfloat16 native" if native else "bfloat16 emulated") in fake.describe()
+        monkeypatch.setattr(dtype_probe, "cpu_kind", lambda fake=fake: fake)
+        dtype_probe._attention_kernel.cache_clear()
+        kernel = dtype_probe.attention_kernel(torch.bfloat16, "cpu", 3, 3, 64)
+        if kernel is not None and not native:  # None: this oneDNN has no bfloat16 at all
+            assert kernel.products == torch.float32
+        elif kernel is not None:  # native: its own products first, float32 if they fail
+            assert kernel.products in (None, torch.float32)
+    dtype_probe._attention_kernel.cache_clear()
+
+
+def test_auto_takes_the_measured_faster_exact_dtype(monkeypatch, caplog):
+    """``auto`` serves bfloat16 only where it is exact and measured faster than float32 (by the
+    margin), says what it measured, and float32 where bfloat16 is refused."""
+    import logging
+
+    from edgespec.runner import dtype_probe
+
+    if not exact_here("bfloat16"):
+        assert dtype_probe.resolve_dtype("auto") == "float32"
+        return
+    for bf16_ms, chosen in ((0.05, "bfloat16"), (0.2, "float32"), (0.099, "float32")):
+        monkeypatch.setattr(dtype_probe, "linear_cost_ms",
+                            lambda dt, device="cpu", b=bf16_ms: b if dt == torch.bfloat16 else 0.1)
+        with caplog.at_level(logging.INFO, logger="edgespec.dtype"):
+            caplog.clear()
+            assert dtype_probe.resolve_dtype("auto") == chosen
+        assert f"dtype auto: {chosen}" in caplog.text and f"bfloat16 {bf16_ms:.3f} ms" in caplog.text
+        assert "this CPU: " in caplog.text
+    monkeypatch.setattr(dtype_probe, "exact_here", lambda name, device="cpu": name == "float32")
+    assert dtype_probe.resolve_dtype("auto") == "float32"
+    assert dtype_probe.choose_auto().refused == ("bfloat16",)

@@ -232,8 +232,11 @@ def resolve_dtype(name: str, device: str = "cpu") -> str:
         log.info("this CPU: %s", where)
         return choice.dtype
     if not exact_here(name, device):
+        kind = cpu_kind() if device == "cpu" else None
+        emulated = (f" (bfloat16 is emulated here: {kind.describe()})"
+                    if kind and name == "bfloat16" and not kind.bf16_native else "")
         raise ConfigError(
             f"dtype {name} is not batch-invariant on this {device} at {threads} threads (its "
-            f"probe failed), so speculative decoding in it would not be lossless; use --dtype "
-            f"auto or float32")
+            f"probe failed){emulated}, so speculative decoding in it would not be lossless; "
+            f"use --dtype auto or float32")
     return name
