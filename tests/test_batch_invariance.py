@@ -387,7 +387,8 @@ def test_auto_takes_the_measured_faster_exact_dtype(monkeypatch, caplog):
         with caplog.at_level(logging.INFO, logger="edgespec.dtype"):
             caplog.clear()
             assert dtype_probe.resolve_dtype("auto") == chosen
-        assert f"dtype auto: {chosen}" in caplog.text and f"bfloat16 {bf16_ms:.3f} ms" in caplog.text
+        assert f"dtype auto: {chosen}" in caplog.text
+        assert f"bfloat16 {bf16_ms:.3f} ms" in caplog.text
         assert "this CPU: " in caplog.text
     monkeypatch.setattr(dtype_probe, "exact_here", lambda name, device="cpu": name == "float32")
     assert dtype_probe.resolve_dtype("auto") == "float32"

@@ -129,6 +129,7 @@ def test_bench_writes_summary_json(tiny_dir, tmp_path):
     from edgespec.runner.dtype_probe import exact_here
 
     assert exact_here(report["config"]["dtype"])
+    assert report["config"]["cpu"]["model"] and "machine: " in r.stdout
     if report["config"]["dtype"] != "float32":  # float32 target-only runs beside it
         assert "target_only_float32" in {r["method"] for r in results}
         assert summary["speedup_vs_target_only_float32"] == round(
@@ -166,6 +167,9 @@ def test_bench_forward_prints_a_table_and_writes_json(tiny_dir, tmp_path):
     prof = report["profile"]["ms"]["float32"]
     assert prof["total"] > 0 and set(prof) == {"linear", "attention", "head", "other", "total"}
     assert "x decode step" in r.stdout and report["threads"] == 1
+    # which CPU the figures came from: model, ISA flags, caps, threads
+    assert report["cpu"]["threads"] == 1 and report["cpu"]["model"]
+    assert isinstance(report["cpu"]["bf16_native"], bool) and "machine: " in r.stdout
     bad = run_cli("bench-forward", "--model", tiny_dir, "--batches", "0")
     assert bad.returncode == 2 and "--batches" in bad.stderr
 

@@ -60,7 +60,7 @@ def _cpuinfo() -> tuple[str, set[str]]:
             text = f.read(200_000)
     except OSError:
         return platform.processor() or platform.machine(), set()
-    model, flags = "", set()
+    model, flags = "", set[str]()
     for line in text.splitlines():
         key, _, value = line.partition(":")
         key = key.strip()

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from edgespec.config import ConfigError, SamplingParams
+from edgespec.runner.cpu_kind import cpu_kind
 from edgespec.wire.convert import free_port
 from .run import add_question_args, load_questions
 
@@ -124,8 +125,10 @@ def run_bench_net(args) -> int:
                 p.wait(timeout=30)
     report = _summarize(rows)
     report["config"] = {"model": args.model, "drafter": args.drafter,
-                        "max_new_tokens": args.max_new_tokens, "questions": len(rows)}
+                        "max_new_tokens": args.max_new_tokens, "questions": len(rows),
+                        "cpu": cpu_kind().as_json()}
     report["results"] = rows
+    print(f"machine: {cpu_kind().describe()}")
     _print(report)
     Path(args.json_out).write_text(json.dumps(report, indent=1))
     print(f"wrote {args.json_out}", file=sys.stderr)

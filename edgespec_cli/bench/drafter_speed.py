@@ -18,6 +18,7 @@ from pathlib import Path
 
 from edgespec.config import ConfigError, SamplingParams
 from edgespec.engine.stack_choice import accepted_prefix
+from edgespec.runner.cpu_kind import cpu_kind
 
 from .run import add_question_args, load_questions
 
@@ -141,7 +142,9 @@ def run_bench_drafters(args) -> int:
     report = bench_drafters(specs, target, prompts, args.draft_tokens, args.repeat, args.model)
     report["config"] = {"model": target.name, "device": args.device, "dtype": args.dtype,
                         "threads": torch.get_num_threads(), "draft_tokens": args.draft_tokens,
-                        "repeat": args.repeat, "questions": [q["id"] for q in questions]}
+                        "repeat": args.repeat, "questions": [q["id"] for q in questions],
+                        "cpu": cpu_kind().as_json()}
+    print(f"machine: {cpu_kind().describe()}")
     print_drafter_table(report)
     out = Path(args.json_out)
     out.parent.mkdir(parents=True, exist_ok=True)

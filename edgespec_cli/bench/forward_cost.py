@@ -144,6 +144,7 @@ def profile_forward(runner, B: int, T: int, repeat: int) -> dict[str, float]:
 
 def run_bench_forward(args) -> int:
     from edgespec_cli.cli_args import positive_ints, set_threads
+    from edgespec.runner.cpu_kind import cpu_kind
     from edgespec.runner.dtype_probe import DTYPES, exact_here, resolve_dtype
     from edgespec.models.loading import load_model
     from edgespec.models.shapes import random_model, shape_named
@@ -191,10 +192,12 @@ def run_bench_forward(args) -> int:
         c["vs_float32"] = c["ms"] / ref if ref else None
     report = {"model": f"random {args.shape}" if args.shape else args.model,
               "device": _device_name(args.device), "threads": threads, "context": args.context,
+              "cpu": cpu_kind().as_json(),
               "repeat": args.repeat, "cells": cells,
               "profile": {"sessions": profile[0], "tokens": profile[1], "ms": profiles}
               if profile else None,
               "command": "edgespec " + " ".join(sys.argv[1:])}
+    print(f"machine: {cpu_kind().describe()}")
     print(format_table(report))
     out = Path(args.json_out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -102,6 +102,7 @@ def run_bench(args) -> int:
     """Every method on every selected question: a table per category and the JSON report."""
     from dataclasses import replace
 
+    from edgespec.runner.cpu_kind import cpu_kind
     from edgespec_cli.cli_args import engine_config, set_threads
 
     questions = load_questions(args.categories, args.per_category, args.full)
@@ -130,7 +131,9 @@ def run_bench(args) -> int:
             report["fleet_warm"] = run_fleet_warm(runner.gen, questions, encoded, refs,
                                                   args.max_new_tokens, _log)
         report["config"] = _config(args, runner, plan, cfg, threads, len(questions))
+        report["config"]["cpu"] = cpu_kind().as_json()
         report["results"] = records
+        print(f"machine: {cpu_kind().describe()}")
         print_tables(report, methods)
         out = Path(args.json_out)
         out.parent.mkdir(parents=True, exist_ok=True)
