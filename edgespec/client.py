@@ -51,7 +51,7 @@ from .wire.reachability import ConnectWatch, unreachable_reason_aio
 from .v1 import edgespec_pb2 as pb
 from .v1 import edgespec_pb2_grpc as pb_grpc
 from .wire.convert import (REFUSAL_METADATA, auth_metadata, make_channel, params_to_pb,
-                           stats_from_pb, trailing_value)
+                           retry_after_s, stats_from_pb, trailing_value)
 
 
 class EdgespecError(Exception):
@@ -76,7 +76,12 @@ class PreconditionFailed(EdgespecError):
 
 
 class Overloaded(EdgespecError):
+    """Refused at once: the verifier is full, or would not finish the call within its deadline
+    at its measured pace. ``retry_after_s``: when the server suggests trying again (None: not
+    said)."""
+
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    retry_after_s: float | None = None
 
 
 class Unauthenticated(EdgespecError):
@@ -101,7 +106,10 @@ _BY_CODE = {c.code: c for c in (InvalidRequest, NotFound, PreconditionFailed, Ov
 
 def _translate(e: grpc.RpcError) -> EdgespecError:
     cls = _BY_CODE.get(e.code(), EdgespecError)
-    return cls(f"{e.code().name}: {e.details()}", e.code())
+    err = cls(f"{e.code().name}: {e.details()}", e.code())
+    if isinstance(err, Overloaded):
+        err.retry_after_s = retry_after_s(e)
+    return err
 
 
 @dataclass

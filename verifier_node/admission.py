@@ -119,15 +119,18 @@ class Admission:
         except Exception as e:  # the chat template refused the conversation (roles, say)
             raise ConfigError(f"the prompt cannot be encoded: {str(e)[:200]}") from None
 
-    def admit(self, g: GenerationRequest) -> Ticket:
+    def admit(self, g: GenerationRequest, deadline_s: float | None = None) -> Ticket:
         """A queued (or running, or already finished) ticket. Raises ConfigError, SessionNotFound,
-        DrafterMissing, or the scheduler's QueueFull / ShuttingDown."""
-        ticket = self._resume_ticket(g) if g.resume_session_id else self._new_ticket(g)
+        DrafterMissing, or the scheduler's QueueFull (TooSlowForDeadline: a new session the
+        measured pace would not finish within ``deadline_s``) / ShuttingDown. A resumed session
+        is never refused for its deadline: it already counts."""
+        resumed = bool(g.resume_session_id)
+        ticket = self._resume_ticket(g) if resumed else self._new_ticket(g)
         if ticket.ended:
             return ticket
         got: Ticket | None = None  # stays None if the scheduler refuses it
         try:
-            got = self.scheduler.submit(ticket)
+            got = self.scheduler.submit(ticket, None if resumed else deadline_s)
             return got
         finally:
             if got is not ticket and ticket.release_pick is not None:  # refused, or running

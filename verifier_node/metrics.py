@@ -73,6 +73,10 @@ class VerifierMetrics:
         self.success = Counter("edgespec:request_success", "Finished requests",
                                ["finished_reason"], registry=r)
         self.failure = Counter("edgespec:request_failure", "Requests that failed", registry=r)
+        self.refused_pace = Counter(
+            "edgespec:request_refused_deadline",
+            "New calls refused at once because the measured pace and the work ahead would not "
+            "finish them within their deadline", registry=r)
         self.ttft = Histogram("edgespec:time_to_first_token_seconds", "Time to first token",
                               buckets=LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("edgespec:inter_token_latency_seconds",
@@ -210,6 +214,9 @@ class VerifierMetrics:
 
     def failed(self) -> None:
         self.failure.inc()
+
+    def refused_for_pace(self) -> None:
+        self.refused_pace.inc()
 
     # -- reads for the Status RPC ---------------------------------------------------------------
     def tokens_per_s_last_minute(self) -> float:

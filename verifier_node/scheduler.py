@@ -28,11 +28,23 @@ from edgespec.engine.spec_engine import Request, Result, SessionFailed, SpecEngi
 from edgespec.protocol.request_stats import Stats
 from edgespec.protocol.contract import StoreUnavailable
 
+from .pace import Pace, PaceVerdict
+
 log = logging.getLogger("edgespec.verifier")
 
 
 class QueueFull(Exception):
-    pass
+    """Refused for want of room or of time; ``retry_after_s``: when to try again (0: not said)."""
+
+    retry_after_s: float = 0.0
+
+
+class TooSlowForDeadline(QueueFull):
+    """The measured pace and the work ahead would not finish the call within its deadline."""
+
+    def __init__(self, verdict: PaceVerdict):
+        super().__init__(verdict.reason())
+        self.retry_after_s = verdict.retry_after_s
 
 
 class ShuttingDown(Exception):
@@ -121,6 +133,8 @@ class Scheduler(threading.Thread):
         self._wake = threading.Event()
         self.store_ok = True
         self.draining = False
+        self.pace = Pace()
+        self._step_tokens = 0  # committed during the step running now
 
     # -- called from handler threads ------------------------------------------------------------
     @property
@@ -132,9 +146,12 @@ class Scheduler(threading.Thread):
     def healthy(self) -> bool:
         return self.is_alive() and self.store_ok and not self._stopping.is_set()
 
-    def submit(self, ticket: Ticket) -> Ticket:
+    def submit(self, ticket: Ticket, deadline_s: float | None = None) -> Ticket:
         """Queue a ticket; if its session is already queued or running, the running ticket is
-        returned instead (a client resuming a stream that is still alive)."""
+        returned instead (a client resuming a stream that is still alive). ``deadline_s``: the
+        seconds the caller waits for a new session's whole output (None: no deadline); one that
+        the measured pace and the work ahead would not meet is refused (``TooSlowForDeadline``,
+        ``pace.py``)."""
         self.engine.validate(ticket.request)  # ConfigError before any queueing
         with self._lock:
             running = self._tickets.get(ticket.session_id)
@@ -147,10 +164,26 @@ class Scheduler(threading.Thread):
             if len(self._tickets) >= self.capacity:
                 raise QueueFull(f"{self.engine.cfg.max_sessions} sessions are running and "
                                  f"{self.max_queue} waiting")
+            if deadline_s is not None:
+                self._check_pace(ticket, deadline_s)
             self._pending.append(ticket)
             self._tickets[ticket.session_id] = ticket
         self._wake.set()
         return ticket
+
+    def _check_pace(self, ticket: Ticket, deadline_s: float) -> None:
+        """Raise TooSlowForDeadline when ``ticket`` would not finish in time (the lock held)."""
+        req = ticket.request
+        ahead = sum(max(0, t.request.max_new_tokens - len(t.tokens))
+                    for t in self._tickets.values())
+        prompts = len(req.prompt_ids) + len(req.committed) + sum(
+            len(t.request.prompt_ids) + len(t.request.committed) for t in self._pending)
+        verdict = self.pace.verdict(max(0, req.max_new_tokens - len(req.committed)), ahead,
+                                    prompts, deadline_s)
+        if not verdict.admit:
+            if self.metrics is not None:
+                self.metrics.refused_for_pace()
+            raise TooSlowForDeadline(verdict)
 
     def ticket(self, session_id: str) -> Ticket | None:
         with self._lock:
@@ -204,7 +237,10 @@ class Scheduler(threading.Thread):
                 self._apply_cancels()
                 self._admit()
                 if self.engine.active:
+                    sessions, self._step_tokens = len(self.engine.active), 0
+                    began = time.monotonic()
                     report = self.engine.step()
+                    self.pace.step(self._step_tokens, sessions, time.monotonic() - began)
                     if report is not None and self.metrics is not None:
                         self.metrics.step(report)
                 else:
@@ -253,6 +289,7 @@ class Scheduler(threading.Thread):
                     return
                 t = self._pending.popleft()
             t.request.on_tokens = lambda new, t=t: self._on_tokens(t, new)
+            began = time.monotonic()
             try:
                 act = self.engine.add(t.request, session_id=t.session_id, device=t.device)
             except (StoreUnavailable, OSError):
@@ -266,6 +303,8 @@ class Scheduler(threading.Thread):
                 self._end(t, error=exc)
                 continue
             self._release_pick(t)
+            self.pace.prefill(len(t.request.prompt_ids) + len(t.request.committed),
+                              time.monotonic() - began)
             if self.metrics is not None:
                 self.metrics.admitted(len(t.request.prompt_ids))
             act.on_finish = lambda res, t=t: self._end(t, result=res)
@@ -278,6 +317,7 @@ class Scheduler(threading.Thread):
             self.metrics.tokens(len(new), since_last, now - t.created)
         if new:
             t.last_token_at = now
+            self._step_tokens += len(new)
         t.publish(new)
 
     def _end(self, t: Ticket, result: Result | None = None,

@@ -28,7 +28,8 @@ from edgespec.protocol.ids import check_session_id
 from edgespec.models.text_stream import TextStream
 from edgespec.v1 import edgespec_pb2 as pb
 from edgespec.v1 import edgespec_pb2_grpc as pb_grpc
-from edgespec.wire.convert import params_from_pb, params_to_pb, refusal_metadata, stats_to_pb
+from edgespec.wire.convert import (params_from_pb, params_to_pb, refusal_metadata,
+                                   retry_after_metadata, stats_to_pb)
 
 from .admission import Admission, DrafterMissing, GenerationRequest, SessionNotFound
 from .scheduler import QueueFull, ShuttingDown, Ticket
@@ -78,7 +79,7 @@ class VerifierService(pb_grpc.VerifierServicer):
 
     def _generate(self, request, context):
         try:
-            ticket = self.admission.admit(generation_request(request))
+            ticket = self.admission.admit(generation_request(request), context.time_remaining())
         except ConfigError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except SessionNotFound as e:
@@ -86,6 +87,8 @@ class VerifierService(pb_grpc.VerifierServicer):
         except DrafterMissing as e:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         except QueueFull as e:
+            if e.retry_after_s:
+                context.set_trailing_metadata(retry_after_metadata(e.retry_after_s * 1000))
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"verifier overloaded: {e}")
         except ShuttingDown as e:
             # marked, so that the SDK fails a new call at once instead of retrying until its

@@ -1,0 +1,97 @@
+"""Admission that knows the machine's speed (``verifier_node.pace``): the estimate a new call is
+admitted or refused by, and, through the composed server on real gRPC, a call its deadline
+cannot be met for refused at once with a retry-after while the others are served. The pace is
+set by hand where the decision is asserted, so no assertion depends on this machine's speed."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from edgespec.config import EngineConfig
+from edgespec.v1 import edgespec_pb2 as pb
+from edgespec.v1 import edgespec_pb2_grpc as pb_grpc
+from edgespec.wire.convert import retry_after_s
+from verifier_node.pace import MIN_STEPS, SAFETY, Pace
+
+
+def _paced(rate: float, session_rate: float, prefill_rate: float = 0.0) -> Pace:
+    pace = Pace()
+    for _ in range(MIN_STEPS):
+        pace.step(int(rate), max(1, round(rate / session_rate)), 1.0)
+    if prefill_rate:
+        pace.prefill(int(prefill_rate), 1.0)
+    return pace
+
+
+def test_nothing_is_refused_before_the_pace_is_measured_or_without_a_deadline():
+    pace = Pace()
+    assert pace.verdict(10_000, 10_000, 0, deadline_s=1.0).admit
+    pace.step(10, 1, 1.0)
+    assert pace.verdict(10_000, 10_000, 0, deadline_s=1.0).admit  # fewer than MIN_STEPS
+    paced = _paced(100, 100)
+    assert paced.verdict(10_000, 10_000, 0, deadline_s=None).admit
+
+
+def test_the_estimate_counts_the_work_ahead_and_the_call_alone():
+    pace = _paced(rate=100, session_rate=25)  # 4 sessions a step, 25 tokens/s each
+    ok = pace.verdict(new_tokens=50, ahead_tokens=100, ahead_prompts=0, deadline_s=10)
+    assert ok.admit and ok.estimate_s == pytest.approx(2.0)  # alone: 50 / 25 = 2 s
+    busy = pace.verdict(new_tokens=50, ahead_tokens=950, ahead_prompts=0, deadline_s=10)
+    assert not busy.admit and busy.estimate_s == pytest.approx(10.0)  # 1000 / 100
+    assert busy.retry_after_s == pytest.approx(10.0 - SAFETY * 10)
+    assert "retry after 2.0 s" in busy.reason() and "950 tokens" in busy.reason()
+    # one that cannot make it even alone is told to change the call, not to wait
+    alone = pace.verdict(new_tokens=500, ahead_tokens=0, ahead_prompts=0, deadline_s=10)
+    assert not alone.admit and "even alone" in alone.reason()
+
+
+def test_prefills_ahead_count_at_the_measured_prefill_rate():
+    pace = _paced(rate=100, session_rate=100, prefill_rate=200)
+    assert pace.verdict(10, 0, ahead_prompts=100, deadline_s=1).admit  # 0.1 + 0.5 s
+    assert not pace.verdict(10, 0, ahead_prompts=400, deadline_s=1).admit  # 0.1 + 2 s
+
+
+def test_the_averages_follow_the_machine():
+    pace = Pace()
+    for _ in range(20):
+        pace.step(10, 1, 1.0)
+    slow = pace.rate
+    for _ in range(20):
+        pace.step(100, 1, 1.0)
+    assert slow == pytest.approx(10) and pace.rate > 95
+
+
+@pytest.mark.slow
+def test_a_call_the_pace_cannot_serve_in_time_is_refused_at_once_and_others_are_served(tiny_dir):
+    import edgespec
+    from edgespec_cli.server import EdgespecServer, ServerOptions
+
+    srv = EdgespecServer(ServerOptions(
+        listen="127.0.0.1:0", model=str(tiny_dir), max_drafters=1, drain_timeout_s=5,
+        engine=EngineConfig(max_sessions=2, max_context=256))).start()
+    try:
+        srv.scheduler.pace = _paced(rate=20, session_rate=10)
+        addr = f"127.0.0.1:{srv.port}"
+        with grpc.insecure_channel(addr) as ch:
+            stub = pb_grpc.VerifierStub(ch)
+            grpc.channel_ready_future(ch).result(timeout=60)
+            with pytest.raises(grpc.RpcError) as e:  # 200 tokens at 10/s: 20 s > 0.8 x 10 s
+                list(stub.Generate(pb.GenerateRequest(prompt_ids=[1, 5, 6], max_new_tokens=200),
+                                   timeout=10))
+            assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "even alone" in e.value.details() and "deadline" in e.value.details()
+            assert retry_after_s(e.value) is not None
+        refused = srv.registry.get_sample_value("edgespec:request_refused_deadline_total")
+        assert refused == 1
+        with edgespec.Client(addr, timeout=10) as client:
+            with pytest.raises(edgespec.Overloaded) as over:
+                client.generate(prompt_ids=[1, 5, 6], max_new_tokens=200)
+            assert over.value.retry_after_s is not None and over.value.retry_after_s > 0
+        with edgespec.Client(addr, timeout=None) as client:  # no deadline: admitted
+            out = client.generate(prompt_ids=[1, 5, 6], max_new_tokens=200)
+            assert out.finish_reason in ("length", "stop") and out.token_ids
+        with edgespec.Client(addr, timeout=120) as client:  # 4 tokens fit its deadline
+            assert client.generate(prompt_ids=[1, 5, 6], max_new_tokens=4).token_ids
+    finally:
+        srv.stop(drain_timeout_s=0)
