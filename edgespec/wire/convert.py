@@ -21,6 +21,7 @@ import grpc
 from ..config import ConfigError, SamplingParams
 from ..protocol.request_stats import Stats
 from ..v1 import edgespec_pb2 as pb
+from .keepalive import client_keepalive_options, server_keepalive_options
 
 AUTH_ENV = "EDGESPEC_AUTH_TOKEN"
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024  # larger messages are refused with RESOURCE_EXHAUSTED
@@ -208,7 +209,7 @@ def make_server(max_workers: int, token: str | None,
         interceptors=interceptors,
         options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                  ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                 ("grpc.so_reuseport", 0)])
+                 ("grpc.so_reuseport", 0), *server_keepalive_options()])
 
 
 def bind(server: grpc.Server, address: str, tls_cert: str | None = None,
@@ -255,8 +256,10 @@ def make_channel(address: str, tls_ca: str | None = None, tls: bool = False,
     ``tls``, a CA certificate to trust, or a client certificate is given. ``client_cert`` and
     ``client_key`` (PEM files, both or neither): the certificate presented for mutual TLS.
     ``options``: more gRPC channel arguments, ``(name, value)`` pairs merged after edgespec's
-    own (``CHANNEL_OPTIONS``): one with the same name replaces edgespec's value."""
+    own (``CHANNEL_OPTIONS`` and the keepalive's, ``keepalive.py``): one with the same name
+    replaces edgespec's value."""
     merged = dict(CHANNEL_OPTIONS)
+    merged.update(client_keepalive_options())
     merged.update(options)  # a caller's option replaces edgespec's of the same name
     args = list(merged.items())
     mod = grpc.aio if aio else grpc
