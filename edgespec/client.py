@@ -14,23 +14,27 @@ target refuses them. ``device_id`` pins the session to one drafter. ``verify="lo
 FLy's lossy verification, ``"pad"`` for PAD's (each refused with ``InvalidRequest`` unless the
 verifier was started in that mode: ``--verify loose``, ``--verify pad:DIR``), ``verify="exact"``
 insists on lossless verification; ``result.lossless`` (and ``stats["lossless"]``) says which the
-session got. A client's first call fails at once with ``Unavailable`` when no connection can be
-made at all ("nothing is listening at ADDR"). ``timeout`` is a deadline in seconds for the whole
-call: a server that is restarting is waited for within it, and a stream that breaks (the
-verifier restarted) is resumed by session id within it, token-identically; a session the
-verifier's cache lost meanwhile (a resume answered NOT_FOUND) is re-created from the prompt and
-the tokens already received, and goes on as target-only decoding would (``result.seed``: the
-session's sampling seed, the verifier's choice when none was given). Failures raise subclasses
-of ``EdgespecError`` named after their gRPC status.
+session got. A client's first call waits for a server that is not up yet, within its deadline
+(two minutes without one), logging once what it waits for, then fails with ``Unavailable``
+saying why ("nothing is listening at ADDR (waited 120 s)"); a TLS mismatch or a port that is not
+an edgespec server's fails it at once (``edgespec.wire.reachability``). ``timeout`` is a
+deadline in seconds for the whole call: a server that is restarting is waited for within it, and
+a stream that breaks (the verifier restarted) is resumed by session id within it,
+token-identically; a session the verifier's cache lost meanwhile (a resume answered NOT_FOUND)
+is re-created from the prompt and the tokens already received, and goes on as target-only
+decoding would (``result.seed``: the session's sampling seed, the verifier's choice when none
+was given). Failures raise subclasses of ``EdgespecError`` named after their gRPC status.
 
 The client makes its own gRPC channel (``client.channel``) with edgespec's message limits and a
-reconnect backoff of 0.2 s up to 2 s (``edgespec.wire.convert.CHANNEL_OPTIONS``). To tune it,
+reconnect backoff of 0.2 s up to 2 s (``edgespec.wire.convert.CHANNEL_OPTIONS``), and keepalive
+pings (10 s of silence, 5 s to answer: ``edgespec.wire.keepalive``), so a connection that went
+silent mid-call is noticed and the call resumed on a new one. To tune it,
 pass ``channel_options``, ``(name, value)`` pairs of gRPC channel arguments, rather than
 replacing the channel: they are applied after edgespec's own, so one with the same name
 replaces edgespec's value::
 
     edgespec.Client("10.0.0.5:50051", channel_options=[
-        ("grpc.keepalive_time_ms", 20_000),        # ping an idle connection every 20 s
+        ("grpc.keepalive_time_ms", 20_000),        # ping after 20 s of silence, not 10
         ("grpc.max_reconnect_backoff_ms", 10_000),  # back off up to 10 s, not 2 s
         ("grpc.primary_user_agent", "my-app/1.2")])
 """
@@ -320,7 +324,7 @@ class Client:
                  channel_options: Sequence[tuple[str, Any]] = ()):
         self.channel = make_channel(address, tls_ca, tls, client_cert=tls_cert,
                                     client_key=tls_key, options=channel_options)
-        self._watch = ConnectWatch(self.channel, address)
+        self._watch = ConnectWatch(self.channel, address, tls=bool(tls or tls_ca or tls_cert))
         self._reached = False  # the channel connected once: calls wait for restarts after
         self.stub = pb_grpc.VerifierStub(self.channel)
         self.metadata = auth_metadata(token)
@@ -341,8 +345,9 @@ class Client:
         self.close()
 
     def _first_contact(self, timeout: float | None) -> None:
-        """Before the first call, fail fast (Unavailable) where the connection cannot be made
-        at all, a wrong address say (see edgespec.wire.reachability)."""
+        """Before the first call, wait for a server that is not up yet, and fail (Unavailable)
+        with words where the wait ends or what answers is not this channel's server (see
+        edgespec.wire.reachability)."""
         if self._reached:
             return
         reason = self._watch.unreachable_reason(timeout)
@@ -419,6 +424,7 @@ class AsyncClient:
         self.channel = make_channel(address, tls_ca, tls, aio=True, client_cert=tls_cert,
                                     client_key=tls_key, options=channel_options)
         self.address = address
+        self._tls = bool(tls or tls_ca or tls_cert)
         self._reached = False
         self.stub = pb_grpc.VerifierStub(self.channel)
         self.metadata = auth_metadata(token)
@@ -437,7 +443,7 @@ class AsyncClient:
     async def _first_contact(self, timeout: float | None) -> None:
         if self._reached:
             return
-        reason = await unreachable_reason_aio(self.channel, self.address, timeout)
+        reason = await unreachable_reason_aio(self.channel, self.address, timeout, self._tls)
         if reason is not None:
             raise Unavailable(f"UNAVAILABLE: {reason}")
         self._reached = True

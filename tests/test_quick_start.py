@@ -40,15 +40,20 @@ def _argv(line: str, port: int, model: str) -> list[str]:
     return argv
 
 
-def test_the_pasted_quick_start_answers(tiny_dir, tmp_path):
+@pytest.mark.parametrize("server_delay_s", [0, 16], ids=["at-once", "server-16s-late"])
+def test_the_pasted_quick_start_answers(tiny_dir, tmp_path, server_delay_s):
+    """``server-16s-late``: the server starts 16 s after the drafter and the client (a slow
+    machine's start: the client's first contact once gave up after 10 s)."""
     lines = quick_start_lines()
     assert [line.split()[:2] for line in lines] == [["edgespec", "serve"],
                                                     ["edgespec", "drafter"], ["python", "-c"]]
     port = free_port()
     logs = [open(tmp_path / f"{i}.log", "w") for i in range(3)]
-    procs = [subprocess.Popen(_argv(line, port, str(tiny_dir)), stdout=log,
-                              stderr=subprocess.STDOUT, text=True)
-             for line, log in zip(lines, logs)]
+    argvs = [_argv(line, port, str(tiny_dir)) for line in lines]
+    if server_delay_s:
+        argvs[0] = ["bash", "-c", f"sleep {server_delay_s} && exec \"$@\"", "serve", *argvs[0]]
+    procs = [subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, text=True)
+             for argv, log in zip(argvs, logs)]
     server, drafter, client = procs
     try:
         assert client.wait(timeout=600) == 0, (tmp_path / "2.log").read_text()

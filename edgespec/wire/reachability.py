@@ -1,23 +1,31 @@
-"""Telling a wrong address from a slow server before a client's first call.
+"""A client's first contact: wait for a server that is not up yet, and say so; name a wrong
+address, a TLS mismatch or a port that is not an edgespec server's, and only when that is what
+was seen.
 
 A call with ``wait_for_ready`` waits for a server that is not up, so a mistyped address looks
 like a hang that ends in DEADLINE_EXCEEDED. Before its first call, a client waits until its
-channel either connects (READY: go on, and retry as usual from then on) or fails to
-(TRANSIENT_FAILURE: the connection cannot be made at all). A server process that is starting
-is given ``CONNECT_GRACE_S`` (within the call's deadline) to open its port. An edgespec server
-opens its port before it loads its model and serves only once the model is loaded, so a port
-that accepts connections and stays silent (``probe``: the HTTP/2 preface gets no answer) is a
-server still starting, and is waited for up to the call's deadline (``STARTING_WAIT_S`` without
-one). Past that the client says why in words: nothing listening, a server that never started
-serving, or something answering that does not speak this channel's gRPC (a TLS mismatch).
-A channel still connecting when the call's time is up is left to the call itself.
+channel connects (READY: go on, and retry as usual from then on), up to the call's deadline
+(``FIRST_CONTACT_WAIT_S`` without one), logging once what it waits for. Meanwhile it probes the
+address (``probe``: one TCP connection sending the HTTP/2 preface) every ``RECHECK_S``:
+
+- nothing listening, a host that does not resolve or answer, a port that accepts connections
+  and stays silent (an edgespec server opens its port before it loads its model), or a gRPC
+  server answering plaintext HTTP/2 to a plaintext channel (it is up; its handshake timed out,
+  seen on a loaded 2-core machine while the model loaded): waited for;
+- a plaintext gRPC server reached by a TLS channel, a server that closes a plaintext HTTP/2
+  connection (a TLS server) reached by a plaintext channel, or something that answers but not
+  HTTP/2: a mismatch, said at once;
+- a TLS server that a TLS channel cannot complete a handshake with: retried for
+  ``CONNECT_GRACE_S``, then called a certificate problem.
+
+When the wait ends without a connection the client says why in words, with the seconds waited.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
-import threading
 import time
 from typing import Literal
 
@@ -25,79 +33,94 @@ import grpc
 
 from ..config import ConfigError
 
-SETTLED = (grpc.ChannelConnectivity.READY, grpc.ChannelConnectivity.TRANSIENT_FAILURE)
+log = logging.getLogger("edgespec.client")
+
 PROBE_TIMEOUT_S = 2.0
 SILENCE_S = 1.0  # a server that answers the HTTP/2 preface at all does so within this
-# a server process starting (a client started with it) is given this long to open its port:
-# importing edgespec's server takes a few seconds on a small, loaded machine
-CONNECT_GRACE_S = 10.0
-STARTING_WAIT_S = 600.0  # a server loading its model, when the call has no deadline
+FIRST_CONTACT_WAIT_S = 120.0  # a server not up yet, when the call has no deadline
+RECHECK_S = 2.0  # how often the address is probed again while waiting
+CONNECT_GRACE_S = 10.0  # a TLS handshake failing this long is a certificate problem
 # the HTTP/2 client preface and an empty SETTINGS frame: a gRPC server answers with SETTINGS
 H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
-Probe = Literal["refused", "unresolved", "no answer", "silent", "answered", "unknown"]
+SETTINGS_FRAME = 4
+Probe = Literal["refused", "unresolved", "no answer", "silent", "h2", "closed", "answered",
+                "unknown"]
+WAITED_FOR = ("refused", "unresolved", "no answer", "silent", "unknown")
 
 
 class ConnectWatch:
-    """Follows a channel's connectivity from a client's first call until the channel
-    connects (or ``stop``, before the channel closes). One subscription for all that time: grpc's
-    polling thread, subscribed to again before it noticed an unsubscription, may poll a
-    channel closed meanwhile and die with a ValueError."""
+    """A blocking client's first contact (``unreachable_reason``); ``stop`` before the channel
+    closes."""
 
-    def __init__(self, channel: grpc.Channel, address: str):
-        self.channel, self.address = channel, address
-        self._cond = threading.Condition()
-        self._state: grpc.ChannelConnectivity | None = None
-        self._subscribed = False
+    def __init__(self, channel: grpc.Channel, address: str, tls: bool = False):
+        self.channel, self.address, self.tls = channel, address, tls
 
     def unreachable_reason(self, timeout: float | None) -> str | None:
-        """None when the channel connects (or is still connecting after ``timeout`` seconds);
-        else a sentence saying why it cannot."""
-        with self._cond:
-            subscribe = not self._subscribed
-            self._subscribed = True
-        if subscribe:
-            self.channel.subscribe(self._record, try_to_connect=True)
+        """None when the channel connects within ``timeout`` seconds (FIRST_CONTACT_WAIT_S when
+        None); else a sentence saying why it does not."""
         began = time.monotonic()
-        with self._cond:
-            self._cond.wait_for(lambda: self._state in SETTLED, timeout)
-            state = self._state
-        if state == grpc.ChannelConnectivity.TRANSIENT_FAILURE and \
-                not _ready_within(self.channel, _grace(timeout)):
-            kind, why = probe(self.address)
-            if kind != "silent" or not _ready_within(
-                    self.channel, _starting_wait(timeout, time.monotonic() - began)):
-                return f"{why} (waited {time.monotonic() - began:.0f} s)"
-        self.stop()  # connected, or left to the call: the client asks no more
-        return None
+        limit = FIRST_CONTACT_WAIT_S if timeout is None else timeout
+        waiting = _Waiting(self.address, self.tls, limit)
+        while True:
+            left = limit - (time.monotonic() - began)
+            if _ready_within(self.channel, max(0.0, min(RECHECK_S, left))):
+                return None
+            spent = time.monotonic() - began
+            failure = waiting.saw(*probe(self.address), spent)
+            if failure is not None or spent >= limit:
+                return f"{failure or waiting.why} (waited {spent:.0f} s)"
 
     def stop(self) -> None:
-        with self._cond:
-            subscribed, self._subscribed = self._subscribed, False
-        if subscribed:
-            self.channel.unsubscribe(self._record)
-
-    def _record(self, state: grpc.ChannelConnectivity) -> None:
-        with self._cond:
-            self._state = state
-            self._cond.notify_all()
+        """Nothing held between calls (kept for the client's close)."""
 
 
 async def unreachable_reason_aio(channel: grpc.aio.Channel, address: str,
-                                 timeout: float | None) -> str | None:
-    """``unreachable_reason`` for a grpc.aio channel."""
+                                 timeout: float | None, tls: bool = False) -> str | None:
+    """``ConnectWatch.unreachable_reason`` for a grpc.aio channel."""
     began = time.monotonic()
-    try:
-        state = await asyncio.wait_for(_settled_state(channel), timeout)
-    except asyncio.TimeoutError:
+    limit = FIRST_CONTACT_WAIT_S if timeout is None else timeout
+    waiting = _Waiting(address, tls, limit)
+    loop = asyncio.get_running_loop()
+    while True:
+        left = limit - (time.monotonic() - began)
+        if await _ready_within_aio(channel, max(0.0, min(RECHECK_S, left))):
+            return None
+        kind, why = await loop.run_in_executor(None, probe, address)
+        spent = time.monotonic() - began
+        failure = waiting.saw(kind, why, spent)
+        if failure is not None or spent >= limit:
+            return f"{failure or waiting.why} (waited {spent:.0f} s)"
+
+
+class _Waiting:
+    """What a first contact has seen so far, and whether it is worth waiting for more."""
+
+    def __init__(self, address: str, tls: bool, limit: float):
+        self.address, self.tls, self.limit = address, tls, limit
+        self.why = f"{address} did not connect"
+        self.told = False
+
+    def saw(self, kind: Probe, why: str, spent: float) -> str | None:
+        """A failure sentence to give up with, or None to wait on (logged once)."""
+        self.why = why
+        addr = self.address
+        if kind == "h2" and self.tls:
+            return (f"{addr} serves gRPC without TLS: a TLS mismatch (drop --tls/--tls-ca, or "
+                    "start the server with --tls-cert/--tls-key)")
+        if kind == "closed" and not self.tls:
+            return (f"{addr} closes a plaintext HTTP/2 connection: a TLS server (give --tls or "
+                    "--tls-ca) or not an edgespec server?")
+        if kind == "closed" and spent >= CONNECT_GRACE_S:
+            return (f"{addr} speaks TLS but the TLS handshake keeps failing: is its certificate "
+                    "signed by the CA given (--tls-ca), and for this host name?")
+        if kind == "answered":
+            return (f"{addr} answers but not as a gRPC server: not an edgespec server (or a "
+                    "TLS mismatch)?")
+        if not self.told:
+            self.told = True
+            what = "the server to start serving" if kind in ("silent", "h2") else "a server"
+            log.warning("waiting for %s at %s (%s); up to %.0f s", what, addr, why, self.limit)
         return None
-    if state == grpc.ChannelConnectivity.READY or \
-            await _ready_within_aio(channel, _grace(timeout)):
-        return None
-    kind, why = await asyncio.get_running_loop().run_in_executor(None, probe, address)
-    if kind == "silent" and await _ready_within_aio(
-            channel, _starting_wait(timeout, time.monotonic() - began)):
-        return None
-    return f"{why} (waited {time.monotonic() - began:.0f} s)"
 
 
 async def _ready_within_aio(channel: grpc.aio.Channel, seconds: float) -> bool:
@@ -106,15 +129,6 @@ async def _ready_within_aio(channel: grpc.aio.Channel, seconds: float) -> bool:
         return True
     except asyncio.TimeoutError:
         return False
-
-
-def _starting_wait(timeout: float | None, spent: float) -> float:
-    """How much longer a silent (starting) server is waited for: the rest of the deadline."""
-    return STARTING_WAIT_S if timeout is None else max(0.0, timeout - spent)
-
-
-def _grace(timeout: float | None) -> float:
-    return CONNECT_GRACE_S if timeout is None else max(0.0, min(timeout, CONNECT_GRACE_S))
 
 
 def _ready_within(channel: grpc.Channel, seconds: float) -> bool:
@@ -129,14 +143,6 @@ def _ready_within(channel: grpc.Channel, seconds: float) -> bool:
         ready.cancel()  # its subscription ends with it
 
 
-async def _settled_state(channel: grpc.aio.Channel) -> grpc.ChannelConnectivity:
-    state = channel.get_state(try_to_connect=True)
-    while state not in SETTLED:
-        await channel.wait_for_state_change(state)
-        state = channel.get_state(try_to_connect=True)
-    return state
-
-
 def describe_failure(address: str) -> str:
     """Why a gRPC connection to ``address`` failed, in words (``probe``'s sentence)."""
     return probe(address)[1]
@@ -145,8 +151,9 @@ def describe_failure(address: str) -> str:
 def probe(address: str) -> tuple[Probe, str]:
     """One plain TCP connection to ``address`` sending the HTTP/2 preface: what is there, and a
     sentence saying it. "silent": the port accepts connections and answers nothing (a server
-    that opened its port and is not serving yet); "answered": something answers, yet the gRPC
-    connection failed (a TLS mismatch, or not a gRPC server)."""
+    that opened its port and is not serving yet); "h2": a plaintext HTTP/2 (gRPC) server
+    answered; "closed": the peer closed or reset without answering (a TLS server does);
+    "answered": something answered that is not HTTP/2."""
     host_port = split_address(address)
     if host_port is None:
         return "unknown", f"cannot connect to {address}"
@@ -155,13 +162,13 @@ def probe(address: str) -> tuple[Probe, str]:
             conn.settimeout(SILENCE_S)
             try:
                 conn.sendall(H2_PREFACE)
-                conn.recv(64)  # an answer, or b"" when the peer closes: it is not starting
+                answer = conn.recv(64)
             except TimeoutError:
-                return "silent", (f"{address} accepts connections but does not answer: a "
+                return "silent", (f"{address} accepts connections but does not answer yet: a "
                                   "server that has not started serving (still loading its "
-                                  "model?), or not a gRPC server")
+                                  "model?)")
             except OSError:
-                pass  # reset by the peer: something there refuses this kind of connection
+                answer = b""  # reset by the peer: something there refuses this connection
     except ConnectionRefusedError:
         return "refused", f"nothing is listening at {address}"
     except socket.gaierror as e:
@@ -170,9 +177,11 @@ def probe(address: str) -> tuple[Probe, str]:
         return "no answer", f"nothing answers at {address} (is the host up and the port open?)"
     except OSError as e:
         return "refused", f"nothing is listening at {address} ({e.strerror or e})"
-    return "answered", (f"{address} answers but the gRPC connection failed: a TLS mismatch "
-                        "(a TLS server without --tls/--tls-ca, or the reverse) or not an "
-                        "edgespec server?")
+    if len(answer) >= 4 and answer[3] == SETTINGS_FRAME:
+        return "h2", f"{address} serves plaintext gRPC, but the connection failed"
+    if not answer:
+        return "closed", f"{address} closed the connection without answering"
+    return "answered", f"{address} answers, but not as a gRPC server"
 
 
 def split_address(address: str) -> tuple[str, int] | None:
