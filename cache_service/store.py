@@ -184,14 +184,15 @@ class RedisSessionStore:
     @raises_store_unavailable
     def take_when_ready(self, wants: list[DraftWant], wait_s: float
                         ) -> list[TakenDraft | SessionVanished]:
-        """Wait up to ``wait_s`` until every session's draft is ready, then take up to k tokens
-        of each. The wait ends early on a pushed chunk (a pub/sub wake-up), and its deadline is
-        kept to the millisecond by this process, not by Redis's coarse BLPOP timer."""
+        """Wait up to ``wait_s`` until every session's draft is ready (those not to wait for
+        aside), then take up to k tokens of each. The wait ends early on a pushed chunk (a
+        pub/sub wake-up), and its deadline is kept to the millisecond by this process, not by
+        Redis's coarse BLPOP timer."""
         deadline = time.monotonic() + wait_s
         while True:
             seen = self._waker.seq
             rows = self._read(wants)
-            ready = all(row.ready(w.k) for row, w in zip(rows, wants))
+            ready = all(row.ready(w.k) for row, w in zip(rows, wants) if w.wait)
             left = deadline - time.monotonic()
             if ready or left <= 0:
                 break
@@ -206,7 +207,8 @@ class RedisSessionStore:
             branches = [Branch(x[0] - start, tuple(x[1:]))
                         for x in map(unpack_tokens, row.branches) if len(x) > 1]
             taken.append(TakenDraft(row.epoch, start, tokens,
-                                    take_branches(branches, len(tokens), w.branch_budget)))
+                                    take_branches(branches, len(tokens), w.branch_budget),
+                                    ready=row.ready(w.k)))
         return taken
 
     @raises_store_unavailable

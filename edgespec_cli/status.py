@@ -43,17 +43,26 @@ def render(st: dict) -> str:
                      + (f"; learning ({int(h.get('buffered_tokens', 0))} tokens buffered)"
                         if h.get("learning") else ""))
     lines.append("")
-    head = ("device", "drafter", "attached", "sessions", "acc. rate", "acc. length", "last seen")
+    head = ("device", "drafter", "attached", "sessions", "acc. rate", "acc. length", "last seen",
+            "link")
     rows = [head] + [(d["device_id"], d["draft_model"], "yes" if d["attached"] else "no",
                       f"{d['sessions']}/{d['max_sessions'] or '-'}",
                       f"{d['acceptance_rate']:.2f}", f"{d['mean_acceptance_length']:.2f}",
-                      "now" if d["attached"] else f"{d['last_seen_s']:.0f}s ago")
+                      "now" if d["attached"] else f"{d['last_seen_s']:.0f}s ago", _link(d))
                      for d in st["drafters"]]
     if len(rows) == 1:
         return "\n".join(lines + ["no drafters registered"])
     widths = [max(len(str(r[i])) for r in rows) for i in range(len(head))]
     lines += ["  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
     return "\n".join(lines)
+
+
+def _link(d: dict) -> str:
+    """A drafter's link as the verifier's steps saw it: late (not waited for) or ok, and the
+    deadlines its drafts missed (int64 fields arrive as strings in the dict)."""
+    missed = int(d.get("drafts_missed") or 0)
+    state = "LATE (not waited for)" if d.get("late") else "ok"
+    return f"{state}, {missed} deadlines missed" if missed else state
 
 
 def cmd_status(args: argparse.Namespace) -> int:

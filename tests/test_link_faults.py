@@ -25,7 +25,7 @@ from edgespec_cli.server import EdgespecServer, ServerOptions
 pytestmark = pytest.mark.slow  # servers and threads: not the fast tier
 
 WAIT_S = 60  # how long a test waits for what must happen (never a timing assertion)
-PROMPT = [1, 5, 6, 7, 5, 6, 7, 5]
+PROMPT = [1, 20, 21, 22, 20, 21]  # the tiny model answers it with 35 tokens
 N = 40
 
 
@@ -46,6 +46,7 @@ def fast_keepalive(monkeypatch):
 def server(tiny_dir, fast_keepalive):
     srv = EdgespecServer(ServerOptions(
         listen="127.0.0.1:0", model=str(tiny_dir), max_drafters=4, drain_timeout_s=5,
+        dtype="float32",  # the reference is transformers' float32 greedy decoding
         engine=EngineConfig(max_sessions=4, max_context=256))).start()
     yield srv
     srv.stop(drain_timeout_s=0)
@@ -53,7 +54,9 @@ def server(tiny_dir, fast_keepalive):
 
 @pytest.fixture(scope="module")
 def reference(tiny):
-    return hf_greedy(tiny.model, PROMPT, N)
+    ref = hf_greedy(tiny.model, PROMPT, N)
+    assert len(ref) >= 30  # long enough for faults to land mid-stream
+    return ref
 
 
 class Board:
@@ -142,3 +145,61 @@ def test_a_unary_generate_survives_an_abandoned_connection(server, reference):
             link.abandon()  # the idle connection is forgotten before the next call
             out = client.generate(prompt_ids=PROMPT, max_new_tokens=N, temperature=0)
         assert out.token_ids == reference and link.connections >= 2
+
+
+# -- a late drafter costs only its own sessions --------------------------------------------------
+def test_lateness_marks_a_drafter_late_after_missed_deadlines_and_waits_again_once_on_time():
+    from edgespec.engine.lateness import HITS_TO_RECOVER, MISSES_TO_LATE, Lateness
+
+    book = Lateness()
+    for _ in range(MISSES_TO_LATE - 1):
+        book.record("b", ready=False, waited=True)
+    assert not book.late("b")
+    book.record("b", ready=True, waited=True)  # an on-time step breaks the run
+    for _ in range(MISSES_TO_LATE):
+        book.record("b", ready=False, waited=True)
+    assert book.late("b") and not book.late("other")
+    book.record("b", ready=False, waited=False)  # still missing while not waited for
+    for _ in range(HITS_TO_RECOVER):
+        assert book.late("b")
+        book.record("b", ready=True, waited=False)
+    assert not book.late("b")
+    link = book.snapshot()["b"]
+    assert (link.missed, link.unwaited, link.marked_late) == (2 * MISSES_TO_LATE, 3, 1)
+
+
+def test_a_silent_board_is_not_waited_for_and_its_session_stays_lossless(server, reference):
+    """A board that attached and then says nothing (its stream open: the cache still counts it
+    alive) gets a pinned session: after MISSES_TO_LATE steps the verifier stops waiting for it,
+    the session decodes on without drafts, its output is target-only's, and status and
+    /metrics name the board as late."""
+    import queue
+
+    import grpc
+
+    from edgespec.engine.lateness import MISSES_TO_LATE
+    from edgespec.v1 import edgespec_pb2 as pb
+    from edgespec.v1 import edgespec_pb2_grpc as pb_grpc
+
+    address = f"127.0.0.1:{server.port}"
+    with grpc.insecure_channel(address) as ch:
+        outbox: queue.Queue = queue.Queue()
+        outbox.put(pb.DrafterMessage(register=pb.Register(device_id="silent", max_sessions=4)))
+        attach = pb_grpc.DraftCacheStub(ch).Attach(iter(outbox.get, None), timeout=WAIT_S * 2)
+        assert next(attach).HasField("registered")
+        try:
+            out = generate(address, device_id="silent")
+            assert out.token_ids == reference
+            with edgespec.Client(address, timeout=WAIT_S) as client:
+                silent = next(d for d in client.status()["drafters"]
+                              if d["device_id"] == "silent")
+            assert silent["late"] is True, str(silent)
+            assert int(silent["drafts_missed"]) >= MISSES_TO_LATE
+            assert int(silent["steps_unwaited"]) >= 1
+            registry = server.registry
+            assert registry.get_sample_value("edgespec:drafter_late", {"device": "silent"}) == 1
+            assert registry.get_sample_value("edgespec:drafter_unwaited_steps_total",
+                                             {"device": "silent"}) >= 1
+        finally:
+            outbox.put(None)
+            attach.cancel()

@@ -21,6 +21,7 @@ from cache_service.metrics import CacheMetrics
 from drafter_node.agent import DrafterAgent
 from drafter_node.metrics import DrafterMetrics
 from edgespec.config import SamplingParams
+from edgespec.engine.lateness import DrafterLink
 from edgespec.protocol.contract import Verdict
 from edgespec.v1 import edgespec_pb2 as pb
 from verifier_node.metrics import VerifierMetrics
@@ -63,6 +64,7 @@ def exposed_sample_names() -> set[str]:
     once so that its series exist."""
     registry = CollectorRegistry()
     objs = [VerifierMetrics(registry), CacheMetrics(registry), DrafterMetrics(registry)]
+    objs[0].bind_links(lambda: {"x": DrafterLink(late=True, missed=3)})  # read at scrape time
     for obj in objs:
         for m in vars(obj).values():
             if isinstance(m, MetricWrapperBase) and m._labelnames:

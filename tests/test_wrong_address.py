@@ -42,7 +42,7 @@ def test_without_a_deadline_the_first_contact_waits_the_default(nowhere, monkeyp
     monkeypatch.setattr(reachability, "FIRST_CONTACT_WAIT_S", 1.0)
     with edgespec.Client(nowhere) as client:
         with pytest.raises(edgespec.Unavailable, match="nothing is listening"):
-            client.status()
+            client.generate("hello", max_new_tokens=4)
 
 
 def test_the_async_client_says_nothing_is_listening(nowhere):

@@ -12,7 +12,11 @@ histograms: ``edgespec:time_to_first_token_seconds``, ``edgespec:inter_token_lat
 ``edgespec:e2e_request_latency_seconds``. Batches: ``edgespec:batch_size_sessions``,
 ``edgespec:batch_size_tokens``, ``edgespec:step_seconds{phase="wait"|"forward"|"commit"}``.
 Gauges read at scrape time: ``edgespec:num_requests_running``, ``edgespec:num_requests_waiting``,
-``edgespec:kv_slots_free``. The draft head (``--head``): ``edgespec:head_draft_tokens_total``,
+``edgespec:kv_slots_free``. Drafters' link health, per device (``edgespec.engine.lateness``):
+``edgespec:drafter_late{device}``, ``edgespec:drafter_missed_deadline_total{device}``,
+``edgespec:drafter_unwaited_steps_total{device}``, ``edgespec:drafter_marked_late_total{device}``;
+``edgespec:request_refused_deadline_total``: new calls refused for their deadline (``pace``).
+The draft head (``--head``): ``edgespec:head_draft_tokens_total``,
 ``edgespec:head_accepted_tokens_total``, and gauges ``edgespec:head_version`` and
 ``edgespec:head_held_out_tokens_per_step`` (``--learn`` moves both). ``--auto``:
 ``edgespec:auto_stack_steps_total{stack}`` (none, drafter, head, drafter+head). Lossy modes
@@ -32,6 +36,8 @@ from collections import Counter as Counter_
 from collections import deque
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from edgespec.config import LOSSY_MODES
 
@@ -46,7 +52,7 @@ MAX_DEVICES = 256  # distinct device labels; later ones are counted under "other
 
 class VerifierMetrics:
     def __init__(self, registry: CollectorRegistry):
-        r = registry
+        r = self.registry = registry
         self.batch_counts: Counter_[int] = Counter_()  # sessions per forward -> forwards (exact)
         self.step_totals = {"steps": 0, "wait_s": 0.0, "forward_s": 0.0, "commit_s": 0.0}
         self.num_drafts = Counter("edgespec:spec_decode_num_drafts",
@@ -142,6 +148,11 @@ class VerifierMetrics:
         with self._lock:
             return self._head[0], self._head[1]
 
+    def bind_links(self, snapshot) -> None:
+        """Each drafter's link health read at scrape time: ``snapshot() -> {device:
+        DrafterLink}`` (``edgespec.engine.lateness``)."""
+        self.registry.register(_LinkCollector(snapshot))
+
     def bind_load(self, load, free_slots) -> None:
         """Gauges read at scrape time: ``load() -> (running, waiting)``, ``free_slots()``."""
         self.running.set_function(lambda: load()[0])
@@ -231,3 +242,37 @@ class VerifierMetrics:
             drafts, drafted, accepted = self._by_device.get(device, (0, 0, 0))
         rate = accepted / drafted if drafted else 0.0
         return rate, (1 + accepted / drafts) if drafts else 1.0
+
+
+class _LinkCollector(Collector):
+    """Per drafter, from the verifier's steps: ``edgespec:drafter_late{device}`` (1 while its
+    sessions are not waited for), ``edgespec:drafter_missed_deadline_total{device}`` (steps its
+    drafts were not ready when taken), ``edgespec:drafter_unwaited_steps_total{device}`` and
+    ``edgespec:drafter_marked_late_total{device}``."""
+
+    def __init__(self, snapshot):
+        self.snapshot = snapshot
+
+    def collect(self):
+        links = self.snapshot()
+        late = GaugeMetricFamily("edgespec:drafter_late", "1 while the verifier does not wait "
+                                 "for this drafter's drafts (they missed its last deadlines)",
+                                 labels=["device"])
+        counters = [(CounterMetricFamily(f"edgespec:{name}", text, labels=["device"]), attr)
+                    for name, text, attr in (
+                        ("drafter_missed_deadline", "Steps whose draft deadline this "
+                         "drafter's drafts missed", "missed"),
+                        ("drafter_unwaited_steps", "Steps that verified this drafter's "
+                         "sessions without waiting for its drafts", "unwaited"),
+                        ("drafter_marked_late", "Times this drafter was found late",
+                         "marked_late"))]
+        for device, link in list(links.items())[:MAX_DEVICES]:
+            late.add_metric([device], 1.0 if link.late else 0.0)
+            for family, attr in counters:
+                family.add_metric([device], getattr(link, attr))
+        yield late
+        for family, _ in counters:
+            yield family
+
+    def describe(self):
+        return []

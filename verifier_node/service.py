@@ -157,12 +157,16 @@ class VerifierService(pb_grpc.VerifierServicer):
         except Exception as e:  # the cache is unreachable: report what this process knows
             log.warning("status: cannot read the drafters: %s", e)
             devices = []
+        links = sched.engine.lateness.snapshot()
         for d in devices:
             rate, length = metrics.device_acceptance(d.device_id) if metrics else (0.0, 1.0)
+            link = links.get(d.device_id)
             drafters.append(pb.DrafterStatus(
                 device_id=d.device_id, draft_model=d.draft_model, attached=d.attached,
                 sessions=d.sessions, max_sessions=d.max_sessions, acceptance_rate=rate,
-                mean_acceptance_length=length, last_seen_s=d.last_seen_s))
+                mean_acceptance_length=length, last_seen_s=d.last_seen_s,
+                late=bool(link and link.late), drafts_missed=link.missed if link else 0,
+                steps_unwaited=link.unwaited if link else 0))
         return pb.StatusResponse(
             model=self.model_name, version=__version__, drafters=drafters,
             active_sessions=active, queued_sessions=queued, free_kv_slots=sched.engine.free_slots,

@@ -56,6 +56,7 @@ class ActiveSession:
         self.finish: str | None = None
         self.verify = "exact"  # "exact" or "loose": how this session's drafts are verified
         self.chooser: Any = None  # --auto: its ``stack_choice.StackChooser``
+        self.drafter = ""  # the drafter asked for its drafts ("": none)
 
     @property
     def end(self) -> int:

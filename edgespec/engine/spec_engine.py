@@ -41,6 +41,7 @@ from ..verify.verify_step import VerifyBatch, verify_step
 from .draft_planner import ForwardCost
 from .draft_worker import DraftWorker
 from .generation import ActiveSession, Request, Result, SessionFailed
+from .lateness import Lateness
 from .decisions import Decision, decide
 from .proposals import DrafterProposer, StepDraft, drafter_row, with_head
 from .stack_choice import SOURCES, StackChooser, accepted_prefix
@@ -112,6 +113,7 @@ class SpecEngine:
         self.wait_ms: float = wait_ms
         self.active: list[ActiveSession] = []
         self.cost = ForwardCost()  # the measured cost of the verification forward
+        self.lateness = Lateness()  # drafters not waited for (lateness.py)
         self._undelivered: list[Decision] = []
         self._lenient: dict[str, list[int]] = {}  # this step's verdicts: lossy-kept path nodes
 
@@ -184,6 +186,7 @@ class SpecEngine:
         act = ActiveSession(sid, req, slot,
                             DraftLength(self.cfg.max_draft, adaptive=self.cfg.adaptive))
         act.verify = verify
+        act.drafter = drafter or ""
         if self.head is not None:
             self.head.start(sid, self.target.device, slot=slot)
         if self.cfg.auto:
@@ -280,13 +283,26 @@ class SpecEngine:
         acts = list(self.active)
         ks = plan_drafts(acts, self.cfg, self.cost)
         budgets = plan_branch_budgets(acts, ks, self.cfg, self.cost, self.target.max_len)
-        return [DraftWant(a.sid, k, b) for a, k, b in zip(acts, ks, budgets)]
+        return [DraftWant(a.sid, k, b, wait=not self.lateness.late(a.drafter))
+                for a, k, b in zip(acts, ks, budgets)]
+
+    def _record_lateness(self, wants: list[DraftWant], taken: list, acts: dict) -> None:
+        """Each drafter's step: were all its sessions' drafts ready when taken?"""
+        steps: dict[str, tuple[bool, bool]] = {}
+        for want, t in zip(wants, taken):
+            drafter = acts[want.session_id].drafter
+            if drafter and isinstance(t, TakenDraft):
+                ready, waited = steps.get(drafter, (True, want.wait))
+                steps[drafter] = (ready and t.ready, waited)
+        for drafter, (ready, waited) in steps.items():
+            self.lateness.record(drafter, ready, waited)
 
     def _take(self, wants: list[DraftWant]) -> list[tuple[ActiveSession, TakenDraft]]:
         """The store's drafts (it waits up to the deadline); a session the store lost, or
         holds at another position, fails alone."""
         acts = {a.sid: a for a in self.active}
         taken = self.store.take_when_ready(wants, self.wait_ms / 1000)
+        self._record_lateness(wants, taken, acts)
         out = []
         for want, t in zip(wants, taken):
             act = acts[want.session_id]

@@ -116,11 +116,13 @@ def take_branches(branches: Sequence[Branch], n_spine: int, budget: int) -> list
 class DraftWant:
     """What the verifier asks of one session's draft this step: up to ``k`` tokens (it waits for
     k, or for the drafter to be idle, until the deadline), and branches hanging from them of at
-    most ``branch_budget`` tokens in all."""
+    most ``branch_budget`` tokens in all. ``wait`` False: the step does not wait for this one
+    (its drafter has been late: ``edgespec.engine.lateness``); whatever it holds is taken."""
 
     session_id: str
     k: int
     branch_budget: int = 0
+    wait: bool = True
 
 
 @dataclass
@@ -129,6 +131,7 @@ class TakenDraft:
     start: int  # position of the first draft token (the committed end)
     tokens: list[int]
     branches: list[Branch] = field(default_factory=list)  # at: within tokens
+    ready: bool = True  # the draft was ready (k tokens, or its drafter idle) when taken
 
     @property
     def branch_tokens(self) -> int:

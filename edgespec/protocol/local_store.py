@@ -100,7 +100,8 @@ class SessionState:
         tokens in all."""
         spine = self.draft[:k]
         return TakenDraft(self.epoch, self.end, spine,
-                          take_branches(self.branches, len(spine), branch_budget))
+                          take_branches(self.branches, len(spine), branch_budget),
+                          ready=self.draft_ready(k))
 
     def is_replay(self, v: Verdict) -> bool:
         """Whether ``v`` already landed (its commit's reply was lost): the session ends where
@@ -175,12 +176,12 @@ class LocalSessionStore:
 
     def take_when_ready(self, wants: list[DraftWant], wait_s: float
                         ) -> list[TakenDraft | SessionVanished]:
-        """Wait up to ``wait_s`` until every session's draft is ready, then take up to k tokens
-        of each."""
+        """Wait up to ``wait_s`` until every session's draft is ready (those not to wait for
+        aside), then take up to k tokens of each."""
         deadline = time.monotonic() + wait_s
         with self.cond:
             states = [self.sessions.get(w.session_id) for w in wants]
-            while not all(st is None or st.draft_ready(w.k)
+            while not all(st is None or not w.wait or st.draft_ready(w.k)
                           for st, w in zip(states, wants)):
                 left = deadline - time.monotonic()
                 if left <= 0:

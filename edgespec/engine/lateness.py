@@ -1,0 +1,75 @@
+"""A late drafter costs only its own sessions: which drafters the verifier stops waiting for.
+
+A verification step waits, up to the draft deadline, until every session's draft is ready. A
+board whose link went silent or slow would make every step of the whole batch wait the full
+deadline: on a GPU step of a few milliseconds that multiplies everyone's step time. So the
+engine learns each drafter's lateness from the steps: a drafter whose drafts were not ready at
+the end of ``MISSES_TO_LATE`` steps in a row is *late*, and its sessions are then verified with
+whatever they hold without being waited for (at worst as target-only decoding: one token a
+step); as soon as its drafts are ready when taken in ``HITS_TO_RECOVER`` steps in a row it is
+waited for again. Only speed depends on this, never output: a shorter draft verifies to the
+same tokens.
+
+The counts per drafter (``DrafterLink``) feed ``/metrics`` and ``edgespec status``, so an
+operator sees which board's link is bad.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+MISSES_TO_LATE = 3
+HITS_TO_RECOVER = 2
+MAX_TRACKED = 4096  # drafters remembered (ids come from devices: keep the table bounded)
+
+
+@dataclass
+class DrafterLink:
+    """One drafter as the verifier's steps saw it."""
+
+    late: bool = False
+    missed: int = 0  # steps whose deadline its drafts missed
+    unwaited: int = 0  # steps that did not wait for it (it was late)
+    marked_late: int = 0  # times it became late
+    run: int = 0  # consecutive misses (on time: consecutive hits while late)
+
+
+class Lateness:
+    """Fed by the engine's thread once a step; read by status and metrics from other threads."""
+
+    def __init__(self) -> None:
+        self._links: dict[str, DrafterLink] = {}
+        self._lock = threading.Lock()
+
+    def late(self, drafter: str) -> bool:
+        with self._lock:
+            link = self._links.get(drafter)
+            return link is not None and link.late
+
+    def record(self, drafter: str, ready: bool, waited: bool) -> None:
+        """One step's outcome for a drafter: whether its drafts were ready when taken, and
+        whether the step waited for them."""
+        with self._lock:
+            link = self._links.get(drafter)
+            if link is None:
+                if len(self._links) >= MAX_TRACKED:
+                    self._links.pop(next(iter(self._links)))
+                link = self._links[drafter] = DrafterLink()
+            if not waited:
+                link.unwaited += 1
+            if not ready:
+                link.missed += 1
+            if link.late:
+                link.run = link.run + 1 if ready else 0
+                if link.run >= HITS_TO_RECOVER:
+                    link.late, link.run = False, 0
+            else:
+                link.run = 0 if ready else link.run + 1
+                if link.run >= MISSES_TO_LATE:
+                    link.late, link.run = True, 0
+                    link.marked_late += 1
+
+    def snapshot(self) -> dict[str, DrafterLink]:
+        with self._lock:
+            return {d: DrafterLink(**vars(link)) for d, link in self._links.items()}
