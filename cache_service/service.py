@@ -30,6 +30,7 @@ import itertools
 import logging
 import queue
 import threading
+import time
 from typing import TYPE_CHECKING
 
 import grpc
@@ -42,6 +43,7 @@ from edgespec.wire.trees import MAX_BRANCH_NODES, TREE_VERSION, tree_from_wire
 from edgespec.v1 import edgespec_pb2 as pb
 from edgespec.v1 import edgespec_pb2_grpc as pb_grpc
 from edgespec.wire.convert import params_to_pb, retry_after_metadata
+from edgespec.wire.keepalive import SILENT_HEARTBEATS, heartbeat_interval_s
 
 from .codec import InboxEvent
 from .credentials import DeviceCredentials
@@ -76,6 +78,7 @@ class DraftCacheService(pb_grpc.DraftCacheServicer):
         """``credentials``: per-device tokens; None: drafters name their device themselves.
         ``metrics``: where to count attaches and chunks (None: not counted)."""
         self.store, self.window, self.chunk, self.poll_ms = store, window, chunk, poll_ms
+        self.heartbeat_s = heartbeat_interval_s()  # Heartbeats it sends each Attach stream
         self.credentials = credentials
         self.metrics = metrics
         self._lock = threading.Lock()
@@ -237,7 +240,8 @@ class DraftCacheService(pb_grpc.DraftCacheServicer):
         try:
             out.put(pb.CacheMessage(registered=pb.Registered(
                 target_model=target.get("model", ""), tokenizer_fingerprint=target["fingerprint"],
-                window=self.window, chunk=self.chunk, vocab_size=vocab)))
+                window=self.window, chunk=self.chunk, vocab_size=vocab,
+                heartbeat_ms=int(self.heartbeat_s * 1000))))
             try:
                 after = self.store.last_event_id(device)
                 for sid in self.store.devices.sessions_of(device):
@@ -246,13 +250,29 @@ class DraftCacheService(pb_grpc.DraftCacheServicer):
                         out.put(msg)
             except redis.RedisError as e:
                 self._refuse_for_now(context, f"the cache's Redis is unreachable: {e}")
+            heard = [time.monotonic()]  # when the drafter last sent anything
             threading.Thread(target=self._read_chunks, daemon=True, name=f"chunks-{device}",
-                             args=(request_iterator, device, vocab, out, stop, lost)).start()
+                             args=(request_iterator, device, vocab, out, stop, lost,
+                                   heard)).start()
             threading.Thread(target=self._pump_events, daemon=True, name=f"events-{device}",
                              args=(device, gen, after, out, stop, lost)).start()
+            # the drafter's own interval (untrusted: clamped); 0: an older drafter, none sent
+            beat_ms = min(max(reg.heartbeat_ms, 0), 600_000)
+            silent_s = max(1.0, SILENT_HEARTBEATS * beat_ms / 1000) if beat_ms else 0.0
+            beat_at = time.monotonic() + self.heartbeat_s
             while not stop.is_set():
+                now = time.monotonic()
+                if silent_s and now - heard[0] > silent_s:
+                    log.warning("drafter %s: heard nothing for %.1f s (it sends a heartbeat "
+                                "every %.1f s): detaching it", device, now - heard[0],
+                                beat_ms / 1000)
+                    break
+                if now >= beat_at:
+                    beat_at = now + self.heartbeat_s
+                    yield pb.CacheMessage(heartbeat=pb.Heartbeat(sent_unix_ms=int(time.time()
+                                                                                  * 1000)))
                 try:
-                    msg = out.get(timeout=0.5)
+                    msg = out.get(timeout=min(0.5, max(0.01, beat_at - now)))
                 except queue.Empty:
                     continue
                 if msg is None:
@@ -281,9 +301,10 @@ class DraftCacheService(pb_grpc.DraftCacheServicer):
         context.set_trailing_metadata(retry_after_metadata(RETRY_AFTER_MS))
         context.abort(grpc.StatusCode.UNAVAILABLE, why)
 
-    def _read_chunks(self, it, device, vocab, out, stop, lost) -> None:
+    def _read_chunks(self, it, device, vocab, out, stop, lost, heard) -> None:
         try:
             for msg in it:
+                heard[0] = time.monotonic()  # a chunk or a heartbeat: the drafter is there
                 if not msg.HasField("chunk"):
                     continue
                 try:

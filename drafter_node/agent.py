@@ -42,6 +42,7 @@ from edgespec.wire.trees import TREE_VERSION, tree_to_wire
 from edgespec.v1 import edgespec_pb2 as pb
 from edgespec.v1 import edgespec_pb2_grpc as pb_grpc
 from edgespec.wire.convert import auth_metadata, make_channel, params_from_pb, retry_after_s
+from edgespec.wire.keepalive import SILENT_HEARTBEATS, heartbeat_interval_s
 from edgespec.wire.reachability import check_address
 
 from .fleet_client import RemoteFleetTable
@@ -201,9 +202,11 @@ class DrafterAgent:
         channel = make_channel(self.cache, self.tls_ca, self.tls, client_cert=self.tls_cert,
                                client_key=self.tls_key)
         out: queue.Queue = queue.Queue()
+        beat_s = heartbeat_interval_s()
         out.put(pb.DrafterMessage(register=pb.Register(
             device_id=self.device_id, draft_model=self.drafter.name,
-            tokenizer_fingerprint=self.fingerprint, max_sessions=self.max_sessions)))
+            tokenizer_fingerprint=self.fingerprint, max_sessions=self.max_sessions,
+            heartbeat_ms=int(beat_s * 1000))))
         with self.cond:
             self._out = out
 
@@ -220,12 +223,15 @@ class DrafterAgent:
             self._call = responses
         if self.stopping.is_set():
             responses.cancel()
+        link = _Liveness(responses, out, beat_s, self.cache)
         try:
             for msg in responses:
+                link.heard(msg)
                 if self.stopping.is_set():
                     break
                 self._apply(msg)
         finally:
+            link.stop()
             out.put(None)
             if self.metrics is not None:
                 self.metrics.link_lost()
@@ -337,3 +343,41 @@ class DrafterAgent:
             # the verifier decodes it alone, and a commit may have reset the cache's idle flag
             # (a fix does): say it again
             self._send_idle(c.session_id, target, target.committed_end)
+
+
+class _Liveness(threading.Thread):
+    """One Attach stream's application heartbeat (``edgespec.wire.keepalive``): send a
+    Heartbeat every ``beat_s``, and cancel the stream (the agent then attaches again) when the
+    cache, which announced its own interval in Registered, has been silent for
+    SILENT_HEARTBEATS of them."""
+
+    def __init__(self, call, out: queue.Queue, beat_s: float, cache: str):
+        super().__init__(daemon=True, name="attach-heartbeat")
+        self.call, self.out, self.beat_s, self.cache = call, out, beat_s, cache
+        self.last_heard = time.monotonic()
+        self.silent_s = 0.0  # until the cache says its interval (an older cache: never)
+        self._done = threading.Event()
+        self.start()
+
+    def heard(self, msg: pb.CacheMessage) -> None:
+        self.last_heard = time.monotonic()
+        if msg.WhichOneof("kind") == "registered" and msg.registered.heartbeat_ms > 0:
+            self.silent_s = max(1.0, SILENT_HEARTBEATS * msg.registered.heartbeat_ms / 1000)
+
+    def stop(self) -> None:
+        self._done.set()
+
+    def run(self) -> None:
+        tick = min(self.beat_s, 0.5)
+        next_beat = time.monotonic() + self.beat_s
+        while not self._done.wait(tick):
+            now = time.monotonic()
+            if now >= next_beat:
+                next_beat = now + self.beat_s
+                self.out.put(pb.DrafterMessage(heartbeat=pb.Heartbeat(
+                    sent_unix_ms=int(time.time() * 1000))))
+            if self.silent_s and now - self.last_heard > self.silent_s:
+                log.warning("heard nothing from the cache at %s for %.1f s: attaching again",
+                            self.cache, now - self.last_heard)
+                self.call.cancel()
+                return

@@ -203,3 +203,36 @@ def test_a_silent_board_is_not_waited_for_and_its_session_stays_lossless(server,
         finally:
             outbox.put(None)
             attach.cancel()
+
+
+@pytest.fixture()
+def heartbeat_only(monkeypatch, tiny_dir):
+    """A server whose keepalive pings are off in effect (an hour), so that only the Attach
+    stream's application heartbeat (0.3 s) can notice a silent link: what a proxy between the
+    board and the cache that answers pings itself leaves."""
+    monkeypatch.setenv("EDGESPEC_KEEPALIVE_S", "3600")
+    monkeypatch.setenv("EDGESPEC_KEEPALIVE_TIMEOUT_S", "3600")
+    monkeypatch.setenv("EDGESPEC_HEARTBEAT_S", "0.3")
+    srv = EdgespecServer(ServerOptions(
+        listen="127.0.0.1:0", model=str(tiny_dir), max_drafters=4, drain_timeout_s=5,
+        dtype="float32", engine=EngineConfig(max_sessions=4, max_context=256))).start()
+    yield srv
+    srv.stop(drain_timeout_s=0)
+
+
+def test_the_attach_heartbeat_notices_a_silent_link_without_keepalive(heartbeat_only, reference):
+    server = heartbeat_only
+    board = Board(server, "board-hb")
+    try:
+        eventually(board.attached, "the first attach")
+        attaches = board.agent.attaches
+        board.link.blackhole()
+        eventually(lambda: not server.store.devices.is_alive("board-hb"),
+                   "the cache detaching the board it hears nothing from")
+        board.link.heal()
+        eventually(lambda: board.agent.attaches > attaches and board.attached(),
+                   "the board attaching again after its heartbeat went unanswered")
+        out = generate(f"127.0.0.1:{server.port}", device_id="board-hb")
+        assert out.token_ids == reference and out.stats.get("num_drafts", 0) > 0
+    finally:
+        board.close()

@@ -10,6 +10,12 @@ Attach stream then fails (UNAVAILABLE) and it attaches again on a new connection
 its stream; the cache sees the stream end and marks the board detached, so its sessions decode
 without it until it is back.
 
+Above the transport, a drafter's Attach stream carries an application ``Heartbeat`` both ways
+every ``EDGESPEC_HEARTBEAT_S`` (2 s): each end announces its interval when the stream opens, and
+the other ends the stream (the cache: marks the board detached; the board: attaches again) after
+``SILENT_HEARTBEATS`` intervals without hearing anything. This catches what keepalive cannot: a
+proxy between the two that answers pings itself while the far side is gone.
+
 Defaults suit a flaky edge link: a ping every 10 s of silence, 5 s to answer, so a silent link is
 noticed within about 15 s, at the cost of one 17-byte frame each way every 10 s (nothing while
 data flows). ``EDGESPEC_KEEPALIVE_S`` and ``EDGESPEC_KEEPALIVE_TIMEOUT_S`` change both ends (a
@@ -27,6 +33,8 @@ from ..config import ConfigError
 
 INTERVAL_ENV, TIMEOUT_ENV = "EDGESPEC_KEEPALIVE_S", "EDGESPEC_KEEPALIVE_TIMEOUT_S"
 DEFAULT_INTERVAL_S, DEFAULT_TIMEOUT_S = 10.0, 5.0
+HEARTBEAT_ENV, DEFAULT_HEARTBEAT_S = "EDGESPEC_HEARTBEAT_S", 2.0
+SILENT_HEARTBEATS = 3  # a peer heard nothing from for this many of its intervals is gone
 
 
 def _seconds(env: str, default: float) -> float:
@@ -48,6 +56,11 @@ def keepalive_interval_s() -> float:
 
 def keepalive_timeout_s() -> float:
     return _seconds(TIMEOUT_ENV, DEFAULT_TIMEOUT_S)
+
+
+def heartbeat_interval_s() -> float:
+    """How often each end of an Attach stream says it is there (``Heartbeat``)."""
+    return _seconds(HEARTBEAT_ENV, DEFAULT_HEARTBEAT_S)
 
 
 def client_keepalive_options() -> list[tuple[str, Any]]:
