@@ -236,3 +236,27 @@ def test_the_attach_heartbeat_notices_a_silent_link_without_keepalive(heartbeat_
         assert out.token_ids == reference and out.stats.get("num_drafts", 0) > 0
     finally:
         board.close()
+
+
+@pytest.mark.parametrize("text,want", [
+    ("blackhole@20+10", [("blackhole", 20.0, 10.0, "drafters", None)]),
+    ("abandon@40:clients/0, slow@5.5+2:all", [("abandon", 40.0, 0.0, "clients", 0),
+                                             ("slow", 5.5, 2.0, "all", None)]),
+    ("", [])])
+def test_partition_schedules_parse(text, want):
+    from edgespec_cli.deployment.link_faults import parse_fault_schedule
+
+    got = [(f.fault, f.at_s, f.for_s, f.links, f.device) for f in parse_fault_schedule(text)]
+    assert got == want
+
+
+@pytest.mark.parametrize("text,message", [
+    ("flood@1", "not one of"), ("blackhole@1", "needs \\+DURATION"), ("reset", "not FAULT@"),
+    ("reset@x", "not FAULT@"), ("reset@1:boards", "not drafters, clients or all"),
+    ("reset@-1", ">= 0")])
+def test_bad_partition_schedules_are_refused_with_the_reason(text, message):
+    from edgespec.config import ConfigError
+    from edgespec_cli.deployment.link_faults import parse_fault_schedule
+
+    with pytest.raises(ConfigError, match=message):
+        parse_fault_schedule(text)

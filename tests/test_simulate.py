@@ -28,7 +28,8 @@ def test_small_fleet_reports_every_figure_and_is_lossless(looping_dir, tmp_path)
         [sys.executable, "-m", "edgespec_cli", "simulate", "--model", str(looping_dir),
          "--devices", "2", "--profile", "local,phone-lte", "--requests", "4",
          "--max-new-tokens", "24", "--batching", "both", "--threads", "1", "--tree-width", "3",
-         "--json", str(out), "--plot", str(tmp_path / "plots"), "--timeout", "300"],
+         "--json", str(out), "--plot", str(tmp_path / "plots"), "--timeout", "300",
+         "--link-faults", "reset@0.3:all"],
         capture_output=True, text=True, timeout=600, env={**os.environ, "HOME": str(tmp_path)})
     assert r.returncode == 0, r.stderr[-3000:]
     report = json.loads(out.read_text())
@@ -38,6 +39,9 @@ def test_small_fleet_reports_every_figure_and_is_lossless(looping_dir, tmp_path)
     assert set(runs) == {"on", "off"}
     for mode, run in runs.items():
         assert run["devices"] == 2 and run["requests"] == 4 and run["errors"] == 0, run
+        if run["wall_s"] > 1.0:  # the reset of every link landed within the run, and cost none
+            assert [f["fault"] for f in run["link_faults"]] == ["reset"]
+            assert run["link_faults"][0]["links"] == "all"
         assert run["tokens"] > 0 and run["system_tokens_per_s"] > 0
         for key in ("ttft_s", "itl_s"):
             assert run[key]["p50"] is not None and run[key]["p99"] >= run[key]["p50"]

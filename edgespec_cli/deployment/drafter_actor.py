@@ -37,13 +37,16 @@ class DrafterActor:
         configure_logging()
         set_threads(threads)
         self.cache, self.device_id, self.spec, self.profile = cache, device_id, drafter, profile
-        self.proxy = None
+        self.proxy = self.faults = None
         address = cache
         if link is not None:
             from .link_emulation import LinkProxy
+            from .link_faults import FaultyLink
 
             self.proxy = LinkProxy(cache, link, seed=link_seed).start()
-            address = self.proxy.address
+            # the board's side of its emulated link, where simulate's partition schedule acts
+            self.faults = FaultyLink(self.proxy.address).start()
+            address = self.faults.address
         self.error: str | None = None
         self.agent = self.thread = None
         try:  # a drafter that cannot be built says why (info) instead of restarting forever
@@ -77,6 +80,14 @@ class DrafterActor:
                 "attaches": self.agent.attaches if self.agent else 0, "error": self.error,
                 "link": self.proxy.address if self.proxy else None}
 
+    def link_fault(self, fault: str | None) -> None:
+        """Break the emulated link (a ``link_faults.FAULTS`` name), or heal it (None)."""
+        if self.faults is not None:
+            if fault is None:
+                self.faults.heal()
+            else:
+                self.faults.apply(fault)
+
     def wait_attached(self, timeout: float) -> bool:
         return self.agent is not None and self.agent.connected.wait(timeout)
 
@@ -85,5 +96,7 @@ class DrafterActor:
             self.agent.stop()
             assert self.thread is not None  # started right after the agent was built
             self.thread.join(10)
+        if self.faults is not None:
+            self.faults.stop()
         if self.proxy is not None:
             self.proxy.stop()

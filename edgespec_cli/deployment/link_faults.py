@@ -224,3 +224,55 @@ class FaultyLink:
                 except OSError:
                     pass
                 s.close()
+
+
+@dataclass(frozen=True)
+class ScheduledFault:
+    """One link fault of a partition schedule: ``fault`` (one of FAULTS) at ``at_s`` seconds
+    into a run, healed ``for_s`` later (blackhole, refuse, slow; abandon and reset are
+    instants), on ``links``: "drafters", "clients" or "all", and ``device``: a device index, or
+    None for every device."""
+
+    fault: str
+    at_s: float
+    for_s: float = 0.0
+    links: str = "drafters"
+    device: int | None = None
+
+    def describe(self) -> str:
+        who = "every device" if self.device is None else f"device {self.device}"
+        span = f" for {self.for_s:g} s" if self.for_s else ""
+        return f"{self.fault} at {self.at_s:g} s{span} on {who}'s {self.links} link"
+
+
+def parse_fault_schedule(text: str) -> list[ScheduledFault]:
+    """``FAULT@START[+DURATION][:LINKS][/DEVICE]`` items, comma-separated: e.g.
+    ``blackhole@20+10,abandon@40:clients/0,slow@60+20:all``. LINKS: drafters (default),
+    clients or all; DEVICE: a device's index (default: every device). ConfigError on anything
+    else."""
+    from edgespec.config import ConfigError
+
+    out = []
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        try:
+            head, _, device = item.partition("/")
+            head, _, links = head.partition(":")
+            fault, _, when = head.partition("@")
+            start, _, span = when.partition("+")
+            event = ScheduledFault(fault, float(start), float(span or 0), links or "drafters",
+                                   int(device) if device else None)
+        except ValueError:
+            raise ConfigError(f"--link-faults: {item!r} is not FAULT@START[+DURATION]"
+                              "[:LINKS][/DEVICE] (e.g. blackhole@20+10)") from None
+        if event.fault not in FAULTS:
+            raise ConfigError(f"--link-faults: {event.fault!r} is not one of "
+                              f"{', '.join(FAULTS)}")
+        if event.links not in ("drafters", "clients", "all"):
+            raise ConfigError(f"--link-faults: links {event.links!r} is not drafters, clients "
+                              "or all")
+        if not (event.at_s >= 0 and event.for_s >= 0) or (event.device or 0) < 0:
+            raise ConfigError(f"--link-faults: {item!r}: times and the device must be >= 0")
+        if event.fault in ("blackhole", "refuse", "slow") and not event.for_s:
+            raise ConfigError(f"--link-faults: {item!r}: {event.fault} needs +DURATION")
+        out.append(event)
+    return out

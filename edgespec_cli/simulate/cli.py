@@ -10,6 +10,8 @@ from dataclasses import replace
 
 from edgespec.config import ConfigError
 
+from ..deployment.link_faults import parse_fault_schedule
+
 REAL_PARTS = ["verifier (the real model, batched verification)",
               "draft cache (gRPC service + embedded redis-server)",
               "drafters (real drafter agents in Ray actors)", "gRPC over loopback sockets",
@@ -75,6 +77,14 @@ def add_simulate_command(sub) -> None:
     s.add_argument("--timeout", metavar="S", type=float, default=900.0,
                    help="seconds a run may take to come up or a request to finish "
                         "(default: %(default)s)")
+    s.add_argument("--link-faults", metavar="SCHEDULE", default="",
+                   help="break links during each run, a partition schedule: comma-separated "
+                        "FAULT@START[+DURATION][:LINKS][/DEVICE], FAULT one of blackhole "
+                        "(forward nothing, sockets open), abandon (the server's side closed, the "
+                        "board's left open and silent), reset, refuse (nothing listens), slow "
+                        "(0.2 s a chunk); START and DURATION in seconds from the first request; "
+                        "LINKS drafters (default), clients or all; DEVICE an index (default: "
+                        "every device). E.g. blackhole@10+20,abandon@40:clients/0")
     s.add_argument("--device", metavar="D", default="cpu",
                    help="where the verifier runs: cpu, cuda or cuda:N (on a GPU its actor asks "
                         "Ray for one; the losslessness check decodes there too) "
@@ -115,6 +125,7 @@ def check_args(args) -> tuple[list[int], list]:
     if not 1 <= args.tree_width <= 16:
         raise ConfigError(f"--tree-width must be in [1, 16], got {args.tree_width}")
     check_model_arg(args.model)
+    parse_fault_schedule(args.link_faults)  # refused before anything starts
     return counts, profiles
 
 
@@ -219,6 +230,7 @@ def _settings(args: argparse.Namespace, dtype: str):
                        requests=args.requests, duration_s=args.duration, rate=args.rate,
                        threads=args.threads, dtype=dtype, device=args.device, seed=args.seed,
                        timeout_s=args.timeout, tree_width=args.tree_width,
+                       link_faults=parse_fault_schedule(args.link_faults),
                        engine={**({"max_batch_tokens": args.max_batch_tokens}
                                   if args.max_batch_tokens else {}),
                                **({"head": args.head} if args.head else {}),

@@ -37,3 +37,5 @@ class RunRecord:
     max_sessions: int = 0  # the verifier's KV slots in this run
     # the verifier's steps: {"steps", "wait_s", "forward_s", "commit_s"} summed over the run
     step_totals: dict = field(default_factory=dict)
+    # the partition schedule as applied: {"fault", "links", "device", "at_s", "healed_at_s"}
+    link_faults: list[dict] = field(default_factory=list)

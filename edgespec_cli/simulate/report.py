@@ -170,6 +170,7 @@ def summarize_run(run: RunRecord) -> dict:
         "acceptance": acceptance(run.requests),
         "batch_sizes": batch_summary(run.batch_sizes),
         "step_ms": step_split(run.step_totals),
+        "link_faults": list(run.link_faults),
         "per_device": [summarize_device(d, reqs, wall) for d, reqs in sorted(by_device.items())],
     }
 
@@ -224,6 +225,11 @@ def run_block(s: dict) -> list[str]:
         f"  TTFT ms          p50 {fmt(s['ttft_s']['p50'], ms)}  p99 {fmt(s['ttft_s']['p99'], ms)}",
         f"  ITL ms           p50 {fmt(s['itl_s']['p50'], ms)}  p99 {fmt(s['itl_s']['p99'], ms)}",
         f"  batch sizes      {hist}  (mean {fmt(s['batch_sizes']['mean'], digits=2)})",
+        *(f"  link fault       {f['fault']} on {f['links']} of "
+          f"{'every device' if f['device'] is None else 'device ' + str(f['device'])} at "
+          f"{f['at_s']:.1f} s" + (f", healed at {f['healed_at_s']:.1f} s"
+                                  if f.get('healed_at_s') is not None else "")
+          for f in s.get("link_faults", [])),
         f"  step ms          {step_line(s.get('step_ms'))}",
         f"  {'device':<16} {'profile':<12} {'share/s':>8} {'decode/s':>9} {'accept':>7} "
         f"{'mean_len':>8} {'errors':>6}",

@@ -33,6 +33,7 @@ from .records import RequestRecord, RunRecord
 
 if TYPE_CHECKING:
     from ..deployment.link_emulation import LinkProxy
+    from ..deployment.link_faults import FaultyLink
 
 log = logging.getLogger("edgespec.simulate")
 
@@ -57,6 +58,8 @@ class SimSettings:
     timeout_s: float = 900.0
     engine: dict = field(default_factory=dict)  # EngineConfig fields for the verifier
     tree_width: int = 1  # the drafters send token trees of this width (1: chains)
+    # a partition schedule (``link_faults.parse_fault_schedule``), seconds from the first request
+    link_faults: list = field(default_factory=list)
 
 
 def device_ids(profiles: list[DeviceProfile]) -> list[str]:
@@ -84,6 +87,8 @@ class FleetRun:
         self._lock = threading.Lock()
         self._actors: list[Any] = []  # Ray actor handles
         self._proxies: list[LinkProxy] = []
+        self._faulty: list[FaultyLink] = []  # the clients' side of their links
+        self._applied: list[dict] = []
         self._tmp = tempfile.mkdtemp(prefix="edgespec-sim-")
 
     def _place(self) -> tuple[str, Any]:  # the verifier's address and Ray actor
@@ -121,6 +126,7 @@ class FleetRun:
         from ray.exceptions import RayError
 
         from ..deployment.link_emulation import LinkProxy
+        from ..deployment.link_faults import FaultyLink
 
         n = len(self.profiles)
         self.progress(f"simulate: batching {self.batching}, {n} device(s): starting the fleet")
@@ -135,12 +141,16 @@ class FleetRun:
             for i, p in enumerate(self.profiles):  # one by one: each is stopped if one fails
                 self._proxies.append(
                     LinkProxy(address, p.link, seed=self.s.seed * 10_000 + 5_000 + i).start())
+                self._faulty.append(FaultyLink(self._proxies[-1].address).start())
             total = self.s.requests or 2 * n
             plan = deal(total if self.s.duration_s is None else 100_000, n)
             started = time.monotonic()
             stop_at = started + self.s.duration_s if self.s.duration_s else None
             threading.Thread(target=self._report_progress, args=(started, total, done),
                              daemon=True).start()
+            if self.s.link_faults:
+                threading.Thread(target=self._break_links, args=(started, done),
+                                 daemon=True).start()
             with ThreadPoolExecutor(max(n, 1) * (4 if self.s.rate else 1)) as pool:
                 if self.s.rate:
                     self._open_loop(pool, plan, started, stop_at)
@@ -153,10 +163,51 @@ class FleetRun:
             steps = ray.get(verifier.step_totals.remote(), timeout=60)
             return RunRecord(self.batching, n, started, ended, list(self.records),
                              {int(k): v for k, v in batches.items()},
-                             max_sessions=n if self.batching == "on" else 1, step_totals=steps)
+                             max_sessions=n if self.batching == "on" else 1, step_totals=steps,
+                             link_faults=list(self._applied))
         finally:
             done.set()
             self.close()
+
+    def _break_links(self, started: float, done: threading.Event) -> None:
+        """Apply the partition schedule: each fault at its time on its links, healed after its
+        duration (the run may end first: what was applied is recorded)."""
+        timeline = []
+        for f in self.s.link_faults:
+            timeline.append((f.at_s, f, True))
+            if f.for_s:
+                timeline.append((f.at_s + f.for_s, f, False))
+        for at, f, breaking in sorted(timeline, key=lambda e: e[0]):
+            if done.wait(max(0.0, started + at - time.monotonic())):
+                return
+            devices = range(len(self.profiles)) if f.device is None else [f.device]
+            for dev in devices:
+                if dev >= len(self.profiles):
+                    continue
+                try:
+                    self._set_fault(dev, f.links, f.fault if breaking else None)
+                except Exception as e:  # an actor gone: the run goes on, the log says
+                    log.warning("link fault on device %d failed: %s", dev, e)
+            now = time.monotonic() - started
+            if breaking:
+                self.progress(f"simulate: {f.describe()} (at {now:.1f} s)")
+                self._applied.append({"fault": f.fault, "links": f.links, "device": f.device,
+                                      "at_s": now, "healed_at_s": None})
+            else:
+                for rec in self._applied:
+                    if rec["fault"] == f.fault and rec["device"] == f.device and \
+                            rec["healed_at_s"] is None:
+                        rec["healed_at_s"] = now
+                self.progress(f"simulate: healed {f.fault} (at {now:.1f} s)")
+
+    def _set_fault(self, dev: int, links: str, fault: str | None) -> None:
+        if links in ("clients", "all"):
+            faulty = self._faulty[dev]
+            faulty.heal() if fault is None else faulty.apply(fault)
+        if links in ("drafters", "all"):
+            import ray
+
+            ray.get(self._actors[2 + dev].link_fault.remote(fault), timeout=60)
 
     def _closed_loop(self, dev: int, indices: list[int], stop_at: float | None) -> None:
         for k in indices:
@@ -186,7 +237,7 @@ class FleetRun:
         rec = RequestRecord(device_ids(self.profiles)[dev], profile.name, prompt.category,
                             prompt.ids, sent_at or time.monotonic())
         try:
-            with Client(self._proxies[dev].address, timeout=self.s.timeout_s) as c:
+            with Client(self._faulty[dev].address, timeout=self.s.timeout_s) as c:
                 for piece in c.stream(prompt_ids=prompt.ids, raw=True,
                                       max_new_tokens=self.s.max_new_tokens,
                                       device_id=rec.device_id):
@@ -218,6 +269,8 @@ class FleetRun:
     def close(self) -> None:
         import ray
 
+        for f in self._faulty:
+            f.stop()
         for p in self._proxies:
             p.stop()
         for a in self._actors:
@@ -226,6 +279,6 @@ class FleetRun:
             except Exception:
                 pass
             ray.kill(a, no_restart=True)
-        self._actors, self._proxies = [], []
+        self._actors, self._proxies, self._faulty = [], [], []
         shutil.rmtree(self._tmp, ignore_errors=True)
 
