@@ -95,3 +95,19 @@ def test_a_call_the_pace_cannot_serve_in_time_is_refused_at_once_and_others_are_
             assert client.generate(prompt_ids=[1, 5, 6], max_new_tokens=4).token_ids
     finally:
         srv.stop(drain_timeout_s=0)
+
+
+def test_the_rate_is_projected_to_the_batch_a_call_joins_by_the_forward_cost():
+    """Measured with one session a step (1 s a step, 2 tokens, 2 rows), a forward whose cost is
+    0.8 s + 0.1 s a row: eight sessions take 2.4 s a step (16 tokens), so 6.67 tokens/s in all
+    and 0.83 for one; without a cost model the step time stays as measured."""
+    pace = Pace(cost_fit=lambda: (0.8, 0.1))  # 0.8 + 0.1 x 2 rows = 1 s at one session
+    for _ in range(MIN_STEPS):
+        pace.step(2, 1, 1.0, rows=2)
+    rate, single = pace.rates_at(8)
+    assert rate == pytest.approx(16 / 2.4) and single == pytest.approx(2 / 2.4)
+    flat = _paced(rate=2, session_rate=2)
+    assert flat.rates_at(8) == (pytest.approx(16), pytest.approx(2))
+    # the verdict reads the rate at the batch it is told
+    assert pace.verdict(10, 100, 0, deadline_s=25, batch=8).admit  # 110 / 6.67 = 16.5 s
+    assert not pace.verdict(10, 100, 0, deadline_s=25, batch=1).admit  # 110 / 2 = 55 s

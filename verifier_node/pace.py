@@ -3,10 +3,13 @@ measured throughput and the work queued ahead of it let it finish within its dea
 
 A queue of fixed depth admits the same number of calls on a 2-core Cascade Lake as on a GPU;
 there a burst of 200 calls had 6 admitted ones miss their deadline. ``Pace`` learns, from the
-steps the scheduler runs, how many tokens a second the verifier commits in all (``rate``) and
-for one session (``session_rate``), and ``Pace.verdict`` estimates when a new call would finish:
+steps the scheduler runs, the tokens a session commits a step, a step's time and the sessions
+and rows it had, and projects them to the batch a new call would run in (the engine's measured
+forward cost, ``fixed + per_token * rows``, scales the step time: a batch of 8 decodes more in
+all than the lone session a quiet verifier measured). ``Pace.verdict`` estimates when a new call
+would finish:
 
-    finish ~ max((tokens ahead + its own) / rate, its own / session_rate) + prefills ahead
+    finish ~ max((tokens ahead + its own) / rate(n), its own / session_rate(n)) + prefills ahead
 
 where "tokens ahead" is what every queued and running session may still generate (its
 ``max_new_tokens`` less what it has: an upper bound, so the estimate errs towards refusing).
@@ -19,6 +22,7 @@ a resumed session is never refused by pace (it already counts).
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 SAFETY = 0.8  # admit when the estimate is within this share of the deadline
@@ -52,21 +56,49 @@ class Pace:
     """Moving averages of the verifier's speed, fed by the scheduler thread and read by the
     handler threads."""
 
-    def __init__(self) -> None:
+    def __init__(self, cost_fit: Callable[[], tuple[float, float] | None] | None = None):
+        """``cost_fit``: the engine's forward cost model, ``() -> (fixed, per_row) seconds``
+        (``draft_planner.ForwardCost.fit``); None: a step costs the same at any batch."""
         self._lock = threading.Lock()
-        self.rate = 0.0  # committed tokens a second, all sessions together
-        self.session_rate = 0.0  # committed tokens a second, one session
+        self.cost_fit = cost_fit
+        self.rate = 0.0  # committed tokens a second, all sessions together (as measured)
+        self.session_rate = 0.0  # committed tokens a second, one session (as measured)
         self.prefill_rate = 0.0  # prompt tokens a second through a prefill
+        self.per_session = 0.0  # committed tokens a session a step
+        self.step_s = 0.0
+        self.sessions = 0.0  # sessions a step had
+        self.rows_per_session = 0.0  # forward rows a session a step (1 + its draft)
         self.steps = 0
 
-    def step(self, tokens: int, sessions: int, seconds: float) -> None:
-        """One verification step committed ``tokens`` over ``sessions`` in ``seconds``."""
+    def step(self, tokens: int, sessions: int, seconds: float, rows: int = 0) -> None:
+        """One verification step committed ``tokens`` over ``sessions`` in ``seconds``, its
+        forward over ``rows`` rows (0: not known)."""
         if sessions <= 0 or seconds <= 0:
             return
         with self._lock:
             self.rate = self._mix(self.rate, tokens / seconds)
             self.session_rate = self._mix(self.session_rate, tokens / sessions / seconds)
+            self.per_session = self._mix(self.per_session, tokens / sessions)
+            self.step_s = self._mix(self.step_s, seconds)
+            self.sessions = self._mix(self.sessions, sessions)
+            if rows:
+                self.rows_per_session = self._mix(self.rows_per_session, rows / sessions)
             self.steps += 1
+
+    def rates_at(self, batch: float) -> tuple[float, float]:
+        """(all sessions', one session's) committed tokens a second with ``batch`` sessions a
+        step: the measured step time scaled by the forward cost model from the batch measured
+        to ``batch``."""
+        with self._lock:
+            g, t, n0, rps = self.per_session, self.step_s, self.sessions, self.rows_per_session
+        if t <= 0 or g <= 0:
+            return 0.0, 0.0
+        fit = self.cost_fit() if self.cost_fit is not None else None
+        if fit is not None and n0 > 0:
+            fixed, per_row = fit
+            rps = rps or 1.0
+            t *= (fixed + per_row * batch * rps) / (fixed + per_row * n0 * rps)
+        return batch * g / t, g / t
 
     def prefill(self, tokens: int, seconds: float) -> None:
         if tokens > 0 and seconds > 0:
@@ -78,14 +110,17 @@ class Pace:
         return new if old == 0 else (1 - ALPHA) * old + ALPHA * new
 
     def verdict(self, new_tokens: int, ahead_tokens: int, ahead_prompts: int,
-                deadline_s: float | None) -> PaceVerdict:
+                deadline_s: float | None, batch: float | None = None) -> PaceVerdict:
         """Whether a call that may generate ``new_tokens`` finishes within ``deadline_s`` (None:
         no deadline, always admitted) behind ``ahead_tokens`` still to generate and
-        ``ahead_prompts`` prompt tokens (its own included) still to prefill."""
+        ``ahead_prompts`` prompt tokens (its own included) still to prefill, running among
+        ``batch`` sessions a step (None: as many as measured)."""
         with self._lock:
-            rate, single, pre, steps = (self.rate, self.session_rate, self.prefill_rate,
-                                        self.steps)
-        if deadline_s is None or steps < MIN_STEPS or rate <= 0 or single <= 0:
+            pre, steps, measured = self.prefill_rate, self.steps, self.sessions
+        if deadline_s is None or steps < MIN_STEPS:
+            return PaceVerdict(True, None, deadline_s)
+        rate, single = self.rates_at(batch or measured)
+        if rate <= 0 or single <= 0:
             return PaceVerdict(True, None, deadline_s)
         prefill = ahead_prompts / pre if pre > 0 else 0.0
         alone = new_tokens / single

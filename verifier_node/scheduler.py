@@ -133,7 +133,7 @@ class Scheduler(threading.Thread):
         self._wake = threading.Event()
         self.store_ok = True
         self.draining = False
-        self.pace = Pace()
+        self.pace = Pace(engine.cost.fit)
         self._step_tokens = 0  # committed during the step running now
 
     # -- called from handler threads ------------------------------------------------------------
@@ -178,8 +178,9 @@ class Scheduler(threading.Thread):
                     for t in self._tickets.values())
         prompts = len(req.prompt_ids) + len(req.committed) + sum(
             len(t.request.prompt_ids) + len(t.request.committed) for t in self._pending)
+        batch = min(self.engine.cfg.max_sessions, len(self._tickets) + 1)
         verdict = self.pace.verdict(max(0, req.max_new_tokens - len(req.committed)), ahead,
-                                    prompts, deadline_s)
+                                    prompts, deadline_s, batch)
         if not verdict.admit:
             if self.metrics is not None:
                 self.metrics.refused_for_pace()
@@ -240,7 +241,8 @@ class Scheduler(threading.Thread):
                     sessions, self._step_tokens = len(self.engine.active), 0
                     began = time.monotonic()
                     report = self.engine.step()
-                    self.pace.step(self._step_tokens, sessions, time.monotonic() - began)
+                    self.pace.step(self._step_tokens, sessions, time.monotonic() - began,
+                                   report.tokens if report is not None else 0)
                     if report is not None and self.metrics is not None:
                         self.metrics.step(report)
                 else:
