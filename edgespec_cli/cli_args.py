@@ -49,10 +49,11 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 def add_dtype_arg(p: argparse.ArgumentParser, who: str = "") -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", *DTYPE_NAMES],
-                   help=f"{who}weights and activations dtype; auto: bfloat16 where its exact "
-                        "(batch-invariant) path runs on that machine, else float32, decided by a "
-                        "probe at start; a dtype that is not exact there is refused "
-                        "(default: %(default)s)")
+                   help=f"{who}weights and activations dtype; auto: of bfloat16 and float32, "
+                        "those whose exact (batch-invariant) path passes the start probes at the "
+                        "thread count that serves, the faster as measured there (bfloat16 only "
+                        "when clearly faster; the log says what was measured); a dtype that is "
+                        "not exact there is refused (default: %(default)s)")
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
