@@ -289,7 +289,9 @@ class DraftCacheService(pb_grpc.DraftCacheServicer):
                     del self._generation[device]
                     try:
                         self.store.devices.mark_gone(device)
-                    except redis.RedisError as e:  # its alive mark expires by itself
+                    except (redis.RedisError, OSError, ValueError) as e:
+                        # its alive mark expires by itself; ValueError: the client's socket was
+                        # closed under it (the cache shutting down, seen in a soak)
                         log.warning("drafter %s: cannot mark it gone: %s", device, e)
                     log.info("drafter %s detached", device)
 
