@@ -161,6 +161,9 @@ class EngineConfig:
     chunk: int = 4  # c: tokens a drafter pushes per chunk
     # how long a step waits for a draft that is on its way; None: the drafter's own suggestion
     draft_wait_ms: float | None = None
+    # a drafter whose drafts missed this many steps' deadlines in a row is not waited for
+    # until they come in time again (engine/lateness.py); 0: always wait the draft deadline
+    late_after: int = 3
     max_sessions: int = 16  # KV slots on the verifier: the most sessions in one batch
     max_batch_tokens: int = 256  # the most tokens in one verification forward
     max_context: int = 2048  # tokens per KV slot (prompt + output + draft)
@@ -201,6 +204,8 @@ class EngineConfig:
                               f"tree_nodes ({self.tree_nodes}) must be <= {MAX_TREE_NODES}; lower "
                               "either, or "
                               "set tree_nodes to 0 (chains only)")
+        if self.late_after < 0:
+            raise ConfigError(f"late_after must be >= 0, got {self.late_after}")
         if self.draft_wait_ms is not None and self.draft_wait_ms < 0:
             raise ConfigError(f"draft_wait_ms must be >= 0, got {self.draft_wait_ms}")
         if self.learn and not self.head:

@@ -69,6 +69,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="how long a step waits for a draft on its way (default: in process, the "
                         "drafter's own: 10 for mag, 100 for model drafters; a distributed "
                         "verifier: 10)")
+    p.add_argument("--late-after", metavar="N", type=int, default=d.late_after,
+                   help="steps in a row whose draft deadline a drafter's drafts miss before its "
+                        "sessions are verified without waiting for it, until its drafts come in "
+                        "time again; 0: always wait the deadline (default: %(default)s)")
     p.add_argument("--max-context", type=int, default=d.max_context,
                    help="tokens per session: prompt + output (default: %(default)s)")
     p.add_argument("--no-adaptive", action="store_true",
@@ -158,6 +162,7 @@ def engine_config(args, max_sessions: int | None = None) -> EngineConfig:
     return EngineConfig(max_draft=getattr(args, "max_draft", d.max_draft),
                         window=args.window, chunk=args.chunk,
                         draft_wait_ms=getattr(args, "draft_wait_ms", d.draft_wait_ms),
+                        late_after=getattr(args, "late_after", d.late_after),
                         max_context=getattr(args, "max_context", d.max_context),
                         adaptive=not getattr(args, "no_adaptive", False),
                         max_sessions=max_sessions or d.max_sessions,

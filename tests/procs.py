@@ -91,8 +91,16 @@ def wait_healthy(address: str, timeout: float = 60, tls_ca=None) -> None:
     wait_health(address, timeout=timeout, tls_ca=tls_ca)
 
 
+# A drafter frozen with SIGSTOP that must stay attached, its sessions waited for at every step
+# (tests that make "mid-generation" structural): the liveness checks that would detach it, and
+# the lateness rule that would stop waiting for it, put out of reach. The verifier also needs
+# ``--late-after 0``.
+FROZEN_DRAFTER_ENV = {"EDGESPEC_HEARTBEAT_S": "3600", "EDGESPEC_KEEPALIVE_S": "3600",
+                      "EDGESPEC_KEEPALIVE_TIMEOUT_S": "3600"}
+
+
 def start_serve(model_dir, tmp_path, redis_url=None, port=None, token="s3cret",
-                extra=(), tls_ca=None) -> tuple[Proc, str]:
+                extra=(), tls_ca=None, env: dict | None = None) -> tuple[Proc, str]:
     port = port or free_port()
     address = f"127.0.0.1:{port}"
     args = ["serve", "--listen", address, "--model", model_dir, "--auth-token", token,
@@ -100,7 +108,7 @@ def start_serve(model_dir, tmp_path, redis_url=None, port=None, token="s3cret",
             "--dtype", "float32", *extra]
     if redis_url:
         args += ["--redis-url", redis_url]
-    proc = Proc(args, tmp_path / f"serve-{port}-{time.monotonic_ns()}.log")
+    proc = Proc(args, tmp_path / f"serve-{port}-{time.monotonic_ns()}.log", env=env)
     try:
         wait_healthy(address, tls_ca=tls_ca)
     except TimeoutError:
@@ -109,10 +117,11 @@ def start_serve(model_dir, tmp_path, redis_url=None, port=None, token="s3cret",
     return proc, address
 
 
-def start_drafter(address, device, tmp_path, drafter="mag", token="s3cret", extra=()) -> Proc:
+def start_drafter(address, device, tmp_path, drafter="mag", token="s3cret", extra=(),
+                  env: dict | None = None) -> Proc:
     return Proc(["drafter", "--cache", address, "--device-id", device, "--drafter", drafter,
                  "--auth-token", token, "--log-level", "INFO", *extra],
-                tmp_path / f"drafter-{device}.log")
+                tmp_path / f"drafter-{device}.log", env=env)
 
 
 class Streamer(threading.Thread):

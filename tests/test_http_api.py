@@ -24,7 +24,7 @@ from edgespec.models.loading import encode_prompt
 from verifier_node.admission import MAX_CHARS_PER_TOKEN
 from verifier_node.body_limit import default_max_request_bytes
 from edgespec.wire.convert import free_port
-from procs import Proc, start_drafter, start_serve
+from procs import FROZEN_DRAFTER_ENV, Proc, start_drafter, start_serve
 
 pytestmark = pytest.mark.slow  # processes, servers or long sweeps: not the fast tier
 
@@ -431,8 +431,10 @@ def test_a_client_that_disconnects_cancels_its_session(looping_dir, tmp_path):
     2000-token generation takes over 100 s and is surely running when the client leaves."""
     http_port = free_port()
     serve, address = start_serve(looping_dir, tmp_path, token=TOKEN, extra=[
-        "--http-port", http_port, "--draft-wait-ms", 50, "--max-context", 4096])
-    frozen = start_drafter(address, "frozen", tmp_path, "mag", token=TOKEN)
+        "--http-port", http_port, "--draft-wait-ms", 50, "--max-context", 4096,
+        "--late-after", 0], env=FROZEN_DRAFTER_ENV)
+    frozen = start_drafter(address, "frozen", tmp_path, "mag", token=TOKEN,
+                           env=FROZEN_DRAFTER_ENV)
     try:
         frozen.wait_for("attached to")
         frozen.popen.send_signal(signal.SIGSTOP)

@@ -10,7 +10,8 @@ first response, so the caller sees one unbroken stream identical to target-only 
 Three layers: the SDK's resume logic alone (no server), admission in process (the embedded
 Redis, the scheduler driven by hand), and a real ``edgespec serve`` killed with SIGKILL while
 three streams (greedy, seeded, unseeded) run, restarted on the same port. A drafter attached and
-frozen with SIGSTOP (``--draft-wait-ms 2000``) makes every step of the first serve wait 2 s for
+frozen with SIGSTOP (``--draft-wait-ms 2000``, ``--late-after 0``, its liveness checks out of
+reach: ``procs.FROZEN_DRAFTER_ENV``) makes every step of the first serve wait 2 s for
 drafts, so the kill after the first token lands between tokens: "mid-generation" is structural,
 not a matter of timing luck. (The sampled prompts end in tokens after which the looping model
 samples its stop token with a probability below 1e-5: their first token never ends them.)
@@ -31,7 +32,7 @@ from edgespec.models.loading import stop_token_ids
 from edgespec.runner.target_runner import TargetRunner
 from edgespec.v1 import edgespec_pb2 as pb
 from edgespec.wire.convert import free_port
-from procs import Streamer, start_drafter, start_serve
+from procs import FROZEN_DRAFTER_ENV, Streamer, start_drafter, start_serve
 from verifier_node.admission import GenerationRequest, SessionNotFound
 
 pytestmark = pytest.mark.slow  # processes, servers or long sweeps: not the fast tier
@@ -173,8 +174,9 @@ def test_serve_killed_mid_generation_streams_complete_as_target_only(looping, lo
                                                                      tmp_path):
     port = free_port()
     serve, address = start_serve(looping_dir, tmp_path, port=port, token=TOKEN,
-                                 extra=["--draft-wait-ms", 2000])
-    drafter = start_drafter(address, "frozen", tmp_path, token=TOKEN)
+                                 extra=["--draft-wait-ms", 2000, "--late-after", 0],
+                                 env=FROZEN_DRAFTER_ENV)
+    drafter = start_drafter(address, "frozen", tmp_path, token=TOKEN, env=FROZEN_DRAFTER_ENV)
     restarted = None
     try:
         drafter.wait_for("attached to")

@@ -36,9 +36,11 @@ class DrafterLink:
 
 
 class Lateness:
-    """Fed by the engine's thread once a step; read by status and metrics from other threads."""
+    """Fed by the engine's thread once a step; read by status and metrics from other threads.
+    ``misses_to_late``: consecutive missed deadlines that make a drafter late (0: never)."""
 
-    def __init__(self) -> None:
+    def __init__(self, misses_to_late: int = MISSES_TO_LATE) -> None:
+        self.misses_to_late = misses_to_late
         self._links: dict[str, DrafterLink] = {}
         self._lock = threading.Lock()
 
@@ -66,7 +68,7 @@ class Lateness:
                     link.late, link.run = False, 0
             else:
                 link.run = 0 if ready else link.run + 1
-                if link.run >= MISSES_TO_LATE:
+                if self.misses_to_late and link.run >= self.misses_to_late:
                     link.late, link.run = True, 0
                     link.marked_late += 1
 

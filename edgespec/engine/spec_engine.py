@@ -113,7 +113,7 @@ class SpecEngine:
         self.wait_ms: float = wait_ms
         self.active: list[ActiveSession] = []
         self.cost = ForwardCost()  # the measured cost of the verification forward
-        self.lateness = Lateness()  # drafters not waited for (lateness.py)
+        self.lateness = Lateness(self.cfg.late_after)  # drafters not waited for (lateness.py)
         self._undelivered: list[Decision] = []
         self._lenient: dict[str, list[int]] = {}  # this step's verdicts: lossy-kept path nodes
 
