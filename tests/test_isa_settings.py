@@ -22,9 +22,11 @@ SETTINGS = {
     "avx512-no-bf16": {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_VNNI"},
     "avx2": {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"},
 }
+# the ragged sweep (the one that failed on Cascade Lake: 1, 2, 5 and 8 threads, float32 and
+# bfloat16), chunked prefills, and end-to-end losslessness in both dtypes; the trees' sweep runs
+# natively only (a suite that stays within its time)
 SELECTED = [
     "tests/test_batch_invariance.py::test_chains_in_ragged_batches_have_the_bits_of_one_at_a_time",
-    "tests/test_batch_invariance.py::test_trees_mixed_with_chains_have_the_bits_of_one_at_a_time",
     "tests/test_batch_invariance.py::test_prefill_in_chunks_and_long_contexts_keep_the_bits",
     "tests/test_engine.py::test_half_precision_speculative_equals_its_own_target_only",
     "tests/test_engine.py::test_batched_sessions_identical_to_alone",

@@ -95,7 +95,8 @@ def _pages() -> list[Path]:
 OTHER_TOOLS = {"--index-url", "--no-deps", "--force-reinstall",  # pip
                "--resources", "--node-ip-address",  # ray start
                "--retry", "--retry-connrefused",  # curl
-               "--wheels", "--dry-run", "--budget-s"}  # scripts/gpu_sitting.sh
+               "--wheels", "--dry-run", "--budget-s",  # scripts/gpu_sitting.sh
+               "--calls", "--deadline"}  # scripts/admission_burst.py
 
 
 def test_every_option_the_pages_name_exists():
