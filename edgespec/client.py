@@ -15,15 +15,16 @@ FLy's lossy verification, ``"pad"`` for PAD's (each refused with ``InvalidReques
 verifier was started in that mode: ``--verify loose``, ``--verify pad:DIR``), ``verify="exact"``
 insists on lossless verification; ``result.lossless`` (and ``stats["lossless"]``) says which the
 session got. A client's first call waits for a server that is not up yet, within its deadline
-(two minutes without one), logging once what it waits for, then fails with ``Unavailable``
-saying why ("nothing is listening at ADDR (waited 120 s)"); a TLS mismatch or a port that is not
-an edgespec server's fails it at once (``edgespec.wire.reachability``). ``timeout`` is a
-deadline in seconds for the whole call: a server that is restarting is waited for within it, and
-a stream that breaks (the verifier restarted) is resumed by session id within it,
-token-identically; a session the verifier's cache lost meanwhile (a resume answered NOT_FOUND)
-is re-created from the prompt and the tokens already received, and goes on as target-only
-decoding would (``result.seed``: the session's sampling seed, the verifier's choice when none
-was given). Failures raise subclasses of ``EdgespecError`` named after their gRPC status.
+(two minutes without one, ten once its port is open and it loads its model), logging once what
+it waits for, then fails with ``Unavailable`` saying why ("nothing is listening at ADDR (waited
+120 s)"); a TLS mismatch or a port that is not an edgespec server's fails it at once
+(``edgespec.wire.reachability``). ``timeout`` is a deadline in seconds for the whole call: a
+server that is restarting is waited for within it, and a stream that breaks (the verifier
+restarted) is resumed by session id within it, token-identically; a session the verifier's cache
+lost meanwhile (a resume answered NOT_FOUND) is re-created from the prompt and the tokens
+already received, and goes on as target-only decoding would (``result.seed``: the session's
+sampling seed, the verifier's choice when none was given). Failures raise subclasses of
+``EdgespecError`` named after their gRPC status.
 
 The client makes its own gRPC channel (``client.channel``) with edgespec's message limits and a
 reconnect backoff of 0.2 s up to 2 s (``edgespec.wire.convert.CHANNEL_OPTIONS``), and keepalive

@@ -166,3 +166,21 @@ def test_a_tls_mismatch_is_told_from_a_starting_server():
                 client.status()
     finally:
         server.stop(0)
+
+
+def test_without_a_deadline_a_starting_server_is_waited_for_longer():
+    """No deadline: two minutes for a port nothing listens at, ten once the port is open (a
+    server loading its model, its first start pulling it); a deadline always wins."""
+    from edgespec.wire import reachability
+
+    waiting = reachability._Waiting("127.0.0.1:1", tls=False, timeout=None)
+    assert waiting.limit == reachability.FIRST_CONTACT_WAIT_S
+    assert waiting.saw("refused", "nothing is listening", 1.0) is None
+    assert waiting.limit == reachability.FIRST_CONTACT_WAIT_S
+    assert waiting.saw("silent", "accepts connections", 2.0) is None
+    assert waiting.limit == reachability.STARTING_WAIT_S > reachability.FIRST_CONTACT_WAIT_S
+    assert reachability._Waiting("127.0.0.1:1", tls=False, timeout=5).limit == 5
+    tls = reachability._Waiting("127.0.0.1:1", tls=True, timeout=None)
+    assert "TLS mismatch" in tls.saw("h2", "serves plaintext gRPC", 0.5)
+    plain = reachability._Waiting("127.0.0.1:1", tls=False, timeout=None)
+    assert "TLS server" in plain.saw("closed", "closed the connection", 0.5)

@@ -5,8 +5,10 @@ was seen.
 A call with ``wait_for_ready`` waits for a server that is not up, so a mistyped address looks
 like a hang that ends in DEADLINE_EXCEEDED. Before its first call, a client waits until its
 channel connects (READY: go on, and retry as usual from then on), up to the call's deadline
-(``FIRST_CONTACT_WAIT_S`` without one), logging once what it waits for. Meanwhile it probes the
-address (``probe``: one TCP connection sending the HTTP/2 preface) every ``RECHECK_S``:
+(without one: ``FIRST_CONTACT_WAIT_S`` for nothing listening yet, ``STARTING_WAIT_S`` once the
+port is open and the server loads its model), logging once what it waits for. Meanwhile it
+probes the address (``probe``: one TCP connection sending the HTTP/2 preface) every
+``RECHECK_S``:
 
 - nothing listening, a host that does not resolve or answer, a port that accepts connections
   and stays silent (an edgespec server opens its port before it loads its model), or a gRPC
@@ -38,6 +40,7 @@ log = logging.getLogger("edgespec.client")
 PROBE_TIMEOUT_S = 2.0
 SILENCE_S = 1.0  # a server that answers the HTTP/2 preface at all does so within this
 FIRST_CONTACT_WAIT_S = 120.0  # a server not up yet, when the call has no deadline
+STARTING_WAIT_S = 600.0  # one whose port is open (loading its model: a first pull), likewise
 RECHECK_S = 2.0  # how often the address is probed again while waiting
 CONNECT_GRACE_S = 10.0  # a TLS handshake failing this long is a certificate problem
 # the HTTP/2 client preface and an empty SETTINGS frame: a gRPC server answers with SETTINGS
@@ -59,15 +62,14 @@ class ConnectWatch:
         """None when the channel connects within ``timeout`` seconds (FIRST_CONTACT_WAIT_S when
         None); else a sentence saying why it does not."""
         began = time.monotonic()
-        limit = FIRST_CONTACT_WAIT_S if timeout is None else timeout
-        waiting = _Waiting(self.address, self.tls, limit)
+        waiting = _Waiting(self.address, self.tls, timeout)
         while True:
-            left = limit - (time.monotonic() - began)
+            left = waiting.limit - (time.monotonic() - began)
             if _ready_within(self.channel, max(0.0, min(RECHECK_S, left))):
                 return None
             spent = time.monotonic() - began
             failure = waiting.saw(*probe(self.address), spent)
-            if failure is not None or spent >= limit:
+            if failure is not None or spent >= waiting.limit:
                 return f"{failure or waiting.why} (waited {spent:.0f} s)"
 
     def stop(self) -> None:
@@ -78,31 +80,39 @@ async def unreachable_reason_aio(channel: grpc.aio.Channel, address: str,
                                  timeout: float | None, tls: bool = False) -> str | None:
     """``ConnectWatch.unreachable_reason`` for a grpc.aio channel."""
     began = time.monotonic()
-    limit = FIRST_CONTACT_WAIT_S if timeout is None else timeout
-    waiting = _Waiting(address, tls, limit)
+    waiting = _Waiting(address, tls, timeout)
     loop = asyncio.get_running_loop()
     while True:
-        left = limit - (time.monotonic() - began)
+        left = waiting.limit - (time.monotonic() - began)
         if await _ready_within_aio(channel, max(0.0, min(RECHECK_S, left))):
             return None
         kind, why = await loop.run_in_executor(None, probe, address)
         spent = time.monotonic() - began
         failure = waiting.saw(kind, why, spent)
-        if failure is not None or spent >= limit:
+        if failure is not None or spent >= waiting.limit:
             return f"{failure or waiting.why} (waited {spent:.0f} s)"
 
 
 class _Waiting:
     """What a first contact has seen so far, and whether it is worth waiting for more."""
 
-    def __init__(self, address: str, tls: bool, limit: float):
-        self.address, self.tls, self.limit = address, tls, limit
+    def __init__(self, address: str, tls: bool, timeout: float | None):
+        self.address, self.tls, self.timeout = address, tls, timeout
         self.why = f"{address} did not connect"
         self.told = False
+        self.starting = False  # its port was seen open: a server loading its model
+
+    @property
+    def limit(self) -> float:
+        """How long the first contact may wait in all."""
+        if self.timeout is not None:
+            return self.timeout
+        return STARTING_WAIT_S if self.starting else FIRST_CONTACT_WAIT_S
 
     def saw(self, kind: Probe, why: str, spent: float) -> str | None:
         """A failure sentence to give up with, or None to wait on (logged once)."""
         self.why = why
+        self.starting = self.starting or kind in ("silent", "h2")
         addr = self.address
         if kind == "h2" and self.tls:
             return (f"{addr} serves gRPC without TLS: a TLS mismatch (drop --tls/--tls-ca, or "
