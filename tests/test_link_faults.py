@@ -170,6 +170,28 @@ def test_lateness_marks_a_drafter_late_after_missed_deadlines_and_waits_again_on
     assert (link.missed, link.unwaited, link.marked_late) == (2 * MISSES_TO_LATE, 3, 1)
 
 
+def test_a_late_drafter_is_waited_for_again_every_few_steps():
+    """While late, a drafter is not waited for, except every PROBE_EVERY-th step: a drafter
+    whose drafts need the wait (a slow link that healed) is found on time there and recovers."""
+    from edgespec.engine.lateness import HITS_TO_RECOVER, MISSES_TO_LATE, PROBE_EVERY, Lateness
+
+    book = Lateness()
+    for _ in range(MISSES_TO_LATE):
+        book.record("b", ready=False, waited=True)
+    waits = []
+    for _ in range(2 * PROBE_EVERY):
+        skipped = book.not_waited_for({"b", "fine"})
+        assert "fine" not in skipped
+        waits.append("b" not in skipped)
+        book.record("b", ready=False, waited="b" not in skipped)  # still missing
+    assert waits.count(True) == 2 and waits[PROBE_EVERY - 1] and book.late("b")
+    for _ in range(HITS_TO_RECOVER * PROBE_EVERY):  # on time only when waited for
+        waited = "b" not in book.not_waited_for({"b"})
+        book.record("b", ready=waited, waited=waited)
+    assert not book.late("b")
+    assert Lateness(misses_to_late=0).not_waited_for({"b"}) == set()
+
+
 def test_a_silent_board_is_not_waited_for_and_its_session_stays_lossless(server, reference):
     """A board that attached and then says nothing (its stream open: the cache still counts it
     alive) gets a pinned session: after MISSES_TO_LATE steps the verifier stops waiting for it,
@@ -255,7 +277,7 @@ def test_partition_schedules_parse(text, want):
 @pytest.mark.parametrize("text,message", [
     ("flood@1", "not one of"), ("blackhole@1", "needs \\+DURATION"), ("reset", "not FAULT@"),
     ("reset@x", "not FAULT@"), ("reset@1:boards", "not drafters, clients or all"),
-    ("reset@-1", ">= 0")])
+    ("reset@-1", ">= 0"), ("abandon@1+5", "an instant")])
 def test_bad_partition_schedules_are_refused_with_the_reason(text, message):
     from edgespec.config import ConfigError
     from edgespec_cli.deployment.link_faults import parse_fault_schedule

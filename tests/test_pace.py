@@ -24,6 +24,13 @@ def _paced(rate: float, session_rate: float, prefill_rate: float = 0.0) -> Pace:
     return pace
 
 
+def _queued_ticket(max_new_tokens: int):
+    from edgespec.engine.spec_engine import Request
+    from verifier_node.scheduler import Ticket
+
+    return Ticket(Request([1, 2, 3], max_new_tokens), None, session_id="ahead")
+
+
 def test_nothing_is_refused_before_the_pace_is_measured_or_without_a_deadline():
     pace = Pace()
     assert pace.verdict(10_000, 10_000, 0, deadline_s=1.0).admit
@@ -43,7 +50,7 @@ def test_the_estimate_counts_the_work_ahead_and_the_call_alone():
     assert "retry after 2.0 s" in busy.reason() and "950 tokens" in busy.reason()
     # one that cannot make it even alone is told to change the call, not to wait
     alone = pace.verdict(new_tokens=500, ahead_tokens=0, ahead_prompts=0, deadline_s=10)
-    assert not alone.admit and "even alone" in alone.reason()
+    assert not alone.admit and "even alone" in alone.reason() and alone.retry_after_s == 0
 
 
 def test_prefills_ahead_count_at_the_measured_prefill_rate():
@@ -81,13 +88,21 @@ def test_a_call_the_pace_cannot_serve_in_time_is_refused_at_once_and_others_are_
                                    timeout=10))
             assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
             assert "even alone" in e.value.details() and "deadline" in e.value.details()
-            assert retry_after_s(e.value) is not None
+            assert retry_after_s(e.value) is None  # no retry helps a call that cannot fit alone
         refused = srv.registry.get_sample_value("edgespec:request_refused_deadline_total")
         assert refused == 1
         with edgespec.Client(addr, timeout=10) as client:
-            with pytest.raises(edgespec.Overloaded) as over:
-                client.generate(prompt_ids=[1, 5, 6], max_new_tokens=200)
+            srv.scheduler.pace = _paced(rate=20, session_rate=20)
+            with srv.scheduler._lock:  # work ahead of it: 400 tokens of a session queued
+                srv.scheduler._tickets["ahead"] = _queued_ticket(400)
+            try:
+                with pytest.raises(edgespec.Overloaded) as over:  # 410 tokens at 20/s: 20 s
+                    client.generate(prompt_ids=[1, 5, 6], max_new_tokens=10)
+            finally:
+                with srv.scheduler._lock:
+                    del srv.scheduler._tickets["ahead"]
             assert over.value.retry_after_s is not None and over.value.retry_after_s > 0
+            srv.scheduler.pace = _paced(rate=20, session_rate=10)
         with edgespec.Client(addr, timeout=None) as client:  # no deadline: admitted
             out = client.generate(prompt_ids=[1, 5, 6], max_new_tokens=200)
             assert out.finish_reason in ("length", "stop") and out.token_ids

@@ -122,10 +122,10 @@ class Admission:
     def admit(self, g: GenerationRequest, deadline_s: float | None = None) -> Ticket:
         """A queued (or running, or already finished) ticket. Raises ConfigError, SessionNotFound,
         DrafterMissing, or the scheduler's QueueFull (TooSlowForDeadline: a new session the
-        measured pace would not finish within ``deadline_s``) / ShuttingDown. A resumed session
-        is never refused for its deadline: it already counts."""
-        resumed = bool(g.resume_session_id)
-        ticket = self._resume_ticket(g) if resumed else self._new_ticket(g)
+        measured pace would not finish within ``deadline_s``) / ShuttingDown. A resumed or
+        re-created session is never refused for its deadline: it already counts."""
+        resumed = bool(g.resume_session_id or g.lost_session_id)  # already counted
+        ticket = self._resume_ticket(g) if g.resume_session_id else self._new_ticket(g)
         if ticket.ended:
             return ticket
         got: Ticket | None = None  # stays None if the scheduler refuses it

@@ -68,6 +68,7 @@ class Pace:
         self.step_s = 0.0
         self.sessions = 0.0  # sessions a step had
         self.rows_per_session = 0.0  # forward rows a session a step (1 + its draft)
+        self.fit: tuple[float, float] | None = None  # the cost model as of the last step
         self.steps = 0
 
     def step(self, tokens: int, sessions: int, seconds: float, rows: int = 0) -> None:
@@ -75,7 +76,9 @@ class Pace:
         forward over ``rows`` rows (0: not known)."""
         if sessions <= 0 or seconds <= 0:
             return
+        fit = self.cost_fit() if self.cost_fit is not None else None  # the engine's thread
         with self._lock:
+            self.fit = fit
             self.rate = self._mix(self.rate, tokens / seconds)
             self.session_rate = self._mix(self.session_rate, tokens / sessions / seconds)
             self.per_session = self._mix(self.per_session, tokens / sessions)
@@ -91,9 +94,9 @@ class Pace:
         to ``batch``."""
         with self._lock:
             g, t, n0, rps = self.per_session, self.step_s, self.sessions, self.rows_per_session
+            fit = self.fit
         if t <= 0 or g <= 0:
             return 0.0, 0.0
-        fit = self.cost_fit() if self.cost_fit is not None else None
         if fit is not None and n0 > 0:
             fixed, per_row = fit
             rps = rps or 1.0
@@ -128,6 +131,7 @@ class Pace:
         if estimate <= SAFETY * deadline_s:
             return PaceVerdict(True, estimate, deadline_s, alone_s=alone, rate=rate,
                                ahead_tokens=ahead_tokens)
-        # the work ahead must shrink by what does not fit: at ``rate``, that long
-        retry = max(0.5, estimate - SAFETY * deadline_s)
+        # the work ahead must shrink by what does not fit: at ``rate``, that long; none where the
+        # call would not fit even alone (waiting cannot help it)
+        retry = 0.0 if alone > SAFETY * deadline_s else max(0.5, estimate - SAFETY * deadline_s)
         return PaceVerdict(False, estimate, deadline_s, retry, alone, rate, ahead_tokens)

@@ -241,8 +241,9 @@ class Scheduler(threading.Thread):
                     sessions, self._step_tokens = len(self.engine.active), 0
                     began = time.monotonic()
                     report = self.engine.step()
-                    self.pace.step(self._step_tokens, sessions, time.monotonic() - began,
-                                   report.tokens if report is not None else 0)
+                    if report is not None:  # a step that verified nothing says nothing of pace
+                        self.pace.step(self._step_tokens, sessions, time.monotonic() - began,
+                                       report.tokens)
                     if report is not None and self.metrics is not None:
                         self.metrics.step(report)
                 else:

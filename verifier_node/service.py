@@ -79,7 +79,9 @@ class VerifierService(pb_grpc.VerifierServicer):
 
     def _generate(self, request, context):
         try:
-            ticket = self.admission.admit(generation_request(request), context.time_remaining())
+            left = context.time_remaining()  # about 2**63 s when the call has no deadline
+            ticket = self.admission.admit(generation_request(request),
+                                          left if left is not None and left < 1e9 else None)
         except ConfigError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except SessionNotFound as e:

@@ -6,9 +6,9 @@ deadline: on a GPU step of a few milliseconds that multiplies everyone's step ti
 engine learns each drafter's lateness from the steps: a drafter whose drafts were not ready at
 the end of ``MISSES_TO_LATE`` steps in a row is *late*, and its sessions are then verified with
 whatever they hold without being waited for (at worst as target-only decoding: one token a
-step); as soon as its drafts are ready when taken in ``HITS_TO_RECOVER`` steps in a row it is
-waited for again. Only speed depends on this, never output: a shorter draft verifies to the
-same tokens.
+step), except every ``PROBE_EVERY``-th step, which waits for it; as soon as its drafts are ready
+when taken in ``HITS_TO_RECOVER`` steps in a row it is waited for again. Only speed depends on
+this, never output: a shorter draft verifies to the same tokens.
 
 The counts per drafter (``DrafterLink``) feed ``/metrics`` and ``edgespec status``, so an
 operator sees which board's link is bad.
@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 MISSES_TO_LATE = 3
 HITS_TO_RECOVER = 2
+PROBE_EVERY = 8  # a late drafter is waited for again on every 8th step (its drafts may come)
 MAX_TRACKED = 4096  # drafters remembered (ids come from devices: keep the table bounded)
 
 
@@ -33,6 +34,7 @@ class DrafterLink:
     unwaited: int = 0  # steps that did not wait for it (it was late)
     marked_late: int = 0  # times it became late
     run: int = 0  # consecutive misses (on time: consecutive hits while late)
+    since_probe: int = 0  # steps since a late drafter was last waited for
 
 
 class Lateness:
@@ -49,6 +51,23 @@ class Lateness:
             link = self._links.get(drafter)
             return link is not None and link.late
 
+    def not_waited_for(self, drafters: set[str]) -> set[str]:
+        """The drafters this step does not wait for: the late ones, except on every
+        PROBE_EVERY-th step of each (then its drafts are waited for the whole deadline, so that
+        a drafter whose drafts need the wait can show it is back). Call once a step."""
+        out = set()
+        with self._lock:
+            for d in drafters:
+                link = self._links.get(d)
+                if link is None or not link.late:
+                    continue
+                link.since_probe += 1
+                if link.since_probe >= PROBE_EVERY:
+                    link.since_probe = 0
+                else:
+                    out.add(d)
+        return out
+
     def record(self, drafter: str, ready: bool, waited: bool) -> None:
         """One step's outcome for a drafter: whether its drafts were ready when taken, and
         whether the step waited for them."""
@@ -63,7 +82,12 @@ class Lateness:
             if not ready:
                 link.missed += 1
             if link.late:
-                link.run = link.run + 1 if ready else 0
+                # on time counts wherever it is seen; a miss only where the step waited for it
+                # (not waiting for a drafter whose drafts need the wait proves nothing)
+                if ready:
+                    link.run += 1
+                elif waited:
+                    link.run = 0
                 if link.run >= HITS_TO_RECOVER:
                     link.late, link.run = False, 0
             else:

@@ -283,7 +283,8 @@ class SpecEngine:
         acts = list(self.active)
         ks = plan_drafts(acts, self.cfg, self.cost)
         budgets = plan_branch_budgets(acts, ks, self.cfg, self.cost, self.target.max_len)
-        return [DraftWant(a.sid, k, b, wait=not self.lateness.late(a.drafter))
+        skip = self.lateness.not_waited_for({a.drafter for a in acts if a.drafter})
+        return [DraftWant(a.sid, k, b, wait=a.drafter not in skip)
                 for a, k, b in zip(acts, ks, budgets)]
 
     def _record_lateness(self, wants: list[DraftWant], taken: list, acts: dict) -> None:

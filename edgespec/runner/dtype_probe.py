@@ -65,9 +65,9 @@ def _attention_kernel(dtype: torch.dtype, device: str, kv_heads: int, group: int
             try:
                 if probe_invariance(dtype, device, tile, kv_heads, group, head_dim, prod):
                     return AttentionKernel(tile, prod)
-            except RuntimeError as exc:  # a kernel this machine lacks for the dtype
+            except RuntimeError as exc:  # a kernel this machine lacks: try the next products
                 log.info("attention probe in %s on %s failed: %s", dtype, device, exc)
-                return None
+                break
     return None
 
 

@@ -70,7 +70,7 @@ class ConnectWatch:
             spent = time.monotonic() - began
             failure = waiting.saw(*probe(self.address), spent)
             if failure is not None or spent >= waiting.limit:
-                return f"{failure or waiting.why} (waited {spent:.0f} s)"
+                return waiting.verdict(failure, spent)
 
     def stop(self) -> None:
         """Nothing held between calls (kept for the client's close)."""
@@ -90,7 +90,7 @@ async def unreachable_reason_aio(channel: grpc.aio.Channel, address: str,
         spent = time.monotonic() - began
         failure = waiting.saw(kind, why, spent)
         if failure is not None or spent >= waiting.limit:
-            return f"{failure or waiting.why} (waited {spent:.0f} s)"
+            return waiting.verdict(failure, spent)
 
 
 class _Waiting:
@@ -108,6 +108,13 @@ class _Waiting:
         if self.timeout is not None:
             return self.timeout
         return STARTING_WAIT_S if self.starting else FIRST_CONTACT_WAIT_S
+
+    def verdict(self, failure: str | None, spent: float) -> str | None:
+        """The sentence to fail with; None where a call's own deadline ended while the server was
+        up or starting (the call then ends DEADLINE_EXCEEDED, as it should)."""
+        if failure is None and self.timeout is not None and self.starting:
+            return None
+        return f"{failure or self.why} (waited {spent:.0f} s)"
 
     def saw(self, kind: Probe, why: str, spent: float) -> str | None:
         """A failure sentence to give up with, or None to wait on (logged once)."""

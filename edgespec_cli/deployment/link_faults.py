@@ -92,9 +92,9 @@ class FaultyLink:
 
     def heal(self) -> None:
         """Back to forwarding (abandoned connections stay abandoned, as a forgotten one does)."""
-        was, self.mode, self.delay_s = self.mode, "pass", 0.0
-        if was == "refuse" and not self._stopping.is_set():
-            self._listen()
+        self.mode, self.delay_s = "pass", 0.0
+        if self._listener is None and not self._stopping.is_set():
+            self._listen()  # a refusal closed it (even one overlaid by another fault since)
 
     def apply(self, fault: str, delay_s: float = 0.2) -> None:
         """One of FAULTS by name."""
@@ -274,5 +274,8 @@ def parse_fault_schedule(text: str) -> list[ScheduledFault]:
             raise ConfigError(f"--link-faults: {item!r}: times and the device must be >= 0")
         if event.fault in ("blackhole", "refuse", "slow") and not event.for_s:
             raise ConfigError(f"--link-faults: {item!r}: {event.fault} needs +DURATION")
+        if event.fault in ("abandon", "reset") and event.for_s:
+            raise ConfigError(f"--link-faults: {item!r}: {event.fault} is an instant: no "
+                              "+DURATION")
         out.append(event)
     return out
