@@ -336,7 +336,6 @@ class Client:
         self.last_seed: int | None = None  # the last stream's sampling seed, once reported
 
     def close(self) -> None:
-        self._watch.stop()
         self.channel.close()
 
     def __enter__(self) -> "Client":

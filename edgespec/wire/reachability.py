@@ -52,8 +52,8 @@ WAITED_FOR = ("refused", "unresolved", "no answer", "silent", "unknown")
 
 
 class ConnectWatch:
-    """A blocking client's first contact (``unreachable_reason``); ``stop`` before the channel
-    closes."""
+    """A blocking client's first contact (``unreachable_reason``); it holds nothing between
+    calls (each wait subscribes through ``channel_ready_future`` and ends its subscription)."""
 
     def __init__(self, channel: grpc.Channel, address: str, tls: bool = False):
         self.channel, self.address, self.tls = channel, address, tls
@@ -71,9 +71,6 @@ class ConnectWatch:
             failure = waiting.saw(*probe(self.address), spent)
             if failure is not None or spent >= waiting.limit:
                 return waiting.verdict(failure, spent)
-
-    def stop(self) -> None:
-        """Nothing held between calls (kept for the client's close)."""
 
 
 async def unreachable_reason_aio(channel: grpc.aio.Channel, address: str,
