@@ -1,0 +1,247 @@
+"""The runner's fused, fixed-config Triton kernels for the GPU: one launch per job of a layer.
+
+On a GPU the runner's eager layer launched about 72 kernels (norms through padded products,
+``F.pad`` before each linear, rotary in ten pieces, attention in twenty); here a layer is nine
+launches: four cuBLAS products (``Linear.tiles``) and five of these kernels.
+
+- ``add_rms_norm``: residual add (in place) then RMS norm, written into a linear's staging buffer
+  padded to whole 128-row tiles (its padding rows zeroed), so no ``F.pad`` runs;
+- ``rope_write_kv``: rotary on q and k, k and v written into their KV slots;
+- ``slot_attention``: each query attends over its own slot's keys, read by slot and position
+  with the lengths on the device: a query sees its slot's first ``start`` positions and then its
+  own ancestors (a chain's earlier tokens, a tree node's path from the root, ``path``), in
+  decoding order, so a tree node gets the bits of the chain root -> ... -> node;
+- ``silu_mul``: SiLU(gate) x up into the down projection's staging buffer.
+
+Batch invariance (a row's bits do not depend on what else is in the call) is structural: one
+program per row (norm, SiLU) or per query and head (attention, rotary), every block shape a
+compile-time constant of the model, reductions over fixed shapes in a fixed order (the attention
+walks its own keys in blocks of ``KEY_BLOCK`` from position 0, whatever the batch's longest
+context), and no integer that varies with the batch is specialised on (``do_not_specialize``),
+so every call runs the same binary. The start check (``probe_fused``) and the GPU sweep prove
+it on the device. With ``TRITON_INTERPRET=1`` they run on CPU tensors (tests).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .attention import KEY_BLOCK
+
+TILE_ROWS = 128  # the staging buffers' row multiple: ``edgespec.runner.linear.TILE_ROWS``
+
+
+def padded_rows(n: int) -> int:
+    """Rows of a staging buffer holding n rows: whole tiles."""
+    return max(1, -(-n // TILE_ROWS)) * TILE_ROWS
+
+
+@triton.jit(do_not_specialize=["n_rows"])
+def _add_rms_norm_kernel(x_ptr, delta_ptr, w_ptr, out_ptr, n_rows, H, eps,
+                         HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    inside = cols < H
+    if row < n_rows:
+        x = tl.load(x_ptr + row * H + cols, mask=inside, other=0.0)
+        if HAS_DELTA:
+            d = tl.load(delta_ptr + row * H + cols, mask=inside, other=0.0)
+            x = (x.to(tl.float32) + d.to(tl.float32)).to(x_ptr.dtype.element_ty)
+            tl.store(x_ptr + row * H + cols, x, mask=inside)
+        xf = x.to(tl.float32)
+        mean_square = tl.sum(xf * xf, axis=0) / H
+        normed = (xf * tl.rsqrt(mean_square + eps)).to(x_ptr.dtype.element_ty)
+        w = tl.load(w_ptr + cols, mask=inside, other=0.0)
+        y = w.to(tl.float32) * normed.to(tl.float32)
+        tl.store(out_ptr + row * H + cols, y.to(out_ptr.dtype.element_ty), mask=inside)
+    else:  # a padding row of the staging buffer
+        tl.store(out_ptr + row * H + cols, tl.zeros([BLOCK], out_ptr.dtype.element_ty),
+                 mask=inside)
+
+
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [R, H] (contiguous; updated in place to x + delta[:R] when delta [>=R, H] is given),
+    then RMS norm times ``weight`` [H] into out [padded_rows(R), H] (rows past R zeroed).
+    Returns out."""
+    R, H = x.shape
+    if out is None:
+        out = torch.empty(padded_rows(R), H, dtype=x.dtype, device=x.device)
+    block = triton.next_power_of_2(H)
+    _add_rms_norm_kernel[(out.shape[0],)](
+        x, delta if delta is not None else x, weight, out, R, H, eps,
+        HAS_DELTA=delta is not None, BLOCK=block, num_warps=_warps(block))
+    return out
+
+
+@triton.jit(do_not_specialize=["T"])
+def _rope_write_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, slot_ptr, start_ptr, depth_ptr, T,
+                          q_ptr, k_cache_ptr, v_cache_ptr,
+                          ks_slot, ks_head, ks_pos, vs_slot, vs_head, vs_pos,
+                          NH: tl.constexpr, KVH: tl.constexpr, HD: tl.constexpr):
+    row = tl.program_id(0)  # b * T + t
+    head = tl.program_id(1)  # q heads, then k heads, then v heads
+    b = row // T
+    t = row % T
+    d = tl.arange(0, HD)
+    src = qkv_ptr + row * ((NH + 2 * KVH) * HD) + head * HD
+    x = tl.load(src + d)
+    slot = tl.load(slot_ptr + b)
+    start = tl.load(start_ptr + b)
+    stored = start + t  # row t of a step is stored at the slot's length + t
+    if head < NH + KVH:
+        pos = start + tl.load(depth_ptr + row)  # rotary position: by depth (trees)
+        half: tl.constexpr = HD // 2
+        partner = tl.load(src + (d + half) % HD).to(tl.float32)
+        rotated = tl.where(d < half, -partner, partner)
+        c = tl.load(cos_ptr + pos * HD + d).to(tl.float32)
+        s = tl.load(sin_ptr + pos * HD + d).to(tl.float32)
+        y = (x.to(tl.float32) * c + rotated * s).to(q_ptr.dtype.element_ty)
+        if head < NH:
+            tl.store(q_ptr + row * (NH * HD) + head * HD + d, y)
+        else:
+            dst = k_cache_ptr + slot * ks_slot + (head - NH) * ks_head + stored * ks_pos
+            tl.store(dst + d, y)
+    else:
+        dst = v_cache_ptr + slot * vs_slot + (head - NH - KVH) * vs_head + stored * vs_pos
+        tl.store(dst + d, x)
+
+
+def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: "FusedStep",
+                  k_cache: torch.Tensor, v_cache: torch.Tensor, n_heads: int, kv_heads: int,
+                  head_dim: int, q_out: torch.Tensor | None = None) -> torch.Tensor:
+    """qkv [>=R, (nh + 2 kvh) hd] (R = B T rows of ``step``) -> rotated queries
+    [padded_rows(R), nh hd]; rotated keys and values written into k_cache / v_cache
+    [slots, kvh, positions, >=hd] at each row's slot, position start + t. cos, sin
+    [positions, hd]: the rotary tables."""
+    R = step.rows
+    if q_out is None:
+        q_out = torch.empty(padded_rows(R), n_heads * head_dim, dtype=qkv.dtype,
+                            device=qkv.device)
+    _rope_write_kv_kernel[(R, n_heads + 2 * kv_heads)](
+        qkv, cos, sin, step.slots, step.starts, step.depth, step.width, q_out, k_cache, v_cache,
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        NH=n_heads, KVH=kv_heads, HD=head_dim, num_warps=1)
+    return q_out
+
+
+@triton.jit(do_not_specialize=["T"])
+def _slot_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, start_ptr, depth_ptr,
+                           path_ptr, T, out_ptr, scale,
+                           ks_slot, ks_head, ks_pos, vs_slot, vs_head, vs_pos,
+                           NH: tl.constexpr, GROUP: tl.constexpr, HD: tl.constexpr,
+                           BLOCK_N: tl.constexpr):
+    row = tl.program_id(0)  # b * T + t
+    head = tl.program_id(1)
+    b = row // T
+    kvh = head // GROUP
+    slot = tl.load(slot_ptr + b)
+    start = tl.load(start_ptr + b)
+    n = start + tl.load(depth_ptr + row) + 1  # keys seen: the slot's prefix, then the path
+    d = tl.arange(0, HD)
+    q = tl.load(q_ptr + row * (NH * HD) + head * HD + d).to(tl.float32)
+    k_base = k_cache_ptr + slot * ks_slot + kvh * ks_head
+    v_base = v_cache_ptr + slot * vs_slot + kvh * vs_head
+    top = tl.full([1], float("-inf"), tl.float32)
+    denom = tl.zeros([1], tl.float32)
+    acc = tl.zeros([HD], tl.float32)
+    for block in range(0, n, BLOCK_N):  # this query's own keys, in order from position 0
+        offs = block + tl.arange(0, BLOCK_N)
+        seen = offs < n
+        on_path = offs >= start
+        step_row = tl.load(path_ptr + row * T + (offs - start), mask=seen & on_path, other=0)
+        where = tl.where(on_path, start + step_row, offs)
+        k = tl.load(k_base + where[:, None] * ks_pos + d[None, :], mask=seen[:, None],
+                    other=0.0).to(tl.float32)
+        scores = tl.sum(k * q[None, :], axis=1) * scale  # [BLOCK_N]
+        scores = tl.where(seen, scores, float("-inf"))
+        new_top = tl.maximum(top, tl.max(scores, axis=0))
+        keep = tl.exp(top - new_top)
+        p = tl.exp(scores - new_top)
+        denom = denom * keep + tl.sum(p, axis=0)
+        v = tl.load(v_base + where[:, None] * vs_pos + d[None, :], mask=seen[:, None],
+                    other=0.0).to(tl.float32)
+        acc = acc * keep + tl.sum(p[:, None] * v, axis=0)
+        top = new_top
+    tl.store(out_ptr + row * (NH * HD) + head * HD + d,
+             (acc / denom).to(out_ptr.dtype.element_ty))
+
+
+def slot_attention(q: torch.Tensor, step: "FusedStep", k_cache: torch.Tensor,
+                   v_cache: torch.Tensor, n_heads: int, kv_heads: int, head_dim: int,
+                   scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Rotated queries [>=R, nh hd] (R = B T rows of ``step``) attend over their slots' keys
+    (written for this step already): row b's query t sees positions < start[b], then the rows
+    path[b, t, 0..depth[b, t]] of its own step, stored at start[b] + that row. Returns
+    [padded_rows(R), nh hd] (rows past R not written)."""
+    R = step.rows
+    if out is None:
+        out = torch.empty(padded_rows(R), n_heads * head_dim, dtype=q.dtype, device=q.device)
+    _slot_attention_kernel[(R, n_heads)](
+        q, k_cache, v_cache, step.slots, step.starts, step.depth, step.path, step.width, out,
+        scale, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        NH=n_heads, GROUP=n_heads // kv_heads, HD=head_dim, BLOCK_N=KEY_BLOCK,
+        num_warps=4 if head_dim >= 128 else 2)
+    return out
+
+
+@triton.jit
+def _silu_mul_kernel(gate_up_ptr, out_ptr, inner, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    inside = cols < inner
+    g = tl.load(gate_up_ptr + row * (2 * inner) + cols, mask=inside, other=0.0)
+    u = tl.load(gate_up_ptr + row * (2 * inner) + inner + cols, mask=inside, other=0.0)
+    gf = g.to(tl.float32)
+    act = (gf / (1.0 + tl.exp(-gf))).to(out_ptr.dtype.element_ty)
+    y = act.to(tl.float32) * u.to(tl.float32)
+    tl.store(out_ptr + row * inner + cols, y.to(out_ptr.dtype.element_ty), mask=inside)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [P, 2 I] (P: whole tiles) -> SiLU(gate) x up [P, I], every row (padding rows
+    too: the down projection's staging buffer)."""
+    P, two_inner = gate_up.shape
+    inner = two_inner // 2
+    out = torch.empty(P, inner, dtype=gate_up.dtype, device=gate_up.device)
+    block = 1024
+    _silu_mul_kernel[(P, triton.cdiv(inner, block))](gate_up, out, inner, BLOCK=block,
+                                                     num_warps=4)
+    return out
+
+
+def _warps(block: int) -> int:
+    return max(1, min(16, block // 256))
+
+
+class FusedStep:
+    """A step's rows as the fused kernels read them (device tensors): B rows of T tokens, row b
+    in KV slot ``slots[b]`` from position ``starts[b]``; token t of row b is rotated at
+    starts[b] + depth[b, t] and sees the prefix then path[b, t, :depth[b, t] + 1] (rows of
+    its own step, root first)."""
+
+    __slots__ = ("slots", "starts", "depth", "path", "batch", "width")
+
+    def __init__(self, slots: torch.Tensor, starts: torch.Tensor, depth: torch.Tensor,
+                 path: torch.Tensor):
+        self.slots = slots  # [B] long
+        self.starts = starts  # [B] long
+        self.depth = depth  # [B, T] int32, contiguous
+        self.path = path  # [B, T, T] int32, contiguous
+        self.batch, self.width = depth.shape
+
+    @property
+    def rows(self) -> int:
+        return self.batch * self.width
+
+    @classmethod
+    def chains(cls, slots: torch.Tensor, starts: torch.Tensor, width: int) -> "FusedStep":
+        """Rows of chains: token t at depth t, seeing the rows 0..t before it."""
+        B, dev = slots.shape[0], slots.device
+        cols = torch.arange(width, dtype=torch.int32, device=dev)
+        return cls(slots, starts, cols.repeat(B, 1),
+                   cols.repeat(B, width, 1).contiguous())
