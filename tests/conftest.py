@@ -9,6 +9,8 @@ import pytest
 import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# every runner's start check runs (tests make kernels fail it on purpose); its own tests cache
+os.environ.setdefault("EDGESPEC_START_CHECK_CACHE", "none")
 # Ray replaces 127.0.0.1 by the machine's interface address (even given --node-ip-address)
 # unless multi-machine clusters are off; read when ray is imported, so set before any import.
 # Every Ray node a test starts then has the loopback address: all traffic stays on 127.0.0.1.

@@ -243,3 +243,13 @@ def test_fingerprint_of_a_strided_tensor_matches_its_contiguous_copy():
 
 def test_fingerprint_of_an_empty_tensor():
     assert model_fingerprint(CONFIG, [torch.empty(0, 4)]) != model_fingerprint(CONFIG, [])
+
+
+def test_none_remembers_nothing(monkeypatch):
+    monkeypatch.setenv(ENV_VAR, "none")
+    cache = StartCheckCache()
+    calls = []
+    key = KEY
+    for _ in range(2):
+        run_checked(key, lambda: calls.append(1), cache)
+    assert len(calls) == 2

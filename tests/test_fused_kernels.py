@@ -23,7 +23,7 @@ def _rand(*shape, dtype=torch.float32, seed=0):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("with_delta", [False, True])
-def test_add_rms_norm_matches_torch_and_zeroes_padding(dtype, with_delta):
+def test_add_rms_norm_matches_torch(dtype, with_delta):
     R, H = 5, 96
     x = _rand(R, H, dtype=dtype)
     delta = _rand(R, H, dtype=dtype, seed=1) if with_delta else None
@@ -40,7 +40,6 @@ def test_add_rms_norm_matches_torch_and_zeroes_padding(dtype, with_delta):
     ref = w.float() * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype).float()
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out[:R].float(), ref, rtol=tol, atol=tol)
-    assert torch.count_nonzero(out[R:]) == 0
 
 
 def test_add_rms_norm_row_bits_do_not_depend_on_the_call():
@@ -56,8 +55,8 @@ def test_add_rms_norm_row_bits_do_not_depend_on_the_call():
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_silu_mul_matches_torch(dtype):
     gu = _rand(fk.padded_rows(3), 2 * 40, dtype=dtype)
-    out = fk.silu_mul(gu)
-    gate, up = gu.float().chunk(2, -1)
+    out = fk.silu_mul(gu, 3)[:3]
+    gate, up = gu[:3].float().chunk(2, -1)
     ref = torch.nn.functional.silu(gate).to(dtype).float() * up
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.float(), ref, rtol=tol, atol=tol)

@@ -2,7 +2,8 @@
 batch-invariant here), remembered so that a process building several runners, or a restart,
 does not probe again: in the process, and on disk as one JSON file per key under
 ``~/.cache/edgespec/start-checks/`` (``EDGESPEC_START_CHECK_CACHE`` names another folder;
-``off`` keeps it in the process only). A key holds what the outcome depends on: the model
+``off`` keeps it in the process only, ``none`` remembers nothing: the tests' setting, where a
+check is made to fail on purpose). A key holds what the outcome depends on: the model
 (``model_fingerprint``: its config and a fixed sample of each weight), the device (GPU name, or
 CPU model, ISA caps and thread count), dtype, torch and Triton versions, max rows and kernel
 path. A failure is remembered and raised again; I/O errors never raise (a bad file is a miss).
@@ -123,9 +124,15 @@ class StartCheckCache:
 
     def _dir(self) -> Path | None:
         where = self.folder if self.folder is not None else os.environ.get(ENV_VAR) or DEFAULT_DIR
-        return None if str(where).strip().lower() == "off" else Path(where).expanduser()
+        return None if str(where).strip().lower() in ("off", "none") else Path(where).expanduser()
+
+    def _disabled(self) -> bool:
+        where = self.folder if self.folder is not None else os.environ.get(ENV_VAR, "")
+        return str(where).strip().lower() == "none"
 
     def lookup(self, key: CheckKey) -> CheckOutcome | None:
+        if self._disabled():
+            return None
         if key in self._mem:
             return self._mem[key]
         folder = self._dir()
@@ -146,6 +153,8 @@ class StartCheckCache:
         return outcome
 
     def store(self, key: CheckKey, outcome: CheckOutcome) -> None:
+        if self._disabled():
+            return
         self._mem[key] = outcome
         folder = self._dir()
         if folder is None:

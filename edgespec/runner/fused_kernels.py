@@ -5,7 +5,8 @@ On a GPU the runner's eager layer launched about 72 kernels (norms through padde
 launches: four cuBLAS products (``Linear.tiles``) and five of these kernels.
 
 - ``add_rms_norm``: residual add (in place) then RMS norm, written into a linear's staging buffer
-  padded to whole 128-row tiles (its padding rows zeroed), so no ``F.pad`` runs;
+  of whole 128-row tiles, so no ``F.pad`` runs (a product's rows never meet: what the padding
+  rows hold reaches no real row);
 - ``rope_write_kv``: rotary on q and k, k and v written into their KV slots;
 - ``slot_attention``: each query attends over its own slot's keys, read by slot and position
   with the lengths on the device: a query sees its slot's first ``start`` positions and then its
@@ -38,41 +39,38 @@ def padded_rows(n: int) -> int:
     return max(1, -(-n // TILE_ROWS)) * TILE_ROWS
 
 
-@triton.jit(do_not_specialize=["n_rows"])
-def _add_rms_norm_kernel(x_ptr, delta_ptr, w_ptr, out_ptr, n_rows, H, eps,
+@triton.jit
+def _add_rms_norm_kernel(x_ptr, delta_ptr, w_ptr, out_ptr, H, eps,
                          HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     inside = cols < H
-    if row < n_rows:
-        x = tl.load(x_ptr + row * H + cols, mask=inside, other=0.0)
-        if HAS_DELTA:
-            d = tl.load(delta_ptr + row * H + cols, mask=inside, other=0.0)
-            x = (x.to(tl.float32) + d.to(tl.float32)).to(x_ptr.dtype.element_ty)
-            tl.store(x_ptr + row * H + cols, x, mask=inside)
-        xf = x.to(tl.float32)
-        mean_square = tl.sum(xf * xf, axis=0) / H
-        normed = (xf * tl.rsqrt(mean_square + eps)).to(x_ptr.dtype.element_ty)
-        w = tl.load(w_ptr + cols, mask=inside, other=0.0)
-        y = w.to(tl.float32) * normed.to(tl.float32)
-        tl.store(out_ptr + row * H + cols, y.to(out_ptr.dtype.element_ty), mask=inside)
-    else:  # a padding row of the staging buffer
-        tl.store(out_ptr + row * H + cols, tl.zeros([BLOCK], out_ptr.dtype.element_ty),
-                 mask=inside)
+    x = tl.load(x_ptr + row * H + cols, mask=inside, other=0.0)
+    if HAS_DELTA:
+        d = tl.load(delta_ptr + row * H + cols, mask=inside, other=0.0)
+        x = (x.to(tl.float32) + d.to(tl.float32)).to(x_ptr.dtype.element_ty)
+        tl.store(x_ptr + row * H + cols, x, mask=inside)
+    xf = x.to(tl.float32)
+    mean_square = tl.sum(xf * xf, axis=0) / H
+    normed = (xf * tl.rsqrt(mean_square + eps)).to(x_ptr.dtype.element_ty)
+    w = tl.load(w_ptr + cols, mask=inside, other=0.0)
+    y = w.to(tl.float32) * normed.to(tl.float32)
+    tl.store(out_ptr + row * H + cols, y.to(out_ptr.dtype.element_ty), mask=inside)
 
 
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
                  out: torch.Tensor | None = None) -> torch.Tensor:
     """x [R, H] (contiguous; updated in place to x + delta[:R] when delta [>=R, H] is given),
-    then RMS norm times ``weight`` [H] into out [padded_rows(R), H] (rows past R zeroed).
-    Returns out."""
+    then RMS norm times ``weight`` [H] into out [padded_rows(R), H]: a linear's staging
+    buffer, whose rows past R are left as they are (a product's rows never meet, so nothing
+    reads what a padding row yields). Returns out."""
     R, H = x.shape
     if out is None:
         out = torch.empty(padded_rows(R), H, dtype=x.dtype, device=x.device)
     block = triton.next_power_of_2(H)
-    _add_rms_norm_kernel[(out.shape[0],)](
-        x, delta if delta is not None else x, weight, out, R, H, eps,
-        HAS_DELTA=delta is not None, BLOCK=block, num_warps=_warps(block))
+    _add_rms_norm_kernel[(R,)](x, delta if delta is not None else x, weight, out, H, eps,
+                               HAS_DELTA=delta is not None, BLOCK=block,
+                               num_warps=_warps(block))
     return out
 
 
@@ -202,15 +200,15 @@ def _silu_mul_kernel(gate_up_ptr, out_ptr, inner, BLOCK: tl.constexpr):
     tl.store(out_ptr + row * inner + cols, y.to(out_ptr.dtype.element_ty), mask=inside)
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """gate_up [P, 2 I] (P: whole tiles) -> SiLU(gate) x up [P, I], every row (padding rows
-    too: the down projection's staging buffer)."""
+def silu_mul(gate_up: torch.Tensor, rows: int) -> torch.Tensor:
+    """gate_up [P, 2 I] (P: whole tiles) -> SiLU(gate) x up [P, I] for its first ``rows``
+    rows (the down projection's staging buffer; the rest left as they are)."""
     P, two_inner = gate_up.shape
     inner = two_inner // 2
     out = torch.empty(P, inner, dtype=gate_up.dtype, device=gate_up.device)
     block = 1024
-    _silu_mul_kernel[(P, triton.cdiv(inner, block))](gate_up, out, inner, BLOCK=block,
-                                                     num_warps=4)
+    _silu_mul_kernel[(rows, triton.cdiv(inner, block))](gate_up, out, inner, BLOCK=block,
+                                                        num_warps=4)
     return out
 
 
@@ -230,8 +228,8 @@ class FusedStep:
                  path: torch.Tensor):
         self.slots = slots  # [B] long
         self.starts = starts  # [B] long
-        self.depth = depth  # [B, T] int32, contiguous
-        self.path = path  # [B, T, T] int32, contiguous
+        self.depth = depth  # [B, T] long, contiguous
+        self.path = path  # [B, T, T] long, contiguous
         self.batch, self.width = depth.shape
 
     @property
@@ -242,6 +240,34 @@ class FusedStep:
     def chains(cls, slots: torch.Tensor, starts: torch.Tensor, width: int) -> "FusedStep":
         """Rows of chains: token t at depth t, seeing the rows 0..t before it."""
         B, dev = slots.shape[0], slots.device
-        cols = torch.arange(width, dtype=torch.int32, device=dev)
+        cols = torch.arange(width, dtype=torch.long, device=dev)
         return cls(slots, starts, cols.repeat(B, 1),
                    cols.repeat(B, width, 1).contiguous())
+
+
+def probe_slot_attention(dtype: torch.dtype, device: str | torch.device, n_heads: int,
+                         kv_heads: int, head_dim: int) -> str | None:
+    """Whether ``slot_attention`` gives a query the same bits alone and among other sessions'
+    longer rows here, for this head layout (None), or what differed. Random keys, three
+    sessions crossing key blocks, every query alone against its place in the batch."""
+    g = torch.Generator().manual_seed(0)
+    B, T, cap = 3, 5, 4 * KEY_BLOCK
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g).to(device, dtype)
+
+    k_cache, v_cache = rand(B, kv_heads, cap, head_dim), rand(B, kv_heads, cap, head_dim)
+    q = rand(B * T, n_heads * head_dim)
+    slots = torch.arange(B, device=device)
+    starts = torch.tensor([130, 3, KEY_BLOCK - 2], device=device)
+    many = slot_attention(q, FusedStep.chains(slots, starts, T), k_cache, v_cache, n_heads,
+                          kv_heads, head_dim, head_dim ** -0.5)
+    for b in range(B):
+        for t in range(T):
+            one = FusedStep.chains(slots[b:b + 1], starts[b:b + 1] + t, 1)
+            alone = slot_attention(q[b * T + t:b * T + t + 1], one, k_cache, v_cache, n_heads,
+                                   kv_heads, head_dim, head_dim ** -0.5)
+            if not torch.equal(alone[0], many[b * T + t]):
+                return (f"query {t} of a session at {int(starts[b])} keys differs alone and "
+                        f"among {B} sessions of {T}")
+    return None

@@ -2,7 +2,8 @@
 
 Memory is allocated once: per layer, keys of shape [slots, kv_heads, max_len, head_dim] and values
 of shape [slots, kv_heads, max_len, head_dim + 1], whose last column is all ones (so that the
-attention's values product also sums its probabilities: ``edgespec.runner.attention``).
+attention's values product also sums its probabilities: ``edgespec.runner.attention``; the fused
+kernels' values have none).
 Writing a step's keys scatters them into the rows' slots in place; reading returns a view when the
 step's slots are a contiguous ascending run (the common case: one session, or a full batch), and
 otherwise gathers only the first ``max(length)`` positions of the slots involved.
@@ -18,17 +19,20 @@ from ..config import CacheFullError
 class KVCache:
     def __init__(self, n_layers: int, n_slots: int, max_len: int, kv_heads: int, head_dim: int,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                 capacity: int | None = None):
+                 capacity: int | None = None, value_ones: bool = True):
+        """``value_ones``: values carry a last column of ones (the eager attention's softmax
+        denominator); the fused attention keeps its own and reads rows of head_dim."""
         # capacity >= max_len: positions allocated (attention reads whole blocks past the end)
         self.capacity = max(max_len, capacity or max_len)
         shape = (n_slots, kv_heads, self.capacity, head_dim)
         # zeros, not empty: masked-out positions still enter p @ V with p == 0, and 0 * NaN from
         # uninitialised memory would poison the row
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
-        vshape = (n_slots, kv_heads, self.capacity, head_dim + 1)
+        vshape = (n_slots, kv_heads, self.capacity, head_dim + int(value_ones))
         self.v = [torch.zeros(vshape, dtype=dtype, device=device) for _ in range(n_layers)]
-        for v in self.v:
-            v[..., head_dim] = 1
+        if value_ones:
+            for v in self.v:
+                v[..., head_dim] = 1
         self.head_dim = head_dim
         self.max_len = max_len
         self.lengths = [0] * n_slots  # valid positions per slot: the rollback pointer

@@ -74,9 +74,25 @@ class Linear:
         tiles = max(1, -(-n // TILE_ROWS))
         if n != tiles * TILE_ROWS:
             rows = F.pad(rows, (0, 0, 0, tiles * TILE_ROWS - n))
-        out = self._apply(rows) if tiles == 1 else torch.cat(
-            [self._apply(rows[i * TILE_ROWS:(i + 1) * TILE_ROWS]) for i in range(tiles)])
-        return out[:n].reshape(*x.shape[:-1], out.shape[-1])
+        return self.tiles(rows)[:n].reshape(*x.shape[:-1], -1)
+
+    def tiles(self, rows: torch.Tensor) -> torch.Tensor:
+        """rows [P, K], P a whole number of tiles (a staging buffer the fused kernels wrote,
+        its padding rows whatever they hold) -> [P, N]: one product of ``TILE_ROWS`` rows per
+        tile, each written into its rows of one output (no concatenation)."""
+        P = rows.shape[0]
+        assert P % TILE_ROWS == 0, f"{P} rows are not whole tiles of {TILE_ROWS}"
+        out = torch.empty(P, self.weight.shape[0], dtype=rows.dtype, device=rows.device)
+        w_t = self.weight.t()
+        for at in range(0, P, TILE_ROWS):
+            tile = slice(at, at + TILE_ROWS)
+            if self.packed is not None:  # the CPU (Triton's interpreter, in tests)
+                out[tile] = self._apply(rows[tile])
+            elif self.bias is None:
+                torch.mm(rows[tile], w_t, out=out[tile])
+            else:
+                torch.addmm(self.bias, rows[tile], w_t, out=out[tile])
+        return out
 
     def _apply(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:

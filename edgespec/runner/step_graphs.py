@@ -1,55 +1,49 @@
-"""Chain steps over bucketed shapes, captured as CUDA graphs on a GPU (SGLang's
-``cuda_graph_runner``, vLLM's uniform decode of 1 + k tokens).
+"""Steps replayed as CUDA graphs, every bucket captured at start (SGLang's
+``cuda_graph_runner``: a fixed list of sizes, largest first, one memory pool, static buffers).
 
-On a GPU one verification forward launches about 1,800 kernels: the launches, not the maths,
-set a step's time. A CUDA graph replays them all with one launch, but only over the shapes and
-buffers it was captured with. So a step of chains (a decode step is a chain of none) is padded
-up to a bucket (sessions x tokens a row x key positions read) and run over that bucket's
-static buffers:
+On a GPU a step's kernels cost more to launch than to run. A CUDA graph replays a whole
+forward with one launch, over the shapes and buffers it was captured with. So a step of up to
+64 sessions x 16 tokens (chains and token trees alike: the fused attention reads each query's
+length and tree path from the device, ``fused_kernels``) is padded up to a bucket (sessions x
+tokens a row) and replayed:
 
-- the step's tokens, KV write positions and slots are copied into the bucket's buffers (device
-  to device: ``StepRows`` already brought them over in one copy); rows past the step's sessions
-  write their keys and values into the runner's scratch slot, columns past a row's tokens
-  into positions its length pointer does not cover (as any padding of the eager forward);
-- the captured region reads only those buffers: the causal mask is made inside it from the
-  write positions, the slots are read by gather (the eager forward's contiguous-slot shortcut is
-  a host decision); nothing in it copies from the host or waits for the device;
-- the outputs [B, T] of the bucket are sliced back to the step's rows and tokens: views of the
-  bucket's static outputs, valid until the next step (the verification reads them within the
-  step; a head's context gathers what it keeps into its own memory).
+- every bucket reads one flat input buffer (tokens, slots, starts, depths, tree paths) filled by
+  one pinned, non-blocking host-to-device copy a step; the rows past the step's sessions write
+  their keys and values into the runner's scratch slot, the columns past a row's tokens into
+  positions its length pointer does not cover;
+- every bucket writes its logits [B T, V] float32 and features into one pair of output
+  buffers, sized for the largest bucket and shared (a step's outputs are views, valid until
+  the next step: the verification reads them within the step);
+- a capture that fails is logged and kept in ``state()`` (status, /metrics, bench JSON show it),
+  and the runner serves on with the same kernels run eagerly.
 
-Every row's bits are those of the eager forward: the runner's kernels are batch-invariant in the
-row count (``edgespec.runner.dtype_probe``), and fully masked key blocks and padding columns
-change no other query's sums (``edgespec.runner.attention``); tests hold a bucketed step to the
-eager one bit for bit. A graph is captured the first time its bucket is used. Without CUDA
-(``capture=False``, and on a CPU) the same padded buffers run eagerly: the path the graphs
-take, exercised where no GPU is, slower than the unpadded forward (padding costs work here).
-Token trees run eagerly (their branch masks vary in shape).
+A bucketed row has the bits of the eager fused forward: the kernels are batch-invariant, and
+padding rows and columns touch nothing a real row reads; tests hold the two bit for bit. On a
+CPU (``capture=False``, tests under Triton's interpreter) the buckets run eagerly.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from bisect import bisect_left
 from dataclasses import dataclass
-from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
-from .attention import KEY_BLOCK
-from .kv_cache import KVCache
-from .step_rows import Scored, StepRows
+from .fused_kernels import FusedStep
+from .step_rows import Scored, StepHost, StepRows
 
-# a bucket's forward over its buffers: (tokens [B, T], KV write positions [B, T], slots [B],
-# key positions read) -> every row's logits and features (the runner's ``_bucket_forward``)
-BucketForward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], Scored]
+if TYPE_CHECKING:
+    from .target_runner import TargetRunner
 
 log = logging.getLogger("edgespec.runner.step_graphs")
 
-SESSION_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
-TOKEN_BUCKETS = (1, 2, 4, 6, 8, 12, 16)  # tokens a row: the last token and up to 15 drafted
-KEY_BUCKETS = tuple(KEY_BLOCK * 2 ** i for i in range(12))  # key positions read: 64 .. 131072
+SESSION_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+# tokens a row: the last token and a draft (4 and 8 drafted tokens are common: 5 and 9)
+TOKEN_BUCKETS = (1, 2, 4, 5, 8, 9, 12, 16)
 
 
 def bucket_of(n: int, buckets: tuple[int, ...]) -> int | None:
@@ -59,108 +53,157 @@ def bucket_of(n: int, buckets: tuple[int, ...]) -> int | None:
 
 
 @dataclass
-class _Bucket:
-    """One captured shape: its static inputs and, once run, its outputs."""
+class GraphState:
+    """What ``status``, /metrics and the benchmarks report of a runner's graphs."""
 
-    tokens: torch.Tensor  # [B, T] long
-    store: torch.Tensor  # [B, T] long: KV write positions (rotary positions too: chains)
-    slots: torch.Tensor  # [B] long
-    n_pos: int
-    graph: Any = None  # torch.cuda.CUDAGraph once captured
-    logits: torch.Tensor | None = None  # [B, T, V] float32: the last run's
-    features: torch.Tensor | None = None  # [B, T, H]
+    buckets: int  # shapes in the list
+    captured: int  # shapes captured (0 on a CPU: they run eagerly)
+    capture_s: float  # seconds the captures took at start
+    failed: str | None  # why capturing stopped, if it did (then every step runs eagerly)
+    replays: int  # steps run through a bucket
+    memory_mb: float  # the graphs' pool and shared buffers, at start
 
 
 class StepGraphs:
-    """The runner's bucketed chain steps: ``score(rows)`` runs a step of chains through its
-    bucket (captured on CUDA when ``capture``), or returns None when no bucket holds it (the
-    caller runs it eagerly)."""
+    """A runner's bucketed steps: ``score(rows)`` runs a step through its bucket's graph, or
+    returns None when no bucket holds it (the caller runs it eagerly)."""
 
-    def __init__(self, forward: BucketForward, cache: KVCache, scratch_slot: int,
-                 capture: bool):
-        self.forward, self.cache = forward, cache
+    def __init__(self, runner: "TargetRunner", n_slots: int, scratch_slot: int, capture: bool):
+        self.runner = runner
         self.scratch = scratch_slot
-        self.capture = capture  # CUDA only
-        self.buckets: dict[tuple[int, int, int], _Bucket] = {}
-        self.pool: Any = None  # the captured graphs share one memory pool
-        self.replays = 0  # steps run through a bucket (captured or not)
-        self.disabled = False  # a capture failed: every step runs unpadded and eager
+        self.capture = capture
+        top = bucket_of(min(n_slots, SESSION_BUCKETS[-1]), SESSION_BUCKETS)
+        assert top is not None
+        self.sessions = tuple(b for b in SESSION_BUCKETS if b <= top)
+        self.tokens = TOKEN_BUCKETS
+        Bm, Tm = self.sessions[-1], self.tokens[-1]
+        dev = runner.device
+        self.inputs = torch.zeros(Bm * Tm * (2 + Tm) + 2 * Bm, dtype=torch.long, device=dev)
+        self.logits = torch.empty(Bm * Tm, runner.vocab_size, dtype=torch.float32, device=dev)
+        self.features = torch.empty(Bm * Tm, runner.embed.shape[1], dtype=runner.dtype,
+                                    device=dev)
+        self.graphs: dict[tuple[int, int], Any] = {}
+        self.pool: Any = None
+        self.failed: str | None = None
+        self.capture_s = 0.0
+        self.replays = 0
+        self.memory_mb = 0.0
 
-    def shape_for(self, rows: StepRows) -> tuple[int, int, int] | None:
-        """The bucket (sessions, tokens, key positions) a step of chains pads up to."""
-        B, T = len(rows.slots), rows.width
-        Bb, Tb = bucket_of(B, SESSION_BUCKETS), bucket_of(T, TOKEN_BUCKETS)
-        if rows.tree or Bb is None or Tb is None:
-            return None
-        cap = self.cache.capacity
-        if max(rows.starts) + Tb > cap:  # padding columns would write past a slot's end
-            return None
-        Kb = bucket_of(max(rows.starts) + Tb, KEY_BUCKETS)
-        if Kb is None or Kb > cap:
-            Kb = cap
-        return Bb, Tb, Kb
+    def shapes(self) -> list[tuple[int, int]]:
+        """Every bucket, largest first (the order they are captured in)."""
+        return sorted(((b, t) for b in self.sessions for t in self.tokens),
+                      key=lambda s: (-s[0] * s[1], -s[1]))
 
+    def shape_for(self, rows: StepRows) -> tuple[int, int] | None:
+        """The bucket (sessions, tokens) a step pads up to, or None."""
+        Bb = bucket_of(len(rows.slots), self.sessions)
+        Tb = bucket_of(rows.width, self.tokens)
+        if Bb is None or Tb is None or rows.host is None:
+            return None
+        if max(rows.starts) + Tb > self.runner.cache.capacity:  # padding would write past
+            return None
+        return Bb, Tb
+
+    def state(self) -> GraphState:
+        return GraphState(len(self.sessions) * len(self.tokens), len(self.graphs),
+                          round(self.capture_s, 2), self.failed, self.replays,
+                          round(self.memory_mb, 1))
+
+    # -- start ---------------------------------------------------------------------------------
+    def capture_all(self) -> None:
+        """Capture every bucket (CUDA), largest first into one pool; a failure is logged and
+        kept, and the runner serves eagerly."""
+        if not self.capture:
+            return
+        t0 = time.perf_counter()
+        before = torch.cuda.memory_allocated(self.runner.device)
+        shapes = self.shapes()
+        try:
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):  # lazy initialisations outside any capture
+                self._fill_idle(*shapes[0])
+                self._run(*shapes[0])
+            torch.cuda.current_stream().wait_stream(stream)
+            torch.cuda.synchronize(self.runner.device)
+            for shape in shapes:
+                self._fill_idle(*shape)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+                    self._run(*shape)
+                self.pool = graph.pool() if self.pool is None else self.pool
+                self.graphs[shape] = graph
+        except Exception as exc:  # costs the graphs' speed, never a step
+            self.failed = f"bucket {shape}: {type(exc).__name__}: {exc}"
+            log.exception("capturing CUDA graphs failed at bucket %s: serving with the same "
+                          "kernels run eagerly", shape)
+            self.graphs.clear()
+        torch.cuda.synchronize(self.runner.device)
+        self.capture_s = time.perf_counter() - t0
+        self.memory_mb = (torch.cuda.memory_allocated(self.runner.device) - before) / 2 ** 20
+        log.info("CUDA graphs: %d of %d buckets captured in %.1f s (%.0f MB)%s",
+                 len(self.graphs), len(shapes), self.capture_s, self.memory_mb,
+                 f"; failed: {self.failed}" if self.failed else "")
+
+    # -- a step --------------------------------------------------------------------------------
     def score(self, rows: StepRows) -> Scored | None:
         """The step's logits [B, T, V] and features [B, T, H], through its bucket."""
-        shape = None if self.disabled else self.shape_for(rows)
-        if shape is None:
+        shape = None if self.failed else self.shape_for(rows)
+        if shape is None or (self.capture and shape not in self.graphs):
             return None
-        b = self.buckets.get(shape) or self._new_bucket(*shape)
-        self._fill(b, rows)
-        if self.capture and b.graph is None:
-            try:
-                self._capture(b)
-            except Exception:  # a capture that fails costs the graphs' speed, never a step
-                log.exception("capturing the step of bucket %s failed: the runner goes back "
-                              "to its unpadded eager forward", shape)
-                self.disabled = True
-                return None
-        if b.graph is not None:
-            b.graph.replay()
+        assert rows.host is not None
+        Bb, Tb = shape
+        self._fill(Bb, Tb, rows.host)
+        if self.capture:
+            self.graphs[shape].replay()
         else:
-            b.logits, b.features = self._run(b)
+            self._run(Bb, Tb)
         self.replays += 1
         B, T = len(rows.slots), rows.width
-        assert b.logits is not None and b.features is not None
-        return Scored(b.logits[:B, :T], b.features[:B, :T])
+        return Scored(self.logits[:Bb * Tb].view(Bb, Tb, -1)[:B, :T],
+                      self.features[:Bb * Tb].view(Bb, Tb, -1)[:B, :T])
 
-    def _new_bucket(self, B: int, T: int, n_pos: int) -> _Bucket:
-        dev = self.cache.k[0].device
-        b = _Bucket(torch.zeros(B, T, dtype=torch.long, device=dev),
-                    torch.arange(T, device=dev).repeat(B, 1),
-                    torch.full((B,), self.scratch, dtype=torch.long, device=dev), n_pos)
-        self.buckets[(B, T, n_pos)] = b
-        return b
+    def _views(self, Bb: int, Tb: int) -> tuple[torch.Tensor, FusedStep]:
+        """The bucket's inputs as views of the flat buffer: tokens [Bb, Tb] and its step."""
+        sizes = (Bb * Tb, Bb, Bb, Bb * Tb, Bb * Tb * Tb)
+        parts = torch.split(self.inputs[:sum(sizes)], sizes)
+        return parts[0].view(Bb, Tb), FusedStep(parts[1], parts[2], parts[3].view(Bb, Tb),
+                                                parts[4].view(Bb, Tb, Tb))
 
-    def _fill(self, b: _Bucket, rows: StepRows) -> None:
-        """The step's rows into the bucket's buffers (device to device); rows past the step
-        write into the scratch slot from position 0."""
-        B, T = len(rows.slots), rows.width
-        Tb = b.tokens.shape[1]
-        cols = torch.arange(Tb, device=b.store.device)
-        b.tokens.zero_()
-        b.tokens[:B, :T] = rows.tokens
-        b.store[:B] = rows.start_index[:, None] + cols[None]
-        b.store[B:] = cols[None]
-        b.slots.fill_(self.scratch)
-        b.slots[:B] = rows.slot_index
+    def _host_inputs(self, Bb: int, Tb: int, host: StepHost | None) -> np.ndarray:
+        """The flat inputs of bucket (Bb, Tb) holding ``host``'s rows (None: none)."""
+        cols = np.arange(Tb, dtype=np.int64)
+        tokens = np.zeros((Bb, Tb), dtype=np.int64)
+        slots = np.full(Bb, self.scratch, dtype=np.int64)
+        starts = np.zeros(Bb, dtype=np.int64)
+        depth = np.broadcast_to(cols, (Bb, Tb)).copy()
+        path = np.broadcast_to(cols, (Bb, Tb, Tb)).copy()
+        if host is not None:
+            B, T = host.tokens.shape
+            tokens[:B, :T] = host.tokens
+            slots[:B], starts[:B] = host.slots, host.starts
+            depth[:B, :T] = host.depth
+            if host.path is not None:
+                path[:B, :T, :T] = host.path
+        return np.concatenate([tokens.ravel(), slots, starts, depth.ravel(), path.ravel()])
 
-    def _run(self, b: _Bucket) -> tuple[torch.Tensor, torch.Tensor]:
-        """The captured region: the forward over the bucket's buffers alone."""
-        scored = self.forward(b.tokens, b.store, b.slots, b.n_pos)
-        return scored.logits, scored.features
+    def _fill(self, Bb: int, Tb: int, host: StepHost | None) -> None:
+        flat = torch.from_numpy(self._host_inputs(Bb, Tb, host))
+        if self.inputs.device.type == "cuda":
+            flat = flat.pin_memory()
+        self.inputs[:flat.numel()].copy_(flat, non_blocking=True)
 
-    def _capture(self, b: _Bucket) -> None:
-        """Capture the bucket's forward as a CUDA graph (after a warm-up on a side stream, as
-        CUDA graphs require); its outputs are the graph's static outputs."""
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            self._run(b)  # warm-up: lazy initialisations happen outside the capture
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        # thread_local: a drafter or learner thread using the GPU meanwhile does not break it
-        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-            b.logits, b.features = self._run(b)
-        self.pool = graph.pool() if self.pool is None else self.pool
-        b.graph = graph
+    def _fill_idle(self, Bb: int, Tb: int) -> None:
+        self._fill(Bb, Tb, None)
+
+    def _run(self, Bb: int, Tb: int) -> None:
+        """The captured region: the fused forward over the bucket's views, its outputs into
+        the shared buffers."""
+        fused = self.runner.fused
+        assert fused is not None
+        tokens, step = self._views(Bb, Tb)
+        _, _, feats = fused.hidden(tokens, step)
+        assert feats is not None
+        R = Bb * Tb
+        self.logits[:R].copy_(self.runner.lm_head.tiles(feats)[:R])
+        self.features[:R].copy_(feats[:R])

@@ -139,6 +139,10 @@ class StepRows:
     ancestors: torch.Tensor | None  # [B, T, T] bool (trees)
     tail: TailKeys | None  # the branch nodes' decoding-order keys (trees with branches)
     max_depth: int
+    # [B, T, T] long (trees): path[b, t, d] = the row of token t's ancestor at depth d (the
+    # fused attention reads a node's keys in decoding order through it)
+    path: torch.Tensor | None = None
+    host: "StepHost | None" = None  # the same rows on the host (a graph bucket's one copy)
 
     @classmethod
     def build(cls, slots: list[int], starts: list[int], roots: list[int], shape: DraftShape,
@@ -155,27 +159,63 @@ class StepRows:
                 ancestor_rows(shape.parents, shape.counts)
             ancestors = np.ascontiguousarray(full[:, :T, :T])
             tail_h = _branch_tails(shape, ancestors, start_h)
+        path_h = _paths(ancestors, shape.depths[:, :T]) if ancestors is not None else None
         ints = [torch.from_numpy(np.ascontiguousarray(a)) for a in
                 (tokens, shape.nodes, shape.parents, shape.depths, shape.counts, start_h,
                  np.array(slots, dtype=np.int64).reshape(B))]
+        n_ints = len(ints)
+        if path_h is not None:
+            ints.append(torch.from_numpy(path_h))
         bools = [] if ancestors is None else [torch.from_numpy(ancestors)]
         if tail_h is not None:
             ints += [tail_h.rows, tail_h.queries, tail_h.index, tail_h.block0]
             bools.append(tail_h.visible)
+        tail_at = n_ints + (path_h is not None)
         on_dev = to_device(ints, device, torch.long)  # the step's one copy of integers
         flags = to_device(bools, device, torch.bool) if bools else []
         tail = None
         if tail_h is not None:
-            tail = TailKeys(on_dev[7], on_dev[8], on_dev[9], flags[-1], on_dev[10],
+            tail = TailKeys(*on_dev[tail_at:tail_at + 3], flags[-1], on_dev[tail_at + 3],
                             tail_h.n_blocks)
+        depth_h = shape.depths[:, :T] if is_tree else np.broadcast_to(np.arange(T), (B, T))
+        host = StepHost(tokens, start_h, np.array(slots, dtype=np.int64).reshape(B), depth_h,
+                        path_h)
         return cls(list(slots), list(starts), T, is_tree, on_dev[6], on_dev[5], on_dev[0],
                    on_dev[1], on_dev[2], on_dev[3], on_dev[4],
-                   flags[0] if ancestors is not None else None, tail, shape.max_depth)
+                   flags[0] if ancestors is not None else None, tail, shape.max_depth,
+                   on_dev[n_ints] if path_h is not None else None, host)
+
+
+@dataclass(frozen=True)
+class StepHost:
+    """A step's rows on the host, as the fused kernels read them (``fused_kernels``): what a
+    CUDA graph bucket copies in one pinned copy (``step_graphs``)."""
+
+    tokens: np.ndarray  # [B, T] int64
+    starts: np.ndarray  # [B] int64
+    slots: np.ndarray  # [B] int64
+    depth: np.ndarray  # [B, T] int64: chains t, trees the node's depth (0 the root, padding)
+    path: np.ndarray | None  # [B, T, T] int64 (trees), else the chain's (row d at depth d)
+
+
+def _paths(ancestors: np.ndarray, depths: np.ndarray) -> np.ndarray:
+    """[B, T, T] int64: path[b, t, d] = u, the ancestor of row t at depth d (rows of a tree:
+    0 the root; a padding row hangs from the row before it, depth 0, any row < T)."""
+    B, T, _ = ancestors.shape
+    path = np.zeros((B, T, T), dtype=np.int64)
+    b, t, u = np.nonzero(ancestors)
+    path[b, t, depths[b, u]] = u
+    return path
 
 
 def to_device(parts: list[torch.Tensor], device, dtype) -> list[torch.Tensor]:
-    """``parts`` moved to ``device`` in one copy, as views of one buffer, shapes kept."""
-    flat = torch.cat([p.reshape(-1).to(dtype) for p in parts]).to(device)
+    """``parts`` moved to ``device`` in one copy, as views of one buffer, shapes kept (on CUDA
+    from pinned memory, without waiting: the stream orders the copy before the forward)."""
+    flat = torch.cat([p.reshape(-1).to(dtype) for p in parts])
+    if torch.device(device).type == "cuda":
+        flat = flat.pin_memory().to(device, non_blocking=True)
+    else:
+        flat = flat.to(device)
     out, at = [], 0
     for p in parts:
         out.append(flat[at:at + p.numel()].view(p.shape))

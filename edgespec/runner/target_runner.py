@@ -27,10 +27,14 @@ from .attention import (COL_TILE, KEY_BLOCK, TailKeys, invariant_attention, padd
 from ..config import MAX_TREE_NODES, ConfigError
 from .dtype_probe import (AttentionKernel, attention_kernel, first_varying_count, probe_input,
                           probe_row_counts)
+from . import attention as _attention_code, linear as _linear_code
+from .check_cache import CheckKey, code_digest, model_fingerprint, run_checked
 from .kv_cache import KVCache, contiguous_start
 from .step_graphs import StepGraphs
 from .step_rows import DraftShape, Scored, StepRows, TreeShape
 from .linear import Linear
+
+KERNELS = ("eager", "triton")
 
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2")
 PREFILL_CHUNK = 512  # prompt tokens per prefill forward
@@ -72,11 +76,14 @@ class TargetRunner:
     def __init__(self, model: torch.nn.Module, n_slots: int = 4, max_len: int = 2048,
                  n_layers: int | None = None, pack: bool = True, exact: bool = True,
                  share_weights: "TargetRunner | None" = None, max_rows: int | None = None,
-                 graphs: bool = False):
+                 graphs: bool | None = None, kernels: str | None = None):
         """``max_rows``: the most rows one forward sends through a layer (default: a prefill
         chunk, or every slot sending a full tree), up to which the start check runs.
-        ``graphs``: run steps of chains over bucketed shapes (``step_graphs``), captured as CUDA
-        graphs on a GPU (on a CPU the buckets run eagerly, slower)."""
+        ``kernels``: "triton", the fused kernels (``fused_forward``: the default on CUDA), or
+        "eager", torch's ops (the default on a CPU; Triton's interpreter runs the fused ones
+        there, for tests). ``graphs``: run steps of up to 64 sessions x 16 tokens through
+        buckets captured as CUDA graphs at start (``step_graphs``; the default with the fused
+        kernels on CUDA; on a CPU the buckets run eagerly, for tests)."""
         # a transformers model: its config and submodules are dynamic attributes
         cfg: Any = model.config
         if cfg.model_type not in SUPPORTED_TYPES:
@@ -98,6 +105,7 @@ class TargetRunner:
         self.norm: torch.Tensor = base.norm.weight
         self.dtype = self.embed.dtype
         self.device = self.embed.device
+        self.kernels = _kernels_for(self.device, kernels)
         self.lm_head: Linear
         self.layers: list[_Layer]
         if share_weights is not None:  # e.g. the layer-skip draft: same tensors, own KV cache
@@ -120,19 +128,50 @@ class TargetRunner:
             self._row_sum = Linear(ones, pack=False, tiled=True)
         # exact: the target (verification must be batch-invariant); a drafter's runner need
         # not be (a draft may be anything), so it is neither checked nor refused
+        fused = self.kernels == "triton"
         kernel = attention_kernel(self.dtype, str(self.device), self.kv_heads,
-                                  self.n_heads // self.kv_heads, self.head_dim) if exact else None
+                                  self.n_heads // self.kv_heads, self.head_dim) \
+            if exact and not fused else None
         self.col_tile = kernel.col_tile if kernel else COL_TILE
         self.attention_products = kernel.products if kernel else None
+        if graphs is None:
+            graphs = fused and self.device.type == "cuda"
+        if graphs and not fused:
+            raise ConfigError("CUDA graphs run the fused kernels: kernels='triton'")
         # with graphs, one more slot: the bucket rows past a step's sessions write there
         self.cache = KVCache(self.n_layers, n_slots + int(graphs), max_len, self.kv_heads,
                              self.head_dim, dtype=self.dtype, device=self.device,
-                             capacity=capacity)
-        self.graphs = StepGraphs(self._bucket_forward, self.cache, self.cache.reserve(),
-                                 capture=self.device.type == "cuda") if graphs else None
+                             capacity=capacity, value_ones=not fused)
+        self.fused = None
+        if fused:
+            from .fused_forward import FusedLayers  # imports Triton
+
+            self.fused = FusedLayers(self)
         self.max_rows = max_rows or max(PREFILL_CHUNK, n_slots * MAX_QUERY)
+        self.start_check_s: float | None = None
         if exact:
-            self._check_invariance(kernel)
+            code = [_attention_code, _linear_code]
+            if self.fused is not None:
+                from . import fused_kernels
+
+                code.append(fused_kernels)
+            key = CheckKey.here(model_fingerprint(cfg.to_dict(), self._weights()), self.device,
+                                self.dtype, self.max_rows,
+                                f"{self.kernels}@{code_digest(*code)}")
+            outcome = run_checked(key, lambda: self._check_invariance(kernel))
+            self.start_check_s = outcome.seconds
+        self.graphs = StepGraphs(self, n_slots, self.cache.reserve(),
+                                 capture=self.device.type == "cuda") if graphs else None
+        if self.graphs is not None:
+            self.graphs.capture_all()
+
+    def _weights(self) -> list[torch.Tensor]:
+        """The tensors a start check's outcome depends on (fingerprinted, a sample each)."""
+        out = [self.embed, self.norm, self.lm_head.weight]
+        for layer in self.layers:
+            out += [layer.ln1, layer.ln2, layer.qkv.weight, layer.o.weight,
+                    layer.gate_up.weight, layer.down.weight]
+        return out
 
     def _check_invariance(self, kernel: AttentionKernel | None) -> None:
         """Refuse (ConfigError) to serve a model whose kernels are not batch-invariant here in
@@ -144,7 +183,7 @@ class TargetRunner:
         dtype = str(self.dtype).removeprefix("torch.")
         refuse = (f"so speculative decoding in {dtype} on {self.device} would not be lossless: "
                   "use --dtype auto (or float32 where it is served)")
-        if kernel is None:
+        if kernel is None and self.fused is None:
             raise ConfigError(f"attention with {self.kv_heads} kv heads x "
                               f"{self.n_heads // self.kv_heads} x {self.head_dim} is not "
                               f"batch-invariant here (its probe failed), {refuse}")
@@ -158,8 +197,23 @@ class TargetRunner:
                                   f"a call of {bad} rows gives a row other bits than a call of "
                                   f"{rows}, {refuse}")
         hidden = probe_input(rows, self.embed.shape[1], self.embed)
-        for name, fn in (("RMS norm", lambda t: self._rms(t, self.norm)),
-                         ("SiLU", lambda t: pointwise(F.silu, t))):
+        checks = [("RMS norm", lambda t: self._rms(t, self.norm)),
+                  ("SiLU", lambda t: pointwise(F.silu, t))]
+        if self.fused is not None:
+            from . import fused_kernels as fk
+
+            bad = fk.probe_slot_attention(self.dtype, self.device, self.n_heads, self.kv_heads,
+                                          self.head_dim)
+            if bad is not None:
+                raise ConfigError(f"the fused attention is not batch-invariant here: {bad}, "
+                                  f"{refuse}")
+            checks = [("fused RMS norm",
+                       lambda t: fk.add_rms_norm(t.contiguous(), None, self.norm,
+                                                 self.eps)[:t.shape[0]]),
+                      ("fused SiLU x up",
+                       lambda t: fk.silu_mul(_tile_rows(torch.cat([t, t.flip(-1)], -1)),
+                                             t.shape[0])[:t.shape[0]])]
+        for name, fn in checks:
             bad = first_varying_count(fn, hidden, counts)
             if bad is not None:
                 raise ConfigError(f"the {name} is not batch-invariant here: a call of {bad} rows "
@@ -256,6 +310,15 @@ class TargetRunner:
         (T = longest row; positions past a row's end are padding), "last" returns [B, V] for each
         row's last token, "none" returns None.
         """
+        if self.fused is not None:
+            if logits == "none":
+                self._hidden(slots, rows)
+                return None
+            scored = self._fused_chains(slots, rows)
+            if logits == "all":
+                return scored.logits
+            last = torch.as_tensor([len(r) - 1 for r in rows], device=self.device)
+            return scored.logits[torch.arange(len(rows), device=self.device), last]
         x = self._hidden(slots, rows)
         if logits == "none":
             return None
@@ -270,6 +333,8 @@ class TargetRunner:
         """``forward`` with every position's logits and features; with ``tap``, also the hidden
         state after ``tap_layers(tap)`` layers (the logits and features are the same bits
         either way: the tap only keeps a reference to a tensor the forward makes anyway)."""
+        if self.fused is not None:
+            return self._fused_chains(slots, rows, tap)
         if tap is None:
             return self._scored(self._hidden(slots, rows))
         kept: list[torch.Tensor] = []
@@ -304,6 +369,13 @@ class TargetRunner:
         dev = self.device
         tokens = _pad_rows(rows, T).to(dev)
         start_t = torch.as_tensor(starts, dtype=torch.long, device=dev)
+        if self.fused is not None:
+            step = self._chain_step(slots, start_t, T)
+            x, kept, _ = self.fused.hidden(tokens, step, embeds,
+                                           taps=tap[0] if tap is not None else ())
+            if tap is not None:
+                tap[1].extend(k.view(len(rows), T, -1) for k in kept)
+            return x.view(len(rows), T, -1)
         pos = start_t[:, None] + torch.arange(T, device=dev)[None, :]  # [B, T]
         n_pos = padded_keys(max(starts) + T, self.cache.capacity)
         return self._run_layers(slots, tokens, pos, pos, _causal(pos, n_pos), n_pos, tap=tap,
@@ -349,12 +421,19 @@ class TargetRunner:
         T = rows.width
         for s, st in zip(rows.slots, rows.starts):
             self.cache.check_room(s, st, T)
-        kept: list[torch.Tensor] = []
-        tapping = None if tap is None else ((self.tap_layers(tap),), kept)
         if self.graphs is not None and tap is None:
             bucketed = self.graphs.score(rows)
             if bucketed is not None:
                 return bucketed
+        if self.fused is not None:
+            from .fused_forward import chain_step, tree_step
+
+            step = tree_step(rows) if rows.tree else chain_step(rows.slot_index,
+                                                                rows.start_index, T)
+            return self.fused.scored(rows.tokens, step,
+                                     None if tap is None else self.tap_layers(tap))
+        kept: list[torch.Tensor] = []
+        tapping = None if tap is None else ((self.tap_layers(tap),), kept)
         start_t = rows.start_index
         n_pos = padded_keys(max(rows.starts) + T, self.cache.capacity)
         store = start_t[:, None] + torch.arange(T, device=start_t.device)[None, :]  # [B, T]
@@ -395,14 +474,27 @@ class TargetRunner:
                             [root + 1 + j for j in range(len(path))])
         self.cache.commit(slot, end)
 
-    def _bucket_forward(self, tokens: torch.Tensor, store: torch.Tensor,
-                        slot_index: torch.Tensor, n_pos: int) -> Scored:
-        """A bucket's forward (``step_graphs``): chains over device buffers alone, the causal
-        mask made from the write positions, slots read by gather (no host decision)."""
-        x = self._run_layers(slot_index.shape[0] * [0], tokens, store, store,
-                             _causal(store, n_pos), n_pos, slot_index=slot_index,
-                             contiguous=False)
-        return self._scored(x)
+    def _chain_step(self, slots: list[int], starts: torch.Tensor, width: int):
+        """A fused step of chains at ``slots`` (host ids) from ``starts`` [B] (device)."""
+        from .fused_forward import chain_step
+
+        return chain_step(torch.as_tensor(slots, dtype=torch.long, device=self.device), starts,
+                          width)
+
+    def _fused_chains(self, slots: list[int], rows: list[list[int]], tap: int | None = None
+                      ) -> Scored:
+        """``score`` through the fused kernels."""
+        T = max(len(r) for r in rows)
+        if min(len(r) for r in rows) < 1:
+            raise ValueError("every row needs at least one token")
+        starts = [self.cache.lengths[s] for s in slots]
+        for s, st in zip(slots, starts):
+            self.cache.check_room(s, st, T)
+        assert self.fused is not None
+        start_t = torch.as_tensor(starts, dtype=torch.long, device=self.device)
+        return self.fused.scored(_pad_rows(rows, T).to(self.device),
+                                 self._chain_step(slots, start_t, T),
+                                 None if tap is None else self.tap_layers(tap))
 
     def _run_layers(self, slots: list[int], tokens: torch.Tensor, store: torch.Tensor,
                     rope: torch.Tensor, visible: torch.Tensor, n_pos: int,
@@ -472,9 +564,13 @@ class TargetRunner:
         dev = self.device
         pos = torch.as_tensor(starts, dtype=torch.long, device=dev)[:, None] + \
             torch.arange(T, device=dev)[None, :]  # [B, T]
+        order = sorted(set(layers))
+        if self.fused is not None:
+            step = self._chain_step(slots, pos[:, 0].contiguous(), T)
+            _, states, _ = self.fused.hidden(tokens, step, taps=tuple(order), upto=order[-1])
+            return [states[order.index(n)].view(B, T, -1) for n in layers]
         n_pos = padded_keys(max(starts) + T, self.cache.capacity)
         kept: list[torch.Tensor] = []
-        order = sorted(set(layers))
         self._run_layers(slots, tokens, pos, pos, _causal(pos, n_pos), n_pos,
                          tap=(tuple(order), kept), upto=order[-1])
         return [kept[order.index(n)] for n in layers]
@@ -497,6 +593,29 @@ class TargetRunner:
                                                                            self.dtype)
             self._hidden([slot], [part], embeds=given)
             self.commit(slot, i + len(part))
+
+
+def _kernels_for(device: torch.device, asked: str | None) -> str:
+    """The kernels a runner on ``device`` uses: the fused Triton ones on CUDA (where Triton
+    is, as in torch's CUDA builds), torch's eager ops elsewhere, unless ``asked``."""
+    if asked is not None:
+        if asked not in KERNELS:
+            raise ConfigError(f"kernels must be one of {', '.join(KERNELS)}, not {asked!r}")
+        return asked
+    if device.type != "cuda":
+        return "eager"
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "eager"
+    return "triton"
+
+
+def _tile_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [n, K] padded with zero rows to whole tiles of the fused kernels' staging buffers."""
+    from .fused_kernels import padded_rows
+
+    return F.pad(x, (0, 0, 0, padded_rows(x.shape[0]) - x.shape[0])).contiguous()
 
 
 def _pad_rows(rows: list[list[int]], T: int) -> torch.Tensor:

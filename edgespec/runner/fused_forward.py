@@ -1,0 +1,102 @@
+"""The runner's decoder layers through the fused kernels (``fused_kernels``): the GPU path.
+
+One layer is nine launches (gpt-fast's shape of a step, with batch-invariant kernels):
+
+    h = add_rms_norm(x, delta, ln1)        # the previous layer's residual add, then the norm
+    qkv = qkv.tiles(h)                      # cuBLAS, 128-row tiles (``Linear.tiles``)
+    q = rope_write_kv(qkv)                  # keys and values into their slots
+    att = slot_attention(q)                 # lengths and tree paths on the device
+    h = add_rms_norm(x, o.tiles(att), ln2)
+    delta = down.tiles(silu_mul(gate_up.tiles(h)))
+
+Every path of the runner (decode, chains, trees, prefill, taps, early exits, the graph buckets)
+goes through ``FusedLayers.hidden`` on such a runner, so target-only and speculative rows meet
+the same kernels. Each staging buffer holds whole tiles of rows; nothing reads a padding row's
+output. No host sync, no host-dependent control flow beyond the shapes: capturable as is.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+
+from . import fused_kernels as fk
+from .fused_kernels import FusedStep
+from .step_rows import Scored
+
+if TYPE_CHECKING:
+    from .target_runner import TargetRunner
+
+
+class FusedLayers:
+    """A runner's weights, KV cache and rotary tables, run through the fused kernels."""
+
+    def __init__(self, runner: "TargetRunner"):
+        self.r = runner
+
+    def hidden(self, tokens: torch.Tensor, step: FusedStep, embeds: torch.Tensor | None = None,
+               taps: tuple[int, ...] = (), upto: int | None = None
+               ) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor | None]:
+        """tokens [B, T] long (or ``embeds`` [B, T, H]) at ``step``'s slots and positions.
+        Returns the residual stream after the last layer run [B T, H], the states after each
+        of ``taps`` layers (in their order, [B T, H] each), and the final norm's output
+        [padded rows, H] (None when ``upto`` stops early: those rows need no head)."""
+        r = self.r
+        nh, kvh, hd = r.n_heads, r.kv_heads, r.head_dim
+        R = step.rows
+        if embeds is None:
+            x = F.embedding(tokens.reshape(R), r.embed)  # [R, H], its own memory
+        else:
+            x = embeds.reshape(R, -1).to(r.dtype).clone()
+        kept: dict[int, torch.Tensor] = {}
+        layers = r.layers[:upto]
+        delta: torch.Tensor | None = None
+        for li, layer in enumerate(layers):
+            h = fk.add_rms_norm(x, delta, layer.ln1, r.eps)  # x after li layers
+            if li in taps:
+                kept[li] = x.clone()
+            q = fk.rope_write_kv(layer.qkv.tiles(h), r.cos, r.sin, step, r.cache.k[li],
+                                 r.cache.v[li], nh, kvh, hd)
+            att = fk.slot_attention(q, step, r.cache.k[li], r.cache.v[li], nh, kvh, hd,
+                                    r.scale)
+            h = fk.add_rms_norm(x, layer.o.tiles(att), layer.ln2, r.eps)
+            delta = layer.down.tiles(fk.silu_mul(layer.gate_up.tiles(h), R))
+        feats = fk.add_rms_norm(x, delta, r.norm, r.eps)  # the last residual add, the norm
+        if len(layers) in taps:
+            kept[len(layers)] = x.clone()
+        full = upto is None or upto >= len(r.layers)
+        return x, [kept[n] for n in taps], feats if full else None
+
+    def scored(self, tokens: torch.Tensor, step: FusedStep, tap_after: int | None = None
+               ) -> Scored:
+        """Every row's logits [B, T, V] float32 and features [B, T, H] (and, with
+        ``tap_after``, the state after that many layers [B, T, H])."""
+        B, T = step.batch, step.width
+        _, kept, feats = self.hidden(tokens, step, taps=() if tap_after is None else
+                                     (tap_after,))
+        assert feats is not None
+        R = B * T
+        logits = self.r.lm_head.tiles(feats)[:R].float().view(B, T, -1)
+        tapped = kept[0].view(B, T, -1) if kept else None
+        return Scored(logits, feats[:R].view(B, T, -1), tapped)
+
+    def head_of_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits [N, V] float32 of residual-stream rows x [N, H] (the final norm, the head)."""
+        r = self.r
+        feats = fk.add_rms_norm(x.contiguous().clone(), None, r.norm, r.eps)
+        return r.lm_head.tiles(feats)[:x.shape[0]].float()
+
+
+def chain_step(slots: torch.Tensor, starts: torch.Tensor, width: int) -> FusedStep:
+    """A step of chains (decode, prefill, a chain draft's verification)."""
+    return FusedStep.chains(slots, starts, width)
+
+
+def tree_step(rows: Any) -> FusedStep:
+    """A ``StepRows`` of trees: depth and path from the rows (built on the host)."""
+    assert rows.path is not None, "a tree step carries its paths"
+    T = rows.width
+    return FusedStep(rows.slot_index, rows.start_index, rows.depths[:, :T].contiguous(),
+                     rows.path)
