@@ -184,9 +184,9 @@ class EngineConfig:
     learn: bool = False  # fine-tune the head on live traffic (``edgespec.heads.online``)
     # choose per session and step which draft sources to verify (``edgespec.engine.stack_choice``)
     auto: bool = False
-    # run the target's steps of chains over bucketed shapes, captured as CUDA graphs on a GPU
-    # (``edgespec.runner.step_graphs``); opt-in until a GPU sitting has measured it
-    cuda_graphs: bool = False
+    # replay the target's steps as CUDA graphs captured at start (``edgespec.runner.step_graphs``);
+    # None: on wherever the fused kernels run (CUDA), off elsewhere
+    cuda_graphs: bool | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_draft", "window", "chunk", "max_sessions", "max_context",

@@ -77,11 +77,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="tokens per session: prompt + output (default: %(default)s)")
     p.add_argument("--no-adaptive", action="store_true",
                    help="keep the verified draft length fixed at --max-draft")
-    p.add_argument("--cuda-graphs", action="store_true",
-                   help="run the target's chain steps over bucketed shapes (sessions x tokens x "
-                        "key positions), each captured as a CUDA graph the first time it is "
-                        "used (--device cuda; on a CPU the buckets run eagerly, slower); "
-                        "outputs are the same bits; opt-in until measured on a GPU")
+    p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
+                   help="replay the target's steps of up to 64 sessions x 16 tokens (chains and "
+                        "trees) as CUDA graphs captured at start (default: on with --device "
+                        "cuda, where the fused Triton kernels run; --no-cuda-graphs runs the "
+                        "same kernels eagerly, the same bits)")
     p.add_argument("--tree-nodes", type=int, default=d.tree_nodes,
                    help="most branch tokens of a token-tree draft verified per session per "
                         "step, within the batch's token budget; 0: chains only "
@@ -173,7 +173,7 @@ def engine_config(args, max_sessions: int | None = None) -> EngineConfig:
                         head=getattr(args, "head", None) or d.head,
                         learn=getattr(args, "learn", False),
                         auto=getattr(args, "auto", False),
-                        cuda_graphs=getattr(args, "cuda_graphs", False))
+                        cuda_graphs=getattr(args, "cuda_graphs", None))
 
 
 def add_threads_arg(p: argparse.ArgumentParser) -> None:

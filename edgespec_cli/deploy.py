@@ -54,9 +54,9 @@ def add_deploy_command(sub) -> None:
                         "(default: %(default)s)")
     add_threads_arg(d)
     add_dtype_arg(d, "the verifiers' ")
-    d.add_argument("--cuda-graphs", action="store_true",
-                   help="verifiers on a GPU node replay their chain steps as CUDA graphs over "
-                        "bucketed shapes (see serve --cuda-graphs)")
+    d.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
+                   help="verifiers on a GPU node replay their steps as CUDA graphs (default: "
+                        "on there; see serve --cuda-graphs)")
     d.add_argument("--head", default=None, metavar="DIR",
                    help="a trained draft head in the verifiers, drafting from their own "
                         "forward's features beside the boards' drafts: 'default' (shipped), a "

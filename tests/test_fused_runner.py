@@ -25,10 +25,14 @@ pytestmark = pytest.mark.slow  # Triton's interpreter: about a minute in all
 
 @pytest.fixture(scope="module")
 def small(tiny_draft_dir):
-    """A two-layer tiny Llama (the interpreter runs every kernel program in Python)."""
+    """A two-layer tiny Llama (the interpreter runs every kernel program in Python), on the
+    GPU where there is one."""
     from edgespec.models.loading import load_model
 
-    return load_model(str(tiny_draft_dir), dtype="float32")
+    loaded = load_model(str(tiny_draft_dir), dtype="float32")
+    if torch.cuda.is_available():
+        loaded.model.to("cuda")
+    return loaded
 
 
 def _fused(model, n_slots=4, graphs=False, exact=False, **kw):
@@ -52,7 +56,7 @@ def _chains(runner, slots, drafts, roots):
 
 def test_the_fused_forward_computes_the_model(small):
     fused = _fused(small.model)
-    eager = TargetRunner(small.model, n_slots=4, max_len=256)
+    eager = TargetRunner(small.model, n_slots=4, max_len=256, kernels="eager")
     assert fused.kernels == "triton" and eager.kernels == "eager"
     rng = random.Random(0)
     prompt = [1] + [rng.randrange(3, 100) for _ in range(70)]  # crosses a key block
@@ -159,7 +163,8 @@ def test_the_start_check_refuses_an_attention_that_varies_with_the_batch(small, 
 
 
 def test_the_attention_probe_passes_here():
-    assert fused_kernels.probe_slot_attention(torch.float32, "cpu", 4, 2, 16) is None
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    assert fused_kernels.probe_slot_attention(torch.float32, device, 4, 2, 16) is None
 
 
 @pytest.mark.parametrize("graphs", [False, True])

@@ -137,7 +137,8 @@ class TargetRunner:
         if graphs is None:
             graphs = fused and self.device.type == "cuda"
         if graphs and not fused:
-            raise ConfigError("CUDA graphs run the fused kernels: kernels='triton'")
+            raise ConfigError("CUDA graphs replay the fused Triton kernels, which serve on CUDA: "
+                              "use --device cuda, or leave --cuda-graphs out")
         # with graphs, one more slot: the bucket rows past a step's sessions write there
         self.cache = KVCache(self.n_layers, n_slots + int(graphs), max_len, self.kv_heads,
                              self.head_dim, dtype=self.dtype, device=self.device,

@@ -114,11 +114,16 @@ class VerifyBatch:
                                       for g, p in zip(greedy, params)],
                              [0 if g else (p.top_k or 0) for g, p in zip(greedy, params)],
                              greedy, [m == "loose" for m in modes], [m == "pad" for m in modes]],
-                            dtype=torch.long).reshape(6, len(params)).to(nodes.device)
+                            dtype=torch.long).reshape(6, len(params))
         floats = torch.tensor([[1.0 if g else max(p.temperature, 1e-5)
                                 for g, p in zip(greedy, params)],
                                [1.0 if g else p.top_p for g, p in zip(greedy, params)]],
-                              dtype=torch.float32).reshape(2, len(params)).to(nodes.device)
+                              dtype=torch.float32).reshape(2, len(params))
+        if nodes.device.type == "cuda":  # pinned and not waited for: the forward runs on
+            ints = ints.pin_memory().to(nodes.device, non_blocking=True)
+            floats = floats.pin_memory().to(nodes.device, non_blocking=True)
+        else:
+            ints, floats = ints.to(nodes.device), floats.to(nodes.device)
         return cls(tokens=nodes, parents=parents, depths=depths, counts=counts,
                    starts=ints[0], seeds=ints[1], top_k=ints[2], greedy=ints[3].bool(),
                    loose=ints[4].bool(), pad=ints[5].bool(), temperature=floats[0], top_p=floats[1],

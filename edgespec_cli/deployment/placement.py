@@ -74,7 +74,7 @@ class DeploySpec:
     auth_token: str | None = None
     timeout_s: float = 900.0  # model downloads and loads included
     head: str = ""  # a draft head in the verifiers (a folder on their node, or a shipped one)
-    cuda_graphs: bool = False  # GPU verifiers replay chain steps as CUDA graphs
+    cuda_graphs: bool | None = None  # GPU verifiers replay steps as CUDA graphs (None: on)
 
     def validate(self) -> None:
         if self.verifiers < 1 or self.drafters_per_board < 1:
@@ -282,7 +282,8 @@ def _place_all(roles, spec, head, vnodes, vres, boards, handles, progress) -> De
             threads=spec.threads, http_port=http, auth_token=spec.auth_token,
             device="cuda" if gpus else "cpu", dtype=spec.dtype,
             engine={**({"head": spec.head} if spec.head else {}),
-                    **({"cuda_graphs": True} if spec.cuda_graphs and gpus else {})} or None)
+                    **({"cuda_graphs": spec.cuda_graphs}
+                       if spec.cuda_graphs is not None and gpus else {})} or None)
     for n in boards:
         # the board's cores shared by its drafters (a model drafter uses them)
         threads = max(1, int(n.resources.get("CPU", 1) // spec.drafters_per_board))

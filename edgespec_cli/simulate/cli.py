@@ -89,9 +89,9 @@ def add_simulate_command(sub) -> None:
                    help="where the verifier runs: cpu, cuda or cuda:N (on a GPU its actor asks "
                         "Ray for one; the losslessness check decodes there too) "
                         "(default: %(default)s)")
-    s.add_argument("--cuda-graphs", action="store_true",
-                   help="the verifier's chain steps replayed as CUDA graphs over bucketed "
-                        "shapes (see serve --cuda-graphs)")
+    s.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
+                   help="the verifier's steps replayed as CUDA graphs (default: on with "
+                        "--device cuda; see serve --cuda-graphs)")
     add_threads_arg(s)
     add_dtype_arg(s, "the verifier's ")
     add_tree_width_arg(s)
@@ -234,7 +234,8 @@ def _settings(args: argparse.Namespace, dtype: str):
                        engine={**({"max_batch_tokens": args.max_batch_tokens}
                                   if args.max_batch_tokens else {}),
                                **({"head": args.head} if args.head else {}),
-                               **({"cuda_graphs": True} if args.cuda_graphs else {})})
+                               **({"cuda_graphs": args.cuda_graphs}
+                                  if args.cuda_graphs is not None else {})})
 
 
 def _run_fleets(args: argparse.Namespace, counts, profiles, modes: list[str], settings,

@@ -1,0 +1,55 @@
+"""The GPU sitting's tables (``scripts/gpu_sitting.py``): ``sitting.md`` from ``sitting.json``."""
+
+from __future__ import annotations
+
+import json
+
+
+def _table(head: list[str], rows: list[list]) -> list[str]:
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    out += ["| " + " | ".join("-" if v is None else str(v) for v in r) + " |" for r in rows]
+    return out + [""]
+
+
+def format_tables(d: dict) -> str:
+    lines = [f"# GPU sitting: {d['gpu']}, torch {d['torch']}, triton {d.get('triton')}, "
+             f"{d['dtype']}", ""]
+    if d.get("mismatches"):
+        lines += ["**Mismatches:** " + "; ".join(d["mismatches"]), ""]
+    if d.get("graphs"):
+        lines += _table(["shape", "runner built s", "start check s", "buckets captured",
+                         "capture s", "graph memory MB", "failed"],
+                        [[k, v.get("runner_build_s"), v.get("start_check_s"),
+                          f"{v.get('captured')}/{v.get('buckets')}", v.get("capture_s"),
+                          v.get("memory_mb"), v.get("failed")] for k, v in d["graphs"].items()])
+    if d.get("forward"):
+        lines += _table(["shape", "sessions x tokens", "graphed ms", "eager ms", "bits equal",
+                         "kernels (graph)", "GPU busy us (graph)", "kernels (eager)"],
+                        [[c["shape"], f"{c['sessions']} x {c['tokens']}", c.get("ms"),
+                          c.get("eager_ms"), c.get("bits_equal"), c.get("graph_kernels"),
+                          c.get("graph_busy_us"), c.get("eager_kernels")]
+                         for c in d["forward"]])
+    if d.get("e2e"):
+        lines += _table(["shape", "target-only tok/s", "ms a step", "MaG + Cacheback tok/s",
+                         "identical", "transformers compiled static tok/s"],
+                        [[k, v.get("target_only_tok_s"), v.get("target_only_ms_step"),
+                          v.get("mag_cacheback_tok_s"), v.get("identical"),
+                          d.get("hf", {}).get(k, {}).get("static_compiled_tok_s")]
+                         for k, v in d["e2e"].items()])
+    if d.get("lossless"):
+        lines += _table(["shape", "speculative identical to target-only", "steps replayed"],
+                        [[k, f"{v['identical']} of {v['total']}", v.get("graph_replays")]
+                         for k, v in d["lossless"].items()])
+    if d.get("fleet"):
+        rows = []
+        for k, per in d["fleet"].items():
+            for v in per.values():
+                rows.append([k, v["sessions"], v["batched_s"], v["one_a_forward_s"],
+                             v["throughput_ratio"], v["identical"]])
+        lines += _table(["shape", "sessions", "batched s", "one session a forward s",
+                         "throughput ratio", "identical"], rows)
+    if d.get("tests"):
+        lines += [f"CUDA tests: {d['tests'].get('summary', '')} (rc {d['tests']['rc']})", ""]
+    if d.get("errors"):
+        lines += ["Errors: " + json.dumps(d["errors"]), ""]
+    return "\n".join(lines) + "\n"
