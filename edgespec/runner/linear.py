@@ -83,15 +83,16 @@ class Linear:
         P = rows.shape[0]
         assert P % TILE_ROWS == 0, f"{P} rows are not whole tiles of {TILE_ROWS}"
         out = torch.empty(P, self.weight.shape[0], dtype=rows.dtype, device=rows.device)
-        w_t = self.weight.t()
+        w_t = self.weight.detach().t()  # out= products take no autograd (a model's weights may
+        bias = None if self.bias is None else self.bias.detach()  # still ask for gradients)
         for at in range(0, P, TILE_ROWS):
             tile = slice(at, at + TILE_ROWS)
             if self.packed is not None:  # the CPU (Triton's interpreter, in tests)
                 out[tile] = self._apply(rows[tile])
-            elif self.bias is None:
+            elif bias is None:
                 torch.mm(rows[tile], w_t, out=out[tile])
             else:
-                torch.addmm(self.bias, rows[tile], w_t, out=out[tile])
+                torch.addmm(bias, rows[tile], w_t, out=out[tile])
         return out
 
     def _apply(self, x: torch.Tensor) -> torch.Tensor:

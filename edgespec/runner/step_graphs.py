@@ -110,6 +110,7 @@ class StepGraphs:
                           round(self.memory_mb, 1))
 
     # -- start ---------------------------------------------------------------------------------
+    @torch.inference_mode()
     def capture_all(self) -> None:
         """Capture every bucket (CUDA), largest first into one pool; a failure is logged and
         kept, and the runner serves eagerly."""

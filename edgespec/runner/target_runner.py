@@ -174,6 +174,7 @@ class TargetRunner:
                     layer.gate_up.weight, layer.down.weight]
         return out
 
+    @torch.inference_mode()
     def _check_invariance(self, kernel: AttentionKernel | None) -> None:
         """Refuse (ConfigError) to serve a model whose kernels are not batch-invariant here in
         its dtype, naming the part and the row count that failed: the attention probe at this
