@@ -93,6 +93,7 @@ class Sitting:
             import traceback
             traceback.print_exc()
         self.data["stages_s"][name] = round(time.perf_counter() - t, 1)
+        free_device_memory(self.device)  # runners hold each other in cycles: collect them
         self.save()
 
     def mismatch(self, what: str) -> None:
@@ -108,14 +109,29 @@ def say(msg: str) -> None:
     print(msg, flush=True)
 
 
+def free_device_memory(device: str) -> None:
+    import gc
+
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+
+
 def sync(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
 
 
-def runner_for(s: Sitting, model, n_slots: int, max_len: int, graphs: bool) -> TargetRunner:
+def runner_for(s: Sitting, model, n_slots: int, max_len: int, graphs: bool,
+               gemm: str = "tiles") -> TargetRunner:
     return TargetRunner(model, n_slots=n_slots, max_len=max_len, kernels="triton",
-                        graphs=graphs)
+                        graphs=graphs, gemm=gemm)
+
+
+def alone_equal(runner: TargetRunner, rows: StepRows, T: int) -> bool:
+    """Whether slot 0's row has the same bits stepped alone as in ``rows``."""
+    together = runner.score_rows(rows).logits[0].clone()
+    return torch.equal(runner.score_rows(chain_rows(runner, 1, T)).logits[0], together)
 
 
 def chain_rows(runner: TargetRunner, B: int, T: int) -> StepRows:
@@ -177,11 +193,16 @@ def stage_graphs(s: Sitting, shape: str, model) -> None:
     build_s = time.perf_counter() - t
     eager = runner_for(s, model, top, max_len, graphs=False)
     g = torch.Generator().manual_seed(0)
-    for slot in range(top):
-        ids = torch.randint(3, graphed.vocab_size, (context,), generator=g).tolist()
-        for r in (graphed, eager):
-            r.new_slot()
-            r.prefill(slot, ids)
+    prompts = [torch.randint(3, graphed.vocab_size, (context,), generator=g).tolist()
+               for _ in range(top)]
+
+    def prefill(runner):
+        for slot, ids in enumerate(prompts):
+            runner.new_slot()
+            runner.prefill(slot, ids)
+
+    prefill(graphed)
+    prefill(eager)
     state = graphed.graphs.state()
     s.data["graphs"][shape] = {"runner_build_s": round(build_s, 2),
                                "start_check_s": graphed.start_check_s,
@@ -198,7 +219,11 @@ def stage_graphs(s: Sitting, shape: str, model) -> None:
         same = torch.equal(graphed.score_rows(rows).logits, eager.score_rows(rows).logits)
         if not same:
             s.mismatch(f"{shape} {B}x{T}: graphed logits differ from eager")
+        alone = alone_equal(graphed, rows, T)
+        if not alone:
+            s.mismatch(f"{shape} {B}x{T}: slot 0's row differs from the same row alone")
         row = {"shape": shape, "sessions": B, "tokens": T, "bits_equal": same,
+               "alone_equal": alone,
                "ms": round(event_median_ms(lambda: graphed.score_rows(rows), s.device,
                                            repeat), 3),
                "eager_ms": round(event_median_ms(lambda: eager.score_rows(rows), s.device,
@@ -212,6 +237,21 @@ def stage_graphs(s: Sitting, shape: str, model) -> None:
             f"bits equal {same}, kernels {row.get('graph_kernels')} busy "
             f"{row.get('graph_busy_us')} us")
     del graphed, eager
+    free_device_memory(s.device)
+    if s.dry:
+        return
+    # the candidate GEMM (``fused_gemm``: one pass over the weights), measured beside the tiles
+    tri = runner_for(s, model, top, max_len, graphs=True, gemm="triton")
+    prefill(tri)
+    for (B, T), row in zip(sizes, s.data["forward"][-len(sizes):]):
+        rows = chain_rows(tri, B, T)
+        row["triton_gemm_alone_equal"] = alone_equal(tri, rows, T)
+        row["triton_gemm_ms"] = round(event_median_ms(lambda: tri.score_rows(rows), s.device,
+                                                      repeat), 3)
+        row.update({f"triton_gemm_{k}": v for k, v in
+                    profile_kernels(lambda: tri.score_rows(rows), s.device).items()})
+        say(f"   {shape} {B} x {T} with the Triton GEMM: {row['triton_gemm_ms']:.2f} ms, "
+            f"row alone equal {row['triton_gemm_alone_equal']}")
 
 
 def stage_e2e(s: Sitting, shape: str, model) -> None:
@@ -385,8 +425,7 @@ def main() -> int:
     def model_of(shape):
         if shape not in models:
             models.clear()
-            if s.device == "cuda":
-                torch.cuda.empty_cache()
+            free_device_memory(s.device)
             models[shape] = random_model(shape, s.device, "bfloat16",
                                          layers=1 if s.dry else None)
         return models[shape]
@@ -399,6 +438,7 @@ def main() -> int:
         for shape in sorted(shapes, key=lambda x: x != "8b"):  # 8b first
             s.stage(f"hf {shape}", lambda sh=shape: stage_hf(s, sh, model_of(sh)))
     models.clear()
+    free_device_memory(s.device)
     if "tests" not in skip:
         s.stage("tests", lambda: stage_tests(s, args.tests_timeout_s))
     s.data["total_s"] = round(s.elapsed(), 1)

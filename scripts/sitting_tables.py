@@ -23,11 +23,14 @@ def format_tables(d: dict) -> str:
                           f"{v.get('captured')}/{v.get('buckets')}", v.get("capture_s"),
                           v.get("memory_mb"), v.get("failed")] for k, v in d["graphs"].items()])
     if d.get("forward"):
-        lines += _table(["shape", "sessions x tokens", "graphed ms", "eager ms", "bits equal",
-                         "kernels (graph)", "GPU busy us (graph)", "kernels (eager)"],
+        lines += _table(["shape", "sessions x tokens", "graphed ms", "eager ms",
+                         "graphed = eager bits", "row alone = in batch", "kernels (graph)",
+                         "GPU busy us (graph)", "kernels (eager)", "Triton GEMM graphed ms",
+                         "Triton GEMM row alone = in batch"],
                         [[c["shape"], f"{c['sessions']} x {c['tokens']}", c.get("ms"),
-                          c.get("eager_ms"), c.get("bits_equal"), c.get("graph_kernels"),
-                          c.get("graph_busy_us"), c.get("eager_kernels")]
+                          c.get("eager_ms"), c.get("bits_equal"), c.get("alone_equal"),
+                          c.get("graph_kernels"), c.get("graph_busy_us"), c.get("eager_kernels"),
+                          c.get("triton_gemm_ms"), c.get("triton_gemm_alone_equal")]
                          for c in d["forward"]])
     if d.get("e2e"):
         lines += _table(["shape", "target-only tok/s", "ms a step", "MaG + Cacheback tok/s",

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from triton_on_cpu import INTERPRETED  # noqa: F401  (sets up Triton before it is imported)
+from triton_on_cpu import INTERPRETED  # (sets up Triton before it is imported)
 from edgespec.runner import fused_kernels as fk  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -179,3 +179,34 @@ def test_slot_attention_row_bits_do_not_depend_on_the_call():
     tree = fk.slot_attention(q[:5], fk.FusedStep(slots[:1], starts[:1], depth, path), k_cache,
                              v_cache, nh, kvh, hd, 0.25)
     assert torch.equal(tree[4], chain[0])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_the_fixed_config_gemm_computes_the_product(dtype, with_bias):
+    from edgespec.runner.fused_gemm import gemm, split_for
+
+    if INTERPRETED and dtype == torch.bfloat16:
+        pytest.skip("Triton's interpreter multiplies bfloat16 dots as raw bits: the GPU's case")
+    x = _rand(70, 512, dtype=dtype)
+    w = _rand(200, 512, dtype=dtype, seed=1) * 0.05
+    b = _rand(200, dtype=dtype, seed=2) if with_bias else None
+    assert split_for(200, 512) > 1  # the reduction is split: the second kernel's sum is tested
+    out = gemm(x, w, b)
+    ref = x.float() @ w.float().t() + (b.float() if with_bias else 0)
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(out.float(), ref, rtol=tol, atol=tol)
+
+
+def test_the_fixed_config_gemm_gives_a_row_its_bits_in_any_call():
+    from edgespec.runner.fused_gemm import gemm
+
+    if INTERPRETED:
+        pytest.skip("Triton's interpreter runs a dot through NumPy's BLAS, whose rows vary "
+                    "with their place in the block: the GPU proves the bits")
+    x = _rand(130, 256, dtype=torch.bfloat16)  # three row tiles, the last one partial
+    w = _rand(136, 256, dtype=torch.bfloat16, seed=3) * 0.05
+    full = gemm(x, w)
+    for r in (0, 63, 64, 129):
+        assert torch.equal(gemm(x[r:r + 1].contiguous(), w)[0], full[r])
+    assert torch.equal(gemm(x[:5].contiguous(), w), full[:5])

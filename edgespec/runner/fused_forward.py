@@ -57,12 +57,12 @@ class FusedLayers:
             h = fk.add_rms_norm(x, delta, layer.ln1, r.eps)  # x after li layers
             if li in taps:
                 kept[li] = x.clone()
-            q = fk.rope_write_kv(layer.qkv.tiles(h), r.cos, r.sin, step, r.cache.k[li],
+            q = fk.rope_write_kv(layer.qkv.tiles(h, R), r.cos, r.sin, step, r.cache.k[li],
                                  r.cache.v[li], nh, kvh, hd)
             att = fk.slot_attention(q, step, r.cache.k[li], r.cache.v[li], nh, kvh, hd,
                                     r.scale)
-            h = fk.add_rms_norm(x, layer.o.tiles(att), layer.ln2, r.eps)
-            delta = layer.down.tiles(fk.silu_mul(layer.gate_up.tiles(h), R))
+            h = fk.add_rms_norm(x, layer.o.tiles(att, R), layer.ln2, r.eps)
+            delta = layer.down.tiles(fk.silu_mul(layer.gate_up.tiles(h, R), R), R)
         feats = fk.add_rms_norm(x, delta, r.norm, r.eps)  # the last residual add, the norm
         if len(layers) in taps:
             kept[len(layers)] = x.clone()
@@ -78,7 +78,7 @@ class FusedLayers:
                                      (tap_after,))
         assert feats is not None
         R = B * T
-        logits = self.r.lm_head.tiles(feats)[:R].float().view(B, T, -1)
+        logits = self.r.lm_head.tiles(feats, R)[:R].float().view(B, T, -1)
         tapped = kept[0].view(B, T, -1) if kept else None
         return Scored(logits, feats[:R].view(B, T, -1), tapped)
 
@@ -86,7 +86,7 @@ class FusedLayers:
         """Logits [N, V] float32 of residual-stream rows x [N, H] (the final norm, the head)."""
         r = self.r
         feats = fk.add_rms_norm(x.contiguous().clone(), None, r.norm, r.eps)
-        return r.lm_head.tiles(feats)[:x.shape[0]].float()
+        return r.lm_head.tiles(feats, x.shape[0])[:x.shape[0]].float()
 
 
 def chain_step(slots: torch.Tensor, starts: torch.Tensor, width: int) -> FusedStep:

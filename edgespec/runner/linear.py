@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
+GEMMS = ("tiles", "triton")  # the fused path's products: cuBLAS in 128-row tiles, or
+# ``fused_gemm``'s fixed-config kernel (one pass over the weights; measured, not the default)
 TILE_ROWS = 128  # rows per cuBLAS call on CUDA: every call has exactly this many
 
 
@@ -49,6 +51,7 @@ class Linear:
         if pack and _mkldnn_ok(weight):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_hint)
         self.tiled = weight.device.type == "cuda" if tiled is None else tiled
+        self.gemm = "tiles"  # what ``tiles`` runs on CUDA (``GEMMS``)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -74,14 +77,20 @@ class Linear:
         tiles = max(1, -(-n // TILE_ROWS))
         if n != tiles * TILE_ROWS:
             rows = F.pad(rows, (0, 0, 0, tiles * TILE_ROWS - n))
-        return self.tiles(rows)[:n].reshape(*x.shape[:-1], -1)
+        return self.tiles(rows, n)[:n].reshape(*x.shape[:-1], -1)
 
-    def tiles(self, rows: torch.Tensor) -> torch.Tensor:
+    def tiles(self, rows: torch.Tensor, used: int | None = None) -> torch.Tensor:
         """rows [P, K], P a whole number of tiles (a staging buffer the fused kernels wrote,
         its padding rows whatever they hold) -> [P, N]: one product of ``TILE_ROWS`` rows per
-        tile, each written into its rows of one output (no concatenation)."""
+        tile, each written into its rows of one output (no concatenation). ``used``: how many
+        leading rows are real (the Triton GEMM computes only those)."""
         P = rows.shape[0]
         assert P % TILE_ROWS == 0, f"{P} rows are not whole tiles of {TILE_ROWS}"
+        if self.gemm == "triton" and rows.device.type == "cuda":
+            from .fused_gemm import gemm
+
+            return gemm(rows, self.weight.detach(),
+                        None if self.bias is None else self.bias.detach(), used)
         out = torch.empty(P, self.weight.shape[0], dtype=rows.dtype, device=rows.device)
         w_t = self.weight.detach().t()  # out= products take no autograd (a model's weights may
         bias = None if self.bias is None else self.bias.detach()  # still ask for gradients)

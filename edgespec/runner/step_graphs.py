@@ -206,5 +206,5 @@ class StepGraphs:
         _, _, feats = fused.hidden(tokens, step)
         assert feats is not None
         R = Bb * Tb
-        self.logits[:R].copy_(self.runner.lm_head.tiles(feats)[:R])
+        self.logits[:R].copy_(self.runner.lm_head.tiles(feats, R)[:R])
         self.features[:R].copy_(feats[:R])

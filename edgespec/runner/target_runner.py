@@ -32,7 +32,7 @@ from .check_cache import CheckKey, code_digest, model_fingerprint, run_checked
 from .kv_cache import KVCache, contiguous_start
 from .step_graphs import StepGraphs
 from .step_rows import DraftShape, Scored, StepRows, TreeShape
-from .linear import Linear
+from .linear import GEMMS, Linear
 
 KERNELS = ("eager", "triton")
 
@@ -76,12 +76,15 @@ class TargetRunner:
     def __init__(self, model: torch.nn.Module, n_slots: int = 4, max_len: int = 2048,
                  n_layers: int | None = None, pack: bool = True, exact: bool = True,
                  share_weights: "TargetRunner | None" = None, max_rows: int | None = None,
-                 graphs: bool | None = None, kernels: str | None = None):
+                 graphs: bool | None = None, kernels: str | None = None,
+                 gemm: str = "tiles"):
         """``max_rows``: the most rows one forward sends through a layer (default: a prefill
         chunk, or every slot sending a full tree), up to which the start check runs.
         ``kernels``: "triton", the fused kernels (``fused_forward``: the default on CUDA), or
         "eager", torch's ops (the default on a CPU; Triton's interpreter runs the fused ones
-        there, for tests). ``graphs``: run steps of up to 64 sessions x 16 tokens through
+        there, for tests). ``gemm``: the fused path's linear products on CUDA
+        (``linear.GEMMS``: "tiles", cuBLAS in 128-row tiles; "triton", ``fused_gemm``, being
+        measured by the GPU sitting). ``graphs``: run steps of up to 64 sessions x 16 tokens through
         buckets captured as CUDA graphs at start (``step_graphs``; the default with the fused
         kernels on CUDA; on a CPU the buckets run eagerly, for tests)."""
         # a transformers model: its config and submodules are dynamic attributes
@@ -106,6 +109,8 @@ class TargetRunner:
         self.dtype = self.embed.dtype
         self.device = self.embed.device
         self.kernels = _kernels_for(self.device, kernels)
+        if gemm not in GEMMS:
+            raise ConfigError(f"gemm must be one of {', '.join(GEMMS)}, not {gemm!r}")
         self.lm_head: Linear
         self.layers: list[_Layer]
         if share_weights is not None:  # e.g. the layer-skip draft: same tensors, own KV cache
@@ -129,6 +134,9 @@ class TargetRunner:
         # exact: the target (verification must be batch-invariant); a drafter's runner need
         # not be (a draft may be anything), so it is neither checked nor refused
         fused = self.kernels == "triton"
+        for lin in [self.lm_head] + [m for layer in self.layers for m in
+                                     (layer.qkv, layer.o, layer.gate_up, layer.down)]:
+            lin.gemm = gemm
         kernel = attention_kernel(self.dtype, str(self.device), self.kv_heads,
                                   self.n_heads // self.kv_heads, self.head_dim) \
             if exact and not fused else None
@@ -153,12 +161,12 @@ class TargetRunner:
         if exact:
             code = [_attention_code, _linear_code]
             if self.fused is not None:
-                from . import fused_kernels
+                from . import fused_gemm, fused_kernels
 
-                code.append(fused_kernels)
+                code += [fused_kernels, fused_gemm]
             key = CheckKey.here(model_fingerprint(cfg.to_dict(), self._weights()), self.device,
                                 self.dtype, self.max_rows,
-                                f"{self.kernels}@{code_digest(*code)}")
+                                f"{self.kernels}+{gemm}@{code_digest(*code)}")
             outcome = run_checked(key, lambda: self._check_invariance(kernel))
             self.start_check_s = outcome.seconds
         self.graphs = StepGraphs(self, n_slots, self.cache.reserve(),
