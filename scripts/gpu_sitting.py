@@ -174,12 +174,19 @@ def profile_kernels(fn, device: str) -> dict:
         fn()
         sync(device)
     kernels, busy = 0, 0.0
+    by_name: dict[str, list] = {}
     for e in prof.events():
         if str(getattr(e, "device_type", "")).endswith("CUDA") and "Memcpy" not in e.name \
                 and "Memset" not in e.name:
+            us = float(getattr(e, "device_time", 0.0) or getattr(e, "cuda_time", 0.0))
             kernels += 1
-            busy += float(getattr(e, "device_time", 0.0) or getattr(e, "cuda_time", 0.0))
-    return {"kernels": kernels, "busy_us": round(busy, 1)}
+            busy += us
+            entry = by_name.setdefault(e.name[:80], [0, 0.0])
+            entry[0] += 1
+            entry[1] += us
+    top = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:8]
+    return {"kernels": kernels, "busy_us": round(busy, 1),
+            "top": [{"kernel": k, "calls": c, "us": round(t, 1)} for k, (c, t) in top]}
 
 
 def stage_graphs(s: Sitting, shape: str, model) -> None:
@@ -252,6 +259,23 @@ def stage_graphs(s: Sitting, shape: str, model) -> None:
                     profile_kernels(lambda: tri.score_rows(rows), s.device).items()})
         say(f"   {shape} {B} x {T} with the Triton GEMM: {row['triton_gemm_ms']:.2f} ms, "
             f"row alone equal {row['triton_gemm_alone_equal']}")
+
+
+def stage_breakdown(s: Sitting, shape: str, model) -> None:
+    """Where a graphed step's GPU time goes: kernels by name at 1 x 1 and 64 x 9."""
+    sizes = ((1, 1), (64, 9)) if not s.dry else ((1, 1), (2, 5))
+    context = CONTEXT if not s.dry else 20
+    top = max(b for b, _ in sizes)
+    runner = runner_for(s, model, top, context + 32, graphs=True)
+    g = torch.Generator().manual_seed(0)
+    for slot in range(top):
+        runner.new_slot()
+        runner.prefill(slot, torch.randint(3, runner.vocab_size, (context,), generator=g).tolist())
+    out = s.data.setdefault("breakdown", {}).setdefault(shape, {})
+    for B, T in sizes:
+        rows = chain_rows(runner, B, T)
+        out[f"{B}x{T}"] = profile_kernels(lambda: runner.score_rows(rows), s.device)
+        say(f"   {shape} {B} x {T}: {json.dumps(out[f'{B}x{T}'].get('top', [])[:5])}")
 
 
 def stage_e2e(s: Sitting, shape: str, model) -> None:
@@ -382,7 +406,7 @@ def stage_tests(s: Sitting, timeout_s: float) -> None:
         select = ["tests/test_fused_kernels.py"]
     else:
         select = [*CUDA_TESTS, "-k", CUDA_SELECT]
-    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *select]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *select]
     say("   " + " ".join(cmd))
     try:
         done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
@@ -410,6 +434,10 @@ def main() -> int:
                    help="seconds after which transformers' compiled generate is skipped")
     p.add_argument("--tests-timeout-s", type=float, default=150)
     p.add_argument("--skip", default="", help="stages to leave out: graphs,e2e,hf,fleet,tests")
+    p.add_argument("--breakdown", default="",
+                   help="shapes whose graphed step's kernels are broken down by name first")
+    p.add_argument("--tests-first", action="store_true",
+                   help="run the CUDA tests before transformers' compiled generate")
     args = p.parse_args()
     if not args.dry_run and not torch.cuda.is_available():
         print("gpu_sitting: no CUDA device here (use --dry-run on a CPU)", file=sys.stderr)
@@ -430,17 +458,24 @@ def main() -> int:
                                          layers=1 if s.dry else None)
         return models[shape]
 
+    for shape in [x for x in args.breakdown.split(",") if x]:
+        s.stage(f"breakdown {shape}", lambda sh=shape: stage_breakdown(s, sh, model_of(sh)))
     for shape in shapes:
         for name, fn in (("graphs", stage_graphs), ("e2e", stage_e2e), ("fleet", stage_fleet)):
             if name not in skip:
                 s.stage(f"{name} {shape}", lambda fn=fn, sh=shape: fn(s, sh, model_of(sh)))
+    def tests():
+        models.clear()
+        free_device_memory(s.device)
+        s.stage("tests", lambda: stage_tests(s, args.tests_timeout_s))
+
+    if "tests" not in skip and args.tests_first:
+        tests()
     if "hf" not in skip:
         for shape in sorted(shapes, key=lambda x: x != "8b"):  # 8b first
             s.stage(f"hf {shape}", lambda sh=shape: stage_hf(s, sh, model_of(sh)))
-    models.clear()
-    free_device_memory(s.device)
-    if "tests" not in skip:
-        s.stage("tests", lambda: stage_tests(s, args.tests_timeout_s))
+    if "tests" not in skip and not args.tests_first:
+        tests()
     s.data["total_s"] = round(s.elapsed(), 1)
     s.save()
     say(format_tables(s.data))

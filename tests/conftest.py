@@ -9,6 +9,8 @@ import pytest
 import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+import triton_on_cpu  # noqa: E402,F401  (before anything imports Triton: its interpreter here)
+
 # every runner's start check runs (tests make kernels fail it on purpose); its own tests cache
 os.environ.setdefault("EDGESPEC_START_CHECK_CACHE", "none")
 # Ray replaces 127.0.0.1 by the machine's interface address (even given --node-ip-address)

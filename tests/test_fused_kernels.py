@@ -9,7 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from triton_on_cpu import INTERPRETED  # (sets up Triton before it is imported)
+from triton_on_cpu import INTERPRETED, require_triton
+
+require_triton()
 from edgespec.runner import fused_kernels as fk  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"

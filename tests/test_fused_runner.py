@@ -11,7 +11,9 @@ import random
 import pytest
 import torch
 
-from triton_on_cpu import INTERPRETED  # noqa: F401  (sets up Triton before it is imported)
+from triton_on_cpu import INTERPRETED, require_triton
+
+require_triton()
 from edgespec.config import ConfigError, EngineConfig, SamplingParams  # noqa: E402
 from edgespec.drafters import build_drafter  # noqa: E402
 from edgespec.engine.spec_engine import Request, SpecEngine  # noqa: E402

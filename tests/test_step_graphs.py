@@ -12,7 +12,9 @@ import random
 import pytest
 import torch
 
-from triton_on_cpu import INTERPRETED  # noqa: F401  (sets up Triton before it is imported)
+from triton_on_cpu import INTERPRETED, require_triton
+
+require_triton()
 from edgespec.config import ConfigError  # noqa: E402
 from edgespec.runner.step_graphs import (SESSION_BUCKETS, TOKEN_BUCKETS,  # noqa: E402
                                          StepGraphs, bucket_of)

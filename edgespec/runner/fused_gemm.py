@@ -37,7 +37,7 @@ def split_for(n: int, k: int) -> int:
 @triton.jit(do_not_specialize=["M"])
 def _gemm_partial_kernel(x_ptr, w_ptr, part_ptr, M, N, K, K_PER_SPLIT,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         GROUP_M: tl.constexpr):
+                         GROUP_M: tl.constexpr, PRECISION: tl.constexpr):
     pid = tl.program_id(0)
     split = tl.program_id(1)
     n_m = tl.cdiv(M, BLOCK_M)
@@ -57,7 +57,7 @@ def _gemm_partial_kernel(x_ptr, w_ptr, part_ptr, M, N, K, K_PER_SPLIT,
                     mask=(rows[:, None] < M) & ((k + ks)[None, :] < K), other=0.0)
         b = tl.load(w_ptr + cols[None, :] * K + (k + ks)[:, None],
                     mask=(cols[None, :] < N) & ((k + ks)[:, None] < K), other=0.0)
-        acc = tl.dot(a, b, acc)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
     dst = part_ptr + split * M * N + rows[:, None] * N + cols[None, :]
     tl.store(dst, acc, mask=(rows[:, None] < M) & (cols[None, :] < N))
 
@@ -89,7 +89,8 @@ def gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     grid = (triton.cdiv(M, BLOCK_M) * triton.cdiv(N, BLOCK_N), split)
     _gemm_partial_kernel[grid](x, weight, part, M, N, K, (steps // split) * BLOCK_K,
                                BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-                               GROUP_M=GROUP_M, num_warps=4, num_stages=4)
+                               GROUP_M=GROUP_M, num_warps=4, num_stages=4,
+                               PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
     out = torch.empty(P, N, dtype=x.dtype, device=x.device)
     _gemm_sum_kernel[(M, triton.cdiv(N, 1024))](part, bias if bias is not None else part, out,
                                                  M, N, SPLIT=split, HAS_BIAS=bias is not None,

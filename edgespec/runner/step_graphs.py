@@ -33,10 +33,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from .fused_kernels import FusedStep
 from .step_rows import Scored, StepHost, StepRows
 
 if TYPE_CHECKING:
+    from .fused_kernels import FusedStep
     from .target_runner import TargetRunner
 
 log = logging.getLogger("edgespec.runner.step_graphs")
@@ -164,8 +164,9 @@ class StepGraphs:
         return Scored(self.logits[:Bb * Tb].view(Bb, Tb, -1)[:B, :T],
                       self.features[:Bb * Tb].view(Bb, Tb, -1)[:B, :T])
 
-    def _views(self, Bb: int, Tb: int) -> tuple[torch.Tensor, FusedStep]:
+    def _views(self, Bb: int, Tb: int) -> tuple[torch.Tensor, "FusedStep"]:
         """The bucket's inputs as views of the flat buffer: tokens [Bb, Tb] and its step."""
+        from .fused_kernels import FusedStep  # imports Triton
         sizes = (Bb * Tb, Bb, Bb, Bb * Tb, Bb * Tb * Tb)
         parts = torch.split(self.inputs[:sum(sizes)], sizes)
         return parts[0].view(Bb, Tb), FusedStep(parts[1], parts[2], parts[3].view(Bb, Tb),
