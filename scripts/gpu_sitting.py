@@ -221,6 +221,28 @@ def stage_graphs(s: Sitting, shape: str, model) -> None:
     say(f"   {shape}: runner built in {build_s:.1f} s, {state.captured}/{state.buckets} "
         f"buckets captured in {state.capture_s:.1f} s, {state.memory_mb:.0f} MB")
     repeat = 20 if not s.dry else 1
+    time_against_eager(s, shape, graphed, eager, sizes, repeat)
+    del graphed, eager
+    free_device_memory(s.device)
+    if s.dry:
+        return
+    # the candidate GEMM (``fused_gemm``: one pass over the weights), measured beside the tiles
+    tri = runner_for(s, model, top, max_len, graphs=True, gemm="triton")
+    prefill(tri)
+    for (B, T), row in zip(sizes, s.data["forward"][-len(sizes):]):
+        rows = chain_rows(tri, B, T)
+        row["triton_gemm_alone_equal"] = alone_equal(tri, rows, T)
+        row["triton_gemm_ms"] = round(event_median_ms(lambda: tri.score_rows(rows), s.device,
+                                                      repeat), 3)
+        row.update({f"triton_gemm_{k}": v for k, v in
+                    profile_kernels(lambda: tri.score_rows(rows), s.device).items()})
+        say(f"   {shape} {B} x {T} with the Triton GEMM: {row['triton_gemm_ms']:.2f} ms, "
+            f"row alone equal {row['triton_gemm_alone_equal']}")
+
+
+def time_against_eager(s: Sitting, shape: str, graphed: TargetRunner, eager: TargetRunner,
+                       sizes, repeat: int) -> None:
+    """(a)'s rows: each size graphed and eager, bits, the row alone, kernels."""
     for B, T in sizes:
         rows = chain_rows(graphed, B, T)
         same = torch.equal(graphed.score_rows(rows).logits, eager.score_rows(rows).logits)
@@ -243,22 +265,6 @@ def stage_graphs(s: Sitting, shape: str, model) -> None:
         say(f"   {shape} {B} x {T}: graphed {row['ms']:.2f} ms, eager {row['eager_ms']:.2f} ms, "
             f"bits equal {same}, kernels {row.get('graph_kernels')} busy "
             f"{row.get('graph_busy_us')} us")
-    del graphed, eager
-    free_device_memory(s.device)
-    if s.dry:
-        return
-    # the candidate GEMM (``fused_gemm``: one pass over the weights), measured beside the tiles
-    tri = runner_for(s, model, top, max_len, graphs=True, gemm="triton")
-    prefill(tri)
-    for (B, T), row in zip(sizes, s.data["forward"][-len(sizes):]):
-        rows = chain_rows(tri, B, T)
-        row["triton_gemm_alone_equal"] = alone_equal(tri, rows, T)
-        row["triton_gemm_ms"] = round(event_median_ms(lambda: tri.score_rows(rows), s.device,
-                                                      repeat), 3)
-        row.update({f"triton_gemm_{k}": v for k, v in
-                    profile_kernels(lambda: tri.score_rows(rows), s.device).items()})
-        say(f"   {shape} {B} x {T} with the Triton GEMM: {row['triton_gemm_ms']:.2f} ms, "
-            f"row alone equal {row['triton_gemm_alone_equal']}")
 
 
 def stage_breakdown(s: Sitting, shape: str, model) -> None:
@@ -406,7 +412,7 @@ def stage_tests(s: Sitting, timeout_s: float) -> None:
         select = ["tests/test_fused_kernels.py"]
     else:
         select = [*CUDA_TESTS, "-k", CUDA_SELECT]
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *select]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-rfEs", "-p", "no:cacheprovider", *select]
     say("   " + " ".join(cmd))
     try:
         done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
@@ -420,8 +426,9 @@ def stage_tests(s: Sitting, timeout_s: float) -> None:
     summary = next((line for line in reversed(tail) if re.search(r"\d+ (passed|failed)", line)),
                    "")
     counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|error)", summary)}
-    s.data["tests"] = {"rc": rc, "summary": summary, **counts,
-                       "failures": [line for line in tail if line.startswith("FAILED")][:20]}
+    failures = [line for line in tail if line.startswith(("FAILED", "ERROR"))][:20]
+    say("\n".join("   " + line for line in failures))
+    s.data["tests"] = {"rc": rc, "summary": summary, **counts, "failures": failures}
 
 
 def main() -> int:

@@ -11,7 +11,7 @@ import random
 import pytest
 import torch
 
-from triton_on_cpu import INTERPRETED, require_triton
+from triton_on_cpu import require_triton
 
 require_triton()
 from edgespec.config import ConfigError, EngineConfig, SamplingParams  # noqa: E402

@@ -12,7 +12,7 @@ import random
 import pytest
 import torch
 
-from triton_on_cpu import INTERPRETED, require_triton
+from triton_on_cpu import require_triton
 
 require_triton()
 from edgespec.config import ConfigError  # noqa: E402

@@ -168,7 +168,7 @@ class StepGraphs:
         """The bucket's inputs as views of the flat buffer: tokens [Bb, Tb] and its step."""
         from .fused_kernels import FusedStep  # imports Triton
         sizes = (Bb * Tb, Bb, Bb, Bb * Tb, Bb * Tb * Tb)
-        parts = torch.split(self.inputs[:sum(sizes)], sizes)
+        parts = torch.split(self.inputs[:sum(sizes)], list(sizes))
         return parts[0].view(Bb, Tb), FusedStep(parts[1], parts[2], parts[3].view(Bb, Tb),
                                                 parts[4].view(Bb, Tb, Tb))
 

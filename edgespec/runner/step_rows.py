@@ -175,8 +175,8 @@ class StepRows:
         flags = to_device(bools, device, torch.bool) if bools else []
         tail = None
         if tail_h is not None:
-            tail = TailKeys(*on_dev[tail_at:tail_at + 3], flags[-1], on_dev[tail_at + 3],
-                            tail_h.n_blocks)
+            tail = TailKeys(on_dev[tail_at], on_dev[tail_at + 1], on_dev[tail_at + 2], flags[-1],
+                            on_dev[tail_at + 3], tail_h.n_blocks)
         depth_h = shape.depths[:, :T] if is_tree else np.broadcast_to(np.arange(T), (B, T))
         host = StepHost(tokens, start_h, np.array(slots, dtype=np.int64).reshape(B), depth_h,
                         path_h)

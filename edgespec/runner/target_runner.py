@@ -212,10 +212,10 @@ class TargetRunner:
         if self.fused is not None:
             from . import fused_kernels as fk
 
-            bad = fk.probe_slot_attention(self.dtype, self.device, self.n_heads, self.kv_heads,
-                                          self.head_dim)
-            if bad is not None:
-                raise ConfigError(f"the fused attention is not batch-invariant here: {bad}, "
+            differs = fk.probe_slot_attention(self.dtype, self.device, self.n_heads,
+                                              self.kv_heads, self.head_dim)
+            if differs is not None:
+                raise ConfigError(f"the fused attention is not batch-invariant here: {differs}, "
                                   f"{refuse}")
             checks = [("fused RMS norm",
                        lambda t: fk.add_rms_norm(t.contiguous(), None, self.norm,
