@@ -164,6 +164,7 @@ class EdgespecServer:
         self.scheduler = Scheduler(engine, max_queue=self.opts.max_queue, metrics=self.metrics)
         self.metrics.bind_load(self.scheduler.load, lambda: runner.cache.free_slots)
         self.metrics.bind_links(engine.lateness.snapshot)
+        self.metrics.bind_graphs(lambda: runner.graphs.state() if runner.graphs else None)
         self.metrics.bind_model(target.dtype)
         if self.scheduler.engine.head is not None:
             self.metrics.bind_head(self.scheduler.engine.head)

@@ -42,6 +42,10 @@ def render(st: dict) -> str:
                      f"tokens/step; accepted {accepted}/{drafted} proposed"
                      + (f"; learning ({int(h.get('buffered_tokens', 0))} tokens buffered)"
                         if h.get("learning") else ""))
+    r = st.get("runner") or {}
+    if r.get("kernels"):
+        lines.append(f"runner: {r['kernels']} kernels on {r.get('device') or '?'}"
+                     + _graphs(r))
     lines.append("")
     head = ("device", "drafter", "attached", "sessions", "acc. rate", "acc. length", "last seen",
             "link")
@@ -55,6 +59,18 @@ def render(st: dict) -> str:
     widths = [max(len(str(r[i])) for r in rows) for i in range(len(head))]
     lines += ["  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
     return "\n".join(lines)
+
+
+def _graphs(r: dict) -> str:
+    """The runner's CUDA graphs: captured, or why not (steps then run eagerly)."""
+    buckets = int(r.get("graph_buckets") or 0)
+    if not buckets:
+        return ", no CUDA graphs"
+    if r.get("graphs_failed"):
+        return f", CUDA graphs FAILED (steps run eagerly): {r['graphs_failed']}"
+    return (f", CUDA graphs {int(r.get('graphs_captured') or 0)}/{buckets} captured in "
+            f"{float(r.get('graphs_capture_s') or 0):.1f} s, "
+            f"{int(r.get('graph_replays') or 0)} steps replayed")
 
 
 def _link(d: dict) -> str:

@@ -170,6 +170,9 @@ def test_bench_forward_prints_a_table_and_writes_json(tiny_dir, tmp_path):
     # which CPU the figures came from: model, ISA flags, caps, threads
     assert report["cpu"]["threads"] == 1 and report["cpu"]["model"]
     assert isinstance(report["cpu"]["bf16_native"], bool) and "machine: " in r.stdout
+    # how the runner ran: eager kernels and no CUDA graphs on a CPU (the GPU sitting has both)
+    state = report["runner"]["float32"]
+    assert state["kernels"] == "eager" and state["graphs"] is None and state["device"] == "cpu"
     bad = run_cli("bench-forward", "--model", tiny_dir, "--batches", "0")
     assert bad.returncode == 2 and "--batches" in bad.stderr
 

@@ -417,6 +417,8 @@ def test_status_command_after_a_generation(server, api):
     st = json.loads(r.stdout)
     assert st["healthy"] and st["kv_slots"] == 8 and st["free_kv_slots"] == 8
     assert st["dtype"] == "float32"  # what served (the test server pins float32)
+    assert st["runner"]["kernels"] == "eager" and st["runner"]["device"] == "cpu"
+    assert not st["runner"].get("graph_buckets")  # no CUDA graphs on a CPU
     [board] = [d for d in st["drafters"] if d["device_id"] == "board-1"]
     assert board["attached"] and board["draft_model"] == "mag"
     assert 0 < board["acceptance_rate"] <= 1 and board["mean_acceptance_length"] > 1
@@ -424,6 +426,7 @@ def test_status_command_after_a_generation(server, api):
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "board-1" in r.stdout and "KV slots free: 8/8" in r.stdout
     assert "float32" in r.stdout
+    assert "runner: eager kernels on cpu, no CUDA graphs" in r.stdout
 
 
 def test_a_client_that_disconnects_cancels_its_session(looping_dir, tmp_path):

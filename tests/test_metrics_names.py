@@ -224,3 +224,35 @@ def test_drafter_metrics_port_is_checked_before_anything_starts(capsys):
 
     assert main(["drafter", "--device-id", "x", "--metrics-port", "70000"]) == 2
     assert "--metrics-port" in capsys.readouterr().err
+
+
+def test_cuda_graph_state_is_exposed_and_rendered():
+    """The runner's CUDA graphs on /metrics (only where there are graphs) and in
+    ``edgespec status``: captured, or failed and served eagerly."""
+    from edgespec.runner.step_graphs import GraphState
+    from edgespec_cli.status import render
+
+    state: list = [None]
+    m = VerifierMetrics(CollectorRegistry())
+    m.bind_graphs(lambda: state[0])
+    assert "edgespec:cuda_graphs_captured" not in generate_latest(m.registry).decode()
+    state[0] = GraphState(buckets=56, captured=0, capture_s=0.4, failed="bucket (64, 16): OOM",
+                          replays=0, memory_mb=0.0)
+    text = generate_latest(m.registry).decode()
+    assert "edgespec:cuda_graph_buckets 56.0" in text
+    assert "edgespec:cuda_graphs_failed 1.0" in text
+    state[0] = GraphState(56, 56, 2.5, None, 7, 32.0)
+    text = generate_latest(m.registry).decode()
+    assert "edgespec:cuda_graphs_captured 56.0" in text
+    assert "edgespec:cuda_graphs_failed 0.0" in text
+    assert "edgespec:cuda_graph_replays_total 7.0" in text
+    base = {"model": "m", "version": "v", "healthy": True, "active_sessions": 0,
+            "queued_sessions": 0, "free_kv_slots": 1, "kv_slots": 1,
+            "tokens_per_s_last_minute": 0.0, "drafters": []}
+    ok = render(dict(base, runner={"device": "cuda", "kernels": "triton", "graph_buckets": 56,
+                                   "graphs_captured": 56, "graphs_capture_s": 2.5,
+                                   "graph_replays": "7"}))
+    assert "runner: triton kernels on cuda, CUDA graphs 56/56 captured in 2.5 s, 7 steps" in ok
+    failed = render(dict(base, runner={"device": "cuda", "kernels": "triton",
+                                       "graph_buckets": 56, "graphs_failed": "OOM"}))
+    assert "CUDA graphs FAILED (steps run eagerly): OOM" in failed

@@ -16,6 +16,9 @@ Gauges read at scrape time: ``edgespec:num_requests_running``, ``edgespec:num_re
 ``edgespec:drafter_late{device}``, ``edgespec:drafter_missed_deadline_total{device}``,
 ``edgespec:drafter_unwaited_steps_total{device}``, ``edgespec:drafter_marked_late_total{device}``;
 ``edgespec:request_refused_deadline_total``: new calls refused for their deadline (``pace``).
+CUDA graphs (``edgespec.runner.step_graphs``, a GPU verifier): ``edgespec:cuda_graph_buckets``,
+``edgespec:cuda_graphs_captured``, ``edgespec:cuda_graphs_failed`` (1: steps run eagerly) and
+``edgespec:cuda_graph_replays_total``.
 The draft head (``--head``): ``edgespec:head_draft_tokens_total``,
 ``edgespec:head_accepted_tokens_total``, and gauges ``edgespec:head_version`` and
 ``edgespec:head_held_out_tokens_per_step`` (``--learn`` moves both). ``--auto``:
@@ -153,6 +156,11 @@ class VerifierMetrics:
         DrafterLink}`` (``edgespec.engine.lateness``)."""
         self.registry.register(_LinkCollector(snapshot))
 
+    def bind_graphs(self, state) -> None:
+        """The runner's CUDA graphs read at scrape time: ``state() -> GraphState`` or None
+        without graphs (``edgespec.runner.step_graphs``)."""
+        self.registry.register(_GraphCollector(state))
+
     def bind_load(self, load, free_slots) -> None:
         """Gauges read at scrape time: ``load() -> (running, waiting)``, ``free_slots()``."""
         self.running.set_function(lambda: load()[0])
@@ -242,6 +250,36 @@ class VerifierMetrics:
             drafts, drafted, accepted = self._by_device.get(device, (0, 0, 0))
         rate = accepted / drafted if drafted else 0.0
         return rate, (1 + accepted / drafts) if drafts else 1.0
+
+
+class _GraphCollector(Collector):
+    """``edgespec:cuda_graph_buckets``, ``edgespec:cuda_graphs_captured``,
+    ``edgespec:cuda_graphs_failed`` (1 when a capture failed: steps run eagerly) and
+    ``edgespec:cuda_graph_replays_total``; nothing without graphs."""
+
+    def __init__(self, state):
+        self.state = state
+
+    def collect(self):
+        g = self.state()
+        if g is None:
+            return
+        for name, text, value in (
+                ("cuda_graph_buckets", "CUDA graph shapes the runner captures at start",
+                 g.buckets),
+                ("cuda_graphs_captured", "CUDA graph shapes captured", g.captured),
+                ("cuda_graphs_failed", "1 when capturing failed and steps run eagerly",
+                 1.0 if g.failed else 0.0)):
+            family = GaugeMetricFamily(f"edgespec:{name}", text)
+            family.add_metric([], value)
+            yield family
+        replays = CounterMetricFamily("edgespec:cuda_graph_replays", "Steps replayed from a "
+                                      "CUDA graph")
+        replays.add_metric([], g.replays)
+        yield replays
+
+    def describe(self):
+        return []
 
 
 class _LinkCollector(Collector):

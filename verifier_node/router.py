@@ -188,6 +188,7 @@ class VerifierRouter(pb_grpc.VerifierServicer):
             if answered == 0:
                 merged.model, merged.version, merged.dtype = s.model, s.version, s.dtype
                 merged.drafters.extend(s.drafters)
+                merged.runner.CopyFrom(s.runner)  # the replicas run the same configuration
             answered += 1
             merged.active_sessions += s.active_sessions
             merged.queued_sessions += s.queued_sessions

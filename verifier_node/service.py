@@ -175,7 +175,8 @@ class VerifierService(pb_grpc.VerifierServicer):
             kv_slots=sched.engine.cfg.max_sessions, healthy=sched.healthy,
             dtype=str(sched.engine.target.dtype).removeprefix("torch."),
             tokens_per_s_last_minute=metrics.tokens_per_s_last_minute() if metrics else 0.0,
-            head=head_status(sched.engine.head, metrics))
+            head=head_status(sched.engine.head, metrics),
+            runner=runner_status(sched.engine.target))
 
     def Cancel(self, request, context):
         try:
@@ -185,6 +186,17 @@ class VerifierService(pb_grpc.VerifierServicer):
         if not self.scheduler.cancel(sid):
             context.abort(grpc.StatusCode.NOT_FOUND, f"no running session {sid!r}")
         return pb.CancelResponse(cancelled=True)
+
+
+def runner_status(runner) -> pb.RunnerStatus:
+    """How the target runner runs its steps, for the Status RPC."""
+    out = pb.RunnerStatus(device=str(runner.device), kernels=runner.kernels)
+    if runner.graphs is not None:
+        g = runner.graphs.state()
+        out.graph_buckets, out.graphs_captured = g.buckets, g.captured
+        out.graphs_capture_s, out.graphs_failed = g.capture_s, g.failed or ""
+        out.graph_replays = g.replays
+    return out
 
 
 def head_status(head, metrics) -> pb.HeadStatus:

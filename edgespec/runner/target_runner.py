@@ -174,6 +174,16 @@ class TargetRunner:
         if self.graphs is not None:
             self.graphs.capture_all()
 
+    def run_state(self) -> dict:
+        """How this runner runs its steps, for benchmark JSON: device, kernels, the linear
+        products, the start check's seconds and the CUDA graphs' state (None without)."""
+        from dataclasses import asdict
+
+        return {"device": str(self.device), "kernels": self.kernels,
+                "gemm": self.lm_head.gemm if self.fused is not None else None,
+                "start_check_s": self.start_check_s,
+                "graphs": asdict(self.graphs.state()) if self.graphs is not None else None}
+
     def _weights(self) -> list[torch.Tensor]:
         """The tensors a start check's outcome depends on (fingerprinted, a sample each)."""
         out = [self.embed, self.norm, self.lm_head.weight]

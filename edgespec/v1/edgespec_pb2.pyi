@@ -178,7 +178,7 @@ class DrafterStatus(_message.Message):
     def __init__(self, device_id: _Optional[str] = ..., draft_model: _Optional[str] = ..., attached: _Optional[bool] = ..., sessions: _Optional[int] = ..., max_sessions: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_acceptance_length: _Optional[float] = ..., last_seen_s: _Optional[float] = ..., late: _Optional[bool] = ..., drafts_missed: _Optional[int] = ..., steps_unwaited: _Optional[int] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("model", "version", "drafters", "active_sessions", "queued_sessions", "free_kv_slots", "kv_slots", "tokens_per_s_last_minute", "healthy", "dtype", "head")
+    __slots__ = ("model", "version", "drafters", "active_sessions", "queued_sessions", "free_kv_slots", "kv_slots", "tokens_per_s_last_minute", "healthy", "dtype", "head", "runner")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     DRAFTERS_FIELD_NUMBER: _ClassVar[int]
@@ -190,6 +190,7 @@ class StatusResponse(_message.Message):
     HEALTHY_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     HEAD_FIELD_NUMBER: _ClassVar[int]
+    RUNNER_FIELD_NUMBER: _ClassVar[int]
     model: str
     version: str
     drafters: _containers.RepeatedCompositeFieldContainer[DrafterStatus]
@@ -201,7 +202,26 @@ class StatusResponse(_message.Message):
     healthy: bool
     dtype: str
     head: HeadStatus
-    def __init__(self, model: _Optional[str] = ..., version: _Optional[str] = ..., drafters: _Optional[_Iterable[_Union[DrafterStatus, _Mapping]]] = ..., active_sessions: _Optional[int] = ..., queued_sessions: _Optional[int] = ..., free_kv_slots: _Optional[int] = ..., kv_slots: _Optional[int] = ..., tokens_per_s_last_minute: _Optional[float] = ..., healthy: _Optional[bool] = ..., dtype: _Optional[str] = ..., head: _Optional[_Union[HeadStatus, _Mapping]] = ...) -> None: ...
+    runner: RunnerStatus
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[str] = ..., drafters: _Optional[_Iterable[_Union[DrafterStatus, _Mapping]]] = ..., active_sessions: _Optional[int] = ..., queued_sessions: _Optional[int] = ..., free_kv_slots: _Optional[int] = ..., kv_slots: _Optional[int] = ..., tokens_per_s_last_minute: _Optional[float] = ..., healthy: _Optional[bool] = ..., dtype: _Optional[str] = ..., head: _Optional[_Union[HeadStatus, _Mapping]] = ..., runner: _Optional[_Union[RunnerStatus, _Mapping]] = ...) -> None: ...
+
+class RunnerStatus(_message.Message):
+    __slots__ = ("device", "kernels", "graph_buckets", "graphs_captured", "graphs_capture_s", "graphs_failed", "graph_replays")
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    KERNELS_FIELD_NUMBER: _ClassVar[int]
+    GRAPH_BUCKETS_FIELD_NUMBER: _ClassVar[int]
+    GRAPHS_CAPTURED_FIELD_NUMBER: _ClassVar[int]
+    GRAPHS_CAPTURE_S_FIELD_NUMBER: _ClassVar[int]
+    GRAPHS_FAILED_FIELD_NUMBER: _ClassVar[int]
+    GRAPH_REPLAYS_FIELD_NUMBER: _ClassVar[int]
+    device: str
+    kernels: str
+    graph_buckets: int
+    graphs_captured: int
+    graphs_capture_s: float
+    graphs_failed: str
+    graph_replays: int
+    def __init__(self, device: _Optional[str] = ..., kernels: _Optional[str] = ..., graph_buckets: _Optional[int] = ..., graphs_captured: _Optional[int] = ..., graphs_capture_s: _Optional[float] = ..., graphs_failed: _Optional[str] = ..., graph_replays: _Optional[int] = ...) -> None: ...
 
 class HeadStatus(_message.Message):
     __slots__ = ("kind", "source", "version", "held_out_tokens_per_step", "draft_tokens", "accepted_tokens", "learning", "buffered_tokens")

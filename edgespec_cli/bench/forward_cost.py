@@ -166,7 +166,7 @@ def run_bench_forward(args) -> int:
         raise ConfigError("--profile takes B,T")
     slots = max(batches + ([profile[0]] if profile else []))
     width = max(tokens + ([profile[1]] if profile else []))
-    cells, profiles = [], {}
+    cells, profiles, states = [], {}, {}
     for dt in dtypes:
         print(f"bench-forward: {dt}: loading and prefilling {slots} slots of {args.context} "
               "tokens", file=sys.stderr, flush=True)
@@ -183,6 +183,7 @@ def run_bench_forward(args) -> int:
                 print(f"  {dt:9s} {B:3d} x {T}: {ms:8.2f} ms", file=sys.stderr, flush=True)
         if profile:
             profiles[dt] = profile_forward(runner, profile[0], profile[1], args.repeat)
+        states[dt] = runner.run_state()
         del runner, model
     base = {c["dtype"]: c["ms"] for c in cells if c["sessions"] == 1 and c["tokens"] == 1}
     f32 = {(c["sessions"], c["tokens"]): c["ms"] for c in cells if c["dtype"] == "float32"}
@@ -193,7 +194,7 @@ def run_bench_forward(args) -> int:
     report = {"model": f"random {args.shape}" if args.shape else args.model,
               "device": _device_name(args.device), "threads": threads, "context": args.context,
               "cpu": cpu_kind().as_json(),
-              "repeat": args.repeat, "cells": cells,
+              "repeat": args.repeat, "cells": cells, "runner": states,
               "profile": {"sessions": profile[0], "tokens": profile[1], "ms": profiles}
               if profile else None,
               "command": "edgespec " + " ".join(sys.argv[1:])}

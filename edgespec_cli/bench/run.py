@@ -132,6 +132,7 @@ def run_bench(args) -> int:
                                                   args.max_new_tokens, _log)
         report["config"] = _config(args, runner, plan, cfg, threads, len(questions))
         report["config"]["cpu"] = cpu_kind().as_json()
+        report["config"]["runner"] = runner.gen.runner.run_state()
         report["results"] = records
         print(f"machine: {cpu_kind().describe()}")
         print_tables(report, methods)
