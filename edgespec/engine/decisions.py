@@ -1,9 +1,12 @@
 """What a verification step decided for one session: its ``Verdict`` as the store takes it,
 cut where the output ends (a stop token, the length limit), beside the row it decided on.
 
-The verification step yields one ``Verdict`` per row (``edgespec.protocol.contract``): the
-accepted chain tokens, an accepted branch, the target's own token. ``decide`` cuts it once
-where the session's output ends, and that same verdict goes to the store and is applied.
+The verification step yields one ``RowVerdict`` per row: the ``Verdict``
+(``edgespec.protocol.contract``: the accepted chain tokens, an accepted branch, the target's own
+token) with what committing it needs here, the accepted path's nodes (a tree's keys and values
+are moved into place at commit, so verification changes nothing) and which of them only a
+lossy rule kept. ``decide`` cuts it once where the session's output ends, and that same verdict
+goes to the store and is applied.
 """
 
 from __future__ import annotations
@@ -17,11 +20,23 @@ from .proposals import StepDraft
 
 
 @dataclass(frozen=True)
+class RowVerdict:
+    """One row's verdict as verification yields it, and what its commit needs."""
+
+    verdict: Verdict
+    path: tuple[int, ...] = ()  # the accepted nodes, root to leaf (node indices of the row)
+    lenient: tuple[int, ...] = ()  # along the path: 1 where only a lossy rule kept the node
+
+
+@dataclass(frozen=True)
 class Decision:
-    """A row's verdict, as the store will take it, beside the draft it decided on."""
+    """A row's verdict, as the store will take it, beside the draft it decided on, with the
+    accepted path (compacted into place when applied) and its lossy-kept flags."""
 
     draft: StepDraft
     verdict: Verdict
+    path: tuple[int, ...] = ()
+    lenient: tuple[int, ...] = ()
 
     @property
     def act(self) -> ActiveSession:
@@ -38,10 +53,12 @@ class Decision:
         return self.verdict.n_accepted + len(self.verdict.branch)
 
 
-def decide(draft: StepDraft, v: Verdict, room: int, stop_ids: Collection[int]) -> Decision:
+def decide(draft: StepDraft, v: Verdict, room: int, stop_ids: Collection[int],
+           path: tuple[int, ...] = (), lenient: tuple[int, ...] = ()) -> Decision:
     """``v`` cut to the session's output: at most ``room`` tokens, ending at the first stop
     token (finish reason "stop"), or at the limit ("length"). A cut inside the accepted run
-    makes its last kept token the verdict's token (a draft token the draft holds)."""
+    makes its last kept token the verdict's token (a draft token the draft holds). ``path``
+    and ``lenient`` travel with it (``RowVerdict``)."""
     new = [*draft.tokens[:v.n_accepted], *v.branch, v.token]
     finish = ""
     for i, tok in enumerate(new[:room]):
@@ -55,4 +72,4 @@ def decide(draft: StepDraft, v: Verdict, room: int, stop_ids: Collection[int]) -
     branch = tuple(new[v.n_accepted:len(new) - 1])
     return Decision(draft, replace(v, n_accepted=n, branch=branch, token=new[-1],
                                    finish_reason=finish,
-                                   own_branch=v.own_branch and bool(branch)))
+                                   own_branch=v.own_branch and bool(branch)), path, lenient)

@@ -18,11 +18,10 @@ into place.
 from __future__ import annotations
 
 import itertools
-from bisect import bisect_left
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import replace
+from typing import Any
 
 from ..config import (MAX_TREE_NODES, ConfigError, EngineConfig, is_lossy, session_verify_mode,
                       verifies_trees)
@@ -30,20 +29,20 @@ from ..drafters import DraftLength, Drafter
 from ..heads.proposer import HeadProposer, VerifierHead
 from ..pad.verify_rule import PadVerifier
 from ..protocol.contract import (DraftWant, Proposal, Proposer, SessionStore,
-                                 TakenDraft, Verdict)
+                                 TakenDraft)
 from ..models.vision import VisionModel
 from ..protocol.fleet_table import FleetTable
 from ..protocol.local_store import LocalSessionStore
-from ..runner.step_rows import DraftShape, StepRows
 from ..runner.target_runner import TargetRunner
 from ..verify.keyed_noise import with_session_seed
-from ..verify.verify_step import VerifyBatch, verify_step
+from ..verify.verify_step import verify_step
 from .draft_planner import ForwardCost
 from .draft_worker import DraftWorker
 from .generation import ActiveSession, Request, Result, SessionFailed
 from .lateness import Lateness
-from .decisions import Decision, decide
+from .decisions import Decision, RowVerdict, decide
 from .proposals import DrafterProposer, StepDraft, drafter_row, with_head
+from .scoring import ScoredStep, row_verdicts, score_step
 from .stack_choice import SOURCES, StackChooser, accepted_prefix
 from .step_planning import plan_branch_budgets, plan_drafts
 from .step_report import StepReport, step_report
@@ -115,7 +114,8 @@ class SpecEngine:
         self.cost = ForwardCost()  # the measured cost of the verification forward
         self.lateness = Lateness(self.cfg.late_after)  # drafters not waited for (lateness.py)
         self._undelivered: list[Decision] = []
-        self._lenient: dict[str, list[int]] = {}  # this step's verdicts: lossy-kept path nodes
+        # the head's moves of this step's verified batches, made once their paths are placed
+        self._head_pending: list[tuple[list[str], Any, list[int], list[list[int]]]] = []
 
     @property
     def free_slots(self) -> int:
@@ -214,7 +214,6 @@ class SpecEngine:
         if act in self.active:
             self.active.remove(act)
             self.target.free_slot(act.slot)
-            self._lenient.pop(act.sid, None)
             if self.head is not None:
                 self.head.finish(act.sid)
 
@@ -274,6 +273,7 @@ class SpecEngine:
             d.act.stats.take_s += t1 - t0
             d.act.stats.forward_s += t2 - t1
         t3 = time.perf_counter()
+        self._place(decided)
         applied = self._commit(decided)
         return _report(applied, len(drafts), width, t1 - t0, t2 - t1, time.perf_counter() - t3)
 
@@ -360,7 +360,7 @@ class SpecEngine:
                    d.act.chooser.wants("head", self.head.depth, fixed, per_token, costs)
                    for d in drafts)
 
-    def _verify(self, drafts: list[StepDraft]) -> Sequence[Verdict | None]:
+    def _verify(self, drafts: list[StepDraft]) -> Sequence[RowVerdict | None]:
         """One forward over the batch; if it fails, each session alone, so that a failure
         fails only the session it concerns (None marks those)."""
         try:
@@ -371,61 +371,50 @@ class SpecEngine:
                 log.exception("verification of session %s failed", act.sid)
                 self.fail(act, SessionFailed("verification failed"))
                 return [None]
-        out: list[Verdict | None] = []
+        out: list[RowVerdict | None] = []
         for d in drafts:
             out.extend(self._verify([d]))
         return out
 
-    def _forward_and_verify(self, drafts: list[StepDraft]) -> list[Verdict]:
-        """One forward over the batch (as trees when a row branches, else as chains), then
-        every row verified at once on the device (``edgespec.verify.verify_step``): one host
-        sync. Each row's verdict is the accepted path's chain tokens, then its branch, then the
-        target's token."""
-        nodes = [d.nodes() for d in drafts]
-        shape = DraftShape.of(nodes)
-        outside = shape.rows_outside(self.target.vocab_size)
-        if outside:  # a store let an id past: that row is verified without its draft
-            log.warning("drafts of %d session(s) held token ids outside the vocabulary: "
-                        "verified without them", len(outside))
-            drafts = [replace(d, tokens=(), branches=()) if i in outside else d
-                      for i, d in enumerate(drafts)]
-            nodes = [d.nodes() for d in drafts]
-            shape = DraftShape.of(nodes)
-        rows = StepRows.build([d.act.slot for d in drafts],
-                              [self.target.cache.lengths[d.act.slot] for d in drafts],
-                              [d.act.last_token for d in drafts], shape, self.target.device)
-        pad = self.pad if self.pad is not None and \
-            any(d.act.verify == "pad" for d in drafts) else None
-        scored = self.target.score_rows(rows, tap=pad.tap if pad else None)  # [B, 1 + N, V]
-        vb = VerifyBatch.of_rows(rows, [d.start for d in drafts],
-                                 [d.act.req.params for d in drafts],
-                                 [d.act.verify for d in drafts])
-        sids = [d.act.sid for d in drafts]
+    def _forward_and_verify(self, drafts: list[StepDraft]) -> list[RowVerdict]:
+        """Score the batch (``scoring.score_step``: one forward), then judge it: one host
+        sync. Changes nothing a retry would read: the paths are placed after (``_place``)."""
+        return self._judge(score_step(self.target, drafts, self.pad))
+
+    def _judge(self, step: ScoredStep) -> list[RowVerdict]:
+        """Every row verified at once on the device (``edgespec.verify.verify_step``), the
+        head's next drafts proposed from the same scores, the PAD rule's tap read."""
+        sids = [d.act.sid for d in step.drafts]
+        scored, vb = step.scored, step.batch
         proposal = None
         if self.head is not None:
-            wanted = not self.cfg.auto or self._head_wanted(drafts)
+            wanted = not self.cfg.auto or self._head_wanted(step.drafts)
             proposal = self.head.for_step(sids, scored.features, vb.tokens, vb.depths, wanted)
-        lenient = pad.rule(scored.tapped, self.stop_ids) if pad and scored.tapped is not None \
-            else None
+        lenient = step.pad.rule(scored.tapped, self.stop_ids) \
+            if step.pad and scored.tapped is not None else None
         out = verify_step(scored.logits, vb, self.cfg.loose, proposal, lenient)
-        verdicts = []
-        for d, (tokens, _), path, token, kept in zip(drafts, nodes, out.paths, out.tokens,
-                                                     out.lenient):
-            self.target.compact(d.act.slot, path)  # a branch's keys/values into place
-            n = bisect_left(path, len(d.tokens))  # the path's chain nodes come first
-            branch = tuple(tokens[i] for i in path[n:])
-            verdicts.append(Verdict(d.act.sid, d.epoch, d.start, n, token, branch=branch,
-                                    own_branch=bool(branch) and not d.kept_branch(n, branch)))
-            self._lenient[d.act.sid] = kept
-        if proposal is not None and self.head is not None:  # once the batch has succeeded
-            self.head.after_step(sids, proposal, [len(p) for p in out.paths], out.proposals)
+        verdicts = row_verdicts(step, out)
+        if proposal is not None:  # the head moves on once the paths are in place (``_place``)
+            self._head_pending.append((sids, proposal, [len(p) for p in out.paths],
+                                       out.proposals))
         return verdicts
 
-    def _decide(self, draft: StepDraft, v: Verdict) -> Decision:
+    def _place(self, decided: list[Decision]) -> None:
+        """The commit stage's first part, right after verification: each accepted tree path's
+        keys and values moved into place (``TargetRunner.compact``), then the head's sessions
+        moved on over them (an imitation head drafts from the compacted positions)."""
+        for d in decided:
+            self.target.compact(d.act.slot, list(d.path))
+        pending, self._head_pending = self._head_pending, []
+        if self.head is not None:
+            for sids, proposal, lengths, drafts in pending:
+                self.head.after_step(sids, proposal, lengths, drafts)
+
+    def _decide(self, draft: StepDraft, rv: RowVerdict) -> Decision:
         """The verdict the store takes (cut at a stop token or the length limit); --auto's
         chooser learns what each source's proposal would have kept."""
         room = draft.act.req.max_new_tokens - len(draft.act.output)
-        d = decide(draft, v, room, self.stop_ids)
+        d = decide(draft, rv.verdict, room, self.stop_ids, rv.path, rv.lenient)
         if draft.offers is not None:
             draft.act.chooser.observe({n: None if p is None else list(p)
                                        for n, p in draft.offers.items()}, d.new)
@@ -452,7 +441,7 @@ class SpecEngine:
         """A verdict the store took, applied here: the KV cache, the draft length, the stats,
         the output."""
         act, v, new = d.act, d.verdict, d.new
-        # KV of last + accepted (a tree's accepted path was compacted into place)
+        # KV of last + accepted (a tree's accepted path was moved into place: ``_place``)
         self.target.commit(act.slot, v.start + v.n_accepted + len(v.branch))
         act.draft_len.update(len(d.draft.tokens), v.n_accepted)  # the chain's own acceptance
         act.draft_len.update_branches(d.draft.branch_tokens, len(v.branch))
@@ -465,7 +454,7 @@ class SpecEngine:
             self.head.offered(len(offer), got)
         act.stats.commit_s += commit_s
         # the path's nodes only a lossy rule kept, as far as the output took them
-        act.stats.lenient_tokens += sum(self._lenient.pop(act.sid, [])[:len(new)])
+        act.stats.lenient_tokens += sum(d.lenient[:len(new)])
         act.output.extend(new)
         act.last_token = v.token
         act.finish = v.finish_reason or None

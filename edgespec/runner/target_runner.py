@@ -339,7 +339,7 @@ class TargetRunner:
                 return scored.logits
             last = torch.as_tensor([len(r) - 1 for r in rows], device=self.device)
             return scored.logits[torch.arange(len(rows), device=self.device), last]
-        x = self._hidden(slots, rows)
+        x, _ = self._hidden(slots, rows)
         if logits == "none":
             return None
         if logits == "last":
@@ -355,11 +355,8 @@ class TargetRunner:
         either way: the tap only keeps a reference to a tensor the forward makes anyway)."""
         if self.fused is not None:
             return self._fused_chains(slots, rows, tap)
-        if tap is None:
-            return self._scored(self._hidden(slots, rows))
-        kept: list[torch.Tensor] = []
-        x = self._hidden(slots, rows, ((self.tap_layers(tap),), kept))
-        return self._scored(x, kept[0])
+        x, kept = self._hidden(slots, rows, () if tap is None else (self.tap_layers(tap),))
+        return self._scored(x, kept[0] if kept else None)
 
     def tap_layers(self, tap: int) -> int:
         """How many decoder layers a tap runs before it is read: ``tap`` itself, or counted
@@ -375,11 +372,12 @@ class TargetRunner:
         feats = self._rms(x, self.norm)
         return Scored(self.lm_head(feats).float(), feats, tapped)
 
-    def _hidden(self, slots: list[int], rows: list[list[int]],
-                tap: tuple[tuple[int, ...], list[torch.Tensor]] | None = None,
-                embeds: torch.Tensor | None = None) -> torch.Tensor:
-        """The last decoder layer's output [B, T, H] for ``forward``'s rows (``tap``, ``embeds``:
-        see ``_run_layers``; ``embeds`` only for rows of one length)."""
+    def _hidden(self, slots: list[int], rows: list[list[int]], taps: tuple[int, ...] = (),
+                embeds: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The last decoder layer's output [B, T, H] for ``forward``'s rows, and the states
+        after each of ``taps`` layers (``embeds``: see ``_run_layers``; only for rows of one
+        length)."""
         T = max(len(r) for r in rows)
         if min(len(r) for r in rows) < 1:
             raise ValueError("every row needs at least one token")
@@ -389,17 +387,29 @@ class TargetRunner:
         dev = self.device
         tokens = _pad_rows(rows, T).to(dev)
         start_t = torch.as_tensor(starts, dtype=torch.long, device=dev)
+        return self._chains(slots, tokens, start_t, max(starts), taps=taps, embeds=embeds)
+
+    def _chains(self, slots: list[int], tokens: torch.Tensor, start_t: torch.Tensor,
+                longest: int, slot_index: torch.Tensor | None = None, taps: tuple[int, ...] = (),
+                embeds: torch.Tensor | None = None, upto: int | None = None
+                ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Rows of chains through the layers, on either kernels: tokens [B, T] at ``slots``
+        from positions ``start_t`` [B] (``longest``: the largest start). Returns the residual
+        stream [B, T, H] after the layers run (``upto``) and the states after each of
+        ``taps`` layers, in their order: the one set-up of a chain's positions and mask."""
+        B, T = tokens.shape
         if self.fused is not None:
-            step = self._chain_step(slots, start_t, T)
-            x, kept, _ = self.fused.hidden(tokens, step, embeds,
-                                           taps=tap[0] if tap is not None else ())
-            if tap is not None:
-                tap[1].extend(k.view(len(rows), T, -1) for k in kept)
-            return x.view(len(rows), T, -1)
-        pos = start_t[:, None] + torch.arange(T, device=dev)[None, :]  # [B, T]
-        n_pos = padded_keys(max(starts) + T, self.cache.capacity)
-        return self._run_layers(slots, tokens, pos, pos, _causal(pos, n_pos), n_pos, tap=tap,
-                                embeds=embeds)
+            from .fused_forward import chain_step
+
+            index = slot_index if slot_index is not None else \
+                torch.as_tensor(slots, dtype=torch.long, device=self.device)
+            x, kept, _ = self.fused.hidden(tokens, chain_step(index, start_t, T), embeds,
+                                           taps=taps, upto=upto)
+            return x.view(B, T, -1), [k.view(B, T, -1) for k in kept]
+        pos = start_t[:, None] + torch.arange(T, device=start_t.device)[None, :]  # [B, T]
+        n_pos = padded_keys(longest + T, self.cache.capacity)
+        return self._run_layers(slots, tokens, pos, pos, _causal(pos, n_pos), n_pos,
+                                slot_index=slot_index, taps=taps, embeds=embeds, upto=upto)
 
     @torch.inference_mode()
     def forward_tree(self, slots: list[int], roots: list[int], trees: Sequence[TreeShape]
@@ -445,23 +455,19 @@ class TargetRunner:
             bucketed = self.graphs.score(rows)
             if bucketed is not None:
                 return bucketed
+        taps = () if tap is None else (self.tap_layers(tap),)
+        start_t = rows.start_index
         if self.fused is not None:
             from .fused_forward import chain_step, tree_step
 
-            step = tree_step(rows) if rows.tree else chain_step(rows.slot_index,
-                                                                rows.start_index, T)
-            return self.fused.scored(rows.tokens, step,
-                                     None if tap is None else self.tap_layers(tap))
-        kept: list[torch.Tensor] = []
-        tapping = None if tap is None else ((self.tap_layers(tap),), kept)
-        start_t = rows.start_index
+            step = tree_step(rows) if rows.tree else chain_step(rows.slot_index, start_t, T)
+            return self.fused.scored(rows.tokens, step, taps[0] if taps else None)
+        if not rows.tree:
+            x, kept = self._chains(rows.slots, rows.tokens, start_t, max(rows.starts),
+                                   slot_index=rows.slot_index, taps=taps)
+            return self._scored(x, kept[0] if kept else None)
         n_pos = padded_keys(max(rows.starts) + T, self.cache.capacity)
         store = start_t[:, None] + torch.arange(T, device=start_t.device)[None, :]  # [B, T]
-        if not rows.tree:
-            visible = _causal(store, n_pos)
-            x = self._run_layers(rows.slots, rows.tokens, store, store, visible, n_pos,
-                                 slot_index=rows.slot_index, tap=tapping)
-            return self._scored(x, kept[0] if kept else None)
         seen = rows.ancestors
         assert seen is not None  # built with every tree
         rope = start_t[:, None] + seen.sum(-1) - 1  # positioned by depth
@@ -473,8 +479,8 @@ class TargetRunner:
             tail = replace(tail, seen=visible.clone())
             visible[tail.rows, tail.queries] = \
                 keys[None, :] < (tail.block0 * KEY_BLOCK)[:, None]
-        x = self._run_layers(rows.slots, rows.tokens, store, rope, visible, n_pos, tail,
-                             slot_index=rows.slot_index, tap=tapping)
+        x, kept = self._run_layers(rows.slots, rows.tokens, store, rope, visible, n_pos, tail,
+                                   slot_index=rows.slot_index, taps=taps)
         return self._scored(x, kept[0] if kept else None)
 
     def compact(self, slot: int, path: list[int]) -> None:
@@ -519,20 +525,19 @@ class TargetRunner:
     def _run_layers(self, slots: list[int], tokens: torch.Tensor, store: torch.Tensor,
                     rope: torch.Tensor, visible: torch.Tensor, n_pos: int,
                     tail: TailKeys | None = None, slot_index: torch.Tensor | None = None,
-                    contiguous: bool = True,
-                    tap: tuple[tuple[int, ...], list[torch.Tensor]] | None = None,
+                    contiguous: bool = True, taps: tuple[int, ...] = (),
                     embeds: torch.Tensor | None = None,
-                    upto: int | None = None) -> torch.Tensor:
+                    upto: int | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """The decoder layers over tokens [B, T]: keys/values written at KV positions
         ``store`` [B, T], rotary positions ``rope`` [B, T], ``visible`` [B, T, n_pos] (which of
         the slots' first n_pos positions each token attends to; n_pos a whole number of key
         blocks); ``slot_index``: ``slots`` on the device, when the caller has them there;
         ``contiguous``: read a run of consecutive slots as a view (False: always by gather);
-        ``tap`` (ns, into): append the hidden state after n layers [B, T, H] to ``into`` for
-        each n of ``ns`` (in increasing order); ``embeds`` [B, T, H]: the tokens' input
-        embeddings, given (a vision-language prompt's, image features at its image tokens)
-        instead of looked up; ``upto``: run only the first ``upto`` layers. Returns the last
-        hidden states [B, T, H] (after ``upto`` layers when given)."""
+        ``taps``: layer counts after which the hidden state [B, T, H] is returned too;
+        ``embeds`` [B, T, H]: the tokens' input embeddings, given (a vision-language prompt's,
+        image features at its image tokens) instead of looked up; ``upto``: run only the first
+        ``upto`` layers. Returns the last hidden states [B, T, H] (after ``upto`` layers when
+        given) and the state after each of ``taps`` layers, in their order."""
         B, T = tokens.shape
         dev = self.device
         cos, sin = self.cos[rope][:, None], self.sin[rope][:, None]  # [B, 1, T, hd]
@@ -543,6 +548,7 @@ class TargetRunner:
         grp = nh // kvh
 
         x = F.embedding(tokens, self.embed) if embeds is None else embeds  # [B, T, H]
+        kept: dict[int, torch.Tensor] = {}
         for li, layer in enumerate(self.layers[:upto]):
             h = self._rms(x, layer.ln1)
             qkv = layer.qkv(h)
@@ -557,9 +563,9 @@ class TargetRunner:
             x = x + layer.o(att)
             gate, up = layer.gate_up(self._rms(x, layer.ln2)).chunk(2, dim=-1)
             x = x + layer.down(pointwise(F.silu, gate) * up)
-            if tap is not None and li + 1 in tap[0]:
-                tap[1].append(x)
-        return x
+            if li + 1 in taps:
+                kept[li + 1] = x
+        return x, [kept[n] for n in taps]
 
     def early_hidden(self, slots: list[int], tokens: torch.Tensor, starts: list[int],
                      layers: int) -> torch.Tensor:
@@ -581,18 +587,10 @@ class TargetRunner:
         B, T = tokens.shape
         for s, st in zip(slots, starts):
             self.cache.check_room(s, st, T)
-        dev = self.device
-        pos = torch.as_tensor(starts, dtype=torch.long, device=dev)[:, None] + \
-            torch.arange(T, device=dev)[None, :]  # [B, T]
         order = sorted(set(layers))
-        if self.fused is not None:
-            step = self._chain_step(slots, pos[:, 0].contiguous(), T)
-            _, states, _ = self.fused.hidden(tokens, step, taps=tuple(order), upto=order[-1])
-            return [states[order.index(n)].view(B, T, -1) for n in layers]
-        n_pos = padded_keys(max(starts) + T, self.cache.capacity)
-        kept: list[torch.Tensor] = []
-        self._run_layers(slots, tokens, pos, pos, _causal(pos, n_pos), n_pos,
-                         tap=(tuple(order), kept), upto=order[-1])
+        start_t = torch.as_tensor(starts, dtype=torch.long, device=self.device)
+        _, kept = self._chains(slots, tokens, start_t, max(starts), taps=tuple(order),
+                               upto=order[-1])
         return [kept[order.index(n)] for n in layers]
 
     @torch.inference_mode()

@@ -1,0 +1,79 @@
+"""A verification step's first half, scoring: the step's rows built once, one forward over
+them, and the verification's inputs (vLLM's one metadata record a step). The second half,
+judging (``SpecEngine._judge``: ``edgespec.verify.verify_step`` over the scores), yields one
+``RowVerdict`` per row; nothing here or there changes the KV cache's committed state (so a
+batch that fails can be verified again row by row): a tree's accepted path is moved into place
+in the commit stage (``SpecEngine._place``)."""
+
+from __future__ import annotations
+
+import logging
+from bisect import bisect_left
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+from ..protocol.contract import Verdict
+from ..runner.step_rows import DraftShape, Scored, StepRows
+from ..verify.verify_step import VerifyBatch, VerifyOutcome
+from .decisions import RowVerdict
+from .proposals import StepDraft
+
+if TYPE_CHECKING:
+    from ..pad.verify_rule import PadVerifier
+    from ..runner.target_runner import TargetRunner
+
+log = logging.getLogger("edgespec.engine")
+
+
+@dataclass(frozen=True)
+class ScoredStep:
+    """A step's forward and what judging it reads."""
+
+    drafts: list[StepDraft]  # as verified: a row whose draft held an id past the vocabulary
+    # goes without it
+    nodes: list[tuple[Sequence[int], Sequence[int]]]  # each row's draft (tokens, parents)
+    rows: StepRows
+    scored: Scored  # logits [B, 1 + N, V] float32, features [B, 1 + N, H]
+    batch: VerifyBatch
+    pad: "PadVerifier | None"  # the PAD rule, when a row of the step verifies with it
+
+
+def score_step(target: "TargetRunner", drafts: list[StepDraft], pad: "PadVerifier | None"
+               ) -> ScoredStep:
+    """One forward over the batch: as trees when a row branches, else as chains."""
+    nodes = [d.nodes() for d in drafts]
+    shape = DraftShape.of(nodes)
+    outside = shape.rows_outside(target.vocab_size)
+    if outside:  # a store let an id past: that row is verified without its draft
+        log.warning("drafts of %d session(s) held token ids outside the vocabulary: "
+                    "verified without them", len(outside))
+        drafts = [replace(d, tokens=(), branches=()) if i in outside else d
+                  for i, d in enumerate(drafts)]
+        nodes = [d.nodes() for d in drafts]
+        shape = DraftShape.of(nodes)
+    rows = StepRows.build(slots=[d.act.slot for d in drafts],
+                          starts=[target.cache.lengths[d.act.slot] for d in drafts],
+                          roots=[d.act.last_token for d in drafts], shape=shape,
+                          device=target.device)
+    if pad is not None and not any(d.act.verify == "pad" for d in drafts):
+        pad = None
+    scored = target.score_rows(rows, tap=pad.tap if pad else None)
+    batch = VerifyBatch.of_rows(rows, [d.start for d in drafts],
+                                [d.act.req.params for d in drafts],
+                                [d.act.verify for d in drafts])
+    return ScoredStep(drafts, nodes, rows, scored, batch, pad)
+
+
+def row_verdicts(step: ScoredStep, out: VerifyOutcome) -> list[RowVerdict]:
+    """Each row's verdict from the verification's outcome: the accepted path's chain tokens,
+    then its branch, then the target's token; the path and its lossy-kept flags beside it."""
+    verdicts = []
+    for d, (tokens, _), path, token, kept in zip(step.drafts, step.nodes, out.paths, out.tokens,
+                                                 out.lenient):
+        n = bisect_left(path, len(d.tokens))  # the path's chain nodes come first
+        branch = tuple(tokens[i] for i in path[n:])
+        verdict = Verdict(d.act.sid, d.epoch, d.start, n, token, branch=branch,
+                          own_branch=bool(branch) and not d.kept_branch(n, branch))
+        verdicts.append(RowVerdict(verdict, tuple(path), tuple(kept)))
+    return verdicts
