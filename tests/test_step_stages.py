@@ -181,3 +181,39 @@ def test_ids_past_the_vocabulary_cost_their_drafts_not_the_session(tiny):
     for p, r in zip(prompts, results):
         assert r.token_ids == refs[tuple(p)] and r.finish_reason in ("stop", "length")
         assert r.stats.accepted_tokens == 0  # no draft token was verified
+
+
+def test_verification_changes_nothing_a_retry_reads(tiny):
+    """Scoring and judging a batch of trees leave the KV cache's committed state alone (a
+    failed batch is verified again row by row): verified twice, the same verdicts; the accepted
+    branches are moved into place in the commit stage, and the output stays target-only's."""
+    import torch
+
+    prompts = [[1, 10, 11, 12, 13, 10, 11], [1, 50, 51, 52, 53]]
+    refs = {tuple(p): hf_greedy(tiny.model, p, 24) for p in prompts}
+    runner = TargetRunner(tiny.model, n_slots=2, max_len=128)
+    cfg = EngineConfig(adaptive=False, draft_wait_ms=5000, tree_width=3)
+    drafter = OracleTreeDrafter(refs, runner.vocab_size, seed=3)
+    moved = 0
+    with SpecEngine(runner, drafter, cfg, stop_ids={2}) as engine:
+        acts = [engine.add(Request(p, 24)) for p in prompts]
+        while engine.active:
+            drafts = engine._propose(engine._take(engine._plan()))
+            lengths = list(runner.cache.lengths)
+            kv = [k[:, :, :].clone() for k in runner.cache.k]
+            first = engine._forward_and_verify(drafts)
+            assert runner.cache.lengths == lengths
+            for before, now in zip(kv, runner.cache.k):
+                for d in drafts:
+                    L = lengths[d.act.slot]
+                    assert torch.equal(before[d.act.slot, :, :L], now[d.act.slot, :, :L])
+            again = engine._forward_and_verify(drafts)
+            assert again == first
+            engine._head_pending.clear()
+            moved += sum(list(r.path) != list(range(len(r.path))) for r in first)
+            decided = [engine._decide(d, v) for d, v in zip(drafts, first)]
+            engine._place(decided)
+            engine._commit(decided)
+    assert moved  # some accepted path held a branch, moved into place at commit
+    for p, act in zip(prompts, acts):
+        assert act.output == refs[tuple(p)]
