@@ -31,7 +31,8 @@ class RowVerdict:
 @dataclass(frozen=True)
 class Decision:
     """A row's verdict, as the store will take it, beside the draft it decided on, with the
-    accepted path (compacted into place when applied) and its lossy-kept flags."""
+    accepted path (moved into place by ``SpecEngine._place`` before the store's commit) and
+    its lossy-kept flags."""
 
     draft: StepDraft
     verdict: Verdict

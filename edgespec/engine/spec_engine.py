@@ -256,6 +256,7 @@ class SpecEngine:
             return _report(self._commit(kept), len(kept), sum(d.draft.width for d in kept),
                            0.0, 0.0, time.perf_counter() - t0)
         t0 = time.perf_counter()
+        self._head_pending = []  # a step that raised before placing left its moves behind
         taken = self._take(self._plan())
         drafts = self._propose(taken)
         if not drafts:
@@ -273,7 +274,7 @@ class SpecEngine:
             d.act.stats.take_s += t1 - t0
             d.act.stats.forward_s += t2 - t1
         t3 = time.perf_counter()
-        self._place(decided)
+        decided = self._place(decided)
         applied = self._commit(decided)
         return _report(applied, len(drafts), width, t1 - t0, t2 - t1, time.perf_counter() - t3)
 
@@ -399,16 +400,32 @@ class SpecEngine:
                                        out.proposals))
         return verdicts
 
-    def _place(self, decided: list[Decision]) -> None:
+    def _place(self, decided: list[Decision]) -> list[Decision]:
         """The commit stage's first part, right after verification: each accepted tree path's
         keys and values moved into place (``TargetRunner.compact``), then the head's sessions
-        moved on over them (an imitation head drafts from the compacted positions)."""
+        moved on over them (an imitation head drafts from the compacted positions). A failure
+        fails the sessions it concerns, not the step; returns the decisions still to commit."""
+        placed = []
         for d in decided:
-            self.target.compact(d.act.slot, list(d.path))
+            try:
+                self.target.compact(d.act.slot, list(d.path))
+            except Exception:
+                log.exception("placing the verified path of session %s failed", d.act.sid)
+                self.fail(d.act, SessionFailed("placing its verified path failed"))
+                continue
+            placed.append(d)
         pending, self._head_pending = self._head_pending, []
         if self.head is not None:
             for sids, proposal, lengths, drafts in pending:
-                self.head.after_step(sids, proposal, lengths, drafts)
+                try:
+                    self.head.after_step(sids, proposal, lengths, drafts)
+                except Exception:  # its sessions' head contexts are unknown now
+                    log.exception("the head's step over %d session(s) failed", len(sids))
+                    failed = set(sids)
+                    for act in [a for a in self.active if a.sid in failed]:
+                        self.fail(act, SessionFailed("the draft head's step failed"))
+                    placed = [d for d in placed if d.act.sid not in failed]
+        return placed
 
     def _decide(self, draft: StepDraft, rv: RowVerdict) -> Decision:
         """The verdict the store takes (cut at a stop token or the length limit); --auto's

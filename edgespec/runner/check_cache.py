@@ -38,10 +38,12 @@ SAMPLE = 2048  # elements hashed from each end of a tensor's flattened view
 
 @lru_cache(maxsize=1)
 def _triton_version() -> str:
+    """Triton's installed version, read without importing it (a CPU runner never does)."""
+    from importlib.metadata import PackageNotFoundError, version
+
     try:
-        import triton
-        return str(triton.__version__)
-    except Exception:  # not installed, or broken: no Triton kernels run either way
+        return version("triton")
+    except PackageNotFoundError:
         return "none"
 
 
@@ -75,7 +77,8 @@ class CheckKey:
             name = f"{k.model} [{' '.join(k.flags)}] {caps}".strip()
             threads = torch.get_num_threads()
         return cls(model=model, device=name, dtype=str(dtype).removeprefix("torch."),
-                   torch_version=torch.__version__, triton_version=_triton_version(),
+                   torch_version=torch.__version__,
+                   triton_version=_triton_version() if kernels.startswith("triton") else "-",
                    threads=threads, max_rows=int(max_rows), kernels=kernels)
 
     def digest(self) -> str:

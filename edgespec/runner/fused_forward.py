@@ -49,7 +49,7 @@ class FusedLayers:
         if embeds is None:
             x = F.embedding(tokens.reshape(R), r.embed)  # [R, H], its own memory
         else:
-            x = embeds.reshape(R, -1).to(r.dtype).clone()
+            x = embeds.reshape(R, -1).to(r.dtype).clone(memory_format=torch.contiguous_format)
         kept: dict[int, torch.Tensor] = {}
         layers = r.layers[:upto]
         delta: torch.Tensor | None = None

@@ -46,6 +46,12 @@ SESSION_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 TOKEN_BUCKETS = (1, 2, 4, 5, 8, 9, 12, 16)
 
 
+def _aligned(Bb: int, Tb: int) -> tuple[int, ...]:
+    """The flat input buffer's segments for bucket (Bb, Tb), each a whole number of 16-byte
+    pairs, so every view starts aligned (Triton compiles one variant per alignment)."""
+    return tuple(n + n % 2 for n in (Bb * Tb, Bb, Bb, Bb * Tb, Bb * Tb * Tb))
+
+
 def bucket_of(n: int, buckets: tuple[int, ...]) -> int | None:
     """The smallest bucket >= n (None: n is past the largest)."""
     i = bisect_left(buckets, n)
@@ -78,7 +84,9 @@ class StepGraphs:
         self.tokens = TOKEN_BUCKETS
         Bm, Tm = self.sessions[-1], self.tokens[-1]
         dev = runner.device
-        self.inputs = torch.zeros(Bm * Tm * (2 + Tm) + 2 * Bm, dtype=torch.long, device=dev)
+        # what the graphs hold: the shared buffers below and the pool (``state().memory_mb``)
+        self._reserved0 = torch.cuda.memory_reserved(dev) if capture else 0
+        self.inputs = torch.zeros(sum(_aligned(Bm, Tm)), dtype=torch.long, device=dev)
         self.logits = torch.empty(Bm * Tm, runner.vocab_size, dtype=torch.float32, device=dev)
         self.features = torch.empty(Bm * Tm, runner.embed.shape[1], dtype=runner.dtype,
                                     device=dev)
@@ -117,8 +125,8 @@ class StepGraphs:
         if not self.capture:
             return
         t0 = time.perf_counter()
-        before = torch.cuda.memory_allocated(self.runner.device)
         shapes = self.shapes()
+        shape = shapes[0]  # the warm-up's, should it fail
         try:
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
@@ -141,7 +149,8 @@ class StepGraphs:
             self.graphs.clear()
         torch.cuda.synchronize(self.runner.device)
         self.capture_s = time.perf_counter() - t0
-        self.memory_mb = (torch.cuda.memory_allocated(self.runner.device) - before) / 2 ** 20
+        self.memory_mb = (torch.cuda.memory_reserved(self.runner.device) - self._reserved0) \
+            / 2 ** 20
         log.info("CUDA graphs: %d of %d buckets captured in %.1f s (%.0f MB)%s",
                  len(self.graphs), len(shapes), self.capture_s, self.memory_mb,
                  f"; failed: {self.failed}" if self.failed else "")
@@ -168,9 +177,9 @@ class StepGraphs:
         """The bucket's inputs as views of the flat buffer: tokens [Bb, Tb] and its step."""
         from .fused_kernels import FusedStep  # imports Triton
         sizes = (Bb * Tb, Bb, Bb, Bb * Tb, Bb * Tb * Tb)
-        parts = torch.split(self.inputs[:sum(sizes)], list(sizes))
-        return parts[0].view(Bb, Tb), FusedStep(parts[1], parts[2], parts[3].view(Bb, Tb),
-                                                parts[4].view(Bb, Tb, Tb))
+        parts = torch.split(self.inputs[:sum(_aligned(Bb, Tb))], list(_aligned(Bb, Tb)))
+        p = [part[:n] for part, n in zip(parts, sizes)]
+        return p[0].view(Bb, Tb), FusedStep(p[1], p[2], p[3].view(Bb, Tb), p[4].view(Bb, Tb, Tb))
 
     def _host_inputs(self, Bb: int, Tb: int, host: StepHost | None) -> np.ndarray:
         """The flat inputs of bucket (Bb, Tb) holding ``host``'s rows (None: none)."""
@@ -187,7 +196,9 @@ class StepGraphs:
             depth[:B, :T] = host.depth
             if host.path is not None:
                 path[:B, :T, :T] = host.path
-        return np.concatenate([tokens.ravel(), slots, starts, depth.ravel(), path.ravel()])
+        parts = [tokens.ravel(), slots, starts, depth.ravel(), path.ravel()]
+        return np.concatenate([np.pad(a, (0, n - a.size)) for a, n in
+                               zip(parts, _aligned(Bb, Tb))])
 
     def _fill(self, Bb: int, Tb: int, host: StepHost | None) -> None:
         flat = torch.from_numpy(self._host_inputs(Bb, Tb, host))

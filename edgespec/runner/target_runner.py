@@ -16,6 +16,7 @@ The layer-skip self-draft is the same runner over the first L layers, with the f
 
 from __future__ import annotations
 
+import sys
 from dataclasses import replace
 from typing import Any, Literal, Sequence, overload
 
@@ -108,7 +109,7 @@ class TargetRunner:
         self.norm: torch.Tensor = base.norm.weight
         self.dtype = self.embed.dtype
         self.device = self.embed.device
-        self.kernels = _kernels_for(self.device, kernels)
+        self.kernels = _kernels_for(self.device, kernels, self.head_dim)
         if gemm not in GEMMS:
             raise ConfigError(f"gemm must be one of {', '.join(GEMMS)}, not {gemm!r}")
         self.lm_head: Linear
@@ -134,16 +135,17 @@ class TargetRunner:
         # exact: the target (verification must be batch-invariant); a drafter's runner need
         # not be (a draft may be anything), so it is neither checked nor refused
         fused = self.kernels == "triton"
-        for lin in [self.lm_head] + [m for layer in self.layers for m in
-                                     (layer.qkv, layer.o, layer.gate_up, layer.down)]:
-            lin.gemm = gemm
+        if share_weights is None:  # shared layers keep the products of the runner that owns them
+            for lin in [self.lm_head] + [m for layer in self.layers for m in
+                                         (layer.qkv, layer.o, layer.gate_up, layer.down)]:
+                lin.gemm = gemm
         kernel = attention_kernel(self.dtype, str(self.device), self.kv_heads,
                                   self.n_heads // self.kv_heads, self.head_dim) \
             if exact and not fused else None
         self.col_tile = kernel.col_tile if kernel else COL_TILE
         self.attention_products = kernel.products if kernel else None
-        if graphs is None:
-            graphs = fused and self.device.type == "cuda"
+        if graphs is None:  # the target's steps (a drafter's or a tool's runner needs none)
+            graphs = fused and self.device.type == "cuda" and exact
         if graphs and not fused:
             raise ConfigError("CUDA graphs replay the fused Triton kernels, which serve on CUDA: "
                               "use --device cuda, or leave --cuda-graphs out")
@@ -159,7 +161,9 @@ class TargetRunner:
         self.max_rows = max_rows or max(PREFILL_CHUNK, n_slots * MAX_QUERY)
         self.start_check_s: float | None = None
         if exact:
-            code = [_attention_code, _linear_code]
+            from . import dtype_probe as _probe_code
+
+            code = [_attention_code, _linear_code, _probe_code, sys.modules[__name__]]
             if self.fused is not None:
                 from . import fused_gemm, fused_kernels
 
@@ -613,14 +617,18 @@ class TargetRunner:
             self.commit(slot, i + len(part))
 
 
-def _kernels_for(device: torch.device, asked: str | None) -> str:
+def _kernels_for(device: torch.device, asked: str | None, head_dim: int) -> str:
     """The kernels a runner on ``device`` uses: the fused Triton ones on CUDA (where Triton
-    is, as in torch's CUDA builds), torch's eager ops elsewhere, unless ``asked``."""
+    is, as in torch's CUDA builds) for heads of a power-of-two size (their block shape), torch's
+    eager ops elsewhere, unless ``asked``."""
+    fits = head_dim & (head_dim - 1) == 0
     if asked is not None:
         if asked not in KERNELS:
             raise ConfigError(f"kernels must be one of {', '.join(KERNELS)}, not {asked!r}")
+        if asked == "triton" and not fits:
+            raise ConfigError(f"the fused kernels need a power-of-two head size, not {head_dim}")
         return asked
-    if device.type != "cuda":
+    if device.type != "cuda" or not fits:
         return "eager"
     try:
         import triton  # noqa: F401

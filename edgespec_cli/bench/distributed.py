@@ -71,7 +71,8 @@ def run_bench_net(args) -> int:
     serve_log, drafter_log = out_dir / "bench-net-serve.log", out_dir / "bench-net-drafter.log"
     print(f"starting edgespec serve on {address} and one drafter ({args.drafter})",
           file=sys.stderr, flush=True)
-    graphs = ["--cuda-graphs"] if getattr(args, "cuda_graphs", False) else []
+    wanted = getattr(args, "cuda_graphs", None)
+    graphs = [] if wanted is None else ["--cuda-graphs" if wanted else "--no-cuda-graphs"]
     serve = _spawn(["serve", "--listen", address, "--max-sessions", "2", *common, *graphs],
                    serve_log)
     drafter = None
