@@ -13,7 +13,9 @@ def _table(head: list[str], rows: list[list]) -> list[str]:
 
 def format_tables(d: dict) -> str:
     lines = [f"# GPU sitting: {d['gpu']}, torch {d['torch']}, triton {d.get('triton')}, "
-             f"{d['dtype']}", ""]
+             f"{d['dtype']}", "",
+             f"Command: `{d.get('command')}` (what it times per step is the runner's forward, "
+             "as `edgespec bench-forward --shape SHAPE --device cuda` runs it alone).", ""]
     if d.get("mismatches"):
         lines += ["**Mismatches:** " + "; ".join(d["mismatches"]), ""]
     if d.get("graphs"):

@@ -95,7 +95,8 @@ def _pages() -> list[Path]:
 OTHER_TOOLS = {"--index-url", "--no-deps", "--force-reinstall",  # pip
                "--resources", "--node-ip-address",  # ray start
                "--retry", "--retry-connrefused",  # curl
-               "--wheels", "--dry-run", "--budget-s",  # scripts/gpu_sitting.sh
+               "--wheels", "--dry-run", "--budget-s", "--skip", "--breakdown",  # gpu_sitting.sh
+               "--tests-first", "--tests-timeout-s", "--shapes",
                "--calls", "--deadline"}  # scripts/admission_burst.py
 
 

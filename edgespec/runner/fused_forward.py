@@ -17,7 +17,7 @@ output. No host sync, no host-dependent control flow beyond the shapes: capturab
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -26,14 +26,14 @@ from . import fused_kernels as fk
 from .fused_kernels import FusedStep
 from .step_rows import Scored
 
-if TYPE_CHECKING:
-    from .target_runner import TargetRunner
 
 
 class FusedLayers:
     """A runner's weights, KV cache and rotary tables, run through the fused kernels."""
 
-    def __init__(self, runner: "TargetRunner"):
+    def __init__(self, runner: Any):
+        """``runner``: the ``TargetRunner`` whose weights, cache and tables these run (not
+        imported here: it imports this module)."""
         self.r = runner
 
     def hidden(self, tokens: torch.Tensor, step: FusedStep, embeds: torch.Tensor | None = None,

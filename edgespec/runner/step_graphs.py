@@ -37,7 +37,6 @@ from .step_rows import Scored, StepHost, StepRows
 
 if TYPE_CHECKING:
     from .fused_kernels import FusedStep
-    from .target_runner import TargetRunner
 
 log = logging.getLogger("edgespec.runner.step_graphs")
 
@@ -74,7 +73,9 @@ class StepGraphs:
     """A runner's bucketed steps: ``score(rows)`` runs a step through its bucket's graph, or
     returns None when no bucket holds it (the caller runs it eagerly)."""
 
-    def __init__(self, runner: "TargetRunner", n_slots: int, scratch_slot: int, capture: bool):
+    def __init__(self, runner: Any, n_slots: int, scratch_slot: int, capture: bool):
+        """``runner``: the ``TargetRunner`` whose steps these are (not imported here: it imports
+        this module)."""
         self.runner = runner
         self.scratch = scratch_slot
         self.capture = capture
