@@ -1,6 +1,6 @@
-"""The outcome of a start check (``TargetRunner._check_invariance``: is every kernel
-batch-invariant here), remembered so that a process building several runners, or a restart,
-does not probe again: in the process, and on disk as one JSON file per key under
+"""The outcome of a GPU runner's start check (``TargetRunner._check_invariance``: is every
+kernel batch-invariant here), remembered so that a process building several runners, or a
+restart, does not probe again (a CPU's check costs under a second and runs every time): in the process, and on disk as one JSON file per key under
 ``~/.cache/edgespec/start-checks/`` (``EDGESPEC_START_CHECK_CACHE`` names another folder;
 ``off`` keeps it in the process only, ``none`` remembers nothing: the tests' setting, where a
 check is made to fail on purpose). A key holds what the outcome depends on: the model
