@@ -1,12 +1,13 @@
-"""The outcome of a GPU runner's start check (``TargetRunner._check_invariance``: is every
-kernel batch-invariant here), remembered so that a process building several runners, or a
-restart, does not probe again (a CPU's check costs under a second and runs every time): in the process, and on disk as one JSON file per key under
-``~/.cache/edgespec/start-checks/`` (``EDGESPEC_START_CHECK_CACHE`` names another folder;
-``off`` keeps it in the process only, ``none`` remembers nothing: the tests' setting, where a
-check is made to fail on purpose). A key holds what the outcome depends on: the model
-(``model_fingerprint``: its config and a fixed sample of each weight), the device (GPU name, or
-CPU model, ISA caps and thread count), dtype, torch and Triton versions, max rows and kernel
-path. A failure is remembered and raised again; I/O errors never raise (a bad file is a miss).
+"""The outcome of a GPU runner's start check (``TargetRunner._check_invariance``: is every kernel
+batch-invariant here), remembered so that a process building several runners, or a restart, does
+not probe again (a CPU's check costs under a second and runs every time): in the process, and on
+disk as one JSON file per key under ``~/.cache/edgespec/start-checks/``
+(``EDGESPEC_START_CHECK_CACHE`` names another folder; ``off`` keeps it in the process only,
+``none`` remembers nothing: the tests' setting, where a check is made to fail on purpose). A key
+holds what the outcome depends on: the model (``model_fingerprint``: its config and a fixed
+sample of each weight), the device (GPU name, or CPU model, ISA caps and thread count), dtype,
+torch and Triton versions, max rows and kernel path. A failure is remembered and raised again;
+I/O errors never raise (a bad file is a miss).
 """
 
 from __future__ import annotations
