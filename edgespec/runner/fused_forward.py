@@ -82,17 +82,6 @@ class FusedLayers:
         tapped = kept[0].view(B, T, -1) if kept else None
         return Scored(logits, feats[:R].view(B, T, -1), tapped)
 
-    def head_of_rows(self, x: torch.Tensor) -> torch.Tensor:
-        """Logits [N, V] float32 of residual-stream rows x [N, H] (the final norm, the head)."""
-        r = self.r
-        feats = fk.add_rms_norm(x.contiguous().clone(), None, r.norm, r.eps)
-        return r.lm_head.tiles(feats, x.shape[0])[:x.shape[0]].float()
-
-
-def chain_step(slots: torch.Tensor, starts: torch.Tensor, width: int) -> FusedStep:
-    """A step of chains (decode, prefill, a chain draft's verification)."""
-    return FusedStep.chains(slots, starts, width)
-
 
 def tree_step(rows: Any) -> FusedStep:
     """A ``StepRows`` of trees: depth and path from the rows (built on the host)."""

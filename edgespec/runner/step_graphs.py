@@ -132,12 +132,12 @@ class StepGraphs:
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):  # lazy initialisations outside any capture
-                self._fill_idle(*shapes[0])
+                self._fill(*shapes[0], None)
                 self._run(*shapes[0])
             torch.cuda.current_stream().wait_stream(stream)
             torch.cuda.synchronize(self.runner.device)
             for shape in shapes:
-                self._fill_idle(*shape)
+                self._fill(*shape, None)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
                     self._run(*shape)
@@ -206,9 +206,6 @@ class StepGraphs:
         if self.inputs.device.type == "cuda":
             flat = flat.pin_memory()
         self.inputs[:flat.numel()].copy_(flat, non_blocking=True)
-
-    def _fill_idle(self, Bb: int, Tb: int) -> None:
-        self._fill(Bb, Tb, None)
 
     def _run(self, Bb: int, Tb: int) -> None:
         """The captured region: the fused forward over the bucket's views, its outputs into

@@ -390,16 +390,21 @@ class TargetRunner:
         """The last decoder layer's output [B, T, H] for ``forward``'s rows, and the states
         after each of ``taps`` layers (``embeds``: see ``_run_layers``; only for rows of one
         length)."""
+        tokens, start_t, longest = self._chain_rows(slots, rows)
+        return self._chains(slots, tokens, start_t, longest, taps=taps, embeds=embeds)
+
+    def _chain_rows(self, slots: list[int], rows: list[list[int]]
+                    ) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """``forward``'s rows appended at their slots' lengths: tokens [B, T] (right-padded)
+        and the starts [B] on the device, and the largest start (room checked)."""
         T = max(len(r) for r in rows)
         if min(len(r) for r in rows) < 1:
             raise ValueError("every row needs at least one token")
         starts = [self.cache.lengths[s] for s in slots]
         for s, st in zip(slots, starts):
             self.cache.check_room(s, st, T)
-        dev = self.device
-        tokens = _pad_rows(rows, T).to(dev)
-        start_t = torch.as_tensor(starts, dtype=torch.long, device=dev)
-        return self._chains(slots, tokens, start_t, max(starts), taps=taps, embeds=embeds)
+        return (_pad_rows(rows, T).to(self.device),
+                torch.as_tensor(starts, dtype=torch.long, device=self.device), max(starts))
 
     def _chains(self, slots: list[int], tokens: torch.Tensor, start_t: torch.Tensor,
                 longest: int, slot_index: torch.Tensor | None = None, taps: tuple[int, ...] = (),
@@ -411,12 +416,9 @@ class TargetRunner:
         ``taps`` layers, in their order: the one set-up of a chain's positions and mask."""
         B, T = tokens.shape
         if self.fused is not None:
-            from .fused_forward import chain_step
-
-            index = slot_index if slot_index is not None else \
-                torch.as_tensor(slots, dtype=torch.long, device=self.device)
-            x, kept, _ = self.fused.hidden(tokens, chain_step(index, start_t, T), embeds,
-                                           taps=taps, upto=upto)
+            x, kept, _ = self.fused.hidden(tokens, self._chain_step(slots, start_t, T,
+                                                                    slot_index),
+                                           embeds, taps=taps, upto=upto)
             return x.view(B, T, -1), [k.view(B, T, -1) for k in kept]
         pos = start_t[:, None] + torch.arange(T, device=start_t.device)[None, :]  # [B, T]
         n_pos = padded_keys(longest + T, self.cache.capacity)
@@ -470,9 +472,10 @@ class TargetRunner:
         taps = () if tap is None else (self.tap_layers(tap),)
         start_t = rows.start_index
         if self.fused is not None:
-            from .fused_forward import chain_step, tree_step
+            from .fused_forward import tree_step
 
-            step = tree_step(rows) if rows.tree else chain_step(rows.slot_index, start_t, T)
+            step = tree_step(rows) if rows.tree else \
+                self._chain_step(rows.slots, start_t, T, rows.slot_index)
             return self.fused.scored(rows.tokens, step, taps[0] if taps else None)
         if not rows.tree:
             x, kept = self._chains(rows.slots, rows.tokens, start_t, max(rows.starts),
@@ -512,26 +515,22 @@ class TargetRunner:
                             [root + 1 + j for j in range(len(path))])
         self.cache.commit(slot, end)
 
-    def _chain_step(self, slots: list[int], starts: torch.Tensor, width: int):
-        """A fused step of chains at ``slots`` (host ids) from ``starts`` [B] (device)."""
-        from .fused_forward import chain_step
+    def _chain_step(self, slots: list[int], starts: torch.Tensor, width: int,
+                    slot_index: torch.Tensor | None = None):
+        """A fused step of chains at ``slots`` (``slot_index``: them on the device, when the
+        caller has them there) from ``starts`` [B] (device)."""
+        from .fused_kernels import FusedStep
 
-        return chain_step(torch.as_tensor(slots, dtype=torch.long, device=self.device), starts,
-                          width)
+        index = slot_index if slot_index is not None else \
+            torch.as_tensor(slots, dtype=torch.long, device=self.device)
+        return FusedStep.chains(index, starts, width)
 
     def _fused_chains(self, slots: list[int], rows: list[list[int]], tap: int | None = None
                       ) -> Scored:
         """``score`` through the fused kernels."""
-        T = max(len(r) for r in rows)
-        if min(len(r) for r in rows) < 1:
-            raise ValueError("every row needs at least one token")
-        starts = [self.cache.lengths[s] for s in slots]
-        for s, st in zip(slots, starts):
-            self.cache.check_room(s, st, T)
         assert self.fused is not None
-        start_t = torch.as_tensor(starts, dtype=torch.long, device=self.device)
-        return self.fused.scored(_pad_rows(rows, T).to(self.device),
-                                 self._chain_step(slots, start_t, T),
+        tokens, start_t, _ = self._chain_rows(slots, rows)
+        return self.fused.scored(tokens, self._chain_step(slots, start_t, tokens.shape[1]),
                                  None if tap is None else self.tap_layers(tap))
 
     def _run_layers(self, slots: list[int], tokens: torch.Tensor, store: torch.Tensor,
