@@ -44,7 +44,8 @@ def render(st: dict) -> str:
                         if h.get("learning") else ""))
     r = st.get("runner") or {}
     if r.get("kernels"):
-        lines.append(f"runner: {r['kernels']} kernels on {r.get('device') or '?'}"
+        attention = f" ({r['attention']} attention)" if r.get("attention") else ""
+        lines.append(f"runner: {r['kernels']} kernels{attention} on {r.get('device') or '?'}"
                      + _graphs(r))
     lines.append("")
     head = ("device", "drafter", "attached", "sessions", "acc. rate", "acc. length", "last seen",

@@ -9,9 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from triton_on_cpu import INTERPRETED, require_triton
+from triton_on_cpu import require_triton
 
 require_triton()
+from edgespec.runner import fused_attention as fa  # noqa: E402
 from edgespec.runner import fused_kernels as fk  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -123,23 +124,45 @@ def _attention_ref(q, k_cache, v_cache, slot, keys, group, scale):
     return (probs[:, None, :] @ v)[:, 0]
 
 
+def _tree_rows(parents_per_row, T):
+    """depth [B, T] and path [B, T, T] (long) of rows given as each node's parent (-1: none,
+    the root; a parent comes before its children)."""
+    B = len(parents_per_row)
+    depth = torch.zeros(B, T, dtype=torch.long)
+    path = torch.zeros(B, T, T, dtype=torch.long)
+    for b, parents in enumerate(parents_per_row):
+        for t in range(T):
+            chain = [t]
+            while parents[chain[0]] >= 0:
+                chain.insert(0, parents[chain[0]])
+            depth[b, t] = len(chain) - 1
+            path[b, t, :len(chain)] = torch.tensor(chain)
+    return depth.to(DEV), path.to(DEV)
+
+
+# (q heads, kv heads, head size): a group of 2 (8 queries a tile), 3 (5 a tile, one row of the
+# 16 idle), 1 (16 a tile) and 8 (2 a tile)
+LAYOUTS = [(4, 2, 16), (6, 2, 16), (2, 2, 32), (8, 1, 16)]
+
+
+@pytest.mark.parametrize("kernel", fa.ATTENTION_KERNELS)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_slot_attention_reads_each_query_s_prefix_and_path(dtype):
-    nh, kvh, hd, cap = 4, 2, 16, 256
-    k_cache, v_cache = _cache(4, kvh, cap, hd, dtype, 5)
-    B, T = 2, 4
-    slots = torch.tensor([2, 0], device=DEV)
-    starts = torch.tensor([70, 5], device=DEV)  # row 0 crosses a key block
-    # row 0: a tree (root, node 0 off the root, node 1 off the root, node 2 off node 1);
-    # row 1: a chain
-    depth = torch.tensor([[0, 1, 1, 2], [0, 1, 2, 3]], dtype=torch.int32, device=DEV)
-    path = torch.zeros(B, T, T, dtype=torch.int32, device=DEV)
-    path[0, 1, 1], path[0, 2, 1], path[0, 3, 1], path[0, 3, 2] = 1, 2, 2, 3
-    for t in range(T):
-        path[1, t, :t + 1] = torch.arange(t + 1)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_slot_attention_reads_each_query_s_prefix_and_path(kernel, dtype, layout):
+    nh, kvh, hd = layout
+    k_cache, v_cache = _cache(4, kvh, 256, hd, dtype, 5)
+    T = 7  # more queries than one tile holds for every group but 1
+    slots = torch.tensor([2, 0, 3], device=DEV)
+    starts = torch.tensor([70, 5, 126], device=DEV)  # crossing key blocks
+    # row 0: a tree of three leaves stored out of decoding order; row 1: a chain; row 2: a
+    # root with six children
+    depth, path = _tree_rows([[-1, 0, 0, 1, 2, 3, 1], list(range(-1, T - 1)), [-1] + [0] * 6],
+                             T)
+    B = len(slots)
     q = _rand(B * T, nh * hd, dtype=dtype, seed=7)
-    out = fk.slot_attention(q, fk.FusedStep(slots, starts, depth, path), k_cache, v_cache,
-                            nh, kvh, hd, 0.25)
+    out = fa.slot_attention(q, fk.FusedStep(slots, starts, depth, path), k_cache, v_cache,
+                            nh, kvh, hd, 0.25, kernel=kernel)
+    assert out.shape == (fk.padded_rows(B * T), nh * hd)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     for b in range(B):
         for t in range(T):
@@ -151,36 +174,47 @@ def test_slot_attention_reads_each_query_s_prefix_and_path(dtype):
                                        atol=tol)
 
 
-def test_slot_attention_row_bits_do_not_depend_on_the_call():
+@pytest.mark.parametrize("kernel", fa.ATTENTION_KERNELS)
+@pytest.mark.parametrize("layout", LAYOUTS[:2])
+def test_slot_attention_row_bits_do_not_depend_on_the_call(kernel, layout):
     """A query alone, and the same query among other sessions' longer rows, get the same bits;
     a tree node gets the bits of the chain root -> ... -> node stored in decoding order."""
-    nh, kvh, hd, cap = 4, 2, 16, 256
-    dtype = torch.bfloat16
-    k_cache, v_cache = _cache(3, kvh, cap, hd, dtype, 11)
-    q = _rand(3 * 5, nh * hd, dtype=dtype, seed=12)
+    nh, kvh, hd = layout
+    dtype = torch.float32  # bfloat16 outputs would hide a last-bit difference in the sums
+    k_cache, v_cache = _cache(3, kvh, 256, hd, dtype, 11)
+    T = 6
+    q = _rand(3 * T, nh * hd, dtype=dtype, seed=12)
     slots = torch.tensor([0, 1, 2], device=DEV)
     starts = torch.tensor([130, 3, 64], device=DEV)
-    many = fk.slot_attention(q, fk.FusedStep.chains(slots, starts, 5), k_cache, v_cache,
-                             nh, kvh, hd, 0.25)
+
+    def attend(q, step, k=k_cache, v=v_cache):
+        return fa.slot_attention(q, step, k, v, nh, kvh, hd, 0.25, kernel=kernel)
+
+    many = attend(q, fk.FusedStep.chains(slots, starts, T))
     for b in range(3):
-        for t in range(5):
+        for t in range(T):
             one = fk.FusedStep.chains(slots[b:b + 1], starts[b:b + 1] + t, 1)
-            alone = fk.slot_attention(q[b * 5 + t:b * 5 + t + 1], one, k_cache, v_cache,
-                                      nh, kvh, hd, 0.25)
-            assert torch.equal(alone[0], many[b * 5 + t])
-    # a tree node two deep whose ancestors are stored at rows 2 and 4, read as a chain would be
-    tree_k, tree_v = k_cache.clone(), v_cache.clone()
-    st = 130
-    for dst, src in ((st + 1, st + 2), (st + 2, st + 4)):  # the chain layout: root, a, b
-        tree_k[0, :, dst], tree_v[0, :, dst] = k_cache[0, :, src], v_cache[0, :, src]
-    chain = fk.slot_attention(q[4:5], fk.FusedStep.chains(slots[:1], starts[:1] + 2, 1),
-                              tree_k, tree_v, nh, kvh, hd, 0.25)
-    depth = torch.tensor([[0, 0, 1, 0, 2]], dtype=torch.int32, device=DEV)
-    path = torch.zeros(1, 5, 5, dtype=torch.int32, device=DEV)
-    path[0, 4, :3] = torch.tensor([0, 2, 4])
-    tree = fk.slot_attention(q[:5], fk.FusedStep(slots[:1], starts[:1], depth, path), k_cache,
-                             v_cache, nh, kvh, hd, 0.25)
-    assert torch.equal(tree[4], chain[0])
+            assert torch.equal(attend(q[b * T + t:b * T + t + 1], one)[0], many[b * T + t])
+    # a tree whose nodes hang off different ancestors, each node against its chain
+    depth, path = _tree_rows([[-1, 0, 0, 2, 1, 3]], T)
+    tree = attend(q[:T], fk.FusedStep(slots[:1], starts[:1], depth, path))
+    st = int(starts[0])
+    for t in range(T):
+        along = path[0, t, :int(depth[0, t]) + 1].tolist()
+        chain_k, chain_v = k_cache.clone(), v_cache.clone()  # the chain's layout
+        for i, node in enumerate(along):
+            chain_k[0, :, st + i], chain_v[0, :, st + i] = k_cache[0, :, st + node], \
+                v_cache[0, :, st + node]
+        chain = attend(q[t:t + 1], fk.FusedStep.chains(slots[:1], starts[:1] + len(along) - 1,
+                                                       1), chain_k, chain_v)
+        assert torch.equal(tree[t], chain[0])
+
+
+def test_an_unknown_attention_kernel_is_refused():
+    k_cache, v_cache = _cache(1, 1, 64, 16, torch.float32, 0)
+    step = fk.FusedStep.chains(torch.tensor([0], device=DEV), torch.tensor([3], device=DEV), 1)
+    with pytest.raises(ValueError, match="attention kernel must be one of"):
+        fa.slot_attention(_rand(1, 16), step, k_cache, v_cache, 1, 1, 16, 0.25, kernel="flash")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -188,8 +222,6 @@ def test_slot_attention_row_bits_do_not_depend_on_the_call():
 def test_the_fixed_config_gemm_computes_the_product(dtype, with_bias):
     from edgespec.runner.fused_gemm import gemm, split_for
 
-    if INTERPRETED and dtype == torch.bfloat16:
-        pytest.skip("Triton's interpreter multiplies bfloat16 dots as raw bits: the GPU's case")
     x = _rand(70, 512, dtype=dtype)
     w = _rand(200, 512, dtype=dtype, seed=1) * 0.05
     b = _rand(200, dtype=dtype, seed=2) if with_bias else None
@@ -203,9 +235,6 @@ def test_the_fixed_config_gemm_computes_the_product(dtype, with_bias):
 def test_the_fixed_config_gemm_gives_a_row_its_bits_in_any_call():
     from edgespec.runner.fused_gemm import gemm
 
-    if INTERPRETED:
-        pytest.skip("Triton's interpreter runs a dot through NumPy's BLAS, whose rows vary "
-                    "with their place in the block: the GPU proves the bits")
     x = _rand(130, 256, dtype=torch.bfloat16)  # three row tiles, the last one partial
     w = _rand(136, 256, dtype=torch.bfloat16, seed=3) * 0.05
     full = gemm(x, w)

@@ -17,7 +17,7 @@ require_triton()
 from edgespec.config import ConfigError, EngineConfig, SamplingParams  # noqa: E402
 from edgespec.drafters import build_drafter  # noqa: E402
 from edgespec.engine.spec_engine import Request, SpecEngine  # noqa: E402
-from edgespec.runner import fused_kernels  # noqa: E402
+from edgespec.runner import fused_attention, fused_kernels  # noqa: E402
 from edgespec.runner.step_rows import DraftShape, StepRows  # noqa: E402
 from edgespec.runner.target_runner import TargetRunner  # noqa: E402
 
@@ -86,10 +86,12 @@ def test_ragged_chains_have_the_bits_of_one_at_a_time(small):
         assert torch.equal(alone.features[0, :n], together.features[b, :n])
 
 
-def test_a_tree_node_has_the_bits_of_its_chain(small):
+@pytest.mark.parametrize("attention", fused_attention.ATTENTION_KERNELS)
+def test_a_tree_node_has_the_bits_of_its_chain(small, attention):
     """Node 2 hangs from node 0 (a branch stored out of decoding order): its logits are those
     of the chain root, node 0, node 2 verified as a chain."""
     runner = _fused(small.model)
+    runner.attention = attention
     rng = random.Random(2)
     _prefill(runner, 1, rng, 61)  # the root's position crosses into the next key block
     start = runner.cache.lengths[1]
@@ -158,20 +160,34 @@ def test_the_start_check_covers_the_fused_kernels(small, monkeypatch):
 
 
 def test_the_start_check_refuses_an_attention_that_varies_with_the_batch(small, monkeypatch):
-    monkeypatch.setattr(fused_kernels, "probe_slot_attention",
-                        lambda *a: "query 0 differs alone and among 3 sessions")
-    with pytest.raises(ConfigError, match="the fused attention is not batch-invariant here"):
+    monkeypatch.setattr(fused_attention, "probe_slot_attention",
+                        lambda *a, kernel: "query 0 differs alone and among 3 sessions")
+    with pytest.raises(ConfigError, match="the fused attention is not batch-invariant here "
+                                          r"\(tiles: query 0 .*; rows: query 0"):
         _fused(small.model, n_slots=1, exact=True, max_rows=8)
 
 
-def test_the_attention_probe_passes_here():
+def test_where_the_tiles_vary_the_runner_serves_with_the_rows_kernel(small, monkeypatch, caplog):
+    monkeypatch.setattr(fused_attention, "probe_slot_attention",
+                        lambda *a, kernel: "tree node 2 differs" if kernel == "tiles" else None)
+    runner = _fused(small.model, n_slots=1, exact=True, max_rows=8)
+    assert runner.attention == "rows" and runner.run_state()["attention"] == "rows"
+    assert "serving with the rows kernel" in caplog.text
+    assert _fused(small.model, n_slots=1).attention == "tiles"  # unchecked: the default
+
+
+@pytest.mark.parametrize("kernel", fused_attention.ATTENTION_KERNELS)
+def test_the_attention_probe_passes_here(kernel):
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    assert fused_kernels.probe_slot_attention(torch.float32, device, 4, 2, 16) is None
+    for dtype in (torch.float32, torch.bfloat16):
+        assert fused_attention.probe_slot_attention(dtype, device, 4, 2, 16, kernel) is None
 
 
-@pytest.mark.parametrize("graphs", [False, True])
-def test_speculative_decoding_on_the_fused_kernels_is_target_only(small, graphs):
+@pytest.mark.parametrize("attention,graphs", [("tiles", False), ("tiles", True),
+                                              ("rows", False)])
+def test_speculative_decoding_on_the_fused_kernels_is_target_only(small, attention, graphs):
     runner = _fused(small.model, n_slots=2, graphs=graphs)
+    runner.attention = attention
     rng = random.Random(5)
     prompts = [[1] + [rng.randrange(3, 100) for _ in range(rng.randint(5, 20))]
                for _ in range(2)]

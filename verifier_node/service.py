@@ -190,7 +190,8 @@ class VerifierService(pb_grpc.VerifierServicer):
 
 def runner_status(runner) -> pb.RunnerStatus:
     """How the target runner runs its steps, for the Status RPC."""
-    out = pb.RunnerStatus(device=str(runner.device), kernels=runner.kernels)
+    out = pb.RunnerStatus(device=str(runner.device), kernels=runner.kernels,
+                          attention=getattr(runner, "attention", None) or "")
     if runner.graphs is not None:
         g = runner.graphs.state()
         out.graph_buckets, out.graphs_captured = g.buckets, g.captured

@@ -5,7 +5,7 @@ One layer is nine launches (gpt-fast's shape of a step, with batch-invariant ker
     h = add_rms_norm(x, delta, ln1)        # the previous layer's residual add, then the norm
     qkv = qkv.tiles(h)                      # cuBLAS, 128-row tiles (``Linear.tiles``)
     q = rope_write_kv(qkv)                  # keys and values into their slots
-    att = slot_attention(q)                 # lengths and tree paths on the device
+    att = slot_attention(q)                 # ``fused_attention``: lengths, tree paths on device
     h = add_rms_norm(x, o.tiles(att), ln2)
     delta = down.tiles(silu_mul(gate_up.tiles(h)))
 
@@ -23,9 +23,9 @@ import torch
 import torch.nn.functional as F
 
 from . import fused_kernels as fk
+from .fused_attention import slot_attention
 from .fused_kernels import FusedStep
 from .step_rows import Scored
-
 
 
 class FusedLayers:
@@ -59,8 +59,8 @@ class FusedLayers:
                 kept[li] = x.clone()
             q = fk.rope_write_kv(layer.qkv.tiles(h, R), r.cos, r.sin, step, r.cache.k[li],
                                  r.cache.v[li], nh, kvh, hd)
-            att = fk.slot_attention(q, step, r.cache.k[li], r.cache.v[li], nh, kvh, hd,
-                                    r.scale)
+            att = slot_attention(q, step, r.cache.k[li], r.cache.v[li], nh, kvh, hd, r.scale,
+                                 kernel=r.attention)
             h = fk.add_rms_norm(x, layer.o.tiles(att, R), layer.ln2, r.eps)
             delta = layer.down.tiles(fk.silu_mul(layer.gate_up.tiles(h, R), R), R)
         feats = fk.add_rms_norm(x, delta, r.norm, r.eps)  # the last residual add, the norm

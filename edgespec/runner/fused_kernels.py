@@ -2,25 +2,22 @@
 
 On a GPU the runner's eager layer launched about 72 kernels (norms through padded products,
 ``F.pad`` before each linear, rotary in ten pieces, attention in twenty); here a layer is nine
-launches: four cuBLAS products (``Linear.tiles``) and five of these kernels.
+launches: four cuBLAS products (``Linear.tiles``), four of these kernels and the attention
+(``fused_attention``).
 
 - ``add_rms_norm``: residual add (in place) then RMS norm, written into a linear's staging buffer
   of whole 128-row tiles, so no ``F.pad`` runs (a product's rows never meet: what the padding
   rows hold reaches no real row);
 - ``rope_write_kv``: rotary on q and k, k and v written into their KV slots;
-- ``slot_attention``: each query attends over its own slot's keys, read by slot and position
-  with the lengths on the device: a query sees its slot's first ``start`` positions and then its
-  own ancestors (a chain's earlier tokens, a tree node's path from the root, ``path``), in
-  decoding order, so a tree node gets the bits of the chain root -> ... -> node;
-- ``silu_mul``: SiLU(gate) x up into the down projection's staging buffer.
+- ``silu_mul``: SiLU(gate) x up into the down projection's staging buffer;
+- ``FusedStep``: a step's slots, starts, depths and tree paths as every kernel reads them.
 
 Batch invariance (a row's bits do not depend on what else is in the call) is structural: one
-program per row (norm, SiLU) or per query and head (attention, rotary), every block shape a
-compile-time constant of the model, reductions over fixed shapes in a fixed order (the attention
-walks its own keys in blocks of ``KEY_BLOCK`` from position 0, whatever the batch's longest
-context), and no integer that varies with the batch is specialised on (``do_not_specialize``),
-so every call runs the same binary. The start check (``probe_fused``) and the GPU sweep prove
-it on the device. With ``TRITON_INTERPRET=1`` they run on CPU tensors (tests).
+program per row (norm, SiLU) or per row and head (rotary), every block shape a compile-time
+constant of the model, reductions over fixed shapes in a fixed order, and no integer that
+varies with the batch is specialised on (``do_not_specialize``), so every call runs the same
+binary. The start check and the GPU sweep prove it on the device. With ``TRITON_INTERPRET=1``
+they run on CPU tensors (tests).
 """
 
 from __future__ import annotations
@@ -28,8 +25,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
-from .attention import KEY_BLOCK
 
 TILE_ROWS = 128  # the staging buffers' row multiple: ``edgespec.runner.linear.TILE_ROWS``
 
@@ -126,67 +121,6 @@ def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step:
     return q_out
 
 
-@triton.jit(do_not_specialize=["T"])
-def _slot_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, start_ptr, depth_ptr,
-                           path_ptr, T, out_ptr, scale,
-                           ks_slot, ks_head, ks_pos, vs_slot, vs_head, vs_pos,
-                           NH: tl.constexpr, GROUP: tl.constexpr, HD: tl.constexpr,
-                           BLOCK_N: tl.constexpr):
-    row = tl.program_id(0)  # b * T + t
-    head = tl.program_id(1)
-    b = row // T
-    kvh = head // GROUP
-    slot = tl.load(slot_ptr + b)
-    start = tl.load(start_ptr + b)
-    n = start + tl.load(depth_ptr + row) + 1  # keys seen: the slot's prefix, then the path
-    d = tl.arange(0, HD)
-    q = tl.load(q_ptr + row * (NH * HD) + head * HD + d).to(tl.float32)
-    k_base = k_cache_ptr + slot * ks_slot + kvh * ks_head
-    v_base = v_cache_ptr + slot * vs_slot + kvh * vs_head
-    top = tl.full([1], float("-inf"), tl.float32)
-    denom = tl.zeros([1], tl.float32)
-    acc = tl.zeros([HD], tl.float32)
-    for block in range(0, n, BLOCK_N):  # this query's own keys, in order from position 0
-        offs = block + tl.arange(0, BLOCK_N)
-        seen = offs < n
-        on_path = offs >= start
-        step_row = tl.load(path_ptr + row * T + (offs - start), mask=seen & on_path, other=0)
-        where = tl.where(on_path, start + step_row, offs)
-        k = tl.load(k_base + where[:, None] * ks_pos + d[None, :], mask=seen[:, None],
-                    other=0.0).to(tl.float32)
-        scores = tl.sum(k * q[None, :], axis=1) * scale  # [BLOCK_N]
-        scores = tl.where(seen, scores, float("-inf"))
-        new_top = tl.maximum(top, tl.max(scores, axis=0))
-        keep = tl.exp(top - new_top)
-        p = tl.exp(scores - new_top)
-        denom = denom * keep + tl.sum(p, axis=0)
-        v = tl.load(v_base + where[:, None] * vs_pos + d[None, :], mask=seen[:, None],
-                    other=0.0).to(tl.float32)
-        acc = acc * keep + tl.sum(p[:, None] * v, axis=0)
-        top = new_top
-    tl.store(out_ptr + row * (NH * HD) + head * HD + d,
-             (acc / denom).to(out_ptr.dtype.element_ty))
-
-
-def slot_attention(q: torch.Tensor, step: "FusedStep", k_cache: torch.Tensor,
-                   v_cache: torch.Tensor, n_heads: int, kv_heads: int, head_dim: int,
-                   scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Rotated queries [>=R, nh hd] (R = B T rows of ``step``) attend over their slots' keys
-    (written for this step already): row b's query t sees positions < start[b], then the rows
-    path[b, t, 0..depth[b, t]] of its own step, stored at start[b] + that row. Returns
-    [padded_rows(R), nh hd] (rows past R not written)."""
-    R = step.rows
-    if out is None:
-        out = torch.empty(padded_rows(R), n_heads * head_dim, dtype=q.dtype, device=q.device)
-    _slot_attention_kernel[(R, n_heads)](
-        q, k_cache, v_cache, step.slots, step.starts, step.depth, step.path, step.width, out,
-        scale, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        NH=n_heads, GROUP=n_heads // kv_heads, HD=head_dim, BLOCK_N=KEY_BLOCK,
-        num_warps=4 if head_dim >= 128 else 2)
-    return out
-
-
 @triton.jit
 def _silu_mul_kernel(gate_up_ptr, out_ptr, inner, BLOCK: tl.constexpr):
     row = tl.program_id(0)
@@ -243,31 +177,3 @@ class FusedStep:
         cols = torch.arange(width, dtype=torch.long, device=dev)
         return cls(slots, starts, cols.repeat(B, 1),
                    cols.repeat(B, width, 1).contiguous())
-
-
-def probe_slot_attention(dtype: torch.dtype, device: str | torch.device, n_heads: int,
-                         kv_heads: int, head_dim: int) -> str | None:
-    """Whether ``slot_attention`` gives a query the same bits alone and among other sessions'
-    longer rows here, for this head layout (None), or what differed. Random keys, three
-    sessions crossing key blocks, every query alone against its place in the batch."""
-    g = torch.Generator().manual_seed(0)
-    B, T, cap = 3, 5, 4 * KEY_BLOCK
-
-    def rand(*shape):
-        return torch.randn(*shape, generator=g).to(device, dtype)
-
-    k_cache, v_cache = rand(B, kv_heads, cap, head_dim), rand(B, kv_heads, cap, head_dim)
-    q = rand(B * T, n_heads * head_dim)
-    slots = torch.arange(B, device=device)
-    starts = torch.tensor([130, 3, KEY_BLOCK - 2], device=device)
-    many = slot_attention(q, FusedStep.chains(slots, starts, T), k_cache, v_cache, n_heads,
-                          kv_heads, head_dim, head_dim ** -0.5)
-    for b in range(B):
-        for t in range(T):
-            one = FusedStep.chains(slots[b:b + 1], starts[b:b + 1] + t, 1)
-            alone = slot_attention(q[b * T + t:b * T + t + 1], one, k_cache, v_cache, n_heads,
-                                   kv_heads, head_dim, head_dim ** -0.5)
-            if not torch.equal(alone[0], many[b * T + t]):
-                return (f"query {t} of a session at {int(starts[b])} keys differs alone and "
-                        f"among {B} sessions of {T}")
-    return None

@@ -16,6 +16,7 @@ The layer-skip self-draft is the same runner over the first L layers, with the f
 
 from __future__ import annotations
 
+import logging
 import sys
 import time
 from dataclasses import replace
@@ -35,6 +36,8 @@ from .kv_cache import KVCache, contiguous_start
 from .step_graphs import StepGraphs
 from .step_rows import DraftShape, Scored, StepRows, TreeShape
 from .linear import GEMMS, Linear
+
+log = logging.getLogger(__name__)
 
 KERNELS = ("eager", "triton")
 
@@ -159,6 +162,10 @@ class TargetRunner:
             from .fused_forward import FusedLayers  # imports Triton
 
             self.fused = FusedLayers(self)
+        # the fused attention kernel: the tiles where their probe proves them row-invariant
+        # here (not cached: milliseconds on a GPU), else the one-query-a-program rows
+        self.attention = self._invariant_attention() if fused and exact else \
+            ("tiles" if fused else None)
         self.max_rows = max_rows or max(PREFILL_CHUNK, n_slots * MAX_QUERY)
         self.start_check_s: float | None = None
         if exact and self.device.type != "cuda":
@@ -173,12 +180,12 @@ class TargetRunner:
 
             code = [_attention_code, _linear_code, _probe_code, sys.modules[__name__]]
             if self.fused is not None:
-                from . import fused_gemm, fused_kernels
+                from . import fused_attention, fused_gemm, fused_kernels
 
-                code += [fused_kernels, fused_gemm]
+                code += [fused_kernels, fused_gemm, fused_attention]
             key = CheckKey.here(model_fingerprint(cfg.to_dict(), self._weights()), self.device,
                                 self.dtype, self.max_rows,
-                                f"{self.kernels}+{gemm}@{code_digest(*code)}")
+                                f"{self.kernels}+{gemm}+{self.attention}@{code_digest(*code)}")
             outcome = run_checked(key, lambda: self._check_invariance(kernel))
             self.start_check_s = outcome.seconds
         self.graphs = StepGraphs(self, n_slots, self.cache.reserve(),
@@ -191,7 +198,7 @@ class TargetRunner:
         products, the start check's seconds and the CUDA graphs' state (None without)."""
         from dataclasses import asdict
 
-        return {"device": str(self.device), "kernels": self.kernels,
+        return {"device": str(self.device), "kernels": self.kernels, "attention": self.attention,
                 "gemm": self.lm_head.gemm if self.fused is not None else None,
                 "start_check_s": self.start_check_s,
                 "graphs": asdict(self.graphs.state()) if self.graphs is not None else None}
@@ -234,11 +241,6 @@ class TargetRunner:
         if self.fused is not None:
             from . import fused_kernels as fk
 
-            differs = fk.probe_slot_attention(self.dtype, self.device, self.n_heads,
-                                              self.kv_heads, self.head_dim)
-            if differs is not None:
-                raise ConfigError(f"the fused attention is not batch-invariant here: {differs}, "
-                                  f"{refuse}")
             checks = [("fused RMS norm",
                        lambda t: fk.add_rms_norm(t.contiguous(), None, self.norm,
                                                  self.eps)[:t.shape[0]]),
@@ -250,6 +252,28 @@ class TargetRunner:
             if bad is not None:
                 raise ConfigError(f"the {name} is not batch-invariant here: a call of {bad} rows "
                                   f"gives a row other bits than a call of {rows}, {refuse}")
+
+    def _invariant_attention(self) -> str:
+        """The fused attention kernel this runner serves with: "tiles" where their probe gives
+        every query the same bits alone, in a batch and as a tree node here, for this head
+        layout and dtype; else "rows" (slower: logged); ConfigError where neither holds."""
+        from .fused_attention import ATTENTION_KERNELS, probe_slot_attention
+
+        failures: list[str] = []
+        for name in ATTENTION_KERNELS:
+            differs = probe_slot_attention(self.dtype, self.device, self.n_heads, self.kv_heads,
+                                           self.head_dim, kernel=name)
+            if differs is None:
+                if failures:
+                    log.warning("the %s attention kernel is not batch-invariant on %s (%s): "
+                                "serving with the %s kernel", ATTENTION_KERNELS[0], self.device,
+                                failures[0], name)
+                return name
+            failures.append(f"{name}: {differs}")
+        dtype = str(self.dtype).removeprefix("torch.")
+        raise ConfigError(f"the fused attention is not batch-invariant here ({'; '.join(failures)})"
+                          f", so speculative decoding in {dtype} on {self.device} would not be "
+                          "lossless: use --dtype auto (or float32 where it is served)")
 
     def _distinct_linears(self) -> list[tuple[str, Linear]]:
         """One linear of each (in, out) shape the model has, with its name (the first layer's,

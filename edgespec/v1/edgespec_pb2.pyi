@@ -206,7 +206,7 @@ class StatusResponse(_message.Message):
     def __init__(self, model: _Optional[str] = ..., version: _Optional[str] = ..., drafters: _Optional[_Iterable[_Union[DrafterStatus, _Mapping]]] = ..., active_sessions: _Optional[int] = ..., queued_sessions: _Optional[int] = ..., free_kv_slots: _Optional[int] = ..., kv_slots: _Optional[int] = ..., tokens_per_s_last_minute: _Optional[float] = ..., healthy: _Optional[bool] = ..., dtype: _Optional[str] = ..., head: _Optional[_Union[HeadStatus, _Mapping]] = ..., runner: _Optional[_Union[RunnerStatus, _Mapping]] = ...) -> None: ...
 
 class RunnerStatus(_message.Message):
-    __slots__ = ("device", "kernels", "graph_buckets", "graphs_captured", "graphs_capture_s", "graphs_failed", "graph_replays")
+    __slots__ = ("device", "kernels", "graph_buckets", "graphs_captured", "graphs_capture_s", "graphs_failed", "graph_replays", "attention")
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     KERNELS_FIELD_NUMBER: _ClassVar[int]
     GRAPH_BUCKETS_FIELD_NUMBER: _ClassVar[int]
@@ -214,6 +214,7 @@ class RunnerStatus(_message.Message):
     GRAPHS_CAPTURE_S_FIELD_NUMBER: _ClassVar[int]
     GRAPHS_FAILED_FIELD_NUMBER: _ClassVar[int]
     GRAPH_REPLAYS_FIELD_NUMBER: _ClassVar[int]
+    ATTENTION_FIELD_NUMBER: _ClassVar[int]
     device: str
     kernels: str
     graph_buckets: int
@@ -221,7 +222,8 @@ class RunnerStatus(_message.Message):
     graphs_capture_s: float
     graphs_failed: str
     graph_replays: int
-    def __init__(self, device: _Optional[str] = ..., kernels: _Optional[str] = ..., graph_buckets: _Optional[int] = ..., graphs_captured: _Optional[int] = ..., graphs_capture_s: _Optional[float] = ..., graphs_failed: _Optional[str] = ..., graph_replays: _Optional[int] = ...) -> None: ...
+    attention: str
+    def __init__(self, device: _Optional[str] = ..., kernels: _Optional[str] = ..., graph_buckets: _Optional[int] = ..., graphs_captured: _Optional[int] = ..., graphs_capture_s: _Optional[float] = ..., graphs_failed: _Optional[str] = ..., graph_replays: _Optional[int] = ..., attention: _Optional[str] = ...) -> None: ...
 
 class HeadStatus(_message.Message):
     __slots__ = ("kind", "source", "version", "held_out_tokens_per_step", "draft_tokens", "accepted_tokens", "learning", "buffered_tokens")

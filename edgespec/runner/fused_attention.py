@@ -1,0 +1,240 @@
+"""The fused runner's attention over KV slots: two fixed-config Triton kernels, one contract.
+
+Each query of a step attends over its own slot: the slot's first ``start`` positions, then its
+own ancestors among the step's rows (a chain's earlier tokens, a tree node's path from the
+root), read in decoding order, so a tree node gets the bits of the chain root -> ... -> node
+decoded one token at a time. Lengths and paths are device data (no host sync, one graph for
+every length).
+
+- ``"tiles"`` (the default): one program per (session, kv head, chunk of queries); its tile's
+  rows are the queries' q heads that share the kv head (GQA), so each key and value block is
+  read once for up to ``BLOCK_M`` rows and both products run as ``tl.dot``. A tree's queries
+  whose paths differ need different keys in the same lanes: the program makes one pass per
+  distinct path (deepest query first; a chain needs one pass), each pass updating only the
+  rows whose path it covers.
+- ``"rows"``: one program per (query, q head), keys summed elementwise in float32. Re-reads
+  every key block for every query and head (the first GPU sitting's kernel; kept as the
+  fallback where the tiles' probe fails, and for comparison).
+
+Batch invariance is structural in both: a row's keys sit in the lanes of their logical
+position (blocks of ``KEY_BLOCK`` from position 0, whatever else is in the call), every shape
+is a compile-time constant of the model, the number of tokens is not specialised on, and rows
+a pass does not cover are left untouched (``tl.where``, not arithmetic with zeros). For the
+tiles this also rests on a product's output element being computed the same way wherever its
+row sits in the tile: ``probe_slot_attention`` proves it on the device at start.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .attention import KEY_BLOCK
+from .fused_kernels import FusedStep, padded_rows
+
+ATTENTION_KERNELS = ("tiles", "rows")
+TILE_ROWS_MIN = 16  # tl.dot's smallest tile side
+
+
+@triton.jit(do_not_specialize=["T"])
+def _tile_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, start_ptr, depth_ptr,
+                           path_ptr, T, out_ptr, scale,
+                           ks_slot, ks_head, ks_pos, vs_slot, vs_head, vs_pos,
+                           NH: tl.constexpr, GROUP: tl.constexpr, HD: tl.constexpr,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    QPP: tl.constexpr = BLOCK_M // GROUP  # queries a program holds
+    t0 = tl.program_id(2) * QPP
+    r = tl.arange(0, BLOCK_M)
+    qt = t0 + r // GROUP  # each tile row's query and q head
+    live = (r < QPP * GROUP) & (qt < T)
+    head = kvh * GROUP + r % GROUP
+    row = b * T + qt
+    d = tl.arange(0, HD)
+    slot = tl.load(slot_ptr + b)
+    start = tl.load(start_ptr + b)
+    depth = tl.load(depth_ptr + row, mask=live, other=0)
+    n = start + depth + 1  # keys each row sees
+    q = tl.load(q_ptr + row[:, None] * (NH * HD) + head[:, None] * HD + d[None, :],
+                mask=live[:, None], other=0.0)  # [BLOCK_M, HD]
+    k_base = k_cache_ptr + slot * ks_slot + kvh * ks_head
+    v_base = v_cache_ptr + slot * vs_slot + kvh * vs_head
+    acc = tl.zeros([BLOCK_M, HD], tl.float32)
+    top = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    denom = tl.zeros([BLOCK_M], tl.float32)
+    done = r < 0
+    for s in range(QPP):  # one pass per distinct path, the deepest-numbered query first
+        ref = t0 + QPP - 1 - s
+        has_ref = ref < T
+        ref_row = b * T + ref
+        ref_depth = tl.load(depth_ptr + ref_row, mask=has_ref, other=0)
+        # a query is covered by ref's path when it is ref or one of its ancestors
+        at = tl.load(path_ptr + ref_row * T + depth, mask=live & has_ref & (depth <= ref_depth),
+                     other=-1)
+        cover = live & (~done) & (at == qt)
+        n_ref = tl.where(has_ref & (tl.max(cover.to(tl.int32), axis=0) > 0),
+                         start + ref_depth + 1, 0)
+        for block in range(0, n_ref, BLOCK_N):
+            offs = block + tl.arange(0, BLOCK_N)
+            have = offs < n_ref
+            on_path = offs >= start
+            step_row = tl.load(path_ptr + ref_row * T + (offs - start), mask=have & on_path,
+                               other=0)
+            where = tl.where(on_path, start + step_row, offs)
+            k = tl.load(k_base + where[:, None] * ks_pos + d[None, :], mask=have[:, None],
+                        other=0.0)  # [BLOCK_N, HD]
+            scores = tl.dot(q, tl.trans(k), input_precision=PREC) * scale  # [BLOCK_M, BLOCK_N]
+            active = cover & (block < n)  # rows this block reaches; the rest stay as they are
+            scores = tl.where(active[:, None] & (offs[None, :] < n[:, None]), scores,
+                              float("-inf"))
+            new_top = tl.where(active, tl.maximum(top, tl.max(scores, axis=1)), 0.0)
+            keep = tl.exp(tl.where(active, top, 0.0) - new_top)
+            p = tl.exp(scores - new_top[:, None])
+            v = tl.load(v_base + where[:, None] * vs_pos + d[None, :], mask=have[:, None],
+                        other=0.0)  # [BLOCK_N, HD]
+            pv = tl.dot(p.to(v.dtype), v, input_precision=PREC)  # [BLOCK_M, HD]
+            acc = tl.where(active[:, None], acc * keep[:, None] + pv, acc)
+            denom = tl.where(active, denom * keep + tl.sum(p, axis=1), denom)
+            top = tl.where(active, new_top, top)
+        done = done | cover
+    out = acc / tl.where(live, denom, 1.0)[:, None]
+    tl.store(out_ptr + row[:, None] * (NH * HD) + head[:, None] * HD + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=live[:, None])
+
+
+@triton.jit(do_not_specialize=["T"])
+def _row_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, start_ptr, depth_ptr,
+                          path_ptr, T, out_ptr, scale,
+                          ks_slot, ks_head, ks_pos, vs_slot, vs_head, vs_pos,
+                          NH: tl.constexpr, GROUP: tl.constexpr, HD: tl.constexpr,
+                          BLOCK_N: tl.constexpr):
+    row = tl.program_id(0)  # b * T + t
+    head = tl.program_id(1)
+    b = row // T
+    kvh = head // GROUP
+    slot = tl.load(slot_ptr + b)
+    start = tl.load(start_ptr + b)
+    n = start + tl.load(depth_ptr + row) + 1  # keys seen: the slot's prefix, then the path
+    d = tl.arange(0, HD)
+    q = tl.load(q_ptr + row * (NH * HD) + head * HD + d).to(tl.float32)
+    k_base = k_cache_ptr + slot * ks_slot + kvh * ks_head
+    v_base = v_cache_ptr + slot * vs_slot + kvh * vs_head
+    top = tl.full([1], float("-inf"), tl.float32)
+    denom = tl.zeros([1], tl.float32)
+    acc = tl.zeros([HD], tl.float32)
+    for block in range(0, n, BLOCK_N):  # this query's own keys, in order from position 0
+        offs = block + tl.arange(0, BLOCK_N)
+        seen = offs < n
+        on_path = offs >= start
+        step_row = tl.load(path_ptr + row * T + (offs - start), mask=seen & on_path, other=0)
+        where = tl.where(on_path, start + step_row, offs)
+        k = tl.load(k_base + where[:, None] * ks_pos + d[None, :], mask=seen[:, None],
+                    other=0.0).to(tl.float32)
+        scores = tl.sum(k * q[None, :], axis=1) * scale  # [BLOCK_N]
+        scores = tl.where(seen, scores, float("-inf"))
+        new_top = tl.maximum(top, tl.max(scores, axis=0))
+        keep = tl.exp(top - new_top)
+        p = tl.exp(scores - new_top)
+        denom = denom * keep + tl.sum(p, axis=0)
+        v = tl.load(v_base + where[:, None] * vs_pos + d[None, :], mask=seen[:, None],
+                    other=0.0).to(tl.float32)
+        acc = acc * keep + tl.sum(p[:, None] * v, axis=0)
+        top = new_top
+    tl.store(out_ptr + row * (NH * HD) + head * HD + d,
+             (acc / denom).to(out_ptr.dtype.element_ty))
+
+
+def tile_rows(n_heads: int, kv_heads: int) -> int:
+    """Rows of the tiles kernel's tile for this head layout: q heads of one kv head, whole
+    queries, at least ``TILE_ROWS_MIN``."""
+    group = n_heads // kv_heads
+    return max(TILE_ROWS_MIN, triton.next_power_of_2(group))
+
+
+def slot_attention(q: torch.Tensor, step: FusedStep, k_cache: torch.Tensor,
+                   v_cache: torch.Tensor, n_heads: int, kv_heads: int, head_dim: int,
+                   scale: float, out: torch.Tensor | None = None,
+                   kernel: str = "tiles") -> torch.Tensor:
+    """Rotated queries [>=R, nh hd] (R = B T rows of ``step``) attend over their slots' keys
+    k_cache / v_cache [slots, kvh, positions, >=hd] (written for this step already): row b's
+    query t sees positions < start[b], then the rows path[b, t, 0..depth[b, t]] of its own
+    step, stored at start[b] + that row. Returns [padded_rows(R), nh hd] (rows past R not
+    written). ``kernel``: one of ``ATTENTION_KERNELS``."""
+    R = step.rows
+    if out is None:
+        out = torch.empty(padded_rows(R), n_heads * head_dim, dtype=q.dtype, device=q.device)
+    group = n_heads // kv_heads
+    strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+               v_cache.stride(0), v_cache.stride(1), v_cache.stride(2))
+    args = (q, k_cache, v_cache, step.slots, step.starts, step.depth, step.path, step.width,
+            out, scale, *strides)
+    if kernel == "tiles":
+        block_m = tile_rows(n_heads, kv_heads)
+        grid = (step.batch, kv_heads, triton.cdiv(step.width, block_m // group))
+        _tile_attention_kernel[grid](
+            *args, NH=n_heads, GROUP=group, HD=head_dim, BLOCK_M=block_m, BLOCK_N=KEY_BLOCK,
+            PREC="ieee" if q.dtype == torch.float32 else "tf32",
+            num_warps=4 if head_dim >= 128 else 2)
+    elif kernel == "rows":
+        _row_attention_kernel[(R, n_heads)](
+            *args, NH=n_heads, GROUP=group, HD=head_dim, BLOCK_N=KEY_BLOCK,
+            num_warps=4 if head_dim >= 128 else 2)
+    else:
+        raise ValueError(f"attention kernel must be one of {ATTENTION_KERNELS}, not {kernel!r}")
+    return out
+
+
+def probe_slot_attention(dtype: torch.dtype, device: str | torch.device, n_heads: int,
+                         kv_heads: int, head_dim: int, kernel: str = "tiles") -> str | None:
+    """Whether ``slot_attention`` gives a query the same bits alone and among other sessions'
+    longer rows here, for this head layout, and a tree node the bits of its chain decoded one
+    token at a time (None), or what differed. Random keys, three sessions crossing key blocks."""
+    g = torch.Generator().manual_seed(0)
+    B, T, cap = 3, 5, 4 * KEY_BLOCK
+    scale = head_dim ** -0.5
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g).to(device, dtype)
+
+    def attend(q, step, k, v):
+        return slot_attention(q, step, k, v, n_heads, kv_heads, head_dim, scale, kernel=kernel)
+
+    k_cache, v_cache = rand(B, kv_heads, cap, head_dim), rand(B, kv_heads, cap, head_dim)
+    q = rand(B * T, n_heads * head_dim)
+    slots = torch.arange(B, device=device)
+    starts = torch.tensor([130, 3, KEY_BLOCK - 2], device=device)
+    many = attend(q, FusedStep.chains(slots, starts, T), k_cache, v_cache)
+    for b in range(B):
+        for t in range(T):
+            alone = attend(q[b * T + t:b * T + t + 1],
+                           FusedStep.chains(slots[b:b + 1], starts[b:b + 1] + t, 1),
+                           k_cache, v_cache)
+            if not torch.equal(alone[0], many[b * T + t]):
+                return (f"query {t} of a session at {int(starts[b])} keys differs alone and "
+                        f"among {B} sessions of {T}")
+    # a tree in session 2 (its root block ends two keys in): root, two children, a grandchild
+    parents = [-1, 0, 0, 2, 1]
+    depth = torch.zeros(1, T, dtype=torch.long)
+    path = torch.zeros(1, T, T, dtype=torch.long)
+    for t, p in enumerate(parents):
+        chain = [t]
+        while parents[chain[0]] >= 0:
+            chain.insert(0, parents[chain[0]])
+        depth[0, t] = len(chain) - 1
+        path[0, t, :len(chain)] = torch.tensor(chain)
+    tree = attend(q[:T], FusedStep(slots[2:], starts[2:], depth.to(device), path.to(device)),
+                  k_cache, v_cache)
+    st = int(starts[2])
+    for t in range(T):
+        k_chain, v_chain = k_cache.clone(), v_cache.clone()  # the chain's layout
+        along = path[0, t, :int(depth[0, t]) + 1].tolist()
+        for i, node in enumerate(along):
+            k_chain[2, :, st + i], v_chain[2, :, st + i] = k_cache[2, :, st + node], \
+                v_cache[2, :, st + node]
+        decoded = attend(q[t:t + 1], FusedStep.chains(slots[2:], starts[2:] + len(along) - 1, 1),
+                         k_chain, v_chain)
+        if not torch.equal(decoded[0], tree[t]):
+            return f"tree node {t} differs from its chain decoded one token at a time"
+    return None
