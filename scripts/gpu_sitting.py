@@ -5,6 +5,8 @@ models of the SmolLM2-135M, SmolLM2-1.7B and Llama-3.1-8B shapes (built on the G
 configs: no download), in bfloat16, with the runner's defaults on CUDA (the fused Triton kernels,
 CUDA graphs captured at start), stages in this order:
 
+0. ``attention``: the fused attention kernels against each other at each shape's head layout
+   (``sitting_attention``): probe, CUDA-event medians, how far apart;
 a. ``graphs``: graphed against eager forward in one process, per shape, at 1 x 1, 8 x 5, 64 x 1
    and 64 x 9 (sessions x tokens) over 300-token contexts: CUDA-event medians of 20, the bits
    equal, capture seconds and memory, and the kernels and GPU-busy time of one profiled replay;
@@ -50,6 +52,7 @@ from edgespec.engine.spec_engine import Request, SpecEngine  # noqa: E402
 from edgespec.models.shapes import SHAPES, random_model  # noqa: E402
 from edgespec.runner.step_rows import DraftShape, StepRows  # noqa: E402
 from edgespec.runner.target_runner import TargetRunner  # noqa: E402
+from sitting_attention import stage_attention  # noqa: E402
 from sitting_tables import format_tables  # noqa: E402
 
 CUDA_TESTS = ["tests/test_fused_kernels.py", "tests/test_step_graphs.py",
@@ -75,7 +78,7 @@ class Sitting:
         self.data: dict = {"gpu": name, "torch": torch.__version__, "triton": triton_version,
                            "dtype": "bfloat16", "dry_run": dry, "stages_s": {}, "graphs": {},
                            "forward": [], "e2e": {}, "lossless": {}, "hf": {}, "fleet": {},
-                           "tests": None, "mismatches": [],
+                           "attention": {}, "tests": None, "mismatches": [],
                            "command": "scripts/gpu_sitting.sh " + " ".join(sys.argv[1:])}
         out.mkdir(parents=True, exist_ok=True)
 
@@ -440,7 +443,7 @@ def main() -> int:
     p.add_argument("--budget-s", type=float, default=330,
                    help="seconds after which transformers' compiled generate is skipped")
     p.add_argument("--tests-timeout-s", type=float, default=150)
-    p.add_argument("--skip", default="", help="stages to leave out: graphs,e2e,hf,fleet,tests")
+    p.add_argument("--skip", default="", help="stages to leave out: attention,graphs,e2e,hf,fleet,tests")
     p.add_argument("--breakdown", default="",
                    help="shapes whose graphed step's kernels are broken down by name first")
     p.add_argument("--tests-first", action="store_true",
@@ -465,6 +468,11 @@ def main() -> int:
                                          layers=1 if s.dry else None)
         return models[shape]
 
+    if "attention" not in skip:
+        sizes = FORWARD_SHAPES if not s.dry else ((1, 1), (2, 5))
+        s.stage("attention", lambda: stage_attention(
+            s, shapes, sizes, CONTEXT if not s.dry else 70,
+            lambda fn: event_median_ms(fn, s.device, 20 if not s.dry else 1)))
     for shape in [x for x in args.breakdown.split(",") if x]:
         s.stage(f"breakdown {shape}", lambda sh=shape: stage_breakdown(s, sh, model_of(sh)))
     for shape in shapes:

@@ -18,6 +18,18 @@ def format_tables(d: dict) -> str:
              "as `edgespec bench-forward --shape SHAPE --device cuda` runs it alone).", ""]
     if d.get("mismatches"):
         lines += ["**Mismatches:** " + "; ".join(d["mismatches"]), ""]
+    if d.get("attention"):
+        rows = []
+        for shape, e in d["attention"].items():
+            kernels = list(e["probe"])
+            for r in e["sizes"]:
+                rows.append([shape, f"{r['sessions']} x {r['tokens']}"]
+                            + [r.get(f"{k}_ms") for k in kernels]
+                            + [r.get("ratio"), f"{r.get('max_abs_diff', 0):.1e}",
+                               ", ".join(f"{k}: {v}" for k, v in e["probe"].items())])
+        kernels = list(next(iter(d["attention"].values()))["probe"])
+        lines += _table(["shape", "sessions x tokens"] + [f"{k} attention ms" for k in kernels]
+                        + [f"{kernels[-1]} / {kernels[0]}", "outputs apart", "probe"], rows)
     if d.get("graphs"):
         lines += _table(["shape", "runner built s", "start check s", "buckets captured",
                          "capture s", "graph memory MB", "failed"],

@@ -1,0 +1,78 @@
+"""The GPU sitting's attention stage (``scripts/gpu_sitting.py``): the fused attention kernels
+(``edgespec.runner.fused_attention``) against each other, alone, at each shape's head layout.
+
+The first sitting found the attention kernel half of a graphed step (8b at 64 x 9: 25 of 49 ms;
+135m at 1 x 1: 0.76 of 1.44 ms): one program per query and head re-read every key block for
+each of them. This stage answers, in seconds and before any model is built, which kernel a
+runner should serve with: for every kernel, the start probe's verdict (a query's bits alone, in
+a batch and as a tree node), CUDA-event medians of 20 calls at the sitting's sizes over
+300-token contexts, and how far apart the kernels' outputs are (their sums are ordered
+differently, so they agree to rounding, not bits). A runner picks by the probe alone
+(``TargetRunner._invariant_attention``); the timings say whether that default is the faster.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from edgespec.models.shapes import SHAPES
+from edgespec.runner.fused_attention import ATTENTION_KERNELS, probe_slot_attention, \
+    slot_attention
+from edgespec.runner.fused_kernels import FusedStep
+
+AGREE = 0.1  # bfloat16 outputs of order 1, summed in another order: a few units of 2^-8 apart
+
+
+def _inputs(B: int, T: int, context: int, nh: int, kvh: int, hd: int, device: str, seed: int):
+    """Queries [B T, nh hd] and a KV cache [B, kvh, cap, hd] whose slots hold ``context`` keys
+    plus the step's T, bfloat16."""
+    g = torch.Generator().manual_seed(seed)
+    cap = -(-(context + T) // 64) * 64
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g).to(device, torch.bfloat16)
+
+    q = rand(B * T, nh * hd)
+    k, v = rand(B, kvh, cap, hd), rand(B, kvh, cap, hd)
+    slots = torch.arange(B, device=device)
+    starts = torch.full((B,), context, dtype=torch.long, device=device)
+    return q, k, v, FusedStep.chains(slots, starts, T)
+
+
+def stage_attention(s, shapes: list[str], sizes, context: int, timer) -> None:
+    """Probe and time every attention kernel at each shape's head layout. ``timer(fn)``: the
+    median milliseconds of fn (CUDA events on the GPU)."""
+    out = s.data.setdefault("attention", {})
+    for shape in shapes:
+        m = SHAPES[shape]
+        nh, kvh, hd = m.heads, m.kv_heads, m.hidden // m.heads
+        entry: dict = {"layout": f"{nh} q heads, {kvh} kv heads, head size {hd}",
+                       "probe": {}, "sizes": []}
+        for kernel in ATTENTION_KERNELS:
+            differs = probe_slot_attention(torch.bfloat16, s.device, nh, kvh, hd, kernel)
+            entry["probe"][kernel] = "invariant" if differs is None else differs
+            if differs is not None and kernel == ATTENTION_KERNELS[0]:
+                s.mismatch(f"{shape}: the {kernel} attention's probe failed ({differs})")
+        for B, T in sizes:
+            q, k, v, step = _inputs(B, T, context, nh, kvh, hd, s.device, seed=B * 100 + T)
+            row: dict = {"sessions": B, "tokens": T}
+            outs = {}
+            for kernel in ATTENTION_KERNELS:
+                def call(kernel=kernel):
+                    return slot_attention(q, step, k, v, nh, kvh, hd, hd ** -0.5, kernel=kernel)
+
+                outs[kernel] = call()[:B * T].float()
+                row[f"{kernel}_ms"] = round(timer(call), 4)
+            first, second = (outs[x] for x in ATTENTION_KERNELS)
+            row["max_abs_diff"] = float((first - second).abs().max())
+            if row["max_abs_diff"] > AGREE:
+                s.mismatch(f"{shape} {B} x {T}: the attention kernels' outputs differ by "
+                           f"{row['max_abs_diff']:.3g}")
+            row["ratio"] = round(row[f"{ATTENTION_KERNELS[1]}_ms"]
+                                 / max(row[f"{ATTENTION_KERNELS[0]}_ms"], 1e-9), 2)
+            entry["sizes"].append(row)
+            print(f"   {shape} {B} x {T}: " + ", ".join(
+                f"{x} {row[f'{x}_ms']:.4f} ms" for x in ATTENTION_KERNELS)
+                + f" ({ATTENTION_KERNELS[1]} / {ATTENTION_KERNELS[0]} {row['ratio']}), "
+                f"outputs within {row['max_abs_diff']:.1e}", flush=True)
+        out[shape] = entry
