@@ -443,7 +443,8 @@ def main() -> int:
     p.add_argument("--budget-s", type=float, default=330,
                    help="seconds after which transformers' compiled generate is skipped")
     p.add_argument("--tests-timeout-s", type=float, default=150)
-    p.add_argument("--skip", default="", help="stages to leave out: attention,graphs,e2e,hf,fleet,tests")
+    p.add_argument("--skip", default="",
+                   help="stages to leave out: attention,graphs,e2e,hf,fleet,tests")
     p.add_argument("--breakdown", default="",
                    help="shapes whose graphed step's kernels are broken down by name first")
     p.add_argument("--tests-first", action="store_true",
