@@ -6,7 +6,9 @@ configs: no download), in bfloat16, with the runner's defaults on CUDA (the fuse
 CUDA graphs captured at start), stages in this order:
 
 0. ``attention``: the fused attention kernels against each other at each shape's head layout
-   (``sitting_attention``): probe, CUDA-event medians, how far apart;
+   (``sitting_attention``): probe, CUDA-event medians, how far apart; ``gemm``: the products,
+   cuBLAS tiles against each Triton GEMM configuration, per shape, rows alone = in batch
+   (``sitting_gemm``);
 a. ``graphs``: graphed against eager forward in one process, per shape, at 1 x 1, 8 x 5, 64 x 1
    and 64 x 9 (sessions x tokens) over 300-token contexts: CUDA-event medians of 20, the bits
    equal, capture seconds and memory, and the kernels and GPU-busy time of one profiled replay;
@@ -53,6 +55,7 @@ from edgespec.models.shapes import SHAPES, random_model  # noqa: E402
 from edgespec.runner.step_rows import DraftShape, StepRows  # noqa: E402
 from edgespec.runner.target_runner import TargetRunner  # noqa: E402
 from sitting_attention import stage_attention  # noqa: E402
+from sitting_gemm import ROWS, stage_gemm  # noqa: E402
 from sitting_tables import format_tables  # noqa: E402
 
 CUDA_TESTS = ["tests/test_fused_kernels.py", "tests/test_step_graphs.py",
@@ -78,7 +81,7 @@ class Sitting:
         self.data: dict = {"gpu": name, "torch": torch.__version__, "triton": triton_version,
                            "dtype": "bfloat16", "dry_run": dry, "stages_s": {}, "graphs": {},
                            "forward": [], "e2e": {}, "lossless": {}, "hf": {}, "fleet": {},
-                           "attention": {}, "tests": None, "mismatches": [],
+                           "attention": {}, "gemm": {}, "tests": None, "mismatches": [],
                            "command": "scripts/gpu_sitting.sh " + " ".join(sys.argv[1:])}
         out.mkdir(parents=True, exist_ok=True)
 
@@ -227,20 +230,7 @@ def stage_graphs(s: Sitting, shape: str, model) -> None:
     time_against_eager(s, shape, graphed, eager, sizes, repeat)
     del graphed, eager
     free_device_memory(s.device)
-    if s.dry:
-        return
-    # the candidate GEMM (``fused_gemm``: one pass over the weights), measured beside the tiles
-    tri = runner_for(s, model, top, max_len, graphs=True, gemm="triton")
-    prefill(tri)
-    for (B, T), row in zip(sizes, s.data["forward"][-len(sizes):]):
-        rows = chain_rows(tri, B, T)
-        row["triton_gemm_alone_equal"] = alone_equal(tri, rows, T)
-        row["triton_gemm_ms"] = round(event_median_ms(lambda: tri.score_rows(rows), s.device,
-                                                      repeat), 3)
-        row.update({f"triton_gemm_{k}": v for k, v in
-                    profile_kernels(lambda: tri.score_rows(rows), s.device).items()})
-        say(f"   {shape} {B} x {T} with the Triton GEMM: {row['triton_gemm_ms']:.2f} ms, "
-            f"row alone equal {row['triton_gemm_alone_equal']}")
+    # the Triton GEMM's configurations are measured product by product (``sitting_gemm``)
 
 
 def time_against_eager(s: Sitting, shape: str, graphed: TargetRunner, eager: TargetRunner,
@@ -444,7 +434,7 @@ def main() -> int:
                    help="seconds after which transformers' compiled generate is skipped")
     p.add_argument("--tests-timeout-s", type=float, default=150)
     p.add_argument("--skip", default="",
-                   help="stages to leave out: attention,graphs,e2e,hf,fleet,tests")
+                   help="stages to leave out: attention,gemm,graphs,e2e,hf,fleet,tests")
     p.add_argument("--breakdown", default="",
                    help="shapes whose graphed step's kernels are broken down by name first")
     p.add_argument("--tests-first", action="store_true",
@@ -474,6 +464,10 @@ def main() -> int:
         s.stage("attention", lambda: stage_attention(
             s, shapes, sizes, CONTEXT if not s.dry else 70,
             lambda fn: event_median_ms(fn, s.device, 20 if not s.dry else 1)))
+    if "gemm" not in skip:
+        s.stage("gemm", lambda: stage_gemm(
+            s, shapes, ROWS if not s.dry else (1, 5),
+            lambda fn: event_median_ms(fn, s.device, 10 if not s.dry else 1)))
     for shape in [x for x in args.breakdown.split(",") if x]:
         s.stage(f"breakdown {shape}", lambda sh=shape: stage_breakdown(s, sh, model_of(sh)))
     for shape in shapes:

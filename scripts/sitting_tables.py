@@ -30,6 +30,14 @@ def format_tables(d: dict) -> str:
         kernels = list(next(iter(d["attention"].values()))["probe"])
         lines += _table(["shape", "sessions x tokens"] + [f"{k} attention ms" for k in kernels]
                         + [f"{kernels[-1]} / {kernels[0]}", "outputs apart", "probe"], rows)
+    if d.get("gemm"):  # the products' ms a step: cuBLAS tiles, then each Triton config
+        first = next(iter(d["gemm"].values()))
+        names = list(next(iter(first["step_ms"].values())))
+        rows = [[shape, M] + [by.get(k) for k in names]
+                for shape, e in d["gemm"].items() for M, by in e["step_ms"].items()]
+        rows += [[shape, "row alone = in batch", "-"] + [e["invariant"].get(k) for k in names[1:]]
+                 for shape, e in d["gemm"].items()]
+        lines += _table(["shape", "rows"] + [f"{k} ms" for k in names], rows)
     if d.get("graphs"):
         lines += _table(["shape", "runner built s", "start check s", "buckets captured",
                          "capture s", "graph memory MB", "failed"],
@@ -39,12 +47,10 @@ def format_tables(d: dict) -> str:
     if d.get("forward"):
         lines += _table(["shape", "sessions x tokens", "graphed ms", "eager ms",
                          "graphed = eager bits", "row alone = in batch", "kernels (graph)",
-                         "GPU busy us (graph)", "kernels (eager)", "Triton GEMM graphed ms",
-                         "Triton GEMM row alone = in batch"],
+                         "GPU busy us (graph)", "kernels (eager)"],
                         [[c["shape"], f"{c['sessions']} x {c['tokens']}", c.get("ms"),
                           c.get("eager_ms"), c.get("bits_equal"), c.get("alone_equal"),
-                          c.get("graph_kernels"), c.get("graph_busy_us"), c.get("eager_kernels"),
-                          c.get("triton_gemm_ms"), c.get("triton_gemm_alone_equal")]
+                          c.get("graph_kernels"), c.get("graph_busy_us"), c.get("eager_kernels")]
                          for c in d["forward"]])
     if d.get("e2e"):
         lines += _table(["shape", "target-only tok/s", "ms a step", "MaG + Cacheback tok/s",

@@ -14,6 +14,7 @@ from triton_on_cpu import require_triton
 require_triton()
 from edgespec.runner import fused_attention as fa  # noqa: E402
 from edgespec.runner import fused_kernels as fk  # noqa: E402
+from edgespec.runner.fused_gemm import CANDIDATES  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.bfloat16]
@@ -219,25 +220,28 @@ def test_an_unknown_attention_kernel_is_refused():
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_the_fixed_config_gemm_computes_the_product(dtype, with_bias):
+@pytest.mark.parametrize("k", [512, 128])  # split in ranges (summed by a second kernel); not
+def test_the_fixed_config_gemm_computes_the_product(dtype, with_bias, k):
     from edgespec.runner.fused_gemm import gemm, split_for
 
-    x = _rand(70, 512, dtype=dtype)
-    w = _rand(200, 512, dtype=dtype, seed=1) * 0.05
+    x = _rand(70, k, dtype=dtype)
+    w = _rand(200, k, dtype=dtype, seed=1) * 0.05
     b = _rand(200, dtype=dtype, seed=2) if with_bias else None
-    assert split_for(200, 512) > 1  # the reduction is split: the second kernel's sum is tested
+    assert (split_for(200, k) > 1) == (k == 512)
     out = gemm(x, w, b)
     ref = x.float() @ w.float().t() + (b.float() if with_bias else 0)
     tol = 1e-4 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(out.float(), ref, rtol=tol, atol=tol)
 
 
-def test_the_fixed_config_gemm_gives_a_row_its_bits_in_any_call():
+@pytest.mark.parametrize("config", CANDIDATES, ids=lambda c: c.name)
+def test_every_gemm_configuration_gives_a_row_its_bits_in_any_call(config):
     from edgespec.runner.fused_gemm import gemm
 
-    x = _rand(130, 256, dtype=torch.bfloat16)  # three row tiles, the last one partial
+    x = _rand(130, 256, dtype=torch.bfloat16)  # row tiles of every size, the last one partial
     w = _rand(136, 256, dtype=torch.bfloat16, seed=3) * 0.05
-    full = gemm(x, w)
-    for r in (0, 63, 64, 129):
-        assert torch.equal(gemm(x[r:r + 1].contiguous(), w)[0], full[r])
-    assert torch.equal(gemm(x[:5].contiguous(), w), full[:5])
+    full = gemm(x, w, config=config)
+    torch.testing.assert_close(full.float(), x.float() @ w.float().t(), rtol=3e-2, atol=3e-2)
+    for r in (0, 15, 16, 63, 64, 129):
+        assert torch.equal(gemm(x[r:r + 1].contiguous(), w, config=config)[0], full[r])
+    assert torch.equal(gemm(x[:5].contiguous(), w, config=config), full[:5])

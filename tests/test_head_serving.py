@@ -5,6 +5,7 @@ per-stack steps cross in Stats, tested in test_stack_choice.)"""
 
 from __future__ import annotations
 
+import time
 import urllib.request
 
 import pytest
@@ -46,6 +47,12 @@ def test_serve_with_a_head_is_lossless_with_and_without_a_board(looping, looping
             with_board = [c.generate(prompt_ids=p, max_new_tokens=40, device_id="mag-1")
                           for p in PROMPTS]
             assert drafter.stop() == 0
+            # the server sees the board's stream end a moment after the process does: until
+            # then a session without a device may still be placed on it
+            deadline = time.monotonic() + 60
+            while any(d["attached"] for d in c.status()["drafters"]):
+                assert time.monotonic() < deadline, "the stopped board still shows attached"
+                time.sleep(0.2)
             alone = [c.generate(prompt_ids=p, max_new_tokens=40) for p in PROMPTS]
             status = c.status()
         for res in (with_board, alone):

@@ -2,32 +2,61 @@
 weights once per call: the candidate to replace the runner's 128-row cuBLAS tiles on the GPU
 (``Linear.tiles`` reads the weights once per tile, so a 576-row verification step of 64
 sessions x 9 tokens reads them five times). Measured against the tiles by the GPU sitting's
-``linear`` stage; not yet what the runner uses.
+``gemm`` stage in each configuration of ``CANDIDATES`` (``scripts/sitting_gemm.py``); not yet
+what the runner uses (``gemm="triton"`` runs ``DEFAULT``).
 
-y = x W^T (+ b), x [M, K], W [N, K]. The config is a function of (N, K) alone, never of M:
-``BLOCK_M`` x ``BLOCK_N`` output tiles, the reduction in ``BLOCK_K`` steps in a fixed order,
+y = x W^T (+ b), x [M, K], W [N, K]. The configuration is a function of (N, K) alone, never of
+M: ``block_m`` x ``block_n`` output tiles, the reduction in ``block_k`` steps in a fixed order,
 split into ``split`` fixed ranges of K (so a one-row call still spreads over the chip), each
-range's partial sums written in float32 and added in range order by a second kernel. A row's
-sums never see another row (a matrix instruction's output element depends on its own row and
-column only), so its bits are those of any other call; M-tiles that share a weight tile run
-next to each other (grouped order), so wide calls read the weights about once from memory.
+range's partial sums written in float32 and added in range order by a second kernel (one range:
+written by the first, with the same arithmetic). A row's sums never see another row (a matrix
+instruction's output element depends on its own row and column only), so its bits are those of
+any other call; M-tiles that share a weight tile run next to each other (grouped order), so
+wide calls read the weights about once from memory.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M = 64, 128, 64, 8
 TARGET_CTAS = 264  # about two per multiprocessor on an H100 or H200 (132)
 
 
-def split_for(n: int, k: int) -> int:
+@dataclass(frozen=True)
+class GemmConfig:
+    """One fixed configuration of the kernel (never chosen by M): output tiles of ``block_m``
+    x ``block_n``, the reduction in ``block_k`` steps, ``group_m`` M-tiles sharing a weight
+    tile side by side, Triton's warps and pipeline stages."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    warps: int = 4
+    stages: int = 4
+    group_m: int = 8
+
+    @property
+    def name(self) -> str:
+        return f"{self.block_m}x{self.block_n}x{self.block_k}/w{self.warps}s{self.stages}"
+
+
+DEFAULT = GemmConfig(64, 128, 64)  # the first sitting's
+# what the sitting's ``gemm`` stage measures beside the cuBLAS tiles: small M-tiles waste least
+# on a decode step's one row, big ones reuse each weight tile most on a 576-row step
+CANDIDATES = (DEFAULT, GemmConfig(16, 128, 128), GemmConfig(64, 256, 64, warps=8, stages=3),
+              GemmConfig(128, 128, 64, warps=8, stages=3),
+              GemmConfig(128, 256, 64, warps=8, stages=3))
+
+
+def split_for(n: int, k: int, config: GemmConfig = DEFAULT) -> int:
     """Ranges of K a layer's reduction is split into: enough tiles for a one-row call to use
-    the chip, each range still a whole number of at least four ``BLOCK_K`` steps."""
-    n_tiles = triton.cdiv(n, BLOCK_N)
-    steps = triton.cdiv(k, BLOCK_K)
+    the chip, each range still a whole number of at least four ``block_k`` steps."""
+    n_tiles = triton.cdiv(n, config.block_n)
+    steps = triton.cdiv(k, config.block_k)
     split = max(1, min(TARGET_CTAS // n_tiles, steps // 4))
     while steps % split:  # equal whole ranges
         split -= 1
@@ -35,9 +64,10 @@ def split_for(n: int, k: int) -> int:
 
 
 @triton.jit(do_not_specialize=["M"])
-def _gemm_partial_kernel(x_ptr, w_ptr, part_ptr, M, N, K, K_PER_SPLIT,
+def _gemm_partial_kernel(x_ptr, w_ptr, part_ptr, bias_ptr, M, N, K, K_PER_SPLIT,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         GROUP_M: tl.constexpr, PRECISION: tl.constexpr):
+                         GROUP_M: tl.constexpr, PRECISION: tl.constexpr, FINAL: tl.constexpr,
+                         HAS_BIAS: tl.constexpr):
     pid = tl.program_id(0)
     split = tl.program_id(1)
     n_m = tl.cdiv(M, BLOCK_M)
@@ -58,8 +88,14 @@ def _gemm_partial_kernel(x_ptr, w_ptr, part_ptr, M, N, K, K_PER_SPLIT,
         b = tl.load(w_ptr + cols[None, :] * K + (k + ks)[:, None],
                     mask=(cols[None, :] < N) & ((k + ks)[:, None] < K), other=0.0)
         acc = tl.dot(a, b, acc, input_precision=PRECISION)
-    dst = part_ptr + split * M * N + rows[:, None] * N + cols[None, :]
-    tl.store(dst, acc, mask=(rows[:, None] < M) & (cols[None, :] < N))
+    inside = (rows[:, None] < M) & (cols[None, :] < N)
+    if FINAL:  # one range: the sum kernel's arithmetic, here (bias in float32, then rounded)
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+        tl.store(part_ptr + rows[:, None] * N + cols[None, :],
+                 acc.to(part_ptr.dtype.element_ty), mask=inside)
+    else:
+        tl.store(part_ptr + split * M * N + rows[:, None] * N + cols[None, :], acc, mask=inside)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -77,22 +113,27 @@ def _gemm_sum_kernel(part_ptr, bias_ptr, out_ptr, M, N, SPLIT: tl.constexpr,
 
 
 def gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-         rows: int | None = None) -> torch.Tensor:
+         rows: int | None = None, config: GemmConfig = DEFAULT) -> torch.Tensor:
     """x [P, K] (contiguous) times weight [N, K]^T (+ bias [N]) for the first ``rows`` rows
     (default all) -> [P, N] in x's dtype (rows past ``rows`` left as they are)."""
     P, K = x.shape
     N = weight.shape[0]
     M = P if rows is None else rows
-    split = split_for(N, K)
-    steps = triton.cdiv(K, BLOCK_K)
-    part = torch.empty(split, M, N, dtype=torch.float32, device=x.device)
-    grid = (triton.cdiv(M, BLOCK_M) * triton.cdiv(N, BLOCK_N), split)
-    _gemm_partial_kernel[grid](x, weight, part, M, N, K, (steps // split) * BLOCK_K,
-                               BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-                               GROUP_M=GROUP_M, num_warps=4, num_stages=4,
-                               PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
+    split = split_for(N, K, config)
+    steps = triton.cdiv(K, config.block_k)
     out = torch.empty(P, N, dtype=x.dtype, device=x.device)
-    _gemm_sum_kernel[(M, triton.cdiv(N, 1024))](part, bias if bias is not None else part, out,
-                                                 M, N, SPLIT=split, HAS_BIAS=bias is not None,
-                                                 BLOCK=1024, num_warps=4)
+    part = out if split == 1 else torch.empty(split, M, N, dtype=torch.float32,
+                                              device=x.device)
+    grid = (triton.cdiv(M, config.block_m) * triton.cdiv(N, config.block_n), split)
+    _gemm_partial_kernel[grid](x, weight, part, bias if bias is not None else part, M, N, K,
+                               (steps // split) * config.block_k,
+                               BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+                               BLOCK_K=config.block_k, GROUP_M=config.group_m,
+                               PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+                               FINAL=split == 1, HAS_BIAS=bias is not None,
+                               num_warps=config.warps, num_stages=config.stages)
+    if split > 1:
+        _gemm_sum_kernel[(M, triton.cdiv(N, 1024))](
+            part, bias if bias is not None else part, out, M, N, SPLIT=split,
+            HAS_BIAS=bias is not None, BLOCK=1024, num_warps=4)
     return out
