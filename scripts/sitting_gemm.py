@@ -74,7 +74,6 @@ def stage_gemm(s, shapes: list[str], rows: tuple[int, ...], timer) -> None:
                     s.mismatch(f"{shape} {name}: the Triton GEMM {c.name} gives a row other "
                                "bits alone than in its batch")
             per_linear.append(entry)
-            del w, tiles, x_all
         out[shape] = {"step_ms": {M: {k: round(v, 3) for k, v in by.items()}
                                   for M, by in step.items()},
                       "invariant": invariant, "linears": per_linear}
