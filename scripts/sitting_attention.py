@@ -6,7 +6,8 @@ The first sitting found the attention kernel half of a graphed step (8b at 64 x 
 each of them. This stage answers, in seconds and before any model is built, which kernel a
 runner should serve with: for every kernel, the start probe's verdict (a query's bits alone, in
 a batch and as a tree node), CUDA-event medians of 20 calls at the sitting's sizes over
-300-token contexts, and how far apart the kernels' outputs are (their sums are ordered
+300-token contexts (the tiles also with 1, 2, 4 and 8 warps a program), and how far apart the
+kernels' outputs are (their sums are ordered
 differently, so they agree to rounding, not bits). A runner picks by the probe alone
 (``TargetRunner._invariant_attention``); the timings say whether that default is the faster.
 """
@@ -20,6 +21,7 @@ from edgespec.runner.fused_attention import ATTENTION_KERNELS, probe_slot_attent
     slot_attention
 from edgespec.runner.fused_kernels import FusedStep
 
+WARPS = (1, 2, 4, 8)
 AGREE = 0.1  # bfloat16 outputs of order 1, summed in another order: a few units of 2^-8 apart
 
 
@@ -58,11 +60,15 @@ def stage_attention(s, shapes: list[str], sizes, context: int, timer) -> None:
             row: dict = {"sessions": B, "tokens": T}
             outs = {}
             for kernel in ATTENTION_KERNELS:
-                def call(kernel=kernel):
-                    return slot_attention(q, step, k, v, nh, kvh, hd, hd ** -0.5, kernel=kernel)
+                def call(kernel=kernel, warps=None):
+                    return slot_attention(q, step, k, v, nh, kvh, hd, hd ** -0.5, kernel=kernel,
+                                          warps=warps)
 
                 outs[kernel] = call()[:B * T].float()
                 row[f"{kernel}_ms"] = round(timer(call), 4)
+                if kernel == "tiles":  # the warps a tile program runs with, besides the default
+                    row["tiles_ms_by_warps"] = {
+                        w: round(timer(lambda w=w: call(warps=w)), 4) for w in WARPS}
             first, second = (outs[x] for x in ATTENTION_KERNELS)
             row["max_abs_diff"] = float((first - second).abs().max())
             if row["max_abs_diff"] > AGREE:

@@ -26,10 +26,13 @@ def format_tables(d: dict) -> str:
                 rows.append([shape, f"{r['sessions']} x {r['tokens']}"]
                             + [r.get(f"{k}_ms") for k in kernels]
                             + [r.get("ratio"), f"{r.get('max_abs_diff', 0):.1e}",
+                               " / ".join(str(v) for v in
+                                          (r.get("tiles_ms_by_warps") or {}).values()),
                                ", ".join(f"{k}: {v}" for k, v in e["probe"].items())])
         kernels = list(next(iter(d["attention"].values()))["probe"])
         lines += _table(["shape", "sessions x tokens"] + [f"{k} attention ms" for k in kernels]
-                        + [f"{kernels[-1]} / {kernels[0]}", "outputs apart", "probe"], rows)
+                        + [f"{kernels[-1]} / {kernels[0]}", "outputs apart",
+                           "tiles ms, 1 / 2 / 4 / 8 warps", "probe"], rows)
     if d.get("gemm"):  # the products' ms a step: cuBLAS tiles, then each Triton config
         first = next(iter(d["gemm"].values()))
         names = list(next(iter(first["step_ms"].values())))

@@ -121,3 +121,28 @@ def test_the_rows_reach_the_device_in_one_copy_per_kind(monkeypatch):
     monkeypatch.setattr(torch.Tensor, "to", counting)
     StepRows.build([0, 1], [70, 5], [1, 1], shape, "cpu")
     assert sorted(map(str, copies)) == ["torch.bool", "torch.int64"]
+
+
+def test_every_part_of_the_copy_starts_at_a_16_byte_boundary():
+    """The fused kernels read a step's slots, starts, depths and paths through pointers Triton
+    specialises on 16-byte alignment: in every step they keep it (one binary)."""
+    for drafts in ([([5, 6, 7], [-1, 0, 1]), ([], [])],  # odd sizes
+                   [(t.tokens, t.parents) for t in [trie([[1, 2, 3], [1, 5], [4]]),
+                                                     DraftTree.chain([3])]]):
+        rows = StepRows.build([0, 2, 1][:len(drafts)], [70, 5, 9][:len(drafts)],
+                              [1, 1, 1][:len(drafts)], DraftShape.of(drafts), "cpu")
+        parts = [rows.slot_index, rows.start_index, rows.tokens, rows.depths]
+        if rows.path is not None:
+            parts.append(rows.path)
+        assert all(p.data_ptr() % 16 == 0 for p in parts)
+        assert rows.slot_index.tolist() == [0, 2, 1][:len(drafts)]
+        assert rows.start_index.tolist() == [70, 5, 9][:len(drafts)]
+
+
+def test_a_padding_row_s_path_is_itself():
+    """A tree's padding row (past its row's nodes) reads its own key: path[t][0] = t."""
+    shape = DraftShape.of([([1, 2, 3], [-1, -1, 0]), ([4], [-1])])
+    rows = StepRows.build([0, 1], [10, 20], [7, 8], shape, "cpu", tree=True)
+    assert rows.path is not None
+    for t in (2, 3):  # row 1's rows past its one node
+        assert rows.path[1, t, 0] == t and rows.depths[1, t] == 0

@@ -8,10 +8,11 @@ every length).
 
 - ``"tiles"`` (the default): one program per (session, kv head, chunk of queries); its tile's
   rows are the queries' q heads that share the kv head (GQA), so each key and value block is
-  read once for up to ``BLOCK_M`` rows and both products run as ``tl.dot``. A tree's queries
-  whose paths differ need different keys in the same lanes: the program makes one pass per
-  distinct path (deepest query first; a chain needs one pass), each pass updating only the
-  rows whose path it covers.
+  read once for up to ``BLOCK_M`` rows and both products run as ``tl.dot``. The blocks of the
+  slot's prefix are read once for every row; from the block holding the step's first row on, a
+  tree's queries whose paths differ need different keys in the same lanes, so the program
+  makes one pass per distinct path there (deepest query first; a chain needs one pass), each
+  updating only the rows whose path it covers.
 - ``"rows"``: one program per (query, q head), keys summed elementwise in float32. Re-reads
   every key block for every query and head (the first GPU sitting's kernel; kept as the
   fallback where the tiles' probe fails, and for comparison).
@@ -35,6 +36,23 @@ from .fused_kernels import FusedStep, padded_rows
 
 ATTENTION_KERNELS = ("tiles", "rows")
 TILE_ROWS_MIN = 16  # tl.dot's smallest tile side
+
+
+@triton.jit
+def _attend_block(q, k, v, offs, n, active, acc, top, denom, scale, PREC: tl.constexpr):
+    """One block of keys k and values v [BLOCK_N, HD] at positions ``offs`` into the running
+    softmax (acc [BLOCK_M, HD], top, denom [BLOCK_M]) of the rows ``active``, each seeing its
+    positions < n; the other rows' state comes back as it was."""
+    scores = tl.dot(q, tl.trans(k), input_precision=PREC) * scale  # [BLOCK_M, BLOCK_N]
+    scores = tl.where(active[:, None] & (offs[None, :] < n[:, None]), scores, float("-inf"))
+    new_top = tl.where(active, tl.maximum(top, tl.max(scores, axis=1)), 0.0)
+    keep = tl.exp(tl.where(active, top, 0.0) - new_top)
+    p = tl.exp(scores - new_top[:, None])
+    pv = tl.dot(p.to(v.dtype), v, input_precision=PREC)  # [BLOCK_M, HD]
+    acc = tl.where(active[:, None], acc * keep[:, None] + pv, acc)
+    denom = tl.where(active, denom * keep + tl.sum(p, axis=1), denom)
+    top = tl.where(active, new_top, top)
+    return acc, top, denom
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -64,19 +82,27 @@ def _tile_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, start_ptr,
     acc = tl.zeros([BLOCK_M, HD], tl.float32)
     top = tl.full([BLOCK_M], float("-inf"), tl.float32)
     denom = tl.zeros([BLOCK_M], tl.float32)
+    # the blocks below the one holding ``start`` hold the slot's prefix alone: every row's,
+    # read once for all of them
+    shared = (start // BLOCK_N) * BLOCK_N
+    for block in range(0, shared, BLOCK_N):
+        offs = block + tl.arange(0, BLOCK_N)
+        k = tl.load(k_base + offs[:, None] * ks_pos + d[None, :])
+        v = tl.load(v_base + offs[:, None] * vs_pos + d[None, :])
+        acc, top, denom = _attend_block(q, k, v, offs, n, live, acc, top, denom, scale, PREC)
+    # from there on, one pass per distinct path, the deepest-numbered query first; a pass
+    # reads its keys along ref's path and updates the rows it covers: ref and its ancestors
     done = r < 0
-    for s in range(QPP):  # one pass per distinct path, the deepest-numbered query first
+    for s in range(QPP):
         ref = t0 + QPP - 1 - s
         has_ref = ref < T
         ref_row = b * T + ref
         ref_depth = tl.load(depth_ptr + ref_row, mask=has_ref, other=0)
-        # a query is covered by ref's path when it is ref or one of its ancestors
         at = tl.load(path_ptr + ref_row * T + depth, mask=live & has_ref & (depth <= ref_depth),
                      other=-1)
         cover = live & (~done) & (at == qt)
-        n_ref = tl.where(has_ref & (tl.max(cover.to(tl.int32), axis=0) > 0),
-                         start + ref_depth + 1, 0)
-        for block in range(0, n_ref, BLOCK_N):
+        n_ref = tl.max(tl.where(cover, n, 0), axis=0)  # 0: nothing left to cover here
+        for block in range(shared, n_ref, BLOCK_N):
             offs = block + tl.arange(0, BLOCK_N)
             have = offs < n_ref
             on_path = offs >= start
@@ -84,20 +110,11 @@ def _tile_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, start_ptr,
                                other=0)
             where = tl.where(on_path, start + step_row, offs)
             k = tl.load(k_base + where[:, None] * ks_pos + d[None, :], mask=have[:, None],
-                        other=0.0)  # [BLOCK_N, HD]
-            scores = tl.dot(q, tl.trans(k), input_precision=PREC) * scale  # [BLOCK_M, BLOCK_N]
-            active = cover & (block < n)  # rows this block reaches; the rest stay as they are
-            scores = tl.where(active[:, None] & (offs[None, :] < n[:, None]), scores,
-                              float("-inf"))
-            new_top = tl.where(active, tl.maximum(top, tl.max(scores, axis=1)), 0.0)
-            keep = tl.exp(tl.where(active, top, 0.0) - new_top)
-            p = tl.exp(scores - new_top[:, None])
+                        other=0.0)
             v = tl.load(v_base + where[:, None] * vs_pos + d[None, :], mask=have[:, None],
-                        other=0.0)  # [BLOCK_N, HD]
-            pv = tl.dot(p.to(v.dtype), v, input_precision=PREC)  # [BLOCK_M, HD]
-            acc = tl.where(active[:, None], acc * keep[:, None] + pv, acc)
-            denom = tl.where(active, denom * keep + tl.sum(p, axis=1), denom)
-            top = tl.where(active, new_top, top)
+                        other=0.0)
+            acc, top, denom = _attend_block(q, k, v, offs, n, cover & (block < n), acc, top,
+                                            denom, scale, PREC)
         done = done | cover
     out = acc / tl.where(live, denom, 1.0)[:, None]
     tl.store(out_ptr + row[:, None] * (NH * HD) + head[:, None] * HD + d[None, :],
@@ -146,6 +163,11 @@ def _row_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, start_ptr, 
              (acc / denom).to(out_ptr.dtype.element_ty))
 
 
+def supports_tiles(head_dim: int) -> bool:
+    """Whether the tiles kernel serves this head size (``tl.dot`` needs 16 and more)."""
+    return head_dim >= TILE_ROWS_MIN
+
+
 def tile_rows(n_heads: int, kv_heads: int) -> int:
     """Rows of the tiles kernel's tile for this head layout: q heads of one kv head, whole
     queries, at least ``TILE_ROWS_MIN``."""
@@ -156,16 +178,18 @@ def tile_rows(n_heads: int, kv_heads: int) -> int:
 def slot_attention(q: torch.Tensor, step: FusedStep, k_cache: torch.Tensor,
                    v_cache: torch.Tensor, n_heads: int, kv_heads: int, head_dim: int,
                    scale: float, out: torch.Tensor | None = None,
-                   kernel: str = "tiles") -> torch.Tensor:
+                   kernel: str = "tiles", warps: int | None = None) -> torch.Tensor:
     """Rotated queries [>=R, nh hd] (R = B T rows of ``step``) attend over their slots' keys
     k_cache / v_cache [slots, kvh, positions, >=hd] (written for this step already): row b's
     query t sees positions < start[b], then the rows path[b, t, 0..depth[b, t]] of its own
     step, stored at start[b] + that row. Returns [padded_rows(R), nh hd] (rows past R not
-    written). ``kernel``: one of ``ATTENTION_KERNELS``."""
+    written). ``kernel``: one of ``ATTENTION_KERNELS``; ``warps``: Triton's warps a program
+    (default 4 for heads of 128 and more, else 2; the sitting times others)."""
     R = step.rows
     if out is None:
         out = torch.empty(padded_rows(R), n_heads * head_dim, dtype=q.dtype, device=q.device)
     group = n_heads // kv_heads
+    warps = warps or (4 if head_dim >= 128 else 2)
     strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                v_cache.stride(0), v_cache.stride(1), v_cache.stride(2))
     args = (q, k_cache, v_cache, step.slots, step.starts, step.depth, step.path, step.width,
@@ -175,12 +199,10 @@ def slot_attention(q: torch.Tensor, step: FusedStep, k_cache: torch.Tensor,
         grid = (step.batch, kv_heads, triton.cdiv(step.width, block_m // group))
         _tile_attention_kernel[grid](
             *args, NH=n_heads, GROUP=group, HD=head_dim, BLOCK_M=block_m, BLOCK_N=KEY_BLOCK,
-            PREC="ieee" if q.dtype == torch.float32 else "tf32",
-            num_warps=4 if head_dim >= 128 else 2)
+            PREC="ieee" if q.dtype == torch.float32 else "tf32", num_warps=warps)
     elif kernel == "rows":
         _row_attention_kernel[(R, n_heads)](
-            *args, NH=n_heads, GROUP=group, HD=head_dim, BLOCK_N=KEY_BLOCK,
-            num_warps=4 if head_dim >= 128 else 2)
+            *args, NH=n_heads, GROUP=group, HD=head_dim, BLOCK_N=KEY_BLOCK, num_warps=warps)
     else:
         raise ValueError(f"attention kernel must be one of {ATTENTION_KERNELS}, not {kernel!r}")
     return out

@@ -204,23 +204,36 @@ def _paths(ancestors: np.ndarray, depths: np.ndarray) -> np.ndarray:
     B, T, _ = ancestors.shape
     path = np.zeros((B, T, T), dtype=np.int64)
     b, t, u = np.nonzero(ancestors)
-    path[b, t, depths[b, u]] = u
+    # a real row has one ancestor a depth; a padding row's depth-0 "ancestors" are the rows
+    # before it and itself: the largest, itself, is the one taken (in any order)
+    np.maximum.at(path, (b, t, depths[b, u]), u)
     return path
 
 
+ALIGN_BYTES = 16  # what Triton specialises a pointer on: every part starts at such a boundary
+
+
 def to_device(parts: list[torch.Tensor], device, dtype) -> list[torch.Tensor]:
-    """``parts`` moved to ``device`` in one copy, as views of one buffer, shapes kept (on CUDA
-    from pinned memory, without waiting: the stream orders the copy before the forward)."""
-    flat = torch.cat([p.reshape(-1).to(dtype) for p in parts])
+    """``parts`` moved to ``device`` in one copy, as views of one buffer, shapes kept, each at a
+    16-byte boundary (so a fused kernel reading one meets the same alignment, hence runs the
+    same binary, in every step; on CUDA from pinned memory, without waiting: the stream orders
+    the copy before the forward)."""
+    per = max(1, ALIGN_BYTES // torch.empty((), dtype=dtype).element_size())
+    pieces, offsets, at = [], [], 0
+    for p in parts:
+        n = p.numel()
+        pieces.append(p.reshape(-1).to(dtype))
+        pad = -n % per
+        if pad:
+            pieces.append(torch.zeros(pad, dtype=dtype))
+        offsets.append(at)
+        at += n + pad
+    flat = torch.cat(pieces)
     if torch.device(device).type == "cuda":
         flat = flat.pin_memory().to(device, non_blocking=True)
     else:
         flat = flat.to(device)
-    out, at = [], 0
-    for p in parts:
-        out.append(flat[at:at + p.numel()].view(p.shape))
-        at += p.numel()
-    return out
+    return [flat[o:o + p.numel()].view(p.shape) for o, p in zip(offsets, parts)]
 
 
 def _branch_tails(shape: DraftShape, ancestors: np.ndarray, starts: np.ndarray

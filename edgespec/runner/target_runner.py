@@ -164,8 +164,14 @@ class TargetRunner:
             self.fused = FusedLayers(self)
         # the fused attention kernel: the tiles where their probe proves them row-invariant
         # here (not cached: milliseconds on a GPU), else the one-query-a-program rows
-        self.attention = self._invariant_attention() if fused and exact else \
-            ("tiles" if fused else None)
+        self.attention: str | None = None
+        if share_weights is not None and share_weights.attention is not None:
+            self.attention = share_weights.attention
+        elif fused:
+            from .fused_attention import supports_tiles  # imports Triton
+
+            self.attention = self._invariant_attention() if exact else \
+                ("tiles" if supports_tiles(self.head_dim) else "rows")
         self.max_rows = max_rows or max(PREFILL_CHUNK, n_slots * MAX_QUERY)
         self.start_check_s: float | None = None
         if exact and self.device.type != "cuda":
@@ -256,13 +262,20 @@ class TargetRunner:
     def _invariant_attention(self) -> str:
         """The fused attention kernel this runner serves with: "tiles" where their probe gives
         every query the same bits alone, in a batch and as a tree node here, for this head
-        layout and dtype; else "rows" (slower: logged); ConfigError where neither holds."""
-        from .fused_attention import ATTENTION_KERNELS, probe_slot_attention
+        layout and dtype; else (a probe that differs, or a kernel that fails to build or run)
+        "rows", logged; ConfigError where neither holds."""
+        from .fused_attention import ATTENTION_KERNELS, probe_slot_attention, supports_tiles
 
         failures: list[str] = []
         for name in ATTENTION_KERNELS:
-            differs = probe_slot_attention(self.dtype, self.device, self.n_heads, self.kv_heads,
-                                           self.head_dim, kernel=name)
+            if name == "tiles" and not supports_tiles(self.head_dim):
+                failures.append(f"tiles: heads of {self.head_dim} are under 16")
+                continue
+            try:
+                differs = probe_slot_attention(self.dtype, self.device, self.n_heads,
+                                               self.kv_heads, self.head_dim, kernel=name)
+            except Exception as exc:  # a kernel that does not build or run here
+                differs = f"{type(exc).__name__}: {exc}"
             if differs is None:
                 if failures:
                     log.warning("the %s attention kernel is not batch-invariant on %s (%s): "
