@@ -146,10 +146,10 @@ def _tree_rows(parents_per_row, T):
 LAYOUTS = [(4, 2, 16), (6, 2, 16), (2, 2, 32), (8, 1, 16)]
 
 
-@pytest.mark.parametrize("kernel", fa.ATTENTION_KERNELS)
+@pytest.mark.parametrize("kernel,layout", [("tiles", x) for x in LAYOUTS]
+                         + [("rows", x) for x in LAYOUTS[:2]])  # rows: one program a head
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_slot_attention_reads_each_query_s_prefix_and_path(kernel, dtype, layout):
+def test_slot_attention_reads_each_query_s_prefix_and_path(kernel, layout, dtype):
     nh, kvh, hd = layout
     k_cache, v_cache = _cache(4, kvh, 256, hd, dtype, 5)
     T = 7  # more queries than one tile holds for every group but 1
