@@ -1,0 +1,56 @@
+"""The GPU sitting's report (``scripts/sitting_tables.py``): the attention and GEMM stages'
+figures reach ``sitting.md`` as the stages wrote them (the stages themselves run on the GPU
+machine, and on a CPU under ``--dry-run``: minutes, not in this suite)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+from sitting_tables import format_tables  # noqa: E402
+
+
+def _sitting(**stages) -> dict:
+    return {"gpu": "NVIDIA H200", "torch": "2.11", "triton": "3.5", "dtype": "bfloat16",
+            "command": "scripts/gpu_sitting.sh --out x", "mismatches": [], **stages}
+
+
+def _rows(md: str, first: str) -> list[list[str]]:
+    return [[c.strip() for c in line.strip("|").split("|")] for line in md.splitlines()
+            if line.startswith(f"| {first} |")]
+
+
+def test_the_attention_table_has_each_kernel_s_time_ratio_warps_and_probe():
+    attention = {"8b": {"layout": "32 q heads, 8 kv heads, head size 128",
+                        "probe": {"tiles": "invariant", "rows": "invariant"},
+                        "sizes": [{"sessions": 64, "tokens": 9, "tiles_ms": 0.61, "rows_ms": 24.4,
+                                   "ratio": 40.0, "max_abs_diff": 0.0039,
+                                   "tiles_ms_by_warps": {"1": 0.9, "2": 0.7, "4": 0.61,
+                                                         "8": 0.65}}]}}
+    md = format_tables(_sitting(attention=attention))
+    assert "| shape | sessions x tokens | tiles attention ms | rows attention ms | rows / tiles |" \
+        in md
+    [row] = _rows(md, "8b")
+    assert row[:5] == ["8b", "64 x 9", "0.61", "24.4", "40.0"]
+    assert row[6] == "0.9 / 0.7 / 0.61 / 0.65"
+    assert row[7] == "tiles: invariant, rows: invariant"
+
+
+def test_the_gemm_table_has_the_products_per_step_for_the_tiles_and_each_configuration():
+    gemm = {"135m": {"step_ms": {"1": {"tiles": 0.5, "64x128x64/w4s4": 0.6},
+                                 "576": {"tiles": 2.0, "64x128x64/w4s4": 1.1}},
+                     "invariant": {"64x128x64/w4s4": False}, "linears": []}}
+    md = format_tables(_sitting(gemm=gemm, mismatches=["135m qkv: other bits alone"]))
+    assert "| shape | rows | tiles ms | 64x128x64/w4s4 ms |" in md
+    rows = _rows(md, "135m")
+    assert rows[0] == ["135m", "1", "0.5", "0.6"]
+    assert rows[1] == ["135m", "576", "2.0", "1.1"]
+    assert rows[2] == ["135m", "row alone = in batch", "-", "False"]
+    assert "**Mismatches:** 135m qkv: other bits alone" in md
+
+
+def test_a_sitting_without_the_new_stages_still_renders():
+    md = format_tables(_sitting(tests={"rc": 0, "summary": "60 passed"}))
+    assert "attention ms" not in md and "tiles ms" not in md
+    assert "CUDA tests: 60 passed (rc 0)" in md
