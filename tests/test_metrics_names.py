@@ -256,3 +256,6 @@ def test_cuda_graph_state_is_exposed_and_rendered():
     failed = render(dict(base, runner={"device": "cuda", "kernels": "triton",
                                        "graph_buckets": 56, "graphs_failed": "OOM"}))
     assert "CUDA graphs FAILED (steps run eagerly): OOM" in failed
+    # the attention kernel the start probe left (the rows one where the tiles vary)
+    rows = render(dict(base, runner={"device": "cuda", "kernels": "triton", "attention": "rows"}))
+    assert "runner: triton kernels (rows attention) on cuda, no CUDA graphs" in rows
