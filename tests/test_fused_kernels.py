@@ -15,6 +15,7 @@ require_triton()
 from edgespec.runner import fused_attention as fa  # noqa: E402
 from edgespec.runner import fused_kernels as fk  # noqa: E402
 from edgespec.runner.fused_gemm import CANDIDATES  # noqa: E402
+from edgespec.runner.step_rows import DraftShape, StepRows  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.bfloat16]
@@ -125,20 +126,20 @@ def _attention_ref(q, k_cache, v_cache, slot, keys, group, scale):
     return (probs[:, None, :] @ v)[:, 0]
 
 
-def _tree_rows(parents_per_row, T):
-    """depth [B, T] and path [B, T, T] (long) of rows given as each node's parent (-1: none,
-    the root; a parent comes before its children)."""
-    B = len(parents_per_row)
-    depth = torch.zeros(B, T, dtype=torch.long)
-    path = torch.zeros(B, T, T, dtype=torch.long)
-    for b, parents in enumerate(parents_per_row):
-        for t in range(T):
-            chain = [t]
-            while parents[chain[0]] >= 0:
-                chain.insert(0, parents[chain[0]])
-            depth[b, t] = len(chain) - 1
-            path[b, t, :len(chain)] = torch.tensor(chain)
-    return depth.to(DEV), path.to(DEV)
+def _tree_step(slots, starts, parents_per_row):
+    """A fused step of trees built as the runner builds one (``StepRows``, then
+    ``FusedStep.of_tree_rows``), from each row's parent of every row (row 0 the root, -1)."""
+    drafts = [([0] * (len(p) - 1), [q - 1 for q in p[1:]]) for p in parents_per_row]
+    rows = StepRows.build(slots, starts, [0] * len(slots), DraftShape.of(drafts), DEV, tree=True)
+    return fk.FusedStep.of_tree_rows(rows)
+
+
+def _along(parents, t):
+    """The rows from the root down to row t (the reference: walked up its parents)."""
+    chain = [t]
+    while parents[chain[0]] >= 0:
+        chain.insert(0, parents[chain[0]])
+    return chain
 
 
 # (q heads, kv heads, head size): a group of 2 (8 queries a tile), 3 (5 a tile, one row of the
@@ -153,23 +154,22 @@ def test_slot_attention_reads_each_query_s_prefix_and_path(kernel, layout, dtype
     nh, kvh, hd = layout
     k_cache, v_cache = _cache(4, kvh, 256, hd, dtype, 5)
     T = 7  # more queries than one tile holds for every group but 1
-    slots = torch.tensor([2, 0, 3], device=DEV)
-    starts = torch.tensor([70, 5, 126], device=DEV)  # crossing key blocks
+    slots, starts = [2, 0, 3], [70, 5, 126]  # crossing key blocks
     # row 0: a tree of three leaves stored out of decoding order; row 1: a chain; row 2: a
     # root with six children
-    depth, path = _tree_rows([[-1, 0, 0, 1, 2, 3, 1], list(range(-1, T - 1)), [-1] + [0] * 6],
-                             T)
+    parents = [[-1, 0, 0, 1, 2, 3, 1], list(range(-1, T - 1)), [-1] + [0] * 6]
+    step = _tree_step(slots, starts, parents)
+    assert step.width == T
     B = len(slots)
     q = _rand(B * T, nh * hd, dtype=dtype, seed=7)
-    out = fa.slot_attention(q, fk.FusedStep(slots, starts, depth, path), k_cache, v_cache,
-                            nh, kvh, hd, 0.25, kernel=kernel)
+    out = fa.slot_attention(q, step, k_cache, v_cache, nh, kvh, hd, 0.25, kernel=kernel)
     assert out.shape == (fk.padded_rows(B * T), nh * hd)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     for b in range(B):
         for t in range(T):
-            st = int(starts[b])
-            keys = list(range(st)) + [st + int(path[b, t, d]) for d in range(int(depth[b, t]) + 1)]
-            ref = _attention_ref(q[b * T + t].view(nh, hd), k_cache, v_cache, int(slots[b]),
+            st = starts[b]
+            keys = list(range(st)) + [st + u for u in _along(parents[b], t)]
+            ref = _attention_ref(q[b * T + t].view(nh, hd), k_cache, v_cache, slots[b],
                                  torch.tensor(keys, device=DEV), nh // kvh, 0.25)
             torch.testing.assert_close(out[b * T + t].float().view(nh, hd), ref, rtol=tol,
                                        atol=tol)
@@ -198,11 +198,11 @@ def test_slot_attention_row_bits_do_not_depend_on_the_call(kernel, layout, tree_
             assert torch.equal(attend(q[b * T + t:b * T + t + 1], one)[0], many[b * T + t])
     # a tree whose nodes hang off different ancestors, each node against its chain (from a
     # root at 62, the chains of nodes two deep start in the next key block)
-    depth, path = _tree_rows([[-1, 0, 0, 2, 1, 3]], T)
-    tree = attend(q[:T], fk.FusedStep(slots[:1], starts[:1], depth, path))
-    st = int(starts[0])
+    parents = [-1, 0, 0, 2, 1, 3]
+    tree = attend(q[:T], _tree_step([0], [tree_at], [parents]))
+    st = tree_at
     for t in range(T):
-        along = path[0, t, :int(depth[0, t]) + 1].tolist()
+        along = _along(parents, t)
         chain_k, chain_v = k_cache.clone(), v_cache.clone()  # the chain's layout
         for i, node in enumerate(along):
             chain_k[0, :, st + i], chain_v[0, :, st + i] = k_cache[0, :, st + node], \

@@ -33,6 +33,7 @@ import triton.language as tl
 
 from .attention import KEY_BLOCK
 from .fused_kernels import FusedStep, padded_rows
+from .step_rows import DraftShape, StepRows
 
 ATTENTION_KERNELS = ("tiles", "rows")
 TILE_ROWS_MIN = 16  # tl.dot's smallest tile side
@@ -237,18 +238,13 @@ def probe_slot_attention(dtype: torch.dtype, device: str | torch.device, n_heads
                 return (f"query {t} of a session at {int(starts[b])} keys differs alone and "
                         f"among {B} sessions of {T}")
     # a tree in session 2 (its root block ends two keys in): root, two children, a grandchild
-    parents = [-1, 0, 0, 2, 1]
-    depth = torch.zeros(1, T, dtype=torch.long)
-    path = torch.zeros(1, T, T, dtype=torch.long)
-    for t, p in enumerate(parents):
-        chain = [t]
-        while parents[chain[0]] >= 0:
-            chain.insert(0, parents[chain[0]])
-        depth[0, t] = len(chain) - 1
-        path[0, t, :len(chain)] = torch.tensor(chain)
-    tree = attend(q[:T], FusedStep(slots[2:], starts[2:], depth.to(device), path.to(device)),
-                  k_cache, v_cache)
+    # of each, built as a step's rows are (``StepRows``: depths and paths on the host)
     st = int(starts[2])
+    rows = StepRows.build([2], [st], [0], DraftShape.of([([0] * (T - 1), [-1, -1, 1, 0])]),
+                          device, tree=True)
+    step = FusedStep.of_tree_rows(rows)
+    tree = attend(q[:T], step, k_cache, v_cache)
+    depth, path = step.depth.cpu(), step.path.cpu()
     for t in range(T):
         k_chain, v_chain = k_cache.clone(), v_cache.clone()  # the chain's layout
         along = path[0, t, :int(depth[0, t]) + 1].tolist()

@@ -82,10 +82,3 @@ class FusedLayers:
         tapped = kept[0].view(B, T, -1) if kept else None
         return Scored(logits, feats[:R].view(B, T, -1), tapped)
 
-
-def tree_step(rows: Any) -> FusedStep:
-    """A ``StepRows`` of trees: depth and path from the rows (built on the host)."""
-    assert rows.path is not None, "a tree step carries its paths"
-    T = rows.width
-    return FusedStep(rows.slot_index, rows.start_index, rows.depths[:, :T].contiguous(),
-                     rows.path)

@@ -22,6 +22,8 @@ they run on CPU tensors (tests).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
@@ -169,6 +171,14 @@ class FusedStep:
     @property
     def rows(self) -> int:
         return self.batch * self.width
+
+    @classmethod
+    def of_tree_rows(cls, rows: Any) -> "FusedStep":
+        """A ``StepRows`` of trees: depth and path as the rows built them (on the host, once)."""
+        assert rows.path is not None, "a tree step carries its paths"
+        T = rows.width
+        return cls(rows.slot_index, rows.start_index, rows.depths[:, :T].contiguous(),
+                   rows.path)
 
     @classmethod
     def chains(cls, slots: torch.Tensor, starts: torch.Tensor, width: int) -> "FusedStep":

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from .step_rows import Scored, StepHost, StepRows
+from .step_rows import Scored, StepHost, StepRows, aligned_length
 
 if TYPE_CHECKING:
     from .fused_kernels import FusedStep
@@ -46,9 +46,9 @@ TOKEN_BUCKETS = (1, 2, 4, 5, 8, 9, 12, 16)
 
 
 def _aligned(Bb: int, Tb: int) -> tuple[int, ...]:
-    """The flat input buffer's segments for bucket (Bb, Tb), each a whole number of 16-byte
-    pairs, so every view starts aligned (Triton compiles one variant per alignment)."""
-    return tuple(n + n % 2 for n in (Bb * Tb, Bb, Bb, Bb * Tb, Bb * Tb * Tb))
+    """The flat input buffer's segments (int64) for bucket (Bb, Tb), each a whole number of
+    16 bytes, so every view starts aligned (Triton compiles one variant per alignment)."""
+    return tuple(aligned_length(n) for n in (Bb * Tb, Bb, Bb, Bb * Tb, Bb * Tb * Tb))
 
 
 def bucket_of(n: int, buckets: tuple[int, ...]) -> int | None:

@@ -213,21 +213,28 @@ def _paths(ancestors: np.ndarray, depths: np.ndarray) -> np.ndarray:
 ALIGN_BYTES = 16  # what Triton specialises a pointer on: every part starts at such a boundary
 
 
+def aligned_length(n: int, itemsize: int = 8) -> int:
+    """n elements of ``itemsize`` bytes rounded up to whole ``ALIGN_BYTES``: the room a part
+    takes in a flat buffer whose parts all start aligned."""
+    per = max(1, ALIGN_BYTES // itemsize)
+    return n + -n % per
+
+
 def to_device(parts: list[torch.Tensor], device, dtype) -> list[torch.Tensor]:
     """``parts`` moved to ``device`` in one copy, as views of one buffer, shapes kept, each at a
     16-byte boundary (so a fused kernel reading one meets the same alignment, hence runs the
     same binary, in every step; on CUDA from pinned memory, without waiting: the stream orders
     the copy before the forward)."""
-    per = max(1, ALIGN_BYTES // torch.empty((), dtype=dtype).element_size())
+    itemsize = torch.empty((), dtype=dtype).element_size()
     pieces, offsets, at = [], [], 0
     for p in parts:
         n = p.numel()
         pieces.append(p.reshape(-1).to(dtype))
-        pad = -n % per
-        if pad:
-            pieces.append(torch.zeros(pad, dtype=dtype))
+        room = aligned_length(n, itemsize)
+        if room > n:
+            pieces.append(torch.zeros(room - n, dtype=dtype))
         offsets.append(at)
-        at += n + pad
+        at += room
     flat = torch.cat(pieces)
     if torch.device(device).type == "cuda":
         flat = flat.pin_memory().to(device, non_blocking=True)

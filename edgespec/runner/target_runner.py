@@ -509,9 +509,9 @@ class TargetRunner:
         taps = () if tap is None else (self.tap_layers(tap),)
         start_t = rows.start_index
         if self.fused is not None:
-            from .fused_forward import tree_step
+            from .fused_kernels import FusedStep
 
-            step = tree_step(rows) if rows.tree else \
+            step = FusedStep.of_tree_rows(rows) if rows.tree else \
                 self._chain_step(rows.slots, start_t, T, rows.slot_index)
             return self.fused.scored(rows.tokens, step, taps[0] if taps else None)
         if not rows.tree:
