@@ -128,10 +128,9 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def runner_for(s: Sitting, model, n_slots: int, max_len: int, graphs: bool,
-               gemm: str = "tiles") -> TargetRunner:
+def runner_for(s: Sitting, model, n_slots: int, max_len: int, graphs: bool) -> TargetRunner:
     return TargetRunner(model, n_slots=n_slots, max_len=max_len, kernels="triton",
-                        graphs=graphs, gemm=gemm)
+                        graphs=graphs)
 
 
 def alone_equal(runner: TargetRunner, rows: StepRows, T: int) -> bool:
@@ -230,7 +229,6 @@ def stage_graphs(s: Sitting, shape: str, model) -> None:
     time_against_eager(s, shape, graphed, eager, sizes, repeat)
     del graphed, eager
     free_device_memory(s.device)
-    # the Triton GEMM's configurations are measured product by product (``sitting_gemm``)
 
 
 def time_against_eager(s: Sitting, shape: str, graphed: TargetRunner, eager: TargetRunner,
