@@ -86,12 +86,11 @@ def test_ragged_chains_have_the_bits_of_one_at_a_time(small):
         assert torch.equal(alone.features[0, :n], together.features[b, :n])
 
 
-@pytest.mark.parametrize("attention", fused_attention.ATTENTION_KERNELS)
-def test_a_tree_node_has_the_bits_of_its_chain(small, attention):
+def test_a_tree_node_has_the_bits_of_its_chain(small):
     """Node 2 hangs from node 0 (a branch stored out of decoding order): its logits are those
-    of the chain root, node 0, node 2 verified as a chain."""
+    of the chain root, node 0, node 2 verified as a chain (the rows kernel's tree nodes:
+    test_fused_kernels, bit for bit against their chains)."""
     runner = _fused(small.model)
-    runner.attention = attention
     rng = random.Random(2)
     _prefill(runner, 1, rng, 61)  # the root's position crosses into the next key block
     start = runner.cache.lengths[1]
@@ -148,6 +147,7 @@ def test_a_step_past_the_buckets_runs_eagerly_with_the_same_kernels(small):
 def test_the_start_check_covers_the_fused_kernels(small, monkeypatch):
     runner = _fused(small.model, n_slots=1, exact=True, max_rows=8)
     assert runner.start_check_s is not None
+    assert runner.attention == "tiles"  # the tiles' probe passed here
     real = fused_kernels.add_rms_norm
 
     def norm_by_rows(x, delta, weight, eps, out=None):
@@ -193,12 +193,6 @@ def test_a_tiles_kernel_that_does_not_run_here_leaves_the_rows_kernel(small, mon
     assert "RuntimeError: out of resources" in caplog.text
 
 
-@pytest.mark.parametrize("kernel", fused_attention.ATTENTION_KERNELS)
-def test_the_attention_probe_passes_here(kernel):
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtypes = (torch.float32, torch.bfloat16) if torch.cuda.is_available() else (torch.float32,)
-    for dtype in dtypes:  # (bfloat16 under the interpreter: the kernels' own tests)
-        assert fused_attention.probe_slot_attention(dtype, device, 4, 2, 16, kernel) is None
 
 
 @pytest.mark.parametrize("graphs", [False, True])
