@@ -78,12 +78,14 @@ class DrafterAgent:
                  tls_ca: str | None = None, tls: bool = False, max_sessions: int = 8,
                  backoff_max_s: float = 10.0, tls_cert: str | None = None,
                  tls_key: str | None = None, metrics: DrafterMetrics | None = None,
-                 tree_width: int = 1):
+                 tree_width: int = 1, pace: bool = True):
         """``token``: the shared token, or this device's own token when the cache has
         per-device credentials. ``tls_cert``/``tls_key``: this device's client certificate
         (mutual TLS). ``metrics``: where to count chunks, fixes and link round trips (None:
         not counted). ``tree_width`` > 1: send tree chunks, the drafter's chain with up to
-        tree_width - 1 branches (the verifier verifies them within its batch budget)."""
+        tree_width - 1 branches (the verifier verifies them within its batch budget). ``pace``
+        False: chunks of ``chunk`` tokens always (else sized to land within the verifier's
+        step: ``edgespec.drafters.chunk_pace``)."""
         check_address(cache, "--cache")
         self.cache, self.device_id, self.drafter = cache, check_device_id(device_id), drafter
         if bool(tls_cert) != bool(tls_key):
@@ -98,7 +100,9 @@ class DrafterAgent:
         if not 1 <= tree_width <= 16:
             raise ConfigError(f"tree_width must be in [1, 16], got {tree_width}")
         self.tree_width = tree_width
-        self.book = DraftBook()  # the sessions drafted for, guarded by cond
+        self.book = DraftBook(pace=pace)  # the sessions drafted for, guarded by cond
+        if metrics is not None:
+            metrics.watch(self.book)
         self.cond = threading.Condition()
         self.stopping = threading.Event()
         self.connected = threading.Event()

@@ -9,6 +9,17 @@ than OK; ``code``: the gRPC status code name);
 ``edgespec:drafter_link_rtt_seconds`` (histogram: from queuing a chunk on the Attach stream to
 receiving its ChunkAck, matched by (session id, start)).
 
+The drafting loop's own counts (``edgespec.drafters.chunk_pace.LoopCounts``, read at scrape
+time): ``edgespec:drafter_chunks_drafted_total`` (drafting jobs that drafted a token),
+``edgespec:drafter_chunks_dropped_total{reason}`` (drafted chunks never sent: ``disagreed``, a
+fix threw their tokens away; ``closed``, the session ended meanwhile; ``failed``),
+``edgespec:drafter_chunks_resent_total`` (chunks of tokens a fix agreed with, sent again at the
+fix's end), ``edgespec:drafter_tokens_kept_total`` (drafted tokens a fix agreed with: kept, not
+drafted again), ``edgespec:drafter_tokens_discarded_total`` (drafted tokens not yet in the cache
+a fix disagreed with); gauges ``edgespec:drafter_verifier_step_seconds`` (the step interval the
+loop sees in the commits) and ``edgespec:drafter_seconds_per_token`` (its drafting speed), which
+size its chunks.
+
 A drafter process is one device, so its series carry no device label: Prometheus adds
 ``instance`` (and the scrape config may add ``device``). Session ids are never labels.
 """
@@ -21,6 +32,12 @@ from collections import deque
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from edgespec.drafters.drafting_loop import DraftBook
+
+DROP_REASONS = ("disagreed", "closed", "failed")
 
 RTT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.2, 2.5, 5.0,
                10.0)
@@ -47,6 +64,12 @@ class DrafterMetrics:
         self._lock = threading.Lock()
         self._pending: dict[tuple[str, int], deque[float]] = {}  # (session, start) -> times
         self._n_pending = 0
+        self.loop = _LoopCollector()
+        registry.register(self.loop)
+
+    def watch(self, book: DraftBook) -> None:
+        """Read this drafting loop's counts at scrape time."""
+        self.loop.book = book
 
     # -- hooks the agent calls --------------------------------------------------------------------
     def chunk_sent(self, session_id: str, start: int, tokens: int) -> None:
@@ -84,3 +107,42 @@ class DrafterMetrics:
         with self._lock:
             self._pending.clear()
             self._n_pending = 0
+
+
+class _LoopCollector(Collector):
+    """The drafting loop's counters and pace, read from its book at scrape time (plain ints
+    and floats: a read racing the loop is at most one update behind)."""
+
+    def __init__(self) -> None:
+        self.book: DraftBook | None = None
+
+    def describe(self):
+        return []  # names are checked when collected
+
+    def collect(self):
+        book = self.book
+        if book is None:
+            return
+        c = book.counts
+        for name, text, v in [
+                ("chunks_drafted", "Drafting jobs that drafted at least one token",
+                 c.chunks_drafted),
+                ("chunks_resent", "Chunks of drafted tokens a fix agreed with, sent again",
+                 c.chunks_resent),
+                ("tokens_kept", "Drafted tokens a fix agreed with (kept, not drafted again)",
+                 c.tokens_kept),
+                ("tokens_discarded", "Drafted tokens not yet in the cache a fix disagreed with",
+                 c.tokens_discarded)]:
+            yield CounterMetricFamily(f"edgespec:drafter_{name}", text, value=v)
+        dropped = CounterMetricFamily("edgespec:drafter_chunks_dropped",
+                                      "Drafted chunks never sent, by why", labels=["reason"])
+        for reason in DROP_REASONS:
+            dropped.add_metric([reason], c.dropped.get(reason, 0))
+        yield dropped
+        pace = book.pace
+        yield GaugeMetricFamily("edgespec:drafter_verifier_step_seconds",
+                                "The verifier's step interval as the commits show it",
+                                value=pace.step_s or 0.0)
+        yield GaugeMetricFamily("edgespec:drafter_seconds_per_token",
+                                "Seconds this drafter takes per drafted token",
+                                value=pace.token_s or 0.0)

@@ -186,7 +186,8 @@ def cmd_drafter(args) -> int:
     agent = DrafterAgent(args.cache, args.device_id, drafter, fingerprint, args.window,
                          args.chunk, args.auth_token or os.environ.get("EDGESPEC_AUTH_TOKEN"),
                          args.tls_ca, args.tls, args.max_sessions, tls_cert=args.tls_cert,
-                         tls_key=args.tls_key, metrics=metrics, tree_width=args.tree_width)
+                         tls_key=args.tls_key, metrics=metrics, tree_width=args.tree_width,
+                         pace=not args.no_pace)
     print(f"edgespec: drafter {args.device_id} ({drafter.name}) attaching to {args.cache}",
           file=sys.stderr, flush=True)
     signal.signal(signal.SIGTERM, lambda *_: agent.stop())  # stop cleanly: exit 0
@@ -219,7 +220,11 @@ def add_cluster_commands(sub) -> None:
     d.add_argument("--window", metavar="W", type=int, default=None,
                    help="tokens drafted beyond the committed position, W (default: the cache's)")
     d.add_argument("--chunk", metavar="C", type=int, default=None,
-                   help="tokens per chunk, c (default: the cache's)")
+                   help="most tokens per chunk, c (default: the cache's)")
+    d.add_argument("--no-pace", action="store_true",
+                   help="draft chunks of c tokens always; by default a drafter slower than the "
+                        "verifier's step drafts shorter chunks, sized from the step interval "
+                        "and its own speed so that each lands before the next step")
     d.add_argument("--max-sessions", type=int, default=8,
                    help="sessions this device drafts for at once (default: %(default)s)")
     d.add_argument("--max-context", type=int, default=EngineConfig().max_context,

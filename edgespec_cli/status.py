@@ -75,11 +75,19 @@ def _graphs(r: dict) -> str:
 
 
 def _link(d: dict) -> str:
-    """A drafter's link as the verifier's steps saw it: late (not waited for) or ok, and the
-    deadlines its drafts missed (int64 fields arrive as strings in the dict)."""
+    """A drafter's link as the verifier's steps saw it: late (not waited for) or ok, the
+    deadlines its drafts missed, and of its sessions' steps those whose draft was ready and
+    those that verified a draft (int64 fields arrive as strings in the dict)."""
     missed = int(d.get("drafts_missed") or 0)
     state = "LATE (not waited for)" if d.get("late") else "ok"
-    return f"{state}, {missed} deadlines missed" if missed else state
+    out = f"{state}, {missed} deadlines missed" if missed else state
+    steps = int(d.get("session_steps") or 0)
+    if steps:
+        ready, verified = int(d.get("ready_drafts") or 0), int(d.get("verified_drafts") or 0)
+        out += (f"; drafts ready in {ready}/{steps} session steps "
+                f"({100 * ready / steps:.0f}%), verified in {verified} "
+                f"({100 * verified / steps:.0f}%)")
+    return out
 
 
 def cmd_status(args: argparse.Namespace) -> int:

@@ -1,8 +1,10 @@
 """The one drafting loop (``edgespec.drafters.drafting_loop``) with a drafter that blocks in the
-middle of a proposal: the lock is free meanwhile (a fix is recorded while the drafter works), the
-chunk drafted before the fix is dropped as stale and the fix applied before the next chunk, a
-session closed while busy is closed once, by the loop's own thread, and a drafter that fails costs
-its session its drafts and nothing else."""
+middle of a proposal: the lock is free meanwhile (a fix is recorded while the drafter works); a
+chunk a fix overtook is judged by it: thrown away where the fix disagrees, kept and sent again at
+the fix's end where it agrees (the step decoded the chunk's first token, or the verifier's bonus
+token was the board's next one); a session closed while busy is closed once, by the loop's own
+thread; a drafter that fails costs its session its drafts and nothing else; chunks are sized
+(``ChunkPace``) to land within the verifier's step."""
 
 from __future__ import annotations
 
@@ -12,7 +14,8 @@ import pytest
 
 from edgespec.config import SamplingParams
 from edgespec.drafters import Draft, Drafter, DraftSession
-from edgespec.drafters.drafting_loop import DraftBook, run_drafting
+from edgespec.drafters.chunk_pace import ChunkPace
+from edgespec.drafters.drafting_loop import DraftBook, apply_fix, run_drafting
 
 WAIT_S = 60
 
@@ -110,6 +113,8 @@ def test_a_fix_arrives_while_the_drafter_works_and_its_stale_chunk_is_dropped(lo
     _eventually(lambda: channel.delivered, "a chunk after the fix", channel)
     assert channel.delivered[0] == ("s", 1, 4, [10, 11, 12, 13])  # none at epoch 0
     assert drafter.sessions[0].tokens[:5] == [1, 2, 3, 9, 10]
+    assert book.counts.dropped["disagreed"] == 1 and book.counts.tokens_discarded == 4
+    assert book.counts.tokens_kept == 0
 
 
 def test_a_session_closed_while_busy_is_closed_once_by_the_loop(loop):
@@ -142,3 +147,155 @@ def test_a_failing_drafter_costs_its_session_its_drafts_only(loop):
     _eventually(lambda: channel.delivered, "drafts for the next session", channel)
     assert channel.delivered[0] == ("good", 0, 2, [7, 8, 9, 10])
     assert book.targets["bad"].refused and len(drafter.closed_by) == 1
+
+
+class Permits:
+    """A gate that lets one proposal through per ``release``."""
+
+    def __init__(self):
+        self.sem = threading.Semaphore(0)
+
+    def wait(self, timeout) -> bool:
+        return self.sem.acquire(timeout=timeout)
+
+    def release(self) -> None:
+        self.sem.release()
+
+    def set(self) -> None:  # the fixture's teardown: let everything through
+        self.sem.release(1000)
+
+
+@pytest.fixture()
+def stepped(loop):
+    """The loop, its drafter let through one proposal at a time (``entered`` counts entries)."""
+    drafter = loop[0]
+    drafter.gate, drafter.entered = Permits(), Permits()
+    return loop
+
+
+def _fix(channel, book, sid, epoch, position, tokens) -> None:
+    with channel.cond:
+        book.fix(sid, epoch, position, tokens)
+        channel.cond.notify_all()
+
+
+def test_a_fix_that_agrees_with_the_chunk_in_flight_keeps_the_rest_and_sends_it_again(stepped):
+    drafter, channel, book, _ = stepped
+    with channel.cond:
+        book.assign("s", [1, 2, 3], SamplingParams(), 0)
+        channel.cond.notify_all()
+    assert drafter.entered.wait(WAIT_S)  # drafting [4, 5, 6, 7] at 3
+    _fix(channel, book, "s", 1, 3, (4,))  # a step decoded 4 without a draft
+    drafter.gate.release()
+    _eventually(lambda: channel.delivered, "the kept tokens sent again", channel)
+    assert channel.delivered[0] == ("s", 1, 4, [5, 6, 7])  # at the fix's end, its epoch
+    assert drafter.entered.wait(WAIT_S)  # then drafting on after 7: nothing rolled back
+    assert drafter.sessions[0].tokens == [1, 2, 3, 4, 5, 6, 7]
+    with channel.cond:
+        assert (book.counts.tokens_kept, book.counts.chunks_resent) == (3, 1)
+        assert not book.counts.dropped
+
+
+def test_a_bonus_token_the_board_drafted_keeps_the_rest_of_its_draft(stepped):
+    drafter, channel, book, _ = stepped
+    with channel.cond:
+        book.assign("s", [1, 2, 3], SamplingParams(), 0)
+        channel.cond.notify_all()
+    drafter.gate.release()
+    _eventually(lambda: channel.delivered, "the first chunk", channel)
+    assert channel.delivered[0] == ("s", 0, 3, [4, 5, 6, 7])
+    assert drafter.entered.wait(WAIT_S) and drafter.entered.wait(WAIT_S)  # drafting at 7
+    _fix(channel, book, "s", 1, 7, (8,))  # all four accepted, and the verifier's bonus 8
+    drafter.gate.release()
+    _eventually(lambda: len(channel.delivered) == 2, "the rest after the bonus", channel)
+    assert channel.delivered[1] == ("s", 1, 8, [9, 10, 11])
+
+
+def test_a_disagreeing_fix_after_an_agreeing_one_drops_what_was_held(stepped):
+    drafter, channel, book, _ = stepped
+    with channel.cond:
+        book.assign("s", [1, 2, 3], SamplingParams(), 0)
+        channel.cond.notify_all()
+    assert drafter.entered.wait(WAIT_S)  # drafting [4, 5, 6, 7] at 3
+    _fix(channel, book, "s", 1, 3, (4,))  # agrees: 5, 6, 7 kept ...
+    _fix(channel, book, "s", 2, 4, (50,))  # ... until the next step's token is not 5
+    drafter.gate.release()
+    assert drafter.entered.wait(WAIT_S)  # drafting on from the fixes
+    drafter.gate.release()
+    _eventually(lambda: channel.delivered, "a chunk after both fixes", channel)
+    assert channel.delivered[0] == ("s", 2, 5, [51, 52, 53, 54])
+    assert drafter.sessions[0].tokens[:6] == [1, 2, 3, 4, 50, 51]
+    with channel.cond:
+        assert book.counts.tokens_discarded == 3 and book.counts.dropped["disagreed"] == 1
+
+
+class ListSession(DraftSession):
+    """A draft session that only records its rollbacks."""
+
+    def __init__(self, tokens):
+        super().__init__(tokens, SamplingParams())
+        self.rollbacks: list[int] = []
+
+    def propose(self, k: int) -> Draft:
+        return Draft()
+
+    def rollback(self, length: int) -> None:
+        self.rollbacks.append(length)
+        super().rollback(length)
+
+
+@pytest.mark.parametrize("position, tokens, kept, after, rollbacks", [
+    (4, (5, 6), 1, [1, 2, 3, 4, 5, 6, 7], []),  # a branch + token the draft held
+    (4, (5, 9), 0, [1, 2, 3, 4, 5, 9], [5]),  # rolled back from the first that differs
+    (3, (9,), 0, [1, 2, 3, 9], [3]),
+    (7, (8,), 0, [1, 2, 3, 4, 5, 6, 7, 8], [7]),  # at the end: nothing to keep
+    (6, (7,), 0, [1, 2, 3, 4, 5, 6, 7], []),  # agrees up to the end: nothing beyond it
+])
+def test_apply_fix_rolls_back_only_from_the_first_token_that_differs(position, tokens, kept,
+                                                                     after, rollbacks):
+    s = ListSession([1, 2, 3, 4, 5, 6, 7])
+    assert apply_fix(s, position, tokens) == kept
+    assert (s.tokens, s.rollbacks) == (after, rollbacks)
+
+
+def test_apply_fix_beyond_the_draft_raises():
+    with pytest.raises(ValueError):
+        apply_fix(ListSession([1, 2, 3]), 5, (9,))
+
+
+def test_a_paced_loop_drafts_chunks_that_fit_the_verifiers_step(loop):
+    drafter, channel, book, _ = loop
+    with channel.cond:
+        for _ in range(8):  # 20 ms a token, a step every 30 ms: one token a chunk lands
+            book.pace.drafted(0.04, 2)
+            book.pace.drafted(0.08, 4)
+        book.pace.step_seen(0.03)
+        book.assign("s", [1, 2, 3], SamplingParams(), 0)
+        channel.cond.notify_all()
+    drafter.gate.set()
+    _eventually(lambda: channel.delivered, "a chunk", channel)
+    assert channel.delivered[0] == ("s", 0, 3, [4])
+
+
+def _paced(cost, step_s, most=4, sessions=1, jobs=30) -> list[int]:
+    pace = ChunkPace()
+    pace.step_seen(step_s)
+    sizes = []
+    for _ in range(jobs):
+        n = pace.chunk(most, sessions)
+        sizes.append(n)
+        pace.drafted(cost(n), n)
+    return sizes
+
+
+def test_chunk_pace_fits_a_per_token_drafter_into_the_step():
+    assert _paced(lambda n: 0.03 * n, 0.1)[-10:] == [2] * 10  # 0.07 s of the step: 2 tokens
+    assert _paced(lambda n: 0.02 + 0.02 * n, 0.1)[-10:] == [2] * 10  # fixed + per token
+    assert _paced(lambda n: 0.01 * n, 0.1, sessions=2)[-10:] == [3] * 10  # two share a step
+
+
+def test_chunk_pace_keeps_full_chunks_when_none_would_land_or_all_do():
+    assert _paced(lambda n: 1e-5 * n, 0.01)[-10:] == [4] * 10  # a fast drafter (MaG)
+    assert _paced(lambda n: 0.2 * n, 0.1) == [4] * 30  # slower per token than the verifier
+    assert _paced(lambda n: 0.1, 0.1)[-10:] == [4] * 10  # fixed per chunk: size buys nothing
+    assert ChunkPace().chunk(4, 1) == 4  # nothing seen yet

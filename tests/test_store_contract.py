@@ -140,6 +140,21 @@ def test_after_a_fix_only_the_new_epoch_is_accepted(side):
     assert _take(side).tokens == [8]
 
 
+def test_a_chunk_a_step_overtook_is_placed_only_trimmed_at_the_fix_under_its_epoch(side):
+    """What a board does when a step decoded its chunk's first token without it: the chunk as
+    drafted is stale, its tokens after the fix's are placed at the fix's end."""
+    _new(side)
+    [out] = _commit(side, Verdict("s", 0, 3, 0, 4))  # no draft: 4 decoded, a fix at 3
+    assert out.fix is not None and (out.fix.epoch, out.fix.position) == (1, 3)
+    with pytest.raises(Refused):
+        side.push("s", 0, 3, [4, 5, 6])  # the chunk as drafted
+    with pytest.raises(Refused):
+        side.push("s", 1, 3, [4, 5, 6])  # under the new epoch, but over a committed token
+    assert side.push("s", 1, 4, [5, 6]) == 2
+    t = _take(side)
+    assert (t.epoch, t.start, t.tokens) == (1, 4, [5, 6])
+
+
 def test_a_finished_session_refuses_chunks(side):
     _new(side)
     [out] = _commit(side, Verdict("s", 0, 3, 0, 4, finish_reason="stop"))

@@ -14,7 +14,9 @@ histograms: ``edgespec:time_to_first_token_seconds``, ``edgespec:inter_token_lat
 Gauges read at scrape time: ``edgespec:num_requests_running``, ``edgespec:num_requests_waiting``,
 ``edgespec:kv_slots_free``. Drafters' link health, per device (``edgespec.engine.lateness``):
 ``edgespec:drafter_late{device}``, ``edgespec:drafter_missed_deadline_total{device}``,
-``edgespec:drafter_unwaited_steps_total{device}``, ``edgespec:drafter_marked_late_total{device}``;
+``edgespec:drafter_unwaited_steps_total{device}``, ``edgespec:drafter_marked_late_total{device}``,
+and per session and step ``edgespec:drafter_session_steps_total{device}``,
+``edgespec:drafter_ready_drafts_total{device}``, ``edgespec:drafter_verified_drafts_total{device}``;
 ``edgespec:request_refused_deadline_total``: new calls refused for their deadline (``pace``).
 CUDA graphs (``edgespec.runner.step_graphs``, a GPU verifier): ``edgespec:cuda_graph_buckets``,
 ``edgespec:cuda_graphs_captured``, ``edgespec:cuda_graphs_failed`` (1: steps run eagerly) and
@@ -286,7 +288,10 @@ class _LinkCollector(Collector):
     """Per drafter, from the verifier's steps: ``edgespec:drafter_late{device}`` (1 while its
     sessions are not waited for), ``edgespec:drafter_missed_deadline_total{device}`` (steps its
     drafts were not ready when taken), ``edgespec:drafter_unwaited_steps_total{device}`` and
-    ``edgespec:drafter_marked_late_total{device}``."""
+    ``edgespec:drafter_marked_late_total{device}``; per session and step,
+    ``edgespec:drafter_session_steps_total{device}``,
+    ``edgespec:drafter_ready_drafts_total{device}`` (its draft was ready when taken) and
+    ``edgespec:drafter_verified_drafts_total{device}`` (its draft held tokens)."""
 
     def __init__(self, snapshot):
         self.snapshot = snapshot
@@ -303,7 +308,13 @@ class _LinkCollector(Collector):
                         ("drafter_unwaited_steps", "Steps that verified this drafter's "
                          "sessions without waiting for its drafts", "unwaited"),
                         ("drafter_marked_late", "Times this drafter was found late",
-                         "marked_late"))]
+                         "marked_late"),
+                        ("drafter_session_steps", "Sessions of this drafter's verified in "
+                         "steps (one a session and step)", "session_steps"),
+                        ("drafter_ready_drafts", "Session steps whose draft from this "
+                         "drafter was ready when taken", "ready_drafts"),
+                        ("drafter_verified_drafts", "Session steps that verified a draft "
+                         "from this drafter (it held tokens)", "verified_drafts"))]
         for device, link in list(links.items())[:MAX_DEVICES]:
             late.add_metric([device], 1.0 if link.late else 0.0)
             for family, attr in counters:

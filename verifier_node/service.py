@@ -168,7 +168,10 @@ class VerifierService(pb_grpc.VerifierServicer):
                 sessions=d.sessions, max_sessions=d.max_sessions, acceptance_rate=rate,
                 mean_acceptance_length=length, last_seen_s=d.last_seen_s,
                 late=bool(link and link.late), drafts_missed=link.missed if link else 0,
-                steps_unwaited=link.unwaited if link else 0))
+                steps_unwaited=link.unwaited if link else 0,
+                session_steps=link.session_steps if link else 0,
+                ready_drafts=link.ready_drafts if link else 0,
+                verified_drafts=link.verified_drafts if link else 0))
         return pb.StatusResponse(
             model=self.model_name, version=__version__, drafters=drafters,
             active_sessions=active, queued_sessions=queued, free_kv_slots=sched.engine.free_slots,

@@ -5,12 +5,25 @@ session store, or the draft cache's Attach stream.
 The loop keeps a ``DraftTarget`` per session it drafts for, in a ``DraftBook`` guarded by the
 channel's lock. The transport records what happens to the sessions (a new one, the verifier's
 commits and fixes, a close) in the book, under that lock. Round by round the loop, under the
-lock, applies the fixes received (roll back, append the verifier's tokens) and picks one job: a
-session to open, or a session with room in its window (W tokens beyond the committed position)
-to draft a chunk of at most c tokens for. It does the job outside the lock, so receiving a fix or
-a commit never waits behind a model drafter's forward, then hands the chunk to the transport
-under the lock, unless a fix arrived meanwhile (the chunk is then stale and dropped; the fix's
-rollback removes its tokens from the draft session).
+lock, applies the fixes received and picks one job: a session to open, held tokens to send
+again, or a session with room in its window (W tokens beyond the committed position) to draft a
+chunk for. It does the job outside the lock, so receiving a fix or a commit never waits behind a
+model drafter's forward, then hands the chunk to the transport under the lock, unless a fix
+arrived meanwhile: the chunk then waits in the draft session for that fix to judge it.
+
+A fix (roll back to a position, append the verifier's tokens) is applied against everything the
+draft session holds, sent or not (``apply_fix``): where the session's tokens already hold the
+fix's tokens at its position (the verifier's bonus token was the drafter's next one, or a step
+decoded a token while the chunk that held it was in flight) nothing is rolled back, and the
+tokens beyond are *held*: the cache dropped them with the epoch, so they go out again, first,
+as a chunk at the fix's end under its epoch, with no drafting. Only a fix that disagrees throws
+drafted tokens away, from the first token that differs. Without this, a board whose chunk takes
+longer than one verifier step never got a draft in (each chunk dropped by the fix of a step that
+decoded without it, which sends the next fix).
+
+Chunks are sized (``ChunkPace``) so that each lands before the verifier's next step: from the
+step interval the loop sees in the commits and its own seconds per drafted token, shared by the
+sessions it drafts for; at most the channel's chunk, at least 1 token.
 
 A draft session is only ever touched by the loop's thread: a session closed by the transport
 is marked closed and its draft session handed to the loop, which closes it (a model drafter's
@@ -25,11 +38,13 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from typing import Callable, Protocol, Sequence
 
 from ..config import SamplingParams
 from . import Draft, Drafter, DraftSession
+from .chunk_pace import ChunkPace, LoopCounts
 
 log = logging.getLogger("edgespec.drafting")
 
@@ -48,15 +63,22 @@ class DraftTarget:
     closed: bool = False
     busy: bool = False  # the loop is opening or drafting it outside the lock
     fixes: list[tuple[int, tuple[int, ...]]] = field(default_factory=list)  # (position, tokens)
+    # where the draft session's tokens that the cache does not hold begin (a fix that agreed
+    # with them kept them): sent again before anything new is drafted
+    held_from: int | None = None
+    last_commit_s: float | None = None  # when the committed end last moved (monotonic)
 
 
 class DraftBook:
     """The sessions a loop drafts for. Every method is called under the channel's lock."""
 
-    def __init__(self) -> None:
+    def __init__(self, pace: bool = True) -> None:
+        """``pace`` False: chunks of the channel's ``chunk`` tokens always."""
         self.targets: dict[str, DraftTarget] = {}
         # draft sessions of closed targets, for the loop's thread to close
         self.retired: list[tuple[str, DraftSession]] = []
+        self.pace = ChunkPace(enabled=pace)
+        self.counts = LoopCounts()  # what the loop drafted, sent, kept and threw away
 
     def assign(self, sid: str, tokens: list[int], params: SamplingParams, epoch: int) -> None:
         """A session to draft for, from ``tokens`` (prompt + committed) under ``epoch``."""
@@ -67,8 +89,17 @@ class DraftBook:
         """The verifier committed up to ``committed_end``; the session's target, if known."""
         t = self.targets.get(sid)
         if t is not None and epoch >= t.epoch:
-            t.committed_end = max(t.committed_end, committed_end)
+            self._moved(t, committed_end)
         return t
+
+    def _moved(self, t: DraftTarget, committed_end: int) -> None:
+        """The committed end is ``committed_end`` (or further): a verifier step when it moved."""
+        if committed_end > t.committed_end:
+            now = time.monotonic()
+            if t.last_commit_s is not None:
+                self.pace.step_seen(now - t.last_commit_s)
+            t.last_commit_s = now
+            t.committed_end = committed_end
 
     def fix(self, sid: str, epoch: int, position: int, tokens: tuple[int, ...]) -> None:
         """The verifier's fix: roll back to ``position``, append ``tokens``, go on under
@@ -77,7 +108,7 @@ class DraftBook:
         if t is None or epoch <= t.epoch:
             return
         t.epoch, t.idle = epoch, False
-        t.committed_end = max(t.committed_end, position + len(tokens))
+        self._moved(t, position + len(tokens))
         if not t.refused:
             t.fixes.append((position, tuple(tokens)))
 
@@ -178,7 +209,10 @@ def run_drafting(drafter: Drafter, channel: DraftChannel, book: DraftBook,
                     if not book.retired:
                         cond.wait(timeout=0.5)
                 continue
+            began = time.perf_counter()
             outcome, error = _do(job, channel.tree_width, drafter)
+            if not job.opening and error is None:
+                book.pace.drafted(time.perf_counter() - began, len(outcome))
             with cond:
                 _finish(job, outcome, error, channel, book)
                 cond.notify_all()
@@ -189,32 +223,106 @@ def run_drafting(drafter: Drafter, channel: DraftChannel, book: DraftBook,
         close_drafts(retired)
 
 
+def apply_fix(draft: DraftSession, position: int, tokens: Sequence[int]) -> int:
+    """Roll ``draft`` back to ``position`` and append ``tokens``, except where it already
+    holds them: it is rolled back only from the first token that differs. Returns how many of
+    its tokens beyond the fix it keeps (drafted under the same prefix: still a draft)."""
+    agree = _agreement(draft.tokens, position, tokens)
+    if agree == len(tokens):
+        return len(draft.tokens) - position - len(tokens)
+    draft.rollback(position + agree)
+    draft.append(list(tokens[agree:]))
+    return 0
+
+
+def _agreement(have: Sequence[int], position: int, tokens: Sequence[int]) -> int:
+    """How many of ``tokens`` ``have`` already holds from ``position`` on."""
+    agree = 0
+    while agree < len(tokens) and position + agree < len(have) and \
+            have[position + agree] == tokens[agree]:
+        agree += 1
+    return agree
+
+
+def _apply_fixes(sid: str, t: DraftTarget, channel: DraftChannel, book: DraftBook) -> None:
+    """Under the lock: the fixes received, in order (``apply_fix``); what a fix kept is held
+    for sending again, what it threw away of the unsent tokens is counted."""
+    assert t.draft is not None
+    try:
+        for position, tokens in t.fixes:
+            before = len(t.draft.tokens)
+            cut = position + _agreement(t.draft.tokens, position, tokens)
+            kept = apply_fix(t.draft, position, tokens)
+            if kept:
+                book.counts.tokens_kept += kept
+                t.held_from = position + len(tokens)
+                continue
+            if t.held_from is not None and before > max(t.held_from, cut):
+                book.counts.tokens_discarded += before - max(t.held_from, cut)
+                book.counts.dropped["disagreed"] += 1
+            t.held_from = None
+    except Exception as exc:
+        _refuse(sid, t, t.committed_end, f"applying a fix failed: {exc!r}", channel, book)
+    t.fixes.clear()
+
+
+def _send_held(sid: str, t: DraftTarget, channel: DraftChannel, book: DraftBook) -> None:
+    """Under the lock: the draft session's held tokens (kept across a fix, not in the cache)
+    sent again as a chunk at their position, as far as the window allows; no drafting."""
+    assert t.draft is not None and t.held_from is not None
+    start, have = t.held_from, len(t.draft.tokens)
+    if have <= start:
+        t.held_from = None
+        return
+    n = min(have - start, channel.window - (start - t.committed_end))
+    if n <= 0 or not channel.can_draft(sid, start):
+        return
+    chunk = Draft(list(t.draft.tokens[start:start + n]))
+    if _deliver(sid, t, start, chunk, channel, book):
+        book.counts.chunks_resent += 1
+        t.held_from = start + n if start + n < have else None
+
+
+def _deliver(sid: str, t: DraftTarget, start: int, chunk: Draft, channel: DraftChannel,
+             book: DraftBook) -> bool:
+    """Under the lock: hand a chunk on; a failure costs the session its drafts."""
+    try:
+        channel.deliver(sid, t, start, chunk)
+    except Exception as exc:  # e.g. a metrics call: the session loses its drafts, not more
+        book.counts.dropped["failed"] += 1
+        _refuse(sid, t, start, f"handing on its chunk failed: {exc!r}", channel, book)
+        return False
+    book.counts.chunks_sent += 1
+    book.counts.tokens_sent += len(chunk)
+    return True
+
+
 def _next_job(channel: DraftChannel, book: DraftBook) -> _Job | None:
-    """Under the lock: apply the fixes received, then pick a session to open or draft for."""
+    """Under the lock: apply the fixes received and send what they kept, then pick a session
+    to open or draft for."""
     for sid, t in list(book.targets.items()):
         if t.fixes and t.draft is not None:
-            try:
-                for position, tokens in t.fixes:
-                    t.draft.rollback(position)
-                    t.draft.append(list(tokens))
-            except Exception as exc:
-                _refuse(sid, t, t.committed_end, f"applying a fix failed: {exc!r}", channel,
-                        book)
-            t.fixes.clear()
+            _apply_fixes(sid, t, channel, book)
+        if t.held_from is not None and t.draft is not None and not t.refused:
+            _send_held(sid, t, channel, book)
     best: _Job | None = None
+    drafting = 0
     for sid, t in book.targets.items():
         if t.refused or t.busy:
             continue
         if t.opening is not None:
             return _Job(sid, t, True, t.epoch)
-        if t.idle or t.draft is None:
+        if t.idle or t.draft is None or t.held_from is not None:
             continue
+        drafting += 1
         start = len(t.draft.tokens)
         lead = start - t.committed_end
         room = channel.window - lead
         if room > 0 and channel.can_draft(sid, start) and \
                 (best is None or lead < best.start - best.target.committed_end):
-            best = _Job(sid, t, False, t.epoch, start, min(channel.chunk, room))
+            best = _Job(sid, t, False, t.epoch, start, room)
+    if best is not None:
+        best.n = min(best.n, book.pace.chunk(channel.chunk, drafting))
     return best
 
 
@@ -233,27 +341,36 @@ def _do(job: _Job, tree_width: int, drafter: Drafter):
 
 def _finish(job: _Job, outcome, error: Exception | None, channel: DraftChannel,
             book: DraftBook) -> None:
-    """Under the lock: keep what the job made, unless the session moved on meanwhile."""
+    """Under the lock: hand on what the job made; a chunk a fix overtook waits in the draft
+    session for the fix to judge it (``_apply_fixes``)."""
     t, sid = job.target, job.sid
     t.busy = False
     if job.opening:
         t.opening = None
         t.draft = outcome
+    elif error is None and len(outcome):
+        book.counts.chunks_drafted += 1
+        book.counts.tokens_drafted += len(outcome)
     if t.closed:
+        if not job.opening and error is None and len(outcome):
+            book.counts.dropped["closed"] += 1
         book.retire(sid, t)
         return
     if error is not None:
         what = "opening" if job.opening else "drafting"
         start = t.committed_end if job.opening or t.epoch != job.epoch else job.start
+        if not job.opening:
+            book.counts.dropped["failed"] += 1
         _refuse(sid, t, start, f"{what} failed: {type(error).__name__}: {error}", channel, book)
         return
-    if job.opening or t.epoch != job.epoch:
-        return  # opened; or a fix came while drafting: the chunk is stale
+    if job.opening:
+        return
+    if t.epoch != job.epoch:  # a fix came while drafting: held until it is applied
+        if len(outcome) and t.held_from is None:
+            t.held_from = job.start
+        return
     t.idle = len(outcome) == 0
-    try:
-        channel.deliver(sid, t, job.start, outcome)
-    except Exception as exc:  # e.g. a metrics call: the session loses its drafts, not more
-        _refuse(sid, t, job.start, f"handing on its chunk failed: {exc!r}", channel, book)
+    _deliver(sid, t, job.start, outcome, channel, book)
 
 
 def _refuse(sid: str, t: DraftTarget, start: int, why: str, channel: DraftChannel,
@@ -262,6 +379,7 @@ def _refuse(sid: str, t: DraftTarget, start: int, why: str, channel: DraftChanne
                 sid, why)
     t.refused, t.idle = True, True
     t.fixes.clear()
+    t.held_from = None
     book.release_draft(sid, t)
     try:
         channel.refuse(sid, t, start, why)

@@ -35,6 +35,11 @@ class DrafterLink:
     marked_late: int = 0  # times it became late
     run: int = 0  # consecutive misses (on time: consecutive hits while late)
     since_probe: int = 0  # steps since a late drafter was last waited for
+    # per session and step: its sessions verified, those whose draft was ready when taken,
+    # and those whose draft held tokens (verified drafts)
+    session_steps: int = 0
+    ready_drafts: int = 0
+    verified_drafts: int = 0
 
 
 class Lateness:
@@ -68,15 +73,20 @@ class Lateness:
                     out.add(d)
         return out
 
-    def record(self, drafter: str, ready: bool, waited: bool) -> None:
+    def record(self, drafter: str, ready: bool, waited: bool,
+               sessions: tuple[int, int, int] = (0, 0, 0)) -> None:
         """One step's outcome for a drafter: whether its drafts were ready when taken, and
-        whether the step waited for them."""
+        whether the step waited for them; ``sessions``: (its sessions in the step, those whose
+        draft was ready, those whose draft held tokens)."""
         with self._lock:
             link = self._links.get(drafter)
             if link is None:
                 if len(self._links) >= MAX_TRACKED:
                     self._links.pop(next(iter(self._links)))
                 link = self._links[drafter] = DrafterLink()
+            link.session_steps += sessions[0]
+            link.ready_drafts += sessions[1]
+            link.verified_drafts += sessions[2]
             if not waited:
                 link.unwaited += 1
             if not ready:

@@ -152,7 +152,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DrafterStatus(_message.Message):
-    __slots__ = ("device_id", "draft_model", "attached", "sessions", "max_sessions", "acceptance_rate", "mean_acceptance_length", "last_seen_s", "late", "drafts_missed", "steps_unwaited")
+    __slots__ = ("device_id", "draft_model", "attached", "sessions", "max_sessions", "acceptance_rate", "mean_acceptance_length", "last_seen_s", "late", "drafts_missed", "steps_unwaited", "session_steps", "ready_drafts", "verified_drafts")
     DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
     DRAFT_MODEL_FIELD_NUMBER: _ClassVar[int]
     ATTACHED_FIELD_NUMBER: _ClassVar[int]
@@ -164,6 +164,9 @@ class DrafterStatus(_message.Message):
     LATE_FIELD_NUMBER: _ClassVar[int]
     DRAFTS_MISSED_FIELD_NUMBER: _ClassVar[int]
     STEPS_UNWAITED_FIELD_NUMBER: _ClassVar[int]
+    SESSION_STEPS_FIELD_NUMBER: _ClassVar[int]
+    READY_DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    VERIFIED_DRAFTS_FIELD_NUMBER: _ClassVar[int]
     device_id: str
     draft_model: str
     attached: bool
@@ -175,7 +178,10 @@ class DrafterStatus(_message.Message):
     late: bool
     drafts_missed: int
     steps_unwaited: int
-    def __init__(self, device_id: _Optional[str] = ..., draft_model: _Optional[str] = ..., attached: _Optional[bool] = ..., sessions: _Optional[int] = ..., max_sessions: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_acceptance_length: _Optional[float] = ..., last_seen_s: _Optional[float] = ..., late: _Optional[bool] = ..., drafts_missed: _Optional[int] = ..., steps_unwaited: _Optional[int] = ...) -> None: ...
+    session_steps: int
+    ready_drafts: int
+    verified_drafts: int
+    def __init__(self, device_id: _Optional[str] = ..., draft_model: _Optional[str] = ..., attached: _Optional[bool] = ..., sessions: _Optional[int] = ..., max_sessions: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_acceptance_length: _Optional[float] = ..., last_seen_s: _Optional[float] = ..., late: _Optional[bool] = ..., drafts_missed: _Optional[int] = ..., steps_unwaited: _Optional[int] = ..., session_steps: _Optional[int] = ..., ready_drafts: _Optional[int] = ..., verified_drafts: _Optional[int] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
     __slots__ = ("model", "version", "drafters", "active_sessions", "queued_sessions", "free_kv_slots", "kv_slots", "tokens_per_s_last_minute", "healthy", "dtype", "head", "runner")
