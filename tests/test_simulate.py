@@ -27,18 +27,34 @@ def test_small_fleet_reports_every_figure_and_is_lossless(looping_dir, tmp_path)
     r = subprocess.run(
         [sys.executable, "-m", "edgespec_cli", "simulate", "--model", str(looping_dir),
          "--devices", "2", "--profile", "local,phone-lte", "--requests", "4",
-         "--max-new-tokens", "24", "--batching", "both", "--threads", "1", "--tree-width", "3",
+         "--max-new-tokens", "24", "--batching", "both", "--baseline", "server-only",
+         "--tree-width", "3",
          "--json", str(out), "--plot", str(tmp_path / "plots"), "--timeout", "300",
          "--link-faults", "reset@0.3:all"],
         capture_output=True, text=True, timeout=600, env={**os.environ, "HOME": str(tmp_path)})
     assert r.returncode == 0, r.stderr[-3000:]
     report = json.loads(out.read_text())
-    assert report["lossless"]["ok"] and report["lossless"]["checked"] >= 4  # 2 devices x 2 modes
+    assert report["lossless"]["ok"] and report["lossless"]["checked"] >= 6  # 2 devices x 3 modes
     assert report["throughput_ratio"] > 0
     runs = {run["batching"]: run for run in report["runs"]}
-    assert set(runs) == {"on", "off"}
+    assert set(runs) == {"on", "off", "server-only"}
+    # the server and the boards on cores of their own (this machine's halves), each side's use
+    split = len(os.sched_getaffinity(0)) >= 2
+    for run in runs.values():
+        if split:
+            assert run["cpu"]["server"]["cpus"] >= 1 and run["cpu"]["boards"]["cpus"] >= 1
+        assert run["cpu"]["server"]["cpu_s"] > 0 and run["server_cpu_s_per_token"] > 0
+        assert run["tokens_per_forward"] > 0
+    assert runs["server-only"]["draft_tokens_sent"] is None  # no board at all
+    assert runs["server-only"]["acceptance"]["drafted"] == 0
+    assert runs["on"]["draft_tokens_sent"] is not None
+    assert runs["on"]["draft_tokens_wasted"] <= runs["on"]["draft_tokens_sent"]
+    vs = report["vs_server_only"]["2"]
+    assert vs["throughput"] > 0 and vs["server_cpu_s_per_token"] > 0
+    assert "edge drafting / server-only, 2 dev" in r.stdout and "server cost" in r.stdout
     for mode, run in runs.items():
-        assert run["devices"] == 2 and run["requests"] == 4 and run["errors"] == 0, run
+        assert run["devices"] == 2 and run["requests"] == 4 and run["errors"] == 0, \
+            (mode, run["error_samples"])
         if run["wall_s"] > 1.0:  # the reset of every link landed within the run, and cost none
             assert [f["fault"] for f in run["link_faults"]] == ["reset"]
             assert run["link_faults"][0]["links"] == "all"
@@ -96,7 +112,9 @@ def test_requests_are_dealt_to_devices_in_turn_and_devices_parse():
 @pytest.mark.parametrize("args, message", [
     (["--find-capacity"], "--slo"), (["--slo", "5"], "--find-capacity"),
     (["--profile", "toaster"], "toaster"), (["--requests", "0"], "--requests"),
-    (["--devices", "0"], "--devices"), (["--tree-width", "0"], "--tree-width must be in")])
+    (["--devices", "0"], "--devices"), (["--tree-width", "0"], "--tree-width must be in"),
+    (["--shared-cpus", "--server-cpus", "0"], "--shared-cpus"),
+    (["--board-cpus", "100000"], "--board-cpus")])
 def test_bad_options_are_refused_before_anything_starts(args, message):
     from cli_inprocess import run_cli
 

@@ -147,28 +147,36 @@ def test_report_without_both_modes_has_no_ratio():
 
 def test_add_capacity_sets_ratio():
     probes = [{"devices": 8, "batching": "on", "min_tokens_per_s": 5.5, "ok": True}]
-    report = add_capacity(report_for(sweep()), 8, 2, 5.0, probes)
+    report = add_capacity(report_for(sweep()), {"on": 8, "off": 2}, 5.0, probes)
     assert report["capacity"] == {"slo_tokens_per_s": 5.0, "on": 8, "off": 2, "probes": probes}
     assert report["capacity_ratio"] == pytest.approx(4.0)
-    assert add_capacity(report_for(sweep()), 3, 0, 5.0, [])["capacity_ratio"] is None
+    assert "capacity_ratio_vs_server_only" not in report
+    assert add_capacity(report_for(sweep()), {"on": 3, "off": 0}, 5.0,
+                        [])["capacity_ratio"] is None
+    report = add_capacity(report_for(sweep()), {"on": 6, "server-only": 2}, 5.0, [])
+    assert report["capacity_ratio_vs_server_only"] == pytest.approx(3.0)
+    assert "capacity_ratio" not in report
+    assert "on/server-only 3.00x" in format_table(report)
 
 
 def test_format_table_lists_every_device_and_ratios():
     report = add_capacity(report_for(sweep(), lossless={"checked": 2, "identical": 2,
-                                                         "ok": True}), 8, 2, 5.0, [])
+                                                         "ok": True}), {"on": 8, "off": 2},
+                          5.0, [])
     table = format_table(report)
     for s in report["runs"]:
         for d in s["per_device"]:
             assert d["device_id"] in table
     assert "1000.0" in table  # TTFT p50 of 1 s, in ms
     assert "throughput on/off: 2.00x" in table
-    assert "ratio 4.00x" in table
+    assert "ratio on/off 4.00x" in table
     assert "lossless" in table
 
 
 def test_write_json_round_trips(tmp_path):
     report = add_capacity(report_for(sweep(), lossless={"checked": 1, "identical": 1,
-                                                         "ok": True}), 8, 2, 5.0, [])
+                                                         "ok": True}), {"on": 8, "off": 2},
+                          5.0, [])
     path = write_json(report, str(tmp_path / "out" / "report.json"))
     with open(path) as f:
         assert json.load(f) == report
@@ -251,3 +259,49 @@ def test_charts_from_runs_alone_still_have_a_caption():
         for fig in figs.values():
             plt.close(fig)
     assert all(c == ["KV slots 8; 1 run(s), 4 requests, 1 errors"] for c in captions), captions
+
+
+# -- the server's and the boards' cores, the server's cost, the server-only baseline ---------------
+def split_run(batching="on", ended=10.0, server_s=9.5, boards_s=2.0, boards=None):
+    r = run(batching, 2, ended=ended)
+    r.cpu = {"split": "server on cpus 0, boards on cpus 1",
+             "server": {"cpus": 1, "cpu_s": server_s}, "boards": {"cpus": 1, "cpu_s": boards_s}}
+    r.boards = boards if boards is not None else {
+        "dev-a": {"tokens_sent": 20, "tokens_kept": 3}, "dev-b": {"tokens_sent": 9}}
+    return r
+
+
+def test_each_sides_cpu_use_and_the_side_that_bound_the_run():
+    s = summarize_run(split_run())
+    assert s["cpu"]["server"] == {"cpus": 1, "cpu_s": 9.5, "busy": pytest.approx(0.95)}
+    assert s["cpu"]["boards"]["busy"] == pytest.approx(0.2)
+    assert s["cpu"]["bound_by"] == "the server's cores"
+    assert summarize_run(split_run(boards_s=9.8))["cpu"]["bound_by"] == "the boards' cores"
+    assert summarize_run(split_run(server_s=5.0))["cpu"]["bound_by"] is None
+    table = format_table(report_for([split_run(boards_s=9.8)]))
+    assert "BOUND BY         the boards' cores" in table and "98% busy" in table
+    assert summarize_run(run())["cpu"] is None  # a run without the split
+
+
+def test_server_cost_and_draft_tokens_sent_and_wasted():
+    s = summarize_run(split_run())
+    assert s["server_cpu_s_per_token"] == pytest.approx(9.5 / 11)  # 11 committed tokens
+    assert s["tokens_per_forward"] == pytest.approx(11 / 8)  # 8 forwards
+    a, b = s["per_device"]
+    assert (a["draft_tokens_sent"], a["draft_tokens_wasted"]) == (20, 20 - 14)  # accepted 6+8
+    assert a["draft_tokens_kept_across_fixes"] == 3
+    assert (b["draft_tokens_sent"], b["draft_tokens_wasted"]) == (9, 9 - 1)  # failed: no count
+    assert (s["draft_tokens_sent"], s["draft_tokens_wasted"]) == (29, 14)
+    none = summarize_run(split_run(boards={}))
+    assert none["draft_tokens_sent"] is None and none["per_device"][0]["draft_tokens_sent"] is None
+
+
+def test_edge_drafting_against_server_only_per_device_count():
+    report = report_for([split_run("on", ended=10.0, server_s=4.0),
+                         split_run("server-only", ended=20.0, server_s=16.0, boards={})])
+    r = report["vs_server_only"]["2"]
+    assert r["throughput"] == pytest.approx(2.0)  # the same 11 tokens in half the time
+    assert r["server_cpu_s_per_token"] == pytest.approx(0.25)
+    assert r["itl_p50"] == pytest.approx(1.0) and r["bound_by"] is None
+    assert "edge drafting / server-only, 2 dev: throughput 2.00x" in format_table(report)
+    assert "vs_server_only" not in report_for(sweep())

@@ -15,13 +15,17 @@ import shutil
 class CacheActor:
     def __init__(self, port: int, data_dir: str, redis_password: str,
                  redis_url: str | None = None, auth_token: str | None = None,
-                 max_drafters: int = 256):
+                 max_drafters: int = 256, cpus: tuple[int, ...] | None = None):
+        """``cpus``: confine the cache and its embedded Redis to these cores (a simulated
+        fleet's server side)."""
         from cache_service.redis_conn import ExposedRedis
         from edgespec_cli.cli_args import configure_logging
         from edgespec_cli.server import EdgespecServer, ServerOptions
 
+        from .cpu_share import pin_process
         from .placement import where
 
+        pin_process(cpus)  # first: Redis and every thread started below inherit it
         configure_logging()
         self.where = where()
         self.data_dir = data_dir
@@ -37,6 +41,12 @@ class CacheActor:
         return {"role": "cache", **self.where,
                 "address": f"{self.node_ip}:{self.server.port}", "redis_url": self.redis_url,
                 "healthy": self.server.healthy()}
+
+    def cpu_seconds(self) -> float | None:
+        """CPU seconds of this process and its children (the embedded Redis) so far."""
+        from .cpu_share import process_tree_cpu_s
+
+        return process_tree_cpu_s()
 
     def stop(self) -> None:
         """Stop for good (``edgespec deploy --down``): the persisted sessions go too."""

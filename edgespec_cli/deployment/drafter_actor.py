@@ -26,14 +26,18 @@ log = logging.getLogger("edgespec.drafter")
 class DrafterActor:
     """One edge drafter. ``link`` (a ``LinkProfile``) and ``compute_slowdown`` emulate a device
     (simulation); without them the actor is a plain drafter on its board. ``link_seed``: the
-    emulated link's jitter and loss draws."""
+    emulated link's jitter and loss draws. ``cpus``: confine it to these cores."""
 
     def __init__(self, cache: str, device_id: str, drafter: str = "mag", threads: int = 1,
                  auth_token: str | None = None, max_sessions: int = 8, link=None,
                  compute_slowdown: float = 1.0, profile: str = "",
-                 link_seed: int | None = None, tree_width: int = 1, device: str = "cpu"):
+                 link_seed: int | None = None, tree_width: int = 1, device: str = "cpu",
+                 cpus: tuple[int, ...] | None = None):
         from drafter_node.agent import DrafterAgent
 
+        from .cpu_share import pin_process
+
+        pin_process(cpus)  # a simulated board's cores, apart from the server's
         configure_logging()
         set_threads(threads)
         self.cache, self.device_id, self.spec, self.profile = cache, device_id, drafter, profile
@@ -79,6 +83,21 @@ class DrafterActor:
                 "attached": self.agent is not None and self.agent.connected.is_set(),
                 "attaches": self.agent.attaches if self.agent else 0, "error": self.error,
                 "link": self.proxy.address if self.proxy else None}
+
+    def cpu_seconds(self) -> float | None:
+        """CPU seconds of this process so far."""
+        from .cpu_share import process_tree_cpu_s
+
+        return process_tree_cpu_s()
+
+    def loop_counts(self) -> dict:
+        """The drafting loop's counts (``edgespec.drafters.chunk_pace.LoopCounts``) as a dict:
+        chunks and tokens drafted, sent, kept across fixes, discarded, dropped by reason."""
+        if self.agent is None:
+            return {}
+        with self.agent.cond:
+            c = self.agent.book.counts
+            return {**vars(c), "dropped": dict(c.dropped)}
 
     def link_fault(self, fault: str | None) -> None:
         """Break the emulated link (a ``link_faults.FAULTS`` name), or heal it (None)."""

@@ -18,16 +18,20 @@ class VerifierActor:
                  max_sessions: int = 8, threads: int | None = None,
                  http_port: int | None = None, auth_token: str | None = None,
                  max_queue: int = 64, device: str = "cpu", dtype: str = "auto",
-                 engine: dict | None = None):
-        """``engine``: EngineConfig fields to override (max_draft, draft_wait_ms, ...)."""
+                 engine: dict | None = None, cpus: tuple[int, ...] | None = None):
+        """``engine``: EngineConfig fields to override (max_draft, draft_wait_ms, ...).
+        ``cpus``: confine the verifier to these cores, its torch threads one a core unless
+        ``threads`` says otherwise (a simulated fleet's server side)."""
         from edgespec_cli.cli_args import configure_logging, set_threads
         from edgespec.config import EngineConfig
         from edgespec_cli.server import EdgespecServer, ServerOptions
 
+        from .cpu_share import pin_process
         from .placement import where
 
+        pin_process(cpus)
         configure_logging()
-        set_threads(threads)
+        set_threads(threads if threads is not None or not cpus else len(cpus))
         self.where = where()
         self.node_ip = self.where["node_ip"]
         opts = ServerOptions(listen=f"{self.node_ip}:{port}", roles=("verifier",),
@@ -58,6 +62,12 @@ class VerifierActor:
         metrics = self.server.metrics
         assert metrics is not None  # a verifier role's server always keeps metrics
         return dict(metrics.step_totals)
+
+    def cpu_seconds(self) -> float | None:
+        """CPU seconds of this process so far."""
+        from .cpu_share import process_tree_cpu_s
+
+        return process_tree_cpu_s()
 
     def stop(self, drain_timeout_s: float = 0.0) -> None:
         self.server.stop(drain_timeout_s=drain_timeout_s)

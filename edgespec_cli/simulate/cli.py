@@ -42,6 +42,21 @@ def add_simulate_command(sub) -> None:
     s.add_argument("--batching", choices=["on", "off", "both"], default="both",
                    help="verify the devices' sessions batched in one forward (on), one session "
                         "per forward (off), or both on the same requests (default: %(default)s)")
+    s.add_argument("--baseline", choices=["none", "server-only"], default="none",
+                   help="server-only: also run the same requests through the verifier alone, "
+                        "no boards, the sessions batched (one token a session a step): what a "
+                        "user without edge drafting serves; the report gives edge drafting "
+                        "(batching on) against it per device count (default: %(default)s)")
+    s.add_argument("--server-cpus", metavar="CPUS", default=None,
+                   help="cores of the verifier, the cache and its Redis, e.g. 0 or 0-3 "
+                        "(default: the first half of this machine's cores; the verifier's "
+                        "torch threads, unless --threads, one a core)")
+    s.add_argument("--board-cpus", metavar="CPUS", default=None,
+                   help="cores of the drafters (the emulated boards) and the clients "
+                        "(default: the cores --server-cpus leaves)")
+    s.add_argument("--shared-cpus", action="store_true",
+                   help="run the server and the boards on every core, as before the split "
+                        "(a drafter then takes its compute from the verifier)")
     s.add_argument("--max-new-tokens", type=int, default=64,
                    help="tokens per request (default: %(default)s)")
     s.add_argument("--model", metavar="M", default="default",
@@ -126,7 +141,18 @@ def check_args(args) -> tuple[list[int], list]:
         raise ConfigError(f"--tree-width must be in [1, 16], got {args.tree_width}")
     check_model_arg(args.model)
     parse_fault_schedule(args.link_faults)  # refused before anything starts
+    if args.shared_cpus and (args.server_cpus or args.board_cpus):
+        raise ConfigError("--shared-cpus runs everything on every core: no --server-cpus or "
+                          "--board-cpus with it")
+    cpu_split(args)  # a cpu list that is wrong or not here is refused before anything starts
     return counts, profiles
+
+
+def cpu_split(args):
+    """The server's and the boards' cores (None: shared)."""
+    from ..deployment.cpu_share import split_cpus
+
+    return None if args.shared_cpus else split_cpus(args.server_cpus, args.board_cpus)
 
 
 def load_prompts(target, seed: int, max_new_tokens: int):
@@ -182,27 +208,32 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from . import report as rep
     from .check import check_lossless
 
+    split = cpu_split(args)
     set_threads(args.threads)
     print("simulate: loading the model for prompts and the losslessness check",
           file=sys.stderr, flush=True)
     target = load_model(args.model, device=args.device, dtype=args.dtype)
     modes = ["on", "off"] if args.batching == "both" else [args.batching]
+    if args.baseline == "server-only":
+        modes.append("server-only")
+    if split is not None:
+        print(f"simulate: {split.describe()}", file=sys.stderr, flush=True)
     start_ray(args.address)
     runs, capacity, probes = _run_fleets(args, counts, profiles, modes,
-                                         _settings(args, target.dtype),
+                                         _settings(args, target.dtype, split),
                                          load_prompts(target, args.seed, args.max_new_tokens))
-    lossless = check_lossless(target, runs, args.max_new_tokens) if len(modes) == 2 else None
+    lossless = check_lossless(target, runs, args.max_new_tokens) if len(modes) >= 2 else None
     emulated = {p.name: {"drafter": p.drafter, "compute_slowdown": p.compute_slowdown,
                          "link": p.link.describe(), "how": "TCP delaying proxy (LinkProxy) on "
                          "the drafter's link to the cache and the client's link to the "
                          "verifier; drafting slowed by sleeping (slowdown - 1) x its time"}
                 for p in profiles}
     config = {k: v for k, v in vars(args).items() if k != "func"}
+    config["cpu_split"] = split.describe() if split else "shared"
     report = rep.build_report(runs, lossless=lossless, emulated=emulated, real=REAL_PARTS,
                               config=config)
     if args.find_capacity:
-        rep.add_capacity(report, capacity.get("on", 0), capacity.get("off", 0), args.slo,
-                         probes)
+        rep.add_capacity(report, capacity, args.slo, probes)
     _write_outputs(args, report)
     if lossless is not None and lossless["mismatches"]:
         print("simulate: error: an output differs from target-only decoding", file=sys.stderr)
@@ -223,10 +254,10 @@ def _prepare_ray_env(args: argparse.Namespace) -> None:
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 
-def _settings(args: argparse.Namespace, dtype: str):
+def _settings(args: argparse.Namespace, dtype: str, split=None):
     from .run import SimSettings
 
-    return SimSettings(model=args.model, max_new_tokens=args.max_new_tokens,
+    return SimSettings(model=args.model, max_new_tokens=args.max_new_tokens, cpus=split,
                        requests=args.requests, duration_s=args.duration, rate=args.rate,
                        threads=args.threads, dtype=dtype, device=args.device, seed=args.seed,
                        timeout_s=args.timeout, tree_width=args.tree_width,

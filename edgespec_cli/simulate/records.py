@@ -28,7 +28,9 @@ class RequestRecord:
 
 @dataclass
 class RunRecord:
-    batching: str  # "on": sessions batched in one forward; "off": one session per forward
+    # "on": sessions batched in one forward; "off": one session per forward; "server-only":
+    # batched, no boards (the verifier decodes alone)
+    batching: str
     devices: int
     started: float  # monotonic, when the first request was sent
     ended: float  # monotonic, when the last request ended
@@ -39,3 +41,8 @@ class RunRecord:
     step_totals: dict = field(default_factory=dict)
     # the partition schedule as applied: {"fault", "links", "device", "at_s", "healed_at_s"}
     link_faults: list[dict] = field(default_factory=list)
+    # each side's cores and CPU seconds over the run: {"split": text or None, "server":
+    # {"cpus", "cpu_s"}, "boards": {"cpus", "cpu_s"}}
+    cpu: dict = field(default_factory=dict)
+    # each drafter's loop counts at the end (``LoopCounts`` as a dict), by device id
+    boards: dict = field(default_factory=dict)

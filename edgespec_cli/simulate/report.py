@@ -21,6 +21,15 @@ Definitions (all times in seconds in the JSON; the text table shows latencies in
   request; ITL: one per token after each request's first piece).
 - Batch sizes: the verifier's histogram {sessions in a forward: forwards} (keys as strings, so the
   JSON round-trips), and its mean weighted by forwards.
+- CPU (``cpu``): each side's cores and CPU seconds over the run (the server: verifier, cache and
+  its Redis; the boards: every drafter), ``busy`` = CPU seconds / (wall time x cores), and
+  ``bound_by``: the side whose cores were busier than ``BOUND_SHARE`` (the boards' first).
+- Server cost: ``server_cpu_s_per_token`` (the server side's CPU seconds / committed tokens),
+  ``tokens_per_forward`` (committed tokens / verification forwards); per device and in all,
+  ``draft_tokens_sent`` (by its drafter) and ``draft_tokens_wasted`` (sent, never accepted).
+- Against the baseline (``vs_server_only``, when a ``server-only`` run has the same device count
+  as an edge-drafting run, batching on): throughput, ITL p50/p99 and server CPU seconds per token
+  as edge drafting / server-only.
 
 A figure that is undefined (no tokens, no drafts, zero wall time, no forwards) is None.
 
@@ -37,12 +46,14 @@ import math
 import os
 from collections import defaultdict
 
+from edgespec_cli.deployment.cpu_share import BOUND_SHARE, busy_share
 from edgespec_cli.simulate.records import RequestRecord, RunRecord
 
 PERCENTILE_METHOD = "nearest-rank"
 PLOT_NAMES = ("throughput_vs_devices.png", "itl_p99_vs_devices.png", "batching_on_vs_off.png",
               "acceptance_per_device.png")
-MODE_COLORS = {"on": "tab:blue", "off": "tab:orange"}
+MODE_COLORS = {"on": "tab:blue", "off": "tab:orange", "server-only": "tab:green"}
+SERVER_ONLY = "server-only"
 
 
 def nearest_rank(values: list[float], p: float) -> float | None:
@@ -119,12 +130,17 @@ def batch_summary(batch_sizes: dict[int, int]) -> dict:
     return {"histogram": hist, "forwards": forwards, "mean": ratio(sessions, forwards)}
 
 
-def summarize_device(device_id: str, reqs: list[RequestRecord], wall: float) -> dict:
+def summarize_device(device_id: str, reqs: list[RequestRecord], wall: float,
+                     board: dict | None = None) -> dict:
     done = [r for r in reqs if counts(r)]
     tokens = sum(len(r.tokens) for r in done)
     busy = busy_time(done)
     acc = acceptance(reqs)
+    sent = board.get("tokens_sent") if board else None
     return {"device_id": device_id, "profile": reqs[0].profile, "requests": len(reqs),
+            "draft_tokens_sent": sent,
+            "draft_tokens_wasted": None if sent is None else max(0, sent - acc["accepted"]),
+            "draft_tokens_kept_across_fixes": board.get("tokens_kept") if board else None,
             "errors": sum(r.error is not None for r in reqs), "tokens": tokens,
             "share_tokens_per_s": ratio(tokens, wall), "busy_s": busy,
             "decode_tokens_per_s": ratio(tokens, busy),
@@ -149,6 +165,21 @@ def step_line(split: dict | None) -> str:
             f"commit {split['commit']:.1f}  ({split['steps']} steps)")
 
 
+def cpu_summary(cpu: dict, wall: float) -> dict | None:
+    """Each side's cores, CPU seconds and busy share, and the side that bound the run."""
+    if not cpu:
+        return None
+    out: dict = {"split": cpu.get("split")}
+    for side in ("server", "boards"):
+        c = cpu.get(side) or {}
+        out[side] = {"cpus": c.get("cpus"), "cpu_s": c.get("cpu_s"),
+                     "busy": busy_share(c.get("cpu_s"), wall, c.get("cpus") or 0)}
+    out["bound_by"] = next((f"the {who} cores" for side, who in
+                            (("boards", "boards'"), ("server", "server's"))
+                            if (out[side]["busy"] or 0) >= BOUND_SHARE), None)
+    return out
+
+
 def summarize_run(run: RunRecord) -> dict:
     wall = max(run.ended - run.started, 0.0)
     done = [r for r in run.requests if counts(r)]
@@ -158,6 +189,11 @@ def summarize_run(run: RunRecord) -> dict:
     by_device: dict[str, list[RequestRecord]] = defaultdict(list)
     for r in run.requests:
         by_device[r.device_id].append(r)
+    cpu = cpu_summary(run.cpu, wall)
+    per_device = [summarize_device(d, reqs, wall, run.boards.get(d))
+                  for d, reqs in sorted(by_device.items())]
+    sent = [d["draft_tokens_sent"] for d in per_device if d["draft_tokens_sent"] is not None]
+    batches = batch_summary(run.batch_sizes)
     return {
         "batching": run.batching, "devices": run.devices, "max_sessions": run.max_sessions,
         "wall_s": wall, "requests": len(run.requests), "completed": len(done),
@@ -168,10 +204,16 @@ def summarize_run(run: RunRecord) -> dict:
         "itl_s": percentiles(itls),
         "samples": {"ttft": len(ttfts), "itl": len(itls)},
         "acceptance": acceptance(run.requests),
-        "batch_sizes": batch_summary(run.batch_sizes),
+        "batch_sizes": batches,
         "step_ms": step_split(run.step_totals),
         "link_faults": list(run.link_faults),
-        "per_device": [summarize_device(d, reqs, wall) for d, reqs in sorted(by_device.items())],
+        "cpu": cpu,
+        "server_cpu_s_per_token": ratio(cpu["server"]["cpu_s"], tokens) if cpu else None,
+        "tokens_per_forward": ratio(tokens, batches["forwards"]),
+        "draft_tokens_sent": sum(sent) if sent else None,
+        "draft_tokens_wasted": sum(d["draft_tokens_wasted"] for d in per_device
+                                   if d["draft_tokens_wasted"] is not None) if sent else None,
+        "per_device": per_device,
     }
 
 
@@ -182,6 +224,23 @@ def throughput_ratios(summaries: list[dict]) -> dict[int, float | None]:
         by_mode[s["batching"]].setdefault(s["devices"], s["system_tokens_per_s"])
     both = sorted(set(by_mode["on"]) & set(by_mode["off"]))
     return {n: ratio(by_mode["on"][n], by_mode["off"][n]) for n in both}
+
+
+def baseline_ratios(summaries: list[dict]) -> dict[int, dict]:
+    """Per device count run both with boards (batching on) and server-only: edge drafting's
+    figures over the baseline's."""
+    on = {s["devices"]: s for s in summaries if s["batching"] == "on"}
+    base = {s["devices"]: s for s in summaries if s["batching"] == SERVER_ONLY}
+    out = {}
+    for n in sorted(set(on) & set(base)):
+        e, b = on[n], base[n]
+        out[n] = {"throughput": ratio(e["system_tokens_per_s"], b["system_tokens_per_s"]),
+                  "itl_p50": ratio(e["itl_s"]["p50"], b["itl_s"]["p50"]),
+                  "itl_p99": ratio(e["itl_s"]["p99"], b["itl_s"]["p99"]),
+                  "server_cpu_s_per_token": ratio(e["server_cpu_s_per_token"],
+                                                  b["server_cpu_s_per_token"]),
+                  "bound_by": (e.get("cpu") or {}).get("bound_by")}
+    return out
 
 
 def build_report(runs: list[RunRecord], *, lossless: dict | None, emulated: dict,
@@ -196,18 +255,25 @@ def build_report(runs: list[RunRecord], *, lossless: dict | None, emulated: dict
     if ratios:
         report["throughput_ratio"] = ratios[max(ratios)]
         report["throughput_ratio_by_devices"] = {str(n): r for n, r in ratios.items()}
+    vs_base = baseline_ratios(summaries)
+    if vs_base:
+        report["vs_server_only"] = {str(n): r for n, r in vs_base.items()}
     if lossless is not None:
         report["lossless"] = lossless
     return report
 
 
-def add_capacity(report: dict, capacity_on: int, capacity_off: int, slo: float,
+def add_capacity(report: dict, capacity: dict[str, int], slo: float,
                  probes: list[dict]) -> dict:
-    """Capacity: the most devices each mode serves with every device at or above ``slo``
-    tokens/s; ``probes`` are the orchestrator's trials, kept as given."""
-    report["capacity"] = {"slo_tokens_per_s": slo, "on": capacity_on, "off": capacity_off,
-                          "probes": probes}
-    report["capacity_ratio"] = ratio(capacity_on, capacity_off)
+    """Capacity: the most devices each mode (``capacity``: mode -> devices) serves with every
+    device at or above ``slo`` tokens/s; ``probes`` are the orchestrator's trials, kept as
+    given. ``capacity_ratio``: on / off; ``capacity_ratio_vs_server_only``: on / server-only
+    (each when both were searched)."""
+    report["capacity"] = {"slo_tokens_per_s": slo, **capacity, "probes": probes}
+    if "on" in capacity and "off" in capacity:
+        report["capacity_ratio"] = ratio(capacity["on"], capacity["off"])
+    if "on" in capacity and SERVER_ONLY in capacity:
+        report["capacity_ratio_vs_server_only"] = ratio(capacity["on"], capacity[SERVER_ONLY])
     return report
 
 
@@ -231,8 +297,13 @@ def run_block(s: dict) -> list[str]:
                                   if f.get('healed_at_s') is not None else "")
           for f in s.get("link_faults", [])),
         f"  step ms          {step_line(s.get('step_ms'))}",
+        f"  server cost      {fmt(s.get('server_cpu_s_per_token'), ms)} CPU ms a token, "
+        f"{fmt(s.get('tokens_per_forward'), digits=2)} tokens a forward"
+        + (f", draft tokens sent {s['draft_tokens_sent']}, wasted {s['draft_tokens_wasted']}"
+           if s.get("draft_tokens_sent") is not None else ""),
+        *cpu_lines(s.get("cpu")),
         f"  {'device':<16} {'profile':<12} {'share/s':>8} {'decode/s':>9} {'accept':>7} "
-        f"{'mean_len':>8} {'errors':>6}",
+        f"{'mean_len':>8} {'sent':>6} {'wasted':>6} {'errors':>6}",
     ]
     for d in s["per_device"]:
         lines.append(
@@ -240,7 +311,30 @@ def run_block(s: dict) -> list[str]:
             f"{fmt(d['share_tokens_per_s'], digits=2):>8} "
             f"{fmt(d['decode_tokens_per_s'], digits=2):>9} "
             f"{fmt(d['acceptance_rate'], digits=3):>7} "
-            f"{fmt(d['mean_acceptance_length'], digits=2):>8} {d['errors']:>6}")
+            f"{fmt(d['mean_acceptance_length'], digits=2):>8} "
+            f"{_count(d.get('draft_tokens_sent')):>6} {_count(d.get('draft_tokens_wasted')):>6} "
+            f"{d['errors']:>6}")
+    return lines
+
+
+def _count(n: int | None) -> str:
+    return "-" if n is None else str(n)
+
+
+def cpu_lines(cpu: dict | None) -> list[str]:
+    """Each side's cores and how busy they were, and which side bound the run."""
+    if not cpu:
+        return []
+
+    def side(c: dict) -> str:
+        cores = "shared cores" if c["cpus"] is None else f"{c['cpus']} core(s)"
+        return f"{fmt(c['cpu_s'], digits=1)} CPU s on {cores}" + (
+            f", {fmt(c['busy'], 100, 0)}% busy" if c["busy"] is not None else "")
+
+    lines = [f"  cpu              server {side(cpu['server'])}; boards {side(cpu['boards'])}"]
+    if cpu.get("bound_by"):
+        lines.append(f"  BOUND BY         {cpu['bound_by']} (busier than "
+                     f"{BOUND_SHARE:.0%} of their time)")
     return lines
 
 
@@ -250,10 +344,21 @@ def ratio_lines(report: dict) -> list[str]:
         by = ", ".join(f"{n} dev: {fmt(r, digits=2)}x"
                        for n, r in report["throughput_ratio_by_devices"].items())
         lines.append(f"throughput on/off: {fmt(report['throughput_ratio'], digits=2)}x ({by})")
+    for n, r in (report.get("vs_server_only") or {}).items():
+        bound = f"; bound by {r['bound_by']}" if r.get("bound_by") else ""
+        lines.append(f"edge drafting / server-only, {n} dev: throughput "
+                     f"{fmt(r['throughput'], digits=2)}x, ITL p50 {fmt(r['itl_p50'], digits=2)}x "
+                     f"p99 {fmt(r['itl_p99'], digits=2)}x, server CPU a token "
+                     f"{fmt(r['server_cpu_s_per_token'], digits=2)}x{bound}")
     if "capacity" in report:
         cap = report["capacity"]
-        lines.append(f"capacity at {cap['slo_tokens_per_s']} tokens/s per device: on {cap['on']}, "
-                     f"off {cap['off']}, ratio {fmt(report['capacity_ratio'], digits=2)}x")
+        found = ", ".join(f"{m} {cap[m]}" for m in ("on", "off", SERVER_ONLY) if m in cap)
+        ratios = [f"on/off {fmt(report['capacity_ratio'], digits=2)}x"
+                  if "capacity_ratio" in report else "",
+                  f"on/server-only {fmt(report['capacity_ratio_vs_server_only'], digits=2)}x"
+                  if "capacity_ratio_vs_server_only" in report else ""]
+        lines.append(f"capacity at {cap['slo_tokens_per_s']} tokens/s per device: {found}"
+                     + (f"; ratio {', '.join(r for r in ratios if r)}" if any(ratios) else ""))
     if "lossless" in report:
         lines.append(f"lossless: {json.dumps(report['lossless'], sort_keys=True)}")
     return lines
@@ -290,7 +395,8 @@ def series(summaries: list[dict], mode: str, value) -> tuple[list[int], list[flo
 
 def modes(summaries: list[dict]) -> list[str]:
     present = {s["batching"] for s in summaries}
-    return [m for m in ("on", "off") if m in present] + sorted(present - {"on", "off"})
+    known = ("on", "off", SERVER_ONLY)
+    return [m for m in known if m in present] + sorted(present - set(known))
 
 
 def series_count(summaries: list[dict], mode: str, value, count) -> int:
@@ -310,8 +416,9 @@ def line_plot(plt, summaries: list[dict], value, ylabel: str, title: str, count,
     for mode in modes(summaries):
         xs, ys = series(summaries, mode, value)
         n = series_count(summaries, mode, value, count)
+        name = "server only (no boards)" if mode == SERVER_ONLY else f"batching {mode}"
         ax.plot(xs, ys, marker="o", color=MODE_COLORS.get(mode),
-                label=f"batching {mode} (n={n} {count_name})")
+                label=f"{name} (n={n} {count_name})")
         for x, y in zip(xs, ys):
             ax.annotate(value_label(y), (x, y), textcoords="offset points", xytext=(0, 6),
                         ha="center", fontsize=7)

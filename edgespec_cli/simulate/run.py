@@ -5,7 +5,13 @@ One run = one batching mode and one device count: a draft cache (embedded Redis)
 N drafter actors each emulating its device profile (a ``LinkProxy`` on its gRPC link to the
 cache, its drafting slowed down by the profile's factor), and N client threads in this process,
 one per device, each talking to the verifier through its own ``LinkProxy`` with the device's
-link and pinning its sessions to its device's drafter.
+link and pinning its sessions to its device's drafter. The mode ``server-only`` is the baseline
+a user without boards runs: no drafter at all, the same clients and requests, the verifier
+decoding the sessions batched, one token a session a step.
+
+With a ``CpuSplit`` the cache, its Redis and the verifier run on the server's cores and the
+drafters and the clients on the boards' (``deployment.cpu_share``); each side's CPU seconds over
+the run are recorded, and each drafter's loop counts (chunks sent, tokens kept and discarded).
 
 Requests are Spec-Bench first turns through the model's chat template, dealt to devices in turn
 (the same requests in the same order for every mode). Closed loop by default (a device sends its
@@ -26,6 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from ..deployment.cpu_share import CpuSplit, pin_thread
 from ..deployment.device_profiles import DeviceProfile
 from ..deployment.placement import FleetError, RoleActors
 
@@ -60,6 +67,11 @@ class SimSettings:
     tree_width: int = 1  # the drafters send token trees of this width (1: chains)
     # a partition schedule (``link_faults.parse_fault_schedule``), seconds from the first request
     link_faults: list = field(default_factory=list)
+    cpus: CpuSplit | None = None  # the server's and the boards' cores (None: shared)
+
+
+SERVER_ONLY = "server-only"  # the baseline mode: no boards, the verifier decoding alone
+REATTACH_WAIT_S = 30.0  # how long a device's request waits for its reconnecting board
 
 
 def device_ids(profiles: list[DeviceProfile]) -> list[str]:
@@ -97,23 +109,29 @@ class FleetRun:
         from ..deployment import placement as fleet
 
         head = fleet.head_node(fleet.nodes())
+        split = self.s.cpus
         cache = fleet.place(self.roles.cache, head).remote(
-            0, self._tmp, secrets.token_urlsafe(16), max_drafters=len(self.profiles) + 8)
+            0, self._tmp, secrets.token_urlsafe(16), max_drafters=len(self.profiles) + 8,
+            cpus=split.server if split else None)
         self._actors.append(cache)
         info = ray.get(cache.info.remote(), timeout=self.s.timeout_s)
-        slots = len(self.profiles) if self.batching == "on" else 1
+        slots = 1 if self.batching == "off" else len(self.profiles)
         gpu = self.s.device.startswith("cuda")
         verifier = fleet.place(self.roles.verifier, head, num_gpus=1 if gpu else 0).remote(
             0, info["redis_url"], model=self.s.model, max_sessions=slots,
             threads=self.s.threads, dtype=self.s.dtype, device=self.s.device,
             max_queue=4 * len(self.profiles) + 16,
-            engine=self.s.engine)
+            engine=self.s.engine, cpus=split.server if split else None)
         self._actors.append(verifier)
+        if self.batching == SERVER_ONLY:
+            return ray.get(verifier.info.remote(), timeout=self.s.timeout_s)["address"], \
+                verifier
         for i, (dev, p) in enumerate(zip(device_ids(self.profiles), self.profiles)):
             d = fleet.place(self.roles.drafter, head).remote(
                 info["address"], dev, p.drafter, threads=1, link=p.link,
                 compute_slowdown=p.compute_slowdown, profile=p.name,
-                link_seed=self.s.seed * 10_000 + i, tree_width=self.s.tree_width)
+                link_seed=self.s.seed * 10_000 + i, tree_width=self.s.tree_width,
+                cpus=split.boards if split else None)
             self._actors.append(d)
         address = ray.get(verifier.info.remote(), timeout=self.s.timeout_s)["address"]
         attached = ray.get([d.wait_attached.remote(self.s.timeout_s) for d in self._actors[2:]])
@@ -144,6 +162,7 @@ class FleetRun:
                 self._faulty.append(FaultyLink(self._proxies[-1].address).start())
             total = self.s.requests or 2 * n
             plan = deal(total if self.s.duration_s is None else 100_000, n)
+            cpu_before = self._cpu_seconds()
             started = time.monotonic()
             stop_at = started + self.s.duration_s if self.s.duration_s else None
             threading.Thread(target=self._report_progress, args=(started, total, done),
@@ -159,15 +178,41 @@ class FleetRun:
             ended = time.monotonic()
             import ray
 
+            cpu = self._cpu_use(cpu_before, self._cpu_seconds())
             batches = ray.get(verifier.batch_sizes.remote(), timeout=60)
             steps = ray.get(verifier.step_totals.remote(), timeout=60)
+            boards = {dev: ray.get(a.loop_counts.remote(), timeout=60)
+                      for dev, a in zip(device_ids(self.profiles), self._actors[2:])}
             return RunRecord(self.batching, n, started, ended, list(self.records),
                              {int(k): v for k, v in batches.items()},
-                             max_sessions=n if self.batching == "on" else 1, step_totals=steps,
-                             link_faults=list(self._applied))
+                             max_sessions=1 if self.batching == "off" else n,
+                             step_totals=steps, link_faults=list(self._applied), cpu=cpu,
+                             boards=boards)
         finally:
             done.set()
             self.close()
+
+    def _cpu_seconds(self) -> dict[str, float | None]:
+        """CPU seconds so far of the server's side (cache with Redis, verifier) and the
+        boards' (every drafter)."""
+        import ray
+
+        secs = ray.get([a.cpu_seconds.remote() for a in self._actors], timeout=60)
+
+        def total(xs):
+            return None if any(x is None for x in xs) else float(sum(xs))
+
+        return {"server": total(secs[:2]), "boards": total(secs[2:]) if secs[2:] else 0.0}
+
+    def _cpu_use(self, before: dict, after: dict) -> dict:
+        """Each side's cores and CPU seconds over the run."""
+        split = self.s.cpus
+        out: dict = {"split": split.describe() if split else None}
+        for side in ("server", "boards"):
+            b, a = before[side], after[side]
+            cores = len(getattr(split, side)) if split else None
+            out[side] = {"cpus": cores, "cpu_s": None if a is None or b is None else a - b}
+        return out
 
     def _break_links(self, started: float, done: threading.Event) -> None:
         """Apply the partition schedule: each fault at its time on its links, healed after its
@@ -229,31 +274,49 @@ class FleetRun:
 
     def _request(self, dev: int, k: int, sent_at: float | None = None) -> None:
         """One request; ``sent_at``: when it was due (open loop: waiting for a free client
-        thread counts in its latency)."""
-        from edgespec.client import Client
+        thread counts in its latency). A device whose own board is reconnecting (the verifier
+        answers that its drafter is not attached) sends again until the board is back, at most
+        ``REATTACH_WAIT_S``: the wait counts in the request's latency."""
+        from edgespec.client import PreconditionFailed
 
+        if self.s.cpus:  # the users' side: on the boards' cores, off the server's
+            pin_thread(self.s.cpus.boards)
         prompt = self.prompts[k % len(self.prompts)]
         profile = self.profiles[dev]
         rec = RequestRecord(device_ids(self.profiles)[dev], profile.name, prompt.category,
                             prompt.ids, sent_at or time.monotonic())
+        pinned = None if self.batching == SERVER_ONLY else rec.device_id
+        give_up = time.monotonic() + REATTACH_WAIT_S
         try:
-            with Client(self._faulty[dev].address, timeout=self.s.timeout_s) as c:
-                for piece in c.stream(prompt_ids=prompt.ids, raw=True,
-                                      max_new_tokens=self.s.max_new_tokens,
-                                      device_id=rec.device_id):
-                    now = time.monotonic()
-                    rec.tokens.extend(piece.token_ids)
-                    rec.token_times.extend([now] * len(piece.token_ids))
-                    if piece.stats:
-                        rec.drafted = int(piece.stats.get("drafted", 0))
-                        rec.accepted = int(piece.stats.get("accepted", 0))
-                        rec.mean_acceptance_length = float(
-                            piece.stats.get("mean_acceptance_length", 0.0))
-                rec.session_id = c.last_session_id or ""
+            while True:
+                try:
+                    self._stream(dev, prompt, pinned, rec)
+                    break
+                except PreconditionFailed as e:
+                    if rec.tokens or "not attached" not in str(e) or \
+                            time.monotonic() > give_up:
+                        raise
+                    time.sleep(0.1)
         except Exception as e:  # one failed request is a figure of the run, not its end
             rec.error = f"{type(e).__name__}: {e}"[:300]
         with self._lock:
             self.records.append(rec)
+
+    def _stream(self, dev: int, prompt: Prompt, pinned: str | None, rec: RequestRecord) -> None:
+        from edgespec.client import Client
+
+        with Client(self._faulty[dev].address, timeout=self.s.timeout_s) as c:
+            for piece in c.stream(prompt_ids=prompt.ids, raw=True,
+                                  max_new_tokens=self.s.max_new_tokens, device_id=pinned):
+                now = time.monotonic()
+                rec.tokens.extend(piece.token_ids)
+                rec.token_times.extend([now] * len(piece.token_ids))
+                if piece.stats:
+                    rec.drafted = int(piece.stats.get("drafted", 0))
+                    rec.accepted = int(piece.stats.get("accepted", 0))
+                    rec.mean_acceptance_length = float(
+                        piece.stats.get("mean_acceptance_length", 0.0))
+            rec.session_id = c.last_session_id or ""
 
     def _report_progress(self, started: float, total: int, done: threading.Event) -> None:
         while not done.wait(5.0):
