@@ -5,6 +5,7 @@
     edgespec models path
     edgespec bench [--categories ...] [--per-category N] [--max-new-tokens N] [--full] [--json FILE]
     edgespec bench-net [--categories ...] [--per-category N] [--max-new-tokens N] [--json FILE]
+    edgespec bench-edge [--fleets SxB,...] [--drafter SPEC] [--server-cpus CPUS] [--json FILE]
     edgespec bench-drafters [--drafters LIST] [--draft-tokens N] [--json FILE]
     edgespec bench-learn --head DIR [--category CAT] [--requests N] [--json FILE] [--plot FILE]
     edgespec bench-pad [--classifier DIR] [--task NAME] [--sigmas LIST] [--json FILE] [--plot FILE]
@@ -217,7 +218,8 @@ def _add_models(sub) -> None:
 
 
 def _add_benchmarks(sub) -> None:
-    """bench, bench-net, bench-drafters, bench-forward, bench-learn and bench-pad."""
+    """bench, bench-net, bench-edge, bench-drafters, bench-forward, bench-learn and
+    bench-pad."""
     b = sub.add_parser("bench", help="Spec-Bench: edgespec against target-only and transformers")
     from .bench.run import add_bench_args
 
@@ -236,6 +238,16 @@ def _add_benchmarks(sub) -> None:
     add_threads_arg(n)
     add_engine_args(n)
     n.set_defaults(func=run_bench_net)
+
+    e = sub.add_parser("bench-edge", help="edge drafting against the same server serving "
+                                          "alone: boards and server on cores of their own, "
+                                          "as processes")
+    from .bench.edge_vs_server import add_bench_edge_args, run_bench_edge
+
+    add_bench_edge_args(e)
+    add_model_args(e)
+    add_threads_arg(e)
+    e.set_defaults(func=run_bench_edge)
 
     d = sub.add_parser("bench-drafters", help="draft tokens/s of each drafter on Spec-Bench "
                                               "prompts (torch against llama.cpp, say)")

@@ -1,0 +1,331 @@
+"""``edgespec bench-edge``: edge drafting against the same server serving alone, as processes.
+
+The question a user asks before buying boards: does drafting on them let this server serve
+more? Per fleet setting (``--fleets``, SESSIONSxBOARDS), one ``edgespec serve`` confined to the
+server's cores (its torch threads one a core) and the same Spec-Bench requests sent twice by
+SESSIONS concurrent clients: first with no board attached (server-only: the verifier decodes
+every session alone, batched, one token a session a step), then with BOARDS ``edgespec drafter``
+processes on the boards' cores, session i pinned to board i mod BOARDS. The clients run here, on
+the boards' cores. A warm-up call precedes each (and each board). Reported per setting: system
+tokens/s both ways and their ratio, inter-token latency p50/p99, the server's CPU seconds per
+committed token (its process tree, from /proc), tokens per verification forward, and, from both
+sides' ``/metrics``, each board's session steps with a ready draft and with a verified draft,
+its chunks sent and dropped, tokens kept across fixes, its CPU use, and whether the boards'
+cores bound the run. Every output is compared, token for token, between the two runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+from edgespec.config import ConfigError
+from edgespec.runner.cpu_kind import cpu_kind
+from edgespec.wire.convert import free_port
+
+from ..deployment.cpu_share import (BOUND_SHARE, busy_share, pin_process, process_tree_cpu_s,
+                                    split_cpus)
+from .run import add_question_args, load_questions
+
+
+def add_bench_edge_args(p) -> None:
+    add_question_args(p)
+    p.add_argument("--max-new-tokens", type=int, default=128,
+                   help="most tokens generated per request (default: %(default)s)")
+    p.add_argument("--fleets", default="1x1,4x2", metavar="SxB[,SxB...]",
+                   help="settings to measure: S sessions at once drafted by B boards "
+                        "(default: %(default)s)")
+    p.add_argument("--drafter", metavar="SPEC", default="llamacpp:default",
+                   help="every board's drafter (default: %(default)s)")
+    p.add_argument("--board-threads", type=int, default=1,
+                   help="each board's threads (default: %(default)s)")
+    p.add_argument("--server-cpus", metavar="CPUS", default=None,
+                   help="the server's cores (default: the first half of this machine's)")
+    p.add_argument("--board-cpus", metavar="CPUS", default=None,
+                   help="the boards' and the clients' cores (default: the rest)")
+    p.add_argument("--serve-arg", action="append", default=[], metavar="ARG",
+                   help="pass ARG on to edgespec serve, e.g. --serve-arg=--late-after=0 "
+                        "(repeatable)")
+    p.add_argument("--json", dest="json_out", default="bench-results/bench-edge.json",
+                   metavar="FILE", help="where to write the JSON results (default: %(default)s)")
+
+
+def parse_fleets(text: str) -> list[tuple[int, int]]:
+    out = []
+    for part in text.split(","):
+        try:
+            s, b = (int(x) for x in part.strip().lower().split("x"))
+        except ValueError:
+            raise ConfigError(f"--fleets takes SESSIONSxBOARDS like 4x2, got {part!r}") from None
+        if s < 1 or b < 1:
+            raise ConfigError(f"--fleets: sessions and boards must be >= 1, got {part!r}")
+        out.append((s, b))
+    return out
+
+
+class _Proc:
+    """An ``edgespec`` process on given cores, logging to a file."""
+
+    def __init__(self, args: list, log: Path, cpus):
+        self.log = log
+        self.popen = subprocess.Popen(
+            [sys.executable, "-m", "edgespec_cli", *map(str, args)],
+            stdout=open(log, "w"), stderr=subprocess.STDOUT,
+            env=dict(os.environ, PYTHONUNBUFFERED="1"),
+            preexec_fn=(lambda: os.sched_setaffinity(0, set(cpus))) if cpus else None)
+
+    def wait_for(self, needle: str, timeout: float = 300) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if needle in self.log.read_text():
+                return
+            if self.popen.poll() is not None:
+                raise ConfigError(f"a benchmark process exited early:\n"
+                                  f"{self.log.read_text()[-2000:]}")
+            time.sleep(0.2)
+        raise ConfigError(f"timed out waiting for {needle!r} in {self.log}")
+
+    def cpu_s(self) -> float | None:
+        return process_tree_cpu_s(self.popen.pid)
+
+    def stop(self) -> None:
+        if self.popen.poll() is None:
+            self.popen.terminate()
+            try:
+                self.popen.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+
+
+def scrape(port: int) -> dict[tuple[str, tuple], float]:
+    """Every sample of a /metrics endpoint: (name, sorted labels) -> value."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as r:
+        text = r.read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def delta(after: dict, before: dict, name: str, **labels) -> float:
+    key = (name, tuple(sorted(labels.items())))
+    return after.get(key, 0.0) - before.get(key, 0.0)
+
+
+def run_bench_edge(args) -> int:
+    from edgespec_cli.cli_args import check_model_arg
+
+    check_model_arg(args.model)
+    fleets = parse_fleets(args.fleets)
+    split = split_cpus(args.server_cpus, args.board_cpus)
+    if split is None:
+        raise ConfigError("bench-edge needs two cores or more: the server's and the boards'")
+    pin_process(split.boards)  # the clients: the users' side
+    questions = load_questions(args.categories, args.per_category, False)
+    out_dir = Path(args.json_out).parent
+    out_dir.mkdir(parents=True, exist_ok=True)
+    threads = args.threads or len(split.server)
+    print(f"bench-edge: {split.describe()}; the server's torch threads: {threads}",
+          file=sys.stderr, flush=True)
+    results = [_measure_fleet(args, split, threads, s, b, questions, out_dir) for s, b in fleets]
+    report = {"config": {"model": args.model, "drafter": args.drafter,
+                         "max_new_tokens": args.max_new_tokens, "questions": len(questions),
+                         "split": split.describe(), "server_threads": threads,
+                         "board_threads": args.board_threads, "serve_args": args.serve_arg,
+                         "cpu": cpu_kind().as_json()},
+              "fleets": results}
+    print(f"machine: {cpu_kind().describe()}")
+    print(format_table(report))
+    Path(args.json_out).write_text(json.dumps(report, indent=1))
+    print(f"wrote {args.json_out}", file=sys.stderr)
+    return 0 if all(r["identical"] for r in results) else 1
+
+
+def _measure_fleet(args, split, threads: int, sessions: int, boards: int, questions,
+                   out_dir: Path) -> dict:
+    import edgespec
+
+    port, metrics_port = free_port(), free_port()
+    address = f"127.0.0.1:{port}"
+    tag = f"{sessions}x{boards}"
+    serve = _Proc(["serve", "--listen", address, "--model", args.model, "--dtype", args.dtype,
+                   "--device", args.device, "--threads", threads, "--max-sessions", sessions,
+                   "--metrics-port", metrics_port, *args.serve_arg],
+                  out_dir / f"bench-edge-{tag}-serve.log", split.server)
+    procs: list[_Proc] = []
+    try:
+        serve.wait_for("listening on")
+        with edgespec.Client(address, timeout=900) as client:
+            ids = _encode(args.model, [q["prompt"] for q in questions])
+            client.generate(prompt_ids=ids[0], max_new_tokens=8)  # warm-up
+            alone = _serve_requests(client, ids, sessions, args.max_new_tokens, None, serve,
+                                    metrics_port, [])
+            devices = [f"board-{i}" for i in range(boards)]
+            board_ports = [free_port() for _ in devices]
+            for dev, mport in zip(devices, board_ports):
+                procs.append(_Proc(["drafter", "--cache", address, "--device-id", dev,
+                                    "--drafter", args.drafter, "--threads",
+                                    args.board_threads, "--metrics-port", mport],
+                                   out_dir / f"bench-edge-{tag}-{dev}.log", split.boards))
+            for p in procs:
+                p.wait_for("attached to")
+            for dev in devices:
+                client.generate(prompt_ids=ids[0], max_new_tokens=8, device_id=dev)
+            edge = _serve_requests(client, ids, sessions, args.max_new_tokens, devices, serve,
+                                   metrics_port, list(zip(devices, board_ports, procs)))
+    finally:
+        for p in [*procs, serve]:
+            p.stop()
+    return _compare(sessions, boards, alone, edge, split)
+
+
+def _encode(model: str, prompts: list[str]) -> list[list[int]]:
+    """The prompts through the model's chat template, as the server would encode them."""
+    from transformers import AutoTokenizer
+
+    from edgespec.models.loading import encode_prompt, resolve_model_path
+
+    path, gguf = resolve_model_path(model)
+    tokenizer = AutoTokenizer.from_pretrained(path, gguf_file=gguf)
+    return [encode_prompt(tokenizer, p) for p in prompts]
+
+
+def _serve_requests(client, ids: list[list[int]], sessions: int, max_new_tokens: int,
+                    devices: list[str] | None, serve: _Proc, metrics_port: int,
+                    boards: list) -> dict:
+    """Every prompt once, ``sessions`` at a time (client thread i sends prompts i, i +
+    sessions, ... pinned to board i mod boards); the figures of the run."""
+    from edgespec_cli.simulate.records import RequestRecord
+
+    records: list[RequestRecord | None] = [None] * len(ids)
+
+    def client_thread(i: int) -> None:
+        for k in range(i, len(ids), sessions):
+            rec = RequestRecord(devices[i % len(devices)] if devices else "server", "", "",
+                                ids[k], time.monotonic())
+            for piece in client.stream(prompt_ids=ids[k], raw=True,
+                                       max_new_tokens=max_new_tokens, device_id=None
+                                       if devices is None else rec.device_id):
+                now = time.monotonic()
+                rec.tokens.extend(piece.token_ids)
+                rec.token_times.extend([now] * len(piece.token_ids))
+                if piece.stats:
+                    rec.drafted = int(piece.stats.get("drafted", 0))
+                    rec.accepted = int(piece.stats.get("accepted", 0))
+            records[k] = rec
+
+    before = scrape(metrics_port)
+    board_before = [(scrape(p), proc.cpu_s()) for _, p, proc in boards]
+    cpu0, t0 = serve.cpu_s(), time.monotonic()
+    workers = [threading.Thread(target=client_thread, args=(i,)) for i in range(sessions)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    wall, cpu1 = time.monotonic() - t0, serve.cpu_s()
+    after = scrape(metrics_port)
+    done = [r for r in records if r is not None]
+    per_board = []
+    for (dev, port, proc), (b_before, b_cpu0) in zip(boards, board_before):
+        b_after, b_cpu1 = scrape(port), proc.cpu_s()
+        per_board.append(_board_figures(dev, before, after, b_before, b_after,
+                                        None if b_cpu0 is None or b_cpu1 is None
+                                        else b_cpu1 - b_cpu0, wall))
+    return {"records": done, "wall_s": wall,
+            "server_cpu_s": None if cpu0 is None or cpu1 is None else cpu1 - cpu0,
+            "forwards": delta(after, before, "edgespec:batch_size_sessions_count"),
+            "boards": per_board}
+
+
+def _board_figures(dev: str, before: dict, after: dict, b_before: dict, b_after: dict,
+                   cpu_s: float | None, wall: float) -> dict:
+    steps = delta(after, before, "edgespec:drafter_session_steps_total", device=dev)
+    ready = delta(after, before, "edgespec:drafter_ready_drafts_total", device=dev)
+    verified = delta(after, before, "edgespec:drafter_verified_drafts_total", device=dev)
+    board: dict = {k: delta(b_after, b_before, f"edgespec:drafter_{k}_total")
+                   for k in ("chunks_sent", "draft_tokens", "chunks_drafted", "chunks_resent",
+                             "tokens_kept", "tokens_discarded", "fixes_received")}
+    board["chunks_dropped"] = {r: delta(b_after, b_before, "edgespec:drafter_chunks_dropped_total",
+                                        reason=r) for r in ("disagreed", "closed", "failed")}
+    return {"device": dev, "session_steps": steps,
+            "ready_share": ready / steps if steps else None,
+            "verified_share": verified / steps if steps else None,
+            "cpu_s": cpu_s, **board}
+
+
+def _compare(sessions: int, boards: int, alone: dict, edge: dict, split) -> dict:
+    from edgespec_cli.simulate.report import inter_token_latencies, nearest_rank
+
+    def figures(run: dict) -> dict:
+        recs = run["records"]
+        tokens = sum(len(r.tokens) for r in recs)
+        itl = [x for r in recs for x in inter_token_latencies(r)]
+        return {"tokens": tokens, "wall_s": run["wall_s"],
+                "tokens_per_s": tokens / run["wall_s"] if run["wall_s"] else None,
+                "itl_p50_ms": _ms(nearest_rank(itl, 50)), "itl_p99_ms": _ms(nearest_rank(itl, 99)),
+                "server_cpu_ms_per_token": None if not tokens or run["server_cpu_s"] is None
+                else 1000 * run["server_cpu_s"] / tokens,
+                "tokens_per_forward": tokens / run["forwards"] if run["forwards"] else None,
+                "drafted": sum(r.drafted for r in recs),
+                "accepted": sum(r.accepted for r in recs)}
+
+    a, e = figures(alone), figures(edge)
+    board_cpu = [b["cpu_s"] for b in edge["boards"]]
+    busy = None if None in board_cpu else busy_share(sum(board_cpu), edge["wall_s"],
+                                                       len(split.boards))
+    return {"sessions": sessions, "boards": boards, "server_only": a, "edge": e,
+            "throughput_ratio": _ratio(e["tokens_per_s"], a["tokens_per_s"]),
+            "server_cpu_per_token_ratio": _ratio(e["server_cpu_ms_per_token"],
+                                                 a["server_cpu_ms_per_token"]),
+            "boards_busy": busy,
+            "bound_by_boards": busy is not None and busy >= BOUND_SHARE,
+            "per_board": edge["boards"],
+            "identical": [r.tokens for r in alone["records"]] ==
+            [r.tokens for r in edge["records"]]}
+
+
+def _ms(x: float | None) -> float | None:
+    return None if x is None else 1000 * x
+
+
+def _ratio(a, b):
+    return a / b if a is not None and b else None
+
+
+def _f(x, digits: int = 1) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def format_table(report: dict) -> str:
+    lines = [f"{'fleet':<7} {'alone tok/s':>11} {'edge tok/s':>10} {'ratio':>6} "
+             f"{'ITL p99 ms':>14} {'server ms/tok':>14} {'tok/fwd':>9} {'same':>5}"]
+    for f in report["fleets"]:
+        a, e = f["server_only"], f["edge"]
+        lines.append(
+            f"{f['sessions']}x{f['boards']:<5} {_f(a['tokens_per_s']):>11} "
+            f"{_f(e['tokens_per_s']):>10} {_f(f['throughput_ratio'], 2):>6} "
+            f"{_f(a['itl_p99_ms'], 0):>6}/{_f(e['itl_p99_ms'], 0):<7} "
+            f"{_f(a['server_cpu_ms_per_token'], 1):>6}/{_f(e['server_cpu_ms_per_token'], 1):<7} "
+            f"{_f(a['tokens_per_forward'], 2):>4}/{_f(e['tokens_per_forward'], 2):<4} "
+            f"{f['identical']!s:>5}")
+    lines.append("(ITL, server CPU and tokens a forward: server-only / edge drafting)")
+    for f in report["fleets"]:
+        for b in f["per_board"]:
+            lines.append(
+                f"  {f['sessions']}x{f['boards']} {b['device']}: draft ready in "
+                f"{_f(100 * b['ready_share'] if b['ready_share'] is not None else None, 0)}% "
+                f"and verified in "
+                f"{_f(100 * b['verified_share'] if b['verified_share'] is not None else None, 0)}"
+                f"% of {b['session_steps']:.0f} session steps; chunks sent "
+                f"{b['chunks_sent']:.0f} (resent {b['chunks_resent']:.0f}), tokens kept "
+                f"across fixes {b['tokens_kept']:.0f}, discarded {b['tokens_discarded']:.0f}")
+        if f["bound_by_boards"]:
+            lines.append(f"  {f['sessions']}x{f['boards']}: BOUND BY the boards' cores "
+                         f"({_f(100 * f['boards_busy'], 0)}% busy)")
+    return "\n".join(lines)
