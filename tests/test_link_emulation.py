@@ -301,11 +301,12 @@ def test_split_host_port():
 def test_shipped_profiles_are_valid_and_their_drafters_parse():
     from edgespec.drafters import parse_drafter_spec
 
-    assert {"local", "rpi5", "jetson-orin-nano", "phone-lte"} <= set(PROFILES)
+    assert {"local", "rpi5", "jetson-orin-nano", "phone-lte", "rpi5-llamacpp",
+            "jetson-orin-nano-llamacpp", "local-llamacpp"} <= set(PROFILES)
     for name, profile in PROFILES.items():
         assert profile.name == name and profile.description
         assert profile.compute_slowdown >= 1
-        parse_drafter_spec(profile.drafter, allowed=("mag", "model"))
+        parse_drafter_spec(profile.drafter, allowed=("mag", "model", "llamacpp"))
     local = PROFILES["local"]
     assert local.compute_slowdown == 1 and local.link.rtt_ms == 0 and not local.link.loss
 

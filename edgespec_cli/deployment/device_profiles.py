@@ -96,6 +96,22 @@ PROFILES: dict[str, DeviceProfile] = {p.name: p for p in (
     DeviceProfile("phone-lte", "mag", 2.0,
                   LinkProfile(rtt_ms=50, jitter_ms=15, loss=0.005, bandwidth_mbps=6),
                   "a mid-range phone on LTE, verifier in a cloud region"),
+    # Boards that draft with a model, as boards do: the default model's Q4_1 GGUF run by
+    # llama.cpp on the board's CPU cores (the llamacpp extra). The compute factors are the
+    # boards' single-core factors above: llama.cpp's decode of a 135M model is bound by the
+    # core's arithmetic and its caches as MaG's look-ups are by the core, so the same ratio is
+    # the assumption here (not a measured llama.cpp figure on the boards).
+    DeviceProfile("rpi5-llamacpp", "llamacpp:default", 3.0,
+                  LinkProfile(rtt_ms=5, jitter_ms=5, loss=0.005, bandwidth_mbps=100),
+                  "Raspberry Pi 5 class board drafting with llama.cpp (the default model's "
+                  "GGUF), on Wi-Fi"),
+    DeviceProfile("jetson-orin-nano-llamacpp", "llamacpp:default", 4.0,
+                  LinkProfile(rtt_ms=1, jitter_ms=0.2, loss=0.0, bandwidth_mbps=940),
+                  "Jetson Orin Nano class board drafting with llama.cpp on its CPU, wired "
+                  "gigabit Ethernet"),
+    # A board at this machine's speed drafting with llama.cpp: what bench-edge's boards are.
+    DeviceProfile("local-llamacpp", "llamacpp:default", 1.0, LinkProfile(rtt_ms=0),
+                  "this machine's speed drafting with llama.cpp, no added network delay"),
 )}
 
 

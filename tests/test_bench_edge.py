@@ -1,0 +1,48 @@
+"""``edgespec bench-edge`` end to end on the tiny looping model: a real ``edgespec serve`` on the
+server's core and a MaG ``edgespec drafter`` on the boards', the same requests with and without
+the board; the report's figures, and outputs identical both ways. Plus its option parsing."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from edgespec.config import ConfigError
+from edgespec_cli.bench.edge_vs_server import parse_fleets
+
+
+def test_fleet_settings_parse_and_bad_ones_are_refused():
+    assert parse_fleets("1x1,4X2") == [(1, 1), (4, 2)]
+    for bad in ["4", "0x1", "2x0", "axb", ""]:
+        with pytest.raises(ConfigError):
+            parse_fleets(bad)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores")
+def test_edge_drafting_against_the_server_alone_as_processes(looping_dir, tmp_path):
+    out = tmp_path / "bench-edge.json"
+    r = subprocess.run(
+        [sys.executable, "-m", "edgespec_cli", "bench-edge", "--model", str(looping_dir),
+         "--dtype", "float32", "--fleets", "2x1", "--drafter", "mag", "--categories", "qa",
+         "summarization", "--max-new-tokens", "24", "--json", str(out)],
+        capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    report = json.loads(out.read_text())
+    [fleet] = report["fleets"]
+    assert fleet["identical"] and (fleet["sessions"], fleet["boards"]) == (2, 1)
+    alone, edge = fleet["server_only"], fleet["edge"]
+    assert alone["tokens"] == edge["tokens"] > 0
+    assert alone["drafted"] == 0 and edge["drafted"] > 0  # no board, then one
+    for side in (alone, edge):
+        assert side["tokens_per_s"] > 0 and side["server_cpu_ms_per_token"] > 0
+        assert side["tokens_per_forward"] >= 1
+    [board] = fleet["per_board"]
+    assert board["device"] == "board-0" and board["session_steps"] > 0
+    assert 0 <= board["verified_share"] <= 1 and board["chunks_sent"] > 0
+    assert "server on cpus" in report["config"]["split"]
+    assert "2x1" in r.stdout and "draft ready in" in r.stdout
