@@ -40,7 +40,7 @@ def test_edge_drafting_against_the_server_alone_as_processes(looping_dir, tmp_pa
     assert alone["drafted"] == 0 and edge["drafted"] > 0  # no board, then one
     for side in (alone, edge):
         assert side["tokens_per_s"] > 0 and side["server_cpu_ms_per_token"] > 0
-        assert side["tokens_per_forward"] >= 1
+        assert side["tokens_per_forward"] >= 1 and side["step_ms"]["forward"] > 0
     [board] = fleet["per_board"]
     assert board["device"] == "board-0" and board["session_steps"] > 0
     assert 0 <= board["verified_share"] <= 1 and board["chunks_sent"] > 0

@@ -162,7 +162,8 @@ def _measure_fleet(args, split, threads: int, sessions: int, boards: int, questi
     try:
         serve.wait_for("listening on")
         with edgespec.Client(address, timeout=900) as client:
-            ids = _encode(args.model, [q["prompt"] for q in questions])
+            ids = _fitting(_encode(args.model, [q["prompt"] for q in questions]),
+                           args.max_new_tokens)
             client.generate(prompt_ids=ids[0], max_new_tokens=8)  # warm-up
             alone = _serve_requests(client, ids, sessions, args.max_new_tokens, None, serve,
                                     metrics_port, [])
@@ -183,6 +184,20 @@ def _measure_fleet(args, split, threads: int, sessions: int, boards: int, questi
         for p in [*procs, serve]:
             p.stop()
     return _compare(sessions, boards, alone, edge, split)
+
+
+def _fitting(ids: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """The prompts that fit a session's context with their output (the server's default)."""
+    from edgespec.config import EngineConfig
+
+    limit = EngineConfig().max_context
+    fit = [p for p in ids if len(p) + max_new_tokens <= limit]
+    if len(fit) < len(ids):
+        print(f"bench-edge: {len(ids) - len(fit)} prompt(s) longer than {limit} tokens with "
+              f"their output left out", file=sys.stderr, flush=True)
+    if not fit:
+        raise ConfigError(f"no prompt fits {limit} tokens with --max-new-tokens {max_new_tokens}")
+    return fit
 
 
 def _encode(model: str, prompts: list[str]) -> list[list[int]]:
@@ -237,10 +252,12 @@ def _serve_requests(client, ids: list[list[int]], sessions: int, max_new_tokens:
         per_board.append(_board_figures(dev, before, after, b_before, b_after,
                                         None if b_cpu0 is None or b_cpu1 is None
                                         else b_cpu1 - b_cpu0, wall))
+    forwards = delta(after, before, "edgespec:batch_size_sessions_count")
+    step_ms = {phase: 1000 * delta(after, before, "edgespec:step_seconds_sum", phase=phase)
+               / forwards if forwards else None for phase in ("wait", "forward", "commit")}
     return {"records": done, "wall_s": wall,
             "server_cpu_s": None if cpu0 is None or cpu1 is None else cpu1 - cpu0,
-            "forwards": delta(after, before, "edgespec:batch_size_sessions_count"),
-            "boards": per_board}
+            "forwards": forwards, "step_ms": step_ms, "boards": per_board}
 
 
 def _board_figures(dev: str, before: dict, after: dict, b_before: dict, b_after: dict,
@@ -273,7 +290,8 @@ def _compare(sessions: int, boards: int, alone: dict, edge: dict, split) -> dict
                 else 1000 * run["server_cpu_s"] / tokens,
                 "tokens_per_forward": tokens / run["forwards"] if run["forwards"] else None,
                 "drafted": sum(r.drafted for r in recs),
-                "accepted": sum(r.accepted for r in recs)}
+                "accepted": sum(r.accepted for r in recs),
+                "steps": run["forwards"], "step_ms": run["step_ms"]}
 
     a, e = figures(alone), figures(edge)
     board_cpu = [b["cpu_s"] for b in edge["boards"]]
@@ -315,6 +333,12 @@ def format_table(report: dict) -> str:
             f"{_f(a['tokens_per_forward'], 2):>4}/{_f(e['tokens_per_forward'], 2):<4} "
             f"{f['identical']!s:>5}")
     lines.append("(ITL, server CPU and tokens a forward: server-only / edge drafting)")
+    for f in report["fleets"]:
+        for name, side in (("server-only", f["server_only"]), ("edge", f["edge"])):
+            ms = side["step_ms"]
+            lines.append(f"  {f['sessions']}x{f['boards']} {name:<11} ms a step: wait "
+                         f"{_f(ms['wait'], 1)}, forward {_f(ms['forward'], 1)}, commit "
+                         f"{_f(ms['commit'], 1)} ({side['steps']:.0f} steps)")
     for f in report["fleets"]:
         for b in f["per_board"]:
             lines.append(
