@@ -107,6 +107,20 @@ def add_simulate_command(sub) -> None:
     s.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
                    help="the verifier's steps replayed as CUDA graphs (default: on with "
                         "--device cuda; see serve --cuda-graphs)")
+    s.add_argument("--project-on", metavar="SITTING.json", default=None,
+                   help="run no fleet: project one on a GPU server from a GPU sitting's step "
+                        "costs (scripts/gpu_sitting.sh's JSON) and drafters' acceptance and "
+                        "speed measured here (--acceptance-from, --acceptance), against "
+                        "server-only decoding on the same GPU, for each --devices count; a "
+                        "projection, printed with its assumptions")
+    s.add_argument("--shape", default="8b",
+                   help="with --project-on: the sitting's model shape (default: %(default)s)")
+    s.add_argument("--acceptance-from", metavar="FILE", nargs="+", default=[],
+                   help="with --project-on: edgespec bench-edge JSON files; each gives its "
+                        "drafter's acceptance and one board's drafting speed")
+    s.add_argument("--acceptance", metavar="NAME=ALPHA[@TOK_S],...", default="",
+                   help="with --project-on: drafters given by hand: their draft tokens' "
+                        "acceptance and, optionally, one board's draft tokens/s")
     add_threads_arg(s)
     add_dtype_arg(s, "the verifier's ")
     add_tree_width_arg(s)
@@ -135,8 +149,12 @@ def check_args(args) -> tuple[list[int], list]:
             raise ConfigError(f"--{name.replace('_', '-')} must be > 0")
     if args.find_capacity and (args.slo is None or args.slo <= 0):
         raise ConfigError("--find-capacity needs --slo TOKENS_PER_S > 0")
-    if args.slo is not None and not args.find_capacity:
-        raise ConfigError("--slo is for --find-capacity")
+    if args.slo is not None and not (args.find_capacity or args.project_on):
+        raise ConfigError("--slo is for --find-capacity (or --project-on)")
+    if args.slo is not None and args.slo <= 0:
+        raise ConfigError("--slo must be > 0")
+    if (args.acceptance_from or args.acceptance) and not args.project_on:
+        raise ConfigError("--acceptance-from and --acceptance are for --project-on")
     if not 1 <= args.tree_width <= 16:
         raise ConfigError(f"--tree-width must be in [1, 16], got {args.tree_width}")
     check_model_arg(args.model)
@@ -193,7 +211,9 @@ def start_ray(address: str | None) -> None:
 
 def cmd_simulate(args: argparse.Namespace) -> int:
     """Run the fleet (each device count, batching on and/or off), check the outputs against
-    target-only, and report."""
+    target-only, and report (or, with --project-on, project one)."""
+    if args.project_on:
+        return cmd_project(args)
     _prepare_ray_env(args)
     counts, profiles = check_args(args)
     try:
@@ -241,6 +261,36 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     if lossless is not None and not lossless["ok"]:
         print("simulate: warning: some devices finished no request, so their output was not "
               "checked (see error_samples in the report)", file=sys.stderr)
+    return 0
+
+
+def cmd_project(args: argparse.Namespace) -> int:
+    """--project-on: the fleet on a GPU server, projected (``projection``); no fleet runs."""
+    import json
+
+    from . import projection as proj
+    from .report import write_json
+
+    counts = parse_devices(args.devices)
+    if args.slo is not None and args.slo <= 0:
+        raise ConfigError("--slo must be > 0")
+    try:
+        with open(args.project_on) as f:
+            sitting = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"--project-on {args.project_on}: {e}") from None
+    traces = proj.traces_from_bench_edge(args.acceptance_from) + \
+        proj.parse_acceptance(args.acceptance)
+    if not traces:
+        raise ConfigError("--project-on needs drafters: --acceptance-from bench-edge JSON "
+                          "files, or --acceptance NAME=ALPHA")
+    report = proj.build_projection(sitting, args.shape, traces, counts, args.slo,
+                                   args.max_devices)
+    report["sitting"] = args.project_on
+    print(proj.format_projection(report))
+    if args.json:
+        print(f"simulate: projection written to {write_json(report, args.json)}",
+              file=sys.stderr)
     return 0
 
 
