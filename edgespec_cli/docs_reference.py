@@ -22,7 +22,7 @@ GUIDES = {
     "generate": "../generate.md",
     "models": "../install.md#the-default-model",
     "bench": "../benchmarks.md", "bench-net": "../benchmarks.md",
-    "bench-edge": "../benchmarks.md",
+    "bench-edge": "../benchmarks.md", "bench-host": "../benchmarks.md",
     "bench-drafters": "../benchmarks.md", "bench-forward": "../benchmarks.md",
     "bench-learn": "../benchmarks.md",
     "serve": "../serving.md", "verifier": "../serving.md", "cache": "../serving.md",

@@ -6,6 +6,7 @@
     edgespec bench [--categories ...] [--per-category N] [--max-new-tokens N] [--full] [--json FILE]
     edgespec bench-net [--categories ...] [--per-category N] [--max-new-tokens N] [--json FILE]
     edgespec bench-edge [--fleets SxB,...] [--drafter SPEC] [--server-cpus CPUS] [--json FILE]
+    edgespec bench-host [--sessions N,...] [--drafters LIST] [--stores local,redis] [--json FILE]
     edgespec bench-drafters [--drafters LIST] [--draft-tokens N] [--json FILE]
     edgespec bench-learn --head DIR [--category CAT] [--requests N] [--json FILE] [--plot FILE]
     edgespec bench-pad [--classifier DIR] [--task NAME] [--sigmas LIST] [--json FILE] [--plot FILE]
@@ -218,8 +219,8 @@ def _add_models(sub) -> None:
 
 
 def _add_benchmarks(sub) -> None:
-    """bench, bench-net, bench-edge, bench-drafters, bench-forward, bench-learn and
-    bench-pad."""
+    """bench, bench-net, bench-edge, bench-host, bench-drafters, bench-forward, bench-learn
+    and bench-pad."""
     b = sub.add_parser("bench", help="Spec-Bench: edgespec against target-only and transformers")
     from .bench.run import add_bench_args
 
@@ -248,6 +249,13 @@ def _add_benchmarks(sub) -> None:
     add_model_args(e)
     add_threads_arg(e)
     e.set_defaults(func=run_bench_edge)
+
+    h = sub.add_parser("bench-host", help="the engine's host work per step and session, the "
+                                          "device answering at once: microseconds a stage")
+    from .bench.host_cost import add_bench_host_args, run_bench_host
+
+    add_bench_host_args(h)
+    h.set_defaults(func=run_bench_host)
 
     d = sub.add_parser("bench-drafters", help="draft tokens/s of each drafter on Spec-Bench "
                                               "prompts (torch against llama.cpp, say)")

@@ -1,0 +1,283 @@
+"""``edgespec bench-host``: the engine's host work per step and session, apart from the device.
+
+The verifier's step does host work that does not depend on the model: planning, taking drafts
+from the store, proposing, building rows, the verification's host part, deciding, placing tree
+paths, committing, applying. On a GPU the forward is fast and this work bounds a fleet. Here it
+is measured alone: ``InstantRunner`` stands in for the target runner (slots and lengths as the
+real KV cache keeps them, no weights) and answers a step at once with deterministic logits,
+each row's next token a fixed function of its context (the token before it and its position):
+with probability ``--right`` the next step of a cycle MaG can learn, else a hashed token, so
+drafts are right about that often. Everything else is the product's own: the engine, the
+in-process store with its drafting thread (MaG, Cacheback, trees), or the Redis store (embedded
+Redis, target-only: no board drafts through it here).
+
+Per setting (store x drafter x sessions) it runs ``generate_many`` of that many prompts,
+``--new-tokens`` each, after a warm-up of the same size, with torch on one thread, and times
+each stage of every step by wrapping the engine's own stage methods: microseconds a step and a
+session-step for plan, take, propose, verify (rows + the runner's answer + the verification's
+host part; the runner's own time is reported apart as ``runner``), decide, place and commit
+(with apply), and tokens per second.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import TYPE_CHECKING, cast
+
+import torch
+
+from edgespec.config import ConfigError, EngineConfig
+
+if TYPE_CHECKING:
+    from edgespec.runner.target_runner import TargetRunner
+
+STAGES = ("plan", "take", "propose", "verify", "decide", "place", "commit")
+VOCAB = 512
+CYCLE = 24  # the target's cycles: what MaG can learn from the context
+
+
+class _Lengths:
+    """The KV cache's bookkeeping (``kv_cache.KVCache``'s slots and lengths), no tensors."""
+
+    def __init__(self, n_slots: int, max_len: int):
+        self.lengths = [0] * n_slots
+        self._free = list(range(n_slots))
+        self.max_len = max_len
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free)
+
+
+class InstantRunner:
+    """A target runner that answers at once: row b's logits at position t point at
+    ``next_token(token, position)``, a fixed function of the context."""
+
+    def __init__(self, n_slots: int, right: float, max_len: int = 2048, seed: int = 0):
+        g = torch.Generator().manual_seed(seed)
+        perm = torch.randperm(VOCAB, generator=g)
+        cycle_next = torch.empty(VOCAB, dtype=torch.long)
+        for i in range(0, VOCAB, CYCLE):  # cycles of CYCLE tokens through a permutation
+            ring = perm[i:i + CYCLE]
+            cycle_next[ring] = torch.roll(ring, -1)
+        self.cycle_next = cycle_next
+        self.noise = torch.randint(0, VOCAB, (max_len + 64, VOCAB), generator=g)
+        self.off = torch.rand(max_len + 64, generator=g) >= right  # positions off the cycle
+        self.cache = _Lengths(n_slots, max_len)
+        self.vocab_size, self.max_len = VOCAB, max_len
+        self.device, self.dtype = torch.device("cpu"), torch.float32
+        self.runner_s = 0.0  # time spent answering steps
+
+    def new_slot(self) -> int:
+        self.cache._free.sort()
+        slot = self.cache._free.pop(0)
+        self.cache.lengths[slot] = 0
+        return slot
+
+    def free_slot(self, slot: int) -> None:
+        self.cache.lengths[slot] = 0
+        self.cache._free.append(slot)
+
+    def prefill(self, slot: int, tokens: list[int], embeds=None) -> None:
+        self.cache.lengths[slot] = len(tokens)
+
+    def commit(self, slot: int, length: int) -> None:
+        self.cache.lengths[slot] = length
+
+    def compact(self, slot: int, path: list[int]) -> None:
+        self.cache.lengths[slot] += 1 + len(path)
+
+    def next_token(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The target's choice after ``tokens`` at ``positions`` (same shapes)."""
+        positions = positions.clamp(max=self.noise.shape[0] - 1)
+        return torch.where(self.off[positions], self.noise[positions, tokens],
+                           self.cycle_next[tokens])
+
+    def score_rows(self, rows, tap=None):
+        from edgespec.runner.step_rows import Scored
+
+        t0 = time.perf_counter()
+        B, T = rows.tokens.shape
+        positions = rows.start_index[:, None] + rows.depths[:, :T]  # [B, T] tokens' positions
+        nxt = self.next_token(rows.tokens, positions + 1)  # [B, T]
+        logits = torch.zeros(B, T, VOCAB)
+        logits.scatter_(2, nxt[..., None], 10.0)
+        self.runner_s += time.perf_counter() - t0
+        return Scored(logits, torch.zeros(B, T, 8))
+
+
+def add_bench_host_args(p) -> None:
+    p.add_argument("--sessions", default="1,8,64,256", metavar="N[,N...]",
+                   help="sessions decoded together (default: %(default)s)")
+    p.add_argument("--drafters", default="none;mag;mag+cacheback;mag@tree4", metavar="LIST",
+                   help="';'-separated drafters of the in-process store (SPEC@treeN: token "
+                        "trees of width N) (default: %(default)s)")
+    p.add_argument("--stores", default="local,redis", metavar="LIST",
+                   help="local: the in-process store with its drafting thread; redis: the "
+                        "Redis store (embedded Redis), target-only (default: %(default)s)")
+    p.add_argument("--new-tokens", type=int, default=64,
+                   help="tokens per session (default: %(default)s)")
+    p.add_argument("--right", type=float, default=0.9,
+                   help="how often the target's next token follows the cycle MaG can learn "
+                        "(default: %(default)s)")
+    p.add_argument("--json", dest="json_out", default="bench-results/bench-host.json",
+                   metavar="FILE", help="where to write the JSON results (default: %(default)s)")
+
+
+def _settings(args) -> list[tuple[str, str, int]]:
+    try:
+        counts = sorted({int(x) for x in args.sessions.split(",") if x.strip()})
+    except ValueError:
+        raise ConfigError(f"--sessions takes counts like 1,8,64, got {args.sessions!r}") \
+            from None
+    if not counts or counts[0] < 1 or counts[-1] > 1024:
+        raise ConfigError("--sessions must be in [1, 1024]")
+    stores = [s.strip() for s in args.stores.split(",") if s.strip()]
+    if not stores or set(stores) - {"local", "redis"}:
+        raise ConfigError(f"--stores takes local and/or redis, got {args.stores!r}")
+    if not 0 <= args.right <= 1:
+        raise ConfigError("--right must be in [0, 1]")
+    if args.new_tokens < 1:
+        raise ConfigError("--new-tokens must be >= 1")
+    drafters = [d.strip() for d in args.drafters.split(";") if d.strip()]
+    out = []
+    for store in stores:
+        for d in drafters if store == "local" else ["none"]:
+            out += [(store, d, n) for n in counts]
+    return out
+
+
+def _engine(store: str, drafter: str, n: int, right: float):
+    from edgespec.drafters import build_drafter
+    from edgespec.drafters.spec_check import check_drafter_arg
+    from edgespec.engine.spec_engine import SpecEngine
+
+    spec, _, tree = drafter.partition("@tree")
+    width = int(tree) if tree else 1
+    runner = InstantRunner(n, right)
+    target = cast("TargetRunner", runner)  # the runner's interface, answered at once
+    cfg = EngineConfig(max_sessions=n, tree_width=width, draft_wait_ms=0.0)
+    if store == "redis":
+        from cache_service.redis_conn import RedisHandle
+        from cache_service.store import RedisSessionStore
+
+        handle = RedisHandle()
+        engine = SpecEngine(target, None, cfg, set(), store=RedisSessionStore(handle.client,
+                                                                               ttl_s=600))
+        return engine, runner, handle.close
+    built = None if spec == "none" else build_drafter(check_drafter_arg(spec), None, None)
+    return SpecEngine(target, built, cfg, set()), runner, lambda: None
+
+
+def _timed(engine, times: dict[str, float]) -> None:
+    """Wrap the engine's stage methods so that each adds its seconds to ``times``."""
+    names = {"plan": "_plan", "take": "_take", "propose": "_propose", "verify": "_verify",
+             "decide": "_decide", "place": "_place", "commit": "_commit"}
+    for stage, attr in names.items():
+        inner = getattr(engine, attr)
+
+        def timed(*a, _inner=inner, _stage=stage, **kw):
+            t0 = time.perf_counter()
+            try:
+                return _inner(*a, **kw)
+            finally:
+                times[_stage] += time.perf_counter() - t0
+
+        setattr(engine, attr, timed)
+
+
+def _prompts(n: int, runner: InstantRunner) -> list[list[int]]:
+    """n prompts of 64 tokens that follow the target's own choices (MaG finds its cycles)."""
+    out = []
+    for i in range(n):
+        ids = [int((i * 37) % VOCAB)]
+        for pos in range(1, 64):
+            ids.append(int(runner.next_token(torch.tensor([ids[-1]]), torch.tensor([pos]))[0]))
+        out.append(ids)
+    return out
+
+
+def measure(store: str, drafter: str, n: int, new_tokens: int, right: float) -> dict:
+    from edgespec.config import SamplingParams
+    from edgespec.engine.generation import Request
+
+    engine, runner, close = _engine(store, drafter, n, right)
+    try:
+        prompts = _prompts(n, runner)
+
+        def run() -> tuple[float, int, list]:
+            reqs = [Request(list(p), new_tokens, SamplingParams()) for p in prompts]
+            t0 = time.perf_counter()
+            results = engine.generate_many(reqs)
+            return time.perf_counter() - t0, sum(len(r.token_ids) for r in results), results
+
+        run()  # warm-up: the same size
+        times: dict[str, float] = defaultdict(float)
+        _timed(engine, times)
+        runner.runner_s = 0.0
+        counted = {"steps": 0, "session_steps": 0}
+        step = engine.step
+
+        def counting_step():
+            counted["session_steps"] += len(engine.active)
+            counted["steps"] += 1
+            return step()
+
+        engine.step = counting_step
+        wall, tokens, results = run()
+    finally:
+        engine.close()
+        close()
+    steps, sess = max(1, counted["steps"]), max(1, counted["session_steps"])
+    stage_us = {k: 1e6 * times[k] / steps for k in STAGES}
+    stage_us["runner"] = 1e6 * runner.runner_s / steps
+    host_s = wall - runner.runner_s
+    drafted = sum(r.stats.draft_tokens for r in results)
+    accepted = sum(r.stats.accepted_tokens for r in results)
+    return {"store": store, "drafter": drafter, "sessions": n, "steps": counted["steps"],
+            "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall if wall else None,
+            "us_per_step": stage_us, "host_us_per_step": 1e6 * host_s / steps,
+            "host_us_per_session_step": 1e6 * host_s / sess,
+            "us_per_session_step": {k: v * steps / sess for k, v in stage_us.items()},
+            "acceptance_rate": accepted / drafted if drafted else None}
+
+
+def run_bench_host(args) -> int:
+    from edgespec.runner.cpu_kind import cpu_kind
+    from edgespec.runner.threads import set_threads
+
+    settings = _settings(args)
+    set_threads(1)
+    print("bench-host: torch on 1 thread; the runner answers at once (InstantRunner)",
+          file=sys.stderr, flush=True)
+    rows = []
+    for store, drafter, n in settings:
+        print(f"bench-host: {store} store, drafter {drafter}, {n} session(s)", file=sys.stderr,
+              flush=True)
+        rows.append(measure(store, drafter, n, args.new_tokens, args.right))
+    report = {"config": {"new_tokens": args.new_tokens, "right": args.right, "threads": 1,
+                         "cpu": cpu_kind().as_json()}, "results": rows}
+    print(f"machine: {cpu_kind().describe()}")
+    print(format_table(report))
+    Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json_out).write_text(json.dumps(report, indent=1))
+    print(f"wrote {args.json_out}", file=sys.stderr)
+    return 0
+
+
+def format_table(report: dict) -> str:
+    head = (f"{'store':<6} {'drafter':<14} {'sess':>4} {'tok/s':>8} {'host us/step':>12} "
+            f"{'us/sess-step':>12}  " + " ".join(f"{s:>7}" for s in (*STAGES, "runner")))
+    lines = [head, "(stage columns: microseconds a step)"]
+    for r in report["results"]:
+        us = r["us_per_step"]
+        lines.append(
+            f"{r['store']:<6} {r['drafter']:<14} {r['sessions']:>4} "
+            f"{r['tokens_per_s'] or 0:>8.0f} {r['host_us_per_step']:>12.0f} "
+            f"{r['host_us_per_session_step']:>12.1f}  "
+            + " ".join(f"{us[s]:>7.0f}" for s in (*STAGES, "runner")))
+    return "\n".join(lines)

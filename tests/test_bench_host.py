@@ -1,0 +1,55 @@
+"""``edgespec bench-host``: the engine's host work with a runner that answers at once. The
+instant runner's answers follow its rule, a MaG fleet drafts and gets drafts accepted through
+the real engine and store, every stage is timed, and the command writes its table and JSON."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from cli_inprocess import run_cli
+
+from edgespec_cli.bench.host_cost import STAGES, InstantRunner, measure
+
+
+def test_the_instant_runner_follows_its_cycle_as_often_as_asked():
+    runner = InstantRunner(2, right=1.0)
+    tokens = torch.arange(0, 48).reshape(2, 24)
+    positions = torch.full_like(tokens, 5)
+    nxt = runner.next_token(tokens, positions)
+    assert torch.equal(nxt, runner.cycle_next[tokens])
+    never = InstantRunner(2, right=0.0)
+    off = never.next_token(tokens, positions)
+    assert torch.equal(off, never.noise[5, tokens])
+    seq = [3]  # a cycle of CYCLE tokens comes back to its start
+    for pos in range(24):
+        seq.append(int(runner.next_token(torch.tensor([seq[-1]]), torch.tensor([pos]))[0]))
+    assert seq[-1] == seq[0] and len(set(seq[:-1])) == 24
+
+
+@pytest.mark.parametrize("store, drafter", [("local", "none"), ("local", "mag"),
+                                            ("local", "mag@tree3"), ("redis", "none")])
+def test_every_stage_is_timed_and_mag_drafts_are_accepted(store, drafter):
+    r = measure(store, drafter, 4, 24, right=1.0)
+    assert r["tokens"] == 4 * 24 and r["steps"] > 0
+    assert set(r["us_per_step"]) == {*STAGES, "runner"}
+    assert all(v >= 0 for v in r["us_per_step"].values())
+    assert r["us_per_step"]["verify"] >= r["us_per_step"]["runner"] > 0
+    assert r["host_us_per_session_step"] > 0
+    if drafter == "none":
+        assert r["acceptance_rate"] is None and r["steps"] == 24
+    else:  # the target follows its cycle: MaG learns it and fewer steps are needed
+        assert r["acceptance_rate"] > 0.5 and r["steps"] < 24
+
+
+def test_bench_host_command_writes_its_table_and_json(tmp_path):
+    out = tmp_path / "host.json"
+    r = run_cli("bench-host", "--sessions", "2", "--drafters", "mag", "--stores", "local",
+                "--new-tokens", "8", "--json", str(out))
+    assert r.returncode == 0, r.stderr
+    assert "host us/step" in r.stdout and "local  mag" in r.stdout
+    [row] = json.loads(out.read_text())["results"]
+    assert (row["store"], row["drafter"], row["sessions"]) == ("local", "mag", 2)
+    bad = run_cli("bench-host", "--stores", "disk")
+    assert bad.returncode == 2 and "--stores" in bad.stderr
