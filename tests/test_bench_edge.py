@@ -29,7 +29,8 @@ def test_edge_drafting_against_the_server_alone_as_processes(looping_dir, tmp_pa
     r = subprocess.run(
         [sys.executable, "-m", "edgespec_cli", "bench-edge", "--model", str(looping_dir),
          "--dtype", "float32", "--fleets", "2x1", "--drafter", "mag", "--categories", "qa",
-         "summarization", "--max-new-tokens", "24", "--json", str(out)],
+         "summarization", "--max-new-tokens", "24", "--json", str(out), "--plot",
+         str(tmp_path / "edge.png")],
         capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     report = json.loads(out.read_text())
@@ -46,3 +47,4 @@ def test_edge_drafting_against_the_server_alone_as_processes(looping_dir, tmp_pa
     assert 0 <= board["verified_share"] <= 1 and board["chunks_sent"] > 0
     assert "server on cpus" in report["config"]["split"]
     assert "2x1" in r.stdout and "draft ready in" in r.stdout
+    assert (tmp_path / "edge.png").read_bytes().startswith(b"\x89PNG")

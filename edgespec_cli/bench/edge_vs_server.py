@@ -54,6 +54,9 @@ def add_bench_edge_args(p) -> None:
                         "(repeatable)")
     p.add_argument("--json", dest="json_out", default="bench-results/bench-edge.json",
                    metavar="FILE", help="where to write the JSON results (default: %(default)s)")
+    p.add_argument("--plot", metavar="FILE.png", default=None,
+                   help="draw throughput and p99 inter-token latency per setting, edge "
+                        "drafting against server-only, into this PNG (default: none)")
 
 
 def parse_fleets(text: str) -> list[tuple[int, int]]:
@@ -144,7 +147,42 @@ def run_bench_edge(args) -> int:
     print(format_table(report))
     Path(args.json_out).write_text(json.dumps(report, indent=1))
     print(f"wrote {args.json_out}", file=sys.stderr)
+    if args.plot:
+        print(f"wrote {plot_report(report, args.plot)}", file=sys.stderr)
     return 0 if all(r["identical"] for r in results) else 1
+
+
+def plot_report(report: dict, path: str) -> str:
+    """Two panels: tokens/s and ITL p99 per setting, server-only against edge drafting, each
+    bar labelled with its value; the settings and the drafter in the caption."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fleets = report["fleets"]
+    names = [f"{f['sessions']} sess / {f['boards']} board(s)" for f in fleets]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4.5))
+    for ax, key, label in ((axes[0], "tokens_per_s", "system tokens/s"),
+                           (axes[1], "itl_p99_ms", "ITL p99 (ms)")):
+        for i, (side, color) in enumerate((("server_only", "tab:green"), ("edge", "tab:blue"))):
+            ys = [f[side][key] or 0.0 for f in fleets]
+            bars = ax.bar([x + (i - 0.5) * 0.4 for x in range(len(fleets))], ys, 0.4,
+                          color=color, label="server only" if side == "server_only"
+                          else f"edge drafting ({report['config']['drafter']})")
+            ax.bar_label(bars, labels=[f"{y:.3g}" for y in ys], fontsize=7, padding=2)
+        ax.set_xticks(range(len(fleets)), names, fontsize=8)
+        ax.set_ylabel(label)
+        ax.margins(y=0.15)
+        ax.legend(fontsize=7)
+    c = report["config"]
+    fig.text(0.01, 0.01, f"{c['split']}; model {c['model']}; {c['questions']} Spec-Bench "
+             f"questions, {c['max_new_tokens']} new tokens; same requests both ways",
+             fontsize=7, color="dimgray")
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
 
 
 def _measure_fleet(args, split, threads: int, sessions: int, boards: int, questions,

@@ -166,9 +166,14 @@ def _engine(store: str, drafter: str, n: int, right: float):
         from cache_service.store import RedisSessionStore
 
         handle = RedisHandle()
-        engine = SpecEngine(target, None, cfg, set(), store=RedisSessionStore(handle.client,
-                                                                               ttl_s=600))
-        return engine, runner, handle.close
+        redis_store = RedisSessionStore(handle.client, ttl_s=600)
+        engine = SpecEngine(target, None, cfg, set(), store=redis_store)
+
+        def close() -> None:
+            redis_store.shutdown()  # its threads first, then the Redis they read
+            handle.close()
+
+        return engine, runner, close
     built = None if spec == "none" else build_drafter(check_drafter_arg(spec), None, None)
     return SpecEngine(target, built, cfg, set()), runner, lambda: None
 
