@@ -11,6 +11,8 @@ receiving its ChunkAck, matched by (session id, start)).
 
 The drafting loop's own counts (``edgespec.drafters.chunk_pace.LoopCounts``, read at scrape
 time): ``edgespec:drafter_chunks_drafted_total`` (drafting jobs that drafted a token),
+``edgespec:drafter_tokens_drafted_total`` (tokens drafted, each once; ``draft_tokens`` counts
+every token sent, again when sent again),
 ``edgespec:drafter_chunks_dropped_total{reason}`` (drafted chunks never sent: ``disagreed``, a
 fix threw their tokens away; ``closed``, the session ended meanwhile; ``failed``),
 ``edgespec:drafter_chunks_resent_total`` (chunks of tokens a fix agreed with, sent again at the
@@ -127,6 +129,8 @@ class _LoopCollector(Collector):
         for name, text, v in [
                 ("chunks_drafted", "Drafting jobs that drafted at least one token",
                  c.chunks_drafted),
+                ("tokens_drafted", "Tokens drafted (each once, sent or not)",
+                 c.tokens_drafted),
                 ("chunks_resent", "Chunks of drafted tokens a fix agreed with, sent again",
                  c.chunks_resent),
                 ("tokens_kept", "Drafted tokens a fix agreed with (kept, not drafted again)",

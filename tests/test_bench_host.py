@@ -31,7 +31,9 @@ def test_the_instant_runner_follows_its_cycle_as_often_as_asked():
 @pytest.mark.parametrize("store, drafter", [("local", "none"), ("local", "mag"),
                                             ("local", "mag@tree3"), ("redis", "none")])
 def test_every_stage_is_timed_and_mag_drafts_are_accepted(store, drafter):
-    r = measure(store, drafter, 4, 24, right=1.0)
+    # every step waits for its drafts (k tokens or the drafter idle): what is drafted and
+    # accepted does not depend on how the drafting thread and the steps interleave
+    r = measure(store, drafter, 4, 24, right=1.0, wait_ms=30_000)
     assert r["tokens"] == 4 * 24 and r["steps"] > 0
     assert set(r["us_per_step"]) == {*STAGES, "runner"}
     assert all(v >= 0 for v in r["us_per_step"].values())

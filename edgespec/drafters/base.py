@@ -63,6 +63,12 @@ class DraftSession(ABC):
         The default has no branches: a chain."""
         return self.propose(k)
 
+    def confirm(self, length: int) -> None:
+        """The verifier committed the session's first ``length`` tokens, and they are the ones
+        this session holds (a fix that agreed with its draft, so nothing is rolled back). A
+        drafter that learns from verified tokens learns them here; the default learns
+        nothing."""
+
     def rollback(self, length: int) -> None:
         if not 0 <= length <= len(self.tokens):
             raise ValueError(f"cannot roll back to {length}: session has {len(self.tokens)} tokens")

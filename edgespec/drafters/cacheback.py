@@ -218,12 +218,15 @@ class CachebackSession(DraftSession):
             ctx = (ctx + [token])[-ORDERS[0]:]
         return out
 
-    def rollback(self, length: int) -> None:
-        # everything before a fix position was confirmed by the verifier: learn it
+    def confirm(self, length: int) -> None:
+        # everything before ``length`` was confirmed by the verifier: learn it
         if length > self._verified:
             self.table.observe(self.tokens[:length], self._verified)
             self.drafter.table.observe(self.tokens[:length], self._verified)
             self._verified = length
+
+    def rollback(self, length: int) -> None:
+        self.confirm(length)  # everything before a fix position was confirmed
         super().rollback(length)
 
     def retract(self, length: int) -> None:

@@ -119,6 +119,10 @@ class CascadeSession(DraftSession):
         for s in self.sessions:
             s.rollback(length)
 
+    def confirm(self, length: int) -> None:
+        for s in self.sessions:
+            s.confirm(length)
+
     def retract(self, length: int) -> None:
         super().rollback(length)
         for s in self.sessions:

@@ -42,6 +42,10 @@ class ChunkPace:
         self.enabled = enabled  # False: every chunk is the channel's chunk
         self.step_s: float | None = None  # seconds between a session's commits
         self._n = self._sx = self._sy = self._sxx = self._sxy = 0.0
+        # the prior's weight decays as the jobs' do: evidence from two chunk sizes keeps its
+        # share against it however many equal-size jobs follow
+        self._prior = PRIOR_WEIGHT
+        self._last: tuple[float, float] | None = None
 
     def step_seen(self, seconds: float) -> None:
         """A session's committed end moved ``seconds`` after it last moved."""
@@ -52,6 +56,7 @@ class ChunkPace:
         """A drafting job took ``seconds`` for ``tokens`` tokens (an empty one counts as
         one: it cost a look-up all the same)."""
         x, y = float(max(1, tokens)), max(0.0, seconds)
+        self._prior *= DECAY
         self._n = DECAY * self._n + 1
         self._sx = DECAY * self._sx + x
         self._sy = DECAY * self._sy + y
@@ -63,11 +68,14 @@ class ChunkPace:
         if self._n <= 0:
             return None
         mx, my = self._sx / self._n, self._sy / self._n
-        var = self._sxx / self._n - mx * mx
+        var = max(0.0, self._sxx / self._n - mx * mx)
         cov = self._sxy / self._n - mx * my
-        w = PRIOR_WEIGHT / self._n  # the prior weighs as much as PRIOR_WEIGHT jobs
+        w = self._prior / self._n  # the prior weighs as much as PRIOR_WEIGHT jobs once did
+        if var + w < 1e-12:  # both decayed away (thousands of equal jobs): keep the last fit
+            return self._last or (0.0, my / mx)
         slope = max(0.0, (cov + w * my / mx) / (var + w))
-        return max(0.0, my - slope * mx), slope
+        self._last = (max(0.0, my - slope * mx), slope)
+        return self._last
 
     @property
     def token_s(self) -> float | None:

@@ -211,9 +211,10 @@ def run_drafting(drafter: Drafter, channel: DraftChannel, book: DraftBook,
                 continue
             began = time.perf_counter()
             outcome, error = _do(job, channel.tree_width, drafter)
-            if not job.opening and error is None:
-                book.pace.drafted(time.perf_counter() - began, len(outcome))
+            took = time.perf_counter() - began
             with cond:
+                if not job.opening and error is None:
+                    book.pace.drafted(took, len(outcome))
                 _finish(job, outcome, error, channel, book)
                 cond.notify_all()
     finally:
@@ -229,6 +230,7 @@ def apply_fix(draft: DraftSession, position: int, tokens: Sequence[int]) -> int:
     its tokens beyond the fix it keeps (drafted under the same prefix: still a draft)."""
     agree = _agreement(draft.tokens, position, tokens)
     if agree == len(tokens):
+        draft.confirm(position + len(tokens))  # verified as the session holds them
         return len(draft.tokens) - position - len(tokens)
     draft.rollback(position + agree)
     draft.append(list(tokens[agree:]))

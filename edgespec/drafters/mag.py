@@ -213,11 +213,14 @@ class MaGSession(DraftSession):
             last = nxt
         return out, False
 
-    def rollback(self, length: int) -> None:
-        # Everything before a fix position was verified: let the bigram table learn it.
+    def confirm(self, length: int) -> None:
+        # everything before ``length`` was verified: let the bigram table learn it
         if length > self._verified:
             self.drafter.bigrams.observe(self.tokens[self._verified - 1: length])
             self._verified = length
+
+    def rollback(self, length: int) -> None:
+        self.confirm(length)  # everything before a fix position was verified
         super().rollback(length)
 
     def retract(self, length: int) -> None:

@@ -29,8 +29,8 @@ from edgespec.config import ConfigError
 from edgespec.runner.cpu_kind import cpu_kind
 from edgespec.wire.convert import free_port
 
-from ..deployment.cpu_share import (BOUND_SHARE, busy_share, pin_process, process_tree_cpu_s,
-                                    split_cpus)
+from ..deployment.cpu_share import (BOUND_SHARE, busy_share, pin_pid, pin_process,
+                                    process_tree_cpu_s, split_cpus)
 from .run import add_question_args, load_questions
 
 
@@ -77,11 +77,11 @@ class _Proc:
 
     def __init__(self, args: list, log: Path, cpus):
         self.log = log
-        self.popen = subprocess.Popen(
-            [sys.executable, "-m", "edgespec_cli", *map(str, args)],
-            stdout=open(log, "w"), stderr=subprocess.STDOUT,
-            env=dict(os.environ, PYTHONUNBUFFERED="1"),
-            preexec_fn=(lambda: os.sched_setaffinity(0, set(cpus))) if cpus else None)
+        with open(log, "w") as out:
+            self.popen = subprocess.Popen(
+                [sys.executable, "-m", "edgespec_cli", *map(str, args)], stdout=out,
+                stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        pin_pid(self.popen.pid, cpus)  # before the interpreter has started any thread
 
     def wait_for(self, needle: str, timeout: float = 300) -> None:
         deadline = time.monotonic() + timeout
@@ -262,15 +262,8 @@ def _serve_requests(client, ids: list[list[int]], sessions: int, max_new_tokens:
         for k in range(i, len(ids), sessions):
             rec = RequestRecord(devices[i % len(devices)] if devices else "server", "", "",
                                 ids[k], time.monotonic())
-            for piece in client.stream(prompt_ids=ids[k], raw=True,
-                                       max_new_tokens=max_new_tokens, device_id=None
-                                       if devices is None else rec.device_id):
-                now = time.monotonic()
-                rec.tokens.extend(piece.token_ids)
-                rec.token_times.extend([now] * len(piece.token_ids))
-                if piece.stats:
-                    rec.drafted = int(piece.stats.get("drafted", 0))
-                    rec.accepted = int(piece.stats.get("accepted", 0))
+            rec.read(client.stream(prompt_ids=ids[k], raw=True, max_new_tokens=max_new_tokens,
+                                   device_id=None if devices is None else rec.device_id))
             records[k] = rec
 
     before = scrape(metrics_port)
@@ -304,8 +297,9 @@ def _board_figures(dev: str, before: dict, after: dict, b_before: dict, b_after:
     ready = delta(after, before, "edgespec:drafter_ready_drafts_total", device=dev)
     verified = delta(after, before, "edgespec:drafter_verified_drafts_total", device=dev)
     board: dict = {k: delta(b_after, b_before, f"edgespec:drafter_{k}_total")
-                   for k in ("chunks_sent", "draft_tokens", "chunks_drafted", "chunks_resent",
-                             "tokens_kept", "tokens_discarded", "fixes_received")}
+                   for k in ("chunks_sent", "draft_tokens", "chunks_drafted", "tokens_drafted",
+                             "chunks_resent", "tokens_kept", "tokens_discarded",
+                             "fixes_received")}
     board["chunks_dropped"] = {r: delta(b_after, b_before, "edgespec:drafter_chunks_dropped_total",
                                         reason=r) for r in ("disagreed", "closed", "failed")}
     return {"device": dev, "session_steps": steps,

@@ -151,7 +151,7 @@ def _settings(args) -> list[tuple[str, str, int]]:
     return out
 
 
-def _engine(store: str, drafter: str, n: int, right: float):
+def _engine(store: str, drafter: str, n: int, right: float, wait_ms: float = 0.0):
     from edgespec.drafters import build_drafter
     from edgespec.drafters.spec_check import check_drafter_arg
     from edgespec.engine.spec_engine import SpecEngine
@@ -160,7 +160,7 @@ def _engine(store: str, drafter: str, n: int, right: float):
     width = int(tree) if tree else 1
     runner = InstantRunner(n, right)
     target = cast("TargetRunner", runner)  # the runner's interface, answered at once
-    cfg = EngineConfig(max_sessions=n, tree_width=width, draft_wait_ms=0.0)
+    cfg = EngineConfig(max_sessions=n, tree_width=width, draft_wait_ms=wait_ms)
     if store == "redis":
         from cache_service.redis_conn import RedisHandle
         from cache_service.store import RedisSessionStore
@@ -176,6 +176,16 @@ def _engine(store: str, drafter: str, n: int, right: float):
         return engine, runner, close
     built = None if spec == "none" else build_drafter(check_drafter_arg(spec), None, None)
     return SpecEngine(target, built, cfg, set()), runner, lambda: None
+
+
+def _warm_up(engine, run) -> None:
+    """One run of the same size, the drafter's learned tables put back afterwards (the timed
+    run must not draft from what the warm-up taught it)."""
+    drafter = engine.drafter
+    state = drafter.snapshot() if drafter is not None else None
+    run()
+    if drafter is not None:
+        drafter.restore(state)
 
 
 def _timed(engine, times: dict[str, float]) -> None:
@@ -206,11 +216,14 @@ def _prompts(n: int, runner: InstantRunner) -> list[list[int]]:
     return out
 
 
-def measure(store: str, drafter: str, n: int, new_tokens: int, right: float) -> dict:
+def measure(store: str, drafter: str, n: int, new_tokens: int, right: float,
+            wait_ms: float = 0.0) -> dict:
+    """One setting's figures. ``wait_ms``: how long a step waits for drafts (0, the
+    benchmark's: the host work alone, never a wait)."""
     from edgespec.config import SamplingParams
     from edgespec.engine.generation import Request
 
-    engine, runner, close = _engine(store, drafter, n, right)
+    engine, runner, close = _engine(store, drafter, n, right, wait_ms)
     try:
         prompts = _prompts(n, runner)
 
@@ -220,7 +233,7 @@ def measure(store: str, drafter: str, n: int, new_tokens: int, right: float) -> 
             results = engine.generate_many(reqs)
             return time.perf_counter() - t0, sum(len(r.token_ids) for r in results), results
 
-        run()  # warm-up: the same size
+        _warm_up(engine, run)
         times: dict[str, float] = defaultdict(float)
         _timed(engine, times)
         runner.runner_s = 0.0

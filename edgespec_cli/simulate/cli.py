@@ -167,10 +167,13 @@ def check_args(args) -> tuple[list[int], list]:
 
 
 def cpu_split(args):
-    """The server's and the boards' cores (None: shared)."""
+    """The server's and the boards' cores (None: shared). With --address (a cluster whose
+    machines this one cannot see) the cores are shared unless given."""
     from ..deployment.cpu_share import split_cpus
 
-    return None if args.shared_cpus else split_cpus(args.server_cpus, args.board_cpus)
+    if args.shared_cpus or (args.address and not (args.server_cpus or args.board_cpus)):
+        return None
+    return split_cpus(args.server_cpus, args.board_cpus)
 
 
 def load_prompts(target, seed: int, max_new_tokens: int):
@@ -237,7 +240,12 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     if args.baseline == "server-only":
         modes.append("server-only")
     if split is not None:
+        from ..deployment.cpu_share import pin_process
+
         print(f"simulate: {split.describe()}", file=sys.stderr, flush=True)
+        # this process (the clients, their links' relays) and the Ray processes it starts on
+        # the boards' cores; the server's actors move themselves to the server's
+        pin_process(split.boards)
     start_ray(args.address)
     runs, capacity, probes = _run_fleets(args, counts, profiles, modes,
                                          _settings(args, target.dtype, split),

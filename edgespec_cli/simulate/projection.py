@@ -107,8 +107,9 @@ def capacity(points, trace: DrafterTrace | None, slo: float, max_devices: int) -
 
 def traces_from_bench_edge(paths: list[str]) -> list[DrafterTrace]:
     """Each bench-edge JSON's drafter: acceptance over every fleet's edge run, and one
-    board's drafting speed (draft tokens it sent per CPU second it used, the most of its
-    fleets: a board alone on its core)."""
+    board's drafting speed (tokens it drafted per CPU second it used, the most of its fleets:
+    a board alone on its core; a report from before ``tokens_drafted`` was kept gives the
+    tokens it sent, tokens sent again included)."""
     out = []
     for path in paths:
         try:
@@ -117,8 +118,9 @@ def traces_from_bench_edge(paths: list[str]) -> list[DrafterTrace]:
             fleets = report["fleets"]
             drafted = sum(f["edge"]["drafted"] for f in fleets)
             accepted = sum(f["edge"]["accepted"] for f in fleets)
-            speeds = [b["draft_tokens"] / b["cpu_s"] for f in fleets for b in f["per_board"]
-                      if b.get("cpu_s")]
+            # tokens drafted (each once); reports from before that counter: tokens sent
+            speeds = [b.get("tokens_drafted", b["draft_tokens"]) / b["cpu_s"]
+                      for f in fleets for b in f["per_board"] if b.get("cpu_s")]
             name = report["config"]["drafter"]
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise ConfigError(f"--acceptance-from {path}: not a bench-edge report ({e})") \

@@ -3,6 +3,8 @@ batching mode and device count. The report is computed from these alone."""
 
 from __future__ import annotations
 
+import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 
@@ -24,6 +26,19 @@ class RequestRecord:
     @property
     def done_at(self) -> float | None:
         return self.token_times[-1] if self.token_times else None
+
+    def read(self, pieces: Iterable) -> None:
+        """Record a stream's pieces (the SDK's ``StreamPiece``s) as they arrive: each token's
+        arrival time, and the final piece's acceptance figures."""
+        for piece in pieces:
+            now = time.monotonic()
+            self.tokens.extend(piece.token_ids)
+            self.token_times.extend([now] * len(piece.token_ids))
+            if piece.stats:
+                self.drafted = int(piece.stats.get("drafted", 0))
+                self.accepted = int(piece.stats.get("accepted", 0))
+                self.mean_acceptance_length = float(
+                    piece.stats.get("mean_acceptance_length", 0.0))
 
 
 @dataclass

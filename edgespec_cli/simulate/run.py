@@ -306,16 +306,8 @@ class FleetRun:
         from edgespec.client import Client
 
         with Client(self._faulty[dev].address, timeout=self.s.timeout_s) as c:
-            for piece in c.stream(prompt_ids=prompt.ids, raw=True,
-                                  max_new_tokens=self.s.max_new_tokens, device_id=pinned):
-                now = time.monotonic()
-                rec.tokens.extend(piece.token_ids)
-                rec.token_times.extend([now] * len(piece.token_ids))
-                if piece.stats:
-                    rec.drafted = int(piece.stats.get("drafted", 0))
-                    rec.accepted = int(piece.stats.get("accepted", 0))
-                    rec.mean_acceptance_length = float(
-                        piece.stats.get("mean_acceptance_length", 0.0))
+            rec.read(c.stream(prompt_ids=prompt.ids, raw=True,
+                              max_new_tokens=self.s.max_new_tokens, device_id=pinned))
             rec.session_id = c.last_session_id or ""
 
     def _report_progress(self, started: float, total: int, done: threading.Event) -> None:
