@@ -28,11 +28,11 @@ from collections import defaultdict
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
-import torch
-
 from edgespec.config import ConfigError, EngineConfig
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # torch is imported where it runs: the parser is built without it
+    import torch
+
     from edgespec.runner.target_runner import TargetRunner
 
 STAGES = ("plan", "take", "propose", "verify", "decide", "place", "commit")
@@ -58,6 +58,8 @@ class InstantRunner:
     ``next_token(token, position)``, a fixed function of the context."""
 
     def __init__(self, n_slots: int, right: float, max_len: int = 2048, seed: int = 0):
+        import torch
+
         g = torch.Generator().manual_seed(seed)
         perm = torch.randperm(VOCAB, generator=g)
         cycle_next = torch.empty(VOCAB, dtype=torch.long)
@@ -93,11 +95,15 @@ class InstantRunner:
 
     def next_token(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The target's choice after ``tokens`` at ``positions`` (same shapes)."""
+        import torch
+
         positions = positions.clamp(max=self.noise.shape[0] - 1)
         return torch.where(self.off[positions], self.noise[positions, tokens],
                            self.cycle_next[tokens])
 
     def score_rows(self, rows, tap=None):
+        import torch
+
         from edgespec.runner.step_rows import Scored
 
         t0 = time.perf_counter()
@@ -207,6 +213,8 @@ def _timed(engine, times: dict[str, float]) -> None:
 
 def _prompts(n: int, runner: InstantRunner) -> list[list[int]]:
     """n prompts of 64 tokens that follow the target's own choices (MaG finds its cycles)."""
+    import torch
+
     out = []
     for i in range(n):
         ids = [int((i * 37) % VOCAB)]
