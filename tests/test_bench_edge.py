@@ -29,7 +29,7 @@ def test_edge_drafting_against_the_server_alone_as_processes(looping_dir, tmp_pa
     r = subprocess.run(
         [sys.executable, "-m", "edgespec_cli", "bench-edge", "--model", str(looping_dir),
          "--dtype", "float32", "--fleets", "2x1", "--drafter", "mag", "--categories", "qa",
-         "summarization", "--max-new-tokens", "24", "--json", str(out), "--plot",
+         "translation", "--max-new-tokens", "16", "--json", str(out), "--plot",
          str(tmp_path / "edge.png")],
         capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]

@@ -30,7 +30,7 @@ pytestmark = pytest.mark.slow  # processes: not the fast tier
 
 TOKEN = "sl0w"
 PROMPTS = [[1, 10, 11, 12, 13, 10, 11, 12, 13, 10], [1, 30, 31, 30, 31, 30]]
-N = 40
+N = 28
 BOARD = Path(__file__).with_name("overtaken_board.py")
 
 

@@ -364,7 +364,9 @@ def _write_outputs(args: argparse.Namespace, report: dict) -> None:
         print(f"simulate: report written to {rep.write_json(report, args.json)}",
               file=sys.stderr)
     if args.plot:
-        for path in rep.write_plots(report, args.plot):
+        from .charts import write_plots
+
+        for path in write_plots(report, args.plot):
             print(f"simulate: chart {path}", file=sys.stderr)
 
 
