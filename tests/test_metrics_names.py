@@ -259,3 +259,14 @@ def test_cuda_graph_state_is_exposed_and_rendered():
     # the attention kernel the start probe left (the rows one where the tiles vary)
     rows = render(dict(base, runner={"device": "cuda", "kernels": "triton", "attention": "rows"}))
     assert "runner: triton kernels (rows attention) on cuda, no CUDA graphs" in rows
+
+
+def test_the_servers_cpu_seconds_are_exposed_and_grow_with_work():
+    reg = CollectorRegistry()
+    VerifierMetrics(reg)
+    before = value(reg, "edgespec:server_cpu_seconds_total")
+    assert before > 0
+    x = 0
+    for i in range(3_000_000):  # about a CPU second's tenth of work
+        x += i
+    assert value(reg, "edgespec:server_cpu_seconds_total") > before

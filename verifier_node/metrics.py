@@ -12,7 +12,11 @@ histograms: ``edgespec:time_to_first_token_seconds``, ``edgespec:inter_token_lat
 ``edgespec:e2e_request_latency_seconds``. Batches: ``edgespec:batch_size_sessions``,
 ``edgespec:batch_size_tokens``, ``edgespec:step_seconds{phase="wait"|"forward"|"commit"}``.
 Gauges read at scrape time: ``edgespec:num_requests_running``, ``edgespec:num_requests_waiting``,
-``edgespec:kv_slots_free``. Drafters' link health, per device (``edgespec.engine.lateness``):
+``edgespec:kv_slots_free``. The server's cost: ``edgespec:server_cpu_seconds_total`` (CPU seconds of
+this process and its children, an embedded Redis included, read from /proc at scrape time): its
+rate over ``edgespec:generation_tokens_total``'s is the CPU seconds a committed token costs, and
+``edgespec:generation_tokens_total`` over ``edgespec:batch_size_sessions_count`` the tokens a
+verification forward commits. Drafters' link health, per device (``edgespec.engine.lateness``):
 ``edgespec:drafter_late{device}``, ``edgespec:drafter_missed_deadline_total{device}``,
 ``edgespec:drafter_unwaited_steps_total{device}``, ``edgespec:drafter_marked_late_total{device}``,
 and per session and step ``edgespec:drafter_session_steps_total{device}``,
@@ -138,6 +142,7 @@ class VerifierMetrics:
         self._by_device: dict[str, list[int]] = {}  # device -> [drafts, drafted, accepted]
         self._head = [0, 0]  # head tokens proposed, accepted
         self._lock = threading.Lock()
+        r.register(_CpuCollector())
 
     def bind_model(self, dtype: str) -> None:
         """The served target's dtype, as a label of ``edgespec:model_info``."""
@@ -279,6 +284,22 @@ class _GraphCollector(Collector):
                                       "CUDA graph")
         replays.add_metric([], g.replays)
         yield replays
+
+    def describe(self):
+        return []
+
+
+class _CpuCollector(Collector):
+    """``edgespec:server_cpu_seconds_total``: this process's and its children's CPU seconds."""
+
+    def collect(self):
+        from edgespec.runner.cpu_time import process_tree_cpu_s
+
+        seconds = process_tree_cpu_s()
+        if seconds is not None:
+            yield CounterMetricFamily("edgespec:server_cpu_seconds",
+                                      "CPU seconds of this server process and its children "
+                                      "(an embedded Redis included)", value=seconds)
 
     def describe(self):
         return []

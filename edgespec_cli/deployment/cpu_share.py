@@ -7,10 +7,10 @@ its Redis are confined to the server's cores, the drafters (and the clients, the
 the boards' cores, each process with every thread it has (``pin_process``), and the verifier's
 torch threads set to its share.
 
-CPU use per side is read from ``/proc`` (``process_tree_cpu_s``: a process and its children,
-Redis under the cache), so a report can say how busy each side's cores were and which side's
-cores bound the run. On a system without ``/proc`` or CPU affinity (not Linux), pinning is
-refused and CPU use is None.
+CPU use per side is read from ``/proc`` (``edgespec.runner.cpu_time.process_tree_cpu_s``: a
+process and its children, Redis under the cache), so a report can say how busy each side's
+cores were and which side's cores bound the run. On a system without ``/proc`` or CPU affinity
+(not Linux), pinning is refused and CPU use is None.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import os
 from dataclasses import dataclass
 
 from edgespec.config import ConfigError
+from edgespec.runner.cpu_time import process_tree_cpu_s  # noqa: F401 (its callers import it here)
 
 BOUND_SHARE = 0.9  # a side whose cores were busier than this bounded the run
 
@@ -134,44 +135,6 @@ def pin_thread(cpus: tuple[int, ...] | list[int] | None) -> None:
     """Confine the calling thread to ``cpus`` (None: leave it)."""
     if cpus:
         os.sched_setaffinity(0, set(cpus))
-
-
-def process_tree_cpu_s(pid: int | None = None) -> float | None:
-    """User + system CPU seconds of a process (default: this one) and its living descendants,
-    all their threads; None where ``/proc`` cannot tell."""
-    pid = os.getpid() if pid is None else pid
-    tick = os.sysconf("SC_CLK_TCK")
-    total, todo, seen = 0.0, [pid], set()
-    while todo:
-        p = todo.pop()
-        if p in seen:
-            continue
-        seen.add(p)
-        try:
-            with open(f"/proc/{p}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            if p == pid:
-                return None
-            continue  # a child that exited meanwhile
-        total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime
-        todo.extend(_children(p))
-    return total
-
-
-def _children(pid: int) -> list[int]:
-    out: list[int] = []
-    try:
-        tasks = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return out
-    for tid in tasks:
-        try:
-            with open(f"/proc/{pid}/task/{tid}/children") as f:
-                out.extend(int(c) for c in f.read().split())
-        except OSError:
-            continue
-    return out
 
 
 def busy_share(cpu_s: float | None, wall_s: float, cpus: int) -> float | None:
