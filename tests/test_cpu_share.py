@@ -4,12 +4,13 @@ default split, refusals, pinning a real thread, and CPU seconds read from /proc.
 from __future__ import annotations
 
 import os
-import threading
+import subprocess
+import sys
 
 import pytest
 
 from edgespec.config import ConfigError
-from edgespec_cli.deployment.cpu_share import (CpuSplit, busy_share, parse_cpus, pin_thread,
+from edgespec_cli.deployment.cpu_share import (CpuSplit, busy_share, parse_cpus,
                                                process_tree_cpu_s, split_cpus)
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="no CPU affinity")
@@ -41,18 +42,26 @@ def test_the_default_split_halves_the_cpus_and_given_sides_complete_each_other()
     assert "server on cpus" in split.describe()
 
 
-def test_a_pinned_thread_runs_on_its_cpus_only_and_the_process_keeps_its_own():
-    seen = {}
-
-    def work():
-        pin_thread([CPUS[-1]])
-        seen["cpus"] = os.sched_getaffinity(0)
-
-    t = threading.Thread(target=work)
-    t.start()
-    t.join(30)
-    assert seen["cpus"] == {CPUS[-1]}
-    assert sorted(os.sched_getaffinity(0)) == CPUS
+def test_a_pinned_process_runs_on_its_cpus_only_and_so_do_its_later_threads():
+    """``pin_process`` in a process of its own (it pins every thread it has): its threads, one
+    already running and one started after, and a child it starts, all on the cpu given."""
+    code = (
+        "import os, subprocess, sys, threading\n"
+        "from edgespec_cli.deployment.cpu_share import pin_process\n"
+        "ev = threading.Event(); seen = {}\n"
+        "def early():\n"
+        "    ev.wait(30); seen['early'] = os.sched_getaffinity(0)\n"
+        "t = threading.Thread(target=early); t.start()\n"
+        f"pin_process([{CPUS[-1]}]); ev.set(); t.join(30)\n"
+        "late = threading.Thread(target=lambda: seen.update(late=os.sched_getaffinity(0)))\n"
+        "late.start(); late.join(30)\n"
+        "child = subprocess.run([sys.executable, '-c', 'import os; "
+        "print(sorted(os.sched_getaffinity(0)))'], capture_output=True, text=True)\n"
+        "print(sorted(seen['early']), sorted(seen['late']), child.stdout.strip())\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == [f"[{CPUS[-1]}]"] * 3
+    assert sorted(os.sched_getaffinity(0)) == CPUS  # this process untouched
 
 
 def test_cpu_seconds_of_a_process_tree_grow_with_work():

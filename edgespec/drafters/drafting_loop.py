@@ -228,13 +228,19 @@ def apply_fix(draft: DraftSession, position: int, tokens: Sequence[int]) -> int:
     """Roll ``draft`` back to ``position`` and append ``tokens``, except where it already
     holds them: it is rolled back only from the first token that differs. Returns how many of
     its tokens beyond the fix it keeps (drafted under the same prefix: still a draft)."""
+    return _fix_draft(draft, position, tokens)[0]
+
+
+def _fix_draft(draft: DraftSession, position: int, tokens: Sequence[int]) -> tuple[int, int]:
+    """``apply_fix``: (tokens kept beyond the fix, the position the session was rolled back to
+    or, when nothing was rolled back, the fix's end)."""
     agree = _agreement(draft.tokens, position, tokens)
     if agree == len(tokens):
         draft.confirm(position + len(tokens))  # verified as the session holds them
-        return len(draft.tokens) - position - len(tokens)
+        return len(draft.tokens) - position - len(tokens), position + agree
     draft.rollback(position + agree)
     draft.append(list(tokens[agree:]))
-    return 0
+    return 0, position + agree
 
 
 def _agreement(have: Sequence[int], position: int, tokens: Sequence[int]) -> int:
@@ -253,8 +259,7 @@ def _apply_fixes(sid: str, t: DraftTarget, channel: DraftChannel, book: DraftBoo
     try:
         for position, tokens in t.fixes:
             before = len(t.draft.tokens)
-            cut = position + _agreement(t.draft.tokens, position, tokens)
-            kept = apply_fix(t.draft, position, tokens)
+            kept, cut = _fix_draft(t.draft, position, tokens)
             if kept:
                 book.counts.tokens_kept += kept
                 t.held_from = position + len(tokens)
@@ -347,14 +352,15 @@ def _finish(job: _Job, outcome, error: Exception | None, channel: DraftChannel,
     session for the fix to judge it (``_apply_fixes``)."""
     t, sid = job.target, job.sid
     t.busy = False
+    drafted = not job.opening and error is None and len(outcome) > 0
     if job.opening:
         t.opening = None
         t.draft = outcome
-    elif error is None and len(outcome):
+    elif drafted:
         book.counts.chunks_drafted += 1
         book.counts.tokens_drafted += len(outcome)
     if t.closed:
-        if not job.opening and error is None and len(outcome):
+        if drafted:
             book.counts.dropped["closed"] += 1
         book.retire(sid, t)
         return

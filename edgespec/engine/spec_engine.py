@@ -291,20 +291,16 @@ class SpecEngine:
     def _record_lateness(self, wants: list[DraftWant], taken: list, acts: dict) -> None:
         """Each drafter's step: were all its sessions' drafts ready when taken? And how many
         of its sessions had a ready draft, and a draft at all."""
-        steps: dict[str, tuple[bool, bool]] = {}
-        counts: dict[str, list[int]] = {}
+        counts: dict[str, list] = {}  # drafter -> [sessions, ready, with tokens, waited]
         for want, t in zip(wants, taken):
             drafter = acts[want.session_id].drafter
             if drafter and isinstance(t, TakenDraft):
-                ready, waited = steps.get(drafter, (True, want.wait))
-                steps[drafter] = (ready and t.ready, waited)
-                c = counts.setdefault(drafter, [0, 0, 0])
+                c = counts.setdefault(drafter, [0, 0, 0, want.wait])
                 c[0] += 1
                 c[1] += t.ready
                 c[2] += bool(t.tokens)
-        for drafter, (ready, waited) in steps.items():
-            n, n_ready, n_drafts = counts[drafter]
-            self.lateness.record(drafter, ready, waited, (n, n_ready, n_drafts))
+        for drafter, (n, n_ready, n_drafts, waited) in counts.items():
+            self.lateness.record(drafter, n_ready == n, waited, (n, n_ready, n_drafts))
 
     def _take(self, wants: list[DraftWant]) -> list[tuple[ActiveSession, TakenDraft]]:
         """The store's drafts (it waits up to the deadline); a session the store lost, or

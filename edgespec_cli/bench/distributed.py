@@ -33,13 +33,18 @@ def add_bench_net_args(p) -> None:
                    help="where to write the JSON results (default: %(default)s)")
 
 
-def _spawn(args: list[str], log: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "edgespec_cli", *args],
-                            stdout=open(log, "w"), stderr=subprocess.STDOUT,
-                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
+def spawn_edgespec(args: list, log: Path) -> subprocess.Popen:
+    """``python -m edgespec_cli ARGS`` as a process, its output into ``log``."""
+    with open(log, "w") as out:  # the child keeps its own descriptor
+        return subprocess.Popen([sys.executable, "-m", "edgespec_cli", *map(str, args)],
+                                stdout=out, stderr=subprocess.STDOUT,
+                                env=dict(os.environ, PYTHONUNBUFFERED="1"))
 
 
-def _wait_for(log: Path, needle: str, proc: subprocess.Popen, timeout: float = 180) -> None:
+def wait_for_line(log: Path, needle: str, proc: subprocess.Popen, timeout: float = 180
+                  ) -> None:
+    """Wait until ``needle`` shows in ``log``; a ConfigError when ``proc`` exits first or the
+    time runs out."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if needle in log.read_text():
@@ -73,14 +78,14 @@ def run_bench_net(args) -> int:
           file=sys.stderr, flush=True)
     wanted = getattr(args, "cuda_graphs", None)
     graphs = [] if wanted is None else ["--cuda-graphs" if wanted else "--no-cuda-graphs"]
-    serve = _spawn(["serve", "--listen", address, "--max-sessions", "2", *common, *graphs],
+    serve = spawn_edgespec(["serve", "--listen", address, "--max-sessions", "2", *common, *graphs],
                    serve_log)
     drafter = None
     try:
-        _wait_for(serve_log, "listening on", serve)
-        drafter = _spawn(["drafter", "--cache", address, "--device-id", "bench",
+        wait_for_line(serve_log, "listening on", serve)
+        drafter = spawn_edgespec(["drafter", "--cache", address, "--device-id", "bench",
                           "--drafter", args.drafter], drafter_log)
-        _wait_for(drafter_log, "attached to", drafter)
+        wait_for_line(drafter_log, "attached to", drafter)
         gen = LocalGenerator(args.model, args.drafter, args.device, args.dtype,
                              engine_config(args, 2))
         client = edgespec.Client(address, timeout=600)

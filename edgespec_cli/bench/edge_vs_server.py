@@ -17,7 +17,6 @@ cores bound the run. Every output is compared, token for token, between the two 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import threading
@@ -31,6 +30,7 @@ from edgespec.wire.convert import free_port
 
 from ..deployment.cpu_share import (BOUND_SHARE, busy_share, pin_pid, pin_process,
                                     process_tree_cpu_s, split_cpus)
+from .distributed import spawn_edgespec, wait_for_line
 from .run import add_question_args, load_questions
 
 
@@ -77,22 +77,11 @@ class _Proc:
 
     def __init__(self, args: list, log: Path, cpus):
         self.log = log
-        with open(log, "w") as out:
-            self.popen = subprocess.Popen(
-                [sys.executable, "-m", "edgespec_cli", *map(str, args)], stdout=out,
-                stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        self.popen = spawn_edgespec(args, log)
         pin_pid(self.popen.pid, cpus)  # before the interpreter has started any thread
 
     def wait_for(self, needle: str, timeout: float = 300) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if needle in self.log.read_text():
-                return
-            if self.popen.poll() is not None:
-                raise ConfigError(f"a benchmark process exited early:\n"
-                                  f"{self.log.read_text()[-2000:]}")
-            time.sleep(0.2)
-        raise ConfigError(f"timed out waiting for {needle!r} in {self.log}")
+        wait_for_line(self.log, needle, self.popen, timeout)
 
     def cpu_s(self) -> float | None:
         return process_tree_cpu_s(self.popen.pid)

@@ -3,8 +3,8 @@
 The verifier's step does host work that does not depend on the model: planning, taking drafts
 from the store, proposing, building rows, the verification's host part, deciding, placing tree
 paths, committing, applying. On a GPU the forward is fast and this work bounds a fleet. Here it
-is measured alone: ``InstantRunner`` stands in for the target runner (slots and lengths as the
-real KV cache keeps them, no weights) and answers a step at once with deterministic logits,
+is measured alone: ``InstantRunner`` stands in for the target runner (the real KV cache's slots
+and lengths with no layers, no weights) and answers a step at once with deterministic logits,
 each row's next token a fixed function of its context (the token before it and its position):
 with probability ``--right`` the next step of a cycle MaG can learn, else a hashed token, so
 drafts are right about that often. Everything else is the product's own: the engine, the
@@ -40,19 +40,6 @@ VOCAB = 512
 CYCLE = 24  # the target's cycles: what MaG can learn from the context
 
 
-class _Lengths:
-    """The KV cache's bookkeeping (``kv_cache.KVCache``'s slots and lengths), no tensors."""
-
-    def __init__(self, n_slots: int, max_len: int):
-        self.lengths = [0] * n_slots
-        self._free = list(range(n_slots))
-        self.max_len = max_len
-
-    @property
-    def free_slots(self) -> int:
-        return len(self._free)
-
-
 class InstantRunner:
     """A target runner that answers at once: row b's logits at position t point at
     ``next_token(token, position)``, a fixed function of the context."""
@@ -69,29 +56,28 @@ class InstantRunner:
         self.cycle_next = cycle_next
         self.noise = torch.randint(0, VOCAB, (max_len + 64, VOCAB), generator=g)
         self.off = torch.rand(max_len + 64, generator=g) >= right  # positions off the cycle
-        self.cache = _Lengths(n_slots, max_len)
+        from edgespec.runner.kv_cache import KVCache
+
+        # the real cache's slots and lengths; no layers, so no tensors
+        self.cache = KVCache(0, n_slots, max_len, kv_heads=1, head_dim=1)
         self.vocab_size, self.max_len = VOCAB, max_len
         self.device, self.dtype = torch.device("cpu"), torch.float32
         self.runner_s = 0.0  # time spent answering steps
 
     def new_slot(self) -> int:
-        self.cache._free.sort()
-        slot = self.cache._free.pop(0)
-        self.cache.lengths[slot] = 0
-        return slot
+        return self.cache.allocate()
 
     def free_slot(self, slot: int) -> None:
-        self.cache.lengths[slot] = 0
-        self.cache._free.append(slot)
+        self.cache.release(slot)
 
     def prefill(self, slot: int, tokens: list[int], embeds=None) -> None:
-        self.cache.lengths[slot] = len(tokens)
+        self.cache.commit(slot, len(tokens))
 
     def commit(self, slot: int, length: int) -> None:
-        self.cache.lengths[slot] = length
+        self.cache.commit(slot, length)
 
     def compact(self, slot: int, path: list[int]) -> None:
-        self.cache.lengths[slot] += 1 + len(path)
+        self.cache.commit(slot, self.cache.lengths[slot] + 1 + len(path))
 
     def next_token(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The target's choice after ``tokens`` at ``positions`` (same shapes)."""

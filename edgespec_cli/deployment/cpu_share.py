@@ -131,12 +131,6 @@ def pin_pid(pid: int, cpus: tuple[int, ...] | list[int]) -> None:
             continue
 
 
-def pin_thread(cpus: tuple[int, ...] | list[int] | None) -> None:
-    """Confine the calling thread to ``cpus`` (None: leave it)."""
-    if cpus:
-        os.sched_setaffinity(0, set(cpus))
-
-
 def busy_share(cpu_s: float | None, wall_s: float, cpus: int) -> float | None:
     """The share of ``cpus`` cores' time over ``wall_s`` that ``cpu_s`` CPU seconds took."""
     if cpu_s is None or wall_s <= 0 or cpus <= 0:

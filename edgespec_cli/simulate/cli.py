@@ -11,6 +11,7 @@ from dataclasses import replace
 from edgespec.config import ConfigError
 
 from ..deployment.link_faults import parse_fault_schedule
+from .records import SERVER_ONLY
 
 REAL_PARTS = ["verifier (the real model, batched verification)",
               "draft cache (gRPC service + embedded redis-server)",
@@ -42,7 +43,7 @@ def add_simulate_command(sub) -> None:
     s.add_argument("--batching", choices=["on", "off", "both"], default="both",
                    help="verify the devices' sessions batched in one forward (on), one session "
                         "per forward (off), or both on the same requests (default: %(default)s)")
-    s.add_argument("--baseline", choices=["none", "server-only"], default="none",
+    s.add_argument("--baseline", choices=["none", SERVER_ONLY], default="none",
                    help="server-only: also run the same requests through the verifier alone, "
                         "no boards, the sessions batched (one token a session a step): what a "
                         "user without edge drafting serves; the report gives edge drafting "
@@ -237,8 +238,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
           file=sys.stderr, flush=True)
     target = load_model(args.model, device=args.device, dtype=args.dtype)
     modes = ["on", "off"] if args.batching == "both" else [args.batching]
-    if args.baseline == "server-only":
-        modes.append("server-only")
+    if args.baseline == SERVER_ONLY:
+        modes.append(SERVER_ONLY)
     if split is not None:
         from ..deployment.cpu_share import pin_process
 

@@ -8,6 +8,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 
+SERVER_ONLY = "server-only"  # the baseline mode: no boards, the verifier decoding alone
+
+
 @dataclass
 class RequestRecord:
     device_id: str

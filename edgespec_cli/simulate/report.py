@@ -44,10 +44,9 @@ import os
 from collections import defaultdict
 
 from edgespec_cli.deployment.cpu_share import BOUND_SHARE, busy_share
-from edgespec_cli.simulate.records import RequestRecord, RunRecord
+from edgespec_cli.simulate.records import SERVER_ONLY, RequestRecord, RunRecord
 
 PERCENTILE_METHOD = "nearest-rank"
-SERVER_ONLY = "server-only"
 
 
 def nearest_rank(values: list[float], p: float) -> float | None:

@@ -10,7 +10,8 @@ a user without boards runs: no drafter at all, the same clients and requests, th
 decoding the sessions batched, one token a session a step.
 
 With a ``CpuSplit`` the cache, its Redis and the verifier run on the server's cores and the
-drafters and the clients on the boards' (``deployment.cpu_share``); each side's CPU seconds over
+drafters on the boards' (``deployment.cpu_share``; ``simulate`` puts its own process, and with
+it these clients, on the boards' cores too); each side's CPU seconds over
 the run are recorded, and each drafter's loop counts (chunks sent, tokens kept and discarded).
 
 Requests are Spec-Bench first turns through the model's chat template, dealt to devices in turn
@@ -32,11 +33,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ..deployment.cpu_share import CpuSplit, pin_thread
+from ..deployment.cpu_share import CpuSplit
 from ..deployment.device_profiles import DeviceProfile
 from ..deployment.placement import FleetError, RoleActors
 
-from .records import RequestRecord, RunRecord
+from .records import SERVER_ONLY, RequestRecord, RunRecord
 
 if TYPE_CHECKING:
     from ..deployment.link_emulation import LinkProxy
@@ -70,7 +71,6 @@ class SimSettings:
     cpus: CpuSplit | None = None  # the server's and the boards' cores (None: shared)
 
 
-SERVER_ONLY = "server-only"  # the baseline mode: no boards, the verifier decoding alone
 REATTACH_WAIT_S = 30.0  # how long a device's request waits for its reconnecting board
 
 
@@ -279,8 +279,6 @@ class FleetRun:
         ``REATTACH_WAIT_S``: the wait counts in the request's latency."""
         from edgespec.client import PreconditionFailed
 
-        if self.s.cpus:  # the users' side: on the boards' cores, off the server's
-            pin_thread(self.s.cpus.boards)
         prompt = self.prompts[k % len(self.prompts)]
         profile = self.profiles[dev]
         rec = RequestRecord(device_ids(self.profiles)[dev], profile.name, prompt.category,
