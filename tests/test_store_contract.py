@@ -20,15 +20,15 @@ class Refused(Exception):
 
 
 class LocalSide:
-    """The in-process store and its drafter side (``SessionState.push_draft``)."""
+    """The in-process store and its drafter side (``LocalSessionStore.push_draft``)."""
 
     def __init__(self):
         self.store = LocalSessionStore()
 
     def push(self, sid, epoch, start, tokens, window=8, branches=(), idle=False) -> int:
         try:
-            return self.store.sessions[sid].push_draft(epoch, start, tokens, idle=idle,
-                                                       window=window, branches=branches)
+            return self.store.push_draft(sid, epoch, start, tokens, idle=idle, window=window,
+                                         branches=branches)
         except StaleChunkError as e:
             raise Refused(str(e)) from None
 

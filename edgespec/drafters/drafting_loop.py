@@ -4,12 +4,16 @@ session store, or the draft cache's Attach stream.
 
 The loop keeps a ``DraftTarget`` per session it drafts for, in a ``DraftBook`` guarded by the
 channel's lock. The transport records what happens to the sessions (a new one, the verifier's
-commits and fixes, a close) in the book, under that lock. Round by round the loop, under the
-lock, applies the fixes received and picks one job: a session to open, held tokens to send
-again, or a session with room in its window (W tokens beyond the committed position) to draft a
-chunk for. It does the job outside the lock, so receiving a fix or a commit never waits behind a
-model drafter's forward, then hands the chunk to the transport under the lock, unless a fix
-arrived meanwhile: the chunk then waits in the draft session for that fix to judge it.
+commits and fixes, a close) in the book, under that lock. The loop plans a round under the
+lock: it applies the fixes received, sends held tokens again, and lists its jobs: the sessions
+to open, then every session with room in its window (W tokens beyond the committed position),
+furthest behind first, a chunk each. It does the jobs one by one, each checked under the lock
+first (a job whose session was fixed, closed or moved since is left to the next round), and
+plans a new round when the round is done or news came (a session, a commit, a fix): one pass
+over the sessions a round, not one a chunk. It does each job outside the lock, so receiving a
+fix or a commit never waits behind a model drafter's forward, then hands the chunk to the
+transport under the lock, unless a fix arrived meanwhile: the chunk then waits in the draft
+session for that fix to judge it.
 
 A fix (roll back to a position, append the verifier's tokens) is applied against everything the
 draft session holds, sent or not (``apply_fix``): where the session's tokens already hold the
@@ -79,11 +83,13 @@ class DraftBook:
         self.retired: list[tuple[str, DraftSession]] = []
         self.pace = ChunkPace(enabled=pace)
         self.counts = LoopCounts()  # what the loop drafted, sent, kept and threw away
+        self.news = False  # a session came, moved or was fixed since the round was planned
 
     def assign(self, sid: str, tokens: list[int], params: SamplingParams, epoch: int) -> None:
         """A session to draft for, from ``tokens`` (prompt + committed) under ``epoch``."""
         self.close(sid)
         self.targets[sid] = DraftTarget(params, epoch, len(tokens), opening=list(tokens))
+        self.news = True
 
     def commit(self, sid: str, epoch: int, committed_end: int) -> DraftTarget | None:
         """The verifier committed up to ``committed_end``; the session's target, if known."""
@@ -100,6 +106,7 @@ class DraftBook:
                 self.pace.step_seen(now - t.last_commit_s)
             t.last_commit_s = now
             t.committed_end = committed_end
+            self.news = True
 
     def fix(self, sid: str, epoch: int, position: int, tokens: tuple[int, ...]) -> None:
         """The verifier's fix: roll back to ``position``, append ``tokens``, go on under
@@ -108,6 +115,7 @@ class DraftBook:
         if t is None or epoch <= t.epoch:
             return
         t.epoch, t.idle = epoch, False
+        self.news = True
         self._moved(t, position + len(tokens))
         if not t.refused:
             t.fixes.append((position, tuple(tokens)))
@@ -187,6 +195,7 @@ def run_drafting(drafter: Drafter, channel: DraftChannel, book: DraftBook,
     """Draft for the book's sessions until ``keep_going()`` (asked under the lock) is False;
     one loop per book. On the way out, the book's sessions are closed."""
     cond = channel.cond
+    queue: list[_Job] = []  # the round planned: its jobs, furthest behind first
     try:
         while True:
             with cond:
@@ -198,7 +207,10 @@ def run_drafting(drafter: Drafter, channel: DraftChannel, book: DraftBook,
                         channel.refresh(book)
                     except Exception:  # the transport's trouble, not a session's
                         log.exception("the drafting loop could not read its sessions")
-                    job = _next_job(channel, book)
+                    if book.news or not queue:
+                        book.news = False
+                        queue = _plan_round(channel, book)
+                    job = _pop_job(queue, channel, book)
                     if job is not None:
                         job.target.busy = True
             close_drafts(retired)
@@ -206,7 +218,7 @@ def run_drafting(drafter: Drafter, channel: DraftChannel, book: DraftBook,
                 return
             if job is None:
                 with cond:
-                    if not book.retired:
+                    if not book.retired and not book.news:
                         cond.wait(timeout=0.5)
                 continue
             began = time.perf_counter()
@@ -304,33 +316,56 @@ def _deliver(sid: str, t: DraftTarget, start: int, chunk: Draft, channel: DraftC
     return True
 
 
-def _next_job(channel: DraftChannel, book: DraftBook) -> _Job | None:
-    """Under the lock: apply the fixes received and send what they kept, then pick a session
-    to open or draft for."""
+def _plan_round(channel: DraftChannel, book: DraftBook) -> list[_Job]:
+    """Under the lock: apply the fixes received and send what they kept, then plan a round:
+    every session to open, then every session with room for a chunk, furthest behind first
+    (one pass over the sessions a round, not one a chunk). Returned in reverse, to pop."""
     for sid, t in list(book.targets.items()):
         if t.fixes and t.draft is not None:
             _apply_fixes(sid, t, channel, book)
         if t.held_from is not None and t.draft is not None and not t.refused:
             _send_held(sid, t, channel, book)
-    best: _Job | None = None
-    drafting = 0
+    opening: list[_Job] = []
+    chunks: list[tuple[int, _Job]] = []  # (lead, job)
+    drafting = 0  # the sessions a chunk is drafted for in turn: the pace shares the step
     for sid, t in book.targets.items():
         if t.refused or t.busy:
             continue
         if t.opening is not None:
-            return _Job(sid, t, True, t.epoch)
+            opening.append(_Job(sid, t, True, t.epoch))
+            continue
         if t.idle or t.draft is None or t.held_from is not None:
             continue
         drafting += 1
         start = len(t.draft.tokens)
         lead = start - t.committed_end
         room = channel.window - lead
-        if room > 0 and channel.can_draft(sid, start) and \
-                (best is None or lead < best.start - best.target.committed_end):
-            best = _Job(sid, t, False, t.epoch, start, room)
-    if best is not None:
-        best.n = min(best.n, book.pace.chunk(channel.chunk, drafting))
-    return best
+        if room > 0 and channel.can_draft(sid, start):
+            chunks.append((lead, _Job(sid, t, False, t.epoch, start, room)))
+    n = book.pace.chunk(channel.chunk, drafting)
+    chunks.sort(key=lambda lj: lj[0])
+    for _, job in chunks:
+        job.n = min(job.n, n)
+    return [job for _, job in reversed(chunks)] + opening[::-1]
+
+
+def _pop_job(queue: list[_Job], channel: DraftChannel, book: DraftBook) -> _Job | None:
+    """Under the lock: the round's next job still to do as planned (a job whose session was
+    fixed, closed or moved since is dropped: the next round plans it again)."""
+    while queue:
+        job = queue.pop()
+        t = job.target
+        if t.busy or t.refused or t.closed or t.epoch != job.epoch:
+            continue
+        if job.opening:
+            if t.opening is not None:
+                return job
+            continue
+        if t.fixes or t.idle or t.held_from is not None or t.draft is None or \
+                len(t.draft.tokens) != job.start or not channel.can_draft(job.sid, job.start):
+            continue
+        return job
+    return None
 
 
 def _do(job: _Job, tree_width: int, drafter: Drafter):

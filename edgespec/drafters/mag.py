@@ -34,7 +34,6 @@ import copy
 from collections import OrderedDict
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 from ..config import SamplingParams
 from .base import Branch, Draft, Drafter, DraftSession
@@ -106,14 +105,27 @@ class BigramTable:
 
 def longest_suffix_match(arr: np.ndarray, max_ngram: int, min_ngram: int) -> tuple[int, int]:
     """(n, p): the longest n in [min_ngram, max_ngram] such that the last n tokens of ``arr``
-    occur earlier at ``p`` (most recent such p, with at least one token after it), else (0, -1)."""
+    occur earlier at ``p`` (most recent such p, with at least one token after it), else (0, -1).
+
+    One pass over the candidates: the earlier positions holding the last token, narrowed token
+    by token backwards to those whose run still matches (a handful of small vector operations
+    whatever ``max_ngram``, not one scan of ``arr`` per length)."""
     length = len(arr)
-    for n in range(min(max_ngram, length - 1), min_ngram - 1, -1):
-        windows = sliding_window_view(arr[: length - 1], n)  # windows ending before the last token
-        hits = np.flatnonzero((windows == arr[length - n:]).all(axis=1))
-        if hits.size:
-            return n, int(hits[-1])
-    return 0, -1
+    top = min(max_ngram, length - 1)
+    if top < min_ngram:
+        return 0, -1
+    ends = np.flatnonzero(arr[: length - 1] == arr[length - 1])  # the match's last token at e
+    n, end = 0, -1
+    for m in range(top):
+        if m:
+            ends = ends[ends >= m]  # a token at e - m to compare
+            ends = ends[arr[ends - m] == arr[length - 1 - m]]
+        if ends.size == 0:
+            break
+        n, end = m + 1, int(ends[-1])  # ascending: the last is the most recent
+    if n < min_ngram:
+        return 0, -1
+    return n, end - n + 1
 
 
 def match_branches(arr: np.ndarray, chain: list[int], k: int, max_ngram: int, min_ngram: int,

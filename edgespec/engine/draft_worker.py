@@ -26,10 +26,24 @@ class LocalChannel:
         self.store, self.cond = store, store.cond
         self.window, self.chunk, self.tree_width = cfg.window, cfg.chunk, cfg.tree_width
         self._last_fix: dict[str, int] = {}  # sid -> the last fix id the book has
+        with store.lock:
+            store.read_changes()  # from now on the store keeps what changed
+            self._unread = set(store.sessions)  # sessions created before: read once
 
     def refresh(self, book: DraftBook) -> None:
-        for sid, state in self.store.sessions.items():
-            if not state.has_drafter or state.done:
+        """Only the sessions the store says changed (created, committed, closed)."""
+        changed = self.store.read_changes()
+        if self._unread:
+            changed |= self._unread
+            self._unread = set()
+        for sid in changed:
+            state = self.store.sessions.get(sid)
+            if state is None or state.done:
+                if sid in book.targets:
+                    book.close(sid)
+                self._last_fix.pop(sid, None)
+                continue
+            if not state.has_drafter:
                 continue
             if sid not in book.targets:
                 book.assign(sid, state.tokens, state.params, state.epoch)
@@ -39,10 +53,6 @@ class LocalChannel:
                 book.fix(sid, fix.epoch, fix.position, fix.tokens)
                 self._last_fix[sid] = fix.id
             book.commit(sid, state.epoch, state.end)
-        for sid in [s for s in book.targets if s not in self.store.sessions
-                    or self.store.sessions[s].done]:
-            book.close(sid)
-            self._last_fix.pop(sid, None)
 
     def can_draft(self, sid: str, start: int) -> bool:
         state = self.store.sessions.get(sid)
@@ -50,20 +60,14 @@ class LocalChannel:
             start == state.end + len(state.draft)
 
     def deliver(self, sid: str, target: DraftTarget, start: int, draft: Draft) -> None:
-        state = self.store.sessions.get(sid)
-        if state is None:
-            return
         try:
-            state.push_draft(target.epoch, start, draft.tokens, idle=len(draft) == 0,
-                             window=self.window, branches=draft.branches)
+            self.store.push_draft(sid, target.epoch, start, draft.tokens, idle=len(draft) == 0,
+                                  window=self.window, branches=draft.branches)
         except StaleChunkError:
-            pass  # a fix the book has not seen yet: applied next round
+            pass  # a fix the book has not seen yet (applied next round), or a closed session
 
     def refuse(self, sid: str, target: DraftTarget, start: int, why: str) -> None:
-        state = self.store.sessions.get(sid)
-        if state is not None:
-            state.has_drafter = False
-            self.cond.notify_all()  # the verifier stops waiting for its drafts
+        self.store.drafter_gone(sid)  # the verifier stops waiting for its drafts
 
 
 class DraftWorker(threading.Thread):

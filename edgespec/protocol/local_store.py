@@ -141,14 +141,20 @@ class SessionState:
         return fix
 
     def fixes_after(self, fix_id: int) -> list[Fix]:
-        if not self.fixes or self.fixes[-1].id <= fix_id:  # the common case: nothing new
-            return []
-        return [f for f in self.fixes if f.id > fix_id]
+        out = []
+        for f in reversed(self.fixes):  # the newest first: usually one or none is new
+            if f.id <= fix_id:
+                break
+            out.append(f)
+        return out[::-1]
 
 
 class LocalSessionStore:
-    """Sessions of one process, guarded by one condition variable that wakes drafters on fixes
-    and the verifier on new chunks.
+    """Sessions of one process under one lock, with two conditions on it: ``cond`` wakes the
+    drafter on news (a new session, a commit, a close: the sessions concerned are kept in
+    ``changed`` once a drafter reads them, so that it reads only those), ``drafts_in`` wakes
+    the verifier once every draft it waits for is ready (checked as each chunk lands, for its
+    session only: waiting costs nothing per chunk of the other sessions).
 
     The verifier's side of the store (``create``, ``take_when_ready``, ``commit_many``,
     ``close``) is the interface the Redis-backed store of the distributed cache also offers.
@@ -157,42 +163,90 @@ class LocalSessionStore:
     wait_ms = 0.0  # no remote drafter to wait for: the engine's drafter suggests its own
 
     def __init__(self, fleet: FleetTable | None = None, vocab_size: int | None = None) -> None:
-        self.cond = threading.Condition()
+        self.lock = threading.RLock()
+        self.cond = threading.Condition(self.lock)
+        self.drafts_in = threading.Condition(self.lock)
         self.sessions: dict[str, SessionState] = {}
         self.fleet = fleet  # taught each session's output when it closes, as the cache does
         self.vocab_size = vocab_size  # the target's: draft ids are checked against it
+        self.changed: set[str] | None = None  # kept once a drafter reads it (``read_changes``)
+        self._awaited: dict[str, int] = {}  # session -> the draft length the verifier waits for
 
+    def read_changes(self) -> set[str]:
+        """Under the lock: the sessions created, committed or closed since the last call (the
+        first call starts the record)."""
+        out, self.changed = self.changed or set(), set()
+        return out
+
+    def _changed(self, session_id: str) -> None:
+        if self.changed is not None:
+            self.changed.add(session_id)
+        self.cond.notify_all()
 
     def create(self, session_id: str, prompt: list[int], params: SamplingParams,
                drafter: str | None, max_new_tokens: int = 0,
                committed: Sequence[int] = (), verify: str = "exact") -> None:
-        with self.cond:
+        with self.lock:
             if session_id in self.sessions:
                 raise ValueError(f"session {session_id} exists")
             self.sessions[session_id] = SessionState(session_id, list(prompt), list(committed),
                                                      has_drafter=drafter is not None,
                                                      params=params, vocab_size=self.vocab_size)
-            self.cond.notify_all()
+            self._changed(session_id)
+
+    def push_draft(self, session_id: str, epoch: int, start: int, tokens: list[int],
+                   idle: bool = False, window: int = 1 << 30, branches=()) -> int:
+        """The drafter's chunk (``SessionState.push_draft``), waking the verifier if it was
+        the last draft it waited for. Raises StaleChunkError for an unknown session."""
+        with self.lock:
+            state = self.sessions.get(session_id)
+            if state is None:
+                raise StaleChunkError(f"unknown session {session_id}")
+            try:
+                return state.push_draft(epoch, start, tokens, idle=idle, window=window,
+                                        branches=branches)
+            finally:
+                self._draft_moved(session_id)
+
+    def drafter_gone(self, session_id: str) -> None:
+        """The drafter gives up on a session: the verifier decodes it alone, without waiting."""
+        with self.lock:
+            state = self.sessions.get(session_id)
+            if state is not None:
+                state.has_drafter = False
+            self._draft_moved(session_id)
+
+    def _draft_moved(self, session_id: str) -> None:
+        k = self._awaited.get(session_id)
+        if k is None:
+            return
+        state = self.sessions.get(session_id)
+        if state is None or state.draft_ready(k):
+            del self._awaited[session_id]
+            if not self._awaited:
+                self.drafts_in.notify_all()
 
     def take_when_ready(self, wants: list[DraftWant], wait_s: float
                         ) -> list[TakenDraft | SessionVanished]:
         """Wait up to ``wait_s`` until every session's draft is ready (those not to wait for
         aside), then take up to k tokens of each."""
         deadline = time.monotonic() + wait_s
-        with self.cond:
+        with self.lock:
             states = [self.sessions.get(w.session_id) for w in wants]
-            while not all(st is None or not w.wait or st.draft_ready(w.k)
-                          for st, w in zip(states, wants)):
+            self._awaited = {w.session_id: w.k for st, w in zip(states, wants)
+                             if st is not None and w.wait and not st.draft_ready(w.k)}
+            while self._awaited:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
-                self.cond.wait(timeout=left)
+                self.drafts_in.wait(timeout=left)
+            self._awaited = {}
             return [SessionVanished(w.session_id) if st is None
                     else st.take_draft(w.k, w.branch_budget) for st, w in zip(states, wants)]
 
     def commit_many(self, verdicts: list[Verdict]) -> list[CommitOutcome]:
         out = []
-        with self.cond:
+        with self.lock:
             for v in verdicts:
                 state = self.sessions.get(v.session_id)
                 try:
@@ -204,14 +258,17 @@ class LocalSessionStore:
                     out.append(CommitOutcome(state.commit(v)))
                 except StaleChunkError as e:
                     out.append(CommitOutcome(error=str(e)))
+                if self.changed is not None:
+                    self.changed.add(v.session_id)
             self.cond.notify_all()
         return out
 
     def close(self, session_id: str, finish_reason: str = "stop") -> None:
-        with self.cond:
+        with self.lock:
             state = self.sessions.pop(session_id, None)
             if state is not None:
                 state.done = True
-            self.cond.notify_all()
+            self._changed(session_id)
+            self._draft_moved(session_id)
         if state is not None and self.fleet is not None:
             record_output(self.fleet, state.tokens, len(state.prompt))
