@@ -21,7 +21,7 @@ import redis
 
 from edgespec.config import SamplingParams
 from edgespec.protocol.contract import (MAX_BRANCHES, Branch, CommitOutcome, DraftWant, Fix,
-                               SessionVanished, StoreUnavailable, TakenDraft, Verdict,
+                               SessionVanished, TakenDraft, Verdict,
                                chunk_branches, take_branches)
 
 from .chunk_waker import ChunkWaker
@@ -30,7 +30,7 @@ from .codec import (InboxEvent, KeyLayout, pack_tokens, params_from_json, params
 from .devices import DeviceRegistry
 from .fleet_recorder import FleetRecorder
 from .fleet_table import RedisFleetTable
-from .store_lua import COMMIT_LUA, PUSH_LUA
+from .store_lua import COMMIT_MANY_LUA, PUSH_LUA, TAKE_MANY_LUA
 
 log = logging.getLogger("edgespec.cache")
 
@@ -89,7 +89,8 @@ class RedisSessionStore:
         self.inbox_maxlen = inbox_maxlen
         self.wait_ms = wait_ms
         self._push = client.register_script(PUSH_LUA)
-        self._commit = client.register_script(COMMIT_LUA)
+        self._commit_many = client.register_script(COMMIT_MANY_LUA)
+        self._take_many = client.register_script(TAKE_MANY_LUA)
         self._device_of: dict[str, str] = {}
         self._lock = threading.Lock()
         self._chunk_waker: ChunkWaker | None = None
@@ -159,26 +160,22 @@ class RedisSessionStore:
                              int(f.get("epoch") or 0), done, f.get("verify", ""))
 
     def _read(self, wants: list[DraftWant]) -> list[_DraftRow]:
-        """Each wanted session's state, read in one transaction."""
-        pipe = self.redis.pipeline(transaction=True)
+        """Each wanted session's state, read by one script (``TAKE_MANY_LUA``)."""
+        if not wants:
+            return []
         with self._lock:
             devices = [self._device_of.get(w.session_id) or "-" for w in wants]
+        keys: list[str] = []
+        args: list[int] = []
         for w, device in zip(wants, devices):
-            h, tok, draft, br = self.keys.session(w.session_id)
-            pipe.hmget(h, "epoch", "idle", "device")
-            pipe.strlen(tok)
-            pipe.strlen(draft)
-            pipe.getrange(draft, 0, 4 * w.k - 1)
-            pipe.exists(self.keys.alive(device))
-            if w.branch_budget:
-                pipe.lrange(br, 0, MAX_BRANCHES - 1)
-        out = iter(pipe.execute())
+            keys += [*self.keys.session(w.session_id), self.keys.alive(device)]
+            args += [4 * w.k, MAX_BRANCHES if w.branch_budget else 0]
         rows = []
-        for w in wants:
-            (epoch, idle, device), tok_len, draft_len, draft, alive = (next(out) for _ in range(5))
+        for epoch, idle, device, tok_len, draft_len, draft, alive, branches in \
+                self._take_many(keys=keys, args=args):
             rows.append(_DraftRow(None if epoch is None else int(epoch), idle == b"1",
                                   bool(device) and alive == 1, tok_len // 4, draft_len // 4,
-                                  draft, next(out) if w.branch_budget else []))
+                                  draft, branches))
         return rows
 
     @raises_store_unavailable
@@ -213,28 +210,24 @@ class RedisSessionStore:
 
     @raises_store_unavailable
     def commit_many(self, verdicts: list[Verdict]) -> list[CommitOutcome]:
-        """Apply verdicts in one round trip; a refused one is reported in its slot. Raises
-        only ``StoreUnavailable`` (then retry with the same verdicts)."""
-        pipe = self.redis.pipeline(transaction=False)
+        """Apply verdicts in one script (``COMMIT_MANY_LUA``), in one round trip; a refused
+        one is reported in its slot. Raises only ``StoreUnavailable`` (then retry with the same
+        verdicts: one that landed is recognised as a replay)."""
+        if not verdicts:
+            return []
         with self._lock:
             devices = [self._device_of.get(v.session_id, "") for v in verdicts]
+        keys: list[str] = []
+        args: list = []
         for v, device in zip(verdicts, devices):
             fix = Fix.of_verdict(v, 0).tokens  # the inbox event's, if it is a fix
-            self._commit(keys=[*self.keys.session(v.session_id), self.keys.inbox(device or "-")],
-                         args=[v.epoch, v.n_accepted, pack_tokens([v.token]), int(v.done),
-                               self.ttl_s, self.inbox_maxlen, v.session_id, fix[0], v.start,
-                               v.finish_reason, pack_tokens(v.branch),
-                               ",".join(map(str, fix[1:])), int(v.own_branch)],
-                         client=pipe)
+            keys += [*self.keys.session(v.session_id), self.keys.inbox(device or "-")]
+            args += [v.epoch, v.n_accepted, pack_tokens([v.token]), int(v.done), self.ttl_s,
+                     self.inbox_maxlen, v.session_id, fix[0], v.start, v.finish_reason,
+                     pack_tokens(v.branch), ",".join(map(str, fix[1:])), int(v.own_branch)]
         out = []
-        for v, res in zip(verdicts, pipe.execute(raise_on_error=False)):
-            if isinstance(res, redis.ConnectionError | redis.TimeoutError |
-                          redis.exceptions.NoScriptError):
-                # the store, not this session: the step is retried
-                raise StoreUnavailable(f"the draft cache's Redis: {res}") from res
-            if isinstance(res, Exception):
-                out.append(CommitOutcome(error=str(res)))
-            elif res[0] < 0:
+        for v, res in zip(verdicts, self._commit_many(keys=keys, args=args)):
+            if res[0] < 0:
                 out.append(CommitOutcome(error=StoreError(res[0], res[1]).args[0]))
             else:
                 isfix, epoch, _ = res  # isfix 2: a replay, answered as applied

@@ -115,6 +115,50 @@ for i = 1, 4 do redis.call('EXPIRE', KEYS[i], ARGV[5]) end
 return {isfix, epoch, endpos}
 """
 
+# The verifier's two calls a step, each one script over all of the step's sessions (one command
+# whatever their number: the client packs one request and parses one reply).
+#
+# TAKE_MANY (KEYS: per session hash, tok, draft, br, its device's alive key; ARGV: per session
+# the draft bytes wanted (4 a token), the branches wanted) returns per session {epoch, idle,
+# device, committed bytes, draft bytes, the draft's first bytes, alive, branches}; a vanished
+# session's epoch is nil. Atomic, as the transaction it replaces.
+TAKE_MANY_LUA = """
+local out = {}
+for i = 0, #KEYS / 5 - 1 do
+  local k = 5 * i
+  local h = redis.call('HMGET', KEYS[k + 1], 'epoch', 'idle', 'device')
+  local want, nbr = tonumber(ARGV[2 * i + 1]), tonumber(ARGV[2 * i + 2])
+  local draft = ''
+  if want > 0 then draft = redis.call('GETRANGE', KEYS[k + 3], 0, want - 1) end
+  local branches = {}
+  if nbr > 0 then branches = redis.call('LRANGE', KEYS[k + 4], 0, nbr - 1) end
+  out[i + 1] = {h[1], h[2], h[3], redis.call('STRLEN', KEYS[k + 2]),
+                redis.call('STRLEN', KEYS[k + 3]), draft, redis.call('EXISTS', KEYS[k + 5]),
+                branches}
+end
+return out
+"""
+
+# COMMIT_MANY (KEYS: per verdict COMMIT's 5; ARGV: per verdict COMMIT's 13): COMMIT for each
+# verdict in turn, its reply in its slot; a verdict whose commit raised (a key of the wrong
+# type) is answered {-6, error} in its slot, the others still land.
+COMMIT_MANY_LUA = ("local function commit(KEYS, ARGV)\n" + COMMIT_LUA + """end
+local out = {}
+for i = 0, #KEYS / 5 - 1 do
+  local keys, args = {}, {}
+  for j = 1, 5 do keys[j] = KEYS[5 * i + j] end
+  for j = 1, 13 do args[j] = ARGV[13 * i + j] end
+  local ok, res = pcall(commit, keys, args)
+  if ok then
+    out[i + 1] = res
+  else
+    out[i + 1] = {-6, type(res) == 'table' and res.err or tostring(res)}
+  end
+end
+return out
+""")
+
+
 # Forget drafters last seen before ARGV[1] that are not alive now. KEYS: the devices hash, the
 # last-seen sorted set; ARGV[2]: the device key prefix ('es:dev:'); ARGV[3]: most per call.
 PRUNE_LUA = """

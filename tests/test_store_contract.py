@@ -119,6 +119,28 @@ def test_the_window_bounds_the_draft(side):
     assert _take(side).tokens == [4, 5]
 
 
+def test_a_step_takes_many_sessions_at_once_each_up_to_its_own_length(side):
+    for sid in ("a", "b", "c"):
+        _new(side, sid)
+    side.push("a", 0, 3, [4, 5, 6])
+    side.push("b", 0, 3, [7, 8])
+    got = side.store.take_when_ready([DraftWant("a", 2), DraftWant("b", 0), DraftWant("c", 4),
+                                      DraftWant("gone", 4)], 0.0)
+    assert [(t.start, t.tokens) for t in got[:3]] == [(3, [4, 5]), (3, []), (3, [])]
+    assert isinstance(got[3], SessionVanished)
+
+
+def test_a_step_commits_many_sessions_at_once_each_judged_alone(side):
+    for sid in ("a", "b"):
+        _new(side, sid)
+    side.push("a", 0, 3, [4, 5])
+    side.push("b", 0, 3, [6])
+    out = _commit(side, Verdict("a", 0, 3, 2, 9), Verdict("b", 1, 3, 0, 9),
+                  Verdict("gone", 0, 3, 0, 1), Verdict("b", 0, 3, 1, 7))
+    assert [o.ok for o in out] == [True, False, False, True]
+    assert side.tokens("a") == [*PROMPT, 4, 5, 9] and side.tokens("b") == [*PROMPT, 6, 7]
+
+
 @pytest.mark.parametrize("epoch, start", [(1, 4), (0, 3), (0, 5)],
                          ids=["stale epoch", "overlap", "gap"])
 def test_a_chunk_from_another_epoch_or_position_is_refused_and_changes_nothing(side, epoch,
@@ -342,3 +364,17 @@ def test_the_local_store_refuses_draft_ids_outside_the_vocabulary(bad):
         state.push_draft(0, len(PROMPT), [4, 5], branches=[Branch(1, (bad,))])
     assert state.draft == [] and state.branches == []
     assert state.push_draft(0, len(PROMPT), [4, 49], branches=[Branch(1, (7,))]) == 2
+
+
+def test_a_redis_commit_that_raises_fails_its_slot_and_the_others_land(side):
+    if isinstance(side, LocalSide):
+        pytest.skip("a key of the wrong type is Redis's")
+    for sid in ("a", "b"):
+        _new(side, sid)
+    side.push("a", 0, 3, [4])
+    draft = side.store.keys.session("b")[2]
+    side.store.redis.delete(draft)
+    side.store.redis.rpush(draft, "not a string")  # GET in the commit raises WRONGTYPE
+    out = _commit(side, Verdict("b", 0, 3, 0, 9), Verdict("a", 0, 3, 1, 8))
+    assert not out[0].ok and "WRONGTYPE" in out[0].error
+    assert out[1].ok and side.tokens("a") == [*PROMPT, 4, 8]
