@@ -166,6 +166,10 @@ class EngineConfig:
     late_after: int = 3
     max_sessions: int = 16  # KV slots on the verifier: the most sessions in one batch
     max_batch_tokens: int = 256  # the most tokens in one verification forward
+    # prompt tokens a server admits between two steps: the requests waiting are prefilled
+    # together up to it (at least one a step), so that a burst of arrivals delays the running
+    # streams by a bounded prefill a step, not by all of theirs
+    prefill_budget: int = 2048
     max_context: int = 2048  # tokens per KV slot (prompt + output + draft)
     adaptive: bool = True  # grow/shrink the verified draft length from acceptance
     verify: str = "exact"  # "loose": FLy's, "pad": PAD's lossy acceptance (opt-in)
@@ -190,7 +194,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         for name in ("max_draft", "window", "chunk", "max_sessions", "max_context",
-                     "max_batch_tokens"):
+                     "max_batch_tokens", "prefill_budget"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not 1 <= self.tree_width <= 16:

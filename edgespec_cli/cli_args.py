@@ -73,6 +73,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="steps in a row whose draft deadline a drafter's drafts miss before its "
                         "sessions are verified without waiting for it, until its drafts come in "
                         "time again; 0: always wait the deadline (default: %(default)s)")
+    p.add_argument("--prefill-budget", metavar="TOKENS", type=int, default=d.prefill_budget,
+                   help="prompt tokens admitted between two verification steps: waiting requests "
+                        "are prefilled together up to it, at least one a step, so that a burst "
+                        "of arrivals delays running streams by a bounded prefill a step "
+                        "(default: %(default)s)")
     p.add_argument("--max-context", type=int, default=d.max_context,
                    help="tokens per session: prompt + output (default: %(default)s)")
     p.add_argument("--no-adaptive", action="store_true",
@@ -167,6 +172,7 @@ def engine_config(args, max_sessions: int | None = None) -> EngineConfig:
                         adaptive=not getattr(args, "no_adaptive", False),
                         max_sessions=max_sessions or d.max_sessions,
                         max_batch_tokens=getattr(args, "max_batch_tokens", d.max_batch_tokens),
+                        prefill_budget=getattr(args, "prefill_budget", d.prefill_budget),
                         verify=verify, loose=loose, pad=pad,
                         tree_width=getattr(args, "tree_width", d.tree_width),
                         tree_nodes=getattr(args, "tree_nodes", d.tree_nodes),

@@ -215,6 +215,29 @@ def test_prefill_in_chunks_and_long_contexts_keep_the_bits(hd64_model, dtype, de
             runner.free_slot(s)
 
 
+@pytest.mark.parametrize("device,dtype", CASES)
+def test_prompts_prefilled_together_keep_the_bits_each_gets_alone(hd64_model, dtype, device):
+    """``prefill_many``: prompts of ragged lengths (across chunk boundaries, in groups cut by
+    the forward's row budget) leave each slot the keys/values of its prompt prefilled alone."""
+    runner = _runner(hd64_model, dtype, device)
+    if runner is None:
+        return
+    rng = random.Random(f"prefill-many-{dtype}")
+    for max_rows, chunk in ((runner.max_rows, 512), (150, 64), (40, 13)):
+        runner.max_rows = max_rows
+        sessions = [_session(rng, max_prompt=200) for _ in range(7)]
+        refs = [_one_at_a_time(runner, p, c) for p, c in sessions]
+        slots = [runner.new_slot() for _ in sessions]
+        rng.shuffle(slots)
+        runner.prefill_many(slots, [p for p, _ in sessions], chunk=chunk)
+        assert [runner.cache.lengths[s] for s in slots] == [len(p) for p, _ in sessions]
+        logits = runner.forward(slots, [c for _, c in sessions])  # [B, T_max, V]
+        for b, ((_, c), ref) in enumerate(zip(sessions, refs)):
+            assert torch.equal(logits[b, :len(c)], ref), (dtype, max_rows, chunk, b)
+        for s in slots:
+            runner.free_slot(s)
+
+
 def test_the_attention_probe_catches_a_shape_dependent_kernel(monkeypatch):
     import torch.nn.functional as F
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from edgespec.config import ConfigError
-from edgespec.engine.spec_engine import Request, Result, SessionFailed, SpecEngine
+from edgespec.engine.spec_engine import Admission, Request, Result, SessionFailed, SpecEngine
 from edgespec.protocol.request_stats import Stats
 from edgespec.protocol.contract import StoreUnavailable
 
@@ -286,32 +286,52 @@ class Scheduler(threading.Thread):
                 pass
 
     def _admit(self) -> None:
-        while self.engine.free_slots:
-            with self._lock:
-                if not self._pending:
-                    return
-                t = self._pending.popleft()
+        """The requests waiting, as many as there are free slots, up to the prefill budget's
+        prompt tokens (at least one), admitted together: one shared prefill."""
+        picked: list[Ticket] = []
+        budget = self.engine.cfg.prefill_budget
+        with self._lock:
+            while self._pending and len(picked) < self.engine.free_slots:
+                req = self._pending[0].request
+                size = len(req.prompt_ids) + len(req.committed)
+                if picked and size > budget:
+                    break
+                budget -= size
+                picked.append(self._pending.popleft())
+        if not picked:
+            return
+        for t in picked:
             t.request.on_tokens = lambda new, t=t: self._on_tokens(t, new)
-            began = time.monotonic()
-            try:
-                act = self.engine.add(t.request, session_id=t.session_id, device=t.device)
-            except (StoreUnavailable, OSError):
-                with self._lock:
-                    self._pending.appendleft(t)  # the cache is down: admit it later
-                raise
-            except Exception as exc:
-                if not isinstance(exc, ConfigError):
-                    log.exception("admitting session %s failed", t.session_id)
+        began = time.monotonic()
+        got = self.engine.add_many([Admission(t.request, t.session_id, t.device)
+                                    for t in picked])
+        took = time.monotonic() - began
+        unreachable = [t for t, g in zip(picked, got)
+                       if isinstance(g, (StoreUnavailable, OSError))]
+        if unreachable:
+            with self._lock:
+                self._pending.extendleft(reversed(unreachable))  # the cache is down: later
+        tokens = 0
+        for t, act in zip(picked, got):
+            if isinstance(act, (StoreUnavailable, OSError)):
+                continue
+            if isinstance(act, Exception):
+                if not isinstance(act, ConfigError):
+                    log.error("admitting session %s failed", t.session_id, exc_info=act)
                 self._release_pick(t)
-                self._end(t, error=exc)
+                self._end(t, error=act)
                 continue
             self._release_pick(t)
-            self.pace.prefill(len(t.request.prompt_ids) + len(t.request.committed),
-                              time.monotonic() - began)
+            tokens += len(t.request.prompt_ids) + len(t.request.committed)
             if self.metrics is not None:
                 self.metrics.admitted(len(t.request.prompt_ids))
             act.on_finish = lambda res, t=t: self._end(t, result=res)
             act.on_error = lambda exc, t=t: self._end(t, error=exc)
+        if tokens:
+            self.pace.prefill(tokens, took)
+        if unreachable:
+            exc = next(g for g in got if isinstance(g, (StoreUnavailable, OSError)))
+            raise exc
 
     def _on_tokens(self, t: Ticket, new: list[int]) -> None:
         now = time.monotonic()

@@ -1,6 +1,6 @@
-"""What a generation is to the engine: the ``Request`` a caller makes, the ``Result`` it gets,
-the ``ActiveSession`` the verifier keeps while it runs, and ``SessionFailed``, the error that
-ends one session and no other."""
+"""What a generation is to the engine: the ``Request`` a caller makes (an ``Admission`` when
+it is admitted), the ``Result`` it gets, the ``ActiveSession`` the verifier keeps while it
+runs, and ``SessionFailed``, the error that ends one session and no other."""
 
 from __future__ import annotations
 
@@ -29,6 +29,17 @@ class Request:
     # a vision-language target's images (``edgespec.models.vision``): their features are
     # prefilled at the prompt's image tokens; None for a text prompt
     images: ImageInput | None = None
+
+
+@dataclass
+class Admission:
+    """A request to admit (``SpecEngine.add_many``): its session id (None: the engine names
+    it) and the drafter to ask for its drafts (a distributed store's device)."""
+
+    request: Request
+    session_id: str | None = None
+    device: str | None = None
+    verify: str = "exact"  # set on admission: the session's verification mode
 
 
 @dataclass

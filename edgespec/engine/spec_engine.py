@@ -38,7 +38,7 @@ from ..verify.keyed_noise import with_session_seed
 from ..verify.verify_step import verify_step
 from .draft_planner import ForwardCost
 from .draft_worker import DraftWorker
-from .generation import ActiveSession, Request, Result, SessionFailed
+from .generation import ActiveSession, Admission, Request, Result, SessionFailed
 from .lateness import Lateness
 from .decisions import Decision, RowVerdict, decide
 from .proposals import DrafterProposer, StepDraft, drafter_row, with_head
@@ -47,7 +47,8 @@ from .stack_choice import SOURCES, StackChooser, accepted_prefix
 from .step_planning import plan_branch_budgets, plan_drafts
 from .step_report import StepReport, step_report
 
-__all__ = ["ActiveSession", "Request", "Result", "SessionFailed", "SpecEngine", "StepReport"]
+__all__ = ["ActiveSession", "Admission", "Request", "Result", "SessionFailed", "SpecEngine",
+           "StepReport"]
 
 log = logging.getLogger("edgespec.engine.spec_engine")
 
@@ -163,24 +164,70 @@ class SpecEngine:
         """Prefill a request into a KV slot and register its session. ``device``: the drafter
         to ask for (distributed store); the local store drafts with its own drafter. A request
         with ``committed`` output resumes a session: prompt + committed are prefilled."""
-        req.params = with_session_seed(req.params)
-        verify = self.validate(req)
-        slot = self.target.new_slot()
+        [out] = self.add_many([Admission(req, session_id, device)])
+        if isinstance(out, BaseException):
+            raise out
+        return out
+
+    def add_many(self, entries: Sequence[Admission]) -> list[ActiveSession | Exception]:
+        """``add`` for several requests at once, their prompts prefilled together
+        (``TargetRunner.prefill_many``: the bits each gets alone); a prompt with images is
+        prefilled alone. Returns, in order, each entry's session or what refused it (its KV
+        slot freed): a failure fails only the entry it concerns (a shared prefill that raises
+        is retried one prompt at a time)."""
+        out: list[ActiveSession | Exception | None] = [None] * len(entries)
+        ready: list[tuple[int, int, list[int]]] = []  # (entry, slot, tokens to prefill)
+        for i, e in enumerate(entries):
+            try:
+                e.request.params = with_session_seed(e.request.params)
+                e.verify = self.validate(e.request)
+                slot = self.target.new_slot()
+            except Exception as exc:
+                out[i] = exc
+                continue
+            ready.append((i, slot, (e.request.prompt_ids + e.request.committed)[:-1]))
         t0 = time.perf_counter()
+        together = [r for r in ready if entries[r[0]].request.images is None]
+        if len(together) > 1:
+            try:
+                self.target.prefill_many([slot for _, slot, _ in together],
+                                         [ids for _, _, ids in together])
+            except Exception:
+                log.exception("a shared prefill of %d prompts failed; prefilling them alone",
+                              len(together))
+            else:
+                for i, slot, _ in together:
+                    out[i] = self._register(entries[i], slot, t0)
+        for i, slot, ids in ready:
+            if out[i] is None:
+                try:
+                    self._prefill_alone(entries[i].request, slot, ids)
+                except Exception as exc:
+                    self.target.free_slot(slot)
+                    out[i] = exc
+                    continue
+                out[i] = self._register(entries[i], slot, time.perf_counter())
+        return [o for o in out if o is not None]
+
+    def _prefill_alone(self, req: Request, slot: int, ids: list[int]) -> None:
+        embeds = None
+        if req.images is not None:
+            assert self.vision is not None  # validate refused images without it
+            embeds = self.vision.prompt_embeds(ids, req.images, self.target.embed)  # [n, H]
+        self.target.prefill(slot, ids, embeds=embeds)
+
+    def _register(self, e: Admission, slot: int, t0: float) -> ActiveSession | Exception:
+        """A prefilled request's session, in the store and here (``t0``: when its prefill
+        began); what refused it, its slot freed, if the store did."""
+        req, verify = e.request, e.verify
+        sid = e.session_id or f"local-{next(self._ids)}"
+        drafter = e.device if self.worker is None else self.worker.drafter.name
         try:
-            ids = (req.prompt_ids + req.committed)[:-1]
-            embeds = None
-            if req.images is not None:
-                assert self.vision is not None  # validate refused images without it
-                embeds = self.vision.prompt_embeds(ids, req.images, self.target.embed)  # [n, H]
-            self.target.prefill(slot, ids, embeds=embeds)
-            sid = session_id or f"local-{next(self._ids)}"
-            drafter = device if self.worker is None else self.worker.drafter.name
             self.store.create(sid, req.prompt_ids, req.params, drafter, req.max_new_tokens,
                               committed=req.committed, verify=verify)
-        except BaseException:
+        except Exception as exc:
             self.target.free_slot(slot)
-            raise  # a request the scheduler retries (the store unavailable) keeps its images
+            return exc  # a request the scheduler retries (the store unavailable) keeps its images
         if req.images is not None:
             req.images = req.images.spent()  # in the KV now: the pixels are not kept
         act = ActiveSession(sid, req, slot,
@@ -486,7 +533,13 @@ class SpecEngine:
     # -- whole generations ---------------------------------------------------------------------
     def generate_many(self, requests: list[Request]) -> list[Result]:
         errors: list[Exception] = []
-        acts = [self.add(r) for r in requests]
+        acts: list[ActiveSession] = []
+        for got in self.add_many([Admission(r) for r in requests]):
+            if isinstance(got, Exception):
+                for a in acts:  # none of them runs: their slots go back
+                    self._release(a, "error")
+                raise got
+            acts.append(got)
         for a in acts:
             a.on_error = errors.append
         while self.active:

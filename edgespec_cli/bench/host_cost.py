@@ -73,6 +73,10 @@ class InstantRunner:
     def prefill(self, slot: int, tokens: list[int], embeds=None) -> None:
         self.cache.commit(slot, len(tokens))
 
+    def prefill_many(self, slots: list[int], prompts: list[list[int]]) -> None:
+        for slot, tokens in zip(slots, prompts):
+            self.prefill(slot, tokens)
+
     def commit(self, slot: int, length: int) -> None:
         self.cache.commit(slot, length)
 
