@@ -1,8 +1,9 @@
-"""Requests arriving together are admitted together: their prompts prefilled in one shared
-prefill (``SpecEngine.add_many``), up to the prefill budget's prompt tokens between two steps
-(at least one request), so a burst delays the running streams by a bounded prefill a step. Each
-output stays identical to target-only greedy decoding; a request the engine refuses fails
-alone, its neighbours in the batch admitted."""
+"""Requests arriving together are taken in together and prefilled by the steps, a budget of
+prompt tokens a step (``SpecEngine.admit``, ``engine.prefill_queue``): several prompts in one
+shared forward, a long prompt over several steps while the running sessions keep getting
+tokens. Every output stays identical to target-only greedy decoding; a request the engine
+refuses, or whose prefill fails, fails alone; a session cancelled while it waits for its
+prefill gives its slot back."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from edgespec.runner.target_runner import TargetRunner
 from verifier_node.scheduler import Scheduler, Ticket
 
 WAIT_S = 120
+BUDGET = 60  # prompt tokens a step; prompts are cut at multiples of it
 
 
 def _prompts(n: int, seed: int = 1) -> list[list[int]]:
@@ -26,48 +28,93 @@ def _prompts(n: int, seed: int = 1) -> list[list[int]]:
 
 @pytest.fixture()
 def engine(tiny):
-    runner = TargetRunner(tiny.model, n_slots=6, max_len=128)
-    with SpecEngine(runner, None, EngineConfig(max_sessions=6, max_context=128,
-                                               prefill_budget=60), stop_ids={2}) as e:
+    runner = TargetRunner(tiny.model, n_slots=6, max_len=160)
+    with SpecEngine(runner, None, EngineConfig(max_sessions=6, max_context=160,
+                                               prefill_budget=BUDGET), stop_ids={2}) as e:
         yield e
 
 
-def test_admitting_a_batch_keeps_every_output_identical_to_target_only(tiny, engine,
-                                                                      monkeypatch):
+def _run(engine: SpecEngine) -> None:
+    while engine.sessions:
+        engine.step()
+
+
+def test_prompts_admitted_together_share_a_prefill_and_decode_as_target_only(tiny, engine,
+                                                                             monkeypatch):
     alone: list[int] = []
     prefill = engine.target.prefill
     monkeypatch.setattr(engine.target, "prefill",
                         lambda slot, ids, **kw: alone.append(slot) or prefill(slot, ids, **kw))
     prompts = _prompts(5)
     got = engine.add_many([Admission(Request(p, 24)) for p in prompts])
-    assert len(got) == 5 and not any(isinstance(g, Exception) for g in got)
-    assert alone == []  # one shared prefill, none alone
-    while engine.active:
-        engine.step()
+    assert not any(isinstance(g, Exception) for g in got)
+    assert alone == [] and len(engine.active) == 5  # one shared prefill, every prompt in
+    _run(engine)
     assert [g.output for g in got] == [hf_greedy(tiny.model, p, 24) for p in prompts]
 
 
-def test_a_refused_request_in_a_batch_fails_alone(tiny, engine):
-    prompts = _prompts(3, seed=2)
-    bad = Request([1, 10_000], 8)  # a token outside the vocabulary
-    got = engine.add_many([Admission(Request(prompts[0], 16)), Admission(bad),
-                           Admission(Request(prompts[1], 16))])
-    assert isinstance(got[1], ConfigError)
-    assert engine.free_slots == 6 - 2  # the refused request's slot was never kept
-    while engine.active:
+def test_a_step_prefills_up_to_its_budget_and_the_rest_waits(tiny, engine):
+    prompts = [[1] + list(range(3, 32)), [1] + list(range(5, 34))] + _prompts(3, seed=3)
+    got = engine.admit([Admission(Request(p, 12)) for p in prompts])
+    assert engine.active == [] and len(engine.sessions) == 5
+    engine.step()  # 29 + 29 prompt tokens: the budget; the others wait
+    assert engine.active[:2] == got[:2] and len(engine.active) == 2
+    _run(engine)
+    assert [g.output for g in got] == [hf_greedy(tiny.model, p, 12) for p in prompts]
+
+
+def test_a_long_prompt_is_prefilled_over_steps_while_a_running_stream_gets_tokens(tiny, engine):
+    short = _prompts(1, seed=4)[0]
+    running = engine.add(Request(short, 30))
+    long_prompt = [1] + [random.Random(5).randrange(3, 60) for _ in range(140)]
+    [late] = engine.admit([Admission(Request(long_prompt, 8))])
+    seen = []
+    while late not in engine.active:
+        before = len(running.output)
         engine.step()
-    assert [got[0].output, got[2].output] == [hf_greedy(tiny.model, p, 16)
-                                              for p in prompts[:2]]
+        seen.append(len(running.output) - before)
+    assert seen == [1, 1, 1]  # 140 tokens in parts of 60, 60, 20: a token a step meanwhile
+    _run(engine)
+    assert running.output == hf_greedy(tiny.model, short, 30)
+    assert late.output == hf_greedy(tiny.model, long_prompt, 8)
 
 
-def test_the_scheduler_admits_up_to_the_prefill_budget_between_two_steps(tiny, engine):
-    """Prompts of 30 tokens against a budget of 60: two a step (the first always admitted,
-    even past the budget), the streams identical to target-only decoding."""
-    prompts = [[1] + list(range(3, 32)) for _ in range(2)] + _prompts(3, seed=3)
+def test_a_refused_request_or_a_failed_prefill_fails_alone(tiny, engine, monkeypatch):
+    prompts = _prompts(3, seed=2)
+    broken: set[int] = set()
+    parts = engine.target.prefill_parts
+
+    def prefill_parts(slots, rows):
+        if broken & set(slots):
+            raise RuntimeError("a device fault")
+        parts(slots, rows)
+
+    monkeypatch.setattr(engine.target, "prefill_parts", prefill_parts)
+    errors: list[Exception] = []
+    got = engine.admit([Admission(Request(prompts[0], 16)), Admission(Request([1, 10_000], 8)),
+                        Admission(Request(prompts[1], 16)), Admission(Request(prompts[2], 16))])
+    assert isinstance(got[1], ConfigError)  # a token outside the vocabulary
+    got[3].on_error = errors.append
+    broken.add(got[3].slot)
+    _run(engine)
+    assert len(errors) == 1 and got[3] not in engine.sessions
+    assert engine.free_slots == 6
+    assert [got[0].output, got[2].output] == [hf_greedy(tiny.model, p, 16) for p in prompts[:2]]
+
+
+def test_a_session_cancelled_while_waiting_for_its_prefill_gives_its_slot_back(engine):
+    [act] = engine.admit([Admission(Request([1] * 100, 4))])
+    finished = []
+    act.on_finish = finished.append
+    assert engine.cancel(act.sid)
+    assert engine.sessions == [] and engine.free_slots == 6
+    assert [r.finish_reason for r in finished] == ["cancelled"]
+
+
+def test_the_scheduler_streams_a_burst_identical_to_target_only(tiny, engine):
+    prompts = _prompts(5, seed=6)
     sched = Scheduler(engine, max_queue=8)
     tickets = [sched.submit(Ticket(Request(p, 12), None)) for p in prompts]
-    sched._admit()  # the loop's admission, before its first step
-    assert len(engine.active) == 2  # 30 + 30 tokens: the budget
     sched.start()
     try:
         for t in tickets:
@@ -80,16 +127,7 @@ def test_the_scheduler_admits_up_to_the_prefill_budget_between_two_steps(tiny, e
     assert [t.error for t in tickets] == [None] * 5
     assert [t.result.token_ids for t in tickets] == [hf_greedy(tiny.model, p, 12)
                                                      for p in prompts]
-
-
-def test_a_prompt_longer_than_the_budget_is_admitted_alone(engine):
-    sched = Scheduler(engine, max_queue=8)
-    for p in ([1] * 100, [1] * 5):
-        sched.submit(Ticket(Request(p, 4), None))
-    sched._admit()
-    assert [len(a.req.prompt_ids) for a in engine.active] == [100]
-    sched._admit()
-    assert [len(a.req.prompt_ids) for a in engine.active] == [100, 5]
+    assert sched.pace.prefill_rate > 0  # the steps' prefill fed the pace
 
 
 def test_the_prefill_budget_must_be_positive():

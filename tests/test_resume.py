@@ -49,11 +49,11 @@ def test_an_orphan_cancel_does_not_end_a_session_a_client_resumed(verifier_parts
     assert resumed is ticket  # ... but the client resumed before the loop applied it
     with admission.follow(resumed):
         sched._apply_cancels()
-        assert not ticket.ended and len(engine.active) == 1
+        assert not ticket.ended and len(engine.sessions) == 1
         engine.step()
         assert len(ticket.tokens) >= 1
     sched._apply_cancels()  # the resumed stream left too: now it is cancelled
-    assert ticket.result.finish_reason == "cancelled" and not engine.active
+    assert ticket.result.finish_reason == "cancelled" and not engine.sessions
 
 
 def test_a_stopping_verifier_leaves_its_sessions_resumable(verifier_parts, looping):
@@ -70,6 +70,6 @@ def test_a_stopping_verifier_leaves_its_sessions_resumable(verifier_parts, loopi
     resumed = admission.admit(GenerationRequest(resume_session_id=ticket.session_id))
     assert resumed is not ticket and resumed.tokens == rec.committed
     sched._admit()
-    while engine.active:
+    while engine.sessions:
         engine.step()
     assert resumed.result.token_ids == ref

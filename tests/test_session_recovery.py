@@ -109,7 +109,7 @@ def test_not_found_before_any_session_or_from_an_old_verifier_is_raised():
 # -- admission in process --------------------------------------------------------------------------
 def run_out(sched, engine) -> None:
     sched._admit()
-    while engine.active:
+    while engine.sessions:
         engine.step()
 
 

@@ -240,7 +240,7 @@ def test_an_image_session_lost_by_its_verifier_is_recreated_with_its_images(vlm)
             prompt="describe", images=[image], max_new_tokens=12, committed=got,
             lost_session_id=ticket.session_id))
         sched._admit()
-        while engine.active:
+        while engine.sessions:
             engine.step()
         assert again.result is not None and again.result.token_ids == want
     finally:

@@ -134,6 +134,7 @@ class Scheduler(threading.Thread):
         self.store_ok = True
         self.draining = False
         self.pace = Pace(engine.cost.fit)
+        engine.on_prefill = self.pace.prefill  # the prompt tokens a second the steps prefill
         self._step_tokens = 0  # committed during the step running now
 
     # -- called from handler threads ------------------------------------------------------------
@@ -205,7 +206,7 @@ class Scheduler(threading.Thread):
     def load(self) -> tuple[int, int]:
         """(active sessions, queued requests)."""
         with self._lock:
-            return len(self.engine.active), len(self._pending)
+            return len(self.engine.sessions), len(self._pending)
 
     def drain(self, timeout: float, abort: threading.Event | None = None) -> bool:
         """Admit nothing new and wait up to ``timeout`` for queued and running sessions to
@@ -237,7 +238,7 @@ class Scheduler(threading.Thread):
             try:
                 self._apply_cancels()
                 self._admit()
-                if self.engine.active:
+                if self.engine.sessions:  # running, or waiting for their prompts' prefill
                     sessions, self._step_tokens = len(self.engine.active), 0
                     began = time.monotonic()
                     report = self.engine.step()
@@ -261,13 +262,13 @@ class Scheduler(threading.Thread):
                 backoff = min(1.0, backoff * 2)
             except Exception as exc:  # a bug: fail the sessions in flight, keep serving
                 log.exception("verification step failed")
-                for act in list(self.engine.active):
+                for act in self.engine.sessions:
                     self.engine.fail(act, SessionFailed(f"verification step failed: {exc!r}"))
         self._shut_down()
 
     def _shut_down(self) -> None:
         exc = ShuttingDown("the verifier is shutting down; resume the session")
-        for act in list(self.engine.active):
+        for act in self.engine.sessions:
             self.engine.abandon(act, exc)  # kept in the cache, resumable
         with self._lock:
             left = list(self._pending) + list(self._tickets.values())
@@ -286,32 +287,20 @@ class Scheduler(threading.Thread):
                 pass
 
     def _admit(self) -> None:
-        """The requests waiting, as many as there are free slots, up to the prefill budget's
-        prompt tokens (at least one), admitted together: one shared prefill."""
-        picked: list[Ticket] = []
-        budget = self.engine.cfg.prefill_budget
+        """The requests waiting, as many as there are free slots, taken in together
+        (``SpecEngine.admit``): their prompts are prefilled by the steps, a budget a step."""
         with self._lock:
-            while self._pending and len(picked) < self.engine.free_slots:
-                req = self._pending[0].request
-                size = len(req.prompt_ids) + len(req.committed)
-                if picked and size > budget:
-                    break
-                budget -= size
-                picked.append(self._pending.popleft())
+            picked = [self._pending.popleft()
+                      for _ in range(min(len(self._pending), self.engine.free_slots))]
         if not picked:
             return
         for t in picked:
             t.request.on_tokens = lambda new, t=t: self._on_tokens(t, new)
-        began = time.monotonic()
-        got = self.engine.add_many([Admission(t.request, t.session_id, t.device)
-                                    for t in picked])
-        took = time.monotonic() - began
-        unreachable = [t for t, g in zip(picked, got)
-                       if isinstance(g, (StoreUnavailable, OSError))]
+        got = self.engine.admit([Admission(t.request, t.session_id, t.device) for t in picked])
+        unreachable = [t for t, g in zip(picked, got) if isinstance(g, (StoreUnavailable, OSError))]
         if unreachable:
             with self._lock:
                 self._pending.extendleft(reversed(unreachable))  # the cache is down: later
-        tokens = 0
         for t, act in zip(picked, got):
             if isinstance(act, (StoreUnavailable, OSError)):
                 continue
@@ -322,16 +311,12 @@ class Scheduler(threading.Thread):
                 self._end(t, error=act)
                 continue
             self._release_pick(t)
-            tokens += len(t.request.prompt_ids) + len(t.request.committed)
             if self.metrics is not None:
                 self.metrics.admitted(len(t.request.prompt_ids))
             act.on_finish = lambda res, t=t: self._end(t, result=res)
             act.on_error = lambda exc, t=t: self._end(t, error=exc)
-        if tokens:
-            self.pace.prefill(tokens, took)
         if unreachable:
-            exc = next(g for g in got if isinstance(g, (StoreUnavailable, OSError)))
-            raise exc
+            raise next(g for g in got if isinstance(g, (StoreUnavailable, OSError)))
 
     def _on_tokens(self, t: Ticket, new: list[int]) -> None:
         now = time.monotonic()

@@ -20,7 +20,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..config import (MAX_TREE_NODES, ConfigError, EngineConfig, is_lossy, session_verify_mode,
@@ -33,11 +33,12 @@ from ..protocol.contract import (DraftWant, Proposal, Proposer, SessionStore,
 from ..models.vision import VisionModel
 from ..protocol.fleet_table import FleetTable
 from ..protocol.local_store import LocalSessionStore
-from ..runner.target_runner import TargetRunner
+from ..runner.target_runner import PREFILL_CHUNK, TargetRunner
 from ..verify.keyed_noise import with_session_seed
 from ..verify.verify_step import verify_step
 from .draft_planner import ForwardCost
 from .draft_worker import DraftWorker
+from .prefill_queue import PrefillQueue
 from .generation import ActiveSession, Admission, Request, Result, SessionFailed
 from .lateness import Lateness
 from .decisions import Decision, RowVerdict, decide
@@ -112,6 +113,9 @@ class SpecEngine:
             wait_ms = drafter.wait_ms if drafter else self.store.wait_ms
         self.wait_ms: float = wait_ms
         self.active: list[ActiveSession] = []
+        # admitted sessions whose prompts are being prefilled, a budget a step (prefill_queue)
+        self.prefilling = PrefillQueue(target, min(PREFILL_CHUNK, self.cfg.prefill_budget))
+        self.on_prefill: Callable[[int, float], None] | None = None  # (tokens, seconds)
         self.cost = ForwardCost()  # the measured cost of the verification forward
         self.lateness = Lateness(self.cfg.late_after)  # drafters not waited for (lateness.py)
         self._undelivered: list[Decision] = []
@@ -161,95 +165,105 @@ class SpecEngine:
 
     def add(self, req: Request, session_id: str | None = None, device: str | None = None
             ) -> ActiveSession:
-        """Prefill a request into a KV slot and register its session. ``device``: the drafter
-        to ask for (distributed store); the local store drafts with its own drafter. A request
-        with ``committed`` output resumes a session: prompt + committed are prefilled."""
+        """Prefill a request into a KV slot, now, and register its session. ``device``: the
+        drafter to ask for (distributed store); the local store drafts with its own drafter.
+        A request with ``committed`` output resumes a session: prompt + committed are
+        prefilled."""
         [out] = self.add_many([Admission(req, session_id, device)])
         if isinstance(out, BaseException):
             raise out
         return out
 
     def add_many(self, entries: Sequence[Admission]) -> list[ActiveSession | Exception]:
-        """``add`` for several requests at once, their prompts prefilled together
-        (``TargetRunner.prefill_many``: the bits each gets alone); a prompt with images is
-        prefilled alone. Returns, in order, each entry's session or what refused it (its KV
-        slot freed): a failure fails only the entry it concerns (a shared prefill that raises
-        is retried one prompt at a time)."""
-        out: list[ActiveSession | Exception | None] = [None] * len(entries)
-        ready: list[tuple[int, int, list[int]]] = []  # (entry, slot, tokens to prefill)
-        for i, e in enumerate(entries):
+        """``add`` for several requests at once (``admit``), their prompts prefilled together
+        now, to their ends. Returns, in order, each entry's session or what refused it."""
+        got = self.admit(entries)
+        failed = {id(act): exc for act, exc in self._advance_prefill(None)}
+        return [failed.get(id(g), g) for g in got]
+
+    def admit(self, entries: Sequence[Admission]) -> list[ActiveSession | Exception]:
+        """Take requests in: each validated, given a KV slot and created in the store, then
+        queued for prefill (``prefill_queue``: each step prefills up to ``prefill_budget``
+        prompt tokens of the queue before it verifies; a session runs from the step its prompt
+        is all in). A prompt with images is prefilled alone, now. Returns, in order, each
+        entry's session or what refused it (its slot freed): a failure fails only the entry it
+        concerns."""
+        out: list[ActiveSession | Exception] = []
+        for e in entries:
             try:
-                e.request.params = with_session_seed(e.request.params)
-                e.verify = self.validate(e.request)
-                slot = self.target.new_slot()
+                out.append(self._admit_one(e))
             except Exception as exc:
-                out[i] = exc
-                continue
-            ready.append((i, slot, (e.request.prompt_ids + e.request.committed)[:-1]))
+                out.append(exc)
+        return out
+
+    def _admit_one(self, e: Admission) -> ActiveSession:
+        req = e.request
+        req.params = with_session_seed(req.params)
+        verify = self.validate(req)
+        slot = self.target.new_slot()
         t0 = time.perf_counter()
-        together = [r for r in ready if entries[r[0]].request.images is None]
-        if len(together) > 1:
-            try:
-                self.target.prefill_many([slot for _, slot, _ in together],
-                                         [ids for _, _, ids in together])
-            except Exception:
-                log.exception("a shared prefill of %d prompts failed; prefilling them alone",
-                              len(together))
-            else:
-                for i, slot, _ in together:
-                    out[i] = self._register(entries[i], slot, t0)
-        for i, slot, ids in ready:
-            if out[i] is None:
-                try:
-                    self._prefill_alone(entries[i].request, slot, ids)
-                except Exception as exc:
-                    self.target.free_slot(slot)
-                    out[i] = exc
-                    continue
-                out[i] = self._register(entries[i], slot, time.perf_counter())
-        return [o for o in out if o is not None]
-
-    def _prefill_alone(self, req: Request, slot: int, ids: list[int]) -> None:
-        embeds = None
-        if req.images is not None:
-            assert self.vision is not None  # validate refused images without it
-            embeds = self.vision.prompt_embeds(ids, req.images, self.target.embed)  # [n, H]
-        self.target.prefill(slot, ids, embeds=embeds)
-
-    def _register(self, e: Admission, slot: int, t0: float) -> ActiveSession | Exception:
-        """A prefilled request's session, in the store and here (``t0``: when its prefill
-        began); what refused it, its slot freed, if the store did."""
-        req, verify = e.request, e.verify
+        ids = (req.prompt_ids + req.committed)[:-1]
         sid = e.session_id or f"local-{next(self._ids)}"
         drafter = e.device if self.worker is None else self.worker.drafter.name
         try:
+            if req.images is not None:
+                assert self.vision is not None  # validate refused images without it
+                embeds = self.vision.prompt_embeds(ids, req.images, self.target.embed)  # [n, H]
+                self.target.prefill(slot, ids, embeds=embeds)
             self.store.create(sid, req.prompt_ids, req.params, drafter, req.max_new_tokens,
                               committed=req.committed, verify=verify)
-        except Exception as exc:
+        except BaseException:
             self.target.free_slot(slot)
-            return exc  # a request the scheduler retries (the store unavailable) keeps its images
-        if req.images is not None:
-            req.images = req.images.spent()  # in the KV now: the pixels are not kept
+            raise  # a request the scheduler retries (the store unavailable) keeps its images
         act = ActiveSession(sid, req, slot,
                             DraftLength(self.cfg.max_draft, adaptive=self.cfg.adaptive))
         act.verify = verify
         act.drafter = drafter or ""
-        if self.head is not None:
-            self.head.start(sid, self.target.device, slot=slot)
         if self.cfg.auto:
             act.chooser = StackChooser()
             act.stats.stacks = act.chooser.chosen
-        act.stats.prefill_s = time.perf_counter() - t0
         act.stats.start = t0
         act.stats.lossy = is_lossy(verify)
         act.stats.verify = verify
-        self.active.append(act)
+        if req.images is not None:
+            req.images = req.images.spent()  # in the KV now: the pixels are not kept
+            act.stats.prefill_s = time.perf_counter() - t0
+            self._start(act)
+        else:
+            self.prefilling.add(act, ids)
         return act
+
+    def _start(self, act: ActiveSession) -> None:
+        """A session whose prompt is all in joins the running batch."""
+        if self.head is not None:
+            self.head.start(act.sid, self.target.device, slot=act.slot)
+        self.active.append(act)
+
+    def _advance_prefill(self, budget: int | None) -> list[tuple[ActiveSession, Exception]]:
+        """Prefill up to ``budget`` tokens of the waiting prompts (None: all); start the
+        sessions whose prompts are in, fail those whose prefill failed (returned)."""
+        if not self.prefilling:
+            return []
+        progress = self.prefilling.advance(budget)
+        for act in progress.ready:
+            self._start(act)
+        for act, exc in progress.failed:  # out of the queue already: their slots freed here
+            self.target.free_slot(act.slot)
+            self.fail(act, SessionFailed(str(exc)))
+        if self.on_prefill is not None and progress.tokens:
+            self.on_prefill(progress.tokens, progress.seconds)
+        return progress.failed
+
+    @property
+    def sessions(self) -> list[ActiveSession]:
+        """Every session here: running, and waiting for its prompt's prefill."""
+        return self.active + self.prefilling.sessions
 
     def cancel(self, sid: str, reason: str = "cancelled") -> bool:
         """Stop a session now (finish reason ``reason``: "cancelled", or "stop" for a stop
-        string found by a front door); False if it is not active."""
-        for act in self.active:
+        string found by a front door); False if it is neither running nor waiting for its
+        prefill."""
+        for act in self.sessions:
             if act.sid == sid:
                 act.finish = reason
                 self._finish(act)
@@ -263,6 +277,8 @@ class SpecEngine:
             self.target.free_slot(act.slot)
             if self.head is not None:
                 self.head.finish(act.sid)
+        elif self.prefilling.remove(act):  # the head starts a session once it runs
+            self.target.free_slot(act.slot)
 
     def _release(self, act: ActiveSession, finish: str) -> None:
         act.stats.tokens = len(act.output) - len(act.req.committed)
@@ -293,15 +309,16 @@ class SpecEngine:
 
     # -- one verification step over every active session -----------------------------------------
     def step(self) -> StepReport | None:
-        """Take drafts, verify every active session in one forward, commit: plan -> take ->
-        propose -> verify -> decide -> commit. If the store cannot be reached, this raises with
-        the engine unchanged, or with the step's verdicts kept aside: the next call commits
-        those first (the store recognises a commit that landed). Returns what the step did
-        (None when nothing was verified)."""
+        """Prefill a budget of the waiting prompts, then take drafts, verify every running
+        session in one forward, commit: plan -> take -> propose -> verify -> decide -> commit.
+        If the store cannot be reached, this raises with the engine unchanged, or with the
+        step's verdicts kept aside: the next call commits those first (the store recognises a
+        commit that landed). Returns what the step did (None when nothing was verified)."""
         if self._undelivered:  # verdicts of a step whose commit did not reach the store
             kept, t0 = self._undelivered, time.perf_counter()
             return _report(self._commit(kept), len(kept), sum(d.draft.width for d in kept),
                            0.0, 0.0, time.perf_counter() - t0)
+        self._advance_prefill(self.cfg.prefill_budget)  # chunked prefill: a budget a step
         t0 = time.perf_counter()
         self._head_pending = []  # a step that raised before placing left its moves behind
         taken = self._take(self._plan())

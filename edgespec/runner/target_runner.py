@@ -664,32 +664,39 @@ class TargetRunner:
     def prefill_many(self, slots: list[int], prompts: list[list[int]],
                      chunk: int = PREFILL_CHUNK) -> None:
         """Several fresh slots' prompts prefilled together: each prompt cut where ``prefill``
-        cuts it (chunks of ``chunk`` tokens from position 0), the chunks at one offset sent in
-        shared forwards of rows of similar length, at most ``max_rows`` tokens a forward (rows
-        x the longest), the row counts the start check proved batch-invariant. A slot's keys
-        and values are those ``prefill`` gives it alone, bit for bit."""
+        cuts it (chunks of ``chunk`` tokens from position 0), the chunks at one offset sent
+        together (``prefill_parts``). A slot's keys and values are those ``prefill`` gives it
+        alone, bit for bit."""
         for slot, tokens in zip(slots, prompts):
             self.cache.check_room(slot, 0, len(tokens))
         for slot in slots:
             self.rollback(slot, 0)
         longest = max((len(p) for p in prompts), default=0)
         for at in range(0, longest, chunk):
-            parts = sorted(((slot, p[at:at + chunk]) for slot, p in zip(slots, prompts)
-                            if len(p) > at), key=lambda sp: len(sp[1]))
-            group: list[tuple[int, list[int]]] = []
-            for slot, part in parts:  # ascending: ``part`` is the longest of its group
-                if group and (len(group) + 1) * len(part) > self.max_rows:
-                    self._prefill_rows(group, at)
-                    group = []
-                group.append((slot, part))
-            if group:
-                self._prefill_rows(group, at)
+            self.prefill_parts(*zip(*[(slot, p[at:at + chunk]) for slot, p in zip(slots, prompts)
+                                      if len(p) > at]))
 
-    def _prefill_rows(self, group: list[tuple[int, list[int]]], at: int) -> None:
+    @torch.inference_mode()
+    def prefill_parts(self, slots: Sequence[int], parts: Sequence[list[int]]) -> None:
+        """Each slot's ``part`` of its prompt written after what the slot holds, in shared
+        forwards of rows of similar length, at most ``max_rows`` tokens a forward (rows x the
+        longest: the row counts the start check proved batch-invariant)."""
+        group: list[tuple[int, list[int]]] = []
+        for slot, part in sorted(((s, p) for s, p in zip(slots, parts) if p),
+                                 key=lambda sp: len(sp[1])):
+            # ascending: ``part`` is the longest of its group
+            if group and (len(group) + 1) * len(part) > self.max_rows:
+                self._prefill_rows(group)
+                group = []
+            group.append((slot, part))
+        if group:
+            self._prefill_rows(group)
+
+    def _prefill_rows(self, group: list[tuple[int, list[int]]]) -> None:
+        starts = [self.cache.lengths[slot] for slot, _ in group]
         self._hidden([slot for slot, _ in group], [part for _, part in group])
-        for slot, part in group:
-            self.commit(slot, at + len(part))
-
+        for (slot, part), start in zip(group, starts):
+            self.commit(slot, start + len(part))
 
 def _kernels_for(device: torch.device, asked: str | None, head_dim: int) -> str:
     """The kernels a runner on ``device`` uses: the fused Triton ones on CUDA (where Triton

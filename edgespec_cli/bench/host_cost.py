@@ -73,9 +73,12 @@ class InstantRunner:
     def prefill(self, slot: int, tokens: list[int], embeds=None) -> None:
         self.cache.commit(slot, len(tokens))
 
-    def prefill_many(self, slots: list[int], prompts: list[list[int]]) -> None:
-        for slot, tokens in zip(slots, prompts):
-            self.prefill(slot, tokens)
+    def prefill_parts(self, slots, parts) -> None:
+        for slot, part in zip(slots, parts):
+            self.cache.commit(slot, self.cache.lengths[slot] + len(part))
+
+    def rollback(self, slot: int, length: int) -> None:
+        self.cache.rollback(slot, length)
 
     def commit(self, slot: int, length: int) -> None:
         self.cache.commit(slot, length)

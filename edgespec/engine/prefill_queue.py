@@ -1,0 +1,133 @@
+"""Sessions admitted and not yet prefilled: their prompts prefilled a budget of tokens a step,
+beside the running sessions (chunked prefill), several prompts in shared forwards.
+
+``SpecEngine.admit`` puts a session here with its KV slot; each step, before verifying,
+``advance`` spends up to the step's prefill budget: the waiting prompts in order of arrival,
+each cut at fixed positions (multiples of the chunk, counted from the prompt's start, so that
+where a prompt is cut does not depend on what else was waiting; the bits do not either: the
+kernels are batch-invariant, ``tests/test_batch_invariance.py``), the parts of one step sent
+together (``TargetRunner.prefill_parts``). A session whose prompt is all in joins the running
+batch at that step. So a burst of arrivals costs each running stream at most one budget of
+prefill a step, and a long prompt no longer stalls every stream for its whole prefill.
+
+A shared forward that raises is retried one part at a time, so that a failure fails only the
+session it concerns.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+from .generation import ActiveSession
+
+log = logging.getLogger("edgespec.engine.prefill_queue")
+
+
+class PromptWriter(Protocol):
+    """What the queue needs of the target runner."""
+
+    def prefill_parts(self, slots: Sequence[int], parts: Sequence[list[int]]) -> None: ...
+
+    def rollback(self, slot: int, length: int) -> None: ...
+
+
+@dataclass(eq=False)
+class WaitingPrompt:
+    act: ActiveSession
+    tokens: list[int]  # what to prefill: prompt + committed, but the last token
+    done: int = 0  # prefilled so far
+    began: float = 0.0  # perf_counter when admitted
+
+
+@dataclass
+class PrefillProgress:
+    """What one ``advance`` did."""
+
+    ready: list[ActiveSession]  # prompts all in: to run from this step on
+    failed: list[tuple[ActiveSession, Exception]]
+    tokens: int = 0  # prompt tokens prefilled
+    seconds: float = 0.0
+
+
+class PrefillQueue:
+    def __init__(self, target: PromptWriter, chunk: int):
+        self.target, self.chunk = target, chunk
+        self.waiting: list[WaitingPrompt] = []
+
+    def __len__(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def sessions(self) -> list[ActiveSession]:
+        return [w.act for w in self.waiting]
+
+    def add(self, act: ActiveSession, tokens: list[int]) -> None:
+        self.waiting.append(WaitingPrompt(act, tokens, began=time.perf_counter()))
+
+    def remove(self, act: ActiveSession) -> bool:
+        """Forget a waiting session (cancelled, failed); False if it is not here."""
+        for i, w in enumerate(self.waiting):
+            if w.act is act:
+                del self.waiting[i]
+                return True
+        return False
+
+    def advance(self, budget: int | None) -> PrefillProgress:
+        """Prefill up to ``budget`` prompt tokens (None: every waiting prompt to its end), the
+        oldest first, each part ending at a multiple of the chunk or at its prompt's end; at
+        least one part whatever the budget."""
+        out = PrefillProgress([], [])
+        t0 = time.perf_counter()
+        while self.waiting:
+            parts: list[tuple[WaitingPrompt, int]] = []  # (prompt, its part's end)
+            left = budget
+            for w in self.waiting:
+                end = min(len(w.tokens), (w.done // self.chunk + 1) * self.chunk)
+                if left is not None and parts and end - w.done > left:
+                    break
+                parts.append((w, end))
+                if left is not None:
+                    left -= end - w.done
+            failed = self._write(parts)
+            for w, end in parts:
+                if w in failed:
+                    self.waiting.remove(w)
+                    out.failed.append((w.act, RuntimeError("its prompt's prefill failed")))
+                    continue
+                out.tokens += end - w.done
+                w.done = end
+                if w.done >= len(w.tokens):
+                    self.waiting.remove(w)
+                    w.act.stats.prefill_s = time.perf_counter() - w.began
+                    out.ready.append(w.act)
+            if budget is not None:
+                break
+        out.seconds = time.perf_counter() - t0
+        return out
+
+    def _write(self, parts: list[tuple[WaitingPrompt, int]]) -> list[WaitingPrompt]:
+        """One shared write of the parts; if it raises, each part alone, from where its slot
+        stood (a shared write may have landed some rows). Returns the prompts whose part
+        failed alone."""
+        todo = [(w, end) for w, end in parts if end > w.done]
+        if not todo:
+            return []
+        try:
+            self.target.prefill_parts([w.act.slot for w, _ in todo],
+                                      [w.tokens[w.done:end] for w, end in todo])
+            return []
+        except Exception:
+            log.exception("prefilling %d prompt(s) together failed; each alone",
+                          len(todo))
+        failed = []
+        for w, end in todo:
+            try:
+                self.target.rollback(w.act.slot, w.done)
+                self.target.prefill_parts([w.act.slot], [w.tokens[w.done:end]])
+            except Exception:
+                log.exception("prefilling session %s failed", w.act.sid)
+                failed.append(w)
+        return failed
