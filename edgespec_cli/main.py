@@ -7,6 +7,7 @@
     edgespec bench-net [--categories ...] [--per-category N] [--max-new-tokens N] [--json FILE]
     edgespec bench-edge [--fleets SxB,...] [--drafter SPEC] [--server-cpus CPUS] [--json FILE]
     edgespec bench-host [--sessions N,...] [--drafters LIST] [--stores local,redis] [--json FILE]
+    edgespec bench-burst [--streams N] [--burst N] [--prompt-tokens LO-HI] [--json FILE]
     edgespec bench-drafters [--drafters LIST] [--draft-tokens N] [--json FILE]
     edgespec bench-learn --head DIR [--category CAT] [--requests N] [--json FILE] [--plot FILE]
     edgespec bench-pad [--classifier DIR] [--task NAME] [--sigmas LIST] [--json FILE] [--plot FILE]
@@ -219,8 +220,8 @@ def _add_models(sub) -> None:
 
 
 def _add_benchmarks(sub) -> None:
-    """bench, bench-net, bench-edge, bench-host, bench-drafters, bench-forward, bench-learn
-    and bench-pad."""
+    """bench, bench-net, bench-edge, bench-host, bench-burst, bench-drafters, bench-forward,
+    bench-learn and bench-pad."""
     b = sub.add_parser("bench", help="Spec-Bench: edgespec against target-only and transformers")
     from .bench.run import add_bench_args
 
@@ -256,6 +257,16 @@ def _add_benchmarks(sub) -> None:
 
     add_bench_host_args(h)
     h.set_defaults(func=run_bench_host)
+
+    bu = sub.add_parser("bench-burst", help="a burst of arrivals against running streams: "
+                                           "time to first token and the streams' gaps, serial "
+                                           "against batched and chunked prefill")
+    from .bench.burst import add_bench_burst_args, run_bench_burst
+
+    add_bench_burst_args(bu)
+    add_model_args(bu)
+    add_threads_arg(bu)
+    bu.set_defaults(func=run_bench_burst)
 
     d = sub.add_parser("bench-drafters", help="draft tokens/s of each drafter on Spec-Bench "
                                               "prompts (torch against llama.cpp, say)")

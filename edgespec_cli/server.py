@@ -162,7 +162,8 @@ class EdgespecServer:
         self.model_name = target.name
         self.metrics = VerifierMetrics(self.registry)
         self.scheduler = Scheduler(engine, max_queue=self.opts.max_queue, metrics=self.metrics)
-        self.metrics.bind_load(self.scheduler.load, lambda: runner.cache.free_slots)
+        self.metrics.bind_load(self.scheduler.load, lambda: runner.cache.free_slots,
+                               self.scheduler.prefilling)
         self.metrics.bind_links(engine.lateness.snapshot)
         self.metrics.bind_graphs(lambda: runner.graphs.state() if runner.graphs else None)
         self.metrics.bind_model(target.dtype)

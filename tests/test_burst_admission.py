@@ -79,6 +79,18 @@ def test_a_long_prompt_is_prefilled_over_steps_while_a_running_stream_gets_token
     assert late.output == hf_greedy(tiny.model, long_prompt, 8)
 
 
+def test_a_long_prompt_alone_is_prefilled_over_steps_that_verify_nothing(tiny, engine):
+    prompt = [1] + [random.Random(7).randrange(3, 60) for _ in range(130)]
+    [act] = engine.admit([Admission(Request(prompt, 6))])
+    reports = []
+    while act not in engine.active:
+        reports.append(engine.step())
+    # parts of 60, 60 and 10 tokens: the third step's prefill completes it, and it decodes
+    assert reports[:2] == [None, None] and len(reports) == 3 and reports[2].sessions == 1
+    _run(engine)
+    assert act.output == hf_greedy(tiny.model, prompt, 6)
+
+
 def test_a_refused_request_or_a_failed_prefill_fails_alone(tiny, engine, monkeypatch):
     prompts = _prompts(3, seed=2)
     broken: set[int] = set()

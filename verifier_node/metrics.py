@@ -10,11 +10,13 @@ Requests: ``edgespec:prompt_tokens_total``, ``edgespec:generation_tokens_total``
 ``edgespec:request_success_total{finished_reason}``, ``edgespec:request_failure_total``. Latency
 histograms: ``edgespec:time_to_first_token_seconds``, ``edgespec:inter_token_latency_seconds``,
 ``edgespec:e2e_request_latency_seconds``. Batches: ``edgespec:batch_size_sessions``,
-``edgespec:batch_size_tokens``, ``edgespec:step_seconds{phase="wait"|"forward"|"commit"}``.
-Gauges read at scrape time: ``edgespec:num_requests_running``, ``edgespec:num_requests_waiting``,
-``edgespec:kv_slots_free``. The server's cost: ``edgespec:server_cpu_seconds_total`` (CPU seconds of
-this process and its children, an embedded Redis included, read from /proc at scrape time): its
-rate over ``edgespec:generation_tokens_total``'s is the CPU seconds a committed token costs, and
+``edgespec:batch_size_tokens``,
+``edgespec:step_seconds{phase="prefill"|"wait"|"forward"|"commit"}``. Gauges read at scrape time:
+``edgespec:num_requests_running``, ``edgespec:num_requests_waiting``,
+``edgespec:num_requests_prefilling``, ``edgespec:kv_slots_free``. The server's cost:
+``edgespec:server_cpu_seconds_total`` (CPU seconds of this process and its children, an embedded
+Redis included, read from /proc at scrape time): its rate over
+``edgespec:generation_tokens_total``'s is the CPU seconds a committed token costs, and
 ``edgespec:generation_tokens_total`` over ``edgespec:batch_size_sessions_count`` the tokens a
 verification forward commits. Drafters' link health, per device (``edgespec.engine.lateness``):
 ``edgespec:drafter_late{device}``, ``edgespec:drafter_missed_deadline_total{device}``,
@@ -113,6 +115,9 @@ class VerifierMetrics:
         self.waiting = Gauge("edgespec:num_requests_waiting", "Requests queued for a slot",
                              registry=r)
         self.kv_free = Gauge("edgespec:kv_slots_free", "Free KV slots", registry=r)
+        self.prefilling = Gauge("edgespec:num_requests_prefilling",
+                                "Sessions in KV slots waiting for their prompts' prefill",
+                                registry=r)
         self.head_tokens = Counter("edgespec:head_draft_tokens",
                                    "Tokens the verifier's draft head proposed (finished "
                                    "sessions)", registry=r)
@@ -168,11 +173,14 @@ class VerifierMetrics:
         without graphs (``edgespec.runner.step_graphs``)."""
         self.registry.register(_GraphCollector(state))
 
-    def bind_load(self, load, free_slots) -> None:
-        """Gauges read at scrape time: ``load() -> (running, waiting)``, ``free_slots()``."""
+    def bind_load(self, load, free_slots, prefilling=None) -> None:
+        """Gauges read at scrape time: ``load() -> (running, waiting)``, ``free_slots()``,
+        ``prefilling()`` (of the running, those whose prompts are being prefilled)."""
         self.running.set_function(lambda: load()[0])
         self.waiting.set_function(lambda: load()[1])
         self.kv_free.set_function(free_slots)
+        if prefilling is not None:
+            self.prefilling.set_function(prefilling)
 
     # -- hooks the scheduler calls ------------------------------------------------------------
     def step(self, report) -> None:
@@ -194,6 +202,10 @@ class VerifierMetrics:
         for pos, n in enumerate(report.accepted_per_pos[:MAX_POSITIONS]):
             if n:
                 self.accepted_per_pos.labels(str(pos)).inc(n)
+
+    def prefilled(self, seconds: float) -> None:
+        """A step's chunked prefill (before its verification)."""
+        self.step_seconds.labels("prefill").observe(seconds)
 
     def admitted(self, prompt_tokens: int) -> None:
         self.prompt_tokens.inc(prompt_tokens)

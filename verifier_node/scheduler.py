@@ -134,7 +134,7 @@ class Scheduler(threading.Thread):
         self.store_ok = True
         self.draining = False
         self.pace = Pace(engine.cost.fit)
-        engine.on_prefill = self.pace.prefill  # the prompt tokens a second the steps prefill
+        engine.on_prefill = self._prefilled  # what each step's chunked prefill did
         self._step_tokens = 0  # committed during the step running now
 
     # -- called from handler threads ------------------------------------------------------------
@@ -317,6 +317,15 @@ class Scheduler(threading.Thread):
             act.on_error = lambda exc, t=t: self._end(t, error=exc)
         if unreachable:
             raise next(g for g in got if isinstance(g, (StoreUnavailable, OSError)))
+
+    def _prefilled(self, tokens: int, seconds: float) -> None:
+        self.pace.prefill(tokens, seconds)
+        if self.metrics is not None:
+            self.metrics.prefilled(seconds)
+
+    def prefilling(self) -> int:
+        """Sessions in KV slots still waiting for their prompts' prefill."""
+        return len(self.engine.prefilling)
 
     def _on_tokens(self, t: Ticket, new: list[int]) -> None:
         now = time.monotonic()

@@ -319,6 +319,8 @@ class SpecEngine:
             return _report(self._commit(kept), len(kept), sum(d.draft.width for d in kept),
                            0.0, 0.0, time.perf_counter() - t0)
         self._advance_prefill(self.cfg.prefill_budget)  # chunked prefill: a budget a step
+        if not self.active:  # every session still waits for its prompt
+            return None
         t0 = time.perf_counter()
         self._head_pending = []  # a step that raised before placing left its moves behind
         taken = self._take(self._plan())

@@ -1,0 +1,240 @@
+"""``edgespec bench-burst``: a burst of arrivals against running streams, the verifier's way of
+prefilling them compared in one run.
+
+In process, the product's own scheduler and engine over the target (``--model``), target-only
+unless ``--drafter``: ``--streams`` sessions stream; once each has ``--steady-tokens`` tokens,
+``--burst`` requests of ``--prompt-tokens`` (a range: Spec-Bench questions joined and cut to a
+length drawn in it) arrive at once, each asking ``--burst-tokens`` tokens. Per mode
+(``--modes``):
+
+- ``serial``: every waiting prompt prefilled alone, all of them before the next step (how the
+  verifier admitted before chunked prefill);
+- ``batched``: all of them before the next step, in shared forwards;
+- ``chunked``: the product's default, ``--prefill-budget`` prompt tokens a step in shared
+  forwards, the streams verified in every step.
+
+It prints and writes (``--json``) the burst's time to first token (p50, p99, max), the running
+streams' inter-token gap before the burst (steady p50) and during it (p99, max, and the max
+against the steady p50), and whether every burst output is the same in every mode (the
+serial one is the reference). Torch runs on ``--threads`` threads (default: all cores).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import statistics
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from edgespec.config import ConfigError
+
+MODES = ("serial", "batched", "chunked")
+WAIT_S = 600
+
+
+def add_bench_burst_args(p) -> None:
+    p.add_argument("--streams", type=int, default=16,
+                   help="sessions streaming when the burst comes (default: %(default)s)")
+    p.add_argument("--burst", type=int, default=64,
+                   help="requests arriving at once (default: %(default)s)")
+    p.add_argument("--prompt-tokens", metavar="LO-HI", default="100-300",
+                   help="the burst's prompt lengths, drawn uniformly (default: %(default)s)")
+    p.add_argument("--burst-tokens", type=int, default=4,
+                   help="tokens each burst request asks for (default: %(default)s)")
+    p.add_argument("--steady-tokens", type=int, default=8,
+                   help="tokens every stream has before the burst comes (default: %(default)s)")
+    p.add_argument("--modes", default=",".join(MODES),
+                   help=f"comma-separated, of {', '.join(MODES)} (default: %(default)s)")
+    p.add_argument("--prefill-budget", type=int, default=None, metavar="TOKENS",
+                   help="chunked mode's prompt tokens a step (default: the engine's)")
+    p.add_argument("--drafter", default="none",
+                   help="the in-process drafter, 'none' for target-only (default: %(default)s)")
+    p.add_argument("--json", dest="json_out", default="bench-results/burst.json", metavar="FILE",
+                   help="where to write the JSON results (default: %(default)s)")
+
+
+@dataclass
+class BurstResult:
+    mode: str
+    prefill_budget: int | None  # None: every waiting prompt before the next step
+    ttft_p50_s: float
+    ttft_p99_s: float
+    ttft_max_s: float
+    steady_gap_p50_s: float  # the streams' inter-token gap before the burst
+    burst_gap_p99_s: float  # ... and while the burst's first tokens were coming
+    burst_gap_max_s: float
+    gap_max_vs_steady: float
+    prompt_tokens: int
+    burst_s: float  # from the burst's arrival to its last first token
+    outputs: list[list[int]]
+
+
+def _percentile(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else 0.0
+
+
+def burst_prompts(tokenizer, n: int, lo: int, hi: int, seed: int = 0) -> list[list[int]]:
+    """``n`` prompts of lengths drawn in [lo, hi]: Spec-Bench questions joined, then cut."""
+    from .run import load_questions
+
+    texts = [q["prompt"] for q in load_questions([], 0, full=True)]
+    pool = [t for q in texts for t in tokenizer.encode(q + "\n")]
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        length = rng.randint(lo, hi)
+        at = rng.randrange(0, len(pool) - length)
+        out.append(pool[at:at + length])
+    return out
+
+
+def _serial(runner) -> None:
+    """The runner prefills every prompt alone (before shared prefill, each admission was)."""
+    parts = runner.prefill_parts
+
+    def alone(slots, rows):
+        for slot, row in zip(slots, rows):
+            parts([slot], [row])
+
+    runner.prefill_parts = alone
+
+
+def run_burst(loaded, mode: str, streams: list[list[int]], burst: list[list[int]], args
+              ) -> BurstResult:
+    from edgespec.config import EngineConfig
+    from edgespec.drafters import build_drafter
+    from edgespec.engine.spec_engine import Request, SpecEngine
+    from edgespec.runner.target_runner import TargetRunner
+    from verifier_node.scheduler import Scheduler, Ticket
+
+    longest = max(len(p) for p in streams + burst)
+    max_len = longest + args.steady_tokens + 2048
+    runner = TargetRunner(loaded.model, n_slots=len(streams) + len(burst), max_len=max_len)
+    if mode == "serial":
+        _serial(runner)
+    budget = (args.prefill_budget or EngineConfig().prefill_budget) if mode == "chunked" \
+        else None
+    cfg = EngineConfig(max_sessions=len(streams) + len(burst), max_context=max_len,
+                       prefill_budget=budget or 10 ** 9)
+    drafter = build_drafter(args.drafter, loaded, runner, device=args.device)
+    arrivals: dict[str, list[float]] = {}
+    with SpecEngine(runner, drafter, cfg, stop_ids=set()) as engine:
+        sched = Scheduler(engine, max_queue=len(streams) + len(burst))
+        sched.start()
+        try:
+            warm = sched.submit(Ticket(Request(streams[0], 2), None))
+            _wait(lambda: warm.ended)
+            running = [_follow(sched.submit(Ticket(Request(p, max_len - len(p) - 64), None)),
+                               arrivals) for p in streams]
+            _wait(lambda: all(len(t.tokens) >= args.steady_tokens for t in running))
+            came = time.monotonic()
+            tickets = [sched.submit(Ticket(Request(p, args.burst_tokens), None)) for p in burst]
+            firsts = {t.session_id: _first_token_at(t) for t in tickets}
+            _wait(lambda: all(firsts[t.session_id] or t.ended for t in tickets))
+            done = time.monotonic()
+            for t in running:
+                sched.cancel(t.session_id)
+            _wait(lambda: all(t.ended for t in tickets + running))
+        finally:
+            sched.stop()
+    errors = [t.error for t in tickets if t.error is not None]
+    if errors:
+        raise RuntimeError(f"{len(errors)} burst request(s) failed: {errors[0]!r}")
+    ttft = [firsts[t.session_id][0] - came for t in tickets]
+    steady, during = [], []
+    for times in arrivals.values():
+        for a, b in zip(times, times[1:]):
+            if b <= came:
+                steady.append(b - a)
+            elif b <= done:
+                during.append(b - a)
+    steady_p50 = statistics.median(steady) if steady else 0.0
+    return BurstResult(mode, budget, _percentile(ttft, 0.5), _percentile(ttft, 0.99), max(ttft),
+                       steady_p50, _percentile(during, 0.99), max(during, default=0.0),
+                       max(during, default=0.0) / steady_p50 if steady_p50 else 0.0,
+                       sum(len(p) for p in burst), done - came,
+                       [t.result.token_ids if t.result else [] for t in tickets])
+
+
+def _wait(done, timeout: float = WAIT_S) -> None:
+    deadline = time.monotonic() + timeout
+    while not done():
+        if time.monotonic() > deadline:
+            raise RuntimeError("the burst did not finish in time")
+        time.sleep(0.002)
+
+
+def _follow(ticket, arrivals: dict[str, list[float]]):
+    """Record when each of the ticket's chunks of tokens arrives."""
+    times = arrivals.setdefault(ticket.session_id, [])
+    seen = [0]
+
+    def on_change() -> None:
+        if len(ticket.tokens) > seen[0]:
+            seen[0] = len(ticket.tokens)
+            times.append(time.monotonic())
+
+    ticket.listeners.append(on_change)
+    return ticket
+
+
+def _first_token_at(ticket) -> list[float]:
+    """A list that gets the time of the ticket's first token."""
+    at: list[float] = []
+    lock = threading.Lock()
+
+    def on_change() -> None:
+        with lock:
+            if ticket.tokens and not at:
+                at.append(time.monotonic())
+
+    ticket.listeners.append(on_change)
+    return at
+
+
+def run_bench_burst(args) -> int:
+    from edgespec.models.loading import load_model
+    from edgespec_cli.cli_args import set_threads
+
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if not modes or any(m not in MODES for m in modes):
+        raise ConfigError(f"--modes must name some of {', '.join(MODES)}, got {args.modes!r}")
+    try:
+        lo, hi = (int(x) for x in args.prompt_tokens.split("-"))
+    except ValueError:
+        raise ConfigError(f"--prompt-tokens must be LO-HI, got {args.prompt_tokens!r}") from None
+    if not 1 <= lo <= hi or args.streams < 1 or args.burst < 1 or args.burst_tokens < 1:
+        raise ConfigError("need 1 <= LO <= HI, and at least one stream, burst request and token")
+    threads = set_threads(args.threads)
+    loaded = load_model(args.model, args.device, args.dtype)
+    streams = burst_prompts(loaded.tokenizer, args.streams, 20, 60, seed=1)
+    burst = burst_prompts(loaded.tokenizer, args.burst, lo, hi, seed=2)
+    results = []
+    for mode in modes:
+        print(f"bench-burst: {mode}: {args.streams} streams, a burst of {args.burst}",
+              file=sys.stderr, flush=True)
+        results.append(run_burst(loaded, mode, streams, burst, args))
+    reference = results[0].outputs
+    print(f"torch threads: {threads}; {args.streams} streams, a burst of {args.burst} prompts "
+          f"({results[0].prompt_tokens} tokens), {args.burst_tokens} tokens each")
+    print(f"{'mode':<9}{'budget':>8}{'ttft p50':>10}{'p99':>8}{'max':>8}"
+          f"{'gap p50':>10}{'burst p99':>11}{'max':>8}{'max/p50':>9}  identical")
+    for r in results:
+        print(f"{r.mode:<9}{r.prefill_budget or '-':>8}{r.ttft_p50_s:>10.3f}{r.ttft_p99_s:>8.3f}"
+              f"{r.ttft_max_s:>8.3f}{r.steady_gap_p50_s:>10.3f}{r.burst_gap_p99_s:>11.3f}"
+              f"{r.burst_gap_max_s:>8.3f}{r.gap_max_vs_steady:>9.1f}  "
+              f"{r.outputs == reference}")
+    out = {"config": {k: v for k, v in vars(args).items() if k != "func"},
+           "threads": threads,
+           "results": [{**{k: v for k, v in asdict(r).items() if k != "outputs"},
+                        "identical_to_first": r.outputs == reference} for r in results]}
+    path = Path(args.json_out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=2))
+    print(f"wrote {path}")
+    return 0 if all(r.outputs == reference for r in results) else 1

@@ -1,0 +1,30 @@
+"""``edgespec bench-burst``: a burst of arrivals against running streams through the product's
+scheduler and engine: every mode (serial, batched and chunked prefill) gives the burst the same
+outputs, the figures are written, and bad options are refused."""
+
+from __future__ import annotations
+
+import json
+
+from cli_inprocess import run_cli
+
+
+def test_bench_burst_compares_the_prefill_modes_with_identical_outputs(tmp_path, tiny_dir):
+    out = tmp_path / "burst.json"
+    r = run_cli("bench-burst", "--model", str(tiny_dir), "--streams", "2", "--burst", "5",
+                "--prompt-tokens", "30-90", "--burst-tokens", "3", "--steady-tokens", "3",
+                "--prefill-budget", "64", "--threads", "1", "--json", str(out))
+    assert r.returncode == 0, r.stderr
+    assert "ttft p50" in r.stdout and "chunked" in r.stdout
+    results = json.loads(out.read_text())["results"]
+    assert [x["mode"] for x in results] == ["serial", "batched", "chunked"]
+    assert all(x["identical_to_first"] for x in results)
+    assert [x["prefill_budget"] for x in results] == [None, None, 64]
+    for x in results:
+        assert 0 < x["ttft_p50_s"] <= x["ttft_p99_s"] <= x["ttft_max_s"]
+        assert x["steady_gap_p50_s"] > 0 and x["burst_gap_max_s"] >= x["burst_gap_p99_s"]
+
+
+def test_bench_burst_refuses_a_mode_it_does_not_know():
+    r = run_cli("bench-burst", "--modes", "eager")
+    assert r.returncode == 2 and "--modes" in r.stderr
