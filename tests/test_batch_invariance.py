@@ -223,8 +223,8 @@ def test_prompts_prefilled_together_keep_the_bits_each_gets_alone(hd64_model, dt
     if runner is None:
         return
     rng = random.Random(f"prefill-many-{dtype}")
-    for max_rows, chunk in ((runner.max_rows, 512), (150, 64), (40, 13)):
-        runner.max_rows = max_rows
+    for rows, chunk in ((runner.max_rows, 512), (150, 64), (40, 13)):
+        runner.prefill_rows = rows
         sessions = [_session(rng, max_prompt=200) for _ in range(7)]
         refs = [_one_at_a_time(runner, p, c) for p, c in sessions]
         slots = [runner.new_slot() for _ in sessions]
@@ -233,7 +233,7 @@ def test_prompts_prefilled_together_keep_the_bits_each_gets_alone(hd64_model, dt
         assert [runner.cache.lengths[s] for s in slots] == [len(p) for p, _ in sessions]
         logits = runner.forward(slots, [c for _, c in sessions])  # [B, T_max, V]
         for b, ((_, c), ref) in enumerate(zip(sessions, refs)):
-            assert torch.equal(logits[b, :len(c)], ref), (dtype, max_rows, chunk, b)
+            assert torch.equal(logits[b, :len(c)], ref), (dtype, rows, chunk, b)
         for s in slots:
             runner.free_slot(s)
 

@@ -173,6 +173,11 @@ class TargetRunner:
             self.attention = self._invariant_attention() if exact else \
                 ("tiles" if supports_tiles(self.head_dim) else "rows")
         self.max_rows = max_rows or max(PREFILL_CHUNK, n_slots * MAX_QUERY)
+        # the most prompt tokens one shared prefill forward takes: on a GPU every row the start
+        # check proved (one wide forward fills the device); on a CPU a chunk's, as a prompt
+        # alone takes (wider forwards measured 15-20% slower a token there: bench-burst)
+        self.prefill_rows = self.max_rows if self.device.type == "cuda" else \
+            min(self.max_rows, PREFILL_CHUNK)
         self.start_check_s: float | None = None
         if exact and self.device.type != "cuda":
             # on a CPU the check costs under a second and is not cached: its probes also warm
@@ -679,13 +684,13 @@ class TargetRunner:
     @torch.inference_mode()
     def prefill_parts(self, slots: Sequence[int], parts: Sequence[list[int]]) -> None:
         """Each slot's ``part`` of its prompt written after what the slot holds, in shared
-        forwards of rows of similar length, at most ``max_rows`` tokens a forward (rows x the
-        longest: the row counts the start check proved batch-invariant)."""
+        forwards of rows of similar length, at most ``prefill_rows`` tokens a forward (rows x
+        the longest; within the row counts the start check proved batch-invariant)."""
         group: list[tuple[int, list[int]]] = []
         for slot, part in sorted(((s, p) for s, p in zip(slots, parts) if p),
                                  key=lambda sp: len(sp[1])):
             # ascending: ``part`` is the longest of its group
-            if group and (len(group) + 1) * len(part) > self.max_rows:
+            if group and (len(group) + 1) * len(part) > self.prefill_rows:
                 self._prefill_rows(group)
                 group = []
             group.append((slot, part))
