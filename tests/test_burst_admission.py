@@ -35,8 +35,11 @@ def engine(tiny):
 
 
 def _run(engine: SpecEngine) -> None:
-    while engine.sessions:
+    for _ in range(1000):
+        if not engine.sessions:
+            return
         engine.step()
+    raise AssertionError("the sessions did not finish in 1000 steps")
 
 
 def test_prompts_admitted_together_share_a_prefill_and_decode_as_target_only(tiny, engine,
@@ -69,7 +72,7 @@ def test_a_long_prompt_is_prefilled_over_steps_while_a_running_stream_gets_token
     long_prompt = [1] + [random.Random(5).randrange(3, 60) for _ in range(140)]
     [late] = engine.admit([Admission(Request(long_prompt, 8))])
     seen = []
-    while late not in engine.active:
+    while late in engine.prefilling.sessions and len(seen) < 10:
         before = len(running.output)
         engine.step()
         seen.append(len(running.output) - before)
@@ -83,7 +86,7 @@ def test_a_long_prompt_alone_is_prefilled_over_steps_that_verify_nothing(tiny, e
     prompt = [1] + [random.Random(7).randrange(3, 60) for _ in range(130)]
     [act] = engine.admit([Admission(Request(prompt, 6))])
     reports = []
-    while act not in engine.active:
+    while act in engine.prefilling.sessions and len(reports) < 10:
         reports.append(engine.step())
     # parts of 60, 60 and 10 tokens: the third step's prefill completes it, and it decodes
     assert reports[:2] == [None, None] and len(reports) == 3 and reports[2].sessions == 1
@@ -145,3 +148,75 @@ def test_the_scheduler_streams_a_burst_identical_to_target_only(tiny, engine):
 def test_the_prefill_budget_must_be_positive():
     with pytest.raises(ConfigError, match="prefill_budget"):
         EngineConfig(prefill_budget=0)
+
+
+class RecordingWriter:
+    """A prompt writer that records what it is asked to write (the queue's logic alone)."""
+
+    def __init__(self):
+        self.calls: list[list[tuple[int, int]]] = []  # per write: (slot, tokens)
+        self.lengths: dict[int, int] = {}
+
+    def prefill_parts(self, slots, parts) -> None:
+        self.calls.append([(s, len(p)) for s, p in zip(slots, parts)])
+        for s, p in zip(slots, parts):
+            self.lengths[s] = self.lengths.get(s, 0) + len(p)
+
+    def rollback(self, slot, length) -> None:
+        self.lengths[slot] = length
+
+
+def _waiting(queue, slot: int, n: int):
+    from edgespec.drafters.adaptive import DraftLength
+    from edgespec.engine.generation import ActiveSession
+
+    act = ActiveSession(f"s{slot}", Request([1] * (n + 1), 4), slot, DraftLength(4))
+    queue.add(act, [1] * n)
+    return act
+
+
+def test_a_step_spends_its_budget_in_passes_of_whole_chunks_oldest_first():
+    from edgespec.engine.prefill_queue import PrefillQueue
+
+    writer = RecordingWriter()
+    queue = PrefillQueue(writer, chunk=4)
+    a, b, c = _waiting(queue, 0, 9), _waiting(queue, 1, 3), _waiting(queue, 2, 0)
+    step = queue.advance(10)
+    # pass 1: a's 4, b's 3, c's none (left 3); pass 2: a's next 4 does not fit
+    assert writer.calls == [[(0, 4), (1, 3)]] and step.tokens == 7
+    assert step.ready == [b, c] and queue.tokens_left == 5
+    step = queue.advance(10)  # a's 4 then its last 1: two passes in one step
+    assert writer.calls[1:] == [[(0, 4)], [(0, 1)]] and step.ready == [a]
+    assert writer.lengths == {0: 9, 1: 3} and queue.tokens_left == 0 and len(queue) == 0
+
+
+def test_a_part_larger_than_the_budget_still_moves_a_step():
+    from edgespec.engine.prefill_queue import PrefillQueue
+
+    writer = RecordingWriter()
+    queue = PrefillQueue(writer, chunk=8)
+    act = _waiting(queue, 0, 8)
+    assert queue.advance(3).ready == [act] and writer.calls == [[(0, 8)]]
+
+
+def test_generate_many_with_a_refused_request_runs_and_keeps_none(tiny, engine):
+    prompts = _prompts(3, seed=8)
+    with pytest.raises(ConfigError):
+        engine.generate_many([Request(prompts[0], 8), Request([1, 10_000], 8),
+                              Request(prompts[1], 8)])
+    assert engine.sessions == [] and engine.free_slots == 6
+
+
+def test_once_the_store_is_unreachable_the_rest_of_a_batch_is_not_tried(engine, monkeypatch):
+    from edgespec.protocol.contract import StoreUnavailable
+
+    tried = []
+
+    def create(sid, *args, **kw):
+        tried.append(sid)
+        raise StoreUnavailable("the draft cache's Redis: down")
+
+    monkeypatch.setattr(engine.store, "create", create)
+    got = engine.admit([Admission(Request(p, 4)) for p in _prompts(3, seed=9)])
+    assert len(tried) == 1 and all(isinstance(g, StoreUnavailable) for g in got)
+    assert engine.sessions == [] and engine.free_slots == 6

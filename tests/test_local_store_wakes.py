@@ -18,7 +18,8 @@ from edgespec.drafters.mag import longest_suffix_match
 from edgespec.protocol.contract import DraftWant, Verdict
 from edgespec.protocol.local_store import LocalSessionStore
 
-WAIT_S = 60  # a wait that only a missing wake-up would run out
+WAIT_S = 600  # a take's wait: only a missing wake-up would run it out
+JOIN_S = 60  # the woken take returns long before
 
 
 def _store(*sids: str) -> LocalSessionStore:
@@ -45,14 +46,15 @@ def test_the_drafter_reads_only_what_changed_since_it_last_read():
 
 def _waiting_take(store: LocalSessionStore, wants: list[DraftWant]):
     got: list = []
-    t = threading.Thread(target=lambda: got.extend(store.take_when_ready(wants, WAIT_S)))
+    t = threading.Thread(target=lambda: got.extend(store.take_when_ready(wants, WAIT_S)),
+                         daemon=True)
     t.start()
     return t, got
 
 
 def _awaited(store: LocalSessionStore, sids: set[str]) -> None:
     """Until the verifier waits for exactly ``sids``."""
-    for _ in range(WAIT_S * 100):
+    for _ in range(JOIN_S * 100):
         with store.lock:
             if set(store._awaited) == sids:
                 return
@@ -69,7 +71,7 @@ def test_the_verifier_is_woken_by_the_chunk_that_completes_what_it_waits_for():
     store.push_draft("b", 0, 3, [6])  # one of two tokens: still waited for
     _awaited(store, {"b"})
     store.push_draft("b", 0, 4, [7])
-    t.join(WAIT_S)
+    t.join(JOIN_S)
     assert not t.is_alive()
     assert [g.tokens for g in got] == [[4, 5], [6, 7]] and all(g.ready for g in got)
 
@@ -80,7 +82,7 @@ def test_a_session_that_gets_no_draft_stops_the_wait(how):
     t, got = _waiting_take(store, [DraftWant("a", 4)])
     _awaited(store, {"a"})
     getattr(store, how)("a")
-    t.join(WAIT_S)
+    t.join(JOIN_S)
     assert not t.is_alive()
     assert len(got) == 1
 

@@ -178,7 +178,8 @@ class Scheduler(threading.Thread):
         ahead = sum(max(0, t.request.max_new_tokens - len(t.tokens))
                     for t in self._tickets.values())
         prompts = len(req.prompt_ids) + len(req.committed) + sum(
-            len(t.request.prompt_ids) + len(t.request.committed) for t in self._pending)
+            len(t.request.prompt_ids) + len(t.request.committed) for t in self._pending) + \
+            self.engine.prefilling.tokens_left  # admitted, their prefill still to come
         batch = min(self.engine.cfg.max_sessions, len(self._tickets) + 1)
         verdict = self.pace.verdict(max(0, req.max_new_tokens - len(req.committed)), ahead,
                                     prompts, deadline_s, batch)
@@ -239,12 +240,13 @@ class Scheduler(threading.Thread):
                 self._apply_cancels()
                 self._admit()
                 if self.engine.sessions:  # running, or waiting for their prompts' prefill
-                    sessions, self._step_tokens = len(self.engine.active), 0
+                    self._step_tokens = 0
                     began = time.monotonic()
                     report = self.engine.step()
                     if report is not None:  # a step that verified nothing says nothing of pace
-                        self.pace.step(self._step_tokens, sessions, time.monotonic() - began,
-                                       report.tokens)
+                        # the step's prefill is the pace's prefill rate's (``_prefilled``)
+                        took = time.monotonic() - began - self.engine.prefill_s
+                        self.pace.step(self._step_tokens, report.sessions, took, report.tokens)
                     if report is not None and self.metrics is not None:
                         self.metrics.step(report)
                 else:

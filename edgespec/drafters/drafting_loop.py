@@ -218,6 +218,10 @@ def run_drafting(drafter: Drafter, channel: DraftChannel, book: DraftBook,
                 return
             if job is None:
                 with cond:
+                    try:  # news that came since the round was planned: no wait
+                        channel.refresh(book)
+                    except Exception:
+                        log.exception("the drafting loop could not read its sessions")
                     if not book.retired and not book.news:
                         cond.wait(timeout=0.5)
                 continue

@@ -5,8 +5,9 @@ beside the running sessions (chunked prefill), several prompts in shared forward
 ``advance`` spends up to the step's prefill budget: the waiting prompts in order of arrival,
 each cut at fixed positions (multiples of the chunk, counted from the prompt's start, so that
 where a prompt is cut does not depend on what else was waiting; the bits do not either: the
-kernels are batch-invariant, ``tests/test_batch_invariance.py``), the parts of one step sent
-together (``TargetRunner.prefill_parts``). A session whose prompt is all in joins the running
+kernels are batch-invariant, ``tests/test_batch_invariance.py``), in passes: every waiting
+prompt's next part in one shared write (``TargetRunner.prefill_parts``), pass after pass while
+the budget lasts. A session whose prompt is all in joins the running
 batch at that step. So a burst of arrivals costs each running stream at most one budget of
 prefill a step, and a long prompt no longer stalls every stream for its whole prefill.
 
@@ -56,6 +57,7 @@ class PrefillQueue:
     def __init__(self, target: PromptWriter, chunk: int):
         self.target, self.chunk = target, chunk
         self.waiting: list[WaitingPrompt] = []
+        self.tokens_left = 0  # prompt tokens still to prefill (read by other threads)
 
     def __len__(self) -> int:
         return len(self.waiting)
@@ -66,44 +68,51 @@ class PrefillQueue:
 
     def add(self, act: ActiveSession, tokens: list[int]) -> None:
         self.waiting.append(WaitingPrompt(act, tokens, began=time.perf_counter()))
+        self.tokens_left += len(tokens)
 
     def remove(self, act: ActiveSession) -> bool:
         """Forget a waiting session (cancelled, failed); False if it is not here."""
         for i, w in enumerate(self.waiting):
             if w.act is act:
                 del self.waiting[i]
+                self.tokens_left -= len(w.tokens) - w.done
                 return True
         return False
 
     def advance(self, budget: int | None) -> PrefillProgress:
         """Prefill up to ``budget`` prompt tokens (None: every waiting prompt to its end), the
-        oldest first, each part ending at a multiple of the chunk or at its prompt's end; at
-        least one part whatever the budget."""
+        oldest first, in passes: each waiting prompt's next part (ending at a multiple of the
+        chunk or at its prompt's end) a pass, one shared write a pass, until a part does not
+        fit what is left; at least one part whatever the budget."""
         out = PrefillProgress([], [])
         t0 = time.perf_counter()
+        left = budget
         while self.waiting:
             parts: list[tuple[WaitingPrompt, int]] = []  # (prompt, its part's end)
-            left = budget
             for w in self.waiting:
                 end = min(len(w.tokens), (w.done // self.chunk + 1) * self.chunk)
-                if left is not None and parts and end - w.done > left:
+                if left is not None and (parts or out.tokens or out.ready) and end - w.done > left:
                     break
                 parts.append((w, end))
                 if left is not None:
                     left -= end - w.done
+            if not parts:
+                break
             failed = self._write(parts)
             for w, end in parts:
                 if w in failed:
                     self.waiting.remove(w)
+                    self.tokens_left -= len(w.tokens) - w.done
                     out.failed.append((w.act, RuntimeError("its prompt's prefill failed")))
                     continue
                 out.tokens += end - w.done
+                self.tokens_left -= end - w.done
                 w.done = end
                 if w.done >= len(w.tokens):
                     self.waiting.remove(w)
                     w.act.stats.prefill_s = time.perf_counter() - w.began
                     out.ready.append(w.act)
-            if budget is not None:
+            if left is not None and left <= 0:
                 break
         out.seconds = time.perf_counter() - t0
         return out

@@ -29,7 +29,7 @@ from ..drafters import DraftLength, Drafter
 from ..heads.proposer import HeadProposer, VerifierHead
 from ..pad.verify_rule import PadVerifier
 from ..protocol.contract import (DraftWant, Proposal, Proposer, SessionStore,
-                                 TakenDraft)
+                                 StoreUnavailable, TakenDraft)
 from ..models.vision import VisionModel
 from ..protocol.fleet_table import FleetTable
 from ..protocol.local_store import LocalSessionStore
@@ -116,6 +116,7 @@ class SpecEngine:
         # admitted sessions whose prompts are being prefilled, a budget a step (prefill_queue)
         self.prefilling = PrefillQueue(target, min(PREFILL_CHUNK, self.cfg.prefill_budget))
         self.on_prefill: Callable[[int, float], None] | None = None  # (tokens, seconds)
+        self.prefill_s = 0.0  # the last step's prefill: not verification time (the pace's)
         self.cost = ForwardCost()  # the measured cost of the verification forward
         self.lateness = Lateness(self.cfg.late_after)  # drafters not waited for (lateness.py)
         self._undelivered: list[Decision] = []
@@ -189,11 +190,17 @@ class SpecEngine:
         entry's session or what refused it (its slot freed): a failure fails only the entry it
         concerns."""
         out: list[ActiveSession | Exception] = []
+        down: Exception | None = None  # the store unreachable: the rest are not tried
         for e in entries:
+            if down is not None:
+                out.append(StoreUnavailable(f"not admitted: {down}"))
+                continue
             try:
                 out.append(self._admit_one(e))
             except Exception as exc:
                 out.append(exc)
+                if isinstance(exc, (StoreUnavailable, OSError)):
+                    down = exc
         return out
 
     def _admit_one(self, e: Admission) -> ActiveSession:
@@ -314,11 +321,14 @@ class SpecEngine:
         If the store cannot be reached, this raises with the engine unchanged, or with the
         step's verdicts kept aside: the next call commits those first (the store recognises a
         commit that landed). Returns what the step did (None when nothing was verified)."""
+        self.prefill_s = 0.0
         if self._undelivered:  # verdicts of a step whose commit did not reach the store
             kept, t0 = self._undelivered, time.perf_counter()
             return _report(self._commit(kept), len(kept), sum(d.draft.width for d in kept),
                            0.0, 0.0, time.perf_counter() - t0)
+        t0 = time.perf_counter()
         self._advance_prefill(self.cfg.prefill_budget)  # chunked prefill: a budget a step
+        self.prefill_s = time.perf_counter() - t0
         if not self.active:  # every session still waits for its prompt
             return None
         t0 = time.perf_counter()
@@ -552,13 +562,13 @@ class SpecEngine:
     # -- whole generations ---------------------------------------------------------------------
     def generate_many(self, requests: list[Request]) -> list[Result]:
         errors: list[Exception] = []
-        acts: list[ActiveSession] = []
-        for got in self.add_many([Admission(r) for r in requests]):
-            if isinstance(got, Exception):
-                for a in acts:  # none of them runs: their slots go back
-                    self._release(a, "error")
-                raise got
-            acts.append(got)
+        got = self.add_many([Admission(r) for r in requests])
+        acts = [g for g in got if isinstance(g, ActiveSession)]
+        refused = [g for g in got if isinstance(g, Exception)]
+        if refused:
+            for a in acts:  # none of them runs: their slots go back
+                self._release(a, "error")
+            raise refused[0]
         for a in acts:
             a.on_error = errors.append
         while self.active:

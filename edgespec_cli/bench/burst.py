@@ -133,8 +133,10 @@ def run_burst(loaded, mode: str, streams: list[list[int]], burst: list[list[int]
                                arrivals) for p in streams]
             _wait(lambda: all(len(t.tokens) >= args.steady_tokens for t in running))
             came = time.monotonic()
-            tickets = [sched.submit(Ticket(Request(p, args.burst_tokens), None)) for p in burst]
-            firsts = {t.session_id: _first_token_at(t) for t in tickets}
+            tickets = [Ticket(Request(p, args.burst_tokens), None) for p in burst]
+            firsts = {t.session_id: _first_token_at(t) for t in tickets}  # before any token
+            for t in tickets:
+                sched.submit(t)
             _wait(lambda: all(firsts[t.session_id] or t.ended for t in tickets))
             done = time.monotonic()
             for t in running:
