@@ -23,28 +23,27 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ..config import (MAX_TREE_NODES, ConfigError, EngineConfig, is_lossy, session_verify_mode,
-                      verifies_trees)
-from ..drafters import DraftLength, Drafter
+from ..config import (MAX_TREE_NODES, EngineConfig, verifies_trees)
+from ..drafters import Drafter
 from ..heads.proposer import HeadProposer, VerifierHead
 from ..pad.verify_rule import PadVerifier
 from ..protocol.contract import (DraftWant, Proposal, Proposer, SessionStore,
-                                 StoreUnavailable, TakenDraft)
+                                 TakenDraft)
 from ..models.vision import VisionModel
 from ..protocol.fleet_table import FleetTable
 from ..protocol.local_store import LocalSessionStore
 from ..runner.target_runner import PREFILL_CHUNK, TargetRunner
-from ..verify.keyed_noise import with_session_seed
 from ..verify.verify_step import verify_step
 from .draft_planner import ForwardCost
 from .draft_worker import DraftWorker
 from .prefill_queue import PrefillQueue
+from .session_lifecycle import SessionLifecycle
 from .generation import ActiveSession, Admission, Request, Result, SessionFailed
 from .lateness import Lateness
 from .decisions import Decision, RowVerdict, decide
 from .proposals import DrafterProposer, StepDraft, drafter_row, with_head
 from .scoring import ScoredStep, row_verdicts, score_step
-from .stack_choice import SOURCES, StackChooser, accepted_prefix
+from .stack_choice import SOURCES, accepted_prefix
 from .step_planning import plan_branch_budgets, plan_drafts
 from .step_report import StepReport, step_report
 
@@ -56,7 +55,7 @@ log = logging.getLogger("edgespec.engine.spec_engine")
 IMITATION = "imitation:"  # EngineConfig.head "imitation:DIR": imitation drafting
 
 
-class SpecEngine:
+class SpecEngine(SessionLifecycle):
     """The verifier. With a ``drafter`` it drafts in process (a ``DraftWorker`` thread over a
     ``LocalSessionStore``); with a ``store`` (the distributed draft cache) drafts come from
     remote drafters through it."""
@@ -139,180 +138,6 @@ class SpecEngine:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-    # -- sessions ------------------------------------------------------------------------------
-    def validate(self, req: Request) -> str:
-        """Refuse a request that cannot be served, before any work; returns the session's
-        verification mode ("exact" or "loose")."""
-        n = len(req.prompt_ids)
-        if n == 0:
-            raise ConfigError("the prompt is empty")
-        if req.max_new_tokens < 1:
-            raise ConfigError(f"max_new_tokens must be >= 1, got {req.max_new_tokens}")
-        need = n + req.max_new_tokens + self.cfg.max_draft + 1
-        if need > self.target.max_len:
-            raise ConfigError(f"prompt ({n} tokens) + max_new_tokens ({req.max_new_tokens}) "
-                              f"exceeds the context limit ({self.target.max_len})")
-        vocab = self.target.vocab_size
-        if any(not 0 <= t < vocab for t in req.prompt_ids + req.committed):
-            raise ConfigError(f"prompt token ids must be in [0, {vocab})")
-        if len(req.committed) >= req.max_new_tokens:
-            raise ConfigError("the resumed session has already produced max_new_tokens")
-        if self.vision is not None:
-            self.vision.check_prompt(req.prompt_ids, req.images)
-        elif req.images is not None:
-            raise ConfigError("this model is text-only: it takes no images")
-        return session_verify_mode(req.verify, self.cfg.verify)
-
-    def add(self, req: Request, session_id: str | None = None, device: str | None = None
-            ) -> ActiveSession:
-        """Prefill a request into a KV slot, now, and register its session. ``device``: the
-        drafter to ask for (distributed store); the local store drafts with its own drafter.
-        A request with ``committed`` output resumes a session: prompt + committed are
-        prefilled."""
-        [out] = self.add_many([Admission(req, session_id, device)])
-        if isinstance(out, BaseException):
-            raise out
-        return out
-
-    def add_many(self, entries: Sequence[Admission]) -> list[ActiveSession | Exception]:
-        """``add`` for several requests at once (``admit``), their prompts prefilled together
-        now, to their ends. Returns, in order, each entry's session or what refused it."""
-        got = self.admit(entries)
-        failed = {id(act): exc for act, exc in self._advance_prefill(None)}
-        return [failed.get(id(g), g) for g in got]
-
-    def admit(self, entries: Sequence[Admission]) -> list[ActiveSession | Exception]:
-        """Take requests in: each validated, given a KV slot and created in the store, then
-        queued for prefill (``prefill_queue``: each step prefills up to ``prefill_budget``
-        prompt tokens of the queue before it verifies; a session runs from the step its prompt
-        is all in). A prompt with images is prefilled alone, now. Returns, in order, each
-        entry's session or what refused it (its slot freed): a failure fails only the entry it
-        concerns."""
-        out: list[ActiveSession | Exception] = []
-        down: Exception | None = None  # the store unreachable: the rest are not tried
-        for e in entries:
-            if down is not None:
-                out.append(StoreUnavailable(f"not admitted: {down}"))
-                continue
-            try:
-                out.append(self._admit_one(e))
-            except Exception as exc:
-                out.append(exc)
-                if isinstance(exc, (StoreUnavailable, OSError)):
-                    down = exc
-        return out
-
-    def _admit_one(self, e: Admission) -> ActiveSession:
-        req = e.request
-        req.params = with_session_seed(req.params)
-        verify = self.validate(req)
-        slot = self.target.new_slot()
-        t0 = time.perf_counter()
-        ids = (req.prompt_ids + req.committed)[:-1]
-        sid = e.session_id or f"local-{next(self._ids)}"
-        drafter = e.device if self.worker is None else self.worker.drafter.name
-        try:
-            if req.images is not None:
-                assert self.vision is not None  # validate refused images without it
-                embeds = self.vision.prompt_embeds(ids, req.images, self.target.embed)  # [n, H]
-                self.target.prefill(slot, ids, embeds=embeds)
-            self.store.create(sid, req.prompt_ids, req.params, drafter, req.max_new_tokens,
-                              committed=req.committed, verify=verify)
-        except BaseException:
-            self.target.free_slot(slot)
-            raise  # a request the scheduler retries (the store unavailable) keeps its images
-        act = ActiveSession(sid, req, slot,
-                            DraftLength(self.cfg.max_draft, adaptive=self.cfg.adaptive))
-        act.verify = verify
-        act.drafter = drafter or ""
-        if self.cfg.auto:
-            act.chooser = StackChooser()
-            act.stats.stacks = act.chooser.chosen
-        act.stats.start = t0
-        act.stats.lossy = is_lossy(verify)
-        act.stats.verify = verify
-        if req.images is not None:
-            req.images = req.images.spent()  # in the KV now: the pixels are not kept
-            act.stats.prefill_s = time.perf_counter() - t0
-            self._start(act)
-        else:
-            self.prefilling.add(act, ids)
-        return act
-
-    def _start(self, act: ActiveSession) -> None:
-        """A session whose prompt is all in joins the running batch."""
-        if self.head is not None:
-            self.head.start(act.sid, self.target.device, slot=act.slot)
-        self.active.append(act)
-
-    def _advance_prefill(self, budget: int | None) -> list[tuple[ActiveSession, Exception]]:
-        """Prefill up to ``budget`` tokens of the waiting prompts (None: all); start the
-        sessions whose prompts are in, fail those whose prefill failed (returned)."""
-        if not self.prefilling:
-            return []
-        progress = self.prefilling.advance(budget)
-        for act in progress.ready:
-            self._start(act)
-        for act, exc in progress.failed:  # out of the queue already: their slots freed here
-            self.target.free_slot(act.slot)
-            self.fail(act, SessionFailed(str(exc)))
-        if self.on_prefill is not None and progress.tokens:
-            self.on_prefill(progress.tokens, progress.seconds)
-        return progress.failed
-
-    @property
-    def sessions(self) -> list[ActiveSession]:
-        """Every session here: running, and waiting for its prompt's prefill."""
-        return self.active + self.prefilling.sessions
-
-    def cancel(self, sid: str, reason: str = "cancelled") -> bool:
-        """Stop a session now (finish reason ``reason``: "cancelled", or "stop" for a stop
-        string found by a front door); False if it is neither running nor waiting for its
-        prefill."""
-        for act in self.sessions:
-            if act.sid == sid:
-                act.finish = reason
-                self._finish(act)
-                return True
-        return False
-
-    def _drop(self, act: ActiveSession) -> None:
-        """Forget a session here and free its KV slot (the store is not told)."""
-        if act in self.active:
-            self.active.remove(act)
-            self.target.free_slot(act.slot)
-            if self.head is not None:
-                self.head.finish(act.sid)
-        elif self.prefilling.remove(act):  # the head starts a session once it runs
-            self.target.free_slot(act.slot)
-
-    def _release(self, act: ActiveSession, finish: str) -> None:
-        act.stats.tokens = len(act.output) - len(act.req.committed)
-        act.stats.elapsed_s = time.perf_counter() - act.stats.start
-        self._drop(act)
-        self.store.close(act.sid, finish)  # never raises
-
-    def _finish(self, act: ActiveSession) -> None:
-        finish = act.finish
-        assert finish is not None  # called once the session has ended
-        self._release(act, finish)
-        if act.on_finish:
-            act.on_finish(Result(act.output, act.stats, finish))
-
-    def abandon(self, act: ActiveSession, exc: Exception) -> None:
-        """Drop a session here but leave it in the store as it is, so that it can be resumed
-        (this verifier is stopping)."""
-        self._drop(act)
-        if act.on_error:
-            act.on_error(exc)
-
-    def fail(self, act: ActiveSession, exc: Exception) -> None:
-        """End one session with an error; the others go on."""
-        log.warning("session %s failed: %s", act.sid, exc)
-        self._release(act, "error")
-        if act.on_error:
-            act.on_error(exc)
 
     # -- one verification step over every active session -----------------------------------------
     def step(self) -> StepReport | None:
