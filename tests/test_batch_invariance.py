@@ -217,19 +217,32 @@ def test_prefill_in_chunks_and_long_contexts_keep_the_bits(hd64_model, dtype, de
 
 @pytest.mark.parametrize("device,dtype", CASES)
 def test_prompts_prefilled_together_keep_the_bits_each_gets_alone(hd64_model, dtype, device):
-    """``prefill_many``: prompts of ragged lengths (across chunk boundaries, in groups cut by
-    the forward's row budget) leave each slot the keys/values of its prompt prefilled alone."""
+    """The prefill queue (``engine.prefill_queue`` over ``TargetRunner.prefill_parts``):
+    prompts of ragged lengths, cut at its chunk's multiples, several a forward in groups cut by
+    the forward's row budget, over one step or several, leave each slot the keys/values of its
+    prompt prefilled alone."""
+    from edgespec.drafters.adaptive import DraftLength
+    from edgespec.engine.generation import ActiveSession, Request
+    from edgespec.engine.prefill_queue import PrefillQueue
+
     runner = _runner(hd64_model, dtype, device)
     if runner is None:
         return
     rng = random.Random(f"prefill-many-{dtype}")
-    for rows, chunk in ((runner.max_rows, 512), (150, 64), (40, 13)):
+    for rows, chunk, budget in ((runner.max_rows, 512, None), (150, 64, 100), (40, 13, None)):
         runner.prefill_rows = rows
         sessions = [_session(rng, max_prompt=200) for _ in range(7)]
         refs = [_one_at_a_time(runner, p, c) for p, c in sessions]
         slots = [runner.new_slot() for _ in sessions]
         rng.shuffle(slots)
-        runner.prefill_many(slots, [p for p, _ in sessions], chunk=chunk)
+        queue = PrefillQueue(runner, chunk)
+        for s, (p, _) in zip(slots, sessions):
+            queue.add(ActiveSession(f"s{s}", Request(p + [0], 1), s, DraftLength(1)), p)
+        for _ in range(100):  # steps
+            if not len(queue):
+                break
+            assert not queue.advance(budget).failed
+        assert len(queue) == 0
         assert [runner.cache.lengths[s] for s in slots] == [len(p) for p, _ in sessions]
         logits = runner.forward(slots, [c for _, c in sessions])  # [B, T_max, V]
         for b, ((_, c), ref) in enumerate(zip(sessions, refs)):

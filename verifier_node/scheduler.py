@@ -299,10 +299,11 @@ class Scheduler(threading.Thread):
         for t in picked:
             t.request.on_tokens = lambda new, t=t: self._on_tokens(t, new)
         got = self.engine.admit([Admission(t.request, t.session_id, t.device) for t in picked])
-        unreachable = [t for t, g in zip(picked, got) if isinstance(g, (StoreUnavailable, OSError))]
+        unreachable = [(t, g) for t, g in zip(picked, got)
+                       if isinstance(g, (StoreUnavailable, OSError))]
         if unreachable:
-            with self._lock:
-                self._pending.extendleft(reversed(unreachable))  # the cache is down: later
+            with self._lock:  # the cache is down: admitted later
+                self._pending.extendleft(reversed([t for t, _ in unreachable]))
         for t, act in zip(picked, got):
             if isinstance(act, (StoreUnavailable, OSError)):
                 continue
@@ -318,7 +319,7 @@ class Scheduler(threading.Thread):
             act.on_finish = lambda res, t=t: self._end(t, result=res)
             act.on_error = lambda exc, t=t: self._end(t, error=exc)
         if unreachable:
-            raise next(g for g in got if isinstance(g, (StoreUnavailable, OSError)))
+            raise unreachable[0][1]
 
     def _prefilled(self, tokens: int, seconds: float) -> None:
         self.pace.prefill(tokens, seconds)

@@ -39,7 +39,6 @@ class Admission:
     request: Request
     session_id: str | None = None
     device: str | None = None
-    verify: str = "exact"  # set on admission: the session's verification mode
 
 
 @dataclass

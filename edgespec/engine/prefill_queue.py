@@ -87,13 +87,15 @@ class PrefillQueue:
         out = PrefillProgress([], [])
         t0 = time.perf_counter()
         left = budget
+        moved = False  # a part was taken this step: the next must fit the budget
         while self.waiting:
             parts: list[tuple[WaitingPrompt, int]] = []  # (prompt, its part's end)
             for w in self.waiting:
                 end = min(len(w.tokens), (w.done // self.chunk + 1) * self.chunk)
-                if left is not None and (parts or out.tokens or out.ready) and end - w.done > left:
+                if left is not None and moved and end - w.done > left:
                     break
                 parts.append((w, end))
+                moved = True
                 if left is not None:
                     left -= end - w.done
             if not parts:

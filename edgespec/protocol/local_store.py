@@ -178,10 +178,10 @@ class LocalSessionStore:
         out, self.changed = self.changed or set(), set()
         return out
 
-    def _changed(self, session_id: str) -> None:
+    def _record(self, session_id: str) -> None:
+        """Under the lock: ``session_id`` changed, for the drafter to read."""
         if self.changed is not None:
             self.changed.add(session_id)
-        self.cond.notify_all()
 
     def create(self, session_id: str, prompt: list[int], params: SamplingParams,
                drafter: str | None, max_new_tokens: int = 0,
@@ -192,7 +192,8 @@ class LocalSessionStore:
             self.sessions[session_id] = SessionState(session_id, list(prompt), list(committed),
                                                      has_drafter=drafter is not None,
                                                      params=params, vocab_size=self.vocab_size)
-            self._changed(session_id)
+            self._record(session_id)
+            self.cond.notify_all()
 
     def push_draft(self, session_id: str, epoch: int, start: int, tokens: list[int],
                    idle: bool = False, window: int = 1 << 30, branches=()) -> int:
@@ -258,8 +259,7 @@ class LocalSessionStore:
                     out.append(CommitOutcome(state.commit(v)))
                 except StaleChunkError as e:
                     out.append(CommitOutcome(error=str(e)))
-                if self.changed is not None:
-                    self.changed.add(v.session_id)
+                self._record(v.session_id)
             self.cond.notify_all()
         return out
 
@@ -268,7 +268,8 @@ class LocalSessionStore:
             state = self.sessions.pop(session_id, None)
             if state is not None:
                 state.done = True
-            self._changed(session_id)
+            self._record(session_id)
+            self.cond.notify_all()
             self._draft_moved(session_id)
         if state is not None and self.fleet is not None:
             record_output(self.fleet, state.tokens, len(state.prompt))

@@ -666,22 +666,6 @@ class TargetRunner:
             self.commit(slot, i + len(part))
 
     @torch.inference_mode()
-    def prefill_many(self, slots: list[int], prompts: list[list[int]],
-                     chunk: int = PREFILL_CHUNK) -> None:
-        """Several fresh slots' prompts prefilled together: each prompt cut where ``prefill``
-        cuts it (chunks of ``chunk`` tokens from position 0), the chunks at one offset sent
-        together (``prefill_parts``). A slot's keys and values are those ``prefill`` gives it
-        alone, bit for bit."""
-        for slot, tokens in zip(slots, prompts):
-            self.cache.check_room(slot, 0, len(tokens))
-        for slot in slots:
-            self.rollback(slot, 0)
-        longest = max((len(p) for p in prompts), default=0)
-        for at in range(0, longest, chunk):
-            self.prefill_parts(*zip(*[(slot, p[at:at + chunk]) for slot, p in zip(slots, prompts)
-                                      if len(p) > at]))
-
-    @torch.inference_mode()
     def prefill_parts(self, slots: Sequence[int], parts: Sequence[list[int]]) -> None:
         """Each slot's ``part`` of its prompt written after what the slot holds, in shared
         forwards of rows of similar length, at most ``prefill_rows`` tokens a forward (rows x
