@@ -184,16 +184,18 @@ class RedisSessionStore:
         """Wait up to ``wait_s`` until every session's draft is ready (those not to wait for
         aside), then take up to k tokens of each. The wait ends early on a pushed chunk (a
         pub/sub wake-up), and its deadline is kept to the millisecond by this process, not by
-        Redis's coarse BLPOP timer."""
-        deadline = time.monotonic() + wait_s
+        Redis's coarse BLPOP timer. A session is waited for at most its own ``wait_s``."""
+        now = time.monotonic()
+        until = [w.waits_until(now + wait_s, now) for w in wants]
         while True:
             seen = self._waker.seq
             rows = self._read(wants)
-            ready = all(row.ready(w.k) for row, w in zip(rows, wants) if w.wait)
-            left = deadline - time.monotonic()
-            if ready or left <= 0:
+            now = time.monotonic()
+            pending = [t for row, w, t in zip(rows, wants, until)
+                       if w.wait and t > now and not row.ready(w.k)]
+            if not pending:
                 break
-            self._waker.wait(seen, left)
+            self._waker.wait(seen, min(pending) - now)
         taken: list[TakenDraft | SessionVanished] = []
         for row, w in zip(rows, wants):
             if row.epoch is None:

@@ -2,7 +2,8 @@
 
 import pytest
 
-from edgespec.engine.draft_planner import ForwardCost, allocate, allocate_branches
+from edgespec.engine.draft_planner import (ForwardCost, allocate, allocate_branches,
+                                           expected_rate, wait_worth)
 
 
 def fitted(fixed: float, per_token: float, counts=(1, 2, 5, 9, 3, 6)) -> ForwardCost:
@@ -29,78 +30,113 @@ def test_cost_fit_uses_the_prior_slope_until_token_counts_vary():
     assert fixed + per_token == pytest.approx(0.040, rel=0.01)
 
 
+def geometric(alpha: float, cap: int) -> list[float]:
+    return [alpha ** m for m in range(1, cap + 1)]
+
+
+def padded_rate(fit, gains, ks, branches=None, betas=None):
+    """The step's expected tokens a second as the planner models it: rows padded to the
+    widest."""
+    fixed, per_token = fit
+    gain = len(ks) + sum(sum(g[:k]) for g, k in zip(gains, ks))
+    widths = list(ks)
+    if branches is not None:
+        gain += sum(b * n for b, n in zip(betas, branches))
+        widths = [k + n for k, n in zip(ks, branches)]
+    return gain / (fixed + per_token * len(ks) * (1 + max(widths)))
+
+
 def test_allocate_before_any_step_keeps_the_caps():
-    assert allocate([0.1, 0.9], [4, 6], ForwardCost()) == [4, 6]
+    assert allocate([geometric(0.1, 4), geometric(0.9, 6)], ForwardCost()) == [4, 6]
 
 
 def test_allocate_drafts_nothing_where_acceptance_is_below_the_cost():
     cost = fitted(0.040, 0.004)  # a draft token costs 10% of a step
-    assert allocate([0.05], [8], cost) == [0]
-    ks = allocate([0.05, 0.9], [8, 8], cost)
-    assert ks[0] == 0 and ks[1] > 0
+    assert allocate([geometric(0.05, 8)], cost) == [0]
+    assert allocate([geometric(0.05, 8)] * 4, cost) == [0] * 4
 
 
-def test_allocate_drafts_longer_where_acceptance_is_higher():
+def test_one_good_session_drafts_for_all_but_not_in_a_batch_too_wide_to_pay():
+    """Every row is padded to the widest: a draft widens the batch. Every session then drafts
+    to that width (free); a batch of many weak sessions stops one strong one drafting."""
     cost = fitted(0.040, 0.002)
-    low, high = allocate([0.3, 0.9], [8, 8], cost)
-    assert 0 < low < high <= 8
+    ks = allocate([geometric(0.05, 8), geometric(0.95, 8)], cost)
+    assert ks[0] == ks[1] > 0
+    assert allocate([geometric(0.05, 8)] * 15 + [geometric(0.95, 8)], cost) == [0] * 16
 
 
-def test_allocate_drafts_less_per_session_when_tokens_are_dear():
-    cheap = allocate([0.7] * 4, [8] * 4, fitted(0.040, 0.0005))
-    dear = allocate([0.7] * 4, [8] * 4, fitted(0.040, 0.008))
+def test_allocate_keeps_each_sessions_cap():
+    cost = fitted(0.040, 0.0005)
+    assert allocate([geometric(0.9, 2), geometric(0.9, 6)], cost) == [2, 6]
+
+
+def test_allocate_drafts_less_when_tokens_are_dear():
+    cheap = allocate([geometric(0.7, 8)] * 4, fitted(0.040, 0.0005))
+    dear = allocate([geometric(0.7, 8)] * 4, fitted(0.040, 0.004))
     assert sum(dear) < sum(cheap)
 
 
-def test_each_allocated_token_raises_the_expected_rate():
+def test_a_drafter_right_in_runs_drafts_longer_than_a_geometric_one_of_its_first_token():
+    """A first token right 1 time in 3 and the rest right when it is (MaG's runs), against a
+    geometric drafter right 1 time in 3 at each token."""
+    cost = fitted(0.040, 0.002)
+    runs = allocate([[0.33] * 8], cost)[0]
+    geom = allocate([geometric(0.33, 8)], cost)[0]
+    assert runs > geom
+
+
+def test_the_allocated_width_is_the_best_of_all_widths():
     cost = fitted(0.040, 0.003)
-    alphas, caps = [0.6, 0.35, 0.8], [8, 8, 8]
-    fixed, per_token = cost.fit()
+    fit = cost.fit()
+    gains = [geometric(0.6, 8), geometric(0.35, 8), [0.7] * 3 + [0.1] * 5]
+    best = allocate(gains, cost)
+    for d in range(9):
+        other = [min(8, d)] * 3
+        assert padded_rate(fit, gains, other) <= padded_rate(fit, gains, best) + 1e-12
 
-    def rate(ks):
-        gain = sum(1 + sum(a ** m for m in range(1, k + 1)) for a, k in zip(alphas, ks))
-        return gain / (fixed + per_token * (len(ks) + sum(ks)))
 
-    best = allocate(alphas, caps, cost)
-    for i in range(3):  # one token more or less for any session does not do better
-        for d in (-1, 1):
-            other = list(best)
-            other[i] += d
-            if 0 <= other[i] <= caps[i]:
-                assert rate(other) <= rate(best) + 1e-12
+def test_the_step_waits_for_a_draft_as_long_as_it_is_worth():
+    cost = fitted(0.040, 0.002)
+    gains, ks = [geometric(0.9, 4), geometric(0.02, 4), geometric(0.9, 4)], [4, 4, 0]
+    rate = expected_rate(gains, ks, cost)
+    assert rate == pytest.approx(padded_rate(cost.fit(), gains, ks))
+    # a wait costs the batch rate tokens a second: 3.1 expected tokens are worth 3.1 / rate s
+    waits = wait_worth(gains, ks, cost, 10.0)
+    assert waits == pytest.approx([sum(gains[0]) / rate, sum(gains[1]) / rate, 0.0])
+    assert waits[1] < 0.001 < waits[0]
+    assert wait_worth(gains, ks, cost, 0.010) == [0.010, pytest.approx(waits[1]), 0.0]
+    assert wait_worth(gains, ks, ForwardCost(), 0.010) == [0.010, 0.010, 0.0]  # no step yet
 
 
 # -- token trees: branch tokens where they pay ----------------------------------------------------
 def test_branches_before_any_step_keep_the_caps():
-    assert allocate_branches([0.01], [8], [0.5], [4], ForwardCost()) == [8]
+    assert allocate_branches([0.01], [8], [geometric(0.5, 4)], [4], ForwardCost()) == [8]
 
 
 def test_branches_are_left_out_where_they_rarely_pay_and_kept_where_tokens_are_cheap():
-    alphas, ks = [0.5, 0.5], [4, 4]
+    gains, ks = [geometric(0.5, 4)] * 2, [4, 4]
     dear = fitted(0.040, 0.004)  # a CPU: a token costs 10% of a step
-    assert allocate_branches([0.1, 0.1], [8, 8], alphas, ks, dear) == [0, 0]
-    assert allocate_branches([0.1, 0.6], [8, 8], alphas, ks, dear) == [0, 8]
+    assert allocate_branches([0.1, 0.1], [8, 8], gains, ks, dear) == [0, 0]
     cheap = fitted(0.040, 0.00005)  # a GPU-like forward: width is almost free
-    assert allocate_branches([0.1, 0.1], [8, 8], alphas, ks, cheap) == [8, 8]
+    assert allocate_branches([0.1, 0.1], [8, 8], gains, ks, cheap) == [8, 8]
 
 
-def test_each_allocated_branch_token_raises_the_expected_rate():
+def test_branches_fill_the_width_the_chains_already_pay_for():
+    dear = fitted(0.040, 0.004)
+    gains, ks = [geometric(0.9, 6), geometric(0.5, 2)], [6, 2]
+    assert allocate_branches([0.05, 0.05], [8, 8], gains, ks, dear) == [0, 4]
+    assert allocate_branches([0.0, 0.0], [8, 8], gains, ks, dear) == [0, 0]  # never accepted
+
+
+def test_the_allocated_branch_width_is_the_best_of_all_widths():
     cost = fitted(0.040, 0.002)
-    fixed, per_token = cost.fit()
-    alphas, ks, betas, caps = [0.6, 0.4], [3, 2], [0.08, 0.2], [8, 8]
-
-    def rate(sides):
-        gain = sum(1 + sum(a ** m for m in range(1, k + 1)) for a, k in zip(alphas, ks))
-        gain += sum(b * s for b, s in zip(betas, sides))
-        return gain / (fixed + per_token * (len(ks) + sum(ks) + sum(sides)))
-
-    sides = allocate_branches(betas, caps, alphas, ks, cost)
-    for i in range(2):
-        for delta in (-1, 1):
-            other = list(sides)
-            other[i] += delta
-            if 0 <= other[i] <= caps[i]:
-                assert rate(other) <= rate(sides) + 1e-12
+    fit = cost.fit()
+    gains, ks, betas, caps = [geometric(0.6, 3), geometric(0.4, 2)], [3, 2], [0.3, 0.2], [8, 8]
+    sides = allocate_branches(betas, caps, gains, ks, cost)
+    for width in range(3, 12):
+        other = [min(c, width - k) for c, k in zip(caps, ks)]
+        assert padded_rate(fit, gains, ks, other, betas) <= \
+            padded_rate(fit, gains, ks, sides, betas) + 1e-12
 
 
 def test_a_session_without_branches_is_probed_now_and_then():
@@ -118,3 +154,31 @@ def test_a_session_without_branches_is_probed_now_and_then():
     low = dl.beta
     dl.update_branches(4, 4)
     assert 0 < low < dl.beta
+
+
+# -- in the engine: what a step asks of the store -------------------------------------------------
+def test_the_engine_asks_for_no_draft_where_drafts_do_not_pay_and_probes_all_rows_at_once(tiny):
+    from edgespec.config import EngineConfig
+    from edgespec.drafters import build_drafter
+    from edgespec.engine.spec_engine import Request, SpecEngine
+    from edgespec.runner.target_runner import TargetRunner
+
+    runner = TargetRunner(tiny.model, n_slots=4, max_len=128)
+    with SpecEngine(runner, build_drafter("mag"), EngineConfig(max_draft=4),
+                    stop_ids=set()) as engine:
+        acts = [engine.add(Request([1, 5, 6, 7], 20)), engine.add(Request([1, 8, 9], 20))]
+        engine.cost = fitted(0.040, 0.004)  # a CPU: a draft token a row costs 10% of a step
+        for act in acts:
+            for _ in range(20):
+                act.draft_len.update(4, 0)  # never right
+        plans = [engine._plan() for _ in range(8)]
+        for wants in plans[:7]:
+            assert [(w.k, w.wait) for w in wants] == [(0, False), (0, False)]
+        assert [(w.k, w.wait, w.wait_s) for w in plans[7]] == \
+            [(1, True, engine.wait_ms / 1000)] * 2  # a probe: every row, waited for
+        for _ in range(20):
+            acts[0].draft_len.update(4, 4)  # one session's drafts now always right
+        wants = engine._plan()
+        # the width one session pays for; the other fills it to its own cap (1 after its misses)
+        assert (wants[0].k, wants[1].k) == (4, 1)
+        assert wants[0].wait and 0 < wants[1].wait_s < wants[0].wait_s <= engine.wait_ms / 1000

@@ -105,18 +105,45 @@ def test_drafter_specs_are_parsed_with_clear_errors(tiny, tiny_draft_dir, tmp_pa
 
 
 def test_alpha_follows_acceptance_and_probes_come_back():
+    from edgespec.drafters.adaptive import Prober
+
     k = DraftLength(k_max=4)
     assert k.alpha == 0.5  # the prior
+    assert k.gains(3) == pytest.approx([0.5, 0.25, 0.125])  # alpha^m before any trial
     for _ in range(10):
         k.update(4, 0)  # every draft rejected at once
     low = k.alpha
     assert low < 0.05
-    probes = [k.probe(0) for _ in range(16)]
-    assert probes.count(0) == 14 and probes.count(1) == 2  # a short probe every 8th step
-    assert k.probe(3) == 3  # a planned draft goes through unchanged
+    prober = Prober(8)
+    probes = [prober.planned(0, 2) for _ in range(16)]
+    assert probes.count(0) == 14 and probes.count(2) == 2  # a short probe every 8th step
+    assert prober.planned(3, 2) == 3  # a planned draft goes through unchanged
     for _ in range(5):
         k.update(4, 4)
     assert k.alpha > 0.8 > low
+
+
+def test_gains_see_drafts_right_in_runs():
+    """A drafter right in runs (all of a draft or none of it, as MaG often is): a geometric
+    alpha^m overrates its first token; the positions' own rates do not."""
+    k = DraftLength(k_max=4)
+    for i in range(60):
+        k.update(4, 4 if i % 3 == 0 else 0)  # a third of drafts wholly right, the rest wrong
+    gains = k.gains(4)
+    assert k.alpha > 0.55  # accepted tokens per tested token: 4 in 6
+    assert gains[0] == pytest.approx(1 / 3, abs=0.05)  # the first token: right once in 3
+    assert gains[3] > 0.7 * gains[0] > k.alpha ** 4  # once right, right to the end
+    assert all(a >= b for a, b in zip(gains, gains[1:]))
+
+
+def test_gains_are_non_increasing_and_follow_where_drafts_break():
+    k = DraftLength(k_max=6)
+    for _ in range(40):
+        k.update(6, 2)  # always the first two, never the third
+    gains = k.gains(6)
+    assert gains[0] > 0.9 and gains[1] > 0.8 and gains[2] < 0.2  # a prior of 2 trials of alpha
+    assert all(a >= b for a, b in zip(gains, gains[1:]))
+    assert len(k.gains(3)) == 3 and k.gains(0) == []
 
 
 def test_a_model_drafter_may_run_in_a_dtype_a_target_may_not(tiny_draft_dir):

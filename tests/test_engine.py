@@ -38,8 +38,9 @@ def test_greedy_output_identical_to_target_only(tiny, tiny_draft_dir, setup, spe
     drafter = build_drafter(spec, tiny, runner, n_slots=4, max_len=256)
     if drafter is not None and hasattr(drafter, "min_confidence"):
         drafter.min_confidence = 0.0  # draft every time: exercise rejections
-    with SpecEngine(runner, drafter, EngineConfig(max_draft=4, window=8, chunk=2),
-                    stop_ids={2}) as engine:
+    # a fixed draft length, waited for: every step verifies drafts, whatever the machine's speed
+    cfg = EngineConfig(max_draft=4, window=8, chunk=2, adaptive=False, draft_wait_ms=5000)
+    with SpecEngine(runner, drafter, cfg, stop_ids={2}) as engine:
         for prompt, ref in zip(PROMPTS, refs):
             res = engine.generate(Request(prompt, 40))
             assert res.token_ids == ref

@@ -130,6 +130,35 @@ def test_a_step_takes_many_sessions_at_once_each_up_to_its_own_length(side):
     assert isinstance(got[3], SessionVanished)
 
 
+def test_a_session_is_waited_for_at_most_its_own_wait_and_the_others_their_whole(side):
+    """``DraftWant.wait_s``: the step waits for a draft only as long as it is worth; a session
+    without a bound is still waited for until its draft is in."""
+    import threading
+
+    for sid in ("a", "b"):
+        _new(side, sid)
+    got: list = []
+    take = threading.Thread(target=lambda: got.extend(side.store.take_when_ready(
+        [DraftWant("a", 4, wait_s=0.0), DraftWant("b", 2)], 120.0)))
+    take.start()
+    try:
+        take.join(0.3)  # "a" alone would end the wait at once: "b"'s draft is still awaited
+        assert take.is_alive()
+        side.push("b", 0, 3, [7, 8])
+        take.join(60)
+        assert not take.is_alive()  # ended by "b"'s draft, not by the 120 s deadline
+    finally:
+        if take.is_alive():
+            side.push("b", 0, 3, [7, 8])
+            take.join(60)
+    assert [(t.tokens, t.ready) for t in got] == [([], False), ([7, 8], True)]
+    bounded = threading.Thread(target=lambda: side.store.take_when_ready(
+        [DraftWant("a", 4, wait_s=0.05), DraftWant("b", 4, wait=False)], 120.0))
+    bounded.start()
+    bounded.join(60)
+    assert not bounded.is_alive()  # its own 50 ms, not the step's 120 s
+
+
 def test_a_step_commits_many_sessions_at_once_each_judged_alone(side):
     for sid in ("a", "b"):
         _new(side, sid)

@@ -5,18 +5,24 @@ may be 2 tokens longer, after a rejection it is 1 shorter, within [k_min, k_max]
 own confidence cut-offs decide where a draft stops being worth sending at all.
 
 ``alpha`` estimates the probability that a draft token is accepted given that the tokens before it
-were (successes over trials, recent verifications weighing most); the engine's planner
-(``edgespec.engine.draft_planner``) turns it and the measured cost of a wider forward into the
-number of draft tokens a step verifies (and waits for), 0 where drafting does not pay. A session
-planned without drafts is probed now and then (``probe``), so a session whose text turns repetitive
-is noticed. ``beta`` is the same for token trees: accepted branch tokens per branch token verified,
-which the planner weighs against a wider forward's cost (``probe_branches`` likewise).
+were (successes over trials, recent verifications weighing most). ``gains`` refines it position by
+position: the expected accepted tokens of a draft's m-th token, S(m) = p_1 * ... * p_m with p_j
+measured at position j (pulled towards alpha while position j has few trials). A drafter whose
+drafts are right in runs (MaG: all of a draft or none of it) has a first-token rate well under
+alpha, which a geometric alpha^m would overrate. The engine's planner
+(``edgespec.engine.draft_planner``) turns the gains and the measured cost of a wider forward into
+the number of draft tokens a step verifies (and waits for), 0 where drafting does not pay; a step
+planned without drafts is probed now and then (``Prober``, held by the engine), so a batch whose
+text turns repetitive is noticed. ``beta`` is the same for token trees: accepted branch tokens per
+branch token verified, which the planner weighs against a wider forward's cost
+(``probe_branches``: a session's branches probed likewise).
 """
 
 from __future__ import annotations
 
 
 DECAY = 0.85  # each verification's weight relative to the next one's
+POSITION_PRIOR = 2.0  # trials of alpha a position's own rate starts from
 
 
 class DecayedRate:
@@ -40,15 +46,17 @@ class Prober:
 
     def __init__(self, every: int = 8):
         self.every, self.since = every, 0
+        self.probing = False  # whether the last ``planned`` probed
 
     def planned(self, n: int, small: int) -> int:
         """``n`` as planned, or ``small`` on a probing step when ``n`` is 0."""
+        self.probing = False
         if n > 0:
             self.since = 0
             return n
         self.since += 1
         if self.since >= self.every:
-            self.since = 0
+            self.since, self.probing = 0, True
             return small
         return 0
 
@@ -63,13 +71,24 @@ class DraftLength:
         self.k = k_max if k_init is None else max(k_min, min(k_max, k_init))
         # accepted draft tokens per draft token tested (a rejection ends a test)
         self.chain = DecayedRate(prior_alpha, prior_trials)
+        # position j's own hits and trials: was its token accepted, the ones before it were?
+        self.at = [DecayedRate(0.0, 0.0) for _ in range(k_max)]
         self.branch = DecayedRate(0.1, 5.0)  # accepted branch tokens per branch token verified
-        self._draft_probe, self._branch_probe = Prober(probe_every), Prober(probe_every)
+        self._branch_probe = Prober(probe_every)
 
     @property
     def alpha(self) -> float:
         """Estimated probability that the next draft token is accepted."""
         return self.chain.rate
+
+    def gains(self, k: int) -> list[float]:
+        """Expected accepted tokens of a draft's 1st..k-th token (k at most k_max): each the
+        chance that it and every token before it are accepted, non-increasing."""
+        alpha, out, survive = self.alpha, [], 1.0
+        for rate in self.at[:k]:
+            survive *= (rate.hits + POSITION_PRIOR * alpha) / (rate.trials + POSITION_PRIOR)
+            out.append(survive)
+        return out
 
     @property
     def beta(self) -> float:
@@ -80,6 +99,9 @@ class DraftLength:
         """Record one verification of ``drafted`` tokens of which ``accepted`` passed."""
         if drafted > 0:
             self.chain.observe(accepted, accepted + (1 if accepted < drafted else 0))
+            for j, rate in enumerate(self.at[:drafted]):  # positions past the first miss: no trial
+                if j <= accepted:
+                    rate.observe(1.0 if j < accepted else 0.0, 1.0)
             if self.adaptive:
                 if accepted == drafted:
                     self.k = min(self.k_max, self.k + 2)
@@ -91,13 +113,6 @@ class DraftLength:
         """Record one verification of ``verified`` branch tokens, ``accepted`` of them taken."""
         if verified > 0:
             self.branch.observe(accepted, verified)
-
-    def probe(self, k: int) -> int:
-        """``k`` as planned, except that a step planned without a draft verifies a short one
-        now and then (``Prober``), to measure acceptance again."""
-        if not self.adaptive:
-            return k
-        return self._draft_probe.planned(k, min(self.k, 2))
 
     def probe_branches(self, budget: int, cap: int) -> int:
         """``budget`` branch tokens as planned, except that a step that could have had branches

@@ -1,31 +1,35 @@
 """How many draft tokens each session should verify in the next step, from measured costs.
 
-A verification forward over T tokens costs about ``fixed + per_token * T`` seconds
-(``ForwardCost`` fits the two on the steps the engine actually ran, with a prior slope until the
-steps vary enough to measure it). A session whose draft tokens are accepted with probability
-alpha each (``DraftLength.alpha``, measured) gains alpha^m expected tokens from its m-th draft
-token. ``allocate`` hands out draft tokens, the most promising first, while each one raises the
-step's expected tokens per second: a token worth g tokens at a cost of per_token seconds pays
-iff g / per_token > (tokens so far) / (seconds so far). So a session whose drafts are rarely
-accepted is decoded plainly (k = 0: no wider forward, no wait), and draft lengths shrink as a
+A verification forward runs B rows padded to the widest, W = 1 + the most draft tokens of a row:
+it costs about ``fixed + per_token * B * W`` seconds (``ForwardCost`` fits the two on the steps
+the engine actually ran, with a prior slope until the steps vary enough to measure it). So a
+draft token is paid for by the width it adds to every row, not by itself: one session drafting 4
+tokens in a batch of 8 costs 32 token-rows. A session's m-th draft token is worth S(m) expected
+tokens (``DraftLength.gains``: the chance that it and the ones before it are accepted, measured).
+``allocate`` picks the width D of drafts (0..the longest cap) that maximises the step's expected
+tokens per second, B + sum over sessions of S(1..min(D, cap)), over the forward's seconds; every
+session then drafts min(D, cap) tokens (within the width, free). So a batch whose drafts are
+rarely accepted is decoded plainly (D = 0: no wider forward, no wait), and drafts shrink as a
 batch grows or the forward gets dearer per token, as on a CPU.
 
 Token trees the same way (``allocate_branches``): after the chains, a session's branch tokens
-are worth beta expected tokens each (its measured accepted branch tokens per branch token), and
-are added while they raise the step's expected tokens per second; on a CPU, where a wider
-forward is dear, trees that rarely pay are left out.
+are worth beta expected tokens each (its measured accepted branch tokens per branch token); a
+width that raises the step's expected tokens per second is filled with them. ``wait_worth``:
+how long a session's draft is worth the step waiting for it (its expected tokens against what the
+whole batch loses while it waits).
 """
 
 from __future__ import annotations
 
-import heapq
+from collections.abc import Sequence
 
 
 class ForwardCost:
     """seconds ~ fixed + per_token * tokens, least squares over recent steps (older steps decay
     by ``decay`` per step). Until the token counts seen vary, the slope is the prior
     ``prior_share`` of a step's mean time per token (measured here: a 5-token forward of the
-    default model cost ~1.2x a 1-token one on 2 CPU cores, i.e. ~0.05 per token)."""
+    default model cost ~1.2x a 1-token one on 2 CPU cores, i.e. ~0.05 per token). ``tokens``
+    counts the forward's padded token-rows, B * W."""
 
     def __init__(self, prior_share: float = 0.05, decay: float = 0.98, prior_weight: float = 4.0):
         self.prior_share, self.decay, self.prior_weight = prior_share, decay, prior_weight
@@ -59,44 +63,70 @@ class ForwardCost:
         return fixed, slope
 
 
-def allocate_branches(betas: list[float], caps: list[int], alphas: list[float], ks: list[int],
-                      cost: ForwardCost) -> list[int]:
-    """Branch tokens per session (each at most its cap) on top of chains of ks tokens, while
-    each raises the step's expected tokens per second. betas[i]: session i's accepted tokens
-    per branch token verified; alphas[i]: its chain's per-token acceptance."""
+def _rate(fit: tuple[float, float], gain: float, token_rows: int) -> float:
+    fixed, per_token = fit
+    return gain / (fixed + per_token * token_rows)
+
+
+def allocate(gains: Sequence[Sequence[float]], cost: ForwardCost) -> list[int]:
+    """Draft tokens per session that maximise the next step's expected tokens per second.
+    gains[i][m]: the expected accepted tokens of session i's (m+1)-th draft token (its length is
+    the session's cap; non-increasing). Before any step, every cap."""
+    fit = cost.fit()
+    caps = [len(g) for g in gains]
+    if fit is None:
+        return caps
+    rows = len(gains)
+    gain, best, best_rate = float(rows), 0, _rate(fit, rows, rows)  # every row emits one token
+    for d in range(1, max(caps, default=0) + 1):
+        gain += sum(g[d - 1] for g in gains if len(g) >= d)
+        r = _rate(fit, gain, rows * (1 + d))
+        if r > best_rate:
+            best, best_rate = d, r
+    return [min(c, best) for c in caps]
+
+
+def expected_rate(gains: Sequence[Sequence[float]], ks: Sequence[int], cost: ForwardCost
+                  ) -> float | None:
+    """The step's expected tokens per second with ks draft tokens a session (None before any
+    step)."""
+    fit = cost.fit()
+    if fit is None:
+        return None
+    gain = len(ks) + sum(sum(g[:k]) for g, k in zip(gains, ks))
+    return _rate(fit, gain, len(ks) * (1 + max(ks, default=0)))
+
+
+def wait_worth(gains: Sequence[Sequence[float]], ks: Sequence[int], cost: ForwardCost,
+               wait_s: float) -> list[float]:
+    """How long (at most ``wait_s``) the step should wait for each session's draft: its
+    expected tokens' worth in the step's time, G / rate, since a wait delays every row by as
+    much (the batch decodes ``rate`` tokens a second as planned). 0 without a draft; before any
+    step, ``wait_s`` for each with one."""
+    rate = expected_rate(gains, ks, cost)
+    return [0.0 if k <= 0 else wait_s if rate is None else min(wait_s, sum(g[:k]) / rate)
+            for g, k in zip(gains, ks)]
+
+
+def allocate_branches(betas: list[float], caps: list[int], gains: Sequence[Sequence[float]],
+                      ks: list[int], cost: ForwardCost) -> list[int]:
+    """Branch tokens per session (each at most its cap) on top of chains of ks tokens: the
+    width, from the chains' up, that maximises the step's expected tokens per second, filled.
+    betas[i]: session i's accepted tokens per branch token verified; a session whose branches
+    were never accepted (beta 0) gets none."""
     fit = cost.fit()
     if fit is None:
         return list(caps)
-    fixed, per_token = fit
-    gain = sum(1 + sum(a ** m for m in range(1, k + 1)) for a, k in zip(alphas, ks))
-    seconds = fixed + per_token * (len(ks) + sum(ks))
-    budgets = [0] * len(caps)
-    for i in sorted(range(len(caps)), key=lambda j: -betas[j]):
-        while budgets[i] < caps[i] and betas[i] * seconds > per_token * gain:
-            budgets[i] += 1
-            gain, seconds = gain + betas[i], seconds + per_token
-    return budgets
+    rows, base = len(ks), max(ks, default=0)
+    chains = rows + sum(sum(g[:k]) for g, k in zip(gains, ks))
 
+    def filled(width: int) -> list[int]:  # width: draft nodes a row
+        return [min(c, width - k) if b > 0 else 0 for b, c, k in zip(betas, caps, ks)]
 
-def allocate(alphas: list[float], caps: list[int], cost: ForwardCost) -> list[int]:
-    """Draft tokens per session (each at most its cap) that maximise expected tokens per
-    second of the next step. alphas[i]: session i's per-token acceptance estimate."""
-    fit = cost.fit()
-    if fit is None:
-        return list(caps)
-    fixed, per_token = fit
-    n_rows = len(caps)
-    gain, seconds = float(n_rows), fixed + per_token * n_rows  # every row emits one token
-    ks = [0] * n_rows
-    heap = [(-a, i) for i, (a, c) in enumerate(zip(alphas, caps)) if c > 0 and a > 0]
-    heapq.heapify(heap)
-    while heap:
-        g, i = heapq.heappop(heap)
-        g = -g
-        if g * seconds <= per_token * gain:  # this token (and every later one) lowers the rate
-            break
-        ks[i] += 1
-        gain, seconds = gain + g, seconds + per_token
-        if ks[i] < caps[i]:
-            heapq.heappush(heap, (-g * alphas[i], i))
-    return ks
+    best, best_rate = base, 0.0
+    for width in range(base, max((k + c for k, c in zip(ks, caps)), default=0) + 1):
+        gain = chains + sum(b * n for b, n in zip(betas, filled(width)))
+        r = _rate(fit, gain, rows * (1 + width))
+        if r > best_rate:
+            best, best_rate = width, r
+    return filled(best)

@@ -25,6 +25,7 @@ from typing import Any
 
 from ..config import (MAX_TREE_NODES, EngineConfig, verifies_trees)
 from ..drafters import Drafter
+from ..drafters.adaptive import Prober
 from ..heads.proposer import HeadProposer, VerifierHead
 from ..pad.verify_rule import PadVerifier
 from ..protocol.contract import (DraftWant, Proposal, Proposer, SessionStore,
@@ -34,7 +35,7 @@ from ..protocol.fleet_table import FleetTable
 from ..protocol.local_store import LocalSessionStore
 from ..runner.target_runner import PREFILL_CHUNK, TargetRunner
 from ..verify.verify_step import verify_step
-from .draft_planner import ForwardCost
+from .draft_planner import ForwardCost, wait_worth
 from .draft_worker import DraftWorker
 from .prefill_queue import PrefillQueue
 from .session_lifecycle import SessionLifecycle
@@ -117,6 +118,7 @@ class SpecEngine(SessionLifecycle):
         self.on_prefill: Callable[[int, float], None] | None = None  # (tokens, seconds)
         self.prefill_s = 0.0  # the last step's prefill: not verification time (the pace's)
         self.cost = ForwardCost()  # the measured cost of the verification forward
+        self.prober = Prober()  # a step planned without drafts verifies some now and then
         self.lateness = Lateness(self.cfg.late_after)  # drafters not waited for (lateness.py)
         self._undelivered: list[Decision] = []
         # the head's moves of this step's verified batches, made once their paths are placed
@@ -166,7 +168,7 @@ class SpecEngine(SessionLifecycle):
         verdicts = self._verify(drafts)
         t2 = time.perf_counter()
         width = sum(d.width for d in drafts)
-        self.cost.observe(width, t2 - t1)
+        self.cost.observe(len(drafts) * max(d.width for d in drafts), t2 - t1)  # rows padded
         decided = []
         for d, v in zip(drafts, verdicts):
             if v is None:
@@ -183,11 +185,17 @@ class SpecEngine(SessionLifecycle):
         """What to ask of each active session's draft: its length, and its share of branch
         tokens."""
         acts = list(self.active)
-        ks = plan_drafts(acts, self.cfg, self.cost)
+        ks = plan_drafts(acts, self.cfg, self.cost, self.prober)
         budgets = plan_branch_budgets(acts, ks, self.cfg, self.cost, self.target.max_len)
         skip = self.lateness.not_waited_for({a.drafter for a in acts if a.drafter})
-        return [DraftWant(a.sid, k, b, wait=a.drafter not in skip)
-                for a, k, b in zip(acts, ks, budgets)]
+        wait_s = self.wait_ms / 1000
+        if self.cfg.adaptive and not self.prober.probing:  # a probe is waited for: it measures
+            worth = wait_worth([a.draft_len.gains(k) for a, k in zip(acts, ks)], ks, self.cost,
+                               wait_s)
+        else:
+            worth = [wait_s] * len(acts)
+        return [DraftWant(a.sid, k, b, wait=w > 0 and a.drafter not in skip, wait_s=w)
+                for a, k, b, w in zip(acts, ks, budgets, worth)]
 
     def _record_lateness(self, wants: list[DraftWant], taken: list, acts: dict) -> None:
         """Each drafter's step: were all its sessions' drafts ready when taken? And how many

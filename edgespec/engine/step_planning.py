@@ -7,19 +7,25 @@ from __future__ import annotations
 from typing import Sequence
 
 from ..config import EngineConfig, verifies_trees
+from ..drafters.adaptive import Prober
 from .draft_planner import ForwardCost, allocate, allocate_branches
 from .generation import ActiveSession
 
+PROBE_TOKENS = 2  # the draft width of a probing step
 
-def plan_drafts(acts: Sequence[ActiveSession], cfg: EngineConfig, cost: ForwardCost
-                ) -> list[int]:
+
+def plan_drafts(acts: Sequence[ActiveSession], cfg: EngineConfig, cost: ForwardCost,
+                prober: Prober) -> list[int]:
     """Draft tokens each session verifies this step: its adaptive length, cut by the planner to
-    what pays, then the batch capped at ``max_batch_tokens`` (one own token per session +
-    drafts) by shortening the longest drafts first."""
+    the width that pays, then the batch capped at ``max_batch_tokens`` (one own token per
+    session + drafts) by shortening the longest drafts first. A step planned without drafts is
+    now and then (``prober``) given a short one for every session, to measure acceptance
+    again: all at once, since one row's draft widens every row."""
     ks = [a.draft_len.k for a in acts]
     if cfg.adaptive:
-        planned = allocate([a.draft_len.alpha for a in acts], ks, cost)
-        ks = [a.draft_len.probe(k) for a, k in zip(acts, planned)]
+        planned = allocate([a.draft_len.gains(k) for a, k in zip(acts, ks)], cost)
+        width = prober.planned(max(planned, default=0), PROBE_TOKENS)
+        ks = [min(k, max(p, width)) for k, p in zip(ks, planned)]
     budget = max(0, cfg.max_batch_tokens - len(ks))
     while sum(ks) > budget:
         ks[ks.index(max(ks))] -= 1
@@ -36,7 +42,7 @@ def plan_branch_budgets(acts: Sequence[ActiveSession], ks: Sequence[int], cfg: E
     if not cap or not cfg.adaptive:
         return caps
     budgets = allocate_branches([a.draft_len.beta for a in acts], caps,
-                                [a.draft_len.alpha for a in acts], list(ks), cost)
+                                [a.draft_len.gains(k) for a, k in zip(acts, ks)], list(ks), cost)
     return [a.draft_len.probe_branches(b, c) for a, b, c in zip(acts, budgets, caps)]
 
 

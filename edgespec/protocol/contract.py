@@ -117,12 +117,20 @@ class DraftWant:
     """What the verifier asks of one session's draft this step: up to ``k`` tokens (it waits for
     k, or for the drafter to be idle, until the deadline), and branches hanging from them of at
     most ``branch_budget`` tokens in all. ``wait`` False: the step does not wait for this one
-    (its drafter has been late: ``edgespec.engine.lateness``); whatever it holds is taken."""
+    (its drafter has been late: ``edgespec.engine.lateness``, or its draft is not worth a
+    wait: ``draft_planner.wait_worth``); whatever it holds is taken. ``wait_s``: wait for this
+    one at most that long (within the step's deadline; None: the whole deadline)."""
 
     session_id: str
     k: int
     branch_budget: int = 0
     wait: bool = True
+    wait_s: float | None = None
+
+    def waits_until(self, deadline: float, now: float) -> float:
+        """Until when (``time.monotonic``) the step waits for this draft, the step's
+        ``deadline`` and its start ``now`` given."""
+        return deadline if self.wait_s is None else min(deadline, now + self.wait_s)
 
 
 @dataclass

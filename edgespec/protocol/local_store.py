@@ -229,18 +229,23 @@ class LocalSessionStore:
 
     def take_when_ready(self, wants: list[DraftWant], wait_s: float
                         ) -> list[TakenDraft | SessionVanished]:
-        """Wait up to ``wait_s`` until every session's draft is ready (those not to wait for
-        aside), then take up to k tokens of each."""
-        deadline = time.monotonic() + wait_s
+        """Wait up to ``wait_s`` (each session at most its own ``wait_s``) until every
+        session's draft is ready (those not to wait for aside), then take up to k tokens of
+        each."""
+        now = time.monotonic()
+        deadline = now + wait_s
         with self.lock:
             states = [self.sessions.get(w.session_id) for w in wants]
-            self._awaited = {w.session_id: w.k for st, w in zip(states, wants)
-                             if st is not None and w.wait and not st.draft_ready(w.k)}
+            until = {w.session_id: w.waits_until(deadline, now) for st, w in zip(states, wants)
+                     if st is not None and w.wait and not st.draft_ready(w.k)}
+            self._awaited = {w.session_id: w.k for w in wants if w.session_id in until}
             while self._awaited:
-                left = deadline - time.monotonic()
-                if left <= 0:
+                now = time.monotonic()
+                for sid in [s for s in self._awaited if until[s] <= now]:
+                    del self._awaited[sid]  # waited for as long as its draft is worth
+                if not self._awaited:
                     break
-                self.drafts_in.wait(timeout=left)
+                self.drafts_in.wait(timeout=min(until[s] for s in self._awaited) - now)
             self._awaited = {}
             return [SessionVanished(w.session_id) if st is None
                     else st.take_draft(w.k, w.branch_budget) for st, w in zip(states, wants)]
