@@ -83,7 +83,7 @@ class KeyLayout:
 
 # the fields of a commit event, in the order the commit script (store_lua.COMMIT_LUA) writes
 # them; assign and close events carry the first two (tests/test_cache_store.py reads the script)
-COMMIT_FIELDS = ("t", "sid", "epoch", "end", "fix", "tok", "pos", "more")
+COMMIT_FIELDS = ("t", "sid", "epoch", "end", "fix", "tok", "pos", "more", "want")
 
 
 @dataclass(frozen=True)
@@ -100,6 +100,7 @@ class InboxEvent:
     token: int = 0  # fix: the verifier's first token, at ``position``
     position: int = 0
     more: tuple[int, ...] = ()  # fix: its further tokens (a branch's)
+    wanted: int | None = None  # commit: draft tokens the step asked of the session (None: unsaid)
 
     def fields(self) -> dict[FieldT, EncodableT]:
         """The stream entry (the commit script writes commits itself, in these fields)."""
@@ -107,7 +108,8 @@ class InboxEvent:
         if self.kind == "commit":
             out.update(epoch=str(self.epoch), end=str(self.end), fix="1" if self.fix else "0",
                        tok=str(self.token), pos=str(self.position),
-                       more=",".join(map(str, self.more)))
+                       more=",".join(map(str, self.more)),
+                       want=str(-1 if self.wanted is None else self.wanted))
         return out
 
     @classmethod
@@ -119,11 +121,13 @@ class InboxEvent:
         if kind != "commit":
             return None
         end, epoch = int(fields["end"]), int(fields["epoch"])
+        want = int(fields.get("want") or -1)  # absent: a commit written by an older verifier
+        wanted = want if want >= 0 else None
         if fields.get("fix") != "1":
-            return cls("commit", sid, epoch, end)
+            return cls("commit", sid, epoch, end, wanted=wanted)
         more = tuple(int(t) for t in fields.get("more", "").split(",") if t)
         return cls("commit", sid, epoch, end, True, int(fields["tok"]),
-                   int(fields.get("pos", end - 1 - len(more))), more)
+                   int(fields.get("pos", end - 1 - len(more))), more, wanted)
 
 
 def pack_tokens(tokens) -> bytes:

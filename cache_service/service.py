@@ -378,11 +378,14 @@ class DraftCacheService(pb_grpc.DraftCacheServicer):
         if ev.kind == "close":
             return pb.CacheMessage(closed=pb.SessionClosed(session_id=ev.session_id))
         if not ev.fix:
-            return pb.CacheMessage(commit=pb.Commit(session_id=ev.session_id, epoch=ev.epoch,
-                                                    committed_end=ev.end))
-        return pb.CacheMessage(commit=pb.Commit(
-            session_id=ev.session_id, epoch=ev.epoch, committed_end=ev.end, is_fix=True,
-            fix_position=ev.position, fix_token=ev.token, fix_more=list(ev.more)))
+            msg = pb.Commit(session_id=ev.session_id, epoch=ev.epoch, committed_end=ev.end)
+        else:
+            msg = pb.Commit(session_id=ev.session_id, epoch=ev.epoch, committed_end=ev.end,
+                            is_fix=True, fix_position=ev.position, fix_token=ev.token,
+                            fix_more=list(ev.more))
+        if ev.wanted is not None:  # unset: not said (a board keeps its whole window)
+            msg.wanted = ev.wanted
+        return pb.CacheMessage(commit=msg)
 
 
 def _chunk_draft(chunk: pb.DraftChunk, window: int) -> tuple[list[int], list[Branch]]:

@@ -226,7 +226,8 @@ class RedisSessionStore:
             keys += [*self.keys.session(v.session_id), self.keys.inbox(device or "-")]
             args += [v.epoch, v.n_accepted, pack_tokens([v.token]), int(v.done), self.ttl_s,
                      self.inbox_maxlen, v.session_id, fix[0], v.start, v.finish_reason,
-                     pack_tokens(v.branch), ",".join(map(str, fix[1:])), int(v.own_branch)]
+                     pack_tokens(v.branch), ",".join(map(str, fix[1:])), int(v.own_branch),
+                     -1 if v.wanted is None else v.wanted]
         out = []
         for v, res in zip(verdicts, self._commit_many(keys=keys, args=args)):
             if res[0] < 0:

@@ -8,15 +8,16 @@ kept tokens) are kept while the session holds fewer than max_branches.
 
 COMMIT (KEYS: hash, tok, draft, br, inbox; ARGV: epoch, n, packed token, done, ttl, maxlen, sid,
 first fix token, start, finish, packed branch tokens, the fix's further tokens as CSV, own branch
-1/0) appends draft[:n] + branch + token to the committed tokens. A commit the draft held keeps the
-branches still ahead; anything else (a rejection, a bonus token, a branch) is a fix: the draft and
-its branches are dropped, the epoch moves on, and the drafter's inbox gets the fix. A verdict that
-names a branch the draft does not hold is refused, unless the branch is the verifier's own (a draft
-head's). A commit replayed after it landed (its reply lost with the connection) is recognised by its
-position and last token and answered with code 2, not applied twice. Both rules are the in-process
-store's too (``edgespec.protocol.local_store``); tests/test_store_contract.py holds the two stores
-to the same cases.
-"""
+1/0, the draft tokens the step asked of the session or -1) appends draft[:n] + branch + token to
+the committed tokens. A commit the draft held keeps the branches still ahead; anything else (a
+rejection, a bonus token, a branch) is a fix: the draft and its branches are dropped, the epoch
+moves on, and the drafter's inbox gets the fix (every commit reaches the inbox, with what the step
+asked of the session: the drafter's lead follows it). A verdict that names a branch the draft does
+not hold is refused, unless the branch is the verifier's own (a draft head's). A commit replayed
+after it landed (its reply lost with the connection) is recognised by its position and last token
+and answered with code 2, not applied twice. Both rules are the in-process store's too
+(``edgespec.protocol.local_store``); tests/test_store_contract.py holds the two stores to the same
+cases. """
 
 PUSH_LUA = """
 local h = redis.call('HMGET', KEYS[1], 'epoch', 'done', 'idle')
@@ -109,7 +110,7 @@ if h[2] and h[2] ~= '' then
   -- a fix: roll back to pos, then append tok and the tokens in more
   redis.call('XADD', KEYS[5], 'MAXLEN', '~', ARGV[6], '*', 't', 'commit', 'sid', ARGV[7],
              'epoch', epoch, 'end', endpos, 'fix', isfix, 'tok', ARGV[8],
-             'pos', start + n, 'more', ARGV[12])
+             'pos', start + n, 'more', ARGV[12], 'want', ARGV[14])
 end
 for i = 1, 4 do redis.call('EXPIRE', KEYS[i], ARGV[5]) end
 return {isfix, epoch, endpos}
@@ -139,7 +140,7 @@ end
 return out
 """
 
-# COMMIT_MANY (KEYS: per verdict COMMIT's 5; ARGV: per verdict COMMIT's 13): COMMIT for each
+# COMMIT_MANY (KEYS: per verdict COMMIT's 5; ARGV: per verdict COMMIT's 14): COMMIT for each
 # verdict in turn, its reply in its slot; a verdict whose commit raised (a key of the wrong
 # type) is answered {-6, error} in its slot, the others still land.
 COMMIT_MANY_LUA = ("local function commit(KEYS, ARGV)\n" + COMMIT_LUA + """end
@@ -147,7 +148,7 @@ local out = {}
 for i = 0, #KEYS / 5 - 1 do
   local keys, args = {}, {}
   for j = 1, 5 do keys[j] = KEYS[5 * i + j] end
-  for j = 1, 13 do args[j] = ARGV[13 * i + j] end
+  for j = 1, 14 do args[j] = ARGV[14 * i + j] end
   local ok, res = pcall(commit, keys, args)
   if ok then
     out[i + 1] = res

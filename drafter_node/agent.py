@@ -342,7 +342,8 @@ class DrafterAgent:
             self.metrics.fix_received()
         if c.is_fix:
             self.book.fix(c.session_id, c.epoch, c.fix_position, (c.fix_token, *c.fix_more))
-        target = self.book.commit(c.session_id, c.epoch, c.committed_end)
+        target = self.book.commit(c.session_id, c.epoch, c.committed_end,
+                                  c.wanted if c.HasField("wanted") else None)
         if target is not None and target.refused and c.epoch >= target.epoch:
             # the verifier decodes it alone, and a commit may have reset the cache's idle flag
             # (a fix does): say it again

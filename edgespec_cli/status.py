@@ -34,6 +34,9 @@ def render(st: dict) -> str:
              f"sessions: {st['active_sessions']} active, {st['queued_sessions']} queued; "
              f"KV slots free: {st['free_kv_slots']}/{st['kv_slots']}; "
              f"throughput (last minute): {st['tokens_per_s_last_minute']:.1f} tok/s"]
+    cost = _cost(st.get("cost") or {})
+    if cost:
+        lines.append(cost)
     h = st.get("head") or {}
     if h.get("kind"):
         drafted, accepted = int(h.get("draft_tokens", 0)), int(h.get("accepted_tokens", 0))
@@ -60,6 +63,23 @@ def render(st: dict) -> str:
     widths = [max(len(str(r[i])) for r in rows) for i in range(len(head))]
     lines += ["  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
     return "\n".join(lines)
+
+
+def _cost(c: dict) -> str:
+    """The server's cost since it started: CPU ms a committed token, tokens a verification
+    forward, draft tokens verified and the share wasted (int64 fields arrive as strings)."""
+    tokens, forwards = int(c.get("committed_tokens") or 0), int(c.get("forwards") or 0)
+    if not tokens or not forwards:
+        return ""
+    cpu_s = float(c.get("cpu_s") or 0.0)
+    drafted, accepted = int(c.get("draft_tokens") or 0), int(c.get("accepted_tokens") or 0)
+    out = "server cost since start: " + \
+        (f"{1000 * cpu_s / tokens:.1f} CPU ms a committed token, " if cpu_s else "") + \
+        f"{tokens / forwards:.2f} tokens a forward ({tokens} tokens in {forwards} forwards)"
+    if drafted:
+        out += (f"; draft tokens verified {drafted}, wasted {drafted - accepted} "
+                f"({100 * (drafted - accepted) / drafted:.0f}%)")
+    return out
 
 
 def _graphs(r: dict) -> str:

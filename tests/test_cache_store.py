@@ -33,14 +33,15 @@ def test_push_take_commit_with_fix_reaches_the_inbox(store):
     assert (res.kept, res.committed_end) == (3, 3)
     [taken] = store.take_when_ready([DraftWant("s1", 2)], 0.0)
     assert (taken.epoch, taken.start, taken.tokens) == (0, 3, [4, 5])
-    [out] = store.commit_many([Verdict("s1", 0, 3, 1, 9)])  # 4 accepted, 5 rejected -> 9
+    # 4 accepted, 5 rejected -> 9; the step had asked 2 draft tokens of it
+    [out] = store.commit_many([Verdict("s1", 0, 3, 1, 9, wanted=2)])
     fix = out.fix
     assert (fix.epoch, fix.position, fix.tokens) == (1, 4, (9,))
     snap = store.snapshot("s1")
     assert snap.tokens == [1, 2, 3, 4, 9] and snap.epoch == 1
     ev = store.read_events(dev, events[0][0], 10)
     assert ev[-1][1] == InboxEvent("commit", "s1", epoch=1, end=5, fix=True, token=9,
-                                   position=4)
+                                   position=4, wanted=2)
 
 
 def test_held_token_commits_without_fix(store):
@@ -50,6 +51,8 @@ def test_held_token_commits_without_fix(store):
     store.take_when_ready([DraftWant("s2", 1)], 0.0)
     [out] = store.commit_many([Verdict("s2", 0, 1, 1, 8)])
     assert out.ok and out.fix is None
+    [(_, ev)] = store.read_events(dev, "0-0", 10)[-1:]
+    assert ev == InboxEvent("commit", "s2", epoch=0, end=3)  # the step's ask unsaid: None
     [taken] = store.take_when_ready([DraftWant("s2", 8)], 0.0)
     assert taken.tokens == [9] and taken.start == 3 and taken.epoch == 0
 
@@ -240,6 +243,24 @@ def test_one_codec_for_inbox_events():
     for ev in (InboxEvent("assign", "s1"), InboxEvent("close", "s2"),
                InboxEvent("commit", "s3", epoch=2, end=9),
                InboxEvent("commit", "s4", epoch=3, end=12, fix=True, token=7, position=9,
-                          more=(8, 1))):
+                          more=(8, 1)),
+               InboxEvent("commit", "s7", epoch=1, end=4, wanted=0),
+               InboxEvent("commit", "s8", epoch=2, end=6, fix=True, token=3, position=5,
+                          wanted=5)):
         assert InboxEvent.parse(ev.fields()) == ev
     assert InboxEvent.parse({"t": "future-kind", "sid": "s5"}) is None
+
+
+def test_a_commit_reaches_the_board_with_what_the_step_asked(store):
+    """The cache hands the board the step's ask (``Commit.wanted``, proto3 optional: unset where
+    the verifier did not say, so an older verifier's boards keep their whole window)."""
+    from cache_service.service import DraftCacheService
+
+    service = DraftCacheService(store, window=8, chunk=4, poll_ms=100)
+    said = service._event_message(InboxEvent("commit", "s", epoch=1, end=4, wanted=0)).commit
+    assert said.HasField("wanted") and said.wanted == 0
+    fix = service._event_message(InboxEvent("commit", "s", epoch=2, end=6, fix=True, token=3,
+                                            position=5, wanted=3)).commit
+    assert fix.is_fix and fix.wanted == 3
+    unsaid = service._event_message(InboxEvent("commit", "s", epoch=1, end=4)).commit
+    assert not unsaid.HasField("wanted")

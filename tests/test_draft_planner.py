@@ -181,4 +181,7 @@ def test_the_engine_asks_for_no_draft_where_drafts_do_not_pay_and_probes_all_row
         wants = engine._plan()
         # the width one session pays for; the other fills it to its own cap (1 after its misses)
         assert (wants[0].k, wants[1].k) == (4, 1)
+        engine.step()  # each verdict tells the drafter what its step asked (its lead follows)
+        for act in acts:
+            assert act.wanted is not None and engine.store.sessions[act.sid].wanted == act.wanted
         assert wants[0].wait and 0 < wants[1].wait_s < wants[0].wait_s <= engine.wait_ms / 1000

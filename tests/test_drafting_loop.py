@@ -330,3 +330,25 @@ def test_chunk_pace_keeps_full_chunks_when_none_would_land_or_all_do():
     assert set(_paced(lambda n: 0.1, 0.1)[5:]) == {4}
     assert set(_paced(lambda n: 0.1, 0.1, most=8)[5:]) == {8}
     assert ChunkPace().chunk(4, 1) == 4  # nothing seen yet
+
+
+def test_a_board_drafts_ahead_about_twice_what_the_verifier_asks(loop):
+    """A session the verifier decodes without drafts (it asked 0) is drafted only a probe's
+    2 tokens ahead; asked 4, up to the window: no token drafted that no step would use."""
+    from edgespec.drafters.drafting_loop import LEAD_SLACK, lead_cap
+
+    assert [lead_cap(w, 8) for w in (None, 0, 1, 2, 3, 9)] == [8, 2, 4, 6, 8, 8]
+    assert LEAD_SLACK == 2
+    drafter, channel, book, _ = loop
+    drafter.gate.set()
+    with channel.cond:
+        book.assign("s", [1, 2, 3], SamplingParams(), 0)
+        book.commit("s", 0, 3, wanted=0)
+        channel.cond.notify_all()
+    _eventually(lambda: channel.delivered, "a probe's lead", channel)
+    with channel.cond:
+        assert channel.delivered == [("s", 0, 3, [4, 5])]
+        book.commit("s", 0, 3, wanted=4)
+        channel.cond.notify_all()
+    _eventually(lambda: len(channel.delivered) == 3, "drafted up to the window", channel)
+    assert channel.delivered[1:] == [("s", 0, 5, [6, 7, 8, 9]), ("s", 0, 9, [10, 11])]

@@ -423,7 +423,12 @@ def test_status_command_after_a_generation(server, api):
     assert board["attached"] and board["draft_model"] == "mag"
     assert 0 < board["acceptance_rate"] <= 1 and board["mean_acceptance_length"] > 1
     assert st["tokens_per_s_last_minute"] > 0
+    cost = st["cost"]  # the server's since start (int64 fields as strings)
+    assert cost["cpu_s"] > 0 and int(cost["committed_tokens"]) >= 10
+    assert 0 < int(cost["forwards"]) <= int(cost["committed_tokens"])
+    assert 0 <= int(cost["accepted_tokens"]) <= int(cost["draft_tokens"])
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert "CPU ms a committed token" in r.stdout and "tokens a forward" in r.stdout
     assert r.returncode == 0 and "board-1" in r.stdout and "KV slots free: 8/8" in r.stdout
     assert "float32" in r.stdout
     assert "runner: eager kernels on cpu, no CUDA graphs" in r.stdout

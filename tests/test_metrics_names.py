@@ -270,3 +270,31 @@ def test_the_servers_cpu_seconds_are_exposed_and_grow_with_work():
     for i in range(3_000_000):  # about a CPU second's tenth of work
         x += i
     assert value(reg, "edgespec:server_cpu_seconds_total") > before
+
+
+def test_the_servers_cost_since_start_is_counted_and_rendered():
+    """``edgespec status``'s cost line: CPU ms a committed token, tokens a forward, draft
+    tokens verified and wasted, from the verifier's step and token counts."""
+    from types import SimpleNamespace
+
+    from edgespec_cli.status import render
+
+    m = VerifierMetrics(CollectorRegistry())
+    for drafted, accepted in ((4, 3), (4, 0)):
+        m.step(SimpleNamespace(sessions=2, take_s=0.0, forward_s=0.01, commit_s=0.0,
+                               tokens=2 + drafted, drafts=1, drafted=drafted,
+                               accepted=accepted, accepted_per_pos=[]))
+    m.tokens(4, None, 0.1)
+    m.tokens(2, 0.05, 0.2)
+    cost = m.server_cost()
+    assert cost["cpu_s"] > 0
+    assert {k: v for k, v in cost.items() if k != "cpu_s"} == {
+        "committed_tokens": 6, "forwards": 2, "draft_tokens": 8, "accepted_tokens": 3}
+    base = {"model": "m", "version": "v", "healthy": True, "active_sessions": 0,
+            "queued_sessions": 0, "free_kv_slots": 1, "kv_slots": 1,
+            "tokens_per_s_last_minute": 0.0, "drafters": []}
+    text = render(dict(base, cost={"cpu_s": 0.3, "committed_tokens": "6", "forwards": "2",
+                                   "draft_tokens": "8", "accepted_tokens": "3"}))
+    assert ("server cost since start: 50.0 CPU ms a committed token, 3.00 tokens a forward "
+            "(6 tokens in 2 forwards); draft tokens verified 8, wasted 5 (62%)") in text
+    assert "server cost" not in render(dict(base, cost={"committed_tokens": "0"}))

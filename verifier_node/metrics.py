@@ -65,7 +65,9 @@ class VerifierMetrics:
     def __init__(self, registry: CollectorRegistry):
         r = self.registry = registry
         self.batch_counts: Counter_[int] = Counter_()  # sessions per forward -> forwards (exact)
-        self.step_totals = {"steps": 0, "wait_s": 0.0, "forward_s": 0.0, "commit_s": 0.0}
+        self.step_totals = {"steps": 0, "wait_s": 0.0, "forward_s": 0.0, "commit_s": 0.0,
+                            "drafted": 0, "accepted": 0}
+        self.committed = 0  # tokens committed over all sessions (the Status RPC's cost)
         self.num_drafts = Counter("edgespec:spec_decode_num_drafts",
                                   "Verified non-empty drafts", registry=r)
         self.draft_tokens = Counter("edgespec:spec_decode_num_draft_tokens",
@@ -192,6 +194,8 @@ class VerifierMetrics:
         totals["wait_s"] += report.take_s
         totals["forward_s"] += report.forward_s
         totals["commit_s"] += report.commit_s
+        totals["drafted"] += report.drafted
+        totals["accepted"] += report.accepted
         self.batch_tokens.observe(report.tokens)
         self.step_seconds.labels("wait").observe(report.take_s)
         self.step_seconds.labels("forward").observe(report.forward_s)
@@ -219,6 +223,7 @@ class VerifierMetrics:
             self.itl.observe(since_last_s / max(n, 1))
         now = time.monotonic()
         with self._lock:
+            self.committed += n
             self._recent.append((now, n))
             while self._recent and self._recent[0][0] < now - 60:
                 self._recent.popleft()
@@ -262,6 +267,19 @@ class VerifierMetrics:
         with self._lock:
             recent = [(t, n) for t, n in self._recent if t >= now - 60]
         return sum(n for _, n in recent) / 60.0
+
+    def server_cost(self) -> dict:
+        """What the server has spent since it started: its CPU seconds (None where /proc
+        cannot be read), committed tokens, verification forwards, draft tokens verified and
+        accepted."""
+        from edgespec.runner.cpu_time import process_tree_cpu_s
+
+        t = self.step_totals
+        with self._lock:
+            committed = self.committed
+        return {"cpu_s": process_tree_cpu_s(), "committed_tokens": committed,
+                "forwards": int(t["steps"]), "draft_tokens": int(t["drafted"]),
+                "accepted_tokens": int(t["accepted"])}
 
     def device_acceptance(self, device: str) -> tuple[float, float]:
         """(acceptance rate, mean acceptance length) of the sessions this drafter served."""

@@ -195,6 +195,9 @@ class VerifierRouter(pb_grpc.VerifierServicer):
             merged.free_kv_slots += s.free_kv_slots
             merged.kv_slots += s.kv_slots
             merged.tokens_per_s_last_minute += s.tokens_per_s_last_minute
+            for field in ("cpu_s", "committed_tokens", "forwards", "draft_tokens",
+                          "accepted_tokens"):
+                setattr(merged.cost, field, getattr(merged.cost, field) + getattr(s.cost, field))
             merged.healthy |= s.healthy
         if answered == 0:
             context.abort(grpc.StatusCode.UNAVAILABLE, "no verifier replica answers")

@@ -179,7 +179,7 @@ class VerifierService(pb_grpc.VerifierServicer):
             dtype=str(sched.engine.target.dtype).removeprefix("torch."),
             tokens_per_s_last_minute=metrics.tokens_per_s_last_minute() if metrics else 0.0,
             head=head_status(sched.engine.head, metrics),
-            runner=runner_status(sched.engine.target))
+            runner=runner_status(sched.engine.target), cost=server_cost(metrics))
 
     def Cancel(self, request, context):
         try:
@@ -189,6 +189,14 @@ class VerifierService(pb_grpc.VerifierServicer):
         if not self.scheduler.cancel(sid):
             context.abort(grpc.StatusCode.NOT_FOUND, f"no running session {sid!r}")
         return pb.CancelResponse(cancelled=True)
+
+
+def server_cost(metrics) -> pb.ServerCost:
+    """The server's cost since it started, for the Status RPC (empty without metrics)."""
+    if metrics is None:
+        return pb.ServerCost()
+    cost = metrics.server_cost()
+    return pb.ServerCost(**{**cost, "cpu_s": cost["cpu_s"] or 0.0})
 
 
 def runner_status(runner) -> pb.RunnerStatus:

@@ -4,16 +4,16 @@ session store, or the draft cache's Attach stream.
 
 The loop keeps a ``DraftTarget`` per session it drafts for, in a ``DraftBook`` guarded by the
 channel's lock. The transport records what happens to the sessions (a new one, the verifier's
-commits and fixes, a close) in the book, under that lock. The loop plans a round under the
-lock: it applies the fixes received, sends held tokens again, and lists its jobs: the sessions
-to open, then every session with room in its window (W tokens beyond the committed position),
-furthest behind first, a chunk each. It does the jobs one by one, each checked under the lock
-first (a job whose session was fixed, closed or moved since is left to the next round), and
-plans a new round when the round is done or news came (a session, a commit, a fix): one pass
-over the sessions a round, not one a chunk. It does each job outside the lock, so receiving a
-fix or a commit never waits behind a model drafter's forward, then hands the chunk to the
-transport under the lock, unless a fix arrived meanwhile: the chunk then waits in the draft
-session for that fix to judge it.
+commits and fixes, a close) in the book, under that lock. The loop plans a round under the lock: it
+applies the fixes received, sends held tokens again, and lists its jobs: the sessions to open, then
+every session with room in its window (W tokens beyond the committed position, or fewer: about
+twice what the verifier's last step asked of it, ``lead_cap``), furthest behind first, a chunk
+each. It does the jobs one by one, each checked under the lock first (a job whose session was
+fixed, closed or moved since is left to the next round), and plans a new round when the round is
+done or news came (a session, a commit, a fix): one pass over the sessions a round, not one a
+chunk. It does each job outside the lock, so receiving a fix or a commit never waits behind a model
+drafter's forward, then hands the chunk to the transport under the lock, unless a fix arrived
+meanwhile: the chunk then waits in the draft session for that fix to judge it.
 
 A fix (roll back to a position, append the verifier's tokens) is applied against everything the
 draft session holds, sent or not (``apply_fix``): where the session's tokens already hold the
@@ -52,6 +52,8 @@ from .chunk_pace import ChunkPace, LoopCounts
 
 log = logging.getLogger("edgespec.drafting")
 
+LEAD_SLACK = 2  # drafted beyond what the verifier asks: a probing step's ask (lead_cap)
+
 
 @dataclass
 class DraftTarget:
@@ -71,6 +73,7 @@ class DraftTarget:
     # with them kept them): sent again before anything new is drafted
     held_from: int | None = None
     last_commit_s: float | None = None  # when the committed end last moved (monotonic)
+    wanted: int | None = None  # draft tokens the verifier's last step asked of it (None: unsaid)
 
 
 class DraftBook:
@@ -91,11 +94,15 @@ class DraftBook:
         self.targets[sid] = DraftTarget(params, epoch, len(tokens), opening=list(tokens))
         self.news = True
 
-    def commit(self, sid: str, epoch: int, committed_end: int) -> DraftTarget | None:
-        """The verifier committed up to ``committed_end``; the session's target, if known."""
+    def commit(self, sid: str, epoch: int, committed_end: int, wanted: int | None = None
+               ) -> DraftTarget | None:
+        """The verifier committed up to ``committed_end`` (and asked ``wanted`` draft tokens
+        of the session in that step, if it said); the session's target, if known."""
         t = self.targets.get(sid)
         if t is not None and epoch >= t.epoch:
             self._moved(t, committed_end)
+            if wanted is not None and wanted != t.wanted:
+                t.wanted, self.news = wanted, True
         return t
 
     def _moved(self, t: DraftTarget, committed_end: int) -> None:
@@ -343,7 +350,7 @@ def _plan_round(channel: DraftChannel, book: DraftBook) -> list[_Job]:
         drafting += 1
         start = len(t.draft.tokens)
         lead = start - t.committed_end
-        room = channel.window - lead
+        room = lead_cap(t.wanted, channel.window) - lead
         if room > 0 and channel.can_draft(sid, start):
             chunks.append((lead, _Job(sid, t, False, t.epoch, start, room)))
     n = book.pace.chunk(channel.chunk, drafting)
@@ -351,6 +358,17 @@ def _plan_round(channel: DraftChannel, book: DraftBook) -> list[_Job]:
     for _, job in chunks:
         job.n = min(job.n, n)
     return [job for _, job in reversed(chunks)] + opening[::-1]
+
+
+def lead_cap(wanted: int | None, window: int) -> int:
+    """How far ahead of the committed end to draft a session whose last step asked ``wanted``
+    draft tokens of it: enough for the next step's ask after a commit that moved the end by up
+    to wanted + 1, plus a probe's LEAD_SLACK (a step planned without drafts probes every
+    session with 2 now and then); the whole window when the verifier did not say. Drafting
+    further ahead only sends tokens no step will use, on the board's time."""
+    if wanted is None:
+        return window
+    return min(window, 2 * max(0, wanted) + LEAD_SLACK)
 
 
 def _pop_job(queue: list[_Job], channel: DraftChannel, book: DraftBook) -> _Job | None:

@@ -52,7 +52,7 @@ class LocalChannel:
             for fix in state.fixes_after(self._last_fix[sid]):
                 book.fix(sid, fix.epoch, fix.position, fix.tokens)
                 self._last_fix[sid] = fix.id
-            book.commit(sid, state.epoch, state.end)
+            book.commit(sid, state.epoch, state.end, state.wanted)
 
     def can_draft(self, sid: str, start: int) -> bool:
         state = self.store.sessions.get(sid)

@@ -67,6 +67,7 @@ class ActiveSession:
         self.verify = "exact"  # "exact" or "loose": how this session's drafts are verified
         self.chooser: Any = None  # --auto: its ``stack_choice.StackChooser``
         self.drafter = ""  # the drafter asked for its drafts ("": none)
+        self.wanted: int | None = None  # draft tokens this step asks of it (its verdict says)
 
     @property
     def end(self) -> int:

@@ -74,6 +74,7 @@ def row_verdicts(step: ScoredStep, out: VerifyOutcome) -> list[RowVerdict]:
         n = bisect_left(path, len(d.tokens))  # the path's chain nodes come first
         branch = tuple(tokens[i] for i in path[n:])
         verdict = Verdict(d.act.sid, d.epoch, d.start, n, token, branch=branch,
-                          own_branch=bool(branch) and not d.kept_branch(n, branch))
+                          own_branch=bool(branch) and not d.kept_branch(n, branch),
+                          wanted=d.act.wanted)
         verdicts.append(RowVerdict(verdict, tuple(path), tuple(kept)))
     return verdicts

@@ -194,6 +194,8 @@ class SpecEngine(SessionLifecycle):
                                wait_s)
         else:
             worth = [wait_s] * len(acts)
+        for a, k in zip(acts, ks):
+            a.wanted = k
         return [DraftWant(a.sid, k, b, wait=w > 0 and a.drafter not in skip, wait_s=w)
                 for a, k, b, w in zip(acts, ks, budgets, worth)]
 

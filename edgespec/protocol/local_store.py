@@ -49,6 +49,7 @@ class SessionState:
     params: SamplingParams = field(default_factory=SamplingParams)
     vocab_size: int | None = None  # draft token ids must be below it (None: not checked)
     done: bool = False
+    wanted: int | None = None  # the draft tokens the verifier's last step asked of it
     fixes: deque = field(default_factory=lambda: deque(maxlen=256))
     _next_fix_id: int = 1
 
@@ -138,6 +139,7 @@ class SessionState:
             self._next_fix_id += 1
             self.fixes.append(fix)
         self.done = self.done or v.done
+        self.wanted = v.wanted
         return fix
 
     def fixes_after(self, fix_id: int) -> list[Fix]:

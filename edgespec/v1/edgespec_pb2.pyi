@@ -184,7 +184,7 @@ class DrafterStatus(_message.Message):
     def __init__(self, device_id: _Optional[str] = ..., draft_model: _Optional[str] = ..., attached: _Optional[bool] = ..., sessions: _Optional[int] = ..., max_sessions: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_acceptance_length: _Optional[float] = ..., last_seen_s: _Optional[float] = ..., late: _Optional[bool] = ..., drafts_missed: _Optional[int] = ..., steps_unwaited: _Optional[int] = ..., session_steps: _Optional[int] = ..., ready_drafts: _Optional[int] = ..., verified_drafts: _Optional[int] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("model", "version", "drafters", "active_sessions", "queued_sessions", "free_kv_slots", "kv_slots", "tokens_per_s_last_minute", "healthy", "dtype", "head", "runner")
+    __slots__ = ("model", "version", "drafters", "active_sessions", "queued_sessions", "free_kv_slots", "kv_slots", "tokens_per_s_last_minute", "healthy", "dtype", "head", "runner", "cost")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     DRAFTERS_FIELD_NUMBER: _ClassVar[int]
@@ -197,6 +197,7 @@ class StatusResponse(_message.Message):
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     HEAD_FIELD_NUMBER: _ClassVar[int]
     RUNNER_FIELD_NUMBER: _ClassVar[int]
+    COST_FIELD_NUMBER: _ClassVar[int]
     model: str
     version: str
     drafters: _containers.RepeatedCompositeFieldContainer[DrafterStatus]
@@ -209,7 +210,22 @@ class StatusResponse(_message.Message):
     dtype: str
     head: HeadStatus
     runner: RunnerStatus
-    def __init__(self, model: _Optional[str] = ..., version: _Optional[str] = ..., drafters: _Optional[_Iterable[_Union[DrafterStatus, _Mapping]]] = ..., active_sessions: _Optional[int] = ..., queued_sessions: _Optional[int] = ..., free_kv_slots: _Optional[int] = ..., kv_slots: _Optional[int] = ..., tokens_per_s_last_minute: _Optional[float] = ..., healthy: _Optional[bool] = ..., dtype: _Optional[str] = ..., head: _Optional[_Union[HeadStatus, _Mapping]] = ..., runner: _Optional[_Union[RunnerStatus, _Mapping]] = ...) -> None: ...
+    cost: ServerCost
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[str] = ..., drafters: _Optional[_Iterable[_Union[DrafterStatus, _Mapping]]] = ..., active_sessions: _Optional[int] = ..., queued_sessions: _Optional[int] = ..., free_kv_slots: _Optional[int] = ..., kv_slots: _Optional[int] = ..., tokens_per_s_last_minute: _Optional[float] = ..., healthy: _Optional[bool] = ..., dtype: _Optional[str] = ..., head: _Optional[_Union[HeadStatus, _Mapping]] = ..., runner: _Optional[_Union[RunnerStatus, _Mapping]] = ..., cost: _Optional[_Union[ServerCost, _Mapping]] = ...) -> None: ...
+
+class ServerCost(_message.Message):
+    __slots__ = ("cpu_s", "committed_tokens", "forwards", "draft_tokens", "accepted_tokens")
+    CPU_S_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FORWARDS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    cpu_s: float
+    committed_tokens: int
+    forwards: int
+    draft_tokens: int
+    accepted_tokens: int
+    def __init__(self, cpu_s: _Optional[float] = ..., committed_tokens: _Optional[int] = ..., forwards: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ...) -> None: ...
 
 class RunnerStatus(_message.Message):
     __slots__ = ("device", "kernels", "graph_buckets", "graphs_captured", "graphs_capture_s", "graphs_failed", "graph_replays", "attention")
@@ -328,7 +344,7 @@ class Assignment(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class Commit(_message.Message):
-    __slots__ = ("session_id", "epoch", "committed_end", "is_fix", "fix_position", "fix_token", "fix_more")
+    __slots__ = ("session_id", "epoch", "committed_end", "is_fix", "fix_position", "fix_token", "fix_more", "wanted")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_END_FIELD_NUMBER: _ClassVar[int]
@@ -336,6 +352,7 @@ class Commit(_message.Message):
     FIX_POSITION_FIELD_NUMBER: _ClassVar[int]
     FIX_TOKEN_FIELD_NUMBER: _ClassVar[int]
     FIX_MORE_FIELD_NUMBER: _ClassVar[int]
+    WANTED_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     epoch: int
     committed_end: int
@@ -343,7 +360,8 @@ class Commit(_message.Message):
     fix_position: int
     fix_token: int
     fix_more: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., committed_end: _Optional[int] = ..., is_fix: _Optional[bool] = ..., fix_position: _Optional[int] = ..., fix_token: _Optional[int] = ..., fix_more: _Optional[_Iterable[int]] = ...) -> None: ...
+    wanted: int
+    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., committed_end: _Optional[int] = ..., is_fix: _Optional[bool] = ..., fix_position: _Optional[int] = ..., fix_token: _Optional[int] = ..., fix_more: _Optional[_Iterable[int]] = ..., wanted: _Optional[int] = ...) -> None: ...
 
 class ChunkAck(_message.Message):
     __slots__ = ("session_id", "start", "kept", "committed_end", "code", "message")
