@@ -160,3 +160,19 @@ def test_a_model_drafter_may_run_in_a_dtype_a_target_may_not(tiny_draft_dir):
     if not exact_here("float16"):
         with pytest.raises(ConfigError, match="not batch-invariant"):
             load_model(str(tiny_draft_dir), dtype="float16")
+
+
+def test_gains_weigh_the_tokens_a_draft_holds_when_taken():
+    """A board slower than the steps: asked 4, its draft held 1 token in most steps. The 2nd
+    to 4th tokens are worth what they are accepted times how often they are there."""
+    k = DraftLength(k_max=4)
+    for _ in range(40):
+        k.update(4, 4)  # whatever is there is right
+    assert k.gains(4)[3] > 0.9
+    for i in range(40):
+        k.supplied(4, 4 if i % 4 == 0 else 1)  # the whole draft in one take of 4
+    gains = k.gains(4)
+    assert gains[0] > 0.9  # the first token is always there
+    assert gains[1] == pytest.approx(0.25, abs=0.12) and gains[3] <= gains[1]
+    k.supplied(0, 0)  # a step that asked nothing says nothing of the supply
+    assert k.gains(4) == gains

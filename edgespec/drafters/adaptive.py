@@ -9,7 +9,10 @@ were (successes over trials, recent verifications weighing most). ``gains`` refi
 position: the expected accepted tokens of a draft's m-th token, S(m) = p_1 * ... * p_m with p_j
 measured at position j (pulled towards alpha while position j has few trials). A drafter whose
 drafts are right in runs (MaG: all of a draft or none of it) has a first-token rate well under
-alpha, which a geometric alpha^m would overrate. The engine's planner
+alpha, which a geometric alpha^m would overrate. Each gain is also weighed by the chance that
+the draft holds that many tokens when the step takes it (``supplied``: a board slower than the
+verifier's steps often has fewer ready than asked, and an absent token widens the batch for
+nothing). The engine's planner
 (``edgespec.engine.draft_planner``) turns the gains and the measured cost of a wider forward into
 the number of draft tokens a step verifies (and waits for), 0 where drafting does not pay; a step
 planned without drafts is probed now and then (``Prober``, held by the engine), so a batch whose
@@ -73,6 +76,8 @@ class DraftLength:
         self.chain = DecayedRate(prior_alpha, prior_trials)
         # position j's own hits and trials: was its token accepted, the ones before it were?
         self.at = [DecayedRate(0.0, 0.0) for _ in range(k_max)]
+        # position j's supply: did the draft taken hold a j-th token, when asked for one?
+        self.held = [DecayedRate(1.0, 1.0) for _ in range(k_max)]
         self.branch = DecayedRate(0.1, 5.0)  # accepted branch tokens per branch token verified
         self._branch_probe = Prober(probe_every)
 
@@ -83,12 +88,19 @@ class DraftLength:
 
     def gains(self, k: int) -> list[float]:
         """Expected accepted tokens of a draft's 1st..k-th token (k at most k_max): each the
-        chance that it and every token before it are accepted, non-increasing."""
-        alpha, out, survive = self.alpha, [], 1.0
-        for rate in self.at[:k]:
+        chance that the draft holds it and that it and every token before it are accepted,
+        non-increasing."""
+        alpha, out, survive, held = self.alpha, [], 1.0, 1.0
+        for rate, supply in zip(self.at[:k], self.held):
             survive *= (rate.hits + POSITION_PRIOR * alpha) / (rate.trials + POSITION_PRIOR)
-            out.append(survive)
+            held = min(held, supply.rate)
+            out.append(survive * held)
         return out
+
+    def supplied(self, asked: int, got: int) -> None:
+        """Record a take: ``asked`` draft tokens wanted, ``got`` in the draft."""
+        for j, supply in enumerate(self.held[:asked]):
+            supply.observe(1.0 if j < got else 0.0, 1.0)
 
     @property
     def beta(self) -> float:

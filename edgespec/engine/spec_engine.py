@@ -375,6 +375,7 @@ class SpecEngine(SessionLifecycle):
         # KV of last + accepted (a tree's accepted path was moved into place: ``_place``)
         self.target.commit(act.slot, v.start + v.n_accepted + len(v.branch))
         act.draft_len.update(len(d.draft.tokens), v.n_accepted)  # the chain's own acceptance
+        act.draft_len.supplied(act.wanted or 0, len(d.draft.tokens))
         act.draft_len.update_branches(d.draft.branch_tokens, len(v.branch))
         act.stats.record_step(d.draft.drafted, d.accepted, len(v.branch))
         offer = d.draft.head_offer
