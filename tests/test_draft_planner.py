@@ -185,3 +185,17 @@ def test_the_engine_asks_for_no_draft_where_drafts_do_not_pay_and_probes_all_row
         for act in acts:
             assert act.wanted is not None and engine.store.sessions[act.sid].wanted == act.wanted
         assert wants[0].wait and 0 < wants[1].wait_s < wants[0].wait_s <= engine.wait_ms / 1000
+
+
+def test_a_draft_that_holds_fewer_tokens_than_asked_is_asked_for_as_many_as_pay():
+    """A board slower than the steps holds about 2 tokens when the step takes its draft: the
+    forward is as wide as the drafts taken, so asking for more costs what it brings."""
+    cost = fitted(0.040, 0.004)  # a CPU: a token a row costs 10% of a step
+    holds = [1.0, 1.0, 0.3, 0.1, 0.05, 0.0, 0.0, 0.0]
+    right = [0.95 ** m for m in range(1, 9)]
+    gains = [[a * h for a, h in zip(right, holds)]]
+    asked = allocate(gains, cost, [holds])[0]
+    assert asked > allocate(gains, cost)[0]  # as if every asked token widened the row
+    assert asked >= 3  # a 3rd token, held 30% of the time, pays for its expected width
+    many = allocate(gains * 8, cost, [holds] * 8)  # eight such rows: width is dearer
+    assert len(set(many)) == 1 and many[0] <= asked

@@ -174,5 +174,7 @@ def test_gains_weigh_the_tokens_a_draft_holds_when_taken():
     gains = k.gains(4)
     assert gains[0] > 0.9  # the first token is always there
     assert gains[1] == pytest.approx(0.25, abs=0.12) and gains[3] <= gains[1]
+    holds = k.holds(4)
+    assert holds[0] == pytest.approx(1.0) and holds[1] == pytest.approx(gains[1], rel=0.1)
     k.supplied(0, 0)  # a step that asked nothing says nothing of the supply
     assert k.gains(4) == gains

@@ -97,6 +97,14 @@ class DraftLength:
             out.append(survive * held)
         return out
 
+    def holds(self, k: int) -> list[float]:
+        """The chance that the draft taken holds a 1st..k-th token (non-increasing)."""
+        out, held = [], 1.0
+        for supply in self.held[:k]:
+            held = min(held, supply.rate)
+            out.append(held)
+        return out
+
     def supplied(self, asked: int, got: int) -> None:
         """Record a take: ``asked`` draft tokens wanted, ``got`` in the draft."""
         for j, supply in enumerate(self.held[:asked]):

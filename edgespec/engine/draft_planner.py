@@ -8,7 +8,10 @@ tokens in a batch of 8 costs 32 token-rows. A session's m-th draft token is wort
 tokens (``DraftLength.gains``: the chance that it and the ones before it are accepted, measured).
 ``allocate`` picks the width D of drafts (0..the longest cap) that maximises the step's expected
 tokens per second, B + sum over sessions of S(1..min(D, cap)), over the forward's seconds; every
-session then drafts min(D, cap) tokens (within the width, free). So a batch whose drafts are
+session then drafts min(D, cap) tokens (within the width, free). A board slower than the steps
+holds fewer tokens than asked when the step takes its draft: S then counts only the tokens it
+holds, and the forward is as wide as the drafts taken (``holds``: the chance that a session's
+draft holds its m-th token; the width is the largest expected length). So a batch whose drafts are
 rarely accepted is decoded plainly (D = 0: no wider forward, no wait), and drafts shrink as a
 batch grows or the forward gets dearer per token, as on a CPU.
 
@@ -68,19 +71,26 @@ def _rate(fit: tuple[float, float], gain: float, token_rows: int) -> float:
     return gain / (fixed + per_token * token_rows)
 
 
-def allocate(gains: Sequence[Sequence[float]], cost: ForwardCost) -> list[int]:
+def allocate(gains: Sequence[Sequence[float]], cost: ForwardCost,
+             holds: Sequence[Sequence[float]] | None = None) -> list[int]:
     """Draft tokens per session that maximise the next step's expected tokens per second.
     gains[i][m]: the expected accepted tokens of session i's (m+1)-th draft token (its length is
-    the session's cap; non-increasing). Before any step, every cap."""
+    the session's cap; non-increasing); holds[i][m]: the chance that its draft holds that token
+    when taken (None: always). Before any step, every cap."""
     fit = cost.fit()
     caps = [len(g) for g in gains]
     if fit is None:
         return caps
     rows = len(gains)
+    holds = holds if holds is not None else [[1.0] * c for c in caps]
+    lengths = [0.0] * rows  # each draft's expected length at the width tried
     gain, best, best_rate = float(rows), 0, _rate(fit, rows, rows)  # every row emits one token
     for d in range(1, max(caps, default=0) + 1):
-        gain += sum(g[d - 1] for g in gains if len(g) >= d)
-        r = _rate(fit, gain, rows * (1 + d))
+        for i, (g, h) in enumerate(zip(gains, holds)):
+            if len(g) >= d:
+                gain += g[d - 1]
+                lengths[i] += h[d - 1]
+        r = _rate(fit, gain, rows * (1 + max(lengths)))
         if r > best_rate:
             best, best_rate = d, r
     return [min(c, best) for c in caps]

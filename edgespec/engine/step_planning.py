@@ -23,7 +23,8 @@ def plan_drafts(acts: Sequence[ActiveSession], cfg: EngineConfig, cost: ForwardC
     again: all at once, since one row's draft widens every row."""
     ks = [a.draft_len.k for a in acts]
     if cfg.adaptive:
-        planned = allocate([a.draft_len.gains(k) for a, k in zip(acts, ks)], cost)
+        planned = allocate([a.draft_len.gains(k) for a, k in zip(acts, ks)], cost,
+                           [a.draft_len.holds(k) for a, k in zip(acts, ks)])
         width = prober.planned(max(planned, default=0), PROBE_TOKENS)
         ks = [min(k, max(p, width)) for k, p in zip(ks, planned)]
     budget = max(0, cfg.max_batch_tokens - len(ks))
