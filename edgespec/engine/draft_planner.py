@@ -66,7 +66,7 @@ class ForwardCost:
         return fixed, slope
 
 
-def _rate(fit: tuple[float, float], gain: float, token_rows: int) -> float:
+def _rate(fit: tuple[float, float], gain: float, token_rows: float) -> float:
     fixed, per_token = fit
     return gain / (fixed + per_token * token_rows)
 
