@@ -199,3 +199,14 @@ def test_a_draft_that_holds_fewer_tokens_than_asked_is_asked_for_as_many_as_pay(
     assert asked >= 3  # a 3rd token, held 30% of the time, pays for its expected width
     many = allocate(gains * 8, cost, [holds] * 8)  # eight such rows: width is dearer
     assert len(set(many)) == 1 and many[0] <= asked
+
+
+def test_rows_that_each_hold_a_long_draft_now_and_then_are_planned_as_wide_as_they_come():
+    """Four rows each holding 8 tokens a quarter of the time and none otherwise: one of them
+    usually does, so the forward is usually 9 wide, not the 3 of each row's expected length."""
+    cost = fitted(0.040, 0.004)
+    holds = [0.25] * 8
+    gains = [[0.95 ** m * 0.25 for m in range(1, 9)]]
+    alone = allocate(gains, cost, [holds])[0]
+    four = allocate(gains * 4, cost, [holds] * 4)
+    assert alone > 0 and len(set(four)) == 1 and four[0] < alone

@@ -192,6 +192,21 @@ def test_a_late_drafter_is_waited_for_again_every_few_steps():
     assert Lateness(misses_to_late=0).not_waited_for({"b"}) == set()
 
 
+def test_lateness_judges_a_board_by_what_its_drafts_hold_not_by_their_length():
+    """A board slower than the steps holds fewer tokens than asked (not ready) yet brings
+    tokens: it is not late. One whose drafts held nothing for a session is."""
+    from edgespec.engine.lateness import MISSES_TO_LATE, Lateness
+
+    book = Lateness()
+    for _ in range(3 * MISSES_TO_LATE):
+        book.record("short", ready=False, waited=True, sessions=(2, 0, 2), useful=True)
+        book.record("empty", ready=False, waited=True, sessions=(2, 0, 1), useful=False)
+    assert not book.late("short") and book.late("empty")
+    link = book.snapshot()["short"]
+    assert (link.missed, link.session_steps, link.verified_drafts) == \
+        (3 * MISSES_TO_LATE, 6 * MISSES_TO_LATE, 6 * MISSES_TO_LATE)
+
+
 def test_a_silent_board_is_not_waited_for_and_its_session_stays_lossless(server, reference):
     """A board that attached and then says nothing (its stream open: the cache still counts it
     alive) gets a pinned session: after MISSES_TO_LATE steps the verifier stops waiting for it,

@@ -1,19 +1,20 @@
 """How many draft tokens each session should verify in the next step, from measured costs.
 
-A verification forward runs B rows padded to the widest, W = 1 + the most draft tokens of a row:
-it costs about ``fixed + per_token * B * W`` seconds (``ForwardCost`` fits the two on the steps
-the engine actually ran, with a prior slope until the steps vary enough to measure it). So a
-draft token is paid for by the width it adds to every row, not by itself: one session drafting 4
-tokens in a batch of 8 costs 32 token-rows. A session's m-th draft token is worth S(m) expected
-tokens (``DraftLength.gains``: the chance that it and the ones before it are accepted, measured).
+A verification forward runs B rows padded to the widest, W = 1 + the most draft tokens of a row: it
+costs about ``fixed + per_token * B * W`` seconds (``ForwardCost`` fits the two on the steps the
+engine actually ran, with a prior slope until the steps vary enough to measure it). So a draft
+token is paid for by the width it adds to every row, not by itself: one session drafting 4 tokens
+in a batch of 8 costs 32 token-rows. A session's m-th draft token is worth S(m) expected tokens
+(``DraftLength.gains``: the chance that it and the ones before it are accepted, measured).
 ``allocate`` picks the width D of drafts (0..the longest cap) that maximises the step's expected
 tokens per second, B + sum over sessions of S(1..min(D, cap)), over the forward's seconds; every
 session then drafts min(D, cap) tokens (within the width, free). A board slower than the steps
 holds fewer tokens than asked when the step takes its draft: S then counts only the tokens it
-holds, and the forward is as wide as the drafts taken (``holds``: the chance that a session's
-draft holds its m-th token; the width is the largest expected length). So a batch whose drafts are
-rarely accepted is decoded plainly (D = 0: no wider forward, no wait), and drafts shrink as a
-batch grows or the forward gets dearer per token, as on a CPU.
+holds, and the forward is as wide as the longest draft taken (``holds``: the chance that a
+session's draft holds its m-th token; the expected width counts position m with the chance that
+some row holds it, 1 - prod(1 - holds_i(m)), the rows taken as independent). So a batch whose
+drafts are rarely accepted is decoded plainly (D = 0: no wider forward, no wait), and drafts shrink
+as a batch grows or the forward gets dearer per token, as on a CPU.
 
 Token trees the same way (``allocate_branches``): after the chains, a session's branch tokens
 are worth beta expected tokens each (its measured accepted branch tokens per branch token); a
@@ -83,14 +84,16 @@ def allocate(gains: Sequence[Sequence[float]], cost: ForwardCost,
         return caps
     rows = len(gains)
     holds = holds if holds is not None else [[1.0] * c for c in caps]
-    lengths = [0.0] * rows  # each draft's expected length at the width tried
+    width = 1.0  # the forward's expected width at the draft width tried
     gain, best, best_rate = float(rows), 0, _rate(fit, rows, rows)  # every row emits one token
     for d in range(1, max(caps, default=0) + 1):
-        for i, (g, h) in enumerate(zip(gains, holds)):
+        none_holds = 1.0  # the chance that no row's draft holds a d-th token
+        for g, h in zip(gains, holds):
             if len(g) >= d:
                 gain += g[d - 1]
-                lengths[i] += h[d - 1]
-        r = _rate(fit, gain, rows * (1 + max(lengths)))
+                none_holds *= 1.0 - h[d - 1]
+        width += 1.0 - none_holds
+        r = _rate(fit, gain, rows * width)
         if r > best_rate:
             best, best_rate = d, r
     return [min(c, best) for c in caps]

@@ -1,14 +1,17 @@
 """A late drafter costs only its own sessions: which drafters the verifier stops waiting for.
 
-A verification step waits, up to the draft deadline, until every session's draft is ready. A
-board whose link went silent or slow would make every step of the whole batch wait the full
-deadline: on a GPU step of a few milliseconds that multiplies everyone's step time. So the
-engine learns each drafter's lateness from the steps: a drafter whose drafts were not ready at
-the end of ``MISSES_TO_LATE`` steps in a row is *late*, and its sessions are then verified with
-whatever they hold without being waited for (at worst as target-only decoding: one token a
-step), except every ``PROBE_EVERY``-th step, which waits for it; as soon as its drafts are ready
-when taken in ``HITS_TO_RECOVER`` steps in a row it is waited for again. Only speed depends on
-this, never output: a shorter draft verifies to the same tokens.
+A verification step waits, up to the draft deadline, until every session's draft is ready. A board
+whose link went silent or slow would make every step of the whole batch wait the full deadline: on
+a GPU step of a few milliseconds that multiplies everyone's step time. So the engine learns each
+drafter's lateness from the steps, judged by what its drafts were worth: a drafter whose drafts
+held nothing (not a token, and not ready) for some session of it at the end of ``MISSES_TO_LATE``
+steps in a row is *late* (a board that holds fewer tokens than asked, as a board slower than the
+steps does, still brings tokens: the step waits for it only as long as its draft is worth,
+``draft_planner.wait_worth``), and its sessions are then verified with whatever they hold without
+being waited for (at worst as target-only decoding: one token a step), except every
+``PROBE_EVERY``-th step, which waits for it; as soon as its drafts hold tokens (or are ready) when
+taken in ``HITS_TO_RECOVER`` steps in a row it is waited for again. Only speed depends on this,
+never output: a shorter draft verifies to the same tokens.
 
 The counts per drafter (``DrafterLink``) feed ``/metrics`` and ``edgespec status``, so an
 operator sees which board's link is bad.
@@ -74,10 +77,12 @@ class Lateness:
         return out
 
     def record(self, drafter: str, ready: bool, waited: bool,
-               sessions: tuple[int, int, int] = (0, 0, 0)) -> None:
+               sessions: tuple[int, int, int] = (0, 0, 0), useful: bool | None = None) -> None:
         """One step's outcome for a drafter: whether its drafts were ready when taken, and
         whether the step waited for them; ``sessions``: (its sessions in the step, those whose
-        draft was ready, those whose draft held tokens)."""
+        draft was ready, those whose draft held tokens); ``useful``: whether every draft of it
+        was ready or held tokens (what lateness judges; None: ``ready``)."""
+        on_time = ready if useful is None else useful
         with self._lock:
             link = self._links.get(drafter)
             if link is None:
@@ -94,14 +99,14 @@ class Lateness:
             if link.late:
                 # on time counts wherever it is seen; a miss only where the step waited for it
                 # (not waiting for a drafter whose drafts need the wait proves nothing)
-                if ready:
+                if on_time:
                     link.run += 1
                 elif waited:
                     link.run = 0
                 if link.run >= HITS_TO_RECOVER:
                     link.late, link.run = False, 0
             else:
-                link.run = 0 if ready else link.run + 1
+                link.run = 0 if on_time else link.run + 1
                 if self.misses_to_late and link.run >= self.misses_to_late:
                     link.late, link.run = True, 0
                     link.marked_late += 1

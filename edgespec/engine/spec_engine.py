@@ -202,16 +202,19 @@ class SpecEngine(SessionLifecycle):
     def _record_lateness(self, wants: list[DraftWant], taken: list, acts: dict) -> None:
         """Each drafter's step: were all its sessions' drafts ready when taken? And how many
         of its sessions had a ready draft, and a draft at all."""
-        counts: dict[str, list] = {}  # drafter -> [sessions, ready, with tokens, waited]
+        # drafter -> [sessions, ready, with tokens, ready or with tokens, waited]
+        counts: dict[str, list] = {}
         for want, t in zip(wants, taken):
             drafter = acts[want.session_id].drafter
             if drafter and isinstance(t, TakenDraft):
-                c = counts.setdefault(drafter, [0, 0, 0, want.wait])
+                c = counts.setdefault(drafter, [0, 0, 0, 0, want.wait])
                 c[0] += 1
                 c[1] += t.ready
                 c[2] += bool(t.tokens)
-        for drafter, (n, n_ready, n_drafts, waited) in counts.items():
-            self.lateness.record(drafter, n_ready == n, waited, (n, n_ready, n_drafts))
+                c[3] += t.ready or bool(t.tokens)
+        for drafter, (n, n_ready, n_drafts, n_useful, waited) in counts.items():
+            self.lateness.record(drafter, n_ready == n, waited, (n, n_ready, n_drafts),
+                                 useful=n_useful == n)
 
     def _take(self, wants: list[DraftWant]) -> list[tuple[ActiveSession, TakenDraft]]:
         """The store's drafts (it waits up to the deadline); a session the store lost, or
