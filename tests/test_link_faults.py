@@ -199,12 +199,15 @@ def test_lateness_judges_a_board_by_what_its_drafts_hold_not_by_their_length():
 
     book = Lateness()
     for _ in range(3 * MISSES_TO_LATE):
-        book.record("short", ready=False, waited=True, sessions=(2, 0, 2), useful=True)
+        book.record("short", ready=False, waited=True, sessions=(2, 0, 2), useful=True,
+                    waited_s=0.002)
         book.record("empty", ready=False, waited=True, sessions=(2, 0, 1), useful=False)
     assert not book.late("short") and book.late("empty")
     link = book.snapshot()["short"]
     assert (link.missed, link.session_steps, link.verified_drafts) == \
         (3 * MISSES_TO_LATE, 6 * MISSES_TO_LATE, 6 * MISSES_TO_LATE)
+    assert link.waited_s == pytest.approx(0.006 * MISSES_TO_LATE)
+    assert book.snapshot()["empty"].waited_s == 0.0
 
 
 def test_a_silent_board_is_not_waited_for_and_its_session_stays_lossless(server, reference):

@@ -298,3 +298,11 @@ def test_the_servers_cost_since_start_is_counted_and_rendered():
     assert ("server cost since start: 50.0 CPU ms a committed token, 3.00 tokens a forward "
             "(6 tokens in 2 forwards); draft tokens verified 8, wasted 5 (62%)") in text
     assert "server cost" not in render(dict(base, cost={"committed_tokens": "0"}))
+
+
+def test_each_boards_share_of_the_steps_waits_is_exposed():
+    m = VerifierMetrics(CollectorRegistry())
+    m.bind_links(lambda: {"board-1": DrafterLink(waited_s=1.5, session_steps=4, ready_drafts=3,
+                                                 verified_drafts=2)})
+    assert value(m.registry, "edgespec:drafter_waited_seconds_total", device="board-1") == 1.5
+    assert value(m.registry, "edgespec:drafter_verified_drafts_total", device="board-1") == 2

@@ -21,7 +21,8 @@ Redis included, read from /proc at scrape time): its rate over
 verification forward commits. Drafters' link health, per device (``edgespec.engine.lateness``):
 ``edgespec:drafter_late{device}``, ``edgespec:drafter_missed_deadline_total{device}``,
 ``edgespec:drafter_unwaited_steps_total{device}``, ``edgespec:drafter_marked_late_total{device}``,
-and per session and step ``edgespec:drafter_session_steps_total{device}``,
+``edgespec:drafter_waited_seconds_total{device}``, and per session and step
+``edgespec:drafter_session_steps_total{device}``,
 ``edgespec:drafter_ready_drafts_total{device}``, ``edgespec:drafter_verified_drafts_total{device}``;
 ``edgespec:request_refused_deadline_total``: new calls refused for their deadline (``pace``).
 CUDA graphs (``edgespec.runner.step_graphs``, a GPU verifier): ``edgespec:cuda_graph_buckets``,
@@ -342,7 +343,9 @@ class _LinkCollector(Collector):
     ``edgespec:drafter_marked_late_total{device}``; per session and step,
     ``edgespec:drafter_session_steps_total{device}``,
     ``edgespec:drafter_ready_drafts_total{device}`` (its draft was ready when taken) and
-    ``edgespec:drafter_verified_drafts_total{device}`` (its draft held tokens)."""
+    ``edgespec:drafter_verified_drafts_total{device}`` (its draft held tokens);
+    ``edgespec:drafter_waited_seconds_total{device}``: the steps' waits while a draft of it was
+    waited for."""
 
     def __init__(self, snapshot):
         self.snapshot = snapshot
@@ -365,7 +368,9 @@ class _LinkCollector(Collector):
                         ("drafter_ready_drafts", "Session steps whose draft from this "
                          "drafter was ready when taken", "ready_drafts"),
                         ("drafter_verified_drafts", "Session steps that verified a draft "
-                         "from this drafter (it held tokens)", "verified_drafts"))]
+                         "from this drafter (it held tokens)", "verified_drafts"),
+                        ("drafter_waited_seconds", "Seconds the verifier's steps waited while "
+                         "a draft of this drafter was waited for", "waited_s"))]
         for device, link in list(links.items())[:MAX_DEVICES]:
             late.add_metric([device], 1.0 if link.late else 0.0)
             for family, attr in counters:

@@ -43,6 +43,7 @@ class DrafterLink:
     session_steps: int = 0
     ready_drafts: int = 0
     verified_drafts: int = 0
+    waited_s: float = 0.0  # seconds of the steps' waits while a draft of it was waited for
 
 
 class Lateness:
@@ -77,11 +78,13 @@ class Lateness:
         return out
 
     def record(self, drafter: str, ready: bool, waited: bool,
-               sessions: tuple[int, int, int] = (0, 0, 0), useful: bool | None = None) -> None:
+               sessions: tuple[int, int, int] = (0, 0, 0), useful: bool | None = None,
+               waited_s: float = 0.0) -> None:
         """One step's outcome for a drafter: whether its drafts were ready when taken, and
         whether the step waited for them; ``sessions``: (its sessions in the step, those whose
         draft was ready, those whose draft held tokens); ``useful``: whether every draft of it
-        was ready or held tokens (what lateness judges; None: ``ready``)."""
+        was ready or held tokens (what lateness judges; None: ``ready``); ``waited_s``: the
+        step's wait, where it waited for a draft of this drafter (else 0)."""
         on_time = ready if useful is None else useful
         with self._lock:
             link = self._links.get(drafter)
@@ -92,6 +95,7 @@ class Lateness:
             link.session_steps += sessions[0]
             link.ready_drafts += sessions[1]
             link.verified_drafts += sessions[2]
+            link.waited_s += waited_s
             if not waited:
                 link.unwaited += 1
             if not ready:

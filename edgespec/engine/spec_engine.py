@@ -199,29 +199,33 @@ class SpecEngine(SessionLifecycle):
         return [DraftWant(a.sid, k, b, wait=w > 0 and a.drafter not in skip, wait_s=w)
                 for a, k, b, w in zip(acts, ks, budgets, worth)]
 
-    def _record_lateness(self, wants: list[DraftWant], taken: list, acts: dict) -> None:
+    def _record_lateness(self, wants: list[DraftWant], taken: list, acts: dict,
+                         wait_s: float) -> None:
         """Each drafter's step: were all its sessions' drafts ready when taken? And how many
-        of its sessions had a ready draft, and a draft at all."""
-        # drafter -> [sessions, ready, with tokens, ready or with tokens, waited]
+        of its sessions had a ready draft, and a draft at all; ``wait_s``: the take's time,
+        counted for each drafter a draft of which the step waited for."""
+        # drafter -> [sessions, ready, with tokens, ready or with tokens, waited, waited a draft]
         counts: dict[str, list] = {}
         for want, t in zip(wants, taken):
             drafter = acts[want.session_id].drafter
             if drafter and isinstance(t, TakenDraft):
-                c = counts.setdefault(drafter, [0, 0, 0, 0, want.wait])
+                c = counts.setdefault(drafter, [0, 0, 0, 0, want.wait, False])
                 c[0] += 1
                 c[1] += t.ready
                 c[2] += bool(t.tokens)
                 c[3] += t.ready or bool(t.tokens)
-        for drafter, (n, n_ready, n_drafts, n_useful, waited) in counts.items():
+                c[5] = c[5] or (want.wait and want.k > 0)
+        for drafter, (n, n_ready, n_drafts, n_useful, waited, asked) in counts.items():
             self.lateness.record(drafter, n_ready == n, waited, (n, n_ready, n_drafts),
-                                 useful=n_useful == n)
+                                 useful=n_useful == n, waited_s=wait_s if asked else 0.0)
 
     def _take(self, wants: list[DraftWant]) -> list[tuple[ActiveSession, TakenDraft]]:
         """The store's drafts (it waits up to the deadline); a session the store lost, or
         holds at another position, fails alone."""
         acts = {a.sid: a for a in self.active}
+        t0 = time.perf_counter()
         taken = self.store.take_when_ready(wants, self.wait_ms / 1000)
-        self._record_lateness(wants, taken, acts)
+        self._record_lateness(wants, taken, acts, time.perf_counter() - t0)
         out = []
         for want, t in zip(wants, taken):
             act = acts[want.session_id]

@@ -285,6 +285,8 @@ def _board_figures(dev: str, before: dict, after: dict, b_before: dict, b_after:
     steps = delta(after, before, "edgespec:drafter_session_steps_total", device=dev)
     ready = delta(after, before, "edgespec:drafter_ready_drafts_total", device=dev)
     verified = delta(after, before, "edgespec:drafter_verified_drafts_total", device=dev)
+    waited = delta(after, before, "edgespec:drafter_waited_seconds_total", device=dev)
+    accepted = delta(after, before, "edgespec:device_accepted_tokens_total", device=dev)
     board: dict = {k: delta(b_after, b_before, f"edgespec:drafter_{k}_total")
                    for k in ("chunks_sent", "draft_tokens", "chunks_drafted", "tokens_drafted",
                              "chunks_resent", "tokens_kept", "tokens_discarded",
@@ -294,7 +296,8 @@ def _board_figures(dev: str, before: dict, after: dict, b_before: dict, b_after:
     return {"device": dev, "session_steps": steps,
             "ready_share": ready / steps if steps else None,
             "verified_share": verified / steps if steps else None,
-            "cpu_s": cpu_s, **board}
+            "waited_s": waited, "accepted_tokens": accepted, "cpu_s": cpu_s, **board,
+            "wasted_tokens": max(0.0, board["draft_tokens"] - accepted)}
 
 
 def _compare(sessions: int, boards: int, alone: dict, edge: dict, split) -> dict:
@@ -369,7 +372,10 @@ def format_table(report: dict) -> str:
                 f"{_f(100 * b['verified_share'] if b['verified_share'] is not None else None, 0)}"
                 f"% of {b['session_steps']:.0f} session steps; chunks sent "
                 f"{b['chunks_sent']:.0f} (resent {b['chunks_resent']:.0f}), tokens kept "
-                f"across fixes {b['tokens_kept']:.0f}, discarded {b['tokens_discarded']:.0f}")
+                f"across fixes {b['tokens_kept']:.0f}, discarded {b['tokens_discarded']:.0f}; "
+                f"draft tokens sent {b['draft_tokens']:.0f}, accepted "
+                f"{b.get('accepted_tokens', 0):.0f}, wasted {b.get('wasted_tokens', 0):.0f}; "
+                f"steps waited for it {b.get('waited_s', 0):.1f} s")
         if f["bound_by_boards"]:
             lines.append(f"  {f['sessions']}x{f['boards']}: BOUND BY the boards' cores "
                          f"({_f(100 * f['boards_busy'], 0)}% busy)")
