@@ -171,10 +171,14 @@ def test_the_engine_asks_for_no_draft_where_drafts_do_not_pay_and_probes_all_row
         for act in acts:
             for _ in range(20):
                 act.draft_len.update(4, 0)  # never right
-        plans = [engine._plan() for _ in range(8)]
-        for wants in plans[:7]:
+        from edgespec.engine.draft_planner import probe_every
+
+        every = probe_every(engine.cost, 2, 2)
+        assert every > 8  # a probe costs 8 token-rows' 4 ms a 48 ms step: within 2%, rarely
+        plans = [engine._plan() for _ in range(every)]
+        for wants in plans[:-1]:
             assert [(w.k, w.wait) for w in wants] == [(0, False), (0, False)]
-        assert [(w.k, w.wait, w.wait_s) for w in plans[7]] == \
+        assert [(w.k, w.wait, w.wait_s) for w in plans[-1]] == \
             [(1, True, engine.wait_ms / 1000)] * 2  # a probe: every row, waited for
         for _ in range(20):
             acts[0].draft_len.update(4, 4)  # one session's drafts now always right
@@ -210,3 +214,14 @@ def test_rows_that_each_hold_a_long_draft_now_and_then_are_planned_as_wide_as_th
     alone = allocate(gains, cost, [holds])[0]
     four = allocate(gains * 4, cost, [holds] * 4)
     assert alone > 0 and len(set(four)) == 1 and four[0] < alone
+
+
+def test_probes_come_as_rarely_as_keeps_their_cost_within_two_percent_of_the_steps():
+    from edgespec.engine.draft_planner import MIN_PROBE_EVERY, PROBE_SHARE, probe_every
+
+    cpu = fitted(0.036, 0.018)  # this CPU: a token a row costs a third of a one-row step
+    every = probe_every(cpu, 4, 2)
+    probe_s, step_s = 0.018 * 4 * 2, 0.036 + 0.018 * 4
+    assert every >= probe_s / (PROBE_SHARE * step_s) > every - 1
+    assert probe_every(fitted(0.006, 0.000001), 64, 2) == MIN_PROBE_EVERY  # width nearly free
+    assert probe_every(ForwardCost(), 4, 2) == MIN_PROBE_EVERY

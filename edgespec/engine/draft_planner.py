@@ -18,13 +18,17 @@ as a batch grows or the forward gets dearer per token, as on a CPU.
 
 Token trees the same way (``allocate_branches``): after the chains, a session's branch tokens
 are worth beta expected tokens each (its measured accepted branch tokens per branch token); a
-width that raises the step's expected tokens per second is filled with them. ``wait_worth``:
+width that raises the step's expected tokens per second is filled with them. A batch planned
+without drafts is probed now and then, as rarely as keeps the probes' cost within 2% of the
+steps' time (``probe_every``: on a CPU, where a token a row costs a third of a step, every few
+dozen steps; on a GPU every 8th). ``wait_worth``:
 how long a session's draft is worth the step waiting for it (its expected tokens against what the
 whole batch loses while it waits).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 
@@ -60,9 +64,9 @@ class ForwardCost:
         # the prior slope weighs as much as prior_weight steps spread by one token
         w = self.prior_weight / self.n
         slope = (cov + w * prior) / (var + w)
-        # one preempted wide step must not stop drafting for a while: stay within 1/4..4x the
-        # prior slope
-        slope = min(4 * prior, max(prior / 4, slope))
+        # one preempted wide step must not stop drafting for a while: stay within 1/50..8x the
+        # prior slope (a GPU's token a row costs ~1/100 of a step, this CPU's a third)
+        slope = min(8 * prior, max(prior / 50, slope))
         fixed = max(1e-6, my - slope * mx)
         return fixed, slope
 
@@ -97,6 +101,22 @@ def allocate(gains: Sequence[Sequence[float]], cost: ForwardCost,
         if r > best_rate:
             best, best_rate = d, r
     return [min(c, best) for c in caps]
+
+
+PROBE_SHARE = 0.02  # of the steps' time, what probing a batch without drafts may cost
+MIN_PROBE_EVERY = 8
+
+
+def probe_every(cost: ForwardCost, rows: int, width: int) -> int:
+    """Steps between two probes of a batch planned without drafts: a probe widens every row by
+    ``width`` tokens, so it comes once in as many steps as keep its cost within PROBE_SHARE of
+    theirs, at least every MIN_PROBE_EVERY-th (before any step: that)."""
+    fit = cost.fit()
+    if fit is None or rows <= 0:
+        return MIN_PROBE_EVERY
+    fixed, per_token = fit
+    probe_s = per_token * rows * width
+    return max(MIN_PROBE_EVERY, math.ceil(probe_s / (PROBE_SHARE * (fixed + per_token * rows))))
 
 
 def expected_rate(gains: Sequence[Sequence[float]], ks: Sequence[int], cost: ForwardCost

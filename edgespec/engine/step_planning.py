@@ -8,7 +8,7 @@ from typing import Sequence
 
 from ..config import EngineConfig, verifies_trees
 from ..drafters.adaptive import Prober
-from .draft_planner import ForwardCost, allocate, allocate_branches
+from .draft_planner import ForwardCost, allocate, allocate_branches, probe_every
 from .generation import ActiveSession
 
 PROBE_TOKENS = 2  # the draft width of a probing step
@@ -19,12 +19,14 @@ def plan_drafts(acts: Sequence[ActiveSession], cfg: EngineConfig, cost: ForwardC
     """Draft tokens each session verifies this step: its adaptive length, cut by the planner to
     the width that pays, then the batch capped at ``max_batch_tokens`` (one own token per
     session + drafts) by shortening the longest drafts first. A step planned without drafts is
-    now and then (``prober``) given a short one for every session, to measure acceptance
-    again: all at once, since one row's draft widens every row."""
+    now and then (``prober``, as often as a probe costs at most ``draft_planner.PROBE_SHARE``
+    of the steps' time) given a short one for every session, to measure acceptance again: all
+    at once, since one row's draft widens every row."""
     ks = [a.draft_len.k for a in acts]
     if cfg.adaptive:
         planned = allocate([a.draft_len.gains(k) for a, k in zip(acts, ks)], cost,
                            [a.draft_len.holds(k) for a, k in zip(acts, ks)])
+        prober.every = probe_every(cost, len(acts), PROBE_TOKENS)
         width = prober.planned(max(planned, default=0), PROBE_TOKENS)
         ks = [min(k, max(p, width)) for k, p in zip(ks, planned)]
     budget = max(0, cfg.max_batch_tokens - len(ks))
