@@ -6,11 +6,14 @@ from edgespec.engine.draft_planner import (ForwardCost, allocate, allocate_branc
                                            expected_rate, wait_worth)
 
 
-def fitted(fixed: float, per_token: float, counts=(1, 2, 5, 9, 3, 6)) -> ForwardCost:
+def fitted(fixed: float, per_token: float, per_row: float = 0.0,
+           shapes=((1, 1), (2, 1), (1, 5), (4, 3), (3, 9), (2, 6))) -> ForwardCost:
+    """A cost fitted on forwards of (rows, width) that took fixed + per_row * rows + per_token *
+    rows * width seconds."""
     cost = ForwardCost()
     for _ in range(20):
-        for t in counts:
-            cost.observe(t, fixed + per_token * t)
+        for rows, width in shapes:
+            cost.observe(rows, width, fixed + per_row * rows + per_token * rows * width)
     return cost
 
 
@@ -22,28 +25,54 @@ def test_cost_fit_recovers_a_linear_cost():
 
 def test_cost_fit_uses_the_prior_slope_until_token_counts_vary():
     cost = ForwardCost(prior_share=0.05)
-    assert cost.fit() is None
+    assert cost.fit() is None and cost.model() is None
     for _ in range(10):
-        cost.observe(1, 0.040)
+        cost.observe(1, 1, 0.040)
     fixed, per_token = cost.fit()
     assert per_token == pytest.approx(0.05 * 0.040, rel=0.01)
     assert fixed + per_token == pytest.approx(0.040, rel=0.01)
+
+
+def test_the_cost_model_tells_a_row_from_a_token_of_a_row():
+    """This CPU: a row ~17 ms, a token of a row ~1 ms, over a 30 ms fixed part."""
+    model = fitted(0.030, 0.001, per_row=0.017).model()
+    assert model.fixed == pytest.approx(0.030, rel=0.1)
+    assert model.per_row == pytest.approx(0.017, rel=0.1)  # the priors' pull: a few percent
+    assert model.per_token == pytest.approx(0.001, rel=0.1)
+    assert model.seconds(4, 3) == pytest.approx(0.030 + 4 * 0.017 + 12 * 0.001, rel=0.02)
+
+
+def test_rows_that_only_varied_together_with_tokens_split_their_slope_by_the_priors():
+    """Steps of one-token rows only cannot tell a row from a token: the model keeps their sum
+    and splits it about as its priors do (a row dearer than a token), until probes tell."""
+    cost = ForwardCost(row_share=0.1, token_share=0.02)
+    for _ in range(30):
+        for rows in (1, 2, 3, 4):
+            cost.observe(rows, 1, 0.030 + 0.018 * rows)
+    model = cost.model()
+    assert model.per_row + model.per_token == pytest.approx(0.018, rel=0.1)
+    assert model.per_row > model.per_token > 0
+    for _ in range(30):  # probes: rows 3 tokens wide, as dear as one-token rows
+        cost.observe(4, 3, 0.030 + 0.018 * 4)
+        for rows in (1, 4):
+            cost.observe(rows, 1, 0.030 + 0.018 * rows)
+    model = cost.model()
+    assert model.per_row == pytest.approx(0.018, rel=0.1) and model.per_token < 0.001
 
 
 def geometric(alpha: float, cap: int) -> list[float]:
     return [alpha ** m for m in range(1, cap + 1)]
 
 
-def padded_rate(fit, gains, ks, branches=None, betas=None):
+def padded_rate(model, gains, ks, branches=None, betas=None):
     """The step's expected tokens a second as the planner models it: rows padded to the
     widest."""
-    fixed, per_token = fit
     gain = len(ks) + sum(sum(g[:k]) for g, k in zip(gains, ks))
     widths = list(ks)
     if branches is not None:
         gain += sum(b * n for b, n in zip(betas, branches))
         widths = [k + n for k, n in zip(ks, branches)]
-    return gain / (fixed + per_token * len(ks) * (1 + max(widths)))
+    return gain / model.seconds(len(ks), 1 + max(widths))
 
 
 def test_allocate_before_any_step_keeps_the_caps():
@@ -87,7 +116,7 @@ def test_a_drafter_right_in_runs_drafts_longer_than_a_geometric_one_of_its_first
 
 def test_the_allocated_width_is_the_best_of_all_widths():
     cost = fitted(0.040, 0.003)
-    fit = cost.fit()
+    fit = cost.model()
     gains = [geometric(0.6, 8), geometric(0.35, 8), [0.7] * 3 + [0.1] * 5]
     best = allocate(gains, cost)
     for d in range(9):
@@ -99,7 +128,7 @@ def test_the_step_waits_for_a_draft_as_long_as_it_is_worth():
     cost = fitted(0.040, 0.002)
     gains, ks = [geometric(0.9, 4), geometric(0.02, 4), geometric(0.9, 4)], [4, 4, 0]
     rate = expected_rate(gains, ks, cost)
-    assert rate == pytest.approx(padded_rate(cost.fit(), gains, ks))
+    assert rate == pytest.approx(padded_rate(cost.model(), gains, ks))
     # a wait costs the batch rate tokens a second: 3.1 expected tokens are worth 3.1 / rate s
     waits = wait_worth(gains, ks, cost, 10.0)
     assert waits == pytest.approx([sum(gains[0]) / rate, sum(gains[1]) / rate, 0.0])
@@ -130,7 +159,7 @@ def test_branches_fill_the_width_the_chains_already_pay_for():
 
 def test_the_allocated_branch_width_is_the_best_of_all_widths():
     cost = fitted(0.040, 0.002)
-    fit = cost.fit()
+    fit = cost.model()
     gains, ks, betas, caps = [geometric(0.6, 3), geometric(0.4, 2)], [3, 2], [0.3, 0.2], [8, 8]
     sides = allocate_branches(betas, caps, gains, ks, cost)
     for width in range(3, 12):
@@ -219,9 +248,17 @@ def test_rows_that_each_hold_a_long_draft_now_and_then_are_planned_as_wide_as_th
 def test_probes_come_as_rarely_as_keeps_their_cost_within_two_percent_of_the_steps():
     from edgespec.engine.draft_planner import MIN_PROBE_EVERY, PROBE_SHARE, probe_every
 
-    cpu = fitted(0.036, 0.018)  # this CPU: a token a row costs a third of a one-row step
-    every = probe_every(cpu, 4, 2)
-    probe_s, step_s = 0.018 * 4 * 2, 0.036 + 0.018 * 4
-    assert every >= probe_s / (PROBE_SHARE * step_s) > every - 1
+    dear = fitted(0.036, 0.018)  # a token a row costing half a step's fixed part
+    every, model = probe_every(dear, 4, 2), dear.model()
+    probe_s, step_s = model.per_token * 4 * 2, model.seconds(4, 1)
+    assert every >= probe_s / (PROBE_SHARE * step_s) > every - 1 and every > 8
     assert probe_every(fitted(0.006, 0.000001), 64, 2) == MIN_PROBE_EVERY  # width nearly free
     assert probe_every(ForwardCost(), 4, 2) == MIN_PROBE_EVERY
+
+
+def test_four_rows_draft_where_a_row_is_dear_and_a_token_of_a_row_cheap():
+    """This CPU's forward: a row ~17 ms, a token of a row ~1 ms. Four rows drafting 8 tokens
+    each cost 36 token-rows, 36 ms more: worth it at 90% acceptance, and a short draft at 30%."""
+    cost = fitted(0.030, 0.001, per_row=0.017)
+    assert allocate([geometric(0.9, 8)] * 4, cost) == [8] * 4
+    assert 0 < allocate([geometric(0.3, 8)] * 4, cost)[0] < 8

@@ -1,29 +1,26 @@
 """How many draft tokens each session should verify in the next step, from measured costs.
 
-A verification forward runs B rows padded to the widest, W = 1 + the most draft tokens of a row: it
-costs about ``fixed + per_token * B * W`` seconds (``ForwardCost`` fits the two on the steps the
-engine actually ran, with a prior slope until the steps vary enough to measure it). So a draft
-token is paid for by the width it adds to every row, not by itself: one session drafting 4 tokens
-in a batch of 8 costs 32 token-rows. A session's m-th draft token is worth S(m) expected tokens
-(``DraftLength.gains``: the chance that it and the ones before it are accepted, measured).
-``allocate`` picks the width D of drafts (0..the longest cap) that maximises the step's expected
-tokens per second, B + sum over sessions of S(1..min(D, cap)), over the forward's seconds; every
-session then drafts min(D, cap) tokens (within the width, free). A board slower than the steps
-holds fewer tokens than asked when the step takes its draft: S then counts only the tokens it
-holds, and the forward is as wide as the longest draft taken (``holds``: the chance that a
-session's draft holds its m-th token; the expected width counts position m with the chance that
-some row holds it, 1 - prod(1 - holds_i(m)), the rows taken as independent). So a batch whose
-drafts are rarely accepted is decoded plainly (D = 0: no wider forward, no wait), and drafts shrink
-as a batch grows or the forward gets dearer per token, as on a CPU.
+A verification forward runs B rows padded to the widest, W = 1 + the most draft tokens of a row:
+it costs about ``fixed + per_row * B + per_token * B * W`` seconds (``forward_cost``: fitted on
+the steps the engine ran). So a draft token is paid for by the width it adds to every row, not by
+itself: one session drafting 4 tokens in a batch of 8 costs 32 token-rows. A session's m-th draft
+token is worth S(m) expected tokens (``DraftLength.gains``: the chance that it and the ones before
+it are accepted, measured). ``allocate`` picks the width D of drafts (0..the longest cap) that
+maximises the step's expected tokens per second, B + sum over sessions of S(1..min(D, cap)), over
+the forward's seconds; every session then drafts min(D, cap) tokens (within the width, free). A
+board slower than the steps holds fewer tokens than asked when the step takes its draft: S then
+counts only the tokens it holds, and the forward is as wide as the longest draft taken
+(``holds``: the chance that a session's draft holds its m-th token; the expected width counts
+position m with the chance that some row holds it, 1 - prod(1 - holds_i(m)), the rows taken as
+independent). So a batch whose drafts are rarely accepted is decoded plainly (D = 0: no wider
+forward, no wait), and drafts shrink as a batch grows or a token gets dearer.
 
-Token trees the same way (``allocate_branches``): after the chains, a session's branch tokens
-are worth beta expected tokens each (its measured accepted branch tokens per branch token); a
-width that raises the step's expected tokens per second is filled with them. A batch planned
-without drafts is probed now and then, as rarely as keeps the probes' cost within 2% of the
-steps' time (``probe_every``: on a CPU, where a token a row costs a third of a step, every few
-dozen steps; on a GPU every 8th). ``wait_worth``:
-how long a session's draft is worth the step waiting for it (its expected tokens against what the
-whole batch loses while it waits).
+Token trees the same way (``allocate_branches``): after the chains, a session's branch tokens are
+worth beta expected tokens each (its measured accepted branch tokens per branch token); a width
+that raises the step's expected tokens per second is filled with them. A batch planned without
+drafts is probed now and then, as rarely as keeps the probes' cost within 2% of the steps' time
+(``probe_every``). ``wait_worth``: how long a session's draft is worth the step waiting for it
+(its expected tokens against what the whole batch loses while it waits).
 """
 
 from __future__ import annotations
@@ -31,49 +28,14 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+from .forward_cost import CostModel, ForwardCost
 
-class ForwardCost:
-    """seconds ~ fixed + per_token * tokens, least squares over recent steps (older steps decay
-    by ``decay`` per step). Until the token counts seen vary, the slope is the prior
-    ``prior_share`` of a step's mean time per token (measured here: a 5-token forward of the
-    default model cost ~1.2x a 1-token one on 2 CPU cores, i.e. ~0.05 per token). ``tokens``
-    counts the forward's padded token-rows, B * W."""
-
-    def __init__(self, prior_share: float = 0.05, decay: float = 0.98, prior_weight: float = 4.0):
-        self.prior_share, self.decay, self.prior_weight = prior_share, decay, prior_weight
-        self.n = self.sx = self.sy = self.sxx = self.sxy = 0.0
-
-    def observe(self, tokens: int, seconds: float) -> None:
-        if seconds <= 0 or tokens <= 0:
-            return
-        d = self.decay
-        self.n = d * self.n + 1
-        self.sx = d * self.sx + tokens
-        self.sy = d * self.sy + seconds
-        self.sxx = d * self.sxx + tokens * tokens
-        self.sxy = d * self.sxy + tokens * seconds
-
-    def fit(self) -> tuple[float, float] | None:
-        """(fixed, per_token) seconds, or None before the first step."""
-        if self.n <= 0:
-            return None
-        mx, my = self.sx / self.n, self.sy / self.n
-        var = self.sxx / self.n - mx * mx
-        cov = self.sxy / self.n - mx * my
-        prior = self.prior_share * my
-        # the prior slope weighs as much as prior_weight steps spread by one token
-        w = self.prior_weight / self.n
-        slope = (cov + w * prior) / (var + w)
-        # one preempted wide step must not stop drafting for a while: stay within 1/50..8x the
-        # prior slope (a GPU's token a row costs ~1/100 of a step, this CPU's a third)
-        slope = min(8 * prior, max(prior / 50, slope))
-        fixed = max(1e-6, my - slope * mx)
-        return fixed, slope
+__all__ = ["CostModel", "ForwardCost", "allocate", "allocate_branches", "expected_rate",
+           "probe_every", "wait_worth"]
 
 
-def _rate(fit: tuple[float, float], gain: float, token_rows: float) -> float:
-    fixed, per_token = fit
-    return gain / (fixed + per_token * token_rows)
+def _rate(model: CostModel, gain: float, rows: int, width: float) -> float:
+    return gain / model.seconds(rows, width)
 
 
 def allocate(gains: Sequence[Sequence[float]], cost: ForwardCost,
@@ -82,14 +44,14 @@ def allocate(gains: Sequence[Sequence[float]], cost: ForwardCost,
     gains[i][m]: the expected accepted tokens of session i's (m+1)-th draft token (its length is
     the session's cap; non-increasing); holds[i][m]: the chance that its draft holds that token
     when taken (None: always). Before any step, every cap."""
-    fit = cost.fit()
+    model = cost.model()
     caps = [len(g) for g in gains]
-    if fit is None:
+    if model is None:
         return caps
     rows = len(gains)
     holds = holds if holds is not None else [[1.0] * c for c in caps]
     width = 1.0  # the forward's expected width at the draft width tried
-    gain, best, best_rate = float(rows), 0, _rate(fit, rows, rows)  # every row emits one token
+    gain, best, best_rate = float(rows), 0, _rate(model, rows, rows, 1)  # a token a row
     for d in range(1, max(caps, default=0) + 1):
         none_holds = 1.0  # the chance that no row's draft holds a d-th token
         for g, h in zip(gains, holds):
@@ -97,7 +59,7 @@ def allocate(gains: Sequence[Sequence[float]], cost: ForwardCost,
                 gain += g[d - 1]
                 none_holds *= 1.0 - h[d - 1]
         width += 1.0 - none_holds
-        r = _rate(fit, gain, rows * width)
+        r = _rate(model, gain, rows, width)
         if r > best_rate:
             best, best_rate = d, r
     return [min(c, best) for c in caps]
@@ -111,23 +73,22 @@ def probe_every(cost: ForwardCost, rows: int, width: int) -> int:
     """Steps between two probes of a batch planned without drafts: a probe widens every row by
     ``width`` tokens, so it comes once in as many steps as keep its cost within PROBE_SHARE of
     theirs, at least every MIN_PROBE_EVERY-th (before any step: that)."""
-    fit = cost.fit()
-    if fit is None or rows <= 0:
+    model = cost.model()
+    if model is None or rows <= 0:
         return MIN_PROBE_EVERY
-    fixed, per_token = fit
-    probe_s = per_token * rows * width
-    return max(MIN_PROBE_EVERY, math.ceil(probe_s / (PROBE_SHARE * (fixed + per_token * rows))))
+    probe_s = model.per_token * rows * width
+    return max(MIN_PROBE_EVERY, math.ceil(probe_s / (PROBE_SHARE * model.seconds(rows, 1))))
 
 
 def expected_rate(gains: Sequence[Sequence[float]], ks: Sequence[int], cost: ForwardCost
                   ) -> float | None:
     """The step's expected tokens per second with ks draft tokens a session (None before any
     step)."""
-    fit = cost.fit()
-    if fit is None:
+    model = cost.model()
+    if model is None:
         return None
     gain = len(ks) + sum(sum(g[:k]) for g, k in zip(gains, ks))
-    return _rate(fit, gain, len(ks) * (1 + max(ks, default=0)))
+    return _rate(model, gain, len(ks), 1 + max(ks, default=0))
 
 
 def wait_worth(gains: Sequence[Sequence[float]], ks: Sequence[int], cost: ForwardCost,
@@ -147,8 +108,8 @@ def allocate_branches(betas: list[float], caps: list[int], gains: Sequence[Seque
     width, from the chains' up, that maximises the step's expected tokens per second, filled.
     betas[i]: session i's accepted tokens per branch token verified; a session whose branches
     were never accepted (beta 0) gets none."""
-    fit = cost.fit()
-    if fit is None:
+    model = cost.model()
+    if model is None:
         return list(caps)
     rows, base = len(ks), max(ks, default=0)
     chains = rows + sum(sum(g[:k]) for g, k in zip(gains, ks))
@@ -159,7 +120,7 @@ def allocate_branches(betas: list[float], caps: list[int], gains: Sequence[Seque
     best, best_rate = base, 0.0
     for width in range(base, max((k + c for k, c in zip(ks, caps)), default=0) + 1):
         gain = chains + sum(b * n for b, n in zip(betas, filled(width)))
-        r = _rate(fit, gain, rows * (1 + width))
+        r = _rate(model, gain, rows, 1 + width)
         if r > best_rate:
             best, best_rate = width, r
     return filled(best)

@@ -168,7 +168,7 @@ class SpecEngine(SessionLifecycle):
         verdicts = self._verify(drafts)
         t2 = time.perf_counter()
         width = sum(d.width for d in drafts)
-        self.cost.observe(len(drafts) * max(d.width for d in drafts), t2 - t1)  # rows padded
+        self.cost.observe(len(drafts), max(d.width for d in drafts), t2 - t1)  # rows padded
         decided = []
         for d, v in zip(drafts, verdicts):
             if v is None:

@@ -1,0 +1,104 @@
+"""What a verification forward costs, fitted on the steps the engine ran.
+
+A forward runs B rows padded to the widest, W tokens a row. Its seconds are modelled two ways:
+
+- ``ForwardCost.fit``: ``fixed + per_token * B * W``, one slope over the token-rows (what the
+  pace's batch scaling and ``--auto``'s stack choice read);
+- ``ForwardCost.model`` (``CostModel``): ``fixed + per_row * B + per_token * B * W``, what the
+  draft planner reads. A row and a token of a row differ: measured here (a 2-core AMD EPYC, the
+  default model in bfloat16 on one thread, batch-invariant kernels) a row added ~17 ms to a 48 ms
+  one-row step, while a one-row step with 3-8 draft tokens cost what a one-token row did. One
+  slope over token-rows made a draft token look as dear as a row: drafting stopped at 4 rows
+  where it paid.
+
+Both are least squares over recent steps (older steps decay by ``decay`` a step), pulled towards
+prior slopes (shares of the mean step) until the steps vary enough to tell them apart: a batch
+that has only run one-token rows cannot tell a row from a token, and its probes (steps with a
+short draft for every row) do.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """seconds = fixed + per_row * rows + per_token * rows * width."""
+
+    fixed: float
+    per_row: float
+    per_token: float
+
+    def seconds(self, rows: float, width: float) -> float:
+        return self.fixed + rows * (self.per_row + self.per_token * width)
+
+
+class ForwardCost:
+    """The verification forward's cost, fitted on the steps the engine ran (module docstring).
+    ``prior_share``: the one-slope fit's prior, a share of a step's mean time per token-row;
+    ``row_share``, ``token_share``: the two-slope model's priors."""
+
+    def __init__(self, prior_share: float = 0.05, decay: float = 0.98, prior_weight: float = 4.0,
+                 row_share: float = 0.1, token_share: float = 0.02):
+        self.prior_share, self.decay, self.prior_weight = prior_share, decay, prior_weight
+        self.row_share, self.token_share = row_share, token_share
+        self.n = self.sx = self.sy = self.sxx = self.sxy = 0.0
+        self._xx = np.zeros((3, 3))  # decayed sums of x x^T, x = (1, rows, rows * width)
+        self._xy = np.zeros(3)
+
+    def observe(self, rows: int, width: int, seconds: float) -> None:
+        """One forward of ``rows`` rows ``width`` tokens wide took ``seconds``."""
+        tokens = rows * width
+        if seconds <= 0 or tokens <= 0:
+            return
+        d = self.decay
+        self.n = d * self.n + 1
+        self.sx = d * self.sx + tokens
+        self.sy = d * self.sy + seconds
+        self.sxx = d * self.sxx + tokens * tokens
+        self.sxy = d * self.sxy + tokens * seconds
+        x = np.array([1.0, rows, tokens])
+        self._xx = d * self._xx + np.outer(x, x)
+        self._xy = d * self._xy + x * seconds
+
+    def fit(self) -> tuple[float, float] | None:
+        """(fixed, per_token) seconds over token-rows, or None before the first step."""
+        if self.n <= 0:
+            return None
+        mx, my = self.sx / self.n, self.sy / self.n
+        var = self.sxx / self.n - mx * mx
+        cov = self.sxy / self.n - mx * my
+        prior = self.prior_share * my
+        # the prior slope weighs as much as prior_weight steps spread by one token
+        w = self.prior_weight / self.n
+        slope = (cov + w * prior) / (var + w)
+        # one preempted wide step must not stop drafting for a while: stay within 1/50..8x the
+        # prior slope (a GPU's token a row costs ~1/100 of a step, this CPU's a third)
+        slope = min(8 * prior, max(prior / 50, slope))
+        fixed = max(1e-6, my - slope * mx)
+        return fixed, slope
+
+    def model(self) -> CostModel | None:
+        """The two-slope model (a row, a token of a row), or None before the first step: ridge
+        least squares, the slopes pulled towards their priors with ``prior_weight`` steps'
+        weight (so rows and tokens that have only varied together split their slope about as
+        the priors do), each kept within 1/50..20x its prior."""
+        if self.n <= 0:
+            return None
+        my = self._xy[0] / self.n
+        priors = np.array([0.0, self.row_share * my, self.token_share * my])
+        # each prior slope weighs as much as prior_weight steps one row (one token) apart
+        ridge = np.diag([0.0, 1.0, 1.0]) * self.prior_weight
+        lhs = self._xx + ridge
+        rhs = self._xy + ridge @ priors
+        try:
+            _, per_row, per_token = np.linalg.solve(lhs, rhs)
+        except np.linalg.LinAlgError:
+            per_row, per_token = priors[1], priors[2]
+        per_row = float(min(20 * priors[1], max(priors[1] / 50, per_row)))
+        per_token = float(min(20 * priors[2], max(priors[2] / 50, per_token)))
+        fixed = (self._xy[0] - per_row * self._xx[0, 1] - per_token * self._xx[0, 2]) / self.n
+        return CostModel(max(1e-6, float(fixed)), per_row, per_token)
