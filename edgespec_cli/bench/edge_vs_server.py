@@ -149,7 +149,8 @@ def plot_report(report: dict, path: str) -> str:
     import matplotlib.pyplot as plt
 
     fleets = report["fleets"]
-    names = [f"{f['sessions']} sess / {f['boards']} board(s)" for f in fleets]
+    names = [f"{f['sessions']} session{'s' * (f['sessions'] > 1)}\n{f['boards']} "
+             f"board{'s' * (f['boards'] > 1)}" for f in fleets]
     fig, axes = plt.subplots(1, 2, figsize=(10, 4.5))
     for ax, key, label in ((axes[0], "tokens_per_s", "system tokens/s"),
                            (axes[1], "itl_p99_ms", "ITL p99 (ms)")):
