@@ -192,29 +192,6 @@ def test_a_late_drafter_is_waited_for_again_every_few_steps():
     assert Lateness(misses_to_late=0).not_waited_for({"b"}) == set()
 
 
-def test_a_session_asked_no_draft_says_nothing_of_its_board(tiny):
-    """A step that asks a session for no draft (the planner found drafting does not pay) takes
-    its empty draft as trivially ready: that must not count its board on time (a silent board
-    would recover from late at once) nor as not waited for."""
-    from edgespec.config import EngineConfig
-    from edgespec.engine.spec_engine import Request, SpecEngine
-    from edgespec.protocol.contract import DraftWant, TakenDraft
-    from edgespec.runner.target_runner import TargetRunner
-
-    with SpecEngine(TargetRunner(tiny.model, n_slots=2, max_len=64), None,
-                    EngineConfig()) as engine:
-        act = engine.add(Request([1, 5, 6], 4))
-        act.drafter = "board"
-        acts = {act.sid: act}
-        engine._record_lateness([DraftWant(act.sid, 0, wait=False)],
-                                [TakenDraft(0, act.end, [])], acts, 0.5)
-        assert "board" not in engine.lateness.snapshot()
-        engine._record_lateness([DraftWant(act.sid, 2, wait=True)],
-                                [TakenDraft(0, act.end, [], ready=False)], acts, 0.5)
-        link = engine.lateness.snapshot()["board"]
-        assert (link.session_steps, link.missed, link.unwaited, link.waited_s) == (1, 1, 0, 0.5)
-
-
 def test_lateness_judges_a_board_by_what_its_drafts_hold_not_by_their_length():
     """A board slower than the steps holds fewer tokens than asked (not ready) yet brings
     tokens: it is not late. One whose drafts held nothing for a session is."""

@@ -61,9 +61,9 @@ class Lateness:
             return link is not None and link.late
 
     def not_waited_for(self, drafters: set[str]) -> set[str]:
-        """The drafters this step does not wait for: the late ones, except on every PROBE_EVERY-th
-        step of each (then its drafts are waited for as long as they are worth, so that a drafter
-        whose drafts need the wait can show it is back). Call once a step."""
+        """The drafters this step does not wait for: the late ones, except on every
+        PROBE_EVERY-th step of each (then its drafts are waited for the whole deadline, so that
+        a drafter whose drafts need the wait can show it is back). Call once a step."""
         out = set()
         with self._lock:
             for d in drafters:
