@@ -72,7 +72,7 @@ MIN_PROBE_EVERY = 8
 def probe_every(cost: ForwardCost, rows: int, width: int) -> int:
     """Steps between two probes of a batch planned without drafts: a probe widens every row by
     ``width`` tokens, so it comes once in as many steps as keep its cost within PROBE_SHARE of
-    theirs, at least every MIN_PROBE_EVERY-th (before any step: that)."""
+    theirs, and never more often than every MIN_PROBE_EVERY-th (before any step: that)."""
     model = cost.model()
     if model is None or rows <= 0:
         return MIN_PROBE_EVERY
