@@ -90,10 +90,9 @@ class DraftLength:
         """Expected accepted tokens of a draft's 1st..k-th token (k at most k_max): each the
         chance that the draft holds it and that it and every token before it are accepted,
         non-increasing."""
-        alpha, out, survive, held = self.alpha, [], 1.0, 1.0
-        for rate, supply in zip(self.at[:k], self.held):
+        alpha, out, survive = self.alpha, [], 1.0
+        for rate, held in zip(self.at[:k], self.holds(k)):
             survive *= (rate.hits + POSITION_PRIOR * alpha) / (rate.trials + POSITION_PRIOR)
-            held = min(held, supply.rate)
             out.append(survive * held)
         return out
 

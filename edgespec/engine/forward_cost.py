@@ -45,9 +45,14 @@ class ForwardCost:
                  row_share: float = 0.1, token_share: float = 0.02):
         self.prior_share, self.decay, self.prior_weight = prior_share, decay, prior_weight
         self.row_share, self.token_share = row_share, token_share
-        self.n = self.sx = self.sy = self.sxx = self.sxy = 0.0
-        self._xx = np.zeros((3, 3))  # decayed sums of x x^T, x = (1, rows, rows * width)
+        # decayed sums of x x^T and x * seconds, x = (1, rows, rows * width): both fits' data
+        self._xx = np.zeros((3, 3))
         self._xy = np.zeros(3)
+
+    @property
+    def n(self) -> float:
+        """The steps seen, decayed."""
+        return float(self._xx[0, 0])
 
     def observe(self, rows: int, width: int, seconds: float) -> None:
         """One forward of ``rows`` rows ``width`` tokens wide took ``seconds``."""
@@ -55,31 +60,27 @@ class ForwardCost:
         if seconds <= 0 or tokens <= 0:
             return
         d = self.decay
-        self.n = d * self.n + 1
-        self.sx = d * self.sx + tokens
-        self.sy = d * self.sy + seconds
-        self.sxx = d * self.sxx + tokens * tokens
-        self.sxy = d * self.sxy + tokens * seconds
         x = np.array([1.0, rows, tokens])
         self._xx = d * self._xx + np.outer(x, x)
         self._xy = d * self._xy + x * seconds
 
     def fit(self) -> tuple[float, float] | None:
         """(fixed, per_token) seconds over token-rows, or None before the first step."""
-        if self.n <= 0:
+        n = self.n
+        if n <= 0:
             return None
-        mx, my = self.sx / self.n, self.sy / self.n
-        var = self.sxx / self.n - mx * mx
-        cov = self.sxy / self.n - mx * my
+        mx, my = self._xx[0, 2] / n, self._xy[0] / n
+        var = self._xx[2, 2] / n - mx * mx
+        cov = self._xy[2] / n - mx * my
         prior = self.prior_share * my
         # the prior slope weighs as much as prior_weight steps spread by one token
-        w = self.prior_weight / self.n
+        w = self.prior_weight / n
         slope = (cov + w * prior) / (var + w)
         # one preempted wide step must not stop drafting for a while: stay within 1/50..8x the
         # prior slope (a GPU's token a row costs ~1/100 of a step, this CPU's a third)
         slope = min(8 * prior, max(prior / 50, slope))
         fixed = max(1e-6, my - slope * mx)
-        return fixed, slope
+        return float(fixed), float(slope)
 
     def model(self) -> CostModel | None:
         """The two-slope model (a row, a token of a row), or None before the first step: ridge
