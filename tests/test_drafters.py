@@ -178,3 +178,15 @@ def test_gains_weigh_the_tokens_a_draft_holds_when_taken():
     assert holds[0] == pytest.approx(1.0) and holds[1] == pytest.approx(gains[1], rel=0.1)
     k.supplied(0, 0)  # a step that asked nothing says nothing of the supply
     assert k.gains(4) == gains
+
+
+def test_a_few_short_takes_do_not_cap_a_sessions_width_for_good():
+    """Positions not asked for hold as the last one asked did: after a few takes that held 2
+    of 6, takes of 2 that held 2 bring the positions past them back (they are never asked)."""
+    k = DraftLength(k_max=6)
+    for _ in range(4):
+        k.supplied(6, 2)
+    assert k.holds(6)[2] < 0.3
+    for _ in range(60):
+        k.supplied(2, 2)
+    assert min(k.holds(6)) > 0.9

@@ -48,6 +48,22 @@ def test_greedy_output_identical_to_target_only(tiny, tiny_draft_dir, setup, spe
                 assert res.stats.draft_tokens > 0
 
 
+@pytest.mark.parametrize("spec", ["mag", "model"])
+def test_greedy_output_identical_to_target_only_with_the_planner(tiny, tiny_draft_dir, setup,
+                                                                   spec):
+    """The default (adaptive) engine: the planner's widths, probes, per-session waits and the
+    drafter's lead following its asks change only speed."""
+    runner, refs = setup
+    spec = f"model:{tiny_draft_dir}" if spec == "model" else spec
+    drafter = build_drafter(spec, tiny, runner, n_slots=4, max_len=256)
+    with SpecEngine(runner, drafter, EngineConfig(max_draft=4, window=8, chunk=2),
+                    stop_ids={2}) as engine:
+        for prompt, ref in zip(PROMPTS, refs):
+            assert engine.generate(Request(prompt, 40)).token_ids == ref
+        results = engine.generate_many([Request(p, 40) for p in PROMPTS])
+        assert [r.token_ids for r in results] == refs
+
+
 def test_mag_accepts_drafts_on_repetitive_output(tmp_path):
     from conftest import make_tiny_model
     from edgespec.models.loading import load_model

@@ -192,6 +192,55 @@ def test_a_late_drafter_is_waited_for_again_every_few_steps():
     assert Lateness(misses_to_late=0).not_waited_for({"b"}) == set()
 
 
+def test_a_session_asked_no_draft_says_nothing_of_its_board(tiny):
+    """A step that asks a session for no draft (the planner found drafting does not pay) takes
+    its empty draft as trivially ready: that must not count its board on time (a silent board
+    would recover from late at once) nor as not waited for."""
+    from edgespec.config import EngineConfig
+    from edgespec.engine.spec_engine import Request, SpecEngine
+    from edgespec.protocol.contract import DraftWant, TakenDraft
+    from edgespec.runner.target_runner import TargetRunner
+
+    with SpecEngine(TargetRunner(tiny.model, n_slots=2, max_len=64), None,
+                    EngineConfig()) as engine:
+        act = engine.add(Request([1, 5, 6], 4))
+        act.drafter = "board"
+        acts = {act.sid: act}
+        engine._record_lateness([DraftWant(act.sid, 0, wait=False)],
+                                [TakenDraft(0, act.end, [])], acts, 0.5)
+        assert "board" not in engine.lateness.snapshot()
+        engine._record_lateness([DraftWant(act.sid, 2, wait=True)],
+                                [TakenDraft(0, act.end, [], ready=False)], acts, 0.5)
+        link = engine.lateness.snapshot()["board"]
+        assert (link.session_steps, link.missed, link.unwaited, link.waited_s) == (1, 1, 0, 0.5)
+
+
+def test_a_late_boards_turn_to_be_waited_for_comes_on_a_step_that_asks_it(tiny, monkeypatch):
+    """A late board is waited for on every PROBE_EVERY-th step that asks it for drafts: steps
+    planned without drafts do not spend its turn (else, a planner probing every 8th step and a
+    turn every 8th step might never meet, and a board that is back would never be waited for)."""
+    from edgespec.config import EngineConfig
+    from edgespec.engine import spec_engine
+    from edgespec.engine.lateness import MISSES_TO_LATE, PROBE_EVERY
+    from edgespec.engine.spec_engine import Request, SpecEngine
+    from edgespec.runner.target_runner import TargetRunner
+
+    planned = [0]
+    monkeypatch.setattr(spec_engine, "plan_drafts", lambda acts, *a: planned * len(acts))
+    with SpecEngine(TargetRunner(tiny.model, n_slots=2, max_len=64), None,
+                    EngineConfig(adaptive=False, draft_wait_ms=50)) as engine:
+        act = engine.add(Request([1, 5, 6], 4))
+        act.drafter = "board"
+        for _ in range(MISSES_TO_LATE):
+            engine.lateness.record("board", ready=False, waited=True)
+        assert engine.lateness.late("board")
+        for _ in range(3 * PROBE_EVERY + 3):  # asked nothing: its turn does not come nearer
+            assert engine._plan()[0].k == 0
+        planned[0] = 2
+        waits = [engine._plan()[0].wait for _ in range(PROBE_EVERY)]
+    assert waits == [False] * (PROBE_EVERY - 1) + [True]
+
+
 def test_lateness_judges_a_board_by_what_its_drafts_hold_not_by_their_length():
     """A board slower than the steps holds fewer tokens than asked (not ready) yet brings
     tokens: it is not late. One whose drafts held nothing for a session is."""

@@ -139,7 +139,7 @@ def test_a_session_is_waited_for_at_most_its_own_wait_and_the_others_their_whole
         _new(side, sid)
     got: list = []
     take = threading.Thread(target=lambda: got.extend(side.store.take_when_ready(
-        [DraftWant("a", 4, wait_s=0.0), DraftWant("b", 2)], 120.0)))
+        [DraftWant("a", 4, wait_s=0.0), DraftWant("b", 2)], 120.0)), daemon=True)
     take.start()
     try:
         take.join(0.3)  # "a" alone would end the wait at once: "b"'s draft is still awaited
@@ -153,7 +153,7 @@ def test_a_session_is_waited_for_at_most_its_own_wait_and_the_others_their_whole
             take.join(60)
     assert [(t.tokens, t.ready) for t in got] == [([], False), ([7, 8], True)]
     bounded = threading.Thread(target=lambda: side.store.take_when_ready(
-        [DraftWant("a", 4, wait_s=0.05), DraftWant("b", 4, wait=False)], 120.0))
+        [DraftWant("a", 4, wait_s=0.05), DraftWant("b", 4, wait=False)], 120.0), daemon=True)
     bounded.start()
     bounded.join(60)
     assert not bounded.is_alive()  # its own 50 ms, not the step's 120 s

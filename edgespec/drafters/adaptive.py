@@ -105,9 +105,16 @@ class DraftLength:
         return out
 
     def supplied(self, asked: int, got: int) -> None:
-        """Record a take: ``asked`` draft tokens wanted, ``got`` in the draft."""
+        """Record a take: ``asked`` draft tokens wanted, ``got`` in the draft. The positions
+        not asked for are taken to hold as the last one asked did (so that a few short takes
+        do not cap the session's width for good: the positions past them are never asked)."""
+        if asked <= 0:
+            return
         for j, supply in enumerate(self.held[:asked]):
             supply.observe(1.0 if j < got else 0.0, 1.0)
+        last = self.held[min(asked, len(self.held)) - 1].rate
+        for supply in self.held[asked:]:
+            supply.observe(last, 1.0)
 
     @property
     def beta(self) -> float:

@@ -9,9 +9,9 @@ steps in a row is *late* (a board that holds fewer tokens than asked, as a board
 steps does, still brings tokens: the step waits for it only as long as its draft is worth,
 ``draft_planner.wait_worth``), and its sessions are then verified with whatever they hold without
 being waited for (at worst as target-only decoding: one token a step), except every
-``PROBE_EVERY``-th step, which waits for it; as soon as its drafts hold tokens (or are ready) when
-taken in ``HITS_TO_RECOVER`` steps in a row it is waited for again. Only speed depends on this,
-never output: a shorter draft verifies to the same tokens.
+``PROBE_EVERY``-th step that asks it for drafts, which waits for it; as soon as its drafts hold
+tokens (or are ready) when taken in ``HITS_TO_RECOVER`` steps in a row it is waited for again.
+Only speed depends on this, never output: a shorter draft verifies to the same tokens.
 
 The counts per drafter (``DrafterLink``) feed ``/metrics`` and ``edgespec status``, so an
 operator sees which board's link is bad.
@@ -61,9 +61,10 @@ class Lateness:
             return link is not None and link.late
 
     def not_waited_for(self, drafters: set[str]) -> set[str]:
-        """The drafters this step does not wait for: the late ones, except on every
-        PROBE_EVERY-th step of each (then its drafts are waited for the whole deadline, so that
-        a drafter whose drafts need the wait can show it is back). Call once a step."""
+        """The drafters this step does not wait for, of ``drafters``, those it asks for drafts: the
+        late ones, except on every PROBE_EVERY-th step that asks each (then its drafts are waited
+        for as long as they are worth, so that a drafter whose drafts need the wait can show it
+        is back; a step asking it nothing could not). Call once a step."""
         out = set()
         with self._lock:
             for d in drafters:

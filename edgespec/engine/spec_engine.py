@@ -187,7 +187,9 @@ class SpecEngine(SessionLifecycle):
         acts = list(self.active)
         ks = plan_drafts(acts, self.cfg, self.cost, self.prober)
         budgets = plan_branch_budgets(acts, ks, self.cfg, self.cost, self.target.max_len)
-        skip = self.lateness.not_waited_for({a.drafter for a in acts if a.drafter})
+        # a late drafter's turn to be waited for comes on a step that asks it for drafts
+        skip = self.lateness.not_waited_for({a.drafter for a, k in zip(acts, ks)
+                                             if a.drafter and k > 0})
         wait_s = self.wait_ms / 1000
         if self.cfg.adaptive and not self.prober.probing:  # a probe is waited for: it measures
             worth = wait_worth([a.draft_len.gains(k) for a, k in zip(acts, ks)], ks, self.cost,
@@ -204,20 +206,21 @@ class SpecEngine(SessionLifecycle):
         """Each drafter's step: were all its sessions' drafts ready when taken? And how many
         of its sessions had a ready draft, and a draft at all; ``wait_s``: the take's time,
         counted for each drafter a draft of which the step waited for."""
-        # drafter -> [sessions, ready, with tokens, ready or with tokens, waited, waited a draft]
+        # drafter -> [sessions, ready, with tokens, ready or with tokens, waited for]; a session
+        # asked no draft says nothing of its drafter (its empty draft is trivially ready)
         counts: dict[str, list] = {}
         for want, t in zip(wants, taken):
             drafter = acts[want.session_id].drafter
-            if drafter and isinstance(t, TakenDraft):
-                c = counts.setdefault(drafter, [0, 0, 0, 0, want.wait, False])
+            if drafter and want.k > 0 and isinstance(t, TakenDraft):
+                c = counts.setdefault(drafter, [0, 0, 0, 0, False])
                 c[0] += 1
                 c[1] += t.ready
                 c[2] += bool(t.tokens)
                 c[3] += t.ready or bool(t.tokens)
-                c[5] = c[5] or (want.wait and want.k > 0)
-        for drafter, (n, n_ready, n_drafts, n_useful, waited, asked) in counts.items():
+                c[4] = c[4] or want.wait
+        for drafter, (n, n_ready, n_drafts, n_useful, waited) in counts.items():
             self.lateness.record(drafter, n_ready == n, waited, (n, n_ready, n_drafts),
-                                 useful=n_useful == n, waited_s=wait_s if asked else 0.0)
+                                 useful=n_useful == n, waited_s=wait_s if waited else 0.0)
 
     def _take(self, wants: list[DraftWant]) -> list[tuple[ActiveSession, TakenDraft]]:
         """The store's drafts (it waits up to the deadline); a session the store lost, or
@@ -235,6 +238,7 @@ class SpecEngine(SessionLifecycle):
                 self.fail(act, SessionFailed(f"the cache holds {t.start} tokens of session "
                                              f"{act.sid}, the verifier {act.end}"))
             else:
+                act.draft_len.supplied(want.k, len(t.tokens))  # what its draft held, as taken
                 out.append((act, t))
         return out
 
@@ -382,7 +386,6 @@ class SpecEngine(SessionLifecycle):
         # KV of last + accepted (a tree's accepted path was moved into place: ``_place``)
         self.target.commit(act.slot, v.start + v.n_accepted + len(v.branch))
         act.draft_len.update(len(d.draft.tokens), v.n_accepted)  # the chain's own acceptance
-        act.draft_len.supplied(act.wanted or 0, len(d.draft.tokens))
         act.draft_len.update_branches(d.draft.branch_tokens, len(v.branch))
         act.stats.record_step(d.draft.drafted, d.accepted, len(v.branch))
         offer = d.draft.head_offer

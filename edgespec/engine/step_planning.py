@@ -8,6 +8,7 @@ from typing import Sequence
 
 from ..config import EngineConfig, verifies_trees
 from ..drafters.adaptive import Prober
+from ..drafters.drafting_loop import lead_cap
 from .draft_planner import ForwardCost, allocate, allocate_branches, probe_every
 from .generation import ActiveSession
 
@@ -28,7 +29,10 @@ def plan_drafts(acts: Sequence[ActiveSession], cfg: EngineConfig, cost: ForwardC
                            [a.draft_len.holds(k) for a, k in zip(acts, ks)])
         prober.every = probe_every(cost, len(acts), PROBE_TOKENS)
         width = prober.planned(max(planned, default=0), PROBE_TOKENS)
-        ks = [min(k, max(p, width)) for k, p in zip(ks, planned)]
+        # no more than the session's drafter drafts ahead after the last ask (``lead_cap``):
+        # a wider ask grows as the drafter's lead does, a step at a time
+        ks = [min(k, max(p, width), lead_cap(a.wanted, cfg.window))
+              for a, k, p in zip(acts, ks, planned)]
     budget = max(0, cfg.max_batch_tokens - len(ks))
     while sum(ks) > budget:
         ks[ks.index(max(ks))] -= 1
