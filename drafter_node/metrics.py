@@ -18,7 +18,14 @@ fix threw their tokens away; ``closed``, the session ended meanwhile; ``failed``
 ``edgespec:drafter_chunks_resent_total`` (chunks of tokens a fix agreed with, sent again at the
 fix's end), ``edgespec:drafter_tokens_kept_total`` (drafted tokens a fix agreed with: kept, not
 drafted again), ``edgespec:drafter_tokens_discarded_total`` (drafted tokens not yet in the cache
-a fix disagreed with); gauges ``edgespec:drafter_verifier_step_seconds`` (the step interval the
+a fix disagreed with); from a commit to the session's next usable draft:
+``edgespec:drafter_commits_seen_total`` (moves of a committed end), ``..._commits_ahead_total``
+(those the tokens already sent reached past: usable at once), ``..._commits_served_total`` (those
+a later chunk covering the new end served) and
+``edgespec:drafter_commit_to_draft_seconds_total{stage}`` (their seconds, ``total`` from the
+commit's arrival to the chunk handed on, of which ``queued`` before its job began and
+``drafting`` its drafting; the chunk's trip to the cache is ``drafter_link_rtt_seconds``);
+gauges ``edgespec:drafter_verifier_step_seconds`` (the step interval the
 loop sees in the commits) and ``edgespec:drafter_seconds_per_token`` (its drafting speed), which
 size its chunks.
 
@@ -138,6 +145,21 @@ class _LoopCollector(Collector):
                 ("tokens_discarded", "Drafted tokens not yet in the cache a fix disagreed with",
                  c.tokens_discarded)]:
             yield CounterMetricFamily(f"edgespec:drafter_{name}", text, value=v)
+        for name, text, v in [
+                ("commits_seen", "Moves of a session's committed end (commits and fixes) seen",
+                 c.commits_seen),
+                ("commits_ahead", "Commits the tokens already sent reached past (drafted ahead)",
+                 c.commits_ahead),
+                ("commits_served", "Commits a later chunk served (covering the new end)",
+                 c.commits_served)]:
+            yield CounterMetricFamily(f"edgespec:drafter_{name}", text, value=v)
+        stages = CounterMetricFamily(
+            "edgespec:drafter_commit_to_draft_seconds",
+            "Seconds from a commit to the chunk that served it, by stage", labels=["stage"])
+        for stage, v in (("total", c.served_s), ("queued", c.queued_s),
+                         ("drafting", c.drafting_s)):
+            stages.add_metric([stage], v)
+        yield stages
         dropped = CounterMetricFamily("edgespec:drafter_chunks_dropped",
                                       "Drafted chunks never sent, by why", labels=["reason"])
         for reason in DROP_REASONS:

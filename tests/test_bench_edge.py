@@ -48,6 +48,9 @@ def test_edge_drafting_against_the_server_alone_as_processes(looping_dir, tmp_pa
     [board] = fleet["per_board"]
     assert board["device"] == "board-0" and board["session_steps"] > 0
     assert 0 <= board["verified_share"] <= 1 and board["chunks_sent"] > 0
+    stages = board["commit_to_draft"]  # each commit drafted ahead of, or served by a chunk
+    assert stages["commits"] > 0 and 0 <= stages["ahead_share"] <= 1
+    assert stages["link_rtt_ms"] > 0 and "commit -> usable draft" in r.stdout
     assert "server on cpus" in report["config"]["split"]
     assert "2x1" in r.stdout and "draft ready in" in r.stdout
     assert (tmp_path / "edge.png").read_bytes().startswith(b"\x89PNG")

@@ -352,3 +352,39 @@ def test_a_board_drafts_ahead_about_twice_what_the_verifier_asks(loop):
         channel.cond.notify_all()
     _eventually(lambda: len(channel.delivered) == 3, "drafted up to the window", channel)
     assert channel.delivered[1:] == [("s", 0, 5, [6, 7, 8, 9]), ("s", 0, 9, [10, 11])]
+
+
+def test_a_commit_to_the_next_usable_draft_is_timed_stage_by_stage(stepped):
+    """A commit the tokens sent reach past is drafted ahead (usable at once); a fix that
+    disagrees waits for a chunk from its end: timed from the fix's arrival, queued until the
+    chunk's job began and drafting while it ran. Tokens an agreeing fix kept are sent again
+    undrafted: all their time is queued."""
+    drafter, channel, book, _ = stepped
+    with channel.cond:
+        book.assign("s", [1, 2, 3], SamplingParams(), 0)
+        channel.cond.notify_all()
+    drafter.gate.release()
+    _eventually(lambda: channel.delivered, "the first chunk", channel)  # [4, 5, 6, 7] at 3
+    assert drafter.entered.wait(WAIT_S) and drafter.entered.wait(WAIT_S)  # drafting at 7
+    with channel.cond:
+        book.commit("s", 0, 5)  # 4 and 5 verified, the cache still holds 6 and 7
+        assert (book.counts.commits_seen, book.counts.commits_ahead) == (1, 1)
+    _fix(channel, book, "s", 1, 7, (50,))  # the bonus was not the board's 8: drafted anew
+    drafter.gate.release()
+    assert drafter.entered.wait(WAIT_S)  # drafting at 8, after the fix
+    drafter.gate.release()
+    _eventually(lambda: len(channel.delivered) == 2, "the chunk after the fix", channel)
+    assert channel.delivered[1] == ("s", 1, 8, [51, 52, 53, 54])
+    with channel.cond:
+        c = book.counts
+        assert (c.commits_seen, c.commits_ahead, c.commits_served) == (2, 1, 1)
+        assert c.drafting_s > 0 and c.served_s >= c.queued_s + c.drafting_s
+        _, drafting = c.queued_s, c.drafting_s
+    assert drafter.entered.wait(WAIT_S)  # drafting at 12
+    _fix(channel, book, "s", 2, 8, (51,))  # agrees: 52..54 kept, sent again from 9
+    drafter.gate.release()
+    _eventually(lambda: len(channel.delivered) == 3, "the kept tokens sent again", channel)
+    assert channel.delivered[2][:3] == ("s", 2, 9)
+    with channel.cond:
+        c = book.counts
+        assert (c.commits_seen, c.commits_served, c.drafting_s) == (3, 2, drafting)

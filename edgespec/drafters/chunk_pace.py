@@ -11,7 +11,8 @@ drafts for, may take ``MARGIN`` of a step; a chunk is never shorter than one tok
 the channel's chunk. A drafter far faster than the verifier (MaG, Cacheback) always gets the
 channel's chunk.
 
-``LoopCounts`` are the loop's counters (read by a board's metrics at scrape time).
+``LoopCounts`` are the loop's counters (read by a board's metrics at scrape time), among them the
+time from a commit to the session's next usable draft, stage by stage.
 """
 
 from __future__ import annotations
@@ -114,3 +115,15 @@ class LoopCounts:
     # drafted chunks never handed on, by why: "disagreed" (a fix threw their tokens away),
     # "closed" (the session ended meanwhile), "failed" (drafting or handing on failed)
     dropped: Counter = field(default_factory=Counter)
+    # from a commit to the session's next usable draft (a chunk handed on that covers the new
+    # committed end): moves of the committed end seen (commits and fixes); those the tokens
+    # already sent under the same epoch reached past (usable at once: drafted ahead); those a
+    # later chunk served, and their seconds from the move: in all, waiting for the chunk's job
+    # to start, and drafting it (the rest is handing it on). A move another overtook before
+    # it was served counts in ``commits_seen`` only.
+    commits_seen: int = 0
+    commits_ahead: int = 0
+    commits_served: int = 0
+    served_s: float = 0.0
+    queued_s: float = 0.0
+    drafting_s: float = 0.0

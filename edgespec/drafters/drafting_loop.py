@@ -74,6 +74,8 @@ class DraftTarget:
     held_from: int | None = None
     last_commit_s: float | None = None  # when the committed end last moved (monotonic)
     wanted: int | None = None  # draft tokens the verifier's last step asked of it (None: unsaid)
+    sent_end: int | None = None  # where the chunks handed on under this epoch end
+    moved_s: float | None = None  # when the committed end last moved past the tokens sent
 
 
 class DraftBook:
@@ -106,7 +108,9 @@ class DraftBook:
         return t
 
     def _moved(self, t: DraftTarget, committed_end: int) -> None:
-        """The committed end is ``committed_end`` (or further): a verifier step when it moved."""
+        """The committed end is ``committed_end`` (or further): a verifier step when it moved.
+        Unless the tokens sent reach past it (the cache holds the next draft already), the
+        session waits for a chunk from there: timed until one is handed on (``served``)."""
         if committed_end > t.committed_end:
             now = time.monotonic()
             if t.last_commit_s is not None:
@@ -114,6 +118,31 @@ class DraftBook:
             t.last_commit_s = now
             t.committed_end = committed_end
             self.news = True
+            self.counts.commits_seen += 1
+            if t.sent_end is not None and t.sent_end > committed_end:
+                self.counts.commits_ahead += 1
+                t.moved_s = None
+            else:
+                t.moved_s = now
+
+    def served(self, t: DraftTarget, start: int, n: int, job_s: tuple[float, float] | None
+               ) -> None:
+        """A chunk of ``n`` tokens at ``start`` was handed on (``job_s``: when the job that
+        drafted it began and ended; None: tokens held across a fix, sent again undrafted)."""
+        t.sent_end = start + n
+        if t.moved_s is None or not n or not start <= t.committed_end < start + n:
+            return
+        now, moved = time.monotonic(), t.moved_s
+        c = self.counts
+        c.commits_served += 1
+        c.served_s += now - moved
+        if job_s is None:
+            c.queued_s += now - moved
+        else:
+            began, ended = job_s
+            c.queued_s += max(0.0, began - moved)
+            c.drafting_s += max(0.0, ended - max(began, moved))
+        t.moved_s = None
 
     def fix(self, sid: str, epoch: int, position: int, tokens: tuple[int, ...]) -> None:
         """The verifier's fix: roll back to ``position``, append ``tokens``, go on under
@@ -122,6 +151,7 @@ class DraftBook:
         if t is None or epoch <= t.epoch:
             return
         t.epoch, t.idle = epoch, False
+        t.sent_end = None  # the cache drops the session's draft with its epoch
         self.news = True
         self._moved(t, position + len(tokens))
         if not t.refused:
@@ -195,6 +225,7 @@ class _Job:
     epoch: int
     start: int = 0
     n: int = 0
+    ran_s: tuple[float, float] | None = None  # when it began and ended (monotonic)
 
 
 def run_drafting(drafter: Drafter, channel: DraftChannel, book: DraftBook,
@@ -232,12 +263,12 @@ def run_drafting(drafter: Drafter, channel: DraftChannel, book: DraftBook,
                     if not book.retired and not book.news:
                         cond.wait(timeout=0.5)
                 continue
-            began = time.perf_counter()
+            began = time.monotonic()
             outcome, error = _do(job, channel.tree_width, drafter)
-            took = time.perf_counter() - began
+            job.ran_s = (began, time.monotonic())
             with cond:
                 if not job.opening and error is None:
-                    book.pace.drafted(took, len(outcome))
+                    book.pace.drafted(job.ran_s[1] - began, len(outcome))
                 _finish(job, outcome, error, channel, book)
                 cond.notify_all()
     finally:
@@ -308,14 +339,15 @@ def _send_held(sid: str, t: DraftTarget, channel: DraftChannel, book: DraftBook)
     if n <= 0 or not channel.can_draft(sid, start):
         return
     chunk = Draft(list(t.draft.tokens[start:start + n]))
-    if _deliver(sid, t, start, chunk, channel, book):
+    if _deliver(sid, t, start, chunk, channel, book, None):
         book.counts.chunks_resent += 1
         t.held_from = start + n if start + n < have else None
 
 
 def _deliver(sid: str, t: DraftTarget, start: int, chunk: Draft, channel: DraftChannel,
-             book: DraftBook) -> bool:
-    """Under the lock: hand a chunk on; a failure costs the session its drafts."""
+             book: DraftBook, ran_s: tuple[float, float] | None) -> bool:
+    """Under the lock: hand a chunk on (``ran_s``: when the job that drafted it ran); a failure
+    costs the session its drafts."""
     try:
         channel.deliver(sid, t, start, chunk)
     except Exception as exc:  # e.g. a metrics call: the session loses its drafts, not more
@@ -324,6 +356,7 @@ def _deliver(sid: str, t: DraftTarget, start: int, chunk: Draft, channel: DraftC
         return False
     book.counts.chunks_sent += 1
     book.counts.tokens_sent += len(chunk)
+    book.served(t, start, len(chunk), ran_s)
     return True
 
 
@@ -435,7 +468,7 @@ def _finish(job: _Job, outcome, error: Exception | None, channel: DraftChannel,
             t.held_from = job.start
         return
     t.idle = len(outcome) == 0
-    _deliver(sid, t, job.start, outcome, channel, book)
+    _deliver(sid, t, job.start, outcome, channel, book, job.ran_s)
 
 
 def _refuse(sid: str, t: DraftTarget, start: int, why: str, channel: DraftChannel,

@@ -294,11 +294,32 @@ def _board_figures(dev: str, before: dict, after: dict, b_before: dict, b_after:
                              "fixes_received")}
     board["chunks_dropped"] = {r: delta(b_after, b_before, "edgespec:drafter_chunks_dropped_total",
                                         reason=r) for r in ("disagreed", "closed", "failed")}
+    board["commit_to_draft"] = _commit_to_draft(b_before, b_after)
     return {"device": dev, "session_steps": steps,
             "ready_share": ready / steps if steps else None,
             "verified_share": verified / steps if steps else None,
             "waited_s": waited, "accepted_tokens": accepted, "cpu_s": cpu_s, **board,
             "wasted_tokens": max(0.0, board["draft_tokens"] - accepted)}
+
+
+def _commit_to_draft(b_before: dict, b_after: dict) -> dict:
+    """A board's time from a commit to the session's next usable draft: the share of commits
+    its sent tokens already reached past (drafted ahead), and for the others the mean
+    milliseconds from the commit's arrival to the chunk handed on, queued and drafting, and
+    the mean round trip of a chunk to the cache (``drafter_node/metrics.py``)."""
+    def d(name: str, **labels) -> float:
+        return delta(b_after, b_before, f"edgespec:drafter_{name}", **labels)
+
+    seen, served = d("commits_seen_total"), d("commits_served_total")
+    acks = d("link_rtt_seconds_count")
+
+    def ms(stage: str) -> float | None:
+        return 1000 * d("commit_to_draft_seconds_total", stage=stage) / served if served else None
+
+    return {"commits": seen, "ahead_share": d("commits_ahead_total") / seen if seen else None,
+            "served": served, "total_ms": ms("total"), "queued_ms": ms("queued"),
+            "drafting_ms": ms("drafting"),
+            "link_rtt_ms": 1000 * d("link_rtt_seconds_sum") / acks if acks else None}
 
 
 def _compare(sessions: int, boards: int, alone: dict, edge: dict, split) -> dict:
@@ -377,6 +398,14 @@ def format_table(report: dict) -> str:
                 f"draft tokens sent {b['draft_tokens']:.0f}, accepted "
                 f"{b.get('accepted_tokens', 0):.0f}, wasted {b.get('wasted_tokens', 0):.0f}; "
                 f"steps waited for it {b.get('waited_s', 0):.1f} s")
+            c = b.get("commit_to_draft")
+            if c and c["commits"]:
+                lines.append(
+                    f"    commit -> usable draft: drafted ahead of "
+                    f"{_f(100 * c['ahead_share'], 0)}% of {c['commits']:.0f} commits; the "
+                    f"others in {_f(c['total_ms'], 1)} ms (queued {_f(c['queued_ms'], 1)}, "
+                    f"drafting {_f(c['drafting_ms'], 1)}), then the chunk's round trip to "
+                    f"the cache {_f(c['link_rtt_ms'], 1)} ms")
         if f["bound_by_boards"]:
             lines.append(f"  {f['sessions']}x{f['boards']}: BOUND BY the boards' cores "
                          f"({_f(100 * f['boards_busy'], 0)}% busy)")
