@@ -340,6 +340,40 @@ def test_device_profile_slowdown():
     assert PROFILES["local"].extra_compute_s(0.01) == 0
 
 
+def test_a_device_with_a_published_speed_drafts_no_faster_than_it():
+    """A profile's tokens_per_s: a step of n tokens takes at least n / tokens_per_s; a machine
+    slower than that adds nothing (it cannot be sped up); the slowdown still applies."""
+    jetson = PROFILES["jetson-orin-nano-super-gpu-llamacpp"]
+    assert jetson.tokens_per_s == 165.0 and jetson.drafter == "llamacpp:default"
+    assert jetson.extra_compute_s(0.01, 33) == pytest.approx(0.19)  # 33 / 165 = 0.2 s
+    assert jetson.extra_compute_s(0.5, 33) == 0  # this machine is slower than the board
+    assert jetson.extra_compute_s(0.01, 0) == 0
+    paced = DeviceProfile("p", "mag", 3.0, LinkProfile(rtt_ms=1), tokens_per_s=100.0)
+    assert paced.extra_compute_s(0.1, 4) == pytest.approx(0.2)  # the slowdown is longer
+    for bad in (0, -5.0, float("inf")):
+        with pytest.raises(ConfigError):
+            DeviceProfile("p", "mag", 1.0, LinkProfile(rtt_ms=1), tokens_per_s=bad)
+
+
+def test_a_paced_drafter_sleeps_to_its_published_speed_and_counts_what_it_cannot(monkeypatch):
+    from edgespec.config import SamplingParams
+    from edgespec.drafters import MaGDrafter
+    from edgespec_cli.deployment import device_emulation
+
+    clock = iter([10.0, 10.01, 20.0, 21.0])
+    slept = []
+    monkeypatch.setattr(device_emulation.time, "perf_counter", lambda: next(clock))
+    monkeypatch.setattr(device_emulation.time, "sleep", slept.append)
+    paced = device_emulation.SlowedDrafter(MaGDrafter(), 1.0, tokens_per_s=100.0)
+    session = paced.open([1, 5, 6, 7, 5, 6, 7, 5], SamplingParams())
+    n = len(session.propose_tree(4, 1).tokens)
+    assert n > 0 and slept[0] == pytest.approx(n / 100 - 0.01)
+    session.propose_tree(4, 1)  # a whole second here: slower than the board, nothing added
+    assert slept[1] == 0 and paced.slower_than_published == 1
+    with pytest.raises(ConfigError):
+        device_emulation.SlowedDrafter(MaGDrafter(), 1.0, tokens_per_s=0)
+
+
 def test_a_slowed_drafter_sleeps_its_slowdown_after_each_proposal(monkeypatch):
     """The simulated device's compute: (slowdown - 1) x each proposal's own time asleep after
     it; the drafts themselves are the inner drafter's."""

@@ -297,6 +297,24 @@ def test_server_cost_and_draft_tokens_sent_and_wasted():
     assert none["draft_tokens_sent"] is None and none["per_device"][0]["draft_tokens_sent"] is None
 
 
+def test_each_boards_commit_to_draft_stages_and_drafts_slower_than_published():
+    boards = {"dev-a": {"tokens_sent": 20, "commits_seen": 10, "commits_ahead": 4,
+                        "commits_served": 5, "served_s": 0.5, "queued_s": 0.2,
+                        "drafting_s": 0.25, "slower_than_published": 3},
+              "dev-b": {"tokens_sent": 9}}
+    s = summarize_run(split_run(boards=boards))
+    a, b = s["per_device"]
+    assert a["commit_to_draft"] == {"commits": 10, "ahead_share": 0.4, "served": 5,
+                                    "total_ms": pytest.approx(100), "queued_ms": pytest.approx(40),
+                                    "drafting_ms": pytest.approx(50)}
+    assert a["drafts_slower_than_published"] == 3
+    assert b["commit_to_draft"] is None and b["drafts_slower_than_published"] is None
+    table = format_table(report_for([split_run(boards=boards)]))
+    assert "dev-a: commit -> usable draft: drafted ahead of 40% of 10 commits" in table
+    assert "in 100.0 ms (queued 40.0, drafting 50.0)" in table
+    assert "dev-a: 3 drafts were slower here than the profile's published speed" in table
+
+
 def test_edge_drafting_against_server_only_per_device_count():
     report = report_for([split_run("on", ended=10.0, server_s=4.0),
                          split_run("server-only", ended=20.0, server_s=16.0, boards={})])

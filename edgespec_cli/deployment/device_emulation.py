@@ -1,7 +1,8 @@
 """A simulated device's compute: its drafter drafts ``slowdown`` times slower than it does here
-(each proposal is followed by (slowdown - 1) times its own duration asleep). The drafting loop
-drafts outside its lock, so fixes and commits still reach the agent meanwhile, as on a slow
-board."""
+(each proposal is followed by (slowdown - 1) times its own duration asleep), or, for a device
+with a published speed, no faster than ``tokens_per_s`` (each proposal of n tokens, branches
+included, takes at least n / tokens_per_s). The drafting loop drafts outside its lock, so fixes
+and commits still reach the agent meanwhile, as on a slow board."""
 
 from __future__ import annotations
 
@@ -15,12 +16,16 @@ from .device_profiles import extra_compute_s
 
 
 class SlowedDrafter(Drafter):
-    """``inner`` with every proposal slowed down ``slowdown`` times (the rest delegated)."""
+    """``inner`` with every proposal slowed down ``slowdown`` times, or paced to at most
+    ``tokens_per_s`` (the rest delegated)."""
 
-    def __init__(self, inner: Drafter, slowdown: float):
+    def __init__(self, inner: Drafter, slowdown: float, tokens_per_s: float | None = None):
         if not slowdown >= 1:
             raise ConfigError(f"compute_slowdown must be >= 1, got {slowdown!r}")
-        self.inner, self.slowdown = inner, slowdown
+        if tokens_per_s is not None and not tokens_per_s > 0:
+            raise ConfigError(f"tokens_per_s must be > 0, got {tokens_per_s!r}")
+        self.inner, self.slowdown, self.tokens_per_s = inner, slowdown, tokens_per_s
+        self.slower_than_published = 0  # proposals this machine drafted slower than the pace
         self.name, self.wait_ms = inner.name, inner.wait_ms
         self.uses_fleet = inner.uses_fleet
 
@@ -39,7 +44,11 @@ class SlowedDrafter(Drafter):
         def slowed(*args, **kwargs):
             began = time.perf_counter()
             out = propose(*args, **kwargs)
-            time.sleep(extra_compute_s(self.slowdown, time.perf_counter() - began))
+            took = time.perf_counter() - began
+            n = len(out.tokens) + sum(len(b.tokens) for b in out.branches)
+            if self.tokens_per_s and took > n / self.tokens_per_s:
+                self.slower_than_published += 1
+            time.sleep(extra_compute_s(self.slowdown, took, n, self.tokens_per_s))
             return out
 
         return slowed

@@ -21,9 +21,16 @@ from edgespec.config import ConfigError
 from .link_emulation import LinkProfile
 
 
-def extra_compute_s(slowdown: float, step_s: float) -> float:
-    """What a device ``slowdown`` times slower adds to a draft step of ``step_s`` seconds."""
-    return (slowdown - 1) * max(0.0, step_s)
+def extra_compute_s(slowdown: float, step_s: float, tokens: int = 0,
+                    tokens_per_s: float | None = None) -> float:
+    """What a device ``slowdown`` times slower adds to a draft step of ``step_s`` seconds; a
+    device that drafts ``tokens_per_s`` (a published speed) takes at least ``tokens`` /
+    ``tokens_per_s`` for the step's ``tokens`` (a machine slower than that cannot be sped up:
+    nothing is added)."""
+    extra = (slowdown - 1) * max(0.0, step_s)
+    if tokens_per_s:
+        extra = max(extra, tokens / tokens_per_s - max(0.0, step_s))
+    return max(0.0, extra)
 
 
 @dataclass(frozen=True)
@@ -33,6 +40,9 @@ class DeviceProfile:
     compute_slowdown: float  # >= 1: drafting takes this many times as long as here
     link: LinkProfile
     description: str = ""
+    # a published drafting speed: each draft step takes at least its tokens / this (the device
+    # is then as fast as published wherever this machine is faster; None: the slowdown alone)
+    tokens_per_s: float | None = None
 
     def __post_init__(self) -> None:
         if not self.name or "," in self.name:
@@ -41,10 +51,14 @@ class DeviceProfile:
         s = self.compute_slowdown
         if not (isinstance(s, (int, float)) and math.isfinite(s) and s >= 1):
             raise ConfigError(f"compute_slowdown must be a finite number >= 1, got {s!r}")
+        t = self.tokens_per_s
+        if t is not None and not (isinstance(t, (int, float)) and math.isfinite(t) and t > 0):
+            raise ConfigError(f"tokens_per_s must be a finite number > 0, got {t!r}")
 
-    def extra_compute_s(self, step_s: float) -> float:
-        """How long to sleep after a draft step that took ``step_s`` seconds here."""
-        return extra_compute_s(self.compute_slowdown, step_s)
+    def extra_compute_s(self, step_s: float, tokens: int = 0) -> float:
+        """How long to sleep after a draft step of ``tokens`` that took ``step_s`` seconds
+        here."""
+        return extra_compute_s(self.compute_slowdown, step_s, tokens, self.tokens_per_s)
 
 
 PROFILES: dict[str, DeviceProfile] = {p.name: p for p in (
@@ -109,6 +123,18 @@ PROFILES: dict[str, DeviceProfile] = {p.name: p for p in (
                   LinkProfile(rtt_ms=1, jitter_ms=0.2, loss=0.0, bandwidth_mbps=940),
                   "Jetson Orin Nano class board drafting with llama.cpp on its CPU, wired "
                   "gigabit Ethernet"),
+    # A Jetson drafting on its GPU, at a published speed. Yuvraj Singh, "Tiny LLM Benchmark:
+    # Jetson Orin Nano Super 8GB - Four Power Modes x Eight Models" (smolhub.com, 2026-06-28;
+    # raw data on Hugging Face, YuvrajSingh9886/jetson-non-reasoning-benchmark-25w): llama.cpp
+    # CUDA with every layer on the GPU (-ngl 99), one user, prompts of 128-2048 tokens and
+    # 64-256 generated: SmolLM2-135M (the default model, a 101 MB GGUF) decodes 165 tokens a
+    # second in the 25 W mode. The board drafts for its sessions one token a forward, so the
+    # 165 are shared among them. Emulated here by pacing this machine's llama.cpp drafter to
+    # at most that speed: a machine slower than 165 tokens a second emulates a slower board.
+    DeviceProfile("jetson-orin-nano-super-gpu-llamacpp", "llamacpp:default", 1.0,
+                  LinkProfile(rtt_ms=1, jitter_ms=0.2, loss=0.0, bandwidth_mbps=940),
+                  "Jetson Orin Nano Super (25 W) drafting with llama.cpp on its GPU at the "
+                  "published 165 tokens/s, wired gigabit Ethernet", tokens_per_s=165.0),
     # A board at this machine's speed drafting with llama.cpp: what bench-edge's boards are.
     DeviceProfile("local-llamacpp", "llamacpp:default", 1.0, LinkProfile(rtt_ms=0),
                   "this machine's speed drafting with llama.cpp, no added network delay"),

@@ -30,7 +30,8 @@ class DrafterActor:
 
     def __init__(self, cache: str, device_id: str, drafter: str = "mag", threads: int = 1,
                  auth_token: str | None = None, max_sessions: int = 8, link=None,
-                 compute_slowdown: float = 1.0, profile: str = "",
+                 compute_slowdown: float = 1.0, tokens_per_s: float | None = None,
+                 profile: str = "",
                  link_seed: int | None = None, tree_width: int = 1, device: str = "cpu",
                  cpus: tuple[int, ...] | None = None):
         from drafter_node.agent import DrafterAgent
@@ -53,10 +54,11 @@ class DrafterActor:
             address = self.faults.address
         self.error: str | None = None
         self.agent = self.thread = None
+        self.slowed: SlowedDrafter | None = None
         try:  # a drafter that cannot be built says why (info) instead of restarting forever
             built, fingerprint = build_edge_drafter(drafter, max_sessions, device=device)
-            if compute_slowdown != 1:
-                built = SlowedDrafter(built, compute_slowdown)
+            if compute_slowdown != 1 or tokens_per_s:
+                built = self.slowed = SlowedDrafter(built, compute_slowdown, tokens_per_s)
         except Exception as e:
             self.error = f"{type(e).__name__}: {e}"
             log.error("drafter %s cannot start: %s", device_id, self.error)
@@ -97,7 +99,10 @@ class DrafterActor:
             return {}
         with self.agent.cond:
             c = self.agent.book.counts
-            return {**vars(c), "dropped": dict(c.dropped)}
+            out = {**vars(c), "dropped": dict(c.dropped)}
+        if self.slowed is not None and self.slowed.tokens_per_s:
+            out["slower_than_published"] = self.slowed.slower_than_published
+        return out
 
     def link_fault(self, fault: str | None) -> None:
         """Break the emulated link (a ``link_faults.FAULTS`` name), or heal it (None)."""

@@ -253,9 +253,11 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                                          load_prompts(target, args.seed, args.max_new_tokens))
     lossless = check_lossless(target, runs, args.max_new_tokens) if len(modes) >= 2 else None
     emulated = {p.name: {"drafter": p.drafter, "compute_slowdown": p.compute_slowdown,
+                         "tokens_per_s": p.tokens_per_s,
                          "link": p.link.describe(), "how": "TCP delaying proxy (LinkProxy) on "
                          "the drafter's link to the cache and the client's link to the "
-                         "verifier; drafting slowed by sleeping (slowdown - 1) x its time"}
+                         "verifier; drafting slowed by sleeping (slowdown - 1) x its time, or "
+                         "paced to at most tokens_per_s where given"}
                 for p in profiles}
     config = {k: v for k, v in vars(args).items() if k != "func"}
     config["cpu_split"] = split.describe() if split else "shared"

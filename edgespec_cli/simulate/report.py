@@ -27,6 +27,10 @@ Definitions (all times in seconds in the JSON; the text table shows latencies in
 - Server cost: ``server_cpu_s_per_token`` (the server side's CPU seconds / committed tokens),
   ``tokens_per_forward`` (committed tokens / verification forwards); per device and in all,
   ``draft_tokens_sent`` (by its drafter) and ``draft_tokens_wasted`` (sent, never accepted).
+- Per device, ``commit_to_draft``: the share of commits its board had drafted ahead of, and the
+  mean milliseconds from a commit to the chunk that served the others (queued, drafting);
+  ``drafts_slower_than_published``: for a profile with a published speed, the drafts this
+  machine could not pace down to it (the board was emulated slower than it is).
 - Against the baseline (``vs_server_only``, when a ``server-only`` run has the same device count
   as an edge-drafting run, batching on): throughput, ITL p50/p99 and server CPU seconds per token
   as edge drafting / server-only.
@@ -134,12 +138,34 @@ def summarize_device(device_id: str, reqs: list[RequestRecord], wall: float,
             "draft_tokens_sent": sent,
             "draft_tokens_wasted": None if sent is None else max(0, sent - acc["accepted"]),
             "draft_tokens_kept_across_fixes": board.get("tokens_kept") if board else None,
+            "commit_to_draft": commit_to_draft(board),
+            # proposals this machine drafted slower than the profile's published speed (the
+            # board was emulated slower than it is)
+            "drafts_slower_than_published": board.get("slower_than_published") if board
+            else None,
             "errors": sum(r.error is not None for r in reqs), "tokens": tokens,
             "share_tokens_per_s": ratio(tokens, wall), "busy_s": busy,
             "decode_tokens_per_s": ratio(tokens, busy),
             "drafted": acc["drafted"], "accepted": acc["accepted"],
             "acceptance_rate": acc["rate"],
             "mean_acceptance_length": acc["mean_acceptance_length"]}
+
+
+def commit_to_draft(board: dict | None) -> dict | None:
+    """A board's time from a commit to the session's next usable draft, from its drafting
+    loop's counts (``LoopCounts``): the share of commits it had drafted ahead of, and the mean
+    milliseconds to the chunk that served the others, in all, queued and drafting."""
+    if not board or not board.get("commits_seen"):
+        return None
+    served = board.get("commits_served", 0)
+
+    def ms(key: str) -> float | None:
+        return 1000 * board.get(key, 0.0) / served if served else None
+
+    return {"commits": board["commits_seen"],
+            "ahead_share": board.get("commits_ahead", 0) / board["commits_seen"],
+            "served": served, "total_ms": ms("served_s"), "queued_ms": ms("queued_s"),
+            "drafting_ms": ms("drafting_s")}
 
 
 def step_split(totals: dict) -> dict | None:
@@ -307,6 +333,18 @@ def run_block(s: dict) -> list[str]:
             f"{fmt(d['mean_acceptance_length'], digits=2):>8} "
             f"{_count(d.get('draft_tokens_sent')):>6} {_count(d.get('draft_tokens_wasted')):>6} "
             f"{d['errors']:>6}")
+    for d in s["per_device"]:
+        c = d.get("commit_to_draft")
+        if c:
+            lines.append(
+                f"  {d['device_id']}: commit -> usable draft: drafted ahead of "
+                f"{fmt(100 * c['ahead_share'], digits=0)}% of {c['commits']} commits; the "
+                f"others in {fmt(c['total_ms'], digits=1)} ms (queued "
+                f"{fmt(c['queued_ms'], digits=1)}, drafting {fmt(c['drafting_ms'], digits=1)})")
+        if d.get("drafts_slower_than_published"):
+            lines.append(f"  {d['device_id']}: {d['drafts_slower_than_published']} drafts were "
+                         f"slower here than the profile's published speed: that board was "
+                         f"emulated slower than it is")
     return lines
 
 

@@ -129,7 +129,8 @@ class FleetRun:
         for i, (dev, p) in enumerate(zip(device_ids(self.profiles), self.profiles)):
             d = fleet.place(self.roles.drafter, head).remote(
                 info["address"], dev, p.drafter, threads=1, link=p.link,
-                compute_slowdown=p.compute_slowdown, profile=p.name,
+                compute_slowdown=p.compute_slowdown, tokens_per_s=p.tokens_per_s,
+                profile=p.name,
                 link_seed=self.s.seed * 10_000 + i, tree_width=self.s.tree_width,
                 cpus=split.boards if split else None)
             self._actors.append(d)
