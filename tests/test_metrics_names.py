@@ -283,7 +283,7 @@ def test_the_servers_cost_since_start_is_counted_and_rendered():
     for drafted, accepted in ((4, 3), (4, 0)):
         m.step(SimpleNamespace(sessions=2, take_s=0.0, forward_s=0.01, commit_s=0.0,
                                tokens=2 + drafted, drafts=1, drafted=drafted,
-                               accepted=accepted, accepted_per_pos=[]))
+                               accepted=accepted, accepted_per_pos=[], drafted_per_pos=[]))
     m.tokens(4, None, 0.1)
     m.tokens(2, 0.05, 0.2)
     cost = m.server_cost()
@@ -306,3 +306,21 @@ def test_each_boards_share_of_the_steps_waits_is_exposed():
                                                  verified_drafts=2)})
     assert value(m.registry, "edgespec:drafter_waited_seconds_total", device="board-1") == 1.5
     assert value(m.registry, "edgespec:drafter_verified_drafts_total", device="board-1") == 2
+
+
+def test_acceptance_by_position_is_counted_out_of_the_drafts_that_reached_it():
+    """Three sessions' verdicts in one step: drafts of 3, 2 and 0 tokens, 2, 0 and 0 of them
+    accepted: positions 0 and 1 were held by two drafts, position 2 by one; accepted were
+    position 0 and 1 of the first draft."""
+    from edgespec.engine.step_report import step_report
+
+    report = step_report([2, 0, 0], [3, 2, 0], sessions=3, tokens=8, take_s=0.0,
+                         forward_s=0.0, commit_s=0.0)
+    assert report.drafted_per_pos == (2, 2, 1) and report.accepted_per_pos == (1, 1)
+    m = VerifierMetrics(CollectorRegistry())
+    m.step(report)
+    drafted = [value(m.registry, "edgespec:spec_decode_num_drafted_tokens_per_pos_total",
+                     position=str(i)) for i in range(4)]
+    accepted = [value(m.registry, "edgespec:spec_decode_num_accepted_tokens_per_pos_total",
+                      position=str(i)) for i in range(4)]
+    assert (drafted, accepted) == ([2, 2, 1, 0], [1, 1, 0, 0])

@@ -72,6 +72,29 @@ def test_acceptance_comes_from_bench_edge_reports_or_by_hand(tmp_path):
             parse_acceptance(bad)
 
 
+def test_acceptance_by_position_comes_from_the_reports_drafts_by_position(tmp_path):
+    """A drafter right in runs (all or nothing) is worth more at a wide draft than alpha^m
+    says: P_m measured where MIN_TRIALS drafts reached m, then P_L x alpha^(m - L)."""
+    from edgespec_cli.simulate.projection import MIN_TRIALS, prefix_acceptance
+
+    path = tmp_path / "be.json"
+    path.write_text(json.dumps({"config": {"drafter": "mag"}, "fleets": [
+        {"edge": {"drafted": 60, "accepted": 30, "drafted_per_pos": [20, 20],
+                  "accepted_per_pos": [10, 10]}, "per_board": []},
+        {"edge": {"drafted": 60, "accepted": 30, "drafted_per_pos": [20, 20, 20, 20],
+                  "accepted_per_pos": [10, 10, 10, 10]}, "per_board": []}]}))
+    [t] = traces_from_bench_edge([str(path)])
+    assert t.alpha == 0.5 and t.prefix_accept == (0.5, 0.5, 0.5, 0.5)  # 20 drafts reached 3, 4
+    assert t.accepted_through(6) == pytest.approx(0.5 * 0.5 ** 2)
+    assert expected_tokens(t, 4) == 3.0 > expected_tokens(0.5, 4)
+    assert prefix_acceptance([MIN_TRIALS, MIN_TRIALS - 1], [10, 9]) == (0.5,)  # too few at 2
+    assert prefix_acceptance([40, 40], [10, 20]) == (0.25, 0.25)  # never likelier further on
+    old = DrafterTrace("d", 0.5, None)  # a report from before the counts: alpha^m
+    assert old.accepted_through(3) == 0.125
+    p = build_projection(SITTING, "8b", [t], [1, 64], None, 64)
+    assert p["drafters"][0]["prefix_accept"] == [0.5] * 4
+
+
 def test_the_projection_report_states_it_is_one_and_its_assumptions():
     p = build_projection(SITTING, "8b", [DrafterTrace("mag", 0.6, None)], [1, 64], 50.0, 64)
     assert p["kind"] == "projection (not a measurement)" and p["assumptions"]

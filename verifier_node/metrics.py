@@ -3,7 +3,9 @@
 Speculative decoding (counted per verification step, once per committed verdict):
 ``edgespec:spec_decode_num_drafts_total`` (verified non-empty drafts),
 ``edgespec:spec_decode_num_draft_tokens_total``, ``edgespec:spec_decode_num_accepted_tokens_total``,
-``edgespec:spec_decode_num_accepted_tokens_per_pos_total{position}``; per device at a session's
+``edgespec:spec_decode_num_accepted_tokens_per_pos_total{position}`` and
+``edgespec:spec_decode_num_drafted_tokens_per_pos_total{position}`` (verified drafts that held
+a token there: the acceptance at a position is the first over the second); per device at a session's
 end: ``edgespec:device_draft_tokens_total{device}``,
 ``edgespec:device_accepted_tokens_total{device}``, ``edgespec:device_drafts_total{device}``.
 Requests: ``edgespec:prompt_tokens_total``, ``edgespec:generation_tokens_total``,
@@ -78,6 +80,9 @@ class VerifierMetrics:
         self.accepted_per_pos = Counter("edgespec:spec_decode_num_accepted_tokens_per_pos",
                                         "Draft tokens accepted, by position in the draft",
                                         ["position"], registry=r)
+        self.drafted_per_pos = Counter("edgespec:spec_decode_num_drafted_tokens_per_pos",
+                                       "Verified drafts that held a token, by position",
+                                       ["position"], registry=r)
         self.device_drafts = Counter("edgespec:device_drafts", "Verified drafts by drafter",
                                      ["device"], registry=r)
         self.device_draft_tokens = Counter("edgespec:device_draft_tokens",
@@ -207,6 +212,9 @@ class VerifierMetrics:
         for pos, n in enumerate(report.accepted_per_pos[:MAX_POSITIONS]):
             if n:
                 self.accepted_per_pos.labels(str(pos)).inc(n)
+        for pos, n in enumerate(report.drafted_per_pos[:MAX_POSITIONS]):
+            if n:
+                self.drafted_per_pos.labels(str(pos)).inc(n)
 
     def prefilled(self, seconds: float) -> None:
         """A step's chunked prefill (before its verification)."""

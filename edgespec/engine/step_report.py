@@ -19,15 +19,23 @@ class StepReport:
     take_s: float  # waiting for and taking drafts
     forward_s: float  # the forward + verification
     commit_s: float
+    # verified drafts that held a token at each position (what accepted_per_pos is out of)
+    drafted_per_pos: tuple[int, ...] = ()
 
 
 def step_report(accepted: Sequence[int], drafted: Sequence[int], sessions: int, tokens: int,
                 take_s: float, forward_s: float, commit_s: float) -> StepReport:
     """The report of a step whose applied verdicts accepted ``accepted[i]`` of ``drafted[i]``
     draft tokens (one entry per session that committed)."""
-    per_pos = [0] * max(accepted, default=0)
-    for a in accepted:
-        for i in range(a):
-            per_pos[i] += 1
     return StepReport(sessions, tokens, sum(1 for d in drafted if d), sum(drafted),
-                      sum(accepted), tuple(per_pos), take_s, forward_s, commit_s)
+                      sum(accepted), _per_position(accepted), take_s, forward_s, commit_s,
+                      _per_position(drafted))
+
+
+def _per_position(lengths: Sequence[int]) -> tuple[int, ...]:
+    """How many of ``lengths`` reach past each position: [#(n > 0), #(n > 1), ...]."""
+    out = [0] * max(lengths, default=0)
+    for n in lengths:
+        for i in range(n):
+            out[i] += 1
+    return tuple(out)

@@ -27,6 +27,7 @@ from pathlib import Path
 from edgespec.config import ConfigError
 from edgespec.runner.cpu_kind import cpu_kind
 from edgespec.wire.convert import free_port
+from verifier_node.metrics import MAX_POSITIONS
 
 from ..deployment.cpu_share import (BOUND_SHARE, busy_share, pin_pid, pin_process,
                                     process_tree_cpu_s, split_cpus)
@@ -274,11 +275,17 @@ def _serve_requests(client, ids: list[list[int]], sessions: int, max_new_tokens:
                                         None if b_cpu0 is None or b_cpu1 is None
                                         else b_cpu1 - b_cpu0, wall))
     forwards = delta(after, before, "edgespec:batch_size_sessions_count")
+    # verified drafts by position: held a token there, and had it accepted (the projection's
+    # acceptance by position, ``simulate/projection.py``)
+    per_pos = {what: [delta(after, before, f"edgespec:spec_decode_num_{what}_tokens_per_pos_total",
+                            position=str(i)) for i in range(MAX_POSITIONS)]
+               for what in ("drafted", "accepted")}
     step_ms = {phase: 1000 * delta(after, before, "edgespec:step_seconds_sum", phase=phase)
                / forwards if forwards else None for phase in ("wait", "forward", "commit")}
     return {"records": done, "wall_s": wall,
             "server_cpu_s": None if cpu0 is None or cpu1 is None else cpu1 - cpu0,
-            "forwards": forwards, "step_ms": step_ms, "boards": per_board}
+            "forwards": forwards, "step_ms": step_ms, "boards": per_board,
+            "drafted_per_pos": per_pos["drafted"], "accepted_per_pos": per_pos["accepted"]}
 
 
 def _board_figures(dev: str, before: dict, after: dict, b_before: dict, b_after: dict,
@@ -322,6 +329,14 @@ def _commit_to_draft(b_before: dict, b_after: dict) -> dict:
             "link_rtt_ms": 1000 * d("link_rtt_seconds_sum") / acks if acks else None}
 
 
+def _trimmed(counts: list[float]) -> list[int]:
+    """Counts by position, without the trailing zeros."""
+    out = [int(c) for c in counts]
+    while out and not out[-1]:
+        out.pop()
+    return out
+
+
 def _compare(sessions: int, boards: int, alone: dict, edge: dict, split) -> dict:
     from edgespec_cli.simulate.report import inter_token_latencies, nearest_rank
 
@@ -337,7 +352,9 @@ def _compare(sessions: int, boards: int, alone: dict, edge: dict, split) -> dict
                 "tokens_per_forward": tokens / run["forwards"] if run["forwards"] else None,
                 "drafted": sum(r.drafted for r in recs),
                 "accepted": sum(r.accepted for r in recs),
-                "steps": run["forwards"], "step_ms": run["step_ms"]}
+                "steps": run["forwards"], "step_ms": run["step_ms"],
+                "drafted_per_pos": _trimmed(run["drafted_per_pos"]),
+                "accepted_per_pos": _trimmed(run["accepted_per_pos"])}
 
     a, e = figures(alone), figures(edge)
     board_cpu = [b["cpu_s"] for b in edge["boards"]]

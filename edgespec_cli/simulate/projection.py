@@ -8,13 +8,18 @@ A projection, not a measurement. It combines two things measured elsewhere:
   the widest point, its last slope);
 - each drafter's acceptance and speed, measured here with real drafters on real prompts
   (``--acceptance-from``: ``edgespec bench-edge`` JSON files; or given, ``--acceptance``): the
-  share of its draft tokens accepted, taken as a per-token acceptance alpha (the m-th token of a
-  draft is accepted with probability alpha^m), and the tokens per second one board drafts.
+  share of its draft tokens accepted (alpha), its acceptance by position where the report has
+  it (P_m: of the verified drafts that held an m-th token, the share whose first m tokens were
+  all accepted; used where MIN_TRIALS drafts reached m, beyond that P_m = P_L x alpha^(m - L)
+  from the last measured L; without them P_m = alpha^m), and the tokens per second one board
+  drafts.
 
 For N boards, one session each, every step verifies N rows of 1 + k tokens (k the same for
-all, chosen to maximise throughput, at most ``max_draft``), and a board supplies at most what it
-drafts in one step (``tokens_per_s x step time``; the board drafts while the verifier steps):
-each session commits 1 + sum over m <= k' of alpha^m tokens a step, k' = min(k, supplied).
+all, so no row is padded, chosen to maximise throughput, at most ``max_draft``), and a board
+supplies at most what it drafts in one step (``tokens_per_s x step time``; the board drafts
+while the verifier steps): each session commits 1 + sum over m <= k' of P_m tokens a step,
+k' = min(k, supplied). Acceptance by position is measured on drafts whose length the verifier's
+planner chose, and is taken to hold at every k.
 Server-only decoding (no boards) commits one token a session a step: N rows of 1 token. Both
 are given as tokens per second; capacity at an SLO is the most boards (up to ``max_devices``)
 whose sessions each keep ``slo`` tokens per second. Host work, prefill, links and queueing are
@@ -29,6 +34,7 @@ from dataclasses import dataclass
 from edgespec.config import ConfigError
 
 MAX_DRAFT = 16  # the verifier's widest graphed row (1 + 15 drafts)
+MIN_TRIALS = 20  # verified drafts that reached a position before its acceptance is used
 
 
 @dataclass(frozen=True)
@@ -39,6 +45,31 @@ class DrafterTrace:
     alpha: float  # accepted / drafted
     tokens_per_s: float | None  # draft tokens one board drafts per second (None: unbounded)
     source: str = ""
+    # P_m for m = 1..L: the chance that a draft's first m tokens are all accepted, given it
+    # held m (measured; empty: alpha^m)
+    prefix_accept: tuple[float, ...] = ()
+
+    def accepted_through(self, m: int) -> float:
+        """P_m: the chance that a draft's first m tokens are all accepted."""
+        known = self.prefix_accept
+        if m <= len(known):
+            return known[m - 1]
+        if not known:
+            return self.alpha ** m
+        return known[-1] * self.alpha ** (m - len(known))
+
+
+def prefix_acceptance(drafted: list[float], accepted: list[float]) -> tuple[float, ...]:
+    """P_m from counts by position (verified drafts that held an m-th token, and that had it
+    accepted, which means every token before it too), while MIN_TRIALS drafts reached m; made
+    non-increasing (a longer prefix is never likelier)."""
+    out: list[float] = []
+    for d, a in zip(drafted, accepted):
+        if d < MIN_TRIALS:
+            break
+        p = min(1.0, a / d)
+        out.append(min(p, out[-1]) if out else p)
+    return tuple(out)
 
 
 def step_costs(sitting: dict, shape: str) -> list[tuple[int, float]]:
@@ -64,12 +95,14 @@ def step_ms(points: list[tuple[int, float]], rows: int) -> float:
     return points[-1][1]
 
 
-def expected_tokens(alpha: float, k: float) -> float:
+def expected_tokens(trace: DrafterTrace | float, k: float) -> float:
     """A session's committed tokens a step with k draft tokens (fractional k: the last one
-    counts in part)."""
+    counts in part); ``trace`` a float: a per-token acceptance alpha."""
+    if not isinstance(trace, DrafterTrace):
+        trace = DrafterTrace("", trace, None)
     whole = int(k)
-    out = 1.0 + sum(alpha ** m for m in range(1, whole + 1))
-    return out + (k - whole) * alpha ** (whole + 1)
+    out = 1.0 + sum(trace.accepted_through(m) for m in range(1, whole + 1))
+    return out + (k - whole) * trace.accepted_through(whole + 1)
 
 
 def project(points: list[tuple[int, float]], trace: DrafterTrace, boards: int,
@@ -80,7 +113,7 @@ def project(points: list[tuple[int, float]], trace: DrafterTrace, boards: int,
     for k in range(1, max_draft):
         ms = step_ms(points, boards * (1 + k))
         supplied = k if trace.tokens_per_s is None else min(k, trace.tokens_per_s * ms / 1000)
-        tokens = expected_tokens(trace.alpha, supplied)
+        tokens = expected_tokens(trace, supplied)
         if tokens / ms > best["tokens_per_step"] / best["step_ms"]:
             best = {"k": k, "tokens_per_step": tokens, "step_ms": ms}
     edge = boards * best["tokens_per_step"] / best["step_ms"] * 1000
@@ -118,6 +151,8 @@ def traces_from_bench_edge(paths: list[str]) -> list[DrafterTrace]:
             fleets = report["fleets"]
             drafted = sum(f["edge"]["drafted"] for f in fleets)
             accepted = sum(f["edge"]["accepted"] for f in fleets)
+            by_pos = {what: _summed([f["edge"].get(f"{what}_per_pos") or [] for f in fleets])
+                      for what in ("drafted", "accepted")}
             # tokens drafted (each once); reports from before that counter: tokens sent
             speeds = [b.get("tokens_drafted", b["draft_tokens"]) / b["cpu_s"]
                       for f in fleets for b in f["per_board"] if b.get("cpu_s")]
@@ -128,7 +163,18 @@ def traces_from_bench_edge(paths: list[str]) -> list[DrafterTrace]:
         if not drafted:
             raise ConfigError(f"--acceptance-from {path}: no draft tokens were verified")
         out.append(DrafterTrace(name, accepted / drafted, max(speeds) if speeds else None,
-                                source=path))
+                                source=path,
+                                prefix_accept=prefix_acceptance(by_pos["drafted"],
+                                                                by_pos["accepted"])))
+    return out
+
+
+def _summed(lists: list[list[float]]) -> list[float]:
+    """Counts by position summed over fleets (of any lengths)."""
+    out = [0.0] * max((len(x) for x in lists), default=0)
+    for x in lists:
+        for i, v in enumerate(x):
+            out[i] += float(v)
     return out
 
 
@@ -159,8 +205,10 @@ def build_projection(sitting: dict, shape: str, traces: list[DrafterTrace],
         "assumptions": [
             "step cost: piecewise linear in rows (sessions x tokens) through the sitting's "
             "graphed steps, its last slope beyond the widest",
-            "per-token acceptance alpha = a drafter's accepted / drafted draft tokens measured "
-            "here; the m-th draft token accepted with probability alpha^m",
+            "acceptance by position P_m measured here (bench-edge's verified drafts by "
+            f"position, where {MIN_TRIALS} drafts reached m), beyond that P_L x alpha^(m - L); "
+            "without it alpha^m, alpha = accepted / drafted; taken to hold at every draft "
+            "length",
             "a board supplies at most its measured drafting speed x the step time a step",
             "one session a board; the draft length the same for all, the best for throughput",
             "host work, prefill, links and queueing left out on both sides"],
@@ -168,7 +216,7 @@ def build_projection(sitting: dict, shape: str, traces: list[DrafterTrace],
     for t in traces:
         rows = [project(points, t, n) for n in boards]
         entry = {"drafter": t.name, "alpha": t.alpha, "board_tokens_per_s": t.tokens_per_s,
-                 "source": t.source, "by_boards": rows}
+                 "prefix_accept": list(t.prefix_accept), "source": t.source, "by_boards": rows}
         if slo:
             entry["capacity"] = {"slo_tokens_per_s": slo,
                                  "edge": capacity(points, t, slo, max_devices),
@@ -184,7 +232,10 @@ def format_projection(p: dict) -> str:
     for d in p["drafters"]:
         speed = "unbounded" if d["board_tokens_per_s"] is None else \
             f"{d['board_tokens_per_s']:.1f} draft tok/s a board"
-        lines.append(f"{d['drafter']}: alpha {d['alpha']:.3f}, {speed}")
+        by_pos = d.get("prefix_accept") or []
+        shape = ("P_m " + " ".join(f"{p:.2f}" for p in by_pos[:8])) if by_pos else \
+            "P_m = alpha^m (no acceptance by position measured)"
+        lines.append(f"{d['drafter']}: alpha {d['alpha']:.3f}, {speed}; {shape}")
         lines.append(f"  {'boards':>6} {'k':>3} {'step ms':>8} {'edge tok/s':>11} "
                      f"{'alone tok/s':>11} {'ratio':>6}")
         for r in d["by_boards"]:
