@@ -388,3 +388,21 @@ def test_a_commit_to_the_next_usable_draft_is_timed_stage_by_stage(stepped):
     with channel.cond:
         c = book.counts
         assert (c.commits_seen, c.commits_served, c.drafting_s) == (3, 2, drafting)
+
+
+def test_chunks_beyond_the_next_ask_are_short(loop):
+    """Asked 3, a board drafts its first chunk in full (the next step needs it), then the rest
+    of its lead (for the step after, should this one accept everything) AHEAD_CHUNK at a time:
+    a fix arriving meanwhile waits for no more than that."""
+    from edgespec.drafters.drafting_loop import AHEAD_CHUNK
+
+    assert AHEAD_CHUNK == 2
+    drafter, channel, book, _ = loop
+    drafter.gate.set()
+    with channel.cond:
+        book.assign("s", [1, 2, 3], SamplingParams(), 0)
+        book.commit("s", 0, 3, wanted=3)
+        channel.cond.notify_all()
+    _eventually(lambda: len(channel.delivered) == 3, "a lead of 8", channel)
+    assert [(start, tokens) for _, _, start, tokens in channel.delivered] == [
+        (3, [4, 5, 6, 7]), (7, [8, 9]), (9, [10, 11])]

@@ -8,7 +8,8 @@ commits and fixes, a close) in the book, under that lock. The loop plans a round
 applies the fixes received, sends held tokens again, and lists its jobs: the sessions to open, then
 every session with room in its window (W tokens beyond the committed position, or fewer: about
 twice what the verifier's last step asked of it, ``lead_cap``), furthest behind first, a chunk
-each. It does the jobs one by one, each checked under the lock first (a job whose session was
+each (beyond what the verifier's next step asks, chunks of AHEAD_CHUNK: a fix that comes while
+one is drafted waits for no more than that). It does the jobs one by one, each checked under the lock first (a job whose session was
 fixed, closed or moved since is left to the next round), and plans a new round when the round is
 done or news came (a session, a commit, a fix): one pass over the sessions a round, not one a
 chunk. It does each job outside the lock, so receiving a fix or a commit never waits behind a model
@@ -53,6 +54,9 @@ from .chunk_pace import ChunkPace, LoopCounts
 log = logging.getLogger("edgespec.drafting")
 
 LEAD_SLACK = 2  # drafted beyond what the verifier asks: a probing step's ask (lead_cap)
+# a chunk drafted beyond the verifier's next ask (for the step after, should this one accept
+# it all) is this short, so that a fix arriving meanwhile waits for little of it
+AHEAD_CHUNK = 2
 
 
 @dataclass
@@ -385,6 +389,8 @@ def _plan_round(channel: DraftChannel, book: DraftBook) -> list[_Job]:
         lead = start - t.committed_end
         room = lead_cap(t.wanted, channel.window) - lead
         if room > 0 and channel.can_draft(sid, start):
+            if t.wanted is not None and lead >= t.wanted:  # beyond the next step's ask
+                room = min(room, AHEAD_CHUNK)
             chunks.append((lead, _Job(sid, t, False, t.epoch, start, room)))
     n = book.pace.chunk(channel.chunk, drafting)
     chunks.sort(key=lambda lj: lj[0])
