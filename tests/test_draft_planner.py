@@ -135,25 +135,6 @@ def test_the_step_waits_for_a_draft_as_long_as_it_is_worth():
     assert waits[1] < 0.001 < waits[0]
     assert wait_worth(gains, ks, cost, 0.010) == [0.010, pytest.approx(waits[1]), 0.0]
     assert wait_worth(gains, ks, ForwardCost(), 0.010) == [0.010, 0.010, 0.0]  # no step yet
-    # what a draft is worth once it comes sizes its wait, at the rate the gains plan: a board
-    # whose drafts were often not in yet when taken is still waited for as long as they pay
-    worth = [[2 * g for g in gains[0]], gains[1], gains[2]]
-    assert wait_worth(gains, ks, cost, 10.0, worth) == pytest.approx(
-        [2 * waits[0], waits[1], 0.0])
-
-
-def test_a_drafts_worth_once_it_comes_leaves_out_how_often_it_was_in_when_taken():
-    """gains(k) counts the chance that the draft taken holds each token (its supply);
-    gains(k, supply=False) is the draft's worth once it holds them: the wait's measure (a
-    supply that only reflects short waits must not shorten the waits that would let it in)."""
-    from edgespec.drafters.adaptive import DraftLength
-
-    k = DraftLength(k_max=4)
-    for _ in range(30):
-        k.update(4, 4)
-        k.supplied(4, 1)  # the drafts held their first token only, when taken
-    held, worth = k.gains(4), k.gains(4, supply=False)
-    assert worth[0] == pytest.approx(held[0]) and worth[3] > 0.9 > 0.2 > held[3]
 
 
 # -- token trees: branch tokens where they pay ----------------------------------------------------

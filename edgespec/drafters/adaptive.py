@@ -86,12 +86,12 @@ class DraftLength:
         """Estimated probability that the next draft token is accepted."""
         return self.chain.rate
 
-    def gains(self, k: int, supply: bool = True) -> list[float]:
+    def gains(self, k: int) -> list[float]:
         """Expected accepted tokens of a draft's 1st..k-th token (k at most k_max): each the
-        chance that the draft holds it (``supply`` False: that it does) and that it and every
-        token before it are accepted, non-increasing."""
+        chance that the draft holds it and that it and every token before it are accepted,
+        non-increasing."""
         alpha, out, survive = self.alpha, [], 1.0
-        for rate, held in zip(self.at[:k], self.holds(k) if supply else [1.0] * k):
+        for rate, held in zip(self.at[:k], self.holds(k)):
             survive *= (rate.hits + POSITION_PRIOR * alpha) / (rate.trials + POSITION_PRIOR)
             out.append(survive * held)
         return out

@@ -92,17 +92,14 @@ def expected_rate(gains: Sequence[Sequence[float]], ks: Sequence[int], cost: For
 
 
 def wait_worth(gains: Sequence[Sequence[float]], ks: Sequence[int], cost: ForwardCost,
-               wait_s: float, worth: Sequence[Sequence[float]] | None = None) -> list[float]:
-    """How long (at most ``wait_s``) the step should wait for each session's draft: what its
-    tokens are worth once it comes (``worth``, by position; default ``gains``) in the step's
-    time, G / rate, since a wait delays every row by as much (the batch decodes ``rate`` tokens
-    a second as planned with ``gains``). 0 without a draft; before any step, ``wait_s`` for each
-    with one. (Worth, not gains, sizes the wait: gains count how often drafts were in when
-    taken, which is what the waits so far let in, and would shrink the wait that lets them in.)"""
+               wait_s: float) -> list[float]:
+    """How long (at most ``wait_s``) the step should wait for each session's draft: its
+    expected tokens' worth in the step's time, G / rate, since a wait delays every row by as
+    much (the batch decodes ``rate`` tokens a second as planned). 0 without a draft; before any
+    step, ``wait_s`` for each with one."""
     rate = expected_rate(gains, ks, cost)
-    worth = gains if worth is None else worth
-    return [0.0 if k <= 0 else wait_s if rate is None else min(wait_s, sum(w[:k]) / rate)
-            for w, k in zip(worth, ks)]
+    return [0.0 if k <= 0 else wait_s if rate is None else min(wait_s, sum(g[:k]) / rate)
+            for g, k in zip(gains, ks)]
 
 
 def allocate_branches(betas: list[float], caps: list[int], gains: Sequence[Sequence[float]],

@@ -193,8 +193,7 @@ class SpecEngine(SessionLifecycle):
         wait_s = self.wait_ms / 1000
         if self.cfg.adaptive and not self.prober.probing:  # a probe is waited for: it measures
             worth = wait_worth([a.draft_len.gains(k) for a, k in zip(acts, ks)], ks, self.cost,
-                               wait_s, [a.draft_len.gains(k, supply=False)
-                                        for a, k in zip(acts, ks)])
+                               wait_s)
         else:
             worth = [wait_s] * len(acts)
         for a, k in zip(acts, ks):
