@@ -303,20 +303,9 @@ def test_each_commit_tells_the_drafter_what_the_next_step_may_ask(tiny, monkeypa
         engine.prober.every, engine.prober.since = 8, 0
         engine._plan()
         assert [a.wanted for a in acts] == [0, 0]  # no drafting ahead
-        engine.prober.since = 8 - spec_engine.ANNOUNCE_STEPS  # a probe within the announcement
+        engine.prober.since = 7  # the next step planned without drafts probes
         engine._plan()
         assert [a.wanted for a in acts] == [PROBE_TOKENS] * 2
         engine.prober.since, planned[:] = 0, [3, 0]
         engine._plan()
         assert [a.wanted for a in acts] == [3, PROBE_TOKENS]
-        # a probing cycle's length is fixed at its start, so the announcement holds
-        from edgespec.engine.step_planning import plan_drafts
-
-        for a in acts:
-            a.draft_len.k, a.wanted = 4, PROBE_TOKENS
-        engine.prober.every, engine.prober.since = 5, 3
-        monkeypatch.setattr("edgespec.engine.step_planning.allocate", lambda *a: [0, 0])
-        assert plan_drafts(acts, engine.cfg, engine.cost, engine.prober) == [0, 0]
-        assert (engine.prober.every, engine.prober.since) == (5, 4)
-        assert plan_drafts(acts, engine.cfg, engine.cost, engine.prober) == [PROBE_TOKENS] * 2
-        assert engine.prober.probing and engine.prober.since == 0

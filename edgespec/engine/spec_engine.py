@@ -48,8 +48,6 @@ from .stack_choice import SOURCES, accepted_prefix
 from .step_planning import PROBE_TOKENS, plan_branch_budgets, plan_drafts
 from .step_report import StepReport, step_report
 
-ANNOUNCE_STEPS = 3  # a probe is announced to the drafters this many steps ahead
-
 __all__ = ["ActiveSession", "Admission", "Request", "Result", "SessionFailed", "SpecEngine",
            "StepReport"]
 
@@ -199,9 +197,9 @@ class SpecEngine(SessionLifecycle):
         else:
             worth = [wait_s] * len(acts)
         # what each commit tells the drafter this step asked; a session asked nothing is told
-        # a probe's worth when a step soon may ask it some (one of the next ANNOUNCE_STEPS
-        # probes, or the batch drafts), so its drafter has them ready; else it drafts nothing
-        probe = PROBE_TOKENS if any(ks) or self.prober.probes_within(ANNOUNCE_STEPS) else 0
+        # a probe's worth when the next step may ask it some (it probes, or the batch drafts),
+        # else its drafter drafts nothing ahead
+        probe = PROBE_TOKENS if any(ks) or self.prober.probes_next() else 0
         for a, k in zip(acts, ks):
             a.wanted = k or probe
         return [DraftWant(a.sid, k, b, wait=w > 0 and a.drafter not in skip, wait_s=w)

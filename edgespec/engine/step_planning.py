@@ -27,8 +27,7 @@ def plan_drafts(acts: Sequence[ActiveSession], cfg: EngineConfig, cost: ForwardC
     if cfg.adaptive:
         planned = allocate([a.draft_len.gains(k) for a, k in zip(acts, ks)], cost,
                            [a.draft_len.holds(k) for a, k in zip(acts, ks)])
-        if prober.since == 0:  # the cycle's length is fixed at its start: probes are announced
-            prober.every = probe_every(cost, len(acts), PROBE_TOKENS)
+        prober.every = probe_every(cost, len(acts), PROBE_TOKENS)
         width = prober.planned(max(planned, default=0), PROBE_TOKENS)
         # no more than the session's drafter drafts ahead after the last ask (``lead_cap``):
         # a wider ask grows as the drafter's lead does, a step at a time
