@@ -333,28 +333,25 @@ def test_chunk_pace_keeps_full_chunks_when_none_would_land_or_all_do():
 
 
 def test_a_board_drafts_ahead_about_twice_what_the_verifier_asks(loop):
-    """A session the verifier decodes without drafts (it asked 0) is not drafted for; told a
-    probe's 2 (the next step may probe), 4 ahead; asked 4, up to the window: no token drafted
-    that no step would use."""
-    from edgespec.drafters.drafting_loop import lead_cap
+    """A session the verifier decodes without drafts (it asked 0) is drafted only a probe's
+    2 tokens ahead; asked 4, up to the window: no token drafted that no step would use."""
+    from edgespec.drafters.drafting_loop import LEAD_SLACK, lead_cap
 
-    assert [lead_cap(w, 8) for w in (None, 0, 1, 2, 3, 9)] == [8, 0, 2, 4, 6, 8]
+    assert [lead_cap(w, 8) for w in (None, 0, 1, 2, 3, 9)] == [8, 2, 4, 6, 8, 8]
+    assert LEAD_SLACK == 2
     drafter, channel, book, _ = loop
     drafter.gate.set()
     with channel.cond:
         book.assign("s", [1, 2, 3], SamplingParams(), 0)
         book.commit("s", 0, 3, wanted=0)
-        book.assign("t", [1, 2, 3], SamplingParams(), 0)
-        book.commit("t", 0, 3, wanted=2)
         channel.cond.notify_all()
     _eventually(lambda: channel.delivered, "a probe's lead", channel)
     with channel.cond:
-        assert channel.delivered == [("t", 0, 3, [4, 5, 6, 7])]  # "s": nothing
+        assert channel.delivered == [("s", 0, 3, [4, 5])]
         book.commit("s", 0, 3, wanted=4)
         channel.cond.notify_all()
-    _eventually(lambda: len(channel.delivered) == 4, "drafted up to the window", channel)
-    assert channel.delivered[1:] == [("s", 0, 3, [4, 5, 6, 7]), ("s", 0, 7, [8, 9]),
-                                     ("s", 0, 9, [10, 11])]
+    _eventually(lambda: len(channel.delivered) == 3, "drafted up to the window", channel)
+    assert channel.delivered[1:] == [("s", 0, 5, [6, 7, 8, 9]), ("s", 0, 9, [10, 11])]
 
 
 def test_a_commit_to_the_next_usable_draft_is_timed_stage_by_stage(stepped):
@@ -394,7 +391,7 @@ def test_a_commit_to_the_next_usable_draft_is_timed_stage_by_stage(stepped):
 
 
 def test_chunks_beyond_the_next_ask_are_short(loop):
-    """Asked 4, a board drafts its first chunk in full (the next step needs it), then the rest
+    """Asked 3, a board drafts its first chunk in full (the next step needs it), then the rest
     of its lead (for the step after, should this one accept everything) AHEAD_CHUNK at a time:
     a fix arriving meanwhile waits for no more than that."""
     from edgespec.drafters.drafting_loop import AHEAD_CHUNK
@@ -404,7 +401,7 @@ def test_chunks_beyond_the_next_ask_are_short(loop):
     drafter.gate.set()
     with channel.cond:
         book.assign("s", [1, 2, 3], SamplingParams(), 0)
-        book.commit("s", 0, 3, wanted=4)
+        book.commit("s", 0, 3, wanted=3)
         channel.cond.notify_all()
     _eventually(lambda: len(channel.delivered) == 3, "a lead of 8", channel)
     assert [(start, tokens) for _, _, start, tokens in channel.delivered] == [

@@ -286,26 +286,3 @@ def test_wrong_sampled_drafts_never_change_the_output(tiny, setup):
         res = engine.generate(Request(PROMPTS[0], 24, params))
     assert res.token_ids == ref
     assert res.stats.accepted_tokens > 5 and res.stats.accepted_tokens < res.stats.draft_tokens
-
-
-def test_each_commit_tells_the_drafter_what_the_next_step_may_ask(tiny, monkeypatch):
-    """A session asked k drafts is told k (its drafter keeps about 2k ahead); a session asked
-    none is told nothing to draft, unless the next step may ask it some: the step before a
-    probe, or a step whose batch drafts for others (then a probe's worth)."""
-    from edgespec.engine import spec_engine
-    from edgespec.engine.step_planning import PROBE_TOKENS
-
-    planned: list[int] = [0, 0]
-    monkeypatch.setattr(spec_engine, "plan_drafts", lambda acts, *a: list(planned))
-    with SpecEngine(TargetRunner(tiny.model, n_slots=2, max_len=64), None,
-                    EngineConfig()) as engine:
-        acts = [engine.add(Request([1, 5, 6], 4)), engine.add(Request([1, 7, 8], 4))]
-        engine.prober.every, engine.prober.since = 8, 0
-        engine._plan()
-        assert [a.wanted for a in acts] == [0, 0]  # no drafting ahead
-        engine.prober.since = 7  # the next step planned without drafts probes
-        engine._plan()
-        assert [a.wanted for a in acts] == [PROBE_TOKENS] * 2
-        engine.prober.since, planned[:] = 0, [3, 0]
-        engine._plan()
-        assert [a.wanted for a in acts] == [3, PROBE_TOKENS]

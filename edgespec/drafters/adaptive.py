@@ -51,10 +51,6 @@ class Prober:
         self.every, self.since = every, 0
         self.probing = False  # whether the last ``planned`` probed
 
-    def probes_next(self) -> bool:
-        """Whether the next step probes, should it be planned without any."""
-        return self.since + 1 >= self.every
-
     def planned(self, n: int, small: int) -> int:
         """``n`` as planned, or ``small`` on a probing step when ``n`` is 0."""
         self.probing = False

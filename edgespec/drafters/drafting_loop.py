@@ -54,6 +54,7 @@ from .chunk_pace import ChunkPace, LoopCounts
 
 log = logging.getLogger("edgespec.drafting")
 
+LEAD_SLACK = 2  # drafted beyond what the verifier asks: a probing step's ask (lead_cap)
 # a chunk drafted beyond the verifier's next ask (for the step after, should this one accept
 # it all) is this short, so that a fix arriving meanwhile waits for little of it
 AHEAD_CHUNK = 2
@@ -401,14 +402,13 @@ def _plan_round(channel: DraftChannel, book: DraftBook) -> list[_Job]:
 
 def lead_cap(wanted: int | None, window: int) -> int:
     """How far ahead of the committed end to draft a session whose last step asked ``wanted``
-    draft tokens of it (or announced them: the step before a probe asks a probe's worth of a
-    session it decodes without drafts): enough for the next step's ask after a commit that
-    moved the end by up to wanted; nothing for a session asked none; the whole window when the
-    verifier did not say. Drafting further ahead only sends tokens no step will use, on the
-    board's time and the server's."""
+    draft tokens of it: enough for the next step's ask after a commit that moved the end by up
+    to wanted + 1, plus a probe's LEAD_SLACK (a step planned without drafts probes every
+    session with 2 now and then); the whole window when the verifier did not say. Drafting
+    further ahead only sends tokens no step will use, on the board's time."""
     if wanted is None:
         return window
-    return min(window, 2 * max(0, wanted))
+    return min(window, 2 * max(0, wanted) + LEAD_SLACK)
 
 
 def _pop_job(queue: list[_Job], channel: DraftChannel, book: DraftBook) -> _Job | None:

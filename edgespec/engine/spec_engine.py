@@ -45,7 +45,7 @@ from .decisions import Decision, RowVerdict, decide
 from .proposals import DrafterProposer, StepDraft, drafter_row, with_head
 from .scoring import ScoredStep, row_verdicts, score_step
 from .stack_choice import SOURCES, accepted_prefix
-from .step_planning import PROBE_TOKENS, plan_branch_budgets, plan_drafts
+from .step_planning import plan_branch_budgets, plan_drafts
 from .step_report import StepReport, step_report
 
 __all__ = ["ActiveSession", "Admission", "Request", "Result", "SessionFailed", "SpecEngine",
@@ -196,12 +196,8 @@ class SpecEngine(SessionLifecycle):
                                wait_s)
         else:
             worth = [wait_s] * len(acts)
-        # what each commit tells the drafter this step asked; a session asked nothing is told
-        # a probe's worth when the next step may ask it some (it probes, or the batch drafts),
-        # else its drafter drafts nothing ahead
-        probe = PROBE_TOKENS if any(ks) or self.prober.probes_next() else 0
         for a, k in zip(acts, ks):
-            a.wanted = k or probe
+            a.wanted = k
         return [DraftWant(a.sid, k, b, wait=w > 0 and a.drafter not in skip, wait_s=w)
                 for a, k, b, w in zip(acts, ks, budgets, worth)]
 
