@@ -324,3 +324,12 @@ def test_acceptance_by_position_is_counted_out_of_the_drafts_that_reached_it():
     accepted = [value(m.registry, "edgespec:spec_decode_num_accepted_tokens_per_pos_total",
                       position=str(i)) for i in range(4)]
     assert (drafted, accepted) == ([2, 2, 1, 0], [1, 1, 0, 0])
+    # a tree counts by depth: a chain of 3 with a 2-token branch at 1 holds positions 0-2
+    from edgespec.engine.proposals import StepDraft
+    from edgespec.protocol.contract import Branch
+
+    tree = StepDraft(None, 0, 5, (7, 8, 9), (Branch(1, (4, 5)),))  # type: ignore[arg-type]
+    assert (tree.drafted, tree.depth) == (5, 3)
+    report = step_report([3], [tree.drafted], sessions=1, tokens=6, take_s=0.0, forward_s=0.0,
+                         commit_s=0.0, depths=[tree.depth])
+    assert report.drafted_per_pos == (1, 1, 1) and report.accepted_per_pos == (1, 1, 1)

@@ -85,10 +85,14 @@ def test_acceptance_by_position_comes_from_the_reports_drafts_by_position(tmp_pa
                   "accepted_per_pos": [10, 10, 10, 10]}, "per_board": []}]}))
     [t] = traces_from_bench_edge([str(path)])
     assert t.alpha == 0.5 and t.prefix_accept == (0.5, 0.5, 0.5, 0.5)  # 20 drafts reached 3, 4
+    # past the last measured, the smaller of its last step (P_4 / P_3 = 1) and alpha
     assert t.accepted_through(6) == pytest.approx(0.5 * 0.5 ** 2)
+    falling = DrafterTrace("f", 0.9, None, prefix_accept=(0.8, 0.4))
+    assert falling.accepted_through(4) == pytest.approx(0.4 * 0.5 ** 2)
     assert expected_tokens(t, 4) == 3.0 > expected_tokens(0.5, 4)
     assert prefix_acceptance([MIN_TRIALS, MIN_TRIALS - 1], [10, 9]) == (0.5,)  # too few at 2
     assert prefix_acceptance([40, 40], [10, 20]) == (0.25, 0.25)  # never likelier further on
+    assert prefix_acceptance([40, 40, 30], [10]) == (0.25, 0.0, 0.0)  # cut at its last non-zero
     old = DrafterTrace("d", 0.5, None)  # a report from before the counts: alpha^m
     assert old.accepted_through(3) == 0.125
     p = build_projection(SITTING, "8b", [t], [1, 64], None, 64)

@@ -123,6 +123,9 @@ class DraftBook:
             t.last_commit_s = now
             t.committed_end = committed_end
             self.news = True
+            if t.draft is None or t.refused:  # not drafted for (yet): nothing to time
+                t.moved_s = None
+                return
             self.counts.commits_seen += 1
             if t.sent_end is not None and t.sent_end > committed_end:
                 self.counts.commits_ahead += 1

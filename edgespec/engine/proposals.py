@@ -78,6 +78,11 @@ class StepDraft:
         return len(self.tokens) + self.branch_tokens
 
     @property
+    def depth(self) -> int:
+        """The draft's longest path: the most draft tokens one accepted path can hold."""
+        return max([len(self.tokens)] + [b.at + len(b.tokens) for b in self.branches])
+
+    @property
     def width(self) -> int:
         """Tokens the row puts in the forward: the session's last token and the draft."""
         return 1 + self.drafted

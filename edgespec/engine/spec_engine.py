@@ -198,7 +198,7 @@ class SpecEngine(SessionLifecycle):
             worth = [wait_s] * len(acts)
         for a, k in zip(acts, ks):
             a.wanted = k
-        return [DraftWant(a.sid, k, b, wait=w > 0 and a.drafter not in skip, wait_s=w)
+        return [DraftWant(a.sid, k, b, wait=k > 0 and w > 0 and a.drafter not in skip, wait_s=w)
                 for a, k, b, w in zip(acts, ks, budgets, worth)]
 
     def _record_lateness(self, wants: list[DraftWant], taken: list, acts: dict,
@@ -434,4 +434,4 @@ class SpecEngine(SessionLifecycle):
 def _report(applied: list[Decision], sessions: int, tokens: int, take_s: float,
             forward_s: float, commit_s: float) -> StepReport:
     return step_report([d.accepted for d in applied], [d.draft.drafted for d in applied], sessions,
-                       tokens, take_s, forward_s, commit_s)
+                       tokens, take_s, forward_s, commit_s, [d.draft.depth for d in applied])

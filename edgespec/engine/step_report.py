@@ -19,17 +19,20 @@ class StepReport:
     take_s: float  # waiting for and taking drafts
     forward_s: float  # the forward + verification
     commit_s: float
-    # verified drafts that held a token at each position (what accepted_per_pos is out of)
+    # verified drafts that held a token at each depth (what accepted_per_pos is out of; a
+    # tree's by its longest path)
     drafted_per_pos: tuple[int, ...] = ()
 
 
 def step_report(accepted: Sequence[int], drafted: Sequence[int], sessions: int, tokens: int,
-                take_s: float, forward_s: float, commit_s: float) -> StepReport:
+                take_s: float, forward_s: float, commit_s: float,
+                depths: Sequence[int] | None = None) -> StepReport:
     """The report of a step whose applied verdicts accepted ``accepted[i]`` of ``drafted[i]``
-    draft tokens (one entry per session that committed)."""
+    draft tokens (one entry per session that committed); ``depths[i]``: the longest path of
+    its draft (a tree's, branches included; default ``drafted``), what positions count."""
     return StepReport(sessions, tokens, sum(1 for d in drafted if d), sum(drafted),
                       sum(accepted), _per_position(accepted), take_s, forward_s, commit_s,
-                      _per_position(drafted))
+                      _per_position(drafted if depths is None else depths))
 
 
 def _per_position(lengths: Sequence[int]) -> tuple[int, ...]:

@@ -46,7 +46,7 @@ class SlowedDrafter(Drafter):
             out = propose(*args, **kwargs)
             took = time.perf_counter() - began
             n = len(out.tokens) + sum(len(b.tokens) for b in out.branches)
-            if self.tokens_per_s and took > n / self.tokens_per_s:
+            if self.tokens_per_s and n and took > n / self.tokens_per_s:
                 self.slower_than_published += 1
             time.sleep(extra_compute_s(self.slowdown, took, n, self.tokens_per_s))
             return out

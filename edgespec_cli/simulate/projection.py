@@ -10,9 +10,10 @@ A projection, not a measurement. It combines two things measured elsewhere:
   (``--acceptance-from``: ``edgespec bench-edge`` JSON files; or given, ``--acceptance``): the
   share of its draft tokens accepted (alpha), its acceptance by position where the report has
   it (P_m: of the verified drafts that held an m-th token, the share whose first m tokens were
-  all accepted; used where MIN_TRIALS drafts reached m, beyond that P_m = P_L x alpha^(m - L)
-  from the last measured L; without them P_m = alpha^m), and the tokens per second one board
-  drafts.
+  all accepted; used where MIN_TRIALS drafts reached m, beyond that P_m = P_L x c^(m - L)
+  from the last measured L, c the smaller of its last step P_L / P_(L-1) and alpha; without
+  them P_m = alpha^m), and
+  the tokens per second one board drafts.
 
 For N boards, one session each, every step verifies N rows of 1 + k tokens (k the same for
 all, so no row is padded, chosen to maximise throughput, at most ``max_draft``), and a board
@@ -56,7 +57,18 @@ class DrafterTrace:
             return known[m - 1]
         if not known:
             return self.alpha ** m
-        return known[-1] * self.alpha ** (m - len(known))
+        return known[-1] * self.continuation ** (m - len(known))
+
+    @property
+    def continuation(self) -> float:
+        """Past the last measured position, the chance that each further token is accepted:
+        the smaller of the last measured step P_L / P_(L-1) and alpha (the drafts that reached
+        L are the confident ones, so their last step overrates the next: the smaller one errs
+        low)."""
+        known = self.prefix_accept
+        if len(known) >= 2 and known[-2] > 0:
+            return min(self.alpha, known[-1] / known[-2])
+        return self.alpha
 
 
 def prefix_acceptance(drafted: list[float], accepted: list[float]) -> tuple[float, ...]:
@@ -64,9 +76,10 @@ def prefix_acceptance(drafted: list[float], accepted: list[float]) -> tuple[floa
     accepted, which means every token before it too), while MIN_TRIALS drafts reached m; made
     non-increasing (a longer prefix is never likelier)."""
     out: list[float] = []
-    for d, a in zip(drafted, accepted):
+    for i, d in enumerate(drafted):
         if d < MIN_TRIALS:
             break
+        a = accepted[i] if i < len(accepted) else 0.0  # a list cut at its last non-zero
         p = min(1.0, a / d)
         out.append(min(p, out[-1]) if out else p)
     return tuple(out)
@@ -206,7 +219,8 @@ def build_projection(sitting: dict, shape: str, traces: list[DrafterTrace],
             "step cost: piecewise linear in rows (sessions x tokens) through the sitting's "
             "graphed steps, its last slope beyond the widest",
             "acceptance by position P_m measured here (bench-edge's verified drafts by "
-            f"position, where {MIN_TRIALS} drafts reached m), beyond that P_L x alpha^(m - L); "
+            f"position, where {MIN_TRIALS} drafts reached m), beyond that P_L x c^(m - L), "
+            "c the smaller of P_L / P_(L-1) and alpha; "
             "without it alpha^m, alpha = accepted / drafted; taken to hold at every draft "
             "length",
             "a board supplies at most its measured drafting speed x the step time a step",
