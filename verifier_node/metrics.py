@@ -5,7 +5,8 @@ Speculative decoding (counted per verification step, once per committed verdict)
 ``edgespec:spec_decode_num_draft_tokens_total``, ``edgespec:spec_decode_num_accepted_tokens_total``,
 ``edgespec:spec_decode_num_accepted_tokens_per_pos_total{position}`` and
 ``edgespec:spec_decode_num_drafted_tokens_per_pos_total{position}`` (verified drafts that held
-a token there: the acceptance at a position is the first over the second); per device at a session's
+a token there, a tree by its longest path: the acceptance at a position is the first over the
+second); per device at a session's
 end: ``edgespec:device_draft_tokens_total{device}``,
 ``edgespec:device_accepted_tokens_total{device}``, ``edgespec:device_drafts_total{device}``.
 Requests: ``edgespec:prompt_tokens_total``, ``edgespec:generation_tokens_total``,
