@@ -262,3 +262,11 @@ def test_four_rows_draft_where_a_row_is_dear_and_a_token_of_a_row_cheap():
     cost = fitted(0.030, 0.001, per_row=0.017)
     assert allocate([geometric(0.9, 8)] * 4, cost) == [8] * 4
     assert 0 < allocate([geometric(0.3, 8)] * 4, cost)[0] < 8
+
+
+def test_the_cost_model_is_solved_once_a_step_and_again_after_each():
+    cost = fitted(0.040, 0.002)
+    first = cost.model()
+    assert cost.model() is first  # the planner asks it several times a step
+    cost.observe(8, 9, 1.0)  # a slow wide step: the fit moves
+    assert cost.model() != first and cost.model().per_token > first.per_token

@@ -48,6 +48,7 @@ class ForwardCost:
         # decayed sums of x x^T and x * seconds, x = (1, rows, rows * width): both fits' data
         self._xx = np.zeros((3, 3))
         self._xy = np.zeros(3)
+        self._model: CostModel | None = None  # model()'s answer until the next step is seen
 
     @property
     def n(self) -> float:
@@ -63,6 +64,7 @@ class ForwardCost:
         x = np.array([1.0, rows, tokens])
         self._xx = d * self._xx + np.outer(x, x)
         self._xy = d * self._xy + x * seconds
+        self._model = None
 
     def fit(self) -> tuple[float, float] | None:
         """(fixed, per_token) seconds over token-rows, or None before the first step."""
@@ -86,9 +88,15 @@ class ForwardCost:
         """The two-slope model (a row, a token of a row), or None before the first step: ridge
         least squares, the slopes pulled towards their priors with ``prior_weight`` steps'
         weight (so rows and tokens that have only varied together split their slope about as
-        the priors do), each kept within 1/50..20x its prior."""
+        the priors do), each kept within 1/50..20x its prior. Solved once a step (kept until the
+        next ``observe``)."""
         if self.n <= 0:
             return None
+        if self._model is None:
+            self._model = self._solve()
+        return self._model
+
+    def _solve(self) -> CostModel:
         my = self._xy[0] / self.n
         priors = np.array([0.0, self.row_share * my, self.token_share * my])
         # each prior slope weighs as much as prior_weight steps one row (one token) apart

@@ -45,7 +45,7 @@ from .decisions import Decision, RowVerdict, decide
 from .proposals import DrafterProposer, StepDraft, drafter_row, with_head
 from .scoring import ScoredStep, row_verdicts, score_step
 from .stack_choice import SOURCES, accepted_prefix
-from .step_planning import plan_branch_budgets, plan_drafts
+from .step_planning import plan_branch_budgets, plan_drafts, session_gains
 from .step_report import StepReport, step_report
 
 __all__ = ["ActiveSession", "Admission", "Request", "Result", "SessionFailed", "SpecEngine",
@@ -185,15 +185,16 @@ class SpecEngine(SessionLifecycle):
         """What to ask of each active session's draft: its length, and its share of branch
         tokens."""
         acts = list(self.active)
-        ks = plan_drafts(acts, self.cfg, self.cost, self.prober)
-        budgets = plan_branch_budgets(acts, ks, self.cfg, self.cost, self.target.max_len)
+        gains = session_gains(acts) if self.cfg.adaptive else None
+        ks = plan_drafts(acts, self.cfg, self.cost, self.prober, gains)
+        budgets = plan_branch_budgets(acts, ks, self.cfg, self.cost, self.target.max_len, gains)
         # a late drafter's turn to be waited for comes on a step that asks it for drafts
         skip = self.lateness.not_waited_for({a.drafter for a, k in zip(acts, ks)
                                              if a.drafter and k > 0})
         wait_s = self.wait_ms / 1000
         if self.cfg.adaptive and not self.prober.probing:  # a probe is waited for: it measures
-            worth = wait_worth([a.draft_len.gains(k) for a, k in zip(acts, ks)], ks, self.cost,
-                               wait_s)
+            assert gains is not None
+            worth = wait_worth([g[:k] for g, k in zip(gains, ks)], ks, self.cost, wait_s)
         else:
             worth = [wait_s] * len(acts)
         for a, k in zip(acts, ks):

@@ -15,18 +15,24 @@ from .generation import ActiveSession
 PROBE_TOKENS = 2  # the draft width of a probing step
 
 
+def session_gains(acts: Sequence[ActiveSession]) -> list[list[float]]:
+    """Each session's ``DraftLength.gains`` up to its cap, once a step: the gains of a shorter
+    draft are their prefix."""
+    return [a.draft_len.gains(a.draft_len.k) for a in acts]
+
+
 def plan_drafts(acts: Sequence[ActiveSession], cfg: EngineConfig, cost: ForwardCost,
-                prober: Prober) -> list[int]:
+                prober: Prober, gains: Sequence[Sequence[float]] | None = None) -> list[int]:
     """Draft tokens each session verifies this step: its adaptive length, cut by the planner to
     the width that pays, then the batch capped at ``max_batch_tokens`` (one own token per
     session + drafts) by shortening the longest drafts first. A step planned without drafts is
     now and then (``prober``, as often as a probe costs at most ``draft_planner.PROBE_SHARE``
     of the steps' time) given a short one for every session, to measure acceptance again: all
-    at once, since one row's draft widens every row."""
+    at once, since one row's draft widens every row. ``gains``: ``session_gains(acts)``."""
     ks = [a.draft_len.k for a in acts]
     if cfg.adaptive:
-        planned = allocate([a.draft_len.gains(k) for a, k in zip(acts, ks)], cost,
-                           [a.draft_len.holds(k) for a, k in zip(acts, ks)])
+        gains = session_gains(acts) if gains is None else gains
+        planned = allocate(gains, cost, [a.draft_len.holds(k) for a, k in zip(acts, ks)])
         prober.every = probe_every(cost, len(acts), PROBE_TOKENS)
         width = prober.planned(max(planned, default=0), PROBE_TOKENS)
         # no more than the session's drafter drafts ahead after the last ask (``lead_cap``):
@@ -40,16 +46,18 @@ def plan_drafts(acts: Sequence[ActiveSession], cfg: EngineConfig, cost: ForwardC
 
 
 def plan_branch_budgets(acts: Sequence[ActiveSession], ks: Sequence[int], cfg: EngineConfig,
-                        cost: ForwardCost, max_len: int) -> list[int]:
+                        cost: ForwardCost, max_len: int,
+                        gains: Sequence[Sequence[float]] | None = None) -> list[int]:
     """Branch tokens each session may add this step: at most the step's tree budget
     (``tree_budget``), for exactly verified sessions with a chain; the planner keeps those that
-    pay."""
+    pay. ``gains``: ``session_gains(acts)``."""
     cap = tree_budget(acts, ks, cfg, max_len)
     caps = [cap if k and verifies_trees(a.verify) else 0 for a, k in zip(acts, ks)]
     if not cap or not cfg.adaptive:
         return caps
+    gains = session_gains(acts) if gains is None else gains
     budgets = allocate_branches([a.draft_len.beta for a in acts], caps,
-                                [a.draft_len.gains(k) for a, k in zip(acts, ks)], list(ks), cost)
+                                [g[:k] for g, k in zip(gains, ks)], list(ks), cost)
     return [a.draft_len.probe_branches(b, c) for a, b, c in zip(acts, budgets, caps)]
 
 
