@@ -309,24 +309,25 @@ def _board_figures(dev: str, before: dict, after: dict, b_before: dict, b_after:
             "wasted_tokens": max(0.0, board["draft_tokens"] - accepted)}
 
 
-def _commit_to_draft(b_before: dict, b_after: dict) -> dict:
-    """A board's time from a commit to the session's next usable draft: the share of commits
-    its sent tokens already reached past (drafted ahead), and for the others the mean
-    milliseconds from the commit's arrival to the chunk handed on, queued and drafting, and
-    the mean round trip of a chunk to the cache (``drafter_node/metrics.py``)."""
+def _commit_to_draft(b_before: dict, b_after: dict) -> dict | None:
+    """A board's time from a commit to the session's next usable draft, from its /metrics
+    (``drafter_node/metrics.py``): simulate's ``commit_to_draft`` figures, and the mean round
+    trip of a chunk to the cache; None when the board saw no commit."""
+    from edgespec_cli.simulate.report import commit_to_draft
+
     def d(name: str, **labels) -> float:
         return delta(b_after, b_before, f"edgespec:drafter_{name}", **labels)
 
-    seen, served = d("commits_seen_total"), d("commits_served_total")
-    acks = d("link_rtt_seconds_count")
-
-    def ms(stage: str) -> float | None:
-        return 1000 * d("commit_to_draft_seconds_total", stage=stage) / served if served else None
-
-    return {"commits": seen, "ahead_share": d("commits_ahead_total") / seen if seen else None,
-            "served": served, "total_ms": ms("total"), "queued_ms": ms("queued"),
-            "drafting_ms": ms("drafting"),
-            "link_rtt_ms": 1000 * d("link_rtt_seconds_sum") / acks if acks else None}
+    out = commit_to_draft({  # the drafting loop's counts (``LoopCounts``), as the board sent them
+        "commits_seen": d("commits_seen_total"), "commits_ahead": d("commits_ahead_total"),
+        "commits_served": d("commits_served_total"),
+        **{f"{stage}_s": d("commit_to_draft_seconds_total", stage=label)
+           for stage, label in (("served", "total"), ("queued", "queued"),
+                                ("drafting", "drafting"))}})
+    if out is not None:
+        acks = d("link_rtt_seconds_count")
+        out["link_rtt_ms"] = 1000 * d("link_rtt_seconds_sum") / acks if acks else None
+    return out
 
 
 def _trimmed(counts: list[float]) -> list[int]:
@@ -384,6 +385,8 @@ def _f(x, digits: int = 1) -> str:
 
 
 def format_table(report: dict) -> str:
+    from edgespec_cli.simulate.report import commit_to_draft_line
+
     lines = [f"{'fleet':<7} {'alone tok/s':>11} {'edge tok/s':>10} {'ratio':>6} "
              f"{'ITL p99 ms':>14} {'server ms/tok':>14} {'tok/fwd':>9} {'same':>5}"]
     for f in report["fleets"]:
@@ -416,13 +419,9 @@ def format_table(report: dict) -> str:
                 f"{b.get('accepted_tokens', 0):.0f}, wasted {b.get('wasted_tokens', 0):.0f}; "
                 f"steps waited for it {b.get('waited_s', 0):.1f} s")
             c = b.get("commit_to_draft")
-            if c and c["commits"]:
-                lines.append(
-                    f"    commit -> usable draft: drafted ahead of "
-                    f"{_f(100 * c['ahead_share'], 0)}% of {c['commits']:.0f} commits; the "
-                    f"others in {_f(c['total_ms'], 1)} ms (queued {_f(c['queued_ms'], 1)}, "
-                    f"drafting {_f(c['drafting_ms'], 1)}), then the chunk's round trip to "
-                    f"the cache {_f(c['link_rtt_ms'], 1)} ms")
+            if c:
+                lines.append(f"    {commit_to_draft_line(c)}, then the chunk's round trip to "
+                             f"the cache {_f(c['link_rtt_ms'], 1)} ms")
         if f["bound_by_boards"]:
             lines.append(f"  {f['sessions']}x{f['boards']}: BOUND BY the boards' cores "
                          f"({_f(100 * f['boards_busy'], 0)}% busy)")

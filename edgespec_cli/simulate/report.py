@@ -168,6 +168,14 @@ def commit_to_draft(board: dict | None) -> dict | None:
             "drafting_ms": ms("drafting_s")}
 
 
+def commit_to_draft_line(c: dict) -> str:
+    """``commit_to_draft``'s figures, as the reports print them."""
+    return (f"commit -> usable draft: drafted ahead of {fmt(100 * c['ahead_share'], digits=0)}% "
+            f"of {c['commits']:.0f} commits; the others in {fmt(c['total_ms'], digits=1)} ms "
+            f"(queued {fmt(c['queued_ms'], digits=1)}, drafting "
+            f"{fmt(c['drafting_ms'], digits=1)})")
+
+
 def step_split(totals: dict) -> dict | None:
     """Mean milliseconds per verifier step waiting for drafts, in the forward, committing."""
     steps = totals.get("steps", 0) if totals else 0
@@ -336,11 +344,7 @@ def run_block(s: dict) -> list[str]:
     for d in s["per_device"]:
         c = d.get("commit_to_draft")
         if c:
-            lines.append(
-                f"  {d['device_id']}: commit -> usable draft: drafted ahead of "
-                f"{fmt(100 * c['ahead_share'], digits=0)}% of {c['commits']} commits; the "
-                f"others in {fmt(c['total_ms'], digits=1)} ms (queued "
-                f"{fmt(c['queued_ms'], digits=1)}, drafting {fmt(c['drafting_ms'], digits=1)})")
+            lines.append(f"  {d['device_id']}: {commit_to_draft_line(c)}")
         if d.get("drafts_slower_than_published"):
             lines.append(f"  {d['device_id']}: {d['drafts_slower_than_published']} drafts were "
                          f"slower here than the profile's published speed: that board was "
