@@ -33,9 +33,10 @@ def test_step_cost_is_linear_in_rows_between_and_beyond_the_sittings_points():
 
 
 def test_expected_tokens_of_a_draft():
-    assert expected_tokens(0.5, 0) == 1.0
-    assert expected_tokens(0.5, 2) == pytest.approx(1.75)
-    assert expected_tokens(0.5, 1.5) == pytest.approx(1.5 + 0.5 * 0.25)
+    half = DrafterTrace("d", 0.5, None)  # no acceptance by position: alpha^m
+    assert expected_tokens(half, 0) == 1.0
+    assert expected_tokens(half, 2) == pytest.approx(1.75)
+    assert expected_tokens(half, 1.5) == pytest.approx(1.5 + 0.5 * 0.25)
 
 
 def test_projection_picks_the_draft_length_that_pays_and_the_boards_speed_bounds_it():
@@ -45,7 +46,8 @@ def test_projection_picks_the_draft_length_that_pays_and_the_boards_speed_bounds
     assert free["draft_tokens"] >= 8 and free["throughput_ratio"] > 4
     assert free["server_only_tokens_per_s"] == pytest.approx(1000 / 6.0)
     slow = project(points, DrafterTrace("d", 0.9, 100.0), 1)  # 0.6 draft tokens a 6 ms step
-    assert slow["tokens_per_session_step"] <= expected_tokens(0.9, 100.0 * slow["step_ms"] / 1000)
+    assert slow["tokens_per_session_step"] <= expected_tokens(DrafterTrace("d", 0.9, 100.0),
+                                                              100.0 * slow["step_ms"] / 1000)
     assert 1 < slow["throughput_ratio"] < free["throughput_ratio"]
     wide = project(points, DrafterTrace("d", 0.3, None), 64)  # poor drafts at a wide step
     assert wide["draft_tokens"] == 0 and wide["throughput_ratio"] == pytest.approx(1.0)
@@ -89,7 +91,7 @@ def test_acceptance_by_position_comes_from_the_reports_drafts_by_position(tmp_pa
     assert t.accepted_through(6) == pytest.approx(0.5 * 0.5 ** 2)
     falling = DrafterTrace("f", 0.9, None, prefix_accept=(0.8, 0.4))
     assert falling.accepted_through(4) == pytest.approx(0.4 * 0.5 ** 2)
-    assert expected_tokens(t, 4) == 3.0 > expected_tokens(0.5, 4)
+    assert expected_tokens(t, 4) == 3.0 > expected_tokens(DrafterTrace("d", 0.5, None), 4)
     assert prefix_acceptance([MIN_TRIALS, MIN_TRIALS - 1], [10, 9]) == (0.5,)  # too few at 2
     assert prefix_acceptance([40, 40], [10, 20]) == (0.25, 0.25)  # never likelier further on
     assert prefix_acceptance([40, 40, 30], [10]) == (0.25, 0.0, 0.0)  # cut at its last non-zero

@@ -108,11 +108,9 @@ def step_ms(points: list[tuple[int, float]], rows: int) -> float:
     return points[-1][1]
 
 
-def expected_tokens(trace: DrafterTrace | float, k: float) -> float:
+def expected_tokens(trace: DrafterTrace, k: float) -> float:
     """A session's committed tokens a step with k draft tokens (fractional k: the last one
-    counts in part); ``trace`` a float: a per-token acceptance alpha."""
-    if not isinstance(trace, DrafterTrace):
-        trace = DrafterTrace("", trace, None)
+    counts in part)."""
     whole = int(k)
     out = 1.0 + sum(trace.accepted_through(m) for m in range(1, whole + 1))
     return out + (k - whole) * trace.accepted_through(whole + 1)
