@@ -184,6 +184,15 @@ def stepped(loop):
     return loop
 
 
+def _open(channel, book, wanted: int | None = None) -> None:
+    """Session "s" at [1, 2, 3], epoch 0; ``wanted``: the verifier's ask, said in a commit."""
+    with channel.cond:
+        book.assign("s", [1, 2, 3], SamplingParams(), 0)
+        if wanted is not None:
+            book.commit("s", 0, 3, wanted=wanted)
+        channel.cond.notify_all()
+
+
 def _fix(channel, book, sid, epoch, position, tokens) -> None:
     with channel.cond:
         book.fix(sid, epoch, position, tokens)
@@ -192,9 +201,7 @@ def _fix(channel, book, sid, epoch, position, tokens) -> None:
 
 def test_a_fix_that_agrees_with_the_chunk_in_flight_keeps_the_rest_and_sends_it_again(stepped):
     drafter, channel, book, _ = stepped
-    with channel.cond:
-        book.assign("s", [1, 2, 3], SamplingParams(), 0)
-        channel.cond.notify_all()
+    _open(channel, book)
     assert drafter.entered.wait(WAIT_S)  # drafting [4, 5, 6, 7] at 3
     _fix(channel, book, "s", 1, 3, (4,))  # a step decoded 4 without a draft
     drafter.gate.release()
@@ -209,9 +216,7 @@ def test_a_fix_that_agrees_with_the_chunk_in_flight_keeps_the_rest_and_sends_it_
 
 def test_a_bonus_token_the_board_drafted_keeps_the_rest_of_its_draft(stepped):
     drafter, channel, book, _ = stepped
-    with channel.cond:
-        book.assign("s", [1, 2, 3], SamplingParams(), 0)
-        channel.cond.notify_all()
+    _open(channel, book)
     drafter.gate.release()
     _eventually(lambda: channel.delivered, "the first chunk", channel)
     assert channel.delivered[0] == ("s", 0, 3, [4, 5, 6, 7])
@@ -224,9 +229,7 @@ def test_a_bonus_token_the_board_drafted_keeps_the_rest_of_its_draft(stepped):
 
 def test_a_disagreeing_fix_after_an_agreeing_one_drops_what_was_held(stepped):
     drafter, channel, book, _ = stepped
-    with channel.cond:
-        book.assign("s", [1, 2, 3], SamplingParams(), 0)
-        channel.cond.notify_all()
+    _open(channel, book)
     assert drafter.entered.wait(WAIT_S)  # drafting [4, 5, 6, 7] at 3
     _fix(channel, book, "s", 1, 3, (4,))  # agrees: 5, 6, 7 kept ...
     _fix(channel, book, "s", 2, 4, (50,))  # ... until the next step's token is not 5
@@ -341,10 +344,7 @@ def test_a_board_drafts_ahead_about_twice_what_the_verifier_asks(loop):
     assert LEAD_SLACK == 2
     drafter, channel, book, _ = loop
     drafter.gate.set()
-    with channel.cond:
-        book.assign("s", [1, 2, 3], SamplingParams(), 0)
-        book.commit("s", 0, 3, wanted=0)
-        channel.cond.notify_all()
+    _open(channel, book, wanted=0)
     _eventually(lambda: channel.delivered, "a probe's lead", channel)
     with channel.cond:
         assert channel.delivered == [("s", 0, 3, [4, 5])]
@@ -360,9 +360,7 @@ def test_a_commit_to_the_next_usable_draft_is_timed_stage_by_stage(stepped):
     chunk's job began and drafting while it ran. Tokens an agreeing fix kept are sent again
     undrafted: all their time is queued."""
     drafter, channel, book, _ = stepped
-    with channel.cond:
-        book.assign("s", [1, 2, 3], SamplingParams(), 0)
-        channel.cond.notify_all()
+    _open(channel, book)
     drafter.gate.release()
     _eventually(lambda: channel.delivered, "the first chunk", channel)  # [4, 5, 6, 7] at 3
     assert drafter.entered.wait(WAIT_S) and drafter.entered.wait(WAIT_S)  # drafting at 7
@@ -379,7 +377,7 @@ def test_a_commit_to_the_next_usable_draft_is_timed_stage_by_stage(stepped):
         c = book.counts
         assert (c.commits_seen, c.commits_ahead, c.commits_served) == (2, 1, 1)
         assert c.drafting_s > 0 and c.served_s >= c.queued_s + c.drafting_s
-        _, drafting = c.queued_s, c.drafting_s
+        drafting = c.drafting_s
     assert drafter.entered.wait(WAIT_S)  # drafting at 12
     _fix(channel, book, "s", 2, 8, (51,))  # agrees: 52..54 kept, sent again from 9
     drafter.gate.release()
@@ -399,10 +397,7 @@ def test_chunks_beyond_the_next_ask_are_short(loop):
     assert AHEAD_CHUNK == 2
     drafter, channel, book, _ = loop
     drafter.gate.set()
-    with channel.cond:
-        book.assign("s", [1, 2, 3], SamplingParams(), 0)
-        book.commit("s", 0, 3, wanted=3)
-        channel.cond.notify_all()
+    _open(channel, book, wanted=3)
     _eventually(lambda: len(channel.delivered) == 3, "a lead of 8", channel)
     assert [(start, tokens) for _, _, start, tokens in channel.delivered] == [
         (3, [4, 5, 6, 7]), (7, [8, 9]), (9, [10, 11])]
