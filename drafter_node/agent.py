@@ -36,7 +36,7 @@ import grpc
 
 from edgespec.config import ConfigError, SamplingParams
 from edgespec.drafters import Draft, Drafter
-from edgespec.drafters.drafting_loop import DraftBook, DraftTarget, run_drafting
+from edgespec.drafters.drafting_loop import AHEAD_CHUNK, DraftBook, DraftTarget, run_drafting
 from edgespec.protocol.ids import check_device_id
 from edgespec.wire.trees import TREE_VERSION, tree_to_wire
 from edgespec.v1 import edgespec_pb2 as pb
@@ -92,6 +92,7 @@ class DrafterAgent:
             raise ConfigError("a client certificate needs both --tls-cert and --tls-key")
         self.fingerprint = fingerprint
         self.window, self.chunk = window, chunk
+        self.ahead_chunk = AHEAD_CHUNK  # a fix waits for no more of a chunk drafted ahead
         self.token, self.tls_ca, self.tls = token, tls_ca, tls
         self.tls_cert, self.tls_key = tls_cert, tls_key
         self.max_sessions = max_sessions

@@ -270,3 +270,22 @@ def test_the_cost_model_is_solved_once_a_step_and_again_after_each():
     assert cost.model() is first  # the planner asks it several times a step
     cost.observe(8, 9, 1.0)  # a slow wide step: the fit moves
     assert cost.model() != first and cost.model().per_token > first.per_token
+
+
+def test_the_batch_budget_shortens_the_longest_drafts_first():
+    """``cap_to_budget`` in one pass equals shortening the longest draft (the earliest of
+    equals) one token at a time until the batch fits."""
+    import random
+
+    import numpy as np
+
+    from edgespec.engine.step_planning import cap_to_budget
+
+    rng = random.Random(7)
+    for _ in range(300):
+        ks = [rng.randint(0, 8) for _ in range(rng.randint(1, 12))]
+        budget = rng.randint(0, sum(ks) + 3)
+        slow = list(ks)
+        while sum(slow) > budget:
+            slow[slow.index(max(slow))] -= 1
+        assert cap_to_budget(np.array(ks), budget).tolist() == slow, (ks, budget)

@@ -61,6 +61,7 @@ class RecordingChannel:
     def __init__(self):
         self.cond = threading.Condition()
         self.window, self.chunk, self.tree_width = 8, 4, 1
+        self.ahead_chunk = 2
         self.delivered: list[tuple[str, int, int, list[int]]] = []
         self.refused: list[tuple[str, int]] = []
 

@@ -105,6 +105,7 @@ class OpenChannel:
     def __init__(self):
         self.cond = threading.Condition()
         self.window, self.chunk, self.tree_width = 8, 4, 1
+        self.ahead_chunk = 2
 
     def can_draft(self, sid, start) -> bool:
         return True

@@ -85,6 +85,30 @@ def test_one_call_gives_each_rows_own_verdict(params):
             assert (out.paths[b], out.tokens[b]) == (ref.path, ref.token)
 
 
+@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=1.0, seed=3)])
+def test_a_batch_of_chains_gives_each_rows_own_verdict(params):
+    """Chains only (a step without trees): the batch is verified as chains (a node accepted
+    with every node before it) and each row's verdict is the per-row rule's."""
+    rng = random.Random(f"chains {params}")
+    for _ in range(20):
+        chains = [DraftTree.chain([rng.randrange(V) for _ in range(rng.randint(0, 7))])
+                  for _ in range(rng.randint(1, 9))]
+        N = max(1, max(len(t) for t in chains))
+        logits = torch.randn(len(chains), 1 + N, V) * 3
+        for b, t in enumerate(chains):
+            for i, p in enumerate(t.parents):
+                if rng.random() < 0.7:
+                    logits[b, p + 1, t.tokens[i]] += 30
+        starts = [rng.randrange(100) for _ in chains]
+        vb = VerifyBatch.build([(t.tokens, t.parents) for t in chains], starts,
+                               [params] * len(chains), ["exact"] * len(chains))
+        assert vb.chains
+        out = verify_step(logits, vb)
+        for b, t in enumerate(chains):
+            ref = verify_tree(logits[b, :1 + len(t)], t, params, starts[b])
+            assert (out.paths[b], out.tokens[b]) == (ref.path, ref.token)
+
+
 def test_rows_with_their_own_settings_and_modes_in_one_call():
     """Greedy, sampled, top-k, top-p and loose rows side by side: each row's verdict is its own
     rule's (the oracles' ``verify_tree`` for exact rows, ``verify_loose`` for loose chains)."""

@@ -18,29 +18,15 @@ the number of draft tokens a step verifies (and waits for), 0 where drafting doe
 planned without drafts is probed now and then (``Prober``, held by the engine), so a batch whose
 text turns repetitive is noticed. ``beta`` is the same for token trees: accepted branch tokens per
 branch token verified, which the planner weighs against a wider forward's cost
-(``probe_branches``: a session's branches probed likewise).
+(``probe_branches``: a session's branches probed likewise). A ``DraftLength`` is one session's
+row of a ``draft_rates.DraftRates`` table, where the engine reads and records whole batches.
 """
 
 from __future__ import annotations
 
+import numpy as np
 
-DECAY = 0.85  # each verification's weight relative to the next one's
-POSITION_PRIOR = 2.0  # trials of alpha a position's own rate starts from
-
-
-class DecayedRate:
-    """Successes per trial, recent verifications weighing most (``DECAY``), from a prior."""
-
-    def __init__(self, prior: float, prior_trials: float):
-        self.hits, self.trials = prior * prior_trials, prior_trials
-
-    @property
-    def rate(self) -> float:
-        return self.hits / self.trials
-
-    def observe(self, hits: float, trials: float) -> None:
-        self.hits = DECAY * self.hits + hits
-        self.trials = DECAY * self.trials + trials
+from .draft_rates import DraftRates
 
 
 class Prober:
@@ -65,80 +51,70 @@ class Prober:
 
 
 class DraftLength:
+    """One session's draft length: a view of its row in a ``DraftRates`` table (the engine's
+    sessions share one; alone, a table of one row)."""
+
     def __init__(self, k_max: int, k_init: int | None = None, k_min: int = 1,
                  adaptive: bool = True, prior_alpha: float = 0.5, prior_trials: float = 2.0,
-                 probe_every: int = 8):
-        if not 1 <= k_min <= k_max:
-            raise ValueError(f"need 1 <= k_min <= k_max, got {k_min}, {k_max}")
-        self.k_min, self.k_max, self.adaptive = k_min, k_max, adaptive
-        self.k = k_max if k_init is None else max(k_min, min(k_max, k_init))
-        # accepted draft tokens per draft token tested (a rejection ends a test)
-        self.chain = DecayedRate(prior_alpha, prior_trials)
-        # position j's own hits and trials: was its token accepted, the ones before it were?
-        self.at = [DecayedRate(0.0, 0.0) for _ in range(k_max)]
-        # position j's supply: did the draft taken hold a j-th token, when asked for one?
-        self.held = [DecayedRate(1.0, 1.0) for _ in range(k_max)]
-        self.branch = DecayedRate(0.1, 5.0)  # accepted branch tokens per branch token verified
+                 probe_every: int = 8, *, table: DraftRates | None = None, row: int = 0):
+        if table is None:
+            table = DraftRates(1, k_max, k_min, adaptive, prior_alpha, prior_trials)
+        self.table, self.row = table, row
+        self._rows = np.array([row])
+        table.reset(row, k_init)
         self._branch_probe = Prober(probe_every)
+
+    @classmethod
+    def of_row(cls, table: DraftRates, row: int, probe_every: int = 8) -> "DraftLength":
+        """Row ``row`` of ``table``, back at its priors: a new session's."""
+        return cls(table.k_max, None, table.k_min, table.adaptive, table.prior_alpha,
+                   table.prior_trials, probe_every, table=table, row=row)
+
+    @property
+    def k(self) -> int:
+        """The next draft's length."""
+        return int(self.table.k[self.row])
+
+    @property
+    def k_max(self) -> int:
+        return self.table.k_max
 
     @property
     def alpha(self) -> float:
         """Estimated probability that the next draft token is accepted."""
-        return self.chain.rate
+        return float(self.table.alpha(self._rows)[0])
+
+    @property
+    def beta(self) -> float:
+        """Estimated accepted tokens per branch token verified (token trees)."""
+        return float(self.table.beta(self._rows)[0])
 
     def gains(self, k: int) -> list[float]:
         """Expected accepted tokens of a draft's 1st..k-th token (k at most k_max): each the
         chance that the draft holds it and that it and every token before it are accepted,
         non-increasing."""
-        alpha, out, survive = self.alpha, [], 1.0
-        for rate, held in zip(self.at[:k], self.holds(k)):
-            survive *= (rate.hits + POSITION_PRIOR * alpha) / (rate.trials + POSITION_PRIOR)
-            out.append(survive * held)
-        return out
+        k = min(k, self.table.k_max)
+        return self.table.gains(self._rows, np.array([k]))[0].tolist()
 
     def holds(self, k: int) -> list[float]:
         """The chance that the draft taken holds a 1st..k-th token (non-increasing)."""
-        out, held = [], 1.0
-        for supply in self.held[:k]:
-            held = min(held, supply.rate)
-            out.append(held)
-        return out
+        k = min(k, self.table.k_max)
+        return self.table.holds(self._rows, np.array([k]))[0].tolist()
 
     def supplied(self, asked: int, got: int) -> None:
-        """Record a take: ``asked`` draft tokens wanted, ``got`` in the draft. The positions
-        not asked for are taken to hold as the last one asked did (so that a few short takes
-        do not cap the session's width for good: the positions past them are never asked)."""
-        if asked <= 0:
-            return
-        for j, supply in enumerate(self.held[:asked]):
-            supply.observe(1.0 if j < got else 0.0, 1.0)
-        last = self.held[min(asked, len(self.held)) - 1].rate
-        for supply in self.held[asked:]:
-            supply.observe(last, 1.0)
-
-    @property
-    def beta(self) -> float:
-        """Estimated accepted tokens per branch token verified (token trees)."""
-        return self.branch.rate
+        """Record a take: ``asked`` draft tokens wanted, ``got`` in the draft
+        (``DraftRates.supplied``)."""
+        self.table.supplied(self._rows, np.array([asked]), np.array([got]))
 
     def update(self, drafted: int, accepted: int) -> int:
-        """Record one verification of ``drafted`` tokens of which ``accepted`` passed."""
-        if drafted > 0:
-            self.chain.observe(accepted, accepted + (1 if accepted < drafted else 0))
-            for j, rate in enumerate(self.at[:drafted]):  # positions past the first miss: no trial
-                if j <= accepted:
-                    rate.observe(1.0 if j < accepted else 0.0, 1.0)
-            if self.adaptive:
-                if accepted == drafted:
-                    self.k = min(self.k_max, self.k + 2)
-                else:
-                    self.k = max(self.k_min, self.k - 1)
+        """Record one verification of ``drafted`` tokens of which ``accepted`` passed; returns
+        the next length."""
+        self.table.update(self._rows, np.array([drafted]), np.array([accepted]))
         return self.k
 
     def update_branches(self, verified: int, accepted: int) -> None:
         """Record one verification of ``verified`` branch tokens, ``accepted`` of them taken."""
-        if verified > 0:
-            self.branch.observe(accepted, verified)
+        self.table.update_branches(self._rows, np.array([verified]), np.array([accepted]))
 
     def probe_branches(self, budget: int, cap: int) -> int:
         """``budget`` branch tokens as planned, except that a step that could have had branches

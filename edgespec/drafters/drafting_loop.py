@@ -8,8 +8,10 @@ commits and fixes, a close) in the book, under that lock. The loop plans a round
 applies the fixes received, sends held tokens again, and lists its jobs: the sessions to open, then
 every session with room in its window (W tokens beyond the committed position, or fewer: about
 twice what the verifier's last step asked of it, ``lead_cap``), furthest behind first, a chunk
-each (beyond what the verifier's next step asks, chunks of AHEAD_CHUNK: a fix that comes while
-one is drafted waits for no more than that). It does the jobs one by one, each checked under the
+each (beyond what the verifier's next step asks, chunks of the channel's ``ahead_chunk``: a
+board's is AHEAD_CHUNK, so that a fix that comes while one is drafted waits for no more than
+that; in process, where the verifier and the drafter share the host, the whole chunk, since each
+chunk costs the host its own round of work). It does the jobs one by one, each checked under the
 lock first (a job whose session was fixed, closed or moved since is left to the next round), and
 plans a new round when the round is done or news came (a session, a commit, a fix): one pass
 over the sessions a round, not one a chunk. It does each job outside the lock, so receiving a
@@ -207,6 +209,7 @@ class DraftChannel(Protocol):
     cond: threading.Condition  # guards the book; notified when there is news for the loop
     window: int  # tokens drafted beyond the committed position
     chunk: int  # tokens per chunk
+    ahead_chunk: int  # tokens per chunk beyond what the verifier's next step asks
     tree_width: int  # 1: chains; more: chains with up to tree_width - 1 branches
 
     def refresh(self, book: DraftBook) -> None:
@@ -394,7 +397,7 @@ def _plan_round(channel: DraftChannel, book: DraftBook) -> list[_Job]:
         room = lead_cap(t.wanted, channel.window) - lead
         if room > 0 and channel.can_draft(sid, start):
             if t.wanted is not None and lead >= t.wanted:  # beyond the next step's ask
-                room = min(room, AHEAD_CHUNK)
+                room = min(room, channel.ahead_chunk)
             chunks.append((lead, _Job(sid, t, False, t.epoch, start, room)))
     n = book.pace.chunk(channel.chunk, drafting)
     chunks.sort(key=lambda lj: lj[0])

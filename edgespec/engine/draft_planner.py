@@ -27,42 +27,68 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
 
 from .forward_cost import CostModel, ForwardCost
 
-__all__ = ["CostModel", "ForwardCost", "allocate", "allocate_branches", "expected_rate",
-           "probe_every", "wait_worth"]
+__all__ = ["BatchGains", "CostModel", "ForwardCost", "allocate", "allocate_branches",
+           "expected_rate", "probe_every", "wait_worth"]
 
 
-def _rate(model: CostModel, gain: float, rows: int, width: float) -> float:
-    return gain / model.seconds(rows, width)
+@dataclass(frozen=True)
+class BatchGains:
+    """A batch's draft positions as the planner reads them, a row a session."""
+
+    gains: np.ndarray  # [B, K] float: the m-th draft token's expected accepted tokens, 0 past cap
+    holds: np.ndarray  # [B, K] float: the chance its draft holds that token when taken, 0 past cap
+    caps: np.ndarray  # [B] int: the most draft tokens each session may verify
+
+    @classmethod
+    def of_lists(cls, gains: Sequence[Sequence[float]],
+                 holds: Sequence[Sequence[float]] | None = None) -> "BatchGains":
+        """From each session's gains (its length is its cap) and holds (None: always held)."""
+        caps = np.array([len(g) for g in gains], dtype=np.int64)
+        K = int(caps.max(initial=0))
+        g_m, h_m = np.zeros((len(caps), K)), np.zeros((len(caps), K))
+        for i, c in enumerate(caps):
+            g_m[i, :c] = gains[i]
+            h_m[i, :c] = 1.0 if holds is None else holds[i][:c]
+        return cls(g_m, h_m, caps)
+
+    def cut(self, ks: Sequence[int] | np.ndarray) -> "BatchGains":
+        """The same batch with each session's cap cut to ks."""
+        caps = np.minimum(self.caps, np.asarray(ks, dtype=np.int64))
+        if (caps == self.caps).all():
+            return self
+        on = np.arange(self.gains.shape[1])[None] < caps[:, None]
+        return BatchGains(np.where(on, self.gains, 0.0), np.where(on, self.holds, 0.0), caps)
 
 
-def allocate(gains: Sequence[Sequence[float]], cost: ForwardCost,
+def _batch(gains: "BatchGains | Sequence[Sequence[float]]",
+           holds: Sequence[Sequence[float]] | None = None) -> BatchGains:
+    return gains if isinstance(gains, BatchGains) else BatchGains.of_lists(gains, holds)
+
+
+def allocate(gains: BatchGains | Sequence[Sequence[float]], cost: ForwardCost,
              holds: Sequence[Sequence[float]] | None = None) -> list[int]:
     """Draft tokens per session that maximise the next step's expected tokens per second.
     gains[i][m]: the expected accepted tokens of session i's (m+1)-th draft token (its length is
     the session's cap; non-increasing); holds[i][m]: the chance that its draft holds that token
-    when taken (None: always). Before any step, every cap."""
+    when taken (None: always); or a ``BatchGains`` holding both. Before any step, every cap."""
+    batch = _batch(gains, holds)
     model = cost.model()
-    caps = [len(g) for g in gains]
     if model is None:
-        return caps
-    rows = len(gains)
-    holds = holds if holds is not None else [[1.0] * c for c in caps]
-    width = 1.0  # the forward's expected width at the draft width tried
-    gain, best, best_rate = float(rows), 0, _rate(model, rows, rows, 1)  # a token a row
-    for d in range(1, max(caps, default=0) + 1):
-        none_holds = 1.0  # the chance that no row's draft holds a d-th token
-        for g, h in zip(gains, holds):
-            if len(g) >= d:
-                gain += g[d - 1]
-                none_holds *= 1.0 - h[d - 1]
-        width += 1.0 - none_holds
-        r = _rate(model, gain, rows, width)
-        if r > best_rate:
-            best, best_rate = d, r
-    return [min(c, best) for c in caps]
+        return batch.caps.tolist()
+    rows = len(batch.caps)
+    gain = rows + np.cumsum(batch.gains.sum(0))  # [D]: a token a row + drafts 1..d
+    none_holds = np.prod(1.0 - batch.holds, axis=0)  # [D]: no row's draft holds a d-th token
+    width = 1.0 + np.cumsum(1.0 - none_holds)  # [D]: the forward's expected width at d
+    seconds = model.fixed + rows * (model.per_row + model.per_token * width)
+    rates = np.concatenate([[rows / model.seconds(rows, 1)], gain / seconds])
+    best = int(np.argmax(rates))  # the first best: ties go to the narrower forward
+    return np.minimum(batch.caps, best).tolist()
 
 
 PROBE_SHARE = 0.02  # of the steps' time, what probing a batch without drafts may cost
@@ -80,30 +106,39 @@ def probe_every(cost: ForwardCost, rows: int, width: int) -> int:
     return max(MIN_PROBE_EVERY, math.ceil(probe_s / (PROBE_SHARE * model.seconds(rows, 1))))
 
 
-def expected_rate(gains: Sequence[Sequence[float]], ks: Sequence[int], cost: ForwardCost
-                  ) -> float | None:
+def expected_rate(gains: BatchGains | Sequence[Sequence[float]], ks: Sequence[int],
+                  cost: ForwardCost) -> float | None:
     """The step's expected tokens per second with ks draft tokens a session (None before any
     step)."""
     model = cost.model()
     if model is None:
         return None
-    gain = len(ks) + sum(sum(g[:k]) for g, k in zip(gains, ks))
-    return _rate(model, gain, len(ks), 1 + max(ks, default=0))
+    return _rate_of(_batch(gains).cut(ks).gains.sum(1), ks, model)
 
 
-def wait_worth(gains: Sequence[Sequence[float]], ks: Sequence[int], cost: ForwardCost,
-               wait_s: float) -> list[float]:
+def _rate_of(own: np.ndarray, ks: Sequence[int], model: CostModel) -> float:
+    """The step's expected tokens per second, each session's draft worth own[b] tokens."""
+    return (len(ks) + float(own.sum())) / model.seconds(len(ks), 1 + max(ks, default=0))
+
+
+def wait_worth(gains: BatchGains | Sequence[Sequence[float]], ks: Sequence[int],
+               cost: ForwardCost, wait_s: float) -> list[float]:
     """How long (at most ``wait_s``) the step should wait for each session's draft: its
     expected tokens' worth in the step's time, G / rate, since a wait delays every row by as
     much (the batch decodes ``rate`` tokens a second as planned). 0 without a draft; before any
     step, ``wait_s`` for each with one."""
-    rate = expected_rate(gains, ks, cost)
-    return [0.0 if k <= 0 else wait_s if rate is None else min(wait_s, sum(g[:k]) / rate)
-            for g, k in zip(gains, ks)]
+    k = np.asarray(ks, dtype=np.int64)
+    model = cost.model()
+    if model is None:
+        return np.where(k > 0, wait_s, 0.0).tolist()
+    own = _batch(gains).cut(ks).gains.sum(1)  # [B]: each session's expected tokens
+    rate = _rate_of(own, ks, model)
+    return np.where(k > 0, np.minimum(wait_s, own / rate), 0.0).tolist()
 
 
-def allocate_branches(betas: list[float], caps: list[int], gains: Sequence[Sequence[float]],
-                      ks: list[int], cost: ForwardCost) -> list[int]:
+def allocate_branches(betas: Sequence[float] | np.ndarray, caps: Sequence[int],
+                      gains: BatchGains | Sequence[Sequence[float]], ks: Sequence[int],
+                      cost: ForwardCost) -> list[int]:
     """Branch tokens per session (each at most its cap) on top of chains of ks tokens: the
     width, from the chains' up, that maximises the step's expected tokens per second, filled.
     betas[i]: session i's accepted tokens per branch token verified; a session whose branches
@@ -111,16 +146,14 @@ def allocate_branches(betas: list[float], caps: list[int], gains: Sequence[Seque
     model = cost.model()
     if model is None:
         return list(caps)
-    rows, base = len(ks), max(ks, default=0)
-    chains = rows + sum(sum(g[:k]) for g, k in zip(gains, ks))
-
-    def filled(width: int) -> list[int]:  # width: draft nodes a row
-        return [min(c, width - k) if b > 0 else 0 for b, c, k in zip(betas, caps, ks)]
-
-    best, best_rate = base, 0.0
-    for width in range(base, max((k + c for k, c in zip(ks, caps)), default=0) + 1):
-        gain = chains + sum(b * n for b, n in zip(betas, filled(width)))
-        r = _rate(model, gain, rows, 1 + width)
-        if r > best_rate:
-            best, best_rate = width, r
-    return filled(best)
+    k, cap, beta = (np.asarray(ks, dtype=np.int64), np.asarray(caps, dtype=np.int64),
+                    np.asarray(betas, dtype=float))
+    rows, base = len(k), int(k.max(initial=0))
+    chains = rows + float(_batch(gains).cut(ks).gains.sum())
+    widths = np.arange(base, int((k + cap).max(initial=0)) + 1)  # [W]: draft nodes a row
+    filled = np.where(beta[None] > 0, np.minimum(cap[None], widths[:, None] - k[None]), 0)
+    gain = chains + (filled * beta[None]).sum(1)  # [W]
+    rates = gain / (model.fixed + rows * (model.per_row + model.per_token * (1 + widths)))
+    if not len(widths):
+        return [0] * rows
+    return filled[int(np.argmax(rates))].tolist()

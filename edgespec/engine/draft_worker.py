@@ -25,6 +25,10 @@ class LocalChannel:
     def __init__(self, store: LocalSessionStore, cfg: EngineConfig):
         self.store, self.cond = store, store.cond
         self.window, self.chunk, self.tree_width = cfg.window, cfg.chunk, cfg.tree_width
+        # chunks beyond the next step's ask as long as any: the drafting thread's work is the
+        # verifier's host's, a round of it a chunk (bench-host: half the thread's time at 64
+        # sessions with MaG against chunks of AHEAD_CHUNK)
+        self.ahead_chunk = cfg.chunk
         self._last_fix: dict[str, int] = {}  # sid -> the last fix id the book has
         with store.lock:
             store.read_changes()  # from now on the store keeps what changed

@@ -14,6 +14,7 @@ from typing import Any
 
 from ..config import ConfigError, EngineConfig, is_lossy, session_verify_mode
 from ..drafters import DraftLength
+from ..drafters.draft_rates import DraftRates
 from ..protocol.contract import SessionStore, StoreUnavailable
 from ..runner.target_runner import TargetRunner
 from ..verify.keyed_noise import with_session_seed
@@ -36,6 +37,7 @@ class SessionLifecycle:
     active: list[ActiveSession]  # running: verified every step
     prefilling: PrefillQueue  # admitted, waiting for their prompts' prefill
     on_prefill: Callable[[int, float], None] | None
+    rates: DraftRates  # the sessions' draft-length state, a row a KV slot
     _ids: itertools.count
 
     def validate(self, req: Request) -> str:
@@ -119,8 +121,7 @@ class SessionLifecycle:
         except BaseException:
             self.target.free_slot(slot)
             raise  # a request the scheduler retries (the store unavailable) keeps its images
-        act = ActiveSession(sid, req, slot,
-                            DraftLength(self.cfg.max_draft, adaptive=self.cfg.adaptive))
+        act = ActiveSession(sid, req, slot, DraftLength.of_row(self.rates, slot))
         act.verify = verify
         act.drafter = drafter or ""
         if self.cfg.auto:

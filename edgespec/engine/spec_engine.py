@@ -23,9 +23,12 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
+
 from ..config import (MAX_TREE_NODES, EngineConfig, verifies_trees)
 from ..drafters import Drafter
 from ..drafters.adaptive import Prober
+from ..drafters.draft_rates import DraftRates, RowsOf
 from ..heads.proposer import HeadProposer, VerifierHead
 from ..pad.verify_rule import PadVerifier
 from ..protocol.contract import (DraftWant, Proposal, Proposer, SessionStore,
@@ -119,6 +122,9 @@ class SpecEngine(SessionLifecycle):
         self.prefill_s = 0.0  # the last step's prefill: not verification time (the pace's)
         self.cost = ForwardCost()  # the measured cost of the verification forward
         self.prober = Prober()  # a step planned without drafts verifies some now and then
+        # every session's draft-length state, row r the session in KV slot r (draft_rates)
+        self.rates = DraftRates(len(target.cache.lengths), self.cfg.max_draft,
+                                adaptive=self.cfg.adaptive)
         self.lateness = Lateness(self.cfg.late_after)  # drafters not waited for (lateness.py)
         self._undelivered: list[Decision] = []
         # the head's moves of this step's verified batches, made once their paths are placed
@@ -185,7 +191,7 @@ class SpecEngine(SessionLifecycle):
         """What to ask of each active session's draft: its length, and its share of branch
         tokens."""
         acts = list(self.active)
-        gains = session_gains(acts) if self.cfg.adaptive else None
+        gains = session_gains(acts)
         ks = plan_drafts(acts, self.cfg, self.cost, self.prober, gains)
         budgets = plan_branch_budgets(acts, ks, self.cfg, self.cost, self.target.max_len, gains)
         # a late drafter's turn to be waited for comes on a step that asks it for drafts
@@ -193,8 +199,7 @@ class SpecEngine(SessionLifecycle):
                                              if a.drafter and k > 0})
         wait_s = self.wait_ms / 1000
         if self.cfg.adaptive and not self.prober.probing:  # a probe is waited for: it measures
-            assert gains is not None
-            worth = wait_worth([g[:k] for g, k in zip(gains, ks)], ks, self.cost, wait_s)
+            worth = wait_worth(gains, ks, self.cost, wait_s)
         else:
             worth = [wait_s] * len(acts)
         for a, k in zip(acts, ks):
@@ -230,7 +235,7 @@ class SpecEngine(SessionLifecycle):
         t0 = time.perf_counter()
         taken = self.store.take_when_ready(wants, self.wait_ms / 1000)
         self._record_lateness(wants, taken, acts, time.perf_counter() - t0)
-        out = []
+        out, asked = [], []
         for want, t in zip(wants, taken):
             act = acts[want.session_id]
             if isinstance(t, Exception):
@@ -239,8 +244,12 @@ class SpecEngine(SessionLifecycle):
                 self.fail(act, SessionFailed(f"the cache holds {t.start} tokens of session "
                                              f"{act.sid}, the verifier {act.end}"))
             else:
-                act.draft_len.supplied(want.k, len(t.tokens))  # what its draft held, as taken
                 out.append((act, t))
+                asked.append(want.k)
+        if out:  # what each draft held, as taken
+            RowsOf([a.draft_len for a, _ in out]).record(
+                "supplied", np.array(asked, dtype=np.int64),
+                np.array([len(t.tokens) for _, t in out], dtype=np.int64))
         return out
 
     def _propose(self, taken: list[tuple[ActiveSession, TakenDraft]]) -> list[StepDraft]:
@@ -377,17 +386,29 @@ class SpecEngine(SessionLifecycle):
                 self.fail(d.act, SessionFailed(f"the cache refused a commit: {outcome.error}"))
                 continue
             applied.append(d)
+        self._learn(applied)
+        for d in applied:
             self._apply(d, dt)
         return applied
 
+    def _learn(self, applied: list[Decision]) -> None:
+        """The draft lengths learn the step's verdicts, all sessions in one go: the chain's
+        own acceptance, the branches'."""
+        if not applied:
+            return
+        rows = RowsOf([d.act.draft_len for d in applied])
+        chains = np.array([(len(d.draft.tokens), d.verdict.n_accepted,
+                            d.draft.branch_tokens, len(d.verdict.branch)) for d in applied],
+                          dtype=np.int64)  # [B, 4]
+        rows.record("update", chains[:, 0], chains[:, 1])
+        rows.record("update_branches", chains[:, 2], chains[:, 3])
+
     def _apply(self, d: Decision, commit_s: float) -> None:
-        """A verdict the store took, applied here: the KV cache, the draft length, the stats,
-        the output."""
+        """A verdict the store took, applied here: the KV cache, the stats, the output (the
+        draft length learnt it in ``_learn``)."""
         act, v, new = d.act, d.verdict, d.new
         # KV of last + accepted (a tree's accepted path was moved into place: ``_place``)
         self.target.commit(act.slot, v.start + v.n_accepted + len(v.branch))
-        act.draft_len.update(len(d.draft.tokens), v.n_accepted)  # the chain's own acceptance
-        act.draft_len.update_branches(d.draft.branch_tokens, len(v.branch))
         act.stats.record_step(d.draft.drafted, d.accepted, len(v.branch))
         offer = d.draft.head_offer
         if offer and self.head is not None:

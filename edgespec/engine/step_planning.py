@@ -6,58 +6,86 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import numpy as np
+
 from ..config import EngineConfig, verifies_trees
 from ..drafters.adaptive import Prober
-from ..drafters.drafting_loop import lead_cap
-from .draft_planner import ForwardCost, allocate, allocate_branches, probe_every
+from ..drafters.draft_rates import RowsOf
+from ..drafters.drafting_loop import LEAD_SLACK
+from .draft_planner import BatchGains, ForwardCost, allocate, allocate_branches, probe_every
 from .generation import ActiveSession
 
 PROBE_TOKENS = 2  # the draft width of a probing step
 
 
-def session_gains(acts: Sequence[ActiveSession]) -> list[list[float]]:
-    """Each session's ``DraftLength.gains`` up to its cap, once a step: the gains of a shorter
-    draft are their prefix."""
-    return [a.draft_len.gains(a.draft_len.k) for a in acts]
+def session_gains(acts: Sequence[ActiveSession]) -> BatchGains:
+    """Every session's ``DraftLength.gains`` and ``holds`` up to its cap, read from the
+    sessions' rows in one go, once a step: the gains of a shorter draft are their prefix."""
+    rows = RowsOf([a.draft_len for a in acts])
+    caps = rows.values(len(acts), "k")
+    return BatchGains(*rows.gains_holds(len(acts), caps), caps)
+
+
+def lead_caps(acts: Sequence[ActiveSession], window: int) -> np.ndarray:
+    """[B]: ``drafting_loop.lead_cap`` of each session: what its drafter holds ahead after the
+    last ask (the whole window when none was made)."""
+    wanted = np.array([-1 if a.wanted is None else max(0, a.wanted) for a in acts],
+                      dtype=np.int64)
+    return np.where(wanted < 0, window, np.minimum(window, 2 * wanted + LEAD_SLACK))
+
+
+def cap_to_budget(ks: np.ndarray, budget: int) -> np.ndarray:
+    """ks cut to sum at most ``budget`` by shortening the longest first, one token at a time,
+    the earliest of equals first: every k cut to a level c (the highest whose cut fits), and
+    the last of those above c keep c + 1 with what the budget leaves."""
+    if ks.sum() <= budget:
+        return ks
+    levels = np.minimum(ks[None], np.arange(int(ks.max()) + 1)[:, None]).sum(1)  # [max + 1]
+    c = int(np.nonzero(levels <= budget)[0][-1])
+    out = np.minimum(ks, c)
+    above = np.nonzero(ks > c)[0]
+    extra = budget - int(levels[c])
+    if extra:
+        out[above[len(above) - extra:]] += 1
+    return out
 
 
 def plan_drafts(acts: Sequence[ActiveSession], cfg: EngineConfig, cost: ForwardCost,
-                prober: Prober, gains: Sequence[Sequence[float]] | None = None) -> list[int]:
+                prober: Prober, gains: BatchGains | None = None) -> list[int]:
     """Draft tokens each session verifies this step: its adaptive length, cut by the planner to
     the width that pays, then the batch capped at ``max_batch_tokens`` (one own token per
     session + drafts) by shortening the longest drafts first. A step planned without drafts is
     now and then (``prober``, as often as a probe costs at most ``draft_planner.PROBE_SHARE``
     of the steps' time) given a short one for every session, to measure acceptance again: all
     at once, since one row's draft widens every row. ``gains``: ``session_gains(acts)``."""
-    ks = [a.draft_len.k for a in acts]
+    gains = session_gains(acts) if gains is None else gains
+    ks = gains.caps
     if cfg.adaptive:
-        gains = session_gains(acts) if gains is None else gains
-        planned = allocate(gains, cost, [a.draft_len.holds(k) for a, k in zip(acts, ks)])
+        planned = np.array(allocate(gains, cost), dtype=np.int64)
         prober.every = probe_every(cost, len(acts), PROBE_TOKENS)
-        width = prober.planned(max(planned, default=0), PROBE_TOKENS)
+        width = prober.planned(int(planned.max(initial=0)), PROBE_TOKENS)
         # no more than the session's drafter drafts ahead after the last ask (``lead_cap``):
         # a wider ask grows as the drafter's lead does, a step at a time
-        ks = [min(k, max(p, width), lead_cap(a.wanted, cfg.window))
-              for a, k, p in zip(acts, ks, planned)]
-    budget = max(0, cfg.max_batch_tokens - len(ks))
-    while sum(ks) > budget:
-        ks[ks.index(max(ks))] -= 1
-    return ks
+        ks = np.minimum(np.minimum(ks, np.maximum(planned, width)), lead_caps(acts, cfg.window))
+    return cap_to_budget(ks, max(0, cfg.max_batch_tokens - len(ks))).tolist()
 
 
 def plan_branch_budgets(acts: Sequence[ActiveSession], ks: Sequence[int], cfg: EngineConfig,
                         cost: ForwardCost, max_len: int,
-                        gains: Sequence[Sequence[float]] | None = None) -> list[int]:
+                        gains: BatchGains | None = None) -> list[int]:
     """Branch tokens each session may add this step: at most the step's tree budget
     (``tree_budget``), for exactly verified sessions with a chain; the planner keeps those that
     pay. ``gains``: ``session_gains(acts)``."""
     cap = tree_budget(acts, ks, cfg, max_len)
+    if not cap:
+        return [0] * len(acts)
     caps = [cap if k and verifies_trees(a.verify) else 0 for a, k in zip(acts, ks)]
-    if not cap or not cfg.adaptive:
+    if not cfg.adaptive:
         return caps
     gains = session_gains(acts) if gains is None else gains
-    budgets = allocate_branches([a.draft_len.beta for a in acts], caps,
-                                [g[:k] for g, k in zip(gains, ks)], list(ks), cost)
+    rows = RowsOf([a.draft_len for a in acts])
+    betas = rows.values(len(acts), "beta")
+    budgets = allocate_branches(betas, caps, gains, list(ks), cost)
     return [a.draft_len.probe_branches(b, c) for a, b, c in zip(acts, budgets, caps)]
 
 

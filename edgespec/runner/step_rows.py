@@ -160,13 +160,13 @@ class StepRows:
             ancestors = np.ascontiguousarray(full[:, :T, :T])
             tail_h = _branch_tails(shape, ancestors, start_h)
         path_h = _paths(ancestors, shape.depths[:, :T]) if ancestors is not None else None
-        ints = [torch.from_numpy(np.ascontiguousarray(a)) for a in
-                (tokens, shape.nodes, shape.parents, shape.depths, shape.counts, start_h,
-                 np.array(slots, dtype=np.int64).reshape(B))]
+        slot_h = np.array(slots, dtype=np.int64).reshape(B)
+        ints: list[np.ndarray] = [tokens, shape.nodes, shape.parents,
+                                                 shape.depths, shape.counts, start_h, slot_h]
         n_ints = len(ints)
         if path_h is not None:
-            ints.append(torch.from_numpy(path_h))
-        bools = [] if ancestors is None else [torch.from_numpy(ancestors)]
+            ints.append(path_h)
+        bools: list[np.ndarray] = [] if ancestors is None else [ancestors]
         if tail_h is not None:
             ints += [tail_h.rows, tail_h.queries, tail_h.index, tail_h.block0]
             bools.append(tail_h.visible)
@@ -178,8 +178,7 @@ class StepRows:
             tail = TailKeys(on_dev[tail_at], on_dev[tail_at + 1], on_dev[tail_at + 2], flags[-1],
                             on_dev[tail_at + 3], tail_h.n_blocks)
         depth_h = shape.depths[:, :T] if is_tree else np.broadcast_to(np.arange(T), (B, T))
-        host = StepHost(tokens, start_h, np.array(slots, dtype=np.int64).reshape(B), depth_h,
-                        path_h)
+        host = StepHost(tokens, start_h, slot_h, depth_h, path_h)
         return cls(list(slots), list(starts), T, is_tree, on_dev[6], on_dev[5], on_dev[0],
                    on_dev[1], on_dev[2], on_dev[3], on_dev[4],
                    flags[0] if ancestors is not None else None, tail, shape.max_depth,
@@ -220,35 +219,50 @@ def aligned_length(n: int, itemsize: int = 8) -> int:
     return n + -n % per
 
 
-def to_device(parts: list[torch.Tensor], device, dtype) -> list[torch.Tensor]:
-    """``parts`` moved to ``device`` in one copy, as views of one buffer, shapes kept, each at a
-    16-byte boundary (so a fused kernel reading one meets the same alignment, hence runs the
-    same binary, in every step; on CUDA from pinned memory, without waiting: the stream orders
-    the copy before the forward)."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    pieces, offsets, at = [], [], 0
-    for p in parts:
-        n = p.numel()
-        pieces.append(p.reshape(-1).to(dtype))
-        room = aligned_length(n, itemsize)
-        if room > n:
-            pieces.append(torch.zeros(room - n, dtype=dtype))
+_NUMPY_OF = {torch.long: np.int64, torch.bool: np.bool_}
+
+
+def to_device(parts: Sequence[np.ndarray], device, dtype) -> list[torch.Tensor]:
+    """``parts`` (host arrays) moved to ``device`` in one copy, as views of one
+    buffer, shapes kept, each at a 16-byte boundary (so a fused kernel reading one meets the
+    same alignment, hence runs the same binary, in every step; on CUDA from pinned memory,
+    without waiting: the stream orders the copy before the forward). The buffer is put
+    together in NumPy: one host array, one tensor."""
+    arrays = list(parts)
+    np_dtype = np.dtype(_NUMPY_OF[dtype])
+    offsets, at = [], 0
+    for a in arrays:
         offsets.append(at)
-        at += room
-    flat = torch.cat(pieces)
+        at += aligned_length(a.size, np_dtype.itemsize)
+    host = np.zeros(at, dtype=np_dtype)
+    for a, o in zip(arrays, offsets):
+        host[o:o + a.size] = a.reshape(-1)
+    flat = torch.from_numpy(host)
     if torch.device(device).type == "cuda":
         flat = flat.pin_memory().to(device, non_blocking=True)
     else:
         flat = flat.to(device)
-    return [flat[o:o + p.numel()].view(p.shape) for o, p in zip(offsets, parts)]
+    return [flat[o:o + a.size].view(a.shape) for o, a in zip(offsets, arrays)]
+
+
+@dataclass(frozen=True)
+class HostTails:
+    """``TailKeys``' arrays on the host, before the step's copy."""
+
+    rows: np.ndarray
+    queries: np.ndarray
+    index: np.ndarray
+    visible: np.ndarray
+    block0: np.ndarray
+    n_blocks: int
 
 
 def _branch_tails(shape: DraftShape, ancestors: np.ndarray, starts: np.ndarray
-                  ) -> TailKeys | None:
+                  ) -> HostTails | None:
     """The decoding-order key blocks of every branch node (a node past its row's spine), on
     the host: from the block holding the root on, its logical position L + d reads the row of
     its ancestor at depth d (row r of a tree is stored at L + r; row 0 is the root). None
-    without branches. Its tensors are host tensors, for ``StepRows`` to move."""
+    without branches. Host arrays, for ``StepRows`` to move."""
     parents, valid = shape.parents, shape.valid
     idx = np.arange(parents.shape[1])
     spine = ((parents == idx - 1) & valid).cumprod(1).sum(1)  # [B]
@@ -269,6 +283,4 @@ def _branch_tails(shape: DraftShape, ancestors: np.ndarray, starts: np.ndarray
     S, T = path.shape
     index[np.arange(S)[:, None], at] = np.where(path, st[:, None] + np.arange(T)[None], 0)
     n_blocks = int((block0 + width // KEY_BLOCK).max())
-    return TailKeys(torch.from_numpy(rows), torch.from_numpy(queries),
-                    torch.from_numpy(np.ascontiguousarray(index[:, :width])),
-                    torch.from_numpy(col < ends[:, None]), torch.from_numpy(block0), n_blocks)
+    return HostTails(rows, queries, index[:, :width], col < ends[:, None], block0, n_blocks)

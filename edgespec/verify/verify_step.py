@@ -77,6 +77,7 @@ class VerifyBatch:
     any_loose: bool
     any_pad: bool
     max_depth: int  # the deepest node's depth (0 without nodes)
+    chains: bool = False  # every row a chain (node i hangs from node i - 1), known on the host
 
     @property
     def max_nodes(self) -> int:
@@ -91,24 +92,24 @@ class VerifyBatch:
         position of the root's successor; modes[b]: "exact", "loose" or "pad"."""
         shape = DraftShape.of(drafts)
         nodes, parents, depths, counts = to_device(
-            [torch.from_numpy(a) for a in (shape.nodes, shape.parents, shape.depths,
-                                           shape.counts)], device, torch.long)
+            [shape.nodes, shape.parents, shape.depths, shape.counts], device, torch.long)
         return cls.of_shape(nodes, parents, depths, counts, shape.max_depth, starts, params,
-                            modes)
+                            modes, chains=not shape.is_tree)
 
     @classmethod
     def of_rows(cls, rows: StepRows, starts: list[int], params: list[SamplingParams],
                 modes: list[str]) -> "VerifyBatch":
         """The verification of a step's rows, on the tensors the forward read."""
         return cls.of_shape(rows.nodes, rows.parents, rows.depths, rows.counts, rows.max_depth,
-                            starts, params, modes)
+                            starts, params, modes, chains=not rows.tree)
 
     @classmethod
     def of_shape(cls, nodes: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor,
                  counts: torch.Tensor, max_depth: int, starts: list[int],
-                 params: list[SamplingParams], modes: list[str]) -> "VerifyBatch":
+                 params: list[SamplingParams], modes: list[str], chains: bool = False
+                 ) -> "VerifyBatch":
         """The drafts' tensors (on the device) with each row's sampling settings, moved there
-        in two copies (integers, floats)."""
+        in two copies (integers, floats). ``chains``: every row is a chain."""
         greedy = [p.greedy for p in params]
         ints = torch.tensor([starts, [0 if g else _signed(seed_of(p))
                                       for g, p in zip(greedy, params)],
@@ -132,7 +133,7 @@ class VerifyBatch:
                                  default=0),
                    any_top_p=any(not g and p.top_p < 1.0 for g, p in zip(greedy, params)),
                    any_loose=any(m == "loose" for m in modes),
-                   any_pad=any(m == "pad" for m in modes), max_depth=max_depth)
+                   any_pad=any(m == "pad" for m in modes), max_depth=max_depth, chains=chains)
 
 
 @dataclass(frozen=True)
@@ -245,6 +246,39 @@ def verify_step(logits: torch.Tensor, vb: VerifyBatch, loose: LooseParams | None
     if vb.any_loose:  # loose rows are chains
         match = match | (vb.loose[:, None] & valid &
                          loose_accepts(exact, tokens, scores, vb.counts, loose or LooseParams()))
+    if vb.chains and not (vb.any_pad and lenient is not None):
+        # a chain's node is accepted with every node before it: a running product (a chain
+        # has no siblings to choose between)
+        accepted = match.long().cumprod(1).bool()
+    else:
+        accepted = _accepted_in_tree(match, exact, tokens, parents, scores, logits, valid, vb,
+                                     lenient)
+    last = torch.where(accepted, idx + 1, 0).amax(1, keepdim=True) if N else \
+        torch.zeros(len(tokens), 1, dtype=torch.long, device=logits.device)
+    token = choices.gather(1, last)  # after the path's last node (row 0: the root)
+    # the accepted nodes in index order (a path's nodes increase), then N for the rest
+    path = torch.where(accepted, idx, N)
+    if not vb.chains:  # a chain's accepted nodes are a prefix: already in order
+        path = path.sort(1).values
+    # along each path: whether the node stands only by a lossy rule (index N: padding)
+    off_exact = torch.cat([accepted & ~exact, accepted[:, :1] & False], 1).gather(1, path)
+    parts = [token, accepted.sum(1, keepdim=True), path, off_exact.long()]
+    if propose is not None:
+        parts.append(propose(accepted, token[:, 0]))
+    host = torch.cat(parts, 1).tolist()  # the step's one sync
+    return VerifyOutcome([r[2:2 + r[1]] for r in host], [r[0] for r in host],
+                         [r[2 + 2 * N:] for r in host] if propose is not None else [],
+                         [r[2 + N:2 + N + r[1]] for r in host])
+
+
+def _accepted_in_tree(match: torch.Tensor, exact: torch.Tensor, tokens: torch.Tensor,
+                      parents: torch.Tensor, scores: torch.Tensor, logits: torch.Tensor,
+                      valid: torch.Tensor, vb: VerifyBatch, lenient: LenientRule | None
+                      ) -> torch.Tensor:
+    """[B, N] bool: the accepted nodes of trees, from each node's match [B, N] (PAD's lenient
+    nodes added here): a node is accepted with its parent, and of siblings that match the
+    first one counts."""
+    idx = torch.arange(tokens.shape[1], device=tokens.device)
     siblings = parents[:, :, None] == parents[:, None, :]  # [B, N, N]: i and j share a parent
     if vb.any_pad and lenient is not None:
         kept = vb.pad[:, None] & valid & lenient(logits, tokens, parents)
@@ -262,17 +296,4 @@ def verify_step(logits: torch.Tensor, vb: VerifyBatch, loose: LooseParams | None
     root = torch.ones(len(tokens), 1, dtype=torch.bool, device=logits.device)
     for _ in range(max(0, vb.max_depth - 1)):  # a node is accepted with all its ancestors
         accepted = match & torch.cat([root, accepted], 1).gather(1, parents + 1)
-    last = torch.where(accepted, idx + 1, 0).amax(1, keepdim=True) if N else \
-        torch.zeros(len(tokens), 1, dtype=torch.long, device=logits.device)
-    token = choices.gather(1, last)  # after the path's last node (row 0: the root)
-    # the accepted nodes in index order (a path's nodes increase), then N for the rest
-    path = torch.where(accepted, idx, N).sort(1).values
-    # along each path: whether the node stands only by a lossy rule (index N: padding)
-    off_exact = torch.cat([accepted & ~exact, accepted[:, :1] & False], 1).gather(1, path)
-    parts = [token, accepted.sum(1, keepdim=True), path, off_exact.long()]
-    if propose is not None:
-        parts.append(propose(accepted, token[:, 0]))
-    host = torch.cat(parts, 1).tolist()  # the step's one sync
-    return VerifyOutcome([r[2:2 + r[1]] for r in host], [r[0] for r in host],
-                         [r[2 + 2 * N:] for r in host] if propose is not None else [],
-                         [r[2 + N:2 + N + r[1]] for r in host])
+    return accepted
