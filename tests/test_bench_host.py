@@ -5,6 +5,7 @@ the real engine and store, every stage is timed, and the command writes its tabl
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import torch
@@ -38,7 +39,12 @@ def test_every_stage_is_timed_and_mag_drafts_are_accepted(store, drafter):
     assert set(r["us_per_step"]) == {*STAGES, "runner"}
     assert all(v >= 0 for v in r["us_per_step"].values())
     assert r["us_per_step"]["verify"] >= r["us_per_step"]["runner"] > 0
-    assert r["host_us_per_session_step"] > 0
+    assert r["host_us_per_session_step"] > 0 and r["verifier_cpu_us_per_session_step"] > 0
+    drafting = r["drafter_cpu_us_per_session_step"]  # None without a drafting thread's clock
+    if drafter != "none" and store == "local" and hasattr(time, "pthread_getcpuclockid"):
+        assert drafting > 0
+    else:
+        assert drafting is None
     if drafter == "none":
         assert r["acceptance_rate"] is None and r["steps"] == 24
     else:  # the target follows its cycle: MaG learns it and fewer steps are needed
@@ -50,7 +56,7 @@ def test_bench_host_command_writes_its_table_and_json(tmp_path):
     r = run_cli("bench-host", "--sessions", "2", "--drafters", "mag", "--stores", "local",
                 "--new-tokens", "8", "--json", str(out))
     assert r.returncode == 0, r.stderr
-    assert "host us/step" in r.stdout and "local  mag" in r.stdout
+    assert "host us/step" in r.stdout and "cpu: verifier" in r.stdout and "local  mag" in r.stdout
     [row] = json.loads(out.read_text())["results"]
     assert (row["store"], row["drafter"], row["sessions"]) == ("local", "mag", 2)
     bad = run_cli("bench-host", "--stores", "disk")

@@ -43,6 +43,7 @@ class DraftRates:
         self.held_hits, self.held_trials = np.empty((n, K)), np.empty((n, K))  # [R, K]
         self.branch_hits, self.branch_trials = np.empty(n), np.empty(n)  # [R]
         self.k = np.empty(n, dtype=np.int64)  # [R]: the next draft's length
+        self._positions = np.arange(K)[None]  # [1, K]
         self.reset(np.arange(n))
 
     @property
@@ -97,39 +98,39 @@ class DraftRates:
         positions not asked for are taken to hold as the last one asked did (so that a few
         short takes do not cap a session's width for good: the positions past them are never
         asked); a row that asked nothing says nothing."""
-        on = asked > 0
-        rows, asked, got = rows[on], asked[on], got[on]
-        if not len(rows):
-            return
-        j = np.arange(self.k_max)[None]
-        hits = self.held_hits[rows]
-        trials = self.held_trials[rows]
+        if not asked.all():
+            on = asked > 0
+            rows, asked, got = rows[on], asked[on], got[on]
+            if not len(rows):
+                return
+        j = self._positions
         asked_j = j < asked[:, None]
-        hits = np.where(asked_j, DECAY * hits + (j < got[:, None]), hits)
-        trials = np.where(asked_j, DECAY * trials + 1.0, trials)
-        last = np.minimum(asked, self.k_max) - 1
+        hits = self.held_hits[rows]
+        trials = DECAY * self.held_trials[rows] + 1.0  # every position: one more trial
+        last = np.minimum(asked, self.k_max) - 1  # [B]: the last position asked
         at = np.arange(len(rows))
-        last_rate = (hits[at, last] / trials[at, last])[:, None]
-        self.held_hits[rows] = np.where(asked_j, hits, DECAY * hits + last_rate)
-        self.held_trials[rows] = np.where(asked_j, trials, DECAY * trials + 1.0)
+        last_rate = (DECAY * hits[at, last] + (last < got)) / trials[at, last]
+        self.held_hits[rows] = DECAY * hits + np.where(asked_j, j < got[:, None],
+                                                       last_rate[:, None])
+        self.held_trials[rows] = trials
 
     def update(self, rows: np.ndarray, drafted: np.ndarray, accepted: np.ndarray) -> None:
         """Record verifications: row b verified ``drafted[b]`` draft tokens, of which
         ``accepted[b]`` passed (a rejection ends a test: positions past the first miss get no
         trial); its next length follows the schedule. A row that drafted nothing: unchanged."""
-        on = drafted > 0
-        rows, drafted, accepted = rows[on], drafted[on], accepted[on]
-        if not len(rows):
-            return
+        if not drafted.all():
+            on = drafted > 0
+            rows, drafted, accepted = rows[on], drafted[on], accepted[on]
+            if not len(rows):
+                return
         self.chain_hits[rows] = DECAY * self.chain_hits[rows] + accepted
         self.chain_trials[rows] = DECAY * self.chain_trials[rows] + accepted + \
             (accepted < drafted)
-        j = np.arange(self.k_max)[None]
+        j = self._positions
         tried = (j < drafted[:, None]) & (j <= accepted[:, None])
-        self.at_hits[rows] = np.where(tried, DECAY * self.at_hits[rows] +
-                                      (j < accepted[:, None]), self.at_hits[rows])
-        self.at_trials[rows] = np.where(tried, DECAY * self.at_trials[rows] + 1.0,
-                                        self.at_trials[rows])
+        hits, trials = self.at_hits[rows], self.at_trials[rows]
+        self.at_hits[rows] = np.where(tried, DECAY * hits + (j < accepted[:, None]), hits)
+        self.at_trials[rows] = np.where(tried, DECAY * trials + 1.0, trials)
         if self.adaptive:
             k = self.k[rows]
             self.k[rows] = np.where(accepted == drafted, np.minimum(self.k_max, k + 2),
@@ -138,6 +139,8 @@ class DraftRates:
     def update_branches(self, rows: np.ndarray, verified: np.ndarray,
                         accepted: np.ndarray) -> None:
         """Record verifications of ``verified[b]`` branch tokens, ``accepted[b]`` taken."""
+        if not verified.any():
+            return
         on = verified > 0
         rows = rows[on]
         self.branch_hits[rows] = DECAY * self.branch_hits[rows] + accepted[on]
@@ -172,6 +175,10 @@ class RowsOf:
 
     def values(self, n: int, what: str) -> np.ndarray:
         """[n]: each session's ``k`` (its next draft length), ``alpha`` or ``beta``."""
+        if len(self.groups) == 1:
+            table, rows, _ = self.groups[0]
+            got = getattr(table, what)
+            return got(rows) if callable(got) else got[rows]
         out = None
         for table, rows, at in self.groups:
             got = getattr(table, what)

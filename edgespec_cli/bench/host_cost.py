@@ -16,7 +16,11 @@ Per setting (store x drafter x sessions) it runs ``generate_many`` of that many 
 each stage of every step by wrapping the engine's own stage methods: microseconds a step and a
 session-step for plan, take, propose, verify (rows + the runner's answer + the verification's
 host part; the runner's own time is reported apart as ``runner``), decide, place and commit
-(with apply), and tokens per second.
+(with apply), and tokens per second. The stages' times are the wall's: in process, the
+drafting thread shares the interpreter's lock with the verifier, and a stage that lets go of it
+(a tensor operation, a wait) can wait for the drafter's work. So each thread's CPU time is
+reported apart too: the verifier's (the runner's answers left out) and the drafting thread's,
+a session-step each.
 """
 
 from __future__ import annotations
@@ -247,7 +251,11 @@ def measure(store: str, drafter: str, n: int, new_tokens: int, right: float,
             return step()
 
         engine.step = counting_step
+        drafter_clock = _cpu_clock(engine.worker)
+        cpu0 = time.thread_time(), _cpu_s(drafter_clock)
         wall, tokens, results = run()
+        verifier_cpu = time.thread_time() - cpu0[0] - runner.runner_s
+        drafter_cpu = _cpu_s(drafter_clock) - cpu0[1] if drafter_clock is not None else None
     finally:
         engine.close()
         close()
@@ -262,7 +270,27 @@ def measure(store: str, drafter: str, n: int, new_tokens: int, right: float,
             "us_per_step": stage_us, "host_us_per_step": 1e6 * host_s / steps,
             "host_us_per_session_step": 1e6 * host_s / sess,
             "us_per_session_step": {k: v * steps / sess for k, v in stage_us.items()},
+            # CPU time: the verifier's thread (the runner's answers left out) and the in-process
+            # drafting thread (None without one, or where threads' clocks cannot be read)
+            "verifier_cpu_us_per_session_step": 1e6 * verifier_cpu / sess,
+            "drafter_cpu_us_per_session_step":
+                None if drafter_cpu is None else 1e6 * drafter_cpu / sess,
             "acceptance_rate": accepted / drafted if drafted else None}
+
+
+def _cpu_clock(worker) -> int | None:
+    """The CPU-time clock of the in-process drafting thread (None without one, or where a
+    thread's clock cannot be read: ``time.pthread_getcpuclockid`` is Unix's)."""
+    if worker is None or worker.ident is None or not hasattr(time, "pthread_getcpuclockid"):
+        return None
+    try:
+        return time.pthread_getcpuclockid(worker.ident)
+    except OSError:
+        return None
+
+
+def _cpu_s(clock: int | None) -> float:
+    return time.clock_gettime(clock) if clock is not None else 0.0
 
 
 def run_bench_host(args) -> int:
@@ -290,13 +318,21 @@ def run_bench_host(args) -> int:
 
 def format_table(report: dict) -> str:
     head = (f"{'store':<6} {'drafter':<14} {'sess':>4} {'tok/s':>8} {'host us/step':>12} "
-            f"{'us/sess-step':>12}  " + " ".join(f"{s:>7}" for s in (*STAGES, "runner")))
-    lines = [head, "(stage columns: microseconds a step)"]
+            f"{'us/sess-step':>12} {'cpu: verifier':>13} {'drafter':>7}  "
+            + " ".join(f"{s:>7}" for s in (*STAGES, "runner")))
+    lines = [head, "(us/sess-step: wall; cpu: each thread's CPU microseconds a session-step; "
+                   "stage columns: wall microseconds a step)"]
     for r in report["results"]:
         us = r["us_per_step"]
         lines.append(
             f"{r['store']:<6} {r['drafter']:<14} {r['sessions']:>4} "
             f"{r['tokens_per_s'] or 0:>8.0f} {r['host_us_per_step']:>12.0f} "
-            f"{r['host_us_per_session_step']:>12.1f}  "
+            f"{r['host_us_per_session_step']:>12.1f} "
+            f"{r['verifier_cpu_us_per_session_step']:>13.1f} "
+            f"{_or_dash(r['drafter_cpu_us_per_session_step']):>7}  "
             + " ".join(f"{us[s]:>7.0f}" for s in (*STAGES, "runner")))
     return "\n".join(lines)
+
+
+def _or_dash(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1f}"
