@@ -69,6 +69,9 @@ def decide(draft: StepDraft, v: Verdict, room: int, stop_ids: Collection[int],
     else:
         if len(new) >= room:
             new, finish = new[:room], "length"
+    if not finish and not v.finish_reason and (v.branch or not v.own_branch):
+        # nothing cut: the verdict as verification gave it
+        return Decision(draft, v, path, lenient)
     n = min(v.n_accepted, len(new) - 1)
     branch = tuple(new[v.n_accepted:len(new) - 1])
     return Decision(draft, replace(v, n_accepted=n, branch=branch, token=new[-1],

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
+from functools import cached_property
 
 from ..config import verifies_trees
 from ..protocol.contract import NO_PROPOSAL, Branch, Proposal, TakenDraft
@@ -64,7 +65,8 @@ class StepDraft:
     # --auto: every source's proposal, verified or not (None: the source was not asked)
     offers: Mapping[str, tuple[int, ...] | None] | None = None
 
-    @property
+    # each figure computed once: a row is read many times a step (frozen: a new row, anew)
+    @cached_property
     def branch_tokens(self) -> int:
         """Draft tokens the branches add to the tree (a token two branches share counts
         once)."""
@@ -72,17 +74,17 @@ class StepDraft:
             return 0
         return len(self.nodes()[0]) - len(self.tokens)
 
-    @property
+    @cached_property
     def drafted(self) -> int:
         """Draft tokens verified: the chain's and the branches'."""
         return len(self.tokens) + self.branch_tokens
 
-    @property
+    @cached_property
     def depth(self) -> int:
         """The draft's longest path: the most draft tokens one accepted path can hold."""
         return max([len(self.tokens)] + [b.at + len(b.tokens) for b in self.branches])
 
-    @property
+    @cached_property
     def width(self) -> int:
         """Tokens the row puts in the forward: the session's last token and the draft."""
         return 1 + self.drafted
@@ -90,6 +92,10 @@ class StepDraft:
     def nodes(self) -> tuple[Sequence[int], Sequence[int]]:
         """The row's draft as (tokens, parents): the chain's nodes first, then the branches'
         (``tree_of_draft``); a chain's without building a tree."""
+        return self._nodes
+
+    @cached_property
+    def _nodes(self) -> tuple[Sequence[int], Sequence[int]]:
         if self.branches:
             tree = tree_of_draft(list(self.tokens), list(self.branches))
             return tree.tokens, tree.parents
