@@ -44,6 +44,7 @@ class BatchGains:
     gains: np.ndarray  # [B, K] float: the m-th draft token's expected accepted tokens, 0 past cap
     holds: np.ndarray  # [B, K] float: the chance its draft holds that token when taken, 0 past cap
     caps: np.ndarray  # [B] int: the most draft tokens each session may verify
+    betas: np.ndarray | None = None  # [B] float: accepted tokens per branch token verified
 
     @classmethod
     def of_lists(cls, gains: Sequence[Sequence[float]],
@@ -63,7 +64,8 @@ class BatchGains:
         if (caps == self.caps).all():
             return self
         on = np.arange(self.gains.shape[1])[None] < caps[:, None]
-        return BatchGains(np.where(on, self.gains, 0.0), np.where(on, self.holds, 0.0), caps)
+        return BatchGains(np.where(on, self.gains, 0.0), np.where(on, self.holds, 0.0), caps,
+                          self.betas)
 
 
 def _batch(gains: "BatchGains | Sequence[Sequence[float]]",

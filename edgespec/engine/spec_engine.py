@@ -193,6 +193,7 @@ class SpecEngine(SessionLifecycle):
         acts = list(self.active)
         gains = session_gains(acts)
         ks = plan_drafts(acts, self.cfg, self.cost, self.prober, gains)
+        gains = gains.cut(ks)  # what the branches and the waits weigh: the drafts as planned
         budgets = plan_branch_budgets(acts, ks, self.cfg, self.cost, self.target.max_len, gains)
         # a late drafter's turn to be waited for comes on a step that asks it for drafts
         skip = self.lateness.not_waited_for({a.drafter for a, k in zip(acts, ks)

@@ -19,11 +19,12 @@ PROBE_TOKENS = 2  # the draft width of a probing step
 
 
 def session_gains(acts: Sequence[ActiveSession]) -> BatchGains:
-    """Every session's ``DraftLength.gains`` and ``holds`` up to its cap, read from the
-    sessions' rows in one go, once a step: the gains of a shorter draft are their prefix."""
+    """Every session's ``DraftLength.gains`` and ``holds`` up to its cap (and its branches'
+    ``beta``), read from the sessions' rows in one go, once a step: the gains of a shorter
+    draft are their prefix."""
     rows = RowsOf([a.draft_len for a in acts])
     caps = rows.values(len(acts), "k")
-    return BatchGains(*rows.gains_holds(len(acts), caps), caps)
+    return BatchGains(*rows.gains_holds(len(acts), caps), caps, rows.values(len(acts), "beta"))
 
 
 def lead_caps(acts: Sequence[ActiveSession], window: int) -> np.ndarray:
@@ -83,9 +84,8 @@ def plan_branch_budgets(acts: Sequence[ActiveSession], ks: Sequence[int], cfg: E
     if not cfg.adaptive:
         return caps
     gains = session_gains(acts) if gains is None else gains
-    rows = RowsOf([a.draft_len for a in acts])
-    betas = rows.values(len(acts), "beta")
-    budgets = allocate_branches(betas, caps, gains, list(ks), cost)
+    assert gains.betas is not None  # session_gains reads them
+    budgets = allocate_branches(gains.betas, caps, gains, list(ks), cost)
     return [a.draft_len.probe_branches(b, c) for a, b, c in zip(acts, budgets, caps)]
 
 
