@@ -241,6 +241,33 @@ def test_a_late_boards_turn_to_be_waited_for_comes_on_a_step_that_asks_it(tiny, 
     assert waits == [False] * (PROBE_EVERY - 1) + [True]
 
 
+def test_a_late_boards_turn_to_be_waited_for_comes_on_a_step_whose_wait_it_is_worth(
+        tiny, monkeypatch):
+    """Steps that ask a late board for drafts not worth a wait (the planner's ``wait_worth``
+    0) do not spend its turn: it comes on the PROBE_EVERY-th step that would wait for them."""
+    from edgespec.config import EngineConfig
+    from edgespec.engine import spec_engine
+    from edgespec.engine.lateness import MISSES_TO_LATE, PROBE_EVERY
+    from edgespec.engine.spec_engine import Request, SpecEngine
+    from edgespec.runner.target_runner import TargetRunner
+
+    worth = [0.0]
+    monkeypatch.setattr(spec_engine, "plan_drafts", lambda acts, *a: [2] * len(acts))
+    monkeypatch.setattr(spec_engine, "wait_worth", lambda g, ks, *a: worth * len(ks))
+    with SpecEngine(TargetRunner(tiny.model, n_slots=2, max_len=64), None,
+                    EngineConfig(draft_wait_ms=50)) as engine:
+        act = engine.add(Request([1, 5, 6], 4))
+        act.drafter = "board"
+        for _ in range(MISSES_TO_LATE):
+            engine.lateness.record("board", ready=False, waited=True)
+        for _ in range(3 * PROBE_EVERY + 3):  # asked, worth no wait: never waited for
+            want = engine._plan()[0]
+            assert want.k == 2 and not want.wait
+        worth[0] = 0.010
+        waits = [engine._plan()[0].wait for _ in range(PROBE_EVERY)]
+    assert waits == [False] * (PROBE_EVERY - 1) + [True]
+
+
 def test_lateness_judges_a_board_by_what_its_drafts_hold_not_by_their_length():
     """A board slower than the steps holds fewer tokens than asked (not ready) yet brings
     tokens: it is not late. One whose drafts held nothing for a session is."""

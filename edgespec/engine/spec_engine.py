@@ -195,14 +195,15 @@ class SpecEngine(SessionLifecycle):
         ks = plan_drafts(acts, self.cfg, self.cost, self.prober, gains)
         gains = gains.cut(ks)  # what the branches and the waits weigh: the drafts as planned
         budgets = plan_branch_budgets(acts, ks, self.cfg, self.cost, self.target.max_len, gains)
-        # a late drafter's turn to be waited for comes on a step that asks it for drafts
-        skip = self.lateness.not_waited_for({a.drafter for a, k in zip(acts, ks)
-                                             if a.drafter and k > 0})
         wait_s = self.wait_ms / 1000
         if self.cfg.adaptive and not self.prober.probing:  # a probe is waited for: it measures
             worth = wait_worth(gains, ks, self.cost, wait_s)
         else:
             worth = [wait_s] * len(acts)
+        # a late drafter's turn to be waited for comes on a step that would wait for its
+        # drafts: one that asks it for some, worth a wait
+        skip = self.lateness.not_waited_for({a.drafter for a, k, w in zip(acts, ks, worth)
+                                             if a.drafter and k > 0 and w > 0})
         for a, k in zip(acts, ks):
             a.wanted = k
         return [DraftWant(a.sid, k, b, wait=k > 0 and w > 0 and a.drafter not in skip, wait_s=w)
