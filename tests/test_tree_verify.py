@@ -84,6 +84,35 @@ def test_a_runner_refuses_a_malformed_call_and_moves_nothing(tiny, runner):
         runner.free_slot(slot)
 
 
+def test_paths_of_many_slots_move_into_place_in_one_call_as_one_at_a_time(tiny):
+    """``compact_many`` over three slots (two paths off the chain, one along it) leaves every
+    slot's keys, values and length as ``compact`` one slot at a time does; a malformed path is
+    refused alone, its slot untouched."""
+    tree = DraftTree((5, 6, 7, 8, 9), (-1, 0, -1, 2, 3))
+    paths = [[2, 3, 4], [0, 1], [2, 3]]
+
+    def scored():
+        r = TargetRunner(tiny.model, n_slots=4, max_len=128)
+        slots = [_prefilled(r, p) for p in PROMPTS]
+        r.forward_tree(slots, [p[-1] for p in PROMPTS], [tree] * 3)
+        return r, slots
+
+    one, slots = scored()
+    for slot, path in zip(slots, paths):
+        one.compact(slot, path)
+    many, slots2 = scored()
+    bad = many.new_slot()
+    many.prefill(bad, [1, 2, 3])
+    errors = many.compact_many([*zip(slots2, paths), (bad, [3, 1])])
+    assert errors[:3] == [None] * 3 and isinstance(errors[3], ValueError)
+    assert many.cache.lengths[bad] == 3
+    for slot, slot2 in zip(slots, slots2):
+        assert one.cache.lengths[slot] == many.cache.lengths[slot2]
+        n = one.cache.lengths[slot]
+        for a, b in zip(one.cache.k + one.cache.v, many.cache.k + many.cache.v):
+            assert torch.equal(a[slot, :, :n], b[slot2, :, :n])
+
+
 # -- verification maths ---------------------------------------------------------------------------
 def test_a_chain_as_a_tree_gives_the_chain_verdict():
     g = torch.Generator().manual_seed(0)

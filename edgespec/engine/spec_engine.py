@@ -338,16 +338,17 @@ class SpecEngine(SessionLifecycle):
         return verdicts
 
     def _place(self, decided: list[Decision]) -> list[Decision]:
-        """The commit stage's first part, right after verification: each accepted tree path's
-        keys and values moved into place (``TargetRunner.compact``), then the head's sessions
-        moved on over them (an imitation head drafts from the compacted positions). A failure
-        fails the sessions it concerns, not the step; returns the decisions still to commit."""
+        """The commit stage's first part, right after verification: the accepted tree paths'
+        keys and values moved into place, all at once (``TargetRunner.compact_many``), then
+        the head's sessions moved on over them (an imitation head drafts from the compacted
+        positions). A failure fails the sessions it concerns, not the step; returns the
+        decisions still to commit."""
         placed = []
-        for d in decided:
-            try:
-                self.target.compact(d.act.slot, list(d.path))
-            except Exception:
-                log.exception("placing the verified path of session %s failed", d.act.sid)
+        errors = self.target.compact_many([(d.act.slot, d.path) for d in decided])
+        for d, error in zip(decided, errors):
+            if error is not None:
+                log.error("placing the verified path of session %s failed: %r", d.act.sid,
+                          error)
                 self.fail(d.act, SessionFailed("placing its verified path failed"))
                 continue
             placed.append(d)

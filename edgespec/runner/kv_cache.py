@@ -103,6 +103,14 @@ class KVCache:
         for cache in self.k + self.v:
             cache[slot, :, dst_t] = cache[slot, :, src_t]  # the gather copies first
 
+    def move_many(self, slots: list[int], src: list[int], dst: list[int]) -> None:
+        """``move`` for several slots at once: entry i copies position ``src[i]`` of slot
+        ``slots[i]`` to ``dst[i]``, in every layer, one indexed copy a layer (every source
+        entry is read before any is overwritten; two entries never write one place)."""
+        idx = torch.as_tensor([slots, src, dst], dtype=torch.long, device=self.k[0].device)
+        for cache in self.k + self.v:
+            cache[idx[0], :, idx[2]] = cache[idx[0], :, idx[1]]  # the gather copies first
+
     def read(self, layer: int, slots: torch.Tensor, contiguous_from: int | None,
              n_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys [B, kv_heads, n_pos, hd] and values [B, kv_heads, n_pos, hd + 1] of positions

@@ -546,16 +546,50 @@ class TargetRunner:
         to cover root + path, as if the chain root + path had been verified. Call it right
         after ``forward`` or ``forward_tree`` on this slot (the length pointer still at the
         root); a path along the chain moves nothing."""
-        root = self.cache.lengths[slot]
-        path = [int(i) for i in path]
-        if any(b <= a for a, b in zip(path, path[1:])) or (path and path[0] < 0):
-            raise ValueError(f"a path is increasing node indices >= 0, got {path}")
-        end = root + 1 + len(path)
-        self.cache.check_room(slot, root + 1, (path[-1] + 1) if path else 0)
-        if any(i != j for j, i in enumerate(path)):
-            self.cache.move(slot, [root + 1 + i for i in path],
-                            [root + 1 + j for j in range(len(path))])
-        self.cache.commit(slot, end)
+        [error] = self.compact_many([(slot, path)])
+        if error is not None:
+            raise error
+
+    def compact_many(self, paths: Sequence[tuple[int, Sequence[int]]]
+                     ) -> list[Exception | None]:
+        """``compact`` for a step's slots: every (slot, path) moved into place in one indexed
+        copy a layer. Returns each entry's error (None: placed): a path that is not increasing
+        node indices, or that outgrows its slot, is refused alone (nothing of it moved); if the
+        copy itself fails, every entry it moved anything for gets that error (its slot's
+        length stays at the root)."""
+        errors: list[Exception | None] = [None] * len(paths)
+        ends: list[tuple[int, int, int]] = []  # (entry, slot, end)
+        slots: list[int] = []
+        src: list[int] = []
+        dst: list[int] = []
+        moved: list[int] = []
+        for e, (slot, path) in enumerate(paths):
+            root = self.cache.lengths[slot]
+            nodes = [int(i) for i in path]
+            try:
+                if any(b <= a for a, b in zip(nodes, nodes[1:])) or (nodes and nodes[0] < 0):
+                    raise ValueError(f"a path is increasing node indices >= 0, got {nodes}")
+                self.cache.check_room(slot, root + 1, (nodes[-1] + 1) if nodes else 0)
+            except ValueError as exc:
+                errors[e] = exc
+                continue
+            off = [(i, j) for j, i in enumerate(nodes) if i != j]  # off the chain: to move
+            if off:
+                moved.append(e)
+                slots += [slot] * len(off)
+                src += [root + 1 + i for i, _ in off]
+                dst += [root + 1 + j for _, j in off]
+            ends.append((e, slot, root + 1 + len(nodes)))
+        if src:
+            try:
+                self.cache.move_many(slots, src, dst)
+            except Exception as exc:  # the device's copy: every entry it concerned
+                for e in moved:
+                    errors[e] = exc
+        for e, slot, end in ends:
+            if errors[e] is None:
+                self.cache.commit(slot, end)
+        return errors
 
     def _chain_step(self, slots: list[int], starts: torch.Tensor, width: int,
                     slot_index: torch.Tensor | None = None):

@@ -87,8 +87,10 @@ class InstantRunner:
     def commit(self, slot: int, length: int) -> None:
         self.cache.commit(slot, length)
 
-    def compact(self, slot: int, path: list[int]) -> None:
-        self.cache.commit(slot, self.cache.lengths[slot] + 1 + len(path))
+    def compact_many(self, paths) -> list[None]:
+        for slot, path in paths:
+            self.cache.commit(slot, self.cache.lengths[slot] + 1 + len(path))
+        return [None] * len(paths)
 
     def next_token(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The target's choice after ``tokens`` at ``positions`` (same shapes)."""
