@@ -54,10 +54,13 @@ def test_every_stage_is_timed_and_mag_drafts_are_accepted(store, drafter):
 def test_bench_host_command_writes_its_table_and_json(tmp_path):
     out = tmp_path / "host.json"
     r = run_cli("bench-host", "--sessions", "2", "--drafters", "mag", "--stores", "local",
-                "--new-tokens", "8", "--json", str(out))
+                "--new-tokens", "8", "--repeats", "3", "--json", str(out))
     assert r.returncode == 0, r.stderr
     assert "host us/step" in r.stdout and "cpu: verifier" in r.stdout and "local  mag" in r.stdout
     [row] = json.loads(out.read_text())["results"]
     assert (row["store"], row["drafter"], row["sessions"]) == ("local", "mag", 2)
+    runs = row["tokens_per_s_runs"]  # the median run's figures, every run's beside them
+    assert len(runs) == 3 and row["tokens_per_s"] == sorted(runs)[1]
     bad = run_cli("bench-host", "--stores", "disk")
     assert bad.returncode == 2 and "--stores" in bad.stderr
+    assert run_cli("bench-host", "--repeats", "0").returncode == 2

@@ -12,11 +12,12 @@ in-process store with its drafting thread (MaG, Cacheback, trees), or the Redis 
 Redis, target-only: no board drafts through it here).
 
 Per setting (store x drafter x sessions) it runs ``generate_many`` of that many prompts,
-``--new-tokens`` each, after a warm-up of the same size, with torch on one thread, and times
-each stage of every step by wrapping the engine's own stage methods: microseconds a step and a
-session-step for plan, take, propose, verify (rows + the runner's answer + the verification's
-host part; the runner's own time is reported apart as ``runner``), decide, place and commit
-(with apply), and tokens per second. The stages' times are the wall's: in process, the
+``--new-tokens`` each, after a warm-up of the same size, ``--repeats`` times (the run of
+median tokens per second is reported, every run's tokens per second beside it), with torch on
+one thread, and times each stage of every step by wrapping the engine's own stage methods:
+microseconds a step and a session-step for plan, take, propose, verify (rows + the runner's
+answer + the verification's host part; the runner's own time is reported apart as
+``runner``), decide, place and commit (with apply), and tokens per second. The stages' times are the wall's: in process, the
 drafting thread shares the interpreter's lock with the verifier, and a stage that lets go of it
 (a tensor operation, a wait) can wait for the drafter's work. So each thread's CPU time is
 reported apart too: the verifier's (the runner's answers left out) and the drafting thread's,
@@ -129,6 +130,9 @@ def add_bench_host_args(p) -> None:
     p.add_argument("--right", type=float, default=0.9,
                    help="how often the target's next token follows the cycle MaG can learn "
                         "(default: %(default)s)")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="runs of each setting (each after its own warm-up); the table shows "
+                        "the run of median tokens/s (default: %(default)s)")
     p.add_argument("--json", dest="json_out", default="bench-results/bench-host.json",
                    metavar="FILE", help="where to write the JSON results (default: %(default)s)")
 
@@ -148,6 +152,8 @@ def _settings(args) -> list[tuple[str, str, int]]:
         raise ConfigError("--right must be in [0, 1]")
     if args.new_tokens < 1:
         raise ConfigError("--new-tokens must be >= 1")
+    if args.repeats < 1:
+        raise ConfigError("--repeats must be >= 1")
     drafters = [d.strip() for d in args.drafters.split(";") if d.strip()]
     out = []
     for store in stores:
@@ -280,6 +286,15 @@ def measure(store: str, drafter: str, n: int, new_tokens: int, right: float,
             "acceptance_rate": accepted / drafted if drafted else None}
 
 
+def median_run(runs: list[dict]) -> dict:
+    """Of a setting's runs, the one of median tokens per second (the upper of two middles),
+    with every run's tokens per second beside it: on a shared machine one run of a few
+    hundred steps moves by half."""
+    ordered = sorted(runs, key=lambda r: r["tokens_per_s"] or 0.0)
+    return {**ordered[len(ordered) // 2],
+            "tokens_per_s_runs": [r["tokens_per_s"] for r in runs]}
+
+
 def _cpu_clock(worker) -> int | None:
     """The CPU-time clock of the in-process drafting thread (None without one, or where a
     thread's clock cannot be read: ``time.pthread_getcpuclockid`` is Unix's)."""
@@ -307,9 +322,11 @@ def run_bench_host(args) -> int:
     for store, drafter, n in settings:
         print(f"bench-host: {store} store, drafter {drafter}, {n} session(s)", file=sys.stderr,
               flush=True)
-        rows.append(measure(store, drafter, n, args.new_tokens, args.right))
+        rows.append(median_run([measure(store, drafter, n, args.new_tokens, args.right)
+                                for _ in range(args.repeats)]))
     report = {"config": {"new_tokens": args.new_tokens, "right": args.right, "threads": 1,
-                         "cpu": cpu_kind().as_json()}, "results": rows}
+                         "repeats": args.repeats, "cpu": cpu_kind().as_json()},
+              "results": rows}
     print(f"machine: {cpu_kind().describe()}")
     print(format_table(report))
     Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
