@@ -17,8 +17,10 @@ b. ``e2e``: one stream of 128 tokens, target-only and MaG + Cacheback with graph
    keyed sampling, 32 tokens, against each prompt decoded alone;
 c. ``hf``: transformers' compiled static-cache ``generate`` (warm-up as long as the timed run),
    8b first, within the time budget;
-d. ``fleet``: 16 and 32 concurrent sessions batched against one session a forward, the same
-   engine, outputs identical, throughput ratio;
+d. ``fleet``: 16, 32 and 64 concurrent sessions, MaG drafts batched against the same sessions
+   target-only batched and (16, 32) one session a forward, outputs identical, throughput
+   ratios, each batched step's time split (prefill, plan + take + propose, forward +
+   verification, decide + commit);
 e. ``tests``: the CUDA tests, under a timeout.
 
 It writes ``sitting.json`` and ``sitting.md`` into ``--out`` after every stage, so a sitting cut
@@ -334,10 +336,52 @@ def lossless(s: Sitting, shape: str, model) -> None:
         f"({runner.graphs.replays} steps replayed)")
 
 
+def timed_generate(engine: SpecEngine, reqs: list[Request], device: str
+                   ) -> tuple[list[list[int]], float, dict]:
+    """``generate_many`` timed: the outputs, the seconds, and each step's time split (ms a
+    step): prefill (the prompts', at admission and in the steps), plan + take + propose,
+    forward + verification (the device's work and the step's one sync), decide + place +
+    commit, and the rest (the loop's own)."""
+    split = {"prefill": 0.0, "plan_take_propose": 0.0, "forward_verify": 0.0,
+             "decide_commit": 0.0}
+    steps = [0]
+    step, on_prefill = engine.step, engine.on_prefill
+
+    def prefilled(tokens: int, seconds: float) -> None:
+        split["prefill"] += seconds
+
+    def counted():
+        report = step()
+        steps[0] += 1
+        if report is not None:
+            split["plan_take_propose"] += report.take_s
+            split["forward_verify"] += report.forward_s
+            split["decide_commit"] += report.commit_s
+        return report
+
+    engine.step, engine.on_prefill = counted, prefilled  # type: ignore[method-assign]
+    sync(device)
+    t = time.perf_counter()
+    try:
+        out = [r.token_ids for r in engine.generate_many(reqs)]
+        sync(device)
+    finally:
+        engine.step, engine.on_prefill = step, on_prefill  # type: ignore[method-assign]
+    wall = time.perf_counter() - t
+    n = max(1, steps[0])
+    ms = {k: round(1e3 * v / n, 3) for k, v in split.items()}
+    ms["rest"] = round(1e3 * wall / n - sum(ms.values()), 3)
+    return out, wall, {"steps": steps[0], "ms_a_step": ms}
+
+
 def stage_fleet(s: Sitting, shape: str, model) -> None:
-    """(d) sessions batched against one session a forward: the same engine, same outputs."""
+    """(d) 16, 32 and 64 sessions: MaG drafts batched, the same sessions target-only batched
+    (one token a session a step: a server without edge drafting) and, at 16 and 32, one session
+    a forward; the same outputs every way; each batched run's step split into prefill, host
+    and device time."""
     new = 32 if not s.dry else 4
-    counts = (16, 32) if not s.dry else (2,)
+    counts = (16, 32, 64) if not s.dry else (2, 3)
+    alone_counts = (16, 32) if not s.dry else (2,)
     runner = runner_for(s, model, max(counts), 128, graphs=True)
     rng = random.Random(f"fleet-{shape}")
     prompts = [[1] + [rng.randrange(3, runner.vocab_size) for _ in range(rng.randint(10, 50))]
@@ -346,25 +390,35 @@ def stage_fleet(s: Sitting, shape: str, model) -> None:
     for n in counts:
         reqs = [Request(p, new) for p in prompts[:n]]
         cfg = EngineConfig(max_sessions=n, max_context=128)
+        row: dict = {"sessions": n}
+        with SpecEngine(runner, None, cfg, stop_ids=set()) as plain:
+            plain.generate(Request(prompts[0], 4))  # warm-up
+            target_only, plain_s, plain_split = timed_generate(plain, reqs, s.device)
         with SpecEngine(runner, build_drafter("mag"), cfg, stop_ids=set()) as engine:
             engine.generate(Request(prompts[0], 4))  # warm-up
-            sync(s.device)
-            t = time.perf_counter()
-            alone = [engine.generate(r).token_ids for r in reqs]
-            sync(s.device)
-            alone_s = time.perf_counter() - t
-            t = time.perf_counter()
-            together = [r.token_ids for r in engine.generate_many(reqs)]
-            sync(s.device)
-            batched_s = time.perf_counter() - t
+            together, batched_s, mag_split = timed_generate(engine, reqs, s.device)
+            alone, alone_s = None, None
+            if n in alone_counts:
+                sync(s.device)
+                t = time.perf_counter()
+                alone = [engine.generate(r).token_ids for r in reqs]
+                sync(s.device)
+                alone_s = time.perf_counter() - t
         tokens = sum(len(x) for x in together)
-        out[str(n)] = {"sessions": n, "tokens": tokens, "batched_s": round(batched_s, 2),
-                       "one_a_forward_s": round(alone_s, 2),
-                       "throughput_ratio": round(alone_s / batched_s, 2),
-                       "identical": together == alone}
-        if together != alone:
-            s.mismatch(f"{shape}: {n} sessions batched differ from each decoded alone")
-        say(f"   {shape} fleet {n}: {out[str(n)]}")
+        row.update({"tokens": tokens, "batched_s": round(batched_s, 2),
+                    "target_only_batched_s": round(plain_s, 2),
+                    "mag_over_target_only": round(plain_s / batched_s, 2),
+                    "target_only_tokens_per_s": round(tokens / plain_s, 1),
+                    "mag": mag_split, "target_only": plain_split,
+                    "identical": together == target_only and alone in (None, together)})
+        if alone_s is not None:
+            row.update({"one_a_forward_s": round(alone_s, 2),
+                        "throughput_ratio": round(alone_s / batched_s, 2)})
+        out[str(n)] = row
+        if not row["identical"]:
+            s.mismatch(f"{shape}: {n} sessions batched (MaG, target-only) and one a forward "
+                       f"differ")
+        say(f"   {shape} fleet {n}: {row}")
     s.data["fleet"][shape] = out
 
 

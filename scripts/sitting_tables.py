@@ -70,10 +70,19 @@ def format_tables(d: dict) -> str:
         rows = []
         for k, per in d["fleet"].items():
             for v in per.values():
-                rows.append([k, v["sessions"], v["batched_s"], v["one_a_forward_s"],
-                             v["throughput_ratio"], v["identical"]])
-        lines += _table(["shape", "sessions", "batched s", "one session a forward s",
-                         "throughput ratio", "identical"], rows)
+                ms = v.get("mag", {}).get("ms_a_step", {})
+                rows.append([k, v["sessions"], v["batched_s"], v.get("one_a_forward_s", "-"),
+                             v.get("throughput_ratio", "-"),
+                             v.get("target_only_batched_s", "-"),
+                             v.get("mag_over_target_only", "-"),
+                             " / ".join(str(ms.get(x, "-")) for x in
+                                        ("prefill", "plan_take_propose", "forward_verify",
+                                         "decide_commit", "rest")),
+                             v["identical"]])
+        lines += _table(["shape", "sessions", "MaG batched s", "one session a forward s",
+                         "batched / one a forward", "target-only batched s",
+                         "MaG / target-only", "MaG ms a step: prefill / plan+take+propose / "
+                         "forward+verify / decide+commit / rest", "identical"], rows)
     if d.get("tests"):
         lines += [f"CUDA tests: {d['tests'].get('summary', '')} (rc {d['tests']['rc']})", ""]
     if d.get("errors"):

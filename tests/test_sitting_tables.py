@@ -54,3 +54,28 @@ def test_a_sitting_without_the_new_stages_still_renders():
     md = format_tables(_sitting(tests={"rc": 0, "summary": "60 passed"}))
     assert "attention ms" not in md and "tiles ms" not in md
     assert "CUDA tests: 60 passed (rc 0)" in md
+
+
+def test_the_fleet_table_has_target_only_batched_and_the_steps_time_split():
+    """A fleet row with the target-only batched run and the MaG run's step split; a row of an
+    older sitting (no target-only, no split) and one without one-a-forward print with dashes."""
+    split = {"steps": 20, "ms_a_step": {"prefill": 0.5, "plan_take_propose": 1.2,
+                                        "forward_verify": 9.1, "decide_commit": 0.8,
+                                        "rest": 0.1}}
+    fleet = {"8b": {"32": {"sessions": 32, "tokens": 1024, "batched_s": 0.41,
+                           "target_only_batched_s": 0.62, "mag_over_target_only": 1.51,
+                           "one_a_forward_s": 3.3, "throughput_ratio": 8.05, "mag": split,
+                           "target_only": split, "identical": True},
+                    "64": {"sessions": 64, "tokens": 2048, "batched_s": 0.8,
+                           "target_only_batched_s": 1.1, "mag_over_target_only": 1.38,
+                           "mag": split, "target_only": split, "identical": True}},
+             "135m": {"16": {"sessions": 16, "batched_s": 0.3, "one_a_forward_s": 0.5,
+                             "throughput_ratio": 1.6, "identical": True}}}
+    md = format_tables(_sitting(fleet=fleet))
+    rows = _rows(md, "8b")
+    assert rows[0] == ["8b", "32", "0.41", "3.3", "8.05", "0.62", "1.51",
+                       "0.5 / 1.2 / 9.1 / 0.8 / 0.1", "True"]
+    assert rows[1][3:5] == ["-", "-"] and rows[1][6] == "1.38"
+    [old] = _rows(md, "135m")
+    assert old[:5] == ["135m", "16", "0.3", "0.5", "1.6"]
+    assert old[5:8] == ["-", "-", "- / - / - / - / -"]

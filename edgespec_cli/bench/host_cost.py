@@ -17,11 +17,11 @@ median tokens per second is reported, every run's tokens per second beside it), 
 one thread, and times each stage of every step by wrapping the engine's own stage methods:
 microseconds a step and a session-step for plan, take, propose, verify (rows + the runner's
 answer + the verification's host part; the runner's own time is reported apart as
-``runner``), decide, place and commit (with apply), and tokens per second. The stages' times are the wall's: in process, the
-drafting thread shares the interpreter's lock with the verifier, and a stage that lets go of it
-(a tensor operation, a wait) can wait for the drafter's work. So each thread's CPU time is
-reported apart too: the verifier's (the runner's answers left out) and the drafting thread's,
-a session-step each.
+``runner``), decide, place and commit (with apply), and tokens per second. The stages' times
+are the wall's: in process, the drafting thread shares the interpreter's lock with the
+verifier, and a stage that lets go of it (a tensor operation, a wait) can wait for the
+drafter's work. So each thread's CPU time is reported apart too: the verifier's (the runner's
+answers left out) and the drafting thread's, a session-step each.
 """
 
 from __future__ import annotations
