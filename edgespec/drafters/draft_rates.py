@@ -204,6 +204,10 @@ class RowsOf:
     def record(self, what: str, *values: np.ndarray) -> None:
         """Each group's ``supplied``, ``update`` or ``update_branches`` with ``values`` (one
         array per argument, in the sessions' order)."""
+        if len(self.groups) == 1:  # in the sessions' order already
+            table, rows, _ = self.groups[0]
+            getattr(table, what)(rows, *values)
+            return
         for table, rows, at in self.groups:
             getattr(table, what)(rows, *(v[at] for v in values))
 

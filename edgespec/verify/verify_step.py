@@ -238,6 +238,8 @@ def verify_step(logits: torch.Tensor, vb: VerifyBatch, loose: LooseParams | None
     N = min(vb.max_nodes, logits.shape[1] - 1)
     logits = logits[:, :1 + N]  # rows past every draft: padding
     choices, scores = target_choices(logits, vb)  # [B, 1 + N]
+    if vb.chains and not vb.any_loose and not vb.any_pad:
+        return _verify_exact_chains(choices, vb, N, propose)
     tokens, parents = vb.tokens[:, :N], vb.parents[:, :N]
     idx = torch.arange(N, device=logits.device)
     valid = idx[None] < vb.counts.clamp(max=N)[:, None]
@@ -269,6 +271,26 @@ def verify_step(logits: torch.Tensor, vb: VerifyBatch, loose: LooseParams | None
     return VerifyOutcome([r[2:2 + r[1]] for r in host], [r[0] for r in host],
                          [r[2 + 2 * N:] for r in host] if propose is not None else [],
                          [r[2 + N:2 + N + r[1]] for r in host])
+
+
+def _verify_exact_chains(choices: torch.Tensor, vb: VerifyBatch, N: int,
+                         propose: Proposer | None) -> VerifyOutcome:
+    """``verify_step`` for a batch of chains under the exact rule (no loose, no PAD row), in a
+    few operations: node i holds the target's choice after node i - 1 (``choices[:, i]``), the
+    accepted nodes are the run of such from the first, the emitted token the choice after the
+    run. choices: [B, 1 + N] long."""
+    idx = torch.arange(N, device=choices.device)
+    valid = idx[None] < vb.counts.clamp(max=N)[:, None]
+    match = valid & (vb.tokens[:, :N] == choices[:, :N])  # [B, N]
+    run = match.long().cumprod(1)  # [B, N]: 1 while every node so far matched
+    n = run.sum(1, keepdim=True)  # [B, 1]: accepted nodes
+    parts = [choices.gather(1, n), n]
+    if propose is not None:
+        parts.append(propose(run.bool(), parts[0][:, 0]))
+    host = torch.cat(parts, 1).tolist()  # the step's one sync
+    return VerifyOutcome([list(range(r[1])) for r in host], [r[0] for r in host],
+                         [r[2:] for r in host] if propose is not None else [],
+                         [[0] * r[1] for r in host])
 
 
 def _accepted_in_tree(match: torch.Tensor, exact: torch.Tensor, tokens: torch.Tensor,
