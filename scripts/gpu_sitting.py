@@ -20,7 +20,7 @@ c. ``hf``: transformers' compiled static-cache ``generate`` (warm-up as long as 
 d. ``fleet``: 16, 32 and 64 concurrent sessions, MaG drafts batched against the same sessions
    target-only batched and (16, 32) one session a forward, outputs identical, throughput
    ratios, each batched step's time split (prefill, plan + take + propose, forward +
-   verification, decide + commit);
+   verification, place + commit, the rest);
 e. ``tests``: the CUDA tests, under a timeout.
 
 It writes ``sitting.json`` and ``sitting.md`` into ``--out`` after every stage, so a sitting cut
@@ -340,10 +340,10 @@ def timed_generate(engine: SpecEngine, reqs: list[Request], device: str
                    ) -> tuple[list[list[int]], float, dict]:
     """``generate_many`` timed: the outputs, the seconds, and each step's time split (ms a
     step): prefill (the prompts', at admission and in the steps), plan + take + propose,
-    forward + verification (the device's work and the step's one sync), decide + place +
-    commit, and the rest (the loop's own)."""
+    forward + verification (the device's work and the step's one sync), place + commit, and
+    the rest (deciding each row's verdict, the loop's own)."""
     split = {"prefill": 0.0, "plan_take_propose": 0.0, "forward_verify": 0.0,
-             "decide_commit": 0.0}
+             "place_commit": 0.0}
     steps = [0]
     step, on_prefill = engine.step, engine.on_prefill
 
@@ -356,7 +356,7 @@ def timed_generate(engine: SpecEngine, reqs: list[Request], device: str
         if report is not None:
             split["plan_take_propose"] += report.take_s
             split["forward_verify"] += report.forward_s
-            split["decide_commit"] += report.commit_s
+            split["place_commit"] += report.commit_s
         return report
 
     engine.step, engine.on_prefill = counted, prefilled  # type: ignore[method-assign]
@@ -378,7 +378,7 @@ def stage_fleet(s: Sitting, shape: str, model) -> None:
     """(d) 16, 32 and 64 sessions: MaG drafts batched, the same sessions target-only batched
     (one token a session a step: a server without edge drafting) and, at 16 and 32, one session
     a forward; the same outputs every way; each batched run's step split into prefill, host
-    and device time."""
+    and device time (``timed_generate``)."""
     new = 32 if not s.dry else 4
     counts = (16, 32, 64) if not s.dry else (2, 3)
     alone_counts = (16, 32) if not s.dry else (2,)

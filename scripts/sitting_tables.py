@@ -77,12 +77,12 @@ def format_tables(d: dict) -> str:
                              v.get("mag_over_target_only", "-"),
                              " / ".join(str(ms.get(x, "-")) for x in
                                         ("prefill", "plan_take_propose", "forward_verify",
-                                         "decide_commit", "rest")),
+                                         "place_commit", "rest")),
                              v["identical"]])
         lines += _table(["shape", "sessions", "MaG batched s", "one session a forward s",
                          "batched / one a forward", "target-only batched s",
                          "MaG / target-only", "MaG ms a step: prefill / plan+take+propose / "
-                         "forward+verify / decide+commit / rest", "identical"], rows)
+                         "forward+verify / place+commit / rest (decide)", "identical"], rows)
     if d.get("tests"):
         lines += [f"CUDA tests: {d['tests'].get('summary', '')} (rc {d['tests']['rc']})", ""]
     if d.get("errors"):

@@ -7,7 +7,60 @@ import numpy as np
 import pytest
 
 from edgespec.drafters.adaptive import DraftLength
-from edgespec.drafters.draft_rates import DraftRates, RowsOf
+from edgespec.drafters.draft_rates import DECAY, POSITION_PRIOR, DraftRates, RowsOf
+
+
+class OneSession:
+    """The rules for one session in plain floats, a rate at a time (the oracle the arrays are
+    held to): decayed hits and trials from a prior; a position's rate pulled towards alpha."""
+
+    def __init__(self, k_max: int):
+        self.k_max, self.k = k_max, k_max
+        self.chain = [0.5 * 2.0, 2.0]
+        self.at = [[0.0, 0.0] for _ in range(k_max)]
+        self.held = [[1.0, 1.0] for _ in range(k_max)]
+        self.branch = [0.1 * 5.0, 5.0]
+
+    @staticmethod
+    def _observe(rate: list, hits: float, trials: float) -> None:
+        rate[0], rate[1] = DECAY * rate[0] + hits, DECAY * rate[1] + trials
+
+    def supplied(self, asked: int, got: int) -> None:
+        if asked <= 0:
+            return
+        for j in range(min(asked, self.k_max)):
+            self._observe(self.held[j], 1.0 if j < got else 0.0, 1.0)
+        last = self.held[min(asked, self.k_max) - 1]
+        last_rate = last[0] / last[1]
+        for j in range(asked, self.k_max):
+            self._observe(self.held[j], last_rate, 1.0)
+
+    def update(self, drafted: int, accepted: int) -> None:
+        if drafted <= 0:
+            return
+        self._observe(self.chain, accepted, accepted + (accepted < drafted))
+        for j in range(min(drafted, self.k_max)):
+            if j <= accepted:
+                self._observe(self.at[j], 1.0 if j < accepted else 0.0, 1.0)
+        self.k = min(self.k_max, self.k + 2) if accepted == drafted else max(1, self.k - 1)
+
+    def update_branches(self, verified: int, accepted: int) -> None:
+        if verified > 0:
+            self._observe(self.branch, accepted, verified)
+
+    def holds(self, k: int) -> list[float]:
+        out, held = [], 1.0
+        for hits, trials in self.held[:k]:
+            held = min(held, hits / trials)
+            out.append(held)
+        return out
+
+    def gains(self, k: int) -> list[float]:
+        alpha, out, survive = self.chain[0] / self.chain[1], [], 1.0
+        for (hits, trials), held in zip(self.at[:k], self.holds(k)):
+            survive *= (hits + POSITION_PRIOR * alpha) / (trials + POSITION_PRIOR)
+            out.append(survive * held)
+        return out
 
 
 def test_a_batch_recorded_at_once_learns_what_each_session_learns_alone():
@@ -38,6 +91,55 @@ def test_a_batch_recorded_at_once_learns_what_each_session_learns_alone():
         assert a.gains(6) == b.gains(6) and a.holds(6) == b.holds(6)
         assert a.alpha == b.alpha and a.beta == b.beta
     assert len({tuple(dl.gains(6)) for dl in together}) > 1  # the sessions did differ
+
+
+def test_the_arrays_follow_the_rules_of_one_session_in_plain_floats():
+    """Rows of a table recorded in batches (slots 5, 2, 7 of 8) against the one-session rules
+    in floats: the same gains, holds, alpha, beta and next length."""
+    rng = random.Random(11)
+    table = DraftRates(8, k_max=5)
+    slots = [5, 2, 7]
+    views = [DraftLength.of_row(table, r) for r in slots]
+    oracles = [OneSession(5) for _ in slots]
+    rows = RowsOf(views)
+    for _ in range(80):
+        asked = np.array([rng.choice([0, 1, 3, 5, 7]) for _ in slots])
+        got = np.array([rng.randint(0, min(a, 5)) for a in asked])
+        drafted = np.array([rng.randint(0, 5) for _ in slots])
+        accepted = np.array([rng.randint(0, d) for d in drafted])
+        branches = np.array([rng.randint(0, 3) for _ in slots])
+        taken = np.array([rng.randint(0, b) for b in branches])
+        rows.record("supplied", asked, got)
+        rows.record("update", drafted, accepted)
+        rows.record("update_branches", branches, taken)
+        for i, o in enumerate(oracles):
+            o.supplied(int(asked[i]), int(got[i]))
+            o.update(int(drafted[i]), int(accepted[i]))
+            o.update_branches(int(branches[i]), int(taken[i]))
+        for v, o in zip(views, oracles):
+            assert v.k == o.k
+            assert v.gains(5) == pytest.approx(o.gains(5), rel=1e-12)
+            assert v.holds(5) == pytest.approx(o.holds(5), rel=1e-12)
+            assert v.alpha == pytest.approx(o.chain[0] / o.chain[1], rel=1e-12)
+            assert v.beta == pytest.approx(o.branch[0] / o.branch[1], rel=1e-12)
+
+
+def test_a_view_of_a_row_taken_by_a_later_session_refuses_to_write():
+    """A session's draft length kept after it ended must not teach the slot's next session."""
+    table = DraftRates(2, k_max=4)
+    old = DraftLength.of_row(table, 0)
+    DraftLength.of_row(table, 0)  # the slot's next session
+    with pytest.raises(RuntimeError, match="later session"):
+        old.update(4, 4)
+    with pytest.raises(ValueError, match="of_row"):
+        DraftLength(6, table=table, row=1)  # a row's settings are its table's
+
+
+def test_gains_asked_past_the_longest_draft_are_cut_to_it():
+    table = DraftRates(2, k_max=3)
+    gains, holds = table.gains_holds(np.array([0, 1]), np.array([5, 2]))
+    assert gains.shape == holds.shape == (2, 3)
+    assert gains[0].tolist() == pytest.approx([0.5, 0.25, 0.125]) and gains[1, 2] == 0.0
 
 
 def test_a_new_session_in_a_slot_starts_from_the_priors():

@@ -60,7 +60,7 @@ def test_the_fleet_table_has_target_only_batched_and_the_steps_time_split():
     """A fleet row with the target-only batched run and the MaG run's step split; a row of an
     older sitting (no target-only, no split) and one without one-a-forward print with dashes."""
     split = {"steps": 20, "ms_a_step": {"prefill": 0.5, "plan_take_propose": 1.2,
-                                        "forward_verify": 9.1, "decide_commit": 0.8,
+                                        "forward_verify": 9.1, "place_commit": 0.8,
                                         "rest": 0.1}}
     fleet = {"8b": {"32": {"sessions": 32, "tokens": 1024, "batched_s": 0.41,
                            "target_only_batched_s": 0.62, "mag_over_target_only": 1.51,

@@ -106,6 +106,9 @@ def test_paths_of_many_slots_move_into_place_in_one_call_as_one_at_a_time(tiny):
     errors = many.compact_many([*zip(slots2, paths), (bad, [3, 1])])
     assert errors[:3] == [None] * 3 and isinstance(errors[3], ValueError)
     assert many.cache.lengths[bad] == 3
+    twice = many.compact_many([(bad, [0]), (bad, [0])])  # one slot placed twice in one call
+    assert twice[0] is None and isinstance(twice[1], ValueError)
+    assert many.cache.lengths[bad] == 5
     for slot, slot2 in zip(slots, slots2):
         assert one.cache.lengths[slot] == many.cache.lengths[slot2]
         n = one.cache.lengths[slot]

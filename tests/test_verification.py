@@ -85,14 +85,24 @@ def test_one_call_gives_each_rows_own_verdict(params):
             assert (out.paths[b], out.tokens[b]) == (ref.path, ref.token)
 
 
-@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=1.0, seed=3)])
-def test_a_batch_of_chains_gives_each_rows_own_verdict(params):
-    """Chains only (a step without trees): the batch is verified as chains (a node accepted
-    with every node before it) and each row's verdict is the per-row rule's."""
-    rng = random.Random(f"chains {params}")
-    for _ in range(20):
+def test_a_batch_of_chains_gives_each_rows_own_verdict():
+    """Chains only (a step without trees), greedy, sampled, top-k and top-p rows side by
+    side: the batch is verified as chains (a node accepted with every node before it), each
+    row's verdict is the per-row rule's, and a proposer sees the same accepted nodes and
+    tokens as on the trees' path."""
+    settings = [SamplingParams(), SamplingParams(temperature=1.0, seed=3),
+                SamplingParams(temperature=0.7, top_k=6, top_p=0.9, seed=9)]
+    rng = random.Random("chains")
+    seen = []
+
+    def propose(accepted, token):  # what a head would draft from: [B, N] bool, [B] long
+        seen.append((accepted.clone(), token.clone()))
+        return torch.stack([accepted.sum(1), token], 1)
+
+    for _ in range(30):
         chains = [DraftTree.chain([rng.randrange(V) for _ in range(rng.randint(0, 7))])
                   for _ in range(rng.randint(1, 9))]
+        params = [rng.choice(settings) for _ in chains]
         N = max(1, max(len(t) for t in chains))
         logits = torch.randn(len(chains), 1 + N, V) * 3
         for b, t in enumerate(chains):
@@ -100,13 +110,19 @@ def test_a_batch_of_chains_gives_each_rows_own_verdict(params):
                 if rng.random() < 0.7:
                     logits[b, p + 1, t.tokens[i]] += 30
         starts = [rng.randrange(100) for _ in chains]
-        vb = VerifyBatch.build([(t.tokens, t.parents) for t in chains], starts,
-                               [params] * len(chains), ["exact"] * len(chains))
+        drafts = [(t.tokens, t.parents) for t in chains]
+        vb = VerifyBatch.build(drafts, starts, params, ["exact"] * len(chains))
         assert vb.chains
-        out = verify_step(logits, vb)
+        out = verify_step(logits, vb, propose=propose)
         for b, t in enumerate(chains):
-            ref = verify_tree(logits[b, :1 + len(t)], t, params, starts[b])
+            ref = verify_tree(logits[b, :1 + len(t)], t, params[b], starts[b])
             assert (out.paths[b], out.tokens[b]) == (ref.path, ref.token)
+            assert out.proposals[b] == [len(ref.path), ref.token]
+        general = VerifyBatch.build(drafts, starts, params, ["exact"] * len(chains))
+        general.chains = False  # the trees' path over the same rows
+        again = verify_step(logits, general, propose=propose)
+        assert (again.paths, again.tokens, again.lenient) == (out.paths, out.tokens, out.lenient)
+        assert torch.equal(seen[-1][0], seen[-2][0]) and torch.equal(seen[-1][1], seen[-2][1])
 
 
 def test_rows_with_their_own_settings_and_modes_in_one_call():

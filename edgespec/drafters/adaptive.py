@@ -59,9 +59,14 @@ class DraftLength:
                  probe_every: int = 8, *, table: DraftRates | None = None, row: int = 0):
         if table is None:
             table = DraftRates(1, k_max, k_min, adaptive, prior_alpha, prior_trials)
+        elif (k_max, k_min, adaptive, prior_alpha, prior_trials) != \
+                (table.k_max, table.k_min, table.adaptive, table.prior_alpha,
+                 table.prior_trials):
+            raise ValueError("a row's settings are its table's: build the view with of_row")
         self.table, self.row = table, row
         self._rows = np.array([row])
         table.reset(row, k_init)
+        self._generation = int(table.generation[row])  # the row is this session's until reset
         self._branch_probe = Prober(probe_every)
 
     @classmethod
@@ -104,17 +109,26 @@ class DraftLength:
     def supplied(self, asked: int, got: int) -> None:
         """Record a take: ``asked`` draft tokens wanted, ``got`` in the draft
         (``DraftRates.supplied``)."""
+        self._check_own()
         self.table.supplied(self._rows, np.array([asked]), np.array([got]))
 
     def update(self, drafted: int, accepted: int) -> int:
         """Record one verification of ``drafted`` tokens of which ``accepted`` passed; returns
         the next length."""
+        self._check_own()
         self.table.update(self._rows, np.array([drafted]), np.array([accepted]))
         return self.k
 
     def update_branches(self, verified: int, accepted: int) -> None:
         """Record one verification of ``verified`` branch tokens, ``accepted`` of them taken."""
+        self._check_own()
         self.table.update_branches(self._rows, np.array([verified]), np.array([accepted]))
+
+    def _check_own(self) -> None:
+        """A write through a view whose row was reset since (its session ended and the slot's
+        next session took the row) would teach the new session the old one's verdicts."""
+        if int(self.table.generation[self.row]) != self._generation:
+            raise RuntimeError(f"draft-length row {self.row} belongs to a later session now")
 
     def probe_branches(self, budget: int, cap: int) -> int:
         """``budget`` branch tokens as planned, except that a step that could have had branches

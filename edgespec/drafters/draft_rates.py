@@ -43,6 +43,7 @@ class DraftRates:
         self.held_hits, self.held_trials = np.empty((n, K)), np.empty((n, K))  # [R, K]
         self.branch_hits, self.branch_trials = np.empty(n), np.empty(n)  # [R]
         self.k = np.empty(n, dtype=np.int64)  # [R]: the next draft's length
+        self.generation = np.zeros(n, dtype=np.int64)  # [R]: resets of the row (a new session)
         self._positions = np.arange(K)[None]  # [1, K]
         self.reset(np.arange(n))
 
@@ -62,6 +63,7 @@ class DraftRates:
         self.branch_hits[rows] = BRANCH_PRIOR[0] * BRANCH_PRIOR[1]
         self.branch_trials[rows] = BRANCH_PRIOR[1]
         self.k[rows] = k
+        self.generation[rows] += 1
 
     def alpha(self, rows: np.ndarray) -> np.ndarray:
         """[B]: each row's chance that its next draft token is accepted."""
@@ -73,7 +75,8 @@ class DraftRates:
 
     def holds(self, rows: np.ndarray, ks: np.ndarray) -> np.ndarray:
         """[B, max(ks)]: the chance that row b's draft holds its 1st..ks[b]-th token when taken
-        (non-increasing along a row), 0 past ks[b]."""
+        (non-increasing along a row), 0 past ks[b] (ks cut to k_max)."""
+        ks = np.minimum(ks, self.k_max)
         width = int(ks.max(initial=0))
         supply = self.held_hits[rows, :width] / self.held_trials[rows, :width]
         held = np.minimum.accumulate(supply, axis=1) if width else supply

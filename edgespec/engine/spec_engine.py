@@ -347,8 +347,8 @@ class SpecEngine(SessionLifecycle):
         errors = self.target.compact_many([(d.act.slot, d.path) for d in decided])
         for d, error in zip(decided, errors):
             if error is not None:
-                log.error("placing the verified path of session %s failed: %r", d.act.sid,
-                          error)
+                log.error("placing the verified path of session %s failed", d.act.sid,
+                          exc_info=error)
                 self.fail(d.act, SessionFailed("placing its verified path failed"))
                 continue
             placed.append(d)

@@ -554,25 +554,29 @@ class TargetRunner:
                      ) -> list[Exception | None]:
         """``compact`` for a step's slots: every (slot, path) moved into place in one indexed
         copy a layer. Returns each entry's error (None: placed): a path that is not increasing
-        node indices, or that outgrows its slot, is refused alone (nothing of it moved); if the
-        copy itself fails, every entry it moved anything for gets that error (its slot's
-        length stays at the root)."""
+        node indices, that outgrows its slot, or whose slot an earlier entry holds, is refused
+        alone (nothing of it moved); if the copy itself fails, every entry it moved anything for
+        gets that error (its slot's length stays at the root)."""
         errors: list[Exception | None] = [None] * len(paths)
         ends: list[tuple[int, int, int]] = []  # (entry, slot, end)
         slots: list[int] = []
         src: list[int] = []
         dst: list[int] = []
         moved: list[int] = []
+        seen: set[int] = set()
         for e, (slot, path) in enumerate(paths):
-            root = self.cache.lengths[slot]
-            nodes = [int(i) for i in path]
             try:
+                if slot in seen:  # its root would be read before the first entry moved it
+                    raise ValueError(f"slot {slot} is placed twice in one call")
+                root = self.cache.lengths[slot]
+                nodes = [int(i) for i in path]
                 if any(b <= a for a, b in zip(nodes, nodes[1:])) or (nodes and nodes[0] < 0):
                     raise ValueError(f"a path is increasing node indices >= 0, got {nodes}")
                 self.cache.check_room(slot, root + 1, (nodes[-1] + 1) if nodes else 0)
-            except ValueError as exc:
+            except Exception as exc:  # this entry's alone: nothing of it moved
                 errors[e] = exc
                 continue
+            seen.add(slot)
             off = [(i, j) for j, i in enumerate(nodes) if i != j]  # off the chain: to move
             if off:
                 moved.append(e)
