@@ -63,6 +63,25 @@ class OneSession:
         return out
 
 
+def _random_step(rng: random.Random, n: int, k_max: int, asks: list[int]) -> dict:
+    """One step's takes (asked, got), verdicts (drafted, accepted) and branches (verified,
+    accepted) for n sessions, as ``RowsOf.record`` takes them."""
+    asked = np.array([rng.choice(asks) for _ in range(n)])
+    drafted = np.array([rng.randint(0, k_max) for _ in range(n)])
+    branches = np.array([rng.randint(0, 3) for _ in range(n)])
+    return {"supplied": (asked, np.array([rng.randint(0, min(a, k_max)) for a in asked])),
+            "update": (drafted, np.array([rng.randint(0, d) for d in drafted])),
+            "update_branches": (branches, np.array([rng.randint(0, b) for b in branches]))}
+
+
+def _record(rows: RowsOf, each: list, step: dict) -> None:
+    """The step recorded for the batch in one call a kind, and for ``each`` session alone."""
+    for what, values in step.items():
+        rows.record(what, *values)
+        for i, one in enumerate(each):
+            getattr(one, what)(*(int(v[i]) for v in values))
+
+
 def test_a_batch_recorded_at_once_learns_what_each_session_learns_alone():
     """Eight sessions' takes and verdicts recorded in one call a step, against the same
     sessions each with a table of its own fed one at a time: the same rates, bit for bit, and
@@ -73,19 +92,7 @@ def test_a_batch_recorded_at_once_learns_what_each_session_learns_alone():
     alone = [DraftLength(6) for _ in range(8)]
     rows = RowsOf(together)
     for _ in range(60):
-        asked = np.array([rng.randint(0, 6) for _ in range(8)])
-        got = np.array([rng.randint(0, a) if a else 0 for a in asked])
-        drafted = np.array([rng.randint(0, 6) for _ in range(8)])
-        accepted = np.array([rng.randint(0, d) for d in drafted])
-        branches = np.array([rng.randint(0, 4) for _ in range(8)])
-        taken = np.array([rng.randint(0, b) for b in branches])
-        rows.record("supplied", asked, got)
-        rows.record("update", drafted, accepted)
-        rows.record("update_branches", branches, taken)
-        for i, dl in enumerate(alone):
-            dl.supplied(int(asked[i]), int(got[i]))
-            dl.update(int(drafted[i]), int(accepted[i]))
-            dl.update_branches(int(branches[i]), int(taken[i]))
+        _record(rows, alone, _random_step(rng, 8, 6, list(range(7))))
     for a, b in zip(together, alone):
         assert a.k == b.k
         assert a.gains(6) == b.gains(6) and a.holds(6) == b.holds(6)
@@ -98,24 +105,11 @@ def test_the_arrays_follow_the_rules_of_one_session_in_plain_floats():
     in floats: the same gains, holds, alpha, beta and next length."""
     rng = random.Random(11)
     table = DraftRates(8, k_max=5)
-    slots = [5, 2, 7]
-    views = [DraftLength.of_row(table, r) for r in slots]
-    oracles = [OneSession(5) for _ in slots]
+    views = [DraftLength.of_row(table, r) for r in (5, 2, 7)]
+    oracles = [OneSession(5) for _ in views]
     rows = RowsOf(views)
     for _ in range(80):
-        asked = np.array([rng.choice([0, 1, 3, 5, 7]) for _ in slots])
-        got = np.array([rng.randint(0, min(a, 5)) for a in asked])
-        drafted = np.array([rng.randint(0, 5) for _ in slots])
-        accepted = np.array([rng.randint(0, d) for d in drafted])
-        branches = np.array([rng.randint(0, 3) for _ in slots])
-        taken = np.array([rng.randint(0, b) for b in branches])
-        rows.record("supplied", asked, got)
-        rows.record("update", drafted, accepted)
-        rows.record("update_branches", branches, taken)
-        for i, o in enumerate(oracles):
-            o.supplied(int(asked[i]), int(got[i]))
-            o.update(int(drafted[i]), int(accepted[i]))
-            o.update_branches(int(branches[i]), int(taken[i]))
+        _record(rows, oracles, _random_step(rng, 3, 5, [0, 1, 3, 5, 7]))
         for v, o in zip(views, oracles):
             assert v.k == o.k
             assert v.gains(5) == pytest.approx(o.gains(5), rel=1e-12)
