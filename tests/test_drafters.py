@@ -190,3 +190,34 @@ def test_a_few_short_takes_do_not_cap_a_sessions_width_for_good():
     for _ in range(60):
         k.supplied(2, 2)
     assert min(k.holds(6)) > 0.9
+
+
+def test_a_sessions_token_array_follows_its_list_through_appends_and_rollbacks():
+    """``TokenArray``: what was appended since the last read is copied; a rollback it is told of
+    cuts it; a list changed behind its back (cut and refilled with other tokens) is read again
+    whole; past its buffer it grows."""
+    import random
+
+    import numpy as np
+
+    from edgespec.drafters.mag import TokenArray
+
+    rng = random.Random(5)
+    tokens = [rng.randrange(1000) for _ in range(40)]
+    mirror = TokenArray()
+    for step in range(400):
+        action = rng.random()
+        if action < 0.6:
+            tokens.extend(rng.randrange(1000) for _ in range(rng.randint(1, 9)))
+        elif action < 0.8:
+            length = rng.randint(0, len(tokens))
+            del tokens[length:]
+            mirror.cut(length)
+        elif tokens:  # behind its back: its tail replaced by other tokens, the length kept
+            length = rng.randint(1, len(tokens))
+            tail = [(t + 1) % 1000 for t in tokens[length - 1:]]
+            del tokens[length - 1:]
+            tokens.extend(tail)
+        assert np.array_equal(mirror.of(tokens), np.asarray(tokens, dtype=np.int64)), step
+    tokens.extend(range(600))  # past the first buffer: it grows, keeping what it mirrors
+    assert np.array_equal(mirror.of(tokens), np.asarray(tokens, dtype=np.int64))

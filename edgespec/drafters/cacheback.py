@@ -27,7 +27,7 @@ import numpy as np
 from ..config import SamplingParams
 from ..protocol.fleet_table import MAX_FOLLOWERS, ORDERS, FleetTable, ngram_pairs
 from .base import Branch, Draft, Drafter, DraftSession
-from .mag import longest_suffix_match, match_branches
+from .mag import TokenArray, longest_suffix_match, match_branches
 
 log = logging.getLogger("edgespec.cacheback")
 
@@ -127,11 +127,12 @@ class CachebackSession(DraftSession):
         self.table = NgramTable(drafter.session_leaders)
         self.table.observe(self.tokens)
         self._verified = len(tokens)  # tokens before this index are confirmed
+        self._array = TokenArray()
 
     def propose(self, k: int) -> Draft:
         out: list[int] = []
         if self.drafter.with_mag and k > 0:
-            out = self._suffix_match(k, np.asarray(self.tokens, dtype=np.int64))
+            out = self._suffix_match(k, self._array.of(self.tokens))
         if not out:
             out = self._chain(k)
         self.tokens.extend(out)
@@ -142,7 +143,7 @@ class CachebackSession(DraftSession):
             return self.propose(k)
         out: list[int] = []
         if self.drafter.with_mag and k > 0:
-            arr = np.asarray(self.tokens, dtype=np.int64)
+            arr = self._array.of(self.tokens)
             out = self._suffix_match(k, arr)
             if out:
                 branches = match_branches(arr, out, k, MATCH_MAX, MATCH_MIN,
@@ -228,10 +229,12 @@ class CachebackSession(DraftSession):
     def rollback(self, length: int) -> None:
         self.confirm(length)  # everything before a fix position was confirmed
         super().rollback(length)
+        self._array.cut(length)
 
     def retract(self, length: int) -> None:
         # a cascade taking back this session's own draft: nothing was confirmed
         DraftSession.rollback(self, length)
+        self._array.cut(length)
 
 
 class CachebackDrafter(Drafter):
