@@ -170,22 +170,23 @@ class RowsOf:
             return
         by: dict[int, tuple[DraftRates, list[int], list[int]]] = {}
         for i, dl in enumerate(lengths):
-            by.setdefault(id(dl.table), (dl.table, [], []))
-            by[id(dl.table)][1].append(dl.row)
-            by[id(dl.table)][2].append(i)
+            _, rows, at = by.setdefault(id(dl.table), (dl.table, [], []))
+            rows.append(dl.row)
+            at.append(i)
         self.groups = [(t, np.array(r, dtype=np.int64), np.array(at, dtype=np.int64))
                        for t, r, at in by.values()]
 
     def values(self, n: int, what: str) -> np.ndarray:
         """[n]: each session's ``k`` (its next draft length), ``alpha`` or ``beta``."""
-        if len(self.groups) == 1:
-            table, rows, _ = self.groups[0]
+        def read(table: DraftRates, rows: np.ndarray) -> np.ndarray:
             got = getattr(table, what)
             return got(rows) if callable(got) else got[rows]
+
+        if len(self.groups) == 1:
+            return read(*self.groups[0][:2])
         out = None
         for table, rows, at in self.groups:
-            got = getattr(table, what)
-            part = got(rows) if callable(got) else got[rows]
+            part = read(table, rows)
             if out is None:
                 out = np.empty(n, dtype=part.dtype)
             out[at] = part

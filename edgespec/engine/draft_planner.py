@@ -87,8 +87,7 @@ def allocate(gains: BatchGains | Sequence[Sequence[float]], cost: ForwardCost,
     gain = rows + np.cumsum(batch.gains.sum(0))  # [D]: a token a row + drafts 1..d
     none_holds = np.prod(1.0 - batch.holds, axis=0)  # [D]: no row's draft holds a d-th token
     width = 1.0 + np.cumsum(1.0 - none_holds)  # [D]: the forward's expected width at d
-    seconds = model.fixed + rows * (model.per_row + model.per_token * width)
-    rates = np.concatenate([[rows / model.seconds(rows, 1)], gain / seconds])
+    rates = np.concatenate([[rows / model.seconds(rows, 1)], gain / model.seconds(rows, width)])
     best = int(np.argmax(rates))  # the first best: ties go to the narrower forward
     return np.minimum(batch.caps, best).tolist()
 
@@ -155,7 +154,5 @@ def allocate_branches(betas: Sequence[float] | np.ndarray, caps: Sequence[int],
     widths = np.arange(base, int((k + cap).max(initial=0)) + 1)  # [W]: draft nodes a row
     filled = np.where(beta[None] > 0, np.minimum(cap[None], widths[:, None] - k[None]), 0)
     gain = chains + (filled * beta[None]).sum(1)  # [W]
-    rates = gain / (model.fixed + rows * (model.per_row + model.per_token * (1 + widths)))
-    if not len(widths):
-        return [0] * rows
+    rates = gain / model.seconds(rows, 1 + widths)
     return filled[int(np.argmax(rates))].tolist()

@@ -20,6 +20,7 @@ short draft for every row) do.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import overload
 
 import numpy as np
 
@@ -32,7 +33,14 @@ class CostModel:
     per_row: float
     per_token: float
 
-    def seconds(self, rows: float, width: float) -> float:
+    @overload
+    def seconds(self, rows: float, width: float) -> float: ...
+
+    @overload
+    def seconds(self, rows: float, width: np.ndarray) -> np.ndarray: ...
+
+    def seconds(self, rows, width):
+        """The forward's seconds at ``width`` tokens a row (a float, or an array of widths)."""
         return self.fixed + rows * (self.per_row + self.per_token * width)
 
 

@@ -11,7 +11,7 @@ import numpy as np
 from ..config import EngineConfig, verifies_trees
 from ..drafters.adaptive import Prober
 from ..drafters.draft_rates import RowsOf
-from ..drafters.drafting_loop import LEAD_SLACK
+from ..drafters.drafting_loop import lead_cap
 from .draft_planner import BatchGains, ForwardCost, allocate, allocate_branches, probe_every
 from .generation import ActiveSession
 
@@ -30,9 +30,7 @@ def session_gains(acts: Sequence[ActiveSession]) -> BatchGains:
 def lead_caps(acts: Sequence[ActiveSession], window: int) -> np.ndarray:
     """[B]: ``drafting_loop.lead_cap`` of each session: what its drafter holds ahead after the
     last ask (the whole window when none was made)."""
-    wanted = np.array([-1 if a.wanted is None else max(0, a.wanted) for a in acts],
-                      dtype=np.int64)
-    return np.where(wanted < 0, window, np.minimum(window, 2 * wanted + LEAD_SLACK))
+    return np.fromiter((lead_cap(a.wanted, window) for a in acts), np.int64, len(acts))
 
 
 def cap_to_budget(ks: np.ndarray, budget: int) -> np.ndarray:

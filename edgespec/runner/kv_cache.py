@@ -95,17 +95,9 @@ class KVCache:
         self.k[layer][idx] = k
         self.v[layer][idx + (slice(0, self.head_dim),)] = v
 
-    def move(self, slot: int, src: list[int], dst: list[int]) -> None:
-        """Copy the keys/values at positions ``src`` of a slot to positions ``dst``, in every
-        layer (the source entries are read before any is overwritten)."""
-        src_t = torch.as_tensor(src, dtype=torch.long, device=self.k[0].device)
-        dst_t = torch.as_tensor(dst, dtype=torch.long, device=self.k[0].device)
-        for cache in self.k + self.v:
-            cache[slot, :, dst_t] = cache[slot, :, src_t]  # the gather copies first
-
     def move_many(self, slots: list[int], src: list[int], dst: list[int]) -> None:
-        """``move`` for several slots at once: entry i copies position ``src[i]`` of slot
-        ``slots[i]`` to ``dst[i]``, in every layer, one indexed copy a layer (every source
+        """Copy keys/values between positions of slots: entry i copies position ``src[i]`` of
+        slot ``slots[i]`` to ``dst[i]``, in every layer, one indexed copy a layer (every source
         entry is read before any is overwritten; two entries never write one place)."""
         idx = torch.as_tensor([slots, src, dst], dtype=torch.long, device=self.k[0].device)
         for cache in self.k + self.v:

@@ -161,8 +161,8 @@ class StepRows:
             tail_h = _branch_tails(shape, ancestors, start_h)
         path_h = _paths(ancestors, shape.depths[:, :T]) if ancestors is not None else None
         slot_h = np.array(slots, dtype=np.int64).reshape(B)
-        ints: list[np.ndarray] = [tokens, shape.nodes, shape.parents,
-                                                 shape.depths, shape.counts, start_h, slot_h]
+        ints: list[np.ndarray] = [tokens, shape.nodes, shape.parents, shape.depths,
+                                  shape.counts, start_h, slot_h]
         n_ints = len(ints)
         if path_h is not None:
             ints.append(path_h)

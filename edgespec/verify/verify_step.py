@@ -248,20 +248,13 @@ def verify_step(logits: torch.Tensor, vb: VerifyBatch, loose: LooseParams | None
     if vb.any_loose:  # loose rows are chains
         match = match | (vb.loose[:, None] & valid &
                          loose_accepts(exact, tokens, scores, vb.counts, loose or LooseParams()))
-    if vb.chains and not (vb.any_pad and lenient is not None):
-        # a chain's node is accepted with every node before it: a running product (a chain
-        # has no siblings to choose between)
-        accepted = match.long().cumprod(1).bool()
-    else:
-        accepted = _accepted_in_tree(match, exact, tokens, parents, scores, logits, valid, vb,
-                                     lenient)
+    accepted = _accepted_in_tree(match, exact, tokens, parents, scores, logits, valid, vb,
+                                 lenient)
     last = torch.where(accepted, idx + 1, 0).amax(1, keepdim=True) if N else \
         torch.zeros(len(tokens), 1, dtype=torch.long, device=logits.device)
     token = choices.gather(1, last)  # after the path's last node (row 0: the root)
     # the accepted nodes in index order (a path's nodes increase), then N for the rest
-    path = torch.where(accepted, idx, N)
-    if not vb.chains:  # a chain's accepted nodes are a prefix: already in order
-        path = path.sort(1).values
+    path = torch.where(accepted, idx, N).sort(1).values
     # along each path: whether the node stands only by a lossy rule (index N: padding)
     off_exact = torch.cat([accepted & ~exact, accepted[:, :1] & False], 1).gather(1, path)
     parts = [token, accepted.sum(1, keepdim=True), path, off_exact.long()]
