@@ -20,6 +20,7 @@ from typing import Any, Sequence
 import redis
 
 from edgespec.config import SamplingParams
+from edgespec.protocol.lineage import Lineage
 from edgespec.protocol.contract import (MAX_BRANCHES, Branch, CommitOutcome, DraftWant, Fix,
                                SessionVanished, TakenDraft, Verdict,
                                chunk_branches, take_branches)
@@ -65,6 +66,7 @@ class SessionRecord:
     epoch: int
     done: bool  # closed, whatever the reason (cancelled and failed sessions are resumable)
     verify: str = ""  # "exact" or "loose" as verified so far ("": recorded before it was kept)
+    lineage: Lineage = Lineage()  # the kernel set its output is the decoding of
 
 
 @dataclass
@@ -112,9 +114,11 @@ class RedisSessionStore:
     @raises_store_unavailable
     def create(self, sid: str, prompt: list[int], params: SamplingParams,
                drafter: str | None, max_new_tokens: int = 0,
-               committed: Sequence[int] = (), verify: str = "exact") -> None:
+               committed: Sequence[int] = (), verify: str = "exact",
+               lineage: Lineage = Lineage()) -> None:
         """A new session, or (``committed`` given) one resumed from its committed output: the
-        epoch moves past any earlier one, so chunks drafted before the resume are refused."""
+        epoch moves past any earlier one, so chunks drafted before the resume are refused.
+        ``lineage``: the kernel set whose decoding its output is, kept for its resumes."""
         h, tok, draft, br = self.keys.session(sid)
         device = drafter or ""
         old_epoch = self.redis.hget(h, "epoch")
@@ -123,7 +127,8 @@ class RedisSessionStore:
         pipe.delete(h, tok, draft, br)
         pipe.hset(h, mapping={"prompt_len": len(prompt), "epoch": epoch, "device": device,
                               "params": params_to_json(params), "idle": 0, "done": 0,
-                              "max_new": max_new_tokens, "finish": "", "verify": verify})
+                              "max_new": max_new_tokens, "finish": "", "verify": verify,
+                              "kernels": lineage.kernels, "differs": lineage.differs_from})
         pipe.set(tok, pack_tokens(list(prompt) + list(committed)))
         pipe.set(draft, b"")
         for key in (h, tok, draft):
@@ -157,7 +162,8 @@ class RedisSessionStore:
         return SessionRecord(sid, tokens[:n], tokens[n:], params_from_json(f.get("params")),
                              int(f.get("max_new") or 0), f.get("device") or None,
                              (f.get("finish") or None) if done else None,
-                             int(f.get("epoch") or 0), done, f.get("verify", ""))
+                             int(f.get("epoch") or 0), done, f.get("verify", ""),
+                             Lineage(f.get("kernels", ""), int(f.get("differs") or 0)))
 
     def _read(self, wants: list[DraftWant]) -> list[_DraftRow]:
         """Each wanted session's state, read by one script (``TAKE_MANY_LUA``)."""

@@ -52,6 +52,7 @@ import grpc
 
 from .config import VERIFY_MODES, ConfigError, EmptyPrompt, SamplingParams
 from .models.images import check_image_bytes, image_bytes
+from .protocol.lineage import Lineage, joined
 from .wire.reachability import ConnectWatch, unreachable_reason_aio
 from .v1 import edgespec_pb2 as pb
 from .v1 import edgespec_pb2_grpc as pb_grpc
@@ -126,6 +127,8 @@ class StreamPiece:
     text: str
     finish_reason: str | None = None
     stats: dict | None = None
+    kernel_set: str = ""  # on the last piece: as ``GenerateResult``'s
+    kernels_differ_from: int = 0
 
 
 @dataclass
@@ -139,6 +142,11 @@ class GenerateResult:
     stats: dict = field(default_factory=dict)
     resumed: int = 0  # how many times the stream was resumed after a break
     seed: int | None = None  # the session's sampling seed (the verifier's choice if none given)
+    # the verifier's kernel set fingerprint (what the output is target-only decoding on) and,
+    # when > 0, the output position from which another kernel set decoded it (the stream was
+    # resumed on a replica with other kernels; see docs/failure-model.md)
+    kernel_set: str = ""
+    kernels_differ_from: int = 0
 
     @property
     def lossless(self) -> bool:
@@ -211,6 +219,7 @@ class _Resumer:
         self.last_error: str | None = None  # the last refusal or break, for a deadline's words
         self.recreating = False  # the cache lost the session: send the request again
         self._first = True  # the next response is a stream's first
+        self.lineage: Lineage | None = None  # the kernel sets the output was decoded on
 
     @property
     def received(self) -> int:
@@ -222,7 +231,16 @@ class _Resumer:
             return self.req
         if self.recreating:
             return self.recreate_request()
-        return pb.GenerateRequest(resume_session_id=self.session_id, resume_from=self.received)
+        return self._with_lineage(pb.GenerateRequest(resume_session_id=self.session_id,
+                                                     resume_from=self.received))
+
+    def _with_lineage(self, req: pb.GenerateRequest) -> pb.GenerateRequest:
+        """``req`` with the kernel sets the output so far was decoded on (a router prefers a
+        replica of the same set; a re-created session carries them on)."""
+        if self.lineage is not None:
+            req.kernel_set = self.lineage.kernels
+            req.kernels_differ_from = self.lineage.differs_from
+        return req
 
     def recreate_request(self) -> pb.GenerateRequest:
         req = pb.GenerateRequest()
@@ -231,7 +249,7 @@ class _Resumer:
         req.lost_session_id = self.session_id or ""
         if self.seed is not None:
             req.sampling.has_seed, req.sampling.seed = True, self.seed
-        return req
+        return self._with_lineage(req)
 
     def time_left(self) -> float | None:
         if self.deadline is None:
@@ -256,6 +274,9 @@ class _Resumer:
             self.recreating = False
             if r.sampling.has_seed:
                 self.seed = r.sampling.seed
+            if r.kernel_set:
+                self.lineage = joined(self.lineage, Lineage(r.kernel_set, r.kernels_differ_from),
+                                      self.received)
         if r.session_id:
             self.session_id = r.session_id
         self.tokens.extend(r.token_ids)
@@ -284,10 +305,15 @@ RESUMABLE = {grpc.StatusCode.UNAVAILABLE}
 
 
 class _Collector:
-    def __init__(self):
-        self.text, self.ids = [], []
+    """A call's output, put together from the responses of its streams (``res``: their
+    resumer, which knows the resumes and the kernel sets)."""
+
+    def __init__(self, res: _Resumer):
+        self.res = res
+        self.text: list[str] = []
+        self.ids: list[int] = []
         self.meta = pb.GenerateResponse()
-        self.final = None
+        self.final: pb.GenerateResponse | None = None
         self.seed: int | None = None
 
     def add(self, r: pb.GenerateResponse) -> StreamPiece | None:
@@ -297,20 +323,24 @@ class _Collector:
             self.seed = r.sampling.seed
         if r.finished:
             self.final = r
-            return StreamPiece([], "", r.finish_reason, stats_from_pb(r.stats))
+            lineage = self.res.lineage or Lineage()
+            return StreamPiece([], "", r.finish_reason, stats_from_pb(r.stats),
+                               lineage.kernels, lineage.differs_from)
         if r.token_ids:
             self.ids.extend(r.token_ids)
             self.text.append(r.text)
             return StreamPiece(list(r.token_ids), r.text)
         return None
 
-    def result(self, resumes: int = 0) -> GenerateResult:
+    def result(self) -> GenerateResult:
         if self.final is None:
             raise EdgespecError("the stream ended without a final response")
+        lineage = self.res.lineage or Lineage()
         return GenerateResult("".join(self.text), self.ids, self.final.finish_reason,
                               self.final.session_id, self.meta.device_id,
-                              self.meta.prompt_tokens, stats_from_pb(self.final.stats), resumes,
-                              self.seed)
+                              self.meta.prompt_tokens, stats_from_pb(self.final.stats),
+                              self.res.resumes, self.seed, lineage.kernels,
+                              lineage.differs_from)
 
 
 class Client:
@@ -355,10 +385,12 @@ class Client:
             raise Unavailable(f"UNAVAILABLE: {reason}")
         self._reached = True
 
-    def _responses(self, req, timeout):
+    def _resumer(self, timeout: float | None, **kw) -> _Resumer:
+        return _Resumer(build_request(**kw), timeout or self.timeout, self.max_resumes)
+
+    def _responses(self, res: _Resumer):
         """The stream's responses, resumed across breaks. ``wait_for_ready``: a server that is
         restarting is waited for, up to the deadline."""
-        res = _Resumer(req, timeout or self.timeout, self.max_resumes)
         self._first_contact(res.time_left())
         while True:
             call = self.stub.Generate(res.next_request(), timeout=res.time_left(),
@@ -379,18 +411,18 @@ class Client:
     def stream(self, prompt: str | None = None, *, timeout: float | None = None, **kw):
         """Yield ``StreamPiece``s as tokens are committed; the last one carries the finish
         reason and stats."""
-        coll = _Collector()
-        for r in self._responses(build_request(prompt, **kw), timeout):
+        coll = _Collector(self._resumer(timeout, prompt=prompt, **kw))
+        for r in self._responses(coll.res):
             piece = coll.add(r)
             if piece is not None:
                 yield piece
 
     def generate(self, prompt: str | None = None, *, timeout: float | None = None,
                  **kw) -> GenerateResult:
-        coll = _Collector()
-        for r in self._responses(build_request(prompt, **kw), timeout):
+        coll = _Collector(self._resumer(timeout, prompt=prompt, **kw))
+        for r in self._responses(coll.res):
             coll.add(r)
-        return coll.result(self.last_resumes)
+        return coll.result()
 
     def cancel(self, session_id: str) -> bool:
         self._first_contact(self.timeout or 10)
@@ -448,8 +480,10 @@ class AsyncClient:
             raise Unavailable(f"UNAVAILABLE: {reason}")
         self._reached = True
 
-    async def _responses(self, req, timeout, res: _Resumer | None = None):
-        res = res or _Resumer(req, timeout or self.timeout, self.max_resumes)
+    def _resumer(self, timeout: float | None, **kw) -> _Resumer:
+        return _Resumer(build_request(**kw), timeout or self.timeout, self.max_resumes)
+
+    async def _responses(self, res: _Resumer):
         await self._first_contact(res.time_left())
         while True:
             call = self.stub.Generate(res.next_request(), timeout=res.time_left(),
@@ -465,19 +499,18 @@ class AsyncClient:
                 call.cancel()
 
     async def stream(self, prompt: str | None = None, *, timeout: float | None = None, **kw):
-        coll = _Collector()
-        async for r in self._responses(build_request(prompt, **kw), timeout):
+        coll = _Collector(self._resumer(timeout, prompt=prompt, **kw))
+        async for r in self._responses(coll.res):
             piece = coll.add(r)
             if piece is not None:
                 yield piece
 
     async def generate(self, prompt: str | None = None, *, timeout: float | None = None,
                        **kw) -> GenerateResult:
-        coll = _Collector()
-        res = _Resumer(build_request(prompt, **kw), timeout or self.timeout, self.max_resumes)
-        async for r in self._responses(None, None, res):
+        coll = _Collector(self._resumer(timeout, prompt=prompt, **kw))
+        async for r in self._responses(coll.res):
             coll.add(r)
-        return coll.result(res.resumes)
+        return coll.result()
 
     async def cancel(self, session_id: str) -> bool:
         await self._first_contact(self.timeout or 10)

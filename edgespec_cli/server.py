@@ -166,7 +166,7 @@ class EdgespecServer:
                                self.scheduler.prefilling)
         self.metrics.bind_links(engine.lateness.snapshot)
         self.metrics.bind_graphs(lambda: runner.graphs.state() if runner.graphs else None)
-        self.metrics.bind_model(target.dtype)
+        self.metrics.bind_model(target.dtype, runner.kernel_set)
         if self.scheduler.engine.head is not None:
             self.metrics.bind_head(self.scheduler.engine.head)
         self.admission = Admission(self.scheduler, self.store, target.tokenizer,

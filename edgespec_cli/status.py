@@ -50,6 +50,8 @@ def render(st: dict) -> str:
         attention = f" ({r['attention']} attention)" if r.get("attention") else ""
         lines.append(f"runner: {r['kernels']} kernels{attention} on {r.get('device') or '?'}"
                      + _graphs(r))
+        if r.get("kernel_set"):
+            lines.append(f"kernel set {r.get('kernel_set_description') or r['kernel_set']}")
     lines.append("")
     head = ("device", "drafter", "attached", "sessions", "acc. rate", "acc. length", "last seen",
             "link")

@@ -409,7 +409,8 @@ def test_every_metric_the_dashboard_reads_is_in_the_live_metrics(server, api):
 
 
 def test_status_command_after_a_generation(server, api):
-    api.completions.create(model=api.model_id, prompt=PROMPT, max_tokens=10, temperature=0)
+    done = api.completions.create(model=api.model_id, prompt=PROMPT, max_tokens=10,
+                                  temperature=0)
     cmd = [sys.executable, "-m", "edgespec_cli", "status", "--address", server["address"],
            "--auth-token", TOKEN]
     r = subprocess.run(cmd + ["--json"], capture_output=True, text=True, timeout=120)
@@ -432,6 +433,10 @@ def test_status_command_after_a_generation(server, api):
     assert r.returncode == 0 and "board-1" in r.stdout and "KV slots free: 8/8" in r.stdout
     assert "float32" in r.stdout
     assert "runner: eager kernels on cpu, no CUDA graphs" in r.stdout
+    # the kernel set: its fingerprint is the OpenAI responses' system_fingerprint
+    fingerprint = st["runner"]["kernel_set"]
+    assert re.fullmatch(r"[0-9a-f]{16}", fingerprint) and done.system_fingerprint == fingerprint
+    assert f"kernel set {fingerprint}: eager kernels, packed products" in r.stdout
 
 
 def test_a_client_that_disconnects_cancels_its_session(looping_dir, tmp_path):

@@ -140,10 +140,10 @@ def test_cuda_a_failed_capture_is_reported_and_steps_run_eagerly(tiny, monkeypat
 def test_kernels_follow_the_device_and_the_head_size():
     """The fused kernels serve CUDA for heads of a power-of-two size (their block shape); other
     heads, and CPUs, take torch's ops; asking for the fused kernels with such a head is refused."""
-    from edgespec.runner.target_runner import _kernels_for
+    from edgespec.runner.kernel_set import kernels_for
 
-    assert _kernels_for(torch.device("cpu"), None, 64) == "eager"
-    assert _kernels_for(torch.device("cuda"), None, 64) == "triton"
-    assert _kernels_for(torch.device("cuda"), None, 80) == "eager"
+    assert kernels_for(torch.device("cpu"), None, 64) == "eager"
+    assert kernels_for(torch.device("cuda"), None, 64) == "triton"
+    assert kernels_for(torch.device("cuda"), None, 80) == "eager"
     with pytest.raises(ConfigError, match="power-of-two head size, not 80"):
-        _kernels_for(torch.device("cuda"), "triton", 80)
+        kernels_for(torch.device("cuda"), "triton", 80)

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from edgespec.config import ConfigError, EmptyPrompt, SamplingParams, is_lossy
 from edgespec.engine.spec_engine import Request, Result
 from edgespec.protocol.ids import check_device_id, check_session_id, shown
+from edgespec.protocol.lineage import Lineage, checked_lineage, continued_on
 from edgespec.protocol.request_stats import Stats
 from edgespec.models.images import ImageRefused, decode_images
 from edgespec.models.loading import encode_prompt
@@ -55,6 +56,10 @@ class GenerationRequest:
     # encoded image files for a vision-language target, in the order of the text's <image>
     # marks (without marks: before the text); refused by a text-only target and with prompt_ids
     images: list[bytes] = field(default_factory=list)
+    # with ``committed``: the kernel set fingerprint whose decoding those tokens are, and the
+    # position from which another set decoded them (0: none), as the first stream reported them
+    kernel_set: str = ""
+    kernels_differ_from: int = 0
 
 
 class SessionNotFound(Exception):
@@ -73,6 +78,7 @@ class Admission:
         self.default_max_new = default_max_new_tokens
         self.max_len = scheduler.engine.target.max_len
         self.vision = scheduler.engine.vision  # a vision-language target's VLM, else None
+        self.kernels = scheduler.engine.target.kernel_set.fingerprint
 
     def prompt_ids(self, g: GenerationRequest) -> tuple[list[int], ImageInput | None]:
         """The request's prompt as token ids, with its images as the vision encoder takes them
@@ -159,6 +165,11 @@ class Admission:
                           with_session_seed(g.params), committed=list(g.committed),
                           verify=g.verify, images=images)
         if lost:
+            try:
+                held = checked_lineage(g.kernel_set, g.kernels_differ_from, len(g.committed))
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
+            request.lineage = self._continued(lost, held, len(g.committed))
             log.info("re-creating session %s (lost by the cache) from %d tokens the client "
                      "holds", shown(lost), len(g.committed))
             done = self._already_done(request)
@@ -198,7 +209,7 @@ class Admission:
         # a resumed session keeps its verification mode: a lossy one is refused by a verifier
         # not started in that mode (validate), an exact one stays exact on a lossy verifier
         request = Request(rec.prompt, rec.max_new_tokens, rec.params, committed=rec.committed,
-                          verify=rec.verify)
+                          verify=rec.verify, lineage=rec.lineage)
         if rec.finish_reason in ("stop", "length"):
             done = Ticket(request, rec.device, session_id=sid)
             mode = rec.verify or "exact"
@@ -213,7 +224,20 @@ class Admission:
                                   "keep: send the request again with its images (the SDK "
                                   "re-creates it)")
         device = rec.device if rec.device and self.store.devices.is_alive(rec.device) else None
+        request.lineage = self._continued(sid, rec.lineage, len(rec.committed))
         return self._ticket(request, device, session_id=sid)
+
+    def _continued(self, sid: str, lineage: Lineage | None, committed: int) -> Lineage:
+        """The lineage of a session continuing here after ``committed`` output tokens: another
+        kernel set's decoding so far is not continued silently (logged, counted)."""
+        out = continued_on(lineage, self.kernels, committed)
+        if out.mixed and (lineage is None or not lineage.mixed):
+            log.warning("session %s continues on kernel set %s after %d tokens decoded on %s: "
+                        "its output differs from target-only decoding on either from there",
+                        shown(sid), self.kernels, committed, out.kernels)
+            if self.scheduler.metrics is not None:
+                self.scheduler.metrics.kernels_switched.inc()
+        return out
 
     @contextlib.contextmanager
     def follow(self, ticket: Ticket):

@@ -290,7 +290,7 @@ class _Run:
     def _chunk(self, choices: list, **extra) -> str:
         obj = {"id": self.id, "object": "chat.completion.chunk" if self.chat
                else "text_completion", "created": self.created, "model": self.model,
-               "choices": choices, **extra}
+               "system_fingerprint": self.admission.kernels, "choices": choices, **extra}
         return f"data: {json.dumps(obj)}\n\n"
 
     async def sse(self):
@@ -337,7 +337,8 @@ class _Run:
                       "finish_reason": self.finish_reason}
         return JSONResponse({"id": self.id, "object": "chat.completion" if self.chat
                              else "text_completion", "created": self.created,
-                             "model": self.model, "choices": [choice],
+                             "model": self.model, "system_fingerprint": self.admission.kernels,
+                             "choices": [choice],
                              "usage": self._usage(), "edgespec": self._stats()})
 
 

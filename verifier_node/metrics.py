@@ -28,6 +28,9 @@ verification forward commits. Drafters' link health, per device (``edgespec.engi
 ``edgespec:drafter_session_steps_total{device}``,
 ``edgespec:drafter_ready_drafts_total{device}``, ``edgespec:drafter_verified_drafts_total{device}``;
 ``edgespec:request_refused_deadline_total``: new calls refused for their deadline (``pace``).
+Kernels (``edgespec.runner.kernel_set``): ``edgespec:kernel_set_info{fingerprint, kernels,
+products, attention, device}`` (value 1) and ``edgespec:sessions_kernels_switched_total``, the
+sessions continued here whose output so far another kernel set decoded.
 CUDA graphs (``edgespec.runner.step_graphs``, a GPU verifier): ``edgespec:cuda_graph_buckets``,
 ``edgespec:cuda_graphs_captured``, ``edgespec:cuda_graphs_failed`` (1: steps run eagerly) and
 ``edgespec:cuda_graph_replays_total``.
@@ -152,15 +155,30 @@ class VerifierMetrics:
                                    registry=r)
         self.model_info = Gauge("edgespec:model_info", "The target that serves (value 1)",
                                 ["dtype"], registry=r)
+        self.kernel_set_info = Gauge(
+            "edgespec:kernel_set_info", "The runner's kernel set (value 1): its fingerprint, "
+            "kernels, products, attention and device", ["fingerprint", "kernels", "products",
+                                                        "attention", "device"], registry=r)
+        self.kernels_switched = Counter(
+            "edgespec:sessions_kernels_switched",
+            "Sessions continued here though other kernels decoded their output so far (a "
+            "resume or re-creation from a replica with another kernel set fingerprint): their "
+            "output differs from either's target-only decoding from that position", registry=r)
         self._recent: deque[tuple[float, int]] = deque()  # (time, tokens) for throughput
         self._by_device: dict[str, list[int]] = {}  # device -> [drafts, drafted, accepted]
         self._head = [0, 0]  # head tokens proposed, accepted
         self._lock = threading.Lock()
         r.register(_CpuCollector())
 
-    def bind_model(self, dtype: str) -> None:
-        """The served target's dtype, as a label of ``edgespec:model_info``."""
+    def bind_model(self, dtype: str, kernel_set=None) -> None:
+        """The served target's dtype, as a label of ``edgespec:model_info``, and its runner's
+        ``KernelSet`` as ``edgespec:kernel_set_info``'s labels."""
         self.model_info.labels(dtype=dtype).set(1)
+        if kernel_set is not None:
+            self.kernel_set_info.labels(
+                fingerprint=kernel_set.fingerprint, kernels=kernel_set.kernels,
+                products=kernel_set.products, attention=kernel_set.attention,
+                device=kernel_set.device).set(1)
 
     def bind_head(self, head) -> None:
         """Gauges of a ``HeadProposer``, read at scrape time."""

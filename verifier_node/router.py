@@ -8,18 +8,23 @@ implements the same ``Verifier`` service and forwards each call:
   draining; RESOURCE_EXHAUSTED: full) is skipped and the next is tried. A stream that breaks
   midway is reported to the client as is: the SDK resumes it by session id. A resume goes first
   to the replica the session ran on (it may still hold it, e.g. after a client's link broke),
-  else to any replica, since the session's committed tokens live in Redis.
+  else to a replica with the session's kernel set (``edgespec.runner.kernel_set``: the
+  fingerprint its first response reported, or the request's ``kernel_set``), which continues
+  it as its first replica would, else to any replica, since the session's committed tokens live
+  in Redis (that replica reports from which position its decoding differs).
 - ``Cancel`` is sent to every replica (only the one running the session knows it).
 - ``Status`` merges the replicas' answers: slots and sessions summed, the fleet's drafters once.
 
-Health: a monitor thread checks every replica's health each second; the router is SERVING while
-at least one replica is.
+Health: a monitor thread checks every replica's health each second, and reads a replica's
+kernel set fingerprint (``Status``) when it turns healthy and every ``KERNELS_EVERY_S``; the
+router is SERVING while at least one replica is.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import OrderedDict
 
 import grpc
@@ -35,6 +40,7 @@ log = logging.getLogger("edgespec.router")
 MAX_REMEMBERED = 100_000  # sessions whose replica the router remembers for resumes
 SKIP_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED}
 VERIFIER_SERVICE = "edgespec.v1.Verifier"
+KERNELS_EVERY_S = 30.0  # how often a healthy replica's kernel set is read again
 
 
 class _Replica:
@@ -45,6 +51,8 @@ class _Replica:
         self.health = health_pb2_grpc.HealthStub(self.channel)
         self.active = 0  # Generate streams this router has open on it
         self.healthy = False
+        self.kernel_set = ""  # its runner's fingerprint, as its Status last said ("": unread)
+        self.kernel_set_read = 0.0  # when (monotonic)
 
 
 class VerifierRouter(pb_grpc.VerifierServicer):
@@ -55,7 +63,8 @@ class VerifierRouter(pb_grpc.VerifierServicer):
         self.token = resolve_token(token)
         self.metadata = auth_metadata(self.token)
         self._replicas = [_Replica(a) for a in replicas]
-        self._homes: OrderedDict[str, int] = OrderedDict()  # session id -> replica it ran on
+        # session id -> (the replica it ran on, the kernel set its first response reported)
+        self._homes: OrderedDict[str, tuple[int, str]] = OrderedDict()
         self._lock = threading.Lock()
         self._stopping = threading.Event()
         self.server = make_server(max_streams + 16, self.token)
@@ -86,12 +95,27 @@ class VerifierRouter(pb_grpc.VerifierServicer):
     # -- health ---------------------------------------------------------------------------------
     def _check_health(self) -> None:
         for r in self._replicas:
+            was = r.healthy
             try:
                 res = r.health.Check(health_pb2.HealthCheckRequest(service=VERIFIER_SERVICE),
                                      timeout=1.0, metadata=self.metadata)
                 r.healthy = res.status == health_pb2.HealthCheckResponse.SERVING
             except grpc.RpcError:
                 r.healthy = False
+            if r.healthy and (not was or time.monotonic() - r.kernel_set_read > KERNELS_EVERY_S):
+                self._read_kernel_set(r)
+
+    def _read_kernel_set(self, r: _Replica) -> None:
+        """The replica's kernel set fingerprint, from its Status (kept as was if it fails)."""
+        try:
+            s = r.stub.Status(pb.StatusRequest(), timeout=2.0, metadata=self.metadata)
+        except grpc.RpcError as e:
+            log.info("replica %s: cannot read its kernel set (%s)", r.address, e.code().name)
+            return
+        if r.kernel_set and s.runner.kernel_set != r.kernel_set:
+            log.warning("replica %s now serves kernel set %s (was %s)", r.address,
+                        s.runner.kernel_set, r.kernel_set)
+        r.kernel_set, r.kernel_set_read = s.runner.kernel_set, time.monotonic()
         status = (health_pb2.HealthCheckResponse.SERVING if self.healthy()
                   else health_pb2.HealthCheckResponse.NOT_SERVING)
         for name in ("", VERIFIER_SERVICE):
@@ -102,10 +126,11 @@ class VerifierRouter(pb_grpc.VerifierServicer):
             self._check_health()
 
     # -- routing --------------------------------------------------------------------------------
-    def _acquire(self, tried: set[int], prefer: int | None) -> int | None:
+    def _acquire(self, tried: set[int], prefer: int | None, kernels: str = "") -> int | None:
         """Pick the replica for the next try and count the stream on it, in one step: the
-        preferred one if healthy and untried, else healthy ones by fewest active streams, then
-        the others (a health check may lag)."""
+        preferred one if healthy and untried, else healthy ones, those of the kernel set
+        ``kernels`` first (when given), by fewest active streams, then the others (a health
+        check may lag)."""
         with self._lock:
             left = [i for i in range(len(self._replicas)) if i not in tried]
             if not left:
@@ -113,25 +138,29 @@ class VerifierRouter(pb_grpc.VerifierServicer):
             if prefer in left and self._replicas[prefer].healthy:
                 pick = prefer
             else:
-                pick = min(left, key=lambda i: (not self._replicas[i].healthy,
-                                                self._replicas[i].active, i))
+                reps = self._replicas
+                pick = min(left, key=lambda i: (not reps[i].healthy,
+                                                bool(kernels) and reps[i].kernel_set != kernels,
+                                                reps[i].active, i))
             self._replicas[pick].active += 1
             return pick
 
-    def _remember(self, session_id: str, replica: int) -> None:
+    def _remember(self, session_id: str, replica: int, kernels: str) -> None:
         with self._lock:
-            self._homes[session_id] = replica
+            self._homes[session_id] = (replica, kernels)
             self._homes.move_to_end(session_id)
             while len(self._homes) > MAX_REMEMBERED:
                 self._homes.popitem(last=False)
 
     def Generate(self, request, context):
-        # a resume goes first where the session ran: that replica may still hold it
+        # a resume goes first where the session ran (that replica may still hold it), else
+        # where its kernel set serves
         with self._lock:
-            prefer = self._homes.get(request.resume_session_id)
+            prefer, kernels = self._homes.get(request.resume_session_id, (None, ""))
+        kernels = kernels or request.kernel_set
         tried: set[int] = set()
         last: grpc.RpcError | None = None
-        while (i := self._acquire(tried, prefer)) is not None:
+        while (i := self._acquire(tried, prefer, kernels)) is not None:
             tried.add(i)
             replica = self._replicas[i]
             try:
@@ -141,8 +170,10 @@ class VerifierRouter(pb_grpc.VerifierServicer):
                 first = True
                 try:
                     for response in call:
-                        if first:
-                            self._remember(response.session_id, i)
+                        if first:  # the set that decodes it now (a mixed one: this one's)
+                            self._remember(response.session_id, i, replica.kernel_set
+                                           if response.kernels_differ_from
+                                           else response.kernel_set)
                             first = False
                         yield response
                     return

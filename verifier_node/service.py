@@ -12,7 +12,9 @@ running one when this verifier runs it, else re-admitted from its committed toke
 the cache lost is re-created by the client: its original request again, with the tokens it
 received (``committed_ids``) and ``lost_session_id``; the stream then starts after them. The
 first response reports the session's sampling parameters, the seed the verifier chose for
-unseeded sampling included, so that a re-created session continues the same draw.
+unseeded sampling included, so that a re-created session continues the same draw, and the
+kernel set its output is the decoding of (``kernel_set``; ``kernels_differ_from`` > 0: resumed
+from a verifier with other kernels, the output's decoding differs from that position).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import grpc
 from edgespec import __version__
 from edgespec.config import ConfigError
 from edgespec.protocol.ids import check_session_id
+from edgespec.protocol.lineage import Lineage
 from edgespec.models.text_stream import TextStream
 from edgespec.v1 import edgespec_pb2 as pb
 from edgespec.v1 import edgespec_pb2_grpc as pb_grpc
@@ -49,7 +52,8 @@ def generation_request(req: pb.GenerateRequest) -> GenerationRequest:
         params=params_from_pb(req.sampling), device_id=req.device_id,
         resume_session_id=req.resume_session_id, verify=req.verify,
         committed=list(req.committed_ids), lost_session_id=req.lost_session_id,
-        images=list(req.images))
+        images=list(req.images), kernel_set=req.kernel_set,
+        kernels_differ_from=req.kernels_differ_from)
 
 
 class VerifierService(pb_grpc.VerifierServicer):
@@ -111,11 +115,14 @@ class VerifierService(pb_grpc.VerifierServicer):
 
     def _follow(self, ticket: Ticket, cursor: int, request, context):
         sid = ticket.session_id
+        lineage = ticket.request.lineage or Lineage(self.admission.kernels)
         yield pb.GenerateResponse(session_id=sid, device_id=ticket.device or "",
                                   prompt_tokens=len(ticket.request.prompt_ids),
                                   resumed=bool(request.resume_session_id
                                                or request.lost_session_id),
-                                  sampling=params_to_pb(ticket.request.params))
+                                  sampling=params_to_pb(ticket.request.params),
+                                  kernel_set=lineage.kernels,
+                                  kernels_differ_from=lineage.differs_from)
         pieces: list[str] = []
         text = None  # made at the first new tokens, when the ones before the cursor exist
         while True:
@@ -202,7 +209,9 @@ def server_cost(metrics) -> pb.ServerCost:
 def runner_status(runner) -> pb.RunnerStatus:
     """How the target runner runs its steps, for the Status RPC."""
     out = pb.RunnerStatus(device=str(runner.device), kernels=runner.kernels,
-                          attention=getattr(runner, "attention", None) or "")
+                          attention=getattr(runner, "attention", None) or "",
+                          kernel_set=runner.kernel_set.fingerprint,
+                          kernel_set_description=runner.kernel_set.describe())
     if runner.graphs is not None:
         g = runner.graphs.state()
         out.graph_buckets, out.graphs_captured = g.buckets, g.captured

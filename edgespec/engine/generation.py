@@ -11,6 +11,7 @@ from typing import Callable
 from ..config import SamplingParams
 from ..drafters.adaptive import DraftLength
 from ..models.vision import ImageInput
+from ..protocol.lineage import Lineage
 from ..protocol.request_stats import Stats
 
 
@@ -29,6 +30,9 @@ class Request:
     # a vision-language target's images (``edgespec.models.vision``): their features are
     # prefilled at the prompt's image tokens; None for a text prompt
     images: ImageInput | None = None
+    # the kernel set whose decoding ``committed`` is (a resumed or re-created session:
+    # ``protocol.lineage.continued_on``); None: the engine's own, nothing decoded elsewhere
+    lineage: Lineage | None = None
 
 
 @dataclass

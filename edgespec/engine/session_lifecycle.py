@@ -16,6 +16,7 @@ from ..config import ConfigError, EngineConfig, is_lossy, session_verify_mode
 from ..drafters import DraftLength
 from ..drafters.draft_rates import DraftRates
 from ..protocol.contract import SessionStore, StoreUnavailable
+from ..protocol.lineage import Lineage
 from ..runner.target_runner import TargetRunner
 from ..verify.keyed_noise import with_session_seed
 from .generation import ActiveSession, Admission, Request, Result, SessionFailed
@@ -116,8 +117,9 @@ class SessionLifecycle:
                 assert self.vision is not None  # validate refused images without it
                 embeds = self.vision.prompt_embeds(ids, req.images, self.target.embed)  # [n, H]
                 self.target.prefill(slot, ids, embeds=embeds)
+            lineage = req.lineage or Lineage(self.target.kernel_set.fingerprint)
             self.store.create(sid, req.prompt_ids, req.params, drafter, req.max_new_tokens,
-                              committed=req.committed, verify=verify)
+                              committed=req.committed, verify=verify, lineage=lineage)
         except BaseException:
             self.target.free_slot(slot)
             raise  # a request the scheduler retries (the store unavailable) keeps its images

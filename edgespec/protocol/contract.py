@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
 from ..config import SamplingParams
+from .lineage import Lineage
 
 MAX_BRANCHES = 8  # branches a session's draft keeps (more are dropped)
 MAX_BRANCH_TOKENS = 8  # tokens a branch keeps
@@ -231,14 +232,16 @@ class CommitOutcome:
 
 class SessionStore(Protocol):
     """What the verifier drives, per session life: ``create`` (a new session, or a resumed one
-    whose committed output is already known), ``take_when_ready`` (the drafts to verify this
+    whose committed output is already known; ``lineage``: the kernel set its output is the
+    decoding of, kept where sessions are resumable), ``take_when_ready`` (the drafts to verify this
     step), ``commit_many`` (the verdicts) and ``close``."""
 
     wait_ms: float  # the store's suggested draft deadline
 
     def create(self, session_id: str, prompt: list[int], params: SamplingParams,
                drafter: str | None, max_new_tokens: int,
-               committed: Sequence[int] = (), verify: str = "exact") -> None: ...
+               committed: Sequence[int] = (), verify: str = "exact",
+               lineage: Lineage = Lineage()) -> None: ...
 
     def take_when_ready(self, wants: list[DraftWant], wait_s: float
                         ) -> list[TakenDraft | SessionVanished]: ...

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from ..config import SamplingParams
+from .lineage import Lineage
 from .fleet_table import FleetTable, record_output
 from .contract import (MAX_BRANCHES, Branch, CommitOutcome, DraftWant, Fix, SessionVanished,
                        StaleChunkError, TakenDraft, Verdict, check_draft_ids, chunk_branches,
@@ -187,7 +188,9 @@ class LocalSessionStore:
 
     def create(self, session_id: str, prompt: list[int], params: SamplingParams,
                drafter: str | None, max_new_tokens: int = 0,
-               committed: Sequence[int] = (), verify: str = "exact") -> None:
+               committed: Sequence[int] = (), verify: str = "exact",
+               lineage: Lineage = Lineage()) -> None:
+        """A session (in process: nothing resumes it, so its ``lineage`` is not kept)."""
         with self.lock:
             if session_id in self.sessions:
                 raise ValueError(f"session {session_id} exists")

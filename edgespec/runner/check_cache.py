@@ -38,7 +38,7 @@ SAMPLE = 2048  # elements hashed from each end of a tensor's flattened view
 
 
 @lru_cache(maxsize=1)
-def _triton_version() -> str:
+def triton_version() -> str:
     """Triton's installed version, read without importing it (a CPU runner never does)."""
     from importlib.metadata import PackageNotFoundError, version
 
@@ -46,6 +46,18 @@ def _triton_version() -> str:
         return version("triton")
     except PackageNotFoundError:
         return "none"
+
+
+def host_device(device: str | torch.device) -> tuple[str, int]:
+    """(the device's name, torch's threads): a GPU's name and 0, or the CPU's model, ISA flags and
+    caps and torch's intra-op thread count now (they split a CPU's products)."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        return torch.cuda.get_device_name(dev), 0
+    k = cpu_kind()
+    caps = ",".join(f"{n}={v}" for n, v in (("onednn", k.onednn_cap), ("aten", k.aten_cap),
+                                            ("torch", k.torch_capability)) if v)
+    return f"{k.model} [{' '.join(k.flags)}] {caps}".strip(), torch.get_num_threads()
 
 
 def code_digest(*modules) -> str:
@@ -68,18 +80,10 @@ class CheckKey:
     def here(cls, model: str, device: str | torch.device, dtype: torch.dtype | str,
              max_rows: int, kernels: str) -> CheckKey:
         """The key for this machine and process now (set torch's thread count first)."""
-        dev = torch.device(device)
-        if dev.type == "cuda":
-            name, threads = torch.cuda.get_device_name(dev), 0
-        else:
-            k = cpu_kind()
-            caps = ",".join(f"{n}={v}" for n, v in (("onednn", k.onednn_cap), ("aten", k.aten_cap),
-                                                    ("torch", k.torch_capability)) if v)
-            name = f"{k.model} [{' '.join(k.flags)}] {caps}".strip()
-            threads = torch.get_num_threads()
+        name, threads = host_device(device)
         return cls(model=model, device=name, dtype=str(dtype).removeprefix("torch."),
                    torch_version=torch.__version__,
-                   triton_version=_triton_version() if kernels.startswith("triton") else "-",
+                   triton_version=triton_version() if kernels.startswith("triton") else "-",
                    threads=threads, max_rows=int(max_rows), kernels=kernels)
 
     def digest(self) -> str:

@@ -25,21 +25,20 @@ from typing import Any, Literal, Sequence, overload
 import torch
 import torch.nn.functional as F
 
-from .attention import (COL_TILE, KEY_BLOCK, TailKeys, invariant_attention, padded_keys,
+from .attention import (KEY_BLOCK, TailKeys, invariant_attention, padded_keys,
                         pointwise)
 from ..config import MAX_TREE_NODES, ConfigError
-from .dtype_probe import (AttentionKernel, attention_kernel, first_varying_count, probe_input,
-                          probe_row_counts)
+from .dtype_probe import first_varying_count, probe_input, probe_row_counts
 from . import attention as _attention_code, linear as _linear_code
-from .check_cache import CheckKey, code_digest, model_fingerprint, run_checked
+from .check_cache import CheckKey, code_digest, host_device, model_fingerprint, run_checked
+from .kernel_set import HeadLayout, KernelSet, choose_kernel_set
 from .kv_cache import KVCache, contiguous_start
 from .step_graphs import StepGraphs
 from .step_rows import DraftShape, Scored, StepRows, TreeShape
-from .linear import GEMMS, Linear
+from .linear import Linear
 
 log = logging.getLogger(__name__)
 
-KERNELS = ("eager", "triton")
 
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2")
 PREFILL_CHUNK = 512  # prompt tokens per prefill forward
@@ -82,7 +81,7 @@ class TargetRunner:
                  n_layers: int | None = None, pack: bool = True, exact: bool = True,
                  share_weights: "TargetRunner | None" = None, max_rows: int | None = None,
                  graphs: bool | None = None, kernels: str | None = None,
-                 gemm: str = "tiles"):
+                 gemm: str = "tiles", kernel_set: KernelSet | None = None):
         """``max_rows``: the most rows one forward sends through a layer (default: a prefill
         chunk, or every slot sending a full tree), up to which the start check runs.
         ``kernels``: "triton", the fused kernels (``fused_forward``: the default on CUDA), or
@@ -91,7 +90,9 @@ class TargetRunner:
         (``linear.GEMMS``: "tiles", cuBLAS in 128-row tiles; "triton", ``fused_gemm``, being
         measured by the GPU sitting). ``graphs``: run steps of up to 64 sessions x 16 tokens through
         buckets captured as CUDA graphs at start (``step_graphs``; the default with the fused
-        kernels on CUDA; on a CPU the buckets run eagerly, for tests)."""
+        kernels on CUDA; on a CPU the buckets run eagerly, for tests). ``kernel_set``: the
+        choices made already (``kernel_set.choose_kernel_set``; else made here from ``kernels``,
+        ``gemm`` and ``pack``): the runner is built from it and keeps it (``self.kernel_set``)."""
         # a transformers model: its config and submodules are dynamic attributes
         cfg: Any = model.config
         if cfg.model_type not in SUPPORTED_TYPES:
@@ -113,9 +114,22 @@ class TargetRunner:
         self.norm: torch.Tensor = base.norm.weight
         self.dtype = self.embed.dtype
         self.device = self.embed.device
-        self.kernels = _kernels_for(self.device, kernels, self.head_dim)
-        if gemm not in GEMMS:
-            raise ConfigError(f"gemm must be one of {', '.join(GEMMS)}, not {gemm!r}")
+        if kernel_set is None:  # every choice that decides a step's bits, before any loading
+            shared = share_weights.attention if share_weights is not None else None
+            kernel_set = choose_kernel_set(
+                self.device, self.dtype, HeadLayout(self.n_heads, self.kv_heads, self.head_dim),
+                kernels, gemm, pack, exact, attention=shared)
+        else:
+            here = (str(self.dtype).removeprefix("torch."), host_device(self.device)[0])
+            if (kernel_set.dtype, kernel_set.device) != here:
+                raise ConfigError(f"the kernel set is for {kernel_set.dtype} on "
+                                  f"{kernel_set.device}, this runner is in {here[0]} on "
+                                  f"{here[1]}")
+        self.kernel_set = ks = kernel_set
+        self.kernels = ks.kernels
+        fused = self.kernels == "triton"
+        pack = ks.products == "packed" if not fused else pack
+        gemm = ks.products if fused else gemm
         self.lm_head: Linear
         self.layers: list[_Layer]
         if share_weights is not None:  # e.g. the layer-skip draft: same tensors, own KV cache
@@ -138,16 +152,12 @@ class TargetRunner:
             self._row_sum = Linear(ones, pack=False, tiled=True)
         # exact: the target (verification must be batch-invariant); a drafter's runner need
         # not be (a draft may be anything), so it is neither checked nor refused
-        fused = self.kernels == "triton"
         if share_weights is None:  # shared layers keep the products of the runner that owns them
             for lin in [self.lm_head] + [m for layer in self.layers for m in
                                          (layer.qkv, layer.o, layer.gate_up, layer.down)]:
                 lin.gemm = gemm
-        kernel = attention_kernel(self.dtype, str(self.device), self.kv_heads,
-                                  self.n_heads // self.kv_heads, self.head_dim) \
-            if exact and not fused else None
-        self.col_tile = kernel.col_tile if kernel else COL_TILE
-        self.attention_products = kernel.products if kernel else None
+        self.col_tile = ks.col_tile
+        self.attention_products = ks.attention_dtype
         if graphs is None:  # the target's steps (a drafter's or a tool's runner needs none)
             graphs = fused and self.device.type == "cuda" and exact
         if graphs and not fused:
@@ -162,16 +172,9 @@ class TargetRunner:
             from .fused_forward import FusedLayers  # imports Triton
 
             self.fused = FusedLayers(self)
-        # the fused attention kernel: the tiles where their probe proves them row-invariant
+        # the fused attention kernel: the tiles where their probe proved them row-invariant
         # here (not cached: milliseconds on a GPU), else the one-query-a-program rows
-        self.attention: str | None = None
-        if share_weights is not None and share_weights.attention is not None:
-            self.attention = share_weights.attention
-        elif fused:
-            from .fused_attention import supports_tiles  # imports Triton
-
-            self.attention = self._invariant_attention() if exact else \
-                ("tiles" if supports_tiles(self.head_dim) else "rows")
+        self.attention: str | None = ks.attention if fused else None
         self.max_rows = max_rows or max(PREFILL_CHUNK, n_slots * MAX_QUERY)
         # the most prompt tokens one shared prefill forward takes: on a GPU every row the start
         # check proved (one wide forward fills the device); on a CPU a chunk's, as a prompt
@@ -184,7 +187,7 @@ class TargetRunner:
             # oneDNN's kernels for the row counts the steps then meet (a cached check left the
             # first steps to pay that: Spec-Bench's target-only 12% slower, measured)
             t0 = time.perf_counter()
-            self._check_invariance(kernel)
+            self._check_invariance()
             self.start_check_s = time.perf_counter() - t0
         elif exact:
             from . import dtype_probe as _probe_code
@@ -197,7 +200,7 @@ class TargetRunner:
             key = CheckKey.here(model_fingerprint(cfg.to_dict(), self._weights()), self.device,
                                 self.dtype, self.max_rows,
                                 f"{self.kernels}+{gemm}+{self.attention}@{code_digest(*code)}")
-            outcome = run_checked(key, lambda: self._check_invariance(kernel))
+            outcome = run_checked(key, self._check_invariance)
             self.start_check_s = outcome.seconds
         self.graphs = StepGraphs(self, n_slots, self.cache.reserve(),
                                  capture=self.device.type == "cuda") if graphs else None
@@ -205,11 +208,13 @@ class TargetRunner:
             self.graphs.capture_all()
 
     def run_state(self) -> dict:
-        """How this runner runs its steps, for benchmark JSON: device, kernels, the linear
-        products, the start check's seconds and the CUDA graphs' state (None without)."""
+        """How this runner runs its steps, for benchmark JSON: device, kernels, the kernel set
+        (with its fingerprint), the linear products, the start check's seconds and the CUDA
+        graphs' state (None without)."""
         from dataclasses import asdict
 
         return {"device": str(self.device), "kernels": self.kernels, "attention": self.attention,
+                "kernel_set": self.kernel_set.as_json(),
                 "gemm": self.lm_head.gemm if self.fused is not None else None,
                 "start_check_s": self.start_check_s,
                 "graphs": asdict(self.graphs.state()) if self.graphs is not None else None}
@@ -223,7 +228,7 @@ class TargetRunner:
         return out
 
     @torch.inference_mode()
-    def _check_invariance(self, kernel: AttentionKernel | None) -> None:
+    def _check_invariance(self) -> None:
         """Refuse (ConfigError) to serve a model whose kernels are not batch-invariant here in
         its dtype, naming the part and the row count that failed: the attention probe at this
         model's head layout, every distinct linear shape of the model (its own weights) and the
@@ -233,10 +238,6 @@ class TargetRunner:
         dtype = str(self.dtype).removeprefix("torch.")
         refuse = (f"so speculative decoding in {dtype} on {self.device} would not be lossless: "
                   "use --dtype auto (or float32 where it is served)")
-        if kernel is None and self.fused is None:
-            raise ConfigError(f"attention with {self.kv_heads} kv heads x "
-                              f"{self.n_heads // self.kv_heads} x {self.head_dim} is not "
-                              f"batch-invariant here (its probe failed), {refuse}")
         counts = probe_row_counts(str(self.device), self.max_rows)
         rows = counts[-1]
         for name, lin in self._distinct_linears():
@@ -263,35 +264,6 @@ class TargetRunner:
             if bad is not None:
                 raise ConfigError(f"the {name} is not batch-invariant here: a call of {bad} rows "
                                   f"gives a row other bits than a call of {rows}, {refuse}")
-
-    def _invariant_attention(self) -> str:
-        """The fused attention kernel this runner serves with: "tiles" where their probe gives
-        every query the same bits alone, in a batch and as a tree node here, for this head
-        layout and dtype; else (a probe that differs, or a kernel that fails to build or run)
-        "rows", logged; ConfigError where neither holds."""
-        from .fused_attention import ATTENTION_KERNELS, probe_slot_attention, supports_tiles
-
-        failures: list[str] = []
-        for name in ATTENTION_KERNELS:
-            if name == "tiles" and not supports_tiles(self.head_dim):
-                failures.append(f"tiles: heads of {self.head_dim} are under 16")
-                continue
-            try:
-                differs = probe_slot_attention(self.dtype, self.device, self.n_heads,
-                                               self.kv_heads, self.head_dim, kernel=name)
-            except Exception as exc:  # a kernel that does not build or run here
-                differs = f"{type(exc).__name__}: {exc}"
-            if differs is None:
-                if failures:
-                    log.warning("the %s attention kernel is not batch-invariant on %s (%s): "
-                                "serving with the %s kernel", ATTENTION_KERNELS[0], self.device,
-                                failures[0], name)
-                return name
-            failures.append(f"{name}: {differs}")
-        dtype = str(self.dtype).removeprefix("torch.")
-        raise ConfigError(f"the fused attention is not batch-invariant here ({'; '.join(failures)})"
-                          f", so speculative decoding in {dtype} on {self.device} would not be "
-                          "lossless: use --dtype auto (or float32 where it is served)")
 
     def _distinct_linears(self) -> list[tuple[str, Linear]]:
         """One linear of each (in, out) shape the model has, with its name (the first layer's,
@@ -724,26 +696,6 @@ class TargetRunner:
         self._hidden([slot for slot, _ in group], [part for _, part in group])
         for (slot, part), start in zip(group, starts):
             self.commit(slot, start + len(part))
-
-def _kernels_for(device: torch.device, asked: str | None, head_dim: int) -> str:
-    """The kernels a runner on ``device`` uses: the fused Triton ones on CUDA (where Triton
-    is, as in torch's CUDA builds) for heads of a power-of-two size (their block shape), torch's
-    eager ops elsewhere, unless ``asked``."""
-    fits = head_dim & (head_dim - 1) == 0
-    if asked is not None:
-        if asked not in KERNELS:
-            raise ConfigError(f"kernels must be one of {', '.join(KERNELS)}, not {asked!r}")
-        if asked == "triton" and not fits:
-            raise ConfigError(f"the fused kernels need a power-of-two head size, not {head_dim}")
-        return asked
-    if device.type != "cuda" or not fits:
-        return "eager"
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return "eager"
-    return "triton"
-
 
 def _tile_rows(x: torch.Tensor) -> torch.Tensor:
     """x [n, K] padded with zero rows to whole tiles of the fused kernels' staging buffers."""

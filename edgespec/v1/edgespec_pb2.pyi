@@ -82,7 +82,7 @@ class ChatMessage(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "raw", "messages", "prompt_ids", "max_new_tokens", "sampling", "device_id", "resume_session_id", "resume_from", "verify", "committed_ids", "lost_session_id", "images")
+    __slots__ = ("prompt", "raw", "messages", "prompt_ids", "max_new_tokens", "sampling", "device_id", "resume_session_id", "resume_from", "verify", "committed_ids", "lost_session_id", "images", "kernel_set", "kernels_differ_from")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     RAW_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
@@ -96,6 +96,8 @@ class GenerateRequest(_message.Message):
     COMMITTED_IDS_FIELD_NUMBER: _ClassVar[int]
     LOST_SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     IMAGES_FIELD_NUMBER: _ClassVar[int]
+    KERNEL_SET_FIELD_NUMBER: _ClassVar[int]
+    KERNELS_DIFFER_FROM_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     raw: bool
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
@@ -109,10 +111,12 @@ class GenerateRequest(_message.Message):
     committed_ids: _containers.RepeatedScalarFieldContainer[int]
     lost_session_id: str
     images: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, prompt: _Optional[str] = ..., raw: _Optional[bool] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., device_id: _Optional[str] = ..., resume_session_id: _Optional[str] = ..., resume_from: _Optional[int] = ..., verify: _Optional[str] = ..., committed_ids: _Optional[_Iterable[int]] = ..., lost_session_id: _Optional[str] = ..., images: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    kernel_set: str
+    kernels_differ_from: int
+    def __init__(self, prompt: _Optional[str] = ..., raw: _Optional[bool] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., device_id: _Optional[str] = ..., resume_session_id: _Optional[str] = ..., resume_from: _Optional[int] = ..., verify: _Optional[str] = ..., committed_ids: _Optional[_Iterable[int]] = ..., lost_session_id: _Optional[str] = ..., images: _Optional[_Iterable[bytes]] = ..., kernel_set: _Optional[str] = ..., kernels_differ_from: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("session_id", "token_ids", "text", "finished", "finish_reason", "stats", "device_id", "prompt_tokens", "resumed", "sampling")
+    __slots__ = ("session_id", "token_ids", "text", "finished", "finish_reason", "stats", "device_id", "prompt_tokens", "resumed", "sampling", "kernel_set", "kernels_differ_from")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -123,6 +127,8 @@ class GenerateResponse(_message.Message):
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     RESUMED_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    KERNEL_SET_FIELD_NUMBER: _ClassVar[int]
+    KERNELS_DIFFER_FROM_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
@@ -133,7 +139,9 @@ class GenerateResponse(_message.Message):
     prompt_tokens: int
     resumed: bool
     sampling: SamplingParams
-    def __init__(self, session_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., stats: _Optional[_Union[Stats, _Mapping]] = ..., device_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., resumed: _Optional[bool] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
+    kernel_set: str
+    kernels_differ_from: int
+    def __init__(self, session_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., stats: _Optional[_Union[Stats, _Mapping]] = ..., device_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., resumed: _Optional[bool] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., kernel_set: _Optional[str] = ..., kernels_differ_from: _Optional[int] = ...) -> None: ...
 
 class CancelRequest(_message.Message):
     __slots__ = ("session_id",)
@@ -228,7 +236,7 @@ class ServerCost(_message.Message):
     def __init__(self, cpu_s: _Optional[float] = ..., committed_tokens: _Optional[int] = ..., forwards: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ...) -> None: ...
 
 class RunnerStatus(_message.Message):
-    __slots__ = ("device", "kernels", "graph_buckets", "graphs_captured", "graphs_capture_s", "graphs_failed", "graph_replays", "attention")
+    __slots__ = ("device", "kernels", "graph_buckets", "graphs_captured", "graphs_capture_s", "graphs_failed", "graph_replays", "attention", "kernel_set", "kernel_set_description")
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     KERNELS_FIELD_NUMBER: _ClassVar[int]
     GRAPH_BUCKETS_FIELD_NUMBER: _ClassVar[int]
@@ -237,6 +245,8 @@ class RunnerStatus(_message.Message):
     GRAPHS_FAILED_FIELD_NUMBER: _ClassVar[int]
     GRAPH_REPLAYS_FIELD_NUMBER: _ClassVar[int]
     ATTENTION_FIELD_NUMBER: _ClassVar[int]
+    KERNEL_SET_FIELD_NUMBER: _ClassVar[int]
+    KERNEL_SET_DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
     device: str
     kernels: str
     graph_buckets: int
@@ -245,7 +255,9 @@ class RunnerStatus(_message.Message):
     graphs_failed: str
     graph_replays: int
     attention: str
-    def __init__(self, device: _Optional[str] = ..., kernels: _Optional[str] = ..., graph_buckets: _Optional[int] = ..., graphs_captured: _Optional[int] = ..., graphs_capture_s: _Optional[float] = ..., graphs_failed: _Optional[str] = ..., graph_replays: _Optional[int] = ..., attention: _Optional[str] = ...) -> None: ...
+    kernel_set: str
+    kernel_set_description: str
+    def __init__(self, device: _Optional[str] = ..., kernels: _Optional[str] = ..., graph_buckets: _Optional[int] = ..., graphs_captured: _Optional[int] = ..., graphs_capture_s: _Optional[float] = ..., graphs_failed: _Optional[str] = ..., graph_replays: _Optional[int] = ..., attention: _Optional[str] = ..., kernel_set: _Optional[str] = ..., kernel_set_description: _Optional[str] = ...) -> None: ...
 
 class HeadStatus(_message.Message):
     __slots__ = ("kind", "source", "version", "held_out_tokens_per_step", "draft_tokens", "accepted_tokens", "learning", "buffered_tokens")

@@ -67,6 +67,10 @@ class InstantRunner:
         self.cache = KVCache(0, n_slots, max_len, kv_heads=1, head_dim=1)
         self.vocab_size, self.max_len = VOCAB, max_len
         self.device, self.dtype = torch.device("cpu"), torch.float32
+        from edgespec.runner.kernel_set import KernelSet
+
+        self.kernel_set = KernelSet("instant", "none", "none", 0, "", False, "float32", "cpu",
+                                    0, torch.__version__, "-", "bench-host")
         self.runner_s = 0.0  # time spent answering steps
         self.runner_cpu_s = 0.0  # the same on the answering thread's CPU clock
 

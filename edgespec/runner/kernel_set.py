@@ -1,0 +1,201 @@
+"""The runner's kernel set: every choice that decides a step's bits, made first, as one record.
+
+A session's output is exactly target-only decoding *on one kernel set*: the same model in
+another dtype, on another GPU or CPU kind, at another thread count, with another attention kernel
+or other products (or another version of torch, Triton or these kernels) may round one logit
+differently and, from that token on, decode differently. So ``choose_kernel_set`` decides all
+of it before the runner loads a weight: the kernel path (``eager`` torch ops or the fused
+``triton`` ones), the linear products, the attention kernel (the one its start probe proves
+batch-invariant here), the dtype, the device's name, the versions; the runner is built from the
+record (``TargetRunner(kernel_set=...)``) and keeps it.
+
+Its ``fingerprint`` is kept with each session (``edgespec.protocol.lineage``): a replica whose
+fingerprint differs does not continue a session silently; the router prefers a replica with the
+session's fingerprint, and a session that does move says from which output position its decoding
+differs (the SDK's result, the metrics; ``docs/failure-model.md``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import json
+import logging
+from dataclasses import asdict, dataclass
+
+import torch
+
+from ..config import ConfigError
+from .attention import COL_TILE
+from .check_cache import code_digest, host_device, triton_version
+from .dtype_probe import attention_kernel
+from .linear import GEMMS
+
+log = logging.getLogger(__name__)
+
+KERNELS = ("eager", "triton")
+
+# the modules whose arithmetic decides a step's bits, per kernel path (their source is digested)
+NUMERIC_CODE = {
+    "eager": ("edgespec.runner.attention", "edgespec.runner.linear",
+              "edgespec.runner.target_runner"),
+    "triton": ("edgespec.runner.attention", "edgespec.runner.linear",
+               "edgespec.runner.target_runner", "edgespec.runner.fused_kernels",
+               "edgespec.runner.fused_gemm", "edgespec.runner.fused_attention"),
+}
+
+
+@dataclass(frozen=True)
+class HeadLayout:
+    """The model's attention heads, which the attention probes are run for."""
+
+    n_heads: int
+    kv_heads: int
+    head_dim: int
+
+
+@dataclass(frozen=True)
+class KernelSet:
+    """How one runner computes a step. ``products``: the linear layers' kernels (eager:
+    ``packed`` oneDNN weights or ``plain`` torch ones; fused: ``tiles``, cuBLAS in 128-row tiles,
+    or ``triton``). ``attention``: eager: ``blocks`` (fixed-shape products over key blocks, query
+    columns in tiles of ``col_tile``, the products in ``attention_products`` or the model's own
+    dtype when ""); fused: ``tiles`` or ``rows``. ``proven``: the start probes chose the
+    attention (an exact runner); a drafter's runner takes the defaults unprobed. ``device``: the
+    GPU's name, or the CPU's model, ISA flags and caps; ``threads``: torch's intra-op threads on a
+    CPU (they split products there), 0 on a GPU. ``code``: a digest of the numeric modules'
+    source (an edited kernel is another kernel set)."""
+
+    kernels: str
+    products: str
+    attention: str
+    col_tile: int
+    attention_products: str
+    proven: bool
+    dtype: str
+    device: str
+    threads: int
+    torch_version: str
+    triton_version: str  # "-" on the eager path
+    code: str
+
+    @property
+    def fingerprint(self) -> str:
+        """16 hex digits naming this record: equal records, equal fingerprints."""
+        text = json.dumps(asdict(self), sort_keys=True)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    def as_json(self) -> dict:
+        return {**asdict(self), "fingerprint": self.fingerprint}
+
+    def describe(self) -> str:
+        """One line for a log or a status line."""
+        att = self.attention
+        if self.kernels == "eager":
+            att += f"/{self.col_tile}" + (f"@{self.attention_products}"
+                                          if self.attention_products else "")
+        return (f"{self.fingerprint}: {self.kernels} kernels, {self.products} products, {att} "
+                f"attention, {self.dtype} on {self.device}"
+                f"{f' x{self.threads} threads' if self.threads else ''}, torch {self.torch_version}"
+                f"{', triton ' + self.triton_version if self.triton_version != '-' else ''}")
+
+    @property
+    def attention_dtype(self) -> torch.dtype | None:
+        """The attention's products' dtype (None: the model's own)."""
+        return getattr(torch, self.attention_products) if self.attention_products else None
+
+
+def choose_kernel_set(device: torch.device | str, dtype: torch.dtype, heads: HeadLayout,
+                      kernels: str | None = None, gemm: str = "tiles", pack: bool = True,
+                      exact: bool = True, attention: str | None = None) -> KernelSet:
+    """The kernel set a runner of this head layout serves with here, torch's thread count now.
+    ``kernels``/``gemm``/``pack``: as asked (``kernels`` None: the default for the device).
+    ``exact``: a target's runner, whose attention the start probes choose (ConfigError where
+    none is batch-invariant); a drafter's takes the defaults. ``attention``: the fused kernel of
+    a runner whose weights this one shares (not probed again)."""
+    device = torch.device(device)
+    path = kernels_for(device, kernels, heads.head_dim)
+    if gemm not in GEMMS:
+        raise ConfigError(f"gemm must be one of {', '.join(GEMMS)}, not {gemm!r}")
+    fused = path == "triton"
+    col_tile, att_products, proven = COL_TILE, "", exact
+    if fused:
+        if attention is None:
+            attention = _fused_attention(device, dtype, heads, exact)
+        products = gemm
+    else:
+        attention, products = "blocks", "packed" if pack else "plain"
+        if exact:
+            kernel = attention_kernel(dtype, str(device), heads.kv_heads,
+                                      heads.n_heads // heads.kv_heads, heads.head_dim)
+            if kernel is None:
+                raise ConfigError(
+                    f"attention with {heads.kv_heads} kv heads x "
+                    f"{heads.n_heads // heads.kv_heads} x {heads.head_dim} is not batch-invariant "
+                    f"here (its probe failed), {_refusal(dtype, device)}")
+            col_tile = kernel.col_tile
+            att_products = str(kernel.products).removeprefix("torch.") if kernel.products else ""
+    name, threads = host_device(device)
+    code = code_digest(*(importlib.import_module(m) for m in NUMERIC_CODE[path]))
+    return KernelSet(kernels=path, products=products, attention=attention, col_tile=col_tile,
+                     attention_products=att_products, proven=proven,
+                     dtype=str(dtype).removeprefix("torch."), device=name, threads=threads,
+                     torch_version=torch.__version__,
+                     triton_version=triton_version() if fused else "-",
+                     code=code)
+
+
+def kernels_for(device: torch.device, asked: str | None, head_dim: int) -> str:
+    """The kernels a runner on ``device`` uses: the fused Triton ones on CUDA (where Triton
+    is, as in torch's CUDA builds) for heads of a power-of-two size (their block shape), torch's
+    eager ops elsewhere, unless ``asked``."""
+    fits = head_dim & (head_dim - 1) == 0
+    if asked is not None:
+        if asked not in KERNELS:
+            raise ConfigError(f"kernels must be one of {', '.join(KERNELS)}, not {asked!r}")
+        if asked == "triton" and not fits:
+            raise ConfigError(f"the fused kernels need a power-of-two head size, not {head_dim}")
+        return asked
+    if device.type != "cuda" or not fits:
+        return "eager"
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "eager"
+    return "triton"
+
+
+def _fused_attention(device: torch.device, dtype: torch.dtype, heads: HeadLayout,
+                     exact: bool) -> str:
+    """The fused attention kernel: "tiles" where their probe gives every query the same bits
+    alone, in a batch and as a tree node here, for this head layout and dtype; else (a probe
+    that differs, or a kernel that fails to build or run) "rows", logged; ConfigError where
+    neither holds. Not exact: "tiles" where the head size allows, unprobed."""
+    from .fused_attention import ATTENTION_KERNELS, probe_slot_attention, supports_tiles
+
+    if not exact:
+        return "tiles" if supports_tiles(heads.head_dim) else "rows"
+    failures: list[str] = []
+    for name in ATTENTION_KERNELS:
+        if name == "tiles" and not supports_tiles(heads.head_dim):
+            failures.append(f"tiles: heads of {heads.head_dim} are under 16")
+            continue
+        try:
+            differs = probe_slot_attention(dtype, device, heads.n_heads, heads.kv_heads,
+                                           heads.head_dim, kernel=name)
+        except Exception as exc:  # a kernel that does not build or run here
+            differs = f"{type(exc).__name__}: {exc}"
+        if differs is None:
+            if failures:
+                log.warning("the %s attention kernel is not batch-invariant on %s (%s): "
+                            "serving with the %s kernel", ATTENTION_KERNELS[0], device,
+                            failures[0], name)
+            return name
+        failures.append(f"{name}: {differs}")
+    raise ConfigError(f"the fused attention is not batch-invariant here ({'; '.join(failures)})"
+                      f", {_refusal(dtype, device)}")
+
+
+def _refusal(dtype: torch.dtype, device: torch.device) -> str:
+    return (f"so speculative decoding in {str(dtype).removeprefix('torch.')} on {device} would "
+            "not be lossless: use --dtype auto (or float32 where it is served)")
