@@ -83,7 +83,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-adaptive", action="store_true",
                    help="keep the verified draft length fixed at --max-draft")
     p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
-                   help="replay the target's steps of up to 64 sessions x 16 tokens (chains and "
+                   help="replay the target's steps of up to 128 sessions x 16 tokens (chains and "
                         "trees) as CUDA graphs captured at start (default: on with --device "
                         "cuda, where the fused Triton kernels run; --no-cuda-graphs runs the "
                         "same kernels eagerly, the same bits)")

@@ -212,6 +212,34 @@ def test_slot_attention_row_bits_do_not_depend_on_the_call(kernel, layout, tree_
         assert torch.equal(tree[t], chain[0])
 
 
+def test_the_tiles_kernel_passes_the_start_probe():
+    assert fa.probe_slot_attention(torch.float32, DEV, 4, 2, 16, kernel="tiles") is None
+
+
+@pytest.mark.parametrize("varies,says", [
+    (lambda start, width: width > 9, "query 0 of a 16-token row at 250 keys"),
+    (lambda start, width: width > 1 and start > 2048, "query 0 of a 16-token row at 2100 keys"),
+    (lambda start, width: width > 1 and start < 256 < start + width,
+     "query 0 of a 16-token row at 250 keys")])
+def test_the_start_probe_covers_wide_rows_long_slots_and_rows_crossing_256(monkeypatch,
+                                                                            varies, says):
+    """The probe catches an attention whose bits would change only in rows of more than 9
+    tokens, past 2,048 keys, or crossing key 256 (the tiles kernel as it is passes it:
+    test_the_tiles_kernel_passes_the_start_probe)."""
+    real = fa.slot_attention
+
+    def attention(q, step, *a, **kw):  # a row's outputs nudged where ``varies`` says
+        out = real(q, step, *a, **kw).clone()
+        for b, start in enumerate(step.starts.tolist()):
+            if varies(start, step.width):
+                out[b * step.width:(b + 1) * step.width] *= 1 + 2 ** -10
+        return out
+
+    monkeypatch.setattr(fa, "slot_attention", attention)
+    differs = fa.probe_slot_attention(torch.float32, DEV, 4, 2, 16, kernel="tiles")
+    assert differs is not None and says in differs
+
+
 def test_an_unknown_attention_kernel_is_refused():
     k_cache, v_cache = _cache(1, 1, 64, 16, torch.float32, 0)
     step = fk.FusedStep.chains(torch.tensor([0], device=DEV), torch.tensor([3], device=DEV), 1)

@@ -16,8 +16,8 @@ from triton_on_cpu import require_triton
 
 require_triton()
 from edgespec.config import ConfigError  # noqa: E402
-from edgespec.runner.step_graphs import (SESSION_BUCKETS, TOKEN_BUCKETS,  # noqa: E402
-                                         StepGraphs, bucket_of)
+from edgespec.runner.step_graphs import (GRAPH_SLACK, SESSION_BUCKETS, TOKEN_BUCKETS,  # noqa: E402
+                                         StepGraphs, bucket_of, session_buckets)
 from edgespec.runner.step_rows import DraftShape, StepRows  # noqa: E402
 from edgespec.runner.target_runner import TargetRunner  # noqa: E402
 
@@ -26,8 +26,13 @@ NO_CUDA = pytest.mark.skipif(not torch.cuda.is_available(),
 
 
 def test_a_size_goes_to_the_smallest_bucket_that_holds_it():
-    assert [bucket_of(n, SESSION_BUCKETS) for n in (1, 3, 9, 64)] == [1, 4, 16, 64]
-    assert bucket_of(65, SESSION_BUCKETS) is None
+    # sessions: 1, 2, 4, then multiples of 8 (a step pads at most 7 rows) up to 128
+    assert [bucket_of(n, SESSION_BUCKETS) for n in (1, 3, 9, 33, 64, 65, 128)] == \
+        [1, 4, 16, 40, 64, 72, 128]
+    assert bucket_of(129, SESSION_BUCKETS) is None
+    assert session_buckets(5) == (1, 2, 4, 8) and session_buckets(20)[-1] == 24
+    assert session_buckets(500)[-1] == 128
+    assert all(b - a <= 8 for a, b in zip(SESSION_BUCKETS, SESSION_BUCKETS[1:]))
     assert [bucket_of(n, TOKEN_BUCKETS) for n in (1, 5, 6, 9, 16)] == [1, 5, 8, 9, 16]
     assert bucket_of(17, TOKEN_BUCKETS) is None
 
@@ -57,20 +62,23 @@ def test_buckets_are_captured_largest_first_and_sized_by_the_slots(tiny_draft_di
     assert state.buckets == len(shapes) and state.captured == 0 and state.failed is None
 
 
-def test_a_step_too_near_the_slots_end_for_its_bucket_is_not_bucketed(tiny_draft_dir):
-    """Padding columns must not write past a slot's end."""
+def test_a_step_at_the_slots_end_is_bucketed_its_padding_in_the_slack(tiny_draft_dir):
+    """Padding columns write into the positions a graphed runner keeps past a slot's last;
+    only a step past those would not be bucketed."""
     from edgespec.models.loading import load_model
 
     small = load_model(str(tiny_draft_dir), dtype="float32")
     runner = TargetRunner(small.model, n_slots=1, max_len=128, kernels="triton", graphs=True,
                           exact=False)
-    runner.cache.lengths[0] = 121
-    rows = StepRows.build([0], [121], [7],
-                          DraftShape.of([([5, 6, 7, 8, 9], [-1, 0, 1, 2, 3])]), "cpu")
-    assert runner.graphs.shape_for(rows) is None  # 121 + 6 tokens fit, the bucket's 8 do not
-    rows = StepRows.build([0], [100], [7], DraftShape.of([([5, 6, 7, 8, 9], [-1, 0, 1, 2, 3])]),
-                          "cpu")
-    assert runner.graphs.shape_for(rows) == (1, 8)
+    assert runner.cache.capacity >= 128 + GRAPH_SLACK and runner.cache.max_len == 128
+    draft = DraftShape.of([([5, 6, 7, 8, 9], [-1, 0, 1, 2, 3])])
+    runner.cache.lengths[0] = 122
+    rows = StepRows.build([0], [122], [7], draft, "cpu")  # 122 + 6 tokens: the slot's last
+    assert runner.graphs.shape_for(rows) == (1, 8)  # padded to 8 within the slack
+    rows = StepRows.build([0], [runner.cache.capacity - 7], [7], draft, "cpu")
+    assert runner.graphs.shape_for(rows) is None  # past the slack (no real row gets there)
+    eager = TargetRunner(small.model, n_slots=1, max_len=128, kernels="triton", exact=False)
+    assert eager.cache.capacity == 128  # without graphs, no slack
 
 
 def _cuda_model(tiny, dtype):

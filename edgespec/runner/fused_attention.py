@@ -213,7 +213,9 @@ def probe_slot_attention(dtype: torch.dtype, device: str | torch.device, n_heads
                          kv_heads: int, head_dim: int, kernel: str = "tiles") -> str | None:
     """Whether ``slot_attention`` gives a query the same bits alone and among other sessions'
     longer rows here, for this head layout, and a tree node the bits of its chain decoded one
-    token at a time (None), or what differed. Random keys, three sessions crossing key blocks."""
+    token at a time (None), or what differed. Random keys: three sessions of 5 tokens crossing
+    key blocks; three of 16 and of 9 tokens (every query-group program a step runs) crossing
+    key 256 and past 2,048 keys; a tree."""
     g = torch.Generator().manual_seed(0)
     B, T, cap = 3, 5, 4 * KEY_BLOCK
     scale = head_dim ** -0.5
@@ -224,6 +226,9 @@ def probe_slot_attention(dtype: torch.dtype, device: str | torch.device, n_heads
     def attend(q, step, k, v):
         return slot_attention(q, step, k, v, n_heads, kv_heads, head_dim, scale, kernel=kernel)
 
+    differs = _wide_rows_differ(rand, attend, device, n_heads, kv_heads, head_dim)
+    if differs is not None:
+        return differs
     k_cache, v_cache = rand(B, kv_heads, cap, head_dim), rand(B, kv_heads, cap, head_dim)
     q = rand(B * T, n_heads * head_dim)
     slots = torch.arange(B, device=device)
@@ -256,3 +261,39 @@ def probe_slot_attention(dtype: torch.dtype, device: str | torch.device, n_heads
         if not torch.equal(decoded[0], tree[t]):
             return f"tree node {t} differs from its chain decoded one token at a time"
     return None
+
+
+WIDE_STARTS = (250, 2100, 7)  # a row crossing key 256, one past 2,048 keys, one short
+WIDE_TOKENS = (16, 9)  # the widest a graphed step sends, and a common draft's (8 + 1)
+
+
+def _wide_rows_differ(rand, attend, device, n_heads: int, kv_heads: int,
+                      head_dim: int) -> str | None:
+    """The wide part of ``probe_slot_attention``: the queries of three sessions' rows of 16 and
+    of 9 tokens against the same queries alone (None), or what differed. Every query of the
+    short rows; of the row past 2,048 keys, the first and the last of each width (its middle
+    ones run in the same programs: each query alone would walk its 2,000 keys again)."""
+    B, T = len(WIDE_STARTS), WIDE_TOKENS[0]
+    cap = -(-(max(WIDE_STARTS) + T) // KEY_BLOCK) * KEY_BLOCK
+    k_cache, v_cache = rand(B, kv_heads, cap, head_dim), rand(B, kv_heads, cap, head_dim)
+    q = rand(B, T, n_heads * head_dim)
+    slots = torch.arange(B, device=device)
+    starts = torch.tensor(WIDE_STARTS, device=device)
+
+    def checked(b: int, width: int) -> list[int]:
+        return list(range(width)) if WIDE_STARTS[b] < 1024 else [0, width - 1]
+
+    alone = {(b, t): attend(q[b, t:t + 1], FusedStep.chains(slots[b:b + 1],
+                                                           starts[b:b + 1] + t, 1),
+                            k_cache, v_cache)[0]
+             for b in range(B) for width in WIDE_TOKENS for t in checked(b, width)}
+    for width in WIDE_TOKENS:
+        many = attend(q[:, :width].reshape(B * width, -1),
+                      FusedStep.chains(slots, starts, width), k_cache, v_cache)
+        for b in range(B):
+            for t in checked(b, width):
+                if not torch.equal(alone[b, t], many[b * width + t]):
+                    return (f"query {t} of a {width}-token row at {WIDE_STARTS[b]} keys differs "
+                            f"alone and among {B} sessions")
+    return None
+

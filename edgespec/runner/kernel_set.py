@@ -165,6 +165,10 @@ def kernels_for(device: torch.device, asked: str | None, head_dim: int) -> str:
     return "triton"
 
 
+# the fused attention probes' outcomes in this process, by (probe, dtype, device, heads, kernel)
+_PROBED: dict[tuple, str | None] = {}
+
+
 def _fused_attention(device: torch.device, dtype: torch.dtype, heads: HeadLayout,
                      exact: bool) -> str:
     """The fused attention kernel: "tiles" where their probe gives every query the same bits
@@ -180,11 +184,14 @@ def _fused_attention(device: torch.device, dtype: torch.dtype, heads: HeadLayout
         if name == "tiles" and not supports_tiles(heads.head_dim):
             failures.append(f"tiles: heads of {heads.head_dim} are under 16")
             continue
-        try:
-            differs = probe_slot_attention(dtype, device, heads.n_heads, heads.kv_heads,
-                                           heads.head_dim, kernel=name)
-        except Exception as exc:  # a kernel that does not build or run here
-            differs = f"{type(exc).__name__}: {exc}"
+        key = (probe_slot_attention, dtype, str(device), heads, name)
+        if key not in _PROBED:  # once a process (the probe is the same code on the same device)
+            try:
+                _PROBED[key] = probe_slot_attention(dtype, device, heads.n_heads,
+                                                    heads.kv_heads, heads.head_dim, kernel=name)
+            except Exception as exc:  # a kernel that does not build or run here
+                _PROBED[key] = f"{type(exc).__name__}: {exc}"
+        differs = _PROBED[key]
         if differs is None:
             if failures:
                 log.warning("the %s attention kernel is not batch-invariant on %s (%s): "

@@ -3,9 +3,13 @@
 
 On a GPU a step's kernels cost more to launch than to run. A CUDA graph replays a whole
 forward with one launch, over the shapes and buffers it was captured with. So a step of up to
-64 sessions x 16 tokens (chains and token trees alike: the fused attention reads each query's
+128 sessions x 16 tokens (chains and token trees alike: the fused attention reads each query's
 length and tree path from the device, ``fused_kernels``) is padded up to a bucket (sessions x
-tokens a row) and replayed:
+tokens a row) and replayed. Session buckets: 1, 2, 4, then every multiple of 8 up to the
+runner's slots (at most ``MAX_GRAPH_SESSIONS``), so a step pads at most 7 rows past 8 sessions
+(power-of-two buckets padded 33 sessions to 64); the runner's KV slots keep ``TOKEN_BUCKETS[-1]``
+positions past their last (``GRAPH_SLACK``) so that a session near its slot's end is graphed
+too:
 
 - every bucket reads one flat input buffer (tokens, slots, starts, depths, tree paths) filled by
   one pinned, non-blocking host-to-device copy a step; the rows past the step's sessions write
@@ -40,15 +44,25 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("edgespec.runner.step_graphs")
 
-SESSION_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+MAX_GRAPH_SESSIONS = 128  # a step of more sessions runs eagerly
+SESSION_BUCKETS = (1, 2, 4) + tuple(range(8, MAX_GRAPH_SESSIONS + 1, 8))
 # tokens a row: the last token and a draft (4 and 8 drafted tokens are common: 5 and 9)
 TOKEN_BUCKETS = (1, 2, 4, 5, 8, 9, 12, 16)
+GRAPH_SLACK = TOKEN_BUCKETS[-1]  # KV positions past a slot's last that padding columns write
 
 
 def _aligned(Bb: int, Tb: int) -> tuple[int, ...]:
     """The flat input buffer's segments (int64) for bucket (Bb, Tb), each a whole number of
     16 bytes, so every view starts aligned (Triton compiles one variant per alignment)."""
     return tuple(aligned_length(n) for n in (Bb * Tb, Bb, Bb, Bb * Tb, Bb * Tb * Tb))
+
+
+def session_buckets(n_slots: int) -> tuple[int, ...]:
+    """The session buckets of a runner of ``n_slots`` slots: up to the first that holds them
+    all (at most ``MAX_GRAPH_SESSIONS``)."""
+    top = bucket_of(min(n_slots, MAX_GRAPH_SESSIONS), SESSION_BUCKETS)
+    assert top is not None
+    return tuple(b for b in SESSION_BUCKETS if b <= top)
 
 
 def bucket_of(n: int, buckets: tuple[int, ...]) -> int | None:
@@ -79,9 +93,7 @@ class StepGraphs:
         self.runner = runner
         self.scratch = scratch_slot
         self.capture = capture
-        top = bucket_of(min(n_slots, SESSION_BUCKETS[-1]), SESSION_BUCKETS)
-        assert top is not None
-        self.sessions = tuple(b for b in SESSION_BUCKETS if b <= top)
+        self.sessions = session_buckets(n_slots)
         self.tokens = TOKEN_BUCKETS
         Bm, Tm = self.sessions[-1], self.tokens[-1]
         dev = runner.device

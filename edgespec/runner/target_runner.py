@@ -33,7 +33,7 @@ from . import attention as _attention_code, linear as _linear_code
 from .check_cache import CheckKey, code_digest, host_device, model_fingerprint, run_checked
 from .kernel_set import HeadLayout, KernelSet, choose_kernel_set
 from .kv_cache import KVCache, contiguous_start
-from .step_graphs import StepGraphs
+from .step_graphs import GRAPH_SLACK, StepGraphs
 from .step_rows import DraftShape, Scored, StepRows, TreeShape
 from .linear import Linear
 
@@ -88,9 +88,9 @@ class TargetRunner:
         "eager", torch's ops (the default on a CPU; Triton's interpreter runs the fused ones
         there, for tests). ``gemm``: the fused path's linear products on CUDA
         (``linear.GEMMS``: "tiles", cuBLAS in 128-row tiles; "triton", ``fused_gemm``, being
-        measured by the GPU sitting). ``graphs``: run steps of up to 64 sessions x 16 tokens through
-        buckets captured as CUDA graphs at start (``step_graphs``; the default with the fused
-        kernels on CUDA; on a CPU the buckets run eagerly, for tests). ``kernel_set``: the
+        measured by the GPU sitting). ``graphs``: run steps of up to 128 sessions x 16 tokens
+        through buckets captured as CUDA graphs at start (``step_graphs``; the default with the
+        fused kernels on CUDA; on a CPU the buckets run eagerly, for tests). ``kernel_set``: the
         choices made already (``kernel_set.choose_kernel_set``; else made here from ``kernels``,
         ``gemm`` and ``pack``): the runner is built from it and keeps it (``self.kernel_set``)."""
         # a transformers model: its config and submodules are dynamic attributes
@@ -140,7 +140,15 @@ class TargetRunner:
             self.lm_head = Linear(head.weight, pack=pack)
             self.layers = [self._load_layer(hf_layer, pack)
                            for hf_layer in base.layers[: self.n_layers]]
-        capacity = -(-max_len // KEY_BLOCK) * KEY_BLOCK  # attention reads whole key blocks
+        if graphs is None:  # the target's steps (a drafter's or a tool's runner needs none)
+            graphs = fused and self.device.type == "cuda" and exact
+        if graphs and not fused:
+            raise ConfigError("CUDA graphs replay the fused Triton kernels, which serve on CUDA: "
+                              "use --device cuda, or leave --cuda-graphs out")
+        # attention reads whole key blocks; a graph bucket's padding columns write up to
+        # GRAPH_SLACK positions past a row's last, so that no step near a slot's end runs eagerly
+        slack = GRAPH_SLACK if graphs else 0
+        capacity = -(-(max_len + slack) // KEY_BLOCK) * KEY_BLOCK
         self._init_rope(base.rotary_emb, capacity)
         self.scale = self.head_dim ** -0.5
         # On CUDA a row's sum of squares goes through a tiled product with a ones vector: torch's
@@ -158,11 +166,6 @@ class TargetRunner:
                 lin.gemm = gemm
         self.col_tile = ks.col_tile
         self.attention_products = ks.attention_dtype
-        if graphs is None:  # the target's steps (a drafter's or a tool's runner needs none)
-            graphs = fused and self.device.type == "cuda" and exact
-        if graphs and not fused:
-            raise ConfigError("CUDA graphs replay the fused Triton kernels, which serve on CUDA: "
-                              "use --device cuda, or leave --cuda-graphs out")
         # with graphs, one more slot: the bucket rows past a step's sessions write there
         self.cache = KVCache(self.n_layers, n_slots + int(graphs), max_len, self.kv_heads,
                              self.head_dim, dtype=self.dtype, device=self.device,
