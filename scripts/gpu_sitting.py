@@ -66,6 +66,7 @@ CUDA_TESTS = ["tests/test_fused_kernels.py", "tests/test_step_graphs.py",
 CUDA_SELECT = "cuda or host_keyed_choice or fused or slot_attention or rms_norm or silu or rope"
 FORWARD_SHAPES = ((1, 1), (8, 5), (64, 1), (64, 9))
 CONTEXT = 300
+LONG_CONTEXT = 4096  # decode's keys where one program a head walking them all shows
 
 
 class Sitting:
@@ -130,9 +131,10 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def runner_for(s: Sitting, model, n_slots: int, max_len: int, graphs: bool) -> TargetRunner:
+def runner_for(s: Sitting, model, n_slots: int, max_len: int, graphs: bool,
+               attention_kernel: str | None = None) -> TargetRunner:
     return TargetRunner(model, n_slots=n_slots, max_len=max_len, kernels="triton",
-                        graphs=graphs)
+                        graphs=graphs, attention_kernel=attention_kernel)
 
 
 def alone_equal(runner: TargetRunner, rows: StepRows, T: int) -> bool:
@@ -166,6 +168,40 @@ def event_median_ms(fn, device: str, repeat: int) -> float:
             t = time.perf_counter()
             fn()
             times.append(1000 * (time.perf_counter() - t))
+    return statistics.median(times)
+
+
+def graphed_median_ms(fn, device: str, repeat: int, calls: int = 10) -> float:
+    """Median milliseconds of one fn() replayed from a CUDA graph of ``calls`` calls (so the
+    kernels are timed, not their launches), over ``repeat`` replays; on a CPU, or where fn
+    cannot be captured (said), ``event_median_ms``."""
+    if device != "cuda":
+        return event_median_ms(fn, device, repeat)
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # compile and allocate outside the capture
+            fn()
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            for _ in range(calls):
+                fn()
+        graph.replay()
+        torch.cuda.synchronize()
+    except Exception as exc:  # a call that cannot be captured: timed between events
+        print(f"   (not capturable, timed between events: {type(exc).__name__}: {exc})")
+        return event_median_ms(fn, device, repeat)
+    times = []
+    for _ in range(repeat):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / calls)
     return statistics.median(times)
 
 
@@ -258,6 +294,47 @@ def time_against_eager(s: Sitting, shape: str, graphed: TargetRunner, eager: Tar
         say(f"   {shape} {B} x {T}: graphed {row['ms']:.2f} ms, eager {row['eager_ms']:.2f} ms, "
             f"bits equal {same}, kernels {row.get('graph_kernels')} busy "
             f"{row.get('graph_busy_us')} us")
+
+
+DECODE_KERNELS = ("tiles", "split")  # the attention kernels decode is timed with
+
+
+def stage_decode(s: Sitting, shape: str, model) -> None:
+    """Decode (1 x 1, graphed) at 300 and 4,096 keys, and the 64 x 9 step at 300, on a runner
+    of each attention kernel in ``DECODE_KERNELS``: the tiles walk a slot's keys in one
+    program a kv head, the split kernel in chunks of 256 merged in order."""
+    out = s.data.setdefault("decode", {}).setdefault(shape, {})
+    for kernel in DECODE_KERNELS:
+        out[kernel] = _decode_times(s, model, kernel)
+        say(f"   {shape} {kernel}: " + ", ".join(f"{k} {v}" for k, v in out[kernel].items()))
+        free_device_memory(s.device)
+
+
+def _decode_times(s: Sitting, model, kernel: str) -> dict:
+    contexts = (CONTEXT, LONG_CONTEXT) if not s.dry else (20, 300)
+    wide = (64, 9) if not s.dry else (2, 5)
+    repeat = 20 if not s.dry else 1
+    g = torch.Generator().manual_seed(1)
+    runner = runner_for(s, model, wide[0], contexts[-1] + 32, graphs=True,
+                        attention_kernel=kernel)
+    row: dict = {}
+    for _ in range(wide[0]):
+        runner.new_slot()
+    prompt = torch.randint(3, runner.vocab_size, (contexts[-1],), generator=g).tolist()
+    for context in contexts:  # slot 0 at each context
+        runner.prefill(0, prompt[:context])
+        one = chain_rows(runner, 1, 1)
+        row[f"1x1@{context}_ms"] = round(event_median_ms(lambda: runner.score_rows(one),
+                                                         s.device, repeat), 3)
+    runner.prefill(0, prompt[:contexts[0]])
+    for slot in range(1, wide[0]):
+        runner.prefill(slot, torch.randint(3, runner.vocab_size, (contexts[0],),
+                                           generator=g).tolist())
+    rows = chain_rows(runner, *wide)
+    row[f"{wide[0]}x{wide[1]}_ms"] = round(event_median_ms(lambda: runner.score_rows(rows),
+                                                            s.device, repeat), 3)
+    row["graphs_failed"] = runner.graphs.state().failed if runner.graphs else "no graphs"
+    return row
 
 
 def stage_breakdown(s: Sitting, shape: str, model) -> None:
@@ -514,16 +591,17 @@ def main() -> int:
     if "attention" not in skip:
         sizes = FORWARD_SHAPES if not s.dry else ((1, 1), (2, 5))
         s.stage("attention", lambda: stage_attention(
-            s, shapes, sizes, CONTEXT if not s.dry else 70,
-            lambda fn: event_median_ms(fn, s.device, 20 if not s.dry else 1)))
+            s, shapes, sizes, (CONTEXT, LONG_CONTEXT) if not s.dry else (70, 300),
+            lambda fn: graphed_median_ms(fn, s.device, 20 if not s.dry else 1)))
     if "gemm" not in skip:
         s.stage("gemm", lambda: stage_gemm(
             s, shapes, ROWS if not s.dry else (1, 5),
-            lambda fn: event_median_ms(fn, s.device, 10 if not s.dry else 1)))
+            lambda fn: graphed_median_ms(fn, s.device, 10 if not s.dry else 1)))
     for shape in [x for x in args.breakdown.split(",") if x]:
         s.stage(f"breakdown {shape}", lambda sh=shape: stage_breakdown(s, sh, model_of(sh)))
     for shape in shapes:
-        for name, fn in (("graphs", stage_graphs), ("e2e", stage_e2e), ("fleet", stage_fleet)):
+        for name, fn in (("graphs", stage_graphs), ("decode", stage_decode), ("e2e", stage_e2e),
+                         ("fleet", stage_fleet)):
             if name not in skip:
                 s.stage(f"{name} {shape}", lambda fn=fn, sh=shape: fn(s, sh, model_of(sh)))
     def tests():

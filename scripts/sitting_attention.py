@@ -4,12 +4,14 @@
 The first sitting found the attention kernel half of a graphed step (8b at 64 x 9: 25 of 49 ms;
 135m at 1 x 1: 0.76 of 1.44 ms): one program per query and head re-read every key block for
 each of them. This stage answers, in seconds and before any model is built, which kernel a
-runner should serve with: for every kernel, the start probe's verdict (a query's bits alone, in
-a batch and as a tree node), CUDA-event medians of 20 calls at the sitting's sizes over
-300-token contexts (the tiles also with 1, 2, 4 and 8 warps a program), and how far apart the
-kernels' outputs are (their sums are ordered
-differently, so they agree to rounding, not bits). A runner picks by the probe alone
-(``TargetRunner._invariant_attention``); the timings say whether that default is the faster.
+runner should serve with: for every kernel (``tiles``, ``rows``, ``split``: the tiles over
+fixed chunks of keys, merged in order), the start probe's verdict (a query's bits alone, in a
+batch and as a tree node), the median of calls replayed from a CUDA graph (so the kernel is
+timed, not its launch) at the sitting's sizes over 300- and 4,096-key contexts (the tiles also
+with 1, 2, 4 and 8 warps a program), and how far apart the kernels' outputs are (their sums
+are ordered differently, so they agree to rounding, not bits). A runner takes the first kernel
+whose probe passes (``kernel_set.choose_kernel_set``) unless asked for one; the timings say
+which should be first.
 """
 
 from __future__ import annotations
@@ -41,10 +43,12 @@ def _inputs(B: int, T: int, context: int, nh: int, kvh: int, hd: int, device: st
     return q, k, v, FusedStep.chains(slots, starts, T)
 
 
-def stage_attention(s, shapes: list[str], sizes, context: int, timer) -> None:
-    """Probe and time every attention kernel at each shape's head layout. ``timer(fn)``: the
-    median milliseconds of fn (CUDA events on the GPU)."""
+def stage_attention(s, shapes: list[str], sizes, contexts, timer) -> None:
+    """Probe and time every attention kernel at each shape's head layout, over each context
+    length. ``timer(fn)``: the median milliseconds of fn (replayed from a CUDA graph on the
+    GPU: the launch is not what is timed)."""
     out = s.data.setdefault("attention", {})
+    first = ATTENTION_KERNELS[0]
     for shape in shapes:
         m = SHAPES[shape]
         nh, kvh, hd = m.heads, m.kv_heads, m.hidden // m.heads
@@ -53,32 +57,40 @@ def stage_attention(s, shapes: list[str], sizes, context: int, timer) -> None:
         for kernel in ATTENTION_KERNELS:
             differs = probe_slot_attention(torch.bfloat16, s.device, nh, kvh, hd, kernel)
             entry["probe"][kernel] = "invariant" if differs is None else differs
-            if differs is not None and kernel == ATTENTION_KERNELS[0]:
+            if differs is not None and kernel == first:
                 s.mismatch(f"{shape}: the {kernel} attention's probe failed ({differs})")
-        for B, T in sizes:
-            q, k, v, step = _inputs(B, T, context, nh, kvh, hd, s.device, seed=B * 100 + T)
-            row: dict = {"sessions": B, "tokens": T}
-            outs = {}
-            for kernel in ATTENTION_KERNELS:
-                def call(kernel=kernel, warps=None):
-                    return slot_attention(q, step, k, v, nh, kvh, hd, hd ** -0.5, kernel=kernel,
-                                          warps=warps)
-
-                outs[kernel] = call()[:B * T].float()
-                row[f"{kernel}_ms"] = round(timer(call), 4)
-                if kernel == "tiles":  # the warps a tile program runs with, besides the default
-                    row["tiles_ms_by_warps"] = {
-                        w: round(timer(lambda w=w: call(warps=w)), 4) for w in WARPS}
-            first, second = (outs[x] for x in ATTENTION_KERNELS)
-            row["max_abs_diff"] = float((first - second).abs().max())
-            if row["max_abs_diff"] > AGREE:
-                s.mismatch(f"{shape} {B} x {T}: the attention kernels' outputs differ by "
-                           f"{row['max_abs_diff']:.3g}")
-            row["ratio"] = round(row[f"{ATTENTION_KERNELS[1]}_ms"]
-                                 / max(row[f"{ATTENTION_KERNELS[0]}_ms"], 1e-9), 2)
-            entry["sizes"].append(row)
-            print(f"   {shape} {B} x {T}: " + ", ".join(
-                f"{x} {row[f'{x}_ms']:.4f} ms" for x in ATTENTION_KERNELS)
-                + f" ({ATTENTION_KERNELS[1]} / {ATTENTION_KERNELS[0]} {row['ratio']}), "
-                f"outputs within {row['max_abs_diff']:.1e}", flush=True)
+        for context in contexts:
+            for B, T in sizes:
+                entry["sizes"].append(_timed_size(s, shape, (nh, kvh, hd), B, T, context, timer))
         out[shape] = entry
+
+
+def _timed_size(s, shape: str, layout, B: int, T: int, context: int, timer) -> dict:
+    """One size's row: every kernel's ms (the tiles' also by warps), each against the first,
+    and how far the kernels' outputs are from the first's."""
+    nh, kvh, hd = layout
+    first = ATTENTION_KERNELS[0]
+    q, k, v, step = _inputs(B, T, context, nh, kvh, hd, s.device, seed=B * 100 + T)
+    row: dict = {"context": context, "sessions": B, "tokens": T}
+    outs = {}
+    for kernel in ATTENTION_KERNELS:
+        def call(kernel=kernel, warps=None):
+            return slot_attention(q, step, k, v, nh, kvh, hd, hd ** -0.5, kernel=kernel,
+                                  warps=warps)
+
+        outs[kernel] = call()[:B * T].float()
+        row[f"{kernel}_ms"] = round(timer(call), 4)
+        if kernel == "tiles":  # the warps a tile program runs with, besides the default
+            row["tiles_ms_by_warps"] = {w: round(timer(lambda w=w: call(warps=w)), 4)
+                                        for w in WARPS}
+    row["max_abs_diff"] = max(float((outs[x] - outs[first]).abs().max())
+                              for x in ATTENTION_KERNELS)
+    if row["max_abs_diff"] > AGREE:
+        s.mismatch(f"{shape} {B} x {T} at {context} keys: the attention kernels' outputs "
+                   f"differ by {row['max_abs_diff']:.3g}")
+    row["vs_first"] = {x: round(row[f"{x}_ms"] / max(row[f"{first}_ms"], 1e-9), 2)
+                       for x in ATTENTION_KERNELS[1:]}
+    print(f"   {shape} {B} x {T} at {context} keys: " + ", ".join(
+        f"{x} {row[f'{x}_ms']:.4f} ms" for x in ATTENTION_KERNELS)
+        + f", outputs within {row['max_abs_diff']:.1e}", flush=True)
+    return row

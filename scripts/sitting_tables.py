@@ -20,19 +20,22 @@ def format_tables(d: dict) -> str:
         lines += ["**Mismatches:** " + "; ".join(d["mismatches"]), ""]
     if d.get("attention"):
         rows = []
+        kernels = list(next(iter(d["attention"].values()))["probe"])
         for shape, e in d["attention"].items():
-            kernels = list(e["probe"])
             for r in e["sizes"]:
-                rows.append([shape, f"{r['sessions']} x {r['tokens']}"]
+                # older sittings: one context, one ratio (the second kernel's over the first)
+                vs = r.get("vs_first") or {kernels[-1]: r.get("ratio")}
+                rows.append([shape, r.get("context", "300"), f"{r['sessions']} x {r['tokens']}"]
                             + [r.get(f"{k}_ms") for k in kernels]
-                            + [r.get("ratio"), f"{r.get('max_abs_diff', 0):.1e}",
+                            + [vs.get(k) for k in kernels[1:]]
+                            + [f"{r.get('max_abs_diff', 0):.1e}",
                                " / ".join(str(v) for v in
                                           (r.get("tiles_ms_by_warps") or {}).values()),
                                ", ".join(f"{k}: {v}" for k, v in e["probe"].items())])
-        kernels = list(next(iter(d["attention"].values()))["probe"])
-        lines += _table(["shape", "sessions x tokens"] + [f"{k} attention ms" for k in kernels]
-                        + [f"{kernels[-1]} / {kernels[0]}", "outputs apart",
-                           "tiles ms, 1 / 2 / 4 / 8 warps", "probe"], rows)
+        lines += _table(["shape", "keys", "sessions x tokens"]
+                        + [f"{k} attention ms" for k in kernels]
+                        + [f"{k} / {kernels[0]}" for k in kernels[1:]]
+                        + ["outputs apart", "tiles ms, 1 / 2 / 4 / 8 warps", "probe"], rows)
     if d.get("gemm"):  # the products' ms a step: cuBLAS tiles, then each Triton config
         first = next(iter(d["gemm"].values()))
         names = list(next(iter(first["step_ms"].values())))
@@ -41,6 +44,13 @@ def format_tables(d: dict) -> str:
         rows += [[shape, "row alone = in batch", "-"] + [e["invariant"].get(k) for k in names[1:]]
                  for shape, e in d["gemm"].items()]
         lines += _table(["shape", "rows"] + [f"{k} ms" for k in names], rows)
+    if d.get("decode"):  # graphed steps by attention kernel, at two context lengths
+        keys = sorted({k for e in d["decode"].values() for r in e.values() for k in r
+                       if k.endswith("_ms")}, key=lambda k: (k.split("@")[0] != "1x1", k))
+        lines += _table(["shape", "attention"] + [k.removesuffix("_ms") + " ms" for k in keys]
+                        + ["graphs failed"],
+                        [[shape, kernel] + [r.get(k) for k in keys] + [r.get("graphs_failed")]
+                         for shape, e in d["decode"].items() for kernel, r in e.items()])
     if d.get("graphs"):
         lines += _table(["shape", "runner built s", "start check s", "buckets captured",
                          "capture s", "graph memory MB", "failed"],

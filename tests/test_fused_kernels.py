@@ -148,7 +148,8 @@ LAYOUTS = [(4, 2, 16), (6, 2, 16), (2, 2, 32), (8, 1, 16)]
 
 
 @pytest.mark.parametrize("kernel,layout", [("tiles", x) for x in LAYOUTS]
-                         + [("rows", x) for x in LAYOUTS[:2]])  # rows: one program a head
+                         + [("rows", x) for x in LAYOUTS[:2]]  # rows: one program a head
+                         + [("split", x) for x in LAYOUTS[1:3]])  # its wider tile
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_slot_attention_reads_each_query_s_prefix_and_path(kernel, layout, dtype):
     nh, kvh, hd = layout
@@ -212,7 +213,52 @@ def test_slot_attention_row_bits_do_not_depend_on_the_call(kernel, layout, tree_
         assert torch.equal(tree[t], chain[0])
 
 
+@pytest.mark.parametrize("layout", [LAYOUTS[0], LAYOUTS[1]])
+def test_the_split_kernel_sums_fixed_key_chunks_whatever_the_call(layout):
+    """The split kernel over slots of 600 keys (three chunks of 256): each query against the
+    float32 reference, alone and among other sessions' rows, as a tree node against its chain,
+    and with the same bits in a cache of more chunks (a grid of more programs)."""
+    nh, kvh, hd = layout
+    dtype = torch.float32  # bfloat16 outputs would hide a last-bit difference in the sums
+    k_cache, v_cache = _cache(3, kvh, 640, hd, dtype, 21)
+    T = 6
+    q = _rand(3 * T, nh * hd, dtype=dtype, seed=22)
+    slots = torch.tensor([0, 1, 2], device=DEV)
+    starts = torch.tensor([253, 509, 40], device=DEV)  # crossing chunks 1 and 2; within 0
+
+    def attend(q, step, k=k_cache, v=v_cache):
+        return fa.slot_attention(q, step, k, v, nh, kvh, hd, 0.25, kernel="split")
+
+    many = attend(q, fk.FusedStep.chains(slots, starts, T))
+    for b in range(3):
+        for t in range(T):
+            st = int(starts[b])
+            ref = _attention_ref(q[b * T + t].view(nh, hd), k_cache, v_cache, b,
+                                 torch.arange(st + t + 1, device=DEV), nh // kvh, 0.25)
+            torch.testing.assert_close(many[b * T + t].view(nh, hd), ref, rtol=1e-5, atol=1e-5)
+            one = fk.FusedStep.chains(slots[b:b + 1], starts[b:b + 1] + t, 1)
+            assert torch.equal(attend(q[b * T + t:b * T + t + 1], one)[0], many[b * T + t])
+    wider_k, wider_v = _cache(3, kvh, 1280, hd, dtype, 23)  # 5 chunks: more programs, idle
+    wider_k[:, :, :640], wider_v[:, :, :640] = k_cache, v_cache
+    wide = attend(q, fk.FusedStep.chains(slots, starts, T), wider_k, wider_v)
+    assert torch.equal(wide[:3 * T], many[:3 * T])
+    # a tree rooted just below a chunk's end: its nodes' paths cross into the next chunk
+    parents = [-1, 0, 0, 2, 1, 3]
+    tree = attend(q[:T], _tree_step([0], [254], [parents]))
+    for t in range(T):
+        along = _along(parents, t)
+        chain_k, chain_v = k_cache.clone(), v_cache.clone()  # the chain's layout
+        for i, node in enumerate(along):
+            chain_k[0, :, 254 + i], chain_v[0, :, 254 + i] = k_cache[0, :, 254 + node], \
+                v_cache[0, :, 254 + node]
+        chain = attend(q[t:t + 1], fk.FusedStep.chains(slots[:1], torch.tensor(
+            [254 + len(along) - 1], device=DEV), 1), chain_k, chain_v)
+        assert torch.equal(tree[t], chain[0])
+
+
 def test_the_tiles_kernel_passes_the_start_probe():
+    """(The split kernel's probe takes 40 s under the interpreter: the GPU sitting runs it;
+    test_the_split_kernel_sums_fixed_key_chunks_whatever_the_call holds its bits here.)"""
     assert fa.probe_slot_attention(torch.float32, DEV, 4, 2, 16, kernel="tiles") is None
 
 

@@ -194,6 +194,27 @@ def test_a_tiles_kernel_that_does_not_run_here_leaves_the_rows_kernel(small, mon
 
 
 
+def test_speculative_decoding_on_the_split_attention_across_key_chunks_is_target_only(
+        small, monkeypatch):
+    """Graphed steps on the split attention (keys in fixed chunks merged in order; chunks of 64
+    here, not 256, so that short prompts cross two while they decode: the interpreter is slow)."""
+    monkeypatch.setattr(fused_attention, "SPLIT_KEYS", 64)
+    runner = TargetRunner(small.model, n_slots=2, max_len=128, kernels="triton", graphs=True,
+                          exact=False, attention_kernel="split")
+    assert runner.attention == "split" and runner.kernel_set.attention == "split"
+    rng = random.Random(9)
+    prompts = [[1] + [rng.randrange(3, 100) for _ in range(n)] for n in (56, 60)]
+    params = [SamplingParams(), SamplingParams(temperature=0.8, seed=3)]
+    cfg = EngineConfig(max_sessions=2, max_context=128)
+    with SpecEngine(runner, None, cfg, stop_ids={2}) as engine:
+        refs = [engine.generate(Request(p, 12, q)).token_ids for p, q in zip(prompts, params)]
+    with SpecEngine(runner, build_drafter("mag"), cfg, stop_ids={2}) as engine:
+        got = engine.generate_many([Request(p, 12, q) for p, q in zip(prompts, params)])
+    assert [r.token_ids for r in got] == refs and runner.graphs.replays > 0
+    with pytest.raises(ConfigError, match="attention kernel must be one of"):
+        _fused(small.model, n_slots=1, attention_kernel="flash")
+
+
 @pytest.mark.parametrize("graphs", [False, True])
 def test_speculative_decoding_on_the_fused_kernels_is_target_only(small, graphs):
     runner = _fused(small.model, n_slots=2, graphs=graphs)

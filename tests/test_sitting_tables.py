@@ -23,18 +23,39 @@ def _rows(md: str, first: str) -> list[list[str]]:
 
 def test_the_attention_table_has_each_kernel_s_time_ratio_warps_and_probe():
     attention = {"8b": {"layout": "32 q heads, 8 kv heads, head size 128",
-                        "probe": {"tiles": "invariant", "rows": "invariant"},
-                        "sizes": [{"sessions": 64, "tokens": 9, "tiles_ms": 0.61, "rows_ms": 24.4,
-                                   "ratio": 40.0, "max_abs_diff": 0.0039,
-                                   "tiles_ms_by_warps": {"1": 0.9, "2": 0.7, "4": 0.61,
-                                                         "8": 0.65}}]}}
+                        "probe": {"tiles": "invariant", "rows": "invariant",
+                                  "split": "invariant"},
+                        "sizes": [{"context": 4096, "sessions": 1, "tokens": 1, "tiles_ms": 0.2,
+                                   "rows_ms": 0.9, "split_ms": 0.05,
+                                   "vs_first": {"rows": 4.5, "split": 0.25},
+                                   "max_abs_diff": 0.0039,
+                                   "tiles_ms_by_warps": {"1": 0.3, "2": 0.25, "4": 0.2,
+                                                         "8": 0.22}}]}}
     md = format_tables(_sitting(attention=attention))
-    assert "| shape | sessions x tokens | tiles attention ms | rows attention ms | rows / tiles |" \
-        in md
+    assert ("| shape | keys | sessions x tokens | tiles attention ms | rows attention ms | "
+            "split attention ms | rows / tiles | split / tiles |") in md
     [row] = _rows(md, "8b")
-    assert row[:5] == ["8b", "64 x 9", "0.61", "24.4", "40.0"]
-    assert row[6] == "0.9 / 0.7 / 0.61 / 0.65"
-    assert row[7] == "tiles: invariant, rows: invariant"
+    assert row[:8] == ["8b", "4096", "1 x 1", "0.2", "0.9", "0.05", "4.5", "0.25"]
+    assert row[9] == "0.3 / 0.25 / 0.2 / 0.22"
+    assert row[10] == "tiles: invariant, rows: invariant, split: invariant"
+
+
+def test_the_decode_table_has_each_attention_kernel_at_each_context():
+    decode = {"8b": {"tiles": {"1x1@300_ms": 6.1, "1x1@4096_ms": 9.9, "64x9_ms": 20.0,
+                               "graphs_failed": None},
+                     "split": {"1x1@300_ms": 6.0, "1x1@4096_ms": 6.4, "64x9_ms": 19.0,
+                               "graphs_failed": None}}}
+    md = format_tables(_sitting(decode=decode))
+    assert "| shape | attention | 1x1@300 ms | 1x1@4096 ms | 64x9 ms | graphs failed |" in md
+    assert _rows(md, "8b")[1][:5] == ["8b", "split", "6.0", "6.4", "19.0"]
+
+
+def test_an_older_sittings_attention_rows_still_render():
+    attention = {"8b": {"layout": "", "probe": {"tiles": "invariant", "rows": "invariant"},
+                        "sizes": [{"sessions": 64, "tokens": 9, "tiles_ms": 0.61,
+                                   "rows_ms": 24.4, "ratio": 40.0, "max_abs_diff": 0.0039}]}}
+    [row] = _rows(format_tables(_sitting(attention=attention)), "8b")
+    assert row[:6] == ["8b", "300", "64 x 9", "0.61", "24.4", "40.0"]
 
 
 def test_the_gemm_table_has_the_products_per_step_for_the_tiles_and_each_configuration():

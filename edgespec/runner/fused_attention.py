@@ -35,8 +35,11 @@ from .attention import KEY_BLOCK
 from .fused_kernels import FusedStep, padded_rows
 from .step_rows import DraftShape, StepRows
 
-ATTENTION_KERNELS = ("tiles", "rows")
+ATTENTION_KERNELS = ("tiles", "rows", "split")
 TILE_ROWS_MIN = 16  # tl.dot's smallest tile side
+SPLIT_KEYS = 256  # the split kernel's chunk of keys, at absolute positions (KEY_BLOCK multiple)
+SPLIT_QUERIES = 16  # the queries a split program holds where its tile allows (a graphed row's)
+SPLIT_TILE_MAX = 64  # the split kernel's tile rows at most
 
 
 @triton.jit
@@ -56,16 +59,31 @@ def _attend_block(q, k, v, offs, n, active, acc, top, denom, scale, PREC: tl.con
     return acc, top, denom
 
 
-@triton.jit(do_not_specialize=["T"])
+@triton.jit(do_not_specialize=["T", "NS"])
 def _tile_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, start_ptr, depth_ptr,
                            path_ptr, T, out_ptr, scale,
                            ks_slot, ks_head, ks_pos, vs_slot, vs_head, vs_pos,
+                           part_acc_ptr, part_top_ptr, part_den_ptr, NS,
                            NH: tl.constexpr, GROUP: tl.constexpr, HD: tl.constexpr,
-                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr):
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr,
+                           SPLIT: tl.constexpr):
+    """SPLIT 0: every key of the rows, the outputs into out_ptr. SPLIT > 0: the keys at logical
+    positions [split SPLIT, (split + 1) SPLIT) only (program_id(2) = chunk of queries x NS +
+    split), the partial softmax state of each row with keys there into part_*[(row NH + head)
+    NS + split] (``_merge_splits_kernel`` merges them)."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     QPP: tl.constexpr = BLOCK_M // GROUP  # queries a program holds
-    t0 = tl.program_id(2) * QPP
+    if SPLIT > 0:
+        t0 = (tl.program_id(2) // NS) * QPP
+        split = tl.program_id(2) % NS
+        lo = split * SPLIT
+        hi = lo + SPLIT
+    else:
+        t0 = tl.program_id(2) * QPP
+        split = 0
+        lo = 0
+        hi = 1 << 30
     r = tl.arange(0, BLOCK_M)
     qt = t0 + r // GROUP  # each tile row's query and q head
     live = (r < QPP * GROUP) & (qt < T)
@@ -86,7 +104,7 @@ def _tile_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, start_ptr,
     # the blocks below the one holding ``start`` hold the slot's prefix alone: every row's,
     # read once for all of them
     shared = (start // BLOCK_N) * BLOCK_N
-    for block in range(0, shared, BLOCK_N):
+    for block in range(lo, tl.minimum(shared, hi), BLOCK_N):
         offs = block + tl.arange(0, BLOCK_N)
         k = tl.load(k_base + offs[:, None] * ks_pos + d[None, :])
         v = tl.load(v_base + offs[:, None] * vs_pos + d[None, :])
@@ -103,7 +121,7 @@ def _tile_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, start_ptr,
                      other=-1)
         cover = live & (~done) & (at == qt)
         n_ref = tl.max(tl.where(cover, n, 0), axis=0)  # 0: nothing left to cover here
-        for block in range(shared, n_ref, BLOCK_N):
+        for block in range(tl.maximum(shared, lo), tl.minimum(n_ref, hi), BLOCK_N):
             offs = block + tl.arange(0, BLOCK_N)
             have = offs < n_ref
             on_path = offs >= start
@@ -117,9 +135,45 @@ def _tile_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, start_ptr,
             acc, top, denom = _attend_block(q, k, v, offs, n, cover & (block < n), acc, top,
                                             denom, scale, PREC)
         done = done | cover
-    out = acc / tl.where(live, denom, 1.0)[:, None]
-    tl.store(out_ptr + row[:, None] * (NH * HD) + head[:, None] * HD + d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=live[:, None])
+    if SPLIT > 0:
+        has = live & (lo < n)  # the rows with keys in this split
+        at = (row * NH + head) * NS + split
+        tl.store(part_acc_ptr + at[:, None] * HD + d[None, :], acc, mask=has[:, None])
+        tl.store(part_top_ptr + at, top, mask=has)
+        tl.store(part_den_ptr + at, denom, mask=has)
+    else:
+        out = acc / tl.where(live, denom, 1.0)[:, None]
+        tl.store(out_ptr + row[:, None] * (NH * HD) + head[:, None] * HD + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=live[:, None])
+
+
+@triton.jit(do_not_specialize=["T", "NS"])
+def _merge_splits_kernel(part_acc_ptr, part_top_ptr, part_den_ptr, start_ptr, depth_ptr, T, NS,
+                         out_ptr, NH: tl.constexpr, NH_P2: tl.constexpr, HD: tl.constexpr,
+                         SPLIT: tl.constexpr):
+    """One row, all its q heads: each head's splits' partial softmax states merged in split
+    order (the first as it is, then each of the others into the running state), divided by
+    their sum."""
+    row = tl.program_id(0)
+    n = tl.load(start_ptr + row // T) + tl.load(depth_ptr + row) + 1
+    h = tl.arange(0, NH_P2)
+    heads = h < NH
+    d = tl.arange(0, HD)
+    at = (row * NH + h) * NS  # [NH_P2]: each head's first split
+    acc = tl.load(part_acc_ptr + at[:, None] * HD + d[None, :], mask=heads[:, None], other=0.0)
+    top = tl.load(part_top_ptr + at, mask=heads, other=0.0)
+    denom = tl.load(part_den_ptr + at, mask=heads, other=1.0)
+    for s in range(1, tl.cdiv(n, SPLIT)):  # every split below n holds keys of this row
+        s_top = tl.load(part_top_ptr + at + s, mask=heads, other=0.0)
+        new_top = tl.maximum(top, s_top)
+        keep, take = tl.exp(top - new_top), tl.exp(s_top - new_top)
+        s_acc = tl.load(part_acc_ptr + (at + s)[:, None] * HD + d[None, :], mask=heads[:, None],
+                        other=0.0)
+        acc = acc * keep[:, None] + s_acc * take[:, None]
+        denom = denom * keep + tl.load(part_den_ptr + at + s, mask=heads, other=1.0) * take
+        top = new_top
+    tl.store(out_ptr + row * (NH * HD) + h[:, None] * HD + d[None, :],
+             (acc / denom[:, None]).to(out_ptr.dtype.element_ty), mask=heads[:, None])
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -176,6 +230,15 @@ def tile_rows(n_heads: int, kv_heads: int) -> int:
     return max(TILE_ROWS_MIN, triton.next_power_of_2(group))
 
 
+def split_tile_rows(n_heads: int, kv_heads: int) -> int:
+    """Rows of the split kernel's tile: the q heads of one kv head for ``SPLIT_QUERIES`` queries
+    (a graphed row's, read in one program: a key chunk read once for all of them), at most
+    ``SPLIT_TILE_MAX``; one constant per model, so a row's bits do not depend on the step."""
+    group = n_heads // kv_heads
+    return max(tile_rows(n_heads, kv_heads),
+               min(SPLIT_TILE_MAX, triton.next_power_of_2(SPLIT_QUERIES * group)))
+
+
 def slot_attention(q: torch.Tensor, step: FusedStep, k_cache: torch.Tensor,
                    v_cache: torch.Tensor, n_heads: int, kv_heads: int, head_dim: int,
                    scale: float, out: torch.Tensor | None = None,
@@ -184,7 +247,8 @@ def slot_attention(q: torch.Tensor, step: FusedStep, k_cache: torch.Tensor,
     k_cache / v_cache [slots, kvh, positions, >=hd] (written for this step already): row b's
     query t sees positions < start[b], then the rows path[b, t, 0..depth[b, t]] of its own
     step, stored at start[b] + that row. Returns [padded_rows(R), nh hd] (rows past R not
-    written). ``kernel``: one of ``ATTENTION_KERNELS``; ``warps``: Triton's warps a program
+    written). ``kernel``: one of ``ATTENTION_KERNELS`` (``split``: the tiles over fixed chunks
+    of ``SPLIT_KEYS`` keys, merged in chunk order); ``warps``: Triton's warps a program
     (default 4 for heads of 128 and more, else 2; the sitting times others)."""
     R = step.rows
     if out is None:
@@ -195,12 +259,31 @@ def slot_attention(q: torch.Tensor, step: FusedStep, k_cache: torch.Tensor,
                v_cache.stride(0), v_cache.stride(1), v_cache.stride(2))
     args = (q, k_cache, v_cache, step.slots, step.starts, step.depth, step.path, step.width,
             out, scale, *strides)
+    prec = "ieee" if q.dtype == torch.float32 else "tf32"
     if kernel == "tiles":
         block_m = tile_rows(n_heads, kv_heads)
         grid = (step.batch, kv_heads, triton.cdiv(step.width, block_m // group))
         _tile_attention_kernel[grid](
-            *args, NH=n_heads, GROUP=group, HD=head_dim, BLOCK_M=block_m, BLOCK_N=KEY_BLOCK,
-            PREC="ieee" if q.dtype == torch.float32 else "tf32", num_warps=warps)
+            *args, out, out, out, 1, NH=n_heads, GROUP=group, HD=head_dim, BLOCK_M=block_m,
+            BLOCK_N=KEY_BLOCK, PREC=prec, SPLIT=0, num_warps=warps)
+    elif kernel == "split":
+        # a program per (session, kv head, chunk of queries, chunk of SPLIT_KEYS keys), as many
+        # key chunks as the cache holds (a graph's grid is fixed): those past a row's keys
+        # store nothing, and the merge reads a row's own chunks only
+        block_m = split_tile_rows(n_heads, kv_heads)
+        n_splits = triton.cdiv(k_cache.shape[2], SPLIT_KEYS)
+        parts = R * n_heads * n_splits
+        acc = torch.empty(parts * head_dim, dtype=torch.float32, device=q.device)
+        top = torch.empty(parts, dtype=torch.float32, device=q.device)
+        den = torch.empty(parts, dtype=torch.float32, device=q.device)
+        grid = (step.batch, kv_heads, triton.cdiv(step.width, block_m // group) * n_splits)
+        _tile_attention_kernel[grid](
+            *args, acc, top, den, n_splits, NH=n_heads, GROUP=group, HD=head_dim,
+            BLOCK_M=block_m, BLOCK_N=KEY_BLOCK, PREC=prec, SPLIT=SPLIT_KEYS, num_warps=warps)
+        _merge_splits_kernel[(R,)](
+            acc, top, den, step.starts, step.depth, step.width, n_splits, out, NH=n_heads,
+            NH_P2=triton.next_power_of_2(n_heads), HD=head_dim, SPLIT=SPLIT_KEYS,
+            num_warps=4 if n_heads * head_dim >= 2048 else 1)
     elif kernel == "rows":
         _row_attention_kernel[(R, n_heads)](
             *args, NH=n_heads, GROUP=group, HD=head_dim, BLOCK_N=KEY_BLOCK, num_warps=warps)

@@ -28,7 +28,7 @@ import torch
 from ..config import ConfigError
 from .attention import COL_TILE
 from .check_cache import code_digest, host_device, triton_version
-from .dtype_probe import attention_kernel
+from . import dtype_probe
 from .linear import GEMMS
 
 log = logging.getLogger(__name__)
@@ -107,12 +107,15 @@ class KernelSet:
 
 def choose_kernel_set(device: torch.device | str, dtype: torch.dtype, heads: HeadLayout,
                       kernels: str | None = None, gemm: str = "tiles", pack: bool = True,
-                      exact: bool = True, attention: str | None = None) -> KernelSet:
+                      exact: bool = True, attention: str | None = None,
+                      attention_kernel: str | None = None) -> KernelSet:
     """The kernel set a runner of this head layout serves with here, torch's thread count now.
     ``kernels``/``gemm``/``pack``: as asked (``kernels`` None: the default for the device).
     ``exact``: a target's runner, whose attention the start probes choose (ConfigError where
     none is batch-invariant); a drafter's takes the defaults. ``attention``: the fused kernel of
-    a runner whose weights this one shares (not probed again)."""
+    a runner whose weights this one shares (not probed again). ``attention_kernel``: the fused
+    attention kernel asked for (``fused_attention.ATTENTION_KERNELS``), probed alone; None: the
+    first of them whose probe passes."""
     device = torch.device(device)
     path = kernels_for(device, kernels, heads.head_dim)
     if gemm not in GEMMS:
@@ -121,13 +124,14 @@ def choose_kernel_set(device: torch.device | str, dtype: torch.dtype, heads: Hea
     col_tile, att_products, proven = COL_TILE, "", exact
     if fused:
         if attention is None:
-            attention = _fused_attention(device, dtype, heads, exact)
+            attention = _fused_attention(device, dtype, heads, exact, attention_kernel)
         products = gemm
     else:
         attention, products = "blocks", "packed" if pack else "plain"
         if exact:
-            kernel = attention_kernel(dtype, str(device), heads.kv_heads,
-                                      heads.n_heads // heads.kv_heads, heads.head_dim)
+            kernel = dtype_probe.attention_kernel(dtype, str(device), heads.kv_heads,
+                                                  heads.n_heads // heads.kv_heads,
+                                                  heads.head_dim)
             if kernel is None:
                 raise ConfigError(
                     f"attention with {heads.kv_heads} kv heads x "
@@ -170,19 +174,23 @@ _PROBED: dict[tuple, str | None] = {}
 
 
 def _fused_attention(device: torch.device, dtype: torch.dtype, heads: HeadLayout,
-                     exact: bool) -> str:
-    """The fused attention kernel: "tiles" where their probe gives every query the same bits
-    alone, in a batch and as a tree node here, for this head layout and dtype; else (a probe
-    that differs, or a kernel that fails to build or run) "rows", logged; ConfigError where
-    neither holds. Not exact: "tiles" where the head size allows, unprobed."""
+                     exact: bool, asked: str | None) -> str:
+    """The fused attention kernel: the first of ``ATTENTION_KERNELS`` (or ``asked`` alone)
+    whose probe gives every query the same bits alone, in a batch and as a tree node here, for
+    this head layout and dtype (a probe that differs, or a kernel that fails to build or run,
+    logged); ConfigError where none holds. Not exact: ``asked``, else "tiles" where the head
+    size allows, unprobed."""
     from .fused_attention import ATTENTION_KERNELS, probe_slot_attention, supports_tiles
 
+    if asked is not None and asked not in ATTENTION_KERNELS:
+        raise ConfigError(f"the attention kernel must be one of {', '.join(ATTENTION_KERNELS)}, "
+                          f"not {asked!r}")
     if not exact:
-        return "tiles" if supports_tiles(heads.head_dim) else "rows"
+        return asked or ("tiles" if supports_tiles(heads.head_dim) else "rows")
     failures: list[str] = []
-    for name in ATTENTION_KERNELS:
-        if name == "tiles" and not supports_tiles(heads.head_dim):
-            failures.append(f"tiles: heads of {heads.head_dim} are under 16")
+    for name in (asked,) if asked else ATTENTION_KERNELS:
+        if name != "rows" and not supports_tiles(heads.head_dim):
+            failures.append(f"{name}: heads of {heads.head_dim} are under 16")
             continue
         key = (probe_slot_attention, dtype, str(device), heads, name)
         if key not in _PROBED:  # once a process (the probe is the same code on the same device)
@@ -196,7 +204,7 @@ def _fused_attention(device: torch.device, dtype: torch.dtype, heads: HeadLayout
             if failures:
                 log.warning("the %s attention kernel is not batch-invariant on %s (%s): "
                             "serving with the %s kernel", ATTENTION_KERNELS[0], device,
-                            failures[0], name)
+                            "; ".join(failures), name)
             return name
         failures.append(f"{name}: {differs}")
     raise ConfigError(f"the fused attention is not batch-invariant here ({'; '.join(failures)})"

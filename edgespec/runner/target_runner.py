@@ -81,7 +81,8 @@ class TargetRunner:
                  n_layers: int | None = None, pack: bool = True, exact: bool = True,
                  share_weights: "TargetRunner | None" = None, max_rows: int | None = None,
                  graphs: bool | None = None, kernels: str | None = None,
-                 gemm: str = "tiles", kernel_set: KernelSet | None = None):
+                 gemm: str = "tiles", kernel_set: KernelSet | None = None,
+                 attention_kernel: str | None = None):
         """``max_rows``: the most rows one forward sends through a layer (default: a prefill
         chunk, or every slot sending a full tree), up to which the start check runs.
         ``kernels``: "triton", the fused kernels (``fused_forward``: the default on CUDA), or
@@ -92,7 +93,9 @@ class TargetRunner:
         through buckets captured as CUDA graphs at start (``step_graphs``; the default with the
         fused kernels on CUDA; on a CPU the buckets run eagerly, for tests). ``kernel_set``: the
         choices made already (``kernel_set.choose_kernel_set``; else made here from ``kernels``,
-        ``gemm`` and ``pack``): the runner is built from it and keeps it (``self.kernel_set``)."""
+        ``gemm`` and ``pack``): the runner is built from it and keeps it (``self.kernel_set``).
+        ``attention_kernel``: the fused attention kernel asked for ("tiles", "rows" or
+        "split"; None: the first whose start probe passes)."""
         # a transformers model: its config and submodules are dynamic attributes
         cfg: Any = model.config
         if cfg.model_type not in SUPPORTED_TYPES:
@@ -118,7 +121,7 @@ class TargetRunner:
             shared = share_weights.attention if share_weights is not None else None
             kernel_set = choose_kernel_set(
                 self.device, self.dtype, HeadLayout(self.n_heads, self.kv_heads, self.head_dim),
-                kernels, gemm, pack, exact, attention=shared)
+                kernels, gemm, pack, exact, attention=shared, attention_kernel=attention_kernel)
         else:
             here = (str(self.dtype).removeprefix("torch."), host_device(self.device)[0])
             if (kernel_set.dtype, kernel_set.device) != here:
