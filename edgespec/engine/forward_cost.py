@@ -109,13 +109,31 @@ class ForwardCost:
         priors = np.array([0.0, self.row_share * my, self.token_share * my])
         # each prior slope weighs as much as prior_weight steps one row (one token) apart
         ridge = np.diag([0.0, 1.0, 1.0]) * self.prior_weight
-        lhs = self._xx + ridge
-        rhs = self._xy + ridge @ priors
-        try:
-            _, per_row, per_token = np.linalg.solve(lhs, rhs)
-        except np.linalg.LinAlgError:
-            per_row, per_token = priors[1], priors[2]
+        lhs = (self._xx + ridge).tolist()
+        rhs = (self._xy + ridge @ priors).tolist()
+        solved = _solve3(lhs, rhs)
+        per_row, per_token = (priors[1], priors[2]) if solved is None else solved[1:]
         per_row = float(min(20 * priors[1], max(priors[1] / 50, per_row)))
         per_token = float(min(20 * priors[2], max(priors[2] / 50, per_token)))
         fixed = (self._xy[0] - per_row * self._xx[0, 1] - per_token * self._xx[0, 2]) / self.n
         return CostModel(max(1e-6, float(fixed)), per_row, per_token)
+
+
+def _solve3(a: list[list[float]], b: list[float]) -> tuple[float, float, float] | None:
+    """x with a x = b for a 3 x 3 system, by Cramer's rule in floats (numpy.linalg.solve costs
+    ~30 us a call, and the planner solves once a step); None where a is singular."""
+    def det(m: list[list[float]]) -> float:
+        return (m[0][0] * (m[1][1] * m[2][2] - m[1][2] * m[2][1])
+                - m[0][1] * (m[1][0] * m[2][2] - m[1][2] * m[2][0])
+                + m[0][2] * (m[1][0] * m[2][1] - m[1][1] * m[2][0]))
+
+    d = det(a)
+    scale = max(abs(v) for row in a for v in row)
+    if not scale or abs(d) <= 1e-12 * scale ** 3:
+        return None
+    out = []
+    for col in range(3):
+        m = [[b[r] if c == col else a[r][c] for c in range(3)] for r in range(3)]
+        out.append(det(m) / d)
+    return out[0], out[1], out[2]
+

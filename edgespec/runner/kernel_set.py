@@ -17,6 +17,7 @@ differs (the SDK's result, the metrics; ``docs/failure-model.md``).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib
 import json
@@ -79,7 +80,7 @@ class KernelSet:
     triton_version: str  # "-" on the eager path
     code: str
 
-    @property
+    @functools.cached_property
     def fingerprint(self) -> str:
         """16 hex digits naming this record: equal records, equal fingerprints."""
         text = json.dumps(asdict(self), sort_keys=True)
