@@ -64,6 +64,22 @@ def test_greedy_output_identical_to_target_only_with_the_planner(tiny, tiny_draf
         assert [r.token_ids for r in results] == refs
 
 
+def test_a_server_serving_alone_asks_no_draft_and_plans_none(setup):
+    """No drafter in process, no head, no board: every step asks each session for nothing
+    (not a probe now and then), and decodes target-only."""
+    runner, refs = setup
+    cfg = EngineConfig(max_sessions=4, max_context=256)
+    with SpecEngine(runner, None, cfg, {2}) as engine:
+        acts = [engine.add(Request(p, 40)) for p in PROMPTS]
+        while engine.active:
+            wants = engine._plan()
+            assert [(w.k, w.branch_budget, w.wait) for w in wants] == \
+                [(0, 0, False)] * len(engine.active)
+            engine.step()
+    assert [a.output for a in acts] == refs
+    assert all(a.stats.draft_tokens == 0 for a in acts)
+
+
 def test_mag_accepts_drafts_on_repetitive_output(tmp_path):
     from conftest import make_tiny_model
     from edgespec.models.loading import load_model

@@ -189,8 +189,13 @@ class SpecEngine(SessionLifecycle):
 
     def _plan(self) -> list[DraftWant]:
         """What to ask of each active session's draft: its length, and its share of branch
-        tokens."""
+        tokens. Sessions with nothing to draft for them (no drafter in process, no head, no
+        board: a server serving alone) are asked for nothing, without planning."""
         acts = list(self.active)
+        if self.worker is None and self.head is None and not any(a.drafter for a in acts):
+            for a in acts:
+                a.wanted = 0
+            return [DraftWant(a.sid, 0, wait=False) for a in acts]
         gains = session_gains(acts)
         ks = plan_drafts(acts, self.cfg, self.cost, self.prober, gains)
         gains = gains.cut(ks)  # what the branches and the waits weigh: the drafts as planned
