@@ -12,6 +12,7 @@ session key expires ``ttl_s`` after its last commit, so an abandoned session dis
 from __future__ import annotations
 
 import logging
+import struct
 import threading
 import time
 from dataclasses import dataclass
@@ -50,6 +51,11 @@ class StoreError(Exception):
 class PushResult:
     kept: int
     committed_end: int
+
+
+# a verdict's numbers as COMMIT_MANY_LUA unpacks them: epoch, accepted, token, done, start,
+# first fix token, own branch, wanted
+COMMIT_NUMBERS = struct.Struct("<iiIiiIii")
 
 
 @dataclass
@@ -226,14 +232,15 @@ class RedisSessionStore:
         with self._lock:
             devices = [self._device_of.get(v.session_id, "") for v in verdicts]
         keys: list[str] = []
-        args: list = []
+        args: list = [self.ttl_s, self.inbox_maxlen]
         for v, device in zip(verdicts, devices):
-            fix = Fix.of_verdict(v, 0).tokens  # the inbox event's, if it is a fix
+            fix = (*v.branch, v.token)  # the inbox event's tokens, if it is a fix
             keys += [*self.keys.session(v.session_id), self.keys.inbox(device or "-")]
-            args += [v.epoch, v.n_accepted, pack_tokens([v.token]), int(v.done), self.ttl_s,
-                     self.inbox_maxlen, v.session_id, fix[0], v.start, v.finish_reason,
-                     pack_tokens(v.branch), ",".join(map(str, fix[1:])), int(v.own_branch),
-                     -1 if v.wanted is None else v.wanted]
+            args += [COMMIT_NUMBERS.pack(v.epoch, v.n_accepted, v.token, int(v.done), v.start,
+                                         fix[0], int(v.own_branch),
+                                         -1 if v.wanted is None else v.wanted),
+                     v.session_id, v.finish_reason, pack_tokens(v.branch),
+                     ",".join(map(str, fix[1:]))]
         out = []
         for v, res in zip(verdicts, self._commit_many(keys=keys, args=args)):
             if res[0] < 0:

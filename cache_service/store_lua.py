@@ -17,7 +17,8 @@ not hold is refused, unless the branch is the verifier's own (a draft head's). A
 after it landed (its reply lost with the connection) is recognised by its position and last token
 and answered with code 2, not applied twice. Both rules are the in-process store's too
 (``edgespec.protocol.local_store``); tests/test_store_contract.py holds the two stores to the same
-cases. """
+cases. The session's keys expire ttl seconds after the commit that last crossed a multiple of 16
+tokens (or finished it). """
 
 PUSH_LUA = """
 local h = redis.call('HMGET', KEYS[1], 'epoch', 'done', 'idle')
@@ -86,21 +87,24 @@ if nbr > 0 and ARGV[13] ~= '1' then
   if not held then return {-5, 'the verdict accepted a branch the draft does not hold'} end
 end
 redis.call('APPEND', KEYS[2], string.sub(draft, 1, n * 4) .. branch .. ARGV[3])
-endpos = redis.call('STRLEN', KEYS[2]) / 4
+endpos = start + n + nbr + 1
 local epoch = tonumber(h[1])
 local isfix = 1
 if nbr == 0 and dlen > n and string.sub(draft, n * 4 + 1, n * 4 + 4) == ARGV[3] then
   isfix = 0
-  redis.call('SET', KEYS[3], string.sub(draft, n * 4 + 5))
+  redis.call('SET', KEYS[3], string.sub(draft, n * 4 + 5), 'KEEPTTL')
   -- keep the branches that are alternatives to tokens still ahead
   local kept = {}
   for _, b in ipairs(redis.call('LRANGE', KEYS[4], 0, -1)) do
     if struct.unpack('<I4', b) >= endpos then table.insert(kept, b) end
   end
   redis.call('DEL', KEYS[4])
-  if #kept > 0 then redis.call('RPUSH', KEYS[4], unpack(kept)) end
+  if #kept > 0 then
+    redis.call('RPUSH', KEYS[4], unpack(kept))
+    redis.call('EXPIRE', KEYS[4], ARGV[5])
+  end
 else
-  redis.call('SET', KEYS[3], '')
+  redis.call('SET', KEYS[3], '', 'KEEPTTL')
   redis.call('DEL', KEYS[4])
   epoch = epoch + 1
   redis.call('HSET', KEYS[1], 'epoch', epoch, 'idle', '0')
@@ -112,7 +116,11 @@ if h[2] and h[2] ~= '' then
              'epoch', epoch, 'end', endpos, 'fix', isfix, 'tok', ARGV[8],
              'pos', start + n, 'more', ARGV[12], 'want', ARGV[14])
 end
-for i = 1, 4 do redis.call('EXPIRE', KEYS[i], ARGV[5]) end
+-- the keys' expiry moves on whenever the session's end crosses a multiple of 16 tokens (4
+-- commands a session and step spared; every key keeps its expiry meanwhile)
+if math.floor(endpos / 16) ~= math.floor(start / 16) or ARGV[4] == '1' then
+  for i = 1, 4 do redis.call('EXPIRE', KEYS[i], ARGV[5]) end
+end
 return {isfix, epoch, endpos}
 """
 
@@ -140,15 +148,24 @@ end
 return out
 """
 
-# COMMIT_MANY (KEYS: per verdict COMMIT's 5; ARGV: per verdict COMMIT's 14): COMMIT for each
-# verdict in turn, its reply in its slot; a verdict whose commit raised (a key of the wrong
-# type) is answered {-6, error} in its slot, the others still land.
+# COMMIT_MANY (KEYS: per verdict COMMIT's 5; ARGV: the ttl and the inbox's maxlen, then per
+# verdict 5: its numbers packed '<iiIiiIii' (epoch, n, token, done, start, first fix token, own
+# branch, wanted), its session id, finish reason, packed branch tokens and the fix's further
+# tokens): COMMIT for each verdict in turn, its reply in its slot; a verdict whose commit raised
+# (a key of the wrong type) is answered {-6, error} in its slot, the others still land. The
+# numbers travel packed: a step's 64 verdicts were 1,216 arguments, whose encoding by the client
+# cost more than the script.
 COMMIT_MANY_LUA = ("local function commit(KEYS, ARGV)\n" + COMMIT_LUA + """end
 local out = {}
 for i = 0, #KEYS / 5 - 1 do
-  local keys, args = {}, {}
+  local keys = {}
   for j = 1, 5 do keys[j] = KEYS[5 * i + j] end
-  for j = 1, 14 do args[j] = ARGV[14 * i + j] end
+  local a = 2 + 5 * i
+  local epoch, n, tok, done, start, first, own, want =
+    struct.unpack('<i4i4I4i4i4I4i4i4', ARGV[a + 1])
+  local args = {tostring(epoch), tostring(n), struct.pack('<I4', tok), tostring(done), ARGV[1],
+                ARGV[2], ARGV[a + 2], tostring(first), tostring(start), ARGV[a + 3],
+                ARGV[a + 4], ARGV[a + 5], tostring(own), tostring(want)}
   local ok, res = pcall(commit, keys, args)
   if ok then
     out[i + 1] = res

@@ -44,6 +44,35 @@ def test_push_take_commit_with_fix_reaches_the_inbox(store):
                                    position=4, wanted=2)
 
 
+def test_a_sessions_keys_keep_an_expiry_moved_on_every_16_tokens(store):
+    """Every key of a session always expires (a draft reset or a branch list made anew keeps
+    one); commits within 16 tokens leave the expiry where it was, the commit that crosses a
+    multiple of 16 moves every key's to the full TTL."""
+    dev = _attach(store)
+    store.create("s9", [1, 2, 3], SamplingParams(), dev)
+    keys = store.keys.session("s9")
+
+    def ttls():  # each existing key's seconds left (-1: no expiry; -2: no key)
+        return [store.redis.ttl(k) for k in keys if store.redis.exists(k)]
+
+    store.push("s9", 0, 3, [4, 5, 6], idle=False, window=8,
+               branches=[Branch(3, (7,)), Branch(4, (8, 9))])
+    for k in keys:
+        store.redis.expire(k, 5)  # as if the session had been quiet for 25 s
+    store.take_when_ready([DraftWant("s9", 3, branch_budget=4)], 0.0)
+    [out] = store.commit_many([Verdict("s9", 0, 3, 1, 5)])  # held: draft and branches kept
+    assert out.ok and out.fix is None and all(0 < t <= 5 for t in ttls())
+    [out] = store.commit_many([Verdict("s9", 0, 5, 0, 11)])  # a fix: the draft reset
+    assert out.fix is not None and all(0 < t <= 5 for t in ttls())
+    end = len(store.snapshot("s9").tokens)
+    epoch = out.fix.epoch
+    while end < 16:  # tokens committed one at a time, each a fix, up to the 16th
+        [out] = store.commit_many([Verdict("s9", epoch, end, 0, 12)])
+        epoch, end = out.fix.epoch, end + 1
+        assert all(0 < t <= (5 if end < 16 else 30) for t in ttls()), (end, ttls())
+    assert all(t > 5 for t in ttls())  # crossing 16: the full TTL again
+
+
 def test_held_token_commits_without_fix(store):
     dev = _attach(store)
     store.create("s2", [1], SamplingParams(), dev)

@@ -17,7 +17,7 @@ def test_the_last_commit_holds_exactly_the_output(verifier_parts, looping):
     """A correct 6-token draft under max_new_tokens=2: the cache keeps 2 tokens, not 7."""
     store, engine, _, _ = verifier_parts
     ref = hf_greedy(looping.model, PROMPT, 8)
-    act = engine.add(Request(PROMPT, 2, SamplingParams()), session_id="s1")
+    act = engine.add(Request(PROMPT, 2, SamplingParams()), session_id="s1", device="board-1")
     store.redis.set(store.keys.session("s1")[2], b"".join(
         t.to_bytes(4, "little") for t in ref[:6]))  # the draft, as a drafter would push it
     engine.step()
