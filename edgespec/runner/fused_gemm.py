@@ -9,10 +9,11 @@ y = x W^T (+ b), x [M, K], W [N, K]. The configuration is a function of (N, K) a
 M: ``block_m`` x ``block_n`` output tiles, the reduction in ``block_k`` steps in a fixed order,
 split into ``split`` fixed ranges of K (so a one-row call still spreads over the chip), each
 range's partial sums written in float32 and added in range order by a second kernel (one range:
-written by the first, with the same arithmetic). A row's sums never see another row (a matrix
-instruction's output element depends on its own row and column only), so its bits are those of
-any other call; M-tiles that share a weight tile run next to each other (grouped order), so
-wide calls read the weights about once from memory.
+written by the first, with the same arithmetic; configurations without split-K always take one
+range, getting a decode row's programs from narrow column tiles instead). A row's sums never
+see another row (a matrix instruction's output element depends on its own row and column only),
+so its bits are those of any other call; M-tiles that share a weight tile run next to each
+other (grouped order), so wide calls read the weights about once from memory.
 """
 
 from __future__ import annotations
@@ -38,10 +39,12 @@ class GemmConfig:
     warps: int = 4
     stages: int = 4
     group_m: int = 8
+    split_k: bool = True  # False: one range of K at every call (no float32 partials)
 
     @property
     def name(self) -> str:
-        return f"{self.block_m}x{self.block_n}x{self.block_k}/w{self.warps}s{self.stages}"
+        return (f"{self.block_m}x{self.block_n}x{self.block_k}/w{self.warps}s{self.stages}"
+                + ("" if self.split_k else f"g{self.group_m}/nosplit"))
 
 
 DEFAULT = GemmConfig(64, 128, 64)  # the first sitting's
@@ -49,12 +52,19 @@ DEFAULT = GemmConfig(64, 128, 64)  # the first sitting's
 # on a decode step's one row, big ones reuse each weight tile most on a 576-row step
 CANDIDATES = (DEFAULT, GemmConfig(16, 128, 128), GemmConfig(64, 256, 64, warps=8, stages=3),
               GemmConfig(128, 128, 64, warps=8, stages=3),
-              GemmConfig(128, 256, 64, warps=8, stages=3))
+              GemmConfig(128, 256, 64, warps=8, stages=3),
+              # no split-K (issue 43, point 2): a decode row gets its programs from narrow column
+              # tiles (an 8b layer's 4,096-28,672 columns: 128-896 tiles of 32), a wide step
+              # reads each weight tile once for up to 16 M-tiles side by side (576 rows: 9)
+              GemmConfig(16, 32, 128, group_m=16, split_k=False),
+              GemmConfig(64, 64, 64, group_m=16, split_k=False))
 
 
 def split_for(n: int, k: int, config: GemmConfig = DEFAULT) -> int:
     """Ranges of K a layer's reduction is split into: enough tiles for a one-row call to use
     the chip, each range still a whole number of at least four ``block_k`` steps."""
+    if not config.split_k:
+        return 1
     n_tiles = triton.cdiv(n, config.block_n)
     steps = triton.cdiv(k, config.block_k)
     split = max(1, min(TARGET_CTAS // n_tiles, steps // 4))
