@@ -6,7 +6,8 @@ drafters themselves are ``devices``'s; closed sessions teach the fleet table thr
 ``fleet_recorder``; a pushed chunk wakes a waiting verifier through ``chunk_waker``.
 
 Bounds: a draft never exceeds the window, the inbox streams are capped (MAXLEN ~), and every
-session key expires ``ttl_s`` after its last commit, so an abandoned session disappears by itself.
+session key expires ``ttl_s`` after its last commit (the expiry moves on with the commits that
+cross a multiple of 16 tokens), so an abandoned session disappears by itself.
 """
 
 from __future__ import annotations

@@ -99,9 +99,10 @@ if nbr == 0 and dlen > n and string.sub(draft, n * 4 + 1, n * 4 + 4) == ARGV[3] 
     if struct.unpack('<I4', b) >= endpos then table.insert(kept, b) end
   end
   redis.call('DEL', KEYS[4])
-  if #kept > 0 then
+  if #kept > 0 then  -- made anew: it expires with the session's hash
     redis.call('RPUSH', KEYS[4], unpack(kept))
-    redis.call('EXPIRE', KEYS[4], ARGV[5])
+    local ttl = redis.call('PTTL', KEYS[1])
+    if ttl > 0 then redis.call('PEXPIRE', KEYS[4], ttl) end
   end
 else
   redis.call('SET', KEYS[3], '', 'KEEPTTL')

@@ -68,8 +68,8 @@ def _add_server(p: argparse.ArgumentParser, roles: tuple[str, ...]) -> None:
                    help="most leader n-grams in the fleet-wide Cacheback table that every closed "
                         "session's output teaches; 0 turns the table off (default: %(default)s)")
     p.add_argument("--session-ttl", metavar="S", type=int, default=600,
-                   help="seconds after its last commit an abandoned session expires "
-                        "(default: %(default)s)")
+                   help="seconds after its last commit an abandoned session expires (the "
+                        "expiry moves on every 16 committed tokens) (default: %(default)s)")
     p.add_argument("--log-level", metavar="LEVEL", default="INFO",
                    help="DEBUG, INFO, WARNING or ERROR (default: %(default)s)")
     _add_security(p, server=True)

@@ -57,6 +57,7 @@ from edgespec.models.shapes import SHAPES, random_model  # noqa: E402
 from edgespec.runner.step_rows import DraftShape, StepRows  # noqa: E402
 from edgespec.runner.target_runner import TargetRunner  # noqa: E402
 from sitting_attention import stage_attention  # noqa: E402
+from sitting_exactness import stage_exactness  # noqa: E402
 from sitting_gemm import ROWS, stage_gemm  # noqa: E402
 from sitting_tables import format_tables  # noqa: E402
 
@@ -337,6 +338,18 @@ def _decode_times(s: Sitting, model, kernel: str) -> dict:
     return row
 
 
+def stage_plain(s: Sitting, shape: str, model) -> None:
+    """The cost of exactness: the same model's step on cuBLAS and SDPA, graphed, against the
+    runner's (``sitting_exactness``; after ``decode``, whose runner times it reads)."""
+    context = CONTEXT if not s.dry else 20
+    sizes = ((1, 1), (64, 9)) if not s.dry else ((1, 1), (2, 5))
+    runner = runner_for(s, model, 1, context + 32, graphs=False)
+    stage_exactness(s, shape, runner, sizes, context,
+                    lambda fn: graphed_median_ms(fn, s.device, 20 if not s.dry else 1))
+    del runner
+    free_device_memory(s.device)
+
+
 def stage_breakdown(s: Sitting, shape: str, model) -> None:
     """Where a graphed step's GPU time goes: kernels by name at 1 x 1 and 64 x 9."""
     sizes = ((1, 1), (64, 9)) if not s.dry else ((1, 1), (2, 5))
@@ -600,8 +613,8 @@ def main() -> int:
     for shape in [x for x in args.breakdown.split(",") if x]:
         s.stage(f"breakdown {shape}", lambda sh=shape: stage_breakdown(s, sh, model_of(sh)))
     for shape in shapes:
-        for name, fn in (("graphs", stage_graphs), ("decode", stage_decode), ("e2e", stage_e2e),
-                         ("fleet", stage_fleet)):
+        for name, fn in (("graphs", stage_graphs), ("decode", stage_decode),
+                         ("exactness", stage_plain), ("e2e", stage_e2e), ("fleet", stage_fleet)):
             if name not in skip:
                 s.stage(f"{name} {shape}", lambda fn=fn, sh=shape: fn(s, sh, model_of(sh)))
     def tests():

@@ -51,6 +51,13 @@ def format_tables(d: dict) -> str:
                         + ["graphs failed"],
                         [[shape, kernel] + [r.get(k) for k in keys] + [r.get("graphs_failed")]
                          for shape, e in d["decode"].items() for kernel, r in e.items()])
+    if d.get("exactness"):  # the runner's step against the same model's on cuBLAS + SDPA
+        lines += _table(["shape", "step", "cuBLAS + SDPA ms (graphed)", "runner ms",
+                         "cost of exactness"],
+                        [[shape, size, r.get("plain_ms"), r.get("runner_ms"),
+                          f"{100 * r['cost_of_exactness']:.0f}%"
+                          if r.get("cost_of_exactness") is not None else "-"]
+                         for shape, e in d["exactness"].items() for size, r in e.items()])
     if d.get("graphs"):
         lines += _table(["shape", "runner built s", "start check s", "buckets captured",
                          "capture s", "graph memory MB", "failed"],

@@ -42,6 +42,16 @@ def test_the_cost_model_tells_a_row_from_a_token_of_a_row():
     assert model.seconds(4, 3) == pytest.approx(0.030 + 4 * 0.017 + 12 * 0.001, rel=0.02)
 
 
+def test_the_cost_model_tells_a_row_from_a_token_at_128_sessions():
+    """A GPU-like step (4 ms, 0.1 ms a row, 0.02 ms a token) at 120-128 sessions of 9 and 16
+    tokens: its least squares, wide in their numbers, are solved, not left to the priors."""
+    shapes = tuple((rows, width) for rows in (120, 124, 128) for width in (9, 16))
+    model = fitted(0.004, 2e-5, per_row=1e-4, shapes=shapes).model()
+    assert model.per_token == pytest.approx(2e-5, rel=0.05)
+    assert model.seconds(128, 9) == pytest.approx(0.004 + 128 * 1e-4 + 128 * 9 * 2e-5,
+                                                  rel=0.05)
+
+
 def test_rows_that_only_varied_together_with_tokens_split_their_slope_by_the_priors():
     """Steps of one-token rows only cannot tell a row from a token: the model keeps their sum
     and splits it about as its priors do (a row dearer than a token), until probes tell."""

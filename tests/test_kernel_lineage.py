@@ -260,3 +260,19 @@ def test_the_router_prefers_a_replica_of_the_sessions_kernel_set():
         assert router._acquire({2}, None, "b" * 16) == 0  # a healthy replica over its set
     finally:
         router.stop()
+
+
+def test_the_router_is_not_serving_while_no_replica_answers():
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from verifier_node.router import VERIFIER_SERVICE, VerifierRouter
+
+    router = VerifierRouter("127.0.0.1:0", ["127.0.0.1:1"]).start()  # nothing listens there
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{router.port}") as ch:
+            got = health_pb2_grpc.HealthStub(ch).Check(
+                health_pb2.HealthCheckRequest(service=VERIFIER_SERVICE), timeout=10)
+        assert got.status == health_pb2.HealthCheckResponse.NOT_SERVING
+    finally:
+        router.stop()
+

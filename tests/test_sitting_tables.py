@@ -50,6 +50,14 @@ def test_the_decode_table_has_each_attention_kernel_at_each_context():
     assert _rows(md, "8b")[1][:5] == ["8b", "split", "6.0", "6.4", "19.0"]
 
 
+def test_the_exactness_table_gives_the_runner_over_cublas_and_sdpa():
+    exactness = {"8b": {"1x1": {"plain_ms": 5.0, "runner_ms": 6.0, "cost_of_exactness": 0.2},
+                        "64x9": {"plain_ms": 12.0}}}
+    md = format_tables(_sitting(exactness=exactness))
+    assert "| shape | step | cuBLAS + SDPA ms (graphed) | runner ms | cost of exactness |" in md
+    assert _rows(md, "8b") == [["8b", "1x1", "5.0", "6.0", "20%"], ["8b", "64x9", "12.0", "-", "-"]]
+
+
 def test_an_older_sittings_attention_rows_still_render():
     attention = {"8b": {"layout": "", "probe": {"tiles": "invariant", "rows": "invariant"},
                         "sizes": [{"sessions": 64, "tokens": 9, "tiles_ms": 0.61,

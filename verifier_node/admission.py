@@ -137,6 +137,8 @@ class Admission:
         got: Ticket | None = None  # stays None if the scheduler refuses it
         try:
             got = self.scheduler.submit(ticket, None if resumed else deadline_s)
+            if got is ticket and ticket.kernels_switched:  # admitted: said once
+                self._say_switched(ticket)
             return got
         finally:
             if got is not ticket and ticket.release_pick is not None:  # refused, or running
@@ -169,12 +171,14 @@ class Admission:
                 held = checked_lineage(g.kernel_set, g.kernels_differ_from, len(g.committed))
             except ValueError as e:
                 raise ConfigError(str(e)) from None
-            request.lineage = self._continued(lost, held, len(g.committed))
             log.info("re-creating session %s (lost by the cache) from %d tokens the client "
                      "holds", shown(lost), len(g.committed))
+            request.lineage = held  # a client holding its whole output: nothing decoded here
             done = self._already_done(request)
             if done is not None:
                 return done
+            request.lineage, switched = self._continued(held, len(g.committed))
+            return self._ticket(request, device, kernels_switched=switched)
         return self._ticket(request, device)
 
     def _already_done(self, request: Request) -> Ticket | None:
@@ -224,20 +228,25 @@ class Admission:
                                   "keep: send the request again with its images (the SDK "
                                   "re-creates it)")
         device = rec.device if rec.device and self.store.devices.is_alive(rec.device) else None
-        request.lineage = self._continued(sid, rec.lineage, len(rec.committed))
-        return self._ticket(request, device, session_id=sid)
+        request.lineage, switched = self._continued(rec.lineage, len(rec.committed))
+        return self._ticket(request, device, session_id=sid, kernels_switched=switched)
 
-    def _continued(self, sid: str, lineage: Lineage | None, committed: int) -> Lineage:
-        """The lineage of a session continuing here after ``committed`` output tokens: another
-        kernel set's decoding so far is not continued silently (logged, counted)."""
+    def _continued(self, lineage: Lineage | None, committed: int) -> tuple[Lineage, bool]:
+        """The lineage of a session continuing here after ``committed`` output tokens, and
+        whether it changes kernel sets here (said once it is admitted: ``_say_switched``)."""
         out = continued_on(lineage, self.kernels, committed)
-        if out.mixed and (lineage is None or not lineage.mixed):
-            log.warning("session %s continues on kernel set %s after %d tokens decoded on %s: "
-                        "its output differs from target-only decoding on either from there",
-                        shown(sid), self.kernels, committed, out.kernels)
-            if self.scheduler.metrics is not None:
-                self.scheduler.metrics.kernels_switched.inc()
-        return out
+        return out, out.mixed and (lineage is None or not lineage.mixed)
+
+    def _say_switched(self, ticket: Ticket) -> None:
+        """Another kernel set's decoding is not continued silently: logged and counted."""
+        lineage = ticket.request.lineage
+        assert lineage is not None
+        log.warning("session %s continues on kernel set %s after %d tokens decoded on %s: its "
+                    "output differs from target-only decoding on either from there",
+                    shown(ticket.session_id), self.kernels, lineage.differs_from,
+                    lineage.kernels)
+        if self.scheduler.metrics is not None:
+            self.scheduler.metrics.kernels_switched.inc()
 
     @contextlib.contextmanager
     def follow(self, ticket: Ticket):

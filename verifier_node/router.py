@@ -104,6 +104,10 @@ class VerifierRouter(pb_grpc.VerifierServicer):
                 r.healthy = False
             if r.healthy and (not was or time.monotonic() - r.kernel_set_read > KERNELS_EVERY_S):
                 self._read_kernel_set(r)
+        status = (health_pb2.HealthCheckResponse.SERVING if self.healthy()
+                  else health_pb2.HealthCheckResponse.NOT_SERVING)
+        for name in ("", VERIFIER_SERVICE):
+            self.health.set(name, status)
 
     def _read_kernel_set(self, r: _Replica) -> None:
         """The replica's kernel set fingerprint, from its Status (kept as was if it fails)."""
@@ -116,10 +120,6 @@ class VerifierRouter(pb_grpc.VerifierServicer):
             log.warning("replica %s now serves kernel set %s (was %s)", r.address,
                         s.runner.kernel_set, r.kernel_set)
         r.kernel_set, r.kernel_set_read = s.runner.kernel_set, time.monotonic()
-        status = (health_pb2.HealthCheckResponse.SERVING if self.healthy()
-                  else health_pb2.HealthCheckResponse.NOT_SERVING)
-        for name in ("", VERIFIER_SERVICE):
-            self.health.set(name, status)
 
     def _monitor(self) -> None:
         while not self._stopping.wait(1.0):
@@ -170,10 +170,8 @@ class VerifierRouter(pb_grpc.VerifierServicer):
                 first = True
                 try:
                     for response in call:
-                        if first:  # the set that decodes it now (a mixed one: this one's)
-                            self._remember(response.session_id, i, replica.kernel_set
-                                           if response.kernels_differ_from
-                                           else response.kernel_set)
+                        if first:  # the set the session began on, as the SDK holds it
+                            self._remember(response.session_id, i, response.kernel_set)
                             first = False
                         yield response
                     return

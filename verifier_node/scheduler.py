@@ -76,6 +76,8 @@ class Ticket:
     last_token_at: float | None = None
     # called (from the scheduler thread) after every change: new tokens, the end
     listeners: list = field(default_factory=list)
+    # a resumed or re-created session that changes kernel sets here (``protocol.lineage``)
+    kernels_switched: bool = False
 
     def __post_init__(self) -> None:
         self.tokens = list(self.request.committed)

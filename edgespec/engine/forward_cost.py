@@ -19,6 +19,7 @@ short draft for every row) do.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import overload
 
@@ -120,20 +121,22 @@ class ForwardCost:
 
 
 def _solve3(a: list[list[float]], b: list[float]) -> tuple[float, float, float] | None:
-    """x with a x = b for a 3 x 3 system, by Cramer's rule in floats (numpy.linalg.solve costs
-    ~30 us a call, and the planner solves once a step); None where a is singular."""
-    def det(m: list[list[float]]) -> float:
-        return (m[0][0] * (m[1][1] * m[2][2] - m[1][2] * m[2][1])
-                - m[0][1] * (m[1][0] * m[2][2] - m[1][2] * m[2][0])
-                + m[0][2] * (m[1][0] * m[2][1] - m[1][1] * m[2][0]))
-
-    d = det(a)
-    scale = max(abs(v) for row in a for v in row)
-    if not scale or abs(d) <= 1e-12 * scale ** 3:
-        return None
-    out = []
+    """x with a x = b for a 3 x 3 system, by Gaussian elimination with partial pivoting in floats
+    (numpy.linalg.solve costs ~30 us a call, and the planner solves once a step); None where a
+    is singular (a zero pivot) or the result is not finite."""
+    m = [row[:] + [rhs] for row, rhs in zip(a, b)]
     for col in range(3):
-        m = [[b[r] if c == col else a[r][c] for c in range(3)] for r in range(3)]
-        out.append(det(m) / d)
-    return out[0], out[1], out[2]
-
+        pivot = max(range(col, 3), key=lambda r: abs(m[r][col]))
+        if m[pivot][col] == 0.0:
+            return None
+        m[col], m[pivot] = m[pivot], m[col]
+        for r in range(col + 1, 3):
+            f = m[r][col] / m[col][col]
+            for c in range(col, 4):
+                m[r][c] -= f * m[col][c]
+    x = [0.0, 0.0, 0.0]
+    for r in (2, 1, 0):
+        x[r] = (m[r][3] - sum(m[r][c] * x[c] for c in range(r + 1, 3))) / m[r][r]
+    if not all(math.isfinite(v) for v in x):
+        return None
+    return x[0], x[1], x[2]

@@ -137,7 +137,7 @@ def _tile_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, start_ptr,
         done = done | cover
     if SPLIT > 0:
         has = live & (lo < n)  # the rows with keys in this split
-        at = (row * NH + head) * NS + split
+        at = (row.to(tl.int64) * NH + head) * NS + split  # int64: a long cache's partials
         tl.store(part_acc_ptr + at[:, None] * HD + d[None, :], acc, mask=has[:, None])
         tl.store(part_top_ptr + at, top, mask=has)
         tl.store(part_den_ptr + at, denom, mask=has)
@@ -159,7 +159,7 @@ def _merge_splits_kernel(part_acc_ptr, part_top_ptr, part_den_ptr, start_ptr, de
     h = tl.arange(0, NH_P2)
     heads = h < NH
     d = tl.arange(0, HD)
-    at = (row * NH + h) * NS  # [NH_P2]: each head's first split
+    at = (row.to(tl.int64) * NH + h) * NS  # [NH_P2]: each head's first split
     acc = tl.load(part_acc_ptr + at[:, None] * HD + d[None, :], mask=heads[:, None], other=0.0)
     top = tl.load(part_top_ptr + at, mask=heads, other=0.0)
     denom = tl.load(part_den_ptr + at, mask=heads, other=1.0)

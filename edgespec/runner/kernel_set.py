@@ -42,7 +42,8 @@ NUMERIC_CODE = {
               "edgespec.runner.target_runner"),
     "triton": ("edgespec.runner.attention", "edgespec.runner.linear",
                "edgespec.runner.target_runner", "edgespec.runner.fused_kernels",
-               "edgespec.runner.fused_gemm", "edgespec.runner.fused_attention"),
+               "edgespec.runner.fused_gemm", "edgespec.runner.fused_attention",
+               "edgespec.runner.fused_forward"),
 }
 
 
@@ -61,11 +62,12 @@ class KernelSet:
     ``packed`` oneDNN weights or ``plain`` torch ones; fused: ``tiles``, cuBLAS in 128-row tiles,
     or ``triton``). ``attention``: eager: ``blocks`` (fixed-shape products over key blocks, query
     columns in tiles of ``col_tile``, the products in ``attention_products`` or the model's own
-    dtype when ""); fused: ``tiles`` or ``rows``. ``proven``: the start probes chose the
-    attention (an exact runner); a drafter's runner takes the defaults unprobed. ``device``: the
-    GPU's name, or the CPU's model, ISA flags and caps; ``threads``: torch's intra-op threads on a
-    CPU (they split products there), 0 on a GPU. ``code``: a digest of the numeric modules'
-    source (an edited kernel is another kernel set)."""
+    dtype when ""); fused: ``tiles``, ``rows`` or ``split``. ``proven``: the start probes chose
+    the attention (an exact runner); a drafter's runner takes the defaults unprobed.
+    ``device``: the GPU's name, or the CPU's model, ISA flags and caps; ``threads``: torch's
+    intra-op threads on a CPU (they split products there), 0 on a GPU; ``torch_version``: with
+    the CUDA it was built for on a GPU. ``code``: a digest of the numeric modules' source (an
+    edited kernel is another kernel set)."""
 
     kernels: str
     products: str
@@ -145,9 +147,15 @@ def choose_kernel_set(device: torch.device | str, dtype: torch.dtype, heads: Hea
     return KernelSet(kernels=path, products=products, attention=attention, col_tile=col_tile,
                      attention_products=att_products, proven=proven,
                      dtype=str(dtype).removeprefix("torch."), device=name, threads=threads,
-                     torch_version=torch.__version__,
+                     torch_version=_torch_build(device),
                      triton_version=triton_version() if fused else "-",
                      code=code)
+
+
+def _torch_build(device: torch.device) -> str:
+    """torch's version, with the CUDA it was built for on a GPU (cuBLAS's kernels are CUDA's)."""
+    cuda = torch.version.cuda if device.type == "cuda" else None
+    return f"{torch.__version__} (CUDA {cuda})" if cuda else torch.__version__
 
 
 def kernels_for(device: torch.device, asked: str | None, head_dim: int) -> str:
