@@ -5,13 +5,17 @@ models of the SmolLM2-135M, SmolLM2-1.7B and Llama-3.1-8B shapes (built on the G
 configs: no download), in bfloat16, with the runner's defaults on CUDA (the fused Triton kernels,
 CUDA graphs captured at start), stages in this order:
 
-0. ``attention``: the fused attention kernels against each other at each shape's head layout
-   (``sitting_attention``): probe, CUDA-event medians, how far apart; ``gemm``: the products,
-   cuBLAS tiles against each Triton GEMM configuration, per shape, rows alone = in batch
-   (``sitting_gemm``);
+0. ``attention``: the fused attention kernels (tiles, rows, split) against each other at each
+   shape's head layout over 300 and 4,096 keys (``sitting_attention``): probe, medians of calls
+   replayed from a CUDA graph, how far apart; ``gemm``: the products, cuBLAS tiles against each
+   Triton GEMM configuration (with and without split-K), per shape, rows alone = in batch
+   (``sitting_gemm``), replayed the same way;
 a. ``graphs``: graphed against eager forward in one process, per shape, at 1 x 1, 8 x 5, 64 x 1
    and 64 x 9 (sessions x tokens) over 300-token contexts: CUDA-event medians of 20, the bits
    equal, capture seconds and memory, and the kernels and GPU-busy time of one profiled replay;
+   ``decode``: a graphed runner of each of the tiles and split attention at 1 x 1 over 300 and
+   4,096 keys and at 64 x 9; ``exactness``: the same model's step on cuBLAS and SDPA, graphed
+   (not batch-invariant), against the runner's at 1 x 1 and 64 x 9 (``sitting_exactness``);
 b. ``e2e``: one stream of 128 tokens, target-only and MaG + Cacheback with graphs, outputs
    identical, ms a step; ``lossless``: 8 sessions batched, MaG and MaG + Cacheback, greedy and
    keyed sampling, 32 tokens, against each prompt decoded alone;
