@@ -57,6 +57,9 @@ class PushResult:
 # a verdict's numbers as COMMIT_MANY_LUA unpacks them: epoch, accepted, token, done, start,
 # first fix token, own branch, wanted
 COMMIT_NUMBERS = struct.Struct("<iiIiiIii")
+# a session as TAKE_MANY_LUA reads it: epoch (-1: vanished), idle, committed and draft bytes,
+# drafting (a drafter alive); the draft's first bytes follow
+TAKE_HEADER = struct.Struct("<iiiii")
 
 
 @dataclass
@@ -179,16 +182,17 @@ class RedisSessionStore:
         with self._lock:
             devices = [self._device_of.get(w.session_id) or "-" for w in wants]
         keys: list[str] = []
-        args: list[int] = []
+        wanted = []
         for w, device in zip(wants, devices):
             keys += [*self.keys.session(w.session_id), self.keys.alive(device)]
-            args += [4 * w.k, MAX_BRANCHES if w.branch_budget else 0]
+            wanted += [4 * w.k, MAX_BRANCHES if w.branch_budget else 0]
         rows = []
-        for epoch, idle, device, tok_len, draft_len, draft, alive, branches in \
-                self._take_many(keys=keys, args=args):
-            rows.append(_DraftRow(None if epoch is None else int(epoch), idle == b"1",
-                                  bool(device) and alive == 1, tok_len // 4, draft_len // 4,
-                                  draft, branches))
+        for blob, branches in self._take_many(keys=keys,
+                                              args=[struct.pack(f"<{len(wanted)}i", *wanted)]):
+            epoch, idle, tok_len, draft_len, drafting = TAKE_HEADER.unpack_from(blob)
+            rows.append(_DraftRow(None if epoch < 0 else epoch, idle == 1, drafting == 1,
+                                  tok_len // 4, draft_len // 4, blob[TAKE_HEADER.size:],
+                                  branches))
         return rows
 
     @raises_store_unavailable

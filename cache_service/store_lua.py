@@ -128,23 +128,28 @@ return {isfix, epoch, endpos}
 # The verifier's two calls a step, each one script over all of the step's sessions (one command
 # whatever their number: the client packs one request and parses one reply).
 #
-# TAKE_MANY (KEYS: per session hash, tok, draft, br, its device's alive key; ARGV: per session
-# the draft bytes wanted (4 a token), the branches wanted) returns per session {epoch, idle,
-# device, committed bytes, draft bytes, the draft's first bytes, alive, branches}; a vanished
-# session's epoch is nil. Atomic, as the transaction it replaces.
+# TAKE_MANY (KEYS: per session hash, tok, draft, br, its device's alive key; ARGV[1]: per
+# session the draft bytes wanted (4 a token) and the branches wanted, packed '<i4i4') returns
+# per session {its header packed '<i4i4i4i4i4' (epoch, -1 when the session vanished; idle 0/1;
+# committed bytes; draft bytes; 1 when it has a drafter that is alive) followed by the draft's
+# first bytes, its branches}. Atomic, as the transaction it replaces; packed both ways, since
+# encoding and parsing 64 sessions' dozen values each cost the client more than the script.
 TAKE_MANY_LUA = """
 local out = {}
 for i = 0, #KEYS / 5 - 1 do
   local k = 5 * i
+  local want, nbr = struct.unpack('<i4i4', ARGV[1], 8 * i + 1)
   local h = redis.call('HMGET', KEYS[k + 1], 'epoch', 'idle', 'device')
-  local want, nbr = tonumber(ARGV[2 * i + 1]), tonumber(ARGV[2 * i + 2])
   local draft = ''
   if want > 0 then draft = redis.call('GETRANGE', KEYS[k + 3], 0, want - 1) end
   local branches = {}
   if nbr > 0 then branches = redis.call('LRANGE', KEYS[k + 4], 0, nbr - 1) end
-  out[i + 1] = {h[1], h[2], h[3], redis.call('STRLEN', KEYS[k + 2]),
-                redis.call('STRLEN', KEYS[k + 3]), draft, redis.call('EXISTS', KEYS[k + 5]),
-                branches}
+  local drafting = 0
+  if h[3] and h[3] ~= '' and redis.call('EXISTS', KEYS[k + 5]) == 1 then drafting = 1 end
+  local head = struct.pack('<i4i4i4i4i4', h[1] and tonumber(h[1]) or -1,
+                           h[2] == '1' and 1 or 0, redis.call('STRLEN', KEYS[k + 2]),
+                           redis.call('STRLEN', KEYS[k + 3]), drafting)
+  out[i + 1] = {head .. draft, branches}
 end
 return out
 """
