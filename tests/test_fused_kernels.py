@@ -176,18 +176,25 @@ def test_slot_attention_reads_each_query_s_prefix_and_path(kernel, layout, dtype
                                        atol=tol)
 
 
+def _three_sessions(layout, keys: int, starts: list[int], seed: int):
+    """Three slots of ``keys`` random keys and values, float32 (bfloat16 outputs would hide a
+    last-bit difference in the sums), 6 queries a session [18, nh hd], the slots and the rows'
+    starts on the device."""
+    nh, kvh, hd = layout
+    k_cache, v_cache = _cache(3, kvh, keys, hd, torch.float32, seed)
+    q = _rand(18, nh * hd, dtype=torch.float32, seed=seed + 1)
+    return (k_cache, v_cache, q, torch.tensor([0, 1, 2], device=DEV),
+            torch.tensor(starts, device=DEV))
+
+
 @pytest.mark.parametrize("kernel", fa.ATTENTION_KERNELS)
 @pytest.mark.parametrize("layout,tree_at", [(LAYOUTS[0], 130), (LAYOUTS[1], 62)])
 def test_slot_attention_row_bits_do_not_depend_on_the_call(kernel, layout, tree_at):
     """A query alone, and the same query among other sessions' longer rows, get the same bits;
     a tree node gets the bits of the chain root -> ... -> node stored in decoding order."""
     nh, kvh, hd = layout
-    dtype = torch.float32  # bfloat16 outputs would hide a last-bit difference in the sums
-    k_cache, v_cache = _cache(3, kvh, 256, hd, dtype, 11)
+    k_cache, v_cache, q, slots, starts = _three_sessions(layout, 256, [tree_at, 3, 64], 11)
     T = 6
-    q = _rand(3 * T, nh * hd, dtype=dtype, seed=12)
-    slots = torch.tensor([0, 1, 2], device=DEV)
-    starts = torch.tensor([tree_at, 3, 64], device=DEV)
 
     def attend(q, step, k=k_cache, v=v_cache):
         return fa.slot_attention(q, step, k, v, nh, kvh, hd, 0.25, kernel=kernel)
@@ -219,12 +226,10 @@ def test_the_split_kernel_sums_fixed_key_chunks_whatever_the_call(layout):
     float32 reference, alone and among other sessions' rows, as a tree node against its chain,
     and with the same bits in a cache of more chunks (a grid of more programs)."""
     nh, kvh, hd = layout
-    dtype = torch.float32  # bfloat16 outputs would hide a last-bit difference in the sums
-    k_cache, v_cache = _cache(3, kvh, 640, hd, dtype, 21)
+    dtype = torch.float32
+    # rows crossing chunks 1 and 2, and one within chunk 0
+    k_cache, v_cache, q, slots, starts = _three_sessions(layout, 640, [253, 509, 40], 21)
     T = 6
-    q = _rand(3 * T, nh * hd, dtype=dtype, seed=22)
-    slots = torch.tensor([0, 1, 2], device=DEV)
-    starts = torch.tensor([253, 509, 40], device=DEV)  # crossing chunks 1 and 2; within 0
 
     def attend(q, step, k=k_cache, v=v_cache):
         return fa.slot_attention(q, step, k, v, nh, kvh, hd, 0.25, kernel="split")

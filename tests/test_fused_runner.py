@@ -194,6 +194,17 @@ def test_a_tiles_kernel_that_does_not_run_here_leaves_the_rows_kernel(small, mon
 
 
 
+def _mag_equals_target_only(runner, prompts, params, new: int) -> None:
+    """The prompts decoded together with MaG drafts give each prompt's target-only decoding
+    alone, on ``runner``."""
+    cfg = EngineConfig(max_sessions=len(prompts), max_context=runner.max_len)
+    with SpecEngine(runner, None, cfg, stop_ids={2}) as engine:
+        refs = [engine.generate(Request(p, new, q)).token_ids for p, q in zip(prompts, params)]
+    with SpecEngine(runner, build_drafter("mag"), cfg, stop_ids={2}) as engine:
+        got = engine.generate_many([Request(p, new, q) for p, q in zip(prompts, params)])
+    assert [r.token_ids for r in got] == refs
+
+
 def test_speculative_decoding_on_the_split_attention_across_key_chunks_is_target_only(
         small, monkeypatch):
     """Graphed steps on the split attention (keys in fixed chunks merged in order; chunks of 64
@@ -204,13 +215,9 @@ def test_speculative_decoding_on_the_split_attention_across_key_chunks_is_target
     assert runner.attention == "split" and runner.kernel_set.attention == "split"
     rng = random.Random(9)
     prompts = [[1] + [rng.randrange(3, 100) for _ in range(n)] for n in (56, 60)]
-    params = [SamplingParams(), SamplingParams(temperature=0.8, seed=3)]
-    cfg = EngineConfig(max_sessions=2, max_context=128)
-    with SpecEngine(runner, None, cfg, stop_ids={2}) as engine:
-        refs = [engine.generate(Request(p, 12, q)).token_ids for p, q in zip(prompts, params)]
-    with SpecEngine(runner, build_drafter("mag"), cfg, stop_ids={2}) as engine:
-        got = engine.generate_many([Request(p, 12, q) for p, q in zip(prompts, params)])
-    assert [r.token_ids for r in got] == refs and runner.graphs.replays > 0
+    _mag_equals_target_only(runner, prompts, [SamplingParams(), SamplingParams(temperature=0.8,
+                                                                               seed=3)], 12)
+    assert runner.graphs.replays > 0
     with pytest.raises(ConfigError, match="attention kernel must be one of"):
         _fused(small.model, n_slots=1, attention_kernel="flash")
 
@@ -221,12 +228,7 @@ def test_speculative_decoding_on_the_fused_kernels_is_target_only(small, graphs)
     rng = random.Random(5)
     prompts = [[1] + [rng.randrange(3, 100) for _ in range(rng.randint(5, 20))]
                for _ in range(2)]
-    params = [SamplingParams(), SamplingParams(temperature=0.8, seed=7)]
-    cfg = EngineConfig(max_sessions=2, max_context=256)
-    with SpecEngine(runner, None, cfg, stop_ids={2}) as engine:
-        refs = [engine.generate(Request(p, 8, q)).token_ids for p, q in zip(prompts, params)]
-    with SpecEngine(runner, build_drafter("mag"), cfg, stop_ids={2}) as engine:
-        got = engine.generate_many([Request(p, 8, q) for p, q in zip(prompts, params)])
-    assert [r.token_ids for r in got] == refs
+    _mag_equals_target_only(runner, prompts, [SamplingParams(), SamplingParams(temperature=0.8,
+                                                                               seed=7)], 8)
     if graphs:
         assert runner.graphs.replays > 0
