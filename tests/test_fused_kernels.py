@@ -243,6 +243,8 @@ def test_the_split_kernel_sums_fixed_key_chunks_whatever_the_call(layout):
             torch.testing.assert_close(many[b * T + t].view(nh, hd), ref, rtol=1e-5, atol=1e-5)
             one = fk.FusedStep.chains(slots[b:b + 1], starts[b:b + 1] + t, 1)
             assert torch.equal(attend(q[b * T + t:b * T + t + 1], one)[0], many[b * T + t])
+    bounded = attend(q, fk.FusedStep.chains(slots, starts, T, keys=int(starts.max()) + T))
+    assert torch.equal(bounded[:3 * T], many[:3 * T])  # the grid sized by the longest row
     wider_k, wider_v = _cache(3, kvh, 1280, hd, dtype, 23)  # 5 chunks: more programs, idle
     wider_k[:, :, :640], wider_v[:, :, :640] = k_cache, v_cache
     wide = attend(q, fk.FusedStep.chains(slots, starts, T), wider_k, wider_v)

@@ -268,10 +268,12 @@ def slot_attention(q: torch.Tensor, step: FusedStep, k_cache: torch.Tensor,
             BLOCK_N=KEY_BLOCK, PREC=prec, SPLIT=0, num_warps=warps)
     elif kernel == "split":
         # a program per (session, kv head, chunk of queries, chunk of SPLIT_KEYS keys), as many
-        # key chunks as the cache holds (a graph's grid is fixed): those past a row's keys
-        # store nothing, and the merge reads a row's own chunks only
+        # key chunks as the step's longest row needs where the host knows it, else as the
+        # cache holds (a graph's grid is fixed): those past a row's keys store nothing, and the
+        # merge reads a row's own chunks only, so the count never changes a row's bits
         block_m = split_tile_rows(n_heads, kv_heads)
-        n_splits = triton.cdiv(k_cache.shape[2], SPLIT_KEYS)
+        n_splits = triton.cdiv(min(step.keys or k_cache.shape[2], k_cache.shape[2]),
+                               SPLIT_KEYS)
         parts = R * n_heads * n_splits
         acc = torch.empty(parts * head_dim, dtype=torch.float32, device=q.device)
         top = torch.empty(parts, dtype=torch.float32, device=q.device)

@@ -158,15 +158,18 @@ class FusedStep:
     starts[b] + depth[b, t] and sees the prefix then path[b, t, :depth[b, t] + 1] (rows of
     its own step, root first)."""
 
-    __slots__ = ("slots", "starts", "depth", "path", "batch", "width")
+    __slots__ = ("slots", "starts", "depth", "path", "batch", "width", "keys")
 
     def __init__(self, slots: torch.Tensor, starts: torch.Tensor, depth: torch.Tensor,
-                 path: torch.Tensor):
+                 path: torch.Tensor, keys: int | None = None):
         self.slots = slots  # [B] long
         self.starts = starts  # [B] long
         self.depth = depth  # [B, T] long, contiguous
         self.path = path  # [B, T, T] long, contiguous
         self.batch, self.width = depth.shape
+        # at least the most keys any row sees (max start + T), where the host knows it; None
+        # (a graph bucket: one grid for every length) bounds them by the cache
+        self.keys = keys
 
     @property
     def rows(self) -> int:
@@ -178,12 +181,14 @@ class FusedStep:
         assert rows.path is not None, "a tree step carries its paths"
         T = rows.width
         return cls(rows.slot_index, rows.start_index, rows.depths[:, :T].contiguous(),
-                   rows.path)
+                   rows.path, max(rows.starts) + T)
 
     @classmethod
-    def chains(cls, slots: torch.Tensor, starts: torch.Tensor, width: int) -> "FusedStep":
-        """Rows of chains: token t at depth t, seeing the rows 0..t before it."""
+    def chains(cls, slots: torch.Tensor, starts: torch.Tensor, width: int,
+               keys: int | None = None) -> "FusedStep":
+        """Rows of chains: token t at depth t, seeing the rows 0..t before it (``keys``: the
+        largest start + width, where the caller knows it)."""
         B, dev = slots.shape[0], slots.device
         cols = torch.arange(width, dtype=torch.long, device=dev)
         return cls(slots, starts, cols.repeat(B, 1),
-                   cols.repeat(B, width, 1).contiguous())
+                   cols.repeat(B, width, 1).contiguous(), keys)

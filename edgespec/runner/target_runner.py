@@ -437,7 +437,7 @@ class TargetRunner:
         B, T = tokens.shape
         if self.fused is not None:
             x, kept, _ = self.fused.hidden(tokens, self._chain_step(slots, start_t, T,
-                                                                    slot_index),
+                                                                    slot_index, longest + T),
                                            embeds, taps=taps, upto=upto)
             return x.view(B, T, -1), [k.view(B, T, -1) for k in kept]
         pos = start_t[:, None] + torch.arange(T, device=start_t.device)[None, :]  # [B, T]
@@ -495,7 +495,7 @@ class TargetRunner:
             from .fused_kernels import FusedStep
 
             step = FusedStep.of_tree_rows(rows) if rows.tree else \
-                self._chain_step(rows.slots, start_t, T, rows.slot_index)
+                self._chain_step(rows.slots, start_t, T, rows.slot_index, max(rows.starts) + T)
             return self.fused.scored(rows.tokens, step, taps[0] if taps else None)
         if not rows.tree:
             x, kept = self._chains(rows.slots, rows.tokens, start_t, max(rows.starts),
@@ -574,21 +574,23 @@ class TargetRunner:
         return errors
 
     def _chain_step(self, slots: list[int], starts: torch.Tensor, width: int,
-                    slot_index: torch.Tensor | None = None):
+                    slot_index: torch.Tensor | None = None, keys: int | None = None):
         """A fused step of chains at ``slots`` (``slot_index``: them on the device, when the
-        caller has them there) from ``starts`` [B] (device)."""
+        caller has them there) from ``starts`` [B] (device); ``keys``: the largest start +
+        width, where the host knows it."""
         from .fused_kernels import FusedStep
 
         index = slot_index if slot_index is not None else \
             torch.as_tensor(slots, dtype=torch.long, device=self.device)
-        return FusedStep.chains(index, starts, width)
+        return FusedStep.chains(index, starts, width, keys)
 
     def _fused_chains(self, slots: list[int], rows: list[list[int]], tap: int | None = None
                       ) -> Scored:
         """``score`` through the fused kernels."""
         assert self.fused is not None
-        tokens, start_t, _ = self._chain_rows(slots, rows)
-        return self.fused.scored(tokens, self._chain_step(slots, start_t, tokens.shape[1]),
+        tokens, start_t, longest = self._chain_rows(slots, rows)
+        T = tokens.shape[1]
+        return self.fused.scored(tokens, self._chain_step(slots, start_t, T, keys=longest + T),
                                  None if tap is None else self.tap_layers(tap))
 
     def _run_layers(self, slots: list[int], tokens: torch.Tensor, store: torch.Tensor,
