@@ -139,7 +139,7 @@ def choose_kernel_set(device: torch.device | str, dtype: torch.dtype, heads: Hea
                 raise ConfigError(
                     f"attention with {heads.kv_heads} kv heads x "
                     f"{heads.n_heads // heads.kv_heads} x {heads.head_dim} is not batch-invariant "
-                    f"here (its probe failed), {_refusal(dtype, device)}")
+                    f"here (its probe failed), {refusal(dtype, device)}")
             col_tile = kernel.col_tile
             att_products = str(kernel.products).removeprefix("torch.") if kernel.products else ""
     name, threads = host_device(device)
@@ -217,9 +217,10 @@ def _fused_attention(device: torch.device, dtype: torch.dtype, heads: HeadLayout
             return name
         failures.append(f"{name}: {differs}")
     raise ConfigError(f"the fused attention is not batch-invariant here ({'; '.join(failures)})"
-                      f", {_refusal(dtype, device)}")
+                      f", {refusal(dtype, device)}")
 
 
-def _refusal(dtype: torch.dtype, device: torch.device) -> str:
+def refusal(dtype: torch.dtype, device: torch.device | str) -> str:
+    """The words a refusal to serve ``dtype`` on ``device`` ends with."""
     return (f"so speculative decoding in {str(dtype).removeprefix('torch.')} on {device} would "
             "not be lossless: use --dtype auto (or float32 where it is served)")

@@ -17,7 +17,6 @@ The layer-skip self-draft is the same runner over the first L layers, with the f
 from __future__ import annotations
 
 import logging
-import sys
 import time
 from dataclasses import replace
 from typing import Any, Literal, Sequence, overload
@@ -29,9 +28,8 @@ from .attention import (KEY_BLOCK, TailKeys, invariant_attention, padded_keys,
                         pointwise)
 from ..config import MAX_TREE_NODES, ConfigError
 from .dtype_probe import first_varying_count, probe_input, probe_row_counts
-from . import attention as _attention_code, linear as _linear_code
 from .check_cache import CheckKey, code_digest, host_device, model_fingerprint, run_checked
-from .kernel_set import HeadLayout, KernelSet, choose_kernel_set
+from .kernel_set import HeadLayout, KernelSet, choose_kernel_set, refusal
 from .kv_cache import KVCache, contiguous_start
 from .step_graphs import GRAPH_SLACK, StepGraphs
 from .step_rows import DraftShape, Scored, StepRows, TreeShape
@@ -178,8 +176,7 @@ class TargetRunner:
             from .fused_forward import FusedLayers  # imports Triton
 
             self.fused = FusedLayers(self)
-        # the fused attention kernel: the tiles where their probe proved them row-invariant
-        # here (not cached: milliseconds on a GPU), else the one-query-a-program rows
+        # the fused attention kernel the kernel set chose (by start probe, or as asked)
         self.attention: str | None = ks.attention if fused else None
         self.max_rows = max_rows or max(PREFILL_CHUNK, n_slots * MAX_QUERY)
         # the most prompt tokens one shared prefill forward takes: on a GPU every row the start
@@ -198,14 +195,11 @@ class TargetRunner:
         elif exact:
             from . import dtype_probe as _probe_code
 
-            code = [_attention_code, _linear_code, _probe_code, sys.modules[__name__]]
-            if self.fused is not None:
-                from . import fused_attention, fused_gemm, fused_kernels
-
-                code += [fused_kernels, fused_gemm, fused_attention]
+            # the kernels' code as the kernel set digested it, and the probes' own
             key = CheckKey.here(model_fingerprint(cfg.to_dict(), self._weights()), self.device,
                                 self.dtype, self.max_rows,
-                                f"{self.kernels}+{gemm}+{self.attention}@{code_digest(*code)}")
+                                f"{self.kernels}+{gemm}+{self.attention}@{ks.code}"
+                                f"+{code_digest(_probe_code)}")
             outcome = run_checked(key, self._check_invariance)
             self.start_check_s = outcome.seconds
         self.graphs = StepGraphs(self, n_slots, self.cache.reserve(),
@@ -241,9 +235,7 @@ class TargetRunner:
         row-wise pointwise ops (RMS norm, SiLU) at the row counts ``probe_row_counts`` gives up
         to ``max_rows``. Under a second for the default model on CPU; on a GPU, milliseconds
         a shape."""
-        dtype = str(self.dtype).removeprefix("torch.")
-        refuse = (f"so speculative decoding in {dtype} on {self.device} would not be lossless: "
-                  "use --dtype auto (or float32 where it is served)")
+        refuse = refusal(self.dtype, self.device)
         counts = probe_row_counts(str(self.device), self.max_rows)
         rows = counts[-1]
         for name, lin in self._distinct_linears():
