@@ -221,6 +221,11 @@ class _Resumer:
         self._first = True  # the next response is a stream's first
         self.lineage: Lineage | None = None  # the kernel sets the output was decoded on
 
+    @classmethod
+    def of_call(cls, client, timeout: float | None, **kw) -> "_Resumer":
+        """A call's resumer, with ``client``'s defaults (its timeout, its resumes)."""
+        return cls(build_request(**kw), timeout or client.timeout, client.max_resumes)
+
     @property
     def received(self) -> int:
         return len(self.tokens)
@@ -385,9 +390,6 @@ class Client:
             raise Unavailable(f"UNAVAILABLE: {reason}")
         self._reached = True
 
-    def _resumer(self, timeout: float | None, **kw) -> _Resumer:
-        return _Resumer(build_request(**kw), timeout or self.timeout, self.max_resumes)
-
     def _responses(self, res: _Resumer):
         """The stream's responses, resumed across breaks. ``wait_for_ready``: a server that is
         restarting is waited for, up to the deadline."""
@@ -411,7 +413,7 @@ class Client:
     def stream(self, prompt: str | None = None, *, timeout: float | None = None, **kw):
         """Yield ``StreamPiece``s as tokens are committed; the last one carries the finish
         reason and stats."""
-        coll = _Collector(self._resumer(timeout, prompt=prompt, **kw))
+        coll = _Collector(_Resumer.of_call(self, timeout, prompt=prompt, **kw))
         for r in self._responses(coll.res):
             piece = coll.add(r)
             if piece is not None:
@@ -419,7 +421,7 @@ class Client:
 
     def generate(self, prompt: str | None = None, *, timeout: float | None = None,
                  **kw) -> GenerateResult:
-        coll = _Collector(self._resumer(timeout, prompt=prompt, **kw))
+        coll = _Collector(_Resumer.of_call(self, timeout, prompt=prompt, **kw))
         for r in self._responses(coll.res):
             coll.add(r)
         return coll.result()
@@ -480,9 +482,6 @@ class AsyncClient:
             raise Unavailable(f"UNAVAILABLE: {reason}")
         self._reached = True
 
-    def _resumer(self, timeout: float | None, **kw) -> _Resumer:
-        return _Resumer(build_request(**kw), timeout or self.timeout, self.max_resumes)
-
     async def _responses(self, res: _Resumer):
         await self._first_contact(res.time_left())
         while True:
@@ -499,7 +498,7 @@ class AsyncClient:
                 call.cancel()
 
     async def stream(self, prompt: str | None = None, *, timeout: float | None = None, **kw):
-        coll = _Collector(self._resumer(timeout, prompt=prompt, **kw))
+        coll = _Collector(_Resumer.of_call(self, timeout, prompt=prompt, **kw))
         async for r in self._responses(coll.res):
             piece = coll.add(r)
             if piece is not None:
@@ -507,7 +506,7 @@ class AsyncClient:
 
     async def generate(self, prompt: str | None = None, *, timeout: float | None = None,
                        **kw) -> GenerateResult:
-        coll = _Collector(self._resumer(timeout, prompt=prompt, **kw))
+        coll = _Collector(_Resumer.of_call(self, timeout, prompt=prompt, **kw))
         async for r in self._responses(coll.res):
             coll.add(r)
         return coll.result()
