@@ -57,9 +57,18 @@ class PushResult:
 # a verdict's numbers as COMMIT_MANY_LUA unpacks them: epoch, accepted, token, done, start,
 # first fix token, own branch, wanted
 COMMIT_NUMBERS = struct.Struct("<iiIiiIii")
+# COMMIT_MANY_LUA's answer to a verdict: COMMIT's (fix 0/1/2 replay, epoch, end), or an error's
+# code (< 0) and its message's 1-based index
+COMMIT_REPLY = struct.Struct("<iii")
 # a session as TAKE_MANY_LUA reads it: epoch (-1: vanished), idle, committed and draft bytes,
-# drafting (a drafter alive); the draft's first bytes follow
-TAKE_HEADER = struct.Struct("<iiiii")
+# drafting (a drafter alive), the bytes of the draft's first tokens that follow
+TAKE_HEADER = struct.Struct("<iiiiii")
+_INT = struct.Struct("<i")
+
+
+def _sized(b: bytes) -> bytes:
+    """``b`` as the scripts' ``struct.unpack('<i4c0')`` reads it: its length, then itself."""
+    return _INT.pack(len(b)) + b
 
 
 @dataclass
@@ -179,20 +188,24 @@ class RedisSessionStore:
         """Each wanted session's state, read by one script (``TAKE_MANY_LUA``)."""
         if not wants:
             return []
-        with self._lock:
-            devices = [self._device_of.get(w.session_id) or "-" for w in wants]
-        keys: list[str] = []
-        wanted = []
-        for w, device in zip(wants, devices):
-            keys += [*self.keys.session(w.session_id), self.keys.alive(device)]
-            wanted += [4 * w.k, MAX_BRANCHES if w.branch_budget else 0]
-        rows = []
-        for blob, branches in self._take_many(keys=keys,
-                                              args=[struct.pack(f"<{len(wanted)}i", *wanted)]):
-            epoch, idle, tok_len, draft_len, drafting = TAKE_HEADER.unpack_from(blob)
+        packed = b"".join(struct.pack("<iii", 4 * w.k, MAX_BRANCHES if w.branch_budget else 0,
+                                      len(sid)) + sid
+                          for w in wants for sid in (w.session_id.encode(),))
+        blob = self._take_many(args=[self.keys.prefix, packed])
+        rows, at = [], 0
+        for _ in wants:
+            epoch, idle, tok_len, draft_len, drafting, got = TAKE_HEADER.unpack_from(blob, at)
+            at += TAKE_HEADER.size
+            draft = blob[at:at + got]
+            at += got
+            (nbr,), at = _INT.unpack_from(blob, at), at + _INT.size
+            branches = []
+            for _ in range(nbr):
+                (size,), at = _INT.unpack_from(blob, at), at + _INT.size
+                branches.append(blob[at:at + size])
+                at += size
             rows.append(_DraftRow(None if epoch < 0 else epoch, idle == 1, drafting == 1,
-                                  tok_len // 4, draft_len // 4, blob[TAKE_HEADER.size:],
-                                  branches))
+                                  tok_len // 4, draft_len // 4, draft, branches))
         return rows
 
     @raises_store_unavailable
@@ -234,25 +247,20 @@ class RedisSessionStore:
         verdicts: one that landed is recognised as a replay)."""
         if not verdicts:
             return []
-        with self._lock:
-            devices = [self._device_of.get(v.session_id, "") for v in verdicts]
-        keys: list[str] = []
-        args: list = [self.ttl_s, self.inbox_maxlen]
-        for v, device in zip(verdicts, devices):
-            fix = (*v.branch, v.token)  # the inbox event's tokens, if it is a fix
-            keys += [*self.keys.session(v.session_id), self.keys.inbox(device or "-")]
-            args += [COMMIT_NUMBERS.pack(v.epoch, v.n_accepted, v.token, int(v.done), v.start,
-                                         fix[0], int(v.own_branch),
-                                         -1 if v.wanted is None else v.wanted),
-                     v.session_id, v.finish_reason, pack_tokens(v.branch),
-                     ",".join(map(str, fix[1:]))]
+        packed = b"".join(
+            COMMIT_NUMBERS.pack(v.epoch, v.n_accepted, v.token, int(v.done), v.start, fix[0],
+                                int(v.own_branch), -1 if v.wanted is None else v.wanted)
+            + _sized(v.session_id.encode()) + _sized(v.finish_reason.encode())
+            + _sized(pack_tokens(v.branch)) + _sized(",".join(map(str, fix[1:])).encode())
+            for v in verdicts for fix in ((*v.branch, v.token),))  # the inbox event's tokens
+        replies, messages = self._commit_many(
+            args=[self.ttl_s, self.inbox_maxlen, self.keys.prefix, packed])
         out = []
-        for v, res in zip(verdicts, self._commit_many(keys=keys, args=args)):
-            if res[0] < 0:
-                out.append(CommitOutcome(error=StoreError(res[0], res[1]).args[0]))
-            else:
-                isfix, epoch, _ = res  # isfix 2: a replay, answered as applied
-                out.append(CommitOutcome(Fix.of_verdict(v, epoch) if isfix == 1 else None))
+        for v, (code, epoch, _) in zip(verdicts, COMMIT_REPLY.iter_unpack(replies)):
+            if code < 0:  # epoch: the message's index
+                out.append(CommitOutcome(error=StoreError(code, messages[epoch - 1]).args[0]))
+            else:  # code 2: a replay, answered as applied
+                out.append(CommitOutcome(Fix.of_verdict(v, epoch) if code == 1 else None))
         return out
 
     def close(self, sid: str, finish_reason: str = "stop", keep_s: int = 120) -> None:
@@ -283,6 +291,12 @@ class RedisSessionStore:
             if self._chunk_waker is None:  # only a verifier waits for chunks
                 self._chunk_waker = ChunkWaker(self.redis, self.keys.wake)
             return self._chunk_waker
+
+    def finish_recording(self) -> None:
+        """Wait until the sessions closed so far are recorded in the fleet table (the recorder
+        starts again with the next closed session)."""
+        if self._recorder is not None:
+            self._recorder.stop()
 
     def shutdown(self) -> None:
         if self._chunk_waker is not None:

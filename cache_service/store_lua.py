@@ -6,19 +6,19 @@ max_branches, nb, then nb (pos, packed [pos, tokens...]) pairs) appends a
 chunk if its epoch and start are current, within the window; its branches (alternatives to the
 kept tokens) are kept while the session holds fewer than max_branches.
 
-COMMIT (KEYS: hash, tok, draft, br, inbox; ARGV: epoch, n, packed token, done, ttl, maxlen, sid,
-first fix token, start, finish, packed branch tokens, the fix's further tokens as CSV, own branch
-1/0, the draft tokens the step asked of the session or -1) appends draft[:n] + branch + token to
-the committed tokens. A commit the draft held keeps the branches still ahead; anything else (a
-rejection, a bonus token, a branch) is a fix: the draft and its branches are dropped, the epoch
-moves on, and the drafter's inbox gets the fix (every commit reaches the inbox, with what the step
-asked of the session: the drafter's lead follows it). A verdict that names a branch the draft does
-not hold is refused, unless the branch is the verifier's own (a draft head's). A commit replayed
-after it landed (its reply lost with the connection) is recognised by its position and last token
-and answered with code 2, not applied twice. Both rules are the in-process store's too
-(``edgespec.protocol.local_store``); tests/test_store_contract.py holds the two stores to the same
-cases. The session's keys expire ttl seconds after the commit that last crossed a multiple of 16
-tokens (or finished it). """
+COMMIT (KEYS: hash, tok, draft, br; ARGV: epoch, n, packed token, done, ttl, maxlen, sid, first
+fix token, start, finish, packed branch tokens, the fix's further tokens as CSV, own branch 1/0,
+the draft tokens the step asked of the session or -1, the devices' key prefix) appends draft[:n]
++ branch + token to the committed tokens. A commit the draft held keeps the branches still
+ahead; anything else (a rejection, a bonus token, a branch) is a fix: the draft and its branches
+are dropped, the epoch moves on, and the drafter's inbox gets the fix (every commit reaches the
+inbox, with what the step asked of the session: the drafter's lead follows it). A verdict that
+names a branch the draft does not hold is refused, unless the branch is the verifier's own (a
+draft head's). A commit replayed after it landed (its reply lost with the connection) is
+recognised by its position and last token and answered with code 2, not applied twice. Both
+rules are the in-process store's too (``edgespec.protocol.local_store``);
+tests/test_store_contract.py holds the two stores to the same cases. The session's keys expire
+ttl seconds after the commit that last crossed a multiple of 16 tokens (or finished it). """
 
 PUSH_LUA = """
 local h = redis.call('HMGET', KEYS[1], 'epoch', 'done', 'idle')
@@ -113,7 +113,8 @@ end
 if ARGV[4] == '1' then redis.call('HSET', KEYS[1], 'done', '1', 'finish', ARGV[10]) end
 if h[2] and h[2] ~= '' then
   -- a fix: roll back to pos, then append tok and the tokens in more
-  redis.call('XADD', KEYS[5], 'MAXLEN', '~', ARGV[6], '*', 't', 'commit', 'sid', ARGV[7],
+  redis.call('XADD', ARGV[15] .. h[2] .. ':inbox', 'MAXLEN', '~', ARGV[6], '*', 't', 'commit',
+             'sid', ARGV[7],
              'epoch', epoch, 'end', endpos, 'fix', isfix, 'tok', ARGV[8],
              'pos', start + n, 'more', ARGV[12], 'want', ARGV[14])
 end
@@ -125,61 +126,73 @@ end
 return {isfix, epoch, endpos}
 """
 
-# The verifier's two calls a step, each one script over all of the step's sessions (one command
-# whatever their number: the client packs one request and parses one reply).
+# The verifier's two calls a step, each one script over all of the step's sessions: one command
+# of four arguments whatever their number, packed both ways (encoding 64 sessions' 320 keys and
+# as many arguments cost the client more than the script, and parsing a nested reply as much).
+# The scripts make each session's keys from the key prefix and its id, as
+# ``codec.KeyLayout`` does (a session's keys are not declared: neither script runs on a Redis
+# cluster, whose slots a step's sessions would cross anyway), and a session's drafter's keys
+# from the device its hash names.
 #
-# TAKE_MANY (KEYS: per session hash, tok, draft, br, its device's alive key; ARGV[1]: per
-# session the draft bytes wanted (4 a token) and the branches wanted, packed '<i4i4') returns
-# per session {its header packed '<i4i4i4i4i4' (epoch, -1 when the session vanished; idle 0/1;
-# committed bytes; draft bytes; 1 when it has a drafter that is alive) followed by the draft's
-# first bytes, its branches}. Atomic, as the transaction it replaces; packed both ways, since
-# encoding and parsing 64 sessions' dozen values each cost the client more than the script.
+# TAKE_MANY (ARGV[1]: the key prefix; ARGV[2]: per session '<i4i4' the draft bytes wanted (4 a
+# token) and the branches wanted, then its id '<i4c0') returns one string: per session its
+# header '<i4i4i4i4i4' (epoch, -1 when the session vanished; idle 0/1; committed bytes; draft
+# bytes; 1 when it has a drafter that is alive), the draft's first bytes '<i4c0', the number of
+# branches '<i4' and each branch '<i4c0'. Atomic, as the transaction it replaces.
 TAKE_MANY_LUA = """
-local out = {}
-for i = 0, #KEYS / 5 - 1 do
-  local k = 5 * i
-  local want, nbr = struct.unpack('<i4i4', ARGV[1], 8 * i + 1)
-  local h = redis.call('HMGET', KEYS[k + 1], 'epoch', 'idle', 'device')
+local prefix, wants = ARGV[1], ARGV[2]
+local out, p = {}, 1
+while p <= #wants do
+  local want, nbr, sid
+  want, nbr, sid, p = struct.unpack('<i4i4i4c0', wants, p)
+  local base = prefix .. 's:' .. sid
+  local h = redis.call('HMGET', base, 'epoch', 'idle', 'device')
   local draft = ''
-  if want > 0 then draft = redis.call('GETRANGE', KEYS[k + 3], 0, want - 1) end
+  if want > 0 then draft = redis.call('GETRANGE', base .. ':draft', 0, want - 1) end
   local branches = {}
-  if nbr > 0 then branches = redis.call('LRANGE', KEYS[k + 4], 0, nbr - 1) end
+  if nbr > 0 then branches = redis.call('LRANGE', base .. ':br', 0, nbr - 1) end
   local drafting = 0
-  if h[3] and h[3] ~= '' and redis.call('EXISTS', KEYS[k + 5]) == 1 then drafting = 1 end
-  local head = struct.pack('<i4i4i4i4i4', h[1] and tonumber(h[1]) or -1,
-                           h[2] == '1' and 1 or 0, redis.call('STRLEN', KEYS[k + 2]),
-                           redis.call('STRLEN', KEYS[k + 3]), drafting)
-  out[i + 1] = {head .. draft, branches}
+  if h[3] and h[3] ~= ''
+      and redis.call('EXISTS', prefix .. 'dev:' .. h[3] .. ':alive') == 1 then
+    drafting = 1
+  end
+  out[#out + 1] = struct.pack('<i4i4i4i4i4i4', h[1] and tonumber(h[1]) or -1,
+                              h[2] == '1' and 1 or 0, redis.call('STRLEN', base .. ':tok'),
+                              redis.call('STRLEN', base .. ':draft'), drafting, #draft)
+  out[#out + 1] = draft
+  out[#out + 1] = struct.pack('<i4', #branches)
+  for _, b in ipairs(branches) do out[#out + 1] = struct.pack('<i4', #b) .. b end
 end
-return out
+return table.concat(out)
 """
 
-# COMMIT_MANY (KEYS: per verdict COMMIT's 5; ARGV: the ttl and the inbox's maxlen, then per
-# verdict 5: its numbers packed '<iiIiiIii' (epoch, n, token, done, start, first fix token, own
-# branch, wanted), its session id, finish reason, packed branch tokens and the fix's further
-# tokens): COMMIT for each verdict in turn, its reply in its slot; a verdict whose commit raised
-# (a key of the wrong type) is answered {-6, error} in its slot, the others still land. The
-# numbers travel packed: a step's 64 verdicts were 1,216 arguments, whose encoding by the client
-# cost more than the script.
+# COMMIT_MANY (ARGV: the ttl, the inbox's maxlen, the key prefix, then one string: per verdict
+# its numbers '<i4i4I4i4i4I4i4i4' (epoch, n, token, done, start, first fix token, own branch,
+# wanted), then '<i4c0' each: its session id, finish reason, packed branch tokens, the fix's
+# further tokens): COMMIT for each verdict in turn. Returns {per verdict '<i4i4i4' (COMMIT's
+# three numbers, or the error's code and its message's index in the list), the messages}; a
+# verdict whose commit raised (a key of the wrong type) is answered -6 in its slot, the others
+# still land.
 COMMIT_MANY_LUA = ("local function commit(KEYS, ARGV)\n" + COMMIT_LUA + """end
-local out = {}
-for i = 0, #KEYS / 5 - 1 do
-  local keys = {}
-  for j = 1, 5 do keys[j] = KEYS[5 * i + j] end
-  local a = 2 + 5 * i
-  local epoch, n, tok, done, start, first, own, want =
-    struct.unpack('<i4i4I4i4i4I4i4i4', ARGV[a + 1])
+local prefix, verdicts = ARGV[3], ARGV[4]
+local out, errors, p = {}, {}, 1
+while p <= #verdicts do
+  local epoch, n, tok, done, start, first, own, want, sid, finish, branch, more
+  epoch, n, tok, done, start, first, own, want, sid, finish, branch, more, p =
+    struct.unpack('<i4i4I4i4i4I4i4i4i4c0i4c0i4c0i4c0', verdicts, p)
+  local base = prefix .. 's:' .. sid
   local args = {tostring(epoch), tostring(n), struct.pack('<I4', tok), tostring(done), ARGV[1],
-                ARGV[2], ARGV[a + 2], tostring(first), tostring(start), ARGV[a + 3],
-                ARGV[a + 4], ARGV[a + 5], tostring(own), tostring(want)}
-  local ok, res = pcall(commit, keys, args)
-  if ok then
-    out[i + 1] = res
-  else
-    out[i + 1] = {-6, type(res) == 'table' and res.err or tostring(res)}
+                ARGV[2], sid, tostring(first), tostring(start), finish, branch, more,
+                tostring(own), tostring(want), prefix .. 'dev:'}
+  local ok, res = pcall(commit, {base, base .. ':tok', base .. ':draft', base .. ':br'}, args)
+  if not ok then res = {-6, type(res) == 'table' and res.err or tostring(res)} end
+  if res[1] < 0 then
+    errors[#errors + 1] = res[2]
+    res = {res[1], #errors, 0}
   end
+  out[#out + 1] = struct.pack('<i4i4i4', res[1], res[2], res[3])
 end
-return out
+return {table.concat(out), errors}
 """)
 
 

@@ -44,6 +44,26 @@ def test_push_take_commit_with_fix_reaches_the_inbox(store):
                                    position=4, wanted=2)
 
 
+def test_a_verifier_that_did_not_create_the_session_reaches_its_board(store):
+    """The take and commit scripts find a session's board from the session itself, not from the
+    verifier process that created it: another replica's take sees the board drafting (a step
+    waits for it) and its fix reaches the board's inbox."""
+    dev = _attach(store)
+    store.create("s2", [1, 2, 3], SamplingParams(), dev)
+    other = RedisSessionStore(store.redis, prefix="t:", ttl_s=30)
+    store.push("s2", 0, 3, [4], idle=False, window=8)
+    [taken] = other.take_when_ready([DraftWant("s2", 2)], 0.05)
+    assert taken.tokens == [4] and not taken.ready  # a live board still drafting: not ready
+    [out] = other.commit_many([Verdict("s2", 0, 3, 0, 9)])
+    assert (out.fix.epoch, out.fix.position, out.fix.tokens) == (1, 3, (9,))
+    [(_, ev)] = store.read_events(dev, "0-0", 10)[-1:]
+    assert ev == InboxEvent("commit", "s2", epoch=1, end=4, fix=True, token=9, position=3,
+                            wanted=None)
+    store.devices.mark_gone(dev)
+    [taken] = other.take_when_ready([DraftWant("s2", 2)], 0.0)
+    assert taken.ready  # no board drafting for it: nothing to wait for
+
+
 def test_a_sessions_keys_keep_an_expiry_moved_on_every_16_tokens(store):
     """Every key of a session always expires (a draft reset or a branch list made anew keeps
     one); commits within 16 tokens leave the expiry where it was, the commit that crosses a
