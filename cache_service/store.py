@@ -113,6 +113,11 @@ class RedisSessionStore:
         self._commit_many = client.register_script(COMMIT_MANY_LUA)
         self._take_many = client.register_script(TAKE_MANY_LUA)
         self._device_of: dict[str, str] = {}
+        # (epoch, committed end) of the sessions this process created without a board, as its
+        # own commits left them: a step that asks such a session for nothing (a server serving
+        # it alone) takes its empty draft from here, without a round trip; any doubt (a refused
+        # or lost commit) drops the entry until a commit of it lands again
+        self._boardless: dict[str, tuple[int, int]] = {}
         self._lock = threading.Lock()
         self._chunk_waker: ChunkWaker | None = None
 
@@ -160,6 +165,10 @@ class RedisSessionStore:
         pipe.execute()
         with self._lock:
             self._device_of[sid] = device
+            if device:
+                self._boardless.pop(sid, None)
+            else:
+                self._boardless[sid] = (epoch, len(prompt) + len(committed))
 
     @raises_store_unavailable
     def load(self, sid: str) -> SessionRecord | None:
@@ -214,20 +223,20 @@ class RedisSessionStore:
         """Wait up to ``wait_s`` until every session's draft is ready (those not to wait for
         aside), then take up to k tokens of each. The wait ends early on a pushed chunk (a
         pub/sub wake-up), and its deadline is kept to the millisecond by this process, not by
-        Redis's coarse BLPOP timer. A session is waited for at most its own ``wait_s``."""
-        now = time.monotonic()
-        until = [w.waits_until(now + wait_s, now) for w in wants]
-        while True:
-            seen = self._waker.seq
-            rows = self._read(wants)
-            now = time.monotonic()
-            pending = [t for row, w, t in zip(rows, wants, until)
-                       if w.wait and t > now and not row.ready(w.k)]
-            if not pending:
-                break
-            self._waker.wait(seen, min(pending) - now)
+        Redis's coarse BLPOP timer. A session is waited for at most its own ``wait_s``. A
+        session this process created without a board and asks for nothing is answered from
+        what its last commit here returned (no board can push to it)."""
+        with self._lock:
+            known = [None if w.k or w.branch_budget else self._boardless.get(w.session_id)
+                     for w in wants]
+        asked = [w for w, at in zip(wants, known) if at is None]
+        rows = iter(self._take_rows(asked, wait_s) if asked else ())
         taken: list[TakenDraft | SessionVanished] = []
-        for row, w in zip(rows, wants):
+        for w, at in zip(wants, known):
+            if at is not None:
+                taken.append(TakenDraft(at[0], at[1], [], [], ready=True))
+                continue
+            row = next(rows)
             if row.epoch is None:
                 taken.append(SessionVanished(f"session {w.session_id} vanished from the cache"))
                 continue
@@ -239,6 +248,21 @@ class RedisSessionStore:
                                     take_branches(branches, len(tokens), w.branch_budget),
                                     ready=row.ready(w.k)))
         return taken
+
+    def _take_rows(self, wants: list[DraftWant], wait_s: float) -> list[_DraftRow]:
+        """``take_when_ready``'s wait and read: the sessions as Redis holds them once every
+        draft waited for is ready or its time is up."""
+        now = time.monotonic()
+        until = [w.waits_until(now + wait_s, now) for w in wants]
+        while True:
+            seen = self._waker.seq
+            rows = self._read(wants)
+            now = time.monotonic()
+            pending = [t for row, w, t in zip(rows, wants, until)
+                       if w.wait and t > now and not row.ready(w.k)]
+            if not pending:
+                return rows
+            self._waker.wait(seen, min(pending) - now)
 
     @raises_store_unavailable
     def commit_many(self, verdicts: list[Verdict]) -> list[CommitOutcome]:
@@ -253,21 +277,37 @@ class RedisSessionStore:
             + _sized(v.session_id.encode()) + _sized(v.finish_reason.encode())
             + _sized(pack_tokens(v.branch)) + _sized(",".join(map(str, fix[1:])).encode())
             for v in verdicts for fix in ((*v.branch, v.token),))  # the inbox event's tokens
-        replies, messages = self._commit_many(
-            args=[self.ttl_s, self.inbox_maxlen, self.keys.prefix, packed])
+        try:
+            replies, messages = self._commit_many(
+                args=[self.ttl_s, self.inbox_maxlen, self.keys.prefix, packed])
+        except BaseException:  # landed or not: what this process knew of them is in doubt
+            self._forget_boardless(verdicts)
+            raise
         out = []
-        for v, (code, epoch, _) in zip(verdicts, COMMIT_REPLY.iter_unpack(replies)):
+        for v, (code, epoch, end) in zip(verdicts, COMMIT_REPLY.iter_unpack(replies)):
             if code < 0:  # epoch: the message's index
                 out.append(CommitOutcome(error=StoreError(code, messages[epoch - 1]).args[0]))
             else:  # code 2: a replay, answered as applied
                 out.append(CommitOutcome(Fix.of_verdict(v, epoch) if code == 1 else None))
+        with self._lock:
+            for v, (code, epoch, end) in zip(verdicts, COMMIT_REPLY.iter_unpack(replies)):
+                if code >= 0 and not v.done and self._device_of.get(v.session_id) == "":
+                    self._boardless[v.session_id] = (epoch, end)
+                else:
+                    self._boardless.pop(v.session_id, None)
         return out
+
+    def _forget_boardless(self, verdicts: list[Verdict]) -> None:
+        with self._lock:
+            for v in verdicts:
+                self._boardless.pop(v.session_id, None)
 
     def close(self, sid: str, finish_reason: str = "stop", keep_s: int = 120) -> None:
         """Mark a session finished; its keys linger ``keep_s`` for late readers (a client
         resuming to read its last tokens). Never raises: the keys expire by themselves."""
         with self._lock:
             device = self._device_of.pop(sid, "")
+            self._boardless.pop(sid, None)
         if self._recorder is not None:
             self._recorder.record(sid)
         try:

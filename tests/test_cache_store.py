@@ -64,6 +64,36 @@ def test_a_verifier_that_did_not_create_the_session_reaches_its_board(store):
     assert taken.ready  # no board drafting for it: nothing to wait for
 
 
+def test_a_boardless_session_asked_for_nothing_is_taken_as_redis_holds_it(store):
+    """A session created here without a board and asked for no draft is taken from what this
+    process's commits left (no round trip): the same epoch and position that Redis holds, read
+    by another replica; once Redis lost it, or another replica moved it, the commit is refused
+    and the session is read from Redis again (vanished, or where it is)."""
+    store.create("solo", [1, 2, 3], SamplingParams(), None)
+    other = RedisSessionStore(store.redis, prefix="t:", ttl_s=30)
+    want = [DraftWant("solo", 0, wait=False)]
+    for token in (7, 8, 9):
+        [mine], [theirs] = store.take_when_ready(want, 0.0), other.take_when_ready(want, 0.0)
+        assert (mine.epoch, mine.start, mine.tokens, mine.ready) == \
+            (theirs.epoch, theirs.start, theirs.tokens, theirs.ready)
+        [out] = store.commit_many([Verdict("solo", mine.epoch, mine.start, 0, token)])
+        assert out.error is None
+    assert store.snapshot("solo").tokens == [1, 2, 3, 7, 8, 9]
+    # another replica resumes it (a new epoch): this process's next commit is refused, then
+    # the session is read where Redis holds it
+    other.create("solo", [1, 2, 3], SamplingParams(), None, committed=[7, 8, 9, 5])
+    [mine] = store.take_when_ready(want, 0.0)
+    [out] = store.commit_many([Verdict("solo", mine.epoch, mine.start, 0, 6)])
+    assert out.error is not None
+    [mine], [theirs] = store.take_when_ready(want, 0.0), other.take_when_ready(want, 0.0)
+    assert (mine.epoch, mine.start) == (theirs.epoch, theirs.start) == (4, 7)
+    store.redis.delete(*store.keys.session("solo"))  # what a Redis restart forgets
+    [out] = store.commit_many([Verdict("solo", 4, 7, 0, 6)])
+    assert out.error is not None
+    [gone] = store.take_when_ready(want, 0.0)
+    assert isinstance(gone, SessionVanished)
+
+
 def test_a_sessions_keys_keep_an_expiry_moved_on_every_16_tokens(store):
     """Every key of a session always expires (a draft reset or a branch list made anew keeps
     one); commits within 16 tokens leave the expiry where it was, the commit that crosses a
