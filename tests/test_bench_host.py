@@ -39,6 +39,10 @@ def test_every_stage_is_timed_and_mag_drafts_are_accepted(store, drafter):
     assert set(r["us_per_step"]) == {*STAGES, "runner"}
     assert all(v >= 0 for v in r["us_per_step"].values())
     assert r["us_per_step"]["verify"] >= r["us_per_step"]["runner"] > 0
+    # the verifier thread's CPU by stage: verify's host part (the runner's answers left out)
+    assert set(r["cpu_us_per_step"]) == set(STAGES)
+    assert all(v >= 0 for v in r["cpu_us_per_step"].values())
+    assert r["cpu_us_per_step"]["verify"] > 0 and r["cpu_us_per_step"]["commit"] > 0
     assert r["host_us_per_session_step"] > 0 and r["verifier_cpu_us_per_session_step"] > 0
     drafting = r["drafter_cpu_us_per_session_step"]  # None without a drafting thread's clock
     if drafter != "none" and store == "local" and hasattr(time, "pthread_getcpuclockid"):
@@ -57,6 +61,7 @@ def test_bench_host_command_writes_its_table_and_json(tmp_path):
                 "--new-tokens", "8", "--repeats", "3", "--json", str(out))
     assert r.returncode == 0, r.stderr
     assert "host us/step" in r.stdout and "cpu: verifier" in r.stdout and "local  mag" in r.stdout
+    assert "CPU microseconds a step, by stage" in r.stdout
     [row] = json.loads(out.read_text())["results"]
     assert (row["store"], row["drafter"], row["sessions"]) == ("local", "mag", 2)
     runs = row["tokens_per_s_runs"]  # the median run's figures, every run's beside them

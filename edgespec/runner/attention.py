@@ -118,40 +118,41 @@ def invariant_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     qt = q.permute(0, 1, 4, 2, 3).reshape(B, kvh, hd, m)  # [B, kvh, hd, g*T]
     if cols != m:
         qt = torch.nn.functional.pad(qt, (0, cols - m))
-    scores = _by_columns(keys, qt).float()  # [B, kvh, n, cols]
-    vis = _column_mask(visible, g, cols)  # [B, 1, n, cols]
+    # the softmax runs on the m query columns alone: each column's max is its own and exp is
+    # pointwise, so a column's bits do not depend on the others; the padding columns enter the
+    # value product as zeros (its shape, hence each real column's bits, as before)
+    scores = _by_columns(keys, qt)[..., :m].float()  # [B, kvh, n, m]
+    vis = _column_mask(visible, g)  # [B, 1, n, m]
     if tail is None:
         scores = scores.masked_fill(~vis, float("-inf"))
-        top = scores.amax(dim=2, keepdim=True)  # [B, kvh, 1, cols]
+        top = scores.amax(dim=2, keepdim=True)  # [B, kvh, 1, m]
         probs = pointwise(torch.exp, scores - top).to(values.dtype)
     else:  # the max and probabilities over every key a query sees; the main sum only ``vis``
         assert tail.seen is not None
-        scores = scores.masked_fill(~_column_mask(tail.seen, g, cols), float("-inf"))
+        scores = scores.masked_fill(~_column_mask(tail.seen, g), float("-inf"))
         top = scores.amax(dim=2, keepdim=True)
         probs = pointwise(torch.exp, scores - top).to(values.dtype)
         t_probs, t_cols = _tail_probs(probs, tail, g, T, col_tile)
         probs = probs.masked_fill(~vis, 0)
+    if cols != m:
+        probs = torch.nn.functional.pad(probs, (0, cols - m))  # [B, kvh, n, cols]
     vt = values.view(B, kvh, nb, KEY_BLOCK, hd + 1).transpose(-1, -2)  # [B, kvh, nb, hd+1, KB]
     part = _by_columns(vt, probs.view(B, kvh, nb, KEY_BLOCK, cols))  # [B, kvh, nb, hd+1, cols]
     if tail is not None:
         part = _place_tail(part, values, tail, t_probs, t_cols, g)
     # in block order, one running sum (cumsum; on CPU it accumulates in float64): sum() would
     # pick its association by the shape
-    total = part.float().cumsum(dim=2)[:, :, -1]  # [B, kvh, hd + 1, cols]
-    out = (total[:, :, :hd, :m] / total[:, :, hd:, :m]).to(out_dtype)  # [B, kvh, hd, g*T]
+    total = part[..., :m].float().cumsum(dim=2)[:, :, -1]  # [B, kvh, hd + 1, m]
+    out = (total[:, :, :hd] / total[:, :, hd:]).to(out_dtype)  # [B, kvh, hd, g*T]
     return out.view(B, kvh, hd, g, T).permute(0, 4, 1, 3, 2).reshape(B, T, kvh * g * hd)
 
 
-def _column_mask(visible: torch.Tensor, g: int, cols: int) -> torch.Tensor:
-    """visible [B, T, n] -> [B, 1, n, cols]: the score columns' layout (query head j of a
-    group, token t at column j * T + t); padding columns see every key (their output is
-    dropped; no 0/0)."""
+def _column_mask(visible: torch.Tensor, g: int) -> torch.Tensor:
+    """visible [B, T, n] -> [B, 1, n, g * T]: the score columns' layout (query head j of a
+    group, token t at column j * T + t)."""
     B, T, n = visible.shape
-    vis = visible.transpose(1, 2)[:, None, :, None, :].expand(B, 1, n, g, T).reshape(B, 1, n,
-                                                                                    g * T)
-    if cols != g * T:
-        vis = torch.nn.functional.pad(vis, (0, cols - g * T), value=True)
-    return vis
+    return visible.transpose(1, 2)[:, None, :, None, :].expand(B, 1, n, g, T).reshape(
+        B, 1, n, g * T)
 
 
 def _tail_probs(probs: torch.Tensor, tail: TailKeys, g: int, T: int, col_tile: int

@@ -21,7 +21,8 @@ answer + the verification's host part; the runner's own time is reported apart a
 are the wall's: in process, the drafting thread shares the interpreter's lock with the
 verifier, and a stage that lets go of it (a tensor operation, a wait) can wait for the
 drafter's work. So each thread's CPU time is reported apart too: the verifier's (the runner's
-answers left out) and the drafting thread's, a session-step each.
+answers left out) and the drafting thread's, a session-step each, and the verifier's by stage
+(a second table; ``cpu_us_per_step`` in the JSON).
 """
 
 from __future__ import annotations
@@ -209,19 +210,21 @@ def _warm_up(engine, run) -> None:
         finish()
 
 
-def _timed(engine, times: dict[str, float]) -> None:
-    """Wrap the engine's stage methods so that each adds its seconds to ``times``."""
+def _timed(engine, times: dict[str, float], cpu: dict[str, float]) -> None:
+    """Wrap the engine's stage methods so that each adds its wall seconds to ``times`` and
+    its seconds of the calling thread's CPU to ``cpu``."""
     names = {"plan": "_plan", "take": "_take", "propose": "_propose", "verify": "_verify",
              "decide": "_decide", "place": "_place", "commit": "_commit"}
     for stage, attr in names.items():
         inner = getattr(engine, attr)
 
         def timed(*a, _inner=inner, _stage=stage, **kw):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             try:
                 return _inner(*a, **kw)
             finally:
                 times[_stage] += time.perf_counter() - t0
+                cpu[_stage] += time.thread_time() - c0
 
         setattr(engine, attr, timed)
 
@@ -258,7 +261,8 @@ def measure(store: str, drafter: str, n: int, new_tokens: int, right: float,
 
         _warm_up(engine, run)
         times: dict[str, float] = defaultdict(float)
-        _timed(engine, times)
+        cpu: dict[str, float] = defaultdict(float)
+        _timed(engine, times, cpu)
         runner.runner_s = runner.runner_cpu_s = 0.0
         counted = {"steps": 0, "session_steps": 0}
         step = engine.step
@@ -280,12 +284,15 @@ def measure(store: str, drafter: str, n: int, new_tokens: int, right: float,
     steps, sess = max(1, counted["steps"]), max(1, counted["session_steps"])
     stage_us = {k: 1e6 * times[k] / steps for k in STAGES}
     stage_us["runner"] = 1e6 * runner.runner_s / steps
+    stage_cpu_us = {k: 1e6 * cpu[k] / steps for k in STAGES}
+    stage_cpu_us["verify"] -= 1e6 * runner.runner_cpu_s / steps  # the host part alone
     host_s = wall - runner.runner_s
     drafted = sum(r.stats.draft_tokens for r in results)
     accepted = sum(r.stats.accepted_tokens for r in results)
     return {"store": store, "drafter": drafter, "sessions": n, "steps": counted["steps"],
             "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall if wall else None,
-            "us_per_step": stage_us, "host_us_per_step": 1e6 * host_s / steps,
+            "us_per_step": stage_us, "cpu_us_per_step": stage_cpu_us,
+            "host_us_per_step": 1e6 * host_s / steps,
             "host_us_per_session_step": 1e6 * host_s / sess,
             "us_per_session_step": {k: v * steps / sess for k, v in stage_us.items()},
             # CPU time: the verifier's thread (the runner's answers left out) and the in-process
@@ -360,6 +367,13 @@ def format_table(report: dict) -> str:
             f"{r['verifier_cpu_us_per_session_step']:>13.1f} "
             f"{_or_dash(r['drafter_cpu_us_per_session_step']):>7}  "
             + " ".join(f"{us[s]:>7.0f}" for s in (*STAGES, "runner")))
+    lines += ["", "the verifier thread's CPU microseconds a step, by stage (in process the "
+                  "wall above also holds the drafting thread's turns; verify: its host part)",
+              f"{'store':<6} {'drafter':<14} {'sess':>4}  " + " ".join(f"{s:>7}" for s in STAGES)]
+    for r in report["results"]:
+        cpu = r["cpu_us_per_step"]
+        lines.append(f"{r['store']:<6} {r['drafter']:<14} {r['sessions']:>4}  "
+                     + " ".join(f"{cpu[s]:>7.0f}" for s in STAGES))
     return "\n".join(lines)
 
 
