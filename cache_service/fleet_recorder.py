@@ -39,6 +39,10 @@ class FleetRecorder:
         except queue.Full:
             log.warning("the fleet table is behind; session %s not recorded in it", sid)
 
+    def wait_idle(self) -> None:
+        """Wait until every session queued so far is recorded (or given up on, logged)."""
+        self._queue.join()
+
     def stop(self) -> None:
         """Record what is queued, then stop the thread."""
         with self._lock:
@@ -51,11 +55,14 @@ class FleetRecorder:
         while True:
             sid = self._queue.get()
             if sid is None:
+                self._queue.task_done()
                 return
             try:
                 self._record(sid)
             except Exception:  # never lose the thread: the next session is recorded again
                 log.exception("recording session %s in the fleet table failed", sid)
+            finally:
+                self._queue.task_done()
 
     def _record(self, sid: str) -> None:
         """Teach the table a session's committed output (its prompt's tail as leaders)."""

@@ -145,6 +145,8 @@ class RedisSessionStore:
         ``lineage``: the kernel set whose decoding its output is, kept for its resumes."""
         h, tok, draft, br = self.keys.session(sid)
         device = drafter or ""
+        with self._lock:  # what an earlier session of this id left is no longer known
+            self._boardless.pop(sid, None)
         old_epoch = self.redis.hget(h, "epoch")
         epoch = int(old_epoch) + 1 if old_epoch is not None else 0
         pipe = self.redis.pipeline(transaction=True)
@@ -333,10 +335,9 @@ class RedisSessionStore:
             return self._chunk_waker
 
     def finish_recording(self) -> None:
-        """Wait until the sessions closed so far are recorded in the fleet table (the recorder
-        starts again with the next closed session)."""
+        """Wait until the sessions closed so far are recorded in the fleet table."""
         if self._recorder is not None:
-            self._recorder.stop()
+            self._recorder.wait_idle()
 
     def shutdown(self) -> None:
         if self._chunk_waker is not None:

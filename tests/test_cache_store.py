@@ -62,36 +62,55 @@ def test_a_verifier_that_did_not_create_the_session_reaches_its_board(store):
     store.devices.mark_gone(dev)
     [taken] = other.take_when_ready([DraftWant("s2", 2)], 0.0)
     assert taken.ready  # no board drafting for it: nothing to wait for
+    other.shutdown()
 
 
 def test_a_boardless_session_asked_for_nothing_is_taken_as_redis_holds_it(store):
     """A session created here without a board and asked for no draft is taken from what this
-    process's commits left (no round trip): the same epoch and position that Redis holds, read
-    by another replica; once Redis lost it, or another replica moved it, the commit is refused
-    and the session is read from Redis again (vanished, or where it is)."""
+    process's commits left, with no read of Redis: the same epoch and position that Redis holds
+    (read by another replica). Once Redis lost it, its commit is refused, and the session is
+    read from Redis again (vanished); another replica's resume, or a close, is likewise never
+    answered from what this process knew."""
     store.create("solo", [1, 2, 3], SamplingParams(), None)
     other = RedisSessionStore(store.redis, prefix="t:", ttl_s=30)
+    reads = []
+    script = store._take_many
+    store._take_many = lambda **kw: reads.append(kw) or script(**kw)
     want = [DraftWant("solo", 0, wait=False)]
-    for token in (7, 8, 9):
-        [mine], [theirs] = store.take_when_ready(want, 0.0), other.take_when_ready(want, 0.0)
-        assert (mine.epoch, mine.start, mine.tokens, mine.ready) == \
-            (theirs.epoch, theirs.start, theirs.tokens, theirs.ready)
-        [out] = store.commit_many([Verdict("solo", mine.epoch, mine.start, 0, token)])
-        assert out.error is None
-    assert store.snapshot("solo").tokens == [1, 2, 3, 7, 8, 9]
-    # another replica resumes it (a new epoch): this process's next commit is refused, then
-    # the session is read where Redis holds it
-    other.create("solo", [1, 2, 3], SamplingParams(), None, committed=[7, 8, 9, 5])
-    [mine] = store.take_when_ready(want, 0.0)
-    [out] = store.commit_many([Verdict("solo", mine.epoch, mine.start, 0, 6)])
-    assert out.error is not None
-    [mine], [theirs] = store.take_when_ready(want, 0.0), other.take_when_ready(want, 0.0)
-    assert (mine.epoch, mine.start) == (theirs.epoch, theirs.start) == (4, 7)
-    store.redis.delete(*store.keys.session("solo"))  # what a Redis restart forgets
-    [out] = store.commit_many([Verdict("solo", 4, 7, 0, 6)])
-    assert out.error is not None
-    [gone] = store.take_when_ready(want, 0.0)
-    assert isinstance(gone, SessionVanished)
+    try:
+        for token in (7, 8, 9):
+            [mine], [theirs] = store.take_when_ready(want, 0.0), other.take_when_ready(want, 0.0)
+            assert (mine.epoch, mine.start, mine.tokens, mine.ready) == \
+                (theirs.epoch, theirs.start, theirs.tokens, theirs.ready)
+            [out] = store.commit_many([Verdict("solo", mine.epoch, mine.start, 0, token)])
+            assert out.error is None
+        assert reads == [] and store.snapshot("solo").tokens == [1, 2, 3, 7, 8, 9]
+        store.take_when_ready([DraftWant("solo", 2)], 0.0)  # asked for a draft: read
+        assert len(reads) == 1
+        # Redis lost it (a restart without persistence): the take, answered from memory, is
+        # taken; its commit is refused; the next take reads, and finds it gone
+        store.redis.delete(*store.keys.session("solo"))
+        [mine] = store.take_when_ready(want, 0.0)
+        [out] = store.commit_many([Verdict("solo", mine.epoch, mine.start, 0, 6)])
+        assert out.error is not None
+        [gone] = store.take_when_ready(want, 0.0)
+        assert isinstance(gone, SessionVanished) and len(reads) == 2
+        # another replica resumes a session this process created: its commit is refused, then
+        # the session is read where Redis holds it
+        store.create("duo", [1, 2], SamplingParams(), None)
+        other.create("duo", [1, 2], SamplingParams(), None, committed=[5, 6])
+        [mine] = store.take_when_ready([DraftWant("duo", 0, wait=False)], 0.0)
+        [out] = store.commit_many([Verdict("duo", mine.epoch, mine.start, 0, 6)])
+        assert out.error is not None
+        [mine] = store.take_when_ready([DraftWant("duo", 0, wait=False)], 0.0)
+        [theirs] = other.take_when_ready([DraftWant("duo", 0, wait=False)], 0.0)
+        assert (mine.epoch, mine.start) == (theirs.epoch, theirs.start) == (1, 4)
+        store.close("duo")  # closed: read again (it answers what Redis holds)
+        reads.clear()
+        store.take_when_ready([DraftWant("duo", 0, wait=False)], 0.0)
+        assert len(reads) == 1
+    finally:
+        other.shutdown()
 
 
 def test_a_sessions_keys_keep_an_expiry_moved_on_every_16_tokens(store):

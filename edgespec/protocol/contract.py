@@ -24,6 +24,9 @@ Failure rules the verifier relies on:
   then applied by ``take_when_ready``, and ``commit_many`` may be retried with the same verdicts
   (a commit that did land is recognised by its position and last token and answered as before,
   not applied twice);
+- a store may answer a take without reading, where it knows no draft can come (the Redis
+  store: a session it created without a board, asked for nothing): that session's trouble (it
+  vanished, the store cannot be reached) then shows at its commit, in its slot or raised;
 - ``close`` never raises.
 """
 

@@ -108,8 +108,8 @@ class SessionState:
     def is_replay(self, v: Verdict) -> bool:
         """Whether ``v`` already landed (its commit's reply was lost): the session ends where
         it would leave it, with its token."""
-        last = self.committed[-1] if self.committed else self.prompt[-1]  # no copy of both
-        return self.end == v.end and last == v.token
+        return self.end == v.end and \
+            (self.committed[-1] if self.committed else self.prompt[-1]) == v.token
 
     def commit(self, v: Verdict) -> Fix | None:
         """Apply the verifier's verdict on a draft it took (module docstring: the rules)."""
