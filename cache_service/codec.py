@@ -17,7 +17,8 @@ Keys (prefix ``es:`` by default):
     es:devices            hash: device id -> JSON registration
     es:devices:seen       sorted set: device id -> last seen (registrations idle long are pruned)
     es:target             hash: the verifier's model, tokenizer fingerprint, vocabulary, window
-    es:wake               pub/sub channel: a message per pushed chunk wakes the verifier
+    es:wake               pub/sub channel: a message per pushed chunk (its session's key)
+                          wakes the verifier
     es:cb:f, es:cb:lru, es:cb:v   the fleet-wide Cacheback table (``cache_service.fleet_table``),
                           taught every session's output when the verifier closes it
 """

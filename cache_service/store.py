@@ -253,18 +253,32 @@ class RedisSessionStore:
 
     def _take_rows(self, wants: list[DraftWant], wait_s: float) -> list[_DraftRow]:
         """``take_when_ready``'s wait and read: the sessions as Redis holds them once every
-        draft waited for is ready or its time is up."""
+        draft waited for is ready or its time is up. Each wake-up (a pushed chunk, naming its
+        session) reads again only the sessions still waited for that it names: a draft only
+        grows until this verifier commits, and only a push, which wakes, grows it; so a step
+        waiting for many boards reads each session about once, not once a chunk of any board.
+        A wake-up that names none (a lost subscription) reads every session waited for."""
         now = time.monotonic()
         until = [w.waits_until(now + wait_s, now) for w in wants]
+        rows: list[_DraftRow] = []
+        todo = list(range(len(wants)))
         while True:
             seen = self._waker.seq
-            rows = self._read(wants)
+            got = self._read([wants[i] for i in todo])
+            if not rows:
+                rows = got
+            else:
+                for i, row in zip(todo, got):
+                    rows[i] = row
             now = time.monotonic()
-            pending = [t for row, w, t in zip(rows, wants, until)
-                       if w.wait and t > now and not row.ready(w.k)]
+            pending = [i for i in range(len(wants)) if wants[i].wait and until[i] > now
+                       and not rows[i].ready(wants[i].k)]
             if not pending:
                 return rows
-            self._waker.wait(seen, min(pending) - now)
+            self._waker.wait(seen, min(until[i] for i in pending) - now)
+            woken = self._waker.woken_since(seen)
+            todo = pending if woken is None else \
+                [i for i in pending if self.keys.session(wants[i].session_id)[0] in woken]
 
     @raises_store_unavailable
     def commit_many(self, verdicts: list[Verdict]) -> list[CommitOutcome]:

@@ -52,8 +52,9 @@ if keep > 0 then
 end
 redis.call('HSET', KEYS[1], 'idle', ARGV[4])
 -- wake the verifier only for news: kept tokens or a changed idle flag (an empty chunk
--- repeated in a loop must not keep it re-reading)
-if keep > 0 or h[3] ~= ARGV[4] then redis.call('PUBLISH', KEYS[5], '1') end
+-- repeated in a loop must not keep it re-reading); the message names the session's key, so a
+-- waiting verifier reads again only the sessions that moved
+if keep > 0 or h[3] ~= ARGV[4] then redis.call('PUBLISH', KEYS[5], KEYS[1]) end
 return {keep, endpos}
 """
 
