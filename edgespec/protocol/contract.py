@@ -60,9 +60,13 @@ def check_draft_ids(tokens: Sequence[int], vocab_size: int) -> None:
     """Refuse (ValueError) draft token ids outside [0, vocab_size): the check every store
     applies where drafts enter (the local store on a push, the cache service on a chunk)."""
     for t in tokens:
-        if not isinstance(t, numbers.Integral) or isinstance(t, bool) or \
-                not 0 <= int(t) < vocab_size:
-            raise ValueError(f"draft token ids must be in [0, {vocab_size}), got {t!r}")
+        if type(t) is int:  # the common case, without the ABC check (a bool is not an int here)
+            if 0 <= t < vocab_size:
+                continue
+        elif isinstance(t, numbers.Integral) and not isinstance(t, bool) and \
+                0 <= int(t) < vocab_size:
+            continue
+        raise ValueError(f"draft token ids must be in [0, {vocab_size}), got {t!r}")
 
 
 def spine_length(parents: Sequence[int]) -> int:
