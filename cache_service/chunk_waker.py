@@ -31,20 +31,21 @@ class ChunkWaker:
             if self.seq == seen:
                 self._cond.wait(timeout)
 
-    def woken_since(self, seen: int) -> set[str] | None:
+    def woken_since(self, seen: int) -> tuple[set[str] | None, int]:
         """The keys of the sessions woken after ``seen`` (a ``seq``), or None where that is not
-        known (a lost subscription, a message that names none, or too long ago): read them all."""
+        known (a lost subscription, a message that names none, or too long ago: read them all);
+        and the ``seq`` they run to (taken with them: a later wake-up is in the next call's)."""
         keys: set[str] = set()
         with self._cond:
             if self.seq - seen > len(self._woken):
-                return None
+                return None, self.seq
             for seq, key in reversed(self._woken):
                 if seq <= seen:
                     break
                 if key is None:
-                    return None
+                    return None, self.seq
                 keys.add(key)
-        return keys
+            return keys, self.seq
 
     def _bump(self, key: str | None = None) -> None:
         with self._cond:

@@ -260,25 +260,20 @@ class RedisSessionStore:
         A wake-up that names none (a lost subscription) reads every session waited for."""
         now = time.monotonic()
         until = [w.waits_until(now + wait_s, now) for w in wants]
-        rows: list[_DraftRow] = []
-        todo = list(range(len(wants)))
+        seen = self._waker.seq  # before the read: a chunk pushed during it wakes the wait
+        rows = self._read(wants)
         while True:
-            seen = self._waker.seq
-            got = self._read([wants[i] for i in todo])
-            if not rows:
-                rows = got
-            else:
-                for i, row in zip(todo, got):
-                    rows[i] = row
             now = time.monotonic()
             pending = [i for i in range(len(wants)) if wants[i].wait and until[i] > now
                        and not rows[i].ready(wants[i].k)]
             if not pending:
                 return rows
             self._waker.wait(seen, min(until[i] for i in pending) - now)
-            woken = self._waker.woken_since(seen)
+            woken, seen = self._waker.woken_since(seen)
             todo = pending if woken is None else \
                 [i for i in pending if self.keys.session(wants[i].session_id)[0] in woken]
+            for i, row in zip(todo, self._read([wants[i] for i in todo])):
+                rows[i] = row
 
     @raises_store_unavailable
     def commit_many(self, verdicts: list[Verdict]) -> list[CommitOutcome]:
@@ -300,13 +295,13 @@ class RedisSessionStore:
             self._forget_boardless(verdicts)
             raise
         out = []
-        for v, (code, epoch, end) in zip(verdicts, COMMIT_REPLY.iter_unpack(replies)):
-            if code < 0:  # epoch: the message's index
-                out.append(CommitOutcome(error=StoreError(code, messages[epoch - 1]).args[0]))
-            else:  # code 2: a replay, answered as applied
-                out.append(CommitOutcome(Fix.of_verdict(v, epoch) if code == 1 else None))
         with self._lock:
             for v, (code, epoch, end) in zip(verdicts, COMMIT_REPLY.iter_unpack(replies)):
+                if code < 0:  # epoch: the message's index
+                    out.append(CommitOutcome(error=StoreError(code, messages[epoch - 1])
+                                             .args[0]))
+                else:  # code 2: a replay, answered as applied
+                    out.append(CommitOutcome(Fix.of_verdict(v, epoch) if code == 1 else None))
                 if code >= 0 and not v.done and self._device_of.get(v.session_id) == "":
                     self._boardless[v.session_id] = (epoch, end)
                 else:

@@ -308,14 +308,14 @@ def test_the_waker_says_which_sessions_woke_and_when_it_cannot(store):
             assert waker._cond.wait_for(lambda: waker.seq >= target, 60)
 
     publish("t:s:a", "t:s:b")
-    assert waker.woken_since(seen) == {"t:s:a", "t:s:b"}
-    assert waker.woken_since(waker.seq) == set()
+    assert waker.woken_since(seen) == ({"t:s:a", "t:s:b"}, seen + 2)
+    assert waker.woken_since(waker.seq) == (set(), waker.seq)
     publish("1")
-    assert waker.woken_since(seen) is None
+    assert waker.woken_since(seen) == (None, waker.seq)
     later = waker.seq
     for _ in range(KEPT + 1):
         waker._bump("t:s:c")  # more than remembered (the bookkeeping alone)
-    assert waker.woken_since(later) is None
+    assert waker.woken_since(later) == (None, waker.seq)
 
 
 def test_commit_replayed_after_it_landed_is_not_applied_twice(store):
