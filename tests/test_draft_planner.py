@@ -214,11 +214,17 @@ def test_the_engine_asks_for_no_draft_where_drafts_do_not_pay_and_probes_all_row
 
         every = probe_every(engine.cost, 2, 2)
         assert every > 8  # a probe costs 8 token-rows' 4 ms a 48 ms step: within 2%, rarely
-        plans = [engine._plan() for _ in range(every)]
+        plans, told = [], []
+        for _ in range(every):
+            plans.append(engine._plan())
+            told.append([act.wanted for act in acts])
         for wants in plans[:-1]:
             assert [(w.k, w.wait) for w in wants] == [(0, False), (0, False)]
         assert [(w.k, w.wait, w.wait_s) for w in plans[-1]] == \
             [(1, True, engine.wait_ms / 1000)] * 2  # a probe: every row, waited for
+        # the drafters rest between probes (told 0: nothing drafted ahead), and the step
+        # before a probe tells them to draft for it (1 asked: a lead of 4)
+        assert told == [[0, 0]] * (every - 2) + [[1, 1], [1, 1]]
         for _ in range(20):
             acts[0].draft_len.update(4, 4)  # one session's drafts now always right
         wants = engine._plan()

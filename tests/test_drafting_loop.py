@@ -337,22 +337,43 @@ def test_chunk_pace_keeps_full_chunks_when_none_would_land_or_all_do():
 
 
 def test_a_board_drafts_ahead_about_twice_what_the_verifier_asks(loop):
-    """A session the verifier decodes without drafts (it asked 0) is drafted only a probe's
-    2 tokens ahead; asked 4, up to the window: no token drafted that no step would use."""
+    """A session the verifier asked 1 token of (none, in a batch that drafts: it is told 1) is
+    drafted 4 ahead; asked 4, up to the window; told 0 (rested), none: no token drafted that
+    no step would use."""
     from edgespec.drafters.drafting_loop import LEAD_SLACK, lead_cap
 
-    assert [lead_cap(w, 8) for w in (None, 0, 1, 2, 3, 9)] == [8, 2, 4, 6, 8, 8]
+    assert [lead_cap(w, 8) for w in (None, 0, 1, 2, 3, 9)] == [8, 0, 4, 6, 8, 8]
     assert LEAD_SLACK == 2
     drafter, channel, book, _ = loop
     drafter.gate.set()
-    _open(channel, book, wanted=0)
-    _eventually(lambda: channel.delivered, "a probe's lead", channel)
+    _open(channel, book, wanted=1)
+    _eventually(lambda: channel.delivered, "an ask of 1's lead", channel)
     with channel.cond:
-        assert channel.delivered == [("s", 0, 3, [4, 5])]
+        assert channel.delivered == [("s", 0, 3, [4, 5, 6, 7])]
         book.commit("s", 0, 3, wanted=4)
         channel.cond.notify_all()
     _eventually(lambda: len(channel.delivered) == 3, "drafted up to the window", channel)
-    assert channel.delivered[1:] == [("s", 0, 5, [6, 7, 8, 9]), ("s", 0, 9, [10, 11])]
+    assert channel.delivered[1:] == [("s", 0, 7, [8, 9]), ("s", 0, 9, [10, 11])]
+
+
+def test_a_session_the_verifier_rests_is_drafted_again_when_it_asks(loop):
+    """Told 0 (the batch drafts nothing and no probe is due), a session whose lead the commit
+    used up gets no chunk planned; told 1 again (the step before a probe), it is drafted from
+    its committed end."""
+    from edgespec.drafters.drafting_loop import _plan_round
+
+    drafter, channel, book, _ = loop
+    drafter.gate.set()
+    _open(channel, book, wanted=1)
+    _eventually(lambda: channel.delivered, "an ask of 1's lead", channel)
+    with channel.cond:
+        assert channel.delivered == [("s", 0, 3, [4, 5, 6, 7])]
+        book.commit("s", 0, 7, wanted=0)  # the lead verified; the verifier rests the session
+        assert [job for job in _plan_round(channel, book) if not job.opening] == []
+        book.commit("s", 0, 7, wanted=1)
+        channel.cond.notify_all()
+    _eventually(lambda: len(channel.delivered) == 2, "the lead of the next ask", channel)
+    assert channel.delivered[1] == ("s", 0, 7, [8, 9, 10, 11])
 
 
 def test_a_commit_to_the_next_usable_draft_is_timed_stage_by_stage(stepped):

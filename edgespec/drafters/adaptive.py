@@ -49,6 +49,12 @@ class Prober:
             return small
         return 0
 
+    @property
+    def due_next(self) -> bool:
+        """Whether the next step probes if it too is planned without drafts (read after this
+        step's ``planned``): the step before a probe tells the drafters to draft for it."""
+        return self.since + 1 >= self.every
+
 
 class DraftLength:
     """One session's draft length: a view of its row in a ``DraftRates`` table (the engine's

@@ -7,7 +7,8 @@ channel's lock. The transport records what happens to the sessions (a new one, t
 commits and fixes, a close) in the book, under that lock. The loop plans a round under the lock: it
 applies the fixes received, sends held tokens again, and lists its jobs: the sessions to open, then
 every session with room in its window (W tokens beyond the committed position, or fewer: about
-twice what the verifier's last step asked of it, ``lead_cap``), furthest behind first, a chunk
+twice what the verifier's last step asked of it, ``lead_cap``; none while it asks 0), furthest
+behind first, a chunk
 each (beyond what the verifier's next step asks, chunks of the channel's ``ahead_chunk``: a
 board's is AHEAD_CHUNK, so that a fix that comes while one is drafted waits for no more than
 that; in process, where the verifier and the drafter share the host, the whole chunk, since each
@@ -411,10 +412,14 @@ def lead_cap(wanted: int | None, window: int) -> int:
     draft tokens of it: enough for the next step's ask after a commit that moved the end by up
     to wanted + 1, plus a probe's LEAD_SLACK (a step planned without drafts probes every
     session with 2 now and then); the whole window when the verifier did not say. Drafting
-    further ahead only sends tokens no step will use, on the board's time."""
+    further ahead only sends tokens no step will use, on the board's time. ``wanted`` 0: the
+    verifier rests the session's drafts (its batch drafts nothing and no probe is due next
+    step; the step before a probe asks again, ``step_planning.told_wants``): nothing ahead."""
     if wanted is None:
         return window
-    return min(window, 2 * max(0, wanted) + LEAD_SLACK)
+    if wanted <= 0:
+        return 0
+    return min(window, 2 * wanted + LEAD_SLACK)
 
 
 def _pop_job(queue: list[_Job], channel: DraftChannel, book: DraftBook) -> _Job | None:

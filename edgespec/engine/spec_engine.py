@@ -48,7 +48,7 @@ from .decisions import Decision, RowVerdict, decide
 from .proposals import DrafterProposer, StepDraft, drafter_row, with_head
 from .scoring import ScoredStep, row_verdicts, score_step
 from .stack_choice import SOURCES, accepted_prefix
-from .step_planning import plan_branch_budgets, plan_drafts, session_gains
+from .step_planning import plan_branch_budgets, plan_drafts, session_gains, told_wants
 from .step_report import StepReport, step_report
 
 __all__ = ["ActiveSession", "Admission", "Request", "Result", "SessionFailed", "SpecEngine",
@@ -209,8 +209,8 @@ class SpecEngine(SessionLifecycle):
         # drafts: one that asks it for some, worth a wait
         skip = self.lateness.not_waited_for({a.drafter for a, k, w in zip(acts, ks, worth)
                                              if a.drafter and k > 0 and w > 0})
-        for a, k in zip(acts, ks):
-            a.wanted = k
+        for a, told in zip(acts, told_wants(ks, self.prober, self.cfg.adaptive)):
+            a.wanted = told
         return [DraftWant(a.sid, k, b, wait=k > 0 and w > 0 and a.drafter not in skip, wait_s=w)
                 for a, k, b, w in zip(acts, ks, budgets, worth)]
 
@@ -253,7 +253,9 @@ class SpecEngine(SessionLifecycle):
             else:
                 out.append((act, t))
                 asked.append(want.k)
-        if out:  # what each draft held, as taken
+        # what each draft held, as taken; not a probe's, asked one step ahead (its drafter
+        # rested before): what it finds measures acceptance, not a steady ask's supply
+        if out and not self.prober.probing:
             RowsOf([a.draft_len for a, _ in out]).record(
                 "supplied", np.array(asked, dtype=np.int64),
                 np.array([len(t.tokens) for _, t in out], dtype=np.int64))

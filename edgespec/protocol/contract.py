@@ -193,8 +193,9 @@ class Verdict:
     # the branch was the verifier's own draft (a draft head's), not one the draft holds: the
     # store commits it as a fix without looking for it among the draft's branches
     own_branch: bool = False
-    # draft tokens the verifier asked of this session in this step (its planner's k): the
-    # drafter keeps its lead near what is used (``drafting_loop.lead_cap``); None: not said
+    # draft tokens the verifier asked of this session in this step (its planner's k, told as
+    # ``step_planning.told_wants`` says: 0 rests the drafter): the drafter keeps its lead near
+    # what is used (``drafting_loop.lead_cap``); None: not said
     wanted: int | None = None
 
     @property
