@@ -269,6 +269,30 @@ def test_the_attention_probe_catches_a_shape_dependent_kernel(monkeypatch):
     assert not probe_invariance(torch.float32)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_the_attention_reads_a_view_of_the_cache_with_the_bits_of_a_copy(dtype):
+    """A run of slots is read as a view of the cache (its rows not contiguous: a value
+    product a key block, for float32), other slots gathered into a copy (one product): every
+    output the same bits."""
+    from edgespec.runner.attention import invariant_attention
+
+    g = torch.Generator().manual_seed(1)
+    B, kvh, grp, T, hd, n, max_len = 5, 2, 3, 4, 64, 192, 512
+    keys = torch.randn(B, kvh, max_len, hd, generator=g).to(dtype)
+    values = torch.cat([torch.randn(B, kvh, max_len, hd, generator=g),
+                        torch.ones(B, kvh, max_len, 1)], -1).to(dtype)
+    q = torch.randn(B, kvh, grp, T, hd, generator=g).to(dtype)
+    ctx = torch.tensor([10, 70, 130, 150, 185])
+    visible = torch.arange(n)[None, None, :] <= (ctx[:, None] + torch.arange(T))[:, :, None]
+    view_k, view_v = keys[:, :, :n], values[:, :, :n]
+    assert not view_v.is_contiguous()
+    from_view = invariant_attention(q, view_k, view_v, visible)
+    from_copy = invariant_attention(q, view_k.contiguous(), view_v.contiguous(), visible)
+    assert torch.equal(from_view, from_copy)
+    assert torch.equal(from_view[1:2], invariant_attention(q[1:2], view_k[1:2], view_v[1:2],
+                                                           visible[1:2]))
+
+
 def test_the_linear_probe_catches_a_lone_row_path(monkeypatch):
     """The start check's sweep (``first_varying_count`` over the CPU's row counts) finds the
     packed kernel's single-row path at one row, and nothing once a lone row goes as two."""

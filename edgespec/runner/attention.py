@@ -136,8 +136,8 @@ def invariant_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
         probs = probs.masked_fill(~vis, 0)
     if cols != m:
         probs = torch.nn.functional.pad(probs, (0, cols - m))  # [B, kvh, n, cols]
-    vt = values.view(B, kvh, nb, KEY_BLOCK, hd + 1).transpose(-1, -2)  # [B, kvh, nb, hd+1, KB]
-    part = _by_columns(vt, probs.view(B, kvh, nb, KEY_BLOCK, cols))  # [B, kvh, nb, hd+1, cols]
+    # [B, kvh, nb, hd+1, cols]
+    part = _value_blocks(values, probs.view(B, kvh, nb, KEY_BLOCK, cols))
     if tail is not None:
         part = _place_tail(part, values, tail, t_probs, t_cols, g)
     # in block order, one running sum (cumsum; on CPU it accumulates in float64): sum() would
@@ -145,6 +145,23 @@ def invariant_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     total = part[..., :m].float().cumsum(dim=2)[:, :, -1]  # [B, kvh, hd + 1, m]
     out = (total[:, :, :hd] / total[:, :, hd:]).to(out_dtype)  # [B, kvh, hd, g*T]
     return out.view(B, kvh, hd, g, T).permute(0, 4, 1, 3, 2).reshape(B, T, kvh * g * hd)
+
+
+def _value_blocks(values: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+    """Each key block's values^T @ probs: values [B, kvh, n, hd + 1], probs [B, kvh, nb, KB,
+    cols] -> [B, kvh, nb, hd + 1, cols]. One batched product, or, for float32 values on the CPU
+    read as a view of the cache (a run of slots: its batch dims do not fold into one stride, so
+    the one product would first copy them transposed, most of a small model's step), one
+    product a block over the view (each the same shape: the same bits, checked in the tests)."""
+    B, kvh, nb = probs.shape[:3]
+    hd1 = values.shape[-1]
+    if values.device.type == "cpu" and values.dtype == torch.float32 and \
+            not values.is_contiguous():
+        return torch.stack([_by_columns(values[:, :, j * KEY_BLOCK:(j + 1) * KEY_BLOCK]
+                                        .transpose(-1, -2), probs[:, :, j])
+                            for j in range(nb)], dim=2)
+    vt = values.view(B, kvh, nb, KEY_BLOCK, hd1).transpose(-1, -2)  # [B, kvh, nb, hd+1, KB]
+    return _by_columns(vt, probs)
 
 
 def _column_mask(visible: torch.Tensor, g: int) -> torch.Tensor:
