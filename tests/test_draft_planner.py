@@ -222,9 +222,9 @@ def test_the_engine_asks_for_no_draft_where_drafts_do_not_pay_and_probes_all_row
             assert [(w.k, w.wait) for w in wants] == [(0, False), (0, False)]
         assert [(w.k, w.wait, w.wait_s) for w in plans[-1]] == \
             [(1, True, engine.wait_ms / 1000)] * 2  # a probe: every row, waited for
-        # the drafters rest between probes (told 0: nothing drafted ahead), and the step
-        # before a probe tells them to draft for it (1 asked: a lead of 4)
-        assert told == [[0, 0]] * (every - 2) + [[1, 1], [1, 1]]
+        # the drafters rest between probes (told 0: nothing drafted ahead), and the two steps
+        # before a probe tell them to draft for it (1 asked: a lead of 4)
+        assert told == [[0, 0]] * (every - 3) + [[1, 1]] * 3
         for _ in range(20):
             acts[0].draft_len.update(4, 4)  # one session's drafts now always right
         wants = engine._plan()

@@ -358,7 +358,7 @@ def test_a_board_drafts_ahead_about_twice_what_the_verifier_asks(loop):
 
 def test_a_session_the_verifier_rests_is_drafted_again_when_it_asks(loop):
     """Told 0 (the batch drafts nothing and no probe is due), a session whose lead the commit
-    used up gets no chunk planned; told 1 again (the step before a probe), it is drafted from
+    used up gets no chunk planned; told 1 again (before a probe), it is drafted from
     its committed end."""
     from edgespec.drafters.drafting_loop import _plan_round
 

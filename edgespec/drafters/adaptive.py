@@ -50,10 +50,13 @@ class Prober:
         return 0
 
     @property
-    def due_next(self) -> bool:
-        """Whether the next step probes if it too is planned without drafts (read after this
-        step's ``planned``): the step before a probe tells the drafters to draft for it."""
-        return self.since + 1 >= self.every
+    def due_soon(self) -> bool:
+        """Whether one of the next two steps probes if they too are planned without drafts
+        (read after this step's ``planned``). The two steps before a probe tell the drafters
+        to draft for it: a board drafts for a commit while the next step runs, after that
+        step's take, so what it drafts for this step's commit is first taken the step after
+        (the next commit keeps it where its first token is the target's)."""
+        return self.since + 2 >= self.every
 
 
 class DraftLength:

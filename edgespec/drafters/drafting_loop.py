@@ -413,8 +413,9 @@ def lead_cap(wanted: int | None, window: int) -> int:
     to wanted + 1, plus a probe's LEAD_SLACK (a step planned without drafts probes every
     session with 2 now and then); the whole window when the verifier did not say. Drafting
     further ahead only sends tokens no step will use, on the board's time. ``wanted`` 0: the
-    verifier rests the session's drafts (its batch drafts nothing and no probe is due next
-    step; the step before a probe asks again, ``step_planning.told_wants``): nothing ahead."""
+    verifier rests the session's drafts (its batch drafts nothing and no probe is due within
+    two steps; the two steps before a probe ask again, ``step_planning.told_wants``): nothing
+    ahead."""
     if wanted is None:
         return window
     if wanted <= 0:

@@ -73,10 +73,10 @@ def told_wants(ks: Sequence[int], prober: Prober, adaptive: bool) -> list[int]:
     """What each session's drafter is told the step asked of it (``drafting_loop.lead_cap``
     reads it to size the drafter's lead): its ``ks`` at least 1, so that a session asked none
     in a batch that drafts keeps a short lead (its next ask grows from it); but 0 for every
-    session when the adaptive batch drafts nothing and no probe is due next step, which rests
-    the drafters (no token drafted or pushed that no step would verify) until the step before
-    the next probe, which asks again."""
-    if adaptive and max(ks, default=0) == 0 and not prober.due_next:
+    session when the adaptive batch drafts nothing and no probe is due within two steps, which
+    rests the drafters (no token drafted or pushed that no step would verify) until the two
+    steps before the next probe, which ask again (``Prober.due_soon``)."""
+    if adaptive and max(ks, default=0) == 0 and not prober.due_soon:
         return [0] * len(ks)
     return [max(1, k) for k in ks]
 
