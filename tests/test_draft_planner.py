@@ -236,6 +236,68 @@ def test_the_engine_asks_for_no_draft_where_drafts_do_not_pay_and_probes_all_row
         assert wants[0].wait and 0 < wants[1].wait_s < wants[0].wait_s <= engine.wait_ms / 1000
 
 
+def test_a_rested_batch_drafts_again_as_soon_as_drafts_pay(tiny):
+    """Drafters told 0 hold nothing ahead, so the planner's next ask is capped at 0; once its
+    drafts pay again (acceptance measured, sessions gone, a cheaper forward), the step tells
+    them 1 (their leads grow back) and the next one asks for drafts, without waiting for a
+    probe. A probe's period is fixed for its cycle, so it comes where it was announced."""
+    from edgespec.config import EngineConfig
+    from edgespec.drafters import build_drafter
+    from edgespec.engine.spec_engine import Request, SpecEngine
+    from edgespec.runner.target_runner import TargetRunner
+
+    runner = TargetRunner(tiny.model, n_slots=4, max_len=128)
+    with SpecEngine(runner, build_drafter("mag"), EngineConfig(max_draft=4),
+                    stop_ids=set()) as engine:
+        acts = [engine.add(Request([1, 5, 6, 7], 20)), engine.add(Request([1, 8, 9], 20))]
+        engine.cost = fitted(0.040, 0.004)
+        for act in acts:
+            for _ in range(20):
+                act.draft_len.update(4, 0)  # never right
+        for _ in range(2):
+            assert [w.k for w in engine._plan()] == [0, 0]
+        assert [a.wanted for a in acts] == [0, 0]  # resting
+        every = engine.prober.every
+        engine.cost = fitted(0.040, 0.0001)  # a probe now cheaper: not before this cycle's end
+        engine._plan()
+        assert engine.prober.every == every
+        for act in acts:
+            for _ in range(20):
+                act.draft_len.update(4, 4)  # now always right
+        wants = engine._plan()
+        assert [w.k for w in wants] == [0, 0] and [a.wanted for a in acts] == [1, 1]
+        assert min(w.k for w in engine._plan()) > 0
+
+
+def test_a_probe_measures_acceptance_not_the_drafters_supply(tiny):
+    """A probe asks drafters that rested until two steps before it: what its take finds is
+    not recorded as their supply (``holds``; a step that asks for drafts records it)."""
+    import numpy as np
+
+    from edgespec.config import EngineConfig
+    from edgespec.drafters import build_drafter
+    from edgespec.engine.spec_engine import Request, SpecEngine
+    from edgespec.runner.target_runner import TargetRunner
+
+    runner = TargetRunner(tiny.model, n_slots=4, max_len=256)
+    with SpecEngine(runner, build_drafter("mag"), EngineConfig(max_draft=4),
+                    stop_ids=set()) as engine:
+        acts = [engine.add(Request([1, 5, 6, 7], 100)), engine.add(Request([1, 8, 9], 100))]
+        engine.cost = fitted(0.040, 0.004)
+        for act in acts:
+            for _ in range(20):
+                act.draft_len.update(4, 0)  # never right
+        probes = 0
+        while probes < 2 and engine.active:
+            held = engine.rates.held_trials.copy()
+            engine.step()
+            if engine.prober.probing:  # it asked every session for a draft: not recorded
+                probes += 1
+                assert all(a.wanted for a in acts if a in engine.active)
+                assert np.array_equal(engine.rates.held_trials, held)
+        assert probes == 2
+
+
 def test_a_draft_that_holds_fewer_tokens_than_asked_is_asked_for_as_many_as_pay():
     """A board slower than the steps holds about 2 tokens when the step takes its draft: the
     forward is as wide as the drafts taken, so asking for more costs what it brings."""

@@ -57,7 +57,7 @@ from .chunk_pace import ChunkPace, LoopCounts
 
 log = logging.getLogger("edgespec.drafting")
 
-LEAD_SLACK = 2  # drafted beyond what the verifier asks: a probing step's ask (lead_cap)
+LEAD_SLACK = 2  # drafted beyond twice what the verifier asks, so that its ask can grow
 # a chunk drafted beyond the verifier's next ask (for the step after, should this one accept
 # it all) is this short, so that a fix arriving meanwhile waits for little of it
 AHEAD_CHUNK = 2
@@ -410,12 +410,10 @@ def _plan_round(channel: DraftChannel, book: DraftBook) -> list[_Job]:
 def lead_cap(wanted: int | None, window: int) -> int:
     """How far ahead of the committed end to draft a session whose last step asked ``wanted``
     draft tokens of it: enough for the next step's ask after a commit that moved the end by up
-    to wanted + 1, plus a probe's LEAD_SLACK (a step planned without drafts probes every
-    session with 2 now and then); the whole window when the verifier did not say. Drafting
-    further ahead only sends tokens no step will use, on the board's time. ``wanted`` 0: the
-    verifier rests the session's drafts (its batch drafts nothing and no probe is due within
-    two steps; the two steps before a probe ask again, ``step_planning.told_wants``): nothing
-    ahead."""
+    to wanted + 1, plus LEAD_SLACK (room for the next ask to grow); the whole window when the
+    verifier did not say. Drafting further ahead only sends tokens no step will use, on the
+    board's time. ``wanted`` 0: the verifier rests the session's drafts (its planner wants
+    none and no probe is due within two steps; ``step_planning.told_wants``): nothing ahead."""
     if wanted is None:
         return window
     if wanted <= 0:

@@ -71,7 +71,9 @@ class ActiveSession:
         self.verify = "exact"  # "exact" or "loose": how this session's drafts are verified
         self.chooser: Any = None  # --auto: its ``stack_choice.StackChooser``
         self.drafter = ""  # the drafter asked for its drafts ("": none)
-        self.wanted: int | None = None  # draft tokens this step asks of it (its verdict says)
+        # what its verdict tells its drafter this step asked of it (step_planning.told_wants:
+        # its ask, at least 1, or 0 when the drafters rest)
+        self.wanted: int | None = None
 
     @property
     def end(self) -> int:

@@ -61,7 +61,8 @@ def plan_drafts(acts: Sequence[ActiveSession], cfg: EngineConfig, cost: ForwardC
     ks = gains.caps
     if cfg.adaptive:
         planned = np.array(allocate(gains, cost), dtype=np.int64)
-        prober.every = probe_every(cost, len(acts), PROBE_TOKENS)
+        if prober.since == 0:  # fixed for a cycle: its probe comes where it was announced
+            prober.every = probe_every(cost, len(acts), PROBE_TOKENS)
         width = prober.planned(int(planned.max(initial=0)), PROBE_TOKENS)
         # no more than the session's drafter drafts ahead after the last ask (``lead_cap``):
         # a wider ask grows as the drafter's lead does, a step at a time
@@ -73,10 +74,13 @@ def told_wants(ks: Sequence[int], prober: Prober, adaptive: bool) -> list[int]:
     """What each session's drafter is told the step asked of it (``drafting_loop.lead_cap``
     reads it to size the drafter's lead): its ``ks`` at least 1, so that a session asked none
     in a batch that drafts keeps a short lead (its next ask grows from it); but 0 for every
-    session when the adaptive batch drafts nothing and no probe is due within two steps, which
-    rests the drafters (no token drafted or pushed that no step would verify) until the two
-    steps before the next probe, which ask again (``Prober.due_soon``)."""
-    if adaptive and max(ks, default=0) == 0 and not prober.due_soon:
+    session when the adaptive planner wanted no draft this step (``plan_drafts``' ``prober``
+    saw none planned and no probe: its count since runs on) and no probe is due within two
+    steps, which rests the drafters (no token drafted or pushed that no step would verify)
+    until the two steps before the next probe, which ask again (``Prober.due_soon``). A step
+    whose planner wanted drafts that the drafters' leads cut to 0 tells 1: their leads grow
+    back."""
+    if adaptive and max(ks, default=0) == 0 and prober.since > 0 and not prober.due_soon:
         return [0] * len(ks)
     return [max(1, k) for k in ks]
 
