@@ -222,9 +222,10 @@ def test_the_engine_asks_for_no_draft_where_drafts_do_not_pay_and_probes_all_row
             assert [(w.k, w.wait) for w in wants] == [(0, False), (0, False)]
         assert [(w.k, w.wait, w.wait_s) for w in plans[-1]] == \
             [(1, True, engine.wait_ms / 1000)] * 2  # a probe: every row, waited for
-        # the drafters rest between probes (told 0: nothing drafted ahead), and the two steps
-        # before a probe tell them to draft for it (1 asked: a lead of 4)
-        assert told == [[0, 0]] * (every - 3) + [[1, 1]] * 3
+        # the drafters rest between probes (told 0: nothing drafted ahead), and the step
+        # before a probe tells the drafting thread here to draft for it (1 asked: a lead of 4;
+        # boards are told two steps before: test_told_wants_gives_boards_two_steps_notice)
+        assert told == [[0, 0]] * (every - 2) + [[1, 1]] * 2
         for _ in range(20):
             acts[0].draft_len.update(4, 4)  # one session's drafts now always right
         wants = engine._plan()
@@ -234,6 +235,22 @@ def test_the_engine_asks_for_no_draft_where_drafts_do_not_pay_and_probes_all_row
         for act in acts:
             assert act.wanted is not None and engine.store.sessions[act.sid].wanted == act.wanted
         assert wants[0].wait and 0 < wants[1].wait_s < wants[0].wait_s <= engine.wait_ms / 1000
+
+
+def test_told_wants_gives_boards_two_steps_notice_of_a_probe():
+    from edgespec.drafters.adaptive import Prober
+    from edgespec.engine.step_planning import told_wants
+
+    told = {1: [], 2: []}
+    for notice, seen in told.items():
+        prober = Prober(6)
+        for _ in range(7):
+            ks = [prober.planned(0, 2)] * 3
+            seen.append(told_wants(ks, prober, True, notice)[0])
+        assert told_wants([0, 0], prober, False, notice) == [1, 1]  # not adaptive: never rests
+    # steps 1-5 plan nothing, step 6 probes with 2, step 7 plans nothing
+    assert told[1] == [0, 0, 0, 0, 1, 2, 0]
+    assert told[2] == [0, 0, 0, 1, 1, 2, 0]
 
 
 def test_a_rested_batch_drafts_again_as_soon_as_drafts_pay(tiny):

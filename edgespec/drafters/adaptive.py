@@ -49,14 +49,11 @@ class Prober:
             return small
         return 0
 
-    @property
-    def due_soon(self) -> bool:
-        """Whether one of the next two steps probes if they too are planned without drafts
-        (read after this step's ``planned``). The two steps before a probe tell the drafters
-        to draft for it: a board drafts for a commit while the next step runs, after that
-        step's take, so what it drafts for this step's commit is first taken the step after
-        (the next commit keeps it where its first token is the target's)."""
-        return self.since + 2 >= self.every
+    def due_within(self, steps: int) -> bool:
+        """Whether one of the next ``steps`` steps probes if they too are planned without
+        drafts (read after this step's ``planned``): the steps before a probe tell the
+        drafters to draft for it (``step_planning.told_wants``)."""
+        return self.since + steps >= self.every
 
 
 class DraftLength:

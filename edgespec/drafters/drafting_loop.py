@@ -413,7 +413,7 @@ def lead_cap(wanted: int | None, window: int) -> int:
     to wanted + 1, plus LEAD_SLACK (room for the next ask to grow); the whole window when the
     verifier did not say. Drafting further ahead only sends tokens no step will use, on the
     board's time. ``wanted`` 0: the verifier rests the session's drafts (its planner wants
-    none and no probe is due within two steps; ``step_planning.told_wants``): nothing ahead."""
+    none and no probe is near; ``step_planning.told_wants``): nothing ahead."""
     if wanted is None:
         return window
     if wanted <= 0:

@@ -209,7 +209,10 @@ class SpecEngine(SessionLifecycle):
         # drafts: one that asks it for some, worth a wait
         skip = self.lateness.not_waited_for({a.drafter for a, k, w in zip(acts, ks, worth)
                                              if a.drafter and k > 0 and w > 0})
-        for a, told in zip(acts, told_wants(ks, self.prober, self.cfg.adaptive)):
+        # a probe's notice to the drafters: the drafting thread here drafts for a commit at
+        # once, a board during the next step (``told_wants``)
+        notice = 1 if self.worker is not None else 2
+        for a, told in zip(acts, told_wants(ks, self.prober, self.cfg.adaptive, notice)):
             a.wanted = told
         return [DraftWant(a.sid, k, b, wait=k > 0 and w > 0 and a.drafter not in skip, wait_s=w)
                 for a, k, b, w in zip(acts, ks, budgets, worth)]

@@ -70,17 +70,22 @@ def plan_drafts(acts: Sequence[ActiveSession], cfg: EngineConfig, cost: ForwardC
     return cap_to_budget(ks, max(0, cfg.max_batch_tokens - len(ks))).tolist()
 
 
-def told_wants(ks: Sequence[int], prober: Prober, adaptive: bool) -> list[int]:
+def told_wants(ks: Sequence[int], prober: Prober, adaptive: bool, notice: int = 2
+               ) -> list[int]:
     """What each session's drafter is told the step asked of it (``drafting_loop.lead_cap``
     reads it to size the drafter's lead): its ``ks`` at least 1, so that a session asked none
     in a batch that drafts keeps a short lead (its next ask grows from it); but 0 for every
     session when the adaptive planner wanted no draft this step (``plan_drafts``' ``prober``
-    saw none planned and no probe: its count since runs on) and no probe is due within two
-    steps, which rests the drafters (no token drafted or pushed that no step would verify)
-    until the two steps before the next probe, which ask again (``Prober.due_soon``). A step
-    whose planner wanted drafts that the drafters' leads cut to 0 tells 1: their leads grow
-    back."""
-    if adaptive and max(ks, default=0) == 0 and prober.since > 0 and not prober.due_soon:
+    saw none planned and no probe: its count since runs on) and no probe is due within
+    ``notice`` steps, which rests the drafters (no token drafted or pushed that no step would
+    verify) until the ``notice`` steps before the next probe, which ask again. A board drafts
+    for a commit while the next step runs, after that step's take, so it needs 2 (what it
+    drafts for the commit two steps before the probe is taken there, kept by the commit
+    between wherever its first token is the target's); a drafting thread in process drafts
+    for a commit at once, while the step waits for a probe's drafts: 1. A step whose planner
+    wanted drafts that the drafters' leads cut to 0 tells 1: their leads grow back."""
+    if adaptive and max(ks, default=0) == 0 and prober.since > 0 and \
+            not prober.due_within(notice):
         return [0] * len(ks)
     return [max(1, k) for k in ks]
 
