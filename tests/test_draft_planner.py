@@ -1,5 +1,7 @@
 """The draft planner: forward cost fitted from steps, draft tokens handed out where they pay."""
 
+from contextlib import contextmanager
+
 import pytest
 
 from edgespec.engine.draft_planner import (ForwardCost, allocate, allocate_branches,
@@ -196,20 +198,29 @@ def test_a_session_without_branches_is_probed_now_and_then():
 
 
 # -- in the engine: what a step asks of the store -------------------------------------------------
-def test_the_engine_asks_for_no_draft_where_drafts_do_not_pay_and_probes_all_rows_at_once(tiny):
+@contextmanager
+def _never_right_pair(tiny, new_tokens: int = 20):
+    """An engine drafting with MaG in process for two sessions whose drafts were rejected 20
+    times, on a CPU's fitted cost (a draft token a row costs 10% of a step): (engine, sessions)."""
     from edgespec.config import EngineConfig
     from edgespec.drafters import build_drafter
     from edgespec.engine.spec_engine import Request, SpecEngine
     from edgespec.runner.target_runner import TargetRunner
 
-    runner = TargetRunner(tiny.model, n_slots=4, max_len=128)
+    runner = TargetRunner(tiny.model, n_slots=4, max_len=256)
     with SpecEngine(runner, build_drafter("mag"), EngineConfig(max_draft=4),
                     stop_ids=set()) as engine:
-        acts = [engine.add(Request([1, 5, 6, 7], 20)), engine.add(Request([1, 8, 9], 20))]
-        engine.cost = fitted(0.040, 0.004)  # a CPU: a draft token a row costs 10% of a step
+        acts = [engine.add(Request([1, 5, 6, 7], new_tokens)),
+                engine.add(Request([1, 8, 9], new_tokens))]
+        engine.cost = fitted(0.040, 0.004)
         for act in acts:
             for _ in range(20):
                 act.draft_len.update(4, 0)  # never right
+        yield engine, acts
+
+
+def test_the_engine_asks_for_no_draft_where_drafts_do_not_pay_and_probes_all_rows_at_once(tiny):
+    with _never_right_pair(tiny) as (engine, acts):
         from edgespec.engine.draft_planner import probe_every
 
         every = probe_every(engine.cost, 2, 2)
@@ -258,19 +269,7 @@ def test_a_rested_batch_drafts_again_as_soon_as_drafts_pay(tiny):
     drafts pay again (acceptance measured, sessions gone, a cheaper forward), the step tells
     them 1 (their leads grow back) and the next one asks for drafts, without waiting for a
     probe. A probe's period is fixed for its cycle, so it comes where it was announced."""
-    from edgespec.config import EngineConfig
-    from edgespec.drafters import build_drafter
-    from edgespec.engine.spec_engine import Request, SpecEngine
-    from edgespec.runner.target_runner import TargetRunner
-
-    runner = TargetRunner(tiny.model, n_slots=4, max_len=128)
-    with SpecEngine(runner, build_drafter("mag"), EngineConfig(max_draft=4),
-                    stop_ids=set()) as engine:
-        acts = [engine.add(Request([1, 5, 6, 7], 20)), engine.add(Request([1, 8, 9], 20))]
-        engine.cost = fitted(0.040, 0.004)
-        for act in acts:
-            for _ in range(20):
-                act.draft_len.update(4, 0)  # never right
+    with _never_right_pair(tiny) as (engine, acts):
         for _ in range(2):
             assert [w.k for w in engine._plan()] == [0, 0]
         assert [a.wanted for a in acts] == [0, 0]  # resting
@@ -287,23 +286,11 @@ def test_a_rested_batch_drafts_again_as_soon_as_drafts_pay(tiny):
 
 
 def test_a_probe_measures_acceptance_not_the_drafters_supply(tiny):
-    """A probe asks drafters that rested until two steps before it: what its take finds is
-    not recorded as their supply (``holds``; a step that asks for drafts records it)."""
+    """A probe asks drafters that rested until just before it: what its take finds is not
+    recorded as their supply (``holds``; a step that asks for drafts records it)."""
     import numpy as np
 
-    from edgespec.config import EngineConfig
-    from edgespec.drafters import build_drafter
-    from edgespec.engine.spec_engine import Request, SpecEngine
-    from edgespec.runner.target_runner import TargetRunner
-
-    runner = TargetRunner(tiny.model, n_slots=4, max_len=256)
-    with SpecEngine(runner, build_drafter("mag"), EngineConfig(max_draft=4),
-                    stop_ids=set()) as engine:
-        acts = [engine.add(Request([1, 5, 6, 7], 100)), engine.add(Request([1, 8, 9], 100))]
-        engine.cost = fitted(0.040, 0.004)
-        for act in acts:
-            for _ in range(20):
-                act.draft_len.update(4, 0)  # never right
+    with _never_right_pair(tiny, new_tokens=100) as (engine, acts):
         probes = 0
         while probes < 2 and engine.active:
             held = engine.rates.held_trials.copy()

@@ -336,6 +336,18 @@ def test_chunk_pace_keeps_full_chunks_when_none_would_land_or_all_do():
     assert ChunkPace().chunk(4, 1) == 4  # nothing seen yet
 
 
+def _drafted_for_an_ask_of_1(loop):
+    """Session "s" opened at [1, 2, 3] with the verifier's ask of 1: drafted 4 ahead (one chunk
+    handed on, [4, 5, 6, 7]). Returns the loop's channel and book."""
+    drafter, channel, book, _ = loop
+    drafter.gate.set()
+    _open(channel, book, wanted=1)
+    _eventually(lambda: channel.delivered, "an ask of 1's lead", channel)
+    with channel.cond:
+        assert channel.delivered == [("s", 0, 3, [4, 5, 6, 7])]
+    return channel, book
+
+
 def test_a_board_drafts_ahead_about_twice_what_the_verifier_asks(loop):
     """A session the verifier asked 1 token of (none, in a batch that drafts: it is told 1) is
     drafted 4 ahead; asked 4, up to the window; told 0 (rested), none: no token drafted that
@@ -344,12 +356,8 @@ def test_a_board_drafts_ahead_about_twice_what_the_verifier_asks(loop):
 
     assert [lead_cap(w, 8) for w in (None, 0, 1, 2, 3, 9)] == [8, 0, 4, 6, 8, 8]
     assert LEAD_SLACK == 2
-    drafter, channel, book, _ = loop
-    drafter.gate.set()
-    _open(channel, book, wanted=1)
-    _eventually(lambda: channel.delivered, "an ask of 1's lead", channel)
+    channel, book = _drafted_for_an_ask_of_1(loop)
     with channel.cond:
-        assert channel.delivered == [("s", 0, 3, [4, 5, 6, 7])]
         book.commit("s", 0, 3, wanted=4)
         channel.cond.notify_all()
     _eventually(lambda: len(channel.delivered) == 3, "drafted up to the window", channel)
@@ -362,12 +370,8 @@ def test_a_session_the_verifier_rests_is_drafted_again_when_it_asks(loop):
     its committed end."""
     from edgespec.drafters.drafting_loop import _plan_round
 
-    drafter, channel, book, _ = loop
-    drafter.gate.set()
-    _open(channel, book, wanted=1)
-    _eventually(lambda: channel.delivered, "an ask of 1's lead", channel)
+    channel, book = _drafted_for_an_ask_of_1(loop)
     with channel.cond:
-        assert channel.delivered == [("s", 0, 3, [4, 5, 6, 7])]
         book.commit("s", 0, 7, wanted=0)  # the lead verified; the verifier rests the session
         assert [job for job in _plan_round(channel, book) if not job.opening] == []
         book.commit("s", 0, 7, wanted=1)
