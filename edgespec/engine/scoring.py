@@ -71,10 +71,13 @@ def row_verdicts(step: ScoredStep, out: VerifyOutcome) -> list[RowVerdict]:
     verdicts = []
     for d, (tokens, _), path, token, kept in zip(step.drafts, step.nodes, out.paths, out.tokens,
                                                  out.lenient):
-        n = bisect_left(path, len(d.tokens))  # the path's chain nodes come first
-        branch = tuple(tokens[i] for i in path[n:])
-        verdict = Verdict(d.act.sid, d.epoch, d.start, n, token, branch=branch,
-                          own_branch=bool(branch) and not d.kept_branch(n, branch),
-                          wanted=d.act.wanted)
+        if not d.branches:  # a chain: its path is its first nodes, all the drafter's
+            verdict = Verdict(d.act.sid, d.epoch, d.start, len(path), token, wanted=d.act.wanted)
+        else:  # a branch's nodes (even one that extends the chain) follow the chain's
+            n = bisect_left(path, len(d.tokens))  # the path's chain nodes come first
+            branch = tuple(tokens[i] for i in path[n:])
+            verdict = Verdict(d.act.sid, d.epoch, d.start, n, token, branch=branch,
+                              own_branch=bool(branch) and not d.kept_branch(n, branch),
+                              wanted=d.act.wanted)
         verdicts.append(RowVerdict(verdict, tuple(path), tuple(kept)))
     return verdicts

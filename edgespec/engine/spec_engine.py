@@ -277,6 +277,8 @@ class SpecEngine(SessionLifecycle):
                      for (act, _), props in zip(taken, asked)]
         rows = [drafter_row(act, t, props.get("drafter"), o)
                 for (act, t), props, o in zip(taken, asked, offers)]
+        if self.head is None:  # no head: the drafter's rows as they are
+            return rows
         room = self.cfg.max_batch_tokens - sum(r.width for r in rows)
         # every row of the forward is as wide as the widest: the fullest slot bounds them all
         fits = min(self.target.max_len - r.start for r in rows)

@@ -110,16 +110,21 @@ class VerifyBatch:
                  ) -> "VerifyBatch":
         """The drafts' tensors (on the device) with each row's sampling settings, moved there
         in two copies (integers, floats). ``chains``: every row is a chain."""
+        n = len(params)
         greedy = [p.greedy for p in params]
-        ints = torch.tensor([starts, [0 if g else _signed(seed_of(p))
-                                      for g, p in zip(greedy, params)],
-                             [0 if g else (p.top_k or 0) for g, p in zip(greedy, params)],
-                             greedy, [m == "loose" for m in modes], [m == "pad" for m in modes]],
-                            dtype=torch.long).reshape(6, len(params))
-        floats = torch.tensor([[1.0 if g else max(p.temperature, 1e-5)
-                                for g, p in zip(greedy, params)],
-                               [1.0 if g else p.top_p for g, p in zip(greedy, params)]],
-                              dtype=torch.float32).reshape(2, len(params))
+        loose, pad = [m == "loose" for m in modes], [m == "pad" for m in modes]
+        sampled = [p for g, p in zip(greedy, params) if not g]
+        if sampled:
+            seeds = [0 if g else _signed(seed_of(p)) for g, p in zip(greedy, params)]
+            top_k = [0 if g else (p.top_k or 0) for g, p in zip(greedy, params)]
+            temps = [1.0 if g else max(p.temperature, 1e-5) for g, p in zip(greedy, params)]
+            top_p = [1.0 if g else p.top_p for g, p in zip(greedy, params)]
+        else:  # every row greedy (the common case): the settings of none
+            seeds = top_k = [0] * n
+            temps = top_p = [1.0] * n
+        ints = torch.tensor([starts, seeds, top_k, greedy, loose, pad],
+                            dtype=torch.long).reshape(6, n)
+        floats = torch.tensor([temps, top_p], dtype=torch.float32).reshape(2, n)
         if nodes.device.type == "cuda":  # pinned and not waited for: the forward runs on
             ints = ints.pin_memory().to(nodes.device, non_blocking=True)
             floats = floats.pin_memory().to(nodes.device, non_blocking=True)
@@ -128,12 +133,10 @@ class VerifyBatch:
         return cls(tokens=nodes, parents=parents, depths=depths, counts=counts,
                    starts=ints[0], seeds=ints[1], top_k=ints[2], greedy=ints[3].bool(),
                    loose=ints[4].bool(), pad=ints[5].bool(), temperature=floats[0], top_p=floats[1],
-                   any_sampled=not all(greedy),
-                   max_top_k=max([p.top_k or 0 for g, p in zip(greedy, params) if not g],
-                                 default=0),
-                   any_top_p=any(not g and p.top_p < 1.0 for g, p in zip(greedy, params)),
-                   any_loose=any(m == "loose" for m in modes),
-                   any_pad=any(m == "pad" for m in modes), max_depth=max_depth, chains=chains)
+                   any_sampled=bool(sampled),
+                   max_top_k=max([p.top_k or 0 for p in sampled], default=0),
+                   any_top_p=any(p.top_p < 1.0 for p in sampled),
+                   any_loose=any(loose), any_pad=any(pad), max_depth=max_depth, chains=chains)
 
 
 @dataclass(frozen=True)
