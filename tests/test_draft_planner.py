@@ -199,19 +199,23 @@ def test_a_session_without_branches_is_probed_now_and_then():
 
 # -- in the engine: what a step asks of the store -------------------------------------------------
 @contextmanager
-def _never_right_pair(tiny, new_tokens: int = 20):
-    """An engine drafting with MaG in process for two sessions whose drafts were rejected 20
-    times, on a CPU's fitted cost (a draft token a row costs 10% of a step): (engine, sessions)."""
+def _never_right_pair(tiny, new_tokens: int = 20, board: str | None = None):
+    """An engine drafting with MaG in process (``board``: for a board of that name, through a
+    store, no drafting thread here) for two sessions whose drafts were rejected 20 times, on a
+    CPU's fitted cost (a draft token a row costs 10% of a step): (engine, sessions)."""
     from edgespec.config import EngineConfig
     from edgespec.drafters import build_drafter
     from edgespec.engine.spec_engine import Request, SpecEngine
+    from edgespec.protocol.local_store import LocalSessionStore
     from edgespec.runner.target_runner import TargetRunner
 
     runner = TargetRunner(tiny.model, n_slots=4, max_len=256)
-    with SpecEngine(runner, build_drafter("mag"), EngineConfig(max_draft=4),
-                    stop_ids=set()) as engine:
-        acts = [engine.add(Request([1, 5, 6, 7], new_tokens)),
-                engine.add(Request([1, 8, 9], new_tokens))]
+    where = {"store": LocalSessionStore(None, runner.vocab_size)} if board else \
+        {"drafter": build_drafter("mag")}
+    with SpecEngine(runner, config=EngineConfig(max_draft=4), stop_ids=set(),
+                    **where) as engine:
+        acts = [engine.add(Request([1, 5, 6, 7], new_tokens), device=board),
+                engine.add(Request([1, 8, 9], new_tokens), device=board)]
         engine.cost = fitted(0.040, 0.004)
         for act in acts:
             for _ in range(20):
@@ -235,7 +239,7 @@ def test_the_engine_asks_for_no_draft_where_drafts_do_not_pay_and_probes_all_row
             [(1, True, engine.wait_ms / 1000)] * 2  # a probe: every row, waited for
         # the drafters rest between probes (told 0: nothing drafted ahead), and the step
         # before a probe tells the drafting thread here to draft for it (1 asked: a lead of 4;
-        # boards are told two steps before: test_told_wants_gives_boards_two_steps_notice)
+        # boards are told two steps before: test_boards_are_told_of_a_probe_two_steps_ahead)
         assert told == [[0, 0]] * (every - 2) + [[1, 1]] * 2
         for _ in range(20):
             acts[0].draft_len.update(4, 4)  # one session's drafts now always right
@@ -268,21 +272,52 @@ def test_a_rested_batch_drafts_again_as_soon_as_drafts_pay(tiny):
     """Drafters told 0 hold nothing ahead, so the planner's next ask is capped at 0; once its
     drafts pay again (acceptance measured, sessions gone, a cheaper forward), the step tells
     them 1 (their leads grow back) and the next one asks for drafts, without waiting for a
-    probe. A probe's period is fixed for its cycle, so it comes where it was announced."""
+    probe. A probe's period follows the batch, but a probe comes only where it was told of."""
     with _never_right_pair(tiny) as (engine, acts):
         for _ in range(2):
             assert [w.k for w in engine._plan()] == [0, 0]
         assert [a.wanted for a in acts] == [0, 0]  # resting
         every = engine.prober.every
-        engine.cost = fitted(0.040, 0.0001)  # a probe now cheaper: not before this cycle's end
-        engine._plan()
-        assert engine.prober.every == every
+        engine.cost = fitted(0.040, 0.0001)  # a probe now cheaper: it comes sooner, but told of
+        told, ks = [], []
+        while len(ks) < 40 and (not ks or max(ks[-1]) == 0):  # until the probe
+            ks.append([w.k for w in engine._plan()])
+            told.append([a.wanted for a in acts])
+        assert len(ks) + 2 < every  # sooner than the cycle began planning it
+        assert told == [[0, 0]] * (len(ks) - 2) + [[1, 1]] * 2  # the step before it told
+        for _ in range(3):
+            engine._plan()  # rest again
+        assert [a.wanted for a in acts] == [0, 0]
         for act in acts:
             for _ in range(20):
                 act.draft_len.update(4, 4)  # now always right
         wants = engine._plan()
         assert [w.k for w in wants] == [0, 0] and [a.wanted for a in acts] == [1, 1]
         assert min(w.k for w in engine._plan()) > 0
+
+
+def test_boards_are_told_of_a_probe_two_steps_ahead(tiny):
+    """Without a drafting thread here (boards through the store), the two steps before a probe
+    tell the drafters of it: a board drafts for a commit while the next step runs."""
+    from edgespec.engine.draft_planner import probe_every
+
+    with _never_right_pair(tiny, board="board-1") as (engine, acts):
+        assert engine.worker is None and all(a.drafter == "board-1" for a in acts)
+        every = probe_every(engine.cost, 2, 2)
+        told = []
+        for _ in range(every):
+            engine._plan()
+            told.append([a.wanted for a in acts])
+        assert engine.prober.probing
+        assert told == [[0, 0]] * (every - 3) + [[1, 1]] * 3
+        for _ in range(10):
+            engine._plan()  # resting, the next probe 7 steps away
+        engine.cost = fitted(0.040, 0.0001)  # probes now cheap: due at once, yet told of first
+        told, ks = [], []
+        while len(ks) < 40 and (not ks or max(ks[-1]) == 0):  # until the probe
+            ks.append([w.k for w in engine._plan()])
+            told.append([a.wanted for a in acts])
+        assert told == [[1, 1]] * 3 and len(ks) == 3
 
 
 def test_a_probe_measures_acceptance_not_the_drafters_supply(tiny):
@@ -294,6 +329,7 @@ def test_a_probe_measures_acceptance_not_the_drafters_supply(tiny):
         probes = 0
         while probes < 2 and engine.active:
             held = engine.rates.held_trials.copy()
+            engine.cost = fitted(0.040, 0.004)  # not the steps' own timing: a probe each 17th
             engine.step()
             if engine.prober.probing:  # it asked every session for a draft: not recorded
                 probes += 1

@@ -197,7 +197,10 @@ class SpecEngine(SessionLifecycle):
                 a.wanted = 0
             return [DraftWant(a.sid, 0, wait=False) for a in acts]
         gains = session_gains(acts)
-        ks = plan_drafts(acts, self.cfg, self.cost, self.prober, gains)
+        # a probe's notice to the drafters: the drafting thread here drafts for a commit at
+        # once, a board during the next step (``told_wants``)
+        notice = 1 if self.worker is not None else 2
+        ks = plan_drafts(acts, self.cfg, self.cost, self.prober, gains, notice)
         gains = gains.cut(ks)  # what the branches and the waits weigh: the drafts as planned
         budgets = plan_branch_budgets(acts, ks, self.cfg, self.cost, self.target.max_len, gains)
         wait_s = self.wait_ms / 1000
@@ -209,9 +212,6 @@ class SpecEngine(SessionLifecycle):
         # drafts: one that asks it for some, worth a wait
         skip = self.lateness.not_waited_for({a.drafter for a, k, w in zip(acts, ks, worth)
                                              if a.drafter and k > 0 and w > 0})
-        # a probe's notice to the drafters: the drafting thread here drafts for a commit at
-        # once, a board during the next step (``told_wants``)
-        notice = 1 if self.worker is not None else 2
         for a, told in zip(acts, told_wants(ks, self.prober, self.cfg.adaptive, notice)):
             a.wanted = told
         return [DraftWant(a.sid, k, b, wait=k > 0 and w > 0 and a.drafter not in skip, wait_s=w)
@@ -277,7 +277,7 @@ class SpecEngine(SessionLifecycle):
                      for (act, _), props in zip(taken, asked)]
         rows = [drafter_row(act, t, props.get("drafter"), o)
                 for (act, t), props, o in zip(taken, asked, offers)]
-        if self.head is None:  # no head: the drafter's rows as they are
+        if self.head is None or not rows:  # no head's drafts to add: the drafter's rows
             return rows
         room = self.cfg.max_batch_tokens - sum(r.width for r in rows)
         # every row of the forward is as wide as the widest: the fullest slot bounds them all

@@ -50,19 +50,22 @@ def cap_to_budget(ks: np.ndarray, budget: int) -> np.ndarray:
 
 
 def plan_drafts(acts: Sequence[ActiveSession], cfg: EngineConfig, cost: ForwardCost,
-                prober: Prober, gains: BatchGains | None = None) -> list[int]:
+                prober: Prober, gains: BatchGains | None = None, notice: int = 2) -> list[int]:
     """Draft tokens each session verifies this step: its adaptive length, cut by the planner to
     the width that pays, then the batch capped at ``max_batch_tokens`` (one own token per
     session + drafts) by shortening the longest drafts first. A step planned without drafts is
     now and then (``prober``, as often as a probe costs at most ``draft_planner.PROBE_SHARE``
     of the steps' time) given a short one for every session, to measure acceptance again: all
-    at once, since one row's draft widens every row. ``gains``: ``session_gains(acts)``."""
+    at once, since one row's draft widens every row. ``gains``: ``session_gains(acts)``;
+    ``notice``: the steps before a probe that tell the drafters of it (``told_wants``): a probe
+    once told of stays where it was, and the probe period shrinks no nearer than that."""
     gains = session_gains(acts) if gains is None else gains
     ks = gains.caps
     if cfg.adaptive:
         planned = np.array(allocate(gains, cost), dtype=np.int64)
-        if prober.since == 0:  # fixed for a cycle: its probe comes where it was announced
-            prober.every = probe_every(cost, len(acts), PROBE_TOKENS)
+        if not (prober.since and prober.due_within(notice)):  # told of: it stays where it is
+            prober.every = max(probe_every(cost, len(acts), PROBE_TOKENS),
+                               prober.since + 1 + notice)
         width = prober.planned(int(planned.max(initial=0)), PROBE_TOKENS)
         # no more than the session's drafter drafts ahead after the last ask (``lead_cap``):
         # a wider ask grows as the drafter's lead does, a step at a time
