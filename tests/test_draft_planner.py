@@ -223,6 +223,16 @@ def _never_right_pair(tiny, new_tokens: int = 20, board: str | None = None):
         yield engine, acts
 
 
+def _plan_until_a_probe(engine, acts) -> tuple[list[list[int]], list[list[int]]]:
+    """Plan steps (at most 40) up to the first that asks for drafts: what each step told the
+    sessions' drafters, and what it asked of them."""
+    told, ks = [], []
+    while len(ks) < 40 and (not ks or max(ks[-1]) == 0):
+        ks.append([w.k for w in engine._plan()])
+        told.append([a.wanted for a in acts])
+    return told, ks
+
+
 def test_the_engine_asks_for_no_draft_where_drafts_do_not_pay_and_probes_all_rows_at_once(tiny):
     with _never_right_pair(tiny) as (engine, acts):
         from edgespec.engine.draft_planner import probe_every
@@ -279,10 +289,7 @@ def test_a_rested_batch_drafts_again_as_soon_as_drafts_pay(tiny):
         assert [a.wanted for a in acts] == [0, 0]  # resting
         every = engine.prober.every
         engine.cost = fitted(0.040, 0.0001)  # a probe now cheaper: it comes sooner, but told of
-        told, ks = [], []
-        while len(ks) < 40 and (not ks or max(ks[-1]) == 0):  # until the probe
-            ks.append([w.k for w in engine._plan()])
-            told.append([a.wanted for a in acts])
+        told, ks = _plan_until_a_probe(engine, acts)
         assert len(ks) + 2 < every  # sooner than the cycle began planning it
         assert told == [[0, 0]] * (len(ks) - 2) + [[1, 1]] * 2  # the step before it told
         for _ in range(3):
@@ -313,10 +320,7 @@ def test_boards_are_told_of_a_probe_two_steps_ahead(tiny):
         for _ in range(10):
             engine._plan()  # resting, the next probe 7 steps away
         engine.cost = fitted(0.040, 0.0001)  # probes now cheap: due at once, yet told of first
-        told, ks = [], []
-        while len(ks) < 40 and (not ks or max(ks[-1]) == 0):  # until the probe
-            ks.append([w.k for w in engine._plan()])
-            told.append([a.wanted for a in acts])
+        told, ks = _plan_until_a_probe(engine, acts)
         assert told == [[1, 1]] * 3 and len(ks) == 3
 
 

@@ -8,17 +8,16 @@ commits and fixes, a close) in the book, under that lock. The loop plans a round
 applies the fixes received, sends held tokens again, and lists its jobs: the sessions to open, then
 every session with room in its window (W tokens beyond the committed position, or fewer: about
 twice what the verifier's last step asked of it, ``lead_cap``; none while it asks 0), furthest
-behind first, a chunk
-each (beyond what the verifier's next step asks, chunks of the channel's ``ahead_chunk``: a
-board's is AHEAD_CHUNK, so that a fix that comes while one is drafted waits for no more than
-that; in process, where the verifier and the drafter share the host, the whole chunk, since each
-chunk costs the host its own round of work). It does the jobs one by one, each checked under the
-lock first (a job whose session was fixed, closed or moved since is left to the next round), and
-plans a new round when the round is done or news came (a session, a commit, a fix): one pass
-over the sessions a round, not one a chunk. It does each job outside the lock, so receiving a
-fix or a commit never waits behind a model drafter's forward, then hands the chunk to the
-transport under the lock, unless a fix arrived meanwhile: the chunk then waits in the draft
-session for that fix to judge it.
+behind first, a chunk each (beyond what the verifier's next step asks, chunks of the channel's
+``ahead_chunk``: a board's is AHEAD_CHUNK, so that a fix that comes while one is drafted waits
+for no more than that; in process, where the verifier and the drafter share the host, the whole
+chunk, since each chunk costs the host its own round of work). It does the jobs one by one, each
+checked under the lock first (a job whose session was fixed, closed or moved since is left to
+the next round), and plans a new round when the round is done or news came (a session, a
+commit, a fix): one pass over the sessions a round, not one a chunk. It does each job outside
+the lock, so receiving a fix or a commit never waits behind a model drafter's forward, then
+hands the chunk to the transport under the lock, unless a fix arrived meanwhile: the chunk then
+waits in the draft session for that fix to judge it.
 
 A fix (roll back to a position, append the verifier's tokens) is applied against everything the
 draft session holds, sent or not (``apply_fix``): where the session's tokens already hold the

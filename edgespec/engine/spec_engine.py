@@ -256,8 +256,8 @@ class SpecEngine(SessionLifecycle):
             else:
                 out.append((act, t))
                 asked.append(want.k)
-        # what each draft held, as taken; not a probe's, asked one step ahead (its drafter
-        # rested before): what it finds measures acceptance, not a steady ask's supply
+        # what each draft held, as taken; not a probe's, told of only a step or two ahead (its
+        # drafter rested before): what it finds measures acceptance, not a steady ask's supply
         if out and not self.prober.probing:
             RowsOf([a.draft_len for a, _ in out]).record(
                 "supplied", np.array(asked, dtype=np.int64),
