@@ -14,6 +14,7 @@ import pytest
 from edgespec.config import SamplingParams
 from edgespec.drafters import Draft, Drafter, DraftSession
 from edgespec.drafters.drafting_loop import DraftBook, _plan_round, _pop_job
+from edgespec.drafters import mag
 from edgespec.drafters.mag import longest_suffix_match
 from edgespec.protocol.contract import DraftWant, Verdict
 from edgespec.protocol.local_store import LocalSessionStore
@@ -159,10 +160,15 @@ def _longest_suffix_match_by_definition(arr, max_ngram, min_ngram):
     return 0, -1
 
 
-def test_mag_suffix_match_is_the_longest_then_the_most_recent_occurrence():
+@pytest.mark.parametrize("one_by_one", [0, 4, 1000], ids=["together", "mixed", "one-by-one"])
+def test_mag_suffix_match_is_the_longest_then_the_most_recent_occurrence(one_by_one,
+                                                                         monkeypatch):
+    """Both ways of matching (candidates one by one, and narrowed together) give the
+    definition's answer, whichever the number of candidates."""
+    monkeypatch.setattr(mag, "SCAN_CANDIDATES", one_by_one)
     rng = np.random.default_rng(7)
     for _ in range(3000):
-        arr = rng.integers(0, int(rng.integers(1, 5)), int(rng.integers(1, 30)))
+        arr = rng.integers(0, int(rng.integers(1, 5)), int(rng.integers(1, 60)))
         top = int(rng.integers(1, 10))
         low = int(rng.integers(1, top + 1))
         assert longest_suffix_match(arr, top, low) == \

@@ -133,18 +133,52 @@ class TokenArray:
         return self._buf[:n]
 
 
+SCAN_CANDIDATES = 32  # up to this many earlier places of the last token: one by one
+
+
 def longest_suffix_match(arr: np.ndarray, max_ngram: int, min_ngram: int) -> tuple[int, int]:
     """(n, p): the longest n in [min_ngram, max_ngram] such that the last n tokens of ``arr``
     occur earlier at ``p`` (most recent such p, with at least one token after it), else (0, -1).
 
-    One pass over the candidates: the earlier positions holding the last token, narrowed token
-    by token backwards to those whose run still matches (a handful of small vector operations
-    whatever ``max_ngram``, not one scan of ``arr`` per length)."""
+    The candidates are the earlier positions holding the last token. A few (a context that
+    repeats itself: MaG's case) are compared one by one, most recent first, stopping at the first
+    run of ``max_ngram`` tokens or where no earlier run could be longer. Many are narrowed
+    together, token by token backwards to those whose run still matches (a handful of small
+    vector operations whatever ``max_ngram``, not one scan of ``arr`` per length)."""
     length = len(arr)
     top = min(max_ngram, length - 1)
     if top < min_ngram:
         return 0, -1
     ends = np.flatnonzero(arr[: length - 1] == arr[length - 1])  # the match's last token at e
+    n, end = (_match_one_by_one if len(ends) <= SCAN_CANDIDATES else _match_together)(
+        arr, ends, top)
+    if n < min_ngram:
+        return 0, -1
+    return n, end - n + 1
+
+
+def _match_one_by_one(arr: np.ndarray, ends: np.ndarray, top: int) -> tuple[int, int]:
+    """(the longest run, capped at ``top``, of tokens ending at a candidate e that equals the
+    same run ending ``arr``; the most recent e with it), or (0, -1) without candidates."""
+    suffix = arr[len(arr) - top:].tolist()[::-1]  # suffix[m] = arr[-1 - m]
+    n, end = 0, -1
+    for e in reversed(ends.tolist()):
+        if e + 1 <= n:  # ascending candidates: no earlier run can be longer
+            break
+        window = arr[max(0, e - top + 1): e + 1].tolist()[::-1]  # window[m] = arr[e - m]
+        m = 1  # window[0] == suffix[0]: a candidate holds the last token
+        while m < len(window) and window[m] == suffix[m]:
+            m += 1
+        if m > n:
+            n, end = m, e
+            if n == top:
+                break
+    return n, end
+
+
+def _match_together(arr: np.ndarray, ends: np.ndarray, top: int) -> tuple[int, int]:
+    """``_match_one_by_one``'s answer, every candidate narrowed at once."""
+    length = len(arr)
     n, end = 0, -1
     for m in range(top):
         if m:
@@ -153,9 +187,7 @@ def longest_suffix_match(arr: np.ndarray, max_ngram: int, min_ngram: int) -> tup
         if ends.size == 0:
             break
         n, end = m + 1, int(ends[-1])  # ascending: the last is the most recent
-    if n < min_ngram:
-        return 0, -1
-    return n, end - n + 1
+    return n, end
 
 
 def match_branches(arr: np.ndarray, chain: list[int], k: int, max_ngram: int, min_ngram: int,
