@@ -1,6 +1,9 @@
 """The distributed system on loopback with real processes: one `edgespec serve`, four drafters
-(two MaG, one tiny model drafter, one drafting token trees), concurrent clients, against
-embedded and external Redis."""
+(two MaG, one tiny model drafter, one drafting token trees), concurrent clients, over the
+embedded Redis. An external Redis by URL serves `test_verifier_and_cache_run_as_separate_processes`
+here; the store's contract suite (``test_cache_store``, ``test_store_contract``) runs over both
+kinds, so the cluster's tests are not run a second time over the external one (a minute of the
+suite's time)."""
 
 from __future__ import annotations
 
@@ -28,6 +31,13 @@ PROMPTS = [
     [1, 70, 71, 72, 73, 74],
     [1, 40, 41, 40, 41, 40, 41],
 ]
+
+
+@pytest.fixture(scope="module")
+def redis_url():
+    """The cluster's Redis: the embedded one (the module docstring says where the external one
+    is tested)."""
+    return None
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,7 @@ def gen():
     # every step waits until the drafter has answered (a draft of k tokens, or "nothing more"),
     # so what gets drafted does not depend on how fast the drafter thread happened to run
     g = LocalGenerator("default", "mag", dtype="float32", config=EngineConfig(
-        max_sessions=2, max_context=1024, draft_wait_ms=600_000, adaptive=False))
+        max_sessions=5, max_context=1024, draft_wait_ms=600_000, adaptive=False))
     yield g
     g.close()
 
@@ -65,7 +65,7 @@ def gen_bf16():
     if not exact_here("bfloat16"):
         pytest.skip("bfloat16 is not exact on this machine (its probe failed): not served")
     g = LocalGenerator("default", "mag", dtype="bfloat16", config=EngineConfig(
-        max_sessions=2, max_context=1024, draft_wait_ms=600_000, adaptive=False))
+        max_sessions=5, max_context=1024, draft_wait_ms=600_000, adaptive=False))
     yield g
     g.close()
 
@@ -76,24 +76,33 @@ def _spec_bench(categories: tuple[str, ...]) -> list[str]:
     return [q["prompt"] for q in load_questions(list(categories), 1, full=False)]
 
 
-@pytest.mark.parametrize("category", ["mt_bench", "summarization", "qa", "translation"])
-def test_bfloat16_speculative_equals_bfloat16_target_only(gen_bf16, category):
+CATEGORIES = ("mt_bench", "summarization", "qa", "translation")
+
+
+def test_bfloat16_speculative_equals_bfloat16_target_only(gen_bf16):
     """Where bfloat16 speculation used to differ from bfloat16 target-only (the first writing
     (mt_bench), summarization and qa prompts: attention over a different number of keys flipped
-    a near-tie): now token for token, a chain drafter and a model drafter, 64 tokens."""
-    ids = gen_bf16.encode(_spec_bench((category,))[0])
-    plain = gen_bf16.generate(ids, 64, SamplingParams(), drafter="none")
-    assert len(plain.token_ids) > 8 and gen_bf16.dtype == "bfloat16"
+    a near-tie): now token for token, a chain drafter and a model drafter, 64 tokens; and a
+    seeded sampled session, 48. The sessions run batched, each drafter's and target-only's (the
+    batch is the served path; batched target-only is each session's alone, ``test_batch_
+    invariance``), so that the four categories cost one generation each way."""
+    from edgespec.engine.generation import Request
+
+    prompts = [gen_bf16.encode(_spec_bench((c,))[0]) for c in CATEGORIES]
+    assert len(prompts) == len(CATEGORIES) and gen_bf16.dtype == "bfloat16"
+    sampled = SamplingParams(temperature=0.8, top_p=0.95, seed=7)
+    reqs = [(ids, 64, SamplingParams()) for ids in prompts] + [(prompts[0], 48, sampled)]
+
+    def outputs(drafter: str) -> list[list[int]]:
+        got = gen_bf16.engine(drafter).generate_many([Request(list(i), n, p)
+                                                      for i, n, p in reqs])
+        return [r.token_ids for r in got]
+
+    plain = outputs("none")
+    assert all(len(out) > 8 for out in plain)
     for drafter in ("mag", "layers:6"):
-        assert gen_bf16.generate(ids, 64, SamplingParams(), drafter=drafter).token_ids == \
-            plain.token_ids, drafter
-
-
-def test_bfloat16_seeded_sampling_equals_its_target_only(gen_bf16):
-    ids = gen_bf16.encode(_spec_bench(("mt_bench",))[0])
-    params = SamplingParams(temperature=0.8, top_p=0.95, seed=7)
-    plain = gen_bf16.generate(ids, 48, params, drafter="none")
-    assert gen_bf16.generate(ids, 48, params, drafter="layers:6").token_ids == plain.token_ids
+        for what, spec, ref in zip([*CATEGORIES, "sampled"], outputs(drafter), plain):
+            assert spec == ref, (drafter, what)
 
 
 def test_the_shipped_heads_keep_float32_output_and_get_accepted(gen, hf_ref):
