@@ -427,3 +427,55 @@ def test_chunks_beyond_the_next_ask_are_short(loop):
     _eventually(lambda: len(channel.delivered) == 3, "a lead of 8", channel)
     assert [(start, tokens) for _, _, start, tokens in channel.delivered] == [
         (3, [4, 5, 6, 7]), (7, [8, 9]), (9, [10, 11])]
+
+
+class CountingSession(DraftSession):
+    """Proposes k tokens counting up from its last one; records each k asked."""
+
+    def __init__(self, drafter: "CountingDrafter", tokens, params):
+        super().__init__(tokens, params)
+        self.drafter = drafter
+
+    def propose(self, k: int) -> Draft:
+        self.drafter.asks.append(k)  # only the loop's thread proposes
+        out = [(self.tokens[-1] + 1 + i) % 50 for i in range(k)]
+        self.tokens.extend(out)
+        return Draft(out)
+
+
+class CountingDrafter(Drafter):
+    name = "counting"
+
+    def __init__(self, instant: bool):
+        self.instant = instant
+        self.asks: list[int] = []
+
+    def open(self, tokens, params) -> CountingSession:
+        return CountingSession(self, tokens, params)
+
+
+@pytest.mark.parametrize("instant,asks", [(True, [16]), (False, [4, 4, 4, 4])],
+                         ids=["instant", "model"])
+def test_the_drafting_thread_drafts_an_instant_drafters_lead_in_one_chunk(instant, asks):
+    """In process, a drafter whose chunk costs the same whatever its length (MaG, Cacheback:
+    ``Drafter.instant``) drafts the session's whole lead (the window, before any ask) in one
+    chunk; a model drafter in chunks of ``--chunk``."""
+    from edgespec.config import EngineConfig
+    from edgespec.drafters import build_drafter
+    from edgespec.engine.draft_worker import DraftWorker
+    from edgespec.protocol.local_store import LocalSessionStore
+
+    assert build_drafter("mag").instant and build_drafter("mag+cacheback").instant
+    store, drafter = LocalSessionStore(None, 100), CountingDrafter(instant)
+    cfg = EngineConfig(window=16, chunk=4)
+    worker = DraftWorker(drafter, store, cfg)
+    worker.start()
+    try:
+        store.create("s", [1, 2, 3], SamplingParams(), drafter="counting")
+        with store.cond:
+            assert store.cond.wait_for(lambda: len(store.sessions["s"].draft) >= 16, WAIT_S)
+            assert store.sessions["s"].draft == [(4 + i) % 50 for i in range(16)]
+    finally:
+        worker.stop()
+    assert not worker.is_alive()
+    assert drafter.asks == asks
