@@ -214,9 +214,9 @@ def test_speculative_decoding_on_the_split_attention_across_key_chunks_is_target
                           exact=False, attention_kernel="split")
     assert runner.attention == "split" and runner.kernel_set.attention == "split"
     rng = random.Random(9)
-    prompts = [[1] + [rng.randrange(3, 100) for _ in range(n)] for n in (56, 60)]
+    prompts = [[1] + [rng.randrange(3, 100) for _ in range(n)] for n in (58, 60)]
     _mag_equals_target_only(runner, prompts, [SamplingParams(), SamplingParams(temperature=0.8,
-                                                                               seed=3)], 12)
+                                                                               seed=3)], 8)
     assert runner.graphs.replays > 0
     with pytest.raises(ConfigError, match="attention kernel must be one of"):
         _fused(small.model, n_slots=1, attention_kernel="flash")

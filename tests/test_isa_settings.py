@@ -3,8 +3,9 @@ would run them: oneDNN and torch capped to an older ISA (``ONEDNN_MAX_CPU_ISA``,
 ``ATEN_CPU_CAPABILITY``, read when each library starts, so each setting is its own pytest
 process). AVX-512 without BF16 is Cascade Lake's (and many cloud machines'): there bfloat16 is
 emulated and was once not batch-invariant at 8 threads; AVX2 is a laptop's, where torch's packed
-bfloat16 linear does not exist and bfloat16 must be refused. The sweeps inside run at 1, 2, 5
-and 8 threads (``test_batch_invariance``'s ``threads`` fixture)."""
+bfloat16 linear does not exist and bfloat16 must be refused. The sweeps inside run at 2, 5 and 8
+threads (``test_batch_invariance``'s ``threads`` fixture; at 1 thread, where no work is split
+between threads, natively only: the suite's time)."""
 
 from __future__ import annotations
 
@@ -59,7 +60,8 @@ def setting(request):
 
 
 def test_the_sweeps_and_losslessness_pass_under_an_older_isa(setting):
-    r = _under(setting, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", *SELECTED)
+    r = _under(setting, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", "-k",
+               "not 1threads", *SELECTED)
     tail = r.stdout[-3000:]
     assert r.returncode == 0, tail + r.stderr[-2000:]
     assert " passed" in tail and " failed" not in tail, tail
