@@ -100,10 +100,6 @@ class Drafter(ABC):
     # the time it needs to draft a few tokens.
     wait_ms: float = 10.0
     uses_fleet: bool = False  # drafts from the fleet-wide table (``use_fleet``)
-    # a chunk costs about the same whatever its length (no forward a token: MaG, Cacheback), so
-    # the drafting thread in process drafts a session's whole lead in one chunk
-    # (``draft_worker.LocalChannel``); a model drafter's chunks stay short, to land early
-    instant: bool = False
 
     @abstractmethod
     def open(self, tokens: list[int], params: SamplingParams) -> DraftSession:

@@ -243,7 +243,6 @@ class CachebackDrafter(Drafter):
                  fleet_leaders: int = 1 << 18, weak_limit: int = 1):
         self.name = "mag+cacheback" if with_mag else "cacheback"
         self.uses_fleet = True
-        self.instant = True  # table lookups and a suffix match: no forward a token
         self.with_mag = with_mag
         self.session_leaders = session_leaders
         self.weak_limit = weak_limit

@@ -149,7 +149,7 @@ def longest_suffix_match(arr: np.ndarray, max_ngram: int, min_ngram: int) -> tup
     top = min(max_ngram, length - 1)
     if top < min_ngram:
         return 0, -1
-    ends = (arr[: length - 1] == arr[length - 1]).nonzero()[0]  # the match's last token at e
+    ends = np.flatnonzero(arr[: length - 1] == arr[length - 1])  # the match's last token at e
     n, end = (_match_one_by_one if len(ends) <= SCAN_CANDIDATES else _match_together)(
         arr, ends, top)
     if n < min_ngram:
@@ -306,7 +306,6 @@ class MaGSession(DraftSession):
 
 class MaGDrafter(Drafter):
     name = "mag"
-    instant = True  # a suffix match and a slice, whatever the chunk's length
 
     def __init__(self, max_ngram: int = 8, min_ngram: int = 1, tokens_per_match_token: int = 2,
                  bigram_min_share: float = 0.5, max_bigram_leaders: int = 16384,

@@ -22,18 +22,13 @@ from ..protocol.local_store import LocalSessionStore
 class LocalChannel:
     """The drafting loop's transport over a ``LocalSessionStore``."""
 
-    def __init__(self, store: LocalSessionStore, cfg: EngineConfig, instant: bool = False):
-        """``instant``: the drafter's chunk costs about the same whatever its length
-        (``Drafter.instant``): chunks of the whole window (a session's lead in one), not of
-        ``cfg.chunk``."""
+    def __init__(self, store: LocalSessionStore, cfg: EngineConfig):
         self.store, self.cond = store, store.cond
-        self.window, self.tree_width = cfg.window, cfg.tree_width
-        # the drafting thread's work is the verifier's host's, a round of it a chunk: chunks
-        # beyond the next step's ask as long as any (bench-host: half the thread's time at 64
-        # sessions with MaG against chunks of AHEAD_CHUNK), and an instant drafter's as long
-        # as the lead (a third fewer chunks than with cfg.chunk's 4 at 64 sessions with MaG)
-        self.chunk = cfg.window if instant else cfg.chunk
-        self.ahead_chunk = self.chunk
+        self.window, self.chunk, self.tree_width = cfg.window, cfg.chunk, cfg.tree_width
+        # chunks beyond the next step's ask as long as any: the drafting thread's work is the
+        # verifier's host's, a round of it a chunk (bench-host: half the thread's time at 64
+        # sessions with MaG against chunks of AHEAD_CHUNK)
+        self.ahead_chunk = cfg.chunk
         self._last_fix: dict[str, int] = {}  # sid -> the last fix id the book has
         with store.lock:
             store.read_changes()  # from now on the store keeps what changed
@@ -85,7 +80,7 @@ class DraftWorker(threading.Thread):
     def __init__(self, drafter: Drafter, store: LocalSessionStore, cfg: EngineConfig):
         super().__init__(daemon=True, name=f"drafter-{drafter.name}")
         self.drafter = drafter
-        self.channel = LocalChannel(store, cfg, drafter.instant)
+        self.channel = LocalChannel(store, cfg)
         self.book = DraftBook()
         self.stopping = False
 
