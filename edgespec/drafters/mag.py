@@ -133,7 +133,7 @@ class TokenArray:
         return self._buf[:n]
 
 
-SCAN_CANDIDATES = 32  # up to this many earlier places of the last token: one by one
+SCAN_CANDIDATES = 16  # up to this many earlier places of the last token: one by one
 
 
 def longest_suffix_match(arr: np.ndarray, max_ngram: int, min_ngram: int) -> tuple[int, int]:
