@@ -3,10 +3,12 @@ the same contexts: every candidate narrowed together (the baseline: how it alway
 before), and candidates compared one by one up to ``SCAN_CANDIDATES`` of them (the default).
 
 Contexts: every second prefix (from 16 tokens) of Spec-Bench questions and their references
-(every 12th of the 480, the default model's tokenizer), and every third prefix (from 64 tokens)
-of a 1,200-token context that repeats a 24-token cycle with 10% of its tokens random (what
-``bench-host``'s target writes). Both ways give the same answer everywhere (checked here too);
-NumPy on one thread, pure host work. Prints a table and writes JSON.
+(every 12th of the 480, the default model's tokenizer), and the prefixes of a context that
+repeats a 24-token cycle with 10% of its tokens random (what ``bench-host``'s target writes):
+each of 64-192 tokens (bench-host's: a 64-token prompt and 128 new), and every third of
+64-1,200 tokens (past ~420 tokens more than 16 candidates: the old way, unchanged). Both ways
+give the same answer everywhere (checked here too). Pure host work, NumPy's elementwise
+operations (single-threaded). Prints a table and writes JSON.
 
     python scripts/suffix_match_bench.py --json bench-results/suffix-match.json
 """
@@ -67,8 +69,10 @@ def main() -> int:
     p.add_argument("--json", type=Path, default=Path("bench-results/suffix-match.json"))
     args = p.parse_args()
     default = mag.SCAN_CANDIDATES
+    repeating = repeating_context()
     sets = {"spec-bench": [t[:n] for t in spec_bench_texts() for n in range(16, len(t), 2)],
-            "repeating": [repeating_context()[:n] for n in range(64, 1200, 3)]}
+            "rep-64-192": [repeating[:n] for n in range(64, 193)],
+            "rep-64-1200": [repeating[:n] for n in range(64, 1200, 3)]}
     rows = []
     for name, contexts in sets.items():
         together, ref = time_way(contexts, 0, args.repeats)

@@ -34,22 +34,13 @@ PROMPTS = [
 
 
 @pytest.fixture(scope="module")
-def redis_url():
-    """The cluster's Redis: the embedded one (the module docstring says where the external one
-    is tested)."""
-    return None
-
-
-@pytest.fixture(scope="module")
-def cluster(redis_url, looping_dir, tiny_draft_dir, tmp_path_factory):
+def cluster(looping_dir, tiny_draft_dir, tmp_path_factory):
+    """serve over the embedded Redis (the module docstring says where the external one is
+    tested) and its four drafters."""
     tmp = tmp_path_factory.mktemp("cluster")
-    if redis_url:  # a clean external database for each run
-        import redis
-
-        redis.Redis.from_url(redis_url).flushdb()
     # every step waits (up to 5 s) until the drafter has answered, with a fixed draft length:
     # what gets drafted and accepted then does not depend on how fast the machine is
-    serve, address = start_serve(looping_dir, tmp, redis_url, token=TOKEN,
+    serve, address = start_serve(looping_dir, tmp, None, token=TOKEN,
                                  extra=["--draft-wait-ms", 5000, "--no-adaptive"])
     drafters = {name: start_drafter(address, name, tmp, spec, extra=extra)
                 for name, spec, extra in
@@ -59,7 +50,7 @@ def cluster(redis_url, looping_dir, tiny_draft_dir, tmp_path_factory):
     for d in drafters.values():
         d.wait_for("attached to")
     state = {"address": address, "serve": serve, "drafters": drafters, "model": looping_dir,
-             "redis_url": redis_url}
+             "redis_url": None}
     yield state
     for d in drafters.values():
         d.stop()

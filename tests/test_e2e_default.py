@@ -24,7 +24,7 @@ def gen():
     # every step waits until the drafter has answered (a draft of k tokens, or "nothing more"),
     # so what gets drafted does not depend on how fast the drafter thread happened to run
     g = LocalGenerator("default", "mag", dtype="float32", config=EngineConfig(
-        max_sessions=5, max_context=1024, draft_wait_ms=600_000, adaptive=False))
+        max_sessions=2, max_context=1024, draft_wait_ms=600_000, adaptive=False))
     yield g
     g.close()
 
@@ -108,7 +108,8 @@ def test_bfloat16_speculative_equals_bfloat16_target_only(gen_bf16):
         plain = outputs(gen_bf16, "none")
         assert all(len(out) > 8 for out in plain)
         for gen, drafter in ((gen_bf16, "mag"), (model_drafted, "layers:6")):
-            for what, spec, ref in zip([*CATEGORIES, "sampled"], outputs(gen, drafter), plain):
+            for what, spec, ref in zip([*CATEGORIES, "sampled"], outputs(gen, drafter), plain,
+                                       strict=True):
                 assert spec == ref, (drafter, what)
     finally:
         model_drafted.close()

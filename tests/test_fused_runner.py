@@ -208,13 +208,14 @@ def _mag_equals_target_only(runner, prompts, params, new: int) -> None:
 def test_speculative_decoding_on_the_split_attention_across_key_chunks_is_target_only(
         small, monkeypatch):
     """Graphed steps on the split attention (keys in fixed chunks merged in order; chunks of 64
-    here, not 256, so that short prompts cross two while they decode: the interpreter is slow)."""
+    here, not 256, so that short prompts cross two while they decode: the interpreter is slow;
+    prompts of 61 and 63 tokens, 8 new: keys past 64 from the 4th and 2nd token)."""
     monkeypatch.setattr(fused_attention, "SPLIT_KEYS", 64)
     runner = TargetRunner(small.model, n_slots=2, max_len=128, kernels="triton", graphs=True,
                           exact=False, attention_kernel="split")
     assert runner.attention == "split" and runner.kernel_set.attention == "split"
     rng = random.Random(9)
-    prompts = [[1] + [rng.randrange(3, 100) for _ in range(n)] for n in (58, 60)]
+    prompts = [[1] + [rng.randrange(3, 100) for _ in range(n)] for n in (60, 62)]
     _mag_equals_target_only(runner, prompts, [SamplingParams(), SamplingParams(temperature=0.8,
                                                                                seed=3)], 8)
     assert runner.graphs.replays > 0
