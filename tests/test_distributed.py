@@ -49,8 +49,7 @@ def cluster(looping_dir, tiny_draft_dir, tmp_path_factory):
                  ("tree-1", "mag+cacheback", ("--tree-width", "4"))]}
     for d in drafters.values():
         d.wait_for("attached to")
-    state = {"address": address, "serve": serve, "drafters": drafters, "model": looping_dir,
-             "redis_url": None}
+    state = {"address": address, "serve": serve, "drafters": drafters, "model": looping_dir}
     yield state
     for d in drafters.values():
         d.stop()
@@ -283,7 +282,7 @@ def test_drafter_reconnects_and_resumes_after_the_server_restarts(cluster, loopi
     mag = cluster["drafters"]["mag-1"]
     before = mag.text().count("attached to")
     assert serve.stop() == 0  # SIGTERM: drained and exited cleanly
-    new, address = start_serve(cluster["model"], tmp_path, cluster["redis_url"], port=port,
+    new, address = start_serve(cluster["model"], tmp_path, None, port=port,
                                token=TOKEN, extra=["--draft-wait-ms", 5000, "--no-adaptive"])
     cluster["serve"] = new
     t0 = time.monotonic()

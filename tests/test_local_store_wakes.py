@@ -15,7 +15,6 @@ from edgespec.config import SamplingParams
 from edgespec.drafters import Draft, Drafter, DraftSession
 from edgespec.drafters.drafting_loop import DraftBook, _plan_round, _pop_job
 from edgespec.drafters import mag
-from edgespec.drafters.mag import longest_suffix_match
 from edgespec.protocol.contract import DraftWant, Verdict
 from edgespec.protocol.local_store import LocalSessionStore
 
@@ -171,5 +170,5 @@ def test_mag_suffix_match_is_the_longest_then_the_most_recent_occurrence(one_by_
         arr = rng.integers(0, int(rng.integers(1, 5)), int(rng.integers(1, 60)))
         top = int(rng.integers(1, 10))
         low = int(rng.integers(1, top + 1))
-        assert longest_suffix_match(arr, top, low) == \
+        assert mag.longest_suffix_match(arr, top, low) == \
             _longest_suffix_match_by_definition(arr, top, low), (arr, top, low)
