@@ -9,6 +9,10 @@ import pytest
 import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Two workers share two cores (pytest-xdist, below): OpenMP threads that spin while they wait
+# would take the core the other worker's threads need (a multi-threaded sweep ran 3x slower
+# beside a busy core); passive waiting leaves it to them. Read when torch starts its threads.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import triton_on_cpu  # noqa: E402,F401  (before anything imports Triton: its interpreter here)
 
 # every runner's start check runs (tests make kernels fail it on purpose); its own tests cache
@@ -32,6 +36,19 @@ CHAT_TEMPLATE = (
 # that starts processes, servers, Ray or ssh, installs environments or runs long sweeps says so
 # itself (``pytestmark = pytest.mark.slow``), and so does every test that loads the real default
 # model (``real_model`` with ``slow``): a renamed module keeps its tier.
+
+
+# The README's test command runs the suite on two pytest-xdist workers (`-n 2`): the suite waits
+# on processes, servers and sockets for much of its time, so a second worker fills the idle core.
+# Each module runs whole on one worker (its module fixtures are built once); the modules that
+# start Ray clusters run on one worker, one after another (Ray keeps some state per machine).
+RAY_MODULES = {"test_fleet", "test_simulate", "test_ray_up"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        module = item.module.__name__.rpartition(".")[2] if item.module else item.nodeid
+        item.add_marker(pytest.mark.xdist_group("ray" if module in RAY_MODULES else module))
 
 
 def hf_greedy(model, ids: list[int], n: int, eos=(2,)) -> list[int]:
