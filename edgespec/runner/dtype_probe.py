@@ -8,8 +8,10 @@ float32: ``cpu_kind``) and the packed linear layers (every row alone, in pairs a
 gives the same bits, and the product is right: within bfloat16 rounding of a float32 reference).
 ``auto`` measures: among the dtypes that pass, the one whose linear layer is faster here (on an
 AMX CPU bfloat16, about 1.5x float32's forward; on Cascade Lake, where oneDNN emulates bfloat16,
-float32). CPU flags are not trusted: the machine this was built on advertises AMX, and
-llama.cpp's AMX path faults on it, while oneDNN's runs.
+float32). The linear layers' rows go in one call, or in padded calls of 32 rows where only those
+are invariant (``packed_products``: an Emerald Rapids Xeon's bfloat16). CPU flags are not
+trusted: the machine this was built on advertises AMX, and llama.cpp's AMX path faults on it,
+while oneDNN's runs.
 """
 
 from __future__ import annotations
@@ -18,11 +20,15 @@ import functools
 import logging
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..config import DTYPE_NAMES, ConfigError
 from .cpu_kind import cpu_kind
+
+if TYPE_CHECKING:
+    from .linear import Linear
 
 log = logging.getLogger("edgespec.dtype")
 
@@ -78,28 +84,52 @@ def attention_tile(dtype: torch.dtype, device: str = "cpu", kv_heads: int = 2, g
     return None if kernel is None else kernel.col_tile
 
 
+PRODUCTS = ("packed", "packed-tiles")  # the CPU's exact products, the cheaper first
+
+
+def packed_products(dtype: torch.dtype, device: str = "cpu") -> str | None:
+    """How the runner's linear layers in ``dtype`` give every row its bits here, at torch's
+    thread count now: "packed" (one oneDNN call whatever the rows), else "packed-tiles" (every
+    call ``linear.CPU_TILE_ROWS`` rows, padded, where oneDNN changes kernels with the row count:
+    an Emerald Rapids Xeon's bfloat16), else None (not batch-invariant here)."""
+    for products in PRODUCTS:
+        if _packed_linear_exact(dtype, device, torch.get_num_threads(), products):
+            return products
+    return None
+
+
 def packed_linear_exact(dtype: torch.dtype, device: str = "cpu") -> bool:
     """Whether the runner's linear layer in ``dtype`` computes the right product and gives every
     row the same bits alone and among 64 rows, for the default model's widest reduction (its
-    down projection, 1536 -> 576: a lone row once took another path there), at torch's thread
-    count now."""
-    return _packed_linear_exact(dtype, device, torch.get_num_threads())
+    down projection, 1536 -> 576: a lone row once took another path there), in one of
+    ``PRODUCTS``, at torch's thread count now."""
+    return packed_products(dtype, device) is not None
+
+
+def linear_for(products: str, weight: torch.Tensor, bias: torch.Tensor | None = None
+               ) -> "Linear":
+    """The runner's linear layer with these products ("packed", "packed-tiles", "plain")."""
+    from .linear import CPU_TILE_ROWS, Linear
+
+    return Linear(weight, bias, pack=products != "plain",
+                  row_tile=CPU_TILE_ROWS if products == "packed-tiles" else None)
 
 
 @functools.lru_cache(maxsize=None)
-def _packed_linear_exact(dtype: torch.dtype, device: str, threads: int) -> bool:
-    from .linear import Linear
-
+def _packed_linear_exact(dtype: torch.dtype, device: str, threads: int, products: str) -> bool:
     g = torch.Generator().manual_seed(1)
     w = (torch.randn(576, 1536, generator=g) * 0.05).to(device=device, dtype=dtype)
     x = (torch.randn(64, 1536, generator=g) * 2).to(device=device, dtype=dtype)
     try:
-        lin = Linear(w)
+        lin = linear_for(products, w)
         wide = lin(x)
         if not _rows_agree(lin, x, wide):
             return False
+        # calls that end in a part of a tile (a lone row among them)
+        if first_varying_count(lin, x, [3, 17, 31, 33, 47]) is not None:
+            return False
     except RuntimeError as exc:
-        log.info("packed linear probe in %s on %s failed: %s", dtype, device, exc)
+        log.info("linear probe (%s) in %s on %s failed: %s", products, dtype, device, exc)
         return False
     ref = x.float() @ w.float().t()
     return (wide.float() - ref).abs().max().item() <= 0.05 * ref.abs().max().item()
@@ -160,13 +190,12 @@ def linear_cost_ms(dtype: torch.dtype, device: str = "cpu", rows: int = 8,
                    repeats: int = 21) -> float:
     """Median milliseconds of the runner's linear layer over ``rows`` rows (a verification
     step's) at the default model's MLP width (576 -> 3072, its gate and up projections: the
-    shape most of a forward's time goes through), at torch's thread count now."""
-    from .linear import Linear
-
+    shape most of a forward's time goes through), at torch's thread count now, in the products
+    the runner would use."""
     g = torch.Generator().manual_seed(3)
     w = (torch.randn(3072, 576, generator=g) * 0.05).to(device=device, dtype=dtype)
     x = (torch.randn(rows, 576, generator=g)).to(device=device, dtype=dtype)
-    lin = Linear(w)
+    lin = linear_for(packed_products(dtype, device) or "packed", w)
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     times = []
     for i in range(repeats + 3):

@@ -59,15 +59,16 @@ class HeadLayout:
 @dataclass(frozen=True)
 class KernelSet:
     """How one runner computes a step. ``products``: the linear layers' kernels (eager:
-    ``packed`` oneDNN weights or ``plain`` torch ones; fused: ``tiles``, cuBLAS in 128-row tiles,
-    or ``triton``). ``attention``: eager: ``blocks`` (fixed-shape products over key blocks, query
-    columns in tiles of ``col_tile``, the products in ``attention_products`` or the model's own
-    dtype when ""); fused: ``tiles``, ``rows`` or ``split``. ``proven``: the start probes chose
-    the attention (an exact runner); a drafter's runner takes the defaults unprobed.
-    ``device``: the GPU's name, or the CPU's model, ISA flags and caps; ``threads``: torch's
-    intra-op threads on a CPU (they split products there), 0 on a GPU; ``torch_version``: with
-    the CUDA it was built for on a GPU. ``code``: a digest of the numeric modules' source (an
-    edited kernel is another kernel set)."""
+    ``packed`` oneDNN weights, ``packed-tiles`` the same in padded calls of 32 rows where its
+    probe needs them (``linear.CPU_TILE_ROWS``), or ``plain`` torch ones; fused: ``tiles``,
+    cuBLAS in 128-row tiles, or ``triton``). ``attention``: eager: ``blocks`` (fixed-shape
+    products over key blocks, query columns in tiles of ``col_tile``, the products in
+    ``attention_products`` or the model's own dtype when ""); fused: ``tiles``, ``rows`` or
+    ``split``. ``proven``: the start probes chose the attention (an exact runner); a drafter's
+    runner takes the defaults unprobed. ``device``: the GPU's name, or the CPU's model, ISA flags
+    and caps; ``threads``: torch's intra-op threads on a CPU (they split products there), 0 on a
+    GPU; ``torch_version``: with the CUDA it was built for on a GPU. ``code``: a digest of the
+    numeric modules' source (an edited kernel is another kernel set)."""
 
     kernels: str
     products: str
@@ -131,6 +132,8 @@ def choose_kernel_set(device: torch.device | str, dtype: torch.dtype, heads: Hea
         products = gemm
     else:
         attention, products = "blocks", "packed" if pack else "plain"
+        if exact and pack and device.type == "cpu":  # one oneDNN call, or padded calls of 32 rows
+            products = dtype_probe.packed_products(dtype, str(device)) or "packed"
         if exact:
             kernel = dtype_probe.attention_kernel(dtype, str(device), heads.kv_heads,
                                                   heads.n_heads // heads.kv_heads,

@@ -10,6 +10,16 @@ depended on the call's row count (bfloat16: 8192 -> 2048, 4096 -> 4096, 14336 ->
 nearly every shape). One call padded to a multiple of 128 rows was not enough (a 256-row call
 takes another kernel than a 128-row one); 128-row tiles, one padded call each, made every shape
 invariant in both dtypes up to 511 rows. vLLM's pinned cuBLASLt settings fixed bfloat16 only.
+
+Why row tiles on some CPUs (measured on an Emerald Rapids Xeon, AMX, torch 2.13): oneDNN's packed
+bfloat16 product takes one kernel for calls of up to 32 rows and another above, so a row among 64
+got other bits than alone. Calls of 1-32 rows agreed at 1-4 threads, but from 5 threads on a
+narrow product (96 or 192 outputs) split its work by the row count again; calls of exactly 32
+rows, padded, gave every row the same bits at 1-8 threads for every shape tried. There a runner's
+products go in tiles of ``CPU_TILE_ROWS`` rows, each call padded to a whole tile, as on CUDA
+(``products`` "packed-tiles" in its kernel set: the dtype probe chooses them where one call is not
+batch-invariant and the tiles are). On Sapphire Rapids and AMD EPYC one call was invariant
+(``products`` "packed").
 """
 
 from __future__ import annotations
@@ -21,6 +31,7 @@ PACKED_DTYPES = (torch.float32, torch.bfloat16)
 GEMMS = ("tiles", "triton")  # the fused path's products: cuBLAS in 128-row tiles, or
 # ``fused_gemm``'s fixed-config kernel (one pass over the weights; measured, not the default)
 TILE_ROWS = 128  # rows per cuBLAS call on CUDA: every call has exactly this many
+CPU_TILE_ROWS = 32  # rows per oneDNN call where the kernel set has "packed-tiles": always this many
 
 
 def _mkldnn_ok(weight: torch.Tensor) -> bool:
@@ -44,13 +55,18 @@ class Linear:
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                 pack: bool = True, batch_hint: int = 8, tiled: bool | None = None):
-        """``tiled``: rows in fixed tiles (None: on CUDA, where cuBLAS needs it)."""
+                 pack: bool = True, batch_hint: int = 8, tiled: bool | None = None,
+                 row_tile: int | None = None):
+        """``tiled``: rows in fixed tiles of ``TILE_ROWS`` (None: on CUDA, where cuBLAS needs
+        it). ``row_tile``: rows in fixed tiles of this many instead (the CPU's "packed-tiles")."""
         self.weight, self.bias = weight, bias
+        self.row_tile = row_tile
+        self.tile_rows = row_tile or TILE_ROWS  # every call of a tiled layer has this many rows
         self.packed = None
         if pack and _mkldnn_ok(weight):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_hint)
         self.tiled = weight.device.type == "cuda" if tiled is None else tiled
+        self.tiled = self.tiled or row_tile is not None
         self.gemm = "tiles"  # what ``tiles`` runs on CUDA (``GEMMS``)
 
     @property
@@ -73,19 +89,19 @@ class Linear:
         """x [..., K] -> [..., N], the rows padded with zeros to whole tiles and each tile one
         call (rows never interact in a product, so the padding does not touch them)."""
         rows = x.reshape(-1, x.shape[-1])
-        n = rows.shape[0]
-        tiles = max(1, -(-n // TILE_ROWS))
-        if n != tiles * TILE_ROWS:
-            rows = F.pad(rows, (0, 0, 0, tiles * TILE_ROWS - n))
+        n, size = rows.shape[0], self.tile_rows
+        tiles = max(1, -(-n // size))
+        if n != tiles * size:
+            rows = F.pad(rows, (0, 0, 0, tiles * size - n))
         return self.tiles(rows, n)[:n].reshape(*x.shape[:-1], -1)
 
     def tiles(self, rows: torch.Tensor, used: int | None = None) -> torch.Tensor:
         """rows [P, K], P a whole number of tiles (a staging buffer the fused kernels wrote,
-        its padding rows whatever they hold) -> [P, N]: one product of ``TILE_ROWS`` rows per
+        its padding rows whatever they hold) -> [P, N]: one product of ``tile_rows`` rows per
         tile, each written into its rows of one output (no concatenation). ``used``: how many
         leading rows are real (the Triton GEMM computes only those)."""
-        P = rows.shape[0]
-        assert P % TILE_ROWS == 0, f"{P} rows are not whole tiles of {TILE_ROWS}"
+        P, size = rows.shape[0], self.tile_rows
+        assert P % size == 0, f"{P} rows are not whole tiles of {size}"
         if self.gemm == "triton" and rows.device.type == "cuda":
             from .fused_gemm import gemm
 
@@ -94,8 +110,8 @@ class Linear:
         out = torch.empty(P, self.weight.shape[0], dtype=rows.dtype, device=rows.device)
         w_t = self.weight.detach().t()  # out= products take no autograd (a model's weights may
         bias = None if self.bias is None else self.bias.detach()  # still ask for gradients)
-        for at in range(0, P, TILE_ROWS):
-            tile = slice(at, at + TILE_ROWS)
+        for at in range(0, P, size):
+            tile = slice(at, at + size)
             if self.packed is not None:  # the CPU (Triton's interpreter, in tests)
                 out[tile] = self._apply(rows[tile])
             elif bias is None:

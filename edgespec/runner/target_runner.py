@@ -33,7 +33,7 @@ from .kernel_set import HeadLayout, KernelSet, choose_kernel_set, refusal
 from .kv_cache import KVCache, contiguous_start
 from .step_graphs import GRAPH_SLACK, StepGraphs
 from .step_rows import DraftShape, Scored, StepRows, TreeShape
-from .linear import Linear
+from .linear import CPU_TILE_ROWS, Linear
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +129,8 @@ class TargetRunner:
         self.kernel_set = ks = kernel_set
         self.kernels = ks.kernels
         fused = self.kernels == "triton"
-        pack = ks.products == "packed" if not fused else pack
+        pack = ks.products in ("packed", "packed-tiles") if not fused else pack
+        row_tile = CPU_TILE_ROWS if ks.products == "packed-tiles" else None
         gemm = ks.products if fused else gemm
         self.lm_head: Linear
         self.layers: list[_Layer]
@@ -138,8 +139,8 @@ class TargetRunner:
             self.layers = share_weights.layers[: self.n_layers]
         else:
             head: Any = model.lm_head
-            self.lm_head = Linear(head.weight, pack=pack)
-            self.layers = [self._load_layer(hf_layer, pack)
+            self.lm_head = Linear(head.weight, pack=pack, row_tile=row_tile)
+            self.layers = [self._load_layer(hf_layer, pack, row_tile)
                            for hf_layer in base.layers[: self.n_layers]]
         if graphs is None:  # the target's steps (a drafter's or a tool's runner needs none)
             graphs = fused and self.device.type == "cuda" and exact
@@ -274,7 +275,7 @@ class TargetRunner:
         return list(found.values())
 
     @staticmethod
-    def _load_layer(hf_layer: Any, pack: bool) -> _Layer:
+    def _load_layer(hf_layer: Any, pack: bool, row_tile: int | None = None) -> _Layer:
         """``hf_layer``: a transformers decoder layer (its submodules are dynamic attributes)."""
         att, mlp = hf_layer.self_attn, hf_layer.mlp
         layer = _Layer()
@@ -283,10 +284,10 @@ class TargetRunner:
         qkv = [att.q_proj, att.k_proj, att.v_proj]
         qkv_weight, gate_up = _fuse(qkv), _fuse([mlp.gate_proj, mlp.up_proj])
         assert qkv_weight is not None and gate_up is not None  # linears always have weights
-        layer.qkv = Linear(qkv_weight, _fuse(qkv, "bias"), pack=pack)
-        layer.o = Linear(att.o_proj.weight, pack=pack)
-        layer.gate_up = Linear(gate_up, pack=pack)
-        layer.down = Linear(mlp.down_proj.weight, pack=pack)
+        layer.qkv = Linear(qkv_weight, _fuse(qkv, "bias"), pack=pack, row_tile=row_tile)
+        layer.o = Linear(att.o_proj.weight, pack=pack, row_tile=row_tile)
+        layer.gate_up = Linear(gate_up, pack=pack, row_tile=row_tile)
+        layer.down = Linear(mlp.down_proj.weight, pack=pack, row_tile=row_tile)
         return layer
 
     def _init_rope(self, rotary: torch.nn.Module, max_len: int) -> None:
