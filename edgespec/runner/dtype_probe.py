@@ -4,8 +4,9 @@ the thread count that will serve (torch's kernels split their work by it).
 A dtype is served as lossless only if the runner's kernels are batch-invariant in it here: the
 attention (``edgespec.runner.attention.probe_invariance``, for a query-column tile of 16, else
 32, 64 or 128, with its products in the dtype itself or, where oneDNN emulates bfloat16, in
-float32: ``cpu_kind``) and the packed linear layers (every row alone, in pairs and among 64 rows
-gives the same bits, and the product is right: within bfloat16 rounding of a float32 reference).
+float32: ``cpu_kind``) and the packed linear layers (every row alone, in pairs, among 64 rows and
+in calls of 3-47 rows gives the same bits, and the product is right: within bfloat16 rounding of
+a float32 reference).
 ``auto`` measures: among the dtypes that pass, the one whose linear layer is faster here (on an
 AMX CPU bfloat16, about 1.5x float32's forward; on Cascade Lake, where oneDNN emulates bfloat16,
 float32). The linear layers' rows go in one call, or in padded calls of 32 rows where only those
@@ -100,9 +101,9 @@ def packed_products(dtype: torch.dtype, device: str = "cpu") -> str | None:
 
 def packed_linear_exact(dtype: torch.dtype, device: str = "cpu") -> bool:
     """Whether the runner's linear layer in ``dtype`` computes the right product and gives every
-    row the same bits alone and among 64 rows, for the default model's widest reduction (its
-    down projection, 1536 -> 576: a lone row once took another path there), in one of
-    ``PRODUCTS``, at torch's thread count now."""
+    row the same bits alone, in pairs, among 64 rows and in calls of 3, 17, 31, 33 and 47 rows,
+    for the default model's widest reduction (its down projection, 1536 -> 576: a lone row once
+    took another path there), in one of ``PRODUCTS``, at torch's thread count now."""
     return packed_products(dtype, device) is not None
 
 

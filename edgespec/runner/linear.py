@@ -46,7 +46,8 @@ class Linear:
 
     Rows are batch-invariant from 2 rows up (measured: 1..512 rows, every layer shape of the
     default model, float32 and bfloat16); a lone row goes through as two. On CUDA (and wherever
-    ``tiled`` is asked for) every call is ``TILE_ROWS`` rows instead.
+    ``tiled`` is asked for) every call is ``TILE_ROWS`` rows instead, and with ``row_tile`` (the
+    CPU's "packed-tiles") that many.
 
     Pre-packing matters: measured on 2 CPU cores, MKL's plain sgemm re-packs the weight on every
     call and costs ~2x a matrix-vector product for 2..8 rows, so a forward over a k+1-token draft

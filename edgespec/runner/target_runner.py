@@ -120,13 +120,17 @@ class TargetRunner:
             kernel_set = choose_kernel_set(
                 self.device, self.dtype, HeadLayout(self.n_heads, self.kv_heads, self.head_dim),
                 kernels, gemm, pack, exact, attention=shared, attention_kernel=attention_kernel)
+            if share_weights is not None and kernel_set.kernels == "eager":
+                # its linears are the owner's: one call or 32-row tiles as the owner's probe chose
+                kernel_set = replace(kernel_set, products=share_weights.kernel_set.products)
         else:
             here = (str(self.dtype).removeprefix("torch."), host_device(self.device)[0])
             if (kernel_set.dtype, kernel_set.device) != here:
                 raise ConfigError(f"the kernel set is for {kernel_set.dtype} on "
                                   f"{kernel_set.device}, this runner is in {here[0]} on "
                                   f"{here[1]}")
-        self.kernel_set = ks = kernel_set
+        self.kernel_set: KernelSet = kernel_set
+        ks = kernel_set
         self.kernels = ks.kernels
         fused = self.kernels == "triton"
         pack = ks.products in ("packed", "packed-tiles") if not fused else pack
