@@ -41,15 +41,8 @@ CHAT_TEMPLATE = (
 
 # The README's test command runs the suite on two pytest-xdist workers (`-n 2`): the suite waits
 # on processes, servers and sockets for much of its time, so a second worker fills the idle core.
-# Each module runs whole on one worker (its module fixtures are built once); the modules that
-# start Ray clusters run on one worker, one after another (Ray keeps some state per machine).
-RAY_MODULES = {"test_fleet", "test_simulate", "test_ray_up"}
-
-
-def pytest_collection_modifyitems(config, items):
-    for item in items:
-        module = item.module.__name__.rpartition(".")[2] if item.module else item.nodeid
-        item.add_marker(pytest.mark.xdist_group("ray" if module in RAY_MODULES else module))
+# Tests go to the workers one by one (xdist's default), so a module's fixtures may be built on
+# both, and tests of different modules run at once (servers on free ports, Ray clusters included).
 
 
 def hf_greedy(model, ids: list[int], n: int, eos=(2,)) -> list[int]:

@@ -97,13 +97,12 @@ OTHER_TOOLS = {"--index-url", "--no-deps", "--force-reinstall",  # pip
                "--retry", "--retry-connrefused",  # curl
                "--wheels", "--dry-run", "--budget-s", "--skip", "--breakdown",  # gpu_sitting.sh
                "--tests-first", "--tests-timeout-s", "--shapes",
-               "--calls", "--deadline",  # scripts/admission_burst.py
-               "--dist"}  # pytest-xdist
+               "--calls", "--deadline"}  # scripts/admission_burst.py
 
 
 def test_every_option_the_pages_name_exists():
     """An option the README or a docs page names is an option of some command (or of pip, curl,
-    ray start, scripts/gpu_sitting.sh, pytest-xdist)."""
+    ray start, scripts/gpu_sitting.sh)."""
     options = _parser_options()
     every = set().union(*options.values()) | {"--help"}  # every command has it
     unknown = [f"{page.relative_to(ROOT)}: {o}" for page in _pages()
