@@ -66,8 +66,8 @@ class Linear:
         self.packed = None
         if pack and _mkldnn_ok(weight):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_hint)
-        self.tiled = weight.device.type == "cuda" if tiled is None else tiled
-        self.tiled = self.tiled or row_tile is not None
+        self.tiled = row_tile is not None or (weight.device.type == "cuda" if tiled is None
+                                              else tiled)
         self.gemm = "tiles"  # what ``tiles`` runs on CUDA (``GEMMS``)
 
     @property
