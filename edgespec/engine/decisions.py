@@ -11,15 +11,16 @@ goes to the store and is applied.
 
 from __future__ import annotations
 
-from collections.abc import Collection
-from dataclasses import dataclass, replace
+from collections.abc import Set
+from dataclasses import field, replace
 
 from ..protocol.contract import Verdict
+from ..protocol.frozen_value import frozen_value
 from .generation import ActiveSession
 from .proposals import StepDraft
 
 
-@dataclass(frozen=True)
+@frozen_value
 class RowVerdict:
     """One row's verdict as verification yields it, and what its commit needs."""
 
@@ -28,52 +29,52 @@ class RowVerdict:
     lenient: tuple[int, ...] = ()  # along the path: 1 where only a lossy rule kept the node
 
 
-@dataclass(frozen=True)
+@frozen_value
 class Decision:
     """A row's verdict, as the store will take it, beside the draft it decided on, with the
-    accepted path (moved into place by ``SpecEngine._place`` before the store's commit) and
-    its lossy-kept flags."""
+    accepted path (moved into place by ``SpecEngine._place`` before the store's commit), its
+    lossy-kept flags, and the tokens it adds to the output (``new``: the accepted chain
+    tokens, the branch's, the verdict's token)."""
 
     draft: StepDraft
     verdict: Verdict
     path: tuple[int, ...] = ()
     lenient: tuple[int, ...] = ()
+    new: list[int] = field(default_factory=list)
 
     @property
     def act(self) -> ActiveSession:
         return self.draft.act
 
     @property
-    def new(self) -> list[int]:
-        """The tokens the verdict adds to the output."""
-        v = self.verdict
-        return [*self.draft.tokens[:v.n_accepted], *v.branch, v.token]
-
-    @property
     def accepted(self) -> int:
         return self.verdict.n_accepted + len(self.verdict.branch)
 
 
-def decide(draft: StepDraft, v: Verdict, room: int, stop_ids: Collection[int],
+def decide(draft: StepDraft, v: Verdict, room: int, stop_ids: Set[int],
            path: tuple[int, ...] = (), lenient: tuple[int, ...] = ()) -> Decision:
     """``v`` cut to the session's output: at most ``room`` tokens, ending at the first stop
     token (finish reason "stop"), or at the limit ("length"). A cut inside the accepted run
     makes its last kept token the verdict's token (a draft token the draft holds). ``path``
     and ``lenient`` travel with it (``RowVerdict``)."""
-    new = [*draft.tokens[:v.n_accepted], *v.branch, v.token]
+    new = list(draft.tokens[:v.n_accepted])
+    if v.branch:
+        new.extend(v.branch)
+    new.append(v.token)
     finish = ""
-    for i, tok in enumerate(new[:room]):
-        if tok in stop_ids:
-            new, finish = new[:i + 1], "stop"
-            break
-    else:
-        if len(new) >= room:
-            new, finish = new[:room], "length"
+    if stop_ids and not stop_ids.isdisjoint(new[:room]):
+        for i, tok in enumerate(new[:room]):
+            if tok in stop_ids:
+                new, finish = new[:i + 1], "stop"
+                break
+    if not finish and len(new) >= room:
+        new, finish = new[:room], "length"
     if not finish and not v.finish_reason and (v.branch or not v.own_branch):
         # nothing cut: the verdict as verification gave it
-        return Decision(draft, v, path, lenient)
+        return Decision(draft, v, path, lenient, new)
     n = min(v.n_accepted, len(new) - 1)
     branch = tuple(new[v.n_accepted:len(new) - 1])
     return Decision(draft, replace(v, n_accepted=n, branch=branch, token=new[-1],
                                    finish_reason=finish,
-                                   own_branch=v.own_branch and bool(branch)), path, lenient)
+                                   own_branch=v.own_branch and bool(branch)), path, lenient,
+                    new)

@@ -18,10 +18,11 @@ board's chunks, the local store for the in-process drafter's).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import field, replace
 
 from ..config import verifies_trees
 from ..protocol.contract import NO_PROPOSAL, Branch, Proposal, TakenDraft
+from ..protocol.frozen_value import frozen_value
 from ..verify.trees import tree_of_draft
 from .generation import ActiveSession
 from .stack_choice import accepted_prefix
@@ -50,7 +51,7 @@ def head_branch(spine: Sequence[int], proposal: Sequence[int]) -> Branch | None:
     return HeadBranch(at, tuple(proposal[at:]))
 
 
-@dataclass(frozen=True)
+@frozen_value
 class StepDraft:
     """One row of a step: a session's draft as verified (the drafter's chain and branches, the
     head's branch), under the store's ``epoch`` from position ``start``."""
@@ -85,9 +86,12 @@ class StepDraft:
         else:
             nodes, depth = (self.tokens, range(-1, n - 1)), n
         drafted = len(nodes[0])
-        for name, value in (("_nodes", nodes), ("branch_tokens", drafted - n),
-                            ("drafted", drafted), ("depth", depth), ("width", 1 + drafted)):
-            object.__setattr__(self, name, value)  # frozen: set once, here
+        # set once, here (the class is frozen to the type checker, not at run time)
+        self._nodes = nodes  # type: ignore[misc]
+        self.branch_tokens = drafted - n  # type: ignore[misc]
+        self.drafted = drafted  # type: ignore[misc]
+        self.depth = depth  # type: ignore[misc]
+        self.width = 1 + drafted  # type: ignore[misc]
 
     def nodes(self) -> tuple[Sequence[int], Sequence[int]]:
         """The row's draft as (tokens, parents): the chain's nodes first, then the branches'
@@ -108,6 +112,13 @@ def drafter_row(act: ActiveSession, taken: TakenDraft, drafter: Proposal | None,
     drafter = drafter or NO_PROPOSAL
     branches = drafter.branches if verifies_trees(act.verify) else ()
     return StepDraft(act, taken.epoch, taken.start, drafter.tokens, branches, offers=offers)
+
+
+def taken_row(act: ActiveSession, taken: TakenDraft) -> StepDraft:
+    """``drafter_row`` of the drafter's draft as the store gave it (``DrafterProposer``'s
+    proposal), built directly: the row of a step whose only source is the drafter."""
+    branches = tuple(taken.branches) if taken.branches and verifies_trees(act.verify) else ()
+    return StepDraft(act, taken.epoch, taken.start, tuple(taken.tokens), branches)
 
 
 def with_head(row: StepDraft, head: Proposal | None, room: int) -> StepDraft:

@@ -38,6 +38,7 @@ from typing import Protocol, Sequence
 
 from ..config import SamplingParams
 from .lineage import Lineage
+from .frozen_value import frozen_value
 
 MAX_BRANCHES = 8  # branches a session's draft keeps (more are dropped)
 MAX_BRANCH_TOKENS = 8  # tokens a branch keeps
@@ -78,7 +79,7 @@ def spine_length(parents: Sequence[int]) -> int:
     return n
 
 
-@dataclass(frozen=True)
+@frozen_value
 class Branch:
     """An alternative to the draft's token ``at`` (0-based in the draft that holds it): it hangs
     from the token before it (the draft's token at - 1, or the session's last committed token
@@ -120,7 +121,7 @@ def take_branches(branches: Sequence[Branch], n_spine: int, budget: int) -> list
     return out
 
 
-@dataclass(frozen=True)
+@frozen_value
 class DraftWant:
     """What the verifier asks of one session's draft this step: up to ``k`` tokens (it waits for
     k, or for the drafter to be idle, until the deadline), and branches hanging from them of at
@@ -154,7 +155,7 @@ class TakenDraft:
         return sum(len(b.tokens) for b in self.branches)
 
 
-@dataclass(frozen=True)
+@frozen_value
 class Proposal:
     """One source's draft for one session's next verification: a chain from the session's
     committed end, and alternatives hanging from it (``at`` within ``tokens``)."""
@@ -178,7 +179,7 @@ class Proposer(Protocol):
         ...
 
 
-@dataclass(frozen=True)
+@frozen_value
 class Verdict:
     """The verifier's decision on one session's draft taken under ``epoch``."""
 
@@ -208,7 +209,7 @@ class Verdict:
         return self.start + self.n_accepted + len(self.branch) + 1
 
 
-@dataclass(frozen=True)
+@frozen_value
 class Fix:
     """A correction for the drafter: roll back to ``position``, append ``tokens`` (the accepted
     branch's tokens, if the verdict took one, then the verifier's own token), and continue
@@ -225,7 +226,7 @@ class Fix:
         return cls(fix_id, epoch, v.start + v.n_accepted, (*v.branch, v.token))
 
 
-@dataclass(frozen=True)
+@frozen_value
 class CommitOutcome:
     """One verdict's fate: applied (``fix`` set when the draft did not hold the token), or
     refused with ``error``."""

@@ -53,11 +53,12 @@ class SessionState:
     wanted: int | None = None  # the draft tokens the verifier's last step asked of it
     fixes: deque = field(default_factory=lambda: deque(maxlen=256))
     _next_fix_id: int = 1
+    # position after the last committed token, kept as tokens are committed (``commit``):
+    # read several times a session and step, by the verifier and the drafting thread
+    end: int = field(init=False)
 
-    @property
-    def end(self) -> int:
-        """Position after the last committed token."""
-        return len(self.prompt) + len(self.committed)
+    def __post_init__(self) -> None:
+        self.end = len(self.prompt) + len(self.committed)
 
     @property
     def tokens(self) -> list[int]:
@@ -108,7 +109,7 @@ class SessionState:
     def is_replay(self, v: Verdict) -> bool:
         """Whether ``v`` already landed (its commit's reply was lost): the session ends where
         it would leave it, with its token."""
-        return self.end == v.end and \
+        return self.end == v.start + v.n_accepted + len(v.branch) + 1 and \
             (self.committed[-1] if self.committed else self.prompt[-1]) == v.token
 
     def commit(self, v: Verdict) -> Fix | None:
@@ -121,19 +122,26 @@ class SessionState:
         n = v.n_accepted
         if n > len(self.draft):
             raise StaleChunkError(f"accepted {n} of a {len(self.draft)}-token draft")
-        branch = tuple(v.branch)
+        branch = v.branch
         if branch and not v.own_branch and not any(
-                b.at == n and b.tokens[:len(branch)] == branch for b in self.branches):
+                b.at == n and tuple(b.tokens[:len(branch)]) == tuple(branch)
+                for b in self.branches):
             raise StaleChunkError("the verdict accepted a branch the draft does not hold")
-        self.committed.extend([*self.draft[:n], *branch, v.token])
-        held = not branch and len(self.draft) > n and self.draft[n] == v.token
+        draft = self.draft
+        self.committed.extend(draft[:n])
+        if branch:
+            self.committed.extend(branch)
+        self.committed.append(v.token)
+        self.end += n + len(branch) + 1
+        held = not branch and len(draft) > n and draft[n] == v.token
         fix = None
         if held:
-            del self.draft[: n + 1]
-            self.branches = [Branch(b.at - n - 1, b.tokens) for b in self.branches
-                             if b.at > n]
+            del draft[: n + 1]
+            if self.branches:
+                self.branches = [Branch(b.at - n - 1, b.tokens) for b in self.branches
+                                 if b.at > n]
         else:
-            self.draft.clear()
+            draft.clear()
             self.branches = []
             self.epoch += 1
             self.drafter_idle = False
