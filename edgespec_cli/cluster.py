@@ -191,6 +191,9 @@ def cmd_drafter(args) -> int:
     print(f"edgespec: drafter {args.device_id} ({drafter.name}) attaching to {args.cache}",
           file=sys.stderr, flush=True)
     signal.signal(signal.SIGTERM, lambda *_: agent.stop())  # stop cleanly: exit 0
+    from edgespec.runner.process_heap import freeze_startup_heap
+
+    freeze_startup_heap()  # the drafter's model and libraries: out of the collector's passes
     try:
         agent.run()
     except KeyboardInterrupt:

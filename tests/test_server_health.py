@@ -133,3 +133,24 @@ def test_a_drain_can_be_ended_while_sessions_run(server, monkeypatch):
     assert server.scheduler.drain(300, abort) is False  # returns at once, a session left
     assert server.scheduler.sessions_left() == 1
     client.close()
+
+
+
+def test_a_started_server_has_frozen_its_startup_heap_out_of_the_collector(tiny_dir):
+    """``start`` moves what is alive (the model, the libraries) into the collector's permanent
+    generation (``edgespec.runner.process_heap``): a collection then walks only what serving
+    made. The runner is in the collector's generations before, and out of them after."""
+    import gc
+
+    gc.unfreeze()  # another test of this worker may have started a server
+    srv = EdgespecServer(ServerOptions(
+        listen="127.0.0.1:0", model=str(tiny_dir), max_drafters=1,
+        engine=EngineConfig(max_sessions=2, max_context=256)))
+    try:
+        runner = srv.scheduler.engine.target
+        assert gc.get_freeze_count() == 0 and any(o is runner for o in gc.get_objects())
+        srv.start()
+        assert gc.get_freeze_count() > 1000  # the libraries' objects, not a handful
+        assert not any(o is runner for o in gc.get_objects())
+    finally:
+        srv.stop(drain_timeout_s=0)

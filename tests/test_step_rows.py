@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 from reference import trie
@@ -146,3 +147,19 @@ def test_a_padding_row_s_path_is_itself():
     assert rows.path is not None
     for t in (2, 3):  # row 1's rows past its one node
         assert rows.path[1, t, 0] == t and rows.depths[1, t] == 0
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_chains_laid_out_at_once_equal_the_general_layout(seed):
+    """``DraftShape.of_chains`` (the step's layout when no row branches) gives every array
+    ``DraftShape.of`` gives the same drafts as chains, empty rows and an empty batch's width
+    included."""
+    rng = random.Random(seed)
+    for chains in ([[rng.randrange(500) for _ in range(rng.randrange(0, 9))]
+                    for _ in range(rng.randint(1, 12))], [[]], [[], [3]]):
+        fast = DraftShape.of_chains(chains)
+        slow = DraftShape.of([(c, list(range(-1, len(c) - 1))) for c in chains])
+        for name in ("nodes", "parents", "depths", "counts"):
+            assert np.array_equal(getattr(fast, name), getattr(slow, name)), name
+        assert (fast.max_nodes, fast.max_depth, fast.is_tree, fast.ancestors) == \
+            (slow.max_nodes, slow.max_depth, False, None)

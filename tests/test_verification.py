@@ -20,7 +20,7 @@ from edgespec.verify.keyed_noise import (_MASK64, _signed, gumbel_of_keys, keyed
 from edgespec.runner.target_runner import TargetRunner
 from edgespec.verify.trees import DraftTree
 from oracles import verify_tree
-from edgespec.verify.verify_step import VerifyBatch, verify_step
+from edgespec.verify.verify_step import VerifyBatch, last_argmax, verify_step
 
 V = 40
 
@@ -191,9 +191,10 @@ def test_sampled_choices_equal_the_host_keyed_choice():
 
 
 class _SyncCounter:
-    """Counts, on the calling thread, the tensor methods that wait for the device."""
+    """Counts, on the calling thread, the tensor methods that wait for the device (``numpy``
+    is not one: it refuses a device tensor, and on a CPU tensor waits for nothing)."""
 
-    NAMES = ("tolist", "item", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
+    NAMES = ("tolist", "item", "cpu", "__bool__", "__int__", "__float__", "__index__")
 
     def __init__(self, monkeypatch):
         self.count, self.thread = 0, threading.get_ident()
@@ -284,3 +285,21 @@ def test_top_p_cuts_tied_scores_together_whatever_their_ids():
         assert probs[row > kept_min].sum() < 0.8 <= probs[row >= kept_min].sum() + 1e-6
         numpy_kept = processed_scores(row.numpy(), SamplingParams(temperature=1.0, top_p=0.8))
         assert torch.equal(torch.from_numpy(numpy_kept > float("-inf")), ~d)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_cpu_argmax_is_torchs_on_ties_nans_and_infinities(dtype):
+    """``last_argmax`` (NumPy's on the CPU) picks torch.argmax's index: the first of tied
+    largest values, +0 and -0 tied, a NaN as the largest, rows all -inf, wide vocabularies."""
+    g = torch.Generator().manual_seed(7)
+    x = torch.randint(-3, 4, (40, 3, 257), generator=g).to(dtype)  # many ties
+    x[0, 0] = float("-inf")
+    x[1, 0, 5] = x[1, 0, 9] = float("nan")
+    x[2, 1] = 0.0
+    x[2, 1, 3] = -0.0
+    x[3, 2, 100] = float("inf")
+    x[3, 2, 50] = float("inf")
+    wide = torch.randn(2, 5, 49152, generator=g).to(dtype)
+    for t in (x, wide, x[:, 1], x[:, :, ::2]):  # and a non-contiguous view
+        got = last_argmax(t)
+        assert got.dtype == torch.long and torch.equal(got, t.argmax(-1))

@@ -42,27 +42,37 @@ class ScoredStep:
 def score_step(target: "TargetRunner", drafts: list[StepDraft], pad: "PadVerifier | None"
                ) -> ScoredStep:
     """One forward over the batch: as trees when a row branches, else as chains."""
-    nodes = [d.nodes() for d in drafts]
-    shape = DraftShape.of(nodes)
+    nodes, shape = _shape(drafts)
     outside = shape.rows_outside(target.vocab_size)
     if outside:  # a store let an id past: that row is verified without its draft
         log.warning("drafts of %d session(s) held token ids outside the vocabulary: "
                     "verified without them", len(outside))
         drafts = [replace(d, tokens=(), branches=()) if i in outside else d
                   for i, d in enumerate(drafts)]
-        nodes = [d.nodes() for d in drafts]
-        shape = DraftShape.of(nodes)
-    rows = StepRows.build(slots=[d.act.slot for d in drafts],
-                          starts=[target.cache.lengths[d.act.slot] for d in drafts],
-                          roots=[d.act.last_token for d in drafts], shape=shape,
+        nodes, shape = _shape(drafts)
+    acts = [d.act for d in drafts]
+    slots = [a.slot for a in acts]
+    lengths = target.cache.lengths
+    rows = StepRows.build(slots=slots, starts=[lengths[s] for s in slots],
+                          roots=[a.last_token for a in acts], shape=shape,
                           device=target.device)
-    if pad is not None and not any(d.act.verify == "pad" for d in drafts):
+    modes = [a.verify for a in acts]
+    if pad is not None and "pad" not in modes:
         pad = None
     scored = target.score_rows(rows, tap=pad.tap if pad else None)
-    batch = VerifyBatch.of_rows(rows, [d.start for d in drafts],
-                                [d.act.req.params for d in drafts],
-                                [d.act.verify for d in drafts])
+    batch = VerifyBatch.of_rows(rows, [d.start for d in drafts], [a.req.params for a in acts],
+                                modes)
     return ScoredStep(drafts, nodes, rows, scored, batch, pad)
+
+
+def _shape(drafts: list[StepDraft]
+           ) -> tuple[list[tuple[Sequence[int], Sequence[int]]], DraftShape]:
+    """Each row's draft as (tokens, parents), and the step's ``DraftShape`` of them (laid out
+    as chains when no row branches)."""
+    nodes = [d.nodes() for d in drafts]
+    if any(d.branches for d in drafts):
+        return nodes, DraftShape.of(nodes)
+    return nodes, DraftShape.of_chains([d.tokens for d in drafts])
 
 
 def row_verdicts(step: ScoredStep, out: VerifyOutcome) -> list[RowVerdict]:

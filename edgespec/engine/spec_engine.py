@@ -202,7 +202,11 @@ class SpecEngine(SessionLifecycle):
         notice = 1 if self.worker is not None else 2
         ks = plan_drafts(acts, self.cfg, self.cost, self.prober, gains, notice)
         gains = gains.cut(ks)  # what the branches and the waits weigh: the drafts as planned
-        budgets = plan_branch_budgets(acts, ks, self.cfg, self.cost, self.target.max_len, gains)
+        if self.worker is not None and self.cfg.tree_width <= 1:  # its drafts are chains
+            budgets = [0] * len(acts)
+        else:
+            budgets = plan_branch_budgets(acts, ks, self.cfg, self.cost, self.target.max_len,
+                                          gains)
         wait_s = self.wait_ms / 1000
         if self.cfg.adaptive and not self.prober.probing:  # a probe is waited for: it measures
             worth = wait_worth(gains, ks, self.cost, wait_s)

@@ -12,6 +12,7 @@ speculative-decoding metadata is built once per step; a forward's output is a ``
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -88,6 +89,25 @@ class DraftShape:
         depths = np.zeros((len(drafts), 1 + N), dtype=np.int64)
         depths[:, 1:] = np.where(valid, depth, 0)
         return cls(nodes, parents, depths, counts, ancestors, most, int(depths.max()), is_tree)
+
+    @classmethod
+    def of_chains(cls, chains: Sequence[Sequence[int]]) -> "DraftShape":
+        """``of`` for drafts that are all chains (node i hangs from node i - 1), given as
+        their tokens: laid out in a few array operations whatever the batch, no row's parents
+        listed."""
+        B = len(chains)
+        counts = np.fromiter(map(len, chains), np.int64, B)
+        most = int(counts.max(initial=0))
+        N = max(1, most)
+        idx = np.arange(N)
+        valid = idx[None] < counts[:, None]  # [B, N]: row-major, as the tokens are chained
+        nodes = np.full((B, N), -1, dtype=np.int64)
+        nodes[valid] = np.fromiter(itertools.chain.from_iterable(chains), np.int64,
+                                   int(counts.sum()))
+        parents = np.where(valid, idx - 1, -1)
+        depths = np.zeros((B, 1 + N), dtype=np.int64)
+        depths[:, 1:] = np.where(valid, idx + 1, 0)
+        return cls(nodes, parents, depths, counts, None, most, most, False)
 
     @property
     def valid(self) -> np.ndarray:
