@@ -208,7 +208,8 @@ class SpecEngine(SessionLifecycle):
             budgets = plan_branch_budgets(acts, ks, self.cfg, self.cost, self.target.max_len,
                                           gains)
         wait_s = self.wait_ms / 1000
-        if self.cfg.adaptive and not self.prober.probing:  # a probe is waited for: it measures
+        # a probe is waited for (it measures); no wait (0 s) is worth weighing
+        if self.cfg.adaptive and not self.prober.probing and wait_s > 0:
             worth = wait_worth(gains, ks, self.cost, wait_s)
         else:
             worth = [wait_s] * len(acts)
@@ -439,8 +440,8 @@ class SpecEngine(SessionLifecycle):
             act.stats.head_accepted += got
             self.head.offered(len(offer), got)
         act.stats.commit_s += commit_s
-        # the path's nodes only a lossy rule kept, as far as the output took them
-        act.stats.lenient_tokens += sum(d.lenient[:len(new)])
+        if act.verify != "exact":  # the path's nodes only a lossy rule kept, as far as the
+            act.stats.lenient_tokens += sum(d.lenient[:len(new)])  # output took them
         act.output.extend(new)
         act.last_token = v.token
         act.finish = v.finish_reason or None

@@ -102,9 +102,9 @@ class SessionState:
         """Up to k draft tokens, and branches hanging from them of at most ``branch_budget``
         tokens in all."""
         spine = self.draft[:k]
-        return TakenDraft(self.epoch, self.end, spine,
-                          take_branches(self.branches, len(spine), branch_budget),
-                          ready=self.draft_ready(k))
+        branches = take_branches(self.branches, len(spine), branch_budget) \
+            if self.branches and branch_budget > 0 else []
+        return TakenDraft(self.epoch, self.end, spine, branches, ready=self.draft_ready(k))
 
     def is_replay(self, v: Verdict) -> bool:
         """Whether ``v`` already landed (its commit's reply was lost): the session ends where
