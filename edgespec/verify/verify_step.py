@@ -235,13 +235,19 @@ def _row_cumsum(x: torch.Tensor) -> torch.Tensor:
     return x.cumsum(-1)
 
 
+NUMPY_ARGMAX_FROM = 4096  # elements: a CPU argmax this large goes to NumPy (``last_argmax``)
+
+
 def last_argmax(x: torch.Tensor) -> torch.Tensor:
     """``x.argmax(-1)``: x [..., V] -> long [...], the first index of each row's largest
     value (a NaN counts as the largest). On the CPU by NumPy, whose argmax is vectorised:
     torch's took 0.65 ms for 5 positions of a 49,152-token vocabulary and 38 ms for 64 rows
     of them on one core, NumPy's 0.03 and 7 ms; the answer is the same, an index, exact
-    (tests/test_verification.py holds the two to each other on ties and NaNs)."""
-    if x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64):
+    (tests/test_verification.py holds the two to each other on ties and NaNs). Below
+    ``NUMPY_ARGMAX_FROM`` elements torch's is the quicker (one row of 512: 3-5 against 4-9 us;
+    ``scripts/argmax_bench.py``)."""
+    if x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64) and \
+            x.numel() >= NUMPY_ARGMAX_FROM:
         return torch.from_numpy(np.argmax(x.detach().numpy(), axis=-1))
     return x.argmax(-1)
 
