@@ -290,6 +290,9 @@ class EdgespecServer:
         self.server.stop(grace=2.0).wait(5)
         self.store.shutdown()
         self.redis.close()
+        from edgespec.runner.process_heap import thaw_heap
+
+        thaw_heap()  # what start froze: collectable again once the server is gone
 
     def wait(self) -> None:
         """Block until SIGINT/SIGTERM, then drain and stop. A second signal says what the drain

@@ -57,8 +57,9 @@ def board(tmp_path_factory) -> Path:
 
 
 def _run(board: Path, code: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # the board's own install
     return subprocess.run([str(board / "python"), "-c", textwrap.dedent(code)],
-                          capture_output=True, text=True, timeout=timeout, cwd="/")
+                          capture_output=True, text=True, timeout=timeout, cwd="/", env=env)
 
 
 def test_the_board_environment_has_no_torch(board):

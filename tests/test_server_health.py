@@ -139,7 +139,8 @@ def test_a_drain_can_be_ended_while_sessions_run(server, monkeypatch):
 def test_a_started_server_has_frozen_its_startup_heap_out_of_the_collector(tiny_dir):
     """``start`` moves what is alive (the model, the libraries) into the collector's permanent
     generation (``edgespec.runner.process_heap``): a collection then walks only what serving
-    made. The runner is in the collector's generations before, and out of them after."""
+    made. The runner is in the collector's generations before, and out of them after; ``stop``
+    gives the heap back."""
     import gc
 
     gc.unfreeze()  # another test of this worker may have started a server
@@ -154,3 +155,4 @@ def test_a_started_server_has_frozen_its_startup_heap_out_of_the_collector(tiny_
         assert not any(o is runner for o in gc.get_objects())
     finally:
         srv.stop(drain_timeout_s=0)
+    assert gc.get_freeze_count() == 0  # stopped: the heap given back to the collector

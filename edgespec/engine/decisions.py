@@ -40,7 +40,7 @@ class Decision:
     verdict: Verdict
     path: tuple[int, ...] = ()
     lenient: tuple[int, ...] = ()
-    new: list[int] = field(default_factory=list)
+    new: list[int] = field(default_factory=list, hash=False)
 
     @property
     def act(self) -> ActiveSession:

@@ -16,9 +16,16 @@ mypy, not by an exception at run time.
 from __future__ import annotations
 
 import dataclasses
-from typing import TypeVar, dataclass_transform
+import sys
+from typing import Any, Callable, TypeVar
 
 T = TypeVar("T")
+
+if sys.version_info >= (3, 11):
+    from typing import dataclass_transform
+else:  # Python 3.10: the marker is only the type checker's, which runs on 3.11 or newer
+    def dataclass_transform(**_: Any) -> Callable[[T], T]:
+        return lambda decorated: decorated
 
 
 @dataclass_transform(frozen_default=True, field_specifiers=(dataclasses.field,))

@@ -248,7 +248,8 @@ def last_argmax(x: torch.Tensor) -> torch.Tensor:
     ``scripts/argmax_bench.py``)."""
     if x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64) and \
             x.numel() >= NUMPY_ARGMAX_FROM:
-        return torch.from_numpy(np.argmax(x.detach().numpy(), axis=-1))
+        return torch.from_numpy(np.argmax(x.detach().numpy(), axis=-1).astype(np.int64,
+                                                                             copy=False))
     return x.argmax(-1)
 
 

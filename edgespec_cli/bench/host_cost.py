@@ -250,7 +250,7 @@ def measure(store: str, drafter: str, n: int, new_tokens: int, right: float,
     benchmark's: the host work alone, never a wait)."""
     from edgespec.config import SamplingParams
     from edgespec.engine.generation import Request
-    from edgespec.runner.process_heap import freeze_startup_heap
+    from edgespec.runner.process_heap import freeze_startup_heap, thaw_heap
 
     engine, runner, close = _engine(store, drafter, n, right, wait_ms)
     freeze_startup_heap()  # as a server does once started (``edgespec serve``)
@@ -285,6 +285,7 @@ def measure(store: str, drafter: str, n: int, new_tokens: int, right: float,
     finally:
         engine.close()
         close()
+        thaw_heap()  # this engine's objects collectable again
     steps, sess = max(1, counted["steps"]), max(1, counted["session_steps"])
     stage_us = {k: 1e6 * times[k] / steps for k in STAGES}
     stage_us["runner"] = 1e6 * runner.runner_s / steps
