@@ -71,6 +71,25 @@ def _sized(b: bytes) -> bytes:
     return _INT.pack(len(b)) + b
 
 
+_THREE_EMPTY = _sized(b"") * 3  # a verdict without finish reason or branch: its last fields
+
+
+def _packed_verdict(v: Verdict) -> bytes:
+    """A verdict as COMMIT_MANY_LUA reads it: its numbers, its session id, its finish reason,
+    its branch's tokens and the inbox event's tokens after the first (the branch's, then the
+    verdict's token); a step's usual verdict (no branch, not the last) with its three empty
+    fields at once (bench-host: a third of the commit's packing)."""
+    fix = v.branch[0] if v.branch else v.token  # the inbox event's first token
+    head = COMMIT_NUMBERS.pack(v.epoch, v.n_accepted, v.token, int(v.done), v.start, fix,
+                               int(v.own_branch), -1 if v.wanted is None else v.wanted) \
+        + _sized(v.session_id.encode())
+    if not v.branch and not v.finish_reason:
+        return head + _THREE_EMPTY
+    more = (*v.branch[1:], v.token) if v.branch else ()
+    return head + _sized(v.finish_reason.encode()) + _sized(pack_tokens(v.branch)) \
+        + _sized(",".join(map(str, more)).encode())
+
+
 @dataclass
 class SessionRecord:
     """A session as stored: what a verifier needs to resume it."""
@@ -282,12 +301,7 @@ class RedisSessionStore:
         verdicts: one that landed is recognised as a replay)."""
         if not verdicts:
             return []
-        packed = b"".join(
-            COMMIT_NUMBERS.pack(v.epoch, v.n_accepted, v.token, int(v.done), v.start, fix[0],
-                                int(v.own_branch), -1 if v.wanted is None else v.wanted)
-            + _sized(v.session_id.encode()) + _sized(v.finish_reason.encode())
-            + _sized(pack_tokens(v.branch)) + _sized(",".join(map(str, fix[1:])).encode())
-            for v in verdicts for fix in ((*v.branch, v.token),))  # the inbox event's tokens
+        packed = b"".join(map(_packed_verdict, verdicts))
         try:
             replies, messages = self._commit_many(
                 args=[self.ttl_s, self.inbox_maxlen, self.keys.prefix, packed])
