@@ -107,13 +107,21 @@ def packed_linear_exact(dtype: torch.dtype, device: str = "cpu") -> bool:
     return packed_products(dtype, device) is not None
 
 
+def linear_options(products: str) -> tuple[bool, int | None]:
+    """(pack, row_tile): how the runner's linear layers are built for these eager products
+    ("packed", "packed-tiles", "plain"), the one reading of their names."""
+    from .linear import CPU_TILE_ROWS
+
+    return products != "plain", CPU_TILE_ROWS if products == "packed-tiles" else None
+
+
 def linear_for(products: str, weight: torch.Tensor, bias: torch.Tensor | None = None
                ) -> "Linear":
     """The runner's linear layer with these products ("packed", "packed-tiles", "plain")."""
-    from .linear import CPU_TILE_ROWS, Linear
+    from .linear import Linear
 
-    return Linear(weight, bias, pack=products != "plain",
-                  row_tile=CPU_TILE_ROWS if products == "packed-tiles" else None)
+    pack, row_tile = linear_options(products)
+    return Linear(weight, bias, pack=pack, row_tile=row_tile)
 
 
 @functools.lru_cache(maxsize=None)

@@ -27,13 +27,13 @@ import torch.nn.functional as F
 from .attention import (KEY_BLOCK, TailKeys, invariant_attention, padded_keys,
                         pointwise)
 from ..config import MAX_TREE_NODES, ConfigError
-from .dtype_probe import first_varying_count, probe_input, probe_row_counts
+from .dtype_probe import first_varying_count, linear_options, probe_input, probe_row_counts
 from .check_cache import CheckKey, code_digest, host_device, model_fingerprint, run_checked
 from .kernel_set import HeadLayout, KernelSet, choose_kernel_set, refusal
 from .kv_cache import KVCache, contiguous_start
 from .step_graphs import GRAPH_SLACK, StepGraphs
 from .step_rows import DraftShape, Scored, StepRows, TreeShape
-from .linear import CPU_TILE_ROWS, Linear
+from .linear import Linear
 
 log = logging.getLogger(__name__)
 
@@ -133,8 +133,9 @@ class TargetRunner:
         ks = kernel_set
         self.kernels = ks.kernels
         fused = self.kernels == "triton"
-        pack = ks.products in ("packed", "packed-tiles") if not fused else pack
-        row_tile = CPU_TILE_ROWS if ks.products == "packed-tiles" else None
+        row_tile: int | None = None
+        if not fused:  # the eager products' layers (the fused path's are tiles on CUDA)
+            pack, row_tile = linear_options(ks.products)
         gemm = ks.products if fused else gemm
         self.lm_head: Linear
         self.layers: list[_Layer]
