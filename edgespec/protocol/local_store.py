@@ -102,14 +102,14 @@ class SessionState:
         """Up to k draft tokens, and branches hanging from them of at most ``branch_budget``
         tokens in all."""
         spine = self.draft[:k]
-        branches = take_branches(self.branches, len(spine), branch_budget) \
-            if self.branches and branch_budget > 0 else []
-        return TakenDraft(self.epoch, self.end, spine, branches, ready=self.draft_ready(k))
+        return TakenDraft(self.epoch, self.end, spine,
+                          take_branches(self.branches, len(spine), branch_budget),
+                          ready=self.draft_ready(k))
 
     def is_replay(self, v: Verdict) -> bool:
         """Whether ``v`` already landed (its commit's reply was lost): the session ends where
         it would leave it, with its token."""
-        return self.end == v.start + v.n_accepted + len(v.branch) + 1 and \
+        return self.end == v.end and \
             (self.committed[-1] if self.committed else self.prompt[-1]) == v.token
 
     def commit(self, v: Verdict) -> Fix | None:
@@ -122,26 +122,20 @@ class SessionState:
         n = v.n_accepted
         if n > len(self.draft):
             raise StaleChunkError(f"accepted {n} of a {len(self.draft)}-token draft")
-        branch = v.branch
+        branch = tuple(v.branch)
         if branch and not v.own_branch and not any(
-                b.at == n and tuple(b.tokens[:len(branch)]) == tuple(branch)
-                for b in self.branches):
+                b.at == n and b.tokens[:len(branch)] == branch for b in self.branches):
             raise StaleChunkError("the verdict accepted a branch the draft does not hold")
-        draft = self.draft
-        self.committed.extend(draft[:n])
-        if branch:
-            self.committed.extend(branch)
-        self.committed.append(v.token)
-        self.end += n + len(branch) + 1
-        held = not branch and len(draft) > n and draft[n] == v.token
+        self.committed.extend([*self.draft[:n], *branch, v.token])
+        self.end = v.end  # its start was this end (checked above)
+        held = not branch and len(self.draft) > n and self.draft[n] == v.token
         fix = None
         if held:
-            del draft[: n + 1]
-            if self.branches:
-                self.branches = [Branch(b.at - n - 1, b.tokens) for b in self.branches
-                                 if b.at > n]
+            del self.draft[: n + 1]
+            self.branches = [Branch(b.at - n - 1, b.tokens) for b in self.branches
+                             if b.at > n]
         else:
-            draft.clear()
+            self.draft.clear()
             self.branches = []
             self.epoch += 1
             self.drafter_idle = False
