@@ -45,7 +45,7 @@ from .session_lifecycle import SessionLifecycle
 from .generation import ActiveSession, Admission, Request, Result, SessionFailed
 from .lateness import Lateness
 from .decisions import Decision, RowVerdict, decide
-from .proposals import DrafterProposer, StepDraft, drafter_row, taken_row, with_head
+from .proposals import DrafterProposer, StepDraft, drafter_row, with_head
 from .scoring import ScoredStep, row_verdicts, score_step
 from .stack_choice import SOURCES, accepted_prefix
 from .step_planning import plan_branch_budgets, plan_drafts, session_gains, told_wants
@@ -272,8 +272,9 @@ class SpecEngine(SessionLifecycle):
     def _propose(self, taken: list[tuple[ActiveSession, TakenDraft]]) -> list[StepDraft]:
         """Each session's row: every proposer's draft, the sources ``--auto`` leaves out
         dropped, the head's within what the batch's token budget leaves."""
-        if self.head is None and not self.cfg.auto:  # the drafter's drafts alone, as taken
-            return [taken_row(act, t) for act, t in taken]
+        if self.head is None and not self.cfg.auto:  # the drafter's drafts alone: no offers
+            drafter = self.proposers[0]
+            return [drafter_row(act, t, drafter.propose(act.sid, t)) for act, t in taken]
         asked = [{p.name: p.propose(act.sid, t) for p in self.proposers} for act, t in taken]
         offers: list[dict[str, tuple[int, ...] | None] | None] = [None] * len(taken)
         if self.cfg.auto:  # every source's proposal, verified or not

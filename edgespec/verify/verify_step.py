@@ -128,7 +128,7 @@ class VerifyBatch:
             top_k = [0 if g else (p.top_k or 0) for g, p in zip(greedy, params)]
             temps = [1.0 if g else max(p.temperature, 1e-5) for g, p in zip(greedy, params)]
             top_p = [1.0 if g else p.top_p for g, p in zip(greedy, params)]
-        else:  # every row greedy (the common case): the settings of none
+        else:  # every row greedy (loose or PAD rows among them): the settings of none
             seeds = top_k = [0] * n
             temps = top_p = [1.0] * n
         ints = torch.tensor([starts, seeds, top_k, greedy, loose, pad],
