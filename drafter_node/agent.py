@@ -93,6 +93,7 @@ class DrafterAgent:
         self.fingerprint = fingerprint
         self.window, self.chunk = window, chunk
         self.ahead_chunk = AHEAD_CHUNK  # a fix waits for no more of a chunk drafted ahead
+        self.jobs_at_once = 1  # a board's own time: a fix waits for no more than one job
         self.token, self.tls_ca, self.tls = token, tls_ca, tls
         self.tls_cert, self.tls_key = tls_cert, tls_key
         self.max_sessions = max_sessions

@@ -158,7 +158,9 @@ class EngineConfig:
 
     max_draft: int = 8  # k: most draft tokens verified per session per step
     window: int = 16  # W: most tokens a drafter keeps beyond the committed position
-    chunk: int = 4  # c: tokens a drafter pushes per chunk
+    # c: tokens a drafter pushes per chunk (in process, a cheap drafter's chunk is its room:
+    # ``engine.draft_worker.LocalChannel``)
+    chunk: int = 4
     # how long a step waits for a draft that is on its way; None: the drafter's own suggestion
     draft_wait_ms: float | None = None
     # a drafter whose drafts missed this many steps' deadlines in a row is not waited for

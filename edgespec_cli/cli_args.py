@@ -64,7 +64,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="most tokens drafted beyond the committed position, W "
                         "(default: %(default)s)")
     p.add_argument("--chunk", metavar="C", type=int, default=d.chunk,
-                   help="tokens per draft chunk, c (default: %(default)s)")
+                   help="tokens per draft chunk, c; in process a statistical "
+                        "drafter (mag, cacheback) drafts all the room it has at once "
+                        "(default: %(default)s)")
     p.add_argument("--draft-wait-ms", metavar="MS", type=float, default=None,
                    help="how long a step waits for a draft on its way (default: in process, the "
                         "drafter's own: 10 for mag, 100 for model drafters; a distributed "

@@ -101,7 +101,9 @@ def _add_server(p: argparse.ArgumentParser, roles: tuple[str, ...]) -> None:
                        help="most tokens drafted beyond the committed position, W "
                             "(default: %(default)s)")
         p.add_argument("--chunk", metavar="C", type=int, default=d.chunk,
-                       help="tokens per draft chunk, c (default: %(default)s)")
+                       help="tokens per draft chunk, c; in process a statistical "
+                            "drafter (mag, cacheback) drafts all the room it has at once "
+                            "(default: %(default)s)")
     p.set_defaults(func=cmd_server, roles=roles)
 
 

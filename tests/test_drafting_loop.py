@@ -62,6 +62,7 @@ class RecordingChannel:
         self.cond = threading.Condition()
         self.window, self.chunk, self.tree_width = 8, 4, 1
         self.ahead_chunk = 2
+        self.jobs_at_once = 1
         self.delivered: list[tuple[str, int, int, list[int]]] = []
         self.refused: list[tuple[str, int]] = []
 
@@ -427,3 +428,79 @@ def test_chunks_beyond_the_next_ask_are_short(loop):
     _eventually(lambda: len(channel.delivered) == 3, "a lead of 8", channel)
     assert [(start, tokens) for _, _, start, tokens in channel.delivered] == [
         (3, [4, 5, 6, 7]), (7, [8, 9]), (9, [10, 11])]
+
+
+class CountingSession(DraftSession):
+    """Proposes k tokens counting up from its last one, noting each proposal in ``events``."""
+
+    def __init__(self, name: str, tokens, params, events: list):
+        super().__init__(tokens, params)
+        self.name, self.events = name, events
+
+    def propose(self, k: int) -> Draft:
+        self.events.append(("propose", self.name))
+        out = [self.tokens[-1] + 1 + i for i in range(k)]
+        self.tokens.extend(out)
+        return Draft(out)
+
+
+class CountingDrafter(Drafter):
+    name = "counting"
+    cheap = True
+
+    def __init__(self):
+        self.events: list[tuple[str, str]] = []
+
+    def open(self, tokens, params) -> CountingSession:
+        return CountingSession(f"s{tokens[0]}", tokens, params, self.events)
+
+
+@pytest.mark.parametrize("at_once", [1, 3])
+def test_a_channel_asking_several_jobs_a_turn_gets_them_drafted_then_handed_on_together(
+        at_once):
+    drafter, channel, book = CountingDrafter(), RecordingChannel(), DraftBook(pace=False)
+    channel.jobs_at_once = at_once
+    real_deliver = channel.deliver
+
+    def deliver(sid, target, start, draft):
+        drafter.events.append(("deliver", sid))
+        real_deliver(sid, target, start, draft)
+
+    channel.deliver = deliver
+    for first in (1, 2, 3):
+        book.assign(f"s{first}", [first, 10], SamplingParams(), 0)
+    stop = threading.Event()
+    thread = threading.Thread(target=run_drafting,
+                              args=(drafter, channel, book, lambda: not stop.is_set()))
+    thread.start()
+    try:  # a window of 8 in chunks of 4: two rounds of a chunk a session
+        _eventually(lambda: len(channel.delivered) == 6, "every session's window", channel)
+    finally:
+        stop.set()
+        with channel.cond:
+            channel.cond.notify_all()
+        thread.join(WAIT_S)
+    assert not thread.is_alive()
+    kinds = [kind for kind, _ in drafter.events]
+    if at_once == 1:
+        assert kinds == ["propose", "deliver"] * 6
+    else:  # a turn's three chunks drafted, then handed on, furthest behind first
+        assert kinds == ["propose"] * 3 + ["deliver"] * 3 + ["propose"] * 3 + ["deliver"] * 3
+    assert sorted(d[:3] for d in channel.delivered) == sorted(
+        (f"s{f}", 0, start) for f in (1, 2, 3) for start in (2, 6))
+
+
+def test_in_process_a_cheap_drafter_gets_several_jobs_a_turn_and_chunks_of_its_room():
+    from edgespec.config import EngineConfig
+    from edgespec.engine.draft_worker import JOBS_AT_ONCE, LocalChannel
+    from edgespec.protocol.local_store import LocalSessionStore
+
+    cfg = EngineConfig(window=12, chunk=3)
+    cheap = LocalChannel(LocalSessionStore(), cfg, cheap=True)
+    model = LocalChannel(LocalSessionStore(), cfg, cheap=False)
+    assert (cheap.jobs_at_once, cheap.chunk, cheap.ahead_chunk) == (JOBS_AT_ONCE, 12, 12)
+    assert (model.jobs_at_once, model.chunk, model.ahead_chunk) == (1, 3, 3)
+    assert JOBS_AT_ONCE > 1
+    from edgespec.drafters import build_drafter
+    assert build_drafter("mag").cheap and build_drafter("mag+cacheback").cheap
+    assert not GatedDrafter().cheap  # a drafter says so itself; the default is a forward a job

@@ -100,6 +100,9 @@ class Drafter(ABC):
     # the time it needs to draft a few tokens.
     wait_ms: float = 10.0
     uses_fleet: bool = False  # drafts from the fleet-wide table (``use_fleet``)
+    # drafts a chunk in microseconds, no model forward (statistical drafters): a drafting loop
+    # in process does several of its jobs a turn (``DraftChannel.jobs_at_once``)
+    cheap: bool = False
 
     @abstractmethod
     def open(self, tokens: list[int], params: SamplingParams) -> DraftSession:

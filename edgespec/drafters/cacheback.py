@@ -238,6 +238,8 @@ class CachebackSession(DraftSession):
 
 
 class CachebackDrafter(Drafter):
+    cheap = True
+
     def __init__(self, fleet: FleetTable | None = None, with_mag: bool = False,
                  session_leaders: int = 1 << 16, drafter_leaders: int = 1 << 18,
                  fleet_leaders: int = 1 << 18, weak_limit: int = 1):

@@ -160,6 +160,7 @@ class CascadeDrafter(Drafter):
         self.name = "cascade:" + ",".join(m.name for m in self.members)
         self.wait_ms = self.members[0].wait_ms
         self.uses_fleet = any(m.uses_fleet for m in self.members)
+        self.cheap = all(m.cheap for m in self.members)
         self.lenient_prob, self.top_depth = lenient_prob, top_depth
         self._lock = threading.Lock()
         self._counts = [_LevelCounts() for _ in self.members[1:]]

@@ -11,13 +11,15 @@ twice what the verifier's last step asked of it, ``lead_cap``; none while it ask
 behind first, a chunk each (beyond what the verifier's next step asks, chunks of the channel's
 ``ahead_chunk``: a board's is AHEAD_CHUNK, so that a fix that comes while one is drafted waits
 for no more than that; in process, where the verifier and the drafter share the host, the whole
-chunk, since each chunk costs the host its own round of work). It does the jobs one by one, each
-checked under the lock first (a job whose session was fixed, closed or moved since is left to
-the next round), and plans a new round when the round is done or news came (a session, a
-commit, a fix): one pass over the sessions a round, not one a chunk. It does each job outside
-the lock, so receiving a fix or a commit never waits behind a model drafter's forward, then
-hands the chunk to the transport under the lock, unless a fix arrived meanwhile: the chunk then
-waits in the draft session for that fix to judge it.
+chunk, since each chunk costs the host its own round of work). It does the jobs in turns, each
+job checked under the lock first (a job whose session was fixed, closed or moved since is left
+to the next round), and plans a new round when the round is done or news came (a session, a
+commit, a fix): one pass over the sessions a round, not one a chunk. A turn is one job, or
+several for a drafter that drafts in microseconds where the channel asks for it
+(``jobs_at_once``: in process, each turn costs the verifier's host a lock round trip). It does
+a turn's jobs outside the lock, so receiving a fix or a commit never waits behind a model
+drafter's forward, then hands the chunks to the transport under the lock, unless a fix arrived
+meanwhile: a chunk then waits in the draft session for that fix to judge it.
 
 A fix (roll back to a position, append the verifier's tokens) is applied against everything the
 draft session holds, sent or not (``apply_fix``): where the session's tokens already hold the
@@ -211,6 +213,11 @@ class DraftChannel(Protocol):
     chunk: int  # tokens per chunk
     ahead_chunk: int  # tokens per chunk beyond what the verifier's next step asks
     tree_width: int  # 1: chains; more: chains with up to tree_width - 1 branches
+    # jobs done in one turn outside the lock, their chunks handed on in one turn under it:
+    # 1 for a drafter whose job takes a forward (a fix waits for no more than one), more for
+    # one that drafts in microseconds (in process, each turn costs the verifier's host a
+    # lock round trip and a wake-up)
+    jobs_at_once: int
 
     def refresh(self, book: DraftBook) -> None:
         """Under the lock: record in the book what happened to the sessions since the last
@@ -250,7 +257,7 @@ def run_drafting(drafter: Drafter, channel: DraftChannel, book: DraftBook,
             with cond:
                 retired = book.take_retired()
                 going = keep_going()
-                job = None
+                jobs: list[_Job] = []
                 if going:
                     try:
                         channel.refresh(book)
@@ -259,13 +266,11 @@ def run_drafting(drafter: Drafter, channel: DraftChannel, book: DraftBook,
                     if book.news or not queue:
                         book.news = False
                         queue = _plan_round(channel, book)
-                    job = _pop_job(queue, channel, book)
-                    if job is not None:
-                        job.target.busy = True
+                    jobs = _pop_jobs(queue, channel, book, channel.jobs_at_once)
             close_drafts(retired)
             if not going:
                 return
-            if job is None:
+            if not jobs:
                 with cond:
                     try:  # news that came since the round was planned: no wait
                         channel.refresh(book)
@@ -274,13 +279,17 @@ def run_drafting(drafter: Drafter, channel: DraftChannel, book: DraftBook,
                     if not book.retired and not book.news:
                         cond.wait(timeout=0.5)
                 continue
-            began = time.monotonic()
-            outcome, error = _do(job, channel.tree_width, drafter)
-            job.ran_s = (began, time.monotonic())
+            done = []
+            for job in jobs:
+                began = time.monotonic()
+                outcome, error = _do(job, channel.tree_width, drafter)
+                job.ran_s = (began, time.monotonic())
+                done.append((job, outcome, error, job.ran_s[1] - began))
             with cond:
-                if not job.opening and error is None:
-                    book.pace.drafted(job.ran_s[1] - began, len(outcome))
-                _finish(job, outcome, error, channel, book)
+                for job, outcome, error, took in done:
+                    if not job.opening and error is None:
+                        book.pace.drafted(took, len(outcome))
+                    _finish(job, outcome, error, channel, book)
                 cond.notify_all()
     finally:
         with cond:
@@ -437,6 +446,19 @@ def _pop_job(queue: list[_Job], channel: DraftChannel, book: DraftBook) -> _Job 
             continue
         return job
     return None
+
+
+def _pop_jobs(queue: list[_Job], channel: DraftChannel, book: DraftBook, most: int
+              ) -> list[_Job]:
+    """Under the lock: up to ``most`` of the round's next jobs (``_pop_job``), marked busy."""
+    jobs: list[_Job] = []
+    while len(jobs) < most:
+        job = _pop_job(queue, channel, book)
+        if job is None:
+            break
+        job.target.busy = True
+        jobs.append(job)
+    return jobs
 
 
 def _do(job: _Job, tree_width: int, drafter: Drafter):

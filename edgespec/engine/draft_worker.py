@@ -18,17 +18,25 @@ from ..drafters.drafting_loop import DraftBook, DraftTarget, run_drafting
 from ..protocol.contract import StaleChunkError
 from ..protocol.local_store import LocalSessionStore
 
+# a cheap drafter's jobs a turn: each turn takes the store's lock twice, which the verifier
+# waits on (bench-host, 64 sessions, MaG: see docs/measured/fleet-host)
+JOBS_AT_ONCE = 16
+
 
 class LocalChannel:
     """The drafting loop's transport over a ``LocalSessionStore``."""
 
-    def __init__(self, store: LocalSessionStore, cfg: EngineConfig):
+    def __init__(self, store: LocalSessionStore, cfg: EngineConfig, cheap: bool = False):
+        """``cheap``: the drafter drafts in microseconds (``Drafter.cheap``)."""
         self.store, self.cond = store, store.cond
         self.window, self.chunk, self.tree_width = cfg.window, cfg.chunk, cfg.tree_width
+        self.jobs_at_once = JOBS_AT_ONCE if cheap else 1
         # chunks beyond the next step's ask as long as any: the drafting thread's work is the
         # verifier's host's, a round of it a chunk (bench-host: half the thread's time at 64
-        # sessions with MaG against chunks of AHEAD_CHUNK)
-        self.ahead_chunk = cfg.chunk
+        # sessions with MaG against chunks of AHEAD_CHUNK); a cheap drafter's chunk is all
+        # the room its session has (MaG at 64 sessions: 1.5 -> 1.1 chunks a session-step)
+        self.chunk = cfg.window if cheap else cfg.chunk
+        self.ahead_chunk = self.chunk
         self._last_fix: dict[str, int] = {}  # sid -> the last fix id the book has
         with store.lock:
             store.read_changes()  # from now on the store keeps what changed
@@ -80,7 +88,7 @@ class DraftWorker(threading.Thread):
     def __init__(self, drafter: Drafter, store: LocalSessionStore, cfg: EngineConfig):
         super().__init__(daemon=True, name=f"drafter-{drafter.name}")
         self.drafter = drafter
-        self.channel = LocalChannel(store, cfg)
+        self.channel = LocalChannel(store, cfg, cheap=drafter.cheap)
         self.book = DraftBook()
         self.stopping = False
 
