@@ -161,6 +161,9 @@ class EngineConfig:
     # c: tokens a drafter pushes per chunk (in process, a cheap drafter's chunk is its room:
     # ``engine.draft_worker.LocalChannel``)
     chunk: int = 4
+    # in process, a cheap drafter (MaG, Cacheback) drafts in the verifier's thread as each step
+    # takes its drafts (``engine.inline_drafts``); False: in a drafting thread, as on a board
+    draft_inline: bool = True
     # how long a step waits for a draft that is on its way; None: the drafter's own suggestion
     draft_wait_ms: float | None = None
     # a drafter whose drafts missed this many steps' deadlines in a row is not waited for

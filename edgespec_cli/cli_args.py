@@ -67,6 +67,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="tokens per draft chunk, c; in process a statistical "
                         "drafter (mag, cacheback) drafts all the room it has at once "
                         "(default: %(default)s)")
+    p.add_argument("--draft-thread", action="store_true",
+                   help="in process, run a statistical drafter (mag, cacheback) in a drafting "
+                        "thread of its own, as a board runs it (default: it drafts in the "
+                        "verifier's thread as each step takes its drafts; model drafters "
+                        "always have their thread)")
     p.add_argument("--draft-wait-ms", metavar="MS", type=float, default=None,
                    help="how long a step waits for a draft on its way (default: in process, the "
                         "drafter's own: 10 for mag, 100 for model drafters; a distributed "
@@ -168,6 +173,7 @@ def engine_config(args, max_sessions: int | None = None) -> EngineConfig:
                     getattr(args, "pad_min_prob", d.pad.min_prob))
     return EngineConfig(max_draft=getattr(args, "max_draft", d.max_draft),
                         window=args.window, chunk=args.chunk,
+                        draft_inline=not getattr(args, "draft_thread", False),
                         draft_wait_ms=getattr(args, "draft_wait_ms", d.draft_wait_ms),
                         late_after=getattr(args, "late_after", d.late_after),
                         max_context=getattr(args, "max_context", d.max_context),

@@ -30,7 +30,8 @@ def test_the_instant_runner_follows_its_cycle_as_often_as_asked():
 
 
 @pytest.mark.parametrize("store, drafter", [("local", "none"), ("local", "mag"),
-                                            ("local", "mag@tree3"), ("redis", "none")])
+                                            ("local", "mag@tree3"), ("local", "mag@thread"),
+                                            ("redis", "none")])
 def test_every_stage_is_timed_and_mag_drafts_are_accepted(store, drafter):
     # every step waits for its drafts (k tokens or the drafter idle): what is drafted and
     # accepted does not depend on how the drafting thread and the steps interleave
@@ -45,7 +46,7 @@ def test_every_stage_is_timed_and_mag_drafts_are_accepted(store, drafter):
     assert r["cpu_us_per_step"]["verify"] > 0 and r["cpu_us_per_step"]["commit"] > 0
     assert r["host_us_per_session_step"] > 0 and r["verifier_cpu_us_per_session_step"] > 0
     drafting = r["drafter_cpu_us_per_session_step"]  # None without a drafting thread's clock
-    if drafter != "none" and store == "local" and hasattr(time, "pthread_getcpuclockid"):
+    if drafter.endswith("@thread") and hasattr(time, "pthread_getcpuclockid"):
         assert drafting > 0
     else:
         assert drafting is None
@@ -69,3 +70,5 @@ def test_bench_host_command_writes_its_table_and_json(tmp_path):
     bad = run_cli("bench-host", "--stores", "disk")
     assert bad.returncode == 2 and "--stores" in bad.stderr
     assert run_cli("bench-host", "--repeats", "0").returncode == 2
+    bad = run_cli("bench-host", "--drafters", "mag;mag@threads")
+    assert bad.returncode == 2 and "after @ comes treeN or thread" in bad.stderr

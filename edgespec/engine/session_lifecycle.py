@@ -1,7 +1,7 @@
 """A session's life in the engine, apart from its steps: validated, admitted (a KV slot, the
 store's record, the prefill queue), started once its prompt is in, and ended (finished,
 cancelled, failed, or abandoned when the verifier stops). ``SessionLifecycle`` is a part of
-``SpecEngine`` (its base class): it reads the engine's target, store, drafter thread, head and
+``SpecEngine`` (its base class): it reads the engine's target, store, in-process drafter, head and
 session lists, which the engine sets up."""
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ class SessionLifecycle:
     cfg: EngineConfig
     store: SessionStore
     vision: Any  # a ``VisionModel`` or None
-    worker: Any  # the in-process ``DraftWorker`` or None
+    drafter: Any  # the in-process ``Drafter`` (its thread's or inline) or None
     head: Any  # a ``VerifierHead`` or None
     active: list[ActiveSession]  # running: verified every step
     prefilling: PrefillQueue  # admitted, waiting for their prompts' prefill
@@ -111,7 +111,7 @@ class SessionLifecycle:
         t0 = time.perf_counter()
         ids = (req.prompt_ids + req.committed)[:-1]
         sid = e.session_id or f"local-{next(self._ids)}"
-        drafter = e.device if self.worker is None else self.worker.drafter.name
+        drafter = e.device if self.drafter is None else self.drafter.name
         try:
             if req.images is not None:
                 assert self.vision is not None  # validate refused images without it

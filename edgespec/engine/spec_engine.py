@@ -1,10 +1,12 @@
-"""The in-process engine: a drafter thread and a batching verifier over the session protocol.
+"""The in-process engine: a drafter and a batching verifier over the session protocol.
 
-The drafter thread (``DraftWorker``) drafts ahead into each session's draft, up to the window W,
-in chunks of c tokens, and applies fixes by rollback. The verifier (``SpecEngine.step``) waits a
-short deadline for drafts, verifies every active session in one forward pass, commits, and
-publishes fixes. A session whose draft is empty is decoded one token by the verifier alone, so
-drafting can only cost the verification width, never correctness.
+A model drafter's thread (``DraftWorker``) drafts ahead into each session's draft, up to the
+window W, in chunks of c tokens, and applies fixes by rollback; a cheap drafter (MaG, Cacheback)
+drafts in the verifier's thread as each step takes its drafts (``InlineDrafts``), unless
+``draft_inline`` is off. The verifier (``SpecEngine.step``) waits a short deadline for drafts,
+verifies every active session in one forward pass, commits, and publishes fixes. A session
+whose draft is empty is decoded one token by the verifier alone, so drafting can only cost the
+verification width, never correctness.
 
 Token trees: a draft may carry branches (``tree_width`` > 1 for the in-process drafter, or a
 remote drafter's tree chunks). The step then gives each session a share of the batch's token
@@ -40,6 +42,7 @@ from ..runner.target_runner import PREFILL_CHUNK, TargetRunner
 from ..verify.verify_step import verify_step
 from .draft_planner import ForwardCost, wait_worth
 from .draft_worker import DraftWorker
+from .inline_drafts import InlineDrafts
 from .prefill_queue import PrefillQueue
 from .session_lifecycle import SessionLifecycle
 from .generation import ActiveSession, Admission, Request, Result, SessionFailed
@@ -60,9 +63,9 @@ IMITATION = "imitation:"  # EngineConfig.head "imitation:DIR": imitation draftin
 
 
 class SpecEngine(SessionLifecycle):
-    """The verifier. With a ``drafter`` it drafts in process (a ``DraftWorker`` thread over a
-    ``LocalSessionStore``); with a ``store`` (the distributed draft cache) drafts come from
-    remote drafters through it."""
+    """The verifier. With a ``drafter`` it drafts in process over a ``LocalSessionStore`` (a
+    ``DraftWorker`` thread, or ``InlineDrafts`` for a cheap drafter); with a ``store`` (the
+    distributed draft cache) drafts come from remote drafters through it."""
 
     def __init__(self, target: TargetRunner, drafter: Drafter | None = None,
                  config: EngineConfig | None = None, stop_ids: set[int] | None = None,
@@ -100,10 +103,13 @@ class SpecEngine(SessionLifecycle):
         self.stop_ids = set(stop_ids or ())
         # fleet: a Cacheback fleet table the local store teaches each finished session's output
         self.worker: DraftWorker | None = None
+        self.inline: InlineDrafts | None = None  # a cheap drafter drafting in the step's thread
         self.store: SessionStore  # mypy checks that both stores are one
         if store is None:
-            local = LocalSessionStore(fleet, target.vocab_size)  # the worker drafts only here
-            if drafter:
+            local = LocalSessionStore(fleet, target.vocab_size)  # the drafter drafts only here
+            if drafter and drafter.cheap and self.cfg.draft_inline:
+                self.inline = InlineDrafts(drafter, local, self.cfg)
+            elif drafter:
                 self.worker = DraftWorker(drafter, local, self.cfg)
             self.store = local
         else:
@@ -138,6 +144,8 @@ class SpecEngine(SessionLifecycle):
     def close(self) -> None:
         if self.worker:
             self.worker.stop()
+        if self.inline:
+            self.inline.close()
         if self.head is not None:
             self.head.close()
 
@@ -192,17 +200,17 @@ class SpecEngine(SessionLifecycle):
         tokens. Sessions with nothing to draft for them (no drafter in process, no head, no
         board: a server serving alone) are asked for nothing, without planning."""
         acts = list(self.active)
-        if self.worker is None and self.head is None and not any(a.drafter for a in acts):
+        if self.drafter is None and self.head is None and not any(a.drafter for a in acts):
             for a in acts:
                 a.wanted = 0
             return [DraftWant(a.sid, 0, wait=False) for a in acts]
         gains = session_gains(acts)
         # a probe's notice to the drafters: the drafting thread here drafts for a commit at
         # once, a board during the next step (``told_wants``)
-        notice = 1 if self.worker is not None else 2
+        notice = 1 if self.drafter is not None else 2
         ks = plan_drafts(acts, self.cfg, self.cost, self.prober, gains, notice)
         gains = gains.cut(ks)  # what the branches and the waits weigh: the drafts as planned
-        if self.worker is not None and self.cfg.tree_width <= 1:  # its drafts are chains
+        if self.drafter is not None and self.cfg.tree_width <= 1:  # its drafts are chains
             budgets = [0] * len(acts)
         else:
             budgets = plan_branch_budgets(acts, ks, self.cfg, self.cost, self.target.max_len,
@@ -248,6 +256,8 @@ class SpecEngine(SessionLifecycle):
         holds at another position, fails alone."""
         acts = {a.sid: a for a in self.active}
         t0 = time.perf_counter()
+        if self.inline is not None:  # drafted here, now: the take finds them ready
+            self.inline.draft(wants)
         taken = self.store.take_when_ready(wants, self.wait_ms / 1000)
         self._record_lateness(wants, taken, acts, time.perf_counter() - t0)
         out, asked = [], []

@@ -130,10 +130,11 @@ def add_bench_host_args(p) -> None:
                    help="sessions decoded together (default: %(default)s)")
     p.add_argument("--drafters", default="none;mag;mag+cacheback;mag@tree4", metavar="LIST",
                    help="';'-separated drafters of the in-process store (SPEC@treeN: token "
-                        "trees of width N) (default: %(default)s)")
+                        "trees of width N; SPEC@thread: a cheap drafter in its drafting "
+                        "thread, not in the verifier's) (default: %(default)s)")
     p.add_argument("--stores", default="local,redis", metavar="LIST",
-                   help="local: the in-process store with its drafting thread; redis: the "
-                        "Redis store (embedded Redis), target-only (default: %(default)s)")
+                   help="local: the in-process store and its drafter; redis: the Redis store "
+                        "(embedded Redis), target-only (default: %(default)s)")
     p.add_argument("--new-tokens", type=int, default=64,
                    help="tokens per session (default: %(default)s)")
     p.add_argument("--right", type=float, default=0.9,
@@ -164,6 +165,8 @@ def _settings(args) -> list[tuple[str, str, int]]:
     if args.repeats < 1:
         raise ConfigError("--repeats must be >= 1")
     drafters = [d.strip() for d in args.drafters.split(";") if d.strip()]
+    for d in drafters:
+        drafter_options(d)  # a malformed one refused before anything runs
     out = []
     for store in stores:
         for d in drafters if store == "local" else ["none"]:
@@ -171,16 +174,30 @@ def _settings(args) -> list[tuple[str, str, int]]:
     return out
 
 
+def drafter_options(drafter: str) -> tuple[str, int, bool]:
+    """``SPEC[@treeN][@thread]`` as (spec, tree width, drafting inline)."""
+    spec, *options = drafter.split("@")
+    width, inline = 1, True
+    for option in options:
+        if option == "thread":
+            inline = False
+        elif option.startswith("tree") and option[4:].isdigit() and int(option[4:]) >= 1:
+            width = int(option[4:])
+        else:
+            raise ConfigError(f"--drafters: {drafter!r}: after @ comes treeN or thread")
+    return spec, width, inline
+
+
 def _engine(store: str, drafter: str, n: int, right: float, wait_ms: float = 0.0):
     from edgespec.drafters import build_drafter
     from edgespec.drafters.spec_check import check_drafter_arg
     from edgespec.engine.spec_engine import SpecEngine
 
-    spec, _, tree = drafter.partition("@tree")
-    width = int(tree) if tree else 1
+    spec, width, inline = drafter_options(drafter)
     runner = InstantRunner(n, right)
     target = cast("TargetRunner", runner)  # the runner's interface, answered at once
-    cfg = EngineConfig(max_sessions=n, tree_width=width, draft_wait_ms=wait_ms)
+    cfg = EngineConfig(max_sessions=n, tree_width=width, draft_wait_ms=wait_ms,
+                       draft_inline=inline)
     if store == "redis":
         from cache_service.redis_conn import RedisHandle
         from cache_service.store import RedisSessionStore

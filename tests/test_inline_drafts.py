@@ -1,0 +1,154 @@
+"""A cheap drafter drafting in the verifier's thread (``edgespec.engine.inline_drafts``): the
+default in process for MaG and Cacheback, with no drafting thread; greedy, seeded sampling and
+trees equal target-only, as with the thread (``draft_inline=False``); a window shorter than the
+ask keeps the draft session and the store in step; a drafter that fails on a session costs that
+session its drafts and nothing else; ended sessions' draft sessions are closed."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import hf_greedy, hf_keyed_sampled
+
+from edgespec.config import EngineConfig, SamplingParams
+from edgespec.drafters import build_drafter
+from edgespec.drafters.mag import MaGDrafter, MaGSession
+from edgespec.engine.spec_engine import Request, SpecEngine
+from edgespec.runner.target_runner import TargetRunner
+
+PROMPTS = [
+    [1, 10, 11, 12, 13, 10, 11, 12, 13, 10],
+    [1, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61],
+    [1, 30, 31, 30, 31, 30],
+    [1, 70, 71, 72, 70, 71, 72, 70],
+]
+SAMPLED = SamplingParams(temperature=0.9, top_p=0.95, seed=5)
+
+
+@pytest.fixture(scope="module")
+def setup(looping):
+    """A target whose greedy output soon cycles: drafts MaG and Cacheback get right."""
+    runner = TargetRunner(looping.model, n_slots=8, max_len=256)
+    refs = [hf_greedy(looping.model, p, 40) for p in PROMPTS]
+    return runner, refs
+
+
+# a fixed draft length, waited for: every step verifies drafts whatever the machine's speed
+FIXED = dict(max_draft=4, window=8, chunk=2, adaptive=False, draft_wait_ms=5000)
+
+
+def _generate(runner, drafter, cfg, params=None):
+    with SpecEngine(runner, drafter, cfg, stop_ids=set() if params else {2}) as engine:
+        assert (engine.worker is None) == cfg.draft_inline
+        assert (engine.inline is not None) == cfg.draft_inline
+        results = engine.generate_many([Request(p, 40, params or SamplingParams())
+                                        for p in PROMPTS])
+    return results
+
+
+@pytest.mark.parametrize("spec", ["mag", "mag+cacheback", "cacheback"])
+@pytest.mark.parametrize("inline", [True, False])
+def test_greedy_output_equals_target_only_inline_and_threaded(looping, setup, spec, inline):
+    runner, refs = setup
+    cfg = EngineConfig(**FIXED, draft_inline=inline)
+    results = _generate(runner, build_drafter(spec, looping, runner), cfg)
+    assert [r.token_ids for r in results] == refs
+    assert sum(r.stats.accepted_tokens for r in results) > 0  # drafts were verified
+
+
+def test_inline_is_the_in_process_default_for_cheap_drafters_only(tiny, tiny_draft_dir):
+    runner = TargetRunner(tiny.model, n_slots=2, max_len=256)
+    assert EngineConfig().draft_inline
+    with SpecEngine(runner, build_drafter("mag", tiny, runner)) as engine:
+        assert engine.inline is not None and engine.worker is None
+    model = build_drafter(f"model:{tiny_draft_dir}", tiny, runner, n_slots=4, max_len=256)
+    with SpecEngine(runner, model) as engine:  # a forward a token: its own thread
+        assert engine.inline is None and engine.worker is not None
+
+
+@pytest.mark.slow
+def test_seeded_sampling_and_trees_inline_equal_target_only(looping, setup):
+    runner, refs = setup
+    keyed = [hf_keyed_sampled(looping.model, p, 40, SAMPLED) for p in PROMPTS]
+    cfg = EngineConfig(max_draft=4, window=8, chunk=2)  # the planner's widths and probes
+    sampled = _generate(runner, build_drafter("mag"), cfg, SAMPLED)
+    assert [r.token_ids for r in sampled] == keyed
+    trees = EngineConfig(max_draft=4, window=8, chunk=2, tree_width=4, tree_nodes=8)
+    results = _generate(runner, build_drafter("mag"), trees)
+    assert [r.token_ids for r in results] == refs
+
+
+class CountingMaG(MaGDrafter):
+    """MaG that counts its sessions' closes and fails on every session whose prompt's second
+    token is ``fail_on``."""
+
+    def __init__(self, fail_on: int | None = None):
+        super().__init__()
+        self.fail_on, self.opened, self.closed = fail_on, 0, 0
+
+    def open(self, tokens, params):
+        self.opened += 1
+        s = super().open(tokens, params)
+        drafter = self
+
+        class Session(MaGSession):
+            def propose_tree(self, k, width):
+                if self.tokens[1] == drafter.fail_on:
+                    raise RuntimeError("the drafter broke")
+                return super().propose_tree(k, width)
+
+            def close(self):
+                drafter.closed += 1
+
+        s.__class__ = Session
+        return s
+
+
+def test_a_drafter_failing_on_one_session_costs_it_its_drafts_only(setup):
+    runner, refs = setup
+    drafter = CountingMaG(fail_on=PROMPTS[0][1])
+    cfg = EngineConfig(**FIXED)
+    with SpecEngine(runner, drafter, cfg, stop_ids={2}) as engine:
+        results = engine.generate_many([Request(p, 40) for p in PROMPTS])
+        again = engine.generate(Request(PROMPTS[1], 40))  # the engine still drafts
+    assert [r.token_ids for r in results] == refs
+    assert results[0].stats.draft_tokens == 0  # decoded alone from its first step
+    assert sum(r.stats.accepted_tokens for r in results[1:]) > 0
+    assert again.token_ids == refs[1] and again.stats.accepted_tokens > 0
+    assert drafter.closed == drafter.opened  # the failed one too, and every ended one
+
+
+def test_ended_sessions_draft_sessions_are_closed_while_others_run(setup):
+    runner, refs = setup
+    drafter = CountingMaG()
+    cfg = EngineConfig(**FIXED)
+    with SpecEngine(runner, drafter, cfg, stop_ids={2}) as engine:
+        first = engine.generate_many([Request(p, 40) for p in PROMPTS[:2]])
+        opened = drafter.opened
+        assert opened == 2
+        engine.generate(Request(PROMPTS[2], 40))  # its first step closes the ended two
+        assert drafter.closed >= opened and set(engine.inline.sessions) <= {"local-2"}
+    assert drafter.closed == drafter.opened  # closing the engine closes the rest
+    assert [r.token_ids for r in first] == refs[:2]
+
+
+def test_a_window_shorter_than_the_ask_keeps_the_draft_session_with_the_store(setup):
+    runner, refs = setup
+    cfg = EngineConfig(max_draft=6, window=2, chunk=2, adaptive=False)
+    drafter = build_drafter("mag")
+    with SpecEngine(runner, drafter, cfg, stop_ids={2}) as engine:
+        store, inline = engine.store, engine.inline
+        synced = []
+        draft = inline.draft
+
+        def checked_draft(wants):
+            draft(wants)
+            for sid, entry in inline.sessions.items():
+                state = store.sessions.get(sid)
+                if state is not None:
+                    assert len(state.draft) <= 2
+                    synced.append(entry.draft.tokens == state.tokens + state.draft)
+
+        inline.draft = checked_draft
+        results = engine.generate_many([Request(p, 40) for p in PROMPTS])
+    assert [r.token_ids for r in results] == refs
+    assert synced and all(synced)
