@@ -56,22 +56,28 @@ def add_dtype_arg(p: argparse.ArgumentParser, who: str = "") -> None:
                         "not exact there is refused (default: %(default)s)")
 
 
-def add_engine_args(p: argparse.ArgumentParser) -> None:
+def add_engine_args(p: argparse.ArgumentParser, in_process: bool = True) -> None:
+    """The engine's options; ``in_process``: the command runs its drafter in process (generate,
+    bench, bench-net), not a server's boards, and takes ``--draft-thread``."""
     d = EngineConfig()
     p.add_argument("--max-draft", metavar="K", type=int, default=d.max_draft,
                    help="most draft tokens verified per step, k (default: %(default)s)")
     p.add_argument("--window", metavar="W", type=int, default=d.window,
                    help="most tokens drafted beyond the committed position, W "
                         "(default: %(default)s)")
-    p.add_argument("--chunk", metavar="C", type=int, default=d.chunk,
-                   help="tokens per draft chunk, c; in process a statistical "
-                        "drafter (mag, cacheback) drafts all the room it has at once "
-                        "(default: %(default)s)")
-    p.add_argument("--draft-thread", action="store_true",
-                   help="in process, run a statistical drafter (mag, cacheback) in a drafting "
-                        "thread of its own, as a board runs it (default: it drafts in the "
-                        "verifier's thread as each step takes its drafts; model drafters "
-                        "always have their thread)")
+    if in_process:
+        p.add_argument("--chunk", metavar="C", type=int, default=d.chunk,
+                       help="tokens per draft chunk, c; a statistical drafter (mag, "
+                            "cacheback) drafts all the room it has at once (default: "
+                            "%(default)s)")
+        p.add_argument("--draft-thread", action="store_true",
+                       help="run a statistical drafter (mag, cacheback) in a drafting thread of "
+                            "its own, as a board runs it (default: it drafts in the verifier's "
+                            "thread as each step takes its drafts; model drafters always have "
+                            "their thread)")
+    else:
+        p.add_argument("--chunk", metavar="C", type=int, default=d.chunk,
+                       help="tokens per draft chunk, c (default: %(default)s)")
     p.add_argument("--draft-wait-ms", metavar="MS", type=float, default=None,
                    help="how long a step waits for a draft on its way (default: in process, the "
                         "drafter's own: 10 for mag, 100 for model drafters; a distributed "

@@ -93,7 +93,7 @@ def _add_server(p: argparse.ArgumentParser, roles: tuple[str, ...]) -> None:
                        help="the interface --http-port listens on, e.g. 0.0.0.0 for every "
                             "one (default: %(default)s)")
         add_threads_arg(p)
-        add_engine_args(p)
+        add_engine_args(p, in_process=False)
         add_verify_args(p)
     else:  # the cache alone uses only the drafting shape it hands to drafters
         d = EngineConfig()
@@ -101,9 +101,7 @@ def _add_server(p: argparse.ArgumentParser, roles: tuple[str, ...]) -> None:
                        help="most tokens drafted beyond the committed position, W "
                             "(default: %(default)s)")
         p.add_argument("--chunk", metavar="C", type=int, default=d.chunk,
-                       help="tokens per draft chunk, c; in process a statistical "
-                            "drafter (mag, cacheback) drafts all the room it has at once "
-                            "(default: %(default)s)")
+                       help="tokens per draft chunk, c (default: %(default)s)")
     p.set_defaults(func=cmd_server, roles=roles)
 
 

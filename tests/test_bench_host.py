@@ -11,7 +11,7 @@ import pytest
 import torch
 from cli_inprocess import run_cli
 
-from edgespec_cli.bench.host_cost import STAGES, InstantRunner, measure
+from edgespec_cli.bench.host_cost import STAGES, InstantRunner, drafter_options, measure
 
 
 def test_the_instant_runner_follows_its_cycle_as_often_as_asked():
@@ -70,5 +70,8 @@ def test_bench_host_command_writes_its_table_and_json(tmp_path):
     bad = run_cli("bench-host", "--stores", "disk")
     assert bad.returncode == 2 and "--stores" in bad.stderr
     assert run_cli("bench-host", "--repeats", "0").returncode == 2
-    bad = run_cli("bench-host", "--drafters", "mag;mag@threads")
-    assert bad.returncode == 2 and "after @ comes treeN or thread" in bad.stderr
+    bad = run_cli("bench-host", "--drafters", "mag;mag@threads")  # read as a drafter's name
+    assert bad.returncode == 2 and "mag@threads" in bad.stderr and "host us/step" not in bad.stdout
+    assert drafter_options("mag@tree4@thread") == ("mag", 4, False)
+    assert drafter_options("mag@thread@tree2") == ("mag", 2, False)
+    assert drafter_options("mag+cacheback") == ("mag+cacheback", 1, True)

@@ -152,3 +152,43 @@ def test_a_window_shorter_than_the_ask_keeps_the_draft_session_with_the_store(se
         results = engine.generate_many([Request(p, 40) for p in PROMPTS])
     assert [r.token_ids for r in results] == refs
     assert synced and all(synced)
+
+
+def _store_with(prompts: dict[str, list[int]]):
+    from edgespec.engine.inline_drafts import InlineDrafts
+    from edgespec.protocol.local_store import LocalSessionStore
+
+    store = LocalSessionStore()
+    for sid, prompt in prompts.items():
+        store.create(sid, prompt, SamplingParams(), drafter="mag")
+    return store, InlineDrafts(build_drafter("mag"), store, EngineConfig())
+
+
+def test_a_session_asked_nothing_for_longer_than_the_fix_log_is_drafted_for_again():
+    from edgespec.protocol.contract import DraftWant, Verdict
+
+    store, inline = _store_with({"s": [1, 2, 3, 1, 2]})
+    inline.draft([DraftWant("s", 2)])
+    state = store.sessions["s"]
+    assert state.draft == [3, 1]
+    fixes = state.fixes.maxlen + 44  # steps decoding it alone, a fix each, past the log's end
+    for _ in range(fixes):
+        [out] = store.commit_many([Verdict("s", state.epoch, state.end, 0, 9)])
+        assert out.ok and out.fix is not None
+    inline.draft([DraftWant("s", 2)])
+    assert state.has_drafter and state.draft == [9]  # drafted for again, not given up on
+    assert inline.sessions["s"].draft.tokens == state.tokens + state.draft
+    inline.close()
+
+
+def test_a_session_id_used_again_is_a_new_session_to_its_drafter():
+    from edgespec.protocol.contract import DraftWant
+
+    store, inline = _store_with({"s": [1, 2, 3, 1, 2]})
+    inline.draft([DraftWant("s", 2)])
+    store.close("s")
+    store.create("s", [5, 6, 7, 5, 6], SamplingParams(), drafter="mag")
+    inline.draft([DraftWant("s", 2)])
+    assert store.sessions["s"].draft == [7, 5]  # from its own prompt, not the first one's
+    assert inline.sessions["s"].draft.tokens == [5, 6, 7, 5, 6, 7, 5]
+    inline.close()

@@ -35,9 +35,11 @@ log = logging.getLogger("edgespec.engine.inline_drafts")
 
 @dataclass
 class _Inline:
-    """A session's draft session and the last of the store's fixes it applied."""
+    """A session's draft session, the store's state it follows (a session id used again is
+    another session) and the last of the store's fixes it applied."""
 
     draft: DraftSession
+    state: SessionState
     fix_id: int
 
 
@@ -81,10 +83,16 @@ class InlineDrafts:
             s.retract(start + kept)
 
     def _synced(self, sid: str, state: SessionState) -> DraftSession:
-        """The session's draft session, holding the store's tokens and draft."""
+        """The session's draft session, holding the store's tokens and draft: opened anew for
+        a new session, and for one whose fixes the store's bounded log no longer all holds
+        (asked for no tokens for that many steps: its fixes are not applied meanwhile)."""
         entry = self.sessions.get(sid)
+        if entry is not None and (entry.state is not state or (
+                state.fixes and state.fixes[0].id > entry.fix_id + 1)):
+            self._close(sid)
+            entry = None
         if entry is None:
-            entry = _Inline(self.drafter.open(state.tokens + state.draft, state.params),
+            entry = _Inline(self.drafter.open(state.tokens + state.draft, state.params), state,
                             state.fixes[-1].id if state.fixes else 0)
             self.sessions[sid] = entry
             return entry.draft

@@ -2,14 +2,14 @@
 ``StepDraft`` per row.
 
 Two sources propose tokens, behind one interface (``Proposer``): the drafter (a board through
-the distributed cache, or the in-process ``DraftWorker``), whose draft the store hands over as a
-``TakenDraft``, and the verifier's own draft head (``edgespec.heads.proposer.HeadProposer``),
-which drafted on the device during the previous step. The drafter's chain is the row's spine
-and its branches hang from it; the head's proposal joins as a branch from where it first
-differs from the spine (``head_branch``), and its own alternatives, if it has any, as branches
-beside its tokens. ``--auto`` leaves out the sources a session's chooser
-does not pick this step. The store's objects are read, never edited: a ``StepDraft`` is a new,
-frozen value.
+the distributed cache, or in process a ``DraftWorker`` thread or ``InlineDrafts``), whose draft
+the store hands over as a ``TakenDraft``, and the verifier's own draft head
+(``edgespec.heads.proposer.HeadProposer``), which drafted on the device during the previous
+step. The drafter's chain is the row's spine and its branches hang from it; the head's proposal
+joins as a branch from where it first differs from the spine (``head_branch``), and its own
+alternatives, if it has any, as branches beside its tokens. ``--auto`` leaves out the sources a
+session's chooser does not pick this step. The store's objects are read, never edited: a
+``StepDraft`` is a new, frozen value.
 
 Drafts are trusted here: token ids were checked where they entered (the cache service for a
 board's chunks, the local store for the in-process drafter's).

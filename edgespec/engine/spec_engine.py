@@ -255,9 +255,9 @@ class SpecEngine(SessionLifecycle):
         """The store's drafts (it waits up to the deadline); a session the store lost, or
         holds at another position, fails alone."""
         acts = {a.sid: a for a in self.active}
-        t0 = time.perf_counter()
         if self.inline is not None:  # drafted here, now: the take finds them ready
             self.inline.draft(wants)
+        t0 = time.perf_counter()  # the take's wait, as a drafter's lateness counts it
         taken = self.store.take_when_ready(wants, self.wait_ms / 1000)
         self._record_lateness(wants, taken, acts, time.perf_counter() - t0)
         out, asked = [], []

@@ -30,6 +30,7 @@ alive frozen out of the garbage collector's passes, as a server does at start
 from __future__ import annotations
 
 import json
+import re
 import sys
 import time
 from collections import defaultdict
@@ -165,8 +166,12 @@ def _settings(args) -> list[tuple[str, str, int]]:
     if args.repeats < 1:
         raise ConfigError("--repeats must be >= 1")
     drafters = [d.strip() for d in args.drafters.split(";") if d.strip()]
-    for d in drafters:
-        drafter_options(d)  # a malformed one refused before anything runs
+    from edgespec.drafters.spec_check import check_drafter_arg
+
+    for d in drafters:  # a malformed one refused before anything runs
+        spec = drafter_options(d)[0]
+        if spec != "none":
+            check_drafter_arg(spec)
     out = []
     for store in stores:
         for d in drafters if store == "local" else ["none"]:
@@ -175,16 +180,19 @@ def _settings(args) -> list[tuple[str, str, int]]:
 
 
 def drafter_options(drafter: str) -> tuple[str, int, bool]:
-    """``SPEC[@treeN][@thread]`` as (spec, tree width, drafting inline)."""
-    spec, *options = drafter.split("@")
-    width, inline = 1, True
-    for option in options:
+    """``SPEC[@treeN][@thread]`` as (spec, tree width, drafting inline); the suffixes are read
+    from the end, so SPEC itself may hold an @."""
+    m = re.fullmatch(r"(.+?)((?:@tree\d+|@thread)*)", drafter)
+    if m is None:
+        raise ConfigError("--drafters: an empty drafter")
+    spec, width, inline = m[1], 1, True
+    for option in re.findall(r"@(tree\d+|thread)", m[2]):
         if option == "thread":
             inline = False
-        elif option.startswith("tree") and option[4:].isdigit() and int(option[4:]) >= 1:
+        elif int(option[4:]) >= 1:
             width = int(option[4:])
         else:
-            raise ConfigError(f"--drafters: {drafter!r}: after @ comes treeN or thread")
+            raise ConfigError(f"--drafters: {drafter!r}: a tree is at least 1 wide")
     return spec, width, inline
 
 
