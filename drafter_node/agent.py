@@ -36,7 +36,8 @@ import grpc
 
 from edgespec.config import ConfigError, SamplingParams
 from edgespec.drafters import Draft, Drafter
-from edgespec.drafters.drafting_loop import AHEAD_CHUNK, DraftBook, DraftTarget, run_drafting
+from edgespec.drafters.draft_book import DraftBook, DraftTarget
+from edgespec.drafters.drafting_loop import AHEAD_CHUNK, run_drafting
 from edgespec.protocol.ids import check_device_id
 from edgespec.wire.trees import TREE_VERSION, tree_to_wire
 from edgespec.v1 import edgespec_pb2 as pb
@@ -93,7 +94,9 @@ class DrafterAgent:
         self.fingerprint = fingerprint
         self.window, self.chunk = window, chunk
         self.ahead_chunk = AHEAD_CHUNK  # a fix waits for no more of a chunk drafted ahead
-        self.jobs_at_once = 1  # a board's own time: a fix waits for no more than one job
+        # a board's own time: a fix waits for no more than one job, or one forward a token of
+        # a drafter that drafts its sessions together (llama.cpp's sequences)
+        self.jobs_at_once = max(1, drafter.batch_jobs)
         self.token, self.tls_ca, self.tls = token, tls_ca, tls
         self.tls_cert, self.tls_key = tls_cert, tls_key
         self.max_sessions = max_sessions

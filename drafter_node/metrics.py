@@ -44,7 +44,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from edgespec.drafters.drafting_loop import DraftBook
+from edgespec.drafters.draft_book import DraftBook
 
 DROP_REASONS = ("disagreed", "closed", "failed")
 

@@ -504,3 +504,56 @@ def test_in_process_a_cheap_drafter_gets_several_jobs_a_turn_and_chunks_of_its_r
     from edgespec.drafters import build_drafter
     assert build_drafter("mag").cheap and build_drafter("mag+cacheback").cheap
     assert not GatedDrafter().cheap  # a drafter says so itself; the default is a forward a job
+
+
+class BatchingDrafter(CountingDrafter):
+    """Drafts its sessions' chunks together (``batch_jobs``), noting each call's sessions;
+    ``fail``: every call raises."""
+
+    cheap = False
+    batch_jobs = 3
+
+    def __init__(self, fail: bool = False):
+        super().__init__()
+        self.fail = fail
+        self.calls: list[list[str]] = []
+
+    def propose_many(self, jobs, width):
+        self.calls.append(sorted(s.name for s, _ in jobs))
+        if self.fail:
+            raise RuntimeError("the batch broke")
+        return super().propose_many(jobs, width)
+
+
+def _run_until(drafter, channel, book, cond, what):
+    stop = threading.Event()
+    thread = threading.Thread(target=run_drafting,
+                              args=(drafter, channel, book, lambda: not stop.is_set()))
+    thread.start()
+    try:
+        _eventually(cond, what, channel)
+    finally:
+        stop.set()
+        with channel.cond:
+            channel.cond.notify_all()
+        thread.join(WAIT_S)
+    assert not thread.is_alive()
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_a_drafter_that_drafts_sessions_together_gets_a_rounds_chunks_in_one_call(fail):
+    drafter, channel, book = BatchingDrafter(fail), RecordingChannel(), DraftBook(pace=False)
+    channel.jobs_at_once = drafter.batch_jobs
+    for first in (1, 2, 3):
+        book.assign(f"s{first}", [first, 10], SamplingParams(), 0)
+    if fail:  # the call's failure costs each of its sessions its drafts, and the loop nothing
+        _run_until(drafter, channel, book, lambda: len(channel.refused) == 3, "refusals")
+        assert sorted(channel.refused) == [("s1", 2), ("s2", 2), ("s3", 2)]
+        assert drafter.calls == [["s1", "s2", "s3"]] and not channel.delivered
+        return
+    _run_until(drafter, channel, book, lambda: len(channel.delivered) == 6,
+               "every session's window")
+    assert drafter.calls == [["s1", "s2", "s3"]] * 2  # a window of 8 in two chunks of 4
+    assert sorted(d[:3] + (tuple(d[3]),) for d in channel.delivered) == sorted(
+        (f"s{f}", 0, start, tuple(range(11 + start - 2, 11 + start + 2)))
+        for f in (1, 2, 3) for start in (2, 6))

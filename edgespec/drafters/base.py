@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from typing import Sequence
 
 from ..config import SamplingParams
 from ..protocol.contract import Branch  # the one branch shape (a draft and its alternatives)
@@ -103,6 +104,9 @@ class Drafter(ABC):
     # drafts a chunk in microseconds, no model forward (statistical drafters): a drafting loop
     # in process does several of its jobs a turn (``DraftChannel.jobs_at_once``)
     cheap: bool = False
+    # sessions' chunks ``propose_many`` drafts together, a token of each a forward (a llama.cpp
+    # drafter's sequences of one context); 1: one session at a time
+    batch_jobs: int = 1
 
     @abstractmethod
     def open(self, tokens: list[int], params: SamplingParams) -> DraftSession:
@@ -114,6 +118,11 @@ class Drafter(ABC):
 
     def restore(self, state) -> None:
         """Go back to a ``snapshot`` (benchmarks repeat a prompt without learning from it)."""
+
+    def propose_many(self, jobs: Sequence[tuple[DraftSession, int]], width: int) -> list[Draft]:
+        """Each job's proposal (its session, k): ``propose_tree(k, width)``, one session after
+        another; a drafter with ``batch_jobs`` > 1 drafts them together."""
+        return [session.propose_tree(k, width) for session, k in jobs]
 
     def use_fleet(self, table) -> None:
         """Draft also from a fleet-wide table (a ``FleetTable``), synchronised in the

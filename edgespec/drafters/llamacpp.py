@@ -1,13 +1,14 @@
 """A GGUF draft model run by llama.cpp (``llama-cpp-python``), the runtime edge boards use.
 
 ``llamacpp:FILE.gguf`` drafts with any GGUF causal LM whose vocabulary is the target's (token
-texts compared id by id); ``llamacpp:default`` is the default model's own Q4_1 GGUF. Each session
-holds one llama.cpp context from a pool of at most ``n_slots``; a verifier fix rolls its KV cache
-back by removing the positions after the fix. Drafting is ``logits_session``'s loop, as the torch
-model drafter's: greedy sessions draft the argmax, sampling sessions draw the session's keyed
-sample from the llama logits (``token_choice``), and a draft stops when the top probability falls
-below ``min_confidence``; ``propose_tree`` adds one-token branches from the logits already
-computed.
+texts compared id by id); ``llamacpp:default`` is the default model's own Q4_1 GGUF. Each
+session is a sequence of one llama.cpp context of ``n_slots`` sequences (``llamacpp_batch``), so
+that a board drafts a token for each of its sessions in one forward (``propose_many``); a
+verifier fix rolls a session's KV cache back by removing the positions after the fix. Drafting
+is ``logits_session``'s loop, as the torch model drafter's: greedy sessions draft the argmax,
+sampling sessions draw the session's keyed sample from the llama logits (``token_choice``), and
+a draft stops when the top probability falls below ``min_confidence``; ``propose_tree`` adds
+one-token branches from the logits already computed.
 
 llama-cpp-python is the optional ``llamacpp`` extra (``pip install ".[llamacpp]"`` in a clone),
 imported only when
@@ -22,14 +23,15 @@ import json
 import os
 import threading
 from pathlib import Path
-from typing import Sequence
+from typing import Sequence, cast
 
 import numpy as np
 
 from ..runner.threads import threads_in_use
 from ..config import CacheFullError, ConfigError, SamplingParams
-from .base import Drafter
-from .logits_session import LogitsDraftSession
+from .base import Draft, Drafter, DraftSession
+from .llamacpp_batch import SharedContext
+from .logits_session import LogitsDraftSession, Proposing, propose_together
 
 
 def import_llama_cpp():
@@ -119,7 +121,7 @@ class LlamaCppDraftSession(LogitsDraftSession):
     def __init__(self, drafter: "LlamaCppDrafter", tokens: list[int], params: SamplingParams):
         super().__init__(tokens, params)
         self.drafter = drafter
-        self.llm = drafter.acquire_context()
+        self.seq: int | None = drafter.context.acquire(drafter.name)
         # positions of self.tokens[:kv_len] are in the context; the last token is always fed next
         self.kv_len = 0
         try:
@@ -131,23 +133,12 @@ class LlamaCppDraftSession(LogitsDraftSession):
 
     def _forward(self, feed: list[int]) -> np.ndarray:
         """Decode ``feed`` after the cached positions; the logits [V] after its last token."""
-        if self.kv_len + len(feed) > self.drafter.max_len:
-            raise CacheFullError(f"session needs {self.kv_len + len(feed)} positions, a llama.cpp "
-                                 f"context holds {self.drafter.max_len}")
-        self.llm.n_tokens = self.kv_len  # Llama.eval drops cached positions >= n_tokens first
-        self.llm.eval(feed)
-        self.kv_len += len(feed)
-        ptr = self.drafter.llama_cpp.llama_get_logits_ith(self.llm.ctx, -1)
-        return np.ctypeslib.as_array(ptr, shape=(self.drafter.n_vocab,)).copy()
+        return self.drafter.feed_many([(self, feed)])[0]
 
     def _truncate(self, length: int) -> None:
         """Forget the cached positions from ``length`` on."""
-        lc = self.drafter.llama_cpp
-        if not lc.llama_memory_seq_rm(lc.llama_get_memory(self.llm.ctx), -1, length, -1):
-            # a cache that cannot drop a tail (recurrent models): start over from the prompt
-            lc.llama_memory_clear(lc.llama_get_memory(self.llm.ctx), True)
-            length = 0
-        self.kv_len = self.llm.n_tokens = length
+        assert self.seq is not None
+        self.kv_len = self.drafter.context.truncate(self.seq, length)
 
     def _max_len(self) -> int:
         return self.drafter.max_len
@@ -164,12 +155,16 @@ class LlamaCppDraftSession(LogitsDraftSession):
             self._truncate(max(0, length - 1))
 
     def close(self) -> None:
-        if self.llm is not None:
-            self.drafter.release_context(self.llm)
-            self.llm = None
+        if self.seq is not None:
+            self.drafter.context.release(self.seq)
+            self.seq = None
 
 
 class LlamaCppDrafter(Drafter):
+    """A GGUF draft model; its sessions are the sequences of one llama.cpp context
+    (``llamacpp_batch.SharedContext``), so that ``propose_many`` drafts for several in one
+    forward a token."""
+
     wait_ms = 100.0  # a decode per drafted token, like ModelDrafter
 
     def __init__(self, path: str, n_slots: int = 4, max_len: int = 2048, target_tokenizer=None,
@@ -179,65 +174,53 @@ class LlamaCppDrafter(Drafter):
         self.path = resolve_gguf(path)
         self.name = f"llamacpp:{self.path.name}"
         self.n_slots, self.max_len = n_slots, max_len
+        self.batch_jobs = n_slots  # a drafting loop's jobs a turn: every session in one forward
         # the process's thread policy (cli_args.set_threads), else every core
         self.n_threads = n_threads or threads_in_use() or os.cpu_count() or 1
         self.min_confidence = min_confidence
         self.branch_min_prob = branch_min_prob  # the least probability a tree branch needs
         self.extra_buffers = extra_buffers  # see load_llama
-        self._lock = threading.Lock()
-        first = self._new_context()  # a file llama.cpp cannot load fails here, not in a session
-        self._idle: list = [first]
-        self._opened = 1  # contexts made so far, idle or in use
-        self.n_vocab = self.llama_cpp.llama_vocab_n_tokens(
-            self.llama_cpp.llama_model_get_vocab(first.model))
+        try:  # the weights (a file llama.cpp cannot load fails here, not in a session)
+            self.llm = load_llama(self.path, extra_buffers, n_ctx=64, n_threads=self.n_threads,
+                                  n_threads_batch=self.n_threads)
+        except (ValueError, RuntimeError) as e:
+            raise ConfigError(f"llama.cpp could not load {self.path}: {e}") from None
+        self.context = SharedContext(self.llama_cpp, self.llm.model, n_slots, max_len,
+                                     self.n_threads)
+        self.n_vocab = self.context.n_vocab
         if target_tokenizer is not None:
             try:
-                check_gguf_tokenizer(target_tokenizer, gguf_token_texts(first), str(self.path))
+                check_gguf_tokenizer(target_tokenizer, gguf_token_texts(self.llm), str(self.path))
             except ConfigError:
                 self.close()
                 raise
 
-    def _new_context(self):
-        """One more llama.cpp context (each loads the file memory-mapped: the OS shares its
-        pages between contexts)."""
-        try:
-            llm = load_llama(self.path, self.extra_buffers, n_ctx=self.max_len,
-                             n_threads=self.n_threads, n_threads_batch=self.n_threads)
-        except (ValueError, RuntimeError) as e:
-            raise ConfigError(f"llama.cpp could not load {self.path}: {e}") from None
-        return llm
-
-    def acquire_context(self):
-        """A context for a new session: an idle one, else a new one while fewer than
-        ``n_slots`` exist, else CacheFullError."""
-        with self._lock:
-            if self._idle:
-                return self._idle.pop()
-            if self._opened >= self.n_slots:
-                raise CacheFullError(f"all {self.n_slots} llama.cpp contexts of {self.name} "
-                                     "are in use")
-            self._opened += 1  # reserved under the lock; loading happens outside it
-        try:
-            return self._new_context()
-        except BaseException:
-            with self._lock:
-                self._opened -= 1
-            raise
-
-    def release_context(self, llm) -> None:
-        """Take a session's context back, its KV cache emptied."""
-        self.llama_cpp.llama_memory_clear(self.llama_cpp.llama_get_memory(llm.ctx), True)
-        llm.n_tokens = 0
-        with self._lock:
-            self._idle.append(llm)
-
     def open(self, tokens: list[int], params: SamplingParams) -> LlamaCppDraftSession:
         return LlamaCppDraftSession(self, tokens, params)
 
+    def feed_many(self, feeds: list[tuple[LlamaCppDraftSession, list[int]]]) -> list[np.ndarray]:
+        """Each session's feed decoded after its cached positions, in one call where
+        ``n_batch`` allows; the logits [V] after each feed (the sessions' caches moved on)."""
+        parts = []
+        for s, feed in feeds:
+            if s.seq is None:
+                raise RuntimeError("the draft session was closed")
+            if s.kv_len + len(feed) > self.max_len:
+                raise CacheFullError(f"session needs {s.kv_len + len(feed)} positions, a "
+                                     f"llama.cpp sequence holds {self.max_len}")
+            parts.append((s.seq, s.kv_len, feed))
+        logits = self.context.decode(parts)
+        for s, feed in feeds:
+            s.kv_len += len(feed)
+        return logits
+
+    def propose_many(self, jobs: Sequence[tuple[DraftSession, int]], width: int
+                     ) -> list[Draft]:
+        """Every job's proposal (its session, k), a token of each session a forward."""
+        proposals = [Proposing(cast(LlamaCppDraftSession, s), k, width) for s, k in jobs]
+        return propose_together(proposals, self.feed_many)  # type: ignore[arg-type]
+
     def close(self) -> None:
-        """Free the idle contexts (a context in use is freed when its session closes and the
-        drafter is garbage-collected)."""
-        with self._lock:
-            idle, self._idle = self._idle, []
-        for llm in idle:
-            llm.close()
+        """Free the context and the weights (sessions still open hold sequences of nothing)."""
+        self.context.close()
+        self.llm.close()

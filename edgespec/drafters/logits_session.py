@@ -16,7 +16,7 @@ kept, best first; so early positions, which are the likelier to be reached, are 
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Callable, Protocol
 
 import numpy as np
 
@@ -79,22 +79,64 @@ class LogitsDraftSession(DraftSession):
         return self._propose(k, width)
 
     def _propose(self, k: int, width: int) -> Draft:
-        out: list[int] = []
-        min_conf = self.drafter.min_confidence
-        picker = BranchPicker(width - 1, self.drafter.branch_min_prob) if width > 1 else None
-        for _ in range(k):
-            if len(self.tokens) + 1 > self._max_len():
-                break
-            feed = self.tokens[self.kv_len:]
-            logits = self._feed(feed)
-            # keyed by the absolute position the token will take: len(self.tokens)
-            token, conf, probs = choose_token(logits, self.params, len(self.tokens))
-            if out and conf < min_conf:  # the first token is always offered
-                # forget the last fed position so the next proposal re-feeds the last token
-                self._unfeed(len(feed))
-                break
-            if picker is not None:
-                picker.add(len(out), probs, token)
-            out.append(token)
-            self.tokens.append(token)
-        return Draft(tokens=out, branches=picker.branches() if picker is not None else [])
+        proposal = Proposing(self, k, width)
+        while (feed := proposal.feed()) is not None:
+            proposal.took(self._feed(feed))
+        return proposal.draft()
+
+
+class Proposing:
+    """One proposal of a ``LogitsDraftSession`` under way, a token a forward: ``feed`` says what
+    to run next (None: done), ``took`` takes the logits after it. Several sessions' proposals
+    can so share each forward (``propose_together``)."""
+
+    def __init__(self, session: LogitsDraftSession, k: int, width: int):
+        self.session, self.k = session, k
+        self.out: list[int] = []
+        self.picker = BranchPicker(width - 1, session.drafter.branch_min_prob) \
+            if width > 1 else None
+        self.fed = 0
+        self.done = False
+
+    def feed(self) -> list[int] | None:
+        """The tokens to run next (the session's not yet cached), or None when done."""
+        s = self.session
+        if self.done or len(self.out) >= self.k or len(s.tokens) + 1 > s._max_len():
+            self.done = True
+            return None
+        feed = s.tokens[s.kv_len:]
+        self.fed = len(feed)
+        return feed
+
+    def took(self, logits) -> None:
+        """The logits [V] after the feed (the session's cache now holds it)."""
+        s = self.session
+        # keyed by the absolute position the token will take: len(s.tokens)
+        token, conf, probs = choose_token(logits, s.params, len(s.tokens))
+        if self.out and conf < s.drafter.min_confidence:  # the first token is always offered
+            # forget the last fed position so the next proposal re-feeds the last token
+            s._unfeed(self.fed)
+            self.done = True
+            return
+        if self.picker is not None:
+            self.picker.add(len(self.out), probs, token)
+        self.out.append(token)
+        s.tokens.append(token)
+
+    def draft(self) -> Draft:
+        return Draft(tokens=self.out,
+                     branches=self.picker.branches() if self.picker is not None else [])
+
+
+def propose_together(proposals: list[Proposing],
+                     feed_many: Callable[[list[tuple[LogitsDraftSession, list[int]]]], list]
+                     ) -> list[Draft]:
+    """Every proposal run to its end, a token of each a round, each round's feeds in one call
+    (``feed_many``: the sessions and their feeds -> the logits after each, the sessions'
+    caches moved on)."""
+    while True:
+        going = [(p, f) for p in proposals if (f := p.feed()) is not None]
+        if not going:
+            return [p.draft() for p in proposals]
+        for (p, _), logits in zip(going, feed_many([(p.session, f) for p, f in going])):
+            p.took(logits)

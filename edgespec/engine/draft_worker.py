@@ -14,7 +14,8 @@ import threading
 
 from ..config import EngineConfig
 from ..drafters import Draft, Drafter
-from ..drafters.drafting_loop import DraftBook, DraftTarget, run_drafting
+from ..drafters.draft_book import DraftBook, DraftTarget
+from ..drafters.drafting_loop import run_drafting
 from ..protocol.contract import StaleChunkError
 from ..protocol.local_store import LocalSessionStore
 
@@ -26,11 +27,13 @@ JOBS_AT_ONCE = 16
 class LocalChannel:
     """The drafting loop's transport over a ``LocalSessionStore``."""
 
-    def __init__(self, store: LocalSessionStore, cfg: EngineConfig, cheap: bool = False):
-        """``cheap``: the drafter drafts in microseconds (``Drafter.cheap``)."""
+    def __init__(self, store: LocalSessionStore, cfg: EngineConfig, cheap: bool = False,
+                 batch_jobs: int = 1):
+        """``cheap``: the drafter drafts in microseconds (``Drafter.cheap``); ``batch_jobs``:
+        the sessions it drafts together (``Drafter.batch_jobs``)."""
         self.store, self.cond = store, store.cond
         self.window, self.chunk, self.tree_width = cfg.window, cfg.chunk, cfg.tree_width
-        self.jobs_at_once = JOBS_AT_ONCE if cheap else 1
+        self.jobs_at_once = JOBS_AT_ONCE if cheap else batch_jobs
         # chunks beyond the next step's ask as long as any: the drafting thread's work is the
         # verifier's host's, a round of it a chunk (bench-host: half the thread's time at 64
         # sessions with MaG against chunks of AHEAD_CHUNK); a cheap drafter's chunk is all
@@ -88,7 +91,8 @@ class DraftWorker(threading.Thread):
     def __init__(self, drafter: Drafter, store: LocalSessionStore, cfg: EngineConfig):
         super().__init__(daemon=True, name=f"drafter-{drafter.name}")
         self.drafter = drafter
-        self.channel = LocalChannel(store, cfg, cheap=drafter.cheap)
+        self.channel = LocalChannel(store, cfg, cheap=drafter.cheap,
+                                    batch_jobs=max(1, drafter.batch_jobs))
         self.book = DraftBook()
         self.stopping = False
 
