@@ -469,18 +469,9 @@ def test_a_channel_asking_several_jobs_a_turn_gets_them_drafted_then_handed_on_t
     channel.deliver = deliver
     for first in (1, 2, 3):
         book.assign(f"s{first}", [first, 10], SamplingParams(), 0)
-    stop = threading.Event()
-    thread = threading.Thread(target=run_drafting,
-                              args=(drafter, channel, book, lambda: not stop.is_set()))
-    thread.start()
-    try:  # a window of 8 in chunks of 4: two rounds of a chunk a session
-        _eventually(lambda: len(channel.delivered) == 6, "every session's window", channel)
-    finally:
-        stop.set()
-        with channel.cond:
-            channel.cond.notify_all()
-        thread.join(WAIT_S)
-    assert not thread.is_alive()
+    # a window of 8 in chunks of 4: two rounds of a chunk a session
+    _run_until(drafter, channel, book, lambda: len(channel.delivered) == 6,
+               "every session's window")
     kinds = [kind for kind, _ in drafter.events]
     if at_once == 1:
         assert kinds == ["propose", "deliver"] * 6
