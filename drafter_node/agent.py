@@ -94,8 +94,8 @@ class DrafterAgent:
         self.fingerprint = fingerprint
         self.window, self.chunk = window, chunk
         self.ahead_chunk = AHEAD_CHUNK  # a fix waits for no more of a chunk drafted ahead
-        # a board's own time: a fix waits for no more than one job, or one forward a token of
-        # a drafter that drafts its sessions together (llama.cpp's sequences)
+        # a board's own time: a fix waits for no more than one job, or, for a drafter that
+        # drafts its sessions together (llama.cpp's sequences), one turn of its forwards
         self.jobs_at_once = max(1, drafter.batch_jobs)
         self.token, self.tls_ca, self.tls = token, tls_ca, tls
         self.tls_cert, self.tls_key = tls_cert, tls_key

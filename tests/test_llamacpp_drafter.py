@@ -186,7 +186,31 @@ def test_sessions_generated_together_are_drafted_together_and_equal_target_only(
     for p, r in zip(prompts, got):
         assert r.token_ids == hf_greedy(gen.target.model, p, 16, eos=gen.stop_ids)
         assert r.stats.accepted_tokens > 0
-    assert max(sizes) == 2  # both sessions' chunks in one forward a token
+    assert sizes and max(sizes) == 2  # both sessions' chunks in one forward a token
+
+
+@pytest.mark.real_model
+@pytest.mark.slow
+def test_feeds_out_of_order_and_of_any_length_decode_as_each_alone(gen):
+    d = _drafter(gen, n_slots=4, min_confidence=0.0)
+    ids = gen.encode(PROMPT)
+    sessions = [d.open(ids[:n], SamplingParams()) for n in (5, 7, 9, 11)]
+    sessions[1].close()  # a gap among the busy sequences
+    live = [sessions[3], sessions[0], sessions[2]]  # not in sequence order
+    feeds = [(s, s.tokens[s.kv_len:] + extra) for s, extra in zip(live, ([5, 6, 7], [8], [9, 10]))]
+    lengths = [s.kv_len for s in live]
+    together = d.feed_many(feeds)
+    for s, (_, feed), n, logits in zip(live, feeds, lengths, together):
+        assert s.kv_len == n + len(feed)
+        s._truncate(n)  # the same feed again, alone
+        alone = d.feed_many([(s, feed)])[0]
+        assert int(alone.argmax()) == int(logits.argmax())
+        assert abs(alone - logits).max() <= 1e-3 * abs(alone).max()
+    d.close()
+    for s in sessions:
+        s.close()  # after the drafter: nothing to give back, no crash
+    with pytest.raises(RuntimeError, match="closed"):
+        d.context.decode([(0, 0, [1])])
 
 
 @pytest.mark.real_model

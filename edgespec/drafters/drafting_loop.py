@@ -4,22 +4,25 @@ session store, or the draft cache's Attach stream.
 
 The loop keeps a ``DraftTarget`` per session it drafts for, in a ``DraftBook`` guarded by the
 channel's lock. The transport records what happens to the sessions (a new one, the verifier's
-commits and fixes, a close) in the book, under that lock. The loop plans a round under the lock: it
-applies the fixes received, sends held tokens again, and lists its jobs: the sessions to open, then
-every session with room in its window (W tokens beyond the committed position, or fewer: about
-twice what the verifier's last step asked of it, ``lead_cap``; none while it asks 0), furthest
-behind first, a chunk each (beyond what the verifier's next step asks, chunks of the channel's
-``ahead_chunk``: a board's is AHEAD_CHUNK, so that a fix that comes while one is drafted waits
-for no more than that; in process, where the verifier and the drafter share the host, the whole
-chunk, since each chunk costs the host its own round of work). It does the jobs in turns, each
-job checked under the lock first (a job whose session was fixed, closed or moved since is left
-to the next round), and plans a new round when the round is done or news came (a session, a
-commit, a fix): one pass over the sessions a round, not one a chunk. A turn is one job, or
-several for a drafter that drafts in microseconds where the channel asks for it
-(``jobs_at_once``: in process, each turn costs the verifier's host a lock round trip). It does
-a turn's jobs outside the lock, so receiving a fix or a commit never waits behind a model
-drafter's forward, then hands the chunks to the transport under the lock, unless a fix arrived
-meanwhile: a chunk then waits in the draft session for that fix to judge it.
+commits and fixes, a close) in the book, under that lock. The loop plans a round under the lock:
+it applies the fixes received, sends held tokens again, and lists its jobs: the sessions to
+open, then every session with room in its window (W tokens beyond the committed position, or
+fewer: about twice what the verifier's last step asked of it, ``lead_cap``; none while it asks
+0), furthest behind first, a chunk each (beyond what the verifier's next step asks, chunks of
+the channel's ``ahead_chunk``: a board's is AHEAD_CHUNK, so that a fix that comes while one is
+drafted waits for no more than that; in process, where the verifier and the drafter share the
+host, the whole chunk, since each chunk costs the host its own round of work). It does the jobs
+in turns, each job checked under the lock first (a job whose session was fixed, closed or moved
+since is left to the next round), and plans a new round when the round is done or news came (a
+session, a commit, a fix): one pass over the sessions a round, not one a chunk. A turn is one
+job, or several where the channel asks for it (``jobs_at_once``): a drafter that drafts in
+microseconds in process (each turn costs the verifier's host a lock round trip), and a drafter
+that drafts several sessions a forward (``Drafter.batch_jobs``, llama.cpp's sequences), whose
+turn is a round's chunks in one ``propose_many``: a turn's chunks are handed on when its longest
+is done, and a fix that arrives meanwhile waits for the turn. It does a turn's jobs outside the
+lock, so receiving a fix or a commit never waits behind a model drafter's forward, then hands
+the chunks to the transport under the lock, unless a fix arrived meanwhile: a chunk then waits
+in the draft session for that fix to judge it.
 
 A fix (roll back to a position, append the verifier's tokens) is applied against everything the
 draft session holds, sent or not (``apply_fix``): where the session's tokens already hold the
@@ -78,7 +81,8 @@ class DraftChannel(Protocol):
     # jobs done in one turn outside the lock, their chunks handed on in one turn under it:
     # 1 for a drafter whose job takes a forward (a fix waits for no more than one), more for
     # one that drafts in microseconds (in process, each turn costs the verifier's host a
-    # lock round trip and a wake-up)
+    # lock round trip and a wake-up) or drafts several sessions a forward (a fix waits for
+    # the turn: its forwards for them all)
     jobs_at_once: int
 
     def refresh(self, book: DraftBook) -> None:
@@ -127,7 +131,7 @@ def run_drafting(drafter: Drafter, channel: DraftChannel, book: DraftBook,
                         log.exception("the drafting loop could not read its sessions")
                     if book.news or not queue:
                         book.news = False
-                        queue = _plan_round(channel, book)
+                        queue = _plan_round(channel, book, max(1, drafter.batch_jobs))
                     jobs = _pop_jobs(queue, channel, book, channel.jobs_at_once)
             close_drafts(retired)
             if not going:
@@ -237,7 +241,7 @@ def _deliver(sid: str, t: DraftTarget, start: int, chunk: Draft, channel: DraftC
     return True
 
 
-def _plan_round(channel: DraftChannel, book: DraftBook) -> list[_Job]:
+def _plan_round(channel: DraftChannel, book: DraftBook, together: int = 1) -> list[_Job]:
     """Under the lock: apply the fixes received and send what they kept, then plan a round:
     every session to open, then every session with room for a chunk, furthest behind first
     (one pass over the sessions a round, not one a chunk). Returned in reverse, to pop."""
@@ -265,9 +269,9 @@ def _plan_round(channel: DraftChannel, book: DraftBook) -> list[_Job]:
             if t.wanted is not None and lead >= t.wanted:  # beyond the next step's ask
                 room = min(room, channel.ahead_chunk)
             chunks.append((lead, _Job(sid, t, False, t.epoch, start, room)))
-    # the sessions drafted in turn: a drafter that drafts several a forward drafts a round's
-    # chunks together, one turn of its forwards for them all
-    n = book.pace.chunk(channel.chunk, -(-drafting // max(1, channel.jobs_at_once)))
+    # the sessions drafted in turn: a drafter that drafts ``together`` sessions a forward drafts
+    # a round's chunks in one turn of its forwards
+    n = book.pace.chunk(channel.chunk, -(-drafting // together))
     chunks.sort(key=lambda lj: lj[0])
     for _, job in chunks:
         job.n = min(job.n, n)
@@ -348,6 +352,10 @@ def _do_turn(jobs: list[_Job], tree_width: int, drafter: Drafter):
         except Exception as exc:  # a broken drafter costs speed, never the sessions
             outcomes, errors = [None] * len(chunks), [exc] * len(chunks)
         ended = time.monotonic()
+        if len(outcomes) != len(chunks):  # a drafter's broken promise: no job left busy
+            wrong = RuntimeError(f"propose_many gave {len(outcomes)} drafts for "
+                                 f"{len(chunks)} sessions")
+            outcomes, errors = [None] * len(chunks), [wrong] * len(chunks)
         for job, outcome, error in zip(chunks, outcomes, errors):
             job.ran_s = (began, ended)
             done.append((job, outcome, error))

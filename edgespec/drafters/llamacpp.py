@@ -185,8 +185,13 @@ class LlamaCppDrafter(Drafter):
                                   n_threads_batch=self.n_threads)
         except (ValueError, RuntimeError) as e:
             raise ConfigError(f"llama.cpp could not load {self.path}: {e}") from None
-        self.context = SharedContext(self.llama_cpp, self.llm.model, n_slots, max_len,
-                                     self.n_threads)
+        try:
+            self.context = SharedContext(self.llama_cpp, self.llm.model, n_slots, max_len,
+                                         self.n_threads)
+        except RuntimeError as e:  # e.g. more slots than llama.cpp's most sequences
+            self.llm.close()
+            raise ConfigError(f"llama.cpp could not hold {n_slots} sessions of {max_len} "
+                              f"tokens for {self.path.name}: {e}") from None
         self.n_vocab = self.context.n_vocab
         if target_tokenizer is not None:
             try:

@@ -3,17 +3,22 @@ that one decode call can feed several sessions at once.
 
 A board serving several sessions drafts a token for each of them in one forward
 (``LlamaCppDrafter.propose_many``): on this project's 2-core machine the default model's GGUF
-decoded one token in ~18.5 ms, two sessions' tokens in one call in 30-37 ms, four in 51-55 ms;
-on a board's GPU a batch of a few rows costs about what one does. Sessions are sequences of a
+decoded one token in ~18.5 ms on one thread, two sessions' tokens in one call in 30-37 ms, four
+in 51-55 ms. Sessions are sequences of a
 context with ``n_seq_max`` = the drafter's slots and ``max_len`` positions each (the KV cache
-kept per sequence, not unified: a session's attention reads only its own keys). Flash attention
-is off, as ``llama_cpp.Llama``'s default has it (on this CPU it was 1.3-1.5x slower at these
-sizes).
+kept per sequence, not unified: a session's attention reads only its own keys). llama.cpp runs
+such a batch as one forward only while its sequence ids rise one by one (its ``split_equal``
+makes a new micro-batch otherwise): a decode's feeds go in sequence order, and a session gets
+the lowest free id. Flash attention is off, as ``llama_cpp.Llama``'s default has it (on this CPU
+it was 1.3-1.5x slower at these sizes). The context is freed by ``close`` or, failing that,
+when the object is collected.
 """
 
 from __future__ import annotations
 
+import heapq
 import threading
+import weakref
 from typing import Sequence
 
 import numpy as np
@@ -42,14 +47,19 @@ class SharedContext:
         p.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
         p.no_perf = True
         self.ctx = llama_cpp.llama_init_from_model(model, p)
-        if not self.ctx or llama_cpp.llama_n_ctx_seq(self.ctx) < max_len:
-            raise RuntimeError("llama.cpp could not make a context of "
-                               f"{n_seq} x {max_len} positions")
+        if not self.ctx:
+            raise RuntimeError(f"llama.cpp could not make a context of {n_seq} x {max_len} "
+                               "positions")
+        self._batch = llama_cpp.llama_batch_init(n_batch, 0, 1)
+        self._finalizer = weakref.finalize(self, _free_context, llama_cpp, self.ctx,
+                                           self._batch)
+        if llama_cpp.llama_n_ctx_seq(self.ctx) < max_len:
+            self.close()
+            raise RuntimeError(f"llama.cpp made sequences of fewer than {max_len} positions")
         self.n_batch = n_batch
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(model))
-        self._batch = llama_cpp.llama_batch_init(n_batch, 0, 1)
         self._mem = llama_cpp.llama_get_memory(self.ctx)
-        self._free = list(range(n_seq - 1, -1, -1))
+        self._free = list(range(n_seq))  # a heap: the lowest free id first
         self._lock = threading.Lock()
 
     def acquire(self, name: str) -> int:
@@ -58,18 +68,20 @@ class SharedContext:
             if not self._free:
                 raise CacheFullError(f"all {self.n_seq} llama.cpp sequences of {name} are in "
                                      "use")
-            return self._free.pop()
+            return heapq.heappop(self._free)
 
     def release(self, seq: int) -> None:
         """Give a sequence back, its cached positions dropped."""
         with self._lock:
-            self.lc.llama_memory_seq_rm(self._mem, seq, -1, -1)
-            self._free.append(seq)
+            if self.ctx:  # a closed drafter's context is gone, and its ids with it
+                self.lc.llama_memory_seq_rm(self._mem, seq, -1, -1)
+                heapq.heappush(self._free, seq)
 
     def truncate(self, seq: int, length: int) -> int:
         """Forget ``seq``'s positions from ``length`` on; returns the length kept (0 when the
         cache cannot drop a tail, as a recurrent model's: the sequence starts over)."""
         with self._lock:
+            self._check_open()
             if self.lc.llama_memory_seq_rm(self._mem, seq, length, -1):
                 return length
             self.lc.llama_memory_seq_rm(self._mem, seq, -1, -1)
@@ -81,6 +93,7 @@ class SharedContext:
         feed's last token (copies)."""
         out: list[np.ndarray | None] = [None] * len(feeds)
         with self._lock:
+            self._check_open()
             pending: list[tuple[int, int, int, Sequence[int]]] = []  # (feed, seq, pos, tokens)
             for i, (seq, pos, tokens) in enumerate(feeds):
                 if not tokens:
@@ -92,7 +105,7 @@ class SharedContext:
                     pending.append((i, seq, pos + at, tokens[at:at + self.n_batch]))
             call: list[tuple[int, int, int, Sequence[int]]] = []
             used = 0
-            for part in pending:
+            for part in sorted(pending, key=lambda p: (p[1], p[2])):  # sequence order
                 if used + len(part[3]) > self.n_batch:
                     self._decode_call(call, feeds, out)
                     call, used = [], 0
@@ -125,9 +138,19 @@ class SharedContext:
             ptr = self.lc.llama_get_logits_ith(self.ctx, row)
             out[i] = np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy()
 
+    def _check_open(self) -> None:
+        if not self.ctx:
+            raise RuntimeError("the llama.cpp drafter was closed")
+
     def close(self) -> None:
         with self._lock:
             if self.ctx:
-                self.lc.llama_batch_free(self._batch)
-                self.lc.llama_free(self.ctx)
+                self._finalizer()
                 self.ctx = None
+
+
+def _free_context(lc, ctx, batch) -> None:
+    """Free a context and its batch (``SharedContext``'s finalizer: once, by ``close`` or
+    when the object is collected)."""
+    lc.llama_batch_free(batch)
+    lc.llama_free(ctx)
