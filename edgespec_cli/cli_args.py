@@ -65,19 +65,16 @@ def add_engine_args(p: argparse.ArgumentParser, in_process: bool = True) -> None
     p.add_argument("--window", metavar="W", type=int, default=d.window,
                    help="most tokens drafted beyond the committed position, W "
                         "(default: %(default)s)")
+    in_process_chunk = "; a statistical drafter (mag, cacheback) drafts all the room it has " \
+        "at once" if in_process else ""
+    p.add_argument("--chunk", metavar="C", type=int, default=d.chunk,
+                   help=f"tokens per draft chunk, c{in_process_chunk} (default: %(default)s)")
     if in_process:
-        p.add_argument("--chunk", metavar="C", type=int, default=d.chunk,
-                       help="tokens per draft chunk, c; a statistical drafter (mag, "
-                            "cacheback) drafts all the room it has at once (default: "
-                            "%(default)s)")
         p.add_argument("--draft-thread", action="store_true",
                        help="run a statistical drafter (mag, cacheback) in a drafting thread of "
                             "its own, as a board runs it (default: it drafts in the verifier's "
                             "thread as each step takes its drafts; model drafters always have "
                             "their thread)")
-    else:
-        p.add_argument("--chunk", metavar="C", type=int, default=d.chunk,
-                       help="tokens per draft chunk, c (default: %(default)s)")
     p.add_argument("--draft-wait-ms", metavar="MS", type=float, default=None,
                    help="how long a step waits for a draft on its way (default: in process, the "
                         "drafter's own: 10 for mag, 100 for model drafters; a distributed "

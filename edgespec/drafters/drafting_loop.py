@@ -375,10 +375,8 @@ def _do(job: _Job, tree_width: int, drafter: Drafter):
     try:
         if job.opening:
             return drafter.open(list(job.target.opening or ()), job.target.params), None
-        draft = job.target.draft
-        assert draft is not None  # a chunk is drafted only for an opened session
         # a width of 1 is propose's chain
-        return draft.propose_tree(job.n, tree_width), None
+        return _opened(job).propose_tree(job.n, tree_width), None
     except Exception as exc:  # a broken drafter costs speed, never the session
         return None, exc
 

@@ -28,7 +28,7 @@ from typing import Sequence, cast
 import numpy as np
 
 from ..runner.threads import threads_in_use
-from ..config import CacheFullError, ConfigError, SamplingParams
+from ..config import ConfigError, SamplingParams
 from .base import Draft, Drafter, DraftSession
 from .llamacpp_batch import SharedContext
 from .logits_session import LogitsDraftSession, Proposing, propose_together
@@ -210,11 +210,8 @@ class LlamaCppDrafter(Drafter):
         for s, feed in feeds:
             if s.seq is None:
                 raise RuntimeError("the draft session was closed")
-            if s.kv_len + len(feed) > self.max_len:
-                raise CacheFullError(f"session needs {s.kv_len + len(feed)} positions, a "
-                                     f"llama.cpp sequence holds {self.max_len}")
             parts.append((s.seq, s.kv_len, feed))
-        logits = self.context.decode(parts)
+        logits = self.context.decode(parts)  # too long for a sequence: CacheFullError
         for s, feed in feeds:
             s.kv_len += len(feed)
         return logits

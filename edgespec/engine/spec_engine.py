@@ -205,8 +205,8 @@ class SpecEngine(SessionLifecycle):
                 a.wanted = 0
             return [DraftWant(a.sid, 0, wait=False) for a in acts]
         gains = session_gains(acts)
-        # a probe's notice to the drafters: the drafting thread here drafts for a commit at
-        # once, a board during the next step (``told_wants``)
+        # a probe's notice to the drafters: the drafter in process (its thread, or inline) drafts
+        # for a commit at once, a board during the next step (``told_wants``)
         notice = 1 if self.drafter is not None else 2
         ks = plan_drafts(acts, self.cfg, self.cost, self.prober, gains, notice)
         gains = gains.cut(ks)  # what the branches and the waits weigh: the drafts as planned
