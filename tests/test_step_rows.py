@@ -108,7 +108,8 @@ def test_chains_run_as_chains_unless_a_tree_forward_is_asked_for():
 
 
 def test_the_rows_reach_the_device_in_one_copy_per_kind(monkeypatch):
-    """Integers in one copy, booleans in another, however many rows and branches."""
+    """Integers in one copy, booleans in another, however many rows and branches (to a device
+    other than the host: "meta" here); on the CPU the host buffer is the tensors, no copy."""
     copies = []
     orig = torch.Tensor.to
 
@@ -120,8 +121,13 @@ def test_the_rows_reach_the_device_in_one_copy_per_kind(monkeypatch):
     shape = DraftShape.of([(t.tokens, t.parents) for t in
                            [trie([[1, 2, 3], [1, 5], [4]]), DraftTree.chain([3, 3])]])
     monkeypatch.setattr(torch.Tensor, "to", counting)
-    StepRows.build([0, 1], [70, 5], [1, 1], shape, "cpu")
+    rows = StepRows.build([0, 1], [70, 5], [1, 1], shape, "meta")
     assert sorted(map(str, copies)) == ["torch.bool", "torch.int64"]
+    assert rows.tokens.device.type == "meta" and rows.ancestors is not None
+    copies.clear()
+    on_cpu = StepRows.build([0, 1], [70, 5], [1, 1], shape, "cpu")
+    assert copies == []
+    assert on_cpu.tokens.tolist() == [[1, 1, 2, 3, 5, 4], [1, 3, 3, 0, 0, 0]]
 
 
 def test_every_part_of_the_copy_starts_at_a_16_byte_boundary():

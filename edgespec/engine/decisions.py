@@ -1,12 +1,12 @@
 """What a verification step decided for one session: its ``Verdict`` as the store takes it,
 cut where the output ends (a stop token, the length limit), beside the row it decided on.
 
-The verification step yields one ``RowVerdict`` per row: the ``Verdict``
-(``edgespec.protocol.contract``: the accepted chain tokens, an accepted branch, the target's own
-token) with what committing it needs here, the accepted path's nodes (a tree's keys and values
-are moved into place at commit, so verification changes nothing) and which of them only a
-lossy rule kept. ``decide`` cuts it once where the session's output ends, and that same verdict
-goes to the store and is applied.
+The verification step yields one ``Decision`` per row (``scoring.row_decisions``): the
+``Verdict`` (``edgespec.protocol.contract``: the accepted chain tokens, an accepted branch, the
+target's own token) cut once where the session's output ends (``decide``), with what committing
+it needs here, the accepted path's nodes (a tree's keys and values are moved into place at
+commit, so verification changes nothing) and which of them only a lossy rule kept. That same
+verdict goes to the store and is applied.
 """
 
 from __future__ import annotations
@@ -21,15 +21,6 @@ from .proposals import StepDraft
 
 
 @frozen_value
-class RowVerdict:
-    """One row's verdict as verification yields it, and what its commit needs."""
-
-    verdict: Verdict
-    path: tuple[int, ...] = ()  # the accepted nodes, root to leaf (node indices of the row)
-    lenient: tuple[int, ...] = ()  # along the path: 1 where only a lossy rule kept the node
-
-
-@frozen_value
 class Decision:
     """A row's verdict, as the store will take it, beside the draft it decided on, with the
     accepted path (moved into place by ``SpecEngine._place`` before the store's commit), its
@@ -38,8 +29,8 @@ class Decision:
 
     draft: StepDraft
     verdict: Verdict
-    path: tuple[int, ...] = ()
-    lenient: tuple[int, ...] = ()
+    path: tuple[int, ...] = ()  # the accepted nodes, root to leaf (node indices of the row)
+    lenient: tuple[int, ...] = ()  # along the path: 1 where only a lossy rule kept the node
     new: list[int] = field(default_factory=list, hash=False)
 
     @property
@@ -56,7 +47,8 @@ def decide(draft: StepDraft, v: Verdict, room: int, stop_ids: Set[int],
     """``v`` cut to the session's output: at most ``room`` tokens, ending at the first stop
     token (finish reason "stop"), or at the limit ("length"). A cut inside the accepted run
     makes its last kept token the verdict's token (a draft token the draft holds). ``path``
-    and ``lenient`` travel with it (``RowVerdict``)."""
+    (the accepted nodes) and ``lenient`` (1 where only a lossy rule kept a node) travel with
+    it."""
     new = list(draft.tokens[:v.n_accepted])
     if v.branch:
         new.extend(v.branch)

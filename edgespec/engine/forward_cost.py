@@ -54,15 +54,16 @@ class ForwardCost:
                  row_share: float = 0.1, token_share: float = 0.02):
         self.prior_share, self.decay, self.prior_weight = prior_share, decay, prior_weight
         self.row_share, self.token_share = row_share, token_share
-        # decayed sums of x x^T and x * seconds, x = (1, rows, rows * width): both fits' data
-        self._xx = np.zeros((3, 3))
-        self._xy = np.zeros(3)
+        # decayed sums of x x^T and x * seconds, x = (1, rows, rows * width): both fits' data,
+        # in Python floats (a handful of numbers a step: NumPy's calls cost more than the sums)
+        self._xx = [[0.0] * 3 for _ in range(3)]
+        self._xy = [0.0] * 3
         self._model: CostModel | None = None  # model()'s answer until the next step is seen
 
     @property
     def n(self) -> float:
         """The steps seen, decayed."""
-        return float(self._xx[0, 0])
+        return self._xx[0][0]
 
     def observe(self, rows: int, width: int, seconds: float) -> None:
         """One forward of ``rows`` rows ``width`` tokens wide took ``seconds``."""
@@ -70,9 +71,9 @@ class ForwardCost:
         if seconds <= 0 or tokens <= 0:
             return
         d = self.decay
-        x = np.array([1.0, rows, tokens])
-        self._xx = d * self._xx + np.outer(x, x)
-        self._xy = d * self._xy + x * seconds
+        x = (1.0, float(rows), float(tokens))
+        self._xx = [[d * v + xi * xj for v, xj in zip(row, x)] for row, xi in zip(self._xx, x)]
+        self._xy = [d * v + xi * seconds for v, xi in zip(self._xy, x)]
         self._model = None
 
     def fit(self) -> tuple[float, float] | None:
@@ -80,8 +81,8 @@ class ForwardCost:
         n = self.n
         if n <= 0:
             return None
-        mx, my = self._xx[0, 2] / n, self._xy[0] / n
-        var = self._xx[2, 2] / n - mx * mx
+        mx, my = self._xx[0][2] / n, self._xy[0] / n
+        var = self._xx[2][2] / n - mx * mx
         cov = self._xy[2] / n - mx * my
         prior = self.prior_share * my
         # the prior slope weighs as much as prior_weight steps spread by one token
@@ -107,16 +108,18 @@ class ForwardCost:
 
     def _solve(self) -> CostModel:
         my = self._xy[0] / self.n
-        priors = np.array([0.0, self.row_share * my, self.token_share * my])
-        # each prior slope weighs as much as prior_weight steps one row (one token) apart
-        ridge = np.diag([0.0, 1.0, 1.0]) * self.prior_weight
-        lhs = (self._xx + ridge).tolist()
-        rhs = (self._xy + ridge @ priors).tolist()
+        priors = (0.0, self.row_share * my, self.token_share * my)
+        # each prior slope weighs as much as prior_weight steps one row (one token) apart:
+        # a ridge of prior_weight on the two slopes' diagonal entries
+        w = self.prior_weight
+        lhs = [[v + (w if i == j and i else 0.0) for j, v in enumerate(row)]
+               for i, row in enumerate(self._xx)]
+        rhs = [v + (w * p if i else 0.0) for i, (v, p) in enumerate(zip(self._xy, priors))]
         solved = _solve3(lhs, rhs)
         per_row, per_token = (priors[1], priors[2]) if solved is None else solved[1:]
         per_row = float(min(20 * priors[1], max(priors[1] / 50, per_row)))
         per_token = float(min(20 * priors[2], max(priors[2] / 50, per_token)))
-        fixed = (self._xy[0] - per_row * self._xx[0, 1] - per_token * self._xx[0, 2]) / self.n
+        fixed = (self._xy[0] - per_row * self._xx[0][1] - per_token * self._xx[0][2]) / self.n
         return CostModel(max(1e-6, float(fixed)), per_row, per_token)
 
 

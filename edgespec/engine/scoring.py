@@ -1,7 +1,8 @@
 """A verification step's first half, scoring: the step's rows built once, one forward over
 them, and the verification's inputs (vLLM's one metadata record a step). The second half,
 judging (``SpecEngine._judge``: ``edgespec.verify.verify_step`` over the scores), yields one
-``RowVerdict`` per row; nothing here or there changes the KV cache's committed state (so a
+``Decision`` per row, each verdict cut where its output ends in the same pass
+(``row_decisions``); nothing here or there changes the KV cache's committed state (so a
 batch that fails can be verified again row by row): a tree's accepted path is moved into place
 in the commit stage (``SpecEngine._place``)."""
 
@@ -16,7 +17,9 @@ from typing import TYPE_CHECKING
 from ..protocol.contract import Verdict
 from ..runner.step_rows import DraftShape, Scored, StepRows
 from ..verify.verify_step import VerifyBatch, VerifyOutcome
-from .decisions import RowVerdict
+from collections.abc import Set
+
+from .decisions import Decision, decide
 from .proposals import StepDraft
 
 if TYPE_CHECKING:
@@ -75,19 +78,22 @@ def _shape(drafts: list[StepDraft]
     return nodes, DraftShape.of_chains([d.tokens for d in drafts])
 
 
-def row_verdicts(step: ScoredStep, out: VerifyOutcome) -> list[RowVerdict]:
-    """Each row's verdict from the verification's outcome: the accepted path's chain tokens,
-    then its branch, then the target's token; the path and its lossy-kept flags beside it."""
-    verdicts = []
+def row_decisions(step: ScoredStep, out: VerifyOutcome, stop_ids: Set[int]) -> list[Decision]:
+    """Each row's verdict from the verification's outcome, decided in the same pass: the
+    accepted path's chain tokens, then its branch, then the target's token, cut where the
+    session's output ends (``decisions.decide``), the path and its lossy-kept flags beside it."""
+    decided = []
     for d, (tokens, _), path, token, kept in zip(step.drafts, step.nodes, out.paths, out.tokens,
                                                  out.lenient):
+        act = d.act
         if not d.branches:  # a chain: its path is its first nodes, all the drafter's
-            verdict = Verdict(d.act.sid, d.epoch, d.start, len(path), token, wanted=d.act.wanted)
+            verdict = Verdict(act.sid, d.epoch, d.start, len(path), token, wanted=act.wanted)
         else:  # a branch's nodes (even one that extends the chain) follow the chain's
             n = bisect_left(path, len(d.tokens))  # the path's chain nodes come first
             branch = tuple(tokens[i] for i in path[n:])
-            verdict = Verdict(d.act.sid, d.epoch, d.start, n, token, branch=branch,
+            verdict = Verdict(act.sid, d.epoch, d.start, n, token, branch=branch,
                               own_branch=bool(branch) and not d.kept_branch(n, branch),
-                              wanted=d.act.wanted)
-        verdicts.append(RowVerdict(verdict, tuple(path), tuple(kept)))
-    return verdicts
+                              wanted=act.wanted)
+        room = act.req.max_new_tokens - len(act.output)
+        decided.append(decide(d, verdict, room, stop_ids, tuple(path), tuple(kept)))
+    return decided

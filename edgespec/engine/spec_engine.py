@@ -39,7 +39,7 @@ from ..models.vision import VisionModel
 from ..protocol.fleet_table import FleetTable
 from ..protocol.local_store import LocalSessionStore
 from ..runner.target_runner import PREFILL_CHUNK, TargetRunner
-from ..verify.verify_step import verify_step
+from ..verify.verify_step import VerifyOutcome, verify_step
 from .draft_planner import ForwardCost, wait_worth
 from .draft_worker import DraftWorker
 from .inline_drafts import InlineDrafts
@@ -47,9 +47,9 @@ from .prefill_queue import PrefillQueue
 from .session_lifecycle import SessionLifecycle
 from .generation import ActiveSession, Admission, Request, Result, SessionFailed
 from .lateness import Lateness
-from .decisions import Decision, RowVerdict, decide
+from .decisions import Decision
 from .proposals import DrafterProposer, StepDraft, drafter_row, with_head
-from .scoring import ScoredStep, row_verdicts, score_step
+from .scoring import ScoredStep, row_decisions, score_step
 from .stack_choice import SOURCES, accepted_prefix
 from .step_planning import plan_branch_budgets, plan_drafts, session_gains, told_wants
 from .step_report import StepReport, step_report
@@ -179,17 +179,17 @@ class SpecEngine(SessionLifecycle):
         if not drafts:
             return None
         t1 = time.perf_counter()
-        verdicts = self._verify(drafts)
+        judged = self._verify(drafts)
         t2 = time.perf_counter()
         width = sum(d.width for d in drafts)
         self.cost.observe(len(drafts), max(d.width for d in drafts), t2 - t1)  # rows padded
-        decided = []
-        for d, v in zip(drafts, verdicts):
-            if v is None:
-                continue  # its forward failed: already failed alone
-            decided.append(self._decide(d, v))
+        decided = [d for d in judged if d is not None]  # None: its forward failed, alone
+        for d in decided:
             d.act.stats.take_s += t1 - t0
             d.act.stats.forward_s += t2 - t1
+            if d.draft.offers is not None:  # --auto: each source's proposal, judged
+                d.act.chooser.observe({n: None if p is None else list(p)
+                                       for n, p in d.draft.offers.items()}, d.new)
         t3 = time.perf_counter()
         decided = self._place(decided)
         applied = self._commit(decided)
@@ -328,9 +328,9 @@ class SpecEngine(SessionLifecycle):
                    d.act.chooser.wants("head", self.head.depth, fixed, per_token, costs)
                    for d in drafts)
 
-    def _verify(self, drafts: list[StepDraft]) -> Sequence[RowVerdict | None]:
-        """One forward over the batch; if it fails, each session alone, so that a failure
-        fails only the session it concerns (None marks those)."""
+    def _verify(self, drafts: list[StepDraft]) -> Sequence[Decision | None]:
+        """One forward over the batch, each row's verdict decided; if it fails, each session
+        alone, so that a failure fails only the session it concerns (None marks those)."""
         try:
             return self._forward_and_verify(drafts)
         except Exception:
@@ -339,19 +339,20 @@ class SpecEngine(SessionLifecycle):
                 log.exception("verification of session %s failed", act.sid)
                 self.fail(act, SessionFailed("verification failed"))
                 return [None]
-        out: list[RowVerdict | None] = []
+        out: list[Decision | None] = []
         for d in drafts:
             out.extend(self._verify([d]))
         return out
 
-    def _forward_and_verify(self, drafts: list[StepDraft]) -> list[RowVerdict]:
+    def _forward_and_verify(self, drafts: list[StepDraft]) -> list[Decision]:
         """Score the batch (``scoring.score_step``: one forward), then judge it: one host
         sync. Changes nothing a retry would read: the paths are placed after (``_place``)."""
         return self._judge(score_step(self.target, drafts, self.pad))
 
-    def _judge(self, step: ScoredStep) -> list[RowVerdict]:
-        """Every row verified at once on the device (``edgespec.verify.verify_step``), the
-        head's next drafts proposed from the same scores, the PAD rule's tap read."""
+    def _judge(self, step: ScoredStep) -> list[Decision]:
+        """Every row verified at once on the device (``edgespec.verify.verify_step``) and
+        decided (``scoring.row_decisions``), the head's next drafts proposed from the same
+        scores, the PAD rule's tap read."""
         sids = [d.act.sid for d in step.drafts]
         scored, vb = step.scored, step.batch
         proposal = None
@@ -361,11 +362,15 @@ class SpecEngine(SessionLifecycle):
         lenient = step.pad.rule(scored.tapped, self.stop_ids) \
             if step.pad and scored.tapped is not None else None
         out = verify_step(scored.logits, vb, self.cfg.loose, proposal, lenient)
-        verdicts = row_verdicts(step, out)
+        decided = self._decide(step, out)
         if proposal is not None:  # the head moves on once the paths are in place (``_place``)
             self._head_pending.append((sids, proposal, [len(p) for p in out.paths],
                                        out.proposals))
-        return verdicts
+        return decided
+
+    def _decide(self, step: ScoredStep, out: VerifyOutcome) -> list[Decision]:
+        """Each row's verdict, cut where its output ends, in one pass (``row_decisions``)."""
+        return row_decisions(step, out, self.stop_ids)
 
     def _place(self, decided: list[Decision]) -> list[Decision]:
         """The commit stage's first part, right after verification: the accepted tree paths'
@@ -394,16 +399,6 @@ class SpecEngine(SessionLifecycle):
                         self.fail(act, SessionFailed("the draft head's step failed"))
                     placed = [d for d in placed if d.act.sid not in failed]
         return placed
-
-    def _decide(self, draft: StepDraft, rv: RowVerdict) -> Decision:
-        """The verdict the store takes (cut at a stop token or the length limit); --auto's
-        chooser learns what each source's proposal would have kept."""
-        room = draft.act.req.max_new_tokens - len(draft.act.output)
-        d = decide(draft, rv.verdict, room, self.stop_ids, rv.path, rv.lenient)
-        if draft.offers is not None:
-            draft.act.chooser.observe({n: None if p is None else list(p)
-                                       for n, p in draft.offers.items()}, d.new)
-        return d
 
     def _commit(self, decided: list[Decision]) -> list[Decision]:
         """Commit verdicts in the store, then apply the ones it took; returns those."""

@@ -126,8 +126,11 @@ class SessionState:
         if branch and not v.own_branch and not any(
                 b.at == n and b.tokens[:len(branch)] == branch for b in self.branches):
             raise StaleChunkError("the verdict accepted a branch the draft does not hold")
-        self.committed.extend([*self.draft[:n], *branch, v.token])
-        self.end = v.end  # its start was this end (checked above)
+        if n or branch:
+            self.committed.extend([*self.draft[:n], *branch, v.token])
+        else:  # no draft token accepted: the target's own token (a session decoded alone)
+            self.committed.append(v.token)
+        self.end = v.start + n + len(branch) + 1
         held = not branch and len(self.draft) > n and self.draft[n] == v.token
         fix = None
         if held:
@@ -266,7 +269,8 @@ class LocalSessionStore:
                 try:
                     if state is None:
                         raise StaleChunkError(f"unknown session {v.session_id}")
-                    if state.is_replay(v):
+                    # a replay ends where the session ends, so it starts before that end
+                    if v.start != state.end and state.is_replay(v):
                         out.append(CommitOutcome())
                         continue
                     out.append(CommitOutcome(state.commit(v)))
