@@ -114,6 +114,13 @@ def drafter_row(act: ActiveSession, taken: TakenDraft, drafter: Proposal | None,
     return StepDraft(act, taken.epoch, taken.start, drafter.tokens, branches, offers=offers)
 
 
+def taken_row(act: ActiveSession, taken: TakenDraft) -> StepDraft:
+    """``drafter_row`` of the drafter's draft as the store gave it (``DrafterProposer``'s
+    proposal), built without the proposal between: a step with no other source."""
+    branches = tuple(taken.branches) if taken.branches and verifies_trees(act.verify) else ()
+    return StepDraft(act, taken.epoch, taken.start, tuple(taken.tokens), branches)
+
+
 def with_head(row: StepDraft, head: Proposal | None, room: int) -> StepDraft:
     """``row`` with the head's proposal as branches, within ``room`` draft tokens: its chain
     from where it leaves the row's chain, then its own branches (alternatives to one of its

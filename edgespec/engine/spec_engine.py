@@ -48,7 +48,7 @@ from .session_lifecycle import SessionLifecycle
 from .generation import ActiveSession, Admission, Request, Result, SessionFailed
 from .lateness import Lateness
 from .decisions import Decision
-from .proposals import DrafterProposer, StepDraft, drafter_row, with_head
+from .proposals import DrafterProposer, StepDraft, drafter_row, taken_row, with_head
 from .scoring import ScoredStep, row_decisions, score_step
 from .stack_choice import SOURCES, accepted_prefix
 from .step_planning import plan_branch_budgets, plan_drafts, session_gains, told_wants
@@ -184,15 +184,14 @@ class SpecEngine(SessionLifecycle):
         width = sum(d.width for d in drafts)
         self.cost.observe(len(drafts), max(d.width for d in drafts), t2 - t1)  # rows padded
         decided = [d for d in judged if d is not None]  # None: its forward failed, alone
-        for d in decided:
-            d.act.stats.take_s += t1 - t0
-            d.act.stats.forward_s += t2 - t1
-            if d.draft.offers is not None:  # --auto: each source's proposal, judged
-                d.act.chooser.observe({n: None if p is None else list(p)
-                                       for n, p in d.draft.offers.items()}, d.new)
+        if self.cfg.auto:  # each source's proposal, judged
+            for d in decided:
+                if d.draft.offers is not None:
+                    d.act.chooser.observe({n: None if p is None else list(p)
+                                           for n, p in d.draft.offers.items()}, d.new)
         t3 = time.perf_counter()
         decided = self._place(decided)
-        applied = self._commit(decided)
+        applied = self._commit(decided, t1 - t0, t2 - t1)
         return _report(applied, len(drafts), width, t1 - t0, t2 - t1, time.perf_counter() - t3)
 
     def _plan(self) -> list[DraftWant]:
@@ -283,8 +282,7 @@ class SpecEngine(SessionLifecycle):
         """Each session's row: every proposer's draft, the sources ``--auto`` leaves out
         dropped, the head's within what the batch's token budget leaves."""
         if self.head is None and not self.cfg.auto:  # the drafter's drafts alone: no offers
-            drafter = self.proposers[0]
-            return [drafter_row(act, t, drafter.propose(act.sid, t)) for act, t in taken]
+            return [taken_row(act, t) for act, t in taken]
         asked = [{p.name: p.propose(act.sid, t) for p in self.proposers} for act, t in taken]
         offers: list[dict[str, tuple[int, ...] | None] | None] = [None] * len(taken)
         if self.cfg.auto:  # every source's proposal, verified or not
@@ -400,24 +398,26 @@ class SpecEngine(SessionLifecycle):
                     placed = [d for d in placed if d.act.sid not in failed]
         return placed
 
-    def _commit(self, decided: list[Decision]) -> list[Decision]:
-        """Commit verdicts in the store, then apply the ones it took; returns those."""
+    def _commit(self, decided: list[Decision], take_s: float = 0.0, forward_s: float = 0.0
+                ) -> list[Decision]:
+        """Commit verdicts in the store, then apply the ones it took, each session's stats
+        given the step's times; returns those applied."""
         running = set(map(id, self.active))
-        decided = [d for d in decided if id(d.act) in running]  # not cancelled meanwhile
+        decided = [d for d in decided if id(d.draft.act) in running]  # not cancelled meanwhile
         self._undelivered = decided
         t0 = time.perf_counter()
         outcomes = self.store.commit_many([d.verdict for d in decided])  # may raise: retried
         self._undelivered = []
         dt = time.perf_counter() - t0
-        applied = []
-        for d, outcome in zip(decided, outcomes):
-            if not outcome.ok:
-                self.fail(d.act, SessionFailed(f"the cache refused a commit: {outcome.error}"))
-                continue
-            applied.append(d)
+        applied = [d for d, outcome in zip(decided, outcomes) if outcome.ok]
+        if len(applied) < len(decided):
+            for d, outcome in zip(decided, outcomes):
+                if not outcome.ok:
+                    self.fail(d.act, SessionFailed(f"the cache refused a commit: "
+                                                   f"{outcome.error}"))
         self._learn(applied)
         for d in applied:
-            self._apply(d, dt)
+            self._apply(d, take_s, forward_s, dt)
         return applied
 
     def _learn(self, applied: list[Decision]) -> None:
@@ -432,22 +432,27 @@ class SpecEngine(SessionLifecycle):
         rows.record("update", chains[:, 0], chains[:, 1])
         rows.record("update_branches", chains[:, 2], chains[:, 3])
 
-    def _apply(self, d: Decision, commit_s: float) -> None:
+    def _apply(self, d: Decision, take_s: float, forward_s: float, commit_s: float) -> None:
         """A verdict the store took, applied here: the KV cache, the stats, the output (the
         draft length learnt it in ``_learn``)."""
-        act, v, new = d.act, d.verdict, d.new
+        draft, v, new = d.draft, d.verdict, d.new
+        act, n_branch = draft.act, len(v.branch)
+        accepted = v.n_accepted + n_branch
         # KV of last + accepted (a tree's accepted path was moved into place: ``_place``)
-        self.target.commit(act.slot, v.start + v.n_accepted + len(v.branch))
-        act.stats.record_step(d.draft.drafted, d.accepted, len(v.branch))
-        offer = d.draft.head_offer
+        self.target.commit(act.slot, v.start + accepted)
+        stats = act.stats
+        stats.record_step(draft.drafted, accepted, n_branch)
+        stats.take_s += take_s
+        stats.forward_s += forward_s
+        stats.commit_s += commit_s
+        offer = draft.head_offer
         if offer and self.head is not None:
-            got = accepted_prefix(offer, new[:d.accepted])
-            act.stats.head_tokens += len(offer)
-            act.stats.head_accepted += got
+            got = accepted_prefix(offer, new[:accepted])
+            stats.head_tokens += len(offer)
+            stats.head_accepted += got
             self.head.offered(len(offer), got)
-        act.stats.commit_s += commit_s
         if act.verify != "exact":  # the path's nodes only a lossy rule kept, as far as the
-            act.stats.lenient_tokens += sum(d.lenient[:len(new)])  # output took them
+            stats.lenient_tokens += sum(d.lenient[:len(new)])  # output took them
         act.output.extend(new)
         act.last_token = v.token
         act.finish = v.finish_reason or None
