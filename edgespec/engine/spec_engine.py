@@ -272,7 +272,7 @@ class SpecEngine(SessionLifecycle):
                 asked.append(want.k)
         # what each draft held, as taken; not a probe's, told of only a step or two ahead (its
         # drafter rested before): what it finds measures acceptance, not a steady ask's supply
-        if out and not self.prober.probing:
+        if out and not self.prober.probing and any(asked):  # a row asked nothing says nothing
             RowsOf([a.draft_len for a, _ in out]).record(
                 "supplied", np.array(asked, dtype=np.int64),
                 np.array([len(t.tokens) for _, t in out], dtype=np.int64))
@@ -375,7 +375,11 @@ class SpecEngine(SessionLifecycle):
         keys and values moved into place, all at once (``TargetRunner.compact_many``), then
         the head's sessions moved on over them (an imitation head drafts from the compacted
         positions). A failure fails the sessions it concerns, not the step; returns the
-        decisions still to commit."""
+        decisions still to commit. A step of chains with no head has nothing to place: a
+        chain's accepted path is its first nodes, already in place, and ``_apply`` sets each
+        slot's length."""
+        if self.head is None and not any(d.draft.branches for d in decided):
+            return decided
         placed = []
         errors = self.target.compact_many([(d.act.slot, d.path) for d in decided])
         for d, error in zip(decided, errors):

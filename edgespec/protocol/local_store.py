@@ -101,6 +101,8 @@ class SessionState:
     def take_draft(self, k: int, branch_budget: int = 0) -> TakenDraft:
         """Up to k draft tokens, and branches hanging from them of at most ``branch_budget``
         tokens in all."""
+        if k <= 0:  # nothing asked: no branch can hang from an empty spine, and it is ready
+            return TakenDraft(self.epoch, self.end, [], [], ready=True)
         spine = self.draft[:k]
         return TakenDraft(self.epoch, self.end, spine,
                           take_branches(self.branches, len(spine), branch_budget),
