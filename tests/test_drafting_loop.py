@@ -433,11 +433,15 @@ def test_chunks_beyond_the_next_ask_are_short(loop):
 class CountingSession(DraftSession):
     """Proposes k tokens counting up from its last one, noting each proposal in ``events``."""
 
+    broken = False  # its proposals raise
+
     def __init__(self, name: str, tokens, params, events: list):
         super().__init__(tokens, params)
         self.name, self.events = name, events
 
     def propose(self, k: int) -> Draft:
+        if self.broken:
+            raise RuntimeError(f"session {self.name} cannot be drafted")
         self.events.append(("propose", self.name))
         out = [self.tokens[-1] + 1 + i for i in range(k)]
         self.tokens.extend(out)
@@ -499,19 +503,28 @@ def test_in_process_a_cheap_drafter_gets_several_jobs_a_turn_and_chunks_of_its_r
 
 class BatchingDrafter(CountingDrafter):
     """Drafts its sessions' chunks together (``batch_jobs``), noting each call's sessions;
-    ``fail``: every call raises."""
+    ``broken``: the sessions whose drafting raises, alone or in a call with others (such a
+    call first appends a token to every session, as a forward failing midway through a
+    proposal leaves them)."""
 
     cheap = False
     batch_jobs = 3
 
-    def __init__(self, fail: bool = False):
+    def __init__(self, broken=()):
         super().__init__()
-        self.fail = fail
+        self.broken = set(broken)
         self.calls: list[list[str]] = []
+
+    def open(self, tokens, params) -> CountingSession:
+        session = super().open(tokens, params)
+        session.broken = session.name in self.broken
+        return session
 
     def propose_many(self, jobs, width):
         self.calls.append(sorted(s.name for s, _ in jobs))
-        if self.fail:
+        if any(s.broken for s, _ in jobs):
+            for s, _ in jobs:
+                s.tokens.append(999)
             raise RuntimeError("the batch broke")
         return super().propose_many(jobs, width)
 
@@ -531,20 +544,54 @@ def _run_until(drafter, channel, book, cond, what):
     assert not thread.is_alive()
 
 
-@pytest.mark.parametrize("fail", [False, True])
-def test_a_drafter_that_drafts_sessions_together_gets_a_rounds_chunks_in_one_call(fail):
-    drafter, channel, book = BatchingDrafter(fail), RecordingChannel(), DraftBook(pace=False)
+@pytest.mark.parametrize("broken", [(), ("s2",), ("s1", "s2", "s3")])
+def test_a_drafter_that_drafts_sessions_together_gets_a_rounds_chunks_in_one_call(broken):
+    """A round's chunks go to the drafter in one call. A call that fails has each of its
+    sessions drafted alone, from where it stood before the call (what the call appended taken
+    back): only a session that fails alone loses its drafts, and the loop nothing."""
+    drafter, channel, book = BatchingDrafter(broken), RecordingChannel(), DraftBook(pace=False)
     channel.jobs_at_once = drafter.batch_jobs
     for first in (1, 2, 3):
         book.assign(f"s{first}", [first, 10], SamplingParams(), 0)
-    if fail:  # the call's failure costs each of its sessions its drafts, and the loop nothing
-        _run_until(drafter, channel, book, lambda: len(channel.refused) == 3, "refusals")
-        assert sorted(channel.refused) == [("s1", 2), ("s2", 2), ("s3", 2)]
-        assert drafter.calls == [["s1", "s2", "s3"]] and not channel.delivered
-        return
-    _run_until(drafter, channel, book, lambda: len(channel.delivered) == 6,
-               "every session's window")
-    assert drafter.calls == [["s1", "s2", "s3"]] * 2  # a window of 8 in two chunks of 4
+    working = [f for f in (1, 2, 3) if f"s{f}" not in broken]
+    _run_until(drafter, channel, book,
+               lambda: len(channel.refused) == len(broken) and
+               len(channel.delivered) == 2 * len(working), "refusals and windows")
+    assert sorted(channel.refused) == [(sid, 2) for sid in sorted(broken)]
+    expected = [f"s{f}" for f in working]
+    if not broken:
+        assert drafter.calls == [expected] * 2  # a window of 8 in two chunks of 4
+    elif working:  # the failed call's chunks drafted alone, the next round's together
+        assert drafter.calls == [["s1", "s2", "s3"], expected]
+    else:
+        assert drafter.calls == [["s1", "s2", "s3"]]
     assert sorted(d[:3] + (tuple(d[3]),) for d in channel.delivered) == sorted(
         (f"s{f}", 0, start, tuple(range(11 + start - 2, 11 + start + 2)))
-        for f in (1, 2, 3) for start in (2, 6))
+        for f in working for start in (2, 6))
+
+
+def test_a_job_whose_bookkeeping_fails_costs_its_session_its_drafts_and_no_other(monkeypatch):
+    """``_finish`` raising for one job of a turn: that session is refused (not left busy for
+    good), the turn's other jobs are finished, and the loop goes on drafting for them."""
+    from edgespec.drafters import drafting_loop
+
+    real = drafting_loop._finish
+
+    def finish(job, outcome, error, channel, book):
+        if job.sid == "s2" and not job.opening:
+            raise RuntimeError("bookkeeping broke")
+        real(job, outcome, error, channel, book)
+
+    monkeypatch.setattr(drafting_loop, "_finish", finish)
+    drafter, channel, book = CountingDrafter(), RecordingChannel(), DraftBook(pace=False)
+    channel.jobs_at_once = 3
+    for first in (1, 2, 3):
+        book.assign(f"s{first}", [first, 10], SamplingParams(), 0)
+    _run_until(drafter, channel, book,
+               lambda: len(channel.refused) == 1 and len(channel.delivered) == 4,
+               "a refusal and two windows")
+    assert channel.refused == [("s2", 2)]
+    assert sorted(d[:3] for d in channel.delivered) == sorted(
+        (f"s{f}", 0, start) for f in (1, 3) for start in (2, 6))
+    with channel.cond:
+        assert not any(t.busy for t in book.targets.values())

@@ -17,7 +17,8 @@ from edgespec.engine.generation import ActiveSession, Request
 from edgespec.engine.proposals import (DrafterProposer, HeadBranch, StepDraft, drafter_row,
                                        with_head)
 from edgespec.engine.spec_engine import SpecEngine
-from edgespec.protocol.contract import Branch, Proposal, TakenDraft, Verdict
+from edgespec.protocol.contract import (Branch, Proposal, StoreUnavailable, TakenDraft,
+                                        Verdict)
 from edgespec.runner.target_runner import TargetRunner
 
 START = 10
@@ -165,6 +166,51 @@ class _GarbageStore(_RecordingStore):
         taken = self.inner.take_when_ready(wants, wait_s)
         return [TakenDraft(t.epoch, t.start, [self.vocab + 5, *t.tokens[1:]], t.branches)
                 if isinstance(t, TakenDraft) and t.tokens else t for t in taken]
+
+
+class _FlakyCommits(_RecordingStore):
+    """A store whose every third commit fails as an unreachable Redis does: before it lands,
+    or (``landed``) after, its reply lost."""
+
+    def __init__(self, store, landed: bool):
+        super().__init__(store)
+        self.landed, self.calls = landed, 0
+
+    def commit_many(self, verdicts):
+        self.calls += 1
+        if self.calls % 3:
+            return self.inner.commit_many(verdicts)
+        if self.landed:
+            self.inner.commit_many(verdicts)
+        raise StoreUnavailable("the store went away")
+
+
+@pytest.mark.parametrize("landed", [False, True])
+def test_verdicts_whose_commit_failed_are_committed_by_the_next_step_once(tiny, landed):
+    """A step whose commit raised keeps its verdicts; the next step commits them first (a
+    commit that landed is recognised as a replay): the output is target-only's, each step
+    counted once in its session's stats, with its take and forward times."""
+    prompts = [[1, 10, 11, 12, 13, 10, 11], [1, 50, 51, 52, 53]]
+    refs = {tuple(p): hf_greedy(tiny.model, p, 16) for p in prompts}
+    runner = TargetRunner(tiny.model, n_slots=2, max_len=128)
+    cfg = EngineConfig(adaptive=False, draft_wait_ms=5000)
+    drafter = OracleTreeDrafter(refs, runner.vocab_size, seed=3)
+    failed = 0
+    with SpecEngine(runner, drafter, cfg, stop_ids={2}) as engine:
+        flaky = _FlakyCommits(engine.store, landed)
+        engine.store = flaky
+        acts = [engine.add(Request(p, 16)) for p in prompts]
+        while engine.active:
+            try:
+                engine.step()
+            except StoreUnavailable:
+                failed += 1
+    assert failed and flaky.calls > failed
+    for p, act in zip(prompts, acts):
+        assert act.output == refs[tuple(p)] and act.finish in ("stop", "length")
+        # every step counted once: a step adds its accepted draft tokens and one of its own
+        assert act.stats.steps > 0 and act.stats.forward_s > 0 and act.stats.take_s > 0
+        assert act.stats.accepted_tokens + act.stats.steps == len(act.output)
 
 
 def test_ids_past_the_vocabulary_cost_their_drafts_not_the_session(tiny):

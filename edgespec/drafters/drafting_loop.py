@@ -150,7 +150,7 @@ def run_drafting(drafter: Drafter, channel: DraftChannel, book: DraftBook,
                 for seconds, tokens in paced:
                     book.pace.drafted(seconds, tokens)
                 for job, outcome, error in done:
-                    _finish(job, outcome, error, channel, book)
+                    _finish_or_refuse(job, outcome, error, channel, book)
                 cond.notify_all()
     finally:
         with cond:
@@ -343,25 +343,47 @@ def _do_turn(jobs: list[_Job], tree_width: int, drafter: Drafter):
             paced.append((job.ran_s[1] - began, len(outcome)))
     if batched:
         began = time.monotonic()
+        before = [len(_opened(job).tokens) for job in chunks]
         outcomes: list[Draft | None]
         errors: list[Exception | None]
         try:
             outcomes = list(drafter.propose_many(
                 [(_opened(job), job.n) for job in chunks], tree_width))
+            if len(outcomes) != len(chunks):  # a drafter's broken promise
+                raise RuntimeError(f"propose_many gave {len(outcomes)} drafts for "
+                                   f"{len(chunks)} sessions")
             errors = [None] * len(chunks)
-        except Exception as exc:  # a broken drafter costs speed, never the sessions
-            outcomes, errors = [None] * len(chunks), [exc] * len(chunks)
+        except Exception as exc:  # a broken batch costs speed: each session drafted alone
+            log.warning("drafting %d sessions together failed (%r); each is drafted alone",
+                        len(chunks), exc)
+            outcomes, errors = _each_alone(chunks, before, tree_width, drafter)
         ended = time.monotonic()
-        if len(outcomes) != len(chunks):  # a drafter's broken promise: no job left busy
-            wrong = RuntimeError(f"propose_many gave {len(outcomes)} drafts for "
-                                 f"{len(chunks)} sessions")
-            outcomes, errors = [None] * len(chunks), [wrong] * len(chunks)
         for job, outcome, error in zip(chunks, outcomes, errors):
             job.ran_s = (began, ended)
             done.append((job, outcome, error))
-        if errors[0] is None:
+        if any(e is None for e in errors):
             paced.append((ended - began, max(len(o or ()) for o in outcomes)))
     return done, paced
+
+
+def _each_alone(chunks: list[_Job], before: list[int], tree_width: int, drafter: Drafter
+                ) -> tuple[list[Draft | None], list[Exception | None]]:
+    """A failed batch's chunks, each drafted alone from where its session stood before the
+    batch (what the batch appended is taken back), so that the failure costs its drafts only
+    to the sessions it concerns."""
+    outcomes: list[Draft | None] = []
+    errors: list[Exception | None] = []
+    for job, length in zip(chunks, before):
+        try:
+            _opened(job).retract(length)
+        except Exception as exc:  # its draft session cannot be trusted: its drafts end
+            outcomes.append(None)
+            errors.append(exc)
+            continue
+        outcome, error = _do(job, tree_width, drafter)
+        outcomes.append(outcome)
+        errors.append(error)
+    return outcomes, errors
 
 
 def _opened(job: _Job) -> DraftSession:
@@ -414,6 +436,24 @@ def _finish(job: _Job, outcome, error: Exception | None, channel: DraftChannel,
         return
     t.idle = len(outcome) == 0
     _deliver(sid, t, job.start, outcome, channel, book, job.ran_s)
+
+
+def _finish_or_refuse(job: _Job, outcome, error: Exception | None, channel: DraftChannel,
+                      book: DraftBook) -> None:
+    """Under the lock: ``_finish``; if its bookkeeping raises, the job's session gets no more
+    drafts, and the turn's other jobs are finished all the same (none is left busy)."""
+    try:
+        _finish(job, outcome, error, channel, book)
+    except Exception as exc:
+        log.exception("finishing a drafting job of session %s failed", job.sid)
+        t = job.target
+        t.busy = False
+        start = t.committed_end if job.opening or t.epoch != job.epoch else job.start
+        try:
+            _refuse(job.sid, t, start, f"its drafting job's bookkeeping failed: {exc!r}",
+                    channel, book)
+        except Exception:
+            log.exception("refusing session %s failed", job.sid)
 
 
 def _refuse(sid: str, t: DraftTarget, start: int, why: str, channel: DraftChannel,

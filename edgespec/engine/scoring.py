@@ -10,15 +10,13 @@ from __future__ import annotations
 
 import logging
 from bisect import bisect_left
-from collections.abc import Sequence
+from collections.abc import Sequence, Set
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from ..protocol.contract import Verdict
 from ..runner.step_rows import DraftShape, Scored, StepRows
 from ..verify.verify_step import VerifyBatch, VerifyOutcome
-from collections.abc import Set
-
 from .decisions import Decision, decide
 from .proposals import StepDraft
 

@@ -133,6 +133,8 @@ class SpecEngine(SessionLifecycle):
                                 adaptive=self.cfg.adaptive)
         self.lateness = Lateness(self.cfg.late_after)  # drafters not waited for (lateness.py)
         self._undelivered: list[Decision] = []
+        self._undelivered_s = (0.0, 0.0)  # their step's take and forward seconds
+        self._decide_s = 0.0  # a step's deciding, inside its verification: not the forward's
         # the head's moves of this step's verified batches, made once their paths are placed
         self._head_pending: list[tuple[list[str], Any, list[int], list[list[int]]]] = []
 
@@ -165,8 +167,8 @@ class SpecEngine(SessionLifecycle):
         self.prefill_s = 0.0
         if self._undelivered:  # verdicts of a step whose commit did not reach the store
             kept, t0 = self._undelivered, time.perf_counter()
-            return _report(self._commit(kept), len(kept), sum(d.draft.width for d in kept),
-                           0.0, 0.0, time.perf_counter() - t0)
+            return _report(self._commit(kept, *self._undelivered_s), len(kept),
+                           sum(d.draft.width for d in kept), 0.0, 0.0, time.perf_counter() - t0)
         t0 = time.perf_counter()
         self._advance_prefill(self.cfg.prefill_budget)  # chunked prefill: a budget a step
         self.prefill_s = time.perf_counter() - t0
@@ -179,8 +181,9 @@ class SpecEngine(SessionLifecycle):
         if not drafts:
             return None
         t1 = time.perf_counter()
+        self._decide_s = 0.0
         judged = self._verify(drafts)
-        t2 = time.perf_counter()
+        t2 = time.perf_counter() - self._decide_s  # the forward and verification alone
         width = sum(d.width for d in drafts)
         self.cost.observe(len(drafts), max(d.width for d in drafts), t2 - t1)  # rows padded
         decided = [d for d in judged if d is not None]  # None: its forward failed, alone
@@ -360,7 +363,9 @@ class SpecEngine(SessionLifecycle):
         lenient = step.pad.rule(scored.tapped, self.stop_ids) \
             if step.pad and scored.tapped is not None else None
         out = verify_step(scored.logits, vb, self.cfg.loose, proposal, lenient)
+        t0 = time.perf_counter()
         decided = self._decide(step, out)
+        self._decide_s += time.perf_counter() - t0
         if proposal is not None:  # the head moves on once the paths are in place (``_place``)
             self._head_pending.append((sids, proposal, [len(p) for p in out.paths],
                                        out.proposals))
@@ -408,7 +413,7 @@ class SpecEngine(SessionLifecycle):
         given the step's times; returns those applied."""
         running = set(map(id, self.active))
         decided = [d for d in decided if id(d.draft.act) in running]  # not cancelled meanwhile
-        self._undelivered = decided
+        self._undelivered, self._undelivered_s = decided, (take_s, forward_s)
         t0 = time.perf_counter()
         outcomes = self.store.commit_many([d.verdict for d in decided])  # may raise: retried
         self._undelivered = []
