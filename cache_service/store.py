@@ -132,11 +132,12 @@ class RedisSessionStore:
         self._commit_many = client.register_script(COMMIT_MANY_LUA)
         self._take_many = client.register_script(TAKE_MANY_LUA)
         self._device_of: dict[str, str] = {}
-        # (epoch, committed end) of the sessions this process created without a board, as its
-        # own commits left them: a step that asks such a session for nothing (a server serving
-        # it alone) takes its empty draft from here, without a round trip; any doubt (a refused
+        # (epoch, committed end) of the sessions this process created, as its own commits left
+        # them (only a commit moves them; a board's chunks never do): a step that asks a session
+        # for nothing (a server serving it alone, or a planner that finds its board's drafts do
+        # not pay) takes its empty draft from here, without a round trip; any doubt (a refused
         # or lost commit) drops the entry until a commit of it lands again
-        self._boardless: dict[str, tuple[int, int]] = {}
+        self._known: dict[str, tuple[int, int]] = {}
         self._lock = threading.Lock()
         self._chunk_waker: ChunkWaker | None = None
 
@@ -165,7 +166,7 @@ class RedisSessionStore:
         h, tok, draft, br = self.keys.session(sid)
         device = drafter or ""
         with self._lock:  # what an earlier session of this id left is no longer known
-            self._boardless.pop(sid, None)
+            self._known.pop(sid, None)
         old_epoch = self.redis.hget(h, "epoch")
         epoch = int(old_epoch) + 1 if old_epoch is not None else 0
         pipe = self.redis.pipeline(transaction=True)
@@ -186,10 +187,7 @@ class RedisSessionStore:
         pipe.execute()
         with self._lock:
             self._device_of[sid] = device
-            if device:
-                self._boardless.pop(sid, None)
-            else:
-                self._boardless[sid] = (epoch, len(prompt) + len(committed))
+            self._known[sid] = (epoch, len(prompt) + len(committed))
 
     @raises_store_unavailable
     def load(self, sid: str) -> SessionRecord | None:
@@ -245,10 +243,10 @@ class RedisSessionStore:
         aside), then take up to k tokens of each. The wait ends early on a pushed chunk (a
         pub/sub wake-up), and its deadline is kept to the millisecond by this process, not by
         Redis's coarse BLPOP timer. A session is waited for at most its own ``wait_s``. A
-        session this process created without a board and asks for nothing is answered from
-        what its last commit here returned (no board can push to it)."""
+        session this process created and asks for nothing is answered from what its last
+        commit here returned (a board's chunks move neither its epoch nor its end)."""
         with self._lock:
-            known = [None if w.k or w.branch_budget else self._boardless.get(w.session_id)
+            known = [None if w.k or w.branch_budget else self._known.get(w.session_id)
                      for w in wants]
         asked = [w for w, at in zip(wants, known) if at is None]
         rows = iter(self._take_rows(asked, wait_s) if asked else ())
@@ -306,7 +304,7 @@ class RedisSessionStore:
             replies, messages = self._commit_many(
                 args=[self.ttl_s, self.inbox_maxlen, self.keys.prefix, packed])
         except BaseException:  # landed or not: what this process knew of them is in doubt
-            self._forget_boardless(verdicts)
+            self._forget(verdicts)
             raise
         out = []
         with self._lock:
@@ -316,23 +314,23 @@ class RedisSessionStore:
                                              .args[0]))
                 else:  # code 2: a replay, answered as applied
                     out.append(CommitOutcome(Fix.of_verdict(v, epoch) if code == 1 else None))
-                if code >= 0 and not v.done and self._device_of.get(v.session_id) == "":
-                    self._boardless[v.session_id] = (epoch, end)
+                if code >= 0 and not v.done:
+                    self._known[v.session_id] = (epoch, end)
                 else:
-                    self._boardless.pop(v.session_id, None)
+                    self._known.pop(v.session_id, None)
         return out
 
-    def _forget_boardless(self, verdicts: list[Verdict]) -> None:
+    def _forget(self, verdicts: list[Verdict]) -> None:
         with self._lock:
             for v in verdicts:
-                self._boardless.pop(v.session_id, None)
+                self._known.pop(v.session_id, None)
 
     def close(self, sid: str, finish_reason: str = "stop", keep_s: int = 120) -> None:
         """Mark a session finished; its keys linger ``keep_s`` for late readers (a client
         resuming to read its last tokens). Never raises: the keys expire by themselves."""
         with self._lock:
             device = self._device_of.pop(sid, "")
-            self._boardless.pop(sid, None)
+            self._known.pop(sid, None)
         if self._recorder is not None:
             self._recorder.record(sid)
         try:

@@ -65,35 +65,42 @@ def test_a_verifier_that_did_not_create_the_session_reaches_its_board(store):
     other.shutdown()
 
 
-def test_a_boardless_session_asked_for_nothing_is_taken_as_redis_holds_it(store):
-    """A session created here without a board and asked for no draft is taken from what this
-    process's commits left, with no read of Redis: the same epoch and position that Redis holds
-    (read by another replica). Once Redis lost it, its commit is refused, and the session is
-    read from Redis again (vanished); another replica's resume, or a close, is likewise never
-    answered from what this process knew."""
+def test_a_session_asked_for_nothing_is_taken_as_redis_holds_it(store):
+    """A session created here and asked for no draft is taken from what this process's commits
+    left, with no read of Redis: the same epoch and position that Redis holds (read by another
+    replica), with a board pushing chunks to it or without one (a chunk moves neither). Once
+    Redis lost it, its commit is refused, and the session is read from Redis again (vanished);
+    another replica's resume, or a close, is likewise never answered from what this process
+    knew."""
     store.create("solo", [1, 2, 3], SamplingParams(), None)
+    store.create("boarded", [1, 2, 3], SamplingParams(), "dev-a")
     other = RedisSessionStore(store.redis, prefix="t:", ttl_s=30)
     reads = []
     script = store._take_many
     store._take_many = lambda **kw: reads.append(kw) or script(**kw)
-    want = [DraftWant("solo", 0, wait=False)]
+    want = [DraftWant("solo", 0, wait=False), DraftWant("boarded", 0, wait=False)]
     try:
         for token in (7, 8, 9):
-            [mine], [theirs] = store.take_when_ready(want, 0.0), other.take_when_ready(want, 0.0)
-            assert (mine.epoch, mine.start, mine.tokens, mine.ready) == \
-                (theirs.epoch, theirs.start, theirs.tokens, theirs.ready)
-            [out] = store.commit_many([Verdict("solo", mine.epoch, mine.start, 0, token)])
-            assert out.error is None
+            mine, theirs = store.take_when_ready(want, 0.0), other.take_when_ready(want, 0.0)
+            for m, t in zip(mine, theirs):
+                assert (m.epoch, m.start, m.tokens, m.ready) == \
+                    (t.epoch, t.start, t.tokens, t.ready)
+            # the board drafts on meanwhile: its chunk is taken only by a step that asks
+            assert other.push("boarded", mine[1].epoch, mine[1].start, [5, 6], False, 8).kept
+            outs = store.commit_many([Verdict(sid, m.epoch, m.start, 0, token)
+                                      for sid, m in zip(("solo", "boarded"), mine)])
+            assert all(out.error is None for out in outs)
         assert reads == [] and store.snapshot("solo").tokens == [1, 2, 3, 7, 8, 9]
+        assert store.snapshot("boarded").tokens == [1, 2, 3, 7, 8, 9]
         store.take_when_ready([DraftWant("solo", 2)], 0.0)  # asked for a draft: read
         assert len(reads) == 1
         # Redis lost it (a restart without persistence): the take, answered from memory, is
         # taken; its commit is refused; the next take reads, and finds it gone
         store.redis.delete(*store.keys.session("solo"))
-        [mine] = store.take_when_ready(want, 0.0)
+        [mine] = store.take_when_ready(want[:1], 0.0)
         [out] = store.commit_many([Verdict("solo", mine.epoch, mine.start, 0, 6)])
         assert out.error is not None
-        [gone] = store.take_when_ready(want, 0.0)
+        [gone] = store.take_when_ready(want[:1], 0.0)
         assert isinstance(gone, SessionVanished) and len(reads) == 2
         # another replica resumes a session this process created: its commit is refused, then
         # the session is read where Redis holds it
