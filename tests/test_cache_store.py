@@ -92,6 +92,21 @@ def test_a_session_asked_for_nothing_is_taken_as_redis_holds_it(store):
             assert all(out.error is None for out in outs)
         assert reads == [] and store.snapshot("solo").tokens == [1, 2, 3, 7, 8, 9]
         assert store.snapshot("boarded").tokens == [1, 2, 3, 7, 8, 9]
+        # a chunk pending, then a commit its draft held (the board's 5: the epoch stays, its 6
+        # still drafted): asked nothing, the same answer as Redis's each time
+        [_, at] = store.take_when_ready(want, 0.0)
+        assert other.push("boarded", at.epoch, at.start, [5, 6], False, 8).kept == 2
+        for token in (None, 5):
+            if token is not None:
+                [out] = store.commit_many([Verdict("boarded", at.epoch, at.start, 0, token)])
+                assert out.error is None and out.fix is None  # held: no fix
+            mine, theirs = store.take_when_ready(want, 0.0), other.take_when_ready(want, 0.0)
+            assert [(m.epoch, m.start, m.tokens, m.ready) for m in mine] == \
+                [(t.epoch, t.start, t.tokens, t.ready) for t in theirs]
+            at = mine[1]
+        [held] = other.take_when_ready([DraftWant("boarded", 2, wait=False)], 0.0)
+        assert (held.epoch, held.start, held.tokens) == (at.epoch, at.start, [6])
+        assert reads == []
         store.take_when_ready([DraftWant("solo", 2)], 0.0)  # asked for a draft: read
         assert len(reads) == 1
         # Redis lost it (a restart without persistence): the take, answered from memory, is

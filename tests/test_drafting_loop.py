@@ -510,9 +510,10 @@ class BatchingDrafter(CountingDrafter):
     cheap = False
     batch_jobs = 3
 
-    def __init__(self, broken=()):
+    def __init__(self, broken=(), calls_fail: bool = False):
+        """``calls_fail``: every call of several sessions raises (each session alone drafts)."""
         super().__init__()
-        self.broken = set(broken)
+        self.broken, self.calls_fail = set(broken), calls_fail
         self.calls: list[list[str]] = []
 
     def open(self, tokens, params) -> CountingSession:
@@ -522,7 +523,7 @@ class BatchingDrafter(CountingDrafter):
 
     def propose_many(self, jobs, width):
         self.calls.append(sorted(s.name for s, _ in jobs))
-        if any(s.broken for s, _ in jobs):
+        if self.calls_fail or any(s.broken for s, _ in jobs):
             for s, _ in jobs:
                 s.tokens.append(999)
             raise RuntimeError("the batch broke")
@@ -568,6 +569,25 @@ def test_a_drafter_that_drafts_sessions_together_gets_a_rounds_chunks_in_one_cal
     assert sorted(d[:3] + (tuple(d[3]),) for d in channel.delivered) == sorted(
         (f"s{f}", 0, start, tuple(range(11 + start - 2, 11 + start + 2)))
         for f in working for start in (2, 6))
+
+
+def test_a_call_that_fails_where_each_session_alone_drafts_is_not_tried_every_turn():
+    """Calls of several sessions that always fail while each session alone drafts: after the
+    first, the loop drafts one by one (for ``ALONE_TURNS`` turns), every window delivered and
+    no session refused."""
+    from edgespec.drafters.drafting_turn import ALONE_TURNS
+
+    drafter = BatchingDrafter(calls_fail=True)
+    channel, book = RecordingChannel(), DraftBook(pace=False)
+    channel.jobs_at_once = drafter.batch_jobs
+    for first in (1, 2, 3):
+        book.assign(f"s{first}", [first, 10], SamplingParams(), 0)
+    _run_until(drafter, channel, book, lambda: len(channel.delivered) == 6,
+               "every session's window")
+    assert ALONE_TURNS > 1 and drafter.calls == [["s1", "s2", "s3"]] and not channel.refused
+    assert sorted(d[:3] + (tuple(d[3]),) for d in channel.delivered) == sorted(
+        (f"s{f}", 0, start, tuple(range(11 + start - 2, 11 + start + 2)))
+        for f in (1, 2, 3) for start in (2, 6))
 
 
 def test_a_job_whose_bookkeeping_fails_costs_its_session_its_drafts_and_no_other(monkeypatch):

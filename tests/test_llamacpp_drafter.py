@@ -191,6 +191,39 @@ def test_sessions_generated_together_are_drafted_together_and_equal_target_only(
 
 @pytest.mark.real_model
 @pytest.mark.slow
+def test_a_decode_that_fails_midway_leaves_every_sequence_as_it_was(gen):
+    """Feeds split over several llama.cpp calls, the second failing: the first call's positions
+    are dropped, so each session is fed again from where it stood (llama.cpp refuses a
+    sequence's positions that do not follow its last one) and gets what it gets alone."""
+    d = _drafter(gen, n_slots=2, min_confidence=0.0)
+    ids = gen.encode(PROMPT)
+    sessions = [d.open(ids[:n], SamplingParams()) for n in (6, 9)]
+    feeds = [(s, s.tokens[s.kv_len:] + [5, 6, 7]) for s in sessions]
+    lengths = [s.kv_len for s in sessions]
+    d.context.n_batch = 3  # every feed in parts: several calls
+    real, calls = d.context._decode_call, []
+
+    def failing(call, fs, out):
+        calls.append(len(call))
+        if len(calls) == 2:
+            raise RuntimeError("the second call fails")
+        real(call, fs, out)
+
+    d.context._decode_call = failing
+    with pytest.raises(RuntimeError, match="second call"):
+        d.feed_many(feeds)
+    assert [s.kv_len for s in sessions] == lengths  # nothing the session counts as cached
+    d.context._decode_call = real
+    again = d.feed_many(feeds)  # no position left past a feed's start: accepted
+    for s, (_, feed), n, logits in zip(sessions, feeds, lengths, again):
+        s._truncate(n)
+        alone = d.feed_many([(s, feed)])[0]
+        assert int(alone.argmax()) == int(logits.argmax())
+    d.close()
+
+
+@pytest.mark.real_model
+@pytest.mark.slow
 def test_feeds_out_of_order_and_of_any_length_decode_as_each_alone(gen):
     d = _drafter(gen, n_slots=4, min_confidence=0.0)
     ids = gen.encode(PROMPT)

@@ -20,9 +20,9 @@ microseconds in process (each turn costs the verifier's host a lock round trip),
 that drafts several sessions a forward (``Drafter.batch_jobs``, llama.cpp's sequences), whose
 turn is a round's chunks in one ``propose_many``: a turn's chunks are handed on when its longest
 is done, and a fix that arrives meanwhile waits for the turn. It does a turn's jobs outside the
-lock, so receiving a fix or a commit never waits behind a model drafter's forward, then hands
-the chunks to the transport under the lock, unless a fix arrived meanwhile: a chunk then waits
-in the draft session for that fix to judge it.
+lock (``drafting_turn``), so receiving a fix or a commit never waits behind a model drafter's
+forward, then hands the chunks to the transport under the lock, unless a fix arrived meanwhile:
+a chunk then waits in the draft session for that fix to judge it.
 
 A fix (roll back to a position, append the verifier's tokens) is applied against everything the
 draft session holds, sent or not (``apply_fix``): where the session's tokens already hold the
@@ -51,13 +51,12 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
-from dataclasses import dataclass
 from typing import Callable, Protocol, Sequence
 
 from . import Draft, Drafter, DraftSession
 # the book's classes, also reachable from here (agents and tests import them with the loop)
 from .draft_book import DraftBook, DraftTarget, close_drafts
+from .drafting_turn import ALONE_TURNS, Job, do_turn
 
 __all__ = ["AHEAD_CHUNK", "LEAD_SLACK", "DraftBook", "DraftChannel", "DraftTarget",
            "apply_fix", "close_drafts", "lead_cap", "run_drafting"]
@@ -101,29 +100,19 @@ class DraftChannel(Protocol):
         drafts are coming (``start``: where the session's draft ends)."""
 
 
-@dataclass
-class _Job:
-    sid: str
-    target: DraftTarget
-    opening: bool  # open the draft session (else draft a chunk)
-    epoch: int
-    start: int = 0
-    n: int = 0
-    ran_s: tuple[float, float] | None = None  # when it began and ended (monotonic)
-
-
 def run_drafting(drafter: Drafter, channel: DraftChannel, book: DraftBook,
                  keep_going: Callable[[], bool]) -> None:
     """Draft for the book's sessions until ``keep_going()`` (asked under the lock) is False;
     one loop per book. On the way out, the book's sessions are closed."""
     cond = channel.cond
-    queue: list[_Job] = []  # the round planned: its jobs, furthest behind first
+    queue: list[Job] = []  # the round planned: its jobs, furthest behind first
+    alone_turns = 0  # turns left that draft sessions one by one (a call of several broke)
     try:
         while True:
             with cond:
                 retired = book.take_retired()
                 going = keep_going()
-                jobs: list[_Job] = []
+                jobs: list[Job] = []
                 if going:
                     try:
                         channel.refresh(book)
@@ -145,7 +134,9 @@ def run_drafting(drafter: Drafter, channel: DraftChannel, book: DraftBook,
                     if not book.retired and not book.news:
                         cond.wait(timeout=0.5)
                 continue
-            done, paced = _do_turn(jobs, channel.tree_width, drafter)
+            done, paced, broke = do_turn(jobs, channel.tree_width, drafter,
+                                          together=alone_turns == 0)
+            alone_turns = ALONE_TURNS if broke else max(0, alone_turns - 1)
             with cond:
                 for seconds, tokens in paced:
                     book.pace.drafted(seconds, tokens)
@@ -241,7 +232,7 @@ def _deliver(sid: str, t: DraftTarget, start: int, chunk: Draft, channel: DraftC
     return True
 
 
-def _plan_round(channel: DraftChannel, book: DraftBook, together: int = 1) -> list[_Job]:
+def _plan_round(channel: DraftChannel, book: DraftBook, together: int = 1) -> list[Job]:
     """Under the lock: apply the fixes received and send what they kept, then plan a round:
     every session to open, then every session with room for a chunk, furthest behind first
     (one pass over the sessions a round, not one a chunk). Returned in reverse, to pop."""
@@ -250,14 +241,14 @@ def _plan_round(channel: DraftChannel, book: DraftBook, together: int = 1) -> li
             _apply_fixes(sid, t, channel, book)
         if t.held_from is not None and t.draft is not None and not t.refused:
             _send_held(sid, t, channel, book)
-    opening: list[_Job] = []
-    chunks: list[tuple[int, _Job]] = []  # (lead, job)
+    opening: list[Job] = []
+    chunks: list[tuple[int, Job]] = []  # (lead, job)
     drafting = 0  # the sessions a chunk is drafted for in turn: the pace shares the step
     for sid, t in book.targets.items():
         if t.refused or t.busy:
             continue
         if t.opening is not None:
-            opening.append(_Job(sid, t, True, t.epoch))
+            opening.append(Job(sid, t, True, t.epoch))
             continue
         if t.idle or t.draft is None or t.held_from is not None:
             continue
@@ -268,7 +259,7 @@ def _plan_round(channel: DraftChannel, book: DraftBook, together: int = 1) -> li
         if room > 0 and channel.can_draft(sid, start):
             if t.wanted is not None and lead >= t.wanted:  # beyond the next step's ask
                 room = min(room, channel.ahead_chunk)
-            chunks.append((lead, _Job(sid, t, False, t.epoch, start, room)))
+            chunks.append((lead, Job(sid, t, False, t.epoch, start, room)))
     # the sessions drafted in turn: a drafter that drafts ``together`` sessions a forward drafts
     # a round's chunks in one turn of its forwards
     n = book.pace.chunk(channel.chunk, -(-drafting // together))
@@ -292,7 +283,7 @@ def lead_cap(wanted: int | None, window: int) -> int:
     return min(window, 2 * wanted + LEAD_SLACK)
 
 
-def _pop_job(queue: list[_Job], channel: DraftChannel, book: DraftBook) -> _Job | None:
+def _pop_job(queue: list[Job], channel: DraftChannel, book: DraftBook) -> Job | None:
     """Under the lock: the round's next job still to do as planned (a job whose session was
     fixed, closed or moved since is dropped: the next round plans it again)."""
     while queue:
@@ -311,10 +302,10 @@ def _pop_job(queue: list[_Job], channel: DraftChannel, book: DraftBook) -> _Job 
     return None
 
 
-def _pop_jobs(queue: list[_Job], channel: DraftChannel, book: DraftBook, most: int
-              ) -> list[_Job]:
+def _pop_jobs(queue: list[Job], channel: DraftChannel, book: DraftBook, most: int
+              ) -> list[Job]:
     """Under the lock: up to ``most`` of the round's next jobs (``_pop_job``), marked busy."""
-    jobs: list[_Job] = []
+    jobs: list[Job] = []
     while len(jobs) < most:
         job = _pop_job(queue, channel, book)
         if job is None:
@@ -324,86 +315,7 @@ def _pop_jobs(queue: list[_Job], channel: DraftChannel, book: DraftBook, most: i
     return jobs
 
 
-def _do_turn(jobs: list[_Job], tree_width: int, drafter: Drafter):
-    """Outside the lock: a turn's jobs, the sessions to open one by one, then the chunks, all
-    in one ``propose_many`` where the drafter drafts several sessions a forward
-    (``Drafter.batch_jobs``), else one by one. Returns (job, result, error) for each, and
-    (seconds, tokens) for the pace: each drafting call's time and its longest chunk."""
-    done, paced = [], []
-    chunks = [job for job in jobs if not job.opening]
-    batched = drafter.batch_jobs > 1 and len(chunks) > 1
-    for job in jobs:
-        if batched and not job.opening:
-            continue
-        began = time.monotonic()
-        outcome, error = _do(job, tree_width, drafter)
-        job.ran_s = (began, time.monotonic())
-        done.append((job, outcome, error))
-        if not job.opening and error is None:
-            paced.append((job.ran_s[1] - began, len(outcome)))
-    if batched:
-        began = time.monotonic()
-        before = [len(_opened(job).tokens) for job in chunks]
-        outcomes: list[Draft | None]
-        errors: list[Exception | None]
-        try:
-            outcomes = list(drafter.propose_many(
-                [(_opened(job), job.n) for job in chunks], tree_width))
-            if len(outcomes) != len(chunks):  # a drafter's broken promise
-                raise RuntimeError(f"propose_many gave {len(outcomes)} drafts for "
-                                   f"{len(chunks)} sessions")
-            errors = [None] * len(chunks)
-        except Exception as exc:  # a broken batch costs speed: each session drafted alone
-            log.warning("drafting %d sessions together failed (%r); each is drafted alone",
-                        len(chunks), exc)
-            outcomes, errors = _each_alone(chunks, before, tree_width, drafter)
-        ended = time.monotonic()
-        for job, outcome, error in zip(chunks, outcomes, errors):
-            job.ran_s = (began, ended)
-            done.append((job, outcome, error))
-        if any(e is None for e in errors):
-            paced.append((ended - began, max(len(o or ()) for o in outcomes)))
-    return done, paced
-
-
-def _each_alone(chunks: list[_Job], before: list[int], tree_width: int, drafter: Drafter
-                ) -> tuple[list[Draft | None], list[Exception | None]]:
-    """A failed batch's chunks, each drafted alone from where its session stood before the
-    batch (what the batch appended is taken back), so that the failure costs its drafts only
-    to the sessions it concerns."""
-    outcomes: list[Draft | None] = []
-    errors: list[Exception | None] = []
-    for job, length in zip(chunks, before):
-        try:
-            _opened(job).retract(length)
-        except Exception as exc:  # its draft session cannot be trusted: its drafts end
-            outcomes.append(None)
-            errors.append(exc)
-            continue
-        outcome, error = _do(job, tree_width, drafter)
-        outcomes.append(outcome)
-        errors.append(error)
-    return outcomes, errors
-
-
-def _opened(job: _Job) -> DraftSession:
-    draft = job.target.draft
-    assert draft is not None  # a chunk is drafted only for an opened session
-    return draft
-
-
-def _do(job: _Job, tree_width: int, drafter: Drafter):
-    """Outside the lock: open the session or draft its chunk; (result, error)."""
-    try:
-        if job.opening:
-            return drafter.open(list(job.target.opening or ()), job.target.params), None
-        # a width of 1 is propose's chain
-        return _opened(job).propose_tree(job.n, tree_width), None
-    except Exception as exc:  # a broken drafter costs speed, never the session
-        return None, exc
-
-
-def _finish(job: _Job, outcome, error: Exception | None, channel: DraftChannel,
+def _finish(job: Job, outcome, error: Exception | None, channel: DraftChannel,
             book: DraftBook) -> None:
     """Under the lock: hand on what the job made; a chunk a fix overtook waits in the draft
     session for the fix to judge it (``_apply_fixes``)."""
@@ -438,7 +350,7 @@ def _finish(job: _Job, outcome, error: Exception | None, channel: DraftChannel,
     _deliver(sid, t, job.start, outcome, channel, book, job.ran_s)
 
 
-def _finish_or_refuse(job: _Job, outcome, error: Exception | None, channel: DraftChannel,
+def _finish_or_refuse(job: Job, outcome, error: Exception | None, channel: DraftChannel,
                       book: DraftBook) -> None:
     """Under the lock: ``_finish``; if its bookkeeping raises, the job's session gets no more
     drafts, and the turn's other jobs are finished all the same (none is left busy)."""

@@ -90,7 +90,8 @@ class SharedContext:
     def decode(self, feeds: Sequence[tuple[int, int, Sequence[int]]]) -> list[np.ndarray]:
         """Each feed (sequence, position of its first token, tokens) decoded after what its
         sequence caches, all in as few calls as ``n_batch`` allows; the logits [V] after each
-        feed's last token (copies)."""
+        feed's last token (copies). A decode that fails leaves every sequence of the call as it
+        was (nothing past each feed's position kept), so each can be fed again."""
         out: list[np.ndarray | None] = [None] * len(feeds)
         with self._lock:
             self._check_open()
@@ -103,16 +104,21 @@ class SharedContext:
                                          f"llama.cpp sequence holds {self.max_len}")
                 for at in range(0, len(tokens), self.n_batch):  # a long prompt in parts
                     pending.append((i, seq, pos + at, tokens[at:at + self.n_batch]))
-            call: list[tuple[int, int, int, Sequence[int]]] = []
-            used = 0
-            for part in sorted(pending, key=lambda p: (p[1], p[2])):  # sequence order
-                if used + len(part[3]) > self.n_batch:
+            try:
+                call: list[tuple[int, int, int, Sequence[int]]] = []
+                used = 0
+                for part in sorted(pending, key=lambda p: (p[1], p[2])):  # sequence order
+                    if used + len(part[3]) > self.n_batch:
+                        self._decode_call(call, feeds, out)
+                        call, used = [], 0
+                    call.append(part)
+                    used += len(part[3])
+                if call:
                     self._decode_call(call, feeds, out)
-                    call, used = [], 0
-                call.append(part)
-                used += len(part[3])
-            if call:
-                self._decode_call(call, feeds, out)
+            except BaseException:  # the sequences as they were: an earlier call's positions
+                for seq, pos, _ in feeds:  # (or a micro-batch llama.cpp kept) dropped
+                    self.lc.llama_memory_seq_rm(self._mem, seq, pos, -1)
+                raise
         assert all(o is not None for o in out)
         return out  # type: ignore[return-value]
 
