@@ -590,15 +590,20 @@ def test_a_call_that_fails_where_each_session_alone_drafts_is_not_tried_every_tu
         for f in (1, 2, 3) for start in (2, 6))
 
 
-def test_a_job_whose_bookkeeping_fails_costs_its_session_its_drafts_and_no_other(monkeypatch):
-    """``_finish`` raising for one job of a turn: that session is refused (not left busy for
-    good), the turn's other jobs are finished, and the loop goes on drafting for them."""
+@pytest.mark.parametrize("handed_on", [False, True])
+def test_a_job_whose_bookkeeping_fails_costs_its_session_its_drafts_and_no_other(monkeypatch,
+                                                                                handed_on):
+    """``_finish`` raising for one job of a turn, before or after its chunk was handed on: that
+    session is refused where the cache's draft ends (not left busy for good), the turn's other
+    jobs are finished, and the loop goes on drafting for them."""
     from edgespec.drafters import drafting_loop
 
     real = drafting_loop._finish
 
     def finish(job, outcome, error, channel, book):
         if job.sid == "s2" and not job.opening:
+            if handed_on:
+                real(job, outcome, error, channel, book)
             raise RuntimeError("bookkeeping broke")
         real(job, outcome, error, channel, book)
 
@@ -608,10 +613,11 @@ def test_a_job_whose_bookkeeping_fails_costs_its_session_its_drafts_and_no_other
     for first in (1, 2, 3):
         book.assign(f"s{first}", [first, 10], SamplingParams(), 0)
     _run_until(drafter, channel, book,
-               lambda: len(channel.refused) == 1 and len(channel.delivered) == 4,
+               lambda: len(channel.refused) == 1 and len(channel.delivered) == 4 + handed_on,
                "a refusal and two windows")
-    assert channel.refused == [("s2", 2)]
+    assert channel.refused == [("s2", 6 if handed_on else 2)]  # its chunk [2, 6) went out
     assert sorted(d[:3] for d in channel.delivered) == sorted(
-        (f"s{f}", 0, start) for f in (1, 3) for start in (2, 6))
+        [(f"s{f}", 0, start) for f in (1, 3) for start in (2, 6)] +
+        ([("s2", 0, 2)] if handed_on else []))
     with channel.cond:
         assert not any(t.busy for t in book.targets.values())

@@ -360,7 +360,9 @@ def _finish_or_refuse(job: Job, outcome, error: Exception | None, channel: Draft
         log.exception("finishing a drafting job of session %s failed", job.sid)
         t = job.target
         t.busy = False
-        start = t.committed_end if job.opening or t.epoch != job.epoch else job.start
+        # where the cache's draft ends: past the job's chunk if it was handed on before the fault
+        start = t.committed_end if job.opening or t.epoch != job.epoch else \
+            max(job.start, t.sent_end or 0)
         try:
             _refuse(job.sid, t, start, f"its drafting job's bookkeeping failed: {exc!r}",
                     channel, book)
