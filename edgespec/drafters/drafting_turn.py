@@ -50,7 +50,7 @@ def do_turn(jobs: list[Job], tree_width: int, drafter: Drafter, together: bool =
     chunks = [job for job in jobs if not job.opening]
     batched = together and drafter.batch_jobs > 1 and len(chunks) > 1
     for job in jobs:
-        if not (batched and not job.opening):
+        if job.opening or not batched:  # a batched turn's chunks go in one call, below
             _do_alone(job, tree_width, drafter, done, paced)
     if not batched:
         return done, paced, False

@@ -110,8 +110,9 @@ class SessionState:
 
     def is_replay(self, v: Verdict) -> bool:
         """Whether ``v`` already landed (its commit's reply was lost): the session ends where
-        it would leave it, with its token."""
-        return self.end == v.end and \
+        it would leave it, with its token (so it starts before that end: the common verdict,
+        starting at the session's end, is told apart without computing where it ends)."""
+        return v.start != self.end and self.end == v.end and \
             (self.committed[-1] if self.committed else self.prompt[-1]) == v.token
 
     def commit(self, v: Verdict) -> Fix | None:
@@ -128,11 +129,8 @@ class SessionState:
         if branch and not v.own_branch and not any(
                 b.at == n and b.tokens[:len(branch)] == branch for b in self.branches):
             raise StaleChunkError("the verdict accepted a branch the draft does not hold")
-        if n or branch:
-            self.committed.extend([*self.draft[:n], *branch, v.token])
-        else:  # no draft token accepted: the target's own token (a session decoded alone)
-            self.committed.append(v.token)
-        self.end = v.start + n + len(branch) + 1
+        self.committed.extend([*self.draft[:n], *branch, v.token])
+        self.end = v.end  # its start was this end (checked above)
         held = not branch and len(self.draft) > n and self.draft[n] == v.token
         fix = None
         if held:
@@ -271,8 +269,7 @@ class LocalSessionStore:
                 try:
                     if state is None:
                         raise StaleChunkError(f"unknown session {v.session_id}")
-                    # a replay ends where the session ends, so it starts before that end
-                    if v.start != state.end and state.is_replay(v):
+                    if state.is_replay(v):
                         out.append(CommitOutcome())
                         continue
                     out.append(CommitOutcome(state.commit(v)))

@@ -257,12 +257,13 @@ def to_device(parts: Sequence[np.ndarray], device, dtype) -> list[torch.Tensor]:
     host = np.zeros(at, dtype=np_dtype)
     for a, o in zip(arrays, offsets):
         host[o:o + a.size] = a.reshape(-1)
-    if torch.device(device).type == "cpu":  # the host buffer is the tensors' (views cut in
-        # NumPy: a tensor's slice and view cost several times more, per part and step)
+    kind = torch.device(device).type
+    if kind == "cpu":  # the host buffer is the tensors' (views cut in NumPy: a tensor's slice
+        # and view cost several times more, per part and step)
         return [torch.from_numpy(host[o:o + a.size].reshape(a.shape))
                 for o, a in zip(offsets, arrays)]
     flat = torch.from_numpy(host)
-    if torch.device(device).type == "cuda":
+    if kind == "cuda":
         flat = flat.pin_memory().to(device, non_blocking=True)
     else:
         flat = flat.to(device)
