@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 import threading
+from dataclasses import replace
 
 import pytest
 import torch
@@ -123,6 +124,38 @@ def test_a_batch_of_chains_gives_each_rows_own_verdict():
         again = verify_step(logits, general, propose=propose)
         assert (again.paths, again.tokens, again.lenient) == (out.paths, out.tokens, out.lenient)
         assert torch.equal(seen[-1][0], seen[-2][0]) and torch.equal(seen[-1][1], seen[-2][1])
+
+
+def test_exact_chains_judged_on_the_host_as_on_the_device():
+    """A step of chains without a proposer is judged on the host (the target's choices, then
+    NumPy against the host's nodes): the same paths, tokens and flags as the device's rule
+    over the same rows, for greedy and sampled rows, empty drafts and a step without any
+    draft (logits of one position)."""
+    settings = [SamplingParams(), SamplingParams(temperature=1.0, seed=5)]
+    rng = random.Random("host chains")
+    for trial in range(40):
+        chains = [DraftTree.chain([rng.randrange(V) for _ in range(rng.randint(0, 6))])
+                  for _ in range(rng.randint(1, 9))]
+        if trial % 10 == 0:  # no row drafts
+            chains = [DraftTree.chain([]) for _ in chains]
+        params = [rng.choice(settings) for _ in chains]
+        N = max(len(t) for t in chains)
+        logits = torch.randn(len(chains), 1 + N, V) * 3
+        for b, t in enumerate(chains):
+            for i, p in enumerate(t.parents):
+                if rng.random() < 0.7:
+                    logits[b, p + 1, t.tokens[i]] += 30
+        starts = [rng.randrange(100) for _ in chains]
+        vb = VerifyBatch.build([(t.tokens, t.parents) for t in chains], starts, params,
+                               ["exact"] * len(chains))
+        assert vb.chains and vb.host_nodes is not None
+        host = verify_step(logits, vb)
+        device = verify_step(logits, replace(vb, host_nodes=None))
+        assert (host.paths, host.tokens, host.lenient) == \
+            (device.paths, device.tokens, device.lenient)
+        for b, t in enumerate(chains):
+            ref = verify_tree(logits[b, :1 + len(t)], t, params[b], starts[b])
+            assert (host.paths[b], host.tokens[b]) == (ref.path, ref.token)
 
 
 def test_rows_with_their_own_settings_and_modes_in_one_call():

@@ -80,6 +80,9 @@ class VerifyBatch:
     any_pad: bool
     max_depth: int  # the deepest node's depth (0 without nodes)
     chains: bool = False  # every row a chain (node i hangs from node i - 1), known on the host
+    # [B, N] int64: ``tokens`` on the host (-1 padding), where the rows were built there: exact
+    # chains are then judged on the host from the target's choices (``verify_step``)
+    host_nodes: np.ndarray | None = None
 
     @property
     def max_nodes(self) -> int:
@@ -96,22 +99,24 @@ class VerifyBatch:
         nodes, parents, depths, counts = to_device(
             [shape.nodes, shape.parents, shape.depths, shape.counts], device, torch.long)
         return cls.of_shape(nodes, parents, depths, counts, shape.max_depth, starts, params,
-                            modes, chains=not shape.is_tree)
+                            modes, chains=not shape.is_tree, host_nodes=shape.nodes)
 
     @classmethod
     def of_rows(cls, rows: StepRows, starts: list[int], params: list[SamplingParams],
                 modes: list[str]) -> "VerifyBatch":
         """The verification of a step's rows, on the tensors the forward read."""
         return cls.of_shape(rows.nodes, rows.parents, rows.depths, rows.counts, rows.max_depth,
-                            starts, params, modes, chains=not rows.tree)
+                            starts, params, modes, chains=not rows.tree,
+                            host_nodes=rows.host.nodes if rows.host is not None else None)
 
     @classmethod
     def of_shape(cls, nodes: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor,
                  counts: torch.Tensor, max_depth: int, starts: list[int],
-                 params: list[SamplingParams], modes: list[str], chains: bool = False
-                 ) -> "VerifyBatch":
+                 params: list[SamplingParams], modes: list[str], chains: bool = False,
+                 host_nodes: np.ndarray | None = None) -> "VerifyBatch":
         """The drafts' tensors (on the device) with each row's sampling settings, moved there
-        in two copies (integers, floats). ``chains``: every row is a chain."""
+        in two copies (integers, floats). ``chains``: every row is a chain; ``host_nodes``:
+        the nodes as the host holds them."""
         n = len(params)
         greedy = [p.greedy for p in params]
         if all(greedy) and all(m == "exact" for m in modes):  # the common case: a copy of starts
@@ -120,7 +125,7 @@ class VerifyBatch:
                                         torch.long)[0],
                        **_greedy_exact_rows(n, nodes.device), any_sampled=False, max_top_k=0,
                        any_top_p=False, any_loose=False, any_pad=False, max_depth=max_depth,
-                       chains=chains)
+                       chains=chains, host_nodes=host_nodes)
         loose, pad = [m == "loose" for m in modes], [m == "pad" for m in modes]
         sampled = [p for g, p in zip(greedy, params) if not g]
         if sampled:
@@ -145,7 +150,8 @@ class VerifyBatch:
                    any_sampled=bool(sampled),
                    max_top_k=max([p.top_k or 0 for p in sampled], default=0),
                    any_top_p=any(p.top_p < 1.0 for p in sampled),
-                   any_loose=any(loose), any_pad=any(pad), max_depth=max_depth, chains=chains)
+                   any_loose=any(loose), any_pad=any(pad), max_depth=max_depth, chains=chains,
+                   host_nodes=host_nodes)
 
 
 @functools.lru_cache(maxsize=64)
@@ -280,6 +286,8 @@ def verify_step(logits: torch.Tensor, vb: VerifyBatch, loose: LooseParams | None
     logits = logits[:, :1 + N]  # rows past every draft: padding
     choices, scores = target_choices(logits, vb)  # [B, 1 + N]
     if vb.chains and not vb.any_loose and not vb.any_pad:
+        if propose is None and vb.host_nodes is not None:
+            return _verify_exact_chains_on_host(choices, vb.host_nodes[:, :N])
         return _verify_exact_chains(choices, vb, N, propose)
     tokens, parents = vb.tokens[:, :N], vb.parents[:, :N]
     idx = torch.arange(N, device=logits.device)
@@ -325,6 +333,20 @@ def _verify_exact_chains(choices: torch.Tensor, vb: VerifyBatch, N: int,
     return VerifyOutcome([list(range(r[1])) for r in host], [r[0] for r in host],
                          [r[2:] for r in host] if propose is not None else [],
                          [[0] * r[1] for r in host])
+
+
+def _verify_exact_chains_on_host(choices: torch.Tensor, nodes: np.ndarray) -> VerifyOutcome:
+    """``_verify_exact_chains`` without a proposer, judged on the host: the target's choices
+    [B, 1 + N] long are the step's one sync (a few integers a row), then the same rule in
+    NumPy against the nodes the host built the rows from, [B, N] int64 (-1 padding, which no
+    choice equals): a handful of array operations where the device's cost a launch each (on
+    the CPU, ~80 us a step for one row against ~15)."""
+    chosen = choices.cpu().numpy()  # the step's one sync
+    run = np.logical_and.accumulate(nodes == chosen[:, :nodes.shape[1]], axis=1)  # [B, N]
+    n = run.sum(1)  # [B]: accepted nodes
+    token = chosen[np.arange(len(n)), n].tolist()
+    counts = n.tolist()
+    return VerifyOutcome([list(range(c)) for c in counts], token, [], [[0] * c for c in counts])
 
 
 def _accepted_in_tree(match: torch.Tensor, exact: torch.Tensor, tokens: torch.Tensor,
