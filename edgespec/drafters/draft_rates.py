@@ -94,7 +94,7 @@ class DraftRates:
         alpha = self.alpha(rows)[:, None]
         rate = (self.at_hits[rows, :width] + POSITION_PRIOR * alpha) / \
             (self.at_trials[rows, :width] + POSITION_PRIOR)
-        return np.cumprod(rate, axis=1) * held, held
+        return rate.cumprod(1) * held, held
 
     def supplied(self, rows: np.ndarray, asked: np.ndarray, got: np.ndarray) -> None:
         """Record takes: row b asked ``asked[b]`` draft tokens, its draft held ``got[b]``. The

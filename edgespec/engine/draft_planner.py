@@ -84,11 +84,13 @@ def allocate(gains: BatchGains | Sequence[Sequence[float]], cost: ForwardCost,
     if model is None:
         return batch.caps.tolist()
     rows = len(batch.caps)
-    gain = rows + np.cumsum(batch.gains.sum(0))  # [D]: a token a row + drafts 1..d
-    none_holds = np.prod(1.0 - batch.holds, axis=0)  # [D]: no row's draft holds a d-th token
-    width = 1.0 + np.cumsum(1.0 - none_holds)  # [D]: the forward's expected width at d
+    # ndarray methods, not NumPy's functions: a step plans once, and the functions' wrappers
+    # cost as much as the sums on these few numbers
+    gain = rows + batch.gains.sum(0).cumsum()  # [D]: a token a row + drafts 1..d
+    none_holds = (1.0 - batch.holds).prod(0)  # [D]: no row's draft holds a d-th token
+    width = 1.0 + (1.0 - none_holds).cumsum()  # [D]: the forward's expected width at d
     rates = np.concatenate([[rows / model.seconds(rows, 1)], gain / model.seconds(rows, width)])
-    best = int(np.argmax(rates))  # the first best: ties go to the narrower forward
+    best = int(rates.argmax())  # the first best: ties go to the narrower forward
     return np.minimum(batch.caps, best).tolist()
 
 

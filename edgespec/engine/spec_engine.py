@@ -132,6 +132,9 @@ class SpecEngine(SessionLifecycle):
         self.rates = DraftRates(len(target.cache.lengths), self.cfg.max_draft,
                                 adaptive=self.cfg.adaptive)
         self.lateness = Lateness(self.cfg.late_after)  # drafters not waited for (lateness.py)
+        # this step's planned sessions, and their draft-length rows once read (``_rows_of``)
+        self._step_acts: list[ActiveSession] = []
+        self._step_rows: RowsOf | None = None
         self._undelivered: list[Decision] = []
         self._undelivered_s = (0.0, 0.0)  # their step's take and forward seconds
         self._decide_s = 0.0  # a step's deciding, inside its verification: not the forward's
@@ -165,6 +168,7 @@ class SpecEngine(SessionLifecycle):
         step's verdicts kept aside: the next call commits those first (the store recognises a
         commit that landed). Returns what the step did (None when nothing was verified)."""
         self.prefill_s = 0.0
+        self._step_acts, self._step_rows = [], None
         if self._undelivered:  # verdicts of a step whose commit did not reach the store
             kept, t0 = self._undelivered, time.perf_counter()
             return _report(self._commit(kept, *self._undelivered_s), len(kept),
@@ -201,25 +205,32 @@ class SpecEngine(SessionLifecycle):
         """What to ask of each active session's draft: its length, and its share of branch
         tokens. Sessions with nothing to draft for them (no drafter in process, no head, no
         board: a server serving alone) are asked for nothing, without planning."""
-        acts = list(self.active)
-        if self.drafter is None and self.head is None and not any(a.drafter for a in acts):
+        acts = self._step_acts = list(self.active)
+        self._step_rows = None
+        boards = any(a.drafter for a in acts)
+        if self.drafter is None and self.head is None and not boards:
             for a in acts:
                 a.wanted = 0
             return [DraftWant(a.sid, 0, wait=False) for a in acts]
-        gains = session_gains(acts)
+        chains = self.drafter is not None and self.cfg.tree_width <= 1  # its drafts are chains
+        gains = session_gains(acts, self._rows_of(acts), betas=not chains)
         # a probe's notice to the drafters: the drafter in process (its thread, or inline) drafts
         # for a commit at once, a board during the next step (``told_wants``)
         notice = 1 if self.drafter is not None else 2
         ks = plan_drafts(acts, self.cfg, self.cost, self.prober, gains, notice)
-        gains = gains.cut(ks)  # what the branches and the waits weigh: the drafts as planned
-        if self.drafter is not None and self.cfg.tree_width <= 1:  # its drafts are chains
+        # drafted here right before the take (``InlineDrafts``), chains, no board: nothing is
+        # waited for (every draft is ready when taken) and no branch planned
+        settled = chains and self.inline is not None and not boards
+        if not settled:  # what the branches and the waits weigh: the drafts as planned
+            gains = gains.cut(ks)
+        if chains:
             budgets = [0] * len(acts)
         else:
             budgets = plan_branch_budgets(acts, ks, self.cfg, self.cost, self.target.max_len,
                                           gains)
         wait_s = self.wait_ms / 1000
         # a probe is waited for (it measures); no wait (0 s) is worth weighing
-        if self.cfg.adaptive and not self.prober.probing and wait_s > 0:
+        if self.cfg.adaptive and not self.prober.probing and wait_s > 0 and not settled:
             worth = wait_worth(gains, ks, self.cost, wait_s)
         else:
             worth = [wait_s] * len(acts)
@@ -231,6 +242,18 @@ class SpecEngine(SessionLifecycle):
             a.wanted = told
         return [DraftWant(a.sid, k, b, wait=k > 0 and w > 0 and a.drafter not in skip, wait_s=w)
                 for a, k, b, w in zip(acts, ks, budgets, worth)]
+
+    def _rows_of(self, acts: Sequence[ActiveSession]) -> RowsOf:
+        """The draft-length rows of ``acts``: this step's planned sessions, or those of them
+        still in the step (what its take or commit kept, in their order), read once a step
+        while none was dropped."""
+        planned = self._step_acts
+        if len(acts) != len(planned) or not acts or acts[0] is not planned[0] or \
+                acts[-1] is not planned[-1]:  # a sub-list of equal length and ends: the same
+            return RowsOf([a.draft_len for a in acts])
+        if self._step_rows is None:
+            self._step_rows = RowsOf([a.draft_len for a in acts])
+        return self._step_rows
 
     def _record_lateness(self, wants: list[DraftWant], taken: list, acts: dict,
                          wait_s: float) -> None:
@@ -276,7 +299,7 @@ class SpecEngine(SessionLifecycle):
         # what each draft held, as taken; not a probe's, told of only a step or two ahead (its
         # drafter rested before): what it finds measures acceptance, not a steady ask's supply
         if out and not self.prober.probing and any(asked):  # a row asked nothing says nothing
-            RowsOf([a.draft_len for a, _ in out]).record(
+            self._rows_of([a for a, _ in out]).record(
                 "supplied", np.array(asked, dtype=np.int64),
                 np.array([len(t.tokens) for _, t in out], dtype=np.int64))
         return out
@@ -434,12 +457,13 @@ class SpecEngine(SessionLifecycle):
         own acceptance, the branches'."""
         if not applied:
             return
-        rows = RowsOf([d.act.draft_len for d in applied])
-        chains = np.array([(len(d.draft.tokens), d.verdict.n_accepted,
-                            d.draft.branch_tokens, len(d.verdict.branch)) for d in applied],
-                          dtype=np.int64)  # [B, 4]
-        rows.record("update", chains[:, 0], chains[:, 1])
-        rows.record("update_branches", chains[:, 2], chains[:, 3])
+        rows, B = self._rows_of([d.act for d in applied]), len(applied)
+        rows.record("update", np.fromiter((len(d.draft.tokens) for d in applied), np.int64, B),
+                    np.fromiter((d.verdict.n_accepted for d in applied), np.int64, B))
+        if any(d.draft.branch_tokens for d in applied):  # a row verified branch tokens
+            rows.record("update_branches",
+                        np.fromiter((d.draft.branch_tokens for d in applied), np.int64, B),
+                        np.fromiter((len(d.verdict.branch) for d in applied), np.int64, B))
 
     def _apply(self, d: Decision, take_s: float, forward_s: float, commit_s: float) -> None:
         """A verdict the store took, applied here: the KV cache, the stats, the output (the

@@ -18,13 +18,16 @@ from .generation import ActiveSession
 PROBE_TOKENS = 2  # the draft width of a probing step
 
 
-def session_gains(acts: Sequence[ActiveSession]) -> BatchGains:
-    """Every session's ``DraftLength.gains`` and ``holds`` up to its cap (and its branches'
-    ``beta``), read from the sessions' rows in one go, once a step: the gains of a shorter
-    draft are their prefix."""
-    rows = RowsOf([a.draft_len for a in acts])
+def session_gains(acts: Sequence[ActiveSession], rows: RowsOf | None = None,
+                  betas: bool = True) -> BatchGains:
+    """Every session's ``DraftLength.gains`` and ``holds`` up to its cap (and, with ``betas``,
+    its branches' ``beta``: a step that can verify none need not read them), read from the
+    sessions' rows in one go, once a step: the gains of a shorter draft are their prefix.
+    ``rows``: the sessions' ``RowsOf``, when read already."""
+    rows = RowsOf([a.draft_len for a in acts]) if rows is None else rows
     caps = rows.values(len(acts), "k")
-    return BatchGains(*rows.gains_holds(len(acts), caps), caps, rows.values(len(acts), "beta"))
+    return BatchGains(*rows.gains_holds(len(acts), caps), caps,
+                      rows.values(len(acts), "beta") if betas else None)
 
 
 def lead_caps(acts: Sequence[ActiveSession], window: int) -> np.ndarray:
