@@ -149,7 +149,7 @@ def longest_suffix_match(arr: np.ndarray, max_ngram: int, min_ngram: int) -> tup
     top = min(max_ngram, length - 1)
     if top < min_ngram:
         return 0, -1
-    ends = np.flatnonzero(arr[: length - 1] == arr[length - 1])  # the match's last token at e
+    ends = (arr[: length - 1] == arr[length - 1]).nonzero()[0]  # the match's last token at e
     n, end = (_match_one_by_one if len(ends) <= SCAN_CANDIDATES else _match_together)(
         arr, ends, top)
     if n < min_ngram:

@@ -97,9 +97,10 @@ class InlineDrafts:
             self.sessions[sid] = entry
             return entry.draft
         s = entry.draft
-        for fix in state.fixes_after(entry.fix_id):
-            apply_fix(s, fix.position, fix.tokens)
-            entry.fix_id = fix.id
+        if state.fixes and state.fixes[-1].id > entry.fix_id:  # a fix it has not applied
+            for fix in state.fixes_after(entry.fix_id):
+                apply_fix(s, fix.position, fix.tokens)
+                entry.fix_id = fix.id
         end = state.end + len(state.draft)
         if len(s.tokens) > end:  # tokens a fix agreed with, beyond what the store holds
             s.retract(end)
