@@ -65,6 +65,25 @@ def test_inline_is_the_in_process_default_for_cheap_drafters_only(tiny, tiny_dra
         assert engine.inline is None and engine.worker is not None
 
 
+def test_an_inline_step_of_chains_weighs_no_wait(looping, setup, monkeypatch):
+    """Drafted right before the take, every draft is ready when taken: the adaptive planner
+    (its widths, its probes) weighs no wait for it (``wait_worth`` is never called), and the
+    output stays target-only's. With a drafting thread the waits are weighed."""
+    import edgespec.engine.spec_engine as spec_engine
+
+    runner, refs = setup
+    weighed = []
+    real = spec_engine.wait_worth
+    monkeypatch.setattr(spec_engine, "wait_worth",
+                        lambda *a, **k: weighed.append(1) or real(*a, **k))
+    cfg = EngineConfig(max_draft=4, window=8, chunk=2)
+    results = _generate(runner, build_drafter("mag"), cfg)
+    assert [r.token_ids for r in results] == refs and not weighed
+    threaded = EngineConfig(max_draft=4, window=8, chunk=2, draft_inline=False)
+    results = _generate(runner, build_drafter("mag"), threaded)
+    assert [r.token_ids for r in results] == refs and weighed
+
+
 @pytest.mark.slow
 def test_seeded_sampling_and_trees_inline_equal_target_only(looping, setup):
     runner, refs = setup

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import operator
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -207,8 +208,7 @@ class SpecEngine(SessionLifecycle):
         board: a server serving alone) are asked for nothing, without planning."""
         acts = self._step_acts = list(self.active)
         self._step_rows = None
-        boards = any(a.drafter for a in acts)
-        if self.drafter is None and self.head is None and not boards:
+        if self.drafter is None and self.head is None and not any(a.drafter for a in acts):
             for a in acts:
                 a.wanted = 0
             return [DraftWant(a.sid, 0, wait=False) for a in acts]
@@ -218,9 +218,10 @@ class SpecEngine(SessionLifecycle):
         # for a commit at once, a board during the next step (``told_wants``)
         notice = 1 if self.drafter is not None else 2
         ks = plan_drafts(acts, self.cfg, self.cost, self.prober, gains, notice)
-        # drafted here right before the take (``InlineDrafts``), chains, no board: nothing is
-        # waited for (every draft is ready when taken) and no branch planned
-        settled = chains and self.inline is not None and not boards
+        # chains drafted here right before the take (``InlineDrafts``; an engine drafting in
+        # process has no board): nothing is waited for (every draft is ready when taken, or
+        # its drafter failed) and no branch planned
+        settled = chains and self.inline is not None
         if not settled:  # what the branches and the waits weigh: the drafts as planned
             gains = gains.cut(ks)
         if chains:
@@ -248,8 +249,7 @@ class SpecEngine(SessionLifecycle):
         still in the step (what its take or commit kept, in their order), read once a step
         while none was dropped."""
         planned = self._step_acts
-        if len(acts) != len(planned) or not acts or acts[0] is not planned[0] or \
-                acts[-1] is not planned[-1]:  # a sub-list of equal length and ends: the same
+        if len(acts) != len(planned) or not all(map(operator.is_, acts, planned)):
             return RowsOf([a.draft_len for a in acts])
         if self._step_rows is None:
             self._step_rows = RowsOf([a.draft_len for a in acts])
