@@ -86,6 +86,23 @@ def test_one_call_gives_each_rows_own_verdict(params):
             assert (out.paths[b], out.tokens[b]) == (ref.path, ref.token)
 
 
+def _random_chains(rng: random.Random, settings: list[SamplingParams], most: int,
+                   min_nodes: int = 0):
+    """1-9 random chains of 0-``most`` tokens, a setting each, logits [B, 1 + N, V] (N the
+    longest chain, at least ``min_nodes``) that hold each draft token as their peak 7 times in
+    10, and random start positions."""
+    chains = [DraftTree.chain([rng.randrange(V) for _ in range(rng.randint(0, most))])
+              for _ in range(rng.randint(1, 9))]
+    params = [rng.choice(settings) for _ in chains]
+    N = max(min_nodes, max(len(t) for t in chains))
+    logits = torch.randn(len(chains), 1 + N, V) * 3
+    for b, t in enumerate(chains):
+        for i, p in enumerate(t.parents):
+            if rng.random() < 0.7:
+                logits[b, p + 1, t.tokens[i]] += 30
+    return chains, params, logits, [rng.randrange(100) for _ in chains]
+
+
 def test_a_batch_of_chains_gives_each_rows_own_verdict():
     """Chains only (a step without trees), greedy, sampled, top-k and top-p rows side by
     side: the batch is verified as chains (a node accepted with every node before it), each
@@ -101,16 +118,7 @@ def test_a_batch_of_chains_gives_each_rows_own_verdict():
         return torch.stack([accepted.sum(1), token], 1)
 
     for _ in range(30):
-        chains = [DraftTree.chain([rng.randrange(V) for _ in range(rng.randint(0, 7))])
-                  for _ in range(rng.randint(1, 9))]
-        params = [rng.choice(settings) for _ in chains]
-        N = max(1, max(len(t) for t in chains))
-        logits = torch.randn(len(chains), 1 + N, V) * 3
-        for b, t in enumerate(chains):
-            for i, p in enumerate(t.parents):
-                if rng.random() < 0.7:
-                    logits[b, p + 1, t.tokens[i]] += 30
-        starts = [rng.randrange(100) for _ in chains]
+        chains, params, logits, starts = _random_chains(rng, settings, 7, min_nodes=1)
         drafts = [(t.tokens, t.parents) for t in chains]
         vb = VerifyBatch.build(drafts, starts, params, ["exact"] * len(chains))
         assert vb.chains
@@ -134,18 +142,8 @@ def test_exact_chains_judged_on_the_host_as_on_the_device():
     settings = [SamplingParams(), SamplingParams(temperature=1.0, seed=5)]
     rng = random.Random("host chains")
     for trial in range(40):
-        chains = [DraftTree.chain([rng.randrange(V) for _ in range(rng.randint(0, 6))])
-                  for _ in range(rng.randint(1, 9))]
-        if trial % 10 == 0:  # no row drafts
-            chains = [DraftTree.chain([]) for _ in chains]
-        params = [rng.choice(settings) for _ in chains]
-        N = max(len(t) for t in chains)
-        logits = torch.randn(len(chains), 1 + N, V) * 3
-        for b, t in enumerate(chains):
-            for i, p in enumerate(t.parents):
-                if rng.random() < 0.7:
-                    logits[b, p + 1, t.tokens[i]] += 30
-        starts = [rng.randrange(100) for _ in chains]
+        # every tenth step: no row drafts (logits of one position)
+        chains, params, logits, starts = _random_chains(rng, settings, 0 if trial % 10 == 0 else 6)
         vb = VerifyBatch.build([(t.tokens, t.parents) for t in chains], starts, params,
                                ["exact"] * len(chains))
         assert vb.chains and vb.host_nodes is not None
