@@ -199,10 +199,12 @@ def test_a_session_without_branches_is_probed_now_and_then():
 
 # -- in the engine: what a step asks of the store -------------------------------------------------
 @contextmanager
-def _never_right_pair(tiny, new_tokens: int = 20, board: str | None = None):
-    """An engine drafting with MaG in process (``board``: for a board of that name, through a
-    store, no drafting thread here) for two sessions whose drafts were rejected 20 times, on a
-    CPU's fitted cost (a draft token a row costs 10% of a step): (engine, sessions)."""
+def _never_right_pair(tiny, new_tokens: int = 20, board: str | None = None,
+                      inline: bool = True):
+    """An engine drafting with MaG in process (``inline``: in the step's thread, else in a
+    drafting thread; ``board``: for a board of that name, through a store, no drafting here)
+    for two sessions whose drafts were rejected 20 times, on a CPU's fitted cost (a draft token
+    a row costs 10% of a step): (engine, sessions)."""
     from edgespec.config import EngineConfig
     from edgespec.drafters import build_drafter
     from edgespec.engine.spec_engine import Request, SpecEngine
@@ -212,8 +214,8 @@ def _never_right_pair(tiny, new_tokens: int = 20, board: str | None = None):
     runner = TargetRunner(tiny.model, n_slots=4, max_len=256)
     where = {"store": LocalSessionStore(None, runner.vocab_size)} if board else \
         {"drafter": build_drafter("mag")}
-    with SpecEngine(runner, config=EngineConfig(max_draft=4), stop_ids=set(),
-                    **where) as engine:
+    with SpecEngine(runner, config=EngineConfig(max_draft=4, draft_inline=inline),
+                    stop_ids=set(), **where) as engine:
         acts = [engine.add(Request([1, 5, 6, 7], new_tokens), device=board),
                 engine.add(Request([1, 8, 9], new_tokens), device=board)]
         engine.cost = fitted(0.040, 0.004)
@@ -234,7 +236,9 @@ def _plan_until_a_probe(engine, acts) -> tuple[list[list[int]], list[list[int]]]
 
 
 def test_the_engine_asks_for_no_draft_where_drafts_do_not_pay_and_probes_all_rows_at_once(tiny):
-    with _never_right_pair(tiny) as (engine, acts):
+    # a drafting thread: its drafts are waited for as long as they are worth (drafted in the
+    # step's thread, every draft is ready when taken and no wait is weighed)
+    with _never_right_pair(tiny, inline=False) as (engine, acts):
         from edgespec.engine.draft_planner import probe_every
 
         every = probe_every(engine.cost, 2, 2)
