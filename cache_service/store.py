@@ -17,7 +17,7 @@ import struct
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import redis
 
@@ -328,25 +328,34 @@ class RedisSessionStore:
     def close(self, sid: str, finish_reason: str = "stop", keep_s: int = 120) -> None:
         """Mark a session finished; its keys linger ``keep_s`` for late readers (a client
         resuming to read its last tokens). Never raises: the keys expire by themselves."""
+        self.close_many({sid: finish_reason}, keep_s)
+
+    def close_many(self, finished: Mapping[str, str], keep_s: int = 120) -> None:
+        """``close`` of each session (id -> finish reason), in one round trip (one
+        transaction): a step whose sessions end together waited for one each (~1.3 ms here)."""
         with self._lock:
-            device = self._device_of.pop(sid, "")
-            self._known.pop(sid, None)
+            devices = {sid: self._device_of.pop(sid, "") for sid in finished}
+            for sid in finished:
+                self._known.pop(sid, None)
         if self._recorder is not None:
-            self._recorder.record(sid)
+            for sid in finished:
+                self._recorder.record(sid)
         try:
             pipe = self.redis.pipeline(transaction=True)
-            h = self.keys.session(sid)[0]
-            pipe.hset(h, mapping={"done": 1, "finish": finish_reason})
-            for key in self.keys.session(sid):
-                pipe.expire(key, keep_s)
-            if device:
-                pipe.srem(self.keys.sessions(device), sid)
-                pipe.xadd(self.keys.inbox(device), InboxEvent("close", sid).fields(),
-                          maxlen=self.inbox_maxlen, approximate=True)
+            for sid, finish_reason in finished.items():
+                h = self.keys.session(sid)[0]
+                pipe.hset(h, mapping={"done": 1, "finish": finish_reason})
+                for key in self.keys.session(sid):
+                    pipe.expire(key, keep_s)
+                if device := devices[sid]:
+                    pipe.srem(self.keys.sessions(device), sid)
+                    pipe.xadd(self.keys.inbox(device), InboxEvent("close", sid).fields(),
+                              maxlen=self.inbox_maxlen, approximate=True)
             pipe.execute()
         except redis.RedisError as e:
-            log.warning("closing session %s in the cache failed (%s); it expires by itself",
-                        sid, e)
+            log.warning("closing %d session(s) in the cache (%s%s) failed (%s); they expire by "
+                        "themselves", len(finished), ", ".join(list(finished)[:4]),
+                        ", ..." if len(finished) > 4 else "", e)
 
     @property
     def _waker(self) -> ChunkWaker:

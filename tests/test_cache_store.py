@@ -403,6 +403,25 @@ def test_sessions_expire_and_close_notifies_the_drafter(store):
     assert store.snapshot("s6") is None
 
 
+def test_sessions_that_end_together_are_closed_in_one_round_trip(store, monkeypatch):
+    """A step's sessions that end together: each marked done with its own finish reason, its
+    board told, its keys left to expire, in one transaction; a session not named goes on."""
+    dev = _attach(store)
+    for sid in ("c1", "c2", "c3"):
+        store.create(sid, [1, 2], SamplingParams(), dev)
+    rounds = []
+    real = store.redis.pipeline
+    monkeypatch.setattr(store.redis, "pipeline", lambda *a, **k: rounds.append(1) or real(*a, **k))
+    store.close_many({"c1": "stop", "c2": "length"}, keep_s=5)
+    assert len(rounds) == 1
+    assert [store.load(s).finish_reason for s in ("c1", "c2")] == ["stop", "length"]
+    assert store.load("c3").finish_reason is None and not store.load("c3").done
+    assert store.devices.sessions_of(dev) == ["c3"]
+    closes = [ev for _, ev in store.read_events(dev, "0-0", 10) if ev.kind == "close"]
+    assert closes == [InboxEvent("close", "c1"), InboxEvent("close", "c2")]
+    assert all(0 < store.redis.ttl(f"t:s:{s}") <= 5 for s in ("c1", "c2"))
+
+
 def test_least_loaded_live_device_is_picked(store):
     _attach(store, "a")
     _attach(store, "b")

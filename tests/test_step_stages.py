@@ -265,6 +265,84 @@ def test_a_session_dropped_mid_step_leaves_the_others_draft_lengths_their_own(ti
             assert act.output == refs[tuple(p)]
 
 
+class _CountingCloses(_RecordingStore):
+    """The engine's store, counting how the engine tells it of ended sessions."""
+
+    def __init__(self, store):
+        super().__init__(store)
+        self.closes, self.batches = [], []
+
+    def close(self, session_id, finish_reason="stop"):
+        self.closes.append(session_id)
+        self.inner.close(session_id, finish_reason)
+
+    def close_many(self, finished):
+        self.batches.append(dict(finished))
+        self.inner.close_many(finished)
+
+
+def test_sessions_that_end_in_one_step_are_closed_in_one_call(tiny):
+    """Three sessions asked as many tokens end in the same step: the store is told of all three
+    in one call (one round trip to Redis), each with its finish reason, after their last
+    tokens; each result is target-only's; a session cancelled alone is closed alone."""
+    prompts = [[1, 40, 41, 42, 43, 44], [1, 50, 51, 52, 53], [1, 60, 61, 62, 60, 61]]
+    refs = [hf_greedy(tiny.model, p, 8) for p in prompts]
+    runner = TargetRunner(tiny.model, n_slots=4, max_len=128)
+    with SpecEngine(runner, None, EngineConfig(), stop_ids={2}) as engine:
+        counting = _CountingCloses(engine.store)
+        engine.store = counting
+        ended = []
+        acts = [engine.add(Request(p, 8)) for p in prompts]
+        for act in acts:
+            act.on_finish = ended.append
+        while engine.active:
+            engine.step()
+        assert [r.token_ids for r in ended] == refs  # each told once, in the sessions' order
+        assert [r.finish_reason for r in ended] == ["length"] * 3
+        assert counting.batches == [{a.sid: "length" for a in acts}] and counting.closes == []
+        act = engine.add(Request(prompts[0], 8))
+        engine.cancel(act.sid)
+        assert counting.batches[1:] == [{act.sid: "cancelled"}]
+
+
+@pytest.mark.parametrize("fault", ["on_finish", "on_tokens"])
+def test_a_callback_that_raises_costs_the_others_ending_in_its_step_nothing(tiny, fault):
+    """Three sessions end in one step and the middle one's callback raises (its ``on_finish``,
+    or its last ``on_tokens``): the step raises that error, and every other session that ended
+    is closed in the store and told of its finish with its whole output, not failed (with
+    ``on_tokens`` the step stops applying there: the last session is left running, for the
+    caller to fail as it fails whatever a broken step leaves)."""
+    prompts = [[1, 40, 41, 42, 43, 44], [1, 50, 51, 52, 53], [1, 60, 61, 62, 60, 61]]
+    refs = [hf_greedy(tiny.model, p, 8) for p in prompts]
+    runner = TargetRunner(tiny.model, n_slots=4, max_len=128)
+
+    def broken(*_):
+        raise RuntimeError("a client's callback broke")
+
+    with SpecEngine(runner, None, EngineConfig(), stop_ids={2}) as engine:
+        counting = _CountingCloses(engine.store)
+        engine.store = counting
+        requests = [Request(p, 8) for p in prompts]
+        if fault == "on_tokens":  # the middle session's last tokens
+            requests[1].on_tokens = lambda new, got=[]: got.extend(new) or \
+                (broken() if len(got) >= 8 else None)
+        acts = [engine.add(r) for r in requests]
+        ended = {}
+        for i, act in enumerate(acts):
+            act.on_finish = broken if fault == "on_finish" and i == 1 else \
+                (lambda r, i=i: ended.setdefault(i, r))
+        with pytest.raises(RuntimeError, match="callback broke"):
+            while engine.active:
+                engine.step()
+        told = [0, 2] if fault == "on_finish" else [0]
+        assert sorted(ended) == told
+        assert [ended[i].token_ids for i in told] == [refs[i] for i in told]
+        assert [ended[i].finish_reason for i in told] == ["length"] * len(told)
+        assert {acts[i].sid for i in told} <= {sid for b in counting.batches for sid in b}
+        assert [a for a in acts if a in engine.active] == \
+            ([] if fault == "on_finish" else [acts[1], acts[2]])
+
+
 def test_verification_changes_nothing_a_retry_reads(tiny):
     """Scoring and judging a batch of trees leave the KV cache's committed state alone (a
     failed batch is verified again row by row): verified twice, the same verdicts; the accepted

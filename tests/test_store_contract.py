@@ -214,6 +214,17 @@ def test_a_finished_session_refuses_chunks(side):
         side.push("s", 1, 4, [5])
 
 
+def test_sessions_closed_together_each_refuse_chunks_and_the_others_go_on(side):
+    for sid in ("a", "b", "c"):
+        _new(side, sid)
+    side.store.close_many({"a": "stop", "b": "length"})
+    for sid in ("a", "b"):
+        with pytest.raises(Refused):
+            side.push(sid, 0, 3, [4])
+    assert side.push("c", 0, 3, [4, 5]) == 2
+    assert _take(side, "c").tokens == [4, 5]
+
+
 # -- verdicts ------------------------------------------------------------------------------------
 def test_a_full_accept_with_a_bonus_publishes_a_fix_at_the_draft_end(side):
     _new(side)

@@ -188,17 +188,46 @@ class SessionLifecycle:
             self.target.free_slot(act.slot)
 
     def _release(self, act: ActiveSession, finish: str) -> None:
+        self._end_here(act)
+        self.store.close(act.sid, finish)  # never raises
+
+    def _end_here(self, act: ActiveSession) -> None:
+        """A session's last stats, its slot freed; the store not told."""
         act.stats.tokens = len(act.output) - len(act.req.committed)
         act.stats.elapsed_s = time.perf_counter() - act.stats.start
         self._drop(act)
-        self.store.close(act.sid, finish)  # never raises
 
     def _finish(self, act: ActiveSession) -> None:
-        finish = act.finish
-        assert finish is not None  # called once the session has ended
-        self._release(act, finish)
-        if act.on_finish:
-            act.on_finish(Result(act.output, act.stats, finish))
+        self._finish_many([act])
+
+    def _finish_many(self, acts: Sequence[ActiveSession]) -> None:
+        """Sessions that ended (``finish`` set), the store told of all in one call (a step's
+        sessions often end together: one round trip to Redis, not one each), then each one's
+        ``on_finish``. One that fails here (its slot's release, its callback) does not keep
+        the others from being closed and told: the first such error is raised after them."""
+        finished: dict[str, str] = {}
+        errors: list[Exception] = []
+        for act in acts:
+            assert act.finish is not None  # called once the session has ended
+            try:
+                self._end_here(act)
+            except Exception as exc:  # left to the caller, which fails what it still holds
+                errors.append(exc)
+                continue
+            finished[act.sid] = act.finish
+        if finished:
+            try:
+                self.store.close_many(finished)
+            except Exception:  # the store's keys expire by themselves: only logged
+                log.exception("closing %d ended session(s) in the store failed", len(finished))
+        for act in acts:
+            if act.on_finish and act.sid in finished:
+                try:
+                    act.on_finish(Result(act.output, act.stats, finished[act.sid]))
+                except Exception as exc:
+                    errors.append(exc)
+        if errors:
+            raise errors[0]
 
     def abandon(self, act: ActiveSession, exc: Exception) -> None:
         """Drop a session here but leave it in the store as it is, so that it can be resumed

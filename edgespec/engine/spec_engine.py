@@ -448,8 +448,15 @@ class SpecEngine(SessionLifecycle):
                     self.fail(d.act, SessionFailed(f"the cache refused a commit: "
                                                    f"{outcome.error}"))
         self._learn(applied)
-        for d in applied:
-            self._apply(d, take_s, forward_s, dt)
+        ended: list[ActiveSession] = []
+        try:
+            for d in applied:
+                self._apply(d, take_s, forward_s, dt)
+                if d.act.finish:
+                    ended.append(d.act)
+        finally:  # the sessions that ended before any failure end now, told of it
+            running = set(map(id, self.active))  # a callback may have cancelled one
+            self._finish_many([a for a in ended if id(a) in running])
         return applied
 
     def _learn(self, applied: list[Decision]) -> None:
@@ -488,11 +495,9 @@ class SpecEngine(SessionLifecycle):
             stats.lenient_tokens += sum(d.lenient[:len(new)])  # output took them
         act.output.extend(new)
         act.last_token = v.token
-        act.finish = v.finish_reason or None
+        act.finish = v.finish_reason or None  # the step ends it (``_commit``)
         if act.req.on_tokens:
             act.req.on_tokens(new)
-        if act.finish:
-            self._finish(act)
 
     # -- whole generations ---------------------------------------------------------------------
     def generate_many(self, requests: list[Request]) -> list[Result]:

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import numbers
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from typing import Mapping, Protocol, Sequence
 
 from ..config import SamplingParams
 from .lineage import Lineage
@@ -243,7 +243,7 @@ class SessionStore(Protocol):
     """What the verifier drives, per session life: ``create`` (a new session, or a resumed one
     whose committed output is already known; ``lineage``: the kernel set its output is the
     decoding of, kept where sessions are resumable), ``take_when_ready`` (the drafts to verify this
-    step), ``commit_many`` (the verdicts) and ``close``."""
+    step), ``commit_many`` (the verdicts) and ``close`` (or ``close_many``)."""
 
     wait_ms: float  # the store's suggested draft deadline
 
@@ -258,3 +258,7 @@ class SessionStore(Protocol):
     def commit_many(self, verdicts: list[Verdict]) -> list[CommitOutcome]: ...
 
     def close(self, session_id: str, finish_reason: str = "stop") -> None: ...
+
+    def close_many(self, finished: Mapping[str, str]) -> None:
+        """``close`` of several sessions (session id -> finish reason) in one call: a step's
+        sessions that ended together (the Redis store: one round trip for all)."""

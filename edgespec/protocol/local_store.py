@@ -27,7 +27,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from ..config import SamplingParams
 from .lineage import Lineage
@@ -280,12 +280,20 @@ class LocalSessionStore:
         return out
 
     def close(self, session_id: str, finish_reason: str = "stop") -> None:
+        self.close_many({session_id: finish_reason})
+
+    def close_many(self, finished: Mapping[str, str]) -> None:
+        """Sessions that ended (id -> finish reason), under one hold of the lock."""
         with self.lock:
-            state = self.sessions.pop(session_id, None)
-            if state is not None:
-                state.done = True
-            self._record(session_id)
+            closed = []
+            for session_id in finished:
+                state = self.sessions.pop(session_id, None)
+                if state is not None:
+                    state.done = True
+                    closed.append(state)
+                self._record(session_id)
+                self._draft_moved(session_id)
             self.cond.notify_all()
-            self._draft_moved(session_id)
-        if state is not None and self.fleet is not None:
-            record_output(self.fleet, state.tokens, len(state.prompt))
+        if self.fleet is not None:
+            for state in closed:
+                record_output(self.fleet, state.tokens, len(state.prompt))
