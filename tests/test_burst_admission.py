@@ -145,6 +145,47 @@ def test_the_scheduler_streams_a_burst_identical_to_target_only(tiny, engine):
     assert sched.pace.prefill_rate > 0  # the steps' prefill fed the pace
 
 
+def _ended(t: Ticket) -> bool:
+    with t.cond:
+        return t.cond.wait_for(lambda: t.result is not None or t.error is not None, WAIT_S)
+
+
+def test_a_step_that_raises_fails_its_sessions_and_the_loop_serves_on_even_if_a_fail_raises(
+        tiny, engine, monkeypatch):
+    """A step raises (a bug) and failing one of its sessions raises too (its callback broke):
+    the scheduler's loop lives on, fails the other session, and serves the next request as
+    target-only decoding would."""
+    prompts = _prompts(3, seed=7)
+    sched = Scheduler(engine, max_queue=8)
+    first = [sched.submit(Ticket(Request(p, 12), None)) for p in prompts[:2]]
+    real_step, real_fail, broken = engine.step, engine.fail, []
+
+    def step_once_broken():
+        if not broken and len(engine.active) == 2:
+            broken.append("step")
+            raise RuntimeError("a bug in the step")
+        return real_step()
+
+    def fail(act, exc):
+        if len(broken) == 1:  # the first session the loop fails: its fail raises
+            broken.append(act.sid)
+            raise RuntimeError("a broken callback")
+        return real_fail(act, exc)
+
+    monkeypatch.setattr(engine, "step", step_once_broken)
+    monkeypatch.setattr(engine, "fail", fail)
+    sched.start()
+    try:
+        assert all(_ended(t) for t in first)
+        failed = [t for t in first if t.error is not None]
+        later = sched.submit(Ticket(Request(prompts[2], 12), None))
+        assert _ended(later)
+    finally:
+        sched.stop()
+    assert len(broken) == 2 and len(failed) == 1  # the other session failed, once
+    assert later.error is None and later.result.token_ids == hf_greedy(tiny.model, prompts[2], 12)
+
+
 def test_the_prefill_budget_must_be_positive():
     with pytest.raises(ConfigError, match="prefill_budget"):
         EngineConfig(prefill_budget=0)

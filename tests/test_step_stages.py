@@ -327,20 +327,50 @@ def test_a_callback_that_raises_costs_the_others_ending_in_its_step_nothing(tiny
             requests[1].on_tokens = lambda new, got=[]: got.extend(new) or \
                 (broken() if len(got) >= 8 else None)
         acts = [engine.add(r) for r in requests]
-        ended = {}
+        calls = []
         for i, act in enumerate(acts):
             act.on_finish = broken if fault == "on_finish" and i == 1 else \
-                (lambda r, i=i: ended.setdefault(i, r))
+                (lambda r, i=i: calls.append((i, r)))
         with pytest.raises(RuntimeError, match="callback broke"):
             while engine.active:
                 engine.step()
+        ended = dict(calls)
         told = [0, 2] if fault == "on_finish" else [0]
-        assert sorted(ended) == told
+        assert sorted(i for i, _ in calls) == told  # each told once
         assert [ended[i].token_ids for i in told] == [refs[i] for i in told]
         assert [ended[i].finish_reason for i in told] == ["length"] * len(told)
         assert {acts[i].sid for i in told} <= {sid for b in counting.batches for sid in b}
         assert [a for a in acts if a in engine.active] == \
             ([] if fault == "on_finish" else [acts[1], acts[2]])
+
+
+@pytest.mark.parametrize("cancelled", [0, 2], ids=["applied-before", "applied-after"])
+def test_a_callback_that_cancels_a_session_of_its_step_ends_it_once(tiny, cancelled):
+    """The middle session's last tokens' callback cancels another session that ends in the
+    same step: one applied before it keeps its finish reason and whole output ("length"), one
+    applied after it ends "cancelled" without that step's tokens; each is told exactly once."""
+    prompts = [[1, 40, 41, 42, 43, 44], [1, 50, 51, 52, 53], [1, 60, 61, 62, 60, 61]]
+    refs = [hf_greedy(tiny.model, p, 8) for p in prompts]
+    runner = TargetRunner(tiny.model, n_slots=4, max_len=128)
+    with SpecEngine(runner, None, EngineConfig(), stop_ids={2}) as engine:
+        requests = [Request(p, 8) for p in prompts]
+        acts: list = []
+        requests[1].on_tokens = lambda new, got=[]: got.extend(new) or \
+            (engine.cancel(acts[cancelled].sid) if len(got) >= 8 else None)
+        acts.extend(engine.add(r) for r in requests)
+        told = []
+        for i, act in enumerate(acts):
+            act.on_finish = lambda r, i=i: told.append((i, r.finish_reason, list(r.token_ids)))
+        while engine.active:
+            engine.step()
+    assert sorted(i for i, *_ in told) == [0, 1, 2]
+    result = {i: (reason, out) for i, reason, out in told}
+    assert result[1] == ("length", refs[1])
+    if cancelled == 0:
+        assert result[0] == ("length", refs[0])
+    else:
+        assert result[2] == ("cancelled", refs[2][:7])
+        assert acts[2].output == refs[2][:7]  # not applied once it ended
 
 
 def test_verification_changes_nothing_a_retry_reads(tiny):

@@ -267,7 +267,11 @@ class Scheduler(threading.Thread):
             except Exception as exc:  # a bug: fail the sessions in flight, keep serving
                 log.exception("verification step failed")
                 for act in self.engine.sessions:
-                    self.engine.fail(act, SessionFailed(f"verification step failed: {exc!r}"))
+                    try:
+                        self.engine.fail(act, SessionFailed(f"verification step failed: "
+                                                            f"{exc!r}"))
+                    except Exception:  # one failing fail (a callback) must not end the loop
+                        log.exception("failing session %s failed", act.sid)
         self._shut_down()
 
     def _shut_down(self) -> None:

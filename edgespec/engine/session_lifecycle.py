@@ -172,7 +172,7 @@ class SessionLifecycle:
         prefill."""
         for act in self.sessions:
             if act.sid == sid:
-                act.finish = reason
+                act.finish = act.finish or reason  # one that just ended keeps its reason
                 self._finish(act)
                 return True
         return False
@@ -211,9 +211,8 @@ class SessionLifecycle:
             assert act.finish is not None  # called once the session has ended
             try:
                 self._end_here(act)
-            except Exception as exc:  # left to the caller, which fails what it still holds
+            except Exception as exc:  # its output is final: closed and told all the same
                 errors.append(exc)
-                continue
             finished[act.sid] = act.finish
         if finished:
             try:
@@ -221,7 +220,7 @@ class SessionLifecycle:
             except Exception:  # the store's keys expire by themselves: only logged
                 log.exception("closing %d ended session(s) in the store failed", len(finished))
         for act in acts:
-            if act.on_finish and act.sid in finished:
+            if act.on_finish:
                 try:
                     act.on_finish(Result(act.output, act.stats, finished[act.sid]))
                 except Exception as exc:

@@ -451,13 +451,25 @@ class SpecEngine(SessionLifecycle):
         ended: list[ActiveSession] = []
         try:
             for d in applied:
+                if d.act.finish is not None:  # ended meanwhile: a callback cancelled it
+                    continue
                 self._apply(d, take_s, forward_s, dt)
                 if d.act.finish:
                     ended.append(d.act)
-        finally:  # the sessions that ended before any failure end now, told of it
-            running = set(map(id, self.active))  # a callback may have cancelled one
-            self._finish_many([a for a in ended if id(a) in running])
+        except BaseException:  # those that ended before the failure end now, told of it
+            try:
+                self._finish_ended(ended)
+            except Exception:  # the apply's error is the one to raise
+                log.exception("finishing the sessions that ended before a failed apply")
+            raise
+        self._finish_ended(ended)
         return applied
+
+    def _finish_ended(self, ended: list[ActiveSession]) -> None:
+        """``_finish_many`` of the step's ended sessions still here (a callback may have
+        cancelled one: it was finished then)."""
+        running = set(map(id, self.active))
+        self._finish_many([a for a in ended if id(a) in running])
 
     def _learn(self, applied: list[Decision]) -> None:
         """The draft lengths learn the step's verdicts, all sessions in one go: the chain's
