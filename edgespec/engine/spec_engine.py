@@ -468,6 +468,8 @@ class SpecEngine(SessionLifecycle):
     def _finish_ended(self, ended: list[ActiveSession]) -> None:
         """``_finish_many`` of the step's ended sessions still here (a callback may have
         cancelled one: it was finished then)."""
+        if not ended:  # most steps: nothing to look up
+            return
         running = set(map(id, self.active))
         self._finish_many([a for a in ended if id(a) in running])
 

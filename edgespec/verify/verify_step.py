@@ -330,9 +330,8 @@ def _verify_exact_chains(choices: torch.Tensor, vb: VerifyBatch, N: int,
     if propose is not None:
         parts.append(propose(run.bool(), parts[0][:, 0]))
     host = torch.cat(parts, 1).tolist()  # the step's one sync
-    return VerifyOutcome([list(range(r[1])) for r in host], [r[0] for r in host],
-                         [r[2:] for r in host] if propose is not None else [],
-                         [[0] * r[1] for r in host])
+    return _chains_outcome([r[1] for r in host], [r[0] for r in host],
+                           [r[2:] for r in host] if propose is not None else [])
 
 
 def _verify_exact_chains_on_host(choices: torch.Tensor, nodes: np.ndarray) -> VerifyOutcome:
@@ -344,9 +343,15 @@ def _verify_exact_chains_on_host(choices: torch.Tensor, nodes: np.ndarray) -> Ve
     chosen = choices.cpu().numpy()  # the step's one sync
     run = np.logical_and.accumulate(nodes == chosen[:, :nodes.shape[1]], axis=1)  # [B, N]
     n = run.sum(1)  # [B]: accepted nodes
-    token = chosen[np.arange(len(n)), n].tolist()
-    counts = n.tolist()
-    return VerifyOutcome([list(range(c)) for c in counts], token, [], [[0] * c for c in counts])
+    return _chains_outcome(n.tolist(), chosen[np.arange(len(n)), n].tolist(), [])
+
+
+def _chains_outcome(counts: list[int], tokens: list[int], proposals: list[list[int]]
+                    ) -> VerifyOutcome:
+    """Exact chains' outcome from each row's accepted count and emitted token: a chain's
+    path is its first nodes, none kept by a lossy rule."""
+    return VerifyOutcome([list(range(c)) for c in counts], tokens, proposals,
+                         [[0] * c for c in counts])
 
 
 def _accepted_in_tree(match: torch.Tensor, exact: torch.Tensor, tokens: torch.Tensor,
