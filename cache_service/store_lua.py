@@ -6,9 +6,11 @@ max_branches, nb, then nb (pos, packed [pos, tokens...]) pairs) appends a
 chunk if its epoch and start are current, within the window; its branches (alternatives to the
 kept tokens) are kept while the session holds fewer than max_branches.
 
-COMMIT (KEYS: hash, tok, draft, br; ARGV: epoch, n, packed token, done, ttl, maxlen, sid, first
-fix token, start, finish, packed branch tokens, the fix's further tokens as CSV, own branch 1/0,
-the draft tokens the step asked of the session or -1, the devices' key prefix) appends draft[:n]
+COMMIT (a function of COMMIT_MANY's script: the session's key base and id, then the verdict as
+COMMIT_MANY unpacks it, typed: epoch, n, packed token, done, start, first fix token, own branch
+1/0, the draft tokens the step asked of the session or -1, finish, packed branch tokens, the
+fix's further tokens as CSV; the ttl, the inbox's maxlen and the devices' key prefix from the
+script's arguments) appends draft[:n]
 + branch + token to the committed tokens. A commit the draft held keeps the branches still
 ahead; anything else (a rejection, a bonus token, a branch) is a fix: the draft and its branches
 are dropped, the epoch moves on, and the drafter's inbox gets the fix (every commit reaches the
@@ -59,27 +61,28 @@ return {keep, endpos}
 """
 
 COMMIT_LUA = """
-local h = redis.call('HMGET', KEYS[1], 'epoch', 'device')
+local function commit(base, sid, epoch_in, n, tok, done, start, first, own, want, finish, branch,
+                      more)
+local tokk, draftk, brk = base .. ':tok', base .. ':draft', base .. ':br'
+local h = redis.call('HMGET', base, 'epoch', 'device')
 if not h[1] then return {-1, 'unknown session'} end
-local endpos = redis.call('STRLEN', KEYS[2]) / 4
-local start = tonumber(ARGV[9])
-local n = tonumber(ARGV[2])
-local branch = ARGV[11]
+local endpos = redis.call('STRLEN', tokk) / 4
 local nbr = string.len(branch) / 4
 if endpos == start + n + nbr + 1
-    and redis.call('GETRANGE', KEYS[2], endpos * 4 - 4, -1) == ARGV[3] then
+    and redis.call('GETRANGE', tokk, endpos * 4 - 4, -1) == tok then
   return {2, tonumber(h[1]), endpos}
 end
 if endpos ~= start then
   return {-4, 'verdict at ' .. start .. ', the session ends at ' .. endpos}
 end
-if tonumber(h[1]) ~= tonumber(ARGV[1]) then return {-2, 'verdict for a stale epoch'} end
-local draft = redis.call('GET', KEYS[3]) or ''
+local epoch = tonumber(h[1])
+if epoch ~= epoch_in then return {-2, 'verdict for a stale epoch'} end
+local draft = redis.call('GET', draftk) or ''
 local dlen = string.len(draft) / 4
 if n > dlen then return {-4, 'accepted more tokens than were drafted'} end
-if nbr > 0 and ARGV[13] ~= '1' then
+if nbr > 0 and own ~= 1 then
   local held = false
-  for _, b in ipairs(redis.call('LRANGE', KEYS[4], 0, -1)) do
+  for _, b in ipairs(redis.call('LRANGE', brk, 0, -1)) do
     if struct.unpack('<I4', b) == start + n and string.sub(b, 5, 4 + nbr * 4) == branch then
       held = true
       break
@@ -87,44 +90,52 @@ if nbr > 0 and ARGV[13] ~= '1' then
   end
   if not held then return {-5, 'the verdict accepted a branch the draft does not hold'} end
 end
-redis.call('APPEND', KEYS[2], string.sub(draft, 1, n * 4) .. branch .. ARGV[3])
+redis.call('APPEND', tokk, string.sub(draft, 1, n * 4) .. branch .. tok)
 endpos = start + n + nbr + 1
-local epoch = tonumber(h[1])
 local isfix = 1
-if nbr == 0 and dlen > n and string.sub(draft, n * 4 + 1, n * 4 + 4) == ARGV[3] then
+if nbr == 0 and dlen > n and string.sub(draft, n * 4 + 1, n * 4 + 4) == tok then
   isfix = 0
-  redis.call('SET', KEYS[3], string.sub(draft, n * 4 + 5), 'KEEPTTL')
+  redis.call('SET', draftk, string.sub(draft, n * 4 + 5), 'KEEPTTL')
   -- keep the branches that are alternatives to tokens still ahead
+  local all = redis.call('LRANGE', brk, 0, -1)
   local kept = {}
-  for _, b in ipairs(redis.call('LRANGE', KEYS[4], 0, -1)) do
+  for _, b in ipairs(all) do
     if struct.unpack('<I4', b) >= endpos then table.insert(kept, b) end
   end
-  redis.call('DEL', KEYS[4])
-  if #kept > 0 then  -- made anew: it expires with the session's hash
-    redis.call('RPUSH', KEYS[4], unpack(kept))
-    local ttl = redis.call('PTTL', KEYS[1])
-    if ttl > 0 then redis.call('PEXPIRE', KEYS[4], ttl) end
+  if #kept < #all then
+    redis.call('DEL', brk)
+    if #kept > 0 then  -- made anew: it expires with the session's hash
+      redis.call('RPUSH', brk, unpack(kept))
+      local ttl = redis.call('PTTL', base)
+      if ttl > 0 then redis.call('PEXPIRE', brk, ttl) end
+    end
   end
 else
-  redis.call('SET', KEYS[3], '', 'KEEPTTL')
-  redis.call('DEL', KEYS[4])
+  -- an empty draft holds no branches (a chunk's branches lie within its tokens, and a commit
+  -- the draft held keeps only those still ahead): nothing to drop (2 of 7 commands a verdict
+  -- of a session without drafts)
+  if dlen > 0 then
+    redis.call('SET', draftk, '', 'KEEPTTL')
+    redis.call('DEL', brk)
+  end
   epoch = epoch + 1
-  redis.call('HSET', KEYS[1], 'epoch', epoch, 'idle', '0')
+  redis.call('HSET', base, 'epoch', epoch, 'idle', '0')
 end
-if ARGV[4] == '1' then redis.call('HSET', KEYS[1], 'done', '1', 'finish', ARGV[10]) end
+if done == 1 then redis.call('HSET', base, 'done', '1', 'finish', finish) end
 if h[2] and h[2] ~= '' then
   -- a fix: roll back to pos, then append tok and the tokens in more
-  redis.call('XADD', ARGV[15] .. h[2] .. ':inbox', 'MAXLEN', '~', ARGV[6], '*', 't', 'commit',
-             'sid', ARGV[7],
-             'epoch', epoch, 'end', endpos, 'fix', isfix, 'tok', ARGV[8],
-             'pos', start + n, 'more', ARGV[12], 'want', ARGV[14])
+  redis.call('XADD', devprefix .. h[2] .. ':inbox', 'MAXLEN', '~', maxlen, '*', 't', 'commit',
+             'sid', sid,
+             'epoch', epoch, 'end', endpos, 'fix', isfix, 'tok', first,
+             'pos', start + n, 'more', more, 'want', want)
 end
 -- the keys' expiry moves on whenever the session's end crosses a multiple of 16 tokens (4
 -- commands a session and step spared; every key keeps its expiry meanwhile)
-if math.floor(endpos / 16) ~= math.floor(start / 16) or ARGV[4] == '1' then
-  for i = 1, 4 do redis.call('EXPIRE', KEYS[i], ARGV[5]) end
+if math.floor(endpos / 16) ~= math.floor(start / 16) or done == 1 then
+  for _, key in ipairs({base, tokk, draftk, brk}) do redis.call('EXPIRE', key, ttl) end
 end
 return {isfix, epoch, endpos}
+end
 """
 
 # The verifier's two calls a step, each one script over all of the step's sessions: one command
@@ -174,18 +185,17 @@ return table.concat(out)
 # three numbers, or the error's code and its message's index in the list), the messages}; a
 # verdict whose commit raised (a key of the wrong type) is answered -6 in its slot, the others
 # still land.
-COMMIT_MANY_LUA = ("local function commit(KEYS, ARGV)\n" + COMMIT_LUA + """end
-local prefix, verdicts = ARGV[3], ARGV[4]
+COMMIT_MANY_LUA = ("""
+local ttl, maxlen, prefix, verdicts = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
+local devprefix = prefix .. 'dev:'
+""" + COMMIT_LUA + """
 local out, errors, p = {}, {}, 1
 while p <= #verdicts do
   local epoch, n, tok, done, start, first, own, want, sid, finish, branch, more
   epoch, n, tok, done, start, first, own, want, sid, finish, branch, more, p =
-    struct.unpack('<i4i4I4i4i4I4i4i4i4c0i4c0i4c0i4c0', verdicts, p)
-  local base = prefix .. 's:' .. sid
-  local args = {tostring(epoch), tostring(n), struct.pack('<I4', tok), tostring(done), ARGV[1],
-                ARGV[2], sid, tostring(first), tostring(start), finish, branch, more,
-                tostring(own), tostring(want), prefix .. 'dev:'}
-  local ok, res = pcall(commit, {base, base .. ':tok', base .. ':draft', base .. ':br'}, args)
+    struct.unpack('<i4i4c4i4i4I4i4i4i4c0i4c0i4c0i4c0', verdicts, p)
+  local ok, res = pcall(commit, prefix .. 's:' .. sid, sid, epoch, n, tok, done, start, first,
+                        own, want, finish, branch, more)
   if not ok then res = {-6, type(res) == 'table' and res.err or tostring(res)} end
   if res[1] < 0 then
     errors[#errors + 1] = res[2]

@@ -341,6 +341,25 @@ def test_a_held_commit_keeps_the_branches_ahead_and_a_fix_drops_them(side):
     assert out.fix is not None and _take(side, budget=8).branches == []
 
 
+def test_a_draft_committed_to_its_end_leaves_no_branch_for_a_later_draft(side):
+    """A held commit keeps only the branches ahead of it, so a draft used up holds none: the
+    fix that follows (on an empty draft, where the Redis store drops nothing) leaves the next
+    epoch's draft without branches of the old one."""
+    _new(side)
+    side.push("s", 0, 3, [10, 11, 12], branches=[Branch(0, (20,)), Branch(2, (22,))])
+    assert _commit(side, Verdict("s", 0, 3, 1, 11))[0].fix is None  # draft [12], branch at 5
+    assert _take(side, budget=8).branches == [Branch(0, (22,))]
+    assert _commit(side, Verdict("s", 0, 5, 0, 12))[0].fix is None  # the draft used up
+    t = _take(side, budget=8)
+    assert (t.start, t.tokens, t.branches) == (6, [], [])
+    [out] = _commit(side, Verdict("s", 0, 6, 0, 99))
+    assert out.fix is not None and out.fix.epoch == 1
+    assert side.push("s", 1, 7, [40, 41]) == 2
+    t = _take(side, budget=8)
+    assert (t.epoch, t.start, t.tokens, t.branches) == (1, 7, [40, 41], [])
+    assert side.tokens("s") == [1, 2, 3, 10, 11, 12, 99]
+
+
 def test_a_verdict_that_takes_a_branch_is_a_fix_carrying_its_tokens(side):
     _new(side)
     side.push("s", 0, 3, [10, 11, 12], branches=[Branch(1, (20, 21, 22))])
