@@ -60,9 +60,9 @@ COMMIT_NUMBERS = struct.Struct("<iiIiiIii")
 # COMMIT_MANY_LUA's answer to a verdict: COMMIT's (fix 0/1/2 replay, epoch, end), or an error's
 # code (< 0) and its message's 1-based index
 COMMIT_REPLY = struct.Struct("<iii")
-# a session as TAKE_MANY_LUA reads it: epoch (-1: vanished), idle, committed and draft bytes,
-# drafting (a drafter alive), the bytes of the draft's first tokens that follow
-TAKE_HEADER = struct.Struct("<iiiiii")
+# a session as TAKE_MANY_LUA reads it: epoch (-1: vanished), idle, committed bytes, drafting (a
+# drafter alive), the bytes of the draft's first tokens that follow (at most those wanted)
+TAKE_HEADER = struct.Struct("<iiiii")
 _INT = struct.Struct("<i")
 
 
@@ -222,7 +222,7 @@ class RedisSessionStore:
         blob = self._take_many(args=[self.keys.prefix, packed])
         rows, at = [], 0
         for _ in wants:
-            epoch, idle, tok_len, draft_len, drafting, got = TAKE_HEADER.unpack_from(blob, at)
+            epoch, idle, tok_len, drafting, got = TAKE_HEADER.unpack_from(blob, at)
             at += TAKE_HEADER.size
             draft = blob[at:at + got]
             at += got
@@ -233,7 +233,7 @@ class RedisSessionStore:
                 branches.append(blob[at:at + size])
                 at += size
             rows.append(_DraftRow(None if epoch < 0 else epoch, idle == 1, drafting == 1,
-                                  tok_len // 4, draft_len // 4, draft, branches))
+                                  tok_len // 4, got // 4, draft, branches))
         return rows
 
     @raises_store_unavailable
@@ -426,7 +426,7 @@ class _DraftRow:
     idle: bool  # its drafter has nothing more until a fix
     drafting: bool  # it has a drafter, attached now
     committed_end: int
-    draft_len: int
+    draft_len: int  # tokens in ``draft``: the draft's first, at most those asked for
     draft: bytes  # the first k draft tokens, packed
     branches: list[bytes]  # packed, when branches were asked for
 

@@ -148,12 +148,13 @@ end
 #
 # TAKE_MANY (ARGV[1]: the key prefix; ARGV[2]: per session '<i4i4' the draft bytes wanted (4 a
 # token) and the branches wanted, then its id '<i4c0') returns one string: per session its
-# header '<i4i4i4i4i4' (epoch, -1 when the session vanished; idle 0/1; committed bytes; draft
-# bytes; 1 when it has a drafter that is alive), the draft's first bytes '<i4c0', the number of
+# header '<i4i4i4i4' (epoch, -1 when the session vanished; idle 0/1; committed bytes; 1 when it
+# has a drafter that is alive), the draft's first bytes '<i4c0' (at most those wanted: whether
+# the draft holds more does not matter to the step, so its length is not read), the number of
 # branches '<i4' and each branch '<i4c0'. Atomic, as the transaction it replaces.
 TAKE_MANY_LUA = """
 local prefix, wants = ARGV[1], ARGV[2]
-local out, p = {}, 1
+local out, p, alive = {}, 1, {}
 while p <= #wants do
   local want, nbr, sid
   want, nbr, sid, p = struct.unpack('<i4i4i4c0', wants, p)
@@ -164,13 +165,16 @@ while p <= #wants do
   local branches = {}
   if nbr > 0 then branches = redis.call('LRANGE', base .. ':br', 0, nbr - 1) end
   local drafting = 0
-  if h[3] and h[3] ~= ''
-      and redis.call('EXISTS', prefix .. 'dev:' .. h[3] .. ':alive') == 1 then
-    drafting = 1
+  local device = h[3]
+  if device and device ~= '' then
+    if alive[device] == nil then  -- read once a script: a board's sessions share it
+      alive[device] = redis.call('EXISTS', prefix .. 'dev:' .. device .. ':alive')
+    end
+    drafting = alive[device]
   end
-  out[#out + 1] = struct.pack('<i4i4i4i4i4i4', h[1] and tonumber(h[1]) or -1,
+  out[#out + 1] = struct.pack('<i4i4i4i4i4', h[1] and tonumber(h[1]) or -1,
                               h[2] == '1' and 1 or 0, redis.call('STRLEN', base .. ':tok'),
-                              redis.call('STRLEN', base .. ':draft'), drafting, #draft)
+                              drafting, #draft)
   out[#out + 1] = draft
   out[#out + 1] = struct.pack('<i4', #branches)
   for _, b in ipairs(branches) do out[#out + 1] = struct.pack('<i4', #b) .. b end
