@@ -475,8 +475,9 @@ class SpecEngine(SessionLifecycle):
 
     def _learn(self, applied: list[Decision]) -> None:
         """The draft lengths learn the step's verdicts, all sessions in one go: the chain's
-        own acceptance, the branches'."""
-        if not applied:
+        own acceptance, the branches'. A step that verified no draft token (a server serving
+        alone, or drafts that did not pay) teaches nothing: its rows are not read."""
+        if not any(d.draft.tokens or d.draft.branch_tokens for d in applied):
             return
         rows, B = self._rows_of([d.act for d in applied]), len(applied)
         rows.record("update", np.fromiter((len(d.draft.tokens) for d in applied), np.int64, B),
