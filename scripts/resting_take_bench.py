@@ -3,8 +3,11 @@ alone, or a planner that finds its boards' drafts do not pay): the verifier's se
 for sessions created with a board and without one, against an embedded Redis (or
 ``EDGESPEC_REDIS_URL``). The sessions asked nothing are answered from what this process's own
 commits left (``RedisSessionStore.take_when_ready``); a take that asks each session for 2
-tokens, which reads Redis in one script, is timed beside it as the baseline. The median of
-``--repeats`` passes of ``--loops`` takes. No torch. Prints a table and writes JSON.
+tokens, which reads Redis in one script, is timed beside it as the baseline. Then the step's
+commit of a verdict for each session (no draft: a server serving alone), the verifier's
+seconds a commit and Redis's own (its ``INFO commandstats`` for the script, a verdict). The
+median of ``--repeats`` passes of ``--loops`` takes or commits. No torch. Prints a table and
+writes JSON.
 
     python scripts/resting_take_bench.py --json bench-results/resting-take.json
 """
@@ -24,7 +27,7 @@ sys.path.insert(0, str(ROOT))
 from cache_service.redis_conn import RedisHandle  # noqa: E402
 from cache_service.store import RedisSessionStore  # noqa: E402
 from edgespec.config import SamplingParams  # noqa: E402
-from edgespec.protocol.contract import DraftWant  # noqa: E402
+from edgespec.protocol.contract import DraftWant, Verdict  # noqa: E402
 
 
 def median_us(fn, loops: int, repeats: int) -> float:
@@ -36,6 +39,33 @@ def median_us(fn, loops: int, repeats: int) -> float:
             fn()
         runs.append((time.perf_counter() - t0) / loops)
     return 1e6 * statistics.median(runs)
+
+
+def commit_us(store: RedisSessionStore, sids: list[str], loops: int, repeats: int
+              ) -> tuple[float, float]:
+    """A step's commit of one verdict a session (nothing drafted, each a fix): the median
+    microseconds a commit, and Redis's own a verdict (the commit script's time, as its
+    ``INFO commandstats`` counts it, over every commit timed)."""
+    store.finish_recording()  # the fleet table's scripts of sessions closed before: done
+    at = {sid: store.take_when_ready([DraftWant(sid, 0, wait=False)], 0.0)[0] for sid in sids}
+    ends = {sid: (t.epoch, t.start) for sid, t in at.items()}
+
+    def commit() -> None:
+        verdicts = [Verdict(sid, *ends[sid], 0, 7, wanted=0) for sid in sids]
+        for v, out in zip(verdicts, store.commit_many(verdicts)):
+            if not out.ok or out.fix is None:
+                raise RuntimeError(f"a commit of session {v.session_id} was not a fix: {out}")
+            ends[v.session_id] = (out.fix.epoch, v.end)
+
+    def script_usec() -> tuple[int, int]:
+        stats = store.redis.info("commandstats").get("cmdstat_evalsha", {})
+        return stats.get("usec", 0), stats.get("calls", 0)
+
+    commit()
+    usec, calls = script_usec()
+    us = median_us(commit, loops, repeats)
+    usec, calls = (a - b for a, b in zip(script_usec(), (usec, calls)))
+    return us, usec / max(1, calls * len(sids))
 
 
 def main() -> int:
@@ -50,7 +80,7 @@ def main() -> int:
     try:
         store = RedisSessionStore(handle.client, prefix="rt:", ttl_s=120)
         print(f"{'sessions':>8} {'board':>6} {'asked nothing, us':>18} {'asked 2, us':>12} "
-              f"{'ratio':>7}")
+              f"{'ratio':>7} {'commit, us':>11} {'in Redis, us a verdict':>23}")
         for n in [int(x) for x in args.sessions.split(",")]:
             for board in ("dev-a", None):
                 sids = [f"{board or 'none'}-{n}-{i}" for i in range(n)]
@@ -62,10 +92,12 @@ def main() -> int:
                                  args.repeats)
                 ask = median_us(lambda: store.take_when_ready(asking, 0.0), args.loops,
                                 args.repeats)
+                commit, in_redis = commit_us(store, sids, args.loops, args.repeats)
                 rows.append({"sessions": n, "board": board is not None,
-                             "asked_nothing_us": rest, "asked_2_us": ask})
+                             "asked_nothing_us": rest, "asked_2_us": ask, "commit_us": commit,
+                             "commit_in_redis_us_per_verdict": in_redis})
                 print(f"{n:>8} {'yes' if board else 'no':>6} {rest:>18.1f} {ask:>12.1f} "
-                      f"{ask / rest:>6.1f}x")
+                      f"{ask / rest:>6.1f}x {commit:>11.1f} {in_redis:>23.2f}")
                 for sid in sids:
                     store.close(sid)
         store.shutdown()

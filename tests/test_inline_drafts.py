@@ -189,7 +189,7 @@ def test_a_session_asked_nothing_for_longer_than_the_fix_log_is_drafted_for_agai
     store, inline = _store_with({"s": [1, 2, 3, 1, 2]})
     inline.draft([DraftWant("s", 2)])
     state = store.sessions["s"]
-    assert state.draft == [3, 1]
+    assert state.draft == [3, 1, 2]  # the ask, and a guess at the step's own token
     fixes = state.fixes.maxlen + 44  # steps decoding it alone, a fix each, past the log's end
     for _ in range(fixes):
         [out] = store.commit_many([Verdict("s", state.epoch, state.end, 0, 9)])
@@ -208,6 +208,34 @@ def test_a_session_id_used_again_is_a_new_session_to_its_drafter():
     store.close("s")
     store.create("s", [5, 6, 7, 5, 6], SamplingParams(), drafter="mag")
     inline.draft([DraftWant("s", 2)])
-    assert store.sessions["s"].draft == [7, 5]  # from its own prompt, not the first one's
-    assert inline.sessions["s"].draft.tokens == [5, 6, 7, 5, 6, 7, 5]
+    assert store.sessions["s"].draft == [7, 5, 6]  # from its own prompt, not the first one's
+    assert inline.sessions["s"].draft.tokens == [5, 6, 7, 5, 6, 7, 5, 6]
+    inline.close()
+
+
+def test_a_whole_draft_accepted_with_the_guessed_token_goes_on_without_a_fix():
+    """The draft holds one token past the ask: a step that accepts all it took and whose own
+    token is that one commits without a fix; the draft session goes on as it stands and learns
+    the tokens so committed as it learns a fix's; a wrong guess is an ordinary fix."""
+    from edgespec.protocol.contract import DraftWant, Verdict
+
+    store, inline = _store_with({"s": [1, 2, 3, 1, 2]})
+    state, mag = store.sessions["s"], inline.drafter
+    inline.draft([DraftWant("s", 2)])
+    [taken] = store.take_when_ready([DraftWant("s", 2)], 0.0)
+    assert taken.tokens == [3, 1] and state.draft == [3, 1, 2]
+    assert mag.bigrams.followers(3) == {1: 1}
+    [out] = store.commit_many([Verdict("s", taken.epoch, taken.start, 2, 2)])
+    assert out.ok and out.fix is None and state.draft == []
+    session = inline.sessions["s"].draft
+    inline.draft([DraftWant("s", 2)])
+    assert inline.sessions["s"].draft is session  # drafted on, not opened again
+    assert state.tokens == [1, 2, 3, 1, 2, 3, 1, 2] and state.draft == [3, 1, 2]
+    assert session.tokens == state.tokens + state.draft
+    assert mag.bigrams.followers(3) == {1: 2}  # the committed 3 -> 1 learnt, once
+    [out] = store.commit_many([Verdict("s", state.epoch, state.end, 2, 9)])  # a wrong guess
+    assert out.ok and out.fix is not None
+    inline.draft([DraftWant("s", 2)])
+    assert session.tokens == state.tokens + state.draft and state.tokens[-3:] == [3, 1, 9]
+    assert mag.bigrams.followers(1) == {2: 3, 9: 1}
     inline.close()

@@ -36,11 +36,13 @@ log = logging.getLogger("edgespec.engine.inline_drafts")
 @dataclass
 class _Inline:
     """A session's draft session, the store's state it follows (a session id used again is
-    another session) and the last of the store's fixes it applied."""
+    another session), the last of the store's fixes it applied and the committed end its
+    draft session was last told of."""
 
     draft: DraftSession
     state: SessionState
     fix_id: int
+    confirmed: int
 
 
 class InlineDrafts:
@@ -52,8 +54,11 @@ class InlineDrafts:
         self.sessions: dict[str, _Inline] = {}
 
     def draft(self, wants: Sequence[DraftWant]) -> None:
-        """Each session asked for k > 0 tokens gets its store's draft drafted up to k (marked
-        idle: the step need not wait for more); sessions the store no longer holds are
+        """Each session asked for k > 0 tokens and holding fewer gets its store's draft
+        drafted up to k + 1 (marked idle: the step need not wait for more): the step takes
+        k, and the one past them is the drafter's guess at the step's own token, so a step
+        that accepts the whole draft and whose token the guess holds commits without a fix
+        (the draft session goes on as it stands). Sessions the store no longer holds are
         closed."""
         store = self.store
         with store.lock:
@@ -64,7 +69,7 @@ class InlineDrafts:
                 if state is None or not state.has_drafter or len(state.draft) >= w.k:
                     continue
                 try:
-                    self._draft_one(w.session_id, state, w.k)
+                    self._draft_one(w.session_id, state, w.k + 1)
                 except Exception as exc:  # a broken drafter costs speed, never the session
                     log.warning("the drafter cannot draft for session %s (%r); the verifier "
                                 "decodes it alone", w.session_id, exc)
@@ -93,7 +98,7 @@ class InlineDrafts:
             entry = None
         if entry is None:
             entry = _Inline(self.drafter.open(state.tokens + state.draft, state.params), state,
-                            state.fixes[-1].id if state.fixes else 0)
+                            state.fixes[-1].id if state.fixes else 0, state.end)
             self.sessions[sid] = entry
             return entry.draft
         s = entry.draft
@@ -101,6 +106,9 @@ class InlineDrafts:
             for fix in state.fixes_after(entry.fix_id):
                 apply_fix(s, fix.position, fix.tokens)
                 entry.fix_id = fix.id
+        if state.end > entry.confirmed:  # commits the draft held (no fix) are verified too
+            s.confirm(state.end)
+            entry.confirmed = state.end
         end = state.end + len(state.draft)
         if len(s.tokens) > end:  # tokens a fix agreed with, beyond what the store holds
             s.retract(end)
