@@ -13,7 +13,10 @@ are with the thread; only when the drafting happens changes.
 Each session keeps its draft session (``Drafter.open`` on its prompt and committed tokens) in
 step with the store as a drafting loop does: the store's fixes applied in order
 (``drafting_loop.apply_fix``: a fix that agrees with the draft keeps it and lets it learn the
-confirmed tokens), then cut back, without learning, to the end of the draft the store holds.
+confirmed tokens), the tokens committed without a fix confirmed to it (``confirm``: it learns
+them as a fix's), then cut back, without learning, to the end of the draft the store holds.
+It drafts one token past the step's ask (``draft``): a whole draft accepted with that token as
+the step's own commits without a fix.
 A drafter that fails on a session costs that session its drafts (the verifier decodes it
 alone), as a drafting thread's would; the step goes on.
 """
