@@ -106,8 +106,8 @@ if nbr == 0 and dlen > n and string.sub(draft, n * 4 + 1, n * 4 + 4) == tok then
     redis.call('DEL', brk)
     if #kept > 0 then  -- made anew: it expires with the session's hash
       redis.call('RPUSH', brk, unpack(kept))
-      local ttl = redis.call('PTTL', base)
-      if ttl > 0 then redis.call('PEXPIRE', brk, ttl) end
+      local pttl = redis.call('PTTL', base)
+      if pttl > 0 then redis.call('PEXPIRE', brk, pttl) end
     end
   end
 else

@@ -173,14 +173,14 @@ def test_a_window_shorter_than_the_ask_keeps_the_draft_session_with_the_store(se
     assert synced and all(synced)
 
 
-def _store_with(prompts: dict[str, list[int]]):
+def _store_with(prompts: dict[str, list[int]], cfg: EngineConfig = EngineConfig()):
     from edgespec.engine.inline_drafts import InlineDrafts
     from edgespec.protocol.local_store import LocalSessionStore
 
     store = LocalSessionStore()
     for sid, prompt in prompts.items():
         store.create(sid, prompt, SamplingParams(), drafter="mag")
-    return store, InlineDrafts(build_drafter("mag"), store, EngineConfig())
+    return store, InlineDrafts(build_drafter("mag"), store, cfg)
 
 
 def test_a_session_asked_nothing_for_longer_than_the_fix_log_is_drafted_for_again():
@@ -238,4 +238,20 @@ def test_a_whole_draft_accepted_with_the_guessed_token_goes_on_without_a_fix():
     inline.draft([DraftWant("s", 2)])
     assert session.tokens == state.tokens + state.draft and state.tokens[-3:] == [3, 1, 9]
     assert mag.bigrams.followers(1) == {2: 3, 9: 1}
+    inline.close()
+
+
+def test_a_tree_is_drafted_to_the_ask_its_branches_where_the_step_takes_them():
+    """No guess past a tree's ask: a branch hanging there could never be taken, and would
+    take the place of one that can."""
+    from edgespec.protocol.contract import Branch, DraftWant
+
+    store, inline = _store_with({"s": [5, 1, 2, 7, 8, 6, 1, 2, 9, 9, 4, 1, 2]},
+                                EngineConfig(tree_width=4, tree_nodes=8))
+    inline.draft([DraftWant("s", 2, branch_budget=4)])
+    state = store.sessions["s"]
+    assert state.draft == [9, 9] and state.branches == [Branch(0, (7, 8))]
+    assert all(b.at < 2 for b in state.branches)
+    [taken] = store.take_when_ready([DraftWant("s", 2, branch_budget=4)], 0.0)
+    assert taken.branches == state.branches
     inline.close()

@@ -344,7 +344,8 @@ def test_a_held_commit_keeps_the_branches_ahead_and_a_fix_drops_them(side):
 def test_a_draft_committed_to_its_end_leaves_no_branch_for_a_later_draft(side):
     """A held commit keeps only the branches ahead of it, so a draft used up holds none: the
     fix that follows (on an empty draft, where the Redis store drops nothing) leaves the next
-    epoch's draft without branches of the old one."""
+    epoch's draft without branches of the old one, and all the room for its own (a branch
+    left behind would take a place of the MAX_BRANCHES a draft keeps, unseen by any take)."""
     _new(side)
     side.push("s", 0, 3, [10, 11, 12], branches=[Branch(0, (20,)), Branch(2, (22,))])
     assert _commit(side, Verdict("s", 0, 3, 1, 11))[0].fix is None  # draft [12], branch at 5
@@ -358,6 +359,10 @@ def test_a_draft_committed_to_its_end_leaves_no_branch_for_a_later_draft(side):
     t = _take(side, budget=8)
     assert (t.epoch, t.start, t.tokens, t.branches) == (1, 7, [40, 41], [])
     assert side.tokens("s") == [1, 2, 3, 10, 11, 12, 99]
+    many = [Branch(0, (60 + i,)) for i in range(MAX_BRANCHES)]
+    assert side.push("s", 1, 9, [42], branches=many) == 1
+    t = _take(side, budget=64)
+    assert t.tokens == [40, 41, 42] and len(t.branches) == MAX_BRANCHES
 
 
 def test_a_verdict_that_takes_a_branch_is_a_fix_carrying_its_tokens(side):

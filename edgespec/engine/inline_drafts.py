@@ -15,8 +15,8 @@ step with the store as a drafting loop does: the store's fixes applied in order
 (``drafting_loop.apply_fix``: a fix that agrees with the draft keeps it and lets it learn the
 confirmed tokens), the tokens committed without a fix confirmed to it (``confirm``: it learns
 them as a fix's), then cut back, without learning, to the end of the draft the store holds.
-It drafts one token past the step's ask (``draft``): a whole draft accepted with that token as
-the step's own commits without a fix.
+It drafts chains one token past the step's ask (``draft``): a whole draft accepted with that
+token as the step's own commits without a fix.
 A drafter that fails on a session costs that session its drafts (the verifier decodes it
 alone), as a drafting thread's would; the step goes on.
 """
@@ -61,9 +61,11 @@ class InlineDrafts:
         drafted up to k + 1 (marked idle: the step need not wait for more): the step takes
         k, and the one past them is the drafter's guess at the step's own token, so a step
         that accepts the whole draft and whose token the guess holds commits without a fix
-        (the draft session goes on as it stands). Sessions the store no longer holds are
-        closed."""
+        (the draft session goes on as it stands). Trees are drafted to k: a tree's k + 1
+        would spend its branches on the one position no step takes them from. Sessions the
+        store no longer holds are closed."""
         store = self.store
+        guess = 1 if self.tree_width <= 1 else 0
         with store.lock:
             for w in wants:
                 if w.k <= 0:
@@ -72,7 +74,7 @@ class InlineDrafts:
                 if state is None or not state.has_drafter or len(state.draft) >= w.k:
                     continue
                 try:
-                    self._draft_one(w.session_id, state, w.k + 1)
+                    self._draft_one(w.session_id, state, w.k + guess)
                 except Exception as exc:  # a broken drafter costs speed, never the session
                     log.warning("the drafter cannot draft for session %s (%r); the verifier "
                                 "decodes it alone", w.session_id, exc)
