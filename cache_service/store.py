@@ -131,7 +131,7 @@ class RedisSessionStore:
         self._push = client.register_script(PUSH_LUA)
         # the step's two scripts on a connection of their own, taken from the pool once: one
         # taken and given back at each call (with its checks and events) cost a one-session
-        # step ~125 us here (bench-host --stores redis --sessions 1: commit 379 -> 253 us)
+        # step ~60-125 us here (bench-host --stores redis --sessions 1, its commit stage)
         self._step_client = redis.Redis(connection_pool=client.connection_pool,
                                         single_connection_client=True)
         self._commit_many = self._step_client.register_script(COMMIT_MANY_LUA)
