@@ -349,9 +349,9 @@ class RedisSessionStore:
         try:
             pipe = self.redis.pipeline(transaction=True)
             for sid, finish_reason in finished.items():
-                h = self.keys.session(sid)[0]
-                pipe.hset(h, mapping={"done": 1, "finish": finish_reason})
-                for key in self.keys.session(sid):
+                keys = self.keys.session(sid)
+                pipe.hset(keys[0], mapping={"done": 1, "finish": finish_reason})
+                for key in keys:
                     pipe.expire(key, keep_s)
                 if device := devices[sid]:
                     pipe.srem(self.keys.sessions(device), sid)
