@@ -9,17 +9,19 @@ from edgespec.drafters import EDGE_KINDS, Drafter, DrafterSpec, build_drafter
 
 
 def build_edge_drafter(spec: str, max_sessions: int = 8, max_context: int = 2048,
-                       device: str = "cpu", dtype: str = "float32") -> tuple[Drafter, str]:
+                       device: str = "cpu", dtype: str = "float32",
+                       context_window: int | None = None) -> tuple[Drafter, str]:
     """The drafter an edge device runs, and the tokenizer fingerprint it registers with ("" for
     tokenizer-free drafters: MaG, Cacheback). A cascade registers its model members'
-    fingerprint; members with different tokenizers are refused."""
+    fingerprint; members with different tokenizers are refused. ``context_window``: what a
+    llama.cpp session reads when it opens (None: its default)."""
     parsed = check_drafter_arg(spec, allowed=EDGE_KINDS)
     members = parsed.members or (parsed,)
     prints = {_fingerprint(m) for m in members} - {""}
     if len(prints) > 1:
         raise ConfigError(f"the members of {spec!r} use different tokenizers")
     drafter = build_drafter(parsed, None, None, n_slots=max_sessions, max_len=max_context,
-                            device=device, dtype=dtype)
+                            device=device, dtype=dtype, context_window=context_window)
     return drafter, prints.pop() if prints else ""
 
 

@@ -8,7 +8,7 @@ import signal
 import sys
 
 from edgespec_cli.cli_args import add_threads_arg, add_tree_width_arg, configure_logging
-from edgespec.config import ConfigError, EngineConfig
+from edgespec.config import LLAMACPP_HEAD, LLAMACPP_WINDOW, ConfigError, EngineConfig
 
 
 def _add_security(p: argparse.ArgumentParser, server: bool) -> None:
@@ -182,7 +182,7 @@ def cmd_drafter(args) -> int:
         print(f"edgespec: drafter metrics on http://{args.metrics_host}:{httpd.server_port}"
               "/metrics", file=sys.stderr, flush=True)
     drafter, fingerprint = build_edge_drafter(args.drafter, args.max_sessions, args.max_context,
-                                              args.device, args.dtype)
+                                              args.device, args.dtype, args.context_window)
     agent = DrafterAgent(args.cache, args.device_id, drafter, fingerprint, args.window,
                          args.chunk, args.auth_token or os.environ.get("EDGESPEC_AUTH_TOKEN"),
                          args.tls_ca, args.tls, args.max_sessions, tls_cert=args.tls_cert,
@@ -232,6 +232,11 @@ def add_cluster_commands(sub) -> None:
                    help="sessions this device drafts for at once (default: %(default)s)")
     d.add_argument("--max-context", type=int, default=EngineConfig().max_context,
                    help="tokens per session for model drafters (default: %(default)s)")
+    d.add_argument("--context-window", metavar="N", type=int, default=None,
+                   help="a llamacpp: drafter reads a session longer than N tokens as its first "
+                        f"{LLAMACPP_HEAD} and its last N - {LLAMACPP_HEAD} when it opens, so that "
+                        "a long prompt opens in N tokens' time; 0 reads every token (default: "
+                        f"{LLAMACPP_WINDOW}, or 0 where --max-context is under twice that)")
     d.add_argument("--device", metavar="D", default="cpu",
                    help="where a model drafter runs (default: %(default)s)")
     d.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],

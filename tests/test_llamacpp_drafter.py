@@ -66,6 +66,21 @@ def test_greedy_output_equals_target_only_and_transformers(gen):
 
 @pytest.mark.real_model
 @pytest.mark.slow
+def test_a_prompt_longer_than_the_drafters_window_decodes_as_target_only(gen):
+    from edgespec.config import LLAMACPP_WINDOW
+
+    story = " ".join(f"Day {i}: the red fox ran past the old mill by the river." for i in range(25))
+    ids = gen.encode(story + " Repeat the last sentence.")
+    assert len(ids) > 2 * LLAMACPP_WINDOW  # read as its head and tail by the drafter
+    spec = gen.generate(ids, 24, SamplingParams(), drafter="llamacpp:default")
+    drafter = gen.engine("llamacpp:default").drafter
+    assert drafter.context_window == LLAMACPP_WINDOW  # the default, at --max-context 512
+    assert spec.token_ids == hf_greedy(gen.target.model, ids, 24, eos=gen.stop_ids)
+    assert spec.stats.accepted_tokens > 0
+
+
+@pytest.mark.real_model
+@pytest.mark.slow
 def test_seeded_sampling_equals_target_only(gen):
     from conftest import hf_keyed_sampled
 

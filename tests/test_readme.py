@@ -98,7 +98,8 @@ OTHER_TOOLS = {"--index-url", "--no-deps", "--force-reinstall",  # pip
                "--wheels", "--dry-run", "--budget-s", "--skip", "--breakdown",  # gpu_sitting.sh
                "--tests-first", "--tests-timeout-s", "--shapes",
                "--calls", "--deadline",  # scripts/admission_burst.py
-               "--loops"}  # scripts/resting_take_bench.py
+               "--loops",  # scripts/resting_take_bench.py
+               "--windows"}  # scripts/llamacpp_window_sweep.py
 
 
 def test_every_option_the_pages_name_exists():

@@ -94,12 +94,13 @@ def __getattr__(name):
 
 def build_drafter(spec: str | DrafterSpec, target=None, target_runner=None, n_slots: int = 4,
                   max_len: int = 2048, device: str = "cpu", dtype: str = "float32",
-                  loaded=None, fleet=None):
+                  loaded=None, fleet=None, context_window: int | None = None):
     """Make the drafter a spec names. ``target`` (a LoadedModel) and ``target_runner`` are needed
     by ``layers:L`` (shares the target's weights); with ``target``, ``model:PATH`` and
     ``llamacpp:FILE`` are checked for the same tokenizer. ``loaded``: the draft model of
     ``model:PATH``, already loaded. ``fleet``: a ``FleetTable`` that Cacheback drafters read the
-    fleet's n-grams from (None: per session and per drafter only)."""
+    fleet's n-grams from (None: per session and per drafter only). ``context_window``: how
+    many tokens a ``llamacpp:`` session reads when it opens (None: its default)."""
     parsed = spec if isinstance(spec, DrafterSpec) else parse_drafter_spec(spec)
     kind, arg = parsed.kind, parsed.arg
     if kind in ("none", "head", "imitation"):  # they draft in the verifier (EngineConfig.head)
@@ -123,12 +124,14 @@ def build_drafter(spec: str | DrafterSpec, target=None, target_runner=None, n_sl
         from .llamacpp import LlamaCppDrafter
 
         return LlamaCppDrafter(arg, n_slots=n_slots, max_len=max_len,
-                               target_tokenizer=target.tokenizer if target else None)
+                               target_tokenizer=target.tokenizer if target else None,
+                               context_window=context_window)
     if kind == "cascade":
         from .cascade import CascadeDrafter
 
         return CascadeDrafter([build_drafter(m, target, target_runner, n_slots, max_len, device,
-                                             dtype, fleet=fleet) for m in parsed.members])
+                                             dtype, fleet=fleet, context_window=context_window)
+                               for m in parsed.members])
     from ..models.loading import check_same_tokenizer, load_model
     from ..runner.target_runner import TargetRunner
     from .model import ModelDrafter

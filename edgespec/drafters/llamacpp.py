@@ -28,7 +28,7 @@ from typing import Sequence, cast
 import numpy as np
 
 from ..runner.threads import threads_in_use
-from ..config import ConfigError, SamplingParams
+from ..config import LLAMACPP_HEAD, LLAMACPP_WINDOW, ConfigError, SamplingParams
 from .base import Draft, Drafter, DraftSession
 from .llamacpp_batch import SharedContext
 from .logits_session import LogitsDraftSession, Proposing, propose_together
@@ -122,26 +122,52 @@ class LlamaCppDraftSession(LogitsDraftSession):
         super().__init__(tokens, params)
         self.drafter = drafter
         self.seq: int | None = drafter.context.acquire(drafter.name)
-        # positions of self.tokens[:kv_len] are in the context; the last token is always fed next
-        self.kv_len = 0
+        # a long prompt is read as its first LLAMACPP_HEAD tokens (the chat template's opening)
+        # and its last ones, ``context_window`` in all before its last token: the ``skip``
+        # tokens between are not read, and the sequence's position j holds token j, or j + skip
+        # from LLAMACPP_HEAD on; tokens[:kv_len] but the skipped are in the context; the last
+        # token is always fed next
+        self.skip = self.kv_len = 0
         try:
-            if len(tokens) > 1:
-                self._forward(tokens[:-1])
+            self._read_anew(len(tokens))
         except BaseException:  # e.g. a prompt longer than the context
             self.close()
             raise
+
+    def _skipped(self, length: int) -> int:
+        """How many tokens a session of ``length`` tokens leaves unread after its first
+        LLAMACPP_HEAD, so that at most ``context_window`` come before its last (0: none)."""
+        window = self.drafter.context_window
+        return max(0, length - 1 - window) if window else 0
+
+    def _read_anew(self, length: int) -> None:
+        """Read the session's first ``length`` tokens but the last (fed with the next draft)
+        into an empty sequence, skipping what its window leaves out."""
+        self.skip = self._skipped(length)
+        self.kv_len = self.skip  # the feed's first position: kv_len - skip = 0
+        if length > 1:
+            read = self.tokens[:length - 1]
+            if self.skip:
+                read = read[:LLAMACPP_HEAD] + read[LLAMACPP_HEAD + self.skip:]
+            self._forward(read)
+        else:
+            self.skip = self.kv_len = 0
 
     def _forward(self, feed: list[int]) -> np.ndarray:
         """Decode ``feed`` after the cached positions; the logits [V] after its last token."""
         return self.drafter.feed_many([(self, feed)])[0]
 
     def _truncate(self, length: int) -> None:
-        """Forget the cached positions from ``length`` on."""
+        """Forget the cached positions from token ``length`` on."""
         assert self.seq is not None
-        self.kv_len = self.drafter.context.truncate(self.seq, length)
+        kept = self.drafter.context.truncate(self.seq, length - self.skip)
+        if kept == length - self.skip:
+            self.kv_len = length
+        else:  # the sequence started over: the next feed reads the session whole
+            self.skip = self.kv_len = 0
 
     def _max_len(self) -> int:
-        return self.drafter.max_len
+        return self.skip + self.drafter.max_len
 
     def _feed(self, feed: list[int]) -> np.ndarray:
         return self._forward(feed)
@@ -151,8 +177,11 @@ class LlamaCppDraftSession(LogitsDraftSession):
 
     def rollback(self, length: int) -> None:
         super().rollback(length)
-        if self.kv_len > max(0, length - 1):
-            self._truncate(max(0, length - 1))
+        if self.skip and length - 1 <= LLAMACPP_HEAD + self.skip:  # back into what was not
+            self.drafter.context.truncate(self.seq, 0)  # read: read again, anew
+            self._read_anew(length)
+        elif self.kv_len > length - 1:
+            self._truncate(length - 1)
 
     def close(self) -> None:
         if self.seq is not None:
@@ -169,11 +198,19 @@ class LlamaCppDrafter(Drafter):
 
     def __init__(self, path: str, n_slots: int = 4, max_len: int = 2048, target_tokenizer=None,
                  n_threads: int | None = None, min_confidence: float = 0.3,
-                 extra_buffers: bool = False, branch_min_prob: float = 0.1):
+                 extra_buffers: bool = False, branch_min_prob: float = 0.1,
+                 context_window: int | None = None):
         self.llama_cpp = import_llama_cpp()
         self.path = resolve_gguf(path)
         self.name = f"llamacpp:{self.path.name}"
         self.n_slots, self.max_len = n_slots, max_len
+        if context_window is None:  # the default, where a session has room for it
+            context_window = LLAMACPP_WINDOW if LLAMACPP_WINDOW < max_len // 2 else 0
+        if context_window and not LLAMACPP_HEAD < context_window < max_len:
+            raise ConfigError(f"a llama.cpp drafter's context window is 0 (the whole session) "
+                              f"or {LLAMACPP_HEAD + 1} to {max_len - 1} tokens, got "
+                              f"{context_window}")
+        self.context_window = context_window  # the most tokens a session reads before its last
         self.batch_jobs = n_slots  # a drafting loop's jobs a turn: every session in one forward
         # the process's thread policy (cli_args.set_threads), else every core
         self.n_threads = n_threads or threads_in_use() or os.cpu_count() or 1
@@ -210,7 +247,7 @@ class LlamaCppDrafter(Drafter):
         for s, feed in feeds:
             if s.seq is None:
                 raise RuntimeError("the draft session was closed")
-            parts.append((s.seq, s.kv_len, feed))
+            parts.append((s.seq, s.kv_len - s.skip, feed))
         logits = self.context.decode(parts)  # too long for a sequence: CacheFullError
         for s, feed in feeds:
             s.kv_len += len(feed)
