@@ -66,8 +66,18 @@ def test_greedy_output_equals_target_only_and_transformers(gen):
 
 @pytest.mark.real_model
 @pytest.mark.slow
-def test_a_prompt_longer_than_the_drafters_window_decodes_as_target_only(gen):
+def test_a_prompt_longer_than_the_drafters_window_decodes_as_target_only(gen, monkeypatch):
     from edgespec.config import LLAMACPP_WINDOW
+    from edgespec.drafters.llamacpp import LlamaCppDraftSession
+
+    skipped: list[int] = []
+    read_anew = LlamaCppDraftSession._read_anew
+
+    def noted(self, length):
+        read_anew(self, length)
+        skipped.append(self.skip)
+
+    monkeypatch.setattr(LlamaCppDraftSession, "_read_anew", noted)
 
     story = " ".join(f"Day {i}: the red fox ran past the old mill by the river." for i in range(25))
     ids = gen.encode(story + " Repeat the last sentence.")
@@ -77,6 +87,7 @@ def test_a_prompt_longer_than_the_drafters_window_decodes_as_target_only(gen):
     assert drafter.context_window == LLAMACPP_WINDOW  # the default, at --max-context 512
     assert spec.token_ids == hf_greedy(gen.target.model, ids, 24, eos=gen.stop_ids)
     assert spec.stats.accepted_tokens > 0
+    assert skipped == [len(ids) - LLAMACPP_WINDOW]  # read as a window, once
 
 
 @pytest.mark.real_model

@@ -123,7 +123,7 @@ class LlamaCppDraftSession(LogitsDraftSession):
         self.drafter = drafter
         self.seq: int | None = drafter.context.acquire(drafter.name)
         # a long prompt is read as its first LLAMACPP_HEAD tokens (the chat template's opening)
-        # and its last ones, ``context_window`` in all before its last token: the ``skip``
+        # and its last ones, ``context_window`` in all, its last token included: the ``skip``
         # tokens between are not read, and the sequence's position j holds token j, or j + skip
         # from LLAMACPP_HEAD on; tokens[:kv_len] but the skipped are in the context; the last
         # token is always fed next
@@ -136,22 +136,28 @@ class LlamaCppDraftSession(LogitsDraftSession):
 
     def _skipped(self, length: int) -> int:
         """How many tokens a session of ``length`` tokens leaves unread after its first
-        LLAMACPP_HEAD, so that at most ``context_window`` come before its last (0: none)."""
+        LLAMACPP_HEAD, so that it reads at most ``context_window`` (0: none)."""
         window = self.drafter.context_window
-        return max(0, length - 1 - window) if window else 0
+        return max(0, length - window) if window else 0
 
     def _read_anew(self, length: int) -> None:
         """Read the session's first ``length`` tokens but the last (fed with the next draft)
-        into an empty sequence, skipping what its window leaves out."""
+        into its sequence, emptied first, skipping what its window leaves out."""
+        assert self.seq is not None, "the draft session was closed"
+        self.drafter.context.truncate(self.seq, 0)
         self.skip = self._skipped(length)
         self.kv_len = self.skip  # the feed's first position: kv_len - skip = 0
-        if length > 1:
-            read = self.tokens[:length - 1]
-            if self.skip:
-                read = read[:LLAMACPP_HEAD] + read[LLAMACPP_HEAD + self.skip:]
-            self._forward(read)
-        else:
+        try:
+            if length > 1:
+                read = self.tokens[:length - 1]
+                if self.skip:
+                    read = read[:LLAMACPP_HEAD] + read[LLAMACPP_HEAD + self.skip:]
+                self._forward(read)
+            else:
+                self.skip = self.kv_len = 0
+        except BaseException:  # the sequence holds nothing (the decode dropped its positions)
             self.skip = self.kv_len = 0
+            raise
 
     def _forward(self, feed: list[int]) -> np.ndarray:
         """Decode ``feed`` after the cached positions; the logits [V] after its last token."""
@@ -159,12 +165,12 @@ class LlamaCppDraftSession(LogitsDraftSession):
 
     def _truncate(self, length: int) -> None:
         """Forget the cached positions from token ``length`` on."""
-        assert self.seq is not None
+        assert self.seq is not None, "the draft session was closed"
         kept = self.drafter.context.truncate(self.seq, length - self.skip)
         if kept == length - self.skip:
             self.kv_len = length
-        else:  # the sequence started over: the next feed reads the session whole
-            self.skip = self.kv_len = 0
+        else:  # the sequence started over (a recurrent model's): read the window again
+            self._read_anew(length + 1)
 
     def _max_len(self) -> int:
         return self.skip + self.drafter.max_len
@@ -177,11 +183,12 @@ class LlamaCppDraftSession(LogitsDraftSession):
 
     def rollback(self, length: int) -> None:
         super().rollback(length)
-        if self.skip and length - 1 <= LLAMACPP_HEAD + self.skip:  # back into what was not
-            self.drafter.context.truncate(self.seq, 0)  # read: read again, anew
+        if self.skip and length - 1 <= LLAMACPP_HEAD + self.skip:
+            # back into what was not read (never a verifier's fix: it rolls back to committed
+            # positions, past the prompt): read again, as a session of ``length`` tokens
             self._read_anew(length)
-        elif self.kv_len > length - 1:
-            self._truncate(length - 1)
+        elif self.kv_len > max(0, length - 1):
+            self._truncate(max(0, length - 1))
 
     def close(self) -> None:
         if self.seq is not None:
@@ -205,12 +212,12 @@ class LlamaCppDrafter(Drafter):
         self.name = f"llamacpp:{self.path.name}"
         self.n_slots, self.max_len = n_slots, max_len
         if context_window is None:  # the default, where a session has room for it
-            context_window = LLAMACPP_WINDOW if LLAMACPP_WINDOW < max_len // 2 else 0
-        if context_window and not LLAMACPP_HEAD < context_window < max_len:
+            context_window = LLAMACPP_WINDOW if 2 * LLAMACPP_WINDOW <= max_len else 0
+        if context_window and not LLAMACPP_HEAD < context_window <= max_len // 2:
             raise ConfigError(f"a llama.cpp drafter's context window is 0 (the whole session) "
-                              f"or {LLAMACPP_HEAD + 1} to {max_len - 1} tokens, got "
-                              f"{context_window}")
-        self.context_window = context_window  # the most tokens a session reads before its last
+                              f"or {LLAMACPP_HEAD + 1} to {max_len // 2} tokens (half a "
+                              f"session's {max_len}: room to draft), got {context_window}")
+        self.context_window = context_window  # the most tokens a session reads when it opens
         self.batch_jobs = n_slots  # a drafting loop's jobs a turn: every session in one forward
         # the process's thread policy (cli_args.set_threads), else every core
         self.n_threads = n_threads or threads_in_use() or os.cpu_count() or 1
