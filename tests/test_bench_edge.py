@@ -24,6 +24,20 @@ def test_fleet_settings_parse_and_bad_ones_are_refused():
 
 @pytest.mark.slow
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores")
+def test_the_chunks_the_cache_refused_are_counted_by_code_between_two_scrapes():
+    from edgespec_cli.bench.edge_vs_server import refused_chunks
+
+    def key(result: str, code: str) -> tuple:
+        return "edgespec:cache_chunks_total", tuple(sorted({"result": result,
+                                                             "code": code}.items()))
+
+    before = {key("ok", "OK"): 5.0, key("refused", "FAILED_PRECONDITION"): 2.0}
+    after = {key("ok", "OK"): 9.0, key("refused", "FAILED_PRECONDITION"): 5.0,
+             key("refused", "NOT_FOUND"): 1.0, key("refused", "INVALID_ARGUMENT"): 0.0}
+    assert refused_chunks(after, before) == {"FAILED_PRECONDITION": 3.0, "NOT_FOUND": 1.0}
+    assert refused_chunks(before, before) == {}
+
+
 def test_edge_drafting_against_the_server_alone_as_processes(looping_dir, tmp_path):
     out = tmp_path / "bench-edge.json"
     r = subprocess.run(
@@ -45,6 +59,8 @@ def test_edge_drafting_against_the_server_alone_as_processes(looping_dir, tmp_pa
     for side in (alone, edge):
         assert side["tokens_per_s"] > 0 and side["server_cpu_ms_per_token"] > 0
         assert side["tokens_per_forward"] >= 1 and side["step_ms"]["forward"] > 0
+    assert alone["chunks_refused"] == {}  # no board: no chunk
+    assert all(n > 0 for n in edge["chunks_refused"].values())
     [board] = fleet["per_board"]
     assert board["device"] == "board-0" and board["session_steps"] > 0
     assert 0 <= board["verified_share"] <= 1 and board["chunks_sent"] > 0

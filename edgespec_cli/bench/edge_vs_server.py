@@ -111,6 +111,18 @@ def delta(after: dict, before: dict, name: str, **labels) -> float:
     return after.get(key, 0.0) - before.get(key, 0.0)
 
 
+def refused_chunks(after: dict, before: dict) -> dict[str, float]:
+    """The draft chunks the cache refused between two scrapes, by gRPC status code name."""
+    out: dict[str, float] = {}
+    for (name, labels), value in after.items():
+        tags = dict(labels)
+        if name == "edgespec:cache_chunks_total" and tags.get("result") == "refused":
+            got = value - before.get((name, labels), 0.0)
+            if got:
+                out[tags.get("code", "")] = got
+    return out
+
+
 def run_bench_edge(args) -> int:
     from edgespec_cli.cli_args import check_model_arg
 
@@ -285,6 +297,7 @@ def _serve_requests(client, ids: list[list[int]], sessions: int, max_new_tokens:
     return {"records": done, "wall_s": wall,
             "server_cpu_s": None if cpu0 is None or cpu1 is None else cpu1 - cpu0,
             "forwards": forwards, "step_ms": step_ms, "boards": per_board,
+            "chunks_refused": refused_chunks(after, before),
             "drafted_per_pos": per_pos["drafted"], "accepted_per_pos": per_pos["accepted"]}
 
 
@@ -354,6 +367,7 @@ def _compare(sessions: int, boards: int, alone: dict, edge: dict, split) -> dict
                 "drafted": sum(r.drafted for r in recs),
                 "accepted": sum(r.accepted for r in recs),
                 "steps": run["forwards"], "step_ms": run["step_ms"],
+                "chunks_refused": run["chunks_refused"],
                 "drafted_per_pos": _trimmed(run["drafted_per_pos"]),
                 "accepted_per_pos": _trimmed(run["accepted_per_pos"])}
 
@@ -402,9 +416,13 @@ def format_table(report: dict) -> str:
     for f in report["fleets"]:
         for name, side in (("server-only", f["server_only"]), ("edge", f["edge"])):
             ms = side["step_ms"]
+            refused = side.get("chunks_refused") or {}
             lines.append(f"  {f['sessions']}x{f['boards']} {name:<11} ms a step: wait "
                          f"{_f(ms['wait'], 1)}, forward {_f(ms['forward'], 1)}, commit "
-                         f"{_f(ms['commit'], 1)} ({side['steps']:.0f} steps)")
+                         f"{_f(ms['commit'], 1)} ({side['steps']:.0f} steps)"
+                         + ("; chunks the cache refused: " + ", ".join(
+                             f"{n:.0f} {code}" for code, n in sorted(refused.items()))
+                            if refused else ""))
     for f in report["fleets"]:
         for b in f["per_board"]:
             lines.append(
