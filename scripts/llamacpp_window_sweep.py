@@ -29,9 +29,8 @@ from edgespec.drafters.drafting_loop import apply_fix  # noqa: E402
 from edgespec.drafters.llamacpp import LlamaCppDrafter  # noqa: E402
 from edgespec.engine.local import LocalGenerator  # noqa: E402
 from edgespec_cli.bench.edge_vs_server import _encode  # noqa: E402
+from edgespec_cli.bench.report import CATEGORIES  # noqa: E402
 from edgespec_cli.bench.run import load_questions  # noqa: E402
-
-CATEGORIES = ["mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag"]
 
 
 def target_outputs(max_new_tokens: int) -> list[dict]:

@@ -142,19 +142,14 @@ class LlamaCppDraftSession(LogitsDraftSession):
 
     def _read_anew(self, length: int) -> None:
         """Read the session's first ``length`` tokens but the last (fed with the next draft)
-        into its sequence, emptied first, skipping what its window leaves out."""
-        assert self.seq is not None, "the draft session was closed"
-        self.drafter.context.truncate(self.seq, 0)
-        self.skip = self._skipped(length)
+        into its empty sequence, skipping what its window leaves out."""
+        self.skip = self._skipped(length)  # 0 for a session within its window
         self.kv_len = self.skip  # the feed's first position: kv_len - skip = 0
+        if length <= 1:
+            return
+        read = self.tokens[:length - 1]
         try:
-            if length > 1:
-                read = self.tokens[:length - 1]
-                if self.skip:
-                    read = read[:LLAMACPP_HEAD] + read[LLAMACPP_HEAD + self.skip:]
-                self._forward(read)
-            else:
-                self.skip = self.kv_len = 0
+            self._forward(read[:LLAMACPP_HEAD] + read[LLAMACPP_HEAD + self.skip:])
         except BaseException:  # the sequence holds nothing (the decode dropped its positions)
             self.skip = self.kv_len = 0
             raise
@@ -186,6 +181,8 @@ class LlamaCppDraftSession(LogitsDraftSession):
         if self.skip and length - 1 <= LLAMACPP_HEAD + self.skip:
             # back into what was not read (never a verifier's fix: it rolls back to committed
             # positions, past the prompt): read again, as a session of ``length`` tokens
+            assert self.seq is not None, "the draft session was closed"
+            self.drafter.context.truncate(self.seq, 0)
             self._read_anew(length)
         elif self.kv_len > max(0, length - 1):
             self._truncate(max(0, length - 1))
