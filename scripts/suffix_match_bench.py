@@ -1,6 +1,8 @@
-"""MaG's suffix match (``edgespec.drafters.mag.longest_suffix_match``), its two ways timed on
-the same contexts: every candidate narrowed together (the baseline: how it always matched
-before), and candidates compared one by one up to ``SCAN_CANDIDATES`` of them (the default).
+"""MaG's suffix match (``edgespec.drafters.suffix_match``), its ways timed on the same contexts:
+on an array, every candidate narrowed together (the baseline: how it always matched before),
+and candidates compared one by one up to ``SCAN_CANDIDATES`` of them; and on the list, the
+candidates read from the tokens' places (``listed_suffix_match``: MaG's way now), the index kept
+as the list grows from one context to the next (a session's), its upkeep in the time.
 
 Contexts: every second prefix (from 16 tokens) of Spec-Bench questions and their references
 (every 12th of the 480, the default model's tokenizer), and the prefixes of a context that
@@ -27,7 +29,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from edgespec.drafters import mag  # noqa: E402
+from edgespec.drafters import suffix_match as mag  # noqa: E402
 
 
 def spec_bench_texts(every: int = 12) -> list[np.ndarray]:
@@ -63,6 +65,23 @@ def time_way(contexts: list[np.ndarray], scan: int, repeats: int) -> tuple[float
     return 1e6 * best, answers
 
 
+def time_listed(contexts: list[np.ndarray], repeats: int) -> tuple[float, list]:
+    """``time_way`` for the listed match: each context a list, its places kept from the one
+    before (a longer prefix of the same text appends, another text is indexed anew)."""
+    lists = [c.tolist() for c in contexts]
+    best, answers = float("inf"), []
+    for _ in range(repeats):
+        places, array = mag.TokenPlaces(), mag.TokenArray()
+        got = []
+        t0 = time.perf_counter()
+        for tokens in lists:
+            got.append(mag.listed_suffix_match(tokens, places.of(tokens), 8, 1,
+                                               lambda t=tokens: array.of(t)))
+        best = min(best, (time.perf_counter() - t0) / len(lists))
+        answers = got
+    return 1e6 * best, answers
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--repeats", type=int, default=5, help="passes; the fastest is reported")
@@ -77,18 +96,21 @@ def main() -> int:
     for name, contexts in sets.items():
         together, ref = time_way(contexts, 0, args.repeats)
         one_by_one, got = time_way(contexts, default, args.repeats)
-        if got != ref:
+        listed, by_places = time_listed(contexts, args.repeats)
+        if got != ref or by_places != ref:
             print(f"{name}: the two ways disagree", file=sys.stderr)
             return 1
         rows.append({"contexts": name, "matches": len(contexts), "together_us": together,
-                     "one_by_one_us": one_by_one, "speedup": together / one_by_one})
+                     "one_by_one_us": one_by_one, "speedup": together / one_by_one,
+                     "listed_us": listed, "listed_speedup": together / listed})
     mag.SCAN_CANDIDATES = default
     print(f"MaG suffix match, max_ngram 8; one by one up to {default} candidates")
     print(f"{'contexts':12s} {'matches':>8s} {'together us':>12s} {'one by one us':>14s} "
-          f"{'speedup':>8s}")
+          f"{'speedup':>8s} {'listed us':>10s} {'speedup':>8s}")
     for r in rows:
         print(f"{r['contexts']:12s} {r['matches']:8d} {r['together_us']:12.2f} "
-              f"{r['one_by_one_us']:14.2f} {r['speedup']:7.2f}x")
+              f"{r['one_by_one_us']:14.2f} {r['speedup']:7.2f}x {r['listed_us']:10.2f} "
+              f"{r['listed_speedup']:7.2f}x")
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps({"scan_candidates": default, "rows": rows}, indent=2))
     print(f"wrote {args.json}")

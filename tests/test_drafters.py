@@ -221,3 +221,62 @@ def test_a_sessions_token_array_follows_its_list_through_appends_and_rollbacks()
         assert np.array_equal(mirror.of(tokens), np.asarray(tokens, dtype=np.int64)), step
     tokens.extend(range(600))  # past the first buffer: it grows, keeping what it mirrors
     assert np.array_equal(mirror.of(tokens), np.asarray(tokens, dtype=np.int64))
+
+
+@pytest.mark.parametrize("scan", [0, 2, 16], ids=["together", "mixed", "one-by-one"])
+def test_the_listed_suffix_match_follows_its_list_and_gives_the_arrays_answer(scan, monkeypatch):
+    """``TokenPlaces`` keeps each token's positions through appends, rollbacks it is told of
+    and changes behind its back; ``listed_suffix_match`` on it answers as
+    ``longest_suffix_match`` on the array, whichever way its candidates are compared."""
+    import random
+
+    from edgespec.drafters import suffix_match
+    from edgespec.drafters.suffix_match import TokenArray, TokenPlaces, listed_suffix_match
+
+    monkeypatch.setattr(suffix_match, "SCAN_CANDIDATES", scan)
+    rng = random.Random(11)
+    tokens = [rng.randrange(4) for _ in range(10)]
+    places, array = TokenPlaces(), TokenArray()
+    for step in range(1500):
+        action = rng.random()
+        if action < 0.6:
+            tokens.extend(rng.randrange(rng.choice([3, 6, 50])) for _ in range(rng.randint(1, 6)))
+        elif action < 0.85:
+            length = rng.randint(1, len(tokens))
+            del tokens[length:]
+            places.cut(length)
+            array.cut(length)
+        else:  # behind its back: its tail replaced by other tokens, the length kept
+            length = rng.randint(1, len(tokens))
+            tail = [t + 1 for t in tokens[length - 1:]]
+            del tokens[length - 1:]
+            tokens.extend(tail)
+        index = places.of(tokens)
+        assert {t: p for t, p in index.items() if p} == \
+            {t: [i for i, u in enumerate(tokens) if u == t] for t in set(tokens)}
+        top, low = rng.randint(1, 9), 1
+        low = rng.randint(1, top)
+        want = longest_suffix_match(np.asarray(tokens, dtype=np.int64), top, low)
+        assert listed_suffix_match(tokens, index, top, low, lambda: array.of(tokens)) == want, \
+            (step, tokens, top, low)
+
+
+def test_a_bigram_tables_best_follows_what_it_observes():
+    """``best`` (read from a cache a change clears) is the most counted follower, the first of
+    equals, and its share, after every observation, eviction included."""
+    import random
+
+    from edgespec.drafters.mag import BigramTable
+
+    rng = random.Random(3)
+    table = BigramTable(max_leaders=6, max_followers=3)
+    for _ in range(800):
+        table.observe([rng.randrange(8) for _ in range(rng.randint(2, 5))])
+        leader = rng.randrange(8)
+        followers = table.followers(leader)
+        if not followers:
+            assert table.best(leader) == (None, 0.0)
+            continue
+        top = max(followers, key=followers.__getitem__)
+        total = table._followers[leader].total
+        assert table.best(leader) == (top, followers[top] / total)

@@ -14,7 +14,7 @@ import pytest
 from edgespec.config import SamplingParams
 from edgespec.drafters import Draft, Drafter, DraftSession
 from edgespec.drafters.drafting_loop import DraftBook, _plan_round, _pop_job
-from edgespec.drafters import mag
+from edgespec.drafters import mag, suffix_match
 from edgespec.protocol.contract import DraftWant, Verdict
 from edgespec.protocol.local_store import LocalSessionStore
 
@@ -165,7 +165,7 @@ def test_mag_suffix_match_is_the_longest_then_the_most_recent_occurrence(one_by_
                                                                          monkeypatch):
     """Both ways of matching (candidates one by one, and narrowed together) give the
     definition's answer, whichever the number of candidates."""
-    monkeypatch.setattr(mag, "SCAN_CANDIDATES", one_by_one)
+    monkeypatch.setattr(suffix_match, "SCAN_CANDIDATES", one_by_one)
     rng = np.random.default_rng(7)
     for _ in range(3000):
         arr = rng.integers(0, int(rng.integers(1, 5)), int(rng.integers(1, 60)))

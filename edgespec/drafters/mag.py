@@ -33,18 +33,25 @@ from __future__ import annotations
 import copy
 from collections import OrderedDict
 
-import numpy as np
 
 from ..config import SamplingParams
 from .base import Branch, Draft, Drafter, DraftSession
+from .suffix_match import (TokenArray, TokenPlaces, listed_suffix_match, longest_suffix_match,
+                           match_branches)
+
+__all__ = ["BigramTable", "MaGDrafter", "MaGSession", "TokenArray", "longest_suffix_match",
+           "match_branches"]
 
 
 class _Followers:
-    __slots__ = ("counts", "total")
+    __slots__ = ("counts", "total", "top")
 
     def __init__(self) -> None:
         self.counts: dict[int, int] = {}  # at most max_followers entries
         self.total = 0  # every observation, evicted followers' included
+        # the most counted follower (the first of equals), None until read since a change: a
+        # draft's fallback reads a leader's best far more often than the leader is observed
+        self.top: int | None = None
 
 
 class BigramTable:
@@ -78,6 +85,7 @@ class BigramTable:
                     del counts[min(counts, key=counts.__getitem__)]
                 counts[b] = 1
             entry.total += 1
+            entry.top = None
 
     def followers(self, token: int) -> dict[int, int]:
         entry = self._followers.get(token)
@@ -89,7 +97,9 @@ class BigramTable:
         if entry is None or not entry.counts:
             return None, 0.0
         self._followers.move_to_end(token)
-        nxt = max(entry.counts, key=entry.counts.__getitem__)
+        nxt = entry.top
+        if nxt is None:
+            nxt = entry.top = max(entry.counts, key=entry.counts.__getitem__)
         return nxt, entry.counts[nxt] / entry.total
 
     def runner_up(self, token: int, besides: int) -> tuple[int | None, float]:
@@ -103,151 +113,16 @@ class BigramTable:
         return nxt, rest[nxt] / entry.total
 
 
-class TokenArray:
-    """A session's tokens as a NumPy array kept beside its list, extended by what was appended
-    since the last read: a suffix match reads the whole context each chunk, and turning a
-    1,000-token list into an array cost 31 us a chunk, six times the match itself. The session
-    tells it of a rollback (``cut``: both of its rollbacks do); a list changed behind its back
-    is read again whole when that shows in its last mirrored token, and only then."""
-
-    def __init__(self) -> None:
-        self._buf = np.empty(256, dtype=np.int64)
-        self._n = 0  # leading entries that mirror the list
-
-    def cut(self, length: int) -> None:
-        """The list was cut to ``length`` tokens."""
-        self._n = min(self._n, length)
-
-    def of(self, tokens: list[int]) -> np.ndarray:
-        """[len(tokens)] int64: ``tokens``, a view valid until the next call."""
-        n = len(tokens)
-        if self._n > n or (self._n and self._buf[self._n - 1] != tokens[self._n - 1]):
-            self._n = 0
-        if n > len(self._buf):
-            grown = np.empty(max(n, 2 * len(self._buf)), dtype=np.int64)
-            grown[:self._n] = self._buf[:self._n]
-            self._buf = grown
-        if n > self._n:
-            self._buf[self._n:n] = tokens[self._n:n]
-        self._n = n
-        return self._buf[:n]
-
-
-SCAN_CANDIDATES = 16  # up to this many earlier places of the last token: one by one
-
-
-def longest_suffix_match(arr: np.ndarray, max_ngram: int, min_ngram: int) -> tuple[int, int]:
-    """(n, p): the longest n in [min_ngram, max_ngram] such that the last n tokens of ``arr``
-    occur earlier at ``p`` (most recent such p, with at least one token after it), else (0, -1).
-
-    The candidates are the earlier positions holding the last token. A few (a context that
-    repeats itself: MaG's case) are compared one by one, most recent first, stopping at the first
-    run of ``max_ngram`` tokens or where no earlier run could be longer. Many are narrowed
-    together, token by token backwards to those whose run still matches (a handful of small
-    vector operations whatever ``max_ngram``, not one scan of ``arr`` per length)."""
-    length = len(arr)
-    top = min(max_ngram, length - 1)
-    if top < min_ngram:
-        return 0, -1
-    ends = (arr[: length - 1] == arr[length - 1]).nonzero()[0]  # the match's last token at e
-    n, end = (_match_one_by_one if len(ends) <= SCAN_CANDIDATES else _match_together)(
-        arr, ends, top)
-    if n < min_ngram:
-        return 0, -1
-    return n, end - n + 1
-
-
-def _match_one_by_one(arr: np.ndarray, ends: np.ndarray, top: int) -> tuple[int, int]:
-    """(the longest run, capped at ``top``, of tokens ending at a candidate e that equals the
-    same run ending ``arr``; the most recent e with it), or (0, -1) without candidates."""
-    suffix = arr[len(arr) - top:].tolist()[::-1]  # suffix[m] = arr[-1 - m]
-    n, end = 0, -1
-    for e in reversed(ends.tolist()):
-        if e + 1 <= n:  # ascending candidates: no earlier run can be longer
-            break
-        window = arr[max(0, e - top + 1): e + 1].tolist()[::-1]  # window[m] = arr[e - m]
-        m = 1  # window[0] == suffix[0]: a candidate holds the last token
-        while m < len(window) and window[m] == suffix[m]:
-            m += 1
-        if m > n:
-            n, end = m, e
-            if n == top:
-                break
-    return n, end
-
-
-def _match_together(arr: np.ndarray, ends: np.ndarray, top: int) -> tuple[int, int]:
-    """``_match_one_by_one``'s answer, every candidate narrowed at once."""
-    length = len(arr)
-    n, end = 0, -1
-    for m in range(top):
-        if m:
-            ends = ends[ends >= m]  # a token at e - m to compare
-            ends = ends[arr[ends - m] == arr[length - 1 - m]]
-        if ends.size == 0:
-            break
-        n, end = m + 1, int(ends[-1])  # ascending: the last is the most recent
-    return n, end
-
-
-def match_branches(arr: np.ndarray, chain: list[int], k: int, max_ngram: int, min_ngram: int,
-                   tokens_per_match_token: int, max_branches: int) -> list[Branch]:
-    """Alternatives to ``chain`` (the draft after ``arr``) from the other earlier occurrences of
-    a suffix of ``arr`` of n in [min_ngram, max_ngram] tokens: each occurrence's continuation
-    (at most min(k, n * tokens_per_match_token) tokens) that differs from the chain gives a
-    branch from its first differing position on. Longer matches first, then the more recent;
-    one branch per (position, first token); at most ``max_branches``."""
-    length, depth = len(arr), len(chain)
-    top = min(max_ngram, length - 1)
-    if max_branches <= 0 or depth == 0 or top < min_ngram:
-        return []
-    # run[j]: how many tokens ending at j equal the same number ending arr (j < length - 1, so
-    # a continuation follows), capped at max_ngram
-    alive = np.ones(length - 1, dtype=bool)
-    run = np.zeros(length - 1, dtype=np.int64)
-    for m in range(top):
-        alive[:m] = False  # no token at j - m
-        alive[m:] &= arr[: length - 1 - m] == arr[length - 1 - m]
-        if not alive.any():
-            break
-        run += alive
-    found = np.flatnonzero(run >= min_ngram)
-    if found.size == 0:
-        return []
-    n = run[found]
-    order = np.lexsort((-found, -n))  # longest match first, then most recent
-    found, n = found[order], n[order]
-    limits = np.minimum(k, n * tokens_per_match_token)
-    # continuations as rows, compared with the chain where both have a token
-    steps = np.arange(depth)
-    at = found[:, None] + 1 + steps
-    valid = (at < length) & (steps < limits[:, None])
-    conts = np.where(valid, arr[np.minimum(at, length - 1)], -1)
-    differs = valid & (conts != np.asarray(chain, dtype=arr.dtype))
-    first = differs.argmax(axis=1)
-    branches: list[Branch] = []
-    seen: set[tuple[int, int]] = set()
-    for row in np.flatnonzero(differs.any(axis=1)):
-        i, start = int(first[row]), int(found[row]) + 1
-        tokens = arr[start + i: start + int(limits[row])].tolist()
-        if (i, tokens[0]) in seen:
-            continue
-        seen.add((i, tokens[0]))
-        branches.append(Branch(i, tuple(tokens)))
-        if len(branches) >= max_branches:
-            break
-    return branches
-
-
 class MaGSession(DraftSession):
     def __init__(self, drafter: "MaGDrafter", tokens: list[int], params: SamplingParams):
         super().__init__(tokens, params)
         self.drafter = drafter
         self._verified = len(tokens)  # tokens before this index are confirmed (prompt/committed)
-        self._array = TokenArray()
+        self._array = TokenArray()  # read only for trees and contexts with many candidates
+        self._places = TokenPlaces()
 
     def propose(self, k: int) -> Draft:
-        out, _ = self._chain(k, self._array.of(self.tokens))
+        out, _ = self._chain(k)
         self.tokens.extend(out)
         return Draft(tokens=out)
 
@@ -255,10 +130,9 @@ class MaGSession(DraftSession):
         if width <= 1:
             return self.propose(k)
         d = self.drafter
-        arr = self._array.of(self.tokens)
-        out, matched = self._chain(k, arr)
+        out, matched = self._chain(k)
         if matched:
-            branches = match_branches(arr, out, k, d.max_ngram, d.min_ngram,
+            branches = match_branches(self._array.of(self.tokens), out, k, d.max_ngram, d.min_ngram,
                                       d.tokens_per_match_token, width - 1)
         else:
             branches = []
@@ -270,14 +144,15 @@ class MaGSession(DraftSession):
         self.tokens.extend(out)
         return Draft(tokens=out, branches=branches)
 
-    def _chain(self, k: int, arr: np.ndarray) -> tuple[list[int], bool]:
-        """The draft after ``arr`` (the session's tokens), and whether a suffix match made it
-        (else the bigram fallback did)."""
-        d = self.drafter
-        n, p = longest_suffix_match(arr, d.max_ngram, d.min_ngram)
+    def _chain(self, k: int) -> tuple[list[int], bool]:
+        """The draft after the session's tokens, and whether a suffix match made it (else the
+        bigram fallback did)."""
+        d, tokens = self.drafter, self.tokens
+        n, p = listed_suffix_match(tokens, self._places.of(tokens), d.max_ngram, d.min_ngram,
+                                   lambda: self._array.of(tokens))
         if n:
             limit = min(k, n * d.tokens_per_match_token)
-            return arr[p + n: p + n + limit].tolist(), True
+            return tokens[p + n: p + n + limit], True
         out: list[int] = []
         last = self.tokens[-1] if self.tokens else None
         while last is not None and len(out) < k:
@@ -298,10 +173,12 @@ class MaGSession(DraftSession):
         self.confirm(length)  # everything before a fix position was verified
         super().rollback(length)
         self._array.cut(length)
+        self._places.cut(length)
 
     def retract(self, length: int) -> None:
         super().rollback(length)  # a cascade's correction, not the verifier's: learn nothing
         self._array.cut(length)
+        self._places.cut(length)
 
 
 class MaGDrafter(Drafter):
