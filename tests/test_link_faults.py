@@ -215,6 +215,62 @@ def test_a_session_asked_no_draft_says_nothing_of_its_board(tiny):
         assert (link.session_steps, link.missed, link.unwaited, link.waited_s) == (1, 1, 0, 0.5)
 
 
+def test_a_boards_empty_drafts_are_counted_by_what_came_before(tiny):
+    """A session step asked for a board's draft that held none counts as the session's opening
+    (no draft of it verified yet), after a fix (its last commit sent one), or otherwise; a
+    draft holding tokens, or a session asked nothing, counts in none of them."""
+    from edgespec.config import EngineConfig
+    from edgespec.engine.spec_engine import Request, SpecEngine
+    from edgespec.protocol.contract import DraftWant, TakenDraft
+    from edgespec.runner.target_runner import TargetRunner
+
+    with SpecEngine(TargetRunner(tiny.model, n_slots=2, max_len=64), None,
+                    EngineConfig()) as engine:
+        act = engine.add(Request([1, 5, 6], 4))
+        act.drafter = "board"
+        acts = {act.sid: act}
+
+        def step(k: int, tokens: list[int]) -> tuple[int, int, int]:
+            engine._record_lateness([DraftWant(act.sid, k, wait=True)],
+                                    [TakenDraft(0, act.end, tokens, ready=False)], acts, 0.0)
+            link = engine.lateness.snapshot()["board"]
+            return link.empty_opening, link.empty_after_fix, link.empty_other
+
+        assert step(2, []) == (1, 0, 0)  # nothing verified from the board yet
+        assert step(2, [7]) == (1, 0, 0)  # a draft: not empty
+        act.stats.record_step(1, 0)  # a draft of it verified: the session is open
+        act.fixed = True
+        assert step(2, []) == (1, 1, 0)
+        assert step(0, []) == (1, 1, 0)  # asked nothing: says nothing
+        act.fixed = False
+        assert step(2, []) == (1, 1, 1)
+
+
+def test_a_commit_tells_its_session_whether_its_drafter_was_sent_a_fix(tiny):
+    """``ActiveSession.fixed`` follows the store's commit outcome: set by a commit that
+    rejected the board's draft, cleared by one the draft held (its next token the step's own),
+    and the output is target-only's either way."""
+    from edgespec.config import EngineConfig
+    from edgespec.engine.spec_engine import Request, SpecEngine
+    from edgespec.runner.target_runner import TargetRunner
+
+    prompt = [1, 5, 6, 9, 4]
+    with SpecEngine(TargetRunner(tiny.model, n_slots=2, max_len=96), None,
+                    EngineConfig()) as engine:
+        want = engine.generate(Request(list(prompt), 30)).token_ids
+    with SpecEngine(TargetRunner(tiny.model, n_slots=2, max_len=96), None,
+                    EngineConfig(draft_wait_ms=0)) as engine:
+        act = engine.add(Request(list(prompt), 30), device="board")
+        state = engine.store.sessions[act.sid]
+        wrong = (want[0] + 1) % tiny.model.config.vocab_size
+        state.push_draft(state.epoch, state.end, [wrong] + want[1:4], idle=True)
+        engine.step()
+        assert act.fixed and act.output == want[:1]
+        state.push_draft(state.epoch, state.end, want[1:14], idle=True)  # more than a step takes
+        engine.step()
+        assert not act.fixed and act.output == want[:len(act.output)] and len(act.output) > 2
+
+
 def test_a_late_boards_turn_to_be_waited_for_comes_on_a_step_that_asks_it(tiny, monkeypatch):
     """A late board is waited for on every PROBE_EVERY-th step that asks it for drafts: steps
     planned without drafts do not spend its turn (else, a planner probing every 8th step and a

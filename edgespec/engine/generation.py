@@ -74,6 +74,9 @@ class ActiveSession:
         # what its verdict tells its drafter this step asked of it (step_planning.told_wants:
         # its ask, at least 1, or 0 when the drafters rest)
         self.wanted: int | None = None
+        # its last commit sent its drafter a fix (a draft token rejected, or a step's own token
+        # its draft did not hold): its next draft starts anew from there
+        self.fixed = False
 
     @property
     def end(self) -> int:

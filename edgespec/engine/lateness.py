@@ -14,7 +14,11 @@ tokens (or are ready) when taken in ``HITS_TO_RECOVER`` steps in a row it is wai
 Only speed depends on this, never output: a shorter draft verifies to the same tokens.
 
 The counts per drafter (``DrafterLink``) feed ``/metrics`` and ``edgespec status``, so an
-operator sees which board's link is bad.
+operator sees which board's link is bad. Each session step asked for a draft that held none is
+counted by what came before it (``EmptyDrafts``): the session's opening (no draft of it verified
+yet: the board is still reading its prompt), a fix (the session's last commit rejected a draft
+token, or its own token was not the draft's next: the board drafts anew from there), or neither
+(the board had not drafted that far).
 """
 
 from __future__ import annotations
@@ -26,6 +30,16 @@ MISSES_TO_LATE = 3
 HITS_TO_RECOVER = 2
 PROBE_EVERY = 8  # a late drafter is waited for again on every 8th step (its drafts may come)
 MAX_TRACKED = 4096  # drafters remembered (ids come from devices: keep the table bounded)
+
+
+@dataclass(frozen=True)
+class EmptyDrafts:
+    """A step's session steps of one drafter asked for a draft and given none, by what came
+    before: the session's opening, a fix its last commit sent, or neither."""
+
+    opening: int = 0
+    after_fix: int = 0
+    other: int = 0
 
 
 @dataclass
@@ -44,6 +58,10 @@ class DrafterLink:
     ready_drafts: int = 0
     verified_drafts: int = 0
     waited_s: float = 0.0  # seconds of the steps' waits while a draft of it was waited for
+    # session steps asked for a draft that held none (``EmptyDrafts``)
+    empty_opening: int = 0
+    empty_after_fix: int = 0
+    empty_other: int = 0
 
 
 class Lateness:
@@ -80,12 +98,13 @@ class Lateness:
 
     def record(self, drafter: str, ready: bool, waited: bool,
                sessions: tuple[int, int, int] = (0, 0, 0), useful: bool | None = None,
-               waited_s: float = 0.0) -> None:
+               waited_s: float = 0.0, empty: EmptyDrafts = EmptyDrafts()) -> None:
         """One step's outcome for a drafter: whether its drafts were ready when taken, and
         whether the step waited for them; ``sessions``: (its sessions in the step, those whose
         draft was ready, those whose draft held tokens); ``useful``: whether every draft of it
         was ready or held tokens (what lateness judges; None: ``ready``); ``waited_s``: the
-        step's wait, where it waited for a draft of this drafter (else 0)."""
+        step's wait, where it waited for a draft of this drafter (else 0); ``empty``: its
+        sessions' empty drafts, by what came before."""
         on_time = ready if useful is None else useful
         with self._lock:
             link = self._links.get(drafter)
@@ -97,6 +116,9 @@ class Lateness:
             link.ready_drafts += sessions[1]
             link.verified_drafts += sessions[2]
             link.waited_s += waited_s
+            link.empty_opening += empty.opening
+            link.empty_after_fix += empty.after_fix
+            link.empty_other += empty.other
             if not waited:
                 link.unwaited += 1
             if not ready:

@@ -47,7 +47,7 @@ from .inline_drafts import InlineDrafts
 from .prefill_queue import PrefillQueue
 from .session_lifecycle import SessionLifecycle
 from .generation import ActiveSession, Admission, Request, Result, SessionFailed
-from .lateness import Lateness
+from .lateness import EmptyDrafts, Lateness
 from .decisions import Decision
 from .proposals import DrafterProposer, StepDraft, drafter_row, taken_row, with_head
 from .scoring import ScoredStep, row_decisions, score_step
@@ -258,23 +258,28 @@ class SpecEngine(SessionLifecycle):
     def _record_lateness(self, wants: list[DraftWant], taken: list, acts: dict,
                          wait_s: float) -> None:
         """Each drafter's step: were all its sessions' drafts ready when taken? And how many
-        of its sessions had a ready draft, and a draft at all; ``wait_s``: the take's time,
-        counted for each drafter a draft of which the step waited for."""
-        # drafter -> [sessions, ready, with tokens, ready or with tokens, waited for]; a session
-        # asked no draft says nothing of its drafter (its empty draft is trivially ready)
+        of its sessions had a ready draft, and a draft at all, and why the others held none
+        (``EmptyDrafts``); ``wait_s``: the take's time, counted for each drafter a draft of
+        which the step waited for."""
+        # drafter -> [sessions, ready, with tokens, ready or with tokens, waited for, empty
+        # drafts at a session's opening, after a fix, otherwise]; a session asked no draft says
+        # nothing of its drafter (its empty draft is trivially ready)
         counts: dict[str, list] = {}
         for want, t in zip(wants, taken):
-            drafter = acts[want.session_id].drafter
-            if drafter and want.k > 0 and isinstance(t, TakenDraft):
-                c = counts.setdefault(drafter, [0, 0, 0, 0, False])
+            act = acts[want.session_id]
+            if act.drafter and want.k > 0 and isinstance(t, TakenDraft):
+                c = counts.setdefault(act.drafter, [0, 0, 0, 0, False, 0, 0, 0])
                 c[0] += 1
                 c[1] += t.ready
                 c[2] += bool(t.tokens)
                 c[3] += t.ready or bool(t.tokens)
                 c[4] = c[4] or want.wait
-        for drafter, (n, n_ready, n_drafts, n_useful, waited) in counts.items():
+                if not t.tokens:
+                    c[5 if not act.stats.num_drafts else 6 if act.fixed else 7] += 1
+        for drafter, (n, n_ready, n_drafts, n_useful, waited, *empty) in counts.items():
             self.lateness.record(drafter, n_ready == n, waited, (n, n_ready, n_drafts),
-                                 useful=n_useful == n, waited_s=wait_s if waited else 0.0)
+                                 useful=n_useful == n, waited_s=wait_s if waited else 0.0,
+                                 empty=EmptyDrafts(*empty))
 
     def _take(self, wants: list[DraftWant]) -> list[tuple[ActiveSession, TakenDraft]]:
         """The store's drafts (it waits up to the deadline); a session the store lost, or
@@ -441,7 +446,11 @@ class SpecEngine(SessionLifecycle):
         outcomes = self.store.commit_many([d.verdict for d in decided])  # may raise: retried
         self._undelivered = []
         dt = time.perf_counter() - t0
-        applied = [d for d, outcome in zip(decided, outcomes) if outcome.ok]
+        applied = []
+        for d, outcome in zip(decided, outcomes):
+            if outcome.ok:
+                applied.append(d)
+                d.act.fixed = outcome.fix is not None
         if len(applied) < len(decided):
             for d, outcome in zip(decided, outcomes):
                 if not outcome.ok:

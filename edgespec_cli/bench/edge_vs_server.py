@@ -106,7 +106,7 @@ def scrape(port: int) -> dict[tuple[str, tuple], float]:
             for fam in text_string_to_metric_families(text) for s in fam.samples}
 
 
-def delta(after: dict, before: dict, name: str, **labels) -> float:
+def delta(after: dict, before: dict, name: str, /, **labels) -> float:
     key = (name, tuple(sorted(labels.items())))
     return after.get(key, 0.0) - before.get(key, 0.0)
 
@@ -306,6 +306,8 @@ def _board_figures(dev: str, before: dict, after: dict, b_before: dict, b_after:
     steps = delta(after, before, "edgespec:drafter_session_steps_total", device=dev)
     ready = delta(after, before, "edgespec:drafter_ready_drafts_total", device=dev)
     verified = delta(after, before, "edgespec:drafter_verified_drafts_total", device=dev)
+    empty = {a: delta(after, before, "edgespec:drafter_empty_drafts_total", device=dev, after=a)
+             for a in ("opening", "fix", "other")}
     waited = delta(after, before, "edgespec:drafter_waited_seconds_total", device=dev)
     accepted = delta(after, before, "edgespec:device_accepted_tokens_total", device=dev)
     board: dict = {k: delta(b_after, b_before, f"edgespec:drafter_{k}_total")
@@ -318,6 +320,7 @@ def _board_figures(dev: str, before: dict, after: dict, b_before: dict, b_after:
     return {"device": dev, "session_steps": steps,
             "ready_share": ready / steps if steps else None,
             "verified_share": verified / steps if steps else None,
+            "empty_drafts": empty,  # session steps asked, given none, by what came before
             "waited_s": waited, "accepted_tokens": accepted, "cpu_s": cpu_s, **board,
             "wasted_tokens": max(0.0, board["draft_tokens"] - accepted)}
 
@@ -436,6 +439,11 @@ def format_table(report: dict) -> str:
                 f"draft tokens sent {b['draft_tokens']:.0f}, accepted "
                 f"{b.get('accepted_tokens', 0):.0f}, wasted {b.get('wasted_tokens', 0):.0f}; "
                 f"steps waited for it {b.get('waited_s', 0):.1f} s")
+            e = b.get("empty_drafts")
+            if e and sum(e.values()):
+                lines.append(f"    asked for a draft and given none: {sum(e.values()):.0f} "
+                             f"session steps, at the session's opening {e['opening']:.0f}, "
+                             f"after a fix {e['fix']:.0f}, otherwise {e['other']:.0f}")
             c = b.get("commit_to_draft")
             if c:
                 lines.append(f"    {commit_to_draft_line(c)}, then the chunk's round trip to "
