@@ -217,8 +217,9 @@ def test_a_session_asked_no_draft_says_nothing_of_its_board(tiny):
 
 def test_a_boards_empty_drafts_are_counted_by_what_came_before(tiny):
     """A session step asked for a board's draft that held none counts as the session's opening
-    (no draft of it verified yet), after a fix (its last commit sent one), or otherwise; a
-    draft holding tokens, or a session asked nothing, counts in none of them."""
+    (no draft of the board's held tokens yet), again (the step before got none either), after a
+    fix (the step before verified one and its commit sent a fix), or otherwise; a draft holding
+    tokens, or a session asked nothing, counts in none of them."""
     from edgespec.config import EngineConfig
     from edgespec.engine.spec_engine import Request, SpecEngine
     from edgespec.protocol.contract import DraftWant, TakenDraft
@@ -230,20 +231,21 @@ def test_a_boards_empty_drafts_are_counted_by_what_came_before(tiny):
         act.drafter = "board"
         acts = {act.sid: act}
 
-        def step(k: int, tokens: list[int]) -> tuple[int, int, int]:
+        def step(k: int, tokens: list[int], fixed: bool = False) -> tuple[int, int, int, int]:
+            act.fixed = fixed  # what the commit before this step told
             engine._record_lateness([DraftWant(act.sid, k, wait=True)],
                                     [TakenDraft(0, act.end, tokens, ready=False)], acts, 0.0)
             link = engine.lateness.snapshot()["board"]
-            return link.empty_opening, link.empty_after_fix, link.empty_other
+            return link.empty_opening, link.empty_after_fix, link.empty_again, link.empty_other
 
-        assert step(2, []) == (1, 0, 0)  # nothing verified from the board yet
-        assert step(2, [7]) == (1, 0, 0)  # a draft: not empty
-        act.stats.record_step(1, 0)  # a draft of it verified: the session is open
-        act.fixed = True
-        assert step(2, []) == (1, 1, 0)
-        assert step(0, []) == (1, 1, 0)  # asked nothing: says nothing
-        act.fixed = False
-        assert step(2, []) == (1, 1, 1)
+        assert step(2, []) == (1, 0, 0, 0)  # the board's drafts held nothing yet
+        assert step(2, [], fixed=True) == (2, 0, 0, 0)  # still opening
+        assert step(2, [7]) == (2, 0, 0, 0)  # a draft: not empty; the session is open
+        assert step(2, [], fixed=True) == (2, 1, 0, 0)
+        assert step(2, [], fixed=True) == (2, 1, 1, 0)  # a run of empty drafts
+        assert step(0, []) == (2, 1, 1, 0)  # asked nothing: says nothing
+        assert step(2, [7, 8]) == (2, 1, 1, 0)
+        assert step(2, []) == (2, 1, 1, 1)  # the draft held the step's token: no fix
 
 
 def test_a_commit_tells_its_session_whether_its_drafter_was_sent_a_fix(tiny):

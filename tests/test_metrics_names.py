@@ -304,11 +304,12 @@ def test_each_boards_share_of_the_steps_waits_is_exposed():
     m = VerifierMetrics(CollectorRegistry())
     m.bind_links(lambda: {"board-1": DrafterLink(waited_s=1.5, session_steps=4, ready_drafts=3,
                                                  verified_drafts=2, empty_opening=1,
-                                                 empty_after_fix=5, empty_other=7)})
+                                                 empty_after_fix=5, empty_again=3,
+                                                 empty_other=7)})
     assert value(m.registry, "edgespec:drafter_waited_seconds_total", device="board-1") == 1.5
     assert value(m.registry, "edgespec:drafter_verified_drafts_total", device="board-1") == 2
     assert [value(m.registry, "edgespec:drafter_empty_drafts_total", device="board-1", after=a)
-            for a in ("opening", "fix", "other")] == [1, 5, 7]
+            for a in ("opening", "fix", "again", "other")] == [1, 5, 3, 7]
 
 
 def test_acceptance_by_position_is_counted_out_of_the_drafts_that_reached_it():

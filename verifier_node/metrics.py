@@ -27,9 +27,9 @@ verification forward commits. Drafters' link health, per device (``edgespec.engi
 ``edgespec:drafter_waited_seconds_total{device}``, and per session and step
 ``edgespec:drafter_session_steps_total{device}``,
 ``edgespec:drafter_ready_drafts_total{device}``, ``edgespec:drafter_verified_drafts_total{device}``,
-``edgespec:drafter_empty_drafts_total{device,after}`` (asked, held none; after ``opening``,
-``fix`` or ``other``); ``edgespec:request_refused_deadline_total``: new calls refused for
-their deadline (``pace``).
+``edgespec:drafter_empty_drafts_total{device,after}`` (asked, held none; ``after``:
+``opening``, ``fix``, ``again`` or ``other``); ``edgespec:request_refused_deadline_total``: new
+calls refused for their deadline (``pace``).
 Kernels (``edgespec.runner.kernel_set``): ``edgespec:kernel_set_info{fingerprint, kernels,
 products, attention, device}`` (value 1) and ``edgespec:sessions_kernels_switched_total``, the
 sessions continued here whose output so far another kernel set decoded.
@@ -375,8 +375,8 @@ class _LinkCollector(Collector):
     ``edgespec:drafter_verified_drafts_total{device}`` (its draft held tokens);
     ``edgespec:drafter_waited_seconds_total{device}``: the steps' waits while a draft of it was
     waited for; ``edgespec:drafter_empty_drafts_total{device,after}``: session steps asked for
-    a draft that held none, by what came before (``opening``, ``fix``, ``other``:
-    ``engine/lateness.py``)."""
+    a draft that held none, by what came before (``opening``, ``fix``, ``again``, ``other``:
+    ``engine/lateness.EmptyDrafts``)."""
 
     def __init__(self, snapshot):
         self.snapshot = snapshot
@@ -404,14 +404,15 @@ class _LinkCollector(Collector):
                          "a draft of this drafter was waited for", "waited_s"))]
         empty = CounterMetricFamily("edgespec:drafter_empty_drafts", "Session steps asked for "
                                     "a draft from this drafter that held none, by what came "
-                                    "before: the session's opening, a fix, or neither",
+                                    "before: the session's opening, a fix after a verified "
+                                    "draft, an empty draft again, or none of these",
                                     labels=["device", "after"])
         for device, link in list(links.items())[:MAX_DEVICES]:
             late.add_metric([device], 1.0 if link.late else 0.0)
             for family, attr in counters:
                 family.add_metric([device], getattr(link, attr))
             for after, count in (("opening", link.empty_opening), ("fix", link.empty_after_fix),
-                                 ("other", link.empty_other)):
+                                 ("again", link.empty_again), ("other", link.empty_other)):
                 empty.add_metric([device, after], count)
         yield late
         for family, _ in counters:

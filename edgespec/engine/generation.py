@@ -75,8 +75,13 @@ class ActiveSession:
         # its ask, at least 1, or 0 when the drafters rest)
         self.wanted: int | None = None
         # its last commit sent its drafter a fix (a draft token rejected, or a step's own token
-        # its draft did not hold): its next draft starts anew from there
+        # its draft did not hold): its next draft starts anew from there (a commit sent again
+        # after its reply was lost reports no fix)
         self.fixed = False
+        # its board's drafts as the steps that asked for one took them: one held tokens at
+        # least once; the last one held none (``lateness.EmptyDrafts``)
+        self.board_drafted = False
+        self.board_empty = False
 
     @property
     def end(self) -> int:

@@ -14,11 +14,8 @@ tokens (or are ready) when taken in ``HITS_TO_RECOVER`` steps in a row it is wai
 Only speed depends on this, never output: a shorter draft verifies to the same tokens.
 
 The counts per drafter (``DrafterLink``) feed ``/metrics`` and ``edgespec status``, so an
-operator sees which board's link is bad. Each session step asked for a draft that held none is
-counted by what came before it (``EmptyDrafts``): the session's opening (no draft of it verified
-yet: the board is still reading its prompt), a fix (the session's last commit rejected a draft
-token, or its own token was not the draft's next: the board drafts anew from there), or neither
-(the board had not drafted that far).
+operator sees which board's link is bad (``/metrics`` alone: each session step asked for a draft
+that held none, counted by what came before it, ``EmptyDrafts``).
 """
 
 from __future__ import annotations
@@ -35,10 +32,16 @@ MAX_TRACKED = 4096  # drafters remembered (ids come from devices: keep the table
 @dataclass(frozen=True)
 class EmptyDrafts:
     """A step's session steps of one drafter asked for a draft and given none, by what came
-    before: the session's opening, a fix its last commit sent, or neither."""
+    before: ``opening``, no draft of the session's from it held tokens yet (it is reading the
+    prompt); ``again``, the session's step before that asked for one got none either (a run
+    of empty drafts: it has not caught up since); ``after_fix``, the step before verified a
+    draft of it and its commit sent a fix (a draft token rejected, or the step's own token
+    past the draft not the board's next): it drafts anew from there; ``other``, none of these
+    (it had not drafted as far as its draft was taken)."""
 
     opening: int = 0
     after_fix: int = 0
+    again: int = 0
     other: int = 0
 
 
@@ -61,6 +64,7 @@ class DrafterLink:
     # session steps asked for a draft that held none (``EmptyDrafts``)
     empty_opening: int = 0
     empty_after_fix: int = 0
+    empty_again: int = 0
     empty_other: int = 0
 
 
@@ -118,6 +122,7 @@ class Lateness:
             link.waited_s += waited_s
             link.empty_opening += empty.opening
             link.empty_after_fix += empty.after_fix
+            link.empty_again += empty.again
             link.empty_other += empty.other
             if not waited:
                 link.unwaited += 1

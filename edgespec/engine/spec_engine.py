@@ -262,20 +262,23 @@ class SpecEngine(SessionLifecycle):
         (``EmptyDrafts``); ``wait_s``: the take's time, counted for each drafter a draft of
         which the step waited for."""
         # drafter -> [sessions, ready, with tokens, ready or with tokens, waited for, empty
-        # drafts at a session's opening, after a fix, otherwise]; a session asked no draft says
-        # nothing of its drafter (its empty draft is trivially ready)
+        # drafts: at a session's opening, after a fix, again, otherwise]; a session asked no
+        # draft says nothing of its drafter (its empty draft is trivially ready)
         counts: dict[str, list] = {}
         for want, t in zip(wants, taken):
             act = acts[want.session_id]
             if act.drafter and want.k > 0 and isinstance(t, TakenDraft):
-                c = counts.setdefault(act.drafter, [0, 0, 0, 0, False, 0, 0, 0])
+                c = counts.setdefault(act.drafter, [0, 0, 0, 0, False, 0, 0, 0, 0])
                 c[0] += 1
                 c[1] += t.ready
                 c[2] += bool(t.tokens)
                 c[3] += t.ready or bool(t.tokens)
                 c[4] = c[4] or want.wait
                 if not t.tokens:
-                    c[5 if not act.stats.num_drafts else 6 if act.fixed else 7] += 1
+                    c[5 if not act.board_drafted else 7 if act.board_empty else
+                      6 if act.fixed else 8] += 1
+                act.board_drafted = act.board_drafted or bool(t.tokens)
+                act.board_empty = not t.tokens
         for drafter, (n, n_ready, n_drafts, n_useful, waited, *empty) in counts.items():
             self.lateness.record(drafter, n_ready == n, waited, (n, n_ready, n_drafts),
                                  useful=n_useful == n, waited_s=wait_s if waited else 0.0,

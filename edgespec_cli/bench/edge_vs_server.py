@@ -307,7 +307,7 @@ def _board_figures(dev: str, before: dict, after: dict, b_before: dict, b_after:
     ready = delta(after, before, "edgespec:drafter_ready_drafts_total", device=dev)
     verified = delta(after, before, "edgespec:drafter_verified_drafts_total", device=dev)
     empty = {a: delta(after, before, "edgespec:drafter_empty_drafts_total", device=dev, after=a)
-             for a in ("opening", "fix", "other")}
+             for a in ("opening", "fix", "again", "other")}
     waited = delta(after, before, "edgespec:drafter_waited_seconds_total", device=dev)
     accepted = delta(after, before, "edgespec:device_accepted_tokens_total", device=dev)
     board: dict = {k: delta(b_after, b_before, f"edgespec:drafter_{k}_total")
@@ -442,8 +442,9 @@ def format_table(report: dict) -> str:
             e = b.get("empty_drafts")
             if e and sum(e.values()):
                 lines.append(f"    asked for a draft and given none: {sum(e.values()):.0f} "
-                             f"session steps, at the session's opening {e['opening']:.0f}, "
-                             f"after a fix {e['fix']:.0f}, otherwise {e['other']:.0f}")
+                             f"session steps: at the session's opening {e['opening']:.0f}, "
+                             f"after a fix {e['fix']:.0f}, again (the step before had none) "
+                             f"{e.get('again', 0):.0f}, otherwise {e['other']:.0f}")
             c = b.get("commit_to_draft")
             if c:
                 lines.append(f"    {commit_to_draft_line(c)}, then the chunk's round trip to "
