@@ -261,6 +261,38 @@ def test_the_listed_suffix_match_follows_its_list_and_gives_the_arrays_answer(sc
             (step, tokens, top, low)
 
 
+def test_a_mag_sessions_drafts_follow_its_tokens_through_rollbacks(monkeypatch):
+    """A MaG session's proposals, through proposals, appends, verified rollbacks and
+    retractions, are the continuation of ``longest_suffix_match`` on its tokens as they are
+    (its index of places and its array kept in step), with few candidates and many."""
+    import random
+
+    from edgespec.drafters import suffix_match
+
+    rng = random.Random(2)
+    for scan in (16, 2):
+        monkeypatch.setattr(suffix_match, "SCAN_CANDIDATES", scan)
+        d = MaGDrafter(tokens_per_match_token=3)
+        s = d.open([rng.randrange(5) for _ in range(12)], SamplingParams())
+        for step in range(600):
+            action = rng.random()
+            before = list(s.tokens)
+            if action < 0.45:
+                k = rng.randint(1, 6)
+                n, p = longest_suffix_match(np.asarray(before, dtype=np.int64), d.max_ngram,
+                                            d.min_ngram)
+                got = s.propose(k).tokens
+                if n:
+                    assert got == before[p + n: p + n + min(k, 3 * n)], (step, before)
+                assert s.tokens == before + got
+            elif action < 0.7:
+                s.append([rng.randrange(7) for _ in range(rng.randint(1, 4))])
+            elif action < 0.85:
+                s.rollback(rng.randint(1, len(s.tokens)))
+            else:
+                s.retract(rng.randint(1, len(s.tokens)))
+
+
 def test_a_bigram_tables_best_follows_what_it_observes():
     """``best`` (read from a cache a change clears) is the most counted follower, the first of
     equals, and its share, after every observation, eviction included."""

@@ -119,7 +119,7 @@ class MaGSession(DraftSession):
         self.drafter = drafter
         self._verified = len(tokens)  # tokens before this index are confirmed (prompt/committed)
         self._array = TokenArray()  # read only for trees and contexts with many candidates
-        self._places = TokenPlaces()
+        self._places = TokenPlaces(self._array)
 
     def propose(self, k: int) -> Draft:
         out, _ = self._chain(k)

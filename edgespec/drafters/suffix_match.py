@@ -21,8 +21,8 @@ from .base import Branch
 
 class TokenArray:
     """A session's tokens as a NumPy array kept beside its list, extended by what was appended
-    since the last read: a suffix match reads the whole context each chunk, and turning a
-    1,000-token list into an array cost 31 us a chunk, six times the match itself. The session
+    since the last read: turning a 1,000-token list into an array cost 31 us, six times a match
+    on it (read for trees' branches and contexts with many candidates). The session
     tells it of a rollback (``cut``: both of its rollbacks do); a list changed behind its back
     is read again whole when that shows in its last mirrored token, and only then."""
 
@@ -110,11 +110,13 @@ class TokenPlaces:
     """Each token's positions in a session's list, ascending, kept beside the list as
     ``TokenArray`` keeps its array: what was appended since the last read is indexed, a
     rollback it is told of (``cut``) drops the positions past it, and a list changed behind its
-    back is indexed again whole when that shows in its last indexed token."""
+    back is indexed again whole when that shows in its last indexed token (and ``array``, the
+    same list's ``TokenArray`` if it has one, read less often, is then read again whole too)."""
 
-    def __init__(self) -> None:
+    def __init__(self, array: TokenArray | None = None) -> None:
         self._places: dict[int, list[int]] = {}
         self._mirror: list[int] = []  # the tokens indexed, in order
+        self._array = array
 
     def cut(self, length: int) -> None:
         """The list was cut to ``length`` tokens."""
@@ -129,6 +131,8 @@ class TokenPlaces:
         if n > len(tokens) or (n and mirror[-1] != tokens[n - 1]):
             self._mirror, self._places = mirror, places = [], {}
             n = 0
+            if self._array is not None:
+                self._array.cut(0)
         for i in range(n, len(tokens)):
             token = tokens[i]
             where = places.get(token)
