@@ -303,8 +303,9 @@ class DrafterAgent:
                 self.attaches += 1
                 self.connected.set()
                 self._outage_since = None
-                log.info("attached to %s as %s (target %s)", self.cache, self.device_id,
-                         reg.target_model)
+                log.info("attached to %s as %s (target %s; drafting with %s, %s)", self.cache,
+                         self.device_id, reg.target_model, self.drafter.name,
+                         f"trees of width {self.tree_width}" if self.tree_width > 1 else "chains")
             elif kind == "assignment":
                 self._apply_assignment(msg.assignment)
             elif kind == "commit":

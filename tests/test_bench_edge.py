@@ -47,7 +47,7 @@ def test_edge_drafting_against_the_server_alone_as_processes(looping_dir, tmp_pa
          str(tmp_path / "edge.png"),
          # a fixed draft length, waited for: that the board's drafts are verified does not
          # depend on how fast this machine runs the planner's first steps
-         "--serve-arg=--no-adaptive"],
+         "--serve-arg=--no-adaptive", "--board-arg=--tree-width=2"],
         capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     report = json.loads(out.read_text())
@@ -68,5 +68,7 @@ def test_edge_drafting_against_the_server_alone_as_processes(looping_dir, tmp_pa
     assert stages["commits"] > 0 and 0 <= stages["ahead_share"] <= 1
     assert stages["link_rtt_ms"] > 0 and "commit -> usable draft" in r.stdout
     assert "server on cpus" in report["config"]["split"]
+    assert report["config"]["board_args"] == ["--tree-width=2"]  # and the board drafted trees:
+    assert "trees of width 2" in (tmp_path / "bench-edge-2x1-board-0.log").read_text()
     assert "2x1" in r.stdout and "draft ready in" in r.stdout
     assert (tmp_path / "edge.png").read_bytes().startswith(b"\x89PNG")

@@ -53,6 +53,9 @@ def add_bench_edge_args(p) -> None:
     p.add_argument("--serve-arg", action="append", default=[], metavar="ARG",
                    help="pass ARG on to edgespec serve, e.g. --serve-arg=--late-after=0 "
                         "(repeatable)")
+    p.add_argument("--board-arg", action="append", default=[], metavar="ARG",
+                   help="pass ARG on to every board's edgespec drafter, e.g. "
+                        "--board-arg=--tree-width=2 (repeatable)")
     p.add_argument("--json", dest="json_out", default="bench-results/bench-edge.json",
                    metavar="FILE", help="where to write the JSON results (default: %(default)s)")
     p.add_argument("--plot", metavar="FILE.png", default=None,
@@ -143,6 +146,7 @@ def run_bench_edge(args) -> int:
                          "max_new_tokens": args.max_new_tokens, "questions": len(questions),
                          "split": split.describe(), "server_threads": threads,
                          "board_threads": args.board_threads, "serve_args": args.serve_arg,
+                         "board_args": args.board_arg,
                          "cpu": cpu_kind().as_json()},
               "fleets": results}
     print(f"machine: {cpu_kind().describe()}")
@@ -213,7 +217,8 @@ def _measure_fleet(args, split, threads: int, sessions: int, boards: int, questi
             for dev, mport in zip(devices, board_ports):
                 procs.append(_Proc(["drafter", "--cache", address, "--device-id", dev,
                                     "--drafter", args.drafter, "--threads",
-                                    args.board_threads, "--metrics-port", mport],
+                                    args.board_threads, "--metrics-port", mport,
+                                    *args.board_arg],
                                    out_dir / f"bench-edge-{tag}-{dev}.log", split.boards))
             for p in procs:
                 p.wait_for("attached to")
