@@ -68,7 +68,9 @@ def test_edge_drafting_against_the_server_alone_as_processes(looping_dir, tmp_pa
     assert stages["commits"] > 0 and 0 <= stages["ahead_share"] <= 1
     assert stages["link_rtt_ms"] > 0 and "commit -> usable draft" in r.stdout
     assert "server on cpus" in report["config"]["split"]
-    assert report["config"]["board_args"] == ["--tree-width=2"]  # and the board drafted trees:
-    assert "trees of width 2" in (tmp_path / "bench-edge-2x1-board-0.log").read_text()
+    assert report["config"]["board_args"] == ["--tree-width=2"]  # and the board drafted trees
+    board_log = (tmp_path / "bench-edge-2x1-board-0.log").read_text()  # the cache took:
+    assert "trees of width 2" in board_log and "refuses tree chunks" not in board_log
+    assert "INVALID_ARGUMENT" not in edge["chunks_refused"]
     assert "2x1" in r.stdout and "draft ready in" in r.stdout
     assert (tmp_path / "edge.png").read_bytes().startswith(b"\x89PNG")

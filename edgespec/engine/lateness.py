@@ -34,8 +34,8 @@ class EmptyDrafts:
     """A step's session steps of one drafter asked for a draft and given none, by what came
     before: ``opening``, no draft of the session's from it held tokens yet (it is reading the
     prompt); ``again``, the session's step before that asked for one got none either (a run
-    of empty drafts: it has not caught up since); ``after_fix``, the step before verified a
-    draft of it and its commit sent a fix (a draft token rejected, or the step's own token
+    of empty drafts: it has not caught up since); ``after_fix``, the last step that asked got
+    tokens and the last commit sent a fix (a draft token rejected, or the step's own token
     past the draft not the board's next): it drafts anew from there; ``other``, none of these
     (it had not drafted as far as its draft was taken)."""
 
