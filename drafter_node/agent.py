@@ -94,6 +94,7 @@ class DrafterAgent:
         self.fingerprint = fingerprint
         self.window, self.chunk = window, chunk
         self.ahead_chunk = AHEAD_CHUNK  # a fix waits for no more of a chunk drafted ahead
+        self.first_chunk = 1  # after a fix, its first token reaches the cache a token sooner
         # a board's own time: a fix waits for no more than one job, or, for a drafter that
         # drafts its sessions together (llama.cpp's sequences), one turn of its forwards
         self.jobs_at_once = max(1, drafter.batch_jobs)

@@ -62,6 +62,7 @@ class RecordingChannel:
         self.cond = threading.Condition()
         self.window, self.chunk, self.tree_width = 8, 4, 1
         self.ahead_chunk = 2
+        self.first_chunk = 4  # the whole chunk (a test sets a board's 1)
         self.jobs_at_once = 1
         self.delivered: list[tuple[str, int, int, list[int]]] = []
         self.refused: list[tuple[str, int]] = []
@@ -428,6 +429,19 @@ def test_chunks_beyond_the_next_ask_are_short(loop):
     _eventually(lambda: len(channel.delivered) == 3, "a lead of 8", channel)
     assert [(start, tokens) for _, _, start, tokens in channel.delivered] == [
         (3, [4, 5, 6, 7]), (7, [8, 9]), (9, [10, 11])]
+
+
+def test_a_boards_first_chunk_at_the_committed_end_is_one_token(loop):
+    """A board's chunk that starts at the committed end (a session's opening, or after a fix)
+    holds one token, so the next step's first token reaches the cache a token's drafting
+    sooner; the chunks after it are the usual ones."""
+    drafter, channel, book, _ = loop
+    channel.first_chunk = 1
+    drafter.gate.set()
+    _open(channel, book, wanted=3)
+    _eventually(lambda: len(channel.delivered) == 4, "a lead of 8", channel)
+    assert [(start, tokens) for _, _, start, tokens in channel.delivered] == [
+        (3, [4]), (4, [5, 6, 7, 8]), (8, [9, 10]), (10, [11])]
 
 
 class CountingSession(DraftSession):

@@ -436,3 +436,45 @@ def test_bad_partition_schedules_are_refused_with_the_reason(text, message):
 
     with pytest.raises(ConfigError, match=message):
         parse_fault_schedule(text)
+
+
+def test_a_session_whose_board_drafts_anew_after_a_fix_is_waited_for_as_its_draft_is_worth(
+        tiny, monkeypatch):
+    """After a fix its board holds nothing for the session: the step waits for that draft as
+    long as the planner finds it worth (``wait_worth`` uncapped), past the deadline for drafts
+    on their way, and the take's deadline follows; a session not after a fix, or whose board
+    has not drafted for it yet (it reads the prompt), keeps the deadline's cap."""
+    from edgespec.config import EngineConfig
+    from edgespec.engine import spec_engine
+    from edgespec.engine.spec_engine import Request, SpecEngine
+    from edgespec.runner.target_runner import TargetRunner
+
+    monkeypatch.setattr(spec_engine, "plan_drafts", lambda acts, *a: [2] * len(acts))
+    monkeypatch.setattr(spec_engine, "wait_worth", lambda g, ks, cost, cap: [min(cap, 0.08)]
+                        * len(ks))
+    with SpecEngine(TargetRunner(tiny.model, n_slots=2, max_len=64), None,
+                    EngineConfig(draft_wait_ms=10, late_after=0)) as engine:  # never late
+        act = engine.add(Request([1, 5, 6], 4), device="board")
+        class Fitted:  # a fitted forward cost: a second a row and token
+            def seconds(self, rows, width):
+                return 1.0 * rows * width
+
+        monkeypatch.setattr(engine.cost, "model", lambda: Fitted())
+        deadlines = []
+        take = engine.store.take_when_ready
+        monkeypatch.setattr(engine.store, "take_when_ready",
+                            lambda wants, wait_s: deadlines.append(wait_s) or take(wants, 0.0))
+
+        def wait() -> float:
+            [want] = engine._plan()
+            assert want.k == 2 and want.wait
+            engine._take([want])
+            return want.wait_s
+
+        assert wait() == 0.01  # opening: nothing drafted for it yet
+        act.fixed = True
+        assert wait() == 0.01  # its board still reads the prompt
+        act.board_drafted = True
+        assert wait() == 0.08 and deadlines[-1] == 0.08  # drafting anew after a fix
+        act.fixed = False
+        assert wait() == 0.01 and deadlines[-1] == 0.01

@@ -106,6 +106,7 @@ class OpenChannel:
         self.cond = threading.Condition()
         self.window, self.chunk, self.tree_width = 8, 4, 1
         self.ahead_chunk = 2
+        self.first_chunk = 4
         self.jobs_at_once = 1
 
     def can_draft(self, sid, start) -> bool:

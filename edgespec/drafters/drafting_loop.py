@@ -4,25 +4,27 @@ session store, or the draft cache's Attach stream.
 
 The loop keeps a ``DraftTarget`` per session it drafts for, in a ``DraftBook`` guarded by the
 channel's lock. The transport records what happens to the sessions (a new one, the verifier's
-commits and fixes, a close) in the book, under that lock. The loop plans a round under the lock:
-it applies the fixes received, sends held tokens again, and lists its jobs: the sessions to
-open, then every session with room in its window (W tokens beyond the committed position, or
-fewer: about twice what the verifier's last step asked of it, ``lead_cap``; none while it asks
-0), furthest behind first, a chunk each (beyond what the verifier's next step asks, chunks of
-the channel's ``ahead_chunk``: a board's is AHEAD_CHUNK, so that a fix that comes while one is
-drafted waits for no more than that; in process, where the verifier and the drafter share the
-host, the whole chunk, since each chunk costs the host its own round of work). It does the jobs
-in turns, each job checked under the lock first (a job whose session was fixed, closed or moved
-since is left to the next round), and plans a new round when the round is done or news came (a
-session, a commit, a fix): one pass over the sessions a round, not one a chunk. A turn is one
-job, or several where the channel asks for it (``jobs_at_once``): a drafter that drafts in
-microseconds in process (each turn costs the verifier's host a lock round trip), and a drafter
-that drafts several sessions a forward (``Drafter.batch_jobs``, llama.cpp's sequences), whose
-turn is a round's chunks in one ``propose_many``: a turn's chunks are handed on when its longest
-is done, and a fix that arrives meanwhile waits for the turn. It does a turn's jobs outside the
-lock (``drafting_turn``), so receiving a fix or a commit never waits behind a model drafter's
-forward, then hands the chunks to the transport under the lock, unless a fix arrived meanwhile:
-a chunk then waits in the draft session for that fix to judge it.
+commits and fixes, a close) in the book, under that lock. The loop plans a round under the lock: it
+applies the fixes received, sends held tokens again, and lists its jobs: the sessions to open, then
+every session with room in its window (W tokens beyond the committed position, or fewer: about twice
+what the verifier's last step asked of it, ``lead_cap``; none while it asks 0), furthest behind
+first, a chunk each (beyond what the verifier's next step asks, chunks of the channel's
+``ahead_chunk``: a board's is AHEAD_CHUNK, so that a fix that comes while one is drafted waits for
+no more than that; from the committed end, after a fix or at the opening, the channel's
+``first_chunk``: a board's is one token, so that the next step, which waits for it, gets its first
+token a token's drafting sooner; in process, where the verifier and the drafter share the host, the
+whole chunk, since each chunk costs the host its own round of work). It does the jobs in turns, each
+job checked under the lock first (a job whose session was fixed, closed or moved since is left to
+the next round), and plans a new round when the round is done or news came (a session, a commit, a
+fix): one pass over the sessions a round, not one a chunk. A turn is one job, or several where the
+channel asks for it (``jobs_at_once``): a drafter that drafts in microseconds in process (each turn
+costs the verifier's host a lock round trip), and a drafter that drafts several sessions a forward
+(``Drafter.batch_jobs``, llama.cpp's sequences), whose turn is a round's chunks in one
+``propose_many``: a turn's chunks are handed on when its longest is done, and a fix that arrives
+meanwhile waits for the turn. It does a turn's jobs outside the lock (``drafting_turn``), so
+receiving a fix or a commit never waits behind a model drafter's forward, then hands the chunks to
+the transport under the lock, unless a fix arrived meanwhile: a chunk then waits in the draft
+session for that fix to judge it.
 
 A fix (roll back to a position, append the verifier's tokens) is applied against everything the
 draft session holds, sent or not (``apply_fix``): where the session's tokens already hold the
@@ -76,6 +78,7 @@ class DraftChannel(Protocol):
     window: int  # tokens drafted beyond the committed position
     chunk: int  # tokens per chunk
     ahead_chunk: int  # tokens per chunk beyond what the verifier's next step asks
+    first_chunk: int  # tokens in the chunk that starts at the committed end (after a fix)
     tree_width: int  # 1: chains; more: chains with up to tree_width - 1 branches
     # jobs done in one turn outside the lock, their chunks handed on in one turn under it:
     # 1 for a drafter whose job takes a forward (a fix waits for no more than one), more for
@@ -259,6 +262,8 @@ def _plan_round(channel: DraftChannel, book: DraftBook, together: int = 1) -> li
         if room > 0 and channel.can_draft(sid, start):
             if t.wanted is not None and lead >= t.wanted:  # beyond the next step's ask
                 room = min(room, channel.ahead_chunk)
+            elif lead == 0:  # after a fix or at the opening: the next step's first token first
+                room = min(room, channel.first_chunk)
             chunks.append((lead, Job(sid, t, False, t.epoch, start, room)))
     # the sessions drafted in turn: a drafter that drafts ``together`` sessions a forward drafts
     # a round's chunks in one turn of its forwards

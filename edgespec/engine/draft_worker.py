@@ -39,7 +39,7 @@ class LocalChannel:
         # sessions with MaG against chunks of AHEAD_CHUNK); a cheap drafter's chunk is all
         # the room its session has (MaG at 64 sessions: 1.5 -> 1.1 chunks a session-step)
         self.chunk = cfg.window if cheap else cfg.chunk
-        self.ahead_chunk = self.chunk
+        self.ahead_chunk = self.first_chunk = self.chunk
         self._last_fix: dict[str, int] = {}  # sid -> the last fix id the book has
         with store.lock:
             store.read_changes()  # from now on the store keeps what changed

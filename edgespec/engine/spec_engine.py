@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import operator
 import time
 from collections.abc import Callable, Sequence
@@ -237,6 +238,14 @@ class SpecEngine(SessionLifecycle):
             worth = [wait_s] * len(acts)
         # a late drafter's turn to be waited for comes on a step that would wait for its
         # drafts: one that asks it for some, worth a wait
+        if self.cfg.adaptive and not self.prober.probing and not settled and \
+                self.cost.model() is not None and any(a.fixed and a.board_drafted for a in acts):
+            # a board drafting anew after a fix holds nothing yet: without a wait its session
+            # decodes one token this step; its draft is worth the wait the planner weighs
+            # (less than a forward), however short the deadline for drafts on their way
+            anew = wait_worth(gains, ks, self.cost, math.inf)
+            worth = [max(w, x) if a.fixed and a.board_drafted else w
+                     for a, w, x in zip(acts, worth, anew)]
         skip = self.lateness.not_waited_for({a.drafter for a, k, w in zip(acts, ks, worth)
                                              if a.drafter and k > 0 and w > 0})
         for a, told in zip(acts, told_wants(ks, self.prober, self.cfg.adaptive, notice)):
@@ -291,7 +300,9 @@ class SpecEngine(SessionLifecycle):
         if self.inline is not None:  # drafted here, now: the take finds them ready
             self.inline.draft(wants)
         t0 = time.perf_counter()  # the take's wait, as a drafter's lateness counts it
-        taken = self.store.take_when_ready(wants, self.wait_ms / 1000)
+        # the deadline for drafts on their way, or longer for a draft worth more (a fix's)
+        deadline = max([self.wait_ms / 1000, *(w.wait_s or 0.0 for w in wants if w.wait)])
+        taken = self.store.take_when_ready(wants, deadline)
         self._record_lateness(wants, taken, acts, time.perf_counter() - t0)
         out, asked = [], []
         for want, t in zip(wants, taken):
