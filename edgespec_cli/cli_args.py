@@ -78,7 +78,8 @@ def add_engine_args(p: argparse.ArgumentParser, in_process: bool = True) -> None
     p.add_argument("--draft-wait-ms", metavar="MS", type=float, default=None,
                    help="how long a step waits for a draft on its way, each session at most "
                         "as long as its draft is worth; a session whose board drafts anew "
-                        "after a fix, as long as its draft is worth (default: in process, the "
+                        "after a fix, as long as its draft is worth even past this (adaptive "
+                        "planning; 0: no wait at all) (default: in process, the "
                         "drafter's own: 10 for mag, 100 for model drafters; a distributed "
                         "verifier: 10)")
     p.add_argument("--late-after", metavar="N", type=int, default=d.late_after,

@@ -478,3 +478,6 @@ def test_a_session_whose_board_drafts_anew_after_a_fix_is_waited_for_as_its_draf
         assert wait() == 0.08 and deadlines[-1] == 0.08  # drafting anew after a fix
         act.fixed = False
         assert wait() == 0.01 and deadlines[-1] == 0.01
+        act.fixed, engine.wait_ms = True, 0.0  # --draft-wait-ms 0: no step waits, even so
+        [want] = engine._plan()
+        assert not want.wait

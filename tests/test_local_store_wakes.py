@@ -140,6 +140,23 @@ def test_a_round_drafts_the_sessions_furthest_behind_first_within_their_window()
     assert jobs == [("b", 3, 4), ("d", 5, 4), ("a", 8, 3)]
 
 
+def test_a_chunk_from_the_committed_end_is_short_unless_drafted_beside_longer_ones():
+    """A session with nothing drafted past its committed end (after a fix, or at the opening)
+    gets a chunk of ``first_chunk`` tokens; a drafter that drafts a round's sessions together
+    (a turn's chunks are handed on together) cuts it only when every chunk of the round starts
+    there, as it would come no sooner, only shorter."""
+    channel = OpenChannel()
+    channel.first_chunk = 1
+
+    def chunks(leads: dict[str, int], together: int) -> list[tuple[str, int]]:
+        queue = _plan_round(channel, _book(leads), together)
+        return sorted((j.sid, j.n) for j in queue)
+
+    assert chunks({"a": 0, "b": 2}, together=1) == [("a", 1), ("b", 4)]
+    assert chunks({"a": 0, "b": 2}, together=2) == [("a", 4), ("b", 4)]
+    assert chunks({"a": 0, "b": 0}, together=2) == [("a", 1), ("b", 1)]
+
+
 def test_a_planned_job_whose_session_was_fixed_is_left_to_the_next_round():
     book, channel = _book({"a": 0, "b": 0}), OpenChannel()
     queue = _plan_round(channel, book)

@@ -262,15 +262,17 @@ def _plan_round(channel: DraftChannel, book: DraftBook, together: int = 1) -> li
         if room > 0 and channel.can_draft(sid, start):
             if t.wanted is not None and lead >= t.wanted:  # beyond the next step's ask
                 room = min(room, channel.ahead_chunk)
-            elif lead == 0:  # after a fix or at the opening: the next step's first token first
-                room = min(room, channel.first_chunk)
             chunks.append((lead, Job(sid, t, False, t.epoch, start, room)))
     # the sessions drafted in turn: a drafter that drafts ``together`` sessions a forward drafts
     # a round's chunks in one turn of its forwards
     n = book.pace.chunk(channel.chunk, -(-drafting // together))
     chunks.sort(key=lambda lj: lj[0])
-    for _, job in chunks:
-        job.n = min(job.n, n)
+    # a chunk from the committed end (after a fix, or at the opening) is ``first_chunk``: the
+    # next step's first token first; not where a turn drafts it beside longer chunks (a turn's
+    # chunks are handed on together: it would come no sooner, only shorter)
+    first = together == 1 or all(lead == 0 for lead, _ in chunks)
+    for lead, job in chunks:
+        job.n = min(job.n, n, channel.first_chunk if first and lead == 0 else n)
     return [job for _, job in reversed(chunks)] + opening[::-1]
 
 

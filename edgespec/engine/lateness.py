@@ -1,6 +1,8 @@
 """A late drafter costs only its own sessions: which drafters the verifier stops waiting for.
 
-A verification step waits, up to the draft deadline, until every session's draft is ready. A board
+A verification step waits, up to the draft deadline (a session whose board drafts anew after a
+fix, up to what its draft is worth, less than a forward), until every session's draft is ready. A
+board
 whose link went silent or slow would make every step of the whole batch wait the full deadline: on
 a GPU step of a few milliseconds that multiplies everyone's step time. So the engine learns each
 drafter's lateness from the steps, judged by what its drafts were worth: a drafter whose drafts

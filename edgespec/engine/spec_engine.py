@@ -236,9 +236,7 @@ class SpecEngine(SessionLifecycle):
             worth = wait_worth(gains, ks, self.cost, wait_s)
         else:
             worth = [wait_s] * len(acts)
-        # a late drafter's turn to be waited for comes on a step that would wait for its
-        # drafts: one that asks it for some, worth a wait
-        if self.cfg.adaptive and not self.prober.probing and not settled and \
+        if self.cfg.adaptive and not self.prober.probing and not settled and wait_s > 0 and \
                 self.cost.model() is not None and any(a.fixed and a.board_drafted for a in acts):
             # a board drafting anew after a fix holds nothing yet: without a wait its session
             # decodes one token this step; its draft is worth the wait the planner weighs
@@ -246,6 +244,8 @@ class SpecEngine(SessionLifecycle):
             anew = wait_worth(gains, ks, self.cost, math.inf)
             worth = [max(w, x) if a.fixed and a.board_drafted else w
                      for a, w, x in zip(acts, worth, anew)]
+        # a late drafter's turn to be waited for comes on a step that would wait for its
+        # drafts: one that asks it for some, worth a wait
         skip = self.lateness.not_waited_for({a.drafter for a, k, w in zip(acts, ks, worth)
                                              if a.drafter and k > 0 and w > 0})
         for a, told in zip(acts, told_wants(ks, self.prober, self.cfg.adaptive, notice)):
