@@ -155,6 +155,13 @@ def test_a_chunk_from_the_committed_end_is_short_unless_drafted_beside_longer_on
     assert chunks({"a": 0, "b": 2}, together=1) == [("a", 1), ("b", 4)]
     assert chunks({"a": 0, "b": 2}, together=2) == [("a", 4), ("b", 4)]
     assert chunks({"a": 0, "b": 0}, together=2) == [("a", 1), ("b", 1)]
+    book = _book({"a": 0})  # a fix agreed with what it held: the board is behind the steps,
+    book.fix("a", 0, 3, (4,))  # and gets whole chunks, whose rest a step cannot overtake
+    book.targets["a"].draft.tokens.append(4)
+    assert [(j.sid, j.n) for j in _plan_round(channel, book)] == [("a", 4)]
+    book = _book({"a": 0})
+    book.fix("a", 0, 3, (4,))  # a fix that rolled nothing back but held nothing either
+    assert [(j.sid, j.n) for j in _plan_round(channel, book)] == [("a", 1)]
 
 
 def test_a_planned_job_whose_session_was_fixed_is_left_to_the_next_round():

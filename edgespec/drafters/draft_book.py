@@ -33,6 +33,9 @@ class DraftTarget:
     # where the draft session's tokens that the cache does not hold begin (a fix that agreed
     # with them kept them): sent again before anything new is drafted
     held_from: int | None = None
+    # the last fix agreed with the tokens it held (a step decoded them before their chunk came:
+    # the board is behind the steps), where a one-token chunk would be overtaken again
+    overtaken: bool = False
     last_commit_s: float | None = None  # when the committed end last moved (monotonic)
     wanted: int | None = None  # draft tokens the verifier's last step asked of it (None: unsaid)
     sent_end: int | None = None  # where the chunks handed on under this epoch end

@@ -189,6 +189,7 @@ def _apply_fixes(sid: str, t: DraftTarget, channel: DraftChannel, book: DraftBoo
         for position, tokens in t.fixes:
             before = len(t.draft.tokens)
             kept, cut = _fix_draft(t.draft, position, tokens)
+            t.overtaken = cut == position + len(tokens)  # it held the fix's tokens
             if kept:
                 book.counts.tokens_kept += kept
                 t.held_from = position + len(tokens)
@@ -269,10 +270,13 @@ def _plan_round(channel: DraftChannel, book: DraftBook, together: int = 1) -> li
     chunks.sort(key=lambda lj: lj[0])
     # a chunk from the committed end (after a fix, or at the opening) is ``first_chunk``: the
     # next step's first token first; not where a turn drafts it beside longer chunks (a turn's
-    # chunks are handed on together: it would come no sooner, only shorter)
+    # chunks are handed on together: it would come no sooner, only shorter), nor after a fix
+    # that overtook the board's chunk (a board behind the steps gets its drafts verified by the
+    # rest of an overtaken chunk, kept and sent again: a one-token chunk has no rest)
     first = together == 1 or all(lead == 0 for lead, _ in chunks)
     for lead, job in chunks:
-        job.n = min(job.n, n, channel.first_chunk if first and lead == 0 else n)
+        short = first and lead == 0 and not job.target.overtaken
+        job.n = min(job.n, n, channel.first_chunk if short else n)
     return [job for _, job in reversed(chunks)] + opening[::-1]
 
 
