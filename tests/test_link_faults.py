@@ -450,8 +450,8 @@ def test_a_session_whose_board_drafts_anew_after_a_fix_is_waited_for_as_its_draf
     from edgespec.runner.target_runner import TargetRunner
 
     monkeypatch.setattr(spec_engine, "plan_drafts", lambda acts, *a: [2] * len(acts))
-    monkeypatch.setattr(spec_engine, "wait_worth", lambda g, ks, cost, cap: [min(cap, 0.08)]
-                        * len(ks))
+    monkeypatch.setattr(spec_engine, "wait_worth",
+                        lambda g, ks, cost, caps: [min(c, 0.08) for c in caps])
     with SpecEngine(TargetRunner(tiny.model, n_slots=2, max_len=64), None,
                     EngineConfig(draft_wait_ms=10, late_after=0)) as engine:  # never late
         act = engine.add(Request([1, 5, 6], 4), device="board")

@@ -275,8 +275,9 @@ def _plan_round(channel: DraftChannel, book: DraftBook, together: int = 1) -> li
     # rest of an overtaken chunk, kept and sent again: a one-token chunk has no rest)
     first = together == 1 or all(lead == 0 for lead, _ in chunks)
     for lead, job in chunks:
-        short = first and lead == 0 and not job.target.overtaken
-        job.n = min(job.n, n, channel.first_chunk if short else n)
+        job.n = min(job.n, n)
+        if first and lead == 0 and not job.target.overtaken:
+            job.n = min(job.n, channel.first_chunk)
     return [job for _, job in reversed(chunks)] + opening[::-1]
 
 

@@ -125,11 +125,11 @@ def _rate_of(own: np.ndarray, ks: Sequence[int], model: CostModel) -> float:
 
 
 def wait_worth(gains: BatchGains | Sequence[Sequence[float]], ks: Sequence[int],
-               cost: ForwardCost, wait_s: float) -> list[float]:
-    """How long (at most ``wait_s``) the step should wait for each session's draft: its
-    expected tokens' worth in the step's time, G / rate, since a wait delays every row by as
-    much (the batch decodes ``rate`` tokens a second as planned). 0 without a draft; before any
-    step, ``wait_s`` for each with one."""
+               cost: ForwardCost, wait_s: float | Sequence[float]) -> list[float]:
+    """How long (at most ``wait_s``, or each session's own) the step should wait for each
+    session's draft: its expected tokens' worth in the step's time, G / rate, since a wait
+    delays every row by as much (the batch decodes ``rate`` tokens a second as planned). 0
+    without a draft; before any step, ``wait_s`` for each with one."""
     k = np.asarray(ks, dtype=np.int64)
     model = cost.model()
     if model is None:

@@ -1,19 +1,18 @@
 """A late drafter costs only its own sessions: which drafters the verifier stops waiting for.
 
-A verification step waits, up to the draft deadline (a session whose board drafts anew after a
-fix, up to what its draft is worth, less than a forward), until every session's draft is ready. A
-board
-whose link went silent or slow would make every step of the whole batch wait the full deadline: on
-a GPU step of a few milliseconds that multiplies everyone's step time. So the engine learns each
-drafter's lateness from the steps, judged by what its drafts were worth: a drafter whose drafts
-held nothing (not a token, and not ready) for some session of it at the end of ``MISSES_TO_LATE``
-steps in a row is *late* (a board that holds fewer tokens than asked, as a board slower than the
-steps does, still brings tokens: the step waits for it only as long as its draft is worth,
+A verification step waits, up to the draft deadline (a session whose board drafts anew after a fix,
+up to what its draft is worth, less than a forward), until every session's draft is ready. A board
+whose link went silent or slow would make every step of the whole batch wait the full deadline: on a
+GPU step of a few milliseconds that multiplies everyone's step time. So the engine learns each
+drafter's lateness from the steps, judged by what its drafts were worth: a drafter whose drafts held
+nothing (not a token, and not ready) for some session of it at the end of ``MISSES_TO_LATE`` steps
+in a row is *late* (a board that holds fewer tokens than asked, as a board slower than the steps
+does, still brings tokens: the step waits for it only as long as its draft is worth,
 ``draft_planner.wait_worth``), and its sessions are then verified with whatever they hold without
 being waited for (at worst as target-only decoding: one token a step), except every
 ``PROBE_EVERY``-th step that asks it for drafts, which waits for it; as soon as its drafts hold
-tokens (or are ready) when taken in ``HITS_TO_RECOVER`` steps in a row it is waited for again.
-Only speed depends on this, never output: a shorter draft verifies to the same tokens.
+tokens (or are ready) when taken in ``HITS_TO_RECOVER`` steps in a row it is waited for again. Only
+speed depends on this, never output: a shorter draft verifies to the same tokens.
 
 The counts per drafter (``DrafterLink``) feed ``/metrics`` and ``edgespec status``, so an
 operator sees which board's link is bad (``/metrics`` alone: each session step asked for a draft

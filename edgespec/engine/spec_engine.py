@@ -233,17 +233,15 @@ class SpecEngine(SessionLifecycle):
         wait_s = self.wait_ms / 1000
         # a probe is waited for (it measures); no wait (0 s) is worth weighing
         if self.cfg.adaptive and not self.prober.probing and wait_s > 0 and not settled:
-            worth = wait_worth(gains, ks, self.cost, wait_s)
-        else:
-            worth = [wait_s] * len(acts)
-        if self.cfg.adaptive and not self.prober.probing and not settled and wait_s > 0 and \
-                self.cost.model() is not None and any(a.fixed and a.board_drafted for a in acts):
             # a board drafting anew after a fix holds nothing yet: without a wait its session
             # decodes one token this step; its draft is worth the wait the planner weighs
-            # (less than a forward), however short the deadline for drafts on their way
-            anew = wait_worth(gains, ks, self.cost, math.inf)
-            worth = [max(w, x) if a.fixed and a.board_drafted else w
-                     for a, w, x in zip(acts, worth, anew)]
+            # (less than a forward, once the forward's cost is fitted), however short the
+            # deadline for drafts on their way
+            fitted = self.cost.model() is not None
+            caps = [math.inf if fitted and a.fixed and a.board_drafted else wait_s for a in acts]
+            worth = wait_worth(gains, ks, self.cost, caps)
+        else:
+            worth = [wait_s] * len(acts)
         # a late drafter's turn to be waited for comes on a step that would wait for its
         # drafts: one that asks it for some, worth a wait
         skip = self.lateness.not_waited_for({a.drafter for a, k, w in zip(acts, ks, worth)
