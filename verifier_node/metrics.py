@@ -36,6 +36,9 @@ sessions continued here whose output so far another kernel set decoded.
 CUDA graphs (``edgespec.runner.step_graphs``, a GPU verifier): ``edgespec:cuda_graph_buckets``,
 ``edgespec:cuda_graphs_captured``, ``edgespec:cuda_graphs_failed`` (1: steps run eagerly) and
 ``edgespec:cuda_graph_replays_total``.
+The verifier's own drafts for boards' empty ones (``--fill-drafts``):
+``edgespec:fill_draft_tokens_total{device}``, ``edgespec:fill_accepted_tokens_total{device}``
+(finished sessions; counted in ``spec_decode_num_draft_tokens_total`` too).
 The draft head (``--head``): ``edgespec:head_draft_tokens_total``,
 ``edgespec:head_accepted_tokens_total``, and gauges ``edgespec:head_version`` and
 ``edgespec:head_held_out_tokens_per_step`` (``--learn`` moves both). ``--auto``:
@@ -132,6 +135,13 @@ class VerifierMetrics:
         self.prefilling = Gauge("edgespec:num_requests_prefilling",
                                 "Sessions in KV slots waiting for their prompts' prefill",
                                 registry=r)
+        self.fill_tokens = Counter("edgespec:fill_draft_tokens",
+                                   "Tokens the verifier drafted itself for its boards' empty "
+                                   "drafts (--fill-drafts; finished sessions)", ["device"],
+                                   registry=r)
+        self.fill_accepted = Counter("edgespec:fill_accepted_tokens",
+                                     "Of the verifier's fill tokens, those accepted (finished "
+                                     "sessions)", ["device"], registry=r)
         self.head_tokens = Counter("edgespec:head_draft_tokens",
                                    "Tokens the verifier's draft head proposed (finished "
                                    "sessions)", registry=r)
@@ -276,14 +286,21 @@ class VerifierMetrics:
             with self._lock:
                 if device not in self._by_device and len(self._by_device) >= MAX_DEVICES:
                     device = "other"  # drafters may choose their ids: keep the series bounded
-            self.device_drafts.labels(device).inc(stats.num_drafts)
-            self.device_draft_tokens.labels(device).inc(stats.draft_tokens)
-            self.device_accepted.labels(device).inc(stats.accepted_tokens)
+            # the board's own drafts: the verifier's fills for its empty ones counted apart
+            drafts = stats.num_drafts - stats.fill_drafts
+            tokens = stats.draft_tokens - stats.fill_tokens
+            accepted = stats.accepted_tokens - stats.fill_accepted
+            self.device_drafts.labels(device).inc(drafts)
+            self.device_draft_tokens.labels(device).inc(tokens)
+            self.device_accepted.labels(device).inc(accepted)
+            if stats.fill_tokens:
+                self.fill_tokens.labels(device).inc(stats.fill_tokens)
+                self.fill_accepted.labels(device).inc(stats.fill_accepted)
             with self._lock:
                 agg = self._by_device.setdefault(device, [0, 0, 0])
-                agg[0] += stats.num_drafts
-                agg[1] += stats.draft_tokens
-                agg[2] += stats.accepted_tokens
+                agg[0] += drafts
+                agg[1] += tokens
+                agg[2] += accepted
 
     def failed(self) -> None:
         self.failure.inc()

@@ -62,6 +62,9 @@ class StepDraft:
     tokens: tuple[int, ...]  # the chain
     branches: tuple[Branch, ...] = ()  # the drafter's, then the head's (HeadBranches)
     head_offer: tuple[int, ...] = ()  # what the head proposed (what its stats count)
+    # what the verifier's fill proposed for an empty board draft (``fill_drafts``): its one
+    # HeadBranch, at 0
+    fill_offer: tuple[int, ...] = ()
     # --auto: every source's proposal, verified or not (None: the source was not asked)
     offers: Mapping[str, tuple[int, ...] | None] | None = None
 

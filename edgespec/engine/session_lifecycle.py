@@ -35,6 +35,7 @@ class SessionLifecycle:
     vision: Any  # a ``VisionModel`` or None
     drafter: Any  # the in-process ``Drafter`` (its thread's or inline) or None
     head: Any  # a ``VerifierHead`` or None
+    fill: Any  # ``FillDrafts`` (the verifier's own drafts for boards' empty ones) or None
     active: list[ActiveSession]  # running: verified every step
     prefilling: PrefillQueue  # admitted, waiting for their prompts' prefill
     on_prefill: Callable[[int, float], None] | None
@@ -184,6 +185,8 @@ class SessionLifecycle:
             self.target.free_slot(act.slot)
             if self.head is not None:
                 self.head.finish(act.sid)
+            if self.fill is not None:
+                self.fill.forget(act.sid)
         elif self.prefilling.remove(act):  # the head starts a session once it runs
             self.target.free_slot(act.slot)
 

@@ -44,6 +44,7 @@ from ..runner.target_runner import PREFILL_CHUNK, TargetRunner
 from ..verify.verify_step import VerifyOutcome, verify_step
 from .draft_planner import ForwardCost, wait_worth
 from .draft_worker import DraftWorker
+from .fill_drafts import FillDrafts, fill_drafter
 from .inline_drafts import InlineDrafts
 from .prefill_queue import PrefillQueue
 from .session_lifecycle import SessionLifecycle
@@ -118,6 +119,11 @@ class SpecEngine(SessionLifecycle):
             self.store = store
         if self.worker:
             self.worker.start()
+        # the verifier's own drafts for the boards' empty ones (not with a head: it drafts for
+        # every row; nor --auto, which chooses among the sources it knows)
+        fill = fill_drafter(self.cfg.fill_drafts) if head is None and not self.cfg.auto else None
+        self.fill: FillDrafts | None = FillDrafts(fill) if fill is not None else None
+        self._asks: list[int] = []  # each taken draft's ask (``_take``), in their order
         self._ids = itertools.count()
         wait_ms = self.cfg.draft_wait_ms
         if wait_ms is None:
@@ -153,6 +159,8 @@ class SpecEngine(SessionLifecycle):
             self.worker.stop()
         if self.inline:
             self.inline.close()
+        if self.fill:
+            self.fill.close()
         if self.head is not None:
             self.head.close()
 
@@ -313,6 +321,7 @@ class SpecEngine(SessionLifecycle):
             else:
                 out.append((act, t))
                 asked.append(want.k)
+        self._asks = asked
         # what each draft held, as taken; not a probe's, told of only a step or two ahead (its
         # drafter rested before): what it finds measures acceptance, not a steady ask's supply
         if out and not self.prober.probing and any(asked):  # a row asked nothing says nothing
@@ -325,7 +334,12 @@ class SpecEngine(SessionLifecycle):
         """Each session's row: every proposer's draft, the sources ``--auto`` leaves out
         dropped, the head's within what the batch's token budget leaves."""
         if self.head is None and not self.cfg.auto:  # the drafter's drafts alone: no offers
-            return [taken_row(act, t) for act, t in taken]
+            rows = [taken_row(act, t) for act, t in taken]
+            if self.fill is not None and rows:  # the boards' empty drafts, filled here
+                room = self.cfg.max_batch_tokens - sum(r.width for r in rows)
+                fits = min(self.target.max_len - r.start for r in rows)
+                rows = self.fill.fill(rows, self._asks, room, fits)
+            return rows
         asked = [{p.name: p.propose(act.sid, t) for p in self.proposers} for act, t in taken]
         offers: list[dict[str, tuple[int, ...] | None] | None] = [None] * len(taken)
         if self.cfg.auto:  # every source's proposal, verified or not
@@ -503,10 +517,14 @@ class SpecEngine(SessionLifecycle):
         rows, B = self._rows_of([d.act for d in applied]), len(applied)
         rows.record("update", np.fromiter((len(d.draft.tokens) for d in applied), np.int64, B),
                     np.fromiter((d.verdict.n_accepted for d in applied), np.int64, B))
-        if any(d.draft.branch_tokens for d in applied):  # a row verified branch tokens
+        # a row verified branch tokens; a fill's are the verifier's, not the drafter's: they
+        # teach the drafter's branches nothing
+        if any(d.draft.branch_tokens and not d.draft.fill_offer for d in applied):
             rows.record("update_branches",
-                        np.fromiter((d.draft.branch_tokens for d in applied), np.int64, B),
-                        np.fromiter((len(d.verdict.branch) for d in applied), np.int64, B))
+                        np.fromiter((0 if d.draft.fill_offer else d.draft.branch_tokens
+                                     for d in applied), np.int64, B),
+                        np.fromiter((0 if d.draft.fill_offer else len(d.verdict.branch)
+                                     for d in applied), np.int64, B))
 
     def _apply(self, d: Decision, take_s: float, forward_s: float, commit_s: float) -> None:
         """A verdict the store took, applied here: the KV cache, the stats, the output (the
@@ -527,6 +545,10 @@ class SpecEngine(SessionLifecycle):
             stats.head_tokens += len(offer)
             stats.head_accepted += got
             self.head.offered(len(offer), got)
+        if draft.fill_offer:  # the verifier's own draft for an empty board draft
+            stats.fill_drafts += 1
+            stats.fill_tokens += len(draft.fill_offer)
+            stats.fill_accepted += n_branch
         if act.verify != "exact":  # the path's nodes only a lossy rule kept, as far as the
             stats.lenient_tokens += sum(d.lenient[:len(new)])  # output took them
         act.output.extend(new)

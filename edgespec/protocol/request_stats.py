@@ -36,6 +36,11 @@ class Stats:
     branch_tokens: int = 0  # accepted tokens that came from a tree's branch, not the chain
     head_tokens: int = 0  # tokens the verifier's draft head proposed
     head_accepted: int = 0  # of which accepted
+    # tokens the verifier drafted itself for its board's empty drafts (``engine.fill_drafts``),
+    # and of which accepted; counted in draft_tokens and accepted_tokens too
+    fill_drafts: int = 0  # steps whose draft was the verifier's fill (counted in num_drafts)
+    fill_tokens: int = 0
+    fill_accepted: int = 0
     stacks: dict[str, int] = field(default_factory=dict)  # --auto: steps per chosen stack
 
     def record_step(self, drafted: int, accepted: int, from_branch: int = 0) -> None:

@@ -53,7 +53,8 @@ def stats_to_pb(s: Stats) -> pb.Stats:
                     forward_s=s.forward_s, commit_s=s.commit_s, lossy=s.lossy,
                     branch_tokens=s.branch_tokens, head_tokens=s.head_tokens,
                     head_accepted=s.head_accepted, stacks=s.stacks, verify=s.verify,
-                    lenient_tokens=s.lenient_tokens)
+                    lenient_tokens=s.lenient_tokens, fill_tokens=s.fill_tokens,
+                    fill_accepted=s.fill_accepted, fill_drafts=s.fill_drafts)
 
 
 def stats_from_pb(m: pb.Stats) -> dict:
@@ -66,7 +67,8 @@ def stats_from_pb(m: pb.Stats) -> dict:
             "branch_tokens": m.branch_tokens, "head_tokens": m.head_tokens,
             "head_accepted": m.head_accepted, "stacks": dict(m.stacks),
             "verify": m.verify or ("loose" if m.lossy else "exact"),
-            "lenient_tokens": m.lenient_tokens}
+            "lenient_tokens": m.lenient_tokens, "fill_tokens": m.fill_tokens,
+            "fill_accepted": m.fill_accepted, "fill_drafts": m.fill_drafts}
 
 
 # -- retry hints --------------------------------------------------------------------------------

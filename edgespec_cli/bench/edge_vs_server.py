@@ -315,6 +315,8 @@ def _board_figures(dev: str, before: dict, after: dict, b_before: dict, b_after:
              for a in ("opening", "fix", "again", "other")}
     waited = delta(after, before, "edgespec:drafter_waited_seconds_total", device=dev)
     accepted = delta(after, before, "edgespec:device_accepted_tokens_total", device=dev)
+    fill = {"tokens": delta(after, before, "edgespec:fill_draft_tokens_total", device=dev),
+            "accepted": delta(after, before, "edgespec:fill_accepted_tokens_total", device=dev)}
     board: dict = {k: delta(b_after, b_before, f"edgespec:drafter_{k}_total")
                    for k in ("chunks_sent", "draft_tokens", "chunks_drafted", "tokens_drafted",
                              "chunks_resent", "tokens_kept", "tokens_discarded",
@@ -326,6 +328,7 @@ def _board_figures(dev: str, before: dict, after: dict, b_before: dict, b_after:
             "ready_share": ready / steps if steps else None,
             "verified_share": verified / steps if steps else None,
             "empty_drafts": empty,  # session steps asked, given none, by what came before
+            "fill": fill,  # the verifier's own drafts for those (--fill-drafts)
             "waited_s": waited, "accepted_tokens": accepted, "cpu_s": cpu_s, **board,
             "wasted_tokens": max(0.0, board["draft_tokens"] - accepted)}
 
@@ -450,6 +453,10 @@ def format_table(report: dict) -> str:
                              f"session steps: at the session's opening {e['opening']:.0f}, "
                              f"after a fix {e['fix']:.0f}, again (the step before had none) "
                              f"{e.get('again', 0):.0f}, otherwise {e['other']:.0f}")
+            fill = b.get("fill")
+            if fill and fill["tokens"]:
+                lines.append(f"    the verifier's own drafts for its empty ones (--fill-drafts): "
+                             f"{fill['tokens']:.0f} tokens, {fill['accepted']:.0f} accepted")
             c = b.get("commit_to_draft")
             if c:
                 lines.append(f"    {commit_to_draft_line(c)}, then the chunk's round trip to "

@@ -1,0 +1,189 @@
+"""The verifier's own MaG drafts for a board's empty drafts (``--fill-drafts``): lossless, only
+where the board's draft is empty, counted apart, in step with the session through its commits.
+
+The engine runs in process over a store (the local one, and the embedded Redis) whose sessions
+belong to a board that never drafts: every draft the steps take is empty, as a board's is while
+it reads a prompt or redrafts after a fix. The looping target's output repeats its context, so
+MaG's drafts are right in most steps.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import replace
+
+import pytest
+from conftest import hf_greedy, hf_keyed_sampled
+
+from edgespec.config import ConfigError, EngineConfig, SamplingParams
+from edgespec.drafters.mag import MaGDrafter
+from edgespec.engine.fill_drafts import FillDrafts
+from edgespec.engine.generation import ActiveSession, Request
+from edgespec.engine.proposals import HeadBranch, StepDraft
+from edgespec.engine.spec_engine import SpecEngine
+from edgespec.protocol.local_store import LocalSessionStore
+from edgespec.runner.target_runner import TargetRunner
+
+PROMPTS = [[1, 10, 11, 12, 13, 10, 11, 12, 13, 10], [1, 30, 31, 30, 31, 30]]
+N = 24
+BOARD = "board-0"
+
+
+@contextmanager
+def _engine(model, store: str, **cfg):
+    """An engine over ``store`` ("local" or "redis": the embedded one) whose sessions' board
+    never drafts; no wait for drafts (none comes)."""
+    runner = TargetRunner(model, n_slots=4, max_len=256)
+    config = EngineConfig(max_draft=4, draft_wait_ms=0, **cfg)
+    if store == "local":
+        with SpecEngine(runner, config=config, stop_ids={2},
+                        store=LocalSessionStore(None, runner.vocab_size)) as engine:
+            yield engine
+        return
+    from cache_service.redis_conn import RedisHandle
+    from cache_service.store import RedisSessionStore
+
+    handle = RedisHandle()
+    try:
+        with SpecEngine(runner, config=config, stop_ids={2},
+                        store=RedisSessionStore(handle.client, ttl_s=60)) as engine:
+            yield engine
+    finally:
+        handle.close()
+
+
+def _run(engine: SpecEngine, params: SamplingParams) -> list[ActiveSession]:
+    acts = [engine.add(Request(p, N, params), device=BOARD) for p in PROMPTS]
+    while engine.active:
+        engine.step()
+    return acts
+
+
+@pytest.mark.parametrize("store", ["local", "redis"])
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+def test_empty_board_drafts_filled_by_the_verifier_decode_as_the_target_alone(
+        looping, store, sampled):
+    params = SamplingParams(temperature=0.9, top_k=20, seed=7) if sampled else SamplingParams()
+    if sampled:
+        refs = [hf_keyed_sampled(looping.model, p, N, params) for p in PROMPTS]
+    else:
+        refs = [hf_greedy(looping.model, p, N, eos=(2,)) for p in PROMPTS]
+    # a fixed draft length: every step asks for 4 tokens, whatever the clock says
+    with _engine(looping.model, store, fill_drafts="mag", adaptive=False) as engine:
+        acts = _run(engine, params)
+        assert not engine.fill.sessions  # every ended session's draft session closed
+    for act, ref in zip(acts, refs):
+        assert act.output == ref and act.finish == "length"
+        s = act.stats
+        assert s.fill_tokens > 0 and 0 < s.fill_accepted <= s.fill_tokens
+        assert 0 < s.fill_drafts == s.num_drafts <= s.steps
+        # the fill's tokens are the only drafts here, counted as drafted and accepted too
+        assert s.draft_tokens == s.fill_tokens and s.accepted_tokens == s.fill_accepted
+        assert s.steps < N  # accepted drafts: fewer steps than tokens
+
+
+def test_without_the_fill_the_same_sessions_decode_one_token_a_step(looping):
+    with _engine(looping.model, "local", fill_drafts="none", adaptive=False) as engine:
+        assert engine.fill is None
+        acts = _run(engine, SamplingParams())
+    for act, prompt in zip(acts, PROMPTS):
+        assert act.output == hf_greedy(looping.model, prompt, N, eos=(2,))
+        assert act.stats.steps == N and act.stats.draft_tokens == 0 == act.stats.fill_tokens
+
+
+def test_the_planners_own_asks_decide_what_is_filled(looping):
+    """Adaptive planning, the cost model fitted on this machine's clock: whatever it asks, the
+    output is the target's, and no row gets more fill tokens than the planner asked."""
+    with _engine(looping.model, "local", fill_drafts="mag") as engine:
+        acts = [engine.add(Request(p, N), device=BOARD) for p in PROMPTS]
+        while engine.active:
+            wants = engine._plan()
+            rows = engine._propose(engine._take(wants))
+            asked = {w.session_id: w.k for w in wants}
+            for r in rows:
+                assert len(r.fill_offer) <= asked[r.act.sid]
+                assert r.tokens == () and r.branches == (
+                    (HeadBranch(0, r.fill_offer),) if r.fill_offer else ())
+            engine._step_acts, engine._step_rows = [], None
+            engine.step()
+    for act, prompt in zip(acts, PROMPTS):
+        assert act.output == hf_greedy(looping.model, prompt, N, eos=(2,))
+
+
+def test_a_boards_own_draft_is_verified_and_never_filled(looping):
+    with _engine(looping.model, "local", fill_drafts="mag", adaptive=False) as engine:
+        acts = [engine.add(Request(p, N), device=BOARD) for p in PROMPTS]
+        while len(acts[1].output) < 12:  # into the loop, where MaG drafts for both
+            engine.step()
+        state = engine.store.sessions[acts[0].sid]
+        board = hf_greedy(looping.model, PROMPTS[0], N, eos=(2,))[len(acts[0].output):][:4]
+        engine.store.push_draft(acts[0].sid, state.epoch, acts[0].end, board)
+        rows = engine._propose(engine._take(engine._plan()))
+        assert rows[0].tokens == tuple(board) and not rows[0].fill_offer
+        assert not rows[0].branches
+        assert rows[1].fill_offer and rows[1].tokens == ()
+
+
+def test_the_fills_draft_session_holds_the_committed_tokens_through_the_steps(looping):
+    with _engine(looping.model, "local", fill_drafts="mag", adaptive=False) as engine:
+        acts = [engine.add(Request(p, N), device=BOARD) for p in PROMPTS]
+        for _ in range(4):
+            engine.step()
+            rows = engine._propose(engine._take(engine._plan()))  # proposed, then taken back
+            for act, row in zip(acts, rows):
+                tokens = engine.fill.sessions[act.sid].draft.tokens
+                assert tokens[:act.end] == act.req.prompt_ids + act.output
+                assert tokens[act.end:] == list(row.fill_offer)  # the proposal just made
+        engine.cancel(acts[0].sid)
+        assert list(engine.fill.sessions) == [acts[1].sid]
+
+
+def _row(act: ActiveSession, tokens=()) -> StepDraft:
+    return StepDraft(act, 0, act.end, tuple(tokens))
+
+
+def _act(prompt, verify="exact", drafter=BOARD, sid="s") -> ActiveSession:
+    from edgespec.drafters.adaptive import DraftLength
+
+    act = ActiveSession(sid, Request(list(prompt), N), 0, DraftLength(4))
+    act.verify, act.drafter = verify, drafter
+    return act
+
+
+def test_only_a_boards_exact_sessions_get_fills_within_the_steps_room():
+    fill = FillDrafts(MaGDrafter())
+    seen = [3, 5, 6, 7, 8, 9, 4, 5, 6]  # MaG drafts 7, 8, 9, 4 (a 2-token match: at most 4)
+    rows = [_row(_act(seen, sid="a")), _row(_act(seen, verify="loose", sid="b")),
+            _row(_act(seen, drafter="", sid="c")), _row(_act(seen, sid="d"))]
+    out = fill.fill(rows, [4, 4, 4, 0], room=100, fits=100)
+    assert out[0].fill_offer == (7, 8, 9, 4)
+    assert out[0].branches == (HeadBranch(0, (7, 8, 9, 4)),) and out[0].width == 5
+    assert out[1:] == rows[1:]  # loose: chains only; no board; asked nothing
+    assert fill.fill(rows[:1], [3], room=100, fits=100)[0].fill_offer == (7, 8, 9)  # its ask
+    assert fill.fill(rows[:1], [4], room=2, fits=100)[0].fill_offer == (7, 8)  # the budget
+    assert fill.fill(rows[:1], [4], room=100, fits=3)[0].fill_offer == (7, 8)  # width 1 + 2
+    two = fill.fill([rows[0], rows[3], _row(_act(seen, sid="e"))], [4, 4, 4], room=6, fits=100)
+    assert [r.fill_offer for r in two] == [(7, 8, 9, 4), (7, 8), ()]  # the room, in row order
+
+
+def test_a_fill_drafter_that_fails_costs_its_session_its_fills_only():
+    class Broken(MaGDrafter):
+        def open(self, tokens, params):
+            session = super().open(tokens, params)
+            if tokens[1] == 9:
+                session.propose = lambda k: 1 / 0
+            return session
+
+    fill = FillDrafts(Broken())
+    good, bad = _act([3, 5, 6, 7, 8, 4, 5, 6], sid="good"), _act([1, 9, 6, 9, 6], sid="bad")
+    out = fill.fill([_row(bad), _row(good)], [3, 3], room=100, fits=100)
+    assert out[0].fill_offer == () and out[1].fill_offer == (7, 8, 4)
+    assert fill.sessions[bad.sid].draft is None  # no more tries for it
+    again = fill.fill([_row(bad)], [3], room=100, fits=100)
+    assert again[0].fill_offer == ()
+
+
+def test_fill_drafts_is_checked():
+    with pytest.raises(ConfigError, match="fill_drafts"):
+        EngineConfig(fill_drafts="llamacpp")
+    assert replace(EngineConfig(), fill_drafts="mag").fill_drafts == "mag"
