@@ -230,6 +230,10 @@ class EngineConfig:
         if self.fill_drafts not in FILL_DRAFTS:
             raise ConfigError(f"fill_drafts must be one of {', '.join(FILL_DRAFTS)}, got "
                               f"{self.fill_drafts!r}")
+        if self.fill_drafts != "none" and (self.head or self.auto):
+            raise ConfigError("--fill-drafts fills a board's empty drafts with the verifier's "
+                              "own; with --head or --auto the verifier's head drafts for every "
+                              "row already: leave --fill-drafts at none")
         if self.draft_wait_ms is not None and self.draft_wait_ms < 0:
             raise ConfigError(f"draft_wait_ms must be >= 0, got {self.draft_wait_ms}")
         if self.learn and not self.head:

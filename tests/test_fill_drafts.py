@@ -91,21 +91,31 @@ def test_without_the_fill_the_same_sessions_decode_one_token_a_step(looping):
         assert act.stats.steps == N and act.stats.draft_tokens == 0 == act.stats.fill_tokens
 
 
-def test_the_planners_own_asks_decide_what_is_filled(looping):
-    """Adaptive planning, the cost model fitted on this machine's clock: whatever it asks, the
-    output is the target's, and no row gets more fill tokens than the planner asked."""
+def test_the_planners_own_asks_bound_what_is_filled(looping):
+    """Adaptive planning, the cost model fitted on this machine's clock (how much it asks is
+    the clock's): whatever it asks, no row gets more fill tokens than the planner asked, and
+    the output is the target's."""
     with _engine(looping.model, "local", fill_drafts="mag") as engine:
         acts = [engine.add(Request(p, N), device=BOARD) for p in PROMPTS]
-        while engine.active:
-            wants = engine._plan()
-            rows = engine._propose(engine._take(wants))
-            asked = {w.session_id: w.k for w in wants}
+        propose, plan, seen = engine._propose, engine._plan, []
+
+        def planned():
+            wants = plan()
+            seen.append({w.session_id: w.k for w in wants})
+            return wants
+
+        def proposed(taken):
+            rows = propose(taken)
             for r in rows:
-                assert len(r.fill_offer) <= asked[r.act.sid]
+                assert len(r.fill_offer) <= seen[-1][r.act.sid]
                 assert r.tokens == () and r.branches == (
                     (HeadBranch(0, r.fill_offer),) if r.fill_offer else ())
-            engine._step_acts, engine._step_rows = [], None
+            return rows
+
+        engine._plan, engine._propose = planned, proposed
+        while engine.active:
             engine.step()
+        assert seen
     for act, prompt in zip(acts, PROMPTS):
         assert act.output == hf_greedy(looping.model, prompt, N, eos=(2,))
 
@@ -118,10 +128,58 @@ def test_a_boards_own_draft_is_verified_and_never_filled(looping):
         state = engine.store.sessions[acts[0].sid]
         board = hf_greedy(looping.model, PROMPTS[0], N, eos=(2,))[len(acts[0].output):][:4]
         engine.store.push_draft(acts[0].sid, state.epoch, acts[0].end, board)
-        rows = engine._propose(engine._take(engine._plan()))
+        propose, rows = engine._propose, []
+        engine._propose = lambda taken: rows.extend(propose(taken)) or rows
+        before = [len(a.output) for a in acts]
+        engine.step()  # one forward: the board's chain on one row, a fill on the other
         assert rows[0].tokens == tuple(board) and not rows[0].fill_offer
         assert not rows[0].branches
         assert rows[1].fill_offer and rows[1].tokens == ()
+        assert len(acts[0].output) - before[0] == len(board) + 1  # all of it, and the bonus
+        assert acts[1].stats.fill_drafts > 0
+        engine._propose = propose
+        while engine.active:
+            engine.step()
+    for act, prompt in zip(acts, PROMPTS):
+        assert act.output == hf_greedy(looping.model, prompt, N, eos=(2,))
+
+
+def test_a_fill_teaches_the_boards_branch_rates_nothing(looping):
+    """The fill's tokens are a branch to the step, but not the board's: the sessions' branch
+    acceptance (what plans a board's branch tokens) stays at its prior."""
+    from edgespec.drafters.draft_rates import BRANCH_PRIOR
+
+    with _engine(looping.model, "local", fill_drafts="mag", adaptive=False) as engine:
+        acts = [engine.add(Request(p, N), device=BOARD) for p in PROMPTS]
+        while engine.active and not all(a.stats.fill_accepted for a in acts):
+            engine.step()
+        assert all(a.stats.fill_accepted for a in acts)
+        rows = [a.slot for a in acts]
+        assert (engine.rates.branch_trials[rows] == BRANCH_PRIOR[1]).all()
+        assert (engine.rates.branch_hits[rows] == BRANCH_PRIOR[0] * BRANCH_PRIOR[1]).all()
+
+
+def test_the_fills_figures_cross_the_wire_and_reach_the_metrics_apart_from_the_boards():
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from edgespec.protocol.request_stats import Stats
+    from edgespec.wire.convert import stats_from_pb, stats_to_pb
+    from verifier_node.metrics import VerifierMetrics
+
+    s = Stats(steps=9, num_drafts=6, draft_tokens=20, accepted_tokens=11, fill_drafts=2,
+              fill_tokens=5, fill_accepted=1)
+    back = stats_from_pb(stats_to_pb(s))
+    assert (back["fill_drafts"], back["fill_tokens"], back["fill_accepted"]) == (2, 5, 1)
+    m = VerifierMetrics(CollectorRegistry())
+    m.finished(BOARD, s, "length", 1.0)
+    text = generate_latest(m.registry).decode()
+    for line in (f'edgespec:fill_draft_tokens_total{{device="{BOARD}"}} 5.0',
+                 f'edgespec:fill_accepted_tokens_total{{device="{BOARD}"}} 1.0',
+                 # the board's own: its drafts, draft tokens and accepted ones
+                 f'edgespec:device_drafts_total{{device="{BOARD}"}} 4.0',
+                 f'edgespec:device_draft_tokens_total{{device="{BOARD}"}} 15.0',
+                 f'edgespec:device_accepted_tokens_total{{device="{BOARD}"}} 10.0'):
+        assert line in text, line
 
 
 def test_the_fills_draft_session_holds_the_committed_tokens_through_the_steps(looping):
@@ -183,7 +241,12 @@ def test_a_fill_drafter_that_fails_costs_its_session_its_fills_only():
     assert again[0].fill_offer == ()
 
 
-def test_fill_drafts_is_checked():
+def test_fill_drafts_is_checked_and_left_out_where_it_cannot_serve(looping):
     with pytest.raises(ConfigError, match="fill_drafts"):
         EngineConfig(fill_drafts="llamacpp")
+    for other in ({"head": "default"}, {"auto": True}):
+        with pytest.raises(ConfigError, match="--fill-drafts"):
+            EngineConfig(fill_drafts="mag", **other)
     assert replace(EngineConfig(), fill_drafts="mag").fill_drafts == "mag"
+    with _engine(looping.model, "local", fill_drafts="mag", tree_nodes=0) as engine:
+        assert engine.fill is None  # a fill is branch tokens: none where none are verified

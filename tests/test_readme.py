@@ -161,6 +161,9 @@ COMMAND_IN_CODE = re.compile(r"edgespec ([a-z-]+)((?:(?:[ \t]+|[ \t]*\\\n[ \t]*)
 COMMAND_IN_PROSE = re.compile(r"edgespec ([a-z-]+)((?:[ \\\n]+(?:--[a-z-]+|[^\s`|]+))*)")
 
 
+PASSED_ON = {"serve": "serve", "board": "drafter"}  # bench-edge's --serve-arg, --board-arg
+
+
 def test_commands_the_pages_give_use_options_those_commands_have():
     """The commands the README and docs/ give (`edgespec CMD --option ...`) use options CMD has,
     so they can be run as written: those in code (blocks and `spans`) on every page, and those
@@ -175,9 +178,12 @@ def test_commands_the_pages_give_use_options_those_commands_have():
         if page.is_relative_to(ROOT / "docs" / "measured"):
             found += [m.groups() for m in COMMAND_IN_PROSE.finditer(text)]
         wrong += [f"{page.relative_to(ROOT)}: {cmd} {o}" for cmd, rest in found if cmd in options
-                  # not an option's value (--serve-arg=--late-after=0 passes one on to serve)
                   for o in re.findall(r"(?<![=\w-])--[a-z][a-z-]+", rest)
                   if o not in options[cmd]]
+        # an option passed on to the command another runs (bench-edge --serve-arg=--late-after=0)
+        wrong += [f"{page.relative_to(ROOT)}: {cmd} --{via}={o}" for cmd, rest in found
+                  for via, o in re.findall(r"--(serve|board)-arg=(--[a-z][a-z-]+)", rest)
+                  if o not in options[PASSED_ON[via]]]
     assert not wrong, sorted(set(wrong))
 
 

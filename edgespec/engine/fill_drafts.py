@@ -6,12 +6,12 @@ step would verify the session's own token alone, one token for a forward whose c
 rows and its fixed part set. ``FillDrafts`` proposes a cheap drafter's tokens (MaG: a suffix
 match over the session's committed tokens, microseconds on the server's core) for exactly those
 rows: a session with a board (``ActiveSession.drafter``), asked for k > 0 tokens by the planner,
-whose taken draft holds none. At most k tokens, within what the step's token budget and the
-fullest slot leave.
+whose taken draft holds none. At most k tokens, and at most ``--tree-nodes`` (a fill is branch
+tokens; 0: no fill), within what the step's token budget and the fullest slot leave.
 
 The fill joins the row as a ``HeadBranch`` from the committed end, as a draft head's proposal
-does: it is verified exactly as a board's draft is (lossless in every mode a tree is verified
-in; a session verified loosely, chains only, gets none), and what it gets accepted is committed
+does: it is verified exactly as a board's draft is (as exact as the session's verification
+mode; a session verified loosely, chains only, gets none), and what it gets accepted is committed
 as the verifier's own branch, a fix to the board (which keeps a redraft that agrees with it:
 ``drafting_loop.apply_fix``). A board's draft, when it has one, is never replaced.
 
@@ -47,8 +47,9 @@ class _Follower:
 class FillDrafts:
     """Fills the empty board drafts of a step's rows with ``drafter``'s proposals (``fill``)."""
 
-    def __init__(self, drafter: Drafter):
-        self.drafter = drafter
+    def __init__(self, drafter: Drafter, most: int = MAX_TREE_NODES):
+        """``most``: the most tokens a fill holds (``EngineConfig.tree_nodes``)."""
+        self.drafter, self.most = drafter, min(most, MAX_TREE_NODES)
         self.sessions: dict[str, _Follower] = {}
 
     def fill(self, rows: Sequence[StepDraft], asks: Sequence[int], room: int,
@@ -64,7 +65,7 @@ class FillDrafts:
             if k <= 0 or row.tokens or row.branches or not act.drafter or \
                     not verifies_trees(act.verify):
                 continue
-            cap = min(k, room, MAX_TREE_NODES, fits - row.width)
+            cap = min(k, room, self.most, fits - row.width)
             tokens = self._propose(act, cap) if cap > 0 else ()
             if tokens:
                 out[i] = replace(row, branches=(HeadBranch(0, tokens),), fill_offer=tokens)

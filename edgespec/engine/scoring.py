@@ -48,7 +48,8 @@ def score_step(target: "TargetRunner", drafts: list[StepDraft], pad: "PadVerifie
     if outside:  # a store let an id past: that row is verified without its draft
         log.warning("drafts of %d session(s) held token ids outside the vocabulary: "
                     "verified without them", len(outside))
-        drafts = [replace(d, tokens=(), branches=()) if i in outside else d
+        drafts = [replace(d, tokens=(), branches=(), head_offer=(), fill_offer=()) if i in outside
+                  else d
                   for i, d in enumerate(drafts)]
         nodes, shape = _shape(drafts)
     acts = [d.act for d in drafts]

@@ -182,11 +182,11 @@ class SessionLifecycle:
         """Forget a session here and free its KV slot (the store is not told)."""
         if act in self.active:
             self.active.remove(act)
+            if self.fill is not None:  # never raises
+                self.fill.forget(act.sid)
             self.target.free_slot(act.slot)
             if self.head is not None:
                 self.head.finish(act.sid)
-            if self.fill is not None:
-                self.fill.forget(act.sid)
         elif self.prefilling.remove(act):  # the head starts a session once it runs
             self.target.free_slot(act.slot)
 

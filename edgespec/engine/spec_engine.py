@@ -119,10 +119,13 @@ class SpecEngine(SessionLifecycle):
             self.store = store
         if self.worker:
             self.worker.start()
-        # the verifier's own drafts for the boards' empty ones (not with a head: it drafts for
-        # every row; nor --auto, which chooses among the sources it knows)
-        fill = fill_drafter(self.cfg.fill_drafts) if head is None and not self.cfg.auto else None
-        self.fill: FillDrafts | None = FillDrafts(fill) if fill is not None else None
+        # the verifier's own drafts for the boards' empty ones (EngineConfig refuses them with
+        # a head or --auto; a head handed in here drafts for every row), branch tokens: none
+        # where the step verifies none (tree_nodes 0)
+        fill = fill_drafter(self.cfg.fill_drafts) if head is None and self.cfg.tree_nodes else \
+            None
+        self.fill: FillDrafts | None = FillDrafts(fill, self.cfg.tree_nodes) \
+            if fill is not None else None
         self._asks: list[int] = []  # each taken draft's ask (``_take``), in their order
         self._ids = itertools.count()
         wait_ms = self.cfg.draft_wait_ms
