@@ -122,20 +122,23 @@ def invariant_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     # pointwise, so a column's bits do not depend on the others; the padding columns enter the
     # value product as zeros (its shape, hence each real column's bits, as before)
     scores = _by_columns(keys, qt)[..., :m].float()  # [B, kvh, n, m]
-    vis = _column_mask(visible, g)  # [B, 1, n, m]
     if tail is None:
-        scores = scores.masked_fill(~vis, float("-inf"))
-        top = scores.amax(dim=2, keepdim=True)  # [B, kvh, 1, m]
-        probs = pointwise(torch.exp, scores - top).to(values.dtype)
+        # the softmax with the keys innermost ([B, kvh, m, n]: a few columns innermost made the
+        # max and the masking strided, most of a many-session step's attention); the max is
+        # exact in any order and the rest is pointwise: the same bits as in the score layout
+        scores = scores.transpose(2, 3).contiguous().masked_fill(
+            ~_row_mask(visible, g), float("-inf"))
+        top = scores.amax(dim=3, keepdim=True)  # [B, kvh, m, 1]
+        probs = pointwise(torch.exp, scores - top).to(values.dtype).transpose(2, 3)
     else:  # the max and probabilities over every key a query sees; the main sum only ``vis``
         assert tail.seen is not None
         scores = scores.masked_fill(~_column_mask(tail.seen, g), float("-inf"))
         top = scores.amax(dim=2, keepdim=True)
         probs = pointwise(torch.exp, scores - top).to(values.dtype)
         t_probs, t_cols = _tail_probs(probs, tail, g, T, col_tile)
-        probs = probs.masked_fill(~vis, 0)
-    if cols != m:
-        probs = torch.nn.functional.pad(probs, (0, cols - m))  # [B, kvh, n, cols]
+        probs = probs.masked_fill(~_column_mask(visible, g), 0)
+    # [B, kvh, n, cols], laid out as the value product has always read it
+    probs = torch.nn.functional.pad(probs, (0, cols - m)) if cols != m else probs.contiguous()
     # [B, kvh, nb, hd+1, cols]
     part = _value_blocks(values, probs.view(B, kvh, nb, KEY_BLOCK, cols))
     if tail is not None:
@@ -162,6 +165,12 @@ def _value_blocks(values: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
                             for j in range(nb)], dim=2)
     vt = values.view(B, kvh, nb, KEY_BLOCK, hd1).transpose(-1, -2)  # [B, kvh, nb, hd+1, KB]
     return _by_columns(vt, probs)
+
+
+def _row_mask(visible: torch.Tensor, g: int) -> torch.Tensor:
+    """visible [B, T, n] -> [B, 1, g * T, n]: ``_column_mask`` with the keys innermost."""
+    B, T, n = visible.shape
+    return visible[:, None, None].expand(B, 1, g, T, n).reshape(B, 1, g * T, n)
 
 
 def _column_mask(visible: torch.Tensor, g: int) -> torch.Tensor:
