@@ -127,8 +127,8 @@ def invariant_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
         # max and the masking strided, most of a many-session step's attention); the max is
         # exact in any order and the rest is pointwise: the same bits as in the score layout.
         # The hidden keys are zeroed after the exp, not sent to it as -inf (a vector holding
-        # one takes exp's slow path: 10x on a third of them); exp(0 - 0) aside, a visible
-        # key's probability is the same bits either way
+        # one takes exp's slow path: 10x on a third of them): a visible key's probability is
+        # the same bits, a hidden one's 0, whatever its stale score (NaN and inf included)
         scores = scores.transpose(2, 3).contiguous()
         hidden = ~_row_mask(visible, g)  # [B, 1, m, n]
         top = scores.masked_fill(hidden, float("-inf")).amax(dim=3, keepdim=True)  # [B,kvh,m,1]
