@@ -127,12 +127,15 @@ def invariant_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
         # max and the masking strided, most of a many-session step's attention); the max is
         # exact in any order and the rest is pointwise: the same bits as in the score layout.
         # The hidden keys are zeroed after the exp, not sent to it as -inf (a vector holding
-        # one takes exp's slow path: 10x on a third of them): a visible key's probability is
-        # the same bits, a hidden one's 0, whatever its stale score (NaN and inf included)
+        # one takes this CPU's exp's slow path: 6-10x with a third of them): a visible key's
+        # probability is the same bits, a hidden one's 0, whatever its stale score (NaN and
+        # inf included). Only a visible score that is not finite (activations overflowed)
+        # gives a NaN of another sign or payload than before: NaN either way.
         scores = scores.transpose(2, 3).contiguous()
         hidden = ~_row_mask(visible, g)  # [B, 1, m, n]
         top = scores.masked_fill(hidden, float("-inf")).amax(dim=3, keepdim=True)  # [B,kvh,m,1]
-        probs = pointwise(torch.exp, scores - top).masked_fill_(hidden, 0).to(values.dtype)
+        # out of place: exp's backward reads its output
+        probs = pointwise(torch.exp, scores - top).masked_fill(hidden, 0).to(values.dtype)
         probs = probs.transpose(2, 3)
     else:  # the max and probabilities over every key a query sees; the main sum only ``vis``
         assert tail.seen is not None
