@@ -34,6 +34,7 @@ from .proposals import HeadBranch, StepDraft
 
 log = logging.getLogger("edgespec.engine.fill_drafts")
 
+
 @dataclass
 class _Follower:
     """A session's draft session and the session it follows (an id used again is another

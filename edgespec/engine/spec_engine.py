@@ -339,9 +339,7 @@ class SpecEngine(SessionLifecycle):
         if self.head is None and not self.cfg.auto:  # the drafter's drafts alone: no offers
             rows = [taken_row(act, t) for act, t in taken]
             if self.fill is not None and rows:  # the boards' empty drafts, filled here
-                room = self.cfg.max_batch_tokens - sum(r.width for r in rows)
-                fits = min(self.target.max_len - r.start for r in rows)
-                rows = self.fill.fill(rows, self._asks, room, fits)
+                rows = self.fill.fill(rows, self._asks, *self._room(rows))
             return rows
         asked = [{p.name: p.propose(act.sid, t) for p in self.proposers} for act, t in taken]
         offers: list[dict[str, tuple[int, ...] | None] | None] = [None] * len(taken)
@@ -355,15 +353,20 @@ class SpecEngine(SessionLifecycle):
                 for (act, t), props, o in zip(taken, asked, offers)]
         if self.head is None or not rows:  # no head's drafts to add: the drafter's rows
             return rows
-        room = self.cfg.max_batch_tokens - sum(r.width for r in rows)
-        # every row of the forward is as wide as the widest: the fullest slot bounds them all
-        fits = min(self.target.max_len - r.start for r in rows)
+        room, fits = self._room(rows)
         for i, props in enumerate(asked):  # the head's drafts, within the batch's token budget
             cap = min(room, MAX_TREE_NODES - rows[i].drafted, fits - rows[i].width)
             row = with_head(rows[i], props.get("head"), cap)
             room -= row.branch_tokens - rows[i].branch_tokens
             rows[i] = row
         return rows
+
+    def _room(self, rows: Sequence[StepDraft]) -> tuple[int, int]:
+        """What the rows leave for more draft tokens: the batch's token budget left, and the
+        widest a row may be (every row of the forward is as wide as the widest: the fullest
+        slot bounds them all)."""
+        return (self.cfg.max_batch_tokens - sum(r.width for r in rows),
+                min(self.target.max_len - r.start for r in rows))
 
     def _choose_sources(self, act: ActiveSession, proposals: dict[str, Proposal | None],
                         batch: int) -> dict[str, Proposal | None]:
