@@ -267,6 +267,25 @@ def test_bad_requests_get_openai_errors(server, api, kw, status, param):
         assert err["param"] == param
 
 
+@pytest.mark.parametrize("path,body,status", [
+    ("/v1/completions", '{"model": "\\ud800", "prompt": "abc"}', 404),
+    ("/v1/completions", '{"model": "MODEL", "prompt": "abc", "\\udc80x": 1}', 400),
+    ("/v1/chat/completions",
+     '{"model": "MODEL", "messages": [{"role": "\\ud800", "content": "hi"}]}', 400),
+    ("/v1/chat/completions", '{"model": "MODEL", "messages": [{"role": "user", "content": '
+                             '[{"type": "image_url", "image_url": {"url": "\\ud800:x"}}]}]}', 400),
+])
+def test_a_lone_surrogate_quoted_in_an_error_is_a_4xx(server, api, path, body, status):
+    """JSON lets a request hold a lone surrogate, which has no UTF-8 encoding: an error that
+    quotes it (a model, parameter or role name, an image URL) is still the request's 4xx, its
+    body escaped, not a 500 from writing it."""
+    raw = body.replace("MODEL", api.model_id).encode()
+    code, reply = call("POST", server["base"] + path, raw=raw,
+                       headers={"Authorization": f"Bearer {TOKEN}"})
+    assert code == status, reply
+    assert reply["error"]["type"] != "server_error" and reply["error"]["message"]
+
+
 def test_a_message_role_openai_does_not_have_is_refused_by_name(api, looping):
     """OpenAI's five roles go through the chat template; any other role is a 400 naming it."""
     with pytest.raises(openai.BadRequestError) as e:

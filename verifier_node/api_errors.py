@@ -1,9 +1,25 @@
 """The HTTP API's errors in OpenAI's shape: ``ApiError`` (raised anywhere a request is read) and
-``error_response``, the body ``{"error": {"message", "type", "param", "code"}}`` it becomes."""
+``error_response``, the body ``{"error": {"message", "type", "param", "code"}}`` it becomes.
+
+The body is written with non-ASCII characters escaped: an error's message may quote the request
+(an unknown parameter, role or model name), and JSON lets a request hold a lone surrogate
+(``"\\ud800"``), which has no UTF-8 encoding; written as it is, the error itself would fail and
+the client get a 500 for a request that deserved a 4xx."""
 
 from __future__ import annotations
 
+import json
+from typing import Any
+
 from starlette.responses import JSONResponse
+
+
+class AsciiJSONResponse(JSONResponse):
+    """A JSON response whose body escapes every non-ASCII character (``\\uXXXX``)."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=True, allow_nan=False,
+                          separators=(",", ":")).encode("ascii")
 
 
 class ApiError(Exception):
@@ -16,5 +32,5 @@ class ApiError(Exception):
 def error_response(status: int, message: str, kind: str, param: str | None = None,
                    code: str | None = None) -> JSONResponse:
     """OpenAI's error body."""
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param,
-                                   "code": code}}, status_code=status)
+    return AsciiJSONResponse({"error": {"message": message, "type": kind, "param": param,
+                                        "code": code}}, status_code=status)
