@@ -57,6 +57,7 @@ log = logging.getLogger("edgespec.cache")
 DEVICE_METADATA = "x-edgespec-device"
 MAX_NAME_LEN = 256  # Register's draft model name and tokenizer fingerprint
 MAX_DEVICE_SESSIONS = 1 << 16
+MAX_POSITION = 1 << 31  # a chunk's start: past any context a verifier serves
 # A drafter refused while the cache's Redis recovers (or before a verifier registered the target)
 # is asked to come back after this long instead of backing off for seconds.
 RETRY_AFTER_MS = 500
@@ -395,6 +396,8 @@ def _chunk_draft(chunk: pb.DraftChunk, window: int) -> tuple[list[int], list[Bra
     if chunk.tree_version not in (0, TREE_VERSION):
         raise ChunkRefused(bad, f"tree_version {chunk.tree_version} is not known to this cache "
                                 f"(0: a chain, {TREE_VERSION}: a chain with branches)")
+    if not 0 <= chunk.start < MAX_POSITION:  # a tree's positions are stored as uint32
+        raise ChunkRefused(bad, f"start {chunk.start} is not a position (0 <= start < 2^31)")
     if len(chunk.tokens) > window + (MAX_BRANCH_NODES if chunk.tree_version else 0):
         raise ChunkRefused(bad, f"a chunk holds at most {window} tokens (the window)"
                            + (f" and {MAX_BRANCH_NODES} branch tokens"

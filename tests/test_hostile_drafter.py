@@ -232,6 +232,24 @@ def test_a_malformed_tree_chunk_is_refused_and_stores_nothing(cache, store, toke
     assert cache.push(chain, device="dev1").kept == 2
 
 
+@pytest.mark.parametrize("start", [-1, 1 << 31, 1 << 40])
+@pytest.mark.parametrize("version", [0, 1])
+def test_a_chunk_whose_start_is_no_position_is_refused(cache, store, start, version):
+    """A start outside 0..2^31 (a tree's branch positions are stored as 32-bit numbers) is the
+    chunk's INVALID_ARGUMENT, not an error of the cache; the stream's next chunk is stored."""
+    store.create("s1", [1, 2, 3], SamplingParams(), "dev1")
+    s = Stream(cache.channel, "dev1")
+    s.next("registered")
+    s.send(pb.DraftChunk(session_id="s1", epoch=0, start=start, tokens=[5, 6, 7],
+                         tree_parents=[-1, 0, -1] if version else [], tree_version=version))
+    ack = s.next("ack")
+    assert ack.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and "start" in ack.message
+    s.send(pb.DraftChunk(session_id="s1", epoch=0, start=3, tokens=[5, 6]))
+    ack = s.next("ack")
+    assert ack.code == grpc.StatusCode.OK.value[0] and ack.kept == 2
+    s.close()
+
+
 def test_a_tree_chunk_stores_its_chain_and_branches(cache, store):
     store.create("s1", [1, 2, 3], SamplingParams(), "dev1")
     # chain 5 6 7; a branch 8 9 instead of 6; a branch 4 instead of 5
