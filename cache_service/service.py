@@ -47,6 +47,7 @@ from edgespec.wire.keepalive import SILENT_HEARTBEATS, heartbeat_interval_s
 
 from .codec import InboxEvent
 from .credentials import DeviceCredentials
+from .drafter_outbox import DrafterOutbox
 from .store import RedisSessionStore, StoreError
 
 if TYPE_CHECKING:  # prometheus_client is needed only where metrics are kept
@@ -232,23 +233,25 @@ class DraftCacheService(pb_grpc.DraftCacheServicer):
             self._refuse_for_now(context, f"the cache's Redis is unreachable: {e}")
         log.info("drafter %s attached (%s)", device, reg.draft_model)
         vocab = int(target.get("vocab_size", 1 << 31))
-        out: queue.Queue = queue.Queue()
         stop = threading.Event()
+        out = DrafterOutbox(device, stop, context.cancel)  # bounded: one that never reads
         lost: list[str] = []  # why the cache ended the stream (its Redis failed or restarted)
         context.add_callback(stop.set)
         if self.metrics is not None:
             self.metrics.attach(device)
         try:
-            out.put(pb.CacheMessage(registered=pb.Registered(
+            # sent first, before what the threads queue: the registration, then the device's
+            # sessions (a list as long as they are, not bounded by the outbox)
+            opening = [pb.CacheMessage(registered=pb.Registered(
                 target_model=target.get("model", ""), tokenizer_fingerprint=target["fingerprint"],
                 window=self.window, chunk=self.chunk, vocab_size=vocab,
-                heartbeat_ms=int(self.heartbeat_s * 1000))))
+                heartbeat_ms=int(self.heartbeat_s * 1000)))]
             try:
                 after = self.store.last_event_id(device)
                 for sid in self.store.devices.sessions_of(device):
                     msg = self._assignment(sid)
                     if msg is not None:
-                        out.put(msg)
+                        opening.append(msg)
             except redis.RedisError as e:
                 self._refuse_for_now(context, f"the cache's Redis is unreachable: {e}")
             heard = [time.monotonic()]  # when the drafter last sent anything
@@ -261,6 +264,7 @@ class DraftCacheService(pb_grpc.DraftCacheServicer):
             beat_ms = min(max(reg.heartbeat_ms, 0), 600_000)
             silent_s = max(1.0, SILENT_HEARTBEATS * beat_ms / 1000) if beat_ms else 0.0
             beat_at = time.monotonic() + self.heartbeat_s
+            yield from opening
             while not stop.is_set():
                 now = time.monotonic()
                 if silent_s and now - heard[0] > silent_s:
@@ -319,7 +323,8 @@ class DraftCacheService(pb_grpc.DraftCacheServicer):
                         sid = ""  # never echo a huge id back
                     ack = pb.ChunkAck(session_id=sid, start=msg.chunk.start,
                                       code=e.code.value[0], message=str(e))
-                out.put(pb.CacheMessage(ack=ack))
+                if not out.put(pb.CacheMessage(ack=ack)):
+                    break  # the stream ended, or the drafter reads nothing of it
         except grpc.RpcError:
             pass  # the drafter went away
         except redis.RedisError as e:
@@ -329,7 +334,7 @@ class DraftCacheService(pb_grpc.DraftCacheServicer):
             log.exception("drafter %s: reading chunks failed", device)
         finally:
             stop.set()
-            out.put(None)
+            out.end()
 
     def _pump_events(self, device, gen, after, out, stop, lost) -> None:
         try:
@@ -350,8 +355,8 @@ class DraftCacheService(pb_grpc.DraftCacheServicer):
                 for eid, ev in self.store.read_events(device, after, self.poll_ms):
                     after = eid
                     msg = self._event_message(ev)
-                    if msg is not None:
-                        out.put(msg)
+                    if msg is not None and not out.put(msg):
+                        return  # the stream ended, or the drafter reads nothing of it
         except redis.RedisError as e:
             if not self._stopping.is_set():
                 lost.append(f"the cache's Redis failed: {e}")
@@ -361,7 +366,7 @@ class DraftCacheService(pb_grpc.DraftCacheServicer):
                 log.exception("drafter %s: reading events failed", device)
         finally:
             stop.set()
-            out.put(None)
+            out.end()
 
     def _assignment(self, sid: str) -> pb.CacheMessage | None:
         snap = self.store.snapshot(sid)

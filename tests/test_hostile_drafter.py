@@ -486,6 +486,38 @@ def test_pick_counts_only_live_sessions_and_drops_the_rest(store):
     assert 0 < store.redis.ttl(store.keys.sessions("d1")) <= store.ttl_s
 
 
+def test_a_drafter_that_never_reads_its_stream_is_detached(cache, store, monkeypatch, caplog):
+    """A drafter that sends chunks and reads none of the acknowledgements fills its bounded
+    outbox (``drafter_outbox``), the cache stops reading its chunks, and once the outbox has
+    been full for ``STUCK_S`` the stream is cancelled; another drafter is served throughout."""
+    from cache_service import drafter_outbox
+
+    monkeypatch.setattr(drafter_outbox, "MAX_PENDING", 4)
+    monkeypatch.setattr(drafter_outbox, "STUCK_S", 0.5)
+    store.create("s1", [1, 2, 3], SamplingParams(), "dev2")
+    out: queue.Queue = queue.Queue()
+    out.put(pb.DrafterMessage(register=pb.Register(device_id="dev1", draft_model="test")))
+    sid = "x" * 64  # unknown: each chunk's refusal quotes it, so acks fill gRPC's window soon
+    for _ in range(20_000):
+        out.put(pb.DrafterMessage(chunk=pb.DraftChunk(session_id=sid, epoch=0, start=3,
+                                                      tokens=[5])))
+    channel = grpc.insecure_channel(cache.address, options=[("grpc.http2.bdp_probe", 0)])
+    call = pb_grpc.DraftCacheStub(channel).Attach(iter(out.get, None))  # never read until below
+    with caplog.at_level(logging.WARNING, logger="edgespec.cache"):
+        eventually(lambda: "read nothing of its stream" in caplog.text, "the drafter detached")
+    other = Stream(cache.channel, "dev2")
+    other.next("registered")
+    other.send(pb.DraftChunk(session_id="s1", epoch=0, start=3, tokens=[5, 6]))
+    assert other.next("ack").kept == 2
+    other.close()
+    with pytest.raises(grpc.RpcError) as e:
+        for _ in call:
+            pass
+    assert e.value.code() == grpc.StatusCode.CANCELLED
+    out.put(None)
+    channel.close()
+
+
 def test_registrations_not_seen_for_long_are_forgotten(store):
     for dev in ("old", "fresh", "alive-old"):
         store.devices.register(dev, {"max_sessions": 4})

@@ -1,0 +1,67 @@
+"""What the draft cache has to send one attached drafter, bounded.
+
+An Attach stream's messages (chunk acknowledgements, assignments, commits and fixes) are queued by
+the stream's reader and event threads and sent by its handler. A drafter is an untrusted device:
+one that sends chunks and never reads the stream would have the cache queue an acknowledgement
+per chunk without end. ``DrafterOutbox`` holds at most ``MAX_PENDING`` messages; a thread that
+finds it full waits (the reader then stops reading chunks, and gRPC's flow control holds the
+drafter's sends back), and once the drafter has read nothing for ``STUCK_S`` the stream is
+cancelled: the drafter is detached, as one gone silent is, and its sessions are verified
+without its drafts until it attaches again.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from typing import Any, Callable
+
+log = logging.getLogger("edgespec.cache")
+
+MAX_PENDING = 1024  # messages queued for one drafter's stream
+STUCK_S = 30.0  # how long a full outbox waits for the drafter to read before detaching it
+_POLL_S = 0.25
+
+
+class DrafterOutbox:
+    """A bounded queue of messages for one drafter's stream; ``None`` (``end``) ends it."""
+
+    def __init__(self, device: str, stop: threading.Event, cancel: Callable[[], Any],
+                 max_pending: int | None = None, stuck_s: float | None = None):
+        """``stop``: set when the stream ends (a full outbox then stops waiting); ``cancel``:
+        ends the stream (the call's ``context.cancel``)."""
+        self.device, self.stop, self.cancel = device, stop, cancel
+        self.stuck_s = STUCK_S if stuck_s is None else stuck_s
+        self._queue: queue.Queue = queue.Queue(MAX_PENDING if max_pending is None
+                                               else max_pending)
+
+    def put(self, msg: Any) -> bool:
+        """Queue ``msg``, waiting while the outbox is full; False when the stream ended first, or
+        the drafter read nothing for ``stuck_s`` (the stream is then cancelled)."""
+        since = time.monotonic()
+        while not self.stop.is_set():
+            try:
+                self._queue.put(msg, timeout=_POLL_S)
+                return True
+            except queue.Full:
+                if time.monotonic() - since >= self.stuck_s:
+                    log.warning("drafter %s: it read nothing of its stream for %.0f s with %d "
+                                "messages waiting: detaching it", self.device, self.stuck_s,
+                                self._queue.qsize())
+                    self.stop.set()
+                    self.cancel()
+                    return False
+        return False
+
+    def end(self) -> None:
+        """Wake the stream's handler to end it (``stop`` is set by then); never waits."""
+        try:
+            self._queue.put_nowait(None)
+        except queue.Full:
+            pass  # the handler sees ``stop`` at its next poll
+
+    def get(self, timeout: float) -> Any:
+        """The next message (None: the stream ends); raises ``queue.Empty`` after ``timeout``."""
+        return self._queue.get(timeout=timeout)
