@@ -43,6 +43,7 @@ if TYPE_CHECKING:
     from cache_service.service import DraftCacheService
     from verifier_node.metrics import VerifierMetrics
     from verifier_node.scheduler import Scheduler
+    from verifier_node.service import VerifierService
 
 log = logging.getLogger("edgespec.server")
 
@@ -93,8 +94,8 @@ class EdgespecServer:
         self.opts = opts
         self.engine_cfg = opts.engine or EngineConfig()
         workers = RESERVE_THREADS
-        if "verifier" in opts.roles:
-            workers += opts.max_streams()
+        if "verifier" in opts.roles:  # its streams, and a resumed one a session beside them
+            workers += 2 * opts.max_streams()
         if "cache" in opts.roles:
             workers += opts.max_drafters
         self.credentials = None
@@ -116,6 +117,7 @@ class EdgespecServer:
         add_servicer(health_pb2_grpc.add_HealthServicer_to_server, self.health, self.server)
         self.scheduler: Scheduler | None = None
         self.cache: DraftCacheService | None = None
+        self.verifier_service: VerifierService | None = None
         self._services = [""]
         self._stopping = threading.Event()
         self._abort_drain = threading.Event()  # a third signal: stop waiting for sessions
@@ -171,7 +173,7 @@ class EdgespecServer:
             self.metrics.bind_head(self.scheduler.engine.head)
         self.admission = Admission(self.scheduler, self.store, target.tokenizer,
                                    runner.vocab_size, self.opts.default_max_new_tokens)
-        service = VerifierService(self.admission, model_name=target.name)
+        service = self.verifier_service = VerifierService(self.admission, model_name=target.name)
         add_servicer(pb_grpc.add_VerifierServicer_to_server, service, self.server)
         self._services.append(VERIFIER_SERVICE)
 

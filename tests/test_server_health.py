@@ -4,6 +4,7 @@ truth, stream caps refuse the excess at once, draining refuses new sessions."""
 from __future__ import annotations
 
 import queue
+import threading
 import time
 
 import grpc
@@ -156,3 +157,46 @@ def test_a_started_server_has_frozen_its_startup_heap_out_of_the_collector(tiny_
     finally:
         srv.stop(drain_timeout_s=0)
     assert gc.get_freeze_count() == 0  # stopped: the heap given back to the collector
+
+
+def test_one_resumed_stream_a_session_is_spared_the_stream_cap_and_no_more(server):
+    """A resume continues a session that already counts: one resumed stream a session is
+    never refused, even when the cap is reached; a second one of the same session at once
+    counts as a new stream (refused at the cap), so that resuming one session over and over
+    cannot take every worker thread. The streams are held open by a stand-in for the
+    generation (what is tested is the count of streams, through real gRPC)."""
+    service = server.verifier_service
+    release = threading.Event()
+
+    def held(request, context):  # a stream that stays open until released
+        yield pb.GenerateResponse(session_id=request.resume_session_id or "new")
+        release.wait(60)
+
+    service._generate = held
+    refused = grpc.StatusCode.RESOURCE_EXHAUSTED
+    with grpc.insecure_channel(f"127.0.0.1:{server.port}") as ch:
+        stub = pb_grpc.VerifierStub(ch)
+
+        def opened(**kw):
+            call = stub.Generate(pb.GenerateRequest(**kw), timeout=60)
+            return call, next(call)
+
+        held_calls = [opened(prompt_ids=[1])[0] for _ in range(service.max_streams)]
+        for kw in (dict(prompt_ids=[1]), dict(resume_session_id="s1")):
+            if "resume_session_id" in kw:
+                first, got = opened(**kw)  # the cap is reached: spared
+                assert got.session_id == "s1"
+                held_calls.append(first)
+            with pytest.raises(grpc.RpcError) as e:
+                opened(**kw)
+            assert e.value.code() == refused
+        other, got = opened(resume_session_id="s2")  # another session's resume: spared
+        assert got.session_id == "s2"
+        release.set()
+        for call in [*held_calls, other]:
+            assert list(call) == []  # each ends as the stand-in returns
+    deadline = time.monotonic() + 30
+    while service._streams or service._resuming:  # every count given back
+        assert time.monotonic() < deadline, (service._streams, service._resuming)
+        time.sleep(0.05)
+

@@ -40,6 +40,7 @@ from .scheduler import QueueFull, ShuttingDown, Ticket
 log = logging.getLogger("edgespec.verifier")
 
 POLL_S = 0.5  # how often a waiting handler checks that its client is still there
+RESUMES_OUTSIDE_CAP = 1  # a session's resumed streams open at once that the stream cap spares
 
 
 def generation_request(req: pb.GenerateRequest) -> GenerationRequest:
@@ -64,13 +65,22 @@ class VerifierService(pb_grpc.VerifierServicer):
         self.tokenizer = admission.tokenizer
         self.max_streams = self.scheduler.capacity  # one stream per session it can hold
         self._streams = 0
+        self._resuming: dict[str, int] = {}  # session id -> its open streams outside the cap
         self._lock = threading.Lock()
 
     # -- RPCs -------------------------------------------------------------------------------------
     def Generate(self, request, context):
-        with self._lock:  # a resume continues a session that already counts: never refused
-            full = self._streams >= self.max_streams and not request.resume_session_id
-            if not full:
+        # A resume continues a session that already counts (its client lost the stream the
+        # verifier may not have noticed yet): one a session is never refused. More resumes of
+        # one session at once count as new streams, so that a client cannot hold every worker
+        # thread by resuming one session over and over.
+        sid = request.resume_session_id
+        with self._lock:
+            outside = bool(sid) and self._resuming.get(sid, 0) < RESUMES_OUTSIDE_CAP
+            full = not outside and self._streams >= self.max_streams
+            if outside:
+                self._resuming[sid] = self._resuming.get(sid, 0) + 1
+            elif not full:
                 self._streams += 1
         if full:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -79,7 +89,12 @@ class VerifierService(pb_grpc.VerifierServicer):
             yield from self._generate(request, context)
         finally:
             with self._lock:
-                self._streams -= 1
+                if not outside:
+                    self._streams -= 1
+                elif self._resuming[sid] > 1:
+                    self._resuming[sid] -= 1
+                else:
+                    del self._resuming[sid]
 
     def _generate(self, request, context):
         try:
