@@ -17,6 +17,9 @@ from .codec import KeyLayout, raises_store_unavailable, text
 from .store_lua import LIVE_SESSIONS_LUA, PRUNE_LUA
 
 
+MAX_REGISTRATIONS = 4096  # drafters registered at once, attached or not
+
+
 @dataclass
 class DeviceInfo:
     device_id: str
@@ -47,13 +50,19 @@ class DeviceRegistry:
         return script
 
     def register(self, device: str, info: dict) -> None:
+        """Register (or update) ``device``; registrations beyond ``MAX_REGISTRATIONS`` are
+        forgotten, the drafters detached longest first: every admission reads them all, so that
+        drafters attaching under ever new ids cannot slow it down without end."""
         now = time.time()
         pipe = self.redis.pipeline(transaction=True)
         pipe.hset(self.keys.devices, device, json.dumps(info))
         pipe.zadd(self.keys.seen, {device: now})
-        pipe.execute()
+        pipe.hlen(self.keys.devices)
+        count = pipe.execute()[-1]
         self.mark_alive(device)
         self.prune(now)
+        if count > MAX_REGISTRATIONS:  # the attached ones are read past, never forgotten
+            self.prune(now, keep_s=-1.0, forget=count - MAX_REGISTRATIONS, limit=count)
 
     def mark_alive(self, device: str, ttl_ms: int = 5000) -> None:
         """The device's stream is open: alive for ``ttl_ms``; its last-seen time and the expiry
@@ -73,12 +82,16 @@ class DeviceRegistry:
     def is_alive(self, device: str) -> bool:
         return bool(device) and bool(self.redis.exists(self.keys.alive(device)))
 
-    def prune(self, now: float | None = None) -> list[str]:
-        """Forget drafters not alive and not seen for ``max_idle_s``: their
-        registration, session set and inbox. Returns the forgotten device ids."""
-        cutoff = (time.time() if now is None else now) - self.max_idle_s
+    def prune(self, now: float | None = None, keep_s: float | None = None,
+              forget: int = 256, limit: int = 256) -> list[str]:
+        """Forget drafters not alive and not seen for ``keep_s`` (default ``max_idle_s``): their
+        registration, session set and inbox, at most ``forget`` of them of the ``limit``
+        longest unseen. Returns the forgotten device ids."""
+        keep = self.max_idle_s if keep_s is None else keep_s
+        cutoff = (time.time() if now is None else now) - keep
         gone = self._script("_prune_lua", PRUNE_LUA)(
-            keys=[self.keys.devices, self.keys.seen], args=[cutoff, self.keys.device_prefix, 256])
+            keys=[self.keys.devices, self.keys.seen],
+            args=[cutoff, self.keys.device_prefix, limit, forget])
         return [d.decode() for d in gone]
 
     def live_sessions(self, devices: list[str]) -> list[list[str]]:

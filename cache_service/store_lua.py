@@ -211,12 +211,15 @@ return {table.concat(out), errors}
 """)
 
 
-# Forget drafters last seen before ARGV[1] that are not alive now. KEYS: the devices hash, the
-# last-seen sorted set; ARGV[2]: the device key prefix ('es:dev:'); ARGV[3]: most per call.
+# Forget drafters last seen before ARGV[1] that are not alive now, the longest unseen first.
+# KEYS: the devices hash, the last-seen sorted set; ARGV[2]: the device key prefix ('es:dev:');
+# ARGV[3]: most to read per call; ARGV[4]: most to forget.
 PRUNE_LUA = """
 local gone = {}
+local most = tonumber(ARGV[4])
 local old = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', ARGV[1], 'LIMIT', 0, tonumber(ARGV[3]))
 for _, dev in ipairs(old) do
+  if #gone >= most then break end
   local base = ARGV[2] .. dev
   if redis.call('EXISTS', base .. ':alive') == 0 then
     redis.call('HDEL', KEYS[1], dev)

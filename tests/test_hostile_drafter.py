@@ -486,6 +486,30 @@ def test_pick_counts_only_live_sessions_and_drops_the_rest(store):
     assert 0 < store.redis.ttl(store.keys.sessions("d1")) <= store.ttl_s
 
 
+def test_registrations_beyond_the_cap_forget_the_longest_detached_first(store, monkeypatch):
+    """Drafters attaching under ever new ids cannot grow the registrations every admission
+    reads: past ``MAX_REGISTRATIONS`` the detached drafters unseen longest are forgotten (with
+    their session sets and inboxes); attached ones never are."""
+    from cache_service import devices
+
+    monkeypatch.setattr(devices, "MAX_REGISTRATIONS", 3)
+    regs = lambda: {d.decode() for d in store.redis.hkeys(store.keys.devices)}  # noqa: E731
+    for dev in ("a", "b", "c"):
+        store.devices.register(dev, {"max_sessions": 4})
+    store.create("s-b", [1], SamplingParams(), "b")
+    for dev in ("b", "c"):
+        store.devices.mark_gone(dev)
+    now = time.time()  # a: attached, seen longest ago; none unseen for max_idle_s
+    store.redis.zadd(store.keys.seen, {"a": now - 30, "b": now - 20, "c": now - 10})
+    store.devices.register("d", {"max_sessions": 4})
+    assert regs() == {"a", "c", "d"}
+    assert not store.redis.exists(store.keys.sessions("b"), store.keys.inbox("b"))
+    store.devices.register("e", {"max_sessions": 4})
+    assert regs() == {"a", "d", "e"}
+    store.devices.register("f", {"max_sessions": 4})  # all four attached: none forgotten
+    assert regs() == {"a", "d", "e", "f"}
+
+
 def test_a_drafter_that_never_reads_its_stream_is_detached(cache, store, monkeypatch, caplog):
     """A drafter that sends chunks and reads none of the acknowledgements fills its bounded
     outbox (``drafter_outbox``), the cache stops reading its chunks, and once the outbox has
