@@ -255,6 +255,12 @@ def test_seeded_sampling_is_reproducible(api):
     (dict(max_tokens=10 ** 400), 400, "max_tokens"),
     (dict(seed=2 ** 64, temperature=1), 400, "seed"),
     (dict(max_completion_tokens=None, max_tokens=-1), 400, "max_tokens"),
+    (dict(max_completion_tokens=0), 400, "max_completion_tokens"),
+    (dict(presence_penalty=False), 400, "presence_penalty"),  # a boolean is not the neutral 0
+    (dict(best_of=True), 400, "best_of"),
+    (dict(stream_options={"include_usage": True}), 400, "stream_options"),  # without stream
+    (dict(stream=True, stream_options={"include_usage": "yes"}), 400,
+     "stream_options.include_usage"),
 ])
 def test_bad_requests_get_openai_errors(server, api, kw, status, param):
     body = {"model": api.model_id, "prompt": PROMPT, "max_tokens": 5, **kw}
@@ -284,6 +290,15 @@ def test_a_lone_surrogate_quoted_in_an_error_is_a_4xx(server, api, path, body, s
                        headers={"Authorization": f"Bearer {TOKEN}"})
     assert code == status, reply
     assert reply["error"]["type"] != "server_error" and reply["error"]["message"]
+
+
+@pytest.mark.parametrize("text", [None, {"a": 1}, 5])
+def test_a_text_part_that_is_not_a_string_is_refused(server, api, text):
+    body = {"model": api.model_id, "max_tokens": 4,
+            "messages": [{"role": "user", "content": [{"type": "text", "text": text}]}]}
+    code, reply = call("POST", server["base"] + "/v1/chat/completions", body,
+                       {"Authorization": f"Bearer {TOKEN}"})
+    assert code == 400 and reply["error"]["param"] == "messages[0].content[0].text"
 
 
 def test_a_message_role_openai_does_not_have_is_refused_by_name(api, looping):

@@ -59,7 +59,9 @@ def parts_content(i: int, parts: list, images: list[bytes]) -> str:
         kind = part.get("type") if isinstance(part, dict) else None
         where = f"messages[{i}].content[{j}]"
         if kind == "text":
-            text.append(str(part.get("text", "")))
+            if not isinstance(part.get("text"), str):
+                raise _bad(f"'{where}.text' must be a string", f"{where}.text")
+            text.append(part["text"])
         elif kind == "image_url":
             spec = part.get("image_url")
             if isinstance(spec, dict):

@@ -121,15 +121,13 @@ def parse_request(body, chat: bool, model_name: str) -> OpenAIParams:
         if name not in known:
             raise _bad(f"'{name[:80]}' is not supported by edgespec", name[:80])
     for name, neutral in NEUTRAL.items():
-        if name in body and body[name] not in neutral and body[name] != {} and \
-                body[name] != []:
+        if name in body and not _is_neutral(body[name], neutral):
             raise _bad(f"'{name}' is not supported by edgespec (only its default)", name)
     g = GenerationRequest()
     _prompt(body, chat, g)
-    limit = body.get("max_completion_tokens")
-    if limit is None:
-        limit = body.get("max_tokens")
-    g.max_new_tokens = _number({"max_tokens": limit}, "max_tokens", 0, int, 1)
+    newer = _number(body, "max_completion_tokens", None, int, 1)  # each checked, if given
+    older = _number(body, "max_tokens", None, int, 1)
+    g.max_new_tokens = newer if newer is not None else older if older is not None else 0
     if _number(body, "n", 1, int, 1) != 1:
         raise _bad("only n = 1 is supported", "n")
     seed = body.get("seed")
@@ -150,10 +148,24 @@ def parse_request(body, chat: bool, model_name: str) -> OpenAIParams:
     if not isinstance(stops, list) or len(stops) > MAX_STOP or \
             not all(isinstance(s, str) and s for s in stops):
         raise _bad(f"'stop' must be a non-empty string or a list of up to {MAX_STOP}", "stop")
-    options = body.get("stream_options") or {}
-    if not isinstance(options, dict):
-        raise _bad("'stream_options' must be an object", "stream_options")
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
+    stream = body.get("stream")
+    if stream is not None and not isinstance(stream, bool):
         raise _bad("'stream' must be a boolean", "stream")
-    return OpenAIParams(g, stops, stream, bool(options.get("include_usage")))
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise _bad("'stream_options' must be an object", "stream_options")
+    if options and not stream:  # as OpenAI's API answers it
+        raise _bad("'stream_options' is only allowed when 'stream' is true", "stream_options")
+    usage = (options or {}).get("include_usage")
+    if usage is not None and not isinstance(usage, bool):
+        raise _bad("'stream_options.include_usage' must be a boolean",
+                   "stream_options.include_usage")
+    return OpenAIParams(g, stops, bool(stream), bool(usage))
+
+
+def _is_neutral(value, neutral: tuple) -> bool:
+    """``value`` one of a parameter's neutral values, of the same JSON type (``false`` is not
+    0 here, nor ``true`` 1), or an empty object or list."""
+    if value == {} or value == []:
+        return True
+    return any(value is n or (type(value) is type(n) and value == n) for n in neutral)
