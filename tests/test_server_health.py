@@ -42,6 +42,34 @@ def test_health_is_not_serving_once_the_scheduler_is_dead(server):
     _wait_status(server.port, NOT_SERVING)
 
 
+def test_health_is_not_serving_while_every_step_fails_and_serving_after_one_succeeds(server):
+    """A fault that fails every verification step (a device fault, say; injected here into the
+    engine's step) fails each session it meets, and from the third failing step in a row health
+    says NOT_SERVING; a step that succeeds makes it SERVING again."""
+    from verifier_node.scheduler import FAILING_STEPS
+
+    _wait_status(server.port, SERVING)
+    engine = server.scheduler.engine
+
+    def failing_step():
+        raise RuntimeError("an injected device fault")
+
+    engine.step = failing_step
+    with grpc.insecure_channel(f"127.0.0.1:{server.port}") as ch:
+        stub = pb_grpc.VerifierStub(ch)
+        for _ in range(FAILING_STEPS):  # one at a time: a failing step each
+            with pytest.raises(grpc.RpcError) as e:
+                list(stub.Generate(pb.GenerateRequest(prompt_ids=[1, 5, 6], max_new_tokens=4),
+                                   timeout=60))
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+        _wait_status(server.port, NOT_SERVING)
+        del engine.step  # the fault gone: the class's step again
+        got = list(stub.Generate(pb.GenerateRequest(prompt_ids=[1, 5, 6], max_new_tokens=4),
+                                 timeout=60))
+        assert got[-1].finished
+    _wait_status(server.port, SERVING)
+
+
 def test_a_dead_embedded_redis_is_restarted_with_its_sessions(server):
     """The embedded redis-server runs with an append-only file: the monitor restarts it on
     the same socket and data, and the server serves again (an external Redis going away is

@@ -32,6 +32,9 @@ from .pace import Pace, PaceVerdict
 
 log = logging.getLogger("edgespec.verifier")
 
+FAILING_STEPS = 3  # verification steps failing in a row after which health says NOT_SERVING
+FAILING_FOR_S = 30.0  # ... for this long after the last failure (or until a step succeeds)
+
 
 class QueueFull(Exception):
     """Refused for want of room or of time; ``retry_after_s``: when to try again (0: not said)."""
@@ -134,6 +137,8 @@ class Scheduler(threading.Thread):
         self._stopping = threading.Event()  # (not ``_stop``: threading.Thread has a _stop())
         self._wake = threading.Event()
         self.store_ok = True
+        self._failed_steps = 0  # steps in a row that raised (a bug, a device fault)
+        self._failed_at = 0.0
         self.draining = False
         self.pace = Pace(engine.cost.fit)
         engine.on_prefill = self._prefilled  # what each step's chunked prefill did
@@ -147,7 +152,12 @@ class Scheduler(threading.Thread):
 
     @property
     def healthy(self) -> bool:
-        return self.is_alive() and self.store_ok and not self._stopping.is_set()
+        """Serving: the loop runs, the cache answers, and its steps do not all fail (a device
+        fault that fails every step: unhealthy from the ``FAILING_STEPS``-th in a row, for
+        ``FAILING_FOR_S`` after the last, or until a step succeeds)."""
+        failing = (self._failed_steps >= FAILING_STEPS
+                   and time.monotonic() - self._failed_at < FAILING_FOR_S)
+        return self.is_alive() and self.store_ok and not failing and not self._stopping.is_set()
 
     def submit(self, ticket: Ticket, deadline_s: float | None = None) -> Ticket:
         """Queue a ticket; if its session is already queued or running, the running ticket is
@@ -245,6 +255,7 @@ class Scheduler(threading.Thread):
                     self._step_tokens = 0
                     began = time.monotonic()
                     report = self.engine.step()
+                    self._failed_steps = 0
                     if report is not None:  # a step that verified nothing says nothing of pace
                         # the step's prefill is the pace's prefill rate's (``_prefilled``)
                         took = time.monotonic() - began - self.engine.prefill_s
@@ -266,6 +277,12 @@ class Scheduler(threading.Thread):
                 backoff = min(1.0, backoff * 2)
             except Exception as exc:  # a bug: fail the sessions in flight, keep serving
                 log.exception("verification step failed")
+                self._failed_steps += 1
+                self._failed_at = time.monotonic()
+                if self._failed_steps == FAILING_STEPS:
+                    log.error("%d verification steps in a row failed: health says NOT_SERVING "
+                              "until a step succeeds or %.0f s pass without a failure",
+                              FAILING_STEPS, FAILING_FOR_S)
                 for act in self.engine.sessions:
                     try:
                         self.engine.fail(act, SessionFailed(f"verification step failed: "
