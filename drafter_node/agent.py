@@ -43,10 +43,11 @@ from edgespec.wire.trees import TREE_VERSION, tree_to_wire
 from edgespec.v1 import edgespec_pb2 as pb
 from edgespec.v1 import edgespec_pb2_grpc as pb_grpc
 from edgespec.wire.convert import auth_metadata, make_channel, params_from_pb, retry_after_s
-from edgespec.wire.keepalive import SILENT_HEARTBEATS, heartbeat_interval_s
+from edgespec.wire.keepalive import heartbeat_interval_s
 from edgespec.wire.reachability import check_address
 
 from .fleet_client import RemoteFleetTable
+from .liveness import Liveness
 
 if TYPE_CHECKING:  # prometheus_client is needed only where metrics are kept
     from .metrics import DrafterMetrics
@@ -57,6 +58,8 @@ FATAL = {grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.FAILED_PRECONDITION,
          grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.PERMISSION_DENIED}
 BACKOFF_START_S = 0.2
 STILL_UNREACHABLE_LOG_S = 30.0  # while the cache stays unreachable, say so this often
+MIN_RETRY_S = 0.1  # the shortest wait a retry hint may ask for
+STEADY_LINK_S = 10.0  # a link that lasted this long resets the backoff when it ends
 
 
 def next_backoff(delay: float, error: grpc.RpcError | None, backoff_max_s: float,
@@ -68,8 +71,8 @@ def next_backoff(delay: float, error: grpc.RpcError | None, backoff_max_s: float
     Both waits are jittered by +-20% (``jitter`` in [0, 1]; None: random)."""
     factor = 0.8 + 0.4 * (random.random() if jitter is None else jitter)
     hint = retry_after_s(error) if error is not None else None
-    if hint is not None:
-        return min(backoff_max_s, hint) * factor, BACKOFF_START_S
+    if hint is not None:  # a hint of 0 from a broken cache: never a reconnect loop
+        return min(backoff_max_s, max(MIN_RETRY_S, hint)) * factor, BACKOFF_START_S
     return delay * factor, min(backoff_max_s, delay * 2)
 
 
@@ -93,6 +96,7 @@ class DrafterAgent:
             raise ConfigError("a client certificate needs both --tls-cert and --tls-key")
         self.fingerprint = fingerprint
         self.window, self.chunk = window, chunk
+        self.vocab: int | None = None  # the target's, from Registered
         self.ahead_chunk = AHEAD_CHUNK  # a fix waits for no more of a chunk drafted ahead
         self.first_chunk = 1  # after a fix, its first token reaches the cache a token sooner
         # a board's own time: a fix waits for no more than one job, or, for a drafter that
@@ -162,10 +166,11 @@ class DrafterAgent:
         delay = BACKOFF_START_S
         while not self.stopping.is_set():
             error = None
-            attaches = self.attaches
+            attaches, began = self.attaches, time.monotonic()
             try:
                 self._attach_once()
-                delay = BACKOFF_START_S
+                if time.monotonic() - began >= STEADY_LINK_S:  # else a cache that closes every
+                    delay = BACKOFF_START_S  # link at once would be attached to in a loop
             except grpc.RpcError as e:
                 if self.stopping.is_set():
                     break  # stop() cancelled the stream
@@ -233,7 +238,7 @@ class DrafterAgent:
             self._call = responses
         if self.stopping.is_set():
             responses.cancel()
-        link = _Liveness(responses, out, beat_s, self.cache)
+        link = Liveness(responses, out, beat_s, self.cache)
         try:
             for msg in responses:
                 link.heard(msg)
@@ -296,11 +301,15 @@ class DrafterAgent:
     # -- what the cache sends ---------------------------------------------------------------------
     def _apply(self, msg: pb.CacheMessage) -> None:
         kind = msg.WhichOneof("kind")
+        if kind in ("assignment", "commit", "closed") and not self.connected.is_set():
+            # the window and the vocabulary come with it: a cache out of order costs the link
+            raise ConnectionError(f"the cache sent {kind!r} before 'registered'")
         with self.cond:
             if kind == "registered":
                 reg = msg.registered
                 self.window = self.window or reg.window
                 self.chunk = self.chunk or reg.chunk
+                self.vocab = reg.vocab_size or None
                 self.attaches += 1
                 self.connected.set()
                 self._outage_since = None
@@ -335,18 +344,38 @@ class DrafterAgent:
     def _apply_assignment(self, a: pb.Assignment) -> None:
         try:
             params = params_from_pb(a.sampling)
+            self._check_ids(a.tokens)
         except ConfigError as e:  # not a session this drafter can draft for
             self.book.assign(a.session_id, list(a.tokens), SamplingParams(), a.epoch)
-            target = self.book.targets[a.session_id]
-            target.opening, target.refused, target.idle = None, True, True
-            log.warning("drafter %s refuses session %s: %s", self.device_id, a.session_id, e)
-            self.refuse(a.session_id, target, len(a.tokens), str(e))
+            self._refuse_session(a.session_id, len(a.tokens), str(e))
             return
         self.book.assign(a.session_id, list(a.tokens), params, a.epoch)
+
+    def _check_ids(self, tokens) -> None:
+        """Token ids the cache sends are the target's: outside its vocabulary, no drafter's
+        model may read them (on a GPU an embedding read past its end breaks the device)."""
+        if self.vocab is not None and any(not 0 <= t < self.vocab for t in tokens):
+            raise ConfigError(f"the cache sent token ids outside the vocabulary of "
+                              f"{self.vocab}")
+
+    def _refuse_session(self, sid: str, start: int | None, why: str) -> None:
+        """Draft no more for ``sid``; its idle chunk sent at ``start`` (None: by the caller)."""
+        target = self.book.targets[sid]
+        target.opening, target.refused, target.idle = None, True, True
+        log.warning("drafter %s refuses session %s: %s", self.device_id, sid, why)
+        if start is None:
+            self.refused += 1
+        else:
+            self.refuse(sid, target, start, why)
 
     def _apply_commit(self, c: pb.Commit) -> None:
         if c.is_fix and self.metrics is not None:
             self.metrics.fix_received()
+        if c.is_fix and c.session_id in self.book.targets:
+            try:
+                self._check_ids((c.fix_token, *c.fix_more))
+            except ConfigError as e:  # the fix is not applied; its idle chunk follows, under
+                self._refuse_session(c.session_id, None, str(e))  # the fix's epoch
         if c.is_fix:
             self.book.fix(c.session_id, c.epoch, c.fix_position, (c.fix_token, *c.fix_more))
         target = self.book.commit(c.session_id, c.epoch, c.committed_end,
@@ -355,41 +384,3 @@ class DrafterAgent:
             # the verifier decodes it alone, and a commit may have reset the cache's idle flag
             # (a fix does): say it again
             self._send_idle(c.session_id, target, target.committed_end)
-
-
-class _Liveness(threading.Thread):
-    """One Attach stream's application heartbeat (``edgespec.wire.keepalive``): send a
-    Heartbeat every ``beat_s``, and cancel the stream (the agent then attaches again) when the
-    cache, which announced its own interval in Registered, has been silent for
-    SILENT_HEARTBEATS of them."""
-
-    def __init__(self, call, out: queue.Queue, beat_s: float, cache: str):
-        super().__init__(daemon=True, name="attach-heartbeat")
-        self.call, self.out, self.beat_s, self.cache = call, out, beat_s, cache
-        self.last_heard = time.monotonic()
-        self.silent_s = 0.0  # until the cache says its interval (an older cache: never)
-        self._done = threading.Event()
-        self.start()
-
-    def heard(self, msg: pb.CacheMessage) -> None:
-        self.last_heard = time.monotonic()
-        if msg.WhichOneof("kind") == "registered" and msg.registered.heartbeat_ms > 0:
-            self.silent_s = max(1.0, SILENT_HEARTBEATS * msg.registered.heartbeat_ms / 1000)
-
-    def stop(self) -> None:
-        self._done.set()
-
-    def run(self) -> None:
-        tick = min(self.beat_s, 0.5)
-        next_beat = time.monotonic() + self.beat_s
-        while not self._done.wait(tick):
-            now = time.monotonic()
-            if now >= next_beat:
-                next_beat = now + self.beat_s
-                self.out.put(pb.DrafterMessage(heartbeat=pb.Heartbeat(
-                    sent_unix_ms=int(time.time() * 1000))))
-            if self.silent_s and now - self.last_heard > self.silent_s:
-                log.warning("heard nothing from the cache at %s for %.1f s: attaching again",
-                            self.cache, now - self.last_heard)
-                self.call.cancel()
-                return

@@ -31,7 +31,7 @@ import edgespec
 from cache_service.redis_conn import RedisHandle, embedded_redis_binary
 from cache_service.service import RETRY_AFTER_MS, DraftCacheService
 from cache_service.store import RedisSessionStore
-from drafter_node.agent import BACKOFF_START_S, next_backoff
+from drafter_node.agent import BACKOFF_START_S, MIN_RETRY_S, next_backoff
 from edgespec.v1 import edgespec_pb2 as pb
 from edgespec.v1 import edgespec_pb2_grpc as pb_grpc
 from edgespec.wire.convert import RETRY_AFTER_MD, bind, free_port, retry_after_s
@@ -67,6 +67,9 @@ def test_a_hinted_refusal_is_retried_after_the_hint_and_resets_the_backoff():
     assert next_backoff(0.8, _Err(), 10.0, jitter=0.5) == (0.8, 1.6)
     assert next_backoff(8.0, _Err(), 10.0, jitter=0.5) == (8.0, 10.0)
     assert next_backoff(0.2, None, 10.0, jitter=0.5) == (0.2, 0.4)
+    # a hint of 0 (a broken cache) still waits: never a loop of attaches
+    assert next_backoff(8.0, _Err(((RETRY_AFTER_MD, "0"),)), 10.0, jitter=0.5) == \
+        (MIN_RETRY_S, BACKOFF_START_S)
     low, _ = next_backoff(1.0, hinted, 10.0, jitter=0.0)
     high, _ = next_backoff(1.0, hinted, 10.0, jitter=1.0)
     assert low == pytest.approx(0.4) and high == pytest.approx(0.6)  # +-20%

@@ -468,6 +468,76 @@ def test_agent_refuses_a_session_its_drafter_cannot_open_and_keeps_serving(cache
         t.join(WAIT_S)
 
 
+def test_agent_refuses_a_session_whose_ids_are_outside_the_vocabulary(cache, store):
+    """Token ids from the cache outside the target's vocabulary (a broken or hostile cache; the
+    verifier never sends them) reach no drafter's model: the session they come in, an
+    assignment or a fix, is refused (an idle chunk), and the agent drafts for the others."""
+    drafter = SlotDrafter()
+    agent = DrafterAgent(cache.address, "edge-1", drafter, window=4, chunk=2)
+    t = start_agent(agent)
+    try:
+        idle = lambda sid: store.redis.hget(store.keys.session(sid)[0], "idle") == b"1"  # noqa: E731
+        store.create("s1", [1, 2, VOCAB + 50], SamplingParams(), "edge-1")
+        eventually(lambda: idle("s1"), "an idle chunk for s1, assigned ids outside the vocabulary")
+        store.create("s2", [1, 2, 3], SamplingParams(), "edge-1")
+        eventually(lambda: draft_len(store, "s2") > 0, "drafts for s2")
+        store.commit_many([Verdict(session_id="s2", epoch=0, start=3, n_accepted=0,
+                                   token=VOCAB + 7)])  # a fix with an id outside it
+        eventually(lambda: idle("s2")
+                   and store.redis.hget(store.keys.session("s2")[0], "epoch") == b"1",
+                   "an idle chunk for s2 after its fix, under the fix's epoch")
+        store.create("s3", [1, 2, 3], SamplingParams(), "edge-1")
+        eventually(lambda: draft_len(store, "s3") > 0, "drafts for s3")
+        assert t.is_alive() and agent.refused == 2
+    finally:
+        agent.stop()
+        t.join(WAIT_S)
+
+
+class OutOfOrderCache(pb_grpc.DraftCacheServicer):
+    """A cache that, on a drafter's first attach, sends an assignment before ``registered``;
+    on the next ones behaves, and collects the chunks it gets."""
+
+    def __init__(self):
+        self.attaches, self.chunks = 0, queue.Queue()
+
+    def Attach(self, request_iterator, context):
+        self.attaches += 1
+        assignment = pb.CacheMessage(assignment=pb.Assignment(session_id="s1", tokens=[1, 2, 3]))
+        if self.attaches == 1:
+            yield assignment
+            return
+        threading.Thread(target=lambda: [self.chunks.put(m.chunk) for m in request_iterator
+                                         if m.HasField("chunk")], daemon=True).start()
+        yield pb.CacheMessage(registered=pb.Registered(target_model="tiny", window=4, chunk=2,
+                                                        vocab_size=VOCAB))
+        yield assignment
+        while context.is_active():
+            time.sleep(0.05)
+
+
+def test_a_cache_that_assigns_before_registering_costs_the_link_not_the_agent():
+    """Before ``registered`` the agent knows neither the window nor the vocabulary: a session
+    assigned then ends the link (the drafting thread never plans with them unknown), and the
+    agent attaches again and drafts."""
+    servicer = OutOfOrderCache()
+    server = grpc.server(futures.ThreadPoolExecutor(8))
+    pb_grpc.add_DraftCacheServicer_to_server(servicer, server)
+    port = bind(server, "127.0.0.1:0")
+    server.start()
+    agent = DrafterAgent(f"127.0.0.1:{port}", "edge-1", SlotDrafter())
+    t = threading.Thread(target=agent.run, daemon=True)
+    t.start()
+    try:
+        chunk = servicer.chunks.get(timeout=WAIT_S)
+        assert chunk.session_id == "s1" and list(chunk.tokens) and set(chunk.tokens) == {7}
+        assert servicer.attaches == 2 and t.is_alive()
+    finally:
+        agent.stop()
+        t.join(WAIT_S)
+        server.stop(0)
+
+
 # -- 5. bounded drafter-side state ----------------------------------------------------------------
 def test_pick_counts_only_live_sessions_and_drops_the_rest(store):
     store.devices.register("d1", {"max_sessions": 1})

@@ -123,7 +123,11 @@ def run_drafting(drafter: Drafter, channel: DraftChannel, book: DraftBook,
                         log.exception("the drafting loop could not read its sessions")
                     if book.news or not queue:
                         book.news = False
-                        queue = _plan_round(channel, book, max(1, drafter.batch_jobs))
+                        try:
+                            queue = _plan_round(channel, book, max(1, drafter.batch_jobs))
+                        except Exception:  # a bug's round, not the loop: the next plans again
+                            log.exception("the drafting loop could not plan its round")
+                            queue = []
                     jobs = _pop_jobs(queue, channel, book, channel.jobs_at_once)
             close_drafts(retired)
             if not going:
