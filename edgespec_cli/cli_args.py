@@ -33,8 +33,16 @@ def positive_ints(text: str, option: str, what: str = "integers") -> list[int]:
     return out
 
 
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
 def configure_logging(level: str = "INFO") -> None:
     """Logs of a role process (a command or a Ray actor) to stderr, one format for all."""
+    from edgespec.config import ConfigError
+
+    if level.upper() not in LOG_LEVELS:
+        raise ConfigError(f"--log-level is one of {', '.join(LOG_LEVELS)} (any case), got "
+                          f"{level!r}")
     logging.basicConfig(level=level.upper(), stream=sys.stderr, format=LOG_FORMAT)
 
 

@@ -163,6 +163,10 @@ def cmd_drafter(args) -> int:
     check_drafter_arg(args.drafter, allowed=EDGE_KINDS)
     if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
         raise ConfigError("--metrics-port must be in [0, 65535]")
+    for name in ("window", "chunk", "max_sessions"):  # before loading a model
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
     set_threads(args.threads)
     configure_logging(args.log_level)
     metrics = None

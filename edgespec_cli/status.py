@@ -116,7 +116,12 @@ def cmd_status(args: argparse.Namespace) -> int:
     import os
 
     import edgespec
+    from edgespec.config import ConfigError
 
+    for name in ("interval", "timeout"):
+        value = getattr(args, name)
+        if not value > 0:  # NaN too
+            raise ConfigError(f"--{name} takes seconds > 0, got {value}")
     with edgespec.Client(args.address, token=args.auth_token or os.environ.get(
             "EDGESPEC_AUTH_TOKEN"), tls_ca=args.tls_ca, tls=args.tls,
             timeout=args.timeout) as client:

