@@ -43,6 +43,7 @@ replaces edgespec's value::
 from __future__ import annotations
 
 import asyncio
+import operator
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -154,6 +155,33 @@ class GenerateResult:
         return self.stats.get("lossless", True)
 
 
+def _whole_31(x) -> bool:
+    """A whole number in [0, 2^31) (an int, or anything usable as an index: NumPy's, a
+    one-element tensor's), not a bool."""
+    if isinstance(x, bool):
+        return False
+    try:
+        return 0 <= operator.index(x) < 1 << 31
+    except TypeError:
+        return False
+
+
+def _check_wire_values(max_new_tokens, messages, prompt_ids) -> None:
+    """What the wire cannot carry, refused as InvalidRequest (not protobuf's ValueError)."""
+    if not _whole_31(max_new_tokens):
+        raise InvalidRequest(f"max_new_tokens must be a whole number in [0, 2^31) (0: the "
+                             f"server's default), got {str(max_new_tokens)[:20]}")
+    for m in () if messages is None else messages:
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or \
+                not isinstance(m.get("content"), str):
+            raise InvalidRequest("each message is a dict with a 'role' and a 'content', both "
+                                 "strings")
+    for t in () if prompt_ids is None else prompt_ids:
+        if not _whole_31(t):
+            raise InvalidRequest(f"prompt_ids holds {str(t)[:20]!r}: token ids are whole "
+                                 "numbers in [0, 2^31)")
+
+
 def build_request(prompt=None, *, messages=None, prompt_ids=None, raw=False, max_new_tokens=0,
                   temperature=0.0, top_k=0, top_p=1.0, seed=None, device_id=None,
                   verify=None, images=None) -> pb.GenerateRequest:
@@ -175,7 +203,8 @@ def build_request(prompt=None, *, messages=None, prompt_ids=None, raw=False, max
     if verify not in (None, "") + VERIFY_MODES:
         raise InvalidRequest("verify must be 'exact', 'loose' or 'pad', got "
                              f"{str(verify)[:20]!r}")
-    req = pb.GenerateRequest(raw=raw, max_new_tokens=max_new_tokens,
+    _check_wire_values(max_new_tokens, messages, prompt_ids)
+    req = pb.GenerateRequest(raw=raw, max_new_tokens=operator.index(max_new_tokens),
                              sampling=params_to_pb(params), device_id=device_id or "",
                              verify=verify or "")
     if prompt is not None:  # "" too: the field has presence
@@ -184,7 +213,7 @@ def build_request(prompt=None, *, messages=None, prompt_ids=None, raw=False, max
         req.messages.extend(pb.ChatMessage(role=m["role"], content=m["content"])
                             for m in messages)
     if prompt_ids is not None:
-        req.prompt_ids.extend(int(t) for t in prompt_ids)
+        req.prompt_ids.extend(operator.index(t) for t in prompt_ids)
     if images:
         if prompt_ids is not None:
             raise InvalidRequest("images go with a prompt or messages, not token ids (the "
@@ -303,7 +332,9 @@ class _Resumer:
         if lost:
             self.recreating = True
             return 0.0
-        return min(2.0, 0.1 * 2 ** self.resumes)
+        wait = min(2.0, 0.1 * 2 ** self.resumes)
+        left = self.time_left()  # raises DeadlineExceeded once the deadline has passed
+        return wait if left is None else min(wait, left)
 
 
 RESUMABLE = {grpc.StatusCode.UNAVAILABLE}
