@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -65,8 +66,8 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        if not self.temperature >= 0:
-            raise ConfigError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 <= self.temperature < math.inf:
+            raise ConfigError(f"temperature must be finite and >= 0, got {self.temperature}")
         if not 0 <= self.top_k < (1 << 31):
             raise ConfigError(f"top_k must be in [0, 2^31), got {self.top_k}")
         if not 0 < self.top_p <= 1:

@@ -61,8 +61,9 @@ def test_process_logits_top_k_and_top_p():
 
 
 def test_sampling_params_are_validated():
-    with pytest.raises(ConfigError):
-        SamplingParams(temperature=-1)
+    for temperature in (-1, float("inf"), float("nan")):  # inf: every token as likely
+        with pytest.raises(ConfigError):
+            SamplingParams(temperature=temperature)
     with pytest.raises(ConfigError):
         SamplingParams(top_p=0)
     with pytest.raises(ConfigError):

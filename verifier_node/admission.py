@@ -137,7 +137,8 @@ class Admission:
         got: Ticket | None = None  # stays None if the scheduler refuses it
         try:
             got = self.scheduler.submit(ticket, None if resumed else deadline_s)
-            if got is ticket and ticket.kernels_switched:  # admitted: said once
+            if got is ticket and ticket.kernels_switched:  # admitted: said once (a resume of
+                ticket.kernels_switched = False  # the running ticket is the same one)
                 self._say_switched(ticket)
             return got
         finally:

@@ -67,7 +67,10 @@ class VerifierRouter(pb_grpc.VerifierServicer):
         self._homes: OrderedDict[str, tuple[int, str]] = OrderedDict()
         self._lock = threading.Lock()
         self._stopping = threading.Event()
-        self.server = make_server(max_streams + 16, self.token)
+        # Generate streams capped below the pool (refused at once beyond): health checks,
+        # Cancel and Status always find a thread
+        self.server = make_server(max_streams + 16, self.token,
+                                  {f"/{VERIFIER_SERVICE}/Generate": max_streams})
         add_servicer(pb_grpc.add_VerifierServicer_to_server, self, self.server)
         self.health = health.HealthServicer()
         add_servicer(health_pb2_grpc.add_HealthServicer_to_server, self.health, self.server)
@@ -181,12 +184,12 @@ class VerifierRouter(pb_grpc.VerifierServicer):
                         log.info("replica %s refused (%s); trying the next", replica.address,
                                  e.code().name)
                         continue
-                    context.abort(e.code(), e.details() or "")
+                    _abort_as(context, e)
             finally:
                 with self._lock:
                     replica.active -= 1
         if last is not None:
-            context.abort(last.code(), last.details() or "")
+            _abort_as(context, last)
         context.abort(grpc.StatusCode.UNAVAILABLE, "no verifier replica is available")
 
     def Cancel(self, request, context):
@@ -237,3 +240,13 @@ def _deadline(context) -> float | None:
     """The caller's time left, None without a deadline (gRPC reports ~2**63 s then)."""
     left = context.time_remaining()
     return None if left is None or left > 1e9 else left
+
+
+def _abort_as(context, error: grpc.RpcError) -> None:
+    """End the call as the replica ended it: its code, message and trailing metadata (a
+    refusal's ``retry-after-ms`` and why it refused, which the SDK reads)."""
+    trailing = error.trailing_metadata() if hasattr(error, "trailing_metadata") else None
+    if trailing:
+        context.set_trailing_metadata(tuple((k, v) for k, v in trailing))
+    context.abort(error.code(), error.details() or "")
+

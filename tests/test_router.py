@@ -1,0 +1,84 @@
+"""The replica router over real gRPC, in front of stand-in replicas (a real gRPC server whose
+Generate refuses, or holds its stream open, as told): a replica's refusal reaches the client
+whole, its retry hint included, and the router's own Generate streams are capped below its
+thread pool, so that its health checks always find a thread."""
+
+from __future__ import annotations
+
+import threading
+from concurrent import futures
+
+import grpc
+import pytest
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+import edgespec
+from edgespec.v1 import edgespec_pb2 as pb
+from edgespec.v1 import edgespec_pb2_grpc as pb_grpc
+from edgespec.wire.convert import bind, retry_after_metadata
+from procs import wait_health
+from verifier_node.router import VERIFIER_SERVICE, VerifierRouter
+
+pytestmark = pytest.mark.slow  # servers: not the fast tier
+
+WAIT_S = 30
+
+
+class StandInReplica(pb_grpc.VerifierServicer):
+    """A replica whose Generate refuses with RESOURCE_EXHAUSTED and a retry hint (``refuse``),
+    or yields one response and holds the stream open until ``release`` is set."""
+
+    def __init__(self, refuse: bool):
+        self.refuse, self.release = refuse, threading.Event()
+        self.server = grpc.server(futures.ThreadPoolExecutor(16))
+        pb_grpc.add_VerifierServicer_to_server(self, self.server)
+        self.health = health.HealthServicer()
+        self.health.set(VERIFIER_SERVICE, health_pb2.HealthCheckResponse.SERVING)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.address = f"127.0.0.1:{bind(self.server, '127.0.0.1:0')}"
+        self.server.start()
+
+    def Generate(self, request, context):
+        if self.refuse:
+            context.set_trailing_metadata(retry_after_metadata(1500))
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "verifier overloaded: full")
+        yield pb.GenerateResponse(session_id="held")
+        self.release.wait(WAIT_S)
+
+    def stop(self):
+        self.release.set()
+        self.server.stop(0)
+
+
+@pytest.fixture()
+def routed(request):
+    replica = StandInReplica(refuse=request.param)
+    router = VerifierRouter("127.0.0.1:0", [replica.address], max_streams=1).start()
+    yield router, replica
+    replica.stop()
+    router.stop()
+
+
+@pytest.mark.parametrize("routed", [True], indirect=True)
+def test_a_replicas_refusal_reaches_the_client_with_its_retry_hint(routed):
+    router, _ = routed
+    with edgespec.Client(f"127.0.0.1:{router.port}", timeout=WAIT_S) as c:
+        with pytest.raises(edgespec.Overloaded) as e:
+            c.generate(prompt_ids=[1, 2, 3], max_new_tokens=4)
+    assert e.value.retry_after_s == 1.5 and "full" in str(e.value)
+
+
+@pytest.mark.parametrize("routed", [False], indirect=True)
+def test_the_routers_generate_streams_are_capped_and_its_health_answers(routed):
+    router, replica = routed
+    with grpc.insecure_channel(f"127.0.0.1:{router.port}") as ch:
+        stub = pb_grpc.VerifierStub(ch)
+        held = stub.Generate(pb.GenerateRequest(prompt_ids=[1]), timeout=WAIT_S)
+        assert next(held).session_id == "held"  # the one stream the cap allows
+        with pytest.raises(grpc.RpcError) as e:
+            next(stub.Generate(pb.GenerateRequest(prompt_ids=[1]), timeout=WAIT_S))
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        wait_health(f"127.0.0.1:{router.port}", health_pb2.HealthCheckResponse.SERVING,
+                    timeout=WAIT_S, service=VERIFIER_SERVICE)
+        replica.release.set()
+        assert list(held) == []
