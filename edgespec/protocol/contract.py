@@ -22,8 +22,8 @@ Failure rules the verifier relies on:
   from the store, a refused commit) is reported in its own slot, never raised for the batch;
 - they raise only ``StoreUnavailable``, when the store itself cannot be reached; nothing was
   then applied by ``take_when_ready``, and ``commit_many`` may be retried with the same verdicts
-  (a commit that did land is recognised by its position and last token and answered as before,
-  not applied twice);
+  (a commit that did land is recognised by its position and last token and answered as applied,
+  not applied twice; the answer carries no fix, whose event went out the first time);
 - a store may answer a take without reading, where it knows no draft can come (the Redis
   store: a session it created without a board, asked for nothing): that session's trouble (it
   vanished, the store cannot be reached) then shows at its commit, in its slot or raised;

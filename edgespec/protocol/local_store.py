@@ -201,7 +201,7 @@ class LocalSessionStore:
             if session_id in self.sessions:
                 raise ValueError(f"session {session_id} exists")
             self.sessions[session_id] = SessionState(session_id, list(prompt), list(committed),
-                                                     has_drafter=drafter is not None,
+                                                     has_drafter=bool(drafter),
                                                      params=params, vocab_size=self.vocab_size)
             self._record(session_id)
             self.cond.notify_all()
