@@ -7,14 +7,17 @@ Attach stream or by PushDraft; ``code`` is the gRPC status code name of the answ
 a stored chunk, ``FAILED_PRECONDITION`` for a stale or misplaced one, ...);
 ``edgespec:cache_draft_tokens_total`` (draft tokens stored).
 
-Label values stay bounded: gRPC code names only, and device ids (a fleet has a bounded number
-of boards); a session id is never a label.
+Label values stay bounded: gRPC code names only, and device ids, the first
+``MAX_DEVICE_LABELS`` of them (any later one is counted under ``other``: drafters choose their
+ids); a session id is never a label.
 """
 
 from __future__ import annotations
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge
+
+MAX_DEVICE_LABELS = 256  # as the verifier's metrics (verifier_node.metrics.MAX_DEVICES)
 
 
 class CacheMetrics:
@@ -31,10 +34,16 @@ class CacheMetrics:
         self.draft_tokens = Counter("edgespec:cache_draft_tokens", "Draft tokens stored",
                                     registry=r)
         self.chunks.labels("ok", grpc.StatusCode.OK.name)  # the usual series exist from start
+        self._devices: set[str] = set()  # those with their own label
 
     # -- hooks the service calls ------------------------------------------------------------------
     def attach(self, device: str) -> None:
         self.attached.inc()
+        if device not in self._devices:
+            if len(self._devices) >= MAX_DEVICE_LABELS:
+                device = "other"  # drafters choose their ids: the series stay bounded
+            else:
+                self._devices.add(device)
         self.attaches.labels(device).inc()
 
     def detach(self) -> None:

@@ -64,6 +64,19 @@ def test_a_pinned_process_runs_on_its_cpus_only_and_so_do_its_later_threads():
     assert sorted(os.sched_getaffinity(0)) == CPUS  # this process untouched
 
 
+def test_a_child_that_exited_keeps_its_cpu_seconds_in_the_tree():
+    """The server's CPU counter must not fall when a child exits: a child waited for is
+    counted in its parent's ``cutime``/``cstime``."""
+    import resource
+
+    before, kids = process_tree_cpu_s(), resource.getrusage(resource.RUSAGE_CHILDREN)
+    busy = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass"
+    assert subprocess.run([sys.executable, "-c", busy], timeout=60).returncode == 0
+    after, kids_after = process_tree_cpu_s(), resource.getrusage(resource.RUSAGE_CHILDREN)
+    child_s = (kids_after.ru_utime + kids_after.ru_stime) - (kids.ru_utime + kids.ru_stime)
+    assert child_s >= 0.3 and after - before >= child_s - 0.05  # /proc counts in 10 ms ticks
+
+
 def test_cpu_seconds_of_a_process_tree_grow_with_work():
     before = process_tree_cpu_s()
     assert before is not None and before > 0

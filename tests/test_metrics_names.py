@@ -125,6 +125,12 @@ def test_metric_names_do_not_collide_and_labels_stay_bounded():
     d = DrafterMetrics(CollectorRegistry())
     d.ack_received("s", 1, 12345)  # a code no gRPC status has
     assert {s.labels["code"] for fam in d.refused.collect() for s in fam.samples} == {"UNKNOWN"}
+    from cache_service.metrics import MAX_DEVICE_LABELS
+
+    for i in range(MAX_DEVICE_LABELS + 50):  # drafters attaching under ever new ids
+        m.attach(f"board-{i}")
+    devices = {s.labels["device"] for fam in m.attaches.collect() for s in fam.samples}
+    assert len(devices) == MAX_DEVICE_LABELS + 1 and "other" in devices
 
 
 def test_link_rtt_matches_acks_to_chunks_by_session_and_start():

@@ -300,6 +300,8 @@ class _Run:
                 if text or first:
                     yield self._chunk([self._choice(text, None, first)])
                     first = False
+            if first:  # no text at all (an end of sequence first): the role is still said
+                yield self._chunk([self._choice("", None, True)])
             yield self._chunk([self._choice(None, self.finish_reason)],
                               edgespec=self._stats())
             if self.p.include_usage:

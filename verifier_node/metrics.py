@@ -367,13 +367,19 @@ class _GraphCollector(Collector):
 
 
 class _CpuCollector(Collector):
-    """``edgespec:server_cpu_seconds_total``: this process's and its children's CPU seconds."""
+    """``edgespec:server_cpu_seconds_total``: this process's and its children's CPU seconds
+    (never less than it last said: a child that exited and was not waited for, an orphan
+    adopted by init, takes its seconds out of the tree)."""
+
+    def __init__(self) -> None:
+        self._most = 0.0
 
     def collect(self):
         from edgespec.runner.cpu_time import process_tree_cpu_s
 
         seconds = process_tree_cpu_s()
         if seconds is not None:
+            seconds = self._most = max(self._most, seconds)
             yield CounterMetricFamily("edgespec:server_cpu_seconds",
                                       "CPU seconds of this server process and its children "
                                       "(an embedded Redis included)", value=seconds)
@@ -424,7 +430,7 @@ class _LinkCollector(Collector):
                                     "before: the session's opening, a fix after a verified "
                                     "draft, an empty draft again, or none of these",
                                     labels=["device", "after"])
-        for device, link in list(links.items())[:MAX_DEVICES]:
+        for device, link in list(links.items())[-MAX_DEVICES:]:  # the latest drafters
             late.add_metric([device], 1.0 if link.late else 0.0)
             for family, attr in counters:
                 family.add_metric([device], getattr(link, attr))

@@ -8,8 +8,10 @@ import os
 
 
 def process_tree_cpu_s(pid: int | None = None) -> float | None:
-    """User + system CPU seconds of a process (default: this one) and its living descendants,
-    all their threads; None where ``/proc`` cannot tell."""
+    """User + system CPU seconds of a process (default: this one) and its descendants, all
+    their threads: the living ones' own, and those that exited and were waited for (each
+    process's ``cutime`` and ``cstime``), so the sum does not fall when a child exits; None
+    where ``/proc`` cannot tell."""
     pid = os.getpid() if pid is None else pid
     tick = os.sysconf("SC_CLK_TCK")
     total, todo, seen = 0.0, [pid], set()
@@ -25,7 +27,7 @@ def process_tree_cpu_s(pid: int | None = None) -> float | None:
             if p == pid:
                 return None
             continue  # a child that exited meanwhile
-        total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+        total += sum(int(x) for x in fields[11:15]) / tick  # utime, stime, cutime, cstime
         todo.extend(_children(p))
     return total
 
