@@ -217,3 +217,39 @@ def add_threads_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads for the model (default: cores - 1, at least 1; "
                         "$EDGESPEC_THREADS overrides the default)")
+
+
+PLOT_SUFFIXES = {".png", ".pdf", ".svg", ".jpg", ".jpeg", ".webp", ".tif", ".tiff", ".eps"}
+
+
+def check_output_files(args) -> None:
+    """The files a command writes its results to (``--json``, a file ``--plot``), checked
+    before it starts, not after a run of minutes: not a folder, and the nearest folder of it
+    that exists can be written in."""
+    import tempfile
+    from pathlib import Path
+
+    from edgespec.config import ConfigError
+
+    for dest, option in (("json_out", "--json"), ("json", "--json"), ("plot", "--plot")):
+        value = getattr(args, dest, None)
+        if not isinstance(value, str) or not value:
+            continue  # unset, or a switch (status --json)
+        path = Path(value)
+        if option == "--plot" and path.suffix and path.suffix.lower() not in PLOT_SUFFIXES:
+            raise ConfigError(f"--plot {value}: a picture is one of "
+                              f"{', '.join(sorted(PLOT_SUFFIXES))}")
+        if path.is_dir():
+            if option == "--plot" and not path.suffix:
+                continue  # simulate's --plot names a folder
+            raise ConfigError(f"{option} {value}: a folder, not a file")
+        folder = path.parent.absolute()
+        while not folder.exists() and folder != folder.parent:
+            folder = folder.parent  # the command makes the rest: the nearest that is
+        try:  # written to once (a permission check alone would pass anything as root)
+            with tempfile.TemporaryFile(dir=folder):
+                pass
+        except OSError as e:
+            raise ConfigError(f"{option} {value}: cannot write in {folder}: "
+                              f"{e.strerror or e}") from None
+

@@ -116,9 +116,14 @@ def cmd_server(args) -> int:
         check_model_arg(args.model)
         set_threads(args.threads)
         warn_if_lossy(engine)
-    for name in ("max_drafters", "drain_timeout", "fleet_table"):
-        if getattr(args, name) < 0:
+    for name in ("max_drafters", "drain_timeout", "fleet_table", "max_queue"):
+        if getattr(args, name, 0) < 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 0")
+    if args.session_ttl < 1:  # Redis would expire a session's keys as they are made
+        raise ConfigError(f"--session-ttl must be >= 1 (seconds), got {args.session_ttl}")
+    port = getattr(args, "metrics_port", None)
+    if port is not None and not 0 <= port <= 65535:
+        raise ConfigError(f"--metrics-port must be in [0, 65535], got {port}")
     max_request_bytes = getattr(args, "max_request_bytes", None)
     if max_request_bytes is not None and max_request_bytes < 1:
         raise ConfigError(f"--max-request-bytes must be >= 1, got {max_request_bytes}")

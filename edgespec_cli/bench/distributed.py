@@ -68,6 +68,8 @@ def run_bench_net(args) -> int:
     check_model_arg(args.model)
     set_threads(args.threads)
     questions = load_questions(args.categories, args.per_category, False)
+    if not questions:
+        raise ConfigError("no questions selected")
     out_dir = Path(args.json_out).parent
     out_dir.mkdir(parents=True, exist_ok=True)
     port = free_port()

@@ -130,12 +130,16 @@ def run_bench_edge(args) -> int:
     from edgespec_cli.cli_args import check_model_arg
 
     check_model_arg(args.model)
+    if args.max_new_tokens < 1:  # 0 on the wire would be the server's default
+        raise ConfigError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     fleets = parse_fleets(args.fleets)
     split = split_cpus(args.server_cpus, args.board_cpus)
     if split is None:
         raise ConfigError("bench-edge needs two cores or more: the server's and the boards'")
     pin_process(split.boards)  # the clients: the users' side
     questions = load_questions(args.categories, args.per_category, False)
+    if not questions:
+        raise ConfigError("no questions selected")
     out_dir = Path(args.json_out).parent
     out_dir.mkdir(parents=True, exist_ok=True)
     threads = args.threads or len(split.server)

@@ -150,6 +150,9 @@ def run_bench_forward(args) -> int:
     from edgespec.models.shapes import random_model, shape_named
 
     threads = set_threads(args.threads)
+    if args.repeat < 1 or args.context < 0:
+        raise ConfigError(f"--repeat must be >= 1 and --context >= 0, got {args.repeat} and "
+                          f"{args.context}")
     batches = positive_ints(args.batches, "--batches")
     tokens = positive_ints(args.tokens, "--tokens")
     if args.dtypes:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import logging
 import os
 import sys
@@ -148,12 +149,17 @@ def check_args(args) -> tuple[list[int], list]:
         value = getattr(args, name)
         if value is not None and not value > 0:  # NaN too
             raise ConfigError(f"--{name.replace('_', '-')} must be > 0")
-    if args.find_capacity and (args.slo is None or args.slo <= 0):
+    if not 0 < args.timeout < math.inf:
+        raise ConfigError(f"--timeout must be a finite number of seconds > 0, got "
+                          f"{args.timeout}")
+    if args.max_devices < 1:
+        raise ConfigError(f"--max-devices must be >= 1, got {args.max_devices}")
+    if args.find_capacity and (args.slo is None or not args.slo > 0):
         raise ConfigError("--find-capacity needs --slo TOKENS_PER_S > 0")
     if args.slo is not None and not (args.find_capacity or args.project_on):
         raise ConfigError("--slo is for --find-capacity (or --project-on)")
-    if args.slo is not None and args.slo <= 0:
-        raise ConfigError("--slo must be > 0")
+    if args.slo is not None and not 0 < args.slo < math.inf:
+        raise ConfigError("--slo must be a finite number > 0")
     if (args.acceptance_from or args.acceptance) and not args.project_on:
         raise ConfigError("--acceptance-from and --acceptance are for --project-on")
     if not 1 <= args.tree_width <= 16:
@@ -283,8 +289,8 @@ def cmd_project(args: argparse.Namespace) -> int:
     from .report import write_json
 
     counts = parse_devices(args.devices)
-    if args.slo is not None and args.slo <= 0:
-        raise ConfigError("--slo must be > 0")
+    if args.slo is not None and not 0 < args.slo < math.inf:
+        raise ConfigError("--slo must be a finite number > 0")
     try:
         with open(args.project_on) as f:
             sitting = json.load(f)

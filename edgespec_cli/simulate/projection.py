@@ -30,6 +30,7 @@ left out: both sides are the GPU's step alone.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 
 from edgespec.config import ConfigError
@@ -88,9 +89,20 @@ def prefix_acceptance(drafted: list[float], accepted: list[float]) -> tuple[floa
 def step_costs(sitting: dict, shape: str) -> list[tuple[int, float]]:
     """(rows, ms) of the sitting's graphed steps at ``shape``, by rows."""
     points: dict[int, float] = {}
-    for r in sitting.get("forward", []):
+    rows = sitting.get("forward", []) if isinstance(sitting, dict) else None
+    if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+        raise ConfigError("the sitting is not a GPU sitting's JSON (an object whose 'forward' "
+                          "is a list of step costs)")
+    for r in rows:
         if r.get("shape") == shape and r.get("ms"):
-            points.setdefault(int(r["sessions"]) * int(r["tokens"]), float(r["ms"]))
+            try:
+                n, ms = int(r["sessions"]) * int(r["tokens"]), float(r["ms"])
+            except (KeyError, TypeError, ValueError) as e:
+                raise ConfigError(f"a step cost of the sitting lacks or garbles {e}: {r}") \
+                    from None
+            if n < 1 or not 0 < ms < math.inf:
+                raise ConfigError(f"a step cost of the sitting is not one: {r}")
+            points.setdefault(n, ms)
     if len(points) < 2:
         shapes = sorted({r.get("shape") for r in sitting.get("forward", [])} - {None})
         raise ConfigError(f"the sitting has fewer than two step costs at shape {shape!r} "
@@ -200,7 +212,7 @@ def parse_acceptance(text: str) -> list[DrafterTrace]:
         except ValueError:
             raise ConfigError(f"--acceptance takes NAME=ALPHA[@TOKENS_PER_S], got {part!r}") \
                 from None
-        if not 0 <= alpha < 1 or (tps is not None and tps <= 0):
+        if not 0 <= alpha < 1 or (tps is not None and not 0 < tps < math.inf):
             raise ConfigError(f"--acceptance {part!r}: alpha in [0, 1), speed > 0")
         out.append(DrafterTrace(name, alpha, tps, source="given"))
     return out
