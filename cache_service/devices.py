@@ -57,10 +57,10 @@ class DeviceRegistry:
         pipe = self.redis.pipeline(transaction=True)
         pipe.hset(self.keys.devices, device, json.dumps(info))
         pipe.zadd(self.keys.seen, {device: now})
-        pipe.hlen(self.keys.devices)
-        count = pipe.execute()[-1]
+        pipe.execute()
         self.mark_alive(device)
         self.prune(now)
+        count = self.redis.hlen(self.keys.devices)
         if count > MAX_REGISTRATIONS:  # the attached ones are read past, never forgotten
             self.prune(now, keep_s=-1.0, forget=count - MAX_REGISTRATIONS, limit=count)
 

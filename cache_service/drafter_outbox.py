@@ -37,15 +37,19 @@ class DrafterOutbox:
         self._queue: queue.Queue = queue.Queue(MAX_PENDING if max_pending is None
                                                else max_pending)
 
-    def put(self, msg: Any) -> bool:
-        """Queue ``msg``, waiting while the outbox is full; False when the stream ended first, or
-        the drafter read nothing for ``stuck_s`` (the stream is then cancelled)."""
+    def put(self, msg: Any, waiting: Callable[[], Any] | None = None) -> bool:
+        """Queue ``msg``, waiting while the outbox is full (calling ``waiting`` meanwhile, a
+        poll at a time: the event pump keeps the drafter's alive mark, it is still attached);
+        False when the stream ended first, or the drafter read nothing for ``stuck_s`` (the
+        stream is then cancelled)."""
         since = time.monotonic()
         while not self.stop.is_set():
             try:
                 self._queue.put(msg, timeout=_POLL_S)
                 return True
             except queue.Full:
+                if waiting is not None:
+                    waiting()
                 if time.monotonic() - since >= self.stuck_s:
                     log.warning("drafter %s: it read nothing of its stream for %.0f s with %d "
                                 "messages waiting: detaching it", self.device, self.stuck_s,

@@ -337,12 +337,15 @@ class DraftCacheService(pb_grpc.DraftCacheServicer):
             out.end()
 
     def _pump_events(self, device, gen, after, out, stop, lost) -> None:
+        def alive() -> None:  # attached still, while it waits for the drafter to read
+            self.store.devices.mark_alive(device, ttl_ms=self.poll_ms * 5)
+
         try:
             while not stop.is_set() and not self._stopping.is_set():
                 with self._lock:
                     if self._generation.get(device) != gen:
                         break  # a newer stream took this device over
-                self.store.devices.mark_alive(device, ttl_ms=self.poll_ms * 5)
+                alive()
                 if not self.store.redis.hexists(self.store.keys.devices, device):
                     # Redis restarted without persistence: it forgot the registration (so no
                     # session would be assigned to this drafter) and the drafter's sessions.
@@ -355,7 +358,7 @@ class DraftCacheService(pb_grpc.DraftCacheServicer):
                 for eid, ev in self.store.read_events(device, after, self.poll_ms):
                     after = eid
                     msg = self._event_message(ev)
-                    if msg is not None and not out.put(msg):
+                    if msg is not None and not out.put(msg, alive):
                         return  # the stream ended, or the drafter reads nothing of it
         except redis.RedisError as e:
             if not self._stopping.is_set():

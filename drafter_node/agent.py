@@ -165,12 +165,10 @@ class DrafterAgent:
     def _attach_until_stopped(self) -> None:
         delay = BACKOFF_START_S
         while not self.stopping.is_set():
-            error = None
+            error, why = None, None
             attaches, began = self.attaches, time.monotonic()
             try:
                 self._attach_once()
-                if time.monotonic() - began >= STEADY_LINK_S:  # else a cache that closes every
-                    delay = BACKOFF_START_S  # link at once would be attached to in a loop
             except grpc.RpcError as e:
                 if self.stopping.is_set():
                     break  # stop() cancelled the stream
@@ -180,23 +178,28 @@ class DrafterAgent:
                 error = e
             except ConfigError:
                 raise  # a setting to fix (an unreadable certificate file, ...)
+            except ConnectionError as e:  # the cache broke the protocol (``_apply``)
+                why = str(e)
             except Exception:
                 log.exception("the link to %s failed", self.cache)
             finally:
                 self.connected.clear()
                 self._forget_sessions()
+            if time.monotonic() - began >= STEADY_LINK_S:  # a link that lasted: backoff anew
+                delay = BACKOFF_START_S  # (not after links a cache closes at once: no loop)
             wait, delay = next_backoff(delay, error, self.backoff_max_s)
             if not self.stopping.is_set():
-                self._log_retry(error, wait, attached=self.attaches > attaches)
+                self._log_retry(error, wait, attached=self.attaches > attaches, why=why)
             if self.stopping.wait(wait):
                 break
 
-    def _log_retry(self, error: grpc.RpcError | None, wait: float, attached: bool) -> None:
+    def _log_retry(self, error: grpc.RpcError | None, wait: float, attached: bool,
+                   why: str | None = None) -> None:
         """Every lost link is logged ("lost": a link that existed, ended by an error or closed
         by the cache); a cache not reached (yet, or again) is said at once, then every
         ``STILL_UNREACHABLE_LOG_S`` while it lasts."""
-        why = (f"{error.code().name}: {error.details()}" if error is not None
-               else "the cache closed the stream")
+        why = why or (f"{error.code().name}: {error.details()}" if error is not None
+                      else "the cache closed the stream")
         now = time.monotonic()
         if attached:
             self._outage_since = None  # a failed re-attach starts an outage (said at once)

@@ -203,6 +203,8 @@ def build_request(prompt=None, *, messages=None, prompt_ids=None, raw=False, max
     if verify not in (None, "") + VERIFY_MODES:
         raise InvalidRequest("verify must be 'exact', 'loose' or 'pad', got "
                              f"{str(verify)[:20]!r}")
+    if max_new_tokens is None:  # unset: the server's default, as 0 says on the wire
+        max_new_tokens = 0
     _check_wire_values(max_new_tokens, messages, prompt_ids)
     req = pb.GenerateRequest(raw=raw, max_new_tokens=operator.index(max_new_tokens),
                              sampling=params_to_pb(params), device_id=device_id or "",

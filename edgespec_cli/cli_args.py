@@ -33,7 +33,7 @@ def positive_ints(text: str, option: str, what: str = "integers") -> list[int]:
     return out
 
 
-LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "WARN", "ERROR", "CRITICAL", "FATAL", "NOTSET")
 
 
 def configure_logging(level: str = "INFO") -> None:
@@ -219,7 +219,7 @@ def add_threads_arg(p: argparse.ArgumentParser) -> None:
                         "$EDGESPEC_THREADS overrides the default)")
 
 
-PLOT_SUFFIXES = {".png", ".pdf", ".svg", ".jpg", ".jpeg", ".webp", ".tif", ".tiff", ".eps"}
+PLOT_FOLDERS = {"simulate"}  # commands whose --plot names a folder of pictures
 
 
 def check_output_files(args) -> None:
@@ -236,20 +236,35 @@ def check_output_files(args) -> None:
         if not isinstance(value, str) or not value:
             continue  # unset, or a switch (status --json)
         path = Path(value)
-        if option == "--plot" and path.suffix and path.suffix.lower() not in PLOT_SUFFIXES:
+        if option == "--plot" and getattr(args, "cmd", None) in PLOT_FOLDERS:
+            if path.exists() and not path.is_dir():
+                raise ConfigError(f"--plot {value}: a file, not a folder")
+            continue  # made by the command; its pictures are PNGs
+        if option == "--plot" and path.suffix and path.suffix.lower() not in _picture_suffixes():
             raise ConfigError(f"--plot {value}: a picture is one of "
-                              f"{', '.join(sorted(PLOT_SUFFIXES))}")
+                              f"{', '.join(sorted(_picture_suffixes()))}")
         if path.is_dir():
-            if option == "--plot" and not path.suffix:
-                continue  # simulate's --plot names a folder
             raise ConfigError(f"{option} {value}: a folder, not a file")
-        folder = path.parent.absolute()
-        while not folder.exists() and folder != folder.parent:
-            folder = folder.parent  # the command makes the rest: the nearest that is
-        try:  # written to once (a permission check alone would pass anything as root)
-            with tempfile.TemporaryFile(dir=folder):
-                pass
+        try:
+            if path.exists():  # written over: open it as the command will (not emptied here)
+                with open(path, "a"):
+                    pass
+                continue
+            folder = path.parent.absolute()
+            while not folder.exists() and folder != folder.parent:
+                folder = folder.parent  # the command makes the rest: the nearest that is
+            with tempfile.TemporaryFile(dir=folder):  # written to once (a permission check
+                pass  # alone would pass anything as root)
         except OSError as e:
-            raise ConfigError(f"{option} {value}: cannot write in {folder}: "
+            raise ConfigError(f"{option} {value}: cannot be written: "
                               f"{e.strerror or e}") from None
+
+
+def _picture_suffixes() -> set[str]:
+    """The file suffixes matplotlib saves pictures as (its own list where it is installed)."""
+    try:
+        from matplotlib.backend_bases import FigureCanvasBase
+    except ImportError:
+        return {".png", ".pdf", ".svg", ".jpg", ".jpeg"}
+    return {f".{s}" for s in FigureCanvasBase.get_supported_filetypes()}
 

@@ -103,7 +103,7 @@ def test_bad_options_give_one_readable_line(tiny_dir, args, message):
     (["serve", "--max-queue", "-5"], "--max-queue"),
     (["serve", "--metrics-port", "70000"], "--metrics-port"),
     (["bench-host", "--json", "."], "a folder, not a file"),  # checked before any run
-    (["bench-host", "--json", "/proc/edgespec/x.json"], "cannot write in"),
+    (["bench-host", "--json", "/proc/edgespec/x.json"], "cannot be written"),
     (["bench-edge", "--plot", "out.txt"], "--plot"),
     (["bench-edge", "--max-new-tokens", "0"], "--max-new-tokens"),
     (["bench-forward", "--repeat", "0"], "--repeat"),
@@ -122,6 +122,25 @@ def test_other_commands_bad_options_give_one_readable_line(args, message, tmp_pa
     assert r.returncode == 2, r.stderr
     assert r.stderr.strip().splitlines()[-1].startswith("edgespec: error:")
     assert message in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("cmd,dest,value", [
+    ("simulate", "plot", "figs/run.v2"),  # simulate's --plot is a folder, dots and all
+    ("simulate", "plot", "."),
+    ("bench-edge", "plot", "fig"),  # no suffix: matplotlib's PNG
+    ("bench-edge", "plot", "fig.svgz"),
+    ("bench-host", "json_out", "new/deeper/out.json"),  # folders the command makes
+    ("bench-host", "json_out", "/dev/null"),  # a file that exists and is written over
+])
+def test_output_paths_a_command_can_write_pass_its_check(cmd, dest, value, tmp_path,
+                                                         monkeypatch):
+    import argparse
+
+    from edgespec_cli.cli_args import check_output_files
+
+    monkeypatch.chdir(tmp_path)
+    check_output_files(argparse.Namespace(cmd=cmd, **{dest: value}))
+    assert not (tmp_path / "new").exists()  # nothing made by the check
 
 
 def test_missing_model_is_a_clear_error(tmp_path):

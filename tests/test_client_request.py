@@ -30,6 +30,10 @@ def test_what_the_wire_cannot_carry_is_an_invalid_request(kw, needle):
     assert needle in str(e.value)
 
 
+def test_max_new_tokens_none_is_the_servers_default():
+    assert build_request(prompt="x", max_new_tokens=None).max_new_tokens == 0
+
+
 @pytest.mark.parametrize("ids", [[5, 6], np.array([5, 6]), torch.tensor([5, 6]),
                                  [np.int64(5), np.int32(6)]])
 def test_token_ids_of_any_integer_type_are_sent(ids):

@@ -301,6 +301,15 @@ def test_a_text_part_that_is_not_a_string_is_refused(server, api, text):
     assert code == 400 and reply["error"]["param"] == "messages[0].content[0].text"
 
 
+@pytest.mark.parametrize("kw", [dict(logprobs=0), dict(best_of=1.0), dict(presence_penalty=0),
+                                dict(frequency_penalty=0.0), dict(echo=False)])
+def test_neutral_values_are_accepted_as_numbers_of_either_kind(server, api, kw):
+    body = {"model": api.model_id, "prompt": PROMPT, "max_tokens": 3, **kw}
+    code, reply = call("POST", server["base"] + "/v1/completions", body,
+                       {"Authorization": f"Bearer {TOKEN}"})
+    assert code == 200, reply
+
+
 def test_a_message_role_openai_does_not_have_is_refused_by_name(api, looping):
     """OpenAI's five roles go through the chat template; any other role is a 400 naming it."""
     with pytest.raises(openai.BadRequestError) as e:

@@ -430,7 +430,7 @@ class _LinkCollector(Collector):
                                     "before: the session's opening, a fix after a verified "
                                     "draft, an empty draft again, or none of these",
                                     labels=["device", "after"])
-        for device, link in list(links.items())[-MAX_DEVICES:]:  # the latest drafters
+        for device, link in list(links.items())[:MAX_DEVICES]:
             late.add_metric([device], 1.0 if link.late else 0.0)
             for family, attr in counters:
                 family.add_metric([device], getattr(link, attr))

@@ -29,7 +29,7 @@ __all__ = ["ApiError", "OpenAIParams", "error_response", "parse_request"]
 IGNORED = {"model", "user", "metadata", "store", "service_tier", "parallel_tool_calls",
            "stream", "stream_options"}
 NEUTRAL = {"presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0),
-           "logprobs": (None, False), "top_logprobs": (None, 0), "echo": (False, None),
+           "logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (False, None),
            "best_of": (1, None), "logit_bias": (None,), "suffix": (None, ""),
            "response_format": (None,), "tools": (None,), "tool_choice": (None, "none")}
 SAMPLING = {"max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed",
@@ -164,8 +164,17 @@ def parse_request(body, chat: bool, model_name: str) -> OpenAIParams:
 
 
 def _is_neutral(value, neutral: tuple) -> bool:
-    """``value`` one of a parameter's neutral values, of the same JSON type (``false`` is not
-    0 here, nor ``true`` 1), or an empty object or list."""
+    """``value`` one of a parameter's neutral values, of the same JSON kind (numbers equal by
+    value, 1 and 1.0 alike; ``false`` is not 0 here, nor ``true`` 1), or an empty object or
+    list."""
     if value == {} or value == []:
         return True
-    return any(value is n or (type(value) is type(n) and value == n) for n in neutral)
+    return any(_json_kind(value) == _json_kind(n) and value == n for n in neutral)
+
+
+def _json_kind(value) -> str:
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, (int, float)):
+        return "number"
+    return type(value).__name__
