@@ -272,6 +272,18 @@ def _replace(command: str, old: str, new: str) -> str:
     return command.replace(old, new)
 
 
+def _distinct_free_ports(n: int, avoid: set[int]) -> list[int]:
+    """``n`` free loopback ports, none of them in ``avoid`` nor twice: each ``free_port`` is
+    free when asked, not held, so two calls may give the same one (Ray then refuses to start,
+    "trying to use a port number ... used by other components")."""
+    ports: list[int] = []
+    while len(ports) < n:
+        port = free_port()
+        if port not in avoid and port not in ports:
+            ports.append(port)
+    return ports
+
+
 def loopback_config(shipped: dict, sshd: LoopbackSshd, cluster_name: str, ray_port: int) -> dict:
     """deploy/ray-onprem.yaml changed only where a one-machine loopback run needs it:
 
@@ -303,8 +315,9 @@ def loopback_config(shipped: dict, sshd: LoopbackSshd, cluster_name: str, ray_po
         command = _replace(command, "6380", str(ray_port))
         if head:
             command = _replace(command, '{"verifier": 1}', '{"verifier": 1, "edge": 1}')
-            command += (f" --ray-client-server-port={free_port()}"
-                        f" --dashboard-agent-listen-port={free_port()}"
+            client, agent = _distinct_free_ports(2, avoid={ray_port, sshd.port})
+            command += (f" --ray-client-server-port={client}"
+                        f" --dashboard-agent-listen-port={agent}"
                         " --include-dashboard=false")
         if head:
             command = "".join(f"export {k}={v}; " for k, v in RAY_LOOPBACK_ENV.items()) + command
