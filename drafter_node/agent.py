@@ -38,6 +38,7 @@ from edgespec.config import ConfigError, SamplingParams
 from edgespec.drafters import Draft, Drafter
 from edgespec.drafters.draft_book import DraftBook, DraftTarget
 from edgespec.drafters.drafting_loop import AHEAD_CHUNK, run_drafting
+from edgespec.protocol.contract import check_draft_ids
 from edgespec.protocol.ids import check_device_id
 from edgespec.wire.trees import TREE_VERSION, tree_to_wire
 from edgespec.v1 import edgespec_pb2 as pb
@@ -357,9 +358,13 @@ class DrafterAgent:
     def _check_ids(self, tokens) -> None:
         """Token ids the cache sends are the target's: outside its vocabulary, no drafter's
         model may read them (on a GPU an embedding read past its end breaks the device)."""
-        if self.vocab is not None and any(not 0 <= t < self.vocab for t in tokens):
-            raise ConfigError(f"the cache sent token ids outside the vocabulary of "
-                              f"{self.vocab}")
+        if self.vocab is None:
+            return
+        try:
+            check_draft_ids(tokens, self.vocab)  # the stores' own check of ids entering
+        except ValueError as e:
+            raise ConfigError(f"the cache sent token ids outside the target's vocabulary: "
+                              f"{e}") from None
 
     def _refuse_session(self, sid: str, start: int | None, why: str) -> None:
         """Draft no more for ``sid``; its idle chunk sent at ``start`` (None: by the caller)."""
