@@ -155,31 +155,24 @@ class GenerateResult:
         return self.stats.get("lossless", True)
 
 
-def _whole_31(x) -> bool:
-    """A whole number in [0, 2^31) (an int, or anything usable as an index: NumPy's, a
-    one-element tensor's), not a bool."""
-    if isinstance(x, bool):
-        return False
+def _wire_int(x, what: str) -> int:
+    """``x`` as the int the wire carries: a whole number in [0, 2^31) (an int, or anything usable
+    as an index: NumPy's, a one-element tensor's), not a bool; else InvalidRequest naming
+    ``what`` it is."""
     try:
-        return 0 <= operator.index(x) < 1 << 31
+        if not isinstance(x, bool) and 0 <= (value := operator.index(x)) < 1 << 31:
+            return value
     except TypeError:
-        return False
+        pass
+    raise InvalidRequest(f"{what}, got {str(x)[:20]!r}: whole numbers in [0, 2^31)")
 
 
-def _check_wire_values(max_new_tokens, messages, prompt_ids) -> None:
-    """What the wire cannot carry, refused as InvalidRequest (not protobuf's ValueError)."""
-    if not _whole_31(max_new_tokens):
-        raise InvalidRequest(f"max_new_tokens must be a whole number in [0, 2^31) (0: the "
-                             f"server's default), got {str(max_new_tokens)[:20]}")
-    for m in () if messages is None else messages:
+def _check_messages(messages) -> None:
+    for m in messages:
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or \
                 not isinstance(m.get("content"), str):
             raise InvalidRequest("each message is a dict with a 'role' and a 'content', both "
                                  "strings")
-    for t in () if prompt_ids is None else prompt_ids:
-        if not _whole_31(t):
-            raise InvalidRequest(f"prompt_ids holds {str(t)[:20]!r}: token ids are whole "
-                                 "numbers in [0, 2^31)")
 
 
 def build_request(prompt=None, *, messages=None, prompt_ids=None, raw=False, max_new_tokens=0,
@@ -203,10 +196,14 @@ def build_request(prompt=None, *, messages=None, prompt_ids=None, raw=False, max
     if verify not in (None, "") + VERIFY_MODES:
         raise InvalidRequest("verify must be 'exact', 'loose' or 'pad', got "
                              f"{str(verify)[:20]!r}")
-    if max_new_tokens is None:  # unset: the server's default, as 0 says on the wire
-        max_new_tokens = 0
-    _check_wire_values(max_new_tokens, messages, prompt_ids)
-    req = pb.GenerateRequest(raw=raw, max_new_tokens=operator.index(max_new_tokens),
+    # what the wire cannot carry: InvalidRequest here, not protobuf's ValueError
+    limit = 0 if max_new_tokens is None else _wire_int(  # unset: the server's default
+        max_new_tokens, "max_new_tokens (0: the server's default)")
+    if messages is not None:
+        _check_messages(messages)
+    ids = None if prompt_ids is None else [_wire_int(t, "prompt_ids holds a token id")
+                                           for t in prompt_ids]
+    req = pb.GenerateRequest(raw=raw, max_new_tokens=limit,
                              sampling=params_to_pb(params), device_id=device_id or "",
                              verify=verify or "")
     if prompt is not None:  # "" too: the field has presence
@@ -214,8 +211,8 @@ def build_request(prompt=None, *, messages=None, prompt_ids=None, raw=False, max
     if messages is not None:
         req.messages.extend(pb.ChatMessage(role=m["role"], content=m["content"])
                             for m in messages)
-    if prompt_ids is not None:
-        req.prompt_ids.extend(operator.index(t) for t in prompt_ids)
+    if ids is not None:
+        req.prompt_ids.extend(ids)
     if images:
         if prompt_ids is not None:
             raise InvalidRequest("images go with a prompt or messages, not token ids (the "
