@@ -33,6 +33,24 @@ def positive_ints(text: str, option: str, what: str = "integers") -> list[int]:
     return out
 
 
+def check_at_least(args, names: tuple[str, ...], low: int) -> None:
+    """Each option ``names`` (argparse dests) that is set is at least ``low``, else one line."""
+    from edgespec.config import ConfigError
+
+    for name in names:
+        value = getattr(args, name, None)
+        if value is not None and value < low:
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= {low}, got {value}")
+
+
+def check_port(port: int | None, option: str) -> None:
+    """A TCP port to listen on, if set (0: any free one)."""
+    from edgespec.config import ConfigError
+
+    if port is not None and not 0 <= port <= 65535:
+        raise ConfigError(f"{option} must be in [0, 65535], got {port}")
+
+
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "WARN", "ERROR", "CRITICAL", "FATAL", "NOTSET")
 
 
@@ -267,4 +285,3 @@ def _picture_suffixes() -> set[str]:
     except ImportError:
         return {".png", ".pdf", ".svg", ".jpg", ".jpeg"}
     return {f".{s}" for s in FigureCanvasBase.get_supported_filetypes()}
-

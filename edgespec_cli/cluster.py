@@ -7,7 +7,8 @@ import os
 import signal
 import sys
 
-from edgespec_cli.cli_args import add_threads_arg, add_tree_width_arg, configure_logging
+from edgespec_cli.cli_args import (add_threads_arg, add_tree_width_arg, check_at_least,
+                                   check_port, configure_logging)
 from edgespec.config import LLAMACPP_HEAD, LLAMACPP_WINDOW, ConfigError, EngineConfig
 
 
@@ -116,17 +117,10 @@ def cmd_server(args) -> int:
         check_model_arg(args.model)
         set_threads(args.threads)
         warn_if_lossy(engine)
-    for name in ("max_drafters", "drain_timeout", "fleet_table", "max_queue"):
-        if getattr(args, name, 0) < 0:
-            raise ConfigError(f"--{name.replace('_', '-')} must be >= 0")
-    if args.session_ttl < 1:  # Redis would expire a session's keys as they are made
-        raise ConfigError(f"--session-ttl must be >= 1 (seconds), got {args.session_ttl}")
-    port = getattr(args, "metrics_port", None)
-    if port is not None and not 0 <= port <= 65535:
-        raise ConfigError(f"--metrics-port must be in [0, 65535], got {port}")
-    max_request_bytes = getattr(args, "max_request_bytes", None)
-    if max_request_bytes is not None and max_request_bytes < 1:
-        raise ConfigError(f"--max-request-bytes must be >= 1, got {max_request_bytes}")
+    check_at_least(args, ("max_drafters", "drain_timeout", "fleet_table", "max_queue"), 0)
+    check_at_least(args, ("session_ttl",), 1)  # 0: Redis would expire the keys as they are made
+    check_port(getattr(args, "metrics_port", None), "--metrics-port")
+    check_at_least(args, ("max_request_bytes",), 1)
     opts = ServerOptions(listen=args.listen, roles=args.roles,
                          model=getattr(args, "model", "default"),
                          device=getattr(args, "device", "cpu"),
@@ -139,7 +133,7 @@ def cmd_server(args) -> int:
                          drain_timeout_s=args.drain_timeout,
                          http_port=getattr(args, "http_port", None),
                          http_host=getattr(args, "http_host", "127.0.0.1"),
-                         http_max_request_bytes=max_request_bytes,
+                         http_max_request_bytes=getattr(args, "max_request_bytes", None),
                          metrics_port=args.metrics_port, metrics_host=args.metrics_host,
                          engine=engine)
     server = EdgespecServer(opts).start()
@@ -166,12 +160,8 @@ def cmd_drafter(args) -> int:
     if bool(args.tls_cert) != bool(args.tls_key):
         raise ConfigError("a client certificate needs both --tls-cert and --tls-key")
     check_drafter_arg(args.drafter, allowed=EDGE_KINDS)
-    if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
-        raise ConfigError("--metrics-port must be in [0, 65535]")
-    for name in ("window", "chunk", "max_sessions"):  # before loading a model
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    check_port(args.metrics_port, "--metrics-port")
+    check_at_least(args, ("window", "chunk", "max_sessions"), 1)  # before loading a model
     set_threads(args.threads)
     configure_logging(args.log_level)
     metrics = None

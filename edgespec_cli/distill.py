@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from edgespec_cli.cli_args import add_model_args, add_threads_arg, set_threads
+from edgespec_cli.cli_args import add_model_args, add_threads_arg, check_at_least, set_threads
 from edgespec.config import HEAD_KINDS, ConfigError
 
 KINDS = (*HEAD_KINDS, "imitation")
@@ -108,10 +108,7 @@ def run_distill(args) -> int:
         parse_exit_layers(args.exit_layer)  # refused before any work
     if not 0 < args.data_share <= 1:  # NaN too; before the harvest, which may take hours
         raise ConfigError(f"--data-share must be in (0, 1], got {args.data_share}")
-    for name in ("per_shard", "train_steps", "vocab"):
-        if getattr(args, name, 1) < 1:
-            raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got "
-                              f"{getattr(args, name)}")
+    check_at_least(args, ("per_shard", "train_steps", "vocab"), 1)
     deadline = None if args.max_minutes is None else time.monotonic() + 60 * args.max_minutes
     out = Path(args.out)
     command = "edgespec " + " ".join(shlex.quote(a) for a in sys.argv[1:])

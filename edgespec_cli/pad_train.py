@@ -28,7 +28,7 @@ import sys
 import time
 from pathlib import Path
 
-from edgespec_cli.cli_args import add_model_args, add_threads_arg, set_threads
+from edgespec_cli.cli_args import add_model_args, add_threads_arg, check_at_least, set_threads
 from edgespec.config import ConfigError
 
 FAMILY_HELP = "arith, convert, extract, choice, or all (every family)"
@@ -113,8 +113,7 @@ def run_pad_train(args) -> int:
     threads = set_threads(args.threads)
     if args.measure is None and not args.out:
         raise ConfigError("pad-train needs --out DIR (or --measure N)")
-    if args.per_shard < 1:
-        raise ConfigError(f"--per-shard must be >= 1, got {args.per_shard}")
+    check_at_least(args, ("per_shard",), 1)
     from edgespec.drafters import parse_drafter_spec
 
     from .pad_labels import task_sets

@@ -139,6 +139,11 @@ def parse_devices(text: str) -> list[int]:
     return counts
 
 
+def _check_slo(slo: float | None) -> None:
+    if slo is not None and not 0 < slo < math.inf:
+        raise ConfigError("--slo must be a finite number > 0")
+
+
 def check_args(args) -> tuple[list[int], list]:
     from edgespec_cli.cli_args import check_model_arg
     from ..deployment.device_profiles import parse_profiles
@@ -158,8 +163,7 @@ def check_args(args) -> tuple[list[int], list]:
         raise ConfigError("--find-capacity needs --slo TOKENS_PER_S > 0")
     if args.slo is not None and not (args.find_capacity or args.project_on):
         raise ConfigError("--slo is for --find-capacity (or --project-on)")
-    if args.slo is not None and not 0 < args.slo < math.inf:
-        raise ConfigError("--slo must be a finite number > 0")
+    _check_slo(args.slo)
     if (args.acceptance_from or args.acceptance) and not args.project_on:
         raise ConfigError("--acceptance-from and --acceptance are for --project-on")
     if not 1 <= args.tree_width <= 16:
@@ -289,8 +293,7 @@ def cmd_project(args: argparse.Namespace) -> int:
     from .report import write_json
 
     counts = parse_devices(args.devices)
-    if args.slo is not None and not 0 < args.slo < math.inf:
-        raise ConfigError("--slo must be a finite number > 0")
+    _check_slo(args.slo)
     try:
         with open(args.project_on) as f:
             sitting = json.load(f)
