@@ -421,4 +421,3 @@ def _chunk_draft(chunk: pb.DraftChunk, window: int) -> tuple[list[int], list[Bra
     if len(tokens) > window:
         raise ChunkRefused(bad, f"a chunk holds at most {window} tokens (the window)")
     return tokens, branches
-

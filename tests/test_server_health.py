@@ -227,4 +227,3 @@ def test_one_resumed_stream_a_session_is_spared_the_stream_cap_and_no_more(serve
     while service._streams or service._resuming:  # every count given back
         assert time.monotonic() < deadline, (service._streams, service._resuming)
         time.sleep(0.05)
-

@@ -249,4 +249,3 @@ def _abort_as(context, error: grpc.RpcError) -> None:
     if trailing:
         context.set_trailing_metadata(tuple((k, v) for k, v in trailing))
     context.abort(error.code(), error.details() or "")
-
