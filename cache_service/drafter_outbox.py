@@ -28,14 +28,12 @@ _POLL_S = 0.25
 class DrafterOutbox:
     """A bounded queue of messages for one drafter's stream; ``None`` (``end``) ends it."""
 
-    def __init__(self, device: str, stop: threading.Event, cancel: Callable[[], Any],
-                 max_pending: int | None = None, stuck_s: float | None = None):
+    def __init__(self, device: str, stop: threading.Event, cancel: Callable[[], Any]):
         """``stop``: set when the stream ends (a full outbox then stops waiting); ``cancel``:
         ends the stream (the call's ``context.cancel``)."""
         self.device, self.stop, self.cancel = device, stop, cancel
-        self.stuck_s = STUCK_S if stuck_s is None else stuck_s
-        self._queue: queue.Queue = queue.Queue(MAX_PENDING if max_pending is None
-                                               else max_pending)
+        self.stuck_s = STUCK_S
+        self._queue: queue.Queue = queue.Queue(MAX_PENDING)
 
     def put(self, msg: Any, waiting: Callable[[], Any] | None = None) -> bool:
         """Queue ``msg``, waiting while the outbox is full (calling ``waiting`` meanwhile, a
