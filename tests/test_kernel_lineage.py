@@ -16,7 +16,8 @@ import pytest
 import torch
 from conftest import hf_greedy
 
-from edgespec.client import Client, _Resumer, build_request
+from edgespec.client import Client, build_request
+from edgespec.sdk.stream import Resumer as _Resumer
 from edgespec.config import ConfigError, EngineConfig, SamplingParams
 from edgespec.protocol.lineage import Lineage, checked_lineage, continued_on, joined
 from edgespec.runner.kernel_set import HeadLayout, KernelSet, choose_kernel_set

@@ -25,7 +25,8 @@ import grpc
 import pytest
 from conftest import hf_greedy
 
-from edgespec.client import NotFound, _Resumer, build_request
+from edgespec.client import NotFound, build_request
+from edgespec.sdk.stream import Resumer as _Resumer
 from edgespec.config import ConfigError, EngineConfig, SamplingParams
 from edgespec.engine.spec_engine import Request, SpecEngine
 from edgespec.models.loading import stop_token_ids

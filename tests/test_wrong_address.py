@@ -124,7 +124,7 @@ def test_a_server_that_comes_up_late_is_waited_for():
 def test_a_deadline_before_any_answer_says_so_not_resuming():
     import time
 
-    from edgespec.client import _Resumer
+    from edgespec.sdk.stream import Resumer as _Resumer
     from edgespec.v1 import edgespec_pb2 as pb
 
     res = _Resumer(pb.GenerateRequest(prompt="hi"), 0.01, 8)

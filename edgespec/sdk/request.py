@@ -1,0 +1,85 @@
+"""A call's wire request, checked here first: what the wire cannot carry, or the verifier
+would refuse for its form, is ``InvalidRequest`` before anything is sent."""
+
+from __future__ import annotations
+
+import operator
+
+from ..config import VERIFY_MODES, ConfigError, EmptyPrompt, SamplingParams
+from ..models.images import check_image_bytes, image_bytes
+from ..v1 import edgespec_pb2 as pb
+from ..wire.convert import params_to_pb
+from .errors import InvalidRequest
+
+__all__ = ["build_request", "check_messages", "wire_int"]
+
+
+def wire_int(x, what: str) -> int:
+    """``x`` as the int the wire carries: a whole number in [0, 2^31) (an int, or anything usable
+    as an index: NumPy's, a one-element tensor's), not a bool; else InvalidRequest naming
+    ``what`` it is."""
+    try:
+        if not isinstance(x, bool) and 0 <= (value := operator.index(x)) < 1 << 31:
+            return value
+    except TypeError:
+        pass
+    raise InvalidRequest(f"{what}, got {str(x)[:20]!r}: whole numbers in [0, 2^31)")
+
+
+def check_messages(messages) -> None:
+    for m in messages:
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or \
+                not isinstance(m.get("content"), str):
+            raise InvalidRequest("each message is a dict with a 'role' and a 'content', both "
+                                 "strings")
+
+
+def build_request(prompt=None, *, messages=None, prompt_ids=None, raw=False, max_new_tokens=0,
+                  temperature=0.0, top_k=0, top_p=1.0, seed=None, device_id=None,
+                  verify=None, images=None) -> pb.GenerateRequest:
+    """Validate locally (raises InvalidRequest) and build the wire request. An empty
+    ``prompt`` is sent (through the chat template it is an empty message; raw, the verifier
+    refuses its zero tokens); empty ``prompt_ids`` or ``messages`` cannot travel (the wire does
+    not tell them from none) and are refused here."""
+    given = sum(x is not None for x in (prompt, messages, prompt_ids))
+    if given != 1:
+        raise InvalidRequest("give exactly one of prompt, messages, prompt_ids")
+    if prompt_ids is not None and len(prompt_ids) == 0:
+        raise InvalidRequest(EmptyPrompt.MESSAGE)
+    if messages is not None and len(messages) == 0:
+        raise InvalidRequest("messages is empty: give at least one message")
+    try:
+        params = SamplingParams(temperature, top_k, top_p, seed)
+    except ValueError as e:
+        raise InvalidRequest(str(e)) from None
+    if verify not in (None, "") + VERIFY_MODES:
+        raise InvalidRequest("verify must be 'exact', 'loose' or 'pad', got "
+                             f"{str(verify)[:20]!r}")
+    # what the wire cannot carry: InvalidRequest here, not protobuf's ValueError
+    limit = 0 if max_new_tokens is None else wire_int(  # unset: the server's default
+        max_new_tokens, "max_new_tokens (0: the server's default)")
+    if messages is not None:
+        check_messages(messages)
+    ids = None if prompt_ids is None else [wire_int(t, "prompt_ids holds a token id")
+                                           for t in prompt_ids]
+    req = pb.GenerateRequest(raw=raw, max_new_tokens=limit,
+                             sampling=params_to_pb(params), device_id=device_id or "",
+                             verify=verify or "")
+    if prompt is not None:  # "" too: the field has presence
+        req.prompt = prompt
+    if messages is not None:
+        req.messages.extend(pb.ChatMessage(role=m["role"], content=m["content"])
+                            for m in messages)
+    if ids is not None:
+        req.prompt_ids.extend(ids)
+    if images:
+        if prompt_ids is not None:
+            raise InvalidRequest("images go with a prompt or messages, not token ids (the "
+                                 "verifier's processor places their tokens)")
+        try:
+            data = [image_bytes(i) for i in images]
+            check_image_bytes(data)
+        except ConfigError as e:
+            raise InvalidRequest(str(e)) from None
+        req.images.extend(data)
+    return req

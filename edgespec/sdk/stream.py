@@ -1,0 +1,206 @@
+"""A call's streams: ``Resumer`` keeps what resuming a broken stream needs (its session, the
+tokens received, the kernel sets they were decoded on) and ``Collector`` puts the responses of
+its streams together into ``StreamPiece``s and a ``GenerateResult``."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import grpc
+
+from ..protocol.lineage import Lineage, joined
+from ..v1 import edgespec_pb2 as pb
+from ..wire.convert import REFUSAL_METADATA, stats_from_pb, trailing_value
+from .errors import DeadlineExceeded, EdgespecError, NotFound, Unavailable, translate
+from .request import build_request
+
+__all__ = ["RESUMABLE", "Collector", "GenerateResult", "Resumer", "StreamPiece"]
+
+
+@dataclass
+class StreamPiece:
+    """Tokens committed since the previous piece. The last piece of a stream has no tokens and
+    carries ``finish_reason`` and ``stats``."""
+
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None
+    stats: dict | None = None
+    kernel_set: str = ""  # on the last piece: as ``GenerateResult``'s
+    kernels_differ_from: int = 0
+
+
+@dataclass
+class GenerateResult:
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    session_id: str
+    device_id: str
+    prompt_tokens: int
+    stats: dict = field(default_factory=dict)
+    resumed: int = 0  # how many times the stream was resumed after a break
+    seed: int | None = None  # the session's sampling seed (the verifier's choice if none given)
+    # the verifier's kernel set fingerprint (what the output is target-only decoding on) and,
+    # when > 0, the output position from which another kernel set decoded it (the stream was
+    # resumed on a replica with other kernels; see docs/failure-model.md)
+    kernel_set: str = ""
+    kernels_differ_from: int = 0
+
+    @property
+    def lossless(self) -> bool:
+        """False when the session was verified loosely: the text may differ from the target's."""
+        return self.stats.get("lossless", True)
+
+
+class Resumer:
+    """Keeps what a stream needs to be resumed: its session id and how many tokens arrived.
+
+    A stream that breaks with UNAVAILABLE (the verifier died or restarted, it drained, the link
+    dropped) is resumed by session id, up to ``max_resumes`` times within the call's deadline;
+    the verifier sends only the tokens after those already received, so the caller sees one
+    unbroken stream. Before a session id is known, nothing was admitted: the request is sent
+    again as it was. A resume answered NOT_FOUND (the cache lost the session: a Redis without
+    persistence restarted with the verifier) re-creates the session: the request again, with
+    the tokens received as ``committed_ids`` and the seed the verifier reported."""
+
+    def __init__(self, req: pb.GenerateRequest, timeout: float | None, max_resumes: int):
+        self.req, self.max_resumes = req, max_resumes
+        self.deadline = None if timeout is None else time.monotonic() + timeout
+        self.session_id: str | None = None
+        self.tokens: list[int] = []  # every output token received
+        self.seed: int | None = req.sampling.seed if req.sampling.has_seed else None
+        self.resumes = 0
+        self.last_error: str | None = None  # the last refusal or break, for a deadline's words
+        self.recreating = False  # the cache lost the session: send the request again
+        self._first = True  # the next response is a stream's first
+        self.lineage: Lineage | None = None  # the kernel sets the output was decoded on
+
+    @classmethod
+    def of_call(cls, client, timeout: float | None, **kw) -> "Resumer":
+        """A call's resumer, with ``client``'s defaults (its timeout, its resumes)."""
+        return cls(build_request(**kw), timeout or client.timeout, client.max_resumes)
+
+    @property
+    def received(self) -> int:
+        return len(self.tokens)
+
+    def next_request(self) -> pb.GenerateRequest:
+        self._first = True
+        if self.session_id is None:
+            return self.req
+        if self.recreating:
+            return self.recreate_request()
+        return self._with_lineage(pb.GenerateRequest(resume_session_id=self.session_id,
+                                                     resume_from=self.received))
+
+    def _with_lineage(self, req: pb.GenerateRequest) -> pb.GenerateRequest:
+        """``req`` with the kernel sets the output so far was decoded on (a router prefers a
+        replica of the same set; a re-created session carries them on)."""
+        if self.lineage is not None:
+            req.kernel_set = self.lineage.kernels
+            req.kernels_differ_from = self.lineage.differs_from
+        return req
+
+    def recreate_request(self) -> pb.GenerateRequest:
+        req = pb.GenerateRequest()
+        req.CopyFrom(self.req)
+        req.committed_ids.extend(self.tokens)
+        req.lost_session_id = self.session_id or ""
+        if self.seed is not None:
+            req.sampling.has_seed, req.sampling.seed = True, self.seed
+        return self._with_lineage(req)
+
+    def time_left(self) -> float | None:
+        if self.deadline is None:
+            return None
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            if self.session_id is None:
+                why = "before the verifier took the request"
+            else:
+                why = f"while resuming session {self.session_id}"
+            last = f" (last answer: {self.last_error})" if self.last_error else ""
+            raise DeadlineExceeded(f"DEADLINE_EXCEEDED: the deadline passed {why}{last}",
+                                   grpc.StatusCode.DEADLINE_EXCEEDED)
+        return left
+
+    def seen(self, r: pb.GenerateResponse) -> None:
+        if self._first:
+            self._first = False
+            if self.recreating and not r.resumed:  # a verifier that predates re-creation
+                raise NotFound(f"NOT_FOUND: the verifier lost session {self.session_id} and "
+                               "cannot re-create it", grpc.StatusCode.NOT_FOUND)
+            self.recreating = False
+            if r.sampling.has_seed:
+                self.seed = r.sampling.seed
+            if r.kernel_set:
+                self.lineage = joined(self.lineage, Lineage(r.kernel_set, r.kernels_differ_from),
+                                      self.received)
+        if r.session_id:
+            self.session_id = r.session_id
+        self.tokens.extend(r.token_ids)
+
+    def retry_after(self, e: grpc.RpcError) -> float:
+        """Seconds to wait before resuming; raises the error (as an EdgespecError) to give up.
+        A new session refused by a draining verifier fails at once: it would be refused until
+        that verifier has stopped."""
+        self.last_error = f"{e.code().name}: {e.details()}"
+        if self.session_id is None and trailing_value(e, REFUSAL_METADATA) == "draining":
+            raise Unavailable(f"UNAVAILABLE: {e.details()}", e.code()) from None
+        resumable = e.code() in RESUMABLE or (  # a resume that found the server full
+            self.session_id is not None and e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED)
+        lost = (self.session_id is not None and not self.recreating
+                and e.code() == grpc.StatusCode.NOT_FOUND)  # a resume the cache cannot serve
+        if not (resumable or lost) or self.resumes >= self.max_resumes:
+            raise translate(e) from None
+        self.resumes += 1
+        if lost:
+            self.recreating = True
+            return 0.0
+        wait = min(2.0, 0.1 * 2 ** self.resumes)
+        left = self.time_left()  # raises DeadlineExceeded once the deadline has passed
+        return wait if left is None else min(wait, left)
+
+
+RESUMABLE = {grpc.StatusCode.UNAVAILABLE}
+
+
+class Collector:
+    """A call's output, put together from the responses of its streams (``res``: their
+    resumer, which knows the resumes and the kernel sets)."""
+
+    def __init__(self, res: Resumer):
+        self.res = res
+        self.text: list[str] = []
+        self.ids: list[int] = []
+        self.meta = pb.GenerateResponse()
+        self.final: pb.GenerateResponse | None = None
+        self.seed: int | None = None
+
+    def add(self, r: pb.GenerateResponse) -> StreamPiece | None:
+        if r.device_id or r.prompt_tokens:
+            self.meta = r
+        if r.sampling.has_seed:
+            self.seed = r.sampling.seed
+        if r.finished:
+            self.final = r
+            lineage = self.res.lineage or Lineage()
+            return StreamPiece([], "", r.finish_reason, stats_from_pb(r.stats),
+                               lineage.kernels, lineage.differs_from)
+        if r.token_ids:
+            self.ids.extend(r.token_ids)
+            self.text.append(r.text)
+            return StreamPiece(list(r.token_ids), r.text)
+        return None
+
+    def result(self) -> GenerateResult:
+        if self.final is None:
+            raise EdgespecError("the stream ended without a final response")
+        lineage = self.res.lineage or Lineage()
+        return GenerateResult("".join(self.text), self.ids, self.final.finish_reason,
+                              self.final.session_id, self.meta.device_id,
+                              self.meta.prompt_tokens, stats_from_pb(self.final.stats),
+                              self.res.resumes, self.seed, lineage.kernels,
+                              lineage.differs_from)
