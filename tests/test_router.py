@@ -1,7 +1,8 @@
 """The replica router over real gRPC, in front of stand-in replicas (a real gRPC server whose
 Generate refuses, or holds its stream open, as told): a replica's refusal reaches the client
 whole, its retry hint included, and the router's own Generate streams are capped below its
-thread pool, so that its health checks always find a thread."""
+thread pool, so that its health checks always find a thread; its Status merges what each
+replica saw of the fleet's drafters."""
 
 from __future__ import annotations
 
@@ -28,8 +29,9 @@ class StandInReplica(pb_grpc.VerifierServicer):
     """A replica whose Generate refuses with RESOURCE_EXHAUSTED and a retry hint (``refuse``),
     or yields one response and holds the stream open until ``release`` is set."""
 
-    def __init__(self, refuse: bool):
+    def __init__(self, refuse: bool, drafters: tuple[pb.DrafterStatus, ...] = ()):
         self.refuse, self.release = refuse, threading.Event()
+        self.drafters = drafters  # what its Status reports
         self.server = grpc.server(futures.ThreadPoolExecutor(16))
         pb_grpc.add_VerifierServicer_to_server(self, self.server)
         self.health = health.HealthServicer()
@@ -44,6 +46,9 @@ class StandInReplica(pb_grpc.VerifierServicer):
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "verifier overloaded: full")
         yield pb.GenerateResponse(session_id="held")
         self.release.wait(WAIT_S)
+
+    def Status(self, request, context):
+        return pb.StatusResponse(model="stand-in", kv_slots=4, drafters=self.drafters)
 
     def stop(self):
         self.release.set()
@@ -82,3 +87,34 @@ def test_the_routers_generate_streams_are_capped_and_its_health_answers(routed):
                     timeout=WAIT_S, service=VERIFIER_SERVICE)
         replica.release.set()
         assert list(held) == []
+
+
+def test_the_routers_status_merges_what_each_replica_saw_of_a_drafter():
+    a_first = pb.DrafterStatus(device_id="board-a", attached=True, sessions=2, late=False,
+                               drafts_missed=2, steps_unwaited=0, session_steps=10,
+                               ready_drafts=5, verified_drafts=4, acceptance_rate=0.5,
+                               mean_acceptance_length=2.0)
+    b_only = pb.DrafterStatus(device_id="board-b", attached=False, session_steps=3)
+    a_second = pb.DrafterStatus(device_id="board-a", attached=True, sessions=2, late=True,
+                                drafts_missed=3, steps_unwaited=7, session_steps=6,
+                                ready_drafts=9, verified_drafts=12, acceptance_rate=0.9,
+                                mean_acceptance_length=4.0)
+    replicas = [StandInReplica(False, (a_first, b_only)), StandInReplica(False, (a_second,))]
+    router = VerifierRouter("127.0.0.1:0", [r.address for r in replicas]).start()
+    try:
+        with edgespec.Client(f"127.0.0.1:{router.port}", timeout=WAIT_S) as c:
+            status = c.status()
+    finally:
+        for r in replicas:
+            r.stop()
+        router.stop()
+    assert status["kv_slots"] == 8
+    by_id = {d["device_id"]: d for d in status["drafters"]}
+    assert sorted(by_id) == ["board-a", "board-b"]  # each once
+    a = by_id["board-a"]
+    assert a["late"] is True and a["sessions"] == 2 and a["attached"] is True
+    assert (int(a["drafts_missed"]), int(a["steps_unwaited"]), int(a["session_steps"]),
+            int(a["ready_drafts"]), int(a["verified_drafts"])) == (5, 7, 16, 14, 16)
+    assert a["acceptance_rate"] == pytest.approx((4 * 0.5 + 12 * 0.9) / 16)
+    assert a["mean_acceptance_length"] == pytest.approx((4 * 2.0 + 12 * 4.0) / 16)
+    assert int(by_id["board-b"]["session_steps"]) == 3

@@ -13,7 +13,9 @@ implements the same ``Verifier`` service and forwards each call:
   it as its first replica would, else to any replica, since the session's committed tokens live
   in Redis (that replica reports from which position its decoding differs).
 - ``Cancel`` is sent to every replica (only the one running the session knows it).
-- ``Status`` merges the replicas' answers: slots and sessions summed, the fleet's drafters once.
+- ``Status`` merges the replicas' answers: slots and sessions summed, the fleet's drafters once
+  each, with what each replica saw of a drafter (its steps, drafts missed, ready and verified)
+  summed, late when any replica judges it so, its acceptance weighted by the drafts verified.
 
 Health: a monitor thread checks every replica's health each second, and reads a replica's
 kernel set fingerprint (``Status``) when it turns healthy and every ``KERNELS_EVERY_S``; the
@@ -212,6 +214,7 @@ class VerifierRouter(pb_grpc.VerifierServicer):
     def Status(self, request, context):
         merged = pb.StatusResponse()
         answered = 0
+        drafters: list[pb.DrafterStatus] = []
         for r in self._replicas:
             try:
                 s = r.stub.Status(request, timeout=5.0, metadata=self.metadata)
@@ -219,9 +222,9 @@ class VerifierRouter(pb_grpc.VerifierServicer):
                 continue
             if answered == 0:
                 merged.model, merged.version, merged.dtype = s.model, s.version, s.dtype
-                merged.drafters.extend(s.drafters)
                 merged.runner.CopyFrom(s.runner)  # the replicas run the same configuration
             answered += 1
+            drafters.extend(s.drafters)
             merged.active_sessions += s.active_sessions
             merged.queued_sessions += s.queued_sessions
             merged.free_kv_slots += s.free_kv_slots
@@ -233,7 +236,38 @@ class VerifierRouter(pb_grpc.VerifierServicer):
             merged.healthy |= s.healthy
         if answered == 0:
             context.abort(grpc.StatusCode.UNAVAILABLE, "no verifier replica answers")
+        merged.drafters.extend(merged_drafters(drafters))
         return merged
+
+
+# what each replica counts of a drafter's links to it, summed over the replicas
+LINK_COUNTS = ("drafts_missed", "steps_unwaited", "session_steps", "ready_drafts",
+               "verified_drafts")
+
+
+def merged_drafters(reports: list[pb.DrafterStatus]) -> list[pb.DrafterStatus]:
+    """The replicas' reports of the fleet's drafters, one per device in the order first seen:
+    the cache's facts (attached, sessions, last seen) as the first report says them (the
+    replicas share the cache), the replicas' counts summed, late when any replica judges it
+    so, the acceptance rate and length weighted by each replica's verified drafts (equally
+    where none verified any)."""
+    by_device: dict[str, list[pb.DrafterStatus]] = {}
+    for d in reports:
+        by_device.setdefault(d.device_id, []).append(d)
+    out = []
+    for seen in by_device.values():
+        d = pb.DrafterStatus()
+        d.CopyFrom(seen[0])
+        for field in LINK_COUNTS:
+            setattr(d, field, sum(getattr(x, field) for x in seen))
+        d.late = any(x.late for x in seen)
+        weights = [x.verified_drafts for x in seen] if d.verified_drafts else [1] * len(seen)
+        total = sum(weights)
+        d.acceptance_rate = sum(w * x.acceptance_rate for w, x in zip(weights, seen)) / total
+        d.mean_acceptance_length = sum(w * x.mean_acceptance_length
+                                       for w, x in zip(weights, seen)) / total
+        out.append(d)
+    return out
 
 
 def _deadline(context) -> float | None:
