@@ -17,7 +17,8 @@ are dropped, the epoch moves on, and the drafter's inbox gets the fix (every com
 inbox, with what the step asked of the session: the drafter's lead follows it). A verdict that
 names a branch the draft does not hold is refused, unless the branch is the verifier's own (a
 draft head's). A commit replayed after it landed (its reply lost with the connection) is
-recognised by its position and last token and answered with code 2, not applied twice. Both
+recognised by its position and last token and answered with code 2, not applied twice; any
+other verdict for a finished session (closed: ended, cancelled, failed) is refused. These
 rules are the in-process store's too (``edgespec.protocol.local_store``);
 tests/test_store_contract.py holds the two stores to the same cases. The session's keys expire
 ttl seconds after the commit that last crossed a multiple of 16 tokens (or finished it). """
@@ -64,7 +65,7 @@ COMMIT_LUA = """
 local function commit(base, sid, epoch_in, n, tok, done, start, first, own, want, finish, branch,
                       more)
 local tokk, draftk, brk = base .. ':tok', base .. ':draft', base .. ':br'
-local h = redis.call('HMGET', base, 'epoch', 'device')
+local h = redis.call('HMGET', base, 'epoch', 'device', 'done')
 if not h[1] then return {-1, 'unknown session'} end
 local endpos = redis.call('STRLEN', tokk) / 4
 local nbr = string.len(branch) / 4
@@ -72,6 +73,7 @@ if endpos == start + n + nbr + 1
     and redis.call('GETRANGE', tokk, endpos * 4 - 4, -1) == tok then
   return {2, tonumber(h[1]), endpos}
 end
+if h[3] == '1' then return {-3, 'session is finished'} end
 if endpos ~= start then
   return {-4, 'verdict at ' .. start .. ', the session ends at ' .. endpos}
 end

@@ -240,6 +240,16 @@ def test_sessions_closed_together_each_refuse_chunks_and_the_others_go_on(side):
     assert _take(side, "c").tokens == [4, 5]
 
 
+
+def test_a_verdict_for_a_closed_session_is_refused_and_changes_nothing(side):
+    _new(side)
+    side.push("s", 0, 3, [4, 5])
+    side.store.close("s", "cancelled")
+    [out] = _commit(side, Verdict("s", 0, 3, 2, 6))
+    assert not out.ok
+    if not isinstance(side, LocalSide):  # the local store forgets a closed session at once
+        assert side.tokens("s") == [1, 2, 3] and side.fixes("s") == []
+
 # -- verdicts ------------------------------------------------------------------------------------
 def test_a_full_accept_with_a_bonus_publishes_a_fix_at_the_draft_end(side):
     _new(side)
