@@ -55,6 +55,29 @@ def wait_for_line(log: Path, needle: str, proc: subprocess.Popen, timeout: float
     raise ConfigError(f"timed out waiting for {needle!r} in {log}")
 
 
+# the engine's options bench-net takes, as serve takes them: the spawned verifier runs with the
+# same as the in-process engine (--draft-thread is the in-process engine's alone)
+SERVE_ENGINE_OPTIONS = ("max_draft", "window", "chunk", "draft_wait_ms", "late_after",
+                        "prefill_budget", "max_context", "tree_nodes", "head", "threads")
+SERVE_ENGINE_FLAGS = ("no_adaptive", "learn", "auto")
+
+
+def serve_engine_args(args) -> list[str]:
+    """The command line's engine options, as ``edgespec serve`` options (those left unset
+    stay the server's defaults, the in-process engine's as well)."""
+    out: list[str] = []
+    for name in SERVE_ENGINE_OPTIONS:
+        value = getattr(args, name, None)
+        if value is not None:
+            out += [f"--{name.replace('_', '-')}", str(value)]
+    out += [f"--{name.replace('_', '-')}" for name in SERVE_ENGINE_FLAGS
+            if getattr(args, name, False)]
+    wanted = getattr(args, "cuda_graphs", None)
+    if wanted is not None:
+        out.append("--cuda-graphs" if wanted else "--no-cuda-graphs")
+    return out
+
+
 def _per_step_ms(stats: dict, key: str) -> float:
     return 1000 * stats[key] / stats["steps"] if stats["steps"] else 0.0
 
@@ -78,10 +101,8 @@ def run_bench_net(args) -> int:
     serve_log, drafter_log = out_dir / "bench-net-serve.log", out_dir / "bench-net-drafter.log"
     print(f"starting edgespec serve on {address} and one drafter ({args.drafter})",
           file=sys.stderr, flush=True)
-    wanted = getattr(args, "cuda_graphs", None)
-    graphs = [] if wanted is None else ["--cuda-graphs" if wanted else "--no-cuda-graphs"]
-    serve = spawn_edgespec(["serve", "--listen", address, "--max-sessions", "2", *common, *graphs],
-                   serve_log)
+    serve = spawn_edgespec(["serve", "--listen", address, "--max-sessions", "2", *common,
+                            *serve_engine_args(args)], serve_log)
     drafter = None
     try:
         wait_for_line(serve_log, "listening on", serve)
