@@ -531,6 +531,20 @@ def test_a_client_that_disconnects_cancels_its_session(looping_dir, tmp_path):
         conn.close()
         m = wait_for("the abandoned request kept running", lambda m: m.get(cancelled) == 2)
         assert m["edgespec:num_requests_running"] == 0
+        # a stream whose session the server cancels (an operator's Cancel) ends in an error, not
+        # in a finish that would pass its text for a whole answer
+        api = openai.OpenAI(base_url=base + "/v1", api_key=TOKEN, max_retries=0, timeout=120)
+        stream = api.completions.create(model=model, prompt=PROMPT, max_tokens=2000,
+                                        temperature=0, stream=True)
+        finishes, told = [], False
+        with pytest.raises(openai.APIError, match="cancelled on the server"):
+            for chunk in stream:
+                if chunk.choices and chunk.choices[0].text and not told:
+                    with edgespec.Client(address, token=TOKEN, timeout=60) as c:
+                        told = c.cancel(chunk.id.removeprefix("cmpl-"))
+                finishes += [c.finish_reason for c in chunk.choices if c.finish_reason]
+        assert told and finishes == []
+        wait_for("the cancelled session", lambda m: m.get(cancelled) == 3)
     finally:
         frozen.popen.send_signal(signal.SIGCONT)
         frozen.stop()

@@ -250,12 +250,17 @@ class _Run:
                     if error is not None:
                         raise ApiError(503 if isinstance(error, ShuttingDown) else 500,
                                        f"generation failed: {error}", "server_error")
+                    if result is not None and result.finish_reason not in ("stop", "length"):
+                        # cancelled on the server (an operator's Cancel): not a whole answer,
+                        # whatever it holds, so not a finish OpenAI's clients would take as one
+                        raise ApiError(503, f"the session was {result.finish_reason} on the "
+                                       f"server after {cursor} token(s), before it finished",
+                                       "server_error")
                     if result is not None:
                         if len(full) > len(self.shown):
                             yield full[len(self.shown):]
                             self.shown = full
-                        self.finish_reason = "length" if result.finish_reason == "length" \
-                            else "stop"
+                        self.finish_reason = result.finish_reason
                         return
                     await changed.wait()
         finally:
