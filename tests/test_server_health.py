@@ -42,19 +42,24 @@ def test_health_is_not_serving_once_the_scheduler_is_dead(server):
     _wait_status(server.port, NOT_SERVING)
 
 
-def test_health_is_not_serving_while_every_step_fails_and_serving_after_one_succeeds(server):
+@pytest.mark.parametrize("where", ["step", "forward", "prefill"])
+def test_health_is_not_serving_while_every_step_fails_and_serving_after_one_succeeds(server,
+                                                                                     where):
     """A fault that fails every verification step (a device fault, say; injected here into the
-    engine's step) fails each session it meets, and from the third failing step in a row health
-    says NOT_SERVING; a step that succeeds makes it SERVING again."""
+    engine's step, or into the target's forward or prefill, where the engine fails each session
+    alone and the step itself returns) fails each session it meets, and from the third failing
+    step in a row health says NOT_SERVING; a step that succeeds makes it SERVING again."""
     from verifier_node.scheduler import FAILING_STEPS
 
     _wait_status(server.port, SERVING)
     engine = server.scheduler.engine
+    faulty = {"step": engine, "forward": engine.target, "prefill": engine.target}[where]
+    method = {"step": "step", "forward": "score_rows", "prefill": "prefill_parts"}[where]
 
-    def failing_step():
+    def failing(*args, **kwargs):
         raise RuntimeError("an injected device fault")
 
-    engine.step = failing_step
+    setattr(faulty, method, failing)
     with grpc.insecure_channel(f"127.0.0.1:{server.port}") as ch:
         stub = pb_grpc.VerifierStub(ch)
         for _ in range(FAILING_STEPS):  # one at a time: a failing step each
@@ -63,7 +68,7 @@ def test_health_is_not_serving_while_every_step_fails_and_serving_after_one_succ
                                    timeout=60))
             assert e.value.code() == grpc.StatusCode.UNAVAILABLE
         _wait_status(server.port, NOT_SERVING)
-        del engine.step  # the fault gone: the class's step again
+        delattr(faulty, method)  # the fault gone: the class's method again
         got = list(stub.Generate(pb.GenerateRequest(prompt_ids=[1, 5, 6], max_new_tokens=4),
                                  timeout=60))
         assert got[-1].finished

@@ -255,7 +255,10 @@ class Scheduler(threading.Thread):
                     self._step_tokens = 0
                     began = time.monotonic()
                     report = self.engine.step()
-                    self._failed_steps = 0
+                    if self.engine.faulted:  # every forward raised: its sessions failed alone
+                        self._count_failing_step()
+                    else:
+                        self._failed_steps = 0
                     if report is not None:  # a step that verified nothing says nothing of pace
                         # the step's prefill is the pace's prefill rate's (``_prefilled``)
                         took = time.monotonic() - began - self.engine.prefill_s
@@ -277,12 +280,7 @@ class Scheduler(threading.Thread):
                 backoff = min(1.0, backoff * 2)
             except Exception as exc:  # a bug: fail the sessions in flight, keep serving
                 log.exception("verification step failed")
-                self._failed_steps += 1
-                self._failed_at = time.monotonic()
-                if self._failed_steps == FAILING_STEPS:
-                    log.error("%d verification steps in a row failed: health says NOT_SERVING "
-                              "until a step succeeds or %.0f s pass without a failure",
-                              FAILING_STEPS, FAILING_FOR_S)
+                self._count_failing_step()
                 for act in self.engine.sessions:
                     try:
                         self.engine.fail(act, SessionFailed(f"verification step failed: "
@@ -290,6 +288,17 @@ class Scheduler(threading.Thread):
                     except Exception:  # one failing fail (a callback) must not end the loop
                         log.exception("failing session %s failed", act.sid)
         self._shut_down()
+
+    def _count_failing_step(self) -> None:
+        """A step that raised, or whose every forward raised (a device fault fails each
+        session it meets alone): health turns NOT_SERVING at the ``FAILING_STEPS``-th in a
+        row."""
+        self._failed_steps += 1
+        self._failed_at = time.monotonic()
+        if self._failed_steps == FAILING_STEPS:
+            log.error("%d verification steps in a row failed: health says NOT_SERVING until a "
+                      "step succeeds or %.0f s pass without a failure", FAILING_STEPS,
+                      FAILING_FOR_S)
 
     def _shut_down(self) -> None:
         exc = ShuttingDown("the verifier is shutting down; resume the session")

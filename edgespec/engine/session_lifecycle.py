@@ -41,6 +41,10 @@ class SessionLifecycle:
     on_prefill: Callable[[int, float], None] | None
     rates: DraftRates  # the sessions' draft-length state, a row a KV slot
     _ids: itertools.count
+    # this step's verification forwards that ran, and its forwards (prefill included) that
+    # raised (``SpecEngine.faulted``)
+    _forwards_ok: int
+    _forwards_failed: int
 
     def validate(self, req: Request) -> str:
         """Refuse a request that cannot be served, before any work; returns the session's
@@ -153,6 +157,8 @@ class SessionLifecycle:
         if not self.prefilling:
             return []
         progress = self.prefilling.advance(budget)
+        if progress.failed:
+            self._forwards_failed += 1
         for act in progress.ready:
             self._start(act)
         for act, exc in progress.failed:  # out of the queue already: their slots freed here

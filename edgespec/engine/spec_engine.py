@@ -149,8 +149,20 @@ class SpecEngine(SessionLifecycle):
         self._undelivered: list[Decision] = []
         self._undelivered_s = (0.0, 0.0)  # their step's take and forward seconds
         self._decide_s = 0.0  # a step's deciding, inside its verification: not the forward's
+        # this step's verification forwards that ran, and its forwards (prefill included) that
+        # raised: a step with a failure and no verification that ran is ``faulted``
+        self._forwards_ok = self._forwards_failed = 0
         # the head's moves of this step's verified batches, made once their paths are placed
         self._head_pending: list[tuple[list[str], Any, list[int], list[list[int]]]] = []
+
+    @property
+    def faulted(self) -> bool:
+        """Whether the last step had a forward raise (the batch's, then each session's alone,
+        or a prefill's) and no verification forward run: its sessions failed one by one, as a
+        device fault would fail them all (a prefill that ran does not clear it: a fault of
+        the verification's kernels alone fails every session all the same). The scheduler's
+        health counts such steps as failing steps."""
+        return self._forwards_failed > 0 and self._forwards_ok == 0
 
     @property
     def free_slots(self) -> int:
@@ -182,6 +194,7 @@ class SpecEngine(SessionLifecycle):
         commit that landed). Returns what the step did (None when nothing was verified)."""
         self.prefill_s = 0.0
         self._step_acts, self._step_rows = [], None
+        self._forwards_ok = self._forwards_failed = 0
         if self._undelivered:  # verdicts of a step whose commit did not reach the store
             kept, t0 = self._undelivered, time.perf_counter()
             return _report(self._commit(kept, *self._undelivered_s), len(kept),
@@ -393,8 +406,11 @@ class SpecEngine(SessionLifecycle):
         """One forward over the batch, each row's verdict decided; if it fails, each session
         alone, so that a failure fails only the session it concerns (None marks those)."""
         try:
-            return self._forward_and_verify(drafts)
+            decided = self._forward_and_verify(drafts)
+            self._forwards_ok += 1
+            return decided
         except Exception:
+            self._forwards_failed += 1
             if len(drafts) == 1:
                 act = drafts[0].act
                 log.exception("verification of session %s failed", act.sid)
