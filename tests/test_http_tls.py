@@ -1,0 +1,43 @@
+"""The HTTP API over TLS, as gRPC is served: with ``--tls-client-ca`` (mutual TLS) a client
+must present a certificate the CA signed on the OpenAI-compatible port too, not on gRPC's
+alone; one that does is served."""
+
+from __future__ import annotations
+
+import ssl
+import urllib.error
+import urllib.request
+
+import pytest
+
+from edgespec.config import EngineConfig
+from edgespec_cli.server import EdgespecServer, ServerOptions
+
+pytestmark = pytest.mark.slow  # a server: not the fast tier
+
+
+def _models(base: str, context: ssl.SSLContext) -> int:
+    with urllib.request.urlopen(base + "/v1/models", context=context, timeout=60) as r:
+        return r.status
+
+
+def test_mutual_tls_holds_on_the_http_api_too(tiny_dir, pki):
+    d = pki
+    srv = EdgespecServer(ServerOptions(
+        listen="127.0.0.1:0", model=str(tiny_dir), tls_cert=str(d / "server.pem"),
+        tls_key=str(d / "server.key"), tls_client_ca=str(d / "ca.pem"), http_port=0,
+        engine=EngineConfig(max_sessions=1, max_context=128))).start()
+    try:
+        base = f"https://127.0.0.1:{srv.http_port}"
+        anonymous = ssl.create_default_context(cafile=str(d / "ca.pem"))
+        with pytest.raises((ssl.SSLError, ConnectionError, urllib.error.URLError)):
+            _models(base, anonymous)  # the handshake fails without a client certificate
+        rogue = ssl.create_default_context(cafile=str(d / "ca.pem"))
+        rogue.load_cert_chain(str(d / "rogue.pem"), str(d / "rogue.key"))
+        with pytest.raises((ssl.SSLError, ConnectionError, urllib.error.URLError)):
+            _models(base, rogue)  # nor with one another CA signed
+        client = ssl.create_default_context(cafile=str(d / "ca.pem"))
+        client.load_cert_chain(str(d / "client.pem"), str(d / "client.key"))
+        assert _models(base, client) == 200
+    finally:
+        srv.stop(drain_timeout_s=0)
