@@ -20,6 +20,7 @@ import subprocess
 import tempfile
 import socket
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any
 from urllib.parse import quote, urlsplit
@@ -59,6 +60,11 @@ def shown_url(url: str) -> str:
         return parts._replace(netloc=f"{parts.username or ''}:***@{host}").geturl()
     except ValueError:
         return url.partition(":")[0] + "://..."
+
+
+# the thread that starts every embedded redis-server, alive as long as the process (a pool's
+# worker waits for work until the interpreter exits)
+_LAUNCHER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="embedded-redis")
 
 
 def _die_with_parent() -> None:
@@ -153,7 +159,13 @@ class RedisHandle:
 
     def _launch_embedded(self, attempts: int = 3) -> None:
         """Start the embedded server and wait for it to answer; a server that exits at start
-        is tried again (its log says why when all attempts fail)."""
+        is tried again (its log says why when all attempts fail). Started by the process's one
+        launching thread (``_LAUNCHER``), whichever thread asks: Linux sends the parent-death
+        signal when the *thread* that started the child ends, and a restart asked for by a
+        health monitor would otherwise die with the monitor, at the start of a drain."""
+        _LAUNCHER.submit(self._launch_here, attempts).result()
+
+    def _launch_here(self, attempts: int) -> None:
         assert self._tmp is not None  # the embedded server's folder (_start_embedded)
         sock = os.path.join(self._tmp.name, "redis.sock")
         log_path = os.path.join(self._tmp.name, "redis.log")

@@ -486,3 +486,29 @@ def test_a_redis_password_never_shows_in_errors_or_logs():
     with pytest.raises(ConfigError) as e:  # nothing listens there: the error names the URL
         RedisHandle(f"redis://:TopSecret123@127.0.0.1:{free_port()}/0")
     assert "TopSecret123" not in str(e.value) and ":***@127.0.0.1" in str(e.value)
+
+
+def test_an_embedded_redis_restarted_from_a_thread_outlives_that_thread():
+    """Linux's parent-death signal follows the thread that started the child: a restart made by
+    a health monitor's thread must not die when that thread ends (a drain stops the monitor
+    first)."""
+    import os
+    import signal
+    import subprocess
+    import threading
+
+    handle = RedisHandle()
+    try:
+        handle.client.set("es:kept", "1")
+        first = handle.proc
+        os.kill(first.pid, signal.SIGKILL)
+        first.wait()
+        monitor = threading.Thread(target=handle.ensure_running)
+        monitor.start()
+        monitor.join()
+        assert handle.proc is not first and handle.proc.poll() is None
+        with pytest.raises(subprocess.TimeoutExpired):  # not sent SIGTERM as the thread ended
+            handle.proc.wait(timeout=2)
+        assert handle.client.get("es:kept") == b"1"  # the append-only file came back with it
+    finally:
+        handle.close()
