@@ -166,6 +166,9 @@ class DraftCacheService(pb_grpc.DraftCacheServicer):
         except ChunkRefused as e:
             self._refused(e)
             context.abort(e.code, str(e))
+        except redis.RedisError as e:  # the cache is up, its Redis is not: try again later
+            log.warning("storing a pushed chunk failed: %s", e)
+            self._refuse_for_now(context, f"the cache's Redis failed: {e}")
 
     def FleetTable(self, request, context):
         """The fleet-wide Cacheback table's entries changed since ``request.since``."""

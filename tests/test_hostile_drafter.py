@@ -720,3 +720,28 @@ def test_an_agent_refuses_an_address_gRPC_would_misread(address, why):
         DrafterAgent(address, "edge-bad", SlotDrafter())
     DrafterAgent("dns:///localhost:5", "edge-ok", SlotDrafter())  # these forms stay accepted
     DrafterAgent("[::1]:5", "edge-ok", SlotDrafter())
+
+
+def test_a_chunk_pushed_while_the_caches_redis_is_down_is_unavailable_with_a_hint():
+    """The cache is up but its Redis is not: PushDraft says UNAVAILABLE with the retry hint (as
+    Attach does), not UNKNOWN with a traceback in the cache's log."""
+    from edgespec.wire.convert import RETRY_AFTER_MD
+
+    handle = RedisHandle()
+    st = RedisSessionStore(handle.client, prefix="h:", ttl_s=60)
+    st.set_target({"model": "tiny", "fingerprint": "fp", "vocab_size": VOCAB, "window": 8,
+                   "chunk": 4})
+    st.create("s1", [1, 2, 3], SamplingParams(), "dev")
+    c = Cache(st)
+    try:
+        handle.proc.kill()  # and never restarted: nobody runs the handle's monitor here
+        handle.proc.wait()
+        with pytest.raises(grpc.RpcError) as e:
+            c.push(pb.DraftChunk(session_id="s1", epoch=0, start=3, tokens=[4]), device="dev")
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "Redis" in e.value.details()
+        assert dict(e.value.trailing_metadata()).get(RETRY_AFTER_MD)
+    finally:
+        c.stop()
+        st.shutdown()
+        handle.close()
