@@ -22,6 +22,10 @@ def add_status_command(sub) -> None:
                    help="shared token (default: $EDGESPEC_AUTH_TOKEN)")
     s.add_argument("--tls", action="store_true", help="connect with TLS (system roots)")
     s.add_argument("--tls-ca", metavar="FILE", help="PEM CA certificate to trust (implies --tls)")
+    s.add_argument("--tls-cert", metavar="FILE",
+                   help="PEM client certificate, for a verifier that requires one "
+                        "(--tls-client-ca; implies --tls; needs --tls-key)")
+    s.add_argument("--tls-key", metavar="FILE", help="PEM private key for --tls-cert")
     s.add_argument("--timeout", metavar="S", type=float, default=10.0,
                    help="seconds to wait for the verifier (default: %(default)s)")
     s.set_defaults(func=cmd_status)
@@ -122,9 +126,11 @@ def cmd_status(args: argparse.Namespace) -> int:
         value = getattr(args, name)
         if not value > 0:  # NaN too
             raise ConfigError(f"--{name} takes seconds > 0, got {value}")
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise ConfigError("a client certificate needs both --tls-cert and --tls-key")
     with edgespec.Client(args.address, token=args.auth_token or os.environ.get(
             "EDGESPEC_AUTH_TOKEN"), tls_ca=args.tls_ca, tls=args.tls,
-            timeout=args.timeout) as client:
+            tls_cert=args.tls_cert, tls_key=args.tls_key, timeout=args.timeout) as client:
         while True:
             try:
                 st = client.status()

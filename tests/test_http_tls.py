@@ -1,6 +1,6 @@
-"""The HTTP API over TLS, as gRPC is served: with ``--tls-client-ca`` (mutual TLS) a client
-must present a certificate the CA signed on the OpenAI-compatible port too, not on gRPC's
-alone; one that does is served."""
+"""A server with ``--tls-client-ca`` (mutual TLS): a client must present a certificate the CA
+signed on the OpenAI-compatible port too, not on gRPC's alone; one that does is served, and
+``edgespec status`` reads it with its own certificate (``--tls-cert``, ``--tls-key``)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,9 @@ def _models(base: str, context: ssl.SSLContext) -> int:
         return r.status
 
 
-def test_mutual_tls_holds_on_the_http_api_too(tiny_dir, pki):
+def test_mutual_tls_holds_on_the_http_api_too_and_status_reads_it(tiny_dir, pki, capsys):
+    from edgespec_cli.main import main
+
     d = pki
     srv = EdgespecServer(ServerOptions(
         listen="127.0.0.1:0", model=str(tiny_dir), tls_cert=str(d / "server.pem"),
@@ -39,5 +41,11 @@ def test_mutual_tls_holds_on_the_http_api_too(tiny_dir, pki):
         client = ssl.create_default_context(cafile=str(d / "ca.pem"))
         client.load_cert_chain(str(d / "client.pem"), str(d / "client.key"))
         assert _models(base, client) == 200
+        status = ["status", "--address", f"127.0.0.1:{srv.port}", "--tls-ca",
+                  str(d / "ca.pem"), "--json", "--timeout", "30"]
+        assert main(status + ["--tls-cert", str(d / "client.pem"), "--tls-key",
+                              str(d / "client.key")]) == 0
+        assert '"kv_slots": 1' in capsys.readouterr().out
+        assert main(status + ["--timeout", "2"]) == 1  # no certificate: no status
     finally:
         srv.stop(drain_timeout_s=0)
