@@ -32,16 +32,19 @@ def _fingerprint(spec: DrafterSpec) -> str:
         return ""
     from transformers import AutoTokenizer
 
+    from edgespec.models.files import reading_model
     from edgespec.models.tokenizer_id import tokenizer_fingerprint
 
     if spec.kind == "model":
         from edgespec.models.loading import resolve_model_path
 
         path, gguf = resolve_model_path(spec.arg)
-        return tokenizer_fingerprint(AutoTokenizer.from_pretrained(path, gguf_file=gguf))
+        with reading_model(spec.arg):
+            return tokenizer_fingerprint(AutoTokenizer.from_pretrained(path, gguf_file=gguf))
     from edgespec.drafters.llamacpp import import_llama_cpp, resolve_gguf
 
     import_llama_cpp()  # a missing extra is said before the default GGUF is fetched
     gguf_path = resolve_gguf(spec.arg)
-    return tokenizer_fingerprint(AutoTokenizer.from_pretrained(gguf_path.parent,
-                                                               gguf_file=gguf_path.name))
+    with reading_model(gguf_path):
+        return tokenizer_fingerprint(AutoTokenizer.from_pretrained(gguf_path.parent,
+                                                                   gguf_file=gguf_path.name))

