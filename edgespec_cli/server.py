@@ -123,6 +123,7 @@ class EdgespecServer:
         self._abort_drain = threading.Event()  # a third signal: stop waiting for sessions
         self._drain_until = 0.0
         self._serving: bool | None = None
+        self._redis_ok = True  # the last health probe's answer from Redis
         try:
             # listen first: a taken or malformed address fails before a model loads
             self.port = bind(self.server, opts.listen, opts.tls_cert, opts.tls_key,
@@ -174,6 +175,8 @@ class EdgespecServer:
         self.admission = Admission(self.scheduler, self.store, target.tokenizer,
                                    runner.vocab_size, self.opts.default_max_new_tokens)
         service = self.verifier_service = VerifierService(self.admission, model_name=target.name)
+        service.serving = lambda: self._serving is True  # what health says
+        service.cache_reachable = lambda: self._redis_ok
         add_servicer(pb_grpc.add_VerifierServicer_to_server, service, self.server)
         self._services.append(VERIFIER_SERVICE)
 
@@ -196,9 +199,10 @@ class EdgespecServer:
     def healthy(self) -> bool:
         if self._stopping.is_set():
             return False
+        self._redis_ok = self.redis.reachable()
         if self.scheduler is not None and not self.scheduler.healthy:
             return False
-        return self.redis.reachable()
+        return self._redis_ok
 
     def _set_health(self, serving: bool) -> None:
         if serving == self._serving:

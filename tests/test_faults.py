@@ -155,6 +155,14 @@ def test_redis_restart_costs_a_pause_not_sessions(cluster, refs, sampled_ref):
     cluster["redis"].start()
     wait_health(cluster["address"], health_pb2.HealthCheckResponse.SERVING)
     check_two(a, b, refs, sampled_ref)
+    # with no session running (the scheduler sees no failed step), the Status RPC says what
+    # health says all the same
+    assert cluster["redis"].stop() == 0
+    wait_health(cluster["address"], health_pb2.HealthCheckResponse.NOT_SERVING)
+    with client(cluster) as c:
+        assert c.status()["healthy"] is False
+    cluster["redis"].start()
+    wait_health(cluster["address"], health_pb2.HealthCheckResponse.SERVING)
 
 
 def test_verifier_killed_mid_generation_clients_resume_identically(cluster, refs,

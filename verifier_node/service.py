@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 
 import grpc
 
@@ -67,6 +68,12 @@ class VerifierService(pb_grpc.VerifierServicer):
         self._streams = 0
         self._resuming: dict[str, int] = {}  # session id -> its open streams outside the cap
         self._lock = threading.Lock()
+        # what the server's health monitor last found, set by the server that composes this
+        # service (None: the scheduler's own verdict alone): whether it serves (its health),
+        # and whether the draft cache's Redis answered (else Status does not wait out the
+        # client's retries to list the drafters)
+        self.serving: Callable[[], bool] | None = None
+        self.cache_reachable: Callable[[], bool] | None = None
 
     # -- RPCs -------------------------------------------------------------------------------------
     def Generate(self, request, context):
@@ -176,11 +183,13 @@ class VerifierService(pb_grpc.VerifierServicer):
         sched, metrics = self.scheduler, self.scheduler.metrics
         active, queued = sched.load()
         drafters = []
-        try:
-            devices = self.admission.store.devices.listing()
-        except Exception as e:  # the cache is unreachable: report what this process knows
-            log.warning("status: cannot read the drafters: %s", e)
-            devices = []
+        devices = []
+        if self.cache_reachable is None or self.cache_reachable():
+            try:
+                devices = self.admission.store.devices.listing()
+            except Exception as e:  # the cache is unreachable: report what this process knows
+                log.warning("status: cannot read the drafters: %s", e)
+        healthy = sched.healthy and (self.serving is None or self.serving())
         links = sched.engine.lateness.snapshot()
         for d in devices:
             rate, length = metrics.device_acceptance(d.device_id) if metrics else (0.0, 1.0)
@@ -197,7 +206,7 @@ class VerifierService(pb_grpc.VerifierServicer):
         return pb.StatusResponse(
             model=self.model_name, version=__version__, drafters=drafters,
             active_sessions=active, queued_sessions=queued, free_kv_slots=sched.engine.free_slots,
-            kv_slots=sched.engine.cfg.max_sessions, healthy=sched.healthy,
+            kv_slots=sched.engine.cfg.max_sessions, healthy=healthy,
             dtype=str(sched.engine.target.dtype).removeprefix("torch."),
             tokens_per_s_last_minute=metrics.tokens_per_s_last_minute() if metrics else 0.0,
             head=head_status(sched.engine.head, metrics),
