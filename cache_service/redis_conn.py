@@ -148,6 +148,11 @@ class RedisHandle:
                                   password=password, **CLIENT_OPTIONS)
         self._launch_embedded()
 
+    @property
+    def exited(self) -> bool:
+        """Whether the embedded server has exited (``ensure_running`` restarts it)."""
+        return self.proc is not None and self.proc.poll() is not None
+
     def ensure_running(self) -> bool:
         """Restart the embedded server if it died (on the same socket and append-only file,
         so the sessions come back); True when it had to. External servers are left alone."""

@@ -216,6 +216,8 @@ class EdgespecServer:
 
     def _monitor(self) -> None:
         while not self._stopping.wait(0.5):
+            if self.redis.exited:  # not serving while it restarts (up to 3 x 30 s)
+                self._set_health(False)
             try:
                 self.redis.ensure_running()
             except Exception as e:  # it will be tried again at the next tick

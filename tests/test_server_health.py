@@ -101,6 +101,31 @@ def test_a_dead_embedded_redis_is_restarted_with_its_sessions(server):
         assert c.generate(prompt_ids=[1, 5, 6], max_new_tokens=4).finish_reason
 
 
+def test_health_is_not_serving_while_the_embedded_redis_restarts(server):
+    """The restart may take long (up to three tries of 30 s on a loaded machine): health says
+    NOT_SERVING from the moment the server is found dead, not SERVING until the restart ends."""
+    import threading
+
+    _wait_status(server.port, SERVING)
+    handle, release = server.redis, threading.Event()
+    launch = handle._launch_embedded
+
+    def slow_launch(*args, **kwargs):
+        release.wait(60)
+        launch(*args, **kwargs)
+
+    handle._launch_embedded = slow_launch
+    old = handle.proc
+    old.kill()
+    old.wait()
+    try:
+        _wait_status(server.port, NOT_SERVING)  # while the restart has not even begun
+    finally:
+        release.set()
+    _wait_status(server.port, SERVING)
+    assert handle.proc is not old and handle.proc.poll() is None
+
+
 def test_attach_streams_beyond_the_cap_are_refused_at_once(server):
     with grpc.insecure_channel(f"127.0.0.1:{server.port}") as ch:
         stub = pb_grpc.DraftCacheStub(ch)
