@@ -307,11 +307,12 @@ def test_sessions_that_end_in_one_step_are_closed_in_one_call(tiny):
 
 @pytest.mark.parametrize("fault", ["on_finish", "on_tokens"])
 def test_a_callback_that_raises_costs_the_others_ending_in_its_step_nothing(tiny, fault):
-    """Three sessions end in one step and the middle one's callback raises (its ``on_finish``,
-    or its last ``on_tokens``): the step raises that error, and every other session that ended
-    is closed in the store and told of its finish with its whole output, not failed (with
-    ``on_tokens`` the step stops applying there: the last session is left running, for the
-    caller to fail as it fails whatever a broken step leaves)."""
+    """Three sessions end in one step and the middle one's callback raises. Its ``on_finish``:
+    the step raises that error, and every other session that ended is closed in the store and
+    told of its finish with its whole output, not failed. Its last ``on_tokens``: that session
+    alone fails (told why), the step goes on, and the others end as they would have."""
+    from edgespec.engine.generation import SessionFailed
+
     prompts = [[1, 40, 41, 42, 43, 44], [1, 50, 51, 52, 53], [1, 60, 61, 62, 60, 61]]
     refs = [hf_greedy(tiny.model, p, 8) for p in prompts]
     runner = TargetRunner(tiny.model, n_slots=4, max_len=128)
@@ -327,21 +328,30 @@ def test_a_callback_that_raises_costs_the_others_ending_in_its_step_nothing(tiny
             requests[1].on_tokens = lambda new, got=[]: got.extend(new) or \
                 (broken() if len(got) >= 8 else None)
         acts = [engine.add(r) for r in requests]
-        calls = []
+        calls, errors = [], []
         for i, act in enumerate(acts):
             act.on_finish = broken if fault == "on_finish" and i == 1 else \
                 (lambda r, i=i: calls.append((i, r)))
-        with pytest.raises(RuntimeError, match="callback broke"):
+            act.on_error = errors.append
+        if fault == "on_finish":
+            with pytest.raises(RuntimeError, match="callback broke"):
+                while engine.active:
+                    engine.step()
+        else:
             while engine.active:
                 engine.step()
         ended = dict(calls)
-        told = [0, 2] if fault == "on_finish" else [0]
+        told = [0, 2]
         assert sorted(i for i, _ in calls) == told  # each told once
         assert [ended[i].token_ids for i in told] == [refs[i] for i in told]
         assert [ended[i].finish_reason for i in told] == ["length"] * len(told)
         assert {acts[i].sid for i in told} <= {sid for b in counting.batches for sid in b}
-        assert [a for a in acts if a in engine.active] == \
-            ([] if fault == "on_finish" else [acts[1], acts[2]])
+        assert engine.active == []
+        if fault == "on_tokens":
+            [error] = errors
+            assert isinstance(error, SessionFailed) and "callback raised" in str(error)
+        else:
+            assert errors == []
 
 
 @pytest.mark.parametrize("cancelled", [0, 2], ids=["applied-before", "applied-after"])

@@ -20,7 +20,8 @@ class Request:
     prompt_ids: list[int]
     max_new_tokens: int = 128
     params: SamplingParams = field(default_factory=SamplingParams)
-    on_tokens: Callable[[list[int]], None] | None = None  # called with each committed chunk
+    # called with each committed chunk; one that raises fails its own session (SessionFailed)
+    on_tokens: Callable[[list[int]], None] | None = None
     # output already committed by an earlier verifier (a resumed session); counts towards
     # max_new_tokens
     committed: list[int] = field(default_factory=list)

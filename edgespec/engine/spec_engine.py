@@ -577,7 +577,11 @@ class SpecEngine(SessionLifecycle):
         act.last_token = v.token
         act.finish = v.finish_reason or None  # the step ends it (``_commit``)
         if act.req.on_tokens:
-            act.req.on_tokens(new)
+            try:
+                act.req.on_tokens(new)
+            except Exception as exc:  # the caller's callback fails its own session alone
+                log.exception("the token callback of session %s raised", act.sid)
+                self.fail(act, SessionFailed(f"its token callback raised: {exc!r}"))
 
     # -- whole generations ---------------------------------------------------------------------
     def generate_many(self, requests: list[Request]) -> list[Result]:
