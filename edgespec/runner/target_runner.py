@@ -34,11 +34,11 @@ from .kv_cache import KVCache, contiguous_start
 from .step_graphs import GRAPH_SLACK, StepGraphs
 from .step_rows import DraftShape, Scored, StepRows, TreeShape
 from .linear import Linear
+from .model_support import check_supported
 
 log = logging.getLogger(__name__)
 
 
-SUPPORTED_TYPES = ("llama", "mistral", "qwen2")
 PREFILL_CHUNK = 512  # prompt tokens per prefill forward
 MAX_QUERY = MAX_TREE_NODES + 1  # the most tokens one session sends in one step: a tree + root
 
@@ -96,10 +96,7 @@ class TargetRunner:
         "split"; None: the first whose start probe passes)."""
         # a transformers model: its config and submodules are dynamic attributes
         cfg: Any = model.config
-        if cfg.model_type not in SUPPORTED_TYPES:
-            raise ConfigError(
-                f"the runner supports {', '.join(SUPPORTED_TYPES)} models, not {cfg.model_type!r}"
-            )
+        check_supported(model, max_len)  # what this forward computes of the model, else why not
         base: Any = model.model
         total = len(base.layers)
         self.n_total_layers = total
