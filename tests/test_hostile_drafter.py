@@ -406,6 +406,10 @@ def test_mutual_tls_admits_clients_with_a_certificate_of_the_ca_only(store, pki)
              client_ca=str(d / "ca.pem"))
     with pytest.raises(ConfigError):
         make_channel("127.0.0.1:1", client_cert=str(d / "client.pem"))
+    for cert, key in (("server.pem", "client.key"), ("server.key", "server.key")):
+        with pytest.raises(ConfigError, match="not a PEM certificate and its private key"):
+            bind(grpc.server(futures.ThreadPoolExecutor(1)), "127.0.0.1:0", str(d / cert),
+                 str(d / key))
 
 
 # -- 3. the agent refuses what its drafter cannot do, and lives on --------------------------------

@@ -214,6 +214,21 @@ def make_server(max_workers: int, token: str | None,
                  ("grpc.so_reuseport", 0), *server_keepalive_options()])
 
 
+def check_tls_pair(cert: str, key: str) -> None:
+    """A server's certificate and key, checked as TLS will use them: PEM files whose key is the
+    certificate's (gRPC says only that it cannot listen, the reason on its own stderr)."""
+    import ssl
+
+    try:
+        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(
+            cert, key, password=lambda: b"")  # an encrypted key: refused, never prompted for
+    except ssl.SSLError as e:
+        raise ConfigError(f"--tls-cert {cert} and --tls-key {key} are not a PEM certificate "
+                          f"and its private key ({e.reason or e})") from None
+    except OSError as e:
+        raise ConfigError(f"cannot read the TLS certificate or key: {e}") from None
+
+
 def bind(server: grpc.Server, address: str, tls_cert: str | None = None,
          tls_key: str | None = None, client_ca: str | None = None) -> int:
     """Listen on ``address``; TLS when a certificate and key are given, mutual TLS when
@@ -224,6 +239,7 @@ def bind(server: grpc.Server, address: str, tls_cert: str | None = None,
     if client_ca and not tls_cert:
         raise ConfigError("--tls-client-ca needs --tls-cert and --tls-key")
     if tls_cert and tls_key:  # both or neither (checked above)
+        check_tls_pair(tls_cert, tls_key)
         pair = [(_read(tls_key), _read(tls_cert))]
         if client_ca:
             creds = grpc.ssl_server_credentials(pair, root_certificates=_read(client_ca),
