@@ -38,6 +38,11 @@ def _model(kind: str, **kw):
     ("Llama", dict(attention_bias=True), 128, "o_proj carry biases"),
     ("Llama", dict(mlp_bias=True), 128, "gate_proj, up_proj, down_proj carry biases"),
     ("Mistral", dict(sliding_window=32), 128, "slides over 32 tokens"),
+    # Mistral's forward slides over sliding_window whatever its layer_types say
+    ("Mistral", dict(sliding_window=32, layer_types=["full_attention"] * 2), 128,
+     "slides over 32 tokens"),
+    # a Llama's generation keeps only the window's keys in its cache, where a config sets one
+    ("Llama", dict(sliding_window=32), 128, "slides over 32 tokens"),
     ("Qwen2", dict(use_sliding_window=True, sliding_window=32, max_window_layers=0), 128,
      "slides over 32 tokens"),
     ("Llama", dict(max_position_embeddings=64,
@@ -52,6 +57,7 @@ def test_what_the_forward_does_not_compute_is_refused_by_name(kind, kw, max_len,
 
 @pytest.mark.parametrize("kind, kw", [
     ("Mistral", dict(sliding_window=64)),  # no shorter than the context served
+    ("Llama", dict(sliding_window=64)),
     ("Qwen2", dict(sliding_window=16)),  # set, but not used (use_sliding_window off)
     ("Qwen2", dict()),  # biases on the query, key and value products: computed
     ("Llama", dict(max_position_embeddings=64,
@@ -65,3 +71,24 @@ def test_within_what_it_computes_a_model_is_served_as_itself(kind, kw):
                     stop_ids=set()) as engine:
         out = engine.generate(Request(PROMPT, 24)).token_ids
     assert out == hf_greedy(model, PROMPT, 24, eos=(-1,))
+
+
+def test_a_drafters_runner_is_not_held_to_the_targets_exactness():
+    """A draft may be anything (its acceptance alone suffers): a drafter's model with a feature
+    the forward does not compute still drafts; a model type with no forward at all does not."""
+    TargetRunner(_model("Llama", mlp_bias=True), n_slots=1, max_len=64, exact=False)
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=96, n_embd=32, n_layer=1, n_head=2)).eval()
+    with pytest.raises(ConfigError, match="runner supports"):
+        TargetRunner(gpt2, n_slots=1, max_len=64, exact=False)
+
+
+def test_dynamic_rotary_scaling_changes_past_the_models_own_length():
+    """transformers rescales ``dynamic`` rotary frequencies past ``max_position_embeddings``
+    (not the parameters' ``original_max_position_embeddings``): served up to it."""
+    model = _model("Llama", max_position_embeddings=128, rope_parameters={
+        "rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0,
+        "original_max_position_embeddings": 32})
+    TargetRunner(model, n_slots=1, max_len=128)
+    with pytest.raises(ConfigError, match="changes past 128 tokens"):
+        TargetRunner(model, n_slots=1, max_len=256)

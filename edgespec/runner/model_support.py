@@ -4,16 +4,17 @@ The runner's forward (``target_runner``) is the Llama family's: RMS norms, rotar
 from the model's own rotary module (its frequencies and attention scaling, read once), biases
 on the query, key and value products only, a SiLU-gated MLP, full causal attention. A model whose
 config asks for anything else would be decoded as another model, so not as target-only decoding
-would: it is refused by name before any weight is loaded into the runner, with what to change
-where the limit is the served context (``max_len``):
+would: a target's runner (``exact``) refuses it by name before any weight is loaded, with what
+to change where the limit is the served context (``max_len``) (a drafter's runner is not held
+to it: a draft may be anything, and only its acceptance would suffer):
 
 - an MLP activation other than SiLU (``hidden_act``);
 - a bias on the attention's output or the MLP's products (``attention_bias`` puts one on the
   output, ``mlp_bias`` on the MLP's);
 - a sliding attention window shorter than the served context (Mistral's ``sliding_window``,
-  Qwen2's with ``use_sliding_window``, any ``layer_types`` entry other than full attention):
-  within the window a sliding layer sees what a full one sees, so a context of at most the
-  window is served;
+  Qwen2's layers marked ``sliding_attention``, as ``use_sliding_window`` marks them): within
+  the window a sliding layer sees what a full one sees, so a context of at most the window is
+  served;
 - rotary scaling that changes with the sequence's length (``dynamic``, ``longrope``) past the
   length it was trained for: served up to that length.
 """
@@ -62,38 +63,43 @@ def unsupported_features(model: Any, max_len: int) -> list[str]:
 
 
 def sliding_window(cfg: Any) -> int | None:
-    """The attention window some layer of the model slides (None: every layer sees the whole
-    context)."""
+    """The attention window some layer of the model slides in transformers (None: every layer
+    sees the whole context): Qwen2 slides the layers its ``layer_types`` mark
+    ``sliding_attention``; any other model whose config sets ``sliding_window`` slides
+    somewhere (Mistral's attention masks every layer by it, whatever its ``layer_types``; a
+    Llama's generation keeps only that many keys in its cache's layers)."""
     window = getattr(cfg, "sliding_window", None)
     if not window:
         return None
-    layer_types = getattr(cfg, "layer_types", None)
-    if layer_types is not None:
-        return int(window) if any(t != "full_attention" for t in layer_types) else None
-    if cfg.model_type == "qwen2" and not getattr(cfg, "use_sliding_window", False):
-        return None
+    if cfg.model_type == "qwen2":
+        layer_types = getattr(cfg, "layer_types", None) or []
+        return int(window) if "sliding_attention" in layer_types else None
     return int(window)
 
 
 def rope_length(cfg: Any, rotary: Any) -> int | None:
-    """The context length the model's rotary frequencies were made for (past it, a
-    length-dependent scaling changes them)."""
-    params = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
-    original = params.get("original_max_position_embeddings") if isinstance(params, dict) \
-        else None
-    value = original or getattr(rotary, "original_max_seq_len", None) or \
+    """The context length past which a length-dependent rotary scaling changes the model's
+    frequencies: transformers' ``dynamic`` past the rotary module's original length (the
+    config's ``max_position_embeddings``), ``longrope`` past its parameters'
+    ``original_max_position_embeddings``."""
+    if "longrope" in str(getattr(rotary, "rope_type", "")):
+        params = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None)
+        if isinstance(params, dict) and params.get("original_max_position_embeddings"):
+            return int(params["original_max_position_embeddings"])
+    value = getattr(rotary, "original_max_seq_len", None) or \
         getattr(cfg, "max_position_embeddings", None)
     return int(value) if value else None
 
 
-def check_supported(model: Any, max_len: int) -> None:
+def check_supported(model: Any, max_len: int, features: bool = True) -> None:
     """Refuse (``ConfigError``) a model the runner would not decode as transformers does in a
-    context of ``max_len`` tokens, saying why."""
+    context of ``max_len`` tokens, saying why: a model type it has no forward for, and
+    (``features``: a target's runner) a feature of its config it does not compute."""
     kind = model.config.model_type
     if kind not in SUPPORTED_TYPES:
         raise ConfigError(f"the runner supports {', '.join(SUPPORTED_TYPES)} models, not "
                           f"{kind!r}")
-    problems = unsupported_features(model, max_len)
+    problems = unsupported_features(model, max_len) if features else []
     if problems:
         raise ConfigError("the runner would not decode this model as the model itself does, so "
                           "its output would not be target-only decoding: " +

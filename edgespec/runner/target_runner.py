@@ -96,7 +96,9 @@ class TargetRunner:
         "split"; None: the first whose start probe passes)."""
         # a transformers model: its config and submodules are dynamic attributes
         cfg: Any = model.config
-        check_supported(model, max_len)  # what this forward computes of the model, else why not
+        # what this forward computes of the model, else why not (a draft may differ: its
+        # runner is held to the model types alone)
+        check_supported(model, max_len, features=exact)
         base: Any = model.model
         total = len(base.layers)
         self.n_total_layers = total
