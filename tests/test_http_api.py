@@ -549,3 +549,15 @@ def test_a_client_that_disconnects_cancels_its_session(looping_dir, tmp_path):
         frozen.popen.send_signal(signal.SIGCONT)
         frozen.stop()
         assert serve.stop() == 0
+
+
+def test_an_error_a_retry_would_undo_tells_openai_clients_not_to_retry():
+    """A non-streamed request whose session an operator cancelled ends in a 503 that OpenAI's
+    SDKs would send again (they retry a 5xx): it says ``x-should-retry: false``, which they obey;
+    other errors leave the client's retry policy alone."""
+    from verifier_node.api_errors import error_response
+
+    cancelled = error_response(503, "the session was cancelled", "server_error", retry=False)
+    loading = error_response(503, "the model is still loading", "service_unavailable")
+    assert cancelled.headers["x-should-retry"] == "false"
+    assert "x-should-retry" not in loading.headers

@@ -23,14 +23,20 @@ class AsciiJSONResponse(JSONResponse):
 
 
 class ApiError(Exception):
+    """``retry``: False where sending the request again would undo what ended it (a session an
+    operator cancelled): the response says ``x-should-retry: false``, which OpenAI's SDKs obey
+    (they retry a 5xx otherwise)."""
+
     def __init__(self, status: int, message: str, kind: str, param: str | None = None,
-                 code: str | None = None):
+                 code: str | None = None, retry: bool = True):
         super().__init__(message)
         self.status, self.kind, self.param, self.code = status, kind, param, code
+        self.retry = retry
 
 
 def error_response(status: int, message: str, kind: str, param: str | None = None,
-                   code: str | None = None) -> JSONResponse:
-    """OpenAI's error body."""
+                   code: str | None = None, retry: bool = True) -> JSONResponse:
+    """OpenAI's error body (``retry`` False: with ``x-should-retry: false``)."""
     return AsciiJSONResponse({"error": {"message": message, "type": kind, "param": param,
-                                        "code": code}}, status_code=status)
+                                        "code": code}}, status_code=status,
+                             headers=None if retry else {"x-should-retry": "false"})

@@ -155,7 +155,7 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(ApiError)
     async def _api_error(request, exc: ApiError):
-        return error_response(exc.status, str(exc), exc.kind, exc.param, exc.code)
+        return error_response(exc.status, str(exc), exc.kind, exc.param, exc.code, exc.retry)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request, exc: StarletteHTTPException):
@@ -255,7 +255,7 @@ class _Run:
                         # whatever it holds, so not a finish OpenAI's clients would take as one
                         raise ApiError(503, f"the session was {result.finish_reason} on the "
                                        f"server after {cursor} token(s), before it finished",
-                                       "server_error")
+                                       "server_error", retry=False)
                     if result is not None:
                         if len(full) > len(self.shown):
                             yield full[len(self.shown):]
