@@ -23,7 +23,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any
-from urllib.parse import quote, urlsplit
+from urllib.parse import parse_qsl, quote, urlencode, urlsplit
 
 import redis
 from redis.backoff import ExponentialBackoff, NoBackoff
@@ -50,14 +50,21 @@ def embedded_redis_binary() -> str:
 
 
 def shown_url(url: str) -> str:
-    """A Redis URL as logs and errors may show it: its password replaced by ``***`` (a URL
-    that does not parse is shown as its scheme alone)."""
+    """A Redis URL as logs and errors may show it: its password, given before the host or as
+    the ``password`` query parameter, replaced by ``***`` (a URL that does not parse is shown
+    as its scheme alone)."""
     try:
         parts = urlsplit(url)
-        if parts.password is None:
+        netloc, query = parts.netloc, parts.query
+        if parts.password is not None:
+            netloc = f"{parts.username or ''}:***@{netloc.rpartition('@')[2]}"
+        if query:
+            query = urlencode([(k, "***" if k.lower() == "password" else v)
+                               for k, v in parse_qsl(query, keep_blank_values=True)], safe="*")
+        if (netloc, query) == (parts.netloc, parts.query):
             return url
-        host = parts.netloc.rpartition("@")[2]
-        return parts._replace(netloc=f"{parts.username or ''}:***@{host}").geturl()
+        # by hand: urlunsplit writes "unix:/path" for "unix:///path"
+        return f"{parts.scheme}://{netloc}{parts.path}" + (f"?{query}" if query else "")
     except ValueError:
         return url.partition(":")[0] + "://..."
 

@@ -483,6 +483,9 @@ def test_a_redis_password_never_shows_in_errors_or_logs():
     assert shown_url("rediss://app:p%40ss@cache:6380") == "rediss://app:***@cache:6380"
     assert shown_url("redis://10.0.0.2:6379/0") == "redis://10.0.0.2:6379/0"
     assert shown_url("unix:///tmp/r.sock") == "unix:///tmp/r.sock"
+    assert shown_url("redis://cache:6379/0?password=s3cret&db=1") == \
+        "redis://cache:6379/0?password=***&db=1"
+    assert shown_url("unix:///tmp/r.sock?password=s3cret") == "unix:///tmp/r.sock?password=***"
     with pytest.raises(ConfigError) as e:  # nothing listens there: the error names the URL
         RedisHandle(f"redis://:TopSecret123@127.0.0.1:{free_port()}/0")
     assert "TopSecret123" not in str(e.value) and ":***@127.0.0.1" in str(e.value)

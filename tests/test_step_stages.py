@@ -350,6 +350,7 @@ def test_a_callback_that_raises_costs_the_others_ending_in_its_step_nothing(tiny
         if fault == "on_tokens":
             [error] = errors
             assert isinstance(error, SessionFailed) and "callback raised" in str(error)
+            assert str(error.__cause__) == "a client's callback broke"
         else:
             assert errors == []
 

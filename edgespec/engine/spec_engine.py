@@ -581,7 +581,9 @@ class SpecEngine(SessionLifecycle):
                 act.req.on_tokens(new)
             except Exception as exc:  # the caller's callback fails its own session alone
                 log.exception("the token callback of session %s raised", act.sid)
-                self.fail(act, SessionFailed(f"its token callback raised: {exc!r}"))
+                failed = SessionFailed(f"its token callback raised: {exc!r}")
+                failed.__cause__ = exc  # the caller's own error, for a caller that looks
+                self.fail(act, failed)
 
     # -- whole generations ---------------------------------------------------------------------
     def generate_many(self, requests: list[Request]) -> list[Result]:
