@@ -90,16 +90,23 @@ def test_the_routers_generate_streams_are_capped_and_its_health_answers(routed):
 
 
 def test_the_routers_status_merges_what_each_replica_saw_of_a_drafter():
+    # acceptance over the finished sessions of both replicas together: a replica whose sessions
+    # with the board are all still running (rate 0, nothing finished) does not drag it down
     a_first = pb.DrafterStatus(device_id="board-a", attached=True, sessions=2, late=False,
                                drafts_missed=2, steps_unwaited=0, session_steps=10,
                                ready_drafts=5, verified_drafts=4, acceptance_rate=0.5,
-                               mean_acceptance_length=2.0)
+                               mean_acceptance_length=3.0, finished_drafts=10,
+                               finished_draft_tokens=40, finished_accepted_tokens=20)
     b_only = pb.DrafterStatus(device_id="board-b", attached=False, session_steps=3)
     a_second = pb.DrafterStatus(device_id="board-a", attached=True, sessions=2, late=True,
                                 drafts_missed=3, steps_unwaited=7, session_steps=6,
                                 ready_drafts=9, verified_drafts=12, acceptance_rate=0.9,
-                                mean_acceptance_length=4.0)
-    replicas = [StandInReplica(False, (a_first, b_only)), StandInReplica(False, (a_second,))]
+                                mean_acceptance_length=2.8, finished_drafts=5,
+                                finished_draft_tokens=10, finished_accepted_tokens=9)
+    a_running = pb.DrafterStatus(device_id="board-a", attached=True, sessions=2,
+                                 session_steps=500, verified_drafts=400)
+    replicas = [StandInReplica(False, (a_first, b_only)), StandInReplica(False, (a_second,)),
+                StandInReplica(False, (a_running,))]
     router = VerifierRouter("127.0.0.1:0", [r.address for r in replicas]).start()
     try:
         with edgespec.Client(f"127.0.0.1:{router.port}", timeout=WAIT_S) as c:
@@ -108,13 +115,13 @@ def test_the_routers_status_merges_what_each_replica_saw_of_a_drafter():
         for r in replicas:
             r.stop()
         router.stop()
-    assert status["kv_slots"] == 8
+    assert status["kv_slots"] == 12
     by_id = {d["device_id"]: d for d in status["drafters"]}
     assert sorted(by_id) == ["board-a", "board-b"]  # each once
     a = by_id["board-a"]
     assert a["late"] is True and a["sessions"] == 2 and a["attached"] is True
     assert (int(a["drafts_missed"]), int(a["steps_unwaited"]), int(a["session_steps"]),
-            int(a["ready_drafts"]), int(a["verified_drafts"])) == (5, 7, 16, 14, 16)
-    assert a["acceptance_rate"] == pytest.approx((4 * 0.5 + 12 * 0.9) / 16)
-    assert a["mean_acceptance_length"] == pytest.approx((4 * 2.0 + 12 * 4.0) / 16)
+            int(a["ready_drafts"]), int(a["verified_drafts"])) == (5, 7, 516, 14, 416)
+    assert a["acceptance_rate"] == pytest.approx(29 / 50)
+    assert a["mean_acceptance_length"] == pytest.approx(1 + 29 / 15)
     assert int(by_id["board-b"]["session_steps"]) == 3

@@ -328,12 +328,23 @@ class VerifierMetrics:
                 "forwards": int(t["steps"]), "draft_tokens": int(t["drafted"]),
                 "accepted_tokens": int(t["accepted"])}
 
-    def device_acceptance(self, device: str) -> tuple[float, float]:
-        """(acceptance rate, mean acceptance length) of the sessions this drafter served."""
+    def device_draft_counts(self, device: str) -> tuple[int, int, int]:
+        """(drafts verified, their tokens, those accepted) of the sessions this drafter served,
+        once each finished."""
         with self._lock:
             drafts, drafted, accepted = self._by_device.get(device, (0, 0, 0))
-        rate = accepted / drafted if drafted else 0.0
-        return rate, (1 + accepted / drafts) if drafts else 1.0
+        return drafts, drafted, accepted
+
+    def device_acceptance(self, device: str) -> tuple[float, float]:
+        """(acceptance rate, mean acceptance length) of the sessions this drafter served."""
+        return acceptance(*self.device_draft_counts(device))
+
+
+def acceptance(drafts: int, drafted: int, accepted: int) -> tuple[float, float]:
+    """(acceptance rate, mean acceptance length) of ``drafts`` drafts of ``drafted`` tokens,
+    ``accepted`` of them accepted (0 and 1 where there are none)."""
+    rate = accepted / drafted if drafted else 0.0
+    return rate, (1 + accepted / drafts) if drafts else 1.0
 
 
 class _GraphCollector(Collector):

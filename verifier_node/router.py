@@ -37,6 +37,8 @@ from edgespec.v1 import edgespec_pb2 as pb
 from edgespec.v1 import edgespec_pb2_grpc as pb_grpc
 from edgespec.wire.convert import auth_metadata, bind, make_channel, make_server, resolve_token
 
+from .metrics import acceptance
+
 log = logging.getLogger("edgespec.router")
 
 MAX_REMEMBERED = 100_000  # sessions whose replica the router remembers for resumes
@@ -243,14 +245,16 @@ class VerifierRouter(pb_grpc.VerifierServicer):
 # what each replica counts of a drafter's links to it, summed over the replicas
 LINK_COUNTS = ("drafts_missed", "steps_unwaited", "session_steps", "ready_drafts",
                "verified_drafts")
+# what each replica's acceptance figures come from (its finished sessions), pooled
+FINISHED_COUNTS = ("finished_drafts", "finished_draft_tokens", "finished_accepted_tokens")
 
 
 def merged_drafters(reports: list[pb.DrafterStatus]) -> list[pb.DrafterStatus]:
     """The replicas' reports of the fleet's drafters, one per device in the order first seen:
     the cache's facts (attached, sessions, last seen) as the first report says them (the
     replicas share the cache), the replicas' counts summed, late when any replica judges it
-    so, the acceptance rate and length weighted by each replica's verified drafts (equally
-    where none verified any)."""
+    so, the acceptance rate and length of the drafts of all their finished sessions together
+    (replicas that predate those counts: their figures weighted by drafts verified)."""
     by_device: dict[str, list[pb.DrafterStatus]] = {}
     for d in reports:
         by_device.setdefault(d.device_id, []).append(d)
@@ -261,11 +265,17 @@ def merged_drafters(reports: list[pb.DrafterStatus]) -> list[pb.DrafterStatus]:
         for field in LINK_COUNTS:
             setattr(d, field, sum(getattr(x, field) for x in seen))
         d.late = any(x.late for x in seen)
-        weights = [x.verified_drafts for x in seen] if d.verified_drafts else [1] * len(seen)
-        total = sum(weights)
-        d.acceptance_rate = sum(w * x.acceptance_rate for w, x in zip(weights, seen)) / total
-        d.mean_acceptance_length = sum(w * x.mean_acceptance_length
-                                       for w, x in zip(weights, seen)) / total
+        if any(x.finished_drafts for x in seen) or not any(x.acceptance_rate for x in seen):
+            for field in FINISHED_COUNTS:
+                setattr(d, field, sum(getattr(x, field) for x in seen))
+            d.acceptance_rate, d.mean_acceptance_length = acceptance(
+                d.finished_drafts, d.finished_draft_tokens, d.finished_accepted_tokens)
+        else:  # replicas that predate the counts: their figures weighted by drafts verified
+            weights = [x.verified_drafts for x in seen] if d.verified_drafts else [1] * len(seen)
+            total = sum(weights)
+            d.acceptance_rate = sum(w * x.acceptance_rate for w, x in zip(weights, seen)) / total
+            d.mean_acceptance_length = sum(w * x.mean_acceptance_length
+                                           for w, x in zip(weights, seen)) / total
         out.append(d)
     return out
 

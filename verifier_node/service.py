@@ -36,6 +36,7 @@ from edgespec.wire.convert import (params_from_pb, params_to_pb, refusal_metadat
                                    retry_after_metadata, stats_to_pb)
 
 from .admission import Admission, DrafterMissing, GenerationRequest, SessionNotFound
+from .metrics import acceptance
 from .scheduler import QueueFull, ShuttingDown, Ticket
 
 log = logging.getLogger("edgespec.verifier")
@@ -192,7 +193,8 @@ class VerifierService(pb_grpc.VerifierServicer):
         healthy = sched.healthy and (self.serving is None or self.serving())
         links = sched.engine.lateness.snapshot()
         for d in devices:
-            rate, length = metrics.device_acceptance(d.device_id) if metrics else (0.0, 1.0)
+            counts = metrics.device_draft_counts(d.device_id) if metrics else (0, 0, 0)
+            rate, length = acceptance(*counts)
             link = links.get(d.device_id)
             drafters.append(pb.DrafterStatus(
                 device_id=d.device_id, draft_model=d.draft_model, attached=d.attached,
@@ -202,7 +204,9 @@ class VerifierService(pb_grpc.VerifierServicer):
                 steps_unwaited=link.unwaited if link else 0,
                 session_steps=link.session_steps if link else 0,
                 ready_drafts=link.ready_drafts if link else 0,
-                verified_drafts=link.verified_drafts if link else 0))
+                verified_drafts=link.verified_drafts if link else 0,
+                finished_drafts=counts[0], finished_draft_tokens=counts[1],
+                finished_accepted_tokens=counts[2]))
         return pb.StatusResponse(
             model=self.model_name, version=__version__, drafters=drafters,
             active_sessions=active, queued_sessions=queued, free_kv_slots=sched.engine.free_slots,

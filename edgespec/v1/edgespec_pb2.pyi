@@ -166,7 +166,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DrafterStatus(_message.Message):
-    __slots__ = ("device_id", "draft_model", "attached", "sessions", "max_sessions", "acceptance_rate", "mean_acceptance_length", "last_seen_s", "late", "drafts_missed", "steps_unwaited", "session_steps", "ready_drafts", "verified_drafts")
+    __slots__ = ("device_id", "draft_model", "attached", "sessions", "max_sessions", "acceptance_rate", "mean_acceptance_length", "last_seen_s", "late", "drafts_missed", "steps_unwaited", "session_steps", "ready_drafts", "verified_drafts", "finished_drafts", "finished_draft_tokens", "finished_accepted_tokens")
     DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
     DRAFT_MODEL_FIELD_NUMBER: _ClassVar[int]
     ATTACHED_FIELD_NUMBER: _ClassVar[int]
@@ -181,6 +181,9 @@ class DrafterStatus(_message.Message):
     SESSION_STEPS_FIELD_NUMBER: _ClassVar[int]
     READY_DRAFTS_FIELD_NUMBER: _ClassVar[int]
     VERIFIED_DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     device_id: str
     draft_model: str
     attached: bool
@@ -195,7 +198,10 @@ class DrafterStatus(_message.Message):
     session_steps: int
     ready_drafts: int
     verified_drafts: int
-    def __init__(self, device_id: _Optional[str] = ..., draft_model: _Optional[str] = ..., attached: _Optional[bool] = ..., sessions: _Optional[int] = ..., max_sessions: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_acceptance_length: _Optional[float] = ..., last_seen_s: _Optional[float] = ..., late: _Optional[bool] = ..., drafts_missed: _Optional[int] = ..., steps_unwaited: _Optional[int] = ..., session_steps: _Optional[int] = ..., ready_drafts: _Optional[int] = ..., verified_drafts: _Optional[int] = ...) -> None: ...
+    finished_drafts: int
+    finished_draft_tokens: int
+    finished_accepted_tokens: int
+    def __init__(self, device_id: _Optional[str] = ..., draft_model: _Optional[str] = ..., attached: _Optional[bool] = ..., sessions: _Optional[int] = ..., max_sessions: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_acceptance_length: _Optional[float] = ..., last_seen_s: _Optional[float] = ..., late: _Optional[bool] = ..., drafts_missed: _Optional[int] = ..., steps_unwaited: _Optional[int] = ..., session_steps: _Optional[int] = ..., ready_drafts: _Optional[int] = ..., verified_drafts: _Optional[int] = ..., finished_drafts: _Optional[int] = ..., finished_draft_tokens: _Optional[int] = ..., finished_accepted_tokens: _Optional[int] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
     __slots__ = ("model", "version", "drafters", "active_sessions", "queued_sessions", "free_kv_slots", "kv_slots", "tokens_per_s_last_minute", "healthy", "dtype", "head", "runner", "cost")
