@@ -79,6 +79,7 @@ def test_empty_board_drafts_filled_by_the_verifier_decode_as_the_target_alone(
         assert 0 < s.fill_drafts == s.num_drafts <= s.steps
         # the fill's tokens are the only drafts here, counted as drafted and accepted too
         assert s.draft_tokens == s.fill_tokens and s.accepted_tokens == s.fill_accepted
+        assert (s.drafter_drafts, s.drafter_tokens, s.drafter_accepted) == (0, 0, 0)
         assert s.steps < N  # accepted drafts: fewer steps than tokens
 
 
@@ -142,6 +143,28 @@ def test_a_boards_own_draft_is_verified_and_never_filled(looping):
             engine.step()
     for act, prompt in zip(acts, PROMPTS):
         assert act.output == hf_greedy(looping.model, prompt, N, eos=(2,))
+        s = act.stats  # a step's draft is the board's or a fill, never both
+        assert (s.num_drafts, s.draft_tokens, s.accepted_tokens) == (
+            s.drafter_drafts + s.fill_drafts, s.drafter_tokens + s.fill_tokens,
+            s.drafter_accepted + s.fill_accepted)
+    assert acts[0].stats.drafter_accepted >= len(board)
+
+
+def test_the_drafters_share_of_a_row_leaves_the_verifiers_branches_out():
+    """A row of the board's chain and branch, and the head's branch beside them: the board
+    proposed its chain's and its branch's tokens, and what it proposed of the accepted path
+    is its own."""
+    from edgespec.protocol.contract import Branch
+    from edgespec.engine.proposals import HeadBranch, StepDraft, drafter_share
+
+    row = StepDraft(None, 0, 5, (10, 11, 12), (Branch(1, (20, 21)), HeadBranch(0, (30, 31))),
+                    head_offer=(30, 31))
+    assert row.drafted == 7
+    assert drafter_share(row, 2, ()) == (5, 2)  # two chain tokens accepted
+    assert drafter_share(row, 1, (20, 21)) == (5, 3)  # the board's branch taken
+    assert drafter_share(row, 0, (30, 31)) == (5, 0)  # the head's branch taken
+    plain = StepDraft(None, 0, 5, (10, 11), (Branch(0, (40,)),))
+    assert drafter_share(plain, 0, (40,)) == (3, 1)
 
 
 def test_a_fill_teaches_the_boards_branch_rates_nothing(looping):
@@ -167,7 +190,8 @@ def test_the_fills_figures_cross_the_wire_and_reach_the_metrics_apart_from_the_b
     from verifier_node.metrics import VerifierMetrics
 
     s = Stats(steps=9, num_drafts=6, draft_tokens=20, accepted_tokens=11, fill_drafts=2,
-              fill_tokens=5, fill_accepted=1)
+              fill_tokens=5, fill_accepted=1, drafter_drafts=4, drafter_tokens=15,
+              drafter_accepted=10)
     back = stats_from_pb(stats_to_pb(s))
     assert (back["fill_drafts"], back["fill_tokens"], back["fill_accepted"]) == (2, 5, 1)
     m = VerifierMetrics(CollectorRegistry())

@@ -286,10 +286,10 @@ class VerifierMetrics:
             with self._lock:
                 if device not in self._by_device and len(self._by_device) >= MAX_DEVICES:
                     device = "other"  # drafters may choose their ids: keep the series bounded
-            # the board's own drafts: the verifier's fills for its empty ones counted apart
-            drafts = stats.num_drafts - stats.fill_drafts
-            tokens = stats.draft_tokens - stats.fill_tokens
-            accepted = stats.accepted_tokens - stats.fill_accepted
+            # the board's own drafts: the verifier's (its head's, its fills for the board's
+            # empty ones) counted apart
+            drafts, tokens = stats.drafter_drafts, stats.drafter_tokens
+            accepted = stats.drafter_accepted
             self.device_drafts.labels(device).inc(drafts)
             self.device_draft_tokens.labels(device).inc(tokens)
             self.device_accepted.labels(device).inc(accepted)

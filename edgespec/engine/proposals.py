@@ -108,6 +108,19 @@ class StepDraft:
                    tuple(b.tokens[:len(branch)]) == tuple(branch) for b in self.branches)
 
 
+def drafter_share(draft: StepDraft, n_accepted: int, branch: Sequence[int]) -> tuple[int, int]:
+    """(draft tokens the drafter itself proposed in ``draft``, of which the verdict accepted):
+    its chain and its own branches, the verifier's (the head's, a fill's: ``HeadBranch``es)
+    left out. The verdict accepted ``n_accepted`` chain tokens, then ``branch`` (the drafter's
+    when its draft holds that branch there)."""
+    if not any(isinstance(b, HeadBranch) for b in draft.branches):
+        return draft.drafted, n_accepted + len(branch)
+    own = [b for b in draft.branches if not isinstance(b, HeadBranch)]
+    nodes = len(tree_of_draft(list(draft.tokens), own).tokens) if own else len(draft.tokens)
+    taken = len(branch) if branch and draft.kept_branch(n_accepted, branch) else 0
+    return nodes, n_accepted + taken
+
+
 def drafter_row(act: ActiveSession, taken: TakenDraft, drafter: Proposal | None,
                 offers: Mapping[str, tuple[int, ...] | None] | None = None) -> StepDraft:
     """A session's row from the drafter's proposal (None: left out this step): its chain, and

@@ -51,7 +51,8 @@ from .session_lifecycle import SessionLifecycle
 from .generation import ActiveSession, Admission, Request, Result, SessionFailed
 from .lateness import EmptyDrafts, Lateness
 from .decisions import Decision
-from .proposals import DrafterProposer, StepDraft, drafter_row, taken_row, with_head
+from .proposals import (DrafterProposer, StepDraft, drafter_row, drafter_share, taken_row,
+                        with_head)
 from .scoring import ScoredStep, row_decisions, score_step
 from .stack_choice import SOURCES, accepted_prefix
 from .step_planning import plan_branch_budgets, plan_drafts, session_gains, told_wants
@@ -558,6 +559,11 @@ class SpecEngine(SessionLifecycle):
         self.target.commit(act.slot, v.start + accepted)
         stats = act.stats
         stats.record_step(draft.drafted, accepted, n_branch)
+        own, own_accepted = drafter_share(draft, v.n_accepted, v.branch)
+        if own:
+            stats.drafter_drafts += 1
+            stats.drafter_tokens += own
+            stats.drafter_accepted += own_accepted
         stats.take_s += take_s
         stats.forward_s += forward_s
         stats.commit_s += commit_s

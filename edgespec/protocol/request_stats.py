@@ -42,6 +42,11 @@ class Stats:
     fill_tokens: int = 0
     fill_accepted: int = 0
     stacks: dict[str, int] = field(default_factory=dict)  # --auto: steps per chosen stack
+    # the drafter's own share of num_drafts, draft_tokens and accepted_tokens: the verifier's
+    # drafts (a head's, a fill's) left out (what its device's acceptance is computed from)
+    drafter_drafts: int = 0
+    drafter_tokens: int = 0
+    drafter_accepted: int = 0
 
     def record_step(self, drafted: int, accepted: int, from_branch: int = 0) -> None:
         self.steps += 1
