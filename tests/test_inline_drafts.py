@@ -255,3 +255,27 @@ def test_a_tree_is_drafted_to_the_ask_its_branches_where_the_step_takes_them():
     [taken] = store.take_when_ready([DraftWant("s", 2, branch_budget=4)], 0.0)
     assert taken.branches == state.branches
     inline.close()
+
+
+def test_a_chain_drafted_to_the_lead_serves_the_next_step_without_a_call():
+    """A chain is drafted past the ask and the guess, to the lead a board keeps (2k + 2): a
+    step that accepts its ask and the guess leaves the rest in the store, and the next step,
+    asking no more than that, takes it without calling the drafter."""
+    from edgespec.protocol.contract import DraftWant, Verdict
+
+    store, inline = _store_with({"s": [1, 2, 3, 4, 5, 6, 1, 2, 3, 4, 5, 6]})
+    state = store.sessions["s"]
+    inline.draft([DraftWant("s", 2)])
+    assert state.draft == [1, 2, 3, 4, 5, 6]  # 2 asked, 6 drafted
+    [taken] = store.take_when_ready([DraftWant("s", 2)], 0.0)
+    [out] = store.commit_many([Verdict("s", taken.epoch, taken.start, 2, 3)])
+    assert out.ok and out.fix is None and state.draft == [4, 5, 6]
+    calls = []
+    session = inline.sessions["s"].draft
+    propose = session.propose_tree
+    session.propose_tree = lambda *a: calls.append(a) or propose(*a)
+    inline.draft([DraftWant("s", 2)])
+    assert calls == [] and state.draft == [4, 5, 6]
+    inline.draft([DraftWant("s", 4)])  # a longer ask than the store holds: drafted on
+    assert len(calls) == 1 and state.draft[:3] == [4, 5, 6] and len(state.draft) >= 5
+    inline.close()

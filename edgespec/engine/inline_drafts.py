@@ -15,8 +15,9 @@ step with the store as a drafting loop does: the store's fixes applied in order
 (``drafting_loop.apply_fix``: a fix that agrees with the draft keeps it and lets it learn the
 confirmed tokens), the tokens committed without a fix confirmed to it (``confirm``: it learns
 them as a fix's), then cut back, without learning, to the end of the draft the store holds.
-It drafts chains one token past the step's ask (``draft``): a whole draft accepted with that
-token as the step's own commits without a fix.
+It drafts chains past the step's ask, to the lead a board keeps (``draft``): a whole draft
+accepted with the next token as the step's own commits without a fix, and leaves the rest for
+the next step.
 A drafter that fails on a session costs that session its drafts (the verifier decodes it
 alone), as a drafting thread's would; the step goes on.
 """
@@ -29,7 +30,7 @@ from dataclasses import dataclass
 
 from ..config import EngineConfig
 from ..drafters import Drafter, DraftSession
-from ..drafters.drafting_loop import apply_fix
+from ..drafters.drafting_loop import apply_fix, lead_cap
 from ..protocol.contract import DraftWant
 from ..protocol.local_store import LocalSessionStore, SessionState
 
@@ -58,14 +59,15 @@ class InlineDrafts:
 
     def draft(self, wants: Sequence[DraftWant]) -> None:
         """Each session asked for k > 0 tokens and holding fewer gets its store's draft
-        drafted up to k + 1 (marked idle: the step need not wait for more): the step takes
-        k, and the one past them is the drafter's guess at the step's own token, so a step
-        that accepts the whole draft and whose token the guess holds commits without a fix
-        (the draft session goes on as it stands). Trees are drafted to k: a tree's k + 1
-        would spend its branches on the one position no step takes them from. Sessions the
-        store no longer holds are closed."""
+        drafted (marked idle: the step need not wait for more) to at least k + 1, up to the
+        lead a board keeps (``lead_cap``: 2k + 2 within the window): the step takes k, the
+        one past them is the drafter's guess at the step's own token, so a step that accepts
+        the whole draft and whose token the guess holds commits without a fix (the draft
+        session goes on as it stands), and the rest serves the next step without a call.
+        Trees are drafted to k: a tree's k + 1 would spend its branches on the one position
+        no step takes them from. Sessions the store no longer holds are closed."""
         store = self.store
-        guess = 1 if self.tree_width <= 1 else 0
+        chains = self.tree_width <= 1
         with store.lock:
             for w in wants:
                 if w.k <= 0:
@@ -73,8 +75,12 @@ class InlineDrafts:
                 state = store.sessions.get(w.session_id)
                 if state is None or not state.has_drafter or len(state.draft) >= w.k:
                     continue
+                # a chain to the lead a board keeps (``lead_cap``): a call costs about the
+                # same however long its draft, and a step that accepts the ask and the guess
+                # leaves the rest for the next, which then needs no call
+                k = max(w.k + 1, lead_cap(w.k, self.window)) if chains else w.k
                 try:
-                    self._draft_one(w.session_id, state, w.k + guess)
+                    self._draft_one(w.session_id, state, k)
                 except Exception as exc:  # a broken drafter costs speed, never the session
                     log.warning("the drafter cannot draft for session %s (%r); the verifier "
                                 "decodes it alone", w.session_id, exc)
