@@ -56,6 +56,25 @@ def test_an_orphan_cancel_does_not_end_a_session_a_client_resumed(verifier_parts
     assert ticket.result.finish_reason == "cancelled" and not engine.sessions
 
 
+def test_an_orphan_cancel_applied_before_the_resumed_stream_follows_is_void(verifier_parts):
+    """The loop may apply the first stream's orphan cancel after the resume got the running
+    ticket but before its handler follows it: the resume voids it all the same."""
+    _, engine, sched, admission = verifier_parts
+    ticket = admission.admit(GenerationRequest(prompt_ids=PROMPT, max_new_tokens=50))
+    sched._admit()
+    engine.step()
+    with admission.follow(ticket):
+        pass  # the first stream broke: its orphan cancel is queued
+    resumed = admission.admit(GenerationRequest(resume_session_id=ticket.session_id))
+    assert resumed is ticket
+    sched._apply_cancels()  # the loop comes round before the resumed handler follows
+    assert not ticket.ended and len(engine.sessions) == 1
+    with admission.follow(resumed):
+        engine.step()
+    sched._apply_cancels()  # the resumed stream left too, after following: now cancelled
+    assert ticket.result.finish_reason == "cancelled" and not engine.sessions
+
+
 def test_a_stopping_verifier_leaves_its_sessions_resumable(verifier_parts, looping):
     store, engine, sched, admission = verifier_parts
     ref = hf_greedy(looping.model, PROMPT, 12)

@@ -21,7 +21,7 @@ import time
 import uuid
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, NamedTuple
 
 from edgespec.config import ConfigError
 from edgespec.engine.spec_engine import Admission, Request, Result, SessionFailed, SpecEngine
@@ -58,6 +58,15 @@ def new_session_id() -> str:
     return uuid.uuid4().hex
 
 
+class _Cancel(NamedTuple):
+    """A cancel asked for, applied by the scheduler's thread (``_apply_cancels``)."""
+
+    session_id: str
+    orphaned: bool  # only if nobody follows the session then (its last reader left)
+    reason: str  # its finish reason
+    rejoined: int  # the ticket's resumes when it was asked (a later one voids an orphan's)
+
+
 @dataclass
 class Ticket:
     """One generation as the handlers see it: the output so far and how it ended. Several
@@ -74,6 +83,9 @@ class Ticket:
     result: Result | None = None
     error: Exception | None = None
     followers: int = 0
+    # how often a handler was handed this running ticket again (a resume), under the
+    # scheduler's lock: an orphan cancel queued before the last of them is stale
+    rejoined: int = 0
     cond: threading.Condition = field(default_factory=threading.Condition)
     created: float = field(default_factory=time.monotonic)
     last_token_at: float | None = None
@@ -131,7 +143,7 @@ class Scheduler(threading.Thread):
         self.metrics = metrics
         self.max_queue = max_queue
         self._pending: deque[Ticket] = deque()
-        self._cancels: deque[tuple[str, bool, str]] = deque()
+        self._cancels: deque[_Cancel] = deque()
         self._tickets: dict[str, Ticket] = {}  # queued or active, by session id
         self._lock = threading.Lock()
         self._stopping = threading.Event()  # (not ``_stop``: threading.Thread has a _stop())
@@ -168,7 +180,8 @@ class Scheduler(threading.Thread):
         self.engine.validate(ticket.request)  # ConfigError before any queueing
         with self._lock:
             running = self._tickets.get(ticket.session_id)
-            if running is not None:
+            if running is not None:  # resumed before it follows: no orphan cancel queued
+                running.rejoined += 1  # before now may end it (``_apply_cancels``)
                 return running
             if self.draining or self._stopping.is_set():
                 raise ShuttingDown("the verifier is draining: it admits no new sessions")
@@ -210,9 +223,10 @@ class Scheduler(threading.Thread):
         nobody follows it any more when the cancel is applied (a client may have resumed the
         stream in between). ``reason``: its finish reason ("stop" for a stop string)."""
         with self._lock:
-            if session_id not in self._tickets:
+            t = self._tickets.get(session_id)
+            if t is None:
                 return False
-            self._cancels.append((session_id, orphaned, reason))
+            self._cancels.append(_Cancel(session_id, orphaned, reason, t.rejoined))
         self._wake.set()
         return True
 
@@ -393,9 +407,11 @@ class Scheduler(threading.Thread):
             with self._lock:
                 if not self._cancels:
                     return
-                sid, orphaned, reason = self._cancels.popleft()
+                sid, orphaned, reason, rejoined = self._cancels.popleft()
                 t = self._tickets.get(sid)
-                if t is None or (orphaned and t.followers > 0):
+                # an orphan cancel is void once a reader follows again, or a resume got the
+                # ticket since it was queued (its handler is about to follow)
+                if t is None or (orphaned and (t.followers > 0 or t.rejoined != rejoined)):
                     continue
                 queued = next((t for t in self._pending if t.session_id == sid), None)
                 if queued is not None:
