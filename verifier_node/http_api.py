@@ -257,6 +257,9 @@ class _Run:
                                        f"server after {cursor} token(s), before it finished",
                                        "server_error", retry=False)
                     if result is not None:
+                        self.text.flush()  # an output that ends mid-character: its last bytes
+                        full += "".join(self.pieces)
+                        self.pieces.clear()
                         if len(full) > len(self.shown):
                             yield full[len(self.shown):]
                             self.shown = full

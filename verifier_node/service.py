@@ -160,9 +160,11 @@ class VerifierService(pb_grpc.VerifierServicer):
                 continue
             if ticket.result is not None:
                 res = ticket.result
+                if text is not None:  # an output that ends mid-character: its last bytes
+                    text.flush()
                 yield pb.GenerateResponse(session_id=sid, finished=True,
                                           finish_reason=res.finish_reason,
-                                          stats=stats_to_pb(res.stats))
+                                          stats=stats_to_pb(res.stats), text="".join(pieces))
                 return
             if ticket.error is not None:
                 self._abort_for(ticket.error, sid, context)

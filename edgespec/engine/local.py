@@ -98,6 +98,8 @@ class LocalGenerator:
         req = Request(ids, max_new_tokens, params or SamplingParams(), on_tokens,
                       images=pictures)
         res = self.engine(drafter).generate(req)
+        if on_tokens is not None:  # an output that ends mid-character: its last bytes
+            on_tokens.flush()
         text = self.target.tokenizer.decode(res.token_ids, skip_special_tokens=True)
         return Generation(res.token_ids, text, res.stats, res.finish_reason, len(ids), self.dtype)
 

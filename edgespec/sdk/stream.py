@@ -20,8 +20,9 @@ __all__ = ["RESUMABLE", "Collector", "GenerateResult", "Resumer", "StreamPiece"]
 
 @dataclass
 class StreamPiece:
-    """Tokens committed since the previous piece. The last piece of a stream has no tokens and
-    carries ``finish_reason`` and ``stats``."""
+    """Tokens committed since the previous piece, and their text. The last piece of a stream
+    has no tokens and carries ``finish_reason`` and ``stats`` (and the text an output that
+    ends in the middle of a character held back)."""
 
     token_ids: list[int]
     text: str
@@ -186,8 +187,9 @@ class Collector:
             self.seed = r.sampling.seed
         if r.finished:
             self.final = r
+            self.text.append(r.text)  # what was held back of an output ending mid-character
             lineage = self.res.lineage or Lineage()
-            return StreamPiece([], "", r.finish_reason, stats_from_pb(r.stats),
+            return StreamPiece([], r.text, r.finish_reason, stats_from_pb(r.stats),
                                lineage.kernels, lineage.differs_from)
         if r.token_ids:
             self.ids.extend(r.token_ids)

@@ -1,0 +1,98 @@
+"""``TextStream``, committed tokens to text increments: however the tokens come in chunks, the
+reader has their text up to its last whole character after each chunk and the whole output's
+text after ``flush``; a stream resumed after any token knows what its reader has (no text
+repeated or lost when a break falls inside a multi-byte character); a tokenizer that cleans up
+spaces does not make a stream rewrite what it wrote. On a byte-level tokenizer (one token a
+byte: every multi-byte character spans tokens)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from edgespec.models.text_stream import PARTIAL, TextStream
+
+TEXT = "Tokyo is 東京 in Japanese 😀, ok: naïve café — ¿qué? ∑x² 𝔘"
+
+
+@pytest.fixture(scope="module")
+def byte_tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers.pre_tokenizers import ByteLevel
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<unk>", "<s>", "<|end|>"]
+    vocab = {t: i for i, t in enumerate(specials + sorted(ByteLevel.alphabet()))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
+                                   eos_token="<|end|>", pad_token="<|end|>")
+
+
+def _chunks(ids: list[int], rng: random.Random) -> list[list[int]]:
+    out, i = [], 0
+    while i < len(ids):
+        n = rng.randint(1, 5)
+        out.append(ids[i:i + n])
+        i += n
+    return out
+
+
+def _decode(tok, ids) -> str:
+    return tok.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+
+def test_the_reader_has_the_text_up_to_its_last_whole_character_however_chunked(
+        byte_tokenizer):
+    ids = byte_tokenizer(TEXT, add_special_tokens=False)["input_ids"]
+    assert len(ids) > len(TEXT)  # multi-byte characters span tokens
+    for seed in range(20):
+        got: list[str] = []
+        stream, n = TextStream(byte_tokenizer, got.append), 0
+        for chunk in _chunks(ids, random.Random(seed)):
+            stream(chunk)
+            n += len(chunk)
+            assert "".join(got) == _decode(byte_tokenizer, ids[:n]).rstrip(PARTIAL)
+        stream.flush()
+        assert "".join(got) == TEXT
+
+
+@pytest.mark.parametrize("cut", range(1, 40))
+def test_a_stream_resumed_after_any_token_repeats_and_loses_nothing(byte_tokenizer, cut):
+    ids = byte_tokenizer(TEXT, add_special_tokens=False)["input_ids"]
+    rng = random.Random(cut)
+    got: list[str] = []
+    first = TextStream(byte_tokenizer, got.append)
+    for chunk in _chunks(ids[:cut], rng):
+        first(chunk)
+    resumed = TextStream(byte_tokenizer, got.append, ids[:cut])  # what the reader has
+    for chunk in _chunks(ids[cut:], rng):
+        resumed(chunk)
+    resumed.flush()
+    assert "".join(got) == TEXT
+
+
+def test_an_output_ending_mid_character_is_whole_after_flush(byte_tokenizer):
+    ids = byte_tokenizer("ok 東", add_special_tokens=False)["input_ids"][:-1]  # 東's last byte cut
+    got: list[str] = []
+    stream = TextStream(byte_tokenizer, got.append)
+    stream(ids)
+    assert "".join(got) == "ok "
+    stream.flush()
+    assert "".join(got) == _decode(byte_tokenizer, ids) and got[-1].endswith(PARTIAL)
+
+
+def test_a_tokenizer_that_cleans_up_spaces_does_not_make_the_stream_rewrite_its_text():
+    from conftest import make_tokenizer
+
+    tok = make_tokenizer()
+    tok.clean_up_tokenization_spaces = True
+    ids = tok("it is Bob 's , ok .", add_special_tokens=False)["input_ids"]
+    got: list[str] = []
+    stream = TextStream(tok, got.append)
+    for i in ids:
+        stream([i])
+    stream.flush()
+    assert "".join(got) == _decode(tok, ids) == "it is Bob 's , ok ."
