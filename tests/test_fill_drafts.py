@@ -165,6 +165,10 @@ def test_the_drafters_share_of_a_row_leaves_the_verifiers_branches_out():
     assert drafter_share(row, 0, (30, 31)) == (5, 0)  # the head's branch taken
     plain = StepDraft(None, 0, 5, (10, 11), (Branch(0, (40,)),))
     assert drafter_share(plain, 0, (40,)) == (3, 1)
+    # the head's branch going on past the board's: the board's part of it is the board's
+    longer = StepDraft(None, 0, 5, (10, 11, 12), (Branch(1, (20, 21)),
+                                                  HeadBranch(1, (20, 21, 22))))
+    assert drafter_share(longer, 1, (20, 21, 22)) == (5, 3)
 
 
 def test_a_fill_teaches_the_boards_branch_rates_nothing(looping):

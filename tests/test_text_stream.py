@@ -3,7 +3,8 @@ reader has their text up to its last whole character after each chunk and the wh
 text after ``flush``; a stream resumed after any token knows what its reader has (no text
 repeated or lost when a break falls inside a multi-byte character); a tokenizer that cleans up
 spaces does not make a stream rewrite what it wrote. On a byte-level tokenizer (one token a
-byte: every multi-byte character spans tokens)."""
+byte: every multi-byte character spans tokens) and a byte-fallback one (Llama's and Mistral's
+kind: a character out of the vocabulary is a run of byte tokens, decoded together)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 
 from edgespec.models.text_stream import PARTIAL, TextStream
 
-TEXT = "Tokyo is 東京 in Japanese 😀, ok: naïve café — ¿qué? ∑x² 𝔘"
+TEXT = "Tokyo is 東京 in Japanese 😀, ok: naïve café — ¿qué? ∑x² 𝔘 😀😀 𠀀𠀁 🎉🎉🎉 end"
 
 
 @pytest.fixture(scope="module")
@@ -31,6 +32,30 @@ def byte_tokenizer():
                                    eos_token="<|end|>", pad_token="<|end|>")
 
 
+@pytest.fixture(scope="module")
+def fallback_tokenizer():
+    import string
+
+    from tokenizers import Tokenizer, decoders, models, normalizers
+    from transformers import PreTrainedTokenizerFast
+
+    pieces = [f"<0x{b:02X}>" for b in range(256)] + ["\u2581"] + \
+        list(string.ascii_letters + string.digits + ".,!?:")
+    vocab = {t: i for i, t in enumerate(["<unk>", "<s>", "</s>"] + pieces)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"),
+                                           normalizers.Replace(" ", "\u2581")])
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(),
+                                     decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
+                                   eos_token="</s>")
+
+
+@pytest.fixture(params=["byte-level", "byte-fallback"])
+def tokenizer(request, byte_tokenizer, fallback_tokenizer):
+    return byte_tokenizer if request.param == "byte-level" else fallback_tokenizer
+
+
 def _chunks(ids: list[int], rng: random.Random) -> list[list[int]]:
     out, i = [], 0
     while i < len(ids):
@@ -40,38 +65,45 @@ def _chunks(ids: list[int], rng: random.Random) -> list[list[int]]:
     return out
 
 
+def _in_one_chunk(tok, ids) -> str:
+    got: list[str] = []
+    TextStream(tok, got.append)(list(ids))
+    return "".join(got)
+
+
 def _decode(tok, ids) -> str:
     return tok.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
 
-def test_the_reader_has_the_text_up_to_its_last_whole_character_however_chunked(
-        byte_tokenizer):
-    ids = byte_tokenizer(TEXT, add_special_tokens=False)["input_ids"]
-    assert len(ids) > len(TEXT)  # multi-byte characters span tokens
-    for seed in range(20):
+def test_the_reader_has_the_text_up_to_its_last_whole_character_however_chunked(tokenizer):
+    ids = tokenizer(TEXT, add_special_tokens=False)["input_ids"]
+    text = _decode(tokenizer, ids)
+    assert len(ids) > len(TEXT) and text == TEXT  # multi-byte characters span tokens
+    for seed in range(12):
         got: list[str] = []
-        stream, n = TextStream(byte_tokenizer, got.append), 0
-        for chunk in _chunks(ids, random.Random(seed)):
+        stream, n = TextStream(tokenizer, got.append), 0
+        for chunk in [[i] for i in ids] if seed == 0 else _chunks(ids, random.Random(seed)):
             stream(chunk)
             n += len(chunk)
-            assert "".join(got) == _decode(byte_tokenizer, ids[:n]).rstrip(PARTIAL)
+            assert "".join(got) == _in_one_chunk(tokenizer, ids[:n])  # not how they came
+            assert text.startswith("".join(got))
         stream.flush()
         assert "".join(got) == TEXT
 
 
-@pytest.mark.parametrize("cut", range(1, 40))
-def test_a_stream_resumed_after_any_token_repeats_and_loses_nothing(byte_tokenizer, cut):
-    ids = byte_tokenizer(TEXT, add_special_tokens=False)["input_ids"]
-    rng = random.Random(cut)
-    got: list[str] = []
-    first = TextStream(byte_tokenizer, got.append)
-    for chunk in _chunks(ids[:cut], rng):
-        first(chunk)
-    resumed = TextStream(byte_tokenizer, got.append, ids[:cut])  # what the reader has
-    for chunk in _chunks(ids[cut:], rng):
-        resumed(chunk)
-    resumed.flush()
-    assert "".join(got) == TEXT
+def test_a_stream_resumed_after_any_token_repeats_and_loses_nothing(tokenizer):
+    ids = tokenizer(TEXT, add_special_tokens=False)["input_ids"]
+    for cut in range(1, len(ids)):
+        rng = random.Random(cut)
+        got: list[str] = []
+        first = TextStream(tokenizer, got.append)
+        for chunk in _chunks(ids[:cut], rng):
+            first(chunk)
+        resumed = TextStream(tokenizer, got.append, ids[:cut])  # what the reader has
+        for chunk in _chunks(ids[cut:], rng):
+            resumed(chunk)
+        resumed.flush()
+        assert "".join(got) == TEXT, cut
 
 
 def test_an_output_ending_mid_character_is_whole_after_flush(byte_tokenizer):
@@ -82,6 +114,10 @@ def test_an_output_ending_mid_character_is_whole_after_flush(byte_tokenizer):
     assert "".join(got) == "ok "
     stream.flush()
     assert "".join(got) == _decode(byte_tokenizer, ids) and got[-1].endswith(PARTIAL)
+    # a stream resumed after the last token (it gets none new): the held-back tail alone
+    tail: list[str] = []
+    TextStream(byte_tokenizer, tail.append, ids).flush()
+    assert "ok " + "".join(tail) == _decode(byte_tokenizer, ids)
 
 
 def test_a_tokenizer_that_cleans_up_spaces_does_not_make_the_stream_rewrite_its_text():

@@ -255,11 +255,12 @@ class Admission:
         session ended (a client that gave up), the session is cancelled, freeing its slot."""
         with ticket.cond:
             ticket.followers += 1
+            ticket.claims = max(0, ticket.claims - 1)  # a resume's claim, taken up
         try:
             yield ticket
         finally:
             with ticket.cond:
                 ticket.followers -= 1
-                orphaned = ticket.followers == 0 and not ticket.ended
+                orphaned = ticket.followers == 0 and ticket.claims == 0 and not ticket.ended
             if orphaned:
                 self.scheduler.cancel(ticket.session_id, orphaned=True)

@@ -64,7 +64,6 @@ class _Cancel(NamedTuple):
     session_id: str
     orphaned: bool  # only if nobody follows the session then (its last reader left)
     reason: str  # its finish reason
-    rejoined: int  # the ticket's resumes when it was asked (a later one voids an orphan's)
 
 
 @dataclass
@@ -83,9 +82,9 @@ class Ticket:
     result: Result | None = None
     error: Exception | None = None
     followers: int = 0
-    # how often a handler was handed this running ticket again (a resume), under the
-    # scheduler's lock: an orphan cancel queued before the last of them is stale
-    rejoined: int = 0
+    # handlers handed this running ticket (a resume) that do not follow it yet: an orphan
+    # cancel is void while one is on its way (``Admission.follow`` takes it up)
+    claims: int = 0
     cond: threading.Condition = field(default_factory=threading.Condition)
     created: float = field(default_factory=time.monotonic)
     last_token_at: float | None = None
@@ -180,8 +179,9 @@ class Scheduler(threading.Thread):
         self.engine.validate(ticket.request)  # ConfigError before any queueing
         with self._lock:
             running = self._tickets.get(ticket.session_id)
-            if running is not None:  # resumed before it follows: no orphan cancel queued
-                running.rejoined += 1  # before now may end it (``_apply_cancels``)
+            if running is not None:  # a resume: its handler will follow it, so no orphan
+                with running.cond:  # cancel may end it meanwhile (``_apply_cancels``)
+                    running.claims += 1
                 return running
             if self.draining or self._stopping.is_set():
                 raise ShuttingDown("the verifier is draining: it admits no new sessions")
@@ -226,7 +226,7 @@ class Scheduler(threading.Thread):
             t = self._tickets.get(session_id)
             if t is None:
                 return False
-            self._cancels.append(_Cancel(session_id, orphaned, reason, t.rejoined))
+            self._cancels.append(_Cancel(session_id, orphaned, reason))
         self._wake.set()
         return True
 
@@ -407,11 +407,11 @@ class Scheduler(threading.Thread):
             with self._lock:
                 if not self._cancels:
                     return
-                sid, orphaned, reason, rejoined = self._cancels.popleft()
+                sid, orphaned, reason = self._cancels.popleft()
                 t = self._tickets.get(sid)
-                # an orphan cancel is void once a reader follows again, or a resume got the
-                # ticket since it was queued (its handler is about to follow)
-                if t is None or (orphaned and (t.followers > 0 or t.rejoined != rejoined)):
+                # an orphan cancel is void once a reader follows again, or while a resume's
+                # handler is on its way to follow
+                if t is None or (orphaned and (t.followers > 0 or t.claims > 0)):
                     continue
                 queued = next((t for t in self._pending if t.session_id == sid), None)
                 if queued is not None:

@@ -160,6 +160,8 @@ class VerifierService(pb_grpc.VerifierServicer):
                 continue
             if ticket.result is not None:
                 res = ticket.result
+                if text is None and cursor:  # resumed after its last tokens: the reader has
+                    text = TextStream(self.tokenizer, pieces.append, ticket.tokens[:cursor])
                 if text is not None:  # an output that ends mid-character: its last bytes
                     text.flush()
                 yield pb.GenerateResponse(session_id=sid, finished=True,

@@ -117,7 +117,10 @@ def drafter_share(draft: StepDraft, n_accepted: int, branch: Sequence[int]) -> t
         return draft.drafted, n_accepted + len(branch)
     own = [b for b in draft.branches if not isinstance(b, HeadBranch)]
     nodes = len(tree_of_draft(list(draft.tokens), own).tokens) if own else len(draft.tokens)
-    taken = len(branch) if branch and draft.kept_branch(n_accepted, branch) else 0
+    # of the accepted branch, the longest start one of the drafter's own branches there holds
+    # (the head's may go on past the drafter's)
+    taken = max([accepted_prefix(b.tokens, branch) for b in own if b.at == n_accepted],
+                default=0) if branch else 0
     return nodes, n_accepted + taken
 
 

@@ -21,7 +21,7 @@ from ..config import DEFAULT_MODEL_GGUF, DEFAULT_MODEL_NAME, DEFAULT_MODEL_WHEEL
 
 
 # where a model is written, not read: the error is the machine's, said as the OS says it
-_NOT_THE_FILES_FAULT = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM)
+_NOT_THE_FILES_FAULT = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
 
 
 @contextmanager
@@ -29,13 +29,13 @@ def reading_model(what: object) -> Iterator[None]:
     """A model file that cannot be read (truncated, corrupt, not a model at all) raised as a
     ``ConfigError`` that names it, where the library reading it raised its own error (a
     command then says one line, not a traceback). Memory or disk space running out, or a
-    folder it may not write, is not the file's fault and passes through."""
+    read-only disk, is not the file's fault and passes through."""
     try:
         yield
     except (ConfigError, MemoryError):
         raise
     except OSError as e:
-        if e.errno in _NOT_THE_FILES_FAULT:  # a full disk, a read-only or forbidden folder
+        if e.errno in _NOT_THE_FILES_FAULT:  # a full or read-only disk
             raise
         raise ConfigError(f"cannot read the model {what}: {e}") from e
     except Exception as e:

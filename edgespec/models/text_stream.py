@@ -5,20 +5,28 @@ window: the last few tokens already written (so a tokenizer that joins tokens wi
 merges bytes sees its context) plus the new ones, and writes what the window's text adds.
 
 What a reader has after n tokens depends on those n tokens alone, not on how they came in
-chunks: their text up to its last whole character. The first bytes of a multi-byte character
-decode as U+FFFD until the rest arrives, so trailing U+FFFDs are held back (``flush`` writes
-them at the output's end, as the whole output decodes). A stream resumed after n tokens
-(``shown_ids``) therefore knows exactly what its reader has. Text is decoded without the
-tokenizer's clean-up of spaces: the clean-up rewrites text already written (``"Bob 's"``
-becomes ``"Bob's"`` once the ``s`` comes), which a stream cannot take back.
+chunks: the text of their longest prefix that decodes to whole characters (of the last
+``BACK_OFF`` prefixes; where none does, their text up to its trailing U+FFFDs). A multi-byte
+character's first bytes decode as U+FFFD until the rest arrives, and a byte-fallback tokenizer
+(Llama's, Mistral's) turns a whole unfinished run of byte tokens into U+FFFDs, characters
+already whole in it included: so the text is taken at a token where it ends whole, not cut at
+its U+FFFDs. ``flush`` writes what is held back at the output's end, as the whole output
+decodes. The window only ever starts where
+decoding starts a character (its text does not begin with U+FFFD: not inside a character's
+bytes, nor inside a run of byte tokens), so its text is the whole output's from there on. A
+stream resumed after n tokens (``shown_ids``) therefore knows exactly what its reader has. Text
+is decoded without the tokenizer's clean-up of spaces: the clean-up rewrites text already
+written (``"Bob 's"`` becomes ``"Bob's"`` once the ``s`` comes), which a stream cannot take back.
 """
 
 from __future__ import annotations
 
 from typing import Callable, Sequence
 
-CONTEXT_TOKENS = 6
-PARTIAL = "\ufffd"  # what a multi-byte character's first bytes decode as
+CONTEXT_TOKENS = 6  # the tokens before the new ones a window keeps, where it can
+BACK_OFF = 8  # the tokens looked back over for a prefix that decodes to whole characters
+MAX_WINDOW = 64  # past this, a window moves on even where no character starts (all U+FFFD)
+PARTIAL = "\ufffd"  # what a character's bytes decode as until it is whole
 
 
 class TextStream:
@@ -27,23 +35,48 @@ class TextStream:
         whole character (what a stream of them wrote: a resumed stream's)."""
         self.tokenizer, self.write = tokenizer, write
         self.ids: list[int] = list(shown_ids)
-        self.window_start = max(0, len(self.ids) - CONTEXT_TOKENS)
+        self.window_start = 0
+        target = len(self.ids) - CONTEXT_TOKENS
+        if target > 0:
+            self.window_start = self._character_start(max(0, target - MAX_WINDOW), target) or 0
         # characters of the window's text the reader has
-        self.written = len(self._decode(self.ids[self.window_start:]).rstrip(PARTIAL))
+        self.written = len(self._whole()[0])
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True,
                                      clean_up_tokenization_spaces=False)
 
+    def _character_start(self, low: int, high: int) -> int | None:
+        """The latest start in (low, high] whose decoding begins a character; None if none."""
+        for start in range(high, low, -1):
+            if not self._decode(self.ids[start:]).startswith(PARTIAL):
+                return start
+        return None
+
+    def _whole(self) -> tuple[str, bool]:
+        """The window's text up to the latest token where it decodes to whole characters (of
+        the last ``BACK_OFF``; else up to its trailing U+FFFDs), and whether that is all of
+        it."""
+        end = len(self.ids)
+        for stop in range(end, max(self.window_start, end - BACK_OFF) - 1, -1):
+            text = self._decode(self.ids[self.window_start:stop])
+            if not text.endswith(PARTIAL):
+                return text, stop == end
+        return self._decode(self.ids[self.window_start:]).rstrip(PARTIAL), False
+
     def __call__(self, new_ids: list[int]) -> None:
         self.ids.extend(new_ids)
-        text = self._decode(self.ids[self.window_start:])
-        whole = text.rstrip(PARTIAL)  # up to the last whole character
+        whole, complete = self._whole()
         if len(whole) > self.written:
             self.write(whole[self.written:])
             self.written = len(whole)
-        start = max(0, len(self.ids) - CONTEXT_TOKENS)
-        if whole == text and start > self.window_start:  # nothing held back: move on
+        target = len(self.ids) - CONTEXT_TOKENS
+        if not complete or target <= self.window_start:  # something held back: stay
+            return
+        start = self._character_start(self.window_start, target)
+        if start is None and target - self.window_start > MAX_WINDOW:
+            start = target
+        if start is not None:
             self.window_start = start
             self.written = len(self._decode(self.ids[start:]))
 
