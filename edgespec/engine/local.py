@@ -100,7 +100,8 @@ class LocalGenerator:
         res = self.engine(drafter).generate(req)
         if on_tokens is not None:  # an output that ends mid-character: its last bytes
             on_tokens.flush()
-        text = self.target.tokenizer.decode(res.token_ids, skip_special_tokens=True)
+        text = self.target.tokenizer.decode(res.token_ids, skip_special_tokens=True,
+                                            clean_up_tokenization_spaces=False)  # as streamed
         return Generation(res.token_ids, text, res.stats, res.finish_reason, len(ids), self.dtype)
 
     def close(self) -> None:
