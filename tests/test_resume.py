@@ -92,3 +92,20 @@ def test_a_stopping_verifier_leaves_its_sessions_resumable(verifier_parts, loopi
     while engine.sessions:
         engine.step()
     assert resumed.result.token_ids == ref
+
+
+def test_a_running_ticket_that_ends_before_its_resume_submits_it_is_not_queued_again(
+        verifier_parts):
+    """A resume finds the running ticket, which ends before the resume submits it (the session
+    finished in between): it is handed back as it ended, not queued to run its request again."""
+    from edgespec.engine.spec_engine import Result
+    from edgespec.protocol.request_stats import Stats
+
+    _, engine, sched, admission = verifier_parts
+    ticket = admission.admit(GenerationRequest(prompt_ids=PROMPT, max_new_tokens=8))
+    sched._admit()
+    running = sched.ticket(ticket.session_id)
+    assert running is ticket and not running.ended
+    sched._end(ticket, result=Result([4, 5], Stats(), "stop"))  # it ends right then
+    assert sched.submit(running) is ticket and ticket.ended
+    assert sched.ticket(ticket.session_id) is None and not sched._pending

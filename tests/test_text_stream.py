@@ -132,3 +132,35 @@ def test_a_tokenizer_that_cleans_up_spaces_does_not_make_the_stream_rewrite_its_
         stream([i])
     stream.flush()
     assert "".join(got) == _decode(tok, ids) == "it is Bob 's , ok ."
+
+
+def test_a_window_never_starts_on_skipped_special_tokens(fallback_tokenizer):
+    """Six skipped special tokens in a row: a window starting on them would decode the next
+    word as a text's first, its leading space dropped."""
+    tok = fallback_tokenizer
+    bos = tok.convert_tokens_to_ids("<s>")
+    ids = tok("hello", add_special_tokens=False)["input_ids"] + [bos] * 6 + \
+        tok(" world", add_special_tokens=False)["input_ids"][1:]
+    got: list[str] = []
+    stream = TextStream(tok, got.append)
+    for i in ids:
+        stream([i])
+    stream.flush()
+    assert "".join(got) == _decode(tok, ids) == "hello world"
+
+
+def test_a_long_run_held_back_is_written_and_the_window_moves_on(byte_tokenizer):
+    """Text held back for good (U+FFFD after U+FFFD, as a model that emits invalid bytes
+    writes) is written once the window passes ``MAX_WINDOW`` tokens, and the window moves on:
+    each call decodes a bounded window, not the whole output."""
+    from edgespec.models.text_stream import MAX_WINDOW
+
+    bad = byte_tokenizer("\ufffd", add_special_tokens=False)["input_ids"]
+    ids = byte_tokenizer("ok ", add_special_tokens=False)["input_ids"] + bad * 400
+    got: list[str] = []
+    stream = TextStream(byte_tokenizer, got.append)
+    for i in ids:
+        stream([i])
+        assert len(stream.ids) - stream.window_start <= MAX_WINDOW + 1
+    stream.flush()
+    assert "".join(got) == _decode(byte_tokenizer, ids)

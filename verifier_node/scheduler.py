@@ -85,6 +85,7 @@ class Ticket:
     # handlers handed this running ticket (a resume) that do not follow it yet: an orphan
     # cancel is void while one is on its way (``Admission.follow`` takes it up)
     claims: int = 0
+    submitted: bool = False  # queued once: a submitted ticket no longer held has ended
     cond: threading.Condition = field(default_factory=threading.Condition)
     created: float = field(default_factory=time.monotonic)
     last_token_at: float | None = None
@@ -183,6 +184,8 @@ class Scheduler(threading.Thread):
                 with running.cond:  # cancel may end it meanwhile (``_apply_cancels``)
                     running.claims += 1
                 return running
+            if ticket.submitted:  # the running ticket a resume found has ended since: its
+                return ticket  # handler reads its end, it is not queued again
             if self.draining or self._stopping.is_set():
                 raise ShuttingDown("the verifier is draining: it admits no new sessions")
             # running + queued, not queued alone: a ticket not yet moved to a free slot must not
@@ -194,6 +197,7 @@ class Scheduler(threading.Thread):
                 self._check_pace(ticket, deadline_s)
             self._pending.append(ticket)
             self._tickets[ticket.session_id] = ticket
+            ticket.submitted = True
         self._wake.set()
         return ticket
 

@@ -14,7 +14,10 @@ its U+FFFDs. ``flush`` writes what is held back at the output's end, as the whol
 decodes. The window only ever starts where
 decoding starts a character (its text does not begin with U+FFFD: not inside a character's
 bytes, nor inside a run of byte tokens), so its text is the whole output's from there on. A
-stream resumed after n tokens (``shown_ids``) therefore knows exactly what its reader has. Text
+stream resumed after n tokens (``shown_ids``) therefore knows exactly what its reader has.
+Where that cannot hold: text held back for more than ``MAX_WINDOW`` tokens (invalid bytes, a run
+of U+FFFD) is written as it then decodes, and a byte-fallback tokenizer may decode a run of byte
+tokens holding an invalid byte to more U+FFFDs than were written. Text
 is decoded without the tokenizer's clean-up of spaces: the clean-up rewrites text already
 written (``"Bob 's"`` becomes ``"Bob's"`` once the ``s`` comes), which a stream cannot take back.
 """
@@ -25,7 +28,10 @@ from typing import Callable, Sequence
 
 CONTEXT_TOKENS = 6  # the tokens before the new ones a window keeps, where it can
 BACK_OFF = 8  # the tokens looked back over for a prefix that decodes to whole characters
-MAX_WINDOW = 64  # past this, a window moves on even where no character starts (all U+FFFD)
+# a window past this many tokens (held back: a run of U+FFFD, invalid bytes) writes what it
+# holds as it decodes and moves on: the cost of a call stays bounded, whatever the output
+MAX_WINDOW = 64
+STARTS = 8  # the latest token positions tried as a window's start
 PARTIAL = "\ufffd"  # what a character's bytes decode as until it is whole
 
 
@@ -34,6 +40,9 @@ class TextStream:
         """``shown_ids``: output tokens the reader already has, with their text up to its last
         whole character (what a stream of them wrote: a resumed stream's)."""
         self.tokenizer, self.write = tokenizer, write
+        # skipped in decoding: a window starting on them would decode its first real token as
+        # a text's first (a leading space dropped, a ## kept)
+        self.specials = set(getattr(tokenizer, "all_special_ids", None) or ())
         self.ids: list[int] = list(shown_ids)
         self.window_start = 0
         target = len(self.ids) - CONTEXT_TOKENS
@@ -47,38 +56,48 @@ class TextStream:
                                      clean_up_tokenization_spaces=False)
 
     def _character_start(self, low: int, high: int) -> int | None:
-        """The latest start in (low, high] whose decoding begins a character; None if none."""
-        for start in range(high, low, -1):
-            if not self._decode(self.ids[start:]).startswith(PARTIAL):
+        """The latest start in (low, high] (of the last ``STARTS``) on a token that is not a
+        skipped special one and whose decoding begins a character; None if none."""
+        for start in range(high, max(low, high - STARTS), -1):
+            if self.ids[start] in self.specials:
+                continue
+            if not self._decode(self.ids[start:start + MAX_WINDOW]).startswith(PARTIAL):
                 return start
         return None
 
-    def _whole(self) -> tuple[str, bool]:
+    def _whole(self) -> tuple[str, int | None]:
         """The window's text up to the latest token where it decodes to whole characters (of
-        the last ``BACK_OFF``; else up to its trailing U+FFFDs), and whether that is all of
-        it."""
+        the last ``BACK_OFF``), and that token's index; else its text up to its trailing
+        U+FFFDs, and None."""
         end = len(self.ids)
         for stop in range(end, max(self.window_start, end - BACK_OFF) - 1, -1):
             text = self._decode(self.ids[self.window_start:stop])
             if not text.endswith(PARTIAL):
-                return text, stop == end
-        return self._decode(self.ids[self.window_start:]).rstrip(PARTIAL), False
+                return text, stop
+        return self._decode(self.ids[self.window_start:]).rstrip(PARTIAL), None
 
     def __call__(self, new_ids: list[int]) -> None:
         self.ids.extend(new_ids)
-        whole, complete = self._whole()
+        whole, stop = self._whole()
         if len(whole) > self.written:
             self.write(whole[self.written:])
             self.written = len(whole)
-        target = len(self.ids) - CONTEXT_TOKENS
-        if not complete or target <= self.window_start:  # something held back: stay
+        too_long = len(self.ids) - self.window_start > MAX_WINDOW
+        if stop is None:
+            if not too_long:
+                return  # held back: stay
+            self.flush()  # held back for too long: written as it decodes (U+FFFDs)
+            stop = len(self.ids)
+        # the window moves on to a character's start, no later than the whole text's end
+        target = min(len(self.ids) - CONTEXT_TOKENS, stop)
+        if target <= self.window_start:
             return
         start = self._character_start(self.window_start, target)
-        if start is None and target - self.window_start > MAX_WINDOW:
+        if start is None and too_long:
             start = target
         if start is not None:
             self.window_start = start
-            self.written = len(self._decode(self.ids[start:]))
+            self.written = len(self._decode(self.ids[start:stop]))
 
     def flush(self) -> None:
         """Write what is held back (the output ended in the middle of a character): the reader
