@@ -68,7 +68,9 @@ class ChunkWaker:
                         # a chunk names its session's key; an older cache sends '1': unknown
                         key = data.decode(errors="replace") if isinstance(data, bytes) else None
                         self._bump(key if key and key != "1" else None)
-            except (redis.RedisError, OSError, ValueError):
+            # redis-py's own errors, and its internals' when a connection closes under a read
+            # (an AttributeError on the dropped buffer): the listener lives on either way
+            except Exception:
                 self._bump()  # a lost subscription may have missed a wake-up: re-read
                 self._stopping.wait(delay)
                 delay = min(1.0, delay * 2)

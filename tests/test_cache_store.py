@@ -515,3 +515,42 @@ def test_an_embedded_redis_restarted_from_a_thread_outlives_that_thread():
         assert handle.client.get("es:kept") == b"1"  # the append-only file came back with it
     finally:
         handle.close()
+
+
+def test_the_chunk_waker_outlives_a_connection_closed_under_its_read(monkeypatch):
+    """redis-py raises an AttributeError when a connection is closed under a read (its buffer
+    dropped): the listener counts a lost subscription and subscribes again, and later chunks
+    still wake the verifier."""
+    import time
+
+    import redis
+
+    from cache_service.chunk_waker import ChunkWaker
+
+    real = redis.client.PubSub.get_message
+    broke = []
+
+    def get_message(self, *args, **kwargs):
+        if not broke:
+            broke.append(True)
+            raise AttributeError("'NoneType' object has no attribute 'readline'")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(redis.client.PubSub, "get_message", get_message)
+    handle = RedisHandle()
+    waker = ChunkWaker(handle.client, "es:test-wake")
+    try:
+        deadline = time.monotonic() + 30
+        while not waker.seq:  # the lost subscription's own wake-up
+            assert time.monotonic() < deadline and waker._thread.is_alive()
+            time.sleep(0.01)
+        seen = waker.seq
+        while waker.seq == seen:  # subscribed again: a chunk's message wakes it
+            assert time.monotonic() < deadline and waker._thread.is_alive()
+            handle.client.publish("es:test-wake", "es:s:abc")
+            waker.wait(seen, 0.2)
+        keys, _ = waker.woken_since(seen)
+        assert keys is not None and "es:s:abc" in keys
+    finally:
+        waker.stop()
+        handle.close()
