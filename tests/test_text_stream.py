@@ -71,6 +71,16 @@ def _in_one_chunk(tok, ids) -> str:
     return "".join(got)
 
 
+def _token_by_token(tok, ids) -> str:
+    """What a reader has after a stream fed ``ids`` one at a time, then flushed."""
+    got: list[str] = []
+    stream = TextStream(tok, got.append)
+    for i in ids:
+        stream([i])
+    stream.flush()
+    return "".join(got)
+
+
 def _decode(tok, ids) -> str:
     return tok.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
@@ -126,12 +136,7 @@ def test_a_tokenizer_that_cleans_up_spaces_does_not_make_the_stream_rewrite_its_
     tok = make_tokenizer()
     tok.clean_up_tokenization_spaces = True
     ids = tok("it is Bob 's , ok .", add_special_tokens=False)["input_ids"]
-    got: list[str] = []
-    stream = TextStream(tok, got.append)
-    for i in ids:
-        stream([i])
-    stream.flush()
-    assert "".join(got) == _decode(tok, ids) == "it is Bob 's , ok ."
+    assert _token_by_token(tok, ids) == _decode(tok, ids) == "it is Bob 's , ok ."
 
 
 def test_a_window_never_starts_on_skipped_special_tokens(fallback_tokenizer):
@@ -141,12 +146,7 @@ def test_a_window_never_starts_on_skipped_special_tokens(fallback_tokenizer):
     bos = tok.convert_tokens_to_ids("<s>")
     ids = tok("hello", add_special_tokens=False)["input_ids"] + [bos] * 6 + \
         tok(" world", add_special_tokens=False)["input_ids"][1:]
-    got: list[str] = []
-    stream = TextStream(tok, got.append)
-    for i in ids:
-        stream([i])
-    stream.flush()
-    assert "".join(got) == _decode(tok, ids) == "hello world"
+    assert _token_by_token(tok, ids) == _decode(tok, ids) == "hello world"
 
 
 def test_a_long_run_held_back_is_written_and_the_window_moves_on(byte_tokenizer):

@@ -335,10 +335,6 @@ class VerifierMetrics:
             drafts, drafted, accepted = self._by_device.get(device, (0, 0, 0))
         return drafts, drafted, accepted
 
-    def device_acceptance(self, device: str) -> tuple[float, float]:
-        """(acceptance rate, mean acceptance length) of the sessions this drafter served."""
-        return acceptance(*self.device_draft_counts(device))
-
 
 def acceptance(drafts: int, drafted: int, accepted: int) -> tuple[float, float]:
     """(acceptance rate, mean acceptance length) of ``drafts`` drafts of ``drafted`` tokens,

@@ -15,7 +15,8 @@ implements the same ``Verifier`` service and forwards each call:
 - ``Cancel`` is sent to every replica (only the one running the session knows it).
 - ``Status`` merges the replicas' answers: slots and sessions summed, the fleet's drafters once
   each, with what each replica saw of a drafter (its steps, drafts missed, ready and verified)
-  summed, late when any replica judges it so, its acceptance weighted by the drafts verified.
+  summed, late when any replica judges it so, its acceptance over all the replicas' finished
+  sessions together.
 
 Health: a monitor thread checks every replica's health each second, and reads a replica's
 kernel set fingerprint (``Status``) when it turns healthy and every ``KERNELS_EVERY_S``; the
