@@ -11,15 +11,15 @@ character's first bytes decode as U+FFFD until the rest arrives, and a byte-fall
 (Llama's, Mistral's) turns a whole unfinished run of byte tokens into U+FFFDs, characters
 already whole in it included: so the text is taken at a token where it ends whole, not cut at
 its U+FFFDs. ``flush`` writes what is held back at the output's end, as the whole output
-decodes. The window only ever starts where
-decoding starts a character (its text does not begin with U+FFFD: not inside a character's
-bytes, nor inside a run of byte tokens), so its text is the whole output's from there on. A
-stream resumed after n tokens (``shown_ids``) therefore knows exactly what its reader has.
-Where that cannot hold: text held back for more than ``MAX_WINDOW`` tokens (invalid bytes, a run
-of U+FFFD) is written as it then decodes, and a byte-fallback tokenizer may decode a run of byte
-tokens holding an invalid byte to more U+FFFDs than were written. Text
-is decoded without the tokenizer's clean-up of spaces: the clean-up rewrites text already
-written (``"Bob 's"`` becomes ``"Bob's"`` once the ``s`` comes), which a stream cannot take back.
+decodes. The window only ever starts where decoding starts a character (its text does not begin
+with U+FFFD: not inside a character's bytes, nor inside a run of byte tokens; not on a skipped
+special token), so its text is the whole output's from there on. A stream resumed after n
+tokens (``shown_ids``) therefore knows exactly what its reader has. Where that cannot hold: text
+held back for more than ``MAX_WINDOW`` tokens (invalid bytes, a run of U+FFFD) is written as it
+then decodes, and a byte-fallback tokenizer may decode a run of byte tokens holding an invalid
+byte to more U+FFFDs than were written. Text is decoded without the tokenizer's clean-up of
+spaces: the clean-up rewrites text already written (``"Bob 's"`` becomes ``"Bob's"`` once the
+``s`` comes), which a stream cannot take back.
 """
 
 from __future__ import annotations
