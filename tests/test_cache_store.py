@@ -1,5 +1,7 @@
 """The Redis-backed session store against real Redis servers (embedded and external)."""
 
+import uuid
+
 import pytest
 
 from cache_service.codec import COMMIT_FIELDS, InboxEvent
@@ -528,17 +530,21 @@ def test_the_chunk_waker_outlives_a_connection_closed_under_its_read(monkeypatch
     from cache_service.chunk_waker import ChunkWaker
 
     real = redis.client.PubSub.get_message
+    channel = f"es:test-wake-{uuid.uuid4().hex}"
     broke = []
 
     def get_message(self, *args, **kwargs):
-        if not broke:
+        # only this test's subscription breaks: another test's waker still listening in this
+        # process (its thread ends within a read) must not take the one fault
+        mine = any(key in (channel, channel.encode()) for key in self.channels)
+        if mine and not broke:
             broke.append(True)
             raise AttributeError("'NoneType' object has no attribute 'readline'")
         return real(self, *args, **kwargs)
 
     monkeypatch.setattr(redis.client.PubSub, "get_message", get_message)
     handle = RedisHandle()
-    waker = ChunkWaker(handle.client, "es:test-wake")
+    waker = ChunkWaker(handle.client, channel)
     try:
         deadline = time.monotonic() + 30
         while not waker.seq:  # the lost subscription's own wake-up
@@ -547,7 +553,7 @@ def test_the_chunk_waker_outlives_a_connection_closed_under_its_read(monkeypatch
         seen = waker.seq
         while waker.seq == seen:  # subscribed again: a chunk's message wakes it
             assert time.monotonic() < deadline and waker._thread.is_alive()
-            handle.client.publish("es:test-wake", "es:s:abc")
+            handle.client.publish(channel, "es:s:abc")
             waker.wait(seen, 0.2)
         keys, _ = waker.woken_since(seen)
         assert keys is not None and "es:s:abc" in keys
