@@ -484,13 +484,20 @@ class OutOfOrderCache(pb_grpc.DraftCacheServicer):
         if self.attaches == 1:
             yield assignment
             return
-        threading.Thread(target=lambda: [self.chunks.put(m.chunk) for m in request_iterator
-                                         if m.HasField("chunk")], daemon=True).start()
+        threading.Thread(target=self._collect, args=(request_iterator,), daemon=True).start()
         yield pb.CacheMessage(registered=pb.Registered(target_model="tiny", window=4, chunk=2,
                                                         vocab_size=VOCAB))
         yield assignment
         while context.is_active():
             time.sleep(0.05)
+
+    def _collect(self, request_iterator):
+        try:
+            for message in request_iterator:
+                if message.HasField("chunk"):
+                    self.chunks.put(message.chunk)
+        except grpc.RpcError:
+            pass  # the link ended (the agent stopped): the stream's reader ends with it
 
 
 def test_a_cache_that_assigns_before_registering_costs_the_link_not_the_agent():
