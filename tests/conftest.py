@@ -197,6 +197,8 @@ def verifier_parts(looping):
     sched = Scheduler(engine, max_queue=2)
     admission = Admission(sched, store, looping.tokenizer, runner.vocab_size)
     yield store, engine, sched, admission
+    engine.close()
+    store.shutdown()
     handle.close()
 
 

@@ -17,6 +17,7 @@ def store(redis_url):
     handle.client.flushdb()
     st = RedisSessionStore(handle.client, prefix="t:", ttl_s=30)
     yield st
+    st.shutdown()  # its waker and recorder threads end with the test
     handle.close()
 
 
@@ -254,8 +255,11 @@ def test_take_waits_for_a_live_drafter_but_not_for_a_dead_one(store):
     assert time.monotonic() - t0 >= 0.15  # a live drafter with no draft yet: waited
     assert taken.tokens == []
     store.devices.mark_gone(dev)
-    store._chunk_waker = _NoWait()  # nobody drafting: the take must not wait at all
-    [taken] = store.take_when_ready([DraftWant("s5", 4)], 30)
+    real, store._chunk_waker = store._chunk_waker, _NoWait()  # nobody drafting: no wait
+    try:
+        [taken] = store.take_when_ready([DraftWant("s5", 4)], 30)
+    finally:
+        store._chunk_waker = real  # stopped with the store
     assert taken.tokens == []
 
 

@@ -120,6 +120,7 @@ def test_a_closed_session_teaches_the_fleet_table_its_output(redis_client):
     got = {e.leader: e.followers for e in store.fleet.pull(0).entries}
     assert got[(1, 2, 3)] == (4,) and got[(2, 3, 4)] == (5,)
     assert (1, 2) not in got  # the prompt's own pairs are not recorded, only its tail as leaders
+    store.shutdown()
 
 
 def test_fleet_sync_copies_the_table_into_a_drafter(redis_client):

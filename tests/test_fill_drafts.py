@@ -44,11 +44,12 @@ def _engine(model, store: str, **cfg):
     from cache_service.store import RedisSessionStore
 
     handle = RedisHandle()
+    store = RedisSessionStore(handle.client, ttl_s=60)
     try:
-        with SpecEngine(runner, config=config, stop_ids={2},
-                        store=RedisSessionStore(handle.client, ttl_s=60)) as engine:
+        with SpecEngine(runner, config=config, stop_ids={2}, store=store) as engine:
             yield engine
     finally:
+        store.shutdown()
         handle.close()
 
 

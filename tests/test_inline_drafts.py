@@ -6,6 +6,8 @@ session its drafts and nothing else; ended sessions' draft sessions are closed."
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 from conftest import hf_greedy, hf_keyed_sampled
 
@@ -74,8 +76,14 @@ def test_an_inline_step_of_chains_weighs_no_wait(looping, setup, monkeypatch):
     runner, refs = setup
     weighed = []
     real = spec_engine.wait_worth
-    monkeypatch.setattr(spec_engine, "wait_worth",
-                        lambda *a, **k: weighed.append(1) or real(*a, **k))
+    me = threading.get_ident()  # another test's engine left running here weighs its own waits
+
+    def counting(*a, **k):
+        if threading.get_ident() == me:
+            weighed.append(1)
+        return real(*a, **k)
+
+    monkeypatch.setattr(spec_engine, "wait_worth", counting)
     cfg = EngineConfig(max_draft=4, window=8, chunk=2)
     results = _generate(runner, build_drafter("mag"), cfg)
     assert [r.token_ids for r in results] == refs and not weighed

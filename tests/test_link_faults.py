@@ -47,7 +47,10 @@ def server(tiny_dir, fast_keepalive):
     srv = EdgespecServer(ServerOptions(
         listen="127.0.0.1:0", model=str(tiny_dir), max_drafters=4, drain_timeout_s=5,
         dtype="float32",  # the reference is transformers' float32 greedy decoding
-        engine=EngineConfig(max_sessions=4, max_context=256))).start()
+        # each step waits for the board's drafts: whether any are verified does not depend on
+        # how a loaded machine times the board against the steps
+        engine=EngineConfig(max_sessions=4, max_context=256, adaptive=False,
+                            draft_wait_ms=5000))).start()
     yield srv
     srv.stop(drain_timeout_s=0)
 
@@ -391,7 +394,11 @@ def heartbeat_only(monkeypatch, tiny_dir):
     monkeypatch.setenv("EDGESPEC_HEARTBEAT_S", "0.3")
     srv = EdgespecServer(ServerOptions(
         listen="127.0.0.1:0", model=str(tiny_dir), max_drafters=4, drain_timeout_s=5,
-        dtype="float32", engine=EngineConfig(max_sessions=4, max_context=256))).start()
+        dtype="float32",
+        # each step waits for the board's drafts: whether any are verified does not depend on
+        # how a loaded machine times the board against the steps
+        engine=EngineConfig(max_sessions=4, max_context=256, adaptive=False,
+                            draft_wait_ms=5000))).start()
     yield srv
     srv.stop(drain_timeout_s=0)
 

@@ -170,27 +170,33 @@ def test_a_drain_can_be_ended_while_sessions_run(server, monkeypatch):
     import edgespec
 
     _wait_status(server.port, SERVING)
-    runner = server.scheduler.engine.target
-    forward, score = runner.forward, runner.score
+    engine = server.scheduler.engine
+    runner = engine.target
+    score_rows = runner.score_rows
+    release = threading.Event()
 
-    def slow(fn):
-        def wrapped(*a, **k):
-            time.sleep(0.2)  # a long generation: the session is still running when asked
-            return fn(*a, **k)
-        return wrapped
+    def held(*a, **k):
+        # once the session has tokens, its steps wait: it is still running when asked, however
+        # the threads are scheduled (the tiny model may end "hello" within a few steps)
+        if any(act.output for act in engine.active):
+            release.wait(120)
+        return score_rows(*a, **k)
 
-    monkeypatch.setattr(runner, "forward", slow(forward))
-    monkeypatch.setattr(runner, "score", slow(score))
+    monkeypatch.setattr(runner, "score_rows", held)
     client = edgespec.Client(f"127.0.0.1:{server.port}", timeout=300, max_resumes=0)
     stream = client.stream("hello", max_new_tokens=200, raw=True)
     started = threading.Thread(target=lambda: next(iter(stream)), daemon=True)
-    started.start()
-    started.join(120)
-    assert server.scheduler.sessions_left() == 1
-    abort = threading.Event()
-    abort.set()
-    assert server.scheduler.drain(300, abort) is False  # returns at once, a session left
-    assert server.scheduler.sessions_left() == 1
+    try:
+        started.start()
+        started.join(120)
+        assert not started.is_alive()  # the first tokens came
+        assert server.scheduler.sessions_left() == 1
+        abort = threading.Event()
+        abort.set()
+        assert server.scheduler.drain(300, abort) is False  # returns at once, a session left
+        assert server.scheduler.sessions_left() == 1
+    finally:
+        release.set()
     client.close()
 
 

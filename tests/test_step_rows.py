@@ -5,6 +5,7 @@ kind to the device."""
 from __future__ import annotations
 
 import random
+import threading
 
 import numpy as np
 import pytest
@@ -112,9 +113,11 @@ def test_the_rows_reach_the_device_in_one_copy_per_kind(monkeypatch):
     other than the host: "meta" here); on the CPU the host buffer is the tensors, no copy."""
     copies = []
     orig = torch.Tensor.to
+    me = threading.get_ident()  # another test's thread left running here moves its own
 
     def counting(t, *a, **k):
-        if any(isinstance(x, (str, torch.device)) for x in (*a, k.get("device"))):
+        if threading.get_ident() == me and any(isinstance(x, (str, torch.device))
+                                               for x in (*a, k.get("device"))):
             copies.append(t.dtype)  # a move to a device, not a cast
         return orig(t, *a, **k)
 

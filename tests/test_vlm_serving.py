@@ -219,8 +219,8 @@ def test_an_image_session_lost_by_its_verifier_is_recreated_with_its_images(vlm)
     image = png(41)
     _, want = expected(vlm, "describe", [image], 12)
     handle = RedisHandle()
+    store = RedisSessionStore(handle.client, ttl_s=60)
     try:
-        store = RedisSessionStore(handle.client, ttl_s=60)
         runner = TargetRunner(vlm.model, n_slots=2, max_len=256)
         engine = SpecEngine(runner, None, EngineConfig(max_sessions=2, max_context=256),
                             stop_token_ids(vlm), store=store, vision=vlm.vision)
@@ -244,4 +244,5 @@ def test_an_image_session_lost_by_its_verifier_is_recreated_with_its_images(vlm)
             engine.step()
         assert again.result is not None and again.result.token_ids == want
     finally:
+        store.shutdown()
         handle.close()

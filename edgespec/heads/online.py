@@ -144,7 +144,6 @@ class OnlineLearner:
         candidate.eval()
         new = held_out_acceptance(candidate, val)["tokens_per_step"]
         old = held_out_acceptance(serving, val)["tokens_per_step"]
-        self.rounds += 1
         self.last_candidate = new
         if new > old:
             self.proposer.swap(candidate, new)
@@ -152,6 +151,7 @@ class OnlineLearner:
                      self.proposer.version, new, old)
         else:
             self.proposer.measured(old)
+        self.rounds += 1  # last: a reader that sees the round sees its swap
 
 
 def _as_sequences(seqs: list[tuple[torch.Tensor, torch.Tensor]]) -> Sequences:
