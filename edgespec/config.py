@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -66,6 +67,14 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self) -> None:
+        for name, kind in (("temperature", numbers.Real), ("top_k", numbers.Integral),
+                           ("top_p", numbers.Real), ("seed", numbers.Integral)):
+            value = getattr(self, name)
+            if (value is not None or name != "seed") and (
+                    isinstance(value, bool) or not isinstance(value, kind)):
+                what = "an integer" if kind is numbers.Integral else "a number"
+                raise ConfigError(f"{name} must be {what}, got {type(value).__name__} "
+                                  f"{str(value)[:20]!r}")
         if not 0 <= self.temperature < math.inf:
             raise ConfigError(f"temperature must be finite and >= 0, got {self.temperature}")
         if not 0 <= self.top_k < (1 << 31):

@@ -126,7 +126,8 @@ def add_engine_args(p: argparse.ArgumentParser, in_process: bool = True) -> None
                         "of arrivals delays running streams by a bounded prefill a step "
                         "(default: %(default)s)")
     p.add_argument("--max-context", type=int, default=d.max_context,
-                   help="tokens per session: prompt + output (default: %(default)s)")
+                   help="tokens per KV slot: a session's prompt + output + --max-draft + 1 (a "
+                        "step's draft room) (default: %(default)s)")
     p.add_argument("--no-adaptive", action="store_true",
                    help="keep the verified draft length fixed at --max-draft")
     p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,

@@ -23,11 +23,29 @@ from edgespec.client import InvalidRequest, build_request
     (dict(messages=[{"content": "hi"}]), "role"),
     (dict(messages=[{"role": "user", "content": None}]), "content"),
     (dict(messages=["hi"]), "role"),
+    # sampling parameters of the wrong type: named, not protobuf's TypeError
+    (dict(prompt="x", top_k=5.5), "top_k must be an integer"),
+    (dict(prompt="x", top_k=True), "top_k must be an integer"),
+    (dict(prompt="x", seed=1.5), "seed must be an integer"),
+    (dict(prompt="x", seed=True), "seed must be an integer"),
+    (dict(prompt="x", temperature="0.5"), "temperature must be a number"),
+    (dict(prompt="x", top_p="0.9"), "top_p must be a number"),
+    # values the wire's 32-bit floats would carry as others: 0 (greedy, no top-p filter) or inf
+    (dict(prompt="x", temperature=1e-46), "32-bit float"),
+    (dict(prompt="x", top_p=1e-46), "32-bit float"),
+    (dict(prompt="x", temperature=1e39), "32-bit float"),
 ])
 def test_what_the_wire_cannot_carry_is_an_invalid_request(kw, needle):
     with pytest.raises(InvalidRequest) as e:
         build_request(**kw)
     assert needle in str(e.value)
+
+
+def test_sampling_parameters_the_wire_carries_are_sent():
+    req = build_request(prompt="x", temperature=1e-30, top_p=2e-38, top_k=np.int64(5),
+                        seed=np.int32(3))
+    s = req.sampling
+    assert s.temperature > 0 and s.top_p > 0 and (s.top_k, s.seed, s.has_seed) == (5, 3, True)
 
 
 def test_max_new_tokens_none_is_the_servers_default():

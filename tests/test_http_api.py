@@ -153,6 +153,25 @@ def test_completion_token_ids_prompt(api, looping):
     assert r.choices[0].text == ref_text
 
 
+def test_a_prompt_gets_the_room_its_slot_leaves(server, api, looping):
+    """``--max-context 512`` holds prompt + output + a step's draft room (``--max-draft`` 8 + 1):
+    a request asking that much is served, one token more is refused saying how many fit, and a
+    request that sets no limit gets the server's default cut to that room (target-only's
+    tokens to the slot's end), not a refusal."""
+    ids = [1] + [30, 31] * 220  # 441 tokens: room for 512 - 441 - 9 = 62, under the default 128
+    room = 512 - len(ids) - 9
+    ref_ids, ref_text = reference(looping, ids, room)
+    r = api.completions.create(model=api.model_id, prompt=ids, max_tokens=room, temperature=0)
+    assert r.choices[0].text == ref_text and r.usage.completion_tokens == len(ref_ids)
+    with pytest.raises(openai.BadRequestError) as e:
+        api.completions.create(model=api.model_id, prompt=ids, max_tokens=room + 1)
+    assert f"at most {room} new tokens fit" in e.value.body["message"]
+    assert e.value.code == "context_length_exceeded"
+    r = api.completions.create(model=api.model_id, prompt=ids, temperature=0)
+    assert r.choices[0].text == ref_text
+    assert r.choices[0].finish_reason == ("length" if len(ref_ids) == room else "stop")
+
+
 def test_chat_completion_equals_target_only(api, looping):
     ids = encode_prompt(looping.tokenizer, messages=MESSAGES)
     ref_ids, ref_text = reference(looping, ids)
@@ -301,7 +320,7 @@ def test_a_text_part_that_is_not_a_string_is_refused(server, api, text):
     assert code == 400 and reply["error"]["param"] == "messages[0].content[0].text"
 
 
-@pytest.mark.parametrize("kw", [dict(logprobs=0), dict(best_of=1.0), dict(presence_penalty=0),
+@pytest.mark.parametrize("kw", [dict(top_logprobs=0), dict(best_of=1.0), dict(presence_penalty=0),
                                 dict(frequency_penalty=0.0), dict(echo=False)])
 def test_neutral_values_are_accepted_as_numbers_of_either_kind(server, api, kw):
     body = {"model": api.model_id, "prompt": PROMPT, "max_tokens": 3, **kw}

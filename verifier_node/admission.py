@@ -16,6 +16,7 @@ import logging
 from dataclasses import dataclass, field
 
 from edgespec.config import ConfigError, EmptyPrompt, SamplingParams, is_lossy
+from edgespec.engine.session_lifecycle import output_room
 from edgespec.engine.spec_engine import Request, Result
 from edgespec.protocol.ids import check_device_id, check_session_id, shown
 from edgespec.protocol.lineage import Lineage, checked_lineage, continued_on
@@ -164,7 +165,7 @@ class Admission:
                 raise DrafterMissing(f"drafter {device!r} is not attached")
             device = None  # a re-created session, like a resumed one, goes on without it
         # the seed is chosen here, not at prefill, so that the first response can report it
-        request = Request(ids, g.max_new_tokens or self.default_max_new,
+        request = Request(ids, g.max_new_tokens or self._default_max_new(len(ids)),
                           with_session_seed(g.params), committed=list(g.committed),
                           verify=g.verify, images=images)
         if lost:
@@ -181,6 +182,13 @@ class Admission:
             request.lineage, switched = self._continued(held, len(g.committed))
             return self._ticket(request, device, kernels_switched=switched)
         return self._ticket(request, device)
+
+    def _default_max_new(self, prompt_len: int) -> int:
+        """A request that sets no limit gets the server's default, cut to the room its prompt
+        leaves in a KV slot (as OpenAI's default is the context left): a long prompt is served,
+        not refused for a limit its client never asked for."""
+        room = output_room(self.max_len, prompt_len, self.scheduler.engine.cfg.max_draft)
+        return max(1, min(self.default_max_new, room))  # none left: refused, saying why
 
     def _already_done(self, request: Request) -> Ticket | None:
         """A re-created session whose client already holds its whole output (only the last

@@ -10,7 +10,10 @@ OpenAI's), ``top_p``, ``top_k`` (an extension), ``verify`` (an extension: "exact
 Ignored, as OpenAI documents them as optional hints or bookkeeping: ``user``, ``metadata``,
 ``store``, ``service_tier``, ``parallel_tool_calls``. Accepted only at their neutral value:
 ``presence_penalty``/``frequency_penalty`` 0, ``logprobs`` false or null, ``echo`` false,
-``best_of`` 1, ``logit_bias`` empty. Anything else is refused by name, so a client never
+``best_of`` 1, ``logit_bias`` empty, ``tools`` empty (and, on chat completions, ``logprobs`` 0;
+the legacy completions' 0 asks for the sampled token's logprob). A message's ``name``,
+``tool_calls`` and ``tool_call_id`` are accepted only empty (null, or an empty list), as an
+echoed assistant message carries them. Anything else is refused by name, so a client never
 silently gets a different behaviour from the one it asked for."""
 
 from __future__ import annotations
@@ -28,10 +31,20 @@ __all__ = ["ApiError", "OpenAIParams", "error_response", "parse_request"]
 
 IGNORED = {"model", "user", "metadata", "store", "service_tier", "parallel_tool_calls",
            "stream", "stream_options"}
-NEUTRAL = {"presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0),
-           "logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (False, None),
-           "best_of": (1, None), "logit_bias": (None,), "suffix": (None, ""),
-           "response_format": (None,), "tools": (None,), "tool_choice": (None, "none")}
+NEUTRAL: dict[str, tuple] = {
+    "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "logprobs": (None, False),
+    "top_logprobs": (None, 0), "echo": (False, None), "best_of": (1, None),
+    "logit_bias": (None, {}), "suffix": (None, ""), "response_format": (None, {"type": "text"}),
+    "tools": (None, []), "tool_choice": (None, "none")}
+# chat's ``logprobs`` is a boolean; the legacy completions' is a count of alternatives, and its
+# 0 still asks for the sampled token's logprob: not neutral there
+CHAT_NEUTRAL = {**NEUTRAL, "logprobs": (None, False, 0)}
+# what a chat message may carry besides its role and content, at these values only (a client
+# echoing an assistant message back sends them empty): a name, tool calls or a tool call's id
+# would change the prompt the chat template makes, and are refused by name
+MESSAGE_NEUTRAL: dict[str, tuple] = {
+    "name": (None,), "tool_calls": (None, []), "tool_call_id": (None,), "function_call": (None,),
+    "refusal": (None,), "audio": (None,), "annotations": (None, [])}
 SAMPLING = {"max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed",
             "stop", "n", "verify"}
 MAX_STOP = 4
@@ -76,6 +89,11 @@ def _message(i: int, m, images: list[bytes]) -> dict:
         raise ApiError(400, f"messages[{i}] has the unknown role '{m['role'][:40]}': the roles "
                             f"are {', '.join(ROLES)}", "invalid_request_error",
                        f"messages.[{i}].role", "invalid_value")
+    for key, value in m.items():
+        if key in ("role", "content"):
+            continue
+        if key not in MESSAGE_NEUTRAL or not _is_neutral(value, MESSAGE_NEUTRAL[key]):
+            raise _bad(f"messages[{i}].{key[:40]} is not supported by edgespec", f"messages.[{i}]")
     content = m.get("content")
     if isinstance(content, list):  # content parts: text and image_url
         content = parts_content(i, content, images)
@@ -120,7 +138,7 @@ def parse_request(body, chat: bool, model_name: str) -> OpenAIParams:
     for name in body:
         if name not in known:
             raise _bad(f"'{name[:80]}' is not supported by edgespec", name[:80])
-    for name, neutral in NEUTRAL.items():
+    for name, neutral in (CHAT_NEUTRAL if chat else NEUTRAL).items():
         if name in body and not _is_neutral(body[name], neutral):
             raise _bad(f"'{name}' is not supported by edgespec (only its default)", name)
     g = GenerationRequest()
@@ -165,10 +183,8 @@ def parse_request(body, chat: bool, model_name: str) -> OpenAIParams:
 
 def _is_neutral(value, neutral: tuple) -> bool:
     """``value`` one of a parameter's neutral values, of the same JSON kind (numbers equal by
-    value, 1 and 1.0 alike; ``false`` is not 0 here, nor ``true`` 1), or an empty object or
-    list."""
-    if value == {} or value == []:
-        return True
+    value, 1 and 1.0 alike; ``false`` is not 0 here, nor ``true`` 1; an empty object or list
+    only where it is one of them)."""
     return any(_json_kind(value) == _json_kind(n) and value == n for n in neutral)
 
 

@@ -26,6 +26,14 @@ from .stack_choice import StackChooser
 log = logging.getLogger("edgespec.engine.spec_engine")
 
 
+def output_room(max_len: int, prompt_len: int, max_draft: int) -> int:
+    """The most tokens a session of ``prompt_len`` prompt tokens may ask for in a KV slot of
+    ``max_len``: a step writes the session's last token and up to ``max_draft`` draft tokens
+    past its output, so that much of the slot stays free however far the output has come (a
+    step's rows are all as wide as its widest)."""
+    return max_len - prompt_len - max_draft - 1
+
+
 class SessionLifecycle:
     """Admission and ending of the engine's sessions (``SpecEngine`` sets these up)."""
 
@@ -54,10 +62,13 @@ class SessionLifecycle:
             raise ConfigError("the prompt is empty")
         if req.max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens must be >= 1, got {req.max_new_tokens}")
-        need = n + req.max_new_tokens + self.cfg.max_draft + 1
-        if need > self.target.max_len:
-            raise ConfigError(f"prompt ({n} tokens) + max_new_tokens ({req.max_new_tokens}) "
-                              f"exceeds the context limit ({self.target.max_len})")
+        room = output_room(self.target.max_len, n, self.cfg.max_draft)
+        if req.max_new_tokens > room:
+            raise ConfigError(
+                f"prompt ({n} tokens) + max_new_tokens ({req.max_new_tokens}) + a step's draft "
+                f"room ({self.cfg.max_draft + 1}: --max-draft + 1) exceeds the context limit "
+                f"({self.target.max_len}): " + (f"at most {room} new tokens fit" if room > 0
+                                                else "the prompt leaves no room for output"))
         vocab = self.target.vocab_size
         if any(not 0 <= t < vocab for t in req.prompt_ids + req.committed):
             raise ConfigError(f"prompt token ids must be in [0, {vocab})")

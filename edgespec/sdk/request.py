@@ -3,7 +3,9 @@ would refuse for its form, is ``InvalidRequest`` before anything is sent."""
 
 from __future__ import annotations
 
+import math
 import operator
+import struct
 
 from ..config import VERIFY_MODES, ConfigError, EmptyPrompt, SamplingParams
 from ..models.images import check_image_bytes, image_bytes
@@ -34,6 +36,22 @@ def check_messages(messages) -> None:
                                  "strings")
 
 
+def check_wire_float(name: str, value: float) -> None:
+    """The wire carries ``temperature`` and ``top_p`` as 32-bit floats (0 there is greedy /
+    unset): a value that does not stay positive and finite in one would be served as another
+    request (greedy, no top-p filter, or refused as infinite), so it is refused here."""
+    if value <= 0:
+        return
+    try:
+        carried = struct.unpack("<f", struct.pack("<f", value))[0]
+    except OverflowError:
+        carried = math.inf
+    if not 0 < carried < math.inf:
+        raise InvalidRequest(f"{name} {value!r} does not survive the wire's 32-bit float (it "
+                             f"would arrive as {carried!r}): use a value in "
+                             f"[1e-37, 3e38]")
+
+
 def build_request(prompt=None, *, messages=None, prompt_ids=None, raw=False, max_new_tokens=0,
                   temperature=0.0, top_k=0, top_p=1.0, seed=None, device_id=None,
                   verify=None, images=None) -> pb.GenerateRequest:
@@ -52,6 +70,8 @@ def build_request(prompt=None, *, messages=None, prompt_ids=None, raw=False, max
         params = SamplingParams(temperature, top_k, top_p, seed)
     except ValueError as e:
         raise InvalidRequest(str(e)) from None
+    for name, value in (("temperature", params.temperature), ("top_p", params.top_p)):
+        check_wire_float(name, value)
     if verify not in (None, "") + VERIFY_MODES:
         raise InvalidRequest("verify must be 'exact', 'loose' or 'pad', got "
                              f"{str(verify)[:20]!r}")
