@@ -28,3 +28,14 @@ def test_bench_burst_compares_the_prefill_modes_with_identical_outputs(tmp_path,
 def test_bench_burst_refuses_a_mode_it_does_not_know():
     r = run_cli("bench-burst", "--modes", "eager")
     assert r.returncode == 2 and "--modes" in r.stderr
+
+
+def test_the_burst_percentiles_are_nearest_rank_like_every_report():
+    """p50 of 64 values is the 32nd, p99 of 100 the 99th (not the one past them), and the
+    streams' steady p50 is taken the same way."""
+    from edgespec_cli.bench.burst import _percentile
+
+    values = [float(v) for v in range(64, 0, -1)]  # 64 .. 1, unsorted
+    assert _percentile(values, 0.5) == 32.0
+    assert _percentile([float(v) for v in range(1, 101)], 0.99) == 99.0
+    assert _percentile([7.0], 0.99) == 7.0 and _percentile([], 0.5) == 0.0

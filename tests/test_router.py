@@ -125,3 +125,29 @@ def test_the_routers_status_merges_what_each_replica_saw_of_a_drafter():
     assert a["acceptance_rate"] == pytest.approx(29 / 50)
     assert a["mean_acceptance_length"] == pytest.approx(1 + 29 / 15)
     assert int(by_id["board-b"]["session_steps"]) == 3
+
+
+def test_the_routers_status_describes_the_replicas_that_serve():
+    """The model, dtype and runner come from a replica that serves (not the first to answer,
+    which may not); replicas on different kernel sets are each named."""
+    from verifier_node.router import describe_replicas
+
+    def replica(healthy, dtype, fp, desc):
+        return pb.StatusResponse(model="m", healthy=healthy, dtype=dtype, runner=pb.RunnerStatus(
+            kernel_set=fp, kernel_set_description=desc))
+
+    down = replica(False, "float32", "a" * 16, "eager float32")
+    up = replica(True, "bfloat16", "b" * 16, "eager bfloat16")
+    merged = pb.StatusResponse()
+    describe_replicas(merged, [down, up])
+    assert (merged.dtype, merged.runner.kernel_set) == ("bfloat16", "b" * 16)
+    assert merged.runner.kernel_set_description == "eager bfloat16"
+    other = replica(True, "float32", "c" * 16, "eager float32")
+    describe_replicas(merged, [down, up, other])
+    assert merged.runner.kernel_set == "b" * 16
+    assert "2 kernel sets" in merged.runner.kernel_set_description
+    assert "bbbbbbbb (bfloat16): eager bfloat16" in merged.runner.kernel_set_description
+    assert "cccccccc (float32): eager float32" in merged.runner.kernel_set_description
+    merged = pb.StatusResponse()
+    describe_replicas(merged, [down])  # none serves: what the one that answered says
+    assert merged.dtype == "float32" and merged.runner.kernel_set == "a" * 16

@@ -216,17 +216,14 @@ class VerifierRouter(pb_grpc.VerifierServicer):
 
     def Status(self, request, context):
         merged = pb.StatusResponse()
-        answered = 0
+        answered: list[pb.StatusResponse] = []
         drafters: list[pb.DrafterStatus] = []
         for r in self._replicas:
             try:
                 s = r.stub.Status(request, timeout=5.0, metadata=self.metadata)
             except grpc.RpcError:
                 continue
-            if answered == 0:
-                merged.model, merged.version, merged.dtype = s.model, s.version, s.dtype
-                merged.runner.CopyFrom(s.runner)  # the replicas run the same configuration
-            answered += 1
+            answered.append(s)
             drafters.extend(s.drafters)
             merged.active_sessions += s.active_sessions
             merged.queued_sessions += s.queued_sessions
@@ -237,10 +234,27 @@ class VerifierRouter(pb_grpc.VerifierServicer):
                           "accepted_tokens"):
                 setattr(merged.cost, field, getattr(merged.cost, field) + getattr(s.cost, field))
             merged.healthy |= s.healthy
-        if answered == 0:
+        if not answered:
             context.abort(grpc.StatusCode.UNAVAILABLE, "no verifier replica answers")
+        describe_replicas(merged, answered)
         merged.drafters.extend(merged_drafters(drafters))
         return merged
+
+
+def describe_replicas(merged: pb.StatusResponse, answered: list[pb.StatusResponse]) -> None:
+    """The model, dtype and runner ``merged`` reports: those of the replicas that serve (of
+    those that answered where none does), the first's; where they decode on more than one
+    kernel set (a resume is routed by it), the runner's description names each."""
+    serving = [s for s in answered if s.healthy] or answered
+    first = serving[0]
+    merged.model, merged.version, merged.dtype = first.model, first.version, first.dtype
+    merged.runner.CopyFrom(first.runner)
+    sets = {s.runner.kernel_set: s for s in serving if s.runner.kernel_set}
+    if len(sets) > 1:
+        merged.runner.kernel_set_description = (
+            f"the serving replicas decode on {len(sets)} kernel sets: " + "; ".join(
+                f"{fp[:8]} ({s.dtype}): {s.runner.kernel_set_description}"
+                for fp, s in sets.items()))
 
 
 # what each replica counts of a drafter's links to it, summed over the replicas

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import random
-import statistics
 import sys
 import threading
 import time
@@ -31,6 +30,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from edgespec.config import ConfigError
+
+from ..simulate.report import nearest_rank
 
 MODES = ("serial", "batched", "chunked")
 WAIT_S = 600
@@ -74,8 +75,10 @@ class BurstResult:
 
 
 def _percentile(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else 0.0
+    """The nearest-rank percentile (``q`` in (0, 1]), as every report of the project takes it;
+    0 of none."""
+    got = nearest_rank(xs, 100 * q)
+    return 0.0 if got is None else got
 
 
 def burst_prompts(tokenizer, n: int, lo: int, hi: int, seed: int = 0) -> list[list[int]]:
@@ -155,7 +158,7 @@ def run_burst(loaded, mode: str, streams: list[list[int]], burst: list[list[int]
                 steady.append(b - a)
             elif b <= done:
                 during.append(b - a)
-    steady_p50 = statistics.median(steady) if steady else 0.0
+    steady_p50 = _percentile(steady, 0.5)
     return BurstResult(mode, budget, _percentile(ttft, 0.5), _percentile(ttft, 0.99), max(ttft),
                        steady_p50, _percentile(during, 0.99), max(during, default=0.0),
                        max(during, default=0.0) / steady_p50 if steady_p50 else 0.0,

@@ -316,10 +316,13 @@ def measure(store: str, drafter: str, n: int, new_tokens: int, right: float,
     # stage's figure is its own
     times["verify"] -= times["decide"]
     cpu["verify"] -= cpu["decide"]
+    # the runner answers inside the verify stage: its time is its own column, the stage's the
+    # host part alone (wall and CPU alike)
+    times["verify"] -= runner.runner_s
+    cpu["verify"] -= runner.runner_cpu_s
     stage_us = {k: 1e6 * times[k] / steps for k in STAGES}
     stage_us["runner"] = 1e6 * runner.runner_s / steps
     stage_cpu_us = {k: 1e6 * cpu[k] / steps for k in STAGES}
-    stage_cpu_us["verify"] -= 1e6 * runner.runner_cpu_s / steps  # the host part alone
     host_s = wall - runner.runner_s
     drafted = sum(r.stats.draft_tokens for r in results)
     accepted = sum(r.stats.accepted_tokens for r in results)
