@@ -75,6 +75,40 @@ def test_health_is_not_serving_while_every_step_fails_and_serving_after_one_succ
     _wait_status(server.port, SERVING)
 
 
+def test_health_is_not_serving_while_a_step_hangs_and_serving_once_it_returns(server,
+                                                                              monkeypatch):
+    """A step that never returns (a hung device or kernel) neither raises nor ends the loop:
+    past ``STUCK_STEP_S`` (a second here) health says NOT_SERVING, and SERVING again once the
+    step returns; the session it held finishes."""
+    import verifier_node.scheduler as scheduler
+
+    monkeypatch.setattr(scheduler, "STUCK_STEP_S", 1.0)
+    _wait_status(server.port, SERVING)
+    runner = server.scheduler.engine.target
+    score_rows, release = runner.score_rows, threading.Event()
+
+    def hung(*a, **k):
+        release.wait(120)
+        return score_rows(*a, **k)
+
+    monkeypatch.setattr(runner, "score_rows", hung)
+    got: list = []
+    with grpc.insecure_channel(f"127.0.0.1:{server.port}") as ch:
+        stub = pb_grpc.VerifierStub(ch)
+        call = threading.Thread(target=lambda: got.extend(stub.Generate(
+            pb.GenerateRequest(prompt_ids=[1, 5, 6], max_new_tokens=4), timeout=120)))
+        call.start()
+        try:
+            _wait_status(server.port, NOT_SERVING)
+            assert server.scheduler.is_alive() and server.scheduler.stuck
+        finally:
+            release.set()
+        call.join(120)
+    assert not call.is_alive() and got and got[-1].finished
+    _wait_status(server.port, SERVING)
+    assert not server.scheduler.stuck
+
+
 def test_a_dead_embedded_redis_is_restarted_with_its_sessions(server):
     """The embedded redis-server runs with an append-only file: the monitor restarts it on
     the same socket and data, and the server serves again (an external Redis going away is

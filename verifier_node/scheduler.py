@@ -34,6 +34,9 @@ log = logging.getLogger("edgespec.verifier")
 
 FAILING_STEPS = 3  # verification steps failing in a row after which health says NOT_SERVING
 FAILING_FOR_S = 30.0  # ... for this long after the last failure (or until a step succeeds)
+# a step running this long is stuck (a hung device or kernel): NOT_SERVING until it returns. A
+# step's prefill is bounded by --prefill-budget: a few seconds on a CPU
+STUCK_STEP_S = 60.0
 
 
 class QueueFull(Exception):
@@ -151,6 +154,8 @@ class Scheduler(threading.Thread):
         self.store_ok = True
         self._failed_steps = 0  # steps in a row that raised (a bug, a device fault)
         self._failed_at = 0.0
+        self._step_began: float | None = None  # the running step's start (None: between)
+        self._said_stuck = False
         self.draining = False
         self.pace = Pace(engine.cost.fit)
         engine.on_prefill = self._prefilled  # what each step's chunked prefill did
@@ -164,12 +169,25 @@ class Scheduler(threading.Thread):
 
     @property
     def healthy(self) -> bool:
-        """Serving: the loop runs, the cache answers, and its steps do not all fail (a device
+        """Serving: the loop runs, the cache answers, its steps do not all fail (a device
         fault that fails every step: unhealthy from the ``FAILING_STEPS``-th in a row, for
-        ``FAILING_FOR_S`` after the last, or until a step succeeds)."""
+        ``FAILING_FOR_S`` after the last, or until a step succeeds) and none hangs (a step
+        running past ``STUCK_STEP_S``: unhealthy until it returns)."""
         failing = (self._failed_steps >= FAILING_STEPS
                    and time.monotonic() - self._failed_at < FAILING_FOR_S)
-        return self.is_alive() and self.store_ok and not failing and not self._stopping.is_set()
+        return self.is_alive() and self.store_ok and not failing and not self.stuck \
+            and not self._stopping.is_set()
+
+    @property
+    def stuck(self) -> bool:
+        """A step has run past ``STUCK_STEP_S`` and not returned (said once in the log)."""
+        began = self._step_began
+        stuck = began is not None and time.monotonic() - began > STUCK_STEP_S
+        if stuck and not self._said_stuck:
+            self._said_stuck = True
+            log.error("a verification step has run for over %.0f s: health says NOT_SERVING "
+                      "until it returns (a hung device or kernel?)", STUCK_STEP_S)
+        return stuck
 
     def submit(self, ticket: Ticket, deadline_s: float | None = None) -> Ticket:
         """Queue a ticket; if its session is already queued or running, the running ticket is
@@ -271,8 +289,15 @@ class Scheduler(threading.Thread):
                 self._admit()
                 if self.engine.sessions:  # running, or waiting for their prompts' prefill
                     self._step_tokens = 0
-                    began = time.monotonic()
-                    report = self.engine.step()
+                    began = self._step_began = time.monotonic()
+                    try:
+                        report = self.engine.step()
+                    finally:
+                        self._step_began = None
+                        if self._said_stuck:
+                            self._said_stuck = False
+                            log.info("the stuck verification step returned after %.0f s",
+                                     time.monotonic() - began)
                     if self.engine.faulted:  # every forward raised: its sessions failed alone
                         self._count_failing_step()
                     else:
