@@ -324,3 +324,27 @@ def test_edge_drafting_against_server_only_per_device_count():
     assert r["itl_p50"] == pytest.approx(1.0) and r["bound_by"] is None
     assert "edge drafting / server-only, 2 dev: throughput 2.00x" in format_table(report)
     assert "vs_server_only" not in report_for(sweep())
+
+
+def test_the_lossless_sample_holds_every_request_a_link_fault_overlapped():
+    """Each device's first finished request, and every finished one sent before a fault healed
+    and ended after it began (a fault never healed lasts to the run's end): the requests a
+    fault could have changed are all checked against target-only decoding."""
+    from edgespec_cli.simulate.check import sample
+
+    reqs = [req("dev-a", "pi5", 0.0, [1.0, 2.0]),  # first of dev-a
+            req("dev-a", "pi5", 3.0, [4.0, 5.0]),  # before the fault: not sampled
+            req("dev-a", "pi5", 5.5, [6.5, 8.0]),  # during the fault (6-7 s)
+            req("dev-b", "orin", 5.0, [5.5, 9.0]),  # first of dev-b, and during it
+            req("dev-b", "orin", 7.5, [8.0, 8.5]),  # after it healed, before the next
+            req("dev-b", "orin", 8.6, [9.5]),  # the second fault, never healed
+            req("dev-b", "orin", 6.5, [], error="timeout")]  # failed: nothing to check
+    r = run(requests=reqs, ended=10.0)
+    r.link_faults = [{"fault": "blackhole", "links": "all", "device": None, "at_s": 6.0,
+                      "healed_at_s": 7.0},
+                     {"fault": "reset", "links": "all", "device": 1, "at_s": 9.2,
+                      "healed_at_s": None}]
+    assert [(x.device_id, x.sent_at) for x in sample(r)] == [
+        ("dev-a", 0.0), ("dev-b", 5.0), ("dev-a", 5.5), ("dev-b", 8.6)]
+    r.link_faults = []
+    assert [(x.device_id, x.sent_at) for x in sample(r)] == [("dev-a", 0.0), ("dev-b", 5.0)]

@@ -1,6 +1,8 @@
 """Losslessness of a simulated fleet: a sample of sessions against target-only decoding.
 
-For every run, one finished request per device (its first) is decoded again by target-only
+For every run, one finished request per device (its first), and every finished request a link
+fault overlapped (sent before the fault healed, its last token after it began), is decoded
+again by target-only
 greedy decoding in the served dtype on the verifier's device (float32 on a CPU: transformers' own
 ``generate``; another dtype or a GPU: edgespec's runner with no drafter, the lossless reference
 there), and the two token sequences must be identical.
@@ -8,16 +10,28 @@ there), and the two token sequences must be identical.
 
 from __future__ import annotations
 
+import math
+
 from .records import RunRecord
 
 
 def sample(run: RunRecord) -> list:
-    """The first finished request of each device."""
-    picked = {}
+    """The first finished request of each device, and every finished request a link fault's
+    window overlapped (the faults are where an output could go wrong; a fault not yet healed
+    when the run ended lasts to its end), in the order sent."""
+    windows = [(run.started + f["at_s"], math.inf if f.get("healed_at_s") is None
+                else run.started + f["healed_at_s"]) for f in run.link_faults]
+    first: set[str] = set()
+    picked = []
     for r in sorted(run.requests, key=lambda r: r.sent_at):
-        if r.error is None and r.tokens and r.device_id not in picked:
-            picked[r.device_id] = r
-    return list(picked.values())
+        if r.error is not None or not r.tokens:
+            continue
+        ended = r.token_times[-1] if r.token_times else run.ended
+        faulted = any(r.sent_at < healed and ended > began for began, healed in windows)
+        if faulted or r.device_id not in first:
+            first.add(r.device_id)
+            picked.append(r)
+    return picked
 
 
 def check_lossless(target, runs: list[RunRecord], max_new_tokens: int) -> dict:
