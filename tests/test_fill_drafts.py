@@ -199,6 +199,9 @@ def test_the_fills_figures_cross_the_wire_and_reach_the_metrics_apart_from_the_b
               drafter_accepted=10)
     back = stats_from_pb(stats_to_pb(s))
     assert (back["fill_drafts"], back["fill_tokens"], back["fill_accepted"]) == (2, 5, 1)
+    # the board's own share travels too: what a client's per-board figures are taken from
+    assert (back["drafter_drafts"], back["drafter_tokens"], back["drafter_accepted"]) == \
+        (4, 15, 10)
     m = VerifierMetrics(CollectorRegistry())
     m.finished(BOARD, s, "length", 1.0)
     text = generate_latest(m.registry).decode()

@@ -20,6 +20,7 @@ def req(device, profile, sent, times, drafted=0, accepted=0, mal=0.0, error=None
     return RequestRecord(device_id=device, profile=profile, category="qa", prompt_ids=[1, 2],
                          sent_at=sent, token_times=list(times), tokens=list(range(len(times))),
                          drafted=drafted, accepted=accepted, mean_acceptance_length=mal,
+                         board_drafted=drafted, board_accepted=accepted,  # no verifier drafts
                          error=error)
 
 
@@ -348,3 +349,28 @@ def test_the_lossless_sample_holds_every_request_a_link_fault_overlapped():
         ("dev-a", 0.0), ("dev-b", 5.0), ("dev-a", 5.5), ("dev-b", 8.6)]
     r.link_faults = []
     assert [(x.device_id, x.sent_at) for x in sample(r)] == [("dev-a", 0.0), ("dev-b", 5.0)]
+
+
+def test_a_devices_acceptance_is_its_boards_own_the_verifiers_drafts_left_out():
+    """With the verifier's draft head (or fill) drafting too, the totals a session reports mix
+    them in: a device's drafted, accepted, rate and wasted are its board's own share (the wire's
+    drafter_* counts); a verifier too old to send them, with neither a head nor a fill, has
+    totals that are the board's."""
+    from edgespec_cli.simulate.records import board_share
+    from edgespec_cli.simulate.report import summarize_device
+
+    class Piece:
+        token_ids = [5, 6]
+        stats = {"drafted": 100, "accepted": 60, "head_tokens": 60, "head_accepted": 50,
+                 "drafter_drafts": 8, "drafter_tokens": 40, "drafter_accepted": 10,
+                 "mean_acceptance_length": 2.0}
+
+    r = RequestRecord(device_id="dev-a", profile="pi5", category="qa", prompt_ids=[1],
+                      sent_at=0.0)
+    r.read([Piece()])
+    assert (r.drafted, r.accepted, r.board_drafted, r.board_accepted) == (100, 60, 40, 10)
+    d = summarize_device("dev-a", [r], 10.0, {"tokens_sent": 40})
+    assert (d["drafted"], d["accepted"], d["acceptance_rate"]) == (40, 10, 0.25)
+    assert d["draft_tokens_wasted"] == 30
+    assert board_share({"drafted": 9, "accepted": 4}) == (9, 4)  # an older verifier's
+    assert board_share({"drafted": 9, "accepted": 4, "fill_tokens": 9}) == (0, 0)  # all fill

@@ -21,7 +21,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., has_seed: _Optional[bool] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class Stats(_message.Message):
-    __slots__ = ("steps", "num_drafts", "drafted", "accepted", "acceptance_rate", "mean_acceptance_length", "tokens_per_s", "prefill_s", "elapsed_s", "tokens", "accepted_per_pos", "take_s", "forward_s", "commit_s", "lossy", "branch_tokens", "head_tokens", "head_accepted", "stacks", "verify", "lenient_tokens", "fill_tokens", "fill_accepted", "fill_drafts")
+    __slots__ = ("steps", "num_drafts", "drafted", "accepted", "acceptance_rate", "mean_acceptance_length", "tokens_per_s", "prefill_s", "elapsed_s", "tokens", "accepted_per_pos", "take_s", "forward_s", "commit_s", "lossy", "branch_tokens", "head_tokens", "head_accepted", "stacks", "verify", "lenient_tokens", "fill_tokens", "fill_accepted", "fill_drafts", "drafter_drafts", "drafter_tokens", "drafter_accepted")
     class StacksEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -53,6 +53,9 @@ class Stats(_message.Message):
     FILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FILL_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     FILL_DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    DRAFTER_DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    DRAFTER_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DRAFTER_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     steps: int
     num_drafts: int
     drafted: int
@@ -77,7 +80,10 @@ class Stats(_message.Message):
     fill_tokens: int
     fill_accepted: int
     fill_drafts: int
-    def __init__(self, steps: _Optional[int] = ..., num_drafts: _Optional[int] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_acceptance_length: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., elapsed_s: _Optional[float] = ..., tokens: _Optional[int] = ..., accepted_per_pos: _Optional[_Iterable[int]] = ..., take_s: _Optional[float] = ..., forward_s: _Optional[float] = ..., commit_s: _Optional[float] = ..., lossy: _Optional[bool] = ..., branch_tokens: _Optional[int] = ..., head_tokens: _Optional[int] = ..., head_accepted: _Optional[int] = ..., stacks: _Optional[_Mapping[str, int]] = ..., verify: _Optional[str] = ..., lenient_tokens: _Optional[int] = ..., fill_tokens: _Optional[int] = ..., fill_accepted: _Optional[int] = ..., fill_drafts: _Optional[int] = ...) -> None: ...
+    drafter_drafts: int
+    drafter_tokens: int
+    drafter_accepted: int
+    def __init__(self, steps: _Optional[int] = ..., num_drafts: _Optional[int] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_acceptance_length: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., elapsed_s: _Optional[float] = ..., tokens: _Optional[int] = ..., accepted_per_pos: _Optional[_Iterable[int]] = ..., take_s: _Optional[float] = ..., forward_s: _Optional[float] = ..., commit_s: _Optional[float] = ..., lossy: _Optional[bool] = ..., branch_tokens: _Optional[int] = ..., head_tokens: _Optional[int] = ..., head_accepted: _Optional[int] = ..., stacks: _Optional[_Mapping[str, int]] = ..., verify: _Optional[str] = ..., lenient_tokens: _Optional[int] = ..., fill_tokens: _Optional[int] = ..., fill_accepted: _Optional[int] = ..., fill_drafts: _Optional[int] = ..., drafter_drafts: _Optional[int] = ..., drafter_tokens: _Optional[int] = ..., drafter_accepted: _Optional[int] = ...) -> None: ...
 
 class ChatMessage(_message.Message):
     __slots__ = ("role", "content")

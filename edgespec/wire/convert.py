@@ -54,7 +54,9 @@ def stats_to_pb(s: Stats) -> pb.Stats:
                     branch_tokens=s.branch_tokens, head_tokens=s.head_tokens,
                     head_accepted=s.head_accepted, stacks=s.stacks, verify=s.verify,
                     lenient_tokens=s.lenient_tokens, fill_tokens=s.fill_tokens,
-                    fill_accepted=s.fill_accepted, fill_drafts=s.fill_drafts)
+                    fill_accepted=s.fill_accepted, fill_drafts=s.fill_drafts,
+                    drafter_drafts=s.drafter_drafts, drafter_tokens=s.drafter_tokens,
+                    drafter_accepted=s.drafter_accepted)
 
 
 def stats_from_pb(m: pb.Stats) -> dict:
@@ -68,7 +70,9 @@ def stats_from_pb(m: pb.Stats) -> dict:
             "head_accepted": m.head_accepted, "stacks": dict(m.stacks),
             "verify": m.verify or ("loose" if m.lossy else "exact"),
             "lenient_tokens": m.lenient_tokens, "fill_tokens": m.fill_tokens,
-            "fill_accepted": m.fill_accepted, "fill_drafts": m.fill_drafts}
+            "fill_accepted": m.fill_accepted, "fill_drafts": m.fill_drafts,
+            "drafter_drafts": m.drafter_drafts, "drafter_tokens": m.drafter_tokens,
+            "drafter_accepted": m.drafter_accepted}
 
 
 # -- retry hints --------------------------------------------------------------------------------

@@ -379,8 +379,9 @@ def _compare(sessions: int, boards: int, alone: dict, edge: dict, split) -> dict
                 "server_cpu_ms_per_token": None if not tokens or run["server_cpu_s"] is None
                 else 1000 * run["server_cpu_s"] / tokens,
                 "tokens_per_forward": tokens / run["forwards"] if run["forwards"] else None,
-                "drafted": sum(r.drafted for r in recs),
-                "accepted": sum(r.accepted for r in recs),
+                # the boards' own drafts (a --fill-drafts fill's left out): their acceptance
+                "drafted": sum(r.board_drafted for r in recs),
+                "accepted": sum(r.board_accepted for r in recs),
                 "steps": run["forwards"], "step_ms": run["step_ms"],
                 "chunks_refused": run["chunks_refused"],
                 "drafted_per_pos": _trimmed(run["drafted_per_pos"]),

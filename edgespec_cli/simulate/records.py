@@ -11,6 +11,16 @@ from dataclasses import dataclass, field
 SERVER_ONLY = "server-only"  # the baseline mode: no boards, the verifier decoding alone
 
 
+def board_share(stats: dict) -> tuple[int, int]:
+    """(draft tokens, accepted) of a session's own drafter, from its final stats: the wire's
+    ``drafter_*`` counts; a verifier older than them, which sends none, had no head or fill
+    drafts to count apart when it counted neither (its totals are the drafter's)."""
+    own = int(stats.get("drafter_tokens", 0)), int(stats.get("drafter_accepted", 0))
+    if own[0] or stats.get("head_tokens") or stats.get("fill_tokens"):
+        return own
+    return int(stats.get("drafted", 0)), int(stats.get("accepted", 0))
+
+
 @dataclass
 class RequestRecord:
     device_id: str
@@ -24,6 +34,9 @@ class RequestRecord:
     drafted: int = 0  # draft tokens the verifier checked for this session
     accepted: int = 0  # of which accepted
     mean_acceptance_length: float = 0.0  # tokens committed per verification step
+    # the board's own share of drafted / accepted: the verifier's head and fill drafts left out
+    board_drafted: int = 0
+    board_accepted: int = 0
     error: str | None = None  # set when the request failed (then it counts no tokens)
 
     @property
@@ -40,6 +53,7 @@ class RequestRecord:
             if piece.stats:
                 self.drafted = int(piece.stats.get("drafted", 0))
                 self.accepted = int(piece.stats.get("accepted", 0))
+                self.board_drafted, self.board_accepted = board_share(piece.stats)
                 self.mean_acceptance_length = float(
                     piece.stats.get("mean_acceptance_length", 0.0))
 

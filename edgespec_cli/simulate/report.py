@@ -16,7 +16,9 @@ Definitions (all times in seconds in the JSON; the text table shows latencies in
 - Percentiles are nearest-rank: the p-th percentile of n sorted values is the value at 1-based
   rank ceil(p/100 * n).
 - Acceptance: accepted / drafted (summed over requests), and ``mean_acceptance_length`` averaged
-  over requests weighted by their tokens.
+  over requests weighted by their tokens; a run's counts every draft its steps verified, a
+  device's (and its ``draft_tokens_wasted``) only its board's own, the verifier's draft head
+  and fill drafts left out.
 - ``samples``: how many values each latency percentile was taken over (TTFT: one per counting
   request; ITL: one per token after each request's first piece).
 - Batch sizes: the verifier's histogram {sessions in a forward: forwards} (keys as strings, so the
@@ -110,10 +112,12 @@ def percentiles(values: list[float]) -> dict:
     return {"p50": nearest_rank(values, 50), "p99": nearest_rank(values, 99)}
 
 
-def acceptance(reqs: list[RequestRecord]) -> dict:
+def acceptance(reqs: list[RequestRecord], board: bool = False) -> dict:
+    """Draft tokens verified and accepted over ``reqs``: every draft the steps verified, or
+    (``board``) their boards' own, the verifier's head and fill drafts left out."""
     done = [r for r in reqs if counts(r)]
-    drafted = sum(r.drafted for r in done)
-    accepted = sum(r.accepted for r in done)
+    drafted = sum(r.board_drafted if board else r.drafted for r in done)
+    accepted = sum(r.board_accepted if board else r.accepted for r in done)
     tokens = sum(len(r.tokens) for r in done)
     weighted = sum(r.mean_acceptance_length * len(r.tokens) for r in done)
     return {"drafted": drafted, "accepted": accepted, "rate": ratio(accepted, drafted),
@@ -132,7 +136,7 @@ def summarize_device(device_id: str, reqs: list[RequestRecord], wall: float,
     done = [r for r in reqs if counts(r)]
     tokens = sum(len(r.tokens) for r in done)
     busy = busy_time(done)
-    acc = acceptance(reqs)
+    acc = acceptance(reqs, board=True)  # the board's own drafts: its sent tokens' fate
     sent = board.get("tokens_sent") if board else None
     return {"device_id": device_id, "profile": reqs[0].profile, "requests": len(reqs),
             "draft_tokens_sent": sent,
