@@ -343,3 +343,38 @@ def test_acceptance_by_position_is_counted_out_of_the_drafts_that_reached_it():
     report = step_report([3], [tree.drafted], sessions=1, tokens=6, take_s=0.0, forward_s=0.0,
                          commit_s=0.0, depths=[tree.depth])
     assert report.drafted_per_pos == (1, 1, 1) and report.accepted_per_pos == (1, 1, 1)
+
+
+def test_a_board_past_the_device_labels_keeps_its_own_figures_in_status():
+    """Past the first MAX_DEVICES boards the device series are summed under "other" (bounded
+    labels), but the Status RPC's per-board acceptance still reads each board's own counts, and
+    the steps' per-board link series sum the rest under "other" rather than drop them."""
+    from prometheus_client import generate_latest
+
+    from edgespec.engine.lateness import Lateness
+    from edgespec.protocol.request_stats import Stats
+    from verifier_node.metrics import MAX_DEVICES, _LinkCollector
+
+    m = VerifierMetrics(CollectorRegistry())
+    stats = Stats(num_drafts=2, draft_tokens=8, accepted_tokens=5, drafter_drafts=2,
+                  drafter_tokens=8, drafter_accepted=5)
+    for i in range(MAX_DEVICES):
+        m.finished(f"board-{i}", stats, "length", 1.0)
+    m.finished("board-new", stats, "length", 1.0)
+    m.finished("board-new", stats, "length", 1.0)
+    assert m.device_draft_counts("board-new") == (4, 16, 10)  # its own, not 0
+    assert m.device_draft_counts("board-0") == (2, 8, 5)
+    text = generate_latest(m.registry).decode()
+    assert 'edgespec:device_accepted_tokens_total{device="other"} 10.0' in text
+    assert 'device="board-new"' not in text
+
+    book = Lateness(misses_to_late=1)
+    for i in range(MAX_DEVICES + 3):
+        book.record(f"board-{i}", ready=i < MAX_DEVICES + 1, waited=True, sessions=(1, 1, 1))
+    reg = CollectorRegistry()
+    reg.register(_LinkCollector(book.snapshot))
+    text = generate_latest(reg).decode()
+    assert 'edgespec:drafter_session_steps_total{device="other"} 3.0' in text
+    assert 'edgespec:drafter_late{device="other"} 2.0' in text  # two of the three missed
+    assert f'edgespec:drafter_session_steps_total{{device="board-{MAX_DEVICES - 1}"}} 1.0' \
+        in text

@@ -56,13 +56,14 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter as Counter_
-from collections import deque
+from collections import OrderedDict, deque
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from edgespec.config import LOSSY_MODES
+from edgespec.engine.lateness import DrafterLink
 
 disable_created_metrics()  # no "_created" series next to every counter and histogram
 
@@ -71,6 +72,9 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5
 SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 MAX_POSITIONS = 32  # per-position acceptance counted for draft positions below this
 MAX_DEVICES = 256  # distinct device labels; later ones are counted under "other"
+# devices whose finished sessions' drafts the Status RPC reads (the least recently finished
+# forgotten first: ids come from devices, the table stays bounded)
+MAX_TRACKED_DEVICES = 4096
 
 
 class VerifierMetrics:
@@ -177,7 +181,9 @@ class VerifierMetrics:
             "resume or re-creation from a replica with another kernel set fingerprint): their "
             "output differs from either's target-only decoding from that position", registry=r)
         self._recent: deque[tuple[float, int]] = deque()  # (time, tokens) for throughput
-        self._by_device: dict[str, list[int]] = {}  # device -> [drafts, drafted, accepted]
+        # device -> [drafts, drafted, accepted], the most recently finished last
+        self._by_device: OrderedDict[str, list[int]] = OrderedDict()
+        self._labelled: set[str] = set()  # devices with series of their own (MAX_DEVICES)
         self._head = [0, 0]  # head tokens proposed, accepted
         self._lock = threading.Lock()
         r.register(_CpuCollector())
@@ -284,20 +290,29 @@ class VerifierMetrics:
             self._head[1] += stats.head_accepted
         if device and stats.num_drafts:
             with self._lock:
-                if device not in self._by_device and len(self._by_device) >= MAX_DEVICES:
-                    device = "other"  # drafters may choose their ids: keep the series bounded
+                # drafters may choose their ids: the series stay bounded, a device past the
+                # first MAX_DEVICES counted under "other" (its own figures still in Status)
+                if device not in self._labelled and len(self._labelled) < MAX_DEVICES:
+                    self._labelled.add(device)
+                label = device if device in self._labelled else "other"
             # the board's own drafts: the verifier's (its head's, its fills for the board's
             # empty ones) counted apart
             drafts, tokens = stats.drafter_drafts, stats.drafter_tokens
             accepted = stats.drafter_accepted
-            self.device_drafts.labels(device).inc(drafts)
-            self.device_draft_tokens.labels(device).inc(tokens)
-            self.device_accepted.labels(device).inc(accepted)
+            self.device_drafts.labels(label).inc(drafts)
+            self.device_draft_tokens.labels(label).inc(tokens)
+            self.device_accepted.labels(label).inc(accepted)
             if stats.fill_tokens:
-                self.fill_tokens.labels(device).inc(stats.fill_tokens)
-                self.fill_accepted.labels(device).inc(stats.fill_accepted)
+                self.fill_tokens.labels(label).inc(stats.fill_tokens)
+                self.fill_accepted.labels(label).inc(stats.fill_accepted)
             with self._lock:
-                agg = self._by_device.setdefault(device, [0, 0, 0])
+                agg = self._by_device.get(device)
+                if agg is None:
+                    agg = self._by_device[device] = [0, 0, 0]
+                    if len(self._by_device) > MAX_TRACKED_DEVICES:
+                        self._by_device.popitem(last=False)
+                else:
+                    self._by_device.move_to_end(device)
                 agg[0] += drafts
                 agg[1] += tokens
                 agg[2] += accepted
@@ -437,8 +452,18 @@ class _LinkCollector(Collector):
                                     "before: the session's opening, a fix after a verified "
                                     "draft, an empty draft again, or none of these",
                                     labels=["device", "after"])
-        for device, link in list(links.items())[:MAX_DEVICES]:
-            late.add_metric([device], 1.0 if link.late else 0.0)
+        items = list(links.items())
+        shown = [(device, link, float(link.late)) for device, link in items[:MAX_DEVICES]]
+        rest = [link for _, link in items[MAX_DEVICES:]]
+        if rest:  # past the first MAX_DEVICES: summed under "other" (late: how many are)
+            other = DrafterLink()
+            for link in rest:
+                for attr, value in vars(link).items():
+                    if not isinstance(value, bool):
+                        setattr(other, attr, getattr(other, attr) + value)
+            shown.append(("other", other, float(sum(link.late for link in rest))))
+        for device, link, is_late in shown:
+            late.add_metric([device], is_late)
             for family, attr in counters:
                 family.add_metric([device], getattr(link, attr))
             for after, count in (("opening", link.empty_opening), ("fix", link.empty_after_fix),
