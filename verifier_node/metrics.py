@@ -433,8 +433,9 @@ class _LinkCollector(Collector):
                                  labels=["device"])
         counters = [(CounterMetricFamily(f"edgespec:{name}", text, labels=["device"]), attr)
                     for name, text, attr in (
-                        ("drafter_missed_deadline", "Steps whose draft deadline this "
-                         "drafter's drafts missed", "missed"),
+                        ("drafter_missed_deadline", "Steps that took this drafter's drafts "
+                         "before all were ready: its deadline missed, or (late, or a step "
+                         "that waited for none) not waited for", "missed"),
                         ("drafter_unwaited_steps", "Steps that verified this drafter's "
                          "sessions without waiting for its drafts", "unwaited"),
                         ("drafter_marked_late", "Times this drafter was found late",
