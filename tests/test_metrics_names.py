@@ -372,9 +372,51 @@ def test_a_board_past_the_device_labels_keeps_its_own_figures_in_status():
     for i in range(MAX_DEVICES + 3):
         book.record(f"board-{i}", ready=i < MAX_DEVICES + 1, waited=True, sessions=(1, 1, 1))
     reg = CollectorRegistry()
-    reg.register(_LinkCollector(book.snapshot))
+    reg.register(_LinkCollector(book.snapshot, m.device_labels))  # the same labels' rule
     text = generate_latest(reg).decode()
     assert 'edgespec:drafter_session_steps_total{device="other"} 3.0' in text
     assert 'edgespec:drafter_late{device="other"} 2.0' in text  # two of the three missed
     assert f'edgespec:drafter_session_steps_total{{device="board-{MAX_DEVICES - 1}"}} 1.0' \
         in text
+
+
+def test_a_boards_series_are_all_its_own_or_all_other_and_other_never_falls(monkeypatch):
+    """One labelling rule for the finished sessions' and the steps' series; a board summed
+    under "other" that the steps' table later forgets keeps its counts there (a counter that
+    fell would read as a reset)."""
+    from prometheus_client import generate_latest
+
+    import edgespec.engine.lateness as lateness
+    from edgespec.engine.lateness import Lateness
+    from edgespec.protocol.request_stats import Stats
+    from verifier_node.metrics import DeviceLabels, _LinkCollector
+
+    monkeypatch.setattr(lateness, "MAX_TRACKED", 4)  # the steps' table forgets the oldest
+    m = VerifierMetrics(CollectorRegistry())
+    m.device_labels = labels = DeviceLabels(cap=2)
+    stats = Stats(num_drafts=1, draft_tokens=2, accepted_tokens=1, drafter_drafts=1,
+                  drafter_tokens=2, drafter_accepted=1)
+    m.finished("b", stats, "length", 1.0)  # "b" finishes a session first: labelled
+    book = Lateness()
+    reg = CollectorRegistry()
+    reg.register(_LinkCollector(book.snapshot, labels))
+
+    def steps(device: str) -> float | None:
+        for fam in reg.collect():
+            for sample in fam.samples:
+                if sample.name == "edgespec:drafter_session_steps_total" and \
+                        sample.labels["device"] == device:
+                    return sample.value
+        return None
+
+    for device in ("a", "b", "c", "d"):
+        book.record(device, ready=True, waited=True, sessions=(10, 10, 10))
+    # "b" labelled by its session, "a" the first the steps show; "c" and "d" summed
+    assert (steps("a"), steps("b"), steps("c"), steps("d"), steps("other")) == \
+        (10.0, 10.0, None, None, 20.0)
+    for device in ("e", "f", "g"):  # the table forgets "a", "b", then "c" (one of "other")
+        book.record(device, ready=True, waited=True, sessions=(1, 1, 1))
+    assert steps("a") is None and steps("b") is None
+    assert steps("other") == 23.0  # "c"'s 10 kept, "d"'s 10, and 1 each of "e", "f", "g"
+    text = generate_latest(m.registry).decode()
+    assert 'edgespec:device_accepted_tokens_total{device="b"} 1.0' in text

@@ -52,7 +52,8 @@ def test_chat_logprobs_false_or_zero_is_neutral():
 
 def test_an_echoed_assistant_message_with_empty_tool_fields_is_read_as_its_text():
     echoed = {"role": "assistant", "content": "hello", "tool_calls": None, "refusal": None,
-              "function_call": None, "audio": None, "annotations": []}
+              "function_call": None, "audio": None, "annotations": [],
+              "parsed": None}  # the openai client's stream() / parse() message's model_dump()
     p = parse_request(chat({"role": "user", "content": "hi"}, echoed,
                            {"role": "user", "content": "again"}), True, MODEL)
     assert p.generation.messages == [{"role": "user", "content": "hi"},
@@ -66,6 +67,8 @@ def test_an_echoed_assistant_message_with_empty_tool_fields_is_read_as_its_text(
                      "function": {"name": "f", "arguments": "{}"}}]},
     {"tool_call_id": "c1"},
     {"weight": 2},
+    {"tool_calls": {}},
+    {"refusal": "no"},
 ])
 def test_a_message_field_the_prompt_would_lose_is_refused_by_name(extra):
     key = next(iter(extra))

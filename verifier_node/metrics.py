@@ -183,7 +183,7 @@ class VerifierMetrics:
         self._recent: deque[tuple[float, int]] = deque()  # (time, tokens) for throughput
         # device -> [drafts, drafted, accepted], the most recently finished last
         self._by_device: OrderedDict[str, list[int]] = OrderedDict()
-        self._labelled: set[str] = set()  # devices with series of their own (MAX_DEVICES)
+        self.device_labels = DeviceLabels()
         self._head = [0, 0]  # head tokens proposed, accepted
         self._lock = threading.Lock()
         r.register(_CpuCollector())
@@ -211,7 +211,7 @@ class VerifierMetrics:
     def bind_links(self, snapshot) -> None:
         """Each drafter's link health read at scrape time: ``snapshot() -> {device:
         DrafterLink}`` (``edgespec.engine.lateness``)."""
-        self.registry.register(_LinkCollector(snapshot))
+        self.registry.register(_LinkCollector(snapshot, self.device_labels))
 
     def bind_graphs(self, state) -> None:
         """The runner's CUDA graphs read at scrape time: ``state() -> GraphState`` or None
@@ -289,12 +289,9 @@ class VerifierMetrics:
             self._head[0] += stats.head_tokens
             self._head[1] += stats.head_accepted
         if device and stats.num_drafts:
-            with self._lock:
-                # drafters may choose their ids: the series stay bounded, a device past the
-                # first MAX_DEVICES counted under "other" (its own figures still in Status)
-                if device not in self._labelled and len(self._labelled) < MAX_DEVICES:
-                    self._labelled.add(device)
-                label = device if device in self._labelled else "other"
+            # drafters may choose their ids: the series stay bounded, a device past the first
+            # MAX_DEVICES counted under "other" (its own figures still in Status)
+            label = self.device_labels.of(device)
             # the board's own drafts: the verifier's (its head's, its fills for the board's
             # empty ones) counted apart
             drafts, tokens = stats.drafter_drafts, stats.drafter_tokens
@@ -349,6 +346,31 @@ class VerifierMetrics:
         with self._lock:
             drafts, drafted, accepted = self._by_device.get(device, (0, 0, 0))
         return drafts, drafted, accepted
+
+
+class DeviceLabels:
+    """The ``device`` label of every per-device series: the first ``MAX_DEVICES`` devices seen
+    (finishing a drafted session, or in a step) keep their own for the process's life, the
+    rest share "other"; one rule for every family, so a board's series are all its own or all
+    under "other"."""
+
+    def __init__(self, cap: int = MAX_DEVICES):
+        self.cap = cap
+        self._own: set[str] = set()
+        self._lock = threading.Lock()
+
+    def of(self, device: str) -> str:
+        with self._lock:
+            if device not in self._own and len(self._own) < self.cap:
+                self._own.add(device)
+            return device if device in self._own else "other"
+
+
+def _fold(into: DrafterLink, link: DrafterLink) -> None:
+    """``link``'s counts added to ``into``'s (its late flag aside)."""
+    for attr, value in vars(link).items():
+        if not isinstance(value, bool):
+            setattr(into, attr, getattr(into, attr) + value)
 
 
 def acceptance(drafts: int, drafted: int, accepted: int) -> tuple[float, float]:
@@ -423,11 +445,36 @@ class _LinkCollector(Collector):
     a draft that held none, by what came before (``opening``, ``fix``, ``again``, ``other``:
     ``engine/lateness.EmptyDrafts``)."""
 
-    def __init__(self, snapshot):
-        self.snapshot = snapshot
+    def __init__(self, snapshot, labels: DeviceLabels):
+        self.snapshot, self.labels = snapshot, labels
+        # the boards summed under "other" as last seen, and the counts of those the steps'
+        # table has since forgotten (kept there: a counter never goes back)
+        self._others: dict[str, DrafterLink] = {}
+        self._gone = DrafterLink()
+        self._lock = threading.Lock()
+
+    def _split(self, links: dict[str, DrafterLink]) -> tuple[list, DrafterLink | None, int]:
+        """(the boards with series of their own, the rest summed or None, how many of the
+        rest are late)."""
+        own, late = [], 0
+        with self._lock:
+            for device in [d for d in self._others if d not in links]:
+                _fold(self._gone, self._others.pop(device))
+            other = DrafterLink()
+            _fold(other, self._gone)
+            summed = bool(self._others) or any(vars(self._gone).values())
+            for device, link in links.items():
+                if self.labels.of(device) == "other":
+                    self._others[device] = link
+                    _fold(other, link)
+                    late += link.late
+                    summed = True
+                else:
+                    own.append((device, link))
+        return own, other if summed else None, late
 
     def collect(self):
-        links = self.snapshot()
+        own, other, late_others = self._split(self.snapshot())
         late = GaugeMetricFamily("edgespec:drafter_late", "1 while the verifier does not wait "
                                  "for this drafter's drafts (they missed its last deadlines)",
                                  labels=["device"])
@@ -453,16 +500,9 @@ class _LinkCollector(Collector):
                                     "before: the session's opening, a fix after a verified "
                                     "draft, an empty draft again, or none of these",
                                     labels=["device", "after"])
-        items = list(links.items())
-        shown = [(device, link, float(link.late)) for device, link in items[:MAX_DEVICES]]
-        rest = [link for _, link in items[MAX_DEVICES:]]
-        if rest:  # past the first MAX_DEVICES: summed under "other" (late: how many are)
-            other = DrafterLink()
-            for link in rest:
-                for attr, value in vars(link).items():
-                    if not isinstance(value, bool):
-                        setattr(other, attr, getattr(other, attr) + value)
-            shown.append(("other", other, float(sum(link.late for link in rest))))
+        shown = [(device, link, float(link.late)) for device, link in own]
+        if other is not None:  # past the first MAX_DEVICES: "other" (late: how many are)
+            shown.append(("other", other, float(late_others)))
         for device, link, is_late in shown:
             late.add_metric([device], is_late)
             for family, attr in counters:

@@ -11,10 +11,11 @@ Ignored, as OpenAI documents them as optional hints or bookkeeping: ``user``, ``
 ``store``, ``service_tier``, ``parallel_tool_calls``. Accepted only at their neutral value:
 ``presence_penalty``/``frequency_penalty`` 0, ``logprobs`` false or null, ``echo`` false,
 ``best_of`` 1, ``logit_bias`` empty, ``tools`` empty (and, on chat completions, ``logprobs`` 0;
-the legacy completions' 0 asks for the sampled token's logprob). A message's ``name``,
-``tool_calls`` and ``tool_call_id`` are accepted only empty (null, or an empty list), as an
-echoed assistant message carries them. Anything else is refused by name, so a client never
-silently gets a different behaviour from the one it asked for."""
+the legacy completions' 0 asks for the sampled token's logprob). A message's fields besides
+``role`` and ``content`` are accepted only null (``tool_calls`` and ``annotations`` also
+empty), as an echoed assistant message carries them: a ``name``, say, is refused. Anything
+else is refused by name, so a client never silently gets a different behaviour from the one it
+asked for."""
 
 from __future__ import annotations
 
@@ -39,12 +40,11 @@ NEUTRAL: dict[str, tuple] = {
 # chat's ``logprobs`` is a boolean; the legacy completions' is a count of alternatives, and its
 # 0 still asks for the sampled token's logprob: not neutral there
 CHAT_NEUTRAL = {**NEUTRAL, "logprobs": (None, False, 0)}
-# what a chat message may carry besides its role and content, at these values only (a client
-# echoing an assistant message back sends them empty): a name, tool calls or a tool call's id
-# would change the prompt the chat template makes, and are refused by name
-MESSAGE_NEUTRAL: dict[str, tuple] = {
-    "name": (None,), "tool_calls": (None, []), "tool_call_id": (None,), "function_call": (None,),
-    "refusal": (None,), "audio": (None,), "annotations": (None, [])}
+# what a chat message may carry besides its role and content: any field null (a client echoing
+# an assistant message back sends its unused ones so: refusal, audio, parsed, ...), and these
+# empty too; a name, tool calls or a tool call's id would change the prompt the chat template
+# makes, and are refused by name
+MESSAGE_EMPTY: dict[str, tuple] = {"tool_calls": ([],), "annotations": ([],)}
 SAMPLING = {"max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed",
             "stop", "n", "verify"}
 MAX_STOP = 4
@@ -92,7 +92,7 @@ def _message(i: int, m, images: list[bytes]) -> dict:
     for key, value in m.items():
         if key in ("role", "content"):
             continue
-        if key not in MESSAGE_NEUTRAL or not _is_neutral(value, MESSAGE_NEUTRAL[key]):
+        if value is not None and not _is_neutral(value, MESSAGE_EMPTY.get(key, ())):
             raise _bad(f"messages[{i}].{key[:40]} is not supported by edgespec", f"messages.[{i}]")
     content = m.get("content")
     if isinstance(content, list):  # content parts: text and image_url

@@ -155,7 +155,7 @@ class Scheduler(threading.Thread):
         self._failed_steps = 0  # steps in a row that raised (a bug, a device fault)
         self._failed_at = 0.0
         self._step_began: float | None = None  # the running step's start (None: between)
-        self._said_stuck = False
+        self._said_stuck: float | None = None  # the start of the step said stuck
         self.draining = False
         self.pace = Pace(engine.cost.fit)
         engine.on_prefill = self._prefilled  # what each step's chunked prefill did
@@ -183,8 +183,8 @@ class Scheduler(threading.Thread):
         """A step has run past ``STUCK_STEP_S`` and not returned (said once in the log)."""
         began = self._step_began
         stuck = began is not None and time.monotonic() - began > STUCK_STEP_S
-        if stuck and not self._said_stuck:
-            self._said_stuck = True
+        if stuck and self._said_stuck != began:
+            self._said_stuck = began
             log.error("a verification step has run for over %.0f s: health says NOT_SERVING "
                       "until it returns (a hung device or kernel?)", STUCK_STEP_S)
         return stuck
@@ -294,8 +294,7 @@ class Scheduler(threading.Thread):
                         report = self.engine.step()
                     finally:
                         self._step_began = None
-                        if self._said_stuck:
-                            self._said_stuck = False
+                        if self._said_stuck == began:
                             log.info("the stuck verification step returned after %.0f s",
                                      time.monotonic() - began)
                     if self.engine.faulted:  # every forward raised: its sessions failed alone

@@ -48,8 +48,8 @@ def check_wire_float(name: str, value: float) -> None:
         carried = math.inf
     if not 0 < carried < math.inf:
         raise InvalidRequest(f"{name} {value!r} does not survive the wire's 32-bit float (it "
-                             f"would arrive as {carried!r}): use a value in "
-                             f"[1e-37, 3e38]")
+                             f"would arrive as {carried!r}): use one between 1.4e-45 and "
+                             f"3.4e38")
 
 
 def build_request(prompt=None, *, messages=None, prompt_ids=None, raw=False, max_new_tokens=0,
