@@ -15,6 +15,7 @@ The loop never dies of an exception.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -286,17 +287,12 @@ class Scheduler(threading.Thread):
         while not self._stopping.is_set():
             try:
                 self._apply_cancels()
-                self._admit()
+                with self._watched():  # an image prompt is prefilled here, alone
+                    self._admit()
                 if self.engine.sessions:  # running, or waiting for their prompts' prefill
                     self._step_tokens = 0
-                    began = self._step_began = time.monotonic()
-                    try:
+                    with self._watched() as began:
                         report = self.engine.step()
-                    finally:
-                        self._step_began = None
-                        if self._said_stuck == began:
-                            log.info("the stuck verification step returned after %.0f s",
-                                     time.monotonic() - began)
                     if self.engine.faulted:  # every forward raised: its sessions failed alone
                         self._count_failing_step()
                     else:
@@ -330,6 +326,19 @@ class Scheduler(threading.Thread):
                     except Exception:  # one failing fail (a callback) must not end the loop
                         log.exception("failing session %s failed", act.sid)
         self._shut_down()
+
+    @contextlib.contextmanager
+    def _watched(self):
+        """The loop's work on the device (admitting, a step), timed for ``stuck``; yields its
+        start."""
+        began = self._step_began = time.monotonic()
+        try:
+            yield began
+        finally:
+            self._step_began = None
+            if self._said_stuck == began:
+                log.info("the stuck verification step returned after %.0f s",
+                         time.monotonic() - began)
 
     def _count_failing_step(self) -> None:
         """A step that raised, or whose every forward raised (a device fault fails each
