@@ -184,3 +184,32 @@ def test_without_a_deadline_a_starting_server_is_waited_for_longer():
     assert "TLS mismatch" in tls.saw("h2", "serves plaintext gRPC", 0.5)
     plain = reachability._Waiting("127.0.0.1:1", tls=False, timeout=None)
     assert "TLS server" in plain.saw("closed", "closed the connection", 0.5)
+
+
+@pytest.mark.parametrize("address,why", [
+    ("127.0.0.1:70000", "0-65535"), ("127.0.0.1:-1", "the port included"),
+    ("127.0.0.1", "the port included"), ("http://127.0.0.1:5", "without a scheme")])
+def test_a_listen_address_grpc_would_read_as_another_is_refused_naming_it(address, why):
+    """gRPC takes a port past 65535 modulo 65536 and an address without one as 443: a server
+    would listen where nobody asked. ``bind`` (every role's --listen) refuses them."""
+    import grpc
+
+    from edgespec.config import ConfigError
+    from edgespec.wire.convert import bind
+
+    from concurrent import futures
+
+    server = grpc.server(futures.ThreadPoolExecutor(1))
+    with pytest.raises(ConfigError, match=why) as e:
+        bind(server, address)
+    assert "--listen" in str(e.value)
+    assert bind(server, "127.0.0.1:0") > 0  # a free port: still taken
+    server.stop(0)
+
+
+def test_the_status_command_refuses_an_address_without_a_port():
+    from cli_inprocess import run_cli
+
+    got = run_cli("status", "--address", "127.0.0.1")
+    assert got.returncode == 2 and "--address" in got.stderr
+    assert "the port included" in got.stderr

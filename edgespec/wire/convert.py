@@ -239,6 +239,9 @@ def bind(server: grpc.Server, address: str, tls_cert: str | None = None,
     """Listen on ``address``; TLS when a certificate and key are given, mutual TLS when
     ``client_ca`` is given too (every client must present a certificate signed by that CA).
     Returns the port."""
+    from .reachability import check_address
+
+    check_address(address, "--listen")  # gRPC reads a port past 65535, or none, as another
     if bool(tls_cert) != bool(tls_key):
         raise ConfigError("TLS needs both --tls-cert and --tls-key")
     if client_ca and not tls_cert:

@@ -220,5 +220,8 @@ def check_address(address: str, option: str) -> None:
     example = "e.g. 127.0.0.1:50051"
     if "://" in address and not address.startswith("dns:///"):
         raise ConfigError(f"{option} {address!r}: give HOST:PORT without a scheme ({example})")
-    if split_address(address) is None:
+    split = split_address(address)
+    if split is None:
         raise ConfigError(f"{option} {address!r}: give HOST:PORT, the port included ({example})")
+    if not 0 <= split[1] <= 65535:  # gRPC would take the port modulo 65536: another one
+        raise ConfigError(f"{option} {address!r}: the port must be in 0-65535 ({example})")
