@@ -97,7 +97,11 @@ def run_bench_net(args) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     port = free_port()
     address = f"127.0.0.1:{port}"
-    common = ["--model", args.model, "--device", args.device, "--dtype", args.dtype]
+    # the in-process side first: its dtype, --dtype auto settled here (a probe of this
+    # machine and thread count), is the one the server is given, so both decode alike
+    gen = LocalGenerator(args.model, args.drafter, args.device, args.dtype,
+                         engine_config(args, 2))
+    common = ["--model", args.model, "--device", args.device, "--dtype", gen.dtype]
     serve_log, drafter_log = out_dir / "bench-net-serve.log", out_dir / "bench-net-drafter.log"
     print(f"starting edgespec serve on {address} and one drafter ({args.drafter})",
           file=sys.stderr, flush=True)
@@ -109,8 +113,6 @@ def run_bench_net(args) -> int:
         drafter = spawn_edgespec(["drafter", "--cache", address, "--device-id", "bench",
                           "--drafter", args.drafter], drafter_log)
         wait_for_line(drafter_log, "attached to", drafter)
-        gen = LocalGenerator(args.model, args.drafter, args.device, args.dtype,
-                             engine_config(args, 2))
         client = edgespec.Client(address, timeout=600)
         greedy = SamplingParams()
         warm = gen.encode("Say hello.")
