@@ -244,8 +244,8 @@ class EngineConfig:
             raise ConfigError("--fill-drafts fills a board's empty drafts with the verifier's "
                               "own; with --head or --auto the verifier's head drafts for every "
                               "row already: leave --fill-drafts at none")
-        if self.draft_wait_ms is not None and self.draft_wait_ms < 0:
-            raise ConfigError(f"draft_wait_ms must be >= 0, got {self.draft_wait_ms}")
+        if self.draft_wait_ms is not None and not 0 <= self.draft_wait_ms < math.inf:  # NaN too
+            raise ConfigError(f"draft_wait_ms must be finite and >= 0, got {self.draft_wait_ms}")
         if self.learn and not self.head:
             raise ConfigError("--learn fine-tunes a draft head: give --head DIR too")
         if self.learn and self.head.startswith("imitation:"):

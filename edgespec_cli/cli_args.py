@@ -220,7 +220,8 @@ def engine_config(args, max_sessions: int | None = None) -> EngineConfig:
                         fill_drafts=getattr(args, "fill_drafts", d.fill_drafts),
                         max_context=getattr(args, "max_context", d.max_context),
                         adaptive=not getattr(args, "no_adaptive", False),
-                        max_sessions=max_sessions or d.max_sessions,
+                        # 0 is refused by name, not read as the default
+                        max_sessions=d.max_sessions if max_sessions is None else max_sessions,
                         max_batch_tokens=getattr(args, "max_batch_tokens", d.max_batch_tokens),
                         prefill_budget=getattr(args, "prefill_budget", d.prefill_budget),
                         verify=verify, loose=loose, pad=pad,

@@ -111,7 +111,16 @@ def cmd_server(args) -> int:
 
     from .server import EdgespecServer, ServerOptions
 
+    from cache_service.redis_conn import REDIS_URL_ENV
+
     configure_logging(args.log_level)
+    if len(args.roles) == 1 and not (args.redis_url or os.environ.get(REDIS_URL_ENV)):
+        # a role alone shares its sessions with the other through Redis: an embedded one
+        # would be this process's own, which the other role never reads
+        other = "cache" if args.roles == ("verifier",) else "verifier"
+        raise ConfigError(f"edgespec {args.roles[0]} runs one role: give --redis-url (or "
+                          f"${REDIS_URL_ENV}), the Redis its edgespec {other} uses too, or run "
+                          f"both roles in one process with edgespec serve")
     engine = engine_config(args, getattr(args, "max_sessions", None))
     if "verifier" in args.roles:
         check_model_arg(args.model)

@@ -289,3 +289,19 @@ def test_serve_refuses_a_request_body_limit_under_one_byte(tiny_dir):
     r = edgespec("serve", "--model", tiny_dir, "--listen", "127.0.0.1:0", "--max-request-bytes",
                  0, timeout=120)
     assert r.returncode == 2 and "--max-request-bytes must be >= 1, got 0" in r.stderr
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["verifier", "--listen", "127.0.0.1:0"], "--redis-url"),
+    (["cache", "--listen", "127.0.0.1:0"], "--redis-url"),
+    (["serve", "--max-sessions", "0"], "max_sessions must be >= 1"),
+    (["serve", "--draft-wait-ms", "nan"], "draft_wait_ms must be finite"),
+])
+def test_a_server_option_that_cannot_serve_is_refused_before_any_work(argv, needle, monkeypatch):
+    """A role alone with its own embedded Redis (the other role never sees its sessions), 0
+    sessions read as the default, a NaN wait: refused naming it, exit 2, nothing started."""
+    from cli_inprocess import run_cli
+
+    monkeypatch.delenv("EDGESPEC_REDIS_URL", raising=False)
+    got = run_cli(*argv)
+    assert got.returncode == 2 and needle in got.stderr, got.stderr

@@ -120,10 +120,11 @@ def run_burst(loaded, mode: str, streams: list[list[int]], burst: list[list[int]
     runner = TargetRunner(loaded.model, n_slots=len(streams) + len(burst), max_len=max_len)
     if mode == "serial":
         _serial(runner)
-    budget = (args.prefill_budget or EngineConfig().prefill_budget) if mode == "chunked" \
+    budget = (EngineConfig().prefill_budget if args.prefill_budget is None
+              else args.prefill_budget) if mode == "chunked" \
         else None
     cfg = EngineConfig(max_sessions=len(streams) + len(burst), max_context=max_len,
-                       prefill_budget=budget or 10 ** 9)
+                       prefill_budget=10 ** 9 if budget is None else budget)
     drafter = build_drafter(args.drafter, loaded, runner, device=args.device)
     arrivals: dict[str, list[float]] = {}
     with SpecEngine(runner, drafter, cfg, stop_ids=set()) as engine:

@@ -142,7 +142,7 @@ def run_bench_edge(args) -> int:
         raise ConfigError("no questions selected")
     out_dir = Path(args.json_out).parent
     out_dir.mkdir(parents=True, exist_ok=True)
-    threads = args.threads or len(split.server)
+    threads = len(split.server) if args.threads is None else args.threads
     print(f"bench-edge: {split.describe()}; the server's torch threads: {threads}",
           file=sys.stderr, flush=True)
     results = [_measure_fleet(args, split, threads, s, b, questions, out_dir) for s, b in fleets]
