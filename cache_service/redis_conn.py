@@ -132,7 +132,12 @@ class RedisHandle:
         self.tcp_url: str | None = None  # the exposed server's URL (password included)
         if url:
             self.url = url
-            self.client = redis.Redis.from_url(url, **CLIENT_OPTIONS)
+            try:
+                self.client = redis.Redis.from_url(url, **CLIENT_OPTIONS)
+            except ValueError as e:  # a scheme redis-py does not read (http://, none)
+                raise ConfigError(f"--redis-url {shown_url(url)}: {e} (give "
+                                  f"redis://HOST:PORT/DB, rediss://... or unix:///SOCKET)") \
+                    from None
         else:
             self._start_embedded()
         try:

@@ -128,6 +128,8 @@ class EdgespecServer:
             # listen first: a taken or malformed address fails before a model loads
             self.port = bind(self.server, opts.listen, opts.tls_cert, opts.tls_key,
                              client_ca=opts.tls_client_ca)
+            if opts.metrics_port is not None:  # a busy port fails before a model loads too
+                self._start_metrics(opts.metrics_port, opts.metrics_host)
             if opts.http_port is not None and "verifier" in opts.roles:
                 self._start_http(opts.http_port)  # /health answers 503 while the model loads
             if "verifier" in opts.roles:
@@ -137,8 +139,21 @@ class EdgespecServer:
         except BaseException:
             if self.http is not None:
                 self.http.should_exit = True
+            if self._metrics_server is not None:
+                self._metrics_server.shutdown()
             self.redis.close()
             raise
+
+    def _start_metrics(self, port: int, host: str) -> None:
+        """/metrics served from the start (what is registered so far: a scrape while the model
+        loads finds the process's own series)."""
+        from prometheus_client import start_http_server
+
+        try:
+            self._metrics_server, _ = start_http_server(port, addr=host, registry=self.registry)
+        except OSError as e:  # taken, or an address this machine does not have
+            raise ConfigError(f"cannot serve metrics on {host}:{port} (--metrics-port, "
+                              f"--metrics-host): {e}") from None
 
     def _add_verifier(self) -> None:
         from verifier_node.admission import Admission
@@ -271,11 +286,6 @@ class EdgespecServer:
         if self.http is not None:
             self.http_state.model_name = self.model_name
             self.http_state.admission = self.admission
-        if self.opts.metrics_port is not None:
-            from prometheus_client import start_http_server
-
-            self._metrics_server, _ = start_http_server(
-                self.opts.metrics_port, addr=self.opts.metrics_host, registry=self.registry)
         self._set_health(self.healthy())
         threading.Thread(target=self._monitor, daemon=True, name="health-monitor").start()
         log.info("serving %s on port %d (redis: %s)", ", ".join(self.opts.roles), self.port,

@@ -564,3 +564,9 @@ def test_the_chunk_waker_outlives_a_connection_closed_under_its_read(monkeypatch
     finally:
         waker.stop()
         handle.close()
+
+
+@pytest.mark.parametrize("url", ["foo", "http://x:1"])
+def test_a_redis_url_of_no_scheme_redis_reads_is_a_config_error_naming_it(url):
+    with pytest.raises(ConfigError, match="--redis-url"):
+        RedisHandle(url)

@@ -305,3 +305,31 @@ def test_a_server_option_that_cannot_serve_is_refused_before_any_work(argv, need
     monkeypatch.delenv("EDGESPEC_REDIS_URL", raising=False)
     got = run_cli(*argv)
     assert got.returncode == 2 and needle in got.stderr, got.stderr
+
+
+@pytest.mark.parametrize("device", ["gpu", "mps", "cuda:x"])
+def test_a_device_edgespec_does_not_serve_on_is_one_error_line(tiny_dir, device):
+    from cli_inprocess import run_cli
+
+    got = run_cli("generate", "hi", "--model", tiny_dir, "--device", device,
+                  "--max-new-tokens", "2")
+    assert got.returncode == 2 and "--device" in got.stderr, got.stderr
+    assert "Traceback" not in got.stderr
+
+
+def test_a_taken_metrics_port_is_one_error_line_naming_it(monkeypatch, tiny_dir):
+    """serve's --metrics-port is taken at start, before the model loads: one error line naming
+    it, exit 2 (it was a traceback once the model had loaded)."""
+    import socket
+
+    from cli_inprocess import run_cli
+
+    monkeypatch.delenv("EDGESPEC_REDIS_URL", raising=False)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        got = run_cli("serve", "--listen", "127.0.0.1:0", "--model", tiny_dir,
+                      "--metrics-port", port)
+    assert got.returncode == 2 and "--metrics-port" in got.stderr, got.stderr
+    assert "Traceback" not in got.stderr

@@ -115,6 +115,13 @@ def load_model(spec: str = "default", device: str = "cpu", dtype: str = "auto",
     batch-invariant here; a drafter's model may use any dtype."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    try:
+        kind = torch.device(device).type
+    except RuntimeError:  # "gpu", "cuda:x": not a device torch reads
+        raise ConfigError(f"--device {device!r} is not a device: give cpu, cuda or cuda:N") \
+            from None
+    if kind not in ("cpu", "cuda"):
+        raise ConfigError(f"--device {device!r}: edgespec serves on cpu or cuda (cuda:N)")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ConfigError(f"device {device!r} asked for, but no CUDA device is available")
     if exact or dtype == "auto":
