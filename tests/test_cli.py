@@ -333,3 +333,18 @@ def test_a_taken_metrics_port_is_one_error_line_naming_it(monkeypatch, tiny_dir)
                       "--metrics-port", port)
     assert got.returncode == 2 and "--metrics-port" in got.stderr, got.stderr
     assert "Traceback" not in got.stderr
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["bench-edge", "--drafter", "magg"], "magg"),
+    (["bench-edge", "--board-threads", "0"], "--board-threads"),
+    (["bench-net", "--drafter", "magg"], "magg"),
+    (["bench-net", "--window", "0"], "window"),
+])
+def test_a_benchmark_refuses_a_board_setting_before_it_measures(argv, needle, tiny_dir):
+    """bench-edge measures the server alone first, bench-net starts a server: a board's bad
+    drafter or option is refused before either, in one line."""
+    from cli_inprocess import run_cli
+
+    got = run_cli(*argv, "--model", tiny_dir)
+    assert got.returncode == 2 and needle in got.stderr, got.stderr

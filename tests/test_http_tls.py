@@ -49,3 +49,23 @@ def test_mutual_tls_holds_on_the_http_api_too_and_status_reads_it(tiny_dir, pki,
         assert main(status + ["--timeout", "2"]) == 1  # no certificate: no status
     finally:
         srv.stop(drain_timeout_s=0)
+
+
+def test_a_client_ca_that_is_not_a_certificate_is_refused_naming_it(pki, tmp_path):
+    import grpc
+    from concurrent import futures
+
+    from edgespec.config import ConfigError
+    from edgespec.wire.convert import bind
+
+    junk = tmp_path / "junk.pem"
+    junk.write_text("not a certificate\n")
+    server = grpc.server(futures.ThreadPoolExecutor(1))
+    for ca, needle in ((junk, "not a PEM certificate"), (tmp_path / "none.pem", "cannot read")):
+        with pytest.raises(ConfigError, match=needle) as e:
+            bind(server, "127.0.0.1:0", str(pki / "server.pem"), str(pki / "server.key"),
+                 client_ca=str(ca))
+        assert "--tls-client-ca" in str(e.value)
+    assert bind(server, "127.0.0.1:0", str(pki / "server.pem"), str(pki / "server.key"),
+                client_ca=str(pki / "ca.pem")) > 0
+    server.stop(0)

@@ -234,6 +234,20 @@ def check_tls_pair(cert: str, key: str) -> None:
         raise ConfigError(f"cannot read the TLS certificate or key: {e}") from None
 
 
+def check_tls_ca(path: str, option: str) -> None:
+    """Refuse (ConfigError, naming ``option``) a CA file that is not PEM certificates: gRPC
+    would only say it cannot listen."""
+    import ssl
+
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    try:
+        context.load_verify_locations(cafile=path)
+    except ssl.SSLError as e:
+        raise ConfigError(f"{option} {path}: not a PEM certificate ({e.reason or e})") from None
+    except OSError as e:
+        raise ConfigError(f"{option}: cannot read {path}: {e}") from None
+
+
 def bind(server: grpc.Server, address: str, tls_cert: str | None = None,
          tls_key: str | None = None, client_ca: str | None = None) -> int:
     """Listen on ``address``; TLS when a certificate and key are given, mutual TLS when
@@ -250,6 +264,7 @@ def bind(server: grpc.Server, address: str, tls_cert: str | None = None,
         check_tls_pair(tls_cert, tls_key)
         pair = [(_read(tls_key), _read(tls_cert))]
         if client_ca:
+            check_tls_ca(client_ca, "--tls-client-ca")
             creds = grpc.ssl_server_credentials(pair, root_certificates=_read(client_ca),
                                                 require_client_auth=True)
         else:

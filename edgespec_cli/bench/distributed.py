@@ -88,7 +88,12 @@ def run_bench_net(args) -> int:
     from edgespec_cli.cli_args import check_model_arg, engine_config, set_threads
     from edgespec.engine.local import LocalGenerator
 
+    from edgespec.drafters import EDGE_KINDS
+    from edgespec.drafters.spec_check import check_drafter_arg
+
     check_model_arg(args.model)
+    check_drafter_arg(args.drafter, allowed=EDGE_KINDS)  # a board's: before any process starts
+    engine_config(args, 2)  # its options (--max-draft, --window ...) too
     set_threads(args.threads)
     questions = load_questions(args.categories, args.per_category, False)
     if not questions:

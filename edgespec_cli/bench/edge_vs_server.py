@@ -129,7 +129,14 @@ def refused_chunks(after: dict, before: dict) -> dict[str, float]:
 def run_bench_edge(args) -> int:
     from edgespec_cli.cli_args import check_model_arg
 
+    from edgespec.drafters import EDGE_KINDS
+    from edgespec.drafters.spec_check import check_drafter_arg
+
     check_model_arg(args.model)
+    # the boards' drafter, checked before the server-only measurement, not after it
+    check_drafter_arg(args.drafter, allowed=EDGE_KINDS)
+    if args.board_threads < 1:
+        raise ConfigError(f"--board-threads must be >= 1, got {args.board_threads}")
     if args.max_new_tokens < 1:  # 0 on the wire would be the server's default
         raise ConfigError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     fleets = parse_fleets(args.fleets)
