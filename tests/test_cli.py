@@ -348,3 +348,20 @@ def test_a_benchmark_refuses_a_board_setting_before_it_measures(argv, needle, ti
 
     got = run_cli(*argv, "--model", tiny_dir)
     assert got.returncode == 2 and needle in got.stderr, got.stderr
+
+
+@pytest.mark.parametrize("extra,needle", [
+    (["--repeat", "0"], "--repeat"), (["--temperature", "-2"], "--temperature"),
+    (["--temperature", "nan"], "--temperature"), (["--assist-layers", "-1"], "--assist-layers"),
+    (["--max-context", "40"], "do not fit --max-context"),
+])
+def test_bench_refuses_what_it_would_misread_or_fail_on_midway(tiny_dir, tmp_path, extra,
+                                                               needle):
+    """A value bench read as another (a negative temperature as greedy, 0 repeats as 1), and
+    a question longer than the context (it failed at that question, with no report), refused
+    before any question runs."""
+    out = tmp_path / "bench.json"
+    r = run_cli("bench", "--model", tiny_dir, "--categories", "qa", "--max-new-tokens", 8,
+                "--drafters", "mag", "--skip-llamacpp", "--json", out, *extra)
+    assert r.returncode == 2 and needle in r.stderr, r.stderr
+    assert not out.exists()
