@@ -121,6 +121,9 @@ def cmd_server(args) -> int:
         raise ConfigError(f"edgespec {args.roles[0]} runs one role: give --redis-url (or "
                           f"${REDIS_URL_ENV}), the Redis its edgespec {other} uses too, or run "
                           f"both roles in one process with edgespec serve")
+    if args.device_tokens and "cache" not in args.roles:  # it would be read by nobody
+        raise ConfigError("--device-tokens authenticates drafters to the draft cache: give it "
+                          "to edgespec cache (or serve), not to edgespec verifier")
     engine = engine_config(args, getattr(args, "max_sessions", None))
     if "verifier" in args.roles:
         check_model_arg(args.model)

@@ -296,6 +296,8 @@ def test_serve_refuses_a_request_body_limit_under_one_byte(tiny_dir):
     (["cache", "--listen", "127.0.0.1:0"], "--redis-url"),
     (["serve", "--max-sessions", "0"], "max_sessions must be >= 1"),
     (["serve", "--draft-wait-ms", "nan"], "draft_wait_ms must be finite"),
+    (["verifier", "--redis-url", "redis://127.0.0.1:1", "--device-tokens", "t.txt"],
+     "--device-tokens"),
 ])
 def test_a_server_option_that_cannot_serve_is_refused_before_any_work(argv, needle, monkeypatch):
     """A role alone with its own embedded Redis (the other role never sees its sessions), 0

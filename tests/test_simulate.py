@@ -114,7 +114,9 @@ def test_requests_are_dealt_to_devices_in_turn_and_devices_parse():
     (["--profile", "toaster"], "toaster"), (["--requests", "0"], "--requests"),
     (["--devices", "0"], "--devices"), (["--tree-width", "0"], "--tree-width must be in"),
     (["--shared-cpus", "--server-cpus", "0"], "--shared-cpus"),
-    (["--board-cpus", "100000"], "--board-cpus")])
+    (["--board-cpus", "100000"], "--board-cpus"),
+    (["--devices", "1,2", "--link-faults", "blackhole@1+2/5"], "names device 5"),
+    (["--devices", "2", "--link-faults", "reset@1/2"], "at most 2 device(s)")])
 def test_bad_options_are_refused_before_anything_starts(args, message):
     from cli_inprocess import run_cli
 

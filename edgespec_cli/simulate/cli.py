@@ -169,7 +169,12 @@ def check_args(args) -> tuple[list[int], list]:
     if not 1 <= args.tree_width <= 16:
         raise ConfigError(f"--tree-width must be in [1, 16], got {args.tree_width}")
     check_model_arg(args.model)
-    parse_fault_schedule(args.link_faults)  # refused before anything starts
+    faults = parse_fault_schedule(args.link_faults)  # refused before anything starts
+    most = args.max_devices if args.find_capacity else max(counts)
+    for f in faults:  # a fault for a device no run has would never be applied
+        if f.device is not None and f.device >= most:
+            raise ConfigError(f"--link-faults: {f.describe()} names device {f.device}, but "
+                              f"the runs have at most {most} device(s) (0-{most - 1})")
     if args.shared_cpus and (args.server_cpus or args.board_cpus):
         raise ConfigError("--shared-cpus runs everything on every core: no --server-cpus or "
                           "--board-cpus with it")
