@@ -14,6 +14,7 @@ head is not trained again.
 from __future__ import annotations
 
 import json
+import math
 import shlex
 import sys
 import time
@@ -108,7 +109,21 @@ def run_distill(args) -> int:
         parse_exit_layers(args.exit_layer)  # refused before any work
     if not 0 < args.data_share <= 1:  # NaN too; before the harvest, which may take hours
         raise ConfigError(f"--data-share must be in (0, 1], got {args.data_share}")
-    check_at_least(args, ("per_shard", "train_steps", "vocab"), 1)
+    check_at_least(args, ("per_shard", "train_steps", "vocab", "max_new_tokens", "slots",
+                          "samples", "imitation_steps", "max_prompt_tokens"), 1)
+    check_at_least(args, ("hold_out",), 0)
+    if not 0 <= args.temperature < math.inf:  # NaN too
+        raise ConfigError(f"--temperature must be finite and >= 0, got {args.temperature}")
+    if args.max_minutes is not None and not args.max_minutes > 0:
+        raise ConfigError(f"--max-minutes must be > 0, got {args.max_minutes}")
+    from .bench.report import CATEGORIES
+
+    unknown = [c for c in args.hold_out_category if c not in CATEGORIES]
+    if unknown:
+        raise ConfigError(f"--hold-out-category {unknown[0]!r}: the categories are "
+                          f"{', '.join(CATEGORIES)}")
+    if Path(args.out).exists() and not Path(args.out).is_dir():
+        raise ConfigError(f"--out {args.out} is a file: give a folder")
     deadline = None if args.max_minutes is None else time.monotonic() + 60 * args.max_minutes
     out = Path(args.out)
     command = "edgespec " + " ".join(shlex.quote(a) for a in sys.argv[1:])

@@ -23,6 +23,7 @@ fingerprint, atomic shards, --max-minutes, --seed and --threads.
 from __future__ import annotations
 
 import json
+import math
 import shlex
 import sys
 import time
@@ -113,7 +114,18 @@ def run_pad_train(args) -> int:
     threads = set_threads(args.threads)
     if args.measure is None and not args.out:
         raise ConfigError("pad-train needs --out DIR (or --measure N)")
-    check_at_least(args, ("per_shard",), 1)
+    check_at_least(args, ("per_shard", "measure", "problems", "rollouts", "max_candidates",
+                          "max_new_tokens", "slots", "train_steps"), 1)
+    for name, low, high in (("temperature", 0.0, math.inf), ("alpha", 0.0, 1.0),
+                            ("low", 0.0, 1.0), ("high", 0.0, 1.0), ("skip_at", 0.0, 1.0)):
+        value = getattr(args, name)
+        if not low <= value <= high or value == math.inf:  # NaN too
+            raise ConfigError(f"--{name.replace('_', '-')} must be in [{low:g}, {high:g}], got "
+                              f"{value}")
+    if args.low > args.high:
+        raise ConfigError(f"--low ({args.low}) must not be above --high ({args.high})")
+    if args.out and Path(args.out).exists() and not Path(args.out).is_dir():
+        raise ConfigError(f"--out {args.out} is a file: give a folder")
     from edgespec.drafters import parse_drafter_spec
 
     from .pad_labels import task_sets

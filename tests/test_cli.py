@@ -113,6 +113,12 @@ def test_bad_options_give_one_readable_line(tiny_dir, args, message):
     (["distill", "--data-share", "1.5", "--out", "OUT"], "--data-share"),
     (["distill", "--per-shard", "0", "--out", "OUT"], "--per-shard"),
     (["pad-train", "--per-shard", "0", "--out", "OUT"], "--per-shard"),
+    (["pad-train", "--measure", "-1"], "--measure"),  # sliced from the end: 197 problems
+    (["pad-train", "--rollouts", "0", "--out", "OUT"], "--rollouts"),
+    (["pad-train", "--alpha", "5", "--out", "OUT"], "--alpha"),
+    (["pad-train", "--temperature", "nan", "--out", "OUT"], "--temperature"),
+    (["pad-train", "--low", "0.9", "--high", "0.1", "--out", "OUT"], "--low"),
+    (["pad-train", "--train-steps", "0", "--out", "OUT"], "--train-steps"),
 ])
 def test_other_commands_bad_options_give_one_readable_line(args, message, tmp_path,
                                                           monkeypatch):

@@ -69,3 +69,23 @@ def test_bad_heads_and_bad_input_are_refused_with_one_line(tiny_dir, tmp_path):
     assert r.returncode == 2 and "unknown head kind" in r.stderr
     r = edgespec("generate", "abc", "--model", tiny_dir, "--learn")
     assert r.returncode == 2 and "--learn fine-tunes a draft head" in r.stderr
+
+
+@pytest.mark.parametrize("extra,needle", [
+    (["--max-new-tokens", "0"], "--max-new-tokens"), (["--slots", "0"], "--slots"),
+    (["--samples", "-1"], "--samples"), (["--temperature", "-1"], "--temperature"),
+    (["--hold-out", "-1"], "--hold-out"), (["--max-minutes", "0"], "--max-minutes"),
+    (["--hold-out-category", "poetry"], "poetry"), (["--imitation-steps", "0"], "--imitation"),
+])
+def test_distill_refuses_what_would_fail_after_the_harvest(tiny_dir, tmp_path, extra, needle):
+    """Each refused before the harvest (hours on a real model), in one line: they raised a
+    traceback after it, or ran with another meaning."""
+    r = edgespec("distill", "--model", tiny_dir, "--out", tmp_path / "o", *extra)
+    assert r.returncode == 2 and needle in r.stderr, r.stderr
+    assert not (tmp_path / "o" / "data").exists()
+
+
+def test_distill_refuses_an_out_that_is_a_file(tiny_dir, tmp_path):
+    (tmp_path / "f").write_text("")
+    r = edgespec("distill", "--model", tiny_dir, "--out", tmp_path / "f")
+    assert r.returncode == 2 and "is a file" in r.stderr
