@@ -114,8 +114,8 @@ def run_distill(args) -> int:
     check_at_least(args, ("hold_out",), 0)
     if not 0 <= args.temperature < math.inf:  # NaN too
         raise ConfigError(f"--temperature must be finite and >= 0, got {args.temperature}")
-    if args.max_minutes is not None and not args.max_minutes > 0:
-        raise ConfigError(f"--max-minutes must be > 0, got {args.max_minutes}")
+    if args.max_minutes is not None and not args.max_minutes >= 0:  # 0: stop at once, resumably
+        raise ConfigError(f"--max-minutes must be >= 0, got {args.max_minutes}")
     from .bench.report import CATEGORIES
 
     unknown = [c for c in args.hold_out_category if c not in CATEGORIES]

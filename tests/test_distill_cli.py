@@ -74,7 +74,7 @@ def test_bad_heads_and_bad_input_are_refused_with_one_line(tiny_dir, tmp_path):
 @pytest.mark.parametrize("extra,needle", [
     (["--max-new-tokens", "0"], "--max-new-tokens"), (["--slots", "0"], "--slots"),
     (["--samples", "-1"], "--samples"), (["--temperature", "-1"], "--temperature"),
-    (["--hold-out", "-1"], "--hold-out"), (["--max-minutes", "0"], "--max-minutes"),
+    (["--hold-out", "-1"], "--hold-out"), (["--max-minutes", "-1"], "--max-minutes"),
     (["--hold-out-category", "poetry"], "poetry"), (["--imitation-steps", "0"], "--imitation"),
 ])
 def test_distill_refuses_what_would_fail_after_the_harvest(tiny_dir, tmp_path, extra, needle):
