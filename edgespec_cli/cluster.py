@@ -132,6 +132,7 @@ def cmd_server(args) -> int:
     check_at_least(args, ("max_drafters", "drain_timeout", "fleet_table", "max_queue"), 0)
     check_at_least(args, ("session_ttl",), 1)  # 0: Redis would expire the keys as they are made
     check_port(getattr(args, "metrics_port", None), "--metrics-port")
+    check_port(getattr(args, "http_port", None), "--http-port")
     check_at_least(args, ("max_request_bytes",), 1)
     opts = ServerOptions(listen=args.listen, roles=args.roles,
                          model=getattr(args, "model", "default"),
@@ -173,7 +174,8 @@ def cmd_drafter(args) -> int:
         raise ConfigError("a client certificate needs both --tls-cert and --tls-key")
     check_drafter_arg(args.drafter, allowed=EDGE_KINDS)
     check_port(args.metrics_port, "--metrics-port")
-    check_at_least(args, ("window", "chunk", "max_sessions"), 1)  # before loading a model
+    check_at_least(args, ("window", "chunk", "max_sessions", "max_context"), 1)  # before loading
+    check_at_least(args, ("context_window",), 0)  # a model
     set_threads(args.threads)
     configure_logging(args.log_level)
     metrics = None

@@ -102,6 +102,11 @@ def test_bad_options_give_one_readable_line(tiny_dir, args, message):
     (["serve", "--session-ttl", "0"], "--session-ttl"),
     (["serve", "--max-queue", "-5"], "--max-queue"),
     (["serve", "--metrics-port", "70000"], "--metrics-port"),
+    (["serve", "--http-port", "70000"], "--http-port"),
+    (["drafter", "--cache", "127.0.0.1:1", "--device-id", "d", "--max-context", "0"],
+     "--max-context"),
+    (["drafter", "--cache", "127.0.0.1:1", "--device-id", "d", "--context-window", "-1"],
+     "--context-window"),
     (["bench-host", "--json", "."], "a folder, not a file"),  # checked before any run
     (["bench-host", "--json", "/proc/edgespec/x.json"], "cannot be written"),
     (["bench-edge", "--plot", "out.txt"], "--plot"),
