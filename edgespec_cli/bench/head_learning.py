@@ -84,6 +84,9 @@ def run_bench_learn(args) -> int:
     from edgespec.heads.proposer import HeadProposer
     from edgespec.engine.local import LocalGenerator
 
+    from edgespec_cli.cli_args import check_at_least
+
+    check_at_least(args, ("requests", "learn_every", "max_new_tokens"), 1)  # before any work
     threads = set_threads(args.threads)
     print(f"bench-learn: torch threads {threads}", file=sys.stderr, flush=True)
     stream = stream_of(args.category, args.requests)

@@ -166,6 +166,8 @@ def _settings(args) -> list[tuple[str, str, int]]:
     if args.repeats < 1:
         raise ConfigError("--repeats must be >= 1")
     drafters = [d.strip() for d in args.drafters.split(";") if d.strip()]
+    if not drafters:
+        raise ConfigError("--drafters names no drafter (give none, mag, ...; ';'-separated)")
     from edgespec.drafters.spec_check import check_drafter_arg
 
     for d in drafters:  # a malformed one refused before anything runs

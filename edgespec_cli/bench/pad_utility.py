@@ -93,6 +93,8 @@ def parse_sigmas(text: str) -> list[float]:
         sigmas = [float(s) for s in text.split(",") if s.strip()]
     except ValueError:
         raise ConfigError(f"--sigmas must be numbers separated by commas, got {text!r}") from None
+    if not sigmas:
+        raise ConfigError("--sigmas names no sigma: give one or more, comma-separated")
     for s in sigmas:
         PadParams("check", sigma=s)  # range-checked there
     return sigmas
