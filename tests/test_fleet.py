@@ -230,3 +230,11 @@ def test_deploy_refuses_clashing_ports_before_touching_a_cluster():
 
     r = edgespec_cli("deploy", "--tree-width", 0)
     assert r.returncode == 2 and "--tree-width must be in [1, 16]" in r.stderr
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--threads", "0"], "--threads"), (["--timeout", "-1"], "--timeout"),
+    (["--timeout", "nan"], "--timeout"), (["--max-sessions", "0"], "--max-sessions")])
+def test_deploy_refuses_what_would_only_fail_on_the_cluster(args, needle):
+    r = edgespec_cli("deploy", *args)
+    assert r.returncode == 2 and needle in r.stderr, r.stderr

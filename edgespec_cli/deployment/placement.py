@@ -17,6 +17,7 @@ command, and ``simulate`` makes them owned by its process.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import secrets
 import socket
@@ -81,6 +82,13 @@ class DeploySpec:
             raise FleetError("--verifiers and --drafters-per-board must be >= 1")
         if not 1 <= self.tree_width <= 16:
             raise FleetError(f"--tree-width must be in [1, 16], got {self.tree_width}")
+        if self.max_sessions < 1:
+            raise FleetError(f"--max-sessions must be >= 1, got {self.max_sessions}")
+        if self.threads is not None and self.threads < 1:
+            raise FleetError(f"--threads must be >= 1, got {self.threads}")
+        if not 0 < self.timeout_s < math.inf:  # NaN too
+            raise FleetError(f"--timeout must be a finite number of seconds > 0, got "
+                             f"{self.timeout_s}")
         ports = {"--port": self.port, "--cache-port": self.cache_port}
         if self.verifiers > 1:
             ports.update({f"replica {i}'s port": self.replica_port(i)
