@@ -42,15 +42,25 @@ def fast_keepalive(monkeypatch):
     monkeypatch.setenv("EDGESPEC_KEEPALIVE_TIMEOUT_S", "1")
 
 
-@pytest.fixture()
-def server(tiny_dir, fast_keepalive):
-    srv = EdgespecServer(ServerOptions(
+def _server(tiny_dir, **engine):
+    return EdgespecServer(ServerOptions(
         listen="127.0.0.1:0", model=str(tiny_dir), max_drafters=4, drain_timeout_s=5,
         dtype="float32",  # the reference is transformers' float32 greedy decoding
-        # each step waits for the board's drafts: whether any are verified does not depend on
-        # how a loaded machine times the board against the steps
-        engine=EngineConfig(max_sessions=4, max_context=256, adaptive=False,
-                            draft_wait_ms=5000))).start()
+        engine=EngineConfig(max_sessions=4, max_context=256, **engine))).start()
+
+
+@pytest.fixture()
+def server(tiny_dir, fast_keepalive):
+    srv = _server(tiny_dir)
+    yield srv
+    srv.stop(drain_timeout_s=0)
+
+
+@pytest.fixture()
+def waiting_server(tiny_dir, fast_keepalive):
+    """Each step waits for the board's drafts: whether any are verified does not depend on
+    how a loaded machine times the board against the steps."""
+    srv = _server(tiny_dir, adaptive=False, draft_wait_ms=5000)
     yield srv
     srv.stop(drain_timeout_s=0)
 
@@ -90,7 +100,8 @@ def generate(address: str, **kw) -> edgespec.GenerateResult:
 
 
 @pytest.mark.parametrize("fault", ["abandon", "blackhole", "reset", "refuse"])
-def test_a_board_attaches_again_after_its_link_fails_quietly(server, reference, fault):
+def test_a_board_attaches_again_after_its_link_fails_quietly(waiting_server, reference, fault):
+    server = waiting_server
     board = Board(server, "board-1")
     try:
         eventually(board.attached, "the first attach")
@@ -392,13 +403,9 @@ def heartbeat_only(monkeypatch, tiny_dir):
     monkeypatch.setenv("EDGESPEC_KEEPALIVE_S", "3600")
     monkeypatch.setenv("EDGESPEC_KEEPALIVE_TIMEOUT_S", "3600")
     monkeypatch.setenv("EDGESPEC_HEARTBEAT_S", "0.3")
-    srv = EdgespecServer(ServerOptions(
-        listen="127.0.0.1:0", model=str(tiny_dir), max_drafters=4, drain_timeout_s=5,
-        dtype="float32",
-        # each step waits for the board's drafts: whether any are verified does not depend on
-        # how a loaded machine times the board against the steps
-        engine=EngineConfig(max_sessions=4, max_context=256, adaptive=False,
-                            draft_wait_ms=5000))).start()
+    # each step waits for the board's drafts (whether any are verified does not depend on how
+    # a loaded machine times the board against the steps)
+    srv = _server(tiny_dir, adaptive=False, draft_wait_ms=5000)
     yield srv
     srv.stop(drain_timeout_s=0)
 
