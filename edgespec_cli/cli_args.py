@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import sys
 
 from edgespec.config import (DTYPE_NAMES, FILL_DRAFTS, EngineConfig, LooseParams, PadParams,
@@ -41,6 +42,19 @@ def check_at_least(args, names: tuple[str, ...], low: int) -> None:
         value = getattr(args, name, None)
         if value is not None and value < low:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= {low}, got {value}")
+
+
+def check_within(args, names: tuple[str, ...], low: float, high: float = math.inf) -> None:
+    """Each option ``names`` (argparse dests) that is set is a finite number in [low, high]
+    (NaN refused too), else one line."""
+    from edgespec.config import ConfigError
+
+    for name in names:
+        value = getattr(args, name, None)
+        if value is not None and not (low <= value <= high and value != math.inf):
+            bounds = f">= {low:g}" if high == math.inf else f"in [{low:g}, {high:g}]"
+            raise ConfigError(f"--{name.replace('_', '-')} must be finite and {bounds}, got "
+                              f"{value}")
 
 
 def check_port(port: int | None, option: str) -> None:

@@ -14,13 +14,13 @@ head is not trained again.
 from __future__ import annotations
 
 import json
-import math
 import shlex
 import sys
 import time
 from pathlib import Path
 
-from edgespec_cli.cli_args import add_model_args, add_threads_arg, check_at_least, set_threads
+from edgespec_cli.cli_args import (add_model_args, add_threads_arg, check_at_least, check_within,
+                                   set_threads)
 from edgespec.config import HEAD_KINDS, ConfigError
 
 KINDS = (*HEAD_KINDS, "imitation")
@@ -112,8 +112,7 @@ def run_distill(args) -> int:
     check_at_least(args, ("per_shard", "train_steps", "vocab", "max_new_tokens", "slots",
                           "samples", "imitation_steps", "max_prompt_tokens"), 1)
     check_at_least(args, ("hold_out",), 0)
-    if not 0 <= args.temperature < math.inf:  # NaN too
-        raise ConfigError(f"--temperature must be finite and >= 0, got {args.temperature}")
+    check_within(args, ("temperature",), 0)
     if args.max_minutes is not None and not args.max_minutes >= 0:  # 0: stop at once, resumably
         raise ConfigError(f"--max-minutes must be >= 0, got {args.max_minutes}")
     from .bench.report import CATEGORIES

@@ -23,13 +23,13 @@ fingerprint, atomic shards, --max-minutes, --seed and --threads.
 from __future__ import annotations
 
 import json
-import math
 import shlex
 import sys
 import time
 from pathlib import Path
 
-from edgespec_cli.cli_args import add_model_args, add_threads_arg, check_at_least, set_threads
+from edgespec_cli.cli_args import (add_model_args, add_threads_arg, check_at_least, check_within,
+                                   set_threads)
 from edgespec.config import ConfigError
 
 FAMILY_HELP = "arith, convert, extract, choice, or all (every family)"
@@ -116,12 +116,8 @@ def run_pad_train(args) -> int:
         raise ConfigError("pad-train needs --out DIR (or --measure N)")
     check_at_least(args, ("per_shard", "measure", "problems", "rollouts", "max_candidates",
                           "max_new_tokens", "slots", "train_steps"), 1)
-    for name, low, high in (("temperature", 0.0, math.inf), ("alpha", 0.0, 1.0),
-                            ("low", 0.0, 1.0), ("high", 0.0, 1.0), ("skip_at", 0.0, 1.0)):
-        value = getattr(args, name)
-        if not low <= value <= high or value == math.inf:  # NaN too
-            raise ConfigError(f"--{name.replace('_', '-')} must be in [{low:g}, {high:g}], got "
-                              f"{value}")
+    check_within(args, ("temperature",), 0)
+    check_within(args, ("alpha", "low", "high", "skip_at"), 0, 1)
     if args.low > args.high:
         raise ConfigError(f"--low ({args.low}) must not be above --high ({args.high})")
     if args.out and Path(args.out).exists() and not Path(args.out).is_dir():

@@ -462,15 +462,14 @@ class _LinkCollector(Collector):
                 _fold(self._gone, self._others.pop(device))
             other = DrafterLink()
             _fold(other, self._gone)
-            summed = bool(self._others) or any(vars(self._gone).values())
             for device, link in links.items():
                 if self.labels.of(device) == "other":
                     self._others[device] = link
                     _fold(other, link)
                     late += link.late
-                    summed = True
                 else:
                     own.append((device, link))
+            summed = bool(self._others) or any(vars(self._gone).values())
         return own, other if summed else None, late
 
     def collect(self):

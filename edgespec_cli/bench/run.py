@@ -15,7 +15,6 @@ drafter, the fleet table's warm-up is measured too (``fleet_warm``).
 from __future__ import annotations
 
 import json
-import math
 import sys
 import time
 from collections import defaultdict
@@ -104,15 +103,14 @@ def run_bench(args) -> int:
     from dataclasses import replace
 
     from edgespec.runner.cpu_kind import cpu_kind
-    from edgespec_cli.cli_args import engine_config, set_threads
+    from edgespec_cli.cli_args import check_within, engine_config, set_threads
 
     questions = load_questions(args.categories, args.per_category, args.full)
     if not questions:
         raise ConfigError("no questions selected")
     if args.repeat < 1:
         raise ConfigError(f"--repeat takes runs >= 1, got {args.repeat}")
-    if not 0 <= args.temperature < math.inf:  # NaN too: as every surface refuses it
-        raise ConfigError(f"--temperature must be finite and >= 0, got {args.temperature}")
+    check_within(args, ("temperature",), 0)  # NaN too: as every surface refuses it
     if args.assist_layers < 1:
         raise ConfigError(f"--assist-layers takes layers >= 1, got {args.assist_layers}")
     plan = plan_methods(args)
@@ -160,13 +158,16 @@ def run_questions(runner: BenchMethods, questions: list[dict], methods: list[str
     refs: dict = {}
     encoded: list[list[int]] = []
     total, done, t_start = len(questions) * len(methods), 0, time.perf_counter()
-    room = runner.gen.cfg.max_context - runner.gen.cfg.max_draft - 1 - runner.args.max_new_tokens
+    from edgespec.engine.session_lifecycle import output_room
+
+    cfg, max_new = runner.gen.cfg, runner.args.max_new_tokens
     prompts = [runner.gen.encode(q["prompt"]) for q in questions]
-    too_long = [(q["id"], len(ids)) for q, ids in zip(questions, prompts) if len(ids) > room]
+    too_long = [(q["id"], len(ids)) for q, ids in zip(questions, prompts)
+                if max_new > output_room(cfg.max_context, len(ids), cfg.max_draft)]
     if too_long:  # said before any is run, not after a run of minutes with no report
         raise ConfigError(f"{len(too_long)} question(s) do not fit --max-context "
-                          f"{runner.gen.cfg.max_context} with --max-new-tokens "
-                          f"{runner.args.max_new_tokens} (the longest: question {too_long[0][0]}, "
+                          f"{cfg.max_context} with --max-new-tokens {max_new} (the longest: "
+                          f"question {too_long[0][0]}, "
                           f"{max(n for _, n in too_long)} prompt tokens): raise --max-context")
     for q, ids in zip(questions, prompts):
         encoded.append(ids)
