@@ -81,6 +81,8 @@ def test_generate_streams_text_and_reports_stats(tiny_dir):
     (["--temperature", "-1"], "temperature"),
     (["--max-new-tokens", "0"], "--max-new-tokens"),
     (["--max-context", "8"], "context limit"),
+    # a cache no machine holds: refused before allocating (it was the kernel's OOM kill)
+    (["--max-context", str(10**12)], "GiB available: serve a shorter context (--max-context"),
 ])
 def test_bad_options_give_one_readable_line(tiny_dir, args, message):
     r = run_cli("generate", "hello", "--model", tiny_dir, *args)

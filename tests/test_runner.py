@@ -72,6 +72,31 @@ def test_slot_limits_give_clear_errors(tiny):
         r.rollback(s, 5)
 
 
+def test_a_cache_larger_than_the_memory_available_is_refused_before_it_is_allocated(
+        tiny, monkeypatch):
+    """The KV cache and rotary tables a context asks for are weighed against the memory the
+    device has (Linux's MemAvailable here) before any is allocated; the error names the options
+    and how many tokens would fit. The weight covers what the runner then allocates."""
+    from edgespec.runner import kv_cache
+
+    with pytest.raises(ConfigError, match=r"GiB available: serve a shorter context "
+                                          r"\(--max-context; about \d+ tokens fit") as caught:
+        TargetRunner(tiny.model, n_slots=2, max_len=10**12)
+    assert "--max-sessions" in str(caught.value)
+
+    r = TargetRunner(tiny.model, n_slots=3, max_len=64, exact=False)
+    dims = (r.n_layers, 3, r.cache.capacity, r.kv_heads, r.head_dim, r.dtype)
+    held = sum(t.nbytes for t in [*r.cache.k, *r.cache.v, r.cos, r.sin])
+    assert held <= kv_cache.cache_bytes(*dims) <= held * 2
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(kv_cache, "available_memory", lambda device: kv_cache.cache_bytes(*dims))
+    kv_cache.check_cache_fits(*dims, cpu)  # exactly what it needs: taken
+    monkeypatch.setattr(kv_cache, "available_memory",
+                        lambda device: kv_cache.cache_bytes(*dims) - 1)
+    with pytest.raises(ConfigError, match=f"about {r.cache.capacity - 1} tokens fit"):
+        kv_cache.check_cache_fits(*dims, cpu)
+
+
 def test_layer_skip_runner_shares_weights_and_uses_fewer_layers(tiny, runner):
     skip = TargetRunner(tiny.model, n_slots=2, max_len=64, n_layers=2, share_weights=runner)
     assert skip.layers[0] is runner.layers[0] and len(skip.layers) == 2

@@ -11,9 +11,60 @@ otherwise gathers only the first ``max(length)`` positions of the slots involved
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
-from ..config import CacheFullError
+from ..config import CacheFullError, ConfigError
+
+GIB = 1 << 30
+
+
+def available_memory(device: torch.device) -> int | None:
+    """Bytes a new allocation can take on ``device`` now: CUDA's free memory, or Linux's
+    MemAvailable (None where neither can be read)."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def cache_bytes(n_layers: int, n_slots: int, capacity: int, kv_heads: int, head_dim: int,
+                dtype: torch.dtype) -> int:
+    """Bytes a runner's KV cache (``KVCache``, values with their column of ones) and rotary
+    tables (cos and sin, and their four float32 [capacity, head_dim] stagings) take."""
+    return capacity * _position_bytes(n_layers, n_slots, kv_heads, head_dim, dtype)
+
+
+def _position_bytes(n_layers: int, n_slots: int, kv_heads: int, head_dim: int,
+                    dtype: torch.dtype) -> int:
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return (n_layers * n_slots * kv_heads * (2 * head_dim + 1) * itemsize
+            + 2 * head_dim * itemsize + 4 * head_dim * 4)
+
+
+def check_cache_fits(n_layers: int, n_slots: int, capacity: int, kv_heads: int, head_dim: int,
+                     dtype: torch.dtype, device: torch.device) -> None:
+    """Refuse (``ConfigError``) a KV cache and rotary tables that do not fit in the memory
+    ``device`` has available, before any is allocated: a context asked too long would
+    otherwise end in the allocator's error or, touched page by page, in the kernel's
+    out-of-memory kill with no word said. Says how many tokens a slot would fit."""
+    per_position = _position_bytes(n_layers, n_slots, kv_heads, head_dim, dtype)
+    need = per_position * capacity
+    have = available_memory(device)
+    if have is None or need <= have:
+        return
+    raise ConfigError(
+        f"the KV cache of {n_slots} slots x {capacity} positions ({n_layers} layers, "
+        f"{kv_heads} KV heads of {head_dim}, {str(dtype).removeprefix('torch.')}) needs "
+        f"{need / GIB:.1f} GiB, and {device.type} has {have / GIB:.1f} GiB available: serve a "
+        f"shorter context (--max-context; about {have // per_position} tokens fit a slot here) "
+        f"or fewer sessions (--max-sessions)")
 
 
 class KVCache:

@@ -30,7 +30,7 @@ from ..config import MAX_TREE_NODES, ConfigError
 from .dtype_probe import first_varying_count, linear_options, probe_input, probe_row_counts
 from .check_cache import CheckKey, code_digest, host_device, model_fingerprint, run_checked
 from .kernel_set import HeadLayout, KernelSet, choose_kernel_set, refusal
-from .kv_cache import KVCache, contiguous_start
+from .kv_cache import KVCache, check_cache_fits, contiguous_start
 from .step_graphs import GRAPH_SLACK, StepGraphs
 from .step_rows import DraftShape, Scored, StepRows, TreeShape
 from .linear import Linear
@@ -155,6 +155,8 @@ class TargetRunner:
         # GRAPH_SLACK positions past a row's last, so that no step near a slot's end runs eagerly
         slack = GRAPH_SLACK if graphs else 0
         capacity = -(-(max_len + slack) // KEY_BLOCK) * KEY_BLOCK
+        check_cache_fits(self.n_layers, n_slots + int(graphs), capacity, self.kv_heads,
+                         self.head_dim, self.dtype, self.device)
         self._init_rope(base.rotary_emb, capacity)
         self.scale = self.head_dim ** -0.5
         # On CUDA a row's sum of squares goes through a tiled product with a ones vector: torch's
