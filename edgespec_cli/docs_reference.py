@@ -24,7 +24,7 @@ GUIDES = {
     "bench": "../benchmarks.md", "bench-net": "../benchmarks.md",
     "bench-edge": "../benchmarks.md", "bench-host": "../benchmarks.md",
     "bench-drafters": "../benchmarks.md", "bench-forward": "../benchmarks.md",
-    "bench-learn": "../benchmarks.md",
+    "bench-learn": "../benchmarks.md", "bench-burst": "../benchmarks.md#edgespec-bench-burst",
     "serve": "../serving.md", "verifier": "../serving.md", "cache": "../serving.md",
     "drafter": "../serving.md#edgespec-drafter",
     "status": "../metrics.md#edgespec-status",

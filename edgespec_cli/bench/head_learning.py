@@ -20,7 +20,8 @@ from edgespec.config import ConfigError, SamplingParams
 
 def add_bench_learn_args(p) -> None:
     p.add_argument("--head", required=True, metavar="DIR",
-                   help="the head to start from: a head folder, 'default' or a shipped kind")
+                   help="the head to start from (required): a head folder, 'default' or a shipped "
+                        "kind")
     p.add_argument("--category", metavar="CAT", default="translation",
                    help="the Spec-Bench category of the stream (one the head was not trained "
                         "on: see edgespec distill --hold-out-category) (default: %(default)s)")
