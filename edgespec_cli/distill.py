@@ -104,9 +104,9 @@ def run_distill(args) -> int:
     if bad:
         raise ConfigError(f"unknown head kind {bad[0]!r}: give some of {', '.join(KINDS)}")
     if "imitation" in kinds:
-        from .distill_imitation import parse_exit_layers
+        from .distill_imitation import check_exit_layers
 
-        parse_exit_layers(args.exit_layer)  # refused before any work
+        check_exit_layers(args.exit_layer, args.model)  # refused before any work
     if not 0 < args.data_share <= 1:  # NaN too; before the harvest, which may take hours
         raise ConfigError(f"--data-share must be in (0, 1], got {args.data_share}")
     check_at_least(args, ("per_shard", "train_steps", "vocab", "max_new_tokens", "slots",

@@ -22,6 +22,29 @@ def parse_exit_layers(text: str | None) -> list[int]:
     return positive_ints(text, "--exit-layer", "layer numbers")
 
 
+def check_exit_layers(text: str | None, model: str) -> list[int]:
+    """``--exit-layer`` parsed and held to the target's layers (1..layers - 1) from its config
+    alone, before the harvest (hours) rather than after it; a GGUF target's layers are known
+    once it is loaded (checked then)."""
+    from transformers import AutoConfig
+
+    from edgespec.models.loading import resolve_model_path
+
+    layers = parse_exit_layers(text)
+    folder, gguf = resolve_model_path(model)
+    if gguf is None:
+        cfg: Any = AutoConfig.from_pretrained(folder).get_text_config()
+        check_within_layers(layers, int(cfg.num_hidden_layers))
+    return layers
+
+
+def check_within_layers(layers: list[int], n_layers: int) -> None:
+    bad = [L for L in layers if not 1 <= L < n_layers]
+    if bad:
+        raise ConfigError(f"--exit-layer must be in 1..{n_layers - 1} for this target, "
+                          f"got {bad[0]}")
+
+
 def imitation_dir(out: Path, layer: int) -> Path:
     return out / f"imitation-{layer}"
 
@@ -51,10 +74,7 @@ def run_imitation(args, out: Path, data: Path, command: str, deadline: float | N
     loaded = load_model(args.model, args.device, args.dtype)
     model_cfg: Any = loaded.model.config  # a transformers config
     n_layers = int(model_cfg.num_hidden_layers)
-    bad = [L for L in todo if not 1 <= L < n_layers]
-    if bad:
-        raise ConfigError(f"--exit-layer must be in 1..{n_layers - 1} for this target, "
-                          f"got {bad[0]}")
+    check_within_layers(todo, n_layers)
     items, _ = distill_work(args, loaded.tokenizer)
     prompts = [w.prompt_ids for w in items]
     longest = max(len(p) for p in prompts)

@@ -51,6 +51,12 @@ def test_bad_imitation_input_is_refused_with_one_line(tiny_dir, tmp_path):
     r = edgespec("distill", "--model", tiny_dir, "--out", tmp_path / "o", "--kinds",
                  "imitation")
     assert r.returncode == 2 and "needs --exit-layer" in r.stderr
+    # a layer the target does not have: refused before the harvest (it was refused after it)
+    r = edgespec("distill", "--model", tiny_dir, "--out", tmp_path / "o", "--kinds",
+                 "imitation", "--exit-layer", "2,99")
+    assert r.returncode == 2 and "--exit-layer must be in 1..3 for this target, got 99" in \
+        r.stderr, r.stderr
+    assert not (tmp_path / "o").exists()
     g = edgespec("generate", "abc", "--model", tiny_dir, "--drafter",
                  f"imitation:{tmp_path / 'none'}")
     assert g.returncode == 2 and "not found" in g.stderr
