@@ -28,6 +28,12 @@ LLAMACPP_HEAD = 32
 LLAMACPP_WINDOW = 128
 
 
+def _option(field: str) -> str:
+    """A config field as its error names it: the field and the command-line option it comes
+    from (``max_draft (--max-draft)``), for the library's callers and the command's alike."""
+    return f"{field} (--{field.replace('_', '-')})"
+
+
 def cache_dir() -> Path:
     """Root of edgespec's on-disk cache (``$EDGESPEC_CACHE_DIR``, else ``~/.cache/edgespec``)."""
     return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "edgespec").expanduser()
@@ -223,11 +229,12 @@ class EngineConfig:
         for name in ("max_draft", "window", "chunk", "max_sessions", "max_context",
                      "max_batch_tokens", "prefill_budget"):
             if getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+                raise ConfigError(f"{_option(name)} must be >= 1, got {getattr(self, name)}")
         if not 1 <= self.tree_width <= 16:
-            raise ConfigError(f"tree_width must be in [1, 16], got {self.tree_width}")
+            raise ConfigError(f"{_option('tree_width')} must be in [1, 16], got "
+                              f"{self.tree_width}")
         if not 0 <= self.tree_nodes <= MAX_TREE_NODES:
-            raise ConfigError(f"tree_nodes must be in [0, {MAX_TREE_NODES}], got "
+            raise ConfigError(f"{_option('tree_nodes')} must be in [0, {MAX_TREE_NODES}], got "
                               f"{self.tree_nodes}")
         if self.tree_nodes and self.max_draft + self.tree_nodes > MAX_TREE_NODES:
             raise ConfigError(f"a tree has at most {MAX_TREE_NODES} nodes: max_draft "
@@ -236,7 +243,7 @@ class EngineConfig:
                               "either, or "
                               "set tree_nodes to 0 (chains only)")
         if self.late_after < 0:
-            raise ConfigError(f"late_after must be >= 0, got {self.late_after}")
+            raise ConfigError(f"{_option('late_after')} must be >= 0, got {self.late_after}")
         if self.fill_drafts not in FILL_DRAFTS:
             raise ConfigError(f"fill_drafts must be one of {', '.join(FILL_DRAFTS)}, got "
                               f"{self.fill_drafts!r}")
@@ -245,7 +252,8 @@ class EngineConfig:
                               "own; with --head or --auto the verifier's head drafts for every "
                               "row already: leave --fill-drafts at none")
         if self.draft_wait_ms is not None and not 0 <= self.draft_wait_ms < math.inf:  # NaN too
-            raise ConfigError(f"draft_wait_ms must be finite and >= 0, got {self.draft_wait_ms}")
+            raise ConfigError(f"{_option('draft_wait_ms')} must be finite and >= 0, got "
+                              f"{self.draft_wait_ms}")
         if self.learn and not self.head:
             raise ConfigError("--learn fine-tunes a draft head: give --head DIR too")
         if self.learn and self.head.startswith("imitation:"):

@@ -81,6 +81,8 @@ def test_generate_streams_text_and_reports_stats(tiny_dir):
     (["--temperature", "-1"], "temperature"),
     (["--max-new-tokens", "0"], "--max-new-tokens"),
     (["--max-context", "8"], "context limit"),
+    (["--max-draft", "0"], "max_draft (--max-draft) must be >= 1, got 0"),
+    (["--tree-width", "30"], "tree_width (--tree-width) must be in [1, 16]"),
     # a cache no machine holds: refused before allocating (it was the kernel's OOM kill)
     (["--max-context", str(10**12)], "GiB available: serve a shorter context (--max-context"),
 ])
@@ -311,8 +313,8 @@ def test_serve_refuses_a_request_body_limit_under_one_byte(tiny_dir):
 @pytest.mark.parametrize("argv,needle", [
     (["verifier", "--listen", "127.0.0.1:0"], "--redis-url"),
     (["cache", "--listen", "127.0.0.1:0"], "--redis-url"),
-    (["serve", "--max-sessions", "0"], "max_sessions must be >= 1"),
-    (["serve", "--draft-wait-ms", "nan"], "draft_wait_ms must be finite"),
+    (["serve", "--max-sessions", "0"], "max_sessions (--max-sessions) must be >= 1"),
+    (["serve", "--draft-wait-ms", "nan"], "draft_wait_ms (--draft-wait-ms) must be finite"),
     (["verifier", "--redis-url", "redis://127.0.0.1:1", "--device-tokens", "t.txt"],
      "--device-tokens"),
 ])
