@@ -210,6 +210,8 @@ class RedisSessionStore:
         f = {k.decode(): v.decode() for k, v in fields.items()}
         tokens = unpack_tokens(blob)
         n = int(f["prompt_len"])
+        if len(tokens) < max(n, 1):  # its tokens' key is gone (evicted, deleted): so is it
+            return None
         done = f.get("done") == "1"
         return SessionRecord(sid, tokens[:n], tokens[n:], params_from_json(f.get("params")),
                              int(f.get("max_new") or 0), f.get("device") or None,

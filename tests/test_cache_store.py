@@ -377,6 +377,19 @@ def test_a_vanished_session_is_reported_in_its_slot(store):
     assert isinstance(taken[0], SessionVanished)
 
 
+def test_a_session_whose_tokens_key_is_gone_is_gone(store):
+    """A Redis that evicts keys (or an operator's DEL) can take a session's tokens and leave
+    its hash: the session is gone, as when both went (the SDK re-creates it from what it holds),
+    not a record with an empty prompt (its resume was refused as "the prompt is empty")."""
+    dev = _attach(store)
+    store.create("s13", [1, 2], SamplingParams(), dev)
+    store.commit_many([Verdict("s13", 0, 2, 0, 4)])
+    assert store.load("s13").committed == [4]
+    store.redis.delete(store.keys.session("s13")[1])
+    assert store.redis.exists(store.keys.session("s13")[0])
+    assert store.load("s13") is None and store.snapshot("s13") is None
+
+
 def test_resume_record_and_epoch_moves_on(store):
     dev = _attach(store)
     params = SamplingParams(temperature=0.7, seed=3)
