@@ -24,7 +24,7 @@ import redis
 from edgespec.config import SamplingParams
 from edgespec.protocol.lineage import Lineage
 from edgespec.protocol.contract import (MAX_BRANCHES, Branch, CommitOutcome, DraftWant, Fix,
-                               SessionVanished, TakenDraft, Verdict,
+                               SessionVanished, StoreUnavailable, TakenDraft, Verdict,
                                chunk_branches, take_branches)
 
 from .chunk_waker import ChunkWaker
@@ -313,6 +313,11 @@ class RedisSessionStore:
         except BaseException:  # landed or not: what this process knew of them is in doubt
             self._forget(verdicts)
             raise
+        full = [m for m in messages if "OOM command not allowed" in text(m)]  # any version's
+        if full:  # Redis refuses writes (maxmemory, noeviction): an outage, not the sessions'
+            self._forget(verdicts)  # those before it landed: their retry is a replay
+            raise StoreUnavailable(f"the draft cache's Redis is out of memory (its maxmemory): "
+                                   f"{text(full[0])}")
         out = []
         with self._lock:
             for v, (code, epoch, end) in zip(verdicts, COMMIT_REPLY.iter_unpack(replies)):

@@ -390,6 +390,33 @@ def test_a_session_whose_tokens_key_is_gone_is_gone(store):
     assert store.load("s13") is None and store.snapshot("s13") is None
 
 
+def test_a_redis_out_of_memory_holds_the_commit_as_an_outage(store):
+    """A Redis at its maxmemory that evicts nothing refuses writes: the step's commit raises
+    StoreUnavailable (the verifier holds its sessions and retries, health says so) instead of
+    refusing each session (each failed with '-OOM'). The retry, once Redis has room, lands the
+    verdicts, and one that had landed before the refusal is a replay."""
+    from edgespec.protocol.contract import StoreUnavailable
+
+    dev = _attach(store)
+    for sid in ("m1", "m2"):
+        store.create(sid, [1], SamplingParams(), dev)
+    r = store.redis
+    old = r.config_get("maxmemory*")
+    try:
+        r.config_set("maxmemory-policy", "noeviction")
+        r.config_set("maxmemory", 1)  # every write refused from now on
+        with pytest.raises(StoreUnavailable, match="out of memory"):
+            store.commit_many([Verdict("m1", 0, 1, 0, 5), Verdict("m2", 0, 1, 0, 6)])
+    finally:
+        r.config_set("maxmemory", old["maxmemory"])
+        r.config_set("maxmemory-policy", old["maxmemory-policy"])
+    assert store.load("m1").committed == [] and store.load("m2").committed == []
+    assert store.commit_many([Verdict("m1", 0, 1, 0, 5)])[0].ok
+    outs = store.commit_many([Verdict("m1", 0, 1, 0, 5), Verdict("m2", 0, 1, 0, 6)])
+    assert [o.ok for o in outs] == [True, True]
+    assert store.load("m1").committed == [5] and store.load("m2").committed == [6]
+
+
 def test_resume_record_and_epoch_moves_on(store):
     dev = _attach(store)
     params = SamplingParams(temperature=0.7, seed=3)
