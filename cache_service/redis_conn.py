@@ -119,6 +119,27 @@ def _kept_port(expose: ExposedRedis) -> int:
     return port
 
 
+def warn_if_evicting(client: redis.Redis, url: str) -> bool:
+    """Log a warning when an external Redis evicts keys at its maxmemory (any policy but
+    ``noeviction``; every key of the cache's has an expiry, so ``volatile-*`` takes them too):
+    a session whose keys go is lost (the SDK re-creates it) and a board whose liveness key goes
+    is taken for detached. True when it warned; a Redis that refuses CONFIG (a managed one) is
+    not second-guessed."""
+    try:
+        got = client.config_get("maxmemory*")
+    except redis.RedisError:
+        return False
+    policy = str(got.get("maxmemory-policy", "noeviction"))
+    if int(got.get("maxmemory", 0) or 0) == 0 or policy == "noeviction":
+        return False
+    log.warning("Redis at %s evicts keys at its maxmemory (%s bytes, maxmemory-policy %s): a "
+                "session whose keys it evicts is lost (clients re-create it) and a board whose "
+                "liveness key it evicts is taken for detached; give the cache a Redis with "
+                "maxmemory-policy noeviction (then a full Redis pauses steps) or maxmemory 0",
+                shown_url(url), got.get("maxmemory"), policy)
+    return True
+
+
 class RedisHandle:
     """A client plus, for the embedded server, the process that serves it."""
 
@@ -145,6 +166,8 @@ class RedisHandle:
         except redis.RedisError as e:
             self.close()
             raise ConfigError(f"cannot reach Redis at {shown_url(self.url)}: {e}") from None
+        if url:
+            warn_if_evicting(self.client, self.url)
 
     def _start_embedded(self) -> None:
         self._tmp = tempfile.TemporaryDirectory(prefix="edgespec-redis-")

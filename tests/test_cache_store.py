@@ -610,3 +610,31 @@ def test_the_chunk_waker_outlives_a_connection_closed_under_its_read(monkeypatch
 def test_a_redis_url_of_no_scheme_redis_reads_is_a_config_error_naming_it(url):
     with pytest.raises(ConfigError, match="--redis-url"):
         RedisHandle(url)
+
+
+def test_an_external_redis_that_evicts_keys_is_warned_of_at_connect(external_redis, caplog):
+    """A Redis with a maxmemory and an eviction policy takes sessions' and boards' keys under
+    pressure (sessions lost, boards taken for detached): said when the cache connects, with the
+    setting to change; the same Redis at noeviction, or unbounded, is not warned of."""
+    import redis
+
+    admin = redis.Redis.from_url(external_redis)
+    old = admin.config_get("maxmemory*")
+    try:
+        for memory, policy, warned in ((64 << 20, "allkeys-lru", True),
+                                       (64 << 20, "volatile-ttl", True),
+                                       (64 << 20, "noeviction", False),
+                                       (0, "allkeys-lru", False)):
+            admin.config_set("maxmemory", memory)
+            admin.config_set("maxmemory-policy", policy)
+            caplog.clear()
+            with caplog.at_level("WARNING", logger="edgespec.redis"):
+                RedisHandle(external_redis).close()
+            said = [r.getMessage() for r in caplog.records if "evicts keys" in r.getMessage()]
+            assert bool(said) == warned, (memory, policy, said)
+            if warned:
+                assert policy in said[0] and "maxmemory-policy noeviction" in said[0]
+    finally:
+        admin.config_set("maxmemory", old["maxmemory"])
+        admin.config_set("maxmemory-policy", old["maxmemory-policy"])
+        admin.close()
