@@ -42,7 +42,7 @@ from edgespec.protocol.contract import Branch, check_draft_ids
 from edgespec.wire.trees import MAX_BRANCH_NODES, TREE_VERSION, tree_from_wire
 from edgespec.v1 import edgespec_pb2 as pb
 from edgespec.v1 import edgespec_pb2_grpc as pb_grpc
-from edgespec.wire.convert import params_to_pb, retry_after_metadata
+from edgespec.wire.convert import REPLACED_STREAM, params_to_pb, retry_after_metadata
 from edgespec.wire.keepalive import SILENT_HEARTBEATS, heartbeat_interval_s
 
 from .codec import InboxEvent
@@ -88,6 +88,7 @@ class DraftCacheService(pb_grpc.DraftCacheServicer):
         # stream. Generations come from one counter, so a stream never mistakes a later one
         # for itself.
         self._generation: dict[str, int] = {}
+        self._peer: dict[str, str] = {}  # device -> the address of its current stream
         self._generations = itertools.count(1)
         self._stopping = threading.Event()
 
@@ -223,9 +224,17 @@ class DraftCacheService(pb_grpc.DraftCacheServicer):
             context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                           f"drafter tokenizer {reg.tokenizer_fingerprint} differs from the "
                           f"target's {target['fingerprint']} ({target.get('model', '')})")
+        peer = context.peer() or "?"
         with self._lock:
             gen = next(self._generations)
+            older = self._generation.get(device)
             self._generation[device] = gen
+            before, self._peer[device] = self._peer.get(device), peer
+        if older is not None:
+            log.warning("drafter %s attached again (from %s) while its stream from %s is open: "
+                        "the newer replaces the older, which is told to stop; if that is not "
+                        "one board reconnecting, two boards share the id (give each its own "
+                        "--device-id)", device, peer, before)
         try:
             self.store.devices.register(device, {"draft_model": reg.draft_model,
                                                 "max_sessions": reg.max_sessions})
@@ -288,6 +297,12 @@ class DraftCacheService(pb_grpc.DraftCacheServicer):
                 yield msg
             if lost and not self._stopping.is_set():
                 self._refuse_for_now(context, lost[0])
+            with self._lock:
+                replaced_by = self._peer.get(device) if self._generation.get(device) != gen \
+                    else None
+            if replaced_by is not None and not self._stopping.is_set():
+                context.abort(grpc.StatusCode.ABORTED, f"{REPLACED_STREAM}: drafter {device!r} "
+                                                       f"attached again from {replaced_by}")
         finally:
             stop.set()
             if self.metrics is not None:
@@ -295,6 +310,7 @@ class DraftCacheService(pb_grpc.DraftCacheServicer):
             with self._lock:  # mark_gone under the lock: a newer stream cannot slip in between
                 if self._generation.get(device) == gen:
                     del self._generation[device]
+                    self._peer.pop(device, None)
                     try:
                         self.store.devices.mark_gone(device)
                     except (redis.RedisError, OSError, ValueError) as e:

@@ -43,7 +43,8 @@ from edgespec.protocol.ids import check_device_id
 from edgespec.wire.trees import TREE_VERSION, tree_to_wire
 from edgespec.v1 import edgespec_pb2 as pb
 from edgespec.v1 import edgespec_pb2_grpc as pb_grpc
-from edgespec.wire.convert import auth_metadata, make_channel, params_from_pb, retry_after_s
+from edgespec.wire.convert import (REPLACED_STREAM, auth_metadata, make_channel, params_from_pb,
+                                   retry_after_s)
 from edgespec.wire.keepalive import heartbeat_interval_s
 from edgespec.wire.reachability import check_address
 
@@ -176,6 +177,13 @@ class DrafterAgent:
                 if e.code() in FATAL:
                     raise ConfigError(f"the cache refused drafter {self.device_id!r}: "
                                       f"{e.details()}") from None
+                if e.code() == grpc.StatusCode.ABORTED and \
+                        str(e.details()).startswith(REPLACED_STREAM):
+                    # only this process reads this stream: another process took the id over
+                    raise ConfigError(f"the cache at {self.cache} ended this drafter's link: "
+                                      f"{e.details()}; the newer drafter keeps the id and this "
+                                      f"one stops (if two boards were given one --device-id, "
+                                      f"give each its own)") from None
                 error = e
             except ConfigError:
                 raise  # a setting to fix (an unreadable certificate file, ...)

@@ -704,6 +704,45 @@ def test_an_agent_logs_every_lost_link_across_restarts(store, caplog):
     assert len(lost) == 2 and all(f"link to {address} lost" in m for m in lost)
 
 
+def test_a_second_drafter_with_one_device_id_replaces_the_first_which_stops(cache, store,
+                                                                           caplog):
+    """Two boards given one --device-id knocked each other off for good, each re-attach
+    replacing the other with nothing said: the cache warns of the second attach while the
+    first's stream is open and ends the first's stream ABORTED, saying so; the first agent
+    stops with that reason (a ConfigError), the newer keeps the id, attached."""
+    caplog.set_level(logging.INFO)
+    errors: list[BaseException] = []
+
+    def run(agent):
+        try:
+            agent.run()
+        except BaseException as e:  # noqa: BLE001 (the test reads what ended the agent)
+            errors.append(e)
+
+    first = DrafterAgent(cache.address, "twin", SlotDrafter(), backoff_max_s=0.2)
+    t1 = threading.Thread(target=run, args=(first,), daemon=True)
+    t1.start()
+    assert first.connected.wait(WAIT_S)
+    second = DrafterAgent(cache.address, "twin", SlotDrafter(), backoff_max_s=0.2)
+    t2 = threading.Thread(target=run, args=(second,), daemon=True)
+    t2.start()
+    try:
+        t1.join(WAIT_S)
+        assert not t1.is_alive() and len(errors) == 1 and isinstance(errors[0], ConfigError)
+        assert "replaced by a newer attach" in str(errors[0]) and "--device-id" in str(errors[0])
+        assert second.connected.wait(WAIT_S) and t2.is_alive()
+        assert store.devices.is_alive("twin")
+        warned = [r.getMessage() for r in caplog.records
+                  if r.name.startswith("edgespec.cache") and "attached again" in r.getMessage()]
+        assert warned and "two boards share the id" in warned[0]
+    finally:
+        first.stop()
+        second.stop()
+        t1.join(WAIT_S)
+        t2.join(WAIT_S)
+    assert len(errors) == 1  # the second ended by stop(), not refused
+
+
 def test_an_unreachable_cache_is_said_again_while_it_lasts(caplog, monkeypatch):
     import drafter_node.agent as agent_mod
 

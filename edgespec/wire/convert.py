@@ -28,6 +28,9 @@ MAX_MESSAGE_BYTES = 4 * 1024 * 1024  # larger messages are refused with RESOURCE
 # trailing metadata saying why a call was refused, where the status code alone cannot:
 # "draining" (UNAVAILABLE: the verifier is shutting down and admits nothing new)
 REFUSAL_METADATA = "x-edgespec-refusal"
+# how the cache ends a drafter's Attach stream that a newer one of the same device id replaced
+# (ABORTED, the details beginning so): the drafter that reads it stops
+REPLACED_STREAM = "replaced by a newer attach"
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
 
 
