@@ -43,6 +43,7 @@ from edgespec.protocol.ids import check_device_id
 from edgespec.wire.trees import TREE_VERSION, tree_to_wire
 from edgespec.v1 import edgespec_pb2 as pb
 from edgespec.v1 import edgespec_pb2_grpc as pb_grpc
+from edgespec.wire.reachability import probe
 from edgespec.wire.convert import (REPLACED_STREAM, auth_metadata, make_channel, params_from_pb,
                                    retry_after_s)
 from edgespec.wire.keepalive import heartbeat_interval_s
@@ -177,6 +178,13 @@ class DrafterAgent:
                 if e.code() in FATAL:
                     raise ConfigError(f"the cache refused drafter {self.device_id!r}: "
                                       f"{e.details()}") from None
+                if not self.attaches and e.code() == grpc.StatusCode.UNAVAILABLE and \
+                        probe(self.cache)[0] == "answered":
+                    # something that is not HTTP/2 answers there: a wrong port, not an outage
+                    # (once attached, such an answer is waited out as anything else)
+                    raise ConfigError(f"{self.cache} answers, but not as a gRPC server: the "
+                                      f"server's --http-port or --metrics-port? give --cache "
+                                      f"the cache's gRPC address (serve's --listen)") from None
                 if e.code() == grpc.StatusCode.ABORTED and \
                         str(e.details()).startswith(REPLACED_STREAM):
                     # only this process reads this stream: another process took the id over

@@ -743,6 +743,38 @@ def test_a_second_drafter_with_one_device_id_replaces_the_first_which_stops(cach
     assert len(errors) == 1  # the second ended by stop(), not refused
 
 
+def test_an_agent_pointed_at_an_http_port_stops_saying_so():
+    """A board given the server's HTTP port retried for ever, logging gRPC's "Trying to
+    connect an http1.x server": a ConfigError naming the likely mix-up, at its first attach."""
+    import http.server
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0),
+                                            http.server.BaseHTTPRequestHandler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    address = f"127.0.0.1:{httpd.server_address[1]}"
+    agent = DrafterAgent(address, "edge-http", SlotDrafter(), backoff_max_s=0.2)
+    errors: list[BaseException] = []
+
+    def run():
+        try:
+            agent.run()
+        except BaseException as e:  # noqa: BLE001 (the test reads what ended the agent)
+            errors.append(e)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    try:
+        t.join(WAIT_S)
+        assert not t.is_alive(), "the agent kept retrying an HTTP/1 port"
+        assert len(errors) == 1 and isinstance(errors[0], ConfigError)
+        assert "answers, but not as a gRPC server: the server's --http-port" in str(errors[0])
+    finally:
+        agent.stop()
+        t.join(WAIT_S)
+        httpd.shutdown()
+        httpd.server_close()
+
+
 def test_an_unreachable_cache_is_said_again_while_it_lasts(caplog, monkeypatch):
     import drafter_node.agent as agent_mod
 
