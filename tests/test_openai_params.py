@@ -77,3 +77,12 @@ def test_a_message_field_the_prompt_would_lose_is_refused_by_name(extra):
                            {"role": "assistant", "content": "x", **extra}), True, MODEL)
     assert e.value.status == 400 and f"messages[1].{key}" in str(e.value)
     assert e.value.param == "messages.[1]"
+
+
+def test_a_developer_message_is_the_templates_system_message():
+    """OpenAI's ``developer`` role is its newer models' ``system``: the chat template (which
+    knows system and, given none, may add a default of its own) is given ``system``."""
+    p = parse_request(chat({"role": "developer", "content": "Be brief."},
+                           {"role": "user", "content": "hi"}), True, MODEL)
+    assert p.generation.messages == [{"role": "system", "content": "Be brief."},
+                                     {"role": "user", "content": "hi"}]

@@ -242,7 +242,9 @@ class _Run:
                                 if not t.ended:
                                     await changed.wait()
                             return
-                        safe = len(full) - hold if not (result or error) else len(full)
+                        # held back even once the result is in: the flush below may add to
+                        # the text a stop string begins in
+                        safe = len(full) - hold if error is None else len(full)
                         if safe > len(self.shown):
                             yield full[len(self.shown):safe]
                             self.shown = full[:safe]
@@ -260,10 +262,12 @@ class _Run:
                         self.text.flush()  # an output that ends mid-character: its last bytes
                         full += "".join(self.pieces)
                         self.pieces.clear()
-                        if len(full) > len(self.shown):
-                            yield full[len(self.shown):]
-                            self.shown = full
-                        self.finish_reason = result.finish_reason
+                        cut = _find_stop(full, self.p.stop)  # a stop the flushed text ends
+                        end = len(full) if cut is None else cut
+                        if end > len(self.shown):
+                            yield full[len(self.shown):end]
+                            self.shown = full[:end]
+                        self.finish_reason = result.finish_reason if cut is None else "stop"
                         return
                     await changed.wait()
         finally:

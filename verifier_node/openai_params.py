@@ -99,7 +99,10 @@ def _message(i: int, m, images: list[bytes]) -> dict:
         content = parts_content(i, content, images)
     if not isinstance(content, str):
         raise _bad("each message needs a 'role' and a 'content'", "messages")
-    return {"role": m["role"], "content": content}
+    # OpenAI's developer messages are its newer models' system messages: a chat template knows
+    # "system" (SmolLM2's, given no system message, adds its own default one)
+    role = "system" if m["role"] == "developer" else m["role"]
+    return {"role": role, "content": content}
 
 
 def _prompt(body: dict, chat: bool, g: GenerationRequest) -> None:
