@@ -170,6 +170,13 @@ def test_a_prompt_gets_the_room_its_slot_leaves(server, api, looping):
     r = api.completions.create(model=api.model_id, prompt=ids, temperature=0)
     assert r.choices[0].text == ref_text
     assert r.choices[0].finish_reason == ("length" if len(ref_ids) == room else "stop")
+    # a prompt that leaves no room, with no limit set: said without a limit it never sent
+    full = [1] + [30, 31] * 251  # 503 tokens + 9 of draft room: the slot's 512
+    with pytest.raises(openai.BadRequestError) as e:
+        api.completions.create(model=api.model_id, prompt=full)
+    message = e.value.body["message"]
+    assert "leaves no room for output within the context limit (512)" in message
+    assert "max_new_tokens" not in message and e.value.code == "context_length_exceeded"
 
 
 def test_chat_completion_equals_target_only(api, looping):

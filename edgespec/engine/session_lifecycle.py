@@ -63,12 +63,15 @@ class SessionLifecycle:
         if req.max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens must be >= 1, got {req.max_new_tokens}")
         room = output_room(self.target.max_len, n, self.cfg.max_draft)
+        draft_room = f"a step's draft room ({self.cfg.max_draft + 1}: --max-draft + 1)"
+        if room < 1:  # whatever the limit asked (or given by default): said without it
+            raise ConfigError(f"prompt ({n} tokens) + {draft_room} leaves no room for output "
+                              f"within the context limit ({self.target.max_len})")
         if req.max_new_tokens > room:
             raise ConfigError(
-                f"prompt ({n} tokens) + max_new_tokens ({req.max_new_tokens}) + a step's draft "
-                f"room ({self.cfg.max_draft + 1}: --max-draft + 1) exceeds the context limit "
-                f"({self.target.max_len}): " + (f"at most {room} new tokens fit" if room > 0
-                                                else "the prompt leaves no room for output"))
+                f"prompt ({n} tokens) + max_new_tokens ({req.max_new_tokens}) + {draft_room} "
+                f"exceeds the context limit ({self.target.max_len}): at most {room} new tokens "
+                f"fit")
         vocab = self.target.vocab_size
         if any(not 0 <= t < vocab for t in req.prompt_ids + req.committed):
             raise ConfigError(f"prompt token ids must be in [0, {vocab})")
