@@ -148,6 +148,7 @@ class RedisHandle:
         self.proc: subprocess.Popen | None = None
         self.client: redis.Redis  # from the URL, or the embedded server's (_start_embedded)
         self._probe: redis.Redis | None = None
+        self.last_error = ""  # what the last failed ``reachable`` ping said
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
         self.expose = expose
         self.tcp_url: str | None = None  # the exposed server's URL (password included)
@@ -251,8 +252,10 @@ class RedisHandle:
                 **{**pool.connection_kwargs, "socket_timeout": 1.0,
                    "socket_connect_timeout": 1.0, "retry": Retry(NoBackoff(), 1)}))
         try:
+            self.last_error = ""
             return bool(self._probe.ping())
-        except (redis.RedisError, OSError):
+        except (redis.RedisError, OSError) as e:
+            self.last_error = str(e)[:300] or type(e).__name__
             return False
 
     @property

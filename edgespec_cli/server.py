@@ -123,6 +123,7 @@ class EdgespecServer:
         self._abort_drain = threading.Event()  # a third signal: stop waiting for sessions
         self._drain_until = 0.0
         self._serving: bool | None = None
+        self.why_not_serving: str | None = "not started"  # what health last said, in words
         self._redis_ok = True  # the last health probe's answer from Redis
         try:
             # listen first: a taken or malformed address fails before a model loads
@@ -191,6 +192,7 @@ class EdgespecServer:
                                    runner.vocab_size, self.opts.default_max_new_tokens)
         service = self.verifier_service = VerifierService(self.admission, model_name=target.name)
         service.serving = lambda: self._serving is True  # what health says
+        service.why_not_serving = lambda: None if self._serving else self.why_not_serving
         service.cache_reachable = lambda: self._redis_ok
         add_servicer(pb_grpc.add_VerifierServicer_to_server, service, self.server)
         self._services.append(VERIFIER_SERVICE)
@@ -212,12 +214,19 @@ class EdgespecServer:
 
     # -- health ---------------------------------------------------------------------------------
     def healthy(self) -> bool:
+        """Whether to serve; ``why_not_serving`` says why not, in words."""
+        self.why_not_serving = self._why_not()
+        return self.why_not_serving is None
+
+    def _why_not(self) -> str | None:
         if self._stopping.is_set():
-            return False
+            return "the server is stopping"
         self._redis_ok = self.redis.reachable()
-        if self.scheduler is not None and not self.scheduler.healthy:
-            return False
-        return self._redis_ok
+        if self.scheduler is not None and self.scheduler.unhealthy_reason is not None:
+            return self.scheduler.unhealthy_reason
+        if not self._redis_ok:
+            return f"its Redis does not answer ({self.redis.last_error})"
+        return None
 
     def _set_health(self, serving: bool) -> None:
         if serving == self._serving:
@@ -241,8 +250,9 @@ class EdgespecServer:
             if healthy and self.scheduler is not None:
                 try:  # a Redis that restarted without persistence forgot the target
                     self.store.ensure_target(self.target_info)
-                except Exception:
+                except Exception as e:
                     healthy = False
+                    self.why_not_serving = f"cannot register the target in Redis ({e})"
             self._set_health(healthy)
 
     def _start_http(self, port: int) -> None:

@@ -34,7 +34,8 @@ def add_status_command(sub) -> None:
 def render(st: dict) -> str:
     lines = [f"model {st['model']} ({st.get('dtype') or 'dtype not reported'}, "
              f"edgespec {st['version']}), "
-             f"{'healthy' if st['healthy'] else 'NOT healthy'}",
+             + ("healthy" if st["healthy"] else
+                f"NOT healthy ({st.get('unhealthy_reason') or 'no reason given'})"),
              f"sessions: {st['active_sessions']} active, {st['queued_sessions']} queued; "
              f"KV slots free: {st['free_kv_slots']}/{st['kv_slots']}; "
              f"throughput (last minute): {st['tokens_per_s_last_minute']:.1f} tok/s"]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import signal
 import subprocess
+import sys
 import time
 
 import grpc
@@ -160,7 +161,13 @@ def test_redis_restart_costs_a_pause_not_sessions(cluster, refs, sampled_ref):
     assert cluster["redis"].stop() == 0
     wait_health(cluster["address"], health_pb2.HealthCheckResponse.NOT_SERVING)
     with client(cluster) as c:
-        assert c.status()["healthy"] is False
+        st = c.status()
+    assert st["healthy"] is False and "Redis does not answer" in st["unhealthy_reason"], st
+    r = subprocess.run([sys.executable, "-m", "edgespec_cli", "status", "--address",
+                        cluster["address"], "--auth-token", TOKEN], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0 and "NOT healthy (its Redis does not answer" in r.stdout, \
+        r.stdout + r.stderr
     cluster["redis"].start()
     wait_health(cluster["address"], health_pb2.HealthCheckResponse.SERVING)
 

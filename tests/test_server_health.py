@@ -68,6 +68,8 @@ def test_health_is_not_serving_while_every_step_fails_and_serving_after_one_succ
                                    timeout=60))
             assert e.value.code() == grpc.StatusCode.UNAVAILABLE
         _wait_status(server.port, NOT_SERVING)
+        assert f"the last {FAILING_STEPS} verification steps failed" in \
+            pb_grpc.VerifierStub(ch).Status(pb.StatusRequest(), timeout=30).unhealthy_reason
         delattr(faulty, method)  # the fault gone: the class's method again
         got = list(stub.Generate(pb.GenerateRequest(prompt_ids=[1, 5, 6], max_new_tokens=4),
                                  timeout=60))
@@ -101,6 +103,8 @@ def test_health_is_not_serving_while_a_step_hangs_and_serving_once_it_returns(se
         try:
             _wait_status(server.port, NOT_SERVING)
             assert server.scheduler.is_alive() and server.scheduler.stuck
+            assert stub.Status(pb.StatusRequest(), timeout=30).unhealthy_reason == \
+                "a verification step has run for over 1 s"
         finally:
             release.set()
         call.join(120)

@@ -236,6 +236,10 @@ class VerifierRouter(pb_grpc.VerifierServicer):
             merged.healthy |= s.healthy
         if not answered:
             context.abort(grpc.StatusCode.UNAVAILABLE, "no verifier replica answers")
+        if not merged.healthy:  # each replica's reason, as it gave it
+            merged.unhealthy_reason = f"no replica serves ({len(self._replicas) - len(answered)}" \
+                f" of {len(self._replicas)} do not answer): " + "; ".join(
+                    s.unhealthy_reason or "no reason given" for s in answered)
         describe_replicas(merged, answered)
         merged.drafters.extend(merged_drafters(drafters))
         return merged

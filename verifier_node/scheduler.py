@@ -153,6 +153,7 @@ class Scheduler(threading.Thread):
         self._stopping = threading.Event()  # (not ``_stop``: threading.Thread has a _stop())
         self._wake = threading.Event()
         self.store_ok = True
+        self.store_error = ""  # what the cache's last failure said (while not store_ok)
         self._failed_steps = 0  # steps in a row that raised (a bug, a device fault)
         self._failed_at = 0.0
         self._step_began: float | None = None  # the running step's start (None: between)
@@ -174,10 +175,23 @@ class Scheduler(threading.Thread):
         fault that fails every step: unhealthy from the ``FAILING_STEPS``-th in a row, for
         ``FAILING_FOR_S`` after the last, or until a step succeeds) and none hangs (a step
         running past ``STUCK_STEP_S``: unhealthy until it returns)."""
-        failing = (self._failed_steps >= FAILING_STEPS
-                   and time.monotonic() - self._failed_at < FAILING_FOR_S)
-        return self.is_alive() and self.store_ok and not failing and not self.stuck \
-            and not self._stopping.is_set()
+        return self.unhealthy_reason is None
+
+    @property
+    def unhealthy_reason(self) -> str | None:
+        """Why it is not ``healthy``, in words (None: it is)."""
+        if self._stopping.is_set():
+            return "the verifier is draining (shutting down)"
+        if not self.is_alive():
+            return "the verification loop is not running"
+        if not self.store_ok:
+            return f"the draft cache is unreachable ({self.store_error})"
+        if self._failed_steps >= FAILING_STEPS and \
+                time.monotonic() - self._failed_at < FAILING_FOR_S:
+            return f"the last {self._failed_steps} verification steps failed"
+        if self.stuck:
+            return f"a verification step has run for over {STUCK_STEP_S:.0f} s"
+        return None
 
     @property
     def stuck(self) -> bool:
@@ -313,7 +327,7 @@ class Scheduler(threading.Thread):
                 # the cache is unreachable: fail nothing, retry the step after a pause
                 if self.store_ok:
                     log.error("the draft cache is unreachable (%s); retrying", exc)
-                self.store_ok = False
+                self.store_ok, self.store_error = False, str(exc)[:300]
                 self._stopping.wait(backoff)
                 backoff = min(1.0, backoff * 2)
             except Exception as exc:  # a bug: fail the sessions in flight, keep serving

@@ -74,6 +74,7 @@ class VerifierService(pb_grpc.VerifierServicer):
         # and whether the draft cache's Redis answered (else Status does not wait out the
         # client's retries to list the drafters)
         self.serving: Callable[[], bool] | None = None
+        self.why_not_serving: Callable[[], str | None] | None = None  # health's reason
         self.cache_reachable: Callable[[], bool] | None = None
 
     # -- RPCs -------------------------------------------------------------------------------------
@@ -195,6 +196,9 @@ class VerifierService(pb_grpc.VerifierServicer):
             except Exception as e:  # the cache is unreachable: report what this process knows
                 log.warning("status: cannot read the drafters: %s", e)
         healthy = sched.healthy and (self.serving is None or self.serving())
+        why = "" if healthy else (sched.unhealthy_reason or (
+            self.why_not_serving() if self.why_not_serving is not None else None) or
+            "health says NOT_SERVING")
         links = sched.engine.lateness.snapshot()
         for d in devices:
             counts = metrics.device_draft_counts(d.device_id) if metrics else (0, 0, 0)
@@ -214,7 +218,7 @@ class VerifierService(pb_grpc.VerifierServicer):
         return pb.StatusResponse(
             model=self.model_name, version=__version__, drafters=drafters,
             active_sessions=active, queued_sessions=queued, free_kv_slots=sched.engine.free_slots,
-            kv_slots=sched.engine.cfg.max_sessions, healthy=healthy,
+            kv_slots=sched.engine.cfg.max_sessions, healthy=healthy, unhealthy_reason=why,
             dtype=str(sched.engine.target.dtype).removeprefix("torch."),
             tokens_per_s_last_minute=metrics.tokens_per_s_last_minute() if metrics else 0.0,
             head=head_status(sched.engine.head, metrics),

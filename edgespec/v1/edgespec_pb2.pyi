@@ -210,7 +210,7 @@ class DrafterStatus(_message.Message):
     def __init__(self, device_id: _Optional[str] = ..., draft_model: _Optional[str] = ..., attached: _Optional[bool] = ..., sessions: _Optional[int] = ..., max_sessions: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_acceptance_length: _Optional[float] = ..., last_seen_s: _Optional[float] = ..., late: _Optional[bool] = ..., drafts_missed: _Optional[int] = ..., steps_unwaited: _Optional[int] = ..., session_steps: _Optional[int] = ..., ready_drafts: _Optional[int] = ..., verified_drafts: _Optional[int] = ..., finished_drafts: _Optional[int] = ..., finished_draft_tokens: _Optional[int] = ..., finished_accepted_tokens: _Optional[int] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("model", "version", "drafters", "active_sessions", "queued_sessions", "free_kv_slots", "kv_slots", "tokens_per_s_last_minute", "healthy", "dtype", "head", "runner", "cost")
+    __slots__ = ("model", "version", "drafters", "active_sessions", "queued_sessions", "free_kv_slots", "kv_slots", "tokens_per_s_last_minute", "healthy", "dtype", "head", "runner", "cost", "unhealthy_reason")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     DRAFTERS_FIELD_NUMBER: _ClassVar[int]
@@ -224,6 +224,7 @@ class StatusResponse(_message.Message):
     HEAD_FIELD_NUMBER: _ClassVar[int]
     RUNNER_FIELD_NUMBER: _ClassVar[int]
     COST_FIELD_NUMBER: _ClassVar[int]
+    UNHEALTHY_REASON_FIELD_NUMBER: _ClassVar[int]
     model: str
     version: str
     drafters: _containers.RepeatedCompositeFieldContainer[DrafterStatus]
@@ -237,7 +238,8 @@ class StatusResponse(_message.Message):
     head: HeadStatus
     runner: RunnerStatus
     cost: ServerCost
-    def __init__(self, model: _Optional[str] = ..., version: _Optional[str] = ..., drafters: _Optional[_Iterable[_Union[DrafterStatus, _Mapping]]] = ..., active_sessions: _Optional[int] = ..., queued_sessions: _Optional[int] = ..., free_kv_slots: _Optional[int] = ..., kv_slots: _Optional[int] = ..., tokens_per_s_last_minute: _Optional[float] = ..., healthy: _Optional[bool] = ..., dtype: _Optional[str] = ..., head: _Optional[_Union[HeadStatus, _Mapping]] = ..., runner: _Optional[_Union[RunnerStatus, _Mapping]] = ..., cost: _Optional[_Union[ServerCost, _Mapping]] = ...) -> None: ...
+    unhealthy_reason: str
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[str] = ..., drafters: _Optional[_Iterable[_Union[DrafterStatus, _Mapping]]] = ..., active_sessions: _Optional[int] = ..., queued_sessions: _Optional[int] = ..., free_kv_slots: _Optional[int] = ..., kv_slots: _Optional[int] = ..., tokens_per_s_last_minute: _Optional[float] = ..., healthy: _Optional[bool] = ..., dtype: _Optional[str] = ..., head: _Optional[_Union[HeadStatus, _Mapping]] = ..., runner: _Optional[_Union[RunnerStatus, _Mapping]] = ..., cost: _Optional[_Union[ServerCost, _Mapping]] = ..., unhealthy_reason: _Optional[str] = ...) -> None: ...
 
 class ServerCost(_message.Message):
     __slots__ = ("cpu_s", "committed_tokens", "forwards", "draft_tokens", "accepted_tokens")
