@@ -89,6 +89,7 @@ class DraftCacheService(pb_grpc.DraftCacheServicer):
         # for itself.
         self._generation: dict[str, int] = {}
         self._peer: dict[str, str] = {}  # device -> the address of its current stream
+        self._context: dict[str, grpc.ServicerContext] = {}  # device -> its current stream's
         self._generations = itertools.count(1)
         self._stopping = threading.Event()
 
@@ -224,12 +225,15 @@ class DraftCacheService(pb_grpc.DraftCacheServicer):
             context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                           f"drafter tokenizer {reg.tokenizer_fingerprint} differs from the "
                           f"target's {target['fingerprint']} ({target.get('model', '')})")
+        if not context.is_active():  # its client left while it waited (a stale attempt): it
+            return  # must not take the device over from a newer stream that is live
         peer = context.peer() or "?"
         with self._lock:
             gen = next(self._generations)
             older = self._generation.get(device)
             self._generation[device] = gen
             before, self._peer[device] = self._peer.get(device), peer
+            self._context[device] = context
         if older is not None:
             log.warning("drafter %s attached again (from %s) while its stream from %s is open: "
                         "the newer replaces the older, which is told to stop; if that is not "
@@ -242,6 +246,8 @@ class DraftCacheService(pb_grpc.DraftCacheServicer):
             with self._lock:
                 if self._generation.get(device) == gen:
                     del self._generation[device]
+                    self._peer.pop(device, None)
+                    self._context.pop(device, None)
             self._refuse_for_now(context, f"the cache's Redis is unreachable: {e}")
         log.info("drafter %s attached (%s)", device, reg.draft_model)
         vocab = int(target.get("vocab_size", 1 << 31))
@@ -297,9 +303,12 @@ class DraftCacheService(pb_grpc.DraftCacheServicer):
                 yield msg
             if lost and not self._stopping.is_set():
                 self._refuse_for_now(context, lost[0])
-            with self._lock:
-                replaced_by = self._peer.get(device) if self._generation.get(device) != gen \
+            with self._lock:  # replaced by a newer stream that is live (a stale one that
+                # took a generation while its client left is no reason to stop this board)
+                newer = self._context.get(device) if self._generation.get(device) != gen \
                     else None
+                replaced_by = self._peer.get(device) if newer is not None and \
+                    newer.is_active() else None
             if replaced_by is not None and not self._stopping.is_set():
                 context.abort(grpc.StatusCode.ABORTED, f"{REPLACED_STREAM}: drafter {device!r} "
                                                        f"attached again from {replaced_by}")
@@ -311,6 +320,7 @@ class DraftCacheService(pb_grpc.DraftCacheServicer):
                 if self._generation.get(device) == gen:
                     del self._generation[device]
                     self._peer.pop(device, None)
+                    self._context.pop(device, None)
                     try:
                         self.store.devices.mark_gone(device)
                     except (redis.RedisError, OSError, ValueError) as e:

@@ -315,7 +315,8 @@ class RedisSessionStore:
             raise
         full = [m for m in messages if "OOM command not allowed" in text(m)]  # any version's
         if full:  # Redis refuses writes (maxmemory, noeviction): an outage, not the sessions'
-            self._forget(verdicts)  # those before it landed: their retry is a replay
+            # a script is refused for memory only before its first write: nothing landed
+            self._forget(verdicts)
             raise StoreUnavailable(f"the draft cache's Redis is out of memory (its maxmemory): "
                                    f"{text(full[0])}")
         out = []

@@ -63,6 +63,7 @@ BACKOFF_START_S = 0.2
 STILL_UNREACHABLE_LOG_S = 30.0  # while the cache stays unreachable, say so this often
 MIN_RETRY_S = 0.1  # the shortest wait a retry hint may ask for
 STEADY_LINK_S = 10.0  # a link that lasted this long resets the backoff when it ends
+REPLACED_FORGOTTEN_S = 60.0  # a 'replaced' this long ago no longer counts towards stopping
 
 
 def next_backoff(delay: float, error: grpc.RpcError | None, backoff_max_s: float,
@@ -167,6 +168,7 @@ class DrafterAgent:
 
     def _attach_until_stopped(self) -> None:
         delay = BACKOFF_START_S
+        replaced_at: float | None = None  # when the cache last said another took the id over
         while not self.stopping.is_set():
             error, why = None, None
             attaches, began = self.attaches, time.monotonic()
@@ -187,11 +189,18 @@ class DrafterAgent:
                                       f"the cache's gRPC address (serve's --listen)") from None
                 if e.code() == grpc.StatusCode.ABORTED and \
                         str(e.details()).startswith(REPLACED_STREAM):
-                    # only this process reads this stream: another process took the id over
-                    raise ConfigError(f"the cache at {self.cache} ended this drafter's link: "
-                                      f"{e.details()}; the newer drafter keeps the id and this "
-                                      f"one stops (if two boards were given one --device-id, "
-                                      f"give each its own)") from None
+                    # only this process reads this stream: another took the id over. Once is
+                    # forgiven (a stale attempt of this board's, reset by a proxy, could have
+                    # looked newer); again before a steady link, this board gives the id up
+                    if replaced_at is not None:
+                        raise ConfigError(f"the cache at {self.cache} ended this drafter's "
+                                          f"link twice: {e.details()}; the newer drafter keeps "
+                                          f"the id and this one stops (if two boards were "
+                                          f"given one --device-id, give each its own)") from None
+                    replaced_at = time.monotonic()
+                    log.error("the cache at %s ended this drafter's link: %s (another drafter "
+                              "with --device-id %s?); attaching again once", self.cache,
+                              e.details(), self.device_id)
                 error = e
             except ConfigError:
                 raise  # a setting to fix (an unreadable certificate file, ...)
@@ -204,6 +213,8 @@ class DrafterAgent:
                 self._forget_sessions()
             if time.monotonic() - began >= STEADY_LINK_S:  # a link that lasted: backoff anew
                 delay = BACKOFF_START_S  # (not after links a cache closes at once: no loop)
+            if replaced_at is not None and time.monotonic() - replaced_at >= REPLACED_FORGOTTEN_S:
+                replaced_at = None  # a board that kept its link since: a replacement is news
             wait, delay = next_backoff(delay, error, self.backoff_max_s)
             if not self.stopping.is_set():
                 self._log_retry(error, wait, attached=self.attaches > attaches, why=why)

@@ -393,8 +393,8 @@ def test_a_session_whose_tokens_key_is_gone_is_gone(store):
 def test_a_redis_out_of_memory_holds_the_commit_as_an_outage(store):
     """A Redis at its maxmemory that evicts nothing refuses writes: the step's commit raises
     StoreUnavailable (the verifier holds its sessions and retries, health says so) instead of
-    refusing each session (each failed with '-OOM'). The retry, once Redis has room, lands the
-    verdicts, and one that had landed before the refusal is a replay."""
+    refusing each session (each failed with '-OOM'). Nothing of the refused call landed; the
+    retry, once Redis has room, lands the verdicts, and a verdict sent again is a replay."""
     from edgespec.protocol.contract import StoreUnavailable
 
     dev = _attach(store)

@@ -10,6 +10,7 @@ import queue
 import threading
 import time
 from concurrent import futures
+from types import SimpleNamespace
 
 import grpc
 import pytest
@@ -704,43 +705,65 @@ def test_an_agent_logs_every_lost_link_across_restarts(store, caplog):
     assert len(lost) == 2 and all(f"link to {address} lost" in m for m in lost)
 
 
-def test_a_second_drafter_with_one_device_id_replaces_the_first_which_stops(cache, store,
-                                                                           caplog):
+def test_two_drafters_with_one_device_id_end_with_one_attached_and_one_stopped(cache, store,
+                                                                             caplog):
     """Two boards given one --device-id knocked each other off for good, each re-attach
-    replacing the other with nothing said: the cache warns of the second attach while the
-    first's stream is open and ends the first's stream ABORTED, saying so; the first agent
-    stops with that reason (a ConfigError), the newer keeps the id, attached."""
+    replacing the other with nothing said: the cache warns of an attach while the id's stream
+    is open and ends the older stream ABORTED, saying so; a drafter told so attaches again once
+    (a stale attempt of its own could have looked newer) and stops the second time (a
+    ConfigError). Whichever stops, one stops, and the other keeps the id, attached."""
     caplog.set_level(logging.INFO)
-    errors: list[BaseException] = []
+    errors: dict[int, BaseException] = {}
 
-    def run(agent):
+    def run(i, agent):
         try:
             agent.run()
         except BaseException as e:  # noqa: BLE001 (the test reads what ended the agent)
-            errors.append(e)
+            errors[i] = e
 
-    first = DrafterAgent(cache.address, "twin", SlotDrafter(), backoff_max_s=0.2)
-    t1 = threading.Thread(target=run, args=(first,), daemon=True)
-    t1.start()
-    assert first.connected.wait(WAIT_S)
-    second = DrafterAgent(cache.address, "twin", SlotDrafter(), backoff_max_s=0.2)
-    t2 = threading.Thread(target=run, args=(second,), daemon=True)
-    t2.start()
+    agents = [DrafterAgent(cache.address, "twin", SlotDrafter(), backoff_max_s=0.2)
+              for _ in range(2)]
+    threads = [threading.Thread(target=run, args=(i, a), daemon=True)
+               for i, a in enumerate(agents)]
+    threads[0].start()
+    assert agents[0].connected.wait(WAIT_S)
+    threads[1].start()
     try:
-        t1.join(WAIT_S)
-        assert not t1.is_alive() and len(errors) == 1 and isinstance(errors[0], ConfigError)
-        assert "replaced by a newer attach" in str(errors[0]) and "--device-id" in str(errors[0])
-        assert second.connected.wait(WAIT_S) and t2.is_alive()
-        assert store.devices.is_alive("twin")
+        eventually(lambda: errors, "one of the two drafters stopped")
+        [(stopped, error)] = errors.items()
+        assert isinstance(error, ConfigError) and "ended this drafter's link twice" in str(error)
+        assert "replaced by a newer attach" in str(error) and "--device-id" in str(error)
+        threads[stopped].join(WAIT_S)
+        kept = agents[1 - stopped]
+        assert not threads[stopped].is_alive() and threads[1 - stopped].is_alive()
+        eventually(lambda: kept.connected.is_set() and store.devices.is_alive("twin"),
+                   "the other drafter attached")
         warned = [r.getMessage() for r in caplog.records
                   if r.name.startswith("edgespec.cache") and "attached again" in r.getMessage()]
         assert warned and "two boards share the id" in warned[0]
     finally:
-        first.stop()
-        second.stop()
-        t1.join(WAIT_S)
-        t2.join(WAIT_S)
-    assert len(errors) == 1  # the second ended by stop(), not refused
+        for agent, thread in zip(agents, threads):
+            agent.stop()
+            thread.join(WAIT_S)
+    assert len(errors) == 1  # the other ended by stop(), not refused
+
+
+def test_an_attach_whose_client_left_while_it_waited_takes_no_device_over(cache, store):
+    """An attach that waited (on Redis, say) while its client went away, a proxy's reset
+    attempt, must not take the id from the live stream that replaced it: it ends at once,
+    and the live stream keeps its generation and is not ended."""
+    live = Stream(cache.channel, "dev1")
+    live.next("registered")
+    gen = cache.service._generation["dev1"]
+    gone = SimpleNamespace(is_active=lambda: False, peer=lambda: "ipv4:10.0.0.9:1",
+                           abort=None, add_callback=None)  # used past the check: would raise
+    register = pb.DrafterMessage(register=pb.Register(device_id="dev1", draft_model="test",
+                                                      max_sessions=4))
+    assert list(cache.service.Attach(iter([register]), gone)) == []
+    assert cache.service._generation["dev1"] == gen
+    store.create("s1", [1, 2, 3], SamplingParams(), "dev1")
+    assert live.next("assignment").session_id == "s1"  # the live stream goes on
+    live.close()
 
 
 def test_an_agent_pointed_at_an_http_port_stops_saying_so():

@@ -16,7 +16,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 import edgespec
 from edgespec.v1 import edgespec_pb2 as pb
 from edgespec.v1 import edgespec_pb2_grpc as pb_grpc
-from edgespec.wire.convert import bind, retry_after_metadata
+from edgespec.wire.convert import bind, free_port, retry_after_metadata
 from procs import wait_health
 from verifier_node.router import VERIFIER_SERVICE, VerifierRouter
 
@@ -32,6 +32,7 @@ class StandInReplica(pb_grpc.VerifierServicer):
     def __init__(self, refuse: bool, drafters: tuple[pb.DrafterStatus, ...] = ()):
         self.refuse, self.release = refuse, threading.Event()
         self.drafters = drafters  # what its Status reports
+        self.healthy, self.reason = False, ""  # and its health, with why not
         self.server = grpc.server(futures.ThreadPoolExecutor(16))
         pb_grpc.add_VerifierServicer_to_server(self, self.server)
         self.health = health.HealthServicer()
@@ -48,7 +49,8 @@ class StandInReplica(pb_grpc.VerifierServicer):
         self.release.wait(WAIT_S)
 
     def Status(self, request, context):
-        return pb.StatusResponse(model="stand-in", kv_slots=4, drafters=self.drafters)
+        return pb.StatusResponse(model="stand-in", kv_slots=4, drafters=self.drafters,
+                                 healthy=self.healthy, unhealthy_reason=self.reason)
 
     def stop(self):
         self.release.set()
@@ -125,6 +127,31 @@ def test_the_routers_status_merges_what_each_replica_saw_of_a_drafter():
     assert a["acceptance_rate"] == pytest.approx(29 / 50)
     assert a["mean_acceptance_length"] == pytest.approx(1 + 29 / 15)
     assert int(by_id["board-b"]["session_steps"]) == 3
+
+
+def test_the_routers_status_says_why_no_replica_serves():
+    """Healthy while one replica serves; when none does, why not, each replica by address:
+    its own reason, or that it does not answer."""
+    replicas = [StandInReplica(False), StandInReplica(False)]
+    replicas[0].reason = "its Redis does not answer (Connection refused)"
+    nowhere = f"127.0.0.1:{free_port()}"
+    router = VerifierRouter("127.0.0.1:0", [r.address for r in replicas] + [nowhere]).start()
+    try:
+        with edgespec.Client(f"127.0.0.1:{router.port}", timeout=WAIT_S) as c:
+            none_serve = c.status()
+            replicas[1].healthy = True
+            one_serves = c.status()
+    finally:
+        for r in replicas:
+            r.stop()
+        router.stop()
+    assert none_serve["healthy"] is False
+    why = none_serve["unhealthy_reason"]
+    assert why.startswith("no replica serves: ")
+    assert f"{replicas[0].address}: its Redis does not answer (Connection refused)" in why
+    assert f"{replicas[1].address}: no reason given" in why
+    assert f"{nowhere}: does not answer (UNAVAILABLE)" in why
+    assert one_serves["healthy"] is True and one_serves["unhealthy_reason"] == ""
 
 
 def test_the_routers_status_describes_the_replicas_that_serve():

@@ -217,12 +217,16 @@ class VerifierRouter(pb_grpc.VerifierServicer):
     def Status(self, request, context):
         merged = pb.StatusResponse()
         answered: list[pb.StatusResponse] = []
+        reasons: list[str] = []  # each replica's that does not serve, or does not answer
         drafters: list[pb.DrafterStatus] = []
         for r in self._replicas:
             try:
                 s = r.stub.Status(request, timeout=5.0, metadata=self.metadata)
-            except grpc.RpcError:
+            except grpc.RpcError as e:
+                reasons.append(f"{r.address}: does not answer ({e.code().name})")
                 continue
+            if not s.healthy:
+                reasons.append(f"{r.address}: {s.unhealthy_reason or 'no reason given'}")
             answered.append(s)
             drafters.extend(s.drafters)
             merged.active_sessions += s.active_sessions
@@ -237,9 +241,7 @@ class VerifierRouter(pb_grpc.VerifierServicer):
         if not answered:
             context.abort(grpc.StatusCode.UNAVAILABLE, "no verifier replica answers")
         if not merged.healthy:  # each replica's reason, as it gave it
-            merged.unhealthy_reason = f"no replica serves ({len(self._replicas) - len(answered)}" \
-                f" of {len(self._replicas)} do not answer): " + "; ".join(
-                    s.unhealthy_reason or "no reason given" for s in answered)
+            merged.unhealthy_reason = "no replica serves: " + "; ".join(reasons)
         describe_replicas(merged, answered)
         merged.drafters.extend(merged_drafters(drafters))
         return merged

@@ -327,7 +327,7 @@ class Scheduler(threading.Thread):
                 # the cache is unreachable: fail nothing, retry the step after a pause
                 if self.store_ok:
                     log.error("the draft cache is unreachable (%s); retrying", exc)
-                self.store_ok, self.store_error = False, str(exc)[:300]
+                self.store_error, self.store_ok = str(exc)[:300], False  # the reason first
                 self._stopping.wait(backoff)
                 backoff = min(1.0, backoff * 2)
             except Exception as exc:  # a bug: fail the sessions in flight, keep serving

@@ -21,17 +21,40 @@ GIB = 1 << 30
 
 
 def available_memory(device: torch.device) -> int | None:
-    """Bytes a new allocation can take on ``device`` now: CUDA's free memory, or Linux's
-    MemAvailable (None where neither can be read)."""
+    """Bytes a new allocation can certainly not exceed on ``device`` now (None where it cannot
+    be read): on CUDA the free memory plus what torch's caching allocator holds unused (a
+    runner's fused weights leave the originals' blocks there); on Linux MemAvailable plus free
+    swap, capped by the cgroup's memory.max (a container's limit, which MemAvailable does not
+    show). Generous on purpose: only a cache that cannot fit is refused."""
     if device.type == "cuda":
-        return int(torch.cuda.mem_get_info(device)[0])
+        free = int(torch.cuda.mem_get_info(device)[0])
+        return free + int(torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
+    info = _meminfo()
+    if info is None:
+        return None
+    have = info.get("MemAvailable", 0) + info.get("SwapFree", 0)
     try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit.isdigit():
+            have = min(have, int(limit))
+    except OSError:
         pass
-    return None
+    return have
+
+
+def _meminfo() -> dict[str, int] | None:
+    """/proc/meminfo's figures in bytes (None where it cannot be read)."""
+    try:
+        lines = Path("/proc/meminfo").read_text().splitlines()
+    except OSError:
+        return None
+    out = {}
+    for line in lines:
+        name, _, value = line.partition(":")
+        parts = value.split()
+        if parts and parts[0].isdigit():
+            out[name] = int(parts[0]) * 1024
+    return out or None
 
 
 def cache_bytes(n_layers: int, n_slots: int, capacity: int, kv_heads: int, head_dim: int,
