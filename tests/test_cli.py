@@ -386,3 +386,17 @@ def test_bench_refuses_what_it_would_misread_or_fail_on_midway(tiny_dir, tmp_pat
                 "--drafters", "mag", "--skip-llamacpp", "--json", out, *extra)
     assert r.returncode == 2 and needle in r.stderr, r.stderr
     assert not out.exists()
+
+
+
+def test_simulate_refuses_a_fleet_whose_verifier_cache_cannot_fit(tiny):
+    """A slot a device: ten million devices' KV cache fits no machine, refused (``cmd_simulate``
+    checks it before Ray starts a process: it had started to start one a device). Held here on
+    the check itself: a command run without it would start that many processes."""
+    from edgespec.config import ConfigError
+    from edgespec_cli.simulate.cli import check_fleet_fits
+
+    check_fleet_fits(tiny, 2)
+    with pytest.raises(ConfigError, match=r"10000000 devices need a verifier with as many KV "
+                                          r"slots: .* simulate fewer devices \(--devices"):
+        check_fleet_fits(tiny, 10_000_000)

@@ -252,6 +252,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     print("simulate: loading the model for prompts and the losslessness check",
           file=sys.stderr, flush=True)
     target = load_model(args.model, device=args.device, dtype=args.dtype)
+    check_fleet_fits(target, args.max_devices if args.find_capacity else max(counts))
     modes = ["on", "off"] if args.batching == "both" else [args.batching]
     if args.baseline == SERVER_ONLY:
         modes.append(SERVER_ONLY)
@@ -288,6 +289,27 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         print("simulate: warning: some devices finished no request, so their output was not "
               "checked (see error_samples in the report)", file=sys.stderr)
     return 0
+
+
+def check_fleet_fits(target, devices: int) -> None:
+    """The verifier's KV cache, a slot a device, must fit this machine's memory: refused before
+    Ray starts a process (100,000 devices had started to start as many)."""
+    import torch
+
+    from edgespec.config import EngineConfig
+    from edgespec.runner.kv_cache import check_cache_fits
+
+    cfg = target.model.config
+    heads = cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    try:
+        check_cache_fits(cfg.num_hidden_layers, devices, EngineConfig().max_context,
+                         getattr(cfg, "num_key_value_heads", None) or heads, head_dim,
+                         target.model.dtype, torch.device(target.model.device))
+    except ConfigError as e:
+        raise ConfigError(f"{devices} devices need a verifier with as many KV slots: "
+                          f"{str(e).partition(': serve')[0]}: simulate fewer devices "
+                          f"(--devices, --max-devices)") from None
 
 
 def cmd_project(args: argparse.Namespace) -> int:
