@@ -120,6 +120,8 @@ def test_bad_options_give_one_readable_line(tiny_dir, args, message):
     (["bench-learn", "--head", "x", "--requests", "0"], "--requests"),
     (["bench-learn", "--head", "x", "--learn-every", "-5"], "--learn-every"),
     (["bench-pad", "--sigmas", ","], "--sigmas"),
+    (["bench-pad", "--pad-min-prob", "5"], "--pad-min-prob"),  # both were refused after the
+    (["bench-pad", "--drafter", "bogus"], "unknown drafter"),  # target-only run, not before
     (["simulate", "--timeout", "nan"], "--timeout"),
     (["simulate", "--find-capacity", "--slo", "nan"], "--slo"),
     (["simulate", "--max-devices", "0"], "--max-devices"),

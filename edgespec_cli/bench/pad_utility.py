@@ -147,9 +147,13 @@ def run_bench_pad(args) -> int:
     from edgespec.pad.tasks import family_problems, file_problems
     from edgespec.pad.verify_rule import resolve_classifier_dir
 
+    from edgespec.drafters.spec_check import check_drafter_arg
+
     sigmas = parse_sigmas(args.sigmas)
     if args.problems < 1:
         raise ConfigError(f"--problems must be >= 1, got {args.problems}")
+    PadParams("check", min_prob=args.pad_min_prob)  # range-checked there, before any run
+    check_drafter_arg(args.drafter)  # built after the target-only run: checked before it
     threads = set_threads(args.threads)
     print(f"bench-pad: torch threads {threads}", file=sys.stderr, flush=True)
     cfg = EngineConfig(max_sessions=1)
