@@ -51,7 +51,7 @@ import grpc
 
 from .sdk.errors import (Cancelled, DeadlineExceeded, EdgespecError, InvalidRequest, NotFound,
                          Overloaded, PreconditionFailed, Unauthenticated, Unavailable, translate)
-from .sdk.request import build_request
+from .sdk.request import build_request, check_timeout
 from .sdk.stream import Collector, GenerateResult, Resumer, StreamPiece
 from .v1 import edgespec_pb2 as pb
 from .v1 import edgespec_pb2_grpc as pb_grpc
@@ -79,13 +79,15 @@ class Client:
         self._reached = False  # the channel connected once: calls wait for restarts after
         self.stub = pb_grpc.VerifierStub(self.channel)
         self.metadata = auth_metadata(token)
-        self.timeout = timeout
+        self.timeout = check_timeout(timeout, "the client's timeout")
         self.max_resumes = max_resumes
         self.last_session_id: str | None = None
         self.last_resumes = 0
         self.last_seed: int | None = None  # the last stream's sampling seed, once reported
+        self.closed = False
 
     def close(self) -> None:
+        self.closed = True
         self.channel.close()
 
     def __enter__(self) -> "Client":
@@ -98,6 +100,7 @@ class Client:
         """Before the first call, wait for a server that is not up yet, and fail (Unavailable)
         with words where the wait ends or what answers is not this channel's server (see
         edgespec.wire.reachability)."""
+        check_open(self)
         if self._reached:
             return
         reason = self._watch.unreachable_reason(timeout)
@@ -163,6 +166,13 @@ class Client:
                              always_print_fields_with_no_presence=True)
 
 
+def check_open(client) -> None:
+    """A closed client's calls: InvalidRequest at once (its channel would raise gRPC's own
+    errors, or a first call wait out its timeout)."""
+    if client.closed:
+        raise InvalidRequest("this client is closed: make a new one")
+
+
 class AsyncClient:
     """The asyncio twin of ``Client`` (grpc.aio), resuming broken streams the same way."""
 
@@ -177,10 +187,15 @@ class AsyncClient:
         self._reached = False
         self.stub = pb_grpc.VerifierStub(self.channel)
         self.metadata = auth_metadata(token)
-        self.timeout = timeout
+        self.timeout = check_timeout(timeout, "the client's timeout")
         self.max_resumes = max_resumes
+        self.last_session_id: str | None = None  # as ``Client``'s: the last stream's, once known
+        self.last_resumes = 0
+        self.last_seed: int | None = None
+        self.closed = False
 
     async def close(self) -> None:
+        self.closed = True
         await self.channel.close()
 
     async def __aenter__(self) -> "AsyncClient":
@@ -190,6 +205,7 @@ class AsyncClient:
         await self.close()
 
     async def _first_contact(self, timeout: float | None) -> None:
+        check_open(self)
         if self._reached:
             return
         reason = await unreachable_reason_aio(self.channel, self.address, timeout, self._tls)
@@ -205,6 +221,9 @@ class AsyncClient:
             try:
                 async for r in call:
                     res.seen(r)
+                    self.last_session_id = res.session_id
+                    self.last_resumes = res.resumes
+                    self.last_seed = res.seed
                     yield r
                 return
             except grpc.RpcError as e:

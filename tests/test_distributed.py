@@ -103,9 +103,14 @@ def test_stream_and_async_client_match(cluster, refs):
 
     async def go():
         async with edgespec.AsyncClient(cluster["address"], token=TOKEN, timeout=60) as ac:
-            return await ac.generate(prompt_ids=PROMPTS[2], max_new_tokens=60)
+            assert ac.last_session_id is None
+            out = await ac.generate(prompt_ids=PROMPTS[2], max_new_tokens=60)
+            # as Client's: the session to cancel by, known from the stream's first response
+            return out, ac.last_session_id, ac.last_resumes
 
-    assert asyncio.run(go()).token_ids == refs[2]
+    out, last, resumes = asyncio.run(go())
+    assert out.token_ids == refs[2]
+    assert last == out.session_id and last and resumes == out.resumed
 
 
 def test_text_prompt_goes_through_the_chat_template(cluster, looping):

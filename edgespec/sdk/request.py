@@ -13,7 +13,7 @@ from ..v1 import edgespec_pb2 as pb
 from ..wire.convert import params_to_pb
 from .errors import InvalidRequest
 
-__all__ = ["build_request", "check_messages", "wire_int"]
+__all__ = ["build_request", "check_messages", "check_timeout", "wire_int"]
 
 
 def wire_int(x, what: str) -> int:
@@ -26,6 +26,24 @@ def wire_int(x, what: str) -> int:
     except TypeError:
         pass
     raise InvalidRequest(f"{what}, got {str(x)[:20]!r}: whole numbers in [0, 2^31)")
+
+
+MAX_TIMEOUT_S = 1e8  # ~3 years: gRPC turns a deadline much further off into one passed already
+
+
+def check_timeout(timeout, what: str = "timeout") -> float | None:
+    """A call's or client's ``timeout`` in seconds: None or 0 (none of its own: the client's, or
+    no deadline), else a number > 0, capped at ``MAX_TIMEOUT_S``; InvalidRequest otherwise."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise InvalidRequest(f"{what} must be seconds (a number), got "
+                             f"{type(timeout).__name__}")
+    if timeout == 0:
+        return None
+    if not timeout > 0:  # NaN too
+        raise InvalidRequest(f"{what} must be > 0 seconds (or 0/None: none), got {timeout!r}")
+    return min(float(timeout), MAX_TIMEOUT_S)
 
 
 def check_messages(messages) -> None:
@@ -62,6 +80,16 @@ def build_request(prompt=None, *, messages=None, prompt_ids=None, raw=False, max
     given = sum(x is not None for x in (prompt, messages, prompt_ids))
     if given != 1:
         raise InvalidRequest("give exactly one of prompt, messages, prompt_ids")
+    for name, value, kind, what in (("prompt", prompt, str, "a string"),
+                                    ("device_id", device_id, str, "a string"),
+                                    ("raw", raw, bool, "True or False")):
+        if value is not None and not isinstance(value, kind):
+            raise InvalidRequest(f"{name} must be {what}, got {type(value).__name__}")
+    for name, value, what in (("prompt_ids", prompt_ids, "a list of ids (or an array)"),
+                              ("messages", messages, "a list of dicts")):
+        if value is not None and (not hasattr(value, "__len__") or
+                                  isinstance(value, (str, bytes, dict))):
+            raise InvalidRequest(f"{name} must be {what}, got {type(value).__name__}")
     if prompt_ids is not None and len(prompt_ids) == 0:
         raise InvalidRequest(EmptyPrompt.MESSAGE)
     if messages is not None and len(messages) == 0:

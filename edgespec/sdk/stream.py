@@ -13,7 +13,7 @@ from ..protocol.lineage import Lineage, joined
 from ..v1 import edgespec_pb2 as pb
 from ..wire.convert import REFUSAL_METADATA, stats_from_pb, trailing_value
 from .errors import DeadlineExceeded, EdgespecError, NotFound, Unavailable, translate
-from .request import build_request
+from .request import build_request, check_timeout
 
 __all__ = ["RESUMABLE", "Collector", "GenerateResult", "Resumer", "StreamPiece"]
 
@@ -81,7 +81,8 @@ class Resumer:
     @classmethod
     def of_call(cls, client, timeout: float | None, **kw) -> "Resumer":
         """A call's resumer, with ``client``'s defaults (its timeout, its resumes)."""
-        return cls(build_request(**kw), timeout or client.timeout, client.max_resumes)
+        return cls(build_request(**kw), check_timeout(timeout) or client.timeout,
+                   client.max_resumes)
 
     @property
     def received(self) -> int:
