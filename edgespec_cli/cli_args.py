@@ -92,8 +92,10 @@ def add_dtype_arg(p: argparse.ArgumentParser, who: str = "") -> None:
                    help=f"{who}weights and activations dtype; auto: of bfloat16 and float32, "
                         "those whose exact (batch-invariant) path passes the start probes at the "
                         "thread count that serves, the faster as measured there (bfloat16 only "
-                        "when clearly faster; the log says what was measured); a dtype that is "
-                        "not exact there is refused (default: %(default)s)")
+                        "when clearly faster; measured once a machine setting and remembered in "
+                        "the cache folder's dtype-auto.json, so every run serves the same; the "
+                        "log says what was measured); a dtype that is not exact there is "
+                        "refused (default: %(default)s)")
 
 
 def add_engine_args(p: argparse.ArgumentParser, in_process: bool = True) -> None:

@@ -486,6 +486,7 @@ def test_auto_takes_the_measured_faster_exact_dtype(monkeypatch, caplog):
         assert dtype_probe.resolve_dtype("auto") == "float32"
         return
     for bf16_ms, chosen in ((0.05, "bfloat16"), (0.2, "float32"), (0.099, "float32")):
+        dtype_probe.memo_path().unlink(missing_ok=True)  # measured again (see below)
         monkeypatch.setattr(dtype_probe, "linear_cost_ms",
                             lambda dt, device="cpu", b=bf16_ms: b if dt == torch.bfloat16 else 0.1)
         with caplog.at_level(logging.INFO, logger="edgespec.dtype"):
@@ -497,3 +498,36 @@ def test_auto_takes_the_measured_faster_exact_dtype(monkeypatch, caplog):
     monkeypatch.setattr(dtype_probe, "exact_here", lambda name, device="cpu": name == "float32")
     assert dtype_probe.resolve_dtype("auto") == "float32"
     assert dtype_probe.choose_auto().refused == ("bfloat16",)
+
+
+def test_auto_measures_once_a_setting_and_every_run_serves_that_choice(monkeypatch, caplog):
+    """Two runs of one command could choose differently where the two dtypes are close (both
+    exact: a seeded request answered with other tokens): the first measurement of a setting is
+    kept in the cache folder and reused, said in the log; deleting the file measures again, and
+    a file that cannot be read is measured past."""
+    import logging
+
+    from edgespec.runner import dtype_probe
+
+    if not exact_here("bfloat16"):
+        pytest.skip("bfloat16 is not exact here: auto has one candidate and measures nothing")
+    calls = []
+
+    def costs(bf16_ms):
+        def cost(dt, device="cpu"):
+            calls.append(dt)
+            return bf16_ms if dt == torch.bfloat16 else 0.1
+        monkeypatch.setattr(dtype_probe, "linear_cost_ms", cost)
+
+    costs(0.05)
+    assert dtype_probe.choose_auto().dtype == "bfloat16" and len(calls) == 2
+    assert dtype_probe.memo_path().exists()
+    costs(0.5)  # the moment's load would now choose float32
+    with caplog.at_level(logging.INFO, logger="edgespec.dtype"):
+        assert dtype_probe.resolve_dtype("auto") == "bfloat16"
+    assert len(calls) == 2 and "remembered from" in caplog.text and "measured" in caplog.text
+    dtype_probe.memo_path().write_text("{not json")
+    assert dtype_probe.choose_auto().dtype == "float32" and len(calls) == 4
+    dtype_probe.memo_path().unlink()
+    costs(0.05)
+    assert dtype_probe.choose_auto().dtype == "bfloat16" and len(calls) == 6

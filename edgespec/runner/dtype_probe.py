@@ -27,6 +27,7 @@ import torch
 
 from ..config import DTYPE_NAMES, ConfigError
 from .cpu_kind import cpu_kind
+from .dtype_memo import memo_path, remember, remembered, setting_key
 
 if TYPE_CHECKING:
     from .linear import Linear
@@ -224,11 +225,14 @@ class DtypeChoice:
     dtype: str
     cost_ms: dict[str, float]
     refused: tuple[str, ...]  # candidates whose probe failed here
+    remembered: str = ""  # when the choice was measured, if it was remembered (``dtype_memo``)
 
     def reason(self) -> str:
         costs = ", ".join(f"{d} {ms:.3f} ms" for d, ms in self.cost_ms.items())
+        kept = (f", remembered from {self.remembered} in {memo_path()} (delete it to measure "
+                f"again)" if self.remembered else "")
         why = (f"exact here and measured faster (a 576->3072 linear over 8 rows: {costs}; "
-               f"bfloat16 only if under {BF16_MARGIN:.0%} of float32's)"
+               f"bfloat16 only if under {BF16_MARGIN:.0%} of float32's){kept}"
                if len(self.cost_ms) > 1 else "the only exact candidate")
         refused = f"; not batch-invariant here: {', '.join(self.refused)}" if self.refused else ""
         return f"{self.dtype}: {why}{refused}"
@@ -241,17 +245,24 @@ BF16_MARGIN = 0.9
 
 
 def choose_auto(device: str = "cpu") -> DtypeChoice:
-    """Among the exact candidates, the one whose linear layer is faster here, measured."""
+    """Among the exact candidates, the one whose linear layer is faster here, measured once a
+    machine setting and remembered (``dtype_memo``)."""
     exact = [d for d in AUTO_CANDIDATES if exact_here(d, device)]
     refused = tuple(d for d in AUTO_CANDIDATES if d not in exact)
     if not exact:
         raise ConfigError(f"no dtype is batch-invariant on this {device}: neither "
                           f"{' nor '.join(AUTO_CANDIDATES)} passed its probe")
-    costs = {d: linear_cost_ms(DTYPES[d], device) for d in exact} if len(exact) > 1 else {
-        exact[0]: float("nan")}
-    best = exact[0]
-    if len(exact) > 1:
-        best = "bfloat16" if costs["bfloat16"] < BF16_MARGIN * costs["float32"] else "float32"
+    if len(exact) == 1:
+        return DtypeChoice(exact[0], {exact[0]: float("nan")}, refused)
+    what = cpu_kind().describe() if device == "cpu" else torch.cuda.get_device_name(device)
+    key = setting_key(device, what, exact)
+    kept = remembered(key)
+    if kept is not None and kept["dtype"] in exact:  # the first measurement, for every run
+        return DtypeChoice(kept["dtype"], kept["cost_ms"], refused,
+                           str(kept.get("measured") or "?"))
+    costs = {d: linear_cost_ms(DTYPES[d], device) for d in exact}
+    best = "bfloat16" if costs["bfloat16"] < BF16_MARGIN * costs["float32"] else "float32"
+    remember(key, best, costs)
     return DtypeChoice(best, costs, refused)
 
 
