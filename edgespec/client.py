@@ -56,7 +56,7 @@ from .sdk.stream import Collector, GenerateResult, Resumer, StreamPiece
 from .v1 import edgespec_pb2 as pb
 from .v1 import edgespec_pb2_grpc as pb_grpc
 from .wire.convert import auth_metadata, make_channel
-from .wire.reachability import ConnectWatch, unreachable_reason_aio
+from .wire.reachability import STARTING_WAIT_S, ConnectWatch, unreachable_reason_aio
 
 __all__ = ["AsyncClient", "Cancelled", "Client", "DeadlineExceeded", "EdgespecError",
            "GenerateResult", "InvalidRequest", "NotFound", "Overloaded", "PreconditionFailed",
@@ -113,6 +113,12 @@ class Client:
         restarting is waited for, up to the deadline."""
         self._first_contact(res.time_left())
         while True:
+            if res.resumes and res.time_left() is None:  # no deadline: a restart is waited
+                # for as a first contact waits for a server loading its model, then given up
+                why = self._watch.unreachable_reason(STARTING_WAIT_S)
+                if why is not None:
+                    raise Unavailable(f"UNAVAILABLE: {why}, resuming session "
+                                      f"{res.session_id} (last answer: {res.last_error})")
             call = self.stub.Generate(res.next_request(), timeout=res.time_left(),
                                       metadata=self.metadata, wait_for_ready=True)
             try:
@@ -216,6 +222,12 @@ class AsyncClient:
     async def _responses(self, res: Resumer):
         await self._first_contact(res.time_left())
         while True:
+            if res.resumes and res.time_left() is None:  # as Client's
+                why = await unreachable_reason_aio(self.channel, self.address, STARTING_WAIT_S,
+                                                   self._tls)
+                if why is not None:
+                    raise Unavailable(f"UNAVAILABLE: {why}, resuming session "
+                                      f"{res.session_id} (last answer: {res.last_error})")
             call = self.stub.Generate(res.next_request(), timeout=res.time_left(),
                                       metadata=self.metadata, wait_for_ready=True)
             try:

@@ -107,6 +107,61 @@ def test_not_found_before_any_session_or_from_an_old_verifier_is_raised():
         res.seen(pb.GenerateResponse(session_id=SID_B, resumed=False))
 
 
+def test_a_deadline_that_passes_mid_stream_is_said_in_words():
+    """gRPC's bare "Deadline Exceeded" (the call's own timeout) is raised as the resumer's
+    sentence: where the deadline passed, and the last answer before it."""
+    from edgespec.client import DeadlineExceeded
+
+    res = _Resumer(build_request(prompt_ids=[1, 2]), 60.0, max_resumes=8)
+    res.seen(pb.GenerateResponse(session_id=SID_A, token_ids=[4]))
+    with pytest.raises(DeadlineExceeded, match=f"the deadline passed during session {SID_A}"):
+        res.retry_after(_Err(grpc.StatusCode.DEADLINE_EXCEEDED))
+    res = _Resumer(build_request(prompt_ids=[1, 2]), 60.0, max_resumes=8)
+    res.seen(pb.GenerateResponse(session_id=SID_A, token_ids=[4]))
+    assert res.retry_after(_Err(grpc.StatusCode.UNAVAILABLE)) > 0
+    with pytest.raises(DeadlineExceeded, match=f"while resuming session {SID_A} "
+                                               r"\(last answer: UNAVAILABLE: test\)"):
+        res.retry_after(_Err(grpc.StatusCode.DEADLINE_EXCEEDED))
+
+
+def test_a_resume_without_a_deadline_waits_for_a_restart_as_long_as_for_a_start(monkeypatch):
+    """A stream broken with no deadline resumed with wait_for_ready and no bound: a server
+    that never came back held the call for ever. A resume now first waits for the server as a
+    first contact does for one loading its model (STARTING_WAIT_S), then says so."""
+    import edgespec.client as client_mod
+    from edgespec.client import Client, Unavailable
+
+    c = Client("127.0.0.1:1", max_resumes=8)
+    c._reached = True
+    asked: list[float] = []
+    monkeypatch.setattr(c._watch, "unreachable_reason",
+                        lambda timeout: asked.append(timeout) or "nothing is listening (test)")
+
+    def generate(request, **kw):  # one token, then the server goes away
+        yield pb.GenerateResponse(session_id=SID_A, token_ids=[4])
+        raise _Err(grpc.StatusCode.UNAVAILABLE)
+
+    class _Stub:
+        Generate = staticmethod(lambda request, **kw: _Call(generate(request, **kw)))
+
+    class _Call:
+        def __init__(self, it):
+            self.it = it
+
+        def __iter__(self):
+            return self.it
+
+        def cancel(self):
+            pass
+
+    c.stub = _Stub()
+    with pytest.raises(Unavailable, match=f"nothing is listening \\(test\\), resuming session "
+                                          f"{SID_A}"):
+        c.generate(prompt_ids=[1, 2])
+    assert asked == [client_mod.STARTING_WAIT_S]
+    c.close()
+
+
 # -- admission in process --------------------------------------------------------------------------
 def run_out(sched, engine) -> None:
     sched._admit()

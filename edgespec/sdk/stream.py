@@ -121,8 +121,10 @@ class Resumer:
         if left <= 0:
             if self.session_id is None:
                 why = "before the verifier took the request"
-            else:
+            elif self.resumes:
                 why = f"while resuming session {self.session_id}"
+            else:
+                why = f"during session {self.session_id}"
             last = f" (last answer: {self.last_error})" if self.last_error else ""
             raise DeadlineExceeded(f"DEADLINE_EXCEEDED: the deadline passed {why}{last}",
                                    grpc.StatusCode.DEADLINE_EXCEEDED)
@@ -148,6 +150,9 @@ class Resumer:
         """Seconds to wait before resuming; raises the error (as an EdgespecError) to give up.
         A new session refused by a draining verifier fails at once: it would be refused until
         that verifier has stopped."""
+        if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and self.deadline is not None:
+            self.deadline = min(self.deadline, time.monotonic())  # gRPC's word: it has passed
+            self.time_left()  # raises it in words: where it passed, the last answer before it
         self.last_error = f"{e.code().name}: {e.details()}"
         if self.session_id is None and trailing_value(e, REFUSAL_METADATA) == "draining":
             raise Unavailable(f"UNAVAILABLE: {e.details()}", e.code()) from None
