@@ -186,6 +186,7 @@ class AsyncClient:
                  tls_ca: str | None = None, tls: bool = False, timeout: float | None = None,
                  max_resumes: int = 8, tls_cert: str | None = None, tls_key: str | None = None,
                  channel_options: Sequence[tuple[str, Any]] = ()):
+        timeout = check_timeout(timeout, "the client's timeout")  # before any channel is made
         self.channel = make_channel(address, tls_ca, tls, aio=True, client_cert=tls_cert,
                                     client_key=tls_key, options=channel_options)
         self.address = address
@@ -193,7 +194,7 @@ class AsyncClient:
         self._reached = False
         self.stub = pb_grpc.VerifierStub(self.channel)
         self.metadata = auth_metadata(token)
-        self.timeout = check_timeout(timeout, "the client's timeout")
+        self.timeout = timeout
         self.max_resumes = max_resumes
         self.last_session_id: str | None = None  # as ``Client``'s: the last stream's, once known
         self.last_resumes = 0

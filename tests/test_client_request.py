@@ -116,4 +116,8 @@ def test_a_closed_client_refuses_its_calls_at_once():
         with pytest.raises(InvalidRequest, match="this client is closed"):
             await ac.cancel("s")
 
-    asyncio.run(go())
+    loop = asyncio.new_event_loop()  # not asyncio.run: it leaves the thread no current loop,
+    try:  # which later tests of this process may ask for
+        loop.run_until_complete(go())
+    finally:
+        loop.close()
