@@ -417,3 +417,42 @@ def test_verification_changes_nothing_a_retry_reads(tiny):
     assert moved  # some accepted path held a branch, moved into place at commit
     for p, act in zip(prompts, acts):
         assert act.output == refs[tuple(p)]
+
+
+def test_a_session_that_fails_to_start_fails_alone_and_gives_its_slot_back(tiny):
+    """Its prompt in, a session that cannot start (the head's state for it, say, a device out
+    of memory) was out of the prefill queue and in no list: the step raised, the loop failed
+    every session in flight and this one's ticket waited for ever. It fails alone now, told
+    why, its KV slot given back; a caller's ``on_error`` that raises costs no one else."""
+    from edgespec.engine.generation import Admission, SessionFailed
+
+    prompts = [[1, 40, 41, 42, 43, 44], [1, 50, 51, 52, 53]]
+    ref = hf_greedy(tiny.model, prompts[1], 8)
+    runner = TargetRunner(tiny.model, n_slots=2, max_len=128)
+    with SpecEngine(runner, None, EngineConfig(max_sessions=2), stop_ids={2}) as engine:
+        start = engine._start
+        doomed: list = []
+
+        def start_or_fail(act):
+            if act in doomed:
+                raise MemoryError("the head's state for it")
+            start(act)
+
+        engine._start = start_or_fail
+        # admitted as the scheduler admits: prefilled by the steps (``add`` prefills at once)
+        acts = engine.admit([Admission(Request(p, 8)) for p in prompts])
+        doomed.append(acts[0])
+        errors, done = [], []
+
+        def broken_on_error(exc):
+            errors.append(exc)
+            raise RuntimeError("the caller's on_error broke")
+
+        acts[0].on_error = broken_on_error
+        acts[1].on_finish = done.append
+        while engine.sessions:
+            engine.step()
+        [error] = errors
+        assert isinstance(error, SessionFailed) and "starting the session failed" in str(error)
+        assert [r.token_ids for r in done] == [ref]
+        assert len(runner.cache._free) == 2  # both slots back

@@ -471,4 +471,7 @@ class Scheduler(threading.Thread):
                 self._release_pick(queued)
                 self._end(queued, result=Result(list(queued.tokens), Stats(), reason))
             else:
-                self.engine.cancel(sid, reason)
+                try:  # the session is ended whatever its own callback raises: no other's
+                    self.engine.cancel(sid, reason)
+                except Exception:
+                    log.exception("ending cancelled session %s failed", sid)

@@ -154,7 +154,12 @@ class SessionLifecycle:
         if req.images is not None:
             req.images = req.images.spent()  # in the KV now: the pixels are not kept
             act.stats.prefill_s = time.perf_counter() - t0
-            self._start(act)
+            try:
+                self._start(act)
+            except BaseException:  # refused alone: its slot and its store keys given back
+                self.target.free_slot(slot)
+                self.store.close(sid, "error")  # never raises
+                raise
         else:
             self.prefilling.add(act, ids)
         return act
@@ -173,14 +178,21 @@ class SessionLifecycle:
         progress = self.prefilling.advance(budget)
         if progress.failed:
             self._forwards_failed += 1
-        for act in progress.ready:
-            self._start(act)
-        for act, exc in progress.failed:  # out of the queue already: their slots freed here
-            self.target.free_slot(act.slot)
-            self.fail(act, SessionFailed(str(exc)))
+        failed = list(progress.failed)
+        for act in progress.ready:  # out of the queue already: each started, or failed alone
+            try:
+                self._start(act)
+            except Exception as e:  # the head's state for it, say (a device out of memory)
+                failed.append((act, SessionFailed(f"starting the session failed: {e!r}")))
+        for act, why in failed:  # their slots freed here
+            try:
+                self.target.free_slot(act.slot)
+            except Exception:  # one slot's bookkeeping costs no other session its end
+                log.exception("freeing the KV slot of session %s failed", act.sid)
+            self.fail(act, why if isinstance(why, SessionFailed) else SessionFailed(str(why)))
         if self.on_prefill is not None and progress.tokens:
             self.on_prefill(progress.tokens, progress.seconds)
-        return progress.failed
+        return failed
 
     @property
     def sessions(self) -> list[ActiveSession]:
@@ -259,8 +271,16 @@ class SessionLifecycle:
             act.on_error(exc)
 
     def fail(self, act: ActiveSession, exc: Exception) -> None:
-        """End one session with an error; the others go on."""
+        """End one session with an error; the others go on. Its caller is told whatever its
+        release raises, and nothing of either reaches the step (the loop would fail every
+        session in flight)."""
         log.warning("session %s failed: %s", act.sid, exc)
-        self._release(act, "error")
+        try:
+            self._release(act, "error")
+        except Exception:
+            log.exception("releasing failed session %s failed", act.sid)
         if act.on_error:
-            act.on_error(exc)
+            try:
+                act.on_error(exc)
+            except Exception:
+                log.exception("telling session %s of its failure failed", act.sid)
