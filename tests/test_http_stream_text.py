@@ -34,7 +34,8 @@ class _Admission:
     def __init__(self, tokenizer):
         self.tokenizer, self.kernels = tokenizer, "test"
         self.cancelled: list[str] = []
-        self.scheduler = SimpleNamespace(cancel=lambda sid, reason: self.cancelled.append(sid))
+        self.scheduler = SimpleNamespace(
+            cancel=lambda sid, reason=None, orphaned=False: self.cancelled.append(sid))
 
     @contextlib.contextmanager
     def follow(self, ticket):
@@ -62,3 +63,24 @@ def test_a_stop_string_the_flushed_last_bytes_complete_cuts_the_text(tokenizer):
     assert _text(tokenizer, output, ["\ufffd"]) == ("Hi there", "stop")
     assert _text(tokenizer, output, ["e\ufffd"]) == ("Hi ther", "stop")
     assert _text(tokenizer, output, ["there"]) == ("Hi ", "stop")  # before the end, as before
+
+
+def test_a_stream_never_read_is_cancelled_after_its_response(tokenizer):
+    """A client gone before the streamed response's first read never followed its ticket (no
+    reader's leaving cancels it): the response's background cancels it as an orphan; one that
+    was read is left to its readers."""
+    ticket = Ticket(Request([1, 2, 3], 4), None)
+    admission = _Admission(tokenizer)
+    run = _Run(admission, ticket, SimpleNamespace(stop=[]), chat=False, model="m")
+    run.cancel_if_never_read()
+    assert admission.cancelled == [ticket.session_id]
+    read = _Admission(tokenizer)
+    ticket.tokens, ticket.result = [5], Result([5], Stats(tokens=1), "length")
+    run = _Run(read, ticket, SimpleNamespace(stop=[]), chat=False, model="m")
+
+    async def collect() -> list[str]:
+        return [piece async for piece in run._events()]
+
+    asyncio.run(collect())
+    run.cancel_if_never_read()
+    assert read.cancelled == []

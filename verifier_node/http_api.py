@@ -33,6 +33,7 @@ import anyio
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from edgespec.config import ConfigError, EmptyPrompt, is_lossy
@@ -134,8 +135,9 @@ def make_app(state: ServingState, token: str | None = None,
         params = parse_request(body, chat, model_name)
         ticket = await _admit(admission, params, chat)
         run = _Run(admission, ticket, params, chat, model_name)
-        if params.stream:
-            return StreamingResponse(run.sse(), media_type="text/event-stream")
+        if params.stream:  # a client gone before the stream's first read: cancelled after
+            return StreamingResponse(run.sse(), media_type="text/event-stream",
+                                     background=BackgroundTask(run.cancel_if_never_read))
         return await run.whole(request)
 
     @app.post("/v1/completions")
@@ -204,10 +206,19 @@ class _Run:
         self.completion_tokens = 0
         self.finish_reason: str | None = None
         self.shown = ""  # text already sent (or decided) before any stop string
+        self.read = False  # the response began reading the ticket (``_events``)
+
+    def cancel_if_never_read(self) -> None:
+        """A streamed response whose client left before its first read never followed its
+        ticket, so no reader's leaving cancels it: its session would hold a KV slot to its
+        end. Run after the response (Starlette's background): cancelled as an orphan then."""
+        if not self.read:
+            self.admission.scheduler.cancel(self.ticket.session_id, orphaned=True)
 
     async def _events(self):
         """Yields text increments (held back where a stop string may begin), then returns with
         ``finish_reason`` set. Cancels the session when a stop string ends it."""
+        self.read = True
         loop = asyncio.get_running_loop()
         changed = asyncio.Event()
         wake = lambda: loop.call_soon_threadsafe(changed.set)  # noqa: E731
