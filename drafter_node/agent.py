@@ -43,11 +43,10 @@ from edgespec.protocol.ids import check_device_id
 from edgespec.wire.trees import TREE_VERSION, tree_to_wire
 from edgespec.v1 import edgespec_pb2 as pb
 from edgespec.v1 import edgespec_pb2_grpc as pb_grpc
-from edgespec.wire.reachability import probe
 from edgespec.wire.convert import (REPLACED_STREAM, auth_metadata, make_channel, params_from_pb,
                                    retry_after_s)
 from edgespec.wire.keepalive import heartbeat_interval_s
-from edgespec.wire.reachability import check_address
+from edgespec.wire.reachability import check_address, probe
 
 from .fleet_client import RemoteFleetTable
 from .liveness import Liveness

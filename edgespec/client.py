@@ -117,8 +117,7 @@ class Client:
                 # for as a first contact waits for a server loading its model, then given up
                 why = self._watch.unreachable_reason(STARTING_WAIT_S)
                 if why is not None:
-                    raise Unavailable(f"UNAVAILABLE: {why}, resuming session "
-                                      f"{res.session_id} (last answer: {res.last_error})")
+                    raise res.server_gone(why)
             call = self.stub.Generate(res.next_request(), timeout=res.time_left(),
                                       metadata=self.metadata, wait_for_ready=True)
             try:
@@ -227,8 +226,7 @@ class AsyncClient:
                 why = await unreachable_reason_aio(self.channel, self.address, STARTING_WAIT_S,
                                                    self._tls)
                 if why is not None:
-                    raise Unavailable(f"UNAVAILABLE: {why}, resuming session "
-                                      f"{res.session_id} (last answer: {res.last_error})")
+                    raise res.server_gone(why)
             call = self.stub.Generate(res.next_request(), timeout=res.time_left(),
                                       metadata=self.metadata, wait_for_ready=True)
             try:

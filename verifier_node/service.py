@@ -195,10 +195,11 @@ class VerifierService(pb_grpc.VerifierServicer):
                 devices = self.admission.store.devices.listing()
             except Exception as e:  # the cache is unreachable: report what this process knows
                 log.warning("status: cannot read the drafters: %s", e)
-        healthy = sched.healthy and (self.serving is None or self.serving())
-        why = "" if healthy else (sched.unhealthy_reason or (
-            self.why_not_serving() if self.why_not_serving is not None else None) or
-            "health says NOT_SERVING")
+        why = sched.unhealthy_reason  # read once: the scheduler's, else health's
+        if why is None and self.serving is not None and not self.serving():
+            why = (self.why_not_serving() if self.why_not_serving is not None else None) or \
+                "health says NOT_SERVING"
+        healthy = why is None
         links = sched.engine.lateness.snapshot()
         for d in devices:
             counts = metrics.device_draft_counts(d.device_id) if metrics else (0, 0, 0)
@@ -218,7 +219,7 @@ class VerifierService(pb_grpc.VerifierServicer):
         return pb.StatusResponse(
             model=self.model_name, version=__version__, drafters=drafters,
             active_sessions=active, queued_sessions=queued, free_kv_slots=sched.engine.free_slots,
-            kv_slots=sched.engine.cfg.max_sessions, healthy=healthy, unhealthy_reason=why,
+            kv_slots=sched.engine.cfg.max_sessions, healthy=healthy, unhealthy_reason=why or "",
             dtype=str(sched.engine.target.dtype).removeprefix("torch."),
             tokens_per_s_last_minute=metrics.tokens_per_s_last_minute() if metrics else 0.0,
             head=head_status(sched.engine.head, metrics),

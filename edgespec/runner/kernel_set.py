@@ -55,6 +55,14 @@ class HeadLayout:
     kv_heads: int
     head_dim: int
 
+    @classmethod
+    def of_config(cls, cfg) -> "HeadLayout":
+        """A transformers config's heads (its key-value heads and head size where it gives
+        them, else the attention heads' and the hidden size's share)."""
+        n_heads = cfg.num_attention_heads
+        return cls(n_heads, getattr(cfg, "num_key_value_heads", None) or n_heads,
+                   getattr(cfg, "head_dim", None) or cfg.hidden_size // n_heads)
+
 
 @dataclass(frozen=True)
 class KernelSet:

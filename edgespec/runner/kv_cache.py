@@ -72,22 +72,25 @@ def _position_bytes(n_layers: int, n_slots: int, kv_heads: int, head_dim: int,
 
 
 def check_cache_fits(n_layers: int, n_slots: int, capacity: int, kv_heads: int, head_dim: int,
-                     dtype: torch.dtype, device: torch.device) -> None:
+                     dtype: torch.dtype, device: torch.device, advice: str | None = None
+                     ) -> None:
     """Refuse (``ConfigError``) a KV cache and rotary tables that do not fit in the memory
     ``device`` has available, before any is allocated: a context asked too long would
     otherwise end in the allocator's error or, touched page by page, in the kernel's
-    out-of-memory kill with no word said. Says how many tokens a slot would fit."""
+    out-of-memory kill with no word said. ``advice``: what to change, said last (None: a
+    server's options, with how many tokens a slot would fit)."""
     per_position = _position_bytes(n_layers, n_slots, kv_heads, head_dim, dtype)
     need = per_position * capacity
     have = available_memory(device)
     if have is None or need <= have:
         return
+    if advice is None:
+        advice = (f"serve a shorter context (--max-context; about {have // per_position} "
+                  f"tokens fit a slot here) or fewer sessions (--max-sessions)")
     raise ConfigError(
         f"the KV cache of {n_slots} slots x {capacity} positions ({n_layers} layers, "
         f"{kv_heads} KV heads of {head_dim}, {str(dtype).removeprefix('torch.')}) needs "
-        f"{need / GIB:.1f} GiB, and {device.type} has {have / GIB:.1f} GiB available: serve a "
-        f"shorter context (--max-context; about {have // per_position} tokens fit a slot here) "
-        f"or fewer sessions (--max-sessions)")
+        f"{need / GIB:.1f} GiB, and {device.type} has {have / GIB:.1f} GiB available: {advice}")
 
 
 class KVCache:

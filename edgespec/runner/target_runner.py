@@ -105,9 +105,10 @@ class TargetRunner:
         self.n_layers = total if n_layers is None else n_layers
         if not 1 <= self.n_layers <= total:
             raise ConfigError(f"layers must be in 1..{total}, got {n_layers}")
-        self.n_heads: int = cfg.num_attention_heads
-        self.kv_heads: int = getattr(cfg, "num_key_value_heads", None) or self.n_heads
-        self.head_dim: int = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads
+        heads = HeadLayout.of_config(cfg)
+        self.n_heads: int = heads.n_heads
+        self.kv_heads: int = heads.kv_heads
+        self.head_dim: int = heads.head_dim
         self.eps: float = cfg.rms_norm_eps
         self.vocab_size: int = cfg.vocab_size
         self.embed: torch.Tensor = base.embed_tokens.weight
@@ -117,7 +118,7 @@ class TargetRunner:
         if kernel_set is None:  # every choice that decides a step's bits, before any loading
             shared = share_weights.attention if share_weights is not None else None
             kernel_set = choose_kernel_set(
-                self.device, self.dtype, HeadLayout(self.n_heads, self.kv_heads, self.head_dim),
+                self.device, self.dtype, heads,
                 kernels, gemm, pack, exact, attention=shared, attention_kernel=attention_kernel)
             if share_weights is not None and kernel_set.kernels == "eager":
                 # its linears are the owner's: one call or 32-row tiles as the owner's probe chose

@@ -130,6 +130,11 @@ class Resumer:
                                    grpc.StatusCode.DEADLINE_EXCEEDED)
         return left
 
+    def server_gone(self, why: str) -> Unavailable:
+        """The error of a resume that gave up waiting for its server (``why``: what was seen)."""
+        return Unavailable(f"UNAVAILABLE: {why}, resuming session {self.session_id} (last "
+                           f"answer: {self.last_error})")
+
     def seen(self, r: pb.GenerateResponse) -> None:
         if self._first:
             self._first = False

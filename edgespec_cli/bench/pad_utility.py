@@ -145,9 +145,8 @@ def run_bench_pad(args) -> int:
     from edgespec.engine.spec_engine import Request, SpecEngine
     from edgespec.pad.classifier import PadManifest
     from edgespec.pad.tasks import family_problems, file_problems
-    from edgespec.pad.verify_rule import resolve_classifier_dir
-
     from edgespec.drafters.spec_check import check_drafter_arg
+    from edgespec.pad.verify_rule import resolve_classifier_dir
 
     sigmas = parse_sigmas(args.sigmas)
     if args.problems < 1:

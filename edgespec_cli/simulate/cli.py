@@ -297,19 +297,19 @@ def check_fleet_fits(target, devices: int) -> None:
     import torch
 
     from edgespec.config import EngineConfig
+    from edgespec.runner.kernel_set import HeadLayout
     from edgespec.runner.kv_cache import check_cache_fits
 
     cfg = target.model.config
-    heads = cfg.num_attention_heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    heads = HeadLayout.of_config(cfg)
     try:
         check_cache_fits(cfg.num_hidden_layers, devices, EngineConfig().max_context,
-                         getattr(cfg, "num_key_value_heads", None) or heads, head_dim,
-                         target.model.dtype, torch.device(target.model.device))
+                         heads.kv_heads, heads.head_dim, target.model.dtype,
+                         torch.device(target.model.device),
+                         advice="simulate fewer devices (--devices, --max-devices)")
     except ConfigError as e:
-        raise ConfigError(f"{devices} devices need a verifier with as many KV slots: "
-                          f"{str(e).partition(': serve')[0]}: simulate fewer devices "
-                          f"(--devices, --max-devices)") from None
+        raise ConfigError(f"{devices} devices need a verifier with as many KV slots: {e}") \
+            from None
 
 
 def cmd_project(args: argparse.Namespace) -> int:
