@@ -130,6 +130,56 @@ def test_chains_in_ragged_batches_have_the_bits_of_one_at_a_time(hd64_model, dty
     _sweep_ragged_chains(runner, random.Random(f"chains-{dtype}-{threads}"), dtype)
 
 
+@pytest.mark.parametrize("device,dtype", CASES[:2])
+def test_a_long_context_among_short_ones_attends_apart_with_the_bits_of_one_at_a_time(
+        hd64_model, dtype, device):
+    """On the CPU the rows of a step that read far fewer key blocks than another run their
+    attention in groups of their own (``row_groups``): each row's logits the bits of decoding
+    it alone, for a long context among short ones and two groups of each."""
+    from edgespec.runner.attention import row_groups
+
+    runner = _runner(hd64_model, dtype, device)
+    rng = random.Random(f"row-groups-{dtype}")
+    for lengths in ([7, 270, 12, 3, 30, 9, 18, 5], [20, 200, 15, 210, 30, 100, 25, 120, 10]):
+        sessions = [([rng.randrange(VOCAB) for _ in range(n)],
+                     [rng.randrange(VOCAB) for _ in range(rng.randint(1, 9))]) for n in lengths]
+        refs = [_one_at_a_time(runner, p, c) for p, c in sessions]
+        slots = [runner.new_slot() for _ in sessions]
+        for s, (p, _) in zip(slots, sessions):
+            runner.prefill(s, p)
+        starts = torch.tensor(lengths)
+        pos = starts[:, None] + torch.arange(9)[None, :]
+        assert len(row_groups(torch.arange(320)[None, None, :] <= pos[:, :, None]).groups) > 1
+        logits = runner.forward(slots, [c for _, c in sessions])
+        for b, ((_, c), ref) in enumerate(zip(sessions, refs)):
+            assert torch.equal(logits[b, :len(c)], ref), (dtype, lengths, b)
+        for s in slots:
+            runner.free_slot(s)
+
+
+def test_row_groups_cover_every_row_once_and_reach_each_rows_keys():
+    from edgespec.runner.attention import KEY_BLOCK, MAX_ROW_GROUPS, row_groups
+
+    def plan(reach: list[int], n: int = 1024):
+        visible = torch.arange(n)[None, None, :] < torch.tensor(reach)[:, None, None]
+        return [(rows.tolist(), k) for rows, k in row_groups(visible).groups]
+
+    assert plan([100] * 16) == [] and plan([1000]) == []  # uniform, or one row: together
+    assert plan([60, 130]) == []  # a cut would save less than its calls cost
+    assert plan([60] * 16 + [1000]) == [(list(range(16)), KEY_BLOCK), ([16], 1024)]
+    rng = random.Random(5)
+    for _ in range(200):
+        reach = [rng.choice([0, 1, 64, 65, 200, 700, 1024]) for _ in range(rng.randint(2, 40))]
+        groups = plan(reach)
+        assert len(groups) <= MAX_ROW_GROUPS
+        if groups:
+            rows = sorted(r for g, _ in groups for r in g)
+            assert rows == list(range(len(reach)))
+            assert all(k % KEY_BLOCK == 0 and k >= max(reach[r] for r in g) and k <= 1024
+                       for g, k in groups)
+            assert all(g == sorted(g) for g, _ in groups)
+
+
 @pytest.mark.skipif(not exact_here("bfloat16"), reason="this CPU does not serve bfloat16")
 def test_the_emulated_bfloat16_kernels_keep_ragged_batches_exact_at_8_threads(hd64_model):
     """The kernels a CPU that emulates bfloat16 gets (float32 attention products), swept on any
@@ -295,6 +345,35 @@ def test_the_attention_reads_a_view_of_the_cache_with_the_bits_of_a_copy(dtype):
     assert torch.equal(from_view, from_copy)
     assert torch.equal(from_view[1:2], invariant_attention(q[1:2], view_k[1:2], view_v[1:2],
                                                            visible[1:2]))
+
+
+@pytest.mark.parametrize("dtype,products", [(torch.float32, None), (torch.bfloat16, None),
+                                            (torch.bfloat16, torch.float32)], ids=str)
+def test_a_long_call_in_query_pieces_has_the_bits_of_one_call(monkeypatch, dtype, products):
+    """On the CPU a call of many queries (a prompt's chunk) runs QUERY_PIECE queries at a time,
+    each piece over the key blocks its queries see, its softmax in the scores' layout: every
+    output the bits of the whole call at once with the keys innermost, for ragged rows of a
+    prefill group (a short row's padding queries too), a fully hidden query, and a piece that
+    ends mid-block."""
+    import edgespec.runner.attention as attention
+
+    g = torch.Generator().manual_seed(2)
+    B, kvh, grp, T, hd, n = 2, 2, 3, 150, 64, 384
+    keys = torch.randn(B, kvh, n, hd, generator=g).to(dtype)
+    values = torch.cat([torch.randn(B, kvh, n, hd, generator=g),
+                        torch.ones(B, kvh, n, 1)], -1).to(dtype)
+    q = torch.randn(B, kvh, grp, T, hd, generator=g).to(dtype)
+    starts = torch.tensor([0, 200])
+    visible = torch.arange(n)[None, None, :] <= (starts[:, None] + torch.arange(T))[:, :, None]
+    visible[0, 70] = False  # a query that sees no key: NaN either way, in its own column
+    pieces = attention.invariant_attention(q, keys, values, visible, products=products)
+    monkeypatch.setattr(attention, "QUERY_PIECE", 10 ** 6)
+    monkeypatch.setattr(attention, "WIDE_COLUMNS", 10 ** 6)  # the softmax keys innermost
+    whole = attention.invariant_attention(q, keys, values, visible, products=products)
+    assert pieces.dtype == whole.dtype == dtype and pieces.shape == (B, T, kvh * grp * hd)
+    seen = visible.any(-1)  # [B, T]
+    assert torch.equal(pieces[seen], whole[seen])
+    assert torch.isnan(pieces[~seen]).all() and torch.isnan(whole[~seen]).all()
 
 
 def _lone_row_in_halves(self: Linear, x: torch.Tensor) -> torch.Tensor:

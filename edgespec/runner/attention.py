@@ -33,6 +33,16 @@ KEY_BLOCK = 64  # keys per block of the values product: its reduction length
 COL_TILE = 16  # query columns are padded to a multiple of this (float32 needs it; see above)
 MAX_COLS = 256  # at most this many query columns per product (MKL float32 blocks wider ones
 # differently); wider calls (a prefill chunk, a long tree of a wide-grouped model) run in pieces
+# queries a piece of a long call (a prompt's chunk) on the CPU: see ``_in_query_pieces``
+QUERY_PIECE = 64
+# query columns (g x T) from which the CPU's softmax runs in the scores' own layout: the keys
+# innermost pays for a few columns (a many-session step), two transposing copies for many
+WIDE_COLUMNS = 64
+# a call's rows run in groups by the key blocks they read (``row_groups``) where a cut saves
+# more than this many row x key-block products (a group's calls cost about as many), in at
+# most MAX_ROW_GROUPS groups
+ROW_GROUP_COST = 8
+MAX_ROW_GROUPS = 4
 PIECE = 32768  # torch runs a pointwise op on fewer elements on one thread (its grain size)
 
 
@@ -92,6 +102,50 @@ class TailKeys:
     seen: torch.Tensor | None = None
 
 
+@dataclass(frozen=True)
+class RowGroups:
+    """A forward's rows grouped by how many key blocks they read, each group's attention a call
+    of its own on the CPU (``TargetRunner``): a row of a long context among short ones would
+    make every row read its blocks. Each group's batch rows [Bg] (long, ascending) and its key
+    count. Empty: the rows run together. The same bits either way: a row's output depends
+    neither on the other rows nor on key blocks past its context."""
+
+    groups: tuple[tuple[torch.Tensor, int], ...] = ()
+
+
+def row_groups(visible: torch.Tensor) -> RowGroups:
+    """``visible`` [B, T, n]'s rows grouped by the key blocks each reads (sorted by them, cut
+    where a cut saves more than ROW_GROUP_COST row-blocks, at most MAX_ROW_GROUPS groups);
+    found once a forward, read by every layer."""
+    B, _, n = visible.shape
+    if B < 2 or visible.device.type != "cpu":
+        return RowGroups()
+    reach = (visible.any(1) * torch.arange(1, n + 1)).amax(dim=1)  # [B]: one past its last key
+    blocks = ((reach + KEY_BLOCK - 1) // KEY_BLOCK).clamp(min=1).tolist()
+    lo_b, hi_b = min(blocks), max(blocks)
+    if (hi_b - lo_b) * (B - 1) <= ROW_GROUP_COST:  # cannot pay: the usual step
+        return RowGroups()
+    order = sorted(range(B), key=blocks.__getitem__)
+    ranked = [blocks[i] for i in order]
+    segments = [(0, B)]
+    while len(segments) < MAX_ROW_GROUPS:
+        best = (ROW_GROUP_COST, -1, -1, -1)
+        for lo, hi in segments:  # a cut at i: rows lo..i-1 read ranked[i - 1] blocks, not top
+            top = ranked[hi - 1]
+            for i in range(lo + 1, hi):
+                if ranked[i] != ranked[i - 1] and (i - lo) * (top - ranked[i - 1]) > best[0]:
+                    best = ((i - lo) * (top - ranked[i - 1]), lo, i, hi)
+        if best[1] < 0:
+            break
+        _, lo, i, hi = best
+        segments.remove((lo, hi))
+        segments += [(lo, i), (i, hi)]
+    if len(segments) == 1:
+        return RowGroups()
+    return RowGroups(tuple((torch.tensor(sorted(order[lo:hi])),
+                            min(n, ranked[hi - 1] * KEY_BLOCK)) for lo, hi in sorted(segments)))
+
+
 def invariant_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                         visible: torch.Tensor, col_tile: int = COL_TILE,
                         tail: TailKeys | None = None,
@@ -110,6 +164,46 @@ def invariant_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     out_dtype = q.dtype
     if products is not None and products != q.dtype:
         q, keys, values = q.to(products), keys.to(products), values.to(products)
+    if tail is not None or q.device.type != "cpu":
+        return _attend(q, keys, values, visible, col_tile, tail).to(out_dtype)
+    return _on_cpu(q, keys, values, visible, col_tile).to(out_dtype)
+
+
+def _on_cpu(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor,
+            col_tile: int) -> torch.Tensor:
+    """``_attend`` on the CPU, a long call in query pieces."""
+    if q.shape[3] > QUERY_PIECE:
+        return _in_query_pieces(q, keys, values, visible, col_tile)
+    return _attend(q, keys, values, visible, col_tile, None)
+
+
+def _in_query_pieces(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                     visible: torch.Tensor, col_tile: int) -> torch.Tensor:
+    """``_attend`` over QUERY_PIECE queries at a time, each piece reading only the key blocks
+    up to the last key one of its queries sees: a prompt's chunk is causal, so its early
+    queries skip most of the keys, and each piece's scores stay in the CPU's cache (a 512-token
+    chunk of the default model: its attention 2.5x cheaper, the prefill 1.6x). The same bits: a
+    query's output does not depend on the other queries of the call nor on key blocks past its
+    context (the module's invariance, which ``probe_invariance`` checks at start)."""
+    B, kvh, g, T, hd = q.shape
+    n = keys.shape[2]
+    # [T]: one past the last key each query sees (0: none)
+    reach = (visible.any(0) * torch.arange(1, n + 1, device=visible.device)).amax(dim=1)
+    ends = reach.tolist()
+    values = values.contiguous()  # once, not a product a key block (or a copy) a piece
+    out = []
+    for t0 in range(0, T, QUERY_PIECE):
+        t1 = min(T, t0 + QUERY_PIECE)
+        k = max(KEY_BLOCK, padded_keys(max(ends[t0:t1]), n))
+        out.append(_attend(q[:, :, :, t0:t1], keys[:, :, :k], values[:, :, :k],
+                           visible[:, t0:t1, :k], col_tile, None))
+    return torch.cat(out, dim=1)
+
+
+def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor,
+            col_tile: int, tail: TailKeys | None) -> torch.Tensor:
+    """``invariant_attention`` in the products' dtype, its output [B, T, kvh * g * hd] in
+    float32."""
     B, kvh, g, T, hd = q.shape
     n = keys.shape[2]
     nb = n // KEY_BLOCK
@@ -122,7 +216,13 @@ def invariant_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     # pointwise, so a column's bits do not depend on the others; the padding columns enter the
     # value product as zeros (its shape, hence each real column's bits, as before)
     scores = _by_columns(keys, qt)[..., :m].float()  # [B, kvh, n, m]
-    if tail is None:
+    if tail is None and m >= WIDE_COLUMNS and q.device.type == "cpu":
+        # the softmax in the scores' layout: the bits of the keys-innermost one below (the
+        # max is exact in any order, the rest pointwise), without its two transposing copies
+        hidden = ~_column_mask(visible, g)  # [B, 1, n, m]
+        top = scores.masked_fill(hidden, float("-inf")).amax(dim=2, keepdim=True)
+        probs = pointwise(torch.exp, scores - top).masked_fill(hidden, 0).to(values.dtype)
+    elif tail is None:
         # the softmax with the keys innermost ([B, kvh, m, n]: a few columns innermost made the
         # max and the masking strided, most of a many-session step's attention); the max is
         # exact in any order and the rest is pointwise: the same bits as in the score layout.
@@ -153,7 +253,7 @@ def invariant_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     # in block order, one running sum (cumsum; on CPU it accumulates in float64): sum() would
     # pick its association by the shape
     total = part[..., :m].float().cumsum(dim=2)[:, :, -1]  # [B, kvh, hd + 1, m]
-    out = (total[:, :, :hd] / total[:, :, hd:]).to(out_dtype)  # [B, kvh, hd, g*T]
+    out = total[:, :, :hd] / total[:, :, hd:]  # [B, kvh, hd, g*T]
     return out.view(B, kvh, hd, g, T).permute(0, 4, 1, 3, 2).reshape(B, T, kvh * g * hd)
 
 
