@@ -132,25 +132,26 @@ def test_chains_in_ragged_batches_have_the_bits_of_one_at_a_time(hd64_model, dty
 
 @pytest.mark.parametrize("device,dtype", CASES[:2])
 def test_a_long_context_among_short_ones_attends_apart_with_the_bits_of_one_at_a_time(
-        hd64_model, dtype, device):
+        hd64_model, dtype, device, monkeypatch):
     """On the CPU the rows of a step that read far fewer key blocks than another run their
     attention in groups of their own (``row_groups``): each row's logits the bits of decoding
     it alone, for a long context among short ones and two groups of each."""
-    from edgespec.runner.attention import row_groups
-
     runner = _runner(hd64_model, dtype, device)
+    grouped = []
+    attend = runner._grouped_attention
+    monkeypatch.setattr(runner, "_grouped_attention",
+                        lambda *a: grouped.append(len(a[3].groups)) or attend(*a))
     rng = random.Random(f"row-groups-{dtype}")
     for lengths in ([7, 270, 12, 3, 30, 9, 18, 5], [20, 200, 15, 210, 30, 100, 25, 120, 10]):
         sessions = [([rng.randrange(VOCAB) for _ in range(n)],
-                     [rng.randrange(VOCAB) for _ in range(rng.randint(1, 9))]) for n in lengths]
+                     [rng.randrange(VOCAB) for _ in range(rng.randint(4, 9))]) for n in lengths]
         refs = [_one_at_a_time(runner, p, c) for p, c in sessions]
         slots = [runner.new_slot() for _ in sessions]
         for s, (p, _) in zip(slots, sessions):
             runner.prefill(s, p)
-        starts = torch.tensor(lengths)
-        pos = starts[:, None] + torch.arange(9)[None, :]
-        assert len(row_groups(torch.arange(320)[None, None, :] <= pos[:, :, None]).groups) > 1
+        grouped.clear()
         logits = runner.forward(slots, [c for _, c in sessions])
+        assert grouped and min(grouped) > 1  # every layer's attention ran in groups
         for b, ((_, c), ref) in enumerate(zip(sessions, refs)):
             assert torch.equal(logits[b, :len(c)], ref), (dtype, lengths, b)
         for s in slots:
@@ -160,13 +161,16 @@ def test_a_long_context_among_short_ones_attends_apart_with_the_bits_of_one_at_a
 def test_row_groups_cover_every_row_once_and_reach_each_rows_keys():
     from edgespec.runner.attention import KEY_BLOCK, MAX_ROW_GROUPS, row_groups
 
-    def plan(reach: list[int], n: int = 1024):
-        visible = torch.arange(n)[None, None, :] < torch.tensor(reach)[:, None, None]
+    def plan(reach: list[int], n: int = 1024, queries: int = 1):
+        visible = (torch.arange(n)[None, None, :] < torch.tensor(reach)[:, None, None]) \
+            .expand(-1, queries, -1)
         return [(rows.tolist(), k) for rows, k in row_groups(visible).groups]
 
     assert plan([100] * 16) == [] and plan([1000]) == []  # uniform, or one row: together
     assert plan([60, 130]) == []  # a cut would save less than its calls cost
     assert plan([60] * 16 + [1000]) == [(list(range(16)), KEY_BLOCK), ([16], 1024)]
+    assert plan([60] * 10 + [130]) == []  # 10 rows x 2 blocks: not at one token a row...
+    assert len(plan([60] * 10 + [130], queries=4)) == 2  # ... at four
     rng = random.Random(5)
     for _ in range(200):
         reach = [rng.choice([0, 1, 64, 65, 200, 700, 1024]) for _ in range(rng.randint(2, 40))]

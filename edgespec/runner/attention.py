@@ -45,9 +45,10 @@ QUERY_PIECE = 64
 # innermost pays for a few columns (a many-session step), two transposing copies for many
 WIDE_COLUMNS = 64
 # a call's rows run in groups by the key blocks they read (``row_groups``) where a cut saves
-# more than this many row x key-block products (a group's calls cost about as many), in at
-# most MAX_ROW_GROUPS groups
-ROW_GROUP_COST = 8
+# more than this many row x key-block x query products (a group's calls and its keys' gather
+# cost about as many: one token a row needs 32 row-blocks saved, four 8), in at most
+# MAX_ROW_GROUPS groups
+ROW_GROUP_COST = 32
 MAX_ROW_GROUPS = 4
 PIECE = 32768  # torch runs a pointwise op on fewer elements on one thread (its grain size)
 
@@ -121,16 +122,16 @@ class RowGroups:
 
 def row_groups(visible: torch.Tensor) -> RowGroups:
     """``visible`` [B, T, n]'s rows grouped by the key blocks each reads (sorted by them, cut
-    where a cut saves more than ROW_GROUP_COST row-blocks, at most MAX_ROW_GROUPS groups);
-    found once a forward, read by every layer."""
-    B, _, n = visible.shape
+    where a cut saves more than ROW_GROUP_COST row-blocks x queries, at most MAX_ROW_GROUPS
+    groups); found once a forward, read by every layer."""
+    B, T, n = visible.shape
     if B < 2 or visible.device.type != "cpu":
         return RowGroups()
-    reach = (visible.any(1) * torch.arange(1, n + 1)).amax(dim=1)  # [B]: one past its last key
+    reach = _reach(visible, 1)  # [B]: one past each row's last key
     # read through NumPy: on the CPU no wait (a step's one host sync stays its verdicts')
     blocks = ((reach + KEY_BLOCK - 1) // KEY_BLOCK).clamp(min=1).numpy().tolist()
     lo_b, hi_b = min(blocks), max(blocks)
-    if (hi_b - lo_b) * (B - 1) <= ROW_GROUP_COST:  # cannot pay: the usual step
+    if (hi_b - lo_b) * (B - 1) * T <= ROW_GROUP_COST:  # cannot pay: the usual step
         return RowGroups()
     order = sorted(range(B), key=blocks.__getitem__)
     ranked = [blocks[i] for i in order]
@@ -140,8 +141,9 @@ def row_groups(visible: torch.Tensor) -> RowGroups:
         for lo, hi in segments:  # a cut at i: rows lo..i-1 read ranked[i - 1] blocks, not top
             top = ranked[hi - 1]
             for i in range(lo + 1, hi):
-                if ranked[i] != ranked[i - 1] and (i - lo) * (top - ranked[i - 1]) > best[0]:
-                    best = ((i - lo) * (top - ranked[i - 1]), lo, i, hi)
+                saved = (i - lo) * (top - ranked[i - 1]) * T
+                if ranked[i] != ranked[i - 1] and saved > best[0]:
+                    best = (saved, lo, i, hi)
         if best[1] < 0:
             break
         _, lo, i, hi = best
@@ -156,7 +158,8 @@ def row_groups(visible: torch.Tensor) -> RowGroups:
 def invariant_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                         visible: torch.Tensor, col_tile: int = COL_TILE,
                         tail: TailKeys | None = None,
-                        products: torch.dtype | None = None) -> torch.Tensor:
+                        products: torch.dtype | None = None,
+                        ends: list[int] | None = None) -> torch.Tensor:
     """Attention of grouped queries over a slot's keys, batch-invariantly.
 
     q: [B, kvh, g, T, hd] (already scaled and rotated; query head kv * g + j is [:, kv, j]);
@@ -165,7 +168,9 @@ def invariant_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     ``tail``: the queries that read their last blocks in decoding order (tree branch nodes);
     ``products``: the dtype the two products run in (None: q's; float32 where bfloat16 is
     emulated, ``cpu_kind``: a product of bfloat16 inputs is exact in float32, so only the
-    summation order is the kernel's, and MKL's float32 one is fixed).
+    summation order is the kernel's, and MKL's float32 one is fixed);
+    ``ends``: ``query_ends(visible)``, from a caller that found it once for many calls with the
+    same mask (a forward's layers); None: found here when needed.
     Returns [B, T, kvh * g * hd] in q's dtype.
     """
     out_dtype = q.dtype
@@ -173,30 +178,38 @@ def invariant_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
         q, keys, values = q.to(products), keys.to(products), values.to(products)
     if tail is not None or q.device.type != "cpu":
         return _attend(q, keys, values, visible, col_tile, tail).to(out_dtype)
-    return _on_cpu(q, keys, values, visible, col_tile).to(out_dtype)
-
-
-def _on_cpu(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor,
-            col_tile: int) -> torch.Tensor:
-    """``_attend`` on the CPU, a long call in query pieces."""
     if q.shape[3] > QUERY_PIECE:
-        return _in_query_pieces(q, keys, values, visible, col_tile)
-    return _attend(q, keys, values, visible, col_tile, None)
+        return _in_query_pieces(q, keys, values, visible, col_tile,
+                                query_ends(visible) if ends is None else ends).to(out_dtype)
+    return _attend(q, keys, values, visible, col_tile, None).to(out_dtype)
+
+
+def _reach(visible: torch.Tensor, dim: int) -> torch.Tensor:
+    """One past the last key ``visible`` [B, T, n] shows, reduced over ``dim`` (1: each row's,
+    over its queries; 0: each query's, over the rows); 0 where none. (A bool tensor's any() over
+    a dimension that is not the innermost is 10-40x slower on the CPU than a uint8 max.)"""
+    seen = visible.view(torch.uint8).amax(dim)  # [*, n]
+    last = seen.shape[-1] - seen.flip(-1).argmax(-1)
+    return torch.where(seen.amax(-1).bool(), last, 0)
+
+
+def query_ends(visible: torch.Tensor) -> list[int]:
+    """One past the last key each query of ``visible`` [B, T, n] (on the CPU) sees, over every
+    row: [T], read through NumPy (no wait: a step's one host sync stays its verdicts')."""
+    return _reach(visible, 0).numpy().tolist()
 
 
 def _in_query_pieces(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                     visible: torch.Tensor, col_tile: int) -> torch.Tensor:
+                     visible: torch.Tensor, col_tile: int, ends: list[int]) -> torch.Tensor:
     """``_attend`` over QUERY_PIECE queries at a time, each piece reading only the key blocks
     up to the last key one of its queries sees: a prompt's chunk is causal, so its early
     queries skip most of the keys, and each piece's scores stay in the CPU's cache (the default
     model's 2,000-token prompt prefilled 2.4-3.7x faster). The same bits: a
     query's output does not depend on the other queries of the call nor on key blocks past its
-    context (the module's invariance, which ``probe_invariance`` checks at start)."""
+    context (the module's invariance, which ``probe_invariance`` checks at start). ``ends``:
+    ``query_ends(visible)``."""
     B, kvh, g, T, hd = q.shape
     n = keys.shape[2]
-    # [T]: one past the last key each query sees (0: none)
-    reach = (visible.any(0) * torch.arange(1, n + 1, device=visible.device)).amax(dim=1)
-    ends = reach.numpy().tolist()  # a CPU tensor: no wait
     values = values.contiguous()  # once, not a product a key block (or a copy) a piece
     out = []
     for t0 in range(0, T, QUERY_PIECE):
