@@ -130,13 +130,20 @@ def test_chains_in_ragged_batches_have_the_bits_of_one_at_a_time(hd64_model, dty
     _sweep_ragged_chains(runner, random.Random(f"chains-{dtype}-{threads}"), dtype)
 
 
-@pytest.mark.parametrize("device,dtype", CASES[:2])
+EMULATED = pytest.param("cpu", "emulated-bfloat16", id="cpu-emulated-bfloat16",
+                        marks=pytest.mark.skipif(not exact_here("bfloat16"),
+                                                 reason="this CPU does not serve bfloat16"))
+
+
+@pytest.mark.parametrize("device,dtype", CASES[:2] + [EMULATED])
 def test_a_long_context_among_short_ones_attends_apart_with_the_bits_of_one_at_a_time(
         hd64_model, dtype, device, monkeypatch):
     """On the CPU the rows of a step that read far fewer key blocks than another run their
     attention in groups of their own (``row_groups``): each row's logits the bits of decoding
-    it alone, for a long context among short ones and two groups of each."""
-    runner = _runner(hd64_model, dtype, device)
+    it alone, for a long context among short ones and two groups of each; also with the
+    kernels of a CPU that emulates bfloat16 (float32 attention products)."""
+    runner = _emulated_bf16_runner(hd64_model, 16) if dtype == "emulated-bfloat16" \
+        else _runner(hd64_model, dtype, device)
     grouped = []
     attend = runner._grouped_attention
     monkeypatch.setattr(runner, "_grouped_attention",
