@@ -85,13 +85,19 @@ def _steps(runner, vocab: int, steps: list[str], rounds: int, knobs) -> list[dic
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="default")
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--lengths", default="128,512,1024,2000")
-    p.add_argument("--steps", default="16x60;16x60,1x300;16x60,1x1000;8x100,8x600;64x60,4x1000")
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--json", default="cpu-attention-ab.json")
+    p.add_argument("--model", default="default", help="the target model (default: %(default)s)")
+    p.add_argument("--dtype", default="auto", help="its dtype, as serve's (default: %(default)s)")
+    p.add_argument("--threads", type=int, default=2,
+                   help="torch's CPU threads (default: %(default)s)")
+    p.add_argument("--lengths", default="128,512,1024,2000",
+                   help="comma-separated prompt lengths to prefill (default: %(default)s)")
+    p.add_argument("--steps", default="16x60;16x60,1x300;16x60,1x1000;8x100,8x600;64x60,4x1000",
+                   help="';'-separated steps, each comma-separated COUNTxCONTEXT rows of 4 "
+                        "draft tokens (default: %(default)s)")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="rounds, each side once a round (default: %(default)s)")
+    p.add_argument("--json", default="cpu-attention-ab.json",
+                   help="where to write every run (default: %(default)s)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)  # deliberately: the serving threads of a 2-core machine
     from edgespec.models.loading import load_model
