@@ -147,7 +147,7 @@ def test_a_long_context_among_short_ones_attends_apart_with_the_bits_of_one_at_a
     grouped = []
     attend = runner._grouped_attention
     monkeypatch.setattr(runner, "_grouped_attention",
-                        lambda *a: grouped.append(len(a[3].groups)) or attend(*a))
+                        lambda *a: grouped.append(len(a[3])) or attend(*a))
     rng = random.Random(f"row-groups-{dtype}")
     for lengths in ([7, 270, 12, 3, 30, 9, 18, 5], [20, 200, 15, 210, 30, 100, 25, 120, 10]):
         sessions = [([rng.randrange(VOCAB) for _ in range(n)],
@@ -171,7 +171,7 @@ def test_row_groups_cover_every_row_once_and_reach_each_rows_keys():
     def plan(reach: list[int], n: int = 1024, queries: int = 1):
         visible = (torch.arange(n)[None, None, :] < torch.tensor(reach)[:, None, None]) \
             .expand(-1, queries, -1)
-        return [(rows.tolist(), k) for rows, k in row_groups(visible).groups]
+        return [(group.rows.tolist(), group.keys) for group in row_groups(visible)]
 
     assert plan([100] * 16) == [] and plan([1000]) == []  # uniform, or one row: together
     assert plan([60, 130]) == []  # a cut would save less than its calls cost

@@ -110,29 +110,31 @@ class TailKeys:
 
 
 @dataclass(frozen=True)
-class RowGroups:
-    """A forward's rows grouped by how many key blocks they read, each group's attention a call
-    of its own on the CPU (``TargetRunner``): a row of a long context among short ones would
-    make every row read its blocks. Each group's batch rows [Bg] (long, ascending) and its key
-    count. Empty: the rows run together. The same bits either way: a row's output depends
-    neither on the other rows nor on key blocks past its context."""
+class RowGroup:
+    """Rows of a forward whose attention is a call of their own on the CPU (``row_groups``): a
+    row of a long context among short ones would make every row read its blocks. The same bits
+    either way: a row's output depends neither on the other rows nor on key blocks past its
+    context."""
 
-    groups: tuple[tuple[torch.Tensor, int], ...] = ()
+    rows: torch.Tensor  # [Bg] long, ascending: the group's batch rows
+    keys: int  # the keys the group reads: its slots' first ``keys``
+    visible: torch.Tensor  # [Bg, T, keys] bool: the group's mask
+    ends: list[int] | None  # ``call_ends(visible)``
 
 
-def row_groups(visible: torch.Tensor) -> RowGroups:
+def row_groups(visible: torch.Tensor) -> tuple[RowGroup, ...]:
     """``visible`` [B, T, n]'s rows grouped by the key blocks each reads (sorted by them, cut
     where a cut saves more than ROW_GROUP_COST row-blocks x queries, at most MAX_ROW_GROUPS
-    groups); found once a forward, read by every layer."""
+    groups); none where the rows run together. Found once a forward, read by every layer."""
     B, T, n = visible.shape
     if B < 2 or visible.device.type != "cpu":
-        return RowGroups()
+        return ()
     reach = _reach(visible, 1)  # [B]: one past each row's last key
     # read through NumPy: on the CPU no wait (a step's one host sync stays its verdicts')
     blocks = ((reach + KEY_BLOCK - 1) // KEY_BLOCK).clamp(min=1).numpy().tolist()
     lo_b, hi_b = min(blocks), max(blocks)
     if (hi_b - lo_b) * (B - 1) * T <= ROW_GROUP_COST:  # cannot pay: the usual step
-        return RowGroups()
+        return ()
     order = sorted(range(B), key=blocks.__getitem__)
     ranked = [blocks[i] for i in order]
     segments = [(0, B)]
@@ -150,9 +152,13 @@ def row_groups(visible: torch.Tensor) -> RowGroups:
         segments.remove((lo, hi))
         segments += [(lo, i), (i, hi)]
     if len(segments) == 1:
-        return RowGroups()
-    return RowGroups(tuple((torch.tensor(sorted(order[lo:hi])),
-                            min(n, ranked[hi - 1] * KEY_BLOCK)) for lo, hi in sorted(segments)))
+        return ()
+    groups = []
+    for lo, hi in sorted(segments):
+        rows, k = torch.tensor(sorted(order[lo:hi])), min(n, ranked[hi - 1] * KEY_BLOCK)
+        seen = visible[:, :, :k].index_select(0, rows)
+        groups.append(RowGroup(rows, k, seen, call_ends(seen)))
+    return tuple(groups)
 
 
 def invariant_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
@@ -169,7 +175,7 @@ def invariant_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     ``products``: the dtype the two products run in (None: q's; float32 where bfloat16 is
     emulated, ``cpu_kind``: a product of bfloat16 inputs is exact in float32, so only the
     summation order is the kernel's, and MKL's float32 one is fixed);
-    ``ends``: ``query_ends(visible)``, from a caller that found it once for many calls with the
+    ``ends``: ``call_ends(visible)``, from a caller that found it once for many calls with the
     same mask (a forward's layers); None: found here when needed.
     Returns [B, T, kvh * g * hd] in q's dtype.
     """
@@ -197,6 +203,13 @@ def query_ends(visible: torch.Tensor) -> list[int]:
     """One past the last key each query of ``visible`` [B, T, n] (on the CPU) sees, over every
     row: [T], read through NumPy (no wait: a step's one host sync stays its verdicts')."""
     return _reach(visible, 0).numpy().tolist()
+
+
+def call_ends(visible: torch.Tensor) -> list[int] | None:
+    """``query_ends(visible)`` where a call over it runs in query pieces (on the CPU, more than
+    QUERY_PIECE queries), else None: what ``invariant_attention``'s ``ends`` takes."""
+    long_call = visible.shape[1] > QUERY_PIECE and visible.device.type == "cpu"
+    return query_ends(visible) if long_call else None
 
 
 def _in_query_pieces(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
@@ -236,27 +249,27 @@ def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: 
     # pointwise, so a column's bits do not depend on the others; the padding columns enter the
     # value product as zeros (its shape, hence each real column's bits, as before)
     scores = _by_columns(keys, qt)[..., :m].float()  # [B, kvh, n, m]
-    if tail is None and m >= WIDE_COLUMNS and q.device.type == "cpu":
-        # the softmax in the scores' layout: the bits of the keys-innermost one below (the
-        # max is exact in any order, the rest pointwise), without its two transposing copies
-        hidden = ~_column_mask(visible, g)  # [B, 1, n, m]
-        top = scores.masked_fill(hidden, float("-inf")).amax(dim=2, keepdim=True)
-        probs = pointwise(torch.exp, scores - top).masked_fill(hidden, 0).to(values.dtype)
-    elif tail is None:
-        # the softmax with the keys innermost ([B, kvh, m, n]: a few columns innermost made the
-        # max and the masking strided, most of a many-session step's attention); the max is
-        # exact in any order and the rest is pointwise: the same bits as in the score layout.
-        # The hidden keys are zeroed after the exp, not sent to it as -inf (a vector holding
-        # one takes this CPU's exp's slow path: 6-10x with a third of them): a visible key's
-        # probability is the same bits, a hidden one's 0, whatever its stale score (NaN and
-        # inf included). Only a visible score that is not finite (activations overflowed)
-        # gives a NaN of another sign or payload than before: NaN either way.
-        scores = scores.transpose(2, 3).contiguous()
-        hidden = ~_row_mask(visible, g)  # [B, 1, m, n]
-        top = scores.masked_fill(hidden, float("-inf")).amax(dim=3, keepdim=True)  # [B,kvh,m,1]
+    if tail is None:
+        # the softmax with the keys innermost ([B, kvh, m, n]) for a few columns (innermost,
+        # they made the max and the masking strided, most of a many-session step's attention);
+        # in the scores' own layout on the CPU from WIDE_COLUMNS columns on (a prompt's chunk:
+        # two transposing copies saved). The max is exact in any order and the rest is
+        # pointwise: the same bits either way. The hidden keys are zeroed after the exp, not
+        # sent to it as -inf (a vector holding one takes this CPU's exp's slow path: 6-10x with
+        # a third of them): a visible key's probability is the same bits, a hidden one's 0,
+        # whatever its stale score (NaN and inf included). Only a visible score that is not
+        # finite (activations overflowed) gives a NaN of another sign or payload than before:
+        # NaN either way.
+        inner = m < WIDE_COLUMNS or q.device.type != "cpu"
+        if inner:
+            scores = scores.transpose(2, 3).contiguous()
+        hidden = ~(_row_mask(visible, g) if inner else _column_mask(visible, g))
+        top = scores.masked_fill(hidden, float("-inf")).amax(dim=3 if inner else 2,
+                                                             keepdim=True)
         # out of place: exp's backward reads its output
         probs = pointwise(torch.exp, scores - top).masked_fill(hidden, 0).to(values.dtype)
-        probs = probs.transpose(2, 3)
+        if inner:
+            probs = probs.transpose(2, 3)
     else:  # the max and probabilities over every key a query sees; the main sum only ``vis``
         assert tail.seen is not None
         scores = scores.masked_fill(~_column_mask(tail.seen, g), float("-inf"))

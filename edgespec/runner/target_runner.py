@@ -24,8 +24,8 @@ from typing import Any, Literal, Sequence, overload
 import torch
 import torch.nn.functional as F
 
-from .attention import (KEY_BLOCK, QUERY_PIECE, RowGroups, TailKeys, invariant_attention,
-                        padded_keys, pointwise, query_ends, row_groups)
+from .attention import (KEY_BLOCK, RowGroup, TailKeys, call_ends, invariant_attention,
+                        padded_keys, pointwise, row_groups)
 from ..config import MAX_TREE_NODES, ConfigError
 from .dtype_probe import first_varying_count, linear_options, probe_input, probe_row_counts
 from .check_cache import CheckKey, code_digest, host_device, model_fingerprint, run_checked
@@ -621,12 +621,9 @@ class TargetRunner:
         x = F.embedding(tokens, self.embed) if embeds is None else embeds  # [B, T, H]
         kept: dict[int, torch.Tensor] = {}
         # rows reading far fewer key blocks than others attend apart (the CPU; not a tree's
-        # tail): their groups and each group's mask, and a long call's query ends (its query
-        # pieces'), found once for every layer
-        groups = row_groups(visible) if tail is None else RowGroups()
-        seen = [visible.index_select(0, rows)[:, :, :k] for rows, k in groups.groups]
-        pieces = tail is None and T > QUERY_PIECE and visible.device.type == "cpu"
-        ends = [query_ends(v) if pieces else None for v in seen or [visible]]
+        # tail), else a long call's query ends (its query pieces'): found once for every layer
+        groups = row_groups(visible) if tail is None else ()
+        ends = call_ends(visible) if tail is None and not groups else None
         for li, layer in enumerate(self.layers[:upto]):
             h = self._rms(x, layer.ln1)
             qkv = layer.qkv(h)
@@ -635,12 +632,12 @@ class TargetRunner:
             k = self._rotate(k.view(B, T, kvh, hd).transpose(1, 2), cos, sin)
             self.cache.write(li, slot_t, store, k.transpose(1, 2), v.view(B, T, kvh, hd))
             q = (q * self.scale).view(B, kvh, grp, T, hd)
-            if groups.groups:
-                att = self._grouped_attention(li, q, slot_t, groups, seen, ends)
+            if groups:
+                att = self._grouped_attention(li, q, slot_t, groups)
             else:
                 keys, values = self.cache.read(li, slot_t, run_from, n_pos)
                 att = invariant_attention(q, keys, values, visible, self.col_tile, tail,
-                                          self.attention_products, ends[0])  # [B, T, nh * hd]
+                                          self.attention_products, ends)  # [B, T, nh * hd]
             x = x + layer.o(att)
             gate, up = layer.gate_up(self._rms(x, layer.ln2)).chunk(2, dim=-1)
             x = x + layer.down(pointwise(F.silu, gate) * up)
@@ -649,18 +646,17 @@ class TargetRunner:
         return x, [kept[n] for n in taps]
 
     def _grouped_attention(self, layer: int, q: torch.Tensor, slot_t: torch.Tensor,
-                           groups: RowGroups, seen: list[torch.Tensor],
-                           ends: list[list[int] | None]) -> torch.Tensor:
+                           groups: tuple[RowGroup, ...]) -> torch.Tensor:
         """``invariant_attention`` of q [B, kvh, g, T, hd] a group of rows at a time, each
-        group reading its slots' first k keys alone (``row_groups``; ``seen``: each group's
-        mask, ``ends`` its query ends or None): [B, T, kvh * g * hd], the bits of one call."""
+        group reading its slots' first keys alone (``row_groups``): [B, T, kvh * g * hd], the
+        bits of one call."""
         B, kvh, g, T, hd = q.shape
         out = q.new_empty(B, T, kvh * g * hd)
-        for (rows, k), visible, group_ends in zip(groups.groups, seen, ends):
-            keys, values = self.cache.read(layer, slot_t[rows], None, k)
-            out.index_copy_(0, rows, invariant_attention(
-                q.index_select(0, rows), keys, values, visible, self.col_tile, None,
-                self.attention_products, group_ends))
+        for group in groups:
+            keys, values = self.cache.read(layer, slot_t[group.rows], None, group.keys)
+            out.index_copy_(0, group.rows, invariant_attention(
+                q.index_select(0, group.rows), keys, values, group.visible, self.col_tile,
+                None, self.attention_products, group.ends))
         return out
 
     def early_hidden(self, slots: list[int], tokens: torch.Tensor, starts: list[int],
