@@ -9,8 +9,9 @@ in calls of 3-47 rows gives the same bits, and the product is right: within bflo
 a float32 reference).
 ``auto`` measures: among the dtypes that pass, the one whose linear layer is faster here (on an
 AMX CPU bfloat16, about 1.5x float32's forward; on Cascade Lake, where oneDNN emulates bfloat16,
-float32). The linear layers' rows go in one call, or in padded calls of 32 rows where only those
-are invariant (``packed_products``: an Emerald Rapids Xeon's bfloat16). CPU flags are not
+float32). The linear layers' rows go in one call, or in calls of 40 to 128 (or 96) rows, or in
+padded calls of 32 rows, the first of these that is invariant here (``packed_products``: an
+Emerald Rapids Xeon's bfloat16 takes spans at one thread). CPU flags are not
 trusted: the machine this was built on advertises AMX, and llama.cpp's AMX path faults on it,
 while oneDNN's runs.
 """
@@ -21,16 +22,14 @@ import functools
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from ..config import DTYPE_NAMES, ConfigError
 from .cpu_kind import cpu_kind
 from .dtype_memo import memo_path, remember, remembered, setting_key
+from .linear import Linear, RowCalls
 
-if TYPE_CHECKING:
-    from .linear import Linear
 
 log = logging.getLogger("edgespec.dtype")
 
@@ -86,57 +85,102 @@ def attention_tile(dtype: torch.dtype, device: str = "cpu", kv_heads: int = 2, g
     return None if kernel is None else kernel.col_tile
 
 
-PRODUCTS = ("packed", "packed-tiles")  # the CPU's exact products, the cheaper first
+# the CPU's exact products, the cheaper first: one call; calls of SPAN_FLOOR up to 128 or 96 rows
+# (``linear.RowCalls``); calls of exactly 32
+PRODUCTS = ("packed", "packed-spans128", "packed-spans96", "packed-tiles")
+SPANS = "packed-spans"
 
 
-def packed_products(dtype: torch.dtype, device: str = "cpu") -> str | None:
+def packed_products(dtype: torch.dtype, device: str = "cpu",
+                    shapes: tuple[tuple[int, int], ...] = ()) -> str | None:
     """How the runner's linear layers in ``dtype`` give every row its bits here, at torch's
-    thread count now: "packed" (one oneDNN call whatever the rows), else "packed-tiles" (every
-    call ``linear.CPU_TILE_ROWS`` rows, padded, where oneDNN changes kernels with the row count:
-    an Emerald Rapids Xeon's bfloat16), else None (not batch-invariant here)."""
+    thread count now: "packed" (one oneDNN call whatever the rows), else "packed-spans<c>"
+    (every call between ``linear.SPAN_FLOOR`` and c rows: padded up, cut down; where oneDNN
+    takes one kernel up to 32 rows and another above: an Emerald Rapids Xeon's bfloat16), else
+    "packed-tiles" (every call ``linear.CPU_TILE_ROWS`` rows, padded), else None (not
+    batch-invariant here). ``shapes``: the model's linear layers' (out, in), each swept at every
+    call size of a span before spans are chosen (oneDNN blocks a narrow product by its shape:
+    a 96-wide head varied inside the span where the default model's layers did not)."""
+    threads = torch.get_num_threads()
     for products in PRODUCTS:
-        if _packed_linear_exact(dtype, device, torch.get_num_threads(), products):
+        if _packed_linear_exact(dtype, device, threads, products) and (
+                not products.startswith(SPANS)
+                or all(_span_exact(dtype, device, threads, products, s) for s in shapes)):
             return products
     return None
 
 
 def packed_linear_exact(dtype: torch.dtype, device: str = "cpu") -> bool:
     """Whether the runner's linear layer in ``dtype`` computes the right product and gives every
-    row the same bits alone, in pairs, among 64 rows and in calls of 3, 17, 31, 33 and 47 rows,
-    for the default model's widest reduction (its down projection, 1536 -> 576: a lone row once
-    took another path there), in one of ``PRODUCTS``, at torch's thread count now."""
+    row the same bits alone, in pairs, among all rows and in calls of 3, 17, 31, 33 and 47 rows
+    (and for spans, calls about their floor and ceiling), for the default model's widest
+    reduction (its down projection, 1536 -> 576: a lone row once took another path there), in
+    one of ``PRODUCTS``, at torch's thread count now."""
     return packed_products(dtype, device) is not None
 
 
-def linear_options(products: str) -> tuple[bool, int | None]:
-    """(pack, row_tile): how the runner's linear layers are built for these eager products
-    ("packed", "packed-tiles", "plain"), the one reading of their names."""
-    from .linear import CPU_TILE_ROWS
+def linear_options(products: str) -> RowCalls:
+    """How the runner's linear layers are built for these eager products ("packed",
+    "packed-spans<ceiling>", "packed-tiles", "plain"): the one reading of their names."""
+    from .linear import CPU_TILE_ROWS, SPAN_FLOOR
 
-    return products != "plain", CPU_TILE_ROWS if products == "packed-tiles" else None
+    if products.startswith(SPANS):
+        return RowCalls(span=(SPAN_FLOOR, int(products.removeprefix(SPANS))))
+    return RowCalls(pack=products != "plain",
+                    tile=CPU_TILE_ROWS if products == "packed-tiles" else None)
 
 
 def linear_for(products: str, weight: torch.Tensor, bias: torch.Tensor | None = None
-               ) -> "Linear":
-    """The runner's linear layer with these products ("packed", "packed-tiles", "plain")."""
-    from .linear import Linear
+               ) -> Linear:
+    """The runner's linear layer with these products (``linear_options``)."""
+    return linear_options(products).linear(weight, bias)
 
-    pack, row_tile = linear_options(products)
-    return Linear(weight, bias, pack=pack, row_tile=row_tile)
+
+DOWN = (576, 1536)  # (out, in) of the default model's down projection, the products' probe
+
+
+def _probe_counts(products: str) -> tuple[int, list[int]]:
+    """The rows of a products' probe and the call sizes it tries: for spans every size from
+    just below the floor to one past the ceiling (a call cut in two)."""
+    span = linear_options(products).span
+    if span is None:
+        return 64, [3, 17, 31, 33, 47]
+    floor, ceiling = span
+    return ceiling + 2, [1, floor - 1, *range(floor, ceiling + 2)]
+
+
+@functools.lru_cache(maxsize=None)
+def _span_exact(dtype: torch.dtype, device: str, threads: int, products: str,
+                shape: tuple[int, int]) -> bool:
+    """Whether spans give a row of a linear layer of this (out, in) shape the same bits at every
+    call size they make, first or last in its call (random weights: the kernel's blocking, not
+    the values, decides)."""
+    out, k = shape
+    rows, counts = _probe_counts(products)
+    g = torch.Generator().manual_seed(out + k)
+    w = (torch.randn(out, k, generator=g) * 0.05).to(device=device, dtype=dtype)
+    x = (torch.randn(rows, k, generator=g) * 2).to(device=device, dtype=dtype)
+    try:
+        return first_varying_count(linear_for(products, w), x, counts) is None
+    except RuntimeError as exc:
+        log.info("linear probe (%s) of %s in %s on %s failed: %s", products, shape, dtype,
+                 device, exc)
+        return False
 
 
 @functools.lru_cache(maxsize=None)
 def _packed_linear_exact(dtype: torch.dtype, device: str, threads: int, products: str) -> bool:
     g = torch.Generator().manual_seed(1)
-    w = (torch.randn(576, 1536, generator=g) * 0.05).to(device=device, dtype=dtype)
-    x = (torch.randn(64, 1536, generator=g) * 2).to(device=device, dtype=dtype)
+    rows, counts = _probe_counts(products)
+    w = (torch.randn(*DOWN, generator=g) * 0.05).to(device=device, dtype=dtype)
+    x = (torch.randn(rows, 1536, generator=g) * 2).to(device=device, dtype=dtype)
     try:
         lin = linear_for(products, w)
         wide = lin(x)
         if not _rows_agree(lin, x, wide):
             return False
-        # calls that end in a part of a tile (a lone row among them)
-        if first_varying_count(lin, x, [3, 17, 31, 33, 47]) is not None:
+        # calls that end in a part of a tile (a lone row among them), about a span's ends
+        if first_varying_count(lin, x, counts) is not None:
             return False
     except RuntimeError as exc:
         log.info("linear probe (%s) in %s on %s failed: %s", products, dtype, device, exc)
@@ -166,9 +210,9 @@ def probe_row_counts(device: str, max_rows: int) -> list[int]:
 
     if device.startswith("cuda"):
         counts = set(range(1, 2 * TILE_ROWS + 1))
-    else:
+    else:  # and about the spans' floor (40) and lower ceiling (96)
         max_rows = min(max_rows, 129)
-        counts = {1, 2, 3} | {p + d for p in (4, 8, 16, 32, 64, 128) for d in (-1, 0, 1)}
+        counts = {1, 2, 3} | {p + d for p in (4, 8, 16, 32, 40, 64, 96, 128) for d in (-1, 0, 1)}
     return sorted(c for c in counts | {max_rows} if 1 <= c <= max_rows)
 
 

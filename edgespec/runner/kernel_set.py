@@ -67,8 +67,9 @@ class HeadLayout:
 @dataclass(frozen=True)
 class KernelSet:
     """How one runner computes a step. ``products``: the linear layers' kernels (eager:
-    ``packed`` oneDNN weights, ``packed-tiles`` the same in padded calls of 32 rows where its
-    probe needs them (``linear.CPU_TILE_ROWS``), or ``plain`` torch ones; fused: ``tiles``,
+    ``packed`` oneDNN weights, ``packed-spans128``/``96`` the same in calls of 40 up to 128 or
+    96 rows, or ``packed-tiles`` in padded calls of 32 rows, where its probe needs them
+    (``linear.RowCalls``), or ``plain`` torch ones; fused: ``tiles``,
     cuBLAS in 128-row tiles, or ``triton``). ``attention``: eager: ``blocks`` (fixed-shape
     products over key blocks, query columns in tiles of ``col_tile``, the products in
     ``attention_products`` or the model's own dtype when ""); fused: ``tiles``, ``rows`` or
@@ -120,14 +121,16 @@ class KernelSet:
 def choose_kernel_set(device: torch.device | str, dtype: torch.dtype, heads: HeadLayout,
                       kernels: str | None = None, gemm: str = "tiles", pack: bool = True,
                       exact: bool = True, attention: str | None = None,
-                      attention_kernel: str | None = None) -> KernelSet:
+                      attention_kernel: str | None = None,
+                      linear_shapes: tuple[tuple[int, int], ...] = ()) -> KernelSet:
     """The kernel set a runner of this head layout serves with here, torch's thread count now.
     ``kernels``/``gemm``/``pack``: as asked (``kernels`` None: the default for the device).
     ``exact``: a target's runner, whose attention the start probes choose (ConfigError where
     none is batch-invariant); a drafter's takes the defaults. ``attention``: the fused kernel of
     a runner whose weights this one shares (not probed again). ``attention_kernel``: the fused
     attention kernel asked for (``fused_attention.ATTENTION_KERNELS``), probed alone; None: the
-    first of them whose probe passes."""
+    first of them whose probe passes. ``linear_shapes``: the model's linear layers' (out, in),
+    which the CPU's products are probed at (``dtype_probe.packed_products``)."""
     device = torch.device(device)
     path = kernels_for(device, kernels, heads.head_dim)
     if gemm not in GEMMS:
@@ -140,8 +143,8 @@ def choose_kernel_set(device: torch.device | str, dtype: torch.dtype, heads: Hea
         products = gemm
     else:
         attention, products = "blocks", "packed" if pack else "plain"
-        if exact and pack and device.type == "cpu":  # one oneDNN call, or padded calls of 32 rows
-            products = dtype_probe.packed_products(dtype, str(device)) or "packed"
+        if exact and pack and device.type == "cpu":  # one oneDNN call, spans or tiles of rows
+            products = dtype_probe.packed_products(dtype, str(device), linear_shapes) or "packed"
         if exact:
             kernel = dtype_probe.attention_kernel(dtype, str(device), heads.kv_heads,
                                                   heads.n_heads // heads.kv_heads,

@@ -20,9 +20,20 @@ products go in tiles of ``CPU_TILE_ROWS`` rows, each call padded to a whole tile
 (``products`` "packed-tiles" in its kernel set: the dtype probe chooses them where one call is not
 batch-invariant and the tiles are). On Sapphire Rapids and AMD EPYC one call was invariant
 (``products`` "packed").
+
+Why row spans (the same Xeon, torch 2.13, one thread): a 32-row bfloat16 call costs about what a
+40- or 80-row one does (the weights' reads, not the rows, are most of it: 25, 26 and 36 ms for a
+pass of the default model's layers), so 32-row tiles made a step of 16 sessions x 5 tokens pay
+three passes (75 ms) and a 128-token prefill chunk four (100 ms against 45). Above 36 rows the
+kernel is one again: calls of 37 to 256 rows gave every row, first or last in its call, the same
+bits (one thread; at two threads 37 to 119). There every call has between ``SPAN_FLOOR`` rows
+(fewer are padded up) and a ceiling the probe proved (more are cut into calls of the ceiling):
+``products`` "packed-spans128" / "packed-spans96".
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +43,7 @@ GEMMS = ("tiles", "triton")  # the fused path's products: cuBLAS in 128-row tile
 # ``fused_gemm``'s fixed-config kernel (one pass over the weights; measured, not the default)
 TILE_ROWS = 128  # rows per cuBLAS call on CUDA: every call has exactly this many
 CPU_TILE_ROWS = 32  # rows per oneDNN call where the kernel set has "packed-tiles": always this many
+SPAN_FLOOR = 40  # the fewest rows of a oneDNN call where the kernel set has "packed-spans<ceiling>"
 
 
 def _mkldnn_ok(weight: torch.Tensor) -> bool:
@@ -46,8 +58,9 @@ class Linear:
 
     Rows are batch-invariant from 2 rows up (measured: 1..512 rows, every layer shape of the
     default model, float32 and bfloat16); a lone row goes through as two. On CUDA (and wherever
-    ``tiled`` is asked for) every call is ``TILE_ROWS`` rows instead, and with ``row_tile`` (the
-    CPU's "packed-tiles") that many.
+    ``tiled`` is asked for) every call is ``TILE_ROWS`` rows instead, with ``row_tile`` (the
+    CPU's "packed-tiles") that many, and with ``row_span`` (the CPU's "packed-spans") between its
+    floor and its ceiling.
 
     Pre-packing matters: measured on 2 CPU cores, MKL's plain sgemm re-packs the weight on every
     call and costs ~2x a matrix-vector product for 2..8 rows, so a forward over a k+1-token draft
@@ -57,11 +70,16 @@ class Linear:
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
                  pack: bool = True, batch_hint: int = 8, tiled: bool | None = None,
-                 row_tile: int | None = None):
+                 row_tile: int | None = None, row_span: tuple[int, int] | None = None):
         """``tiled``: rows in fixed tiles of ``TILE_ROWS`` (None: on CUDA, where cuBLAS needs
-        it). ``row_tile``: rows in fixed tiles of this many instead (the CPU's "packed-tiles")."""
+        it). ``row_tile``: rows in fixed tiles of this many instead (the CPU's "packed-tiles").
+        ``row_span``: (floor, ceiling): every call between these many rows (the CPU's
+        "packed-spans")."""
+        if row_span is not None and not 1 <= row_span[0] <= row_span[1]:
+            raise ValueError(f"a row span is (floor, ceiling) with 1 <= floor <= ceiling, got "
+                             f"{row_span}")
         self.weight, self.bias = weight, bias
-        self.row_tile = row_tile
+        self.row_tile, self.row_span = row_tile, row_span
         self.tile_rows = row_tile or TILE_ROWS  # every call of a tiled layer has this many rows
         self.packed = None
         if pack and _mkldnn_ok(weight):
@@ -78,6 +96,8 @@ class Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.tiled:
             return self._in_tiles(x)
+        if self.row_span is not None:
+            return self._in_spans(x)
         if x.numel() == x.shape[-1]:
             # one row: oneDNN (and MKL) take a single-row path that sums a long input (the MLP's
             # down projection, 1536 wide) in another order than for 2 rows and more, so a decode
@@ -95,6 +115,23 @@ class Linear:
         if n != tiles * size:
             rows = F.pad(rows, (0, 0, 0, tiles * size - n))
         return self.tiles(rows, n)[:n].reshape(*x.shape[:-1], -1)
+
+    def _in_spans(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., K] -> [..., N] in calls of floor..ceiling rows (``row_span``): up to the
+        ceiling one call (fewer than the floor padded with zero rows), more cut into calls of the
+        ceiling and a last part (padded the same)."""
+        rows = x.reshape(-1, x.shape[-1])
+        n = rows.shape[0]
+        floor, ceiling = self.row_span  # type: ignore[misc]
+        parts = [self._padded_call(rows[at:at + ceiling], floor) for at in range(0, n, ceiling)]
+        out = parts[0] if len(parts) == 1 else torch.cat(parts)
+        return out.reshape(*x.shape[:-1], -1)
+
+    def _padded_call(self, rows: torch.Tensor, floor: int) -> torch.Tensor:
+        n = rows.shape[0]
+        if n >= floor:
+            return self._apply(rows)
+        return self._apply(F.pad(rows, (0, 0, 0, floor - n)))[:n]
 
     def tiles(self, rows: torch.Tensor, used: int | None = None) -> torch.Tensor:
         """rows [P, K], P a whole number of tiles (a staging buffer the fused kernels wrote,
@@ -125,3 +162,17 @@ class Linear:
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
+
+
+@dataclass(frozen=True)
+class RowCalls:
+    """How a runner's CPU linear layers send their rows to oneDNN (the kernel set's eager
+    ``products``, read by ``dtype_probe.linear_options``): packed weights or plain ones, and
+    every call a fixed tile of rows, or between a span's floor and ceiling, or as it comes."""
+
+    pack: bool = True
+    tile: int | None = None  # "packed-tiles": every call exactly this many rows
+    span: tuple[int, int] | None = None  # "packed-spans<c>": every call SPAN_FLOOR..c rows
+
+    def linear(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
+        return Linear(weight, bias, pack=self.pack, row_tile=self.tile, row_span=self.span)

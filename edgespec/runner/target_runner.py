@@ -33,7 +33,7 @@ from .kernel_set import HeadLayout, KernelSet, choose_kernel_set, refusal
 from .kv_cache import KVCache, check_cache_fits, contiguous_start
 from .step_graphs import GRAPH_SLACK, StepGraphs
 from .step_rows import DraftShape, Scored, StepRows, TreeShape
-from .linear import Linear
+from .linear import Linear, RowCalls
 from .model_support import check_supported
 
 log = logging.getLogger(__name__)
@@ -119,9 +119,10 @@ class TargetRunner:
             shared = share_weights.attention if share_weights is not None else None
             kernel_set = choose_kernel_set(
                 self.device, self.dtype, heads,
-                kernels, gemm, pack, exact, attention=shared, attention_kernel=attention_kernel)
+                kernels, gemm, pack, exact, attention=shared, attention_kernel=attention_kernel,
+                linear_shapes=_linear_shapes(model))
             if share_weights is not None and kernel_set.kernels == "eager":
-                # its linears are the owner's: one call or 32-row tiles as the owner's probe chose
+                # its linears are the owner's: one call, spans or tiles as the owner's probe chose
                 kernel_set = replace(kernel_set, products=share_weights.kernel_set.products)
         else:
             here = (str(self.dtype).removeprefix("torch."), host_device(self.device)[0])
@@ -133,9 +134,9 @@ class TargetRunner:
         ks = kernel_set
         self.kernels = ks.kernels
         fused = self.kernels == "triton"
-        row_tile: int | None = None
+        calls = RowCalls(pack=pack)
         if not fused:  # the eager products' layers (the fused path's are tiles on CUDA)
-            pack, row_tile = linear_options(ks.products)
+            calls = linear_options(ks.products)
         gemm = ks.products if fused else gemm
         self.lm_head: Linear
         self.layers: list[_Layer]
@@ -144,8 +145,8 @@ class TargetRunner:
             self.layers = share_weights.layers[: self.n_layers]
         else:
             head: Any = model.lm_head
-            self.lm_head = Linear(head.weight, pack=pack, row_tile=row_tile)
-            self.layers = [self._load_layer(hf_layer, pack, row_tile)
+            self.lm_head = calls.linear(head.weight)
+            self.layers = [self._load_layer(hf_layer, calls)
                            for hf_layer in base.layers[: self.n_layers]]
         if graphs is None:  # the target's steps (a drafter's or a tool's runner needs none)
             graphs = fused and self.device.type == "cuda" and exact
@@ -282,7 +283,7 @@ class TargetRunner:
         return list(found.values())
 
     @staticmethod
-    def _load_layer(hf_layer: Any, pack: bool, row_tile: int | None = None) -> _Layer:
+    def _load_layer(hf_layer: Any, calls: RowCalls) -> _Layer:
         """``hf_layer``: a transformers decoder layer (its submodules are dynamic attributes)."""
         att, mlp = hf_layer.self_attn, hf_layer.mlp
         layer = _Layer()
@@ -291,10 +292,10 @@ class TargetRunner:
         qkv = [att.q_proj, att.k_proj, att.v_proj]
         qkv_weight, gate_up = _fuse(qkv), _fuse([mlp.gate_proj, mlp.up_proj])
         assert qkv_weight is not None and gate_up is not None  # linears always have weights
-        layer.qkv = Linear(qkv_weight, _fuse(qkv, "bias"), pack=pack, row_tile=row_tile)
-        layer.o = Linear(att.o_proj.weight, pack=pack, row_tile=row_tile)
-        layer.gate_up = Linear(gate_up, pack=pack, row_tile=row_tile)
-        layer.down = Linear(mlp.down_proj.weight, pack=pack, row_tile=row_tile)
+        layer.qkv = calls.linear(qkv_weight, _fuse(qkv, "bias"))
+        layer.o = calls.linear(att.o_proj.weight)
+        layer.gate_up = calls.linear(gate_up)
+        layer.down = calls.linear(mlp.down_proj.weight)
         return layer
 
     def _init_rope(self, rotary: torch.nn.Module, max_len: int) -> None:
@@ -725,6 +726,20 @@ class TargetRunner:
         self._hidden([slot for slot, _ in group], [part for _, part in group])
         for (slot, part), start in zip(group, starts):
             self.commit(slot, start + len(part))
+
+def _linear_shapes(model: Any) -> tuple[tuple[int, int], ...]:
+    """(out, in) of each linear layer the runner builds of a transformers Llama-like ``model``
+    (q, k and v fused, gate and up fused), once each."""
+    att, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+
+    def fused(*mods) -> tuple[int, int]:
+        return sum(m.weight.shape[0] for m in mods), mods[0].weight.shape[1]
+
+    found = [fused(att.q_proj, att.k_proj, att.v_proj), tuple(att.o_proj.weight.shape),
+             fused(mlp.gate_proj, mlp.up_proj), tuple(mlp.down_proj.weight.shape),
+             tuple(model.lm_head.weight.shape)]
+    return tuple(dict.fromkeys(found))  # type: ignore[arg-type]
+
 
 def _tile_rows(x: torch.Tensor) -> torch.Tensor:
     """x [n, K] padded with zero rows to whole tiles of the fused kernels' staging buffers."""
