@@ -738,7 +738,7 @@ def _linear_shapes(model: Any) -> tuple[tuple[int, int], ...]:
     found = [fused(att.q_proj, att.k_proj, att.v_proj), tuple(att.o_proj.weight.shape),
              fused(mlp.gate_proj, mlp.up_proj), tuple(mlp.down_proj.weight.shape),
              tuple(model.lm_head.weight.shape)]
-    return tuple(dict.fromkeys(found))  # type: ignore[arg-type]
+    return tuple(dict.fromkeys(found))
 
 
 def _tile_rows(x: torch.Tensor) -> torch.Tensor:
