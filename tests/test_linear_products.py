@@ -85,8 +85,12 @@ def test_row_spans_call_between_the_floor_and_the_ceiling():
         assert calls == sizes, rows.shape
         assert out.shape == (*rows.shape[:-1], 96)
         torch.testing.assert_close(out, whole(rows))
+    calls.clear()
+    assert lin(x[0, :0]).shape == (0, 96) and calls == []  # no rows: no call
     with pytest.raises(ValueError, match="floor"):
         Linear(w, row_span=(50, 40))
+    with pytest.raises(ValueError, match="not both"):
+        Linear(w, row_span=(40, 128), row_tile=CPU_TILE_ROWS)
 
 
 def test_the_probe_chooses_spans_or_tiles_only_where_one_call_varies(monkeypatch,
@@ -124,6 +128,34 @@ def test_the_probe_chooses_spans_or_tiles_only_where_one_call_varies(monkeypatch
     assert choice(kernel(lambda self, n: 0 if n == 32 else n)) == "packed-tiles"
     assert choice(always) is None
     assert not exact_here("float32")
+
+
+@pytest.mark.skipif(not exact_here("bfloat16"), reason="this CPU does not serve bfloat16")
+def test_the_span_sweep_refuses_a_narrow_layer_wherever_it_varies(fresh_probes):
+    """Where this CPU's bfloat16 goes in row spans, a narrow layer (64 or 96 outputs: oneDNN
+    blocks a narrow product another way) that random rows show varying inside the span (a row
+    of a 40-row call against the same row among 100) is refused by the sweep, whose rows cancel
+    so that any change of summation order shows (random rows caught such a layer in about half
+    the draws). A CPU where no such layer varies has nothing to refuse: skipped."""
+    if not (packed_products(torch.bfloat16) or "").startswith(dtype_probe.SPANS):
+        pytest.skip("this CPU's bfloat16 does not go in row spans")
+    varied = []
+    for shape in ((64, 576), (96, 576)):
+        for seed in range(10):
+            g = torch.Generator().manual_seed(seed)
+            w = (torch.randn(*shape, generator=g) * 0.05).bfloat16()
+            x = (torch.randn(100, 576, generator=g) * 2).bfloat16()
+            lin = Linear(w, row_span=(SPAN_FLOOR, 128))
+            if not torch.equal(lin(x[:40]), lin(x)[:40]):
+                varied.append(shape)
+                break
+    if not varied:
+        pytest.skip("no narrow layer varies inside the span on this CPU")
+    threads = torch.get_num_threads()
+    for shape in varied:
+        assert not dtype_probe._span_exact(torch.bfloat16, "cpu", threads, "packed-spans128",
+                                           shape), shape
+        assert packed_products(torch.bfloat16, "cpu", (shape,)) != "packed-spans128", shape
 
 
 def test_a_runner_is_built_with_the_tiles_its_kernel_set_names(looping, monkeypatch):

@@ -149,19 +149,40 @@ def _probe_counts(products: str) -> tuple[int, list[int]]:
     return ceiling + 2, [1, floor - 1, *range(floor, ceiling + 2)]
 
 
+def cancelling_probe(shape: tuple[int, int], rows: int, dtype: torch.dtype, device: str,
+                     seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A weight of ``shape`` (out, in) and ``rows`` rows whose products cancel in pairs (each
+    input column and a partner: the same weights, opposite inputs), so every exact output is 0
+    and what a call returns is its float32 sums' rounding residue, which any change of
+    summation order moves. (Random rows show a changed order in bfloat16 only where a sum lies
+    near a rounding boundary, a few elements a call: a narrow layer that varied was caught by
+    about half the draws.)"""
+    out, k = shape
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(out, k, generator=g) * 0.05
+    x = torch.randn(rows, k, generator=g) * 2
+    p, h = torch.randperm(k, generator=g), k // 2
+    w[:, p[h:2 * h]] = w[:, p[:h]]
+    x[:, p[h:2 * h]] = -x[:, p[:h]]
+    return w.to(device=device, dtype=dtype), x.to(device=device, dtype=dtype)
+
+
 @functools.lru_cache(maxsize=None)
 def _span_exact(dtype: torch.dtype, device: str, threads: int, products: str,
                 shape: tuple[int, int]) -> bool:
     """Whether spans give a row of a linear layer of this (out, in) shape the same bits at every
-    call size they make, first or last in its call (random weights: the kernel's blocking, not
-    the values, decides)."""
-    out, k = shape
-    rows, counts = _probe_counts(products)
-    g = torch.Generator().manual_seed(out + k)
-    w = (torch.randn(out, k, generator=g) * 0.05).to(device=device, dtype=dtype)
-    x = (torch.randn(rows, k, generator=g) * 2).to(device=device, dtype=dtype)
+    call size they make (each size's first rows, so each row last in one of the calls) and one
+    and 17 places earlier in its call, against the same rows in a call of the ceiling and a
+    cut one (``cancelling_probe``'s rows: the kernel's summation order, not the values,
+    decides)."""
+    floor, ceiling = linear_options(products).span  # type: ignore[misc]
+    w, x = cancelling_probe(shape, ceiling + 17, dtype, device, seed=sum(shape))
     try:
-        return first_varying_count(linear_for(products, w), x, counts) is None
+        lin = linear_for(products, w)
+        ref = lin(x)  # a call of the ceiling and a cut part
+        return all(torch.equal(lin(x[:c]), ref[:c])
+                   for c in (1, floor - 1, *range(floor, ceiling + 2))) and \
+            all(torch.equal(lin(x[shift:]), ref[shift:]) for shift in (1, 17))
     except RuntimeError as exc:
         log.info("linear probe (%s) of %s in %s on %s failed: %s", products, shape, dtype,
                  device, exc)
@@ -177,11 +198,14 @@ def _packed_linear_exact(dtype: torch.dtype, device: str, threads: int, products
     try:
         lin = linear_for(products, w)
         wide = lin(x)
-        if not _rows_agree(lin, x, wide):
-            return False
-        # calls that end in a part of a tile (a lone row among them), about a span's ends
-        if first_varying_count(lin, x, counts) is not None:
-            return False
+        # calls that end in a part of a tile (a lone row among them), about a span's ends; on
+        # rows that cancel too, where any change of order shows
+        cw, cx = cancelling_probe(DOWN, rows, dtype, device, seed=1)
+        clin = linear_for(products, cw)
+        for probe, rows_in, whole in ((lin, x, wide), (clin, cx, clin(cx))):
+            if not _rows_agree(probe, rows_in, whole) or \
+                    first_varying_count(probe, rows_in, counts) is not None:
+                return False
     except RuntimeError as exc:
         log.info("linear probe (%s) in %s on %s failed: %s", products, dtype, device, exc)
         return False

@@ -56,11 +56,12 @@ class Linear:
     """y = x W^T + b. On CPU in float32 and bfloat16 the weight is pre-packed for oneDNN once
     (bfloat16: AMX where the CPU has it, ~2x float32 per row and flat up to 8 rows).
 
-    Rows are batch-invariant from 2 rows up (measured: 1..512 rows, every layer shape of the
-    default model, float32 and bfloat16); a lone row goes through as two. On CUDA (and wherever
-    ``tiled`` is asked for) every call is ``TILE_ROWS`` rows instead, with ``row_tile`` (the
-    CPU's "packed-tiles") that many, and with ``row_span`` (the CPU's "packed-spans") between its
-    floor and its ceiling.
+    Rows are batch-invariant from 2 rows up on Sapphire Rapids and AMD EPYC (measured: 1..512
+    rows, every layer shape of the default model, float32 and bfloat16; not an Emerald Rapids
+    Xeon's bfloat16: see the module's docstring); a lone row goes through as two. On CUDA (and
+    wherever ``tiled`` is asked for) every call is ``TILE_ROWS`` rows instead, with
+    ``row_tile`` (the CPU's "packed-tiles") that many, and with ``row_span`` (the CPU's
+    "packed-spans") between its floor and its ceiling.
 
     Pre-packing matters: measured on 2 CPU cores, MKL's plain sgemm re-packs the weight on every
     call and costs ~2x a matrix-vector product for 2..8 rows, so a forward over a k+1-token draft
@@ -78,6 +79,8 @@ class Linear:
         if row_span is not None and not 1 <= row_span[0] <= row_span[1]:
             raise ValueError(f"a row span is (floor, ceiling) with 1 <= floor <= ceiling, got "
                              f"{row_span}")
+        if row_span is not None and row_tile is not None:
+            raise ValueError("a layer's calls are row tiles or row spans, not both")
         self.weight, self.bias = weight, bias
         self.row_tile, self.row_span = row_tile, row_span
         self.tile_rows = row_tile or TILE_ROWS  # every call of a tiled layer has this many rows
@@ -122,6 +125,8 @@ class Linear:
         ceiling and a last part (padded the same)."""
         rows = x.reshape(-1, x.shape[-1])
         n = rows.shape[0]
+        if n == 0:
+            return x.new_empty(*x.shape[:-1], self.weight.shape[0])
         floor, ceiling = self.row_span  # type: ignore[misc]
         parts = [self._padded_call(rows[at:at + ceiling], floor) for at in range(0, n, ceiling)]
         out = parts[0] if len(parts) == 1 else torch.cat(parts)
