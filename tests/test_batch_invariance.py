@@ -592,6 +592,33 @@ def test_auto_takes_the_measured_faster_exact_dtype(monkeypatch, caplog):
     assert dtype_probe.choose_auto().refused == ("bfloat16",)
 
 
+def test_auto_measures_again_a_choice_another_measure_made(monkeypatch):
+    """A choice remembered from another measure (the one linear read from the cache every call,
+    which chose float32 where bfloat16's forward was faster) is not reused: the setting's key
+    names what was measured, and the new measure's choice is kept beside the old entry."""
+    import json
+
+    from edgespec.runner import dtype_probe
+    from edgespec.runner.cpu_kind import cpu_kind
+    from edgespec.runner.dtype_memo import setting_key
+
+    if not exact_here("bfloat16"):
+        pytest.skip("bfloat16 is not exact here: auto has one candidate and measures nothing")
+    old = setting_key("cpu", cpu_kind().describe(), ["bfloat16", "float32"])
+    dtype_probe.memo_path().parent.mkdir(parents=True, exist_ok=True)
+    dtype_probe.memo_path().write_text(json.dumps(
+        {old: {"dtype": "float32", "cost_ms": {"bfloat16": 0.66, "float32": 0.62}}}))
+    monkeypatch.setattr(dtype_probe, "linear_cost_ms",
+                        lambda dt, device="cpu": 5.5 if dt == torch.bfloat16 else 9.0)
+    choice = dtype_probe.choose_auto()
+    assert choice.dtype == "bfloat16" and not choice.remembered
+    assert dtype_probe.COST_PROBE in choice.reason()
+    table = json.loads(dtype_probe.memo_path().read_text())
+    assert table[old]["dtype"] == "float32"
+    [new_key] = [k for k in table if k != old]
+    assert new_key.endswith(dtype_probe.COST_PROBE) and table[new_key]["dtype"] == "bfloat16"
+
+
 def test_auto_measures_once_a_setting_and_every_run_serves_that_choice(monkeypatch, caplog):
     """Two runs of one command could choose differently where the two dtypes are close (both
     exact: a seeded request answered with other tokens): the first measurement of a setting is

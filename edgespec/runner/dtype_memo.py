@@ -27,11 +27,12 @@ log = logging.getLogger("edgespec.runner")
 MEMO_FILE = "dtype-auto.json"
 
 
-def setting_key(device: str, what: str, exact: list[str]) -> str:
+def setting_key(device: str, what: str, exact: list[str], measure: str = "") -> str:
     """The setting a choice holds for: the device and what it is (a CPU's model, flags and ISA
-    caps; a GPU's name), torch's threads and version, and the dtypes exact there."""
+    caps; a GPU's name), torch's threads and version, the dtypes exact there, and what was
+    measured (a choice another measure made is measured again)."""
     return (f"{device} | {what} | {torch.get_num_threads()} threads | torch {torch.__version__} "
-            f"| exact: {','.join(exact)}")
+            f"| exact: {','.join(exact)}" + (f" | {measure}" if measure else ""))
 
 
 def memo_path() -> Path:

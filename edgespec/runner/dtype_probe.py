@@ -264,24 +264,35 @@ def exact_here(name: str, device: str = "cpu") -> bool:
     return packed_linear_exact(dtype, device) and attention_tile(dtype, device) is not None
 
 
+COST_LAYERS = 16  # linear_cost_ms's distinct weights: 113 MB in float32, past a CPU's caches
+# what auto measures, part of the setting a choice is remembered for (another measure, another key)
+COST_PROBE = f"a pass of {COST_LAYERS} 576->3072 linears over 8 rows"
+
+
 def linear_cost_ms(dtype: torch.dtype, device: str = "cpu", rows: int = 8,
-                   repeats: int = 21) -> float:
-    """Median milliseconds of the runner's linear layer over ``rows`` rows (a verification
-    step's) at the default model's MLP width (576 -> 3072, its gate and up projections: the
-    shape most of a forward's time goes through), at torch's thread count now, in the products
-    the runner would use."""
+                   repeats: int = 11) -> float:
+    """Median milliseconds of a pass of the runner's linear layers over ``rows`` rows (a
+    verification step's) through ``COST_LAYERS`` distinct weights at the default model's MLP
+    width (576 -> 3072, its gate and up projections: the shape most of a forward's time goes
+    through), at torch's thread count now, in the products the runner would use. Distinct
+    weights, more than a cache holds, as a model's layers are: a step reads its weights from
+    memory, where bfloat16's half-size ones pay. (One weight, read from the cache every call,
+    measured float32 the faster at 2 threads on an Emerald Rapids Xeon whose bfloat16 forward
+    was 1.2-1.5x float32's.)"""
     g = torch.Generator().manual_seed(3)
-    w = (torch.randn(3072, 576, generator=g) * 0.05).to(device=device, dtype=dtype)
+    products = packed_products(dtype, device) or "packed"
+    lins = [linear_for(products, (torch.randn(3072, 576, generator=g) * 0.05).to(
+        device=device, dtype=dtype)) for _ in range(COST_LAYERS)]
     x = (torch.randn(rows, 576, generator=g)).to(device=device, dtype=dtype)
-    lin = linear_for(packed_products(dtype, device) or "packed", w)
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     times = []
-    for i in range(repeats + 3):
+    for i in range(repeats + 2):
         sync()
         t0 = time.perf_counter()
-        lin(x)
+        for lin in lins:
+            lin(x)
         sync()
-        if i >= 3:  # the first calls pack and warm caches
+        if i >= 2:  # the first passes pack and warm up
             times.append((time.perf_counter() - t0) * 1e3)
     return sorted(times)[len(times) // 2]
 
@@ -299,7 +310,7 @@ class DtypeChoice:
         costs = ", ".join(f"{d} {ms:.3f} ms" for d, ms in self.cost_ms.items())
         kept = (f", remembered from {self.remembered} in {memo_path()} (delete it to measure "
                 f"again)" if self.remembered else "")
-        why = (f"exact here and measured faster (a 576->3072 linear over 8 rows: {costs}; "
+        why = (f"exact here and measured faster ({COST_PROBE}: {costs}; "
                f"bfloat16 only if under {BF16_MARGIN:.0%} of float32's){kept}"
                if len(self.cost_ms) > 1 else "the only exact candidate")
         refused = f"; not batch-invariant here: {', '.join(self.refused)}" if self.refused else ""
@@ -323,7 +334,7 @@ def choose_auto(device: str = "cpu") -> DtypeChoice:
     if len(exact) == 1:
         return DtypeChoice(exact[0], {exact[0]: float("nan")}, refused)
     what = cpu_kind().describe() if device == "cpu" else torch.cuda.get_device_name(device)
-    key = setting_key(device, what, exact)
+    key = setting_key(device, what, exact, COST_PROBE)
     kept = remembered(key)
     if kept is not None and kept["dtype"] in exact:  # the first measurement, for every run
         return DtypeChoice(kept["dtype"], kept["cost_ms"], refused,
