@@ -17,6 +17,8 @@ Keys (prefix ``es:`` by default):
     es:devices            hash: device id -> JSON registration
     es:devices:seen       sorted set: device id -> last seen (registrations idle long are pruned)
     es:target             hash: the verifier's model, tokenizer fingerprint, vocabulary, window
+    es:health             string with a short TTL: a verifier's health probe, written every
+                          tick (a Redis that refuses writes, full or read-only, serves nothing)
     es:wake               pub/sub channel: a message per pushed chunk (its session's key)
                           wakes the verifier
     es:cb:f, es:cb:lru, es:cb:v   the fleet-wide Cacheback table (``cache_service.fleet_table``),
@@ -76,6 +78,10 @@ class KeyLayout:
     @property
     def target(self) -> str:
         return f"{self.prefix}target"
+
+    @property
+    def health(self) -> str:
+        return f"{self.prefix}health"
 
     @property
     def wake(self) -> str:

@@ -148,7 +148,7 @@ class RedisHandle:
         self.proc: subprocess.Popen | None = None
         self.client: redis.Redis  # from the URL, or the embedded server's (_start_embedded)
         self._probe: redis.Redis | None = None
-        self.last_error = ""  # what the last failed ``reachable`` ping said
+        self.last_error = ""  # what the last failed ``reachable`` or ``writable`` probe said
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
         self.expose = expose
         self.tcp_url: str | None = None  # the exposed server's URL (password included)
@@ -245,6 +245,17 @@ class RedisHandle:
     def reachable(self) -> bool:
         """One quick ping without the client's backoff (health): a dropped connection is
         replaced once at once, then the answer is no."""
+        return self._probe_says(lambda probe: probe.ping())
+
+    def writable(self, key: str) -> bool:
+        """Whether Redis takes a write (health): ``key`` set with a 5 s TTL, by the same quick
+        client. A Redis that answers a ping may still refuse every write (full at its
+        ``maxmemory`` with no eviction: OOM; a read-only replica; a failed background save
+        with ``stop-writes-on-bgsave-error``), and then no session can be created or
+        committed; ``last_error`` says which."""
+        return self._probe_says(lambda probe: probe.set(key, b"1", px=5000))
+
+    def _probe_says(self, call) -> bool:
         if self._probe is None:
             pool = self.client.connection_pool
             self._probe = redis.Redis(connection_pool=redis.ConnectionPool(
@@ -253,7 +264,7 @@ class RedisHandle:
                    "socket_connect_timeout": 1.0, "retry": Retry(NoBackoff(), 1)}))
         try:
             self.last_error = ""
-            return bool(self._probe.ping())
+            return bool(call(self._probe))
         except (redis.RedisError, OSError) as e:
             self.last_error = str(e)[:300] or type(e).__name__
             return False

@@ -4,7 +4,7 @@
 and drafters need one address. ``edgespec verifier`` and ``edgespec cache`` run one role each,
 sharing state through the same Redis. Every server also serves ``grpc.health.v1``, and it tells
 the truth: a monitor thread marks the services NOT_SERVING while the scheduler is dead or Redis
-is unreachable, and SERVING again when they recover.
+is unreachable or refuses writes (full, read-only), and SERVING again when they recover.
 
 Threads: the sync gRPC server holds one worker thread per open stream. The worker pool is sized
 for every stream the verifier admits (KV slots + admission queue) and every drafter the cache
@@ -226,6 +226,8 @@ class EdgespecServer:
             return self.scheduler.unhealthy_reason
         if not self._redis_ok:
             return f"its Redis does not answer ({self.redis.last_error})"
+        if not self.redis.writable(self.store.keys.health):
+            return f"its Redis refuses writes ({self.redis.last_error})"
         return None
 
     def _set_health(self, serving: bool) -> None:

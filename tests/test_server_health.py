@@ -301,3 +301,25 @@ def test_one_resumed_stream_a_session_is_spared_the_stream_cap_and_no_more(serve
     while service._streams or service._resuming:  # every count given back
         assert time.monotonic() < deadline, (service._streams, service._resuming)
         time.sleep(0.05)
+
+
+def test_health_is_not_serving_while_redis_refuses_writes_and_serving_once_it_takes_them(
+        server):
+    """A Redis that answers pings but refuses every write (full at its maxmemory with no
+    eviction: OOM) could neither create nor commit a session: health says NOT_SERVING and
+    status says why; once it takes writes again, SERVING. The idle verifier sees it too: its
+    health probe writes."""
+    _wait_status(server.port, SERVING)
+    client = server.redis.client
+    client.config_set("maxmemory-policy", "noeviction")
+    client.config_set("maxmemory", "1")  # any memory in use is over it
+    try:
+        _wait_status(server.port, NOT_SERVING)
+        with grpc.insecure_channel(f"127.0.0.1:{server.port}") as ch:
+            status = pb_grpc.VerifierStub(ch).Status(pb.StatusRequest(), timeout=10)
+        assert not status.healthy
+        assert "its Redis refuses writes" in status.unhealthy_reason
+        assert "maxmemory" in status.unhealthy_reason
+    finally:
+        client.config_set("maxmemory", "0")
+    _wait_status(server.port, SERVING)
