@@ -261,14 +261,19 @@ def test_a_started_server_has_frozen_its_startup_heap_out_of_the_collector(tiny_
     assert gc.get_freeze_count() == 0  # stopped: the heap given back to the collector
 
 
-def test_one_resumed_stream_a_session_is_spared_the_stream_cap_and_no_more(server):
-    """A resume continues a session that already counts: one resumed stream a session is
-    never refused, even when the cap is reached; a second one of the same session at once
-    counts as a new stream (refused at the cap), so that resuming one session over and over
-    cannot take every worker thread. The streams are held open by a stand-in for the
-    generation (what is tested is the count of streams, through real gRPC)."""
+def test_one_resumed_stream_a_session_is_spared_the_stream_cap_and_no_more(server,
+                                                                           monkeypatch):
+    """A resume continues a session that already counts: one resumed stream of a session the
+    verifier holds is never refused, even when the cap is reached; a second one of the same
+    session at once counts as a new stream (refused at the cap), so that resuming one session
+    over and over cannot take every worker thread; so does a resume of a session it does not
+    hold (a made-up id: refused at the cap). The streams are held open by a stand-in for the
+    generation, the held sessions by a stand-in for the scheduler's tickets (what is tested is
+    the count of streams, through real gRPC)."""
     service = server.verifier_service
     release = threading.Event()
+    monkeypatch.setattr(service.scheduler, "ticket",
+                        lambda sid: object() if sid in ("s1", "s2") else None)
 
     def held(request, context):  # a stream that stays open until released
         yield pb.GenerateResponse(session_id=request.resume_session_id or "new")
@@ -292,6 +297,9 @@ def test_one_resumed_stream_a_session_is_spared_the_stream_cap_and_no_more(serve
             with pytest.raises(grpc.RpcError) as e:
                 opened(**kw)
             assert e.value.code() == refused
+        with pytest.raises(grpc.RpcError) as e:  # a session not held here: a new stream
+            opened(resume_session_id="made-up")
+        assert e.value.code() == refused
         other, got = opened(resume_session_id="s2")  # another session's resume: spared
         assert got.session_id == "s2"
         release.set()

@@ -82,10 +82,13 @@ class VerifierService(pb_grpc.VerifierServicer):
         # A resume continues a session that already counts (its client lost the stream the
         # verifier may not have noticed yet): one a session is never refused. More resumes of
         # one session at once count as new streams, so that a client cannot hold every worker
-        # thread by resuming one session over and over.
+        # thread by resuming one session over and over; and so does the resume of a session
+        # this verifier does not hold (another replica's, one long ended, an id made up: no
+        # stream of it counts here), so that made-up ids cannot pass the cap either.
         sid = request.resume_session_id
+        held = bool(sid) and self.scheduler.ticket(sid) is not None
         with self._lock:
-            outside = bool(sid) and self._resuming.get(sid, 0) < RESUMES_OUTSIDE_CAP
+            outside = held and self._resuming.get(sid, 0) < RESUMES_OUTSIDE_CAP
             full = not outside and self._streams >= self.max_streams
             if outside:
                 self._resuming[sid] = self._resuming.get(sid, 0) + 1
