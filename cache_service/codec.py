@@ -17,8 +17,8 @@ Keys (prefix ``es:`` by default):
     es:devices            hash: device id -> JSON registration
     es:devices:seen       sorted set: device id -> last seen (registrations idle long are pruned)
     es:target             hash: the verifier's model, tokenizer fingerprint, vocabulary, window
-    es:health             string with a short TTL: a verifier's health probe, written every
-                          tick (a Redis that refuses writes, full or read-only, serves nothing)
+    es:health             string with a short TTL: a server's health probe, written every 5 s
+                          (a Redis that refuses writes, full or read-only, serves nothing)
     es:wake               pub/sub channel: a message per pushed chunk (its session's key)
                           wakes the verifier
     es:cb:f, es:cb:lru, es:cb:v   the fleet-wide Cacheback table (``cache_service.fleet_table``),

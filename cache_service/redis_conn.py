@@ -248,12 +248,12 @@ class RedisHandle:
         return self._probe_says(lambda probe: probe.ping())
 
     def writable(self, key: str) -> bool:
-        """Whether Redis takes a write (health): ``key`` set with a 5 s TTL, by the same quick
+        """Whether Redis takes a write (health): ``key`` set with a 15 s TTL, by the same quick
         client. A Redis that answers a ping may still refuse every write (full at its
         ``maxmemory`` with no eviction: OOM; a read-only replica; a failed background save
         with ``stop-writes-on-bgsave-error``), and then no session can be created or
         committed; ``last_error`` says which."""
-        return self._probe_says(lambda probe: probe.set(key, b"1", px=5000))
+        return self._probe_says(lambda probe: probe.set(key, b"1", px=15000))
 
     def _probe_says(self, call) -> bool:
         if self._probe is None:

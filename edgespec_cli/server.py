@@ -51,6 +51,9 @@ VERIFIER_SERVICE = "edgespec.v1.Verifier"
 CACHE_SERVICE = "edgespec.v1.DraftCache"
 
 
+# health writes a key to Redis this often (every tick while it refuses them): a Redis that answers
+# pings may refuse writes; a write a tick would cost an idle Redis an AOF fsync a second
+WRITE_PROBE_S = 5.0
 RESERVE_THREADS = 16  # for health checks, Cancel and unary pushes when every stream is busy
 
 
@@ -125,6 +128,8 @@ class EdgespecServer:
         self._serving: bool | None = None
         self.why_not_serving: str | None = "not started"  # what health last said, in words
         self._redis_ok = True  # the last health probe's answer from Redis
+        self._writes_refused: str | None = None  # the last write probe's error (None: took it)
+        self._write_probed = -float("inf")  # monotonic time of the last write probe
         try:
             # listen first: a taken or malformed address fails before a model loads
             self.port = bind(self.server, opts.listen, opts.tls_cert, opts.tls_key,
@@ -226,8 +231,13 @@ class EdgespecServer:
             return self.scheduler.unhealthy_reason
         if not self._redis_ok:
             return f"its Redis does not answer ({self.redis.last_error})"
-        if not self.redis.writable(self.store.keys.health):
-            return f"its Redis refuses writes ({self.redis.last_error})"
+        now = time.monotonic()
+        if now - self._write_probed >= WRITE_PROBE_S or self._writes_refused is not None:
+            self._write_probed = now
+            took = self.redis.writable(self.store.keys.health)
+            self._writes_refused = None if took else self.redis.last_error
+        if self._writes_refused is not None:
+            return f"its Redis refuses writes ({self._writes_refused})"
         return None
 
     def _set_health(self, serving: bool) -> None:
@@ -238,7 +248,8 @@ class EdgespecServer:
                   else health_pb2.HealthCheckResponse.NOT_SERVING)
         for name in self._services:
             self.health.set(name, status)
-        log.info("health: %s", "SERVING" if serving else "NOT_SERVING")
+        log.info("health: %s", "SERVING" if serving else
+                 f"NOT_SERVING ({self.why_not_serving or 'no reason given'})")
 
     def _monitor(self) -> None:
         while not self._stopping.wait(0.5):

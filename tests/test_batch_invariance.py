@@ -579,8 +579,9 @@ def test_auto_takes_the_measured_faster_exact_dtype(monkeypatch, caplog):
         return
     for bf16_ms, chosen in ((0.05, "bfloat16"), (0.2, "float32"), (0.099, "float32")):
         dtype_probe.memo_path().unlink(missing_ok=True)  # measured again (see below)
-        monkeypatch.setattr(dtype_probe, "linear_cost_ms",
-                            lambda dt, device="cpu", b=bf16_ms: b if dt == torch.bfloat16 else 0.1)
+        monkeypatch.setattr(dtype_probe, "linear_costs_ms",
+                            lambda dts, device="cpu", b=bf16_ms:
+                            [b if dt == torch.bfloat16 else 0.1 for dt in dts])
         with caplog.at_level(logging.INFO, logger="edgespec.dtype"):
             caplog.clear()
             assert dtype_probe.resolve_dtype("auto") == chosen
@@ -608,8 +609,9 @@ def test_auto_measures_again_a_choice_another_measure_made(monkeypatch):
     dtype_probe.memo_path().parent.mkdir(parents=True, exist_ok=True)
     dtype_probe.memo_path().write_text(json.dumps(
         {old: {"dtype": "float32", "cost_ms": {"bfloat16": 0.66, "float32": 0.62}}}))
-    monkeypatch.setattr(dtype_probe, "linear_cost_ms",
-                        lambda dt, device="cpu": 5.5 if dt == torch.bfloat16 else 9.0)
+    monkeypatch.setattr(dtype_probe, "linear_costs_ms",
+                        lambda dts, device="cpu": [5.5 if dt == torch.bfloat16 else 9.0
+                                                   for dt in dts])
     choice = dtype_probe.choose_auto()
     assert choice.dtype == "bfloat16" and not choice.remembered
     assert dtype_probe.COST_PROBE in choice.reason()
@@ -633,10 +635,10 @@ def test_auto_measures_once_a_setting_and_every_run_serves_that_choice(monkeypat
     calls = []
 
     def costs(bf16_ms):
-        def cost(dt, device="cpu"):
-            calls.append(dt)
-            return bf16_ms if dt == torch.bfloat16 else 0.1
-        monkeypatch.setattr(dtype_probe, "linear_cost_ms", cost)
+        def cost(dts, device="cpu"):
+            calls.extend(dts)
+            return [bf16_ms if dt == torch.bfloat16 else 0.1 for dt in dts]
+        monkeypatch.setattr(dtype_probe, "linear_costs_ms", cost)
 
     costs(0.05)
     assert dtype_probe.choose_auto().dtype == "bfloat16" and len(calls) == 2

@@ -22,6 +22,7 @@ import functools
 import logging
 import time
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
@@ -264,37 +265,45 @@ def exact_here(name: str, device: str = "cpu") -> bool:
     return packed_linear_exact(dtype, device) and attention_tile(dtype, device) is not None
 
 
-COST_LAYERS = 16  # linear_cost_ms's distinct weights: 113 MB in float32, past a CPU's caches
+COST_LAYERS = 16  # linear_costs_ms's distinct weights: 113 MB in float32, past a core's caches
 # what auto measures, part of the setting a choice is remembered for (another measure, another key)
-COST_PROBE = f"a pass of {COST_LAYERS} 576->3072 linears over 8 rows"
+COST_PROBE = (f"the fastest pass of {COST_LAYERS} 576->3072 linears over 8 rows, the dtypes' "
+              "passes alternating")
+COST_WARMUP = 12  # passes before timing: float32's first passes over fresh weights ran ~2x slower
 
 
-def linear_cost_ms(dtype: torch.dtype, device: str = "cpu", rows: int = 8,
-                   repeats: int = 11) -> float:
-    """Median milliseconds of a pass of the runner's linear layers over ``rows`` rows (a
-    verification step's) through ``COST_LAYERS`` distinct weights at the default model's MLP
-    width (576 -> 3072, its gate and up projections: the shape most of a forward's time goes
-    through), at torch's thread count now, in the products the runner would use. Distinct
-    weights, more than a cache holds, as a model's layers are: a step reads its weights from
-    memory, where bfloat16's half-size ones pay. (One weight, read from the cache every call,
-    measured float32 the faster at 2 threads on an Emerald Rapids Xeon whose bfloat16 forward
-    was 1.2-1.5x float32's.)"""
+def linear_costs_ms(dtypes: Sequence[torch.dtype], device: str = "cpu", rows: int = 8,
+                    repeats: int = 15) -> list[float]:
+    """Each dtype's fastest of ``repeats`` passes of the runner's linear layers over ``rows``
+    rows (a verification step's) through ``COST_LAYERS`` distinct weights at the default
+    model's MLP width (576 -> 3072, its gate and up projections: the shape most of a forward's
+    time goes through), at torch's thread count now, in the products the runner would use,
+    after ``COST_WARMUP`` passes; the dtypes' passes alternate. Distinct weights, more than a
+    core's own caches hold, as a model's layers are: bfloat16's half-size ones pay there (one
+    weight, read from a core's cache every call, measured float32 the faster at 2 threads on an
+    Emerald Rapids Xeon whose bfloat16 forward was 1.2-1.5x float32's). The fastest pass, and
+    the passes alternating: a busy machine only adds time, its slow spells last seconds (one
+    dtype measured after the other had caught one of them in one process of six), and the
+    first measurement is remembered for good."""
     g = torch.Generator().manual_seed(3)
-    products = packed_products(dtype, device) or "packed"
-    lins = [linear_for(products, (torch.randn(3072, 576, generator=g) * 0.05).to(
-        device=device, dtype=dtype)) for _ in range(COST_LAYERS)]
-    x = (torch.randn(rows, 576, generator=g)).to(device=device, dtype=dtype)
+    layers = []
+    for dtype in dtypes:
+        products = packed_products(dtype, device) or "packed"
+        layers.append(([linear_for(products, (torch.randn(3072, 576, generator=g) * 0.05).to(
+            device=device, dtype=dtype)) for _ in range(COST_LAYERS)],
+            torch.randn(rows, 576, generator=g).to(device=device, dtype=dtype)))
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
-    times = []
-    for i in range(repeats + 2):
-        sync()
-        t0 = time.perf_counter()
-        for lin in lins:
-            lin(x)
-        sync()
-        if i >= 2:  # the first passes pack and warm up
-            times.append((time.perf_counter() - t0) * 1e3)
-    return sorted(times)[len(times) // 2]
+    best = [float("inf")] * len(layers)
+    for i in range(repeats + COST_WARMUP):
+        for j, (lins, x) in enumerate(layers):
+            sync()
+            t0 = time.perf_counter()
+            for lin in lins:
+                lin(x)
+            sync()
+            if i >= COST_WARMUP:
+                best[j] = min(best[j], (time.perf_counter() - t0) * 1e3)
+    return best
 
 
 @dataclass(frozen=True)
@@ -339,7 +348,7 @@ def choose_auto(device: str = "cpu") -> DtypeChoice:
     if kept is not None and kept["dtype"] in exact:  # the first measurement, for every run
         return DtypeChoice(kept["dtype"], kept["cost_ms"], refused,
                            str(kept.get("measured") or "?"))
-    costs = {d: linear_cost_ms(DTYPES[d], device) for d in exact}
+    costs = dict(zip(exact, linear_costs_ms([DTYPES[d] for d in exact], device)))
     best = "bfloat16" if costs["bfloat16"] < BF16_MARGIN * costs["float32"] else "float32"
     remember(key, best, costs)
     return DtypeChoice(best, costs, refused)
