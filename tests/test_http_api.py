@@ -438,6 +438,9 @@ def _metrics(server) -> dict[str, float]:
 
 
 def test_metrics_agree_with_the_generation_just_made(server, api):
+    """The live metrics count what the response says was generated, drafted and accepted. A
+    step's counters are added once the step returns, and the step may finish the request
+    first: the last step's are awaited (up to 10 s), not raced."""
     before = _metrics(server)
     r = api.completions.create(model=api.model_id, prompt=PROMPT, max_tokens=N, temperature=0)
     stats = r.model_extra["edgespec"]
@@ -445,6 +448,12 @@ def test_metrics_agree_with_the_generation_just_made(server, api):
 
     def delta(name):
         return after.get(name, 0) - before.get(name, 0)
+
+    deadline = time.monotonic() + 10
+    while delta("edgespec:spec_decode_num_draft_tokens_total") < stats["drafted"] and \
+            time.monotonic() < deadline:
+        time.sleep(0.05)
+        after = _metrics(server)
 
     assert delta("edgespec:generation_tokens_total") == r.usage.completion_tokens
     assert delta("edgespec:prompt_tokens_total") == r.usage.prompt_tokens
