@@ -323,9 +323,10 @@ class DraftCacheService(pb_grpc.DraftCacheServicer):
                     self._context.pop(device, None)
                     try:
                         self.store.devices.mark_gone(device)
-                    except (redis.RedisError, OSError, ValueError) as e:
-                        # its alive mark expires by itself; ValueError: the client's socket was
-                        # closed under it (the cache shutting down, seen in a soak)
+                    except (redis.RedisError, OSError, ValueError, AttributeError) as e:
+                        # its alive mark expires by itself; ValueError, AttributeError: the
+                        # client's socket was closed under it (the cache shutting down: seen in a
+                        # soak, and as redis-py reading a connection whose buffer it had dropped)
                         log.warning("drafter %s: cannot mark it gone: %s", device, e)
                     log.info("drafter %s detached", device)
 
