@@ -25,6 +25,7 @@ import torch
 
 import edgespec.runner.attention as attention
 import edgespec.runner.target_runner as target_runner
+from ab_table import best_table, sides_in_round  # scripts/, where the script runs from
 
 
 def _side(after: bool, knobs: tuple) -> None:
@@ -34,17 +35,13 @@ def _side(after: bool, knobs: tuple) -> None:
     target_runner.row_groups = groups if after else (lambda visible: ())
 
 
-def _order(r: int) -> tuple[str, str]:
-    return ("before", "after") if r % 2 == 0 else ("after", "before")
-
-
 def _prefills(runner, vocab: int, lengths: list[int], rounds: int, knobs) -> list[dict]:
     runs = []
     for n in lengths:
         prompt = [(i * 7919 + 13) % (vocab - 100) + 50 for i in range(n)]
         logits = {}
         for r in range(rounds):
-            for side in _order(r):
+            for side in sides_in_round(r):
                 _side(side == "after", knobs)
                 slot = runner.new_slot()
                 t0 = time.perf_counter()
@@ -67,7 +64,7 @@ def _steps(runner, vocab: int, steps: list[str], rounds: int, knobs) -> list[dic
             runner.prefill(s, [(i * 7919 + 13) % (vocab - 100) + 50 for i in range(n)])
         logits = {}
         for r in range(rounds):
-            for side in _order(r):
+            for side in sides_in_round(r):
                 _side(side == "after", knobs)
                 for _ in range(3):  # the best of three forwards a round
                     for s, n in zip(slots, lengths):
@@ -113,14 +110,7 @@ def main() -> None:
         _steps(runner, vocab, steps, args.rounds, knobs)
     print(f"the {args.model} model ({runner.dtype}), torch on {args.threads} thread(s), the "
           f"best of each side's runs; every output identical both ways")
-    print(f"{'case':<28} {'before ms':>10} {'after ms':>10} {'ratio':>6}")
-    table = []
-    for case in dict.fromkeys(x["case"] for x in runs):
-        best = {side: min(x["s"] for x in runs if x["case"] == case and x["side"] == side)
-                for side in ("before", "after")}
-        table.append({"case": case, **best, "speedup": best["before"] / best["after"]})
-        print(f"{case:<28} {1e3 * best['before']:>10.1f} {1e3 * best['after']:>10.1f} "
-              f"{best['before'] / best['after']:>5.2f}x")
+    table = best_table(runs)
     with open(args.json, "w") as f:
         json.dump({"model": args.model, "dtype": str(runner.dtype), "threads": args.threads,
                    "query_piece": knobs[0], "wide_columns": knobs[1], "table": table,

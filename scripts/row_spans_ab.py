@@ -27,12 +27,7 @@ import time
 import torch
 
 from edgespec.runner import dtype_probe
-
-SIDES = ("before", "after")
-
-
-def _order(r: int) -> tuple[str, str]:
-    return SIDES if r % 2 == 0 else SIDES[::-1]
+from ab_table import SIDES, best_table, sides_in_round  # scripts/, where the script runs from
 
 
 def _prompt(vocab: int, n: int, salt: int = 0) -> list[int]:
@@ -66,7 +61,7 @@ def _steps(runners: dict, vocab: int, steps: list[str], width: int, rounds: int)
                 runner.prefill(s, _prompt(vocab, n, i))
             placed[side] = slots
         for r in range(rounds):
-            for side in _order(r):
+            for side in sides_in_round(r):
                 runner, slots = runners[side], placed[side]
                 for _ in range(3):  # the best of three forwards a round
                     t0 = time.perf_counter()
@@ -88,7 +83,7 @@ def _prefills(runners: dict, vocab: int, lengths: list[int], rounds: int) -> lis
     for n in lengths:
         prompt = _prompt(vocab, n)
         for r in range(rounds):
-            for side in _order(r):
+            for side in sides_in_round(r):
                 runner = runners[side]
                 slot = runner.new_slot()
                 t0 = time.perf_counter()
@@ -116,7 +111,7 @@ def _engine_runs(runners: dict, prompts: list[list[int]], new_tokens: int, round
                    for side, runner in runners.items()}
         try:
             for r in range(rounds + 1):  # the first round warms both sides up, untimed
-                for side in _order(r):
+                for side in sides_in_round(r):
                     reqs = [Request(list(p), new_tokens, SamplingParams()) for p in prompts]
                     t0 = time.perf_counter()
                     results = engines[side].generate_many(reqs)
@@ -188,14 +183,7 @@ def main() -> None:
     print(f"the {args.model} model ({dtype}), torch on {args.threads} thread(s); before: "
           f"{got['before']}, after: {got['after']}; the best of each side's runs; each side's "
           "steps identical to its rows alone, its MaG outputs to its target-only outputs")
-    print(f"{'case':<34} {'before ms':>10} {'after ms':>10} {'ratio':>6}")
-    table = []
-    for case in dict.fromkeys(x["case"] for x in runs):
-        best = {side: min(x["s"] for x in runs if x["case"] == case and x["side"] == side)
-                for side in SIDES}
-        table.append({"case": case, **best, "speedup": best["before"] / best["after"]})
-        print(f"{case:<34} {1e3 * best['before']:>10.1f} {1e3 * best['after']:>10.1f} "
-              f"{best['before'] / best['after']:>5.2f}x")
+    table = best_table(runs, width=34)
     with open(args.json, "w") as f:
         json.dump({"model": args.model, "dtype": str(dtype), "threads": args.threads,
                    "products": got, "table": table, "runs": runs}, f, indent=2)
