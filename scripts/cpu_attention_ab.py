@@ -24,7 +24,8 @@ import time
 import torch
 
 import edgespec.runner.attention as attention
-import edgespec.runner.target_runner as target_runner
+import edgespec.runner.eager_forward as eager_forward
+from edgespec.runner.target_runner import TargetRunner
 from ab_table import best_table, sides_in_round  # scripts/, where the script runs from
 
 
@@ -32,7 +33,7 @@ def _side(after: bool, knobs: tuple) -> None:
     piece, wide, groups = knobs
     attention.QUERY_PIECE = piece if after else 10 ** 9
     attention.WIDE_COLUMNS = wide if after else 10 ** 9
-    target_runner.row_groups = groups if after else (lambda visible: ())
+    eager_forward.row_groups = groups if after else (lambda visible: ())
 
 
 def _prefills(runner, vocab: int, lengths: list[int], rounds: int, knobs) -> list[dict]:
@@ -103,9 +104,9 @@ def main() -> None:
     steps = [s for s in args.steps.split(";") if s]
     loaded = load_model(args.model, "cpu", args.dtype)
     longest = max(lengths + [int(part.split("x")[1]) for s in steps for part in s.split(",")])
-    runner = target_runner.TargetRunner(loaded.model, n_slots=80, max_len=longest + 64)
+    runner = TargetRunner(loaded.model, n_slots=80, max_len=longest + 64)
     vocab = loaded.tokenizer.vocab_size
-    knobs = (attention.QUERY_PIECE, attention.WIDE_COLUMNS, target_runner.row_groups)
+    knobs = (attention.QUERY_PIECE, attention.WIDE_COLUMNS, eager_forward.row_groups)
     runs = _prefills(runner, vocab, lengths, args.rounds, knobs) + \
         _steps(runner, vocab, steps, args.rounds, knobs)
     print(f"the {args.model} model ({runner.dtype}), torch on {args.threads} thread(s), the "

@@ -6,7 +6,7 @@ present: on CPU float32 and bfloat16 where this CPU serves it; on CUDA, wherever
 whatever the host CPU, float32 and bfloat16, each either served and swept or asserted to be
 refused with its message.
 
-Putting ``scaled_dot_product_attention`` back in ``TargetRunner._run_layers``, or sending a lone
+Putting ``scaled_dot_product_attention`` back in ``EagerLayers.run``, or sending a lone
 row through the linear layers as it is (or, on CUDA, a call that is not padded to whole tiles),
 fails this sweep (checked when each fix went in); the start probes are shown to catch all three
 (the last tests)."""
@@ -145,8 +145,8 @@ def test_a_long_context_among_short_ones_attends_apart_with_the_bits_of_one_at_a
     runner = _emulated_bf16_runner(hd64_model, 16) if dtype == "emulated-bfloat16" \
         else _runner(hd64_model, dtype, device)
     grouped = []
-    attend = runner._grouped_attention
-    monkeypatch.setattr(runner, "_grouped_attention",
+    attend = runner.eager.grouped_attention
+    monkeypatch.setattr(runner.eager, "grouped_attention",
                         lambda *a: grouped.append(len(a[3])) or attend(*a))
     rng = random.Random(f"row-groups-{dtype}")
     for lengths in ([7, 270, 12, 3, 30, 9, 18, 5], [20, 200, 15, 210, 30, 100, 25, 120, 10]):

@@ -1,4 +1,4 @@
-"""The outcome of a GPU runner's start check (``TargetRunner._check_invariance``: is every kernel
+"""The outcome of a GPU runner's start check (``start_check.check_invariance``: is every kernel
 batch-invariant here), remembered so that a process building several runners, or a restart, does
 not probe again (a CPU's check costs under a second and runs every time): in the process, and on
 disk as one JSON file per key under ``~/.cache/edgespec/start-checks/``

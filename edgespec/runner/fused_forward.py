@@ -69,6 +69,16 @@ class FusedLayers:
         full = upto is None or upto >= len(r.layers)
         return x, [kept[n] for n in taps], feats if full else None
 
+    def chain_step(self, slots: list[int], starts: torch.Tensor, width: int,
+                   slot_index: torch.Tensor | None = None, keys: int | None = None
+                   ) -> FusedStep:
+        """A step of chains at ``slots`` (``slot_index``: them on the device, when the caller
+        has them there) from ``starts`` [B] (device); ``keys``: the largest start + width,
+        where the host knows it."""
+        index = slot_index if slot_index is not None else \
+            torch.as_tensor(slots, dtype=torch.long, device=self.r.device)
+        return FusedStep.chains(index, starts, width, keys)
+
     def scored(self, tokens: torch.Tensor, step: FusedStep, tap_after: int | None = None
                ) -> Scored:
         """Every row's logits [B, T, V] float32 and features [B, T, H] (and, with

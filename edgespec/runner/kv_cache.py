@@ -11,6 +11,7 @@ otherwise gathers only the first ``max(length)`` positions of the slots involved
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -179,6 +180,56 @@ class KVCache:
         idx = torch.as_tensor([slots, src, dst], dtype=torch.long, device=self.k[0].device)
         for cache in self.k + self.v:
             cache[idx[0], :, idx[2]] = cache[idx[0], :, idx[1]]  # the gather copies first
+
+    def place_paths(self, paths: Sequence[tuple[int, Sequence[int]]]
+                    ) -> list[Exception | None]:
+        """Keep verified trees' accepted paths: for each (slot, path) (node indices, root to
+        leaf, of a tree whose root sits at the slot's length and whose node i was written at
+        length + 1 + i), the keys/values of the path's nodes moved to the positions right after
+        the root, in one indexed copy a layer, and the slot's length set to cover root + path,
+        as if the chain root + path had been verified (a path along the chain moves nothing).
+        Returns each entry's error (None: placed): a path that is not increasing node indices,
+        that outgrows its slot, or whose slot an earlier entry holds, is refused alone
+        (nothing of it moved); if the copy itself fails, every entry it moved anything for gets
+        that error (its slot's length stays at the root)."""
+        errors: list[Exception | None] = [None] * len(paths)
+        ends: list[tuple[int, int, int]] = []  # (entry, slot, end)
+        slots: list[int] = []
+        src: list[int] = []
+        dst: list[int] = []
+        moved: list[int] = []
+        seen: set[int] = set()
+        for e, (slot, path) in enumerate(paths):
+            try:
+                if slot in seen:  # its root would be read before the first entry moved it
+                    raise ValueError(f"slot {slot} is placed twice in one call")
+                root = self.lengths[slot]
+                nodes = [int(i) for i in path]
+                if any(b <= a for a, b in zip(nodes, nodes[1:])) or (nodes and nodes[0] < 0):
+                    raise ValueError(f"a path is increasing node indices >= 0, got {nodes}")
+                self.check_room(slot, root + 1, (nodes[-1] + 1) if nodes else 0)
+            except Exception as exc:  # this entry's alone: nothing of it moved
+                errors[e] = exc
+                continue
+            seen.add(slot)
+            off = [(i, j) for j, i in enumerate(nodes) if i != j]  # off the chain: to move
+            if off:
+                moved.append(e)
+                slots += [slot] * len(off)
+                src += [root + 1 + i for i, _ in off]
+                dst += [root + 1 + j for _, j in off]
+            ends.append((e, slot, root + 1 + len(nodes)))
+        if src:
+            try:
+                self.move_many(slots, src, dst)
+            except Exception as exc:  # the device's copy: every entry it concerned
+                for e in moved:
+                    errors[e] = exc
+        for e, slot, end in ends:
+            if errors[e] is None:
+                self.commit(slot, end)
+        return errors
+
 
     def read(self, layer: int, slots: torch.Tensor, contiguous_from: int | None,
              n_pos: int) -> tuple[torch.Tensor, torch.Tensor]:

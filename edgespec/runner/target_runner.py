@@ -22,56 +22,26 @@ from dataclasses import replace
 from typing import Any, Literal, Sequence, overload
 
 import torch
-import torch.nn.functional as F
 
-from .attention import (KEY_BLOCK, RowGroup, TailKeys, call_ends, invariant_attention,
-                        padded_keys, pointwise, row_groups)
 from ..config import MAX_TREE_NODES, ConfigError
-from .dtype_probe import first_varying_count, linear_options, probe_input, probe_row_counts
+from .attention import KEY_BLOCK
 from .check_cache import CheckKey, code_digest, host_device, model_fingerprint, run_checked
-from .kernel_set import HeadLayout, KernelSet, choose_kernel_set, refusal
-from .kv_cache import KVCache, check_cache_fits, contiguous_start
-from .step_graphs import GRAPH_SLACK, StepGraphs
-from .step_rows import DraftShape, Scored, StepRows, TreeShape
+from .dtype_probe import linear_options
+from .eager_forward import EagerLayers
+from .kernel_set import HeadLayout, KernelSet, choose_kernel_set
+from .kv_cache import KVCache, check_cache_fits
 from .linear import Linear, RowCalls
 from .model_support import check_supported
+from .model_weights import LayerWeights, linear_shapes, load_layer, rope_tables
+from .start_check import check_invariance, sampled_weights
+from .step_graphs import GRAPH_SLACK, StepGraphs
+from .step_rows import DraftShape, Scored, StepRows, TreeShape
 
 log = logging.getLogger(__name__)
 
 
 PREFILL_CHUNK = 512  # prompt tokens per prefill forward
 MAX_QUERY = MAX_TREE_NODES + 1  # the most tokens one session sends in one step: a tree + root
-
-
-class _Layer:
-    __slots__ = ("ln1", "qkv", "o", "ln2", "gate_up", "down")
-
-    ln1: torch.Tensor
-    qkv: Linear
-    o: Linear
-    ln2: torch.Tensor
-    gate_up: Linear
-    down: Linear
-
-
-
-
-def _fuse(mods: list[torch.nn.Linear], attr: str = "weight") -> torch.Tensor | None:
-    """Concatenate the modules' weights (or biases) along dim 0 and make the modules view it.
-
-    The transformers model keeps working (its parameters become views into the fused tensor), so
-    the weights exist once in memory.
-    """
-    parts = [getattr(m, attr) for m in mods]
-    if any(p is None for p in parts):
-        return None
-    fused = torch.cat([p.data for p in parts], 0)
-    offset = 0
-    for p in parts:
-        n = p.shape[0]
-        p.data = fused[offset:offset + n]
-        offset += n
-    return fused
 
 
 class TargetRunner:
@@ -120,7 +90,7 @@ class TargetRunner:
             kernel_set = choose_kernel_set(
                 self.device, self.dtype, heads,
                 kernels, gemm, pack, exact, attention=shared, attention_kernel=attention_kernel,
-                linear_shapes=_linear_shapes(model))
+                linear_shapes=linear_shapes(model))
             if share_weights is not None and kernel_set.kernels == "eager":
                 # its linears are the owner's: one call, spans or tiles as the owner's probe chose
                 kernel_set = replace(kernel_set, products=share_weights.kernel_set.products)
@@ -139,14 +109,14 @@ class TargetRunner:
             calls = linear_options(ks.products)
         gemm = ks.products if fused else gemm
         self.lm_head: Linear
-        self.layers: list[_Layer]
+        self.layers: list[LayerWeights]
         if share_weights is not None:  # e.g. the layer-skip draft: same tensors, own KV cache
             self.lm_head = share_weights.lm_head
             self.layers = share_weights.layers[: self.n_layers]
         else:
             head: Any = model.lm_head
             self.lm_head = calls.linear(head.weight)
-            self.layers = [self._load_layer(hf_layer, calls)
+            self.layers = [load_layer(hf_layer, calls)
                            for hf_layer in base.layers[: self.n_layers]]
         if graphs is None:  # the target's steps (a drafter's or a tool's runner needs none)
             graphs = fused and self.device.type == "cuda" and exact
@@ -159,7 +129,7 @@ class TargetRunner:
         capacity = -(-(max_len + slack) // KEY_BLOCK) * KEY_BLOCK
         check_cache_fits(self.n_layers, n_slots + int(graphs), capacity, self.kv_heads,
                          self.head_dim, self.dtype, self.device)
-        self._init_rope(base.rotary_emb, capacity)
+        self.cos, self.sin = rope_tables(base.rotary_emb, capacity, self.dtype, self.device)
         self.scale = self.head_dim ** -0.5
         # On CUDA a row's sum of squares goes through a tiled product with a ones vector: torch's
         # reduction kernels choose how many lanes share a row by the number of rows (1..15 rows
@@ -180,6 +150,7 @@ class TargetRunner:
         self.cache = KVCache(self.n_layers, n_slots + int(graphs), max_len, self.kv_heads,
                              self.head_dim, dtype=self.dtype, device=self.device,
                              capacity=capacity, value_ones=not fused)
+        self.eager = EagerLayers(self)  # the CPU's layers (and a GPU runner's, asked so)
         self.fused = None
         if fused:
             from .fused_forward import FusedLayers  # imports Triton
@@ -199,17 +170,17 @@ class TargetRunner:
             # oneDNN's kernels for the row counts the steps then meet (a cached check left the
             # first steps to pay that: Spec-Bench's target-only 12% slower, measured)
             t0 = time.perf_counter()
-            self._check_invariance()
+            check_invariance(self)
             self.start_check_s = time.perf_counter() - t0
         elif exact:
             from . import dtype_probe as _probe_code
 
             # the kernels' code as the kernel set digested it, and the probes' own
-            key = CheckKey.here(model_fingerprint(cfg.to_dict(), self._weights()), self.device,
-                                self.dtype, self.max_rows,
+            key = CheckKey.here(model_fingerprint(cfg.to_dict(), sampled_weights(self)),
+                                self.device, self.dtype, self.max_rows,
                                 f"{self.kernels}+{gemm}+{self.attention}@{ks.code}"
                                 f"+{code_digest(_probe_code)}")
-            outcome = run_checked(key, self._check_invariance)
+            outcome = run_checked(key, lambda: check_invariance(self))
             self.start_check_s = outcome.seconds
         self.graphs = StepGraphs(self, n_slots, self.cache.reserve(),
                                  capture=self.device.type == "cuda") if graphs else None
@@ -227,87 +198,6 @@ class TargetRunner:
                 "gemm": self.lm_head.gemm if self.fused is not None else None,
                 "start_check_s": self.start_check_s,
                 "graphs": asdict(self.graphs.state()) if self.graphs is not None else None}
-
-    def _weights(self) -> list[torch.Tensor]:
-        """The tensors a start check's outcome depends on (fingerprinted, a sample each)."""
-        out = [self.embed, self.norm, self.lm_head.weight]
-        for layer in self.layers:
-            out += [layer.ln1, layer.ln2, layer.qkv.weight, layer.o.weight,
-                    layer.gate_up.weight, layer.down.weight]
-        return out
-
-    @torch.inference_mode()
-    def _check_invariance(self) -> None:
-        """Refuse (ConfigError) to serve a model whose kernels are not batch-invariant here in
-        its dtype, naming the part and the row count that failed: the attention probe at this
-        model's head layout, every distinct linear shape of the model (its own weights) and the
-        row-wise pointwise ops (RMS norm, SiLU) at the row counts ``probe_row_counts`` gives up
-        to ``max_rows``. Under a second for the default model on CPU; on a GPU, milliseconds
-        a shape."""
-        refuse = refusal(self.dtype, self.device)
-        counts = probe_row_counts(str(self.device), self.max_rows)
-        rows = counts[-1]
-        for name, lin in self._distinct_linears():
-            k, n = lin.shape
-            bad = first_varying_count(lin, probe_input(rows, k, lin.weight), counts)
-            if bad is not None:
-                raise ConfigError(f"linear layer {name} ({k} -> {n}) is not batch-invariant here: "
-                                  f"a call of {bad} rows gives a row other bits than a call of "
-                                  f"{rows}, {refuse}")
-        hidden = probe_input(rows, self.embed.shape[1], self.embed)
-        checks = [("RMS norm", lambda t: self._rms(t, self.norm)),
-                  ("SiLU", lambda t: pointwise(F.silu, t))]
-        if self.fused is not None:
-            from . import fused_kernels as fk
-
-            checks = [("fused RMS norm",
-                       lambda t: fk.add_rms_norm(t.contiguous(), None, self.norm,
-                                                 self.eps)[:t.shape[0]]),
-                      ("fused SiLU x up",
-                       lambda t: fk.silu_mul(_tile_rows(torch.cat([t, t.flip(-1)], -1)),
-                                             t.shape[0])[:t.shape[0]])]
-        for name, fn in checks:
-            bad = first_varying_count(fn, hidden, counts)
-            if bad is not None:
-                raise ConfigError(f"the {name} is not batch-invariant here: a call of {bad} rows "
-                                  f"gives a row other bits than a call of {rows}, {refuse}")
-
-    def _distinct_linears(self) -> list[tuple[str, Linear]]:
-        """One linear of each (in, out) shape the model has, with its name (the first layer's,
-        and the LM head)."""
-        layer = self.layers[0]
-        found: dict[tuple[int, int], tuple[str, Linear]] = {}
-        for name, lin in (("qkv", layer.qkv), ("o", layer.o), ("gate_up", layer.gate_up),
-                          ("down", layer.down), ("lm_head", self.lm_head)):
-            found.setdefault(lin.shape, (name, lin))
-        return list(found.values())
-
-    @staticmethod
-    def _load_layer(hf_layer: Any, calls: RowCalls) -> _Layer:
-        """``hf_layer``: a transformers decoder layer (its submodules are dynamic attributes)."""
-        att, mlp = hf_layer.self_attn, hf_layer.mlp
-        layer = _Layer()
-        layer.ln1 = hf_layer.input_layernorm.weight
-        layer.ln2 = hf_layer.post_attention_layernorm.weight
-        qkv = [att.q_proj, att.k_proj, att.v_proj]
-        qkv_weight, gate_up = _fuse(qkv), _fuse([mlp.gate_proj, mlp.up_proj])
-        assert qkv_weight is not None and gate_up is not None  # linears always have weights
-        layer.qkv = calls.linear(qkv_weight, _fuse(qkv, "bias"))
-        layer.o = calls.linear(att.o_proj.weight)
-        layer.gate_up = calls.linear(gate_up)
-        layer.down = calls.linear(mlp.down_proj.weight)
-        return layer
-
-    def _init_rope(self, rotary: torch.nn.Module, max_len: int) -> None:
-        inv_freq = rotary.inv_freq
-        assert isinstance(inv_freq, torch.Tensor)  # a buffer of the rotary embedding module
-        inv_freq = inv_freq.float().to(self.device)  # [head_dim / 2]
-        scale = float(getattr(rotary, "attention_scaling", 1.0))
-        freqs = torch.outer(torch.arange(max_len, device=self.device, dtype=torch.float32),
-                            inv_freq)
-        emb = torch.cat([freqs, freqs], dim=-1)  # [max_len, head_dim]
-        self.cos = (emb.cos() * scale).to(self.dtype)
-        self.sin = (emb.sin() * scale).to(self.dtype)
 
     # -- slot management (a session's KV slot) -------------------------------------------------
     @property
@@ -335,12 +225,6 @@ class TargetRunner:
             mean_square = self._row_sum(xf.pow(2)) / xf.shape[-1]
         xf = xf * torch.rsqrt(mean_square + self.eps)
         return w * xf.to(x.dtype)
-
-    @staticmethod
-    def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        half = x.shape[-1] // 2
-        rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * cos + rot * sin
 
     @overload
     def forward(self, slots: list[int], rows: list[list[int]],
@@ -409,7 +293,7 @@ class TargetRunner:
                 embeds: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """The last decoder layer's output [B, T, H] for ``forward``'s rows, and the states
-        after each of ``taps`` layers (``embeds``: see ``_run_layers``; only for rows of one
+        after each of ``taps`` layers (``embeds``: see ``EagerLayers.run``; only for rows of one
         length)."""
         tokens, start_t, longest = self._chain_rows(slots, rows)
         return self._chains(slots, tokens, start_t, longest, taps=taps, embeds=embeds)
@@ -437,14 +321,10 @@ class TargetRunner:
         ``taps`` layers, in their order: the one set-up of a chain's positions and mask."""
         B, T = tokens.shape
         if self.fused is not None:
-            x, kept, _ = self.fused.hidden(tokens, self._chain_step(slots, start_t, T,
-                                                                    slot_index, longest + T),
-                                           embeds, taps=taps, upto=upto)
+            step = self.fused.chain_step(slots, start_t, T, slot_index, longest + T)
+            x, kept, _ = self.fused.hidden(tokens, step, embeds, taps=taps, upto=upto)
             return x.view(B, T, -1), [k.view(B, T, -1) for k in kept]
-        pos = start_t[:, None] + torch.arange(T, device=start_t.device)[None, :]  # [B, T]
-        n_pos = padded_keys(longest + T, self.cache.capacity)
-        return self._run_layers(slots, tokens, pos, pos, _causal(pos, n_pos), n_pos,
-                                slot_index=slot_index, taps=taps, embeds=embeds, upto=upto)
+        return self.eager.chains(slots, tokens, start_t, longest, slot_index, taps, embeds, upto)
 
     @torch.inference_mode()
     def forward_tree(self, slots: list[int], roots: list[int], trees: Sequence[TreeShape]
@@ -495,28 +375,14 @@ class TargetRunner:
         if self.fused is not None:
             from .fused_kernels import FusedStep
 
-            step = FusedStep.of_tree_rows(rows) if rows.tree else \
-                self._chain_step(rows.slots, start_t, T, rows.slot_index, max(rows.starts) + T)
+            step = FusedStep.of_tree_rows(rows) if rows.tree else self.fused.chain_step(
+                rows.slots, start_t, T, rows.slot_index, max(rows.starts) + T)
             return self.fused.scored(rows.tokens, step, taps[0] if taps else None)
         if not rows.tree:
             x, kept = self._chains(rows.slots, rows.tokens, start_t, max(rows.starts),
                                    slot_index=rows.slot_index, taps=taps)
             return self._scored(x, kept[0] if kept else None)
-        n_pos = padded_keys(max(rows.starts) + T, self.cache.capacity)
-        store = start_t[:, None] + torch.arange(T, device=start_t.device)[None, :]  # [B, T]
-        seen = rows.ancestors
-        assert seen is not None  # built with every tree
-        rope = start_t[:, None] + seen.sum(-1) - 1  # positioned by depth
-        keys = torch.arange(n_pos, device=start_t.device)
-        visible = (keys[None, None, :] < start_t[:, None, None]).expand(-1, T, -1).clone()
-        visible.scatter_(2, store[:, None, :].expand(-1, T, -1), seen)  # [B, T, n_pos]
-        tail = rows.tail
-        if tail is not None:  # branch nodes sum their row's whole blocks, the rest in order
-            tail = replace(tail, seen=visible.clone())
-            visible[tail.rows, tail.queries] = \
-                keys[None, :] < (tail.block0 * KEY_BLOCK)[:, None]
-        x, kept = self._run_layers(rows.slots, rows.tokens, store, rope, visible, n_pos, tail,
-                                   slot_index=rows.slot_index, taps=taps)
+        x, kept = self.eager.trees(rows, taps)
         return self._scored(x, kept[0] if kept else None)
 
     def compact(self, slot: int, path: list[int]) -> None:
@@ -531,59 +397,9 @@ class TargetRunner:
 
     def compact_many(self, paths: Sequence[tuple[int, Sequence[int]]]
                      ) -> list[Exception | None]:
-        """``compact`` for a step's slots: every (slot, path) moved into place in one indexed
-        copy a layer. Returns each entry's error (None: placed): a path that is not increasing
-        node indices, that outgrows its slot, or whose slot an earlier entry holds, is refused
-        alone (nothing of it moved); if the copy itself fails, every entry it moved anything for
-        gets that error (its slot's length stays at the root)."""
-        errors: list[Exception | None] = [None] * len(paths)
-        ends: list[tuple[int, int, int]] = []  # (entry, slot, end)
-        slots: list[int] = []
-        src: list[int] = []
-        dst: list[int] = []
-        moved: list[int] = []
-        seen: set[int] = set()
-        for e, (slot, path) in enumerate(paths):
-            try:
-                if slot in seen:  # its root would be read before the first entry moved it
-                    raise ValueError(f"slot {slot} is placed twice in one call")
-                root = self.cache.lengths[slot]
-                nodes = [int(i) for i in path]
-                if any(b <= a for a, b in zip(nodes, nodes[1:])) or (nodes and nodes[0] < 0):
-                    raise ValueError(f"a path is increasing node indices >= 0, got {nodes}")
-                self.cache.check_room(slot, root + 1, (nodes[-1] + 1) if nodes else 0)
-            except Exception as exc:  # this entry's alone: nothing of it moved
-                errors[e] = exc
-                continue
-            seen.add(slot)
-            off = [(i, j) for j, i in enumerate(nodes) if i != j]  # off the chain: to move
-            if off:
-                moved.append(e)
-                slots += [slot] * len(off)
-                src += [root + 1 + i for i, _ in off]
-                dst += [root + 1 + j for _, j in off]
-            ends.append((e, slot, root + 1 + len(nodes)))
-        if src:
-            try:
-                self.cache.move_many(slots, src, dst)
-            except Exception as exc:  # the device's copy: every entry it concerned
-                for e in moved:
-                    errors[e] = exc
-        for e, slot, end in ends:
-            if errors[e] is None:
-                self.cache.commit(slot, end)
-        return errors
-
-    def _chain_step(self, slots: list[int], starts: torch.Tensor, width: int,
-                    slot_index: torch.Tensor | None = None, keys: int | None = None):
-        """A fused step of chains at ``slots`` (``slot_index``: them on the device, when the
-        caller has them there) from ``starts`` [B] (device); ``keys``: the largest start +
-        width, where the host knows it."""
-        from .fused_kernels import FusedStep
-
-        index = slot_index if slot_index is not None else \
-            torch.as_tensor(slots, dtype=torch.long, device=self.device)
-        return FusedStep.chains(index, starts, width, keys)
+        """``compact`` for a step's slots, in one indexed copy a layer
+        (``KVCache.place_paths``): each entry's error, None where placed."""
+        return self.cache.place_paths(paths)
 
     def _fused_chains(self, slots: list[int], rows: list[list[int]], tap: int | None = None
                       ) -> Scored:
@@ -591,74 +407,8 @@ class TargetRunner:
         assert self.fused is not None
         tokens, start_t, longest = self._chain_rows(slots, rows)
         T = tokens.shape[1]
-        return self.fused.scored(tokens, self._chain_step(slots, start_t, T, keys=longest + T),
-                                 None if tap is None else self.tap_layers(tap))
-
-    def _run_layers(self, slots: list[int], tokens: torch.Tensor, store: torch.Tensor,
-                    rope: torch.Tensor, visible: torch.Tensor, n_pos: int,
-                    tail: TailKeys | None = None, slot_index: torch.Tensor | None = None,
-                    contiguous: bool = True, taps: tuple[int, ...] = (),
-                    embeds: torch.Tensor | None = None,
-                    upto: int | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """The decoder layers over tokens [B, T]: keys/values written at KV positions
-        ``store`` [B, T], rotary positions ``rope`` [B, T], ``visible`` [B, T, n_pos] (which of
-        the slots' first n_pos positions each token attends to; n_pos a whole number of key
-        blocks); ``slot_index``: ``slots`` on the device, when the caller has them there;
-        ``contiguous``: read a run of consecutive slots as a view (False: always by gather);
-        ``taps``: layer counts after which the hidden state [B, T, H] is returned too;
-        ``embeds`` [B, T, H]: the tokens' input embeddings, given (a vision-language prompt's,
-        image features at its image tokens) instead of looked up; ``upto``: run only the first
-        ``upto`` layers. Returns the last hidden states [B, T, H] (after ``upto`` layers when
-        given) and the state after each of ``taps`` layers, in their order."""
-        B, T = tokens.shape
-        dev = self.device
-        cos, sin = self.cos[rope][:, None], self.sin[rope][:, None]  # [B, 1, T, hd]
-        slot_t = torch.as_tensor(slots, dtype=torch.long, device=dev) if slot_index is None \
-            else slot_index
-        run_from = contiguous_start(slots) if contiguous else None
-        nh, kvh, hd = self.n_heads, self.kv_heads, self.head_dim
-        grp = nh // kvh
-
-        x = F.embedding(tokens, self.embed) if embeds is None else embeds  # [B, T, H]
-        kept: dict[int, torch.Tensor] = {}
-        # rows reading far fewer key blocks than others attend apart (the CPU; not a tree's
-        # tail), else a long call's query ends (its query pieces'): found once for every layer
-        groups = row_groups(visible) if tail is None else ()
-        ends = call_ends(visible) if tail is None and not groups else None
-        for li, layer in enumerate(self.layers[:upto]):
-            h = self._rms(x, layer.ln1)
-            qkv = layer.qkv(h)
-            q, k, v = qkv.split([nh * hd, kvh * hd, kvh * hd], dim=-1)
-            q = self._rotate(q.view(B, T, nh, hd).transpose(1, 2), cos, sin)  # [B, nh, T, hd]
-            k = self._rotate(k.view(B, T, kvh, hd).transpose(1, 2), cos, sin)
-            self.cache.write(li, slot_t, store, k.transpose(1, 2), v.view(B, T, kvh, hd))
-            q = (q * self.scale).view(B, kvh, grp, T, hd)
-            if groups:
-                att = self._grouped_attention(li, q, slot_t, groups)
-            else:
-                keys, values = self.cache.read(li, slot_t, run_from, n_pos)
-                att = invariant_attention(q, keys, values, visible, self.col_tile, tail,
-                                          self.attention_products, ends)  # [B, T, nh * hd]
-            x = x + layer.o(att)
-            gate, up = layer.gate_up(self._rms(x, layer.ln2)).chunk(2, dim=-1)
-            x = x + layer.down(pointwise(F.silu, gate) * up)
-            if li + 1 in taps:
-                kept[li + 1] = x
-        return x, [kept[n] for n in taps]
-
-    def _grouped_attention(self, layer: int, q: torch.Tensor, slot_t: torch.Tensor,
-                           groups: tuple[RowGroup, ...]) -> torch.Tensor:
-        """``invariant_attention`` of q [B, kvh, g, T, hd] a group of rows at a time, each
-        group reading its slots' first keys alone (``row_groups``): [B, T, kvh * g * hd], the
-        bits of one call."""
-        B, kvh, g, T, hd = q.shape
-        out = q.new_empty(B, T, kvh * g * hd)
-        for group in groups:
-            keys, values = self.cache.read(layer, slot_t[group.rows], None, group.keys)
-            out.index_copy_(0, group.rows, invariant_attention(
-                q.index_select(0, group.rows), keys, values, group.visible, self.col_tile,
-                None, self.attention_products, group.ends))
-        return out
+        step = self.fused.chain_step(slots, start_t, T, keys=longest + T)
+        return self.fused.scored(tokens, step, None if tap is None else self.tap_layers(tap))
 
     def early_hidden(self, slots: list[int], tokens: torch.Tensor, starts: list[int],
                      layers: int) -> torch.Tensor:
@@ -727,26 +477,6 @@ class TargetRunner:
         for (slot, part), start in zip(group, starts):
             self.commit(slot, start + len(part))
 
-def _linear_shapes(model: Any) -> tuple[tuple[int, int], ...]:
-    """(out, in) of each linear layer the runner builds of a transformers Llama-like ``model``
-    (q, k and v fused, gate and up fused), once each."""
-    att, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
-
-    def fused(*mods) -> tuple[int, int]:
-        return sum(m.weight.shape[0] for m in mods), mods[0].weight.shape[1]
-
-    found = [fused(att.q_proj, att.k_proj, att.v_proj), tuple(att.o_proj.weight.shape),
-             fused(mlp.gate_proj, mlp.up_proj), tuple(mlp.down_proj.weight.shape),
-             tuple(model.lm_head.weight.shape)]
-    return tuple(dict.fromkeys(found))
-
-
-def _tile_rows(x: torch.Tensor) -> torch.Tensor:
-    """x [n, K] padded with zero rows to whole tiles of the fused kernels' staging buffers."""
-    from .fused_kernels import padded_rows
-
-    return F.pad(x, (0, 0, 0, padded_rows(x.shape[0]) - x.shape[0])).contiguous()
-
 
 def _pad_rows(rows: list[list[int]], T: int) -> torch.Tensor:
     """Token rows right-padded with 0 to length T: [B, T] long (on CPU)."""
@@ -754,8 +484,3 @@ def _pad_rows(rows: list[list[int]], T: int) -> torch.Tensor:
     for i, r in enumerate(rows):
         tokens[i, : len(r)] = torch.as_tensor(r, dtype=torch.long)
     return tokens
-
-
-def _causal(pos: torch.Tensor, n_pos: int) -> torch.Tensor:
-    """[B, T, n_pos] bool: row b's token t sees the keys at positions <= its own ``pos``."""
-    return torch.arange(n_pos, device=pos.device)[None, None, :] <= pos[:, :, None]

@@ -89,9 +89,10 @@ def _time_forward(runner, B: int, T: int, repeat: int) -> float:
 @contextmanager
 def _timed_parts(runner, totals: dict[str, float]):
     """Accumulate wall time of the runner's linear layers, LM head and attention calls."""
-    import edgespec.runner.target_runner as runner_mod
+    import edgespec.runner.eager_forward as runner_mod  # the attention the layers call
+    from edgespec.runner.linear import Linear
 
-    lin_call = runner_mod.Linear.__call__
+    lin_call = Linear.__call__
     attention = runner_mod.invariant_attention
     head = runner.lm_head
 
@@ -113,12 +114,12 @@ def _timed_parts(runner, totals: dict[str, float]):
         totals["attention"] += time.perf_counter() - t0
         return out
 
-    runner_mod.Linear.__call__ = timed_linear  # type: ignore[method-assign]  # timing patch
+    Linear.__call__ = timed_linear  # type: ignore[method-assign]  # timing patch
     runner_mod.invariant_attention = timed_attention
     try:
         yield
     finally:
-        runner_mod.Linear.__call__ = lin_call  # type: ignore[method-assign]  # undone
+        Linear.__call__ = lin_call  # type: ignore[method-assign]  # undone
         runner_mod.invariant_attention = attention
 
 
