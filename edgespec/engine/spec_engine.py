@@ -22,7 +22,6 @@ from __future__ import annotations
 import itertools
 import logging
 import math
-import operator
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -47,16 +46,16 @@ from .draft_worker import DraftWorker
 from .fill_drafts import FillDrafts, fill_drafter
 from .inline_drafts import InlineDrafts
 from .prefill_queue import PrefillQueue
-from .session_lifecycle import SessionLifecycle
 from .generation import ActiveSession, Admission, Request, Result, SessionFailed
 from .lateness import EmptyDrafts, Lateness
 from .decisions import Decision
-from .proposals import (DrafterProposer, StepDraft, drafter_row, drafter_share, taken_row,
+from .proposals import (DrafterProposer, StepDraft, drafter_row, taken_row,
                         with_head)
 from .scoring import ScoredStep, row_decisions, score_step
-from .stack_choice import SOURCES, accepted_prefix
+from .stack_choice import SOURCES
 from .step_planning import plan_branch_budgets, plan_drafts, session_gains, told_wants
-from .step_report import StepReport, step_report
+from .step_commit import StepCommit, report_of
+from .step_report import StepReport
 
 __all__ = ["ActiveSession", "Admission", "Request", "Result", "SessionFailed", "SpecEngine",
            "StepReport"]
@@ -66,7 +65,7 @@ log = logging.getLogger("edgespec.engine.spec_engine")
 IMITATION = "imitation:"  # EngineConfig.head "imitation:DIR": imitation drafting
 
 
-class SpecEngine(SessionLifecycle):
+class SpecEngine(StepCommit):
     """The verifier. With a ``drafter`` it drafts in process over a ``LocalSessionStore`` (a
     ``DraftWorker`` thread, or ``InlineDrafts`` for a cheap drafter); with a ``store`` (the
     distributed draft cache) drafts come from remote drafters through it."""
@@ -198,7 +197,7 @@ class SpecEngine(SessionLifecycle):
         self._forwards_ok = self._forwards_failed = 0
         if self._undelivered:  # verdicts of a step whose commit did not reach the store
             kept, t0 = self._undelivered, time.perf_counter()
-            return _report(self._commit(kept, *self._undelivered_s), len(kept),
+            return report_of(self._commit(kept, *self._undelivered_s), len(kept),
                            sum(d.draft.width for d in kept), 0.0, 0.0, time.perf_counter() - t0)
         t0 = time.perf_counter()
         self._advance_prefill(self.cfg.prefill_budget)  # chunked prefill: a budget a step
@@ -226,7 +225,7 @@ class SpecEngine(SessionLifecycle):
         t3 = time.perf_counter()
         decided = self._place(decided)
         applied = self._commit(decided, t1 - t0, t2 - t1)
-        return _report(applied, len(drafts), width, t1 - t0, t2 - t1, time.perf_counter() - t3)
+        return report_of(applied, len(drafts), width, t1 - t0, t2 - t1, time.perf_counter() - t3)
 
     def _plan(self) -> list[DraftWant]:
         """What to ask of each active session's draft: its length, and its share of branch
@@ -275,17 +274,6 @@ class SpecEngine(SessionLifecycle):
             a.wanted = told
         return [DraftWant(a.sid, k, b, wait=k > 0 and w > 0 and a.drafter not in skip, wait_s=w)
                 for a, k, b, w in zip(acts, ks, budgets, worth)]
-
-    def _rows_of(self, acts: Sequence[ActiveSession]) -> RowsOf:
-        """The draft-length rows of ``acts``: this step's planned sessions, or those of them
-        still in the step (what its take or commit kept, in their order), read once a step
-        while none was dropped."""
-        planned = self._step_acts
-        if len(acts) != len(planned) or not all(map(operator.is_, acts, planned)):
-            return RowsOf([a.draft_len for a in acts])
-        if self._step_rows is None:
-            self._step_rows = RowsOf([a.draft_len for a in acts])
-        return self._step_rows
 
     def _record_lateness(self, wants: list[DraftWant], taken: list, acts: dict,
                          wait_s: float) -> None:
@@ -452,145 +440,6 @@ class SpecEngine(SessionLifecycle):
         """Each row's verdict, cut where its output ends, in one pass (``row_decisions``)."""
         return row_decisions(step, out, self.stop_ids)
 
-    def _place(self, decided: list[Decision]) -> list[Decision]:
-        """The commit stage's first part, right after verification: the accepted tree paths'
-        keys and values moved into place, all at once (``TargetRunner.compact_many``), then
-        the head's sessions moved on over them (an imitation head drafts from the compacted
-        positions). A failure fails the sessions it concerns, not the step; returns the
-        decisions still to commit. A step of chains with no head has nothing to place: a
-        chain's accepted path is its first nodes, already in place, and ``_apply`` sets each
-        slot's length."""
-        if self.head is None and not any(d.draft.branches for d in decided):
-            return decided
-        placed = []
-        errors = self.target.compact_many([(d.act.slot, d.path) for d in decided])
-        for d, error in zip(decided, errors):
-            if error is not None:
-                log.error("placing the verified path of session %s failed", d.act.sid,
-                          exc_info=error)
-                self.fail(d.act, SessionFailed("placing its verified path failed"))
-                continue
-            placed.append(d)
-        pending, self._head_pending = self._head_pending, []
-        if self.head is not None:
-            for sids, proposal, lengths, drafts in pending:
-                try:
-                    self.head.after_step(sids, proposal, lengths, drafts)
-                except Exception:  # its sessions' head contexts are unknown now
-                    log.exception("the head's step over %d session(s) failed", len(sids))
-                    failed = set(sids)
-                    for act in [a for a in self.active if a.sid in failed]:
-                        self.fail(act, SessionFailed("the draft head's step failed"))
-                    placed = [d for d in placed if d.act.sid not in failed]
-        return placed
-
-    def _commit(self, decided: list[Decision], take_s: float = 0.0, forward_s: float = 0.0
-                ) -> list[Decision]:
-        """Commit verdicts in the store, then apply the ones it took, each session's stats
-        given the step's times; returns those applied."""
-        running = set(map(id, self.active))
-        decided = [d for d in decided if id(d.draft.act) in running]  # not cancelled meanwhile
-        self._undelivered, self._undelivered_s = decided, (take_s, forward_s)
-        t0 = time.perf_counter()
-        outcomes = self.store.commit_many([d.verdict for d in decided])  # may raise: retried
-        self._undelivered = []
-        dt = time.perf_counter() - t0
-        applied = []
-        for d, outcome in zip(decided, outcomes):
-            if outcome.ok:
-                applied.append(d)
-                d.act.fixed = outcome.fix is not None
-        if len(applied) < len(decided):
-            for d, outcome in zip(decided, outcomes):
-                if not outcome.ok:
-                    self.fail(d.act, SessionFailed(f"the cache refused a commit: "
-                                                   f"{outcome.error}"))
-        self._learn(applied)
-        ended: list[ActiveSession] = []
-        try:
-            for d in applied:
-                if d.act.finish is not None:  # ended meanwhile: a callback cancelled it
-                    continue
-                self._apply(d, take_s, forward_s, dt)
-                if d.act.finish:
-                    ended.append(d.act)
-        except BaseException:  # those that ended before the failure end now, told of it
-            try:
-                self._finish_ended(ended)
-            except Exception:  # the apply's error is the one to raise
-                log.exception("finishing the sessions that ended before a failed apply")
-            raise
-        self._finish_ended(ended)
-        return applied
-
-    def _finish_ended(self, ended: list[ActiveSession]) -> None:
-        """``_finish_many`` of the step's ended sessions still here (a callback may have
-        cancelled one: it was finished then)."""
-        if not ended:  # most steps: nothing to look up
-            return
-        running = set(map(id, self.active))
-        self._finish_many([a for a in ended if id(a) in running])
-
-    def _learn(self, applied: list[Decision]) -> None:
-        """The draft lengths learn the step's verdicts, all sessions in one go: the chain's
-        own acceptance, the branches'. A step that verified no draft token (a server serving
-        alone, or drafts that did not pay) teaches nothing: its rows are not read."""
-        if not any(d.draft.tokens or d.draft.branch_tokens for d in applied):
-            return
-        rows, B = self._rows_of([d.act for d in applied]), len(applied)
-        rows.record("update", np.fromiter((len(d.draft.tokens) for d in applied), np.int64, B),
-                    np.fromiter((d.verdict.n_accepted for d in applied), np.int64, B))
-        # a row verified branch tokens; a fill's are the verifier's, not the drafter's: they
-        # teach the drafter's branches nothing
-        if any(d.draft.branch_tokens and not d.draft.fill_offer for d in applied):
-            rows.record("update_branches",
-                        np.fromiter((0 if d.draft.fill_offer else d.draft.branch_tokens
-                                     for d in applied), np.int64, B),
-                        np.fromiter((0 if d.draft.fill_offer else len(d.verdict.branch)
-                                     for d in applied), np.int64, B))
-
-    def _apply(self, d: Decision, take_s: float, forward_s: float, commit_s: float) -> None:
-        """A verdict the store took, applied here: the KV cache, the stats, the output (the
-        draft length learnt it in ``_learn``)."""
-        draft, v, new = d.draft, d.verdict, d.new
-        act, n_branch = draft.act, len(v.branch)
-        accepted = v.n_accepted + n_branch
-        # KV of last + accepted (a tree's accepted path was moved into place: ``_place``)
-        self.target.commit(act.slot, v.start + accepted)
-        stats = act.stats
-        stats.record_step(draft.drafted, accepted, n_branch)
-        own, own_accepted = drafter_share(draft, v.n_accepted, v.branch)
-        if own:
-            stats.drafter_drafts += 1
-            stats.drafter_tokens += own
-            stats.drafter_accepted += own_accepted
-        stats.take_s += take_s
-        stats.forward_s += forward_s
-        stats.commit_s += commit_s
-        offer = draft.head_offer
-        if offer and self.head is not None:
-            got = accepted_prefix(offer, new[:accepted])
-            stats.head_tokens += len(offer)
-            stats.head_accepted += got
-            self.head.offered(len(offer), got)
-        if draft.fill_offer:  # the verifier's own draft for an empty board draft
-            stats.fill_drafts += 1
-            stats.fill_tokens += len(draft.fill_offer)
-            stats.fill_accepted += n_branch
-        if act.verify != "exact":  # the path's nodes only a lossy rule kept, as far as the
-            stats.lenient_tokens += sum(d.lenient[:len(new)])  # output took them
-        act.output.extend(new)
-        act.last_token = v.token
-        act.finish = v.finish_reason or None  # the step ends it (``_commit``)
-        if act.req.on_tokens:
-            try:
-                act.req.on_tokens(new)
-            except Exception as exc:  # the caller's callback fails its own session alone
-                log.exception("the token callback of session %s raised", act.sid)
-                failed = SessionFailed(f"its token callback raised: {exc!r}")
-                failed.__cause__ = exc  # the caller's own error, for a caller that looks
-                self.fail(act, failed)
-
     # -- whole generations ---------------------------------------------------------------------
     def generate_many(self, requests: list[Request]) -> list[Result]:
         errors: list[Exception] = []
@@ -616,8 +465,3 @@ class SpecEngine(SessionLifecycle):
     def generate(self, req: Request) -> Result:
         return self.generate_many([req])[0]
 
-
-def _report(applied: list[Decision], sessions: int, tokens: int, take_s: float,
-            forward_s: float, commit_s: float) -> StepReport:
-    return step_report([d.accepted for d in applied], [d.draft.drafted for d in applied], sessions,
-                       tokens, take_s, forward_s, commit_s, [d.draft.depth for d in applied])
