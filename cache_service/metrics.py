@@ -17,7 +17,7 @@ from __future__ import annotations
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-MAX_DEVICE_LABELS = 256  # as the verifier's metrics (verifier_node.metrics.MAX_DEVICES)
+MAX_DEVICE_LABELS = 256  # as the verifier's metrics (verifier_node.metric_collectors.MAX_DEVICES)
 
 
 class CacheMetrics:

@@ -353,7 +353,7 @@ def test_a_board_past_the_device_labels_keeps_its_own_figures_in_status():
 
     from edgespec.engine.lateness import Lateness
     from edgespec.protocol.request_stats import Stats
-    from verifier_node.metrics import MAX_DEVICES, _LinkCollector
+    from verifier_node.metric_collectors import MAX_DEVICES, LinkCollector
 
     m = VerifierMetrics(CollectorRegistry())
     stats = Stats(num_drafts=2, draft_tokens=8, accepted_tokens=5, drafter_drafts=2,
@@ -372,7 +372,7 @@ def test_a_board_past_the_device_labels_keeps_its_own_figures_in_status():
     for i in range(MAX_DEVICES + 3):
         book.record(f"board-{i}", ready=i < MAX_DEVICES + 1, waited=True, sessions=(1, 1, 1))
     reg = CollectorRegistry()
-    reg.register(_LinkCollector(book.snapshot, m.device_labels))  # the same labels' rule
+    reg.register(LinkCollector(book.snapshot, m.device_labels))  # the same labels' rule
     text = generate_latest(reg).decode()
     assert 'edgespec:drafter_session_steps_total{device="other"} 3.0' in text
     assert 'edgespec:drafter_late{device="other"} 2.0' in text  # two of the three missed
@@ -389,7 +389,7 @@ def test_a_boards_series_are_all_its_own_or_all_other_and_other_never_falls(monk
     import edgespec.engine.lateness as lateness
     from edgespec.engine.lateness import Lateness
     from edgespec.protocol.request_stats import Stats
-    from verifier_node.metrics import DeviceLabels, _LinkCollector
+    from verifier_node.metric_collectors import DeviceLabels, LinkCollector
 
     monkeypatch.setattr(lateness, "MAX_TRACKED", 4)  # the steps' table forgets the oldest
     m = VerifierMetrics(CollectorRegistry())
@@ -399,7 +399,7 @@ def test_a_boards_series_are_all_its_own_or_all_other_and_other_never_falls(monk
     m.finished("b", stats, "length", 1.0)  # "b" finishes a session first: labelled
     book = Lateness()
     reg = CollectorRegistry()
-    reg.register(_LinkCollector(book.snapshot, labels))
+    reg.register(LinkCollector(book.snapshot, labels))
 
     def steps(device: str) -> float | None:
         for fam in reg.collect():
