@@ -295,3 +295,21 @@ def test_the_router_is_not_serving_while_no_replica_answers():
     finally:
         router.stop()
 
+
+
+def test_every_runner_module_is_digested_or_said_to_compute_no_step_values():
+    """A module that computes a step's values is in the kernel set's code digest of each path
+    (an edit to its arithmetic moves the fingerprint); every other runner module is named as
+    computing none, so a new or split module must be placed on one side."""
+    import pkgutil
+
+    import edgespec.runner as runner_pkg
+    from edgespec.runner.kernel_set import NO_STEP_ARITHMETIC, NUMERIC_CODE
+
+    modules = {m.name for m in pkgutil.iter_modules(runner_pkg.__path__)}
+    digested = {name.rsplit(".", 1)[1] for path in NUMERIC_CODE.values() for name in path}
+    assert digested.isdisjoint(NO_STEP_ARITHMETIC)
+    assert modules == digested | set(NO_STEP_ARITHMETIC)
+    # the layers, the weights and the rotary tables of the path every CPU step runs
+    assert {"attention", "linear", "target_runner", "eager_forward",
+            "model_weights"} <= {n.rsplit(".", 1)[1] for n in NUMERIC_CODE["eager"]}

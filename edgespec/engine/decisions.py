@@ -23,7 +23,7 @@ from .proposals import StepDraft
 @frozen_value
 class Decision:
     """A row's verdict, as the store will take it, beside the draft it decided on, with the
-    accepted path (moved into place by ``SpecEngine._place`` before the store's commit), its
+    accepted path (moved into place by ``StepCommit._place`` before the store's commit), its
     lossy-kept flags, and the tokens it adds to the output (``new``: the accepted chain
     tokens, the branch's, the verdict's token)."""
 

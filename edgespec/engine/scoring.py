@@ -4,7 +4,7 @@ judging (``SpecEngine._judge``: ``edgespec.verify.verify_step`` over the scores)
 ``Decision`` per row, each verdict cut where its output ends in the same pass
 (``row_decisions``); nothing here or there changes the KV cache's committed state (so a
 batch that fails can be verified again row by row): a tree's accepted path is moved into place
-in the commit stage (``SpecEngine._place``)."""
+in the commit stage (``StepCommit._place``)."""
 
 from __future__ import annotations
 

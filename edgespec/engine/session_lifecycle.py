@@ -1,8 +1,8 @@
 """A session's life in the engine, apart from its steps: validated, admitted (a KV slot, the
 store's record, the prefill queue), started once its prompt is in, and ended (finished,
 cancelled, failed, or abandoned when the verifier stops). ``SessionLifecycle`` is a part of
-``SpecEngine`` (its base class): it reads the engine's target, store, in-process drafter, head and
-session lists, which the engine sets up."""
+``SpecEngine`` (the base of its commit stage, ``StepCommit``): it reads the engine's target,
+store, in-process drafter, head and session lists, which the engine sets up."""
 
 from __future__ import annotations
 

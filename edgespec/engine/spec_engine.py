@@ -198,7 +198,7 @@ class SpecEngine(StepCommit):
         if self._undelivered:  # verdicts of a step whose commit did not reach the store
             kept, t0 = self._undelivered, time.perf_counter()
             return report_of(self._commit(kept, *self._undelivered_s), len(kept),
-                           sum(d.draft.width for d in kept), 0.0, 0.0, time.perf_counter() - t0)
+                             sum(d.draft.width for d in kept), 0.0, 0.0, time.perf_counter() - t0)
         t0 = time.perf_counter()
         self._advance_prefill(self.cfg.prefill_budget)  # chunked prefill: a budget a step
         self.prefill_s = time.perf_counter() - t0

@@ -33,7 +33,6 @@ log = logging.getLogger("edgespec.engine.spec_engine")
 class StepCommit(SessionLifecycle):
     """The commit stage of ``SpecEngine.step`` (``_place``, ``_commit``)."""
 
-    stop_ids: set[int]
     # this step's planned sessions, and their draft-length rows once read (``_rows_of``)
     _step_acts: list[ActiveSession]
     _step_rows: RowsOf | None

@@ -11,6 +11,7 @@ Rows that read far fewer key blocks than others attend in groups of their own
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import replace
 from typing import Any
 
@@ -28,8 +29,10 @@ class EagerLayers:
 
     def __init__(self, runner: Any):
         """``runner``: the ``TargetRunner`` whose weights, cache and tables these run (not
-        imported here: it imports this module)."""
-        self.r = runner
+        imported here: it imports this module), held weakly: the runner holds these layers,
+        and a CPU runner (its KV cache, its model's weights) is freed when its last user lets
+        it go, not at the cycle collector's next pass."""
+        self.r = weakref.proxy(runner)
 
     def chains(self, slots: list[int], tokens: torch.Tensor, start_t: torch.Tensor,
                longest: int, slot_index: torch.Tensor | None = None,

@@ -36,15 +36,22 @@ log = logging.getLogger(__name__)
 
 KERNELS = ("eager", "triton")
 
-# the modules whose arithmetic decides a step's bits, per kernel path (their source is digested)
+# the modules whose arithmetic decides a step's bits, per kernel path (their source is digested;
+# every runner module is either here or in NO_STEP_ARITHMETIC, which a test checks)
 NUMERIC_CODE = {
     "eager": ("edgespec.runner.attention", "edgespec.runner.linear",
-              "edgespec.runner.target_runner"),
+              "edgespec.runner.target_runner", "edgespec.runner.eager_forward",
+              "edgespec.runner.model_weights"),
     "triton": ("edgespec.runner.attention", "edgespec.runner.linear",
-               "edgespec.runner.target_runner", "edgespec.runner.fused_kernels",
-               "edgespec.runner.fused_gemm", "edgespec.runner.fused_attention",
-               "edgespec.runner.fused_forward"),
+               "edgespec.runner.target_runner", "edgespec.runner.model_weights",
+               "edgespec.runner.fused_kernels", "edgespec.runner.fused_gemm",
+               "edgespec.runner.fused_attention", "edgespec.runner.fused_forward"),
 }
+# runner modules that compute none of a step's values: they choose, check, store, index or
+# time (a change to what they choose shows in the kernel set's other fields)
+NO_STEP_ARITHMETIC = ("check_cache", "cpu_kind", "cpu_time", "dtype_memo", "dtype_probe",
+                      "kernel_set", "kv_cache", "model_support", "process_heap", "start_check",
+                      "step_graphs", "step_rows", "threads")
 
 
 @dataclass(frozen=True)

@@ -230,7 +230,6 @@ class KVCache:
                 self.commit(slot, end)
         return errors
 
-
     def read(self, layer: int, slots: torch.Tensor, contiguous_from: int | None,
              n_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys [B, kv_heads, n_pos, hd] and values [B, kv_heads, n_pos, hd + 1] of positions

@@ -174,12 +174,13 @@ class TargetRunner:
             self.start_check_s = time.perf_counter() - t0
         elif exact:
             from . import dtype_probe as _probe_code
+            from . import start_check as _check_code
 
             # the kernels' code as the kernel set digested it, and the probes' own
             key = CheckKey.here(model_fingerprint(cfg.to_dict(), sampled_weights(self)),
                                 self.device, self.dtype, self.max_rows,
                                 f"{self.kernels}+{gemm}+{self.attention}@{ks.code}"
-                                f"+{code_digest(_probe_code)}")
+                                f"+{code_digest(_probe_code, _check_code)}")
             outcome = run_checked(key, lambda: check_invariance(self))
             self.start_check_s = outcome.seconds
         self.graphs = StepGraphs(self, n_slots, self.cache.reserve(),
@@ -324,7 +325,8 @@ class TargetRunner:
             step = self.fused.chain_step(slots, start_t, T, slot_index, longest + T)
             x, kept, _ = self.fused.hidden(tokens, step, embeds, taps=taps, upto=upto)
             return x.view(B, T, -1), [k.view(B, T, -1) for k in kept]
-        return self.eager.chains(slots, tokens, start_t, longest, slot_index, taps, embeds, upto)
+        return self.eager.chains(slots, tokens, start_t, longest, slot_index=slot_index,
+                                 taps=taps, embeds=embeds, upto=upto)
 
     @torch.inference_mode()
     def forward_tree(self, slots: list[int], roots: list[int], trees: Sequence[TreeShape]
