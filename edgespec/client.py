@@ -55,7 +55,7 @@ from .sdk.request import build_request, check_timeout
 from .sdk.stream import Collector, GenerateResult, Resumer, StreamPiece
 from .v1 import edgespec_pb2 as pb
 from .v1 import edgespec_pb2_grpc as pb_grpc
-from .wire.convert import auth_metadata, make_channel
+from .wire.convert import auth_metadata, make_channel, message_as_dict
 from .wire.reachability import STARTING_WAIT_S, ConnectWatch, unreachable_reason_aio
 
 __all__ = ["AsyncClient", "Cancelled", "Client", "DeadlineExceeded", "EdgespecError",
@@ -158,17 +158,15 @@ class Client:
             raise translate(e) from None
 
     def status(self) -> dict:
-        """What the verifier and its drafters are doing now (the ``Status`` RPC) as a dict."""
-        from google.protobuf.json_format import MessageToDict
-
+        """What the verifier and its drafters are doing now (the ``Status`` RPC) as a dict of
+        Python values (every field, by its proto name; counters as ints)."""
         self._first_contact(self.timeout or 10)
         try:
             res = self.stub.Status(pb.StatusRequest(), timeout=self.timeout or 10,
                                    metadata=self.metadata, wait_for_ready=True)
         except grpc.RpcError as e:
             raise translate(e) from None
-        return MessageToDict(res, preserving_proto_field_name=True,
-                             always_print_fields_with_no_presence=True)
+        return message_as_dict(res)
 
 
 def check_open(client) -> None:

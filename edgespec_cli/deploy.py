@@ -83,8 +83,8 @@ def cmd_deploy(args: argparse.Namespace) -> int:
     try:
         import ray  # noqa: F401
     except ImportError:
-        raise ConfigError("edgespec deploy needs Ray, the fleet extra: pip install '.[fleet]' in "
-                          "the edgespec repository") from None
+        raise ConfigError("edgespec deploy needs Ray, the fleet extra: pip install -e "
+                          "'.[fleet]' in the edgespec repository") from None
     from .deployment import placement as fleet
     from edgespec.drafters import EDGE_KINDS, parse_drafter_spec
 

@@ -74,7 +74,7 @@ def render(st: dict) -> str:
 
 def _cost(c: dict) -> str:
     """The server's cost since it started: CPU ms a committed token, tokens a verification
-    forward, draft tokens verified and the share wasted (int64 fields arrive as strings)."""
+    forward, draft tokens verified and the share wasted."""
     tokens, forwards = int(c.get("committed_tokens") or 0), int(c.get("forwards") or 0)
     if not tokens or not forwards:
         return ""
@@ -102,11 +102,11 @@ def _graphs(r: dict) -> str:
 
 
 def _link(d: dict) -> str:
-    """A drafter's link as the verifier's steps saw it: late (not waited for) or ok, the
+    """A drafter's link as the verifier's steps saw it: late (not waited for) or waited for, the
     deadlines its drafts missed, and of its sessions' steps those whose draft was ready and
-    those that verified a draft (int64 fields arrive as strings in the dict)."""
+    those that verified a draft."""
     missed = int(d.get("drafts_missed") or 0)
-    state = "LATE (not waited for)" if d.get("late") else "ok"
+    state = "LATE (not waited for)" if d.get("late") else "waited for"
     out = f"{state}, {missed} deadlines missed" if missed else state
     steps = int(d.get("session_steps") or 0)
     if steps:

@@ -91,3 +91,27 @@ def test_make_channel_keeps_its_defaults_without_options(verifier):
     with make_channel(address) as channel:
         stub = pb_grpc.VerifierStub(channel)
         assert stub.Status(pb.StatusRequest(), timeout=30).model == BIG_MODEL_NAME
+
+
+def test_status_as_a_dict_gives_counters_as_ints_at_every_depth():
+    """protobuf's JSON mapping writes 64-bit integers as strings; the SDK's dicts hold them as
+    ints: a repeated message's, a nested message's, a repeated int64 and a map's values."""
+    from edgespec.wire.convert import message_as_dict
+
+    status = message_as_dict(pb.StatusResponse(
+        model="m", drafters=[pb.DrafterStatus(device_id="b1", drafts_missed=12, session_steps=44),
+                             pb.DrafterStatus(device_id="b2")],
+        cost=pb.ServerCost(cpu_s=1.5, committed_tokens=2 ** 40, forwards=3),
+        runner=pb.RunnerStatus(graph_buckets=4, graph_replays=7)))
+    assert status["drafters"][0]["drafts_missed"] == 12
+    assert status["drafters"][0]["session_steps"] == 44
+    assert status["drafters"][1]["drafts_missed"] == 0  # a default is a field too
+    assert status["cost"] == {**status["cost"], "committed_tokens": 2 ** 40, "forwards": 3,
+                              "cpu_s": 1.5}
+    assert (status["runner"]["graph_buckets"], status["runner"]["graph_replays"]) == (4, 7)
+    stats = message_as_dict(pb.Stats(steps=5, accepted_per_pos=[3, 2], stacks={"mag": 9}))
+    assert (stats["steps"], stats["accepted_per_pos"], stats["stacks"]) == (5, [3, 2], {"mag": 9})
+    ints = [v for d in status["drafters"] for k, v in d.items() if k in (
+        "drafts_missed", "steps_unwaited", "session_steps", "ready_drafts", "verified_drafts",
+        "finished_drafts", "finished_draft_tokens", "finished_accepted_tokens")]
+    assert ints and all(type(v) is int for v in ints)

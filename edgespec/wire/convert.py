@@ -17,6 +17,7 @@ from concurrent import futures
 from typing import Any
 
 import grpc
+from google.protobuf.descriptor import FieldDescriptor
 
 from ..config import ConfigError, SamplingParams
 from ..protocol.request_stats import Stats
@@ -83,6 +84,44 @@ def stats_from_pb(m: pb.Stats) -> dict:
 # back in this trailing metadata key (milliseconds); a caller honours it instead of its own
 # backoff, which is meant for a server that does not answer at all.
 RETRY_AFTER_MD = "retry-after-ms"
+
+
+# protobuf's JSON mapping writes these as strings (JavaScript's numbers lose 64-bit integers)
+_INT64 = {FieldDescriptor.TYPE_INT64, FieldDescriptor.TYPE_UINT64, FieldDescriptor.TYPE_SINT64,
+          FieldDescriptor.TYPE_FIXED64, FieldDescriptor.TYPE_SFIXED64}
+
+
+def message_as_dict(message: Any) -> dict:
+    """A message as Python values (every field, defaults included, by its proto name), 64-bit
+    integers as ints: ``MessageToDict`` writes them as strings, as JSON for JavaScript must."""
+    from google.protobuf.json_format import MessageToDict
+
+    out = MessageToDict(message, preserving_proto_field_name=True,
+                        always_print_fields_with_no_presence=True)
+    _ints_in(out, message.DESCRIPTOR)
+    return out
+
+
+def _ints_in(values: dict, descriptor: Any) -> None:
+    """``values`` (``MessageToDict``'s, of a message of ``descriptor``) with its 64-bit integer
+    fields, nested messages', repeated fields' and maps' included, made ints in place."""
+    for field in descriptor.fields:
+        if field.name not in values:
+            continue
+        value = values[field.name]
+        if field.message_type is not None and field.message_type.GetOptions().map_entry:
+            entry = field.message_type.fields_by_name["value"]
+            for key in value:
+                if entry.type in _INT64:
+                    value[key] = int(value[key])
+                elif entry.message_type is not None:
+                    _ints_in(value[key], entry.message_type)
+        elif field.type in _INT64:
+            values[field.name] = [int(v) for v in value] if isinstance(value, list) \
+                else int(value)
+        elif field.message_type is not None:
+            for item in value if isinstance(value, list) else [value]:
+                _ints_in(item, field.message_type)
 
 
 def retry_after_metadata(ms: int) -> tuple[tuple[str, str], ...]:

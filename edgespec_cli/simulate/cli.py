@@ -240,7 +240,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         import ray  # noqa: F401
     except ImportError:
         raise ConfigError("edgespec simulate needs Ray and matplotlib, the fleet extra: "
-                          "pip install '.[fleet]' in the edgespec repository") from None
+                          "pip install -e '.[fleet]' in the edgespec repository") from None
     from edgespec_cli.cli_args import set_threads
     from edgespec.models.loading import load_model
 
@@ -267,7 +267,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     runs, capacity, probes = _run_fleets(args, counts, profiles, modes,
                                          _settings(args, target.dtype, split),
                                          load_prompts(target, args.seed, args.max_new_tokens))
-    lossless = check_lossless(target, runs, args.max_new_tokens) if len(modes) >= 2 else None
+    lossless = check_lossless(target, runs, args.max_new_tokens)  # every run, whatever its mode
     emulated = {p.name: {"drafter": p.drafter, "compute_slowdown": p.compute_slowdown,
                          "tokens_per_s": p.tokens_per_s,
                          "link": p.link.describe(), "how": "TCP delaying proxy (LinkProxy) on "
@@ -282,10 +282,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     if args.find_capacity:
         rep.add_capacity(report, capacity, args.slo, probes)
     _write_outputs(args, report)
-    if lossless is not None and lossless["mismatches"]:
+    if lossless["mismatches"]:
         print("simulate: error: an output differs from target-only decoding", file=sys.stderr)
         return 1
-    if lossless is not None and not lossless["ok"]:
+    if not lossless["ok"]:
         print("simulate: warning: some devices finished no request, so their output was not "
               "checked (see error_samples in the report)", file=sys.stderr)
     return 0
