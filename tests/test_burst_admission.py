@@ -15,7 +15,8 @@ from conftest import hf_greedy
 from edgespec.config import ConfigError, EngineConfig
 from edgespec.engine.spec_engine import Admission, Request, SpecEngine
 from edgespec.runner.target_runner import TargetRunner
-from verifier_node.scheduler import Scheduler, Ticket
+from verifier_node.scheduler import Scheduler
+from verifier_node.tickets import Ticket
 
 WAIT_S = 120
 BUDGET = 60  # prompt tokens a step; prompts are cut at multiples of it

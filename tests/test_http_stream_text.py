@@ -14,7 +14,7 @@ import pytest
 from edgespec.engine.generation import Request, Result
 from edgespec.protocol.request_stats import Stats
 from verifier_node.http_api import _Run
-from verifier_node.scheduler import Ticket
+from verifier_node.tickets import Ticket
 
 pytestmark = [pytest.mark.real_model, pytest.mark.slow]
 

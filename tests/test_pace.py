@@ -26,7 +26,7 @@ def _paced(rate: float, session_rate: float, prefill_rate: float = 0.0) -> Pace:
 
 def _queued_ticket(max_new_tokens: int):
     from edgespec.engine.spec_engine import Request
-    from verifier_node.scheduler import Ticket
+    from verifier_node.tickets import Ticket
 
     return Ticket(Request([1, 2, 3], max_new_tokens), None, session_id="ahead")
 

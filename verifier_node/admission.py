@@ -26,7 +26,8 @@ from edgespec.models.loading import encode_prompt
 from edgespec.models.vision import ImageInput
 from edgespec.verify.keyed_noise import with_session_seed
 
-from .scheduler import Scheduler, Ticket
+from .scheduler import Scheduler
+from .tickets import Ticket
 
 log = logging.getLogger("edgespec.verifier")
 

@@ -43,7 +43,7 @@ from edgespec.models.text_stream import TextStream
 from .admission import Admission, DrafterMissing, SessionNotFound
 from .body_limit import MIN_BYTES, BodyLimit
 from .openai_params import ApiError, error_response, parse_request
-from .scheduler import QueueFull, ShuttingDown, Ticket
+from .tickets import QueueFull, ShuttingDown, Ticket
 
 
 log = logging.getLogger("edgespec.http")

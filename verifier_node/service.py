@@ -37,7 +37,7 @@ from edgespec.wire.convert import (params_from_pb, params_to_pb, refusal_metadat
 
 from .admission import Admission, DrafterMissing, GenerationRequest, SessionNotFound
 from .metrics import acceptance
-from .scheduler import QueueFull, ShuttingDown, Ticket
+from .tickets import QueueFull, ShuttingDown, Ticket
 
 log = logging.getLogger("edgespec.verifier")
 

@@ -113,7 +113,8 @@ def run_burst(loaded, mode: str, streams: list[list[int]], burst: list[list[int]
     from edgespec.drafters import build_drafter
     from edgespec.engine.spec_engine import Request, SpecEngine
     from edgespec.runner.target_runner import TargetRunner
-    from verifier_node.scheduler import Scheduler, Ticket
+    from verifier_node.scheduler import Scheduler
+    from verifier_node.tickets import Ticket
 
     longest = max(len(p) for p in streams + burst)
     max_len = longest + args.steady_tokens + 2048
