@@ -107,7 +107,7 @@ def test_the_readme_http_examples_work(server, api):
                 .replace(DEFAULT_MODEL_NAME, api.model_id))
 
     def curl(command: str) -> dict:
-        command = here(command).replace("curl -s", f'curl -s -H "Authorization: Bearer {TOKEN}"')
+        command = here(command).replace("curl ", f'curl -H "Authorization: Bearer {TOKEN}" ', 1)
         out = subprocess.run(["bash", "-c", command], capture_output=True, text=True,
                              timeout=120, check=True)
         return json.loads(out.stdout)
