@@ -16,7 +16,6 @@ import logging
 import struct
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 import redis
@@ -34,85 +33,10 @@ from .devices import DeviceRegistry
 from .fleet_recorder import FleetRecorder
 from .fleet_table import RedisFleetTable
 from .store_lua import COMMIT_MANY_LUA, PUSH_LUA, TAKE_MANY_LUA
+from .store_records import (COMMIT_REPLY, INT, TAKE_HEADER, DraftRow, PushResult, SessionRecord,
+                            SessionSnapshot, StoreError, packed_verdict)
 
 log = logging.getLogger("edgespec.cache")
-
-
-class StoreError(Exception):
-    """A refused operation. ``kind``: unknown, stale, finished, position, branch."""
-
-    KINDS = {-1: "unknown", -2: "stale", -3: "finished", -4: "position", -5: "branch"}
-
-    def __init__(self, code: int, message: str | bytes):
-        super().__init__(message.decode() if isinstance(message, bytes) else message)
-        self.kind = self.KINDS.get(code, "error")
-
-
-@dataclass
-class PushResult:
-    kept: int
-    committed_end: int
-
-
-# a verdict's numbers as COMMIT_MANY_LUA unpacks them: epoch, accepted, token, done, start,
-# first fix token, own branch, wanted
-COMMIT_NUMBERS = struct.Struct("<iiIiiIii")
-# COMMIT_MANY_LUA's answer to a verdict: COMMIT's (fix 0/1/2 replay, epoch, end), or an error's
-# code (< 0) and its message's 1-based index
-COMMIT_REPLY = struct.Struct("<iii")
-# a session as TAKE_MANY_LUA reads it: epoch (-1: vanished), idle, committed bytes, drafting (a
-# drafter alive), the bytes of the draft's first tokens that follow (at most those wanted)
-TAKE_HEADER = struct.Struct("<iiiii")
-_INT = struct.Struct("<i")
-
-
-def _sized(b: bytes) -> bytes:
-    """``b`` as the scripts' ``struct.unpack('<i4c0')`` reads it: its length, then itself."""
-    return _INT.pack(len(b)) + b
-
-
-_THREE_EMPTY = _sized(b"") * 3  # a verdict without finish reason or branch: its last fields
-
-
-def _packed_verdict(v: Verdict) -> bytes:
-    """A verdict as COMMIT_MANY_LUA reads it: its numbers, its session id, its finish reason,
-    its branch's tokens and the inbox event's tokens after the first (the branch's, then the
-    verdict's token); a step's usual verdict (no branch, not the last) with its three empty
-    fields at once (bench-host: a third of the commit's packing)."""
-    fix = v.branch[0] if v.branch else v.token  # the inbox event's first token
-    head = COMMIT_NUMBERS.pack(v.epoch, v.n_accepted, v.token, int(v.done), v.start, fix,
-                               int(v.own_branch), -1 if v.wanted is None else v.wanted) \
-        + _sized(v.session_id.encode())
-    if not v.branch and not v.finish_reason:
-        return head + _THREE_EMPTY
-    more = (*v.branch[1:], v.token) if v.branch else ()
-    return head + _sized(v.finish_reason.encode()) + _sized(pack_tokens(v.branch)) \
-        + _sized(",".join(map(str, more)).encode())
-
-
-@dataclass
-class SessionRecord:
-    """A session as stored: what a verifier needs to resume it."""
-
-    session_id: str
-    prompt: list[int]
-    committed: list[int]
-    params: SamplingParams
-    max_new_tokens: int
-    device: str | None
-    finish_reason: str | None  # set once the session finished ("stop" or "length")
-    epoch: int
-    done: bool  # closed, whatever the reason (cancelled and failed sessions are resumable)
-    verify: str = ""  # "exact" or "loose" as verified so far ("": recorded before it was kept)
-    lineage: Lineage = Lineage()  # the kernel set its output is the decoding of
-
-
-@dataclass
-class SessionSnapshot:
-    session_id: str
-    tokens: list[int]
-    params: SamplingParams
-    epoch: int
 
 
 class RedisSessionStore:
@@ -219,7 +143,7 @@ class RedisSessionStore:
                              int(f.get("epoch") or 0), done, f.get("verify", ""),
                              Lineage(f.get("kernels", ""), int(f.get("differs") or 0)))
 
-    def _read(self, wants: list[DraftWant]) -> list[_DraftRow]:
+    def _read(self, wants: list[DraftWant]) -> list[DraftRow]:
         """Each wanted session's state, read by one script (``TAKE_MANY_LUA``)."""
         if not wants:
             return []
@@ -233,13 +157,13 @@ class RedisSessionStore:
             at += TAKE_HEADER.size
             draft = blob[at:at + got]
             at += got
-            (nbr,), at = _INT.unpack_from(blob, at), at + _INT.size
+            (nbr,), at = INT.unpack_from(blob, at), at + INT.size
             branches = []
             for _ in range(nbr):
-                (size,), at = _INT.unpack_from(blob, at), at + _INT.size
+                (size,), at = INT.unpack_from(blob, at), at + INT.size
                 branches.append(blob[at:at + size])
                 at += size
-            rows.append(_DraftRow(None if epoch < 0 else epoch, idle == 1, drafting == 1,
+            rows.append(DraftRow(None if epoch < 0 else epoch, idle == 1, drafting == 1,
                                   tok_len // 4, got // 4, draft, branches))
         return rows
 
@@ -275,7 +199,7 @@ class RedisSessionStore:
                                     ready=row.ready(w.k)))
         return taken
 
-    def _take_rows(self, wants: list[DraftWant], wait_s: float) -> list[_DraftRow]:
+    def _take_rows(self, wants: list[DraftWant], wait_s: float) -> list[DraftRow]:
         """``take_when_ready``'s wait and read: the sessions as Redis holds them once every
         draft waited for is ready or its time is up. Each wake-up (a pushed chunk, naming its
         session) reads again only the sessions still waited for that it names: a draft only
@@ -306,7 +230,7 @@ class RedisSessionStore:
         verdicts: one that landed is recognised as a replay)."""
         if not verdicts:
             return []
-        packed = b"".join(map(_packed_verdict, verdicts))
+        packed = b"".join(map(packed_verdict, verdicts))
         try:
             replies, messages = self._commit_many(
                 args=[self.ttl_s, self.inbox_maxlen, self.keys.prefix, packed])
@@ -430,20 +354,3 @@ class RedisSessionStore:
             return []
         return [(text(eid), InboxEvent.parse({text(k): text(v) for k, v in fields.items()}))
                 for eid, fields in got[0][1]]
-
-
-@dataclass
-class _DraftRow:
-    """A session as ``take_when_ready`` reads it."""
-
-    epoch: int | None  # None: the session vanished
-    idle: bool  # its drafter has nothing more until a fix
-    drafting: bool  # it has a drafter, attached now
-    committed_end: int
-    draft_len: int  # tokens in ``draft``: the draft's first, at most those asked for
-    draft: bytes  # the first k draft tokens, packed
-    branches: list[bytes]  # packed, when branches were asked for
-
-    def ready(self, k: int) -> bool:
-        """Waiting longer would not give a longer draft (or the session is gone)."""
-        return self.epoch is None or not self.drafting or self.idle or self.draft_len >= k
