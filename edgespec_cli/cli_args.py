@@ -249,10 +249,14 @@ def engine_config(args, max_sessions: int | None = None) -> EngineConfig:
                         cuda_graphs=getattr(args, "cuda_graphs", None))
 
 
-def add_threads_arg(p: argparse.ArgumentParser) -> None:
+THREADS_DEFAULT = "cores - 1, at least 1; $EDGESPEC_THREADS overrides the default"
+# a command that runs its verifier on --server-cpus (bench-edge, simulate)
+SERVER_CORES_THREADS = "one a core of --server-cpus"
+
+
+def add_threads_arg(p: argparse.ArgumentParser, default: str = THREADS_DEFAULT) -> None:
     p.add_argument("--threads", type=int, default=None,
-                   help="torch CPU threads for the model (default: cores - 1, at least 1; "
-                        "$EDGESPEC_THREADS overrides the default)")
+                   help=f"torch CPU threads for the model (default: {default})")
 
 
 PLOT_FOLDERS = {"simulate"}  # commands whose --plot names a folder of pictures

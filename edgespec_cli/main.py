@@ -28,8 +28,8 @@ import json
 import sys
 
 from edgespec import __version__
-from edgespec_cli.cli_args import (add_engine_args, add_model_args, add_threads_arg,
-                                add_tree_width_arg,
+from edgespec_cli.cli_args import (SERVER_CORES_THREADS, add_engine_args, add_model_args,
+                                add_threads_arg, add_tree_width_arg,
                                 add_verify_args, check_drafter_arg, check_model_arg,
                                 check_output_files, engine_config, set_threads,
                                 warn_if_lossy)
@@ -249,7 +249,7 @@ def _add_benchmarks(sub) -> None:
 
     add_bench_edge_args(e)
     add_model_args(e)
-    add_threads_arg(e)
+    add_threads_arg(e, SERVER_CORES_THREADS)
     e.set_defaults(func=run_bench_edge)
 
     h = sub.add_parser("bench-host", help="the engine's host work per step and session, the "

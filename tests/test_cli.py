@@ -123,6 +123,7 @@ def test_bad_options_give_one_readable_line(tiny_dir, args, message):
     (["bench-pad", "--pad-min-prob", "5"], "--pad-min-prob"),  # both were refused after the
     (["bench-pad", "--drafter", "bogus"], "unknown drafter"),  # target-only run, not before
     (["simulate", "--timeout", "nan"], "--timeout"),
+    (["simulate", "--batching", "off", "--baseline", "server-only"], "--batching on or both"),
     (["simulate", "--find-capacity", "--slo", "nan"], "--slo"),
     (["simulate", "--max-devices", "0"], "--max-devices"),
     (["distill", "--data-share", "1.5", "--out", "OUT"], "--data-share"),

@@ -157,8 +157,14 @@ def test_add_capacity_sets_ratio():
                         [])["capacity_ratio"] is None
     report = add_capacity(report_for(sweep()), {"on": 6, "server-only": 2}, 5.0, [])
     assert report["capacity_ratio_vs_server_only"] == pytest.approx(3.0)
+    assert "ratio on/server-only 3.00x" in format_table(report)
     assert "capacity_ratio" not in report
     assert "on/server-only 3.00x" in format_table(report)
+    # the server alone met the SLO at no count: said so, not printed as "-x"
+    report = add_capacity(report_for(sweep()), {"on": 1, "server-only": 0}, 5.0, [])
+    assert report["capacity_ratio_vs_server_only"] is None
+    table = format_table(report)
+    assert "on/server-only: none (the server alone met the SLO" in table and "-x" not in table
 
 
 def test_format_table_lists_every_device_and_ratios():
@@ -184,10 +190,11 @@ def test_write_json_round_trips(tmp_path):
         assert json.load(f) == report
 
 
-def assert_pngs(paths, out_dir):
+def assert_pngs(paths, out_dir, on_off: bool = True):
+    """The charts written: the on/off bars only where both modes ran."""
     assert sorted(p.rsplit("/", 1)[1] for p in paths) == sorted(
-        ["throughput_vs_devices.png", "itl_p99_vs_devices.png", "batching_on_vs_off.png",
-         "acceptance_per_device.png"])
+        ["throughput_vs_devices.png", "itl_p99_vs_devices.png", "acceptance_per_device.png"]
+        + (["batching_on_vs_off.png"] if on_off else []))
     for p in paths:
         assert p.startswith(str(out_dir))
         with open(p, "rb") as f:
@@ -203,8 +210,12 @@ def test_write_plots_from_runs_and_from_report(tmp_path):
 def test_write_plots_single_device_count_and_error_only(tmp_path):
     assert_pngs(write_plots([run("on", 2), run("off", 2, ended=20.0)], str(tmp_path / "one")),
                 tmp_path / "one")
-    assert_pngs(write_plots([error_only_run()], str(tmp_path / "err")), tmp_path / "err")
-    assert_pngs(write_plots([], str(tmp_path / "none")), tmp_path / "none")
+    assert_pngs(write_plots([error_only_run()], str(tmp_path / "err")), tmp_path / "err",
+                on_off=False)
+    assert_pngs(write_plots([], str(tmp_path / "none")), tmp_path / "none", on_off=False)
+    # one mode and the server-only baseline: no bars of a mode that never ran
+    assert_pngs(write_plots([run("on", 2), run("server-only", 2)], str(tmp_path / "base")),
+                tmp_path / "base", on_off=False)
 
 
 def chart_texts(fig) -> dict:

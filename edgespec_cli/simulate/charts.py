@@ -166,15 +166,17 @@ def figures(runs_or_report: list[RunRecord] | dict) -> dict:
     import matplotlib.pyplot as plt
 
     summaries = as_summaries(runs_or_report)
+    modes = {s["batching"] for s in summaries}
     figs = dict(zip(PLOT_NAMES, [
         line_plot(plt, summaries, lambda s: s["system_tokens_per_s"], "system tokens/s",
                   "system throughput", lambda s: s["completed"], "requests"),
         line_plot(plt, summaries, lambda s: None if s["itl_s"]["p99"] is None
                   else s["itl_s"]["p99"] * 1000, "ITL p99 (ms)", "p99 inter-token latency",
                   lambda s: s.get("samples", {}).get("itl"), "ITL samples"),
-        on_off_bars(plt, summaries),
+        on_off_bars(plt, summaries) if {"on", "off"} <= modes else None,
         acceptance_bars(plt, summaries),
     ]))
+    figs = {name: fig for name, fig in figs.items() if fig is not None}  # on/off: both ran
     text = caption(runs_or_report, summaries)
     for fig in figs.values():
         add_caption(fig, text)

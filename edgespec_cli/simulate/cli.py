@@ -21,7 +21,8 @@ REAL_PARTS = ["verifier (the real model, batched verification)",
 
 
 def add_simulate_command(sub) -> None:
-    from edgespec_cli.cli_args import add_dtype_arg, add_threads_arg, add_tree_width_arg
+    from edgespec_cli.cli_args import (SERVER_CORES_THREADS, THREADS_DEFAULT, add_dtype_arg,
+                                       add_threads_arg, add_tree_width_arg)
     from ..deployment.device_profiles import PROFILES
 
     s = sub.add_parser("simulate", help="a whole fleet on one machine: real verifier, cache "
@@ -123,7 +124,7 @@ def add_simulate_command(sub) -> None:
     s.add_argument("--acceptance", metavar="NAME=ALPHA[@TOK_S],...", default="",
                    help="with --project-on: drafters given by hand: their draft tokens' "
                         "acceptance and, optionally, one board's draft tokens/s")
-    add_threads_arg(s)
+    add_threads_arg(s, f"{SERVER_CORES_THREADS}; with --shared-cpus {THREADS_DEFAULT}")
     add_dtype_arg(s, "the verifier's ")
     add_tree_width_arg(s)
     s.set_defaults(func=cmd_simulate)
@@ -159,6 +160,9 @@ def check_args(args) -> tuple[list[int], list]:
                           f"{args.timeout}")
     if args.max_devices < 1:
         raise ConfigError(f"--max-devices must be >= 1, got {args.max_devices}")
+    if args.baseline == SERVER_ONLY and args.batching == "off":
+        raise ConfigError("--baseline server-only is compared with edge drafting batched: give "
+                          "--batching on or both")
     if args.find_capacity and (args.slo is None or not args.slo > 0):
         raise ConfigError("--find-capacity needs --slo TOKENS_PER_S > 0")
     if args.slo is not None and not (args.find_capacity or args.project_on):

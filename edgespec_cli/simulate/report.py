@@ -308,15 +308,29 @@ def add_capacity(report: dict, capacity: dict[str, int], slo: float,
     return report
 
 
+def _capacity_ratio(report: dict, key: str, against: str, who: str) -> str:
+    """A capacity ratio as the table says it, or why there is none (``who``, the mode compared
+    with, met the SLO at no device count tried)."""
+    value = report[key]
+    if value is None:
+        return f"on/{against}: none ({who} met the SLO at no device count tried)"
+    return f"on/{against} {fmt(value, digits=2)}x"
+
+
 def fmt(value: float | None, scale: float = 1.0, digits: int = 1) -> str:
     return "-" if value is None else f"{value * scale:.{digits}f}"
+
+
+def _mode_name(batching: str) -> str:
+    """A run's mode as its header names it: batching on or off, or the server-only baseline."""
+    return "server-only baseline" if batching == SERVER_ONLY else f"batching {batching}"
 
 
 def run_block(s: dict) -> list[str]:
     ms = 1000.0
     hist = " ".join(f"{k}:{v}" for k, v in s["batch_sizes"]["histogram"].items()) or "-"
     lines = [
-        f"== batching {s['batching']}, {s['devices']} device(s): {s['requests']} requests, "
+        f"== {_mode_name(s['batching'])}, {s['devices']} device(s): {s['requests']} requests, "
         f"{s['tokens']} tokens, {s['errors']} errors, {fmt(s['wall_s'], digits=2)} s",
         f"  system tokens/s  {fmt(s['system_tokens_per_s'], digits=2)}",
         f"  TTFT ms          p50 {fmt(s['ttft_s']['p50'], ms)}  p99 {fmt(s['ttft_s']['p99'], ms)}",
@@ -392,9 +406,10 @@ def ratio_lines(report: dict) -> list[str]:
     if "capacity" in report:
         cap = report["capacity"]
         found = ", ".join(f"{m} {cap[m]}" for m in ("on", "off", SERVER_ONLY) if m in cap)
-        ratios = [f"on/off {fmt(report['capacity_ratio'], digits=2)}x"
+        ratios = [_capacity_ratio(report, "capacity_ratio", "off", "batching off")
                   if "capacity_ratio" in report else "",
-                  f"on/server-only {fmt(report['capacity_ratio_vs_server_only'], digits=2)}x"
+                  _capacity_ratio(report, "capacity_ratio_vs_server_only", "server-only",
+                                  "the server alone")
                   if "capacity_ratio_vs_server_only" in report else ""]
         lines.append(f"capacity at {cap['slo_tokens_per_s']} tokens/s per device: {found}"
                      + (f"; ratio {', '.join(r for r in ratios if r)}" if any(ratios) else ""))
