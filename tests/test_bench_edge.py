@@ -72,5 +72,5 @@ def test_edge_drafting_against_the_server_alone_as_processes(looping_dir, tmp_pa
     board_log = (tmp_path / "bench-edge-2x1-board-0.log").read_text()  # the cache took:
     assert "trees of width 2" in board_log and "refuses tree chunks" not in board_log
     assert "INVALID_ARGUMENT" not in edge["chunks_refused"]
-    assert "2x1" in r.stdout and "draft ready in" in r.stdout
+    assert "2x1" in r.stdout and "the whole draft in when taken in" in r.stdout
     assert (tmp_path / "edge.png").read_bytes().startswith(b"\x89PNG")

@@ -449,11 +449,12 @@ def format_table(report: dict) -> str:
     for f in report["fleets"]:
         for b in f["per_board"]:
             lines.append(
-                f"  {f['sessions']}x{f['boards']} {b['device']}: draft ready in "
-                f"{_f(100 * b['ready_share'] if b['ready_share'] is not None else None, 0)}% "
-                f"and verified in "
+                f"  {f['sessions']}x{f['boards']} {b['device']}: of {b['session_steps']:.0f} "
+                f"session steps, the whole draft in when taken in "
+                f"{_f(100 * b['ready_share'] if b['ready_share'] is not None else None, 0)}%, "
+                f"a draft verified (waited for, or in part) in "
                 f"{_f(100 * b['verified_share'] if b['verified_share'] is not None else None, 0)}"
-                f"% of {b['session_steps']:.0f} session steps; chunks sent "
+                f"%; chunks sent "
                 f"{b['chunks_sent']:.0f} (resent {b['chunks_resent']:.0f}), tokens kept "
                 f"across fixes {b['tokens_kept']:.0f}, discarded {b['tokens_discarded']:.0f}; "
                 f"draft tokens sent {b['draft_tokens']:.0f}, accepted "
