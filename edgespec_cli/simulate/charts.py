@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 
-from edgespec_cli.simulate.records import SERVER_ONLY, RunRecord
+from edgespec_cli.simulate.records import SERVER_ONLY, RunRecord, mode_name
 from edgespec_cli.simulate.report import fmt, summarize_run
 
 PLOT_NAMES = ("throughput_vs_devices.png", "itl_p99_vs_devices.png", "batching_on_vs_off.png",
@@ -55,9 +55,8 @@ def line_plot(plt, summaries: list[dict], value, ylabel: str, title: str, count,
     for mode in modes(summaries):
         xs, ys = series(summaries, mode, value)
         n = series_count(summaries, mode, value, count)
-        name = "server only (no boards)" if mode == SERVER_ONLY else f"batching {mode}"
         ax.plot(xs, ys, marker="o", color=MODE_COLORS.get(mode),
-                label=f"{name} (n={n} {count_name})")
+                label=f"{mode_name(mode)} (n={n} {count_name})")
         for x, y in zip(xs, ys):
             ax.annotate(value_label(y), (x, y), textcoords="offset points", xytext=(0, 6),
                         ha="center", fontsize=7)

@@ -11,6 +11,11 @@ from dataclasses import dataclass, field
 SERVER_ONLY = "server-only"  # the baseline mode: no boards, the verifier decoding alone
 
 
+def mode_name(batching: str) -> str:
+    """A run's mode as reports and charts name it: batching on or off, or the baseline."""
+    return "server only (no boards)" if batching == SERVER_ONLY else f"batching {batching}"
+
+
 def board_share(stats: dict) -> tuple[int, int]:
     """(draft tokens, accepted) of a session's own drafter, from its final stats: the wire's
     ``drafter_*`` counts; a verifier older than them, which sends none, had no head or fill

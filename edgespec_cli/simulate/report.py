@@ -50,7 +50,7 @@ import os
 from collections import defaultdict
 
 from edgespec_cli.deployment.cpu_share import BOUND_SHARE, busy_share
-from edgespec_cli.simulate.records import SERVER_ONLY, RequestRecord, RunRecord
+from edgespec_cli.simulate.records import SERVER_ONLY, RequestRecord, RunRecord, mode_name
 
 PERCENTILE_METHOD = "nearest-rank"
 
@@ -321,16 +321,11 @@ def fmt(value: float | None, scale: float = 1.0, digits: int = 1) -> str:
     return "-" if value is None else f"{value * scale:.{digits}f}"
 
 
-def _mode_name(batching: str) -> str:
-    """A run's mode as its header names it: batching on or off, or the server-only baseline."""
-    return "server-only baseline" if batching == SERVER_ONLY else f"batching {batching}"
-
-
 def run_block(s: dict) -> list[str]:
     ms = 1000.0
     hist = " ".join(f"{k}:{v}" for k, v in s["batch_sizes"]["histogram"].items()) or "-"
     lines = [
-        f"== {_mode_name(s['batching'])}, {s['devices']} device(s): {s['requests']} requests, "
+        f"== {mode_name(s['batching'])}, {s['devices']} device(s): {s['requests']} requests, "
         f"{s['tokens']} tokens, {s['errors']} errors, {fmt(s['wall_s'], digits=2)} s",
         f"  system tokens/s  {fmt(s['system_tokens_per_s'], digits=2)}",
         f"  TTFT ms          p50 {fmt(s['ttft_s']['p50'], ms)}  p99 {fmt(s['ttft_s']['p99'], ms)}",
