@@ -77,7 +77,7 @@ def role_actors():
 
 def cmd_deploy(args: argparse.Namespace) -> int:
     from edgespec.config import ConfigError
-    from .deployment.placement import use_token_auth_if_present
+    from .deployment.cluster import use_token_auth_if_present
 
     use_token_auth_if_present()
     try:
@@ -85,6 +85,7 @@ def cmd_deploy(args: argparse.Namespace) -> int:
     except ImportError:
         raise ConfigError("edgespec deploy needs Ray, the fleet extra: pip install -e "
                           "'.[fleet]' in the edgespec repository") from None
+    from .deployment import cluster
     from .deployment import placement as fleet
     from edgespec.drafters import EDGE_KINDS, parse_drafter_spec
 
@@ -101,18 +102,18 @@ def cmd_deploy(args: argparse.Namespace) -> int:
     if not (args.status or args.down):  # before touching the cluster
         parse_drafter_spec(args.drafter, allowed=EDGE_KINDS)
         spec.validate()
-    fleet.connect(args.address or os.environ.get("RAY_ADDRESS"))
+    cluster.connect(args.address or os.environ.get("RAY_ADDRESS"))
     if args.status:
-        actors = fleet.status()
-        print(fleet.format_table(actors) if actors else "nothing is deployed")
+        actors = cluster.status()
+        print(cluster.format_table(actors) if actors else "nothing is deployed")
         return 0
     if args.down:
-        n = fleet.down()
-        left = fleet.placed_names()
+        n = cluster.down()
+        left = cluster.placed_names()
         print(f"removed {n} actor(s)" + (f"; still there: {', '.join(left)}" if left else ""))
         return 1 if left else 0
     deployment = fleet.deploy(roles, spec, progress=lambda m: print(
         f"edgespec: {m}", file=sys.stderr, flush=True))
-    print(fleet.format_table(deployment.actors))
+    print(cluster.format_table(deployment.actors))
     print(deployment.endpoint)
     return 0

@@ -25,7 +25,7 @@ def test_fleet_settings_parse_and_bad_ones_are_refused():
 @pytest.mark.slow
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores")
 def test_the_chunks_the_cache_refused_are_counted_by_code_between_two_scrapes():
-    from edgespec_cli.bench.edge_vs_server import refused_chunks
+    from edgespec_cli.bench.edge_report import refused_chunks
 
     def key(result: str, code: str) -> tuple:
         return "edgespec:cache_chunks_total", tuple(sorted({"result": result,

@@ -18,6 +18,7 @@ pytest.importorskip("ray", reason="ray is not installed (pip install -e '.[fleet
                            "test extra)")
 
 import edgespec  # noqa: E402
+from edgespec_cli.deployment import cluster  # noqa: E402
 from edgespec_cli.deployment import placement as fleet  # noqa: E402
 from edgespec.config import ConfigError  # noqa: E402
 from edgespec.wire.convert import free_port  # noqa: E402
@@ -68,17 +69,17 @@ def deployed(ray_cluster, looping_dir, tmp_path_factory):
     assert r.returncode == 0, r.stderr[-3000:]
     endpoint = r.stdout.strip().splitlines()[-1]
     assert endpoint == f"127.0.0.1:{port}"
-    ray.init(address=ray_cluster["address"], namespace=fleet.NAMESPACE, log_to_driver=False)
+    ray.init(address=ray_cluster["address"], namespace=cluster.NAMESPACE, log_to_driver=False)
     yield {"endpoint": endpoint, "table": r.stdout, "cache": cache, **ray_cluster}
-    if fleet.placed_names():  # the down test did not run or failed
-        fleet.down()
+    if cluster.placed_names():  # the down test did not run or failed
+        cluster.down()
 
 
 def all_ready(timeout: float = 120) -> list:
     """The placed actors once every one is ready (deploy returns when one drafter is)."""
     deadline = time.monotonic() + timeout
     while True:
-        actors = fleet.status()
+        actors = cluster.status()
         if all(a.state == "ready" for a in actors) or time.monotonic() > deadline:
             return actors
         time.sleep(0.5)
@@ -95,7 +96,7 @@ def test_placement_follows_declared_resources(deployed):
     for role in ("verifier", "cache", "router"):
         assert {a.node_id for a in by_role[role]} == {deployed["head"]}, role
     assert all(a.node_id != deployed["plain"] for a in actors)
-    assert all(a.state == "ready" for a in actors), fleet.format_table(actors)
+    assert all(a.state == "ready" for a in actors), cluster.format_table(actors)
     for a in actors:  # the readiness table names every actor's node, role and address
         assert f"{a.role}" in deployed["table"] and a.address in deployed["table"]
 
@@ -117,14 +118,14 @@ def test_two_replicas_serve_sessions_identically_to_target_only(deployed, loopin
     assert s["kv_slots"] == 16 and s["healthy"]  # two replicas of 8 slots each
     assert s["dtype"] == "float32"  # deploy --dtype reached the verifiers
     assert {d["device_id"] for d in s["drafters"] if d["attached"]} == {
-        fleet.device_id_for(n, 0) for n in fleet.nodes() if n.node_id in deployed["boards"]}
+        fleet.device_id_for(n, 0) for n in cluster.nodes() if n.node_id in deployed["boards"]}
 
 
 def test_killed_drafter_actor_is_restarted_and_attaches_again(deployed, looping):
     import ray
 
-    name = next(a.name for a in fleet.status() if a.role == "drafter")
-    handle = ray.get_actor(name, namespace=fleet.NAMESPACE)
+    name = next(a.name for a in cluster.status() if a.role == "drafter")
+    handle = ray.get_actor(name, namespace=cluster.NAMESPACE)
     before = ray.get(handle.info.remote(), timeout=30)
     ray.kill(handle, no_restart=False)  # a crash: Ray restarts it
     deadline = time.monotonic() + 120
@@ -151,7 +152,7 @@ def test_a_killed_verifier_replica_costs_no_session(deployed, looping):
     other replica or to the restarted one, and come out identical to target-only."""
     import ray
 
-    handle = ray.get_actor(f"{fleet.PREFIX}verifier-0", namespace=fleet.NAMESPACE)
+    handle = ray.get_actor(f"{cluster.PREFIX}verifier-0", namespace=cluster.NAMESPACE)
     before = ray.get(handle.info.remote(), timeout=30)
     ray.kill(handle, no_restart=False)
     with edgespec.Client(deployed["endpoint"], timeout=120) as c:
@@ -171,13 +172,13 @@ def test_a_killed_verifier_replica_costs_no_session(deployed, looping):
 
 
 def test_placement_errors_say_which_resource_to_declare():
-    plain = fleet.Node("n1", "127.0.0.1", {"CPU": 2.0})
+    plain = cluster.Node("n1", "127.0.0.1", {"CPU": 2.0})
     with pytest.raises(ConfigError, match="'verifier' resource"):
-        fleet.verifier_nodes([plain])
+        cluster.verifier_nodes([plain])
     with pytest.raises(ConfigError, match="'edge' resource"):
-        fleet.edge_nodes([plain])
-    gpu = fleet.Node("n2", "127.0.0.1", {"GPU": 1.0})
-    assert fleet.verifier_nodes([plain, gpu]) == ([gpu], "GPU")
+        cluster.edge_nodes([plain])
+    gpu = cluster.Node("n2", "127.0.0.1", {"GPU": 1.0})
+    assert cluster.verifier_nodes([plain, gpu]) == ([gpu], "GPU")
 
 
 def test_deploy_without_a_cluster_is_a_clear_error():
@@ -190,14 +191,14 @@ def test_a_second_deploy_is_refused_and_leaves_the_fleet_running(deployed):
     r = edgespec_cli("deploy", "--address", deployed["address"], "--model", "default",
                      "--port", free_port(), "--cache-port", free_port(), cache=deployed["cache"])
     assert r.returncode == 2 and "already deployed" in r.stderr
-    assert len(fleet.placed_names()) == 6
+    assert len(cluster.placed_names()) == 6
 
 
 def test_down_leaves_no_actor_behind(deployed):
     r = edgespec_cli("deploy", "--address", deployed["address"], "--down")
     assert r.returncode == 0, r.stderr[-2000:]
     assert "removed 6 actor(s)" in r.stdout  # cache, router, 2 verifiers, 2 drafters
-    assert fleet.placed_names() == []
+    assert cluster.placed_names() == []
     r = edgespec_cli("deploy", "--address", deployed["address"], "--status")
     assert r.returncode == 0 and "nothing is deployed" in r.stdout
     assert list((deployed["cache"] / "fleet-redis").iterdir()) == []  # the cache's files too

@@ -23,7 +23,7 @@ class CacheActor:
         from edgespec_cli.server import EdgespecServer, ServerOptions
 
         from .cpu_share import pin_process
-        from .placement import where
+        from .cluster import where
 
         pin_process(cpus)  # first: Redis and every thread started below inherit it
         configure_logging()

@@ -77,7 +77,7 @@ class DrafterActor:
             log.error("drafter %s stopped: %s", self.device_id, self.error)
 
     def info(self) -> dict:
-        from .placement import where
+        from .cluster import where
 
         return {"role": "drafter", **where(), "pid": os.getpid(),
                 "device_id": self.device_id, "drafter": self.spec, "profile": self.profile,

@@ -27,7 +27,7 @@ class VerifierActor:
         from edgespec_cli.server import EdgespecServer, ServerOptions
 
         from .cpu_share import pin_process
-        from .placement import where
+        from .cluster import where
 
         pin_process(cpus)
         configure_logging()
@@ -80,7 +80,7 @@ class RouterActor:
         from edgespec_cli.cli_args import configure_logging
         from verifier_node.router import VerifierRouter
 
-        from .placement import where
+        from .cluster import where
 
         configure_logging()
         self.where = where()

@@ -223,10 +223,10 @@ def load_prompts(target, seed: int, max_new_tokens: int):
 def start_ray(address: str | None) -> None:
     import ray
 
-    from ..deployment import placement as fleet
+    from ..deployment import cluster
 
     if address:
-        fleet.connect(address, namespace="edgespec-simulate")
+        cluster.connect(address, namespace="edgespec-simulate")
         return
     ray.init(namespace="edgespec-simulate", include_dashboard=False, log_to_driver=False,
              configure_logging=False, logging_level=logging.WARNING)
@@ -349,7 +349,7 @@ def _prepare_ray_env(args: argparse.Namespace) -> None:
     if not args.address:  # a local cluster on loopback only (see docs/architecture.md)
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     else:
-        from ..deployment.placement import use_token_auth_if_present
+        from ..deployment.cluster import use_token_auth_if_present
 
         use_token_auth_if_present()
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")

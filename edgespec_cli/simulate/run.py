@@ -35,7 +35,8 @@ from typing import TYPE_CHECKING, Any
 
 from ..deployment.cpu_share import CpuSplit
 from ..deployment.device_profiles import DeviceProfile
-from ..deployment.placement import FleetError, RoleActors
+from ..deployment.cluster import FleetError
+from ..deployment.placement import RoleActors
 
 from .records import SERVER_ONLY, RequestRecord, RunRecord
 
@@ -106,18 +107,18 @@ class FleetRun:
     def _place(self) -> tuple[str, Any]:  # the verifier's address and Ray actor
         import ray
 
-        from ..deployment import placement as fleet
+        from ..deployment import cluster, placement
 
-        head = fleet.head_node(fleet.nodes())
+        head = cluster.head_node(cluster.nodes())
         split = self.s.cpus
-        cache = fleet.place(self.roles.cache, head).remote(
+        cache = placement.place(self.roles.cache, head).remote(
             0, self._tmp, secrets.token_urlsafe(16), max_drafters=len(self.profiles) + 8,
             cpus=split.server if split else None)
         self._actors.append(cache)
         info = ray.get(cache.info.remote(), timeout=self.s.timeout_s)
         slots = 1 if self.batching == "off" else len(self.profiles)
         gpu = self.s.device.startswith("cuda")
-        verifier = fleet.place(self.roles.verifier, head, num_gpus=1 if gpu else 0).remote(
+        verifier = placement.place(self.roles.verifier, head, num_gpus=1 if gpu else 0).remote(
             0, info["redis_url"], model=self.s.model, max_sessions=slots,
             threads=self.s.threads, dtype=self.s.dtype, device=self.s.device,
             max_queue=4 * len(self.profiles) + 16,
@@ -127,7 +128,7 @@ class FleetRun:
             return ray.get(verifier.info.remote(), timeout=self.s.timeout_s)["address"], \
                 verifier
         for i, (dev, p) in enumerate(zip(device_ids(self.profiles), self.profiles)):
-            d = fleet.place(self.roles.drafter, head).remote(
+            d = placement.place(self.roles.drafter, head).remote(
                 info["address"], dev, p.drafter, threads=1, link=p.link,
                 compute_slowdown=p.compute_slowdown, tokens_per_s=p.tokens_per_s,
                 profile=p.name,
