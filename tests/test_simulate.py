@@ -12,7 +12,8 @@ import sys
 import pytest
 
 from edgespec.config import ConfigError
-from edgespec_cli.simulate.cli import find_capacity, parse_devices
+from edgespec_cli.simulate.cli import find_capacity
+from edgespec_cli.simulate.options import parse_devices
 from edgespec_cli.simulate.records import RequestRecord, RunRecord
 from edgespec_cli.simulate.run import deal
 
