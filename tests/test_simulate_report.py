@@ -7,9 +7,10 @@ import pytest
 
 from edgespec_cli.simulate.records import RequestRecord, RunRecord
 from edgespec_cli.simulate.charts import figures, write_plots
-from edgespec_cli.simulate.report import (add_capacity, build_report, busy_time, format_table,
+from edgespec_cli.simulate.report import (add_capacity, build_report, busy_time,
                                           inter_token_latencies, nearest_rank, summarize_run,
                                           write_json)
+from edgespec_cli.simulate.report_text import format_table
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 REAL = ["verifier", "draft cache (embedded Redis)", "drafters (MaG)", "gRPC"]

@@ -187,7 +187,7 @@ def _f(x, digits: int = 1) -> str:
 
 
 def format_table(report: dict) -> str:
-    from edgespec_cli.simulate.report import commit_to_draft_line
+    from edgespec_cli.simulate.report_text import commit_to_draft_line
 
     lines = [f"{'fleet':<7} {'alone tok/s':>11} {'edge tok/s':>10} {'ratio':>6} "
              f"{'ITL p99 ms':>14} {'server ms/tok':>14} {'tok/fwd':>9} {'same':>5}"]

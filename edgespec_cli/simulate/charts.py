@@ -13,7 +13,8 @@ from __future__ import annotations
 import os
 
 from edgespec_cli.simulate.records import SERVER_ONLY, RunRecord, mode_name
-from edgespec_cli.simulate.report import fmt, summarize_run
+from edgespec_cli.simulate.report import summarize_run
+from edgespec_cli.simulate.report_text import fmt
 
 PLOT_NAMES = ("throughput_vs_devices.png", "itl_p99_vs_devices.png", "batching_on_vs_off.png",
               "acceptance_per_device.png")

@@ -226,8 +226,9 @@ def _run_fleets(args: argparse.Namespace, counts, profiles, modes: list[str], se
 
 def _write_outputs(args: argparse.Namespace, report: dict) -> None:
     from . import report as rep
+    from .report_text import format_table
 
-    print(rep.format_table(report))
+    print(format_table(report))
     if args.json:
         print(f"simulate: report written to {rep.write_json(report, args.json)}",
               file=sys.stderr)

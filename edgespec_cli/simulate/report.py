@@ -1,4 +1,4 @@
-"""Figures, JSON, text table and plots for ``edgespec simulate``, computed from the run records.
+"""Figures and JSON for ``edgespec simulate``, computed from the run records.
 
 Definitions (all times in seconds in the JSON; the text table shows latencies in ms):
 
@@ -39,7 +39,8 @@ Definitions (all times in seconds in the JSON; the text table shows latencies in
 
 A figure that is undefined (no tokens, no drafts, zero wall time, no forwards) is None.
 
-The charts drawn from these figures: ``edgespec_cli.simulate.charts``.
+The printed report: ``edgespec_cli.simulate.report_text``; the charts drawn from these
+figures: ``edgespec_cli.simulate.charts``.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ import os
 from collections import defaultdict
 
 from edgespec_cli.deployment.cpu_share import BOUND_SHARE, busy_share
-from edgespec_cli.simulate.records import SERVER_ONLY, RequestRecord, RunRecord, mode_name
+from edgespec_cli.simulate.records import SERVER_ONLY, RequestRecord, RunRecord
 
 PERCENTILE_METHOD = "nearest-rank"
 
@@ -172,14 +173,6 @@ def commit_to_draft(board: dict | None) -> dict | None:
             "drafting_ms": ms("drafting_s")}
 
 
-def commit_to_draft_line(c: dict) -> str:
-    """``commit_to_draft``'s figures, as the reports print them."""
-    return (f"commit -> usable draft: drafted ahead of {fmt(100 * c['ahead_share'], digits=0)}% "
-            f"of {c['commits']:.0f} commits; the others in {fmt(c['total_ms'], digits=1)} ms "
-            f"(queued {fmt(c['queued_ms'], digits=1)}, drafting "
-            f"{fmt(c['drafting_ms'], digits=1)})")
-
-
 def step_split(totals: dict) -> dict | None:
     """Mean milliseconds per verifier step waiting for drafts, in the forward, committing."""
     steps = totals.get("steps", 0) if totals else 0
@@ -187,13 +180,6 @@ def step_split(totals: dict) -> dict | None:
         return None
     return {"steps": steps, **{k.replace("_s", ""): 1000 * totals[k] / steps
                                for k in ("wait_s", "forward_s", "commit_s")}}
-
-
-def step_line(split: dict | None) -> str:
-    if not split:
-        return "-"
-    return (f"wait {split['wait']:.1f}  forward {split['forward']:.1f}  "
-            f"commit {split['commit']:.1f}  ({split['steps']} steps)")
 
 
 def cpu_summary(cpu: dict, wall: float) -> dict | None:
@@ -306,120 +292,6 @@ def add_capacity(report: dict, capacity: dict[str, int], slo: float,
     if "on" in capacity and SERVER_ONLY in capacity:
         report["capacity_ratio_vs_server_only"] = ratio(capacity["on"], capacity[SERVER_ONLY])
     return report
-
-
-def _capacity_ratio(report: dict, key: str, against: str, who: str) -> str:
-    """A capacity ratio as the table says it, or why there is none (``who``, the mode compared
-    with, met the SLO at no device count tried)."""
-    value = report[key]
-    if value is None:
-        return f"on/{against}: none ({who} met the SLO at no device count tried)"
-    return f"on/{against} {fmt(value, digits=2)}x"
-
-
-def fmt(value: float | None, scale: float = 1.0, digits: int = 1) -> str:
-    return "-" if value is None else f"{value * scale:.{digits}f}"
-
-
-def run_block(s: dict) -> list[str]:
-    ms = 1000.0
-    hist = " ".join(f"{k}:{v}" for k, v in s["batch_sizes"]["histogram"].items()) or "-"
-    lines = [
-        f"== {mode_name(s['batching'])}, {s['devices']} device(s): {s['requests']} requests, "
-        f"{s['tokens']} tokens, {s['errors']} errors, {fmt(s['wall_s'], digits=2)} s",
-        f"  system tokens/s  {fmt(s['system_tokens_per_s'], digits=2)}",
-        f"  TTFT ms          p50 {fmt(s['ttft_s']['p50'], ms)}  p99 {fmt(s['ttft_s']['p99'], ms)}",
-        f"  ITL ms           p50 {fmt(s['itl_s']['p50'], ms)}  p99 {fmt(s['itl_s']['p99'], ms)}",
-        f"  batch sizes      {hist}  (mean {fmt(s['batch_sizes']['mean'], digits=2)})",
-        *(f"  link fault       {f['fault']} on {f['links']} of "
-          f"{'every device' if f['device'] is None else 'device ' + str(f['device'])} at "
-          f"{f['at_s']:.1f} s" + (f", healed at {f['healed_at_s']:.1f} s"
-                                  if f.get('healed_at_s') is not None else "")
-          for f in s.get("link_faults", [])),
-        f"  step ms          {step_line(s.get('step_ms'))}",
-        f"  server cost      {fmt(s.get('server_cpu_s_per_token'), ms)} CPU ms a token, "
-        f"{fmt(s.get('tokens_per_forward'), digits=2)} tokens a forward"
-        + (f", draft tokens sent {s['draft_tokens_sent']}, wasted {s['draft_tokens_wasted']}"
-           if s.get("draft_tokens_sent") is not None else ""),
-        *cpu_lines(s.get("cpu")),
-        f"  {'device':<16} {'profile':<12} {'share/s':>8} {'decode/s':>9} {'accept':>7} "
-        f"{'mean_len':>8} {'sent':>6} {'wasted':>6} {'errors':>6}",
-    ]
-    for d in s["per_device"]:
-        lines.append(
-            f"  {d['device_id']:<16} {d['profile']:<12} "
-            f"{fmt(d['share_tokens_per_s'], digits=2):>8} "
-            f"{fmt(d['decode_tokens_per_s'], digits=2):>9} "
-            f"{fmt(d['acceptance_rate'], digits=3):>7} "
-            f"{fmt(d['mean_acceptance_length'], digits=2):>8} "
-            f"{_count(d.get('draft_tokens_sent')):>6} {_count(d.get('draft_tokens_wasted')):>6} "
-            f"{d['errors']:>6}")
-    for d in s["per_device"]:
-        c = d.get("commit_to_draft")
-        if c:
-            lines.append(f"  {d['device_id']}: {commit_to_draft_line(c)}")
-        if d.get("drafts_slower_than_published"):
-            lines.append(f"  {d['device_id']}: {d['drafts_slower_than_published']} drafts were "
-                         f"slower here than the profile's published speed: that board was "
-                         f"emulated slower than it is")
-    return lines
-
-
-def _count(n: int | None) -> str:
-    return "-" if n is None else str(n)
-
-
-def cpu_lines(cpu: dict | None) -> list[str]:
-    """Each side's cores and how busy they were, and which side bound the run."""
-    if not cpu:
-        return []
-
-    def side(c: dict) -> str:
-        cores = "shared cores" if c["cpus"] is None else f"{c['cpus']} core(s)"
-        return f"{fmt(c['cpu_s'], digits=1)} CPU s on {cores}" + (
-            f", {fmt(c['busy'], 100, 0)}% busy" if c["busy"] is not None else "")
-
-    lines = [f"  cpu              server {side(cpu['server'])}; boards {side(cpu['boards'])}"]
-    if cpu.get("bound_by"):
-        lines.append(f"  BOUND BY         {cpu['bound_by']} (busier than "
-                     f"{BOUND_SHARE:.0%} of their time)")
-    return lines
-
-
-def ratio_lines(report: dict) -> list[str]:
-    lines = []
-    if "throughput_ratio" in report:
-        by = ", ".join(f"{n} dev: {fmt(r, digits=2)}x"
-                       for n, r in report["throughput_ratio_by_devices"].items())
-        lines.append(f"throughput on/off: {fmt(report['throughput_ratio'], digits=2)}x ({by})")
-    for n, r in (report.get("vs_server_only") or {}).items():
-        bound = f"; bound by {r['bound_by']}" if r.get("bound_by") else ""
-        lines.append(f"edge drafting / server-only, {n} dev: throughput "
-                     f"{fmt(r['throughput'], digits=2)}x, ITL p50 {fmt(r['itl_p50'], digits=2)}x "
-                     f"p99 {fmt(r['itl_p99'], digits=2)}x, server CPU a token "
-                     f"{fmt(r['server_cpu_s_per_token'], digits=2)}x{bound}")
-    if "capacity" in report:
-        cap = report["capacity"]
-        found = ", ".join(f"{m} {cap[m]}" for m in ("on", "off", SERVER_ONLY) if m in cap)
-        ratios = [_capacity_ratio(report, "capacity_ratio", "off", "batching off")
-                  if "capacity_ratio" in report else "",
-                  _capacity_ratio(report, "capacity_ratio_vs_server_only", "server-only",
-                                  "the server alone")
-                  if "capacity_ratio_vs_server_only" in report else ""]
-        lines.append(f"capacity at {cap['slo_tokens_per_s']} tokens/s per device: {found}"
-                     + (f"; ratio {', '.join(r for r in ratios if r)}" if any(ratios) else ""))
-    if "lossless" in report:
-        lines.append(f"lossless: {json.dumps(report['lossless'], sort_keys=True)}")
-    return lines
-
-
-def format_table(report: dict) -> str:
-    lines: list[str] = []
-    for s in report["runs"]:
-        lines.extend(run_block(s))
-        lines.append("")
-    lines.extend(ratio_lines(report))
-    return "\n".join(lines).rstrip() + "\n"
 
 
 def write_json(report: dict, path: str) -> str:
