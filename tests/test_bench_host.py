@@ -11,7 +11,8 @@ import pytest
 import torch
 from cli_inprocess import run_cli
 
-from edgespec_cli.bench.host_cost import STAGES, InstantRunner, drafter_options, measure
+from edgespec_cli.bench.host_cost import STAGES, drafter_options, measure
+from edgespec_cli.bench.instant_runner import InstantRunner
 
 
 def test_the_instant_runner_follows_its_cycle_as_often_as_asked():
