@@ -1,13 +1,14 @@
 """The edge drafter agent: attach to the draft cache, draft for assigned sessions, apply fixes.
 
 One bidirectional ``Attach`` stream carries everything. A receiver thread records what the cache
-sends in the drafting loop's book (assignments, commits, fixes, closed sessions); a drafting thread
-runs the drafting loop (``edgespec.drafters.drafting_loop``, the same loop the in-process engine
-runs over its local store) with the agent as its transport: it drafts ahead for every session with
-room in its window (W tokens beyond the committed position), in chunks of c tokens, outside the lock
-(a fix never waits behind a model drafter's forward), tags each chunk with its epoch and start
-position, and never waits for a verdict. When the link drops, the agent forgets its sessions, waits
-with exponential backoff and attaches again; the cache then sends the current state of its sessions.
+sends in the drafting loop's book (``cache_messages``: assignments, commits, fixes, closed
+sessions); a drafting thread runs the drafting loop (``edgespec.drafters.drafting_loop``, the same
+loop the in-process engine runs over its local store) with the agent as its transport: it drafts
+ahead for every session with room in its window (W tokens beyond the committed position), in
+chunks of c tokens, outside the lock (a fix never waits behind a model drafter's forward), tags
+each chunk with its epoch and start position, and never waits for a verdict. When the link
+drops, the agent forgets its sessions, waits with exponential backoff and attaches again; the
+cache then sends the current state of its sessions.
 A cache that answers but refuses for now (its Redis recovering) says when to come back (trailing
 metadata ``retry-after-ms``): the agent comes back then instead of backing off (``next_backoff``),
 so drafting resumes within moments of the cache serving again.
@@ -34,20 +35,19 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from edgespec.config import ConfigError, SamplingParams
+from edgespec.config import ConfigError
 from edgespec.drafters import Draft, Drafter
 from edgespec.drafters.draft_book import DraftBook, DraftTarget
 from edgespec.drafters.drafting_loop import AHEAD_CHUNK, run_drafting
-from edgespec.protocol.contract import check_draft_ids
 from edgespec.protocol.ids import check_device_id
 from edgespec.wire.trees import TREE_VERSION, tree_to_wire
 from edgespec.v1 import edgespec_pb2 as pb
 from edgespec.v1 import edgespec_pb2_grpc as pb_grpc
-from edgespec.wire.convert import (REPLACED_STREAM, auth_metadata, make_channel, params_from_pb,
-                                   retry_after_s)
+from edgespec.wire.convert import (REPLACED_STREAM, auth_metadata, make_channel, retry_after_s)
 from edgespec.wire.keepalive import heartbeat_interval_s
 from edgespec.wire.reachability import check_address, probe
 
+from .cache_messages import CacheMessages
 from .fleet_client import RemoteFleetTable
 from .liveness import Liveness
 
@@ -79,7 +79,7 @@ def next_backoff(delay: float, error: grpc.RpcError | None, backoff_max_s: float
     return delay * factor, min(backoff_max_s, delay * 2)
 
 
-class DrafterAgent:
+class DrafterAgent(CacheMessages):
     def __init__(self, cache: str, device_id: str, drafter: Drafter, fingerprint: str = "",
                  window: int | None = None, chunk: int | None = None, token: str | None = None,
                  tls_ca: str | None = None, tls: bool = False, max_sessions: int = 8,
@@ -327,94 +327,3 @@ class DrafterAgent:
         if self.metrics is not None:  # before queuing it: its ack cannot come first
             self.metrics.chunk_sent(chunk.session_id, chunk.start, len(chunk.tokens))
         out.put(pb.DrafterMessage(chunk=chunk))
-
-    # -- what the cache sends ---------------------------------------------------------------------
-    def _apply(self, msg: pb.CacheMessage) -> None:
-        kind = msg.WhichOneof("kind")
-        if kind in ("assignment", "commit", "closed") and not self.connected.is_set():
-            # the window and the vocabulary come with it: a cache out of order costs the link
-            raise ConnectionError(f"the cache sent {kind!r} before 'registered'")
-        with self.cond:
-            if kind == "registered":
-                reg = msg.registered
-                self.window = self.window or reg.window
-                self.chunk = self.chunk or reg.chunk
-                self.vocab = reg.vocab_size or None
-                self.attaches += 1
-                self.connected.set()
-                self._outage_since = None
-                log.info("attached to %s as %s (target %s; drafting with %s, %s)", self.cache,
-                         self.device_id, reg.target_model, self.drafter.name,
-                         f"trees of width {self.tree_width}" if self.tree_width > 1 else "chains")
-            elif kind == "assignment":
-                self._apply_assignment(msg.assignment)
-            elif kind == "commit":
-                self._apply_commit(msg.commit)
-            elif kind == "closed":
-                self.book.close(msg.closed.session_id)
-            elif kind == "ack":
-                if self.metrics is not None:
-                    self.metrics.ack_received(msg.ack.session_id, msg.ack.start, msg.ack.code)
-                if msg.ack.code != grpc.StatusCode.OK.value[0]:
-                    log.debug("chunk refused: %s", msg.ack.message)
-                    self._forget_if_gone(msg.ack)
-                    if self.tree_width > 1 and "tree" in msg.ack.message and \
-                            msg.ack.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]:
-                        log.warning("the cache refuses tree chunks (%s): drafting chains",
-                                    msg.ack.message)
-                        self.tree_width = 1
-            self.cond.notify_all()
-
-    def _forget_if_gone(self, ack: pb.ChunkAck) -> None:
-        """A session the cache no longer has, or has finished, whose close we never got (the
-        verifier died, say): drop it so that it does not hold a KV slot for ever."""
-        if ack.code == grpc.StatusCode.NOT_FOUND.value[0] or "finished" in ack.message:
-            self.book.close(ack.session_id)
-
-    def _apply_assignment(self, a: pb.Assignment) -> None:
-        try:
-            params = params_from_pb(a.sampling)
-            self._check_ids(a.tokens)
-        except ConfigError as e:  # not a session this drafter can draft for
-            self.book.assign(a.session_id, list(a.tokens), SamplingParams(), a.epoch)
-            self._refuse_session(a.session_id, len(a.tokens), str(e))
-            return
-        self.book.assign(a.session_id, list(a.tokens), params, a.epoch)
-
-    def _check_ids(self, tokens) -> None:
-        """Token ids the cache sends are the target's: outside its vocabulary, no drafter's
-        model may read them (on a GPU an embedding read past its end breaks the device)."""
-        if self.vocab is None:
-            return
-        try:
-            check_draft_ids(tokens, self.vocab)  # the stores' own check of ids entering
-        except ValueError as e:
-            raise ConfigError(f"the cache sent token ids outside the target's vocabulary: "
-                              f"{e}") from None
-
-    def _refuse_session(self, sid: str, start: int | None, why: str) -> None:
-        """Draft no more for ``sid``; its idle chunk sent at ``start`` (None: by the caller)."""
-        target = self.book.targets[sid]
-        target.opening, target.refused, target.idle = None, True, True
-        log.warning("drafter %s refuses session %s: %s", self.device_id, sid, why)
-        if start is None:
-            self.refused += 1
-        else:
-            self.refuse(sid, target, start, why)
-
-    def _apply_commit(self, c: pb.Commit) -> None:
-        if c.is_fix and self.metrics is not None:
-            self.metrics.fix_received()
-        if c.is_fix and c.session_id in self.book.targets:
-            try:
-                self._check_ids((c.fix_token, *c.fix_more))
-            except ConfigError as e:  # the fix is not applied; its idle chunk follows, under
-                self._refuse_session(c.session_id, None, str(e))  # the fix's epoch
-        if c.is_fix:
-            self.book.fix(c.session_id, c.epoch, c.fix_position, (c.fix_token, *c.fix_more))
-        target = self.book.commit(c.session_id, c.epoch, c.committed_end,
-                                  c.wanted if c.HasField("wanted") else None)
-        if target is not None and target.refused and c.epoch >= target.epoch:
-            # the verifier decodes it alone, and a commit may have reset the cache's idle flag
-            # (a fix does): say it again
-            self._send_idle(c.session_id, target, target.committed_end)
