@@ -11,7 +11,7 @@ stream for the same device id replaces an older one.
 
 A drafter is not trusted: device and session ids must match ``edgespec.protocol.ids`` (they are
 spliced into Redis keys), draft token ids must be in the vocabulary, and a tree chunk must be well
-formed; anything else is INVALID_ARGUMENT.
+formed; anything else is INVALID_ARGUMENT (``chunk_checks``).
 
 With per-device credentials (``credentials``, see ``cache_service.credentials``) the device is
 the one the caller's token belongs to: a Register for another device id, a PushDraft naming
@@ -37,42 +37,28 @@ import grpc
 import redis
 
 from edgespec.config import ConfigError
-from edgespec.protocol.ids import check_device_id, check_session_id, shown
-from edgespec.protocol.contract import Branch, check_draft_ids
-from edgespec.wire.trees import MAX_BRANCH_NODES, TREE_VERSION, tree_from_wire
+from edgespec.protocol.ids import check_device_id, shown
 from edgespec.v1 import edgespec_pb2 as pb
 from edgespec.v1 import edgespec_pb2_grpc as pb_grpc
 from edgespec.wire.convert import REPLACED_STREAM, params_to_pb, retry_after_metadata
 from edgespec.wire.keepalive import SILENT_HEARTBEATS, heartbeat_interval_s
 
+from .chunk_checks import DEVICE_METADATA, ChunkRefused, check_and_push
 from .codec import InboxEvent
 from .credentials import DeviceCredentials
 from .drafter_outbox import DrafterOutbox
-from .store import RedisSessionStore, StoreError
+from .store import RedisSessionStore
 
 if TYPE_CHECKING:  # prometheus_client is needed only where metrics are kept
     from .metrics import CacheMetrics
 
 log = logging.getLogger("edgespec.cache")
 
-DEVICE_METADATA = "x-edgespec-device"
 MAX_NAME_LEN = 256  # Register's draft model name and tokenizer fingerprint
 MAX_DEVICE_SESSIONS = 1 << 16
-MAX_POSITION = 1 << 31  # a chunk's start: past any context a verifier serves
 # A drafter refused while the cache's Redis recovers (or before a verifier registered the target)
 # is asked to come back after this long instead of backing off for seconds.
 RETRY_AFTER_MS = 500
-_CODES = {"unknown": grpc.StatusCode.NOT_FOUND, "stale": grpc.StatusCode.FAILED_PRECONDITION,
-          "finished": grpc.StatusCode.FAILED_PRECONDITION,
-          "position": grpc.StatusCode.FAILED_PRECONDITION}
-
-
-class ChunkRefused(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str):
-        super().__init__(message)
-        self.code = code
-
-
 class DraftCacheService(pb_grpc.DraftCacheServicer):
     def __init__(self, store: RedisSessionStore, window: int = 16, chunk: int = 4,
                  poll_ms: int = 1000, credentials: DeviceCredentials | None = None,
@@ -116,34 +102,11 @@ class DraftCacheService(pb_grpc.DraftCacheServicer):
             self.metrics.chunk_refused(e.code)
 
     def _check_and_push(self, device: str, chunk: pb.DraftChunk, vocab: int) -> pb.ChunkAck:
-        try:
-            sid = check_session_id(chunk.session_id)
-        except ConfigError as e:
-            raise ChunkRefused(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
-        owner = self.store.session_device(sid)
-        if owner is None:
-            raise ChunkRefused(grpc.StatusCode.NOT_FOUND, f"unknown session {sid!r}")
-        if not device:
-            raise ChunkRefused(grpc.StatusCode.INVALID_ARGUMENT,
-                               f"a chunk needs its device (metadata {DEVICE_METADATA!r})")
-        if owner != device:
-            code = (grpc.StatusCode.PERMISSION_DENIED if self.credentials is not None
-                    else grpc.StatusCode.FAILED_PRECONDITION)
-            raise ChunkRefused(code, f"session {sid} is not assigned to {device!r}")
-        tokens, branches = _chunk_draft(chunk, self.window)
-        try:
-            check_draft_ids(chunk.tokens, vocab)  # the chain's and the branches' nodes
-        except ValueError as e:
-            raise ChunkRefused(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
-        try:
-            res = self.store.push(sid, chunk.epoch, chunk.start, tokens, chunk.idle,
-                                  self.window, branches)
-        except StoreError as e:
-            raise ChunkRefused(_CODES.get(e.kind, grpc.StatusCode.INTERNAL), str(e)) from None
+        ack = check_and_push(self.store, device, chunk, vocab, self.window,
+                             per_device=self.credentials is not None)
         if self.metrics is not None:
-            self.metrics.chunk_stored(res.kept)
-        return pb.ChunkAck(session_id=sid, start=chunk.start, kept=res.kept,
-                           committed_end=res.committed_end, code=grpc.StatusCode.OK.value[0])
+            self.metrics.chunk_stored(ack.kept)
+        return ack
 
     def _vocab(self) -> int:
         return int(self.store.target().get("vocab_size", 1 << 31))
@@ -427,27 +390,3 @@ class DraftCacheService(pb_grpc.DraftCacheServicer):
         return pb.CacheMessage(commit=msg)
 
 
-def _chunk_draft(chunk: pb.DraftChunk, window: int) -> tuple[list[int], list[Branch]]:
-    """A chunk's chain and branches (tree chunks, ``edgespec.wire.trees``), its size and shape
-    checked before any work."""
-    bad = grpc.StatusCode.INVALID_ARGUMENT
-    if chunk.tree_version not in (0, TREE_VERSION):
-        raise ChunkRefused(bad, f"tree_version {chunk.tree_version} is not known to this cache "
-                                f"(0: a chain, {TREE_VERSION}: a chain with branches)")
-    if not 0 <= chunk.start < MAX_POSITION:  # a tree's positions are stored as uint32
-        raise ChunkRefused(bad, f"start {chunk.start} is not a position (0 <= start < 2^31)")
-    if len(chunk.tokens) > window + (MAX_BRANCH_NODES if chunk.tree_version else 0):
-        raise ChunkRefused(bad, f"a chunk holds at most {window} tokens (the window)"
-                           + (f" and {MAX_BRANCH_NODES} branch tokens"
-                              if chunk.tree_version else ""))
-    if not chunk.tree_version:
-        if chunk.tree_parents:
-            raise ChunkRefused(bad, "a chain chunk (tree_version 0) has no tree_parents")
-        return list(chunk.tokens), []
-    try:
-        tokens, branches = tree_from_wire(list(chunk.tokens), list(chunk.tree_parents))
-    except ValueError as e:
-        raise ChunkRefused(bad, f"malformed tree chunk: {e}") from None
-    if len(tokens) > window:
-        raise ChunkRefused(bad, f"a chunk holds at most {window} tokens (the window)")
-    return tokens, branches
