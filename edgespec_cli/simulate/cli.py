@@ -53,6 +53,7 @@ def start_ray(address: str | None) -> None:
     if address:
         cluster.connect(address, namespace="edgespec-simulate")
         return
+    print("simulate: starting a local Ray cluster", file=sys.stderr, flush=True)
     ray.init(namespace="edgespec-simulate", include_dashboard=False, log_to_driver=False,
              configure_logging=False, logging_level=logging.WARNING)
 

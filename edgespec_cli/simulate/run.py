@@ -111,11 +111,17 @@ class FleetRun:
 
         head = cluster.head_node(cluster.nodes())
         split = self.s.cpus
+        t0 = time.monotonic()
+
+        def said(what: str) -> None:  # a fleet takes seconds to start: say what it is at
+            self.progress(f"simulate:   {what} ({time.monotonic() - t0:.0f} s)")
         cache = placement.place(self.roles.cache, head).remote(
             0, self._tmp, secrets.token_urlsafe(16), max_drafters=len(self.profiles) + 8,
             cpus=split.server if split else None)
         self._actors.append(cache)
         info = ray.get(cache.info.remote(), timeout=self.s.timeout_s)
+        said(f"the draft cache and its Redis are up; the verifier loads {self.s.model} and "
+             "checks its kernels")
         slots = 1 if self.batching == "off" else len(self.profiles)
         gpu = self.s.device.startswith("cuda")
         verifier = placement.place(self.roles.verifier, head, num_gpus=1 if gpu else 0).remote(
@@ -125,8 +131,9 @@ class FleetRun:
             engine=self.s.engine, cpus=split.server if split else None)
         self._actors.append(verifier)
         if self.batching == SERVER_ONLY:
-            return ray.get(verifier.info.remote(), timeout=self.s.timeout_s)["address"], \
-                verifier
+            address = ray.get(verifier.info.remote(), timeout=self.s.timeout_s)["address"]
+            said("the verifier serves (no board: the server alone)")
+            return address, verifier
         for i, (dev, p) in enumerate(zip(device_ids(self.profiles), self.profiles)):
             d = placement.place(self.roles.drafter, head).remote(
                 info["address"], dev, p.drafter, threads=1, link=p.link,
@@ -136,10 +143,12 @@ class FleetRun:
                 cpus=split.boards if split else None)
             self._actors.append(d)
         address = ray.get(verifier.info.remote(), timeout=self.s.timeout_s)["address"]
+        said(f"the verifier serves; {len(self.profiles)} drafter(s) attaching")
         attached = ray.get([d.wait_attached.remote(self.s.timeout_s) for d in self._actors[2:]])
         if not all(attached):
             raise FleetError(f"{attached.count(False)} drafter(s) did not attach within "
                              f"{self.s.timeout_s:.0f} s")
+        said("every drafter attached")
         return address, verifier
 
     def run(self) -> RunRecord:
