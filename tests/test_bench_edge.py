@@ -74,3 +74,24 @@ def test_edge_drafting_against_the_server_alone_as_processes(looping_dir, tmp_pa
     assert "INVALID_ARGUMENT" not in edge["chunks_refused"]
     assert "2x1" in r.stdout and "the whole draft in when taken in" in r.stdout
     assert (tmp_path / "edge.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_the_table_says_which_settings_ran_too_short_for_a_steady_ratio():
+    from edgespec_cli.bench.edge_report import format_table
+    from edgespec_cli.simulate.report import SHORT_RUN_S
+
+    def side(wall_s: float) -> dict:
+        return {"tokens_per_s": 10.0, "itl_p99_ms": 90.0, "server_cpu_ms_per_token": 50.0,
+                "tokens_per_forward": 1.0, "wall_s": wall_s, "steps": 10,
+                "step_ms": {"wait": 1.0, "forward": 50.0, "commit": 1.0}}
+
+    def fleet(sessions: int, alone_s: float, edge_s: float) -> dict:
+        return {"sessions": sessions, "boards": 1, "server_only": side(alone_s),
+                "edge": side(edge_s), "throughput_ratio": 1.0, "identical": True,
+                "per_board": [], "bound_by_boards": False}
+
+    long = 2 * SHORT_RUN_S
+    table = format_table({"fleets": [fleet(1, long, long), fleet(2, long, SHORT_RUN_S / 2),
+                                     fleet(4, SHORT_RUN_S / 3, long)]})
+    assert f"note: 2x1, 4x1 had a run of under {SHORT_RUN_S:.0f} s" in table
+    assert "note:" not in format_table({"fleets": [fleet(1, long, long)]})

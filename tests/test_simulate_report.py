@@ -7,7 +7,7 @@ import pytest
 
 from edgespec_cli.simulate.records import RequestRecord, RunRecord
 from edgespec_cli.simulate.charts import figures, write_plots
-from edgespec_cli.simulate.report import (add_capacity, build_report, busy_time,
+from edgespec_cli.simulate.report import (SHORT_RUN_S, add_capacity, build_report, busy_time,
                                           inter_token_latencies, nearest_rank, summarize_run,
                                           write_json)
 from edgespec_cli.simulate.report_text import format_table
@@ -386,3 +386,18 @@ def test_a_devices_acceptance_is_its_boards_own_the_verifiers_drafts_left_out():
     assert d["draft_tokens_wasted"] == 30
     assert board_share({"drafted": 9, "accepted": 4}) == (9, 4)  # an older verifier's
     assert board_share({"drafted": 9, "accepted": 4, "fill_tokens": 9}) == (0, 0)  # all fill
+
+
+def test_ratios_from_short_runs_are_said_to_be_noisy():
+    # sweep(): every run ends at 10 s or so, under SHORT_RUN_S: each compared count is named
+    report = report_for(sweep())
+    assert report["short_runs"] == {"under_s": SHORT_RUN_S, "devices": [1, 2]}  # not 4: no pair
+    assert "note: the runs at 1, 2 device(s) took under 30 s" in format_table(report)
+    long_runs = [run("on", 2, ended=SHORT_RUN_S + 1), run("off", 2, ended=2 * SHORT_RUN_S)]
+    report = report_for(long_runs)
+    assert "short_runs" not in report and "note:" not in format_table(report)
+    # a lone short run compares nothing: nothing to say
+    assert "short_runs" not in report_for([run("on", 2)])
+    # against the server alone too
+    report = report_for([run("on", 2), run("server-only", 2, ended=SHORT_RUN_S + 5)])
+    assert report["short_runs"]["devices"] == [2]

@@ -187,6 +187,7 @@ def _f(x, digits: int = 1) -> str:
 
 
 def format_table(report: dict) -> str:
+    from edgespec_cli.simulate.report import SHORT_RUN_S
     from edgespec_cli.simulate.report_text import commit_to_draft_line
 
     lines = [f"{'fleet':<7} {'alone tok/s':>11} {'edge tok/s':>10} {'ratio':>6} "
@@ -201,6 +202,13 @@ def format_table(report: dict) -> str:
             f"{_f(a['tokens_per_forward'], 2):>4}/{_f(e['tokens_per_forward'], 2):<4} "
             f"{f['identical']!s:>5}")
     lines.append("(ITL, server CPU and tokens a forward: server-only / edge drafting)")
+    short = [f"{f['sessions']}x{f['boards']}" for f in report["fleets"]
+             if min(f["server_only"]["wall_s"], f["edge"]["wall_s"]) < SHORT_RUN_S]
+    if short:
+        lines.append(f"note: {', '.join(short)} had a run of under {SHORT_RUN_S:.0f} s: ratios "
+                     f"from runs this short moved by 0.1-0.2 between repeats of one setting on "
+                     f"a shared machine; more --per-category or --max-new-tokens for steadier "
+                     f"figures")
     for f in report["fleets"]:
         for name, side in (("server-only", f["server_only"]), ("edge", f["edge"])):
             ms = side["step_ms"]

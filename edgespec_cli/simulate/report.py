@@ -36,6 +36,9 @@ Definitions (all times in seconds in the JSON; the text table shows latencies in
 - Against the baseline (``vs_server_only``, when a ``server-only`` run has the same device count
   as an edge-drafting run, batching on): throughput, ITL p50/p99 and server CPU seconds per token
   as edge drafting / server-only.
+- ``short_runs``: the device counts with a ratio (on/off, or against the baseline) taken from
+  a run of under ``SHORT_RUN_S`` seconds (such ratios moved by 0.1-0.2 between repeats of one
+  setting on a shared machine); absent when none.
 
 A figure that is undefined (no tokens, no drafts, zero wall time, no forwards) is None.
 
@@ -54,6 +57,9 @@ from edgespec_cli.deployment.cpu_share import BOUND_SHARE, busy_share
 from edgespec_cli.simulate.records import SERVER_ONLY, RequestRecord, RunRecord
 
 PERCENTILE_METHOD = "nearest-rank"
+# runs shorter than this give throughput ratios that moved by 0.1-0.2 between repeats of one
+# setting on a shared 2-core machine (docs/measured/edge-vs-server): the report says so
+SHORT_RUN_S = 30.0
 
 
 def nearest_rank(values: list[float], p: float) -> float | None:
@@ -275,6 +281,11 @@ def build_report(runs: list[RunRecord], *, lossless: dict | None, emulated: dict
     vs_base = baseline_ratios(summaries)
     if vs_base:
         report["vs_server_only"] = {str(n): r for n, r in vs_base.items()}
+    compared = set(ratios) | set(vs_base)
+    short = sorted({s["devices"] for s in summaries
+                    if s["devices"] in compared and (s["wall_s"] or 0.0) < SHORT_RUN_S})
+    if short:
+        report["short_runs"] = {"under_s": SHORT_RUN_S, "devices": short}
     if lossless is not None:
         report["lossless"] = lossless
     return report

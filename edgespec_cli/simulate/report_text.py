@@ -121,6 +121,12 @@ def ratio_lines(report: dict) -> list[str]:
                      f"{fmt(r['throughput'], digits=2)}x, ITL p50 {fmt(r['itl_p50'], digits=2)}x "
                      f"p99 {fmt(r['itl_p99'], digits=2)}x, server CPU a token "
                      f"{fmt(r['server_cpu_s_per_token'], digits=2)}x{bound}")
+    if report.get("short_runs"):
+        short = report["short_runs"]
+        lines.append(f"note: the runs at {', '.join(map(str, short['devices']))} device(s) took "
+                     f"under {short['under_s']:.0f} s: ratios from runs this short moved by "
+                     f"0.1-0.2 between repeats of one setting on a shared machine; more "
+                     f"--requests (or --duration) for steadier figures")
     if "capacity" in report:
         cap = report["capacity"]
         found = ", ".join(f"{m} {cap[m]}" for m in ("on", "off", SERVER_ONLY) if m in cap)
@@ -134,7 +140,6 @@ def ratio_lines(report: dict) -> list[str]:
     if "lossless" in report:
         lines.append(f"lossless: {json.dumps(report['lossless'], sort_keys=True)}")
     return lines
-
 
 
 def format_table(report: dict) -> str:
