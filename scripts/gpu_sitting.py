@@ -27,6 +27,9 @@ d. ``fleet``: 16, 32 and 64 concurrent sessions, MaG drafts batched against the 
    verification, place + commit, the rest);
 e. ``tests``: the CUDA tests, under a timeout.
 
+Stages b, c and d are in ``sitting_serving``; the timing and profiling the stages share in
+``sitting_common``.
+
 It writes ``sitting.json`` and ``sitting.md`` into ``--out`` after every stage, so a sitting cut
 short keeps what it measured, and exits non-zero on any mismatch, failed capture or failed test.
 ``--dry-run`` runs every stage on the CPU over one layer of each shape under Triton's interpreter
@@ -37,9 +40,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import re
-import statistics
 import subprocess
 import sys
 import time
@@ -54,15 +55,15 @@ if "--dry-run" in sys.argv:  # Triton's interpreter, as the tests run it on a CP
 
 import torch  # noqa: E402
 
-from edgespec.config import EngineConfig, SamplingParams  # noqa: E402
-from edgespec.drafters import build_drafter  # noqa: E402
-from edgespec.engine.spec_engine import Request, SpecEngine  # noqa: E402
 from edgespec.models.shapes import SHAPES, random_model  # noqa: E402
-from edgespec.runner.step_rows import DraftShape, StepRows  # noqa: E402
 from edgespec.runner.target_runner import TargetRunner  # noqa: E402
 from sitting_attention import stage_attention  # noqa: E402
+from sitting_common import (  # noqa: E402
+    alone_equal, chain_rows, event_median_ms, free_device_memory, graphed_median_ms,
+    profile_kernels, runner_for, say)
 from sitting_exactness import stage_exactness  # noqa: E402
 from sitting_gemm import ROWS, stage_gemm  # noqa: E402
+from sitting_serving import stage_e2e, stage_fleet, stage_hf  # noqa: E402
 from sitting_tables import format_tables  # noqa: E402
 
 CUDA_TESTS = ["tests/test_fused_kernels.py", "tests/test_step_graphs.py",
@@ -117,124 +118,6 @@ class Sitting:
     def save(self) -> None:
         (self.out / "sitting.json").write_text(json.dumps(self.data, indent=2) + "\n")
         (self.out / "sitting.md").write_text(format_tables(self.data))
-
-
-def say(msg: str) -> None:
-    print(msg, flush=True)
-
-
-def free_device_memory(device: str) -> None:
-    import gc
-
-    gc.collect()
-    if device == "cuda":
-        torch.cuda.empty_cache()
-
-
-def sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
-def runner_for(s: Sitting, model, n_slots: int, max_len: int, graphs: bool,
-               attention_kernel: str | None = None) -> TargetRunner:
-    return TargetRunner(model, n_slots=n_slots, max_len=max_len, kernels="triton",
-                        graphs=graphs, attention_kernel=attention_kernel)
-
-
-def alone_equal(runner: TargetRunner, rows: StepRows, T: int) -> bool:
-    """Whether slot 0's row has the same bits stepped alone as in ``rows``."""
-    together = runner.score_rows(rows).logits[0].clone()
-    return torch.equal(runner.score_rows(chain_rows(runner, 1, T)).logits[0], together)
-
-
-def chain_rows(runner: TargetRunner, B: int, T: int) -> StepRows:
-    drafts = [([(11 * b + t) % runner.vocab_size for t in range(1, T)],
-               list(range(-1, T - 2))) for b in range(B)]
-    return StepRows.build(list(range(B)), [runner.cache.lengths[b] for b in range(B)],
-                          [(5 + b) % runner.vocab_size for b in range(B)], DraftShape.of(drafts),
-                          runner.device)
-
-
-def event_median_ms(fn, device: str, repeat: int) -> float:
-    """Median milliseconds of fn() over ``repeat`` runs: CUDA events on a GPU."""
-    fn()
-    sync(device)
-    times = []
-    for _ in range(repeat):
-        if device == "cuda":
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b))
-        else:
-            t = time.perf_counter()
-            fn()
-            times.append(1000 * (time.perf_counter() - t))
-    return statistics.median(times)
-
-
-def graphed_median_ms(fn, device: str, repeat: int, calls: int = 10) -> float:
-    """Median milliseconds of one fn() replayed from a CUDA graph of ``calls`` calls (so the
-    kernels are timed, not their launches), over ``repeat`` replays; on a CPU, or where fn
-    cannot be captured (said), ``event_median_ms``."""
-    if device != "cuda":
-        return event_median_ms(fn, device, repeat)
-    try:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # compile and allocate outside the capture
-            fn()
-            fn()
-        torch.cuda.current_stream().wait_stream(side)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            for _ in range(calls):
-                fn()
-        graph.replay()
-        torch.cuda.synchronize()
-    except Exception as exc:  # a call that cannot be captured: timed between events
-        print(f"   (not capturable, timed between events: {type(exc).__name__}: {exc})")
-        return event_median_ms(fn, device, repeat)
-    times = []
-    for _ in range(repeat):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / calls)
-    return statistics.median(times)
-
-
-def profile_kernels(fn, device: str) -> dict:
-    """Kernels launched and GPU-busy microseconds of one fn() (torch's profiler)."""
-    if device != "cuda":
-        return {}
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    sync(device)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        sync(device)
-    kernels, busy = 0, 0.0
-    by_name: dict[str, list] = {}
-    for e in prof.events():
-        if str(getattr(e, "device_type", "")).endswith("CUDA") and "Memcpy" not in e.name \
-                and "Memset" not in e.name:
-            us = float(getattr(e, "device_time", 0.0) or getattr(e, "cuda_time", 0.0))
-            kernels += 1
-            busy += us
-            entry = by_name.setdefault(e.name[:80], [0, 0.0])
-            entry[0] += 1
-            entry[1] += us
-    top = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:8]
-    return {"kernels": kernels, "busy_us": round(busy, 1),
-            "top": [{"kernel": k, "calls": c, "us": round(t, 1)} for k, (c, t) in top]}
 
 
 def stage_graphs(s: Sitting, shape: str, model) -> None:
@@ -369,176 +252,6 @@ def stage_breakdown(s: Sitting, shape: str, model) -> None:
         rows = chain_rows(runner, B, T)
         out[f"{B}x{T}"] = profile_kernels(lambda: runner.score_rows(rows), s.device)
         say(f"   {shape} {B} x {T}: {json.dumps(out[f'{B}x{T}'].get('top', [])[:5])}")
-
-
-def stage_e2e(s: Sitting, shape: str, model) -> None:
-    """(b) one stream, target-only and MaG + Cacheback, graphs on; then 8 sessions lossless."""
-    new = 128 if not s.dry else 6
-    rng = random.Random(f"e2e-{shape}")
-    prompt = [1] + [rng.randrange(3, model.config.vocab_size) for _ in range(40)]
-    runner = runner_for(s, model, 1, 256, graphs=True)
-    cfg = EngineConfig(max_sessions=1, max_context=256)
-    row: dict = {}
-    outs = {}
-    for name, spec in (("target_only", None), ("mag_cacheback", "mag+cacheback")):
-        with SpecEngine(runner, build_drafter(spec) if spec else None, cfg,
-                        stop_ids=set()) as engine:
-            engine.generate(Request(prompt, 8))  # warm-up
-            sync(s.device)
-            t = time.perf_counter()
-            res = engine.generate(Request(prompt, new))
-            sync(s.device)
-            dt = time.perf_counter() - t
-        outs[name] = res.token_ids
-        steps = max(1, res.stats.steps) if hasattr(res.stats, "steps") else None
-        row[f"{name}_tok_s"] = round(len(res.token_ids) / dt, 1)
-        if steps:
-            row[f"{name}_ms_step"] = round(1000 * dt / steps, 2)
-    row["identical"] = outs["target_only"] == outs["mag_cacheback"]
-    if not row["identical"]:
-        s.mismatch(f"{shape}: MaG + Cacheback's stream differs from target-only's")
-    s.data["e2e"][shape] = row
-    say(f"   {shape}: {row}")
-    del runner
-    lossless(s, shape, model)
-
-
-def lossless(s: Sitting, shape: str, model) -> None:
-    n_prompts, new = (8, 32) if not s.dry else (2, 5)
-    runner = runner_for(s, model, n_prompts, 160, graphs=True)
-    rng = random.Random(shape)
-    prompts = [[1] + [rng.randrange(3, runner.vocab_size) for _ in range(rng.randint(8, 60))]
-               for _ in range(n_prompts)]
-    cfg = EngineConfig(max_sessions=n_prompts, max_context=160)
-    identical = total = 0
-    for sampled in (False, True):
-        params = [SamplingParams(temperature=0.8, seed=i) if sampled else SamplingParams()
-                  for i in range(n_prompts)]
-        with SpecEngine(runner, None, cfg, stop_ids={2}) as engine:
-            refs = [engine.generate(Request(p, new, q)).token_ids
-                    for p, q in zip(prompts, params)]
-        for spec in ("mag", "mag+cacheback"):
-            with SpecEngine(runner, build_drafter(spec), cfg, stop_ids={2}) as engine:
-                got = engine.generate_many([Request(p, new, q) for p, q in zip(prompts, params)])
-            identical += sum(r.token_ids == ref for r, ref in zip(got, refs))
-            total += len(refs)
-    s.data["lossless"][shape] = {"identical": identical, "total": total, "tokens": new,
-                                 "graph_replays": runner.graphs.replays}
-    if identical != total:
-        s.mismatch(f"{shape}: {total - identical} of {total} speculative outputs differ")
-    say(f"   {shape}: {identical} of {total} speculative outputs identical to target-only "
-        f"({runner.graphs.replays} steps replayed)")
-
-
-def timed_generate(engine: SpecEngine, reqs: list[Request], device: str
-                   ) -> tuple[list[list[int]], float, dict]:
-    """``generate_many`` timed: the outputs, the seconds, and each step's time split (ms a
-    step): prefill (the prompts', at admission and in the steps), plan + take + propose,
-    forward + verification (the device's work and the step's one sync), place + commit, and
-    the rest (deciding each row's verdict, the loop's own)."""
-    split = {"prefill": 0.0, "plan_take_propose": 0.0, "forward_verify": 0.0,
-             "place_commit": 0.0}
-    steps = [0]
-    step, on_prefill = engine.step, engine.on_prefill
-
-    def prefilled(tokens: int, seconds: float) -> None:
-        split["prefill"] += seconds
-
-    def counted():
-        report = step()
-        steps[0] += 1
-        if report is not None:
-            split["plan_take_propose"] += report.take_s
-            split["forward_verify"] += report.forward_s
-            split["place_commit"] += report.commit_s
-        return report
-
-    engine.step, engine.on_prefill = counted, prefilled  # type: ignore[method-assign]
-    sync(device)
-    t = time.perf_counter()
-    try:
-        out = [r.token_ids for r in engine.generate_many(reqs)]
-        sync(device)
-    finally:
-        engine.step, engine.on_prefill = step, on_prefill  # type: ignore[method-assign]
-    wall = time.perf_counter() - t
-    n = max(1, steps[0])
-    ms = {k: round(1e3 * v / n, 3) for k, v in split.items()}
-    ms["rest"] = round(1e3 * wall / n - sum(ms.values()), 3)
-    return out, wall, {"steps": steps[0], "ms_a_step": ms}
-
-
-def stage_fleet(s: Sitting, shape: str, model) -> None:
-    """(d) 16, 32 and 64 sessions: MaG drafts batched, the same sessions target-only batched
-    (one token a session a step: a server without edge drafting) and, at 16 and 32, one session
-    a forward; the same outputs every way; each batched run's step split into prefill, host
-    and device time (``timed_generate``)."""
-    new = 32 if not s.dry else 4
-    counts = (16, 32, 64) if not s.dry else (2, 3)
-    alone_counts = (16, 32) if not s.dry else (2,)
-    runner = runner_for(s, model, max(counts), 128, graphs=True)
-    rng = random.Random(f"fleet-{shape}")
-    prompts = [[1] + [rng.randrange(3, runner.vocab_size) for _ in range(rng.randint(10, 50))]
-               for _ in range(max(counts))]
-    out: dict = {}
-    for n in counts:
-        reqs = [Request(p, new) for p in prompts[:n]]
-        cfg = EngineConfig(max_sessions=n, max_context=128)
-        row: dict = {"sessions": n}
-        with SpecEngine(runner, None, cfg, stop_ids=set()) as plain:
-            plain.generate(Request(prompts[0], 4))  # warm-up
-            target_only, plain_s, plain_split = timed_generate(plain, reqs, s.device)
-        with SpecEngine(runner, build_drafter("mag"), cfg, stop_ids=set()) as engine:
-            engine.generate(Request(prompts[0], 4))  # warm-up
-            together, batched_s, mag_split = timed_generate(engine, reqs, s.device)
-            alone, alone_s = None, None
-            if n in alone_counts:
-                sync(s.device)
-                t = time.perf_counter()
-                alone = [engine.generate(r).token_ids for r in reqs]
-                sync(s.device)
-                alone_s = time.perf_counter() - t
-        tokens = sum(len(x) for x in together)
-        row.update({"tokens": tokens, "batched_s": round(batched_s, 2),
-                    "target_only_batched_s": round(plain_s, 2),
-                    "mag_over_target_only": round(plain_s / batched_s, 2),
-                    "target_only_tokens_per_s": round(tokens / plain_s, 1),
-                    "mag": mag_split, "target_only": plain_split,
-                    "identical": together == target_only and alone in (None, together)})
-        if alone_s is not None:
-            row.update({"one_a_forward_s": round(alone_s, 2),
-                        "throughput_ratio": round(alone_s / batched_s, 2)})
-        out[str(n)] = row
-        if not row["identical"]:
-            s.mismatch(f"{shape}: {n} sessions batched (MaG, target-only) and one a forward "
-                       f"differ")
-        say(f"   {shape} fleet {n}: {row}")
-    s.data["fleet"][shape] = out
-
-
-def stage_hf(s: Sitting, shape: str, model) -> None:
-    """(c) transformers' compiled static-cache generate, warm-up as long as the timed run."""
-    new = 128 if not s.dry else 4
-    if s.elapsed() > s.budget_s:
-        s.data["hf"][shape] = {"skipped": "the sitting's time budget was spent"}
-        return
-    rng = random.Random(f"e2e-{shape}")
-    prompt = [1] + [rng.randrange(3, model.config.vocab_size) for _ in range(40)]
-    ids = torch.tensor([prompt], device=s.device)
-    kw = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0,
-              cache_implementation="static")
-    with torch.inference_mode():
-        t = time.perf_counter()
-        model.generate(ids, **kw)  # compiles; as long as the timed run
-        sync(s.device)
-        warm = time.perf_counter() - t
-        t = time.perf_counter()
-        out = model.generate(ids, **kw)
-        sync(s.device)
-        dt = time.perf_counter() - t
-    s.data["hf"][shape] = {"static_compiled_tok_s": round((out.shape[1] - ids.shape[1]) / dt, 1),
-                           "warmup_s": round(warm, 1)}
-    say(f"   {shape}: {s.data['hf'][shape]}")
 
 
 def stage_tests(s: Sitting, timeout_s: float) -> None:
