@@ -59,6 +59,8 @@ MAX_DEVICE_SESSIONS = 1 << 16
 # A drafter refused while the cache's Redis recovers (or before a verifier registered the target)
 # is asked to come back after this long instead of backing off for seconds.
 RETRY_AFTER_MS = 500
+
+
 class DraftCacheService(pb_grpc.DraftCacheServicer):
     def __init__(self, store: RedisSessionStore, window: int = 16, chunk: int = 4,
                  poll_ms: int = 1000, credentials: DeviceCredentials | None = None,
@@ -388,5 +390,3 @@ class DraftCacheService(pb_grpc.DraftCacheServicer):
         if ev.wanted is not None:  # unset: not said (a board keeps its whole window)
             msg.wanted = ev.wanted
         return pb.CacheMessage(commit=msg)
-
-

@@ -18,7 +18,6 @@ def say(msg: str) -> None:
     print(msg, flush=True)
 
 
-
 def free_device_memory(device: str) -> None:
     import gc
 
@@ -27,11 +26,9 @@ def free_device_memory(device: str) -> None:
         torch.cuda.empty_cache()
 
 
-
 def sync(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
-
 
 
 def runner_for(s, model, n_slots: int, max_len: int, graphs: bool,
@@ -40,12 +37,10 @@ def runner_for(s, model, n_slots: int, max_len: int, graphs: bool,
                         graphs=graphs, attention_kernel=attention_kernel)
 
 
-
 def alone_equal(runner: TargetRunner, rows: StepRows, T: int) -> bool:
     """Whether slot 0's row has the same bits stepped alone as in ``rows``."""
     together = runner.score_rows(rows).logits[0].clone()
     return torch.equal(runner.score_rows(chain_rows(runner, 1, T)).logits[0], together)
-
 
 
 def chain_rows(runner: TargetRunner, B: int, T: int) -> StepRows:
@@ -54,7 +49,6 @@ def chain_rows(runner: TargetRunner, B: int, T: int) -> StepRows:
     return StepRows.build(list(range(B)), [runner.cache.lengths[b] for b in range(B)],
                           [(5 + b) % runner.vocab_size for b in range(B)], DraftShape.of(drafts),
                           runner.device)
-
 
 
 def event_median_ms(fn, device: str, repeat: int) -> float:
@@ -75,7 +69,6 @@ def event_median_ms(fn, device: str, repeat: int) -> float:
             fn()
             times.append(1000 * (time.perf_counter() - t))
     return statistics.median(times)
-
 
 
 def graphed_median_ms(fn, device: str, repeat: int, calls: int = 10) -> float:
@@ -110,7 +103,6 @@ def graphed_median_ms(fn, device: str, repeat: int, calls: int = 10) -> float:
         b.synchronize()
         times.append(a.elapsed_time(b) / calls)
     return statistics.median(times)
-
 
 
 def profile_kernels(fn, device: str) -> dict:

@@ -49,7 +49,6 @@ def stage_e2e(s, shape: str, model) -> None:
     lossless(s, shape, model)
 
 
-
 def lossless(s, shape: str, model) -> None:
     n_prompts, new = (8, 32) if not s.dry else (2, 5)
     runner = runner_for(s, model, n_prompts, 160, graphs=True)
@@ -75,7 +74,6 @@ def lossless(s, shape: str, model) -> None:
         s.mismatch(f"{shape}: {total - identical} of {total} speculative outputs differ")
     say(f"   {shape}: {identical} of {total} speculative outputs identical to target-only "
         f"({runner.graphs.replays} steps replayed)")
-
 
 
 def timed_generate(engine: SpecEngine, reqs: list[Request], device: str
@@ -114,7 +112,6 @@ def timed_generate(engine: SpecEngine, reqs: list[Request], device: str
     ms = {k: round(1e3 * v / n, 3) for k, v in split.items()}
     ms["rest"] = round(1e3 * wall / n - sum(ms.values()), 3)
     return out, wall, {"steps": steps[0], "ms_a_step": ms}
-
 
 
 def stage_fleet(s, shape: str, model) -> None:
@@ -163,7 +160,6 @@ def stage_fleet(s, shape: str, model) -> None:
                        f"differ")
         say(f"   {shape} fleet {n}: {row}")
     s.data["fleet"][shape] = out
-
 
 
 def stage_hf(s, shape: str, model) -> None:

@@ -40,20 +40,20 @@ def edgespec_cli(*args, timeout=300, cache=None) -> subprocess.CompletedProcess:
 def ray_cluster():
     from ray.cluster_utils import Cluster
 
-    cluster = Cluster(initialize_head=True, head_node_args={
+    nodes = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 1, "resources": {"verifier": 1}, "include_dashboard": False,
         "node_ip_address": "127.0.0.1"})
-    boards = [cluster.add_node(num_cpus=1, resources={"edge": 1}, node_ip_address="127.0.0.1")
+    boards = [nodes.add_node(num_cpus=1, resources={"edge": 1}, node_ip_address="127.0.0.1")
               for _ in range(2)]
-    plain = cluster.add_node(num_cpus=1, node_ip_address="127.0.0.1")
-    cluster.wait_for_nodes()
-    yield {"cluster": cluster, "address": cluster.address,
-           "head": cluster.head_node.node_id, "boards": {b.node_id for b in boards},
+    plain = nodes.add_node(num_cpus=1, node_ip_address="127.0.0.1")
+    nodes.wait_for_nodes()
+    yield {"cluster": nodes, "address": nodes.address,
+           "head": nodes.head_node.node_id, "boards": {b.node_id for b in boards},
            "plain": plain.node_id}
     import ray
 
     ray.shutdown()
-    cluster.shutdown()
+    nodes.shutdown()
 
 
 @pytest.fixture(scope="module")

@@ -71,11 +71,11 @@ def test_an_inline_step_of_chains_weighs_no_wait(looping, setup, monkeypatch):
     """Drafted right before the take, every draft is ready when taken: the adaptive planner
     (its widths, its probes) weighs no wait for it (``wait_worth`` is never called), and the
     output stays target-only's. With a drafting thread the waits are weighed."""
-    import edgespec.engine.spec_engine as spec_engine
+    import edgespec.engine.step_drafts as step_drafts
 
     runner, refs = setup
     weighed = []
-    real = spec_engine.wait_worth
+    real = step_drafts.wait_worth
     me = threading.get_ident()  # another test's engine left running here weighs its own waits
 
     def counting(*a, **k):
@@ -83,7 +83,7 @@ def test_an_inline_step_of_chains_weighs_no_wait(looping, setup, monkeypatch):
             weighed.append(1)
         return real(*a, **k)
 
-    monkeypatch.setattr(spec_engine, "wait_worth", counting)
+    monkeypatch.setattr(step_drafts, "wait_worth", counting)
     cfg = EngineConfig(max_draft=4, window=8, chunk=2)
     results = _generate(runner, build_drafter("mag"), cfg)
     assert [r.token_ids for r in results] == refs and not weighed

@@ -292,13 +292,13 @@ def test_a_late_boards_turn_to_be_waited_for_comes_on_a_step_that_asks_it(tiny, 
     planned without drafts do not spend its turn (else, a planner probing every 8th step and a
     turn every 8th step might never meet, and a board that is back would never be waited for)."""
     from edgespec.config import EngineConfig
-    from edgespec.engine import spec_engine
+    from edgespec.engine import step_drafts
     from edgespec.engine.lateness import MISSES_TO_LATE, PROBE_EVERY
     from edgespec.engine.spec_engine import Request, SpecEngine
     from edgespec.runner.target_runner import TargetRunner
 
     planned = [0]
-    monkeypatch.setattr(spec_engine, "plan_drafts", lambda acts, *a: planned * len(acts))
+    monkeypatch.setattr(step_drafts, "plan_drafts", lambda acts, *a: planned * len(acts))
     with SpecEngine(TargetRunner(tiny.model, n_slots=2, max_len=64), None,
                     EngineConfig(adaptive=False, draft_wait_ms=50)) as engine:
         act = engine.add(Request([1, 5, 6], 4))
@@ -318,14 +318,14 @@ def test_a_late_boards_turn_to_be_waited_for_comes_on_a_step_whose_wait_it_is_wo
     """Steps that ask a late board for drafts not worth a wait (the planner's ``wait_worth``
     0) do not spend its turn: it comes on the PROBE_EVERY-th step that would wait for them."""
     from edgespec.config import EngineConfig
-    from edgespec.engine import spec_engine
+    from edgespec.engine import step_drafts
     from edgespec.engine.lateness import MISSES_TO_LATE, PROBE_EVERY
     from edgespec.engine.spec_engine import Request, SpecEngine
     from edgespec.runner.target_runner import TargetRunner
 
     worth = [0.0]
-    monkeypatch.setattr(spec_engine, "plan_drafts", lambda acts, *a: [2] * len(acts))
-    monkeypatch.setattr(spec_engine, "wait_worth", lambda g, ks, *a: worth * len(ks))
+    monkeypatch.setattr(step_drafts, "plan_drafts", lambda acts, *a: [2] * len(acts))
+    monkeypatch.setattr(step_drafts, "wait_worth", lambda g, ks, *a: worth * len(ks))
     with SpecEngine(TargetRunner(tiny.model, n_slots=2, max_len=64), None,
                     EngineConfig(draft_wait_ms=50)) as engine:
         act = engine.add(Request([1, 5, 6], 4))
@@ -459,12 +459,12 @@ def test_a_session_whose_board_drafts_anew_after_a_fix_is_waited_for_as_its_draf
     on their way, and the take's deadline follows; a session not after a fix, or whose board
     has not drafted for it yet (it reads the prompt), keeps the deadline's cap."""
     from edgespec.config import EngineConfig
-    from edgespec.engine import spec_engine
+    from edgespec.engine import step_drafts
     from edgespec.engine.spec_engine import Request, SpecEngine
     from edgespec.runner.target_runner import TargetRunner
 
-    monkeypatch.setattr(spec_engine, "plan_drafts", lambda acts, *a: [2] * len(acts))
-    monkeypatch.setattr(spec_engine, "wait_worth",
+    monkeypatch.setattr(step_drafts, "plan_drafts", lambda acts, *a: [2] * len(acts))
+    monkeypatch.setattr(step_drafts, "wait_worth",
                         lambda g, ks, cost, caps: [min(c, 0.08) for c in caps])
     with SpecEngine(TargetRunner(tiny.model, n_slots=2, max_len=64), None,
                     EngineConfig(draft_wait_ms=10, late_after=0)) as engine:  # never late

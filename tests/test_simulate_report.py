@@ -392,7 +392,7 @@ def test_ratios_from_short_runs_are_said_to_be_noisy():
     # sweep(): every run ends at 10 s or so, under SHORT_RUN_S: each compared count is named
     report = report_for(sweep())
     assert report["short_runs"] == {"under_s": SHORT_RUN_S, "devices": [1, 2]}  # not 4: no pair
-    assert "note: the runs at 1, 2 device(s) took under 30 s" in format_table(report)
+    assert "note: at 1, 2 device(s) a run took under 30 s" in format_table(report)
     long_runs = [run("on", 2, ended=SHORT_RUN_S + 1), run("off", 2, ended=2 * SHORT_RUN_S)]
     report = report_for(long_runs)
     assert "short_runs" not in report and "note:" not in format_table(report)

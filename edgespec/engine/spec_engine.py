@@ -304,4 +304,3 @@ class SpecEngine(StepDrafts):
 
     def generate(self, req: Request) -> Result:
         return self.generate_many([req])[0]
-

@@ -1,8 +1,8 @@
 """A step's commit stage: the verified paths placed, the verdicts committed in the store, each
 session's KV cache, stats and output moved on, and the draft lengths taught the step's
-acceptance. ``StepCommit`` is a part of ``SpecEngine`` (its base class, after
-``SessionLifecycle``): it reads the engine's target, store, head and session lists, which the
-engine sets up.
+acceptance. ``StepCommit`` is a part of ``SpecEngine`` (a base class of it, between
+``SessionLifecycle`` and ``StepDrafts``): it reads the engine's target, store, head and session
+lists, which the engine sets up.
 
 A failure fails the sessions it concerns, never the step: a path that cannot be placed, a
 verdict the store refuses, a token callback that raises. A commit that raises (the store

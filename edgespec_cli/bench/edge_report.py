@@ -20,11 +20,9 @@ def scrape(port: int) -> dict[tuple[str, tuple], float]:
             for fam in text_string_to_metric_families(text) for s in fam.samples}
 
 
-
 def delta(after: dict, before: dict, name: str, /, **labels) -> float:
     key = (name, tuple(sorted(labels.items())))
     return after.get(key, 0.0) - before.get(key, 0.0)
-
 
 
 def refused_chunks(after: dict, before: dict) -> dict[str, float]:
@@ -37,7 +35,6 @@ def refused_chunks(after: dict, before: dict) -> dict[str, float]:
             if got:
                 out[tags.get("code", "")] = got
     return out
-
 
 
 def plot_report(report: dict, path: str) -> str:
@@ -74,9 +71,8 @@ def plot_report(report: dict, path: str) -> str:
     return path
 
 
-
 def board_figures(dev: str, before: dict, after: dict, b_before: dict, b_after: dict,
-                   cpu_s: float | None, wall: float) -> dict:
+                  cpu_s: float | None, wall: float) -> dict:
     steps = delta(after, before, "edgespec:drafter_session_steps_total", device=dev)
     ready = delta(after, before, "edgespec:drafter_ready_drafts_total", device=dev)
     verified = delta(after, before, "edgespec:drafter_verified_drafts_total", device=dev)
@@ -102,7 +98,6 @@ def board_figures(dev: str, before: dict, after: dict, b_before: dict, b_after: 
             "wasted_tokens": max(0.0, board["draft_tokens"] - accepted)}
 
 
-
 def _commit_to_draft(b_before: dict, b_after: dict) -> dict | None:
     """A board's time from a commit to the session's next usable draft, from its /metrics
     (``drafter_node/metrics.py``): simulate's ``commit_to_draft`` figures, and the mean round
@@ -124,14 +119,12 @@ def _commit_to_draft(b_before: dict, b_after: dict) -> dict | None:
     return out
 
 
-
 def _trimmed(counts: list[float]) -> list[int]:
     """Counts by position, without the trailing zeros."""
     out = [int(c) for c in counts]
     while out and not out[-1]:
         out.pop()
     return out
-
 
 
 def compare_runs(sessions: int, boards: int, alone: dict, edge: dict, split) -> dict:
@@ -170,20 +163,16 @@ def compare_runs(sessions: int, boards: int, alone: dict, edge: dict, split) -> 
             [r.tokens for r in edge["records"]]}
 
 
-
 def _ms(x: float | None) -> float | None:
     return None if x is None else 1000 * x
-
 
 
 def _ratio(a, b):
     return a / b if a is not None and b else None
 
 
-
 def _f(x, digits: int = 1) -> str:
     return "-" if x is None else f"{x:.{digits}f}"
-
 
 
 def format_table(report: dict) -> str:

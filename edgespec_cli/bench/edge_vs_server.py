@@ -239,8 +239,8 @@ def _serve_requests(client, ids: list[list[int]], sessions: int, max_new_tokens:
     for (dev, port, proc), (b_before, b_cpu0) in zip(boards, board_before):
         b_after, b_cpu1 = scrape(port), proc.cpu_s()
         per_board.append(board_figures(dev, before, after, b_before, b_after,
-                                        None if b_cpu0 is None or b_cpu1 is None
-                                        else b_cpu1 - b_cpu0, wall))
+                                       None if b_cpu0 is None or b_cpu1 is None
+                                       else b_cpu1 - b_cpu0, wall))
     forwards = delta(after, before, "edgespec:batch_size_sessions_count")
     # verified drafts by position: held a token there, and had it accepted (the projection's
     # acceptance by position, ``simulate/projection.py``)
@@ -254,5 +254,3 @@ def _serve_requests(client, ids: list[list[int]], sessions: int, max_new_tokens:
             "forwards": forwards, "step_ms": step_ms, "boards": per_board,
             "chunks_refused": refused_chunks(after, before),
             "drafted_per_pos": per_pos["drafted"], "accepted_per_pos": per_pos["accepted"]}
-
-

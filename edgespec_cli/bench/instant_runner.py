@@ -16,9 +16,7 @@ if TYPE_CHECKING:
 VOCAB = 512
 
 
-
 CYCLE = 24  # the target's cycles: what MaG can learn from the context
-
 
 
 class InstantRunner:

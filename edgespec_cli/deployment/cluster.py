@@ -18,23 +18,18 @@ from edgespec.config import ConfigError
 NAMESPACE = "edgespec"
 
 
-
 PREFIX = "edgespec-"
 
 
-
 HEAD_RESOURCE = "node:__internal_head__"
-
 
 
 START_A_CLUSTER = ("start one with `ray up deploy/ray-onprem.yaml`, or "
                    "`ray start --head --resources '{\"verifier\": 1}'` on the server")
 
 
-
 class FleetError(ConfigError):
     """A fleet that cannot be placed or does not come up; the message says what to do."""
-
 
 
 @dataclass(frozen=True)
@@ -46,7 +41,6 @@ class Node:
     @property
     def is_head(self) -> bool:
         return HEAD_RESOURCE in self.resources
-
 
 
 @dataclass
@@ -63,14 +57,12 @@ class PlacedActor:
         return self.info.get("node_id", "")
 
 
-
 def where() -> dict:
     """Inside an actor: the node it runs on, as Ray knows it."""
     import ray
 
     return {"node_ip": ray.util.get_node_ip_address(),
             "node_id": ray.get_runtime_context().get_node_id()}
-
 
 
 def connect(address: str | None, namespace: str = NAMESPACE) -> None:
@@ -90,7 +82,6 @@ def connect(address: str | None, namespace: str = NAMESPACE) -> None:
                          f"{START_A_CLUSTER}") from None
 
 
-
 def use_token_auth_if_present() -> None:
     """Ray 2.60's `ray start` turns token authentication on when this machine has a token
     (~/.ray/auth_token, written by any local `ray.init()`), while a driver joining by address
@@ -101,7 +92,6 @@ def use_token_auth_if_present() -> None:
     if "RAY_AUTH_MODE" not in os.environ and (os.path.exists(token_file)
                                               or os.environ.get("RAY_AUTH_TOKEN")):
         os.environ["RAY_AUTH_MODE"] = "token"
-
 
 
 def _check_reachable(address: str) -> None:
@@ -115,13 +105,11 @@ def _check_reachable(address: str) -> None:
         raise FleetError(f"no Ray cluster at {address} ({e}): {START_A_CLUSTER}") from None
 
 
-
 def nodes() -> list[Node]:
     import ray
 
     return [Node(n["NodeID"], n["NodeManagerAddress"], dict(n["Resources"]))
             for n in ray.nodes() if n.get("Alive")]
-
 
 
 def verifier_nodes(all_nodes: list[Node]) -> tuple[list[Node], str]:
@@ -137,7 +125,6 @@ def verifier_nodes(all_nodes: list[Node]) -> tuple[list[Node], str]:
                      "(or head_start_ray_commands in the cluster YAML)")
 
 
-
 def edge_nodes(all_nodes: list[Node]) -> list[Node]:
     boards = [n for n in all_nodes if n.resources.get("edge", 0) > 0]
     if not boards:
@@ -148,7 +135,6 @@ def edge_nodes(all_nodes: list[Node]) -> list[Node]:
     return boards
 
 
-
 def head_node(all_nodes: list[Node]) -> Node:
     for n in all_nodes:
         if n.is_head:
@@ -156,13 +142,11 @@ def head_node(all_nodes: list[Node]) -> Node:
     return all_nodes[0]
 
 
-
 def placed_names() -> list[str]:
     import ray
 
     return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
                   if a["namespace"] == NAMESPACE and a["name"].startswith(PREFIX))
-
 
 
 def status(timeout_s: float = 5.0) -> list[PlacedActor]:
@@ -191,7 +175,6 @@ def status(timeout_s: float = 5.0) -> list[PlacedActor]:
     return out
 
 
-
 def down(timeout_s: float = 10.0) -> int:
     """Stop and remove every placed actor; returns how many were removed."""
     import ray
@@ -202,7 +185,6 @@ def down(timeout_s: float = 10.0) -> int:
     while placed_names() and time.monotonic() < deadline:
         time.sleep(0.2)
     return len(names)
-
 
 
 def remove_actors(handles: list, timeout_s: float) -> None:
@@ -217,7 +199,6 @@ def remove_actors(handles: list, timeout_s: float) -> None:
             ray.kill(h, no_restart=True)
         except Exception:
             pass  # already gone
-
 
 
 def format_table(actors: list[PlacedActor]) -> str:

@@ -283,5 +283,3 @@ def _get(ref, deadline: float, what: str):
     except (RayActorError, RayTaskError) as e:
         raise FleetError(f"{what} failed to start: {str(e).strip().splitlines()[-1][:300]}") \
             from None
-
-

@@ -129,7 +129,6 @@ def add_simulate_command(sub) -> None:
     s.set_defaults(func=run_simulate)
 
 
-
 def parse_devices(text: str) -> list[int]:
     try:
         counts = sorted({int(x) for x in text.split(",") if x.strip()})
@@ -140,11 +139,9 @@ def parse_devices(text: str) -> list[int]:
     return counts
 
 
-
 def check_slo(slo: float | None) -> None:
     if slo is not None and not 0 < slo < math.inf:
         raise ConfigError("--slo must be a finite number > 0")
-
 
 
 def check_args(args) -> tuple[list[int], list]:
@@ -186,7 +183,6 @@ def check_args(args) -> tuple[list[int], list]:
                           "--board-cpus with it")
     cpu_split(args)  # a cpu list that is wrong or not here is refused before anything starts
     return counts, profiles
-
 
 
 def cpu_split(args):

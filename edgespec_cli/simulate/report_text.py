@@ -17,13 +17,11 @@ def commit_to_draft_line(c: dict) -> str:
             f"{fmt(c['drafting_ms'], digits=1)})")
 
 
-
 def step_line(split: dict | None) -> str:
     if not split:
         return "-"
     return (f"wait {split['wait']:.1f}  forward {split['forward']:.1f}  "
             f"commit {split['commit']:.1f}  ({split['steps']} steps)")
-
 
 
 def _capacity_ratio(report: dict, key: str, against: str, who: str) -> str:
@@ -35,10 +33,8 @@ def _capacity_ratio(report: dict, key: str, against: str, who: str) -> str:
     return f"on/{against} {fmt(value, digits=2)}x"
 
 
-
 def fmt(value: float | None, scale: float = 1.0, digits: int = 1) -> str:
     return "-" if value is None else f"{value * scale:.{digits}f}"
-
 
 
 def run_block(s: dict) -> list[str]:
@@ -85,10 +81,8 @@ def run_block(s: dict) -> list[str]:
     return lines
 
 
-
 def _count(n: int | None) -> str:
     return "-" if n is None else str(n)
-
 
 
 def cpu_lines(cpu: dict | None) -> list[str]:
@@ -108,7 +102,6 @@ def cpu_lines(cpu: dict | None) -> list[str]:
     return lines
 
 
-
 def ratio_lines(report: dict) -> list[str]:
     lines = []
     if "throughput_ratio" in report:
@@ -123,7 +116,7 @@ def ratio_lines(report: dict) -> list[str]:
                      f"{fmt(r['server_cpu_s_per_token'], digits=2)}x{bound}")
     if report.get("short_runs"):
         short = report["short_runs"]
-        lines.append(f"note: the runs at {', '.join(map(str, short['devices']))} device(s) took "
+        lines.append(f"note: at {', '.join(map(str, short['devices']))} device(s) a run took "
                      f"under {short['under_s']:.0f} s: ratios from runs this short moved by "
                      f"0.1-0.2 between repeats of one setting on a shared machine; more "
                      f"--requests (or --duration) for steadier figures")

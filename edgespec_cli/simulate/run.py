@@ -120,8 +120,8 @@ class FleetRun:
             cpus=split.server if split else None)
         self._actors.append(cache)
         info = ray.get(cache.info.remote(), timeout=self.s.timeout_s)
-        said(f"the draft cache and its Redis are up; the verifier loads {self.s.model} and "
-             "checks its kernels")
+        said(f"the draft cache and its Redis are up; the verifier loads the model "
+             f"({self.s.model}) and checks its kernels")
         slots = 1 if self.batching == "off" else len(self.profiles)
         gpu = self.s.device.startswith("cuda")
         verifier = placement.place(self.roles.verifier, head, num_gpus=1 if gpu else 0).remote(
@@ -345,4 +345,3 @@ class FleetRun:
             ray.kill(a, no_restart=True)
         self._actors, self._proxies, self._faulty = [], [], []
         shutil.rmtree(self._tmp, ignore_errors=True)
-
