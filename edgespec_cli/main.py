@@ -154,7 +154,7 @@ def _build_parser() -> argparse.ArgumentParser:
     from .deploy import add_deploy_command
     from .distill import add_distill_command
     from .pad_train import add_pad_train_command
-    from .simulate.options import add_simulate_command
+    from .simulate.cli import add_simulate_command
     from .status import add_status_command
 
     add_cluster_commands(sub)

@@ -12,7 +12,7 @@ from dataclasses import replace
 from edgespec.config import ConfigError
 
 from ..deployment.link_faults import parse_fault_schedule
-from .options import check_args, check_slo, cpu_split, parse_devices
+from .options import add_simulate_parser, check_args, check_slo, cpu_split, parse_devices
 from .records import SERVER_ONLY
 
 REAL_PARTS = ["verifier (the real model, batched verification)",
@@ -43,6 +43,10 @@ def load_prompts(target, seed: int, max_new_tokens: int):
         raise ConfigError(f"no Spec-Bench prompt fits {limit} tokens with --max-new-tokens "
                           f"{max_new_tokens}")
     return fitting
+
+
+def add_simulate_command(sub) -> None:
+    add_simulate_parser(sub).set_defaults(func=cmd_simulate)
 
 
 def start_ray(address: str | None) -> None:

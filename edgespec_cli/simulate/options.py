@@ -1,4 +1,4 @@
-"""``edgespec simulate``'s options: defined (``add_simulate_command``) and checked, every one of
+"""``edgespec simulate``'s options: defined (``add_simulate_parser``) and checked, every one of
 them before anything starts (``check_args``); ``cli`` runs what they ask for."""
 
 from __future__ import annotations
@@ -12,14 +12,9 @@ from ..deployment.link_faults import parse_fault_schedule
 from .records import SERVER_ONLY
 
 
-def run_simulate(args: argparse.Namespace) -> int:
-    """``edgespec simulate``: ``cli.cmd_simulate``, imported when the command runs."""
-    from .cli import cmd_simulate
-
-    return cmd_simulate(args)
-
-
-def add_simulate_command(sub) -> None:
+def add_simulate_parser(sub) -> argparse.ArgumentParser:
+    """The ``simulate`` subcommand's parser and its options (``cli.add_simulate_command`` says
+    what runs it)."""
     from edgespec_cli.cli_args import (SERVER_CORES_THREADS, THREADS_DEFAULT, add_dtype_arg,
                                        add_threads_arg, add_tree_width_arg)
     from ..deployment.device_profiles import PROFILES
@@ -126,7 +121,7 @@ def add_simulate_command(sub) -> None:
     add_threads_arg(s, f"{SERVER_CORES_THREADS}; with --shared-cpus {THREADS_DEFAULT}")
     add_dtype_arg(s, "the verifier's ")
     add_tree_width_arg(s)
-    s.set_defaults(func=run_simulate)
+    return s
 
 
 def parse_devices(text: str) -> list[int]:
