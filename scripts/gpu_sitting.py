@@ -33,7 +33,8 @@ Stages b, c and d are in ``sitting_serving``; the timing and profiling the stage
 It writes ``sitting.json`` and ``sitting.md`` into ``--out`` after every stage, so a sitting cut
 short keeps what it measured, and exits non-zero on any mismatch, failed capture or failed test.
 ``--dry-run`` runs every stage on the CPU over one layer of each shape under Triton's interpreter
-(the plumbing, not the numbers)."""
+(the plumbing, not the numbers), the models in float32: bfloat16's products are not
+batch-invariant on every CPU (on an AMX Xeon the runner's start check refuses them)."""
 
 from __future__ import annotations
 
@@ -81,6 +82,7 @@ class Sitting:
     def __init__(self, out: Path, device: str, dry: bool, budget_s: float):
         self.out, self.device, self.dry, self.budget_s = out, device, dry, budget_s
         self.t0 = time.perf_counter()
+        self.dtype = "float32" if dry else "bfloat16"  # the models' (module docstring)
         name = torch.cuda.get_device_name(0) if device == "cuda" else "cpu (dry run)"
         try:
             import triton
@@ -88,7 +90,7 @@ class Sitting:
         except ImportError:
             triton_version = None
         self.data: dict = {"gpu": name, "torch": torch.__version__, "triton": triton_version,
-                           "dtype": "bfloat16", "dry_run": dry, "stages_s": {}, "graphs": {},
+                           "dtype": self.dtype, "dry_run": dry, "stages_s": {}, "graphs": {},
                            "forward": [], "e2e": {}, "lossless": {}, "hf": {}, "fleet": {},
                            "attention": {}, "gemm": {}, "tests": None, "mismatches": [],
                            "command": "scripts/gpu_sitting.sh " + " ".join(sys.argv[1:])}
@@ -314,7 +316,7 @@ def main() -> int:
         if shape not in models:
             models.clear()
             free_device_memory(s.device)
-            models[shape] = random_model(shape, s.device, "bfloat16",
+            models[shape] = random_model(shape, s.device, s.dtype,
                                          layers=1 if s.dry else None)
         return models[shape]
 
