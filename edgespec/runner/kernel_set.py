@@ -40,10 +40,11 @@ KERNELS = ("eager", "triton")
 # every runner module is either here or in NO_STEP_ARITHMETIC, which a test checks)
 NUMERIC_CODE = {
     "eager": ("edgespec.runner.attention", "edgespec.runner.linear",
-              "edgespec.runner.target_runner", "edgespec.runner.eager_forward",
-              "edgespec.runner.model_weights"),
+              "edgespec.runner.target_runner", "edgespec.runner.slot_prompts",
+              "edgespec.runner.eager_forward", "edgespec.runner.model_weights"),
     "triton": ("edgespec.runner.attention", "edgespec.runner.linear",
-               "edgespec.runner.target_runner", "edgespec.runner.model_weights",
+               "edgespec.runner.target_runner", "edgespec.runner.slot_prompts",
+               "edgespec.runner.model_weights",
                "edgespec.runner.fused_kernels", "edgespec.runner.fused_gemm",
                "edgespec.runner.fused_attention", "edgespec.runner.fused_forward"),
 }

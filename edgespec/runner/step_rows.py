@@ -310,3 +310,11 @@ def _branch_tails(shape: DraftShape, ancestors: np.ndarray, starts: np.ndarray
     index[np.arange(S)[:, None], at] = np.where(path, st[:, None] + np.arange(T)[None], 0)
     n_blocks = int((block0 + width // KEY_BLOCK).max())
     return HostTails(rows, queries, index[:, :width], col < ends[:, None], block0, n_blocks)
+
+
+def pad_rows(rows: list[list[int]], T: int) -> torch.Tensor:
+    """Token rows right-padded with 0 to length T: [B, T] long (on CPU)."""
+    tokens = torch.zeros(len(rows), T, dtype=torch.long)
+    for i, r in enumerate(rows):
+        tokens[i, : len(r)] = torch.as_tensor(r, dtype=torch.long)
+    return tokens

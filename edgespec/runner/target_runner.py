@@ -33,18 +33,18 @@ from .kv_cache import KVCache, check_cache_fits
 from .linear import Linear, RowCalls
 from .model_support import check_supported
 from .model_weights import LayerWeights, linear_shapes, load_layer, rope_tables
+from .slot_prompts import PREFILL_CHUNK, SlotPrompts
 from .start_check import check_invariance, sampled_weights
 from .step_graphs import GRAPH_SLACK, StepGraphs
-from .step_rows import DraftShape, Scored, StepRows, TreeShape
+from .step_rows import DraftShape, Scored, StepRows, TreeShape, pad_rows
 
 log = logging.getLogger(__name__)
 
 
-PREFILL_CHUNK = 512  # prompt tokens per prefill forward
 MAX_QUERY = MAX_TREE_NODES + 1  # the most tokens one session sends in one step: a tree + root
 
 
-class TargetRunner:
+class TargetRunner(SlotPrompts):
     def __init__(self, model: torch.nn.Module, n_slots: int = 4, max_len: int = 2048,
                  n_layers: int | None = None, pack: bool = True, exact: bool = True,
                  share_weights: "TargetRunner | None" = None, max_rows: int | None = None,
@@ -200,23 +200,6 @@ class TargetRunner:
                 "start_check_s": self.start_check_s,
                 "graphs": asdict(self.graphs.state()) if self.graphs is not None else None}
 
-    # -- slot management (a session's KV slot) -------------------------------------------------
-    @property
-    def max_len(self) -> int:
-        return self.cache.max_len
-
-    def new_slot(self) -> int:
-        return self.cache.allocate()
-
-    def free_slot(self, slot: int) -> None:
-        self.cache.release(slot)
-
-    def rollback(self, slot: int, length: int) -> None:
-        self.cache.rollback(slot, length)
-
-    def commit(self, slot: int, length: int) -> None:
-        self.cache.commit(slot, length)
-
     # -- forward -------------------------------------------------------------------------------
     def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         xf = x.float()
@@ -309,7 +292,7 @@ class TargetRunner:
         starts = [self.cache.lengths[s] for s in slots]
         for s, st in zip(slots, starts):
             self.cache.check_room(s, st, T)
-        return (_pad_rows(rows, T).to(self.device),
+        return (pad_rows(rows, T).to(self.device),
                 torch.as_tensor(starts, dtype=torch.long, device=self.device), max(starts))
 
     def _chains(self, slots: list[int], tokens: torch.Tensor, start_t: torch.Tensor,
@@ -411,78 +394,3 @@ class TargetRunner:
         T = tokens.shape[1]
         step = self.fused.chain_step(slots, start_t, T, keys=longest + T)
         return self.fused.scored(tokens, step, None if tap is None else self.tap_layers(tap))
-
-    def early_hidden(self, slots: list[int], tokens: torch.Tensor, starts: list[int],
-                     layers: int) -> torch.Tensor:
-        """The hidden state after the first ``layers`` decoder layers [B, T, H] of tokens
-        [B, T] (long, on the device) placed at positions ``starts[b]``.. of each slot: those
-        layers' keys/values are written there (deeper layers' are not; no length pointer
-        moves). The same bits the full forward has after that many layers (the kernels are
-        batch-invariant). An early exit, and imitation drafting (``edgespec.heads.imitation``),
-        read it."""
-        return self.early_states(slots, tokens, starts, [layers])[0]
-
-    @torch.inference_mode()
-    def early_states(self, slots: list[int], tokens: torch.Tensor, starts: list[int],
-                     layers: list[int]) -> list[torch.Tensor]:
-        """``early_hidden`` after each of ``layers`` (one forward through the deepest): a
-        [B, T, H] state per layer, in their order."""
-        if not layers or not all(1 <= n <= self.n_layers for n in layers):
-            raise ValueError(f"layers must be in 1..{self.n_layers}, got {layers}")
-        B, T = tokens.shape
-        for s, st in zip(slots, starts):
-            self.cache.check_room(s, st, T)
-        order = sorted(set(layers))
-        start_t = torch.as_tensor(starts, dtype=torch.long, device=self.device)
-        _, kept = self._chains(slots, tokens, start_t, max(starts), taps=tuple(order),
-                               upto=order[-1])
-        return [kept[order.index(n)] for n in layers]
-
-    @torch.inference_mode()
-    def prefill(self, slot: int, tokens: list[int], chunk: int = PREFILL_CHUNK,
-                embeds: torch.Tensor | None = None) -> None:
-        """Write a prompt's keys/values into a fresh slot, in chunks (no logits computed).
-        ``embeds`` [len(tokens), H] in the runner's dtype: the prompt's input embeddings, given
-        instead of looked up (a vision-language prompt: ``edgespec.models.vision``); the rows
-        of its text tokens are their embedding rows, so only the image positions differ."""
-        self.cache.check_room(slot, 0, len(tokens))
-        if embeds is not None and tuple(embeds.shape) != (len(tokens), self.embed.shape[1]):
-            raise ValueError(f"embeds must be [{len(tokens)}, {self.embed.shape[1]}], got "
-                             f"{list(embeds.shape)}")
-        self.rollback(slot, 0)
-        for i in range(0, len(tokens), chunk):
-            part = tokens[i:i + chunk]
-            given = None if embeds is None else embeds[i:i + chunk][None].to(self.device,
-                                                                           self.dtype)
-            self._hidden([slot], [part], embeds=given)
-            self.commit(slot, i + len(part))
-
-    @torch.inference_mode()
-    def prefill_parts(self, slots: Sequence[int], parts: Sequence[list[int]]) -> None:
-        """Each slot's ``part`` of its prompt written after what the slot holds, in shared
-        forwards of rows of similar length, at most ``prefill_rows`` tokens a forward (rows x
-        the longest; within the row counts the start check proved batch-invariant)."""
-        group: list[tuple[int, list[int]]] = []
-        for slot, part in sorted(((s, p) for s, p in zip(slots, parts) if p),
-                                 key=lambda sp: len(sp[1])):
-            # ascending: ``part`` is the longest of its group
-            if group and (len(group) + 1) * len(part) > self.prefill_rows:
-                self._prefill_rows(group)
-                group = []
-            group.append((slot, part))
-        if group:
-            self._prefill_rows(group)
-
-    def _prefill_rows(self, group: list[tuple[int, list[int]]]) -> None:
-        starts = [self.cache.lengths[slot] for slot, _ in group]
-        self._hidden([slot for slot, _ in group], [part for _, part in group])
-        for (slot, part), start in zip(group, starts):
-            self.commit(slot, start + len(part))
-
-
-def _pad_rows(rows: list[list[int]], T: int) -> torch.Tensor:
-    """Token rows right-padded with 0 to length T: [B, T] long (on CPU)."""
-    tokens = torch.zeros(len(rows), T, dtype=torch.long)
-    for i, r in enumerate(rows):
-        tokens[i, : len(r)] = torch.as_tensor(r, dtype=torch.long)
-    return tokens
