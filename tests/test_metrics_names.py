@@ -27,7 +27,7 @@ from edgespec.v1 import edgespec_pb2 as pb
 from verifier_node.metrics import VerifierMetrics
 
 # the in-process cache of the hostile-drafter tests: its fixtures (used by name) and helpers
-from test_hostile_drafter import (  # noqa: F401
+from cache_harness import (  # noqa: F401
     Cache, SlotDrafter, draft_len, eventually, redis_handle, start_agent, store)
 
 ROOT = Path(__file__).resolve().parents[1]
