@@ -4,7 +4,8 @@ chunk a fix overtook is judged by it: thrown away where the fix disagrees, kept 
 the fix's end where it agrees (the step decoded the chunk's first token, or the verifier's bonus
 token was the board's next one); a session closed while busy is closed once, by the loop's own
 thread; a drafter that fails costs its session its drafts and nothing else; chunks are sized
-(``ChunkPace``) to land within the verifier's step."""
+(``ChunkPace``) to land within the verifier's step. Its turns (several jobs a turn, sessions
+drafted together): ``test_drafting_turns``."""
 
 from __future__ import annotations
 
@@ -13,103 +14,13 @@ import threading
 import pytest
 
 from edgespec.config import SamplingParams
-from edgespec.drafters import Draft, Drafter, DraftSession
+from edgespec.drafters import Draft, DraftSession
 from edgespec.drafters.chunk_pace import ChunkPace
-from edgespec.drafters.drafting_loop import DraftBook, apply_fix, run_drafting
+from edgespec.drafters.drafting_loop import apply_fix
 
-WAIT_S = 60
-
-
-class GatedSession(DraftSession):
-    """Proposes 4 tokens counting up from its last one, each proposal waiting for ``gate``."""
-
-    def __init__(self, drafter: "GatedDrafter", tokens, params):
-        super().__init__(tokens, params)
-        self.drafter = drafter
-
-    def propose(self, k: int) -> Draft:
-        self.drafter.entered.set()
-        assert self.drafter.gate.wait(WAIT_S)
-        if self.drafter.fail:
-            raise RuntimeError("the drafter broke")
-        out = [self.tokens[-1] + 1 + i for i in range(k)]
-        self.tokens.extend(out)
-        return Draft(out)
-
-    def close(self) -> None:
-        self.drafter.closed_by.append(threading.get_ident())
-
-
-class GatedDrafter(Drafter):
-    name = "gated"
-
-    def __init__(self):
-        self.gate, self.entered = threading.Event(), threading.Event()
-        self.fail = False
-        self.closed_by: list[int] = []
-        self.sessions: list[GatedSession] = []
-
-    def open(self, tokens, params) -> GatedSession:
-        s = GatedSession(self, tokens, params)
-        self.sessions.append(s)
-        return s
-
-
-class RecordingChannel:
-    """A transport that records what the loop hands it."""
-
-    def __init__(self):
-        self.cond = threading.Condition()
-        self.window, self.chunk, self.tree_width = 8, 4, 1
-        self.ahead_chunk = 2
-        self.first_chunk = 4  # the whole chunk (a test sets a board's 1)
-        self.jobs_at_once = 1
-        self.delivered: list[tuple[str, int, int, list[int]]] = []
-        self.refused: list[tuple[str, int]] = []
-
-    def refresh(self, book) -> None:
-        pass
-
-    def can_draft(self, sid, start) -> bool:
-        return True
-
-    def deliver(self, sid, target, start, draft) -> None:
-        self.delivered.append((sid, target.epoch, start, list(draft.tokens)))
-
-    def refuse(self, sid, target, start, why) -> None:
-        self.refused.append((sid, start))
-
-
-def _running_loop(pace: bool):
-    drafter, channel, book = GatedDrafter(), RecordingChannel(), DraftBook(pace=pace)
-    stop = threading.Event()
-    thread = threading.Thread(target=run_drafting,
-                              args=(drafter, channel, book, lambda: not stop.is_set()))
-    thread.start()
-    yield drafter, channel, book, thread
-    stop.set()
-    drafter.gate.set()
-    with channel.cond:
-        channel.cond.notify_all()
-    thread.join(WAIT_S)
-    assert not thread.is_alive()
-
-
-@pytest.fixture()
-def loop():
-    """The loop with chunks of the channel's size (no pacing: what is drafted does not depend
-    on how long the test's steps take)."""
-    yield from _running_loop(pace=False)
-
-
-@pytest.fixture()
-def paced_loop():
-    yield from _running_loop(pace=True)
-
-
-def _eventually(cond, what: str, channel) -> None:
-    with channel.cond:
-        assert channel.cond.wait_for(cond, WAIT_S), what
+# the loop on its thread: its fixtures (used by name) and helpers
+from drafting_harness import (  # noqa: F401
+    WAIT_S, GatedDrafter, RecordingChannel, eventually, loop, paced_loop)
 
 
 def test_a_fix_arrives_while_the_drafter_works_and_its_stale_chunk_is_dropped(loop):
@@ -124,7 +35,7 @@ def test_a_fix_arrives_while_the_drafter_works_and_its_stale_chunk_is_dropped(lo
     finally:
         channel.cond.release()
     drafter.gate.set()
-    _eventually(lambda: channel.delivered, "a chunk after the fix", channel)
+    eventually(lambda: channel.delivered, "a chunk after the fix", channel)
     assert channel.delivered[0] == ("s", 1, 4, [10, 11, 12, 13])  # none at epoch 0
     assert drafter.sessions[0].tokens[:5] == [1, 2, 3, 9, 10]
     assert book.counts.dropped["disagreed"] == 1 and book.counts.tokens_discarded == 4
@@ -141,7 +52,7 @@ def test_a_session_closed_while_busy_is_closed_once_by_the_loop(loop):
         book.close("s")
         assert drafter.closed_by == []  # busy: the loop closes it when its job returns
     drafter.gate.set()
-    _eventually(lambda: drafter.closed_by, "the draft session closed", channel)
+    eventually(lambda: drafter.closed_by, "the draft session closed", channel)
     assert drafter.closed_by == [thread.ident] and channel.delivered == []
 
 
@@ -152,13 +63,13 @@ def test_a_failing_drafter_costs_its_session_its_drafts_only(loop):
     with channel.cond:
         book.assign("bad", [1, 2, 3], SamplingParams(), 0)
         channel.cond.notify_all()
-    _eventually(lambda: channel.refused, "the session refused", channel)
+    eventually(lambda: channel.refused, "the session refused", channel)
     assert channel.refused == [("bad", 3)]
     drafter.fail = False
     with channel.cond:
         book.assign("good", [5, 6], SamplingParams(), 0)
         channel.cond.notify_all()
-    _eventually(lambda: channel.delivered, "drafts for the next session", channel)
+    eventually(lambda: channel.delivered, "drafts for the next session", channel)
     assert channel.delivered[0] == ("good", 0, 2, [7, 8, 9, 10])
     assert book.targets["bad"].refused and len(drafter.closed_by) == 1
 
@@ -208,7 +119,7 @@ def test_a_fix_that_agrees_with_the_chunk_in_flight_keeps_the_rest_and_sends_it_
     assert drafter.entered.wait(WAIT_S)  # drafting [4, 5, 6, 7] at 3
     _fix(channel, book, "s", 1, 3, (4,))  # a step decoded 4 without a draft
     drafter.gate.release()
-    _eventually(lambda: channel.delivered, "the kept tokens sent again", channel)
+    eventually(lambda: channel.delivered, "the kept tokens sent again", channel)
     assert channel.delivered[0] == ("s", 1, 4, [5, 6, 7])  # at the fix's end, its epoch
     assert drafter.entered.wait(WAIT_S)  # then drafting on after 7: nothing rolled back
     assert drafter.sessions[0].tokens == [1, 2, 3, 4, 5, 6, 7]
@@ -221,12 +132,12 @@ def test_a_bonus_token_the_board_drafted_keeps_the_rest_of_its_draft(stepped):
     drafter, channel, book, _ = stepped
     _open(channel, book)
     drafter.gate.release()
-    _eventually(lambda: channel.delivered, "the first chunk", channel)
+    eventually(lambda: channel.delivered, "the first chunk", channel)
     assert channel.delivered[0] == ("s", 0, 3, [4, 5, 6, 7])
     assert drafter.entered.wait(WAIT_S) and drafter.entered.wait(WAIT_S)  # drafting at 7
     _fix(channel, book, "s", 1, 7, (8,))  # all four accepted, and the verifier's bonus 8
     drafter.gate.release()
-    _eventually(lambda: len(channel.delivered) == 2, "the rest after the bonus", channel)
+    eventually(lambda: len(channel.delivered) == 2, "the rest after the bonus", channel)
     assert channel.delivered[1] == ("s", 1, 8, [9, 10, 11])
 
 
@@ -239,7 +150,7 @@ def test_a_disagreeing_fix_after_an_agreeing_one_drops_what_was_held(stepped):
     drafter.gate.release()
     assert drafter.entered.wait(WAIT_S)  # drafting on from the fixes
     drafter.gate.release()
-    _eventually(lambda: channel.delivered, "a chunk after both fixes", channel)
+    eventually(lambda: channel.delivered, "a chunk after both fixes", channel)
     assert channel.delivered[0] == ("s", 2, 5, [51, 52, 53, 54])
     assert drafter.sessions[0].tokens[:6] == [1, 2, 3, 4, 50, 51]
     with channel.cond:
@@ -307,7 +218,7 @@ def test_a_paced_loop_drafts_chunks_that_fit_the_verifiers_step(paced_loop):
         book.assign("s", [1, 2, 3], SamplingParams(), 0)
         channel.cond.notify_all()
     drafter.gate.set()
-    _eventually(lambda: channel.delivered, "a chunk", channel)
+    eventually(lambda: channel.delivered, "a chunk", channel)
     assert channel.delivered[0] == ("s", 0, 3, [4])
 
 
@@ -344,7 +255,7 @@ def _drafted_for_an_ask_of_1(loop):
     drafter, channel, book, _ = loop
     drafter.gate.set()
     _open(channel, book, wanted=1)
-    _eventually(lambda: channel.delivered, "an ask of 1's lead", channel)
+    eventually(lambda: channel.delivered, "an ask of 1's lead", channel)
     with channel.cond:
         assert channel.delivered == [("s", 0, 3, [4, 5, 6, 7])]
     return channel, book
@@ -362,7 +273,7 @@ def test_a_board_drafts_ahead_about_twice_what_the_verifier_asks(loop):
     with channel.cond:
         book.commit("s", 0, 3, wanted=4)
         channel.cond.notify_all()
-    _eventually(lambda: len(channel.delivered) == 3, "drafted up to the window", channel)
+    eventually(lambda: len(channel.delivered) == 3, "drafted up to the window", channel)
     assert channel.delivered[1:] == [("s", 0, 7, [8, 9]), ("s", 0, 9, [10, 11])]
 
 
@@ -378,7 +289,7 @@ def test_a_session_the_verifier_rests_is_drafted_again_when_it_asks(loop):
         assert [job for job in _plan_round(channel, book) if not job.opening] == []
         book.commit("s", 0, 7, wanted=1)
         channel.cond.notify_all()
-    _eventually(lambda: len(channel.delivered) == 2, "the lead of the next ask", channel)
+    eventually(lambda: len(channel.delivered) == 2, "the lead of the next ask", channel)
     assert channel.delivered[1] == ("s", 0, 7, [8, 9, 10, 11])
 
 
@@ -390,7 +301,7 @@ def test_a_commit_to_the_next_usable_draft_is_timed_stage_by_stage(stepped):
     drafter, channel, book, _ = stepped
     _open(channel, book)
     drafter.gate.release()
-    _eventually(lambda: channel.delivered, "the first chunk", channel)  # [4, 5, 6, 7] at 3
+    eventually(lambda: channel.delivered, "the first chunk", channel)  # [4, 5, 6, 7] at 3
     assert drafter.entered.wait(WAIT_S) and drafter.entered.wait(WAIT_S)  # drafting at 7
     with channel.cond:
         book.commit("s", 0, 5)  # 4 and 5 verified, the cache still holds 6 and 7
@@ -399,7 +310,7 @@ def test_a_commit_to_the_next_usable_draft_is_timed_stage_by_stage(stepped):
     drafter.gate.release()
     assert drafter.entered.wait(WAIT_S)  # drafting at 8, after the fix
     drafter.gate.release()
-    _eventually(lambda: len(channel.delivered) == 2, "the chunk after the fix", channel)
+    eventually(lambda: len(channel.delivered) == 2, "the chunk after the fix", channel)
     assert channel.delivered[1] == ("s", 1, 8, [51, 52, 53, 54])
     with channel.cond:
         c = book.counts
@@ -409,7 +320,7 @@ def test_a_commit_to_the_next_usable_draft_is_timed_stage_by_stage(stepped):
     assert drafter.entered.wait(WAIT_S)  # drafting at 12
     _fix(channel, book, "s", 2, 8, (51,))  # agrees: 52..54 kept, sent again from 9
     drafter.gate.release()
-    _eventually(lambda: len(channel.delivered) == 3, "the kept tokens sent again", channel)
+    eventually(lambda: len(channel.delivered) == 3, "the kept tokens sent again", channel)
     assert channel.delivered[2][:3] == ("s", 2, 9)
     with channel.cond:
         c = book.counts
@@ -426,7 +337,7 @@ def test_chunks_beyond_the_next_ask_are_short(loop):
     drafter, channel, book, _ = loop
     drafter.gate.set()
     _open(channel, book, wanted=3)
-    _eventually(lambda: len(channel.delivered) == 3, "a lead of 8", channel)
+    eventually(lambda: len(channel.delivered) == 3, "a lead of 8", channel)
     assert [(start, tokens) for _, _, start, tokens in channel.delivered] == [
         (3, [4, 5, 6, 7]), (7, [8, 9]), (9, [10, 11])]
 
@@ -439,199 +350,6 @@ def test_a_boards_first_chunk_at_the_committed_end_is_one_token(loop):
     channel.first_chunk = 1
     drafter.gate.set()
     _open(channel, book, wanted=3)
-    _eventually(lambda: len(channel.delivered) == 4, "a lead of 8", channel)
+    eventually(lambda: len(channel.delivered) == 4, "a lead of 8", channel)
     assert [(start, tokens) for _, _, start, tokens in channel.delivered] == [
         (3, [4]), (4, [5, 6, 7, 8]), (8, [9, 10]), (10, [11])]
-
-
-class CountingSession(DraftSession):
-    """Proposes k tokens counting up from its last one, noting each proposal in ``events``."""
-
-    broken = False  # its proposals raise
-
-    def __init__(self, name: str, tokens, params, events: list):
-        super().__init__(tokens, params)
-        self.name, self.events = name, events
-
-    def propose(self, k: int) -> Draft:
-        if self.broken:
-            raise RuntimeError(f"session {self.name} cannot be drafted")
-        self.events.append(("propose", self.name))
-        out = [self.tokens[-1] + 1 + i for i in range(k)]
-        self.tokens.extend(out)
-        return Draft(out)
-
-
-class CountingDrafter(Drafter):
-    name = "counting"
-    cheap = True
-
-    def __init__(self):
-        self.events: list[tuple[str, str]] = []
-
-    def open(self, tokens, params) -> CountingSession:
-        return CountingSession(f"s{tokens[0]}", tokens, params, self.events)
-
-
-@pytest.mark.parametrize("at_once", [1, 3])
-def test_a_channel_asking_several_jobs_a_turn_gets_them_drafted_then_handed_on_together(
-        at_once):
-    drafter, channel, book = CountingDrafter(), RecordingChannel(), DraftBook(pace=False)
-    channel.jobs_at_once = at_once
-    real_deliver = channel.deliver
-
-    def deliver(sid, target, start, draft):
-        drafter.events.append(("deliver", sid))
-        real_deliver(sid, target, start, draft)
-
-    channel.deliver = deliver
-    for first in (1, 2, 3):
-        book.assign(f"s{first}", [first, 10], SamplingParams(), 0)
-    # a window of 8 in chunks of 4: two rounds of a chunk a session
-    _run_until(drafter, channel, book, lambda: len(channel.delivered) == 6,
-               "every session's window")
-    kinds = [kind for kind, _ in drafter.events]
-    if at_once == 1:
-        assert kinds == ["propose", "deliver"] * 6
-    else:  # a turn's three chunks drafted, then handed on, furthest behind first
-        assert kinds == ["propose"] * 3 + ["deliver"] * 3 + ["propose"] * 3 + ["deliver"] * 3
-    assert sorted(d[:3] for d in channel.delivered) == sorted(
-        (f"s{f}", 0, start) for f in (1, 2, 3) for start in (2, 6))
-
-
-def test_in_process_a_cheap_drafter_gets_several_jobs_a_turn_and_chunks_of_its_room():
-    from edgespec.config import EngineConfig
-    from edgespec.engine.draft_worker import JOBS_AT_ONCE, LocalChannel
-    from edgespec.protocol.local_store import LocalSessionStore
-
-    cfg = EngineConfig(window=12, chunk=3)
-    cheap = LocalChannel(LocalSessionStore(), cfg, cheap=True)
-    model = LocalChannel(LocalSessionStore(), cfg, cheap=False)
-    assert (cheap.jobs_at_once, cheap.chunk, cheap.ahead_chunk) == (JOBS_AT_ONCE, 12, 12)
-    assert (model.jobs_at_once, model.chunk, model.ahead_chunk) == (1, 3, 3)
-    assert JOBS_AT_ONCE > 1
-    from edgespec.drafters import build_drafter
-    assert build_drafter("mag").cheap and build_drafter("mag+cacheback").cheap
-    assert not GatedDrafter().cheap  # a drafter says so itself; the default is a forward a job
-
-
-class BatchingDrafter(CountingDrafter):
-    """Drafts its sessions' chunks together (``batch_jobs``), noting each call's sessions;
-    ``broken``: the sessions whose drafting raises, alone or in a call with others (such a
-    call first appends a token to every session, as a forward failing midway through a
-    proposal leaves them)."""
-
-    cheap = False
-    batch_jobs = 3
-
-    def __init__(self, broken=(), calls_fail: bool = False):
-        """``calls_fail``: every call of several sessions raises (each session alone drafts)."""
-        super().__init__()
-        self.broken, self.calls_fail = set(broken), calls_fail
-        self.calls: list[list[str]] = []
-
-    def open(self, tokens, params) -> CountingSession:
-        session = super().open(tokens, params)
-        session.broken = session.name in self.broken
-        return session
-
-    def propose_many(self, jobs, width):
-        self.calls.append(sorted(s.name for s, _ in jobs))
-        if self.calls_fail or any(s.broken for s, _ in jobs):
-            for s, _ in jobs:
-                s.tokens.append(999)
-            raise RuntimeError("the batch broke")
-        return super().propose_many(jobs, width)
-
-
-def _run_until(drafter, channel, book, cond, what):
-    stop = threading.Event()
-    thread = threading.Thread(target=run_drafting,
-                              args=(drafter, channel, book, lambda: not stop.is_set()))
-    thread.start()
-    try:
-        _eventually(cond, what, channel)
-    finally:
-        stop.set()
-        with channel.cond:
-            channel.cond.notify_all()
-        thread.join(WAIT_S)
-    assert not thread.is_alive()
-
-
-@pytest.mark.parametrize("broken", [(), ("s2",), ("s1", "s2", "s3")])
-def test_a_drafter_that_drafts_sessions_together_gets_a_rounds_chunks_in_one_call(broken):
-    """A round's chunks go to the drafter in one call. A call that fails has each of its
-    sessions drafted alone, from where it stood before the call (what the call appended taken
-    back): only a session that fails alone loses its drafts, and the loop nothing."""
-    drafter, channel, book = BatchingDrafter(broken), RecordingChannel(), DraftBook(pace=False)
-    channel.jobs_at_once = drafter.batch_jobs
-    for first in (1, 2, 3):
-        book.assign(f"s{first}", [first, 10], SamplingParams(), 0)
-    working = [f for f in (1, 2, 3) if f"s{f}" not in broken]
-    _run_until(drafter, channel, book,
-               lambda: len(channel.refused) == len(broken) and
-               len(channel.delivered) == 2 * len(working), "refusals and windows")
-    assert sorted(channel.refused) == [(sid, 2) for sid in sorted(broken)]
-    expected = [f"s{f}" for f in working]
-    if not broken:
-        assert drafter.calls == [expected] * 2  # a window of 8 in two chunks of 4
-    elif working:  # the failed call's chunks drafted alone, the next round's together
-        assert drafter.calls == [["s1", "s2", "s3"], expected]
-    else:
-        assert drafter.calls == [["s1", "s2", "s3"]]
-    assert sorted(d[:3] + (tuple(d[3]),) for d in channel.delivered) == sorted(
-        (f"s{f}", 0, start, tuple(range(11 + start - 2, 11 + start + 2)))
-        for f in working for start in (2, 6))
-
-
-def test_a_call_that_fails_where_each_session_alone_drafts_is_not_tried_every_turn():
-    """Calls of several sessions that always fail while each session alone drafts: after the
-    first, the loop drafts one by one (for ``ALONE_TURNS`` turns), every window delivered and
-    no session refused."""
-    from edgespec.drafters.drafting_turn import ALONE_TURNS
-
-    drafter = BatchingDrafter(calls_fail=True)
-    channel, book = RecordingChannel(), DraftBook(pace=False)
-    channel.jobs_at_once = drafter.batch_jobs
-    for first in (1, 2, 3):
-        book.assign(f"s{first}", [first, 10], SamplingParams(), 0)
-    _run_until(drafter, channel, book, lambda: len(channel.delivered) == 6,
-               "every session's window")
-    assert ALONE_TURNS > 1 and drafter.calls == [["s1", "s2", "s3"]] and not channel.refused
-    assert sorted(d[:3] + (tuple(d[3]),) for d in channel.delivered) == sorted(
-        (f"s{f}", 0, start, tuple(range(11 + start - 2, 11 + start + 2)))
-        for f in (1, 2, 3) for start in (2, 6))
-
-
-@pytest.mark.parametrize("handed_on", [False, True])
-def test_a_job_whose_bookkeeping_fails_costs_its_session_its_drafts_and_no_other(monkeypatch,
-                                                                                handed_on):
-    """``_finish`` raising for one job of a turn, before or after its chunk was handed on: that
-    session is refused where the cache's draft ends (not left busy for good), the turn's other
-    jobs are finished, and the loop goes on drafting for them."""
-    from edgespec.drafters import drafting_loop
-
-    real = drafting_loop._finish
-
-    def finish(job, outcome, error, channel, book):
-        if job.sid == "s2" and not job.opening:
-            if handed_on:
-                real(job, outcome, error, channel, book)
-            raise RuntimeError("bookkeeping broke")
-        real(job, outcome, error, channel, book)
-
-    monkeypatch.setattr(drafting_loop, "_finish", finish)
-    drafter, channel, book = CountingDrafter(), RecordingChannel(), DraftBook(pace=False)
-    channel.jobs_at_once = 3
-    for first in (1, 2, 3):
-        book.assign(f"s{first}", [first, 10], SamplingParams(), 0)
-    _run_until(drafter, channel, book,
-               lambda: len(channel.refused) == 1 and len(channel.delivered) == 4 + handed_on,
-               "a refusal and two windows")
-    assert channel.refused == [("s2", 6 if handed_on else 2)]  # its chunk [2, 6) went out
-    assert sorted(d[:3] for d in channel.delivered) == sorted(
-        [(f"s{f}", 0, start) for f in (1, 3) for start in (2, 6)] +
-        ([("s2", 0, 2)] if handed_on else []))
-    with channel.cond:
-        assert not any(t.busy for t in book.targets.values())
