@@ -1,13 +1,13 @@
-"""The Redis-backed session store against real Redis servers (embedded and external)."""
+"""The Redis-backed session store against real Redis servers (embedded and external). The
+connection to Redis itself: ``test_redis_connection``."""
 
-import uuid
 
 import pytest
 
 from cache_service.codec import COMMIT_FIELDS, InboxEvent
 from cache_service.redis_conn import RedisHandle
 from cache_service.store import RedisSessionStore, StoreError
-from edgespec.config import ConfigError, SamplingParams
+from edgespec.config import SamplingParams
 from edgespec.protocol.contract import Branch, DraftWant, SessionVanished, Verdict
 
 
@@ -519,122 +519,3 @@ def test_a_commit_reaches_the_board_with_what_the_step_asked(store):
     assert fix.is_fix and fix.wanted == 3
     unsaid = service._event_message(InboxEvent("commit", "s", epoch=1, end=4)).commit
     assert not unsaid.HasField("wanted")
-
-
-def test_a_redis_password_never_shows_in_errors_or_logs():
-    from cache_service.redis_conn import RedisHandle, shown_url
-    from edgespec.wire.convert import free_port
-
-    assert shown_url("redis://:s3cret@10.0.0.2:6379/0") == "redis://:***@10.0.0.2:6379/0"
-    assert shown_url("rediss://app:p%40ss@cache:6380") == "rediss://app:***@cache:6380"
-    assert shown_url("redis://10.0.0.2:6379/0") == "redis://10.0.0.2:6379/0"
-    assert shown_url("unix:///tmp/r.sock") == "unix:///tmp/r.sock"
-    assert shown_url("redis://cache:6379/0?password=s3cret&db=1") == \
-        "redis://cache:6379/0?password=***&db=1"
-    assert shown_url("unix:///tmp/r.sock?password=s3cret") == "unix:///tmp/r.sock?password=***"
-    with pytest.raises(ConfigError) as e:  # nothing listens there: the error names the URL
-        RedisHandle(f"redis://:TopSecret123@127.0.0.1:{free_port()}/0")
-    assert "TopSecret123" not in str(e.value) and ":***@127.0.0.1" in str(e.value)
-
-
-def test_an_embedded_redis_restarted_from_a_thread_outlives_that_thread():
-    """Linux's parent-death signal follows the thread that started the child: a restart made by
-    a health monitor's thread must not die when that thread ends (a drain stops the monitor
-    first)."""
-    import os
-    import signal
-    import subprocess
-    import threading
-
-    handle = RedisHandle()
-    try:
-        handle.client.set("es:kept", "1")
-        first = handle.proc
-        os.kill(first.pid, signal.SIGKILL)
-        first.wait()
-        monitor = threading.Thread(target=handle.ensure_running)
-        monitor.start()
-        monitor.join()
-        assert handle.proc is not first and handle.proc.poll() is None
-        with pytest.raises(subprocess.TimeoutExpired):  # not sent SIGTERM as the thread ended
-            handle.proc.wait(timeout=2)
-        assert handle.client.get("es:kept") == b"1"  # the append-only file came back with it
-    finally:
-        handle.close()
-
-
-def test_the_chunk_waker_outlives_a_connection_closed_under_its_read(monkeypatch):
-    """redis-py raises an AttributeError when a connection is closed under a read (its buffer
-    dropped): the listener counts a lost subscription and subscribes again, and later chunks
-    still wake the verifier."""
-    import time
-
-    import redis
-
-    from cache_service.chunk_waker import ChunkWaker
-
-    real = redis.client.PubSub.get_message
-    channel = f"es:test-wake-{uuid.uuid4().hex}"
-    broke = []
-
-    def get_message(self, *args, **kwargs):
-        # only this test's subscription breaks: another test's waker still listening in this
-        # process (its thread ends within a read) must not take the one fault
-        mine = any(key in (channel, channel.encode()) for key in self.channels)
-        if mine and not broke:
-            broke.append(True)
-            raise AttributeError("'NoneType' object has no attribute 'readline'")
-        return real(self, *args, **kwargs)
-
-    monkeypatch.setattr(redis.client.PubSub, "get_message", get_message)
-    handle = RedisHandle()
-    waker = ChunkWaker(handle.client, channel)
-    try:
-        deadline = time.monotonic() + 30
-        while not waker.seq:  # the lost subscription's own wake-up
-            assert time.monotonic() < deadline and waker._thread.is_alive()
-            time.sleep(0.01)
-        seen = waker.seq
-        while waker.seq == seen:  # subscribed again: a chunk's message wakes it
-            assert time.monotonic() < deadline and waker._thread.is_alive()
-            handle.client.publish(channel, "es:s:abc")
-            waker.wait(seen, 0.2)
-        keys, _ = waker.woken_since(seen)
-        assert keys is not None and "es:s:abc" in keys
-    finally:
-        waker.stop()
-        handle.close()
-
-
-@pytest.mark.parametrize("url", ["foo", "http://x:1"])
-def test_a_redis_url_of_no_scheme_redis_reads_is_a_config_error_naming_it(url):
-    with pytest.raises(ConfigError, match="--redis-url"):
-        RedisHandle(url)
-
-
-def test_an_external_redis_that_evicts_keys_is_warned_of_at_connect(external_redis, caplog):
-    """A Redis with a maxmemory and an eviction policy takes sessions' and boards' keys under
-    pressure (sessions lost, boards taken for detached): said when the cache connects, with the
-    setting to change; the same Redis at noeviction, or unbounded, is not warned of."""
-    import redis
-
-    admin = redis.Redis.from_url(external_redis)
-    old = admin.config_get("maxmemory*")
-    try:
-        for memory, policy, warned in ((64 << 20, "allkeys-lru", True),
-                                       (64 << 20, "volatile-ttl", True),
-                                       (64 << 20, "noeviction", False),
-                                       (0, "allkeys-lru", False)):
-            admin.config_set("maxmemory", memory)
-            admin.config_set("maxmemory-policy", policy)
-            caplog.clear()
-            with caplog.at_level("WARNING", logger="edgespec.redis"):
-                RedisHandle(external_redis).close()
-            said = [r.getMessage() for r in caplog.records if "evicts keys" in r.getMessage()]
-            assert bool(said) == warned, (memory, policy, said)
-            if warned:
-                assert policy in said[0] and "maxmemory-policy noeviction" in said[0]
-    finally:
-        admin.config_set("maxmemory", old["maxmemory"])
-        admin.config_set("maxmemory-policy", old["maxmemory-policy"])
-        admin.close()
