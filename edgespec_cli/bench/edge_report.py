@@ -8,6 +8,9 @@ import urllib.request
 from pathlib import Path
 
 from ..deployment.cpu_share import BOUND_SHARE, busy_share
+from ..simulate.report import (SHORT_RUN_S, commit_to_draft, inter_token_latencies,
+                               nearest_rank, ratio)
+from ..simulate.report_text import commit_to_draft_line, fmt
 
 
 def scrape(port: int) -> dict[tuple[str, tuple], float]:
@@ -102,8 +105,6 @@ def _commit_to_draft(b_before: dict, b_after: dict) -> dict | None:
     """A board's time from a commit to the session's next usable draft, from its /metrics
     (``drafter_node/metrics.py``): simulate's ``commit_to_draft`` figures, and the mean round
     trip of a chunk to the cache; None when the board saw no commit."""
-    from edgespec_cli.simulate.report import commit_to_draft
-
     def d(name: str, **labels) -> float:
         return delta(b_after, b_before, f"edgespec:drafter_{name}", **labels)
 
@@ -128,8 +129,6 @@ def _trimmed(counts: list[float]) -> list[int]:
 
 
 def compare_runs(sessions: int, boards: int, alone: dict, edge: dict, split) -> dict:
-    from edgespec_cli.simulate.report import inter_token_latencies, nearest_rank
-
     def figures(run: dict) -> dict:
         recs = run["records"]
         tokens = sum(len(r.tokens) for r in recs)
@@ -153,8 +152,8 @@ def compare_runs(sessions: int, boards: int, alone: dict, edge: dict, split) -> 
     busy = None if None in board_cpu else busy_share(sum(board_cpu), edge["wall_s"],
                                                        len(split.boards))
     return {"sessions": sessions, "boards": boards, "server_only": a, "edge": e,
-            "throughput_ratio": _ratio(e["tokens_per_s"], a["tokens_per_s"]),
-            "server_cpu_per_token_ratio": _ratio(e["server_cpu_ms_per_token"],
+            "throughput_ratio": ratio(e["tokens_per_s"], a["tokens_per_s"]),
+            "server_cpu_per_token_ratio": ratio(e["server_cpu_ms_per_token"],
                                                  a["server_cpu_ms_per_token"]),
             "boards_busy": busy,
             "bound_by_boards": busy is not None and busy >= BOUND_SHARE,
@@ -167,28 +166,18 @@ def _ms(x: float | None) -> float | None:
     return None if x is None else 1000 * x
 
 
-def _ratio(a, b):
-    return a / b if a is not None and b else None
-
-
-def _f(x, digits: int = 1) -> str:
-    return "-" if x is None else f"{x:.{digits}f}"
-
-
 def format_table(report: dict) -> str:
-    from edgespec_cli.simulate.report import SHORT_RUN_S
-    from edgespec_cli.simulate.report_text import commit_to_draft_line
-
     lines = [f"{'fleet':<7} {'alone tok/s':>11} {'edge tok/s':>10} {'ratio':>6} "
              f"{'ITL p99 ms':>14} {'server ms/tok':>14} {'tok/fwd':>9} {'same':>5}"]
     for f in report["fleets"]:
         a, e = f["server_only"], f["edge"]
         lines.append(
-            f"{f['sessions']}x{f['boards']:<5} {_f(a['tokens_per_s']):>11} "
-            f"{_f(e['tokens_per_s']):>10} {_f(f['throughput_ratio'], 2):>6} "
-            f"{_f(a['itl_p99_ms'], 0):>6}/{_f(e['itl_p99_ms'], 0):<7} "
-            f"{_f(a['server_cpu_ms_per_token'], 1):>6}/{_f(e['server_cpu_ms_per_token'], 1):<7} "
-            f"{_f(a['tokens_per_forward'], 2):>4}/{_f(e['tokens_per_forward'], 2):<4} "
+            f"{f['sessions']}x{f['boards']:<5} {fmt(a['tokens_per_s']):>11} "
+            f"{fmt(e['tokens_per_s']):>10} {fmt(f['throughput_ratio'], digits=2):>6} "
+            f"{fmt(a['itl_p99_ms'], digits=0):>6}/{fmt(e['itl_p99_ms'], digits=0):<7} "
+            f"{fmt(a['server_cpu_ms_per_token']):>6}/{fmt(e['server_cpu_ms_per_token']):<7} "
+            f"{fmt(a['tokens_per_forward'], digits=2):>4}/"
+            f"{fmt(e['tokens_per_forward'], digits=2):<4} "
             f"{f['identical']!s:>5}")
     lines.append("(ITL, server CPU and tokens a forward: server-only / edge drafting)")
     short = [f"{f['sessions']}x{f['boards']}" for f in report["fleets"]
@@ -203,8 +192,8 @@ def format_table(report: dict) -> str:
             ms = side["step_ms"]
             refused = side.get("chunks_refused") or {}
             lines.append(f"  {f['sessions']}x{f['boards']} {name:<11} ms a step: wait "
-                         f"{_f(ms['wait'], 1)}, forward {_f(ms['forward'], 1)}, commit "
-                         f"{_f(ms['commit'], 1)} ({side['steps']:.0f} steps)"
+                         f"{fmt(ms['wait'])}, forward {fmt(ms['forward'])}, commit "
+                         f"{fmt(ms['commit'])} ({side['steps']:.0f} steps)"
                          + ("; chunks the cache refused: " + ", ".join(
                              f"{n:.0f} {code}" for code, n in sorted(refused.items()))
                             if refused else ""))
@@ -213,9 +202,9 @@ def format_table(report: dict) -> str:
             lines.append(
                 f"  {f['sessions']}x{f['boards']} {b['device']}: of {b['session_steps']:.0f} "
                 f"session steps, the whole draft in when taken in "
-                f"{_f(100 * b['ready_share'] if b['ready_share'] is not None else None, 0)}%, "
+                f"{fmt(b['ready_share'], 100, 0)}%, "
                 f"a draft verified (waited for, or in part) in "
-                f"{_f(100 * b['verified_share'] if b['verified_share'] is not None else None, 0)}"
+                f"{fmt(b['verified_share'], 100, 0)}"
                 f"%; chunks sent "
                 f"{b['chunks_sent']:.0f} (resent {b['chunks_resent']:.0f}), tokens kept "
                 f"across fixes {b['tokens_kept']:.0f}, discarded {b['tokens_discarded']:.0f}; "
@@ -235,8 +224,8 @@ def format_table(report: dict) -> str:
             c = b.get("commit_to_draft")
             if c:
                 lines.append(f"    {commit_to_draft_line(c)}, then the chunk's round trip to "
-                             f"the cache {_f(c['link_rtt_ms'], 1)} ms")
+                             f"the cache {fmt(c['link_rtt_ms'])} ms")
         if f["bound_by_boards"]:
             lines.append(f"  {f['sessions']}x{f['boards']}: BOUND BY the boards' cores "
-                         f"({_f(100 * f['boards_busy'], 0)}% busy)")
+                         f"({fmt(f['boards_busy'], 100, 0)}% busy)")
     return "\n".join(lines)
