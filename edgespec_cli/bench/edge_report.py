@@ -8,8 +8,8 @@ import urllib.request
 from pathlib import Path
 
 from ..deployment.cpu_share import BOUND_SHARE, busy_share
-from ..simulate.report import (SHORT_RUN_S, commit_to_draft, inter_token_latencies,
-                               nearest_rank, ratio)
+from ..simulate.report import (SHORT_RUN_S, SHORT_RUN_WHY, commit_to_draft,
+                               inter_token_latencies, nearest_rank, ratio)
 from ..simulate.report_text import commit_to_draft_line, fmt
 
 
@@ -183,9 +183,8 @@ def format_table(report: dict) -> str:
     short = [f"{f['sessions']}x{f['boards']}" for f in report["fleets"]
              if min(f["server_only"]["wall_s"], f["edge"]["wall_s"]) < SHORT_RUN_S]
     if short:
-        lines.append(f"note: {', '.join(short)} had a run of under {SHORT_RUN_S:.0f} s: ratios "
-                     f"from runs this short moved by 0.1-0.2 between repeats of one setting on "
-                     f"a shared machine; more --per-category or --max-new-tokens for steadier "
+        lines.append(f"note: {', '.join(short)} had a run of under {SHORT_RUN_S:.0f} s: "
+                     f"{SHORT_RUN_WHY}; more --per-category or --max-new-tokens for steadier "
                      f"figures")
     for f in report["fleets"]:
         for name, side in (("server-only", f["server_only"]), ("edge", f["edge"])):

@@ -60,6 +60,8 @@ PERCENTILE_METHOD = "nearest-rank"
 # runs shorter than this give throughput ratios that moved by 0.1-0.2 between repeats of one
 # setting on a shared 2-core machine (docs/measured/edge-vs-server): the report says so
 SHORT_RUN_S = 30.0
+SHORT_RUN_WHY = ("ratios from runs this short moved by 0.1-0.2 between repeats of one setting "
+                 "on a shared machine")  # what a report says of them
 
 
 def nearest_rank(values: list[float], p: float) -> float | None:

@@ -7,6 +7,7 @@ import json
 
 from edgespec_cli.deployment.cpu_share import BOUND_SHARE
 from edgespec_cli.simulate.records import SERVER_ONLY, mode_name
+from edgespec_cli.simulate.report import SHORT_RUN_WHY
 
 
 def commit_to_draft_line(c: dict) -> str:
@@ -117,9 +118,8 @@ def ratio_lines(report: dict) -> list[str]:
     if report.get("short_runs"):
         short = report["short_runs"]
         lines.append(f"note: at {', '.join(map(str, short['devices']))} device(s) a run took "
-                     f"under {short['under_s']:.0f} s: ratios from runs this short moved by "
-                     f"0.1-0.2 between repeats of one setting on a shared machine; more "
-                     f"--requests (or --duration) for steadier figures")
+                     f"under {short['under_s']:.0f} s: {SHORT_RUN_WHY}; more --requests (or "
+                     f"--duration) for steadier figures")
     if "capacity" in report:
         cap = report["capacity"]
         found = ", ".join(f"{m} {cap[m]}" for m in ("on", "off", SERVER_ONLY) if m in cap)
