@@ -115,6 +115,7 @@ class FleetRun:
 
         def said(what: str) -> None:  # a fleet takes seconds to start: say what it is at
             self.progress(f"simulate:   {what} ({time.monotonic() - t0:.0f} s)")
+
         cache = placement.place(self.roles.cache, head).remote(
             0, self._tmp, secrets.token_urlsafe(16), max_drafters=len(self.profiles) + 8,
             cpus=split.server if split else None)
