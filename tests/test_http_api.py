@@ -16,76 +16,27 @@ import openai
 import pytest
 
 import edgespec
-from conftest import hf_greedy
 from prometheus_client.parser import text_string_to_metric_families
 
 from edgespec.config import DEFAULT_MODEL_NAME
 from edgespec.models.loading import encode_prompt
-from verifier_node.admission import MAX_CHARS_PER_TOKEN
-from verifier_node.body_limit import default_max_request_bytes
 from edgespec.wire.convert import free_port
-from procs import FROZEN_DRAFTER_ENV, Proc, start_drafter, start_serve
+from http_harness import (MESSAGES, N, PROMPT, TOKEN, call, http_server, openai_client,
+                          reference)
+from procs import FROZEN_DRAFTER_ENV, start_drafter, start_serve
 
 pytestmark = pytest.mark.slow  # processes, servers or long sweeps: not the fast tier
 
 
-def call(method: str, url: str, body=None, headers=None, raw: bytes | None = None
-         ) -> tuple[int, dict | str]:
-    """One plain HTTP call (stdlib): (status, parsed JSON or text)."""
-    import urllib.error
-    import urllib.request
-
-    data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
-    req = urllib.request.Request(url, data=data, method=method,
-                                 headers={"Content-Type": "application/json", **(headers or {})})
-    try:
-        with urllib.request.urlopen(req, timeout=120) as r:
-            status, text = r.status, r.read().decode()
-    except urllib.error.HTTPError as e:
-        status, text = e.code, e.read().decode()
-    try:
-        return status, json.loads(text)
-    except ValueError:
-        return status, text
-
-TOKEN = "h77p"
-PROMPT = "abcabcab"
-MESSAGES = [{"role": "user", "content": "xyzxyz"}]
-N = 40
-MAX_BODY = 1_000_000  # the test server's --max-request-bytes
-
-
 @pytest.fixture(scope="module")
 def server(looping_dir, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("http")
-    http_port = free_port()
-    # the verifier waits (up to 5 s) for the drafter's answer at every step, with a fixed draft
-    # length: what is drafted does not depend on the machine's speed
-    serve, address = start_serve(looping_dir, tmp, token=TOKEN, extra=[
-        "--http-port", http_port, "--draft-wait-ms", 5000, "--no-adaptive",
-        "--max-request-bytes", MAX_BODY])
-    drafter_metrics = free_port()
-    drafter = Proc(["drafter", "--cache", address, "--device-id", "board-1", "--drafter", "mag",
-                    "--auth-token", TOKEN, "--metrics-port", drafter_metrics],
-                   tmp / "drafter-board-1.log")
-    drafter.wait_for("attached to")
-    yield {"address": address, "base": f"http://127.0.0.1:{http_port}", "serve": serve,
-           "drafter_metrics": f"http://127.0.0.1:{drafter_metrics}/metrics"}
-    drafter.stop()
-    assert serve.stop() == 0
+    with http_server(looping_dir, tmp_path_factory.mktemp("http")) as s:
+        yield s
 
 
 @pytest.fixture(scope="module")
 def api(server):
-    client = openai.OpenAI(base_url=server["base"] + "/v1", api_key=TOKEN, max_retries=0,
-                           timeout=120)
-    client.model_id = client.models.list().data[0].id
-    return client
-
-
-def reference(looping, ids, n=N) -> tuple[list[int], str]:
-    out = hf_greedy(looping.model, ids, n)
-    return out, looping.tokenizer.decode(out, skip_special_tokens=True)
+    return openai_client(server)
 
 
 def test_models_lists_the_served_model(api, looping_dir):
@@ -266,165 +217,6 @@ def test_seeded_sampling_is_reproducible(api):
     kw = dict(model=api.model_id, prompt=PROMPT, max_tokens=20, temperature=0.9, seed=11)
     assert api.completions.create(**kw).choices[0].text == \
         api.completions.create(**kw).choices[0].text
-
-
-@pytest.mark.parametrize("kw,status,param", [
-    (dict(model="no-such-model"), 404, "model"),
-    (dict(temperature=5), 400, "temperature"),
-    (dict(top_p=-0.5), 400, None),
-    (dict(max_tokens=0), 400, "max_tokens"),
-    (dict(n=2), 400, "n"),
-    (dict(stop=["a", "b", "c", "d", "e"]), 400, "stop"),
-    (dict(logit_bias={"5": 10}), 400, "logit_bias"),
-    (dict(prompt=""), 400, "prompt"),
-    (dict(prompt="a" * 200_000), 400, None),
-    (dict(max_tokens=10 ** 400), 400, "max_tokens"),
-    (dict(seed=2 ** 64, temperature=1), 400, "seed"),
-    (dict(max_completion_tokens=None, max_tokens=-1), 400, "max_tokens"),
-    (dict(max_completion_tokens=0), 400, "max_completion_tokens"),
-    (dict(presence_penalty=False), 400, "presence_penalty"),  # a boolean is not the neutral 0
-    (dict(best_of=True), 400, "best_of"),
-    (dict(stream_options={"include_usage": True}), 400, "stream_options"),  # without stream
-    (dict(stream=True, stream_options={"include_usage": "yes"}), 400,
-     "stream_options.include_usage"),
-])
-def test_bad_requests_get_openai_errors(server, api, kw, status, param):
-    body = {"model": api.model_id, "prompt": PROMPT, "max_tokens": 5, **kw}
-    code, reply = call("POST", server["base"] + "/v1/completions", body,
-                       {"Authorization": f"Bearer {TOKEN}"})
-    assert code == status
-    err = reply["error"]
-    assert set(err) == {"message", "type", "param", "code"} and err["message"]
-    if param:
-        assert err["param"] == param
-
-
-@pytest.mark.parametrize("path,body,status", [
-    ("/v1/completions", '{"model": "\\ud800", "prompt": "abc"}', 404),
-    ("/v1/completions", '{"model": "MODEL", "prompt": "abc", "\\udc80x": 1}', 400),
-    ("/v1/chat/completions",
-     '{"model": "MODEL", "messages": [{"role": "\\ud800", "content": "hi"}]}', 400),
-    ("/v1/chat/completions", '{"model": "MODEL", "messages": [{"role": "user", "content": '
-                             '[{"type": "image_url", "image_url": {"url": "\\ud800:x"}}]}]}', 400),
-])
-def test_a_lone_surrogate_quoted_in_an_error_is_a_4xx(server, api, path, body, status):
-    """JSON lets a request hold a lone surrogate, which has no UTF-8 encoding: an error that
-    quotes it (a model, parameter or role name, an image URL) is still the request's 4xx, its
-    body escaped, not a 500 from writing it."""
-    raw = body.replace("MODEL", api.model_id).encode()
-    code, reply = call("POST", server["base"] + path, raw=raw,
-                       headers={"Authorization": f"Bearer {TOKEN}"})
-    assert code == status, reply
-    assert reply["error"]["type"] != "server_error" and reply["error"]["message"]
-
-
-@pytest.mark.parametrize("text", [None, {"a": 1}, 5])
-def test_a_text_part_that_is_not_a_string_is_refused(server, api, text):
-    body = {"model": api.model_id, "max_tokens": 4,
-            "messages": [{"role": "user", "content": [{"type": "text", "text": text}]}]}
-    code, reply = call("POST", server["base"] + "/v1/chat/completions", body,
-                       {"Authorization": f"Bearer {TOKEN}"})
-    assert code == 400 and reply["error"]["param"] == "messages[0].content[0].text"
-
-
-@pytest.mark.parametrize("kw", [dict(top_logprobs=0), dict(best_of=1.0), dict(presence_penalty=0),
-                                dict(frequency_penalty=0.0), dict(echo=False)])
-def test_neutral_values_are_accepted_as_numbers_of_either_kind(server, api, kw):
-    body = {"model": api.model_id, "prompt": PROMPT, "max_tokens": 3, **kw}
-    code, reply = call("POST", server["base"] + "/v1/completions", body,
-                       {"Authorization": f"Bearer {TOKEN}"})
-    assert code == 200, reply
-
-
-def test_a_message_role_openai_does_not_have_is_refused_by_name(api, looping):
-    """OpenAI's five roles go through the chat template; any other role is a 400 naming it."""
-    with pytest.raises(openai.BadRequestError) as e:
-        api.chat.completions.create(model=api.model_id, max_tokens=8, messages=[
-            {"role": "user", "content": "hi"}, {"role": "wizard", "content": "abracadabra"}])
-    assert "'wizard'" in e.value.body["message"] and e.value.param == "messages.[1].role"
-    every = [{"role": r, "content": f"{r}!"}
-             for r in ("system", "developer", "user", "assistant", "tool", "user")]
-    _, ref_text = reference(looping, encode_prompt(looping.tokenizer, messages=every), 8)
-    r = api.chat.completions.create(model=api.model_id, messages=every, max_tokens=8,
-                                    temperature=0)
-    assert r.choices[0].message.content == ref_text
-
-
-def test_malformed_json_and_auth(server):
-    url = server["base"] + "/v1/chat/completions"
-    code, reply = call("POST", url, raw=b"{not json", headers={"Authorization": f"Bearer {TOKEN}"})
-    assert code == 400 and reply["error"]["type"] == "invalid_request_error"
-    for headers in ({}, {"Authorization": "Bearer wrong"}):
-        code, reply = call("POST", url, {"model": "m", "messages": MESSAGES}, headers)
-        assert code == 401 and reply["error"]["type"] == "authentication_error"
-    code, reply = call("GET", server["base"] + "/v1/nowhere")
-    assert code == 404 and set(reply["error"]) == {"message", "type", "param", "code"}
-    with pytest.raises(openai.AuthenticationError):
-        openai.OpenAI(base_url=server["base"] + "/v1", api_key="wrong",
-                      max_retries=0).models.list()
-    assert call("GET", server["base"] + "/health")[0] == 200
-
-
-def test_a_base_url_without_v1_gets_a_hint(server):
-    """A client whose base_url lacks /v1 asks for /chat/completions: the 404 says what to
-    change. Paths that are not the API's get the plain 404."""
-    bare = openai.OpenAI(base_url=server["base"], api_key=TOKEN, max_retries=0, timeout=120)
-    with pytest.raises(openai.NotFoundError) as e:
-        bare.chat.completions.create(model="m", messages=MESSAGES)
-    assert e.value.body["message"] == ("no route /chat/completions: did you mean "
-                                       "/v1/chat/completions? set the client's base_url to "
-                                       f"{server['base']}/v1")
-    for method, path in (("POST", "/completions"), ("GET", "/models")):
-        code, reply = call(method, server["base"] + path, {} if method == "POST" else None)
-        assert code == 404 and f"did you mean /v1{path}?" in reply["error"]["message"]
-    code, reply = call("GET", server["base"] + "/nowhere")
-    assert code == 404 and "base_url" not in reply["error"]["message"]
-
-
-def _post_chat(conn: http.client.HTTPConnection, model: str, content: str, chunked: bool):
-    """POST /v1/chat/completions on ``conn``, the body whole with a Content-Length or in 64 KiB
-    chunks without one; (status, parsed reply)."""
-    body = json.dumps({"model": model, "messages": [{"role": "user", "content": content}],
-                       "max_tokens": 5}).encode()
-    headers = {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"}
-    if chunked:  # an iterable body without Content-Length: Transfer-Encoding: chunked
-        conn.request("POST", "/v1/chat/completions", headers=headers,
-                     body=(body[i:i + 65536] for i in range(0, len(body), 65536)))
-    else:
-        conn.request("POST", "/v1/chat/completions", body=body, headers=headers)
-    resp = conn.getresponse()
-    return resp.status, json.loads(resp.read())
-
-
-def test_an_oversized_body_is_a_413_and_the_server_goes_on(server, api):
-    """A 20 MB body is refused with 413 before it is read whole, whether it declares its
-    length or comes chunked; the same connection, and the server, then serve as before."""
-    port = int(server["base"].rsplit(":", 1)[1])
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
-    try:
-        for chunked in (False, True):
-            status, reply = _post_chat(conn, api.model_id, "a" * 20_000_000, chunked)
-            assert status == 413, reply
-            assert reply["error"]["code"] == "request_too_large"
-            assert str(MAX_BODY) in reply["error"]["message"]
-        status, reply = _post_chat(conn, api.model_id, "a" * (MAX_BODY - 1000), chunked=True)
-        assert status == 400 and "context limit" in reply["error"]["message"]  # read, parsed
-    finally:
-        conn.close()
-    r = api.chat.completions.create(model=api.model_id, messages=MESSAGES, max_tokens=5,
-                                    temperature=0)
-    assert r.choices[0].message.content and call("GET", server["base"] + "/health")[0] == 200
-
-
-def test_the_default_body_limit_fits_the_longest_prompt_admitted():
-    """Without --max-request-bytes, a chat request whose prompt has the most characters the
-    verifier admits (MAX_CHARS_PER_TOKEN a context token), each escaped at its longest in
-    JSON, is under the cap."""
-    for max_context in (2048, 32768):
-        content = "\u2028" * (MAX_CHARS_PER_TOKEN * max_context)  # \u2028 in JSON: 6 bytes
-        body = json.dumps({"model": "some-model", "messages": [
-            {"role": "user", "content": content}], "max_tokens": 128, "temperature": 0})
-        assert len(body.encode()) <= default_max_request_bytes(max_context)
 
 
 def _metrics(server) -> dict[str, float]:

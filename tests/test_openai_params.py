@@ -2,7 +2,7 @@
 process: a parameter edgespec does not honour is accepted only at its neutral value, of its
 JSON kind, and a chat message only with what the chat template is given (role, content), so a
 client never silently gets another behaviour than the one it asked for. The served API's own
-answers to these are in test_http_api."""
+answers to these are in test_http_refusals."""
 
 from __future__ import annotations
 
