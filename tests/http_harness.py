@@ -72,7 +72,7 @@ def openai_client(server: dict) -> openai.OpenAI:
     """The official client on ``server``, its ``model_id`` the served model's."""
     client = openai.OpenAI(base_url=server["base"] + "/v1", api_key=TOKEN, max_retries=0,
                            timeout=120)
-    client.model_id = client.models.list().data[0].id  # type: ignore[attr-defined]
+    client.model_id = client.models.list().data[0].id
     return client
 
 

@@ -1,33 +1,19 @@
-"""The Redis-backed session store against real Redis servers (embedded and external). The
-connection to Redis itself: ``test_redis_connection``."""
-
+"""The Redis-backed session store against real Redis servers (embedded and external): sessions
+created, drafted, taken, committed, fixed, resumed, expired and closed. Its waits for drafts:
+``test_cache_waits``; its refusals and outages: ``test_cache_store_faults``; the connection to
+Redis itself: ``test_redis_connection``."""
 
 import pytest
+from redis_store import attach, store  # noqa: F401
 
 from cache_service.codec import COMMIT_FIELDS, InboxEvent
-from cache_service.redis_conn import RedisHandle
 from cache_service.store import RedisSessionStore, StoreError
 from edgespec.config import SamplingParams
 from edgespec.protocol.contract import Branch, DraftWant, SessionVanished, Verdict
 
 
-@pytest.fixture()
-def store(redis_url):
-    handle = RedisHandle(redis_url)
-    handle.client.flushdb()
-    st = RedisSessionStore(handle.client, prefix="t:", ttl_s=30)
-    yield st
-    st.shutdown()  # its waker and recorder threads end with the test
-    handle.close()
-
-
-def _attach(store, device="dev1"):
-    store.devices.register(device, {"max_sessions": 4})
-    return device
-
-
 def test_push_take_commit_with_fix_reaches_the_inbox(store):
-    dev = _attach(store)
+    dev = attach(store)
     store.create("s1", [1, 2, 3], SamplingParams(), dev)
     assert store.snapshot("s1").tokens == [1, 2, 3]
     events = store.read_events(dev, "0-0", 10)
@@ -51,7 +37,7 @@ def test_a_verifier_that_did_not_create_the_session_reaches_its_board(store):
     """The take and commit scripts find a session's board from the session itself, not from the
     verifier process that created it: another replica's take sees the board drafting (a step
     waits for it) and its fix reaches the board's inbox."""
-    dev = _attach(store)
+    dev = attach(store)
     store.create("s2", [1, 2, 3], SamplingParams(), dev)
     other = RedisSessionStore(store.redis, prefix="t:", ttl_s=30)
     store.push("s2", 0, 3, [4], idle=False, window=8)
@@ -142,7 +128,7 @@ def test_a_sessions_keys_keep_an_expiry_moved_on_every_16_tokens(store):
     """Every key of a session always expires (a draft reset or a branch list made anew keeps
     one); commits within 16 tokens leave the expiry where it was, the commit that crosses a
     multiple of 16 moves every key's to the full TTL."""
-    dev = _attach(store)
+    dev = attach(store)
     store.create("s9", [1, 2, 3], SamplingParams(), dev)
     keys = store.keys.session("s9")
 
@@ -168,7 +154,7 @@ def test_a_sessions_keys_keep_an_expiry_moved_on_every_16_tokens(store):
 
 
 def test_held_token_commits_without_fix(store):
-    dev = _attach(store)
+    dev = attach(store)
     store.create("s2", [1], SamplingParams(), dev)
     store.push("s2", 0, 1, [7, 8, 9], idle=False, window=8)
     store.take_when_ready([DraftWant("s2", 1)], 0.0)
@@ -181,7 +167,7 @@ def test_held_token_commits_without_fix(store):
 
 
 def test_branches_are_stored_taken_kept_ahead_and_dropped_by_a_fix(store):
-    dev = _attach(store)
+    dev = attach(store)
     store.create("s9", [1, 2], SamplingParams(), dev)
     res = store.push("s9", 0, 2, [10, 11, 12, 13], idle=False, window=3, branches=[
         Branch(0, (20, 21)), Branch(2, (22,)), Branch(3, (23,)),  # at 3: beyond the window
@@ -212,7 +198,7 @@ def test_branches_are_stored_taken_kept_ahead_and_dropped_by_a_fix(store):
 
 
 def test_stale_and_misplaced_chunks_are_refused_and_change_nothing(store):
-    dev = _attach(store)
+    dev = attach(store)
     store.create("s3", [1, 2], SamplingParams(), dev)
     store.push("s3", 0, 2, [3], idle=False, window=8)
     store.commit_many([Verdict("s3", 0, 2, 0, 5)])  # rejection: epoch 1
@@ -230,7 +216,7 @@ def test_stale_and_misplaced_chunks_are_refused_and_change_nothing(store):
 
 
 def test_window_bounds_the_draft_and_params_round_trip(store):
-    dev = _attach(store)
+    dev = attach(store)
     store.create("s4", [1], SamplingParams(temperature=1.0, seed=4), dev)
     assert store.push("s4", 0, 1, [3, 5, 6], idle=False, window=2).kept == 2
     [taken] = store.take_when_ready([DraftWant("s4", 8)], 0.0)
@@ -238,187 +224,8 @@ def test_window_bounds_the_draft_and_params_round_trip(store):
     assert store.snapshot("s4").params == SamplingParams(temperature=1.0, seed=4)
 
 
-class _NoWait:
-    seq = 0
-
-    def wait(self, seen, timeout):
-        raise AssertionError("waited for a drafter that is gone")
-
-
-def test_take_waits_for_a_live_drafter_but_not_for_a_dead_one(store):
-    import time
-
-    dev = _attach(store)
-    store.create("s5", [1], SamplingParams(), dev)
-    t0 = time.monotonic()
-    [taken] = store.take_when_ready([DraftWant("s5", 4)], 0.2)
-    assert time.monotonic() - t0 >= 0.15  # a live drafter with no draft yet: waited
-    assert taken.tokens == []
-    store.devices.mark_gone(dev)
-    real, store._chunk_waker = store._chunk_waker, _NoWait()  # nobody drafting: no wait
-    try:
-        [taken] = store.take_when_ready([DraftWant("s5", 4)], 30)
-    finally:
-        store._chunk_waker = real  # stopped with the store
-    assert taken.tokens == []
-
-
-def test_a_pushed_chunk_ends_the_wait(store):
-    import threading
-
-    dev = _attach(store)
-    store.create("s7", [1], SamplingParams(), dev)
-    store.take_when_ready([DraftWant("s7", 4)], 0.0)  # subscribes the waker
-    timer = threading.Timer(0.3, store.push, ("s7", 0, 1, [2, 3, 4, 5], False, 8))
-    timer.start()
-    [taken] = store.take_when_ready([DraftWant("s7", 4)], 120)  # woken by the push
-    timer.join()
-    assert taken.tokens == [2, 3, 4, 5]
-
-
-def _live_waker(store):
-    """The store's chunk waker once its subscription is live (a message it sent came back)."""
-    waker = store._waker
-    for _ in range(600):
-        seen = waker.seq
-        store.redis.publish(store.keys.wake, "1")
-        waker.wait(seen, 0.1)
-        if waker.seq > seen:
-            return waker
-    raise AssertionError("the chunk waker never subscribed")
-
-
-def test_a_wake_up_reads_again_only_the_sessions_it_names_still_waited_for(store):
-    """A step waiting for many boards is woken by each pushed chunk, whose message names its
-    session: it reads again only that session, if its draft is still awaited (a ready draft's
-    earlier read stands: it only grows, by a push, until this verifier commits), and takes
-    every session's draft at the end. A chunk of a session the step does not wait for reads
-    nothing."""
-    dev = _attach(store)
-    for sid in ("r1", "r2", "late", "other"):
-        store.create(sid, [1], SamplingParams(), dev)
-    store.push("r1", 0, 1, [2, 3], idle=False, window=8)
-    store.push("r2", 0, 1, [4], idle=True, window=8)  # idle: nothing more is coming
-    _live_waker(store)
-    reads: list[list[str]] = []
-    read = store._read
-
-    def reading(wants):
-        got = read(wants)
-        if wants:
-            reads.append([w.session_id for w in wants])
-        if len(reads) == 1 and wants:  # the chunks come once the step has read: it waits
-            store.push("other", 0, 1, [9], idle=False, window=8)
-            store.push("late", 0, 1, [5, 6], idle=False, window=8)
-        return got
-
-    store._read = reading
-    got = store.take_when_ready([DraftWant("r1", 2), DraftWant("r2", 2),
-                                 DraftWant("late", 2)], 120)  # woken by the pushes
-    assert [t.tokens for t in got] == [[2, 3], [4], [5, 6]]
-    assert reads == [["r1", "r2", "late"], ["late"]]
-
-
-def test_the_waker_says_which_sessions_woke_and_when_it_cannot(store):
-    """Over a real subscription: the keys the messages named since a sequence number; None
-    where that is not known (a message naming none, as an older cache's '1', or further back
-    than the waker remembers)."""
-    from cache_service.chunk_waker import KEPT
-
-    waker = _live_waker(store)
-    seen = waker.seq
-
-    def publish(*keys):
-        target = waker.seq + len(keys)
-        for key in keys:
-            store.redis.publish(store.keys.wake, key)
-        with waker._cond:
-            assert waker._cond.wait_for(lambda: waker.seq >= target, 60)
-
-    publish("t:s:a", "t:s:b")
-    assert waker.woken_since(seen) == ({"t:s:a", "t:s:b"}, seen + 2)
-    assert waker.woken_since(waker.seq) == (set(), waker.seq)
-    publish("1")
-    assert waker.woken_since(seen) == (None, waker.seq)
-    later = waker.seq
-    for _ in range(KEPT + 1):
-        waker._bump("t:s:c")  # more than remembered (the bookkeeping alone)
-    assert waker.woken_since(later) == (None, waker.seq)
-
-
-def test_commit_replayed_after_it_landed_is_not_applied_twice(store):
-    dev = _attach(store)
-    store.create("s8", [1, 2], SamplingParams(), dev)
-    store.push("s8", 0, 2, [3, 4], idle=False, window=8)
-    v = Verdict("s8", 0, 2, 2, 7)
-    [first] = store.commit_many([v])
-    [again] = store.commit_many([v])  # e.g. the reply was lost and the verifier retried
-    assert first.ok and again.ok
-    assert store.snapshot("s8").tokens == [1, 2, 3, 4, 7]
-    [wrong] = store.commit_many([Verdict("s8", 1, 3, 0, 9)])  # a position the cache is past
-    assert not wrong.ok and "ends at" in wrong.error
-
-
-def test_a_refused_commit_fails_only_its_own_session(store):
-    dev = _attach(store)
-    store.create("s9", [1], SamplingParams(), dev)
-    store.create("s10", [1], SamplingParams(), dev)
-    outs = store.commit_many([Verdict("gone", 0, 1, 0, 5), Verdict("s9", 0, 1, 0, 5),
-                              Verdict("s10", 0, 1, 0, 6)])
-    assert [o.ok for o in outs] == [False, True, True]
-    assert store.snapshot("s9").tokens == [1, 5] and store.snapshot("s10").tokens == [1, 6]
-
-
-def test_a_vanished_session_is_reported_in_its_slot(store):
-    dev = _attach(store)
-    store.create("s11", [1], SamplingParams(), dev)
-    store.redis.delete(*store.keys.session("s11"))
-    taken = store.take_when_ready([DraftWant("s11", 2)], 5)
-    assert isinstance(taken[0], SessionVanished)
-
-
-def test_a_session_whose_tokens_key_is_gone_is_gone(store):
-    """A Redis that evicts keys (or an operator's DEL) can take a session's tokens and leave
-    its hash: the session is gone, as when both went (the SDK re-creates it from what it holds),
-    not a record with an empty prompt (its resume was refused as "the prompt is empty")."""
-    dev = _attach(store)
-    store.create("s13", [1, 2], SamplingParams(), dev)
-    store.commit_many([Verdict("s13", 0, 2, 0, 4)])
-    assert store.load("s13").committed == [4]
-    store.redis.delete(store.keys.session("s13")[1])
-    assert store.redis.exists(store.keys.session("s13")[0])
-    assert store.load("s13") is None and store.snapshot("s13") is None
-
-
-def test_a_redis_out_of_memory_holds_the_commit_as_an_outage(store):
-    """A Redis at its maxmemory that evicts nothing refuses writes: the step's commit raises
-    StoreUnavailable (the verifier holds its sessions and retries, health says so) instead of
-    refusing each session (each failed with '-OOM'). Nothing of the refused call landed; the
-    retry, once Redis has room, lands the verdicts, and a verdict sent again is a replay."""
-    from edgespec.protocol.contract import StoreUnavailable
-
-    dev = _attach(store)
-    for sid in ("m1", "m2"):
-        store.create(sid, [1], SamplingParams(), dev)
-    r = store.redis
-    old = r.config_get("maxmemory*")
-    try:
-        r.config_set("maxmemory-policy", "noeviction")
-        r.config_set("maxmemory", 1)  # every write refused from now on
-        with pytest.raises(StoreUnavailable, match="out of memory"):
-            store.commit_many([Verdict("m1", 0, 1, 0, 5), Verdict("m2", 0, 1, 0, 6)])
-    finally:
-        r.config_set("maxmemory", old["maxmemory"])
-        r.config_set("maxmemory-policy", old["maxmemory-policy"])
-    assert store.load("m1").committed == [] and store.load("m2").committed == []
-    assert store.commit_many([Verdict("m1", 0, 1, 0, 5)])[0].ok
-    outs = store.commit_many([Verdict("m1", 0, 1, 0, 5), Verdict("m2", 0, 1, 0, 6)])
-    assert [o.ok for o in outs] == [True, True]
-    assert store.load("m1").committed == [5] and store.load("m2").committed == [6]
-
-
 def test_resume_record_and_epoch_moves_on(store):
-    dev = _attach(store)
+    dev = attach(store)
     params = SamplingParams(temperature=0.7, seed=3)
     store.create("s12", [1, 2], params, dev, max_new_tokens=9)
     store.push("s12", 0, 2, [3], idle=False, window=8)
@@ -438,7 +245,7 @@ def test_resume_record_and_epoch_moves_on(store):
 
 
 def test_sessions_expire_and_close_notifies_the_drafter(store):
-    dev = _attach(store)
+    dev = attach(store)
     store.create("s6", [1], SamplingParams(), dev)
     ttl = store.redis.ttl("t:s:s6")
     assert 0 < ttl <= 30
@@ -452,7 +259,7 @@ def test_sessions_expire_and_close_notifies_the_drafter(store):
 def test_sessions_that_end_together_are_closed_in_one_round_trip(store, monkeypatch):
     """A step's sessions that end together: each marked done with its own finish reason, its
     board told, its keys left to expire, in one transaction; a session not named goes on."""
-    dev = _attach(store)
+    dev = attach(store)
     for sid in ("c1", "c2", "c3"):
         store.create(sid, [1, 2], SamplingParams(), dev)
     rounds = []
@@ -469,8 +276,8 @@ def test_sessions_that_end_together_are_closed_in_one_round_trip(store, monkeypa
 
 
 def test_least_loaded_live_device_is_picked(store):
-    _attach(store, "a")
-    _attach(store, "b")
+    attach(store, "a")
+    attach(store, "b")
     store.create("x1", [1], SamplingParams(), "a")
     assert store.devices.pick() == "b"
     store.devices.mark_gone("b")
