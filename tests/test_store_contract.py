@@ -1,127 +1,38 @@
 """The session protocol's rules (``edgespec.protocol.contract``) held against both stores: the
 in-process ``LocalSessionStore`` and the ``RedisSessionStore`` (Lua in a real Redis, embedded and
 external). Every case runs on each; a store is driven through its verifier side (the
-``SessionStore`` calls) and its drafter side (a chunk push), the two sides the protocol has."""
+``SessionStore`` calls) and its drafter side (a chunk push), the two sides the protocol has
+(``tests/store_sides``). Chunks and verdicts here; branches: ``test_store_contract_branches``."""
 
 from __future__ import annotations
 
 import pytest
+from store_sides import PROMPT, LocalSide, Refused, commit, new, side, take  # noqa: F401
 
 from edgespec.config import SamplingParams
-from edgespec.protocol.contract import (MAX_BRANCH_TOKENS, MAX_BRANCHES, Branch, DraftWant, Fix,
-                               SessionVanished, StaleChunkError, Verdict)
+from edgespec.protocol.contract import (Branch, DraftWant, Fix,
+                               SessionVanished, Verdict)
 from edgespec.protocol.local_store import LocalSessionStore
-
-PROMPT = [1, 2, 3]
-
-
-class Refused(Exception):
-    """A chunk the store refused (either store's own error)."""
-
-
-class LocalSide:
-    """The in-process store and its drafter side (``LocalSessionStore.push_draft``)."""
-
-    def __init__(self):
-        self.store = LocalSessionStore()
-
-    def push(self, sid, epoch, start, tokens, window=8, branches=(), idle=False) -> int:
-        try:
-            return self.store.push_draft(sid, epoch, start, tokens, idle=idle, window=window,
-                                         branches=branches)
-        except StaleChunkError as e:
-            raise Refused(str(e)) from None
-
-    def tokens(self, sid) -> list[int]:
-        return self.store.sessions[sid].tokens
-
-    def fixes(self, sid) -> list[tuple]:
-        return [(f.epoch, f.position, f.tokens) for f in self.store.sessions[sid].fixes_after(0)]
-
-    def forget(self, sid) -> None:
-        self.store.sessions.pop(sid)
-
-
-class RedisSide:
-    """The Redis store and its drafter side (``push``, as the cache service calls it); fixes
-    are read from the device's inbox stream."""
-
-    def __init__(self, store):
-        self.store = store
-        store.devices.register("dev", {"max_sessions": 8})
-
-    def push(self, sid, epoch, start, tokens, window=8, branches=(), idle=False) -> int:
-        from cache_service.store import StoreError
-
-        try:
-            return self.store.push(sid, epoch, start, tokens, idle, window, branches).kept
-        except StoreError as e:
-            raise Refused(str(e)) from None
-
-    def tokens(self, sid) -> list[int]:
-        rec = self.store.load(sid)
-        return rec.prompt + rec.committed
-
-    def fixes(self, sid) -> list[tuple]:
-        out = []
-        for _, ev in self.store.read_events("dev", "0-0", 0):
-            if ev is not None and ev.kind == "commit" and ev.session_id == sid and ev.fix:
-                out.append((ev.epoch, ev.position, (ev.token, *ev.more)))
-        return out
-
-    def forget(self, sid) -> None:
-        self.store.redis.delete(*self.store.keys.session(sid))
-
-
-@pytest.fixture(params=["local", "redis-embedded", "redis-external"])
-def side(request):
-    if request.param == "local":
-        yield LocalSide()
-        return
-    from cache_service.redis_conn import RedisHandle
-    from cache_service.store import RedisSessionStore
-
-    url = None if request.param == "redis-embedded" else request.getfixturevalue("external_redis")
-    handle = RedisHandle(url)
-    handle.client.flushdb()
-    store = RedisSessionStore(handle.client, prefix="c:", ttl_s=30)
-    yield RedisSide(store)
-    store.shutdown()
-    handle.close()
-
-
-def _new(side, sid="s", prompt=PROMPT, params=SamplingParams()):
-    side.store.create(sid, list(prompt), params, "dev", 64)
-
-
-def _take(side, sid="s", k=8, budget=0):
-    [taken] = side.store.take_when_ready([DraftWant(sid, k, budget)], 0.0)
-    return taken
-
-
-def _commit(side, *verdicts):
-    return side.store.commit_many(list(verdicts))
-
 
 # -- chunks ---------------------------------------------------------------------------------------
 def test_a_pushed_chunk_is_taken_at_the_committed_end(side):
-    _new(side)
+    new(side)
     assert side.push("s", 0, 3, [4, 5, 6]) == 3
-    t = _take(side, k=2)
+    t = take(side, k=2)
     assert (t.epoch, t.start, t.tokens, t.branches) == (0, 3, [4, 5], [])
-    assert _take(side).tokens == [4, 5, 6]  # taking does not consume
+    assert take(side).tokens == [4, 5, 6]  # taking does not consume
 
 
 def test_the_window_bounds_the_draft(side):
-    _new(side)
+    new(side)
     assert side.push("s", 0, 3, [4, 5, 6], window=2) == 2
     assert side.push("s", 0, 5, [6], window=2) == 0
-    assert _take(side).tokens == [4, 5]
+    assert take(side).tokens == [4, 5]
 
 
 def test_a_step_takes_many_sessions_at_once_each_up_to_its_own_length(side):
     for sid in ("a", "b", "c"):
-        _new(side, sid)
+        new(side, sid)
     side.push("a", 0, 3, [4, 5, 6])
     side.push("b", 0, 3, [7, 8])
     got = side.store.take_when_ready([DraftWant("a", 2), DraftWant("b", 0), DraftWant("c", 4),
@@ -136,7 +47,7 @@ def test_a_session_is_waited_for_at_most_its_own_wait_and_the_others_their_whole
     import threading
 
     for sid in ("a", "b"):
-        _new(side, sid)
+        new(side, sid)
     got: list = []
     take = threading.Thread(target=lambda: got.extend(side.store.take_when_ready(
         [DraftWant("a", 4, wait_s=0.0), DraftWant("b", 2)], 120.0)), daemon=True)
@@ -176,10 +87,10 @@ def test_a_session_without_a_drafter_is_never_waited_for(side, drafter):
 
 def test_a_step_commits_many_sessions_at_once_each_judged_alone(side):
     for sid in ("a", "b"):
-        _new(side, sid)
+        new(side, sid)
     side.push("a", 0, 3, [4, 5])
     side.push("b", 0, 3, [6])
-    out = _commit(side, Verdict("a", 0, 3, 2, 9), Verdict("b", 1, 3, 0, 9),
+    out = commit(side, Verdict("a", 0, 3, 2, 9), Verdict("b", 1, 3, 0, 9),
                   Verdict("gone", 0, 3, 0, 1), Verdict("b", 0, 3, 1, 7))
     assert [o.ok for o in out] == [True, False, False, True]
     assert side.tokens("a") == [*PROMPT, 4, 5, 9] and side.tokens("b") == [*PROMPT, 6, 7]
@@ -189,41 +100,41 @@ def test_a_step_commits_many_sessions_at_once_each_judged_alone(side):
                          ids=["stale epoch", "overlap", "gap"])
 def test_a_chunk_from_another_epoch_or_position_is_refused_and_changes_nothing(side, epoch,
                                                                               start):
-    _new(side)
+    new(side)
     side.push("s", 0, 3, [4])  # the next chunk belongs at epoch 0, position 4
     with pytest.raises(Refused):
         side.push("s", epoch, start, [9])
-    assert _take(side).tokens == [4]
+    assert take(side).tokens == [4]
 
 
 def test_after_a_fix_only_the_new_epoch_is_accepted(side):
-    _new(side)
+    new(side)
     side.push("s", 0, 3, [4, 5])
-    _commit(side, Verdict("s", 0, 3, 0, 7))  # 4 rejected: 7; epoch 1
+    commit(side, Verdict("s", 0, 3, 0, 7))  # 4 rejected: 7; epoch 1
     with pytest.raises(Refused):
         side.push("s", 0, 4, [5])
     assert side.push("s", 1, 4, [8]) == 1
-    assert _take(side).tokens == [8]
+    assert take(side).tokens == [8]
 
 
 def test_a_chunk_a_step_overtook_is_placed_only_trimmed_at_the_fix_under_its_epoch(side):
     """What a board does when a step decoded its chunk's first token without it: the chunk as
     drafted is stale, its tokens after the fix's are placed at the fix's end."""
-    _new(side)
-    [out] = _commit(side, Verdict("s", 0, 3, 0, 4))  # no draft: 4 decoded, a fix at 3
+    new(side)
+    [out] = commit(side, Verdict("s", 0, 3, 0, 4))  # no draft: 4 decoded, a fix at 3
     assert out.fix is not None and (out.fix.epoch, out.fix.position) == (1, 3)
     with pytest.raises(Refused):
         side.push("s", 0, 3, [4, 5, 6])  # the chunk as drafted
     with pytest.raises(Refused):
         side.push("s", 1, 3, [4, 5, 6])  # under the new epoch, but over a committed token
     assert side.push("s", 1, 4, [5, 6]) == 2
-    t = _take(side)
+    t = take(side)
     assert (t.epoch, t.start, t.tokens) == (1, 4, [5, 6])
 
 
 def test_a_finished_session_refuses_chunks(side):
-    _new(side)
-    [out] = _commit(side, Verdict("s", 0, 3, 0, 4, finish_reason="stop"))
+    new(side)
+    [out] = commit(side, Verdict("s", 0, 3, 0, 4, finish_reason="stop"))
     assert out.ok
     with pytest.raises(Refused):
         side.push("s", 1, 4, [5])
@@ -231,54 +142,54 @@ def test_a_finished_session_refuses_chunks(side):
 
 def test_sessions_closed_together_each_refuse_chunks_and_the_others_go_on(side):
     for sid in ("a", "b", "c"):
-        _new(side, sid)
+        new(side, sid)
     side.store.close_many({"a": "stop", "b": "length"})
     for sid in ("a", "b"):
         with pytest.raises(Refused):
             side.push(sid, 0, 3, [4])
     assert side.push("c", 0, 3, [4, 5]) == 2
-    assert _take(side, "c").tokens == [4, 5]
+    assert take(side, "c").tokens == [4, 5]
 
 
 
 def test_a_verdict_for_a_closed_session_is_refused_and_changes_nothing(side):
-    _new(side)
+    new(side)
     side.push("s", 0, 3, [4, 5])
     side.store.close("s", "cancelled")
-    [out] = _commit(side, Verdict("s", 0, 3, 2, 6))
+    [out] = commit(side, Verdict("s", 0, 3, 2, 6))
     assert not out.ok
     if not isinstance(side, LocalSide):  # the local store forgets a closed session at once
         assert side.tokens("s") == [1, 2, 3] and side.fixes("s") == []
 
 # -- verdicts ------------------------------------------------------------------------------------
 def test_a_full_accept_with_a_bonus_publishes_a_fix_at_the_draft_end(side):
-    _new(side)
+    new(side)
     side.push("s", 0, 3, [4, 5])
-    [out] = _commit(side, Verdict("s", 0, 3, 2, 6))
+    [out] = commit(side, Verdict("s", 0, 3, 2, 6))
     assert out.ok and out.fix == Fix(out.fix.id, 1, 5, (6,))
-    assert side.tokens("s") == [1, 2, 3, 4, 5, 6] and _take(side).tokens == []
+    assert side.tokens("s") == [1, 2, 3, 4, 5, 6] and take(side).tokens == []
     assert side.fixes("s") == [(1, 5, (6,))]
 
 
 def test_a_token_the_draft_held_needs_no_fix_and_the_rest_stays(side):
-    _new(side)
+    new(side)
     side.push("s", 0, 3, [4, 5, 6, 7])
-    [out] = _commit(side, Verdict("s", 0, 3, 2, 6))  # looked at [4, 5]; 6 is the draft's next
+    [out] = commit(side, Verdict("s", 0, 3, 2, 6))  # looked at [4, 5]; 6 is the draft's next
     assert out.ok and out.fix is None
-    t = _take(side)
+    t = take(side)
     assert (t.epoch, t.start, t.tokens) == (0, 6, [7])
     assert side.push("s", 0, 7, [8]) == 1  # the drafter goes on at the same epoch
     assert side.fixes("s") == []
 
 
 def test_a_rejection_drops_the_draft_and_moves_the_epoch(side):
-    _new(side)
+    new(side)
     side.push("s", 0, 3, [4, 5, 6])
-    [out] = _commit(side, Verdict("s", 0, 3, 1, 9))
+    [out] = commit(side, Verdict("s", 0, 3, 1, 9))
     assert out.fix is not None and (out.fix.epoch, out.fix.position, out.fix.tokens) == \
         (1, 4, (9,))
     assert side.tokens("s") == [1, 2, 3, 4, 9]
-    t = _take(side)
+    t = take(side)
     assert (t.epoch, t.start, t.tokens) == (1, 5, [])
 
 
@@ -286,11 +197,11 @@ def test_a_rejection_drops_the_draft_and_moves_the_epoch(side):
                                      Verdict("s", 0, 3, 3, 9)],
                          ids=["stale epoch", "wrong position", "more than drafted"])
 def test_a_verdict_that_does_not_fit_is_refused_and_changes_nothing(side, verdict):
-    _new(side)
+    new(side)
     side.push("s", 0, 3, [4, 5])
-    [out] = _commit(side, verdict)
+    [out] = commit(side, verdict)
     assert not out.ok and out.fix is None and out.error
-    assert side.tokens("s") == PROMPT and _take(side).tokens == [4, 5]
+    assert side.tokens("s") == PROMPT and take(side).tokens == [4, 5]
     assert side.fixes("s") == []
 
 
@@ -298,145 +209,32 @@ def test_a_verdict_that_does_not_fit_is_refused_and_changes_nothing(side, verdic
                                      Verdict("s", 0, 3, 0, 4, finish_reason="length")],
                          ids=["held", "fix", "last"])
 def test_a_replayed_commit_is_answered_as_applied_and_changes_nothing(side, verdict):
-    _new(side)
+    new(side)
     side.push("s", 0, 3, [4, 5, 6])
-    [first] = _commit(side, verdict)
+    [first] = commit(side, verdict)
     assert first.ok
-    after = side.tokens("s"), _take(side), side.fixes("s")
-    [again] = _commit(side, verdict)  # its reply was lost: the verifier sends it again
+    after = side.tokens("s"), take(side), side.fixes("s")
+    [again] = commit(side, verdict)  # its reply was lost: the verifier sends it again
     assert again.ok and again.fix is None
-    assert (side.tokens("s"), _take(side), side.fixes("s")) == after
+    assert (side.tokens("s"), take(side), side.fixes("s")) == after
 
 
 def test_verdicts_of_one_call_are_answered_in_their_own_slots(side):
-    _new(side, "a")
-    _new(side, "b")
+    new(side, "a")
+    new(side, "b")
     side.push("a", 0, 3, [4])
-    outs = _commit(side, Verdict("a", 0, 3, 1, 5), Verdict("b", 7, 3, 0, 5),
+    outs = commit(side, Verdict("a", 0, 3, 1, 5), Verdict("b", 7, 3, 0, 5),
                    Verdict("gone", 0, 3, 0, 5))
     assert [o.ok for o in outs] == [True, False, False]
     assert side.tokens("a") == [1, 2, 3, 4, 5] and side.tokens("b") == PROMPT
 
 
 def test_a_vanished_session_is_reported_in_its_slot(side):
-    _new(side, "a")
-    _new(side, "b")
+    new(side, "a")
+    new(side, "b")
     side.forget("b")
     taken = side.store.take_when_ready([DraftWant("a", 4), DraftWant("b", 4)], 0.0)
     assert taken[0].tokens == [] and isinstance(taken[1], SessionVanished)
-
-
-# -- branches ------------------------------------------------------------------------------------
-def test_branches_kept_are_alternatives_to_kept_tokens_cut_and_bounded(side):
-    _new(side)
-    long = tuple(range(20, 20 + MAX_BRANCH_TOKENS + 3))
-    kept = side.push("s", 0, 3, [10, 11, 12], window=2, branches=[
-        Branch(0, long),  # cut to MAX_BRANCH_TOKENS
-        Branch(1, (11, 30)),  # the chain's own token: not an alternative
-        Branch(0, (20, 99)),  # repeats the first branch's alternative at 0
-        Branch(2, (31,)),  # an alternative to a token the window dropped
-        Branch(1, (32,)), Branch(5, (33,)), Branch(0, ())])
-    assert kept == 2
-    t = _take(side, k=8, budget=64)
-    assert t.branches == [Branch(0, long[:MAX_BRANCH_TOKENS]), Branch(1, (32,))]
-    many = [Branch(0, (40 + i,)) for i in range(MAX_BRANCHES + 4)]
-    side.push("s", 0, 5, [13], branches=[Branch(0, (50,))])
-    side.push("s", 0, 6, [14], branches=many)
-    assert len(_take(side, budget=64).branches) == MAX_BRANCHES
-
-
-def test_branches_are_taken_within_the_budget_and_the_taken_chain(side):
-    _new(side)
-    side.push("s", 0, 3, [10, 11, 12, 13], branches=[Branch(0, (20, 21, 22)),
-                                                      Branch(2, (23,)), Branch(3, (24,))])
-    assert _take(side, k=3, budget=4).branches == [Branch(0, (20, 21, 22)), Branch(2, (23,))]
-    assert _take(side, k=3, budget=2).branches == [Branch(0, (20, 21))]
-    assert _take(side, k=3, budget=0).branches == []
-    assert _take(side, k=1, budget=8).branches == [Branch(0, (20, 21, 22))]
-
-
-def test_a_held_commit_keeps_the_branches_ahead_and_a_fix_drops_them(side):
-    _new(side)
-    side.push("s", 0, 3, [10, 11, 12, 13], branches=[Branch(0, (20,)), Branch(3, (25,))])
-    [out] = _commit(side, Verdict("s", 0, 3, 1, 11))  # 10 accepted, 11 the draft's: held
-    assert out.fix is None
-    t = _take(side, budget=8)
-    assert (t.start, t.tokens, t.branches) == (5, [12, 13], [Branch(1, (25,))])
-    [out] = _commit(side, Verdict("s", 0, 5, 0, 99))
-    assert out.fix is not None and _take(side, budget=8).branches == []
-
-
-def test_a_draft_committed_to_its_end_leaves_no_branch_for_a_later_draft(side):
-    """A held commit keeps only the branches ahead of it, so a draft used up holds none: the
-    fix that follows (on an empty draft, where the Redis store drops nothing) leaves the next
-    epoch's draft without branches of the old one, and all the room for its own (a branch
-    left behind would take a place of the MAX_BRANCHES a draft keeps, unseen by any take)."""
-    _new(side)
-    side.push("s", 0, 3, [10, 11, 12], branches=[Branch(0, (20,)), Branch(2, (22,))])
-    assert _commit(side, Verdict("s", 0, 3, 1, 11))[0].fix is None  # draft [12], branch at 5
-    assert _take(side, budget=8).branches == [Branch(0, (22,))]
-    assert _commit(side, Verdict("s", 0, 5, 0, 12))[0].fix is None  # the draft used up
-    t = _take(side, budget=8)
-    assert (t.start, t.tokens, t.branches) == (6, [], [])
-    [out] = _commit(side, Verdict("s", 0, 6, 0, 99))
-    assert out.fix is not None and out.fix.epoch == 1
-    assert side.push("s", 1, 7, [40, 41]) == 2
-    t = _take(side, budget=8)
-    assert (t.epoch, t.start, t.tokens, t.branches) == (1, 7, [40, 41], [])
-    assert side.tokens("s") == [1, 2, 3, 10, 11, 12, 99]
-    many = [Branch(0, (60 + i,)) for i in range(MAX_BRANCHES)]
-    assert side.push("s", 1, 9, [42], branches=many) == 1
-    t = _take(side, budget=64)
-    assert t.tokens == [40, 41, 42] and len(t.branches) == MAX_BRANCHES
-
-
-def test_a_verdict_that_takes_a_branch_is_a_fix_carrying_its_tokens(side):
-    _new(side)
-    side.push("s", 0, 3, [10, 11, 12], branches=[Branch(1, (20, 21, 22))])
-    [out] = _commit(side, Verdict("s", 0, 3, 1, 7, branch=(20, 21)))
-    assert out.fix is not None and (out.fix.epoch, out.fix.position, out.fix.tokens) == \
-        (1, 4, (20, 21, 7))
-    assert side.tokens("s") == [1, 2, 3, 10, 20, 21, 7]
-    assert side.fixes("s") == [(1, 4, (20, 21, 7))]
-    t = _take(side, budget=8)
-    assert (t.epoch, t.tokens, t.branches) == (1, [], [])
-
-
-@pytest.mark.parametrize("verdict", [Verdict("s", 0, 3, 1, 7, branch=(21,)),
-                                     Verdict("s", 0, 3, 0, 7, branch=(20,)),
-                                     Verdict("s", 0, 3, 1, 7, branch=(20, 21, 22, 23))],
-                         ids=["other tokens", "other position", "longer than held"])
-def test_a_verdict_that_takes_a_branch_the_draft_does_not_hold_is_refused(side, verdict):
-    _new(side)
-    side.push("s", 0, 3, [10, 11, 12], branches=[Branch(1, (20, 21, 22))])
-    [out] = _commit(side, verdict)
-    assert not out.ok and out.fix is None
-    assert side.tokens("s") == PROMPT
-    assert _take(side, budget=8).branches == [Branch(1, (20, 21, 22))]
-
-
-@pytest.mark.parametrize("n, branch", [(1, (30, 31)), (3, (40, 41)), (0, (50,))],
-                         ids=["inside the draft", "past the draft's end", "at its first token"])
-def test_the_verifiers_own_branch_is_committed_as_a_fix(side, n, branch):
-    """A draft head's proposal (own_branch) is no branch of the draft: committed all the same,
-    as a fix carrying its tokens, wherever it starts within or right after the draft."""
-    _new(side)
-    side.push("s", 0, 3, [10, 11, 12], branches=[Branch(1, (20, 21))])
-    [out] = _commit(side, Verdict("s", 0, 3, n, 7, branch=branch, own_branch=True))
-    assert out.fix is not None and (out.fix.epoch, out.fix.position, out.fix.tokens) == \
-        (1, 3 + n, (*branch, 7))
-    assert side.tokens("s") == [1, 2, 3, *[10, 11, 12][:n], *branch, 7]
-    t = _take(side, budget=8)
-    assert (t.epoch, t.tokens, t.branches) == (1, [], [])
-
-
-def test_branches_are_capped_before_the_window_cuts_the_chunk(side):
-    """More candidate branches than a draft keeps, some at tokens the window drops: both stores
-    cap the chunk's branches first, then keep those of kept tokens."""
-    _new(side)
-    many = [Branch(2, (40 + i,)) for i in range(MAX_BRANCHES)] + [Branch(0, (60,))]
-    assert side.push("s", 0, 3, [10, 11, 12], window=2, branches=many) == 2
-    assert _take(side, budget=64).branches == []  # the cap kept only alternatives to token 2
 
 
 @pytest.mark.parametrize("bad", [None, -1, 2.0, True, "3", 99, 10 ** 30])
@@ -459,11 +257,11 @@ def test_a_redis_commit_that_raises_fails_its_slot_and_the_others_land(side):
     if isinstance(side, LocalSide):
         pytest.skip("a key of the wrong type is Redis's")
     for sid in ("a", "b"):
-        _new(side, sid)
+        new(side, sid)
     side.push("a", 0, 3, [4])
     draft = side.store.keys.session("b")[2]
     side.store.redis.delete(draft)
     side.store.redis.rpush(draft, "not a string")  # GET in the commit raises WRONGTYPE
-    out = _commit(side, Verdict("b", 0, 3, 0, 9), Verdict("a", 0, 3, 1, 8))
+    out = commit(side, Verdict("b", 0, 3, 0, 9), Verdict("a", 0, 3, 1, 8))
     assert not out[0].ok and "WRONGTYPE" in out[0].error
     assert out[1].ok and side.tokens("a") == [*PROMPT, 4, 8]
