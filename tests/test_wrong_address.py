@@ -120,6 +120,29 @@ def test_a_server_that_comes_up_late_is_waited_for():
     assert _status_once_started(server, address, 0.5) == "late"
 
 
+def test_a_closed_client_leaves_no_grpc_connectivity_poller_behind():
+    """A first contact waits through grpc's connectivity poller (a thread of grpc's that goes on
+    polling a while after the wait): the client's close waits for it to end, so that closing
+    the channel under it (its ValueError "Channel closed!" printed from its thread) cannot
+    happen, whether the first contact found the server serving or gave up on it."""
+    server, address = _bound_verifier("polled")
+    server.start()
+    try:
+        for addr in (address, f"127.0.0.1:{free_port()}"):  # serving; nothing listening
+            client = edgespec.Client(addr, timeout=1.0)
+            channel, polling_at_close = client.channel, []
+            close = channel.close
+            channel.close = lambda: (
+                polling_at_close.append(channel._connectivity_state.polling), close())
+            try:
+                assert client.status()["model"] == "polled"
+            except edgespec.Unavailable:
+                assert addr != address
+            client.close()
+            assert polling_at_close == [False]
+    finally:
+        server.stop(0)
+
 
 def test_a_deadline_before_any_answer_says_so_not_resuming():
     import time

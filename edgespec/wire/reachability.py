@@ -43,6 +43,7 @@ FIRST_CONTACT_WAIT_S = 120.0  # a server not up yet, when the call has no deadli
 STARTING_WAIT_S = 600.0  # one whose port is open (loading its model: a first pull), likewise
 RECHECK_S = 2.0  # how often the address is probed again while waiting
 CONNECT_GRACE_S = 10.0  # a TLS handshake failing this long is a certificate problem
+POLLER_END_S = 2.0  # grpc's poller ends within 0.2 s of a wait's end; more on a loaded machine
 # the HTTP/2 client preface and an empty SETTINGS frame: a gRPC server answers with SETTINGS
 H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
 SETTINGS_FRAME = 4
@@ -57,6 +58,18 @@ class ConnectWatch:
 
     def __init__(self, channel: grpc.Channel, address: str, tls: bool = False):
         self.channel, self.address, self.tls = channel, address, tls
+
+    def settle(self, timeout: float = POLLER_END_S) -> None:
+        """Before the channel is closed: wait (up to ``timeout``) for the connectivity poller
+        that a wait started to end. grpc (1.85) keeps polling in a thread of its own for a
+        while after a wait's subscription ends (``channel_ready_future``), and a close that
+        lands between its wake-up and its next look at the channel makes that thread raise
+        ValueError ("Channel closed!"), printed as a traceback that is no error of the user's.
+        It reads grpc's private ``_connectivity_state``; without it, nothing is waited for."""
+        state = getattr(self.channel, "_connectivity_state", None)
+        end = time.monotonic() + timeout
+        while getattr(state, "polling", False) and time.monotonic() < end:
+            time.sleep(0.005)
 
     def unreachable_reason(self, timeout: float | None) -> str | None:
         """None when the channel connects within ``timeout`` seconds (FIRST_CONTACT_WAIT_S when
