@@ -88,7 +88,7 @@ class Client:
 
     def close(self) -> None:
         self.closed = True
-        self._watch.settle()  # grpc's poller of a first contact's wait ends before the close
+        self._watch.close()  # a first contact's wait and grpc's poller end before the channel
         self.channel.close()
 
     def __enter__(self) -> "Client":

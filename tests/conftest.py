@@ -238,3 +238,18 @@ def pki(tmp_path_factory):
     _openssl("req", "-x509", *ec, "-days", "1", "-subj", "/CN=rogue",
              "-keyout", d / "rogue.key", "-out", d / "rogue.pem")
     return d
+
+
+@pytest.fixture()
+def fresh_probes():
+    """The linear probes' verdicts are cached per dtype, device and thread count: a test that
+    breaks the linear path (or whose verdict must be its own) starts and ends without them, so
+    that a failure it causes on purpose is not the verdict of the tests after it (a cached
+    failure once made float32 inexact for the rest of a worker)."""
+    from edgespec.runner import dtype_probe
+
+    dtype_probe._packed_linear_exact.cache_clear()
+    dtype_probe._span_exact.cache_clear()
+    yield
+    dtype_probe._packed_linear_exact.cache_clear()
+    dtype_probe._span_exact.cache_clear()

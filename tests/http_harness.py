@@ -46,26 +46,29 @@ MAX_BODY = 1_000_000  # the test server's --max-request-bytes
 @contextmanager
 def http_server(model_dir: Path, tmp: Path, board: bool = True) -> Iterator[dict]:
     """The server on ``model_dir``, with a MaG board attached (``board``) or none; yields its
-    gRPC address, HTTP base URL, process and (with a board) the board's metrics URL. The
+    gRPC address, HTTP base URL, process and the board's metrics URL (None without a board). The
     verifier waits (up to 5 s) for the drafter's answer at every step, with a fixed draft
     length: what is drafted does not depend on the machine's speed."""
     http_port = free_port()
     serve, address = start_serve(model_dir, tmp, token=TOKEN, extra=[
         "--http-port", http_port, "--draft-wait-ms", 5000, "--no-adaptive",
         "--max-request-bytes", MAX_BODY])
-    drafter, drafter_metrics = None, free_port()
-    if board:
-        drafter = Proc(["drafter", "--cache", address, "--device-id", "board-1", "--drafter",
-                        "mag", "--auth-token", TOKEN, "--metrics-port", drafter_metrics],
-                       tmp / "drafter-board-1.log")
-        drafter.wait_for("attached to")
+    drafter, drafter_metrics = None, None
     try:
+        if board:
+            port = free_port()
+            drafter = Proc(["drafter", "--cache", address, "--device-id", "board-1",
+                            "--drafter", "mag", "--auth-token", TOKEN, "--metrics-port", port],
+                           tmp / "drafter-board-1.log")
+            drafter.wait_for("attached to")
+            drafter_metrics = f"http://127.0.0.1:{port}/metrics"
         yield {"address": address, "base": f"http://127.0.0.1:{http_port}", "serve": serve,
-               "drafter_metrics": f"http://127.0.0.1:{drafter_metrics}/metrics"}
+               "drafter_metrics": drafter_metrics}
     finally:
         if drafter is not None:
             drafter.stop()
-    assert serve.stop() == 0
+        code = serve.stop()
+    assert code == 0
 
 
 def openai_client(server: dict) -> openai.OpenAI:

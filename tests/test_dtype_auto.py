@@ -13,6 +13,7 @@ import torch
 from edgespec.config import ConfigError
 from edgespec.runner.dtype_probe import exact_here
 
+
 def test_the_probes_run_at_the_thread_count_in_force(monkeypatch):
     """A kernel that is invariant at 2 threads and not at 8 is refused at 8: the probes' results
     are kept per thread count (the start check once ran at one count and served another)."""

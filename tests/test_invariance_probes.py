@@ -26,22 +26,6 @@ def hd64_model():
     return build_hd64_model()
 
 
-@pytest.fixture
-def fresh_probes():
-    """The probes' verdicts are cached per dtype, device and thread count: a test that breaks a
-    kernel before a runner's start check probes it must not leave its verdict to the tests
-    after it (a cached failure once made float32 inexact for the rest of a module)."""
-    from edgespec.runner import dtype_probe
-
-    caches = (dtype_probe._attention_kernel, dtype_probe._span_exact,
-              dtype_probe._packed_linear_exact)
-    for cache in caches:
-        cache.cache_clear()
-    yield
-    for cache in caches:
-        cache.cache_clear()
-
-
 def test_the_attention_probe_catches_a_shape_dependent_kernel(monkeypatch):
     import torch.nn.functional as F
 

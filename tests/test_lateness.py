@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 
+
 def test_lateness_marks_a_drafter_late_after_missed_deadlines_and_waits_again_once_on_time():
     from edgespec.engine.lateness import HITS_TO_RECOVER, MISSES_TO_LATE, Lateness
 

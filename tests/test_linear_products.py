@@ -20,15 +20,6 @@ DTYPES = ["float32", pytest.param("bfloat16", marks=pytest.mark.skipif(
     not exact_here("bfloat16"), reason="this CPU does not serve bfloat16 (refused)"))]
 
 
-@pytest.fixture()
-def fresh_probes():
-    dtype_probe._packed_linear_exact.cache_clear()
-    dtype_probe._span_exact.cache_clear()
-    yield
-    dtype_probe._packed_linear_exact.cache_clear()
-    dtype_probe._span_exact.cache_clear()
-
-
 def _weight(n: int, k: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     g = torch.Generator().manual_seed(n + k)
     return (torch.randn(n, k, generator=g) * 0.05).to(dtype)

@@ -14,6 +14,7 @@ from edgespec.protocol.contract import (Branch, DraftWant, Fix,
                                SessionVanished, Verdict)
 from edgespec.protocol.local_store import LocalSessionStore
 
+
 # -- chunks ---------------------------------------------------------------------------------------
 def test_a_pushed_chunk_is_taken_at_the_committed_end(side):
     new(side)

@@ -11,6 +11,7 @@ from store_sides import PROMPT, commit, new, side, take  # noqa: F401
 
 from edgespec.protocol.contract import (MAX_BRANCH_TOKENS, MAX_BRANCHES, Branch, Verdict)
 
+
 def test_branches_kept_are_alternatives_to_kept_tokens_cut_and_bounded(side):
     new(side)
     long = tuple(range(20, 20 + MAX_BRANCH_TOKENS + 3))

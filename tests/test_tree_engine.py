@@ -1,7 +1,7 @@
 """Token trees through the engine: the draft's tree built chain-first, and whole generations
 with tree drafts identical to target-only decoding, greedy and seeded sampling, alone and
 batched with chain sessions. (How the stores keep, take and commit branches:
-tests/test_store_contract.py.)"""
+tests/test_store_contract_branches.py.)"""
 
 import time
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import threading
 import time
 from typing import Literal
 
@@ -58,17 +59,28 @@ class ConnectWatch:
 
     def __init__(self, channel: grpc.Channel, address: str, tls: bool = False):
         self.channel, self.address, self.tls = channel, address, tls
+        self.closed = False  # the client was closed: no wait starts, a running one ends
+        self._lock = threading.Lock()
+        self._pending: grpc.Future | None = None  # the running wait's readiness future
 
-    def settle(self, timeout: float = POLLER_END_S) -> None:
-        """Before the channel is closed: wait (up to ``timeout``) for the connectivity poller
-        that a wait started to end. grpc (1.85) keeps polling in a thread of its own for a
-        while after a wait's subscription ends (``channel_ready_future``), and a close that
-        lands between its wake-up and its next look at the channel makes that thread raise
-        ValueError ("Channel closed!"), printed as a traceback that is no error of the user's.
-        It reads grpc's private ``_connectivity_state``; without it, nothing is waited for."""
+    def close(self, timeout: float = POLLER_END_S) -> None:
+        """Before the channel is closed: a wait running in another thread is cancelled (its
+        call ends saying the client was closed), and grpc's connectivity poller is given up to
+        ``timeout`` to end. grpc (1.85) goes on polling in a thread of its own for up to 0.2 s
+        after a wait's subscription ends (``channel_ready_future``), and a close that lands
+        between its wake-up and its next look at the channel makes that thread raise ValueError
+        ("Channel closed!"), printed as a traceback that is no error of the user's. Only a poller
+        winding down (nothing subscribed) is waited for: one the user still subscribes to would
+        not end. It reads grpc's private ``_connectivity_state``; without it, nothing is waited
+        for."""
+        with self._lock:
+            self.closed = True
+            _end_wait(self._pending)  # the waiting call sees ``closed``
         state = getattr(self.channel, "_connectivity_state", None)
         end = time.monotonic() + timeout
-        while getattr(state, "polling", False) and time.monotonic() < end:
+        while getattr(state, "polling", False) and \
+                not getattr(state, "callbacks_and_connectivities", True) and \
+                time.monotonic() < end:
             time.sleep(0.005)
 
     def unreachable_reason(self, timeout: float | None) -> str | None:
@@ -78,12 +90,38 @@ class ConnectWatch:
         waiting = _Waiting(self.address, self.tls, timeout)
         while True:
             left = waiting.limit - (time.monotonic() - began)
-            if _ready_within(self.channel, max(0.0, min(RECHECK_S, left))):
+            if self._ready_within(max(0.0, min(RECHECK_S, left))):
                 return None
+            if self.closed:
+                return f"the client of {self.address} was closed while it waited for the server"
             spent = time.monotonic() - began
             failure = waiting.saw(*probe(self.address), spent)
             if failure is not None or spent >= waiting.limit:
                 return waiting.verdict(failure, spent)
+
+    def _ready_within(self, seconds: float) -> bool:
+        """Whether the channel connects within ``seconds`` (it keeps trying meanwhile); False
+        at once, or as soon as it is, once the client is closed."""
+        with self._lock:
+            if self.closed:
+                return False
+            ready = self._pending = grpc.channel_ready_future(self.channel)
+        try:
+            ready.result(timeout=seconds)
+            return True
+        except (grpc.FutureTimeoutError, grpc.FutureCancelledError):
+            return False
+        finally:
+            with self._lock:
+                _end_wait(ready)
+                self._pending = None
+
+
+def _end_wait(ready: grpc.Future | None) -> None:
+    """Under the watch's lock: a readiness future's subscription ended, once (grpc's
+    ``_ChannelReadyFuture.cancel`` called a second time raises TypeError)."""
+    if ready is not None and not ready.done():
+        ready.cancel()
 
 
 async def unreachable_reason_aio(channel: grpc.aio.Channel, address: str,
@@ -156,18 +194,6 @@ async def _ready_within_aio(channel: grpc.aio.Channel, seconds: float) -> bool:
         return True
     except asyncio.TimeoutError:
         return False
-
-
-def _ready_within(channel: grpc.Channel, seconds: float) -> bool:
-    """Whether the channel connects within ``seconds`` (it keeps trying meanwhile)."""
-    ready = grpc.channel_ready_future(channel)
-    try:
-        ready.result(timeout=seconds)
-        return True
-    except grpc.FutureTimeoutError:
-        return False
-    finally:
-        ready.cancel()  # its subscription ends with it
 
 
 def describe_failure(address: str) -> str:
