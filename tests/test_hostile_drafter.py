@@ -1,35 +1,29 @@
 """A hostile or broken drafter against the real DraftCache service (in-process gRPC on loopback,
-the embedded Redis): malformed ids are INVALID_ARGUMENT, per-device tokens keep a drafter
-to its own device and sessions, mutual TLS, bounded drafter-side state in Redis and in the
-service, and the inbox event names. The agent's side: ``test_agent_faults``."""
+the embedded Redis): malformed ids are INVALID_ARGUMENT, bounded drafter-side state in Redis
+and in the service, and the inbox event names. Per-device tokens and mutual TLS:
+``test_device_credentials``; the agent's side: ``test_agent_faults``."""
 
 from __future__ import annotations
 
 import logging
 import queue
 import time
-from concurrent import futures
 from types import SimpleNamespace
 
 import grpc
 import pytest
 
-from cache_service.credentials import DeviceCredentials
 from cache_service.redis_conn import RedisHandle
-from cache_service.service import DEVICE_METADATA
 from cache_service.store import RedisSessionStore
-from drafter_node.agent import DrafterAgent
 from edgespec.config import ConfigError, SamplingParams
 from edgespec.protocol.ids import check_device_id, check_session_id
 from edgespec.protocol.contract import Branch, DraftWant
 from edgespec.v1 import edgespec_pb2 as pb
 from edgespec.v1 import edgespec_pb2_grpc as pb_grpc
-from edgespec.wire.convert import TokenAuthInterceptor, auth_metadata, bind, make_channel
 
 # the in-process cache: its fixtures (used by name) and helpers
 from cache_harness import (  # noqa: F401
-    SAMPLED, VOCAB, WAIT_S, Cache, SlotDrafter, Stream, cache, code_of, draft_len, eventually,
-    redis_handle, start_agent, store)
+    SAMPLED, VOCAB, Cache, Stream, cache, code_of, draft_len, eventually, redis_handle, store)
 
 
 # -- 1. an old drafter's q' (a removed field) is skipped, not refused -----------------------------
@@ -146,118 +140,6 @@ def test_a_tree_chunk_stores_its_chain_and_branches(cache, store):
     (taken,) = store.take_when_ready([DraftWant("s1", 3, 8)], 0)
     assert taken.tokens == [5, 6, 7]
     assert taken.branches == [Branch(1, (8, 9)), Branch(0, (4,))]
-
-
-# -- 4. per-device credentials --------------------------------------------------------------------
-TOKENS = {"dev-a": "token-a-0123456789", "dev-b": "token-b-0123456789"}
-SHARED = "shared-0123456789"
-
-
-def test_device_tokens_file(tmp_path):
-    path = tmp_path / "tokens"
-    path.write_text("# fleet\n\ndev-a: token-a-0123456789\n  dev-b :token-b:x#y   # lab\n")
-    creds = DeviceCredentials.load(str(path))
-    assert len(creds) == 2 and creds.devices == {"dev-a", "dev-b"}
-    assert creds.device_for("token-a-0123456789") == "dev-a"
-    assert creds.device_for("token-b:x#y") == "dev-b"
-    assert creds.device_for("token-a") is None and creds.device_for(None) is None
-    bad = {"no colon": "dev-a token\n", "bad id": "dev:a: t\n", "no token": "dev-a:\n",
-           "listed twice": "dev-a: t1\ndev-a: t2\n", "shared": "dev-a: same\ndev-b: same\n",
-           "space in token": "dev-a: secret-1 secret-2\n", "empty": "# nothing\n"}
-    for what, text in bad.items():
-        with pytest.raises(ConfigError) as e:
-            DeviceCredentials.parse(text)
-        assert "secret" not in str(e.value) and "same" not in str(e.value), what
-    with pytest.raises(ConfigError):
-        DeviceCredentials.load(str(tmp_path / "missing"))
-    with pytest.raises(ConfigError):  # the shared token cannot also be a device's
-        TokenAuthInterceptor("token-a-0123456789", creds)
-
-
-@pytest.fixture()
-def secured(store):
-    c = Cache(store, token=SHARED, credentials=DeviceCredentials(TOKENS))
-    store.create("sa", [1, 2, 3], SamplingParams(), "dev-a")
-    store.create("sb", [1, 2, 3], SamplingParams(), "dev-b")
-    yield c
-    c.stop()
-
-
-def test_a_device_token_pushes_only_as_its_device_into_its_sessions(secured, store):
-    tok_a = TOKENS["dev-a"]
-    into_b = pb.DraftChunk(session_id="sb", epoch=0, start=3, tokens=[5])
-    into_a = pb.DraftChunk(session_id="sa", epoch=0, start=3, tokens=[5])
-    denied = grpc.StatusCode.PERMISSION_DENIED
-    assert code_of(lambda: secured.push(into_b, tok_a, device="dev-b")) == denied  # as another
-    assert code_of(lambda: secured.push(into_b, tok_a)) == denied  # into another's session
-    assert code_of(lambda: secured.push(into_a, tok_a, device="dev-b")) == denied
-    assert code_of(lambda: secured.push(into_a, SHARED, device="dev-a")) == denied  # no device
-    assert code_of(lambda: secured.push(into_a, "wrong", device="dev-a")) == \
-        grpc.StatusCode.UNAUTHENTICATED
-    assert code_of(lambda: secured.push(into_a, None, device="dev-a")) == \
-        grpc.StatusCode.UNAUTHENTICATED
-    assert draft_len(store, "sa") == draft_len(store, "sb") == 0
-    assert secured.push(into_a, tok_a).kept == 1  # its own session, device from the token
-    assert secured.push(into_b, TOKENS["dev-b"], device="dev-b").kept == 1
-
-
-def test_a_device_token_registers_only_its_device(secured):
-    s = Stream(secured.channel, "dev-b", token=TOKENS["dev-a"])
-    with pytest.raises(grpc.RpcError) as e:
-        s.next("registered")
-    assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
-    s.close()
-    s = Stream(secured.channel, "dev-a", token=TOKENS["dev-a"])
-    s.next("registered")
-    assert s.next("assignment").session_id == "sa"
-    s.send(pb.DraftChunk(session_id="sb", epoch=0, start=3, tokens=[5]))
-    assert s.next("ack").code == grpc.StatusCode.PERMISSION_DENIED.value[0]
-    s.send(pb.DraftChunk(session_id="sa", epoch=0, start=3, tokens=[5]))
-    assert s.next("ack").code == grpc.StatusCode.OK.value[0]
-    s.close()
-
-
-def test_device_tokens_are_good_for_the_draft_cache_only(secured):
-    stub = pb_grpc.VerifierStub(secured.channel)
-    req = pb.CancelRequest(session_id="x")
-    assert code_of(lambda: stub.Cancel(req, metadata=auth_metadata(TOKENS["dev-a"]),
-                                       timeout=WAIT_S)) == grpc.StatusCode.PERMISSION_DENIED
-    # the shared token passes the interceptor (the test server's Verifier is unimplemented)
-    assert code_of(lambda: stub.Cancel(req, metadata=auth_metadata(SHARED),
-                                       timeout=WAIT_S)) == grpc.StatusCode.UNIMPLEMENTED
-    assert code_of(lambda: stub.Cancel(req, timeout=WAIT_S)) == grpc.StatusCode.UNAUTHENTICATED
-
-
-def test_mutual_tls_admits_clients_with_a_certificate_of_the_ca_only(store, pki):
-    d = pki
-    c = Cache(store, tls=(str(d / "server.pem"), str(d / "server.key"), str(d / "ca.pem")))
-    try:
-        agent = DrafterAgent(c.address, "edge-tls", SlotDrafter(), tls_ca=str(d / "ca.pem"),
-                             tls_cert=str(d / "client.pem"), tls_key=str(d / "client.key"))
-        t = start_agent(agent)  # the handshake with the CA's client certificate works
-        agent.stop()
-        t.join(WAIT_S)
-        chunk = pb.DraftChunk(session_id="nope", tokens=[1])
-        for cert in (None, "rogue"):
-            kw = {} if cert is None else {"client_cert": str(d / f"{cert}.pem"),
-                                          "client_key": str(d / f"{cert}.key")}
-            channel = make_channel(c.address, tls_ca=str(d / "ca.pem"), **kw)
-            with pytest.raises(grpc.RpcError) as e:
-                pb_grpc.DraftCacheStub(channel).PushDraft(
-                    chunk, metadata=[(DEVICE_METADATA, "edge-tls")], timeout=WAIT_S)
-            assert e.value.code() == grpc.StatusCode.UNAVAILABLE  # no handshake, no call
-            channel.close()
-    finally:
-        c.stop()
-    with pytest.raises(ConfigError):
-        bind(grpc.server(futures.ThreadPoolExecutor(1)), "127.0.0.1:0",
-             client_ca=str(d / "ca.pem"))
-    with pytest.raises(ConfigError):
-        make_channel("127.0.0.1:1", client_cert=str(d / "client.pem"))
-    for cert, key in (("server.pem", "client.key"), ("server.key", "server.key")):
-        with pytest.raises(ConfigError, match="not a PEM certificate and its private key"):
-            bind(grpc.server(futures.ThreadPoolExecutor(1)), "127.0.0.1:0", str(d / cert),
-                 str(d / key))
 
 
 # -- 5. bounded drafter-side state ----------------------------------------------------------------
