@@ -61,6 +61,10 @@ def setting(request):
 
 
 def test_the_sweeps_and_losslessness_pass_under_an_older_isa(setting):
+    if setting == "avx2" and "avx512f" not in _cpu_flags():
+        # the caps change nothing on a CPU whose newest ISA is AVX2 (oneDNN's and torch's own
+        # choice): the suite's own runs of these tests, at more thread counts, are this setting's
+        pytest.skip("this CPU's own ISA is AVX2: the suite's native runs are this setting's")
     r = _under(setting, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", "-k",
                "not 1threads", *SELECTED)
     tail = r.stdout[-3000:]
