@@ -242,14 +242,17 @@ def pki(tmp_path_factory):
 
 @pytest.fixture()
 def fresh_probes():
-    """The linear probes' verdicts are cached per dtype, device and thread count: a test that
-    breaks the linear path (or whose verdict must be its own) starts and ends without them, so
-    that a failure it causes on purpose is not the verdict of the tests after it (a cached
-    failure once made float32 inexact for the rest of a worker)."""
+    """The probes' verdicts (the attention kernel's, the linear products', the row spans') are
+    cached per dtype, device and thread count: a test that breaks a kernel before a start check
+    probes it (or whose verdict must be its own) starts and ends without them, so that a failure
+    it causes on purpose is not the verdict of the tests after it (a cached failure once made
+    float32 inexact for the rest of a worker)."""
     from edgespec.runner import dtype_probe
 
-    dtype_probe._packed_linear_exact.cache_clear()
-    dtype_probe._span_exact.cache_clear()
+    caches = (dtype_probe._attention_kernel, dtype_probe._packed_linear_exact,
+              dtype_probe._span_exact)
+    for cache in caches:
+        cache.cache_clear()
     yield
-    dtype_probe._packed_linear_exact.cache_clear()
-    dtype_probe._span_exact.cache_clear()
+    for cache in caches:
+        cache.cache_clear()
