@@ -45,6 +45,11 @@ def test_small_fleet_reports_every_figure_and_is_lossless(looping_dir, tmp_path)
         if split:
             assert run["cpu"]["server"]["cpus"] >= 1 and run["cpu"]["boards"]["cpus"] >= 1
         assert run["cpu"]["server"]["cpu_s"] > 0 and run["server_cpu_s_per_token"] > 0
+        # the server's cores by who used them: the verifier and the cache (with its Redis)
+        server = run["cpu"]["server"]
+        assert server["verifier_cpu_s"] > 0 and server["cache_cpu_s"] > 0
+        assert server["verifier_cpu_s"] + server["cache_cpu_s"] == \
+            pytest.approx(server["cpu_s"], abs=1e-6)
         assert run["tokens_per_forward"] > 0
     assert runs["server-only"]["draft_tokens_sent"] is None  # no board at all
     assert runs["server-only"]["acceptance"]["drafted"] == 0
@@ -53,6 +58,7 @@ def test_small_fleet_reports_every_figure_and_is_lossless(looping_dir, tmp_path)
     vs = report["vs_server_only"]["2"]
     assert vs["throughput"] > 0 and vs["server_cpu_s_per_token"] > 0
     assert "edge drafting / server-only, 2 dev" in r.stdout and "server cost" in r.stdout
+    assert "cache and its Redis" in r.stdout
     for mode, run in runs.items():
         assert run["devices"] == 2 and run["requests"] == 4 and run["errors"] == 0, \
             (mode, run["error_samples"])

@@ -199,6 +199,8 @@ def cpu_summary(cpu: dict, wall: float) -> dict | None:
         c = cpu.get(side) or {}
         out[side] = {"cpus": c.get("cpus"), "cpu_s": c.get("cpu_s"),
                      "busy": busy_share(c.get("cpu_s"), wall, c.get("cpus") or 0)}
+    for part in ("verifier_cpu_s", "cache_cpu_s"):  # the server's cores, by who used them
+        out["server"][part] = (cpu.get("server") or {}).get(part)
     out["bound_by"] = next((f"the {who} cores" for side, who in
                             (("boards", "boards'"), ("server", "server's"))
                             if (out[side]["busy"] or 0) >= BOUND_SHARE), None)

@@ -96,7 +96,12 @@ def cpu_lines(cpu: dict | None) -> list[str]:
         return f"{fmt(c['cpu_s'], digits=1)} CPU s on {cores}" + (
             f", {fmt(c['busy'], 100, 0)}% busy" if c["busy"] is not None else "")
 
-    lines = [f"  cpu              server {side(cpu['server'])}; boards {side(cpu['boards'])}"]
+    server = cpu["server"]
+    parts = ""
+    if server.get("verifier_cpu_s") is not None and server.get("cache_cpu_s") is not None:
+        parts = (f" (verifier {fmt(server['verifier_cpu_s'], digits=1)}, cache and its Redis "
+                 f"{fmt(server['cache_cpu_s'], digits=1)})")
+    lines = [f"  cpu              server {side(server)}{parts}; boards {side(cpu['boards'])}"]
     if cpu.get("bound_by"):
         lines.append(f"  BOUND BY         {cpu['bound_by']} (busier than "
                      f"{BOUND_SHARE:.0%} of their time)")

@@ -205,8 +205,8 @@ class FleetRun:
             self.close()
 
     def _cpu_seconds(self) -> dict[str, float | None]:
-        """CPU seconds so far of the server's side (cache with Redis, verifier) and the
-        boards' (every drafter)."""
+        """CPU seconds so far of the server's side (cache with Redis, verifier), of its two
+        parts apart, and of the boards' (every drafter)."""
         import ray
 
         secs = ray.get([a.cpu_seconds.remote() for a in self._actors], timeout=60)
@@ -214,16 +214,22 @@ class FleetRun:
         def total(xs):
             return None if any(x is None for x in xs) else float(sum(xs))
 
-        return {"server": total(secs[:2]), "boards": total(secs[2:]) if secs[2:] else 0.0}
+        return {"server": total(secs[:2]), "boards": total(secs[2:]) if secs[2:] else 0.0,
+                "cache": secs[0], "verifier": secs[1]}
 
     def _cpu_use(self, before: dict, after: dict) -> dict:
-        """Each side's cores and CPU seconds over the run."""
+        """Each side's cores and CPU seconds over the run; the server's also by its parts
+        (the verifier; the cache with its Redis), which share its cores."""
+        def spent(key: str) -> float | None:
+            b, a = before[key], after[key]
+            return None if a is None or b is None else a - b
+
         split = self.s.cpus
         out: dict = {"split": split.describe() if split else None}
         for side in ("server", "boards"):
-            b, a = before[side], after[side]
             cores = len(getattr(split, side)) if split else None
-            out[side] = {"cpus": cores, "cpu_s": None if a is None or b is None else a - b}
+            out[side] = {"cpus": cores, "cpu_s": spent(side)}
+        out["server"].update(verifier_cpu_s=spent("verifier"), cache_cpu_s=spent("cache"))
         return out
 
     def _break_links(self, started: float, done: threading.Event) -> None:
