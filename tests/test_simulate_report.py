@@ -276,10 +276,13 @@ def test_charts_from_runs_alone_still_have_a_caption():
 
 
 # -- the server's and the boards' cores, the server's cost, the server-only baseline ---------------
-def split_run(batching="on", ended=10.0, server_s=9.5, boards_s=2.0, boards=None):
+def split_run(batching="on", ended=10.0, server_s=9.5, boards_s=2.0, boards=None,
+              cache_s=1.5):
     r = run(batching, 2, ended=ended)
     r.cpu = {"split": "server on cpus 0, boards on cpus 1",
-             "server": {"cpus": 1, "cpu_s": server_s}, "boards": {"cpus": 1, "cpu_s": boards_s}}
+             "server": {"cpus": 1, "cpu_s": server_s, "verifier_cpu_s": server_s - cache_s,
+                        "cache_cpu_s": cache_s},
+             "boards": {"cpus": 1, "cpu_s": boards_s}}
     r.boards = boards if boards is not None else {
         "dev-a": {"tokens_sent": 20, "tokens_kept": 3}, "dev-b": {"tokens_sent": 9}}
     return r
@@ -287,7 +290,16 @@ def split_run(batching="on", ended=10.0, server_s=9.5, boards_s=2.0, boards=None
 
 def test_each_sides_cpu_use_and_the_side_that_bound_the_run():
     s = summarize_run(split_run())
-    assert s["cpu"]["server"] == {"cpus": 1, "cpu_s": 9.5, "busy": pytest.approx(0.95)}
+    assert s["cpu"]["server"] == {"cpus": 1, "cpu_s": 9.5, "busy": pytest.approx(0.95),
+                                  "verifier_cpu_s": 8.0, "cache_cpu_s": 1.5}
+    assert "server 9.5 CPU s on 1 core(s), 95% busy (verifier 8.0, cache and its Redis 1.5)" \
+        in format_table(report_for([split_run()]))
+    # a record without the server's parts (an older run's): None, and no parts printed
+    older = split_run()
+    older.cpu["server"] = {"cpus": 1, "cpu_s": 9.5}
+    summary = summarize_run(older)["cpu"]["server"]
+    assert summary["verifier_cpu_s"] is None and summary["cache_cpu_s"] is None
+    assert "(verifier" not in format_table(report_for([older]))
     assert s["cpu"]["boards"]["busy"] == pytest.approx(0.2)
     assert s["cpu"]["bound_by"] == "the server's cores"
     assert summarize_run(split_run(boards_s=9.8))["cpu"]["bound_by"] == "the boards' cores"

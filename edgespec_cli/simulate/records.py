@@ -79,7 +79,7 @@ class RunRecord:
     # the partition schedule as applied: {"fault", "links", "device", "at_s", "healed_at_s"}
     link_faults: list[dict] = field(default_factory=list)
     # each side's cores and CPU seconds over the run: {"split": text or None, "server":
-    # {"cpus", "cpu_s"}, "boards": {"cpus", "cpu_s"}}
+    # {"cpus", "cpu_s", "verifier_cpu_s", "cache_cpu_s"}, "boards": {"cpus", "cpu_s"}}
     cpu: dict = field(default_factory=dict)
     # each drafter's loop counts at the end (``LoopCounts`` as a dict), by device id
     boards: dict = field(default_factory=dict)
