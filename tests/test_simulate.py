@@ -45,9 +45,13 @@ def test_small_fleet_reports_every_figure_and_is_lossless(looping_dir, tmp_path)
         if split:
             assert run["cpu"]["server"]["cpus"] >= 1 and run["cpu"]["boards"]["cpus"] >= 1
         assert run["cpu"]["server"]["cpu_s"] > 0 and run["server_cpu_s_per_token"] > 0
-        # the server's cores by who used them: the verifier and the cache (with its Redis)
+        # the server's cores by who used them: the verifier and the cache (with its Redis),
+        # whose CPU is read in 10 ms ticks: the server alone may leave its cache under one, the
+        # boards' drafts through it do not
         server = run["cpu"]["server"]
-        assert server["verifier_cpu_s"] > 0 and server["cache_cpu_s"] > 0
+        assert server["verifier_cpu_s"] > 0 and server["cache_cpu_s"] >= 0
+        if run["batching"] != "server-only":
+            assert server["cache_cpu_s"] > 0
         assert server["verifier_cpu_s"] + server["cache_cpu_s"] == \
             pytest.approx(server["cpu_s"], abs=1e-6)
         assert run["tokens_per_forward"] > 0
