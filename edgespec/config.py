@@ -205,6 +205,9 @@ class EngineConfig:
     prefill_budget: int = 2048
     max_context: int = 2048  # tokens per KV slot (prompt + output + draft)
     adaptive: bool = True  # grow/shrink the verified draft length from acceptance
+    # with adaptive: rest the drafters of a batch whose steps measure fewer tokens a second
+    # drafting than resting (``engine.drafting_worth``); False: the planner alone decides
+    rest_drafters: bool = True
     verify: str = "exact"  # "loose": FLy's, "pad": PAD's lossy acceptance (opt-in)
     loose: LooseParams = field(default_factory=LooseParams)
     pad: PadParams = field(default_factory=PadParams)

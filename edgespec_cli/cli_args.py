@@ -146,6 +146,12 @@ def add_engine_args(p: argparse.ArgumentParser, in_process: bool = True) -> None
                         "step's draft room) (default: %(default)s)")
     p.add_argument("--no-adaptive", action="store_true",
                    help="keep the verified draft length fixed at --max-draft")
+    p.add_argument("--keep-drafting", action="store_true",
+                   help="never rest the drafters on the steps' measured speed (default: a batch "
+                        "whose whole steps, their waits and commits included, commit fewer "
+                        "tokens a second while its drafters draft than while they rest is "
+                        "decoded without drafts, its drafters told to rest, and drafting is "
+                        "measured again now and then; only speed depends on it)")
     p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
                    help="replay the target's steps of up to 128 sessions x 16 tokens (chains and "
                         "trees) as CUDA graphs captured at start (default: on with --device "
@@ -236,6 +242,7 @@ def engine_config(args, max_sessions: int | None = None) -> EngineConfig:
                         fill_drafts=getattr(args, "fill_drafts", d.fill_drafts),
                         max_context=getattr(args, "max_context", d.max_context),
                         adaptive=not getattr(args, "no_adaptive", False),
+                        rest_drafters=not getattr(args, "keep_drafting", False),
                         # 0 is refused by name, not read as the default
                         max_sessions=d.max_sessions if max_sessions is None else max_sessions,
                         max_batch_tokens=getattr(args, "max_batch_tokens", d.max_batch_tokens),

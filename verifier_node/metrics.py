@@ -14,7 +14,9 @@ Requests: ``edgespec:prompt_tokens_total``, ``edgespec:generation_tokens_total``
 histograms: ``edgespec:time_to_first_token_seconds``, ``edgespec:inter_token_latency_seconds``,
 ``edgespec:e2e_request_latency_seconds``. Batches: ``edgespec:batch_size_sessions``,
 ``edgespec:batch_size_tokens``,
-``edgespec:step_seconds{phase="prefill"|"wait"|"forward"|"commit"}``. Gauges read at scrape time:
+``edgespec:step_seconds{phase="prefill"|"wait"|"forward"|"commit"}``,
+``edgespec:rested_steps_total`` (steps whose drafters rested: drafting measured slower than
+resting at that batch size, ``edgespec.engine.drafting_worth``). Gauges read at scrape time:
 ``edgespec:num_requests_running``, ``edgespec:num_requests_waiting``,
 ``edgespec:num_requests_prefilling``, ``edgespec:kv_slots_free``. The server's cost:
 ``edgespec:server_cpu_seconds_total`` (CPU seconds of this process and its children, an embedded
@@ -79,8 +81,12 @@ class VerifierMetrics:
         r = self.registry = registry
         self.batch_counts: Counter_[int] = Counter_()  # sessions per forward -> forwards (exact)
         self.step_totals = {"steps": 0, "wait_s": 0.0, "forward_s": 0.0, "commit_s": 0.0,
-                            "drafted": 0, "accepted": 0}
+                            "drafted": 0, "accepted": 0, "rested": 0}
         self.committed = 0  # tokens committed over all sessions (the Status RPC's cost)
+        self.rested_steps = Counter("edgespec:rested_steps",
+                                    "Verification steps whose drafters rested: drafting "
+                                    "measured fewer tokens a second than resting",
+                                    registry=r)
         self.num_drafts = Counter("edgespec:spec_decode_num_drafts",
                                   "Verified non-empty drafts", registry=r)
         self.draft_tokens = Counter("edgespec:spec_decode_num_draft_tokens",
@@ -236,6 +242,9 @@ class VerifierMetrics:
         totals["commit_s"] += report.commit_s
         totals["drafted"] += report.drafted
         totals["accepted"] += report.accepted
+        if report.rested:
+            totals["rested"] += 1
+            self.rested_steps.inc()
         self.batch_tokens.observe(report.tokens)
         self.step_seconds.labels("wait").observe(report.take_s)
         self.step_seconds.labels("forward").observe(report.forward_s)

@@ -23,6 +23,7 @@ import itertools
 import logging
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 
@@ -40,6 +41,7 @@ from ..runner.target_runner import PREFILL_CHUNK, TargetRunner
 from ..verify.verify_step import VerifyOutcome, verify_step
 from .draft_planner import ForwardCost
 from .draft_worker import DraftWorker
+from .drafting_worth import REST, DraftingWorth
 from .fill_drafts import FillDrafts, fill_drafter
 from .inline_drafts import InlineDrafts
 from .prefill_queue import PrefillQueue
@@ -138,6 +140,11 @@ class SpecEngine(StepDrafts):
         self.rates = DraftRates(len(target.cache.lengths), self.cfg.max_draft,
                                 adaptive=self.cfg.adaptive)
         self.lateness = Lateness(self.cfg.late_after)  # drafters not waited for (lateness.py)
+        # a batch whose drafting measures slower than resting rests (drafting_worth); a head's
+        # drafts cost no board and no wait: the planner and --auto's chooser weigh them
+        self.worth = DraftingWorth() if self.cfg.adaptive and self.cfg.rest_drafters and \
+            head is None else None
+        self._regime: str | None = None
         # this step's planned sessions, and their draft-length rows once read (``_rows_of``)
         self._step_acts: list[ActiveSession] = []
         self._step_rows: RowsOf | None = None
@@ -220,7 +227,14 @@ class SpecEngine(StepDrafts):
         t3 = time.perf_counter()
         decided = self._place(decided)
         applied = self._commit(decided, t1 - t0, t2 - t1)
-        return report_of(applied, len(drafts), width, t1 - t0, t2 - t1, time.perf_counter() - t3)
+        report = report_of(applied, len(drafts), width, t1 - t0, t2 - t1,
+                           time.perf_counter() - t3)
+        if self._regime is not None:  # the step as a whole: its waits and commit cost too
+            assert self.worth is not None  # a regime is chosen only by it
+            self.worth.observe(report.sessions, report.sessions + report.accepted,
+                               report.take_s + report.forward_s + report.commit_s)
+            report = replace(report, rested=self._regime == REST)
+        return report
 
     def _head_wanted(self, drafts: list[StepDraft]) -> bool:
         """--auto: whether a session of the batch would choose the head's drafts next step."""

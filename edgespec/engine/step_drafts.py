@@ -19,6 +19,7 @@ from ..config import MAX_TREE_NODES, verifies_trees
 from ..drafters.adaptive import Prober
 from ..protocol.contract import DraftWant, Proposal, Proposer, TakenDraft
 from .draft_planner import ForwardCost, wait_worth
+from .drafting_worth import REST, DraftingWorth
 from .generation import ActiveSession, SessionFailed
 from .inline_drafts import InlineDrafts
 from .lateness import EmptyDrafts, Lateness
@@ -38,17 +39,24 @@ class StepDrafts(StepCommit):
     lateness: Lateness  # drafters not waited for
     proposers: list[Proposer]  # the sources of each step's drafts
     _asks: list[int]  # each taken draft's ask (``_take``), in their order
+    worth: DraftingWorth | None  # rests a batch whose drafting measures slower than resting
+    _regime: str | None  # this step's regime (``DraftingWorth.choose``; None: not chosen)
 
     def _plan(self) -> list[DraftWant]:
         """What to ask of each active session's draft: its length, and its share of branch
         tokens. Sessions with nothing to draft for them (no drafter in process, no head, no
         board: a server serving alone) are asked for nothing, without planning."""
         acts = self._step_acts = list(self.active)
-        self._step_rows = None
+        self._step_rows, self._regime = None, None
         if self.drafter is None and self.head is None and not any(a.drafter for a in acts):
-            for a in acts:
-                a.wanted = 0
-            return [DraftWant(a.sid, 0, wait=False) for a in acts]
+            return self._rest(acts)
+        if self.worth is not None:
+            model = self.cost.model()
+            plain = None if model is None else len(acts) / model.seconds(len(acts), 1)
+            self._regime = self.worth.choose(len(acts), plain)
+            if self._regime == REST:  # no probe either: the window of drafting measures again
+                self.prober.probing = False
+                return self._rest(acts)
         chains = self.drafter is not None and self.cfg.tree_width <= 1  # its drafts are chains
         gains = session_gains(acts, self._rows_of(acts), betas=not chains)
         # a probe's notice to the drafters: the drafter in process (its thread, or inline) drafts
@@ -86,6 +94,13 @@ class StepDrafts(StepCommit):
             a.wanted = told
         return [DraftWant(a.sid, k, b, wait=k > 0 and w > 0 and a.drafter not in skip, wait_s=w)
                 for a, k, b, w in zip(acts, ks, budgets, worth)]
+
+    @staticmethod
+    def _rest(acts: list[ActiveSession]) -> list[DraftWant]:
+        """Ask no session for a draft, and tell every drafter to rest (``Commit.wanted`` 0)."""
+        for a in acts:
+            a.wanted = 0
+        return [DraftWant(a.sid, 0, wait=False) for a in acts]
 
     def _record_lateness(self, wants: list[DraftWant], taken: list, acts: dict,
                          wait_s: float) -> None:

@@ -22,6 +22,9 @@ class StepReport:
     # verified drafts that held a token at each depth (what accepted_per_pos is out of; a
     # tree's by its longest path)
     drafted_per_pos: tuple[int, ...] = ()
+    # the drafters rested: drafting measured slower than resting at this batch size
+    # (``drafting_worth``), no session asked for a draft
+    rested: bool = False
 
 
 def step_report(accepted: Sequence[int], drafted: Sequence[int], sessions: int, tokens: int,

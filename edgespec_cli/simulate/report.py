@@ -182,12 +182,14 @@ def commit_to_draft(board: dict | None) -> dict | None:
 
 
 def step_split(totals: dict) -> dict | None:
-    """Mean milliseconds per verifier step waiting for drafts, in the forward, committing."""
+    """Mean milliseconds per verifier step waiting for drafts, in the forward, committing; the
+    steps, and those whose drafters rested (drafting measured slower than resting)."""
     steps = totals.get("steps", 0) if totals else 0
     if not steps:
         return None
-    return {"steps": steps, **{k.replace("_s", ""): 1000 * totals[k] / steps
-                               for k in ("wait_s", "forward_s", "commit_s")}}
+    return {"steps": steps, "rested": totals.get("rested", 0),
+            **{k.replace("_s", ""): 1000 * totals[k] / steps
+               for k in ("wait_s", "forward_s", "commit_s")}}
 
 
 def cpu_summary(cpu: dict, wall: float) -> dict | None:

@@ -22,7 +22,8 @@ def step_line(split: dict | None) -> str:
     if not split:
         return "-"
     return (f"wait {split['wait']:.1f}  forward {split['forward']:.1f}  "
-            f"commit {split['commit']:.1f}  ({split['steps']} steps)")
+            f"commit {split['commit']:.1f}  ({split['steps']} steps"
+            + (f", {split['rested']} rested" if split.get("rested") else "") + ")")
 
 
 def _capacity_ratio(report: dict, key: str, against: str, who: str) -> str:

@@ -1,0 +1,150 @@
+"""Whether a batch's drafting pays, measured on whole steps: tokens a second while the drafters
+draft against while they rest, at each batch size.
+
+The draft planner (``draft_planner``) weighs the verification forward's fitted cost against
+acceptance. What that fit does not see costs too: the steps' waits for drafts on their way, the
+commits that send fixes, and, on a server whose cores its draft cache shares, the cache's work
+receiving the drafts. Measured on a one-core server with eight MaG boards, the forward came out
+even while the cache and its Redis spent 4.4 CPU s more of the same core and every step waited
+12.4 ms: 0.93x serving alone. So the engine also times whole steps (take, forward and commit)
+in two regimes, per batch size:
+
+- *drafting*: the planner's choice each step (it may itself plan no draft, or probe);
+- *resting*: no session asked for a draft and every drafter told to rest (``Commit.wanted``
+  0: nothing drafted or pushed), the batch decoded as the server alone decodes it;
+
+and rests a batch whose drafting measured fewer tokens a second than its resting did. The
+regime not chosen is measured again now and then: a window of ``SETTLE`` + ``MEASURE`` steps,
+whose first ``SETTLE`` are not counted (a board hears of a change with the step's commit, and
+rests or catches up during the next step), as rarely as the windows keep agreeing with the
+choice (the interval doubles each time, back to ``FIRST_EXPLORE`` whenever the choice flips).
+Drafting whose rate is ``CLEAR_WIN`` times the forward fit's rate for one-token rows is never
+rested to check: waits and handling have not cost that much anywhere measured. Only speed
+depends on this, never output: a rested session decodes one token a step, as target-only does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+DRAFT, REST = "draft", "rest"
+SETTLE = 2  # steps after a change of regime that are not counted
+MEASURE = 4  # steps counted in a window of the regime not chosen
+FIRST_EXPLORE = 16  # steps before the first window, and between windows after a flip
+MAX_INTERVAL = 512
+DECAY = 0.8  # a regime's rate: each counted step weighs 1, older ones decay by this
+MIN_WEIGHT = 2.0  # decayed steps a regime needs before its rate is read
+CLEAR_WIN = 1.25
+
+
+@dataclass
+class RegimeRate:
+    """A regime's recent steps at one batch size: tokens committed and seconds, decayed."""
+
+    tokens: float = 0.0
+    seconds: float = 0.0
+    weight: float = 0.0
+
+    def add(self, tokens: float, seconds: float) -> None:
+        self.tokens = DECAY * self.tokens + tokens
+        self.seconds = DECAY * self.seconds + seconds
+        self.weight = DECAY * self.weight + 1.0
+
+    @property
+    def rate(self) -> float | None:
+        """Tokens a second, or None before ``MIN_WEIGHT`` steps."""
+        if self.weight < MIN_WEIGHT or self.seconds <= 0:
+            return None
+        return self.tokens / self.seconds
+
+
+@dataclass
+class BatchRates:
+    """Both regimes' rates at one batch size."""
+
+    draft: RegimeRate = field(default_factory=RegimeRate)
+    rest: RegimeRate = field(default_factory=RegimeRate)
+
+    def of(self, regime: str) -> RegimeRate:
+        return self.draft if regime == DRAFT else self.rest
+
+    def preferred(self) -> str | None:
+        """REST when resting measured more tokens a second; None until both are measured."""
+        d, r = self.draft.rate, self.rest.rate
+        if d is None or r is None:
+            return None
+        return REST if r > d else DRAFT
+
+
+def _other(regime: str) -> str:
+    return REST if regime == DRAFT else DRAFT
+
+
+class DraftingWorth:
+    """The regime of each step (``choose``) from the steps measured (``observe``)."""
+
+    def __init__(self) -> None:
+        self.rates: dict[int, BatchRates] = {}  # by rows in the step (at most the KV slots)
+        self.regime = DRAFT  # the regime of the step last chosen
+        self.run = 0  # steps of that regime in a row, that one included
+        self.interval = FIRST_EXPLORE
+        self.windows = 0  # windows of the regime not chosen, started so far
+        self.rested = 0  # steps chosen to rest so far
+        self._left = 0  # steps left of the window under way (0: none)
+        self._since = 0  # steps since the last window ended
+        self._before: str | None = None  # the choice when the window under way began
+        self._last = DRAFT  # the choice of the last step outside a window
+
+    def preferred(self, rows: int) -> str:
+        """The regime measured faster at ``rows`` sessions, or at the nearest batch size where
+        both were measured; drafting until then."""
+        known = sorted((abs(n - rows), n) for n, b in self.rates.items()
+                       if b.preferred() is not None)
+        if not known:
+            return DRAFT
+        choice = self.rates[known[0][1]].preferred()
+        assert choice is not None  # the known ones have both
+        return choice
+
+    def choose(self, rows: int, plain_rate: float | None) -> str:
+        """The regime of the next step of ``rows`` sessions. ``plain_rate``: the forward fit's
+        tokens a second for a step of ``rows`` one-token rows (None: not fitted yet)."""
+        preferred = self.preferred(rows)
+        if self._left:
+            self._left -= 1
+            regime = self.regime  # the window's
+        else:
+            if self._before is not None:  # a window just ended: did it change the choice?
+                agreed = preferred == self._before
+                self.interval = min(MAX_INTERVAL, 2 * self.interval) if agreed else \
+                    FIRST_EXPLORE
+                self._before = None
+            elif preferred != self._last:  # the chosen regime's own steps changed the choice
+                self.interval, self._since = FIRST_EXPLORE, 0
+            self._last = preferred
+            self._since += 1
+            regime = preferred
+            if self._since >= self.interval and self._worth_checking(rows, preferred,
+                                                                     plain_rate):
+                regime, self._before = _other(preferred), preferred
+                self._left, self._since = SETTLE + MEASURE - 1, 0
+                self.windows += 1
+        self.run = self.run + 1 if regime == self.regime else 1
+        self.regime = regime
+        self.rested += regime == REST
+        return regime
+
+    def _worth_checking(self, rows: int, preferred: str, plain_rate: float | None) -> bool:
+        """Whether the regime not chosen may be better: not when drafting clearly pays."""
+        if preferred == REST or plain_rate is None:
+            return True
+        draft = self.rates.get(rows)
+        rate = None if draft is None else draft.draft.rate
+        return rate is None or rate < CLEAR_WIN * plain_rate
+
+    def observe(self, rows: int, tokens: int, seconds: float) -> None:
+        """The step last chosen verified ``rows`` sessions and committed ``tokens`` in
+        ``seconds`` (its take, forward and commit); its first ``SETTLE`` steps not counted."""
+        if self.run <= SETTLE or rows <= 0 or seconds <= 0:
+            return
+        self.rates.setdefault(rows, BatchRates()).of(self.regime).add(tokens, seconds)
