@@ -147,11 +147,11 @@ def add_engine_args(p: argparse.ArgumentParser, in_process: bool = True) -> None
     p.add_argument("--no-adaptive", action="store_true",
                    help="keep the verified draft length fixed at --max-draft")
     p.add_argument("--keep-drafting", action="store_true",
-                   help="never rest the drafters on the steps' measured speed (default: a batch "
-                        "whose whole steps, their waits and commits included, commit fewer "
+                   help="never rest the drafters on the steps' measured speed; without it a "
+                        "batch whose whole steps (waits and commits included) commit fewer "
                         "tokens a second while its drafters draft than while they rest is "
                         "decoded without drafts, its drafters told to rest, and drafting is "
-                        "measured again now and then; only speed depends on it)")
+                        "measured again now and then (only speed depends on it)")
     p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
                    help="replay the target's steps of up to 128 sessions x 16 tokens (chains and "
                         "trees) as CUDA graphs captured at start (default: on with --device "

@@ -196,6 +196,7 @@ def _settings(args: argparse.Namespace, dtype: str, split=None):
                        engine={**({"max_batch_tokens": args.max_batch_tokens}
                                   if args.max_batch_tokens else {}),
                                **({"head": args.head} if args.head else {}),
+                               **({"rest_drafters": False} if args.keep_drafting else {}),
                                **({"cuda_graphs": args.cuda_graphs}
                                   if args.cuda_graphs is not None else {})})
 

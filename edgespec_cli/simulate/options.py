@@ -86,6 +86,11 @@ def add_simulate_parser(sub) -> argparse.ArgumentParser:
                    help="the verifier's most tokens in one forward (own token + drafts of "
                         "every session; the longest drafts are cut first): a small budget "
                         "shortens drafts as the batch grows (default: the verifier's, 256)")
+    s.add_argument("--keep-drafting", action="store_true",
+                   help="the verifier never rests the boards on its steps' measured speed "
+                        "(serve --keep-drafting); without it a batch whose steps commit fewer "
+                        "tokens a second while the boards draft than while they rest is "
+                        "decoded without drafts (only speed depends on it)")
     s.add_argument("--timeout", metavar="S", type=float, default=900.0,
                    help="seconds a run may take to come up or a request to finish "
                         "(default: %(default)s)")
