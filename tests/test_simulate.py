@@ -79,6 +79,10 @@ def test_small_fleet_reports_every_figure_and_is_lossless(looping_dir, tmp_path)
             assert d["acceptance_rate"] is None or 0 <= d["acceptance_rate"] <= 1
         assert run["step_ms"]["steps"] == sum(run["batch_sizes"]["histogram"].values())
         assert run["step_ms"]["forward"] > 0
+        # steps whose boards rested (drafting measured slower): none where no board drafts
+        assert 0 <= run["step_ms"]["rested"] <= run["step_ms"]["steps"]
+        if mode == "server-only":
+            assert run["step_ms"]["rested"] == 0
         sizes = {int(k) for k in run["batch_sizes"]["histogram"]}
         assert sizes and (sizes == {1} if mode == "off" else max(sizes) <= 2)
     assert "phone-lte" in report["emulated"] and report["real"]

@@ -18,9 +18,13 @@ regime not chosen is measured again now and then: a window of ``SETTLE`` + ``MEA
 whose first ``SETTLE`` are not counted (a board hears of a change with the step's commit, and
 rests or catches up during the next step), as rarely as the windows keep agreeing with the
 choice (the interval doubles each time, back to ``FIRST_EXPLORE`` whenever the choice flips).
-Drafting whose rate is ``CLEAR_WIN`` times the forward fit's rate for one-token rows is never
-rested to check: waits and handling have not cost that much anywhere measured. Only speed
-depends on this, never output: a rested session decodes one token a step, as target-only does.
+Drafting whose rate is ``CLEAR_WIN`` times resting's (before resting was measured, the forward
+fit's rate for one-token rows) is not rested to check: waits and handling have not cost that
+much anywhere measured. The rates are means over a regime's last ~20 counted steps (``DECAY``),
+so that a session's opening (its board reading the prompt: a few steps of one token) does not
+flip the choice, and the choice changes only for a rate ``SWITCH_MARGIN`` above the chosen
+one's. Only speed depends on this, never output: a rested session decodes one token a step, as
+target-only does.
 """
 
 from __future__ import annotations
@@ -32,9 +36,10 @@ SETTLE = 2  # steps after a change of regime that are not counted
 MEASURE = 4  # steps counted in a window of the regime not chosen
 FIRST_EXPLORE = 16  # steps before the first window, and between windows after a flip
 MAX_INTERVAL = 512
-DECAY = 0.8  # a regime's rate: each counted step weighs 1, older ones decay by this
+DECAY = 0.95  # a regime's rate: each counted step weighs 1, older ones decay by this
 MIN_WEIGHT = 2.0  # decayed steps a regime needs before its rate is read
 CLEAR_WIN = 1.25
+SWITCH_MARGIN = 0.03  # the regime not chosen must measure this much faster to be chosen
 
 
 @dataclass
@@ -68,12 +73,15 @@ class BatchRates:
     def of(self, regime: str) -> RegimeRate:
         return self.draft if regime == DRAFT else self.rest
 
-    def preferred(self) -> str | None:
-        """REST when resting measured more tokens a second; None until both are measured."""
+    def preferred(self, current: str = DRAFT) -> str | None:
+        """The regime measured faster, ``current`` unless the other measured ``SWITCH_MARGIN``
+        faster; None until both are measured."""
         d, r = self.draft.rate, self.rest.rate
         if d is None or r is None:
             return None
-        return REST if r > d else DRAFT
+        if current == DRAFT:
+            return REST if r > (1 + SWITCH_MARGIN) * d else DRAFT
+        return DRAFT if d > (1 + SWITCH_MARGIN) * r else REST
 
 
 def _other(regime: str) -> str:
@@ -102,7 +110,7 @@ class DraftingWorth:
                        if b.preferred() is not None)
         if not known:
             return DRAFT
-        choice = self.rates[known[0][1]].preferred()
+        choice = self.rates[known[0][1]].preferred(self._last)
         assert choice is not None  # the known ones have both
         return choice
 
@@ -135,12 +143,14 @@ class DraftingWorth:
         return regime
 
     def _worth_checking(self, rows: int, preferred: str, plain_rate: float | None) -> bool:
-        """Whether the regime not chosen may be better: not when drafting clearly pays."""
-        if preferred == REST or plain_rate is None:
+        """Whether the regime not chosen may be better: not when drafting clearly pays, by
+        ``CLEAR_WIN`` over resting as measured at this batch size, or before that over the
+        forward fit's ``plain_rate``."""
+        batch = self.rates.get(rows)
+        if preferred == REST or batch is None or batch.draft.rate is None:
             return True
-        draft = self.rates.get(rows)
-        rate = None if draft is None else draft.draft.rate
-        return rate is None or rate < CLEAR_WIN * plain_rate
+        against = batch.rest.rate if batch.rest.rate is not None else plain_rate
+        return against is None or batch.draft.rate < CLEAR_WIN * against
 
     def observe(self, rows: int, tokens: int, seconds: float) -> None:
         """The step last chosen verified ``rows`` sessions and committed ``tokens`` in

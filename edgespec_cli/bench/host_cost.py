@@ -127,8 +127,11 @@ def _engine(store: str, drafter: str, n: int, right: float, wait_ms: float = 0.0
     spec, width, inline = drafter_options(drafter)
     runner = InstantRunner(n, right)
     target = cast("TargetRunner", runner)  # the runner's interface, answered at once
+    # rest_drafters off: this measures every stage's host work, and a batch whose drafting the
+    # engine found slower than resting (here, where a forward costs nothing, it is) would skip
+    # the drafting stages
     cfg = EngineConfig(max_sessions=n, tree_width=width, draft_wait_ms=wait_ms,
-                       draft_inline=inline)
+                       draft_inline=inline, rest_drafters=False)
     if store == "redis":
         from cache_service.redis_conn import RedisHandle
         from cache_service.store import RedisSessionStore
