@@ -156,7 +156,10 @@ def _never_right_pair(tiny, new_tokens: int = 20, board: str | None = None,
     runner = TargetRunner(tiny.model, n_slots=4, max_len=256)
     where = {"store": LocalSessionStore(None, runner.vocab_size)} if board else \
         {"drafter": build_drafter("mag")}
-    with SpecEngine(runner, config=EngineConfig(max_draft=4, draft_inline=inline),
+    # the planner and its probes alone: resting on measured steps (drafting_worth) is a layer
+    # above them, tested in test_drafting_worth
+    with SpecEngine(runner, config=EngineConfig(max_draft=4, draft_inline=inline,
+                                                rest_drafters=False),
                     stop_ids=set(), **where) as engine:
         acts = [engine.add(Request([1, 5, 6, 7], new_tokens), device=board),
                 engine.add(Request([1, 8, 9], new_tokens), device=board)]

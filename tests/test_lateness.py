@@ -173,8 +173,9 @@ def test_a_late_boards_turn_to_be_waited_for_comes_on_a_step_whose_wait_it_is_wo
     worth = [0.0]
     monkeypatch.setattr(step_drafts, "plan_drafts", lambda acts, *a: [2] * len(acts))
     monkeypatch.setattr(step_drafts, "wait_worth", lambda g, ks, *a: worth * len(ks))
+    # rest_drafters off: these steps' plans alone, no whole steps measured to rest on
     with SpecEngine(TargetRunner(tiny.model, n_slots=2, max_len=64), None,
-                    EngineConfig(draft_wait_ms=50)) as engine:
+                    EngineConfig(draft_wait_ms=50, rest_drafters=False)) as engine:
         act = engine.add(Request([1, 5, 6], 4))
         act.drafter = "board"
         for _ in range(MISSES_TO_LATE):

@@ -199,7 +199,8 @@ def test_the_servers_cost_since_start_is_counted_and_rendered():
     for drafted, accepted in ((4, 3), (4, 0)):
         m.step(SimpleNamespace(sessions=2, take_s=0.0, forward_s=0.01, commit_s=0.0,
                                tokens=2 + drafted, drafts=1, drafted=drafted,
-                               accepted=accepted, accepted_per_pos=[], drafted_per_pos=[]))
+                               accepted=accepted, accepted_per_pos=[], drafted_per_pos=[],
+                               rested=False))
     m.tokens(4, None, 0.1)
     m.tokens(2, 0.05, 0.2)
     cost = m.server_cost()
@@ -330,3 +331,18 @@ def test_a_boards_series_are_all_its_own_or_all_other_and_other_never_falls(monk
     assert steps("other") == 23.0  # "c"'s 10 kept, "d"'s 10, and 1 each of "e", "f", "g"
     text = generate_latest(m.registry).decode()
     assert 'edgespec:device_accepted_tokens_total{device="b"} 1.0' in text
+
+
+def test_rested_steps_are_counted_in_metrics_and_the_step_totals():
+    from dataclasses import replace
+
+    from edgespec.engine.step_report import step_report
+
+    report = step_report([0, 0], [0, 0], sessions=2, tokens=2, take_s=0.0, forward_s=0.01,
+                         commit_s=0.0)
+    m = VerifierMetrics(CollectorRegistry())
+    m.step(report)  # a step that drafted (or had nothing to draft): not rested
+    m.step(replace(report, rested=True))
+    m.step(replace(report, rested=True))
+    assert value(m.registry, "edgespec:rested_steps_total") == 2
+    assert m.step_totals["rested"] == 2 and m.step_totals["steps"] == 3

@@ -413,3 +413,17 @@ def test_ratios_from_short_runs_are_said_to_be_noisy():
     # against the server alone too
     report = report_for([run("on", 2), run("server-only", 2, ended=SHORT_RUN_S + 5)])
     assert report["short_runs"]["devices"] == [2]
+
+
+def test_the_step_line_says_how_many_steps_rested():
+    from edgespec_cli.simulate.report import step_split
+    from edgespec_cli.simulate.report_text import step_line
+
+    totals = {"steps": 10, "wait_s": 0.1, "forward_s": 1.0, "commit_s": 0.05, "rested": 4}
+    split = step_split(totals)
+    assert split is not None and split["rested"] == 4 and split["forward"] == pytest.approx(100)
+    assert step_line(split).endswith("(10 steps, 4 rested)")
+    # none rested, or an older server that did not count them: the line says nothing of it
+    for old in ({**totals, "rested": 0}, {k: v for k, v in totals.items() if k != "rested"}):
+        line = step_line(step_split(old))
+        assert line.endswith("(10 steps)") and "rested" not in line

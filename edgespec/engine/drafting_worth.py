@@ -29,7 +29,10 @@ target-only does.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
+
+log = logging.getLogger(__name__)
 
 DRAFT, REST = "draft", "rest"
 SETTLE = 2  # steps after a change of regime that are not counted
@@ -84,6 +87,10 @@ class BatchRates:
         return DRAFT if d > (1 + SWITCH_MARGIN) * r else REST
 
 
+def _fmt(rate: float | None) -> str:
+    return "-" if rate is None else f"{rate:.2f}"
+
+
 def _other(regime: str) -> str:
     return REST if regime == DRAFT else DRAFT
 
@@ -106,11 +113,14 @@ class DraftingWorth:
     def preferred(self, rows: int) -> str:
         """The regime measured faster at ``rows`` sessions, or at the nearest batch size where
         both were measured; drafting until then."""
-        known = sorted((abs(n - rows), n) for n, b in self.rates.items()
-                       if b.preferred() is not None)
+        own = self.rates.get(rows)
+        choice = None if own is None else own.preferred(self._last)
+        if choice is not None:
+            return choice
+        known = [(abs(n - rows), n) for n, b in self.rates.items() if b.preferred() is not None]
         if not known:
             return DRAFT
-        choice = self.rates[known[0][1]].preferred(self._last)
+        choice = self.rates[min(known)[1]].preferred(self._last)
         assert choice is not None  # the known ones have both
         return choice
 
@@ -127,8 +137,10 @@ class DraftingWorth:
                 self.interval = min(MAX_INTERVAL, 2 * self.interval) if agreed else \
                     FIRST_EXPLORE
                 self._before = None
+                self._log(rows, preferred, "a window measured")
             elif preferred != self._last:  # the chosen regime's own steps changed the choice
                 self.interval, self._since = FIRST_EXPLORE, 0
+                self._log(rows, preferred, "the steps changed the choice")
             self._last = preferred
             self._since += 1
             regime = preferred
@@ -141,6 +153,13 @@ class DraftingWorth:
         self.regime = regime
         self.rested += regime == REST
         return regime
+
+    def _log(self, rows: int, preferred: str, why: str) -> None:
+        batch = self.rates.get(rows)
+        d, r = (None, None) if batch is None else (batch.draft.rate, batch.rest.rate)
+        log.info("drafting worth at %d session(s), %s: drafting %s, resting %s tokens a second: "
+                 "%s (the next window in %d steps)", rows, why, _fmt(d), _fmt(r),
+                 "rest" if preferred == REST else "draft", self.interval)
 
     def _worth_checking(self, rows: int, preferred: str, plain_rate: float | None) -> bool:
         """Whether the regime not chosen may be better: not when drafting clearly pays, by
