@@ -80,7 +80,7 @@ def test_drafting_that_clearly_pays_is_never_rested_to_check():
     assert w.windows == 1 and got.count(REST) == dw.SETTLE + dw.MEASURE
     # drafting at 12 is not a clear win over 10: resting is measured, and wins here
     w = DraftingWorth()
-    got = drive(w, 300, {DRAFT: 12.0, REST: 12.5}, plain_rate=10.0)
+    got = drive(w, 300, {DRAFT: 12.0, REST: 13.0}, plain_rate=10.0)
     assert w.windows > 0 and got[-1] == REST
 
 

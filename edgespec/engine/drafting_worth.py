@@ -35,14 +35,14 @@ from dataclasses import dataclass, field
 log = logging.getLogger(__name__)
 
 DRAFT, REST = "draft", "rest"
-SETTLE = 2  # steps after a change of regime that are not counted
+SETTLE = 3  # steps after a change of regime that are not counted
 MEASURE = 4  # steps counted in a window of the regime not chosen
-FIRST_EXPLORE = 16  # steps before the first window, and between windows after a flip
+FIRST_EXPLORE = 32  # steps before the first window, and between windows after a flip
 MAX_INTERVAL = 512
-DECAY = 0.95  # a regime's rate: each counted step weighs 1, older ones decay by this
+DECAY = 0.97  # a regime's rate: each counted step weighs 1, older ones decay by this
 MIN_WEIGHT = 2.0  # decayed steps a regime needs before its rate is read
 CLEAR_WIN = 1.25
-SWITCH_MARGIN = 0.03  # the regime not chosen must measure this much faster to be chosen
+SWITCH_MARGIN = 0.05  # the regime not chosen must measure this much faster to be chosen
 
 
 @dataclass
