@@ -20,7 +20,7 @@ rests or catches up during the next step), as rarely as the windows keep agreein
 choice (the interval doubles each time, back to ``FIRST_EXPLORE`` whenever the choice flips).
 Drafting whose rate is ``CLEAR_WIN`` times resting's (before resting was measured, the forward
 fit's rate for one-token rows) is not rested to check: waits and handling have not cost that
-much anywhere measured. The rates are means over a regime's last ~20 counted steps (``DECAY``),
+much anywhere measured. The rates are means over a regime's last ~33 counted steps (``DECAY``),
 so that a session's opening (its board reading the prompt: a few steps of one token) does not
 flip the choice, and the choice changes only for a rate ``SWITCH_MARGIN`` above the chosen
 one's. Only speed depends on this, never output: a rested session decodes one token a step, as
