@@ -84,17 +84,35 @@ def test_drafting_that_clearly_pays_is_never_rested_to_check():
     assert w.windows > 0 and got[-1] == REST
 
 
-def test_a_few_slow_steps_or_a_small_difference_do_not_flip_the_choice():
+def test_only_a_window_changes_the_choice_against_the_chosen_regimes_last_steps():
     w = DraftingWorth()
-    drive(w, 40, {DRAFT: 14.0, REST: 12.0})
-    assert w.regime == DRAFT
-    for _ in range(3):  # a session's opening: its board reads the prompt, a token a step
+    got = drive(w, 60, {DRAFT: 14.0, REST: 12.0})
+    assert got[-1] == DRAFT and w.choices == {8: DRAFT}
+    for _ in range(10):  # drafting slows (a session's opening, or for good): no window yet
         assert w.choose(8, None) == DRAFT
         w.observe(8, 8, 8 / 6.0)
     assert w.preferred(8) == DRAFT
+    # the next window measures resting against drafting's last steps, not the older ones
+    got = drive(w, 200, {DRAFT: 6.0, REST: 12.0})
+    assert got[-1] == REST and w.choices == {8: REST}
     w = DraftingWorth()
     got = drive(w, 300, {DRAFT: 12.0, REST: 12.2})  # resting 1.7% faster: within the margin
     assert got[-1] == DRAFT and got.count(DRAFT) > 0.9 * len(got)
+
+
+def test_a_server_slowing_down_does_not_make_the_chosen_regime_look_worse():
+    """Both regimes slow down together as the sessions' contexts grow: drafting, 8% faster
+    than resting at every moment, keeps being chosen (a rate measured long ago would make the
+    regime measured now look the slower)."""
+    w = DraftingWorth()
+    got = []
+    for i in range(600):
+        regime = w.choose(8, None)
+        scale = 1.0 - i / 1000  # 40% slower by the end
+        rate = (13.0 if regime == DRAFT else 12.0) * scale
+        w.observe(8, 8, 8 / rate)
+        got.append(regime)
+    assert w.preferred(8) == DRAFT and got.count(DRAFT) > 0.9 * len(got)
 
 
 def test_a_flip_starts_the_interval_over():

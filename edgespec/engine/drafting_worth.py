@@ -14,17 +14,18 @@ in two regimes, per batch size:
   0: nothing drafted or pushed), the batch decoded as the server alone decodes it;
 
 and rests a batch whose drafting measured fewer tokens a second than its resting did. The
-regime not chosen is measured again now and then: a window of ``SETTLE`` + ``MEASURE`` steps,
-whose first ``SETTLE`` are not counted (a board hears of a change with the step's commit, and
-rests or catches up during the next step), as rarely as the windows keep agreeing with the
-choice (the interval doubles each time, back to ``FIRST_EXPLORE`` whenever the choice flips).
-Drafting whose rate is ``CLEAR_WIN`` times resting's (before resting was measured, the forward
-fit's rate for one-token rows) is not rested to check: waits and handling have not cost that
-much anywhere measured. The rates are means over a regime's last ~33 counted steps (``DECAY``),
-so that a session's opening (its board reading the prompt: a few steps of one token) does not
-flip the choice, and the choice changes only for a rate ``SWITCH_MARGIN`` above the chosen
-one's. Only speed depends on this, never output: a rested session decodes one token a step, as
-target-only does.
+choice is made in windows of the regime not chosen: ``SETTLE`` + ``MEASURE`` steps, whose first
+``SETTLE`` are not counted (a board hears of a change with the step's commit, and rests or
+catches up during the next steps); at its end the window's own steps are compared with the
+chosen regime's last steps (a mean over ~10, ``DECAY``), so that both are measured at about the
+same time: a server's steps slow down as its sessions' contexts grow (measured: 27 to 16 tokens
+a second over a 485-step run), and a rate measured a hundred steps ago is not comparable. The
+other regime is chosen only for a rate ``SWITCH_MARGIN`` above the chosen one's. Windows come as
+rarely as they keep agreeing with the choice (the interval doubles each time, back to
+``FIRST_EXPLORE`` when the choice flips). Drafting whose rate is ``CLEAR_WIN`` times resting's
+(before resting was measured, the forward fit's rate for one-token rows) is not rested to
+check: waits and handling have not cost that much anywhere measured. Only speed depends on
+this, never output: a rested session decodes one token a step, as target-only does.
 """
 
 from __future__ import annotations
@@ -36,10 +37,10 @@ log = logging.getLogger(__name__)
 
 DRAFT, REST = "draft", "rest"
 SETTLE = 3  # steps after a change of regime that are not counted
-MEASURE = 4  # steps counted in a window of the regime not chosen
+MEASURE = 6  # steps counted in a window of the regime not chosen
 FIRST_EXPLORE = 32  # steps before the first window, and between windows after a flip
 MAX_INTERVAL = 512
-DECAY = 0.97  # a regime's rate: each counted step weighs 1, older ones decay by this
+DECAY = 0.9  # a regime's rate: each counted step weighs 1, older ones decay by this
 MIN_WEIGHT = 2.0  # decayed steps a regime needs before its rate is read
 CLEAR_WIN = 1.25
 SWITCH_MARGIN = 0.05  # the regime not chosen must measure this much faster to be chosen
@@ -108,40 +109,29 @@ class DraftingWorth:
         self._left = 0  # steps left of the window under way (0: none)
         self._since = 0  # steps since the last window ended
         self._before: str | None = None  # the choice when the window under way began
-        self._last = DRAFT  # the choice of the last step outside a window
+        self._window_rows = 0  # the rows of the step last chosen
+        self.choices: dict[int, str] = {}  # each batch size's regime, as its last window chose
 
     def preferred(self, rows: int) -> str:
-        """The regime measured faster at ``rows`` sessions, or at the nearest batch size where
-        both were measured; drafting until then."""
-        own = self.rates.get(rows)
-        choice = None if own is None else own.preferred(self._last)
-        if choice is not None:
-            return choice
-        known = [(abs(n - rows), n) for n, b in self.rates.items() if b.preferred() is not None]
-        if not known:
+        """The regime the last window at ``rows`` sessions chose, or at the nearest batch size
+        where a window chose; drafting until then."""
+        own = self.choices.get(rows)
+        if own is not None:
+            return own
+        if not self.choices:
             return DRAFT
-        choice = self.rates[min(known)[1]].preferred(self._last)
-        assert choice is not None  # the known ones have both
-        return choice
+        return self.choices[min(self.choices, key=lambda n: (abs(n - rows), n))]
 
     def choose(self, rows: int, plain_rate: float | None) -> str:
         """The regime of the next step of ``rows`` sessions. ``plain_rate``: the forward fit's
         tokens a second for a step of ``rows`` one-token rows (None: not fitted yet)."""
-        preferred = self.preferred(rows)
         if self._left:
             self._left -= 1
             regime = self.regime  # the window's
         else:
-            if self._before is not None:  # a window just ended: did it change the choice?
-                agreed = preferred == self._before
-                self.interval = min(MAX_INTERVAL, 2 * self.interval) if agreed else \
-                    FIRST_EXPLORE
-                self._before = None
-                self._log(rows, preferred, "a window measured")
-            elif preferred != self._last:  # the chosen regime's own steps changed the choice
-                self.interval, self._since = FIRST_EXPLORE, 0
-                self._log(rows, preferred, "the steps changed the choice")
-            self._last = preferred
+            if self._before is not None:  # a window just ended: its steps against the choice's
+                self._judge_window(self._window_rows)
+            preferred = self.preferred(rows)
             self._since += 1
             regime = preferred
             if self._since >= self.interval and self._worth_checking(rows, preferred,
@@ -149,10 +139,28 @@ class DraftingWorth:
                 regime, self._before = _other(preferred), preferred
                 self._left, self._since = SETTLE + MEASURE - 1, 0
                 self.windows += 1
+                batch = self.rates.setdefault(rows, BatchRates())
+                setattr(batch, regime, RegimeRate())  # the window's own steps alone
         self.run = self.run + 1 if regime == self.regime else 1
         self.regime = regime
+        self._window_rows = rows
         self.rested += regime == REST
         return regime
+
+    def _judge_window(self, rows: int) -> None:
+        """The window that just ended, at ``rows`` sessions: its regime chosen there if it
+        measured ``SWITCH_MARGIN`` faster than the chosen one's last steps; the interval to the
+        next window doubled if the choice stands, back to ``FIRST_EXPLORE`` if it flipped."""
+        before, self._before = self._before, None
+        assert before is not None
+        batch = self.rates.get(rows)
+        choice = None if batch is None else batch.preferred(before)
+        if choice is None:  # one of them not measured at this batch size: nothing learnt
+            return
+        self.choices[rows] = choice
+        self.interval = min(MAX_INTERVAL, 2 * self.interval) if choice == before else \
+            FIRST_EXPLORE
+        self._log(rows, choice, "a window measured")
 
     def _log(self, rows: int, preferred: str, why: str) -> None:
         batch = self.rates.get(rows)
