@@ -77,7 +77,14 @@ class BatchRates:
     def of(self, regime: str) -> RegimeRate:
         return self.draft if regime == DRAFT else self.rest
 
-    def preferred(self, current: str = DRAFT) -> str | None:
+    def restart(self, regime: str) -> None:
+        """Forget ``regime``'s steps: a window of it counts its own alone."""
+        if regime == DRAFT:
+            self.draft = RegimeRate()
+        else:
+            self.rest = RegimeRate()
+
+    def preferred(self, current: str) -> str | None:
         """The regime measured faster, ``current`` unless the other measured ``SWITCH_MARGIN``
         faster; None until both are measured."""
         d, r = self.draft.rate, self.rest.rate
@@ -139,8 +146,7 @@ class DraftingWorth:
                 regime, self._before = _other(preferred), preferred
                 self._left, self._since = SETTLE + MEASURE - 1, 0
                 self.windows += 1
-                batch = self.rates.setdefault(rows, BatchRates())
-                setattr(batch, regime, RegimeRate())  # the window's own steps alone
+                self.rates.setdefault(rows, BatchRates()).restart(regime)
         self.run = self.run + 1 if regime == self.regime else 1
         self.regime = regime
         self._window_rows = rows
@@ -155,19 +161,14 @@ class DraftingWorth:
         assert before is not None
         batch = self.rates.get(rows)
         choice = None if batch is None else batch.preferred(before)
-        if choice is None:  # one of them not measured at this batch size: nothing learnt
+        if batch is None or choice is None:  # one not measured at this batch size: nothing learnt
             return
         self.choices[rows] = choice
         self.interval = min(MAX_INTERVAL, 2 * self.interval) if choice == before else \
             FIRST_EXPLORE
-        self._log(rows, choice, "a window measured")
-
-    def _log(self, rows: int, preferred: str, why: str) -> None:
-        batch = self.rates.get(rows)
-        d, r = (None, None) if batch is None else (batch.draft.rate, batch.rest.rate)
-        log.info("drafting worth at %d session(s), %s: drafting %s, resting %s tokens a second: "
-                 "%s (the next window in %d steps)", rows, why, _fmt(d), _fmt(r),
-                 "rest" if preferred == REST else "draft", self.interval)
+        log.info("drafting worth at %d session(s), a window measured: drafting %s, resting %s "
+                 "tokens a second: %s (the next window in %d steps)", rows,
+                 _fmt(batch.draft.rate), _fmt(batch.rest.rate), choice, self.interval)
 
     def _worth_checking(self, rows: int, preferred: str, plain_rate: float | None) -> bool:
         """Whether the regime not chosen may be better: not when drafting clearly pays, by
