@@ -1,7 +1,8 @@
 """What a drafter's chunk must be before the cache stores it: its session id well formed and
 assigned to the device that sends it, its shape (a chain, or a tree of ``edgespec.wire.trees``)
 and size within the window, its token ids in the target's vocabulary, and its epoch and start
-where the store's session stands. A chunk that is not is refused (``ChunkRefused``) with the
+where the store's session stands (the last two, and the session's device, checked by the push's
+own script: one round trip a chunk). A chunk that is not is refused (``ChunkRefused``) with the
 gRPC status code the drafter's ack carries.
 """
 
@@ -63,31 +64,34 @@ def chunk_draft(chunk: pb.DraftChunk, window: int) -> tuple[list[int], list[Bran
 def check_and_push(store: RedisSessionStore, device: str, chunk: pb.DraftChunk, vocab: int,
                    window: int, per_device: bool) -> pb.ChunkAck:
     """Store ``device``'s chunk (its draft for one of its sessions) once it is checked, or raise
-    ``ChunkRefused`` with the status code the drafter is answered with. ``per_device``: the
-    cache knows the device by its token (a session of another device's is PERMISSION_DENIED,
-    else FAILED_PRECONDITION)."""
+    ``ChunkRefused`` with the status code the drafter is answered with. What the chunk holds is
+    checked here, before any round trip; that the session exists and is the device's, with the
+    push, in one script. ``per_device``: the cache knows the device by its token (a session of
+    another device's is PERMISSION_DENIED, else FAILED_PRECONDITION)."""
     try:
         sid = check_session_id(chunk.session_id)
     except ConfigError as e:
         raise ChunkRefused(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
-    owner = store.session_device(sid)
-    if owner is None:
-        raise ChunkRefused(grpc.StatusCode.NOT_FOUND, f"unknown session {sid!r}")
     if not device:
+        if store.session_device(sid) is None:
+            raise ChunkRefused(grpc.StatusCode.NOT_FOUND, f"unknown session {sid!r}")
         raise ChunkRefused(grpc.StatusCode.INVALID_ARGUMENT,
                            f"a chunk needs its device (metadata {DEVICE_METADATA!r})")
-    if owner != device:
-        code = (grpc.StatusCode.PERMISSION_DENIED if per_device
-                else grpc.StatusCode.FAILED_PRECONDITION)
-        raise ChunkRefused(code, f"session {sid} is not assigned to {device!r}")
     tokens, branches = chunk_draft(chunk, window)
     try:
         check_draft_ids(chunk.tokens, vocab)  # the chain's and the branches' nodes
     except ValueError as e:
         raise ChunkRefused(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
     try:
-        res = store.push(sid, chunk.epoch, chunk.start, tokens, chunk.idle, window, branches)
+        res = store.push(sid, chunk.epoch, chunk.start, tokens, chunk.idle, window, branches,
+                         device=device)
     except StoreError as e:
+        if e.kind == "device":
+            code = (grpc.StatusCode.PERMISSION_DENIED if per_device
+                    else grpc.StatusCode.FAILED_PRECONDITION)
+            raise ChunkRefused(code, f"session {sid} is not assigned to {device!r}") from None
+        if e.kind == "unknown":
+            raise ChunkRefused(grpc.StatusCode.NOT_FOUND, f"unknown session {sid!r}") from None
         raise ChunkRefused(STORE_REFUSALS.get(e.kind, grpc.StatusCode.INTERNAL), str(e)) from None
     return pb.ChunkAck(session_id=sid, start=chunk.start, kept=res.kept,
                        committed_end=res.committed_end, code=grpc.StatusCode.OK.value[0])

@@ -316,15 +316,17 @@ class RedisSessionStore:
 
     # -- the drafters' side (the cache service) ------------------------------------------------
     def push(self, sid: str, epoch: int, start: int, tokens: list[int], idle: bool,
-             window: int, branches=()) -> PushResult:
-        """Append a chunk (``branches``: alternatives to its tokens, ``at`` relative to it)."""
+             window: int, branches=(), device: str = "") -> PushResult:
+        """Append a chunk (``branches``: alternatives to its tokens, ``at`` relative to it);
+        ``device`` given: only if the session is that device's (else ``StoreError`` of kind
+        "device"), checked in the same script."""
         brs: list[int | bytes] = []
         for b in chunk_branches(tokens, branches, len(tokens)):
             pos = start + b.at  # stored by absolute position: the draft's start moves
             brs += [pos, pack_tokens([pos, *b.tokens])]
         res = self._push(keys=[*self.keys.session(sid), self.keys.wake],
                          args=[epoch, start, pack_tokens(tokens), int(idle), window,
-                               MAX_BRANCHES, len(brs) // 2, *brs])
+                               MAX_BRANCHES, len(brs) // 2, device, *brs])
         if res[0] < 0:
             raise StoreError(res[0], res[1])
         return PushResult(int(res[0]), int(res[1]))

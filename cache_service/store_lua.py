@@ -2,8 +2,9 @@
 (``cache_service.store`` holds the key layout and calls them).
 
 PUSH (KEYS: hash, tok, draft, br, wake; ARGV: epoch, start, tokens, idle, window,
-max_branches, nb, then nb (pos, packed [pos, tokens...]) pairs) appends a
-chunk if its epoch and start are current, within the window; its branches (alternatives to the
+max_branches, nb, device, then nb (pos, packed [pos, tokens...]) pairs) appends a
+chunk if the session is the device's (a device given: the cache's owner check in the same round
+trip) and its epoch and start are current, within the window; its branches (alternatives to the
 kept tokens) are kept while the session holds fewer than max_branches.
 
 COMMIT (a function of COMMIT_MANY's script: the session's key base and id, then the verdict as
@@ -24,8 +25,9 @@ tests/test_store_contract.py holds the two stores to the same cases. The session
 ttl seconds after the commit that last crossed a multiple of 16 tokens (or finished it). """
 
 PUSH_LUA = """
-local h = redis.call('HMGET', KEYS[1], 'epoch', 'done', 'idle')
+local h = redis.call('HMGET', KEYS[1], 'epoch', 'done', 'idle', 'device')
 if not h[1] then return {-1, 'unknown session'} end
+if ARGV[8] ~= '' and h[4] ~= ARGV[8] then return {-6, 'not assigned to this device'} end
 if h[2] == '1' then return {-3, 'session is finished'} end
 if tonumber(h[1]) ~= tonumber(ARGV[1]) then
   return {-2, 'chunk from epoch ' .. ARGV[1] .. ', session is at epoch ' .. h[1]}
@@ -43,9 +45,9 @@ if keep > 0 then
   local have = redis.call('LLEN', KEYS[4])
   local added = 0
   for i = 1, nb do
-    local pos = tonumber(ARGV[7 + 2 * i - 1])
+    local pos = tonumber(ARGV[8 + 2 * i - 1])
     if have + added < tonumber(ARGV[6]) and pos < tonumber(ARGV[2]) + keep then
-      redis.call('RPUSH', KEYS[4], ARGV[7 + 2 * i])
+      redis.call('RPUSH', KEYS[4], ARGV[8 + 2 * i])
       added = added + 1
     end
   end

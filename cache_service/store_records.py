@@ -17,9 +17,11 @@ from .codec import pack_tokens
 
 
 class StoreError(Exception):
-    """A refused operation. ``kind``: unknown, stale, finished, position, branch."""
+    """A refused operation. ``kind``: unknown, stale, finished, position, branch, device (a
+    chunk for a session another device drafts for)."""
 
-    KINDS = {-1: "unknown", -2: "stale", -3: "finished", -4: "position", -5: "branch"}
+    KINDS = {-1: "unknown", -2: "stale", -3: "finished", -4: "position", -5: "branch",
+             -6: "device"}
 
     def __init__(self, code: int, message: str | bytes):
         super().__init__(message.decode() if isinstance(message, bytes) else message)

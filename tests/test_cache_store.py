@@ -211,8 +211,20 @@ def test_stale_and_misplaced_chunks_are_refused_and_change_nothing(store):
     with pytest.raises(StoreError) as e:
         store.push("nope", 0, 0, [6], idle=False, window=8)
     assert e.value.kind == "unknown"
+    with pytest.raises(StoreError) as e:  # another device's session: refused in the script
+        store.push("s3", 1, 3, [6], idle=False, window=8, device="not-" + dev)
+    assert e.value.kind == "device"
+    with pytest.raises(StoreError) as e:  # its device, once, first: an unknown session
+        store.push("nope", 0, 0, [6], idle=False, window=8, device=dev)
+    assert e.value.kind == "unknown"
     [taken] = store.take_when_ready([DraftWant("s3", 8)], 0.0)
     assert taken.tokens == [] and store.snapshot("s3").tokens == [1, 2, 5]
+    # the session's own device pushes, with its branches placed as without a device
+    res = store.push("s3", 1, 3, [6, 7], idle=False, window=8, device=dev,
+                     branches=[Branch(at=1, tokens=(8,))])
+    assert (res.kept, res.committed_end) == (2, 3)
+    [taken] = store.take_when_ready([DraftWant("s3", 8, 1)], 0.0)
+    assert taken.tokens == [6, 7] and taken.branches == [Branch(1, (8,))]
 
 
 def test_window_bounds_the_draft_and_params_round_trip(store):

@@ -69,6 +69,20 @@ def test_drafting_faster_than_resting_keeps_drafting():
     assert w.windows == len(starts)
 
 
+def test_no_window_where_the_chosen_regime_has_no_steps_measured():
+    """Batch sizes that keep changing: a window comes only at one whose chosen regime has
+    counted steps (a window elsewhere would learn nothing and cost its steps)."""
+    w = DraftingWorth()
+    for i in range(200):  # a new batch size every step: never measured twice anywhere
+        assert w.choose(1 + i, None) == DRAFT
+        w.observe(1 + i, 5, 1.0)
+    assert w.windows == 0 and w.rested == 0
+    got = drive(w, 12, {DRAFT: 10.0, REST: 12.0}, rows=300)  # long due, at a batch size new
+    first = got.index(REST)  # once its drafting is measured (MIN_WEIGHT), the window comes
+    assert first == 3 and w.windows == 1
+    assert got[first:] == [REST] * (len(got) - first)
+
+
 def test_drafting_that_clearly_pays_is_never_rested_to_check():
     w = DraftingWorth()
     # the forward fit's plain rate 10 tokens a second; drafting measures 13 (>= 1.25x)

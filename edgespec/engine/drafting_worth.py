@@ -171,11 +171,15 @@ class DraftingWorth:
                  _fmt(batch.draft.rate), _fmt(batch.rest.rate), choice, self.interval)
 
     def _worth_checking(self, rows: int, preferred: str, plain_rate: float | None) -> bool:
-        """Whether the regime not chosen may be better: not when drafting clearly pays, by
-        ``CLEAR_WIN`` over resting as measured at this batch size, or before that over the
-        forward fit's ``plain_rate``."""
+        """Whether the regime not chosen may be better: not before the chosen one has steps
+        measured at this batch size (a window would have nothing to be compared with, and its
+        steps of the other regime would be spent for nothing: it waits until the chosen regime
+        is measured here); not when drafting clearly pays, by ``CLEAR_WIN`` over resting as
+        measured at this batch size, or before that over the forward fit's ``plain_rate``."""
         batch = self.rates.get(rows)
-        if preferred == REST or batch is None or batch.draft.rate is None:
+        if batch is None or batch.of(preferred).rate is None:
+            return False
+        if preferred == REST:
             return True
         against = batch.rest.rate if batch.rest.rate is not None else plain_rate
         return against is None or batch.draft.rate < CLEAR_WIN * against
