@@ -116,3 +116,43 @@ def test_unpacked_runner_agrees_with_packed_and_is_refused_as_a_target(tiny, run
     a, b = runner.new_slot(), plain.new_slot()
     ids = [[7, 8, 9, 10, 11]]
     assert torch.allclose(runner.forward([a], ids), plain.forward([b], ids), atol=1e-4)
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_a_ragged_steps_products_run_on_its_tokens_alone_with_the_padded_bits(tiny, runner,
+                                                                           monkeypatch, tree):
+    """Rows of unequal drafts are packed: the layers' products see only the rows' own tokens
+    (not B x T), and every token's logits and features are the bits of the padded forward."""
+    from edgespec.runner.step_rows import DraftShape, StepRows
+
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 90, (n,), generator=g).tolist() for n in (7, 12, 4)]
+    slots = [runner.new_slot() for _ in prompts]
+    for s, p in zip(slots, prompts):
+        runner.prefill(s, p)
+    drafts = [([11, 12, 13], [-1, 0, 1]), ([], []), ([21, 22, 23, 24, 25, 26],
+                                                       [-1, 0, 1, 2, 3, 4])]
+    if tree:  # a branch beside the first row's chain, and one under the third's
+        drafts = [([11, 12, 13, 14], [-1, 0, 1, 0]), ([], []),
+                  ([21, 22, 23, 24, 25], [-1, 0, 1, 2, 1])]
+    shape = DraftShape.of(drafts)
+    rows = StepRows.build(slots, [runner.cache.lengths[s] for s in slots], [5, 6, 7], shape,
+                          runner.device, tree=tree or None)
+    seen = []
+    qkv = runner.layers[0].qkv
+    monkeypatch.setattr(runner.layers[0], "qkv", lambda x: seen.append(x.shape[0]) or qkv(x))
+    packed = runner.score_rows(rows)
+    monkeypatch.setattr(runner.layers[0], "qkv", qkv)
+    widths = [1 + len(t) for t, _ in drafts]
+    assert seen == [sum(widths)] and sum(widths) < len(slots) * rows.width
+    with torch.inference_mode():  # as the runner's own calls run
+        if tree:
+            x, _ = runner.eager.trees(rows)
+        else:
+            x, _ = runner.eager.chains(rows.slots, rows.tokens, rows.start_index,
+                                       max(rows.starts), slot_index=rows.slot_index)
+        padded = runner._scored(x)
+    for b, w in enumerate(widths):
+        assert torch.equal(packed.logits[b, :w], padded.logits[b, :w])
+        assert torch.equal(packed.features[b, :w], padded.features[b, :w])
+        assert not packed.logits[b, w:].any()  # padding: zeros, never read

@@ -6,7 +6,11 @@ through ``EagerLayers.run``: the keys and values written into the slots, then
 ``invariant_attention`` over the slots' cached keys under a visibility mask [B, T, keys], whose
 key count is a whole number of key blocks, so that a row's bits do not depend on its batch.
 Rows that read far fewer key blocks than others attend in groups of their own
-(``attention.row_groups``), with the bits of one call.
+(``attention.row_groups``), with the bits of one call. Rows of different lengths are packed
+(``packed_tokens``): the products, norms and MLP run on the rows' own tokens alone, so that a
+padding token costs no product (on a CPU a token of a product costs about as much as a step's
+attention for it: rows of unequal drafts paid for every row as wide as the widest); the kernels
+are row-invariant (the start check), so a token's bits are those of the padded call.
 """
 
 from __future__ import annotations
@@ -37,18 +41,20 @@ class EagerLayers:
     def chains(self, slots: list[int], tokens: torch.Tensor, start_t: torch.Tensor,
                longest: int, slot_index: torch.Tensor | None = None,
                taps: tuple[int, ...] = (), embeds: torch.Tensor | None = None,
-               upto: int | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+               upto: int | None = None, real: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Chains tokens [B, T] at ``slots`` from positions ``start_t`` [B] (``longest``: the
         largest start), each token seeing its slot's prefix and its row's earlier tokens: the
-        residual stream [B, T, H] and the states after each of ``taps`` layers (``run``)."""
+        residual stream [B, T, H] and the states after each of ``taps`` layers (``run``;
+        ``real``: the rows' tokens, ``packed_tokens``)."""
         T = tokens.shape[1]
         pos = start_t[:, None] + torch.arange(T, device=start_t.device)[None, :]  # [B, T]
         n_pos = padded_keys(longest + T, self.r.cache.capacity)
         return self.run(slots, tokens, pos, pos, _causal(pos, n_pos), n_pos,
-                        slot_index=slot_index, taps=taps, embeds=embeds, upto=upto)
+                        slot_index=slot_index, taps=taps, embeds=embeds, upto=upto, real=real)
 
-    def trees(self, rows: StepRows, taps: tuple[int, ...] = ()
-              ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def trees(self, rows: StepRows, taps: tuple[int, ...] = (),
+              real: torch.Tensor | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """A step's rows holding token trees (``rows.tree``): row b's node i stored at its
         slot's length + i, positioned by depth, seeing the slot's prefix and its ancestors
         (``rows.ancestors``); branch nodes read their ancestors' keys in decoding order
@@ -69,14 +75,14 @@ class EagerLayers:
             visible[tail.rows, tail.queries] = \
                 keys[None, :] < (tail.block0 * KEY_BLOCK)[:, None]
         return self.run(rows.slots, rows.tokens, store, rope, visible, n_pos, tail,
-                        slot_index=rows.slot_index, taps=taps)
+                        slot_index=rows.slot_index, taps=taps, real=real)
 
     def run(self, slots: list[int], tokens: torch.Tensor, store: torch.Tensor,
             rope: torch.Tensor, visible: torch.Tensor, n_pos: int,
             tail: TailKeys | None = None, slot_index: torch.Tensor | None = None,
             contiguous: bool = True, taps: tuple[int, ...] = (),
-            embeds: torch.Tensor | None = None,
-            upto: int | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+            embeds: torch.Tensor | None = None, upto: int | None = None,
+            real: torch.Tensor | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """The decoder layers over tokens [B, T]: keys/values written at KV positions
         ``store`` [B, T], rotary positions ``rope`` [B, T], ``visible`` [B, T, n_pos] (which of
         the slots' first n_pos positions each token attends to; n_pos a whole number of key
@@ -85,8 +91,12 @@ class EagerLayers:
         ``taps``: layer counts after which the hidden state [B, T, H] is returned too;
         ``embeds`` [B, T, H]: the tokens' input embeddings, given (a vision-language prompt's,
         image features at its image tokens) instead of looked up; ``upto``: run only the first
-        ``upto`` layers. Returns the last hidden states [B, T, H] (after ``upto`` layers when
-        given) and the state after each of ``taps`` layers, in their order."""
+        ``upto`` layers; ``real`` [N]: the flat indices (b * T + t) of the rows' own tokens
+        (``packed_tokens``): the layers' products, norms and MLP then run on those N tokens
+        alone, and only the attention on the padded [B, T] (a padding token costs a product
+        nothing; its keys and values, written past its row's end, are zeros). Returns the last
+        hidden states [B, T, H] (after ``upto`` layers when given; zeros at padding when
+        packed) and the state after each of ``taps`` layers, in their order."""
         r = self.r
         B, T = tokens.shape
         cos, sin = r.cos[rope][:, None], r.sin[rope][:, None]  # [B, 1, T, hd]
@@ -96,7 +106,11 @@ class EagerLayers:
         nh, kvh, hd = r.n_heads, r.kv_heads, r.head_dim
         grp = nh // kvh
 
-        x = F.embedding(tokens, r.embed) if embeds is None else embeds  # [B, T, H]
+        if real is None:
+            x = F.embedding(tokens, r.embed) if embeds is None else embeds  # [B, T, H]
+        else:  # [N, H]: the rows' own tokens
+            x = F.embedding(tokens.reshape(-1).index_select(0, real), r.embed) \
+                if embeds is None else embeds.reshape(B * T, -1).index_select(0, real)
         kept: dict[int, torch.Tensor] = {}
         # rows reading far fewer key blocks than others attend apart (the CPU; not a tree's
         # tail), else a long call's query ends (its query pieces'): found once for every layer
@@ -105,6 +119,8 @@ class EagerLayers:
         for li, layer in enumerate(r.layers[:upto]):
             h = r._rms(x, layer.ln1)
             qkv = layer.qkv(h)
+            if real is not None:
+                qkv = unpacked(qkv, real, B, T)
             q, k, v = qkv.split([nh * hd, kvh * hd, kvh * hd], dim=-1)
             q = _rotate(q.view(B, T, nh, hd).transpose(1, 2), cos, sin)  # [B, nh, T, hd]
             k = _rotate(k.view(B, T, kvh, hd).transpose(1, 2), cos, sin)
@@ -116,11 +132,15 @@ class EagerLayers:
                 keys, values = r.cache.read(li, slot_t, run_from, n_pos)
                 att = invariant_attention(q, keys, values, visible, r.col_tile, tail,
                                           r.attention_products, ends)  # [B, T, nh * hd]
+            if real is not None:
+                att = att.reshape(B * T, -1).index_select(0, real)  # [N, nh * hd]
             x = x + layer.o(att)
             gate, up = layer.gate_up(r._rms(x, layer.ln2)).chunk(2, dim=-1)
             x = x + layer.down(pointwise(F.silu, gate) * up)
             if li + 1 in taps:
                 kept[li + 1] = x
+        if real is not None:
+            return unpacked(x, real, B, T), [unpacked(kept[n], real, B, T) for n in taps]
         return x, [kept[n] for n in taps]
 
     def grouped_attention(self, layer: int, q: torch.Tensor, slot_t: torch.Tensor,
@@ -137,6 +157,23 @@ class EagerLayers:
                 q.index_select(0, group.rows), keys, values, group.visible, r.col_tile,
                 None, r.attention_products, group.ends))
         return out
+
+
+def packed_tokens(widths: torch.Tensor, T: int) -> torch.Tensor | None:
+    """The flat indices (b * T + t, ascending) of the tokens of rows ``widths`` [B] tokens long
+    laid out [B, T] (each row's tokens first, then padding): [N] long; None when no row is
+    padded (nothing to pack)."""
+    if bool((widths >= T).all()):
+        return None
+    own = torch.arange(T, device=widths.device)[None, :] < widths[:, None]  # [B, T]
+    return own.reshape(-1).nonzero().squeeze(1)
+
+
+def unpacked(x: torch.Tensor, real: torch.Tensor, B: int, T: int) -> torch.Tensor:
+    """Packed rows x [N, C] (at ``real``'s flat indices) laid out [B, T, C], zeros between."""
+    out = x.new_zeros(B * T, x.shape[-1])
+    out.index_copy_(0, real, x)
+    return out.view(B, T, -1)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -27,7 +27,7 @@ from ..config import MAX_TREE_NODES, ConfigError
 from .attention import KEY_BLOCK
 from .check_cache import CheckKey, code_digest, host_device, model_fingerprint, run_checked
 from .dtype_probe import linear_options
-from .eager_forward import EagerLayers
+from .eager_forward import EagerLayers, packed_tokens, unpacked
 from .kernel_set import HeadLayout, KernelSet, choose_kernel_set
 from .kv_cache import KVCache, check_cache_fits
 from .linear import Linear, RowCalls
@@ -269,9 +269,17 @@ class TargetRunner(SlotPrompts):
                              "layers")
         return after
 
-    def _scored(self, x: torch.Tensor, tapped: torch.Tensor | None = None) -> Scored:
-        feats = self._rms(x, self.norm)
-        return Scored(self.lm_head(feats).float(), feats, tapped)
+    def _scored(self, x: torch.Tensor, tapped: torch.Tensor | None = None,
+                real: torch.Tensor | None = None) -> Scored:
+        """Logits and features of the hidden states x [B, T, H]; ``real``: only the rows' own
+        tokens (``eager_forward.packed_tokens``) through the LM head, zeros at padding."""
+        if real is None:
+            feats = self._rms(x, self.norm)
+            return Scored(self.lm_head(feats).float(), feats, tapped)
+        B, T, _ = x.shape
+        feats = self._rms(x.reshape(B * T, -1).index_select(0, real), self.norm)  # [N, H]
+        return Scored(unpacked(self.lm_head(feats).float(), real, B, T),
+                      unpacked(feats, real, B, T), tapped)
 
     def _hidden(self, slots: list[int], rows: list[list[int]], taps: tuple[int, ...] = (),
                 embeds: torch.Tensor | None = None
@@ -280,7 +288,11 @@ class TargetRunner(SlotPrompts):
         after each of ``taps`` layers (``embeds``: see ``EagerLayers.run``; only for rows of one
         length)."""
         tokens, start_t, longest = self._chain_rows(slots, rows)
-        return self._chains(slots, tokens, start_t, longest, taps=taps, embeds=embeds)
+        real = None
+        if self.fused is None and embeds is None:
+            widths = torch.as_tensor([len(r) for r in rows], device=self.device)
+            real = packed_tokens(widths, tokens.shape[1])
+        return self._chains(slots, tokens, start_t, longest, taps=taps, embeds=embeds, real=real)
 
     def _chain_rows(self, slots: list[int], rows: list[list[int]]
                     ) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -297,19 +309,20 @@ class TargetRunner(SlotPrompts):
 
     def _chains(self, slots: list[int], tokens: torch.Tensor, start_t: torch.Tensor,
                 longest: int, slot_index: torch.Tensor | None = None, taps: tuple[int, ...] = (),
-                embeds: torch.Tensor | None = None, upto: int | None = None
-                ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+                embeds: torch.Tensor | None = None, upto: int | None = None,
+                real: torch.Tensor | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Rows of chains through the layers, on either kernels: tokens [B, T] at ``slots``
         from positions ``start_t`` [B] (``longest``: the largest start). Returns the residual
         stream [B, T, H] after the layers run (``upto``) and the states after each of
-        ``taps`` layers, in their order: the one set-up of a chain's positions and mask."""
+        ``taps`` layers, in their order: the one set-up of a chain's positions and mask.
+        ``real``: the rows' own tokens, packed (the eager layers only)."""
         B, T = tokens.shape
         if self.fused is not None:
             step = self.fused.chain_step(slots, start_t, T, slot_index, longest + T)
             x, kept, _ = self.fused.hidden(tokens, step, embeds, taps=taps, upto=upto)
             return x.view(B, T, -1), [k.view(B, T, -1) for k in kept]
         return self.eager.chains(slots, tokens, start_t, longest, slot_index=slot_index,
-                                 taps=taps, embeds=embeds, upto=upto)
+                                 taps=taps, embeds=embeds, upto=upto, real=real)
 
     @torch.inference_mode()
     def forward_tree(self, slots: list[int], roots: list[int], trees: Sequence[TreeShape]
@@ -363,12 +376,13 @@ class TargetRunner(SlotPrompts):
             step = FusedStep.of_tree_rows(rows) if rows.tree else self.fused.chain_step(
                 rows.slots, start_t, T, rows.slot_index, max(rows.starts) + T)
             return self.fused.scored(rows.tokens, step, taps[0] if taps else None)
+        real = packed_tokens(rows.counts + 1, T)  # a row's root and nodes, not its padding
         if not rows.tree:
             x, kept = self._chains(rows.slots, rows.tokens, start_t, max(rows.starts),
-                                   slot_index=rows.slot_index, taps=taps)
-            return self._scored(x, kept[0] if kept else None)
-        x, kept = self.eager.trees(rows, taps)
-        return self._scored(x, kept[0] if kept else None)
+                                   slot_index=rows.slot_index, taps=taps, real=real)
+            return self._scored(x, kept[0] if kept else None, real)
+        x, kept = self.eager.trees(rows, taps, real)
+        return self._scored(x, kept[0] if kept else None, real)
 
     def compact(self, slot: int, path: list[int]) -> None:
         """Keep a verified tree's accepted path: move the keys/values of nodes ``path`` (node
