@@ -352,3 +352,52 @@ def test_the_batch_budget_shortens_the_longest_drafts_first():
         while sum(slow) > budget:
             slow[slow.index(max(slow))] -= 1
         assert cap_to_budget(np.array(ks), budget).tolist() == slow, (ks, budget)
+
+
+def packed_rate(model, gains, holds, ks):
+    """The step's expected tokens a second for a packing runner: the forward as wide as the
+    tokens the drafts hold."""
+    gain = len(ks) + sum(sum(g[:k]) for g, k in zip(gains, ks))
+    tokens = len(ks) + sum(sum(h[:k]) for h, k in zip(holds, ks))
+    return gain / model.seconds(len(ks), tokens / len(ks))
+
+
+def test_a_packing_runner_drafts_each_session_its_own_length():
+    """Packed rows: a token is paid only where a row holds it, so one strong session drafts long
+    among weak ones that draft nothing (padded, the weak ones stop it, or draft as wide)."""
+    cost = fitted(0.040, 0.002, packed=True)
+    ks = allocate([geometric(0.05, 8), geometric(0.95, 8)], cost)
+    assert ks[0] == 0 and ks[1] >= 6
+    assert allocate([geometric(0.05, 8)] * 15 + [geometric(0.95, 8)], cost) == [0] * 15 + [ks[1]]
+    padded = fitted(0.040, 0.002)
+    assert allocate([geometric(0.05, 8)] * 15 + [geometric(0.95, 8)], padded) == [0] * 16
+    # nothing where nothing pays (a draft token 10% of a step)
+    assert allocate([geometric(0.05, 8)] * 3, fitted(0.040, 0.004, packed=True)) == [0] * 3
+    assert allocate([geometric(0.05, 8)] * 3, fitted(0.040, 0.0002, packed=True))[0] > 0
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_the_packed_lengths_are_the_best_of_all_lengths(seed):
+    """Against every combination of lengths (within each session's cap), with drafts that hold
+    fewer tokens than asked now and then: no combination's expected rate is higher."""
+    import itertools
+    import random
+
+    rnd = random.Random(seed)
+    cost = fitted(rnd.uniform(0.02, 0.08), rnd.uniform(0.0005, 0.01), rnd.uniform(0, 0.01),
+                  packed=True)
+    model = cost.model()
+    B = rnd.randint(1, 4)
+    gains, holds = [], []
+    for _ in range(B):
+        cap = rnd.randint(0, 5)
+        a, h = rnd.uniform(0.05, 0.98), rnd.uniform(0.3, 1.0)
+        holds.append([h ** (m // 2) for m in range(cap)])
+        gains.append([a ** (m + 1) * holds[-1][m] for m in range(cap)])
+    ks = allocate(gains, cost, holds)
+    assert all(0 <= k <= len(g) for k, g in zip(ks, gains))
+    best = max(packed_rate(model, gains, holds, combo)
+               for combo in itertools.product(*[range(len(g) + 1) for g in gains]))
+    assert packed_rate(model, gains, holds, ks) >= best * (1 - 1e-12)
+    assert expected_rate(gains, ks, cost) == pytest.approx(
+        packed_rate(model, gains, [[1.0] * len(g) for g in gains], ks))

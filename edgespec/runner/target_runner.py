@@ -188,6 +188,13 @@ class TargetRunner(SlotPrompts):
         if self.graphs is not None:
             self.graphs.capture_all()
 
+    @property
+    def packs_rows(self) -> bool:
+        """Whether a step's rows of unequal drafts run packed (their own tokens alone through
+        the products: the eager layers), so that a draft token costs the forward only where a
+        row holds it; a fused (CUDA) step runs its rows padded to the widest."""
+        return self.fused is None
+
     def run_state(self) -> dict:
         """How this runner runs its steps, for benchmark JSON: device, kernels, the kernel set
         (with its fingerprint), the linear products, the start check's seconds and the CUDA
