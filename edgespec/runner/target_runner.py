@@ -151,6 +151,7 @@ class TargetRunner(SlotPrompts):
                              self.head_dim, dtype=self.dtype, device=self.device,
                              capacity=capacity, value_ones=not fused)
         self.eager = EagerLayers(self)  # the CPU's layers (and a GPU runner's, asked so)
+        self.pack_rows = True  # False: a step's rows padded to the widest (``packs_rows``)
         self.fused = None
         if fused:
             from .fused_forward import FusedLayers  # imports Triton
@@ -191,9 +192,10 @@ class TargetRunner(SlotPrompts):
     @property
     def packs_rows(self) -> bool:
         """Whether a step's rows of unequal drafts run packed (their own tokens alone through
-        the products: the eager layers), so that a draft token costs the forward only where a
-        row holds it; a fused (CUDA) step runs its rows padded to the widest."""
-        return self.fused is None
+        the products: the eager layers, unless ``pack_rows`` was set False to compare), so
+        that a draft token costs the forward only where a row holds it; a fused (CUDA) step
+        runs its rows padded to the widest."""
+        return self.pack_rows and self.fused is None
 
     def run_state(self) -> dict:
         """How this runner runs its steps, for benchmark JSON: device, kernels, the kernel set
@@ -296,7 +298,7 @@ class TargetRunner(SlotPrompts):
         length)."""
         tokens, start_t, longest = self._chain_rows(slots, rows)
         real = None
-        if self.fused is None and embeds is None:
+        if self.packs_rows and embeds is None:
             widths = torch.as_tensor([len(r) for r in rows], device=self.device)
             real = packed_tokens(widths, tokens.shape[1])
         return self._chains(slots, tokens, start_t, longest, taps=taps, embeds=embeds, real=real)
@@ -383,7 +385,8 @@ class TargetRunner(SlotPrompts):
             step = FusedStep.of_tree_rows(rows) if rows.tree else self.fused.chain_step(
                 rows.slots, start_t, T, rows.slot_index, max(rows.starts) + T)
             return self.fused.scored(rows.tokens, step, taps[0] if taps else None)
-        real = packed_tokens(rows.counts + 1, T)  # a row's root and nodes, not its padding
+        # a row's root and nodes, not its padding
+        real = packed_tokens(rows.counts + 1, T) if self.pack_rows else None
         if not rows.tree:
             x, kept = self._chains(rows.slots, rows.tokens, start_t, max(rows.starts),
                                    slot_index=rows.slot_index, taps=taps, real=real)
