@@ -83,8 +83,6 @@ def allocate(gains: BatchGains | Sequence[Sequence[float]], cost: ForwardCost,
     model = cost.model()
     if model is None:
         return batch.caps.tolist()
-    if cost.packed:
-        return _allocate_packed(batch, model)
     rows = len(batch.caps)
     # ndarray methods, not NumPy's functions: a step plans once, and the functions' wrappers
     # cost as much as the sums on these few numbers
@@ -94,35 +92,6 @@ def allocate(gains: BatchGains | Sequence[Sequence[float]], cost: ForwardCost,
     rates = np.concatenate([[rows / model.seconds(rows, 1)], gain / model.seconds(rows, width)])
     best = int(rates.argmax())  # the first best: ties go to the narrower forward
     return np.minimum(batch.caps, best).tolist()
-
-
-def _allocate_packed(batch: BatchGains, model: CostModel) -> list[int]:
-    """``allocate`` for a runner that packs its rows: a session's m-th draft token costs the
-    forward ``per_token`` only where its draft holds it (holds[i][m]), whatever the other rows,
-    so each session gets its own length. The step's rate (B + gains) / (the one-token step +
-    per_token * tokens) is maximised by Dinkelbach's iteration: at the rate r of the lengths so
-    far, each session takes the length that maximises its gains - r * per_token * tokens (its
-    own, independently), and r is taken again, until the lengths stay (a few rounds: the rate
-    rises each round)."""
-    rows, K = batch.gains.shape
-    if K == 0 or model.per_token <= 0:
-        return batch.caps.tolist()
-    gain = np.zeros((rows, K + 1))
-    gain[:, 1:] = batch.gains.cumsum(1)  # [B, 1 + K]: a session's drafts 0..K worth
-    held = np.zeros((rows, K + 1))
-    held[:, 1:] = batch.holds.cumsum(1)  # [B, 1 + K]: the tokens they add to the forward
-    base = model.seconds(rows, 1)
-    pick = np.arange(rows)
-    ks = np.zeros(rows, dtype=np.int64)
-    rate = rows / base
-    for _ in range(16):
-        # the first best: ties go to the shorter draft (past a cap, gains and holds are flat)
-        new = (gain - rate * model.per_token * held).argmax(1)
-        if (new == ks).all():
-            break
-        ks = new
-        rate = (rows + gain[pick, ks].sum()) / (base + model.per_token * held[pick, ks].sum())
-    return np.minimum(batch.caps, ks).tolist()
 
 
 PROBE_SHARE = 0.02  # of the steps' time, what probing a batch without drafts may cost
@@ -147,18 +116,12 @@ def expected_rate(gains: BatchGains | Sequence[Sequence[float]], ks: Sequence[in
     model = cost.model()
     if model is None:
         return None
-    cut = _batch(gains).cut(ks)
-    return _rate_of(cut.gains.sum(1), ks, model, cut.holds if cost.packed else None)
+    return _rate_of(_batch(gains).cut(ks).gains.sum(1), ks, model)
 
 
-def _rate_of(own: np.ndarray, ks: Sequence[int], model: CostModel,
-             holds: np.ndarray | None = None) -> float:
-    """The step's expected tokens per second, each session's draft worth own[b] tokens; the
-    forward as wide as the longest draft, or (``holds``: a packing runner's) as the tokens
-    the drafts are expected to hold."""
-    rows = len(ks)
-    width = 1 + max(ks, default=0) if holds is None else 1 + float(holds.sum()) / max(1, rows)
-    return (rows + float(own.sum())) / model.seconds(rows, width)
+def _rate_of(own: np.ndarray, ks: Sequence[int], model: CostModel) -> float:
+    """The step's expected tokens per second, each session's draft worth own[b] tokens."""
+    return (len(ks) + float(own.sum())) / model.seconds(len(ks), 1 + max(ks, default=0))
 
 
 def wait_worth(gains: BatchGains | Sequence[Sequence[float]], ks: Sequence[int],
@@ -171,9 +134,8 @@ def wait_worth(gains: BatchGains | Sequence[Sequence[float]], ks: Sequence[int],
     model = cost.model()
     if model is None:
         return np.where(k > 0, wait_s, 0.0).tolist()
-    cut = _batch(gains).cut(ks)
-    own = cut.gains.sum(1)  # [B]: each session's expected tokens
-    rate = _rate_of(own, ks, model, cut.holds if cost.packed else None)
+    own = _batch(gains).cut(ks).gains.sum(1)  # [B]: each session's expected tokens
+    rate = _rate_of(own, ks, model)
     return np.where(k > 0, np.minimum(wait_s, own / rate), 0.0).tolist()
 
 
@@ -190,13 +152,9 @@ def allocate_branches(betas: Sequence[float] | np.ndarray, caps: Sequence[int],
     k, cap, beta = (np.asarray(ks, dtype=np.int64), np.asarray(caps, dtype=np.int64),
                     np.asarray(betas, dtype=float))
     rows, base = len(k), int(k.max(initial=0))
-    cut = _batch(gains).cut(ks)
-    chains = rows + float(cut.gains.sum())
+    chains = rows + float(_batch(gains).cut(ks).gains.sum())
     widths = np.arange(base, int((k + cap).max(initial=0)) + 1)  # [W]: draft nodes a row
     filled = np.where(beta[None] > 0, np.minimum(cap[None], widths[:, None] - k[None]), 0)
     gain = chains + (filled * beta[None]).sum(1)  # [W]
-    if cost.packed:  # the forward as wide as its tokens: the chains' held ones and the branches
-        rates = gain / model.seconds(rows, 1 + (float(cut.holds.sum()) + filled.sum(1)) / rows)
-    else:
-        rates = gain / model.seconds(rows, 1 + widths)
+    rates = gain / model.seconds(rows, 1 + widths)
     return filled[int(np.argmax(rates))].tolist()

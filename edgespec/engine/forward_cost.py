@@ -1,8 +1,6 @@
 """What a verification forward costs, fitted on the steps the engine ran.
 
-A forward runs B rows padded to the widest, W tokens a row; a runner that packs its rows
-(``packed``: the CPU's eager layers) runs their own tokens alone, and W is then their mean
-width (B * W the step's tokens). Its seconds are modelled two ways:
+A forward runs B rows padded to the widest, W tokens a row. Its seconds are modelled two ways:
 
 - ``ForwardCost.fit``: ``fixed + per_token * B * W``, one slope over the token-rows (what the
   pace's batch scaling and ``--auto``'s stack choice read);
@@ -53,11 +51,8 @@ class ForwardCost:
     ``row_share``, ``token_share``: the two-slope model's priors."""
 
     def __init__(self, prior_share: float = 0.05, decay: float = 0.98, prior_weight: float = 4.0,
-                 row_share: float = 0.1, token_share: float = 0.02, packed: bool = False):
+                 row_share: float = 0.1, token_share: float = 0.02):
         self.prior_share, self.decay, self.prior_weight = prior_share, decay, prior_weight
-        # the runner packs a step's rows (``TargetRunner.packs_rows``): a forward costs its
-        # rows' own tokens, not rows x the widest; ``observe`` is then given the mean width
-        self.packed = packed
         self.row_share, self.token_share = row_share, token_share
         # decayed sums of x x^T and x * seconds, x = (1, rows, rows * width): both fits' data,
         # in Python floats (a handful of numbers a step: NumPy's calls cost more than the sums)

@@ -134,9 +134,7 @@ class SpecEngine(StepDrafts):
         self.prefilling = PrefillQueue(target, min(PREFILL_CHUNK, self.cfg.prefill_budget))
         self.on_prefill: Callable[[int, float], None] | None = None  # (tokens, seconds)
         self.prefill_s = 0.0  # the last step's prefill: not verification time (the pace's)
-        # the measured cost of the verification forward (of its rows' own tokens where the
-        # runner packs them)
-        self.cost = ForwardCost(packed=bool(getattr(target, "packs_rows", False)))
+        self.cost = ForwardCost()  # the measured cost of the verification forward
         self.prober = Prober()  # a step planned without drafts verifies some now and then
         # every session's draft-length state, row r the session in KV slot r (draft_rates)
         self.rates = DraftRates(len(target.cache.lengths), self.cfg.max_draft,
@@ -219,8 +217,7 @@ class SpecEngine(StepDrafts):
         judged = self._verify(drafts)
         t2 = time.perf_counter() - self._decide_s  # the forward and verification alone
         width = sum(d.width for d in drafts)
-        self.cost.observe(len(drafts), width / len(drafts) if self.cost.packed else
-                          max(d.width for d in drafts), t2 - t1)  # packed, or rows padded
+        self.cost.observe(len(drafts), max(d.width for d in drafts), t2 - t1)  # rows padded
         decided = [d for d in judged if d is not None]  # None: its forward failed, alone
         if self.cfg.auto:  # each source's proposal, judged
             for d in decided:

@@ -70,14 +70,9 @@ def plan_drafts(acts: Sequence[ActiveSession], cfg: EngineConfig, cost: ForwardC
             prober.every = max(probe_every(cost, len(acts), PROBE_TOKENS),
                                prober.since + 1 + notice)
         width = prober.planned(int(planned.max(initial=0)), PROBE_TOKENS)
-        # a padded forward is as wide as its widest draft, so every row drafts to the width (it
-        # costs nothing more); a packed one pays each row's tokens: each its own length, and a
-        # probe's width only where nothing was planned
-        wanted = planned if cost.packed and planned.max(initial=0) > 0 else \
-            np.maximum(planned, width)
         # no more than the session's drafter drafts ahead after the last ask (``lead_cap``):
         # a wider ask grows as the drafter's lead does, a step at a time
-        ks = np.minimum(np.minimum(ks, wanted), lead_caps(acts, cfg.window))
+        ks = np.minimum(np.minimum(ks, np.maximum(planned, width)), lead_caps(acts, cfg.window))
     return cap_to_budget(ks, max(0, cfg.max_batch_tokens - len(ks))).tolist()
 
 
