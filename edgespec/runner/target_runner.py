@@ -192,9 +192,8 @@ class TargetRunner(SlotPrompts):
     @property
     def packs_rows(self) -> bool:
         """Whether a step's rows of unequal drafts run packed (their own tokens alone through
-        the products: the eager layers, unless ``pack_rows`` was set False to compare), so
-        that a draft token costs the forward only where a row holds it; a fused (CUDA) step
-        runs its rows padded to the widest."""
+        the products: the eager layers, unless ``pack_rows`` was set False to compare); a
+        fused (CUDA) step runs its rows padded to the widest."""
         return self.pack_rows and self.fused is None
 
     def run_state(self) -> dict:
