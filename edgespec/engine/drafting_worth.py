@@ -177,12 +177,13 @@ class DraftingWorth:
         is measured here); not when drafting clearly pays, by ``CLEAR_WIN`` over resting as
         measured at this batch size, or before that over the forward fit's ``plain_rate``."""
         batch = self.rates.get(rows)
-        if batch is None or batch.of(preferred).rate is None:
+        chosen = None if batch is None else batch.of(preferred).rate
+        if batch is None or chosen is None:
             return False
         if preferred == REST:
             return True
         against = batch.rest.rate if batch.rest.rate is not None else plain_rate
-        return against is None or batch.draft.rate < CLEAR_WIN * against
+        return against is None or chosen < CLEAR_WIN * against
 
     def observe(self, rows: int, tokens: int, seconds: float) -> None:
         """The step last chosen verified ``rows`` sessions and committed ``tokens`` in
