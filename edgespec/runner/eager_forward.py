@@ -19,6 +19,7 @@ import weakref
 from dataclasses import replace
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -159,14 +160,16 @@ class EagerLayers:
         return out
 
 
-def packed_tokens(widths: torch.Tensor, T: int) -> torch.Tensor | None:
+def packed_tokens(widths: np.ndarray, T: int, device: torch.device | str = "cpu"
+                  ) -> torch.Tensor | None:
     """The flat indices (b * T + t, ascending) of the tokens of rows ``widths`` [B] tokens long
-    laid out [B, T] (each row's tokens first, then padding): [N] long; None when no row is
-    padded (nothing to pack)."""
-    if bool((widths >= T).all()):
+    (host integers) laid out [B, T] (each row's tokens first, then padding): [N] long on
+    ``device``; None when no row is padded (nothing to pack). Found on the host: the step
+    waits for the device once, for its verdicts."""
+    if (widths >= T).all():
         return None
-    own = torch.arange(T, device=widths.device)[None, :] < widths[:, None]  # [B, T]
-    return own.reshape(-1).nonzero().squeeze(1)
+    own = np.arange(T)[None, :] < widths[:, None]  # [B, T]
+    return torch.from_numpy(np.flatnonzero(own)).to(device)
 
 
 def unpacked(x: torch.Tensor, real: torch.Tensor, B: int, T: int) -> torch.Tensor:

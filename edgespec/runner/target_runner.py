@@ -21,6 +21,7 @@ import time
 from dataclasses import replace
 from typing import Any, Literal, Sequence, overload
 
+import numpy as np
 import torch
 
 from ..config import MAX_TREE_NODES, ConfigError
@@ -298,8 +299,8 @@ class TargetRunner(SlotPrompts):
         tokens, start_t, longest = self._chain_rows(slots, rows)
         real = None
         if self.packs_rows and embeds is None:
-            widths = torch.as_tensor([len(r) for r in rows], device=self.device)
-            real = packed_tokens(widths, tokens.shape[1])
+            real = packed_tokens(np.fromiter(map(len, rows), np.int64, len(rows)),
+                                 tokens.shape[1], self.device)
         return self._chains(slots, tokens, start_t, longest, taps=taps, embeds=embeds, real=real)
 
     def _chain_rows(self, slots: list[int], rows: list[list[int]]
@@ -384,8 +385,12 @@ class TargetRunner(SlotPrompts):
             step = FusedStep.of_tree_rows(rows) if rows.tree else self.fused.chain_step(
                 rows.slots, start_t, T, rows.slot_index, max(rows.starts) + T)
             return self.fused.scored(rows.tokens, step, taps[0] if taps else None)
-        # a row's root and nodes, not its padding
-        real = packed_tokens(rows.counts + 1, T) if self.pack_rows else None
+        # a row's root and nodes, not its padding (counted on the host: no wait)
+        real = None
+        if self.pack_rows:
+            nodes = rows.host.nodes if rows.host is not None else None
+            counts = (nodes >= 0).sum(1) if nodes is not None else rows.counts.cpu().numpy()
+            real = packed_tokens(counts + 1, T, self.device)
         if not rows.tree:
             x, kept = self._chains(rows.slots, rows.tokens, start_t, max(rows.starts),
                                    slot_index=rows.slot_index, taps=taps, real=real)
