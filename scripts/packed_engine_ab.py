@@ -1,8 +1,8 @@
-"""The engine with a step's rows packed and each session's draft its own length (now) against
-rows padded to the widest and one draft width for the batch (before): the same runner and
-drafter, ``generate_many`` of Spec-Bench prompts taken across the categories, the sides
-alternating round by round (the first round of each untimed), every side's outputs checked
-equal to the other's and to target-only decoding.
+"""The engine with a ragged step's rows packed (now) against rows padded to the widest
+(``TargetRunner.pack_rows`` False: before), the same runner, planner and drafter,
+``generate_many`` of Spec-Bench prompts taken across the categories, the sides alternating round
+by round (the first round of each untimed), every side's outputs checked equal to the other's
+and to target-only decoding.
 
     python scripts/packed_engine_ab.py --sessions 4,8 --drafter mag --json packed-engine.json
 
@@ -56,7 +56,6 @@ def main() -> int:
         wanted = None
         engines = {}
         for side in SIDES:
-            runner.pack_rows = side == "packed"  # the engine's cost model reads it once
             engines[side] = SpecEngine(runner, build_drafter(check_drafter_arg(args.drafter),
                                                              None, None),
                                        EngineConfig(max_sessions=n), stop)

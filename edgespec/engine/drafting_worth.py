@@ -20,7 +20,9 @@ catches up during the next steps); at its end the window's own steps are compare
 chosen regime's last steps (a mean over ~10, ``DECAY``), so that both are measured at about the
 same time: a server's steps slow down as its sessions' contexts grow (measured: 27 to 16 tokens
 a second over a 485-step run), and a rate measured a hundred steps ago is not comparable. The
-other regime is chosen only for a rate ``SWITCH_MARGIN`` above the chosen one's. Windows come as
+other regime is chosen only for a rate ``SWITCH_MARGIN`` above the chosen one's, and no window
+starts at a batch size where the chosen regime has no steps measured yet (it would learn
+nothing). Windows come as
 rarely as they keep agreeing with the choice (the interval doubles each time, back to
 ``FIRST_EXPLORE`` when the choice flips). Drafting whose rate is ``CLEAR_WIN`` times resting's
 (before resting was measured, the forward fit's rate for one-token rows) is not rested to

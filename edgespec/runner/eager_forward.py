@@ -169,7 +169,10 @@ def packed_tokens(widths: np.ndarray, T: int, device: torch.device | str = "cpu"
     if (widths >= T).all():
         return None
     own = np.arange(T)[None, :] < widths[:, None]  # [B, T]
-    return torch.from_numpy(np.flatnonzero(own)).to(device)
+    index = torch.from_numpy(np.flatnonzero(own))
+    if torch.device(device).type == "cuda":  # an eager GPU runner's: copied without a wait
+        return index.pin_memory().to(device, non_blocking=True)
+    return index.to(device)
 
 
 def unpacked(x: torch.Tensor, real: torch.Tensor, B: int, T: int) -> torch.Tensor:

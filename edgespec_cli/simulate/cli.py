@@ -219,8 +219,8 @@ def _run_fleets(args: argparse.Namespace, counts, profiles, modes: list[str], se
         return FleetRun(roles, run_settings, fleet_of, mode, prompts).run()
 
     if not args.find_capacity:
-        # a device count's modes one after another (a machine's speed drifts over minutes: by
-        # 15% between two runs of the server alone here), reported mode by mode
+        # a device count's modes one after another (a machine's speed drifts over minutes: a
+        # step of the server alone 14% shorter half an hour later here), reported mode by mode
         done = {(mode, n): run_one(mode, n) for n in counts for mode in modes}
         return [done[mode, n] for mode in modes for n in counts], {}, []
     runs, probes, capacity = [], [], {}
