@@ -198,7 +198,7 @@ class StepRows:
             tail = TailKeys(on_dev[tail_at], on_dev[tail_at + 1], on_dev[tail_at + 2], flags[-1],
                             on_dev[tail_at + 3], tail_h.n_blocks)
         depth_h = shape.depths[:, :T] if is_tree else np.broadcast_to(np.arange(T), (B, T))
-        host = StepHost(tokens, start_h, slot_h, depth_h, path_h, shape.nodes)
+        host = StepHost(tokens, start_h, slot_h, depth_h, path_h, shape.nodes, shape.counts)
         return cls(list(slots), list(starts), T, is_tree, on_dev[6], on_dev[5], on_dev[0],
                    on_dev[1], on_dev[2], on_dev[3], on_dev[4],
                    flags[0] if ancestors is not None else None, tail, shape.max_depth,
@@ -216,6 +216,7 @@ class StepHost:
     depth: np.ndarray  # [B, T] int64: chains t, trees the node's depth (0 the root, padding)
     path: np.ndarray | None  # [B, T, T] int64 (trees), else the chain's (row d at depth d)
     nodes: np.ndarray | None = None  # [B, N] int64: the draft nodes, -1 padding
+    counts: np.ndarray | None = None  # [B] int64: each row's draft nodes
 
 
 def _paths(ancestors: np.ndarray, depths: np.ndarray) -> np.ndarray:

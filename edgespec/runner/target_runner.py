@@ -385,12 +385,11 @@ class TargetRunner(SlotPrompts):
             step = FusedStep.of_tree_rows(rows) if rows.tree else self.fused.chain_step(
                 rows.slots, start_t, T, rows.slot_index, max(rows.starts) + T)
             return self.fused.scored(rows.tokens, step, taps[0] if taps else None)
-        # a row's root and nodes, not its padding (counted on the host: no wait)
+        # a row's root and nodes, not its padding (the host's counts: no wait)
         real = None
-        if self.pack_rows:
-            nodes = rows.host.nodes if rows.host is not None else None
-            counts = (nodes >= 0).sum(1) if nodes is not None else rows.counts.cpu().numpy()
-            real = packed_tokens(counts + 1, T, self.device)
+        if self.packs_rows:
+            assert rows.host is not None and rows.host.counts is not None  # StepRows.build's
+            real = packed_tokens(rows.host.counts + 1, T, self.device)
         if not rows.tree:
             x, kept = self._chains(rows.slots, rows.tokens, start_t, max(rows.starts),
                                    slot_index=rows.slot_index, taps=taps, real=real)
