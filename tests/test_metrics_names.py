@@ -11,6 +11,7 @@ from pathlib import Path
 
 import grpc
 import yaml
+import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.parser import text_string_to_metric_families
@@ -346,3 +347,7 @@ def test_rested_steps_are_counted_in_metrics_and_the_step_totals():
     m.step(replace(report, rested=True))
     assert value(m.registry, "edgespec:rested_steps_total") == 2
     assert m.step_totals["rested"] == 2 and m.step_totals["steps"] == 3
+    # all three one token a row; a step that verified a draft is not counted as one
+    m.step(step_report([1], [3], sessions=1, tokens=4, take_s=0.0, forward_s=0.5, commit_s=0.0))
+    assert m.step_totals["plain_steps"] == 3 and m.step_totals["plain_rows"] == 6
+    assert m.step_totals["plain_forward_s"] == pytest.approx(0.03)

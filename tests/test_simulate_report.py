@@ -427,3 +427,18 @@ def test_the_step_line_says_how_many_steps_rested():
     for old in ({**totals, "rested": 0}, {k: v for k, v in totals.items() if k != "rested"}):
         line = step_line(step_split(old))
         assert line.endswith("(10 steps)") and "rested" not in line
+
+
+def test_the_step_line_gives_one_token_steps_forward_a_row():
+    from edgespec_cli.simulate.report import step_split
+    from edgespec_cli.simulate.report_text import step_line
+
+    totals = {"steps": 10, "wait_s": 0.1, "forward_s": 1.0, "commit_s": 0.05, "rested": 4,
+              "plain_steps": 5, "plain_forward_s": 0.4, "plain_rows": 20}
+    split = step_split(totals)
+    assert split is not None
+    assert split["plain"] == {"steps": 5, "rows_mean": 4.0,
+                              "forward_ms_a_row": pytest.approx(20.0)}
+    assert step_line(split).endswith("; one token a row: 5 steps, forward 20.0 a row (4.0 rows)")
+    # an older server's totals, or no such step: no such part
+    assert "plain" not in step_split({**totals, "plain_steps": 0, "plain_rows": 0})

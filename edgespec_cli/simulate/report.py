@@ -183,13 +183,21 @@ def commit_to_draft(board: dict | None) -> dict | None:
 
 def step_split(totals: dict) -> dict | None:
     """Mean milliseconds per verifier step waiting for drafts, in the forward, committing; the
-    steps, and those whose drafters rested (drafting measured slower than resting)."""
+    steps, and those whose drafters rested (drafting measured slower than resting); and the
+    steps of one token a row (rested, nothing drafted, or the server alone's): how many, their
+    forward's milliseconds a row and mean rows, the like-for-like comparison of a fleet's
+    plain steps with the server alone's."""
     steps = totals.get("steps", 0) if totals else 0
     if not steps:
         return None
-    return {"steps": steps, "rested": totals.get("rested", 0),
-            **{k.replace("_s", ""): 1000 * totals[k] / steps
-               for k in ("wait_s", "forward_s", "commit_s")}}
+    out = {"steps": steps, "rested": totals.get("rested", 0),
+           **{k.replace("_s", ""): 1000 * totals[k] / steps
+              for k in ("wait_s", "forward_s", "commit_s")}}
+    plain, rows = totals.get("plain_steps", 0), totals.get("plain_rows", 0)
+    if plain and rows:
+        out["plain"] = {"steps": plain, "rows_mean": rows / plain,
+                        "forward_ms_a_row": 1000 * totals["plain_forward_s"] / rows}
+    return out
 
 
 def cpu_summary(cpu: dict, wall: float) -> dict | None:

@@ -21,9 +21,13 @@ def commit_to_draft_line(c: dict) -> str:
 def step_line(split: dict | None) -> str:
     if not split:
         return "-"
+    plain = split.get("plain")
     return (f"wait {split['wait']:.1f}  forward {split['forward']:.1f}  "
             f"commit {split['commit']:.1f}  ({split['steps']} steps"
-            + (f", {split['rested']} rested" if split.get("rested") else "") + ")")
+            + (f", {split['rested']} rested" if split.get("rested") else "") + ")"
+            + (f"; one token a row: {plain['steps']} steps, forward "
+               f"{plain['forward_ms_a_row']:.1f} a row ({plain['rows_mean']:.1f} rows)"
+               if plain else ""))
 
 
 def _capacity_ratio(report: dict, key: str, against: str, who: str) -> str:
