@@ -349,5 +349,5 @@ def test_rested_steps_are_counted_in_metrics_and_the_step_totals():
     assert m.step_totals["rested"] == 2 and m.step_totals["steps"] == 3
     # all three one token a row; a step that verified a draft is not counted as one
     m.step(step_report([1], [3], sessions=1, tokens=4, take_s=0.0, forward_s=0.5, commit_s=0.0))
-    assert m.step_totals["plain_steps"] == 3 and m.step_totals["plain_rows"] == 6
-    assert m.step_totals["plain_forward_s"] == pytest.approx(0.03)
+    m.step(step_report([0], [0], sessions=1, tokens=1, take_s=0.0, forward_s=0.2, commit_s=0.0))
+    assert m.plain_by_rows == {2: [3, pytest.approx(0.03)], 1: [1, 0.2]}

@@ -434,11 +434,31 @@ def test_the_step_line_gives_one_token_steps_forward_a_row():
     from edgespec_cli.simulate.report_text import step_line
 
     totals = {"steps": 10, "wait_s": 0.1, "forward_s": 1.0, "commit_s": 0.05, "rested": 4,
-              "plain_steps": 5, "plain_forward_s": 0.4, "plain_rows": 20}
+              "plain_by_rows": {"4": [4, 0.32], "1": [1, 0.08], "2": [0, 0.0]}}
     split = step_split(totals)
     assert split is not None
-    assert split["plain"] == {"steps": 5, "rows_mean": 4.0,
-                              "forward_ms_a_row": pytest.approx(20.0)}
-    assert step_line(split).endswith("; one token a row: 5 steps, forward 20.0 a row (4.0 rows)")
+    assert split["plain"] == {"steps": 5, "rows_mean": pytest.approx(3.4),
+                              "forward_ms_a_row": pytest.approx(400 / 17),
+                              "forward_ms_by_rows": {"1": pytest.approx(80.0),
+                                                     "4": pytest.approx(80.0)},
+                              "steps_by_rows": {"1": 1, "4": 4}}
+    assert step_line(split).endswith("; one token a row: 5 steps, forward 23.5 a row (3.4 rows)")
     # an older server's totals, or no such step: no such part
-    assert "plain" not in step_split({**totals, "plain_steps": 0, "plain_rows": 0})
+    assert "plain" not in step_split({**totals, "plain_by_rows": {}})
+    assert "plain" not in step_split({k: v for k, v in totals.items() if k != "plain_by_rows"})
+
+
+def test_one_token_steps_are_compared_with_the_server_alones_at_the_same_rows():
+    from edgespec_cli.simulate.report import plain_step_ratio, step_split
+
+    base = {"steps": 6, "wait_s": 0.0, "forward_s": 0.6, "commit_s": 0.0,
+            "plain_by_rows": {"1": [2, 0.1], "4": [4, 0.4]}}  # 50 ms at 1 row, 100 at 4
+    edge = {"steps": 9, "wait_s": 0.0, "forward_s": 1.0, "commit_s": 0.0,
+            # 60 ms at 1 row, 120 at 4; 3 rows: no server-alone step to compare with
+            "plain_by_rows": {"1": [1, 0.06], "4": [3, 0.36], "3": [5, 0.1]}}
+    # priced at the edge's own counts: (60 + 3 x 120) / (50 + 3 x 100)
+    assert plain_step_ratio(step_split(edge), step_split(base)) == pytest.approx(420 / 350)
+    assert plain_step_ratio(step_split(edge), step_split({**base, "plain_by_rows": {}})) is None
+    assert plain_step_ratio(step_split(edge), None) is None
+
+

@@ -81,10 +81,10 @@ class VerifierMetrics:
         r = self.registry = registry
         self.batch_counts: Counter_[int] = Counter_()  # sessions per forward -> forwards (exact)
         self.step_totals = {"steps": 0, "wait_s": 0.0, "forward_s": 0.0, "commit_s": 0.0,
-                            "drafted": 0, "accepted": 0, "rested": 0,
-                            # steps of one token a row (rested, or nothing drafted): the server
-                            # alone's kind of step, its forward seconds and rows
-                            "plain_steps": 0, "plain_forward_s": 0.0, "plain_rows": 0}
+                            "drafted": 0, "accepted": 0, "rested": 0}
+        # steps of one token a row (rested, or nothing drafted), the server alone's kind of
+        # step, by rows: {rows: [steps, forward seconds]}
+        self.plain_by_rows: dict[int, list] = {}
         self.committed = 0  # tokens committed over all sessions (the Status RPC's cost)
         self.rested_steps = Counter("edgespec:rested_steps",
                                     "Verification steps whose drafters rested: drafting "
@@ -249,9 +249,9 @@ class VerifierMetrics:
             totals["rested"] += 1
             self.rested_steps.inc()
         if report.tokens == report.sessions:
-            totals["plain_steps"] += 1
-            totals["plain_forward_s"] += report.forward_s
-            totals["plain_rows"] += report.sessions
+            plain = self.plain_by_rows.setdefault(report.sessions, [0, 0.0])
+            plain[0] += 1
+            plain[1] += report.forward_s
         self.batch_tokens.observe(report.tokens)
         self.step_seconds.labels("wait").observe(report.take_s)
         self.step_seconds.labels("forward").observe(report.forward_s)

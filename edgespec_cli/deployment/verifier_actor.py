@@ -58,10 +58,11 @@ class VerifierActor:
 
     def step_totals(self) -> dict:
         """Steps since the actor started and the seconds they spent waiting for drafts, in
-        the forward (with verification) and committing."""
+        the forward (with verification) and committing; the one-token-a-row steps by rows."""
         metrics = self.server.metrics
         assert metrics is not None  # a verifier role's server always keeps metrics
-        return dict(metrics.step_totals)
+        return {**metrics.step_totals,
+                "plain_by_rows": {str(n): list(v) for n, v in metrics.plain_by_rows.items()}}
 
     def cpu_seconds(self) -> float | None:
         """CPU seconds of this process so far."""

@@ -184,20 +184,37 @@ def commit_to_draft(board: dict | None) -> dict | None:
 def step_split(totals: dict) -> dict | None:
     """Mean milliseconds per verifier step waiting for drafts, in the forward, committing; the
     steps, and those whose drafters rested (drafting measured slower than resting); and the
-    steps of one token a row (rested, nothing drafted, or the server alone's): how many, their
-    forward's milliseconds a row and mean rows, the like-for-like comparison of a fleet's
-    plain steps with the server alone's."""
+    steps of one token a row (``plain``: rested, nothing drafted, or the server alone's): how
+    many, their mean rows, their forward's milliseconds a row and by rows, what compares a
+    fleet's plain steps with the server alone's like for like (``plain_step_ratio``)."""
     steps = totals.get("steps", 0) if totals else 0
     if not steps:
         return None
     out = {"steps": steps, "rested": totals.get("rested", 0),
            **{k.replace("_s", ""): 1000 * totals[k] / steps
               for k in ("wait_s", "forward_s", "commit_s")}}
-    plain, rows = totals.get("plain_steps", 0), totals.get("plain_rows", 0)
-    if plain and rows:
+    by_rows = {int(n): v for n, v in (totals.get("plain_by_rows") or {}).items() if v[0]}
+    if by_rows:
+        plain = sum(v[0] for v in by_rows.values())
+        rows = sum(n * v[0] for n, v in by_rows.items())
         out["plain"] = {"steps": plain, "rows_mean": rows / plain,
-                        "forward_ms_a_row": 1000 * totals["plain_forward_s"] / rows}
+                        "forward_ms_a_row": 1000 * sum(v[1] for v in by_rows.values()) / rows,
+                        "forward_ms_by_rows": {str(n): 1000 * v[1] / v[0]
+                                               for n, v in sorted(by_rows.items())},
+                        "steps_by_rows": {str(n): v[0] for n, v in sorted(by_rows.items())}}
     return out
+
+
+def plain_step_ratio(edge: dict | None, base: dict | None) -> float | None:
+    """A fleet's one-token-a-row steps' forward time over the server alone's at the same rows:
+    the fleet's steps counted at each batch size both ran, each priced both ways."""
+    e, b = ((s or {}).get("plain") or {} for s in (edge, base))
+    both = set(e.get("forward_ms_by_rows", {})) & set(b.get("forward_ms_by_rows", {}))
+    if not both:
+        return None
+    steps = e["steps_by_rows"]
+    return ratio(sum(steps[n] * e["forward_ms_by_rows"][n] for n in both),
+                 sum(steps[n] * b["forward_ms_by_rows"][n] for n in both))
 
 
 def cpu_summary(cpu: dict, wall: float) -> dict | None:
@@ -276,6 +293,7 @@ def baseline_ratios(summaries: list[dict]) -> dict[int, dict]:
                   "itl_p99": ratio(e["itl_s"]["p99"], b["itl_s"]["p99"]),
                   "server_cpu_s_per_token": ratio(e["server_cpu_s_per_token"],
                                                   b["server_cpu_s_per_token"]),
+                  "plain_step": plain_step_ratio(e.get("step_ms"), b.get("step_ms")),
                   "bound_by": (e.get("cpu") or {}).get("bound_by")}
     return out
 

@@ -124,7 +124,9 @@ def ratio_lines(report: dict) -> list[str]:
         lines.append(f"edge drafting / server-only, {n} dev: throughput "
                      f"{fmt(r['throughput'], digits=2)}x, ITL p50 {fmt(r['itl_p50'], digits=2)}x "
                      f"p99 {fmt(r['itl_p99'], digits=2)}x, server CPU a token "
-                     f"{fmt(r['server_cpu_s_per_token'], digits=2)}x{bound}")
+                     f"{fmt(r['server_cpu_s_per_token'], digits=2)}x"
+                     + (f", one-token steps' forward {fmt(r['plain_step'], digits=2)}x"
+                        if r.get("plain_step") is not None else "") + bound)
     if report.get("short_runs"):
         short = report["short_runs"]
         lines.append(f"note: at {', '.join(map(str, short['devices']))} device(s) a run took "
