@@ -351,6 +351,47 @@ def test_edge_drafting_against_server_only_per_device_count():
     assert "vs_server_only" not in report_for(sweep())
 
 
+def test_repeated_rounds_are_paired_by_round_and_their_ratios_medians():
+    from dataclasses import replace
+
+    from edgespec_cli.simulate.charts import series
+
+    # three rounds: edge drafting 10, 10, 10 s against the server alone 20, 12.5, 8 s
+    edge = [replace(split_run("on", ended=10.0, server_s=4.0), round=k, rounds=3)
+            for k in (1, 2, 3)]
+    base = [replace(split_run("server-only", ended=t, server_s=t, boards={}), round=k, rounds=3)
+            for k, t in ((1, 20.0), (2, 12.5), (3, 8.0))]
+    report = report_for(edge + base)
+    r = report["vs_server_only"]["2"]
+    assert r["rounds"] == pytest.approx([2.0, 1.25, 0.8])  # each round against its own
+    assert r["throughput"] == pytest.approx(1.25)  # their median, not 20 s against 10 s
+    # server CPU a token: 4 s against 20, 12.5, 8 s for the same tokens
+    assert r["server_cpu_s_per_token"] == pytest.approx(4 / 12.5)
+    table = format_table(report)
+    assert "== batching on, 2 device(s), round 2 of 3: " in table
+    assert ("(medians of 3 rounds; throughput by round 2.00x, 1.25x, 0.80x)" in table)
+    # a chart's point is the median of a count's rounds
+    xs, ys = series(report["runs"], "server-only", lambda s: s["wall_s"])
+    assert xs == [2] and ys == pytest.approx([12.5])
+    # a round that has one mode only is not paired; one round: no rounds listed
+    one = report_for(edge[:1] + base[1:])
+    assert "vs_server_only" not in one
+    single = report_for([edge[0], replace(base[0], round=1)])["vs_server_only"]["2"]
+    assert "rounds" not in single and single["throughput"] == pytest.approx(2.0)
+    assert "round 1 of" not in format_table(report_for([split_run("on")]))
+
+
+def test_rounds_run_each_count_in_turn_every_other_round_reversed():
+    from edgespec_cli.simulate.cli import run_order
+
+    assert run_order([1, 4], ["on", "server-only"], 3) == [
+        ("on", 1, 1), ("server-only", 1, 1), ("server-only", 1, 2), ("on", 1, 2),
+        ("on", 1, 3), ("server-only", 1, 3),
+        ("on", 4, 1), ("server-only", 4, 1), ("server-only", 4, 2), ("on", 4, 2),
+        ("on", 4, 3), ("server-only", 4, 3)]
+    assert run_order([2], ["on"], 1) == [("on", 2, 1)]
+
+
 def test_the_lossless_sample_holds_every_request_a_link_fault_overlapped():
     """Each device's first finished request, and every finished one sent before a fault healed
     and ended after it began (a fault never healed lasts to the run's end): the requests a

@@ -11,6 +11,7 @@ batching on, off, and the server alone (``--baseline server-only``).
 from __future__ import annotations
 
 import os
+import statistics
 
 from edgespec_cli.simulate.records import SERVER_ONLY, RunRecord, mode_name
 from edgespec_cli.simulate.report import summarize_run
@@ -28,9 +29,14 @@ def as_summaries(runs_or_report: list[RunRecord] | dict) -> list[dict]:
 
 
 def series(summaries: list[dict], mode: str, value) -> tuple[list[int], list[float]]:
-    points = sorted((s["devices"], value(s)) for s in summaries if s["batching"] == mode
-                    and value(s) is not None)
-    return [p[0] for p in points], [p[1] for p in points]
+    """A mode's values over device counts: a count run more than once (--repeat) at the
+    median of its runs."""
+    by_count: dict[int, list[float]] = {}
+    for s in summaries:
+        if s["batching"] == mode and value(s) is not None:
+            by_count.setdefault(s["devices"], []).append(value(s))
+    xs = sorted(by_count)
+    return xs, [statistics.median(by_count[n]) for n in xs]
 
 
 def modes(summaries: list[dict]) -> list[str]:

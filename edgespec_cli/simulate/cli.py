@@ -219,10 +219,11 @@ def _run_fleets(args: argparse.Namespace, counts, profiles, modes: list[str], se
         return FleetRun(roles, run_settings, fleet_of, mode, prompts).run()
 
     if not args.find_capacity:
-        # a device count's modes one after another (a machine's speed drifts over minutes: a
-        # step of the server alone 14% shorter half an hour later here), reported mode by mode
-        done = {(mode, n): run_one(mode, n) for n in counts for mode in modes}
-        return [done[mode, n] for mode in modes for n in counts], {}, []
+        done = {}
+        for mode, n, k in run_order(counts, modes, args.repeat):
+            done[mode, n, k] = replace(run_one(mode, n), round=k, rounds=args.repeat)
+        return [done[mode, n, k] for mode in modes for n in counts
+                for k in range(1, args.repeat + 1)], {}, []
     runs, probes, capacity = [], [], {}
     for mode in modes:
         capacity[mode], tried = find_capacity(lambda n, m=mode: run_one(m, n), args.slo,
@@ -231,6 +232,19 @@ def _run_fleets(args: argparse.Namespace, counts, profiles, modes: list[str], se
         probes += [{"batching": mode, "devices": r.devices, "slowest_tokens_per_s": v}
                    for r, v in tried]
     return runs, capacity, probes
+
+
+def run_order(counts: list[int], modes: list[str], repeat: int) -> list[tuple[str, int, int]]:
+    """(mode, devices, round) in the order run: a device count's rounds one after another,
+    each round its modes in turn, every other round in the reverse order. A machine's speed
+    drifts over minutes (a step of the server alone 14% shorter half an hour later here): runs
+    of the modes compared kept close, and alternated, put a drift on both sides alike. The
+    report lists them mode by mode."""
+    order = []
+    for n in counts:
+        for k in range(1, repeat + 1):
+            order += [(mode, n, k) for mode in (modes if k % 2 else modes[::-1])]
+    return order
 
 
 def _write_outputs(args: argparse.Namespace, report: dict) -> None:

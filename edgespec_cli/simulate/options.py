@@ -65,6 +65,12 @@ def add_simulate_parser(sub) -> argparse.ArgumentParser:
                    help="draw PNG charts into this folder: throughput and p99 inter-token latency "
                         "against device count, batching on against off, per-device acceptance "
                         "(default: none)")
+    s.add_argument("--repeat", metavar="N", type=int, default=1,
+                   help="run each device count's modes N times, round by round, every other "
+                        "round in the reverse order (edge drafting then the server alone, then "
+                        "the server alone first); the ratios are the medians of the rounds' "
+                        "own, each round's given beside them: a machine's speed drifts by "
+                        "10-20%% between runs minutes apart (default: %(default)s)")
     s.add_argument("--seed", metavar="S", type=int, default=0,
                    help="seeds the links' jitter and loss and the order of prompts "
                         "(default: %(default)s)")
@@ -157,6 +163,11 @@ def check_args(args) -> tuple[list[int], list]:
     if not 0 < args.timeout < math.inf:
         raise ConfigError(f"--timeout must be a finite number of seconds > 0, got "
                           f"{args.timeout}")
+    if args.repeat < 1:
+        raise ConfigError(f"--repeat must be >= 1, got {args.repeat}")
+    if args.repeat > 1 and args.find_capacity:
+        raise ConfigError("--repeat is for the device counts of --devices, not --find-capacity "
+                          "(its search runs each count once)")
     if args.max_devices < 1:
         raise ConfigError(f"--max-devices must be >= 1, got {args.max_devices}")
     if args.baseline == SERVER_ONLY and args.batching == "off":

@@ -83,3 +83,5 @@ class RunRecord:
     cpu: dict = field(default_factory=dict)
     # each drafter's loop counts at the end (``LoopCounts`` as a dict), by device id
     boards: dict = field(default_factory=dict)
+    round: int = 1  # with --repeat: which of the ``rounds`` runs of this mode and count
+    rounds: int = 1

@@ -34,8 +34,10 @@ Definitions (all times in seconds in the JSON; the text table shows latencies in
   ``drafts_slower_than_published``: for a profile with a published speed, the drafts this
   machine could not pace down to it (the board was emulated slower than it is).
 - Against the baseline (``vs_server_only``, when a ``server-only`` run has the same device count
-  as an edge-drafting run, batching on): throughput, ITL p50/p99 and server CPU seconds per token
-  as edge drafting / server-only.
+  as an edge-drafting run, batching on): throughput, ITL p50/p99, server CPU seconds per token
+  and the one-token-a-row steps' forward at the same rows as edge drafting / server-only. With
+  ``--repeat`` each run has its ``round``; runs are paired by round, each ratio is the median of
+  the rounds' own, and ``rounds`` lists the rounds' throughput ratios.
 - ``short_runs``: the device counts with a ratio (on/off, or against the baseline) taken from
   a run of under ``SHORT_RUN_S`` seconds (such ratios moved by 0.1-0.2 between repeats of one
   setting on a shared machine); absent when none.
@@ -51,6 +53,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import statistics
 from collections import defaultdict
 
 from edgespec_cli.deployment.cpu_share import BOUND_SHARE, busy_share
@@ -250,6 +253,7 @@ def summarize_run(run: RunRecord) -> dict:
     batches = batch_summary(run.batch_sizes)
     return {
         "batching": run.batching, "devices": run.devices, "max_sessions": run.max_sessions,
+        "round": run.round, "rounds": run.rounds,
         "wall_s": wall, "requests": len(run.requests), "completed": len(done),
         "errors": sum(r.error is not None for r in run.requests), "tokens": tokens,
         "error_samples": sorted({r.error for r in run.requests if r.error})[:5],
@@ -271,30 +275,55 @@ def summarize_run(run: RunRecord) -> dict:
     }
 
 
+def paired_runs(summaries: list[dict], mode: str, against: str) -> dict[int, list[tuple]]:
+    """Per device count, its runs of ``mode`` and ``against`` paired by round (--repeat)."""
+    def runs_of(m: str) -> dict[tuple[int, int], dict]:
+        out: dict[tuple[int, int], dict] = {}
+        for s in summaries:
+            if s["batching"] == m:
+                out.setdefault((s["devices"], s.get("round", 1)), s)
+        return out
+
+    a, b = runs_of(mode), runs_of(against)
+    pairs: dict[int, list[tuple]] = defaultdict(list)
+    for key in sorted(set(a) & set(b)):
+        pairs[key[0]].append((a[key], b[key]))
+    return dict(pairs)
+
+
+def median_of(values) -> float | None:
+    """The median of the values that are not None (None if none is)."""
+    known = [v for v in values if v is not None]
+    return statistics.median(known) if known else None
+
+
 def throughput_ratios(summaries: list[dict]) -> dict[int, float | None]:
-    """on/off system throughput per device count run in both modes."""
-    by_mode: dict[str, dict[int, float | None]] = defaultdict(dict)
-    for s in summaries:
-        by_mode[s["batching"]].setdefault(s["devices"], s["system_tokens_per_s"])
-    both = sorted(set(by_mode["on"]) & set(by_mode["off"]))
-    return {n: ratio(by_mode["on"][n], by_mode["off"][n]) for n in both}
+    """on/off system throughput per device count run in both modes (the median of the
+    rounds' own ratios with --repeat)."""
+    return {n: median_of(ratio(e["system_tokens_per_s"], b["system_tokens_per_s"])
+                         for e, b in pairs)
+            for n, pairs in sorted(paired_runs(summaries, "on", "off").items())}
 
 
-def baseline_ratios(summaries: list[dict]) -> dict[int, dict]:
+def baseline_ratios(summaries: list[dict]) -> dict[int, dict[str, object]]:
     """Per device count run both with boards (batching on) and server-only: edge drafting's
-    figures over the baseline's."""
-    on = {s["devices"]: s for s in summaries if s["batching"] == "on"}
-    base = {s["devices"]: s for s in summaries if s["batching"] == SERVER_ONLY}
+    figures over the baseline's; with --repeat, each the median of the rounds' own ratios, and
+    the rounds' throughput ratios in ``rounds``."""
     out = {}
-    for n in sorted(set(on) & set(base)):
-        e, b = on[n], base[n]
-        out[n] = {"throughput": ratio(e["system_tokens_per_s"], b["system_tokens_per_s"]),
-                  "itl_p50": ratio(e["itl_s"]["p50"], b["itl_s"]["p50"]),
-                  "itl_p99": ratio(e["itl_s"]["p99"], b["itl_s"]["p99"]),
-                  "server_cpu_s_per_token": ratio(e["server_cpu_s_per_token"],
-                                                  b["server_cpu_s_per_token"]),
-                  "plain_step": plain_step_ratio(e.get("step_ms"), b.get("step_ms")),
-                  "bound_by": (e.get("cpu") or {}).get("bound_by")}
+    for n, pairs in sorted(paired_runs(summaries, "on", SERVER_ONLY).items()):
+        rounds = [{"throughput": ratio(e["system_tokens_per_s"], b["system_tokens_per_s"]),
+                   "itl_p50": ratio(e["itl_s"]["p50"], b["itl_s"]["p50"]),
+                   "itl_p99": ratio(e["itl_s"]["p99"], b["itl_s"]["p99"]),
+                   "server_cpu_s_per_token": ratio(e["server_cpu_s_per_token"],
+                                                   b["server_cpu_s_per_token"]),
+                   "plain_step": plain_step_ratio(e.get("step_ms"), b.get("step_ms"))}
+                  for e, b in pairs]
+        bound = sorted({b for e, _ in pairs if (b := (e.get("cpu") or {}).get("bound_by"))})
+        figures: dict[str, object] = {k: median_of(r[k] for r in rounds) for k in rounds[0]}
+        figures["bound_by"] = "; ".join(bound) or None
+        if len(rounds) > 1:
+            figures["rounds"] = [r["throughput"] for r in rounds]
+        out[n] = figures
     return out
 
 

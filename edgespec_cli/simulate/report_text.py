@@ -47,7 +47,9 @@ def run_block(s: dict) -> list[str]:
     ms = 1000.0
     hist = " ".join(f"{k}:{v}" for k, v in s["batch_sizes"]["histogram"].items()) or "-"
     lines = [
-        f"== {mode_name(s['batching'])}, {s['devices']} device(s): {s['requests']} requests, "
+        f"== {mode_name(s['batching'])}, {s['devices']} device(s)"
+        + (f", round {s['round']} of {s['rounds']}" if s.get("rounds", 1) > 1 else "")
+        + f": {s['requests']} requests, "
         f"{s['tokens']} tokens, {s['errors']} errors, {fmt(s['wall_s'], digits=2)} s",
         f"  system tokens/s  {fmt(s['system_tokens_per_s'], digits=2)}",
         f"  TTFT ms          p50 {fmt(s['ttft_s']['p50'], ms)}  p99 {fmt(s['ttft_s']['p99'], ms)}",
@@ -126,7 +128,10 @@ def ratio_lines(report: dict) -> list[str]:
                      f"p99 {fmt(r['itl_p99'], digits=2)}x, server CPU a token "
                      f"{fmt(r['server_cpu_s_per_token'], digits=2)}x"
                      + (f", one-token steps' forward {fmt(r['plain_step'], digits=2)}x"
-                        if r.get("plain_step") is not None else "") + bound)
+                        if r.get("plain_step") is not None else "") + bound
+                     + (f" (medians of {len(r['rounds'])} rounds; throughput by round "
+                        + ", ".join(f"{fmt(x, digits=2)}x" for x in r["rounds"]) + ")"
+                        if r.get("rounds") else ""))
     if report.get("short_runs"):
         short = report["short_runs"]
         lines.append(f"note: at {', '.join(map(str, short['devices']))} device(s) a run took "
