@@ -61,6 +61,8 @@ def test_small_fleet_reports_every_figure_and_is_lossless(looping_dir, tmp_path)
     assert runs["on"]["draft_tokens_wasted"] <= runs["on"]["draft_tokens_sent"]
     vs = report["vs_server_only"]["2"]
     assert vs["throughput"] > 0 and vs["server_cpu_s_per_token"] > 0
+    assert vs["plain_step"] is None or vs["plain_step"] > 0  # None: no plain step at 2 rows
+    assert "rounds" not in vs  # one round
     assert "edge drafting / server-only, 2 dev" in r.stdout and "server cost" in r.stdout
     assert "cache and its Redis" in r.stdout
     for mode, run in runs.items():
@@ -81,8 +83,10 @@ def test_small_fleet_reports_every_figure_and_is_lossless(looping_dir, tmp_path)
         assert run["step_ms"]["forward"] > 0
         # steps whose boards rested (drafting measured slower): none where no board drafts
         assert 0 <= run["step_ms"]["rested"] <= run["step_ms"]["steps"]
-        if mode == "server-only":
+        if mode == "server-only":  # the server alone: every step one token a row
             assert run["step_ms"]["rested"] == 0
+            assert run["step_ms"]["plain"]["steps"] == run["step_ms"]["steps"]
+        assert run["round"] == run["rounds"] == 1
         sizes = {int(k) for k in run["batch_sizes"]["histogram"]}
         assert sizes and (sizes == {1} if mode == "off" else max(sizes) <= 2)
     assert "phone-lte" in report["emulated"] and report["real"]
