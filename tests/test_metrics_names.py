@@ -10,8 +10,8 @@ import re
 from pathlib import Path
 
 import grpc
-import yaml
 import pytest
+import yaml
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.parser import text_string_to_metric_families
@@ -347,7 +347,19 @@ def test_rested_steps_are_counted_in_metrics_and_the_step_totals():
     m.step(replace(report, rested=True))
     assert value(m.registry, "edgespec:rested_steps_total") == 2
     assert m.step_totals["rested"] == 2 and m.step_totals["steps"] == 3
-    # all three one token a row; a step that verified a draft is not counted as one
+
+
+def test_steps_of_one_token_a_row_are_counted_by_rows():
+    from edgespec.engine.step_report import step_report
+
+    m = VerifierMetrics(CollectorRegistry())
+    plain = step_report([0, 0], [0, 0], sessions=2, tokens=2, take_s=0.0, forward_s=0.01,
+                        commit_s=0.0)
+    for _ in range(3):
+        m.step(plain)
+    # a step that verified a draft is not one; nor is one that only delivered an earlier
+    # step's verdicts (no forward ran)
     m.step(step_report([1], [3], sessions=1, tokens=4, take_s=0.0, forward_s=0.5, commit_s=0.0))
+    m.step(step_report([0], [0], sessions=1, tokens=1, take_s=0.0, forward_s=0.0, commit_s=0.1))
     m.step(step_report([0], [0], sessions=1, tokens=1, take_s=0.0, forward_s=0.2, commit_s=0.0))
     assert m.plain_by_rows == {2: [3, pytest.approx(0.03)], 1: [1, 0.2]}

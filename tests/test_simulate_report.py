@@ -352,33 +352,47 @@ def test_edge_drafting_against_server_only_per_device_count():
 
 
 def test_repeated_rounds_are_paired_by_round_and_their_ratios_medians():
+    import random
     from dataclasses import replace
 
     from edgespec_cli.simulate.charts import series
 
-    # three rounds: edge drafting 10, 10, 10 s against the server alone 20, 12.5, 8 s
-    edge = [replace(split_run("on", ended=10.0, server_s=4.0), round=k, rounds=3)
-            for k in (1, 2, 3)]
+    # three rounds, the same tokens each: edge drafting 10, 20, 5 s against the server alone
+    # 20, 12.5, 8 s: by round 2.0x, 0.625x, 1.6x, median 1.6x (the medians' ratio would be
+    # 12.5 / 10 = 1.25x; rounds paired by position after a shuffle would be wrong too)
+    edge = [replace(split_run("on", ended=t, server_s=4.0), round=k, rounds=3)
+            for k, t in ((1, 10.0), (2, 20.0), (3, 5.0))]
     base = [replace(split_run("server-only", ended=t, server_s=t, boards={}), round=k, rounds=3)
             for k, t in ((1, 20.0), (2, 12.5), (3, 8.0))]
-    report = report_for(edge + base)
+    runs = edge + base
+    random.Random(3).shuffle(runs)
+    report = report_for(runs)
     r = report["vs_server_only"]["2"]
-    assert r["rounds"] == pytest.approx([2.0, 1.25, 0.8])  # each round against its own
-    assert r["throughput"] == pytest.approx(1.25)  # their median, not 20 s against 10 s
+    assert r["throughput_by_round"] == pytest.approx([2.0, 0.625, 1.6])  # each its own round
+    assert r["throughput"] == pytest.approx(1.6)
     # server CPU a token: 4 s against 20, 12.5, 8 s for the same tokens
     assert r["server_cpu_s_per_token"] == pytest.approx(4 / 12.5)
     table = format_table(report)
     assert "== batching on, 2 device(s), round 2 of 3: " in table
-    assert ("(medians of 3 rounds; throughput by round 2.00x, 1.25x, 0.80x)" in table)
+    assert "(medians of 3 rounds; throughput by round 2.00x, 0.62x, 1.60x)" in table
     # a chart's point is the median of a count's rounds
     xs, ys = series(report["runs"], "server-only", lambda s: s["wall_s"])
     assert xs == [2] and ys == pytest.approx([12.5])
     # a round that has one mode only is not paired; one round: no rounds listed
-    one = report_for(edge[:1] + base[1:])
-    assert "vs_server_only" not in one
-    single = report_for([edge[0], replace(base[0], round=1)])["vs_server_only"]["2"]
-    assert "rounds" not in single and single["throughput"] == pytest.approx(2.0)
+    assert "vs_server_only" not in report_for(edge[:1] + base[1:])
+    single = report_for([edge[0], base[0]])["vs_server_only"]["2"]
+    assert "throughput_by_round" not in single and single["throughput"] == pytest.approx(2.0)
     assert "round 1 of" not in format_table(report_for([split_run("on")]))
+
+
+def test_what_bound_the_rounds_is_said_round_by_round_where_they_differ():
+    from edgespec_cli.simulate.report import bound_in_rounds
+
+    assert bound_in_rounds(["the server's cores"] * 3) == "the server's cores"
+    assert bound_in_rounds([None, None]) is None
+    assert bound_in_rounds(["the boards' cores", None, "the server's cores",
+                            "the boards' cores"]) == \
+        "the boards' cores in 2 of 4 rounds; the server's cores in 1 of 4 rounds"
 
 
 def test_rounds_run_each_count_in_turn_every_other_round_reversed():
@@ -501,5 +515,3 @@ def test_one_token_steps_are_compared_with_the_server_alones_at_the_same_rows():
     assert plain_step_ratio(step_split(edge), step_split(base)) == pytest.approx(420 / 350)
     assert plain_step_ratio(step_split(edge), step_split({**base, "plain_by_rows": {}})) is None
     assert plain_step_ratio(step_split(edge), None) is None
-
-

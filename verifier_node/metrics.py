@@ -248,7 +248,8 @@ class VerifierMetrics:
         if report.rested:
             totals["rested"] += 1
             self.rested_steps.inc()
-        if report.tokens == report.sessions:
+        # (a step that only delivered an earlier step's verdicts ran no forward: not counted)
+        if report.tokens == report.sessions and report.forward_s > 0:
             plain = self.plain_by_rows.setdefault(report.sessions, [0, 0.0])
             plain[0] += 1
             plain[1] += report.forward_s

@@ -61,8 +61,9 @@ class VerifierActor:
         the forward (with verification) and committing; the one-token-a-row steps by rows."""
         metrics = self.server.metrics
         assert metrics is not None  # a verifier role's server always keeps metrics
+        plain = dict(metrics.plain_by_rows)  # a copy first: the scheduler's thread adds to it
         return {**metrics.step_totals,
-                "plain_by_rows": {str(n): list(v) for n, v in metrics.plain_by_rows.items()}}
+                "plain_by_rows": {str(n): list(v) for n, v in plain.items()}}
 
     def cpu_seconds(self) -> float | None:
         """CPU seconds of this process so far."""

@@ -238,8 +238,8 @@ def run_order(counts: list[int], modes: list[str], repeat: int) -> list[tuple[st
     """(mode, devices, round) in the order run: a device count's rounds one after another,
     each round its modes in turn, every other round in the reverse order. A machine's speed
     drifts over minutes (a step of the server alone 14% shorter half an hour later here): runs
-    of the modes compared kept close, and alternated, put a drift on both sides alike. The
-    report lists them mode by mode."""
+    of the modes compared kept close, and alternated, put a drift on both sides alike (with an
+    even ``repeat``, each mode first as often). The report lists them mode by mode."""
     order = []
     for n in counts:
         for k in range(1, repeat + 1):

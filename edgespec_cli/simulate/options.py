@@ -67,10 +67,11 @@ def add_simulate_parser(sub) -> argparse.ArgumentParser:
                         "(default: none)")
     s.add_argument("--repeat", metavar="N", type=int, default=1,
                    help="run each device count's modes N times, round by round, every other "
-                        "round in the reverse order (edge drafting then the server alone, then "
-                        "the server alone first); the ratios are the medians of the rounds' "
-                        "own, each round's given beside them: a machine's speed drifts by "
-                        "10-20%% between runs minutes apart (default: %(default)s)")
+                        "round in the reverse order (an even N runs each mode first equally "
+                        "often); the ratios are the medians of the rounds' own, and against "
+                        "--baseline server-only each round's throughput ratio is given beside "
+                        "them: a machine's speed drifts by 10-20%% between runs minutes apart "
+                        "(default: %(default)s)")
     s.add_argument("--seed", metavar="S", type=int, default=0,
                    help="seeds the links' jitter and loss and the order of prompts "
                         "(default: %(default)s)")

@@ -37,7 +37,8 @@ Definitions (all times in seconds in the JSON; the text table shows latencies in
   as an edge-drafting run, batching on): throughput, ITL p50/p99, server CPU seconds per token
   and the one-token-a-row steps' forward at the same rows as edge drafting / server-only. With
   ``--repeat`` each run has its ``round``; runs are paired by round, each ratio is the median of
-  the rounds' own, and ``rounds`` lists the rounds' throughput ratios.
+  the rounds' own, ``throughput_by_round`` lists the rounds' throughput ratios, and
+  ``bound_by`` says in how many rounds a side bound the run where the rounds differ.
 - ``short_runs``: the device counts with a ratio (on/off, or against the baseline) taken from
   a run of under ``SHORT_RUN_S`` seconds (such ratios moved by 0.1-0.2 between repeats of one
   setting on a shared machine); absent when none.
@@ -54,7 +55,7 @@ import json
 import math
 import os
 import statistics
-from collections import defaultdict
+from collections import Counter, defaultdict
 
 from edgespec_cli.deployment.cpu_share import BOUND_SHARE, busy_share
 from edgespec_cli.simulate.records import SERVER_ONLY, RequestRecord, RunRecord
@@ -308,7 +309,7 @@ def throughput_ratios(summaries: list[dict]) -> dict[int, float | None]:
 def baseline_ratios(summaries: list[dict]) -> dict[int, dict[str, object]]:
     """Per device count run both with boards (batching on) and server-only: edge drafting's
     figures over the baseline's; with --repeat, each the median of the rounds' own ratios, and
-    the rounds' throughput ratios in ``rounds``."""
+    the rounds' throughput ratios in ``throughput_by_round``."""
     out = {}
     for n, pairs in sorted(paired_runs(summaries, "on", SERVER_ONLY).items()):
         rounds = [{"throughput": ratio(e["system_tokens_per_s"], b["system_tokens_per_s"]),
@@ -318,13 +319,22 @@ def baseline_ratios(summaries: list[dict]) -> dict[int, dict[str, object]]:
                                                    b["server_cpu_s_per_token"]),
                    "plain_step": plain_step_ratio(e.get("step_ms"), b.get("step_ms"))}
                   for e, b in pairs]
-        bound = sorted({b for e, _ in pairs if (b := (e.get("cpu") or {}).get("bound_by"))})
         figures: dict[str, object] = {k: median_of(r[k] for r in rounds) for k in rounds[0]}
-        figures["bound_by"] = "; ".join(bound) or None
+        figures["bound_by"] = bound_in_rounds([(e.get("cpu") or {}).get("bound_by")
+                                               for e, _ in pairs])
         if len(rounds) > 1:
-            figures["rounds"] = [r["throughput"] for r in rounds]
+            figures["throughput_by_round"] = [r["throughput"] for r in rounds]
         out[n] = figures
     return out
+
+
+def bound_in_rounds(bounds: list[str | None]) -> str | None:
+    """What bound the edge runs of a device count's rounds: the side, when every round says
+    the same (None: none did); else each side with the rounds it bound, "X in k of N rounds"."""
+    if len(set(bounds)) == 1:
+        return bounds[0]
+    counted = Counter(b for b in bounds if b)
+    return "; ".join(f"{b} in {k} of {len(bounds)} rounds" for b, k in sorted(counted.items()))
 
 
 def build_report(runs: list[RunRecord], *, lossless: dict | None, emulated: dict,

@@ -129,9 +129,10 @@ def ratio_lines(report: dict) -> list[str]:
                      f"{fmt(r['server_cpu_s_per_token'], digits=2)}x"
                      + (f", one-token steps' forward {fmt(r['plain_step'], digits=2)}x"
                         if r.get("plain_step") is not None else "") + bound
-                     + (f" (medians of {len(r['rounds'])} rounds; throughput by round "
-                        + ", ".join(f"{fmt(x, digits=2)}x" for x in r["rounds"]) + ")"
-                        if r.get("rounds") else ""))
+                     + (f" (medians of {len(r['throughput_by_round'])} rounds; throughput by "
+                        "round " + ", ".join(f"{fmt(x, digits=2)}x"
+                                             for x in r["throughput_by_round"]) + ")"
+                        if r.get("throughput_by_round") else ""))
     if report.get("short_runs"):
         short = report["short_runs"]
         lines.append(f"note: at {', '.join(map(str, short['devices']))} device(s) a run took "
