@@ -215,8 +215,8 @@ class StepHost:
     slots: np.ndarray  # [B] int64
     depth: np.ndarray  # [B, T] int64: chains t, trees the node's depth (0 the root, padding)
     path: np.ndarray | None  # [B, T, T] int64 (trees), else the chain's (row d at depth d)
-    nodes: np.ndarray | None = None  # [B, N] int64: the draft nodes, -1 padding
-    counts: np.ndarray | None = None  # [B] int64: each row's draft nodes
+    nodes: np.ndarray  # [B, N] int64: the draft nodes, -1 padding
+    counts: np.ndarray  # [B] int64: each row's draft nodes
 
 
 def _paths(ancestors: np.ndarray, depths: np.ndarray) -> np.ndarray:

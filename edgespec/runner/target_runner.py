@@ -388,7 +388,7 @@ class TargetRunner(SlotPrompts):
         # a row's root and nodes, not its padding (the host's counts: no wait)
         real = None
         if self.packs_rows:
-            assert rows.host is not None and rows.host.counts is not None  # StepRows.build's
+            assert rows.host is not None  # StepRows.build's
             real = packed_tokens(rows.host.counts + 1, T, self.device)
         if not rows.tree:
             x, kept = self._chains(rows.slots, rows.tokens, start_t, max(rows.starts),
