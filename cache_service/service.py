@@ -370,9 +370,11 @@ class DraftCacheService(pb_grpc.DraftCacheServicer):
         snap = self.store.snapshot(sid)
         if snap is None:
             return None
-        return pb.CacheMessage(assignment=pb.Assignment(
-            session_id=sid, tokens=snap.tokens, sampling=params_to_pb(snap.params),
-            epoch=snap.epoch))
+        msg = pb.Assignment(session_id=sid, tokens=snap.tokens,
+                            sampling=params_to_pb(snap.params), epoch=snap.epoch)
+        if snap.output_end is not None:  # unset: not said (the board drafts to its window)
+            msg.output_end = snap.output_end
+        return pb.CacheMessage(assignment=msg)
 
     def _event_message(self, ev: InboxEvent | None) -> pb.CacheMessage | None:
         if ev is None:

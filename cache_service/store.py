@@ -340,7 +340,9 @@ class RedisSessionStore:
         rec = self._load(sid)
         if rec is None or rec.done:
             return None
-        return SessionSnapshot(sid, rec.prompt + rec.committed, rec.params, rec.epoch)
+        return SessionSnapshot(sid, rec.prompt + rec.committed, rec.params, rec.epoch,
+                               len(rec.prompt) + rec.max_new_tokens if rec.max_new_tokens > 0
+                               else None)
 
     def last_event_id(self, device: str) -> str:
         last: Any = self.redis.xrevrange(self.keys.inbox(device), count=1)

@@ -93,6 +93,7 @@ class SessionSnapshot:
     tokens: list[int]
     params: SamplingParams
     epoch: int
+    output_end: int | None = None  # past its last output token: prompt + max_new (None: unsaid)
 
 
 @dataclass

@@ -102,7 +102,8 @@ class CacheMessages:
             self.book.assign(a.session_id, list(a.tokens), SamplingParams(), a.epoch)
             self._refuse_session(a.session_id, len(a.tokens), str(e))
             return
-        self.book.assign(a.session_id, list(a.tokens), params, a.epoch)
+        self.book.assign(a.session_id, list(a.tokens), params, a.epoch,
+                         a.output_end if a.HasField("output_end") else None)
 
     def _check_ids(self, tokens) -> None:
         """Token ids the cache sends are the target's: outside its vocabulary, no drafter's

@@ -310,3 +310,27 @@ def test_an_agent_refuses_an_address_gRPC_would_misread(address, why):
         DrafterAgent(address, "edge-bad", SlotDrafter())
     DrafterAgent("dns:///localhost:5", "edge-ok", SlotDrafter())  # these forms stay accepted
     DrafterAgent("[::1]:5", "edge-ok", SlotDrafter())
+
+
+def test_an_agent_drafts_no_token_past_where_the_sessions_output_ends(cache, store):
+    """The cache tells the board where a session's output ends (prompt + max_new_tokens): with 3
+    output tokens left a step verifies at most 2 drafts, so the agent drafts 2 where its window
+    allows 4, plans nothing more, and drafts its whole window for a session with room."""
+    from edgespec.drafters.drafting_loop import _plan_round, lead_room
+
+    drafter = SlotDrafter()
+    agent = DrafterAgent(cache.address, "edge-1", drafter, window=4, chunk=2)
+    t = start_agent(agent)
+    try:
+        store.create("short", [1, 2, 3], SamplingParams(), "edge-1", max_new_tokens=3)
+        store.create("long", [1, 2, 3], SamplingParams(), "edge-1", max_new_tokens=50)
+        eventually(lambda: draft_len(store, "short") == 2 and draft_len(store, "long") == 4,
+                   "both drafted as far as they may be")
+        with agent.cond:
+            target = agent.book.targets["short"]
+            assert target.output_end == 6 and lead_room(target, 4) == 2
+            assert [j.sid for j in _plan_round(agent, agent.book)] == []
+        assert draft_len(store, "short") == 2
+    finally:
+        agent.stop()
+        t.join(WAIT_S)

@@ -352,3 +352,25 @@ def test_the_batch_budget_shortens_the_longest_drafts_first():
         while sum(slow) > budget:
             slow[slow.index(max(slow))] -= 1
         assert cap_to_budget(np.array(ks), budget).tolist() == slow, (ks, budget)
+
+
+def test_no_step_asks_for_a_draft_past_the_end_of_a_requests_output(tiny):
+    """A session with 3 output tokens left verifies at most 2 draft tokens (its step's own
+    token is the third); with 1 left, none: whatever its acceptance and the planner's width,
+    no draft token is verified that could only be cut off the output."""
+    from edgespec.config import EngineConfig
+    from edgespec.drafters import build_drafter
+    from edgespec.engine.spec_engine import Request, SpecEngine
+    from edgespec.runner.target_runner import TargetRunner
+
+    for adaptive in (False, True):
+        runner = TargetRunner(tiny.model, n_slots=4, max_len=256)
+        with SpecEngine(runner, config=EngineConfig(max_draft=4, adaptive=adaptive),
+                        drafter=build_drafter("mag"), stop_ids=set()) as engine:
+            acts = [engine.add(Request([1, 5, 6, 7], 3)), engine.add(Request([1, 8, 9], 1)),
+                    engine.add(Request([1, 8, 9, 4], 20))]
+            engine.cost = fitted(0.040, 0.0004)  # a draft token costs 1% of a step
+            for act in acts:
+                for _ in range(20):
+                    act.draft_len.update(4, 4)  # always right
+            assert [w.k for w in engine._plan()] == [2, 0, 4], adaptive

@@ -353,3 +353,28 @@ def test_a_boards_first_chunk_at_the_committed_end_is_one_token(loop):
     eventually(lambda: len(channel.delivered) == 4, "a lead of 8", channel)
     assert [(start, tokens) for _, _, start, tokens in channel.delivered] == [
         (3, [4]), (4, [5, 6, 7, 8]), (8, [9, 10]), (10, [11])]
+
+
+def test_a_board_drafts_nothing_past_the_last_token_a_step_can_verify(loop):
+    """A session whose output ends at 7 (prompt + max_new_tokens, said at its assignment):
+    a step verifies drafts up to position 5 at most, its own token the last, so asked 4 (a
+    lead of up to the window, 8) the board drafts 3 tokens; after a commit to 5, with a token
+    of its lead left, no chunk is planned. Without the end said, the lead is ``lead_cap``'s."""
+    from edgespec.drafters.drafting_loop import DraftTarget, _plan_round, lead_cap, lead_room
+
+    drafter, channel, book, _ = loop
+    drafter.gate.set()
+    with channel.cond:
+        book.assign("s", [1, 2, 3], SamplingParams(), 0, output_end=7)
+        book.commit("s", 0, 3, wanted=4)
+        channel.cond.notify_all()
+    eventually(lambda: channel.delivered, "the lead up to the output's end", channel)
+    with channel.cond:
+        assert channel.delivered == [("s", 0, 3, [4, 5, 6])]
+        assert [job for job in _plan_round(channel, book) if not job.opening] == []
+        book.commit("s", 0, 5, wanted=4)
+        assert [job for job in _plan_round(channel, book) if not job.opening] == []
+    unsaid = DraftTarget(SamplingParams(), 0, 3)
+    assert lead_room(unsaid, 8) == lead_cap(None, 8) == 8
+    unsaid.wanted = 1
+    assert lead_room(unsaid, 8) == lead_cap(1, 8) == 4

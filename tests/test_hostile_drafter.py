@@ -245,6 +245,10 @@ def test_inbox_events_assign_commit_close_reach_the_drafter(cache, store):
     store.create("s1", [1, 2, 3], SamplingParams(), "dev1")
     a = s.next("assignment")
     assert (a.session_id, list(a.tokens), a.epoch) == ("s1", [1, 2, 3], 0)
+    assert not a.HasField("output_end")  # no max_new_tokens said: the board keeps its window
+    store.create("s2", [1, 2, 3], SamplingParams(), "dev1", max_new_tokens=5)
+    a = s.next("assignment")
+    assert (a.session_id, a.output_end) == ("s2", 8)  # no draft token at 7 or beyond is used
     inbox = store.keys.inbox("dev1")
     store.redis.xadd(inbox, {"t": "commit", "sid": "s1", "epoch": 1, "end": 4, "fix": 1, "tok": 9})
     c = s.next("commit")

@@ -169,9 +169,10 @@ def test_a_window_shorter_than_the_ask_keeps_the_draft_session_with_the_store(se
 
         def checked_draft(wants):
             draft(wants)
+            asked = {w.session_id for w in wants if w.k > 0}  # none past an output's end
             for sid, entry in inline.sessions.items():
                 state = store.sessions.get(sid)
-                if state is not None:
+                if state is not None and sid in asked:
                     assert len(state.draft) <= 2
                     synced.append(entry.draft.tokens == state.tokens + state.draft)
 
@@ -286,4 +287,28 @@ def test_a_chain_drafted_to_the_lead_serves_the_next_step_without_a_call():
     assert calls == [] and state.draft == [4, 5, 6]
     inline.draft([DraftWant("s", 4)])  # a longer ask than the store holds: drafted on
     assert len(calls) == 1 and state.draft[:3] == [4, 5, 6] and len(state.draft) >= 5
+    inline.close()
+
+
+def test_a_chain_is_drafted_no_further_than_a_step_can_verify_before_the_output_ends():
+    """A session with 4 output tokens left (max_new_tokens 4): its steps verify drafts at the
+    first 3 of them at most (a step's own token is the last), so the lead (2k + 2 = 6 for an
+    ask of 2) is cut to 3, and once a commit leaves one token, nothing is drafted."""
+    from edgespec.engine.inline_drafts import InlineDrafts
+    from edgespec.protocol.contract import DraftWant, Verdict
+    from edgespec.protocol.local_store import LocalSessionStore
+
+    store = LocalSessionStore()
+    store.create("s", [1, 2, 3, 4, 5, 6, 1, 2], SamplingParams(), drafter="mag",
+                 max_new_tokens=4)
+    inline = InlineDrafts(build_drafter("mag"), store, EngineConfig())
+    state = store.sessions["s"]
+    assert state.output_end == 12
+    inline.draft([DraftWant("s", 2)])
+    assert state.draft == [3, 4, 5]  # 6 would be drafted without the output's end
+    [taken] = store.take_when_ready([DraftWant("s", 2)], 0.0)
+    [out] = store.commit_many([Verdict("s", taken.epoch, taken.start, 2, 5)])
+    assert out.ok and state.end == 11 and state.draft == []
+    inline.draft([DraftWant("s", 2)])
+    assert state.draft == []  # the next step's own token ends the output: no draft is used
     inline.close()

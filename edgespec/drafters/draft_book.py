@@ -40,6 +40,9 @@ class DraftTarget:
     wanted: int | None = None  # draft tokens the verifier's last step asked of it (None: unsaid)
     sent_end: int | None = None  # where the chunks handed on under this epoch end
     moved_s: float | None = None  # when the committed end last moved past the tokens sent
+    # the position past the session's last output token (prompt + max_new_tokens; None: not
+    # said): no step verifies a draft token at output_end - 1 or beyond
+    output_end: int | None = None
 
 
 class DraftBook:
@@ -54,10 +57,13 @@ class DraftBook:
         self.counts = LoopCounts()  # what the loop drafted, sent, kept and threw away
         self.news = False  # a session came, moved or was fixed since the round was planned
 
-    def assign(self, sid: str, tokens: list[int], params: SamplingParams, epoch: int) -> None:
-        """A session to draft for, from ``tokens`` (prompt + committed) under ``epoch``."""
+    def assign(self, sid: str, tokens: list[int], params: SamplingParams, epoch: int,
+               output_end: int | None = None) -> None:
+        """A session to draft for, from ``tokens`` (prompt + committed) under ``epoch``;
+        ``output_end``: the position past its last output token, if said."""
         self.close(sid)
-        self.targets[sid] = DraftTarget(params, epoch, len(tokens), opening=list(tokens))
+        self.targets[sid] = DraftTarget(params, epoch, len(tokens), opening=list(tokens),
+                                        output_end=output_end)
         self.news = True
 
     def commit(self, sid: str, epoch: int, committed_end: int, wanted: int | None = None

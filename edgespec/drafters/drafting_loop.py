@@ -7,7 +7,8 @@ channel's lock. The transport records what happens to the sessions (a new one, t
 commits and fixes, a close) in the book, under that lock. The loop plans a round under the lock: it
 applies the fixes received, sends held tokens again, and lists its jobs: the sessions to open, then
 every session with room in its window (W tokens beyond the committed position, or fewer: about twice
-what the verifier's last step asked of it, ``lead_cap``; none while it asks 0), furthest behind
+what the verifier's last step asked of it, ``lead_cap``; none while it asks 0; never past the
+last token a step could verify before the session's output ends, ``lead_room``), furthest behind
 first, a chunk each (beyond what the verifier's next step asks, chunks of the channel's
 ``ahead_chunk``: a board's is AHEAD_CHUNK, so that a fix that comes while one is drafted waits for
 no more than that; from the committed end, after a fix or at the opening, the channel's
@@ -61,7 +62,7 @@ from .draft_book import DraftBook, DraftTarget, close_drafts
 from .drafting_turn import ALONE_TURNS, Job, do_turn
 
 __all__ = ["AHEAD_CHUNK", "LEAD_SLACK", "DraftBook", "DraftChannel", "DraftTarget",
-           "apply_fix", "close_drafts", "lead_cap", "run_drafting"]
+           "apply_fix", "close_drafts", "lead_cap", "lead_room", "run_drafting"]
 
 log = logging.getLogger("edgespec.drafting")
 
@@ -263,7 +264,7 @@ def _plan_round(channel: DraftChannel, book: DraftBook, together: int = 1) -> li
         drafting += 1
         start = len(t.draft.tokens)
         lead = start - t.committed_end
-        room = lead_cap(t.wanted, channel.window) - lead
+        room = lead_room(t, channel.window) - lead
         if room > 0 and channel.can_draft(sid, start):
             if t.wanted is not None and lead >= t.wanted:  # beyond the next step's ask
                 room = min(room, channel.ahead_chunk)
@@ -283,6 +284,15 @@ def _plan_round(channel: DraftChannel, book: DraftBook, together: int = 1) -> li
         if first and lead == 0 and not job.target.overtaken:
             job.n = min(job.n, channel.first_chunk)
     return [job for _, job in reversed(chunks)] + opening[::-1]
+
+
+def lead_room(t: DraftTarget, window: int) -> int:
+    """How far ahead of its committed end a session is drafted: its ``lead_cap``, and never to
+    where its output ends (a draft token at ``output_end`` - 1 or beyond is never verified)."""
+    cap = lead_cap(t.wanted, window)
+    if t.output_end is not None:
+        cap = min(cap, t.output_end - 1 - t.committed_end)
+    return cap
 
 
 def lead_cap(wanted: int | None, window: int) -> int:

@@ -61,7 +61,7 @@ class LocalChannel:
             if not state.has_drafter:
                 continue
             if sid not in book.targets:
-                book.assign(sid, state.tokens, state.params, state.epoch)
+                book.assign(sid, state.tokens, state.params, state.epoch, state.output_end)
                 self._last_fix[sid] = state.fixes[-1].id if state.fixes else 0
                 continue
             for fix in state.fixes_after(self._last_fix[sid]):

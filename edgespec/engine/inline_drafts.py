@@ -65,7 +65,8 @@ class InlineDrafts:
         the whole draft and whose token the guess holds commits without a fix (the draft
         session goes on as it stands), and the rest serves the next step without a call.
         Trees are drafted to k: a tree's k + 1 would spend its branches on the one position
-        no step takes them from. Sessions the store no longer holds are closed."""
+        no step takes them from. Never past the last position a step can verify before the
+        session's output ends. Sessions the store no longer holds are closed."""
         store = self.store
         chains = self.tree_width <= 1
         with store.lock:
@@ -79,6 +80,8 @@ class InlineDrafts:
                 # same however long its draft, and a step that accepts the ask and the guess
                 # leaves the rest for the next, which then needs no call
                 k = max(w.k + 1, lead_cap(w.k, self.window)) if chains else w.k
+                if state.output_end is not None:  # none past the last token a step verifies
+                    k = min(k, state.output_end - 1 - state.end)
                 try:
                     self._draft_one(w.session_id, state, k)
                 except Exception as exc:  # a broken drafter costs speed, never the session
@@ -91,6 +94,8 @@ class InlineDrafts:
 
     def _draft_one(self, sid: str, state: SessionState, k: int) -> None:
         s = self._synced(sid, state)
+        if len(state.draft) >= k:  # the output's end cuts the lead to what the store holds
+            return
         start = state.end + len(state.draft)
         d = s.propose_tree(k - len(state.draft), self.tree_width)
         kept = state.push_draft(state.epoch, start, d.tokens, idle=True, window=self.window,

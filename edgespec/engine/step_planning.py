@@ -36,6 +36,14 @@ def lead_caps(acts: Sequence[ActiveSession], window: int) -> np.ndarray:
     return np.fromiter((lead_cap(a.wanted, window) for a in acts), np.int64, len(acts))
 
 
+def output_caps(acts: Sequence[ActiveSession]) -> np.ndarray:
+    """[B]: the most draft tokens each session can use: one fewer than the tokens its output
+    has left (the step's own token is the last), so no step verifies a draft past a request's
+    end."""
+    return np.fromiter((a.req.max_new_tokens - len(a.output) - 1 for a in acts), np.int64,
+                       len(acts))
+
+
 def cap_to_budget(ks: np.ndarray, budget: int) -> np.ndarray:
     """ks cut to sum at most ``budget`` by shortening the longest first, one token at a time,
     the earliest of equals first: every k cut to a level c (the highest whose cut fits), and
@@ -55,8 +63,9 @@ def cap_to_budget(ks: np.ndarray, budget: int) -> np.ndarray:
 def plan_drafts(acts: Sequence[ActiveSession], cfg: EngineConfig, cost: ForwardCost,
                 prober: Prober, gains: BatchGains | None = None, notice: int = 2) -> list[int]:
     """Draft tokens each session verifies this step: its adaptive length, cut by the planner to
-    the width that pays, then the batch capped at ``max_batch_tokens`` (one own token per
-    session + drafts) by shortening the longest drafts first. A step planned without drafts is
+    the width that pays, and to what the session's output has room for (``output_caps``),
+    then the batch capped at ``max_batch_tokens`` (one own token per session + drafts) by
+    shortening the longest drafts first. A step planned without drafts is
     now and then (``prober``, as often as a probe costs at most ``draft_planner.PROBE_SHARE``
     of the steps' time) given a short one for every session, to measure acceptance again: all
     at once, since one row's draft widens every row. ``gains``: ``session_gains(acts)``;
@@ -73,6 +82,7 @@ def plan_drafts(acts: Sequence[ActiveSession], cfg: EngineConfig, cost: ForwardC
         # no more than the session's drafter drafts ahead after the last ask (``lead_cap``):
         # a wider ask grows as the drafter's lead does, a step at a time
         ks = np.minimum(np.minimum(ks, np.maximum(planned, width)), lead_caps(acts, cfg.window))
+    ks = np.maximum(np.minimum(ks, output_caps(acts)), 0)
     return cap_to_budget(ks, max(0, cfg.max_batch_tokens - len(ks))).tolist()
 
 

@@ -51,6 +51,7 @@ class SessionState:
     vocab_size: int | None = None  # draft token ids must be below it (None: not checked)
     done: bool = False
     wanted: int | None = None  # the draft tokens the verifier's last step asked of it
+    max_new_tokens: int = 0  # its output's length at most (0: not said)
     fixes: deque = field(default_factory=lambda: deque(maxlen=256))
     _next_fix_id: int = 1
     # position after the last committed token, kept as tokens are committed (``commit``):
@@ -63,6 +64,11 @@ class SessionState:
     @property
     def tokens(self) -> list[int]:
         return self.prompt + self.committed
+
+    @property
+    def output_end(self) -> int | None:
+        """The position past its last output token (None: not said)."""
+        return len(self.prompt) + self.max_new_tokens if self.max_new_tokens > 0 else None
 
     def push_draft(self, epoch: int, start: int, tokens: list[int], idle: bool = False,
                    window: int = 1 << 30, branches=()) -> int:
@@ -202,7 +208,8 @@ class LocalSessionStore:
                 raise ValueError(f"session {session_id} exists")
             self.sessions[session_id] = SessionState(session_id, list(prompt), list(committed),
                                                      has_drafter=bool(drafter),
-                                                     params=params, vocab_size=self.vocab_size)
+                                                     params=params, vocab_size=self.vocab_size,
+                                                     max_new_tokens=max_new_tokens)
             self._record(session_id)
             self.cond.notify_all()
 

@@ -364,16 +364,18 @@ class Registered(_message.Message):
     def __init__(self, target_model: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ..., window: _Optional[int] = ..., chunk: _Optional[int] = ..., vocab_size: _Optional[int] = ..., heartbeat_ms: _Optional[int] = ...) -> None: ...
 
 class Assignment(_message.Message):
-    __slots__ = ("session_id", "tokens", "sampling", "epoch")
+    __slots__ = ("session_id", "tokens", "sampling", "epoch", "output_end")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_END_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     tokens: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
     epoch: int
-    def __init__(self, session_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., epoch: _Optional[int] = ...) -> None: ...
+    output_end: int
+    def __init__(self, session_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., epoch: _Optional[int] = ..., output_end: _Optional[int] = ...) -> None: ...
 
 class Commit(_message.Message):
     __slots__ = ("session_id", "epoch", "committed_end", "is_fix", "fix_position", "fix_token", "fix_more", "wanted")
