@@ -340,9 +340,11 @@ class RedisSessionStore:
         rec = self._load(sid)
         if rec is None or rec.done:
             return None
+        # not said for a loose session: its drafts past the end may confirm a mismatch before
+        # it (verify.loose's window)
+        said = rec.max_new_tokens > 0 and rec.verify != "loose"
         return SessionSnapshot(sid, rec.prompt + rec.committed, rec.params, rec.epoch,
-                               len(rec.prompt) + rec.max_new_tokens if rec.max_new_tokens > 0
-                               else None)
+                               len(rec.prompt) + rec.max_new_tokens if said else None)
 
     def last_event_id(self, device: str) -> str:
         last: Any = self.redis.xrevrange(self.keys.inbox(device), count=1)

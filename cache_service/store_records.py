@@ -93,7 +93,8 @@ class SessionSnapshot:
     tokens: list[int]
     params: SamplingParams
     epoch: int
-    output_end: int | None = None  # past its last output token: prompt + max_new (None: unsaid)
+    # past its last output token: prompt + max_new (None: not said, or a loose session)
+    output_end: int | None = None
 
 
 @dataclass

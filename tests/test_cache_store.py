@@ -33,6 +33,16 @@ def test_push_take_commit_with_fix_reaches_the_inbox(store):
                                    position=4, wanted=2)
 
 
+def test_a_snapshot_says_where_an_exact_sessions_output_ends(store):
+    """What a board is told at assignment: prompt + max_new_tokens, for an exactly verified
+    session; nothing for one whose length was not said, or a loose one (its drafts past the
+    end may confirm a mismatch before it)."""
+    store.create("said", [1, 2, 3], SamplingParams(), None, max_new_tokens=5)
+    store.create("unsaid", [1, 2, 3], SamplingParams(), None)
+    store.create("loose", [1, 2, 3], SamplingParams(), None, max_new_tokens=5, verify="loose")
+    assert [store.snapshot(s).output_end for s in ("said", "unsaid", "loose")] == [8, None, None]
+
+
 def test_a_verifier_that_did_not_create_the_session_reaches_its_board(store):
     """The take and commit scripts find a session's board from the session itself, not from the
     verifier process that created it: another replica's take sees the board drafting (a step

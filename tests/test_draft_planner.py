@@ -374,3 +374,16 @@ def test_no_step_asks_for_a_draft_past_the_end_of_a_requests_output(tiny):
                 for _ in range(20):
                     act.draft_len.update(4, 4)  # always right
             assert [w.k for w in engine._plan()] == [2, 0, 4], adaptive
+    # a loosely verified session is not cut: drafts past its end may confirm a mismatch before
+    # it (FLy's window), and the store does not tell its drafter where the output ends
+    runner = TargetRunner(tiny.model, n_slots=4, max_len=256)
+    with SpecEngine(runner, config=EngineConfig(max_draft=4, adaptive=False, verify="loose"),
+                    drafter=build_drafter("mag"), stop_ids=set()) as engine:
+        acts = [engine.add(Request([1, 5, 6, 7], 3, verify="exact")),
+                engine.add(Request([1, 5, 6, 7], 3))]
+        assert [a.verify for a in acts] == ["exact", "loose"]
+        for act in acts:
+            for _ in range(20):
+                act.draft_len.update(4, 4)  # always right
+        assert [w.k for w in engine._plan()] == [2, 4]
+        assert [engine.store.sessions[a.sid].output_end for a in acts] == [7, None]

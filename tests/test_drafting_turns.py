@@ -211,3 +211,21 @@ def test_a_job_whose_bookkeeping_fails_costs_its_session_its_drafts_and_no_other
         ([("s2", 0, 2)] if handed_on else []))
     with channel.cond:
         assert not any(t.busy for t in book.targets.values())
+
+
+def test_in_process_the_drafting_thread_is_told_where_a_sessions_output_ends():
+    """The in-process drafting thread's book gets each session's output end from the store
+    (prompt + max_new_tokens), as a board gets it from the cache's assignment; none where the
+    length was not said."""
+    from edgespec.config import EngineConfig, SamplingParams
+    from edgespec.drafters.draft_book import DraftBook
+    from edgespec.engine.draft_worker import LocalChannel
+    from edgespec.protocol.local_store import LocalSessionStore
+
+    store = LocalSessionStore()
+    channel, book = LocalChannel(store, EngineConfig()), DraftBook(pace=False)
+    store.create("said", [1, 2, 3], SamplingParams(), drafter="mag", max_new_tokens=5)
+    store.create("unsaid", [1, 2, 3], SamplingParams(), drafter="mag")
+    with store.lock:
+        channel.refresh(book)
+    assert {sid: t.output_end for sid, t in book.targets.items()} == {"said": 8, "unsaid": None}

@@ -172,9 +172,10 @@ def test_a_window_shorter_than_the_ask_keeps_the_draft_session_with_the_store(se
             asked = {w.session_id for w in wants if w.k > 0}  # none past an output's end
             for sid, entry in inline.sessions.items():
                 state = store.sessions.get(sid)
-                if state is not None and sid in asked:
+                if state is not None:
                     assert len(state.draft) <= 2
-                    synced.append(entry.draft.tokens == state.tokens + state.draft)
+                    if sid in asked:  # one asked nothing is left as it stands
+                        synced.append(entry.draft.tokens == state.tokens + state.draft)
 
         inline.draft = checked_draft
         results = engine.generate_many([Request(p, 40) for p in PROMPTS])

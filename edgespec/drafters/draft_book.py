@@ -41,7 +41,7 @@ class DraftTarget:
     sent_end: int | None = None  # where the chunks handed on under this epoch end
     moved_s: float | None = None  # when the committed end last moved past the tokens sent
     # the position past the session's last output token (prompt + max_new_tokens; None: not
-    # said): no step verifies a draft token at output_end - 1 or beyond
+    # said): a chain token drafted at output_end - 1 or beyond is of no use to any step
     output_end: int | None = None
 
 

@@ -288,7 +288,8 @@ def _plan_round(channel: DraftChannel, book: DraftBook, together: int = 1) -> li
 
 def lead_room(t: DraftTarget, window: int) -> int:
     """How far ahead of its committed end a session is drafted: its ``lead_cap``, and never to
-    where its output ends (a draft token at ``output_end`` - 1 or beyond is never verified)."""
+    where its output ends (a token drafted at ``output_end`` - 1 or beyond would be cut to the
+    step's own token, or past the output, if a step took it; the verifier asks for none)."""
     cap = lead_cap(t.wanted, window)
     if t.output_end is not None:
         cap = min(cap, t.output_end - 1 - t.committed_end)

@@ -37,11 +37,13 @@ def lead_caps(acts: Sequence[ActiveSession], window: int) -> np.ndarray:
 
 
 def output_caps(acts: Sequence[ActiveSession]) -> np.ndarray:
-    """[B]: the most draft tokens each session can use: one fewer than the tokens its output
-    has left (the step's own token is the last), so no step verifies a draft past a request's
-    end."""
-    return np.fromiter((a.req.max_new_tokens - len(a.output) - 1 for a in acts), np.int64,
-                       len(acts))
+    """[B]: the most chain tokens each exactly verified session can use: one fewer than the
+    tokens its output has left (the step's own token is the last, and an accepted draft token
+    there would be cut to it), so no step verifies a chain past a request's end. A loosely
+    verified session is not capped: its drafts past the end may confirm a mismatch before it
+    (``verify.loose``'s window)."""
+    return np.fromiter((a.req.max_new_tokens - len(a.output) - 1 if a.verify != "loose"
+                        else 1 << 30 for a in acts), np.int64, len(acts))
 
 
 def cap_to_budget(ks: np.ndarray, budget: int) -> np.ndarray:
@@ -63,7 +65,7 @@ def cap_to_budget(ks: np.ndarray, budget: int) -> np.ndarray:
 def plan_drafts(acts: Sequence[ActiveSession], cfg: EngineConfig, cost: ForwardCost,
                 prober: Prober, gains: BatchGains | None = None, notice: int = 2) -> list[int]:
     """Draft tokens each session verifies this step: its adaptive length, cut by the planner to
-    the width that pays, and to what the session's output has room for (``output_caps``),
+    the width that pays, and to what an exact session's output has room for (``output_caps``),
     then the batch capped at ``max_batch_tokens`` (one own token per session + drafts) by
     shortening the longest drafts first. A step planned without drafts is
     now and then (``prober``, as often as a probe costs at most ``draft_planner.PROBE_SHARE``

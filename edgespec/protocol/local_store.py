@@ -51,7 +51,9 @@ class SessionState:
     vocab_size: int | None = None  # draft token ids must be below it (None: not checked)
     done: bool = False
     wanted: int | None = None  # the draft tokens the verifier's last step asked of it
-    max_new_tokens: int = 0  # its output's length at most (0: not said)
+    # its output's length at most (0: not said; a loosely verified session's is not: its drafts
+    # past the end may confirm a mismatch before it)
+    max_new_tokens: int = 0
     fixes: deque = field(default_factory=lambda: deque(maxlen=256))
     _next_fix_id: int = 1
     # position after the last committed token, kept as tokens are committed (``commit``):
@@ -209,7 +211,8 @@ class LocalSessionStore:
             self.sessions[session_id] = SessionState(session_id, list(prompt), list(committed),
                                                      has_drafter=bool(drafter),
                                                      params=params, vocab_size=self.vocab_size,
-                                                     max_new_tokens=max_new_tokens)
+                                                     max_new_tokens=max_new_tokens
+                                                     if verify != "loose" else 0)
             self._record(session_id)
             self.cond.notify_all()
 
