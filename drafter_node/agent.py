@@ -8,7 +8,9 @@ ahead for every session with room in its window (W tokens beyond the committed p
 chunks of c tokens, outside the lock (a fix never waits behind a model drafter's forward), tags
 each chunk with its epoch and start position, and never waits for a verdict. When the link
 drops, the agent forgets its sessions, waits with exponential backoff and attaches again; the
-cache then sends the current state of its sessions.
+cache then sends the current state of its sessions. A drafter that drafts in microseconds
+(``Drafter.cheap``: MaG, Cacheback) sends each session's room in one chunk: every chunk is a
+message the cache's host handles (on a server whose cores the cache shares, the verifier's).
 A cache that answers but refuses for now (its Redis recovering) says when to come back (trailing
 metadata ``retry-after-ms``): the agent comes back then instead of backing off (``next_backoff``),
 so drafting resumes within moments of the cache serving again.
@@ -62,6 +64,7 @@ BACKOFF_START_S = 0.2
 STILL_UNREACHABLE_LOG_S = 30.0  # while the cache stays unreachable, say so this often
 MIN_RETRY_S = 0.1  # the shortest wait a retry hint may ask for
 STEADY_LINK_S = 10.0  # a link that lasted this long resets the backoff when it ends
+WHOLE_ROOM = 1 << 20  # a chunk limit no session's room reaches: the room is the limit
 REPLACED_FORGOTTEN_S = 60.0  # a 'replaced' this long ago no longer counts towards stopping
 
 
@@ -102,6 +105,11 @@ class DrafterAgent(CacheMessages):
         self.vocab: int | None = None  # the target's, from Registered
         self.ahead_chunk = AHEAD_CHUNK  # a fix waits for no more of a chunk drafted ahead
         self.first_chunk = 1  # after a fix, its first token reaches the cache a token sooner
+        if drafter.cheap:
+            # a drafter that drafts in microseconds (MaG, Cacheback) sends a session's room in
+            # one chunk (and ``chunk`` the window, unless given): each chunk is a message the
+            # cache's host handles, and a cheap draft cut in pieces reaches it no sooner
+            self.ahead_chunk = self.first_chunk = WHOLE_ROOM
         # a board's own time: a fix waits for no more than one job, or, for a drafter that
         # drafts its sessions together (llama.cpp's sequences), one turn of its forwards
         self.jobs_at_once = max(1, drafter.batch_jobs)

@@ -61,7 +61,7 @@ class CacheMessages:
             if kind == "registered":
                 reg = msg.registered
                 self.window = self.window or reg.window
-                self.chunk = self.chunk or reg.chunk
+                self.chunk = self.chunk or (self.window if self.drafter.cheap else reg.chunk)
                 self.vocab = reg.vocab_size or None
                 self.attaches += 1
                 self.connected.set()

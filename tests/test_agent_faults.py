@@ -334,3 +334,29 @@ def test_an_agent_drafts_no_token_past_where_the_sessions_output_ends(cache, sto
     finally:
         agent.stop()
         t.join(WAIT_S)
+
+
+class CheapSlotDrafter(SlotDrafter):
+    """``SlotDrafter`` that says it drafts in microseconds (as MaG and Cacheback do)."""
+
+    cheap = True
+
+
+@pytest.mark.parametrize("cheap", [False, True])
+def test_a_cheap_drafter_sends_a_sessions_room_in_one_chunk(cache, store, cheap):
+    """A model drafter's first chunk after the committed end is one token (the next step gets
+    it a token's drafting sooner), the rest of its room (the cache's window, 8) in the cache's
+    chunks of 4; a drafter that drafts in microseconds sends the whole room in one chunk: each
+    chunk is a message the cache's host handles."""
+    drafter = CheapSlotDrafter() if cheap else SlotDrafter()
+    agent = DrafterAgent(cache.address, "edge-1", drafter, pace=False)
+    t = start_agent(agent)
+    try:
+        store.create("s", [1, 2, 3], SamplingParams(), "edge-1", max_new_tokens=50)
+        eventually(lambda: draft_len(store, "s") == 8, "the session's room drafted")
+        with agent.cond:
+            assert (agent.window, agent.chunk) == (8, 8 if cheap else 4)
+            assert agent.chunks_sent == (1 if cheap else 3)  # 8, or 1 + 4 + 3
+    finally:
+        agent.stop()
+        t.join(WAIT_S)
