@@ -236,7 +236,9 @@ def add_cluster_commands(sub) -> None:
     d.add_argument("--window", metavar="W", type=int, default=None,
                    help="tokens drafted beyond the committed position, W (default: the cache's)")
     d.add_argument("--chunk", metavar="C", type=int, default=None,
-                   help="most tokens per chunk, c (default: the cache's)")
+                   help="most tokens per chunk, c; unless given, a statistical drafter (mag, "
+                        "cacheback) sends all the room a session has in one chunk (default: "
+                        "the cache's)")
     d.add_argument("--no-pace", action="store_true",
                    help="draft chunks of c tokens always; by default a drafter slower than the "
                         "verifier's step drafts shorter chunks, sized from the step interval "
