@@ -62,7 +62,8 @@ from .draft_book import DraftBook, DraftTarget, close_drafts
 from .drafting_turn import ALONE_TURNS, Job, do_turn
 
 __all__ = ["AHEAD_CHUNK", "LEAD_SLACK", "DraftBook", "DraftChannel", "DraftTarget",
-           "apply_fix", "close_drafts", "lead_cap", "lead_room", "run_drafting"]
+           "apply_fix", "close_drafts", "lead_cap", "lead_room", "output_room",
+           "run_drafting"]
 
 log = logging.getLogger("edgespec.drafting")
 
@@ -288,12 +289,15 @@ def _plan_round(channel: DraftChannel, book: DraftBook, together: int = 1) -> li
 
 def lead_room(t: DraftTarget, window: int) -> int:
     """How far ahead of its committed end a session is drafted: its ``lead_cap``, and never to
-    where its output ends (a token drafted at ``output_end`` - 1 or beyond would be cut to the
-    step's own token, or past the output, if a step took it; the verifier asks for none)."""
-    cap = lead_cap(t.wanted, window)
-    if t.output_end is not None:
-        cap = min(cap, t.output_end - 1 - t.committed_end)
-    return cap
+    where its output ends (``output_room``)."""
+    return min(lead_cap(t.wanted, window), output_room(t.output_end, t.committed_end))
+
+
+def output_room(output_end: int | None, committed_end: int) -> int:
+    """Tokens a session may be drafted ahead of ``committed_end`` before its output ends: a
+    token drafted at ``output_end`` - 1 or beyond would be cut to the step's own token, or past
+    the output, if a step took it (the verifier asks for none). Unbounded when not said."""
+    return (1 << 30) if output_end is None else output_end - 1 - committed_end
 
 
 def lead_cap(wanted: int | None, window: int) -> int:

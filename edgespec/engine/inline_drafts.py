@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 from ..config import EngineConfig
 from ..drafters import Drafter, DraftSession
-from ..drafters.drafting_loop import apply_fix, lead_cap
+from ..drafters.drafting_loop import apply_fix, lead_cap, output_room
 from ..protocol.contract import DraftWant
 from ..protocol.local_store import LocalSessionStore, SessionState
 
@@ -80,8 +80,7 @@ class InlineDrafts:
                 # same however long its draft, and a step that accepts the ask and the guess
                 # leaves the rest for the next, which then needs no call
                 k = max(w.k + 1, lead_cap(w.k, self.window)) if chains else w.k
-                if state.output_end is not None:  # none past the last token a step verifies
-                    k = min(k, state.output_end - 1 - state.end)
+                k = min(k, output_room(state.output_end, state.end))
                 try:
                     self._draft_one(w.session_id, state, k)
                 except Exception as exc:  # a broken drafter costs speed, never the session
