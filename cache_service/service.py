@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import queue
 import threading
 import time
@@ -335,13 +336,22 @@ class DraftCacheService(pb_grpc.DraftCacheServicer):
         def alive() -> None:  # attached still, while it waits for the drafter to read
             self.store.devices.mark_alive(device, ttl_ms=self.poll_ms * 5)
 
+        checked = -math.inf  # when the alive mark was last set and the registration read
         try:
             while not stop.is_set() and not self._stopping.is_set():
                 with self._lock:
                     if self._generation.get(device) != gen:
                         break  # a newer stream took this device over
-                alive()
-                if not self.store.redis.hexists(self.store.keys.devices, device):
+                # once a poll, not once a read: where a drafter's sessions commit every step,
+                # both cost the server's core two Redis round trips an event more (the alive
+                # mark lives five polls)
+                if time.monotonic() - checked >= self.poll_ms / 1000:
+                    checked = time.monotonic()
+                    alive()
+                    registered = self.store.redis.hexists(self.store.keys.devices, device)
+                else:
+                    registered = True
+                if not registered:
                     # Redis restarted without persistence: it forgot the registration (so no
                     # session would be assigned to this drafter) and the drafter's sessions.
                     # The drafter attaches again, after the retry hint.
