@@ -15,7 +15,11 @@ script's arguments) appends draft[:n]
 + branch + token to the committed tokens. A commit the draft held keeps the branches still
 ahead; anything else (a rejection, a bonus token, a branch) is a fix: the draft and its branches
 are dropped, the epoch moves on, and the drafter's inbox gets the fix (every commit reaches the
-inbox, with what the step asked of the session: the drafter's lead follows it). A verdict that
+inbox, with what the step asked of the session: the drafter's lead follows it; but once a
+drafter was told that a step asked none of a session, the commits that ask none after it do
+not: the first that asks again carries all it missed, one fix from the end it knows when a fix
+came meanwhile, else a commit; a rested board costs the server's core no event a step). A
+verdict that
 names a branch the draft does not hold is refused, unless the branch is the verifier's own (a
 draft head's). A commit replayed after it landed (its reply lost with the connection) is
 recognised by its position and last token and answered with code 2, not applied twice; any
@@ -67,7 +71,7 @@ COMMIT_LUA = """
 local function commit(base, sid, epoch_in, n, tok, done, start, first, own, want, finish, branch,
                       more)
 local tokk, draftk, brk = base .. ':tok', base .. ':draft', base .. ':br'
-local h = redis.call('HMGET', base, 'epoch', 'device', 'done')
+local h = redis.call('HMGET', base, 'epoch', 'device', 'done', 'rest', 'hush', 'hushep')
 if not h[1] then return {-1, 'unknown session'} end
 local endpos = redis.call('STRLEN', tokk) / 4
 local nbr = string.len(branch) / 4
@@ -127,11 +131,30 @@ else
 end
 if done == 1 then redis.call('HSET', base, 'done', '1', 'finish', finish) end
 if h[2] and h[2] ~= '' then
-  -- a fix: roll back to pos, then append tok and the tokens in more
-  redis.call('XADD', devprefix .. h[2] .. ':inbox', 'MAXLEN', '~', maxlen, '*', 't', 'commit',
-             'sid', sid,
-             'epoch', epoch, 'end', endpos, 'fix', isfix, 'tok', first,
-             'pos', start + n, 'more', more, 'want', want)
+  if want == 0 and h[4] == '1' then
+    -- the board was told that no step asks its drafts: it hears of what is committed meanwhile
+    -- once a step asks again ('hush': the end it knows, 'hushep': the epoch it knows)
+    if not h[5] then redis.call('HSET', base, 'hush', start, 'hushep', h[1]) end
+  else
+    local pos, f, f1, mo = start + n, isfix, first, more
+    if h[5] then
+      local from = tonumber(h[5])
+      if epoch > tonumber(h[6]) then
+        -- a fix came meanwhile: one fix from the end the board knows, every token since
+        local toks = redis.call('GETRANGE', tokk, from * 4, endpos * 4 - 1)
+        local rest = {}
+        for i = 5, #toks, 4 do rest[#rest + 1] = struct.unpack('<I4', toks, i) end
+        pos, f, f1, mo = from, 1, struct.unpack('<I4', toks), table.concat(rest, ',')
+      end  -- else its draft held every token committed since: a commit says the new end
+      redis.call('HDEL', base, 'hush', 'hushep')
+    end
+    -- a fix: roll back to pos, then append tok and the tokens in more
+    redis.call('XADD', devprefix .. h[2] .. ':inbox', 'MAXLEN', '~', maxlen, '*', 't',
+               'commit', 'sid', sid, 'epoch', epoch, 'end', endpos, 'fix', f, 'tok', f1,
+               'pos', pos, 'more', mo, 'want', want)
+    if want == 0 then redis.call('HSET', base, 'rest', '1')
+    elseif h[4] then redis.call('HDEL', base, 'rest') end
+  end
 end
 -- the keys' expiry moves on whenever the session's end crosses a multiple of 16 tokens (4
 -- commands a session and step spared; every key keeps its expiry meanwhile)

@@ -348,3 +348,61 @@ def test_a_commit_reaches_the_board_with_what_the_step_asked(store):
     assert fix.is_fix and fix.wanted == 3
     unsaid = service._event_message(InboxEvent("commit", "s", epoch=1, end=4)).commit
     assert not unsaid.HasField("wanted")
+
+
+def _board_view(events, tokens: list[int], drafted: list[int]) -> tuple[list[int], int]:
+    """What a board holds after reading ``events`` of one session: its tokens (``tokens``, the
+    committed ones it knew, then its own ``drafted`` ones; a fix rolls back to its position and
+    appends its tokens) and the committed end it knows."""
+    have, end = tokens + drafted, len(tokens)
+    for _, ev in events:
+        if ev.kind != "commit":
+            continue
+        if ev.fix:
+            have = have[:ev.position] + [ev.token, *ev.more]
+        assert len(have) >= ev.end  # a commit without a fix: the board's draft held it
+        end = ev.end
+    return have[:end], end
+
+
+def test_a_rested_board_hears_what_it_missed_in_one_fix_when_asked_again(store):
+    """Once a board was told that a step asked none of its session (wanted 0), the commits
+    that ask none after it write no event (a rested board costs the server's core nothing a
+    step); the first commit that asks again carries every token committed meanwhile, as one fix
+    from the end the board knows, and the board ends where the session does."""
+    dev = attach(store)
+    store.create("r", [1, 2, 3], SamplingParams(), dev)
+    after = store.read_events(dev, "0-0", 10)[-1][0]
+    store.commit_many([Verdict("r", 0, 3, 0, 7, wanted=0)])  # told: rest
+    store.commit_many([Verdict("r", 1, 4, 0, 8, wanted=0)])
+    store.commit_many([Verdict("r", 2, 5, 0, 9, wanted=0)])
+    told = store.read_events(dev, after, 10)
+    assert [ev for _, ev in told] == [InboxEvent("commit", "r", epoch=1, end=4, fix=True,
+                                                 token=7, position=3, wanted=0)]
+    store.commit_many([Verdict("r", 3, 6, 0, 5, wanted=2)])  # asked again
+    [(_, ev)] = store.read_events(dev, told[-1][0], 10)
+    assert ev == InboxEvent("commit", "r", epoch=4, end=7, fix=True, token=8, position=4,
+                            more=(9, 5), wanted=2)
+    assert _board_view(told + [(None, ev)], [1, 2, 3], []) == (store.snapshot("r").tokens, 7)
+    # asked again, then rested again: told at once, once
+    store.commit_many([Verdict("r", 4, 7, 0, 6, wanted=0)])
+    store.commit_many([Verdict("r", 5, 8, 0, 4, wanted=0)])
+    assert [e.wanted for _, e in store.read_events(dev, told[-1][0], 10)] == [2, 0]
+
+
+def test_a_rested_boards_draft_that_held_every_commit_is_told_the_new_end(store):
+    """A board rested while the cache held its draft: commits its draft held (no fix) and no
+    fix meanwhile, so the commit that asks again is a plain commit to the new end (no epoch
+    moved: a fix under the board's own epoch would be ignored by it)."""
+    dev = attach(store)
+    store.create("h", [1, 2, 3], SamplingParams(), dev)
+    store.push("h", 0, 3, [4, 5, 6, 7, 8, 9], idle=False, window=8)
+    after = store.read_events(dev, "0-0", 10)[-1][0]
+    store.commit_many([Verdict("h", 0, 3, 0, 4, wanted=0)])  # the draft's 4: held, told rest
+    store.commit_many([Verdict("h", 0, 4, 1, 6, wanted=0)])  # 5, 6: held
+    store.commit_many([Verdict("h", 0, 6, 0, 7, wanted=1)])  # 7: held; asked again
+    events = store.read_events(dev, after, 10)
+    assert [ev for _, ev in events] == [InboxEvent("commit", "h", epoch=0, end=4, wanted=0),
+                                        InboxEvent("commit", "h", epoch=0, end=7, wanted=1)]
+    assert _board_view(events, [1, 2, 3], [4, 5, 6, 7, 8, 9]) == \
+        (store.snapshot("h").tokens, 7)

@@ -378,3 +378,23 @@ def test_a_board_drafts_nothing_past_the_last_token_a_step_can_verify(loop):
     assert lead_room(unsaid, 8) == lead_cap(None, 8) == 8
     unsaid.wanted = 1
     assert lead_room(unsaid, 8) == lead_cap(1, 8) == 4
+
+
+def test_the_step_a_board_sees_is_not_measured_across_a_rest():
+    """The step interval sizing a board's chunks is read off its commits, but not across a rest:
+    a rested board hears of no commit until a step asks again (the cache holds them back), and
+    that gap is no step."""
+    from edgespec.drafters.draft_book import DraftBook
+
+    book = DraftBook()
+    book.assign("s", [1, 2, 3], SamplingParams(), 0)
+    book.commit("s", 0, 4, wanted=1)
+    book.targets["s"].last_commit_s -= 0.05  # the next commit comes a 50 ms step later
+    book.commit("s", 0, 5, wanted=0)  # the step's interval, then rested
+    step_s = book.pace.step_s
+    assert step_s is not None and step_s >= 0.05
+    book.targets["s"].last_commit_s -= 30.0  # asked again half a minute later
+    book.commit("s", 0, 9, wanted=2)
+    assert book.pace.step_s == step_s
+    book.commit("s", 0, 10, wanted=2)
+    assert book.pace.step_s != step_s  # measured again once drafting

@@ -83,7 +83,7 @@ class DraftBook:
         session waits for a chunk from there: timed until one is handed on (``served``)."""
         if committed_end > t.committed_end:
             now = time.monotonic()
-            if t.last_commit_s is not None:
+            if t.last_commit_s is not None and t.wanted != 0:  # resting, it hears of no step
                 self.pace.step_seen(now - t.last_commit_s)
             t.last_commit_s = now
             t.committed_end = committed_end
