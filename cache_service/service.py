@@ -312,6 +312,8 @@ class DraftCacheService(pb_grpc.DraftCacheServicer):
                     continue
                 try:
                     ack = self._check_and_push(device, msg.chunk, vocab)
+                    if msg.chunk.quiet:
+                        continue  # stored: the drafter asked for no ack (a refusal has one)
                 except ChunkRefused as e:
                     self._refused(e)
                     sid = msg.chunk.session_id

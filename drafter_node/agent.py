@@ -11,6 +11,8 @@ drops, the agent forgets its sessions, waits with exponential backoff and attach
 cache then sends the current state of its sessions. A drafter that drafts in microseconds
 (``Drafter.cheap``: MaG, Cacheback) sends each session's room in one chunk: every chunk is a
 message the cache's host handles (on a server whose cores the cache shares, the verifier's).
+For the same reason a chunk asks for no acknowledgement when stored (``DraftChunk.quiet``), but
+one in ``ACK_EVERY``, which times the link's round trip; a refused chunk is always answered.
 A cache that answers but refuses for now (its Redis recovering) says when to come back (trailing
 metadata ``retry-after-ms``): the agent comes back then instead of backing off (``next_backoff``),
 so drafting resumes within moments of the cache serving again.
@@ -66,6 +68,7 @@ MIN_RETRY_S = 0.1  # the shortest wait a retry hint may ask for
 STEADY_LINK_S = 10.0  # a link that lasted this long resets the backoff when it ends
 WHOLE_ROOM = 1 << 20  # a chunk limit no session's room reaches: the room is the limit
 REPLACED_FORGOTTEN_S = 60.0  # a 'replaced' this long ago no longer counts towards stopping
+ACK_EVERY = 8  # one chunk in this many asks the cache for its ack when stored (DraftChunk.quiet)
 
 
 def next_backoff(delay: float, error: grpc.RpcError | None, backoff_max_s: float,
@@ -129,6 +132,7 @@ class DrafterAgent(CacheMessages):
         self.connected = threading.Event()
         self.attaches = 0  # successful registrations, reconnections included
         self.chunks_sent = 0
+        self._unacked = -1  # chunks sent since the last that asked for its ack (the first asks)
         self.refused = 0  # sessions refused because the drafter failed on them
         self._outage_since: float | None = None  # when the cache became unreachable
         self._outage_told_at = 0.0  # when the outage was last logged (rate-limited)
@@ -332,6 +336,11 @@ class DrafterAgent(CacheMessages):
                                                 idle=True))
 
     def _send(self, out: queue.Queue, chunk: pb.DraftChunk) -> None:
+        # the cache answers one chunk in ACK_EVERY when it is stored (the link's round trip,
+        # sampled), every refused one: an ack a chunk would cost the verifier's host a message
+        self._unacked = (self._unacked + 1) % ACK_EVERY
+        chunk.quiet = self._unacked != 0
         if self.metrics is not None:  # before queuing it: its ack cannot come first
-            self.metrics.chunk_sent(chunk.session_id, chunk.start, len(chunk.tokens))
+            self.metrics.chunk_sent(chunk.session_id, chunk.start, len(chunk.tokens),
+                                    acked=not chunk.quiet)
         out.put(pb.DrafterMessage(chunk=chunk))

@@ -7,7 +7,8 @@
 ``edgespec:drafter_chunks_refused_total{code}`` (chunks the cache answered with a code other
 than OK; ``code``: the gRPC status code name);
 ``edgespec:drafter_link_rtt_seconds`` (histogram: from queuing a chunk on the Attach stream to
-receiving its ChunkAck, matched by (session id, start)).
+receiving its ChunkAck, matched by (session id, start); only chunks that ask for their ack when
+stored are timed, one in ``agent.ACK_EVERY``).
 
 The drafting loop's own counts (``edgespec.drafters.chunk_pace.LoopCounts``, read at scrape
 time): ``edgespec:drafter_chunks_drafted_total`` (drafting jobs that drafted a token),
@@ -81,11 +82,15 @@ class DrafterMetrics:
         self.loop.book = book
 
     # -- hooks the agent calls --------------------------------------------------------------------
-    def chunk_sent(self, session_id: str, start: int, tokens: int) -> None:
-        """Called just before the chunk is queued on the stream (so its ack cannot come first)."""
+    def chunk_sent(self, session_id: str, start: int, tokens: int, acked: bool = True) -> None:
+        """Called just before the chunk is queued on the stream (so its ack cannot come first);
+        ``acked``: the cache answers it even when stored (a quiet chunk's round trip is not
+        timed: its ack comes only with a refusal)."""
         self.chunks_sent.inc()
         if tokens:
             self.draft_tokens.inc(tokens)
+        if not acked:
+            return
         key = (session_id, start)
         with self._lock:
             if self._n_pending >= MAX_PENDING:  # acks that never came: start afresh

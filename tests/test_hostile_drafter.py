@@ -300,3 +300,22 @@ def test_a_chunk_pushed_while_the_caches_redis_is_down_is_unavailable_with_a_hin
         c.stop()
         st.shutdown()
         handle.close()
+
+
+def test_a_quiet_chunk_is_answered_only_when_refused(cache, store):
+    """``DraftChunk.quiet``: a stored chunk gets no ack (one message a chunk less on the
+    verifier's host), a refused one still does; a chunk that does not ask is answered as
+    always (an older drafter's). The stream answers in order, so the first ack read after a
+    quiet chunk was stored is the next chunk's."""
+    store.create("s1", [1, 2, 3], SamplingParams(), "dev1")
+    s = Stream(cache.channel, "dev1")
+    s.next("registered")
+    s.send(pb.DraftChunk(session_id="s1", epoch=0, start=3, tokens=[5, 6], quiet=True))
+    s.send(pb.DraftChunk(session_id="s1", epoch=7, start=5, tokens=[7], quiet=True))  # stale
+    ack = s.next("ack")
+    assert (ack.start, ack.code) == (5, grpc.StatusCode.FAILED_PRECONDITION.value[0])
+    s.send(pb.DraftChunk(session_id="s1", epoch=0, start=5, tokens=[7]))
+    ack = s.next("ack")
+    assert (ack.start, ack.code, ack.kept) == (5, grpc.StatusCode.OK.value[0], 1)
+    assert draft_len(store, "s1") == 3
+    s.close()

@@ -320,7 +320,7 @@ class Heartbeat(_message.Message):
     def __init__(self, sent_unix_ms: _Optional[int] = ...) -> None: ...
 
 class DraftChunk(_message.Message):
-    __slots__ = ("session_id", "epoch", "start", "tokens", "idle", "tree_parents", "tree_version")
+    __slots__ = ("session_id", "epoch", "start", "tokens", "idle", "tree_parents", "tree_version", "quiet")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
@@ -328,6 +328,7 @@ class DraftChunk(_message.Message):
     IDLE_FIELD_NUMBER: _ClassVar[int]
     TREE_PARENTS_FIELD_NUMBER: _ClassVar[int]
     TREE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    QUIET_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     epoch: int
     start: int
@@ -335,7 +336,8 @@ class DraftChunk(_message.Message):
     idle: bool
     tree_parents: _containers.RepeatedScalarFieldContainer[int]
     tree_version: int
-    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., start: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., idle: _Optional[bool] = ..., tree_parents: _Optional[_Iterable[int]] = ..., tree_version: _Optional[int] = ...) -> None: ...
+    quiet: bool
+    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., start: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., idle: _Optional[bool] = ..., tree_parents: _Optional[_Iterable[int]] = ..., tree_version: _Optional[int] = ..., quiet: _Optional[bool] = ...) -> None: ...
 
 class DrafterMessage(_message.Message):
     __slots__ = ("register", "chunk", "heartbeat")
