@@ -108,3 +108,44 @@ def test_drafter_metrics_port_is_checked_before_anything_starts(capsys):
 
     assert main(["drafter", "--device-id", "x", "--metrics-port", "70000"]) == 2
     assert "--metrics-port" in capsys.readouterr().err
+
+
+def test_a_rested_board_hears_one_fix_for_what_it_missed_and_drafts_from_the_end(store):
+    """A board told that the steps ask nothing of its session (``wanted`` 0) is sent no event for
+    the commits that follow while they ask nothing; the commit that asks again reaches it as one
+    fix carrying every token since, and the real agent drafts on from the session's end: its
+    chunk is stored (the cache takes only a chunk at the current epoch and end) and its draft
+    session holds the committed tokens."""
+    cache = Cache(store)
+    reg = CollectorRegistry()
+    dm = DrafterMetrics(reg)
+    agent = DrafterAgent(cache.address, "edge-r", SlotDrafter(), window=4, chunk=2, metrics=dm)
+    t = start_agent(agent)
+
+    def commit(token: int, wanted: int) -> None:  # the step rejects the draft: a fix each time
+        snap = store.snapshot("s1")
+        [out] = store.commit_many([Verdict("s1", snap.epoch, len(snap.tokens), 0, token,
+                                           wanted=wanted)])
+        assert out.error is None and out.fix is not None
+
+    try:
+        store.create("s1", [1, 2, 3], SamplingParams(), "edge-r")
+        eventually(lambda: draft_len(store, "s1") == 4, "a full window of drafts")
+        commit(9, wanted=0)  # the board is told to rest
+        eventually(lambda: value(reg, "edgespec:drafter_fixes_received_total") == 1,
+                   "the resting fix heard")
+        commit(10, wanted=0)
+        commit(11, wanted=0)
+        commit(12, wanted=2)  # asked again: 10, 11 and 12 in one fix
+        eventually(lambda: draft_len(store, "s1") > 0, "a draft at the session's end")
+        snap = store.snapshot("s1")
+        assert snap.tokens == [1, 2, 3, 9, 10, 11, 12]
+        with agent.cond:
+            target = agent.book.targets["s1"]
+            assert (target.epoch, target.committed_end) == (snap.epoch, 7)
+            assert target.draft is not None and target.draft.tokens[:7] == snap.tokens
+        assert value(reg, "edgespec:drafter_fixes_received_total") == 2
+    finally:
+        agent.stop()
+        t.join(30)
+        cache.stop()
