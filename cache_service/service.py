@@ -233,6 +233,7 @@ class DraftCacheService(pb_grpc.DraftCacheServicer):
             try:
                 after = self.store.last_event_id(device)
                 for sid in self.store.devices.sessions_of(device):
+                    self.store.told_afresh(sid)  # before its snapshot: told of every commit
                     msg = self._assignment(sid)
                     if msg is not None:
                         opening.append(msg)

@@ -346,6 +346,12 @@ class RedisSessionStore:
         return SessionSnapshot(sid, rec.prompt + rec.committed, rec.params, rec.epoch,
                                len(rec.prompt) + rec.max_new_tokens if said else None)
 
+    def told_afresh(self, sid: str) -> None:
+        """A board that attaches is sent the session whole (``snapshot``), told nothing of a
+        rest: the commits that ask it nothing reach it again until it is told of one (the commit
+        script's ``rest``, ``hush`` and ``hushep`` fields forgotten)."""
+        self.redis.hdel(self.keys.session(sid)[0], "rest", "hush", "hushep")
+
     def last_event_id(self, device: str) -> str:
         last: Any = self.redis.xrevrange(self.keys.inbox(device), count=1)
         return text(last[0][0]) if last else "0-0"

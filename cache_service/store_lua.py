@@ -18,8 +18,9 @@ are dropped, the epoch moves on, and the drafter's inbox gets the fix (every com
 inbox, with what the step asked of the session: the drafter's lead follows it; but once a
 drafter was told that a step asked none of a session, the commits that ask none after it do
 not: the first that asks again carries all it missed, one fix from the end it knows when a fix
-came meanwhile, else a commit; a rested board costs the server's core no event a step). A
-verdict that
+came meanwhile, else a commit; a rested board costs the server's core no event a step; a board
+that attaches again is sent the session whole and told of every commit again:
+``RedisSessionStore.told_afresh``). A verdict that
 names a branch the draft does not hold is refused, unless the branch is the verifier's own (a
 draft head's). A commit replayed after it landed (its reply lost with the connection) is
 recognised by its position and last token and answered with code 2, not applied twice; any

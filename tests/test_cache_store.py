@@ -388,6 +388,12 @@ def test_a_rested_board_hears_what_it_missed_in_one_fix_when_asked_again(store):
     store.commit_many([Verdict("r", 4, 7, 0, 6, wanted=0)])
     store.commit_many([Verdict("r", 5, 8, 0, 4, wanted=0)])
     assert [e.wanted for _, e in store.read_events(dev, told[-1][0], 10)] == [2, 0]
+    # a board attaching again is sent the session whole and hears every commit until told
+    again = store.read_events(dev, "0-0", 100)[-1][0]
+    store.told_afresh("r")
+    store.commit_many([Verdict("r", 6, 9, 0, 3, wanted=0)])
+    store.commit_many([Verdict("r", 7, 10, 0, 2, wanted=0)])
+    assert [(e.end, e.wanted) for _, e in store.read_events(dev, again, 10)] == [(10, 0)]
 
 
 def test_a_rested_boards_draft_that_held_every_commit_is_told_the_new_end(store):
