@@ -37,10 +37,16 @@ log = logging.getLogger("edgespec.redis")
 # A Redis restart of a few seconds must cost a pause, not the sessions: every command retries on
 # a lost connection with exponential backoff (about 6 s in all before it gives up and the caller
 # sees the error), and no socket read blocks forever.
+# The pool's connections: the draft cache holds one in a blocking read for each attached drafter
+# (its inbox's events) and takes another for each of its chunks, beside the verifier's threads:
+# redis-py's default of 100 refused the connections of a fleet of 64 busy boards ("Too many
+# connections", which ended their streams). Connections are made as threads need them.
+MAX_CONNECTIONS = 2048
 CLIENT_OPTIONS: dict[str, Any] = dict(  # keyword arguments of redis.Redis
     retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), retries=10),
     retry_on_error=[redis.ConnectionError, redis.TimeoutError],
-    socket_timeout=10.0, socket_connect_timeout=2.0, health_check_interval=15)
+    socket_timeout=10.0, socket_connect_timeout=2.0, health_check_interval=15,
+    max_connections=MAX_CONNECTIONS)
 
 
 def embedded_redis_binary() -> str:

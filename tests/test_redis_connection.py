@@ -1,7 +1,8 @@
 """The cache's connection to Redis (``cache_service.redis_conn``, the chunk waker's
 subscription): a password never shows in errors or logs, an embedded Redis restarted from a
 thread outlives that thread, the waker outlives a connection closed under its read, a URL of no
-scheme Redis reads is refused naming it, and an external Redis that evicts keys is warned of."""
+scheme Redis reads is refused naming it, an external Redis that evicts keys is warned of, and a
+fleet's worth of blocking reads all get connections."""
 
 from __future__ import annotations
 
@@ -130,3 +131,37 @@ def test_an_external_redis_that_evicts_keys_is_warned_of_at_connect(external_red
         admin.config_set("maxmemory", old["maxmemory"])
         admin.config_set("maxmemory-policy", old["maxmemory-policy"])
         admin.close()
+
+
+def test_a_fleets_worth_of_blocking_reads_get_connections_at_once():
+    """The draft cache holds a connection in a blocking read for each attached drafter, and
+    takes others for their chunks: 150 blocking reads at once on one client all get a
+    connection (redis-py's default pool of 100 refused the 101st, "Too many connections", and
+    a fleet of 64 busy boards lost their streams to it)."""
+    import threading
+
+    from cache_service.redis_conn import MAX_CONNECTIONS
+
+    handle = RedisHandle()
+    n, errors, got = 150, [], []
+    start = threading.Barrier(n + 1)
+
+    def read() -> None:
+        start.wait()
+        try:
+            got.append(handle.client.xread({"wake": "0-0"}, block=3000, count=1))
+        except Exception as e:  # noqa: BLE001 - any error is the test's failure
+            errors.append(e)
+
+    try:
+        threads = [threading.Thread(target=read) for _ in range(n)]
+        for t in threads:
+            t.start()
+        start.wait()
+        handle.client.xadd("wake", {"x": "1"})
+        for t in threads:
+            t.join(30)
+        assert errors == [] and len(got) == n and all(got)
+        assert handle.client.connection_pool.max_connections == MAX_CONNECTIONS >= 2 * 256
+    finally:
+        handle.close()
