@@ -73,6 +73,19 @@ class DeviceRegistry:
         pipe.expire(self.keys.sessions(device), self.ttl_s)
         pipe.execute()
 
+    def mark_alive_many(self, devices: list[str], ttl_ms: int = 5000) -> list[bool]:
+        """``mark_alive`` of each device, in one round trip; whether each is registered."""
+        if not devices:
+            return []
+        pipe = self.redis.pipeline(transaction=False)
+        now = time.time()
+        for device in devices:
+            pipe.set(self.keys.alive(device), "1", px=ttl_ms)
+            pipe.expire(self.keys.sessions(device), self.ttl_s)
+        pipe.zadd(self.keys.seen, {device: now for device in devices})
+        pipe.hmget(self.keys.devices, devices)
+        return [v is not None for v in pipe.execute()[-1]]
+
     def mark_gone(self, device: str) -> None:
         pipe = self.redis.pipeline(transaction=False)
         pipe.delete(self.keys.alive(device))

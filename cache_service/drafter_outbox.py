@@ -49,13 +49,25 @@ class DrafterOutbox:
                 if waiting is not None:
                     waiting()
                 if time.monotonic() - since >= self.stuck_s:
-                    log.warning("drafter %s: it read nothing of its stream for %.0f s with %d "
-                                "messages waiting: detaching it", self.device, self.stuck_s,
-                                self._queue.qsize())
-                    self.stop.set()
-                    self.cancel()
+                    self.give_up()
                     return False
         return False
+
+    def offer(self, msg: Any) -> bool:
+        """Queue ``msg`` if there is room; False when the outbox is full (never waits)."""
+        try:
+            self._queue.put_nowait(msg)
+            return True
+        except queue.Full:
+            return False
+
+    def give_up(self) -> None:
+        """The drafter read nothing of its full outbox for ``stuck_s``: detach it (its stream
+        cancelled)."""
+        log.warning("drafter %s: it read nothing of its stream for %.0f s with %d messages "
+                    "waiting: detaching it", self.device, self.stuck_s, self._queue.qsize())
+        self.stop.set()
+        self.cancel()
 
     def end(self) -> None:
         """Wake the stream's handler to end it (``stop`` is set by then); never waits."""

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import math
 import queue
 import threading
 import time
@@ -48,6 +47,7 @@ from .chunk_checks import DEVICE_METADATA, ChunkRefused, check_and_push
 from .codec import InboxEvent
 from .credentials import DeviceCredentials
 from .drafter_outbox import DrafterOutbox
+from .inbox_reader import InboxReader, Subscription
 from .store import RedisSessionStore
 
 if TYPE_CHECKING:  # prometheus_client is needed only where metrics are kept
@@ -81,6 +81,9 @@ class DraftCacheService(pb_grpc.DraftCacheServicer):
         self._context: dict[str, grpc.ServicerContext] = {}  # device -> its current stream's
         self._generations = itertools.count(1)
         self._stopping = threading.Event()
+        # every attached drafter's inbox, read by one thread (``inbox_reader``)
+        self._inboxes = InboxReader(store, poll_ms, self._event_message, self._is_current,
+                                    self._stopping)
 
     def stop(self) -> None:
         self._stopping.set()
@@ -220,6 +223,7 @@ class DraftCacheService(pb_grpc.DraftCacheServicer):
         stop = threading.Event()
         out = DrafterOutbox(device, stop, context.cancel)  # bounded: one that never reads
         lost: list[str] = []  # why the cache ended the stream (its Redis failed or restarted)
+        events: Subscription | None = None  # its inbox's reading, once subscribed
         context.add_callback(stop.set)
         if self.metrics is not None:
             self.metrics.attach(device)
@@ -243,8 +247,8 @@ class DraftCacheService(pb_grpc.DraftCacheServicer):
             threading.Thread(target=self._read_chunks, daemon=True, name=f"chunks-{device}",
                              args=(request_iterator, device, vocab, out, stop, lost,
                                    heard)).start()
-            threading.Thread(target=self._pump_events, daemon=True, name=f"events-{device}",
-                             args=(device, gen, after, out, stop, lost)).start()
+            events = Subscription(device, gen, after, out, stop, lost)
+            self._inboxes.add(events)
             # the drafter's own interval (untrusted: clamped); 0: an older drafter, none sent
             beat_ms = min(max(reg.heartbeat_ms, 0), 600_000)
             silent_s = max(1.0, SILENT_HEARTBEATS * beat_ms / 1000) if beat_ms else 0.0
@@ -281,6 +285,8 @@ class DraftCacheService(pb_grpc.DraftCacheServicer):
                                                        f"attached again from {replaced_by}")
         finally:
             stop.set()
+            if events is not None:
+                self._inboxes.remove(events)
             if self.metrics is not None:
                 self.metrics.detach()
             with self._lock:  # mark_gone under the lock: a newer stream cannot slip in between
@@ -335,49 +341,9 @@ class DraftCacheService(pb_grpc.DraftCacheServicer):
             stop.set()
             out.end()
 
-    def _pump_events(self, device, gen, after, out, stop, lost) -> None:
-        def alive() -> None:  # attached still, while it waits for the drafter to read
-            self.store.devices.mark_alive(device, ttl_ms=self.poll_ms * 5)
-
-        checked = -math.inf  # when the alive mark was last set and the registration read
-        try:
-            while not stop.is_set() and not self._stopping.is_set():
-                with self._lock:
-                    if self._generation.get(device) != gen:
-                        break  # a newer stream took this device over
-                # once a poll, not once a read: where a drafter's sessions commit every step,
-                # both cost the server's core two Redis round trips an event more (the alive
-                # mark lives five polls)
-                if time.monotonic() - checked >= self.poll_ms / 1000:
-                    checked = time.monotonic()
-                    alive()
-                    registered = self.store.redis.hexists(self.store.keys.devices, device)
-                else:
-                    registered = True
-                if not registered:
-                    # Redis restarted without persistence: it forgot the registration (so no
-                    # session would be assigned to this drafter) and the drafter's sessions.
-                    # The drafter attaches again, after the retry hint.
-                    lost.append("the cache's Redis restarted and lost this drafter's "
-                                "registration: attach again")
-                    log.warning("drafter %s: its registration vanished (Redis restarted); "
-                                "asking it to attach again", device)
-                    break
-                for eid, ev in self.store.read_events(device, after, self.poll_ms):
-                    after = eid
-                    msg = self._event_message(ev)
-                    if msg is not None and not out.put(msg, alive):
-                        return  # the stream ended, or the drafter reads nothing of it
-        except redis.RedisError as e:
-            if not self._stopping.is_set():
-                lost.append(f"the cache's Redis failed: {e}")
-                log.warning("drafter %s: reading events failed: %s", device, e)
-        except Exception:
-            if not self._stopping.is_set():  # at shutdown Redis may close under the read
-                log.exception("drafter %s: reading events failed", device)
-        finally:
-            stop.set()
-            out.end()
+    def _is_current(self, device: str, gen: int) -> bool:
+        with self._lock:
+            return self._generation.get(device) == gen
 
     def _assignment(self, sid: str) -> pb.CacheMessage | None:
         snap = self.store.snapshot(sid)

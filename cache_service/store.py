@@ -356,6 +356,17 @@ class RedisSessionStore:
         last: Any = self.redis.xrevrange(self.keys.inbox(device), count=1)
         return text(last[0][0]) if last else "0-0"
 
+    def read_inboxes(self, afters: Mapping[str, str], block_ms: int
+                     ) -> dict[str, list[tuple[str, InboxEvent | None]]]:
+        """``read_events`` of several devices in one read (device -> the id read after):
+        what each device's inbox holds after it, by device (none: not listed)."""
+        keys = {self.keys.inbox(d): d for d in afters}
+        got: Any = self.redis.xread({k: afters[d] for k, d in keys.items()}, block=block_ms,
+                                    count=256)
+        return {keys[text(key)]: [(text(eid), InboxEvent.parse(
+                    {text(k): text(v) for k, v in fields.items()})) for eid, fields in entries]
+                for key, entries in (got or [])}
+
     def read_events(self, device: str, after: str, block_ms: int
                     ) -> list[tuple[str, InboxEvent | None]]:
         """The inbox entries after ``after``: (entry id, its event; None: a kind this version

@@ -17,7 +17,7 @@ from cache_service.redis_conn import RedisHandle
 from cache_service.store import RedisSessionStore
 from edgespec.config import ConfigError, SamplingParams
 from edgespec.protocol.ids import check_device_id, check_session_id
-from edgespec.protocol.contract import Branch, DraftWant
+from edgespec.protocol.contract import Branch, DraftWant, Verdict
 from edgespec.v1 import edgespec_pb2 as pb
 from edgespec.v1 import edgespec_pb2_grpc as pb_grpc
 
@@ -319,3 +319,41 @@ def test_a_quiet_chunk_is_answered_only_when_refused(cache, store):
     assert (ack.start, ack.code, ack.kept) == (5, grpc.StatusCode.OK.value[0], 1)
     assert draft_len(store, "s1") == 3
     s.close()
+
+
+def test_a_drafter_that_never_reads_its_events_delays_no_other_drafters(cache, store, monkeypatch,
+                                                                         caplog):
+    """Every attached drafter's inbox is read by one thread (``inbox_reader``): a drafter that
+    reads nothing of its stream while its sessions' commits pile up holds back its own events
+    only (its full outbox is not read for), another drafter's commit reaches it meanwhile, and
+    once its outbox has been full for ``STUCK_S`` its stream is cancelled."""
+    from cache_service import drafter_outbox
+
+    monkeypatch.setattr(drafter_outbox, "MAX_PENDING", 4)
+    monkeypatch.setattr(drafter_outbox, "STUCK_S", 0.5)
+    store.create("s1", [1, 2, 3], SamplingParams(), "dev1")
+    store.create("s2", [1, 2, 3], SamplingParams(), "dev2")
+    out: queue.Queue = queue.Queue()
+    out.put(pb.DrafterMessage(register=pb.Register(device_id="dev1", draft_model="test")))
+    channel = grpc.insecure_channel(cache.address, options=[("grpc.http2.bdp_probe", 0)])
+    call = pb_grpc.DraftCacheStub(channel).Attach(iter(out.get, None))  # never read until below
+    other = Stream(cache.channel, "dev2")
+    other.next("registered")
+    eventually(lambda: store.devices.sessions_of("dev1") and
+               store.redis.exists(store.keys.alive("dev1")), "dev1 attached")
+    with caplog.at_level(logging.WARNING, logger="edgespec.cache"):
+        end = 3
+        for i in range(10_000):  # several times what gRPC's window holds of them
+            [res] = store.commit_many([Verdict("s1", i, end, 0, 5)])
+            assert res.error is None
+            end += 1
+        [res] = store.commit_many([Verdict("s2", 0, 3, 0, 9)])
+        fix = other.next("commit")
+        assert (fix.session_id, fix.is_fix, fix.fix_token) == ("s2", True, 9)
+        eventually(lambda: "read nothing of its stream" in caplog.text, "the drafter detached")
+    other.close()
+    with pytest.raises(grpc.RpcError) as e:
+        for _ in call:
+            pass
+    assert e.value.code() == grpc.StatusCode.CANCELLED
+    out.put(None)
