@@ -72,7 +72,8 @@ class InboxReader:
         self._thread: threading.Thread | None = None
 
     def add(self, sub: Subscription) -> None:
-        """Read ``sub``'s inbox from its ``after`` on; an older stream of its device ends."""
+        """Read ``sub``'s inbox from its ``after`` on; an older stream of its device ends. The
+        reading thread runs while any stream is subscribed."""
         with self._lock:
             older = self._subs.get(sub.device)
             self._subs[sub.device] = sub
@@ -92,6 +93,9 @@ class InboxReader:
         checked = -float("inf")
         while not self.stopping.is_set():
             with self._lock:
+                if not self._subs:  # the last stream ended: so does the thread (``add``
+                    self._thread = None  # starts another)
+                    return
                 subs = [s for s in self._subs.values() if not s.stop.is_set()]
             for s in subs:
                 if not self.current(s.device, s.gen):

@@ -48,6 +48,8 @@ from prometheus_client.registry import Collector
 from edgespec.drafters.draft_book import DraftBook
 
 DROP_REASONS = ("disagreed", "closed", "failed")
+# the codes the cache refuses a chunk with (``cache_service.chunk_checks``)
+REFUSAL_CODES = ("INVALID_ARGUMENT", "NOT_FOUND", "FAILED_PRECONDITION", "PERMISSION_DENIED")
 
 RTT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.2, 2.5, 5.0,
                10.0)
@@ -68,6 +70,8 @@ class DrafterMetrics:
         self.refused = Counter("edgespec:drafter_chunks_refused",
                                "Chunks the cache refused, by gRPC status code", ["code"],
                                registry=r)
+        for code in REFUSAL_CODES:  # each series from the start, at 0 until a refusal
+            self.refused.labels(code)
         self.rtt = Histogram("edgespec:drafter_link_rtt_seconds",
                              "From queuing a chunk to receiving its ChunkAck",
                              buckets=RTT_BUCKETS, registry=r)

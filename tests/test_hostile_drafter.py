@@ -357,3 +357,16 @@ def test_a_drafter_that_never_reads_its_events_delays_no_other_drafters(cache, s
             pass
     assert e.value.code() == grpc.StatusCode.CANCELLED
     out.put(None)
+
+
+def test_the_inbox_reader_runs_while_a_drafter_is_attached(cache, store):
+    """The one thread reading the drafters' inboxes starts with the first stream and ends with
+    the last (a cache with no drafter attached spends nothing polling), and starts again with
+    the next."""
+    reader = cache.service._inboxes
+    for _ in range(2):
+        s = Stream(cache.channel, "dev1")
+        s.next("registered")
+        assert reader._thread is not None and reader._thread.is_alive()
+        s.close()
+        eventually(lambda: reader._thread is None, "the reader ended with the last stream")

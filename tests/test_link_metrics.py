@@ -149,3 +149,14 @@ def test_a_rested_board_hears_one_fix_for_what_it_missed_and_drafts_from_the_end
         agent.stop()
         t.join(30)
         cache.stop()
+
+
+def test_a_boards_refusal_series_exist_before_any_refusal():
+    """The refusals' series (what the dashboard reads) are there at 0 before any chunk is
+    refused, one for each code the cache refuses with."""
+    from drafter_node.metrics import REFUSAL_CODES
+
+    reg = CollectorRegistry()
+    DrafterMetrics(reg)
+    for code in REFUSAL_CODES:
+        assert reg.get_sample_value("edgespec:drafter_chunks_refused_total", {"code": code}) == 0

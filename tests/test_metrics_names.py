@@ -115,7 +115,10 @@ def test_metric_names_do_not_collide_and_labels_stay_bounded():
     assert codes <= {c.name for c in grpc.StatusCode} | {"UNKNOWN"}
     d = DrafterMetrics(CollectorRegistry())
     d.ack_received("s", 1, 12345)  # a code no gRPC status has
-    assert {s.labels["code"] for fam in d.refused.collect() for s in fam.samples} == {"UNKNOWN"}
+    from drafter_node.metrics import REFUSAL_CODES  # the series there from the start, at 0
+
+    assert {s.labels["code"] for fam in d.refused.collect() for s in fam.samples} == \
+        {"UNKNOWN", *REFUSAL_CODES}
     from cache_service.metrics import MAX_DEVICE_LABELS
 
     for i in range(MAX_DEVICE_LABELS + 50):  # drafters attaching under ever new ids
