@@ -184,6 +184,17 @@ def test_registrations_beyond_the_cap_forget_the_longest_detached_first(store, m
     assert regs() == {"a", "d", "e", "f"}
 
 
+def _cancelled_by_the_cache(call, out: queue.Queue, channel) -> None:
+    """A silent drafter's stream ends CANCELLED (the cache detached it); its sender and
+    channel are closed."""
+    with pytest.raises(grpc.RpcError) as e:
+        for _ in call:
+            pass
+    assert e.value.code() == grpc.StatusCode.CANCELLED
+    out.put(None)
+    channel.close()
+
+
 def test_a_drafter_that_never_reads_its_stream_is_detached(cache, store, monkeypatch, caplog):
     """A drafter that sends chunks and reads none of the acknowledgements fills its bounded
     outbox (``drafter_outbox``), the cache stops reading its chunks, and once the outbox has
@@ -208,12 +219,7 @@ def test_a_drafter_that_never_reads_its_stream_is_detached(cache, store, monkeyp
     other.send(pb.DraftChunk(session_id="s1", epoch=0, start=3, tokens=[5, 6]))
     assert other.next("ack").kept == 2
     other.close()
-    with pytest.raises(grpc.RpcError) as e:
-        for _ in call:
-            pass
-    assert e.value.code() == grpc.StatusCode.CANCELLED
-    out.put(None)
-    channel.close()
+    _cancelled_by_the_cache(call, out, channel)
 
 
 def test_registrations_not_seen_for_long_are_forgotten(store):
@@ -352,11 +358,7 @@ def test_a_drafter_that_never_reads_its_events_delays_no_other_drafters(cache, s
         assert (fix.session_id, fix.is_fix, fix.fix_token) == ("s2", True, 9)
         eventually(lambda: "read nothing of its stream" in caplog.text, "the drafter detached")
     other.close()
-    with pytest.raises(grpc.RpcError) as e:
-        for _ in call:
-            pass
-    assert e.value.code() == grpc.StatusCode.CANCELLED
-    out.put(None)
+    _cancelled_by_the_cache(call, out, channel)
 
 
 def test_the_inbox_reader_runs_while_a_drafter_is_attached(cache, store):
