@@ -68,9 +68,7 @@ class DeviceRegistry:
         """The device's stream is open: alive for ``ttl_ms``; its last-seen time and the expiry
         of its session set are refreshed."""
         pipe = self.redis.pipeline(transaction=False)
-        pipe.set(self.keys.alive(device), "1", px=ttl_ms)
-        pipe.zadd(self.keys.seen, {device: time.time()})
-        pipe.expire(self.keys.sessions(device), self.ttl_s)
+        self._alive_into(pipe, [device], ttl_ms)
         pipe.execute()
 
     def mark_alive_many(self, devices: list[str], ttl_ms: int = 5000) -> list[bool]:
@@ -78,13 +76,17 @@ class DeviceRegistry:
         if not devices:
             return []
         pipe = self.redis.pipeline(transaction=False)
+        self._alive_into(pipe, devices, ttl_ms)
+        pipe.hmget(self.keys.devices, devices)
+        return [v is not None for v in pipe.execute()[-1]]
+
+    def _alive_into(self, pipe, devices: list[str], ttl_ms: int) -> None:
+        """``mark_alive``'s commands for ``devices``, queued on ``pipe``."""
         now = time.time()
         for device in devices:
             pipe.set(self.keys.alive(device), "1", px=ttl_ms)
             pipe.expire(self.keys.sessions(device), self.ttl_s)
         pipe.zadd(self.keys.seen, {device: now for device in devices})
-        pipe.hmget(self.keys.devices, devices)
-        return [v is not None for v in pipe.execute()[-1]]
 
     def mark_gone(self, device: str) -> None:
         pipe = self.redis.pipeline(transaction=False)

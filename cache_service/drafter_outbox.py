@@ -35,19 +35,15 @@ class DrafterOutbox:
         self.stuck_s = STUCK_S
         self._queue: queue.Queue = queue.Queue(MAX_PENDING)
 
-    def put(self, msg: Any, waiting: Callable[[], Any] | None = None) -> bool:
-        """Queue ``msg``, waiting while the outbox is full (calling ``waiting`` meanwhile, a
-        poll at a time: the event pump keeps the drafter's alive mark, it is still attached);
-        False when the stream ended first, or the drafter read nothing for ``stuck_s`` (the
-        stream is then cancelled)."""
+    def put(self, msg: Any) -> bool:
+        """Queue ``msg``, waiting while the outbox is full; False when the stream ended first,
+        or the drafter read nothing for ``stuck_s`` (the stream is then cancelled)."""
         since = time.monotonic()
         while not self.stop.is_set():
             try:
                 self._queue.put(msg, timeout=_POLL_S)
                 return True
             except queue.Full:
-                if waiting is not None:
-                    waiting()
                 if time.monotonic() - since >= self.stuck_s:
                     self.give_up()
                     return False

@@ -6,7 +6,7 @@ A drafter's commits, fixes, assignments and closes reach it through its inbox st
 trip for every event, since a board's events come one a step. ``InboxReader`` reads them all in
 one ``XREAD`` over every subscribed inbox (a poll of ``BLOCK_MS`` at most, so that a board that
 attaches is read from within it), once a poll marks every board alive and reads their
-registrations in one round trip each, and queues each event on its board's outbox.
+registrations, all in one round trip, and queues each event on its board's outbox.
 
 A board whose outbox is full (it reads nothing of its stream) is not read for until its outbox
 takes the messages held for it; once it has read nothing for its outbox's ``stuck_s`` its stream

@@ -361,6 +361,7 @@ class RedisSessionStore:
         """``read_events`` of several devices in one read (device -> the id read after):
         what each device's inbox holds after it, by device (none: not listed)."""
         keys = {self.keys.inbox(d): d for d in afters}
+        # [[stream, [(id, {field: value})]]] (redis-py types a reply as a union of shapes)
         got: Any = self.redis.xread({k: afters[d] for k, d in keys.items()}, block=block_ms,
                                     count=256)
         return {keys[text(key)]: [(text(eid), InboxEvent.parse(
@@ -371,9 +372,4 @@ class RedisSessionStore:
                     ) -> list[tuple[str, InboxEvent | None]]:
         """The inbox entries after ``after``: (entry id, its event; None: a kind this version
         does not know, skipped by the reader)."""
-        # [[stream, [(id, {field: value})]]] (redis-py types a reply as a union of shapes)
-        got: Any = self.redis.xread({self.keys.inbox(device): after}, block=block_ms, count=256)
-        if not got:
-            return []
-        return [(text(eid), InboxEvent.parse({text(k): text(v) for k, v in fields.items()}))
-                for eid, fields in got[0][1]]
+        return self.read_inboxes({device: after}, block_ms).get(device, [])
