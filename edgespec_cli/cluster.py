@@ -3,13 +3,36 @@
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import os
 import signal
 import sys
+import threading
 
 from edgespec_cli.cli_args import (add_threads_arg, add_tree_width_arg, check_at_least,
                                    check_port, configure_logging)
 from edgespec.config import LLAMACPP_HEAD, LLAMACPP_WINDOW, ConfigError, EngineConfig
+
+STOP_GRACE_S = 10.0  # a drafter told to stop that has not exited by then exits at once
+
+
+def _exit_if_stuck(grace_s: float) -> None:
+    """After SIGTERM: a board holds nothing that outlives it, so one whose clean stop hangs
+    (a transport's close, a thread's join) prints its threads' stacks and exits 0 after
+    ``grace_s`` rather than waiting for the SIGKILL of a service manager."""
+    def exit_now():
+        print(f"edgespec: the drafter did not stop within {grace_s:.0f} s of SIGTERM; its "
+              "threads' stacks follow, then it exits", file=sys.stderr, flush=True)
+        faulthandler.dump_traceback(all_threads=True)
+        sys.stdout.flush()
+        os._exit(0)
+
+    timer = threading.Timer(grace_s, exit_now)
+    timer.daemon = True
+    timer.start()
+    # past the interpreter's finalization no Python thread runs: faulthandler's own thread
+    # then dumps the stacks and exits (status 1)
+    faulthandler.dump_traceback_later(grace_s + 5, exit=True)
 
 
 def _add_security(p: argparse.ArgumentParser, server: bool) -> None:
@@ -203,7 +226,11 @@ def cmd_drafter(args) -> int:
                          pace=not args.no_pace)
     print(f"edgespec: drafter {args.device_id} ({drafter.name}) attaching to {args.cache}",
           file=sys.stderr, flush=True)
-    signal.signal(signal.SIGTERM, lambda *_: agent.stop())  # stop cleanly: exit 0
+    def on_sigterm(*_):  # stop cleanly: exit 0
+        agent.stop()
+        _exit_if_stuck(STOP_GRACE_S)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
     from edgespec.runner.process_heap import freeze_startup_heap
 
     freeze_startup_heap()  # the drafter's model and libraries: out of the collector's passes

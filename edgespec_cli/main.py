@@ -18,13 +18,16 @@
 
 Errors the user can fix (a bad option, a missing model, an over-long prompt) print one readable
 line to stderr and exit with status 2; ``edgespec`` with no command prints the list of commands
-to stderr and exits with status 2 too.
+to stderr and exits with status 2 too. SIGUSR1 prints every thread's stack to stderr and the
+command goes on (``faulthandler``): what a process that will not stop is doing.
 """
 
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
+import signal
 import sys
 
 from edgespec import __version__
@@ -318,6 +321,8 @@ MODELS_EXTRA = ("torch", "transformers", "accelerate", "gguf")
 
 
 def main(argv: list[str] | None = None) -> int:
+    if hasattr(signal, "SIGUSR1"):  # `kill -USR1 PID`: every thread's stack, and go on
+        faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.cmd is None:  # a usage error like any other (status 2), with the commands listed

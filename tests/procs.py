@@ -55,7 +55,11 @@ class Proc:
             try:
                 self.popen.wait(timeout=15)
             except subprocess.TimeoutExpired:
+                self.popen.send_signal(signal.SIGUSR1)  # its threads' stacks, into its log
+                time.sleep(1)
                 self.kill()
+                print(f"{self.args[0]} did not stop on SIGTERM in 15 s; its log:\n{self.text()}",
+                      file=sys.stderr)
         self.log.close()
         return self.popen.returncode
 
