@@ -322,7 +322,10 @@ MODELS_EXTRA = ("torch", "transformers", "accelerate", "gguf")
 
 def main(argv: list[str] | None = None) -> int:
     if hasattr(signal, "SIGUSR1"):  # `kill -USR1 PID`: every thread's stack, and go on
-        faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)
+        try:
+            faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)
+        except (AttributeError, ValueError, OSError):
+            pass  # a stderr that is not a file (main called in a process that captures it)
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.cmd is None:  # a usage error like any other (status 2), with the commands listed
