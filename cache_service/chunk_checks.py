@@ -8,6 +8,8 @@ gRPC status code the drafter's ack carries.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import grpc
 
 from edgespec.config import ConfigError
@@ -17,6 +19,7 @@ from edgespec.v1 import edgespec_pb2 as pb
 from edgespec.wire.trees import MAX_BRANCH_NODES, TREE_VERSION, tree_from_wire
 
 from .store import RedisSessionStore, StoreError
+from .store_records import ChunkPush, PushResult
 
 DEVICE_METADATA = "x-edgespec-device"  # PushDraft's device, without per-device credentials
 MAX_POSITION = 1 << 31  # a chunk's start: past any context a verifier serves
@@ -62,12 +65,14 @@ def chunk_draft(chunk: pb.DraftChunk, window: int) -> tuple[list[int], list[Bran
 
 
 def check_and_push(store: RedisSessionStore, device: str, chunk: pb.DraftChunk, vocab: int,
-                   window: int, per_device: bool) -> pb.ChunkAck:
+                   window: int, per_device: bool,
+                   push: Callable[[ChunkPush], PushResult] | None = None) -> pb.ChunkAck:
     """Store ``device``'s chunk (its draft for one of its sessions) once it is checked, or raise
     ``ChunkRefused`` with the status code the drafter is answered with. What the chunk holds is
     checked here, before any round trip; that the session exists and is the device's, with the
     push, in one script. ``per_device``: the cache knows the device by its token (a session of
-    another device's is PERMISSION_DENIED, else FAILED_PRECONDITION)."""
+    another device's is PERMISSION_DENIED, else FAILED_PRECONDITION). ``push``: how the checked
+    chunk is stored (a ``ChunkBatcher``'s; default: a round trip of its own)."""
     try:
         sid = check_session_id(chunk.session_id)
     except ConfigError as e:
@@ -83,8 +88,8 @@ def check_and_push(store: RedisSessionStore, device: str, chunk: pb.DraftChunk, 
     except ValueError as e:
         raise ChunkRefused(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
     try:
-        res = store.push(sid, chunk.epoch, chunk.start, tokens, chunk.idle, window, branches,
-                         device=device)
+        res = (push or store.push_chunk)(store.chunk_push(
+            sid, chunk.epoch, chunk.start, tokens, chunk.idle, window, branches, device))
     except StoreError as e:
         if e.kind == "device":
             code = (grpc.StatusCode.PERMISSION_DENIED if per_device

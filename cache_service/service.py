@@ -43,6 +43,7 @@ from edgespec.v1 import edgespec_pb2_grpc as pb_grpc
 from edgespec.wire.convert import REPLACED_STREAM, params_to_pb, retry_after_metadata
 from edgespec.wire.keepalive import SILENT_HEARTBEATS, heartbeat_interval_s
 
+from .chunk_batcher import ChunkBatcher
 from .chunk_checks import DEVICE_METADATA, ChunkRefused, check_and_push
 from .codec import InboxEvent
 from .credentials import DeviceCredentials
@@ -81,6 +82,7 @@ class DraftCacheService(pb_grpc.DraftCacheServicer):
         self._context: dict[str, grpc.ServicerContext] = {}  # device -> its current stream's
         self._generations = itertools.count(1)
         self._stopping = threading.Event()
+        self._batcher = ChunkBatcher(store)  # the Attach streams' chunks, stored together
         # every attached drafter's inbox, read by one thread (``inbox_reader``)
         self._inboxes = InboxReader(store, poll_ms, self._event_message, self._is_current,
                                     self._stopping)
@@ -107,9 +109,12 @@ class DraftCacheService(pb_grpc.DraftCacheServicer):
         if self.metrics is not None:
             self.metrics.chunk_refused(e.code)
 
-    def _check_and_push(self, device: str, chunk: pb.DraftChunk, vocab: int) -> pb.ChunkAck:
+    def _check_and_push(self, device: str, chunk: pb.DraftChunk, vocab: int,
+                        batched: bool = False) -> pb.ChunkAck:
+        """``batched``: stored with the chunks other streams push meanwhile (``ChunkBatcher``)."""
         ack = check_and_push(self.store, device, chunk, vocab, self.window,
-                             per_device=self.credentials is not None)
+                             per_device=self.credentials is not None,
+                             push=self._batcher.push if batched else None)
         if self.metrics is not None:
             self.metrics.chunk_stored(ack.kept)
         return ack
@@ -318,7 +323,7 @@ class DraftCacheService(pb_grpc.DraftCacheServicer):
                 if not msg.HasField("chunk"):
                     continue
                 try:
-                    ack = self._check_and_push(device, msg.chunk, vocab)
+                    ack = self._check_and_push(device, msg.chunk, vocab, batched=True)
                     if msg.chunk.quiet:
                         continue  # stored: the drafter asked for no ack (a refusal has one)
                 except ChunkRefused as e:

@@ -32,9 +32,10 @@ from .codec import (InboxEvent, KeyLayout, pack_tokens, params_from_json, params
 from .devices import DeviceRegistry
 from .fleet_recorder import FleetRecorder
 from .fleet_table import RedisFleetTable
-from .store_lua import COMMIT_MANY_LUA, PUSH_LUA, TAKE_MANY_LUA
-from .store_records import (COMMIT_REPLY, INT, TAKE_HEADER, DraftRow, PushResult, SessionRecord,
-                            SessionSnapshot, StoreError, packed_verdict)
+from .store_lua import COMMIT_MANY_LUA, PUSH_MANY_LUA, TAKE_MANY_LUA
+from .store_records import (COMMIT_REPLY, INT, TAKE_HEADER, ChunkPush, DraftRow, PushResult,
+                            SessionRecord, SessionSnapshot, StoreError, packed_chunk,
+                            packed_verdict)
 
 log = logging.getLogger("edgespec.cache")
 
@@ -52,7 +53,7 @@ class RedisSessionStore:
         self.ttl_s = ttl_s
         self.inbox_maxlen = inbox_maxlen
         self.wait_ms = wait_ms
-        self._push = client.register_script(PUSH_LUA)
+        self._push_many = client.register_script(PUSH_MANY_LUA)
         # the step's two scripts on a connection of their own, taken from the pool once: one
         # taken and given back at each call (with its checks and events) cost a one-session
         # step ~60-125 us here (bench-host --stores redis --sessions 1, its commit stage)
@@ -320,16 +321,34 @@ class RedisSessionStore:
         """Append a chunk (``branches``: alternatives to its tokens, ``at`` relative to it);
         ``device`` given: only if the session is that device's (else ``StoreError`` of kind
         "device"), checked in the same script."""
-        brs: list[int | bytes] = []
-        for b in chunk_branches(tokens, branches, len(tokens)):
-            pos = start + b.at  # stored by absolute position: the draft's start moves
-            brs += [pos, pack_tokens([pos, *b.tokens])]
-        res = self._push(keys=[*self.keys.session(sid), self.keys.wake],
-                         args=[epoch, start, pack_tokens(tokens), int(idle), window,
-                               MAX_BRANCHES, len(brs) // 2, device, *brs])
-        if res[0] < 0:
-            raise StoreError(res[0], res[1])
-        return PushResult(int(res[0]), int(res[1]))
+        return self.push_chunk(self.chunk_push(sid, epoch, start, tokens, idle, window, branches,
+                                               device))
+
+    def push_chunk(self, chunk: ChunkPush) -> PushResult:
+        """``push_many`` of one chunk; raises its ``StoreError`` when refused."""
+        res = self.push_many([chunk])[0]
+        if isinstance(res, StoreError):
+            raise res
+        return res
+
+    @staticmethod
+    def chunk_push(sid: str, epoch: int, start: int, tokens: list[int], idle: bool, window: int,
+                   branches=(), device: str = "") -> ChunkPush:
+        """``push``'s arguments as ``push_many`` takes them (branches stored by absolute
+        position: the draft's start moves)."""
+        brs = tuple((start + b.at, pack_tokens([start + b.at, *b.tokens]))
+                    for b in chunk_branches(tokens, branches, len(tokens)))
+        return ChunkPush(sid, epoch, start, pack_tokens(tokens), idle, window, brs, device)
+
+    def push_many(self, chunks: Sequence[ChunkPush]) -> list[PushResult | StoreError]:
+        """Append several chunks in one round trip, in order, each as ``push`` would: its
+        outcome, or its refusal (a failure of the script on one chunk, as kind "error"), apart;
+        raises ``redis.RedisError`` when Redis cannot be reached."""
+        replies: Any = self._push_many(args=[
+            self.keys.prefix, self.keys.wake,
+            b"".join(packed_chunk(c, MAX_BRANCHES) for c in chunks)])
+        return [PushResult(int(a), int(b)) if int(a) >= 0 else StoreError(int(a), b)
+                for a, b in replies]
 
     def session_device(self, sid: str) -> str | None:
         dev = self.redis.hget(self.keys.session(sid)[0], "device")

@@ -1,11 +1,12 @@
 """The draft cache's atomic operations on a session, as Lua scripts run inside Redis
 (``cache_service.store`` holds the key layout and calls them).
 
-PUSH (KEYS: hash, tok, draft, br, wake; ARGV: epoch, start, tokens, idle, window,
-max_branches, nb, device, then nb (pos, packed [pos, tokens...]) pairs) appends a
-chunk if the session is the device's (a device given: the cache's owner check in the same round
-trip) and its epoch and start are current, within the window; its branches (alternatives to the
-kept tokens) are kept while the session holds fewer than max_branches.
+PUSH_MANY (ARGV: the key prefix, the wake channel, then the chunks packed as
+``store_records.packed_chunk`` packs them) appends each chunk, in order, if the session is the
+device's (a device given: the cache's owner check in the same round trip) and its epoch and start
+are current, within the window; its branches (alternatives to the kept tokens) are kept while the
+session holds fewer than max_branches. Each chunk is answered apart ({kept, committed end} or
+{negative code, message}): one refused, or failing, leaves the others stored.
 
 COMMIT (a function of COMMIT_MANY's script: the session's key base and id, then the verdict as
 COMMIT_MANY unpacks it, typed: epoch, n, packed token, done, start, first fix token, own branch
@@ -29,43 +30,61 @@ rules are the in-process store's too (``edgespec.protocol.local_store``);
 tests/test_store_contract.py holds the two stores to the same cases. The session's keys expire
 ttl seconds after the commit that last crossed a multiple of 16 tokens (or finished it). """
 
-PUSH_LUA = """
-local h = redis.call('HMGET', KEYS[1], 'epoch', 'done', 'idle', 'device')
-if not h[1] then return {-1, 'unknown session'} end
-if ARGV[8] ~= '' and h[4] ~= ARGV[8] then return {-6, 'not assigned to this device'} end
-if h[2] == '1' then return {-3, 'session is finished'} end
-if tonumber(h[1]) ~= tonumber(ARGV[1]) then
-  return {-2, 'chunk from epoch ' .. ARGV[1] .. ', session is at epoch ' .. h[1]}
-end
-local endpos = redis.call('STRLEN', KEYS[2]) / 4
-local dlen = redis.call('STRLEN', KEYS[3]) / 4
-if tonumber(ARGV[2]) ~= endpos + dlen then
-  return {-4, 'chunk starts at ' .. ARGV[2] .. ', the draft ends at ' .. (endpos + dlen)}
-end
-local keep = math.min(string.len(ARGV[3]) / 4, tonumber(ARGV[5]) - dlen)
-if keep < 0 then keep = 0 end
-local nb = tonumber(ARGV[7])
-if keep > 0 then
-  redis.call('APPEND', KEYS[3], string.sub(ARGV[3], 1, keep * 4))
-  local have = redis.call('LLEN', KEYS[4])
-  local added = 0
-  for i = 1, nb do
-    local pos = tonumber(ARGV[8 + 2 * i - 1])
-    if have + added < tonumber(ARGV[6]) and pos < tonumber(ARGV[2]) + keep then
-      redis.call('RPUSH', KEYS[4], ARGV[8 + 2 * i])
-      added = added + 1
-    end
+PUSH_MANY_LUA = """
+local prefix, wake, chunks = ARGV[1], ARGV[2], ARGV[3]
+local function push(base, epoch, start, tokens, idle, window, maxbr, device, brs)
+  local tokk, draftk, brk = base .. ':tok', base .. ':draft', base .. ':br'
+  local h = redis.call('HMGET', base, 'epoch', 'done', 'idle', 'device')
+  if not h[1] then return {-1, 'unknown session'} end
+  if device ~= '' and h[4] ~= device then return {-6, 'not assigned to this device'} end
+  if h[2] == '1' then return {-3, 'session is finished'} end
+  if tonumber(h[1]) ~= epoch then
+    return {-2, 'chunk from epoch ' .. epoch .. ', session is at epoch ' .. h[1]}
   end
-  -- the branch list is created here: it expires with the session, even if no commit follows
-  local ttl = redis.call('PTTL', KEYS[1])
-  if ttl > 0 and added > 0 then redis.call('PEXPIRE', KEYS[4], ttl) end
+  local endpos = redis.call('STRLEN', tokk) / 4
+  local dlen = redis.call('STRLEN', draftk) / 4
+  if start ~= endpos + dlen then
+    return {-4, 'chunk starts at ' .. start .. ', the draft ends at ' .. (endpos + dlen)}
+  end
+  local keep = math.min(string.len(tokens) / 4, window - dlen)
+  if keep < 0 then keep = 0 end
+  if keep > 0 then
+    redis.call('APPEND', draftk, string.sub(tokens, 1, keep * 4))
+    local have = redis.call('LLEN', brk)
+    local added = 0
+    for i = 1, #brs, 2 do
+      if have + added < maxbr and brs[i] < start + keep then
+        redis.call('RPUSH', brk, brs[i + 1])
+        added = added + 1
+      end
+    end
+    -- the branch list is created here: it expires with the session, even if no commit follows
+    local ttl = redis.call('PTTL', base)
+    if ttl > 0 and added > 0 then redis.call('PEXPIRE', brk, ttl) end
+  end
+  idle = tostring(idle)
+  redis.call('HSET', base, 'idle', idle)
+  -- wake the verifier only for news: kept tokens or a changed idle flag (an empty chunk
+  -- repeated in a loop must not keep it re-reading); the message names the session's key, so a
+  -- waiting verifier reads again only the sessions that moved
+  if keep > 0 or h[3] ~= idle then redis.call('PUBLISH', wake, base) end
+  return {keep, endpos}
 end
-redis.call('HSET', KEYS[1], 'idle', ARGV[4])
--- wake the verifier only for news: kept tokens or a changed idle flag (an empty chunk
--- repeated in a loop must not keep it re-reading); the message names the session's key, so a
--- waiting verifier reads again only the sessions that moved
-if keep > 0 or h[3] ~= ARGV[4] then redis.call('PUBLISH', KEYS[5], KEYS[1]) end
-return {keep, endpos}
+local out, p = {}, 1
+while p <= #chunks do
+  local epoch, start, idle, window, maxbr, nb, sid, tokens, device
+  epoch, start, idle, window, maxbr, nb, sid, tokens, device, p =
+    struct.unpack('<i4i4i4i4i4i4i4c0i4c0i4c0', chunks, p)
+  local brs = {}
+  for i = 1, nb do
+    brs[2 * i - 1], brs[2 * i], p = struct.unpack('<i4i4c0', chunks, p)
+  end
+  local ok, res = pcall(push, prefix .. 's:' .. sid, epoch, start, tokens, idle, window, maxbr,
+                        device, brs)
+  if not ok then res = {-7, type(res) == 'table' and res.err or tostring(res)} end
+  out[#out + 1] = res
+end
+return out
 """
 
 COMMIT_LUA = """

@@ -21,7 +21,7 @@ class StoreError(Exception):
     chunk for a session another device drafts for)."""
 
     KINDS = {-1: "unknown", -2: "stale", -3: "finished", -4: "position", -5: "branch",
-             -6: "device"}
+             -6: "device"}  # else (-7: the script failed on it) "error"
 
     def __init__(self, code: int, message: str | bytes):
         super().__init__(message.decode() if isinstance(message, bytes) else message)
@@ -68,6 +68,39 @@ def packed_verdict(v: Verdict) -> bytes:
     more = (*v.branch[1:], v.token) if v.branch else ()
     return head + _sized(v.finish_reason.encode()) + _sized(pack_tokens(v.branch)) \
         + _sized(",".join(map(str, more)).encode())
+
+
+# a chunk's numbers as PUSH_MANY_LUA unpacks them: epoch, start, idle, window, most branches,
+# branches sent
+PUSH_NUMBERS = struct.Struct("<iiiiii")
+_INT32 = 1 << 31
+
+
+@dataclass(frozen=True)
+class ChunkPush:
+    """A drafter's chunk as the store appends it (``RedisSessionStore.push_many``): its chain,
+    and its ``branches`` as (absolute position, packed [position, tokens...]) pairs."""
+
+    session_id: str
+    epoch: int
+    start: int  # 0 <= start < 2^31 (``chunk_checks``)
+    tokens: bytes  # packed
+    idle: bool
+    window: int
+    branches: tuple[tuple[int, bytes], ...] = ()
+    device: str = ""  # given: stored only if the session is this device's
+
+
+def packed_chunk(c: ChunkPush, max_branches: int) -> bytes:
+    """A chunk as PUSH_MANY_LUA reads it. An epoch out of 32 bits is no session's: sent as -1,
+    refused as stale."""
+    epoch = c.epoch if 0 <= c.epoch < _INT32 else -1
+    head = PUSH_NUMBERS.pack(epoch, c.start, int(c.idle), c.window, max_branches,
+                             len(c.branches)) + _sized(c.session_id.encode()) \
+        + _sized(c.tokens) + _sized(c.device.encode())
+    if not c.branches:
+        return head
+    return head + b"".join(INT.pack(pos) + _sized(packed) for pos, packed in c.branches)
 
 
 @dataclass

@@ -1,12 +1,14 @@
 """What the draft cache's process spends a session-step as the fleet grows: N boards (MaG drafter
-agents, one session each, all in one process of their own) attached over real gRPC to the cache
-(``edgespec cache``, a process of its own), and this process playing the verifier's two store
+agents, ``--sessions-per-board`` sessions each, all in one process of their own) attached over
+real gRPC to the cache (``edgespec cache``, a process of its own), and this process playing the
+verifier's two store
 calls a step (take, commit) against the same Redis, a step every ``--step-ms``. For each fleet
 size it prints the CPU microseconds a session-step of the cache's process, of its Redis, of the
 boards' process and of the driver's store calls, and the cache's messages: what a verifier's host
 pays for each board beside its forwards.
 
     python scripts/cache_fleet_cost.py --boards 8,32,64 --steps 150 --json cache-fleet.json
+    python scripts/cache_fleet_cost.py --boards 8 --sessions-per-board 8 --json eight-each.json
 
 Each session's step takes its draft (up to 4 tokens), accepts all of it half the time and a
 random part of it otherwise, and commits a token of its own: mostly fixes, as with MaG's drafts
@@ -73,7 +75,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_one(n: int, steps: int, warmup: int, step_ms: float, seed: int) -> dict:
+def run_one(n: int, steps: int, warmup: int, step_ms: float, seed: int,
+            per_board: int = 1) -> dict:
     from cache_service.redis_conn import RedisHandle
     from cache_service.store import RedisSessionStore
     from edgespec.config import SamplingParams
@@ -98,10 +101,10 @@ def run_one(n: int, steps: int, warmup: int, step_ms: float, seed: int) -> dict:
         while boards.stdout.readline().strip() != "attached":
             if time.monotonic() > deadline or boards.poll() is not None:
                 raise RuntimeError("the boards did not attach")
-        sids = [f"s{i}" for i in range(n)]
+        sids = [f"s{i}" for i in range(n * per_board)]
         for i, sid in enumerate(sids):
             prompt = [rng.randrange(100, VOCAB) for _ in range(64)]
-            store.create(sid, prompt, SamplingParams(), f"b{i}")
+            store.create(sid, prompt, SamplingParams(), f"b{i % n}")
         redis_pid = _redis_pid(handle)
         counted = {"session_steps": 0, "draft_tokens": 0}
 
@@ -133,7 +136,8 @@ def run_one(n: int, steps: int, warmup: int, step_ms: float, seed: int) -> dict:
         after = (_cpu_s(cache.pid), _cpu_s(redis_pid), _cpu_s(boards.pid), time.process_time())
         ss = counted["session_steps"]
         us = [1e6 * (b - a) / ss for a, b in zip(before, after)]
-        return {"boards": n, "steps": steps, "step_ms": step_ms, "wall_s": wall,
+        return {"boards": n, "sessions_per_board": per_board, "steps": steps,
+                "step_ms": step_ms, "wall_s": wall,
                 "session_steps": ss, "draft_tokens_taken_per_session_step":
                     counted["draft_tokens"] / ss,
                 "cache_cpu_us_per_session_step": us[0], "redis_cpu_us_per_session_step": us[1],
@@ -157,6 +161,8 @@ def main() -> int:
     p.add_argument("--step-ms", type=float, default=20.0,
                    help="the verifier's step: how long each take may wait, and the pause "
                         "between steps (a forward's time)")
+    p.add_argument("--sessions-per-board", type=int, default=1, metavar="S",
+                   help="sessions each board drafts for (default: 1)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="write the rows here")
     p.add_argument("--serve-boards", type=int, help=argparse.SUPPRESS)
@@ -166,12 +172,12 @@ def main() -> int:
         serve_boards(a.serve_boards, a.cache)
         return 0
     rows = []
-    print(f"{'boards':>6} {'cache us':>9} {'redis us':>9} {'boards us':>9} {'driver us':>9} "
-          f"{'cache cores':>11}  (CPU microseconds a session-step)")
+    print(f"{'boards':>6} {'sessions':>8} {'cache us':>9} {'redis us':>9} {'boards us':>9} "
+          f"{'driver us':>9} {'cache cores':>11}  (CPU microseconds a session-step)")
     for n in [int(x) for x in a.boards.split(",")]:
-        r = run_one(n, a.steps, a.warmup, a.step_ms, a.seed)
+        r = run_one(n, a.steps, a.warmup, a.step_ms, a.seed, a.sessions_per_board)
         rows.append(r)
-        print(f"{n:>6} {r['cache_cpu_us_per_session_step']:>9.1f} "
+        print(f"{n:>6} {n * a.sessions_per_board:>8} {r['cache_cpu_us_per_session_step']:>9.1f} "
               f"{r['redis_cpu_us_per_session_step']:>9.1f} "
               f"{r['boards_cpu_us_per_session_step']:>9.1f} "
               f"{r['driver_cpu_us_per_session_step']:>9.1f} {r['cache_cores']:>11.2f}",

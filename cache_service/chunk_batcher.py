@@ -1,0 +1,97 @@
+"""The chunks of every attached board stored together: one Redis round trip for what came in
+meanwhile, not one a chunk.
+
+Each Attach stream's reader thread checks its board's chunk (``chunk_checks``) and hands it here;
+one thread appends what is queued in one ``RedisSessionStore.push_many`` call and hands each
+reader its chunk's outcome. A reader waits for its own chunk, so a board's chunks are stored in
+the order it sent them and a board that floods the stream is held back by its own reader, as
+when each reader stored its chunks itself; chunks that arrive while a call is in flight go in
+the next (on a step's burst, when every board answers the same commit, one call a few boards).
+The redis-py work a command costs (a connection taken from the pool, the command packed, the
+reply parsed) was half of the cache's Python CPU with one call a chunk
+(``scripts/cache_fleet_cost.py`` under a sampling profiler).
+
+The thread starts at the first chunk and ends once nothing came for ``IDLE_S``.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+
+from .store import RedisSessionStore
+from .store_records import ChunkPush, PushResult, StoreError
+
+MAX_BATCH = 256  # chunks in one call: a bound on the script's time inside Redis
+IDLE_S = 5.0
+
+
+class _Pending:
+    """One reader's chunk in the queue; ``done`` is released once ``outcome`` is set."""
+
+    __slots__ = ("chunk", "done", "outcome")
+
+    def __init__(self, chunk: ChunkPush):
+        self.chunk = chunk
+        self.done = threading.Lock()
+        self.done.acquire()  # released by the batching thread: a lock is the cheapest wait
+        self.outcome: PushResult | StoreError | BaseException | None = None
+
+
+class ChunkBatcher:
+    """``push``: store a chunk as ``RedisSessionStore.push`` would, batched with the chunks
+    other threads push meanwhile."""
+
+    def __init__(self, store: RedisSessionStore):
+        self.store = store
+        self._queue: queue.SimpleQueue[_Pending] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._running = False
+        self.calls = 0  # push_many calls made (the batching's effect, for tests and metrics)
+        self.chunks = 0
+
+    def push(self, chunk: ChunkPush) -> PushResult:
+        """Store ``chunk``; raises its ``StoreError`` when refused, and ``redis.RedisError``
+        (or whatever the call raised) when the batch it went in failed."""
+        pending = _Pending(chunk)
+        with self._lock:
+            self._queue.put(pending)
+            if not self._running:
+                self._running = True
+                threading.Thread(target=self._run, daemon=True, name="chunk-batcher").start()
+        pending.done.acquire()
+        outcome = pending.outcome
+        if isinstance(outcome, BaseException):
+            raise outcome
+        assert outcome is not None
+        return outcome
+
+    def _next_batch(self) -> list[_Pending] | None:
+        """What is queued (waiting up to ``IDLE_S`` for a first chunk); None: the thread ends."""
+        try:
+            first = self._queue.get(timeout=IDLE_S)
+        except queue.Empty:
+            with self._lock:  # a push that queued meanwhile sees _running and is served
+                if self._queue.empty():
+                    self._running = False
+                    return None
+            first = self._queue.get()
+        batch = [first]
+        while len(batch) < MAX_BATCH:
+            try:
+                batch.append(self._queue.get_nowait())
+            except queue.Empty:
+                break
+        return batch
+
+    def _run(self) -> None:
+        while (batch := self._next_batch()) is not None:
+            try:
+                outcomes: list = self.store.push_many([p.chunk for p in batch])
+            except Exception as e:  # the readers end their streams (a Redis outage) or log it
+                outcomes = [e] * len(batch)
+            self.calls += 1
+            self.chunks += len(batch)
+            for pending, outcome in zip(batch, outcomes):
+                pending.outcome = outcome
+                pending.done.release()
