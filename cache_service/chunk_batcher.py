@@ -53,18 +53,28 @@ class ChunkBatcher:
     def push(self, chunk: ChunkPush) -> PushResult:
         """Store ``chunk``; raises its ``StoreError`` when refused, and ``redis.RedisError``
         (or whatever the call raised) when the batch it went in failed."""
-        pending = _Pending(chunk)
+        [outcome] = self.push_all([chunk])
+        if isinstance(outcome, StoreError):
+            raise outcome
+        return outcome
+
+    def push_all(self, chunks: list[ChunkPush]) -> list[PushResult | StoreError]:
+        """Store several chunks, in order (a board's ``DraftChunks``): each one's outcome or
+        refusal; raises what a call they went in raised."""
+        pending = [_Pending(c) for c in chunks]
         with self._lock:
-            self._queue.put(pending)
+            for p in pending:
+                self._queue.put(p)
             if not self._running:
                 self._running = True
                 threading.Thread(target=self._run, daemon=True, name="chunk-batcher").start()
-        pending.done.acquire()
-        outcome = pending.outcome
-        if isinstance(outcome, BaseException):
-            raise outcome
-        assert outcome is not None
-        return outcome
+        for p in pending:
+            p.done.acquire()
+        outcomes = [p.outcome for p in pending]
+        for outcome in outcomes:
+            if isinstance(outcome, BaseException) and not isinstance(outcome, StoreError):
+                raise outcome
+        return outcomes  # type: ignore[return-value]  # results and refusals only, by now
 
     def _next_batch(self) -> list[_Pending] | None:
         """What is queued (waiting up to ``IDLE_S`` for a first chunk); None: the thread ends."""

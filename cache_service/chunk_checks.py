@@ -73,6 +73,18 @@ def check_and_push(store: RedisSessionStore, device: str, chunk: pb.DraftChunk, 
     push, in one script. ``per_device``: the cache knows the device by its token (a session of
     another device's is PERMISSION_DENIED, else FAILED_PRECONDITION). ``push``: how the checked
     chunk is stored (a ``ChunkBatcher``'s; default: a round trip of its own)."""
+    checked = checked_chunk(store, device, chunk, vocab, window)
+    res: PushResult | StoreError
+    try:
+        res = (push or store.push_chunk)(checked)
+    except StoreError as e:
+        res = e
+    return chunk_ack(chunk, checked, res, per_device)
+
+
+def checked_chunk(store: RedisSessionStore, device: str, chunk: pb.DraftChunk, vocab: int,
+                  window: int) -> ChunkPush:
+    """``chunk`` as the store appends it, once what it holds is checked (else ``ChunkRefused``)."""
     try:
         sid = check_session_id(chunk.session_id)
     except ConfigError as e:
@@ -87,16 +99,21 @@ def check_and_push(store: RedisSessionStore, device: str, chunk: pb.DraftChunk, 
         check_draft_ids(chunk.tokens, vocab)  # the chain's and the branches' nodes
     except ValueError as e:
         raise ChunkRefused(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
-    try:
-        res = (push or store.push_chunk)(store.chunk_push(
-            sid, chunk.epoch, chunk.start, tokens, chunk.idle, window, branches, device))
-    except StoreError as e:
-        if e.kind == "device":
+    return store.chunk_push(sid, chunk.epoch, chunk.start, tokens, chunk.idle, window, branches,
+                            device)
+
+
+def chunk_ack(chunk: pb.DraftChunk, checked: ChunkPush, outcome: PushResult | StoreError,
+              per_device: bool) -> pb.ChunkAck:
+    """The ack of a stored chunk, or ``ChunkRefused`` for the store's refusal of it."""
+    if isinstance(outcome, StoreError):
+        sid, device, kind = checked.session_id, checked.device, outcome.kind
+        if kind == "device":
             code = (grpc.StatusCode.PERMISSION_DENIED if per_device
                     else grpc.StatusCode.FAILED_PRECONDITION)
-            raise ChunkRefused(code, f"session {sid} is not assigned to {device!r}") from None
-        if e.kind == "unknown":
-            raise ChunkRefused(grpc.StatusCode.NOT_FOUND, f"unknown session {sid!r}") from None
-        raise ChunkRefused(STORE_REFUSALS.get(e.kind, grpc.StatusCode.INTERNAL), str(e)) from None
-    return pb.ChunkAck(session_id=sid, start=chunk.start, kept=res.kept,
-                       committed_end=res.committed_end, code=grpc.StatusCode.OK.value[0])
+            raise ChunkRefused(code, f"session {sid} is not assigned to {device!r}")
+        if kind == "unknown":
+            raise ChunkRefused(grpc.StatusCode.NOT_FOUND, f"unknown session {sid!r}")
+        raise ChunkRefused(STORE_REFUSALS.get(kind, grpc.StatusCode.INTERNAL), str(outcome))
+    return pb.ChunkAck(session_id=checked.session_id, start=chunk.start, kept=outcome.kept,
+                       committed_end=outcome.committed_end, code=grpc.StatusCode.OK.value[0])

@@ -75,3 +75,16 @@ class DrafterOutbox:
     def get(self, timeout: float) -> Any:
         """The next message (None: the stream ends); raises ``queue.Empty`` after ``timeout``."""
         return self._queue.get(timeout=timeout)
+
+    def get_queued(self, most: int) -> list[Any]:
+        """Up to ``most`` more messages already queued, never waiting (a None among them: the
+        stream ends there, and is the last)."""
+        got: list[Any] = []
+        while len(got) < most:
+            try:
+                got.append(self._queue.get_nowait())
+            except queue.Empty:
+                break
+            if got[-1] is None:
+                break
+        return got

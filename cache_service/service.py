@@ -44,7 +44,7 @@ from edgespec.wire.convert import REPLACED_STREAM, params_to_pb, retry_after_met
 from edgespec.wire.keepalive import SILENT_HEARTBEATS, heartbeat_interval_s
 
 from .chunk_batcher import ChunkBatcher
-from .chunk_checks import DEVICE_METADATA, ChunkRefused, check_and_push
+from .chunk_checks import DEVICE_METADATA, ChunkRefused, check_and_push, checked_chunk, chunk_ack
 from .codec import InboxEvent
 from .credentials import DeviceCredentials
 from .drafter_outbox import DrafterOutbox
@@ -61,6 +61,20 @@ MAX_DEVICE_SESSIONS = 1 << 16
 # A drafter refused while the cache's Redis recovers (or before a verifier registered the target)
 # is asked to come back after this long instead of backing off for seconds.
 RETRY_AFTER_MS = 500
+MAX_BATCH_CHUNKS = 256  # chunks in one DraftChunks (the ones beyond are refused)
+MAX_SEND_BATCH = 256  # queued messages sent to a board in one CacheBatch
+
+
+def with_queued(msg: pb.CacheMessage, out: DrafterOutbox) -> tuple[pb.CacheMessage, bool]:
+    """``msg`` and what else ``out`` holds for the board, as one CacheBatch (``msg`` itself when
+    nothing else is queued), and whether the stream ends after it."""
+    more = out.get_queued(MAX_SEND_BATCH - 1)
+    ended = bool(more) and more[-1] is None
+    if ended:
+        more.pop()
+    if not more:
+        return msg, ended
+    return pb.CacheMessage(batch=pb.CacheBatch(messages=[msg, *more])), ended
 
 
 class DraftCacheService(pb_grpc.DraftCacheServicer):
@@ -109,15 +123,48 @@ class DraftCacheService(pb_grpc.DraftCacheServicer):
         if self.metrics is not None:
             self.metrics.chunk_refused(e.code)
 
-    def _check_and_push(self, device: str, chunk: pb.DraftChunk, vocab: int,
-                        batched: bool = False) -> pb.ChunkAck:
-        """``batched``: stored with the chunks other streams push meanwhile (``ChunkBatcher``)."""
+    def _check_and_push(self, device: str, chunk: pb.DraftChunk, vocab: int) -> pb.ChunkAck:
         ack = check_and_push(self.store, device, chunk, vocab, self.window,
-                             per_device=self.credentials is not None,
-                             push=self._batcher.push if batched else None)
+                             per_device=self.credentials is not None)
         if self.metrics is not None:
             self.metrics.chunk_stored(ack.kept)
         return ack
+
+    def _store_chunks(self, device: str, chunks, vocab: int) -> list[pb.ChunkAck]:
+        """An Attach stream's chunks (one, or a board's ``DraftChunks``) checked, then stored
+        with what other streams push meanwhile (``ChunkBatcher``); the acks to send: every
+        refusal, and the stored chunks that are not quiet."""
+        acks: list[pb.ChunkAck] = []
+        checked = []
+        for i, chunk in enumerate(chunks):
+            try:
+                if i >= MAX_BATCH_CHUNKS:
+                    raise ChunkRefused(grpc.StatusCode.INVALID_ARGUMENT,
+                                       f"a DraftChunks holds at most {MAX_BATCH_CHUNKS} chunks")
+                checked.append((chunk, checked_chunk(self.store, device, chunk, vocab,
+                                                     self.window)))
+            except ChunkRefused as e:
+                acks.append(self._refusal(chunk, e))
+        outcomes = self._batcher.push_all([c for _, c in checked]) if checked else []
+        for (chunk, c), outcome in zip(checked, outcomes):
+            try:
+                ack = chunk_ack(chunk, c, outcome, per_device=self.credentials is not None)
+            except ChunkRefused as e:
+                acks.append(self._refusal(chunk, e))
+                continue
+            if self.metrics is not None:
+                self.metrics.chunk_stored(ack.kept)
+            if not chunk.quiet:  # stored: the drafter asked for no ack (a refusal has one)
+                acks.append(ack)
+        return acks
+
+    def _refusal(self, chunk: pb.DraftChunk, e: ChunkRefused) -> pb.ChunkAck:
+        self._refused(e)
+        sid = chunk.session_id
+        if e.code == grpc.StatusCode.INVALID_ARGUMENT and len(sid) > 64:
+            sid = ""  # never echo a huge id back
+        return pb.ChunkAck(session_id=sid, start=chunk.start, code=e.code.value[0],
+                           message=str(e))
 
     def _vocab(self) -> int:
         return int(self.store.target().get("vocab_size", 1 << 31))
@@ -238,7 +285,7 @@ class DraftCacheService(pb_grpc.DraftCacheServicer):
             opening = [pb.CacheMessage(registered=pb.Registered(
                 target_model=target.get("model", ""), tokenizer_fingerprint=target["fingerprint"],
                 window=self.window, chunk=self.chunk, vocab_size=vocab,
-                heartbeat_ms=int(self.heartbeat_s * 1000)))]
+                heartbeat_ms=int(self.heartbeat_s * 1000), batches=True))]
             try:
                 after = self.store.last_event_id(device)
                 for sid in self.store.devices.sessions_of(device):
@@ -276,6 +323,12 @@ class DraftCacheService(pb_grpc.DraftCacheServicer):
                     continue
                 if msg is None:
                     break
+                if reg.batches:  # what else is queued, in one message (none: msg alone)
+                    msg, ended = with_queued(msg, out)
+                    yield msg
+                    if ended:
+                        break
+                    continue
                 yield msg
             if lost and not self._stopping.is_set():
                 self._refuse_for_now(context, lost[0])
@@ -320,20 +373,14 @@ class DraftCacheService(pb_grpc.DraftCacheServicer):
         try:
             for msg in it:
                 heard[0] = time.monotonic()  # a chunk or a heartbeat: the drafter is there
-                if not msg.HasField("chunk"):
+                kind = msg.WhichOneof("kind")
+                if kind == "chunk":
+                    acks = self._store_chunks(device, [msg.chunk], vocab)
+                elif kind == "chunks":
+                    acks = self._store_chunks(device, msg.chunks.chunks, vocab)
+                else:
                     continue
-                try:
-                    ack = self._check_and_push(device, msg.chunk, vocab, batched=True)
-                    if msg.chunk.quiet:
-                        continue  # stored: the drafter asked for no ack (a refusal has one)
-                except ChunkRefused as e:
-                    self._refused(e)
-                    sid = msg.chunk.session_id
-                    if e.code == grpc.StatusCode.INVALID_ARGUMENT and len(sid) > 64:
-                        sid = ""  # never echo a huge id back
-                    ack = pb.ChunkAck(session_id=sid, start=msg.chunk.start,
-                                      code=e.code.value[0], message=str(e))
-                if not out.put(pb.CacheMessage(ack=ack)):
+                if not all(out.put(pb.CacheMessage(ack=ack)) for ack in acks):
                     break  # the stream ended, or the drafter reads nothing of it
         except grpc.RpcError:
             pass  # the drafter went away

@@ -35,7 +35,7 @@ import queue
 import random
 import threading
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import grpc
 
@@ -68,6 +68,7 @@ MIN_RETRY_S = 0.1  # the shortest wait a retry hint may ask for
 STEADY_LINK_S = 10.0  # a link that lasted this long resets the backoff when it ends
 WHOLE_ROOM = 1 << 20  # a chunk limit no session's room reaches: the room is the limit
 REPLACED_FORGOTTEN_S = 60.0  # a 'replaced' this long ago no longer counts towards stopping
+MAX_CHUNKS_A_MESSAGE = 256  # chunks queued together sent as one DraftChunks (the cache's most)
 ACK_EVERY = 8  # one chunk in this many asks the cache for its ack when stored (DraftChunk.quiet)
 
 
@@ -83,6 +84,33 @@ def next_backoff(delay: float, error: grpc.RpcError | None, backoff_max_s: float
     if hint is not None:  # a hint of 0 from a broken cache: never a reconnect loop
         return min(backoff_max_s, max(MIN_RETRY_S, hint)) * factor, BACKOFF_START_S
     return delay * factor, min(backoff_max_s, delay * 2)
+
+
+def outgoing_messages(out: queue.Queue, batches: Callable[[], bool]
+                      ) -> Iterator[pb.DrafterMessage]:
+    """An Attach stream's messages from ``out`` until None: a chunk with the chunks queued right
+    behind it in one DraftChunks while ``batches()`` (the cache said it reads them), every other
+    message alone, in order."""
+    nothing = object()
+    held: Any = nothing  # a message taken while gathering chunks (None too), sent after them
+    while True:
+        msg, held = (out.get(), nothing) if held is nothing else (held, nothing)
+        if msg is None:
+            return
+        if not batches() or msg.WhichOneof("kind") != "chunk":
+            yield msg
+            continue
+        chunks = [msg.chunk]
+        while len(chunks) < MAX_CHUNKS_A_MESSAGE:
+            try:
+                held = out.get_nowait()
+            except queue.Empty:
+                break
+            if held is None or held.WhichOneof("kind") != "chunk":
+                break
+            chunks.append(held.chunk)
+            held = nothing
+        yield msg if len(chunks) == 1 else pb.DrafterMessage(chunks=pb.DraftChunks(chunks=chunks))
 
 
 class DrafterAgent(CacheMessages):
@@ -133,6 +161,7 @@ class DrafterAgent(CacheMessages):
         self.attaches = 0  # successful registrations, reconnections included
         self.chunks_sent = 0
         self._unacked = -1  # chunks sent since the last that asked for its ack (the first asks)
+        self.cache_batches = False  # the cache reads DraftChunks (its Registered said so)
         self.refused = 0  # sessions refused because the drafter failed on them
         self._outage_since: float | None = None  # when the cache became unreachable
         self._outage_told_at = 0.0  # when the outage was last logged (rate-limited)
@@ -263,19 +292,14 @@ class DrafterAgent(CacheMessages):
         out.put(pb.DrafterMessage(register=pb.Register(
             device_id=self.device_id, draft_model=self.drafter.name,
             tokenizer_fingerprint=self.fingerprint, max_sessions=self.max_sessions,
-            heartbeat_ms=int(beat_s * 1000))))
+            heartbeat_ms=int(beat_s * 1000), batches=True)))
         with self.cond:
             self._out = out
-
-        def outgoing():
-            while True:
-                msg = out.get()
-                if msg is None:
-                    return
-                yield msg
+            self.cache_batches = False  # until this cache's Registered says otherwise
 
         stub = pb_grpc.DraftCacheStub(channel)
-        responses = stub.Attach(outgoing(), metadata=auth_metadata(self.token))
+        responses = stub.Attach(outgoing_messages(out, lambda: self.cache_batches),
+                               metadata=auth_metadata(self.token))
         with self.cond:
             self._call = responses
         if self.stopping.is_set():
@@ -286,7 +310,10 @@ class DrafterAgent(CacheMessages):
                 link.heard(msg)
                 if self.stopping.is_set():
                     break
-                self._apply(msg)
+                if msg.WhichOneof("kind") == "batch":
+                    self._apply_batch(msg.batch, link)
+                else:
+                    self._apply(msg)
         finally:
             link.stop()
             out.put(None)

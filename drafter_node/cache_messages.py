@@ -41,6 +41,7 @@ class CacheMessages:
     window: int | None
     chunk: int | None
     vocab: int | None
+    cache_batches: bool
     tree_width: int
     attaches: int
     refused: int
@@ -63,6 +64,7 @@ class CacheMessages:
                 self.window = self.window or reg.window
                 self.chunk = self.chunk or (self.window if self.drafter.cheap else reg.chunk)
                 self.vocab = reg.vocab_size or None
+                self.cache_batches = reg.batches
                 self.attaches += 1
                 self.connected.set()
                 self._outage_since = None
@@ -93,6 +95,14 @@ class CacheMessages:
         verifier died, say): drop it so that it does not hold a KV slot for ever."""
         if ack.code == grpc.StatusCode.NOT_FOUND.value[0] or "finished" in ack.message:
             self.book.close(ack.session_id)
+
+    def _apply_batch(self, batch: pb.CacheBatch, link) -> None:
+        """A CacheBatch's messages, in order; a batch inside it breaks the protocol."""
+        for msg in batch.messages:
+            if msg.WhichOneof("kind") == "batch":
+                raise ConnectionError("the cache sent a batch inside a batch")
+            link.heard(msg)
+            self._apply(msg)
 
     def _apply_assignment(self, a: pb.Assignment) -> None:
         try:

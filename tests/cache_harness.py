@@ -95,10 +95,14 @@ def cache(store):
 class Stream:
     """A hand-driven Attach stream: register, send chunks, read what the cache sends."""
 
-    def __init__(self, channel, device, token=None):
+    def __init__(self, channel, device, token=None, batches=False):
+        """``batches``: it reads CacheBatch (each batch's messages go to ``inbox`` one by one,
+        and ``batches_heard`` counts the batches); else, as an older board, it is never sent
+        one (a batch read fails the test)."""
+        self.batches, self.batches_heard = batches, 0
         self.out: queue.Queue = queue.Queue()
         self.out.put(pb.DrafterMessage(register=pb.Register(device_id=device, draft_model="test",
-                                                            max_sessions=4)))
+                                                            max_sessions=4, batches=batches)))
         self.call = pb_grpc.DraftCacheStub(channel).Attach(iter(self.out.get, None),
                                                             metadata=auth_metadata(token))
         self.inbox: queue.Queue = queue.Queue()
@@ -107,9 +111,16 @@ class Stream:
     def _read(self):
         try:
             for msg in self.call:
-                self.inbox.put(msg)
+                if msg.WhichOneof("kind") != "batch":
+                    self.inbox.put(msg)
+                    continue
+                assert self.batches, "a batch sent to a board that does not read them"
+                self.batches_heard += 1
+                for inner in msg.batch.messages:
+                    assert inner.WhichOneof("kind") != "batch"
+                    self.inbox.put(inner)
             self.inbox.put(None)
-        except grpc.RpcError as e:
+        except (grpc.RpcError, AssertionError) as e:  # raised by ``next``
             self.inbox.put(e)
 
     def next(self, kind: str) -> pb.CacheMessage:
@@ -117,7 +128,7 @@ class Stream:
         deadline = time.monotonic() + WAIT_S
         while True:
             msg = self.inbox.get(timeout=max(0.01, deadline - time.monotonic()))
-            if isinstance(msg, grpc.RpcError):
+            if isinstance(msg, (grpc.RpcError, AssertionError)):
                 raise msg
             assert msg is not None, f"the stream ended before a {kind!r} message"
             if msg.WhichOneof("kind") == kind:

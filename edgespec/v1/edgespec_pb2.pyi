@@ -300,18 +300,20 @@ class HeadStatus(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., source: _Optional[str] = ..., version: _Optional[int] = ..., held_out_tokens_per_step: _Optional[float] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., learning: _Optional[bool] = ..., buffered_tokens: _Optional[int] = ...) -> None: ...
 
 class Register(_message.Message):
-    __slots__ = ("device_id", "draft_model", "tokenizer_fingerprint", "max_sessions", "heartbeat_ms")
+    __slots__ = ("device_id", "draft_model", "tokenizer_fingerprint", "max_sessions", "heartbeat_ms", "batches")
     DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
     DRAFT_MODEL_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     MAX_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_MS_FIELD_NUMBER: _ClassVar[int]
+    BATCHES_FIELD_NUMBER: _ClassVar[int]
     device_id: str
     draft_model: str
     tokenizer_fingerprint: str
     max_sessions: int
     heartbeat_ms: int
-    def __init__(self, device_id: _Optional[str] = ..., draft_model: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ..., max_sessions: _Optional[int] = ..., heartbeat_ms: _Optional[int] = ...) -> None: ...
+    batches: bool
+    def __init__(self, device_id: _Optional[str] = ..., draft_model: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ..., max_sessions: _Optional[int] = ..., heartbeat_ms: _Optional[int] = ..., batches: _Optional[bool] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
     __slots__ = ("sent_unix_ms",)
@@ -339,31 +341,41 @@ class DraftChunk(_message.Message):
     quiet: bool
     def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., start: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., idle: _Optional[bool] = ..., tree_parents: _Optional[_Iterable[int]] = ..., tree_version: _Optional[int] = ..., quiet: _Optional[bool] = ...) -> None: ...
 
+class DraftChunks(_message.Message):
+    __slots__ = ("chunks",)
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    chunks: _containers.RepeatedCompositeFieldContainer[DraftChunk]
+    def __init__(self, chunks: _Optional[_Iterable[_Union[DraftChunk, _Mapping]]] = ...) -> None: ...
+
 class DrafterMessage(_message.Message):
-    __slots__ = ("register", "chunk", "heartbeat")
+    __slots__ = ("register", "chunk", "heartbeat", "chunks")
     REGISTER_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
     register: Register
     chunk: DraftChunk
     heartbeat: Heartbeat
-    def __init__(self, register: _Optional[_Union[Register, _Mapping]] = ..., chunk: _Optional[_Union[DraftChunk, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ...) -> None: ...
+    chunks: DraftChunks
+    def __init__(self, register: _Optional[_Union[Register, _Mapping]] = ..., chunk: _Optional[_Union[DraftChunk, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., chunks: _Optional[_Union[DraftChunks, _Mapping]] = ...) -> None: ...
 
 class Registered(_message.Message):
-    __slots__ = ("target_model", "tokenizer_fingerprint", "window", "chunk", "vocab_size", "heartbeat_ms")
+    __slots__ = ("target_model", "tokenizer_fingerprint", "window", "chunk", "vocab_size", "heartbeat_ms", "batches")
     TARGET_MODEL_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     WINDOW_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_MS_FIELD_NUMBER: _ClassVar[int]
+    BATCHES_FIELD_NUMBER: _ClassVar[int]
     target_model: str
     tokenizer_fingerprint: str
     window: int
     chunk: int
     vocab_size: int
     heartbeat_ms: int
-    def __init__(self, target_model: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ..., window: _Optional[int] = ..., chunk: _Optional[int] = ..., vocab_size: _Optional[int] = ..., heartbeat_ms: _Optional[int] = ...) -> None: ...
+    batches: bool
+    def __init__(self, target_model: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ..., window: _Optional[int] = ..., chunk: _Optional[int] = ..., vocab_size: _Optional[int] = ..., heartbeat_ms: _Optional[int] = ..., batches: _Optional[bool] = ...) -> None: ...
 
 class Assignment(_message.Message):
     __slots__ = ("session_id", "tokens", "sampling", "epoch", "output_end")
@@ -421,21 +433,29 @@ class SessionClosed(_message.Message):
     session_id: str
     def __init__(self, session_id: _Optional[str] = ...) -> None: ...
 
+class CacheBatch(_message.Message):
+    __slots__ = ("messages",)
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    messages: _containers.RepeatedCompositeFieldContainer[CacheMessage]
+    def __init__(self, messages: _Optional[_Iterable[_Union[CacheMessage, _Mapping]]] = ...) -> None: ...
+
 class CacheMessage(_message.Message):
-    __slots__ = ("registered", "assignment", "commit", "ack", "closed", "heartbeat")
+    __slots__ = ("registered", "assignment", "commit", "ack", "closed", "heartbeat", "batch")
     REGISTERED_FIELD_NUMBER: _ClassVar[int]
     ASSIGNMENT_FIELD_NUMBER: _ClassVar[int]
     COMMIT_FIELD_NUMBER: _ClassVar[int]
     ACK_FIELD_NUMBER: _ClassVar[int]
     CLOSED_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
+    BATCH_FIELD_NUMBER: _ClassVar[int]
     registered: Registered
     assignment: Assignment
     commit: Commit
     ack: ChunkAck
     closed: SessionClosed
     heartbeat: Heartbeat
-    def __init__(self, registered: _Optional[_Union[Registered, _Mapping]] = ..., assignment: _Optional[_Union[Assignment, _Mapping]] = ..., commit: _Optional[_Union[Commit, _Mapping]] = ..., ack: _Optional[_Union[ChunkAck, _Mapping]] = ..., closed: _Optional[_Union[SessionClosed, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ...) -> None: ...
+    batch: CacheBatch
+    def __init__(self, registered: _Optional[_Union[Registered, _Mapping]] = ..., assignment: _Optional[_Union[Assignment, _Mapping]] = ..., commit: _Optional[_Union[Commit, _Mapping]] = ..., ack: _Optional[_Union[ChunkAck, _Mapping]] = ..., closed: _Optional[_Union[SessionClosed, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., batch: _Optional[_Union[CacheBatch, _Mapping]] = ...) -> None: ...
 
 class FleetTableRequest(_message.Message):
     __slots__ = ("since", "limit")
