@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -61,6 +62,9 @@ class Proc:
                 print(f"{self.args[0]} did not stop on SIGTERM in 15 s; its log:\n{self.text()}",
                       file=sys.stderr)
         self.log.close()
+        if "did not stop within" in self.text():  # a drafter's stop that hung (its stacks)
+            warnings.warn(f"{self.args[0]} exited after its stop hung; its log:\n{self.text()}",
+                          stacklevel=2)
         return self.popen.returncode
 
 

@@ -43,7 +43,7 @@ def _add_node(nodes, **args):
     try:
         return nodes.add_node(**args)
     except Exception as e:
-        if "timed out during startup" not in str(e):
+        if "timed out during startup" not in str(e) and "Timed out waiting for file" not in str(e):
             raise
         return nodes.add_node(**args)
 
