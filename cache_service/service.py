@@ -43,8 +43,8 @@ from edgespec.v1 import edgespec_pb2_grpc as pb_grpc
 from edgespec.wire.convert import REPLACED_STREAM, params_to_pb, retry_after_metadata
 from edgespec.wire.keepalive import SILENT_HEARTBEATS, heartbeat_interval_s
 
-from .chunk_batcher import ChunkBatcher
-from .chunk_checks import DEVICE_METADATA, ChunkRefused, check_and_push, checked_chunk, chunk_ack
+from .chunk_checks import DEVICE_METADATA, ChunkRefused
+from .chunk_intake import ChunkIntake
 from .codec import InboxEvent
 from .credentials import DeviceCredentials
 from .drafter_outbox import DrafterOutbox
@@ -61,7 +61,6 @@ MAX_DEVICE_SESSIONS = 1 << 16
 # A drafter refused while the cache's Redis recovers (or before a verifier registered the target)
 # is asked to come back after this long instead of backing off for seconds.
 RETRY_AFTER_MS = 500
-MAX_BATCH_CHUNKS = 256  # chunks in one DraftChunks (the ones beyond are refused)
 MAX_SEND_BATCH = 256  # queued messages sent to a board in one CacheBatch
 
 
@@ -86,7 +85,8 @@ class DraftCacheService(pb_grpc.DraftCacheServicer):
         self.store, self.window, self.chunk, self.poll_ms = store, window, chunk, poll_ms
         self.heartbeat_s = heartbeat_interval_s()  # Heartbeats it sends each Attach stream
         self.credentials = credentials
-        self.metrics = metrics
+        # the chunks' checks and stores (``metrics`` is its: a caller may set it later)
+        self.intake = ChunkIntake(store, window, credentials is not None, metrics)
         self._lock = threading.Lock()
         # device -> generation of its current Attach stream; an entry lives as long as the
         # stream. Generations come from one counter, so a stream never mistakes a later one
@@ -96,10 +96,17 @@ class DraftCacheService(pb_grpc.DraftCacheServicer):
         self._context: dict[str, grpc.ServicerContext] = {}  # device -> its current stream's
         self._generations = itertools.count(1)
         self._stopping = threading.Event()
-        self._batcher = ChunkBatcher(store)  # the Attach streams' chunks, stored together
         # every attached drafter's inbox, read by one thread (``inbox_reader``)
         self._inboxes = InboxReader(store, poll_ms, self._event_message, self._is_current,
                                     self._stopping)
+
+    @property
+    def metrics(self) -> CacheMetrics | None:
+        return self.intake.metrics
+
+    @metrics.setter
+    def metrics(self, metrics: CacheMetrics | None) -> None:
+        self.intake.metrics = metrics
 
     def stop(self) -> None:
         self._stopping.set()
@@ -118,54 +125,6 @@ class DraftCacheService(pb_grpc.DraftCacheServicer):
         return device
 
     # -- chunks ---------------------------------------------------------------------------------
-    def _refused(self, e: ChunkRefused) -> None:
-        """Count a refused chunk (stored ones are counted by ``_check_and_push``)."""
-        if self.metrics is not None:
-            self.metrics.chunk_refused(e.code)
-
-    def _check_and_push(self, device: str, chunk: pb.DraftChunk, vocab: int) -> pb.ChunkAck:
-        ack = check_and_push(self.store, device, chunk, vocab, self.window,
-                             per_device=self.credentials is not None)
-        if self.metrics is not None:
-            self.metrics.chunk_stored(ack.kept)
-        return ack
-
-    def _store_chunks(self, device: str, chunks, vocab: int) -> list[pb.ChunkAck]:
-        """An Attach stream's chunks (one, or a board's ``DraftChunks``) checked, then stored
-        with what other streams push meanwhile (``ChunkBatcher``); the acks to send: every
-        refusal, and the stored chunks that are not quiet."""
-        acks: list[pb.ChunkAck] = []
-        checked = []
-        for i, chunk in enumerate(chunks):
-            try:
-                if i >= MAX_BATCH_CHUNKS:
-                    raise ChunkRefused(grpc.StatusCode.INVALID_ARGUMENT,
-                                       f"a DraftChunks holds at most {MAX_BATCH_CHUNKS} chunks")
-                checked.append((chunk, checked_chunk(self.store, device, chunk, vocab,
-                                                     self.window)))
-            except ChunkRefused as e:
-                acks.append(self._refusal(chunk, e))
-        outcomes = self._batcher.push_all([c for _, c in checked]) if checked else []
-        for (chunk, c), outcome in zip(checked, outcomes):
-            try:
-                ack = chunk_ack(chunk, c, outcome, per_device=self.credentials is not None)
-            except ChunkRefused as e:
-                acks.append(self._refusal(chunk, e))
-                continue
-            if self.metrics is not None:
-                self.metrics.chunk_stored(ack.kept)
-            if not chunk.quiet:  # stored: the drafter asked for no ack (a refusal has one)
-                acks.append(ack)
-        return acks
-
-    def _refusal(self, chunk: pb.DraftChunk, e: ChunkRefused) -> pb.ChunkAck:
-        self._refused(e)
-        sid = chunk.session_id
-        if e.code == grpc.StatusCode.INVALID_ARGUMENT and len(sid) > 64:
-            sid = ""  # never echo a huge id back
-        return pb.ChunkAck(session_id=sid, start=chunk.start, code=e.code.value[0],
-                           message=str(e))
-
     def _vocab(self) -> int:
         return int(self.store.target().get("vocab_size", 1 << 31))
 
@@ -185,9 +144,9 @@ class DraftCacheService(pb_grpc.DraftCacheServicer):
                         check_device_id(device)
                     except ConfigError as e:
                         raise ChunkRefused(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
-            return self._check_and_push(device, request, self._vocab())
+            return self.intake.push_one(device, request, self._vocab())
         except ChunkRefused as e:
-            self._refused(e)
+            self.intake.refused(e)
             context.abort(e.code, str(e))
         except redis.RedisError as e:  # the cache is up, its Redis is not: try again later
             log.warning("storing a pushed chunk failed: %s", e)
@@ -296,7 +255,7 @@ class DraftCacheService(pb_grpc.DraftCacheServicer):
             except redis.RedisError as e:
                 self._refuse_for_now(context, f"the cache's Redis is unreachable: {e}")
             heard = [time.monotonic()]  # when the drafter last sent anything
-            threading.Thread(target=self._read_chunks, daemon=True, name=f"chunks-{device}",
+            threading.Thread(target=self.intake.read_stream, daemon=True, name=f"chunks-{device}",
                              args=(request_iterator, device, vocab, out, stop, lost,
                                    heard)).start()
             events = Subscription(device, gen, after, out, stop, lost)
@@ -368,30 +327,6 @@ class DraftCacheService(pb_grpc.DraftCacheServicer):
         of backing off."""
         context.set_trailing_metadata(retry_after_metadata(RETRY_AFTER_MS))
         context.abort(grpc.StatusCode.UNAVAILABLE, why)
-
-    def _read_chunks(self, it, device, vocab, out, stop, lost, heard) -> None:
-        try:
-            for msg in it:
-                heard[0] = time.monotonic()  # a chunk or a heartbeat: the drafter is there
-                kind = msg.WhichOneof("kind")
-                if kind == "chunk":
-                    acks = self._store_chunks(device, [msg.chunk], vocab)
-                elif kind == "chunks":
-                    acks = self._store_chunks(device, msg.chunks.chunks, vocab)
-                else:
-                    continue
-                if not all(out.put(pb.CacheMessage(ack=ack)) for ack in acks):
-                    break  # the stream ended, or the drafter reads nothing of it
-        except grpc.RpcError:
-            pass  # the drafter went away
-        except redis.RedisError as e:
-            lost.append(f"the cache's Redis failed: {e}")
-            log.warning("drafter %s: storing a chunk failed: %s", device, e)
-        except Exception:
-            log.exception("drafter %s: reading chunks failed", device)
-        finally:
-            stop.set()
-            out.end()
 
     def _is_current(self, device: str, gen: int) -> bool:
         with self._lock:

@@ -10,7 +10,7 @@ import threading
 
 import grpc
 
-from cache_service import service as cache_service_module
+from cache_service import chunk_intake
 from cache_service.drafter_outbox import DrafterOutbox
 from cache_service.service import with_queued
 from drafter_node.agent import outgoing_messages
@@ -48,7 +48,7 @@ def test_a_boards_draftchunks_are_stored_and_answered_each_as_if_alone(cache, st
 
 
 def test_chunks_beyond_what_a_message_holds_are_refused(cache, store, monkeypatch):
-    monkeypatch.setattr(cache_service_module, "MAX_BATCH_CHUNKS", 2)
+    monkeypatch.setattr(chunk_intake, "MAX_BATCH_CHUNKS", 2)
     for sid in ("s1", "s2", "s3"):
         store.create(sid, [1, 2, 3], SamplingParams(), "dev1")
     s = Stream(cache.channel, "dev1", batches=True)

@@ -1,0 +1,118 @@
+"""A drafter's chunks into the store: an Attach stream's reader (``read_stream``: its chunks,
+one or a board's ``DraftChunks``, checked and stored with what other streams push meanwhile, the
+``ChunkBatcher``), and ``PushDraft``'s one chunk (``push_one``, a round trip of its own). Every
+chunk is counted stored or refused in the cache's metrics; a refusal is answered with an ack
+that carries its status code.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+import grpc
+import redis
+
+from edgespec.v1 import edgespec_pb2 as pb
+
+from .chunk_batcher import ChunkBatcher
+from .chunk_checks import ChunkRefused, check_and_push, checked_chunk, chunk_ack
+from .drafter_outbox import DrafterOutbox
+from .store import RedisSessionStore
+from .store_records import ChunkPush
+
+if TYPE_CHECKING:  # prometheus_client is needed only where metrics are kept
+    from .metrics import CacheMetrics
+
+log = logging.getLogger("edgespec.cache")
+
+MAX_BATCH_CHUNKS = 256  # chunks in one DraftChunks (the ones beyond are refused)
+
+
+class ChunkIntake:
+    def __init__(self, store: RedisSessionStore, window: int, per_device: bool,
+                 metrics: CacheMetrics | None):
+        """``per_device``: the cache knows each drafter by its own token (a chunk for another
+        device's session is PERMISSION_DENIED, else FAILED_PRECONDITION)."""
+        self.store, self.window, self.per_device, self.metrics = store, window, per_device, metrics
+        self.batcher = ChunkBatcher(store)
+
+    def refused(self, e: ChunkRefused) -> None:
+        """Count a refused chunk (stored ones are counted where they are stored)."""
+        if self.metrics is not None:
+            self.metrics.chunk_refused(e.code)
+
+    def push_one(self, device: str, chunk: pb.DraftChunk, vocab: int) -> pb.ChunkAck:
+        """``PushDraft``'s chunk, stored in a round trip of its own; raises ``ChunkRefused``
+        (not counted: the caller counts what it refuses)."""
+        ack = check_and_push(self.store, device, chunk, vocab, self.window, self.per_device)
+        if self.metrics is not None:
+            self.metrics.chunk_stored(ack.kept)
+        return ack
+
+    def store_chunks(self, device: str, chunks: Iterable[pb.DraftChunk], vocab: int
+                     ) -> list[pb.ChunkAck]:
+        """An Attach stream's chunks checked, then stored together with what other streams
+        push meanwhile; the acks to send: every refusal, and the stored chunks that are not
+        quiet."""
+        acks: list[pb.ChunkAck] = []
+        checked: list[tuple[pb.DraftChunk, ChunkPush]] = []
+        for i, chunk in enumerate(chunks):
+            try:
+                if i >= MAX_BATCH_CHUNKS:
+                    raise ChunkRefused(grpc.StatusCode.INVALID_ARGUMENT,
+                                       f"a DraftChunks holds at most {MAX_BATCH_CHUNKS} chunks")
+                checked.append((chunk, checked_chunk(self.store, device, chunk, vocab,
+                                                     self.window)))
+            except ChunkRefused as e:
+                acks.append(self._refusal(chunk, e))
+        outcomes = self.batcher.push_all([c for _, c in checked]) if checked else []
+        for (chunk, c), outcome in zip(checked, outcomes):
+            try:
+                ack = chunk_ack(chunk, c, outcome, self.per_device)
+            except ChunkRefused as e:
+                acks.append(self._refusal(chunk, e))
+                continue
+            if self.metrics is not None:
+                self.metrics.chunk_stored(ack.kept)
+            if not chunk.quiet:  # stored: the drafter asked for no ack (a refusal has one)
+                acks.append(ack)
+        return acks
+
+    def _refusal(self, chunk: pb.DraftChunk, e: ChunkRefused) -> pb.ChunkAck:
+        self.refused(e)
+        sid = chunk.session_id
+        if e.code == grpc.StatusCode.INVALID_ARGUMENT and len(sid) > 64:
+            sid = ""  # never echo a huge id back
+        return pb.ChunkAck(session_id=sid, start=chunk.start, code=e.code.value[0],
+                           message=str(e))
+
+    def read_stream(self, it, device: str, vocab: int, out: DrafterOutbox, stop, lost: list[str],
+                    heard: list[float]) -> None:
+        """An Attach stream's reader thread: its chunks stored and answered until the stream
+        ends (``stop`` set, ``out`` ended); a Redis failure goes into ``lost`` (the stream then
+        ends UNAVAILABLE), ``heard`` holds when the drafter last sent anything."""
+        try:
+            for msg in it:
+                heard[0] = time.monotonic()  # a chunk or a heartbeat: the drafter is there
+                kind = msg.WhichOneof("kind")
+                if kind == "chunk":
+                    acks = self.store_chunks(device, [msg.chunk], vocab)
+                elif kind == "chunks":
+                    acks = self.store_chunks(device, msg.chunks.chunks, vocab)
+                else:
+                    continue
+                if not all(out.put(pb.CacheMessage(ack=ack)) for ack in acks):
+                    break  # the stream ended, or the drafter reads nothing of it
+        except grpc.RpcError:
+            pass  # the drafter went away
+        except redis.RedisError as e:
+            lost.append(f"the cache's Redis failed: {e}")
+            log.warning("drafter %s: storing a chunk failed: %s", device, e)
+        except Exception:
+            log.exception("drafter %s: reading chunks failed", device)
+        finally:
+            stop.set()
+            out.end()
