@@ -8,8 +8,6 @@ gRPC status code the drafter's ack carries.
 
 from __future__ import annotations
 
-from typing import Callable
-
 import grpc
 
 from edgespec.config import ConfigError
@@ -65,18 +63,17 @@ def chunk_draft(chunk: pb.DraftChunk, window: int) -> tuple[list[int], list[Bran
 
 
 def check_and_push(store: RedisSessionStore, device: str, chunk: pb.DraftChunk, vocab: int,
-                   window: int, per_device: bool,
-                   push: Callable[[ChunkPush], PushResult] | None = None) -> pb.ChunkAck:
+                   window: int, per_device: bool) -> pb.ChunkAck:
     """Store ``device``'s chunk (its draft for one of its sessions) once it is checked, or raise
     ``ChunkRefused`` with the status code the drafter is answered with. What the chunk holds is
     checked here, before any round trip; that the session exists and is the device's, with the
     push, in one script. ``per_device``: the cache knows the device by its token (a session of
-    another device's is PERMISSION_DENIED, else FAILED_PRECONDITION). ``push``: how the checked
-    chunk is stored (a ``ChunkBatcher``'s; default: a round trip of its own)."""
+    another device's is PERMISSION_DENIED, else FAILED_PRECONDITION). A round trip of its own
+    (an Attach stream's chunks are stored together: ``chunk_intake``)."""
     checked = checked_chunk(store, device, chunk, vocab, window)
     res: PushResult | StoreError
     try:
-        res = (push or store.push_chunk)(checked)
+        res = store.push_chunk(checked)
     except StoreError as e:
         res = e
     return chunk_ack(chunk, checked, res, per_device)

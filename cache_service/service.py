@@ -282,13 +282,12 @@ class DraftCacheService(pb_grpc.DraftCacheServicer):
                     continue
                 if msg is None:
                     break
+                ended = False
                 if reg.batches:  # what else is queued, in one message (none: msg alone)
                     msg, ended = with_queued(msg, out)
-                    yield msg
-                    if ended:
-                        break
-                    continue
                 yield msg
+                if ended:
+                    break
             if lost and not self._stopping.is_set():
                 self._refuse_for_now(context, lost[0])
             with self._lock:  # replaced by a newer stream that is live (a stale one that
