@@ -62,8 +62,10 @@ class DrafterOutbox:
         cancelled)."""
         log.warning("drafter %s: it read nothing of its stream for %.0f s with %d messages "
                     "waiting: detaching it", self.device, self.stuck_s, self._queue.qsize())
-        self.stop.set()
+        # cancelled before ``stop`` is set: ``stop`` ends the stream's handler, and a handler
+        # that returned first would end the stream OK instead of CANCELLED
         self.cancel()
+        self.stop.set()
 
     def end(self) -> None:
         """Wake the stream's handler to end it (``stop`` is set by then); never waits."""

@@ -195,6 +195,25 @@ def _cancelled_by_the_cache(call, out: queue.Queue, channel) -> None:
     channel.close()
 
 
+def test_a_full_outbox_cancels_the_stream_before_it_ends_the_handler(monkeypatch):
+    """The stream is cancelled before ``stop`` is set: ``stop`` ends the handler, and a handler
+    that returned before the cancel would end the stream OK (a CI failure's cause)."""
+    import threading
+
+    from cache_service import drafter_outbox
+
+    monkeypatch.setattr(drafter_outbox, "MAX_PENDING", 4)
+    stop = threading.Event()
+    stopped_at_cancel: list[bool] = []
+    out = drafter_outbox.DrafterOutbox("dev", stop, lambda: stopped_at_cancel.append(stop.is_set()))
+    out.stuck_s = 0.0
+    for i in range(4):
+        assert out.offer(i)
+    assert not out.offer("more")  # full
+    assert out.put("more") is False
+    assert stopped_at_cancel == [False] and stop.is_set()
+
+
 def test_a_drafter_that_never_reads_its_stream_is_detached(cache, store, monkeypatch, caplog):
     """A drafter that sends chunks and reads none of the acknowledgements fills its bounded
     outbox (``drafter_outbox``), the cache stops reading its chunks, and once the outbox has
