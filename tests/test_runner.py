@@ -97,6 +97,28 @@ def test_a_cache_larger_than_the_memory_available_is_refused_before_it_is_alloca
         kv_cache.check_cache_fits(*dims, cpu)
 
 
+def test_the_cache_reads_scattered_slots_as_the_slots_one_by_one():
+    """A read of slots that are not an ascending run (a gather) returns, slot by slot, exactly
+    the first n_pos keys and values each slot holds, in the order asked; a contiguous run is a
+    view of the same positions."""
+    from edgespec.runner.kv_cache import KVCache
+
+    g = torch.Generator().manual_seed(3)
+    cache = KVCache(n_layers=2, n_slots=6, max_len=16, kv_heads=2, head_dim=4)
+    for layer in range(2):
+        cache.k[layer].copy_(torch.randn(cache.k[layer].shape, generator=g))
+        cache.v[layer].copy_(torch.randn(cache.v[layer].shape, generator=g))
+    order = [4, 0, 5, 2]
+    k, v = cache.read(1, torch.tensor(order), None, 7)
+    assert k.shape == (4, 2, 7, 4) and v.shape == (4, 2, 7, 5)
+    for i, slot in enumerate(order):
+        assert torch.equal(k[i], cache.k[1][slot, :, :7])
+        assert torch.equal(v[i], cache.v[1][slot, :, :7])
+    k, v = cache.read(0, torch.tensor([1, 2, 3]), 1, 9)
+    assert torch.equal(k, cache.k[0][1:4, :, :9]) and torch.equal(v, cache.v[0][1:4, :, :9])
+    assert k.data_ptr() == cache.k[0][1].data_ptr()  # a view, not a copy
+
+
 def test_layer_skip_runner_shares_weights_and_uses_fewer_layers(tiny, runner):
     skip = TargetRunner(tiny.model, n_slots=2, max_len=64, n_layers=2, share_weights=runner)
     assert skip.layers[0] is runner.layers[0] and len(skip.layers) == 2

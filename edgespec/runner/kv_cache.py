@@ -238,7 +238,10 @@ class KVCache:
             end = contiguous_from + slots.numel()
             return (self.k[layer][contiguous_from:end, :, :n_pos],
                     self.v[layer][contiguous_from:end, :, :n_pos])
-        return self.k[layer][slots, :, :n_pos], self.v[layer][slots, :, :n_pos]
+        # Narrow to n_pos first, then gather whole slots: advanced indexing over the first axis
+        # with a slice after it takes a slower general path (measured: about half the time).
+        return (self.k[layer][:, :, :n_pos].index_select(0, slots),
+                self.v[layer][:, :, :n_pos].index_select(0, slots))
 
 
 def contiguous_start(slots: list[int]) -> int | None:
