@@ -15,7 +15,7 @@ def test_bench_burst_compares_the_prefill_modes_with_identical_outputs(tmp_path,
                 "--prompt-tokens", "30-90", "--burst-tokens", "3", "--steady-tokens", "3",
                 "--prefill-budget", "64", "--threads", "1", "--json", str(out))
     assert r.returncode == 0, r.stderr
-    assert "ttft p50" in r.stdout and "chunked" in r.stdout
+    assert "ttft p50" in r.stdout and "chunked" in r.stdout and "fwd before" in r.stdout
     results = json.loads(out.read_text())["results"]
     assert [x["mode"] for x in results] == ["serial", "batched", "chunked"]
     assert all(x["identical_to_first"] for x in results)
@@ -23,6 +23,9 @@ def test_bench_burst_compares_the_prefill_modes_with_identical_outputs(tmp_path,
     for x in results:
         assert 0 < x["ttft_p50_s"] <= x["ttft_p99_s"] <= x["ttft_max_s"]
         assert x["steady_gap_p50_s"] > 0 and x["burst_gap_max_s"] >= x["burst_gap_p99_s"]
+        # every mode verifies the streams before and during the burst, and prefills in it
+        assert x["forward_before_p50_s"] > 0 and x["forward_during_p50_s"] > 0
+        assert x["prefill_during_p50_s"] > 0
 
 
 def test_bench_burst_refuses_a_mode_it_does_not_know():

@@ -15,8 +15,11 @@ length drawn in it) arrive at once, each asking ``--burst-tokens`` tokens. Per m
 
 It prints and writes (``--json``) the burst's time to first token (p50, p99, max), the running
 streams' inter-token gap before the burst (steady p50) and during it (p99, max, and the max
-against the steady p50), and whether every burst output is the same in every mode (the
-serial one is the reference). Torch runs on ``--threads`` threads (default: all cores).
+against the steady p50), what a verification step cost apart from its prefill before the
+burst and during it and what a step's prefill cost during it (p50s: the streams' forward grows
+with their contexts, which lengthen by a token a step while the burst is taken in), and whether
+every burst output is the same in every mode (the serial one is the reference). Torch runs on
+``--threads`` threads (default: all cores).
 """
 
 from __future__ import annotations
@@ -71,7 +74,20 @@ class BurstResult:
     gap_max_vs_steady: float
     prompt_tokens: int
     burst_s: float  # from the burst's arrival to its last first token
+    forward_before_p50_s: float  # a step's forward + verification, the last steps before it
+    forward_during_p50_s: float  # ... and during the burst
+    prefill_during_p50_s: float  # a step's prefill during the burst (steps with prompts waiting)
     outputs: list[list[int]]
+
+
+@dataclass
+class StepTimes:
+    at: float  # monotonic, when the step returned
+    prefill_s: float | None  # None: no prompt was waiting
+    forward_s: float | None  # None: nothing was verified
+
+
+BEFORE_STEPS = 32  # the steps before the burst whose forward is its reference
 
 
 def _percentile(xs: list[float], q: float) -> float:
@@ -94,6 +110,31 @@ def burst_prompts(tokenizer, n: int, lo: int, hi: int, seed: int = 0) -> list[li
         at = rng.randrange(0, len(pool) - length)
         out.append(pool[at:at + length])
     return out
+
+
+def _timed_steps(engine, steps: list[StepTimes]) -> None:
+    """Record each of the engine's steps: its prefill time (when prompts were waiting) and its
+    forward's."""
+    step = engine.step
+
+    def timed():
+        waiting = len(engine.prefilling) > 0
+        report = step()
+        steps.append(StepTimes(time.monotonic(), engine.prefill_s if waiting else None,
+                               None if report is None else report.forward_s))
+        return report
+
+    engine.step = timed
+
+
+def _step_p50s(steps: list[StepTimes], came: float, done: float) -> tuple[float, float, float]:
+    """p50 of the forward in the last BEFORE_STEPS steps before ``came``, of the forward and of
+    the prefill in the steps between ``came`` and ``done``."""
+    before = [s.forward_s for s in steps if s.at <= came and s.forward_s is not None]
+    during = [s for s in steps if came < s.at <= done]
+    return (_percentile(before[-BEFORE_STEPS:], 0.5),
+            _percentile([s.forward_s for s in during if s.forward_s is not None], 0.5),
+            _percentile([s.prefill_s for s in during if s.prefill_s is not None], 0.5))
 
 
 def _serial(runner) -> None:
@@ -128,7 +169,9 @@ def run_burst(loaded, mode: str, streams: list[list[int]], burst: list[list[int]
                        prefill_budget=10 ** 9 if budget is None else budget)
     drafter = build_drafter(args.drafter, loaded, runner, device=args.device)
     arrivals: dict[str, list[float]] = {}
+    steps: list[StepTimes] = []
     with SpecEngine(runner, drafter, cfg, stop_ids=set()) as engine:
+        _timed_steps(engine, steps)
         sched = Scheduler(engine, max_queue=len(streams) + len(burst))
         sched.start()
         try:
@@ -164,7 +207,7 @@ def run_burst(loaded, mode: str, streams: list[list[int]], burst: list[list[int]
     return BurstResult(mode, budget, _percentile(ttft, 0.5), _percentile(ttft, 0.99), max(ttft),
                        steady_p50, _percentile(during, 0.99), max(during, default=0.0),
                        max(during, default=0.0) / steady_p50 if steady_p50 else 0.0,
-                       sum(len(p) for p in burst), done - came,
+                       sum(len(p) for p in burst), done - came, *_step_p50s(steps, came, done),
                        [t.result.token_ids if t.result else [] for t in tickets])
 
 
@@ -230,12 +273,17 @@ def run_bench_burst(args) -> int:
     print(f"torch threads: {threads}; {args.streams} streams, a burst of {args.burst} prompts "
           f"({results[0].prompt_tokens} tokens), {args.burst_tokens} tokens each")
     print(f"{'mode':<9}{'budget':>8}{'ttft p50':>10}{'p99':>8}{'max':>8}"
-          f"{'gap p50':>10}{'burst p99':>11}{'max':>8}{'max/p50':>9}  identical")
+          f"{'gap p50':>10}{'burst p99':>11}{'max':>8}{'max/p50':>9}"
+          f"{'fwd before':>12}{'during':>8}{'prefill':>9}  identical")
     for r in results:
         print(f"{r.mode:<9}{r.prefill_budget or '-':>8}{r.ttft_p50_s:>10.3f}{r.ttft_p99_s:>8.3f}"
               f"{r.ttft_max_s:>8.3f}{r.steady_gap_p50_s:>10.3f}{r.burst_gap_p99_s:>11.3f}"
-              f"{r.burst_gap_max_s:>8.3f}{r.gap_max_vs_steady:>9.1f}  "
-              f"{r.outputs == reference}")
+              f"{r.burst_gap_max_s:>8.3f}{r.gap_max_vs_steady:>9.1f}"
+              f"{r.forward_before_p50_s:>12.3f}{r.forward_during_p50_s:>8.3f}"
+              f"{r.prefill_during_p50_s:>9.3f}  {r.outputs == reference}")
+    print("seconds; gap: the streams' inter-token gap; fwd: a step's forward + verification, p50 "
+          "of the last steps before the burst and of those during it; prefill: a step's prefill "
+          "during it, p50")
     out = {"config": {k: v for k, v in vars(args).items() if k != "func"},
            "threads": threads,
            "results": [{**{k: v for k, v in asdict(r).items() if k != "outputs"},
