@@ -2,7 +2,8 @@
 prefilling them compared in one run.
 
 In process, the product's own scheduler and engine over the target (``--model``), target-only
-unless ``--drafter``: ``--streams`` sessions stream; once each has ``--steady-tokens`` tokens,
+unless ``--drafter``: ``--streams`` sessions stream; once all of them run (their prompts in)
+and each has had ``--steady-tokens`` more tokens (the steady gaps: no prefill among them),
 ``--burst`` requests of ``--prompt-tokens`` (a range: Spec-Bench questions joined and cut to a
 length drawn in it) arrive at once, each asking ``--burst-tokens`` tokens. Per mode
 (``--modes``):
@@ -50,7 +51,8 @@ def add_bench_burst_args(p) -> None:
     p.add_argument("--burst-tokens", type=int, default=4,
                    help="tokens each burst request asks for (default: %(default)s)")
     p.add_argument("--steady-tokens", type=int, default=8,
-                   help="tokens every stream has before the burst comes (default: %(default)s)")
+                   help="tokens every stream gets once all of them run (their prompts in) and "
+                        "before the burst comes: the steady gaps (default: %(default)s)")
     p.add_argument("--modes", default=",".join(MODES),
                    help=f"comma-separated, of {', '.join(MODES)} (default: %(default)s)")
     p.add_argument("--prefill-budget", type=int, default=None, metavar="TOKENS",
@@ -68,7 +70,7 @@ class BurstResult:
     ttft_p50_s: float
     ttft_p99_s: float
     ttft_max_s: float
-    steady_gap_p50_s: float  # the streams' inter-token gap before the burst
+    steady_gap_p50_s: float  # the streams' inter-token gap before the burst, all of them running
     burst_gap_p99_s: float  # ... and while the burst's first tokens were coming
     burst_gap_max_s: float
     gap_max_vs_steady: float
@@ -127,10 +129,12 @@ def _timed_steps(engine, steps: list[StepTimes]) -> None:
     engine.step = timed
 
 
-def _step_p50s(steps: list[StepTimes], came: float, done: float) -> tuple[float, float, float]:
-    """p50 of the forward in the last BEFORE_STEPS steps before ``came``, of the forward and of
-    the prefill in the steps between ``came`` and ``done``."""
-    before = [s.forward_s for s in steps if s.at <= came and s.forward_s is not None]
+def _step_p50s(steps: list[StepTimes], steady_from: float, came: float, done: float
+               ) -> tuple[float, float, float]:
+    """p50 of the forward in the steady steps before ``came`` (the last BEFORE_STEPS), of the
+    forward and of the prefill in the steps between ``came`` and ``done``."""
+    before = [s.forward_s for s in steps
+              if steady_from < s.at <= came and s.forward_s is not None]
     during = [s for s in steps if came < s.at <= done]
     return (_percentile(before[-BEFORE_STEPS:], 0.5),
             _percentile([s.forward_s for s in during if s.forward_s is not None], 0.5),
@@ -179,7 +183,12 @@ def run_burst(loaded, mode: str, streams: list[list[int]], burst: list[list[int]
             _wait(lambda: warm.ended)
             running = [_follow(sched.submit(Ticket(Request(p, max_len - len(p) - 64), None)),
                                arrivals) for p in streams]
-            _wait(lambda: all(len(t.tokens) >= args.steady_tokens for t in running))
+            # steady: every stream running (its own prompt in), then steady_tokens more each
+            _wait(lambda: all(t.tokens for t in running))
+            steady_from = time.monotonic()
+            had = [len(t.tokens) for t in running]
+            _wait(lambda: all(len(t.tokens) >= n + args.steady_tokens
+                              for t, n in zip(running, had)))
             came = time.monotonic()
             tickets = [Ticket(Request(p, args.burst_tokens), None) for p in burst]
             firsts = {t.session_id: _first_token_at(t) for t in tickets}  # before any token
@@ -199,7 +208,7 @@ def run_burst(loaded, mode: str, streams: list[list[int]], burst: list[list[int]
     steady, during = [], []
     for times in arrivals.values():
         for a, b in zip(times, times[1:]):
-            if b <= came:
+            if a >= steady_from and b <= came:
                 steady.append(b - a)
             elif b <= done:
                 during.append(b - a)
@@ -207,7 +216,8 @@ def run_burst(loaded, mode: str, streams: list[list[int]], burst: list[list[int]
     return BurstResult(mode, budget, _percentile(ttft, 0.5), _percentile(ttft, 0.99), max(ttft),
                        steady_p50, _percentile(during, 0.99), max(during, default=0.0),
                        max(during, default=0.0) / steady_p50 if steady_p50 else 0.0,
-                       sum(len(p) for p in burst), done - came, *_step_p50s(steps, came, done),
+                       sum(len(p) for p in burst), done - came,
+                       *_step_p50s(steps, steady_from, came, done),
                        [t.result.token_ids if t.result else [] for t in tickets])
 
 
