@@ -17,9 +17,13 @@ SEEDED = SamplingParams(temperature=0.8, top_p=0.95, seed=5)
 
 
 @pytest.fixture(scope="module")
-def drafter():
-    pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (the optional "
-                        "llamacpp extra)")
+def llama_cpp():
+    return pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (the "
+                               "optional llamacpp extra)")
+
+
+@pytest.fixture(scope="module")
+def drafter(llama_cpp):
     from edgespec.drafters.llamacpp import LlamaCppDrafter
 
     d = LlamaCppDrafter("default", n_slots=2, max_len=160, min_confidence=0.0,
@@ -67,7 +71,7 @@ def test_a_sampled_draft_is_keyed_by_the_tokens_absolute_position(drafter):
     s.close(), ref.close()
 
 
-def test_a_draft_stopped_for_low_confidence_leaves_the_window_consistent():
+def test_a_draft_stopped_for_low_confidence_leaves_the_window_consistent(llama_cpp):
     """A draft that stops below ``min_confidence`` forgets its last fed position (``_unfeed``);
     the windowed session drafts on as its reading does."""
     from edgespec.drafters.llamacpp import LlamaCppDrafter
