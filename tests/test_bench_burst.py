@@ -42,3 +42,15 @@ def test_the_burst_percentiles_are_nearest_rank_like_every_report():
     assert _percentile(values, 0.5) == 32.0
     assert _percentile([float(v) for v in range(1, 101)], 0.99) == 99.0
     assert _percentile([7.0], 0.99) == 7.0 and _percentile([], 0.5) == 0.0
+
+
+def test_the_streams_own_prefill_gaps_are_neither_steady_nor_the_bursts():
+    """A gap that ends before every stream runs (the streams' own prefill) counts in neither
+    figure; one that ends before the burst comes is steady; one that ends while the burst's
+    first tokens come, or spans its arrival, is the burst's; one after them is neither."""
+    from edgespec_cli.bench.burst import split_gaps
+
+    arrivals = {"a": [0.0, 1.0, 2.0, 2.5, 4.0, 4.5, 9.0], "b": [1.5, 2.75, 6.0]}
+    steady, during = split_gaps(arrivals, steady_from=2.0, came=3.0, done=5.0)
+    assert sorted(steady) == [0.5]  # a's 2.0 -> 2.5; b's 1.5 -> 2.75 began before steady_from
+    assert sorted(during) == [0.5, 1.5]  # a's 2.5 -> 4.0 (spans came) and 4.0 -> 4.5

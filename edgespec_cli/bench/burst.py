@@ -205,13 +205,7 @@ def run_burst(loaded, mode: str, streams: list[list[int]], burst: list[list[int]
     if errors:
         raise RuntimeError(f"{len(errors)} burst request(s) failed: {errors[0]!r}")
     ttft = [firsts[t.session_id][0] - came for t in tickets]
-    steady, during = [], []
-    for times in arrivals.values():
-        for a, b in zip(times, times[1:]):
-            if a >= steady_from and b <= came:
-                steady.append(b - a)
-            elif b <= done:
-                during.append(b - a)
+    steady, during = split_gaps(arrivals, steady_from, came, done)
     steady_p50 = _percentile(steady, 0.5)
     return BurstResult(mode, budget, _percentile(ttft, 0.5), _percentile(ttft, 0.99), max(ttft),
                        steady_p50, _percentile(during, 0.99), max(during, default=0.0),
@@ -219,6 +213,23 @@ def run_burst(loaded, mode: str, streams: list[list[int]], burst: list[list[int]
                        sum(len(p) for p in burst), done - came,
                        *_step_p50s(steps, steady_from, came, done),
                        [t.result.token_ids if t.result else [] for t in tickets])
+
+
+def split_gaps(arrivals: dict[str, list[float]], steady_from: float, came: float, done: float
+               ) -> tuple[list[float], list[float]]:
+    """The streams' inter-token gaps (``arrivals``: each stream's token times) that are steady
+    (between ``steady_from``, when every stream ran, and the burst's arrival ``came``) and those
+    that end while the burst's first tokens come (after ``came``, by ``done``); the gaps of the
+    streams' own prefill, before ``steady_from``, are neither."""
+    steady, during = [], []
+    for times in arrivals.values():
+        for a, b in zip(times, times[1:]):
+            if b <= came:
+                if a >= steady_from:
+                    steady.append(b - a)
+            elif b <= done:
+                during.append(b - a)
+    return steady, during
 
 
 def _wait(done, timeout: float = WAIT_S) -> None:
