@@ -312,3 +312,32 @@ def test_a_bigram_tables_best_follows_what_it_observes():
         top = max(followers, key=followers.__getitem__)
         total = table._followers[leader].total
         assert table.best(leader) == (top, followers[top] / total)
+
+
+def test_a_bigram_chain_is_best_read_token_by_token():
+    """``chain`` (MaG's fallback) gives what ``best`` read follower after follower gives, cut
+    before the first share below the bar, and leaves the leaders in the same least-recently-used
+    order (the same leader forgotten next)."""
+    import copy
+    import random
+
+    from edgespec.drafters.mag import BigramTable
+
+    def by_best(table: BigramTable, token: int, k: int, bar: float) -> list[int]:
+        out: list[int] = []
+        while len(out) < k:
+            nxt, share = table.best(token)
+            if nxt is None or share < bar:
+                break
+            out.append(nxt)
+            token = nxt
+        return out
+
+    rng = random.Random(5)
+    table = BigramTable(max_leaders=12, max_followers=3)
+    for _ in range(300):
+        table.observe([rng.randrange(16) for _ in range(rng.randint(2, 9))])
+        twin = copy.deepcopy(table)
+        token, k, bar = rng.randrange(18), rng.randint(0, 12), rng.choice([0.0, 0.3, 0.5, 0.7])
+        assert table.chain(token, k, bar) == by_best(twin, token, k, bar)
+        assert list(table._followers) == list(twin._followers)  # the same recency order

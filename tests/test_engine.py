@@ -146,8 +146,9 @@ def test_bad_requests_are_refused_without_disturbing_the_engine(setup):
             engine.generate(Request([], 5))
         with pytest.raises(ConfigError, match="context limit"):
             engine.generate(Request([1] * 250, 10))
-        with pytest.raises(ConfigError, match="token ids"):
-            engine.generate(Request([1, 10**6], 5))
+        for ids in ([1, 10**6], [-1, 1], [1, runner.vocab_size]):
+            with pytest.raises(ConfigError, match="token ids"):
+                engine.generate(Request(ids, 5))
         assert runner.cache.free_slots == free
         assert engine.generate(Request(PROMPTS[0], 40)).token_ids == refs[0]
 

@@ -69,19 +69,22 @@ class BigramTable:
 
     def observe(self, tokens: list[int]) -> None:
         table = self._followers
+        get, touch = table.get, table.move_to_end  # bound once: a pair costs a few lookups
+        max_leaders, max_followers = self.max_leaders, self.max_followers
         for a, b in zip(tokens, tokens[1:]):
-            entry = table.get(a)
+            entry = get(a)
             if entry is None:
                 entry = table[a] = _Followers()
-                if len(table) > self.max_leaders:
+                if len(table) > max_leaders:
                     table.popitem(last=False)
             else:
-                table.move_to_end(a)
+                touch(a)
             counts = entry.counts
-            if b in counts:
-                counts[b] += 1
+            seen = counts.get(b)
+            if seen is not None:
+                counts[b] = seen + 1
             else:
-                if len(counts) >= self.max_followers:
+                if len(counts) >= max_followers:
                     del counts[min(counts, key=counts.__getitem__)]
                 counts[b] = 1
             entry.total += 1
@@ -101,6 +104,28 @@ class BigramTable:
         if nxt is None:
             nxt = entry.top = max(entry.counts, key=entry.counts.__getitem__)
         return nxt, entry.counts[nxt] / entry.total
+
+    def chain(self, token: int, k: int, min_share: float) -> list[int]:
+        """Up to k tokens, each the most frequent follower (``best``) of the one before,
+        starting after ``token``: the chain ends before a follower whose share is below
+        ``min_share``. Each leader read counts as a use of it, as ``best``'s does."""
+        table = self._followers
+        get, touch = table.get, table.move_to_end
+        out: list[int] = []
+        while len(out) < k:
+            entry = get(token)
+            if entry is None or not entry.counts:
+                break
+            touch(token)
+            counts = entry.counts
+            nxt = entry.top
+            if nxt is None:
+                nxt = entry.top = max(counts, key=counts.__getitem__)
+            if counts[nxt] / entry.total < min_share:
+                break
+            out.append(nxt)
+            token = nxt
+        return out
 
     def runner_up(self, token: int, besides: int) -> tuple[int | None, float]:
         """(the most frequent follower of ``token`` other than ``besides``, its share), or
@@ -153,15 +178,7 @@ class MaGSession(DraftSession):
         if n:
             limit = min(k, n * d.tokens_per_match_token)
             return tokens[p + n: p + n + limit], True
-        out: list[int] = []
-        last = self.tokens[-1] if self.tokens else None
-        while last is not None and len(out) < k:
-            nxt, share = d.bigrams.best(last)
-            if nxt is None or share < d.bigram_min_share:
-                break
-            out.append(nxt)
-            last = nxt
-        return out, False
+        return (d.bigrams.chain(tokens[-1], k, d.bigram_min_share) if tokens else []), False
 
     def confirm(self, length: int) -> None:
         # everything before ``length`` was verified: let the bigram table learn it

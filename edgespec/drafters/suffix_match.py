@@ -133,9 +133,10 @@ class TokenPlaces:
             n = 0
             if self._array is not None:
                 self._array.cut(0)
+        get = places.get
         for i in range(n, len(tokens)):
             token = tokens[i]
-            where = places.get(token)
+            where = get(token)
             if where is None:
                 places[token] = [i]
             else:

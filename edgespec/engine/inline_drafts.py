@@ -68,18 +68,19 @@ class InlineDrafts:
         no step takes them from. Never past the last position a step can verify before the
         session's output ends. Sessions the store no longer holds are closed."""
         store = self.store
-        chains = self.tree_width <= 1
+        chains, window = self.tree_width <= 1, self.window
+        sessions = store.sessions
         with store.lock:
             for w in wants:
                 if w.k <= 0:
                     continue
-                state = store.sessions.get(w.session_id)
+                state = sessions.get(w.session_id)
                 if state is None or not state.has_drafter or len(state.draft) >= w.k:
                     continue
                 # a chain to the lead a board keeps (``lead_cap``): a call costs about the
                 # same however long its draft, and a step that accepts the ask and the guess
                 # leaves the rest for the next, which then needs no call
-                k = max(w.k + 1, lead_cap(w.k, self.window)) if chains else w.k
+                k = max(w.k + 1, lead_cap(w.k, window)) if chains else w.k
                 k = min(k, output_room(state.output_end, state.end))
                 try:
                     self._draft_one(w.session_id, state, k)

@@ -113,7 +113,7 @@ def drafter_share(draft: StepDraft, n_accepted: int, branch: Sequence[int]) -> t
     its chain and its own branches, the verifier's (the head's, a fill's: ``HeadBranch``es)
     left out. The verdict accepted ``n_accepted`` chain tokens, then ``branch`` (the drafter's
     when its draft holds that branch there)."""
-    if not any(isinstance(b, HeadBranch) for b in draft.branches):
+    if not draft.branches or not any(isinstance(b, HeadBranch) for b in draft.branches):
         return draft.drafted, n_accepted + len(branch)
     own = [b for b in draft.branches if not isinstance(b, HeadBranch)]
     nodes = len(tree_of_draft(list(draft.tokens), own).tokens) if own else len(draft.tokens)

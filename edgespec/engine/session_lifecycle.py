@@ -73,7 +73,8 @@ class SessionLifecycle:
                 f"exceeds the context limit ({self.target.max_len}): at most {room} new tokens "
                 f"fit")
         vocab = self.target.vocab_size
-        if any(not 0 <= t < vocab for t in req.prompt_ids + req.committed):
+        ids = req.prompt_ids + req.committed  # non-empty: the prompt is (checked above)
+        if min(ids) < 0 or max(ids) >= vocab:
             raise ConfigError(f"prompt token ids must be in [0, {vocab})")
         if len(req.committed) >= req.max_new_tokens:
             raise ConfigError("the resumed session has already produced max_new_tokens")

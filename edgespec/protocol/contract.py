@@ -60,6 +60,9 @@ class StoreUnavailable(Exception):
 def check_draft_ids(tokens: Sequence[int], vocab_size: int) -> None:
     """Refuse (ValueError) draft token ids outside [0, vocab_size): the check every store
     applies where drafts enter (the local store on a push, the cache service on a chunk)."""
+    if tokens and set(map(type, tokens)) == {int} and min(tokens) >= 0 and \
+            max(tokens) < vocab_size:  # plain ints in range: checked without a Python loop
+        return
     for t in tokens:
         if type(t) is int:  # the common case, without the ABC check (a bool is not an int here)
             if 0 <= t < vocab_size:

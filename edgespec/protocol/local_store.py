@@ -80,8 +80,9 @@ class SessionState:
         outside the vocabulary raises ValueError (the drafting loop then stops drafting for
         the session, which the verifier decodes alone)."""
         if self.vocab_size is not None:
-            check_draft_ids([*tokens, *(t for b in branches for t in b.tokens)],
-                            self.vocab_size)
+            check_draft_ids(tokens, self.vocab_size)
+            if branches:
+                check_draft_ids([t for b in branches for t in b.tokens], self.vocab_size)
         if self.done:
             raise StaleChunkError(f"session {self.session_id} is finished")
         if epoch != self.epoch:
@@ -143,8 +144,9 @@ class SessionState:
         fix = None
         if held:
             del self.draft[: n + 1]
-            self.branches = [Branch(b.at - n - 1, b.tokens) for b in self.branches
-                             if b.at > n]
+            if self.branches:
+                self.branches = [Branch(b.at - n - 1, b.tokens) for b in self.branches
+                                 if b.at > n]
         else:
             self.draft.clear()
             self.branches = []

@@ -55,10 +55,11 @@ class Stats:
             self.num_drafts += 1
             self.draft_tokens += drafted
             self.accepted_tokens += accepted
-            while len(self.accepted_per_pos) < drafted:
-                self.accepted_per_pos.append(0)
+            per_pos = self.accepted_per_pos
+            if len(per_pos) < drafted:
+                per_pos.extend([0] * (drafted - len(per_pos)))
             for i in range(accepted):
-                self.accepted_per_pos[i] += 1
+                per_pos[i] += 1
 
     @property
     def acceptance_rate(self) -> float:
