@@ -258,6 +258,15 @@ def test_acceptance_by_position_is_counted_out_of_the_drafts_that_reached_it():
     report = step_report([3], [tree.drafted], sessions=1, tokens=6, take_s=0.0, forward_s=0.0,
                          commit_s=0.0, depths=[tree.depth])
     assert report.drafted_per_pos == (1, 1, 1) and report.accepted_per_pos == (1, 1, 1)
+    import random
+
+    rng = random.Random(2)
+    for _ in range(200):  # any step's rows: position i counts the lengths past it
+        drafted = [rng.randint(0, 12) for _ in range(rng.randint(0, 40))]
+        report = step_report([rng.randint(0, d) for d in drafted], drafted, len(drafted), 0,
+                             0.0, 0.0, 0.0)
+        assert report.drafted_per_pos == tuple(
+            sum(1 for d in drafted if d > i) for i in range(max(drafted, default=0)))
 
 
 def test_a_board_past_the_device_labels_keeps_its_own_figures_in_status():

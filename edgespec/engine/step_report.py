@@ -40,8 +40,15 @@ def step_report(accepted: Sequence[int], drafted: Sequence[int], sessions: int, 
 
 def _per_position(lengths: Sequence[int]) -> tuple[int, ...]:
     """How many of ``lengths`` reach past each position: [#(n > 0), #(n > 1), ...]."""
-    out = [0] * max(lengths, default=0)
+    top = max(lengths, default=0)
+    if top <= 0:
+        return ()
+    ending = [0] * (top + 1)  # how many lengths are n, n >= 1 (a step's rows: one pass)
     for n in lengths:
-        for i in range(n):
-            out[i] += 1
+        if n > 0:
+            ending[n] += 1
+    out, reach = [0] * top, 0
+    for i in range(top, 0, -1):  # those reaching past position i - 1: lengths of i or more
+        reach += ending[i]
+        out[i - 1] = reach
     return tuple(out)
