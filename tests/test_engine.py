@@ -146,7 +146,8 @@ def test_bad_requests_are_refused_without_disturbing_the_engine(setup):
             engine.generate(Request([], 5))
         with pytest.raises(ConfigError, match="context limit"):
             engine.generate(Request([1] * 250, 10))
-        for ids in ([1, 10**6], [-1, 1], [1, runner.vocab_size]):
+        for ids in ([1, 10**6], [-1, 1], [1, runner.vocab_size], [1, float("nan")],
+                    [runner.vocab_size, None]):
             with pytest.raises(ConfigError, match="token ids"):
                 engine.generate(Request(ids, 5))
         assert runner.cache.free_slots == free

@@ -74,7 +74,11 @@ class SessionLifecycle:
                 f"fit")
         vocab = self.target.vocab_size
         ids = req.prompt_ids + req.committed  # non-empty: the prompt is (checked above)
-        if min(ids) < 0 or max(ids) >= vocab:
+        if set(map(type, ids)) == {int}:  # plain ints (what the wire gives): no Python loop
+            bad = min(ids) < 0 or max(ids) >= vocab
+        else:  # any other kind judged id by id (a NaN compares false both ways: refused)
+            bad = any(not 0 <= t < vocab for t in ids)
+        if bad:
             raise ConfigError(f"prompt token ids must be in [0, {vocab})")
         if len(req.committed) >= req.max_new_tokens:
             raise ConfigError("the resumed session has already produced max_new_tokens")
