@@ -33,7 +33,7 @@ def test_the_attention_probe_catches_a_shape_dependent_kernel(monkeypatch):
 
     assert probe_invariance(torch.float32)
 
-    def sdpa(q, keys, values, visible, col_tile=16, tail=None, products=None):
+    def sdpa(q, keys, values, visible, col_tile=16, tail=None, products=None, max_cols=256):
         B, kvh, g, T, hd = q.shape
         out = F.scaled_dot_product_attention(q.reshape(B, kvh * g, T, hd), keys,
                                              values[..., :hd], attn_mask=visible[:, None],
@@ -42,6 +42,61 @@ def test_the_attention_probe_catches_a_shape_dependent_kernel(monkeypatch):
 
     monkeypatch.setattr(attention, "invariant_attention", sdpa)
     assert not probe_invariance(torch.float32)
+
+
+@pytest.mark.parametrize("width", [25, 41, 64])
+def test_the_attention_probe_sweeps_every_width_a_cpu_call_can_have(monkeypatch, width):
+    """A kernel whose bits move only in calls of one width (MKL's AVX2 float32 kernel did so
+    for the last columns of some widths, e.g. 25 tokens of a 3-query group, which the probe's
+    fixed calls never made) fails the CPU's probe; the same kernel passes on a GPU's torch path,
+    whose probe is the fixed calls alone."""
+    import edgespec.runner.attention as attention
+
+    exact = attention.invariant_attention
+
+    def off_at_one_width(q, keys, values, visible, *args, **kw):
+        out = exact(q, keys, values, visible, *args, **kw)
+        if q.shape[3] == width and q.shape[0] > 1:  # a call of that width, not a lone query
+            out[:, -1] = out[:, -1] * (1 + 2 ** -20)
+        return out
+
+    monkeypatch.setattr(attention, "invariant_attention", off_at_one_width)
+    assert not probe_invariance(torch.float32, "cpu")
+    calls = []
+    monkeypatch.setattr(attention, "_every_width_agrees", lambda *a: calls.append(a) or True)
+    assert probe_invariance(torch.float32, "cpu") and calls  # the fixed calls alone pass
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_products_of_a_fixed_width_give_the_bits_they_give_here_and_pass_the_probe(
+        monkeypatch, dtype):
+    """The kernel of last resort on a CPU (every product exactly 16 query columns wide, for a
+    BLAS that blocks wider ones by its own width) computes what one product computes here, in
+    products no wider than 16 columns, and passes the probe; the tile the probes choose here
+    passes it too."""
+    import edgespec.runner.attention as attention
+    from edgespec.runner.dtype_probe import attention_kernel
+
+    g = torch.Generator().manual_seed(4)
+    B, kvh, grp, T, hd, n = 3, 2, 7, 9, 64, 256
+    keys = torch.randn(B, kvh, n, hd, generator=g).to(dtype)
+    values = torch.cat([torch.randn(B, kvh, n, hd, generator=g),
+                        torch.ones(B, kvh, n, 1)], -1).to(dtype)
+    q = torch.randn(B, kvh, grp, T, hd, generator=g).to(dtype)
+    visible = torch.arange(n)[None, None, :] <= (torch.tensor([20, 100, 240])[:, None]
+                                                 + torch.arange(T))[:, :, None].clamp(max=n - 1)
+    one = attention.invariant_attention(q, keys, values, visible, 16)
+    widths = []
+    matmul = torch.matmul
+    monkeypatch.setattr(torch, "matmul", lambda a, b: widths.append(b.shape[-1]) or matmul(a, b))
+    fixed = attention.invariant_attention(q, keys, values, visible, 16, max_cols=16)
+    monkeypatch.undo()
+    assert max(widths) == 16 and len(widths) > 2  # 63 columns: four products a call
+    assert torch.allclose(fixed.float(), one.float(), rtol=1e-2, atol=1e-2)
+    kernel = attention_kernel(dtype, "cpu", kvh, grp, hd)
+    if kernel is not None and kernel.max_cols == 256:  # one product is exact here: so is this
+        assert torch.equal(fixed, one)
+    assert probe_invariance(dtype, "cpu", 16, kvh, grp, hd, max_cols=16)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

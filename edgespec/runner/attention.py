@@ -20,7 +20,11 @@ Here every reduction a query's output goes through has a shape that does not dep
 
 Measured here (oneDNN bfloat16, MKL float32): every product of these shapes gives each output
 element the same bits for any number of rows, batch entries and (for float32) columns in
-multiples of 16; ``probe_invariance`` checks that on the machine at hand before a dtype is served.
+multiples of 16; ``probe_invariance`` checks that on the machine at hand before a dtype is served,
+at every width a call can have, and ``dtype_probe`` takes the first tile that passes: 1 (no
+padding: an AVX-512 Xeon's oneDNN and MKL give a column its bits at any width), 16 to 128, or
+products of exactly 16 columns (MKL's AVX2 float32 kernel blocks a product's columns by its own
+register width and gives the columns of a narrow last block other bits).
 
 Since a query's output depends neither on the other queries of a call nor on key blocks past its
 context, the CPU need not compute what it would throw away: a call of many queries (a prompt's
@@ -36,7 +40,7 @@ from dataclasses import dataclass
 import torch
 
 KEY_BLOCK = 64  # keys per block of the values product: its reduction length
-COL_TILE = 16  # query columns are padded to a multiple of this (float32 needs it; see above)
+COL_TILE = 16  # query columns are padded to a multiple of this where no smaller tile is exact
 MAX_COLS = 256  # at most this many query columns per product (MKL float32 blocks wider ones
 # differently); wider calls (a prefill chunk, a long tree of a wide-grouped model) run in pieces
 # queries a piece of a long call (a prompt's chunk) on the CPU: see ``_in_query_pieces``
@@ -80,12 +84,12 @@ def pointwise(fn, x: torch.Tensor) -> torch.Tensor:
     return fn(flat)[:n].view(x.shape)
 
 
-def _by_columns(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a @ b with at most MAX_COLS of b's columns per product."""
-    if b.shape[-1] <= MAX_COLS:
+def _by_columns(a: torch.Tensor, b: torch.Tensor, max_cols: int = MAX_COLS) -> torch.Tensor:
+    """a @ b with at most ``max_cols`` of b's columns per product."""
+    if b.shape[-1] <= max_cols:
         return torch.matmul(a, b)
-    return torch.cat([torch.matmul(a, b[..., i:i + MAX_COLS])
-                      for i in range(0, b.shape[-1], MAX_COLS)], dim=-1)
+    return torch.cat([torch.matmul(a, b[..., i:i + max_cols])
+                      for i in range(0, b.shape[-1], max_cols)], dim=-1)
 
 
 def padded_keys(n: int, max_len: int) -> int:
@@ -169,7 +173,8 @@ def invariant_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
                         visible: torch.Tensor, col_tile: int = COL_TILE,
                         tail: TailKeys | None = None,
                         products: torch.dtype | None = None,
-                        ends: list[int] | None = None) -> torch.Tensor:
+                        ends: list[int] | None = None, max_cols: int = MAX_COLS
+                        ) -> torch.Tensor:
     """Attention of grouped queries over a slot's keys, batch-invariantly.
 
     q: [B, kvh, g, T, hd] (already scaled and rotated; query head kv * g + j is [:, kv, j]);
@@ -180,18 +185,21 @@ def invariant_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     emulated, ``cpu_kind``: a product of bfloat16 inputs is exact in float32, so only the
     summation order is the kernel's, and MKL's float32 one is fixed);
     ``ends``: ``call_ends(visible)``, from a caller that found it once for many calls with the
-    same mask (a forward's layers); None: found here when needed.
+    same mask (a forward's layers); None: found here when needed. ``max_cols``: the most query
+    columns a product takes (``col_tile``: every product exactly that wide, where a BLAS blocks
+    wider ones by their width, ``dtype_probe``).
     Returns [B, T, kvh * g * hd] in q's dtype.
     """
     out_dtype = q.dtype
     if products is not None and products != q.dtype:
         q, keys, values = q.to(products), keys.to(products), values.to(products)
     if tail is not None or q.device.type != "cpu":
-        return _attend(q, keys, values, visible, col_tile, tail).to(out_dtype)
+        return _attend(q, keys, values, visible, col_tile, tail, max_cols).to(out_dtype)
     if q.shape[3] > QUERY_PIECE:
         return _in_query_pieces(q, keys, values, visible, col_tile,
-                                query_ends(visible) if ends is None else ends).to(out_dtype)
-    return _attend(q, keys, values, visible, col_tile, None).to(out_dtype)
+                                query_ends(visible) if ends is None else ends,
+                                max_cols).to(out_dtype)
+    return _attend(q, keys, values, visible, col_tile, None, max_cols).to(out_dtype)
 
 
 def _reach(visible: torch.Tensor, dim: int) -> torch.Tensor:
@@ -217,7 +225,8 @@ def call_ends(visible: torch.Tensor) -> list[int] | None:
 
 
 def _in_query_pieces(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                     visible: torch.Tensor, col_tile: int, ends: list[int]) -> torch.Tensor:
+                     visible: torch.Tensor, col_tile: int, ends: list[int],
+                     max_cols: int = MAX_COLS) -> torch.Tensor:
     """``_attend`` over QUERY_PIECE queries at a time, each piece reading only the key blocks
     up to the last key one of its queries sees: a prompt's chunk is causal, so its early
     queries skip most of the keys, and each piece's scores stay in the CPU's cache (the default
@@ -233,12 +242,12 @@ def _in_query_pieces(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
         t1 = min(T, t0 + QUERY_PIECE)
         k = max(KEY_BLOCK, padded_keys(max(ends[t0:t1]), n))
         out.append(_attend(q[:, :, :, t0:t1], keys[:, :, :k], values[:, :, :k],
-                           visible[:, t0:t1, :k], col_tile, None))
+                           visible[:, t0:t1, :k], col_tile, None, max_cols))
     return torch.cat(out, dim=1)
 
 
 def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor,
-            col_tile: int, tail: TailKeys | None) -> torch.Tensor:
+            col_tile: int, tail: TailKeys | None, max_cols: int = MAX_COLS) -> torch.Tensor:
     """``invariant_attention`` in the products' dtype, its output [B, T, kvh * g * hd] in
     float32."""
     B, kvh, g, T, hd = q.shape
@@ -252,7 +261,7 @@ def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: 
     # the softmax runs on the m query columns alone: each column's max is its own and exp is
     # pointwise, so a column's bits do not depend on the others; the padding columns enter the
     # value product as zeros (its shape, hence each real column's bits, as before)
-    scores = _by_columns(keys, qt)[..., :m].float()  # [B, kvh, n, m]
+    scores = _by_columns(keys, qt, max_cols)[..., :m].float()  # [B, kvh, n, m]
     if tail is None:
         # the softmax with the keys innermost ([B, kvh, m, n]) for a few columns (innermost,
         # they made the max and the masking strided, most of a many-session step's attention);
@@ -284,9 +293,9 @@ def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: 
     # [B, kvh, n, cols], laid out as the value product has always read it
     probs = torch.nn.functional.pad(probs, (0, cols - m)) if cols != m else probs.contiguous()
     # [B, kvh, nb, hd+1, cols]
-    part = _value_blocks(values, probs.view(B, kvh, nb, KEY_BLOCK, cols))
+    part = _value_blocks(values, probs.view(B, kvh, nb, KEY_BLOCK, cols), max_cols)
     if tail is not None:
-        part = _place_tail(part, values, tail, t_probs, t_cols, g)
+        part = _place_tail(part, values, tail, t_probs, t_cols, g, max_cols)
     # in block order, one running sum (cumsum; on CPU it accumulates in float64): sum() would
     # pick its association by the shape
     total = part[..., :m].float().cumsum(dim=2)[:, :, -1]  # [B, kvh, hd + 1, m]
@@ -294,7 +303,8 @@ def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: 
     return out.view(B, kvh, hd, g, T).permute(0, 4, 1, 3, 2).reshape(B, T, kvh * g * hd)
 
 
-def _value_blocks(values: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+def _value_blocks(values: torch.Tensor, probs: torch.Tensor, max_cols: int = MAX_COLS
+                  ) -> torch.Tensor:
     """Each key block's values^T @ probs: values [B, kvh, n, hd + 1], probs [B, kvh, nb, KB,
     cols] -> [B, kvh, nb, hd + 1, cols]. One batched product, or, for float32 values on the CPU
     read as a view of the cache by more than COPIED_ROWS rows (a run of slots: its batch dims
@@ -312,10 +322,10 @@ def _value_blocks(values: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
             values = values.contiguous()
         else:
             return torch.stack([_by_columns(values[:, :, j * KEY_BLOCK:(j + 1) * KEY_BLOCK]
-                                            .transpose(-1, -2), probs[:, :, j])
+                                            .transpose(-1, -2), probs[:, :, j], max_cols)
                                 for j in range(nb)], dim=2)
     vt = values.view(B, kvh, nb, KEY_BLOCK, hd1).transpose(-1, -2)  # [B, kvh, nb, hd+1, KB]
-    return _by_columns(vt, probs)
+    return _by_columns(vt, probs, max_cols)
 
 
 def _row_mask(visible: torch.Tensor, g: int) -> torch.Tensor:
@@ -349,7 +359,7 @@ def _tail_probs(probs: torch.Tensor, tail: TailKeys, g: int, T: int, col_tile: i
 
 
 def _place_tail(part: torch.Tensor, values: torch.Tensor, tail: TailKeys, t_probs: torch.Tensor,
-                cols: torch.Tensor, g: int) -> torch.Tensor:
+                cols: torch.Tensor, g: int, max_cols: int = MAX_COLS) -> torch.Tensor:
     """The tail queries' value blocks, each one product of the same shape as the main call's,
     put at their logical block indices in ``part`` (where the main call left exact zeros)."""
     B, kvh, nb, hd1, n_cols = part.shape
@@ -358,7 +368,7 @@ def _place_tail(part: torch.Tensor, values: torch.Tensor, tail: TailKeys, t_prob
     vt = values[tail.rows[:, None], :, tail.index].permute(0, 2, 1, 3).contiguous()
     vt = vt.view(S, kvh, nbt, KEY_BLOCK, hd1).transpose(-1, -2)  # [S, kvh, nbt, hd+1, KB]
     pt = t_probs.reshape(S, kvh, nbt, KEY_BLOCK, -1)
-    t_part = torch.matmul(vt, pt)[..., :g]  # [S, kvh, nbt, hd+1, g]
+    t_part = _by_columns(vt, pt, max_cols)[..., :g]  # [S, kvh, nbt, hd+1, g]
     if tail.n_blocks > nb:
         part = torch.cat([part, part.new_zeros(B, kvh, tail.n_blocks - nb, hd1, n_cols)], 2)
     blocks = tail.block0[:, None] + torch.arange(nbt, device=part.device)  # [S, nbt]
@@ -369,10 +379,13 @@ def _place_tail(part: torch.Tensor, values: torch.Tensor, tail: TailKeys, t_prob
 
 def probe_invariance(dtype: torch.dtype, device: str | torch.device = "cpu",
                      col_tile: int = COL_TILE, kv_heads: int = 2, group: int = 3,
-                     head_dim: int = 64, products: torch.dtype | None = None) -> bool:
+                     head_dim: int = 64, products: torch.dtype | None = None,
+                     max_cols: int = MAX_COLS) -> bool:
     """Whether ``invariant_attention`` gives a query the same bits alone and inside a wider,
     longer call on this machine, in ``dtype``, for a model's head layout (kv heads, query heads
-    per kv head, head size): milliseconds, run before a dtype is served as lossless."""
+    per kv head, head size), and on a CPU at every width a call can have
+    (``_every_width_agrees``): a few tenths of a second, run before a dtype is served as
+    lossless. ``col_tile``, ``max_cols``: as ``invariant_attention`` takes them."""
     g = torch.Generator().manual_seed(0)
     kvh, grp, hd, n_big = kv_heads, group, head_dim, 4 * KEY_BLOCK
 
@@ -387,7 +400,7 @@ def probe_invariance(dtype: torch.dtype, device: str | torch.device = "cpu",
     ctx = torch.tensor([70, 130, 200], device=device)  # row b's query t sits at ctx[b] + t
     visible = pos[None, None, :] <= (ctx[:, None] + torch.arange(7, device=device))[:, :, None]
     def attend(*args):
-        return invariant_attention(*args, col_tile, products=products)
+        return invariant_attention(*args, col_tile, products=products, max_cols=max_cols)
 
     wide = attend(q, keys, values, visible)
     long_q = rand(1, kvh, grp, 150, hd)  # a prefill chunk: products of MAX_COLS columns
@@ -406,4 +419,35 @@ def probe_invariance(dtype: torch.dtype, device: str | torch.device = "cpu",
                            values[b:b + 1, :, :n], visible[b:b + 1, t:t + 1, :n])
             if not torch.equal(alone[0, 0], wide[b, t]):
                 return False
+    if torch.device(device).type != "cpu":  # a GPU's torch path: the calls above, as before
+        return True
+    return _every_width_agrees(attend, long_q[:, :, :, :QUERY_PIECE], keys[:2], values[:2], pos)
+
+
+def _every_width_agrees(attend, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                        pos: torch.Tensor) -> bool:
+    """Whether a query's bits are the same alone as at the first, the middle and the last
+    place of a two-row call of every width a CPU call can have (1 to QUERY_PIECE queries a
+    row: a longer call runs in pieces of that many). A product's columns are the call's
+    g x T queries, padded to the tile, and a BLAS kernel blocks them by its own register width:
+    MKL's AVX2 float32 kernel gave the columns of a last block of 8 (of 80 = 3 x 24 + 8: 25
+    tokens of a 3-query group) other bits than the same query alone, at a 16-column tile, which
+    the wide and long calls above did not reach. q: [1, kvh, g, QUERY_PIECE, hd]."""
+    ctx = torch.tensor([60, 100], device=pos.device)  # row b's query t sits at ctx[b] + t
+    n_big = keys.shape[2]
+    alone: dict[tuple[int, int], torch.Tensor] = {}
+    for T in range(1, q.shape[3] + 1):
+        rows = q[:, :, :, :T].expand(2, -1, -1, -1, -1)
+        visible = pos[None, None, :] <= (ctx[:, None] + torch.arange(T, device=pos.device)
+                                         )[:, :, None]
+        out = attend(rows, keys, values, visible)
+        for b in range(2):
+            for t in {0, T // 2, T - 1}:
+                if (b, t) not in alone:
+                    n = padded_keys(int(ctx[b]) + t + 1, n_big)
+                    alone[b, t] = attend(q[:, :, :, t:t + 1], keys[b:b + 1, :, :n],
+                                         values[b:b + 1, :, :n], visible[b:b + 1, t:t + 1, :n]
+                                         )[0, 0]
+                if not torch.equal(alone[b, t], out[b, t]):
+                    return False
     return True

@@ -3,10 +3,11 @@ the thread count that will serve (torch's kernels split their work by it).
 
 A dtype is served as lossless only if the runner's kernels are batch-invariant in it here: the
 attention (``edgespec.runner.attention.probe_invariance``, for a query-column tile of 16, else
-32, 64 or 128, with its products in the dtype itself or, where oneDNN emulates bfloat16, in
-float32: ``cpu_kind``) and the packed linear layers (every row alone, in pairs, among 64 rows and
-in calls of 3-47 rows gives the same bits, and the product is right: within bfloat16 rounding of
-a float32 reference).
+32, 64 or 128, on a CPU first 1 (no padding) and last products of exactly 16 columns, with its
+products in the dtype itself or, where oneDNN emulates bfloat16, in float32: ``cpu_kind``) and
+the packed linear layers (every row alone, in pairs, among 64 rows and in calls of 3-47 rows
+gives the same bits, and the product is right: within bfloat16 rounding of a float32
+reference).
 ``auto`` measures: among the dtypes that pass, the one whose linear layer is faster here (on an
 AMX CPU bfloat16, about 1.5x float32's forward; on Cascade Lake, where oneDNN emulates bfloat16,
 float32). The linear layers' rows go in one call, or in calls of 40 to 128 (or 96) rows, or in
@@ -37,6 +38,9 @@ log = logging.getLogger("edgespec.dtype")
 DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 DTYPE_CHOICES = ("auto", *DTYPE_NAMES)
 COL_TILES = (16, 32, 64, 128)
+# on a CPU, tried before and after those: no padding at all (a decode step's 1-3 columns a kv
+# head were padded to 16: 35-40% of its attention), and, last, products of exactly 16 columns
+CPU_UNPADDED, CPU_FIXED_WIDTH = 1, 16
 
 
 @dataclass(frozen=True)
@@ -46,6 +50,7 @@ class AttentionKernel:
 
     col_tile: int
     products: torch.dtype | None = None
+    max_cols: int = 256  # the most query columns a product takes (attention.MAX_COLS)
 
 
 def attention_kernel(dtype: torch.dtype, device: str = "cpu", kv_heads: int = 2,
@@ -58,7 +63,7 @@ def attention_kernel(dtype: torch.dtype, device: str = "cpu", kv_heads: int = 2,
 @functools.lru_cache(maxsize=None)
 def _attention_kernel(dtype: torch.dtype, device: str, kv_heads: int, group: int,
                       head_dim: int, threads: int) -> AttentionKernel | None:
-    from .attention import probe_invariance
+    from .attention import MAX_COLS, probe_invariance
 
     products: list[torch.dtype | None] = [None]
     if device == "cpu" and dtype == torch.bfloat16 and not cpu_kind().bf16_native:
@@ -68,11 +73,16 @@ def _attention_kernel(dtype: torch.dtype, device: str, kv_heads: int, group: int
         products = [torch.float32]
     elif dtype != torch.float32:
         products.append(torch.float32)
+    kernels = [AttentionKernel(tile, None, MAX_COLS) for tile in COL_TILES]
+    if device == "cpu":
+        kernels = [AttentionKernel(CPU_UNPADDED, None, MAX_COLS), *kernels,
+                   AttentionKernel(CPU_FIXED_WIDTH, None, CPU_FIXED_WIDTH)]
     for prod in products:
-        for tile in COL_TILES:
+        for k in kernels:
             try:
-                if probe_invariance(dtype, device, tile, kv_heads, group, head_dim, prod):
-                    return AttentionKernel(tile, prod)
+                if probe_invariance(dtype, device, k.col_tile, kv_heads, group, head_dim, prod,
+                                    k.max_cols):
+                    return AttentionKernel(k.col_tile, prod, k.max_cols)
             except RuntimeError as exc:  # a kernel this machine lacks: try the next products
                 log.info("attention probe in %s on %s failed: %s", dtype, device, exc)
                 break

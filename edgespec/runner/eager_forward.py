@@ -132,7 +132,8 @@ class EagerLayers:
             else:
                 keys, values = r.cache.read(li, slot_t, run_from, n_pos)
                 att = invariant_attention(q, keys, values, visible, r.col_tile, tail,
-                                          r.attention_products, ends)  # [B, T, nh * hd]
+                                          r.attention_products, ends,
+                                          r.attention_cols)  # [B, T, nh * hd]
             if real is not None:
                 att = att.reshape(B * T, -1).index_select(0, real)  # [N, nh * hd]
             x = x + layer.o(att)
@@ -156,7 +157,7 @@ class EagerLayers:
             keys, values = r.cache.read(layer, slot_t[group.rows], None, group.keys)
             out.index_copy_(0, group.rows, invariant_attention(
                 q.index_select(0, group.rows), keys, values, group.visible, r.col_tile,
-                None, r.attention_products, group.ends))
+                None, r.attention_products, group.ends, r.attention_cols))
         return out
 
 

@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from ..config import ConfigError
-from .attention import COL_TILE
+from .attention import COL_TILE, MAX_COLS
 from .check_cache import code_digest, host_device, triton_version
 from . import dtype_probe
 from .linear import GEMMS
@@ -99,6 +99,9 @@ class KernelSet:
     torch_version: str
     triton_version: str  # "-" on the eager path
     code: str
+    # eager: the most query columns an attention product takes (256; ``col_tile`` where every
+    # product is exactly that wide: ``dtype_probe``)
+    attention_cols: int = 256
 
     @functools.cached_property
     def fingerprint(self) -> str:
@@ -113,8 +116,9 @@ class KernelSet:
         """One line for a log or a status line."""
         att = self.attention
         if self.kernels == "eager":
-            att += f"/{self.col_tile}" + (f"@{self.attention_products}"
-                                          if self.attention_products else "")
+            att += f"/{self.col_tile}" + (f"x{self.attention_cols}"
+                                          if self.attention_cols == self.col_tile else "") + \
+                (f"@{self.attention_products}" if self.attention_products else "")
         return (f"{self.fingerprint}: {self.kernels} kernels, {self.products} products, {att} "
                 f"attention, {self.dtype} on {self.device}"
                 f"{f' x{self.threads} threads' if self.threads else ''}, torch {self.torch_version}"
@@ -144,7 +148,7 @@ def choose_kernel_set(device: torch.device | str, dtype: torch.dtype, heads: Hea
     if gemm not in GEMMS:
         raise ConfigError(f"gemm must be one of {', '.join(GEMMS)}, not {gemm!r}")
     fused = path == "triton"
-    col_tile, att_products, proven = COL_TILE, "", exact
+    col_tile, att_products, proven, att_cols = COL_TILE, "", exact, MAX_COLS
     if fused:
         if attention is None:
             attention = _fused_attention(device, dtype, heads, exact, attention_kernel)
@@ -162,7 +166,7 @@ def choose_kernel_set(device: torch.device | str, dtype: torch.dtype, heads: Hea
                     f"attention with {heads.kv_heads} kv heads x "
                     f"{heads.n_heads // heads.kv_heads} x {heads.head_dim} is not batch-invariant "
                     f"here (its probe failed), {refusal(dtype, device)}")
-            col_tile = kernel.col_tile
+            col_tile, att_cols = kernel.col_tile, kernel.max_cols
             att_products = str(kernel.products).removeprefix("torch.") if kernel.products else ""
     name, threads = host_device(device)
     code = code_digest(*(importlib.import_module(m) for m in NUMERIC_CODE[path]))
@@ -171,7 +175,7 @@ def choose_kernel_set(device: torch.device | str, dtype: torch.dtype, heads: Hea
                      dtype=str(dtype).removeprefix("torch."), device=name, threads=threads,
                      torch_version=_torch_build(device),
                      triton_version=triton_version() if fused else "-",
-                     code=code)
+                     code=code, attention_cols=att_cols)
 
 
 def _torch_build(device: torch.device) -> str:

@@ -145,7 +145,7 @@ class TargetRunner(SlotPrompts):
             for lin in [self.lm_head] + [m for layer in self.layers for m in
                                          (layer.qkv, layer.o, layer.gate_up, layer.down)]:
                 lin.gemm = gemm
-        self.col_tile = ks.col_tile
+        self.col_tile, self.attention_cols = ks.col_tile, ks.attention_cols
         self.attention_products = ks.attention_dtype
         # with graphs, one more slot: the bucket rows past a step's sessions write there
         self.cache = KVCache(self.n_layers, n_slots + int(graphs), max_len, self.kv_heads,
