@@ -32,6 +32,9 @@ def test_the_probes_run_at_the_thread_count_in_force(monkeypatch):
         assert not exact_here("float32")
         with pytest.raises(ConfigError, match="not batch-invariant on this cpu at 8 threads"):
             dtype_probe.resolve_dtype("float32")
+        monkeypatch.setattr(dtype_probe, "exact_here", lambda name, device="cpu": False)
+        with pytest.raises(ConfigError, match="on this cpu at 8 threads .* fewer --threads"):
+            dtype_probe.choose_auto()  # no dtype exact: the thread count named, fewer suggested
     finally:
         torch.set_num_threads(before)
         dtype_probe._attention_kernel.cache_clear()

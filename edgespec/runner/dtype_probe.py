@@ -348,7 +348,10 @@ def choose_auto(device: str = "cpu") -> DtypeChoice:
     exact = [d for d in AUTO_CANDIDATES if exact_here(d, device)]
     refused = tuple(d for d in AUTO_CANDIDATES if d not in exact)
     if not exact:
-        raise ConfigError(f"no dtype is batch-invariant on this {device}: neither "
+        fewer = (f" at {torch.get_num_threads()} threads (a BLAS may split its products by "
+                 f"the thread count: fewer --threads may pass)"
+                 if device == "cpu" and torch.get_num_threads() > 1 else "")
+        raise ConfigError(f"no dtype is batch-invariant on this {device}{fewer}: neither "
                           f"{' nor '.join(AUTO_CANDIDATES)} passed its probe")
     if len(exact) == 1:
         return DtypeChoice(exact[0], {exact[0]: float("nan")}, refused)
