@@ -286,3 +286,56 @@ def test_the_cuda_norm_path_is_row_invariant_and_agrees_with_the_mean(hd64_model
     assert first_varying_count(lambda t: runner._rms(t, runner.norm), x,
                                list(range(1, 300))) is None
     torch.testing.assert_close(runner._rms(x, runner.norm), plain)
+
+
+def test_the_width_sweep_reaches_every_cpu_calls_width():
+    """The probe's sweep covers a query piece and a token tree's whole call (its tail keys keep
+    it in one piece): 1 + MAX_TREE_NODES tokens a row."""
+    from edgespec.config import MAX_TREE_NODES
+    from edgespec.runner.attention import CALL_TOKENS, QUERY_PIECE
+
+    assert CALL_TOKENS == max(QUERY_PIECE, 1 + MAX_TREE_NODES)
+
+
+def test_fixed_width_products_reach_query_pieces_and_a_runners_forward(hd64_model, monkeypatch):
+    """``max_cols`` reaches every product: a long call in query pieces (many rows: the values
+    read a block at a time) and a runner's forward with ``attention_cols`` 16 compute in products
+    of at most 16 columns, and here (where one product is exact) the same bits as one product."""
+    import edgespec.runner.attention as attention
+    from edgespec.runner.dtype_probe import attention_kernel
+
+    widths: list[int] = []
+    matmul = torch.matmul
+
+    def spy(a, b):
+        widths.append(b.shape[-1])
+        return matmul(a, b)
+
+    g = torch.Generator().manual_seed(6)
+    B, kvh, grp, T, hd, n = 6, 2, 3, 150, 64, 256
+    keys = torch.randn(B, kvh, n, hd, generator=g)
+    values = torch.cat([torch.randn(B, kvh, n, hd, generator=g), torch.ones(B, kvh, n, 1)], -1)
+    q = torch.randn(B, kvh, grp, T, hd, generator=g)
+    visible = torch.arange(n)[None, None, :] <= (torch.arange(B)[:, None] * 10
+                                                 + torch.arange(T))[:, :, None]
+    view_v = torch.cat([values, values], 2)[:, :, :n]  # a view: the values a block at a time
+    one = attention.invariant_attention(q, keys, view_v, visible, 16)
+    monkeypatch.setattr(torch, "matmul", spy)
+    fixed = attention.invariant_attention(q, keys, view_v, visible, 16, max_cols=16)
+    monkeypatch.setattr(torch, "matmul", matmul)
+    assert widths and max(widths) == 16
+    exact_one = attention_kernel(torch.float32, "cpu", kvh, grp, hd)
+    if exact_one is not None and exact_one.max_cols == attention.MAX_COLS:
+        assert torch.equal(fixed, one)
+    runner = _runner(hd64_model, "float32", "cpu")
+    slots = [runner.new_slot() for _ in range(3)]
+    rows = [list(range(5, 14)), [9, 10], [11]]  # 9 tokens x 3 queries: 27 columns a product
+    base = runner.forward(slots, rows)
+    runner.col_tile, runner.attention_cols = 16, 16
+    widths.clear()
+    monkeypatch.setattr(torch, "matmul", spy)
+    narrow = runner.forward(slots, rows)
+    monkeypatch.setattr(torch, "matmul", matmul)
+    assert widths and max(widths) <= 16
+    if exact_one is not None and exact_one.max_cols == attention.MAX_COLS:
+        assert torch.equal(narrow, base)

@@ -35,6 +35,7 @@ another a call of their own (``row_groups``). Same bits, less work.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -45,6 +46,9 @@ MAX_COLS = 256  # at most this many query columns per product (MKL float32 block
 # differently); wider calls (a prefill chunk, a long tree of a wide-grouped model) run in pieces
 # queries a piece of a long call (a prompt's chunk) on the CPU: see ``_in_query_pieces``
 QUERY_PIECE = 64
+# the most queries a row of one CPU call holds: a piece, or a token tree's call (its tail keys
+# keep it whole): 1 + config.MAX_TREE_NODES
+CALL_TOKENS = 65
 # query columns (g x T) from which the CPU's softmax runs in the scores' own layout: the keys
 # innermost pays for a few columns (a many-session step), two transposing copies for many
 WIDE_COLUMNS = 64
@@ -73,6 +77,7 @@ def pointwise(fn, x: torch.Tensor) -> torch.Tensor:
     flat = x.reshape(-1)
     n = size = flat.numel()
     threads = torch.get_num_threads()
+    _warm_pointwise(threads)
     while True:  # grows at most a few times: a share of 64 * k more each time
         k = max(1, min(threads, -(-size // PIECE)))
         padded = -(-size // (64 * k)) * 64 * k
@@ -82,6 +87,18 @@ def pointwise(fn, x: torch.Tensor) -> torch.Tensor:
     if size != n:
         flat = torch.cat([flat, flat.new_zeros(size - n)])
     return fn(flat)[:n].view(x.shape)
+
+
+@functools.lru_cache(maxsize=None)
+def _warm_pointwise(threads: int) -> None:
+    """Run exp, log and silu once over every thread's share at this thread count, before any
+    call whose bits count: the first parallel exp of a process at 2 threads sometimes computed
+    the second thread's share with other bits than every later call did (the same input; about
+    one process in four here, a start probe's first call among them), and a warm-up of that op
+    alone stopped it (another op's did not)."""
+    x = torch.linspace(0.5, 4.0, 2 * PIECE * max(1, threads))
+    for op in (torch.exp, torch.log, torch.nn.functional.silu):
+        op(x)
 
 
 def _by_columns(a: torch.Tensor, b: torch.Tensor, max_cols: int = MAX_COLS) -> torch.Tensor:
@@ -421,18 +438,19 @@ def probe_invariance(dtype: torch.dtype, device: str | torch.device = "cpu",
                 return False
     if torch.device(device).type != "cpu":  # a GPU's torch path: the calls above, as before
         return True
-    return _every_width_agrees(attend, long_q[:, :, :, :QUERY_PIECE], keys[:2], values[:2], pos)
+    return _every_width_agrees(attend, long_q[:, :, :, :CALL_TOKENS], keys[:2], values[:2], pos)
 
 
 def _every_width_agrees(attend, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                         pos: torch.Tensor) -> bool:
-    """Whether a query's bits are the same alone as at the first, the middle and the last
-    place of a two-row call of every width a CPU call can have (1 to QUERY_PIECE queries a
-    row: a longer call runs in pieces of that many). A product's columns are the call's
+    """Whether a query's bits are the same alone as at every place of a two-row call of every
+    width a CPU call can have (1 to CALL_TOKENS queries a row: a longer call runs in pieces of
+    QUERY_PIECE, and a tree's call with out-of-order keys, one piece, holds at most 1 +
+    MAX_TREE_NODES tokens). A product's columns are the call's
     g x T queries, padded to the tile, and a BLAS kernel blocks them by its own register width:
     MKL's AVX2 float32 kernel gave the columns of a last block of 8 (of 80 = 3 x 24 + 8: 25
     tokens of a 3-query group) other bits than the same query alone, at a 16-column tile, which
-    the wide and long calls above did not reach. q: [1, kvh, g, QUERY_PIECE, hd]."""
+    the wide and long calls above did not reach. q: [1, kvh, g, CALL_TOKENS, hd]."""
     ctx = torch.tensor([60, 100], device=pos.device)  # row b's query t sits at ctx[b] + t
     n_big = keys.shape[2]
     alone: dict[tuple[int, int], torch.Tensor] = {}
@@ -442,7 +460,7 @@ def _every_width_agrees(attend, q: torch.Tensor, keys: torch.Tensor, values: tor
                                          )[:, :, None]
         out = attend(rows, keys, values, visible)
         for b in range(2):
-            for t in {0, T // 2, T - 1}:
+            for t in range(T):
                 if (b, t) not in alone:
                     n = padded_keys(int(ctx[b]) + t + 1, n_big)
                     alone[b, t] = attend(q[:, :, :, t:t + 1], keys[b:b + 1, :, :n],
