@@ -26,6 +26,17 @@ def hd64_model():
     return build_hd64_model()
 
 
+def _random_attention(seed: int, B: int, kvh: int, grp: int, T: int, hd: int, n: int,
+                      dtype: torch.dtype = torch.float32):
+    """Random q [B, kvh, grp, T, hd], keys [B, kvh, n, hd] and values [B, kvh, n, hd + 1] (the
+    last column ones), drawn keys first."""
+    g = torch.Generator().manual_seed(seed)
+    keys = torch.randn(B, kvh, n, hd, generator=g).to(dtype)
+    values = torch.cat([torch.randn(B, kvh, n, hd, generator=g),
+                        torch.ones(B, kvh, n, 1)], -1).to(dtype)
+    return torch.randn(B, kvh, grp, T, hd, generator=g).to(dtype), keys, values
+
+
 def test_the_attention_probe_catches_a_shape_dependent_kernel(monkeypatch):
     import torch.nn.functional as F
 
@@ -77,12 +88,8 @@ def test_products_of_a_fixed_width_give_the_bits_they_give_here_and_pass_the_pro
     import edgespec.runner.attention as attention
     from edgespec.runner.dtype_probe import attention_kernel
 
-    g = torch.Generator().manual_seed(4)
     B, kvh, grp, T, hd, n = 3, 2, 7, 9, 64, 256
-    keys = torch.randn(B, kvh, n, hd, generator=g).to(dtype)
-    values = torch.cat([torch.randn(B, kvh, n, hd, generator=g),
-                        torch.ones(B, kvh, n, 1)], -1).to(dtype)
-    q = torch.randn(B, kvh, grp, T, hd, generator=g).to(dtype)
+    q, keys, values = _random_attention(4, B, kvh, grp, T, hd, n, dtype)
     visible = torch.arange(n)[None, None, :] <= (torch.tensor([20, 100, 240])[:, None]
                                                  + torch.arange(T))[:, :, None].clamp(max=n - 1)
     one = attention.invariant_attention(q, keys, values, visible, 16)
@@ -135,12 +142,8 @@ def test_a_long_call_in_query_pieces_has_the_bits_of_one_call(monkeypatch, dtype
     ends mid-block."""
     import edgespec.runner.attention as attention
 
-    g = torch.Generator().manual_seed(2)
     B, kvh, grp, T, hd, n = 2, 2, 3, 150, 64, 384
-    keys = torch.randn(B, kvh, n, hd, generator=g).to(dtype)
-    values = torch.cat([torch.randn(B, kvh, n, hd, generator=g),
-                        torch.ones(B, kvh, n, 1)], -1).to(dtype)
-    q = torch.randn(B, kvh, grp, T, hd, generator=g).to(dtype)
+    q, keys, values = _random_attention(2, B, kvh, grp, T, hd, n, dtype)
     starts = torch.tensor([0, 200])
     visible = torch.arange(n)[None, None, :] <= (starts[:, None] + torch.arange(T))[:, :, None]
     visible[0, 70] = False  # a query that sees no key: NaN either way, in its own column
@@ -311,11 +314,8 @@ def test_fixed_width_products_reach_query_pieces_and_a_runners_forward(hd64_mode
         widths.append(b.shape[-1])
         return matmul(a, b)
 
-    g = torch.Generator().manual_seed(6)
     B, kvh, grp, T, hd, n = 6, 2, 3, 150, 64, 256
-    keys = torch.randn(B, kvh, n, hd, generator=g)
-    values = torch.cat([torch.randn(B, kvh, n, hd, generator=g), torch.ones(B, kvh, n, 1)], -1)
-    q = torch.randn(B, kvh, grp, T, hd, generator=g)
+    q, keys, values = _random_attention(6, B, kvh, grp, T, hd, n)
     visible = torch.arange(n)[None, None, :] <= (torch.arange(B)[:, None] * 10
                                                  + torch.arange(T))[:, :, None]
     view_v = torch.cat([values, values], 2)[:, :, :n]  # a view: the values a block at a time
