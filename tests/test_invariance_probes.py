@@ -55,12 +55,13 @@ def test_the_attention_probe_catches_a_shape_dependent_kernel(monkeypatch):
     assert not probe_invariance(torch.float32)
 
 
-@pytest.mark.parametrize("width", [25, 41, 64])
-def test_the_attention_probe_sweeps_every_width_a_cpu_call_can_have(monkeypatch, width):
-    """A kernel whose bits move only in calls of one width (MKL's AVX2 float32 kernel did so
-    for the last columns of some widths, e.g. 25 tokens of a 3-query group, which the probe's
-    fixed calls never made) fails the CPU's probe; the same kernel passes on a GPU's torch path,
-    whose probe is the fixed calls alone."""
+@pytest.mark.parametrize("width,place", [(25, -1), (41, -1), (64, -1), (65, -1), (40, 7)])
+def test_the_attention_probe_sweeps_every_width_a_cpu_call_can_have(monkeypatch, width, place):
+    """A kernel whose bits move only at one place of calls of one width (MKL's AVX2 float32
+    kernel did so for the last columns of some widths, e.g. 25 tokens of a 3-query group, which
+    the probe's fixed calls never made) fails the CPU's probe, up to a token tree's whole call
+    (1 + MAX_TREE_NODES = 65 tokens) and at any place of the call; the same kernel passes on a
+    GPU's torch path, whose probe is the fixed calls alone."""
     import edgespec.runner.attention as attention
 
     exact = attention.invariant_attention
@@ -68,7 +69,7 @@ def test_the_attention_probe_sweeps_every_width_a_cpu_call_can_have(monkeypatch,
     def off_at_one_width(q, keys, values, visible, *args, **kw):
         out = exact(q, keys, values, visible, *args, **kw)
         if q.shape[3] == width and q.shape[0] > 1:  # a call of that width, not a lone query
-            out[:, -1] = out[:, -1] * (1 + 2 ** -20)
+            out[:, place] = out[:, place] * (1 + 2 ** -20)
         return out
 
     monkeypatch.setattr(attention, "invariant_attention", off_at_one_width)
@@ -289,15 +290,6 @@ def test_the_cuda_norm_path_is_row_invariant_and_agrees_with_the_mean(hd64_model
     assert first_varying_count(lambda t: runner._rms(t, runner.norm), x,
                                list(range(1, 300))) is None
     torch.testing.assert_close(runner._rms(x, runner.norm), plain)
-
-
-def test_the_width_sweep_reaches_every_cpu_calls_width():
-    """The probe's sweep covers a query piece and a token tree's whole call (its tail keys keep
-    it in one piece): 1 + MAX_TREE_NODES tokens a row."""
-    from edgespec.config import MAX_TREE_NODES
-    from edgespec.runner.attention import CALL_TOKENS, QUERY_PIECE
-
-    assert CALL_TOKENS == max(QUERY_PIECE, 1 + MAX_TREE_NODES)
 
 
 def test_fixed_width_products_reach_query_pieces_and_a_runners_forward(hd64_model, monkeypatch):

@@ -40,6 +40,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..config import MAX_TREE_NODES
+
 KEY_BLOCK = 64  # keys per block of the values product: its reduction length
 COL_TILE = 16  # query columns are padded to a multiple of this where no smaller tile is exact
 MAX_COLS = 256  # at most this many query columns per product (MKL float32 blocks wider ones
@@ -47,8 +49,8 @@ MAX_COLS = 256  # at most this many query columns per product (MKL float32 block
 # queries a piece of a long call (a prompt's chunk) on the CPU: see ``_in_query_pieces``
 QUERY_PIECE = 64
 # the most queries a row of one CPU call holds: a piece, or a token tree's call (its tail keys
-# keep it whole): 1 + config.MAX_TREE_NODES
-CALL_TOKENS = 65
+# keep it whole: its last token and every node)
+CALL_TOKENS = max(QUERY_PIECE, 1 + MAX_TREE_NODES)
 # query columns (g x T) from which the CPU's softmax runs in the scores' own layout: the keys
 # innermost pays for a few columns (a many-session step), two transposing copies for many
 WIDE_COLUMNS = 64

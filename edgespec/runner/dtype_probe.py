@@ -19,6 +19,7 @@ while oneDNN's runs.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import time
@@ -28,6 +29,7 @@ from typing import Sequence
 import torch
 
 from ..config import DTYPE_NAMES, ConfigError
+from .attention import MAX_COLS
 from .cpu_kind import cpu_kind
 from .dtype_memo import memo_path, remember, remembered, setting_key
 from .linear import Linear, RowCalls
@@ -50,7 +52,7 @@ class AttentionKernel:
 
     col_tile: int
     products: torch.dtype | None = None
-    max_cols: int = 256  # the most query columns a product takes (attention.MAX_COLS)
+    max_cols: int = MAX_COLS  # the most query columns a product takes
 
 
 def attention_kernel(dtype: torch.dtype, device: str = "cpu", kv_heads: int = 2,
@@ -63,7 +65,7 @@ def attention_kernel(dtype: torch.dtype, device: str = "cpu", kv_heads: int = 2,
 @functools.lru_cache(maxsize=None)
 def _attention_kernel(dtype: torch.dtype, device: str, kv_heads: int, group: int,
                       head_dim: int, threads: int) -> AttentionKernel | None:
-    from .attention import MAX_COLS, probe_invariance
+    from .attention import probe_invariance
 
     products: list[torch.dtype | None] = [None]
     if device == "cpu" and dtype == torch.bfloat16 and not cpu_kind().bf16_native:
@@ -73,16 +75,16 @@ def _attention_kernel(dtype: torch.dtype, device: str, kv_heads: int, group: int
         products = [torch.float32]
     elif dtype != torch.float32:
         products.append(torch.float32)
-    kernels = [AttentionKernel(tile, None, MAX_COLS) for tile in COL_TILES]
+    kernels = [AttentionKernel(tile) for tile in COL_TILES]
     if device == "cpu":
-        kernels = [AttentionKernel(CPU_UNPADDED, None, MAX_COLS), *kernels,
-                   AttentionKernel(CPU_FIXED_WIDTH, None, CPU_FIXED_WIDTH)]
+        kernels = [AttentionKernel(CPU_UNPADDED), *kernels,
+                   AttentionKernel(CPU_FIXED_WIDTH, max_cols=CPU_FIXED_WIDTH)]
     for prod in products:
         for k in kernels:
             try:
                 if probe_invariance(dtype, device, k.col_tile, kv_heads, group, head_dim, prod,
                                     k.max_cols):
-                    return AttentionKernel(k.col_tile, prod, k.max_cols)
+                    return dataclasses.replace(k, products=prod)
             except RuntimeError as exc:  # a kernel this machine lacks: try the next products
                 log.info("attention probe in %s on %s failed: %s", dtype, device, exc)
                 break

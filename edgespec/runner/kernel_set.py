@@ -101,7 +101,7 @@ class KernelSet:
     code: str
     # eager: the most query columns an attention product takes (256; ``col_tile`` where every
     # product is exactly that wide: ``dtype_probe``)
-    attention_cols: int = 256
+    attention_cols: int = MAX_COLS
 
     @functools.cached_property
     def fingerprint(self) -> str:
