@@ -15,7 +15,7 @@ from typing import Any
 from ..config import ConfigError, EngineConfig, is_lossy, session_verify_mode
 from ..drafters import DraftLength
 from ..drafters.draft_rates import DraftRates
-from ..protocol.contract import SessionStore, StoreUnavailable
+from ..protocol.contract import SessionStore, StoreUnavailable, plain_ids_in_range
 from ..protocol.lineage import Lineage
 from ..runner.target_runner import TargetRunner
 from ..verify.keyed_noise import with_session_seed
@@ -73,12 +73,9 @@ class SessionLifecycle:
                 f"exceeds the context limit ({self.target.max_len}): at most {room} new tokens "
                 f"fit")
         vocab = self.target.vocab_size
-        ids = req.prompt_ids + req.committed  # non-empty: the prompt is (checked above)
-        if set(map(type, ids)) == {int}:  # plain ints (what the wire gives): no Python loop
-            bad = min(ids) < 0 or max(ids) >= vocab
-        else:  # any other kind judged id by id (a NaN compares false both ways: refused)
-            bad = any(not 0 <= t < vocab for t in ids)
-        if bad:
+        ids = req.prompt_ids + req.committed
+        # else id by id (any number kind; a NaN compares false both ways: refused)
+        if not plain_ids_in_range(ids, vocab) and any(not 0 <= t < vocab for t in ids):
             raise ConfigError(f"prompt token ids must be in [0, {vocab})")
         if len(req.committed) >= req.max_new_tokens:
             raise ConfigError("the resumed session has already produced max_new_tokens")

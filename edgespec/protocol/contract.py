@@ -57,11 +57,17 @@ class StoreUnavailable(Exception):
     it is retried; no session is failed for it."""
 
 
+def plain_ids_in_range(ids: Sequence, vocab_size: int) -> bool:
+    """Whether ``ids`` are all plain ints in [0, vocab_size), found without a Python loop (what
+    the wire gives: a check's fast path; False sends a caller to its own id-by-id rules)."""
+    return bool(ids) and set(map(type, ids)) == {int} and min(ids) >= 0 and \
+        max(ids) < vocab_size
+
+
 def check_draft_ids(tokens: Sequence[int], vocab_size: int) -> None:
     """Refuse (ValueError) draft token ids outside [0, vocab_size): the check every store
     applies where drafts enter (the local store on a push, the cache service on a chunk)."""
-    if tokens and set(map(type, tokens)) == {int} and min(tokens) >= 0 and \
-            max(tokens) < vocab_size:  # plain ints in range: checked without a Python loop
+    if plain_ids_in_range(tokens, vocab_size):
         return
     for t in tokens:
         if type(t) is int:  # the common case, without the ABC check (a bool is not an int here)
