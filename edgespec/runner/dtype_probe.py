@@ -33,6 +33,7 @@ from .attention import MAX_COLS
 from .cpu_kind import cpu_kind
 from .dtype_memo import memo_path, remember, remembered, setting_key
 from .linear import Linear, RowCalls
+from .threads import fewer_threads, set_threads, threads_defaulted
 
 
 log = logging.getLogger("edgespec.dtype")
@@ -344,15 +345,17 @@ AUTO_CANDIDATES = ("bfloat16", "float32")
 BF16_MARGIN = 0.9
 
 
+FEWER_HINT = " (a BLAS may split its products by the thread count: fewer --threads may pass)"
+
+
 def choose_auto(device: str = "cpu") -> DtypeChoice:
     """Among the exact candidates, the one whose linear layer is faster here, measured once a
     machine setting and remembered (``dtype_memo``)."""
     exact = [d for d in AUTO_CANDIDATES if exact_here(d, device)]
     refused = tuple(d for d in AUTO_CANDIDATES if d not in exact)
     if not exact:
-        fewer = (f" at {torch.get_num_threads()} threads (a BLAS may split its products by "
-                 f"the thread count: fewer --threads may pass)"
-                 if device == "cpu" and torch.get_num_threads() > 1 else "")
+        fewer = f" at {torch.get_num_threads()} threads" + (
+            FEWER_HINT if device == "cpu" and torch.get_num_threads() > 1 else "")
         raise ConfigError(f"no dtype is batch-invariant on this {device}{fewer}: neither "
                           f"{' nor '.join(AUTO_CANDIDATES)} passed its probe")
     if len(exact) == 1:
@@ -372,9 +375,38 @@ def choose_auto(device: str = "cpu") -> DtypeChoice:
 def resolve_dtype(name: str, device: str = "cpu") -> str:
     """The dtype to serve for ``name`` ("auto" or one of DTYPES) on ``device``, at torch's
     thread count now (set it first: the probes run at it); ConfigError for a dtype this machine
-    cannot serve exactly (lossless decoding is never served inexactly)."""
+    cannot serve exactly (lossless decoding is never served inexactly). On a CPU whose thread
+    count is the default (``threads.threads_defaulted``), a count at which it is refused
+    steps down (``threads.fewer_threads``, halving) to the first at which it is exact, which
+    the process then keeps, with a warning: under MKL's AVX2 path (a laptop's) float32's
+    products were exact at 1-3 threads, not at the 4 and more that all cores but one would be
+    on such a laptop."""
     if name not in DTYPE_CHOICES:
         raise ConfigError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {name!r}")
+    try:
+        return _resolve_at_threads_now(name, device)
+    except ConfigError as refused:
+        first = torch.get_num_threads()
+        if device != "cpu" or not threads_defaulted() or first == 1:
+            raise
+        for n in fewer_threads(first):
+            set_threads(n, by_user=False)
+            try:
+                dtype = _resolve_at_threads_now(name, device)
+            except ConfigError:
+                continue
+            what = "no dtype is" if name == "auto" else f"dtype {name} is not"
+            log.warning("%s batch-invariant here at %d threads (a default count), %s is at %d: "
+                        "serving at %d threads (give --threads to choose the count; one at "
+                        "which the dtype is not exact is refused)", what, first, dtype, n, n)
+            return dtype
+        set_threads(first, by_user=False)
+        tried = ", ".join(str(n) for n in fewer_threads(first))
+        raise ConfigError(f"{str(refused).replace(FEWER_HINT, '')} (nor at {tried} threads)") \
+            from None
+
+
+def _resolve_at_threads_now(name: str, device: str) -> str:
     threads = torch.get_num_threads()
     if name == "auto":
         choice = choose_auto(device)
@@ -387,8 +419,9 @@ def resolve_dtype(name: str, device: str = "cpu") -> str:
         kind = cpu_kind() if device == "cpu" else None
         emulated = (f" (bfloat16 is emulated here: {kind.describe()})"
                     if kind and name == "bfloat16" and not kind.bf16_native else "")
+        fewer = FEWER_HINT if device == "cpu" and threads > 1 else ""
         raise ConfigError(
             f"dtype {name} is not batch-invariant on this {device} at {threads} threads (its "
-            f"probe failed){emulated}, so speculative decoding in it would not be lossless; "
-            f"use --dtype auto or float32")
+            f"probe failed){emulated}{fewer}, so speculative decoding in it would not be "
+            f"lossless; use --dtype auto or float32")
     return name

@@ -21,6 +21,7 @@ def default_threads() -> int:
 
 
 _threads: int | None = None
+_defaulted = False  # whether set_threads chose the count (none given: no --threads, no env)
 
 
 def threads_in_use() -> int | None:
@@ -28,18 +29,48 @@ def threads_in_use() -> int | None:
     return _threads
 
 
-def set_threads(n: int | None) -> int:
-    """Apply the thread policy; returns the count in use."""
+def threads_defaulted() -> bool:
+    """Whether torch's thread count in force is one ``set_threads`` chose (no ``--threads``,
+    no ``$EDGESPEC_THREADS``) and no one changed since: such a default may be lowered where no
+    dtype is batch-invariant at it (``dtype_probe.resolve_dtype``); a count the user gave, or
+    set in torch themselves, never is."""
+    if not _defaulted:
+        return False
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.get_num_threads() == _threads
+
+
+def fewer_threads(n: int) -> list[int]:
+    """The counts a default of ``n`` threads steps down through, halving to 1: 7 -> [3, 1].
+    A BLAS may split its products by the thread count, and one with fewer threads splits less
+    (an AVX2 path's float32 products differed by the row count at 4 threads and more, agreed at
+    1-3)."""
+    out = []
+    while n > 1:
+        n //= 2
+        out.append(max(1, n))
+    return out
+
+
+def set_threads(n: int | None, by_user: bool | None = None) -> int:
+    """Apply the thread policy; returns the count in use. ``by_user``: whether ``n`` is the
+    user's (default: whether it was given, or ``$EDGESPEC_THREADS`` set); a count derived from
+    a placement (a verifier's cores) is a default too."""
+    env = os.environ.get("EDGESPEC_THREADS") or ""
+    given = n is not None or bool(env)
     if n is None:
-        env = os.environ.get("EDGESPEC_THREADS") or ""
         try:
             n = int(env) if env else default_threads()
         except ValueError:
             raise ConfigError(f"EDGESPEC_THREADS must be an integer, got {env[:20]!r}") from None
     if n < 1:
         raise ConfigError(f"--threads must be >= 1, got {n}")
-    global _threads
+    global _threads, _defaulted
     _threads = n  # what threads_in_use tells llama.cpp, which a board runs without torch
+    _defaulted = not (given if by_user is None else by_user)
     try:
         import torch
     except ImportError:  # a core install (no model runs in torch here)

@@ -31,7 +31,9 @@ class VerifierActor:
 
         pin_process(cpus)
         configure_logging()
-        set_threads(threads if threads is not None or not cpus else len(cpus))
+        # a count derived from its cores is a default: lowered where no dtype is exact at it
+        set_threads(threads if threads is not None or not cpus else len(cpus),
+                    by_user=threads is not None)
         self.where = where()
         self.node_ip = self.where["node_ip"]
         opts = ServerOptions(listen=f"{self.node_ip}:{port}", roles=("verifier",),

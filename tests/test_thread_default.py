@@ -1,0 +1,137 @@
+"""The default thread count steps down where no dtype is batch-invariant at it: all cores but
+one is what a process runs at unless told, and on a laptop's CPU (MKL's AVX2 path) float32's
+products split their rows by the thread count from 4 threads on, so that default would refuse
+to start. A count the user gave (``--threads``, ``$EDGESPEC_THREADS``) or set in torch is never
+changed: it is refused, with the hint that fewer threads may pass."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from edgespec.config import ConfigError
+from edgespec.runner import dtype_probe, threads
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def restore_threads(monkeypatch):
+    monkeypatch.delenv("EDGESPEC_THREADS", raising=False)
+    before, state = torch.get_num_threads(), (threads._threads, threads._defaulted)
+    yield
+    torch.set_num_threads(before)
+    threads._threads, threads._defaulted = state
+
+
+def _exact_up_to(limit: int):
+    """A probe's answer: float32 exact at ``limit`` threads or fewer, bfloat16 nowhere."""
+    return lambda name, device="cpu": name == "float32" and torch.get_num_threads() <= limit
+
+
+def test_fewer_threads_halve_down_to_one():
+    assert threads.fewer_threads(8) == [4, 2, 1]
+    assert threads.fewer_threads(7) == [3, 1]
+    assert threads.fewer_threads(2) == [1]
+    assert threads.fewer_threads(1) == []
+
+
+def test_a_default_count_steps_down_to_the_first_at_which_the_dtype_is_exact(
+        monkeypatch, caplog, restore_threads):
+    monkeypatch.setattr(threads, "default_threads", lambda: 8)
+    monkeypatch.setattr(dtype_probe, "exact_here", _exact_up_to(2))
+    assert threads.set_threads(None) == 8 and threads.threads_defaulted()
+    with caplog.at_level(logging.WARNING, logger="edgespec.dtype"):
+        assert dtype_probe.resolve_dtype("auto") == "float32"
+    assert torch.get_num_threads() == 2 and threads.threads_in_use() == 2
+    assert threads.threads_defaulted()  # still the policy's, not the user's
+    said = caplog.text
+    assert "no dtype is batch-invariant here at 8 threads" in said and "serving at 2" in said
+    # a dtype by name steps down the same way
+    threads.set_threads(None)
+    assert dtype_probe.resolve_dtype("float32") == "float32" and torch.get_num_threads() == 2
+    assert "dtype float32 is not batch-invariant here at 8 threads" in caplog.text
+
+
+def test_a_count_the_user_gave_is_refused_never_changed(monkeypatch, restore_threads):
+    monkeypatch.setattr(dtype_probe, "exact_here", _exact_up_to(2))
+    threads.set_threads(8)
+    assert not threads.threads_defaulted()
+    with pytest.raises(ConfigError, match="at 8 threads .*fewer --threads may pass"):
+        dtype_probe.resolve_dtype("auto")
+    assert torch.get_num_threads() == 8
+    monkeypatch.setenv("EDGESPEC_THREADS", "8")  # the environment's count is the user's too
+    threads.set_threads(None)
+    with pytest.raises(ConfigError, match="dtype float32 is not batch-invariant .* 8 threads"):
+        dtype_probe.resolve_dtype("float32")
+    assert torch.get_num_threads() == 8
+
+
+def test_a_count_set_in_torch_since_the_default_is_not_changed(monkeypatch, restore_threads):
+    monkeypatch.setattr(threads, "default_threads", lambda: 4)
+    monkeypatch.setattr(dtype_probe, "exact_here", _exact_up_to(2))
+    threads.set_threads(None)
+    torch.set_num_threads(8)  # a library user's own count
+    assert not threads.threads_defaulted()
+    with pytest.raises(ConfigError, match="at 8 threads"):
+        dtype_probe.resolve_dtype("auto")
+    assert torch.get_num_threads() == 8
+
+
+def test_where_no_count_passes_the_default_is_kept_and_the_refusal_names_every_count(
+        monkeypatch, restore_threads):
+    monkeypatch.setattr(threads, "default_threads", lambda: 8)
+    monkeypatch.setattr(dtype_probe, "exact_here", lambda name, device="cpu": False)
+    threads.set_threads(None)
+    with pytest.raises(ConfigError, match=r"at 8 threads: .*\(nor at 4, 2, 1 threads\)") as e:
+        dtype_probe.resolve_dtype("auto")
+    assert "fewer --threads" not in str(e.value)  # they were tried
+    assert torch.get_num_threads() == 8 and threads.threads_in_use() == 8
+
+
+def _flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text(errors="replace")
+    except OSError:
+        return set()
+    line = next((x for x in text.splitlines() if x.startswith("flags")), "")
+    return set(line.partition(":")[2].split())
+
+
+@pytest.mark.slow
+def test_a_laptops_avx2_products_get_a_default_they_are_exact_at():
+    """The real probes under MKL's, oneDNN's and torch's AVX2 paths (a laptop's), from a
+    default of 8 threads: the count served is one at which the chosen dtype is exact, lowered
+    exactly when nothing was exact at 8, and the log says so."""
+    if "avx2" not in _flags():
+        pytest.skip("this CPU has no AVX2 path to take")
+    code = (
+        "import logging, sys, torch\n"
+        "logging.basicConfig(level=logging.WARNING, stream=sys.stdout)\n"
+        "from edgespec.runner import dtype_probe, threads\n"
+        "threads.default_threads = lambda: 8\n"
+        "threads.set_threads(None)\n"
+        "chosen = dtype_probe.resolve_dtype('auto')\n"
+        "served = torch.get_num_threads()\n"
+        "assert dtype_probe.exact_here(chosen), (chosen, served)\n"
+        "torch.set_num_threads(8)\n"
+        "at8 = any(dtype_probe.exact_here(d) for d in ('float32', 'bfloat16'))\n"
+        "print('served', chosen, served, 'exact at 8:', at8)\n")
+    env = {**os.environ, "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2",
+           "ATEN_CPU_CAPABILITY": "avx2"}
+    env.pop("EDGESPEC_THREADS", None)
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    line = next(x for x in r.stdout.splitlines() if x.startswith("served "))
+    _, chosen, served, *_, at8 = line.split()
+    assert chosen == "float32"  # no packed bfloat16 linear on AVX2: never served inexactly
+    assert (int(served) == 8) == (at8 == "True"), line
+    if int(served) < 8:
+        assert f"serving at {served} threads" in r.stdout, r.stdout
