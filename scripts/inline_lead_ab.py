@@ -1,10 +1,19 @@
-"""Inline MaG chains drafted one token past the ask (before) against drafted to the lead a board
-keeps (after, ``drafting_loop.lead_cap``), in one process, runs alternating: bench-host's own
-``measure`` (the engine, the store and MaG for real, the target answering at once). Torch on one
-thread. Prints each side's median host microseconds a session-step and writes every run's
-figures as JSON.
+"""Inline MaG chains drafted to one lead against another, in one process, runs alternating:
+bench-host's own ``measure`` (the engine, the store and MaG for real, the target answering at
+once). Torch on one thread. Prints each side's median host microseconds a session-step and
+writes every run's figures as JSON. The leads (the ``lead_cap`` that ``engine.inline_drafts``
+reads, replaced):
 
-    python scripts/inline_lead_ab.py [ROUNDS] [OUT.json] [SESSIONS]
+- ``none``: the ask and one token past it (the thirteenth session's);
+- ``board``: the lead a board keeps, 2k + 2 within the window (``drafting_loop.lead_cap``; the
+  eighteenth session's, and the product's);
+- ``twice``: 4k + 4 within the window (tried in the thirty-eighth session, not kept: it cut
+  host work and drafted worse chains on real text).
+
+    python scripts/inline_lead_ab.py [ROUNDS] [OUT.json] [SESSIONS] [BEFORE] [AFTER]
+
+(defaults: 6 rounds, inline-lead-ab.json, 64 sessions, none against board: the eighteenth
+session's comparison)
 """
 
 from __future__ import annotations
@@ -16,7 +25,11 @@ import sys
 import torch
 
 import edgespec.engine.inline_drafts as inline
+from edgespec.drafters.drafting_loop import lead_cap
 from edgespec_cli.bench.host_cost import measure
+
+LEADS = {"none": lambda wanted, window: 0, "board": lead_cap,
+         "twice": lambda wanted, window: min(window, 2 * lead_cap(wanted, 1 << 30))}
 
 
 def main() -> None:
@@ -24,25 +37,27 @@ def main() -> None:
     rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 6
     out_path = sys.argv[2] if len(sys.argv) > 2 else "inline-lead-ab.json"
     sessions = int(sys.argv[3]) if len(sys.argv) > 3 else 64
-    lead = inline.lead_cap
+    before, after = (sys.argv[4], sys.argv[5]) if len(sys.argv) > 5 else ("none", "board")
     runs: dict[str, list[dict]] = {"before": [], "after": []}
     for r in range(rounds):
         for side in ("before", "after") if r % 2 == 0 else ("after", "before"):
-            # before: no lead, so each chain is the ask and one token past it
-            inline.lead_cap = lead if side == "after" else (lambda wanted, window: 0)
+            inline.lead_cap = LEADS[after if side == "after" else before]
             m = measure("local", "mag", sessions, 64, 0.9)
             runs[side].append({"us_ss": m["host_us_per_session_step"],
                                "tok_s": m["tokens_per_s"], "steps": m["steps"],
                                "take_us": m["us_per_step"]["take"],
-                               "commit_us": m["us_per_step"]["commit"]})
-    inline.lead_cap = lead
+                               "commit_us": m["us_per_step"]["commit"],
+                               "acceptance": m["acceptance_rate"]})
+    inline.lead_cap = lead_cap
     for side, got in runs.items():
-        print(f"{side}: median {statistics.median(x['us_ss'] for x in got):.1f} us a "
-              f"session-step, {statistics.median(x['tok_s'] for x in got):,.0f} tokens/s, take "
+        print(f"{side} ({before if side == 'before' else after}): median "
+              f"{statistics.median(x['us_ss'] for x in got):.1f} us a session-step, "
+              f"{statistics.median(x['tok_s'] for x in got):,.0f} tokens/s, take "
               f"{statistics.median(x['take_us'] for x in got):.0f} us a step; runs "
               f"{[round(x['us_ss'], 1) for x in got]}")
     with open(out_path, "w") as f:
-        json.dump({"sessions": sessions, "threads": 1, **runs}, f, indent=1)
+        json.dump({"sessions": sessions, "threads": 1, "before": before, "after": after,
+                   **runs}, f, indent=1)
 
 
 if __name__ == "__main__":
