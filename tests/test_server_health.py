@@ -242,11 +242,15 @@ def test_a_drain_can_be_ended_while_sessions_run(server, monkeypatch):
 def test_a_started_server_has_frozen_its_startup_heap_out_of_the_collector(tiny_dir):
     """``start`` moves what is alive (the model, the libraries) into the collector's permanent
     generation (``edgespec.runner.process_heap``): a collection then walks only what serving
-    made. The runner is in the collector's generations before, and out of them after; ``stop``
-    gives the heap back."""
+    made, and less often (a higher threshold for the youngest generation). The runner is in the
+    collector's generations before, and out of them after; ``stop`` gives the heap and the
+    thresholds back."""
     import gc
 
+    from edgespec.runner.process_heap import YOUNG_THRESHOLD
+
     gc.unfreeze()  # another test of this worker may have started a server
+    thresholds = gc.get_threshold()
     srv = EdgespecServer(ServerOptions(
         listen="127.0.0.1:0", model=str(tiny_dir), max_drafters=1,
         engine=EngineConfig(max_sessions=2, max_context=256)))
@@ -256,9 +260,12 @@ def test_a_started_server_has_frozen_its_startup_heap_out_of_the_collector(tiny_
         srv.start()
         assert gc.get_freeze_count() > 1000  # the libraries' objects, not a handful
         assert not any(o is runner for o in gc.get_objects())
+        # the youngest generation collected less often, the older ones as before
+        assert gc.get_threshold() == (max(YOUNG_THRESHOLD, thresholds[0]), *thresholds[1:])
     finally:
         srv.stop(drain_timeout_s=0)
     assert gc.get_freeze_count() == 0  # stopped: the heap given back to the collector
+    assert gc.get_threshold() == thresholds
 
 
 def test_one_resumed_stream_a_session_is_spared_the_stream_cap_and_no_more(server,
