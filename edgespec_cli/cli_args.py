@@ -256,8 +256,8 @@ def engine_config(args, max_sessions: int | None = None) -> EngineConfig:
                         cuda_graphs=getattr(args, "cuda_graphs", None))
 
 
-THREADS_DEFAULT = ("cores - 1, at least 1, halved until a dtype is exact at it; $EDGESPEC_THREADS "
-                   "overrides the default")
+THREADS_DEFAULT = ("cores - 1, at least 1 (lowered at start where the model's dtype is not "
+                   "batch-invariant at it); $EDGESPEC_THREADS overrides the default")
 # a command that runs its verifier on --server-cpus (bench-edge, simulate)
 SERVER_CORES_THREADS = "one a core of --server-cpus"
 

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from edgespec_cli.cli_args import (add_model_args, add_threads_arg, check_at_least, check_within,
-                                   set_threads)
+                                   set_threads, threads_in_use)
 from edgespec.config import HEAD_KINDS, ConfigError
 
 KINDS = (*HEAD_KINDS, "imitation")
@@ -164,7 +164,8 @@ def run_distill(args) -> int:
         if not 0 < args.data_share <= 1:
             raise ConfigError(f"--data-share must be in (0, 1], got {args.data_share}")
         settings = TrainSettings(kind=kind, vocab=args.vocab, steps=args.train_steps,
-                                 seed=args.seed, threads=threads, data_share=args.data_share)
+                                 seed=args.seed, threads=threads_in_use() or threads,
+                                 data_share=args.data_share)
         report = train_head(target, data, out / kind, settings, command, deadline,
                             say=lambda m: print(f"distill: {m}", flush=True), exclude=exclude,
                             data_note={"held_out_categories": args.hold_out_category}

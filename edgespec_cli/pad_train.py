@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 from edgespec_cli.cli_args import (add_model_args, add_threads_arg, check_at_least, check_within,
-                                   set_threads)
+                                   set_threads, threads_in_use)
 from edgespec.config import ConfigError
 
 FAMILY_HELP = "arith, convert, extract, choice, or all (every family)"
@@ -132,6 +132,7 @@ def run_pad_train(args) -> int:
 
     t0 = time.monotonic()
     target = load_model(args.model, args.device, args.dtype)
+    threads = threads_in_use() or threads  # a default lowered where the dtype was not exact
     say = lambda m: print(f"pad-train: {m}", flush=True)  # noqa: E731
     say(f"torch threads {threads}; {target.name} loaded in {time.monotonic() - t0:.0f} s "
         f"({target.dtype})")

@@ -31,7 +31,8 @@ def run_cli(*args, stdin: str | None = None) -> subprocess.CompletedProcess:
     argv = [str(a) for a in args]
     out, err = io.StringIO(), io.StringIO()
     root = logging.getLogger()
-    saved = (torch.get_num_threads(), threads._threads, torch.get_rng_state(),
+    saved = (torch.get_num_threads(), threads._threads, threads._adjustable,
+             torch.get_rng_state(),
              random.getstate(), root.handlers[:], root.level, sys.stdin, sys.argv)
     try:
         sys.argv = ["edgespec", *argv]
@@ -43,7 +44,8 @@ def run_cli(*args, stdin: str | None = None) -> subprocess.CompletedProcess:
             except SystemExit as e:  # argparse's usage errors
                 code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     finally:
-        n_threads, threads._threads, rng, py_rng, handlers, level, sys.stdin, sys.argv = saved
+        (n_threads, threads._threads, threads._adjustable, rng, py_rng, handlers, level,
+         sys.stdin, sys.argv) = saved
         torch.set_num_threads(n_threads)
         torch.set_rng_state(rng)
         random.setstate(py_rng)

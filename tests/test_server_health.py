@@ -247,9 +247,13 @@ def test_a_started_server_has_frozen_its_startup_heap_out_of_the_collector(tiny_
     thresholds back."""
     import gc
 
+    from edgespec.runner import process_heap
     from edgespec.runner.process_heap import YOUNG_THRESHOLD
 
     gc.unfreeze()  # another test of this worker may have started a server
+    if process_heap._thresholds is not None:  # and left it running: its thresholds back
+        gc.set_threshold(*process_heap._thresholds)
+    process_heap._thresholds, process_heap._frozen = None, 0
     thresholds = gc.get_threshold()
     srv = EdgespecServer(ServerOptions(
         listen="127.0.0.1:0", model=str(tiny_dir), max_drafters=1,
@@ -266,6 +270,35 @@ def test_a_started_server_has_frozen_its_startup_heap_out_of_the_collector(tiny_
         srv.stop(drain_timeout_s=0)
     assert gc.get_freeze_count() == 0  # stopped: the heap given back to the collector
     assert gc.get_threshold() == thresholds
+
+
+def test_the_collectors_thresholds_come_back_when_the_last_server_stops():
+    """Two servers in one process: the first to stop leaves the raised threshold to the one
+    still serving; the last gives CPython's back."""
+    import gc
+
+    from edgespec.runner import process_heap
+
+    gc.unfreeze()
+    if process_heap._thresholds is not None:
+        gc.set_threshold(*process_heap._thresholds)
+    process_heap._thresholds, process_heap._frozen = None, 0
+    before = gc.get_threshold()
+    raised = (max(process_heap.YOUNG_THRESHOLD, before[0]), *before[1:])
+    try:
+        process_heap.freeze_startup_heap()
+        process_heap.freeze_startup_heap()
+        assert gc.get_threshold() == raised
+        process_heap.thaw_heap()
+        assert gc.get_threshold() == raised  # the other server still serves
+        process_heap.thaw_heap()
+        assert gc.get_threshold() == before and gc.get_freeze_count() == 0
+        process_heap.thaw_heap()  # a stop too many changes nothing
+        assert gc.get_threshold() == before
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*before)
+        process_heap._thresholds, process_heap._frozen = None, 0
 
 
 def test_one_resumed_stream_a_session_is_spared_the_stream_cap_and_no_more(server,

@@ -1,8 +1,9 @@
 """The default thread count steps down where no dtype is batch-invariant at it: all cores but
 one is what a process runs at unless told, and on a laptop's CPU (MKL's AVX2 path) float32's
 products split their rows by the thread count from 4 threads on, so that default would refuse
-to start. A count the user gave (``--threads``, ``$EDGESPEC_THREADS``) or set in torch is never
-changed: it is refused, with the hint that fewer threads may pass."""
+to start (``edgespec.runner.thread_step_down``). A count the user gave (``--threads``,
+``$EDGESPEC_THREADS``), set in torch, or already serving a model is never changed: it is
+refused, with the hint that fewer threads may pass."""
 
 from __future__ import annotations
 
@@ -24,10 +25,10 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.fixture
 def restore_threads(monkeypatch):
     monkeypatch.delenv("EDGESPEC_THREADS", raising=False)
-    before, state = torch.get_num_threads(), (threads._threads, threads._defaulted)
+    before, state = torch.get_num_threads(), (threads._threads, threads._adjustable)
     yield
     torch.set_num_threads(before)
-    threads._threads, threads._defaulted = state
+    threads._threads, threads._adjustable = state
 
 
 def _exact_up_to(limit: int):
@@ -42,27 +43,61 @@ def test_fewer_threads_halve_down_to_one():
     assert threads.fewer_threads(1) == []
 
 
-def test_a_default_count_steps_down_to_the_first_at_which_the_dtype_is_exact(
+def test_a_default_count_steps_down_to_the_highest_at_which_the_dtype_is_exact(
         monkeypatch, caplog, restore_threads):
     monkeypatch.setattr(threads, "default_threads", lambda: 8)
-    monkeypatch.setattr(dtype_probe, "exact_here", _exact_up_to(2))
-    assert threads.set_threads(None) == 8 and threads.threads_defaulted()
+    monkeypatch.setattr(dtype_probe, "exact_here", _exact_up_to(3))
+    probed = []
+    exact = dtype_probe.exact_here
+    monkeypatch.setattr(dtype_probe, "exact_here", lambda name, device="cpu": probed.append(
+        (name, torch.get_num_threads())) or exact(name, device))
+    assert threads.set_threads(None) == 8 and threads.threads_adjustable()
     with caplog.at_level(logging.WARNING, logger="edgespec.dtype"):
         assert dtype_probe.resolve_dtype("auto") == "float32"
-    assert torch.get_num_threads() == 2 and threads.threads_in_use() == 2
-    assert threads.threads_defaulted()  # still the policy's, not the user's
+    # 8 and 4 fail, 2 passes, then 3 (between 2 and the last failure) passes: served at 3
+    assert [n for name, n in probed if name == "float32"] == [8, 4, 2, 3]
+    assert torch.get_num_threads() == 3 and threads.threads_in_use() == 3
     said = caplog.text
-    assert "no dtype is batch-invariant here at 8 threads" in said and "serving at 2" in said
-    # a dtype by name steps down the same way
+    assert "no dtype is batch-invariant here at 8 threads" in said and "serving at 3" in said
+    # settled: a later resolve in the process refuses rather than move the runner built at 3
+    assert not threads.threads_adjustable()
+    monkeypatch.setattr(dtype_probe, "exact_here", _exact_up_to(2))
+    with pytest.raises(ConfigError, match="at 3 threads .*fewer --threads may pass"):
+        dtype_probe.resolve_dtype("float32")
+    assert torch.get_num_threads() == 3
+    # a dtype by name steps down the same way from a fresh default
     threads.set_threads(None)
     assert dtype_probe.resolve_dtype("float32") == "float32" and torch.get_num_threads() == 2
     assert "dtype float32 is not batch-invariant here at 8 threads" in caplog.text
 
 
+def test_a_default_served_as_it_is_is_settled_too(monkeypatch, restore_threads):
+    monkeypatch.setattr(threads, "default_threads", lambda: 4)
+    monkeypatch.setattr(dtype_probe, "exact_here", _exact_up_to(4))
+    threads.set_threads(None)
+    assert dtype_probe.resolve_dtype("auto") == "float32" and torch.get_num_threads() == 4
+    assert not threads.threads_adjustable()
+
+
+def test_an_interrupted_step_down_leaves_the_count_as_it_was(monkeypatch, restore_threads):
+    monkeypatch.setattr(threads, "default_threads", lambda: 8)
+
+    def probe(name, device="cpu"):
+        if torch.get_num_threads() < 8:
+            raise KeyboardInterrupt
+        return False
+
+    monkeypatch.setattr(dtype_probe, "exact_here", probe)
+    threads.set_threads(None)
+    with pytest.raises(KeyboardInterrupt):
+        dtype_probe.resolve_dtype("float32")
+    assert torch.get_num_threads() == 8 and threads.threads_in_use() == 8
+
+
 def test_a_count_the_user_gave_is_refused_never_changed(monkeypatch, restore_threads):
     monkeypatch.setattr(dtype_probe, "exact_here", _exact_up_to(2))
     threads.set_threads(8)
-    assert not threads.threads_defaulted()
+    assert not threads.threads_adjustable()
     with pytest.raises(ConfigError, match="at 8 threads .*fewer --threads may pass"):
         dtype_probe.resolve_dtype("auto")
     assert torch.get_num_threads() == 8
@@ -78,7 +113,7 @@ def test_a_count_set_in_torch_since_the_default_is_not_changed(monkeypatch, rest
     monkeypatch.setattr(dtype_probe, "exact_here", _exact_up_to(2))
     threads.set_threads(None)
     torch.set_num_threads(8)  # a library user's own count
-    assert not threads.threads_defaulted()
+    assert not threads.threads_adjustable()
     with pytest.raises(ConfigError, match="at 8 threads"):
         dtype_probe.resolve_dtype("auto")
     assert torch.get_num_threads() == 8
@@ -89,10 +124,14 @@ def test_where_no_count_passes_the_default_is_kept_and_the_refusal_names_every_c
     monkeypatch.setattr(threads, "default_threads", lambda: 8)
     monkeypatch.setattr(dtype_probe, "exact_here", lambda name, device="cpu": False)
     threads.set_threads(None)
-    with pytest.raises(ConfigError, match=r"at 8 threads: .*\(nor at 4, 2, 1 threads\)") as e:
+    with pytest.raises(ConfigError, match=r"at 8 threads \(nor at 4, 2, 1 threads\): ") as e:
         dtype_probe.resolve_dtype("auto")
     assert "fewer --threads" not in str(e.value)  # they were tried
     assert torch.get_num_threads() == 8 and threads.threads_in_use() == 8
+    with pytest.raises(ConfigError, match=r"float32 .* at 8 threads \(nor at 4, 2, 1 threads\) "
+                                          r"\(its probe failed\).*use --dtype auto$"):
+        threads.set_threads(None)
+        dtype_probe.resolve_dtype("float32")
 
 
 def _flags() -> set[str]:

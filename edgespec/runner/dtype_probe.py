@@ -33,7 +33,7 @@ from .attention import MAX_COLS
 from .cpu_kind import cpu_kind
 from .dtype_memo import memo_path, remember, remembered, setting_key
 from .linear import Linear, RowCalls
-from .threads import fewer_threads, set_threads, threads_defaulted
+from .thread_step_down import resolve_stepping_down
 
 
 log = logging.getLogger("edgespec.dtype")
@@ -345,19 +345,26 @@ AUTO_CANDIDATES = ("bfloat16", "float32")
 BF16_MARGIN = 0.9
 
 
-FEWER_HINT = " (a BLAS may split its products by the thread count: fewer --threads may pass)"
+def _threads_note(device: str, also_tried: Sequence[int] = ()) -> str:
+    """What a refusal says of the thread count: the counts tried below it where a default was
+    lowered (``thread_step_down``), else that fewer --threads may pass (on a CPU, above 1)."""
+    if also_tried:
+        return f" (nor at {', '.join(map(str, also_tried))} threads)"
+    if device == "cpu" and torch.get_num_threads() > 1:
+        return " (a BLAS may split its products by the thread count: fewer --threads may pass)"
+    return ""
 
 
-def choose_auto(device: str = "cpu") -> DtypeChoice:
+def choose_auto(device: str = "cpu", also_tried: Sequence[int] = ()) -> DtypeChoice:
     """Among the exact candidates, the one whose linear layer is faster here, measured once a
-    machine setting and remembered (``dtype_memo``)."""
+    machine setting and remembered (``dtype_memo``). ``also_tried``: thread counts below this
+    one already refused, named if this one is too."""
     exact = [d for d in AUTO_CANDIDATES if exact_here(d, device)]
     refused = tuple(d for d in AUTO_CANDIDATES if d not in exact)
     if not exact:
-        fewer = f" at {torch.get_num_threads()} threads" + (
-            FEWER_HINT if device == "cpu" and torch.get_num_threads() > 1 else "")
-        raise ConfigError(f"no dtype is batch-invariant on this {device}{fewer}: neither "
-                          f"{' nor '.join(AUTO_CANDIDATES)} passed its probe")
+        raise ConfigError(f"no dtype is batch-invariant on this {device} at "
+                          f"{torch.get_num_threads()} threads{_threads_note(device, also_tried)}"
+                          f": neither {' nor '.join(AUTO_CANDIDATES)} passed its probe")
     if len(exact) == 1:
         return DtypeChoice(exact[0], {exact[0]: float("nan")}, refused)
     what = cpu_kind().describe() if device == "cpu" else torch.cuda.get_device_name(device)
@@ -376,40 +383,24 @@ def resolve_dtype(name: str, device: str = "cpu") -> str:
     """The dtype to serve for ``name`` ("auto" or one of DTYPES) on ``device``, at torch's
     thread count now (set it first: the probes run at it); ConfigError for a dtype this machine
     cannot serve exactly (lossless decoding is never served inexactly). On a CPU whose thread
-    count is the default (``threads.threads_defaulted``), a count at which it is refused
-    steps down (``threads.fewer_threads``, halving) to the first at which it is exact, which
-    the process then keeps, with a warning: under MKL's AVX2 path (a laptop's) float32's
-    products were exact at 1-3 threads, not at the 4 and more that all cores but one would be
-    on such a laptop."""
+    count is a default nothing has settled yet, a count at which it is refused is lowered to
+    the highest at which it is exact (``thread_step_down``), which the process then keeps."""
     if name not in DTYPE_CHOICES:
         raise ConfigError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {name!r}")
-    try:
+    if device != "cpu":
         return _resolve_at_threads_now(name, device)
-    except ConfigError as refused:
-        first = torch.get_num_threads()
-        if device != "cpu" or not threads_defaulted() or first == 1:
-            raise
-        for n in fewer_threads(first):
-            set_threads(n, by_user=False)
-            try:
-                dtype = _resolve_at_threads_now(name, device)
-            except ConfigError:
-                continue
-            what = "no dtype is" if name == "auto" else f"dtype {name} is not"
-            log.warning("%s batch-invariant here at %d threads (a default count), %s is at %d: "
-                        "serving at %d threads (give --threads to choose the count; one at "
-                        "which the dtype is not exact is refused)", what, first, dtype, n, n)
-            return dtype
-        set_threads(first, by_user=False)
-        tried = ", ".join(str(n) for n in fewer_threads(first))
-        raise ConfigError(f"{str(refused).replace(FEWER_HINT, '')} (nor at {tried} threads)") \
-            from None
+    what = "no dtype is" if name == "auto" else f"dtype {name} is not"
+    return resolve_stepping_down(lambda tried: _resolve_at_threads_now(name, device, tried),
+                                 what)
 
 
-def _resolve_at_threads_now(name: str, device: str) -> str:
+def _resolve_at_threads_now(name: str, device: str, also_tried: Sequence[int] = ()) -> str:
+    """``name`` resolved at torch's thread count in force: auto's choice (logged with what it
+    measured and the CPU), or the dtype named where it is exact here, else ConfigError (naming
+    the counts ``also_tried`` below this one)."""
     threads = torch.get_num_threads()
     if name == "auto":
-        choice = choose_auto(device)
+        choice = choose_auto(device, also_tried)
         where = cpu_kind().describe() if device == "cpu" else device
         log.info("dtype auto: %s on %s at %d threads (%s)", choice.dtype, device, threads,
                  choice.reason())
@@ -419,9 +410,9 @@ def _resolve_at_threads_now(name: str, device: str) -> str:
         kind = cpu_kind() if device == "cpu" else None
         emulated = (f" (bfloat16 is emulated here: {kind.describe()})"
                     if kind and name == "bfloat16" and not kind.bf16_native else "")
-        fewer = FEWER_HINT if device == "cpu" and threads > 1 else ""
+        other = "--dtype auto" if name == "float32" else "--dtype auto or float32"
         raise ConfigError(
-            f"dtype {name} is not batch-invariant on this {device} at {threads} threads (its "
-            f"probe failed){emulated}{fewer}, so speculative decoding in it would not be "
-            f"lossless; use --dtype auto or float32")
+            f"dtype {name} is not batch-invariant on this {device} at {threads} threads"
+            f"{_threads_note(device, also_tried)} (its probe failed){emulated}, so speculative "
+            f"decoding in it would not be lossless; use {other}")
     return name

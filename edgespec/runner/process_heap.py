@@ -25,27 +25,30 @@ from __future__ import annotations
 import gc
 
 YOUNG_THRESHOLD = 10_000
-_thresholds: tuple[int, ...] | None = None  # the collector's before freeze_startup_heap
+_thresholds: tuple[int, ...] | None = None  # the collector's before the first freeze
+_frozen = 0  # servers started (frozen) and not stopped (thawed) in this process
 
 
 def freeze_startup_heap() -> int:
     """Collect once, then freeze every object alive now out of the collector's passes, and
-    raise the youngest generation's threshold to at least ``YOUNG_THRESHOLD``; returns how many
-    objects are frozen."""
-    global _thresholds
+    raise the youngest generation's threshold to at least ``YOUNG_THRESHOLD`` (kept while any
+    server of the process serves); returns how many objects are frozen."""
+    global _thresholds, _frozen
     gc.collect()
     gc.freeze()
-    if _thresholds is None:  # a second server in the process: raised already
+    if _frozen == 0:
         _thresholds = gc.get_threshold()
         gc.set_threshold(max(YOUNG_THRESHOLD, _thresholds[0]), *_thresholds[1:])
+    _frozen += 1
     return gc.get_freeze_count()
 
 
 def thaw_heap() -> None:
-    """Give the frozen objects back to the collector, and its thresholds (a server
-    stopping)."""
-    global _thresholds
+    """Give the frozen objects back to the collector (a server stopping; as ``gc.freeze``,
+    for the whole process), and its thresholds once the last server has stopped."""
+    global _thresholds, _frozen
     gc.unfreeze()
-    if _thresholds is not None:
+    _frozen = max(0, _frozen - 1)
+    if _frozen == 0 and _thresholds is not None:
         gc.set_threshold(*_thresholds)
         _thresholds = None

@@ -21,7 +21,9 @@ def default_threads() -> int:
 
 
 _threads: int | None = None
-_defaulted = False  # whether set_threads chose the count (none given: no --threads, no env)
+# whether the count in force is a default set_threads chose (no --threads, no env) that no
+# resolved dtype has settled yet: such a count may still be lowered (``thread_step_down``)
+_adjustable = False
 
 
 def threads_in_use() -> int | None:
@@ -29,12 +31,12 @@ def threads_in_use() -> int | None:
     return _threads
 
 
-def threads_defaulted() -> bool:
-    """Whether torch's thread count in force is one ``set_threads`` chose (no ``--threads``,
-    no ``$EDGESPEC_THREADS``) and no one changed since: such a default may be lowered where no
-    dtype is batch-invariant at it (``dtype_probe.resolve_dtype``); a count the user gave, or
-    set in torch themselves, never is."""
-    if not _defaulted:
+def threads_adjustable() -> bool:
+    """Whether torch's thread count in force may still be lowered: a default ``set_threads``
+    chose (no ``--threads``, no ``$EDGESPEC_THREADS``), which no one changed since and at which
+    no dtype was resolved yet (``settle_threads``). A count the user gave, set in torch
+    themselves, or already serving a model never is."""
+    if not _adjustable:
         return False
     try:
         import torch
@@ -43,15 +45,24 @@ def threads_defaulted() -> bool:
     return torch.get_num_threads() == _threads
 
 
+def settle_threads() -> None:
+    """The count in force serves a model now (a dtype was resolved at it): never lowered
+    after this, so that a runner built at it keeps running at the count its kernels were
+    probed at."""
+    global _adjustable
+    _adjustable = False
+
+
 def fewer_threads(n: int) -> list[int]:
-    """The counts a default of ``n`` threads steps down through, halving to 1: 7 -> [3, 1].
-    A BLAS may split its products by the thread count, and one with fewer threads splits less
-    (an AVX2 path's float32 products differed by the row count at 4 threads and more, agreed at
-    1-3)."""
+    """The counts a default of ``n`` threads is first tried at on the way down, halving to 1:
+    7 -> [3, 1] (``thread_step_down`` then looks between the first that passes and the last
+    that failed). A BLAS may split its products by the thread count, and one with fewer threads
+    splits less (an AVX2 path's float32 products differed by the row count at 4 threads and
+    more, agreed at 1-3)."""
     out = []
     while n > 1:
         n //= 2
-        out.append(max(1, n))
+        out.append(n)
     return out
 
 
@@ -68,9 +79,9 @@ def set_threads(n: int | None, by_user: bool | None = None) -> int:
             raise ConfigError(f"EDGESPEC_THREADS must be an integer, got {env[:20]!r}") from None
     if n < 1:
         raise ConfigError(f"--threads must be >= 1, got {n}")
-    global _threads, _defaulted
+    global _threads, _adjustable
     _threads = n  # what threads_in_use tells llama.cpp, which a board runs without torch
-    _defaulted = not (given if by_user is None else by_user)
+    _adjustable = not (given if by_user is None else by_user)
     try:
         import torch
     except ImportError:  # a core install (no model runs in torch here)

@@ -270,7 +270,7 @@ def _first_token_at(ticket) -> list[float]:
 
 def run_bench_burst(args) -> int:
     from edgespec.models.loading import load_model
-    from edgespec_cli.cli_args import set_threads
+    from edgespec_cli.cli_args import set_threads, threads_in_use
 
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if not modes or any(m not in MODES for m in modes):
@@ -283,6 +283,7 @@ def run_bench_burst(args) -> int:
         raise ConfigError("need 1 <= LO <= HI, and at least one stream, burst request and token")
     threads = set_threads(args.threads)
     loaded = load_model(args.model, args.device, args.dtype)
+    threads = threads_in_use() or threads  # a default lowered where the dtype was not exact
     streams = burst_prompts(loaded.tokenizer, args.streams, 20, 60, seed=1)
     burst = burst_prompts(loaded.tokenizer, args.burst, lo, hi, seed=2)
     results = []

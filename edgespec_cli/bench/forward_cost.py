@@ -144,7 +144,7 @@ def profile_forward(runner, B: int, T: int, repeat: int) -> dict[str, float]:
 
 
 def run_bench_forward(args) -> int:
-    from edgespec_cli.cli_args import positive_ints, set_threads
+    from edgespec_cli.cli_args import positive_ints, set_threads, threads_in_use
     from edgespec.runner.cpu_kind import cpu_kind
     from edgespec.runner.dtype_probe import DTYPES, exact_here, resolve_dtype
     from edgespec.models.loading import load_model
@@ -196,7 +196,8 @@ def run_bench_forward(args) -> int:
         ref = f32.get((c["sessions"], c["tokens"]))
         c["vs_float32"] = c["ms"] / ref if ref else None
     report = {"model": f"random {args.shape}" if args.shape else args.model,
-              "device": _device_name(args.device), "threads": threads, "context": args.context,
+              "device": _device_name(args.device), "threads": threads_in_use() or threads,
+              "context": args.context,
               "cpu": cpu_kind().as_json(),
               "repeat": args.repeat, "cells": cells, "runner": states,
               "profile": {"sessions": profile[0], "tokens": profile[1], "ms": profiles}

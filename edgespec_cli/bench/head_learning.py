@@ -76,7 +76,7 @@ def run_stream(gen, engine, prompts: list[list[int]], params: list[SamplingParam
 
 
 def run_bench_learn(args) -> int:
-    from edgespec_cli.cli_args import set_threads
+    from edgespec_cli.cli_args import set_threads, threads_in_use
     from edgespec.config import EngineConfig
     from edgespec.drafters import build_drafter
     from edgespec.engine.spec_engine import SpecEngine
@@ -107,7 +107,8 @@ def run_bench_learn(args) -> int:
     report = {"config": {"head": args.head, "category": args.category,
                          "requests": args.requests, "max_new_tokens": args.max_new_tokens,
                          "drafter": args.drafter, "learn_every": args.learn_every,
-                         "threads": threads, "dtype": gen.dtype, "model": gen.target.name},
+                         "threads": threads_in_use() or threads, "dtype": gen.dtype,
+                         "model": gen.target.name},
               "runs": runs, "summary": summarize(runs)}
     out = Path(args.json_out)
     out.parent.mkdir(parents=True, exist_ok=True)

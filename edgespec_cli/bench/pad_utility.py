@@ -138,7 +138,7 @@ def row_of(run: MethodRun, base: MethodRun) -> dict:
 
 
 def run_bench_pad(args) -> int:
-    from edgespec_cli.cli_args import set_threads
+    from edgespec_cli.cli_args import set_threads, threads_in_use
     from edgespec.config import EngineConfig
     from edgespec.drafters import build_drafter, parse_drafter_spec
     from edgespec.engine.local import LocalGenerator
@@ -200,7 +200,8 @@ def run_bench_pad(args) -> int:
                          "problems": len(prompts), "sigmas": sigmas,
                          "pad_min_prob": args.pad_min_prob, "drafter": args.drafter,
                          "max_new_tokens": args.max_new_tokens, "seed": args.seed,
-                         "threads": threads, "dtype": gen.dtype, "model": gen.target.name},
+                         "threads": threads_in_use() or threads, "dtype": gen.dtype,
+                         "model": gen.target.name},
               "rows": rows, "recommended_sigma": RECOMMENDED_SIGMA}
     out = Path(args.json_out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -103,7 +103,7 @@ def run_bench(args) -> int:
     from dataclasses import replace
 
     from edgespec.runner.cpu_kind import cpu_kind
-    from edgespec_cli.cli_args import check_within, engine_config, set_threads
+    from edgespec_cli.cli_args import check_within, engine_config, set_threads, threads_in_use
 
     questions = load_questions(args.categories, args.per_category, args.full)
     if not questions:
@@ -135,7 +135,9 @@ def run_bench(args) -> int:
 
             report["fleet_warm"] = run_fleet_warm(runner.gen, questions, encoded, refs,
                                                   args.max_new_tokens, _log)
-        report["config"] = _config(args, runner, plan, cfg, threads, len(questions))
+        # the count served: a default lowered where the dtype was not exact at it
+        report["config"] = _config(args, runner, plan, cfg, threads_in_use() or threads,
+                                   len(questions))
         report["config"]["cpu"] = cpu_kind().as_json()
         report["config"]["runner"] = runner.gen.runner.run_state()
         report["results"] = records

@@ -31,9 +31,10 @@ class VerifierActor:
 
         pin_process(cpus)
         configure_logging()
-        # a count derived from its cores is a default: lowered where no dtype is exact at it
+        # a count derived from its cores is a default: lowered where no dtype is exact at it;
+        # without cores, set_threads' own rule ($EDGESPEC_THREADS is the user's)
         set_threads(threads if threads is not None or not cpus else len(cpus),
-                    by_user=threads is not None)
+                    by_user=(threads is not None) if cpus else None)
         self.where = where()
         self.node_ip = self.where["node_ip"]
         opts = ServerOptions(listen=f"{self.node_ip}:{port}", roles=("verifier",),
