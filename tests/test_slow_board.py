@@ -40,9 +40,11 @@ def refs(looping):
 
 
 def test_boards_whose_every_chunk_is_overtaken_get_drafts_verified(looping_dir, refs, tmp_path):
+    # no fill (the default fills a board's empty draft with the verifier's own MaG, which drafts
+    # this looping target right: the steps would verify the fills, not the boards' kept tokens)
     serve, address = start_serve(looping_dir, tmp_path, token=TOKEN, extra=[
         "--late-after", 0, "--draft-wait-ms", 1000, "--no-adaptive", "--max-draft", 3,
-        "--chunk", 4, "--window", 8])
+        "--chunk", 4, "--window", 8, "--fill-drafts", "none"])
     # one session a board: a board drafts one chunk at a time, and one held for a session's
     # commit would hold another session's step (the step waits for every draft) to its deadline
     devices = [f"slow-{i}" for i in range(len(PROMPTS))]

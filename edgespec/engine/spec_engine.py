@@ -42,7 +42,7 @@ from ..verify.verify_step import VerifyOutcome, verify_step
 from .draft_planner import ForwardCost
 from .draft_worker import DraftWorker
 from .drafting_worth import REST, DraftingWorth
-from .fill_drafts import FillDrafts, fill_drafter
+from .fill_drafts import FillDrafts, fill_drafter, resolve_fill
 from .inline_drafts import InlineDrafts
 from .prefill_queue import PrefillQueue
 from .generation import ActiveSession, Admission, Request, Result, SessionFailed
@@ -119,8 +119,9 @@ class SpecEngine(StepDrafts):
         # the verifier's own drafts for the boards' empty ones (EngineConfig refuses them with
         # a head or --auto; a head handed in here drafts for every row), branch tokens: none
         # where the step verifies none (tree_nodes 0)
-        fill = fill_drafter(self.cfg.fill_drafts) if head is None and self.cfg.tree_nodes else \
-            None
+        spec = resolve_fill(self.cfg.fill_drafts, self.drafter is None,
+                            head is not None or self.cfg.auto)
+        fill = fill_drafter(spec) if head is None and self.cfg.tree_nodes else None
         self.fill: FillDrafts | None = FillDrafts(fill, self.cfg.tree_nodes) \
             if fill is not None else None
         self._asks: list[int] = []  # each taken draft's ask (``_take``), in their order

@@ -197,6 +197,7 @@ def _settings(args: argparse.Namespace, dtype: str, split=None):
                                   if args.max_batch_tokens else {}),
                                **({"head": args.head} if args.head else {}),
                                **({"rest_drafters": False} if args.keep_drafting else {}),
+                               **({"fill_drafts": args.fill_drafts} if args.fill_drafts else {}),
                                **({"cuda_graphs": args.cuda_graphs}
                                   if args.cuda_graphs is not None else {})})
 

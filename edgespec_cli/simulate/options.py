@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import math
 
-from edgespec.config import ConfigError
+from edgespec.config import FILL_DRAFTS, ConfigError
 
 from ..deployment.link_faults import parse_fault_schedule
 from .records import SERVER_ONLY
@@ -98,6 +98,10 @@ def add_simulate_parser(sub) -> argparse.ArgumentParser:
                         "(serve --keep-drafting); without it a batch whose steps commit fewer "
                         "tokens a second while the boards draft than while they rest is "
                         "decoded without drafts (only speed depends on it)")
+    s.add_argument("--fill-drafts", choices=FILL_DRAFTS, default=None,
+                   help="the verifier's own cheap draft for a session whose board's draft is "
+                        "empty when a step asks for one (serve --fill-drafts): auto, mag or "
+                        "none (default: the verifier's, auto: mag unless --head)")
     s.add_argument("--timeout", metavar="S", type=float, default=900.0,
                    help="seconds a run may take to come up or a request to finish "
                         "(default: %(default)s)")
