@@ -254,7 +254,8 @@ class EngineConfig:
         if self.fill_drafts == "mag" and (self.head or self.auto):
             raise ConfigError("--fill-drafts fills a board's empty drafts with the verifier's "
                               "own; with --head or --auto the verifier's head drafts for every "
-                              "row already: leave --fill-drafts at none")
+                              "row already: leave --fill-drafts at auto (the default) or "
+                              "none")
         if self.draft_wait_ms is not None and not 0 <= self.draft_wait_ms < math.inf:  # NaN too
             raise ConfigError(f"{_option('draft_wait_ms')} must be finite and >= 0, got "
                               f"{self.draft_wait_ms}")

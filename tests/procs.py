@@ -108,12 +108,15 @@ FROZEN_DRAFTER_ENV = {"EDGESPEC_HEARTBEAT_S": "3600", "EDGESPEC_KEEPALIVE_S": "3
 
 
 def start_serve(model_dir, tmp_path, redis_url=None, port=None, token="s3cret",
-                extra=(), tls_ca=None, env: dict | None = None) -> tuple[Proc, str]:
+                extra=(), tls_ca=None, env: dict | None = None,
+                fill: str = "none") -> tuple[Proc, str]:
+    """``edgespec serve`` on loopback, healthy. ``fill``: its ``--fill-drafts`` (none unless
+    said: the tests through it assert on what the boards' own drafts do)."""
     port = port or free_port()
     address = f"127.0.0.1:{port}"
     args = ["serve", "--listen", address, "--model", model_dir, "--auth-token", token,
             "--max-sessions", 8, "--max-context", 512, "--log-level", "INFO",
-            "--dtype", "float32", *extra]
+            "--dtype", "float32", "--fill-drafts", fill, *extra]
     if redis_url:
         args += ["--redis-url", redis_url]
     proc = Proc(args, tmp_path / f"serve-{port}-{time.monotonic_ns()}.log", env=env)

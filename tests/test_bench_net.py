@@ -30,6 +30,7 @@ def test_the_engine_options_given_reach_the_spawned_verifier_as_given():
                  "late_after"):
         assert getattr(serve, name) == getattr(args, name), name
     assert serve.window == 3 and serve.no_adaptive is True and serve.cuda_graphs is False
+    assert serve.fill_drafts == "none"  # as the in-process engine: the same engine both ways
     # options left unset stay unset: the server's own defaults (its draft wait, its graphs)
     plain = serve_engine_args(_parsed("bench-net", "--model", "m"))
     assert "--draft-wait-ms" not in plain and "--threads" not in plain

@@ -327,7 +327,8 @@ def test_verifier_and_cache_run_as_separate_processes(external_redis, looping_di
     v_addr, c_addr = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
     common = ["--redis-url", external_redis, "--auth-token", TOKEN]
     verifier = Proc(["verifier", "--listen", v_addr, "--model", looping_dir,
-                     "--max-context", 512, "--draft-wait-ms", 5000, "--no-adaptive", *common],
+                     "--max-context", 512, "--draft-wait-ms", 5000, "--no-adaptive",
+                     "--fill-drafts", "none", *common],
                     tmp_path / "v.log")
     cache = Proc(["cache", "--listen", c_addr, *common], tmp_path / "c.log")
     drafter = None

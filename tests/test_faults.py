@@ -75,7 +75,8 @@ def start_verifier(cluster, port=None) -> Proc:
     proc = Proc(["verifier", "--listen", address, "--redis-url", cluster["redis"].url,
                  "--model", cluster["model"], "--auth-token", TOKEN, "--max-sessions", 2,
                  "--max-queue", 2, "--max-context", 512, "--draft-wait-ms", 50,
-                 "--late-after", 0, "--drain-timeout", 60, "--threads", 1],
+                 "--late-after", 0, "--drain-timeout", 60, "--threads", 1,
+                 "--fill-drafts", "none"],  # decoded slowly, a token a step: the frozen board
                 cluster["tmp"] / f"verifier-{time.monotonic_ns()}.log", env=FROZEN_DRAFTER_ENV)
     wait_healthy(address)
     return proc

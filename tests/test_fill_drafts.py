@@ -17,7 +17,7 @@ from conftest import hf_greedy, hf_keyed_sampled
 
 from edgespec.config import ConfigError, EngineConfig, SamplingParams
 from edgespec.drafters.mag import MaGDrafter
-from edgespec.engine.fill_drafts import FillDrafts
+from edgespec.engine.fill_drafts import FillDrafts, resolve_fill
 from edgespec.engine.generation import ActiveSession, Request
 from edgespec.engine.proposals import HeadBranch, StepDraft
 from edgespec.engine.spec_engine import SpecEngine
@@ -289,19 +289,21 @@ def test_the_default_fills_a_servers_boards_and_nothing_else(looping):
     in process, one with a draft head or --auto (whose head drafts every row) gets none, and
     refuses no option for it."""
     from edgespec.drafters import build_drafter
-    from edgespec.engine.fill_drafts import resolve_fill
 
     assert EngineConfig().fill_drafts == "auto"
     assert resolve_fill("auto", serves_boards=True, head=False) == "mag"
     assert resolve_fill("auto", serves_boards=False, head=False) == "none"
     assert resolve_fill("auto", serves_boards=True, head=True) == "none"
     assert resolve_fill("none", serves_boards=True, head=False) == "none"
-    assert EngineConfig(auto=True).fill_drafts == "auto"  # accepted: it resolves to none
+    for other in ({"head": "default"}, {"auto": True}):  # accepted: it resolves to none
+        assert EngineConfig(**other).fill_drafts == "auto"
     with _engine(looping.model, "local") as engine:
         assert engine.fill is not None and engine.fill.drafter.name == "mag"
     runner = TargetRunner(looping.model, n_slots=2, max_len=128)
     with SpecEngine(runner, build_drafter("mag"), EngineConfig()) as engine:
         assert engine.fill is None  # drafted in process: no board to fill for
+    with SpecEngine(runner, None, EngineConfig()) as engine:
+        assert engine.fill is None  # target-only in process (--drafter none): no board
     with SpecEngine(runner, config=EngineConfig(auto=True),
                     store=LocalSessionStore(None, runner.vocab_size)) as engine:
         assert engine.fill is None

@@ -29,14 +29,14 @@ def test_small_fleet_reports_every_figure_and_is_lossless(looping_dir, tmp_path)
         [sys.executable, "-m", "edgespec_cli", "simulate", "--model", str(looping_dir),
          "--devices", "2", "--profile", "local,phone-lte", "--requests", "4",
          "--max-new-tokens", "24", "--batching", "both", "--baseline", "server-only",
-         "--tree-width", "3", "--fill-drafts", "mag",
+         "--tree-width", "3",
          "--json", str(out), "--plot", str(tmp_path / "plots"), "--timeout", "300",
          "--link-faults", "reset@0.3:all"],
         capture_output=True, text=True, timeout=600, env={**os.environ, "HOME": str(tmp_path)})
     assert r.returncode == 0, r.stderr[-3000:]
     report = json.loads(out.read_text())
-    # lossless with the verifier's own fill for empty board drafts too (serve --fill-drafts)
-    assert report["config"]["fill_drafts"] == "mag"
+    # lossless with the verifier's own fill for empty board drafts (its default: auto)
+    assert report["config"]["fill_drafts"] == "auto"
     assert report["lossless"]["ok"] and report["lossless"]["checked"] >= 6  # 2 devices x 3 modes
     assert report["throughput_ratio"] > 0
     runs = {run["batching"]: run for run in report["runs"]}

@@ -42,7 +42,7 @@ def fleet(tiny):
     pb_grpc.add_DraftCacheServicer_to_server(service, server)
     port = bind(server, "127.0.0.1:0")
     server.start()
-    cfg = EngineConfig(adaptive=False, draft_wait_ms=5000)
+    cfg = EngineConfig(adaptive=False, draft_wait_ms=5000, fill_drafts="none")  # boards' own
     engine = SpecEngine(runner, None, cfg, stop_ids={2}, store=store)
     state = {"address": f"127.0.0.1:{port}", "store": store, "engine": engine, "runner": runner}
     yield state

@@ -27,7 +27,7 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from ..config import FILL_DRAFTS, MAX_TREE_NODES, verifies_trees
+from ..config import MAX_TREE_NODES, verifies_trees
 from ..drafters import Drafter, DraftSession
 from .generation import ActiveSession
 from .proposals import HeadBranch, StepDraft
@@ -135,10 +135,9 @@ class FillDrafts:
 
 def resolve_fill(spec: str, serves_boards: bool, head: bool) -> str:
     """``--fill-drafts`` as the engine runs it: "auto" is "mag" for a verifier serving boards
-    (no drafter in process) with no draft head (nor --auto's), else "none". Measured
-    (``simulate``, llama.cpp boards sharing one core, the server on the other): 1.75x, 0.98x,
-    0.99x, 0.96x the server alone at 1, 2, 4, 8 devices without the fill, 1.99x, 1.41x, 1.37x,
-    1.08x with it, every output identical (docs/measured/edge-vs-server)."""
+    (a server's store, no drafter in process) with no draft head (nor --auto's), else "none"
+    (why on by default: docs/measured/edge-vs-server, "The verifier's own MaG for a board's
+    empty draft")."""
     if spec != "auto":
         return spec
     return "mag" if serves_boards and not head else "none"
@@ -153,4 +152,4 @@ def fill_drafter(spec: str) -> Drafter | None:
         from ..drafters.mag import MaGDrafter
 
         return MaGDrafter()
-    raise ValueError(f"--fill-drafts must be one of {', '.join(FILL_DRAFTS)}, got {spec!r}")
+    raise ValueError(f"--fill-drafts must be mag or none once resolved, got {spec!r}")

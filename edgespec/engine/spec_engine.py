@@ -116,10 +116,11 @@ class SpecEngine(StepDrafts):
             self.store = store
         if self.worker:
             self.worker.start()
-        # the verifier's own drafts for the boards' empty ones (EngineConfig refuses them with
+        # the verifier's own drafts for the boards' empty ones (EngineConfig refuses "mag" with
         # a head or --auto; a head handed in here drafts for every row), branch tokens: none
-        # where the step verifies none (tree_nodes 0)
-        spec = resolve_fill(self.cfg.fill_drafts, self.drafter is None,
+        # where the step verifies none (tree_nodes 0); "auto" fills where boards draft: an
+        # engine handed a store (a server's) with no drafter of its own
+        spec = resolve_fill(self.cfg.fill_drafts, store is not None and self.drafter is None,
                             head is not None or self.cfg.auto)
         fill = fill_drafter(spec) if head is None and self.cfg.tree_nodes else None
         self.fill: FillDrafts | None = FillDrafts(fill, self.cfg.tree_nodes) \

@@ -72,6 +72,8 @@ def serve_engine_args(args) -> list[str]:
             out += [f"--{name.replace('_', '-')}", str(value)]
     out += [f"--{name.replace('_', '-')}" for name in SERVE_ENGINE_FLAGS
             if getattr(args, name, False)]
+    # the in-process engine never fills a board's empty draft: nor does the server compared
+    out += ["--fill-drafts", "none"]
     wanted = getattr(args, "cuda_graphs", None)
     if wanted is not None:
         out.append("--cuda-graphs" if wanted else "--no-cuda-graphs")

@@ -76,6 +76,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         raise ConfigError("edgespec simulate needs Ray and matplotlib, the fleet extra: "
                           "pip install -e '.[fleet]' in the edgespec repository") from None
     from edgespec_cli.cli_args import set_threads
+    from edgespec.config import EngineConfig
     from edgespec.models.loading import load_model
 
     from . import report as rep
@@ -110,6 +111,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                          "paced to at most tokens_per_s where given"}
                 for p in profiles}
     config = {k: v for k, v in vars(args).items() if k != "func"}
+    # the verifier's fill as it ran: its default when not given ("auto": mag with boards)
+    config["fill_drafts"] = args.fill_drafts or EngineConfig().fill_drafts
     config["cpu_split"] = split.describe() if split else "shared"
     report = rep.build_report(runs, lossless=lossless, emulated=emulated, real=REAL_PARTS,
                               config=config)
