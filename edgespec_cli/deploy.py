@@ -9,6 +9,7 @@ import sys
 
 
 def add_deploy_command(sub) -> None:
+    from edgespec.config import FILL_DRAFTS
     from edgespec_cli.cli_args import add_dtype_arg, add_threads_arg, add_tree_width_arg
 
     d = sub.add_parser("deploy", help="place the verifier, the cache and the drafters as Ray "
@@ -62,6 +63,10 @@ def add_deploy_command(sub) -> None:
                         "forward's features beside the boards' drafts: 'default' (shipped), a "
                         "kind (eagle, specformer, ctc) or a head folder on the verifier's node "
                         "(default: none)")
+    d.add_argument("--fill-drafts", choices=FILL_DRAFTS, default="auto",
+                   help="the verifiers' own cheap draft for a session whose board's draft is "
+                        "empty when a step asks for one (serve --fill-drafts): auto (mag "
+                        "unless --head), mag or none (default: %(default)s)")
     d.set_defaults(func=cmd_deploy)
 
 
@@ -98,7 +103,7 @@ def cmd_deploy(args: argparse.Namespace) -> int:
                             threads=args.threads, dtype=args.dtype,
                             auth_token=args.auth_token or os.environ.get("EDGESPEC_AUTH_TOKEN"),
                             timeout_s=args.timeout, head=args.head or "",
-                            cuda_graphs=args.cuda_graphs)
+                            cuda_graphs=args.cuda_graphs, fill_drafts=args.fill_drafts)
     if not (args.status or args.down):  # before touching the cluster
         parse_drafter_spec(args.drafter, allowed=EDGE_KINDS)
         spec.validate()

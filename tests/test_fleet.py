@@ -247,7 +247,21 @@ def test_deploy_refuses_clashing_ports_before_touching_a_cluster():
 
 @pytest.mark.parametrize("args,needle", [
     (["--threads", "0"], "--threads"), (["--timeout", "-1"], "--timeout"),
-    (["--timeout", "nan"], "--timeout"), (["--max-sessions", "0"], "--max-sessions")])
+    (["--timeout", "nan"], "--timeout"), (["--max-sessions", "0"], "--max-sessions"),
+    (["--head", "default", "--fill-drafts", "mag"], "--fill-drafts")])
 def test_deploy_refuses_what_would_only_fail_on_the_cluster(args, needle):
     r = edgespec_cli("deploy", *args)
     assert r.returncode == 2 and needle in r.stderr, r.stderr
+
+
+def test_deploy_takes_the_fill_values_serve_takes_and_refuses_others():
+    """``deploy --fill-drafts``: serve's values (auto, the default, left to the verifiers'
+    engine to resolve; mag; none), anything else refused before a cluster is touched (mag
+    with --head: the parametrized refusal above)."""
+    from edgespec_cli.deployment.cluster import FleetError
+    from edgespec_cli.deployment.placement import DeploySpec
+
+    for value in ("auto", "mag", "none"):
+        DeploySpec(fill_drafts=value).validate()
+    with pytest.raises(FleetError, match="--fill-drafts"):
+        DeploySpec(fill_drafts="llamacpp").validate()

@@ -23,7 +23,7 @@ import secrets
 import time
 from dataclasses import dataclass
 
-from edgespec.config import cache_dir
+from edgespec.config import FILL_DRAFTS, cache_dir
 
 from .cluster import (NAMESPACE, PREFIX, FleetError, Node, PlacedActor, edge_nodes, head_node,
                       nodes, placed_names, remove_actors, status, verifier_nodes)
@@ -56,6 +56,7 @@ class DeploySpec:
     timeout_s: float = 900.0  # model downloads and loads included
     head: str = ""  # a draft head in the verifiers (a folder on their node, or a shipped one)
     cuda_graphs: bool | None = None  # GPU verifiers replay steps as CUDA graphs (None: on)
+    fill_drafts: str = "auto"  # the verifiers' fill of boards' empty drafts (serve's option)
 
     def validate(self) -> None:
         if self.verifiers < 1 or self.drafters_per_board < 1:
@@ -66,6 +67,9 @@ class DeploySpec:
             raise FleetError(f"--max-sessions must be >= 1, got {self.max_sessions}")
         if self.threads is not None and self.threads < 1:
             raise FleetError(f"--threads must be >= 1, got {self.threads}")
+        if self.fill_drafts not in FILL_DRAFTS or (self.fill_drafts == "mag" and self.head):
+            raise FleetError(f"--fill-drafts takes {', '.join(FILL_DRAFTS)} (mag not with "
+                             f"--head, whose head drafts every row), got {self.fill_drafts!r}")
         if not 0 < self.timeout_s < math.inf:  # NaN too
             raise FleetError(f"--timeout must be a finite number of seconds > 0, got "
                              f"{self.timeout_s}")
@@ -171,6 +175,7 @@ def _place_all(roles, spec, head, vnodes, vres, boards, handles, progress) -> De
             threads=spec.threads, http_port=http, auth_token=spec.auth_token,
             device="cuda" if gpus else "cpu", dtype=spec.dtype,
             engine={**({"head": spec.head} if spec.head else {}),
+                    **({"fill_drafts": spec.fill_drafts} if spec.fill_drafts != "auto" else {}),
                     **({"cuda_graphs": spec.cuda_graphs}
                        if spec.cuda_graphs is not None and gpus else {})} or None)
     for n in boards:
