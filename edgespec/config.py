@@ -193,7 +193,8 @@ class EngineConfig:
     draft_wait_ms: float | None = None
     # the verifier's own cheap draft for a board's session whose draft is empty when taken
     # (``engine.fill_drafts``): "mag", "none", or "auto": mag where the verifier serves boards
-    # (no drafter in process) without a head or --auto, else none (``resolve_fill``)
+    # (a server's store, no drafter in process) without a head or --auto, else none
+    # (``engine.fill_drafts.resolve_fill``)
     fill_drafts: str = "auto"
     # a drafter whose drafts missed this many steps' deadlines in a row is not waited for
     # until they come in time again (engine/lateness.py); 0: always wait the draft deadline

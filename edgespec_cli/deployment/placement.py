@@ -23,7 +23,7 @@ import secrets
 import time
 from dataclasses import dataclass
 
-from edgespec.config import FILL_DRAFTS, cache_dir
+from edgespec.config import ConfigError, EngineConfig, cache_dir
 
 from .cluster import (NAMESPACE, PREFIX, FleetError, Node, PlacedActor, edge_nodes, head_node,
                       nodes, placed_names, remove_actors, status, verifier_nodes)
@@ -67,9 +67,10 @@ class DeploySpec:
             raise FleetError(f"--max-sessions must be >= 1, got {self.max_sessions}")
         if self.threads is not None and self.threads < 1:
             raise FleetError(f"--threads must be >= 1, got {self.threads}")
-        if self.fill_drafts not in FILL_DRAFTS or (self.fill_drafts == "mag" and self.head):
-            raise FleetError(f"--fill-drafts takes {', '.join(FILL_DRAFTS)} (mag not with "
-                             f"--head, whose head drafts every row), got {self.fill_drafts!r}")
+        try:  # the verifiers' engine's own rules for it (mag not with a head), checked here
+            EngineConfig(fill_drafts=self.fill_drafts, head=self.head)
+        except ConfigError as exc:
+            raise FleetError(f"--fill-drafts: {exc}") from None
         if not 0 < self.timeout_s < math.inf:  # NaN too
             raise FleetError(f"--timeout must be a finite number of seconds > 0, got "
                              f"{self.timeout_s}")
