@@ -96,6 +96,8 @@ class DraftCacheService(pb_grpc.DraftCacheServicer):
         self._context: dict[str, grpc.ServicerContext] = {}  # device -> its current stream's
         self._generations = itertools.count(1)
         self._stopping = threading.Event()
+        self._streams: set[threading.Event] = set()  # each open Attach stream's stop event
+        self._streams_done = threading.Condition()
         # every attached drafter's inbox, read by one thread (``inbox_reader``)
         self._inboxes = InboxReader(store, poll_ms, self._event_message, self._is_current,
                                     self._stopping)
@@ -108,8 +110,23 @@ class DraftCacheService(pb_grpc.DraftCacheServicer):
     def metrics(self, metrics: CacheMetrics | None) -> None:
         self.intake.metrics = metrics
 
-    def stop(self) -> None:
+    def stop(self, wait_s: float = 5.0) -> None:
+        """End every Attach stream (its drafter is told UNAVAILABLE and attaches again with
+        backoff) and wait up to ``wait_s`` for their handlers to finish, so that each drafter is
+        marked gone while the cache's Redis is still open: a handler left running past the
+        Redis's close would retry its last command for seconds, holding the process's exit."""
         self._stopping.set()
+        with self._streams_done:
+            for ended in self._streams:
+                ended.set()
+            if self._streams_done.wait_for(lambda: not self._streams, timeout=wait_s):
+                return
+        with self._lock:  # a handler stuck sending to a drafter that does not read: cancelled
+            stuck = list(self._context.values())
+        for context in stuck:
+            context.cancel()
+        with self._streams_done:
+            self._streams_done.wait_for(lambda: not self._streams, timeout=wait_s)
 
     # -- who is calling ---------------------------------------------------------------------------
     def _token_device(self, context) -> str:
@@ -239,6 +256,10 @@ class DraftCacheService(pb_grpc.DraftCacheServicer):
         if self.metrics is not None:
             self.metrics.attach(device)
         try:
+            with self._streams_done:
+                self._streams.add(stop)
+                if self._stopping.is_set():
+                    stop.set()  # stop() has run: this stream ends at once
             # sent first, before what the threads queue: the registration, then the device's
             # sessions (a list as long as they are, not bounded by the outbox)
             opening = [pb.CacheMessage(registered=pb.Registered(
@@ -290,6 +311,8 @@ class DraftCacheService(pb_grpc.DraftCacheServicer):
                     break
             if lost and not self._stopping.is_set():
                 self._refuse_for_now(context, lost[0])
+            if self._stopping.is_set():
+                context.abort(grpc.StatusCode.UNAVAILABLE, "the cache is shutting down")
             with self._lock:  # replaced by a newer stream that is live (a stale one that
                 # took a generation while its client left is no reason to stop this board)
                 newer = self._context.get(device) if self._generation.get(device) != gen \
@@ -318,6 +341,9 @@ class DraftCacheService(pb_grpc.DraftCacheServicer):
                         # soak, and as redis-py reading a connection whose buffer it had dropped)
                         log.warning("drafter %s: cannot mark it gone: %s", device, e)
                     log.info("drafter %s detached", device)
+            with self._streams_done:
+                self._streams.discard(stop)
+                self._streams_done.notify_all()
 
     @staticmethod
     def _refuse_for_now(context, why: str) -> None:

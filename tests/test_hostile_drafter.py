@@ -391,3 +391,29 @@ def test_the_inbox_reader_runs_while_a_drafter_is_attached(cache, store):
         assert reader._thread is not None and reader._thread.is_alive()
         s.close()
         eventually(lambda: reader._thread is None, "the reader ended with the last stream")
+
+
+def test_stopping_the_cache_ends_every_stream_and_marks_its_drafter_gone_first(store):
+    """``stop`` returns once every Attach handler has finished, each drafter marked gone on the
+    Redis still open (a handler left running past the Redis's close held serve's exit for as
+    long as its retries), and each drafter is told UNAVAILABLE, so that it attaches again."""
+    c = Cache(store)
+    try:
+        streams = [Stream(c.channel, f"dev{i}") for i in range(3)]
+        for s in streams:
+            s.next("registered")
+        assert all(store.devices.is_alive(f"dev{i}") for i in range(3))
+        c.service.stop()
+        assert not c.service._streams
+        assert not any(store.devices.is_alive(f"dev{i}") for i in range(3))
+        for s in streams:
+            with pytest.raises(grpc.RpcError) as e:
+                s.next("heartbeat")
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "shutting down" in e.value.details()
+        late = Stream(c.channel, "late")  # attaching after stop: refused the same way
+        with pytest.raises(grpc.RpcError) as e:
+            late.next("heartbeat")
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        c.stop()
