@@ -144,7 +144,8 @@ def test_requests_are_dealt_to_devices_in_turn_and_devices_parse():
     (["--devices", "1,2", "--link-faults", "blackhole@1+2/5"], "names device 5"),
     (["--devices", "2", "--link-faults", "reset@1/2"], "at most 2 device(s)"),
     (["--repeat", "0"], "--repeat must be >= 1"),
-    (["--repeat", "2", "--find-capacity", "--slo", "5"], "not --find-capacity")])
+    (["--repeat", "2", "--find-capacity", "--slo", "5"], "not --find-capacity"),
+    (["--head", "eagle", "--fill-drafts", "mag"], "--fill-drafts fills a board's empty drafts")])
 def test_bad_options_are_refused_before_anything_starts(args, message):
     from cli_inprocess import run_cli
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import math
 
-from edgespec.config import FILL_DRAFTS, ConfigError
+from edgespec.config import FILL_DRAFTS, ConfigError, EngineConfig
 
 from ..deployment.link_faults import parse_fault_schedule
 from .records import SERVER_ONLY
@@ -187,6 +187,8 @@ def check_args(args) -> tuple[list[int], list]:
         raise ConfigError("--acceptance-from and --acceptance are for --project-on")
     if not 1 <= args.tree_width <= 16:
         raise ConfigError(f"--tree-width must be in [1, 16], got {args.tree_width}")
+    if args.fill_drafts is not None:  # the verifier's engine's rule (mag not with a head)
+        EngineConfig(fill_drafts=args.fill_drafts, head=args.head)
     check_model_arg(args.model)
     faults = parse_fault_schedule(args.link_faults)  # refused before anything starts
     most = args.max_devices if args.find_capacity else max(counts)
