@@ -70,7 +70,7 @@ class DeploySpec:
         try:  # the verifiers' engine's own rules for it (mag not with a head), checked here
             EngineConfig(fill_drafts=self.fill_drafts, head=self.head)
         except ConfigError as exc:
-            raise FleetError(str(exc)) from None
+            raise FleetError(f"--fill-drafts: {exc}") from None
         if not 0 < self.timeout_s < math.inf:  # NaN too
             raise FleetError(f"--timeout must be a finite number of seconds > 0, got "
                              f"{self.timeout_s}")
