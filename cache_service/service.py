@@ -62,6 +62,7 @@ MAX_DEVICE_SESSIONS = 1 << 16
 # is asked to come back after this long instead of backing off for seconds.
 RETRY_AFTER_MS = 500
 MAX_SEND_BATCH = 256  # queued messages sent to a board in one CacheBatch
+SHUTTING_DOWN = "the cache is shutting down"  # UNAVAILABLE: the drafter attaches again
 
 
 def with_queued(msg: pb.CacheMessage, out: DrafterOutbox) -> tuple[pb.CacheMessage, bool]:
@@ -96,7 +97,8 @@ class DraftCacheService(pb_grpc.DraftCacheServicer):
         self._context: dict[str, grpc.ServicerContext] = {}  # device -> its current stream's
         self._generations = itertools.count(1)
         self._stopping = threading.Event()
-        self._streams: set[threading.Event] = set()  # each open Attach stream's stop event
+        # each open Attach stream's stop event, and its call
+        self._streams: dict[threading.Event, grpc.ServicerContext] = {}
         self._streams_done = threading.Condition()
         # every attached drafter's inbox, read by one thread (``inbox_reader``)
         self._inboxes = InboxReader(store, poll_ms, self._event_message, self._is_current,
@@ -119,11 +121,11 @@ class DraftCacheService(pb_grpc.DraftCacheServicer):
         with self._streams_done:
             for ended in self._streams:
                 ended.set()
-            if self._streams_done.wait_for(lambda: not self._streams, timeout=wait_s):
+            # a handler sees its stop within its outbox's poll (0.5 s)
+            if self._streams_done.wait_for(lambda: not self._streams, timeout=min(1.0, wait_s)):
                 return
-        with self._lock:  # a handler stuck sending to a drafter that does not read: cancelled
-            stuck = list(self._context.values())
-        for context in stuck:
+            stuck = list(self._streams.values())
+        for context in stuck:  # blocked sending to a drafter that does not read: cancelled
             context.cancel()
         with self._streams_done:
             self._streams_done.wait_for(lambda: not self._streams, timeout=wait_s)
@@ -207,6 +209,8 @@ class DraftCacheService(pb_grpc.DraftCacheServicer):
         return device
 
     def Attach(self, request_iterator, context):
+        if self._stopping.is_set():  # nothing registered, nothing written: attach elsewhere
+            context.abort(grpc.StatusCode.UNAVAILABLE, SHUTTING_DOWN)
         first = next(request_iterator, None)
         if first is None or not first.HasField("register"):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first message must be Register")
@@ -257,7 +261,7 @@ class DraftCacheService(pb_grpc.DraftCacheServicer):
             self.metrics.attach(device)
         try:
             with self._streams_done:
-                self._streams.add(stop)
+                self._streams[stop] = context
                 if self._stopping.is_set():
                     stop.set()  # stop() has run: this stream ends at once
             # sent first, before what the threads queue: the registration, then the device's
@@ -312,7 +316,7 @@ class DraftCacheService(pb_grpc.DraftCacheServicer):
             if lost and not self._stopping.is_set():
                 self._refuse_for_now(context, lost[0])
             if self._stopping.is_set():
-                context.abort(grpc.StatusCode.UNAVAILABLE, "the cache is shutting down")
+                context.abort(grpc.StatusCode.UNAVAILABLE, SHUTTING_DOWN)
             with self._lock:  # replaced by a newer stream that is live (a stale one that
                 # took a generation while its client left is no reason to stop this board)
                 newer = self._context.get(device) if self._generation.get(device) != gen \
@@ -342,7 +346,7 @@ class DraftCacheService(pb_grpc.DraftCacheServicer):
                         log.warning("drafter %s: cannot mark it gone: %s", device, e)
                     log.info("drafter %s detached", device)
             with self._streams_done:
-                self._streams.discard(stop)
+                self._streams.pop(stop, None)
                 self._streams_done.notify_all()
 
     @staticmethod

@@ -408,12 +408,14 @@ def test_stopping_the_cache_ends_every_stream_and_marks_its_drafter_gone_first(s
         assert not any(store.devices.is_alive(f"dev{i}") for i in range(3))
         for s in streams:
             with pytest.raises(grpc.RpcError) as e:
-                s.next("heartbeat")
+                while True:  # what was sent before the stop (heartbeats), then the error
+                    s.next("assign")
             assert e.value.code() == grpc.StatusCode.UNAVAILABLE
             assert "shutting down" in e.value.details()
-        late = Stream(c.channel, "late")  # attaching after stop: refused the same way
+        late = Stream(c.channel, "late")  # attaching after stop: refused, nothing registered
         with pytest.raises(grpc.RpcError) as e:
-            late.next("heartbeat")
+            late.next("registered")
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "late" not in {d.device_id for d in store.devices.listing()}
     finally:
         c.stop()
