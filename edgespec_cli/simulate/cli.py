@@ -12,7 +12,8 @@ from dataclasses import replace
 from edgespec.config import ConfigError
 
 from ..deployment.link_faults import parse_fault_schedule
-from .options import add_simulate_parser, check_args, check_slo, cpu_split, parse_devices
+from .options import (CAPACITY_REQUESTS, add_simulate_parser, check_args, check_slo, cpu_split,
+                      parse_devices)
 from .records import SERVER_ONLY
 
 REAL_PARTS = ["verifier (the real model, batched verification)",
@@ -219,7 +220,8 @@ def _run_fleets(args: argparse.Namespace, counts, profiles, modes: list[str], se
         fleet_of = fleet_profiles([p.name for p in profiles], n)
         run_settings = settings
         if args.find_capacity:  # --requests is per device there: every probe loads each alike
-            run_settings = replace(settings, requests=(args.requests or 2) * n)
+            run_settings = replace(settings,
+                                   requests=(args.requests or CAPACITY_REQUESTS) * n)
         return FleetRun(roles, run_settings, fleet_of, mode, prompts).run()
 
     if not args.find_capacity:

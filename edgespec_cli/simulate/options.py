@@ -11,6 +11,10 @@ from edgespec.config import FILL_DRAFTS, ConfigError, EngineConfig
 from ..deployment.link_faults import parse_fault_schedule
 from .records import SERVER_ONLY
 
+# --find-capacity's requests per device, where --requests is not given: with 2, runs of under
+# 10 s moved the capacity found by a device (docs/measured/edge-vs-server, capacity-39)
+CAPACITY_REQUESTS = 4
+
 
 def add_simulate_parser(sub) -> argparse.ArgumentParser:
     """The ``simulate`` subcommand's parser and its options (``cli.add_simulate_command`` says
@@ -30,7 +34,8 @@ def add_simulate_parser(sub) -> argparse.ArgumentParser:
     how_long = s.add_mutually_exclusive_group()
     how_long.add_argument("--requests", type=int, default=None,
                           help="requests in all, dealt to devices in turn; with "
-                               "--find-capacity, requests per device (default: 2 per device)")
+                               "--find-capacity, requests per device (default: "
+                               f"{CAPACITY_REQUESTS} per device)")
     how_long.add_argument("--duration", metavar="S", type=float, default=None,
                           help="send requests for this many seconds instead")
     s.add_argument("--rate", metavar="R", type=float, default=None,
