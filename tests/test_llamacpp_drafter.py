@@ -142,6 +142,48 @@ def test_rollback_after_a_fix_drafts_as_a_fresh_session(gen):
 
 @pytest.mark.real_model
 @pytest.mark.slow
+@pytest.mark.parametrize("params", [SamplingParams(), SEEDED], ids=["greedy", "sampled"])
+def test_a_confidence_stop_saves_the_next_proposal_a_forward_and_drafts_the_same(gen, params):
+    """A proposal that stops on low confidence keeps the logits it stopped on: the next
+    proposal starts from them and feeds one token fewer than a session that feeds its last
+    token again (the behaviour before), drafting the same tokens, through a verifier's fix
+    and a rollback."""
+    d = _drafter(gen, min_confidence=0.6)
+    fed: dict[int, int] = {}
+    feed_many = d.feed_many
+
+    def counting(feeds):
+        for s, feed in feeds:
+            fed[id(s)] = fed.get(id(s), 0) + len(feed)
+        return feed_many(feeds)
+
+    d.feed_many = counting
+    ids = gen.encode(PROMPT)
+    kept, again = d.open(ids, params), d.open(ids, params)
+    fed.clear()
+    stops = 0
+    try:
+        for round_ in range(8):
+            a, b = kept.propose(4).tokens, again.propose(4).tokens
+            assert a == b and kept.tokens == again.tokens
+            stops += kept._held is not None
+            again._settle()  # as before: the last token is fed again by the next proposal
+            if round_ == 3:  # a verifier's fix: back into the draft, another token
+                at = len(kept.tokens) - 2
+                fix = next(t for t in (13, 198, 28) if t != kept.tokens[at])
+                for s in (kept, again):
+                    s.rollback(at)
+                    s.append([fix])
+        assert stops >= 2, "the drafter never stopped on confidence: no saving tested"
+        assert fed[id(kept)] < fed[id(again)]
+        assert fed[id(again)] - fed[id(kept)] <= stops
+    finally:
+        kept.close(), again.close()
+        d.close()
+
+
+@pytest.mark.real_model
+@pytest.mark.slow
 def test_sessions_are_a_bounded_pool_of_sequences(gen):
     from edgespec.runner.kv_cache import CacheFullError
 

@@ -72,8 +72,9 @@ def test_a_sampled_draft_is_keyed_by_the_tokens_absolute_position(drafter):
 
 
 def test_a_draft_stopped_for_low_confidence_leaves_the_window_consistent(llama_cpp):
-    """A draft that stops below ``min_confidence`` forgets its last fed position (``_unfeed``);
-    the windowed session drafts on as its reading does."""
+    """A draft that stops below ``min_confidence`` keeps the logits it stopped on, its cache
+    holding every token (the next proposal starts from them); the windowed session drafts on as
+    its reading does."""
     from edgespec.drafters.llamacpp import LlamaCppDrafter
 
     d = LlamaCppDrafter("default", n_slots=2, max_len=160, min_confidence=0.9,
@@ -84,8 +85,9 @@ def test_a_draft_stopped_for_low_confidence_leaves_the_window_consistent(llama_c
         ref = d.open(_read(ids, s.skip), GREEDY)
         for _ in range(3):
             mine, theirs = s.propose(6).tokens, ref.propose(6).tokens
-            assert mine == theirs and len(mine) < 6  # stopped early: unfed
-            assert s.kv_len == len(s.tokens) - 1 and ref.kv_len == len(ref.tokens) - 1
+            assert mine == theirs and len(mine) < 6  # stopped early: its logits kept
+            assert s.kv_len == len(s.tokens) and ref.kv_len == len(ref.tokens)
+            assert s._held is not None and s._held[0] == len(s.tokens)
         s.close(), ref.close()
     finally:
         d.close()

@@ -4,7 +4,10 @@ drafter, llama.cpp's), without torch.
 Each step feeds the tokens not yet cached, chooses the next token (``token_choice.choose_token``:
 the argmax when greedy, else the session's keyed sample), and stops early when the drafter's
 confidence (its top probability) falls below ``min_confidence``; the first token is always
-offered.
+offered. A stop keeps the logits it stopped on (``LogitsDraftSession._held``), so that the next
+proposal, which offers that token first, starts from them instead of feeding the last token
+again: a board's chunks stop on confidence often (a quarter of llama.cpp's two-token chunks on
+Spec-Bench), and each such feed was a whole forward of the board's, for logits it had.
 
 Token trees (``propose_tree``): the chain is ``propose``'s, token for token, and the branches come
 from the distributions its forwards already computed, with no forward of their own: at each
@@ -58,6 +61,26 @@ class LogitsDraftSession(DraftSession):
 
     kv_len: int  # positions of self.tokens[:kv_len] are cached; the last token is fed next
     drafter: LogitsDrafterKnobs  # a subclass narrows it to its own drafter class
+    # (length, the logits [V] after tokens[:length]) where a proposal stopped on confidence:
+    # then the cache holds every token (kv_len == length), until the next proposal takes them
+    _held: tuple[int, np.ndarray] | None = None
+
+    def _take_held(self) -> np.ndarray | None:
+        """The logits a confidence stop kept, if the session still ends where it stopped (a
+        fix or a rollback since: None, and the cache gives its last position back, so that the
+        last token is fed next as usual)."""
+        held, self._held = self._held, None
+        if held is not None and held[0] == len(self.tokens) == self.kv_len:
+            return held[1]
+        self._settle()
+        return None
+
+    def _settle(self) -> None:
+        """Drop kept logits: the last token is the one fed next (what ``check`` and the
+        subclasses' rollbacks assume)."""
+        self._held = None
+        if self.tokens and self.kv_len >= len(self.tokens):
+            self._unfeed(self.kv_len - len(self.tokens) + 1)
 
     def _max_len(self) -> int:
         """The most tokens a session holds."""
@@ -99,11 +122,18 @@ class Proposing:
         self.done = False
 
     def feed(self) -> list[int] | None:
-        """The tokens to run next (the session's not yet cached), or None when done."""
+        """The tokens to run next (the session's not yet cached), or None when done. Logits a
+        confidence stop kept are taken first, with no forward."""
         s = self.session
-        if self.done or len(self.out) >= self.k or len(s.tokens) + 1 > s._max_len():
-            self.done = True
-            return None
+        while True:
+            if self.done or len(self.out) >= self.k or len(s.tokens) + 1 > s._max_len():
+                self.done = True
+                return None
+            held = s._take_held()
+            if held is None:
+                break
+            self.fed = 0
+            self.took(held)
         feed = s.tokens[s.kv_len:]
         self.fed = len(feed)
         return feed
@@ -114,8 +144,7 @@ class Proposing:
         # keyed by the absolute position the token will take: len(s.tokens)
         token, conf, probs = choose_token(logits, s.params, len(s.tokens))
         if self.out and conf < s.drafter.min_confidence:  # the first token is always offered
-            # forget the last fed position so the next proposal re-feeds the last token
-            s._unfeed(self.fed)
+            s._held = (len(s.tokens), logits)  # the next proposal starts from them
             self.done = True
             return
         if self.picker is not None:

@@ -61,6 +61,7 @@ class ModelDraftSession(LogitsDraftSession):
         self.runner.rollback(self._open_slot, self.kv_len)
 
     def check(self, proposal: list[int], lenient_prob: float | None = None) -> Checked:
+        self._settle()  # the last token is fed with the proposal
         greedy = self.params.greedy
         start = len(self.tokens)  # absolute position of proposal[0]
         room = self.runner.max_len - start - 1
