@@ -178,6 +178,8 @@ class LlamaCppDraftSession(LogitsDraftSession):
 
     def rollback(self, length: int) -> None:
         super().rollback(length)
+        if self._keeps_held(length):
+            return
         if self.skip and length - 1 <= LLAMACPP_HEAD + self.skip:
             # back into what was not read (never a verifier's fix: it rolls back to committed
             # positions, past the prompt): read again, as a session of ``length`` tokens
@@ -188,6 +190,7 @@ class LlamaCppDraftSession(LogitsDraftSession):
             self._truncate(max(0, length - 1))
 
     def close(self) -> None:
+        self._held = None
         if self.seq is not None:
             self.drafter.context.release(self.seq)
             self.seq = None

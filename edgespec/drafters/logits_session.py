@@ -75,6 +75,12 @@ class LogitsDraftSession(DraftSession):
         self._settle()
         return None
 
+    def _keeps_held(self, length: int) -> bool:
+        """Whether a rollback to ``length`` leaves the kept logits as they are: it removes
+        nothing from where the stop kept them (a fix that agrees with the whole draft)."""
+        return self._held is not None and self._held[0] == length == self.kv_len == \
+            len(self.tokens)
+
     def _settle(self) -> None:
         """Drop kept logits: the last token is the one fed next (what ``check`` and the
         subclasses' rollbacks assume)."""
@@ -118,7 +124,6 @@ class Proposing:
         self.out: list[int] = []
         self.picker = BranchPicker(width - 1, session.drafter.branch_min_prob) \
             if width > 1 else None
-        self.fed = 0
         self.done = False
 
     def feed(self) -> list[int] | None:
@@ -132,11 +137,8 @@ class Proposing:
             held = s._take_held()
             if held is None:
                 break
-            self.fed = 0
             self.took(held)
-        feed = s.tokens[s.kv_len:]
-        self.fed = len(feed)
-        return feed
+        return s.tokens[s.kv_len:]
 
     def took(self, logits) -> None:
         """The logits [V] after the feed (the session's cache now holds it)."""

@@ -95,11 +95,14 @@ class ModelDraftSession(LogitsDraftSession):
 
     def rollback(self, length: int) -> None:
         super().rollback(length)
+        if self._keeps_held(length):
+            return
         if self.kv_len > max(0, length - 1):
             self.kv_len = max(0, length - 1)
             self.runner.rollback(self._open_slot, self.kv_len)
 
     def close(self) -> None:
+        self._held = None
         if self.slot is not None:
             self.runner.free_slot(self.slot)
             self.slot = None
