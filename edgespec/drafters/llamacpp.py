@@ -178,7 +178,7 @@ class LlamaCppDraftSession(LogitsDraftSession):
 
     def rollback(self, length: int) -> None:
         super().rollback(length)
-        if self._keeps_held(length):
+        if self._holds_logits():  # the rollback removed nothing
             return
         if self.skip and length - 1 <= LLAMACPP_HEAD + self.skip:
             # back into what was not read (never a verifier's fix: it rolls back to committed

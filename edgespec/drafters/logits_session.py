@@ -65,21 +65,22 @@ class LogitsDraftSession(DraftSession):
     # then the cache holds every token (kv_len == length), until the next proposal takes them
     _held: tuple[int, np.ndarray] | None = None
 
+    def _holds_logits(self) -> bool:
+        """Whether the session still ends where a confidence stop kept its logits, its cache
+        holding every token (true after a rollback that removed nothing: a fix that agrees
+        with the whole draft)."""
+        return self._held is not None and self._held[0] == len(self.tokens) == self.kv_len
+
     def _take_held(self) -> np.ndarray | None:
-        """The logits a confidence stop kept, if the session still ends where it stopped (a
-        fix or a rollback since: None, and the cache gives its last position back, so that the
-        last token is fed next as usual)."""
-        held, self._held = self._held, None
-        if held is not None and held[0] == len(self.tokens) == self.kv_len:
-            return held[1]
+        """The logits a confidence stop kept, if the session still ends there (a fix or a
+        rollback since: None, and the cache gives its last position back, so that the last
+        token is fed next as usual)."""
+        if self._holds_logits():
+            assert self._held is not None
+            logits, self._held = self._held[1], None
+            return logits
         self._settle()
         return None
-
-    def _keeps_held(self, length: int) -> bool:
-        """Whether a rollback to ``length`` leaves the kept logits as they are: it removes
-        nothing from where the stop kept them (a fix that agrees with the whole draft)."""
-        return self._held is not None and self._held[0] == length == self.kv_len == \
-            len(self.tokens)
 
     def _settle(self) -> None:
         """Drop kept logits: the last token is the one fed next (what ``check`` and the

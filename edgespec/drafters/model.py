@@ -95,7 +95,7 @@ class ModelDraftSession(LogitsDraftSession):
 
     def rollback(self, length: int) -> None:
         super().rollback(length)
-        if self._keeps_held(length):
+        if self._holds_logits():  # the rollback removed nothing
             return
         if self.kv_len > max(0, length - 1):
             self.kv_len = max(0, length - 1)
