@@ -44,7 +44,7 @@ __all__ = ["BigramTable", "MaGDrafter", "MaGSession", "TokenArray", "longest_suf
 
 
 class _Followers:
-    __slots__ = ("counts", "total", "top")
+    __slots__ = ("counts", "total", "top", "share")
 
     def __init__(self) -> None:
         self.counts: dict[int, int] = {}  # at most max_followers entries
@@ -52,6 +52,7 @@ class _Followers:
         # the most counted follower (the first of equals), None until read since a change: a
         # draft's fallback reads a leader's best far more often than the leader is observed
         self.top: int | None = None
+        self.share = 0.0  # the top's share of ``total``, read with it
 
 
 class BigramTable:
@@ -103,7 +104,8 @@ class BigramTable:
         nxt = entry.top
         if nxt is None:
             nxt = entry.top = max(entry.counts, key=entry.counts.__getitem__)
-        return nxt, entry.counts[nxt] / entry.total
+            entry.share = entry.counts[nxt] / entry.total
+        return nxt, entry.share
 
     def chain(self, token: int, k: int, min_share: float) -> list[int]:
         """Up to k tokens, each the most frequent follower (``best``) of the one before,
@@ -112,16 +114,19 @@ class BigramTable:
         table = self._followers
         get, touch = table.get, table.move_to_end
         out: list[int] = []
-        while len(out) < k:
+        for _ in range(k):
             entry = get(token)
-            if entry is None or not entry.counts:
+            if entry is None:
                 break
-            touch(token)
-            counts = entry.counts
             nxt = entry.top
             if nxt is None:
+                counts = entry.counts
+                if not counts:
+                    break
                 nxt = entry.top = max(counts, key=counts.__getitem__)
-            if counts[nxt] / entry.total < min_share:
+                entry.share = counts[nxt] / entry.total
+            touch(token)
+            if entry.share < min_share:
                 break
             out.append(nxt)
             token = nxt
