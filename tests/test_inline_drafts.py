@@ -267,27 +267,36 @@ def test_a_tree_is_drafted_to_the_ask_its_branches_where_the_step_takes_them():
     inline.close()
 
 
-def test_a_chain_drafted_to_the_lead_serves_the_next_step_without_a_call():
-    """A chain is drafted past the ask and the guess, to the lead a board keeps (2k + 2): a
-    step that accepts its ask and the guess leaves the rest in the store, and the next step,
-    asking no more than that, takes it without calling the drafter."""
+def test_a_chain_drafted_to_the_window_serves_the_next_steps_without_a_call():
+    """A chain is drafted past the ask and the guess, to the whole window (further than the
+    2k + 2 a board keeps): a step that accepts its ask and the guess leaves the rest in the
+    store, and the next steps, asking no more than that, take it without calling the drafter;
+    a window shorter than the chain bounds it."""
     from edgespec.protocol.contract import DraftWant, Verdict
 
-    store, inline = _store_with({"s": [1, 2, 3, 4, 5, 6, 1, 2, 3, 4, 5, 6]})
+    prompt = list(range(1, 13)) * 2  # MaG's suffix match continues with 1..12
+    store, inline = _store_with({"s": prompt})
     state = store.sessions["s"]
     inline.draft([DraftWant("s", 2)])
-    assert state.draft == [1, 2, 3, 4, 5, 6]  # 2 asked, 6 drafted
-    [taken] = store.take_when_ready([DraftWant("s", 2)], 0.0)
-    [out] = store.commit_many([Verdict("s", taken.epoch, taken.start, 2, 3)])
-    assert out.ok and out.fix is None and state.draft == [4, 5, 6]
+    assert state.draft == list(range(1, 13))  # 2 asked, 12 drafted (the chain's end)
     calls = []
     session = inline.sessions["s"].draft
     propose = session.propose_tree
     session.propose_tree = lambda *a: calls.append(a) or propose(*a)
-    inline.draft([DraftWant("s", 2)])
-    assert calls == [] and state.draft == [4, 5, 6]
+    for end in (3, 6, 9):  # three steps, each accepting its ask and the guess
+        [taken] = store.take_when_ready([DraftWant("s", 2)], 0.0)
+        [out] = store.commit_many([Verdict("s", taken.epoch, taken.start, 2, end)])
+        assert out.ok and out.fix is None and state.draft == list(range(end + 1, 13))
+        inline.draft([DraftWant("s", 2)])
+    assert calls == [] and state.draft == [10, 11, 12]
     inline.draft([DraftWant("s", 4)])  # a longer ask than the store holds: drafted on
-    assert len(calls) == 1 and state.draft[:3] == [4, 5, 6] and len(state.draft) >= 5
+    assert len(calls) == 1 and state.draft[:3] == [10, 11, 12] and len(state.draft) >= 5
+    inline.close()
+
+    store, inline = _store_with({"s": prompt}, EngineConfig(window=8))
+    inline.draft([DraftWant("s", 2)])
+    assert store.sessions["s"].draft == list(range(1, 9))  # the window's 8
+    assert inline.sessions["s"].draft.tokens == prompt + list(range(1, 9))
     inline.close()
 
 
