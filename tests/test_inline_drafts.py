@@ -57,6 +57,22 @@ def test_greedy_output_equals_target_only_inline_and_threaded(looping, setup, sp
     assert sum(r.stats.accepted_tokens for r in results) > 0  # drafts were verified
 
 
+@pytest.mark.parametrize("spec", ["mag", "mag+cacheback", "cacheback"])
+@pytest.mark.parametrize("k,window,n_new", [(2, 16, 40), (1, 16, 3), (2, 5, 40)])
+def test_chains_drafted_to_a_window_past_a_boards_lead_equal_target_only(looping, setup, spec,
+                                                                         k, window, n_new):
+    """A window wider than a board's lead (2k + 2), and one that cuts it, and an output that
+    ends within the lead: greedy output equals target-only."""
+    runner, _ = setup
+    refs = [hf_greedy(looping.model, p, n_new) for p in PROMPTS]
+    cfg = EngineConfig(max_draft=k, window=window, chunk=2, adaptive=False, draft_wait_ms=5000)
+    with SpecEngine(runner, build_drafter(spec, looping, runner), cfg, {2}) as engine:
+        results = engine.generate_many([Request(p, n_new, SamplingParams()) for p in PROMPTS])
+    assert [r.token_ids for r in results] == refs
+    if n_new > 3:
+        assert sum(r.stats.accepted_tokens for r in results) > 0  # drafts were verified
+
+
 def test_inline_is_the_in_process_default_for_cheap_drafters_only(tiny, tiny_draft_dir):
     runner = TargetRunner(tiny.model, n_slots=2, max_len=256)
     assert EngineConfig().draft_inline

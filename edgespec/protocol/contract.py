@@ -204,8 +204,9 @@ class Verdict:
     # store commits it as a fix without looking for it among the draft's branches
     own_branch: bool = False
     # draft tokens the verifier asked of this session in this step (its planner's k, told as
-    # ``step_planning.told_wants`` says: 0 rests the drafter): the drafter keeps its lead near
-    # what is used (``drafting_loop.lead_cap``); None: not said
+    # ``step_planning.told_wants`` says: 0 rests the drafter): a board keeps its lead near what
+    # is used (``drafting_loop.lead_cap``; an inline drafter drafts chains to the window); None:
+    # not said
     wanted: int | None = None
 
     @property

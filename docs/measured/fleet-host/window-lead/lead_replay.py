@@ -5,8 +5,11 @@ batched (``SpecEngine`` with no drafter), written to a JSON file.
 Step 2 (``replay``): the engine with MaG drafting inline (the product's path), over a runner
 that answers each row from those outputs at once (``ReferenceRunner``: the verifier's greedy
 token at every position is the reference's), with a fixed draft length (``adaptive=False``:
-nothing depends on timing), for each inline lead: ``board`` (the product's ``lead_cap``, 2k + 2
-within the window) and ``window`` (the whole window). Every replayed output must equal its
+nothing depends on timing), for each inline lead: ``board`` (a board's ``lead_cap``, 2k + 2
+within the window: the inline drafter's before the fortieth session, imposed here by capping each
+call's length) and ``window`` (the whole window, the product's since). With the default window of
+16, 2k + 2 reaches it from k = 7 on: the k = 8 rows are the same by construction. Every replayed
+output must equal its
 reference (checked); what differs is which draft tokens the steps verify, so the figures are
 exact: forwards a session needs, tokens a forward, drafter calls.
 
@@ -59,19 +62,26 @@ def replay(refs_path: str, out_path: str, ks: list[int]) -> None:
 
     refs = json.load(open(refs_path))
     qs, stop_ids = refs["questions"], set(refs["stop_ids"])
-    leads = {"board": lead_cap, "window": lambda wanted, window: window}
+    leads, window = ("board", "window"), EngineConfig().window
     report = []
     for k in ks:
-        for name, cap in leads.items():
-            inline.lead_cap = cap
+        for name in leads:
             calls = [0]
-            draft_one = inline.InlineDrafts._draft_one
+            asked: dict[str, int] = {}
+            draft, draft_one = inline.InlineDrafts.draft, inline.InlineDrafts._draft_one
 
-            def counted(self, *a, _inner=draft_one):
+            def noting(self, wants, _inner=draft):
+                asked.clear()
+                asked.update((w.session_id, w.k) for w in wants)
+                return _inner(self, wants)
+
+            def counted(self, sid, state, length, _inner=draft_one, _lead=name):
                 calls[0] += 1
-                return _inner(self, *a)
+                if _lead == "board":  # the product's length, cut to a board's lead
+                    length = min(length, max(asked[sid] + 1, lead_cap(asked[sid], window)))
+                return _inner(self, sid, state, length)
 
-            inline.InlineDrafts._draft_one = counted
+            inline.InlineDrafts.draft, inline.InlineDrafts._draft_one = noting, counted
             runner = ReferenceRunner(qs, 16)
             cfg = EngineConfig(max_sessions=16, max_draft=k, adaptive=False,
                                rest_drafters=False)
@@ -88,7 +98,7 @@ def replay(refs_path: str, out_path: str, ks: list[int]) -> None:
                         c[1] += r.stats.steps
                         c[2] += r.stats.draft_tokens
                         c[3] += r.stats.accepted_tokens
-            inline.InlineDrafts._draft_one = draft_one
+            inline.InlineDrafts.draft, inline.InlineDrafts._draft_one = draft, draft_one
             tokens = sum(c[0] for c in by_cat.values())
             steps = sum(c[1] for c in by_cat.values())
             row = {"k": k, "lead": name, "tokens": tokens, "session_steps": steps,
@@ -102,7 +112,6 @@ def replay(refs_path: str, out_path: str, ks: list[int]) -> None:
                   f"session-steps {steps} calls {calls[0]} " +
                   " ".join(f"{cat}:{v['tokens_per_forward']:.3f}"
                            for cat, v in row["by_category"].items()), flush=True)
-    inline.lead_cap = leads["board"]
     json.dump({"questions": len(qs), "rows": report}, open(out_path, "w"), indent=1)
 
 
