@@ -55,10 +55,9 @@ def make_refs(path: str, per_category: int) -> None:
 
 def replay(refs_path: str, out_path: str, ks: list[int]) -> None:
     import edgespec.engine.inline_drafts as inline
-    from edgespec.config import EngineConfig, SamplingParams
+    from edgespec.config import EngineConfig
     from edgespec.drafters import build_drafter
     from edgespec.drafters.drafting_loop import lead_cap
-    from edgespec.engine.spec_engine import Request, SpecEngine
 
     refs = json.load(open(refs_path))
     qs, stop_ids = refs["questions"], set(refs["stop_ids"])
@@ -82,23 +81,10 @@ def replay(refs_path: str, out_path: str, ks: list[int]) -> None:
                 return _inner(self, sid, state, length)
 
             inline.InlineDrafts.draft, inline.InlineDrafts._draft_one = noting, counted
-            runner = ReferenceRunner(qs, 16)
-            cfg = EngineConfig(max_sessions=16, max_draft=k, adaptive=False,
-                               rest_drafters=False)
-            by_cat: dict = {}
-            with SpecEngine(runner, build_drafter("mag"), cfg, stop_ids) as engine:
-                for i in range(0, len(qs), 16):
-                    batch = qs[i:i + 16]
-                    results = engine.generate_many(
-                        [Request(list(q["prompt"]), 96, SamplingParams()) for q in batch])
-                    for q, r in zip(batch, results):
-                        assert r.token_ids == q["output"], (q["id"], name, k)
-                        c = by_cat.setdefault(q["category"], [0, 0, 0, 0])
-                        c[0] += len(r.token_ids)
-                        c[1] += r.stats.steps
-                        c[2] += r.stats.draft_tokens
-                        c[3] += r.stats.accepted_tokens
-            inline.InlineDrafts.draft, inline.InlineDrafts._draft_one = draft, draft_one
+            try:
+                by_cat = replay_counts(qs, stop_ids, build_drafter("mag"), k)
+            finally:
+                inline.InlineDrafts.draft, inline.InlineDrafts._draft_one = draft, draft_one
             tokens = sum(c[0] for c in by_cat.values())
             steps = sum(c[1] for c in by_cat.values())
             row = {"k": k, "lead": name, "tokens": tokens, "session_steps": steps,
@@ -113,6 +99,31 @@ def replay(refs_path: str, out_path: str, ks: list[int]) -> None:
                   " ".join(f"{cat}:{v['tokens_per_forward']:.3f}"
                            for cat, v in row["by_category"].items()), flush=True)
     json.dump({"questions": len(qs), "rows": report}, open(out_path, "w"), indent=1)
+
+
+def replay_counts(qs: list[dict], stop_ids: set[int], drafter, k: int) -> dict[str, list[int]]:
+    """The questions replayed through the engine with ``drafter`` inline at a fixed draft
+    length k, 16 sessions at a time, each output checked equal to its reference: per category,
+    [tokens, session-steps, draft tokens verified, accepted]."""
+    from edgespec.config import EngineConfig, SamplingParams
+    from edgespec.engine.spec_engine import Request, SpecEngine
+
+    runner = _reference_runner()(qs, 16)
+    cfg = EngineConfig(max_sessions=16, max_draft=k, adaptive=False, rest_drafters=False)
+    by_cat: dict[str, list[int]] = {}
+    with SpecEngine(runner, drafter, cfg, stop_ids) as engine:
+        for i in range(0, len(qs), 16):
+            batch = qs[i:i + 16]
+            results = engine.generate_many([Request(list(q["prompt"]), 96, SamplingParams())
+                                            for q in batch])
+            for q, r in zip(batch, results):
+                assert r.token_ids == q["output"], q["id"]  # the replay is target-only's
+                c = by_cat.setdefault(q["category"], [0, 0, 0, 0])
+                c[0] += len(r.token_ids)
+                c[1] += r.stats.steps
+                c[2] += r.stats.draft_tokens
+                c[3] += r.stats.accepted_tokens
+    return by_cat
 
 
 def _reference_runner():
@@ -164,11 +175,8 @@ def _reference_runner():
     return ReferenceRunner
 
 
-ReferenceRunner = None  # set in main (the bench package imported only when run)
-
 if __name__ == "__main__":
     if sys.argv[1] == "refs":
         make_refs(sys.argv[2], int(sys.argv[3]))
     else:
-        ReferenceRunner = _reference_runner()
         replay(sys.argv[2], sys.argv[3], [int(k) for k in sys.argv[4].split(",")])

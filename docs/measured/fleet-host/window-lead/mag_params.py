@@ -32,24 +32,10 @@ def questions(half: str) -> tuple[list[dict], set[int]]:
 
 def replay(qs: list[dict], stop_ids: set[int], k: int, **params) -> tuple[float, float, float]:
     """(tokens a forward, draft tokens a forward, accepted a draft token) of MaG(**params)."""
-    from edgespec.config import EngineConfig, SamplingParams
     from edgespec.drafters.mag import MaGDrafter
-    from edgespec.engine.spec_engine import Request, SpecEngine
 
-    runner = lead_replay._reference_runner()(qs, 16)
-    cfg = EngineConfig(max_sessions=16, max_draft=k, adaptive=False, rest_drafters=False)
-    tokens = steps = drafted = accepted = 0
-    with SpecEngine(runner, MaGDrafter(**params), cfg, stop_ids) as engine:
-        for i in range(0, len(qs), 16):
-            batch = qs[i:i + 16]
-            results = engine.generate_many([Request(list(q["prompt"]), 96, SamplingParams())
-                                            for q in batch])
-            for q, r in zip(batch, results):
-                assert r.token_ids == q["output"], q["id"]  # the replay is target-only's
-                tokens += len(r.token_ids)
-                steps += r.stats.steps
-                drafted += r.stats.draft_tokens
-                accepted += r.stats.accepted_tokens
+    counts = lead_replay.replay_counts(qs, stop_ids, MaGDrafter(**params), k).values()
+    tokens, steps, drafted, accepted = (sum(c[i] for c in counts) for i in range(4))
     return tokens / steps, drafted / steps, accepted / max(drafted, 1)
 
 
