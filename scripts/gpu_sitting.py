@@ -25,7 +25,11 @@ d. ``fleet``: 16, 32 and 64 concurrent sessions, MaG drafts batched against the 
    target-only batched and (16, 32) one session a forward, outputs identical, throughput
    ratios, each batched step's time split (prefill, plan + take + propose, forward +
    verification, place + commit, the rest);
-e. ``tests``: the CUDA tests, under a timeout.
+e. ``tests``: the CUDA tests, under a timeout (``--tests-first``: before stage 0, their Triton
+   kernels then compiled into the cache the stages read; ``--tests-workers N``: pytest-xdist).
+
+Stage a runs for every shape, then b for every shape, then d, so that a sitting cut short by
+``--deadline-s`` (no stage starts after it) keeps the kernels' goals at every shape.
 
 Stages b, c and d are in ``sitting_serving``; the timing and profiling the stages share in
 ``sitting_common``.
@@ -82,6 +86,7 @@ class Sitting:
 
     def __init__(self, out: Path, device: str, dry: bool, budget_s: float):
         self.out, self.device, self.dry, self.budget_s = out, device, dry, budget_s
+        self.deadline_s: float | None = None  # no stage starts after it (--deadline-s)
         self.t0 = time.perf_counter()
         self.dtype = "float32" if dry else "bfloat16"  # the models' (module docstring)
         name = torch.cuda.get_device_name(0) if device == "cuda" else "cpu (dry run)"
@@ -101,6 +106,11 @@ class Sitting:
         return time.perf_counter() - self.t0
 
     def stage(self, name: str, fn) -> None:
+        if self.deadline_s is not None and self.elapsed() > self.deadline_s:
+            self.data.setdefault("not_run", []).append(name)
+            say(f"== {name}: not run (past the --deadline-s of {self.deadline_s:.0f} s)")
+            self.save()
+            return
         say(f"== {name} (at {self.elapsed():.0f} s)")
         t = time.perf_counter()
         try:
@@ -257,7 +267,7 @@ def stage_breakdown(s: Sitting, shape: str, model) -> None:
         say(f"   {shape} {B} x {T}: {json.dumps(out[f'{B}x{T}'].get('top', [])[:5])}")
 
 
-def stage_tests(s: Sitting, timeout_s: float) -> None:
+def stage_tests(s: Sitting, timeout_s: float, workers: int = 0) -> None:
     # 8 host threads: the CPU-side fixtures' dtype probe is proven at 1-8 (at 16 this
     # machine's CPU attention varied, seen in the first sitting of issue 36)
     env = dict(os.environ, OMP_NUM_THREADS="8", PYTHONPATH=os.pathsep.join(
@@ -268,6 +278,8 @@ def stage_tests(s: Sitting, timeout_s: float) -> None:
     else:
         select = [*CUDA_TESTS, "-k", CUDA_SELECT]
     cmd = [sys.executable, "-m", "pytest", "-q", "-rfEs", "-p", "no:cacheprovider", *select]
+    if workers > 0:
+        cmd[3:3] = ["-n", str(workers)]
     say("   " + " ".join(cmd))
     try:
         done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
@@ -300,7 +312,16 @@ def main() -> int:
     p.add_argument("--breakdown", default="",
                    help="shapes whose graphed step's kernels are broken down by name first")
     p.add_argument("--tests-first", action="store_true",
-                   help="run the CUDA tests before transformers' compiled generate")
+                   help="run the CUDA tests before every other stage (their Triton kernels "
+                        "compiled once, into the cache the stages then read)")
+    p.add_argument("--tests-workers", type=int, default=0,
+                   help="pytest-xdist workers for the CUDA tests (0: one process)")
+    p.add_argument("--deadline-s", type=float, default=None,
+                   help="no stage starts after this many seconds (recorded as not run), and "
+                        "the tests' timeout shrinks to what is left before --end-s")
+    p.add_argument("--end-s", type=float, default=None,
+                   help="seconds by which the sitting must have ended (the tests' timeout "
+                        "is cut to fit)")
     args = p.parse_args()
     if not args.dry_run and not torch.cuda.is_available():
         print("gpu_sitting: no CUDA device here (use --dry-run on a CPU)", file=sys.stderr)
@@ -308,6 +329,7 @@ def main() -> int:
     torch.set_num_threads(min(8, os.cpu_count() or 1))  # host side only; said in the JSON
     s = Sitting(args.out, "cpu" if args.dry_run else "cuda", args.dry_run, args.budget_s)
     s.data["host_threads"] = torch.get_num_threads()
+    s.deadline_s = args.deadline_s
     say(f"sitting on {s.data['gpu']}: torch {torch.__version__}, triton {s.data['triton']}")
     skip = set(args.skip.split(","))
     shapes = args.shapes.split(",")
@@ -321,6 +343,8 @@ def main() -> int:
                                          layers=1 if s.dry else None)
         return models[shape]
 
+    if "tests" not in skip and args.tests_first:
+        s.stage("tests", lambda: stage_tests(s, args.tests_timeout_s, args.tests_workers))
     if "attention" not in skip:
         sizes = FORWARD_SHAPES if not s.dry else ((1, 1), (2, 5))
         s.stage("attention", lambda: stage_attention(
@@ -332,18 +356,28 @@ def main() -> int:
             lambda fn: graphed_median_ms(fn, s.device, 10 if not s.dry else 1)))
     for shape in [x for x in args.breakdown.split(",") if x]:
         s.stage(f"breakdown {shape}", lambda sh=shape: stage_breakdown(s, sh, model_of(sh)))
-    for shape in shapes:
-        for name, fn in (("graphs", stage_graphs), ("decode", stage_decode),
-                         ("exactness", stage_plain), ("e2e", stage_e2e), ("fleet", stage_fleet)):
-            if name not in skip:
-                s.stage(f"{name} {shape}", lambda fn=fn, sh=shape: fn(s, sh, model_of(sh)))
+    # the kernels' goals at every shape first, then the serving stages: a sitting cut short by
+    # --deadline-s keeps the first for every shape
+    for group in ((("graphs", stage_graphs), ("decode", stage_decode),
+                   ("exactness", stage_plain)),
+                  (("e2e", stage_e2e),), (("fleet", stage_fleet),)):
+        for shape in shapes:
+            for name, fn in group:
+                if name not in skip:
+                    s.stage(f"{name} {shape}", lambda fn=fn, sh=shape: fn(s, sh, model_of(sh)))
     def tests():
         models.clear()
         free_device_memory(s.device)
-        s.stage("tests", lambda: stage_tests(s, args.tests_timeout_s))
+        timeout = args.tests_timeout_s
+        if args.end_s is not None:
+            timeout = min(timeout, args.end_s - s.elapsed())
+        if timeout < 30:
+            s.data.setdefault("not_run", []).append("tests")
+            say(f"== tests: not run ({timeout:.0f} s left before --end-s)")
+            return
+        s.deadline_s = None  # the tests run past the deadline, within --end-s
+        s.stage("tests", lambda: stage_tests(s, timeout, args.tests_workers))
 
-    if "tests" not in skip and args.tests_first:
-        tests()
     if "hf" not in skip:
         for shape in sorted(shapes, key=lambda x: x != "8b"):  # 8b first
             s.stage(f"hf {shape}", lambda sh=shape: stage_hf(s, sh, model_of(sh)))

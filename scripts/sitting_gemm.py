@@ -42,6 +42,23 @@ def _alone_equal(x: torch.Tensor, w: torch.Tensor, config) -> bool:
                for r in (0, x.shape[0] // 2, x.shape[0] - 1))
 
 
+def _bit_classes(x: torch.Tensor, w: torch.Tensor, tiles: Linear, M: int) -> list[list[str]]:
+    """The kernels (the tiles and each candidate) grouped by the bits of their output on x's
+    first M rows (x: whole tiles): kernels in one group could be chosen between by row count
+    without changing a row's bits."""
+    outs = {"tiles": tiles.tiles(x, M)[:M]}
+    outs.update({c.name: gemm(x, w, rows=M, config=c)[:M] for c in CANDIDATES})
+    groups: list[list[str]] = []
+    for name, y in outs.items():
+        for group in groups:
+            if torch.equal(outs[group[0]], y):
+                group.append(name)
+                break
+        else:
+            groups.append([name])
+    return groups
+
+
 def stage_gemm(s, shapes: list[str], rows: tuple[int, ...], timer) -> None:
     """Time the tiles and every candidate configuration over each shape's products.
     ``timer(fn)``: the median milliseconds of fn (CUDA events on the GPU)."""
@@ -68,6 +85,7 @@ def stage_gemm(s, shapes: list[str], rows: tuple[int, ...], timer) -> None:
                 for k, v in ms.items():
                     step[str(M)][k] += v * calls
                 entry[str(M)] = {k: round(v, 4) for k, v in ms.items()}
+            entry["same_bits"] = _bit_classes(x_all, w, tiles, max(rows))
             for c in CANDIDATES:
                 if not _alone_equal(x_all[:max(rows)].contiguous(), w, c):
                     invariant[c.name] = False

@@ -44,6 +44,11 @@ def format_tables(d: dict) -> str:
         rows += [[shape, "row alone = in batch", "-"] + [e["invariant"].get(k) for k in names[1:]]
                  for shape, e in d["gemm"].items()]
         lines += _table(["shape", "rows"] + [f"{k} ms" for k in names], rows)
+        bits = [[shape, e0["linear"], " ; ".join(" = ".join(g) for g in e0["same_bits"])]
+                for shape, e in d["gemm"].items() for e0 in e["linears"] if "same_bits" in e0]
+        if bits:  # kernels in one group could be chosen by row count with no row's bits moving
+            lines += _table(["shape", "product", "kernels giving the same bits (576 rows)"],
+                            bits)
     if d.get("decode"):  # graphed steps by attention kernel, at two context lengths
         keys = sorted({k for e in d["decode"].values() for r in e.values() for k in r
                        if k.endswith("_ms")}, key=lambda k: (k.split("@")[0] != "1x1", k))
@@ -102,6 +107,8 @@ def format_tables(d: dict) -> str:
                          "forward+verify / place+commit / rest (decide)", "identical"], rows)
     if d.get("tests"):
         lines += [f"CUDA tests: {d['tests'].get('summary', '')} (rc {d['tests']['rc']})", ""]
+    if d.get("not_run"):
+        lines += ["Not run (past the deadline): " + ", ".join(d["not_run"]), ""]
     if d.get("errors"):
         lines += ["Errors: " + json.dumps(d["errors"]), ""]
     return "\n".join(lines) + "\n"

@@ -57,7 +57,13 @@ CANDIDATES = (DEFAULT, GemmConfig(16, 128, 128), GemmConfig(64, 256, 64, warps=8
               # tiles (an 8b layer's 4,096-28,672 columns: 128-896 tiles of 32), a wide step
               # reads each weight tile once for up to 16 M-tiles side by side (576 rows: 9)
               GemmConfig(16, 32, 128, group_m=16, split_k=False),
-              GemmConfig(64, 64, 64, group_m=16, split_k=False))
+              GemmConfig(64, 64, 64, group_m=16, split_k=False),
+              # no split-K with wider tiles (a wide step's tensor-core tiles; the sitting's
+              # ``same_bits`` says whether tiles of one block_k differ only in speed)
+              GemmConfig(16, 64, 64, group_m=16, split_k=False),
+              GemmConfig(64, 128, 64, group_m=16, split_k=False),
+              GemmConfig(128, 128, 64, warps=8, stages=3, group_m=16, split_k=False),
+              GemmConfig(128, 256, 64, warps=8, stages=3, group_m=16, split_k=False))
 
 
 def split_for(n: int, k: int, config: GemmConfig = DEFAULT) -> int:
