@@ -34,8 +34,9 @@ Stage a runs for every shape, then b for every shape, then d, so that a sitting 
 Stages b, c and d are in ``sitting_serving``; the timing and profiling the stages share in
 ``sitting_common``.
 
-It writes ``sitting.json`` and ``sitting.md`` into ``--out`` after every stage, so a sitting cut
-short keeps what it measured, and exits non-zero on any mismatch, failed capture or failed test.
+It writes ``sitting.json`` and ``sitting.md`` (and the tests' whole output, ``tests.log``) into
+``--out`` after every stage, so a sitting cut short keeps what it measured, and exits non-zero on
+any mismatch, failed capture or failed test.
 ``--dry-run`` runs every stage on the CPU over one layer of each shape under Triton's interpreter
 (the plumbing, not the numbers), the models in float32: bfloat16's products are not
 batch-invariant on every CPU (on an AMX Xeon the runner's start check refuses them)."""
@@ -288,6 +289,7 @@ def stage_tests(s: Sitting, timeout_s: float, workers: int = 0) -> None:
     except subprocess.TimeoutExpired as exc:
         text, rc = f"{exc.stdout or ''}{exc.stderr or ''}\ntimed out", 124
         text = text if isinstance(text, str) else text.decode(errors="replace")
+    (s.out / "tests.log").write_text(text)  # every failure's traceback and captured log
     tail = text.strip().splitlines()
     say("\n".join("   " + line for line in tail[-25:]))
     summary = next((line for line in reversed(tail) if re.search(r"\d+ (passed|failed)", line)),

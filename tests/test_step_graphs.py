@@ -145,6 +145,31 @@ def test_cuda_a_failed_capture_is_reported_and_steps_run_eagerly(tiny, monkeypat
     assert runner.graphs.replays == 0
 
 
+@NO_CUDA
+def test_cuda_every_bucket_is_captured_by_a_runner_whose_kernels_never_ran():
+    """A graphed runner with no start check (its kernels never launched in this process: a head
+    layout no other test uses) captures every bucket: each runs once eagerly first, so a kernel
+    compiled for a new specialization (a one-session bucket's argument of 1) is loaded outside
+    the capture. Seen on an H200: captures failing at buckets (1, 1) and (1, 9)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=200, hidden_size=96, intermediate_size=160,
+                      num_hidden_layers=1, num_attention_heads=3, num_key_value_heads=1,
+                      max_position_embeddings=256, bos_token_id=1, eos_token_id=2,
+                      pad_token_id=2)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).eval().to("cuda", torch.bfloat16)
+    runner = TargetRunner(model, n_slots=2, max_len=64, graphs=True, exact=False)
+    state = runner.graphs.state()
+    assert state.failed is None and state.captured == state.buckets
+    runner.prefill(0, [1, 5, 6, 7])
+    rows = StepRows.build([0], [4], [8], DraftShape.of([([9], [-1])]), runner.device)
+    eager = TargetRunner(model, n_slots=2, max_len=64, graphs=False, exact=False)
+    eager.prefill(0, [1, 5, 6, 7])
+    assert torch.equal(runner.score_rows(rows).logits, eager.score_rows(rows).logits)
+    assert runner.graphs.replays == 1
+
+
 def test_kernels_follow_the_device_and_the_head_size():
     """The fused kernels serve CUDA for heads of a power-of-two size (their block shape); other
     heads, and CPUs, take torch's ops; asking for the fused kernels with such a head is refused."""

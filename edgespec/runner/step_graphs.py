@@ -134,7 +134,10 @@ class StepGraphs:
     @torch.inference_mode()
     def capture_all(self) -> None:
         """Capture every bucket (CUDA), largest first into one pool; a failure is logged and
-        kept, and the runner serves eagerly."""
+        kept, and the runner serves eagerly. Each bucket runs once eagerly first: a kernel
+        launched with new arguments may be compiled and loaded then (Triton specializes an
+        integer argument of 1, a bucket of one session's), which must not happen inside a
+        capture."""
         if not self.capture:
             return
         t0 = time.perf_counter()
@@ -142,14 +145,13 @@ class StepGraphs:
         shape = shapes[0]  # the warm-up's, should it fail
         try:
             stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):  # lazy initialisations outside any capture
-                self._fill(*shapes[0], None)
-                self._run(*shapes[0])
-            torch.cuda.current_stream().wait_stream(stream)
-            torch.cuda.synchronize(self.runner.device)
             for shape in shapes:
                 self._fill(*shape, None)
+                stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(stream):  # lazy initialisations outside any capture
+                    self._run(*shape)
+                torch.cuda.current_stream().wait_stream(stream)
+                torch.cuda.synchronize(self.runner.device)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
                     self._run(*shape)
