@@ -18,6 +18,7 @@ import torch
 
 from edgespec.models.shapes import SHAPES
 from edgespec.runner.fused_gemm import CANDIDATES, gemm
+from edgespec.runner.gemm_plan import plan_for
 from edgespec.runner.fused_kernels import padded_rows
 from edgespec.runner.linear import Linear
 
@@ -65,7 +66,7 @@ def stage_gemm(s, shapes: list[str], rows: tuple[int, ...], timer) -> None:
     out = s.data.setdefault("gemm", {})
     g = torch.Generator().manual_seed(0)
     for shape in shapes:
-        names = ["tiles"] + [c.name for c in CANDIDATES]
+        names = ["tiles", "plan"] + [c.name for c in CANDIDATES]
         step = {str(M): dict.fromkeys(names, 0.0) for M in rows}
         invariant = dict.fromkeys((c.name for c in CANDIDATES), True)
         per_linear = []
@@ -77,11 +78,16 @@ def stage_gemm(s, shapes: list[str], rows: tuple[int, ...], timer) -> None:
             x_all = torch.randn(padded_rows(max(rows)), K, generator=g).to(s.device,
                                                                            torch.bfloat16)
             entry: dict = {"linear": name, "n": N, "k": K}
+            # the runner's kernel at each row count (``gemm_plan``; proven there at start)
+            plan = plan_for(N, K, torch.bfloat16)
+            entry["plan"] = plan.describe() if plan is not None else "tiles"
             for M in rows:
                 x = x_all[:padded_rows(M)].contiguous()
                 ms = {"tiles": timer(lambda: tiles.tiles(x, M))}
                 for c in CANDIDATES:
                     ms[c.name] = timer(lambda c=c: gemm(x, w, rows=M, config=c))
+                planned = plan.config_for(M) if plan is not None else None
+                ms["plan"] = ms[planned.name if planned is not None else "tiles"]
                 for k, v in ms.items():
                     step[str(M)][k] += v * calls
                 entry[str(M)] = {k: round(v, 4) for k, v in ms.items()}
@@ -98,5 +104,6 @@ def stage_gemm(s, shapes: list[str], rows: tuple[int, ...], timer) -> None:
         for M in rows:
             by = step[str(M)]
             best = min((c.name for c in CANDIDATES), key=lambda k: by[k])
-            print(f"   {shape} {M} rows: products a step, tiles {by['tiles']:.2f} ms, best "
-                  f"Triton {best} {by[best]:.2f} ms", flush=True)
+            print(f"   {shape} {M} rows: products a step, tiles {by['tiles']:.2f} ms, the "
+                  f"runner's plan {by['plan']:.2f} ms, best Triton {best} {by[best]:.2f} ms",
+                  flush=True)

@@ -46,7 +46,8 @@ NUMERIC_CODE = {
                "edgespec.runner.target_runner", "edgespec.runner.slot_prompts",
                "edgespec.runner.model_weights",
                "edgespec.runner.fused_kernels", "edgespec.runner.fused_gemm",
-               "edgespec.runner.fused_attention", "edgespec.runner.fused_forward"),
+               "edgespec.runner.fused_attention", "edgespec.runner.fused_forward",
+               "edgespec.runner.gemm_plan"),
 }
 # runner modules that compute none of a step's values: they choose, check, store, index or
 # time (a change to what they choose shows in the kernel set's other fields)

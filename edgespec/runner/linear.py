@@ -10,6 +10,8 @@ depended on the call's row count (bfloat16: 8192 -> 2048, 4096 -> 4096, 14336 ->
 nearly every shape). One call padded to a multiple of 128 rows was not enough (a 256-row call
 takes another kernel than a 128-row one); 128-row tiles, one padded call each, made every shape
 invariant in both dtypes up to 511 rows. vLLM's pinned cuBLASLt settings fixed bfloat16 only.
+At some row counts a Triton kernel that gives the tiles' bits runs instead (``plan``:
+``edgespec.runner.gemm_plan``), proven so at start.
 
 Why row tiles on some CPUs (measured on an Emerald Rapids Xeon, AMX, torch 2.13): oneDNN's packed
 bfloat16 product takes one kernel for calls of up to 32 rows and another above, so a row among 64
@@ -90,6 +92,9 @@ class Linear:
         self.tiled = row_tile is not None or (weight.device.type == "cuda" if tiled is None
                                               else tiled)
         self.gemm = "tiles"  # what ``tiles`` runs on CUDA (``GEMMS``)
+        # "tiles" on CUDA: the Triton kernels some row counts run instead, each proven at start
+        # to give the tiles' bits (``gemm_plan``; None: the tiles at every row count)
+        self.plan = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -142,14 +147,25 @@ class Linear:
         """rows [P, K], P a whole number of tiles (a staging buffer the fused kernels wrote,
         its padding rows whatever they hold) -> [P, N]: one product of ``tile_rows`` rows per
         tile, each written into its rows of one output (no concatenation). ``used``: how many
-        leading rows are real (the Triton GEMM computes only those)."""
+        leading rows are real (the Triton GEMM computes only those; a ``plan`` chooses its
+        kernel by them)."""
         P, size = rows.shape[0], self.tile_rows
         assert P % size == 0, f"{P} rows are not whole tiles of {size}"
-        if self.gemm == "triton" and rows.device.type == "cuda":
-            from .fused_gemm import gemm
+        config = None
+        if self.plan is not None:
+            config = self.plan.config_for(P if used is None else used)
+        if config is not None or (self.gemm == "triton" and rows.device.type == "cuda"):
+            from .fused_gemm import DEFAULT, gemm
 
             return gemm(rows, self.weight.detach(),
-                        None if self.bias is None else self.bias.detach(), used)
+                        None if self.bias is None else self.bias.detach(), used,
+                        config or DEFAULT)
+        return self.tiles_cublas(rows)
+
+    def tiles_cublas(self, rows: torch.Tensor) -> torch.Tensor:
+        """rows [P, K], P whole tiles -> [P, N], each tile one cuBLAS call (oneDNN's or torch's
+        on a CPU)."""
+        P, size = rows.shape[0], self.tile_rows
         out = torch.empty(P, self.weight.shape[0], dtype=rows.dtype, device=rows.device)
         w_t = self.weight.detach().t()  # out= products take no autograd (a model's weights may
         bias = None if self.bias is None else self.bias.detach()  # still ask for gradients)

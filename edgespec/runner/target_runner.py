@@ -141,10 +141,18 @@ class TargetRunner(SlotPrompts):
             self._row_sum = Linear(ones, pack=False, tiled=True)
         # exact: the target (verification must be batch-invariant); a drafter's runner need
         # not be (a draft may be anything), so it is neither checked nor refused
+        self.gemm_plans = ""  # CUDA's tiles: which products run Triton kernels at some rows
         if share_weights is None:  # shared layers keep the products of the runner that owns them
-            for lin in [self.lm_head] + [m for layer in self.layers for m in
-                                         (layer.qkv, layer.o, layer.gate_up, layer.down)]:
+            linears = [self.lm_head] + [m for layer in self.layers for m in
+                                        (layer.qkv, layer.o, layer.gate_up, layer.down)]
+            for lin in linears:
                 lin.gemm = gemm
+            if fused and gemm == "tiles" and self.device.type == "cuda":
+                from .gemm_plan import attach_plans  # imports Triton
+
+                self.gemm_plans = attach_plans(linears)
+                log.info("products: cuBLAS tiles, %s (kernels giving the tiles' bits)",
+                         self.gemm_plans)
         self.col_tile, self.attention_cols = ks.col_tile, ks.attention_cols
         self.attention_products = ks.attention_dtype
         # with graphs, one more slot: the bucket rows past a step's sessions write there
