@@ -18,7 +18,8 @@ from sitting_common import runner_for, say, sync
 
 
 def stage_e2e(s, shape: str, model) -> None:
-    """(b) one stream, target-only and MaG + Cacheback, graphs on; then 8 sessions lossless."""
+    """(b) one stream, target-only and MaG + Cacheback, graphs on, each step's time split as
+    the fleet's (``timed_generate``: the host's share of a step); then 8 sessions lossless."""
     new = 128 if not s.dry else 6
     rng = random.Random(f"e2e-{shape}")
     prompt = [1] + [rng.randrange(3, model.config.vocab_size) for _ in range(40)]
@@ -30,16 +31,11 @@ def stage_e2e(s, shape: str, model) -> None:
         with SpecEngine(runner, build_drafter(spec) if spec else None, cfg,
                         stop_ids=set()) as engine:
             engine.generate(Request(prompt, 8))  # warm-up
-            sync(s.device)
-            t = time.perf_counter()
-            res = engine.generate(Request(prompt, new))
-            sync(s.device)
-            dt = time.perf_counter() - t
-        outs[name] = res.token_ids
-        steps = max(1, res.stats.steps) if hasattr(res.stats, "steps") else None
-        row[f"{name}_tok_s"] = round(len(res.token_ids) / dt, 1)
-        if steps:
-            row[f"{name}_ms_step"] = round(1000 * dt / steps, 2)
+            (tokens,), dt, split = timed_generate(engine, [Request(prompt, new)], s.device)
+        outs[name] = tokens
+        row[f"{name}_tok_s"] = round(len(tokens) / dt, 1)
+        row[f"{name}_ms_step"] = round(1000 * dt / max(1, split["steps"]), 2)
+        row[f"{name}_ms_a_step"] = split["ms_a_step"]  # where a step's time goes, host and device
     row["identical"] = outs["target_only"] == outs["mag_cacheback"]
     if not row["identical"]:
         s.mismatch(f"{shape}: MaG + Cacheback's stream differs from target-only's")

@@ -80,9 +80,14 @@ def format_tables(d: dict) -> str:
                           c.get("graph_kernels"), c.get("graph_busy_us"), c.get("eager_kernels")]
                          for c in d["forward"]])
     if d.get("e2e"):
-        lines += _table(["shape", "target-only tok/s", "ms a step", "MaG + Cacheback tok/s",
+        split = ("prefill", "plan_take_propose", "forward_verify", "place_commit", "rest")
+        lines += _table(["shape", "target-only tok/s", "ms a step",
+                         "its ms: prefill / plan+take+propose / forward+verify / place+commit / "
+                         "rest", "MaG + Cacheback tok/s",
                          "identical", "transformers compiled static tok/s"],
                         [[k, v.get("target_only_tok_s"), v.get("target_only_ms_step"),
+                          " / ".join(str(v.get("target_only_ms_a_step", {}).get(x, "-"))
+                                     for x in split),
                           v.get("mag_cacheback_tok_s"), v.get("identical"),
                           d.get("hf", {}).get(k, {}).get("static_compiled_tok_s")]
                          for k, v in d["e2e"].items()])
