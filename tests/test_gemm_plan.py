@@ -12,7 +12,7 @@ import torch
 from triton_on_cpu import require_triton
 
 require_triton()
-from edgespec.runner.fused_gemm import GemmConfig, gemm  # noqa: E402
+from edgespec.runner.fused_gemm import GemmConfig, fits, gemm  # noqa: E402
 from edgespec.runner.gemm_plan import (BY_NAME, MEASURED, Band, GemmPlan,  # noqa: E402
                                        attach_plans, plan_for, prove_plan)
 from edgespec.runner.linear import Linear  # noqa: E402
@@ -80,6 +80,28 @@ def test_a_planned_layer_gives_its_rows_the_tiles_bits_at_every_row_count():
     assert torch.equal(lin(rows[:3]), want[:3])  # through the padded call too
 
 
+def test_a_kernel_that_does_not_build_is_dropped_with_its_reason():
+    lin = _layer(SMALL)
+    broken = GemmConfig(16, 32, 48, split_k=False)  # a block of 48: not a power of two
+    proven, why = prove_plan(lin, GemmPlan((Band(16, SMALL), Band(None, broken))), rows=16)
+    assert proven is not None and proven.configs == [SMALL] and proven.config_for(17) is None
+    assert len(why) == 1 and why[0].startswith(broken.name + ": ")
+    assert "other bits" not in why[0]
+
+
+def test_the_triton_gemm_refuses_what_its_32_bit_offsets_or_layout_cannot_take():
+    x = torch.zeros(16744, 16, dtype=torch.bfloat16)
+    head = torch.zeros(128256, 16, dtype=torch.bfloat16)  # the 8b LM head's columns
+    assert fits(16743, 128256, 16, SMALL) and not fits(16744, 128256, 16, SMALL)
+    with pytest.raises(ValueError, match="fit 32 bits"):
+        gemm(x, head, config=SMALL)
+    w = torch.zeros(32, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="contiguous operands of one dtype"):
+        gemm(torch.zeros(64, 8, dtype=torch.bfloat16).t(), w, config=SMALL)  # a strided view
+    with pytest.raises(ValueError, match="contiguous operands of one dtype"):
+        gemm(torch.zeros(8, 64), w, config=SMALL)  # float32 rows, bfloat16 weights
+
+
 def test_only_cuda_layers_of_measured_shapes_are_planned():
     w = torch.zeros(4096, 4096, dtype=torch.bfloat16)  # a measured shape, on the CPU
     lin = Linear(w, pack=False, tiled=True)
@@ -92,30 +114,35 @@ CUDA = pytest.mark.skipif(not torch.cuda.is_available(),
 
 @CUDA
 def test_cuda_a_runner_of_measured_shapes_plans_its_products_and_keeps_the_tiles_bits():
-    """One layer of the 135m shape: every product planned (on an H200 each planned kernel gave
-    the tiles' bits); steps of 1, 40 and 300 rows, graphed and eager, with the bits of the same
-    runner's products on the tiles alone."""
+    """One layer of the 135m shape (every product measured): the products whose plans the start
+    proof kept (on an H200, all five) step with the bits of the same products on the tiles
+    alone, graphed and eager, at 1, 15 (an eager step in the first band whose graph bucket, 8 x
+    4, is in the second), 40 and 300 rows."""
     from edgespec.models.shapes import random_model
     from edgespec.runner.step_rows import DraftShape, StepRows
     from edgespec.runner.target_runner import TargetRunner
 
     model = random_model("135m", "cuda", "bfloat16", layers=1)
-    runner = TargetRunner(model, n_slots=40, max_len=128, exact=False, graphs=True)
-    assert runner.gemm_plans == "5 of 5 products planned by rows"
-    linears = [runner.lm_head] + [m for layer in runner.layers
-                                  for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-    plain = TargetRunner(model, n_slots=40, max_len=128, exact=False, graphs=False,
-                         share_weights=runner)
+    graphed = TargetRunner(model, n_slots=40, max_len=128, exact=False, graphs=True)
+    linears = [graphed.lm_head] + [m for layer in graphed.layers
+                                   for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+    planned = sum(lin.plan is not None for lin in linears)
+    assert graphed.gemm_plans == f"{planned} of 5 products planned by rows"
+    if torch.cuda.get_device_capability()[0] == 9:
+        assert planned > 0
+    eager = TargetRunner(model, n_slots=40, max_len=128, exact=False, graphs=False,
+                         share_weights=graphed)
     plans = [lin.plan for lin in linears]
+    sizes = ((1, 1), (5, 3), (40, 1), (30, 10))
 
-    def steps(r, planned):  # the prompts prefilled and three steps, plans on or off
+    def steps(r, with_plans):  # the prompts prefilled and the steps, the plans kept or not
         for lin, plan in zip(linears, plans):
-            lin.plan = plan if planned else None
-        for slot in range(40):
-            r.new_slot()
+            lin.plan = plan if with_plans else None
+        for slot in range(40):  # prefilled again: the steps wrote past each prompt
+            r.cache.lengths[slot] = 0
             r.prefill(slot, [1] + [(7 * slot + i) % 500 + 3 for i in range(20)])
         out = []
-        for B, T in ((1, 1), (40, 1), (30, 10)):
+        for B, T in sizes:
             drafts = [([(3 * b + t) % 400 + 3 for t in range(T - 1)], list(range(-1, T - 2)))
                       for b in range(B)]
             rows = StepRows.build(list(range(B)), [21] * B, [5] * B, DraftShape.of(drafts),
@@ -123,7 +150,11 @@ def test_cuda_a_runner_of_measured_shapes_plans_its_products_and_keeps_the_tiles
             out.append(r.score_rows(rows).logits.clone())
         return out
 
-    on_tiles = steps(plain, planned=False)
-    for got, want, size in zip(steps(runner, planned=True), on_tiles, ("1x1", "40x1", "30x10")):
-        assert torch.equal(got, want), size
-    assert runner.graphs.replays == 3
+    for slot in range(40):
+        graphed.new_slot()
+        eager.new_slot()
+    want = steps(eager, with_plans=False)
+    for runner in (graphed, eager):
+        for got, ref, size in zip(steps(runner, with_plans=True), want, sizes):
+            assert torch.equal(got, ref), (runner.graphs is not None, size)
+    assert graphed.graphs.replays == len(sizes)

@@ -96,7 +96,8 @@ OTHER_TOOLS = {"--index-url", "--no-deps", "--force-reinstall",  # pip
                "--resources", "--node-ip-address",  # ray start
                "--retry", "--retry-connrefused",  # curl
                "--wheels", "--dry-run", "--budget-s", "--skip", "--breakdown",  # gpu_sitting.sh
-               "--tests-first", "--tests-timeout-s", "--shapes",
+               "--tests-first", "--tests-timeout-s", "--shapes", "--tests-workers",
+               "--deadline-s", "--end-s",
                "--calls", "--deadline",  # scripts/admission_burst.py
                "--loops",  # scripts/resting_take_bench.py
                "--windows",  # scripts/llamacpp_window_sweep.py

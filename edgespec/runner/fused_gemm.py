@@ -2,8 +2,9 @@
 weights once per call: the candidate to replace the runner's 128-row cuBLAS tiles on the GPU
 (``Linear.tiles`` reads the weights once per tile, so a 576-row verification step of 64
 sessions x 9 tokens reads them five times). Measured against the tiles by the GPU sitting's
-``gemm`` stage in each configuration of ``CANDIDATES`` (``scripts/sitting_gemm.py``); not yet
-what the runner uses (``gemm="triton"`` runs ``DEFAULT``).
+``gemm`` stage in each configuration of ``CANDIDATES`` (``scripts/sitting_gemm.py``). The runner
+runs some of them at the row counts where they measured faster and give the tiles' bits
+(``gemm_plan``); ``gemm="triton"`` runs ``DEFAULT`` at every row count.
 
 y = x W^T (+ b), x [M, K], W [N, K]. The configuration is a function of (N, K) alone, never of
 M: ``block_m`` x ``block_n`` output tiles, the reduction in ``block_k`` steps in a fixed order,
@@ -64,6 +65,13 @@ CANDIDATES = (DEFAULT, GemmConfig(16, 128, 128), GemmConfig(64, 256, 64, warps=8
               GemmConfig(64, 128, 64, group_m=16, split_k=False),
               GemmConfig(128, 128, 64, warps=8, stages=3, group_m=16, split_k=False),
               GemmConfig(128, 256, 64, warps=8, stages=3, group_m=16, split_k=False))
+
+
+def fits(m: int, n: int, k: int, config: "GemmConfig") -> bool:
+    """Whether every element offset of an (m x k) by (n x k) call in ``config``, its split
+    partials included, fits the kernels' 32-bit index arithmetic (the 8b LM head's 128,256
+    columns reach 2^31 at 16,744 rows)."""
+    return max(m * k, n * k, split_for(n, k, config) * m * n) < 2 ** 31
 
 
 def split_for(n: int, k: int, config: GemmConfig = DEFAULT) -> int:
@@ -135,6 +143,10 @@ def gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     P, K = x.shape
     N = weight.shape[0]
     M = P if rows is None else rows
+    if not fits(M, N, K, config) or not (x.is_contiguous() and weight.is_contiguous()) \
+            or x.dtype != weight.dtype:
+        raise ValueError(f"the Triton GEMM takes contiguous operands of one dtype whose offsets "
+                         f"fit 32 bits: {M} x {K} ({x.dtype}) by {N} x {K} ({weight.dtype})")
     split = split_for(N, K, config)
     steps = triton.cdiv(K, config.block_k)
     out = torch.empty(P, N, dtype=x.dtype, device=x.device)

@@ -14,10 +14,16 @@ once per 128 rows.
 
 So a product keeps the tiles' bits and runs, in each band of row counts, the kernel measured
 fastest there among those that give them (``MEASURED``: bfloat16, by the product's (outputs,
-inputs)); at start the runner proves each planned kernel against the tiles on the layer's own
-weight (``prove_plan``: rows in a call and a row alone), and a kernel that differs is dropped
-from the plan (its band goes back to the tiles), so a row's bits still depend neither on the
-batch nor on the band. Products of other shapes or dtypes run the tiles at every row count.
+inputs)); at start the runner proves each planned kernel against the tiles (``prove_plan``:
+rows of two kinds in a call, and a row alone), and a kernel that differs is dropped from the
+plan (its band goes back to the tiles), so a row's bits still depend neither on the batch nor
+on the band. Two kernels give equal bits for every input exactly when they do the same
+arithmetic in the same order, which does not depend on the values: so one proof a shape, dtype
+and device a process (on the first layer of that shape) stands for every layer; a kernel that
+sums in another order differs on almost every random row, and the probe's second kind of rows
+(columns scaled from 2^-12 to 2^12) makes rounding differences likelier still. The plans serve
+Hopper GPUs (compute capability 9: the H100 and H200 they were measured on); other GPUs, shapes
+and dtypes run the tiles at every row count.
 """
 
 from __future__ import annotations
@@ -89,6 +95,7 @@ class GemmPlan:
 
     @property
     def configs(self) -> list[GemmConfig]:
+        """The Triton configurations the plan runs, each once, in band order."""
         return list(dict.fromkeys(b.config for b in self.bands if b.config is not None))
 
     def without(self, dropped: set[GemmConfig]) -> "GemmPlan | None":
@@ -98,6 +105,7 @@ class GemmPlan:
         return GemmPlan(bands) if any(b.config is not None for b in bands) else None
 
     def describe(self) -> str:
+        """One line: each band's rows and kernel."""
         return ", ".join(f"{'<=' + str(b.max_rows) if b.max_rows else 'more'}: "
                          f"{b.config.name if b.config else TILES}" for b in self.bands)
 
@@ -123,7 +131,11 @@ def prove_plan(linear, plan: GemmPlan, seed: int = 0,
     bias = None if linear.bias is None else linear.bias.detach()
     g = torch.Generator(device=weight.device).manual_seed(seed)
     x = torch.randn(rows, weight.shape[1], generator=g, device=weight.device,
-                    dtype=torch.float32).to(weight.dtype)
+                    dtype=torch.float32)
+    scale = torch.exp2(torch.randint(-12, 13, (weight.shape[1],), generator=g,
+                                     device=weight.device).float())
+    x[rows // 2:] *= scale  # the second half's columns of very different sizes
+    x = x.to(weight.dtype)
     want = linear.tiles_cublas(x)
     dropped: set[GemmConfig] = set()
     why: list[str] = []
@@ -146,13 +158,14 @@ _PROVEN: dict[tuple, GemmPlan | None] = {}
 
 
 def attach_plans(linears: list) -> str:
-    """Give each CUDA linear of a measured shape its proven plan (``Linear.plan``), proving each
-    shape once a process; returns one line for the log."""
+    """Give each linear of a measured shape on a Hopper GPU its proven plan (``Linear.plan``),
+    proving each shape once a process; returns one line for the log."""
     planned = 0
     for lin in linears:
         w = lin.weight
         plan = plan_for(w.shape[0], w.shape[1], w.dtype)
-        if plan is None or w.device.type != "cuda":
+        if plan is None or w.device.type != "cuda" or not w.is_contiguous() \
+                or torch.cuda.get_device_capability(w.device)[0] != 9:
             continue
         key = (w.shape[0], w.shape[1], w.dtype, str(w.device), lin.bias is not None)
         if key not in _PROVEN:

@@ -91,7 +91,7 @@ class Linear:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_hint)
         self.tiled = row_tile is not None or (weight.device.type == "cuda" if tiled is None
                                               else tiled)
-        self.gemm = "tiles"  # what ``tiles`` runs on CUDA (``GEMMS``)
+        self.gemm = "tiles"  # what ``tiles`` runs on CUDA (``GEMMS``; "tiles" with a ``plan``)
         # "tiles" on CUDA: the Triton kernels some row counts run instead, each proven at start
         # to give the tiles' bits (``gemm_plan``; None: the tiles at every row count)
         self.plan = None
@@ -146,14 +146,20 @@ class Linear:
     def tiles(self, rows: torch.Tensor, used: int | None = None) -> torch.Tensor:
         """rows [P, K], P a whole number of tiles (a staging buffer the fused kernels wrote,
         its padding rows whatever they hold) -> [P, N]: one product of ``tile_rows`` rows per
-        tile, each written into its rows of one output (no concatenation). ``used``: how many
-        leading rows are real (the Triton GEMM computes only those; a ``plan`` chooses its
-        kernel by them)."""
+        tile, each written into its rows of one output (no concatenation); or, where ``plan``
+        names a Triton kernel for this many rows (it gives the tiles' bits, proven at start),
+        that kernel over the real rows alone. ``used``: how many leading rows are real (the
+        Triton GEMM computes only those, leaving the rest of the output unwritten)."""
         P, size = rows.shape[0], self.tile_rows
         assert P % size == 0, f"{P} rows are not whole tiles of {size}"
         config = None
         if self.plan is not None:
-            config = self.plan.config_for(P if used is None else used)
+            from .fused_gemm import fits  # the plans are CUDA's, where Triton is
+
+            M, (N, K) = (P if used is None else used), self.weight.shape
+            config = self.plan.config_for(M)
+            if config is not None and not (rows.is_contiguous() and fits(M, N, K, config)):
+                config = None  # the tiles: the same bits
         if config is not None or (self.gemm == "triton" and rows.device.type == "cuda"):
             from .fused_gemm import DEFAULT, gemm
 

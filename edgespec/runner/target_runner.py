@@ -141,7 +141,9 @@ class TargetRunner(SlotPrompts):
             self._row_sum = Linear(ones, pack=False, tiled=True)
         # exact: the target (verification must be batch-invariant); a drafter's runner need
         # not be (a draft may be anything), so it is neither checked nor refused
-        self.gemm_plans = ""  # CUDA's tiles: which products run Triton kernels at some rows
+        # CUDA's tiles: how many products run Triton kernels at some row counts (a runner
+        # sharing another's layers shares their plans)
+        self.gemm_plans: str = share_weights.gemm_plans if share_weights is not None else ""
         if share_weights is None:  # shared layers keep the products of the runner that owns them
             linears = [self.lm_head] + [m for layer in self.layers for m in
                                         (layer.qkv, layer.o, layer.gate_up, layer.down)]
@@ -207,13 +209,14 @@ class TargetRunner(SlotPrompts):
 
     def run_state(self) -> dict:
         """How this runner runs its steps, for benchmark JSON: device, kernels, the kernel set
-        (with its fingerprint), the linear products, the start check's seconds and the CUDA
-        graphs' state (None without)."""
+        (with its fingerprint), the linear products (and how many run Triton kernels at some row
+        counts), the start check's seconds and the CUDA graphs' state (None without)."""
         from dataclasses import asdict
 
         return {"device": str(self.device), "kernels": self.kernels, "attention": self.attention,
                 "kernel_set": self.kernel_set.as_json(),
                 "gemm": self.lm_head.gemm if self.fused is not None else None,
+                "gemm_plans": self.gemm_plans or None,
                 "start_check_s": self.start_check_s,
                 "graphs": asdict(self.graphs.state()) if self.graphs is not None else None}
 
