@@ -5,11 +5,11 @@ models of the SmolLM2-135M, SmolLM2-1.7B and Llama-3.1-8B shapes (built on the G
 configs: no download), in bfloat16, with the runner's defaults on CUDA (the fused Triton kernels,
 CUDA graphs captured at start), stages in this order:
 
-0. ``attention``: the fused attention kernels (tiles, rows, split) against each other at each
-   shape's head layout over 300 and 4,096 keys (``sitting_attention``): probe, medians of calls
-   replayed from a CUDA graph, how far apart; ``gemm``: the products, cuBLAS tiles against each
-   Triton GEMM configuration (with and without split-K), per shape, rows alone = in batch
-   (``sitting_gemm``), replayed the same way;
+0. ``attention``: the fused attention kernels (tiles, rows, split, chunks) against each other
+   at each shape's head layout over 300 and 4,096 keys (``sitting_attention``): probe, medians
+   of calls replayed from a CUDA graph, whether chunks gives split's bits, how far apart;
+   ``gemm``: the products, cuBLAS tiles against each Triton GEMM configuration (with and
+   without split-K), per shape, rows alone = in batch (``sitting_gemm``), replayed the same way;
 a. ``graphs``: graphed against eager forward in one process, per shape, at 1 x 1, 8 x 5, 64 x 1
    and 64 x 9 (sessions x tokens) over 300-token contexts: CUDA-event medians of 20, the bits
    equal, capture seconds and memory, and the kernels and GPU-busy time of one profiled replay;
@@ -198,13 +198,14 @@ def time_against_eager(s: Sitting, shape: str, graphed: TargetRunner, eager: Tar
             f"{row.get('graph_busy_us')} us")
 
 
-DECODE_KERNELS = ("tiles", "split")  # the attention kernels decode is timed with
+DECODE_KERNELS = ("tiles", "split", "chunks")  # the attention kernels decode is timed with
 
 
 def stage_decode(s: Sitting, shape: str, model) -> None:
     """Decode (1 x 1, graphed) at 300 and 4,096 keys, and the 64 x 9 step at 300, on a runner
     of each attention kernel in ``DECODE_KERNELS``: the tiles walk a slot's keys in one
-    program a kv head, the split kernel in chunks of 256 merged in order."""
+    program a kv head, the split kernel in chunks of 256 merged in order by a second kernel,
+    the chunks kernel the same chunks in turn in the tiles' one program (the split's bits)."""
     out = s.data.setdefault("decode", {}).setdefault(shape, {})
     for kernel in DECODE_KERNELS:
         out[kernel] = _decode_times(s, model, kernel)

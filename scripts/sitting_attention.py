@@ -83,6 +83,9 @@ def _timed_size(s, shape: str, layout, B: int, T: int, context: int, timer) -> d
         if kernel == "tiles":  # the warps a tile program runs with, besides the default
             row["tiles_ms_by_warps"] = {w: round(timer(lambda w=w: call(warps=w)), 4)
                                         for w in WARPS}
+    # the chunks kernel does the split kernel's arithmetic in one program: equal bits would let
+    # a runner take either by the step (split for decode over long slots, chunks when wide)
+    row["chunks_equal_split"] = bool(torch.equal(outs["chunks"], outs["split"]))
     row["max_abs_diff"] = max(float((outs[x] - outs[first]).abs().max())
                               for x in ATTENTION_KERNELS)
     if row["max_abs_diff"] > AGREE:
@@ -92,5 +95,6 @@ def _timed_size(s, shape: str, layout, B: int, T: int, context: int, timer) -> d
                        for x in ATTENTION_KERNELS[1:]}
     print(f"   {shape} {B} x {T} at {context} keys: " + ", ".join(
         f"{x} {row[f'{x}_ms']:.4f} ms" for x in ATTENTION_KERNELS)
-        + f", outputs within {row['max_abs_diff']:.1e}", flush=True)
+        + f", outputs within {row['max_abs_diff']:.1e}, chunks = split bits "
+        f"{row['chunks_equal_split']}", flush=True)
     return row

@@ -221,6 +221,33 @@ def test_slot_attention_row_bits_do_not_depend_on_the_call(kernel, layout, tree_
 
 
 @pytest.mark.parametrize("layout", [LAYOUTS[0], LAYOUTS[1]])
+def test_the_chunks_kernel_gives_the_split_kernel_s_bits_in_one_program(layout):
+    """The chunks kernel (the tiles' grid: one program walks a row's key chunks in turn, each
+    merged into the running state as the split kernel's merge does) gives every row the split
+    kernel's bits (chunk programs in parallel, merged by a second kernel, in wider tiles):
+    chains crossing chunks 1 and 2 and within chunk 0, and a tree rooted below a chunk's end.
+    Then a runner may take either by the step (the GPU sitting times both)."""
+    nh, kvh, hd = layout
+    k_cache, v_cache, q, slots, starts = _three_sessions(layout, 640, [253, 509, 40], 31)
+    T = 6
+
+    def both(q, step):
+        return [fa.slot_attention(q, step, k_cache, v_cache, nh, kvh, hd, 0.25, kernel=kernel)
+                for kernel in ("chunks", "split")]
+
+    chunks, split = both(q, fk.FusedStep.chains(slots, starts, T))
+    assert torch.equal(chunks[:3 * T], split[:3 * T])
+    for b in range(3):
+        st = int(starts[b])
+        ref = _attention_ref(q[b * T + T - 1].view(nh, hd), k_cache, v_cache, b,
+                             torch.arange(st + T, device=DEV), nh // kvh, 0.25)
+        torch.testing.assert_close(chunks[b * T + T - 1].view(nh, hd), ref, rtol=1e-5,
+                                   atol=1e-5)
+    tree_chunks, tree_split = both(q[:T], _tree_step([0], [254], [[-1, 0, 0, 2, 1, 3]]))
+    assert torch.equal(tree_chunks[:T], tree_split[:T])
+
+
+@pytest.mark.parametrize("layout", [LAYOUTS[0], LAYOUTS[1]])
 def test_the_split_kernel_sums_fixed_key_chunks_whatever_the_call(layout):
     """The split kernel over slots of 600 keys (three chunks of 256): each query against the
     float32 reference, alone and among other sessions' rows, as a tree node against its chain,

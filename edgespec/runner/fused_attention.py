@@ -1,4 +1,4 @@
-"""The fused runner's attention over KV slots: two fixed-config Triton kernels, one contract.
+"""The fused runner's attention over KV slots: fixed-config Triton kernels, one contract.
 
 Each query of a step attends over its own slot: the slot's first ``start`` positions, then its
 own ancestors among the step's rows (a chain's earlier tokens, a tree node's path from the
@@ -16,6 +16,15 @@ every length).
 - ``"rows"``: one program per (query, q head), keys summed elementwise in float32. Re-reads
   every key block for every query and head (the first GPU sitting's kernel; kept as the
   fallback where the tiles' probe fails, and for comparison).
+- ``"split"``: the tiles over fixed chunks of ``SPLIT_KEYS`` keys at absolute positions, a
+  program per chunk, each chunk's softmax state from scratch, merged in chunk order by a second
+  kernel (``_merge_state``): decode over a long slot spreads over the chip.
+- ``"chunks"``: the tiles' grid doing the split kernel's arithmetic, each program walking its
+  rows' chunks in turn (from scratch, merged in order by the same ``_merge_state``): the split
+  kernel's bits where a tile product's element does not depend on the tile's rows (the start
+  probe proves each kernel; the sitting compares the two), so a runner could take either by
+  the step, split for decode over long slots and chunks for wide steps, without a row's bits
+  moving. Not yet chosen by any runner: the GPU sitting times it.
 
 Batch invariance is structural in both: a row's keys sit in the lanes of their logical
 position (blocks of ``KEY_BLOCK`` from position 0, whatever else is in the call), every shape
@@ -35,7 +44,7 @@ from .attention import KEY_BLOCK
 from .fused_kernels import FusedStep, padded_rows
 from .step_rows import DraftShape, StepRows
 
-ATTENTION_KERNELS = ("tiles", "rows", "split")
+ATTENTION_KERNELS = ("tiles", "rows", "split", "chunks")
 TILE_ROWS_MIN = 16  # tl.dot's smallest tile side
 SPLIT_KEYS = 256  # the split kernel's chunk of keys, at absolute positions (KEY_BLOCK multiple)
 SPLIT_QUERIES = 16  # the queries a split program holds where its tile allows (a graphed row's)
@@ -59,45 +68,13 @@ def _attend_block(q, k, v, offs, n, active, acc, top, denom, scale, PREC: tl.con
     return acc, top, denom
 
 
-@triton.jit(do_not_specialize=["T", "NS"])
-def _tile_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, start_ptr, depth_ptr,
-                           path_ptr, T, out_ptr, scale,
-                           ks_slot, ks_head, ks_pos, vs_slot, vs_head, vs_pos,
-                           part_acc_ptr, part_top_ptr, part_den_ptr, NS,
-                           NH: tl.constexpr, GROUP: tl.constexpr, HD: tl.constexpr,
-                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr,
-                           SPLIT: tl.constexpr):
-    """SPLIT 0: every key of the rows, the outputs into out_ptr. SPLIT > 0: the keys at logical
-    positions [split SPLIT, (split + 1) SPLIT) only (program_id(2) = chunk of queries x NS +
-    split), the partial softmax state of each row with keys there into part_*[(row NH + head)
-    NS + split] (``_merge_splits_kernel`` merges them)."""
-    b = tl.program_id(0)
-    kvh = tl.program_id(1)
-    QPP: tl.constexpr = BLOCK_M // GROUP  # queries a program holds
-    if SPLIT > 0:
-        t0 = (tl.program_id(2) // NS) * QPP
-        split = tl.program_id(2) % NS
-        lo = split * SPLIT
-        hi = lo + SPLIT
-    else:
-        t0 = tl.program_id(2) * QPP
-        split = 0
-        lo = 0
-        hi = 1 << 30
-    r = tl.arange(0, BLOCK_M)
-    qt = t0 + r // GROUP  # each tile row's query and q head
-    live = (r < QPP * GROUP) & (qt < T)
-    head = kvh * GROUP + r % GROUP
-    row = b * T + qt
-    d = tl.arange(0, HD)
-    slot = tl.load(slot_ptr + b)
-    start = tl.load(start_ptr + b)
-    depth = tl.load(depth_ptr + row, mask=live, other=0)
-    n = start + depth + 1  # keys each row sees
-    q = tl.load(q_ptr + row[:, None] * (NH * HD) + head[:, None] * HD + d[None, :],
-                mask=live[:, None], other=0.0)  # [BLOCK_M, HD]
-    k_base = k_cache_ptr + slot * ks_slot + kvh * ks_head
-    v_base = v_cache_ptr + slot * vs_slot + kvh * vs_head
+@triton.jit
+def _chunk_state(q, k_base, v_base, ks_pos, vs_pos, depth_ptr, path_ptr, b, T, t0, r, qt, d,
+                 live, n, start, depth, lo, hi, scale, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, HD: tl.constexpr, QPP: tl.constexpr,
+                 PREC: tl.constexpr):
+    """The softmax state (acc [BLOCK_M, HD], top, denom [BLOCK_M]) of the tile's rows over
+    their keys at logical positions [lo, hi), from scratch."""
     acc = tl.zeros([BLOCK_M, HD], tl.float32)
     top = tl.full([BLOCK_M], float("-inf"), tl.float32)
     denom = tl.zeros([BLOCK_M], tl.float32)
@@ -135,7 +112,77 @@ def _tile_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, start_ptr,
             acc, top, denom = _attend_block(q, k, v, offs, n, cover & (block < n), acc, top,
                                             denom, scale, PREC)
         done = done | cover
-    if SPLIT > 0:
+    return acc, top, denom
+
+
+@triton.jit
+def _merge_state(acc, top, denom, s_acc, s_top, s_den):
+    """A chunk's softmax state (s_*) merged into the running one: the split kernel's merge and
+    the chunks kernel's, the same arithmetic in both."""
+    new_top = tl.maximum(top, s_top)
+    keep, take = tl.exp(top - new_top), tl.exp(s_top - new_top)
+    acc = acc * keep[:, None] + s_acc * take[:, None]
+    denom = denom * keep + s_den * take
+    return acc, new_top, denom
+
+
+@triton.jit(do_not_specialize=["T", "NS"])
+def _tile_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, start_ptr, depth_ptr,
+                           path_ptr, T, out_ptr, scale,
+                           ks_slot, ks_head, ks_pos, vs_slot, vs_head, vs_pos,
+                           part_acc_ptr, part_top_ptr, part_den_ptr, NS,
+                           NH: tl.constexpr, GROUP: tl.constexpr, HD: tl.constexpr,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr,
+                           SPLIT: tl.constexpr, CHUNKED: tl.constexpr):
+    """SPLIT 0: every key of the rows in one running softmax, the outputs into out_ptr. SPLIT >
+    0, not CHUNKED: the keys at logical positions [split SPLIT, (split + 1) SPLIT) only
+    (program_id(2) = chunk of queries x NS + split), the partial softmax state of each row with
+    keys there into part_*[(row NH + head) NS + split] (``_merge_splits_kernel`` merges them).
+    SPLIT > 0, CHUNKED: every chunk of SPLIT keys in turn, each from scratch and merged into the
+    running state in chunk order as the merge kernel does (the split kernel's arithmetic in one
+    program), the outputs into out_ptr."""
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    QPP: tl.constexpr = BLOCK_M // GROUP  # queries a program holds
+    if SPLIT > 0 and not CHUNKED:
+        t0 = (tl.program_id(2) // NS) * QPP
+        split = tl.program_id(2) % NS
+        lo = split * SPLIT
+        hi = lo + SPLIT
+    else:
+        t0 = tl.program_id(2) * QPP
+        split = 0
+        lo = 0
+        hi = SPLIT if CHUNKED else 1 << 30
+    r = tl.arange(0, BLOCK_M)
+    qt = t0 + r // GROUP  # each tile row's query and q head
+    live = (r < QPP * GROUP) & (qt < T)
+    head = kvh * GROUP + r % GROUP
+    row = b * T + qt
+    d = tl.arange(0, HD)
+    slot = tl.load(slot_ptr + b)
+    start = tl.load(start_ptr + b)
+    depth = tl.load(depth_ptr + row, mask=live, other=0)
+    n = start + depth + 1  # keys each row sees
+    q = tl.load(q_ptr + row[:, None] * (NH * HD) + head[:, None] * HD + d[None, :],
+                mask=live[:, None], other=0.0)  # [BLOCK_M, HD]
+    k_base = k_cache_ptr + slot * ks_slot + kvh * ks_head
+    v_base = v_cache_ptr + slot * vs_slot + kvh * vs_head
+    acc, top, denom = _chunk_state(q, k_base, v_base, ks_pos, vs_pos, depth_ptr, path_ptr, b,
+                                   T, t0, r, qt, d, live, n, start, depth, lo, hi, scale,
+                                   BLOCK_M, BLOCK_N, HD, QPP, PREC)
+    if CHUNKED:  # the chunks past the first, each merged for the rows with keys in it
+        for c in range(SPLIT, tl.max(tl.where(live, n, 0), axis=0), SPLIT):
+            s_acc, s_top, s_den = _chunk_state(q, k_base, v_base, ks_pos, vs_pos, depth_ptr,
+                                               path_ptr, b, T, t0, r, qt, d, live, n, start,
+                                               depth, c, c + SPLIT, scale, BLOCK_M, BLOCK_N,
+                                               HD, QPP, PREC)
+            m_acc, m_top, m_den = _merge_state(acc, top, denom, s_acc, s_top, s_den)
+            has = live & (c < n)
+            acc = tl.where(has[:, None], m_acc, acc)
+            top = tl.where(has, m_top, top)
+            denom = tl.where(has, m_den, denom)
+    if SPLIT > 0 and not CHUNKED:
         has = live & (lo < n)  # the rows with keys in this split
         at = (row.to(tl.int64) * NH + head) * NS + split  # int64: a long cache's partials
         tl.store(part_acc_ptr + at[:, None] * HD + d[None, :], acc, mask=has[:, None])
@@ -165,13 +212,10 @@ def _merge_splits_kernel(part_acc_ptr, part_top_ptr, part_den_ptr, start_ptr, de
     denom = tl.load(part_den_ptr + at, mask=heads, other=1.0)
     for s in range(1, tl.cdiv(n, SPLIT)):  # every split below n holds keys of this row
         s_top = tl.load(part_top_ptr + at + s, mask=heads, other=0.0)
-        new_top = tl.maximum(top, s_top)
-        keep, take = tl.exp(top - new_top), tl.exp(s_top - new_top)
         s_acc = tl.load(part_acc_ptr + (at + s)[:, None] * HD + d[None, :], mask=heads[:, None],
                         other=0.0)
-        acc = acc * keep[:, None] + s_acc * take[:, None]
-        denom = denom * keep + tl.load(part_den_ptr + at + s, mask=heads, other=1.0) * take
-        top = new_top
+        s_den = tl.load(part_den_ptr + at + s, mask=heads, other=1.0)
+        acc, top, denom = _merge_state(acc, top, denom, s_acc, s_top, s_den)
     tl.store(out_ptr + row * (NH * HD) + h[:, None] * HD + d[None, :],
              (acc / denom[:, None]).to(out_ptr.dtype.element_ty), mask=heads[:, None])
 
@@ -265,7 +309,7 @@ def slot_attention(q: torch.Tensor, step: FusedStep, k_cache: torch.Tensor,
         grid = (step.batch, kv_heads, triton.cdiv(step.width, block_m // group))
         _tile_attention_kernel[grid](
             *args, out, out, out, 1, NH=n_heads, GROUP=group, HD=head_dim, BLOCK_M=block_m,
-            BLOCK_N=KEY_BLOCK, PREC=prec, SPLIT=0, num_warps=warps)
+            BLOCK_N=KEY_BLOCK, PREC=prec, SPLIT=0, CHUNKED=False, num_warps=warps)
     elif kernel == "split":
         # a program per (session, kv head, chunk of queries, chunk of SPLIT_KEYS keys), as many
         # key chunks as the step's longest row needs where the host knows it, else as the
@@ -281,11 +325,18 @@ def slot_attention(q: torch.Tensor, step: FusedStep, k_cache: torch.Tensor,
         grid = (step.batch, kv_heads, triton.cdiv(step.width, block_m // group) * n_splits)
         _tile_attention_kernel[grid](
             *args, acc, top, den, n_splits, NH=n_heads, GROUP=group, HD=head_dim,
-            BLOCK_M=block_m, BLOCK_N=KEY_BLOCK, PREC=prec, SPLIT=SPLIT_KEYS, num_warps=warps)
+            BLOCK_M=block_m, BLOCK_N=KEY_BLOCK, PREC=prec, SPLIT=SPLIT_KEYS, CHUNKED=False,
+            num_warps=warps)
         _merge_splits_kernel[(R,)](
             acc, top, den, step.starts, step.depth, step.width, n_splits, out, NH=n_heads,
             NH_P2=triton.next_power_of_2(n_heads), HD=head_dim, SPLIT=SPLIT_KEYS,
             num_warps=4 if n_heads * head_dim >= 2048 else 1)
+    elif kernel == "chunks":  # the tiles' grid, the split kernel's arithmetic
+        block_m = tile_rows(n_heads, kv_heads)
+        grid = (step.batch, kv_heads, triton.cdiv(step.width, block_m // group))
+        _tile_attention_kernel[grid](
+            *args, out, out, out, 1, NH=n_heads, GROUP=group, HD=head_dim, BLOCK_M=block_m,
+            BLOCK_N=KEY_BLOCK, PREC=prec, SPLIT=SPLIT_KEYS, CHUNKED=True, num_warps=warps)
     elif kernel == "rows":
         _row_attention_kernel[(R, n_heads)](
             *args, NH=n_heads, GROUP=group, HD=head_dim, BLOCK_N=KEY_BLOCK, num_warps=warps)
