@@ -177,7 +177,9 @@ def _tile_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, start_ptr,
                                                path_ptr, b, T, t0, r, qt, d, live, n, start,
                                                depth, c, c + SPLIT, scale, BLOCK_M, BLOCK_N,
                                                HD, QPP, PREC)
-            m_acc, m_top, m_den = _merge_state(acc, top, denom, s_acc, s_top, s_den)
+            # idle tile rows (no query) carry -inf tops: zeros there keep the merge finite
+            m_acc, m_top, m_den = _merge_state(acc, tl.where(live, top, 0.0), denom, s_acc,
+                                               tl.where(live, s_top, 0.0), s_den)
             has = live & (c < n)
             acc = tl.where(has[:, None], m_acc, acc)
             top = tl.where(has, m_top, top)
