@@ -58,19 +58,20 @@ def test_the_proof_keeps_the_kernels_giving_the_tiles_bits_and_drops_the_others(
     lin = _layer(SMALL)
     x = torch.randn(40, 1024, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
     assert not torch.equal(gemm(x, lin.weight, config=WIDE), gemm(x, lin.weight, config=SMALL))
-    plan = GemmPlan((Band(16, SMALL), Band(128, None), Band(None, WIDE)))
+    plan = GemmPlan((Band(16, SMALL), Band(128, None), Band(None, WIDE)), 136, 1024)
     proven, why = prove_plan(lin, plan, rows=128)
     assert proven is not None
     assert proven.config_for(1) == SMALL and proven.config_for(500) is None  # WIDE dropped
     assert why == [f"{WIDE.name}: other bits than the tiles"]
     assert "more: tiles" in proven.describe()
-    only_wide, why = prove_plan(lin, GemmPlan((Band(None, WIDE),)), rows=128)
+    only_wide, why = prove_plan(lin, GemmPlan((Band(None, WIDE),), 136, 1024), rows=128)
     assert only_wide is None and len(why) == 1  # nothing but the tiles left
 
 
 def test_a_planned_layer_gives_its_rows_the_tiles_bits_at_every_row_count():
     lin = _layer(SMALL)
-    lin.plan, _ = prove_plan(lin, GemmPlan((Band(16, SMALL), Band(None, WIDE))), rows=128)
+    plan = GemmPlan((Band(16, SMALL), Band(None, WIDE)), 136, 1024)
+    lin.plan, _ = prove_plan(lin, plan, rows=128)
     assert lin.plan is not None and lin.plan.configs == [SMALL]
     rows = torch.randn(256, 1024, generator=torch.Generator().manual_seed(2))
     rows = rows.to(torch.bfloat16)
@@ -83,7 +84,8 @@ def test_a_planned_layer_gives_its_rows_the_tiles_bits_at_every_row_count():
 def test_a_kernel_that_does_not_build_is_dropped_with_its_reason():
     lin = _layer(SMALL)
     broken = GemmConfig(16, 32, 48, split_k=False)  # a block of 48: not a power of two
-    proven, why = prove_plan(lin, GemmPlan((Band(16, SMALL), Band(None, broken))), rows=16)
+    plan = GemmPlan((Band(16, SMALL), Band(None, broken)), 136, 1024)
+    proven, why = prove_plan(lin, plan, rows=16)
     assert proven is not None and proven.configs == [SMALL] and proven.config_for(17) is None
     assert len(why) == 1 and why[0].startswith(broken.name + ": ")
     assert "other bits" not in why[0]
@@ -93,6 +95,9 @@ def test_the_triton_gemm_refuses_what_its_32_bit_offsets_or_layout_cannot_take()
     x = torch.zeros(16744, 16, dtype=torch.bfloat16)
     head = torch.zeros(128256, 16, dtype=torch.bfloat16)  # the 8b LM head's columns
     assert fits(16743, 128256, 16, SMALL) and not fits(16744, 128256, 16, SMALL)
+    head_plan = plan_for(128256, 4096, torch.bfloat16)  # the 8b LM head: past it, the tiles
+    assert head_plan is not None and head_plan.config_for(16743) == BY_NAME["128x256x64/w8s3"]
+    assert head_plan.config_for(16744) is None
     with pytest.raises(ValueError, match="fit 32 bits"):
         gemm(x, head, config=SMALL)
     w = torch.zeros(32, 64, dtype=torch.bfloat16)

@@ -29,11 +29,11 @@ and dtypes run the tiles at every row count.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
-from .fused_gemm import CANDIDATES, GemmConfig
+from .fused_gemm import CANDIDATES, GemmConfig, fits
 
 log = logging.getLogger(__name__)
 
@@ -82,15 +82,19 @@ class Band:
 
 @dataclass(frozen=True)
 class GemmPlan:
-    """A product's kernel by row count, bands in increasing order."""
+    """An (n outputs, k inputs) product's kernel by row count, bands in increasing order."""
 
     bands: tuple[Band, ...]
+    n: int
+    k: int
 
     def config_for(self, rows: int) -> GemmConfig | None:
-        """The Triton configuration a call of ``rows`` real rows runs (None: the tiles)."""
+        """The Triton configuration a call of ``rows`` real rows runs (None: the tiles, also
+        where the band's kernel cannot take the call: ``fused_gemm.fits``)."""
         for band in self.bands:
             if band.max_rows is None or rows <= band.max_rows:
-                return band.config
+                config = band.config
+                return config if config is None or fits(rows, self.n, self.k, config) else None
         return None
 
     @property
@@ -102,7 +106,7 @@ class GemmPlan:
         """The plan with ``dropped`` kernels' bands back on the tiles (None: only tiles left)."""
         bands = tuple(Band(b.max_rows, None if b.config in dropped else b.config)
                       for b in self.bands)
-        return GemmPlan(bands) if any(b.config is not None for b in bands) else None
+        return replace(self, bands=bands) if any(b.config is not None for b in bands) else None
 
     def describe(self) -> str:
         """One line: each band's rows and kernel."""
@@ -117,7 +121,7 @@ def plan_for(n: int, k: int, dtype: torch.dtype) -> GemmPlan | None:
     if not bands:
         return None
     return GemmPlan(tuple(Band(top, None if name == TILES else BY_NAME[name])
-                          for top, name in bands))
+                          for top, name in bands), n, k)
 
 
 def prove_plan(linear, plan: GemmPlan, seed: int = 0,

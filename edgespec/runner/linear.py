@@ -153,13 +153,8 @@ class Linear:
         P, size = rows.shape[0], self.tile_rows
         assert P % size == 0, f"{P} rows are not whole tiles of {size}"
         config = None
-        if self.plan is not None:
-            from .fused_gemm import fits  # the plans are CUDA's, where Triton is
-
-            M, (N, K) = (P if used is None else used), self.weight.shape
-            config = self.plan.config_for(M)
-            if config is not None and not (rows.is_contiguous() and fits(M, N, K, config)):
-                config = None  # the tiles: the same bits
+        if self.plan is not None and rows.is_contiguous():  # else the tiles: the same bits
+            config = self.plan.config_for(P if used is None else used)
         if config is not None or (self.gemm == "triton" and rows.device.type == "cuda"):
             from .fused_gemm import DEFAULT, gemm
 
