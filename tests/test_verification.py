@@ -21,6 +21,7 @@ from edgespec.verify.keyed_noise import (_MASK64, _signed, gumbel_of_keys, keyed
 from edgespec.runner.target_runner import TargetRunner
 from edgespec.verify.trees import DraftTree
 from oracles import verify_tree
+from edgespec.verify import verify_step as verify_module
 from edgespec.verify.verify_step import NUMPY_ARGMAX_FROM, VerifyBatch, last_argmax, verify_step
 
 V = 40
@@ -223,21 +224,24 @@ def test_sampled_choices_equal_the_host_keyed_choice():
 
 class _SyncCounter:
     """Counts, on the calling thread, the tensor methods that wait for the device (``numpy``
-    is not one: it refuses a device tensor, and on a CPU tensor waits for nothing)."""
+    is not one: it refuses a device tensor, and on a CPU tensor waits for nothing) and the
+    verification's pinned readback (``host_transfers.to_host``, the wait a step makes)."""
 
     NAMES = ("tolist", "item", "cpu", "__bool__", "__int__", "__float__", "__index__")
 
     def __init__(self, monkeypatch):
         self.count, self.thread = 0, threading.get_ident()
         for name in self.NAMES:
-            orig = getattr(torch.Tensor, name)
+            monkeypatch.setattr(torch.Tensor, name, self._counted(getattr(torch.Tensor, name)))
+        monkeypatch.setattr(verify_module, "to_host", self._counted(verify_module.to_host))
 
-            def wrapped(t, *a, _orig=orig, **k):
-                if threading.get_ident() == self.thread:
-                    self.count += 1
-                return _orig(t, *a, **k)
+    def _counted(self, orig):
+        def wrapped(*a, **k):
+            if threading.get_ident() == self.thread:
+                self.count += 1
+            return orig(*a, **k)
 
-            monkeypatch.setattr(torch.Tensor, name, wrapped)
+        return wrapped
 
 
 @pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=0.8, seed=4)],
@@ -269,6 +273,55 @@ def test_a_step_of_8_sessions_syncs_with_the_host_at_most_once(tiny, monkeypatch
             if steps == 1:
                 assert report.sessions == 8
     assert steps > 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="no CUDA device here: the GPU sitting runs it")
+@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=0.8, seed=4)],
+                         ids=["greedy", "sampled"])
+@pytest.mark.parametrize("trees", [False, True], ids=["chains", "trees"])
+def test_cuda_engine_steps_wait_for_the_device_only_for_their_verdicts(tiny, monkeypatch, params,
+                                                                        trees):
+    """On CUDA every engine step (graphed verification, a prompt prefilled beside the running
+    sessions, a tree's accepted paths moved into place) runs under torch's sync debug mode set
+    to raise: no pageable copy, ``.item()`` or other implicit wait, so the host plans the next
+    step while the device works; the verdicts' pinned readback is the one wait. A refused wait
+    inside a step fails its sessions (the engine catches a forward's error), so every session
+    must end by its length or a stop token."""
+    import copy
+
+    from edgespec.engine.generation import Admission
+    from edgespec.runner.host_transfers import implicit_syncs_refused
+
+    model = copy.deepcopy(tiny.model).to("cuda", torch.bfloat16)
+    prompts = [[1] + [10 + (i * 7 + j) % 60 for j in range(6 + 9 * i)] for i in range(8)]
+    runner = TargetRunner(model, n_slots=8, max_len=192)
+    assert runner.graphs is not None
+    if trees:  # drafts from this runner's own greedy outputs: paths off the spine accepted
+        with SpecEngine(runner, None, EngineConfig()) as alone:
+            outs = alone.generate_many([Request(p, 12, SamplingParams()) for p in prompts])
+        refs = {tuple(p): r.token_ids for p, r in zip(prompts, outs)}
+        drafter = OracleTreeDrafter(refs, runner.vocab_size, seed=1)
+    else:
+        drafter = build_drafter("mag")
+    moves = []
+    move_many = runner.cache.move_many
+    monkeypatch.setattr(runner.cache, "move_many", lambda *a: (moves.append(a), move_many(*a)))
+    cfg = EngineConfig(adaptive=False, draft_wait_ms=5000, tree_width=3 if trees else 1,
+                       max_draft=4, prefill_budget=16)
+    with SpecEngine(runner, drafter, cfg, stop_ids={2}) as engine:
+        sessions = [engine.add(Request(p, 12, params)) for p in prompts[:5]]
+        steps = 0
+        while engine.sessions:
+            if steps == 2:  # prefilled in the steps that follow, 16 tokens a step
+                sessions += engine.admit([Admission(Request(p, 12, params))
+                                          for p in prompts[5:]])
+            with implicit_syncs_refused(runner.device):
+                engine.step()
+            steps += 1
+    assert [s.finish in ("length", "stop") for s in sessions] == [True] * 8
+    assert runner.graphs.replays > 0
+    assert not trees or moves  # a path off a tree's spine was moved
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(

@@ -204,8 +204,14 @@ class SpecEngine(StepDrafts):
             return report_of(self._commit(kept, *self._undelivered_s), len(kept),
                              sum(d.draft.width for d in kept), 0.0, 0.0, time.perf_counter() - t0)
         t0 = time.perf_counter()
+        prefilled = self.prefilling.tokens_left
         self._advance_prefill(self.cfg.prefill_budget)  # chunked prefill: a budget a step
         self.prefill_s = time.perf_counter() - t0
+        # on CUDA the prefill's kernels run while the host plans (no wait: host_transfers), so
+        # the verification's wait holds what is left of them: such a step's forward time is
+        # not the verification's cost alone
+        async_prefill = self.target.device.type == "cuda" and \
+            prefilled != self.prefilling.tokens_left
         if not self.active:  # every session still waits for its prompt
             return None
         t0 = time.perf_counter()
@@ -219,7 +225,8 @@ class SpecEngine(StepDrafts):
         judged = self._verify(drafts)
         t2 = time.perf_counter() - self._decide_s  # the forward and verification alone
         width = sum(d.width for d in drafts)
-        self.cost.observe(len(drafts), max(d.width for d in drafts), t2 - t1)  # rows padded
+        if not async_prefill:
+            self.cost.observe(len(drafts), max(d.width for d in drafts), t2 - t1)  # padded
         decided = [d for d in judged if d is not None]  # None: its forward failed, alone
         if self.cfg.auto:  # each source's proposal, judged
             for d in decided:

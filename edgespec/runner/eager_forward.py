@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from .attention import (KEY_BLOCK, RowGroup, TailKeys, call_ends, invariant_attention,
                         padded_keys, pointwise, row_groups)
+from .host_transfers import longs_to_device
 from .kv_cache import contiguous_start
 from .step_rows import StepRows
 
@@ -101,8 +102,7 @@ class EagerLayers:
         r = self.r
         B, T = tokens.shape
         cos, sin = r.cos[rope][:, None], r.sin[rope][:, None]  # [B, 1, T, hd]
-        slot_t = torch.as_tensor(slots, dtype=torch.long, device=r.device) \
-            if slot_index is None else slot_index
+        slot_t = longs_to_device([slots], r.device)[0] if slot_index is None else slot_index
         run_from = contiguous_start(slots) if contiguous else None
         nh, kvh, hd = r.n_heads, r.kv_heads, r.head_dim
         grp = nh // kvh

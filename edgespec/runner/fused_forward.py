@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from . import fused_kernels as fk
 from .fused_attention import slot_attention
 from .fused_kernels import FusedStep
+from .host_transfers import longs_to_device
 from .step_rows import Scored
 
 
@@ -76,7 +77,7 @@ class FusedLayers:
         has them there) from ``starts`` [B] (device); ``keys``: the largest start + width,
         where the host knows it."""
         index = slot_index if slot_index is not None else \
-            torch.as_tensor(slots, dtype=torch.long, device=self.r.device)
+            longs_to_device([slots], self.r.device)[0]
         return FusedStep.chains(index, starts, width, keys)
 
     def scored(self, tokens: torch.Tensor, step: FusedStep, tap_after: int | None = None

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from ..config import CacheFullError, ConfigError
+from .host_transfers import longs_to_device
 
 GIB = 1 << 30
 
@@ -178,9 +179,9 @@ class KVCache:
         """Copy keys/values between positions of slots: entry i copies position ``src[i]`` of
         slot ``slots[i]`` to ``dst[i]``, in every layer, one indexed copy a layer (every source
         entry is read before any is overwritten; two entries never write one place)."""
-        idx = torch.as_tensor([slots, src, dst], dtype=torch.long, device=self.k[0].device)
+        slot_t, src_t, dst_t = longs_to_device([slots, src, dst], self.k[0].device)  # no wait
         for cache in self.k + self.v:
-            cache[idx[0], :, idx[2]] = cache[idx[0], :, idx[1]]  # the gather copies first
+            cache[slot_t, :, dst_t] = cache[slot_t, :, src_t]  # the gather copies first
 
     def place_paths(self, paths: Sequence[tuple[int, Sequence[int]]]
                     ) -> list[Exception | None]:

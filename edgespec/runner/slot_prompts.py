@@ -13,6 +13,7 @@ from typing import Sequence
 
 import torch
 
+from .host_transfers import longs_to_device
 from .kv_cache import KVCache
 
 PREFILL_CHUNK = 512  # prompt tokens per prefill forward
@@ -78,9 +79,9 @@ class SlotPrompts:
         for s, st in zip(slots, starts):
             self.cache.check_room(s, st, T)
         order = sorted(set(layers))
-        start_t = torch.as_tensor(starts, dtype=torch.long, device=self.device)
-        _, kept = self._chains(slots, tokens, start_t, max(starts), taps=tuple(order),
-                               upto=order[-1])
+        start_t, slot_t = longs_to_device([starts, slots], self.device)
+        _, kept = self._chains(slots, tokens, start_t, max(starts), slot_index=slot_t,
+                               taps=tuple(order), upto=order[-1])
         return [kept[order.index(n)] for n in layers]
 
     @torch.inference_mode()

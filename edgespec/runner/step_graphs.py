@@ -37,7 +37,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from .step_rows import Scored, StepHost, StepRows, aligned_length
+from .host_transfers import aligned_length
+from .step_rows import Scored, StepHost, StepRows
 
 if TYPE_CHECKING:
     from .fused_kernels import FusedStep

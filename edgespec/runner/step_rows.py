@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from .attention import KEY_BLOCK, TailKeys
+from .host_transfers import to_device
 
 
 class TreeShape(Protocol):
@@ -231,47 +232,6 @@ def _paths(ancestors: np.ndarray, depths: np.ndarray) -> np.ndarray:
     return path
 
 
-ALIGN_BYTES = 16  # what Triton specialises a pointer on: every part starts at such a boundary
-
-
-def aligned_length(n: int, itemsize: int = 8) -> int:
-    """n elements of ``itemsize`` bytes rounded up to whole ``ALIGN_BYTES``: the room a part
-    takes in a flat buffer whose parts all start aligned."""
-    per = max(1, ALIGN_BYTES // itemsize)
-    return n + -n % per
-
-
-_NUMPY_OF = {torch.long: np.int64, torch.bool: np.bool_}
-
-
-def to_device(parts: Sequence[np.ndarray], device, dtype) -> list[torch.Tensor]:
-    """``parts`` (host arrays) moved to ``device`` in one copy, as views of one
-    buffer, shapes kept, each at a 16-byte boundary (so a fused kernel reading one meets the
-    same alignment, hence runs the same binary, in every step; on CUDA from pinned memory,
-    without waiting: the stream orders the copy before the forward). The buffer is put
-    together in NumPy: one host array, one tensor."""
-    arrays = list(parts)
-    np_dtype = np.dtype(_NUMPY_OF[dtype])
-    offsets, at = [], 0
-    for a in arrays:
-        offsets.append(at)
-        at += aligned_length(a.size, np_dtype.itemsize)
-    host = np.zeros(at, dtype=np_dtype)
-    for a, o in zip(arrays, offsets):
-        host[o:o + a.size] = a.reshape(-1)
-    kind = torch.device(device).type
-    if kind == "cpu":  # the host buffer is the tensors' (views cut in NumPy: a tensor's slice
-        # and view cost several times more, per part and step)
-        return [torch.from_numpy(host[o:o + a.size].reshape(a.shape))
-                for o, a in zip(offsets, arrays)]
-    flat = torch.from_numpy(host)
-    if kind == "cuda":
-        flat = flat.pin_memory().to(device, non_blocking=True)
-    else:
-        flat = flat.to(device)
-    return [flat[o:o + a.size].view(a.shape) for o, a in zip(offsets, arrays)]
-
-
 @dataclass(frozen=True)
 class HostTails:
     """``TailKeys``' arrays on the host, before the step's copy."""
@@ -313,9 +273,9 @@ def _branch_tails(shape: DraftShape, ancestors: np.ndarray, starts: np.ndarray
     return HostTails(rows, queries, index[:, :width], col < ends[:, None], block0, n_blocks)
 
 
-def pad_rows(rows: list[list[int]], T: int) -> torch.Tensor:
-    """Token rows right-padded with 0 to length T: [B, T] long (on CPU)."""
-    tokens = torch.zeros(len(rows), T, dtype=torch.long)
+def pad_rows(rows: Sequence[Sequence[int]], T: int) -> np.ndarray:
+    """Token rows right-padded with 0 to length T: [B, T] int64, on the host."""
+    tokens = np.zeros((len(rows), T), dtype=np.int64)
     for i, r in enumerate(rows):
-        tokens[i, : len(r)] = torch.as_tensor(r, dtype=torch.long)
+        tokens[i, : len(r)] = r
     return tokens

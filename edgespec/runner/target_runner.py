@@ -30,6 +30,7 @@ from .check_cache import CheckKey, code_digest, host_device, model_fingerprint, 
 from .dtype_probe import linear_options
 from .eager_forward import EagerLayers, packed_tokens, unpacked
 from .kernel_set import HeadLayout, KernelSet, choose_kernel_set
+from .host_transfers import longs_to_device, to_device
 from .kv_cache import KVCache, check_cache_fits
 from .linear import Linear, RowCalls
 from .model_support import check_supported
@@ -258,14 +259,14 @@ class TargetRunner(SlotPrompts):
             scored = self._fused_chains(slots, rows)
             if logits == "all":
                 return scored.logits
-            last = torch.as_tensor([len(r) - 1 for r in rows], device=self.device)
+            [last] = longs_to_device([[len(r) - 1 for r in rows]], self.device)
             return scored.logits[torch.arange(len(rows), device=self.device), last]
         x, _ = self._hidden(slots, rows)
         if logits == "none":
             return None
         if logits == "last":
             dev = self.device
-            last = torch.as_tensor([len(r) - 1 for r in rows], device=dev)
+            [last] = longs_to_device([[len(r) - 1 for r in rows]], dev)
             x = x[torch.arange(len(rows), device=dev), last]  # [B, H]
         return self.lm_head(self._rms(x, self.norm)).float()
 
@@ -307,25 +308,30 @@ class TargetRunner(SlotPrompts):
         """The last decoder layer's output [B, T, H] for ``forward``'s rows, and the states
         after each of ``taps`` layers (``embeds``: see ``EagerLayers.run``; only for rows of one
         length)."""
-        tokens, start_t, longest = self._chain_rows(slots, rows)
+        tokens, start_t, slot_t, longest = self._chain_rows(slots, rows)
         real = None
         if self.packs_rows and embeds is None:
             real = packed_tokens(np.fromiter(map(len, rows), np.int64, len(rows)),
                                  tokens.shape[1], self.device)
-        return self._chains(slots, tokens, start_t, longest, taps=taps, embeds=embeds, real=real)
+        return self._chains(slots, tokens, start_t, longest, slot_index=slot_t, taps=taps,
+                            embeds=embeds, real=real)
 
     def _chain_rows(self, slots: list[int], rows: list[list[int]]
-                    ) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """``forward``'s rows appended at their slots' lengths: tokens [B, T] (right-padded)
-        and the starts [B] on the device, and the largest start (room checked)."""
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        """``forward``'s rows appended at their slots' lengths: tokens [B, T] (right-padded),
+        the starts [B] and the slots [B] on the device, and the largest start (room
+        checked)."""
         T = max(len(r) for r in rows)
         if min(len(r) for r in rows) < 1:
             raise ValueError("every row needs at least one token")
         starts = [self.cache.lengths[s] for s in slots]
         for s, st in zip(slots, starts):
             self.cache.check_room(s, st, T)
-        return (pad_rows(rows, T).to(self.device),
-                torch.as_tensor(starts, dtype=torch.long, device=self.device), max(starts))
+        # one pinned copy, no wait (``host_transfers``)
+        tokens, start_t, slot_t = to_device(
+            [pad_rows(rows, T), np.array(starts, dtype=np.int64),
+             np.array(slots, dtype=np.int64)], self.device, torch.long)
+        return tokens, start_t, slot_t, max(starts)
 
     def _chains(self, slots: list[int], tokens: torch.Tensor, start_t: torch.Tensor,
                 longest: int, slot_index: torch.Tensor | None = None, taps: tuple[int, ...] = (),
@@ -428,7 +434,7 @@ class TargetRunner(SlotPrompts):
                       ) -> Scored:
         """``score`` through the fused kernels."""
         assert self.fused is not None
-        tokens, start_t, longest = self._chain_rows(slots, rows)
+        tokens, start_t, slot_t, longest = self._chain_rows(slots, rows)
         T = tokens.shape[1]
-        step = self.fused.chain_step(slots, start_t, T, keys=longest + T)
+        step = self.fused.chain_step(slots, start_t, T, slot_t, keys=longest + T)
         return self.fused.scored(tokens, step, None if tap is None else self.tap_layers(tap))

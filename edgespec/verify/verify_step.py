@@ -48,7 +48,8 @@ import numpy as np
 import torch
 
 from ..config import LooseParams, SamplingParams
-from ..runner.step_rows import DraftShape, StepRows, to_device
+from ..runner.host_transfers import to_device, to_host
+from ..runner.step_rows import DraftShape, StepRows
 from .keyed_noise import _signed, gumbel_of_keys, position_keys, seed_of
 from .loose import loose_accepts
 
@@ -309,7 +310,7 @@ def verify_step(logits: torch.Tensor, vb: VerifyBatch, loose: LooseParams | None
     parts = [token, accepted.sum(1, keepdim=True), path, off_exact.long()]
     if propose is not None:
         parts.append(propose(accepted, token[:, 0]))
-    host = torch.cat(parts, 1).tolist()  # the step's one sync
+    host = to_host(torch.cat(parts, 1)).tolist()  # the step's one sync
     return VerifyOutcome([r[2:2 + r[1]] for r in host], [r[0] for r in host],
                          [r[2 + 2 * N:] for r in host] if propose is not None else [],
                          [r[2 + N:2 + N + r[1]] for r in host])
@@ -329,7 +330,7 @@ def _verify_exact_chains(choices: torch.Tensor, vb: VerifyBatch, N: int,
     parts = [choices.gather(1, n), n]
     if propose is not None:
         parts.append(propose(run.bool(), parts[0][:, 0]))
-    host = torch.cat(parts, 1).tolist()  # the step's one sync
+    host = to_host(torch.cat(parts, 1)).tolist()  # the step's one sync
     return _chains_outcome([r[1] for r in host], [r[0] for r in host],
                            [r[2:] for r in host] if propose is not None else [])
 
@@ -340,7 +341,7 @@ def _verify_exact_chains_on_host(choices: torch.Tensor, nodes: np.ndarray) -> Ve
     NumPy against the nodes the host built the rows from, [B, N] int64 (-1 padding, which no
     choice equals): a handful of array operations where the device's cost a launch each (on
     the CPU, ~80 us a step for one row against ~15)."""
-    chosen = choices.cpu().numpy()  # the step's one sync
+    chosen = to_host(choices)  # the step's one sync
     run = np.logical_and.accumulate(nodes == chosen[:, :nodes.shape[1]], axis=1)  # [B, N]
     n = run.sum(1)  # [B]: accepted nodes
     return _chains_outcome(n.tolist(), chosen[np.arange(len(n)), n].tolist(), [])

@@ -1,0 +1,95 @@
+"""Copies between the host and the device that never make the host wait, but one a step.
+
+A step's integers go to the device in one pinned, non-blocking copy (``to_device``): the
+stream orders it before the kernels that read it, so the host goes on planning while the
+device works. Its verdict comes back through pinned memory (``to_host``): the one place a
+step waits for the device. Every other copy in a step's path goes one of these two ways; a
+pageable copy (``torch.tensor(..., device=cuda)``, ``.tolist()`` of a device tensor) makes the
+host wait for everything queued before it, and so serializes the host's work with the
+device's. ``implicit_syncs_refused`` turns such waits into errors (torch's sync debug mode),
+which the CUDA tests run whole engine steps under.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+import torch
+
+ALIGN_BYTES = 16  # what Triton specialises a pointer on: every part starts at such a boundary
+
+_NUMPY_OF = {torch.long: np.int64, torch.bool: np.bool_}
+
+
+def aligned_length(n: int, itemsize: int = 8) -> int:
+    """n elements of ``itemsize`` bytes rounded up to whole ``ALIGN_BYTES``: the room a part
+    takes in a flat buffer whose parts all start aligned."""
+    per = max(1, ALIGN_BYTES // itemsize)
+    return n + -n % per
+
+
+def to_device(parts: Sequence[np.ndarray], device, dtype) -> list[torch.Tensor]:
+    """``parts`` (host arrays) moved to ``device`` in one copy, as views of one
+    buffer, shapes kept, each at a 16-byte boundary (so a fused kernel reading one meets the
+    same alignment, hence runs the same binary, in every step; on CUDA from pinned memory,
+    without waiting: the stream orders the copy before the forward). The buffer is put
+    together in NumPy: one host array, one tensor."""
+    arrays = list(parts)
+    np_dtype = np.dtype(_NUMPY_OF[dtype])
+    offsets, at = [], 0
+    for a in arrays:
+        offsets.append(at)
+        at += aligned_length(a.size, np_dtype.itemsize)
+    host = np.zeros(at, dtype=np_dtype)
+    for a, o in zip(arrays, offsets):
+        host[o:o + a.size] = a.reshape(-1)
+    kind = torch.device(device).type
+    if kind == "cpu":  # the host buffer is the tensors' (views cut in NumPy: a tensor's slice
+        # and view cost several times more, per part and step)
+        return [torch.from_numpy(host[o:o + a.size].reshape(a.shape))
+                for o, a in zip(offsets, arrays)]
+    flat = torch.from_numpy(host)
+    if kind == "cuda":
+        flat = flat.pin_memory().to(device, non_blocking=True)
+    else:
+        flat = flat.to(device)
+    return [flat[o:o + a.size].view(a.shape) for o, a in zip(offsets, arrays)]
+
+
+def longs_to_device(rows: Sequence[Sequence[int]], device) -> list[torch.Tensor]:
+    """Lists of ints (each a 1-d part) on ``device`` as int64, in one ``to_device`` copy."""
+    return to_device([np.asarray(r, dtype=np.int64).reshape(-1) for r in rows], device,
+                     torch.long)
+
+
+def to_host(t: torch.Tensor) -> np.ndarray:
+    """A device tensor's values on the host, as a NumPy array: on CUDA copied into pinned
+    memory and waited for by an event (the step's one wait: everything queued before it is
+    done when it returns); on the CPU the tensor's own memory."""
+    if t.device.type != "cuda":
+        return t.detach().numpy()
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+    done.synchronize()
+    return host.numpy()
+
+
+@contextlib.contextmanager
+def implicit_syncs_refused(device: torch.device) -> Iterator[None]:
+    """While inside, an operation on CUDA that makes the host wait for the device implicitly
+    (a pageable copy either way, ``.item()``, ``nonzero``, a stream or device synchronize)
+    raises RuntimeError naming it; ``to_host``'s event wait is the one wait allowed. Does
+    nothing off CUDA."""
+    if device.type != "cuda":
+        yield
+        return
+    before = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(before)
