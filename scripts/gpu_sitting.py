@@ -198,14 +198,15 @@ def time_against_eager(s: Sitting, shape: str, graphed: TargetRunner, eager: Tar
             f"{row.get('graph_busy_us')} us")
 
 
-DECODE_KERNELS = ("tiles", "split", "chunks")  # the attention kernels decode is timed with
+DECODE_KERNELS = ("tiles", "split", "chunks", "split-decode")  # decode timed with each
 
 
 def stage_decode(s: Sitting, shape: str, model) -> None:
     """Decode (1 x 1, graphed) at 300 and 4,096 keys, and the 64 x 9 step at 300, on a runner
     of each attention kernel in ``DECODE_KERNELS``: the tiles walk a slot's keys in one
     program a kv head, the split kernel in chunks of 256 merged in order by a second kernel,
-    the chunks kernel the same chunks in turn in the tiles' one program (the split's bits)."""
+    the chunks kernel the same chunks in turn in the tiles' one program (the split's bits),
+    split-decode split for one token a row and chunks for wider steps."""
     out = s.data.setdefault("decode", {}).setdefault(shape, {})
     for kernel in DECODE_KERNELS:
         out[kernel] = _decode_times(s, model, kernel)

@@ -247,6 +247,37 @@ def test_the_chunks_kernel_gives_the_split_kernel_s_bits_in_one_program(layout):
     assert torch.equal(tree_chunks[:T], tree_split[:T])
 
 
+def test_split_decode_runs_the_split_kernel_for_one_token_a_row_and_chunks_for_wider(
+        monkeypatch):
+    """``split-decode`` takes the kernel by the call's width: one token a row (decode) through
+    the split kernel and its merge, a wider call through chunks (no merge kernel), each with
+    that kernel's bits (its row-bits test above holds the two to each other)."""
+    nh, kvh, hd = LAYOUTS[0]
+    k_cache, v_cache, q, slots, starts = _three_sessions(LAYOUTS[0], 640, [253, 509, 40], 41)
+    merges = []
+    merge = fa._merge_splits_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            merges.append(grid)
+            return merge[grid]
+
+    monkeypatch.setattr(fa, "_merge_splits_kernel", Spy())
+
+    def attend(q, step, kernel):
+        return fa.slot_attention(q, step, k_cache, v_cache, nh, kvh, hd, 0.25, kernel=kernel)
+
+    one = fk.FusedStep.chains(slots, starts, 1)
+    decode = attend(q[:3], one, "split-decode")
+    assert len(merges) == 1
+    assert torch.equal(decode[:3], attend(q[:3], one, "split")[:3])
+    wide = fk.FusedStep.chains(slots, starts, 6)
+    merges.clear()
+    got = attend(q, wide, "split-decode")
+    assert merges == []
+    assert torch.equal(got[:18], attend(q, wide, "chunks")[:18])
+
+
 @pytest.mark.parametrize("layout", [LAYOUTS[0], LAYOUTS[1]])
 def test_the_split_kernel_sums_fixed_key_chunks_whatever_the_call(layout):
     """The split kernel over slots of 600 keys (three chunks of 256): each query against the

@@ -24,7 +24,11 @@ every length).
   kernel's bits where a tile product's element does not depend on the tile's rows (the start
   probe proves each kernel; the sitting compares the two), so a runner could take either by
   the step, split for decode over long slots and chunks for wide steps, without a row's bits
-  moving. Not yet chosen by any runner: the GPU sitting times it.
+  moving.
+- ``"split-decode"``: split for a call of one token a row (decode: the long slot spread over
+  the chip), chunks for a wider one. One kernel's bits only where chunks gives split's, which
+  is what its start probe checks (a query alone runs split, the same query in a wider call
+  chunks). Not chosen by any runner unless asked for: the GPU sitting times it against tiles.
 
 Batch invariance is structural in both: a row's keys sit in the lanes of their logical
 position (blocks of ``KEY_BLOCK`` from position 0, whatever else is in the call), every shape
@@ -44,7 +48,7 @@ from .attention import KEY_BLOCK
 from .fused_kernels import FusedStep, padded_rows
 from .step_rows import DraftShape, StepRows
 
-ATTENTION_KERNELS = ("tiles", "rows", "split", "chunks")
+ATTENTION_KERNELS = ("tiles", "rows", "split", "chunks", "split-decode")
 TILE_ROWS_MIN = 16  # tl.dot's smallest tile side
 SPLIT_KEYS = 256  # the split kernel's chunk of keys, at absolute positions (KEY_BLOCK multiple)
 SPLIT_QUERIES = 16  # the queries a split program holds where its tile allows (a graphed row's)
@@ -294,9 +298,12 @@ def slot_attention(q: torch.Tensor, step: FusedStep, k_cache: torch.Tensor,
     query t sees positions < start[b], then the rows path[b, t, 0..depth[b, t]] of its own
     step, stored at start[b] + that row. Returns [padded_rows(R), nh hd] (rows past R not
     written). ``kernel``: one of ``ATTENTION_KERNELS`` (``split``: the tiles over fixed chunks
-    of ``SPLIT_KEYS`` keys, merged in chunk order); ``warps``: Triton's warps a program
+    of ``SPLIT_KEYS`` keys, merged in chunk order; ``split-decode``: split for one token a
+    row, else chunks); ``warps``: Triton's warps a program
     (default 4 for heads of 128 and more, else 2; the sitting times others)."""
     R = step.rows
+    if kernel == "split-decode":  # by the call's width, a graph bucket's a constant
+        kernel = "split" if step.width == 1 else "chunks"
     if out is None:
         out = torch.empty(padded_rows(R), n_heads * head_dim, dtype=q.dtype, device=q.device)
     group = n_heads // kv_heads

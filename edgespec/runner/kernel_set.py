@@ -82,12 +82,12 @@ class KernelSet:
     or ``plain`` torch ones; fused: ``tiles``, cuBLAS in 128-row tiles, or ``triton``).
     ``attention``: eager: ``blocks`` (fixed-shape products over key blocks, query columns in tiles
     of ``col_tile``, the products in ``attention_products`` or the model's own dtype when "");
-    fused: ``tiles``, ``rows``, ``split`` or ``chunks``. ``proven``: the start probes chose the
-    attention (an exact runner); a drafter's runner takes the defaults unprobed. ``device``: the
-    GPU's name, or the CPU's model, ISA flags and caps; ``threads``: torch's intra-op threads on a
-    CPU (they split products there), 0 on a GPU; ``torch_version``: with the CUDA it was built for
-    on a GPU. ``code``: a digest of the numeric modules' source (an edited kernel is another kernel
-    set)."""
+    fused: ``tiles``, ``rows``, ``split``, ``chunks`` or ``split-decode``. ``proven``: the
+    start probes chose the attention (an exact runner); a drafter's runner takes the defaults
+    unprobed. ``device``: the GPU's name, or the CPU's model, ISA flags and caps;
+    ``threads``: torch's intra-op threads on a CPU (they split products there), 0 on a GPU;
+    ``torch_version``: with the CUDA it was built for on a GPU. ``code``: a digest of the
+    numeric modules' source (an edited kernel is another kernel set)."""
 
     kernels: str
     products: str

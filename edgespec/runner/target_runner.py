@@ -64,8 +64,8 @@ class TargetRunner(SlotPrompts):
         fused kernels on CUDA; on a CPU the buckets run eagerly, for tests). ``kernel_set``: the
         choices made already (``kernel_set.choose_kernel_set``; else made here from ``kernels``,
         ``gemm`` and ``pack``): the runner is built from it and keeps it (``self.kernel_set``).
-        ``attention_kernel``: the fused attention kernel asked for ("tiles", "rows", "split"
-        or "chunks"; None: the first whose start probe passes)."""
+        ``attention_kernel``: the fused attention kernel asked for ("tiles", "rows", "split",
+        "chunks" or "split-decode"; None: the first whose start probe passes)."""
         # a transformers model: its config and submodules are dynamic attributes
         cfg: Any = model.config
         # what this forward computes of the model, else why not (a draft may differ: its
