@@ -77,14 +77,20 @@ def timed_generate(engine: SpecEngine, reqs: list[Request], device: str
     """``generate_many`` timed: the outputs, the seconds, and each step's time split (ms a
     step): prefill (the prompts', at admission and in the steps), plan + take + propose,
     forward + verification (the device's work and the step's one sync), place + commit, and
-    the rest (deciding each row's verdict, the loop's own)."""
+    the rest (deciding each row's verdict, the loop's own). A prefill's kernels run while the
+    host goes on (``host_transfers``: no wait), so here each prefill is waited for, to be
+    timed apart (the split's ``prefill_s``: seconds in all)."""
     split = {"prefill": 0.0, "plan_take_propose": 0.0, "forward_verify": 0.0,
              "place_commit": 0.0}
     steps = [0]
-    step, on_prefill = engine.step, engine.on_prefill
+    step, advance = engine.step, engine.prefilling.advance
 
-    def prefilled(tokens: int, seconds: float) -> None:
-        split["prefill"] += seconds
+    def prefilled(budget):
+        t = time.perf_counter()
+        progress = advance(budget)
+        sync(device)
+        split["prefill"] += time.perf_counter() - t
+        return progress
 
     def counted():
         report = step()
@@ -95,19 +101,21 @@ def timed_generate(engine: SpecEngine, reqs: list[Request], device: str
             split["place_commit"] += report.commit_s
         return report
 
-    engine.step, engine.on_prefill = counted, prefilled  # type: ignore[method-assign]
+    engine.step = counted  # type: ignore[method-assign]
+    engine.prefilling.advance = prefilled  # type: ignore[method-assign]
     sync(device)
     t = time.perf_counter()
     try:
         out = [r.token_ids for r in engine.generate_many(reqs)]
         sync(device)
     finally:
-        engine.step, engine.on_prefill = step, on_prefill  # type: ignore[method-assign]
+        engine.step, engine.prefilling.advance = step, advance  # type: ignore[method-assign]
     wall = time.perf_counter() - t
     n = max(1, steps[0])
     ms = {k: round(1e3 * v / n, 3) for k, v in split.items()}
     ms["rest"] = round(1e3 * wall / n - sum(ms.values()), 3)
-    return out, wall, {"steps": steps[0], "ms_a_step": ms}
+    return out, wall, {"steps": steps[0], "ms_a_step": ms,
+                       "prefill_s": round(split["prefill"], 4)}
 
 
 def stage_fleet(s, shape: str, model) -> None:
@@ -141,6 +149,8 @@ def stage_fleet(s, shape: str, model) -> None:
                 sync(s.device)
                 alone_s = time.perf_counter() - t
         tokens = sum(len(x) for x in together)
+        decode_s = plain_s - plain_split["prefill_s"]  # the target-only steps alone
+        row.update(_decode_against_step(s, shape, n, tokens / decode_s))
         row.update({"tokens": tokens, "batched_s": round(batched_s, 2),
                     "target_only_batched_s": round(plain_s, 2),
                     "mag_over_target_only": round(plain_s / batched_s, 2),
@@ -156,6 +166,18 @@ def stage_fleet(s, shape: str, model) -> None:
                        f"differ")
         say(f"   {shape} fleet {n}: {row}")
     s.data["fleet"][shape] = out
+
+
+def _decode_against_step(s, shape: str, n: int, decode_tok_s: float) -> dict:
+    """The target-only batched steps' tokens a second (prefill left out) and, where the
+    ``graphs`` stage timed the graphed n x 1 step, their share of n / that step's time (what a
+    server's decoding could reach if the step were all it did)."""
+    out: dict = {"target_only_decode_tokens_per_s": round(decode_tok_s, 1)}
+    step = [r["ms"] for r in s.data.get("forward", [])
+            if r.get("shape") == shape and (r.get("sessions"), r.get("tokens")) == (n, 1)]
+    if step:
+        out["target_only_decode_vs_step"] = round(decode_tok_s / (n / (step[0] / 1e3)), 2)
+    return out
 
 
 def stage_hf(s, shape: str, model) -> None:

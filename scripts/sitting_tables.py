@@ -104,6 +104,8 @@ def format_tables(d: dict) -> str:
                 rows.append([k, v["sessions"], v["batched_s"], v.get("one_a_forward_s", "-"),
                              v.get("throughput_ratio", "-"),
                              v.get("target_only_batched_s", "-"),
+                             v.get("target_only_decode_tokens_per_s", "-"),
+                             v.get("target_only_decode_vs_step", "-"),
                              v.get("mag_over_target_only", "-"),
                              " / ".join(str(ms.get(x, "-")) for x in
                                         ("prefill", "plan_take_propose", "forward_verify",
@@ -111,8 +113,10 @@ def format_tables(d: dict) -> str:
                              v["identical"]])
         lines += _table(["shape", "sessions", "MaG batched s", "one session a forward s",
                          "batched / one a forward", "target-only batched s",
-                         "MaG / target-only", "MaG ms a step: prefill / plan+take+propose / "
-                         "forward+verify / place+commit / rest (decide)", "identical"], rows)
+                         "target-only decode tok/s (prefill left out)",
+                         "of sessions / (sessions x 1 step)", "MaG / target-only",
+                         "MaG ms a step: prefill / plan+take+propose / forward+verify / "
+                         "place+commit / rest (decide)", "identical"], rows)
     if d.get("tests"):
         lines += [f"CUDA tests: {d['tests'].get('summary', '')} (rc {d['tests']['rc']})", ""]
     if d.get("not_run"):
