@@ -240,8 +240,9 @@ class SpecEngine(StepDrafts):
                            time.perf_counter() - t3)
         if self._regime is not None:  # the step as a whole: its waits and commit cost too
             assert self.worth is not None  # a regime is chosen only by it
-            self.worth.observe(report.sessions, report.sessions + report.accepted,
-                               report.take_s + report.forward_s + report.commit_s)
+            if not async_prefill:  # (a prefill's kernels in its wait are no regime's cost)
+                self.worth.observe(report.sessions, report.sessions + report.accepted,
+                                   report.take_s + report.forward_s + report.commit_s)
             report = replace(report, rested=self._regime == REST)
         return report
 
