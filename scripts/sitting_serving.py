@@ -150,7 +150,7 @@ def stage_fleet(s, shape: str, model) -> None:
                 alone_s = time.perf_counter() - t
         tokens = sum(len(x) for x in together)
         decode_s = plain_s - plain_split["prefill_s"]  # the target-only steps alone
-        row.update(_decode_against_step(s, shape, n, tokens / decode_s))
+        row.update(_decode_against_step(s, shape, n, sum(map(len, target_only)) / decode_s))
         row.update({"tokens": tokens, "batched_s": round(batched_s, 2),
                     "target_only_batched_s": round(plain_s, 2),
                     "mag_over_target_only": round(plain_s / batched_s, 2),

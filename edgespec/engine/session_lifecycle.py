@@ -17,6 +17,7 @@ from ..drafters import DraftLength
 from ..drafters.draft_rates import DraftRates
 from ..protocol.contract import SessionStore, StoreUnavailable, plain_ids_in_range
 from ..protocol.lineage import Lineage
+from ..runner.host_transfers import DeviceSpan
 from ..runner.target_runner import TargetRunner
 from ..verify.keyed_noise import with_session_seed
 from .generation import ActiveSession, Admission, Request, Result, SessionFailed
@@ -47,6 +48,9 @@ class SessionLifecycle:
     active: list[ActiveSession]  # running: verified every step
     prefilling: PrefillQueue  # admitted, waiting for their prompts' prefill
     on_prefill: Callable[[int, float], None] | None
+    prefill_s: float  # this step's prefill, as the device took it (``_settle_prefill``)
+    # prefills whose device seconds are not read yet: (tokens, span), on CUDA until a wait
+    _unwaited_prefill: list[tuple[int, DeviceSpan]]
     rates: DraftRates  # the sessions' draft-length state, a row a KV slot
     _ids: itertools.count
     # this step's verification forwards that ran, and its forwards (prefill included) that
@@ -137,7 +141,9 @@ class SessionLifecycle:
             if req.images is not None:
                 assert self.vision is not None  # validate refused images without it
                 embeds = self.vision.prompt_embeds(ids, req.images, self.target.embed)  # [n, H]
+                span = DeviceSpan(self.target.device)
                 self.target.prefill(slot, ids, embeds=embeds)
+                self._prefilled(len(ids), span.stop())
             lineage = req.lineage or Lineage(self.target.kernel_set.fingerprint)
             self.store.create(sid, req.prompt_ids, req.params, drafter, req.max_new_tokens,
                               committed=req.committed, verify=verify, lineage=lineage)
@@ -177,7 +183,9 @@ class SessionLifecycle:
         sessions whose prompts are in, fail those whose prefill failed (returned)."""
         if not self.prefilling:
             return []
+        span = DeviceSpan(self.target.device)
         progress = self.prefilling.advance(budget)
+        span.stop()
         if progress.failed:
             self._forwards_failed += 1
         failed = list(progress.failed)
@@ -192,9 +200,30 @@ class SessionLifecycle:
             except Exception:  # one slot's bookkeeping costs no other session its end
                 log.exception("freeing the KV slot of session %s failed", act.sid)
             self.fail(act, why if isinstance(why, SessionFailed) else SessionFailed(str(why)))
-        if self.on_prefill is not None and progress.tokens:
-            self.on_prefill(progress.tokens, progress.seconds)
+        if progress.tokens:
+            self._prefilled(progress.tokens, span)
         return failed
+
+    def _prefilled(self, tokens: int, span: DeviceSpan) -> None:
+        """A prefill queued: on a CPU it has run, and is reported now; on CUDA its kernels run
+        while the host goes on (no wait), and it is reported once the step has waited
+        (``_settle_prefill``)."""
+        self._unwaited_prefill.append((tokens, span))
+        if not span.on_cuda:
+            self.prefill_s += self._settle_prefill()
+
+    def _settle_prefill(self) -> float:
+        """The prefills queued since the last settle reported (``on_prefill``) with the
+        device's seconds for each (read without a wait after the step's verdicts; before
+        them, waiting for the prefill); returns their sum."""
+        total = 0.0
+        for tokens, span in self._unwaited_prefill:
+            seconds = span.seconds()
+            total += seconds
+            if self.on_prefill is not None:
+                self.on_prefill(tokens, seconds)
+        self._unwaited_prefill = []
+        return total
 
     @property
     def sessions(self) -> list[ActiveSession]:

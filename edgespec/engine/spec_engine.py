@@ -136,6 +136,7 @@ class SpecEngine(StepDrafts):
         self.prefilling = PrefillQueue(target, min(PREFILL_CHUNK, self.cfg.prefill_budget))
         self.on_prefill: Callable[[int, float], None] | None = None  # (tokens, seconds)
         self.prefill_s = 0.0  # the last step's prefill: not verification time (the pace's)
+        self._unwaited_prefill = []  # prefills queued on CUDA, read after the next wait
         self.cost = ForwardCost()  # the measured cost of the verification forward
         self.prober = Prober()  # a step planned without drafts verifies some now and then
         # every session's draft-length state, row r the session in KV slot r (draft_rates)
@@ -203,27 +204,26 @@ class SpecEngine(StepDrafts):
             kept, t0 = self._undelivered, time.perf_counter()
             return report_of(self._commit(kept, *self._undelivered_s), len(kept),
                              sum(d.draft.width for d in kept), 0.0, 0.0, time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        prefilled = self.prefilling.tokens_left
         self._advance_prefill(self.cfg.prefill_budget)  # chunked prefill: a budget a step
-        self.prefill_s = time.perf_counter() - t0
-        # on CUDA the prefill's kernels run while the host plans (no wait: host_transfers), so
-        # the verification's wait holds what is left of them: such a step's forward time is
-        # not the verification's cost alone
-        async_prefill = self.target.device.type == "cuda" and \
-            prefilled != self.prefilling.tokens_left
+        # on CUDA a prefill's kernels (this step's, or an admission's since the last step) run
+        # while the host plans (no wait: host_transfers), so the verification's wait holds
+        # what is left of them: such a step's forward time is not the verification's cost
+        async_prefill = bool(self._unwaited_prefill)
         if not self.active:  # every session still waits for its prompt
+            self.prefill_s += self._settle_prefill()  # nothing to overlap: waited for
             return None
         t0 = time.perf_counter()
         self._head_pending = []  # a step that raised before placing left its moves behind
         taken = self._take(self._plan())
         drafts = self._propose(taken)
         if not drafts:
+            self.prefill_s += self._settle_prefill()
             return None
         t1 = time.perf_counter()
         self._decide_s = 0.0
         judged = self._verify(drafts)
         t2 = time.perf_counter() - self._decide_s  # the forward and verification alone
+        self.prefill_s += self._settle_prefill()  # waited for with the verdicts
         width = sum(d.width for d in drafts)
         if not async_prefill:
             self.cost.observe(len(drafts), max(d.width for d in drafts), t2 - t1)  # padded

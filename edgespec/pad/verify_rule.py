@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from ..config import ConfigError, PadParams
+from ..runner.host_transfers import longs_to_device
 from ..verify.verify_step import LenientRule
 from .classifier import PivotClassifier, load_classifier, pad_keep, position_inputs
 
@@ -89,6 +90,6 @@ class PadVerifier:
         keep = pad_keep(self.classifier, feats, entropy.gather(1, at), token_prob,
                         self.params.sigma, self.params.min_prob)
         if stop_ids:
-            stops = torch.tensor(sorted(stop_ids), dtype=tokens.dtype, device=tokens.device)
+            [stops] = longs_to_device([sorted(stop_ids)], tokens.device)  # no wait
             keep = keep & ~torch.isin(tokens, stops)
         return keep

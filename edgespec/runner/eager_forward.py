@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from .attention import (KEY_BLOCK, RowGroup, TailKeys, call_ends, invariant_attention,
                         padded_keys, pointwise, row_groups)
-from .host_transfers import longs_to_device
+from .host_transfers import longs_to_device, to_device
 from .kv_cache import contiguous_start
 from .step_rows import StepRows
 
@@ -170,10 +170,7 @@ def packed_tokens(widths: np.ndarray, T: int, device: torch.device | str = "cpu"
     if (widths >= T).all():
         return None
     own = np.arange(T)[None, :] < widths[:, None]  # [B, T]
-    index = torch.from_numpy(np.flatnonzero(own))
-    if torch.device(device).type == "cuda":  # an eager GPU runner's: copied without a wait
-        return index.pin_memory().to(device, non_blocking=True)
-    return index.to(device)
+    return to_device([np.flatnonzero(own)], device, torch.long)[0]  # without a wait
 
 
 def unpacked(x: torch.Tensor, real: torch.Tensor, B: int, T: int) -> torch.Tensor:

@@ -49,6 +49,7 @@ from .fused_kernels import FusedStep, padded_rows
 from .step_rows import DraftShape, StepRows
 
 ATTENTION_KERNELS = ("tiles", "rows", "split", "chunks", "split-decode")
+PROBE_ORDER = ATTENTION_KERNELS[:4]  # tried in turn when none is asked for: not split-decode
 TILE_ROWS_MIN = 16  # tl.dot's smallest tile side
 SPLIT_KEYS = 256  # the split kernel's chunk of keys, at absolute positions (KEY_BLOCK multiple)
 SPLIT_QUERIES = 16  # the queries a split program holds where its tile allows (a graphed row's)

@@ -1,18 +1,21 @@
 """Copies between the host and the device that never make the host wait, but one a step.
 
-A step's integers go to the device in one pinned, non-blocking copy (``to_device``): the
-stream orders it before the kernels that read it, so the host goes on planning while the
-device works. Its verdict comes back through pinned memory (``to_host``): the one place a
-step waits for the device. Every other copy in a step's path goes one of these two ways; a
-pageable copy (``torch.tensor(..., device=cuda)``, ``.tolist()`` of a device tensor) makes the
-host wait for everything queued before it, and so serializes the host's work with the
-device's. ``implicit_syncs_refused`` turns such waits into errors (torch's sync debug mode),
-which the CUDA tests run whole engine steps under.
+A step's integers (and flags, and sampling settings) go to the device in pinned, non-blocking
+copies (``to_device``): the stream orders them before the kernels that read them, so the host
+goes on planning while the device works. Its verdict comes back through pinned memory
+(``to_host``): the one place a step waits for the device. Every other copy in a step's path goes
+one of these two ways; a pageable copy (``torch.tensor(..., device=cuda)``, ``.tolist()`` of a
+device tensor) makes the host wait for everything queued before it, and so serializes the host's
+work with the device's. ``implicit_syncs_refused`` turns such waits into errors (torch's sync
+debug mode), which the CUDA tests run whole engine steps under (an imitation head, which drafts
+token by token on the host's reading of each, waits more). A prefill's device time is read from
+events after the step's wait (``DeviceSpan``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterator, Sequence
 
 import numpy as np
@@ -20,7 +23,7 @@ import torch
 
 ALIGN_BYTES = 16  # what Triton specialises a pointer on: every part starts at such a boundary
 
-_NUMPY_OF = {torch.long: np.int64, torch.bool: np.bool_}
+_NUMPY_OF = {torch.long: np.int64, torch.bool: np.bool_, torch.float32: np.float32}
 
 
 def aligned_length(n: int, itemsize: int = 8) -> int:
@@ -65,25 +68,60 @@ def longs_to_device(rows: Sequence[Sequence[int]], device) -> list[torch.Tensor]
 
 
 def to_host(t: torch.Tensor) -> np.ndarray:
-    """A device tensor's values on the host, as a NumPy array: on CUDA copied into pinned
-    memory and waited for by an event (the step's one wait: everything queued before it is
-    done when it returns); on the CPU the tensor's own memory."""
-    if t.device.type != "cuda":
+    """A device tensor's values on the host, as a NumPy array (integer and float32 dtypes: a
+    verdict's): on CUDA copied into pinned memory and waited for by an event on the tensor's
+    own device's stream (the step's one wait: everything queued before it is done when it
+    returns); on the CPU the tensor's own memory."""
+    if t.device.type == "cpu":
         return t.detach().numpy()
+    if t.device.type != "cuda":
+        return t.detach().cpu().numpy()
     host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    host.copy_(t, non_blocking=True)
+    host.copy_(t, non_blocking=True)  # on the current stream of t's device
     done = torch.cuda.Event()
-    done.record()
+    done.record(torch.cuda.current_stream(t.device))
     done.synchronize()
     return host.numpy()
 
 
+class DeviceSpan:
+    """The device's seconds for the work queued between its start and ``stop``, read once a
+    later wait has passed (CUDA events on the device's stream: reading them then waits for
+    nothing; ``seconds`` before that waits for the work). On a CPU the host's clock: the
+    work ran as it was queued."""
+
+    def __init__(self, device: torch.device):
+        self.on_cuda = device.type == "cuda"
+        if self.on_cuda:
+            self._stream = torch.cuda.current_stream(device)
+            self._start = torch.cuda.Event(enable_timing=True)
+            self._end = torch.cuda.Event(enable_timing=True)
+            self._start.record(self._stream)
+        else:
+            self._t0 = time.perf_counter()
+        self._seconds: float | None = None
+
+    def stop(self) -> "DeviceSpan":
+        if self.on_cuda:
+            self._end.record(self._stream)
+        else:
+            self._seconds = time.perf_counter() - self._t0
+        return self
+
+    def seconds(self) -> float:
+        if self._seconds is None:
+            self._end.synchronize()  # done already after the step's wait
+            self._seconds = self._start.elapsed_time(self._end) / 1e3
+        return self._seconds
+
+
 @contextlib.contextmanager
 def implicit_syncs_refused(device: torch.device) -> Iterator[None]:
-    """While inside, an operation on CUDA that makes the host wait for the device implicitly
-    (a pageable copy either way, ``.item()``, ``nonzero``, a stream or device synchronize)
-    raises RuntimeError naming it; ``to_host``'s event wait is the one wait allowed. Does
-    nothing off CUDA."""
+    """While inside, a copy between pageable host memory and CUDA memory, or a stream
+    synchronize torch makes on its own (``.item()``, ``.tolist()``, ``nonzero``, a blocking
+    copy), raises RuntimeError naming it (torch's sync debug mode, set for the whole process,
+    every thread). What it does not see: an explicit ``torch.cuda.synchronize()``, an event's
+    wait (``to_host``'s, the one a step makes), an allocation. Does nothing off CUDA."""
     if device.type != "cuda":
         yield
         return

@@ -212,12 +212,14 @@ _PROBED: dict[tuple, str | None] = {}
 
 def _fused_attention(device: torch.device, dtype: torch.dtype, heads: HeadLayout,
                      exact: bool, asked: str | None) -> str:
-    """The fused attention kernel: the first of ``ATTENTION_KERNELS`` (or ``asked`` alone)
+    """The fused attention kernel: the first of ``PROBE_ORDER`` (or ``asked`` alone, any of
+    ``ATTENTION_KERNELS``)
     whose probe gives every query the same bits alone, in a batch and as a tree node here, for
     this head layout and dtype (a probe that differs, or a kernel that fails to build or run,
     logged); ConfigError where none holds. Not exact: ``asked``, else "tiles" where the head
     size allows, unprobed."""
-    from .fused_attention import ATTENTION_KERNELS, probe_slot_attention, supports_tiles
+    from .fused_attention import (ATTENTION_KERNELS, PROBE_ORDER, probe_slot_attention,
+                                  supports_tiles)
 
     if asked is not None and asked not in ATTENTION_KERNELS:
         raise ConfigError(f"the attention kernel must be one of {', '.join(ATTENTION_KERNELS)}, "
@@ -225,7 +227,7 @@ def _fused_attention(device: torch.device, dtype: torch.dtype, heads: HeadLayout
     if not exact:
         return asked or ("tiles" if supports_tiles(heads.head_dim) else "rows")
     failures: list[str] = []
-    for name in (asked,) if asked else ATTENTION_KERNELS:
+    for name in (asked,) if asked else PROBE_ORDER:
         if name != "rows" and not supports_tiles(heads.head_dim):
             failures.append(f"{name}: heads of {heads.head_dim} are under 16")
             continue

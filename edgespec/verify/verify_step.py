@@ -137,14 +137,10 @@ class VerifyBatch:
         else:  # every row greedy (loose or PAD rows among them): the settings of none
             seeds = top_k = [0] * n
             temps = top_p = [1.0] * n
-        ints = torch.tensor([starts, seeds, top_k, greedy, loose, pad],
-                            dtype=torch.long).reshape(6, n)
-        floats = torch.tensor([temps, top_p], dtype=torch.float32).reshape(2, n)
-        if nodes.device.type == "cuda":  # pinned and not waited for: the forward runs on
-            ints = ints.pin_memory().to(nodes.device, non_blocking=True)
-            floats = floats.pin_memory().to(nodes.device, non_blocking=True)
-        else:
-            ints, floats = ints.to(nodes.device), floats.to(nodes.device)
+        [ints] = to_device([np.array([starts, seeds, top_k, greedy, loose, pad],
+                                     dtype=np.int64).reshape(6, n)], nodes.device, torch.long)
+        [floats] = to_device([np.array([temps, top_p], dtype=np.float32).reshape(2, n)],
+                             nodes.device, torch.float32)
         return cls(tokens=nodes, parents=parents, depths=depths, counts=counts,
                    starts=ints[0], seeds=ints[1], top_k=ints[2], greedy=ints[3].bool(),
                    loose=ints[4].bool(), pad=ints[5].bool(), temperature=floats[0], top_p=floats[1],
