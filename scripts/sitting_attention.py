@@ -83,6 +83,11 @@ def _timed_size(s, shape: str, layout, B: int, T: int, context: int, timer) -> d
         if kernel == "tiles":  # the warps a tile program runs with, besides the default
             row["tiles_ms_by_warps"] = {w: round(timer(lambda w=w: call(warps=w)), 4)
                                         for w in WARPS}
+            # whether a warp count keeps the default's bits (a runner could then take the
+            # fastest for every step without a row's bits moving)
+            row["tiles_bits_by_warps"] = {
+                w: bool(torch.equal(call(warps=w)[:B * T].float(), outs["tiles"]))
+                for w in WARPS}
     # the chunks kernel does the split kernel's arithmetic in one program: equal bits would let
     # a runner take either by the step (split for decode over long slots, chunks when wide)
     row["chunks_equal_split"] = bool(torch.equal(outs["chunks"], outs["split"]))

@@ -31,12 +31,15 @@ def format_tables(d: dict) -> str:
                             + [f"{r.get('max_abs_diff', 0):.1e}", r.get("chunks_equal_split"),
                                " / ".join(str(v) for v in
                                           (r.get("tiles_ms_by_warps") or {}).values()),
+                               " / ".join(str(v) for v in
+                                          (r.get("tiles_bits_by_warps") or {}).values()),
                                ", ".join(f"{k}: {v}" for k, v in e["probe"].items())])
         lines += _table(["shape", "keys", "sessions x tokens"]
                         + [f"{k} attention ms" for k in kernels]
                         + [f"{k} / {kernels[0]}" for k in kernels[1:]]
                         + ["outputs apart", "chunks = split bits",
-                           "tiles ms, 1 / 2 / 4 / 8 warps", "probe"], rows)
+                           "tiles ms, 1 / 2 / 4 / 8 warps",
+                           "tiles' default bits, 1 / 2 / 4 / 8 warps", "probe"], rows)
     if d.get("gemm"):  # the products' ms a step: cuBLAS tiles, then each Triton config
         first = next(iter(d["gemm"].values()))
         names = list(next(iter(first["step_ms"].values())))

@@ -21,7 +21,7 @@ def _rows(md: str, first: str) -> list[list[str]]:
             if line.startswith(f"| {first} |")]
 
 
-def test_the_attention_table_has_each_kernel_s_time_ratio_warps_and_probe():
+def test_the_attention_table_has_each_kernel_s_time_ratio_warps_their_bits_and_probe():
     attention = {"8b": {"layout": "32 q heads, 8 kv heads, head size 128",
                         "probe": {"tiles": "invariant", "rows": "invariant",
                                   "split": "invariant"},
@@ -30,7 +30,9 @@ def test_the_attention_table_has_each_kernel_s_time_ratio_warps_and_probe():
                                    "vs_first": {"rows": 4.5, "split": 0.25},
                                    "max_abs_diff": 0.0039,
                                    "tiles_ms_by_warps": {"1": 0.3, "2": 0.25, "4": 0.2,
-                                                         "8": 0.22}}]}}
+                                                         "8": 0.22},
+                                   "tiles_bits_by_warps": {"1": False, "2": True, "4": True,
+                                                           "8": False}}]}}
     md = format_tables(_sitting(attention=attention))
     assert ("| shape | keys | sessions x tokens | tiles attention ms | rows attention ms | "
             "split attention ms | rows / tiles | split / tiles |") in md
@@ -38,7 +40,8 @@ def test_the_attention_table_has_each_kernel_s_time_ratio_warps_and_probe():
     assert row[:8] == ["8b", "4096", "1 x 1", "0.2", "0.9", "0.05", "4.5", "0.25"]
     assert row[9] == "-"  # whether chunks gave split's bits: not in this sitting
     assert row[10] == "0.3 / 0.25 / 0.2 / 0.22"
-    assert row[11] == "tiles: invariant, rows: invariant, split: invariant"
+    assert row[11] == "False / True / True / False"
+    assert row[12] == "tiles: invariant, rows: invariant, split: invariant"
 
 
 def test_the_decode_table_has_each_attention_kernel_at_each_context():
