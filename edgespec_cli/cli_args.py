@@ -157,6 +157,14 @@ def add_engine_args(p: argparse.ArgumentParser, in_process: bool = True) -> None
                         "trees) as CUDA graphs captured at start (default: on with --device "
                         "cuda, where the fused Triton kernels run; --no-cuda-graphs runs the "
                         "same kernels eagerly, the same bits)")
+    p.add_argument("--decode-ahead", action=argparse.BooleanOptionalAction, default=None,
+                   help="where every step decodes each session by one token (a server "
+                        "with no boards, drafter or head: no draft to verify or ask for), "
+                        "launch the next step's forward from its choices on the device before "
+                        "reading them, "
+                        "so the device decodes while the host commits and plans (default: on "
+                        "with --device cuda; off on a CPU, where a forward cannot run beside "
+                        "the host; the same outputs either way)")
     p.add_argument("--tree-nodes", type=int, default=d.tree_nodes,
                    help="most branch tokens of a token-tree draft verified per session per "
                         "step, within the batch's token budget; 0: chains only "
@@ -253,7 +261,8 @@ def engine_config(args, max_sessions: int | None = None) -> EngineConfig:
                         head=getattr(args, "head", None) or d.head,
                         learn=getattr(args, "learn", False),
                         auto=getattr(args, "auto", False),
-                        cuda_graphs=getattr(args, "cuda_graphs", None))
+                        cuda_graphs=getattr(args, "cuda_graphs", None),
+                        decode_ahead=getattr(args, "decode_ahead", None))
 
 
 THREADS_DEFAULT = ("cores - 1, at least 1 (lowered at start where the model's dtype is not "

@@ -233,3 +233,24 @@ def test_speculative_decoding_on_the_fused_kernels_is_target_only(small, graphs)
                                                                                seed=7)], 8)
     if graphs:
         assert runner.graphs.replays > 0
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_decode_steps_run_ahead_on_the_fused_kernels_are_target_only(small, graphs):
+    """A target-only server's steps launched a step ahead (``decode_ahead``), their roots
+    copied in on the device (into a graph bucket's inputs after its host copy): the outputs of
+    the same steps launched one at a time, greedy and keyed sampling."""
+    rng = random.Random(11)
+    prompts = [[1] + [rng.randrange(3, 100) for _ in range(rng.randint(5, 20))]
+               for _ in range(2)]
+    params = [SamplingParams(), SamplingParams(temperature=0.8, seed=7)]
+    outs = {}
+    for ahead in (False, True):
+        runner = _fused(small.model, n_slots=2, graphs=graphs)
+        with SpecEngine(runner, None, EngineConfig(max_sessions=2, decode_ahead=ahead)) as eng:
+            outs[ahead] = [r.token_ids for r in eng.generate_many(
+                [Request(p, 6, sp) for p, sp in zip(prompts, params)])]
+            assert (eng.ahead.claimed > 0) == ahead
+        if graphs:
+            assert runner.graphs.replays > 0
+    assert outs[True] == outs[False] and all(len(o) == 6 for o in outs[True])

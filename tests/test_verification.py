@@ -21,7 +21,7 @@ from edgespec.verify.keyed_noise import (_MASK64, _signed, gumbel_of_keys, keyed
 from edgespec.runner.target_runner import TargetRunner
 from edgespec.verify.trees import DraftTree
 from oracles import verify_tree
-from edgespec.verify import verify_step as verify_module
+from edgespec.runner.host_transfers import HostCopy
 from edgespec.verify.verify_step import NUMPY_ARGMAX_FROM, VerifyBatch, last_argmax, verify_step
 
 V = 40
@@ -225,7 +225,8 @@ def test_sampled_choices_equal_the_host_keyed_choice():
 class _SyncCounter:
     """Counts, on the calling thread, the tensor methods that wait for the device (``numpy``
     is not one: it refuses a device tensor, and on a CPU tensor waits for nothing) and the
-    verification's pinned readback (``host_transfers.to_host``, the wait a step makes)."""
+    verification's pinned readback (``host_transfers.HostCopy.wait``, the wait a step makes,
+    ``to_host``'s and a decode step's run ahead)."""
 
     NAMES = ("tolist", "item", "cpu", "__bool__", "__int__", "__float__", "__index__")
 
@@ -233,7 +234,7 @@ class _SyncCounter:
         self.count, self.thread = 0, threading.get_ident()
         for name in self.NAMES:
             monkeypatch.setattr(torch.Tensor, name, self._counted(getattr(torch.Tensor, name)))
-        monkeypatch.setattr(verify_module, "to_host", self._counted(verify_module.to_host))
+        monkeypatch.setattr(HostCopy, "wait", self._counted(HostCopy.wait))
 
     def _counted(self, orig):
         def wrapped(*a, **k):
@@ -273,6 +274,24 @@ def test_a_step_of_8_sessions_syncs_with_the_host_at_most_once(tiny, monkeypatch
             if steps == 1:
                 assert report.sessions == 8
     assert steps > 1
+
+
+@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=0.8, seed=4)],
+                         ids=["greedy", "sampled"])
+def test_a_decode_step_run_ahead_syncs_with_the_host_once(tiny, monkeypatch, params):
+    """A target-only server's steps launched a step ahead (``decode_ahead``, on here on the
+    CPU): each reads its verdicts once, the launch of the next waits for nothing."""
+    prompts = [[1] + [10 + (i * 7 + j) % 60 for j in range(6 + i)] for i in range(8)]
+    runner = TargetRunner(tiny.model, n_slots=8, max_len=128)
+    with SpecEngine(runner, None, EngineConfig(decode_ahead=True), stop_ids={2}) as engine:
+        for p in prompts:
+            engine.add(Request(p, 12, params))
+        counter = _SyncCounter(monkeypatch)
+        while engine.active:
+            before = counter.count
+            report = engine.step()
+            assert counter.count - before == (1 if report else 0)
+        assert engine.ahead.claimed > 5
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(),
@@ -325,6 +344,46 @@ def test_cuda_engine_steps_wait_for_the_device_only_for_their_verdicts(tiny, mon
     assert runner.graphs.replays > 0
     # greedy trees drafted from the runner's own outputs: a path off the spine was moved
     assert not (trees and params.greedy) or moves
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="no CUDA device here: the GPU sitting runs it")
+@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=0.8, top_k=20,
+                                                                     top_p=0.9, seed=4)],
+                         ids=["greedy", "top-k-top-p"])
+def test_cuda_decode_steps_run_ahead_wait_only_for_their_verdicts(tiny, params):
+    """On CUDA a target-only server launches each decode step before reading the last one's
+    verdicts (``decode_ahead``, its default there): every step under torch's sync debug mode
+    set to raise (the launch, its roots copied on the device, the claim: no implicit wait),
+    prompts admitted while steps run ahead, the outputs those of the same steps launched one at
+    a time."""
+    import copy
+
+    from edgespec.engine.generation import Admission
+    from edgespec.runner.host_transfers import implicit_syncs_refused
+
+    model = copy.deepcopy(tiny.model).to("cuda", torch.bfloat16)
+    prompts = [[1] + [10 + (i * 7 + j) % 60 for j in range(6 + 9 * i)] for i in range(8)]
+    outs = {}
+    for ahead in (False, None):
+        runner = TargetRunner(model, n_slots=8, max_len=192)
+        cfg = EngineConfig(prefill_budget=16, decode_ahead=ahead)
+        with SpecEngine(runner, None, cfg, stop_ids={2}) as engine:
+            assert engine.ahead.enabled == (ahead is None)
+            sessions = [engine.add(Request(p, 12, params)) for p in prompts[:5]]
+            steps = 0
+            while engine.sessions:
+                if steps == 2:
+                    sessions += engine.admit([Admission(Request(p, 12, params))
+                                              for p in prompts[5:]])
+                with implicit_syncs_refused(runner.device):
+                    engine.step()
+                steps += 1
+            assert (engine.ahead.claimed > 0) == (ahead is None)
+        assert [s.finish in ("length", "stop") for s in sessions] == [True] * 8
+        assert runner.graphs.replays > 0
+        outs[ahead] = [s.output for s in sessions]
+    assert outs[None] == outs[False]
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(

@@ -77,12 +77,14 @@ def _shape(drafts: list[StepDraft]
     return nodes, DraftShape.of_chains([d.tokens for d in drafts])
 
 
-def row_decisions(step: ScoredStep, out: VerifyOutcome, stop_ids: Set[int]) -> list[Decision]:
+def row_decisions(drafts: Sequence[StepDraft], nodes: Sequence[tuple[Sequence[int], Sequence[int]]],
+                  out: VerifyOutcome, stop_ids: Set[int]) -> list[Decision]:
     """Each row's verdict from the verification's outcome, decided in the same pass: the
     accepted path's chain tokens, then its branch, then the target's token, cut where the
-    session's output ends (``decisions.decide``), the path and its lossy-kept flags beside it."""
+    session's output ends (``decisions.decide``), the path and its lossy-kept flags beside it.
+    ``nodes``: each row's draft as (tokens, parents) (``ScoredStep.nodes``)."""
     decided = []
-    for d, (tokens, _), path, token, kept in zip(step.drafts, step.nodes, out.paths, out.tokens,
+    for d, (tokens, _), path, token, kept in zip(drafts, nodes, out.paths, out.tokens,
                                                  out.lenient):
         act = d.act
         if not d.branches:  # a chain: its path is its first nodes, all the drafter's

@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
+import torch
 
 from ..config import (EngineConfig, verifies_trees)
 from ..drafters import Drafter
@@ -38,7 +39,9 @@ from ..models.vision import VisionModel
 from ..protocol.fleet_table import FleetTable
 from ..protocol.local_store import LocalSessionStore
 from ..runner.target_runner import PREFILL_CHUNK, TargetRunner
-from ..verify.verify_step import VerifyOutcome, verify_step
+from ..runner.host_transfers import HostCopy
+from ..verify.verify_step import VerifyOutcome, decode_choices, decode_outcome, verify_step
+from .decode_ahead import Claim, DecodeAhead
 from .draft_planner import ForwardCost
 from .draft_worker import DraftWorker
 from .drafting_worth import REST, DraftingWorth
@@ -159,6 +162,12 @@ class SpecEngine(StepDrafts):
         self._forwards_ok = self._forwards_failed = 0
         # the head's moves of this step's verified batches, made once their paths are placed
         self._head_pending: list[tuple[list[str], Any, list[int], list[list[int]]]] = []
+        # decode steps launched a step ahead (``decode_ahead``): on where a forward runs apart
+        # from the host (CUDA)
+        ahead = self.cfg.decode_ahead
+        self.ahead = DecodeAhead(target, target.device.type == "cuda" if ahead is None
+                                 else ahead)
+        self._claim: Claim | None = None  # this step's share of the forward run ahead
 
     @property
     def faulted(self) -> bool:
@@ -216,6 +225,10 @@ class SpecEngine(StepDrafts):
         self._head_pending = []  # a step that raised before placing left its moves behind
         taken = self._take(self._plan())
         drafts = self._propose(taken)
+        # the forward run ahead for these rows (a session it does not hold waits a step)
+        claim = self._claim = self.ahead.claim(drafts) if self.ahead.pending else None
+        if claim is not None:
+            drafts = claim.covered
         if not drafts:
             self.prefill_s += self._settle_prefill()
             return None
@@ -225,7 +238,7 @@ class SpecEngine(StepDrafts):
         t2 = time.perf_counter() - self._decide_s  # the forward and verification alone
         self.prefill_s += self._settle_prefill()  # waited for with the verdicts
         width = sum(d.width for d in drafts)
-        if not async_prefill:
+        if not async_prefill and claim is None:  # a claimed forward ran during the last step
             self.cost.observe(len(drafts), max(d.width for d in drafts), t2 - t1)  # padded
         decided = [d for d in judged if d is not None]  # None: its forward failed, alone
         if self.cfg.auto:  # each source's proposal, judged
@@ -264,6 +277,8 @@ class SpecEngine(StepDrafts):
             return decided
         except Exception:
             self._forwards_failed += 1
+            self._claim = None  # each session again by a forward of its own
+            self.ahead.drop()  # launched from the choices of the batch that failed
             if len(drafts) == 1:
                 act = drafts[0].act
                 log.exception("verification of session %s failed", act.sid)
@@ -276,8 +291,42 @@ class SpecEngine(StepDrafts):
 
     def _forward_and_verify(self, drafts: list[StepDraft]) -> list[Decision]:
         """Score the batch (``scoring.score_step``: one forward), then judge it: one host
-        sync. Changes nothing a retry would read: the paths are placed after (``_place``)."""
-        return self._judge(score_step(self.target, drafts, self.pad))
+        sync. Changes nothing a retry would read: the paths are placed after (``_place``). A
+        step whose forward ran ahead (``decode_ahead``) judges that forward's choices."""
+        claim, self._claim = self._claim, None
+        if claim is not None:
+            return self._judge_decode(drafts, claim.choices(), claim.kv_starts())
+        step = score_step(self.target, drafts, self.pad)
+        if self._runs_ahead(step.drafts):
+            return self._judge_decode(step.drafts, decode_choices(step.scored.logits, step.batch),
+                                      step.rows.starts)
+        return self._judge(step)
+
+    def _runs_ahead(self, drafts: list[StepDraft]) -> bool:
+        """Whether the step after this one can be launched before this one's verdicts are
+        read (``decode_ahead``): every active session in it (none left waiting for the next
+        step, none verified alone after its batch failed), each row its root alone, verified
+        exactly, with no drafter, board or head to draft for the next step (which then asks
+        for no draft)."""
+        return self.ahead.enabled and len(drafts) == len(self.active) and \
+            self.drafter is None and \
+            self.head is None and self.pad is None and not self.cfg.auto and \
+            all(d.width == 1 and not d.act.drafter and d.act.verify == "exact" for d in drafts)
+
+    def _judge_decode(self, drafts: list[StepDraft], choices: torch.Tensor,
+                      kv_starts: Sequence[int]) -> list[Decision]:
+        """A decode step judged from its choices [B] long (queued on the device): their copy
+        to the host queued, the next step launched ahead from them where it can be, then the
+        step's one wait and each row decided (as ``verify_step`` decides such rows)."""
+        readback = HostCopy(choices)
+        if self._runs_ahead(drafts):
+            self.ahead.launch(drafts, kv_starts, choices)
+        tokens = readback.wait().tolist()
+        t0 = time.perf_counter()
+        decided = row_decisions(drafts, [((), ())] * len(drafts), decode_outcome(tokens),
+                                self.stop_ids)
+        self._decide_s += time.perf_counter() - t0
+        return decided
 
     def _judge(self, step: ScoredStep) -> list[Decision]:
         """Every row verified at once on the device (``edgespec.verify.verify_step``) and
@@ -302,7 +351,7 @@ class SpecEngine(StepDrafts):
 
     def _decide(self, step: ScoredStep, out: VerifyOutcome) -> list[Decision]:
         """Each row's verdict, cut where its output ends, in one pass (``row_decisions``)."""
-        return row_decisions(step, out, self.stop_ids)
+        return row_decisions(step.drafts, step.nodes, out, self.stop_ids)
 
     # -- whole generations ---------------------------------------------------------------------
     def generate_many(self, requests: list[Request]) -> list[Result]:

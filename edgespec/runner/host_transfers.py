@@ -72,16 +72,35 @@ def to_host(t: torch.Tensor) -> np.ndarray:
     verdict's): on CUDA copied into pinned memory and waited for by an event on the tensor's
     own device's stream (the step's one wait: everything queued before it is done when it
     returns); on the CPU the tensor's own memory."""
-    if t.device.type == "cpu":
-        return t.detach().numpy()
-    if t.device.type != "cuda":
-        return t.detach().cpu().numpy()
-    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    host.copy_(t, non_blocking=True)  # on the current stream of t's device
-    done = torch.cuda.Event()
-    done.record(torch.cuda.current_stream(t.device))
-    done.synchronize()
-    return host.numpy()
+    return HostCopy(t).wait()
+
+
+class HostCopy:
+    """``to_host`` in two halves: the copy queued (``HostCopy(t)``), then waited for
+    (``wait``). Work queued between the two runs after the copy on the device's stream, and
+    the wait does not wait for it: a decode step launched ahead (``engine.decode_ahead``) is
+    queued there, so the device runs it while the host reads this step's verdicts."""
+
+    def __init__(self, t: torch.Tensor):
+        self._host: torch.Tensor | None = None
+        self._done = None
+        if t.device.type == "cpu":
+            self._array = t.detach().numpy()
+            return
+        if t.device.type != "cuda":
+            self._array = t.detach().cpu().numpy()
+            return
+        self._host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        self._host.copy_(t, non_blocking=True)  # on the current stream of t's device
+        self._done = torch.cuda.Event()
+        self._done.record(torch.cuda.current_stream(t.device))
+
+    def wait(self) -> np.ndarray:
+        if self._done is not None:
+            assert self._host is not None
+            self._done.synchronize()
+            self._array, self._done = self._host.numpy(), None
+        return self._array
 
 
 class DeviceSpan:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import numpy as np
@@ -164,6 +164,9 @@ class StepRows:
     # fused attention reads a node's keys in decoding order through it)
     path: torch.Tensor | None = None
     host: "StepHost | None" = None  # the same rows on the host (a graph bucket's one copy)
+    # [B] long on the device: the roots, where the step was launched before they reached the
+    # host (``with_device_roots``); ``tokens[:, 0]`` holds them, ``host.tokens[:, 0]`` does not
+    device_roots: torch.Tensor | None = None
 
     @classmethod
     def build(cls, slots: list[int], starts: list[int], roots: list[int], shape: DraftShape,
@@ -204,6 +207,14 @@ class StepRows:
                    on_dev[1], on_dev[2], on_dev[3], on_dev[4],
                    flags[0] if ancestors is not None else None, tail, shape.max_depth,
                    on_dev[n_ints] if path_h is not None else None, host)
+
+    def with_device_roots(self, roots: torch.Tensor) -> "StepRows":
+        """These rows with their roots taken from ``roots`` [B] long, a tensor on the device
+        still being computed (the previous step's choices, queued): copied into ``tokens``
+        by the device's stream, which orders the copy after the choices and before the
+        forward; a graph bucket copies them into its inputs after its host copy."""
+        self.tokens[:, 0].copy_(roots)
+        return replace(self, device_roots=roots)
 
 
 @dataclass(frozen=True)

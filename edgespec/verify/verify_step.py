@@ -40,7 +40,7 @@ last node's choice is the emitted token. Every node's logits are decoding's own 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -310,6 +310,20 @@ def verify_step(logits: torch.Tensor, vb: VerifyBatch, loose: LooseParams | None
     return VerifyOutcome([r[2:2 + r[1]] for r in host], [r[0] for r in host],
                          [r[2 + 2 * N:] for r in host] if propose is not None else [],
                          [r[2 + N:2 + N + r[1]] for r in host])
+
+
+def decode_choices(logits: torch.Tensor, vb: VerifyBatch) -> torch.Tensor:
+    """A decode step's verdicts, queued on the device: rows of the root alone (no draft node),
+    each row's token the target's choice after its root, as ``verify_step`` judges such a row
+    (greedy the argmax, sampled the keyed sample at its position). logits: [B, >= 1, V];
+    returns [B] long."""
+    return target_choices(logits[:, :1], vb)[0][:, 0]
+
+
+def decode_outcome(tokens: Sequence[int]) -> VerifyOutcome:
+    """``verify_step``'s outcome for a decode step whose choices (``decode_choices``) the host
+    has read: each row emits its token and accepts no node."""
+    return _chains_outcome([0] * len(tokens), list(tokens), [])
 
 
 def _verify_exact_chains(choices: torch.Tensor, vb: VerifyBatch, N: int,

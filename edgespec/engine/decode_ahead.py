@@ -1,0 +1,150 @@
+"""Decode steps launched one step ahead: the host's work of a step overlapped with the device's
+forward of the next, where nothing that forward reads waits for the host.
+
+A step whose every row is a session's last token alone (no draft, no head, exact verification:
+a server serving without boards) commits exactly one token a session, the target's choice after
+its root. The next step's rows are then known but for their tokens: the same slots, each one
+position on, each root this step's choice, which the device holds before the host reads it. So
+the engine queues that next forward right after this step's choices and their copy to the host,
+before it waits for them (``launch``): the device runs it while the host reads this step's
+verdicts, commits them, streams them and plans the next step, whose take then finds its forward
+run (``claim``) and waits only for its choices. No token goes through the host on the way: the
+roots are copied from the choices to the forward's inputs by the device (``StepRows.
+with_device_roots``; a graph bucket copies them after its host copy). vLLM's asynchronous
+scheduling and SGLang's overlap scheduler do the same for plain decoding.
+
+The forward run ahead holds every row of the step that launched it. The next step claims the rows
+of its sessions still where the launch put them (same slot, same positions); a session that
+ended, failed or was cancelled meanwhile is dropped (its row's work is wasted, its slot written
+one position past its end, which the slot's next owner writes before it reads there: its prefill,
+or its forwards at their own positions, queued after this one). A session admitted meanwhile is
+not in it: it waits for the next step, which is not launched ahead, so that it joins. A claimed
+step is a step like any other for what it emits: the same kernels over the same rows (graph
+buckets, batch-invariant kernels), the same choices (greedy the argmax, sampled the keyed
+sample at the row's position).
+
+On a CPU a forward runs as it is called: there is nothing to overlap, and
+``EngineConfig.decode_ahead`` (None: on CUDA) leaves it off there; tests turn it on to hold its
+outputs to target-only decoding.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..runner.host_transfers import longs_to_device
+from ..runner.step_rows import DraftShape, StepRows
+from ..verify.verify_step import VerifyBatch, decode_choices
+from .proposals import StepDraft
+
+if TYPE_CHECKING:
+    from ..runner.target_runner import TargetRunner
+
+log = logging.getLogger("edgespec.engine.decode_ahead")
+
+
+@dataclass(frozen=True)
+class AheadStep:
+    """A decode step's forward, launched before the host read the roots it decodes from."""
+
+    row_of: dict[str, int]  # session id -> its row
+    slots: list[int]  # each row's KV slot
+    starts: list[int]  # each row's position: its session's committed end when it runs
+    kv_starts: list[int]  # each slot's KV length then: where the forward stored the root
+    choices: torch.Tensor  # [B] long on the device: each row's token, queued
+    rows: StepRows  # the forward's inputs (kept until its choices are read)
+
+
+@dataclass(frozen=True)
+class Claim:
+    """What a step takes of the forward run ahead: the rows of ``covered`` (in their order),
+    and the drafts it does not cover, which wait for the next step."""
+
+    ahead: AheadStep
+    covered: list[StepDraft]
+    index: list[int]  # each covered draft's row in ``ahead``
+    waiting: list[StepDraft]
+
+    def choices(self) -> torch.Tensor:
+        """[len(covered)] long on the device: the covered rows' tokens (all of them in their
+        order: the queued tensor itself)."""
+        if self.index == list(range(len(self.ahead.slots))):
+            return self.ahead.choices
+        [index] = longs_to_device([self.index], self.ahead.choices.device)  # no wait
+        return self.ahead.choices.index_select(0, index)
+
+    def kv_starts(self) -> list[int]:
+        return [self.ahead.kv_starts[i] for i in self.index]
+
+
+class DecodeAhead:
+    """The engine's forward run ahead (``pending``), launched and claimed step by step."""
+
+    def __init__(self, target: "TargetRunner", enabled: bool):
+        self.target, self.enabled = target, enabled
+        self.pending: AheadStep | None = None
+        # steps launched ahead, claimed by the next step, and dropped unclaimed
+        self.launched = self.claimed = self.dropped = 0
+
+    def launch(self, drafts: Sequence[StepDraft], kv_starts: Sequence[int],
+               roots: torch.Tensor) -> None:
+        """Queue the forward of the decode step after ``drafts`` (a decode step's rows, whose
+        slots' KV lengths were ``kv_starts``), its roots ``roots`` [B] long on the device (this
+        step's choices, queued), and its choices after it. A row that would pass its slot's
+        end launches nothing (its session decodes in the next step as usual); a launch that
+        raises is dropped (logged): the next step runs its own forward."""
+        self.drop()
+        target = self.target
+        acts = [d.act for d in drafts]
+        starts = [k + 1 for k in kv_starts]
+        if not acts or max(starts) + 1 > target.cache.max_len:
+            return
+        slots = [a.slot for a in acts]
+        try:
+            rows = StepRows.build(slots, starts, [0] * len(acts),
+                                  DraftShape.of_chains([()] * len(acts)), target.device)
+            rows = rows.with_device_roots(roots)
+            scored = target.score_rows(rows)
+            batch = VerifyBatch.of_rows(rows, [d.start + 1 for d in drafts],
+                                        [a.req.params for a in acts], ["exact"] * len(acts))
+            choices = decode_choices(scored.logits, batch)
+        except Exception:  # costs the overlap of one step, never a session
+            log.exception("launching a decode step ahead failed: the next step runs its own")
+            return
+        self.pending = AheadStep({a.sid: i for i, a in enumerate(acts)}, slots,
+                                 [d.start + 1 for d in drafts], starts, choices, rows)
+        self.launched += 1
+
+    def claim(self, drafts: Sequence[StepDraft]) -> Claim | None:
+        """The forward run ahead for this step's ``drafts``: the rows of the drafts it holds
+        as they stand (the session's row, slot and positions, no draft token); None, dropping
+        it, when it holds none of them. Either way it is no longer pending."""
+        ahead, self.pending = self.pending, None
+        if ahead is None:
+            return None
+        lengths = self.target.cache.lengths
+        covered, index, waiting = [], [], []
+        for d in drafts:
+            i = ahead.row_of.get(d.act.sid)
+            if i is not None and d.width == 1 and d.start == ahead.starts[i] and \
+                    d.act.slot == ahead.slots[i] and lengths[d.act.slot] == ahead.kv_starts[i]:
+                covered.append(d)
+                index.append(i)
+            else:
+                waiting.append(d)
+        if not covered:
+            self.dropped += 1
+            return None
+        self.claimed += 1
+        return Claim(ahead, covered, index, waiting)
+
+    def drop(self) -> None:
+        """Forget the forward run ahead (its work is wasted, nothing else)."""
+        if self.pending is not None:
+            self.pending = None
+            self.dropped += 1

@@ -1,0 +1,160 @@
+"""Decode steps launched a step ahead (``edgespec.engine.decode_ahead``), turned on on the CPU:
+every output identical to target-only decoding, greedy and keyed sampling, as sessions end at
+different steps, are cancelled, join while a step runs ahead, take a freed slot, and when a
+launch or a batch's wait fails."""
+
+import pytest
+import torch
+from conftest import hf_greedy, hf_keyed_sampled
+
+from edgespec.config import EngineConfig, SamplingParams
+from edgespec.engine.generation import Admission
+from edgespec.engine.spec_engine import Request, SpecEngine
+from edgespec.runner.step_rows import DraftShape, StepRows
+from edgespec.runner.target_runner import TargetRunner
+
+PROMPTS = [
+    [1, 10, 11, 12, 13, 10, 11, 12, 13, 10],
+    [1, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61],
+    [1, 30, 31, 30, 31, 30],
+    [1, 7, 8],
+]
+NEW = [24, 9, 17, 30]  # sessions ending at different steps
+
+
+@pytest.fixture(scope="module")
+def runner(tiny):
+    return TargetRunner(tiny.model, n_slots=8, max_len=128)
+
+
+@pytest.fixture(scope="module")
+def refs(tiny):
+    return [hf_greedy(tiny.model, p, n) for p, n in zip(PROMPTS, NEW)]
+
+
+def _engine(runner, ahead=True, **kw) -> SpecEngine:
+    return SpecEngine(runner, None, EngineConfig(max_sessions=8, decode_ahead=ahead, **kw),
+                      stop_ids={2})
+
+
+def test_the_next_steps_forward_from_device_roots_scores_as_from_host_roots(runner):
+    """Rows whose roots are copied in on the device score bit for bit as rows built with them."""
+    a, b = runner.cache.allocate(), runner.cache.allocate()
+    try:
+        runner.prefill(a, [1, 10, 11, 12])
+        runner.prefill(b, [1, 50, 51])
+        slots, starts = [a, b], [runner.cache.lengths[a], runner.cache.lengths[b]]
+        shape = DraftShape.of_chains([(), ()])
+        host = runner.score_rows(StepRows.build(slots, starts, [13, 52], shape, runner.device))
+        rows = StepRows.build(slots, starts, [0, 0], shape, runner.device)
+        dev = runner.score_rows(rows.with_device_roots(torch.tensor([13, 52])))
+        assert torch.equal(host.logits, dev.logits)
+    finally:
+        runner.cache.release(a)
+        runner.cache.release(b)
+
+
+def test_greedy_batch_decoded_ahead_is_target_only(runner, refs):
+    with _engine(runner) as engine:
+        results = engine.generate_many([Request(p, n) for p, n in zip(PROMPTS, NEW)])
+        assert [r.token_ids for r in results] == refs
+        assert engine.ahead.claimed > 10  # the steps really ran ahead
+        # the last step launched nothing past the sessions' ends it could see; the longest
+        # session's own launches were all claimed but the ones past the others' ends
+        assert engine.ahead.pending is None or engine.ahead.launched > engine.ahead.claimed
+
+
+def test_keyed_sampling_decoded_ahead_is_target_only(tiny, runner):
+    params = [SamplingParams(temperature=0.9, top_k=20, seed=5),
+              SamplingParams(temperature=1.0, top_p=0.8, seed=11),
+              SamplingParams(),  # a greedy row among sampled ones
+              SamplingParams(temperature=0.7, seed=3)]
+    want = [hf_keyed_sampled(tiny.model, p, n, sp) if not sp.greedy else
+            hf_greedy(tiny.model, p, n)
+            for p, n, sp in zip(PROMPTS, NEW, params)]
+    with _engine(runner) as engine:
+        got = engine.generate_many([Request(p, n, sp) for p, n, sp in zip(PROMPTS, NEW, params)])
+        assert engine.ahead.claimed > 10
+    for g, w in zip(got, want):  # a sampled session stops at its own stop token, if drawn
+        assert g.token_ids == w[:len(g.token_ids)]
+        assert len(g.token_ids) == len(w) or g.token_ids[-1] == 2
+
+
+def test_sessions_joining_ending_and_cancelled_while_steps_run_ahead(tiny, runner, refs):
+    """A session admitted while a step ran ahead waits a step and joins; a cancelled one's
+    slot taken by a new session; every output still target-only's."""
+    late = [1, 40, 41, 42, 43]
+    late_ref = hf_greedy(tiny.model, late, 12)
+    with _engine(runner) as engine:
+        acts = engine.add_many([Admission(Request(p, n)) for p, n in zip(PROMPTS, NEW)])
+        for _ in range(3):
+            engine.step()
+        assert engine.ahead.pending is not None
+        cancelled = acts[2].sid
+        assert engine.cancel(cancelled)
+        [joined] = engine.add_many([Admission(Request(late, 12))])  # takes the freed slot
+        assert joined.slot == acts[2].slot
+        claimed = engine.ahead.claimed
+        report = engine.step()  # the sessions run ahead; the new one waits
+        assert engine.ahead.claimed == claimed + 1
+        assert report is not None and report.sessions == 3
+        assert engine.ahead.pending is None  # not run ahead: the next step holds everyone
+        while engine.active:
+            engine.step()
+    for i, act in enumerate(acts):
+        if i != 2:
+            assert act.output == refs[i]
+    assert acts[2].finish == "cancelled" and acts[2].output == refs[2][:len(acts[2].output)]
+    assert joined.output == late_ref
+
+
+def test_a_launch_that_raises_costs_the_overlap_only(runner, refs, monkeypatch, caplog):
+    score = runner.score_rows
+
+    def refusing(rows, tap=None):
+        if rows.device_roots is not None:
+            raise RuntimeError("no forward ahead today")
+        return score(rows, tap)
+
+    monkeypatch.setattr(runner, "score_rows", refusing)
+    with _engine(runner) as engine:
+        results = engine.generate_many([Request(p, n) for p, n in zip(PROMPTS, NEW)])
+        assert [r.token_ids for r in results] == refs
+        assert engine.ahead.launched == engine.ahead.claimed == 0
+    assert "launching a decode step ahead failed" in caplog.text
+
+
+def test_a_failed_wait_retries_each_session_alone_from_its_own_forward(runner, refs,
+                                                                        monkeypatch):
+    """The batch's wait raising after the next step was launched: the launch is dropped, each
+    session verified alone (none failed), and the outputs are target-only's."""
+    import edgespec.engine.spec_engine as spec_engine
+
+    real, calls = spec_engine.HostCopy, {"n": 0}
+
+    class FailingOnce(real):
+        def wait(self):
+            calls["n"] += 1
+            if calls["n"] == 5:
+                raise RuntimeError("the device went away for a moment")
+            return super().wait()
+
+    monkeypatch.setattr(spec_engine, "HostCopy", FailingOnce)
+    with _engine(runner) as engine:
+        results = engine.generate_many([Request(p, n) for p, n in zip(PROMPTS, NEW)])
+        assert [r.token_ids for r in results] == refs
+        assert engine.ahead.dropped >= 1 and engine.ahead.claimed > 5
+    assert calls["n"] > 5
+
+
+def test_off_by_default_on_a_cpu_and_never_with_drafts(runner, refs):
+    with SpecEngine(runner, None, EngineConfig(max_sessions=8), stop_ids={2}) as engine:
+        assert not engine.ahead.enabled
+        assert engine.generate(Request(PROMPTS[0], NEW[0])).token_ids == refs[0]
+        assert engine.ahead.launched == 0
+    from edgespec.drafters import build_drafter
+
+    with SpecEngine(runner, build_drafter("mag", None, None),
+                    EngineConfig(max_sessions=8, decode_ahead=True), stop_ids={2}) as engine:
+        assert engine.generate(Request(PROMPTS[0], NEW[0])).token_ids == refs[0]
+        assert engine.ahead.launched == 0  # its next step may verify drafts
