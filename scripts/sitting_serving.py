@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import random
 import time
+from dataclasses import replace
 
 import torch
 
@@ -27,8 +28,14 @@ def stage_e2e(s, shape: str, model) -> None:
     cfg = EngineConfig(max_sessions=1, max_context=256)
     row: dict = {}
     outs = {}
-    for name, spec in (("target_only", None), ("mag_cacheback", "mag+cacheback")):
-        with SpecEngine(runner, build_drafter(spec) if spec else None, cfg,
+    # target-only with each step launched before the last one's verdicts are read (the
+    # default on CUDA, set here so that a dry run on the CPU runs it too: decode_ahead) and
+    # without (each step after the host's work)
+    for name, spec, engine_cfg in (
+            ("target_only", None, replace(cfg, decode_ahead=True)),
+            ("target_only_no_ahead", None, replace(cfg, decode_ahead=False)),
+            ("mag_cacheback", "mag+cacheback", cfg)):
+        with SpecEngine(runner, build_drafter(spec) if spec else None, engine_cfg,
                         stop_ids=set()) as engine:
             engine.generate(Request(prompt, 8))  # warm-up
             (tokens,), dt, split = timed_generate(engine, [Request(prompt, new)], s.device)
@@ -36,7 +43,9 @@ def stage_e2e(s, shape: str, model) -> None:
         row[f"{name}_tok_s"] = round(len(tokens) / dt, 1)
         row[f"{name}_ms_step"] = round(1000 * dt / max(1, split["steps"]), 2)
         row[f"{name}_ms_a_step"] = split["ms_a_step"]  # where a step's time goes, host and device
-    row["identical"] = outs["target_only"] == outs["mag_cacheback"]
+        row[f"{name}_ahead"] = split["ahead"]
+    row["identical"] = outs["target_only"] == outs["mag_cacheback"] == \
+        outs["target_only_no_ahead"]
     if not row["identical"]:
         s.mismatch(f"{shape}: MaG + Cacheback's stream differs from target-only's")
     s.data["e2e"][shape] = row
@@ -79,7 +88,8 @@ def timed_generate(engine: SpecEngine, reqs: list[Request], device: str
     forward + verification (the device's work and the step's one sync), place + commit, and
     the rest (deciding each row's verdict, the loop's own). A prefill's kernels run while the
     host goes on (``host_transfers``: no wait), so here each prefill is waited for, to be
-    timed apart (the split's ``prefill_s``: seconds in all)."""
+    timed apart (the split's ``prefill_s``: seconds in all). The split's ``ahead``: the decode
+    steps launched a step ahead, claimed and dropped (``engine.decode_ahead``)."""
     split = {"prefill": 0.0, "plan_take_propose": 0.0, "forward_verify": 0.0,
              "place_commit": 0.0}
     steps = [0]
@@ -103,6 +113,7 @@ def timed_generate(engine: SpecEngine, reqs: list[Request], device: str
 
     engine.step = counted  # type: ignore[method-assign]
     engine.prefilling.advance = prefilled  # type: ignore[method-assign]
+    counts = (engine.ahead.launched, engine.ahead.claimed, engine.ahead.dropped)
     sync(device)
     t = time.perf_counter()
     try:
@@ -114,8 +125,12 @@ def timed_generate(engine: SpecEngine, reqs: list[Request], device: str
     n = max(1, steps[0])
     ms = {k: round(1e3 * v / n, 3) for k, v in split.items()}
     ms["rest"] = round(1e3 * wall / n - sum(ms.values()), 3)
+    ahead = engine.ahead
     return out, wall, {"steps": steps[0], "ms_a_step": ms,
-                       "prefill_s": round(split["prefill"], 4)}
+                       "prefill_s": round(split["prefill"], 4),
+                       "ahead": {"launched": ahead.launched - counts[0],
+                                 "claimed": ahead.claimed - counts[1],
+                                 "dropped": ahead.dropped - counts[2]}}
 
 
 def stage_fleet(s, shape: str, model) -> None:
@@ -135,9 +150,14 @@ def stage_fleet(s, shape: str, model) -> None:
         reqs = [Request(p, new) for p in prompts[:n]]
         cfg = EngineConfig(max_sessions=n, max_context=128)
         row: dict = {"sessions": n}
-        with SpecEngine(runner, None, cfg, stop_ids=set()) as plain:
+        # decode_ahead as on CUDA by default (set: a dry run on the CPU runs it too)
+        with SpecEngine(runner, None, replace(cfg, decode_ahead=True), stop_ids=set()) as plain:
             plain.generate(Request(prompts[0], 4))  # warm-up
             target_only, plain_s, plain_split = timed_generate(plain, reqs, s.device)
+        # the same, each step launched after the host's work on the last (no decode_ahead)
+        with SpecEngine(runner, None, replace(cfg, decode_ahead=False), stop_ids=set()) as one:
+            one.generate(Request(prompts[0], 4))  # warm-up
+            one_at_a_time, one_s, one_split = timed_generate(one, reqs, s.device)
         with SpecEngine(runner, build_drafter("mag"), cfg, stop_ids=set()) as engine:
             engine.generate(Request(prompts[0], 4))  # warm-up
             together, batched_s, mag_split = timed_generate(engine, reqs, s.device)
@@ -151,12 +171,16 @@ def stage_fleet(s, shape: str, model) -> None:
         tokens = sum(len(x) for x in together)
         decode_s = plain_s - plain_split["prefill_s"]  # the target-only steps alone
         row.update(_decode_against_step(s, shape, n, sum(map(len, target_only)) / decode_s))
+        row["target_only_no_ahead_decode_tokens_per_s"] = round(
+            sum(map(len, one_at_a_time)) / (one_s - one_split["prefill_s"]), 1)
         row.update({"tokens": tokens, "batched_s": round(batched_s, 2),
                     "target_only_batched_s": round(plain_s, 2),
                     "mag_over_target_only": round(plain_s / batched_s, 2),
                     "target_only_tokens_per_s": round(tokens / plain_s, 1),
                     "mag": mag_split, "target_only": plain_split,
-                    "identical": together == target_only and alone in (None, together)})
+                    "target_only_no_ahead": one_split,
+                    "identical": together == target_only == one_at_a_time and
+                    alone in (None, together)})
         if alone_s is not None:
             row.update({"one_a_forward_s": round(alone_s, 2),
                         "throughput_ratio": round(alone_s / batched_s, 2)})

@@ -87,11 +87,12 @@ def format_tables(d: dict) -> str:
         split = ("prefill", "plan_take_propose", "forward_verify", "place_commit", "rest")
         lines += _table(["shape", "target-only tok/s", "ms a step",
                          "its ms: prefill / plan+take+propose / forward+verify / place+commit / "
-                         "rest", "MaG + Cacheback tok/s",
+                         "rest", "target-only, no step ahead, tok/s", "MaG + Cacheback tok/s",
                          "identical", "transformers compiled static tok/s"],
                         [[k, v.get("target_only_tok_s"), v.get("target_only_ms_step"),
                           " / ".join(str(v.get("target_only_ms_a_step", {}).get(x, "-"))
                                      for x in split),
+                          v.get("target_only_no_ahead_tok_s", "-"),
                           v.get("mag_cacheback_tok_s"), v.get("identical"),
                           d.get("hf", {}).get(k, {}).get("static_compiled_tok_s")]
                          for k, v in d["e2e"].items()])
@@ -108,6 +109,7 @@ def format_tables(d: dict) -> str:
                              v.get("throughput_ratio", "-"),
                              v.get("target_only_batched_s", "-"),
                              v.get("target_only_decode_tokens_per_s", "-"),
+                             v.get("target_only_no_ahead_decode_tokens_per_s", "-"),
                              v.get("target_only_decode_vs_step", "-"),
                              v.get("mag_over_target_only", "-"),
                              " / ".join(str(ms.get(x, "-")) for x in
@@ -117,6 +119,7 @@ def format_tables(d: dict) -> str:
         lines += _table(["shape", "sessions", "MaG batched s", "one session a forward s",
                          "batched / one a forward", "target-only batched s",
                          "target-only decode tok/s (prefill left out)",
+                         "the same, no step ahead",
                          "of sessions / (sessions x 1 step)", "MaG / target-only",
                          "MaG ms a step: prefill / plan+take+propose / forward+verify / "
                          "place+commit / rest (decide)", "identical"], rows)

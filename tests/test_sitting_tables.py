@@ -98,6 +98,7 @@ def test_the_fleet_table_has_target_only_batched_and_the_steps_time_split():
     fleet = {"8b": {"32": {"sessions": 32, "tokens": 1024, "batched_s": 0.41,
                            "target_only_batched_s": 0.62, "mag_over_target_only": 1.51,
                            "target_only_decode_tokens_per_s": 1800.0,
+                           "target_only_no_ahead_decode_tokens_per_s": 1500.0,
                            "target_only_decode_vs_step": 0.71,
                            "one_a_forward_s": 3.3, "throughput_ratio": 8.05, "mag": split,
                            "target_only": split, "identical": True},
@@ -108,9 +109,9 @@ def test_the_fleet_table_has_target_only_batched_and_the_steps_time_split():
                              "throughput_ratio": 1.6, "identical": True}}}
     md = format_tables(_sitting(fleet=fleet))
     rows = _rows(md, "8b")
-    assert rows[0] == ["8b", "32", "0.41", "3.3", "8.05", "0.62", "1800.0", "0.71", "1.51",
-                       "0.5 / 1.2 / 9.1 / 0.8 / 0.1", "True"]
-    assert rows[1][3:5] == ["-", "-"] and rows[1][6:9] == ["-", "-", "1.38"]
+    assert rows[0] == ["8b", "32", "0.41", "3.3", "8.05", "0.62", "1800.0", "1500.0", "0.71",
+                       "1.51", "0.5 / 1.2 / 9.1 / 0.8 / 0.1", "True"]
+    assert rows[1][3:5] == ["-", "-"] and rows[1][6:10] == ["-", "-", "-", "1.38"]
     [old] = _rows(md, "135m")
     assert old[:5] == ["135m", "16", "0.3", "0.5", "1.6"]
-    assert old[5:10] == ["-", "-", "-", "-", "- / - / - / - / -"]
+    assert old[5:11] == ["-", "-", "-", "-", "-", "- / - / - / - / -"]
