@@ -59,9 +59,13 @@ def test_greedy_batch_decoded_ahead_is_target_only(runner, refs):
         results = engine.generate_many([Request(p, n) for p, n in zip(PROMPTS, NEW)])
         assert [r.token_ids for r in results] == refs
         assert engine.ahead.claimed > 10  # the steps really ran ahead
-        # the last step launched nothing past the sessions' ends it could see; the longest
-        # session's own launches were all claimed but the ones past the others' ends
-        assert engine.ahead.pending is None or engine.ahead.launched > engine.ahead.claimed
+        # each step after the first was run ahead and claimed (a session that ended by a stop
+        # token left its row unused); the longest session ends by its length, and a session's
+        # last step by its length launches no row for it: the last step launched nothing
+        longest = max(refs, key=len)
+        assert len(longest) == NEW[refs.index(longest)]
+        assert engine.ahead.launched == engine.ahead.claimed == len(longest) - 1
+        assert engine.ahead.pending is None and engine.ahead.dropped == 0
 
 
 def test_keyed_sampling_decoded_ahead_is_target_only(tiny, runner):

@@ -97,12 +97,21 @@ class DecodeAhead:
         slots' KV lengths were ``kv_starts``), its roots ``roots`` [B] long on the device (this
         step's choices, queued), and its choices after it. A row that would pass its slot's
         end launches nothing (its session decodes in the next step as usual); a launch that
-        raises is dropped (logged): the next step runs its own forward."""
+        raises is dropped (logged): the next step runs its own forward. A session this step
+        ends by its length has no row (a step whose every session ends so launches nothing)."""
         self.drop()
         target = self.target
+        keep = [i for i, d in enumerate(drafts)
+                if d.act.req.max_new_tokens - len(d.act.output) > 1]
+        if len(keep) < len(drafts):
+            if not keep:
+                return
+            drafts, kv_starts = [drafts[i] for i in keep], [kv_starts[i] for i in keep]
+            [index] = longs_to_device([keep], roots.device)  # no wait
+            roots = roots.index_select(0, index)
         acts = [d.act for d in drafts]
         starts = [k + 1 for k in kv_starts]
-        if not acts or max(starts) + 1 > target.cache.max_len:
+        if max(starts) + 1 > target.cache.max_len:
             return
         slots = [a.slot for a in acts]
         try:
