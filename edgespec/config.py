@@ -229,8 +229,9 @@ class EngineConfig:
     # replay the target's steps as CUDA graphs captured at start (``edgespec.runner.step_graphs``);
     # None: on wherever the fused kernels run (CUDA), off elsewhere
     cuda_graphs: bool | None = None
-    # launch a decode step (every row a session's last token alone: no draft, no head) before
-    # the host reads the verdicts of the one before it, so the device runs it meanwhile
+    # launch a decode step (every row a session's last token alone: no draft, no head; no
+    # boards, or drafters resting) before the host reads the verdicts of the one before it, so
+    # the device runs it meanwhile
     # (``edgespec.engine.decode_ahead``); None: on where the target runs on CUDA, off elsewhere
     decode_ahead: bool | None = None
 

@@ -158,8 +158,8 @@ def add_engine_args(p: argparse.ArgumentParser, in_process: bool = True) -> None
                         "cuda, where the fused Triton kernels run; --no-cuda-graphs runs the "
                         "same kernels eagerly, the same bits)")
     p.add_argument("--decode-ahead", action=argparse.BooleanOptionalAction, default=None,
-                   help="where every step decodes each session by one token (a server "
-                        "with no boards, drafter or head: no draft to verify or ask for), "
+                   help="where steps decode each session by one token (no draft to "
+                        "verify or ask for: no boards, drafter or head, or drafters resting), "
                         "launch the next step's forward from its choices on the device before "
                         "reading them, "
                         "so the device decodes while the host commits and plans (default: on "

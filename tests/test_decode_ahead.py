@@ -162,3 +162,99 @@ def test_off_by_default_on_a_cpu_and_never_with_drafts(runner, refs):
                     EngineConfig(max_sessions=8, decode_ahead=True), stop_ids={2}) as engine:
         assert engine.generate(Request(PROMPTS[0], NEW[0])).token_ids == refs[0]
         assert engine.ahead.launched == 0  # its next step may verify drafts
+
+
+def test_a_resting_batch_runs_ahead_and_drafts_again_when_its_window_comes(runner, refs,
+                                                                           monkeypatch):
+    """MaG in process, its drafting measured slower (the regimes set here: 6 steps resting, a
+    window of 3 drafting, resting after; the guess of the next step's regime wrong at the
+    window): the resting steps run ahead, the window drafts, every output target-only's."""
+    from edgespec.drafters import build_drafter
+    from edgespec.engine.drafting_worth import DRAFT, REST
+
+    regimes, at = [REST] * 6 + [DRAFT] * 3 + [REST] * 200, [0]
+
+    def choose(rows, plain_rate):
+        at[0] += 1
+        return regimes[at[0] - 1]
+
+    with SpecEngine(runner, build_drafter("mag"),
+                    EngineConfig(max_sessions=8, decode_ahead=True), stop_ids={2}) as engine:
+        assert engine.worth is not None
+        monkeypatch.setattr(engine.worth, "choose", choose)
+        monkeypatch.setattr(engine.worth, "next_regime", lambda rows: REST)  # a wrong guess once
+        results = engine.generate_many([Request(p, n) for p, n in zip(PROMPTS, NEW)])
+        assert [r.token_ids for r in results] == refs
+        assert sum(r.stats.draft_tokens for r in results) > 0  # the window drafted
+        assert engine.ahead.claimed > 10
+
+
+def test_a_claim_takes_the_rows_still_where_the_launch_put_them(runner):
+    """The next step's rows: a session one position on, in its slot, takes its row; one that
+    moved otherwise waits; a step verifying a draft drops the forward run ahead."""
+    from types import SimpleNamespace
+
+    from edgespec.engine.decode_ahead import DecodeAhead
+
+    ahead = DecodeAhead(runner, True)
+    slots = [runner.cache.allocate(), runner.cache.allocate()]
+    try:
+        for slot, prompt in zip(slots, ([1, 10, 11, 12], [1, 50, 51])):
+            runner.prefill(slot, prompt)
+        acts = [SimpleNamespace(sid=f"s{i}", slot=s, output=[], req=SimpleNamespace(
+            max_new_tokens=8, params=SamplingParams())) for i, s in enumerate(slots)]
+        kv = [runner.cache.lengths[s] for s in slots]
+        drafts = [SimpleNamespace(act=a, start=k + 1, width=1) for a, k in zip(acts, kv)]
+
+        def next_step(widths=(1, 1), moved=()):
+            for s, k in zip(slots, kv):
+                runner.cache.commit(s, k + 1)  # what the step's commit leaves
+            return [SimpleNamespace(act=d.act, start=d.start + 1 + (i in moved), width=w)
+                    for i, (d, w) in enumerate(zip(drafts, widths))]
+
+        ahead.launch(drafts, kv, torch.tensor([13, 52]))
+        claim = ahead.claim(next_step())
+        assert claim is not None and claim.index == [0, 1] and not claim.waiting
+        assert ahead.pending is None and (ahead.launched, ahead.claimed) == (1, 1)
+        ahead.launch(drafts, kv, torch.tensor([13, 52]))
+        claim = ahead.claim(next_step(moved={0}))
+        assert claim is not None and claim.index == [1] and len(claim.waiting) == 1
+        ahead.launch(drafts, kv, torch.tensor([13, 52]))
+        assert ahead.claim(next_step(widths=(1, 3))) is None and ahead.dropped == 1
+    finally:
+        for s in slots:
+            runner.cache.release(s)
+
+
+def test_a_server_streams_a_burst_run_ahead_identical_to_target_only(tiny, refs):
+    """The scheduler's loop (sessions admitted between steps, streamed as they go) over an
+    engine whose steps run ahead, its sessions in the Redis draft cache (embedded), as a server
+    without boards serves them."""
+    from cache_service.redis_conn import RedisHandle
+    from cache_service.store import RedisSessionStore
+    from verifier_node.scheduler import Scheduler
+    from verifier_node.tickets import Ticket
+
+    handle = RedisHandle()
+    store = RedisSessionStore(handle.client, ttl_s=60)
+    runner = TargetRunner(tiny.model, n_slots=4, max_len=128)
+    engine = SpecEngine(runner, None, EngineConfig(max_sessions=4, decode_ahead=True),
+                        stop_ids={2}, store=store)
+    sched = Scheduler(engine, max_queue=8)
+    try:
+        tickets = [sched.submit(Ticket(Request(p, n), None)) for p, n in zip(PROMPTS, NEW)]
+        sched.start()
+        for t in tickets:
+            with t.cond:
+                assert t.cond.wait_for(lambda t=t: t.result is not None or t.error is not None,
+                                       120)
+        sched.stop()
+        assert not sched.is_alive()
+        assert [t.error for t in tickets] == [None] * len(PROMPTS)
+        assert [t.result.token_ids for t in tickets] == refs
+        assert engine.ahead.claimed > 10
+    finally:
+        sched.stop()
+        engine.close()
+        store.shutdown()
+        handle.close()

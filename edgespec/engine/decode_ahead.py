@@ -2,8 +2,9 @@
 forward of the next, where nothing that forward reads waits for the host.
 
 A step whose every row is a session's last token alone (no draft, no head, exact verification:
-a server serving without boards) commits exactly one token a session, the target's choice after
-its root. The next step's rows are then known but for their tokens: the same slots, each one
+a server serving without boards, or a batch whose drafters rest because drafting measured
+slower, ``drafting_worth``) commits exactly one token a session, the target's choice after its
+root. The next step's rows are then known but for their tokens: the same slots, each one
 position on, each root this step's choice, which the device holds before the host reads it. So
 the engine queues that next forward right after this step's choices and their copy to the host,
 before it waits for them (``launch``): the device runs it while the host reads this step's
@@ -18,7 +19,9 @@ of its sessions still where the launch put them (same slot, same positions); a s
 ended, failed or was cancelled meanwhile is dropped (its row's work is wasted, its slot written
 one position past its end, which the slot's next owner writes before it reads there: its prefill,
 or its forwards at their own positions, queued after this one). A session admitted meanwhile is
-not in it: it waits for the next step, which is not launched ahead, so that it joins. A claimed
+not in it: it waits for the next step, which is not launched ahead, so that it joins. Where the
+next step verifies drafts after all (a resting batch's window of drafting begins), the forward is
+dropped and the step runs its own. A claimed
 step is a step like any other for what it emits: the same kernels over the same rows (graph
 buckets, batch-invariant kernels), the same choices (greedy the argmax, sampled the keyed
 sample at the row's position).
@@ -132,15 +135,20 @@ class DecodeAhead:
     def claim(self, drafts: Sequence[StepDraft]) -> Claim | None:
         """The forward run ahead for this step's ``drafts``: the rows of the drafts it holds
         as they stand (the session's row, slot and positions, no draft token); None, dropping
-        it, when it holds none of them. Either way it is no longer pending."""
+        it, when it holds none of them, or when a row of the step verifies a draft (the
+        drafters' rest ended: the step runs its own forward). Either way it is no longer
+        pending."""
         ahead, self.pending = self.pending, None
         if ahead is None:
+            return None
+        if any(d.width > 1 for d in drafts):
+            self.dropped += 1
             return None
         lengths = self.target.cache.lengths
         covered, index, waiting = [], [], []
         for d in drafts:
             i = ahead.row_of.get(d.act.sid)
-            if i is not None and d.width == 1 and d.start == ahead.starts[i] and \
+            if i is not None and d.start == ahead.starts[i] and \
                     d.act.slot == ahead.slots[i] and lengths[d.act.slot] == ahead.kv_starts[i]:
                 covered.append(d)
                 index.append(i)

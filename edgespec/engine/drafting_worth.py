@@ -155,6 +155,21 @@ class DraftingWorth:
         self.rested += regime == REST
         return regime
 
+    def next_regime(self, rows: int) -> str | None:
+        """The regime ``choose`` would give the next step of ``rows`` sessions as things stand,
+        without choosing it; None where a window ends then (its judging, by the steps' measures
+        still to come, decides). A guess for what runs before that step is planned (a decode
+        step launched ahead while resting): the measures observed meanwhile may still start a
+        window."""
+        if self._left:
+            return self.regime  # the window's
+        if self._before is not None:
+            return None
+        preferred = self.preferred(rows)
+        if self._since + 1 >= self.interval and self._worth_checking(rows, preferred, None):
+            return _other(preferred)
+        return preferred
+
     def _judge_window(self, rows: int) -> None:
         """The window that just ended, at ``rows`` sessions: its regime chosen there if it
         measured ``SWITCH_MARGIN`` faster than the chosen one's last steps; the interval to the

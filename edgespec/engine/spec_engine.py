@@ -306,12 +306,18 @@ class SpecEngine(StepDrafts):
         """Whether the step after this one can be launched before this one's verdicts are
         read (``decode_ahead``): every active session in it (none left waiting for the next
         step, none verified alone after its batch failed), each row its root alone, verified
-        exactly, with no drafter, board or head to draft for the next step (which then asks
-        for no draft)."""
-        return self.ahead.enabled and len(drafts) == len(self.active) and \
-            self.drafter is None and \
-            self.head is None and self.pad is None and not self.cfg.auto and \
-            all(d.width == 1 and not d.act.drafter and d.act.verify == "exact" for d in drafts)
+        exactly, and the next step asking for no draft either: no drafter, board or head to
+        draft for it, or drafters resting now and, as things stand, then too
+        (``DraftingWorth.next_regime``: where a window of drafting starts instead, the step
+        run ahead is dropped and the drafting step runs its own forward)."""
+        if not (self.ahead.enabled and len(drafts) == len(self.active) and self.head is None
+                and self.pad is None and not self.cfg.auto and
+                all(d.width == 1 and d.act.verify == "exact" for d in drafts)):
+            return False
+        if self.drafter is None and not any(d.act.drafter for d in drafts):
+            return True  # nothing drafts for these sessions: every step decodes
+        return self._regime == REST and self.worth is not None and \
+            self.worth.next_regime(len(drafts)) == REST
 
     def _judge_decode(self, drafts: list[StepDraft], choices: torch.Tensor,
                       kv_starts: Sequence[int]) -> list[Decision]:
