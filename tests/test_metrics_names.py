@@ -204,7 +204,7 @@ def test_the_servers_cost_since_start_is_counted_and_rendered():
         m.step(SimpleNamespace(sessions=2, take_s=0.0, forward_s=0.01, commit_s=0.0,
                                tokens=2 + drafted, drafts=1, drafted=drafted,
                                accepted=accepted, accepted_per_pos=[], drafted_per_pos=[],
-                               rested=False))
+                               rested=False, ran_ahead=False))
     m.tokens(4, None, 0.1)
     m.tokens(2, 0.05, 0.2)
     cost = m.server_cost()
@@ -356,8 +356,9 @@ def test_rested_steps_are_counted_in_metrics_and_the_step_totals():
     m = VerifierMetrics(CollectorRegistry())
     m.step(report)  # a step that drafted (or had nothing to draft): not rested
     m.step(replace(report, rested=True))
-    m.step(replace(report, rested=True))
+    m.step(replace(report, rested=True, ran_ahead=True))
     assert value(m.registry, "edgespec:rested_steps_total") == 2
+    assert value(m.registry, "edgespec:steps_run_ahead_total") == 1
     assert m.step_totals["rested"] == 2 and m.step_totals["steps"] == 3
 
 

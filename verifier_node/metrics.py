@@ -16,7 +16,10 @@ histograms: ``edgespec:time_to_first_token_seconds``, ``edgespec:inter_token_lat
 ``edgespec:batch_size_tokens``,
 ``edgespec:step_seconds{phase="prefill"|"wait"|"forward"|"commit"}``,
 ``edgespec:rested_steps_total`` (steps whose drafters rested: drafting measured slower than
-resting at that batch size, ``edgespec.engine.drafting_worth``). Gauges read at scrape time:
+resting at that batch size, ``edgespec.engine.drafting_worth``),
+``edgespec:steps_run_ahead_total`` (steps whose forward was launched during the step before,
+``edgespec.engine.decode_ahead``: their ``forward`` phase is the wait for their verdicts).
+Gauges read at scrape time:
 ``edgespec:num_requests_running``, ``edgespec:num_requests_waiting``,
 ``edgespec:num_requests_prefilling``, ``edgespec:kv_slots_free``. The server's cost:
 ``edgespec:server_cpu_seconds_total`` (CPU seconds of this process and its children, an embedded
@@ -90,6 +93,9 @@ class VerifierMetrics:
                                     "Verification steps whose drafters rested: drafting "
                                     "measured fewer tokens a second than resting",
                                     registry=r)
+        self.steps_run_ahead = Counter("edgespec:steps_run_ahead",
+                                       "Verification steps whose forward was launched during "
+                                       "the step before (decode steps run ahead)", registry=r)
         self.num_drafts = Counter("edgespec:spec_decode_num_drafts",
                                   "Verified non-empty drafts", registry=r)
         self.draft_tokens = Counter("edgespec:spec_decode_num_draft_tokens",
@@ -248,6 +254,8 @@ class VerifierMetrics:
         if report.rested:
             totals["rested"] += 1
             self.rested_steps.inc()
+        if report.ran_ahead:
+            self.steps_run_ahead.inc()
         # (a step that only delivered an earlier step's verdicts ran no forward: not counted)
         if report.tokens == report.sessions and report.forward_s > 0:
             plain = self.plain_by_rows.setdefault(report.sessions, [0, 0.0])

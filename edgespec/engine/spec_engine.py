@@ -257,6 +257,8 @@ class SpecEngine(StepDrafts):
                 self.worth.observe(report.sessions, report.sessions + report.accepted,
                                    report.take_s + report.forward_s + report.commit_s)
             report = replace(report, rested=self._regime == REST)
+        if claim is not None:
+            report = replace(report, ran_ahead=True)
         return report
 
     def _head_wanted(self, drafts: list[StepDraft]) -> bool:

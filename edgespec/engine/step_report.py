@@ -25,6 +25,9 @@ class StepReport:
     # the drafters rested: drafting measured slower than resting at this batch size
     # (``drafting_worth``), no session asked for a draft
     rested: bool = False
+    # its forward was launched during the step before (``decode_ahead``): ``forward_s`` is the
+    # wait for its verdicts, what was left of that forward by then
+    ran_ahead: bool = False
 
 
 def step_report(accepted: Sequence[int], drafted: Sequence[int], sessions: int, tokens: int,
