@@ -8,6 +8,7 @@ import torch
 from conftest import hf_greedy, hf_keyed_sampled
 
 from edgespec.config import EngineConfig, SamplingParams
+from edgespec.engine.decode_ahead import FAILED_LAUNCHES_OFF
 from edgespec.engine.generation import Admission
 from edgespec.engine.spec_engine import Request, SpecEngine
 from edgespec.runner.step_rows import DraftShape, StepRows
@@ -125,7 +126,58 @@ def test_a_launch_that_raises_costs_the_overlap_only(runner, refs, monkeypatch, 
         results = engine.generate_many([Request(p, n) for p, n in zip(PROMPTS, NEW)])
         assert [r.token_ids for r in results] == refs
         assert engine.ahead.launched == engine.ahead.claimed == 0
+        assert not engine.ahead.enabled  # off after FAILED_LAUNCHES_OFF in a row
     assert "launching a decode step ahead failed" in caplog.text
+    assert caplog.text.count("launching a decode step ahead failed") == FAILED_LAUNCHES_OFF
+    assert "decode-ahead is off" in caplog.text
+
+
+def test_a_session_id_used_again_is_another_session(tiny, runner):
+    """A session cancelled after a step launched its next row, then an id used again (a
+    resumed session's) in the same slot at the same length: the new session does not take the
+    old one's row; its output is target-only's."""
+    first, again = [1, 10, 11, 12, 13], [1, 60, 61, 62, 63, 64, 65, 66]
+    with _engine(runner) as engine:
+        old = engine.add(Request(first, 20), session_id="x")
+        for _ in range(3):
+            engine.step()
+        assert engine.ahead.pending is not None and len(first) + len(old.output) == len(again)
+        assert engine.cancel("x")
+        new = engine.add(Request(again, 6), session_id="x")
+        assert new.slot == old.slot
+        while engine.active:
+            engine.step()
+        assert new.output == hf_greedy(tiny.model, again, 6)
+        assert engine.ahead.dropped >= 1
+
+
+def test_verdicts_kept_while_the_store_is_down_commit_first_and_the_steps_run_on(runner,
+                                                                                 refs):
+    """The store unreachable at three commits (one landed, its reply lost): the step raises,
+    the next commits the kept verdicts first, the forward run ahead is claimed after them."""
+    from edgespec.protocol.contract import StoreUnavailable
+
+    with _engine(runner) as engine:
+        acts = engine.add_many([Admission(Request(p, n)) for p, n in zip(PROMPTS, NEW)])
+        real, calls = engine.store.commit_many, [0]
+
+        def flaky(verdicts):
+            calls[0] += 1
+            if calls[0] in (4, 5, 9):
+                if calls[0] == 5:
+                    real(verdicts)  # landed; the reply lost
+                raise StoreUnavailable("the store is down")
+            return real(verdicts)
+
+        engine.store.commit_many = flaky
+        raised = 0
+        while engine.active:
+            try:
+                engine.step()
+            except StoreUnavailable:
+                raised += 1
+        assert raised == 3 and engine.ahead.claimed > 10
+    assert [a.output for a in acts] == refs
 
 
 def test_a_failed_wait_retries_each_session_alone_from_its_own_forward(runner, refs,

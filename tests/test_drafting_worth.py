@@ -57,6 +57,30 @@ def test_drafting_slower_than_resting_rests_and_checks_drafting_ever_more_rarely
     assert w.rested == got.count(REST)
 
 
+@pytest.mark.parametrize("rates", [{DRAFT: 10.0, REST: 12.0}, {DRAFT: 12.0, REST: 10.0},
+                                   {DRAFT: 10.0, REST: 12.0, "from": 150,
+                                    "then": {DRAFT: 14.0, REST: 10.0}}],
+                         ids=["resting-wins", "drafting-wins", "flips"])
+def test_the_next_regime_is_what_the_next_choice_gives_where_it_says(rates):
+    """``next_regime`` (a guess a step run ahead makes) names the regime the next ``choose``
+    picks whenever it names one (None only where a window ends: its judging decides), without
+    changing what is chosen."""
+    w, plain = DraftingWorth(), DraftingWorth()
+    named = 0
+    for i in range(400):
+        guess = w.next_regime(8)
+        regime = w.choose(8, None)
+        assert regime == plain.choose(8, None)  # the guess changed nothing
+        if guess is not None:
+            assert guess == regime, i
+            named += 1
+        rate = rates[regime] if i < rates.get("from", 400) else rates["then"][regime]
+        tokens = 8 if regime == REST else 12
+        for x in (w, plain):
+            x.observe(8, tokens, tokens / rate)
+    assert named > 380
+
+
 def test_drafting_faster_than_resting_keeps_drafting():
     w = DraftingWorth()
     got = drive(w, 400, {DRAFT: 14.0, REST: 12.0})

@@ -257,7 +257,8 @@ class VerifierMetrics:
         if report.ran_ahead:
             self.steps_run_ahead.inc()
         # (a step that only delivered an earlier step's verdicts ran no forward: not counted)
-        if report.tokens == report.sessions and report.forward_s > 0:
+        # (a step run ahead's forward time is what was left of it: not a plain step's cost)
+        if report.tokens == report.sessions and report.forward_s > 0 and not report.ran_ahead:
             plain = self.plain_by_rows.setdefault(report.sessions, [0, 0.0])
             plain[0] += 1
             plain[1] += report.forward_s

@@ -47,8 +47,11 @@ from .proposals import StepDraft
 
 if TYPE_CHECKING:
     from ..runner.target_runner import TargetRunner
+    from .generation import ActiveSession
 
 log = logging.getLogger("edgespec.engine.decode_ahead")
+
+FAILED_LAUNCHES_OFF = 3  # launches failing in a row turn decode-ahead off (logged once)
 
 
 @dataclass(frozen=True)
@@ -56,6 +59,7 @@ class AheadStep:
     """A decode step's forward, launched before the host read the roots it decodes from."""
 
     row_of: dict[str, int]  # session id -> its row
+    acts: list["ActiveSession"]  # each row's session (an id used again is another session)
     slots: list[int]  # each row's KV slot
     starts: list[int]  # each row's position: its session's committed end when it runs
     kv_starts: list[int]  # each slot's KV length then: where the forward stored the root
@@ -93,6 +97,7 @@ class DecodeAhead:
         self.pending: AheadStep | None = None
         # steps launched ahead, claimed by the next step, and dropped unclaimed
         self.launched = self.claimed = self.dropped = 0
+        self._failed = 0  # launches failed in a row
 
     def launch(self, drafts: Sequence[StepDraft], kv_starts: Sequence[int],
                roots: torch.Tensor) -> None:
@@ -126,9 +131,18 @@ class DecodeAhead:
                                         [a.req.params for a in acts], ["exact"] * len(acts))
             choices = decode_choices(scored.logits, batch)
         except Exception:  # costs the overlap of one step, never a session
-            log.exception("launching a decode step ahead failed: the next step runs its own")
+            self._failed += 1
+            if self._failed < FAILED_LAUNCHES_OFF:
+                log.exception("launching a decode step ahead failed: the next step runs its "
+                              "own")
+            else:
+                self.enabled = False
+                log.exception("launching a decode step ahead failed %d times in a row: "
+                              "decode-ahead is off (each step runs its own forward)",
+                              self._failed)
             return
-        self.pending = AheadStep({a.sid: i for i, a in enumerate(acts)}, slots,
+        self._failed = 0
+        self.pending = AheadStep({a.sid: i for i, a in enumerate(acts)}, list(acts), slots,
                                  [d.start + 1 for d in drafts], starts, choices, rows)
         self.launched += 1
 
@@ -148,7 +162,7 @@ class DecodeAhead:
         covered, index, waiting = [], [], []
         for d in drafts:
             i = ahead.row_of.get(d.act.sid)
-            if i is not None and d.start == ahead.starts[i] and \
+            if i is not None and d.act is ahead.acts[i] and d.start == ahead.starts[i] and \
                     d.act.slot == ahead.slots[i] and lengths[d.act.slot] == ahead.kv_starts[i]:
                 covered.append(d)
                 index.append(i)

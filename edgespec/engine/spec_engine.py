@@ -184,6 +184,7 @@ class SpecEngine(StepDrafts):
         return self.target.cache.free_slots
 
     def close(self) -> None:
+        self.ahead.drop()
         if self.worker:
             self.worker.stop()
         if self.inline:
@@ -219,6 +220,7 @@ class SpecEngine(StepDrafts):
         # what is left of them: such a step's forward time is not the verification's cost
         async_prefill = bool(self._unwaited_prefill)
         if not self.active:  # every session still waits for its prompt
+            self.ahead.drop()  # its sessions ended meanwhile
             self.prefill_s += self._settle_prefill()  # nothing to overlap: waited for
             return None
         t0 = time.perf_counter()
@@ -229,6 +231,7 @@ class SpecEngine(StepDrafts):
         claim = self._claim = self.ahead.claim(drafts) if self.ahead.pending else None
         if claim is not None:
             drafts = claim.covered
+        launched = self.ahead.launched
         if not drafts:
             self.prefill_s += self._settle_prefill()
             return None
@@ -238,7 +241,9 @@ class SpecEngine(StepDrafts):
         t2 = time.perf_counter() - self._decide_s  # the forward and verification alone
         self.prefill_s += self._settle_prefill()  # waited for with the verdicts
         width = sum(d.width for d in drafts)
-        if not async_prefill and claim is None:  # a claimed forward ran during the last step
+        # a claimed forward ran during the last step; a launching step's holds the next one's
+        # launch
+        if not async_prefill and claim is None and self.ahead.launched == launched:
             self.cost.observe(len(drafts), max(d.width for d in drafts), t2 - t1)  # padded
         decided = [d for d in judged if d is not None]  # None: its forward failed, alone
         if self.cfg.auto:  # each source's proposal, judged
@@ -249,6 +254,8 @@ class SpecEngine(StepDrafts):
         t3 = time.perf_counter()
         decided = self._place(decided)
         applied = self._commit(decided, t1 - t0, t2 - t1)
+        if not self.active:  # every session ended: a forward run ahead has no one to serve
+            self.ahead.drop()
         report = report_of(applied, len(drafts), width, t1 - t0, t2 - t1,
                            time.perf_counter() - t3)
         if self._regime is not None:  # the step as a whole: its waits and commit cost too
