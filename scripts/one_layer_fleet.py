@@ -52,8 +52,13 @@ def measure(model, prompts: list[list[int]], drafter: str, new_tokens: int, repe
 
     n = len(prompts)
     runner = TargetRunner(model, n_slots=n, max_len=512)
-    built = None if drafter == "none" else build_drafter(check_drafter_arg(drafter), None, None)
-    engine = SpecEngine(runner, built, EngineConfig(max_sessions=n), set())
+    base, _, option = drafter.partition("@")  # "@ahead": decode steps run ahead
+    if option not in ("", "ahead"):
+        raise SystemExit(f"unknown drafter option {option!r} (only @ahead)")
+    built = None if base == "none" else build_drafter(check_drafter_arg(base), None, None)
+    engine = SpecEngine(runner, built, EngineConfig(max_sessions=n,
+                                                    decode_ahead=option == "ahead" or None),
+                        set())
     try:
         def run():
             reqs = [Request(list(p), new_tokens, SamplingParams()) for p in prompts]
@@ -77,7 +82,9 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sessions", default="8,32,64", help="session counts (default: %(default)s)")
     p.add_argument("--drafters", default="none,mag",
-                   help="comma-separated: none and in-process drafters (default: %(default)s)")
+                   help="comma-separated: none and in-process drafters, each with @ahead for "
+                        "decode steps launched a step ahead (off on a CPU by default: "
+                        "``engine.decode_ahead``) (default: %(default)s)")
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--json", default="bench-results/one-layer-fleet.json")
