@@ -50,7 +50,6 @@ class PrefillProgress:
     ready: list[ActiveSession]  # prompts all in: to run from this step on
     failed: list[tuple[ActiveSession, Exception]]
     tokens: int = 0  # prompt tokens prefilled
-    seconds: float = 0.0
 
 
 class PrefillQueue:
@@ -85,7 +84,6 @@ class PrefillQueue:
         chunk or at its prompt's end) a pass, one shared write a pass, until a part does not
         fit what is left; at least one part whatever the budget."""
         out = PrefillProgress([], [])
-        t0 = time.perf_counter()
         left = budget
         moved = False  # a part was taken this step: the next must fit the budget
         while self.waiting:
@@ -116,7 +114,6 @@ class PrefillQueue:
                     out.ready.append(w.act)
             if left is not None and left <= 0:
                 break
-        out.seconds = time.perf_counter() - t0
         return out
 
     def _write(self, parts: list[tuple[WaitingPrompt, int]]) -> list[WaitingPrompt]:
