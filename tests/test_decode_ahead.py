@@ -253,10 +253,19 @@ def test_a_claim_takes_the_rows_still_where_the_launch_put_them(runner):
     try:
         for slot, prompt in zip(slots, ([1, 10, 11, 12], [1, 50, 51])):
             runner.prefill(slot, prompt)
-        acts = [SimpleNamespace(sid=f"s{i}", slot=s, output=[], req=SimpleNamespace(
-            max_new_tokens=8, params=SamplingParams())) for i, s in enumerate(slots)]
+        class Act:  # a session: hashed by identity, as ActiveSession is
+            def __init__(self, i: int, slot: int):
+                self.sid, self.slot, self.output = f"s{i}", slot, []
+                self.req = SimpleNamespace(max_new_tokens=8, params=SamplingParams())
+
+        acts = [Act(i, s) for i, s in enumerate(slots)]
         kv = [runner.cache.lengths[s] for s in slots]
         drafts = [SimpleNamespace(act=a, start=k + 1, width=1) for a, k in zip(acts, kv)]
+
+        def launch():  # from the step whose roots sit at ``kv`` (not yet committed)
+            for s, k in zip(slots, kv):
+                runner.cache.commit(s, k)
+            ahead.launch(drafts, torch.tensor([13, 52]))
 
         def next_step(widths=(1, 1), moved=()):
             for s, k in zip(slots, kv):
@@ -264,14 +273,14 @@ def test_a_claim_takes_the_rows_still_where_the_launch_put_them(runner):
             return [SimpleNamespace(act=d.act, start=d.start + 1 + (i in moved), width=w)
                     for i, (d, w) in enumerate(zip(drafts, widths))]
 
-        ahead.launch(drafts, kv, torch.tensor([13, 52]))
+        launch()
         claim = ahead.claim(next_step())
         assert claim is not None and claim.index == [0, 1] and not claim.waiting
         assert ahead.pending is None and (ahead.launched, ahead.claimed) == (1, 1)
-        ahead.launch(drafts, kv, torch.tensor([13, 52]))
+        launch()
         claim = ahead.claim(next_step(moved={0}))
         assert claim is not None and claim.index == [1] and len(claim.waiting) == 1
-        ahead.launch(drafts, kv, torch.tensor([13, 52]))
+        launch()
         assert ahead.claim(next_step(widths=(1, 3))) is None and ahead.dropped == 1
     finally:
         for s in slots:

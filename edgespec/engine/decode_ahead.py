@@ -58,9 +58,8 @@ FAILED_LAUNCHES_OFF = 3  # launches failing in a row turn decode-ahead off (logg
 class AheadStep:
     """A decode step's forward, launched before the host read the roots it decodes from."""
 
-    row_of: dict[str, int]  # session id -> its row
-    acts: list["ActiveSession"]  # each row's session (an id used again is another session)
-    slots: list[int]  # each row's KV slot
+    # each row's session (the object: an id used again is another session) -> its row
+    row_of: dict["ActiveSession", int]
     starts: list[int]  # each row's position: its session's committed end when it runs
     kv_starts: list[int]  # each slot's KV length then: where the forward stored the root
     choices: torch.Tensor  # [B] long on the device: each row's token, queued
@@ -80,13 +79,10 @@ class Claim:
     def choices(self) -> torch.Tensor:
         """[len(covered)] long on the device: the covered rows' tokens (all of them in their
         order: the queued tensor itself)."""
-        if self.index == list(range(len(self.ahead.slots))):
+        if self.index == list(range(len(self.ahead.row_of))):
             return self.ahead.choices
         [index] = longs_to_device([self.index], self.ahead.choices.device)  # no wait
         return self.ahead.choices.index_select(0, index)
-
-    def kv_starts(self) -> list[int]:
-        return [self.ahead.kv_starts[i] for i in self.index]
 
 
 class DecodeAhead:
@@ -99,11 +95,11 @@ class DecodeAhead:
         self.launched = self.claimed = self.dropped = 0
         self._failed = 0  # launches failed in a row
 
-    def launch(self, drafts: Sequence[StepDraft], kv_starts: Sequence[int],
-               roots: torch.Tensor) -> None:
-        """Queue the forward of the decode step after ``drafts`` (a decode step's rows, whose
-        slots' KV lengths were ``kv_starts``), its roots ``roots`` [B] long on the device (this
-        step's choices, queued), and its choices after it. A row that would pass its slot's
+    def launch(self, drafts: Sequence[StepDraft], roots: torch.Tensor) -> None:
+        """Queue the forward of the decode step after ``drafts`` (a decode step's rows, not yet
+        committed: their slots' KV lengths are where this step stored its roots), its roots
+        ``roots`` [B] long on the device (this step's choices, queued), and its choices after
+        it. A row that would pass its slot's
         end launches nothing (its session decodes in the next step as usual); a launch that
         raises is dropped (logged): the next step runs its own forward. A session this step
         ends by its length has no row (a step whose every session ends so launches nothing)."""
@@ -114,21 +110,22 @@ class DecodeAhead:
         if len(keep) < len(drafts):
             if not keep:
                 return
-            drafts, kv_starts = [drafts[i] for i in keep], [kv_starts[i] for i in keep]
+            drafts = [drafts[i] for i in keep]
             [index] = longs_to_device([keep], roots.device)  # no wait
             roots = roots.index_select(0, index)
         acts = [d.act for d in drafts]
-        starts = [k + 1 for k in kv_starts]
-        if max(starts) + 1 > target.cache.max_len:
-            return
         slots = [a.slot for a in acts]
+        kv_starts = [target.cache.lengths[s] + 1 for s in slots]  # one token on
+        if max(kv_starts) + 1 > target.cache.max_len:
+            return
+        starts = [d.start + 1 for d in drafts]
         try:
-            rows = StepRows.build(slots, starts, [0] * len(acts),
+            rows = StepRows.build(slots, kv_starts, [0] * len(acts),
                                   DraftShape.of_chains([()] * len(acts)), target.device)
             rows = rows.with_device_roots(roots)
             scored = target.score_rows(rows)
-            batch = VerifyBatch.of_rows(rows, [d.start + 1 for d in drafts],
-                                        [a.req.params for a in acts], ["exact"] * len(acts))
+            batch = VerifyBatch.of_rows(rows, starts, [a.req.params for a in acts],
+                                        ["exact"] * len(acts))
             choices = decode_choices(scored.logits, batch)
         except Exception:  # costs the overlap of one step, never a session
             self._failed += 1
@@ -142,8 +139,8 @@ class DecodeAhead:
                               self._failed)
             return
         self._failed = 0
-        self.pending = AheadStep({a.sid: i for i, a in enumerate(acts)}, list(acts), slots,
-                                 [d.start + 1 for d in drafts], starts, choices, rows)
+        self.pending = AheadStep({a: i for i, a in enumerate(acts)}, starts, kv_starts,
+                                 choices, rows)
         self.launched += 1
 
     def claim(self, drafts: Sequence[StepDraft]) -> Claim | None:
@@ -161,9 +158,9 @@ class DecodeAhead:
         lengths = self.target.cache.lengths
         covered, index, waiting = [], [], []
         for d in drafts:
-            i = ahead.row_of.get(d.act.sid)
-            if i is not None and d.act is ahead.acts[i] and d.start == ahead.starts[i] and \
-                    d.act.slot == ahead.slots[i] and lengths[d.act.slot] == ahead.kv_starts[i]:
+            i = ahead.row_of.get(d.act)
+            if i is not None and d.start == ahead.starts[i] and \
+                    lengths[d.act.slot] == ahead.kv_starts[i]:
                 covered.append(d)
                 index.append(i)
             else:

@@ -304,11 +304,10 @@ class SpecEngine(StepDrafts):
         step whose forward ran ahead (``decode_ahead``) judges that forward's choices."""
         claim, self._claim = self._claim, None
         if claim is not None:
-            return self._judge_decode(drafts, claim.choices(), claim.kv_starts())
+            return self._judge_decode(drafts, claim.choices())
         step = score_step(self.target, drafts, self.pad)
         if self._runs_ahead(step.drafts):
-            return self._judge_decode(step.drafts, decode_choices(step.scored.logits, step.batch),
-                                      step.rows.starts)
+            return self._judge_decode(step.drafts, decode_choices(step.scored.logits, step.batch))
         return self._judge(step)
 
     def _runs_ahead(self, drafts: list[StepDraft]) -> bool:
@@ -328,14 +327,13 @@ class SpecEngine(StepDrafts):
         return self._regime == REST and self.worth is not None and \
             self.worth.next_regime(len(drafts)) == REST
 
-    def _judge_decode(self, drafts: list[StepDraft], choices: torch.Tensor,
-                      kv_starts: Sequence[int]) -> list[Decision]:
+    def _judge_decode(self, drafts: list[StepDraft], choices: torch.Tensor) -> list[Decision]:
         """A decode step judged from its choices [B] long (queued on the device): their copy
         to the host queued, the next step launched ahead from them where it can be, then the
         step's one wait and each row decided (as ``verify_step`` decides such rows)."""
         readback = HostCopy(choices)
         if self._runs_ahead(drafts):
-            self.ahead.launch(drafts, kv_starts, choices)
+            self.ahead.launch(drafts, choices)
         tokens = readback.wait().tolist()
         t0 = time.perf_counter()
         decided = row_decisions(drafts, [((), ())] * len(drafts), decode_outcome(tokens),
