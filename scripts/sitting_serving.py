@@ -47,7 +47,8 @@ def stage_e2e(s, shape: str, model) -> None:
     row["identical"] = outs["target_only"] == outs["mag_cacheback"] == \
         outs["target_only_no_ahead"]
     if not row["identical"]:
-        s.mismatch(f"{shape}: MaG + Cacheback's stream differs from target-only's")
+        s.mismatch(f"{shape}: the one-stream outputs differ (target-only run ahead and not, "
+                   f"MaG + Cacheback)")
     s.data["e2e"][shape] = row
     say(f"   {shape}: {row}")
     del runner
@@ -150,14 +151,16 @@ def stage_fleet(s, shape: str, model) -> None:
         reqs = [Request(p, new) for p in prompts[:n]]
         cfg = EngineConfig(max_sessions=n, max_context=128)
         row: dict = {"sessions": n}
-        # decode_ahead as on CUDA by default (set: a dry run on the CPU runs it too)
-        with SpecEngine(runner, None, replace(cfg, decode_ahead=True), stop_ids=set()) as plain:
-            plain.generate(Request(prompts[0], 4))  # warm-up
-            target_only, plain_s, plain_split = timed_generate(plain, reqs, s.device)
-        # the same, each step launched after the host's work on the last (no decode_ahead)
-        with SpecEngine(runner, None, replace(cfg, decode_ahead=False), stop_ids=set()) as one:
-            one.generate(Request(prompts[0], 4))  # warm-up
-            one_at_a_time, one_s, one_split = timed_generate(one, reqs, s.device)
+        # target-only with decode_ahead as on CUDA by default (set: a dry run on the CPU runs
+        # it too), then each step launched after the host's work on the last
+        plain_runs = {}
+        for ahead in (True, False):
+            with SpecEngine(runner, None, replace(cfg, decode_ahead=ahead),
+                            stop_ids=set()) as plain:
+                plain.generate(Request(prompts[0], 4))  # warm-up
+                plain_runs[ahead] = timed_generate(plain, reqs, s.device)
+        (target_only, plain_s, plain_split), (one_at_a_time, _, one_split) = \
+            plain_runs[True], plain_runs[False]
         with SpecEngine(runner, build_drafter("mag"), cfg, stop_ids=set()) as engine:
             engine.generate(Request(prompts[0], 4))  # warm-up
             together, batched_s, mag_split = timed_generate(engine, reqs, s.device)
@@ -169,10 +172,9 @@ def stage_fleet(s, shape: str, model) -> None:
                 sync(s.device)
                 alone_s = time.perf_counter() - t
         tokens = sum(len(x) for x in together)
-        decode_s = plain_s - plain_split["prefill_s"]  # the target-only steps alone
-        row.update(_decode_against_step(s, shape, n, sum(map(len, target_only)) / decode_s))
+        row.update(_decode_against_step(s, shape, n, _decode_rate(*plain_runs[True])))
         row["target_only_no_ahead_decode_tokens_per_s"] = round(
-            sum(map(len, one_at_a_time)) / (one_s - one_split["prefill_s"]), 1)
+            _decode_rate(*plain_runs[False]), 1)
         row.update({"tokens": tokens, "batched_s": round(batched_s, 2),
                     "target_only_batched_s": round(plain_s, 2),
                     "mag_over_target_only": round(plain_s / batched_s, 2),
@@ -190,6 +192,11 @@ def stage_fleet(s, shape: str, model) -> None:
                        f"differ")
         say(f"   {shape} fleet {n}: {row}")
     s.data["fleet"][shape] = out
+
+
+def _decode_rate(outs: list[list[int]], wall: float, split: dict) -> float:
+    """A ``timed_generate`` run's tokens a second with its prefill left out."""
+    return sum(map(len, outs)) / (wall - split["prefill_s"])
 
 
 def _decode_against_step(s, shape: str, n: int, decode_tok_s: float) -> dict:
