@@ -22,7 +22,7 @@ import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Callable
 from urllib.parse import parse_qsl, quote, urlencode, urlsplit
 
 import redis
@@ -80,16 +80,27 @@ def shown_url(url: str) -> str:
 _LAUNCHER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="embedded-redis")
 
 
-def _die_with_parent() -> None:
-    """In the child: ask Linux to SIGTERM the embedded server when its parent dies, so a killed
-    edgespec process leaves no redis-server behind."""
-    try:
-        import ctypes
-        import signal
+def _parent_death_signal() -> Callable[[], None] | None:
+    """What the child runs between fork and exec (``preexec_fn``) so that Linux SIGTERMs the
+    embedded server when its parent dies: a killed edgespec process leaves no redis-server
+    behind. libc's ``prctl`` is looked up here, in the parent: the child of a process with
+    threads may only call what needs no lock another thread could have held at the fork
+    (an import or a library load there crashed a child now and then). None where there is no
+    such call (not Linux)."""
+    import ctypes
+    import signal
 
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    prctl.argtypes, prctl.restype = [ctypes.c_int, ctypes.c_ulong], ctypes.c_int
+    sig = int(signal.SIGTERM)
+
+    def set_in_child() -> None:
+        prctl(1, sig)  # PR_SET_PDEATHSIG
+
+    return set_in_child
 
 
 @dataclass(frozen=True)
@@ -226,13 +237,14 @@ class RedisHandle:
                 f.write(f"requirepass {self.expose.password}\n")
             network = [conf, "--port", str(self.expose.port), "--bind", self.expose.host]
             data_dir = self.expose.data_dir
+        pdeathsig = _parent_death_signal()
         for attempt in range(attempts):
             with open(log_path, "ab") as out:
                 self.proc = subprocess.Popen(
                     [embedded_redis_binary(), *network, "--unixsocket", sock,
                      "--unixsocketperm", "700", "--save", "", "--appendonly", "yes",
                      "--appendfsync", "everysec", "--dir", data_dir],
-                    stdout=out, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+                    stdout=out, stderr=subprocess.STDOUT, preexec_fn=pdeathsig)
             deadline = time.monotonic() + 30
             while time.monotonic() < deadline and self.proc.poll() is None:
                 try:

@@ -56,6 +56,61 @@ def test_an_embedded_redis_restarted_from_a_thread_outlives_that_thread():
         handle.close()
 
 
+def test_an_embedded_redis_dies_with_the_process_that_started_it_from_a_busy_process():
+    """A process killed outright leaves no redis-server behind (the child's parent-death
+    signal), and the child is started safely from a process whose other threads are busy
+    importing and allocating at the fork (the signal is set up in the parent: the child runs
+    no import). Several starts, each from a fresh process."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    code = (
+        "import threading, importlib, sys\n"
+        "from cache_service.redis_conn import RedisHandle\n"
+        "stop = threading.Event()\n"
+        "def churn():\n"
+        "    while not stop.is_set():\n"
+        "        [bytearray(4096) for _ in range(64)]\n"
+        "        for m in ('json', 'csv', 'decimal', 'fractions'):\n"
+        "            sys.modules.pop(m, None); importlib.import_module(m)\n"
+        "threads = [threading.Thread(target=churn, daemon=True) for _ in range(3)]\n"
+        "[t.start() for t in threads]\n"
+        "h = RedisHandle()\n"
+        "assert h.client.ping()\n"
+        "print(h.proc.pid, flush=True)\n"
+        "sys.stdin.read()\n"
+    )
+    for _ in range(3):
+        parent = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, text=True)
+        try:
+            line = parent.stdout.readline()
+            assert line.strip().isdigit(), f"the parent printed {line!r}"
+            pid = int(line)
+            os.kill(parent.pid, 9)
+            assert parent.wait(timeout=60) == -9
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline and _alive(pid):
+                time.sleep(0.05)
+            assert not _alive(pid), "the embedded redis-server outlived its parent"
+        finally:
+            if parent.poll() is None:
+                parent.kill()
+                parent.wait()
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` is a process that has not exited (a zombie, exited but not yet reaped
+    by init, counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 def test_the_chunk_waker_outlives_a_connection_closed_under_its_read(monkeypatch):
     """redis-py raises an AttributeError when a connection is closed under a read (its buffer
     dropped): the listener counts a lost subscription and subscribes again, and later chunks
