@@ -172,3 +172,27 @@ def test_chains_laid_out_at_once_equal_the_general_layout(seed):
             assert np.array_equal(getattr(fast, name), getattr(slow, name)), name
         assert (fast.max_nodes, fast.max_depth, fast.is_tree, fast.ancestors) == \
             (slow.max_nodes, slow.max_depth, False, None)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_rows_outside_the_vocabulary_are_the_rows_holding_such_an_id(seed):
+    """``rows_outside`` names exactly the rows holding an id below 0 (-1, the padding's value,
+    included) or at or past the vocabulary, for chains laid out at once and for trees, rows
+    without nodes among them."""
+    rng = random.Random(seed)
+    vocab = 50
+    drafts = []
+    for _ in range(rng.randint(1, 8)):
+        tree = _random_tree(rng) if rng.random() < 0.5 else \
+            DraftTree.chain([rng.randrange(vocab) for _ in range(rng.randint(0, 6))])
+        tokens = [t % vocab for t in tree.tokens]
+        if tokens and rng.random() < 0.3:
+            tokens[rng.randrange(len(tokens))] = rng.choice([-1, -2, -(1 << 40), vocab,
+                                                              vocab + 3, 1 << 40])
+        drafts.append((tokens, list(tree.parents)))
+    want = [b for b, (tokens, _) in enumerate(drafts)
+            if any(t < 0 or t >= vocab for t in tokens)]
+    assert DraftShape.of(drafts).rows_outside(vocab) == want
+    chains = [t for t, p in drafts if list(p) == list(range(-1, len(t) - 1))]
+    assert DraftShape.of_chains(chains).rows_outside(vocab) == \
+        [b for b, tokens in enumerate(chains) if any(t < 0 or t >= vocab for t in tokens)]

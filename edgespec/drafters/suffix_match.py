@@ -134,8 +134,7 @@ class TokenPlaces:
             if self._array is not None:
                 self._array.cut(0)
         get = places.get
-        for i in range(n, len(tokens)):
-            token = tokens[i]
+        for i, token in enumerate(tokens[n:], n):
             where = get(token)
             if where is None:
                 places[token] = [i]

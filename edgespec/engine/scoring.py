@@ -11,10 +11,11 @@ from __future__ import annotations
 import logging
 from bisect import bisect_left
 from collections.abc import Sequence, Set
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from ..protocol.contract import Verdict
+from ..protocol.frozen_value import frozen_value
 from ..runner.step_rows import DraftShape, Scored, StepRows
 from ..verify.verify_step import VerifyBatch, VerifyOutcome
 from .decisions import Decision, decide
@@ -27,7 +28,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("edgespec.engine")
 
 
-@dataclass(frozen=True)
+@frozen_value
 class ScoredStep:
     """A step's forward and what judging it reads."""
 

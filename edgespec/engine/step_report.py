@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Sequence
 
+from ..protocol.frozen_value import frozen_value
 
-@dataclass(frozen=True)
+
+@frozen_value
 class StepReport:
     """What one verification step did, for metrics."""
 

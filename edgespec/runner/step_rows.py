@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Protocol
 
 import numpy as np
 import torch
 
+from ..protocol.frozen_value import frozen_value
 from .attention import KEY_BLOCK, TailKeys
 from .host_transfers import to_device
 
@@ -43,7 +44,7 @@ def _padded(rows: list[list[int]], width: int, fill: int) -> np.ndarray:
         .reshape(len(rows), width)
 
 
-@dataclass(frozen=True)
+@frozen_value
 class Scored:
     """A forward's logits and the features they were read from (what a draft head takes), and,
     when ``score`` was asked for a tap, one intermediate layer's hidden state."""
@@ -55,7 +56,7 @@ class Scored:
     tapped: torch.Tensor | None = None
 
 
-@dataclass(frozen=True)
+@frozen_value
 class DraftShape:
     """The drafts of a step as padded host arrays (N = max(1, the most nodes of a row)), built
     with NumPy: host work that never waits for a device."""
@@ -119,7 +120,13 @@ class DraftShape:
         """The rows holding a token id outside [0, vocab_size). The stores check ids where
         drafts enter; this vectorised look is the forward's own guard (on CUDA an id past the
         embedding is a device assert that ends every session of the process, not one)."""
-        bad = self.valid & ((self.nodes < 0) | (self.nodes >= vocab_size))
+        nodes = self.nodes
+        # every node in range, told in a few whole-array operations: padding is -1, so the
+        # nodes at 0 or more are every row's nodes exactly when none of them is negative
+        if nodes.max(initial=-1) < vocab_size and \
+                np.count_nonzero(nodes >= 0) == int(self.counts.sum()):
+            return []
+        bad = self.valid & ((nodes < 0) | (nodes >= vocab_size))
         return np.nonzero(bad.any(1))[0].tolist()
 
 
@@ -141,7 +148,7 @@ def ancestor_rows(parents: np.ndarray, counts: np.ndarray) -> np.ndarray:
     return seen
 
 
-@dataclass(frozen=True)
+@frozen_value
 class StepRows:
     """A step's rows on the runner's device: row b is [root, node 0, node 1, ...] of the
     session in KV slot ``slots[b]``, stored from the slot's length ``starts[b]`` on."""
@@ -217,7 +224,7 @@ class StepRows:
         return replace(self, device_roots=roots)
 
 
-@dataclass(frozen=True)
+@frozen_value
 class StepHost:
     """A step's rows on the host, as the fused kernels read them (``fused_kernels``): what a
     CUDA graph bucket copies in one pinned copy (``step_graphs``)."""
@@ -243,7 +250,7 @@ def _paths(ancestors: np.ndarray, depths: np.ndarray) -> np.ndarray:
     return path
 
 
-@dataclass(frozen=True)
+@frozen_value
 class HostTails:
     """``TailKeys``' arrays on the host, before the step's copy."""
 
