@@ -164,8 +164,9 @@ def test_chains_laid_out_at_once_equal_the_general_layout(seed):
     ``DraftShape.of`` gives the same drafts as chains, empty rows and an empty batch's width
     included."""
     rng = random.Random(seed)
+    decode = [[] for _ in range(rng.randint(1, 12))]  # every row its root alone
     for chains in ([[rng.randrange(500) for _ in range(rng.randrange(0, 9))]
-                    for _ in range(rng.randint(1, 12))], [[]], [[], [3]]):
+                    for _ in range(rng.randint(1, 12))], [[]], [[], [3]], decode, decode):
         fast = DraftShape.of_chains(chains)
         slow = DraftShape.of([(c, list(range(-1, len(c) - 1))) for c in chains])
         for name in ("nodes", "parents", "depths", "counts"):
@@ -196,3 +197,22 @@ def test_rows_outside_the_vocabulary_are_the_rows_holding_such_an_id(seed):
     chains = [t for t, p in drafts if list(p) == list(range(-1, len(t) - 1))]
     assert DraftShape.of_chains(chains).rows_outside(vocab) == \
         [b for b, tokens in enumerate(chains) if any(t < 0 or t >= vocab for t in tokens)]
+
+
+def test_a_decode_steps_shared_layout_is_read_only_and_its_rows_are_the_roots():
+    """A decode step's layout is built once per batch size and shared by every such step:
+    its arrays refuse a write, and the rows built on it hold each session's root alone, as
+    rows built on a layout of the step's own do."""
+    shape = DraftShape.of_chains([(), ()])
+    assert DraftShape.of_chains([(), ()]) is shape
+    for a in (shape.nodes, shape.parents, shape.depths, shape.counts):
+        with pytest.raises(ValueError):
+            a[0] = 7
+    own = DraftShape.of([((), ()), ((), ())])
+    for tree in (None, True):
+        rows = StepRows.build([3, 1], [10, 20], [5, 6], shape, "cpu", tree=tree)
+        ref = StepRows.build([3, 1], [10, 20], [5, 6], own, "cpu", tree=tree)
+        assert rows.tokens.tolist() == ref.tokens.tolist() == [[5], [6]]
+        for name in ("nodes", "parents", "depths", "counts", "slot_index", "start_index"):
+            assert torch.equal(getattr(rows, name), getattr(ref, name)), name
+        assert shape.rows_outside(4) == []

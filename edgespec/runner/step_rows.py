@@ -12,6 +12,7 @@ speculative-decoding metadata is built once per step; a forward's output is a ``
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Sequence
 from dataclasses import replace
@@ -98,6 +99,8 @@ class DraftShape:
         their tokens: laid out in a few array operations whatever the batch, no row's parents
         listed."""
         B = len(chains)
+        if not any(chains):  # a decode step: every row its root alone
+            return _roots_only(B)
         counts = np.fromiter(map(len, chains), np.int64, B)
         most = int(counts.max(initial=0))
         N = max(1, most)
@@ -120,6 +123,8 @@ class DraftShape:
         """The rows holding a token id outside [0, vocab_size). The stores check ids where
         drafts enter; this vectorised look is the forward's own guard (on CUDA an id past the
         embedding is a device assert that ends every session of the process, not one)."""
+        if not self.max_nodes:
+            return []
         nodes = self.nodes
         # every node in range, told in a few whole-array operations: padding is -1, so the
         # nodes at 0 or more are every row's nodes exactly when none of them is negative
@@ -128,6 +133,17 @@ class DraftShape:
             return []
         bad = self.valid & ((nodes < 0) | (nodes >= vocab_size))
         return np.nonzero(bad.any(1))[0].tolist()
+
+
+@functools.lru_cache(maxsize=64)
+def _roots_only(B: int) -> DraftShape:
+    """``DraftShape.of_chains`` of B empty drafts (a decode step), built once per batch size:
+    its arrays are read-only, shared by every such step (a step's rows copy them)."""
+    arrays = [np.full((B, 1), -1, dtype=np.int64), np.full((B, 1), -1, dtype=np.int64),
+              np.zeros((B, 2), dtype=np.int64), np.zeros(B, dtype=np.int64)]
+    for a in arrays:
+        a.flags.writeable = False
+    return DraftShape(*arrays, None, 0, 0, False)
 
 
 def ancestor_rows(parents: np.ndarray, counts: np.ndarray) -> np.ndarray:
@@ -181,8 +197,9 @@ class StepRows:
         """``tree``: force the tree forward (True) or leave it to the drafts' shape (None)."""
         B, T = len(slots), 1 + shape.max_nodes
         is_tree = shape.is_tree if tree is None else tree
-        tokens = np.concatenate([np.array(roots, dtype=np.int64).reshape(B, 1),
-                                 np.where(shape.valid, shape.nodes, 0)], 1)[:, :T]
+        tokens = np.array(roots, dtype=np.int64).reshape(B, 1)
+        if T > 1:
+            tokens = np.concatenate([tokens, np.where(shape.valid, shape.nodes, 0)], 1)[:, :T]
         start_h = np.array(starts, dtype=np.int64).reshape(B)
         ancestors, tail_h = None, None
         if is_tree:
