@@ -139,11 +139,11 @@ class DraftShape:
 def _roots_only(B: int) -> DraftShape:
     """``DraftShape.of_chains`` of B empty drafts (a decode step), built once per batch size:
     its arrays are read-only, shared by every such step (a step's rows copy them)."""
-    arrays = [np.full((B, 1), -1, dtype=np.int64), np.full((B, 1), -1, dtype=np.int64),
-              np.zeros((B, 2), dtype=np.int64), np.zeros(B, dtype=np.int64)]
-    for a in arrays:
+    nodes, parents = np.full((B, 1), -1, dtype=np.int64), np.full((B, 1), -1, dtype=np.int64)
+    depths, counts = np.zeros((B, 2), dtype=np.int64), np.zeros(B, dtype=np.int64)
+    for a in (nodes, parents, depths, counts):
         a.flags.writeable = False
-    return DraftShape(*arrays, None, 0, 0, False)
+    return DraftShape(nodes, parents, depths, counts, None, 0, 0, False)
 
 
 def ancestor_rows(parents: np.ndarray, counts: np.ndarray) -> np.ndarray:
