@@ -1,8 +1,8 @@
-"""The cache's connection to Redis (``cache_service.redis_conn``, the chunk waker's
-subscription): a password never shows in errors or logs, an embedded Redis restarted from a
-thread outlives that thread, the waker outlives a connection closed under its read, a URL of no
-scheme Redis reads is refused naming it, an external Redis that evicts keys is warned of, and a
-fleet's worth of blocking reads all get connections."""
+"""The cache's connection to Redis (``cache_service.redis_conn``, the chunk waker's subscription): a
+password never shows in errors or logs, an embedded Redis restarted from a thread outlives that
+thread and dies with the process that started it, the waker outlives a connection closed under its
+read, a URL of no scheme Redis reads is refused naming it, an external Redis that evicts keys is
+warned of, and a fleet's worth of blocking reads all get connections."""
 
 from __future__ import annotations
 

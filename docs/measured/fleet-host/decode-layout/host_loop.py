@@ -1,0 +1,54 @@
+"""One bench-host setting's host work, run many times in one process: bench-host's engine over
+its InstantRunner (the in-process store; torch on one thread; the heap frozen as a server's),
+one ``generate_many`` of N sessions x 64 tokens warmed up once, then run REPS times. Prints the
+host microseconds a session-step, wall then the thread's CPU (the runner's answers left out).
+
+    python host_loop.py DRAFTER N REPS     # e.g. mag 64 30
+"""
+
+import sys
+import time
+
+from edgespec.config import SamplingParams
+from edgespec.engine.generation import Request
+from edgespec.runner.process_heap import freeze_startup_heap
+from edgespec.runner.threads import set_threads
+from edgespec_cli.bench.host_cost import _engine, _prompts
+
+
+def main() -> None:
+    set_threads(1)
+    drafter, n, reps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    engine, runner, close = _engine("local", drafter, n, 0.9)
+    freeze_startup_heap()
+    prompts = _prompts(n, runner)
+    state = engine.drafter.snapshot() if engine.drafter else None
+    session_steps = [0]
+    step = engine.step
+
+    def counting_step():
+        session_steps[0] += len(engine.active)
+        return step()
+
+    engine.step = counting_step
+
+    def run() -> None:
+        engine.generate_many([Request(list(p), 64, SamplingParams()) for p in prompts])
+        if state is not None:  # each run drafts from what the warm-up left, not the last run
+            engine.drafter.restore(state)
+
+    run()
+    session_steps[0] = 0
+    runner.runner_s = runner.runner_cpu_s = 0.0
+    t0, c0 = time.perf_counter(), time.thread_time()
+    for _ in range(reps):
+        run()
+    wall, cpu = time.perf_counter() - t0, time.thread_time() - c0
+    print(f"{1e6 * (wall - runner.runner_s) / session_steps[0]:.2f} "
+          f"{1e6 * (cpu - runner.runner_cpu_s) / session_steps[0]:.2f} us/session-step wall, cpu")
+    engine.close()
+    close()
+
+
+if __name__ == "__main__":
+    main()
