@@ -38,17 +38,27 @@ def to_device(parts: Sequence[np.ndarray], device, dtype) -> list[torch.Tensor]:
     buffer, shapes kept, each at a 16-byte boundary (so a fused kernel reading one meets the
     same alignment, hence runs the same binary, in every step; on CUDA from pinned memory,
     without waiting: the stream orders the copy before the forward). The buffer is put
-    together in NumPy: one host array, one tensor."""
+    together in NumPy: one host array, one tensor. On the CPU there is no copy to make: each
+    part becomes a tensor of its own (a copy of the host array, so that the step's tensors and
+    its host arrays never share memory), each at such a boundary as the allocator gives it
+    (checked: where one is not, the parts are laid out in one aligned buffer instead)."""
+    np_dtype = _NUMPY_OF[dtype]
+    kind = device.type if isinstance(device, torch.device) else torch.device(device).type
+    if kind == "cpu":
+        # a tensor over each part's own array: a third of the aligned buffer's calls (a step
+        # makes two or three of these), which this host then cuts into views
+        own = [torch.from_numpy(np.array(a, dtype=np_dtype)) for a in parts]
+        if all(t.data_ptr() % ALIGN_BYTES == 0 for t in own):
+            return own
     arrays = list(parts)
-    np_dtype = np.dtype(_NUMPY_OF[dtype])
+    itemsize = np.dtype(np_dtype).itemsize
     offsets, at = [], 0
     for a in arrays:
         offsets.append(at)
-        at += aligned_length(a.size, np_dtype.itemsize)
-    host = np.zeros(at, dtype=np_dtype)
+        at += aligned_length(a.size, itemsize)
+    host: np.ndarray = np.zeros(at, dtype=np_dtype)
     for a, o in zip(arrays, offsets):
         host[o:o + a.size] = a.reshape(-1)
-    kind = torch.device(device).type
     if kind == "cpu":  # the host buffer is the tensors' (views cut in NumPy: a tensor's slice
         # and view cost several times more, per part and step)
         return [torch.from_numpy(host[o:o + a.size].reshape(a.shape))
