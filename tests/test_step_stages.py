@@ -356,3 +356,36 @@ def test_a_session_that_fails_to_start_fails_alone_and_gives_its_slot_back(tiny)
         assert isinstance(error, SessionFailed) and "starting the session failed" in str(error)
         assert [r.token_ids for r in done] == [ref]
         assert len(runner.cache._free) == 2  # both slots back
+
+
+def test_every_rows_root_successor_is_one_past_its_kv_length(tiny, monkeypatch):
+    """The verification takes greedy rows' positions from the rows' KV lengths on the device
+    (``VerifyBatch.of_rows``): one past each row's root, which is where every draft starts, in
+    every step (admissions joining, drafts accepted, fixed and cut, sessions ending), greedy
+    and sampled; a greedy batch's positions are those starts, with no copy."""
+    from edgespec.config import SamplingParams
+    from edgespec.drafters import build_drafter
+    from edgespec.verify.verify_step import VerifyBatch
+
+    seen = []
+    of_rows = VerifyBatch.of_rows.__func__
+
+    def checked(cls, rows, starts, params, modes):
+        assert (rows.start_index + 1).tolist() == list(starts)
+        vb = of_rows(cls, rows, starts, params, modes)
+        assert vb.starts.tolist() == list(starts)
+        seen.append(len(starts))
+        return vb
+
+    monkeypatch.setattr(VerifyBatch, "of_rows", classmethod(checked))
+    prompts = [[1, 10, 11, 12, 13, 10, 11], [1, 50, 51, 52, 53, 50, 51, 52], [1, 7, 8, 7, 8]]
+    runner = TargetRunner(tiny.model, n_slots=2, max_len=128)
+    with SpecEngine(runner, build_drafter("mag"), EngineConfig(max_sessions=2),
+                    stop_ids={2}) as engine:
+        for params in (SamplingParams(), SamplingParams(temperature=0.8, seed=5)):
+            results = engine.generate_many([Request(p, 12, params) for p in prompts[:2]])
+            results += engine.generate_many([Request(prompts[2], 12, params)])
+            if params.greedy:
+                for p, r in zip(prompts, results):
+                    assert r.token_ids == hf_greedy(tiny.model, p, 12)
+    assert len(seen) > 4

@@ -105,25 +105,31 @@ class VerifyBatch:
     @classmethod
     def of_rows(cls, rows: StepRows, starts: list[int], params: list[SamplingParams],
                 modes: list[str]) -> "VerifyBatch":
-        """The verification of a step's rows, on the tensors the forward read."""
+        """The verification of a step's rows, on the tensors the forward read (``starts``:
+        each row's root's successor's position, one past the root's KV length: greedy rows,
+        which read no position, take them from the rows on the device, without a copy)."""
         return cls.of_shape(rows.nodes, rows.parents, rows.depths, rows.counts, rows.max_depth,
                             starts, params, modes, chains=not rows.tree,
-                            host_nodes=rows.host.nodes if rows.host is not None else None)
+                            host_nodes=rows.host.nodes if rows.host is not None else None,
+                            device_starts=lambda: rows.start_index + 1)
 
     @classmethod
     def of_shape(cls, nodes: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor,
                  counts: torch.Tensor, max_depth: int, starts: list[int],
                  params: list[SamplingParams], modes: list[str], chains: bool = False,
-                 host_nodes: np.ndarray | None = None) -> "VerifyBatch":
+                 host_nodes: np.ndarray | None = None,
+                 device_starts: Callable[[], torch.Tensor] | None = None) -> "VerifyBatch":
         """The drafts' tensors (on the device) with each row's sampling settings, moved there
         in two copies (integers, floats). ``chains``: every row is a chain; ``host_nodes``:
-        the nodes as the host holds them."""
+        the nodes as the host holds them; ``device_starts``: ``starts`` made on the device
+        (greedy exact rows use it, which need no copy then)."""
         n = len(params)
         greedy = [p.greedy for p in params]
-        if all(greedy) and all(m == "exact" for m in modes):  # the common case: a copy of starts
+        if all(greedy) and all(m == "exact" for m in modes):  # the common case: no copy at all
+            starts_t = device_starts() if device_starts is not None else \
+                to_device([np.array(starts, dtype=np.int64)], nodes.device, torch.long)[0]
             return cls(tokens=nodes, parents=parents, depths=depths, counts=counts,
-                       starts=to_device([np.array(starts, dtype=np.int64)], nodes.device,
-                                        torch.long)[0],
+                       starts=starts_t,
                        **_greedy_exact_rows(n, nodes.device), any_sampled=False, max_top_k=0,
                        any_top_p=False, any_loose=False, any_pad=False, max_depth=max_depth,
                        chains=chains, host_nodes=host_nodes)
