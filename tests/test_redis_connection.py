@@ -62,6 +62,7 @@ def test_an_embedded_redis_dies_with_the_process_that_started_it_from_a_busy_pro
     importing and allocating at the fork (the signal is set up in the parent: the child runs
     no import). Several starts, each from a fresh process."""
     import os
+    import select
     import subprocess
     import sys
     import time
@@ -86,6 +87,10 @@ def test_an_embedded_redis_dies_with_the_process_that_started_it_from_a_busy_pro
         parent = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
                                   stdout=subprocess.PIPE, text=True)
         try:
+            # a child stuck between fork and exec (what this guards against) fails the test
+            # after a minute rather than hanging it
+            ready, _, _ = select.select([parent.stdout], [], [], 60)
+            assert ready, "the parent never reported its redis-server"
             line = parent.stdout.readline()
             assert line.strip().isdigit(), f"the parent printed {line!r}"
             pid = int(line)

@@ -221,20 +221,21 @@ def test_a_decode_steps_shared_layout_is_read_only_and_its_rows_are_the_roots():
 @pytest.mark.parametrize("align", [None, 4096], ids=["own-arrays", "one-buffer"])
 def test_parts_on_the_cpu_are_copies_of_their_arrays_at_16_byte_boundaries(monkeypatch, align):
     """``to_device`` on the CPU: each part a tensor with its array's values, shape and the dtype
-    asked, aligned, sharing no memory with the array it came from (a write to either leaves the
-    other as it was), strided views and empty parts among them; where the allocator's tensors
-    are not at the boundary asked (4096 bytes here), the one aligned buffer's views instead."""
+    asked, contiguous (a strided, broadcast or column-major array's too), aligned, sharing no
+    memory with the array it came from (a write to either leaves the other as it was), strided
+    views and empty parts among them; where the allocator's tensors are not at the boundary
+    asked (4096 bytes here), the one aligned buffer's views instead."""
     from edgespec.runner import host_transfers
 
     if align is not None:
         monkeypatch.setattr(host_transfers, "ALIGN_BYTES", align)
     base = np.arange(24, dtype=np.int64).reshape(4, 6)
     parts = [base, base[:, ::2], np.zeros(0, dtype=np.int64), np.array([7, 8, 9]),
-             np.broadcast_to(np.arange(3), (2, 3))]
+             np.broadcast_to(np.arange(3), (2, 3)), np.asfortranarray(base)]
     got = host_transfers.to_device(parts, "cpu", torch.long)
     for a, t in zip(parts, got):
         assert t.dtype == torch.long and t.shape == a.shape and t.tolist() == a.tolist()
-        assert t.numel() == 0 or t.data_ptr() % 16 == 0
+        assert t.is_contiguous() and (t.numel() == 0 or t.data_ptr() % 16 == 0)
     got[0][0, 0] = -5
     assert base[0, 0] == 0
     base[1, 1] = -6

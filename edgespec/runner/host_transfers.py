@@ -47,7 +47,7 @@ def to_device(parts: Sequence[np.ndarray], device, dtype) -> list[torch.Tensor]:
     if kind == "cpu":
         # a tensor over each part's own array: a third of the aligned buffer's calls (a step
         # makes two or three of these), which this host then cuts into views
-        own = [torch.from_numpy(np.array(a, dtype=np_dtype)) for a in parts]
+        own = [torch.from_numpy(np.array(a, dtype=np_dtype, order="C")) for a in parts]
         if all(t.data_ptr() % ALIGN_BYTES == 0 for t in own):
             return own
     arrays = list(parts)

@@ -65,7 +65,9 @@ class VerifyBatch:
     parents: torch.Tensor  # [B, N] long: each node's parent node, -1: the root
     depths: torch.Tensor  # [B, 1 + N] long: 0 for the root, a node's depth after it
     counts: torch.Tensor  # [B] long: nodes in the row
-    starts: torch.Tensor  # [B] long: absolute position of the root's successor
+    # [B] long: absolute position of the root's successor (greedy exact batches, which read
+    # no position, take it from the rows' KV lengths: ``of_rows``)
+    starts: torch.Tensor
     seeds: torch.Tensor  # [B] long: keyed-noise seeds (int64 bit patterns; greedy rows 0)
     temperature: torch.Tensor  # [B] float32 (greedy rows 1)
     top_k: torch.Tensor  # [B] long (0: off)
