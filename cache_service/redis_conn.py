@@ -95,10 +95,12 @@ def _parent_death_signal() -> Callable[[], None] | None:
     except (OSError, AttributeError):
         return None
     prctl.argtypes, prctl.restype = [ctypes.c_int, ctypes.c_ulong], ctypes.c_int
-    sig = int(signal.SIGTERM)
+    sig, parent = int(signal.SIGTERM), os.getpid()
 
     def set_in_child() -> None:
         prctl(1, sig)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # the parent died before the signal was asked for
+            os.kill(os.getpid(), sig)
 
     return set_in_child
 
