@@ -304,10 +304,11 @@ class SpecEngine(StepDrafts):
         step whose forward ran ahead (``decode_ahead``) judges that forward's choices."""
         claim, self._claim = self._claim, None
         if claim is not None:
-            return self._judge_decode(drafts, claim.choices())
+            return self._judge_decode(drafts, claim.choices(), self._runs_ahead(drafts))
         step = score_step(self.target, drafts, self.pad)
         if self._runs_ahead(step.drafts):
-            return self._judge_decode(step.drafts, decode_choices(step.scored.logits, step.batch))
+            return self._judge_decode(step.drafts, decode_choices(step.scored.logits, step.batch),
+                                      launch=True)
         return self._judge(step)
 
     def _runs_ahead(self, drafts: list[StepDraft]) -> bool:
@@ -327,12 +328,14 @@ class SpecEngine(StepDrafts):
         return self._regime == REST and self.worth is not None and \
             self.worth.next_regime(len(drafts)) == REST
 
-    def _judge_decode(self, drafts: list[StepDraft], choices: torch.Tensor) -> list[Decision]:
+    def _judge_decode(self, drafts: list[StepDraft], choices: torch.Tensor, launch: bool
+                      ) -> list[Decision]:
         """A decode step judged from its choices [B] long (queued on the device): their copy
-        to the host queued, the next step launched ahead from them where it can be, then the
-        step's one wait and each row decided (as ``verify_step`` decides such rows)."""
+        to the host queued, the next step launched ahead from them if ``launch``
+        (``_runs_ahead``), then the step's one wait and each row decided (as ``verify_step``
+        decides such rows)."""
         readback = HostCopy(choices)
-        if self._runs_ahead(drafts):
+        if launch:
             self.ahead.launch(drafts, choices)
         tokens = readback.wait().tolist()
         t0 = time.perf_counter()

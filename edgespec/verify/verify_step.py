@@ -113,22 +113,23 @@ class VerifyBatch:
         return cls.of_shape(rows.nodes, rows.parents, rows.depths, rows.counts, rows.max_depth,
                             starts, params, modes, chains=not rows.tree,
                             host_nodes=rows.host.nodes if rows.host is not None else None,
-                            device_starts=lambda: rows.start_index + 1)
+                            kv_lengths=rows.start_index)
 
     @classmethod
     def of_shape(cls, nodes: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor,
                  counts: torch.Tensor, max_depth: int, starts: list[int],
                  params: list[SamplingParams], modes: list[str], chains: bool = False,
                  host_nodes: np.ndarray | None = None,
-                 device_starts: Callable[[], torch.Tensor] | None = None) -> "VerifyBatch":
+                 kv_lengths: torch.Tensor | None = None) -> "VerifyBatch":
         """The drafts' tensors (on the device) with each row's sampling settings, moved there
         in two copies (integers, floats). ``chains``: every row is a chain; ``host_nodes``:
-        the nodes as the host holds them; ``device_starts``: ``starts`` made on the device
-        (greedy exact rows use it, which need no copy then)."""
+        the nodes as the host holds them; ``kv_lengths``: each row's root's KV length on the
+        device, one short of its start (greedy exact rows take their starts from it, with no
+        copy)."""
         n = len(params)
         greedy = [p.greedy for p in params]
         if all(greedy) and all(m == "exact" for m in modes):  # the common case: no copy at all
-            starts_t = device_starts() if device_starts is not None else \
+            starts_t = kv_lengths + 1 if kv_lengths is not None else \
                 to_device([np.array(starts, dtype=np.int64)], nodes.device, torch.long)[0]
             return cls(tokens=nodes, parents=parents, depths=depths, counts=counts,
                        starts=starts_t,
