@@ -97,9 +97,9 @@ class StepCommit(SessionLifecycle):
         dt = time.perf_counter() - t0
         applied = []
         for d, outcome in zip(decided, outcomes):
-            if outcome.ok:
+            if outcome.error is None:  # ``ok``
                 applied.append(d)
-                d.act.fixed = outcome.fix is not None
+                d.draft.act.fixed = outcome.fix is not None
         if len(applied) < len(decided):
             for d, outcome in zip(decided, outcomes):
                 if not outcome.ok:
@@ -109,11 +109,12 @@ class StepCommit(SessionLifecycle):
         ended: list[ActiveSession] = []
         try:
             for d in applied:
-                if d.act.finish is not None:  # ended meanwhile: a callback cancelled it
+                act = d.draft.act
+                if act.finish is not None:  # ended meanwhile: a callback cancelled it
                     continue
                 self._apply(d, take_s, forward_s, dt)
-                if d.act.finish:
-                    ended.append(d.act)
+                if act.finish:
+                    ended.append(act)
         except BaseException:  # those that ended before the failure end now, told of it
             try:
                 self._finish_ended(ended)
@@ -159,7 +160,9 @@ class StepCommit(SessionLifecycle):
         self.target.commit(act.slot, v.start + accepted)
         stats = act.stats
         stats.record_step(draft.drafted, accepted, n_branch)
-        own, own_accepted = drafter_share(draft, v.n_accepted, v.branch)
+        # the drafter's share: the whole draft where no branch may be the verifier's
+        own, own_accepted = drafter_share(draft, v.n_accepted, v.branch) if draft.branches \
+            else (draft.drafted, accepted)
         if own:
             stats.drafter_drafts += 1
             stats.drafter_tokens += own

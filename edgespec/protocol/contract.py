@@ -249,6 +249,9 @@ class CommitOutcome:
         return self.error is None
 
 
+APPLIED = CommitOutcome()  # a verdict applied without a fix (the common outcome, shared)
+
+
 class SessionStore(Protocol):
     """What the verifier drives, per session life: ``create`` (a new session, or a resumed one
     whose committed output is already known; ``lineage``: the kernel set its output is the

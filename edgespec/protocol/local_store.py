@@ -32,9 +32,9 @@ from typing import Mapping, Sequence
 from ..config import SamplingParams
 from .lineage import Lineage
 from .fleet_table import FleetTable, record_output
-from .contract import (MAX_BRANCHES, Branch, CommitOutcome, DraftWant, Fix, SessionVanished,
-                       StaleChunkError, TakenDraft, Verdict, check_draft_ids, chunk_branches,
-                       take_branches)
+from .contract import (APPLIED, MAX_BRANCHES, Branch, CommitOutcome, DraftWant, Fix,
+                       SessionVanished, StaleChunkError, TakenDraft, Verdict, check_draft_ids,
+                       chunk_branches, take_branches)
 
 
 @dataclass
@@ -112,10 +112,11 @@ class SessionState:
         tokens in all."""
         if k <= 0:  # nothing asked: no branch can hang from an empty spine, and it is ready
             return TakenDraft(self.epoch, self.end, [], [], ready=True)
-        spine = self.draft[:k]
+        spine = self.draft[:k]  # ready: ``draft_ready``, inline (a call a session and step)
         return TakenDraft(self.epoch, self.end, spine,
-                          take_branches(self.branches, len(spine), branch_budget),
-                          ready=self.draft_ready(k))
+                          take_branches(self.branches, len(spine), branch_budget)
+                          if self.branches else [],
+                          ready=not self.has_drafter or self.drafter_idle or len(spine) >= k)
 
     def is_replay(self, v: Verdict) -> bool:
         """Whether ``v`` already landed (its commit's reply was lost): the session ends where
@@ -139,7 +140,7 @@ class SessionState:
                 b.at == n and b.tokens[:len(branch)] == branch for b in self.branches):
             raise StaleChunkError("the verdict accepted a branch the draft does not hold")
         self.committed.extend([*self.draft[:n], *branch, v.token])
-        self.end = v.end  # its start was this end (checked above)
+        self.end += n + len(branch) + 1  # ``v.end``: its start was this end (checked above)
         held = not branch and len(self.draft) > n and self.draft[n] == v.token
         fix = None
         if held:
@@ -155,7 +156,7 @@ class SessionState:
             fix = Fix.of_verdict(v, self.epoch, self._next_fix_id)
             self._next_fix_id += 1
             self.fixes.append(fix)
-        self.done = self.done or v.done
+        self.done = self.done or bool(v.finish_reason)  # ``v.done``
         self.wanted = v.wanted
         return fix
 
@@ -276,18 +277,21 @@ class LocalSessionStore:
     def commit_many(self, verdicts: list[Verdict]) -> list[CommitOutcome]:
         out = []
         with self.lock:
+            get, changed = self.sessions.get, self.changed
             for v in verdicts:
-                state = self.sessions.get(v.session_id)
+                state = get(v.session_id)
                 try:
                     if state is None:
                         raise StaleChunkError(f"unknown session {v.session_id}")
                     if state.is_replay(v):
-                        out.append(CommitOutcome())
+                        out.append(APPLIED)
                         continue
-                    out.append(CommitOutcome(state.commit(v)))
+                    fix = state.commit(v)
+                    out.append(APPLIED if fix is None else CommitOutcome(fix))
                 except StaleChunkError as e:
                     out.append(CommitOutcome(error=str(e)))
-                self._record(v.session_id)
+                if changed is not None:  # ``_record``, inline: once a session and step
+                    changed.add(v.session_id)
             self.cond.notify_all()
         return out
 
