@@ -11,16 +11,25 @@ The redis-py work a command costs (a connection taken from the pool, the command
 reply parsed) was half of the cache's Python CPU with one call a chunk
 (``scripts/cache_fleet_cost.py`` under a sampling profiler).
 
+A call that Redis fails fails each of its chunks (their readers end their streams, as with one
+call a chunk); a call that fails otherwise is made again chunk by chunk, so that the chunk that
+broke it is refused alone and no other board's chunk or stream pays for it.
+
 The thread starts at the first chunk and ends once nothing came for ``IDLE_S``.
 """
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 
+import redis
+
 from .store import RedisSessionStore
 from .store_records import ChunkPush, PushResult, StoreError
+
+log = logging.getLogger("edgespec.cache")
 
 MAX_BATCH = 256  # chunks in one call: a bound on the script's time inside Redis
 IDLE_S = 5.0
@@ -51,8 +60,8 @@ class ChunkBatcher:
         self.chunks = 0
 
     def push(self, chunk: ChunkPush) -> PushResult:
-        """Store ``chunk``; raises its ``StoreError`` when refused, and ``redis.RedisError``
-        (or whatever the call raised) when the batch it went in failed."""
+        """Store ``chunk``; raises its ``StoreError`` when refused (kind "error" when storing
+        it failed otherwise), and ``redis.RedisError`` when Redis failed the call it went in."""
         [outcome] = self.push_all([chunk])
         if isinstance(outcome, StoreError):
             raise outcome
@@ -60,7 +69,7 @@ class ChunkBatcher:
 
     def push_all(self, chunks: list[ChunkPush]) -> list[PushResult | StoreError]:
         """Store several chunks, in order (a board's ``DraftChunks``): each one's outcome or
-        refusal; raises what a call they went in raised."""
+        refusal; raises ``redis.RedisError`` when Redis failed a call they went in."""
         pending = [_Pending(c) for c in chunks]
         with self._lock:
             for p in pending:
@@ -96,12 +105,23 @@ class ChunkBatcher:
 
     def _run(self) -> None:
         while (batch := self._next_batch()) is not None:
-            try:
-                outcomes: list = self.store.push_many([p.chunk for p in batch])
-            except Exception as e:  # the readers end their streams (a Redis outage) or log it
-                outcomes = [e] * len(batch)
+            outcomes = self._outcomes([p.chunk for p in batch])
             self.calls += 1
             self.chunks += len(batch)
             for pending, outcome in zip(batch, outcomes):
                 pending.outcome = outcome
                 pending.done.release()
+
+    def _outcomes(self, chunks: list[ChunkPush]) -> list:
+        """``push_many``'s answers to ``chunks``. A Redis failure is every chunk's (the readers
+        end their streams); any other failure of a call of several chunks is found out chunk by
+        chunk, so that one board's chunk that breaks the call fails no other board's stream."""
+        try:
+            return self.store.push_many(chunks)
+        except redis.RedisError as e:
+            return [e] * len(chunks)
+        except Exception as e:
+            if len(chunks) == 1:  # refused alone (its ack says INTERNAL); its stream goes on
+                log.exception("storing a chunk of session %s failed", chunks[0].session_id)
+                return [StoreError(-7, f"the cache failed to store the chunk: {e!r}")]
+            return [self._outcomes([c])[0] for c in chunks]

@@ -20,7 +20,7 @@ from .store import RedisSessionStore, StoreError
 from .store_records import ChunkPush, PushResult
 
 DEVICE_METADATA = "x-edgespec-device"  # PushDraft's device, without per-device credentials
-MAX_POSITION = 1 << 31  # a chunk's start: past any context a verifier serves
+MAX_POSITION = 1 << 31  # a chunk's positions (its start, its branches'): past any context served
 # the store's refusals of a push (``StoreError.kind``) as the ack's status codes
 STORE_REFUSALS = {"unknown": grpc.StatusCode.NOT_FOUND,
                   "stale": grpc.StatusCode.FAILED_PRECONDITION,
@@ -52,14 +52,25 @@ def chunk_draft(chunk: pb.DraftChunk, window: int) -> tuple[list[int], list[Bran
     if not chunk.tree_version:
         if chunk.tree_parents:
             raise ChunkRefused(bad, "a chain chunk (tree_version 0) has no tree_parents")
-        return list(chunk.tokens), []
+        return _within_positions(chunk.start, list(chunk.tokens)), []
     try:
         tokens, branches = tree_from_wire(list(chunk.tokens), list(chunk.tree_parents))
     except ValueError as e:
         raise ChunkRefused(bad, f"malformed tree chunk: {e}") from None
     if len(tokens) > window:
         raise ChunkRefused(bad, f"a chunk holds at most {window} tokens (the window)")
-    return tokens, branches
+    return _within_positions(chunk.start, tokens), branches
+
+
+def _within_positions(start: int, chain: list[int]) -> list[int]:
+    """``chain``, once every position it covers is below 2^31: a branch hangs from one of
+    them, and the store keeps a branch's position as a signed 32-bit number (a chunk past it
+    failed the whole batch of chunks it was stored with: every other board's in it too)."""
+    if start + len(chain) > MAX_POSITION:
+        raise ChunkRefused(grpc.StatusCode.INVALID_ARGUMENT,
+                           f"a chunk of {len(chain)} tokens at start {start} runs past position "
+                           "2^31 - 1")
+    return chain
 
 
 def check_and_push(store: RedisSessionStore, device: str, chunk: pb.DraftChunk, vocab: int,

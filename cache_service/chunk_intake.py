@@ -56,30 +56,31 @@ class ChunkIntake:
                      ) -> list[pb.ChunkAck]:
         """An Attach stream's chunks checked, then stored together with what other streams
         push meanwhile; the acks to send: every refusal, and the stored chunks that are not
-        quiet."""
-        acks: list[pb.ChunkAck] = []
-        checked: list[tuple[pb.DraftChunk, ChunkPush]] = []
+        quiet, in the chunks' order (as if each was sent alone)."""
+        acks: list[pb.ChunkAck | None] = []  # each chunk's, in order; None: stored quietly
+        checked: list[tuple[int, pb.DraftChunk, ChunkPush]] = []
         for i, chunk in enumerate(chunks):
             try:
                 if i >= MAX_BATCH_CHUNKS:
                     raise ChunkRefused(grpc.StatusCode.INVALID_ARGUMENT,
                                        f"a DraftChunks holds at most {MAX_BATCH_CHUNKS} chunks")
-                checked.append((chunk, checked_chunk(self.store, device, chunk, vocab,
-                                                     self.window)))
+                checked.append((i, chunk, checked_chunk(self.store, device, chunk, vocab,
+                                                        self.window)))
+                acks.append(None)
             except ChunkRefused as e:
                 acks.append(self._refusal(chunk, e))
-        outcomes = self.batcher.push_all([c for _, c in checked]) if checked else []
-        for (chunk, c), outcome in zip(checked, outcomes):
+        outcomes = self.batcher.push_all([c for _, _, c in checked]) if checked else []
+        for (i, chunk, c), outcome in zip(checked, outcomes):
             try:
                 ack = chunk_ack(chunk, c, outcome, self.per_device)
             except ChunkRefused as e:
-                acks.append(self._refusal(chunk, e))
+                acks[i] = self._refusal(chunk, e)
                 continue
             if self.metrics is not None:
                 self.metrics.chunk_stored(ack.kept)
             if not chunk.quiet:  # stored: the drafter asked for no ack (a refusal has one)
-                acks.append(ack)
-        return acks
+                acks[i] = ack
+        return [a for a in acks if a is not None]
 
     def _refusal(self, chunk: pb.DraftChunk, e: ChunkRefused) -> pb.ChunkAck:
         self.refused(e)

@@ -203,6 +203,10 @@ class DraftCacheService(pb_grpc.DraftCacheServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           f"draft_model and tokenizer_fingerprint hold at most {MAX_NAME_LEN} "
                           "characters")
+        # shown in the cache's log and ``edgespec status``: no line breaks or terminal codes
+        if not (reg.draft_model.isprintable() and reg.tokenizer_fingerprint.isprintable()):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          "draft_model and tokenizer_fingerprint hold printable characters only")
         if not 0 <= reg.max_sessions <= MAX_DEVICE_SESSIONS:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           f"max_sessions must be in [0, {MAX_DEVICE_SESSIONS}] (0: no limit)")

@@ -343,12 +343,24 @@ class RedisSessionStore:
     def push_many(self, chunks: Sequence[ChunkPush]) -> list[PushResult | StoreError]:
         """Append several chunks in one round trip, in order, each as ``push`` would: its
         outcome, or its refusal (a failure of the script on one chunk, as kind "error"), apart;
-        raises ``redis.RedisError`` when Redis cannot be reached."""
-        replies: Any = self._push_many(args=[
-            self.keys.prefix, self.keys.wake,
-            b"".join(packed_chunk(c, MAX_BRANCHES) for c in chunks)])
-        return [PushResult(int(a), int(b)) if int(a) >= 0 else StoreError(int(a), b)
-                for a, b in replies]
+        raises ``redis.RedisError`` when Redis cannot be reached. A chunk whose numbers do not
+        fit the script's (``chunk_checks`` refuses such chunks first) is refused alone, as kind
+        "error", and not sent."""
+        out: list[PushResult | StoreError | None] = [None] * len(chunks)
+        packed = []
+        for i, c in enumerate(chunks):
+            try:
+                packed.append(packed_chunk(c, MAX_BRANCHES))
+            except (struct.error, OverflowError) as e:
+                out[i] = StoreError(-7, f"the chunk cannot be stored: {e}")
+        replies: Any = self._push_many(args=[self.keys.prefix, self.keys.wake,
+                                             b"".join(packed)]) if packed else []
+        answers = iter(replies)
+        for i, o in enumerate(out):
+            if o is None:
+                a, b = next(answers)
+                out[i] = PushResult(int(a), int(b)) if int(a) >= 0 else StoreError(int(a), b)
+        return out  # type: ignore[return-value]  # every chunk answered by now
 
     def session_device(self, sid: str) -> str | None:
         dev = self.redis.hget(self.keys.session(sid)[0], "device")

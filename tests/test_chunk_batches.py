@@ -140,3 +140,42 @@ def test_the_batching_thread_ends_when_idle_and_starts_again(store, monkeypatch)
     assert not batcher._running
     assert batcher.push(_chunk(store, "s", 0, 4, [5])).kept == 1
     assert _draft(store, "s")[0] == [4, 5]
+
+
+def test_a_chunk_whose_numbers_do_not_fit_the_script_is_refused_alone(store):
+    """A branch position past 2^31 - 1 (``chunk_checks`` refuses such a chunk first) cannot be
+    packed for the script: that chunk is refused, as kind "error", the others in the call are
+    stored."""
+    for sid in ("a", "b"):
+        store.create(sid, PROMPT, SamplingParams(), None)
+    past = (1 << 31) - 1
+    bad = store.chunk_push("b", 0, past, [4, 5], False, 8, [Branch(1, (9,))])
+    out = store.push_many([_chunk(store, "a", 0, 3, [4]), bad, _chunk(store, "a", 0, 4, [5])])
+    assert isinstance(out[1], StoreError) and out[1].kind == "error"
+    assert [(o.kept, o.committed_end) for o in (out[0], out[2])] == [(1, 3), (1, 3)]
+    assert _draft(store, "a")[0] == [4, 5] and _draft(store, "b")[0] == []
+
+
+def test_a_call_that_fails_for_one_chunk_fails_that_chunk_alone(store, monkeypatch):
+    """A call broken by something other than Redis (here a chunk that makes ``push_many``
+    raise) is made again chunk by chunk: the chunk that breaks it is refused, the others are
+    stored, and no pusher sees an exception."""
+    for sid in ("a", "b", "c"):
+        store.create(sid, PROMPT, SamplingParams(), None)
+    batcher = ChunkBatcher(store)
+    push_many = store.push_many
+
+    def breaks_on_b(chunks):
+        if any(c.session_id == "b" for c in chunks):
+            raise ValueError("a chunk the call cannot take")
+        return push_many(chunks)
+
+    monkeypatch.setattr(store, "push_many", breaks_on_b)
+    out = batcher.push_all([_chunk(store, "a", 0, 3, [4]), _chunk(store, "b", 0, 3, [4]),
+                            _chunk(store, "c", 0, 3, [4, 5])])
+    assert isinstance(out[1], StoreError) and out[1].kind == "error"
+    assert "a chunk the call cannot take" in str(out[1])
+    assert [(o.kept, o.committed_end) for o in (out[0], out[2])] == [(1, 3), (2, 3)]
+    assert [_draft(store, s)[0] for s in ("a", "b", "c")] == [[4], [], [4, 5]]
+    with pytest.raises(StoreError):  # one chunk alone: refused, not raised as the call's error
+        batcher.push(_chunk(store, "b", 0, 3, [4]))

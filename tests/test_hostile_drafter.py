@@ -130,6 +130,86 @@ def test_a_chunk_whose_start_is_no_position_is_refused(cache, store, start, vers
     s.close()
 
 
+@pytest.mark.parametrize("start,tokens,parents,version", [
+    ((1 << 31) - 1, [5, 6, 7], [-1, 0, 0], 1),  # a branch at 2^31: past a 32-bit position
+    ((1 << 31) - 2, [5, 6, 7], [], 0),  # a chain running past 2^31 - 1
+])
+def test_a_chunk_running_past_position_2_31_is_refused_and_no_other_board_pays(
+        cache, store, start, tokens, parents, version):
+    """A chunk whose start is a position but whose chain runs past 2^31 - 1 (its branches'
+    positions are stored as 32-bit numbers) is refused in its ack; its stream and another
+    board's, pushing at the same time, go on. Such a chunk once failed the whole batch of
+    chunks it was stored with, ending every stream that had a chunk in it."""
+    store.create("s1", [1, 2, 3], SamplingParams(), "dev1")
+    store.create("s2", [1, 2, 3], SamplingParams(), "dev2")
+    bad, good = Stream(cache.channel, "dev1"), Stream(cache.channel, "dev2")
+    bad.next("registered")
+    good.next("registered")
+    for i in range(3):
+        bad.send(pb.DraftChunk(session_id="s1", epoch=0, start=start, tokens=tokens,
+                               tree_parents=parents, tree_version=version))
+        good.send(pb.DraftChunk(session_id="s2", epoch=0, start=3 + i, tokens=[5]))
+        ack = bad.next("ack")
+        assert ack.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and "2^31" in ack.message
+        ack = good.next("ack")
+        assert (ack.code, ack.kept) == (grpc.StatusCode.OK.value[0], 1)
+    bad.send(pb.DraftChunk(session_id="s1", epoch=0, start=3, tokens=[5, 6]))
+    ack = bad.next("ack")
+    assert ack.code == grpc.StatusCode.OK.value[0] and ack.kept == 2
+    assert draft_len(store, "s2") == 3
+    for s in (bad, good):
+        s.close()
+
+
+def test_the_acks_of_a_draftchunks_come_in_the_chunks_order(cache, store):
+    """A ``DraftChunks``' chunks are answered as if each was sent alone, in order: a refusal
+    among them is answered where its chunk stood, not before the stored ones."""
+    store.create("s1", [1, 2, 3], SamplingParams(), "dev1")
+    store.create("s3", [1, 2, 3], SamplingParams(), "dev1")
+    s = Stream(cache.channel, "dev1")
+    s.next("registered")
+    s.out.put(pb.DrafterMessage(chunks=pb.DraftChunks(chunks=[
+        pb.DraftChunk(session_id="s1", epoch=0, start=3, tokens=[5]),
+        pb.DraftChunk(session_id="bad:id", epoch=0, start=3, tokens=[5]),
+        pb.DraftChunk(session_id="s3", epoch=0, start=3, tokens=[5, 6]),
+        pb.DraftChunk(session_id="s1", epoch=9, start=4, tokens=[5]),  # stale: the store's
+    ])))
+    acks = [s.next("ack") for _ in range(4)]
+    ok, bad = grpc.StatusCode.OK.value[0], grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert [(a.start, a.code) for a in acks] == [
+        (3, ok), (3, bad), (3, ok), (4, grpc.StatusCode.FAILED_PRECONDITION.value[0])]
+    assert [a.session_id for a in acks] == ["s1", "bad:id", "s3", "s1"]
+    s.close()
+
+
+@pytest.mark.parametrize("field", ["draft_model", "tokenizer_fingerprint"])
+def test_a_registration_with_unprintable_names_is_refused(cache, store, field):
+    """A line break or a terminal code in a registration's names (both shown in the cache's log
+    and ``edgespec status``) is INVALID_ARGUMENT; printable names, any script, attach."""
+    def attach(value: str):
+        out: queue.Queue = queue.Queue()
+        out.put(pb.DrafterMessage(register=pb.Register(device_id="dev1", **{field: value})))
+        call = pb_grpc.DraftCacheStub(cache.channel).Attach(iter(out.get, None))
+        try:
+            return next(call).WhichOneof("kind")
+        finally:
+            out.put(None)
+            call.cancel()
+
+    for value in ("mag\nhealth: NOT_SERVING", "mag\x1b[31m", "a\x00b"):
+        with pytest.raises(grpc.RpcError) as e:
+            attach(value)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "printable" in \
+            e.value.details()
+    if field == "draft_model":
+        assert attach("mag-ÄÖ 語 (v2)") == "registered"
+    else:  # printable: checked further, against the target's tokenizer
+        with pytest.raises(grpc.RpcError) as e:
+            attach("fp-ÄÖ 語 (v2)")
+        assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "differs" in \
+            e.value.details()
+
+
 def test_a_tree_chunk_stores_its_chain_and_branches(cache, store):
     store.create("s1", [1, 2, 3], SamplingParams(), "dev1")
     # chain 5 6 7; a branch 8 9 instead of 6; a branch 4 instead of 5
