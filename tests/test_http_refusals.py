@@ -53,6 +53,8 @@ def api(server):
     (dict(stream_options={"include_usage": True}), 400, "stream_options"),  # without stream
     (dict(stream=True, stream_options={"include_usage": "yes"}), 400,
      "stream_options.include_usage"),
+    (dict(stream=True, stream_options={"include_usage": True, "bogus": 1}), 400,
+     "stream_options.bogus"),
 ])
 def test_bad_requests_get_openai_errors(server, api, kw, status, param):
     body = {"model": api.model_id, "prompt": PROMPT, "max_tokens": 5, **kw}
@@ -120,9 +122,17 @@ def test_malformed_json_and_auth(server):
     url = server["base"] + "/v1/chat/completions"
     code, reply = call("POST", url, raw=b"{not json", headers={"Authorization": f"Bearer {TOKEN}"})
     assert code == 400 and reply["error"]["type"] == "invalid_request_error"
-    for headers in ({}, {"Authorization": "Bearer wrong"}):
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Basic {TOKEN}"},
+                    {"Authorization": TOKEN}, {"Authorization": f"Bearer {TOKEN}x"}):
         code, reply = call("POST", url, {"model": "m", "messages": MESSAGES}, headers)
         assert code == 401 and reply["error"]["type"] == "authentication_error"
+    for scheme in ("Bearer", "bearer", "BEARER"):  # the scheme is case-insensitive, the key not
+        code, reply = call("GET", server["base"] + "/v1/models", None,
+                           {"Authorization": f"{scheme} {TOKEN}"})
+        assert code == 200 and reply["object"] == "list"
+    code, _ = call("GET", server["base"] + "/v1/models", None,
+                   {"Authorization": f"Bearer {TOKEN.upper()}"})
+    assert code == 401
     code, reply = call("GET", server["base"] + "/v1/nowhere")
     assert code == 404 and set(reply["error"]) == {"message", "type", "param", "code"}
     with pytest.raises(openai.AuthenticationError):

@@ -86,3 +86,35 @@ def test_a_developer_message_is_the_templates_system_message():
                            {"role": "user", "content": "hi"}), True, MODEL)
     assert p.generation.messages == [{"role": "system", "content": "Be brief."},
                                      {"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize("options,param", [
+    ({"include_usage": True, "bogus": 1}, "stream_options.bogus"),
+    ({"include_obfuscation": True}, "stream_options.include_obfuscation"),  # not honoured
+])
+def test_a_stream_option_edgespec_does_not_honour_is_refused_by_name(options, param):
+    with pytest.raises(ApiError) as e:
+        parse_request(completion(stream=True, stream_options=options), False, MODEL)
+    assert e.value.status == 400 and e.value.param == param and param in str(e.value)
+    p = parse_request(completion(stream=True, stream_options={"include_usage": True,
+                                                              "include_obfuscation": False}),
+                      False, MODEL)
+    assert p.stream and p.include_usage
+
+
+@pytest.mark.parametrize("part,param", [
+    ({"type": "text", "text": "hi", "bogus": 5}, "messages[0].content[0].bogus"),
+    ({"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA", "size": 2}},
+     "messages[0].content[0].image_url.size"),
+    ({"type": "image_url", "image_url": "data:image/png;base64,AAAA", "text": "x"},
+     "messages[0].content[0].text"),
+])
+def test_a_content_parts_unknown_field_is_refused_by_name(part, param):
+    """A content part holds its type's fields (a null one aside): another would be silently
+    dropped from the prompt."""
+    with pytest.raises(ApiError) as e:
+        parse_request(chat({"role": "user", "content": [part]}), True, MODEL)
+    assert e.value.status == 400 and e.value.param == param
+    p = parse_request(chat({"role": "user", "content": [{"type": "text", "text": "hi",
+                                                          "bogus": None}]}), True, MODEL)
+    assert p.generation.messages == [{"role": "user", "content": "hi"}]

@@ -79,15 +79,16 @@ def make_app(state: ServingState, token: str | None = None,
              max_request_bytes: int = MIN_BYTES) -> FastAPI:
     app = FastAPI(title="edgespec", docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(BodyLimit, max_bytes=max_request_bytes)  # 413 before a body is read
-    expected = f"Bearer {token}".encode() if token else None
+    expected = token.encode() if token else None
     created = int(time.time())
     _add_error_handlers(app)
 
     def check_auth(request: Request) -> None:
         if expected is None:
             return
-        got = request.headers.get("authorization", "").encode()
-        if not hmac.compare_digest(got, expected):
+        # the scheme is case-insensitive (RFC 9110: "Bearer", "bearer"), the key is not
+        scheme, _, got = request.headers.get("authorization", "").strip().partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(got.strip().encode(), expected):
             raise ApiError(401, "missing or wrong API key (header 'Authorization: Bearer ...')",
                            "authentication_error", code="invalid_api_key")
 

@@ -58,6 +58,8 @@ def parts_content(i: int, parts: list, images: list[bytes]) -> str:
     for j, part in enumerate(parts):
         kind = part.get("type") if isinstance(part, dict) else None
         where = f"messages[{i}].content[{j}]"
+        if kind in PART_FIELDS:  # a part's other fields, refused by name (null aside)
+            _only_fields(part, PART_FIELDS[kind], where)
         if kind == "text":
             if not isinstance(part.get("text"), str):
                 raise _bad(f"'{where}.text' must be a string", f"{where}.text")
@@ -65,6 +67,7 @@ def parts_content(i: int, parts: list, images: list[bytes]) -> str:
         elif kind == "image_url":
             spec = part.get("image_url")
             if isinstance(spec, dict):
+                _only_fields(spec, ("url", "detail"), f"{where}.image_url")
                 if spec.get("detail") not in DETAILS:
                     raise _bad(f"'{where}.image_url.detail' must be auto, low or high",
                                f"{where}.image_url.detail")
@@ -75,3 +78,14 @@ def parts_content(i: int, parts: list, images: list[bytes]) -> str:
             raise _bad(f"'{where}' is a {str(kind)[:40]!r} part: the content parts taken are "
                        "text and image_url", "messages")
     return "".join(text)
+
+
+PART_FIELDS = {"text": ("type", "text"), "image_url": ("type", "image_url")}
+
+
+def _only_fields(obj: dict, known: tuple[str, ...], where: str) -> None:
+    """Refuse, by name, a field of ``obj`` other than ``known`` that is not null."""
+    for key, value in obj.items():
+        if key not in known and value is not None:
+            name = f"{where}.{str(key)[:40]}"
+            raise _bad(f"'{name}' is not supported", name)

@@ -177,6 +177,10 @@ def parse_request(body, chat: bool, model_name: str) -> OpenAIParams:
         raise _bad("'stream_options' must be an object", "stream_options")
     if options and not stream:  # as OpenAI's API answers it
         raise _bad("'stream_options' is only allowed when 'stream' is true", "stream_options")
+    for key, value in (options or {}).items():  # OpenAI's other option, at its neutral value
+        if key != "include_usage" and not (key == "include_obfuscation" and not value):
+            raise _bad(f"'stream_options.{str(key)[:40]}' is not supported",
+                       f"stream_options.{str(key)[:40]}")
     usage = (options or {}).get("include_usage")
     if usage is not None and not isinstance(usage, bool):
         raise _bad("'stream_options.include_usage' must be a boolean",
