@@ -197,7 +197,7 @@ class RedisSessionStore:
                         for x in map(unpack_tokens, row.branches) if len(x) > 1]
             taken.append(TakenDraft(row.epoch, start, tokens,
                                     take_branches(branches, len(tokens), w.branch_budget),
-                                    ready=row.ready(w.k)))
+                                    ready=row.ready(w.k), drafting=row.drafting))
         return taken
 
     def _take_rows(self, wants: list[DraftWant], wait_s: float) -> list[DraftRow]:

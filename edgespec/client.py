@@ -51,7 +51,7 @@ import grpc
 
 from .sdk.errors import (Cancelled, DeadlineExceeded, EdgespecError, InvalidRequest, NotFound,
                          Overloaded, PreconditionFailed, Unauthenticated, Unavailable, translate)
-from .sdk.request import build_request, check_timeout
+from .sdk.request import build_request, check_client_args, check_session_id, check_timeout
 from .sdk.stream import Collector, GenerateResult, Resumer, StreamPiece
 from .v1 import edgespec_pb2 as pb
 from .v1 import edgespec_pb2_grpc as pb_grpc
@@ -73,6 +73,7 @@ class Client:
                  tls_ca: str | None = None, tls: bool = False, timeout: float | None = None,
                  max_resumes: int = 8, tls_cert: str | None = None, tls_key: str | None = None,
                  channel_options: Sequence[tuple[str, Any]] = ()):
+        check_client_args(address, token)  # before any channel is made
         self.channel = make_channel(address, tls_ca, tls, client_cert=tls_cert,
                                     client_key=tls_key, options=channel_options)
         self._watch = ConnectWatch(self.channel, address, tls=bool(tls or tls_ca or tls_cert))
@@ -151,6 +152,7 @@ class Client:
         return coll.result()
 
     def cancel(self, session_id: str) -> bool:
+        check_session_id(session_id)
         self._first_contact(self.timeout or 10)
         try:
             return self.stub.Cancel(pb.CancelRequest(session_id=session_id),
@@ -184,7 +186,8 @@ class AsyncClient:
                  tls_ca: str | None = None, tls: bool = False, timeout: float | None = None,
                  max_resumes: int = 8, tls_cert: str | None = None, tls_key: str | None = None,
                  channel_options: Sequence[tuple[str, Any]] = ()):
-        timeout = check_timeout(timeout, "the client's timeout")  # before any channel is made
+        check_client_args(address, token)  # before any channel is made
+        timeout = check_timeout(timeout, "the client's timeout")
         self.channel = make_channel(address, tls_ca, tls, aio=True, client_cert=tls_cert,
                                     client_key=tls_key, options=channel_options)
         self.address = address
@@ -256,6 +259,7 @@ class AsyncClient:
         return coll.result()
 
     async def cancel(self, session_id: str) -> bool:
+        check_session_id(session_id)
         await self._first_contact(self.timeout or 10)
         try:
             res = await self.stub.Cancel(pb.CancelRequest(session_id=session_id),

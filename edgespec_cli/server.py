@@ -54,6 +54,7 @@ CACHE_SERVICE = "edgespec.v1.DraftCache"
 # health writes a key to Redis this often (every tick while it refuses them): a Redis that answers
 # pings may refuse writes; a write a tick would cost an idle Redis an AOF fsync a second
 WRITE_PROBE_S = 5.0
+STOPPING = "draining: the server is stopping"  # health's reason from SIGTERM on
 RESERVE_THREADS = 16  # for health checks, Cancel and unary pushes when every stream is busy
 
 
@@ -225,7 +226,7 @@ class EdgespecServer:
 
     def _why_not(self) -> str | None:
         if self._stopping.is_set():
-            return "the server is stopping"
+            return STOPPING
         self._redis_ok = self.redis.reachable()
         if self.scheduler is not None and self.scheduler.unhealthy_reason is not None:
             return self.scheduler.unhealthy_reason
@@ -254,6 +255,7 @@ class EdgespecServer:
     def _monitor(self) -> None:
         while not self._stopping.wait(0.5):
             if self.redis.exited:  # not serving while it restarts (up to 3 x 30 s)
+                self.why_not_serving = "its embedded Redis exited: restarting it"
                 self._set_health(False)
             try:
                 self.redis.ensure_running()
@@ -320,6 +322,7 @@ class EdgespecServer:
         timeout = self.opts.drain_timeout_s if drain_timeout_s is None else drain_timeout_s
         self._drain_until = time.monotonic() + timeout
         self._stopping.set()
+        self.why_not_serving = STOPPING  # health says why, to a status read during the drain
         self._set_health(False)
         if self.scheduler:
             if not self.scheduler.drain(timeout, self._abort_drain):

@@ -44,6 +44,15 @@ from edgespec.sdk.request import check_timeout
     (dict(prompt_ids=5), "prompt_ids must be a list"),
     (dict(prompt_ids=iter([1, 2])), "prompt_ids must be a list"),
     (dict(messages="hi"), "messages must be a list"),
+    # text UTF-8 cannot carry (a lone surrogate, as json.loads("\"\\ud800\"") gives): named,
+    # not protobuf's UnicodeEncodeError
+    (dict(prompt="a\ud800b"), "prompt holds '\\ud800' at 1"),
+    (dict(prompt="x", device_id="d\udfff"), "device_id holds"),
+    (dict(messages=[{"role": "user", "content": "\ud800"}]), "messages[0]['content'] holds"),
+    (dict(messages=[{"role": "us\ud800er", "content": "hi"}]), "messages[0]['role'] holds"),
+    (dict(messages=[{"role": "user", "content": "hi"}], raw=True), "raw=True sends a prompt"),
+    (dict(prompt="x", images="photo.png"), "images must be a list"),
+    (dict(prompt="x", images=b"\x89PNG"), "images must be a list"),
 ])
 def test_what_the_wire_cannot_carry_is_an_invalid_request(kw, needle):
     with pytest.raises(InvalidRequest) as e:
@@ -121,3 +130,49 @@ def test_a_closed_client_refuses_its_calls_at_once():
         loop.run_until_complete(go())
     finally:
         loop.close()
+
+
+@pytest.mark.parametrize("address,token,needle", [
+    ("http://127.0.0.1:50051", None, "without a scheme"),
+    ("127.0.0.1", None, "the port included"),
+    ("127.0.0.1:122847", None, "the port must be in 0-65535"),  # gRPC: port 57311
+    (50051, None, "address must be a string"),
+    ("127.0.0.1:50051", "tökén", "printable ASCII"),
+    ("127.0.0.1:50051", "a\nb", "printable ASCII"),
+    ("127.0.0.1:50051", "", "printable ASCII"),
+])
+def test_a_client_with_an_address_or_token_grpc_would_misread_is_refused_at_once(
+        address, token, needle):
+    """Before any channel is made, both clients, whatever is listening (nothing here): gRPC would
+    take a port past 65535 modulo 65536 (another server's), wait out the deadline for an address
+    with a scheme or without a port, or fail a token in its headers with a bare INTERNAL."""
+    from edgespec.client import AsyncClient, Client
+
+    for make in (Client, AsyncClient):
+        with pytest.raises(InvalidRequest) as e:
+            make(address, token=token)
+        assert needle in str(e.value)
+
+
+@pytest.mark.parametrize("session_id,needle", [(5, "session_id must be a string"),
+                                               ("s\ud800", "session_id holds")])
+def test_cancelling_an_id_the_wire_cannot_carry_is_an_invalid_request(session_id, needle):
+    import asyncio
+
+    from edgespec.client import AsyncClient, Client
+
+    with Client("127.0.0.1:1") as c:  # refused before any contact: nothing listens there
+        with pytest.raises(InvalidRequest) as e:
+            c.cancel(session_id)
+        assert needle in str(e.value)
+
+    async def cancel_async():
+        c = AsyncClient("127.0.0.1:1")
+        try:
+            await c.cancel(session_id)
+        finally:
+            await c.close()
+
+    with pytest.raises(InvalidRequest) as e:
+        asyncio.run(cancel_async())
+    assert needle in str(e.value)

@@ -249,3 +249,37 @@ def test_a_session_whose_board_drafts_anew_after_a_fix_is_waited_for_as_its_draf
         act.fixed, engine.wait_ms = True, 0.0  # --draft-wait-ms 0: no step waits, even so
         [want] = engine._plan()
         assert not want.wait
+
+
+def test_a_board_that_went_is_not_judged_by_its_sessions_ready_empty_drafts(tiny, monkeypatch):
+    """A board the cache detached (gone: a frozen process, a lost link) leaves its sessions'
+    drafts empty and ready (waiting would give nothing): those steps say nothing of it. It
+    stays late, its ready drafts are not counted, and it recovers only by drafting again."""
+    from edgespec.config import EngineConfig
+    from edgespec.engine import step_drafts
+    from edgespec.engine.lateness import HITS_TO_RECOVER, MISSES_TO_LATE
+    from edgespec.engine.spec_engine import Request, SpecEngine
+    from edgespec.runner.target_runner import TargetRunner
+
+    monkeypatch.setattr(step_drafts, "plan_drafts", lambda acts, *a: [2] * len(acts))
+    with SpecEngine(TargetRunner(tiny.model, n_slots=2, max_len=96), None,
+                    EngineConfig(adaptive=False, draft_wait_ms=0)) as engine:
+        act = engine.add(Request([1, 5, 6], 40), device="board")
+        for _ in range(MISSES_TO_LATE):
+            engine.lateness.record("board", ready=False, waited=True)
+        assert engine.lateness.late("board")
+        before = engine.lateness.snapshot()["board"]
+        engine.store.drafter_gone(act.sid)  # as the cache marks a detached board's sessions
+        for _ in range(3 * HITS_TO_RECOVER):
+            engine.step()
+        assert len(act.output) >= 3 * HITS_TO_RECOVER  # decoded alone meanwhile
+        after = engine.lateness.snapshot()["board"]
+        assert engine.lateness.late("board")
+        assert (after.session_steps, after.ready_drafts) == (before.session_steps,
+                                                             before.ready_drafts)
+        state = engine.store.sessions[act.sid]
+        state.has_drafter = True  # back: its drafts hold tokens again
+        for _ in range(HITS_TO_RECOVER):
+            state.push_draft(state.epoch, state.end, [7, 7], idle=True)
+            engine.step()
+        assert not engine.lateness.late("board")

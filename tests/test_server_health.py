@@ -158,6 +158,9 @@ def test_health_is_not_serving_while_the_embedded_redis_restarts(server):
     old.wait()
     try:
         _wait_status(server.port, NOT_SERVING)  # while the restart has not even begun
+        with grpc.insecure_channel(f"127.0.0.1:{server.port}") as ch:
+            assert pb_grpc.VerifierStub(ch).Status(pb.StatusRequest(), timeout=30) \
+                .unhealthy_reason == "its embedded Redis exited: restarting it"
     finally:
         release.set()
     _wait_status(server.port, SERVING)
@@ -199,6 +202,47 @@ def test_an_sdk_call_during_a_drain_fails_at_once_with_the_draining_message(serv
     with edgespec.Client(f"127.0.0.1:{server.port}", timeout=300) as client:
         with pytest.raises(edgespec.Unavailable, match="the verifier is draining"):
             client.generate("hello", max_new_tokens=4)
+
+
+def test_health_says_the_server_is_draining_while_it_drains(tiny_dir, monkeypatch):
+    """From SIGTERM (``stop``) until the server stops, health is NOT_SERVING and says why: a
+    status read meanwhile (``edgespec status``) names the drain, not "no reason given"."""
+    import edgespec
+    from edgespec_cli.server import STOPPING
+
+    srv = EdgespecServer(ServerOptions(
+        listen="127.0.0.1:0", model=str(tiny_dir), max_drafters=1, drain_timeout_s=120,
+        engine=EngineConfig(max_sessions=2, max_context=256))).start()
+    engine = srv.scheduler.engine
+    runner, release = engine.target, threading.Event()
+    score_rows = runner.score_rows
+
+    def held(*a, **k):  # the session's steps wait once it has tokens: the drain waits for it
+        if any(act.output for act in engine.active):
+            release.wait(120)
+        return score_rows(*a, **k)
+
+    monkeypatch.setattr(runner, "score_rows", held)
+    client = edgespec.Client(f"127.0.0.1:{srv.port}", timeout=300, max_resumes=0)
+    stream = client.stream("hello", max_new_tokens=8, raw=True)
+    first = threading.Thread(target=lambda: next(iter(stream)), daemon=True)
+    stopping = threading.Thread(target=srv.stop, daemon=True)
+    try:
+        first.start()
+        first.join(120)
+        assert not first.is_alive()  # the first tokens came: the session runs
+        stopping.start()
+        _wait_status(srv.port, NOT_SERVING)
+        with grpc.insecure_channel(f"127.0.0.1:{srv.port}") as ch:
+            status = pb_grpc.VerifierStub(ch).Status(pb.StatusRequest(), timeout=30)
+        assert status.unhealthy_reason == STOPPING and STOPPING.startswith("draining")
+    finally:
+        release.set()
+        if stopping.ident is None:  # failed before the drain began
+            srv.stop(drain_timeout_s=0)
+        stopping.join(120)
+        client.close()
+    assert not stopping.is_alive()
 
 
 def test_a_drain_can_be_ended_while_sessions_run(server, monkeypatch):

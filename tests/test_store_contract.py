@@ -74,7 +74,8 @@ def test_a_session_is_waited_for_at_most_its_own_wait_and_the_others_their_whole
 @pytest.mark.parametrize("drafter", [None, ""])
 def test_a_session_without_a_drafter_is_never_waited_for(side, drafter):
     """No drafter (None, or an empty id: both stores read it as none): no draft can come, so a
-    take answers at once, not at its deadline."""
+    take answers at once, not at its deadline, saying no drafter was there (the step then
+    judges no drafter's lateness by it)."""
     import threading
 
     side.store.create("s", list(PROMPT), SamplingParams(), drafter, 64)
@@ -83,7 +84,8 @@ def test_a_session_without_a_drafter_is_never_waited_for(side, drafter):
         [DraftWant("s", 4)], 120.0)), daemon=True)
     take.start()
     take.join(60)
-    assert not take.is_alive() and [(t.tokens, t.ready) for t in got] == [([], True)]
+    assert not take.is_alive() and [(t.tokens, t.ready, t.drafting) for t in got] == \
+        [([], True, False)]
 
 
 def test_a_step_commits_many_sessions_at_once_each_judged_alone(side):

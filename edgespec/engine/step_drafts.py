@@ -110,11 +110,12 @@ class StepDrafts(StepCommit):
         which the step waited for."""
         # drafter -> [sessions, ready, with tokens, ready or with tokens, waited for, empty
         # drafts: at a session's opening, after a fix, again, otherwise]; a session asked no
-        # draft says nothing of its drafter (its empty draft is trivially ready)
+        # draft says nothing of its drafter (its empty draft is trivially ready), nor one whose
+        # drafter is not there (gone: its draft is ready, as waiting would give nothing)
         counts: dict[str, list] = {}
         for want, t in zip(wants, taken):
             act = acts[want.session_id]
-            if act.drafter and want.k > 0 and isinstance(t, TakenDraft):
+            if act.drafter and want.k > 0 and isinstance(t, TakenDraft) and t.drafting:
                 c = counts.setdefault(act.drafter, [0, 0, 0, 0, False, 0, 0, 0, 0])
                 c[0] += 1
                 c[1] += t.ready

@@ -158,6 +158,10 @@ class TakenDraft:
     tokens: list[int]
     branches: list[Branch] = field(default_factory=list)  # at: within tokens
     ready: bool = True  # the draft was ready (k tokens, or its drafter idle) when taken
+    # its drafter was there when it was taken (False: the session has none, or its board went:
+    # then the draft is ready, since waiting gives nothing, but says nothing of the board's
+    # lateness: ``step_drafts._record_lateness`` leaves it out)
+    drafting: bool = True
 
     @property
     def branch_tokens(self) -> int:

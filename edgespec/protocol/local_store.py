@@ -116,7 +116,8 @@ class SessionState:
         return TakenDraft(self.epoch, self.end, spine,
                           take_branches(self.branches, len(spine), branch_budget)
                           if self.branches else [],
-                          ready=not self.has_drafter or self.drafter_idle or len(spine) >= k)
+                          ready=not self.has_drafter or self.drafter_idle or len(spine) >= k,
+                          drafting=self.has_drafter)
 
     def is_replay(self, v: Verdict) -> bool:
         """Whether ``v`` already landed (its commit's reply was lost): the session ends where

@@ -11,9 +11,46 @@ from ..config import VERIFY_MODES, ConfigError, EmptyPrompt, SamplingParams
 from ..models.images import check_image_bytes, image_bytes
 from ..v1 import edgespec_pb2 as pb
 from ..wire.convert import params_to_pb
+from ..wire.reachability import check_address
 from .errors import InvalidRequest
 
-__all__ = ["build_request", "check_messages", "check_timeout", "wire_int"]
+__all__ = ["build_request", "check_client_args", "check_messages", "check_session_id",
+           "check_timeout", "wire_int"]
+
+
+def wire_text(value: str, what: str) -> str:
+    """``value``, once the wire can carry it: UTF-8 has no lone surrogate (``"\\ud800"``, as
+    ``json.loads`` or ``os.fsdecode`` may give), which protobuf would refuse with a bare
+    UnicodeEncodeError."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidRequest(f"{what} holds {value[e.start:e.end]!r} at {e.start}, which UTF-8 "
+                             "cannot carry (a lone surrogate)") from None
+    return value
+
+
+def check_client_args(address, token) -> None:
+    """A client's ``address`` and ``token``, before a channel is made: an address gRPC would
+    misread (a scheme, no port, a port past 65535, which it takes modulo 65536) and a token
+    gRPC metadata cannot carry (printable ASCII only) are ``InvalidRequest``."""
+    if not isinstance(address, str):
+        raise InvalidRequest(f"address must be a string HOST:PORT, got {type(address).__name__}")
+    try:
+        check_address(address, "address")
+    except ConfigError as e:
+        raise InvalidRequest(str(e)) from None
+    if token is not None and (not isinstance(token, str) or not token or
+                              not all(" " <= c <= "~" for c in token)):
+        raise InvalidRequest("token must be a non-empty string of printable ASCII characters "
+                             "(what a gRPC header carries)")
+
+
+def check_session_id(session_id) -> str:
+    """A session id to send (``cancel``): a string the wire can carry."""
+    if not isinstance(session_id, str):
+        raise InvalidRequest(f"session_id must be a string, got {type(session_id).__name__}")
+    return wire_text(session_id, "session_id")
 
 
 def wire_int(x, what: str) -> int:
@@ -47,11 +84,13 @@ def check_timeout(timeout, what: str = "timeout") -> float | None:
 
 
 def check_messages(messages) -> None:
-    for m in messages:
+    for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or \
                 not isinstance(m.get("content"), str):
             raise InvalidRequest("each message is a dict with a 'role' and a 'content', both "
                                  "strings")
+        wire_text(m["role"], f"messages[{i}]['role']")
+        wire_text(m["content"], f"messages[{i}]['content']")
 
 
 def check_wire_float(name: str, value: float) -> None:
@@ -94,6 +133,16 @@ def build_request(prompt=None, *, messages=None, prompt_ids=None, raw=False, max
         raise InvalidRequest(EmptyPrompt.MESSAGE)
     if messages is not None and len(messages) == 0:
         raise InvalidRequest("messages is empty: give at least one message")
+    if raw and messages is not None:  # (token ids are sent as they are either way)
+        raise InvalidRequest("raw=True sends a prompt string as is, without the chat template: "
+                             "messages always go through the template")
+    for name, value in (("prompt", prompt), ("device_id", device_id)):
+        if value is not None:
+            wire_text(value, name)
+    if images is not None and (isinstance(images, (str, bytes, dict)) or
+                               not hasattr(images, "__iter__")):
+        raise InvalidRequest(f"images must be a list (of paths, bytes or PIL images), got "
+                             f"{type(images).__name__}")
     try:
         params = SamplingParams(temperature, top_k, top_p, seed)
     except ValueError as e:
