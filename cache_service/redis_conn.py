@@ -42,6 +42,7 @@ log = logging.getLogger("edgespec.redis")
 # redis-py's default of 100 refused the connections of a fleet of 64 busy boards ("Too many
 # connections", which ended their streams). Connections are made as threads need them.
 MAX_CONNECTIONS = 2048
+FIRST_CONTACT_S = 5.0  # a Redis URL's first ping: how long it may take to answer
 CLIENT_OPTIONS: dict[str, Any] = dict(  # keyword arguments of redis.Redis
     retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), retries=10),
     retry_on_error=[redis.ConnectionError, redis.TimeoutError],
@@ -179,6 +180,14 @@ class RedisHandle:
                 raise ConfigError(f"--redis-url {shown_url(url)}: {e} (give "
                                   f"redis://HOST:PORT/DB, rediss://... or unix:///SOCKET)") \
                     from None
+            # a first contact without the client's retries (ten of up to 10 s each, under the
+            # health check's own): a port that accepts and does not answer as Redis (another
+            # server's, an HTTP port) is said at once, not after minutes of silence
+            if not self._probe_says(lambda probe: probe.ping(), FIRST_CONTACT_S):
+                self.close()
+                raise ConfigError(f"cannot reach Redis at {shown_url(url)}: {self.last_error} "
+                                  f"(is it a Redis server's address? its first ping has "
+                                  f"{FIRST_CONTACT_S:.0f} s to answer)")
         else:
             self._start_embedded()
         try:
@@ -275,16 +284,29 @@ class RedisHandle:
         committed; ``last_error`` says which."""
         return self._probe_says(lambda probe: probe.set(key, b"1", px=15000))
 
-    def _probe_says(self, call) -> bool:
-        if self._probe is None:
+    def _probe_says(self, call, timeout_s: float = 1.0) -> bool:
+        """``call`` on a client with short timeouts and one retry, once: its answer, or False
+        with ``last_error`` set. ``timeout_s`` other than the health probes' 1 s: a client of
+        its own, closed after the call."""
+        if self._probe is None or timeout_s != 1.0:
             pool = self.client.connection_pool
-            self._probe = redis.Redis(connection_pool=redis.ConnectionPool(
+            probe = redis.Redis(connection_pool=redis.ConnectionPool(
                 connection_class=pool.connection_class,
-                **{**pool.connection_kwargs, "socket_timeout": 1.0,
-                   "socket_connect_timeout": 1.0, "retry": Retry(NoBackoff(), 1)}))
+                **{**pool.connection_kwargs, "socket_timeout": timeout_s,
+                   "socket_connect_timeout": min(timeout_s, 2.0),
+                   "retry": Retry(NoBackoff(), 1), "health_check_interval": 0}))
+            if timeout_s != 1.0:
+                try:
+                    return self._probe_call(call, probe)
+                finally:
+                    probe.close()
+            self._probe = probe
+        return self._probe_call(call, self._probe)
+
+    def _probe_call(self, call, probe: redis.Redis) -> bool:
         try:
             self.last_error = ""
-            return bool(call(self._probe))
+            return bool(call(probe))
         except (redis.RedisError, OSError) as e:
             self.last_error = str(e)[:300] or type(e).__name__
             return False

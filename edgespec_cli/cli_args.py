@@ -10,8 +10,8 @@ import logging
 import math
 import sys
 
-from edgespec.config import (DTYPE_NAMES, FILL_DRAFTS, EngineConfig, LooseParams, PadParams,
-                             is_lossy, parse_verify)
+from edgespec.config import (DTYPE_NAMES, FILL_DRAFTS, ConfigError, EngineConfig, LooseParams,
+                             PadParams, is_lossy, parse_verify)
 from edgespec.drafters.spec_check import (  # noqa: F401 (the commands' API)
     check_drafter_arg, check_head_arg, check_model_arg)
 from edgespec.runner.threads import default_threads, set_threads, threads_in_use  # noqa: F401 (the commands' API)
@@ -240,6 +240,12 @@ def engine_config(args, max_sessions: int | None = None) -> EngineConfig:
     loose = LooseParams(getattr(args, "loose_entropy", d.loose.entropy),
                         getattr(args, "loose_window", d.loose.window))
     verify, classifier = parse_verify(getattr(args, "verify", d.verify))
+    if verify == "pad" and classifier != "default":  # a folder: there, before a model loads
+        from edgespec.pad.verify_rule import resolve_classifier_dir
+
+        if not (resolve_classifier_dir(classifier) / "pad.json").exists():
+            raise ConfigError(f"--verify pad:{classifier}: not a PAD classifier folder (no "
+                              "pad.json; make one with edgespec pad-train)")
     pad = PadParams(classifier, getattr(args, "pad_sigma", d.pad.sigma),
                     getattr(args, "pad_min_prob", d.pad.min_prob))
     return EngineConfig(max_draft=getattr(args, "max_draft", d.max_draft),

@@ -44,6 +44,8 @@ examples: the guide linked under each command, and the [README](../../README.md)
 `edgespec` alone lists the commands (and exits with status 2, as a usage error);
 `edgespec --version` prints the version. A mistake you can fix (a bad option, a missing model, a
 prompt over the context limit) prints one line starting `edgespec: error:` and exits with
+status 2; an option the parser itself refuses (an unknown option, a value of the wrong type:
+`--max-new-tokens abc`) shows the usage first, then `edgespec COMMAND: error: ...`, also with
 status 2.
 """
 

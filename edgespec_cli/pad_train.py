@@ -52,9 +52,8 @@ def add_pad_train_command(sub) -> None:
                      help="a JSONL file of {\"prompt\": TEXT, \"answer\": TEXT} lines; about a "
                           "quarter of them (by a hash of the prompt) are a test split never "
                           "labelled")
-    p.add_argument("--scorer", metavar="S", default="exact",
-                   help="with --tasks-file: exact, number or regex:PATTERN "
-                        "(default: %(default)s)")
+    p.add_argument("--scorer", metavar="S", default=None,
+                   help="with --tasks-file: exact, number or regex:PATTERN (default: exact)")
     p.add_argument("--problems", type=int, default=200,
                    help="train problems to label, per family; a larger N on a finished or "
                         "stopped run continues it (its first problems are the same) and "
@@ -126,6 +125,8 @@ def run_pad_train(args) -> int:
 
     from .pad_labels import task_sets
 
+    if args.scorer is not None and not args.tasks_file:  # a generated family scores itself
+        raise ConfigError("--scorer is for --tasks-file (a task family has its own scorer)")
     parse_drafter_spec(args.drafter, allowed=("layers", "model"))  # refused before loading
     task_sets(args, "test", 1)  # the task, the file and the scorer too
     from edgespec.models.loading import load_model

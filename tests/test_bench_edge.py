@@ -73,6 +73,10 @@ def test_edge_drafting_against_the_server_alone_as_processes(looping_dir, tmp_pa
     assert "trees of width 2" in board_log and "refuses tree chunks" not in board_log
     assert "INVALID_ARGUMENT" not in edge["chunks_refused"]
     assert "2x1" in r.stdout and "the whole draft in when taken in" in r.stdout
+    n = report["config"]["questions"]  # progress on stderr: the fleet, each side, the requests
+    for line in ("[1/1] fleet 2x1", "2x1: the server alone", "2x1: with 1 board(s) drafting",
+                 f"{n}/{n} requests done", "[1/1] fleet 2x1 done"):
+        assert line in r.stderr, r.stderr[-2000:]
     assert (tmp_path / "edge.png").read_bytes().startswith(b"\x89PNG")
 
 

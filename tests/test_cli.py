@@ -114,6 +114,17 @@ def test_bad_options_give_one_readable_line(tiny_dir, args, message):
     (["bench-host", "--json", "."], "a folder, not a file"),  # checked before any run
     (["bench-host", "--json", "/proc/edgespec/x.json"], "cannot be written"),
     (["bench-edge", "--plot", "out.txt"], "--plot"),
+    (["bench-burst", "--prefill-budget", "0"], "--prefill-budget must be >= 1"),  # was refused
+    (["bench-burst", "--streams", "-1"], "--streams must be >= 1"),  # after the modes ran
+    (["bench-burst", "--prompt-tokens", "50-10"], "LO <= HI"),
+    (["bench-drafters", "--repeat", "0"], "--repeat"),  # was run once, "repeat": 0 recorded
+    (["bench-learn", "--head", "/nonexistent/head"], "not found"),  # checked after the load
+    (["simulate", "--head", "/nonexistent/head"], "not found"),  # after the fleet started
+    (["simulate", "--address", "10.0.0.1"], "--address takes HOST:PORT"),
+    (["generate", "hi", "--verify", "pad:/nonexistent/c"], "not a PAD classifier folder"),
+    (["models", "pull", "--wheel", "/nonexistent/model.whl"], "cannot read"),  # no --force
+    (["simulate", "--shape", "8b"], "are for --project-on"),  # it started a whole fleet
+    (["pad-train", "--scorer", "exact", "--out", "OUT"], "--scorer is for --tasks-file"),
     (["bench-edge", "--max-new-tokens", "0"], "--max-new-tokens"),
     (["bench-forward", "--repeat", "0"], "--repeat"),
     (["bench-host", "--drafters", ";"], "--drafters"),

@@ -67,6 +67,8 @@ def test_acceptance_comes_from_bench_edge_reports_or_by_hand(tmp_path):
     (tmp_path / "bad.json").write_text("{}")
     with pytest.raises(ConfigError, match="not a bench-edge report"):
         traces_from_bench_edge([str(tmp_path / "bad.json")])
+    with pytest.raises(ConfigError, match="cannot read it .*write one with edgespec bench-edge"):
+        traces_from_bench_edge([str(tmp_path / "none.json")])  # missing: not "not a report"
     assert parse_acceptance("mag=0.6, big=0.9@250") == [
         DrafterTrace("mag", 0.6, None, "given"), DrafterTrace("big", 0.9, 250.0, "given")]
     for bad in ["mag", "mag=1.0", "mag=x", "mag=0.5@0"]:

@@ -165,6 +165,40 @@ def test_a_redis_url_of_no_scheme_redis_reads_is_a_config_error_naming_it(url):
         RedisHandle(url)
 
 
+@pytest.mark.parametrize("answer", [None, b"HTTP/1.1 400 Bad Request\r\n\r\n"])
+def test_a_redis_url_whose_port_is_no_redis_is_a_config_error_not_a_hang(answer):
+    """A port that accepts and never answers, or answers as another server (an HTTP port): the
+    first contact, without the client's retries, ends in a ConfigError saying so (it waited
+    silently for minutes under the retries of ten 10 s reads)."""
+    import socket
+    import threading
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    held = []
+
+    def serve():
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            held.append(conn)
+            if answer is not None:
+                conn.recv(256)
+                conn.sendall(answer)
+
+    threading.Thread(target=serve, daemon=True).start()
+    try:
+        with pytest.raises(ConfigError, match="is it a Redis server's address"):
+            RedisHandle(f"redis://127.0.0.1:{listener.getsockname()[1]}/0")
+    finally:
+        listener.close()
+        for conn in held:
+            conn.close()
+
+
 def test_an_external_redis_that_evicts_keys_is_warned_of_at_connect(external_redis, caplog):
     """A Redis with a maxmemory and an eviction policy takes sessions' and boards' keys under
     pressure (sessions lost, boards taken for detached): said when the cache connects, with the

@@ -279,8 +279,16 @@ def run_bench_burst(args) -> int:
         lo, hi = (int(x) for x in args.prompt_tokens.split("-"))
     except ValueError:
         raise ConfigError(f"--prompt-tokens must be LO-HI, got {args.prompt_tokens!r}") from None
-    if not 1 <= lo <= hi or args.streams < 1 or args.burst < 1 or args.burst_tokens < 1:
-        raise ConfigError("need 1 <= LO <= HI, and at least one stream, burst request and token")
+    for value, option in ((lo, "--prompt-tokens' LO"), (args.streams, "--streams"),
+                          (args.burst, "--burst"), (args.burst_tokens, "--burst-tokens"),
+                          (args.steady_tokens, "--steady-tokens")):
+        if value < 1:
+            raise ConfigError(f"{option} must be >= 1, got {value}")
+    if hi < lo:
+        raise ConfigError(f"--prompt-tokens must be LO-HI with LO <= HI, got "
+                          f"{args.prompt_tokens!r}")
+    if args.prefill_budget is not None and args.prefill_budget < 1:  # before any mode runs
+        raise ConfigError(f"--prefill-budget must be >= 1, got {args.prefill_budget}")
     threads = set_threads(args.threads)
     loaded = load_model(args.model, args.device, args.dtype)
     threads = threads_in_use() or threads  # a default lowered where the dtype was not exact

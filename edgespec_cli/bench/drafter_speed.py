@@ -125,6 +125,8 @@ def run_bench_drafters(args) -> int:
 
     if args.draft_tokens < 1:
         raise ConfigError(f"--draft-tokens must be >= 1, got {args.draft_tokens}")
+    if args.repeat < 1:  # as bench's and simulate's --repeat
+        raise ConfigError(f"--repeat must be >= 1, got {args.repeat}")
     specs = [d.strip() for d in args.drafters.split(",") if d.strip()]
     if not specs:
         raise ConfigError("--drafters names no drafter")

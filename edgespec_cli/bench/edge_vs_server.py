@@ -125,7 +125,14 @@ def run_bench_edge(args) -> int:
     threads = len(split.server) if args.threads is None else args.threads
     print(f"bench-edge: {split.describe()}; the server's torch threads: {threads}",
           file=sys.stderr, flush=True)
-    results = [_measure_fleet(args, split, threads, s, b, questions, out_dir) for s, b in fleets]
+    results, t0 = [], time.perf_counter()
+    for i, (s, b) in enumerate(fleets, 1):
+        print(f"[{i}/{len(fleets)}] fleet {s}x{b}: {s} session(s) at a time, {b} board(s)",
+              file=sys.stderr, flush=True)
+        results.append(_measure_fleet(args, split, threads, s, b, questions, out_dir))
+        took = time.perf_counter() - t0
+        print(f"[{i}/{len(fleets)}] fleet {s}x{b} done: {took:.0f} s so far, eta "
+              f"{took / i * (len(fleets) - i):.0f} s", file=sys.stderr, flush=True)
     report = {"config": {"model": args.model, "drafter": args.drafter,
                          "max_new_tokens": args.max_new_tokens, "questions": len(questions),
                          "split": split.describe(), "server_threads": threads,
@@ -160,6 +167,8 @@ def _measure_fleet(args, split, threads: int, sessions: int, boards: int, questi
             ids = _fitting(_encode(args.model, [q["prompt"] for q in questions]),
                            args.max_new_tokens)
             client.generate(prompt_ids=ids[0], max_new_tokens=8)  # warm-up
+            print(f"  {tag}: the server alone, {len(ids)} requests", file=sys.stderr,
+                  flush=True)
             alone = _serve_requests(client, ids, sessions, args.max_new_tokens, None, serve,
                                     metrics_port, [])
             devices = [f"board-{i}" for i in range(boards)]
@@ -174,6 +183,8 @@ def _measure_fleet(args, split, threads: int, sessions: int, boards: int, questi
                 p.wait_for("attached to")
             for dev in devices:
                 client.generate(prompt_ids=ids[0], max_new_tokens=8, device_id=dev)
+            print(f"  {tag}: with {boards} board(s) drafting, {len(ids)} requests",
+                  file=sys.stderr, flush=True)
             edge = _serve_requests(client, ids, sessions, args.max_new_tokens, devices, serve,
                                    metrics_port, list(zip(devices, board_ports, procs)))
     finally:
@@ -215,6 +226,7 @@ def _serve_requests(client, ids: list[list[int]], sessions: int, max_new_tokens:
     from edgespec_cli.simulate.records import RequestRecord
 
     records: list[RequestRecord | None] = [None] * len(ids)
+    finished, lock, step = [0], threading.Lock(), max(1, len(ids) // 10)  # progress, in tenths
 
     def client_thread(i: int) -> None:
         for k in range(i, len(ids), sessions):
@@ -223,6 +235,11 @@ def _serve_requests(client, ids: list[list[int]], sessions: int, max_new_tokens:
             rec.read(client.stream(prompt_ids=ids[k], raw=True, max_new_tokens=max_new_tokens,
                                    device_id=None if devices is None else rec.device_id))
             records[k] = rec
+            with lock:
+                finished[0] += 1
+                if finished[0] % step == 0 or finished[0] == len(ids):
+                    print(f"    {finished[0]}/{len(ids)} requests done", file=sys.stderr,
+                          flush=True)
 
     before = scrape(metrics_port)
     board_before = [(scrape(p), proc.cpu_s()) for _, p, proc in boards]

@@ -88,6 +88,9 @@ def run_bench_learn(args) -> int:
     from edgespec_cli.cli_args import check_at_least
 
     check_at_least(args, ("requests", "learn_every", "max_new_tokens"), 1)  # before any work
+    from edgespec.drafters.spec_check import check_head_arg
+
+    check_head_arg(args.head)  # a head that is not there: before the model loads
     threads = set_threads(args.threads)
     print(f"bench-learn: torch threads {threads}", file=sys.stderr, flush=True)
     stream = stream_of(args.category, args.requests)

@@ -169,7 +169,7 @@ def cmd_project(args: argparse.Namespace) -> int:
     if not traces:
         raise ConfigError("--project-on needs drafters: --acceptance-from bench-edge JSON "
                           "files, or --acceptance NAME=ALPHA")
-    report = proj.build_projection(sitting, args.shape, traces, counts, args.slo,
+    report = proj.build_projection(sitting, args.shape or "8b", traces, counts, args.slo,
                                    args.max_devices)
     report["sitting"] = args.project_on
     print(proj.format_projection(report))

@@ -131,8 +131,8 @@ def add_simulate_parser(sub) -> argparse.ArgumentParser:
                         "speed measured here (--acceptance-from, --acceptance), against "
                         "server-only decoding on the same GPU, for each --devices count; a "
                         "projection, printed with its assumptions")
-    s.add_argument("--shape", default="8b",
-                   help="with --project-on: the sitting's model shape (default: %(default)s)")
+    s.add_argument("--shape", default=None,
+                   help="with --project-on: the sitting's model shape (default: 8b)")
     s.add_argument("--acceptance-from", metavar="FILE", nargs="+", default=[],
                    help="with --project-on: edgespec bench-edge JSON files; each gives its "
                         "drafter's acceptance and one board's drafting speed")
@@ -161,6 +161,7 @@ def check_slo(slo: float | None) -> None:
 
 
 def check_args(args) -> tuple[list[int], list]:
+    from edgespec.drafters.spec_check import check_head_arg
     from edgespec_cli.cli_args import check_model_arg
     from ..deployment.device_profiles import parse_profiles
 
@@ -188,13 +189,19 @@ def check_args(args) -> tuple[list[int], list]:
     if args.slo is not None and not (args.find_capacity or args.project_on):
         raise ConfigError("--slo is for --find-capacity (or --project-on)")
     check_slo(args.slo)
-    if (args.acceptance_from or args.acceptance) and not args.project_on:
-        raise ConfigError("--acceptance-from and --acceptance are for --project-on")
+    if (args.acceptance_from or args.acceptance or args.shape) and not args.project_on:
+        raise ConfigError("--shape, --acceptance-from and --acceptance are for --project-on")
     if not 1 <= args.tree_width <= 16:
         raise ConfigError(f"--tree-width must be in [1, 16], got {args.tree_width}")
     if args.fill_drafts is not None:  # the verifier's engine's rule (mag not with a head)
         EngineConfig(fill_drafts=args.fill_drafts, head=args.head)
     check_model_arg(args.model)
+    check_head_arg(args.head)  # before a fleet starts: its verifier would refuse it later
+    if args.address and args.address != "auto" and "://" not in args.address:
+        host, _, port = args.address.rpartition(":")
+        if not host or not port.isdigit():  # as ``deploy`` refuses it, before the model loads
+            raise ConfigError(f"--address takes HOST:PORT (the Ray head's GCS port), got "
+                              f"{args.address[:60]!r}")
     faults = parse_fault_schedule(args.link_faults)  # refused before anything starts
     most = args.max_devices if args.find_capacity else max(counts)
     for f in faults:  # a fault for a device no run has would never be applied

@@ -180,7 +180,10 @@ def traces_from_bench_edge(paths: list[str]) -> list[DrafterTrace]:
             speeds = [b.get("tokens_drafted", b["draft_tokens"]) / b["cpu_s"]
                       for f in fleets for b in f["per_board"] if b.get("cpu_s")]
             name = report["config"]["drafter"]
-        except (OSError, ValueError, KeyError, TypeError) as e:
+        except OSError as e:  # not there: not "not a report"
+            raise ConfigError(f"--acceptance-from {path}: cannot read it ({e.strerror or e}); "
+                              "write one with edgespec bench-edge --json FILE") from None
+        except (ValueError, KeyError, TypeError) as e:
             raise ConfigError(f"--acceptance-from {path}: not a bench-edge report ({e})") \
                 from None
         if not drafted:
