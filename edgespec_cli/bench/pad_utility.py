@@ -153,6 +153,14 @@ def run_bench_pad(args) -> int:
         raise ConfigError(f"--problems must be >= 1, got {args.problems}")
     PadParams("check", min_prob=args.pad_min_prob)  # range-checked there, before any run
     check_drafter_arg(args.drafter)  # built after the target-only run: checked before it
+    from edgespec.pad.tasks import FAMILIES
+
+    if args.task and args.task not in FAMILIES:  # the task and a classifier folder: before
+        raise ConfigError(f"unknown task {args.task!r}: give one of {', '.join(FAMILIES)}")
+    if args.classifier != "default" and \
+            not (resolve_classifier_dir(args.classifier) / "pad.json").exists():  # the load
+        raise ConfigError(f"--classifier {args.classifier}: not a PAD classifier folder (no "
+                          "pad.json; make one with edgespec pad-train)")
     threads = set_threads(args.threads)
     print(f"bench-pad: torch threads {threads}", file=sys.stderr, flush=True)
     cfg = EngineConfig(max_sessions=1)

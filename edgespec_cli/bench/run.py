@@ -110,6 +110,8 @@ def run_bench(args) -> int:
         raise ConfigError("no questions selected")
     if args.repeat < 1:
         raise ConfigError(f"--repeat takes runs >= 1, got {args.repeat}")
+    if args.max_new_tokens < 1:  # before the methods warm up
+        raise ConfigError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     check_within(args, ("temperature",), 0)  # NaN too: as every surface refuses it
     if args.assist_layers < 1:
         raise ConfigError(f"--assist-layers takes layers >= 1, got {args.assist_layers}")
