@@ -220,13 +220,19 @@ class DrafterAgent(CacheMessages):
                 if e.code() in FATAL:
                     raise ConfigError(f"the cache refused drafter {self.device_id!r}: "
                                       f"{e.details()}") from None
-                if not self.attaches and e.code() == grpc.StatusCode.UNAVAILABLE and \
-                        probe(self.cache)[0] == "answered":
+                found = probe(self.cache)[0] if not self.attaches and \
+                    e.code() == grpc.StatusCode.UNAVAILABLE else None
+                if found == "answered":
                     # something that is not HTTP/2 answers there: a wrong port, not an outage
                     # (once attached, such an answer is waited out as anything else)
                     raise ConfigError(f"{self.cache} answers, but not as a gRPC server: the "
                                       f"server's --http-port or --metrics-port? give --cache "
                                       f"the cache's gRPC address (serve's --listen)") from None
+                if found == "h2" and (self.tls or self.tls_ca or self.tls_cert):
+                    # a plaintext gRPC server: every TLS handshake fails, forever
+                    raise ConfigError(f"the cache at {self.cache} serves plaintext gRPC, this "
+                                      f"drafter TLS: a TLS mismatch (drop --tls/--tls-ca, or "
+                                      f"start the cache with --tls-cert)") from None
                 if e.code() == grpc.StatusCode.ABORTED and \
                         str(e.details()).startswith(REPLACED_STREAM):
                     # only this process reads this stream: another took the id over. Once is

@@ -282,6 +282,31 @@ def test_an_agent_pointed_at_an_http_port_stops_saying_so():
         httpd.server_close()
 
 
+def test_an_agent_with_tls_pointed_at_a_plaintext_cache_stops_saying_so(cache):
+    """Every TLS handshake with a plaintext gRPC cache fails, for ever: the board retried,
+    logging gRPC's handshake errors; now its first attach ends in a ConfigError naming the
+    mismatch (as ``edgespec status`` does)."""
+    agent = DrafterAgent(cache.address, "edge-tls", SlotDrafter(), tls=True, backoff_max_s=0.2)
+    errors: list[BaseException] = []
+
+    def run():
+        try:
+            agent.run()
+        except BaseException as e:  # noqa: BLE001 (the test reads what ended the agent)
+            errors.append(e)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    try:
+        t.join(WAIT_S)
+        assert not t.is_alive(), "the agent kept retrying a plaintext cache over TLS"
+        assert len(errors) == 1 and isinstance(errors[0], ConfigError)
+        assert "serves plaintext gRPC" in str(errors[0]) and "TLS mismatch" in str(errors[0])
+    finally:
+        agent.stop()
+        t.join(WAIT_S)
+
+
 def test_an_unreachable_cache_is_said_again_while_it_lasts(caplog, monkeypatch):
     import drafter_node.agent as agent_mod
 
