@@ -204,6 +204,23 @@ def test_an_sdk_call_during_a_drain_fails_at_once_with_the_draining_message(serv
             client.generate("hello", max_new_tokens=4)
 
 
+def _hold_steps_once_a_session_has_tokens(srv, monkeypatch) -> threading.Event:
+    """Once a session has tokens, the server's steps wait until the returned event is set: the
+    session is still running when asked, however the threads are scheduled (the tiny model may
+    end "hello" within a few steps)."""
+    engine = srv.scheduler.engine
+    runner, release = engine.target, threading.Event()
+    score_rows = runner.score_rows
+
+    def held(*a, **k):
+        if any(act.output for act in engine.active):
+            release.wait(120)
+        return score_rows(*a, **k)
+
+    monkeypatch.setattr(runner, "score_rows", held)
+    return release
+
+
 def test_health_says_the_server_is_draining_while_it_drains(tiny_dir, monkeypatch):
     """From SIGTERM (``stop``) until the server stops, health is NOT_SERVING and says why: a
     status read meanwhile (``edgespec status``) names the drain, not "no reason given"."""
@@ -213,16 +230,7 @@ def test_health_says_the_server_is_draining_while_it_drains(tiny_dir, monkeypatc
     srv = EdgespecServer(ServerOptions(
         listen="127.0.0.1:0", model=str(tiny_dir), max_drafters=1, drain_timeout_s=120,
         engine=EngineConfig(max_sessions=2, max_context=256))).start()
-    engine = srv.scheduler.engine
-    runner, release = engine.target, threading.Event()
-    score_rows = runner.score_rows
-
-    def held(*a, **k):  # the session's steps wait once it has tokens: the drain waits for it
-        if any(act.output for act in engine.active):
-            release.wait(120)
-        return score_rows(*a, **k)
-
-    monkeypatch.setattr(runner, "score_rows", held)
+    release = _hold_steps_once_a_session_has_tokens(srv, monkeypatch)  # the drain waits
     client = edgespec.Client(f"127.0.0.1:{srv.port}", timeout=300, max_resumes=0)
     stream = client.stream("hello", max_new_tokens=8, raw=True)
     first = threading.Thread(target=lambda: next(iter(stream)), daemon=True)
@@ -252,19 +260,7 @@ def test_a_drain_can_be_ended_while_sessions_run(server, monkeypatch):
     import edgespec
 
     _wait_status(server.port, SERVING)
-    engine = server.scheduler.engine
-    runner = engine.target
-    score_rows = runner.score_rows
-    release = threading.Event()
-
-    def held(*a, **k):
-        # once the session has tokens, its steps wait: it is still running when asked, however
-        # the threads are scheduled (the tiny model may end "hello" within a few steps)
-        if any(act.output for act in engine.active):
-            release.wait(120)
-        return score_rows(*a, **k)
-
-    monkeypatch.setattr(runner, "score_rows", held)
+    release = _hold_steps_once_a_session_has_tokens(server, monkeypatch)
     client = edgespec.Client(f"127.0.0.1:{server.port}", timeout=300, max_resumes=0)
     stream = client.stream("hello", max_new_tokens=200, raw=True)
     started = threading.Thread(target=lambda: next(iter(stream)), daemon=True)
