@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import random
 import shutil
+import socket
 import subprocess
 import string
 
@@ -71,6 +74,26 @@ def hf_keyed_sampled(model, ids: list[int], n: int, params) -> list[int]:
         for _ in range(n):
             seq.append(sample_at(model(torch.tensor([seq])).logits[0, -1], params, len(seq)))
     return seq[len(ids):]
+
+
+def free_port_run(n: int) -> int:
+    """The first of ``n`` consecutive loopback ports that nothing listens on now.
+
+    Drawn below the kernel's ephemeral range (32768+, where outbound connections take their
+    ports, as one took a replica's port in a CI run) and above Ray's worker ports (to 19999).
+    """
+    rng = random.Random()
+    for _ in range(500):
+        base = rng.randrange(20000, 32768 - n)
+        try:
+            with contextlib.ExitStack() as held:
+                for port in range(base, base + n):
+                    s = held.enter_context(socket.socket())
+                    s.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+    raise RuntimeError(f"no {n} consecutive free ports in 20000-32767")
 
 
 def make_tokenizer(extra: str = ""):

@@ -12,7 +12,7 @@ import sys
 import time
 
 import pytest
-from conftest import hf_greedy
+from conftest import free_port_run, hf_greedy
 
 pytest.importorskip("ray", reason="ray is not installed (pip install -e '.[fleet]', or the "
                            "test extra)")
@@ -73,7 +73,9 @@ def deployed(ray_cluster, looping_dir, tmp_path_factory):
     import ray
 
     cache = tmp_path_factory.mktemp("fleet-cache")  # the cache actor's Redis files go here
-    port, cache_port = free_port(), free_port()
+    # the router's port, the cache's, then the two replicas' (max(port, cache port) + 1 + i)
+    port = free_port_run(4)
+    cache_port = port + 1
     r = edgespec_cli("deploy", "--address", ray_cluster["address"], "--model", looping_dir,
                      "--verifiers", 2, "--port", port, "--cache-port", cache_port,
                      "--threads", 1, "--tree-width", 3, "--timeout", 240, "--dtype", "float32",
