@@ -28,6 +28,11 @@ os.environ.setdefault("EDGESPEC_START_CHECK_CACHE", "none")
 # Every Ray node a test starts then has the loopback address: all traffic stays on 127.0.0.1.
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+# a Ray token on this machine (~/.ray/auth_token, left by any Ray run outside the tests) turns
+# the GCS of every cluster a test starts to token authentication: join such clusters in token mode
+from edgespec_cli.deployment.cluster import use_token_auth_if_present  # noqa: E402
+
+use_token_auth_if_present()
 # a Ray head's GCS server on a loaded 2-core machine can take longer than Ray's 30 s to write its
 # port file (a full suite's test_fleet head timed out so); every Ray start of the tests waits 120
 os.environ.setdefault("RAY_gcs_server_port_wait_time_s", "120")

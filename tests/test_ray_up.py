@@ -122,6 +122,11 @@ def test_ray_up_onprem_yaml_then_deploy_on_loopback(looping_dir, looping):
     # edgespec deploy keeps the cache's Redis data under the driver's ~/.cache: the sessions'
     # HOME, not the user's
     es_env = dict(env, HOME=str(sshd.home))
+    # the cluster's nodes, started over ssh with the user's HOME, turn token authentication on
+    # where the user has a Ray token: the driver then needs that token, not the sessions' HOME's
+    token = Path.home() / ".ray" / "auth_token"
+    if token.exists() and "RAY_AUTH_TOKEN_PATH" not in es_env:
+        es_env["RAY_AUTH_TOKEN_PATH"] = str(token)
     try:
         check = sshd.ssh("echo ok")
         assert check.stdout.strip() == "ok", f"ssh to the test sshd failed:\n{check.stderr}\n" \
