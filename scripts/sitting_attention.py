@@ -19,8 +19,8 @@ from __future__ import annotations
 import torch
 
 from edgespec.models.shapes import SHAPES
-from edgespec.runner.fused_attention import ATTENTION_KERNELS, probe_slot_attention, \
-    slot_attention
+from edgespec.runner.fused_attention import ATTENTION_KERNELS, slot_attention
+from edgespec.runner.fused_attention_probe import probe_slot_attention
 from edgespec.runner.fused_kernels import FusedStep
 
 WARPS = (1, 2, 4, 8)

@@ -17,11 +17,11 @@ from edgespec.runner.dtype_probe import exact_here
 def test_the_probes_run_at_the_thread_count_in_force(monkeypatch):
     """A kernel that is invariant at 2 threads and not at 8 is refused at 8: the probes' results
     are kept per thread count (the start check once ran at one count and served another)."""
-    import edgespec.runner.attention as attention
+    import edgespec.runner.attention_probe as attention_probe
     from edgespec.runner import dtype_probe
 
-    real = attention.probe_invariance
-    monkeypatch.setattr(attention, "probe_invariance",
+    real = attention_probe.probe_invariance
+    monkeypatch.setattr(attention_probe, "probe_invariance",
                         lambda *a, **k: torch.get_num_threads() != 8 and real(*a, **k))
     dtype_probe._attention_kernel.cache_clear()
     before = torch.get_num_threads()

@@ -13,6 +13,7 @@ from triton_on_cpu import require_triton
 
 require_triton()
 from edgespec.runner import fused_attention as fa  # noqa: E402
+from edgespec.runner import fused_attention_probe as fap  # noqa: E402
 from edgespec.runner import fused_kernels as fk  # noqa: E402
 from edgespec.runner.fused_gemm import CANDIDATES  # noqa: E402
 from edgespec.runner.step_rows import DraftShape, StepRows  # noqa: E402
@@ -324,7 +325,7 @@ def test_the_split_kernel_sums_fixed_key_chunks_whatever_the_call(layout):
 def test_the_tiles_kernel_passes_the_start_probe():
     """(The split kernel's probe takes 40 s under the interpreter: the GPU sitting runs it;
     test_the_split_kernel_sums_fixed_key_chunks_whatever_the_call holds its bits here.)"""
-    assert fa.probe_slot_attention(torch.float32, DEV, 4, 2, 16, kernel="tiles") is None
+    assert fap.probe_slot_attention(torch.float32, DEV, 4, 2, 16, kernel="tiles") is None
 
 
 @pytest.mark.parametrize("varies,says", [
@@ -347,7 +348,7 @@ def test_the_start_probe_covers_wide_rows_long_slots_and_rows_crossing_256(monke
         return out
 
     monkeypatch.setattr(fa, "slot_attention", attention)
-    differs = fa.probe_slot_attention(torch.float32, DEV, 4, 2, 16, kernel="tiles")
+    differs = fap.probe_slot_attention(torch.float32, DEV, 4, 2, 16, kernel="tiles")
     assert differs is not None and says in differs
 
 

@@ -17,7 +17,7 @@ require_triton()
 from edgespec.config import ConfigError, EngineConfig, SamplingParams  # noqa: E402
 from edgespec.drafters import build_drafter  # noqa: E402
 from edgespec.engine.spec_engine import Request, SpecEngine  # noqa: E402
-from edgespec.runner import fused_attention, fused_kernels  # noqa: E402
+from edgespec.runner import fused_attention, fused_attention_probe, fused_kernels  # noqa: E402
 from edgespec.runner.step_rows import DraftShape, StepRows  # noqa: E402
 from edgespec.runner.target_runner import TargetRunner  # noqa: E402
 
@@ -161,7 +161,7 @@ def test_the_start_check_covers_the_fused_kernels(small, monkeypatch):
 
 
 def test_the_start_check_refuses_an_attention_that_varies_with_the_batch(small, monkeypatch):
-    monkeypatch.setattr(fused_attention, "probe_slot_attention",
+    monkeypatch.setattr(fused_attention_probe, "probe_slot_attention",
                         lambda *a, kernel: "query 0 differs alone and among 3 sessions")
     with pytest.raises(ConfigError, match="the fused attention is not batch-invariant here "
                                           r"\(tiles: query 0 .*; rows: query 0"):
@@ -169,7 +169,7 @@ def test_the_start_check_refuses_an_attention_that_varies_with_the_batch(small, 
 
 
 def test_where_the_tiles_vary_the_runner_serves_with_the_rows_kernel(small, monkeypatch, caplog):
-    monkeypatch.setattr(fused_attention, "probe_slot_attention",
+    monkeypatch.setattr(fused_attention_probe, "probe_slot_attention",
                         lambda *a, kernel: "tree node 2 differs" if kernel == "tiles" else None)
     runner = _fused(small.model, n_slots=1, exact=True, max_rows=8)
     assert runner.attention == "rows" and runner.run_state()["attention"] == "rows"
@@ -186,7 +186,7 @@ def test_a_tiles_kernel_that_does_not_run_here_leaves_the_rows_kernel(small, mon
             raise RuntimeError("out of resources: shared memory")
         return None
 
-    monkeypatch.setattr(fused_attention, "probe_slot_attention", probe)
+    monkeypatch.setattr(fused_attention_probe, "probe_slot_attention", probe)
     runner = _fused(small.model, n_slots=1, exact=True, max_rows=8)
     assert runner.attention == "rows"
     assert "RuntimeError: out of resources" in caplog.text

@@ -13,7 +13,8 @@ import torch.nn.functional as F
 from invariance_models import NO_CUDA, build_hd64_model, runner_in as _runner
 
 from edgespec.config import ConfigError
-from edgespec.runner.attention import probe_invariance
+from edgespec.runner import attention_probe
+from edgespec.runner.attention_probe import probe_invariance
 from edgespec.runner.dtype_probe import first_varying_count, probe_input, probe_row_counts
 from edgespec.runner.linear import Linear
 from edgespec.runner.target_runner import TargetRunner
@@ -75,7 +76,7 @@ def test_the_attention_probe_sweeps_every_width_a_cpu_call_can_have(monkeypatch,
     monkeypatch.setattr(attention, "invariant_attention", off_at_one_width)
     assert not probe_invariance(torch.float32, "cpu")
     calls = []
-    monkeypatch.setattr(attention, "_every_width_agrees", lambda *a: calls.append(a) or True)
+    monkeypatch.setattr(attention_probe, "_every_width_agrees", lambda *a: calls.append(a) or True)
     assert probe_invariance(torch.float32, "cpu") and calls  # the fixed calls alone pass
 
 

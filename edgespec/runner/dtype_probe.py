@@ -2,7 +2,7 @@
 the thread count that will serve (torch's kernels split their work by it).
 
 A dtype is served as lossless only if the runner's kernels are batch-invariant in it here: the
-attention (``edgespec.runner.attention.probe_invariance``, for a query-column tile of 16, else
+attention (``edgespec.runner.attention_probe.probe_invariance``, for a query-column tile of 16, else
 32, 64 or 128, on a CPU first 1 (no padding) and last products of exactly 16 columns, with its
 products in the dtype itself or, where oneDNN emulates bfloat16, in float32: ``cpu_kind``) and
 the packed linear layers (every row alone, in pairs, among 64 rows and in calls of 3-47 rows
@@ -66,7 +66,7 @@ def attention_kernel(dtype: torch.dtype, device: str = "cpu", kv_heads: int = 2,
 @functools.lru_cache(maxsize=None)
 def _attention_kernel(dtype: torch.dtype, device: str, kv_heads: int, group: int,
                       head_dim: int, threads: int) -> AttentionKernel | None:
-    from .attention import probe_invariance
+    from .attention_probe import probe_invariance
 
     products: list[torch.dtype | None] = [None]
     if device == "cpu" and dtype == torch.bfloat16 and not cpu_kind().bf16_native:

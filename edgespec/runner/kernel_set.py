@@ -218,8 +218,8 @@ def _fused_attention(device: torch.device, dtype: torch.dtype, heads: HeadLayout
     this head layout and dtype (a probe that differs, or a kernel that fails to build or run,
     logged); ConfigError where none holds. Not exact: ``asked``, else "tiles" where the head
     size allows, unprobed."""
-    from .fused_attention import (ATTENTION_KERNELS, PROBE_ORDER, probe_slot_attention,
-                                  supports_tiles)
+    from .fused_attention import ATTENTION_KERNELS, PROBE_ORDER, supports_tiles
+    from .fused_attention_probe import probe_slot_attention
 
     if asked is not None and asked not in ATTENTION_KERNELS:
         raise ConfigError(f"the attention kernel must be one of {', '.join(ATTENTION_KERNELS)}, "
