@@ -22,7 +22,7 @@ import hashlib
 import importlib
 import json
 import logging
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
@@ -178,6 +178,31 @@ def choose_kernel_set(device: torch.device | str, dtype: torch.dtype, heads: Hea
                      torch_version=_torch_build(device),
                      triton_version=triton_version() if fused else "-",
                      code=code, attention_cols=att_cols)
+
+
+def runner_kernel_set(given: KernelSet | None, device: torch.device, dtype: torch.dtype,
+                      heads: HeadLayout, shared: KernelSet | None = None,
+                      kernels: str | None = None, gemm: str = "tiles", pack: bool = True,
+                      exact: bool = True, attention_kernel: str | None = None,
+                      linear_shapes: tuple[tuple[int, int], ...] = ()) -> KernelSet:
+    """The kernel set a runner is built from, before any loading: ``given`` (ConfigError where
+    it is for another dtype or device), else ``choose_kernel_set``'s. A runner sharing the
+    weights of one built from ``shared`` keeps its fused attention kernel (not probed again)
+    and, on the eager path, its products (one call, spans or tiles as its probe chose)."""
+    if given is not None:
+        here = (str(dtype).removeprefix("torch."), host_device(device)[0])
+        if (given.dtype, given.device) != here:
+            raise ConfigError(f"the kernel set is for {given.dtype} on {given.device}, this "
+                              f"runner is in {here[0]} on {here[1]}")
+        return given
+    shared_attention = shared.attention if shared is not None and \
+        shared.kernels == "triton" else None
+    chosen = choose_kernel_set(device, dtype, heads, kernels, gemm, pack, exact,
+                               attention=shared_attention, attention_kernel=attention_kernel,
+                               linear_shapes=linear_shapes)
+    if shared is not None and chosen.kernels == "eager":
+        chosen = replace(chosen, products=shared.products)
+    return chosen
 
 
 def _torch_build(device: torch.device) -> str:

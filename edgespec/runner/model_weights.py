@@ -8,11 +8,15 @@ too (no second copy). The rotary tables are built once for every position the ca
 
 from __future__ import annotations
 
+import logging
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from .linear import Linear, RowCalls
+
+log = logging.getLogger(__name__)
 
 
 class LayerWeights:
@@ -64,6 +68,43 @@ def load_layer(hf_layer: Any, calls: RowCalls) -> LayerWeights:
     layer.gate_up = calls.linear(gate_up)
     layer.down = calls.linear(mlp.down_proj.weight)
     return layer
+
+
+@dataclass
+class RunnerWeights:
+    """The products and layers a runner computes with: its own, or those of the runner whose
+    weights it shares (the first ``n_layers`` of them)."""
+
+    lm_head: Linear
+    layers: list[LayerWeights]
+    gemm_plans: str  # CUDA's tiles: which products run Triton kernels at some row counts
+
+
+def load_weights(model: Any, n_layers: int, calls: RowCalls, gemm: str, fused: bool
+                 ) -> RunnerWeights:
+    """The first ``n_layers`` decoder layers and the LM head of a transformers Llama-like
+    ``model`` as products of ``calls``, each computing with ``gemm`` (``linear.GEMMS``) where
+    the fused kernels serve; on CUDA's tiles, with the plans proven for their shapes
+    (``gemm_plan``)."""
+    lm_head = calls.linear(model.lm_head.weight)
+    layers = [load_layer(hf_layer, calls) for hf_layer in model.model.layers[:n_layers]]
+    linears = [lm_head] + [m for layer in layers for m in
+                           (layer.qkv, layer.o, layer.gate_up, layer.down)]
+    for lin in linears:
+        lin.gemm = gemm
+    plans = ""
+    if fused and gemm == "tiles" and lm_head.weight.device.type == "cuda":
+        from .gemm_plan import attach_plans  # imports Triton
+
+        plans = attach_plans(linears)
+        log.info("products: cuBLAS tiles, %s (kernels giving the tiles' bits)", plans)
+    return RunnerWeights(lm_head, layers, plans)
+
+
+def shared_weights(owner: RunnerWeights, n_layers: int) -> RunnerWeights:
+    """A runner's weights over another's tensors (the layer-skip draft: its own KV cache),
+    keeping the products, and their plans, of the runner that owns them."""
+    return RunnerWeights(owner.lm_head, owner.layers[:n_layers], owner.gemm_plans)
 
 
 def linear_shapes(model: Any) -> tuple[tuple[int, int], ...]:

@@ -16,9 +16,6 @@ The layer-skip self-draft is the same runner over the first L layers, with the f
 
 from __future__ import annotations
 
-import logging
-import time
-from dataclasses import replace
 from typing import Any, Literal, Sequence, overload
 
 import numpy as np
@@ -26,22 +23,19 @@ import torch
 
 from ..config import MAX_TREE_NODES, ConfigError
 from .attention import KEY_BLOCK
-from .check_cache import CheckKey, code_digest, host_device, model_fingerprint, run_checked
 from .dtype_probe import linear_options
 from .eager_forward import EagerLayers, packed_tokens, unpacked
-from .kernel_set import HeadLayout, KernelSet, choose_kernel_set
+from .kernel_set import HeadLayout, KernelSet, runner_kernel_set
 from .host_transfers import longs_to_device, to_device
 from .kv_cache import KVCache, check_cache_fits
 from .linear import Linear, RowCalls
 from .model_support import check_supported
-from .model_weights import LayerWeights, linear_shapes, load_layer, rope_tables
+from .model_weights import (LayerWeights, RunnerWeights, linear_shapes, load_weights,
+                            rope_tables, shared_weights)
 from .slot_prompts import PREFILL_CHUNK, SlotPrompts
-from .start_check import check_invariance, sampled_weights
+from .start_check import check_at_start
 from .step_graphs import GRAPH_SLACK, StepGraphs
 from .step_rows import DraftShape, Scored, StepRows, TreeShape, pad_rows
-
-log = logging.getLogger(__name__)
-
 
 MAX_QUERY = MAX_TREE_NODES + 1  # the most tokens one session sends in one step: a tree + root
 
@@ -87,39 +81,24 @@ class TargetRunner(SlotPrompts):
         self.norm: torch.Tensor = base.norm.weight
         self.dtype = self.embed.dtype
         self.device = self.embed.device
-        if kernel_set is None:  # every choice that decides a step's bits, before any loading
-            shared = share_weights.attention if share_weights is not None else None
-            kernel_set = choose_kernel_set(
-                self.device, self.dtype, heads,
-                kernels, gemm, pack, exact, attention=shared, attention_kernel=attention_kernel,
-                linear_shapes=linear_shapes(model))
-            if share_weights is not None and kernel_set.kernels == "eager":
-                # its linears are the owner's: one call, spans or tiles as the owner's probe chose
-                kernel_set = replace(kernel_set, products=share_weights.kernel_set.products)
-        else:
-            here = (str(self.dtype).removeprefix("torch."), host_device(self.device)[0])
-            if (kernel_set.dtype, kernel_set.device) != here:
-                raise ConfigError(f"the kernel set is for {kernel_set.dtype} on "
-                                  f"{kernel_set.device}, this runner is in {here[0]} on "
-                                  f"{here[1]}")
-        self.kernel_set: KernelSet = kernel_set
-        ks = kernel_set
+        # every choice that decides a step's bits, made first: the runner is built from it
+        self.kernel_set: KernelSet = runner_kernel_set(
+            kernel_set, self.device, self.dtype, heads,
+            share_weights.kernel_set if share_weights is not None else None,
+            kernels, gemm, pack, exact, attention_kernel, linear_shapes(model))
+        ks = self.kernel_set
         self.kernels = ks.kernels
         fused = self.kernels == "triton"
-        calls = RowCalls(pack=pack)
-        if not fused:  # the eager products' layers (the fused path's are tiles on CUDA)
-            calls = linear_options(ks.products)
         gemm = ks.products if fused else gemm
-        self.lm_head: Linear
-        self.layers: list[LayerWeights]
         if share_weights is not None:  # e.g. the layer-skip draft: same tensors, own KV cache
-            self.lm_head = share_weights.lm_head
-            self.layers = share_weights.layers[: self.n_layers]
-        else:
-            head: Any = model.lm_head
-            self.lm_head = calls.linear(head.weight)
-            self.layers = [load_layer(hf_layer, calls)
-                           for hf_layer in base.layers[: self.n_layers]]
+            weights = shared_weights(share_weights.weights, self.n_layers)
+        else:  # the eager products' calls as the kernel set chose (the fused path's: tiles)
+            calls = RowCalls(pack=pack) if fused else linear_options(ks.products)
+            weights = load_weights(model, self.n_layers, calls, gemm, fused)
+        self.weights: RunnerWeights = weights
+        self.lm_head: Linear = weights.lm_head
+        self.layers: list[LayerWeights] = weights.layers
+        self.gemm_plans: str = weights.gemm_plans
         if graphs is None:  # the target's steps (a drafter's or a tool's runner needs none)
             graphs = fused and self.device.type == "cuda" and exact
         if graphs and not fused:
@@ -140,22 +119,6 @@ class TargetRunner(SlotPrompts):
         if self.device.type == "cuda":
             ones = torch.ones(1, self.embed.shape[1], dtype=torch.float32, device=self.device)
             self._row_sum = Linear(ones, pack=False, tiled=True)
-        # exact: the target (verification must be batch-invariant); a drafter's runner need
-        # not be (a draft may be anything), so it is neither checked nor refused
-        # CUDA's tiles: how many products run Triton kernels at some row counts (a runner
-        # sharing another's layers shares their plans)
-        self.gemm_plans: str = share_weights.gemm_plans if share_weights is not None else ""
-        if share_weights is None:  # shared layers keep the products of the runner that owns them
-            linears = [self.lm_head] + [m for layer in self.layers for m in
-                                        (layer.qkv, layer.o, layer.gate_up, layer.down)]
-            for lin in linears:
-                lin.gemm = gemm
-            if fused and gemm == "tiles" and self.device.type == "cuda":
-                from .gemm_plan import attach_plans  # imports Triton
-
-                self.gemm_plans = attach_plans(linears)
-                log.info("products: cuBLAS tiles, %s (kernels giving the tiles' bits)",
-                         self.gemm_plans)
         self.col_tile, self.attention_cols = ks.col_tile, ks.attention_cols
         self.attention_products = ks.attention_dtype
         # with graphs, one more slot: the bucket rows past a step's sessions write there
@@ -177,25 +140,11 @@ class TargetRunner(SlotPrompts):
         # alone takes (wider forwards measured 15-20% slower a token there: bench-burst)
         self.prefill_rows = self.max_rows if self.device.type == "cuda" else \
             min(self.max_rows, PREFILL_CHUNK)
-        self.start_check_s: float | None = None
-        if exact and self.device.type != "cuda":
-            # on a CPU the check costs under a second and is not cached: its probes also warm
-            # oneDNN's kernels for the row counts the steps then meet (a cached check left the
-            # first steps to pay that: Spec-Bench's target-only 12% slower, measured)
-            t0 = time.perf_counter()
-            check_invariance(self)
-            self.start_check_s = time.perf_counter() - t0
-        elif exact:
-            from . import dtype_probe as _probe_code
-            from . import start_check as _check_code
-
-            # the kernels' code as the kernel set digested it, and the probes' own
-            key = CheckKey.here(model_fingerprint(cfg.to_dict(), sampled_weights(self)),
-                                self.device, self.dtype, self.max_rows,
-                                f"{self.kernels}+{gemm}+{self.attention}@{ks.code}"
-                                f"+{code_digest(_probe_code, _check_code)}")
-            outcome = run_checked(key, lambda: check_invariance(self))
-            self.start_check_s = outcome.seconds
+        # exact: the target (verification must be batch-invariant); a drafter's runner need
+        # not be (a draft may be anything), so it is neither checked nor refused
+        self.start_check_s: float | None = check_at_start(
+            self, cfg.to_dict(), f"{self.kernels}+{gemm}+{self.attention}@{ks.code}") \
+            if exact else None
         self.graphs = StepGraphs(self, n_slots, self.cache.reserve(),
                                  capture=self.device.type == "cuda") if graphs else None
         if self.graphs is not None:
