@@ -101,12 +101,6 @@ def load_weights(model: Any, n_layers: int, calls: RowCalls, gemm: str, fused: b
     return RunnerWeights(lm_head, layers, plans)
 
 
-def shared_weights(owner: RunnerWeights, n_layers: int) -> RunnerWeights:
-    """A runner's weights over another's tensors (the layer-skip draft: its own KV cache),
-    keeping the products, and their plans, of the runner that owns them."""
-    return RunnerWeights(owner.lm_head, owner.layers[:n_layers], owner.gemm_plans)
-
-
 def linear_shapes(model: Any) -> tuple[tuple[int, int], ...]:
     """(out, in) of each linear layer the runner builds of a transformers Llama-like ``model``
     (q, k and v fused, gate and up fused), once each."""

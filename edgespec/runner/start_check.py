@@ -27,21 +27,22 @@ from .kernel_set import refusal
 from .model_weights import distinct_linears
 
 
-def check_at_start(runner: Any, model_config: dict, kernels: str) -> float:
+def check_at_start(runner: Any, model_config: Any, kernels: str) -> float:
     """Run ``check_invariance`` on a new target runner; its seconds. On a CPU it runs every
     time: under a second, and its probes warm oneDNN's kernels for the row counts the steps then
     meet (a cached check left the first steps to pay that: Spec-Bench's target-only 12% slower,
-    measured). On a GPU its outcome is cached (``check_cache``) under the model's fingerprint,
-    the device, the dtype, the rows checked, ``kernels`` (the kernel set's choices and code
-    digest) and the probes' own code."""
+    measured). On a GPU its outcome is cached (``check_cache``) under the model's fingerprint
+    (``model_config``, its transformers config, and a sample of its weights), the device, the
+    dtype, the rows checked, ``kernels`` (the kernel set's choices and code digest) and the
+    probes' own code."""
     if runner.device.type != "cuda":
         t0 = time.perf_counter()
         check_invariance(runner)
         return time.perf_counter() - t0
     from . import dtype_probe
 
-    key = CheckKey.here(model_fingerprint(model_config, sampled_weights(runner)), runner.device,
-                        runner.dtype, runner.max_rows,
+    fingerprint = model_fingerprint(model_config.to_dict(), sampled_weights(runner))
+    key = CheckKey.here(fingerprint, runner.device, runner.dtype, runner.max_rows,
                         f"{kernels}+{code_digest(dtype_probe, sys.modules[__name__])}")
     return run_checked(key, lambda: check_invariance(runner)).seconds
 

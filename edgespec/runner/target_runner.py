@@ -31,7 +31,7 @@ from .kv_cache import KVCache, check_cache_fits
 from .linear import Linear, RowCalls
 from .model_support import check_supported
 from .model_weights import (LayerWeights, RunnerWeights, linear_shapes, load_weights,
-                            rope_tables, shared_weights)
+                            rope_tables)
 from .slot_prompts import PREFILL_CHUNK, SlotPrompts
 from .start_check import check_at_start
 from .step_graphs import GRAPH_SLACK, StepGraphs
@@ -91,11 +91,12 @@ class TargetRunner(SlotPrompts):
         fused = self.kernels == "triton"
         gemm = ks.products if fused else gemm
         if share_weights is not None:  # e.g. the layer-skip draft: same tensors, own KV cache
-            weights = shared_weights(share_weights.weights, self.n_layers)
+            # (the owner's products, with their plans)
+            weights = RunnerWeights(share_weights.lm_head, share_weights.layers[: self.n_layers],
+                                    share_weights.gemm_plans)
         else:  # the eager products' calls as the kernel set chose (the fused path's: tiles)
             calls = RowCalls(pack=pack) if fused else linear_options(ks.products)
             weights = load_weights(model, self.n_layers, calls, gemm, fused)
-        self.weights: RunnerWeights = weights
         self.lm_head: Linear = weights.lm_head
         self.layers: list[LayerWeights] = weights.layers
         self.gemm_plans: str = weights.gemm_plans
@@ -143,7 +144,7 @@ class TargetRunner(SlotPrompts):
         # exact: the target (verification must be batch-invariant); a drafter's runner need
         # not be (a draft may be anything), so it is neither checked nor refused
         self.start_check_s: float | None = check_at_start(
-            self, cfg.to_dict(), f"{self.kernels}+{gemm}+{self.attention}@{ks.code}") \
+            self, cfg, f"{self.kernels}+{gemm}+{self.attention}@{ks.code}") \
             if exact else None
         self.graphs = StepGraphs(self, n_slots, self.cache.reserve(),
                                  capture=self.device.type == "cuda") if graphs else None
