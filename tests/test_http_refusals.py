@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import socket
 
 import openai
 import pytest
@@ -37,7 +38,9 @@ def api(server):
 @pytest.mark.parametrize("kw,status,param", [
     (dict(model="no-such-model"), 404, "model"),
     (dict(temperature=5), 400, "temperature"),
-    (dict(top_p=-0.5), 400, None),
+    (dict(top_p=-0.5), 400, "top_p"),
+    (dict(top_p=0), 400, "top_p"),  # OpenAI's range is [0, 1]; sampling's nucleus needs > 0
+    (dict(top_p=1.5), 400, "top_p"),
     (dict(max_tokens=0), 400, "max_tokens"),
     (dict(n=2), 400, "n"),
     (dict(stop=["a", "b", "c", "d", "e"]), 400, "stop"),
@@ -201,3 +204,24 @@ def test_the_default_body_limit_fits_the_longest_prompt_admitted():
         body = json.dumps({"model": "some-model", "messages": [
             {"role": "user", "content": content}], "max_tokens": 128, "temperature": 0})
         assert len(body.encode()) <= default_max_request_bytes(max_context)
+
+
+def test_a_client_gone_before_its_body_came_whole_is_no_error(server, api):
+    """A client that declares a longer body than it sends and then closes its connection: the
+    server logs that it left (INFO), with no traceback and no 500, and serves the next
+    request."""
+    serve = server["serve"]
+    log = serve.text()
+    tracebacks, failures = log.count("Traceback"), log.count("HTTP request failed")
+    port = int(server["base"].rsplit(":", 1)[1])
+    head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            f"Authorization: Bearer {TOKEN}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: 1000\r\n\r\n")
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(head.encode() + b'{"model": "')
+    serve.wait_for("disconnected before its request body arrived whole")
+    r = api.chat.completions.create(model=api.model_id, messages=MESSAGES, max_tokens=5,
+                                    temperature=0)
+    assert r.choices[0].message.content
+    log = serve.text()
+    assert log.count("Traceback") == tracebacks and log.count("HTTP request failed") == failures

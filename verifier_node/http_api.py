@@ -16,7 +16,8 @@ JSON, bad parameters or a prompt over the context limit, 401 without the bearer 
 server has one), 404 for an unknown model or route (a route of /v1 asked for without it, as a
 client whose base_url lacks /v1 does, gets a hint saying so), 413 for a request body over
 ``max_request_bytes`` (refused before it is read whole: ``body_limit``), 429 when the verifier
-is overloaded, 503 while it drains. A client that disconnects mid-stream cancels its session.
+is overloaded, 503 while it drains. A client that disconnects mid-stream cancels its session;
+one that disconnects before its request body arrived whole is logged (INFO) and left, no error.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from edgespec.config import ConfigError, EmptyPrompt, is_lossy
 from edgespec.protocol.contract import StoreUnavailable
@@ -46,6 +48,9 @@ from .openai_params import ApiError, error_response, parse_request
 from .tickets import QueueFull, ShuttingDown, Ticket
 
 
+# the status logged for a request whose client left before it was read whole (nginx's "client
+# closed request"; no client receives it)
+CLIENT_CLOSED = 499
 log = logging.getLogger("edgespec.http")
 
 
@@ -131,6 +136,10 @@ def make_app(state: ServingState, token: str | None = None,
         admission, model_name = ready(), state.model_name
         try:
             body = await request.json()
+        except ClientDisconnect:  # gone before its body came whole: no one to answer, no session
+            log.info("a client of %s disconnected before its request body arrived whole",
+                     request.url.path)
+            return Response(status_code=CLIENT_CLOSED)
         except (ValueError, RecursionError):  # bad JSON, bad UTF-8, absurd nesting
             raise ApiError(400, "the request body is not valid JSON", "invalid_request_error")
         params = parse_request(body, chat, model_name)

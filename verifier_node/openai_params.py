@@ -63,7 +63,11 @@ class OpenAIParams:
     include_usage: bool = False
 
 
-def _number(body: dict, name: str, default, kind=float, low=None, high=None):
+def _number(body: dict, name: str, default, kind=float, low=None, high=None,
+            low_open: bool = False):
+    """``body[name]`` as ``kind``, or ``default`` when absent or null; refused (400, the
+    parameter named) unless a finite number within [low, high] ((low, high] with
+    ``low_open``)."""
     value = body.get(name, default)
     if value is None:
         return default
@@ -74,8 +78,10 @@ def _number(body: dict, name: str, default, kind=float, low=None, high=None):
         raise _bad(f"'{name}' is out of range", name)  # before float() overflows on it
     if not math.isfinite(value) or (kind is int and not float(value).is_integer()):
         raise _bad(what, name)
-    if (low is not None and value < low) or (high is not None and value > high):
-        bounds = f"in [{low}, {high}]" if high is not None else f">= {low}"
+    below = low is not None and (value <= low if low_open else value < low)
+    if below or (high is not None and value > high):
+        bounds = f"in {'(' if low_open else '['}{low}, {high}]" if high is not None else \
+            f"{'>' if low_open else '>='} {low}"
         raise _bad(f"'{name}' must be {bounds}, got {value}", name)
     return kind(value)
 
@@ -157,7 +163,7 @@ def parse_request(body, chat: bool, model_name: str) -> OpenAIParams:
     try:
         g.params = SamplingParams(_number(body, "temperature", 1.0, float, 0, 2),
                                   _number(body, "top_k", 0, int, 0),
-                                  _number(body, "top_p", 1.0, float, 0, 1), seed)
+                                  _number(body, "top_p", 1.0, float, 0, 1, low_open=True), seed)
     except ConfigError as e:
         raise _bad(str(e)) from None
     verify = body.get("verify")
