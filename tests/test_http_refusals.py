@@ -41,6 +41,7 @@ def api(server):
     (dict(top_p=-0.5), 400, "top_p"),
     (dict(top_p=0), 400, "top_p"),  # OpenAI's range is [0, 1]; sampling's nucleus needs > 0
     (dict(top_p=1.5), 400, "top_p"),
+    (dict(model=5), 400, "model"),
     (dict(max_tokens=0), 400, "max_tokens"),
     (dict(n=2), 400, "n"),
     (dict(stop=["a", "b", "c", "d", "e"]), 400, "stop"),
@@ -87,6 +88,30 @@ def test_a_lone_surrogate_quoted_in_an_error_is_a_4xx(server, api, path, body, s
                        headers={"Authorization": f"Bearer {TOKEN}"})
     assert code == status, reply
     assert reply["error"]["type"] != "server_error" and reply["error"]["message"]
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("/v1/completions", '{"model": "MODEL", "prompt": "hi \\ud800"}', "prompt"),
+    ("/v1/completions", '{"model": "MODEL", "prompt": ["\\udc80"]}', "prompt"),
+    ("/v1/completions", '{"model": "MODEL", "prompt": "hi", "stop": ["\\ud800"]}', "stop"),
+    ("/v1/chat/completions",
+     '{"model": "MODEL", "messages": [{"role": "user", "content": "a\\ud800"}]}',
+     "messages.[0].content"),
+    ("/v1/chat/completions", '{"model": "MODEL", "messages": [{"role": "system", "content": '
+                             '"ok"}, {"role": "user", "content": [{"type": "text", "text": '
+                             '"\\udfff"}]}]}', "messages.[1].content"),
+])
+def test_text_no_tokenizer_can_encode_is_refused_with_its_field_named(server, api, path, body,
+                                                                       param):
+    """A lone surrogate in a prompt, a message's content (plain or a text part) or a stop
+    string has no UTF-8 encoding: a 400 that says so (the SDK's words) and names the field, not
+    the tokenizer's own error."""
+    raw = body.replace("MODEL", api.model_id).encode()
+    code, reply = call("POST", server["base"] + path, raw=raw,
+                       headers={"Authorization": f"Bearer {TOKEN}"})
+    assert code == 400, reply
+    assert reply["error"]["param"] == param
+    assert "lone surrogate" in reply["error"]["message"]
 
 
 @pytest.mark.parametrize("text", [None, {"a": 1}, 5])

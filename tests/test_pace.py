@@ -51,6 +51,10 @@ def test_the_estimate_counts_the_work_ahead_and_the_call_alone():
     # one that cannot make it even alone is told to change the call, not to wait
     alone = pace.verdict(new_tokens=500, ahead_tokens=0, ahead_prompts=0, deadline_s=10)
     assert not alone.admit and "even alone" in alone.reason() and alone.retry_after_s == 0
+    # refused within its deadline but past the margin: the reason says the margin
+    close = pace.verdict(new_tokens=50, ahead_tokens=850, ahead_prompts=0, deadline_s=10)
+    assert not close.admit and close.estimate_s == pytest.approx(9.0)
+    assert f"past the 8.0 s ({SAFETY:.0%} of its deadline)" in close.reason()
 
 
 def test_prefills_ahead_count_at_the_measured_prefill_rate():

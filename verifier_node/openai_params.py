@@ -86,6 +86,17 @@ def _number(body: dict, name: str, default, kind=float, low=None, high=None,
     return kind(value)
 
 
+def _text(value: str, what: str, param: str) -> str:
+    """``value`` once it has a UTF-8 encoding: JSON may hold a lone surrogate (``"\\ud800"``),
+    which no tokenizer can encode; refused here with the SDK's words, the field named."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise _bad(f"{what} holds {value[e.start:e.end]!r} at {e.start}, which UTF-8 cannot "
+                   "carry (a lone surrogate)", param) from None
+    return value
+
+
 def _message(i: int, m, images: list[bytes]) -> dict:
     """One chat message as {"role", "content"}: one of OpenAI's roles, text content (content
     parts: text, and images as <image> marks, their bytes appended to ``images``)."""
@@ -105,6 +116,7 @@ def _message(i: int, m, images: list[bytes]) -> dict:
         content = parts_content(i, content, images)
     if not isinstance(content, str):
         raise _bad("each message needs a 'role' and a 'content'", "messages")
+    _text(content, f"messages[{i}].content", f"messages.[{i}].content")
     # OpenAI's developer messages are its newer models' system messages: a chat template knows
     # "system" (SmolLM2's, given no system message, adds its own default one)
     role = "system" if m["role"] == "developer" else m["role"]
@@ -124,7 +136,7 @@ def _prompt(body: dict, chat: bool, g: GenerationRequest) -> None:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str):
-        g.prompt, g.raw = prompt, True
+        g.prompt, g.raw = _text(prompt, "the prompt", "prompt"), True
     elif isinstance(prompt, list) and all(
             isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         g.prompt_ids = list(prompt)
@@ -138,7 +150,8 @@ def parse_request(body, chat: bool, model_name: str) -> OpenAIParams:
         raise _bad("the request body must be a JSON object")
     model = body.get("model")
     if not isinstance(model, str):
-        raise _bad("'model' is required", "model")
+        raise _bad("'model' is required" if model is None else "'model' must be a string",
+                   "model")
     if model != model_name:
         raise ApiError(404, f"the model '{model[:80]}' does not exist; this server serves "
                             f"'{model_name}'", "invalid_request_error", "model",
@@ -175,6 +188,8 @@ def parse_request(body, chat: bool, model_name: str) -> OpenAIParams:
     if not isinstance(stops, list) or len(stops) > MAX_STOP or \
             not all(isinstance(s, str) and s for s in stops):
         raise _bad(f"'stop' must be a non-empty string or a list of up to {MAX_STOP}", "stop")
+    for text in stops:
+        _text(text, "a stop string", "stop")
     stream = body.get("stream")
     if stream is not None and not isinstance(stream, bool):
         raise _bad("'stream' must be a boolean", "stream")

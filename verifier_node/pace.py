@@ -43,10 +43,12 @@ class PaceVerdict:
     ahead_tokens: int = 0
 
     def reason(self) -> str:
-        said = (f"a call with a {self.deadline_s or 0:.1f} s deadline would finish in about "
+        deadline = self.deadline_s or 0
+        said = (f"a call with a {deadline:.1f} s deadline would finish in about "
                 f"{self.estimate_s or 0:.1f} s ({self.ahead_tokens} tokens may come before it, "
-                f"at the measured {self.rate:.1f} tokens/s)")
-        if self.alone_s > SAFETY * (self.deadline_s or 0):
+                f"at the measured {self.rate:.1f} tokens/s), past the {SAFETY * deadline:.1f} s "
+                f"({SAFETY:.0%} of its deadline) a call is admitted within")
+        if self.alone_s > SAFETY * deadline:
             return (f"{said}; even alone it needs about {self.alone_s:.1f} s: ask for fewer "
                     f"tokens or give it a longer deadline")
         return f"{said}; retry after {self.retry_after_s:.1f} s"
