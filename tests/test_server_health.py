@@ -253,6 +253,55 @@ def test_health_says_the_server_is_draining_while_it_drains(tiny_dir, monkeypatc
     assert not stopping.is_alive()
 
 
+def test_an_http_request_a_drain_cuts_short_is_told_to_send_it_again(tiny_dir, monkeypatch):
+    """A request still running when the drain ends: a 503 saying the verifier is shutting down
+    and to send the request again (an HTTP client has no session to resume, as the SDK has).
+    The engine's steps stop once the session has tokens, until the stop has begun, so the
+    session is surely cut short."""
+    import http.client
+    import json
+
+    srv = EdgespecServer(ServerOptions(
+        listen="127.0.0.1:0", model=str(tiny_dir), max_drafters=1, drain_timeout_s=0,
+        http_port=0, engine=EngineConfig(max_sessions=2, max_context=256))).start()
+    engine, scheduler = srv.scheduler.engine, srv.scheduler
+    step = engine.step
+
+    def held():
+        if any(act.output for act in engine.active):
+            scheduler._stopping.wait(120)  # no step more: the stop finds the session running
+            return None
+        return step()
+
+    monkeypatch.setattr(engine, "step", held)
+    got: dict = {}
+
+    def ask() -> None:
+        conn = http.client.HTTPConnection("127.0.0.1", srv.http_port, timeout=120)
+        conn.request("GET", "/v1/models")
+        model = json.loads(conn.getresponse().read())["data"][0]["id"]
+        conn.request("POST", "/v1/completions", json.dumps(
+            {"model": model, "prompt": "hello", "max_tokens": 200, "temperature": 0}),
+            {"Content-Type": "application/json"})
+        reply = conn.getresponse()
+        got["status"], got["body"] = reply.status, json.loads(reply.read())
+
+    asking = threading.Thread(target=ask, daemon=True)
+    try:
+        asking.start()
+        deadline = time.monotonic() + 120
+        while not any(act.output for act in engine.active):
+            assert time.monotonic() < deadline and asking.is_alive(), got
+            time.sleep(0.01)
+    finally:
+        srv.stop(drain_timeout_s=0)
+    asking.join(60)
+    assert got.get("status") == 503, got
+    message = got["body"]["error"]["message"]
+    assert "shutting down" in message and "send the request again" in message
+    assert "resume" not in message
+
+
 def test_a_drain_can_be_ended_while_sessions_run(server, monkeypatch):
     """What a third Ctrl-C does: the drain stops waiting for the sessions still running."""
     import threading

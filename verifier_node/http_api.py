@@ -270,9 +270,12 @@ class _Run:
                             yield full[len(self.shown):safe]
                             self.shown = full[:safe]
                         continue
+                    if isinstance(error, ShuttingDown):  # the SDK resumes such a session by
+                        # id; over HTTP it is sent again, to this server once back or another
+                        raise ApiError(503, "generation failed: the verifier is shutting down; "
+                                            "send the request again", "server_error")
                     if error is not None:
-                        raise ApiError(503 if isinstance(error, ShuttingDown) else 500,
-                                       f"generation failed: {error}", "server_error")
+                        raise ApiError(500, f"generation failed: {error}", "server_error")
                     if result is not None and result.finish_reason not in ("stop", "length"):
                         # cancelled on the server (an operator's Cancel): not a whole answer,
                         # whatever it holds, so not a finish OpenAI's clients would take as one
