@@ -23,6 +23,7 @@ import math
 from dataclasses import dataclass, field
 
 from edgespec.config import VERIFY_MODES, ConfigError, SamplingParams
+from edgespec.wire.convert import unencodable_text
 
 from .admission import GenerationRequest
 from .api_errors import ApiError, error_response
@@ -87,13 +88,11 @@ def _number(body: dict, name: str, default, kind=float, low=None, high=None,
 
 
 def _text(value: str, what: str, param: str) -> str:
-    """``value`` once it has a UTF-8 encoding: JSON may hold a lone surrogate (``"\\ud800"``),
-    which no tokenizer can encode; refused here with the SDK's words, the field named."""
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise _bad(f"{what} holds {value[e.start:e.end]!r} at {e.start}, which UTF-8 cannot "
-                   "carry (a lone surrogate)", param) from None
+    """``value`` once a tokenizer can encode it (``unencodable_text``: JSON may hold a lone
+    surrogate); refused with the SDK's words, the field named."""
+    why = unencodable_text(value, what)
+    if why is not None:
+        raise _bad(why, param)
     return value
 
 

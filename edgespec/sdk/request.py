@@ -10,7 +10,7 @@ import struct
 from ..config import VERIFY_MODES, ConfigError, EmptyPrompt, SamplingParams
 from ..models.images import check_image_bytes, image_bytes
 from ..v1 import edgespec_pb2 as pb
-from ..wire.convert import params_to_pb
+from ..wire.convert import params_to_pb, unencodable_text
 from ..wire.reachability import check_address
 from .errors import InvalidRequest
 
@@ -19,14 +19,11 @@ __all__ = ["build_request", "check_client_args", "check_messages", "check_sessio
 
 
 def wire_text(value: str, what: str) -> str:
-    """``value``, once the wire can carry it: UTF-8 has no lone surrogate (``"\\ud800"``, as
-    ``json.loads`` or ``os.fsdecode`` may give), which protobuf would refuse with a bare
-    UnicodeEncodeError."""
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise InvalidRequest(f"{what} holds {value[e.start:e.end]!r} at {e.start}, which UTF-8 "
-                             "cannot carry (a lone surrogate)") from None
+    """``value``, once the wire can carry it (``unencodable_text``): protobuf would refuse a
+    lone surrogate with a bare UnicodeEncodeError."""
+    why = unencodable_text(value, what)
+    if why is not None:
+        raise InvalidRequest(why)
     return value
 
 

@@ -91,6 +91,18 @@ _INT64 = {FieldDescriptor.TYPE_INT64, FieldDescriptor.TYPE_UINT64, FieldDescript
           FieldDescriptor.TYPE_FIXED64, FieldDescriptor.TYPE_SFIXED64}
 
 
+def unencodable_text(value: str, what: str) -> str | None:
+    """Why ``value`` cannot go on the wire or through a tokenizer, or None: UTF-8 has no lone
+    surrogate (``"\\ud800"``, which ``json.loads`` or ``os.fsdecode`` may give). ``what``
+    names the text in the answer. The SDK and the HTTP API refuse with it, each its own way."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return (f"{what} holds {value[e.start:e.end]!r} at {e.start}, which UTF-8 cannot carry "
+                "(a lone surrogate)")
+    return None
+
+
 def message_as_dict(message: Any) -> dict:
     """A message as Python values (every field, defaults included, by its proto name), 64-bit
     integers as ints: ``MessageToDict`` writes them as strings, as JSON for JavaScript must."""
