@@ -184,6 +184,7 @@ def test_malformed_json_and_auth(server):
         openai.OpenAI(base_url=server["base"] + "/v1", api_key="wrong",
                       max_retries=0).models.list()
     assert call("GET", server["base"] + "/health")[0] == 200
+    assert call("HEAD", server["base"] + "/health") == (200, "")  # a load balancer's probe
 
 
 def test_a_base_url_without_v1_gets_a_hint(server):

@@ -215,14 +215,28 @@ def test_a_client_holding_the_whole_output_gets_the_end_and_no_more_tokens(verif
     assert stopped.ended and stopped.result.finish_reason == "stop"
 
 
-@pytest.mark.parametrize("kw", [
-    dict(resume_session_id=SID_A, committed=[5]),  # a resume takes its output from the cache
-    dict(prompt_ids=PROMPT, committed=[1 << 20], lost_session_id=SID_A),  # out of the vocab
-    dict(prompt_ids=PROMPT, committed=[5], lost_session_id="x:y"),  # not a session id
+@pytest.mark.parametrize("kw,said", [
+    # a resume takes its output from the cache
+    (dict(resume_session_id=SID_A, committed=[5]), "send none"),
+    # out of the vocabulary: named as the output it is, not as the prompt
+    (dict(prompt_ids=PROMPT, committed=[1 << 20], lost_session_id=SID_A),
+     r"^committed \(output\) token ids must be in"),
+    (dict(prompt_ids=PROMPT, committed=[-1], lost_session_id=SID_A), r"^committed \(output\)"),
+    (dict(prompt_ids=[1 << 20], committed=[5], lost_session_id=SID_A), r"^prompt token ids"),
+    (dict(prompt_ids=PROMPT, committed=[5], lost_session_id="x:y"), "session id"),
 ])
-def test_bad_recreations_are_refused(verifier_parts, kw):
-    with pytest.raises(ConfigError):
+def test_bad_recreations_are_refused(verifier_parts, kw, said):
+    with pytest.raises(ConfigError, match=said):
         verifier_parts[3].admit(GenerationRequest(max_new_tokens=8, **kw))
+
+
+def test_a_resume_from_below_zero_is_refused_not_read_as_zero():
+    from verifier_node.service import generation_request
+
+    with pytest.raises(ConfigError, match="resume_from must be >= 0.*got -1"):
+        generation_request(pb.GenerateRequest(resume_session_id=SID_A, resume_from=-1))
+    assert generation_request(pb.GenerateRequest(resume_session_id=SID_A, resume_from=0)) \
+        .resume_session_id == SID_A
 
 
 # -- a real serve killed mid-generation ------------------------------------------------------------

@@ -103,7 +103,7 @@ def make_app(state: ServingState, token: str | None = None,
                            code="loading")
         return state.admission
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # a load balancer's probe may be HEAD
     async def health():  # the monitor's last verdict: never waits behind anything
         ok = state.admission is not None and state.healthy()
         return Response(status_code=200 if ok else 503)

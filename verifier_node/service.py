@@ -47,6 +47,9 @@ RESUMES_OUTSIDE_CAP = 1  # a session's resumed streams open at once that the str
 
 def generation_request(req: pb.GenerateRequest) -> GenerationRequest:
     """The transport-neutral request of a wire one (raises ConfigError on bad parameters)."""
+    if req.resume_session_id and req.resume_from < 0:  # a count of tokens the client holds
+        raise ConfigError(f"resume_from must be >= 0 (the output tokens the client already "
+                          f"holds), got {req.resume_from}")
     return GenerationRequest(
         prompt=req.prompt if req.HasField("prompt") else None, raw=req.raw,
         messages=[{"role": m.role, "content": m.content} for m in req.messages],
@@ -135,7 +138,7 @@ class VerifierService(pb_grpc.VerifierServicer):
         # last second): the output is deterministic, so the tokens regenerated up to that count
         # are the ones the client has, and it gets no duplicates.
         # A re-created session (the cache lost it) starts after the tokens the client holds.
-        cursor = (max(0, request.resume_from) if request.resume_session_id
+        cursor = (request.resume_from if request.resume_session_id
                   else len(request.committed_ids))
         with self.admission.follow(ticket):
             yield from self._follow(ticket, cursor, request, context)

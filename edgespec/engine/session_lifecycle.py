@@ -80,7 +80,10 @@ class SessionLifecycle:
         ids = req.prompt_ids + req.committed
         # else id by id (any number kind; a NaN compares false both ways: refused)
         if not plain_ids_in_range(ids, vocab) and any(not 0 <= t < vocab for t in ids):
-            raise ConfigError(f"prompt token ids must be in [0, {vocab})")
+            # named by the part that holds one: a re-created session's output is the client's
+            what = "prompt" if any(not 0 <= t < vocab for t in req.prompt_ids) else \
+                "committed (output)"
+            raise ConfigError(f"{what} token ids must be in [0, {vocab})")
         if len(req.committed) >= req.max_new_tokens:
             raise ConfigError("the resumed session has already produced max_new_tokens")
         if self.vision is not None:
