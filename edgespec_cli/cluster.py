@@ -10,7 +10,7 @@ import sys
 import threading
 
 from edgespec_cli.cli_args import (add_threads_arg, add_tree_width_arg, check_at_least,
-                                   check_port, configure_logging)
+                                   check_port, check_within, configure_logging)
 from edgespec.config import LLAMACPP_HEAD, LLAMACPP_WINDOW, ConfigError, EngineConfig
 
 STOP_GRACE_S = 10.0  # a drafter told to stop that has not exited by then exits at once
@@ -113,6 +113,11 @@ def _add_server(p: argparse.ArgumentParser, roles: tuple[str, ...]) -> None:
                        help="the largest HTTP request body; a larger one is answered 413 before "
                             "it is read whole (default: 4 MiB + 384 bytes per --max-context "
                             "token, room for the longest prompt admitted)")
+        p.add_argument("--request-body-timeout", type=float, default=60.0, metavar="S",
+                       help="seconds an HTTP request's body has to arrive whole after its "
+                            "headers; a client slower than that (or one that sends less than it "
+                            "declared and stays) is answered 408 and its connection closed "
+                            "(0: no limit) (default: %(default)s)")
         p.add_argument("--http-host", metavar="HOST", default="127.0.0.1",
                        help="the interface --http-port listens on, e.g. 0.0.0.0 for every "
                             "one (default: %(default)s)")
@@ -157,6 +162,7 @@ def cmd_server(args) -> int:
     check_port(getattr(args, "metrics_port", None), "--metrics-port")
     check_port(getattr(args, "http_port", None), "--http-port")
     check_at_least(args, ("max_request_bytes",), 1)
+    check_within(args, ("request_body_timeout",), 0)
     opts = ServerOptions(listen=args.listen, roles=args.roles,
                          model=getattr(args, "model", "default"),
                          device=getattr(args, "device", "cpu"),
@@ -170,6 +176,7 @@ def cmd_server(args) -> int:
                          http_port=getattr(args, "http_port", None),
                          http_host=getattr(args, "http_host", "127.0.0.1"),
                          http_max_request_bytes=getattr(args, "max_request_bytes", None),
+                         http_body_timeout_s=getattr(args, "request_body_timeout", 60.0),
                          metrics_port=args.metrics_port, metrics_host=args.metrics_host,
                          engine=engine)
     server = EdgespecServer(opts).start()

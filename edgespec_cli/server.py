@@ -80,6 +80,7 @@ class ServerOptions:
     http_port: int | None = None  # the OpenAI-compatible API and /metrics (verifier roles)
     http_host: str = "127.0.0.1"
     http_max_request_bytes: int | None = None  # None: fits the longest prompt (body_limit)
+    http_body_timeout_s: float = 60.0  # a body arrives whole this long after its headers (0: ever)
     metrics_port: int | None = None  # a bare Prometheus /metrics endpoint
     metrics_host: str = "127.0.0.1"
     engine: EngineConfig | None = None
@@ -279,7 +280,8 @@ class EdgespecServer:
         self.http_state = ServingState(self.registry, lambda: self._serving is True)
         limit = (self.opts.http_max_request_bytes
                  or default_max_request_bytes(self.engine_cfg.max_context))
-        app = make_app(self.http_state, resolve_token(self.opts.auth_token), limit)
+        app = make_app(self.http_state, resolve_token(self.opts.auth_token), limit,
+                       self.opts.http_body_timeout_s)
         tls: dict[str, Any] = ({"ssl_certfile": self.opts.tls_cert,
                                 "ssl_keyfile": self.opts.tls_key}
                                if self.opts.tls_cert else {})  # HTTPS with the gRPC certificate

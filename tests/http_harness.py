@@ -44,15 +44,16 @@ MAX_BODY = 1_000_000  # the test server's --max-request-bytes
 
 
 @contextmanager
-def http_server(model_dir: Path, tmp: Path, board: bool = True) -> Iterator[dict]:
-    """The server on ``model_dir``, with a MaG board attached (``board``) or none; yields its
-    gRPC address, HTTP base URL, process and the board's metrics URL (None without a board). The
-    verifier waits (up to 5 s) for the drafter's answer at every step, with a fixed draft
-    length: what is drafted does not depend on the machine's speed."""
+def http_server(model_dir: Path, tmp: Path, board: bool = True,
+                extra: tuple = ()) -> Iterator[dict]:
+    """The server on ``model_dir``, with a MaG board attached (``board``) or none, ``extra``
+    options added; yields its gRPC address, HTTP base URL, process and the board's metrics URL
+    (None without a board). The verifier waits (up to 5 s) for the drafter's answer at every
+    step, with a fixed draft length: what is drafted does not depend on the machine's speed."""
     http_port = free_port()
     serve, address = start_serve(model_dir, tmp, token=TOKEN, extra=[
         "--http-port", http_port, "--draft-wait-ms", 5000, "--no-adaptive",
-        "--max-request-bytes", MAX_BODY])
+        "--max-request-bytes", MAX_BODY, *extra])
     drafter, drafter_metrics = None, None
     try:
         if board:

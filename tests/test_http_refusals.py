@@ -22,11 +22,15 @@ from verifier_node.body_limit import default_max_request_bytes
 
 pytestmark = pytest.mark.slow  # a server process: not the fast tier
 
+BODY_S = 10  # the test server's --request-body-timeout: every other body here comes at once
+
 
 @pytest.fixture(scope="module")
 def server(looping_dir, tmp_path_factory):
-    """The server alone (no board: a refused request drafts nothing)."""
-    with http_server(looping_dir, tmp_path_factory.mktemp("http"), board=False) as s:
+    """The server alone (no board: a refused request drafts nothing); a body has BODY_S seconds
+    to arrive whole."""
+    with http_server(looping_dir, tmp_path_factory.mktemp("http"), board=False,
+                     extra=("--request-body-timeout", BODY_S)) as s:
         yield s
 
 
@@ -263,6 +267,38 @@ def test_a_client_gone_before_its_body_came_whole_is_no_error(server, api):
     with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
         sock.sendall(head.encode() + b'{"model": "')
     serve.wait_for("disconnected before its request body arrived whole")
+    r = api.chat.completions.create(model=api.model_id, messages=MESSAGES, max_tokens=5,
+                                    temperature=0)
+    assert r.choices[0].message.content
+    log = serve.text()
+    assert log.count("Traceback") == tracebacks and log.count("HTTP request failed") == failures
+
+
+def test_a_body_that_does_not_arrive_in_time_is_answered_408_and_its_connection_closed(server,
+                                                                                      api):
+    """A client that declares a longer body than it sends and stays (a slow-loris): after the
+    server's --request-body-timeout it gets OpenAI's error body with status 408 and its
+    connection is closed, no session started, nothing logged as an error; others are served
+    meanwhile and after."""
+    serve = server["serve"]
+    log = serve.text()
+    tracebacks, failures = log.count("Traceback"), log.count("HTTP request failed")
+    port = int(server["base"].rsplit(":", 1)[1])
+    head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            f"Authorization: Bearer {TOKEN}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: 1000\r\n\r\n")
+    with socket.create_connection(("127.0.0.1", port), timeout=BODY_S + 60) as sock:
+        sock.sendall(head.encode() + b'{"model": "')
+        r = api.chat.completions.create(model=api.model_id, messages=MESSAGES, max_tokens=5,
+                                        temperature=0)  # served while that body is awaited
+        assert r.choices[0].message.content
+        reply = b""
+        while chunk := sock.recv(65536):  # to the server's close
+            reply += chunk
+    status, _, rest = reply.partition(b"\r\n")
+    assert status.startswith(b"HTTP/1.1 408"), reply[:200]
+    error = json.loads(rest.partition(b"\r\n\r\n")[2])["error"]
+    assert error["code"] == "request_timeout" and f"{BODY_S} s" in error["message"]
     r = api.chat.completions.create(model=api.model_id, messages=MESSAGES, max_tokens=5,
                                     temperature=0)
     assert r.choices[0].message.content

@@ -1,4 +1,5 @@
-"""A cap on the size of the HTTP API's request bodies, enforced before a body is read whole.
+"""A cap on the size of the HTTP API's request bodies, enforced before a body is read whole, and
+a deadline for a body to arrive.
 
 ``BodyLimit`` is a small ASGI middleware. A request that declares a ``Content-Length`` over the
 cap is answered 413 at once, its body unread; one without it (``Transfer-Encoding: chunked``)
@@ -9,9 +10,19 @@ body, and the connection and the server go on serving.
 The default cap (``default_max_request_bytes``) fits the longest prompt the verifier admits
 (``MAX_CHARS_PER_TOKEN`` characters per context token) with every character JSON-escaped at
 its longest, plus 4 MiB for the rest of the request; ``--max-request-bytes`` sets another.
+
+A body that has not arrived whole ``timeout_s`` after its request's headers (a client that
+trickles it, or declares more than it sends and stays: each such connection would otherwise be
+held, and its handler waiting, for as long as the client likes) is answered 408, and uvicorn
+closes the connection, its body unread. The deadline covers the body only: a streamed response
+and a handler's wait for its client's disconnect go on as long as they run. The default
+(``BODY_TIMEOUT_S``) lets the largest default body arrive at about 150 KB/s;
+``--request-body-timeout`` sets another, 0 none.
 """
 
 from __future__ import annotations
+
+import asyncio
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -20,6 +31,7 @@ from .openai_params import ApiError, error_response
 
 MIN_BYTES = 4 << 20  # the room beside the prompt, and the cap of an app given none
 JSON_BYTES_PER_CHAR = 6  # the most JSON spends on one character: \uXXXX
+BODY_TIMEOUT_S = 60.0  # a request's body arrives whole within this of its headers
 
 
 def default_max_request_bytes(max_context: int) -> int:
@@ -35,6 +47,13 @@ class BodyTooLarge(ApiError):
                          code="request_too_large")
 
 
+class BodyTimedOut(ApiError):
+    def __init__(self, timeout_s: float):
+        super().__init__(408, f"the request body did not arrive whole within {timeout_s:g} s of "
+                              "its headers, this server's limit (--request-body-timeout)",
+                         "invalid_request_error", code="request_timeout")
+
+
 def declared_length(scope: Scope) -> int | None:
     """The request's Content-Length, or None when it has none (a chunked body)."""
     for name, value in scope["headers"]:
@@ -47,10 +66,15 @@ def declared_length(scope: Scope) -> int | None:
 
 
 class BodyLimit:
-    def __init__(self, app: ASGIApp, max_bytes: int):
+    """``max_bytes``: the largest body; ``timeout_s``: the time a body has to arrive whole after
+    its headers (None or 0: no limit)."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int, timeout_s: float | None = None):
         if max_bytes < 1:
             raise ValueError(f"the request body limit must be >= 1 byte, got {max_bytes}")
-        self.app, self.max_bytes = app, max_bytes
+        if timeout_s is not None and timeout_s < 0:
+            raise ValueError(f"the request body timeout must be >= 0 s, got {timeout_s}")
+        self.app, self.max_bytes, self.timeout_s = app, max_bytes, timeout_s or None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -65,16 +89,26 @@ class BodyLimit:
 
     def _counted(self, receive: Receive) -> Receive:
         """``receive`` that raises BodyTooLarge (answered 413 by the app's ApiError handler)
-        once the body read so far passes the cap."""
-        seen = 0
+        once the body read so far passes the cap, and BodyTimedOut (408) when the body's next
+        part has not come by the deadline."""
+        seen, whole = 0, False
+        clock = asyncio.get_running_loop().time
+        deadline = None if self.timeout_s is None else clock() + self.timeout_s
 
         async def counted() -> Message:
-            nonlocal seen
-            message = await receive()
+            nonlocal seen, whole
+            if whole or deadline is None:  # after the body: a disconnect, whenever it comes
+                message = await receive()
+            else:
+                try:
+                    message = await asyncio.wait_for(receive(), max(0.0, deadline - clock()))
+                except asyncio.TimeoutError:
+                    raise BodyTimedOut(self.timeout_s or 0.0) from None
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > self.max_bytes:
                     raise BodyTooLarge(self.max_bytes)
+                whole = not message.get("more_body", False)
             return message
 
         return counted

@@ -43,7 +43,7 @@ from edgespec.protocol.contract import StoreUnavailable
 from edgespec.models.text_stream import TextStream
 
 from .admission import Admission, DrafterMissing, SessionNotFound
-from .body_limit import MIN_BYTES, BodyLimit
+from .body_limit import BODY_TIMEOUT_S, MIN_BYTES, BodyLimit
 from .openai_params import ApiError, error_response, parse_request
 from .tickets import QueueFull, ShuttingDown, Ticket
 
@@ -81,9 +81,11 @@ class ServingState:
 
 
 def make_app(state: ServingState, token: str | None = None,
-             max_request_bytes: int = MIN_BYTES) -> FastAPI:
+             max_request_bytes: int = MIN_BYTES,
+             body_timeout_s: float | None = BODY_TIMEOUT_S) -> FastAPI:
     app = FastAPI(title="edgespec", docs_url=None, redoc_url=None, openapi_url=None)
-    app.add_middleware(BodyLimit, max_bytes=max_request_bytes)  # 413 before a body is read
+    # 413 before a body is read whole, 408 for one that does not come whole in time
+    app.add_middleware(BodyLimit, max_bytes=max_request_bytes, timeout_s=body_timeout_s)
     expected = token.encode() if token else None
     created = int(time.time())
     _add_error_handlers(app)
