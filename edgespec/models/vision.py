@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config import ConfigError
+from .chat_prompt import special_text_in, special_texts
 from .images import ImageRefused
 
 VISION_TYPES = ("idefics3", "smolvlm")  # transformers model types served this way
@@ -113,6 +114,7 @@ class VisionModel:
             text, specials = prompt or "", True
         else:
             msgs = messages if messages is not None else [{"role": "user", "content": prompt}]
+            self._check_text_only(msgs)
             text = self._chat_text(msgs)
             bos = getattr(self.tokenizer, "bos_token", None)
             specials = not (bos and text.startswith(bos))  # as the processor's template does
@@ -126,6 +128,19 @@ class VisionModel:
             return ids, None
         return ids, ImageInput(out["pixel_values"], out.get("pixel_attention_mask"),
                                len(images), ids.count(self.image_token_id))
+
+    def _check_text_only(self, messages: list[dict]) -> None:
+        """Refuse a message holding a special token's text other than the image mark: the
+        processor reads the whole rendered conversation in one call, so such text would become
+        the token (a turn's end, an image's frame), which a text model's messages keep as text
+        (``chat_prompt``); here it cannot be kept text."""
+        specials = [s for s in special_texts(self.tokenizer) if s != self.mark]
+        for i, m in enumerate(messages):
+            token = special_text_in(str(m["content"]).replace(self.mark, ""), specials)
+            if token is not None:
+                raise ConfigError(f"messages[{i}] holds {token!r}, a special token of this "
+                                  f"model, which a vision model's message cannot carry as "
+                                  f"text: leave it out ({self.mark} marks an image)")
 
     def _chat_text(self, messages: list[dict]) -> str:
         """The conversation through the processor's chat template (contents as parts: text and
