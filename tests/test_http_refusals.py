@@ -23,6 +23,14 @@ from verifier_node.body_limit import default_max_request_bytes
 pytestmark = pytest.mark.slow  # a server process: not the fast tier
 
 BODY_S = 10  # the test server's --request-body-timeout: every other body here comes at once
+# a chat request declaring a 1,000-byte body, of which it sends 11 bytes
+HALF_SENT = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+             f"Authorization: Bearer {TOKEN}\r\nContent-Type: application/json\r\n"
+             f"Content-Length: 1000\r\n\r\n").encode() + b'{"model": "'
+
+
+def _host_port(server: dict) -> tuple[str, int]:
+    return "127.0.0.1", int(server["base"].rsplit(":", 1)[1])
 
 
 @pytest.fixture(scope="module")
@@ -260,12 +268,8 @@ def test_a_client_gone_before_its_body_came_whole_is_no_error(server, api):
     serve = server["serve"]
     log = serve.text()
     tracebacks, failures = log.count("Traceback"), log.count("HTTP request failed")
-    port = int(server["base"].rsplit(":", 1)[1])
-    head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
-            f"Authorization: Bearer {TOKEN}\r\nContent-Type: application/json\r\n"
-            f"Content-Length: 1000\r\n\r\n")
-    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
-        sock.sendall(head.encode() + b'{"model": "')
+    with socket.create_connection(_host_port(server), timeout=30) as sock:
+        sock.sendall(HALF_SENT)
     serve.wait_for("disconnected before its request body arrived whole")
     r = api.chat.completions.create(model=api.model_id, messages=MESSAGES, max_tokens=5,
                                     temperature=0)
@@ -283,12 +287,8 @@ def test_a_body_that_does_not_arrive_in_time_is_answered_408_and_its_connection_
     serve = server["serve"]
     log = serve.text()
     tracebacks, failures = log.count("Traceback"), log.count("HTTP request failed")
-    port = int(server["base"].rsplit(":", 1)[1])
-    head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
-            f"Authorization: Bearer {TOKEN}\r\nContent-Type: application/json\r\n"
-            f"Content-Length: 1000\r\n\r\n")
-    with socket.create_connection(("127.0.0.1", port), timeout=BODY_S + 60) as sock:
-        sock.sendall(head.encode() + b'{"model": "')
+    with socket.create_connection(_host_port(server), timeout=BODY_S + 60) as sock:
+        sock.sendall(HALF_SENT)
         r = api.chat.completions.create(model=api.model_id, messages=MESSAGES, max_tokens=5,
                                         temperature=0)  # served while that body is awaited
         assert r.choices[0].message.content
