@@ -297,6 +297,9 @@ def test_a_body_that_does_not_arrive_in_time_is_answered_408_and_its_connection_
             reply += chunk
     status, _, rest = reply.partition(b"\r\n")
     assert status.startswith(b"HTTP/1.1 408"), reply[:200]
+    # closed once answered, not kept alive for the rest of a body that may trickle on
+    headers = b"\r\n" + rest.partition(b"\r\n\r\n")[0].lower() + b"\r\n"
+    assert b"\r\nconnection: close\r\n" in headers
     error = json.loads(rest.partition(b"\r\n\r\n")[2])["error"]
     assert error["code"] == "request_timeout" and f"{BODY_S} s" in error["message"]
     r = api.chat.completions.create(model=api.model_id, messages=MESSAGES, max_tokens=5,

@@ -32,11 +32,17 @@ class ApiError(Exception):
         super().__init__(message)
         self.status, self.kind, self.param, self.code = status, kind, param, code
         self.retry = retry
+        self.close = False  # True: the response closes the connection (its request unread)
 
 
 def error_response(status: int, message: str, kind: str, param: str | None = None,
-                   code: str | None = None, retry: bool = True) -> JSONResponse:
-    """OpenAI's error body (``retry`` False: with ``x-should-retry: false``)."""
+                   code: str | None = None, retry: bool = True,
+                   close: bool = False) -> JSONResponse:
+    """OpenAI's error body (``retry`` False: with ``x-should-retry: false``; ``close``: with
+    ``connection: close``, so the server closes the connection once it is sent)."""
+    headers = {} if retry else {"x-should-retry": "false"}
+    if close:
+        headers["connection"] = "close"
     return AsciiJSONResponse({"error": {"message": message, "type": kind, "param": param,
                                         "code": code}}, status_code=status,
-                             headers=None if retry else {"x-should-retry": "false"})
+                             headers=headers or None)

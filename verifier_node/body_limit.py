@@ -13,11 +13,11 @@ its longest, plus 4 MiB for the rest of the request; ``--max-request-bytes`` set
 
 A body that has not arrived whole ``timeout_s`` after its request's headers (a client that
 trickles it, or declares more than it sends and stays: each such connection would otherwise be
-held, and its handler waiting, for as long as the client likes) is answered 408, and uvicorn
-closes the connection, its body unread. The deadline covers the body only: a streamed response
-and a handler's wait for its client's disconnect go on as long as they run. The default
-(``BODY_TIMEOUT_S``) lets the largest default body arrive at about 150 KB/s;
-``--request-body-timeout`` sets another, 0 none.
+held, and its handler waiting, for as long as the client likes) is answered 408 with
+``connection: close``, and uvicorn closes the connection once it is sent, its body unread. The
+deadline covers the body only: a streamed response and a handler's wait for its client's
+disconnect go on as long as they run. The default (``BODY_TIMEOUT_S``) lets the largest default
+body arrive at about 150 KB/s; ``--request-body-timeout`` sets another, 0 none.
 """
 
 from __future__ import annotations
@@ -52,6 +52,9 @@ class BodyTimedOut(ApiError):
         super().__init__(408, f"the request body did not arrive whole within {timeout_s:g} s of "
                               "its headers, this server's limit (--request-body-timeout)",
                          "invalid_request_error", code="request_timeout")
+        # answered with ``connection: close``: kept alive, a client trickling the rest would
+        # still hold the connection (uvicorn's keep-alive wait ends at the next byte)
+        self.close = True
 
 
 def declared_length(scope: Scope) -> int | None:

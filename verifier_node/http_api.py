@@ -169,7 +169,8 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(ApiError)
     async def _api_error(request, exc: ApiError):
-        return error_response(exc.status, str(exc), exc.kind, exc.param, exc.code, exc.retry)
+        return error_response(exc.status, str(exc), exc.kind, exc.param, exc.code, exc.retry,
+                              exc.close)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request, exc: StarletteHTTPException):

@@ -16,10 +16,22 @@ the markers of turns only where the template put them; only where a piece meets 
 may its tokens differ from what one call would give (a piece is encoded on its own).
 
 A template that does not place a message's text verbatim (one that trims it, say) cannot be
-rendered so: such a conversation is refused, the message and the token named.
+rendered so: such a conversation is refused, the message and the token named. So is a role
+holding a special token's text (the SDK and gRPC pass roles on as given): a role is the
+template's text.
+
+A tokenizer call sets whether special tokens are split on the tokenizer it is given, then
+encodes (transformers' fast tokenizers): two threads encoding through one tokenizer, one of them
+splitting, could each get the other's setting. So messages' text is encoded through a copy of
+the tokenizer kept for splitting (``_splitter``), and the tokenizer a server shares is only
+ever called not splitting.
 """
 
 from __future__ import annotations
+
+import copy
+import threading
+import weakref
 
 from ..config import ConfigError
 
@@ -46,10 +58,26 @@ def _render(tokenizer, messages: list[dict]) -> str:
     return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
 
 
+_SPLITTERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_SPLITTERS_LOCK = threading.Lock()
+
+
+def _splitter(tokenizer):
+    """A copy of ``tokenizer`` only ever called splitting special tokens, made once."""
+    with _SPLITTERS_LOCK:
+        out = _SPLITTERS.get(tokenizer)
+        if out is None:
+            out = _SPLITTERS[tokenizer] = copy.deepcopy(tokenizer)
+        return out
+
+
 def _ids(tokenizer, text: str, split: bool) -> list[int]:
     if not text:
         return []
-    out = tokenizer(text, add_special_tokens=False, split_special_tokens=split)
+    if split:
+        out = _splitter(tokenizer)(text, add_special_tokens=False, split_special_tokens=True)
+    else:
+        out = tokenizer(text, add_special_tokens=False)
     return [int(t) for t in out["input_ids"]]
 
 
@@ -57,6 +85,11 @@ def encode_chat(tokenizer, messages: list[dict]) -> list[int]:
     """Token ids of ``messages`` through the tokenizer's chat template, a generation prompt
     added; special tokens' text in a message read as text (the module's docstring)."""
     specials = special_texts(tokenizer)
+    for i, m in enumerate(messages):
+        token = special_text_in(str(m.get("role", "")), specials)
+        if token is not None:
+            raise ConfigError(f"messages[{i}].role holds {token!r}, a special token of this "
+                              f"model: a role is the chat template's text")
     found = [(i, special_text_in(m["content"], specials)) for i, m in enumerate(messages)
              if isinstance(m.get("content"), str)]
     found = [(i, s) for i, s in found if s is not None]
