@@ -90,15 +90,13 @@ def encode_chat(tokenizer, messages: list[dict]) -> list[int]:
         if token is not None:
             raise ConfigError(f"messages[{i}].role holds {token!r}, a special token of this "
                               f"model: a role is the chat template's text")
-    found = [(i, special_text_in(m["content"], specials)) for i, m in enumerate(messages)
-             if isinstance(m.get("content"), str)]
-    found = [(i, s) for i, s in found if s is not None]
+    texts = {i: m["content"] for i, m in enumerate(messages) if isinstance(m.get("content"), str)}
+    found = [(i, s) for i, t in texts.items() if (s := special_text_in(t, specials)) is not None]
     if not found:
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         if isinstance(ids, dict) or hasattr(ids, "keys"):
             ids = ids["input_ids"]
         return [int(t) for t in ids]
-    texts = {i: m["content"] for i, m in enumerate(messages) if isinstance(m.get("content"), str)}
     marked = [{**m, "content": _MARK.format(i)} if i in texts else m
               for i, m in enumerate(messages)]
     rendered, whole = _render(tokenizer, marked), _render(tokenizer, messages)
@@ -124,7 +122,7 @@ def _pieces(rendered: str, texts: dict[int, str]) -> list[tuple[str, bool]] | No
     rest = rendered
     for i, text in texts.items():
         before, sep, rest = rest.partition(_MARK.format(i))
-        if not sep or _MARK.format(i) in rest or _MARK.format(i) in before:
+        if not sep or _MARK.format(i) in rest:  # ``before`` cannot hold it: the first one
             return None
         pieces += [(before, False), (text, True)]
     return pieces + [(rest, False)]
