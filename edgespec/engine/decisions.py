@@ -16,6 +16,7 @@ from dataclasses import field, replace
 
 from ..protocol.contract import Verdict
 from ..protocol.frozen_value import frozen_value
+from ..verify.token_logprobs import TokenLogprob
 from .generation import ActiveSession
 from .proposals import StepDraft
 
@@ -32,6 +33,8 @@ class Decision:
     path: tuple[int, ...] = ()  # the accepted nodes, root to leaf (node indices of the row)
     lenient: tuple[int, ...] = ()  # along the path: 1 where only a lossy rule kept the node
     new: list[int] = field(default_factory=list, hash=False)
+    # with the session's ``Request.logprobs``: ``new``'s logprobs, one a token (else empty)
+    logprobs: tuple[TokenLogprob, ...] = field(default=(), hash=False)
 
     @property
     def act(self) -> ActiveSession:

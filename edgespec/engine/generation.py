@@ -13,6 +13,7 @@ from ..drafters.adaptive import DraftLength
 from ..models.vision import ImageInput
 from ..protocol.lineage import Lineage
 from ..protocol.request_stats import Stats
+from ..verify.token_logprobs import TokenLogprob
 
 
 @dataclass
@@ -34,6 +35,11 @@ class Request:
     # the kernel set whose decoding ``committed`` is (a resumed or re-created session:
     # ``protocol.lineage.continued_on``); None: the engine's own, nothing decoded elsewhere
     lineage: Lineage | None = None
+    # the target's logprob of each emitted token, with this many alternatives beside it
+    # (0-20, ``verify.token_logprobs``); None: none
+    logprobs: int | None = None
+    # called with each committed chunk's logprobs, right before ``on_tokens`` with its tokens
+    on_logprobs: Callable[[list[TokenLogprob]], None] | None = None
 
 
 @dataclass
@@ -51,6 +57,9 @@ class Result:
     token_ids: list[int]
     stats: Stats
     finish_reason: str  # "stop" (a stop token), "length" or "cancelled"
+    # with ``Request.logprobs``: each token's logprob, for the tokens this engine emitted (a
+    # resumed session's ``committed`` have none); None otherwise
+    logprobs: list[TokenLogprob] | None = None
 
 
 class SessionFailed(Exception):
@@ -64,6 +73,8 @@ class ActiveSession:
     def __init__(self, sid: str, req: Request, slot: int, draft_len: DraftLength):
         self.sid, self.req, self.slot, self.draft_len = sid, req, slot, draft_len
         self.output: list[int] = list(req.committed)
+        # the logprobs of the tokens emitted here (``Request.logprobs``), else None
+        self.logprobs: list[TokenLogprob] | None = None if req.logprobs is None else []
         self.last_token = (req.prompt_ids + req.committed)[-1]
         self.on_finish: Callable[[Result], None] | None = None
         self.on_error: Callable[[Exception], None] | None = None

@@ -14,9 +14,12 @@ from collections.abc import Sequence, Set
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
+import torch
+
 from ..protocol.contract import Verdict
 from ..protocol.frozen_value import frozen_value
 from ..runner.step_rows import DraftShape, Scored, StepRows
+from ..verify.token_logprobs import LogprobPick, emitted_columns, read_logprobs
 from ..verify.verify_step import VerifyBatch, VerifyOutcome
 from .decisions import Decision, decide
 from .proposals import StepDraft
@@ -99,3 +102,18 @@ def row_decisions(drafts: Sequence[StepDraft], nodes: Sequence[tuple[Sequence[in
         room = act.req.max_new_tokens - len(act.output)
         decided.append(decide(d, verdict, room, stop_ids, tuple(path), tuple(kept)))
     return decided
+
+
+def with_logprobs(logits: torch.Tensor, decided: list[Decision]) -> list[Decision]:
+    """``decided`` with each row whose session asked for logprobs (``Request.logprobs``)
+    given its emitted tokens' (``verify.token_logprobs``), read in one call from the step's
+    logits [B, T, V]; the rest as they are. A step with no such row returns at once."""
+    asked = [i for i, d in enumerate(decided) if d.act.logprobs is not None]
+    if not asked:
+        return decided
+    picks = [LogprobPick(i, emitted_columns(decided[i].path, len(decided[i].new)),
+                         decided[i].new, decided[i].act.req.logprobs or 0) for i in asked]
+    out = list(decided)
+    for i, entries in zip(asked, read_logprobs(logits, picks)):
+        out[i] = replace(decided[i], logprobs=entries)
+    return out

@@ -20,6 +20,7 @@ from ..protocol.lineage import Lineage
 from ..runner.host_transfers import DeviceSpan
 from ..runner.target_runner import TargetRunner
 from ..verify.keyed_noise import with_session_seed
+from ..verify.token_logprobs import check_top_logprobs
 from .generation import ActiveSession, Admission, Request, Result, SessionFailed
 from .prefill_queue import PrefillQueue
 from .stack_choice import StackChooser
@@ -86,6 +87,10 @@ class SessionLifecycle:
             raise ConfigError(f"{what} token ids must be in [0, {vocab})")
         if len(req.committed) >= req.max_new_tokens:
             raise ConfigError("the resumed session has already produced max_new_tokens")
+        try:
+            check_top_logprobs(req.logprobs)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         if self.vision is not None:
             self.vision.check_prompt(req.prompt_ids, req.images)
         elif req.images is not None:
@@ -291,7 +296,8 @@ class SessionLifecycle:
         for act in acts:
             if act.on_finish:
                 try:
-                    act.on_finish(Result(act.output, act.stats, finished[act.sid]))
+                    act.on_finish(Result(act.output, act.stats, finished[act.sid],
+                                         act.logprobs))
                 except Exception as exc:
                     errors.append(exc)
         if errors:

@@ -52,7 +52,7 @@ from .generation import ActiveSession, Admission, Request, Result, SessionFailed
 from .lateness import Lateness
 from .decisions import Decision
 from .proposals import (DrafterProposer, StepDraft)
-from .scoring import ScoredStep, row_decisions, score_step
+from .scoring import ScoredStep, row_decisions, score_step, with_logprobs
 from .step_commit import report_of
 from .step_drafts import StepDrafts
 from .step_report import StepReport
@@ -321,7 +321,8 @@ class SpecEngine(StepDrafts):
         run ahead is dropped and the drafting step runs its own forward)."""
         if not (self.ahead.enabled and len(drafts) == len(self.active) and self.head is None
                 and self.pad is None and not self.cfg.auto and
-                all(d.width == 1 and d.act.verify == "exact" for d in drafts)):
+                all(d.width == 1 and d.act.verify == "exact" and d.act.logprobs is None
+                    for d in drafts)):
             return False
         if self.drafter is None and not any(d.act.drafter for d in drafts):
             return True  # nothing drafts for these sessions: every step decodes
@@ -358,7 +359,7 @@ class SpecEngine(StepDrafts):
             if step.pad and scored.tapped is not None else None
         out = verify_step(scored.logits, vb, self.cfg.loose, proposal, lenient)
         t0 = time.perf_counter()
-        decided = self._decide(step, out)
+        decided = with_logprobs(scored.logits, self._decide(step, out))
         self._decide_s += time.perf_counter() - t0
         if proposal is not None:  # the head moves on once the paths are in place (``_place``)
             self._head_pending.append((sids, proposal, [len(p) for p in out.paths],
@@ -388,7 +389,7 @@ class SpecEngine(StepDrafts):
         results: list[Result] = []
         for a in acts:
             assert a.finish is not None  # no error: every session ended with a finish reason
-            results.append(Result(a.output, a.stats, a.finish))
+            results.append(Result(a.output, a.stats, a.finish, a.logprobs))
         return results
 
     def generate(self, req: Request) -> Result:

@@ -185,9 +185,15 @@ class StepCommit(SessionLifecycle):
         act.output.extend(new)
         act.last_token = v.token
         act.finish = v.finish_reason or None  # the step ends it (``_commit``)
-        if act.req.on_tokens:
+        if act.logprobs is not None:
+            act.logprobs.extend(d.logprobs)
+        req = act.req
+        if req.on_tokens or req.on_logprobs:
             try:
-                act.req.on_tokens(new)
+                if req.on_logprobs is not None:
+                    req.on_logprobs(list(d.logprobs))
+                if req.on_tokens is not None:
+                    req.on_tokens(new)
             except Exception as exc:  # the caller's callback fails its own session alone
                 log.exception("the token callback of session %s raised", act.sid)
                 failed = SessionFailed(f"its token callback raised: {exc!r}")

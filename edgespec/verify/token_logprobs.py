@@ -1,0 +1,96 @@
+"""The target's log-probabilities of the tokens a step emits (OpenAI's ``logprobs``).
+
+A session that asks for them (``Request.logprobs``: 0 for the emitted token's own, k for the k
+most likely tokens beside it) gets, for every token it emits, ``log_softmax`` of the target's
+logits at the position that chose it: the model's own distribution, before temperature, top-k
+and top-p (vLLM's raw logprobs). A step's row scores the token after its root at column 0 and
+after draft node i at column 1 + i, so the emitted tokens' columns are 0 and then one past each
+accepted node (``emitted_columns``).
+
+The logits are decoding's own bits at every position, whatever the row's width or draft
+(``edgespec.runner.attention``), and each position's ``log_softmax`` is computed from its own
+row alone: so a session's logprobs are target-only decoding's, bit for bit, whatever drafted
+for it (tests/test_token_logprobs.py holds that). The positions the step's sessions asked for
+are gathered and computed in one call, and read back in one copy: a step with no such session
+does nothing here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..runner.host_transfers import to_device, to_host
+
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit on ``top_logprobs``
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """An emitted token's log-probability under the target, and the ``top`` most likely
+    tokens at its position, as (token id, log-probability), most likely first (ties: the
+    lower id first)."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
+class LogprobPick:
+    """One row's emitted tokens whose logprobs a step reads: the row, the logits columns that
+    chose them (``emitted_columns``), the tokens, and how many alternatives a token gets."""
+
+    row: int
+    columns: Sequence[int]
+    tokens: Sequence[int]
+    top: int
+
+
+def emitted_columns(path: Sequence[int], n: int) -> list[int]:
+    """The logits columns that chose a row's first ``n`` emitted tokens, given its accepted
+    path (node indices, root to leaf): the root's (0), then each accepted node's (1 + i)."""
+    return [0, *(1 + p for p in path[:n - 1])][:n]
+
+
+def check_top_logprobs(k: int | None) -> None:
+    """Refuses a ``logprobs`` setting that is neither None nor an int in [0, MAX_TOP_LOGPROBS]."""
+    if k is None:
+        return
+    if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_TOP_LOGPROBS:
+        raise ValueError(f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}] (the "
+                         f"alternatives a token gets) or None, got {k!r}")
+
+
+def read_logprobs(logits: torch.Tensor, picks: Sequence[LogprobPick]
+                  ) -> list[tuple[TokenLogprob, ...]]:
+    """Each pick's tokens' ``TokenLogprob`` in order, from a step's logits [B, T, V] float32:
+    one gather, one ``log_softmax`` over the gathered positions [M, V], one copy to the host."""
+    rows = [p.row for p in picks for _ in p.columns]
+    columns = [c for p in picks for c in p.columns]
+    tokens = [t for p in picks for t in p.tokens]
+    if not columns:
+        return [() for _ in picks]
+    k = max(p.top for p in picks)
+    row_ids, column_ids, token_ids = to_device(
+        [np.asarray(rows), np.asarray(columns), np.asarray(tokens)], logits.device, torch.long)
+    lp = torch.log_softmax(logits[row_ids, column_ids].float(), -1)  # [M, V]
+    parts = [lp.gather(1, token_ids[:, None]).double()]  # [M, 1]
+    if k:
+        best = lp.topk(k, -1)  # ids below 2^53: exact as float64 beside the values
+        parts += [best.values.double(), best.indices.double()]
+    host = to_host(torch.cat(parts, 1)).tolist()  # [M, 1 + 2k]
+    out, i = [], 0
+    for p in picks:
+        entries = []
+        for token in p.tokens:
+            r = host[i]
+            i += 1
+            alternatives = sorted(zip(map(int, r[1 + k:1 + k + p.top]), r[1:1 + p.top]),
+                                  key=lambda e: (-e[1], e[0]))
+            entries.append(TokenLogprob(token, r[0], tuple(alternatives)))
+        out.append(tuple(entries))
+    return out
