@@ -35,7 +35,6 @@ def test_neutral_values_are_accepted(kw):
     ("presence_penalty", []), ("frequency_penalty", {}), ("logprobs", {}), ("best_of", []),
     ("echo", []), ("tool_choice", {}), ("logit_bias", []), ("tools", {}),
     ("response_format", {}), ("response_format", {"type": "json_object"}),
-    ("logprobs", 0),  # the legacy completions' 0 asks for the sampled token's logprob
 ])
 def test_an_empty_object_or_list_is_neutral_only_where_it_is_the_default(name, value):
     with pytest.raises(ApiError) as e:
@@ -43,11 +42,39 @@ def test_an_empty_object_or_list_is_neutral_only_where_it_is_the_default(name, v
     assert e.value.status == 400 and e.value.param == name
 
 
-def test_chat_logprobs_false_or_zero_is_neutral():
+def test_chat_logprobs_false_or_zero_is_none():
     for value in (False, 0, None):
-        parse_request(chat(logprobs=value), True, MODEL)
-    with pytest.raises(ApiError):
-        parse_request(chat(logprobs=True), True, MODEL)
+        assert parse_request(chat(logprobs=value), True, MODEL).generation.logprobs is None
+    assert parse_request(chat(logprobs=True), True, MODEL).generation.logprobs == 0
+    assert parse_request(chat(logprobs=True, top_logprobs=20), True,
+                         MODEL).generation.logprobs == 20
+
+
+@pytest.mark.parametrize("kw,param", [
+    (dict(logprobs=1), "logprobs"), (dict(logprobs="yes"), "logprobs"),
+    (dict(top_logprobs=3), "top_logprobs"),  # without logprobs true, as OpenAI answers it
+    (dict(logprobs=False, top_logprobs=3), "top_logprobs"),
+    (dict(logprobs=True, top_logprobs=21), "top_logprobs"),
+    (dict(logprobs=True, top_logprobs=-1), "top_logprobs"),
+    (dict(logprobs=True, top_logprobs=2.5), "top_logprobs"),
+])
+def test_chat_logprobs_settings_out_of_range_are_refused_by_name(kw, param):
+    with pytest.raises(ApiError) as e:
+        parse_request(chat(**kw), True, MODEL)
+    assert e.value.status == 400 and e.value.param == param
+
+
+def test_completions_logprobs_is_the_count_of_alternatives():
+    assert parse_request(completion(), False, MODEL).generation.logprobs is None
+    for k in (0, 5, 20):
+        assert parse_request(completion(logprobs=k), False, MODEL).generation.logprobs == k
+    for bad in (21, -1, True, 1.5):
+        with pytest.raises(ApiError) as e:
+            parse_request(completion(logprobs=bad), False, MODEL)
+        assert e.value.status == 400 and e.value.param == "logprobs"
+    with pytest.raises(ApiError) as e:  # not a parameter of the legacy completions
+        parse_request(completion(top_logprobs=2), False, MODEL)
+    assert e.value.param == "top_logprobs"
 
 
 def test_an_echoed_assistant_message_with_empty_tool_fields_is_read_as_its_text():

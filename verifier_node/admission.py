@@ -62,6 +62,9 @@ class GenerationRequest:
     # position from which another set decoded them (0: none), as the first stream reported them
     kernel_set: str = ""
     kernels_differ_from: int = 0
+    # each emitted token's logprob under the target, with this many alternatives (0-20); None:
+    # none (``edgespec.verify.token_logprobs``)
+    logprobs: int | None = None
 
 
 class SessionNotFound(Exception):
@@ -168,7 +171,7 @@ class Admission:
         # the seed is chosen here, not at prefill, so that the first response can report it
         request = Request(ids, g.max_new_tokens or self._default_max_new(len(ids)),
                           with_session_seed(g.params), committed=list(g.committed),
-                          verify=g.verify, images=images)
+                          verify=g.verify, images=images, logprobs=g.logprobs)
         if lost:
             try:
                 held = checked_lineage(g.kernel_set, g.kernels_differ_from, len(g.committed))

@@ -44,6 +44,7 @@ from edgespec.models.text_stream import TextStream
 
 from .admission import Admission, DrafterMissing, SessionNotFound
 from .body_limit import BODY_TIMEOUT_S, MIN_BYTES, BodyLimit
+from .logprob_shapes import ChoiceLogprobs, LogprobShapes
 from .openai_params import ApiError, error_response, parse_request
 from .tickets import QueueFull, ShuttingDown, Ticket
 
@@ -78,6 +79,7 @@ class ServingState:
     healthy: Callable[[], bool]  # the server's last health verdict (cheap: no I/O)
     admission: Admission | None = None
     model_name: str = ""
+    shapes: LogprobShapes | None = None  # the logprobs' shapes, made once for the tokenizer
 
 
 def make_app(state: ServingState, token: str | None = None,
@@ -146,7 +148,9 @@ def make_app(state: ServingState, token: str | None = None,
             raise ApiError(400, "the request body is not valid JSON", "invalid_request_error")
         params = parse_request(body, chat, model_name)
         ticket = await _admit(admission, params, chat)
-        run = _Run(admission, ticket, params, chat, model_name)
+        if params.generation.logprobs is not None and state.shapes is None:
+            state.shapes = LogprobShapes(admission.tokenizer)
+        run = _Run(admission, ticket, params, chat, model_name, state.shapes)
         if params.stream:  # a client gone before the stream's first read: cancelled after
             return StreamingResponse(run.sse(), media_type="text/event-stream",
                                      background=BackgroundTask(run.cancel_if_never_read))
@@ -209,9 +213,13 @@ async def _admit(admission: Admission, params, chat: bool):
 class _Run:
     """One admitted generation turned into OpenAI's response shapes."""
 
-    def __init__(self, admission: Admission, ticket: Ticket, params, chat: bool, model: str):
+    def __init__(self, admission: Admission, ticket: Ticket, params, chat: bool, model: str,
+                 shapes: LogprobShapes | None = None):
         self.admission, self.ticket, self.p, self.chat, self.model = (admission, ticket, params,
                                                                       chat, model)
+        # the logprobs asked for, sent with the text of the tokens they are of
+        self.logprobs = ChoiceLogprobs(shapes, ticket, chat) \
+            if shapes is not None and ticket.request.logprobs is not None else None
         self.id = ("chatcmpl-" if chat else "cmpl-") + ticket.session_id
         self.created = int(time.time())
         self.pieces: list[str] = []
@@ -320,11 +328,13 @@ class _Run:
         return self.ticket.request.verify or self.admission.scheduler.engine.cfg.verify
 
     def _choice(self, text: str | None, finish: str | None, first: bool = False) -> dict:
+        """A streamed chunk's choice, with the logprobs of the tokens read since the last."""
+        logprobs = self.logprobs.upto(self.completion_tokens) if self.logprobs else None
         if self.chat:
             delta = {"role": "assistant", "content": text or ""} if first else \
                 ({"content": text} if text else {})
-            return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-        return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+            return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        return {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
 
     def _chunk(self, choices: list, **extra) -> str:
         obj = {"id": self.id, "object": "chat.completion.chunk" if self.chat
@@ -370,11 +380,12 @@ class _Run:
                 pass
             return Response(status_code=499)
         text = work.result()
+        logprobs = self.logprobs.upto(self.completion_tokens) if self.logprobs else None
         if self.chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "logprobs": None, "finish_reason": self.finish_reason}
+                      "logprobs": logprobs, "finish_reason": self.finish_reason}
         else:
-            choice = {"index": 0, "text": text, "logprobs": None,
+            choice = {"index": 0, "text": text, "logprobs": logprobs,
                       "finish_reason": self.finish_reason}
         return JSONResponse({"id": self.id, "object": "chat.completion" if self.chat
                              else "text_completion", "created": self.created,

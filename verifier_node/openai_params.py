@@ -6,12 +6,13 @@ parts ``text`` and ``image_url`` (an image as a ``data:`` URL, for a vision-lang
 ``image_parts``), ``max_tokens`` / ``max_completion_tokens``, ``temperature`` (default 1, as
 OpenAI's), ``top_p``, ``top_k`` (an extension), ``verify`` (an extension: "exact", or "loose" /
 "pad" where the verifier was started with ``--verify loose`` / ``--verify pad:DIR``), ``seed``,
-``stop`` (a string or up to 4), ``n`` = 1, ``stream``, ``stream_options.include_usage``.
+``stop`` (a string or up to 4), ``n`` = 1, ``stream``, ``stream_options.include_usage``,
+``logprobs`` (chat: a boolean, with ``top_logprobs`` 0-20 alternatives; completions: 0-20
+alternatives; ``logprob_shapes`` gives the answers' shapes).
 Ignored, as OpenAI documents them as optional hints or bookkeeping: ``user``, ``metadata``,
 ``store``, ``service_tier``, ``parallel_tool_calls``. Accepted only at their neutral value:
-``presence_penalty``/``frequency_penalty`` 0, ``logprobs`` false or null, ``echo`` false,
-``best_of`` 1, ``logit_bias`` empty, ``tools`` empty (and, on chat completions, ``logprobs`` 0;
-the legacy completions' 0 asks for the sampled token's logprob). A message's fields besides
+``presence_penalty``/``frequency_penalty`` 0, ``echo`` false (the prompt's logprobs),
+``best_of`` 1, ``logit_bias`` empty, ``tools`` empty. A message's fields besides
 ``role`` and ``content`` are accepted only null (``tool_calls`` and ``annotations`` also
 empty), as an echoed assistant message carries them: a ``name``, say, is refused. Anything
 else is refused by name, so a client never silently gets a different behaviour from the one it
@@ -23,6 +24,7 @@ import math
 from dataclasses import dataclass, field
 
 from edgespec.config import VERIFY_MODES, ConfigError, SamplingParams
+from edgespec.verify.token_logprobs import MAX_TOP_LOGPROBS
 from edgespec.wire.convert import unencodable_text
 
 from .admission import GenerationRequest
@@ -34,20 +36,19 @@ __all__ = ["ApiError", "OpenAIParams", "error_response", "parse_request"]
 IGNORED = {"model", "user", "metadata", "store", "service_tier", "parallel_tool_calls",
            "stream", "stream_options"}
 NEUTRAL: dict[str, tuple] = {
-    "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "logprobs": (None, False),
-    "top_logprobs": (None, 0), "echo": (False, None), "best_of": (1, None),
+    "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0),
+    "echo": (False, None), "best_of": (1, None),
     "logit_bias": (None, {}), "suffix": (None, ""), "response_format": (None, {"type": "text"}),
     "tools": (None, []), "tool_choice": (None, "none")}
-# chat's ``logprobs`` is a boolean; the legacy completions' is a count of alternatives, and its
-# 0 still asks for the sampled token's logprob: not neutral there
-CHAT_NEUTRAL = {**NEUTRAL, "logprobs": (None, False, 0)}
+# the legacy completions have no ``top_logprobs`` (their ``logprobs`` is the count)
+COMPLETIONS_NEUTRAL = {**NEUTRAL, "top_logprobs": (None, 0)}
 # what a chat message may carry besides its role and content: any field null (a client echoing
 # an assistant message back sends its unused ones so: refusal, audio, parsed, ...), and these
 # empty too; a name, tool calls or a tool call's id would change the prompt the chat template
 # makes, and are refused by name
 MESSAGE_EMPTY: dict[str, tuple] = {"tool_calls": ([],), "annotations": ([],)}
 SAMPLING = {"max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed",
-            "stop", "n", "verify"}
+            "stop", "n", "verify", "logprobs"}
 MAX_STOP = 4
 ROLES = ("system", "developer", "user", "assistant", "tool")  # OpenAI's chat roles
 
@@ -155,11 +156,12 @@ def parse_request(body, chat: bool, model_name: str) -> OpenAIParams:
         raise ApiError(404, f"the model '{model[:80]}' does not exist; this server serves "
                             f"'{model_name}'", "invalid_request_error", "model",
                        "model_not_found")
-    known = IGNORED | SAMPLING | set(NEUTRAL) | {"messages" if chat else "prompt"}
+    known = IGNORED | SAMPLING | set(NEUTRAL) | {"messages", "top_logprobs"} if chat else \
+        IGNORED | SAMPLING | set(COMPLETIONS_NEUTRAL) | {"prompt"}
     for name in body:
         if name not in known:
             raise _bad(f"'{name[:80]}' is not supported by edgespec", name[:80])
-    for name, neutral in (CHAT_NEUTRAL if chat else NEUTRAL).items():
+    for name, neutral in (NEUTRAL if chat else COMPLETIONS_NEUTRAL).items():
         if name in body and not _is_neutral(body[name], neutral):
             raise _bad(f"'{name}' is not supported by edgespec (only its default)", name)
     g = GenerationRequest()
@@ -182,6 +184,7 @@ def parse_request(body, chat: bool, model_name: str) -> OpenAIParams:
     if verify is not None and verify not in VERIFY_MODES:
         raise _bad("'verify' must be \"exact\", \"loose\" or \"pad\"", "verify")
     g.verify = verify or ""
+    g.logprobs = _logprobs(body, chat)
     stop = body.get("stop")
     stops = [] if stop is None else [stop] if isinstance(stop, str) else stop
     if not isinstance(stops, list) or len(stops) > MAX_STOP or \
@@ -206,6 +209,24 @@ def parse_request(body, chat: bool, model_name: str) -> OpenAIParams:
         raise _bad("'stream_options.include_usage' must be a boolean",
                    "stream_options.include_usage")
     return OpenAIParams(g, stops, bool(stream), bool(usage))
+
+
+def _logprobs(body: dict, chat: bool) -> int | None:
+    """How many alternatives each token's logprob comes with, or None for no logprobs: chat's
+    ``logprobs`` (a boolean) and ``top_logprobs`` (0-20, only with ``logprobs`` true, as
+    OpenAI's API answers it); the legacy completions' ``logprobs`` (0-20: 0 is the token's own
+    logprob alone; false as null)."""
+    if not chat:
+        if body.get("logprobs") is False:
+            return None
+        return _number(body, "logprobs", None, int, 0, MAX_TOP_LOGPROBS)
+    wanted = body.get("logprobs")
+    if wanted is not None and not isinstance(wanted, bool) and not _is_neutral(wanted, (0,)):
+        raise _bad("'logprobs' must be a boolean", "logprobs")
+    top = _number(body, "top_logprobs", None, int, 0, MAX_TOP_LOGPROBS)
+    if top is not None and not wanted:
+        raise _bad("'top_logprobs' requires 'logprobs' to be true", "top_logprobs")
+    return (top or 0) if wanted else None
 
 
 def _is_neutral(value, neutral: tuple) -> bool:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from edgespec.engine.spec_engine import Request, Result
+from edgespec.verify.token_logprobs import TokenLogprob
 
 from .pace import PaceVerdict
 
@@ -54,6 +55,9 @@ class Ticket:
     release_pick: Callable[[], None] | None = None
     session_id: str = field(default_factory=new_session_id)
     tokens: list[int] = field(default_factory=list)  # output committed so far
+    # with ``request.logprobs``: the logprobs of ``tokens`` past ``request.committed``, each
+    # chunk's added before its tokens are published
+    logprobs: list[TokenLogprob] = field(default_factory=list)
     result: Result | None = None
     error: Exception | None = None
     followers: int = 0
@@ -82,6 +86,16 @@ class Ticket:
     @property
     def ended(self) -> bool:
         return self.result is not None or self.error is not None
+
+    def add_logprobs(self, entries: list[TokenLogprob]) -> None:
+        with self.cond:
+            self.logprobs.extend(entries)
+
+    def logprobs_of(self, start: int, stop: int) -> list[TokenLogprob]:
+        """The logprobs of ``tokens[start:stop]`` (positions past ``request.committed``)."""
+        skip = len(self.request.committed)
+        with self.cond:
+            return self.logprobs[max(0, start - skip):max(0, stop - skip)]
 
     def publish(self, new: list[int]) -> None:
         with self.cond:

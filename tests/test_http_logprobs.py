@@ -1,0 +1,127 @@
+"""Logprobs over the OpenAI-compatible API of a live ``edgespec serve`` with a MaG board, read by
+the official ``openai`` client: chat's ``logprobs``/``top_logprobs`` and the legacy completions'
+``logprobs``, streamed and whole, are target-only decoding's (an engine in this process, the
+same model, no drafter), one a completion token, each token's bytes the text's own."""
+
+from __future__ import annotations
+
+import pytest
+
+from edgespec.config import EngineConfig, SamplingParams
+from edgespec.engine.spec_engine import Request, SpecEngine
+from edgespec.models.loading import encode_prompt
+from edgespec.runner.target_runner import TargetRunner
+from http_harness import MESSAGES, N, PROMPT, TOKEN, call, http_server, openai_client
+
+pytestmark = pytest.mark.slow  # processes, servers or long sweeps: not the fast tier
+
+
+@pytest.fixture(scope="module")
+def server(looping_dir, tmp_path_factory):
+    with http_server(looping_dir, tmp_path_factory.mktemp("http-logprobs"),
+                     extra=("--threads", 1)) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def api(server):
+    return openai_client(server)
+
+
+@pytest.fixture(scope="module")
+def target_only(looping):
+    """(token ids, logprobs with 5 alternatives) of target-only decoding in this process."""
+    runner = TargetRunner(looping.model, n_slots=1, max_len=512)
+
+    def decode(ids: list[int], params: SamplingParams = SamplingParams(), n: int = N):
+        with SpecEngine(runner, None, EngineConfig(), stop_ids={2}) as engine:
+            res = engine.generate(Request(ids, n, params, logprobs=5))
+        return res.token_ids, res.logprobs
+
+    return decode
+
+
+def text_of(looping, token_id: int) -> str:
+    return looping.tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def test_chat_logprobs_are_target_onlys(api, looping, target_only):
+    ids, ref = target_only(encode_prompt(looping.tokenizer, messages=MESSAGES))
+    r = api.chat.completions.create(model=api.model_id, messages=MESSAGES, max_tokens=N,
+                                    temperature=0, logprobs=True, top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert r.choices[0].logprobs.refusal is None
+    assert len(content) == r.usage.completion_tokens == len(ids)
+    assert r.edgespec["accepted"] > 0  # the board's drafts were verified and kept
+    for got, want in zip(content, ref):
+        assert got.token == text_of(looping, want.token)
+        assert got.logprob == want.logprob  # float32's value, exactly, through JSON
+        assert [(t.token, t.logprob) for t in got.top_logprobs] == \
+            [(text_of(looping, t), lp) for t, lp in want.top[:3]]
+        assert bytes(got.bytes) == got.token.encode()
+    shown = b"".join(bytes(c.bytes) for c in content)
+    assert shown.decode().startswith(r.choices[0].message.content)  # then any stop token
+
+
+def test_streamed_chat_logprobs_are_the_whole_answers(api):
+    kw = dict(model=api.model_id, messages=MESSAGES, max_tokens=N, temperature=0,
+              logprobs=True, top_logprobs=2)
+    whole = api.chat.completions.create(**kw).choices[0]
+    chunks = list(api.chat.completions.create(stream=True, **kw))
+    streamed = [e for c in chunks if c.choices and c.choices[0].logprobs
+                for e in c.choices[0].logprobs.content]
+    assert [e.model_dump() for e in streamed] == \
+        [e.model_dump() for e in whole.logprobs.content]
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.message.content
+
+
+def test_sampled_chat_logprobs_are_the_models_own(api, looping, target_only):
+    """A seeded sampled answer: target-only's tokens and logprobs (the model's distribution,
+    not the temperature's); logprobs true alone gives no alternatives."""
+    params = SamplingParams(temperature=0.8, seed=5)
+    ids, ref = target_only(encode_prompt(looping.tokenizer, messages=MESSAGES), params)
+    r = api.chat.completions.create(model=api.model_id, messages=MESSAGES, max_tokens=N,
+                                    temperature=0.8, seed=5, logprobs=True)
+    content = r.choices[0].logprobs.content
+    assert [c.token for c in content] == [text_of(looping, t) for t in ids]
+    assert [c.logprob for c in content] == [e.logprob for e in ref]
+    assert all(c.top_logprobs == [] for c in content)
+
+
+def test_completions_logprobs_are_target_onlys(api, looping, target_only):
+    ids, ref = target_only(looping.tokenizer.encode(PROMPT, add_special_tokens=True))
+    r = api.completions.create(model=api.model_id, prompt=PROMPT, max_tokens=N, temperature=0,
+                               logprobs=2)
+    lp = r.choices[0].logprobs
+    texts = [text_of(looping, t) for t in ids]
+    assert lp.tokens == texts and lp.token_logprobs == [e.logprob for e in ref]
+    assert lp.text_offset == [sum(map(len, texts[:i])) for i in range(len(texts))]
+    for top, want in zip(lp.top_logprobs, ref):  # the two alternatives and the token itself
+        assert top == {**{text_of(looping, t): v for t, v in want.top[:2]},
+                       text_of(looping, want.token): want.logprob}
+    streamed = list(api.completions.create(model=api.model_id, prompt=PROMPT, max_tokens=N,
+                                           temperature=0, logprobs=2, stream=True))
+    assert [t for c in streamed if c.choices[0].logprobs
+            for t in c.choices[0].logprobs.token_logprobs] == lp.token_logprobs
+    assert [o for c in streamed if c.choices[0].logprobs
+            for o in c.choices[0].logprobs.text_offset] == lp.text_offset
+
+
+def test_without_logprobs_a_choice_has_none(api):
+    r = api.chat.completions.create(model=api.model_id, messages=MESSAGES, max_tokens=4)
+    assert r.choices[0].logprobs is None
+    r = api.completions.create(model=api.model_id, prompt=PROMPT, max_tokens=4)
+    assert r.choices[0].logprobs is None
+
+
+@pytest.mark.parametrize("body,param", [
+    (dict(logprobs=True, top_logprobs=21), "top_logprobs"),
+    (dict(top_logprobs=2), "top_logprobs"),
+    (dict(logprobs="yes"), "logprobs"),
+])
+def test_a_chat_logprobs_setting_out_of_range_is_a_400_naming_it(server, api, body, param):
+    code, reply = call("POST", server["base"] + "/v1/chat/completions",
+                       {"model": api.model_id, "messages": MESSAGES, "max_tokens": 2, **body},
+                       {"Authorization": f"Bearer {TOKEN}"})
+    assert code == 400 and reply["error"]["param"] == param
