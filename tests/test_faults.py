@@ -260,6 +260,8 @@ def test_bad_sampling_parameters_are_refused(cluster, field, value):
     dict(prompt_ids=[1], device_id="x" * 65536),
     dict(resume_session_id="y" * 65536),
     dict(prompt="a" * 3_500_000),
+    dict(prompt_ids=[1, 2], logprobs=21),  # past the alternatives a token may get
+    dict(prompt_ids=[1, 2], logprobs=-1),
 ])
 def test_hostile_requests_get_their_real_status(cluster, request_kw):
     code = _code(cluster, pb.GenerateRequest(**request_kw))

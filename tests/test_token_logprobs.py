@@ -11,8 +11,8 @@ from edgespec.config import ConfigError, EngineConfig, SamplingParams
 from edgespec.drafters import build_drafter
 from edgespec.engine.spec_engine import Request, SpecEngine
 from edgespec.runner.target_runner import TargetRunner
-from edgespec.verify.token_logprobs import (MAX_TOP_LOGPROBS, LogprobPick, emitted_columns,
-                                            read_logprobs)
+from edgespec.protocol.token_logprob import MAX_TOP_LOGPROBS
+from edgespec.verify.token_logprobs import LogprobPick, emitted_columns, read_logprobs
 
 PROMPTS = [
     [1, 10, 11, 12, 13, 10, 11, 12, 13, 10],

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from edgespec.verify.token_logprobs import TokenLogprob
+from edgespec.protocol.token_logprob import TokenLogprob
 
 
 def _unicode_of_bytes() -> dict[str, int]:

@@ -24,7 +24,7 @@ import math
 from dataclasses import dataclass, field
 
 from edgespec.config import VERIFY_MODES, ConfigError, SamplingParams
-from edgespec.verify.token_logprobs import MAX_TOP_LOGPROBS
+from edgespec.protocol.token_logprob import MAX_TOP_LOGPROBS
 from edgespec.wire.convert import unencodable_text
 
 from .admission import GenerationRequest

@@ -32,8 +32,8 @@ from edgespec.protocol.lineage import Lineage
 from edgespec.models.text_stream import TextStream
 from edgespec.v1 import edgespec_pb2 as pb
 from edgespec.v1 import edgespec_pb2_grpc as pb_grpc
-from edgespec.wire.convert import (params_from_pb, params_to_pb, refusal_metadata,
-                                   retry_after_metadata, stats_to_pb)
+from edgespec.wire.convert import (logprobs_to_pb, params_from_pb, params_to_pb,
+                                   refusal_metadata, retry_after_metadata, stats_to_pb)
 
 from .admission import Admission, DrafterMissing, GenerationRequest, SessionNotFound
 from .metrics import acceptance
@@ -59,7 +59,8 @@ def generation_request(req: pb.GenerateRequest) -> GenerationRequest:
         resume_session_id=req.resume_session_id, verify=req.verify,
         committed=list(req.committed_ids), lost_session_id=req.lost_session_id,
         images=list(req.images), kernel_set=req.kernel_set,
-        kernels_differ_from=req.kernels_differ_from)
+        kernels_differ_from=req.kernels_differ_from,
+        logprobs=req.logprobs if req.HasField("logprobs") else None)
 
 
 class VerifierService(pb_grpc.VerifierServicer):
@@ -160,9 +161,12 @@ class VerifierService(pb_grpc.VerifierServicer):
             if new:
                 if text is None:
                     text = TextStream(self.tokenizer, pieces.append, ticket.tokens[:cursor])
+                shown = ticket.logprobs_of(cursor, cursor + len(new)) \
+                    if ticket.request.logprobs is not None else ()
                 cursor += len(new)
                 text(new)
-                yield pb.GenerateResponse(session_id=sid, token_ids=new, text="".join(pieces))
+                yield pb.GenerateResponse(session_id=sid, token_ids=new, text="".join(pieces),
+                                          logprobs=logprobs_to_pb(shown))
                 pieces.clear()
                 continue
             if ticket.result is not None:

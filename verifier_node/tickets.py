@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from edgespec.engine.spec_engine import Request, Result
-from edgespec.verify.token_logprobs import TokenLogprob
+from edgespec.protocol.token_logprob import TokenLogprob
 
 from .pace import PaceVerdict
 

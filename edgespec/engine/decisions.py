@@ -16,7 +16,7 @@ from dataclasses import field, replace
 
 from ..protocol.contract import Verdict
 from ..protocol.frozen_value import frozen_value
-from ..verify.token_logprobs import TokenLogprob
+from ..protocol.token_logprob import TokenLogprob
 from .generation import ActiveSession
 from .proposals import StepDraft
 

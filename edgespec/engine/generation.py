@@ -13,7 +13,7 @@ from ..drafters.adaptive import DraftLength
 from ..models.vision import ImageInput
 from ..protocol.lineage import Lineage
 from ..protocol.request_stats import Stats
-from ..verify.token_logprobs import TokenLogprob
+from ..protocol.token_logprob import TokenLogprob
 
 
 @dataclass

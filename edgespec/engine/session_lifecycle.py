@@ -20,7 +20,7 @@ from ..protocol.lineage import Lineage
 from ..runner.host_transfers import DeviceSpan
 from ..runner.target_runner import TargetRunner
 from ..verify.keyed_noise import with_session_seed
-from ..verify.token_logprobs import check_top_logprobs
+from ..protocol.token_logprob import check_top_logprobs
 from .generation import ActiveSession, Admission, Request, Result, SessionFailed
 from .prefill_queue import PrefillQueue
 from .stack_choice import StackChooser

@@ -9,6 +9,7 @@ import struct
 
 from ..config import VERIFY_MODES, ConfigError, EmptyPrompt, SamplingParams
 from ..models.images import check_image_bytes, image_bytes
+from ..protocol.token_logprob import check_top_logprobs
 from ..v1 import edgespec_pb2 as pb
 from ..wire.convert import params_to_pb, unencodable_text
 from ..wire.reachability import check_address
@@ -108,7 +109,7 @@ def check_wire_float(name: str, value: float) -> None:
 
 def build_request(prompt=None, *, messages=None, prompt_ids=None, raw=False, max_new_tokens=0,
                   temperature=0.0, top_k=0, top_p=1.0, seed=None, device_id=None,
-                  verify=None, images=None) -> pb.GenerateRequest:
+                  verify=None, images=None, logprobs=None) -> pb.GenerateRequest:
     """Validate locally (raises InvalidRequest) and build the wire request. An empty
     ``prompt`` is sent (through the chat template it is an empty message; raw, the verifier
     refuses its zero tokens); empty ``prompt_ids`` or ``messages`` cannot travel (the wire does
@@ -146,6 +147,10 @@ def build_request(prompt=None, *, messages=None, prompt_ids=None, raw=False, max
         raise InvalidRequest(str(e)) from None
     for name, value in (("temperature", params.temperature), ("top_p", params.top_p)):
         check_wire_float(name, value)
+    try:
+        check_top_logprobs(logprobs)
+    except ValueError as e:
+        raise InvalidRequest(str(e)) from None
     if verify not in (None, "") + VERIFY_MODES:
         raise InvalidRequest("verify must be 'exact', 'loose' or 'pad', got "
                              f"{str(verify)[:20]!r}")
@@ -161,6 +166,8 @@ def build_request(prompt=None, *, messages=None, prompt_ids=None, raw=False, max
                              verify=verify or "")
     if prompt is not None:  # "" too: the field has presence
         req.prompt = prompt
+    if logprobs is not None:  # 0 too: the token's own logprob
+        req.logprobs = logprobs
     if messages is not None:
         req.messages.extend(pb.ChatMessage(role=m["role"], content=m["content"])
                             for m in messages)

@@ -11,7 +11,8 @@ import grpc
 
 from ..protocol.lineage import Lineage, joined
 from ..v1 import edgespec_pb2 as pb
-from ..wire.convert import REFUSAL_METADATA, stats_from_pb, trailing_value
+from ..protocol.token_logprob import TokenLogprob
+from ..wire.convert import REFUSAL_METADATA, logprobs_from_pb, stats_from_pb, trailing_value
 from .errors import DeadlineExceeded, EdgespecError, NotFound, Unavailable, translate
 from .request import build_request, check_timeout
 
@@ -30,6 +31,9 @@ class StreamPiece:
     stats: dict | None = None
     kernel_set: str = ""  # on the last piece: as ``GenerateResult``'s
     kernels_differ_from: int = 0
+    # with ``logprobs=``: the tokens' logprobs, one a token (a resumed stream's tokens decoded
+    # where none were kept have none); None otherwise
+    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass
@@ -48,6 +52,9 @@ class GenerateResult:
     # resumed on a replica with other kernels; see docs/failure-model.md)
     kernel_set: str = ""
     kernels_differ_from: int = 0
+    # with ``logprobs=``: each token's logprob (``TokenLogprob``: the token, its logprob under the
+    # target, the alternatives asked for), in order; None otherwise
+    logprobs: list[TokenLogprob] | None = None
 
     @property
     def lossless(self) -> bool:
@@ -94,8 +101,11 @@ class Resumer:
             return self.req
         if self.recreating:
             return self.recreate_request()
-        return self._with_lineage(pb.GenerateRequest(resume_session_id=self.session_id,
-                                                     resume_from=self.received))
+        resume = pb.GenerateRequest(resume_session_id=self.session_id,
+                                    resume_from=self.received)
+        if self.req.HasField("logprobs"):  # the tokens after the break get theirs
+            resume.logprobs = self.req.logprobs
+        return self._with_lineage(resume)
 
     def _with_lineage(self, req: pb.GenerateRequest) -> pb.GenerateRequest:
         """``req`` with the kernel sets the output so far was decoded on (a router prefers a
@@ -190,6 +200,7 @@ class Collector:
         self.meta = pb.GenerateResponse()
         self.final: pb.GenerateResponse | None = None
         self.seed: int | None = None
+        self.logprobs: list[TokenLogprob] | None = [] if res.req.HasField("logprobs") else None
 
     def add(self, r: pb.GenerateResponse) -> StreamPiece | None:
         if r.device_id or r.prompt_tokens:
@@ -205,7 +216,11 @@ class Collector:
         if r.token_ids:
             self.ids.extend(r.token_ids)
             self.text.append(r.text)
-            return StreamPiece(list(r.token_ids), r.text)
+            if self.logprobs is None:
+                return StreamPiece(list(r.token_ids), r.text)
+            shown = logprobs_from_pb(r.logprobs)
+            self.logprobs.extend(shown)
+            return StreamPiece(list(r.token_ids), r.text, logprobs=shown)
         return None
 
     def result(self) -> GenerateResult:
@@ -216,4 +231,4 @@ class Collector:
                               self.final.session_id, self.meta.device_id,
                               self.meta.prompt_tokens, stats_from_pb(self.final.stats),
                               self.res.resumes, self.seed, lineage.kernels,
-                              lineage.differs_from)
+                              lineage.differs_from, self.logprobs)

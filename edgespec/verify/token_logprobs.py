@@ -23,20 +23,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..protocol.token_logprob import TokenLogprob
 from ..runner.host_transfers import to_device, to_host
-
-MAX_TOP_LOGPROBS = 20  # OpenAI's limit on ``top_logprobs``
-
-
-@dataclass(frozen=True, slots=True)
-class TokenLogprob:
-    """An emitted token's log-probability under the target, and the ``top`` most likely
-    tokens at its position, as (token id, log-probability), most likely first (ties: the
-    lower id first)."""
-
-    token: int
-    logprob: float
-    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -54,15 +42,6 @@ def emitted_columns(path: Sequence[int], n: int) -> list[int]:
     """The logits columns that chose a row's first ``n`` emitted tokens, given its accepted
     path (node indices, root to leaf): the root's (0), then each accepted node's (1 + i)."""
     return [0, *(1 + p for p in path[:n - 1])][:n]
-
-
-def check_top_logprobs(k: int | None) -> None:
-    """Refuses a ``logprobs`` setting that is neither None nor an int in [0, MAX_TOP_LOGPROBS]."""
-    if k is None:
-        return
-    if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_TOP_LOGPROBS:
-        raise ValueError(f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}] (the "
-                         f"alternatives a token gets) or None, got {k!r}")
 
 
 def read_logprobs(logits: torch.Tensor, picks: Sequence[LogprobPick]

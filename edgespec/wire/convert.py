@@ -22,6 +22,7 @@ from google.protobuf.descriptor import FieldDescriptor
 from ..config import ConfigError, SamplingParams
 from ..protocol.request_stats import Stats
 from ..v1 import edgespec_pb2 as pb
+from ..protocol.token_logprob import TokenLogprob
 from .keepalive import client_keepalive_options, server_keepalive_options
 
 AUTH_ENV = "EDGESPEC_AUTH_TOKEN"
@@ -46,6 +47,18 @@ def params_from_pb(m: pb.SamplingParams) -> SamplingParams:
     top_p = 1.0 if m.top_p == 0 else m.top_p
     return SamplingParams(temperature=m.temperature, top_k=m.top_k, top_p=top_p,
                           seed=m.seed if m.has_seed else None)
+
+
+def logprobs_to_pb(entries: Sequence[TokenLogprob]) -> list[pb.TokenLogprob]:
+    return [pb.TokenLogprob(token_id=e.token, logprob=e.logprob,
+                            top=[pb.TopLogprob(token_id=t, logprob=lp) for t, lp in e.top])
+            for e in entries]
+
+
+def logprobs_from_pb(entries) -> list[TokenLogprob]:
+    """``GenerateResponse.logprobs`` as ``TokenLogprob``s (float32's values, as sent)."""
+    return [TokenLogprob(e.token_id, e.logprob, tuple((t.token_id, t.logprob) for t in e.top))
+            for e in entries]
 
 
 def stats_to_pb(s: Stats) -> pb.Stats:

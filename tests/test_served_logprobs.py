@@ -1,16 +1,21 @@
-"""Logprobs over the OpenAI-compatible API of a live ``edgespec serve`` with a MaG board, read by
-the official ``openai`` client: chat's ``logprobs``/``top_logprobs`` and the legacy completions'
-``logprobs``, streamed and whole, are target-only decoding's (an engine in this process, the
-same model, no drafter), one a completion token, each token's bytes the text's own."""
+"""Logprobs served by a live ``edgespec serve`` with a MaG board: over the OpenAI-compatible API,
+read by the official ``openai`` client (chat's ``logprobs``/``top_logprobs``, the legacy
+completions' ``logprobs``, streamed and whole), and over gRPC by the SDK (``logprobs=``). They
+are target-only decoding's (an engine in this process, the same model, no drafter), exactly,
+one a completion token, each token's bytes the text's own."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
+from edgespec.client import Client, InvalidRequest
 from edgespec.config import EngineConfig, SamplingParams
 from edgespec.engine.spec_engine import Request, SpecEngine
 from edgespec.models.loading import encode_prompt
 from edgespec.runner.target_runner import TargetRunner
+from edgespec.sdk.stream import Resumer
 from http_harness import MESSAGES, N, PROMPT, TOKEN, call, http_server, openai_client
 
 pytestmark = pytest.mark.slow  # processes, servers or long sweeps: not the fast tier
@@ -125,3 +130,37 @@ def test_a_chat_logprobs_setting_out_of_range_is_a_400_naming_it(server, api, bo
                        {"model": api.model_id, "messages": MESSAGES, "max_tokens": 2, **body},
                        {"Authorization": f"Bearer {TOKEN}"})
     assert code == 400 and reply["error"]["param"] == param
+
+
+def test_the_sdk_gets_target_onlys_logprobs(server, looping, target_only):
+    ids, ref = target_only(encode_prompt(looping.tokenizer, messages=MESSAGES))
+    with Client(server["address"], token=TOKEN, timeout=120) as client:
+        res = client.generate(messages=MESSAGES, max_new_tokens=N, logprobs=3)
+        pieces = list(client.stream(messages=MESSAGES, max_new_tokens=N, logprobs=3))
+        plain = client.generate(messages=MESSAGES, max_new_tokens=4)
+    assert res.token_ids == ids and res.stats["accepted"] > 0
+    assert res.logprobs == [replace(e, top=e.top[:3]) for e in ref]
+    assert [e for p in pieces if p.token_ids for e in p.logprobs] == res.logprobs
+    assert all(len(p.logprobs) == len(p.token_ids) for p in pieces if p.token_ids)
+    assert plain.logprobs is None
+
+
+def test_the_sdk_refuses_logprobs_out_of_range_before_sending(server):
+    with Client(server["address"], token=TOKEN, timeout=120) as client:
+        for bad in (-1, 21, True, 2.0):
+            with pytest.raises(InvalidRequest, match="logprobs must be an integer"):
+                client.generate("hi", logprobs=bad)
+
+
+def test_a_resumed_stream_asks_for_logprobs_again():
+    """The resume request carries the call's logprobs setting (the tokens after the break get
+    theirs); a call without it sends none."""
+    for asked in (0, 4, None):
+        res = Resumer.of_call(type("C", (), {"timeout": None, "max_resumes": 2}), None,
+                              prompt="hi", logprobs=asked)
+        res.session_id, res.tokens = "ab" * 16, [5, 6]
+        resume = res.next_request()
+        assert resume.resume_from == 2
+        assert resume.HasField("logprobs") == (asked is not None)
+        if asked is not None:
+            assert resume.logprobs == asked
