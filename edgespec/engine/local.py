@@ -15,6 +15,7 @@ from ..config import ConfigError, EngineConfig, SamplingParams
 from ..drafters import build_drafter, parse_drafter_spec
 from .spec_engine import Request, SpecEngine
 from ..protocol.request_stats import Stats
+from ..protocol.token_logprob import TokenLogprob
 from ..models.images import decode_images, image_bytes
 from ..models.loading import LoadedModel, encode_prompt, load_model, stop_token_ids
 from ..models.vision import ImageInput
@@ -30,11 +31,16 @@ class Generation:
     finish_reason: str
     prompt_tokens: int
     dtype: str = "float32"  # the target's dtype that served it
+    logprobs: list[TokenLogprob] | None = None  # asked for (``generate(logprobs=k)``), else None
 
     def to_dict(self) -> dict:
-        return {"token_ids": self.token_ids, "text": self.text, "finish_reason": self.finish_reason,
-                "prompt_tokens": self.prompt_tokens, "dtype": self.dtype,
-                "stats": self.stats.to_dict()}
+        out = {"token_ids": self.token_ids, "text": self.text,
+               "finish_reason": self.finish_reason, "prompt_tokens": self.prompt_tokens,
+               "dtype": self.dtype, "stats": self.stats.to_dict()}
+        if self.logprobs is not None:
+            out["logprobs"] = [{"token_id": e.token, "logprob": e.logprob,
+                                "top": [[t, lp] for t, lp in e.top]} for e in self.logprobs]
+        return out
 
 
 class LocalGenerator:
@@ -84,8 +90,9 @@ class LocalGenerator:
     def generate(self, prompt: str | list[int], max_new_tokens: int = 128,
                  params: SamplingParams | None = None, drafter: str | None = None,
                  raw: bool = False, stream: Callable[[str], None] | None = None,
-                 images: Sequence[Any] = ()) -> Generation:
-        """``images`` (a text prompt only): see ``encode``."""
+                 images: Sequence[Any] = (), logprobs: int | None = None) -> Generation:
+        """``images`` (a text prompt only): see ``encode``. ``logprobs``: each token's logprob
+        with this many alternatives (``Request.logprobs``)."""
         pictures: ImageInput | None = None
         if isinstance(prompt, list):
             if images:
@@ -96,13 +103,14 @@ class LocalGenerator:
             ids, pictures = self.encode_with_images(prompt, raw, images)
         on_tokens = TextStream(self.target.tokenizer, stream) if stream else None
         req = Request(ids, max_new_tokens, params or SamplingParams(), on_tokens,
-                      images=pictures)
+                      images=pictures, logprobs=logprobs)
         res = self.engine(drafter).generate(req)
         if on_tokens is not None:  # an output that ends mid-character: its last bytes
             on_tokens.flush()
         text = self.target.tokenizer.decode(res.token_ids, skip_special_tokens=True,
                                             clean_up_tokenization_spaces=False)  # as streamed
-        return Generation(res.token_ids, text, res.stats, res.finish_reason, len(ids), self.dtype)
+        return Generation(res.token_ids, text, res.stats, res.finish_reason, len(ids), self.dtype,
+                          res.logprobs)
 
     def close(self) -> None:
         for e in self.engines.values():
