@@ -105,3 +105,20 @@ def test_mag_in_a_batch_equals_target_only(served):
     with SpecEngine(runner, build_drafter("mag"), _cfg(False), stop_ids=STOP) as engine:
         results = engine.generate_many([Request(p, NEW_TOKENS) for p in prompts])
     assert [r.token_ids for r in results] == [refs[tuple(p)] for p in prompts]
+
+
+def test_logprobs_in_a_batch_equal_target_onlys(served):
+    """A session's logprobs (5 alternatives) are target-only decoding's bit for bit when trees
+    are drafted for it in a batch of 64 (greedy), as its tokens are."""
+    runner, prompts = served
+    with SpecEngine(runner, None, _cfg(False), stop_ids=STOP) as engine:
+        refs = [engine.generate(Request(p, NEW_TOKENS, logprobs=5)) for p in prompts]
+    drafter = OracleTreeDrafter({tuple(p): r.token_ids for p, r in zip(prompts, refs)},
+                                runner.vocab_size, seed=7)
+    with SpecEngine(runner, drafter, _cfg(True), stop_ids=STOP) as engine:
+        results = engine.generate_many([Request(prompts[i % N_PROMPTS], NEW_TOKENS, logprobs=5)
+                                        for i in range(SESSIONS)])
+    assert sum(r.stats.branch_tokens for r in results) > 0
+    for i, res in enumerate(results):
+        ref = refs[i % N_PROMPTS]
+        assert res.token_ids == ref.token_ids and res.logprobs == ref.logprobs, i
