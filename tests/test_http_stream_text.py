@@ -13,7 +13,9 @@ import pytest
 
 from edgespec.engine.generation import Request, Result
 from edgespec.protocol.request_stats import Stats
+from edgespec.protocol.token_logprob import TokenLogprob
 from verifier_node.http_api import _Run
+from verifier_node.logprob_shapes import LogprobShapes
 from verifier_node.tickets import Ticket
 
 pytestmark = [pytest.mark.real_model, pytest.mark.slow]
@@ -84,3 +86,66 @@ def test_a_stream_never_read_is_cancelled_after_its_response(tokenizer):
     asyncio.run(collect())
     run.cancel_if_never_read()
     assert read.cancelled == []
+
+
+def _logprob_run(tokenizer, text: str, stop: list[str], chat: bool) -> tuple[_Run, list[int]]:
+    """A run over a finished ticket whose output is ``text``, each token given a made-up
+    logprob (-its position), as the scheduler publishes them."""
+    output = tokenizer.encode(text, add_special_tokens=False)
+    ticket = Ticket(Request([1, 2, 3], len(output), logprobs=0), None)
+    ticket.add_logprobs([TokenLogprob(t, -float(i)) for i, t in enumerate(output)])
+    ticket.tokens = list(output)
+    ticket.result = Result(list(output), Stats(tokens=len(output)), "length")
+    run = _Run(_Admission(tokenizer), ticket,
+               SimpleNamespace(stop=stop, include_usage=False), chat=chat, model="m",
+               shapes=LogprobShapes(tokenizer))
+    return run, output
+
+
+def test_completions_text_offsets_count_a_split_character_once(tokenizer):
+    """A character split across tokens: the offsets are where each token's text begins in the
+    completion as decoded, not sums of the tokens' own texts (each part shown as U+FFFD)."""
+    text = " I \U0001F600 you"
+    run, output = _logprob_run(tokenizer, text, [], chat=False)
+
+    async def collect() -> str:
+        return "".join([piece async for piece in run._events()])
+
+    assert asyncio.run(collect()) == text
+    shaped = run.logprobs.upto(run.completion_tokens)
+    offsets = shaped["text_offset"]
+    assert len(offsets) == len(output) and offsets == sorted(offsets)
+    assert offsets[0] == 0 and offsets[-1] == text.index(" you")
+    assert shaped["token_logprobs"] == [-float(i) for i in range(len(output))]
+
+
+def test_streamed_logprobs_go_with_the_chunk_their_text_begins_in(tokenizer):
+    """With a stop string the text is held back: a chunk carries the logprobs of the tokens
+    whose text begins in what has been sent by then; the last chunk the rest (the tokens that
+    completed the stop string and past it)."""
+    import json
+
+    text = "one, two, three, four, five, six"
+    run, output = _logprob_run(tokenizer, text, [", four"], chat=True)
+
+    async def collect() -> list[dict]:
+        return [json.loads(c[len("data: "):]) async for c in run.sse()
+                if c.startswith("data: {")]
+
+    chunks = asyncio.run(collect())
+    pieces = [tokenizer.decode([t]) for t in output]
+    starts = [len("".join(pieces[:i])) for i in range(len(pieces))]  # ASCII: exact
+    sent, given = "", 0
+    for chunk in chunks[:-1]:
+        sent += chunk["choices"][0]["delta"].get("content", "")
+        content = chunk["choices"][0]["logprobs"]["content"]
+        assert [c["logprob"] for c in content] == [-float(i) for i in
+                                                   range(given, given + len(content))]
+        given += len(content)
+        assert given == sum(s < len(sent) for s in starts), (sent, given)
+    assert sent == "one, two, three"
+    last = chunks[-1]["choices"][0]
+    assert last["finish_reason"] == "stop"
+    assert given + len(last["logprobs"]["content"]) == run.completion_tokens
+    assert run.completion_tokens == len(tokenizer.encode("one, two, three, four",
+                                                          add_special_tokens=False))

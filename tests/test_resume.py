@@ -5,10 +5,14 @@ from __future__ import annotations
 
 from conftest import hf_greedy
 
-from edgespec.config import SamplingParams
-from edgespec.engine.spec_engine import Request
+from edgespec.config import EngineConfig, SamplingParams
+from edgespec.engine.spec_engine import Request, SpecEngine
 from edgespec.protocol.contract import Verdict
+from edgespec.sdk.stream import Collector, Resumer
+from edgespec.v1 import edgespec_pb2 as pb
+from edgespec.wire.convert import logprobs_to_pb
 from verifier_node.admission import GenerationRequest
+from verifier_node.service import response_logprobs
 
 PROMPT = [1, 10, 11, 12, 13, 10, 11]
 
@@ -109,3 +113,37 @@ def test_a_running_ticket_that_ends_before_its_resume_submits_it_is_not_queued_a
     sched._end(ticket, result=Result([4, 5], Stats(), "stop"))  # it ends right then
     assert sched.submit(running) is ticket and ticket.ended
     assert sched.ticket(ticket.session_id) is None and not sched._pending
+
+
+def test_a_resumed_streams_logprobs_stay_with_their_tokens(verifier_parts, looping):
+    """A session resumed from the cache, whose client holds fewer tokens than the cache kept
+    (the break came after a commit, before its tokens were sent): the tokens between go in a
+    response of their own with no logprobs, and the SDK gives them None; every later token has
+    its own, target-only's."""
+    store, engine, sched, admission = verifier_parts
+    ref = hf_greedy(looping.model, PROMPT, 8)
+    store.create("s5", PROMPT, SamplingParams(), None, max_new_tokens=8)
+    for i, tok in enumerate(ref[:3]):  # committed by a verifier killed before sending 2 of them
+        store.commit_many([Verdict("s5", i, len(PROMPT) + i, 0, tok)])
+    ticket = admission.admit(GenerationRequest(resume_session_id="s5", logprobs=1))
+    sched._admit()
+    while not ticket.ended:
+        engine.step()
+    with SpecEngine(engine.target, None, EngineConfig(), stop_ids=set()) as alone:
+        own = alone.generate(Request(PROMPT, 8, logprobs=1)).logprobs
+    res = Resumer.of_call(type("Client", (), {"timeout": None, "max_resumes": 1}), None,
+                          prompt_ids=PROMPT, logprobs=1)
+    collected = Collector(res)
+    cursor = 1  # the client received one token before the break: resume_from
+    collected.add(pb.GenerateResponse(session_id="s5", token_ids=ref[:1], text="x",
+                                      logprobs=logprobs_to_pb(own[:1])))
+    while cursor < len(ticket.tokens):
+        new, shown = response_logprobs(ticket, cursor, ticket.tokens[cursor:])
+        assert len(shown) in (0, len(new))
+        collected.add(pb.GenerateResponse(session_id="s5", token_ids=new, text="x",
+                                          logprobs=logprobs_to_pb(shown)))
+        cursor += len(new)
+    collected.add(pb.GenerateResponse(session_id="s5", finished=True, finish_reason="length"))
+    out = collected.result()
+    assert out.token_ids == ref
+    assert out.logprobs == own[:1] + [None, None] + own[3:]

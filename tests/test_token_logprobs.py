@@ -2,6 +2,7 @@
 drafts for it (chains, trees, batched beside sessions that ask for none), one per emitted token,
 the model's own distribution at the position that chose it."""
 
+import numpy as np
 import pytest
 import torch
 from conftest import hf_greedy
@@ -11,7 +12,7 @@ from edgespec.config import ConfigError, EngineConfig, SamplingParams
 from edgespec.drafters import build_drafter
 from edgespec.engine.spec_engine import Request, SpecEngine
 from edgespec.runner.target_runner import TargetRunner
-from edgespec.protocol.token_logprob import MAX_TOP_LOGPROBS
+from edgespec.protocol.token_logprob import MAX_TOP_LOGPROBS, TokenLogprob
 from edgespec.verify.token_logprobs import LogprobPick, emitted_columns, read_logprobs
 
 PROMPTS = [
@@ -165,3 +166,37 @@ def test_half_precision_logprobs_are_its_own_target_onlys(tiny, tiny_dir, dtype)
     drafted = run(runner, build_drafter("mag", tiny, runner))
     assert [r.token_ids for r in drafted] == [r.token_ids for r in alone]
     assert [r.logprobs for r in drafted] == [r.logprobs for r in alone]
+
+
+def test_alternatives_are_the_largest_with_equals_by_lower_id_whatever_the_others_ask():
+    """bfloat16-valued logits tie often: a position's alternatives are its own (a stable order:
+    descending logprob, then ascending id), alone or beside a row that asks for more."""
+    torch.manual_seed(1)
+    vocab = 4096
+    logits = (torch.randn(2, 6, vocab) * 4).bfloat16().float()
+    crossing = 0
+    for b in range(2):
+        for col in range(6):
+            lp = torch.log_softmax(logits[b, col], -1).numpy()
+            order = np.argsort(-lp, kind="stable")
+            for top in (1, 3, 7, MAX_TOP_LOGPROBS):
+                want = tuple((int(i), float(lp[i])) for i in order[:top])
+                crossing += lp[order[top - 1]] == lp[order[top]]
+                for beside in ([], [LogprobPick(1 - b, [0, 1], [0, 1], MAX_TOP_LOGPROBS)]):
+                    got = read_logprobs(logits, [LogprobPick(b, [col], [5], top), *beside])[0]
+                    assert got == (TokenLogprob(5, float(lp[5]), want),), (b, col, top)
+    assert crossing > 0  # ties crossed the cut: the case that needs the stable order
+
+
+def test_decode_steps_run_ahead_only_without_a_session_that_asks(tiny, runner, target_only):
+    """Decode steps run ahead (as on CUDA) judge a step from choices alone, with no logits read:
+    while a session asks for logprobs none is launched, and it gets every token's; once it
+    ends, the others' steps run ahead again."""
+    with SpecEngine(runner, None, EngineConfig(decode_ahead=True), stop_ids={2}) as engine:
+        got = engine.generate_many([Request(PROMPTS[0], 8, logprobs=5),
+                                    Request(PROMPTS[1], N), Request(PROMPTS[2], N)])
+        launched = engine.ahead.launched
+    assert launched > 0  # after the session that asked ended
+    assert got[0].token_ids == target_only[0].token_ids[:8]
+    assert got[0].logprobs == target_only[0].logprobs[:8]
+    assert [r.token_ids for r in got[1:]] == [r.token_ids for r in target_only[1:]]

@@ -1,5 +1,6 @@
 """The HTTP API's errors in OpenAI's shape: ``ApiError`` (raised anywhere a request is read) and
-``error_response``, the body ``{"error": {"message", "type", "param", "code"}}`` it becomes.
+``error_response``, the body ``{"error": {"message", "type", "param", "code"}}`` it becomes;
+``missing_v1_hint``, what a 404's message tells a client whose base URL lacks ``/v1``.
 
 The body is written with non-ASCII characters escaped: an error's message may quote the request
 (an unknown parameter, role or model name), and JSON lets a request hold a lone surrogate
@@ -11,6 +12,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 
@@ -46,3 +48,18 @@ def error_response(status: int, message: str, kind: str, param: str | None = Non
     return AsciiJSONResponse({"error": {"message": message, "type": kind, "param": param,
                                         "code": code}}, status_code=status,
                              headers=headers or None)
+
+
+# the API's paths that a client whose base_url lacks /v1 asks for without it
+V1_PATHS = ("/chat/completions", "/completions", "/models")
+
+
+def missing_v1_hint(request: Request) -> str | None:
+    """For a path that exists under /v1 (POST /chat/completions from a client whose base_url
+    lacks /v1), what to change; None for any other path."""
+    path = request.url.path.rstrip("/")
+    if path not in V1_PATHS and not path.startswith("/models/"):
+        return None
+    base = str(request.base_url).rstrip("/")
+    return (f"no route {path}: did you mean /v1{path}? set the client's base_url to "
+            f"{base}/v1")

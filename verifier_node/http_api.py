@@ -27,6 +27,7 @@ import hmac
 import json
 import logging
 import time
+from bisect import bisect_left
 from dataclasses import dataclass
 from typing import Callable
 
@@ -43,6 +44,7 @@ from edgespec.protocol.contract import StoreUnavailable
 from edgespec.models.text_stream import TextStream
 
 from .admission import Admission, DrafterMissing, SessionNotFound
+from .api_errors import missing_v1_hint
 from .body_limit import BODY_TIMEOUT_S, MIN_BYTES, BodyLimit
 from .logprob_shapes import ChoiceLogprobs, LogprobShapes
 from .openai_params import ApiError, error_response, parse_request
@@ -53,21 +55,6 @@ from .tickets import QueueFull, ShuttingDown, Ticket
 # closed request"; no client receives it)
 CLIENT_CLOSED = 499
 log = logging.getLogger("edgespec.http")
-
-
-# the API's paths that a client whose base_url lacks /v1 asks for without it
-V1_PATHS = ("/chat/completions", "/completions", "/models")
-
-
-def missing_v1_hint(request: Request) -> str | None:
-    """For a path that exists under /v1 (POST /chat/completions from a client whose base_url
-    lacks /v1), what to change; None for any other path."""
-    path = request.url.path.rstrip("/")
-    if path not in V1_PATHS and not path.startswith("/models/"):
-        return None
-    base = str(request.base_url).rstrip("/")
-    return (f"no route {path}: did you mean /v1{path}? set the client's base_url to "
-            f"{base}/v1")
 
 
 @dataclass
@@ -217,9 +204,6 @@ class _Run:
                  shapes: LogprobShapes | None = None):
         self.admission, self.ticket, self.p, self.chat, self.model = (admission, ticket, params,
                                                                       chat, model)
-        # the logprobs asked for, sent with the text of the tokens they are of
-        self.logprobs = ChoiceLogprobs(shapes, ticket, chat) \
-            if shapes is not None and ticket.request.logprobs is not None else None
         self.id = ("chatcmpl-" if chat else "cmpl-") + ticket.session_id
         self.created = int(time.time())
         self.pieces: list[str] = []
@@ -227,7 +211,11 @@ class _Run:
         self.completion_tokens = 0
         self.finish_reason: str | None = None
         self.shown = ""  # text already sent (or decided) before any stop string
+        self.starts: list[int] = []  # where each token read begins in the output's text
         self.read = False  # the response began reading the ticket (``_events``)
+        # the logprobs asked for, each sent with the chunk its token's text begins in
+        self.logprobs = ChoiceLogprobs(shapes, ticket, chat, self.starts) \
+            if shapes is not None and ticket.request.logprobs is not None else None
 
     def cancel_if_never_read(self) -> None:
         """A streamed response whose client left before its first read never followed its
@@ -257,6 +245,7 @@ class _Run:
                         cut = None
                         for tok in new:  # a token at a time: usage stops at the stop string
                             cursor += 1
+                            self.starts.append(len(full))
                             self.text([tok])
                             full += "".join(self.pieces)
                             self.pieces.clear()
@@ -266,8 +255,8 @@ class _Run:
                         self.completion_tokens = cursor
                         if cut is not None:
                             self.finish_reason = "stop"
-                            yield full[len(self.shown):cut]
-                            self.shown = full[:cut]
+                            piece, self.shown = full[len(self.shown):cut], full[:cut]
+                            yield piece
                             self.admission.scheduler.cancel(t.session_id, reason="stop")
                             while not t.ended:  # for its stats; the cancel ends it promptly
                                 changed.clear()
@@ -278,8 +267,8 @@ class _Run:
                         # the text a stop string begins in
                         safe = len(full) - hold if error is None else len(full)
                         if safe > len(self.shown):
-                            yield full[len(self.shown):safe]
-                            self.shown = full[:safe]
+                            piece, self.shown = full[len(self.shown):safe], full[:safe]
+                            yield piece
                         continue
                     if isinstance(error, ShuttingDown):  # the SDK resumes such a session by
                         # id; over HTTP it is sent again, to this server once back or another
@@ -300,8 +289,8 @@ class _Run:
                         cut = _find_stop(full, self.p.stop)  # a stop the flushed text ends
                         end = len(full) if cut is None else cut
                         if end > len(self.shown):
-                            yield full[len(self.shown):end]
-                            self.shown = full[:end]
+                            piece, self.shown = full[len(self.shown):end], full[:end]
+                            yield piece
                         self.finish_reason = result.finish_reason if cut is None else "stop"
                         return
                     await changed.wait()
@@ -328,8 +317,12 @@ class _Run:
         return self.ticket.request.verify or self.admission.scheduler.engine.cfg.verify
 
     def _choice(self, text: str | None, finish: str | None, first: bool = False) -> dict:
-        """A streamed chunk's choice, with the logprobs of the tokens read since the last."""
-        logprobs = self.logprobs.upto(self.completion_tokens) if self.logprobs else None
+        """A streamed chunk's choice, with the logprobs of the tokens whose text begins in it
+        (the last chunk: the rest, a stop token's, those past a stop string)."""
+        logprobs = None
+        if self.logprobs is not None:
+            logprobs = self.logprobs.upto(self.completion_tokens if finish is not None
+                                          else bisect_left(self.starts, len(self.shown)))
         if self.chat:
             delta = {"role": "assistant", "content": text or ""} if first else \
                 ({"content": text} if text else {})

@@ -74,38 +74,35 @@ class LogprobShapes:
                             for e in entries],
                 "refusal": None}
 
-    def completion(self, entries: Sequence[TokenLogprob], offset: int) -> tuple[dict, int]:
-        """The legacy completions' ``logprobs`` of a choice, its tokens' text offsets counted
-        from ``offset`` (characters of the completion before them); returns it and the offset
-        after them. Each ``top_logprobs`` entry holds the alternatives and the token itself, as
-        OpenAI's does."""
-        tokens, offsets = [], []
-        for e in entries:
-            text, _ = self.token(e.token)
-            tokens.append(text)
-            offsets.append(offset)
-            offset += len(text)
+    def completion(self, entries: Sequence[TokenLogprob], offsets: Sequence[int]) -> dict:
+        """The legacy completions' ``logprobs`` of a choice (or a streamed chunk's), given
+        where each token's text begins in the completion (``text_offset``: from the text as
+        decoded, so a character split across tokens counts once). Each ``top_logprobs`` entry
+        holds the alternatives and the token itself, as OpenAI's does (in a dict keyed by text:
+        tokens of the same text, parts of characters shown alike, are one entry)."""
+        tokens = [self.token(e.token)[0] for e in entries]
         tops = [{**{self.token(t)[0]: lp for t, lp in e.top}, self.token(e.token)[0]: e.logprob}
                 for e in entries]
         return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
-                "top_logprobs": tops, "text_offset": offsets}, offset
+                "top_logprobs": tops, "text_offset": list(offsets)}
 
 
 class ChoiceLogprobs:
     """A choice's logprobs sent along with its text: each ``upto`` gives, in its transport's
-    shape, the logprobs of the ticket's tokens read since the last call (a token whose text a
-    stop string holds back is given with the chunk that read it)."""
+    shape, the logprobs of the ticket's tokens from the last call's end to a position.
+    ``starts``: where each token read so far (``ticket.tokens``' positions: an HTTP ticket
+    holds no earlier output) begins in the output's text, as the run keeps it: the
+    completions' ``text_offset``."""
 
-    def __init__(self, shapes: LogprobShapes, ticket, chat: bool):
-        self.shapes, self.ticket, self.chat = shapes, ticket, chat
+    def __init__(self, shapes: LogprobShapes, ticket, chat: bool, starts: Sequence[int]):
+        self.shapes, self.ticket, self.chat, self.starts = shapes, ticket, chat, starts
         self.sent = len(ticket.request.committed)  # a position in ``ticket.tokens``
-        self.offset = 0  # the completion's characters before the next token (completions)
 
     def upto(self, cursor: int) -> dict:
         """The logprobs of ``ticket.tokens[sent:cursor]``."""
-        entries = self.ticket.logprobs_of(self.sent, cursor)
-        self.sent = max(self.sent, cursor)
+        first = self.sent
+        entries = self.ticket.logprobs_of(first, cursor)
+        self.sent = max(first, cursor)
         if self.chat:
             return self.shapes.chat(entries)
-        shaped, self.offset = self.shapes.completion(entries, self.offset)
-        return shaped
+        return self.shapes.completion(entries, self.starts[first:first + len(entries)])

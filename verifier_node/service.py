@@ -29,6 +29,7 @@ from edgespec import __version__
 from edgespec.config import ConfigError
 from edgespec.protocol.ids import check_session_id
 from edgespec.protocol.lineage import Lineage
+from edgespec.protocol.token_logprob import TokenLogprob
 from edgespec.models.text_stream import TextStream
 from edgespec.v1 import edgespec_pb2 as pb
 from edgespec.v1 import edgespec_pb2_grpc as pb_grpc
@@ -61,6 +62,20 @@ def generation_request(req: pb.GenerateRequest) -> GenerationRequest:
         images=list(req.images), kernel_set=req.kernel_set,
         kernels_differ_from=req.kernels_differ_from,
         logprobs=req.logprobs if req.HasField("logprobs") else None)
+
+
+def response_logprobs(ticket: Ticket, cursor: int, new: list[int]
+                      ) -> tuple[list[int], list[TokenLogprob]]:
+    """The tokens ``new`` (read at ``cursor``) that the next response sends, and their
+    logprobs when the session asked for them: all of them, or, for the tokens of a resumed
+    session that an earlier verifier committed (``request.committed``, before the break but
+    not received), a response of those tokens alone with none (the SDK gives them None)."""
+    if ticket.request.logprobs is None:
+        return new, []
+    kept_from = len(ticket.request.committed)
+    if cursor < kept_from:
+        return new[:kept_from - cursor], []
+    return new, ticket.logprobs_of(cursor, cursor + len(new))
 
 
 class VerifierService(pb_grpc.VerifierServicer):
@@ -161,8 +176,7 @@ class VerifierService(pb_grpc.VerifierServicer):
             if new:
                 if text is None:
                     text = TextStream(self.tokenizer, pieces.append, ticket.tokens[:cursor])
-                shown = ticket.logprobs_of(cursor, cursor + len(new)) \
-                    if ticket.request.logprobs is not None else ()
+                new, shown = response_logprobs(ticket, cursor, new)
                 cursor += len(new)
                 text(new)
                 yield pb.GenerateResponse(session_id=sid, token_ids=new, text="".join(pieces),

@@ -182,11 +182,16 @@ class StepCommit(SessionLifecycle):
             stats.fill_accepted += n_branch
         if act.verify != "exact":  # the path's nodes only a lossy rule kept, as far as the
             stats.lenient_tokens += sum(d.lenient[:len(new)])  # output took them
+        if act.logprobs is not None:
+            if len(d.logprobs) != len(new):  # a path that read none: failed, never sent short
+                log.error("session %s asked for logprobs and its step read %d for %d tokens",
+                          act.sid, len(d.logprobs), len(new))
+                self.fail(act, SessionFailed("its logprobs were not read with its tokens"))
+                return
+            act.logprobs.extend(d.logprobs)
         act.output.extend(new)
         act.last_token = v.token
         act.finish = v.finish_reason or None  # the step ends it (``_commit``)
-        if act.logprobs is not None:
-            act.logprobs.extend(d.logprobs)
         req = act.req
         if req.on_tokens or req.on_logprobs:
             try:

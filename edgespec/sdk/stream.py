@@ -31,9 +31,10 @@ class StreamPiece:
     stats: dict | None = None
     kernel_set: str = ""  # on the last piece: as ``GenerateResult``'s
     kernels_differ_from: int = 0
-    # with ``logprobs=``: the tokens' logprobs, one a token (a resumed stream's tokens decoded
-    # where none were kept have none); None otherwise
-    logprobs: list[TokenLogprob] | None = None
+    # with ``logprobs=``: the tokens' logprobs, one a token (None for a token whose logprob the
+    # verifier did not keep: a resumed stream's, committed before the break but not received);
+    # None otherwise
+    logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass
@@ -53,8 +54,9 @@ class GenerateResult:
     kernel_set: str = ""
     kernels_differ_from: int = 0
     # with ``logprobs=``: each token's logprob (``TokenLogprob``: the token, its logprob under the
-    # target, the alternatives asked for), in order; None otherwise
-    logprobs: list[TokenLogprob] | None = None
+    # target, the alternatives asked for), in order (None for a token whose logprob the verifier
+    # did not keep: see ``StreamPiece``); None otherwise
+    logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def lossless(self) -> bool:
@@ -200,7 +202,8 @@ class Collector:
         self.meta = pb.GenerateResponse()
         self.final: pb.GenerateResponse | None = None
         self.seed: int | None = None
-        self.logprobs: list[TokenLogprob] | None = [] if res.req.HasField("logprobs") else None
+        self.logprobs: list[TokenLogprob | None] | None = [] if res.req.HasField("logprobs") \
+            else None
 
     def add(self, r: pb.GenerateResponse) -> StreamPiece | None:
         if r.device_id or r.prompt_tokens:
@@ -218,7 +221,10 @@ class Collector:
             self.text.append(r.text)
             if self.logprobs is None:
                 return StreamPiece(list(r.token_ids), r.text)
-            shown = logprobs_from_pb(r.logprobs)
+            # a resumed stream's tokens that the verifier holds no logprobs for (committed before
+            # the break, not received then) come in a response of their own: None each
+            shown: list[TokenLogprob | None] = [None] * (len(r.token_ids) - len(r.logprobs))
+            shown.extend(logprobs_from_pb(r.logprobs))
             self.logprobs.extend(shown)
             return StreamPiece(list(r.token_ids), r.text, logprobs=shown)
         return None

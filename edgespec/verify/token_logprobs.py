@@ -47,29 +47,48 @@ def emitted_columns(path: Sequence[int], n: int) -> list[int]:
 def read_logprobs(logits: torch.Tensor, picks: Sequence[LogprobPick]
                   ) -> list[tuple[TokenLogprob, ...]]:
     """Each pick's tokens' ``TokenLogprob`` in order, from a step's logits [B, T, V] float32:
-    one gather, one ``log_softmax`` over the gathered positions [M, V], one copy to the host."""
+    one gather, one ``log_softmax`` over the gathered positions [M, V], one copy to the host.
+
+    A position's ``top`` alternatives are its ``top`` largest logprobs, equals taken by the
+    lower token id: so they depend on the position's logits alone, never on what the other
+    rows asked. ``topk`` of the step's largest ask, plus one, gives them wherever no tie
+    crosses a position's cut (its values, not which of equal ids it picked, tell); a position
+    where one does (rare in float32, less so in bfloat16) is read whole and ordered on the
+    host, a second copy in such a step."""
     rows = [p.row for p in picks for _ in p.columns]
     columns = [c for p in picks for c in p.columns]
     tokens = [t for p in picks for t in p.tokens]
     if not columns:
         return [() for _ in picks]
-    k = max(p.top for p in picks)
+    tops = [p.top for p in picks for _ in p.columns]
+    k = min(max(tops) + 1, logits.shape[-1])
     row_ids, column_ids, token_ids = to_device(
         [np.asarray(rows), np.asarray(columns), np.asarray(tokens)], logits.device, torch.long)
     lp = torch.log_softmax(logits[row_ids, column_ids].float(), -1)  # [M, V]
     parts = [lp.gather(1, token_ids[:, None]).double()]  # [M, 1]
-    if k:
+    if max(tops):
         best = lp.topk(k, -1)  # ids below 2^53: exact as float64 beside the values
         parts += [best.values.double(), best.indices.double()]
     host = to_host(torch.cat(parts, 1)).tolist()  # [M, 1 + 2k]
+    alternatives: list[list[tuple[int, float]]] = []
+    crossed = []  # positions where a tie crosses the cut
+    for i, (r, t) in enumerate(zip(host, tops)):
+        if t and t < k and r[t] == r[t + 1]:  # values t - 1 and t (from 0) are equal
+            crossed.append(i)
+            alternatives.append([])
+        else:
+            alternatives.append(sorted(zip(map(int, r[1 + k:1 + k + t]), r[1:1 + t]),
+                                       key=lambda e: (-e[1], e[0])))
+    if crossed:
+        whole = to_host(lp[to_device([np.asarray(crossed)], lp.device, torch.long)[0]])
+        for i, row in zip(crossed, whole):
+            order = np.argsort(-row, kind="stable")[:tops[i]]  # equals: the lower id first
+            alternatives[i] = [(int(t), float(row[t])) for t in order]
     out, i = [], 0
     for p in picks:
         entries = []
         for token in p.tokens:
-            r = host[i]
+            entries.append(TokenLogprob(token, host[i][0], tuple(alternatives[i])))
             i += 1
-            alternatives = sorted(zip(map(int, r[1 + k:1 + k + p.top]), r[1:1 + p.top]),
-                                  key=lambda e: (-e[1], e[0]))
-            entries.append(TokenLogprob(token, r[0], tuple(alternatives)))
         out.append(tuple(entries))
     return out
