@@ -102,7 +102,8 @@ OTHER_TOOLS = {"--index-url", "--no-deps", "--force-reinstall",  # pip
                "--loops",  # scripts/resting_take_bench.py
                "--windows",  # scripts/llamacpp_window_sweep.py
                "--chunks", "--per-commit",  # scripts/chunk_push_cost.py
-               "--boards", "--steps", "--sessions-per-board"}  # scripts/cache_fleet_cost.py
+               "--boards", "--steps", "--sessions-per-board",  # scripts/cache_fleet_cost.py
+               "--rounds"}  # docs/measured/logprobs/cost.py
 
 
 def test_every_option_the_pages_name_exists():
