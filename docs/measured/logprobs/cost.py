@@ -1,7 +1,7 @@
 """What asking for logprobs costs a generation on this machine: the default model, in process
-(``LocalGenerator``), one torch thread, greedy, the same prompts with ``logprobs`` None, 0 and 5,
-in rounds (each round every setting once, the order reversed every other round). Prints a
-table of tokens a second (medians over rounds) and writes the figures as JSON.
+(``LocalGenerator``), one torch thread, greedy, the same prompts with ``logprobs`` None, 0, 5
+and 20, in rounds (each round every setting once, the order reversed every other round).
+Prints a table of tokens a second (medians over rounds) and writes the figures as JSON.
 
     python cost.py [--drafter mag] [--rounds 3] [--json cost.json]
 """
@@ -18,7 +18,7 @@ from edgespec.runner.threads import set_threads
 PROMPTS = ["Write a short story about a lighthouse keeper.",
            "Explain how a refrigerator works, step by step.",
            "List ten fruits, one per line."]
-SETTINGS = [None, 0, 5]
+SETTINGS = [None, 0, 5, 20]
 
 
 def main() -> None:
