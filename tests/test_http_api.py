@@ -372,6 +372,17 @@ def test_a_client_that_disconnects_cancels_its_session(looping_dir, tmp_path):
                 finishes += [c.finish_reason for c in chunk.choices if c.finish_reason]
         assert told and finishes == []
         wait_for("the cancelled session", lambda m: m.get(cancelled) == 3)
+        # a stream of two choices whose client leaves: both sessions are cancelled
+        conn = http.client.HTTPConnection("127.0.0.1", http_port, timeout=120)
+        conn.request("POST", "/v1/completions", json.dumps({**body, "n": 2}),
+                     {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"})
+        resp = conn.getresponse()
+        while '"text": "' not in (line := resp.fp.readline().decode()) or '"text": ""' in line:
+            assert line, f"the stream ended before any text:\n{serve.text()[-3000:]}"
+        conn.sock.close()
+        conn.close()
+        m = wait_for("the abandoned choices kept running", lambda m: m.get(cancelled) == 5)
+        assert m["edgespec:num_requests_running"] == 0
     finally:
         frozen.popen.send_signal(signal.SIGCONT)
         frozen.stop()

@@ -55,7 +55,8 @@ def api(server):
     (dict(top_p=1.5), 400, "top_p"),
     (dict(model=5), 400, "model"),
     (dict(max_tokens=0), 400, "max_tokens"),
-    (dict(n=2), 400, "n"),
+    (dict(n=17), 400, "n"),  # past the choices a request may ask for
+    (dict(n=0), 400, "n"),
     (dict(stop=["a", "b", "c", "d", "e"]), 400, "stop"),
     (dict(logit_bias={"5": 10}), 400, "logit_bias"),
     (dict(prompt=""), 400, "prompt"),

@@ -1,5 +1,5 @@
-"""The HTTP API's text at an output's end (``verifier_node.http_api._Run``): an output that
-ends mid-character (a length cut) flushes its last bytes as U+FFFD, and a stop string that the
+"""The HTTP API's text at an output's end (``verifier_node.http_choice.ChoiceRun``): an output
+that ends mid-character (a length cut) flushes its last bytes as U+FFFD, and a stop string that the
 flushed text completes cuts it there, as it does anywhere else. Driven on a ticket the
 scheduler would have finished, with the default model's byte-level tokenizer (its files only)."""
 
@@ -14,7 +14,7 @@ import pytest
 from edgespec.engine.generation import Request, Result
 from edgespec.protocol.request_stats import Stats
 from edgespec.protocol.token_logprob import TokenLogprob
-from verifier_node.http_api import _Run
+from verifier_node.http_choice import ChoiceRun, stream_choices
 from verifier_node.logprob_shapes import LogprobShapes
 from verifier_node.tickets import Ticket
 
@@ -31,7 +31,7 @@ def tokenizer():
 
 
 class _Admission:
-    """What ``_Run`` reads of the admission: the tokenizer, a follow, a cancel."""
+    """What ``ChoiceRun`` reads of the admission: the tokenizer, a follow, a cancel."""
 
     def __init__(self, tokenizer):
         self.tokenizer, self.kernels = tokenizer, "test"
@@ -48,7 +48,8 @@ def _text(tokenizer, output: list[int], stop: list[str]) -> tuple[str, str | Non
     ticket = Ticket(Request([1, 2, 3], len(output)), None)
     ticket.tokens = list(output)
     ticket.result = Result(list(output), Stats(tokens=len(output)), "length")
-    run = _Run(_Admission(tokenizer), ticket, SimpleNamespace(stop=stop), chat=False, model="m")
+    run = ChoiceRun(_Admission(tokenizer), ticket, SimpleNamespace(stop=stop), chat=False,
+                    model="m")
 
     async def collect() -> list[str]:
         return [piece async for piece in run._events()]
@@ -73,12 +74,12 @@ def test_a_stream_never_read_is_cancelled_after_its_response(tokenizer):
     was read is left to its readers."""
     ticket = Ticket(Request([1, 2, 3], 4), None)
     admission = _Admission(tokenizer)
-    run = _Run(admission, ticket, SimpleNamespace(stop=[]), chat=False, model="m")
+    run = ChoiceRun(admission, ticket, SimpleNamespace(stop=[]), chat=False, model="m")
     run.cancel_if_never_read()
     assert admission.cancelled == [ticket.session_id]
     read = _Admission(tokenizer)
     ticket.tokens, ticket.result = [5], Result([5], Stats(tokens=1), "length")
-    run = _Run(read, ticket, SimpleNamespace(stop=[]), chat=False, model="m")
+    run = ChoiceRun(read, ticket, SimpleNamespace(stop=[]), chat=False, model="m")
 
     async def collect() -> list[str]:
         return [piece async for piece in run._events()]
@@ -88,7 +89,8 @@ def test_a_stream_never_read_is_cancelled_after_its_response(tokenizer):
     assert read.cancelled == []
 
 
-def _logprob_run(tokenizer, text: str, stop: list[str], chat: bool) -> tuple[_Run, list[int]]:
+def _logprob_run(tokenizer, text: str, stop: list[str], chat: bool
+                 ) -> tuple[ChoiceRun, list[int]]:
     """A run over a finished ticket whose output is ``text``, each token given a made-up
     logprob (-its position), as the scheduler publishes them."""
     output = tokenizer.encode(text, add_special_tokens=False)
@@ -96,7 +98,7 @@ def _logprob_run(tokenizer, text: str, stop: list[str], chat: bool) -> tuple[_Ru
     ticket.add_logprobs([TokenLogprob(t, -float(i)) for i, t in enumerate(output)])
     ticket.tokens = list(output)
     ticket.result = Result(list(output), Stats(tokens=len(output)), "length")
-    run = _Run(_Admission(tokenizer), ticket,
+    run = ChoiceRun(_Admission(tokenizer), ticket,
                SimpleNamespace(stop=stop, include_usage=False), chat=chat, model="m",
                shapes=LogprobShapes(tokenizer))
     return run, output
@@ -129,7 +131,7 @@ def test_streamed_logprobs_go_with_the_chunk_their_text_begins_in(tokenizer):
     run, output = _logprob_run(tokenizer, text, [", four"], chat=True)
 
     async def collect() -> list[dict]:
-        return [json.loads(c[len("data: "):]) async for c in run.sse()
+        return [json.loads(c[len("data: "):]) async for c in stream_choices([run], False)
                 if c.startswith("data: {")]
 
     chunks = asyncio.run(collect())

@@ -6,10 +6,11 @@
 chunk with usage); ``GET /v1/models``; ``GET /health`` (200 when ready, 503 while loading,
 draining or unhealthy); ``GET /metrics`` (Prometheus). Every generation goes through the same
 ``Admission`` as the gRPC service, so it is validated the same way and lossless unless the
-verifier was started in a lossy mode (``--verify loose`` or ``--verify pad:DIR``). Each response
-carries the request's speculative-decoding figures in an ``edgespec`` field: ``lossless`` (false
-for a session verified in a lossy mode), ``verify`` (the mode) and ``lenient_tokens`` among
-them.
+verifier was started in a lossy mode (``--verify loose`` or ``--verify pad:DIR``). A request
+for ``n`` choices is a session a choice (``http_choice``). Each response carries the request's
+speculative-decoding figures in an ``edgespec`` field (a list, one a choice, where ``n`` > 1):
+``lossless`` (false for a session verified in a lossy mode), ``verify`` (the mode) and
+``lenient_tokens`` among them.
 
 Errors use OpenAI's body ``{"error": {"message", "type", "param", "code"}}``: 400 for malformed
 JSON, bad parameters or a prompt over the context limit, 401 without the bearer token (when the
@@ -22,38 +23,32 @@ one that disconnects before its request body arrived whole is logged (INFO) and 
 
 from __future__ import annotations
 
-import asyncio
 import hmac
-import json
 import logging
 import time
-from bisect import bisect_left
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import anyio
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from edgespec.config import ConfigError, EmptyPrompt, is_lossy
+from edgespec.config import ConfigError, EmptyPrompt
 from edgespec.protocol.contract import StoreUnavailable
-from edgespec.models.text_stream import TextStream
 
 from .admission import Admission, DrafterMissing, SessionNotFound
 from .api_errors import missing_v1_hint
 from .body_limit import BODY_TIMEOUT_S, MIN_BYTES, BodyLimit
-from .logprob_shapes import ChoiceLogprobs, LogprobShapes
+from .http_choice import CLIENT_CLOSED, ChoiceRun, stream_choices, whole_choices
+from .logprob_shapes import LogprobShapes
 from .openai_params import ApiError, error_response, parse_request
 from .tickets import QueueFull, ShuttingDown, Ticket
 
 
-# the status logged for a request whose client left before it was read whole (nginx's "client
-# closed request"; no client receives it)
-CLIENT_CLOSED = 499
 log = logging.getLogger("edgespec.http")
 
 
@@ -134,14 +129,18 @@ def make_app(state: ServingState, token: str | None = None,
         except (ValueError, RecursionError):  # bad JSON, bad UTF-8, absurd nesting
             raise ApiError(400, "the request body is not valid JSON", "invalid_request_error")
         params = parse_request(body, chat, model_name)
-        ticket = await _admit(admission, params, chat)
+        tickets = await _admit_choices(admission, params, chat)
         if params.generation.logprobs is not None and state.shapes is None:
             state.shapes = LogprobShapes(admission.tokenizer)
-        run = _Run(admission, ticket, params, chat, model_name, state.shapes)
+        runs = [ChoiceRun(admission, t, params, chat, model_name, state.shapes, i)
+                for i, t in enumerate(tickets)]
+        for run in runs[1:]:  # one response: the first choice's id and time
+            run.id, run.created = runs[0].id, runs[0].created
         if params.stream:  # a client gone before the stream's first read: cancelled after
-            return StreamingResponse(run.sse(), media_type="text/event-stream",
-                                     background=BackgroundTask(run.cancel_if_never_read))
-        return await run.whole(request)
+            return StreamingResponse(
+                stream_choices(runs, params.include_usage), media_type="text/event-stream",
+                background=BackgroundTask(_cancel_never_read, runs))
+        return await whole_choices(runs, request)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -175,10 +174,38 @@ def _add_error_handlers(app: FastAPI) -> None:
         return error_response(500, f"internal error: {type(exc).__name__}", "server_error")
 
 
-async def _admit(admission: Admission, params, chat: bool):
+async def _admit_choices(admission: Admission, params, chat: bool) -> list[Ticket]:
+    """A ticket a choice (``n``): each admitted in turn, choice i's seed the request's plus i
+    (a request without one: each its own); one refused, those admitted before it cancelled and
+    the ApiError that says why raised."""
+    tickets: list[Ticket] = []
+    try:
+        for i in range(params.n):
+            g = params.generation
+            if i and g.params.seed is not None:
+                g = replace(g, params=replace(g.params, seed=_wrapped(g.params.seed + i)))
+            tickets.append(await _admit(admission, g, chat))
+    except BaseException:
+        for t in tickets:
+            admission.scheduler.cancel(t.session_id)
+        raise
+    return tickets
+
+
+def _cancel_never_read(runs: list[ChoiceRun]) -> None:
+    for run in runs:
+        run.cancel_if_never_read()
+
+
+def _wrapped(seed: int) -> int:
+    """``seed`` wrapped into the signed 64 bits the wire carries."""
+    return (seed + (1 << 63)) % (1 << 64) - (1 << 63)
+
+
+async def _admit(admission: Admission, generation, chat: bool) -> Ticket:
     """The request admitted (its ticket), or the ApiError that says why not."""
     try:
-        return await anyio.to_thread.run_sync(admission.admit, params.generation)
+        return await anyio.to_thread.run_sync(admission.admit, generation)
     except EmptyPrompt as e:
         raise ApiError(400, str(e), "invalid_request_error",
                        "messages" if chat else "prompt") from None
@@ -195,199 +222,3 @@ async def _admit(admission: Admission, params, chat: bool):
     except (StoreUnavailable, OSError) as e:
         raise ApiError(503, f"the draft cache is unreachable: {e}",
                        "service_unavailable") from None
-
-
-class _Run:
-    """One admitted generation turned into OpenAI's response shapes."""
-
-    def __init__(self, admission: Admission, ticket: Ticket, params, chat: bool, model: str,
-                 shapes: LogprobShapes | None = None):
-        self.admission, self.ticket, self.p, self.chat, self.model = (admission, ticket, params,
-                                                                      chat, model)
-        self.id = ("chatcmpl-" if chat else "cmpl-") + ticket.session_id
-        self.created = int(time.time())
-        self.pieces: list[str] = []
-        self.text = TextStream(admission.tokenizer, self.pieces.append)
-        self.completion_tokens = 0
-        self.finish_reason: str | None = None
-        self.shown = ""  # text already sent (or decided) before any stop string
-        self.starts: list[int] = []  # where each token read begins in the output's text
-        self.read = False  # the response began reading the ticket (``_events``)
-        # the logprobs asked for, each sent with the chunk its token's text begins in
-        self.logprobs = ChoiceLogprobs(shapes, ticket, chat, self.starts) \
-            if shapes is not None and ticket.request.logprobs is not None else None
-
-    def cancel_if_never_read(self) -> None:
-        """A streamed response whose client left before its first read never followed its
-        ticket, so no reader's leaving cancels it: its session would hold a KV slot to its
-        end. Run after the response (Starlette's background): cancelled as an orphan then."""
-        if not self.read:
-            self.admission.scheduler.cancel(self.ticket.session_id, orphaned=True)
-
-    async def _events(self):
-        """Yields text increments (held back where a stop string may begin), then returns with
-        ``finish_reason`` set. Cancels the session when a stop string ends it."""
-        self.read = True
-        loop = asyncio.get_running_loop()
-        changed = asyncio.Event()
-        wake = lambda: loop.call_soon_threadsafe(changed.set)  # noqa: E731
-        t = self.ticket
-        t.listeners.append(wake)
-        cursor, full = 0, ""
-        hold = max((len(s) for s in self.p.stop), default=1) - 1
-        try:
-            with self.admission.follow(t):
-                while True:
-                    changed.clear()
-                    with t.cond:
-                        new, result, error = t.tokens[cursor:], t.result, t.error
-                    if new:
-                        cut = None
-                        for tok in new:  # a token at a time: usage stops at the stop string
-                            cursor += 1
-                            self.starts.append(len(full))
-                            self.text([tok])
-                            full += "".join(self.pieces)
-                            self.pieces.clear()
-                            cut = _find_stop(full, self.p.stop)
-                            if cut is not None:
-                                break
-                        self.completion_tokens = cursor
-                        if cut is not None:
-                            self.finish_reason = "stop"
-                            piece, self.shown = full[len(self.shown):cut], full[:cut]
-                            yield piece
-                            self.admission.scheduler.cancel(t.session_id, reason="stop")
-                            while not t.ended:  # for its stats; the cancel ends it promptly
-                                changed.clear()
-                                if not t.ended:
-                                    await changed.wait()
-                            return
-                        # held back even once the result is in: the flush below may add to
-                        # the text a stop string begins in
-                        safe = len(full) - hold if error is None else len(full)
-                        if safe > len(self.shown):
-                            piece, self.shown = full[len(self.shown):safe], full[:safe]
-                            yield piece
-                        continue
-                    if isinstance(error, ShuttingDown):  # the SDK resumes such a session by
-                        # id; over HTTP it is sent again, to this server once back or another
-                        raise ApiError(503, "generation failed: the verifier is shutting down; "
-                                            "send the request again", "server_error")
-                    if error is not None:
-                        raise ApiError(500, f"generation failed: {error}", "server_error")
-                    if result is not None and result.finish_reason not in ("stop", "length"):
-                        # cancelled on the server (an operator's Cancel): not a whole answer,
-                        # whatever it holds, so not a finish OpenAI's clients would take as one
-                        raise ApiError(503, f"the session was {result.finish_reason} on the "
-                                       f"server after {cursor} token(s), before it finished",
-                                       "server_error", retry=False)
-                    if result is not None:
-                        self.text.flush()  # an output that ends mid-character: its last bytes
-                        full += "".join(self.pieces)
-                        self.pieces.clear()
-                        cut = _find_stop(full, self.p.stop)  # a stop the flushed text ends
-                        end = len(full) if cut is None else cut
-                        if end > len(self.shown):
-                            piece, self.shown = full[len(self.shown):end], full[:end]
-                            yield piece
-                        self.finish_reason = result.finish_reason if cut is None else "stop"
-                        return
-                    await changed.wait()
-        finally:
-            t.listeners.remove(wake)
-
-    def _usage(self) -> dict:
-        prompt = len(self.ticket.request.prompt_ids)
-        return {"prompt_tokens": prompt, "completion_tokens": self.completion_tokens,
-                "total_tokens": prompt + self.completion_tokens}
-
-    def _stats(self) -> dict:
-        res = self.ticket.result
-        s = res.stats if res is not None else None
-        return {"session_id": self.ticket.session_id, "device": self.ticket.device or None,
-                "drafted": s.draft_tokens if s else 0, "accepted": s.accepted_tokens if s else 0,
-                "acceptance_rate": round(s.acceptance_rate, 4) if s else 0.0,
-                "mean_acceptance_length": round(s.mean_acceptance_length, 4) if s else 1.0,
-                "lossless": not (s.lossy if s else is_lossy(self._mode())),
-                "verify": s.verify if s else self._mode(),
-                "lenient_tokens": s.lenient_tokens if s else 0}
-
-    def _mode(self) -> str:
-        return self.ticket.request.verify or self.admission.scheduler.engine.cfg.verify
-
-    def _choice(self, text: str | None, finish: str | None, first: bool = False) -> dict:
-        """A streamed chunk's choice, with the logprobs of the tokens whose text begins in it
-        (the last chunk: the rest, a stop token's, those past a stop string)."""
-        logprobs = None
-        if self.logprobs is not None:
-            logprobs = self.logprobs.upto(self.completion_tokens if finish is not None
-                                          else bisect_left(self.starts, len(self.shown)))
-        if self.chat:
-            delta = {"role": "assistant", "content": text or ""} if first else \
-                ({"content": text} if text else {})
-            return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-        return {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
-
-    def _chunk(self, choices: list, **extra) -> str:
-        obj = {"id": self.id, "object": "chat.completion.chunk" if self.chat
-               else "text_completion", "created": self.created, "model": self.model,
-               "system_fingerprint": self.admission.kernels, "choices": choices, **extra}
-        return f"data: {json.dumps(obj)}\n\n"
-
-    async def sse(self):
-        try:
-            first = True
-            async for text in self._events():
-                if text or first:
-                    yield self._chunk([self._choice(text, None, first)])
-                    first = False
-            if first:  # no text at all (an end of sequence first): the role is still said
-                yield self._chunk([self._choice("", None, True)])
-            yield self._chunk([self._choice(None, self.finish_reason)],
-                              edgespec=self._stats())
-            if self.p.include_usage:
-                yield self._chunk([], usage=self._usage())
-        except ApiError as e:
-            yield f"data: {json.dumps({'error': {'message': str(e), 'type': e.kind}})}\n\n"
-        yield "data: [DONE]\n\n"
-
-    async def whole(self, request: Request) -> Response:
-        """The whole completion; a client that disconnects meanwhile cancels its session (a
-        plain endpoint is not cancelled by the server, so a watcher does it)."""
-        async def collect() -> str:
-            return "".join([t async for t in self._events()])
-
-        async def left() -> None:
-            while not await request.is_disconnected():
-                await asyncio.sleep(0.25)
-
-        work, watch = asyncio.create_task(collect()), asyncio.create_task(left())
-        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
-        watch.cancel()
-        if not work.done():  # the client is gone: stop following (the session is cancelled)
-            work.cancel()
-            try:
-                await work
-            except asyncio.CancelledError:
-                pass
-            return Response(status_code=499)
-        text = work.result()
-        logprobs = self.logprobs.upto(self.completion_tokens) if self.logprobs else None
-        if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "logprobs": logprobs, "finish_reason": self.finish_reason}
-        else:
-            choice = {"index": 0, "text": text, "logprobs": logprobs,
-                      "finish_reason": self.finish_reason}
-        return JSONResponse({"id": self.id, "object": "chat.completion" if self.chat
-                             else "text_completion", "created": self.created,
-                             "model": self.model, "system_fingerprint": self.admission.kernels,
-                             "choices": [choice],
-                             "usage": self._usage(), "edgespec": self._stats()})
-
-
-def _find_stop(text: str, stops: list[str]) -> int | None:
-    """Where the earliest stop string begins in ``text``, or None."""
-    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
-    return min(hits) if hits else None

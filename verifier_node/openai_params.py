@@ -6,7 +6,8 @@ parts ``text`` and ``image_url`` (an image as a ``data:`` URL, for a vision-lang
 ``image_parts``), ``max_tokens`` / ``max_completion_tokens``, ``temperature`` (default 1, as
 OpenAI's), ``top_p``, ``top_k`` (an extension), ``verify`` (an extension: "exact", or "loose" /
 "pad" where the verifier was started with ``--verify loose`` / ``--verify pad:DIR``), ``seed``,
-``stop`` (a string or up to 4), ``n`` = 1, ``stream``, ``stream_options.include_usage``,
+``stop`` (a string or up to 4), ``n`` (1-16 choices, a session each), ``stream``,
+``stream_options.include_usage``,
 ``logprobs`` (chat: a boolean, with ``top_logprobs`` 0-20 alternatives; completions: 0-20
 alternatives; ``logprob_shapes`` gives the answers' shapes).
 Ignored, as OpenAI documents them as optional hints or bookkeeping: ``user``, ``metadata``,
@@ -50,6 +51,7 @@ MESSAGE_EMPTY: dict[str, tuple] = {"tool_calls": ([],), "annotations": ([],)}
 SAMPLING = {"max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed",
             "stop", "n", "verify", "logprobs"}
 MAX_STOP = 4
+MAX_N = 16  # choices a request may ask for: each is a session, with a KV slot of its own
 ROLES = ("system", "developer", "user", "assistant", "tool")  # OpenAI's chat roles
 
 
@@ -63,6 +65,7 @@ class OpenAIParams:
     stop: list[str] = field(default_factory=list)
     stream: bool = False
     include_usage: bool = False
+    n: int = 1  # choices: a session each
 
 
 def _number(body: dict, name: str, default, kind=float, low=None, high=None,
@@ -169,8 +172,7 @@ def parse_request(body, chat: bool, model_name: str) -> OpenAIParams:
     newer = _number(body, "max_completion_tokens", None, int, 1)  # each checked, if given
     older = _number(body, "max_tokens", None, int, 1)
     g.max_new_tokens = newer if newer is not None else older if older is not None else 0
-    if _number(body, "n", 1, int, 1) != 1:
-        raise _bad("only n = 1 is supported", "n")
+    n = _number(body, "n", 1, int, 1, MAX_N)
     seed = body.get("seed")
     if seed is not None:  # the wire carries seeds as int64
         seed = _number(body, "seed", None, int, -(1 << 63), (1 << 63) - 1)
@@ -208,7 +210,7 @@ def parse_request(body, chat: bool, model_name: str) -> OpenAIParams:
     if usage is not None and not isinstance(usage, bool):
         raise _bad("'stream_options.include_usage' must be a boolean",
                    "stream_options.include_usage")
-    return OpenAIParams(g, stops, bool(stream), bool(usage))
+    return OpenAIParams(g, stops, bool(stream), bool(usage), n)
 
 
 def _logprobs(body: dict, chat: bool) -> int | None:

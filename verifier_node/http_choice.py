@@ -1,0 +1,279 @@
+"""A generation's answer in OpenAI's shapes (``ChoiceRun``: one choice, its text held back
+where a stop string may begin, its logprobs beside it), and a response of one or more choices
+(``n``), streamed (``stream_choices``: their chunks as they come, then usage and ``[DONE]``) or
+whole (``whole_choices``)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from bisect import bisect_left
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from edgespec.config import is_lossy
+from edgespec.models.text_stream import TextStream
+
+from .admission import Admission
+from .api_errors import ApiError
+from .logprob_shapes import ChoiceLogprobs, LogprobShapes
+from .tickets import ShuttingDown, Ticket
+
+# the status logged for a request whose client left before it was read whole (nginx's "client
+# closed request"; no client receives it)
+CLIENT_CLOSED = 499
+
+
+class ChoiceRun:
+    """One admitted generation turned into OpenAI's response shapes: the choice ``index`` of
+    its response (a request with ``n`` > 1 has one a choice, all under the first's ``id``)."""
+
+    def __init__(self, admission: Admission, ticket: Ticket, params, chat: bool, model: str,
+                 shapes: LogprobShapes | None = None, index: int = 0):
+        self.admission, self.ticket, self.p, self.chat, self.model = (admission, ticket, params,
+                                                                      chat, model)
+        self.index = index
+        self.id = ("chatcmpl-" if chat else "cmpl-") + ticket.session_id
+        self.created = int(time.time())
+        self.pieces: list[str] = []
+        self.text = TextStream(admission.tokenizer, self.pieces.append)
+        self.completion_tokens = 0
+        self.finish_reason: str | None = None
+        self.shown = ""  # text already sent (or decided) before any stop string
+        self.starts: list[int] = []  # where each token read begins in the output's text
+        self.read = False  # the response began reading the ticket (``_events``)
+        # the logprobs asked for, each sent with the chunk its token's text begins in
+        self.logprobs = ChoiceLogprobs(shapes, ticket, chat, self.starts) \
+            if shapes is not None and ticket.request.logprobs is not None else None
+
+    def cancel_if_never_read(self) -> None:
+        """A streamed response whose client left before its first read never followed its
+        ticket, so no reader's leaving cancels it: its session would hold a KV slot to its
+        end. Run after the response (Starlette's background): cancelled as an orphan then."""
+        if not self.read:
+            self.admission.scheduler.cancel(self.ticket.session_id, orphaned=True)
+
+    async def _events(self):
+        """Yields text increments (held back where a stop string may begin), then returns with
+        ``finish_reason`` set. Cancels the session when a stop string ends it."""
+        self.read = True
+        loop = asyncio.get_running_loop()
+        changed = asyncio.Event()
+        wake = lambda: loop.call_soon_threadsafe(changed.set)  # noqa: E731
+        t = self.ticket
+        t.listeners.append(wake)
+        cursor, full = 0, ""
+        hold = max((len(s) for s in self.p.stop), default=1) - 1
+        try:
+            with self.admission.follow(t):
+                while True:
+                    changed.clear()
+                    with t.cond:
+                        new, result, error = t.tokens[cursor:], t.result, t.error
+                    if new:
+                        cut = None
+                        for tok in new:  # a token at a time: usage stops at the stop string
+                            cursor += 1
+                            self.starts.append(len(full))
+                            self.text([tok])
+                            full += "".join(self.pieces)
+                            self.pieces.clear()
+                            cut = _find_stop(full, self.p.stop)
+                            if cut is not None:
+                                break
+                        self.completion_tokens = cursor
+                        if cut is not None:
+                            self.finish_reason = "stop"
+                            piece, self.shown = full[len(self.shown):cut], full[:cut]
+                            yield piece
+                            self.admission.scheduler.cancel(t.session_id, reason="stop")
+                            while not t.ended:  # for its stats; the cancel ends it promptly
+                                changed.clear()
+                                if not t.ended:
+                                    await changed.wait()
+                            return
+                        # held back even once the result is in: the flush below may add to
+                        # the text a stop string begins in
+                        safe = len(full) - hold if error is None else len(full)
+                        if safe > len(self.shown):
+                            piece, self.shown = full[len(self.shown):safe], full[:safe]
+                            yield piece
+                        continue
+                    if isinstance(error, ShuttingDown):  # the SDK resumes such a session by
+                        # id; over HTTP it is sent again, to this server once back or another
+                        raise ApiError(503, "generation failed: the verifier is shutting down; "
+                                            "send the request again", "server_error")
+                    if error is not None:
+                        raise ApiError(500, f"generation failed: {error}", "server_error")
+                    if result is not None and result.finish_reason not in ("stop", "length"):
+                        # cancelled on the server (an operator's Cancel): not a whole answer,
+                        # whatever it holds, so not a finish OpenAI's clients would take as one
+                        raise ApiError(503, f"the session was {result.finish_reason} on the "
+                                       f"server after {cursor} token(s), before it finished",
+                                       "server_error", retry=False)
+                    if result is not None:
+                        self.text.flush()  # an output that ends mid-character: its last bytes
+                        full += "".join(self.pieces)
+                        self.pieces.clear()
+                        cut = _find_stop(full, self.p.stop)  # a stop the flushed text ends
+                        end = len(full) if cut is None else cut
+                        if end > len(self.shown):
+                            piece, self.shown = full[len(self.shown):end], full[:end]
+                            yield piece
+                        self.finish_reason = result.finish_reason if cut is None else "stop"
+                        return
+                    await changed.wait()
+        finally:
+            t.listeners.remove(wake)
+
+    def _stats(self) -> dict:
+        res = self.ticket.result
+        s = res.stats if res is not None else None
+        return {"session_id": self.ticket.session_id, "device": self.ticket.device or None,
+                "drafted": s.draft_tokens if s else 0, "accepted": s.accepted_tokens if s else 0,
+                "acceptance_rate": round(s.acceptance_rate, 4) if s else 0.0,
+                "mean_acceptance_length": round(s.mean_acceptance_length, 4) if s else 1.0,
+                "lossless": not (s.lossy if s else is_lossy(self._mode())),
+                "verify": s.verify if s else self._mode(),
+                "lenient_tokens": s.lenient_tokens if s else 0}
+
+    def _mode(self) -> str:
+        return self.ticket.request.verify or self.admission.scheduler.engine.cfg.verify
+
+    def _choice(self, text: str | None, finish: str | None, first: bool = False) -> dict:
+        """A streamed chunk's choice, with the logprobs of the tokens whose text begins in it
+        (the last chunk: the rest, a stop token's, those past a stop string)."""
+        logprobs = None
+        if self.logprobs is not None:
+            logprobs = self.logprobs.upto(self.completion_tokens if finish is not None
+                                          else bisect_left(self.starts, len(self.shown)))
+        if self.chat:
+            delta = {"role": "assistant", "content": text or ""} if first else \
+                ({"content": text} if text else {})
+            return {"index": self.index, "delta": delta, "logprobs": logprobs,
+                    "finish_reason": finish}
+        return {"index": self.index, "text": text or "", "logprobs": logprobs,
+                "finish_reason": finish}
+
+    def _chunk(self, choices: list, **extra) -> str:
+        obj = {"id": self.id, "object": "chat.completion.chunk" if self.chat
+               else "text_completion", "created": self.created, "model": self.model,
+               "system_fingerprint": self.admission.kernels, "choices": choices, **extra}
+        return f"data: {json.dumps(obj)}\n\n"
+
+    async def chunks(self):
+        """The choice's streamed chunks (``data:`` lines): its text as it comes, then its finish
+        with the ``edgespec`` figures. Raises ApiError where its generation failed."""
+        first = True
+        async for text in self._events():
+            if text or first:
+                yield self._chunk([self._choice(text, None, first)])
+                first = False
+        if first:  # no text at all (an end of sequence first): the role is still said
+            yield self._chunk([self._choice("", None, True)])
+        yield self._chunk([self._choice(None, self.finish_reason)], edgespec=self._stats())
+
+    async def whole(self) -> tuple[dict, dict]:
+        """The choice whole, and its ``edgespec`` figures."""
+        text = "".join([t async for t in self._events()])
+        logprobs = self.logprobs.upto(self.completion_tokens) if self.logprobs else None
+        if self.chat:
+            return {"index": self.index, "message": {"role": "assistant", "content": text},
+                    "logprobs": logprobs, "finish_reason": self.finish_reason}, self._stats()
+        return {"index": self.index, "text": text, "logprobs": logprobs,
+                "finish_reason": self.finish_reason}, self._stats()
+
+
+def _find_stop(text: str, stops: list[str]) -> int | None:
+    """Where the earliest stop string begins in ``text``, or None."""
+    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return min(hits) if hits else None
+
+
+async def stream_choices(runs: list[ChoiceRun], include_usage: bool):
+    """A response's Server-Sent Events: every choice's chunks as they come (interleaved where
+    ``n`` > 1), a usage chunk if asked, ``[DONE]``. A choice that fails ends the response with
+    an ``error`` event, the other choices cancelled."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(run: ChoiceRun) -> None:
+        try:
+            async for chunk in run.chunks():
+                await queue.put(chunk)
+            await queue.put(None)
+        except ApiError as e:
+            await queue.put(e)
+
+    tasks = [asyncio.create_task(pump(r)) for r in runs]
+    try:
+        done = 0
+        while done < len(runs):
+            item = await queue.get()
+            if isinstance(item, ApiError):
+                error = {"error": {"message": str(item), "type": item.kind}}
+                yield f"data: {json.dumps(error)}\n\n"
+                break
+            if item is None:
+                done += 1
+                continue
+            yield item
+        else:
+            if include_usage:
+                yield runs[0]._chunk([], usage=_usage(runs))
+        yield "data: [DONE]\n\n"
+    finally:
+        _stop_choices(runs, tasks)
+
+
+async def whole_choices(runs: list[ChoiceRun], request: Request) -> Response:
+    """The whole response; a client that disconnects meanwhile cancels its sessions (a plain
+    endpoint is not cancelled by the server, so a watcher does it)."""
+    async def left() -> None:
+        while not await request.is_disconnected():
+            await asyncio.sleep(0.25)
+
+    work: asyncio.Future = asyncio.gather(*[r.whole() for r in runs])
+    watch = asyncio.create_task(left())
+    try:
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+    if not work.done():  # the client is gone: stop following (the sessions are cancelled)
+        work.cancel()
+        try:
+            await work
+        except asyncio.CancelledError:
+            pass
+        return Response(status_code=CLIENT_CLOSED)
+    try:
+        answers = work.result()
+    except ApiError:
+        _stop_choices(runs, [])
+        raise
+    first = runs[0]
+    stats = [s for _, s in answers]
+    return JSONResponse({"id": first.id, "object": "chat.completion" if first.chat
+                         else "text_completion", "created": first.created,
+                         "model": first.model, "system_fingerprint": first.admission.kernels,
+                         "choices": [c for c, _ in answers], "usage": _usage(runs),
+                         "edgespec": stats[0] if len(stats) == 1 else stats})
+
+
+def _usage(runs: list[ChoiceRun]) -> dict:
+    """One prompt, every choice's completion tokens (as OpenAI counts a response of ``n``)."""
+    prompt = len(runs[0].ticket.request.prompt_ids)
+    completion = sum(r.completion_tokens for r in runs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion}
+
+
+def _stop_choices(runs: list[ChoiceRun], tasks: list[asyncio.Task]) -> None:
+    """The choices' readers stopped and any session still running cancelled (a response that
+    ended early: an error, a client gone)."""
+    for t in tasks:
+        t.cancel()
+    for r in runs:
+        if not r.ticket.ended:
+            r.admission.scheduler.cancel(r.ticket.session_id)
