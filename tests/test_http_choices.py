@@ -5,11 +5,15 @@ streamed chunks interleaved under one id, usage counting the prompt once."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import json
 from collections import defaultdict
+from types import SimpleNamespace
 
 import pytest
 
-from http_harness import MESSAGES, N, PROMPT, http_server, openai_client, reference
+from http_harness import MESSAGES, N, PROMPT, TOKEN, call, http_server, openai_client, reference
 
 from edgespec.models.loading import encode_prompt
 
@@ -18,7 +22,9 @@ pytestmark = pytest.mark.slow  # processes, servers or long sweeps: not the fast
 
 @pytest.fixture(scope="module")
 def server(looping_dir, tmp_path_factory):
-    with http_server(looping_dir, tmp_path_factory.mktemp("http-choices")) as s:
+    # 8 sessions running and 4 waiting: a request of more choices than 12 can never be held
+    with http_server(looping_dir, tmp_path_factory.mktemp("http-choices"),
+                     extra=("--max-queue", 4)) as s:
         yield s
 
 
@@ -72,3 +78,84 @@ def test_streamed_choices_are_the_whole_ones_interleaved_under_one_id(api, loopi
     assert usage.completion_tokens == whole.usage.completion_tokens
     ids_prompt = encode_prompt(looping.tokenizer, messages=MESSAGES)
     assert usage.prompt_tokens == len(ids_prompt)
+
+
+def test_more_choices_than_the_verifier_holds_is_a_400_naming_n(server, api):
+    code, reply = call("POST", server["base"] + "/v1/completions",
+                       {"model": api.model_id, "prompt": PROMPT, "max_tokens": 4, "n": 13},
+                       {"Authorization": f"Bearer {TOKEN}"})
+    assert code == 400 and reply["error"]["param"] == "n"
+    assert "(12: running and waiting)" in reply["error"]["message"]
+    r = api.completions.create(model=api.model_id, prompt=PROMPT, max_tokens=4, n=12)
+    assert len(r.choices) == 12  # as many as it holds: 8 run, 4 wait for a slot
+
+
+class _Scheduler:
+    """What admitting choices reads of the scheduler: its capacity, its room, a cancel."""
+
+    def __init__(self, room: int):
+        self.capacity, self._room, self.cancelled = 16, room, []
+
+    def room(self) -> int:
+        return self._room
+
+    def cancel(self, session_id, orphaned=False, reason="cancelled"):
+        self.cancelled.append(session_id)
+
+
+def _choices(tokenizer, n: int, fail: int | None = None):
+    """n finished choices over a fake admission (its scheduler records cancels); choice
+    ``fail``'s chunks raise a bug's error instead."""
+    from edgespec.engine.generation import Request, Result
+    from edgespec.protocol.request_stats import Stats
+    from verifier_node.http_choice import ChoiceRun
+    from verifier_node.tickets import Ticket
+
+    admission = SimpleNamespace(tokenizer=tokenizer, kernels="k", scheduler=_Scheduler(16),
+                                follow=lambda t: contextlib.nullcontext(t))
+    runs = []
+    for i in range(n):
+        ticket = Ticket(Request([1, 2], 3), None)
+        if i != fail:  # the failing one is left running: the others' end must cancel it
+            ticket.tokens, ticket.result = [40, 41], Result([40, 41], Stats(tokens=2), "length")
+        run = ChoiceRun(admission, ticket, SimpleNamespace(stop=[]), chat=True, model="m",
+                        index=i)
+        if i == fail:
+            async def broken():
+                raise RuntimeError("a bug")
+                yield  # an async generator that raises at its first step
+            run.chunks = broken
+        runs.append(run)
+    return admission, runs
+
+
+def test_a_choice_that_fails_by_a_bug_ends_the_stream_with_an_error_and_its_session(looping):
+    """Not a stream left waiting on the failed choice: an error event, [DONE], and the session
+    of the choice that failed cancelled (the others had ended)."""
+    from verifier_node.http_choice import stream_choices
+
+    admission, runs = _choices(looping.tokenizer, 3, fail=1)
+
+    async def read() -> list[str]:
+        return [c async for c in stream_choices(runs, include_usage=True)]
+
+    events = asyncio.run(asyncio.wait_for(read(), 30))
+    assert events[-1] == "data: [DONE]\n\n"
+    error = json.loads(events[-2][len("data: "):])
+    assert error["error"]["type"] == "server_error"
+    assert admission.scheduler.cancelled == [runs[1].ticket.session_id]
+
+
+def test_choices_are_admitted_only_where_all_fit(looping):
+    """No room for every choice: a 429 with none admitted (two requests of several choices
+    would otherwise each take part of the room and both be refused)."""
+    from verifier_node.http_api import _admit_choices
+    from verifier_node.openai_params import ApiError
+
+    admitted = []
+    admission = SimpleNamespace(scheduler=_Scheduler(room=2),
+                                admit=lambda g: admitted.append(g))
+    params = SimpleNamespace(n=3, generation=SimpleNamespace(params=SimpleNamespace(seed=None)))
+    with pytest.raises(ApiError) as e:
+        asyncio.run(_admit_choices(admission, params, True, asyncio.Lock()))
+    assert e.value.status == 429 and admitted == []

@@ -23,6 +23,7 @@ one that disconnects before its request body arrived whole is logged (INFO) and 
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import time
@@ -72,6 +73,7 @@ def make_app(state: ServingState, token: str | None = None,
     app.add_middleware(BodyLimit, max_bytes=max_request_bytes, timeout_s=body_timeout_s)
     expected = token.encode() if token else None
     created = int(time.time())
+    choices_lock = asyncio.Lock()  # requests of several choices admitted one at a time
     _add_error_handlers(app)
 
     def check_auth(request: Request) -> None:
@@ -129,7 +131,7 @@ def make_app(state: ServingState, token: str | None = None,
         except (ValueError, RecursionError):  # bad JSON, bad UTF-8, absurd nesting
             raise ApiError(400, "the request body is not valid JSON", "invalid_request_error")
         params = parse_request(body, chat, model_name)
-        tickets = await _admit_choices(admission, params, chat)
+        tickets = await _admit_choices(admission, params, chat, choices_lock)
         if params.generation.logprobs is not None and state.shapes is None:
             state.shapes = LogprobShapes(admission.tokenizer)
         runs = [ChoiceRun(admission, t, params, chat, model_name, state.shapes, i)
@@ -174,21 +176,35 @@ def _add_error_handlers(app: FastAPI) -> None:
         return error_response(500, f"internal error: {type(exc).__name__}", "server_error")
 
 
-async def _admit_choices(admission: Admission, params, chat: bool) -> list[Ticket]:
-    """A ticket a choice (``n``): each admitted in turn, choice i's seed the request's plus i
-    (a request without one: each its own); one refused, those admitted before it cancelled and
-    the ApiError that says why raised."""
-    tickets: list[Ticket] = []
-    try:
-        for i in range(params.n):
-            g = params.generation
-            if i and g.params.seed is not None:
-                g = replace(g, params=replace(g.params, seed=_wrapped(g.params.seed + i)))
-            tickets.append(await _admit(admission, g, chat))
-    except BaseException:
-        for t in tickets:
-            admission.scheduler.cancel(t.session_id)
-        raise
+async def _admit_choices(admission: Admission, params, chat: bool, lock: asyncio.Lock
+                         ) -> list[Ticket]:
+    """A ticket a choice (``n``), choice i's seed the request's plus i (a request without one:
+    each its own). Several choices are admitted one request at a time (``lock``), and only
+    where the scheduler has room for all of them (429 otherwise, nothing admitted; 400 for more
+    than it ever holds); one refused all the same (a single choice's request came between),
+    those admitted before it are cancelled and the ApiError that says why raised."""
+    if params.n == 1:
+        return [await _admit(admission, params.generation, chat)]
+    scheduler = admission.scheduler
+    if params.n > scheduler.capacity:
+        raise ApiError(400, f"n = {params.n} choices is more sessions than this verifier holds "
+                            f"({scheduler.capacity}: running and waiting)",
+                       "invalid_request_error", "n")
+    async with lock:
+        if scheduler.room() < params.n:
+            raise ApiError(429, f"the verifier is overloaded: no room for {params.n} choices",
+                           "rate_limit_error", code="overloaded")
+        tickets: list[Ticket] = []
+        try:
+            for i in range(params.n):
+                g = params.generation
+                if i and g.params.seed is not None:
+                    g = replace(g, params=replace(g.params, seed=_wrapped(g.params.seed + i)))
+                tickets.append(await _admit(admission, g, chat))
+        except BaseException:
+            for t in tickets:
+                scheduler.cancel(t.session_id)
+            raise
     return tickets
 
 

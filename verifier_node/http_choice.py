@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from bisect import bisect_left
 
@@ -24,6 +25,7 @@ from .tickets import ShuttingDown, Ticket
 # the status logged for a request whose client left before it was read whole (nginx's "client
 # closed request"; no client receives it)
 CLIENT_CLOSED = 499
+log = logging.getLogger("edgespec.http")
 
 
 class ChoiceRun:
@@ -205,6 +207,9 @@ async def stream_choices(runs: list[ChoiceRun], include_usage: bool):
             await queue.put(None)
         except ApiError as e:
             await queue.put(e)
+        except Exception:  # a bug of ours: said, not left for the reader to wait on
+            log.exception("a streamed choice of session %s failed", run.ticket.session_id)
+            await queue.put(ApiError(500, "generation failed: internal error", "server_error"))
 
     tasks = [asyncio.create_task(pump(r)) for r in runs]
     try:
@@ -249,7 +254,7 @@ async def whole_choices(runs: list[ChoiceRun], request: Request) -> Response:
         return Response(status_code=CLIENT_CLOSED)
     try:
         answers = work.result()
-    except ApiError:
+    except BaseException:  # one choice failed: the others' sessions end with it
         _stop_choices(runs, [])
         raise
     first = runs[0]

@@ -77,6 +77,11 @@ class Scheduler(threading.Thread):
         """Sessions it holds at once: running in KV slots plus waiting for one."""
         return self.engine.cfg.max_sessions + self.max_queue
 
+    def room(self) -> int:
+        """Sessions it would take now: its capacity less those running and queued."""
+        with self._lock:
+            return self.capacity - len(self._tickets)
+
     @property
     def healthy(self) -> bool:
         """Serving: the loop runs, the cache answers, its steps do not all fail (a device
