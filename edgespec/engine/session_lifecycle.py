@@ -87,10 +87,7 @@ class SessionLifecycle:
             raise ConfigError(f"{what} token ids must be in [0, {vocab})")
         if len(req.committed) >= req.max_new_tokens:
             raise ConfigError("the resumed session has already produced max_new_tokens")
-        try:
-            check_top_logprobs(req.logprobs)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
+        check_top_logprobs(req.logprobs)
         if self.vision is not None:
             self.vision.check_prompt(req.prompt_ids, req.images)
         elif req.images is not None:

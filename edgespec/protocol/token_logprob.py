@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..config import ConfigError
+
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit on ``top_logprobs``
 
 
@@ -21,10 +23,10 @@ class TokenLogprob:
 
 
 def check_top_logprobs(k: int | None) -> None:
-    """Refuses (ValueError) a ``logprobs`` setting that is neither None nor an int in
-    [0, MAX_TOP_LOGPROBS]: how many alternatives each token's logprob comes with."""
+    """Refuses (ConfigError, a ValueError) a ``logprobs`` setting that is neither None nor an
+    int in [0, MAX_TOP_LOGPROBS]: how many alternatives each token's logprob comes with."""
     if k is None:
         return
     if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_TOP_LOGPROBS:
-        raise ValueError(f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}] (the "
+        raise ConfigError(f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}] (the "
                          f"alternatives a token gets) or None, got {k!r}")
