@@ -40,6 +40,7 @@ from starlette.requests import ClientDisconnect
 
 from edgespec.config import ConfigError, EmptyPrompt
 from edgespec.protocol.contract import StoreUnavailable
+from edgespec.verify.keyed_noise import seed_after
 
 from .admission import Admission, DrafterMissing, SessionNotFound
 from .api_errors import missing_v1_hint
@@ -199,7 +200,7 @@ async def _admit_choices(admission: Admission, params, chat: bool, lock: asyncio
             for i in range(params.n):
                 g = params.generation
                 if i and g.params.seed is not None:
-                    g = replace(g, params=replace(g.params, seed=_wrapped(g.params.seed + i)))
+                    g = replace(g, params=replace(g.params, seed=seed_after(g.params.seed, i)))
                 tickets.append(await _admit(admission, g, chat))
         except BaseException:
             for t in tickets:
@@ -211,11 +212,6 @@ async def _admit_choices(admission: Admission, params, chat: bool, lock: asyncio
 def _cancel_never_read(runs: list[ChoiceRun]) -> None:
     for run in runs:
         run.cancel_if_never_read()
-
-
-def _wrapped(seed: int) -> int:
-    """``seed`` wrapped into the signed 64 bits the wire carries."""
-    return (seed + (1 << 63)) % (1 << 64) - (1 << 63)
 
 
 async def _admit(admission: Admission, generation, chat: bool) -> Ticket:

@@ -108,6 +108,12 @@ def with_session_seed(params: SamplingParams) -> SamplingParams:
     return dataclasses.replace(params, seed=secrets.randbits(63))
 
 
+def seed_after(seed: int, i: int) -> int:
+    """The seed ``i`` places after ``seed`` (several draws from one seed: an HTTP request's
+    ``n`` choices), wrapped into the signed 64 bits a seed is."""
+    return _signed(seed + i)
+
+
 def seed_of(params: SamplingParams) -> int:
     """The seed a position's noise is keyed by."""
     # Unseeded sampling params should have gone through with_session_seed; a fresh random seed
