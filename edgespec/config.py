@@ -71,8 +71,30 @@ class SamplingParams:
     top_k: int = 0
     top_p: float = 1.0
     seed: int | None = None
+    # OpenAI's penalties and logit bias (``edgespec.verify.logit_adjust``): applied before
+    # temperature, top-k and top-p; the bias as sorted (token id, bias) pairs (a mapping or
+    # pairs may be given)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
+        self._check_basic()
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or \
+                    not -2 <= value <= 2:
+                raise ConfigError(f"{name} must be a number in [-2, 2], got "
+                                  f"{str(value)[:20]!r}")
+            object.__setattr__(self, name, float(value))
+        object.__setattr__(self, "logit_bias", _logit_bias_pairs(self.logit_bias))
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether a penalty or a bias moves the target's logits before they are sampled."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias)
+
+    def _check_basic(self) -> None:
         for name, kind in (("temperature", numbers.Real), ("top_k", numbers.Integral),
                            ("top_p", numbers.Real), ("seed", numbers.Integral)):
             value = getattr(self, name)
@@ -93,6 +115,37 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+MAX_LOGIT_BIAS = 300  # the most tokens a request's logit_bias may move (OpenAI's limit)
+
+
+def _logit_bias_pairs(bias) -> tuple[tuple[int, float], ...]:
+    """``logit_bias`` (a mapping, or (token id, bias) pairs) as sorted pairs of an int id in
+    [0, 2^31) and a float bias in [-100, 100]; raises ConfigError naming what is wrong."""
+    try:
+        items = list(bias.items()) if hasattr(bias, "items") else list(bias)
+    except TypeError:
+        raise ConfigError("logit_bias must map token ids to biases") from None
+    if len(items) > MAX_LOGIT_BIAS:
+        raise ConfigError(f"logit_bias moves at most {MAX_LOGIT_BIAS} tokens, got {len(items)}")
+    pairs = {}
+    for item in items:
+        if not isinstance(item, (tuple, list)) or len(item) != 2:
+            raise ConfigError("logit_bias must map token ids to biases")
+        token, value = item
+        if isinstance(token, bool) or not isinstance(token, numbers.Integral) or \
+                not 0 <= token < (1 << 31):
+            raise ConfigError(f"logit_bias: a token id must be an integer in [0, 2^31), got "
+                              f"{str(token)[:20]!r}")
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or \
+                not -100 <= value <= 100:
+            raise ConfigError(f"logit_bias: the bias of token {token} must be a number in "
+                              f"[-100, 100], got {str(value)[:20]!r}")
+        if int(token) in pairs:
+            raise ConfigError(f"logit_bias: token {token} is given twice")
+        pairs[int(token)] = float(value)
+    return tuple(sorted(pairs.items()))
 
 
 VERIFY_MODES = ("exact", "loose", "pad")

@@ -19,6 +19,7 @@ import torch
 from ..protocol.contract import Verdict
 from ..protocol.frozen_value import frozen_value
 from ..runner.step_rows import DraftShape, Scored, StepRows
+from ..verify.logit_adjust import step_adjust
 from ..verify.token_logprobs import LogprobPick, emitted_columns, read_logprobs
 from ..verify.verify_step import VerifyBatch, VerifyOutcome
 from .decisions import Decision, decide
@@ -66,8 +67,10 @@ def score_step(target: "TargetRunner", drafts: list[StepDraft], pad: "PadVerifie
     if pad is not None and "pad" not in modes:
         pad = None
     scored = target.score_rows(rows, tap=pad.tap if pad else None)
-    batch = VerifyBatch.of_rows(rows, [d.start for d in drafts], [a.req.params for a in acts],
-                                modes)
+    params = [a.req.params for a in acts]
+    batch = VerifyBatch.of_rows(rows, [d.start for d in drafts], params, modes)
+    if any(p.adjusts_logits for p in params):  # penalties, logit bias: at every position
+        batch.adjust = step_adjust([a.output for a in acts], nodes, params, target.device)
     return ScoredStep(drafts, nodes, rows, scored, batch, pad)
 
 

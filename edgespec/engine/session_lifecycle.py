@@ -85,6 +85,8 @@ class SessionLifecycle:
             what = "prompt" if any(not 0 <= t < vocab for t in req.prompt_ids) else \
                 "committed (output)"
             raise ConfigError(f"{what} token ids must be in [0, {vocab})")
+        if any(t >= vocab for t, _ in req.params.logit_bias):
+            raise ConfigError(f"logit_bias token ids must be in [0, {vocab})")
         if len(req.committed) >= req.max_new_tokens:
             raise ConfigError("the resumed session has already produced max_new_tokens")
         check_top_logprobs(req.logprobs)

@@ -322,7 +322,7 @@ class SpecEngine(StepDrafts):
         if not (self.ahead.enabled and len(drafts) == len(self.active) and self.head is None
                 and self.pad is None and not self.cfg.auto and
                 all(d.width == 1 and d.act.verify == "exact" and d.act.logprobs is None
-                    for d in drafts)):
+                    and not d.act.req.params.adjusts_logits for d in drafts)):
             return False
         if self.drafter is None and not any(d.act.drafter for d in drafts):
             return True  # nothing drafts for these sessions: every step decodes

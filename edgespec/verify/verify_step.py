@@ -51,6 +51,7 @@ from ..config import LooseParams, SamplingParams
 from ..runner.host_transfers import to_device, to_host
 from ..runner.step_rows import DraftShape, StepRows
 from .keyed_noise import _signed, gumbel_of_keys, position_keys, seed_of
+from .logit_adjust import LogitAdjust, adjusted
 from .loose import loose_accepts
 
 
@@ -86,6 +87,8 @@ class VerifyBatch:
     # [B, N] int64: ``tokens`` on the host (-1 padding), where the rows were built there: exact
     # chains are then judged on the host from the target's choices (``verify_step``)
     host_nodes: np.ndarray | None = None
+    # penalties and logit bias (``logit_adjust``), added to the logits before the choices
+    adjust: LogitAdjust | None = None
 
     @property
     def max_nodes(self) -> int:
@@ -269,6 +272,8 @@ def target_choices(logits: torch.Tensor, vb: VerifyBatch) -> tuple[torch.Tensor,
     """The target's own token after the root and after every node: greedy rows the argmax,
     sampled rows the keyed Gumbel-max sample at the row's absolute position. Returns
     (choices [B, R] long, scores [B, R, V]: what the choice was taken over)."""
+    if vb.adjust is not None:
+        logits = adjusted(logits, vb.adjust)
     if not vb.any_sampled:
         return last_argmax(logits), logits
     scores = filter_scores(logits, vb)
