@@ -153,8 +153,17 @@ def unpack_tokens(blob: bytes | str | None) -> list[int]:
 
 
 def params_to_json(p: SamplingParams) -> str:
-    return json.dumps({"temperature": p.temperature, "top_k": p.top_k, "top_p": p.top_p,
-                       "seed": p.seed})
+    """The session's sampling settings as the cache keeps them (a resume on another verifier
+    reads them back): the penalties and bias only where set, so a session without them reads
+    as before."""
+    out = {"temperature": p.temperature, "top_k": p.top_k, "top_p": p.top_p, "seed": p.seed}
+    if p.presence_penalty:
+        out["presence_penalty"] = p.presence_penalty
+    if p.frequency_penalty:
+        out["frequency_penalty"] = p.frequency_penalty
+    if p.logit_bias:
+        out["logit_bias"] = [list(pair) for pair in p.logit_bias]
+    return json.dumps(out)
 
 
 def params_from_json(s: str | bytes | None) -> SamplingParams:

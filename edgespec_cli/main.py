@@ -62,6 +62,20 @@ def read_prompt(args) -> str:
         raise ConfigError(f"the prompt file {args.prompt_file} is not UTF-8 text") from None
 
 
+def logit_bias_arg(text: str) -> list[tuple[int, float]]:
+    """``--logit-bias`` ("ID=B,ID=B") as (token id, bias) pairs; their ranges are
+    ``SamplingParams``' to check."""
+    pairs = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        token, _, bias = part.partition("=")
+        try:
+            pairs.append((int(token), float(bias)))
+        except ValueError:
+            raise ConfigError(f"--logit-bias takes ID=BIAS pairs, comma-separated (198=-100), "
+                              f"got {part[:40]!r}") from None
+    return pairs
+
+
 def cmd_generate(args) -> int:
     from edgespec.engine.local import LocalGenerator, print_stream
     from edgespec.models.images import read_image_file
@@ -69,7 +83,9 @@ def cmd_generate(args) -> int:
     args.prompt = read_prompt(args)  # "" is a prompt; one of zero tokens (--raw) is refused
     if args.max_new_tokens < 1:
         raise ConfigError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    params = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
+    params = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed,
+                            args.presence_penalty, args.frequency_penalty,
+                            logit_bias_arg(args.logit_bias))
     if args.logprobs is not None:
         if not args.json:
             raise ConfigError("--logprobs is printed with --json: give both")
@@ -208,6 +224,15 @@ def _add_generate(sub) -> None:
     g.add_argument("--seed", metavar="S", type=int, default=None,
                    help="sampling seed: the same seed gives the same tokens with any drafter "
                         "(default: a random seed per session)")
+    g.add_argument("--presence-penalty", metavar="X", type=float, default=0.0,
+                   help="OpenAI's presence penalty, -2 to 2: the logit of each token the output "
+                        "already holds moves down by X (default: 0)")
+    g.add_argument("--frequency-penalty", metavar="X", type=float, default=0.0,
+                   help="OpenAI's frequency penalty, -2 to 2: a token's logit moves down by X "
+                        "for each time the output holds it (default: 0)")
+    g.add_argument("--logit-bias", metavar="ID=B[,ID=B...]", default="",
+                   help="add B (-100 to 100) to token ID's logit at every position, e.g. "
+                        "'198=-100' bans token 198 (default: none)")
     g.add_argument("--raw", action="store_true", help="send the prompt as is, no chat template")
     g.add_argument("--image", metavar="PATH", action="append", default=[],
                    help="an image for a vision-language --model (SmolVLM); repeat for several, "

@@ -57,6 +57,36 @@ def test_generate_json_logprobs_are_target_onlys(tiny, tiny_dir):
                for e in none["logprobs"])  # greedy: the token is the most likely
 
 
+def test_generate_penalties_and_logit_bias_are_target_onlys(tiny_dir):
+    """--presence-penalty, --frequency-penalty, --logit-bias: the same tokens with any drafter,
+    a banned token never emitted, and the output moved from the plain one."""
+    outs = {}
+    base = json.loads(run_cli("generate", "abcabcabc", "--model", tiny_dir, "--drafter", "none",
+                              "--max-new-tokens", 24, "--json", "--dtype", "float32").stdout)
+    banned = base["token_ids"][0]
+    for drafter in ("none", "layers:3"):
+        r = run_cli("generate", "abcabcabc", "--model", tiny_dir, "--drafter", drafter,
+                    "--max-new-tokens", 24, "--json", "--dtype", "float32", "--no-adaptive",
+                    "--presence-penalty", 0.4, "--frequency-penalty", 0.9,
+                    "--logit-bias", f"{banned}=-100, 5=1.5")
+        assert r.returncode == 0, r.stderr
+        outs[drafter] = json.loads(r.stdout)
+    assert outs["layers:3"]["stats"]["accepted"] > 0
+    assert outs["layers:3"]["token_ids"] == outs["none"]["token_ids"] != base["token_ids"]
+    assert banned not in outs["none"]["token_ids"]
+
+
+@pytest.mark.parametrize("args, match", [
+    (("--logit-bias", "5"), "--logit-bias takes ID=BIAS pairs"),
+    (("--logit-bias", "x=1"), "--logit-bias takes ID=BIAS pairs"),
+    (("--logit-bias", "5=200"), "the bias of token 5 must be a number in"),
+    (("--presence-penalty", "3"), "presence_penalty must be a number in"),
+])
+def test_generate_refuses_bad_penalties_before_loading_a_model(args, match):
+    r = run_cli("generate", "hi", "--model", "/no/such/model", *args)
+    assert r.returncode == 2 and match in r.stderr, r.stderr
+
+
 def test_generate_default_dtype_is_the_probed_one_and_lossless_in_it(tiny_dir):
     """``--dtype auto`` (the default) serves an exact dtype it measured here (bfloat16 on an
     AMX CPU), says so in --json, and speculative output equals target-only

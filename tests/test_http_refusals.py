@@ -58,7 +58,11 @@ def api(server):
     (dict(n=17), 400, "n"),  # past the choices a request may ask for
     (dict(n=0), 400, "n"),
     (dict(stop=["a", "b", "c", "d", "e"]), 400, "stop"),
-    (dict(logit_bias={"5": 10}), 400, "logit_bias"),
+    (dict(logit_bias={"5": 101}), 400, "logit_bias"),
+    (dict(logit_bias={"five": 1}), 400, "logit_bias"),
+    (dict(logit_bias={"100000000": 1}), 400, None),  # past the model's vocabulary
+    (dict(presence_penalty=2.5), 400, "presence_penalty"),
+    (dict(frequency_penalty="1"), 400, "frequency_penalty"),
     (dict(prompt=""), 400, "prompt"),
     (dict(prompt="a" * 200_000), 400, None),
     (dict(max_tokens=10 ** 400), 400, "max_tokens"),

@@ -219,3 +219,26 @@ def test_half_precision_with_penalties_is_its_own_target_only(tiny, tiny_dir, dt
     alone = run(runner, None, REPEATING)
     drafted = run(runner, build_drafter("mag", tiny, runner), REPEATING)
     assert [r.token_ids for r in drafted] == [r.token_ids for r in alone]
+
+
+def test_settings_travel_the_wire_and_the_cache_and_give_the_same_deltas():
+    """gRPC carries the penalties and biases as float32 (the deltas are float32 too, so a
+    session sent over gRPC adjusts as one made here); the cache's JSON keeps them as given, and
+    a session without them is written as before (a reader without these fields reads it)."""
+    import json
+
+    from cache_service.codec import params_from_json, params_to_json
+    from edgespec.wire.convert import params_from_pb, params_to_pb
+
+    p = SamplingParams(temperature=0.5, seed=3, presence_penalty=0.3, frequency_penalty=-1.1,
+                       logit_bias={5: 2.7, 9: -100})
+    assert params_from_json(params_to_json(p)) == p
+    sent = params_from_pb(params_to_pb(p))
+    assert sent.presence_penalty == float(np.float32(0.3)) and sent.seed == 3
+    assert [t for t, _ in sent.logit_bias] == [5, 9]
+    args = ([4, 5, 4], [5, 8], [-1, 0])
+    for here, there in zip(row_entries(*args, p), row_entries(*args, sent)):
+        assert np.array_equal(here, there)
+    assert params_from_pb(params_to_pb(SamplingParams())) == SamplingParams()
+    assert set(json.loads(params_to_json(SamplingParams(seed=1)))) == \
+        {"temperature", "top_k", "top_p", "seed"}

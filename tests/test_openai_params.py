@@ -42,6 +42,32 @@ def test_an_empty_object_or_list_is_neutral_only_where_it_is_the_default(name, v
     assert e.value.status == 400 and e.value.param == name
 
 
+def test_penalties_and_logit_bias_become_sampling_settings():
+    g = parse_request(chat(presence_penalty=0.5, frequency_penalty=-1, logit_bias={"7": -100,
+                                                                                  "3": 2.5}),
+                      True, MODEL).generation
+    assert g.params.presence_penalty == 0.5 and g.params.frequency_penalty == -1.0
+    assert g.params.logit_bias == ((3, 2.5), (7, -100.0))
+    assert not parse_request(chat(presence_penalty=0, logit_bias={}), True,
+                             MODEL).generation.params.adjusts_logits
+
+
+@pytest.mark.parametrize("kw,param", [
+    (dict(presence_penalty=-2.01), "presence_penalty"),
+    (dict(frequency_penalty=3), "frequency_penalty"),
+    (dict(frequency_penalty=True), "frequency_penalty"), (dict(logit_bias=[[3, 1]]), "logit_bias"),
+    (dict(logit_bias={"3": 100.5}), "logit_bias"), (dict(logit_bias={"3": "1"}), "logit_bias"),
+    (dict(logit_bias={"3": None}), "logit_bias"), (dict(logit_bias={"-3": 1}), "logit_bias"),
+    (dict(logit_bias={" 3": 1}), "logit_bias"), (dict(logit_bias={"99999999999": 1}), "logit_bias"),
+    (dict(logit_bias={"\u0663": 1}), "logit_bias"),  # a digit, not an ASCII one
+    (dict(logit_bias={str(i): 1 for i in range(301)}), "logit_bias"),
+])
+def test_bad_penalties_and_logit_bias_are_refused_by_name(kw, param):
+    with pytest.raises(ApiError) as e:
+        parse_request(chat(**kw), True, MODEL)
+    assert e.value.status == 400 and e.value.param == param
+
+
 def test_chat_logprobs_false_or_zero_is_none():
     for value in (False, 0, None):
         assert parse_request(chat(logprobs=value), True, MODEL).generation.logprobs is None

@@ -98,6 +98,31 @@ def test_a_stopping_verifier_leaves_its_sessions_resumable(verifier_parts, loopi
     assert resumed.result.token_ids == ref
 
 
+def test_a_resumed_session_keeps_its_penalties_and_bias(verifier_parts):
+    """The cache keeps a session's penalties and logit bias with its sampling settings: a
+    verifier that resumes it from there continues target-only decoding with them."""
+    store, engine, sched, admission = verifier_parts
+    with SpecEngine(engine.target, None, EngineConfig(), stop_ids=set()) as alone:
+        plain = alone.generate(Request(PROMPT, 12, SamplingParams(temperature=0.9,
+                                                                  seed=4))).token_ids
+        params = SamplingParams(temperature=0.9, seed=4, presence_penalty=-0.75,
+                                frequency_penalty=1.25, logit_bias={plain[3]: -100, 20: 3})
+        ref = alone.generate(Request(PROMPT, 12, params)).token_ids
+    assert ref[:3] == plain[:3] and ref != plain  # the settings matter after the first step
+    ticket = admission.admit(GenerationRequest(prompt_ids=PROMPT, max_new_tokens=12,
+                                               params=params))
+    sched._admit()
+    engine.step()
+    sched._shut_down()
+    rec = store.load(ticket.session_id)
+    assert rec.params == params and rec.committed == ref[:len(rec.committed)]
+    resumed = admission.admit(GenerationRequest(resume_session_id=ticket.session_id))
+    sched._admit()
+    while engine.sessions:
+        engine.step()
+    assert resumed.result.token_ids == ref
+
+
 def test_a_running_ticket_that_ends_before_its_resume_submits_it_is_not_queued_again(
         verifier_parts):
     """A resume finds the running ticket, which ends before the resume submits it (the session

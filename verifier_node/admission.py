@@ -92,6 +92,8 @@ class Admission:
         ids, images = self._encode(g)
         if not ids:
             raise EmptyPrompt()
+        if any(t >= self.vocab_size for t, _ in g.params.logit_bias):
+            raise ConfigError(f"logit_bias token ids must be in [0, {self.vocab_size})")
         return ids, images
 
     def _encode(self, g: GenerationRequest) -> tuple[list[int], ImageInput | None]:

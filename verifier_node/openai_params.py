@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from edgespec.config import VERIFY_MODES, ConfigError, SamplingParams
+from edgespec.config import MAX_LOGIT_BIAS, VERIFY_MODES, ConfigError, SamplingParams
 from edgespec.protocol.token_logprob import MAX_TOP_LOGPROBS
 from edgespec.wire.convert import unencodable_text
 
@@ -37,9 +37,8 @@ __all__ = ["ApiError", "OpenAIParams", "error_response", "parse_request"]
 IGNORED = {"model", "user", "metadata", "store", "service_tier", "parallel_tool_calls",
            "stream", "stream_options"}
 NEUTRAL: dict[str, tuple] = {
-    "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0),
-    "echo": (False, None), "best_of": (1, None),
-    "logit_bias": (None, {}), "suffix": (None, ""), "response_format": (None, {"type": "text"}),
+    "echo": (False, None), "best_of": (1, None), "suffix": (None, ""),
+    "response_format": (None, {"type": "text"}),
     "tools": (None, []), "tool_choice": (None, "none")}
 # the legacy completions have no ``top_logprobs`` (their ``logprobs`` is the count)
 COMPLETIONS_NEUTRAL = {**NEUTRAL, "top_logprobs": (None, 0)}
@@ -49,7 +48,8 @@ COMPLETIONS_NEUTRAL = {**NEUTRAL, "top_logprobs": (None, 0)}
 # makes, and are refused by name
 MESSAGE_EMPTY: dict[str, tuple] = {"tool_calls": ([],), "annotations": ([],)}
 SAMPLING = {"max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed",
-            "stop", "n", "verify", "logprobs"}
+            "stop", "n", "verify", "logprobs", "presence_penalty", "frequency_penalty",
+            "logit_bias"}
 MAX_STOP = 4
 MAX_N = 16  # choices a request may ask for: each is a session, with a KV slot of its own
 ROLES = ("system", "developer", "user", "assistant", "tool")  # OpenAI's chat roles
@@ -179,7 +179,10 @@ def parse_request(body, chat: bool, model_name: str) -> OpenAIParams:
     try:
         g.params = SamplingParams(_number(body, "temperature", 1.0, float, 0, 2),
                                   _number(body, "top_k", 0, int, 0),
-                                  _number(body, "top_p", 1.0, float, 0, 1, low_open=True), seed)
+                                  _number(body, "top_p", 1.0, float, 0, 1, low_open=True), seed,
+                                  _number(body, "presence_penalty", 0.0, float, -2, 2),
+                                  _number(body, "frequency_penalty", 0.0, float, -2, 2),
+                                  _logit_bias(body.get("logit_bias")))
     except ConfigError as e:
         raise _bad(str(e)) from None
     verify = body.get("verify")
@@ -211,6 +214,30 @@ def parse_request(body, chat: bool, model_name: str) -> OpenAIParams:
         raise _bad("'stream_options.include_usage' must be a boolean",
                    "stream_options.include_usage")
     return OpenAIParams(g, stops, bool(stream), bool(usage), n)
+
+
+def _logit_bias(bias) -> tuple[tuple[int, float], ...]:
+    """OpenAI's ``logit_bias``: an object mapping token ids, written as decimal strings, to
+    biases in [-100, 100] (null or {}: none); refused (400, naming ``logit_bias``) otherwise.
+    An id past the model's vocabulary is refused when the request is admitted."""
+    if bias is None:
+        return ()
+    if not isinstance(bias, dict):
+        raise _bad("'logit_bias' must be an object mapping token ids to biases", "logit_bias")
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise _bad(f"'logit_bias' may move at most {MAX_LOGIT_BIAS} tokens, got {len(bias)}",
+                   "logit_bias")
+    pairs = []
+    for key, value in bias.items():
+        if not (key.isascii() and key.isdigit() and len(key) <= 10 and int(key) < 1 << 31):
+            raise _bad(f"'logit_bias' keys must be token ids (decimal strings), got "
+                       f"'{key[:20]}'", "logit_bias")
+        if value is None:
+            raise _bad(f"'logit_bias' biases must be numbers, token {key}'s is null",
+                       "logit_bias")
+        pairs.append((int(key), _number({"logit_bias": value}, "logit_bias", None, float,
+                                        -100, 100)))
+    return tuple(pairs)
 
 
 def _logprobs(body: dict, chat: bool) -> int | None:

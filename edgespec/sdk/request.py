@@ -109,7 +109,8 @@ def check_wire_float(name: str, value: float) -> None:
 
 def build_request(prompt=None, *, messages=None, prompt_ids=None, raw=False, max_new_tokens=0,
                   temperature=0.0, top_k=0, top_p=1.0, seed=None, device_id=None,
-                  verify=None, images=None, logprobs=None) -> pb.GenerateRequest:
+                  verify=None, images=None, logprobs=None, presence_penalty=0.0,
+                  frequency_penalty=0.0, logit_bias=None) -> pb.GenerateRequest:
     """Validate locally (raises InvalidRequest) and build the wire request. An empty
     ``prompt`` is sent (through the chat template it is an empty message; raw, the verifier
     refuses its zero tokens); empty ``prompt_ids`` or ``messages`` cannot travel (the wire does
@@ -142,7 +143,8 @@ def build_request(prompt=None, *, messages=None, prompt_ids=None, raw=False, max
         raise InvalidRequest(f"images must be a list (of paths, bytes or PIL images), got "
                              f"{type(images).__name__}")
     try:
-        params = SamplingParams(temperature, top_k, top_p, seed)
+        params = SamplingParams(temperature, top_k, top_p, seed, presence_penalty,
+                                frequency_penalty, () if logit_bias is None else logit_bias)
     except ValueError as e:
         raise InvalidRequest(str(e)) from None
     for name, value in (("temperature", params.temperature), ("top_p", params.top_p)):

@@ -39,14 +39,20 @@ HEALTH_PREFIX = "/grpc.health.v1.Health/"
 # -- conversions ------------------------------------------------------------------------------
 def params_to_pb(p: SamplingParams) -> pb.SamplingParams:
     return pb.SamplingParams(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
-                             has_seed=p.seed is not None, seed=p.seed or 0)
+                             has_seed=p.seed is not None, seed=p.seed or 0,
+                             presence_penalty=p.presence_penalty,
+                             frequency_penalty=p.frequency_penalty,
+                             logit_bias=dict(p.logit_bias))
 
 
 def params_from_pb(m: pb.SamplingParams) -> SamplingParams:
     """Raises ConfigError on out-of-range values (NaN included). top_p 0 is proto3's unset."""
     top_p = 1.0 if m.top_p == 0 else m.top_p
     return SamplingParams(temperature=m.temperature, top_k=m.top_k, top_p=top_p,
-                          seed=m.seed if m.has_seed else None)
+                          seed=m.seed if m.has_seed else None,
+                          presence_penalty=m.presence_penalty,
+                          frequency_penalty=m.frequency_penalty,
+                          logit_bias=dict(m.logit_bias))
 
 
 def logprobs_to_pb(entries: Sequence[TokenLogprob]) -> list[pb.TokenLogprob]:
