@@ -242,3 +242,43 @@ def test_settings_travel_the_wire_and_the_cache_and_give_the_same_deltas():
     assert params_from_pb(params_to_pb(SamplingParams())) == SamplingParams()
     assert set(json.loads(params_to_json(SamplingParams(seed=1)))) == \
         {"temperature", "top_k", "top_p", "seed"}
+
+
+def test_the_logits_are_put_back_bit_for_bit_after_the_verification():
+    from edgespec.verify.logit_adjust import adjusted_in_place, step_adjust
+
+    torch.manual_seed(0)
+    with torch.inference_mode():  # as the runner's logits are
+        logits = torch.randn(3, 4, 50)
+    before = logits.clone()
+    params = [PENALISED, SamplingParams(), SamplingParams(logit_bias={1: 5})]
+    adjust = step_adjust([[3, 4, 3], [1], []], [([4, 9, 4], [-1, 0, 1]), ((), ()), ((), ())],
+                         params, "cpu")
+    with adjusted_in_place(logits, adjust) as moved:
+        assert moved[0, 0, 3] == before[0, 0, 3] + np.float32(2.5 - 1.5 * 2 - 0.6)
+        assert moved[0, 3, 4] == before[0, 3, 4] - np.float32(1.5 * 3 + 0.6)  # 4, 4 on its path
+        assert moved[0, 0, 7] == before[0, 0, 7] - 100 and moved[2, 0, 1] == before[2, 0, 1] + 5
+        assert torch.equal(moved[1], before[1])
+    assert torch.equal(logits, before)
+    with adjusted_in_place(logits[:, :1], adjust) as roots:  # a decode step's column alone
+        assert roots[2, 0, 1] == before[2, 0, 1] + 5
+    assert torch.equal(logits, before)
+
+
+def test_logprobs_beside_penalties_are_the_models_own(tiny, runner):
+    """Logprobs are read from the logits as the model gave them, the moves put back first:
+    the same drafted or not, and transformers' log-softmax at each token."""
+    alone = run_logprobs(runner, None)
+    drafted = run_logprobs(runner, build_drafter("mag", tiny, runner))
+    assert [r.logprobs for r in drafted] == [r.logprobs for r in alone]
+    for prompt, res in zip(PROMPTS, alone):
+        with torch.no_grad():
+            logits = tiny.model(torch.tensor([prompt + res.token_ids])).logits[0]
+        lp = torch.log_softmax(logits[len(prompt) - 1:-1].float(), -1)
+        want = lp.gather(1, torch.tensor(res.token_ids)[:, None])[:, 0].tolist()
+        assert [e.logprob for e in res.logprobs] == pytest.approx(want, abs=1e-4)
+
+
+def run_logprobs(runner, drafter):
+    with SpecEngine(runner, drafter, EngineConfig(**FIXED), stop_ids={2}) as engine:
+        return engine.generate_many([Request(p, N, REPEATING, logprobs=2) for p in PROMPTS])

@@ -19,7 +19,8 @@ token after a rejection, or the *bonus* token after a full accept.
 
 The noise is ``edgespec.verify.keyed_noise``'s: a function of (seed, pos, x) alone.
 
-p is always the target's *processed* distribution (temperature, top-k, top-p applied), so the
+p is always the target's *processed* distribution (penalties and logit bias, then temperature,
+top-k, top-p applied: ``logit_adjust``, ``filter_scores``), so the
 output follows exactly what target-only sampling would draw from; tokens with p = 0 never win.
 
 ``VerifyBatch`` is built once per step from the drafts (host data) and moved to the device;
@@ -51,7 +52,7 @@ from ..config import LooseParams, SamplingParams
 from ..runner.host_transfers import to_device, to_host
 from ..runner.step_rows import DraftShape, StepRows
 from .keyed_noise import _signed, gumbel_of_keys, position_keys, seed_of
-from .logit_adjust import LogitAdjust, adjusted
+from .logit_adjust import LogitAdjust, adjusted_in_place
 from .loose import loose_accepts
 
 
@@ -272,8 +273,6 @@ def target_choices(logits: torch.Tensor, vb: VerifyBatch) -> tuple[torch.Tensor,
     """The target's own token after the root and after every node: greedy rows the argmax,
     sampled rows the keyed Gumbel-max sample at the row's absolute position. Returns
     (choices [B, R] long, scores [B, R, V]: what the choice was taken over)."""
-    if vb.adjust is not None:
-        logits = adjusted(logits, vb.adjust)
     if not vb.any_sampled:
         return last_argmax(logits), logits
     scores = filter_scores(logits, vb)
@@ -292,7 +291,14 @@ def verify_step(logits: torch.Tensor, vb: VerifyBatch, loose: LooseParams | None
     """Decide every row of a step. logits: [B, 1 + N', V] from ``forward`` (chains) or
     ``forward_tree``; a row uses its first 1 + count entries. ``propose``: drafts for the next
     step from the decisions, computed before the sync. ``lenient``: PAD rows' keep rule (PAD
-    rows are verified exactly without one). One host sync."""
+    rows are verified exactly without one). One host sync. A row's penalties and logit bias
+    (``vb.adjust``) move its logits for the verification's duration."""
+    with adjusted_in_place(logits, vb.adjust):
+        return _verify_adjusted(logits, vb, loose, propose, lenient)
+
+
+def _verify_adjusted(logits: torch.Tensor, vb: VerifyBatch, loose: LooseParams | None,
+                     propose: Proposer | None, lenient: LenientRule | None) -> VerifyOutcome:
     N = min(vb.max_nodes, logits.shape[1] - 1)
     logits = logits[:, :1 + N]  # rows past every draft: padding
     choices, scores = target_choices(logits, vb)  # [B, 1 + N]
@@ -331,7 +337,8 @@ def decode_choices(logits: torch.Tensor, vb: VerifyBatch) -> torch.Tensor:
     each row's token the target's choice after its root, as ``verify_step`` judges such a row
     (greedy the argmax, sampled the keyed sample at its position). logits: [B, >= 1, V];
     returns [B] long."""
-    return target_choices(logits[:, :1], vb)[0][:, 0]
+    with adjusted_in_place(logits, vb.adjust):  # queued before the logits are put back
+        return target_choices(logits[:, :1], vb)[0][:, 0]
 
 
 def decode_outcome(tokens: Sequence[int]) -> VerifyOutcome:
