@@ -156,7 +156,8 @@ def params_to_json(p: SamplingParams) -> str:
     """The session's sampling settings as the cache keeps them (a resume on another verifier
     reads them back): the penalties and bias only where set, so a session without them reads
     as before."""
-    out = {"temperature": p.temperature, "top_k": p.top_k, "top_p": p.top_p, "seed": p.seed}
+    out: dict[str, object] = {"temperature": p.temperature, "top_k": p.top_k, "top_p": p.top_p,
+                              "seed": p.seed}
     if p.presence_penalty:
         out["presence_penalty"] = p.presence_penalty
     if p.frequency_penalty:

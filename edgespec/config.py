@@ -83,7 +83,7 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, numbers.Real) or \
-                    not -2 <= value <= 2:
+                    not -2 <= float(value) <= 2:
                 raise ConfigError(f"{name} must be a number in [-2, 2], got "
                                   f"{str(value)[:20]!r}")
             object.__setattr__(self, name, float(value))
@@ -135,11 +135,11 @@ def _logit_bias_pairs(bias) -> tuple[tuple[int, float], ...]:
             raise ConfigError("logit_bias must map token ids to biases")
         token, value = item
         if isinstance(token, bool) or not isinstance(token, numbers.Integral) or \
-                not 0 <= token < (1 << 31):
+                not 0 <= int(token) < (1 << 31):
             raise ConfigError(f"logit_bias: a token id must be an integer in [0, 2^31), got "
                               f"{str(token)[:20]!r}")
         if isinstance(value, bool) or not isinstance(value, numbers.Real) or \
-                not -100 <= value <= 100:
+                not -100 <= float(value) <= 100:
             raise ConfigError(f"logit_bias: the bias of token {token} must be a number in "
                               f"[-100, 100], got {str(value)[:20]!r}")
         if int(token) in pairs:

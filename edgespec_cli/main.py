@@ -62,7 +62,7 @@ def read_prompt(args) -> str:
         raise ConfigError(f"the prompt file {args.prompt_file} is not UTF-8 text") from None
 
 
-def logit_bias_arg(text: str) -> list[tuple[int, float]]:
+def logit_bias_arg(text: str) -> tuple[tuple[int, float], ...]:
     """``--logit-bias`` ("ID=B,ID=B") as (token id, bias) pairs; their ranges are
     ``SamplingParams``' to check."""
     pairs = []
@@ -73,7 +73,7 @@ def logit_bias_arg(text: str) -> list[tuple[int, float]]:
         except ValueError:
             raise ConfigError(f"--logit-bias takes ID=BIAS pairs, comma-separated (198=-100), "
                               f"got {part[:40]!r}") from None
-    return pairs
+    return tuple(pairs)
 
 
 def cmd_generate(args) -> int:

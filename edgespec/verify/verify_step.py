@@ -139,7 +139,7 @@ class VerifyBatch:
                        starts=starts_t,
                        **_greedy_exact_rows(n, nodes.device), any_sampled=False, max_top_k=0,
                        any_top_p=False, any_loose=False, any_pad=False, max_depth=max_depth,
-                       chains=chains, host_nodes=host_nodes)
+                       chains=chains, host_nodes=host_nodes, adjust=None)
         loose, pad = [m == "loose" for m in modes], [m == "pad" for m in modes]
         sampled = [p for g, p in zip(greedy, params) if not g]
         if sampled:

@@ -52,7 +52,7 @@ def params_from_pb(m: pb.SamplingParams) -> SamplingParams:
                           seed=m.seed if m.has_seed else None,
                           presence_penalty=m.presence_penalty,
                           frequency_penalty=m.frequency_penalty,
-                          logit_bias=dict(m.logit_bias))
+                          logit_bias=tuple(m.logit_bias.items()))
 
 
 def logprobs_to_pb(entries: Sequence[TokenLogprob]) -> list[pb.TokenLogprob]:
