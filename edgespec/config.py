@@ -83,7 +83,7 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, numbers.Real) or \
-                    not -2 <= float(value) <= 2:
+                    not _within(value, 2):
                 raise ConfigError(f"{name} must be a number in [-2, 2], got "
                                   f"{str(value)[:20]!r}")
             object.__setattr__(self, name, float(value))
@@ -120,6 +120,15 @@ class SamplingParams:
 MAX_LOGIT_BIAS = 300  # the most tokens a request's logit_bias may move (OpenAI's limit)
 
 
+def _within(value: numbers.Real, bound: float) -> bool:
+    """-bound <= value <= bound, for any real (an int too large for a float is outside; NaN
+    is)."""
+    try:
+        return -bound <= float(value) <= bound
+    except OverflowError:
+        return False
+
+
 def _logit_bias_pairs(bias) -> tuple[tuple[int, float], ...]:
     """``logit_bias`` (a mapping, or (token id, bias) pairs) as sorted pairs of an int id in
     [0, 2^31) and a float bias in [-100, 100]; raises ConfigError naming what is wrong."""
@@ -139,7 +148,7 @@ def _logit_bias_pairs(bias) -> tuple[tuple[int, float], ...]:
             raise ConfigError(f"logit_bias: a token id must be an integer in [0, 2^31), got "
                               f"{str(token)[:20]!r}")
         if isinstance(value, bool) or not isinstance(value, numbers.Real) or \
-                not -100 <= float(value) <= 100:
+                not _within(value, 100):
             raise ConfigError(f"logit_bias: the bias of token {token} must be a number in "
                               f"[-100, 100], got {str(value)[:20]!r}")
         if int(token) in pairs:

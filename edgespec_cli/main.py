@@ -69,6 +69,8 @@ def logit_bias_arg(text: str) -> tuple[tuple[int, float], ...]:
     for part in filter(None, (p.strip() for p in text.split(","))):
         token, _, bias = part.partition("=")
         try:
+            if not (token.strip().isascii() and token.strip().isdigit()):
+                raise ValueError(token)
             pairs.append((int(token), float(bias)))
         except ValueError:
             raise ConfigError(f"--logit-bias takes ID=BIAS pairs, comma-separated (198=-100), "
@@ -232,7 +234,7 @@ def _add_generate(sub) -> None:
                         "for each time the output holds it (default: 0)")
     g.add_argument("--logit-bias", metavar="ID=B[,ID=B...]", default="",
                    help="add B (-100 to 100) to token ID's logit at every position, e.g. "
-                        "'198=-100' bans token 198 (default: none)")
+                        "'198=-100' all but bans token 198 (default: none)")
     g.add_argument("--raw", action="store_true", help="send the prompt as is, no chat template")
     g.add_argument("--image", metavar="PATH", action="append", default=[],
                    help="an image for a vision-language --model (SmolVLM); repeat for several, "

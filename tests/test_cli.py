@@ -79,6 +79,7 @@ def test_generate_penalties_and_logit_bias_are_target_onlys(tiny_dir):
 @pytest.mark.parametrize("args, match", [
     (("--logit-bias", "5"), "--logit-bias takes ID=BIAS pairs"),
     (("--logit-bias", "x=1"), "--logit-bias takes ID=BIAS pairs"),
+    (("--logit-bias", "1_0=1"), "--logit-bias takes ID=BIAS pairs"),
     (("--logit-bias", "5=200"), "the bias of token 5 must be a number in"),
     (("--presence-penalty", "3"), "presence_penalty must be a number in"),
 ])

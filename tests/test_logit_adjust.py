@@ -186,6 +186,8 @@ def test_row_entries_follow_each_columns_path(params):
     (dict(logit_bias={"3": 1}), "a token id must be an integer"),
     (dict(logit_bias=[(3, 1), (3, 2)]), "token 3 is given twice"),
     (dict(logit_bias=5), "must map token ids to biases"),
+    (dict(presence_penalty=10 ** 400), "presence_penalty must be a number in"),  # past a float
+    (dict(logit_bias={5: 10 ** 400}), "the bias of token 5 must be a number"),
     (dict(logit_bias={i: 1 for i in range(MAX_LOGIT_BIAS + 1)}), "at most 300 tokens"),
 ])
 def test_bad_settings_are_refused(kwargs, match):

@@ -61,6 +61,7 @@ def test_penalties_and_logit_bias_become_sampling_settings():
     (dict(logit_bias={" 3": 1}), "logit_bias"), (dict(logit_bias={"99999999999": 1}), "logit_bias"),
     (dict(logit_bias={"\u0663": 1}), "logit_bias"),  # a digit, not an ASCII one
     (dict(logit_bias={str(i): 1 for i in range(301)}), "logit_bias"),
+    (dict(logit_bias={"5": 1, "05": 2}), "logit_bias"),  # one token twice
 ])
 def test_bad_penalties_and_logit_bias_are_refused_by_name(kw, param):
     with pytest.raises(ApiError) as e:

@@ -112,10 +112,12 @@ def test_a_resumed_session_keeps_its_penalties_and_bias(verifier_parts):
     ticket = admission.admit(GenerationRequest(prompt_ids=PROMPT, max_new_tokens=12,
                                                params=params))
     sched._admit()
-    engine.step()
+    while len(ticket.tokens) < 5:
+        engine.step()
     sched._shut_down()
     rec = store.load(ticket.session_id)
     assert rec.params == params and rec.committed == ref[:len(rec.committed)]
+    assert 5 <= len(rec.committed) < 12  # its continuation counts them
     resumed = admission.admit(GenerationRequest(resume_session_id=ticket.session_id))
     sched._admit()
     while engine.sessions:

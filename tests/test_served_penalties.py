@@ -109,3 +109,22 @@ def test_bad_settings_are_refused(server, api):
             client.generate("hi", presence_penalty=2.5)
         with pytest.raises(InvalidRequest, match="logit_bias token ids must be in"):
             client.generate("hi", logit_bias={10 ** 8: 1})
+
+
+def test_the_sdk_refuses_a_verifier_that_drops_the_settings():
+    """A verifier that predates the settings ignores their fields (proto3): the first response
+    echoes its sampling without them, and the SDK stops rather than pass off its output."""
+    from edgespec.sdk.errors import PreconditionFailed
+    from edgespec.sdk.stream import Resumer
+    from edgespec.v1 import edgespec_pb2 as pb
+
+    res = Resumer.of_call(type("C", (), {"timeout": None, "max_resumes": 2}), None,
+                          prompt="hi", frequency_penalty=0.5)
+    with pytest.raises(PreconditionFailed, match="predates them"):
+        res.seen(pb.GenerateResponse(session_id="ab" * 16, sampling=pb.SamplingParams()))
+    res = Resumer.of_call(type("C", (), {"timeout": None, "max_resumes": 2}), None,
+                          prompt="hi", logit_bias={5: 1})
+    res.seen(pb.GenerateResponse(session_id="ab" * 16, sampling=res.req.sampling))
+    plain = Resumer.of_call(type("C", (), {"timeout": None, "max_resumes": 2}), None,
+                            prompt="hi")
+    plain.seen(pb.GenerateResponse(session_id="ab" * 16, sampling=pb.SamplingParams()))

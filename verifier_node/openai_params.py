@@ -227,7 +227,7 @@ def _logit_bias(bias) -> tuple[tuple[int, float], ...]:
     if len(bias) > MAX_LOGIT_BIAS:
         raise _bad(f"'logit_bias' may move at most {MAX_LOGIT_BIAS} tokens, got {len(bias)}",
                    "logit_bias")
-    pairs = []
+    pairs: dict[int, float] = {}
     for key, value in bias.items():
         if not (key.isascii() and key.isdigit() and len(key) <= 10 and int(key) < 1 << 31):
             raise _bad(f"'logit_bias' keys must be token ids (decimal strings), got "
@@ -235,9 +235,10 @@ def _logit_bias(bias) -> tuple[tuple[int, float], ...]:
         if value is None:
             raise _bad(f"'logit_bias' biases must be numbers, token {key}'s is null",
                        "logit_bias")
-        pairs.append((int(key), _number({"logit_bias": value}, "logit_bias", None, float,
-                                        -100, 100)))
-    return tuple(pairs)
+        if int(key) in pairs:  # "5" and "05"
+            raise _bad(f"'logit_bias' gives token {int(key)} twice", "logit_bias")
+        pairs[int(key)] = _number({"logit_bias": value}, "logit_bias", None, float, -100, 100)
+    return tuple(pairs.items())
 
 
 def _logprobs(body: dict, chat: bool) -> int | None:

@@ -13,7 +13,8 @@ from ..protocol.lineage import Lineage, joined
 from ..v1 import edgespec_pb2 as pb
 from ..protocol.token_logprob import TokenLogprob
 from ..wire.convert import REFUSAL_METADATA, logprobs_from_pb, stats_from_pb, trailing_value
-from .errors import DeadlineExceeded, EdgespecError, NotFound, Unavailable, translate
+from .errors import (DeadlineExceeded, EdgespecError, NotFound, PreconditionFailed, Unavailable,
+                     translate)
 from .request import build_request, check_timeout
 
 __all__ = ["RESUMABLE", "Collector", "GenerateResult", "Resumer", "StreamPiece"]
@@ -154,6 +155,11 @@ class Resumer:
                 raise NotFound(f"NOT_FOUND: the verifier lost session {self.session_id} and "
                                "cannot re-create it", grpc.StatusCode.NOT_FOUND)
             self.recreating = False
+            if adjusts(self.req.sampling) and not adjusts(r.sampling):
+                raise PreconditionFailed(
+                    "FAILED_PRECONDITION: the verifier decodes without presence_penalty, "
+                    "frequency_penalty and logit_bias (it predates them): upgrade it, or leave "
+                    "them out", grpc.StatusCode.FAILED_PRECONDITION)
             if r.sampling.has_seed:
                 self.seed = r.sampling.seed
             if r.kernel_set:
@@ -189,6 +195,13 @@ class Resumer:
 
 
 RESUMABLE = {grpc.StatusCode.UNAVAILABLE}
+
+
+def adjusts(sampling: pb.SamplingParams) -> bool:
+    """Whether sampling settings on the wire move the logits (penalties, a logit bias): a
+    verifier's echo of a request that asked for them without them is one that predates them
+    (proto3 drops fields a reader does not know)."""
+    return bool(sampling.presence_penalty or sampling.frequency_penalty or sampling.logit_bias)
 
 
 class Collector:
