@@ -65,6 +65,9 @@ class GenerationRequest:
     # each emitted token's logprob under the target, with this many alternatives (0-20); None:
     # none (``edgespec.verify.token_logprobs``)
     logprobs: int | None = None
+    # the prompt's logprobs (each token's after the first) with this many alternatives; None:
+    # none (``Request.prompt_logprobs``)
+    prompt_logprobs: int | None = None
 
 
 class SessionNotFound(Exception):
@@ -173,7 +176,8 @@ class Admission:
         # the seed is chosen here, not at prefill, so that the first response can report it
         request = Request(ids, g.max_new_tokens or self._default_max_new(len(ids)),
                           with_session_seed(g.params), committed=list(g.committed),
-                          verify=g.verify, images=images, logprobs=g.logprobs)
+                          verify=g.verify, images=images, logprobs=g.logprobs,
+                          prompt_logprobs=g.prompt_logprobs)
         if lost:
             try:
                 held = checked_lineage(g.kernel_set, g.kernels_differ_from, len(g.committed))

@@ -19,7 +19,7 @@ from edgespec.models.text_stream import TextStream
 
 from .admission import Admission
 from .api_errors import ApiError
-from .logprob_shapes import ChoiceLogprobs, LogprobShapes
+from .logprob_shapes import ChoiceLogprobs, LogprobShapes, joined
 from .tickets import ShuttingDown, Ticket
 
 # the status logged for a request whose client left before it was read whole (nginx's "client
@@ -46,8 +46,12 @@ class ChoiceRun:
         self.shown = ""  # text already sent (or decided) before any stop string
         self.starts: list[int] = []  # where each token read begins in the output's text
         self.read = False  # the response began reading the ticket (``_events``)
+        # completions' ``echo``: the prompt's text, where each of its tokens begins in it
+        self.echo: tuple[str, list[int]] | None = None if chat or not params.echo else \
+            decoded(admission.tokenizer, ticket.request.prompt_ids)
         # the logprobs asked for, each sent with the chunk its token's text begins in
-        self.logprobs = ChoiceLogprobs(shapes, ticket, chat, self.starts) \
+        self.logprobs = ChoiceLogprobs(shapes, ticket, chat, self.starts,
+                                       len(self.echo[0]) if self.echo else 0) \
             if shapes is not None and ticket.request.logprobs is not None else None
 
     def cancel_if_never_read(self) -> None:
@@ -156,8 +160,21 @@ class ChoiceRun:
                 ({"content": text} if text else {})
             return {"index": self.index, "delta": delta, "logprobs": logprobs,
                     "finish_reason": finish}
+        if first and self.echo is not None:  # the prompt, then the completion's first text
+            text, logprobs = self.echo[0] + (text or ""), joined(self._echo_logprobs(), logprobs)
         return {"index": self.index, "text": text or "", "logprobs": logprobs,
                 "finish_reason": finish}
+
+    def _echo_logprobs(self) -> dict | None:
+        """The echoed prompt's logprobs (with ``logprobs``), read once its prompt was in: a
+        first chunk or a whole answer comes after that."""
+        if self.logprobs is None or self.echo is None:
+            return None
+        prompt = self.ticket.request.prompt_ids
+        entries = self.ticket.prompt_logprobs
+        if entries is None or len(entries) != len(prompt) - 1:  # a guard, never sent short
+            raise ApiError(500, "the prompt's logprobs were not read", "server_error")
+        return self.logprobs.shapes.echoed(prompt, entries, self.echo[1])
 
     def _chunk(self, choices: list, **extra) -> str:
         obj = {"id": self.id, "object": "chat.completion.chunk" if self.chat
@@ -184,8 +201,25 @@ class ChoiceRun:
         if self.chat:
             return {"index": self.index, "message": {"role": "assistant", "content": text},
                     "logprobs": logprobs, "finish_reason": self.finish_reason}, self._stats()
+        if self.echo is not None:
+            text, logprobs = self.echo[0] + text, joined(self._echo_logprobs(), logprobs)
         return {"index": self.index, "text": text, "logprobs": logprobs,
                 "finish_reason": self.finish_reason}, self._stats()
+
+
+def decoded(tokenizer, ids: list[int]) -> tuple[str, list[int]]:
+    """``ids`` as text, as a completion's tokens are shown (``TextStream``), and where each
+    token's text begins in it."""
+    pieces: list[str] = []
+    stream = TextStream(tokenizer, pieces.append)
+    text, starts = "", []
+    for tok in ids:
+        starts.append(len(text))
+        stream([tok])
+        text += "".join(pieces)
+        pieces.clear()
+    stream.flush()
+    return text + "".join(pieces), starts
 
 
 def _find_stop(text: str, stops: list[str]) -> int | None:

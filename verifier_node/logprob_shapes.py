@@ -87,6 +87,25 @@ class LogprobShapes:
                 "top_logprobs": tops, "text_offset": list(offsets)}
 
 
+    def echoed(self, prompt: Sequence[int], entries: Sequence[TokenLogprob],
+               offsets: Sequence[int]) -> dict:
+        """The legacy completions' ``logprobs`` of an echoed prompt: its first token has none
+        (nothing precedes it: null, as OpenAI's), each later one its ``entries``' (the
+        prompt's logprobs, ``Request.prompt_logprobs``)."""
+        rest = self.completion(entries, offsets[1:])
+        return {"tokens": [self.token(prompt[0])[0], *rest["tokens"]],
+                "token_logprobs": [None, *rest["token_logprobs"]],
+                "top_logprobs": [None, *rest["top_logprobs"]],
+                "text_offset": [offsets[0], *rest["text_offset"]]}
+
+
+def joined(first: dict | None, then: dict | None) -> dict | None:
+    """Two runs of the completions' ``logprobs``, one after the other."""
+    if first is None or then is None:
+        return first or then
+    return {key: [*first[key], *then[key]] for key in first}
+
+
 class ChoiceLogprobs:
     """A choice's logprobs sent along with its text: each ``upto`` gives, in its transport's
     shape, the logprobs of the ticket's tokens from the last call's end to a position.
@@ -94,8 +113,10 @@ class ChoiceLogprobs:
     holds no earlier output) begins in the output's text, as the run keeps it: the
     completions' ``text_offset``."""
 
-    def __init__(self, shapes: LogprobShapes, ticket, chat: bool, starts: Sequence[int]):
+    def __init__(self, shapes: LogprobShapes, ticket, chat: bool, starts: Sequence[int],
+                 base: int = 0):
         self.shapes, self.ticket, self.chat, self.starts = shapes, ticket, chat, starts
+        self.base = base  # where the output's text begins in the choice's (after an echo)
         self.sent = len(ticket.request.committed)  # a position in ``ticket.tokens``
 
     def upto(self, cursor: int) -> dict:
@@ -105,4 +126,5 @@ class ChoiceLogprobs:
         self.sent = max(first, cursor)
         if self.chat:
             return self.shapes.chat(entries)
-        return self.shapes.completion(entries, self.starts[first:first + len(entries)])
+        return self.shapes.completion(entries, [self.base + o for o in
+                                                self.starts[first:first + len(entries)]])

@@ -9,11 +9,13 @@ OpenAI's), ``top_p``, ``top_k`` (an extension), ``verify`` (an extension: "exact
 ``stop`` (a string or up to 4), ``n`` (1-16 choices, a session each), ``stream``,
 ``stream_options.include_usage``,
 ``logprobs`` (chat: a boolean, with ``top_logprobs`` 0-20 alternatives; completions: 0-20
-alternatives; ``logprob_shapes`` gives the answers' shapes).
+alternatives; ``logprob_shapes`` gives the answers' shapes), ``presence_penalty``,
+``frequency_penalty`` and ``logit_bias`` (``edgespec.verify.logit_adjust``), and the
+completions' ``echo`` (the prompt's text before the completion's, with its tokens' logprobs
+where ``logprobs`` is given).
 Ignored, as OpenAI documents them as optional hints or bookkeeping: ``user``, ``metadata``,
 ``store``, ``service_tier``, ``parallel_tool_calls``. Accepted only at their neutral value:
-``presence_penalty``/``frequency_penalty`` 0, ``echo`` false (the prompt's logprobs),
-``best_of`` 1, ``logit_bias`` empty, ``tools`` empty. A message's fields besides
+chat's ``echo`` false, ``best_of`` 1, ``tools`` empty. A message's fields besides
 ``role`` and ``content`` are accepted only null (``tool_calls`` and ``annotations`` also
 empty), as an echoed assistant message carries them: a ``name``, say, is refused. Anything
 else is refused by name, so a client never silently gets a different behaviour from the one it
@@ -40,8 +42,10 @@ NEUTRAL: dict[str, tuple] = {
     "echo": (False, None), "best_of": (1, None), "suffix": (None, ""),
     "response_format": (None, {"type": "text"}),
     "tools": (None, []), "tool_choice": (None, "none")}
-# the legacy completions have no ``top_logprobs`` (their ``logprobs`` is the count)
-COMPLETIONS_NEUTRAL = {**NEUTRAL, "top_logprobs": (None, 0)}
+# the legacy completions have no ``top_logprobs`` (their ``logprobs`` is the count), and take
+# ``echo``
+COMPLETIONS_NEUTRAL = {**{k: v for k, v in NEUTRAL.items() if k != "echo"},
+                       "top_logprobs": (None, 0)}
 # what a chat message may carry besides its role and content: any field null (a client echoing
 # an assistant message back sends its unused ones so: refusal, audio, parsed, ...), and these
 # empty too; a name, tool calls or a tool call's id would change the prompt the chat template
@@ -66,6 +70,7 @@ class OpenAIParams:
     stream: bool = False
     include_usage: bool = False
     n: int = 1  # choices: a session each
+    echo: bool = False  # completions: the prompt's text (and logprobs) before the completion's
 
 
 def _number(body: dict, name: str, default, kind=float, low=None, high=None,
@@ -160,7 +165,7 @@ def parse_request(body, chat: bool, model_name: str) -> OpenAIParams:
                             f"'{model_name}'", "invalid_request_error", "model",
                        "model_not_found")
     known = IGNORED | SAMPLING | set(NEUTRAL) | {"messages", "top_logprobs"} if chat else \
-        IGNORED | SAMPLING | set(COMPLETIONS_NEUTRAL) | {"prompt"}
+        IGNORED | SAMPLING | set(COMPLETIONS_NEUTRAL) | {"prompt", "echo"}
     for name in body:
         if name not in known:
             raise _bad(f"'{name[:80]}' is not supported by edgespec", name[:80])
@@ -190,6 +195,11 @@ def parse_request(body, chat: bool, model_name: str) -> OpenAIParams:
         raise _bad("'verify' must be \"exact\", \"loose\" or \"pad\"", "verify")
     g.verify = verify or ""
     g.logprobs = _logprobs(body, chat)
+    echo = False if chat else body.get("echo")  # chat's: refused above unless false or null
+    if echo is not None and not isinstance(echo, bool):
+        raise _bad("'echo' must be a boolean", "echo")
+    if echo and g.logprobs is not None:  # the prompt's logprobs too, read as it is prefilled
+        g.prompt_logprobs = g.logprobs
     stop = body.get("stop")
     stops = [] if stop is None else [stop] if isinstance(stop, str) else stop
     if not isinstance(stops, list) or len(stops) > MAX_STOP or \
@@ -213,7 +223,7 @@ def parse_request(body, chat: bool, model_name: str) -> OpenAIParams:
     if usage is not None and not isinstance(usage, bool):
         raise _bad("'stream_options.include_usage' must be a boolean",
                    "stream_options.include_usage")
-    return OpenAIParams(g, stops, bool(stream), bool(usage), n)
+    return OpenAIParams(g, stops, bool(stream), bool(usage), n, bool(echo))
 
 
 def _logit_bias(bias) -> tuple[tuple[int, float], ...]:

@@ -310,6 +310,8 @@ class Scheduler(threading.Thread):
             t.request.on_tokens = lambda new, t=t: self._on_tokens(t, new)
             if t.request.logprobs is not None:
                 t.request.on_logprobs = t.add_logprobs
+            if t.request.prompt_logprobs is not None:
+                t.request.on_prompt_logprobs = t.set_prompt_logprobs
         got = self.engine.admit([Admission(t.request, t.session_id, t.device) for t in picked])
         unreachable = [(t, g) for t, g in zip(picked, got)
                        if isinstance(g, (StoreUnavailable, OSError))]

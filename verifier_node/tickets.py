@@ -58,6 +58,9 @@ class Ticket:
     # with ``request.logprobs``: the logprobs of ``tokens`` past ``request.committed``, each
     # chunk's added before its tokens are published
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    # with ``request.prompt_logprobs``: the prompt's (each token's after the first), set once
+    # its prompt is in, before any token is published
+    prompt_logprobs: list[TokenLogprob] | None = None
     result: Result | None = None
     error: Exception | None = None
     followers: int = 0
@@ -90,6 +93,10 @@ class Ticket:
     def add_logprobs(self, entries: list[TokenLogprob]) -> None:
         with self.cond:
             self.logprobs.extend(entries)
+
+    def set_prompt_logprobs(self, entries: list[TokenLogprob]) -> None:
+        with self.cond:
+            self.prompt_logprobs = entries
 
     def logprobs_of(self, start: int, stop: int) -> list[TokenLogprob]:
         """The logprobs of ``tokens[start:stop]`` (positions past ``request.committed``)."""

@@ -40,6 +40,11 @@ class Request:
     logprobs: int | None = None
     # called with each committed chunk's logprobs, right before ``on_tokens`` with its tokens
     on_logprobs: Callable[[list[TokenLogprob]], None] | None = None
+    # the target's logprob of each prompt token after the first, given the tokens before it,
+    # with this many alternatives (0-20; the prompt scored as it is prefilled); None: none
+    prompt_logprobs: int | None = None
+    # called once with them, when the prompt is in (before any output token)
+    on_prompt_logprobs: Callable[[list[TokenLogprob]], None] | None = None
 
 
 @dataclass
@@ -60,6 +65,8 @@ class Result:
     # with ``Request.logprobs``: each token's logprob, for the tokens this engine emitted (a
     # resumed session's ``committed`` have none); None otherwise
     logprobs: list[TokenLogprob] | None = None
+    # with ``Request.prompt_logprobs``: each prompt token's after the first; None otherwise
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 class SessionFailed(Exception):
@@ -75,6 +82,7 @@ class ActiveSession:
         self.output: list[int] = list(req.committed)
         # the logprobs of the tokens emitted here (``Request.logprobs``), else None
         self.logprobs: list[TokenLogprob] | None = None if req.logprobs is None else []
+        self.prompt_logprobs: list[TokenLogprob] | None = None  # ``Request.prompt_logprobs``
         self.last_token = (req.prompt_ids + req.committed)[-1]
         self.on_finish: Callable[[Result], None] | None = None
         self.on_error: Callable[[Exception], None] | None = None

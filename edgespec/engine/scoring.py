@@ -18,6 +18,7 @@ import torch
 
 from ..protocol.contract import Verdict
 from ..protocol.frozen_value import frozen_value
+from ..protocol.token_logprob import TokenLogprob
 from ..runner.step_rows import DraftShape, Scored, StepRows
 from ..verify.logit_adjust import step_adjust
 from ..verify.token_logprobs import LogprobPick, emitted_columns, read_logprobs
@@ -119,4 +120,22 @@ def with_logprobs(logits: torch.Tensor, decided: list[Decision]) -> list[Decisio
     out = list(decided)
     for i, entries in zip(asked, read_logprobs(logits, picks)):
         out[i] = replace(decided[i], logprobs=entries)
+    return out
+
+
+def prompt_logprobs(target: "TargetRunner", slot: int, ids: list[int], prompt: list[int],
+                    top: int, chunk: int) -> list[TokenLogprob]:
+    """Prefill ``ids`` (prompt + committed, but the last token) into ``slot``, in chunks of
+    ``chunk`` at its multiples as the prefill queue cuts them, reading the logprob of each
+    prompt token after the first given the tokens before it, with ``top`` alternatives
+    (``Request.prompt_logprobs``): position p's logits score ``prompt[p + 1]``."""
+    out: list[TokenLogprob] = []
+
+    def read(start: int, logits: torch.Tensor) -> None:  # logits [1, T, V]
+        cols = [c for c in range(logits.shape[1]) if start + c + 1 < len(prompt)]
+        if cols:
+            pick = LogprobPick(0, cols, [prompt[start + c + 1] for c in cols], top)
+            out.extend(read_logprobs(logits, [pick])[0])
+
+    target.prefill_scored(slot, ids, chunk, read)
     return out

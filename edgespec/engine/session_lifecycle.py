@@ -20,9 +20,10 @@ from ..protocol.lineage import Lineage
 from ..runner.host_transfers import DeviceSpan
 from ..runner.target_runner import TargetRunner
 from ..verify.keyed_noise import with_session_seed
-from ..protocol.token_logprob import check_top_logprobs
+from ..protocol.token_logprob import TokenLogprob, check_top_logprobs
 from .generation import ActiveSession, Admission, Request, Result, SessionFailed
 from .prefill_queue import PrefillQueue
+from .scoring import prompt_logprobs
 from .stack_choice import StackChooser
 
 log = logging.getLogger("edgespec.engine.spec_engine")
@@ -90,6 +91,9 @@ class SessionLifecycle:
         if len(req.committed) >= req.max_new_tokens:
             raise ConfigError("the resumed session has already produced max_new_tokens")
         check_top_logprobs(req.logprobs)
+        check_top_logprobs(req.prompt_logprobs)
+        if req.prompt_logprobs is not None and req.images is not None:
+            raise ConfigError("prompt logprobs are not given for a prompt with images")
         if self.vision is not None:
             self.vision.check_prompt(req.prompt_ids, req.images)
         elif req.images is not None:
@@ -118,7 +122,8 @@ class SessionLifecycle:
         """Take requests in: each validated, given a KV slot and created in the store, then
         queued for prefill (``prefill_queue``: each step prefills up to ``prefill_budget``
         prompt tokens of the queue before it verifies; a session runs from the step its prompt
-        is all in). A prompt with images is prefilled alone, now. Returns, in order, each
+        is all in). A prompt with images, or one whose logprobs are asked for, is prefilled
+        alone, now. Returns, in order, each
         entry's session or what refused it (its slot freed): a failure fails only the entry it
         concerns."""
         out: list[ActiveSession | Exception] = []
@@ -142,6 +147,7 @@ class SessionLifecycle:
         slot = self.target.new_slot()
         t0 = time.perf_counter()
         ids = (req.prompt_ids + req.committed)[:-1]
+        scored: list[TokenLogprob] = []  # ``Request.prompt_logprobs``
         sid = e.session_id or f"local-{next(self._ids)}"
         drafter = e.device if self.drafter is None else self.drafter.name
         try:
@@ -150,6 +156,11 @@ class SessionLifecycle:
                 embeds = self.vision.prompt_embeds(ids, req.images, self.target.embed)  # [n, H]
                 span = DeviceSpan(self.target.device)
                 self.target.prefill(slot, ids, embeds=embeds)
+                self._prefilled(len(ids), span.stop())
+            elif req.prompt_logprobs is not None:
+                span = DeviceSpan(self.target.device)
+                scored = prompt_logprobs(self.target, slot, ids, req.prompt_ids,
+                                         req.prompt_logprobs, self.prefilling.chunk)
                 self._prefilled(len(ids), span.stop())
             lineage = req.lineage or Lineage(self.target.kernel_set.fingerprint)
             self.store.create(sid, req.prompt_ids, req.params, drafter, req.max_new_tokens,
@@ -166,10 +177,15 @@ class SessionLifecycle:
         act.stats.start = t0
         act.stats.lossy = is_lossy(verify)
         act.stats.verify = verify
-        if req.images is not None:
-            req.images = req.images.spent()  # in the KV now: the pixels are not kept
+        if req.images is not None or req.prompt_logprobs is not None:
+            if req.images is not None:
+                req.images = req.images.spent()  # in the KV now: the pixels are not kept
             act.stats.prefill_s = time.perf_counter() - t0
             try:
+                if req.prompt_logprobs is not None:
+                    act.prompt_logprobs = scored
+                    if req.on_prompt_logprobs is not None:  # one that raises fails this alone
+                        req.on_prompt_logprobs(list(scored))
                 self._start(act)
             except BaseException:  # refused alone: its slot and its store keys given back
                 self.target.free_slot(slot)
@@ -296,7 +312,7 @@ class SessionLifecycle:
             if act.on_finish:
                 try:
                     act.on_finish(Result(act.output, act.stats, finished[act.sid],
-                                         act.logprobs))
+                                         act.logprobs, act.prompt_logprobs))
                 except Exception as exc:
                     errors.append(exc)
         if errors:

@@ -389,7 +389,7 @@ class SpecEngine(StepDrafts):
         results: list[Result] = []
         for a in acts:
             assert a.finish is not None  # no error: every session ended with a finish reason
-            results.append(Result(a.output, a.stats, a.finish, a.logprobs))
+            results.append(Result(a.output, a.stats, a.finish, a.logprobs, a.prompt_logprobs))
         return results
 
     def generate(self, req: Request) -> Result:

@@ -9,12 +9,15 @@ values have the bits a step would write.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 
 from .host_transfers import longs_to_device
 from .kv_cache import KVCache
+
+if TYPE_CHECKING:
+    from .step_rows import Scored
 
 PREFILL_CHUNK = 512  # prompt tokens per prefill forward
 
@@ -32,6 +35,9 @@ class SlotPrompts:
     def _hidden(self, slots: list[int], rows: list[list[int]], taps: tuple[int, ...] = (),
                 embeds: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        raise NotImplementedError
+
+    def _scored(self, x: torch.Tensor) -> Scored:
         raise NotImplementedError
 
     def _chains(self, slots: list[int], tokens: torch.Tensor, start_t: torch.Tensor,
@@ -102,6 +108,22 @@ class SlotPrompts:
                                                                            self.dtype)
             self._hidden([slot], [part], embeds=given)
             self.commit(slot, i + len(part))
+
+    @torch.inference_mode()
+    def prefill_scored(self, slot: int, tokens: list[int], chunk: int,
+                       read: Callable[[int, torch.Tensor], None]) -> None:
+        """``prefill`` in chunks of ``chunk`` tokens (cut at its multiples) that hands each
+        chunk's logits to ``read``: (the chunk's first position, logits [1, T, V] float32 of
+        its T positions, each the target's distribution of the token after it). They are the
+        hidden states the prefill computes anyway, through the final norm and the LM head; the
+        keys and values written are the prefill's."""
+        self.cache.check_room(slot, 0, len(tokens))
+        self.rollback(slot, 0)
+        for i in range(0, len(tokens), chunk):
+            part = tokens[i:i + chunk]
+            x, _ = self._hidden([slot], [part])
+            self.commit(slot, i + len(part))
+            read(i, self._scored(x).logits)
 
     @torch.inference_mode()
     def prefill_parts(self, slots: Sequence[int], parts: Sequence[list[int]]) -> None:

@@ -1,0 +1,110 @@
+"""A prompt's logprobs (``Request.prompt_logprobs``): each prompt token's after the first under
+the target given the tokens before it, read as the prompt is prefilled (the completions'
+``echo``). They are the model's distribution there, the same however the prompt was cut into
+chunks, and asking for them changes nothing of the output: it is target-only decoding's."""
+
+import pytest
+import torch
+
+from edgespec.config import ConfigError, EngineConfig, SamplingParams
+from edgespec.drafters import build_drafter
+from edgespec.engine.generation import Admission
+from edgespec.engine.spec_engine import Request, SpecEngine
+from edgespec.runner.target_runner import TargetRunner
+
+PROMPTS = [
+    [1, 10, 11, 12, 13, 10, 11, 12, 13, 10],
+    [1, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61] * 4,  # 52 tokens: several chunks
+    [1, 30],
+]
+FIXED = dict(max_draft=4, window=8, chunk=2, adaptive=False, draft_wait_ms=5000)
+N = 24
+
+
+@pytest.fixture(scope="module")
+def runner(tiny):
+    return TargetRunner(tiny.model, n_slots=8, max_len=256)
+
+
+def run(runner, drafter, top=3, cfg=None, params=None):
+    with SpecEngine(runner, drafter, cfg or EngineConfig(**FIXED), stop_ids={2}) as engine:
+        return engine.generate_many([Request(p, N, params or SamplingParams(),
+                                             prompt_logprobs=top) for p in PROMPTS])
+
+
+def test_prompt_logprobs_are_the_models_distribution(tiny, runner):
+    for prompt, res in zip(PROMPTS, run(runner, None)):
+        assert len(res.prompt_logprobs) == len(prompt) - 1
+        with torch.no_grad():
+            logits = tiny.model(torch.tensor([prompt])).logits[0].float()
+        lp = torch.log_softmax(logits[:-1], -1)
+        for i, e in enumerate(res.prompt_logprobs):
+            assert e.token == prompt[i + 1]
+            assert e.logprob == pytest.approx(float(lp[i, prompt[i + 1]]), abs=1e-4)
+            assert len(e.top) == 3 and [v for _, v in e.top] == \
+                pytest.approx(lp[i].topk(3).values.tolist(), abs=1e-4)
+
+
+@pytest.mark.parametrize("spec", [None, "mag", "layers:2"])
+def test_asking_for_them_leaves_the_output_target_onlys(tiny, runner, spec):
+    """The prompt scored as it is prefilled writes the prefill's keys and values: the output is
+    the one the same request gets without them, drafted or not, greedy or sampled."""
+    for params in (SamplingParams(), SamplingParams(temperature=0.8, seed=7)):
+        with SpecEngine(runner, None, EngineConfig(**FIXED), stop_ids={2}) as engine:
+            plain = engine.generate_many([Request(p, N, params) for p in PROMPTS])
+        drafter = None if spec is None else build_drafter(spec, tiny, runner)
+        got = run(runner, drafter, params=params)
+        assert [r.token_ids for r in got] == [r.token_ids for r in plain]
+        assert all(r.prompt_logprobs for r in got) and all(r.prompt_logprobs is None
+                                                           for r in plain)
+
+
+def test_they_do_not_depend_on_where_the_prompt_was_cut(runner):
+    """The prefill's chunk (``prefill_budget``) cuts a long prompt elsewhere: the same bits."""
+    whole = run(runner, None)
+    cut = run(runner, None, cfg=EngineConfig(**FIXED, prefill_budget=16))
+    assert [r.prompt_logprobs for r in cut] == [r.prompt_logprobs for r in whole]
+    assert [r.token_ids for r in cut] == [r.token_ids for r in whole]
+
+
+def test_a_resumed_sessions_are_its_prompts_alone(runner):
+    full = run(runner, None)[0]
+    with SpecEngine(runner, None, EngineConfig(**FIXED), stop_ids={2}) as engine:
+        res = engine.generate(Request(PROMPTS[0], N, committed=full.token_ids[:5],
+                                      prompt_logprobs=3))
+    assert res.prompt_logprobs == full.prompt_logprobs
+    assert res.token_ids == full.token_ids
+
+
+def test_the_callback_gets_them_before_any_token(runner):
+    seen = []
+    req = Request(PROMPTS[0], 4, prompt_logprobs=0,
+                  on_prompt_logprobs=lambda lps: seen.append(("prompt", len(lps))),
+                  on_tokens=lambda new: seen.append(("tokens", len(new))))
+    with SpecEngine(runner, None, EngineConfig(**FIXED), stop_ids={2}) as engine:
+        res = engine.generate(req)
+    assert seen[0] == ("prompt", len(PROMPTS[0]) - 1) and len(seen) > 1
+    assert all(e.top == () for e in res.prompt_logprobs)
+
+
+def test_a_callback_that_raises_fails_its_session_alone(runner):
+    def broken(_):
+        raise RuntimeError("the caller's bug")
+
+    with SpecEngine(runner, None, EngineConfig(**FIXED), stop_ids={2}) as engine:
+        free = engine.free_slots
+        bad = Request(PROMPTS[0], 4, prompt_logprobs=1, on_prompt_logprobs=broken)
+        good = Request(PROMPTS[2], 4)
+        out = engine.admit([Admission(bad), Admission(good)])
+        assert isinstance(out[0], RuntimeError) and not isinstance(out[1], Exception)
+        assert engine.free_slots == free - 1  # the failed one's slot back
+        while engine.active or len(engine.prefilling):
+            engine.step()
+        assert len(out[1].output) == 4
+
+
+@pytest.mark.parametrize("bad", [-1, 21, True, 1.5])
+def test_a_setting_out_of_range_is_refused(runner, bad):
+    with SpecEngine(runner, None, EngineConfig(), stop_ids={2}) as engine:
+        with pytest.raises(ConfigError, match="logprobs must be an integer"):
+            engine.add(Request(PROMPTS[0], 4, prompt_logprobs=bad))
