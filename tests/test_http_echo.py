@@ -48,14 +48,30 @@ def text_of(looping, token_id: int) -> str:
     return looping.tokenizer.decode([token_id], skip_special_tokens=False)
 
 
-def test_echo_puts_the_prompts_text_before_the_completion(api, looping, ids):
+def test_echo_puts_the_prompts_text_before_the_completion(api, looping, ids, in_process):
+    """The text is the prompt and the completion decoded as one (a tokenizer that writes a
+    word's leading space only inside a text would otherwise lose it where they meet)."""
     plain = api.completions.create(model=api.model_id, prompt=ids, max_tokens=N, temperature=0)
     echoed = api.completions.create(model=api.model_id, prompt=ids, max_tokens=N,
                                     temperature=0, echo=True)
-    prompt_text = looping.tokenizer.decode(ids, skip_special_tokens=True)
-    assert echoed.choices[0].text == prompt_text + plain.choices[0].text
+    assert echoed.choices[0].text == looping.tokenizer.decode(
+        ids + in_process.token_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+    assert echoed.choices[0].text.endswith(plain.choices[0].text)
     assert echoed.usage == plain.usage  # the prompt counted once, as prompt tokens
     assert echoed.choices[0].logprobs is None
+
+
+def test_a_stop_string_cuts_the_completion_not_the_prompt(api, looping, ids, in_process):
+    """Choices of one request each echo the prompt; a stop string the prompt holds does not
+    end the answer before its completion."""
+    prompt_text = looping.tokenizer.decode(ids, skip_special_tokens=True)
+    completion = looping.tokenizer.decode(in_process.token_ids, skip_special_tokens=True)
+    stop = prompt_text[:3]
+    r = api.completions.create(model=api.model_id, prompt=ids, max_tokens=N, temperature=0,
+                               echo=True, stop=[stop], n=2)
+    cut = completion.find(stop)
+    want = prompt_text + (completion if cut < 0 else completion[:cut])
+    assert [c.text for c in r.choices] == [want, want]
 
 
 def test_echoed_logprobs_are_the_prompts_then_the_completions(api, looping, ids, in_process):
@@ -105,7 +121,9 @@ def test_an_evaluation_harness_scoring_request(api, ids, in_process):
     assert len(lp.token_logprobs) == len(ids) + 1
     assert sum(lp.token_logprobs[1:len(ids)]) == \
         pytest.approx(sum(e.logprob for e in in_process.prompt_logprobs))
-    assert lp.tokens[-1] is not None and r.usage.completion_tokens == 1
+    assert len(lp.tokens) == len(lp.top_logprobs) == len(ids) + 1
+    assert r.usage.completion_tokens == 1 and lp.tokens[-1] in lp.top_logprobs[-1]
+    assert lp.token_logprobs[-1] == in_process.logprobs[0].logprob  # the completion's own
 
 
 def test_echo_is_the_completions_alone(server, api):

@@ -48,8 +48,8 @@ def _text(tokenizer, output: list[int], stop: list[str]) -> tuple[str, str | Non
     ticket = Ticket(Request([1, 2, 3], len(output)), None)
     ticket.tokens = list(output)
     ticket.result = Result(list(output), Stats(tokens=len(output)), "length")
-    run = ChoiceRun(_Admission(tokenizer), ticket, SimpleNamespace(stop=stop), chat=False,
-                    model="m")
+    run = ChoiceRun(_Admission(tokenizer), ticket, SimpleNamespace(stop=stop, echo=False),
+                    chat=False, model="m")
 
     async def collect() -> list[str]:
         return [piece async for piece in run._events()]
@@ -74,12 +74,12 @@ def test_a_stream_never_read_is_cancelled_after_its_response(tokenizer):
     was read is left to its readers."""
     ticket = Ticket(Request([1, 2, 3], 4), None)
     admission = _Admission(tokenizer)
-    run = ChoiceRun(admission, ticket, SimpleNamespace(stop=[]), chat=False, model="m")
+    run = ChoiceRun(admission, ticket, SimpleNamespace(stop=[], echo=False), chat=False, model="m")
     run.cancel_if_never_read()
     assert admission.cancelled == [ticket.session_id]
     read = _Admission(tokenizer)
     ticket.tokens, ticket.result = [5], Result([5], Stats(tokens=1), "length")
-    run = ChoiceRun(read, ticket, SimpleNamespace(stop=[]), chat=False, model="m")
+    run = ChoiceRun(read, ticket, SimpleNamespace(stop=[], echo=False), chat=False, model="m")
 
     async def collect() -> list[str]:
         return [piece async for piece in run._events()]
@@ -99,7 +99,7 @@ def _logprob_run(tokenizer, text: str, stop: list[str], chat: bool
     ticket.tokens = list(output)
     ticket.result = Result(list(output), Stats(tokens=len(output)), "length")
     run = ChoiceRun(_Admission(tokenizer), ticket,
-               SimpleNamespace(stop=stop, include_usage=False), chat=chat, model="m",
+               SimpleNamespace(stop=stop, include_usage=False, echo=False), chat=chat, model="m",
                shapes=LogprobShapes(tokenizer))
     return run, output
 

@@ -45,15 +45,18 @@ def test_prompt_logprobs_are_the_models_distribution(tiny, runner):
                 pytest.approx(lp[i].topk(3).values.tolist(), abs=1e-4)
 
 
-@pytest.mark.parametrize("spec", [None, "mag", "layers:2"])
-def test_asking_for_them_leaves_the_output_target_onlys(tiny, runner, spec):
+@pytest.mark.parametrize("spec, budget", [(None, 512), ("mag", 512), ("layers:2", 512),
+                                          ("mag", 16)])
+def test_asking_for_them_leaves_the_output_target_onlys(tiny, runner, spec, budget):
     """The prompt scored as it is prefilled writes the prefill's keys and values: the output is
-    the one the same request gets without them, drafted or not, greedy or sampled."""
+    the one the same request gets without them, drafted or not, greedy or sampled, the
+    prompts in one chunk or cut into several (``prefill_budget`` 16: both ways)."""
+    cfg = EngineConfig(**FIXED, prefill_budget=budget)
     for params in (SamplingParams(), SamplingParams(temperature=0.8, seed=7)):
-        with SpecEngine(runner, None, EngineConfig(**FIXED), stop_ids={2}) as engine:
+        with SpecEngine(runner, None, cfg, stop_ids={2}) as engine:
             plain = engine.generate_many([Request(p, N, params) for p in PROMPTS])
         drafter = None if spec is None else build_drafter(spec, tiny, runner)
-        got = run(runner, drafter, params=params)
+        got = run(runner, drafter, params=params, cfg=cfg)
         assert [r.token_ids for r in got] == [r.token_ids for r in plain]
         assert all(r.prompt_logprobs for r in got) and all(r.prompt_logprobs is None
                                                            for r in plain)

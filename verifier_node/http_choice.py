@@ -40,15 +40,19 @@ class ChoiceRun:
         self.id = ("chatcmpl-" if chat else "cmpl-") + ticket.session_id
         self.created = int(time.time())
         self.pieces: list[str] = []
-        self.text = TextStream(admission.tokenizer, self.pieces.append)
+        # completions' ``echo``: the prompt's text as a stream of its tokens writes it, where
+        # each of its tokens begins in it; the output's text then continues that stream (a
+        # tokenizer that writes a word's leading space only after a text's start, a character
+        # split between the prompt and the output)
+        self.echo: tuple[str, list[int]] | None = None if chat or not params.echo else \
+            decoded(admission.tokenizer, ticket.request.prompt_ids)
+        self.text = TextStream(admission.tokenizer, self.pieces.append,
+                               shown_ids=ticket.request.prompt_ids if self.echo else ())
         self.completion_tokens = 0
         self.finish_reason: str | None = None
         self.shown = ""  # text already sent (or decided) before any stop string
         self.starts: list[int] = []  # where each token read begins in the output's text
         self.read = False  # the response began reading the ticket (``_events``)
-        # completions' ``echo``: the prompt's text, where each of its tokens begins in it
-        self.echo: tuple[str, list[int]] | None = None if chat or not params.echo else \
-            decoded(admission.tokenizer, ticket.request.prompt_ids)
         # the logprobs asked for, each sent with the chunk its token's text begins in
         self.logprobs = ChoiceLogprobs(shapes, ticket, chat, self.starts,
                                        len(self.echo[0]) if self.echo else 0) \
@@ -208,7 +212,8 @@ class ChoiceRun:
 
 
 def decoded(tokenizer, ids: list[int]) -> tuple[str, list[int]]:
-    """``ids`` as text, as a completion's tokens are shown (``TextStream``), and where each
+    """``ids`` as text, as a stream of them writes it (``TextStream``: to its last whole
+    character; a stream given them as ``shown_ids`` goes on from there), and where each
     token's text begins in it."""
     pieces: list[str] = []
     stream = TextStream(tokenizer, pieces.append)
@@ -218,8 +223,7 @@ def decoded(tokenizer, ids: list[int]) -> tuple[str, list[int]]:
         stream([tok])
         text += "".join(pieces)
         pieces.clear()
-    stream.flush()
-    return text + "".join(pieces), starts
+    return text, starts
 
 
 def _find_stop(text: str, stops: list[str]) -> int | None:

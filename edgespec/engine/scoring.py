@@ -123,10 +123,16 @@ def with_logprobs(logits: torch.Tensor, decided: list[Decision]) -> list[Decisio
     return out
 
 
+# the most prompt tokens a scored prefill's forward takes (``prompt_logprobs``): its logits are
+# [chunk, V] float32, read once (a gather, a log-softmax: a few copies of them at the peak)
+SCORED_CHUNK = 128
+
+
 def prompt_logprobs(target: "TargetRunner", slot: int, ids: list[int], prompt: list[int],
                     top: int, chunk: int) -> list[TokenLogprob]:
     """Prefill ``ids`` (prompt + committed, but the last token) into ``slot``, in chunks of
-    ``chunk`` at its multiples as the prefill queue cuts them, reading the logprob of each
+    ``chunk`` at its multiples (the keys and values are the same bits however a prompt is cut:
+    the kernels are batch-invariant), reading the logprob of each
     prompt token after the first given the tokens before it, with ``top`` alternatives
     (``Request.prompt_logprobs``): position p's logits score ``prompt[p + 1]``."""
     out: list[TokenLogprob] = []

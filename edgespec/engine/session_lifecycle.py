@@ -23,7 +23,7 @@ from ..verify.keyed_noise import with_session_seed
 from ..protocol.token_logprob import TokenLogprob, check_top_logprobs
 from .generation import ActiveSession, Admission, Request, Result, SessionFailed
 from .prefill_queue import PrefillQueue
-from .scoring import prompt_logprobs
+from .scoring import SCORED_CHUNK, prompt_logprobs
 from .stack_choice import StackChooser
 
 log = logging.getLogger("edgespec.engine.spec_engine")
@@ -157,17 +157,23 @@ class SessionLifecycle:
                 span = DeviceSpan(self.target.device)
                 self.target.prefill(slot, ids, embeds=embeds)
                 self._prefilled(len(ids), span.stop())
-            elif req.prompt_logprobs is not None:
-                span = DeviceSpan(self.target.device)
-                scored = prompt_logprobs(self.target, slot, ids, req.prompt_ids,
-                                         req.prompt_logprobs, self.prefilling.chunk)
-                self._prefilled(len(ids), span.stop())
             lineage = req.lineage or Lineage(self.target.kernel_set.fingerprint)
             self.store.create(sid, req.prompt_ids, req.params, drafter, req.max_new_tokens,
                               committed=req.committed, verify=verify, lineage=lineage)
         except BaseException:
             self.target.free_slot(slot)
             raise  # a request the scheduler retries (the store unavailable) keeps its images
+        if req.prompt_logprobs is not None:  # once the store took it: a retry scores nothing
+            try:
+                span = DeviceSpan(self.target.device)
+                scored = prompt_logprobs(self.target, slot, ids, req.prompt_ids,
+                                         req.prompt_logprobs,
+                                         min(self.prefilling.chunk, SCORED_CHUNK))
+                self._prefilled(len(ids), span.stop())
+            except BaseException:  # fails alone: its slot and its store keys given back
+                self.target.free_slot(slot)
+                self.store.close(sid, "error")  # never raises
+                raise
         act = ActiveSession(sid, req, slot, DraftLength.of_row(self.rates, slot))
         act.verify = verify
         act.drafter = drafter or ""
