@@ -122,3 +122,31 @@ def test_logprobs_in_a_batch_equal_target_onlys(served):
     for i, res in enumerate(results):
         ref = refs[i % N_PROMPTS]
         assert res.token_ids == ref.token_ids and res.logprobs == ref.logprobs, i
+
+
+def test_penalties_bias_and_prompt_logprobs_in_a_batch_equal_target_onlys(served):
+    """Penalties and a logit bias (sampled, trees drafted, a batch of 64) give target-only's
+    tokens, and a session that also asks for its prompt's logprobs (scored as it is prefilled)
+    gets the same tokens and the same prompt logprobs as one decoded alone."""
+    runner, prompts = served
+    params = [SamplingParams(temperature=0.8, top_p=0.95, seed=200 + i, presence_penalty=-0.5,
+                             frequency_penalty=0.8, logit_bias={5: 3.0, 6: -100})
+              for i in range(N_PROMPTS)]
+    with SpecEngine(runner, None, _cfg(False), stop_ids=STOP) as engine:
+        refs = [engine.generate(Request(p, NEW_TOKENS, params[i], prompt_logprobs=2))
+                for i, p in enumerate(prompts)]
+        plain = [engine.generate(Request(p, NEW_TOKENS, params[i])).token_ids
+                 for i, p in enumerate(prompts)]
+    assert [r.token_ids for r in refs] == plain  # scoring the prompt changes nothing
+    drafter = OracleTreeDrafter({tuple(p): r.token_ids for p, r in zip(prompts, refs)},
+                                runner.vocab_size, seed=7)
+    with SpecEngine(runner, drafter, _cfg(True), stop_ids=STOP) as engine:
+        results = engine.generate_many([
+            Request(prompts[i % N_PROMPTS], NEW_TOKENS, params[i % N_PROMPTS],
+                    prompt_logprobs=2 if i % 2 else None) for i in range(SESSIONS)])
+    assert sum(r.stats.branch_tokens for r in results) > 0
+    for i, res in enumerate(results):
+        ref = refs[i % N_PROMPTS]
+        assert res.token_ids == ref.token_ids, i
+        if i % 2:
+            assert res.prompt_logprobs == ref.prompt_logprobs, i
