@@ -245,6 +245,25 @@ def looping(looping_dir):
     return load_model(str(looping_dir), dtype="float32")
 
 
+@pytest.fixture(scope="module")
+def server(looping_dir, tmp_path_factory, request):
+    """A live ``edgespec serve`` of the looping model with a MaG board, one a test module that
+    asks for it (torch on one thread); a module that defines its own ``server`` uses that."""
+    from http_harness import http_server
+
+    with http_server(looping_dir, tmp_path_factory.mktemp(request.module.__name__.split(".")[-1]),
+                     extra=("--threads", 1)) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def api(server):
+    """The official ``openai`` client of ``server``."""
+    from http_harness import openai_client
+
+    return openai_client(server)
+
+
 # -- TLS tests' certificates: a CA, a server's (127.0.0.1) and a client's it signed, a rogue's
 def _openssl(*args):
     subprocess.run(["openssl", *map(str, args)], check=True, capture_output=True)

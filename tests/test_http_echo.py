@@ -14,21 +14,9 @@ import torch
 from edgespec.config import EngineConfig
 from edgespec.engine.spec_engine import Request, SpecEngine
 from edgespec.runner.target_runner import TargetRunner
-from http_harness import MESSAGES, N, PROMPT, TOKEN, call, http_server, openai_client
+from http_harness import MESSAGES, N, PROMPT, TOKEN, call
 
 pytestmark = pytest.mark.slow  # processes, servers or long sweeps: not the fast tier
-
-
-@pytest.fixture(scope="module")
-def server(looping_dir, tmp_path_factory):
-    with http_server(looping_dir, tmp_path_factory.mktemp("http-echo"),
-                     extra=("--threads", 1)) as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def api(server):
-    return openai_client(server)
 
 
 @pytest.fixture(scope="module")

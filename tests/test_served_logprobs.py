@@ -16,21 +16,9 @@ from edgespec.engine.spec_engine import Request, SpecEngine
 from edgespec.models.loading import encode_prompt
 from edgespec.runner.target_runner import TargetRunner
 from edgespec.sdk.stream import Resumer
-from http_harness import MESSAGES, N, PROMPT, TOKEN, call, http_server, openai_client
+from http_harness import MESSAGES, N, PROMPT, TOKEN, call
 
 pytestmark = pytest.mark.slow  # processes, servers or long sweeps: not the fast tier
-
-
-@pytest.fixture(scope="module")
-def server(looping_dir, tmp_path_factory):
-    with http_server(looping_dir, tmp_path_factory.mktemp("http-logprobs"),
-                     extra=("--threads", 1)) as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def api(server):
-    return openai_client(server)
 
 
 @pytest.fixture(scope="module")

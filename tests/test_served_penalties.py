@@ -14,25 +14,13 @@ from edgespec.config import EngineConfig, SamplingParams
 from edgespec.engine.spec_engine import Request, SpecEngine
 from edgespec.models.loading import encode_prompt
 from edgespec.runner.target_runner import TargetRunner
-from http_harness import MESSAGES, N, PROMPT, TOKEN, http_server, openai_client
+from http_harness import MESSAGES, N, PROMPT, TOKEN
 
 pytestmark = pytest.mark.slow  # processes, servers or long sweeps: not the fast tier
 
 # a presence penalty below 0 favours repeating (the looping model's, MaG's drafts stay good); the
 # frequency penalty and the bias move the output off the plain answer
 SETTINGS = dict(presence_penalty=-1.0, frequency_penalty=0.4)
-
-
-@pytest.fixture(scope="module")
-def server(looping_dir, tmp_path_factory):
-    with http_server(looping_dir, tmp_path_factory.mktemp("http-penalties"),
-                     extra=("--threads", 1)) as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def api(server):
-    return openai_client(server)
 
 
 @pytest.fixture(scope="module")
