@@ -155,7 +155,8 @@ def test_choices_are_admitted_only_where_all_fit(looping):
     admitted = []
     admission = SimpleNamespace(scheduler=_Scheduler(room=2),
                                 admit=lambda g: admitted.append(g))
-    params = SimpleNamespace(n=3, generation=SimpleNamespace(params=SimpleNamespace(seed=None)))
+    one = SimpleNamespace(params=SimpleNamespace(seed=None))
+    params = SimpleNamespace(n=3, generation=one, generations=[one], batch=[])
     with pytest.raises(ApiError) as e:
         asyncio.run(_admit_choices(admission, params, True, asyncio.Lock()))
     assert e.value.status == 429 and admitted == []

@@ -135,7 +135,8 @@ def make_app(state: ServingState, token: str | None = None,
         tickets = await _admit_choices(admission, params, chat, choices_lock)
         if params.generation.logprobs is not None and state.shapes is None:
             state.shapes = LogprobShapes(admission.tokenizer)
-        runs = [ChoiceRun(admission, t, params, chat, model_name, state.shapes, i)
+        runs = [ChoiceRun(admission, t, params, chat, model_name, state.shapes, i,
+                          prompt_index=i // params.n)
                 for i, t in enumerate(tickets)]
         for run in runs[1:]:  # one response: the first choice's id and time
             run.id, run.created = runs[0].id, runs[0].created
@@ -179,29 +180,35 @@ def _add_error_handlers(app: FastAPI) -> None:
 
 async def _admit_choices(admission: Admission, params, chat: bool, lock: asyncio.Lock
                          ) -> list[Ticket]:
-    """A ticket a choice (``n``), choice i's seed the request's plus i (a request without one:
-    each its own). Several choices are admitted one request at a time (``lock``), and only
+    """A ticket a choice (``n``) of each prompt (a completions batch: the prompts' choices in
+    order), choice i's seed the request's plus i (a request without one: each its own).
+    Several choices are admitted one request at a time (``lock``), and only
     where the scheduler has room for all of them (429 otherwise, nothing admitted; 400 for more
     than it ever holds); one refused all the same (a single choice's request came between),
     those admitted before it are cancelled and the ApiError that says why raised."""
-    if params.n == 1:
+    total = params.n * len(params.generations)
+    if total == 1:
         return [await _admit(admission, params.generation, chat)]
     scheduler = admission.scheduler
-    if params.n > scheduler.capacity:
-        raise ApiError(400, f"n = {params.n} choices is more sessions than this verifier holds "
+    what = f"n = {params.n} choices" if not params.batch else \
+        f"{len(params.generations)} prompts x n = {params.n} choices"
+    if total > scheduler.capacity:
+        raise ApiError(400, f"{what} is more sessions than this verifier holds "
                             f"({scheduler.capacity}: running and waiting)",
-                       "invalid_request_error", "n")
+                       "invalid_request_error", "n" if not params.batch else "prompt")
     async with lock:
-        if scheduler.room() < params.n:
-            raise ApiError(429, f"the verifier is overloaded: no room for {params.n} choices",
+        if scheduler.room() < total:
+            raise ApiError(429, f"the verifier is overloaded: no room for {what}",
                            "rate_limit_error", code="overloaded")
         tickets: list[Ticket] = []
         try:
-            for i in range(params.n):
-                g = params.generation
-                if i and g.params.seed is not None:
-                    g = replace(g, params=replace(g.params, seed=seed_after(g.params.seed, i)))
-                tickets.append(await _admit(admission, g, chat))
+            for prompt in params.generations:  # OpenAI's order: a prompt's choices together
+                for i in range(params.n):
+                    g = prompt
+                    if i and g.params.seed is not None:
+                        g = replace(g, params=replace(g.params,
+                                                      seed=seed_after(g.params.seed, i)))
+                    tickets.append(await _admit(admission, g, chat))
         except BaseException:
             for t in tickets:
                 scheduler.cancel(t.session_id)

@@ -33,10 +33,11 @@ class ChoiceRun:
     its response (a request with ``n`` > 1 has one a choice, all under the first's ``id``)."""
 
     def __init__(self, admission: Admission, ticket: Ticket, params, chat: bool, model: str,
-                 shapes: LogprobShapes | None = None, index: int = 0):
+                 shapes: LogprobShapes | None = None, index: int = 0, prompt_index: int = 0):
         self.admission, self.ticket, self.p, self.chat, self.model = (admission, ticket, params,
                                                                       chat, model)
         self.index = index
+        self.prompt_index = prompt_index  # which prompt of a completions batch it answers
         self.id = ("chatcmpl-" if chat else "cmpl-") + ticket.session_id
         self.created = int(time.time())
         self.pieces: list[str] = []
@@ -305,8 +306,10 @@ async def whole_choices(runs: list[ChoiceRun], request: Request) -> Response:
 
 
 def _usage(runs: list[ChoiceRun]) -> dict:
-    """One prompt, every choice's completion tokens (as OpenAI counts a response of ``n``)."""
-    prompt = len(runs[0].ticket.request.prompt_ids)
+    """Each prompt once, every choice's completion tokens (as OpenAI counts a response of
+    ``n``, or of a batch of prompts)."""
+    firsts = {r.prompt_index: r for r in reversed(runs)}  # each prompt's first choice
+    prompt = sum(len(r.ticket.request.prompt_ids) for r in firsts.values())
     completion = sum(r.completion_tokens for r in runs)
     return {"prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion}

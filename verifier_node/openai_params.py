@@ -1,6 +1,7 @@
 """Reading an OpenAI completions / chat-completions request body into edgespec's terms.
 
-Honoured: ``model``, ``prompt`` (text or token ids; completions) or ``messages`` (chat; roles
+Honoured: ``model``, ``prompt`` (completions: text or token ids, or a batch of either) or
+``messages`` (chat; roles
 system, developer, user, assistant, tool, as OpenAI's: another is refused by name), content
 parts ``text`` and ``image_url`` (an image as a ``data:`` URL, for a vision-language target:
 ``image_parts``), ``max_tokens`` / ``max_completion_tokens``, ``temperature`` (default 1, as
@@ -24,7 +25,7 @@ asked for."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from edgespec.config import MAX_LOGIT_BIAS, VERIFY_MODES, ConfigError, SamplingParams
 from edgespec.protocol.token_logprob import MAX_TOP_LOGPROBS
@@ -56,6 +57,7 @@ SAMPLING = {"max_tokens", "max_completion_tokens", "temperature", "top_p", "top_
             "logit_bias"}
 MAX_STOP = 4
 MAX_N = 16  # choices a request may ask for: each is a session, with a KV slot of its own
+MAX_PROMPTS = 64  # prompts a completions request may batch (each a session a choice)
 ROLES = ("system", "developer", "user", "assistant", "tool")  # OpenAI's chat roles
 
 
@@ -71,6 +73,13 @@ class OpenAIParams:
     include_usage: bool = False
     n: int = 1  # choices: a session each
     echo: bool = False  # completions: the prompt's text (and logprobs) before the completion's
+    # completions: the prompts of a batch after the first (``generation``'s), each with its
+    # ``n`` choices, in order
+    batch: list[GenerationRequest] = field(default_factory=list)
+
+    @property
+    def generations(self) -> list[GenerationRequest]:
+        return [self.generation, *self.batch]
 
 
 def _number(body: dict, name: str, default, kind=float, low=None, high=None,
@@ -140,17 +149,31 @@ def _prompt(body: dict, chat: bool, g: GenerationRequest) -> None:
             raise _bad("'messages' must be a non-empty list", "messages")
         g.messages = [_message(i, m, g.images) for i, m in enumerate(msgs)]
         return
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
+    prompts = _prompts(body.get("prompt"))
+    _one_prompt(prompts[0], g)
+
+
+def _prompts(prompt) -> list:
+    """The completions' ``prompt``: one (a string, a list of token ids) or a batch of them (a
+    list of strings, a list of token id lists: each a session, its choices after the one
+    before's), refused (400 naming ``prompt``) otherwise."""
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        if len(prompt) > MAX_PROMPTS:
+            raise _bad(f"'prompt' may batch at most {MAX_PROMPTS} prompts, got {len(prompt)}",
+                       "prompt")
+        return prompt
+    return [prompt]
+
+
+def _one_prompt(prompt, g: GenerationRequest) -> None:
     if isinstance(prompt, str):
         g.prompt, g.raw = _text(prompt, "the prompt", "prompt"), True
     elif isinstance(prompt, list) and all(
             isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         g.prompt_ids = list(prompt)
     else:
-        raise _bad("'prompt' must be a string or a list of token ids (one prompt per request)",
-                   "prompt")
+        raise _bad("'prompt' must be a string, a list of token ids, or a list of either (a "
+                   "batch)", "prompt")
 
 
 def parse_request(body, chat: bool, model_name: str) -> OpenAIParams:
@@ -223,7 +246,13 @@ def parse_request(body, chat: bool, model_name: str) -> OpenAIParams:
     if usage is not None and not isinstance(usage, bool):
         raise _bad("'stream_options.include_usage' must be a boolean",
                    "stream_options.include_usage")
-    return OpenAIParams(g, stops, bool(stream), bool(usage), n, bool(echo))
+    batch = []
+    if not chat:  # each prompt of a batch with the request's settings, in its order
+        for prompt in _prompts(body.get("prompt"))[1:]:
+            other = replace(g, prompt=None, prompt_ids=None, images=[])
+            _one_prompt(prompt, other)
+            batch.append(other)
+    return OpenAIParams(g, stops, bool(stream), bool(usage), n, bool(echo), batch)
 
 
 def _logit_bias(bias) -> tuple[tuple[int, float], ...]:
