@@ -55,14 +55,31 @@ def test_a_streamed_batch_is_the_whole_one(api):
             c.logprobs.token_logprobs
 
 
-@pytest.mark.parametrize("prompt", [[], ["a", 5], [[1, 2], "a", [True]], ["a"] * 65,
-                                    [[1, 2], [-1]]])
-def test_a_malformed_batch_is_a_400_naming_prompt(server, api, prompt):
+def cancelled(server) -> float:
+    """Sessions the server ended as cancelled so far (its Prometheus counter)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = call("GET", server["base"] + "/metrics")[1]
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name.endswith("request_success_total")
+               and s.labels.get("finished_reason") == "cancelled")
+
+
+@pytest.mark.parametrize("prompt, says", [
+    ([], None), (["a", 5], None), ([[1, 2], "a"], "not both"), (["a"] * 65, "at most 64"),
+    ([[1, 2], [True]], "'prompt[1]' must be"),
+    ([[1, 2], [-1]], "prompt[1]: prompt token ids must be"),  # refused before any is admitted
+    (["ab", ""], "prompt[1]: the prompt is empty"),
+    ([[1, 2], [5] * 5000], "prompt[1]: the prompt (5000 tokens) exceeds the context limit"),
+])
+def test_a_malformed_batch_is_a_400_naming_prompt_and_starts_nothing(server, api, prompt, says):
+    before = cancelled(server)
     code, reply = call("POST", server["base"] + "/v1/completions",
                        {"model": api.model_id, "prompt": prompt, "max_tokens": 2},
                        {"Authorization": f"Bearer {TOKEN}"})
-    assert code == 400, reply
-    assert reply["error"]["param"] == "prompt" or "token ids" in reply["error"]["message"]
+    assert code == 400 and reply["error"]["param"] == "prompt", reply
+    assert says is None or says in reply["error"]["message"], reply
+    assert cancelled(server) == before  # no prompt of it was admitted, then cancelled
 
 
 def test_a_batch_past_the_verifiers_sessions_is_a_400(server, api):

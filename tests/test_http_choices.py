@@ -160,3 +160,14 @@ def test_choices_are_admitted_only_where_all_fit(looping):
     with pytest.raises(ApiError) as e:
         asyncio.run(_admit_choices(admission, params, True, asyncio.Lock()))
     assert e.value.status == 429 and admitted == []
+    # a batch of two prompts, one choice each: the same, once both prompts are checked
+    checked = []
+    admission.checked_prompt = lambda g: checked.append(g) or [1, 2]
+    from verifier_node.admission import GenerationRequest
+
+    prompt = GenerationRequest(prompt="hi")
+    batch = SimpleNamespace(n=2, generation=prompt, generations=[prompt, prompt],
+                            batch=[prompt])
+    with pytest.raises(ApiError) as e:
+        asyncio.run(_admit_choices(admission, batch, False, asyncio.Lock()))
+    assert e.value.status == 429 and admitted == [] and len(checked) == 2

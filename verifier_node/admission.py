@@ -135,6 +135,16 @@ class Admission:
         except Exception as e:  # the chat template refused the conversation (roles, say)
             raise ConfigError(f"the prompt cannot be encoded: {str(e)[:200]}") from None
 
+    def checked_prompt(self, g: GenerationRequest) -> list[int]:
+        """``g``'s prompt as token ids, once the checks a new session's admission makes pass
+        (its tokens, the context limit with its output's room, its settings): a completions
+        batch's prompts are checked so before any of them is admitted. Raises ConfigError."""
+        ids, images = self.prompt_ids(g)
+        self.scheduler.engine.validate(Request(
+            ids, g.max_new_tokens or self._default_max_new(len(ids)), g.params, verify=g.verify,
+            images=images, logprobs=g.logprobs, prompt_logprobs=g.prompt_logprobs))
+        return ids
+
     def admit(self, g: GenerationRequest, deadline_s: float | None = None) -> Ticket:
         """A queued (or running, or already finished) ticket. Raises ConfigError, SessionNotFound,
         DrafterMissing, or the scheduler's QueueFull (TooSlowForDeadline: a new session the

@@ -189,6 +189,9 @@ async def _admit_choices(admission: Admission, params, chat: bool, lock: asyncio
     total = params.n * len(params.generations)
     if total == 1:
         return [await _admit(admission, params.generation, chat)]
+    prompts = params.generations
+    if params.batch:  # every prompt checked before any is admitted
+        prompts = await anyio.to_thread.run_sync(_encoded_batch, admission, prompts)
     scheduler = admission.scheduler
     what = f"n = {params.n} choices" if not params.batch else \
         f"{len(params.generations)} prompts x n = {params.n} choices"
@@ -202,7 +205,7 @@ async def _admit_choices(admission: Admission, params, chat: bool, lock: asyncio
                            "rate_limit_error", code="overloaded")
         tickets: list[Ticket] = []
         try:
-            for prompt in params.generations:  # OpenAI's order: a prompt's choices together
+            for prompt in prompts:  # OpenAI's order: a prompt's choices together
                 for i in range(params.n):
                     g = prompt
                     if i and g.params.seed is not None:
@@ -214,6 +217,22 @@ async def _admit_choices(admission: Admission, params, chat: bool, lock: asyncio
                 scheduler.cancel(t.session_id)
             raise
     return tickets
+
+
+def _encoded_batch(admission: Admission, prompts: list) -> list:
+    """A batch's prompts as token ids, each checked as admission checks a new session's
+    (``Admission.checked_prompt``) before any is admitted: a 400 naming the prompt refused,
+    and no session started for the others."""
+    out = []
+    for k, g in enumerate(prompts):
+        try:
+            ids = admission.checked_prompt(g)
+        except ConfigError as e:
+            code = "context_length_exceeded" if "context limit" in str(e) else None
+            raise ApiError(400, f"prompt[{k}]: {e}", "invalid_request_error", "prompt",
+                           code) from None
+        out.append(replace(g, prompt=None, prompt_ids=ids, raw=False))
+    return out
 
 
 def _cancel_never_read(runs: list[ChoiceRun]) -> None:

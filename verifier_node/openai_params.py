@@ -150,7 +150,7 @@ def _prompt(body: dict, chat: bool, g: GenerationRequest) -> None:
         g.messages = [_message(i, m, g.images) for i, m in enumerate(msgs)]
         return
     prompts = _prompts(body.get("prompt"))
-    _one_prompt(prompts[0], g)
+    _one_prompt(prompts[0], g, "'prompt'" if len(prompts) == 1 else "'prompt[0]'")
 
 
 def _prompts(prompt) -> list:
@@ -161,18 +161,20 @@ def _prompts(prompt) -> list:
         if len(prompt) > MAX_PROMPTS:
             raise _bad(f"'prompt' may batch at most {MAX_PROMPTS} prompts, got {len(prompt)}",
                        "prompt")
+        if len({type(p) for p in prompt}) > 1:  # OpenAI's: texts, or token id lists
+            raise _bad("'prompt' batches texts or token id lists, not both", "prompt")
         return prompt
     return [prompt]
 
 
-def _one_prompt(prompt, g: GenerationRequest) -> None:
+def _one_prompt(prompt, g: GenerationRequest, where: str = "'prompt'") -> None:
     if isinstance(prompt, str):
         g.prompt, g.raw = _text(prompt, "the prompt", "prompt"), True
     elif isinstance(prompt, list) and all(
             isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         g.prompt_ids = list(prompt)
     else:
-        raise _bad("'prompt' must be a string, a list of token ids, or a list of either (a "
+        raise _bad(f"{where} must be a string, a list of token ids, or a list of either (a "
                    "batch)", "prompt")
 
 
@@ -248,9 +250,9 @@ def parse_request(body, chat: bool, model_name: str) -> OpenAIParams:
                    "stream_options.include_usage")
     batch = []
     if not chat:  # each prompt of a batch with the request's settings, in its order
-        for prompt in _prompts(body.get("prompt"))[1:]:
+        for k, prompt in enumerate(_prompts(body.get("prompt"))[1:], 1):
             other = replace(g, prompt=None, prompt_ids=None, images=[])
-            _one_prompt(prompt, other)
+            _one_prompt(prompt, other, f"'prompt[{k}]'")
             batch.append(other)
     return OpenAIParams(g, stops, bool(stream), bool(usage), n, bool(echo), batch)
 
