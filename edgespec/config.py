@@ -87,7 +87,7 @@ class SamplingParams:
                 raise ConfigError(f"{name} must be a number in [-2, 2], got "
                                   f"{str(value)[:20]!r}")
             object.__setattr__(self, name, float(value))
-        object.__setattr__(self, "logit_bias", _logit_bias_pairs(self.logit_bias))
+        object.__setattr__(self, "logit_bias", logit_bias_pairs(self.logit_bias))
 
     @property
     def adjusts_logits(self) -> bool:
@@ -129,7 +129,7 @@ def _within(value: numbers.Real, bound: float) -> bool:
         return False
 
 
-def _logit_bias_pairs(bias) -> tuple[tuple[int, float], ...]:
+def logit_bias_pairs(bias) -> tuple[tuple[int, float], ...]:
     """``logit_bias`` (a mapping, or (token id, bias) pairs) as sorted pairs of an int id in
     [0, 2^31) and a float bias in [-100, 100]; raises ConfigError naming what is wrong."""
     try:

@@ -95,8 +95,6 @@ class Admission:
         ids, images = self._encode(g)
         if not ids:
             raise EmptyPrompt()
-        if any(t >= self.vocab_size for t, _ in g.params.logit_bias):
-            raise ConfigError(f"logit_bias token ids must be in [0, {self.vocab_size})")
         return ids, images
 
     def _encode(self, g: GenerationRequest) -> tuple[list[int], ImageInput | None]:
@@ -140,10 +138,14 @@ class Admission:
         (its tokens, the context limit with its output's room, its settings): a completions
         batch's prompts are checked so before any of them is admitted. Raises ConfigError."""
         ids, images = self.prompt_ids(g)
-        self.scheduler.engine.validate(Request(
-            ids, g.max_new_tokens or self._default_max_new(len(ids)), g.params, verify=g.verify,
-            images=images, logprobs=g.logprobs, prompt_logprobs=g.prompt_logprobs))
+        self.scheduler.engine.validate(self._request(g, ids, images))
         return ids
+
+    def _request(self, g: GenerationRequest, ids: list[int], images) -> Request:
+        """The engine's request for a new session of ``g`` (its prompt as ``ids``)."""
+        return Request(ids, g.max_new_tokens or self._default_max_new(len(ids)), g.params,
+                       committed=list(g.committed), verify=g.verify, images=images,
+                       logprobs=g.logprobs, prompt_logprobs=g.prompt_logprobs)
 
     def admit(self, g: GenerationRequest, deadline_s: float | None = None) -> Ticket:
         """A queued (or running, or already finished) ticket. Raises ConfigError, SessionNotFound,
@@ -184,10 +186,8 @@ class Admission:
                 raise DrafterMissing(f"drafter {device!r} is not attached")
             device = None  # a re-created session, like a resumed one, goes on without it
         # the seed is chosen here, not at prefill, so that the first response can report it
-        request = Request(ids, g.max_new_tokens or self._default_max_new(len(ids)),
-                          with_session_seed(g.params), committed=list(g.committed),
-                          verify=g.verify, images=images, logprobs=g.logprobs,
-                          prompt_logprobs=g.prompt_logprobs)
+        request = self._request(g, ids, images)
+        request.params = with_session_seed(g.params)
         if lost:
             try:
                 held = checked_lineage(g.kernel_set, g.kernels_differ_from, len(g.committed))

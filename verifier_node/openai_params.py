@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-from edgespec.config import MAX_LOGIT_BIAS, VERIFY_MODES, ConfigError, SamplingParams
+from edgespec.config import VERIFY_MODES, ConfigError, SamplingParams, logit_bias_pairs
 from edgespec.protocol.token_logprob import MAX_TOP_LOGPROBS
 from edgespec.wire.convert import unencodable_text
 
@@ -140,17 +140,19 @@ def _message(i: int, m, images: list[bytes]) -> dict:
     return {"role": role, "content": content}
 
 
-def _prompt(body: dict, chat: bool, g: GenerationRequest) -> None:
-    """The prompt into ``g``. "" and [] are prompts: one of zero tokens is refused at admission,
-    with every other surface's message."""
+def _prompt(body: dict, chat: bool, g: GenerationRequest) -> list:
+    """The prompt into ``g`` (a completions batch's first); returns a batch's other prompts,
+    unread. "" and [] are prompts: one of zero tokens is refused at admission, with every other
+    surface's message."""
     if chat:
         msgs = body.get("messages")
         if not isinstance(msgs, list) or not msgs:
             raise _bad("'messages' must be a non-empty list", "messages")
         g.messages = [_message(i, m, g.images) for i, m in enumerate(msgs)]
-        return
+        return []
     prompts = _prompts(body.get("prompt"))
     _one_prompt(prompts[0], g, "'prompt'" if len(prompts) == 1 else "'prompt[0]'")
+    return prompts[1:]
 
 
 def _prompts(prompt) -> list:
@@ -198,7 +200,7 @@ def parse_request(body, chat: bool, model_name: str) -> OpenAIParams:
         if name in body and not _is_neutral(body[name], neutral):
             raise _bad(f"'{name}' is not supported by edgespec (only its default)", name)
     g = GenerationRequest()
-    _prompt(body, chat, g)
+    rest = _prompt(body, chat, g)  # a completions batch's prompts after the first
     newer = _number(body, "max_completion_tokens", None, int, 1)  # each checked, if given
     older = _number(body, "max_tokens", None, int, 1)
     g.max_new_tokens = newer if newer is not None else older if older is not None else 0
@@ -249,37 +251,35 @@ def parse_request(body, chat: bool, model_name: str) -> OpenAIParams:
         raise _bad("'stream_options.include_usage' must be a boolean",
                    "stream_options.include_usage")
     batch = []
-    if not chat:  # each prompt of a batch with the request's settings, in its order
-        for k, prompt in enumerate(_prompts(body.get("prompt"))[1:], 1):
-            other = replace(g, prompt=None, prompt_ids=None, images=[])
-            _one_prompt(prompt, other, f"'prompt[{k}]'")
-            batch.append(other)
+    for k, prompt in enumerate(rest, 1):  # each with the request's settings, in its order
+        other = replace(g, prompt=None, prompt_ids=None, images=[])
+        _one_prompt(prompt, other, f"'prompt[{k}]'")
+        batch.append(other)
     return OpenAIParams(g, stops, bool(stream), bool(usage), n, bool(echo), batch)
 
 
 def _logit_bias(bias) -> tuple[tuple[int, float], ...]:
     """OpenAI's ``logit_bias``: an object mapping token ids, written as decimal strings, to
-    biases in [-100, 100] (null or {}: none); refused (400, naming ``logit_bias``) otherwise.
-    An id past the model's vocabulary is refused when the request is admitted."""
+    numbers (null or {}: none), their ranges, count and repeats checked by
+    ``SamplingParams``' own rule (``logit_bias_pairs``); refused (400, naming ``logit_bias``)
+    otherwise. An id past the model's vocabulary is refused when the request is admitted."""
     if bias is None:
         return ()
     if not isinstance(bias, dict):
         raise _bad("'logit_bias' must be an object mapping token ids to biases", "logit_bias")
-    if len(bias) > MAX_LOGIT_BIAS:
-        raise _bad(f"'logit_bias' may move at most {MAX_LOGIT_BIAS} tokens, got {len(bias)}",
-                   "logit_bias")
-    pairs: dict[int, float] = {}
+    pairs: list[tuple[int, float]] = []
     for key, value in bias.items():
-        if not (key.isascii() and key.isdigit() and len(key) <= 10 and int(key) < 1 << 31):
+        if not (key.isascii() and key.isdigit() and len(key) <= 10):
             raise _bad(f"'logit_bias' keys must be token ids (decimal strings), got "
                        f"'{key[:20]}'", "logit_bias")
         if value is None:
             raise _bad(f"'logit_bias' biases must be numbers, token {key}'s is null",
                        "logit_bias")
-        if int(key) in pairs:  # "5" and "05"
-            raise _bad(f"'logit_bias' gives token {int(key)} twice", "logit_bias")
-        pairs[int(key)] = _number({"logit_bias": value}, "logit_bias", None, float, -100, 100)
-    return tuple(pairs.items())
+        pairs.append((int(key), _number({"logit_bias": value}, "logit_bias", None, float)))
+    try:
+        return logit_bias_pairs(pairs)  # "5" and "05" are one token given twice
+    except ConfigError as e:
+        raise _bad(str(e), "logit_bias") from None
 
 
 def _logprobs(body: dict, chat: bool) -> int | None:

@@ -49,7 +49,9 @@ class LogitAdjust:
 
 def deltas(counts: np.ndarray, bias: np.ndarray, params: SamplingParams) -> np.ndarray:
     """delta(t) for tokens seen ``counts`` [..., U] int64 times with biases ``bias`` [U]
-    float32 -> float32 [..., U]: the one formula every path uses, in float32 throughout."""
+    float32 -> float32 [..., U]: the one formula every path uses, in float32 throughout
+    (without penalties it is the bias itself, bit for bit, which ``row_entries`` then takes as
+    it is)."""
     f = np.float32(params.frequency_penalty)
     p = np.float32(params.presence_penalty)
     return bias - f * counts.astype(np.float32) - p * (counts > 0).astype(np.float32)
