@@ -6,14 +6,19 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from cli_inprocess import run_cli
 
 
-def test_bench_burst_compares_the_prefill_modes_with_identical_outputs(tmp_path, tiny_dir):
+@pytest.mark.parametrize("scored", [[], ["--prompt-logprobs", "2"]])
+def test_bench_burst_compares_the_prefill_modes_with_identical_outputs(tmp_path, tiny_dir,
+                                                                      scored):
+    """With ``--prompt-logprobs`` the burst's prompts are scored as they are prefilled: their
+    logprobs are compared too (every mode's the serial one's)."""
     out = tmp_path / "burst.json"
     r = run_cli("bench-burst", "--model", str(tiny_dir), "--streams", "2", "--burst", "5",
                 "--prompt-tokens", "30-90", "--burst-tokens", "3", "--steady-tokens", "3",
-                "--prefill-budget", "64", "--threads", "1", "--json", str(out))
+                "--prefill-budget", "64", "--threads", "1", "--json", str(out), *scored)
     assert r.returncode == 0, r.stderr
     assert "ttft p50" in r.stdout and "chunked" in r.stdout and "fwd before" in r.stdout
     results = json.loads(out.read_text())["results"]
@@ -31,6 +36,11 @@ def test_bench_burst_compares_the_prefill_modes_with_identical_outputs(tmp_path,
 def test_bench_burst_refuses_a_mode_it_does_not_know():
     r = run_cli("bench-burst", "--modes", "eager")
     assert r.returncode == 2 and "--modes" in r.stderr
+
+
+def test_bench_burst_refuses_prompt_logprobs_out_of_range():
+    r = run_cli("bench-burst", "--prompt-logprobs", "21")
+    assert r.returncode == 2 and "logprobs" in r.stderr
 
 
 def test_the_burst_percentiles_are_nearest_rank_like_every_report():

@@ -10,6 +10,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 from conftest import hf_greedy
 
 from edgespec.config import ConfigError, EngineConfig
@@ -199,8 +200,12 @@ class RecordingWriter:
         self.calls: list[list[tuple[int, int]]] = []  # per write: (slot, tokens)
         self.lengths: dict[int, int] = {}
 
-    def prefill_parts(self, slots, parts) -> None:
+    def prefill_parts(self, slots, parts, reads=None) -> None:
         self.calls.append([(s, len(p)) for s, p in zip(slots, parts)])
+        if reads is not None:  # each read gets logits [1, T, V] of its part's T positions
+            for part, read in zip(parts, reads):
+                if read is not None:
+                    read(torch.zeros(1, len(part), 5))
         for s, p in zip(slots, parts):
             self.lengths[s] = self.lengths.get(s, 0) + len(p)
 
@@ -230,6 +235,39 @@ def test_a_step_spends_its_budget_in_passes_of_whole_chunks_oldest_first():
     step = queue.advance(10)  # a's 4 then its last 1: two passes in one step
     assert writer.calls[1:] == [[(0, 4)], [(0, 1)]] and step.ready == [a]
     assert writer.lengths == {0: 9, 1: 3} and queue.tokens_left == 0 and len(queue) == 0
+
+
+class RecordingReader:
+    """A part reader that records the parts it was handed (their starts and lengths)."""
+
+    def __init__(self, chunk: int, until: int):
+        self.chunk, self.until, self.got = chunk, until, []
+
+    def reads(self, start: int) -> bool:
+        return start < self.until
+
+    def read(self, start: int, logits) -> None:
+        self.got.append((start, logits.shape[1]))
+
+
+def test_a_read_prompt_is_cut_at_its_readers_chunk_and_read_where_it_asks():
+    """A prompt whose logits are read shares the passes with the others, its parts ending at
+    multiples of its reader's chunk (not the queue's); a part past what the reader reads (a
+    resumed session's committed tokens) is written without a read."""
+    from edgespec.drafters.adaptive import DraftLength
+    from edgespec.engine.generation import ActiveSession
+    from edgespec.engine.prefill_queue import PrefillQueue
+
+    writer = RecordingWriter()
+    queue = PrefillQueue(writer, chunk=8)
+    plain = _waiting(queue, 0, 10)
+    reader = RecordingReader(chunk=3, until=6)
+    read = ActiveSession("r", Request([1] * 9, 4), 1, DraftLength(4))
+    queue.add(read, [1] * 8, reader)
+    step = queue.advance(None)
+    assert writer.calls == [[(0, 8), (1, 3)], [(0, 2), (1, 3)], [(1, 2)]]
+    assert reader.got == [(0, 3), (3, 3)]  # the part from 6 holds no position it reads
+    assert step.ready == [plain, read] and step.readers == {id(read): reader}
 
 
 def test_a_part_larger_than_the_budget_still_moves_a_step():

@@ -91,19 +91,25 @@ def test_the_callback_gets_them_before_any_token(runner):
 
 
 def test_a_callback_that_raises_fails_its_session_alone(runner):
+    """Handed over when its prompt is in, at a step: the session it concerns fails there (its
+    slot given back, its caller told), the one prefilled beside it runs to its end."""
     def broken(_):
         raise RuntimeError("the caller's bug")
 
     with SpecEngine(runner, None, EngineConfig(**FIXED), stop_ids={2}) as engine:
         free = engine.free_slots
         bad = Request(PROMPTS[0], 4, prompt_logprobs=1, on_prompt_logprobs=broken)
-        good = Request(PROMPTS[2], 4)
+        good = Request(PROMPTS[2], 4, prompt_logprobs=1)
         out = engine.admit([Admission(bad), Admission(good)])
-        assert isinstance(out[0], RuntimeError) and not isinstance(out[1], Exception)
-        assert engine.free_slots == free - 1  # the failed one's slot back
+        assert not any(isinstance(o, Exception) for o in out)
+        errors: list[Exception] = []
+        out[0].on_error = errors.append
         while engine.active or len(engine.prefilling):
             engine.step()
-        assert len(out[1].output) == 4
+        assert len(errors) == 1 and "the caller's bug" in str(errors[0])
+        assert out[0].output == [] and len(out[1].output) == 4
+        assert len(out[1].prompt_logprobs) == len(PROMPTS[2]) - 1
+        assert engine.free_slots == free
 
 
 @pytest.mark.parametrize("bad", [-1, 21, True, 1.5])
@@ -111,3 +117,71 @@ def test_a_setting_out_of_range_is_refused(runner, bad):
     with SpecEngine(runner, None, EngineConfig(), stop_ids={2}) as engine:
         with pytest.raises(ConfigError, match="logprobs must be an integer"):
             engine.add(Request(PROMPTS[0], 4, prompt_logprobs=bad))
+
+
+def _alone(runner, prompt, top=3):
+    with SpecEngine(runner, None, EngineConfig(**FIXED), stop_ids={2}) as engine:
+        return engine.generate(Request(prompt, N, prompt_logprobs=top))
+
+
+def test_scored_prompts_admitted_together_share_a_forward(runner, monkeypatch):
+    """A burst of scoring requests (an evaluation harness's) is prefilled in shared forwards
+    like any other prompts, each prompt's logprobs the same bits as when it is prefilled
+    alone."""
+    calls: list[tuple[int, int]] = []  # (rows, rows read)
+    parts = runner.prefill_parts
+
+    def recording(slots, rows, reads=None):
+        calls.append((len(slots), sum(r is not None for r in reads or [])))
+        parts(slots, rows, reads=reads)
+
+    alone = [_alone(runner, p) for p in PROMPTS]
+    monkeypatch.setattr(runner, "prefill_parts", recording)
+    got = run(runner, None)
+    assert calls[0] == (len(PROMPTS), len(PROMPTS))  # every prompt's first part in one
+    assert [r.prompt_logprobs for r in got] == [r.prompt_logprobs for r in alone]
+    assert [r.token_ids for r in got] == [r.token_ids for r in alone]
+
+
+def test_running_sessions_get_tokens_while_a_scored_burst_is_prefilled(runner):
+    """The scored prompts are prefilled a budget a step, beside the running session, which
+    gets a token every step meanwhile."""
+    cfg = EngineConfig(**{**FIXED, "chunk": 2}, prefill_budget=16)
+    with SpecEngine(runner, None, cfg, stop_ids=set()) as engine:
+        [running] = engine.admit([Admission(Request(PROMPTS[0], 64))])
+        engine.step()
+        assert running in engine.active
+        burst = engine.admit([Admission(Request(PROMPTS[1], 4, prompt_logprobs=1))
+                              for _ in range(3)])
+        steps = 0
+        while len(engine.prefilling):
+            before = len(running.output)
+            engine.step()
+            steps += 1
+            assert len(running.output) > before
+        assert steps >= 3 * len(PROMPTS[1]) // 16
+        while engine.active:
+            engine.step()
+    ref = _alone(runner, PROMPTS[1], top=1)
+    assert all(b.prompt_logprobs == ref.prompt_logprobs and b.output == ref.token_ids[:4]
+               for b in burst)
+
+
+def test_a_shared_forward_that_raises_is_read_again_alone_the_same(runner, monkeypatch):
+    """A shared prefill that fails after its rows were read is retried a part at a time: each
+    part read again replaces its first reading, so every prompt's logprobs are whole, once."""
+    parts = runner.prefill_parts
+    failed = []
+
+    def flaky(slots, rows, reads=None):
+        parts(slots, rows, reads=reads)
+        if len(slots) > 1 and not failed:
+            failed.append(len(slots))
+            raise RuntimeError("a device fault after the reads")
+
+    alone = [_alone(runner, p) for p in PROMPTS]
+    monkeypatch.setattr(runner, "prefill_parts", flaky)
+    got = run(runner, None)
+    assert failed == [len(PROMPTS)]
+    assert [r.prompt_logprobs for r in got] == [r.prompt_logprobs for r in alone]
+    assert [r.token_ids for r in got] == [r.token_ids for r in alone]

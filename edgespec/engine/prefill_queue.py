@@ -11,18 +11,29 @@ the budget lasts. A session whose prompt is all in joins the running
 batch at that step. So a burst of arrivals costs each running stream at most one budget of
 prefill a step, and a long prompt no longer stalls every stream for its whole prefill.
 
+A prompt whose logprobs are asked for (the completions' ``echo``) waits here too, with a
+``PartReader``: its parts end at multiples of the reader's own chunk (a part's logits are
+[T, V] float32, so they are kept short), and the runner hands each part's logits to it as the
+shared forward computes them (``TargetRunner.prefill_parts``' ``reads``). So a burst of
+scoring requests is prefilled together, within the step's budget, like any other.
+
 A shared forward that raises is retried one part at a time, so that a failure fails only the
-session it concerns.
+session it concerns (a reader keeps a part's logprobs by its first position: a part read
+twice is read the same).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
-from typing import Protocol, Sequence
+from dataclasses import dataclass, field
+from functools import partial
+from typing import TYPE_CHECKING, Callable, Protocol, Sequence
 
 from .generation import ActiveSession
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger("edgespec.engine.prefill_queue")
 
@@ -30,9 +41,26 @@ log = logging.getLogger("edgespec.engine.prefill_queue")
 class PromptWriter(Protocol):
     """What the queue needs of the target runner."""
 
-    def prefill_parts(self, slots: Sequence[int], parts: Sequence[list[int]]) -> None: ...
+    def prefill_parts(self, slots: Sequence[int], parts: Sequence[list[int]],
+                      reads: Sequence[Callable[["torch.Tensor"], None] | None] | None = None
+                      ) -> None: ...
 
     def rollback(self, slot: int, length: int) -> None: ...
+
+
+class PartReader(Protocol):
+    """What reads a waiting prompt's logits as its parts are written
+    (``scoring.PromptScorer``)."""
+
+    chunk: int  # its prompt's parts end at multiples of this
+
+    def reads(self, start: int) -> bool:
+        """Whether the part from position ``start`` holds a position it reads."""
+        ...
+
+    def read(self, start: int, logits: "torch.Tensor") -> None:
+        """The logits [1, T, V] float32 of the T positions of the part from ``start``."""
+        ...
 
 
 @dataclass(eq=False)
@@ -41,6 +69,7 @@ class WaitingPrompt:
     tokens: list[int]  # what to prefill: prompt + committed, but the last token
     done: int = 0  # prefilled so far
     began: float = 0.0  # perf_counter when admitted
+    reader: PartReader | None = None
 
 
 @dataclass
@@ -50,6 +79,8 @@ class PrefillProgress:
     ready: list[ActiveSession]  # prompts all in: to run from this step on
     failed: list[tuple[ActiveSession, Exception]]
     tokens: int = 0  # prompt tokens prefilled
+    # the ready sessions' readers (those whose prompt's logits were read), by id(act)
+    readers: dict[int, PartReader] = field(default_factory=dict)
 
 
 class PrefillQueue:
@@ -65,8 +96,11 @@ class PrefillQueue:
     def sessions(self) -> list[ActiveSession]:
         return [w.act for w in self.waiting]
 
-    def add(self, act: ActiveSession, tokens: list[int]) -> None:
-        self.waiting.append(WaitingPrompt(act, tokens, began=time.perf_counter()))
+    def add(self, act: ActiveSession, tokens: list[int], reader: PartReader | None = None
+            ) -> None:
+        """Queue a session's prompt; ``reader``: what reads its logits (its parts then end at
+        multiples of ``reader.chunk``, not of the queue's)."""
+        self.waiting.append(WaitingPrompt(act, tokens, began=time.perf_counter(), reader=reader))
         self.tokens_left += len(tokens)
 
     def remove(self, act: ActiveSession) -> bool:
@@ -89,7 +123,8 @@ class PrefillQueue:
         while self.waiting:
             parts: list[tuple[WaitingPrompt, int]] = []  # (prompt, its part's end)
             for w in self.waiting:
-                end = min(len(w.tokens), (w.done // self.chunk + 1) * self.chunk)
+                chunk = self.chunk if w.reader is None else w.reader.chunk
+                end = min(len(w.tokens), (w.done // chunk + 1) * chunk)
                 if left is not None and moved and end - w.done > left:
                     break
                 parts.append((w, end))
@@ -112,6 +147,8 @@ class PrefillQueue:
                     self.waiting.remove(w)
                     w.act.stats.prefill_s = time.perf_counter() - w.began
                     out.ready.append(w.act)
+                    if w.reader is not None:
+                        out.readers[id(w.act)] = w.reader
             if left is not None and left <= 0:
                 break
         return out
@@ -124,8 +161,7 @@ class PrefillQueue:
         if not todo:
             return []
         try:
-            self.target.prefill_parts([w.act.slot for w, _ in todo],
-                                      [w.tokens[w.done:end] for w, end in todo])
+            self._prefill(todo)
             return []
         except Exception:
             log.exception("prefilling %d prompt(s) together failed; each alone",
@@ -134,8 +170,19 @@ class PrefillQueue:
         for w, end in todo:
             try:
                 self.target.rollback(w.act.slot, w.done)
-                self.target.prefill_parts([w.act.slot], [w.tokens[w.done:end]])
+                self._prefill([(w, end)])
             except Exception:
                 log.exception("prefilling session %s failed", w.act.sid)
                 failed.append(w)
         return failed
+
+    def _prefill(self, todo: list[tuple[WaitingPrompt, int]]) -> None:
+        """One ``prefill_parts`` of the parts, the read ones' logits to their readers (the
+        keyword left out where none is read: a writer that reads none need not take it)."""
+        reads = [None if w.reader is None or not w.reader.reads(w.done)
+                 else partial(w.reader.read, w.done) for w, _ in todo]
+        slots, parts = [w.act.slot for w, _ in todo], [w.tokens[w.done:end] for w, end in todo]
+        if any(reads):
+            self.target.prefill_parts(slots, parts, reads=reads)
+        else:
+            self.target.prefill_parts(slots, parts)

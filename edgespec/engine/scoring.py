@@ -123,25 +123,32 @@ def with_logprobs(logits: torch.Tensor, decided: list[Decision]) -> list[Decisio
     return out
 
 
-# the most prompt tokens a scored prefill's forward takes (``prompt_logprobs``): its logits are
-# [chunk, V] float32, read once (a gather, a log-softmax: a few copies of them at the peak)
+# the most positions of a prompt's part whose logits are read at once (``PromptScorer``): they
+# are [T, V] float32, read once (a gather, a log-softmax: a few copies of them at the peak)
 SCORED_CHUNK = 128
 
 
-def prompt_logprobs(target: "TargetRunner", slot: int, ids: list[int], prompt: list[int],
-                    top: int, chunk: int) -> list[TokenLogprob]:
-    """Prefill ``ids`` (prompt + committed, but the last token) into ``slot``, in chunks of
-    ``chunk`` at its multiples (the keys and values are the same bits however a prompt is cut:
-    the kernels are batch-invariant), reading the logprob of each
-    prompt token after the first given the tokens before it, with ``top`` alternatives
-    (``Request.prompt_logprobs``): position p's logits score ``prompt[p + 1]``."""
-    out: list[TokenLogprob] = []
+class PromptScorer:
+    """A prompt's logprobs (``Request.prompt_logprobs``) read from its prefill's parts as the
+    prefill queue writes them (``prefill_queue.PartReader``): position p's logits score
+    ``prompt[p + 1]``, with ``top`` alternatives. The parts end at multiples of ``chunk`` (the
+    keys, values and logits are the same bits however a prompt is cut: the kernels are
+    batch-invariant); a resumed session's committed tokens, prefilled after its prompt, are
+    read nothing."""
 
-    def read(start: int, logits: torch.Tensor) -> None:  # logits [1, T, V]
-        cols = [c for c in range(logits.shape[1]) if start + c + 1 < len(prompt)]
-        if cols:
-            pick = LogprobPick(0, cols, [prompt[start + c + 1] for c in cols], top)
-            out.extend(read_logprobs(logits, [pick])[0])
+    def __init__(self, prompt: list[int], top: int, chunk: int):
+        self.prompt, self.top, self.chunk = prompt, top, chunk
+        self._parts: dict[int, list[TokenLogprob]] = {}  # a part's first position -> its own
 
-    target.prefill_scored(slot, ids, chunk, read)
-    return out
+    def reads(self, start: int) -> bool:
+        return start + 1 < len(self.prompt)
+
+    def read(self, start: int, logits: torch.Tensor) -> None:  # logits [1, T, V]
+        cols = [c for c in range(logits.shape[1]) if start + c + 1 < len(self.prompt)]
+        if cols:  # by its start: a part written again (a shared forward retried) replaces it
+            pick = LogprobPick(0, cols, [self.prompt[start + c + 1] for c in cols], self.top)
+            self._parts[start] = list(read_logprobs(logits, [pick])[0])
+
+    def entries(self) -> list[TokenLogprob]:
+        """Every prompt token's after the first, in order (once the whole prompt is in)."""
+        return [e for start in sorted(self._parts) for e in self._parts[start]]

@@ -20,10 +20,10 @@ from ..protocol.lineage import Lineage
 from ..runner.host_transfers import DeviceSpan
 from ..runner.target_runner import TargetRunner
 from ..verify.keyed_noise import with_session_seed
-from ..protocol.token_logprob import TokenLogprob, check_top_logprobs
+from ..protocol.token_logprob import check_top_logprobs
 from .generation import ActiveSession, Admission, Request, Result, SessionFailed
 from .prefill_queue import PrefillQueue
-from .scoring import SCORED_CHUNK, prompt_logprobs
+from .scoring import SCORED_CHUNK, PromptScorer
 from .stack_choice import StackChooser
 
 log = logging.getLogger("edgespec.engine.spec_engine")
@@ -122,8 +122,8 @@ class SessionLifecycle:
         """Take requests in: each validated, given a KV slot and created in the store, then
         queued for prefill (``prefill_queue``: each step prefills up to ``prefill_budget``
         prompt tokens of the queue before it verifies; a session runs from the step its prompt
-        is all in). A prompt with images, or one whose logprobs are asked for, is prefilled
-        alone, now. Returns, in order, each
+        is all in, its prompt's logprobs, where asked for, read as it is prefilled and handed
+        over then). A prompt with images is prefilled alone, now. Returns, in order, each
         entry's session or what refused it (its slot freed): a failure fails only the entry it
         concerns."""
         out: list[ActiveSession | Exception] = []
@@ -147,7 +147,6 @@ class SessionLifecycle:
         slot = self.target.new_slot()
         t0 = time.perf_counter()
         ids = (req.prompt_ids + req.committed)[:-1]
-        scored: list[TokenLogprob] = []  # ``Request.prompt_logprobs``
         sid = e.session_id or f"local-{next(self._ids)}"
         drafter = e.device if self.drafter is None else self.drafter.name
         try:
@@ -163,17 +162,6 @@ class SessionLifecycle:
         except BaseException:
             self.target.free_slot(slot)
             raise  # a request the scheduler retries (the store unavailable) keeps its images
-        if req.prompt_logprobs is not None:  # once the store took it: a retry scores nothing
-            try:
-                span = DeviceSpan(self.target.device)
-                scored = prompt_logprobs(self.target, slot, ids, req.prompt_ids,
-                                         req.prompt_logprobs,
-                                         min(self.prefilling.chunk, SCORED_CHUNK))
-                self._prefilled(len(ids), span.stop())
-            except BaseException:  # fails alone: its slot and its store keys given back
-                self.target.free_slot(slot)
-                self.store.close(sid, "error")  # never raises
-                raise
         act = ActiveSession(sid, req, slot, DraftLength.of_row(self.rates, slot))
         act.verify = verify
         act.drafter = drafter or ""
@@ -183,22 +171,19 @@ class SessionLifecycle:
         act.stats.start = t0
         act.stats.lossy = is_lossy(verify)
         act.stats.verify = verify
-        if req.images is not None or req.prompt_logprobs is not None:
-            if req.images is not None:
-                req.images = req.images.spent()  # in the KV now: the pixels are not kept
+        if req.images is not None:
+            req.images = req.images.spent()  # in the KV now: the pixels are not kept
             act.stats.prefill_s = time.perf_counter() - t0
             try:
-                if req.prompt_logprobs is not None:
-                    act.prompt_logprobs = scored
-                    if req.on_prompt_logprobs is not None:  # one that raises fails this alone
-                        req.on_prompt_logprobs(list(scored))
                 self._start(act)
             except BaseException:  # refused alone: its slot and its store keys given back
                 self.target.free_slot(slot)
                 self.store.close(sid, "error")  # never raises
                 raise
-        else:
-            self.prefilling.add(act, ids)
+        else:  # prefilled with the others waiting, its logits read if asked for
+            scorer = None if req.prompt_logprobs is None else PromptScorer(
+                req.prompt_ids, req.prompt_logprobs, min(self.prefilling.chunk, SCORED_CHUNK))
+            self.prefilling.add(act, ids, scorer)
         return act
 
     def _start(self, act: ActiveSession) -> None:
@@ -220,6 +205,11 @@ class SessionLifecycle:
         failed = list(progress.failed)
         for act in progress.ready:  # out of the queue already: each started, or failed alone
             try:
+                scorer = progress.readers.get(id(act))
+                if isinstance(scorer, PromptScorer):  # its prompt's logprobs, before any token
+                    act.prompt_logprobs = scorer.entries()
+                    if act.req.on_prompt_logprobs is not None:  # one that raises fails it alone
+                        act.req.on_prompt_logprobs(list(act.prompt_logprobs))
                 self._start(act)
             except Exception as e:  # the head's state for it, say (a device out of memory)
                 failed.append((act, SessionFailed(f"starting the session failed: {e!r}")))

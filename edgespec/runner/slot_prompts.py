@@ -1,6 +1,7 @@
 """A target runner's KV slots (allocated, freed, rolled back, committed), the prompts written
 into them (``prefill``: one prompt in chunks of ``PREFILL_CHUNK`` tokens; ``prefill_parts``:
-parts of several prompts in shared forwards of rows of similar length), and the states after
+parts of several prompts in shared forwards of rows of similar length, the logits of those
+asked for read), and the states after
 its first layers (``early_hidden``, ``early_states``: an early exit's and imitation drafting's
 input). ``SlotPrompts`` is a part of ``TargetRunner`` (its base class): it runs the runner's own
 chains (``_hidden``, ``_chains``) over the runner's cache, so every prompt token's keys and
@@ -20,6 +21,8 @@ if TYPE_CHECKING:
     from .step_rows import Scored
 
 PREFILL_CHUNK = 512  # prompt tokens per prefill forward
+
+ReadLogits = Callable[[torch.Tensor], None]  # gets a prompt part's logits [1, T, V] float32
 
 
 class SlotPrompts:
@@ -110,39 +113,32 @@ class SlotPrompts:
             self.commit(slot, i + len(part))
 
     @torch.inference_mode()
-    def prefill_scored(self, slot: int, tokens: list[int], chunk: int,
-                       read: Callable[[int, torch.Tensor], None]) -> None:
-        """``prefill`` in chunks of ``chunk`` tokens (cut at its multiples) that hands each
-        chunk's logits to ``read``: (the chunk's first position, logits [1, T, V] float32 of
-        its T positions, each the target's distribution of the token after it). They are the
-        hidden states the prefill computes anyway, through the final norm and the LM head; the
-        keys and values written are the prefill's."""
-        self.cache.check_room(slot, 0, len(tokens))
-        self.rollback(slot, 0)
-        for i in range(0, len(tokens), chunk):
-            part = tokens[i:i + chunk]
-            x, _ = self._hidden([slot], [part])
-            self.commit(slot, i + len(part))
-            read(i, self._scored(x).logits)
-
-    @torch.inference_mode()
-    def prefill_parts(self, slots: Sequence[int], parts: Sequence[list[int]]) -> None:
+    def prefill_parts(self, slots: Sequence[int], parts: Sequence[list[int]],
+                      reads: Sequence[ReadLogits | None] | None = None) -> None:
         """Each slot's ``part`` of its prompt written after what the slot holds, in shared
         forwards of rows of similar length, at most ``prefill_rows`` tokens a forward (rows x
-        the longest; within the row counts the start check proved batch-invariant)."""
-        group: list[tuple[int, list[int]]] = []
-        for slot, part in sorted(((s, p) for s, p in zip(slots, parts) if p),
-                                 key=lambda sp: len(sp[1])):
+        the longest; within the row counts the start check proved batch-invariant).
+        ``reads``: for each part, None or what gets its logits [1, T, V] float32 (its T
+        positions', each the target's distribution of the token after it: its hidden states
+        through the final norm and the LM head, a row at a time, so that one part's logits are
+        the most held at once); the keys and values written are the same either way."""
+        reads = [None] * len(slots) if reads is None else reads
+        group: list[tuple[int, list[int], ReadLogits | None]] = []
+        for slot, part, read in sorted(((s, p, r) for s, p, r in zip(slots, parts, reads) if p),
+                                       key=lambda spr: len(spr[1])):
             # ascending: ``part`` is the longest of its group
             if group and (len(group) + 1) * len(part) > self.prefill_rows:
                 self._prefill_rows(group)
                 group = []
-            group.append((slot, part))
+            group.append((slot, part, read))
         if group:
             self._prefill_rows(group)
 
-    def _prefill_rows(self, group: list[tuple[int, list[int]]]) -> None:
-        starts = [self.cache.lengths[slot] for slot, _ in group]
-        self._hidden([slot for slot, _ in group], [part for _, part in group])
-        for (slot, part), start in zip(group, starts):
+    def _prefill_rows(self, group: list[tuple[int, list[int], ReadLogits | None]]) -> None:
+        starts = [self.cache.lengths[slot] for slot, _, _ in group]
+        x, _ = self._hidden([slot for slot, _, _ in group], [part for _, part, _ in group])
+        for (slot, part, _), start in zip(group, starts):
             self.commit(slot, start + len(part))
+        for row, (_, part, read) in enumerate(group):
+            if read is not None:  # x [B, T, H]: the row's own positions, as a forward of it alone
+                read(self._scored(x[row:row + 1, :len(part)]).logits)

@@ -19,7 +19,9 @@ streams' inter-token gap before the burst (steady p50) and during it (p99, max, 
 against the steady p50), what a verification step cost apart from its prefill before the
 burst and during it and what a step's prefill cost during it (p50s: the streams' forward grows
 with their contexts, which lengthen by a token a step while the burst is taken in), and whether
-every burst output is the same in every mode (the serial one is the reference). Torch runs on
+every burst output is the same in every mode (the serial one is the reference; with
+``--prompt-logprobs``, the burst's requests ask for their prompts' logprobs, an evaluation
+harness's scoring requests, and those are compared too). Torch runs on
 ``--threads`` threads (default: all cores).
 """
 
@@ -57,6 +59,10 @@ def add_bench_burst_args(p) -> None:
                    help=f"comma-separated, of {', '.join(MODES)} (default: %(default)s)")
     p.add_argument("--prefill-budget", type=int, default=None, metavar="TOKENS",
                    help="chunked mode's prompt tokens a step (default: the engine's)")
+    p.add_argument("--prompt-logprobs", type=int, default=None, metavar="K",
+                   help="the burst's requests ask for their prompts' logprobs with K "
+                        "alternatives each (the completions' echo: an evaluation harness's "
+                        "scoring requests); every mode's are compared too (default: none)")
     p.add_argument("--drafter", default="none",
                    help="the in-process drafter, 'none' for target-only (default: %(default)s)")
     p.add_argument("--json", dest="json_out", default="bench-results/burst.json", metavar="FILE",
@@ -80,6 +86,7 @@ class BurstResult:
     forward_during_p50_s: float  # ... and during the burst
     prefill_during_p50_s: float  # a step's prefill during the burst (steps with prompts waiting)
     outputs: list[list[int]]
+    prompt_logprobs: list  # each burst request's (None where not asked for)
 
 
 @dataclass
@@ -145,9 +152,9 @@ def _serial(runner) -> None:
     """The runner prefills every prompt alone (before shared prefill, each admission was)."""
     parts = runner.prefill_parts
 
-    def alone(slots, rows):
-        for slot, row in zip(slots, rows):
-            parts([slot], [row])
+    def alone(slots, rows, reads=None):
+        for i, (slot, row) in enumerate(zip(slots, rows)):
+            parts([slot], [row], reads=[None if reads is None else reads[i]])
 
     runner.prefill_parts = alone
 
@@ -190,7 +197,9 @@ def run_burst(loaded, mode: str, streams: list[list[int]], burst: list[list[int]
             _wait(lambda: all(len(t.tokens) >= n + args.steady_tokens
                               for t, n in zip(running, had)))
             came = time.monotonic()
-            tickets = [Ticket(Request(p, args.burst_tokens), None) for p in burst]
+            tickets = [Ticket(Request(p, args.burst_tokens,
+                                      prompt_logprobs=args.prompt_logprobs), None)
+                       for p in burst]
             firsts = {t.session_id: _first_token_at(t) for t in tickets}  # before any token
             for t in tickets:
                 sched.submit(t)
@@ -212,7 +221,8 @@ def run_burst(loaded, mode: str, streams: list[list[int]], burst: list[list[int]
                        max(during, default=0.0) / steady_p50 if steady_p50 else 0.0,
                        sum(len(p) for p in burst), done - came,
                        *_step_p50s(steps, steady_from, came, done),
-                       [t.result.token_ids if t.result else [] for t in tickets])
+                       [t.result.token_ids if t.result else [] for t in tickets],
+                       [t.result.prompt_logprobs if t.result else None for t in tickets])
 
 
 def split_gaps(arrivals: dict[str, list[float]], steady_from: float, came: float, done: float
@@ -287,6 +297,10 @@ def run_bench_burst(args) -> int:
     if hi < lo:
         raise ConfigError(f"--prompt-tokens must be LO-HI with LO <= HI, got "
                           f"{args.prompt_tokens!r}")
+    if args.prompt_logprobs is not None:
+        from edgespec.protocol.token_logprob import check_top_logprobs
+
+        check_top_logprobs(args.prompt_logprobs)
     if args.prefill_budget is not None and args.prefill_budget < 1:  # before any mode runs
         raise ConfigError(f"--prefill-budget must be >= 1, got {args.prefill_budget}")
     threads = set_threads(args.threads)
@@ -299,27 +313,30 @@ def run_bench_burst(args) -> int:
         print(f"bench-burst: {mode}: {args.streams} streams, a burst of {args.burst}",
               file=sys.stderr, flush=True)
         results.append(run_burst(loaded, mode, streams, burst, args))
-    reference = results[0].outputs
+    first = results[0]
+    same = [(r.outputs, r.prompt_logprobs) == (first.outputs, first.prompt_logprobs)
+            for r in results]
     print(f"torch threads: {threads}; {args.streams} streams, a burst of {args.burst} prompts "
           f"({results[0].prompt_tokens} tokens), {args.burst_tokens} tokens each")
     print(f"{'mode':<9}{'budget':>8}{'ttft p50':>10}{'p99':>8}{'max':>8}"
           f"{'gap p50':>10}{'burst p99':>11}{'max':>8}{'max/p50':>9}"
           f"{'fwd before':>12}{'during':>8}{'prefill':>9}  identical")
-    for r in results:
+    for r, identical in zip(results, same):
         print(f"{r.mode:<9}{r.prefill_budget or '-':>8}{r.ttft_p50_s:>10.3f}{r.ttft_p99_s:>8.3f}"
               f"{r.ttft_max_s:>8.3f}{r.steady_gap_p50_s:>10.3f}{r.burst_gap_p99_s:>11.3f}"
               f"{r.burst_gap_max_s:>8.3f}{r.gap_max_vs_steady:>9.1f}"
               f"{r.forward_before_p50_s:>12.3f}{r.forward_during_p50_s:>8.3f}"
-              f"{r.prefill_during_p50_s:>9.3f}  {r.outputs == reference}")
+              f"{r.prefill_during_p50_s:>9.3f}  {identical}")
     print("seconds; gap: the streams' inter-token gap; fwd: a step's forward + verification, p50 "
           "of the last steps before the burst and of those during it; prefill: a step's prefill "
           "during it, p50")
     out = {"config": {k: v for k, v in vars(args).items() if k != "func"},
            "threads": threads,
-           "results": [{**{k: v for k, v in asdict(r).items() if k != "outputs"},
-                        "identical_to_first": r.outputs == reference} for r in results]}
+           "results": [{**{k: v for k, v in asdict(r).items()
+                           if k not in ("outputs", "prompt_logprobs")},
+                        "identical_to_first": identical} for r, identical in zip(results, same)]}
     path = Path(args.json_out)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=2))
     print(f"wrote {path}")
-    return 0 if all(r.outputs == reference for r in results) else 1
+    return 0 if all(same) else 1

@@ -57,7 +57,9 @@ class InstantRunner:
     def prefill(self, slot: int, tokens: list[int], embeds=None) -> None:
         self.cache.commit(slot, len(tokens))
 
-    def prefill_parts(self, slots, parts) -> None:
+    def prefill_parts(self, slots, parts, reads=None) -> None:
+        if reads is not None and any(r is not None for r in reads):
+            raise NotImplementedError("bench-host's runner reads no prompt's logits")
         for slot, part in zip(slots, parts):
             self.cache.commit(slot, self.cache.lengths[slot] + len(part))
 
