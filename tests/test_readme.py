@@ -103,7 +103,8 @@ OTHER_TOOLS = {"--index-url", "--no-deps", "--force-reinstall",  # pip
                "--windows",  # scripts/llamacpp_window_sweep.py
                "--chunks", "--per-commit",  # scripts/chunk_push_cost.py
                "--boards", "--steps", "--sessions-per-board",  # scripts/cache_fleet_cost.py
-               "--rounds"}  # docs/measured/logprobs/cost.py
+               "--rounds",  # docs/measured/logprobs/cost.py
+               "--tasks", "--batch", "--include", "--log", "--output"}  # lm_eval
 
 
 def test_every_option_the_pages_name_exists():
