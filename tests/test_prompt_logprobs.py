@@ -107,6 +107,10 @@ def test_a_callback_that_raises_fails_its_session_alone(runner):
         while engine.active or len(engine.prefilling):
             engine.step()
         assert len(errors) == 1 and "the caller's bug" in str(errors[0])
+    with SpecEngine(runner, None, EngineConfig(**FIXED), stop_ids={2}) as engine:
+        with pytest.raises(RuntimeError, match="the caller's bug"):  # add: the caller's own
+            engine.add(Request(PROMPTS[0], 4, prompt_logprobs=1, on_prompt_logprobs=broken))
+        assert engine.free_slots == free
         assert out[0].output == [] and len(out[1].output) == 4
         assert len(out[1].prompt_logprobs) == len(PROMPTS[2]) - 1
         assert engine.free_slots == free

@@ -91,7 +91,7 @@ class SessionLifecycle:
         if len(req.committed) >= req.max_new_tokens:
             raise ConfigError("the resumed session has already produced max_new_tokens")
         check_top_logprobs(req.logprobs)
-        check_top_logprobs(req.prompt_logprobs)
+        check_top_logprobs(req.prompt_logprobs, "prompt_logprobs")
         if req.prompt_logprobs is not None and req.images is not None:
             raise ConfigError("prompt logprobs are not given for a prompt with images")
         if self.vision is not None:
@@ -204,12 +204,16 @@ class SessionLifecycle:
             self._forwards_failed += 1
         failed = list(progress.failed)
         for act in progress.ready:  # out of the queue already: each started, or failed alone
-            try:
-                scorer = progress.readers.get(id(act))
-                if isinstance(scorer, PromptScorer):  # its prompt's logprobs, before any token
-                    act.prompt_logprobs = scorer.entries()
-                    if act.req.on_prompt_logprobs is not None:  # one that raises fails it alone
+            scorer = progress.readers.get(id(act))
+            if isinstance(scorer, PromptScorer):  # its prompt's logprobs, before any token
+                act.prompt_logprobs = scorer.entries()
+                try:
+                    if act.req.on_prompt_logprobs is not None:
                         act.req.on_prompt_logprobs(list(act.prompt_logprobs))
+                except Exception as e:  # the caller's: it fails this session alone, as it is
+                    failed.append((act, e))
+                    continue
+            try:
                 self._start(act)
             except Exception as e:  # the head's state for it, say (a device out of memory)
                 failed.append((act, SessionFailed(f"starting the session failed: {e!r}")))

@@ -22,11 +22,12 @@ class TokenLogprob:
     top: tuple[tuple[int, float], ...] = ()
 
 
-def check_top_logprobs(k: int | None) -> None:
-    """Refuses (ConfigError, a ValueError) a ``logprobs`` setting that is neither None nor an
-    int in [0, MAX_TOP_LOGPROBS]: how many alternatives each token's logprob comes with."""
+def check_top_logprobs(k: int | None, name: str = "logprobs") -> None:
+    """Refuses (ConfigError, a ValueError) a ``logprobs`` setting (or the one ``name`` says)
+    that is neither None nor an int in [0, MAX_TOP_LOGPROBS]: how many alternatives each
+    token's logprob comes with."""
     if k is None:
         return
     if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_TOP_LOGPROBS:
-        raise ConfigError(f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}] (the "
+        raise ConfigError(f"{name} must be an integer in [0, {MAX_TOP_LOGPROBS}] (the "
                          f"alternatives a token gets) or None, got {k!r}")

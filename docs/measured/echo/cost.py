@@ -1,9 +1,9 @@
 """The cost of a prompt's logprobs (the completions' ``echo`` with ``logprobs``): a request of
-one new token with ``Request.prompt_logprobs`` (its prompt scored as it is prefilled, alone, in
-chunks of 128) against the same request without (the prefill queue's chunks), on the default
-model in float32, torch on 2 threads (set here), prompts cut from Spec-Bench's questions file.
-Four rounds alternating, the first dropped, medians. Prints a table and writes ``cost.json``
-beside this file.
+one new token with ``Request.prompt_logprobs`` (its prompt scored as it is prefilled, in parts
+of 128 tokens; alone at admission when first measured) against the same request without (the
+prefill queue's chunks), on the default model in float32, torch on 2 threads (set here),
+prompts cut from Spec-Bench's questions file. Four rounds alternating, the first dropped,
+medians. Prints a table and writes ``cost.json`` beside this file.
 
     python docs/measured/echo/cost.py
 """
