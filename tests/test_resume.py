@@ -174,3 +174,23 @@ def test_a_resumed_streams_logprobs_stay_with_their_tokens(verifier_parts, loopi
     out = collected.result()
     assert out.token_ids == ref
     assert out.logprobs == own[:1] + [None, None] + own[3:]
+
+
+def test_a_resumed_session_scores_its_prompt_again_when_asked(verifier_parts, looping):
+    """A stream that broke before it had its prompt's logprobs asks again on its resume: the
+    verifier that prefills the session from the cache (prompt and committed tokens) scores
+    the prompt, the same logprobs as a session that never broke, and the continuation is
+    target-only's."""
+    store, engine, sched, admission = verifier_parts
+    ref = hf_greedy(looping.model, PROMPT, 8)
+    with SpecEngine(engine.target, None, EngineConfig(), stop_ids=set()) as alone:
+        own = alone.generate(Request(PROMPT, 8, prompt_logprobs=2)).prompt_logprobs
+    store.create("s6", PROMPT, SamplingParams(), None, max_new_tokens=8)
+    for i, tok in enumerate(ref[:3]):
+        store.commit_many([Verdict("s6", i, len(PROMPT) + i, 0, tok)])
+    ticket = admission.admit(GenerationRequest(resume_session_id="s6", prompt_logprobs=2))
+    sched._admit()
+    while not ticket.ended:
+        engine.step()
+    assert ticket.prompt_logprobs == own and len(own) == len(PROMPT) - 1
+    assert ticket.result.token_ids == ref

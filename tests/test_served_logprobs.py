@@ -152,3 +152,80 @@ def test_a_resumed_stream_asks_for_logprobs_again():
         assert resume.HasField("logprobs") == (asked is not None)
         if asked is not None:
             assert resume.logprobs == asked
+
+
+def test_the_sdk_gets_the_prompts_logprobs(server, looping):
+    """``prompt_logprobs=k``: the prompt's logprobs as the engine in this process reads them
+    (the same model, no drafter), exactly, on the result and on the first piece with tokens;
+    the output is the one the same call gets without them; a prompt of one token has none
+    before it to score (an empty list, not None)."""
+    ids = encode_prompt(looping.tokenizer, messages=MESSAGES)
+    runner = TargetRunner(looping.model, n_slots=1, max_len=512)
+    with SpecEngine(runner, None, EngineConfig(), stop_ids={2}) as engine:
+        ref = engine.generate(Request(ids, N, prompt_logprobs=2))
+    assert len(ref.prompt_logprobs) == len(ids) - 1
+    with Client(server["address"], token=TOKEN, timeout=120) as client:
+        res = client.generate(prompt_ids=ids, max_new_tokens=N, prompt_logprobs=2)
+        pieces = list(client.stream(prompt_ids=ids, max_new_tokens=N, prompt_logprobs=2))
+        plain = client.generate(prompt_ids=ids, max_new_tokens=N)
+        one = client.generate(prompt_ids=ids[:1], max_new_tokens=2, prompt_logprobs=0)
+    assert res.prompt_logprobs == ref.prompt_logprobs
+    assert res.token_ids == plain.token_ids == ref.token_ids and plain.prompt_logprobs is None
+    with_tokens = [p for p in pieces if p.token_ids]
+    assert with_tokens[0].prompt_logprobs == ref.prompt_logprobs
+    assert all(p.prompt_logprobs is None for p in pieces if p is not with_tokens[0])
+    assert one.prompt_logprobs == [] and len(one.token_ids) == 2
+
+
+def test_the_sdk_refuses_prompt_logprobs_out_of_range_before_sending():
+    from edgespec.sdk.request import build_request
+
+    for bad in (-1, 21, True, 2.0):
+        with pytest.raises(InvalidRequest, match="prompt_logprobs must be an integer"):
+            build_request("hi", prompt_logprobs=bad)
+
+
+def _resumer(**kw) -> Resumer:
+    return Resumer.of_call(type("C", (), {"timeout": None, "max_resumes": 2}), None,
+                           prompt="hi", **kw)
+
+
+def test_a_resumed_stream_asks_for_the_prompts_logprobs_until_it_has_them():
+    """A resume (and a re-creation) asks again while no response carried them, and not once
+    one did; a call without them never asks."""
+    from edgespec.v1 import edgespec_pb2 as pb
+
+    res = _resumer(prompt_logprobs=3)
+    res.seen(pb.GenerateResponse(session_id="ab" * 16))
+    assert res.next_request().prompt_logprobs == 3 and res.recreate_request().prompt_logprobs == 3
+    first = pb.GenerateResponse(token_ids=[5])
+    first.prompt_logprobs.entries.add(token_id=7, logprob=-1.5)
+    res.seen(first)
+    assert [(e.token, e.logprob) for e in res.prompt_logprobs] == [(7, -1.5)]
+    assert not res.next_request().HasField("prompt_logprobs")
+    assert not res.recreate_request().HasField("prompt_logprobs")
+    later = pb.GenerateResponse(token_ids=[6])
+    later.prompt_logprobs.SetInParent()  # a resumed stream's again: the first ones are kept
+    res.seen(later)
+    assert len(res.prompt_logprobs) == 1
+    plain = _resumer()
+    plain.seen(pb.GenerateResponse(session_id="ab" * 16, token_ids=[5]))
+    assert not plain.next_request().HasField("prompt_logprobs")
+
+
+def test_the_sdk_refuses_a_verifier_that_does_not_score_prompts():
+    """A verifier that predates them drops the field (proto3): a new session's first tokens
+    come without them, and the SDK stops there. A resumed stream's verifier may not have them
+    (the session ended before it): no refusal then."""
+    from edgespec.sdk.errors import PreconditionFailed
+    from edgespec.v1 import edgespec_pb2 as pb
+
+    res = _resumer(prompt_logprobs=1)
+    res.seen(pb.GenerateResponse(session_id="ab" * 16))
+    with pytest.raises(PreconditionFailed, match="predates prompt_logprobs"):
+        res.seen(pb.GenerateResponse(token_ids=[5]))
+    resumed = _resumer(prompt_logprobs=1)
+    resumed.seen(pb.GenerateResponse(session_id="ab" * 16))
+    resumed.resumes = 1
+    resumed.seen(pb.GenerateResponse(token_ids=[5], finished=False))
+    assert resumed.prompt_logprobs is None

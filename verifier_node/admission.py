@@ -242,7 +242,8 @@ class Admission:
         # a resumed session keeps its verification mode: a lossy one is refused by a verifier
         # not started in that mode (validate), an exact one stays exact on a lossy verifier
         request = Request(rec.prompt, rec.max_new_tokens, rec.params, committed=rec.committed,
-                          verify=rec.verify, lineage=rec.lineage, logprobs=g.logprobs)
+                          verify=rec.verify, lineage=rec.lineage, logprobs=g.logprobs,
+                          prompt_logprobs=g.prompt_logprobs)
         if rec.finish_reason in ("stop", "length"):
             done = Ticket(request, rec.device, session_id=sid)
             mode = rec.verify or "exact"

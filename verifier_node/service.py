@@ -61,7 +61,19 @@ def generation_request(req: pb.GenerateRequest) -> GenerationRequest:
         committed=list(req.committed_ids), lost_session_id=req.lost_session_id,
         images=list(req.images), kernel_set=req.kernel_set,
         kernels_differ_from=req.kernels_differ_from,
-        logprobs=req.logprobs if req.HasField("logprobs") else None)
+        logprobs=req.logprobs if req.HasField("logprobs") else None,
+        prompt_logprobs=req.prompt_logprobs if req.HasField("prompt_logprobs") else None)
+
+
+def _with_prompt_logprobs(reply: pb.GenerateResponse, ticket: Ticket) -> bool:
+    """Put the ticket's prompt logprobs on ``reply`` if it has them (set once its prompt is
+    in); whether it did."""
+    entries = ticket.prompt_logprobs
+    if entries is None:
+        return False
+    reply.prompt_logprobs.entries.extend(logprobs_to_pb(entries))
+    reply.prompt_logprobs.SetInParent()  # present though empty (a prompt of one token)
+    return True
 
 
 def response_logprobs(ticket: Ticket, cursor: int, new: list[int]
@@ -171,6 +183,9 @@ class VerifierService(pb_grpc.VerifierServicer):
                                   kernels_differ_from=lineage.differs_from)
         pieces: list[str] = []
         text = None  # made at the first new tokens, when the ones before the cursor exist
+        # this stream's request asked for the prompt's logprobs: sent once, when set (before
+        # the session's first token: a resumed stream's earlier tokens may come first)
+        prompt_due = request.HasField("prompt_logprobs")
         while True:
             new = ticket.wait(cursor, POLL_S)
             if new:
@@ -179,8 +194,10 @@ class VerifierService(pb_grpc.VerifierServicer):
                 new, shown = response_logprobs(ticket, cursor, new)
                 cursor += len(new)
                 text(new)
-                yield pb.GenerateResponse(session_id=sid, token_ids=new, text="".join(pieces),
-                                          logprobs=logprobs_to_pb(shown))
+                reply = pb.GenerateResponse(session_id=sid, token_ids=new, text="".join(pieces),
+                                            logprobs=logprobs_to_pb(shown))
+                prompt_due = prompt_due and not _with_prompt_logprobs(reply, ticket)
+                yield reply
                 pieces.clear()
                 continue
             if ticket.result is not None:
@@ -189,9 +206,12 @@ class VerifierService(pb_grpc.VerifierServicer):
                     text = TextStream(self.tokenizer, pieces.append, ticket.tokens[:cursor])
                 if text is not None:  # an output that ends mid-character: its last bytes
                     text.flush()
-                yield pb.GenerateResponse(session_id=sid, finished=True,
-                                          finish_reason=res.finish_reason,
-                                          stats=stats_to_pb(res.stats), text="".join(pieces))
+                reply = pb.GenerateResponse(session_id=sid, finished=True,
+                                            finish_reason=res.finish_reason,
+                                            stats=stats_to_pb(res.stats), text="".join(pieces))
+                if prompt_due:
+                    _with_prompt_logprobs(reply, ticket)
+                yield reply
                 return
             if ticket.error is not None:
                 self._abort_for(ticket.error, sid, context)

@@ -110,7 +110,8 @@ def check_wire_float(name: str, value: float) -> None:
 def build_request(prompt=None, *, messages=None, prompt_ids=None, raw=False, max_new_tokens=0,
                   temperature=0.0, top_k=0, top_p=1.0, seed=None, device_id=None,
                   verify=None, images=None, logprobs=None, presence_penalty=0.0,
-                  frequency_penalty=0.0, logit_bias=None) -> pb.GenerateRequest:
+                  frequency_penalty=0.0, logit_bias=None, prompt_logprobs=None
+                  ) -> pb.GenerateRequest:
     """Validate locally (raises InvalidRequest) and build the wire request. An empty
     ``prompt`` is sent (through the chat template it is an empty message; raw, the verifier
     refuses its zero tokens); empty ``prompt_ids`` or ``messages`` cannot travel (the wire does
@@ -151,6 +152,7 @@ def build_request(prompt=None, *, messages=None, prompt_ids=None, raw=False, max
         check_wire_float(name, value)
     try:
         check_top_logprobs(logprobs)
+        check_top_logprobs(prompt_logprobs, "prompt_logprobs")
     except ValueError as e:
         raise InvalidRequest(str(e)) from None
     if verify not in (None, "") + VERIFY_MODES:
@@ -170,6 +172,8 @@ def build_request(prompt=None, *, messages=None, prompt_ids=None, raw=False, max
         req.prompt = prompt
     if logprobs is not None:  # 0 too: the token's own logprob
         req.logprobs = logprobs
+    if prompt_logprobs is not None:
+        req.prompt_logprobs = prompt_logprobs
     if messages is not None:
         req.messages.extend(pb.ChatMessage(role=m["role"], content=m["content"])
                             for m in messages)

@@ -36,6 +36,9 @@ class StreamPiece:
     # verifier did not keep: a resumed stream's, committed before the break but not received);
     # None otherwise
     logprobs: list[TokenLogprob | None] | None = None
+    # with ``prompt_logprobs=``: on the piece with the first tokens, the prompt's (as
+    # ``GenerateResult``'s); None on every other piece
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass
@@ -58,6 +61,11 @@ class GenerateResult:
     # target, the alternatives asked for), in order (None for a token whose logprob the verifier
     # did not keep: see ``StreamPiece``); None otherwise
     logprobs: list[TokenLogprob | None] | None = None
+    # with ``prompt_logprobs=``: each prompt token's logprob after the first, given the tokens
+    # before it, with the alternatives asked for (the first token has none: nothing precedes
+    # it); None when not asked, or when the session ended before its prompt was in (cancelled)
+    # or was resumed past its end on a verifier that had not scored it
+    prompt_logprobs: list[TokenLogprob] | None = None
 
     @property
     def lossless(self) -> bool:
@@ -87,6 +95,8 @@ class Resumer:
         self.recreating = False  # the cache lost the session: send the request again
         self._first = True  # the next response is a stream's first
         self.lineage: Lineage | None = None  # the kernel sets the output was decoded on
+        # with ``prompt_logprobs=``: the prompt's, once a response carried them
+        self.prompt_logprobs: list[TokenLogprob] | None = None
 
     @classmethod
     def of_call(cls, client, timeout: float | None, **kw) -> "Resumer":
@@ -108,7 +118,14 @@ class Resumer:
                                     resume_from=self.received)
         if self.req.HasField("logprobs"):  # the tokens after the break get theirs
             resume.logprobs = self.req.logprobs
+        if self.wants_prompt_logprobs:  # not had yet: the verifier prefilling it scores them
+            resume.prompt_logprobs = self.req.prompt_logprobs
         return self._with_lineage(resume)
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """The call asked for the prompt's logprobs and no response has carried them yet."""
+        return self.req.HasField("prompt_logprobs") and self.prompt_logprobs is None
 
     def _with_lineage(self, req: pb.GenerateRequest) -> pb.GenerateRequest:
         """``req`` with the kernel sets the output so far was decoded on (a router prefers a
@@ -123,6 +140,8 @@ class Resumer:
         req.CopyFrom(self.req)
         req.committed_ids.extend(self.tokens)
         req.lost_session_id = self.session_id or ""
+        if not self.wants_prompt_logprobs:
+            req.ClearField("prompt_logprobs")
         if self.seed is not None:
             req.sampling.has_seed, req.sampling.seed = True, self.seed
         return self._with_lineage(req)
@@ -167,6 +186,15 @@ class Resumer:
                                       self.received)
         if r.session_id:
             self.session_id = r.session_id
+        if r.HasField("prompt_logprobs") and self.prompt_logprobs is None:
+            self.prompt_logprobs = logprobs_from_pb(r.prompt_logprobs.entries)
+        elif r.token_ids and self.wants_prompt_logprobs and not self.resumes:
+            # a new session's first tokens come with them: a verifier that sends none
+            # predates them (proto3 drops the field it does not know)
+            raise PreconditionFailed(
+                "FAILED_PRECONDITION: the verifier does not score prompts (it predates "
+                "prompt_logprobs): upgrade it, or leave them out",
+                grpc.StatusCode.FAILED_PRECONDITION)
         self.tokens.extend(r.token_ids)
 
     def retry_after(self, e: grpc.RpcError) -> float:
@@ -217,6 +245,7 @@ class Collector:
         self.seed: int | None = None
         self.logprobs: list[TokenLogprob | None] | None = [] if res.req.HasField("logprobs") \
             else None
+        self.prompt_sent = False  # the prompt's logprobs given on a piece
 
     def add(self, r: pb.GenerateResponse) -> StreamPiece | None:
         if r.device_id or r.prompt_tokens:
@@ -228,18 +257,27 @@ class Collector:
             self.text.append(r.text)  # what was held back of an output ending mid-character
             lineage = self.res.lineage or Lineage()
             return StreamPiece([], r.text, r.finish_reason, stats_from_pb(r.stats),
-                               lineage.kernels, lineage.differs_from)
+                               lineage.kernels, lineage.differs_from,
+                               prompt_logprobs=self._prompt_logprobs_of())
         if r.token_ids:
             self.ids.extend(r.token_ids)
             self.text.append(r.text)
+            prompt = self._prompt_logprobs_of()
             if self.logprobs is None:
-                return StreamPiece(list(r.token_ids), r.text)
+                return StreamPiece(list(r.token_ids), r.text, prompt_logprobs=prompt)
             # a resumed stream's tokens that the verifier holds no logprobs for (committed before
             # the break, not received then) come in a response of their own: None each
             shown: list[TokenLogprob | None] = [None] * (len(r.token_ids) - len(r.logprobs))
             shown.extend(logprobs_from_pb(r.logprobs))
             self.logprobs.extend(shown)
-            return StreamPiece(list(r.token_ids), r.text, logprobs=shown)
+            return StreamPiece(list(r.token_ids), r.text, logprobs=shown, prompt_logprobs=prompt)
+        return None
+
+    def _prompt_logprobs_of(self) -> list[TokenLogprob] | None:
+        """The prompt's logprobs, for the first piece made since a response carried them."""
+        if not self.prompt_sent and self.res.prompt_logprobs is not None:
+            self.prompt_sent = True
+            return self.res.prompt_logprobs
         return None
 
     def result(self) -> GenerateResult:
@@ -250,4 +288,4 @@ class Collector:
                               self.final.session_id, self.meta.device_id,
                               self.meta.prompt_tokens, stats_from_pb(self.final.stats),
                               self.res.resumes, self.seed, lineage.kernels,
-                              lineage.differs_from, self.logprobs)
+                              lineage.differs_from, self.logprobs, self.res.prompt_logprobs)

@@ -300,7 +300,7 @@ def run_bench_burst(args) -> int:
     if args.prompt_logprobs is not None:
         from edgespec.protocol.token_logprob import check_top_logprobs
 
-        check_top_logprobs(args.prompt_logprobs)
+        check_top_logprobs(args.prompt_logprobs, "--prompt-logprobs")
     if args.prefill_budget is not None and args.prefill_budget < 1:  # before any mode runs
         raise ConfigError(f"--prefill-budget must be >= 1, got {args.prefill_budget}")
     threads = set_threads(args.threads)
