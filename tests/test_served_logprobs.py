@@ -190,42 +190,93 @@ def _resumer(**kw) -> Resumer:
                            prompt="hi", **kw)
 
 
+def _piece(start: int, tokens: list[int]):
+    from edgespec.v1 import edgespec_pb2 as pb
+
+    r = pb.GenerateResponse()
+    r.prompt_logprobs.start = start
+    r.prompt_logprobs.SetInParent()
+    for t in tokens:
+        r.prompt_logprobs.entries.add(token_id=t, logprob=-float(t))
+    return r
+
+
 def test_a_resumed_stream_asks_for_the_prompts_logprobs_until_it_has_them():
-    """A resume (and a re-creation) asks again while no response carried them, and not once
-    one did; a call without them never asks."""
+    """A resume (and a re-creation) asks again while the pieces are not whole, and not once
+    they are; a broken stream's pieces are sent again whole and read afresh; a call without
+    them never asks."""
     from edgespec.v1 import edgespec_pb2 as pb
 
     res = _resumer(prompt_logprobs=3)
-    res.seen(pb.GenerateResponse(session_id="ab" * 16))
+    res.seen(pb.GenerateResponse(session_id="ab" * 16, prompt_tokens=4))
+    res.seen(_piece(0, [7, 8]))  # 2 of the 3: the stream breaks here
+    assert res.prompt_logprobs is None
     assert res.next_request().prompt_logprobs == 3 and res.recreate_request().prompt_logprobs == 3
-    first = pb.GenerateResponse(token_ids=[5])
-    first.prompt_logprobs.entries.add(token_id=7, logprob=-1.5)
-    res.seen(first)
-    assert [(e.token, e.logprob) for e in res.prompt_logprobs] == [(7, -1.5)]
+    res.seen(pb.GenerateResponse(session_id="ab" * 16, prompt_tokens=4, resumed=True))
+    res.seen(_piece(0, [7, 8]))
+    res.seen(_piece(5, [1]))  # not the next piece: ignored
+    res.seen(_piece(2, [9]))
+    assert [(e.token, e.logprob) for e in res.prompt_logprobs] == [(7, -7.0), (8, -8.0),
+                                                                    (9, -9.0)]
     assert not res.next_request().HasField("prompt_logprobs")
     assert not res.recreate_request().HasField("prompt_logprobs")
-    later = pb.GenerateResponse(token_ids=[6])
-    later.prompt_logprobs.SetInParent()  # a resumed stream's again: the first ones are kept
-    res.seen(later)
-    assert len(res.prompt_logprobs) == 1
+    res.seen(pb.GenerateResponse(session_id="ab" * 16, prompt_tokens=4, resumed=True))
+    res.seen(_piece(0, [1, 2, 3]))  # a later stream's again: the first ones are kept
+    assert [e.token for e in res.prompt_logprobs] == [7, 8, 9]
+    one = _resumer(prompt_logprobs=0)  # a prompt of one token: one empty piece
+    one.seen(pb.GenerateResponse(session_id="ab" * 16, prompt_tokens=1))
+    one.seen(_piece(0, []))
+    one.seen(pb.GenerateResponse(token_ids=[5]))
+    assert one.prompt_logprobs == []
     plain = _resumer()
     plain.seen(pb.GenerateResponse(session_id="ab" * 16, token_ids=[5]))
     assert not plain.next_request().HasField("prompt_logprobs")
 
 
+def test_a_long_prompts_logprobs_travel_in_pieces():
+    """A prompt's logprobs are sent in pieces of at most PROMPT_LOGPROBS_PER_REPLY entries
+    (20 alternatives each: a long prompt's would not fit one gRPC message), which the SDK puts
+    back together whole and in order."""
+    from edgespec.protocol.token_logprob import TokenLogprob
+    from edgespec.v1 import edgespec_pb2 as pb
+    from verifier_node.service import PROMPT_LOGPROBS_PER_REPLY, prompt_logprobs_replies
+    from verifier_node.tickets import Ticket
+
+    n = 2 * PROMPT_LOGPROBS_PER_REPLY + 5
+    ticket = Ticket(Request([1] * (n + 1), 4, prompt_logprobs=20), None)
+    assert prompt_logprobs_replies("s", ticket) == []  # not set yet
+    entries = [TokenLogprob(i, -0.5, tuple((j, -1.0 - j) for j in range(20))) for i in range(n)]
+    ticket.set_prompt_logprobs(entries)
+    replies = prompt_logprobs_replies("s", ticket)
+    assert [r.prompt_logprobs.start for r in replies] == [0, PROMPT_LOGPROBS_PER_REPLY,
+                                                          2 * PROMPT_LOGPROBS_PER_REPLY]
+    assert all(r.ByteSize() < 1 << 20 and not r.token_ids for r in replies)
+    res = _resumer(prompt_logprobs=20)
+    res.seen(pb.GenerateResponse(session_id="ab" * 16, prompt_tokens=n + 1))
+    for r in replies:
+        res.seen(r)
+    res.seen(pb.GenerateResponse(token_ids=[5]))
+    assert res.prompt_logprobs == entries
+    one = Ticket(Request([1], 4, prompt_logprobs=0), None)
+    one.set_prompt_logprobs([])
+    [empty] = prompt_logprobs_replies("s", one)
+    assert empty.HasField("prompt_logprobs") and not empty.prompt_logprobs.entries
+
+
 def test_the_sdk_refuses_a_verifier_that_does_not_score_prompts():
     """A verifier that predates them drops the field (proto3): a new session's first tokens
-    come without them, and the SDK stops there. A resumed stream's verifier may not have them
-    (the session ended before it): no refusal then."""
+    come without them, and the SDK stops there, however many times the call was sent before
+    any answer. A resumed stream's verifier may not have them (the session ended before it):
+    no refusal then."""
     from edgespec.sdk.errors import PreconditionFailed
     from edgespec.v1 import edgespec_pb2 as pb
 
     res = _resumer(prompt_logprobs=1)
-    res.seen(pb.GenerateResponse(session_id="ab" * 16))
+    res.resumes = 1  # a first try that failed before any answer: sent again as it was
+    res.seen(pb.GenerateResponse(session_id="ab" * 16, prompt_tokens=3))
     with pytest.raises(PreconditionFailed, match="predates prompt_logprobs"):
         res.seen(pb.GenerateResponse(token_ids=[5]))
     resumed = _resumer(prompt_logprobs=1)
-    resumed.seen(pb.GenerateResponse(session_id="ab" * 16))
-    resumed.resumes = 1
-    resumed.seen(pb.GenerateResponse(token_ids=[5], finished=False))
+    resumed.seen(pb.GenerateResponse(session_id="ab" * 16, prompt_tokens=3, resumed=True))
+    resumed.seen(pb.GenerateResponse(token_ids=[5]))
     assert resumed.prompt_logprobs is None

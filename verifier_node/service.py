@@ -65,15 +65,22 @@ def generation_request(req: pb.GenerateRequest) -> GenerationRequest:
         prompt_logprobs=req.prompt_logprobs if req.HasField("prompt_logprobs") else None)
 
 
-def _with_prompt_logprobs(reply: pb.GenerateResponse, ticket: Ticket) -> bool:
-    """Put the ticket's prompt logprobs on ``reply`` if it has them (set once its prompt is
-    in); whether it did."""
+PROMPT_LOGPROBS_PER_REPLY = 2048  # entries: about 600 KB with 20 alternatives (4 MiB a message)
+
+
+def prompt_logprobs_replies(sid: str, ticket: Ticket) -> list[pb.GenerateResponse]:
+    """The ticket's prompt logprobs (set once its prompt is in) as responses of their own, in
+    pieces of at most PROMPT_LOGPROBS_PER_REPLY (one, empty, for a prompt of one token); none
+    while they are not set."""
     entries = ticket.prompt_logprobs
     if entries is None:
-        return False
-    reply.prompt_logprobs.entries.extend(logprobs_to_pb(entries))
-    reply.prompt_logprobs.SetInParent()  # present though empty (a prompt of one token)
-    return True
+        return []
+    out = []
+    for start in range(0, max(1, len(entries)), PROMPT_LOGPROBS_PER_REPLY):
+        piece = pb.PromptLogprobs(start=start, entries=logprobs_to_pb(
+            entries[start:start + PROMPT_LOGPROBS_PER_REPLY]))
+        out.append(pb.GenerateResponse(session_id=sid, prompt_logprobs=piece))
+    return out
 
 
 def response_logprobs(ticket: Ticket, cursor: int, new: list[int]
@@ -194,10 +201,12 @@ class VerifierService(pb_grpc.VerifierServicer):
                 new, shown = response_logprobs(ticket, cursor, new)
                 cursor += len(new)
                 text(new)
-                reply = pb.GenerateResponse(session_id=sid, token_ids=new, text="".join(pieces),
-                                            logprobs=logprobs_to_pb(shown))
-                prompt_due = prompt_due and not _with_prompt_logprobs(reply, ticket)
-                yield reply
+                if prompt_due:
+                    replies = prompt_logprobs_replies(sid, ticket)
+                    prompt_due = not replies
+                    yield from replies
+                yield pb.GenerateResponse(session_id=sid, token_ids=new, text="".join(pieces),
+                                          logprobs=logprobs_to_pb(shown))
                 pieces.clear()
                 continue
             if ticket.result is not None:
@@ -206,12 +215,11 @@ class VerifierService(pb_grpc.VerifierServicer):
                     text = TextStream(self.tokenizer, pieces.append, ticket.tokens[:cursor])
                 if text is not None:  # an output that ends mid-character: its last bytes
                     text.flush()
-                reply = pb.GenerateResponse(session_id=sid, finished=True,
-                                            finish_reason=res.finish_reason,
-                                            stats=stats_to_pb(res.stats), text="".join(pieces))
                 if prompt_due:
-                    _with_prompt_logprobs(reply, ticket)
-                yield reply
+                    yield from prompt_logprobs_replies(sid, ticket)
+                yield pb.GenerateResponse(session_id=sid, finished=True,
+                                          finish_reason=res.finish_reason,
+                                          stats=stats_to_pb(res.stats), text="".join(pieces))
                 return
             if ticket.error is not None:
                 self._abort_for(ticket.error, sid, context)

@@ -95,8 +95,12 @@ class Resumer:
         self.recreating = False  # the cache lost the session: send the request again
         self._first = True  # the next response is a stream's first
         self.lineage: Lineage | None = None  # the kernel sets the output was decoded on
-        # with ``prompt_logprobs=``: the prompt's, once a response carried them
+        # with ``prompt_logprobs=``: the prompt's, once their pieces came whole; the pieces of
+        # the current stream so far; the prompt's length (its first response's)
         self.prompt_logprobs: list[TokenLogprob] | None = None
+        self._prompt_pieces: list[TokenLogprob] = []
+        self._prompt_tokens = 0
+        self._new_session = False  # the current stream's first response: a new session
 
     @classmethod
     def of_call(cls, client, timeout: float | None, **kw) -> "Resumer":
@@ -174,6 +178,8 @@ class Resumer:
                 raise NotFound(f"NOT_FOUND: the verifier lost session {self.session_id} and "
                                "cannot re-create it", grpc.StatusCode.NOT_FOUND)
             self.recreating = False
+            self._new_session = not r.resumed
+            self._prompt_pieces = []  # a piece of a broken stream's is sent again whole
             if adjusts(self.req.sampling) and not adjusts(r.sampling):
                 raise PreconditionFailed(
                     "FAILED_PRECONDITION: the verifier decodes without presence_penalty, "
@@ -186,16 +192,27 @@ class Resumer:
                                       self.received)
         if r.session_id:
             self.session_id = r.session_id
-        if r.HasField("prompt_logprobs") and self.prompt_logprobs is None:
-            self.prompt_logprobs = logprobs_from_pb(r.prompt_logprobs.entries)
-        elif r.token_ids and self.wants_prompt_logprobs and not self.resumes:
-            # a new session's first tokens come with them: a verifier that sends none
-            # predates them (proto3 drops the field it does not know)
+        if r.prompt_tokens:
+            self._prompt_tokens = r.prompt_tokens
+        if r.HasField("prompt_logprobs"):
+            self._prompt_piece(r.prompt_logprobs)
+        elif r.token_ids and self.wants_prompt_logprobs and self._new_session:
+            # a new session's pieces all come before its first tokens: a verifier that sends
+            # none predates them (proto3 drops the field it does not know)
             raise PreconditionFailed(
                 "FAILED_PRECONDITION: the verifier does not score prompts (it predates "
                 "prompt_logprobs): upgrade it, or leave them out",
                 grpc.StatusCode.FAILED_PRECONDITION)
         self.tokens.extend(r.token_ids)
+
+    def _prompt_piece(self, piece: pb.PromptLogprobs) -> None:
+        """A piece of the prompt's logprobs: the next of this stream's, in order; whole once
+        they hold every prompt token's after the first (kept: a later stream's are not read)."""
+        if self.prompt_logprobs is not None or piece.start != len(self._prompt_pieces):
+            return
+        self._prompt_pieces.extend(logprobs_from_pb(piece.entries))
+        if len(self._prompt_pieces) >= self._prompt_tokens - 1:
+            self.prompt_logprobs, self._prompt_pieces = self._prompt_pieces, []
 
     def retry_after(self, e: grpc.RpcError) -> float:
         """Seconds to wait before resuming; raises the error (as an EdgespecError) to give up.
