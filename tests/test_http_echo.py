@@ -123,3 +123,29 @@ def test_echo_is_the_completions_alone(server, api):
                        {"model": api.model_id, "prompt": PROMPT, "max_tokens": 2, "echo": 1},
                        {"Authorization": f"Bearer {TOKEN}"})
     assert code == 400 and reply["error"]["param"] == "echo"
+
+
+def test_max_tokens_zero_with_echo_scores_the_prompt_alone(api, looping, ids, in_process):
+    """The older scoring idiom (``echo``, ``max_tokens`` 0: HELM's, lm-evaluation-harness
+    0.3's): the prompt's text and logprobs, no completion, finish_reason "length", streamed
+    or whole, a batch of prompts too; without ``echo``, 0 is refused."""
+    kw = dict(model=api.model_id, max_tokens=0, temperature=0, echo=True, logprobs=2)
+    r = api.completions.create(prompt=ids, **kw)
+    choice = r.choices[0]
+    assert choice.finish_reason == "length" and r.usage.completion_tokens == 0
+    assert choice.text == looping.tokenizer.decode(ids, skip_special_tokens=True)
+    lp = choice.logprobs
+    assert lp.token_logprobs[0] is None and len(lp.tokens) == len(ids)
+    assert lp.token_logprobs[1:] == [e.logprob for e in in_process.prompt_logprobs]
+    chunks = list(api.completions.create(prompt=ids, stream=True, **kw))
+    assert "".join(c.choices[0].text for c in chunks) == choice.text
+    assert chunks[-1].choices[0].finish_reason == "length"
+    batch = api.completions.create(prompt=[ids, ids[:5]], **kw)
+    assert [c.text for c in batch.choices] == [choice.text, looping.tokenizer.decode(
+        ids[:5], skip_special_tokens=True)]
+    assert batch.choices[1].logprobs.token_logprobs[1:] == lp.token_logprobs[1:5]
+    plain = api.completions.create(prompt=ids, model=api.model_id, max_tokens=0, echo=True)
+    assert plain.choices[0].text == choice.text and plain.choices[0].logprobs is None
+    with pytest.raises(openai.BadRequestError) as e:
+        api.completions.create(model=api.model_id, prompt=ids, max_tokens=0)
+    assert "only with echo" in str(e.value)

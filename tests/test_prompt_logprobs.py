@@ -189,3 +189,24 @@ def test_a_shared_forward_that_raises_is_read_again_alone_the_same(runner, monke
     assert failed == [len(PROMPTS)]
     assert [r.prompt_logprobs for r in got] == [r.prompt_logprobs for r in alone]
     assert [r.token_ids for r in got] == [r.token_ids for r in alone]
+
+
+def test_a_request_of_no_new_tokens_scores_its_prompt_and_ends(runner):
+    """``max_new_tokens`` 0: the prompt is prefilled (in the shared prefill, beside the
+    others), scored if asked, and the session ends "length" with no output and its slot back,
+    never a step of its own; the others are as without it. 0 with committed tokens (a resume),
+    or below 0, is refused."""
+    whole = run(runner, None)
+    with SpecEngine(runner, None, EngineConfig(**FIXED), stop_ids={2}) as engine:
+        free = engine.free_slots
+        got = engine.generate_many([Request(PROMPTS[0], 0, prompt_logprobs=3),
+                                    Request(PROMPTS[1], N, prompt_logprobs=3),
+                                    Request(PROMPTS[2], 0)])
+        assert engine.free_slots == free
+        for bad in (Request(PROMPTS[0], 0, committed=[5]), Request(PROMPTS[0], -1)):
+            with pytest.raises(ConfigError, match="max_new_tokens must be >= 1"):
+                engine.add(bad)
+    assert [(r.token_ids, r.finish_reason) for r in (got[0], got[2])] == [([], "length")] * 2
+    assert got[0].prompt_logprobs == whole[0].prompt_logprobs and got[2].prompt_logprobs is None
+    assert got[1].token_ids == whole[1].token_ids
+    assert got[1].prompt_logprobs == whole[1].prompt_logprobs

@@ -68,6 +68,9 @@ class GenerationRequest:
     # the prompt's logprobs (each token's after the first) with this many alternatives; None:
     # none (``Request.prompt_logprobs``)
     prompt_logprobs: int | None = None
+    # no new tokens: the prompt prefilled alone (scored with ``prompt_logprobs``) and the
+    # session ended (the completions' ``echo`` with ``max_tokens`` 0); ``max_new_tokens`` unread
+    prompt_only: bool = False
 
 
 class SessionNotFound(Exception):
@@ -143,7 +146,8 @@ class Admission:
 
     def _request(self, g: GenerationRequest, ids: list[int], images) -> Request:
         """The engine's request for a new session of ``g`` (its prompt as ``ids``)."""
-        return Request(ids, g.max_new_tokens or self._default_max_new(len(ids)), g.params,
+        new = 0 if g.prompt_only else g.max_new_tokens or self._default_max_new(len(ids))
+        return Request(ids, new, g.params,
                        committed=list(g.committed), verify=g.verify, images=images,
                        logprobs=g.logprobs, prompt_logprobs=g.prompt_logprobs)
 

@@ -201,8 +201,9 @@ def parse_request(body, chat: bool, model_name: str) -> OpenAIParams:
             raise _bad(f"'{name}' is not supported by edgespec (only its default)", name)
     g = GenerationRequest()
     rest = _prompt(body, chat, g)  # a completions batch's prompts after the first
-    newer = _number(body, "max_completion_tokens", None, int, 1)  # each checked, if given
-    older = _number(body, "max_tokens", None, int, 1)
+    # each checked, if given; 0 only with echo (below)
+    newer = _number(body, "max_completion_tokens", None, int, 0)
+    older = _number(body, "max_tokens", None, int, 0)
     g.max_new_tokens = newer if newer is not None else older if older is not None else 0
     n = _number(body, "n", 1, int, 1, MAX_N)
     seed = body.get("seed")
@@ -227,6 +228,12 @@ def parse_request(body, chat: bool, model_name: str) -> OpenAIParams:
         raise _bad("'echo' must be a boolean", "echo")
     if echo and g.logprobs is not None:  # the prompt's logprobs too, read as it is prefilled
         g.prompt_logprobs = g.logprobs
+    if (newer if newer is not None else older) == 0:
+        name = "max_completion_tokens" if newer is not None else "max_tokens"
+        if not echo:
+            raise _bad(f"'{name}' must be >= 1 (0 only with echo: the prompt alone), got 0",
+                       name)
+        g.prompt_only = True  # the prompt scored (with logprobs) and echoed, no completion
     stop = body.get("stop")
     stops = [] if stop is None else [stop] if isinstance(stop, str) else stop
     if not isinstance(stops, list) or len(stops) > MAX_STOP or \

@@ -66,8 +66,9 @@ class SessionLifecycle:
         n = len(req.prompt_ids)
         if n == 0:
             raise ConfigError("the prompt is empty")
-        if req.max_new_tokens < 1:
-            raise ConfigError(f"max_new_tokens must be >= 1, got {req.max_new_tokens}")
+        if req.max_new_tokens < 0 or (req.max_new_tokens == 0 and req.committed):
+            raise ConfigError(f"max_new_tokens must be >= 1 (0: the prompt prefilled alone, "
+                              f"scored if asked, and no output), got {req.max_new_tokens}")
         room = output_room(self.target.max_len, n, self.cfg.max_draft)
         draft_room = f"a step's draft room ({self.cfg.max_draft + 1}: --max-draft + 1)"
         if room < 1:  # whatever the limit asked (or given by default): said without it
@@ -88,7 +89,7 @@ class SessionLifecycle:
             raise ConfigError(f"{what} token ids must be in [0, {vocab})")
         if any(t >= vocab for t, _ in req.params.logit_bias):
             raise ConfigError(f"logit_bias token ids must be in [0, {vocab})")
-        if len(req.committed) >= req.max_new_tokens:
+        if req.committed and len(req.committed) >= req.max_new_tokens:
             raise ConfigError("the resumed session has already produced max_new_tokens")
         check_top_logprobs(req.logprobs)
         check_top_logprobs(req.prompt_logprobs, "prompt_logprobs")
@@ -203,6 +204,7 @@ class SessionLifecycle:
         if progress.failed:
             self._forwards_failed += 1
         failed = list(progress.failed)
+        done: list[ActiveSession] = []  # prompts alone (no new tokens): ended once they are in
         for act in progress.ready:  # out of the queue already: each started, or failed alone
             scorer = progress.readers.get(id(act))
             if isinstance(scorer, PromptScorer):  # its prompt's logprobs, before any token
@@ -213,6 +215,9 @@ class SessionLifecycle:
                 except Exception as e:  # the caller's: it fails this session alone, as it is
                     failed.append((act, e))
                     continue
+            if act.req.max_new_tokens == 0:
+                done.append(act)
+                continue
             try:
                 self._start(act)
             except Exception as e:  # the head's state for it, say (a device out of memory)
@@ -223,9 +228,25 @@ class SessionLifecycle:
             except Exception:  # one slot's bookkeeping costs no other session its end
                 log.exception("freeing the KV slot of session %s failed", act.sid)
             self.fail(act, why if isinstance(why, SessionFailed) else SessionFailed(str(why)))
+        self._end_prompts_alone(done)
         if progress.tokens:
             self._prefilled(progress.tokens, span)
         return failed
+
+    def _end_prompts_alone(self, acts: list[ActiveSession]) -> None:
+        """Sessions of no new tokens (``max_new_tokens`` 0: a prompt scored alone, the
+        completions' ``echo`` with ``max_tokens`` 0) end once their prompts are in, never run:
+        their slots freed here, finished "length" with no output."""
+        for act in acts:
+            try:
+                self.target.free_slot(act.slot)
+            except Exception:  # one slot's bookkeeping costs no other session its end
+                log.exception("freeing the KV slot of session %s failed", act.sid)
+            act.finish = "length"
+        try:
+            self._finish_many(acts)
+        except Exception:  # a caller's callback: every one was closed and told all the same
+            log.exception("finishing %d prompt-only session(s) raised", len(acts))
 
     def _prefilled(self, tokens: int, span: DeviceSpan) -> None:
         """A prefill queued: on a CPU it has run, and is reported now; on CUDA its kernels run
