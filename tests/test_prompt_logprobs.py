@@ -210,3 +210,17 @@ def test_a_request_of_no_new_tokens_scores_its_prompt_and_ends(runner):
     assert got[0].prompt_logprobs == whole[0].prompt_logprobs and got[2].prompt_logprobs is None
     assert got[1].token_ids == whole[1].token_ids
     assert got[1].prompt_logprobs == whole[1].prompt_logprobs
+
+
+def test_a_prompt_alone_may_fill_the_whole_context(runner):
+    """A prompt scored alone needs no room for output or drafts: its prefill (all but its last
+    token) may fill the slot, where a request of one new token is refused; one past it is
+    refused too."""
+    longest = [1] + [10 + i % 40 for i in range(runner.max_len)]  # max_len tokens prefilled
+    with SpecEngine(runner, None, EngineConfig(**FIXED), stop_ids={2}) as engine:
+        got = engine.generate(Request(longest, 0, prompt_logprobs=0))
+        with pytest.raises(ConfigError, match="leaves no room for output"):
+            engine.add(Request(longest, 1))
+        with pytest.raises(ConfigError, match="exceeds the context limit"):
+            engine.add(Request(longest + [5], 0, prompt_logprobs=0))
+    assert got.token_ids == [] and len(got.prompt_logprobs) == len(longest) - 1

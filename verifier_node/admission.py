@@ -173,7 +173,7 @@ class Admission:
                 ticket.release_pick = None
 
     def _ticket(self, request: Request, device: str | None, **kw) -> Ticket:
-        if device is None:
+        if device is None and request.max_new_tokens > 0:  # a prompt alone drafts nothing
             picked = self.store.devices.pick()
             release = (lambda: self.store.devices.release(picked)) if picked else None
             return Ticket(request, picked, release_pick=release, **kw)

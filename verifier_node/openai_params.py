@@ -201,9 +201,9 @@ def parse_request(body, chat: bool, model_name: str) -> OpenAIParams:
             raise _bad(f"'{name}' is not supported by edgespec (only its default)", name)
     g = GenerationRequest()
     rest = _prompt(body, chat, g)  # a completions batch's prompts after the first
-    # each checked, if given; 0 only with echo (below)
-    newer = _number(body, "max_completion_tokens", None, int, 0)
-    older = _number(body, "max_tokens", None, int, 0)
+    # each checked, if given; >= 1, or 0 with echo (below)
+    newer = _number(body, "max_completion_tokens", None, int)
+    older = _number(body, "max_tokens", None, int)
     g.max_new_tokens = newer if newer is not None else older if older is not None else 0
     n = _number(body, "n", 1, int, 1, MAX_N)
     seed = body.get("seed")
@@ -228,11 +228,11 @@ def parse_request(body, chat: bool, model_name: str) -> OpenAIParams:
         raise _bad("'echo' must be a boolean", "echo")
     if echo and g.logprobs is not None:  # the prompt's logprobs too, read as it is prefilled
         g.prompt_logprobs = g.logprobs
+    for name, limit in (("max_completion_tokens", newer), ("max_tokens", older)):
+        if limit is not None and (limit < 0 or (limit == 0 and not echo)):
+            raise _bad(f"'{name}' must be >= 1 (0 only with echo: the prompt alone), got "
+                       f"{limit}", name)
     if (newer if newer is not None else older) == 0:
-        name = "max_completion_tokens" if newer is not None else "max_tokens"
-        if not echo:
-            raise _bad(f"'{name}' must be >= 1 (0 only with echo: the prompt alone), got 0",
-                       name)
         g.prompt_only = True  # the prompt scored (with logprobs) and echoed, no completion
     stop = body.get("stop")
     stops = [] if stop is None else [stop] if isinstance(stop, str) else stop

@@ -71,10 +71,16 @@ class SessionLifecycle:
                               f"scored if asked, and no output), got {req.max_new_tokens}")
         room = output_room(self.target.max_len, n, self.cfg.max_draft)
         draft_room = f"a step's draft room ({self.cfg.max_draft + 1}: --max-draft + 1)"
-        if room < 1:  # whatever the limit asked (or given by default): said without it
+        if req.max_new_tokens == 0:  # its prompt alone: no step, no output's or draft's room
+            if n - 1 > self.target.max_len:
+                raise ConfigError(f"the prompt ({n} tokens) exceeds the context limit "
+                                  f"({self.target.max_len})")
+            if req.images is not None:
+                raise ConfigError("max_new_tokens 0 (the prompt alone) is for a text prompt")
+        elif room < 1:  # whatever the limit asked (or given by default): said without it
             raise ConfigError(f"prompt ({n} tokens) + {draft_room} leaves no room for output "
                               f"within the context limit ({self.target.max_len})")
-        if req.max_new_tokens > room:
+        elif req.max_new_tokens > room:
             raise ConfigError(
                 f"prompt ({n} tokens) + max_new_tokens ({req.max_new_tokens}) + {draft_room} "
                 f"exceeds the context limit ({self.target.max_len}): at most {room} new tokens "
@@ -106,7 +112,8 @@ class SessionLifecycle:
         """Prefill a request into a KV slot, now, and register its session. ``device``: the
         drafter to ask for (distributed store); the local store drafts with its own drafter.
         A request with ``committed`` output resumes a session: prompt + committed are
-        prefilled."""
+        prefilled. One of ``max_new_tokens`` 0 (its prompt alone) comes back ended, its
+        ``on_finish`` called already."""
         [out] = self.add_many([Admission(req, session_id, device)])
         if isinstance(out, BaseException):
             raise out
@@ -150,6 +157,8 @@ class SessionLifecycle:
         ids = (req.prompt_ids + req.committed)[:-1]
         sid = e.session_id or f"local-{next(self._ids)}"
         drafter = e.device if self.drafter is None else self.drafter.name
+        if req.max_new_tokens == 0:  # its prompt alone: nothing to draft for
+            drafter = None
         try:
             if req.images is not None:
                 assert self.vision is not None  # validate refused images without it

@@ -377,8 +377,9 @@ class SpecEngine(StepDrafts):
         acts = [g for g in got if isinstance(g, ActiveSession)]
         refused = [g for g in got if isinstance(g, Exception)]
         if refused:
-            for a in acts:  # none of them runs: their slots go back
-                self._release(a, "error")
+            for a in acts:  # none of them runs: their slots go back (an ended one's are)
+                if a.finish is None:
+                    self._release(a, "error")
             raise refused[0]
         for a in acts:
             a.on_error = errors.append
