@@ -71,6 +71,9 @@ def cancelled(server) -> float:
     ([[1, 2], [-1]], "prompt[1]: prompt token ids must be"),  # refused before any is admitted
     (["ab", ""], "prompt[1]: the prompt is empty"),
     ([[1, 2], [5] * 5000], "prompt[1]: the prompt (5000 tokens) exceeds the context limit"),
+    (["ab", "\ud800"], "prompt[1]: the prompt holds"),  # a lone surrogate: which prompt
+    ([[1, -5]], "prompt token ids must be"),  # a batch of one, refused as a single prompt is
+    ([1, -5], "prompt token ids must be"),
 ])
 def test_a_malformed_batch_is_a_400_naming_prompt_and_starts_nothing(server, api, prompt, says):
     before = cancelled(server)

@@ -69,6 +69,7 @@ def api(server):
     (dict(seed=2 ** 64, temperature=1), 400, "seed"),
     (dict(max_completion_tokens=None, max_tokens=-1), 400, "max_tokens"),
     (dict(max_completion_tokens=0), 400, "max_completion_tokens"),
+    (dict(max_tokens=0), 400, "max_tokens"),  # 0 only with echo
     (dict(presence_penalty=False), 400, "presence_penalty"),  # a boolean is not the neutral 0
     (dict(best_of=True), 400, "best_of"),
     (dict(stream_options={"include_usage": True}), 400, "stream_options"),  # without stream
@@ -312,3 +313,14 @@ def test_a_body_that_does_not_arrive_in_time_is_answered_408_and_its_connection_
     assert r.choices[0].message.content
     log = serve.text()
     assert log.count("Traceback") == tracebacks and log.count("HTTP request failed") == failures
+
+
+def test_chat_max_tokens_zero_is_refused_without_the_echo_hint(server, api):
+    """Chat has no echo: its refusal of max_tokens 0 says >= 1 and points nowhere else."""
+    code, reply = call("POST", server["base"] + "/v1/chat/completions",
+                       {"model": api.model_id, "max_tokens": 0,
+                        "messages": [{"role": "user", "content": "hi"}]},
+                       {"Authorization": f"Bearer {TOKEN}"})
+    assert code == 400 and reply["error"]["param"] == "max_tokens"
+    assert "must be >= 1" in reply["error"]["message"]
+    assert "echo" not in reply["error"]["message"]

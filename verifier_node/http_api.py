@@ -249,7 +249,10 @@ async def _admit(admission: Admission, generation, chat: bool) -> Ticket:
                        "messages" if chat else "prompt") from None
     except ConfigError as e:
         code = "context_length_exceeded" if "context limit" in str(e) else None
-        raise ApiError(400, str(e), "invalid_request_error", code=code) from None
+        about = str(e).startswith(("prompt", "the prompt"))  # its tokens, its length
+        raise ApiError(400, str(e), "invalid_request_error",
+                       ("messages" if chat else "prompt") if about else None,
+                       code=code) from None
     except (SessionNotFound, DrafterMissing) as e:
         raise ApiError(400, str(e), "invalid_request_error") from None
     except QueueFull as e:

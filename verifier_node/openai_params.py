@@ -170,8 +170,14 @@ def _prompts(prompt) -> list:
 
 
 def _one_prompt(prompt, g: GenerationRequest, where: str = "'prompt'") -> None:
+    """``prompt`` into ``g``; ``where``: how a refusal names it (a batch's says which)."""
     if isinstance(prompt, str):
-        g.prompt, g.raw = _text(prompt, "the prompt", "prompt"), True
+        try:
+            g.prompt, g.raw = _text(prompt, "the prompt", "prompt"), True
+        except ApiError as e:
+            if where == "'prompt'":
+                raise
+            raise _bad(f"{where.strip(chr(39))}: {e}", "prompt") from None
     elif isinstance(prompt, list) and all(
             isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         g.prompt_ids = list(prompt)
@@ -230,8 +236,8 @@ def parse_request(body, chat: bool, model_name: str) -> OpenAIParams:
         g.prompt_logprobs = g.logprobs
     for name, limit in (("max_completion_tokens", newer), ("max_tokens", older)):
         if limit is not None and (limit < 0 or (limit == 0 and not echo)):
-            raise _bad(f"'{name}' must be >= 1 (0 only with echo: the prompt alone), got "
-                       f"{limit}", name)
+            with_echo = "" if chat else " (0 only with echo: the prompt alone)"
+            raise _bad(f"'{name}' must be >= 1{with_echo}, got {limit}", name)
     if (newer if newer is not None else older) == 0:
         g.prompt_only = True  # the prompt scored (with logprobs) and echoed, no completion
     stop = body.get("stop")
