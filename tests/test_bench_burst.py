@@ -24,6 +24,10 @@ def test_bench_burst_compares_the_prefill_modes_with_identical_outputs(tmp_path,
     results = json.loads(out.read_text())["results"]
     assert [x["mode"] for x in results] == ["serial", "batched", "chunked"]
     assert all(x["identical_to_first"] for x in results)
+    burst = json.loads(out.read_text())["config"]
+    assert burst["prompt_logprobs"] == (2 if scored else None)
+    # scored: every burst prompt's tokens after its first got one, in every mode
+    assert all((x["prompt_logprob_entries"] > 0) == bool(scored) for x in results)
     assert [x["prefill_budget"] for x in results] == [None, None, 64]
     for x in results:
         assert 0 < x["ttft_p50_s"] <= x["ttft_p99_s"] <= x["ttft_max_s"]

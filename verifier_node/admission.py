@@ -243,6 +243,11 @@ class Admission:
         if rec is None:
             raise SessionNotFound(f"no session {shown(sid)} in the cache (it finished long ago or "
                            "expired)")
+        if rec.max_new_tokens < 1 and rec.finish_reason not in ("stop", "length"):
+            # a record that says no output limit (one older than the limits), or a prompt
+            # alone that did not end: nothing a resume can continue
+            raise ConfigError(f"session {shown(sid)} has no output to resume (its record "
+                              "says no max_new_tokens)")
         # a resumed session keeps its verification mode: a lossy one is refused by a verifier
         # not started in that mode (validate), an exact one stays exact on a lossy verifier
         request = Request(rec.prompt, rec.max_new_tokens, rec.params, committed=rec.committed,

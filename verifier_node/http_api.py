@@ -249,7 +249,9 @@ async def _admit(admission: Admission, generation, chat: bool) -> Ticket:
                        "messages" if chat else "prompt") from None
     except ConfigError as e:
         code = "context_length_exceeded" if "context limit" in str(e) else None
-        about = str(e).startswith(("prompt", "the prompt"))  # its tokens, its length
+        # its tokens or its length alone (a limit too large for the prompt names neither)
+        about = str(e).startswith(("prompt token ids", "prompt (", "the prompt")) and \
+            "max_new_tokens" not in str(e)
         raise ApiError(400, str(e), "invalid_request_error",
                        ("messages" if chat else "prompt") if about else None,
                        code=code) from None

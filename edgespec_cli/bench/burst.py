@@ -88,6 +88,11 @@ class BurstResult:
     outputs: list[list[int]]
     prompt_logprobs: list  # each burst request's (None where not asked for)
 
+    @property
+    def prompt_logprob_entries(self) -> int:
+        """How many prompt logprobs the burst's requests got in all."""
+        return sum(len(p) for p in self.prompt_logprobs if p is not None)
+
 
 @dataclass
 class StepTimes:
@@ -334,6 +339,7 @@ def run_bench_burst(args) -> int:
            "threads": threads,
            "results": [{**{k: v for k, v in asdict(r).items()
                            if k not in ("outputs", "prompt_logprobs")},
+                        "prompt_logprob_entries": r.prompt_logprob_entries,
                         "identical_to_first": identical} for r, identical in zip(results, same)]}
     path = Path(args.json_out)
     path.parent.mkdir(parents=True, exist_ok=True)
