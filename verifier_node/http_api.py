@@ -228,11 +228,16 @@ def _encoded_batch(admission: Admission, prompts: list) -> list:
         try:
             ids = admission.checked_prompt(g)
         except ConfigError as e:
-            code = "context_length_exceeded" if "context limit" in str(e) else None
-            raise ApiError(400, f"prompt[{k}]: {e}", "invalid_request_error", "prompt",
-                           code) from None
+            raise _refused(e, "prompt", f"prompt[{k}]: ") from None
         out.append(replace(g, prompt=None, prompt_ids=ids, raw=False))
     return out
+
+
+def _refused(e: ConfigError, param: str | None, prefix: str = "") -> ApiError:
+    """The 400 of a request admission refused (``context_length_exceeded`` where the context
+    limit is why)."""
+    code = "context_length_exceeded" if "context limit" in str(e) else None
+    return ApiError(400, prefix + str(e), "invalid_request_error", param, code)
 
 
 def _cancel_never_read(runs: list[ChoiceRun]) -> None:
@@ -248,13 +253,10 @@ async def _admit(admission: Admission, generation, chat: bool) -> Ticket:
         raise ApiError(400, str(e), "invalid_request_error",
                        "messages" if chat else "prompt") from None
     except ConfigError as e:
-        code = "context_length_exceeded" if "context limit" in str(e) else None
         # its tokens or its length alone (a limit too large for the prompt names neither)
         about = str(e).startswith(("prompt token ids", "prompt (", "the prompt")) and \
             "max_new_tokens" not in str(e)
-        raise ApiError(400, str(e), "invalid_request_error",
-                       ("messages" if chat else "prompt") if about else None,
-                       code=code) from None
+        raise _refused(e, ("messages" if chat else "prompt") if about else None) from None
     except (SessionNotFound, DrafterMissing) as e:
         raise ApiError(400, str(e), "invalid_request_error") from None
     except QueueFull as e:

@@ -151,7 +151,7 @@ def _prompt(body: dict, chat: bool, g: GenerationRequest) -> list:
         g.messages = [_message(i, m, g.images) for i, m in enumerate(msgs)]
         return []
     prompts = _prompts(body.get("prompt"))
-    _one_prompt(prompts[0], g, "'prompt'" if len(prompts) == 1 else "'prompt[0]'")
+    _one_prompt(prompts[0], g, "prompt" if len(prompts) == 1 else "prompt[0]")
     return prompts[1:]
 
 
@@ -169,20 +169,20 @@ def _prompts(prompt) -> list:
     return [prompt]
 
 
-def _one_prompt(prompt, g: GenerationRequest, where: str = "'prompt'") -> None:
+def _one_prompt(prompt, g: GenerationRequest, where: str = "prompt") -> None:
     """``prompt`` into ``g``; ``where``: how a refusal names it (a batch's says which)."""
     if isinstance(prompt, str):
         try:
             g.prompt, g.raw = _text(prompt, "the prompt", "prompt"), True
         except ApiError as e:
-            if where == "'prompt'":
+            if where == "prompt":
                 raise
-            raise _bad(f"{where.strip(chr(39))}: {e}", "prompt") from None
+            raise _bad(f"{where}: {e}", "prompt") from None
     elif isinstance(prompt, list) and all(
             isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         g.prompt_ids = list(prompt)
     else:
-        raise _bad(f"{where} must be a string, a list of token ids, or a list of either (a "
+        raise _bad(f"'{where}' must be a string, a list of token ids, or a list of either (a "
                    "batch)", "prompt")
 
 
@@ -210,7 +210,8 @@ def parse_request(body, chat: bool, model_name: str) -> OpenAIParams:
     # each checked, if given; >= 1, or 0 with echo (below)
     newer = _number(body, "max_completion_tokens", None, int)
     older = _number(body, "max_tokens", None, int)
-    g.max_new_tokens = newer if newer is not None else older if older is not None else 0
+    limit = newer if newer is not None else older  # the newer name wins where both are given
+    g.max_new_tokens = 0 if limit is None else limit
     n = _number(body, "n", 1, int, 1, MAX_N)
     seed = body.get("seed")
     if seed is not None:  # the wire carries seeds as int64
@@ -238,7 +239,7 @@ def parse_request(body, chat: bool, model_name: str) -> OpenAIParams:
         if limit is not None and (limit < 0 or (limit == 0 and not echo)):
             with_echo = "" if chat else " (0 only with echo: the prompt alone)"
             raise _bad(f"'{name}' must be >= 1{with_echo}, got {limit}", name)
-    if (newer if newer is not None else older) == 0:
+    if limit == 0:
         g.prompt_only = True  # the prompt scored (with logprobs) and echoed, no completion
     stop = body.get("stop")
     stops = [] if stop is None else [stop] if isinstance(stop, str) else stop
@@ -266,7 +267,7 @@ def parse_request(body, chat: bool, model_name: str) -> OpenAIParams:
     batch = []
     for k, prompt in enumerate(rest, 1):  # each with the request's settings, in its order
         other = replace(g, prompt=None, prompt_ids=None, images=[])
-        _one_prompt(prompt, other, f"'prompt[{k}]'")
+        _one_prompt(prompt, other, f"prompt[{k}]")
         batch.append(other)
     return OpenAIParams(g, stops, bool(stream), bool(usage), n, bool(echo), batch)
 
