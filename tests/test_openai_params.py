@@ -104,6 +104,19 @@ def test_completions_logprobs_is_the_count_of_alternatives():
     assert e.value.param == "top_logprobs"
 
 
+@pytest.mark.parametrize("newer,older,tokens,alone", [
+    (5, 0, 5, False), (0, 5, 0, True), (0, None, 0, True), (None, 0, 0, True),
+    (None, 7, 7, False), (3, None, 3, False)])
+def test_with_echo_the_limit_in_force_is_the_newer_names_where_both_are_given(
+        newer, older, tokens, alone):
+    """max_completion_tokens wins over max_tokens, for the count and for the prompt alone
+    (echo with a limit of 0) alike: neither is read from the name that lost."""
+    kw = {k: v for k, v in (("max_completion_tokens", newer), ("max_tokens", older))
+          if v is not None}
+    g = parse_request(completion(echo=True, **kw), False, MODEL).generation
+    assert (g.max_new_tokens, g.prompt_only) == (tokens, alone)
+
+
 def test_an_echoed_assistant_message_with_empty_tool_fields_is_read_as_its_text():
     echoed = {"role": "assistant", "content": "hello", "tool_calls": None, "refusal": None,
               "function_call": None, "audio": None, "annotations": [],

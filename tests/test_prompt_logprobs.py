@@ -213,10 +213,10 @@ def test_a_request_of_no_new_tokens_scores_its_prompt_and_ends(runner):
 
 
 def test_a_prompt_alone_may_fill_the_whole_context(runner):
-    """A prompt scored alone needs no room for output or drafts: its prefill (all but its last
-    token) may fill the slot, where a request of one new token is refused; one past it is
-    refused too."""
-    longest = [1] + [10 + i % 40 for i in range(runner.max_len)]  # max_len tokens prefilled
+    """A prompt scored alone needs no room for output or drafts: it may be as long as the
+    context limit (the limit every prompt has, the HTTP admission's for token ids too), where a
+    request of one new token is refused; one token more is refused too."""
+    longest = [1] + [10 + i % 40 for i in range(runner.max_len - 1)]  # max_len tokens
     with SpecEngine(runner, None, EngineConfig(**FIXED), stop_ids={2}) as engine:
         got = engine.generate(Request(longest, 0, prompt_logprobs=0))
         with pytest.raises(ConfigError, match="leaves no room for output"):

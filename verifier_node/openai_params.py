@@ -235,11 +235,11 @@ def parse_request(body, chat: bool, model_name: str) -> OpenAIParams:
         raise _bad("'echo' must be a boolean", "echo")
     if echo and g.logprobs is not None:  # the prompt's logprobs too, read as it is prefilled
         g.prompt_logprobs = g.logprobs
-    for name, limit in (("max_completion_tokens", newer), ("max_tokens", older)):
-        if limit is not None and (limit < 0 or (limit == 0 and not echo)):
+    for name, given in (("max_completion_tokens", newer), ("max_tokens", older)):
+        if given is not None and (given < 0 or (given == 0 and not echo)):
             with_echo = "" if chat else " (0 only with echo: the prompt alone)"
-            raise _bad(f"'{name}' must be >= 1{with_echo}, got {limit}", name)
-    if limit == 0:
+            raise _bad(f"'{name}' must be >= 1{with_echo}, got {given}", name)
+    if limit == 0:  # the limit in force: the newer name's where both are given
         g.prompt_only = True  # the prompt scored (with logprobs) and echoed, no completion
     stop = body.get("stop")
     stops = [] if stop is None else [stop] if isinstance(stop, str) else stop

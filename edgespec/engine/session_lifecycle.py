@@ -72,7 +72,7 @@ class SessionLifecycle:
         room = output_room(self.target.max_len, n, self.cfg.max_draft)
         draft_room = f"a step's draft room ({self.cfg.max_draft + 1}: --max-draft + 1)"
         if req.max_new_tokens == 0:  # its prompt alone: no step, no output's or draft's room
-            if n - 1 > self.target.max_len:
+            if n > self.target.max_len:  # as every prompt's limit, though it prefills n - 1
                 raise ConfigError(f"the prompt ({n} tokens) exceeds the context limit "
                                   f"({self.target.max_len})")
             if req.images is not None:

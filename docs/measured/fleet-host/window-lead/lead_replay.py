@@ -146,11 +146,11 @@ def _reference_runner():
             self.seq.pop(slot, None)
             super().prefill(slot, tokens)
 
-        def prefill_parts(self, slots, parts):
+        def prefill_parts(self, slots, parts, reads=None):
             for slot, part in zip(slots, parts):
                 self.fed.setdefault(slot, []).extend(part)
                 self.seq.pop(slot, None)
-            super().prefill_parts(slots, parts)
+            super().prefill_parts(slots, parts, reads=reads)
 
         def free_slot(self, slot):
             self.fed.pop(slot, None)
