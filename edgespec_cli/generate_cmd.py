@@ -57,8 +57,9 @@ def cmd_generate(args) -> int:
     from edgespec.models.images import read_image_file
 
     args.prompt = read_prompt(args)  # "" is a prompt; one of zero tokens (--raw) is refused
-    if args.max_new_tokens < 1:
-        raise ConfigError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.max_new_tokens < 0 or (args.max_new_tokens == 0 and args.prompt_logprobs is None):
+        raise ConfigError(f"--max-new-tokens must be >= 1 (0 only with --prompt-logprobs: the "
+                          f"prompt scored alone), got {args.max_new_tokens}")
     params = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed,
                             args.presence_penalty, args.frequency_penalty,
                             logit_bias_arg(args.logit_bias))
@@ -112,7 +113,8 @@ def add_generate(sub) -> None:
     g.add_argument("--drafter", metavar="SPEC", default="mag",
                    help=f"who drafts: {DRAFTER_HELP} (default: %(default)s)")
     g.add_argument("--max-new-tokens", type=int, default=128,
-                   help="most tokens generated (default: %(default)s)")
+                   help="most tokens generated; 0 with --prompt-logprobs: none, the prompt "
+                        "scored alone (default: %(default)s)")
     g.add_argument("--temperature", metavar="T", type=float, default=0.0,
                    help="sampling temperature; 0 is greedy (default: 0)")
     g.add_argument("--top-k", metavar="K", type=int, default=0,

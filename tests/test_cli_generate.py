@@ -34,11 +34,12 @@ def test_generate_json_logprobs_are_target_onlys(tiny, tiny_dir):
 
 def test_generate_json_prompt_logprobs_are_the_models(tiny, tiny_dir):
     """--prompt-logprobs K: one entry a prompt token after the first, the model's own (a
-    forward of transformers' over the prompt), the same with any drafter; the output as
-    without them."""
+    forward of transformers' over the prompt), the same with any drafter and with no output
+    (--max-new-tokens 0: the prompt scored alone); the output as without them."""
     outs = {}
     for drafter, extra in (("none", ["--prompt-logprobs", 2]),
-                           ("layers:3", ["--prompt-logprobs", 2]), ("none", [])):
+                           ("layers:3", ["--prompt-logprobs", 2]), ("none", []),
+                           ("mag", ["--prompt-logprobs", 2, "--max-new-tokens", 0])):
         r = run_cli("generate", "abcabcabc", "--model", tiny_dir, "--drafter", drafter, "--raw",
                     "--max-new-tokens", 8, "--json", "--dtype", "float32", "--no-adaptive",
                     *extra)
@@ -46,6 +47,9 @@ def test_generate_json_prompt_logprobs_are_the_models(tiny, tiny_dir):
         outs[drafter, bool(extra)] = json.loads(r.stdout)
     scored, plain = outs["none", True], outs["none", False]
     assert outs["layers:3", True]["prompt_logprobs"] == scored["prompt_logprobs"]
+    alone = outs["mag", True]
+    assert alone["prompt_logprobs"] == scored["prompt_logprobs"] and alone["token_ids"] == []
+    assert alone["finish_reason"] == "length"
     assert scored["token_ids"] == plain["token_ids"] and "prompt_logprobs" not in plain
     ids = encode_prompt(tiny.tokenizer, "abcabcabc", raw=True)
     assert len(scored["prompt_logprobs"]) == scored["prompt_tokens"] - 1 == len(ids) - 1
@@ -81,6 +85,8 @@ def test_generate_penalties_and_logit_bias_are_target_onlys(tiny_dir):
     (("--logit-bias", "1_0=1"), "--logit-bias takes ID=BIAS pairs"),
     (("--logit-bias", "5=200"), "the bias of token 5 must be a number in"),
     (("--presence-penalty", "3"), "presence_penalty must be a number in"),
+    (("--max-new-tokens", "0"), "0 only with --prompt-logprobs"),
+    (("--max-new-tokens", "-1", "--prompt-logprobs", "1", "--json"), "must be >= 1"),
 ])
 def test_generate_refuses_bad_penalties_before_loading_a_model(args, match):
     r = run_cli("generate", "hi", "--model", "/no/such/model", *args)

@@ -198,14 +198,15 @@ def test_a_resumed_session_scores_its_prompt_again_when_asked(verifier_parts, lo
 
 def test_a_record_without_an_output_limit_is_not_resumed_as_a_prompt_alone(verifier_parts):
     """A record whose max_new_tokens is 0 (one older than the limits, or a prompt alone that
-    never ended) has no output a resume could continue: refused, not run as a prompt scored
-    alone that ends at once."""
+    never ended) has no output a resume could continue: answered as a session the cache lost
+    (the SDK then re-creates it from its own request), not run as a prompt scored alone that
+    ends at once."""
     import pytest
 
-    from edgespec.config import ConfigError
+    from verifier_node.admission import SessionNotFound
 
     store, engine, sched, admission = verifier_parts
     store.create("s7", PROMPT, SamplingParams(), None, max_new_tokens=0)
-    with pytest.raises(ConfigError, match="no output to resume"):
+    with pytest.raises(SessionNotFound, match="send the request again"):
         admission.admit(GenerationRequest(resume_session_id="s7"))
     assert not engine.sessions

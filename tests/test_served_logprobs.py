@@ -177,6 +177,55 @@ def test_the_sdk_gets_the_prompts_logprobs(server, looping):
     assert one.prompt_logprobs == [] and len(one.token_ids) == 2
 
 
+def test_the_sdk_scores_a_prompt_alone(server, looping):
+    """``prompt_only=True``: the prompt prefilled and scored, no output (finish "length"), its
+    logprobs the ones a generating call gets; streamed, the one piece (the last) carries them.
+    Asked with an output limit or images, refused before sending."""
+    ids = encode_prompt(looping.tokenizer, messages=MESSAGES)
+    with Client(server["address"], token=TOKEN, timeout=120) as client:
+        scored = client.generate(prompt_ids=ids, max_new_tokens=N, prompt_logprobs=3)
+        alone = client.generate(prompt_ids=ids, prompt_only=True, prompt_logprobs=3)
+        pieces = list(client.stream(prompt_ids=ids, prompt_only=True, prompt_logprobs=3))
+        bare = client.generate(prompt_ids=ids, prompt_only=True)
+    assert alone.prompt_logprobs == scored.prompt_logprobs and len(alone.prompt_logprobs) == \
+        len(ids) - 1
+    assert (alone.token_ids, alone.finish_reason, alone.prompt_tokens) == ([], "length", len(ids))
+    [last] = pieces
+    assert last.finish_reason == "length" and last.prompt_logprobs == scored.prompt_logprobs
+    assert bare.token_ids == [] and bare.prompt_logprobs is None
+    from edgespec.sdk.request import build_request
+
+    for kw in (dict(max_new_tokens=4), dict(images=[b"x"]), dict(prompt_only=1)):
+        with pytest.raises(InvalidRequest, match="prompt_only"):
+            build_request("hi", **{"prompt_only": True, **kw})
+
+
+def test_a_prompt_alone_with_an_output_limit_is_refused_on_the_wire():
+    """The verifier reads ``prompt_only`` (a client other than the SDK may send a limit too:
+    refused, not one of the two silently)."""
+    from edgespec.config import ConfigError
+    from edgespec.v1 import edgespec_pb2 as pb
+    from verifier_node.service import generation_request
+
+    with pytest.raises(ConfigError, match="prompt_only asks for no output"):
+        generation_request(pb.GenerateRequest(prompt="hi", prompt_only=True, max_new_tokens=3))
+    assert generation_request(pb.GenerateRequest(prompt="hi", prompt_only=True)).prompt_only
+    assert not generation_request(pb.GenerateRequest(prompt="hi")).prompt_only
+
+
+def test_the_sdk_refuses_a_verifier_that_generates_for_a_prompt_alone():
+    """A verifier that predates ``prompt_only`` drops it (proto3) and generates: its first
+    tokens stop the call (ending the stream cancels the session)."""
+    from edgespec.sdk.errors import PreconditionFailed
+    from edgespec.v1 import edgespec_pb2 as pb
+
+    res = _resumer(prompt_only=True)
+    assert res.next_request().prompt_only and res.next_request().max_new_tokens == 0
+    res.seen(pb.GenerateResponse(session_id="ab" * 16, prompt_tokens=3))
+    with pytest.raises(PreconditionFailed, match="predates prompt_only"):
+        res.seen(pb.GenerateResponse(token_ids=[5]))
+
+
 def test_the_sdk_refuses_prompt_logprobs_out_of_range_before_sending():
     from edgespec.sdk.request import build_request
 

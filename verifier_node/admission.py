@@ -245,9 +245,12 @@ class Admission:
                            "expired)")
         if rec.max_new_tokens < 1 and rec.finish_reason not in ("stop", "length"):
             # a record that says no output limit (one older than the limits), or a prompt
-            # alone that did not end: nothing a resume can continue
-            raise ConfigError(f"session {shown(sid)} has no output to resume (its record "
-                              "says no max_new_tokens)")
+            # alone that did not end: nothing a resume can continue, so answered as a session
+            # the cache lost (the SDK re-creates it from its own request: a prompt alone
+            # prefilled and scored again)
+            raise SessionNotFound(f"session {shown(sid)} cannot be resumed from its record (it "
+                                  "keeps no output limit): send the request again (the SDK "
+                                  "re-creates it)")
         # a resumed session keeps its verification mode: a lossy one is refused by a verifier
         # not started in that mode (validate), an exact one stays exact on a lossy verifier
         request = Request(rec.prompt, rec.max_new_tokens, rec.params, committed=rec.committed,

@@ -51,6 +51,9 @@ def generation_request(req: pb.GenerateRequest) -> GenerationRequest:
     if req.resume_session_id and req.resume_from < 0:  # a count of tokens the client holds
         raise ConfigError(f"resume_from must be >= 0 (the output tokens the client already "
                           f"holds), got {req.resume_from}")
+    if req.prompt_only and req.max_new_tokens:
+        raise ConfigError(f"prompt_only asks for no output: leave max_new_tokens unset, got "
+                          f"{req.max_new_tokens}")
     return GenerationRequest(
         prompt=req.prompt if req.HasField("prompt") else None, raw=req.raw,
         messages=[{"role": m.role, "content": m.content} for m in req.messages],
@@ -62,7 +65,8 @@ def generation_request(req: pb.GenerateRequest) -> GenerationRequest:
         images=list(req.images), kernel_set=req.kernel_set,
         kernels_differ_from=req.kernels_differ_from,
         logprobs=req.logprobs if req.HasField("logprobs") else None,
-        prompt_logprobs=req.prompt_logprobs if req.HasField("prompt_logprobs") else None)
+        prompt_logprobs=req.prompt_logprobs if req.HasField("prompt_logprobs") else None,
+        prompt_only=req.prompt_only)
 
 
 PROMPT_LOGPROBS_PER_REPLY = 2048  # entries: about 600 KB with 20 alternatives (4 MiB a message)

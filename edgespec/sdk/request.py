@@ -110,8 +110,8 @@ def check_wire_float(name: str, value: float) -> None:
 def build_request(prompt=None, *, messages=None, prompt_ids=None, raw=False, max_new_tokens=0,
                   temperature=0.0, top_k=0, top_p=1.0, seed=None, device_id=None,
                   verify=None, images=None, logprobs=None, presence_penalty=0.0,
-                  frequency_penalty=0.0, logit_bias=None, prompt_logprobs=None
-                  ) -> pb.GenerateRequest:
+                  frequency_penalty=0.0, logit_bias=None, prompt_logprobs=None,
+                  prompt_only=False) -> pb.GenerateRequest:
     """Validate locally (raises InvalidRequest) and build the wire request. An empty
     ``prompt`` is sent (through the chat template it is an empty message; raw, the verifier
     refuses its zero tokens); empty ``prompt_ids`` or ``messages`` cannot travel (the wire does
@@ -121,7 +121,8 @@ def build_request(prompt=None, *, messages=None, prompt_ids=None, raw=False, max
         raise InvalidRequest("give exactly one of prompt, messages, prompt_ids")
     for name, value, kind, what in (("prompt", prompt, str, "a string"),
                                     ("device_id", device_id, str, "a string"),
-                                    ("raw", raw, bool, "True or False")):
+                                    ("raw", raw, bool, "True or False"),
+                                    ("prompt_only", prompt_only, bool, "True or False")):
         if value is not None and not isinstance(value, kind):
             raise InvalidRequest(f"{name} must be {what}, got {type(value).__name__}")
     for name, value, what in (("prompt_ids", prompt_ids, "a list of ids (or an array)"),
@@ -161,13 +162,16 @@ def build_request(prompt=None, *, messages=None, prompt_ids=None, raw=False, max
     # what the wire cannot carry: InvalidRequest here, not protobuf's ValueError
     limit = 0 if max_new_tokens is None else wire_int(  # unset: the server's default
         max_new_tokens, "max_new_tokens (0: the server's default)")
+    if prompt_only and (limit or images):
+        raise InvalidRequest("prompt_only scores a text prompt without output: leave "
+                             "max_new_tokens and images out")
     if messages is not None:
         check_messages(messages)
     ids = None if prompt_ids is None else [wire_int(t, "prompt_ids holds a token id")
                                            for t in prompt_ids]
     req = pb.GenerateRequest(raw=raw, max_new_tokens=limit,
                              sampling=params_to_pb(params), device_id=device_id or "",
-                             verify=verify or "")
+                             verify=verify or "", prompt_only=prompt_only)
     if prompt is not None:  # "" too: the field has presence
         req.prompt = prompt
     if logprobs is not None:  # 0 too: the token's own logprob

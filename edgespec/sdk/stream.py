@@ -63,8 +63,9 @@ class GenerateResult:
     logprobs: list[TokenLogprob | None] | None = None
     # with ``prompt_logprobs=``: each prompt token's logprob after the first, given the tokens
     # before it, with the alternatives asked for (the first token has none: nothing precedes
-    # it); None when not asked, or when the session ended before its prompt was in (cancelled)
-    # or was resumed past its end on a verifier that had not scored it
+    # it); None when not asked, when the session ended before its prompt was in (cancelled),
+    # and when a stream that broke before it had them was resumed only after the session ended
+    # or on a verifier that predates them
     prompt_logprobs: list[TokenLogprob] | None = None
 
     @property
@@ -203,6 +204,10 @@ class Resumer:
                 "FAILED_PRECONDITION: the verifier does not score prompts (it predates "
                 "prompt_logprobs): upgrade it, or leave them out",
                 grpc.StatusCode.FAILED_PRECONDITION)
+        if r.token_ids and self.req.prompt_only:  # (the stream's end cancels its session)
+            raise PreconditionFailed(
+                "FAILED_PRECONDITION: the verifier generates where prompt_only asked for no "
+                "output (it predates prompt_only): upgrade it", grpc.StatusCode.FAILED_PRECONDITION)
         self.tokens.extend(r.token_ids)
 
     def _prompt_piece(self, piece: pb.PromptLogprobs) -> None:

@@ -107,7 +107,7 @@ class ChatMessage(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "raw", "messages", "prompt_ids", "max_new_tokens", "sampling", "device_id", "resume_session_id", "resume_from", "verify", "committed_ids", "lost_session_id", "images", "kernel_set", "kernels_differ_from", "logprobs", "prompt_logprobs")
+    __slots__ = ("prompt", "raw", "messages", "prompt_ids", "max_new_tokens", "sampling", "device_id", "resume_session_id", "resume_from", "verify", "committed_ids", "lost_session_id", "images", "kernel_set", "kernels_differ_from", "logprobs", "prompt_logprobs", "prompt_only")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     RAW_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
@@ -125,6 +125,7 @@ class GenerateRequest(_message.Message):
     KERNELS_DIFFER_FROM_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_ONLY_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     raw: bool
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
@@ -142,7 +143,8 @@ class GenerateRequest(_message.Message):
     kernels_differ_from: int
     logprobs: int
     prompt_logprobs: int
-    def __init__(self, prompt: _Optional[str] = ..., raw: _Optional[bool] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., device_id: _Optional[str] = ..., resume_session_id: _Optional[str] = ..., resume_from: _Optional[int] = ..., verify: _Optional[str] = ..., committed_ids: _Optional[_Iterable[int]] = ..., lost_session_id: _Optional[str] = ..., images: _Optional[_Iterable[bytes]] = ..., kernel_set: _Optional[str] = ..., kernels_differ_from: _Optional[int] = ..., logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ...) -> None: ...
+    prompt_only: bool
+    def __init__(self, prompt: _Optional[str] = ..., raw: _Optional[bool] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., device_id: _Optional[str] = ..., resume_session_id: _Optional[str] = ..., resume_from: _Optional[int] = ..., verify: _Optional[str] = ..., committed_ids: _Optional[_Iterable[int]] = ..., lost_session_id: _Optional[str] = ..., images: _Optional[_Iterable[bytes]] = ..., kernel_set: _Optional[str] = ..., kernels_differ_from: _Optional[int] = ..., logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., prompt_only: _Optional[bool] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("token_id", "logprob", "top")
