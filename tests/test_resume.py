@@ -196,6 +196,22 @@ def test_a_resumed_session_scores_its_prompt_again_when_asked(verifier_parts, lo
     assert ticket.result.token_ids == ref
 
 
+def test_a_re_created_prompt_alone_is_scored_again(verifier_parts, looping):
+    """A prompt scored alone whose session the cache lost is re-created (the SDK's request
+    again, holding no output) and run: its prompt scored as before, no output; not answered
+    at once as a session whose client holds its whole output."""
+    store, engine, sched, admission = verifier_parts
+    with SpecEngine(engine.target, None, EngineConfig(), stop_ids=set()) as alone:
+        own = alone.generate(Request(PROMPT, 0, prompt_logprobs=2)).prompt_logprobs
+    ticket = admission.admit(GenerationRequest(prompt_ids=PROMPT, prompt_only=True,
+                                               prompt_logprobs=2, lost_session_id="ab" * 16))
+    sched._admit()
+    while not ticket.ended:
+        engine.step()
+    assert ticket.prompt_logprobs == own and len(own) == len(PROMPT) - 1
+    assert (ticket.result.token_ids, ticket.result.finish_reason) == ([], "length")
+
+
 def test_a_record_without_an_output_limit_is_not_resumed_as_a_prompt_alone(verifier_parts):
     """A record whose max_new_tokens is 0 (one older than the limits, or a prompt alone that
     never ended) has no output a resume could continue: answered as a session the cache lost

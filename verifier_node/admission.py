@@ -216,8 +216,11 @@ class Admission:
 
     def _already_done(self, request: Request) -> Ticket | None:
         """A re-created session whose client already holds its whole output (only the last
-        response was lost): a finished ticket, nothing to generate."""
+        response was lost): a finished ticket, nothing to generate. A prompt alone has no
+        output to hold: it is run again (its prompt scored when asked)."""
         out = request.committed
+        if request.max_new_tokens == 0:
+            return None
         if len(out) >= request.max_new_tokens:
             reason = "length"
         elif out and out[-1] in self.scheduler.engine.stop_ids:
