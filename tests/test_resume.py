@@ -212,6 +212,26 @@ def test_a_re_created_prompt_alone_is_scored_again(verifier_parts, looping):
     assert (ticket.result.token_ids, ticket.result.finish_reason) == ([], "length")
 
 
+def test_a_finished_prompt_alone_asked_for_its_scores_is_re_created(verifier_parts):
+    """A prompt alone that ended before its stream had its scores (the cache keeps none, and
+    they are its whole output): its resume is answered as a session the cache lost, so that
+    the SDK re-creates it and it is scored again; a resume that asks for no scores gets the
+    ended session."""
+    import pytest
+
+    from verifier_node.admission import SessionNotFound
+
+    store, engine, sched, admission = verifier_parts
+    act = engine.add(Request(PROMPT, 0, prompt_logprobs=2), session_id="s9")
+    while act.finish is None:
+        engine.step()
+    assert store.load("s9").finish_reason == "length"
+    with pytest.raises(SessionNotFound, match="send the request again"):
+        admission.admit(GenerationRequest(resume_session_id="s9", prompt_logprobs=2))
+    ended = admission.admit(GenerationRequest(resume_session_id="s9"))
+    assert ended.ended and (ended.result.token_ids, ended.result.finish_reason) == ([], "length")
+
+
 def test_a_record_without_an_output_limit_is_not_resumed_as_a_prompt_alone(verifier_parts):
     """A record whose max_new_tokens is 0 (one older than the limits, or a prompt alone that
     never ended) has no output a resume could continue: answered as a session the cache lost

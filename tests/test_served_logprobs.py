@@ -187,12 +187,15 @@ def test_the_sdk_scores_a_prompt_alone(server, looping):
         alone = client.generate(prompt_ids=ids, prompt_only=True, prompt_logprobs=3)
         pieces = list(client.stream(prompt_ids=ids, prompt_only=True, prompt_logprobs=3))
         bare = client.generate(prompt_ids=ids, prompt_only=True)
+        unpinned = client.generate(prompt_ids=ids, prompt_only=True, prompt_logprobs=3,
+                                   device_id="no-such-board")  # drafts nothing: not asked
     assert alone.prompt_logprobs == scored.prompt_logprobs and len(alone.prompt_logprobs) == \
         len(ids) - 1
     assert (alone.token_ids, alone.finish_reason, alone.prompt_tokens) == ([], "length", len(ids))
     [last] = pieces
     assert last.finish_reason == "length" and last.prompt_logprobs == scored.prompt_logprobs
     assert bare.token_ids == [] and bare.prompt_logprobs is None
+    assert unpinned.prompt_logprobs == scored.prompt_logprobs and unpinned.device_id == ""
     from edgespec.sdk.request import build_request
 
     for kw in (dict(max_new_tokens=4), dict(images=[b"x"]), dict(prompt_only=1)):

@@ -185,6 +185,8 @@ class Admission:
             raise ConfigError("max_new_tokens must be >= 0 (0: the server's default)")
         device = check_device_id(g.device_id) if g.device_id else None
         lost = check_session_id(g.lost_session_id) if g.lost_session_id else ""
+        if g.prompt_only:  # a prompt alone drafts nothing: a pinned drafter is not asked
+            device = None
         if device and not self.store.devices.is_alive(device):
             if not lost:
                 raise DrafterMissing(f"drafter {device!r} is not attached")
@@ -246,14 +248,16 @@ class Admission:
         if rec is None:
             raise SessionNotFound(f"no session {shown(sid)} in the cache (it finished long ago or "
                            "expired)")
-        if rec.max_new_tokens < 1 and rec.finish_reason not in ("stop", "length"):
-            # a record that says no output limit (one older than the limits), or a prompt
-            # alone that did not end: nothing a resume can continue, so answered as a session
-            # the cache lost (the SDK re-creates it from its own request: a prompt alone
-            # prefilled and scored again)
+        if rec.max_new_tokens < 1 and (rec.finish_reason not in ("stop", "length")
+                                       or g.prompt_logprobs is not None):
+            # a record that says no output limit (one older than the limits), a prompt alone
+            # that did not end, or one that ended whose scores are asked (the cache keeps
+            # none, and they are its whole output): nothing a resume can give, so answered as
+            # a session the cache lost (the SDK re-creates it from its own request: a prompt
+            # alone prefilled and scored again)
             raise SessionNotFound(f"session {shown(sid)} cannot be resumed from its record (it "
-                                  "keeps no output limit): send the request again (the SDK "
-                                  "re-creates it)")
+                                  "keeps no output limit or scores): send the request again "
+                                  "(the SDK re-creates it)")
         # a resumed session keeps its verification mode: a lossy one is refused by a verifier
         # not started in that mode (validate), an exact one stays exact on a lossy verifier
         request = Request(rec.prompt, rec.max_new_tokens, rec.params, committed=rec.committed,
