@@ -212,6 +212,9 @@ def test_a_prompt_alone_with_an_output_limit_is_refused_on_the_wire():
 
     with pytest.raises(ConfigError, match="prompt_only asks for no output"):
         generation_request(pb.GenerateRequest(prompt="hi", prompt_only=True, max_new_tokens=3))
+    with pytest.raises(ConfigError, match="holds no committed_ids"):
+        generation_request(pb.GenerateRequest(prompt="hi", prompt_only=True, committed_ids=[5],
+                                              lost_session_id="ab" * 16))
     assert generation_request(pb.GenerateRequest(prompt="hi", prompt_only=True)).prompt_only
     assert not generation_request(pb.GenerateRequest(prompt="hi")).prompt_only
 

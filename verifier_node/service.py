@@ -54,6 +54,9 @@ def generation_request(req: pb.GenerateRequest) -> GenerationRequest:
     if req.prompt_only and req.max_new_tokens:
         raise ConfigError(f"prompt_only asks for no output: leave max_new_tokens unset, got "
                           f"{req.max_new_tokens}")
+    if req.prompt_only and req.committed_ids:
+        raise ConfigError("prompt_only has no output: a re-created prompt alone holds no "
+                          "committed_ids")
     return GenerationRequest(
         prompt=req.prompt if req.HasField("prompt") else None, raw=req.raw,
         messages=[{"role": m.role, "content": m.content} for m in req.messages],
