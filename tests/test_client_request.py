@@ -176,3 +176,17 @@ def test_cancelling_an_id_the_wire_cannot_carry_is_an_invalid_request(session_id
     with pytest.raises(InvalidRequest) as e:
         asyncio.run(cancel_async())
     assert needle in str(e.value)
+
+
+def test_an_option_a_generation_does_not_have_is_named_with_the_one_it_may_mean():
+    """A misspelt option is a TypeError naming it and the option it is close to (OpenAI's
+    ``max_tokens`` for ``max_new_tokens``), or listing the options, before anything travels:
+    the client below points at no server."""
+    from edgespec.client import Client
+
+    client = Client("127.0.0.1:9", timeout=1)
+    with pytest.raises(TypeError, match=r"'max_tokens'.*did you mean 'max_new_tokens'"):
+        client.generate("x", max_tokens=5)
+    with pytest.raises(TypeError, match=r"'zzz'.*options: .*max_new_tokens.*timeout"):
+        list(client.stream("x", zzz=1))
+    client.close()

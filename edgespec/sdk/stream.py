@@ -4,6 +4,8 @@ its streams together into ``StreamPiece``s and a ``GenerateResult``."""
 
 from __future__ import annotations
 
+import difflib
+import inspect
 import time
 from dataclasses import dataclass, field
 
@@ -16,6 +18,9 @@ from ..wire.convert import REFUSAL_METADATA, logprobs_from_pb, stats_from_pb, tr
 from .errors import (DeadlineExceeded, EdgespecError, NotFound, PreconditionFailed, Unavailable,
                      translate)
 from .request import build_request, check_timeout
+
+# what a generation call takes besides its timeout: ``build_request``'s parameters
+REQUEST_OPTIONS = frozenset(inspect.signature(build_request).parameters)
 
 __all__ = ["RESUMABLE", "Collector", "GenerateResult", "Resumer", "StreamPiece"]
 
@@ -105,7 +110,15 @@ class Resumer:
 
     @classmethod
     def of_call(cls, client, timeout: float | None, **kw) -> "Resumer":
-        """A call's resumer, with ``client``'s defaults (its timeout, its resumes)."""
+        """A call's resumer, with ``client``'s defaults (its timeout, its resumes). An option
+        the call does not have is a TypeError naming it (and the option it may have meant), not
+        one naming the SDK's internal ``build_request``."""
+        unknown = sorted(set(kw) - REQUEST_OPTIONS)
+        if unknown:
+            near = difflib.get_close_matches(unknown[0], sorted(REQUEST_OPTIONS | {"timeout"}), 1)
+            raise TypeError(f"unexpected keyword argument {unknown[0]!r} for a generation"
+                            + (f" (did you mean {near[0]!r}?)" if near else
+                               f"; its options: {', '.join(sorted(REQUEST_OPTIONS))}, timeout"))
         return cls(build_request(**kw), check_timeout(timeout) or client.timeout,
                    client.max_resumes)
 
