@@ -294,24 +294,26 @@ def test_a_mag_sessions_drafts_follow_its_tokens_through_rollbacks(monkeypatch):
 
 
 def test_a_bigram_tables_best_follows_what_it_observes():
-    """``best`` (read from a cache a change clears) is the most counted follower, the first of
-    equals, and its share, after every observation, eviction included."""
+    """``best`` (kept by ``observe`` where plain, else found when read) is the most counted
+    follower, the first of equals, and its share, after every observation, eviction and ties
+    included, for leaders read often and seldom."""
     import random
 
     from edgespec.drafters.mag import BigramTable
 
-    rng = random.Random(3)
-    table = BigramTable(max_leaders=6, max_followers=3)
-    for _ in range(800):
-        table.observe([rng.randrange(8) for _ in range(rng.randint(2, 5))])
-        leader = rng.randrange(8)
-        followers = table.followers(leader)
-        if not followers:
-            assert table.best(leader) == (None, 0.0)
-            continue
-        top = max(followers, key=followers.__getitem__)
-        total = table._followers[leader].total
-        assert table.best(leader) == (top, followers[top] / total)
+    for seed, followers_at_most, reads in ((3, 3, 1), (4, 2, 8), (5, 4, 8), (6, 8, 3)):
+        rng = random.Random(seed)
+        table = BigramTable(max_leaders=6, max_followers=followers_at_most)
+        for _ in range(800):
+            table.observe([rng.randrange(8) for _ in range(rng.randint(2, 5))])
+            for leader in rng.sample(range(8), reads):
+                followers = table.followers(leader)
+                if not followers:
+                    assert table.best(leader) == (None, 0.0)
+                    continue
+                top = max(followers, key=followers.__getitem__)
+                total = table._followers[leader].total
+                assert table.best(leader) == (top, followers[top] / total)
 
 
 def test_a_bigram_chain_is_best_read_token_by_token():

@@ -78,7 +78,8 @@ class DraftRates:
         (non-increasing along a row), 0 past ks[b] (ks cut to k_max)."""
         ks = np.minimum(ks, self.k_max)
         width = int(ks.max(initial=0))
-        supply = self.held_hits[rows, :width] / self.held_trials[rows, :width]
+        # ``take``: a row gather in a fraction of fancy indexing's time on these small arrays
+        supply = self.held_hits.take(rows, 0)[:, :width] / self.held_trials.take(rows, 0)[:, :width]
         held = np.minimum.accumulate(supply, axis=1) if width else supply
         return np.where(np.arange(width)[None] < ks[:, None], held, 0.0)
 
@@ -92,8 +93,8 @@ class DraftRates:
         held = self.holds(rows, ks)
         width = held.shape[1]
         alpha = self.alpha(rows)[:, None]
-        rate = (self.at_hits[rows, :width] + POSITION_PRIOR * alpha) / \
-            (self.at_trials[rows, :width] + POSITION_PRIOR)
+        rate = (self.at_hits.take(rows, 0)[:, :width] + POSITION_PRIOR * alpha) / \
+            (self.at_trials.take(rows, 0)[:, :width] + POSITION_PRIOR)
         return rate.cumprod(1) * held, held
 
     def supplied(self, rows: np.ndarray, asked: np.ndarray, got: np.ndarray) -> None:
@@ -108,8 +109,8 @@ class DraftRates:
                 return
         j = self._positions
         asked_j = j < asked[:, None]
-        hits = self.held_hits[rows]
-        trials = DECAY * self.held_trials[rows] + 1.0  # every position: one more trial
+        hits = self.held_hits.take(rows, 0)
+        trials = DECAY * self.held_trials.take(rows, 0) + 1.0  # every position: one more trial
         last = np.minimum(asked, self.k_max) - 1  # [B]: the last position asked
         at = np.arange(len(rows))
         last_rate = (DECAY * hits[at, last] + (last < got)) / trials[at, last]
@@ -131,7 +132,7 @@ class DraftRates:
             (accepted < drafted)
         j = self._positions
         tried = (j < drafted[:, None]) & (j <= accepted[:, None])
-        hits, trials = self.at_hits[rows], self.at_trials[rows]
+        hits, trials = self.at_hits.take(rows, 0), self.at_trials.take(rows, 0)
         self.at_hits[rows] = np.where(tried, DECAY * hits + (j < accepted[:, None]), hits)
         self.at_trials[rows] = np.where(tried, DECAY * trials + 1.0, trials)
         if self.adaptive:

@@ -49,8 +49,8 @@ class _Followers:
     def __init__(self) -> None:
         self.counts: dict[int, int] = {}  # at most max_followers entries
         self.total = 0  # every observation, evicted followers' included
-        # the most counted follower (the first of equals), None until read since a change: a
-        # draft's fallback reads a leader's best far more often than the leader is observed
+        # the most counted follower (the first of equals), None where not known until read:
+        # kept by ``observe`` where that is plain, else found by the next read
         self.top: int | None = None
         self.share = 0.0  # the top's share of ``total``, read with it
 
@@ -82,14 +82,25 @@ class BigramTable:
                 touch(a)
             counts = entry.counts
             seen = counts.get(b)
+            top = entry.top
             if seen is not None:
-                counts[b] = seen + 1
+                n = counts[b] = seen + 1
             else:
                 if len(counts) >= max_followers:
-                    del counts[min(counts, key=counts.__getitem__)]
-                counts[b] = 1
+                    gone = min(counts, key=counts.__getitem__)
+                    del counts[gone]
+                    if gone == top:  # all counted alike: the first went, which was the top
+                        top = None
+                n = counts[b] = 1
             entry.total += 1
-            entry.top = None
+            # the top kept as it changes where that is plain (it, or a follower now counted
+            # above it); a tie with it is left to the next read (the first of equals in the
+            # followers' order wins): a draft reads a leader's top more often than it changes
+            if top is not None and top != b and n >= counts[top]:
+                top = b if n > counts[top] else None
+            entry.top = top
+            if top is not None:
+                entry.share = counts[top] / entry.total
 
     def followers(self, token: int) -> dict[int, int]:
         entry = self._followers.get(token)
