@@ -36,16 +36,32 @@ def edgespec_cli(*args, timeout=300, cache=None) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=timeout, env=env)
 
 
+NODE_START_TRIES = 3
+
+
 def _add_node(nodes, **args):
-    """A node of the local cluster (the first: its head), its start tried once more if Ray
-    gave up on it: a raylet on a loaded 2-core machine can take longer than Ray's 30 s to
-    answer (seen in full-suite runs; this fixture's four nodes took 22-30 s in all)."""
-    try:
-        return nodes.add_node(**args)
-    except Exception as e:
-        if "timed out during startup" not in str(e) and "Timed out waiting for file" not in str(e):
-            raise
-        return nodes.add_node(**args)
+    """A node of the local cluster (the first: its head), its start tried again (up to
+    ``NODE_START_TRIES`` in all) if Ray gave up on it: a raylet on a loaded 2-core machine can
+    take longer than Ray's fixed 30 s to register (seen in full-suite runs: the head's first try
+    failed in both of one day's runs, and with a second job beside the suite the retry too; this
+    fixture's four nodes take 20-30 s in all when it does not). A try that failed leaves its
+    processes running (its GCS served nothing until the suite ended, 7 minutes later, loading
+    the machine the retry needed): they are ended before the next try."""
+    import psutil
+
+    me = psutil.Process()
+    for tries_left in range(NODE_START_TRIES - 1, -1, -1):
+        before = {p.pid for p in me.children(recursive=True)}
+        try:
+            return nodes.add_node(**args)
+        except Exception as e:
+            if tries_left == 0 or ("timed out during startup" not in str(e)
+                                   and "Timed out waiting for file" not in str(e)):
+                raise
+            left = [p for p in me.children(recursive=True) if p.pid not in before]
+            for p in left:
+                p.kill()
+            psutil.wait_procs(left, timeout=10)
 
 
 @pytest.fixture(scope="module")
