@@ -40,6 +40,8 @@ class DrafterProposer:
 class HeadBranch(Branch):
     """A branch the verifier's head drafted (no drafter's store holds it)."""
 
+    __slots__ = ()  # slotted as ``Branch`` is (``frozen_value``): no instance dict
+
 
 def head_branch(spine: Sequence[int], proposal: Sequence[int]) -> Branch | None:
     """The head's proposal as a branch of a draft whose chain is ``spine``: from the first

@@ -34,7 +34,7 @@ def main() -> None:
 
     def run() -> None:
         engine.generate_many([Request(list(p), 64, SamplingParams()) for p in prompts])
-        if state is not None:  # each run drafts from what the warm-up left, not the last run
+        if state is not None:  # each run drafts from the table as it was before the warm-up
             engine.drafter.restore(state)
 
     run()

@@ -54,7 +54,7 @@ def child(drafter: str, n: int, runs: int) -> None:
     for _ in range(runs + 1):  # the first: the warm-up
         results = engine.generate_many([Request(list(p), 64, SamplingParams()) for p in prompts])
         last = [r.token_ids for r in results]
-        if state is not None:  # each run drafts from what the warm-up left, not the last run
+        if state is not None:  # each run drafts from the table as it was before the warm-up
             engine.drafter.restore(state)
     print("session_steps", session_steps[0])
     print("digest", hashlib.sha1(repr(last).encode()).hexdigest()[:16])
@@ -79,9 +79,12 @@ def measure(drafter: str, n: int, low: int, high: int) -> dict:
         if p.returncode != 0:
             sys.exit(f"instructions_per_step: the run of {runs} exited {p.returncode}:\n"
                      f"{err[-2000:]}")
-        got[runs] = (int(re.search(r"Collected : (\d+)", err).group(1)),
-                     int(re.search(r"session_steps (\d+)", out).group(1)),
-                     re.search(r"digest (\w+)", out).group(1))
+        found = (re.search(r"Collected : (\d+)", err), re.search(r"session_steps (\d+)", out),
+                 re.search(r"digest (\w+)", out))
+        if not all(found):
+            sys.exit(f"instructions_per_step: the run of {runs} printed no count (callgrind's "
+                     f"'Collected', its session-steps, its digest):\n{err[-2000:]}")
+        got[runs] = (int(found[0].group(1)), int(found[1].group(1)), found[2].group(1))
     shutil.rmtree(out_dir, ignore_errors=True)
     (i_lo, s_lo, d_lo), (i_hi, s_hi, d_hi) = got[low], got[high]
     if d_lo != d_hi:
