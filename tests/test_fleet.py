@@ -60,7 +60,10 @@ def _add_node(nodes, **args):
                 raise
             left = [p for p in me.children(recursive=True) if p.pid not in before]
             for p in left:
-                p.kill()
+                try:
+                    p.kill()
+                except psutil.NoSuchProcess:  # ended between the listing and the kill
+                    pass
             psutil.wait_procs(left, timeout=10)
 
 
