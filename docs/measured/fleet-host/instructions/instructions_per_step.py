@@ -1,26 +1,24 @@
-"""The engine's host work a session-step counted in instructions, not seconds: bench-host's
-setting (its InstantRunner, the in-process store; torch on one thread; the heap frozen as a
-server's) run under valgrind's callgrind twice, with LOW and HIGH runs of ``generate_many``
-(N sessions x 64 tokens, each run after a warm-up), and the difference of the two instruction
-totals divided by the difference of their session-steps. Start-up (imports, model, prompts)
-cancels out. Instruction counts do not move with the machine's load, so two versions of the
-code compare within a fraction of a percent where bench-host's wall time (noise of ~1.5 us a
-session-step on a quiet 2-core machine, far more on a loaded one) cannot tell them apart. The
-count holds the runner's own answers (about a tenth of the whole under py-spy) and whatever
-other threads run (BLAS's are held to one).
+"""The engine's host work a session-step counted in instructions, not seconds:
+``../decode-layout/host_loop.py`` (bench-host's setting: its InstantRunner, the in-process store,
+torch on one thread, the heap frozen as a server's; N sessions x 64 tokens a run, after a
+warm-up) run under valgrind's callgrind twice, with LOW and HIGH runs, and the difference of the
+two instruction totals divided by the difference of their session-steps. Start-up (imports,
+model, prompts, the warm-up) cancels out. Instruction counts do not move with the machine's
+load, so two versions of the code compare within a fraction of a percent where bench-host's
+wall time (noise of ~1.5 us a session-step on a quiet 2-core machine, far more on a loaded one)
+cannot tell them apart. The count holds the runner's own answers (about a tenth of the whole
+under py-spy) and whatever other threads run (BLAS's are held to one); the two runs' last
+outputs (host_loop's digest) must agree.
 
     python instructions_per_step.py [--drafter mag] [--sessions 64] [--low 2] [--high 7]
                                     [--json FILE]
 
 Each callgrind run takes about a minute and a quarter on this machine; the two run at once.
-``--child DRAFTER N RUNS`` is the measured process itself (it prints its session-steps and a
-digest of the last run's outputs, which must agree between the two runs).
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import re
@@ -29,37 +27,8 @@ import subprocess
 import sys
 import tempfile
 
-
-def child(drafter: str, n: int, runs: int) -> None:
-    from edgespec.config import SamplingParams
-    from edgespec.engine.generation import Request
-    from edgespec.runner.process_heap import freeze_startup_heap
-    from edgespec.runner.threads import set_threads
-    from edgespec_cli.bench.host_cost import _engine, _prompts
-
-    set_threads(1)
-    engine, runner, close = _engine("local", drafter, n, 0.9)
-    freeze_startup_heap()
-    prompts = _prompts(n, runner)
-    state = engine.drafter.snapshot() if engine.drafter else None
-    session_steps = [0]
-    step = engine.step
-
-    def counting_step():
-        session_steps[0] += len(engine.active)
-        return step()
-
-    engine.step = counting_step
-    last: list[list[int]] = []
-    for _ in range(runs + 1):  # the first: the warm-up
-        results = engine.generate_many([Request(list(p), 64, SamplingParams()) for p in prompts])
-        last = [r.token_ids for r in results]
-        if state is not None:  # each run drafts from the table as it was before the warm-up
-            engine.drafter.restore(state)
-    print("session_steps", session_steps[0])
-    print("digest", hashlib.sha1(repr(last).encode()).hexdigest()[:16])
-    engine.close()
-    close()
+HOST_LOOP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "decode-layout",
+                         "host_loop.py")
 
 
 def measure(drafter: str, n: int, low: int, high: int) -> dict:
@@ -70,7 +39,7 @@ def measure(drafter: str, n: int, low: int, high: int) -> dict:
     procs = {}
     for runs in (low, high):
         cmd = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out_dir}/cg.{runs}",
-               sys.executable, __file__, "--child", drafter, str(n), str(runs)]
+               sys.executable, HOST_LOOP, drafter, str(n), str(runs)]
         procs[runs] = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
                                        stderr=subprocess.PIPE, text=True)
     got = {}
@@ -95,9 +64,6 @@ def measure(drafter: str, n: int, low: int, high: int) -> dict:
 
 
 def main() -> None:
-    if len(sys.argv) > 1 and sys.argv[1] == "--child":
-        child(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
-        return
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--drafter", default="mag", help="bench-host's drafter (default: mag)")
     ap.add_argument("--sessions", type=int, default=64, help="sessions (default: 64)")
@@ -105,8 +71,8 @@ def main() -> None:
     ap.add_argument("--high", type=int, default=7, help="runs of the longer (default: 7)")
     ap.add_argument("--json", help="where to write the result as JSON")
     args = ap.parse_args()
-    if not 0 <= args.low < args.high:
-        ap.error("need 0 <= --low < --high")
+    if not 1 <= args.low < args.high:  # host_loop divides by its timed runs' session-steps
+        ap.error("need 1 <= --low < --high")
     result = measure(args.drafter, args.sessions, args.low, args.high)
     print(f"{result['drafter']}, {result['sessions']} sessions: "
           f"{result['instructions_per_session_step']:,} instructions a session-step "
