@@ -69,7 +69,8 @@ def _random_step(rng: random.Random, n: int, k_max: int, asks: list[int]) -> dic
     asked = np.array([rng.choice(asks) for _ in range(n)])
     drafted = np.array([rng.randint(0, k_max) for _ in range(n)])
     branches = np.array([rng.randint(0, 3) for _ in range(n)])
-    return {"supplied": (asked, np.array([rng.randint(0, min(a, k_max)) for a in asked])),
+    # a draft may hold more than was asked, and more than k_max
+    return {"supplied": (asked, np.array([rng.randint(0, a + 2) for a in asked])),
             "update": (drafted, np.array([rng.randint(0, d) for d in drafted])),
             "update_branches": (branches, np.array([rng.randint(0, b) for b in branches]))}
 

@@ -23,6 +23,8 @@ import numpy as np
 DECAY = 0.85  # each verification's weight relative to the next one's
 POSITION_PRIOR = 2.0  # trials of alpha a position's own rate starts from
 BRANCH_PRIOR = (0.1, 5.0)  # accepted branch tokens per branch token, and its weight in trials
+# the columns of a row's scalars (``DraftRates._data``); its positions' columns from _POSITIONS
+_CHAIN_HITS, _CHAIN_TRIALS, _BRANCH_HITS, _BRANCH_TRIALS, _HELD_TRIALS, _POSITIONS = range(6)
 
 
 class DraftRates:
@@ -38,18 +40,57 @@ class DraftRates:
         self.k_min, self.k_max, self.adaptive = k_min, k_max, adaptive
         self.prior_alpha, self.prior_trials = prior_alpha, prior_trials
         n, K = rows, k_max
-        self.chain_hits, self.chain_trials = np.empty(n), np.empty(n)  # [R]
-        self.at_hits, self.at_trials = np.empty((n, K)), np.empty((n, K))  # [R, K]
-        self.held_hits, self.held_trials = np.empty((n, K)), np.empty((n, K))  # [R, K]
-        self.branch_hits, self.branch_trials = np.empty(n), np.empty(n)  # [R]
+        # one row of floats a session, so that a batch reads and writes it in one gather and
+        # one scatter (a NumPy call on these few numbers costs more than its arithmetic):
+        # [chain hits, chain trials, branch hits, branch trials, held trials, at hits x K,
+        # at trials x K, held hits x K]; the properties below are views of its columns
+        self._data = np.empty((n, _POSITIONS + 3 * K))
+        self._at, self._tried, self._held = (slice(_POSITIONS + i * K, _POSITIONS + (i + 1) * K)
+                                             for i in range(3))
         self.k = np.empty(n, dtype=np.int64)  # [R]: the next draft's length
         self.generation = np.zeros(n, dtype=np.int64)  # [R]: resets of the row (a new session)
-        self._positions = np.arange(K)[None]  # [1, K]
+        # [K + 1, K]: row m holds positions 0..m-1 (a batch's "position j < m[b]" masks,
+        # gathered: a broadcast comparison costs several times a gather on these shapes)
+        self._below = np.arange(K + 1)[:, None] > np.arange(K)[None]
+        self._below_ones = self._below.astype(np.float64)  # the same as 1.0 and 0.0
         self.reset(np.arange(n))
 
     @property
     def rows(self) -> int:
         return len(self.k)
+
+    # views of ``_data``'s columns (properties, so that a copy of the table has its own)
+    @property
+    def chain_hits(self) -> np.ndarray:  # [R]: decayed accepted draft tokens
+        return self._data[:, _CHAIN_HITS]
+
+    @property
+    def chain_trials(self) -> np.ndarray:  # [R]: decayed tests of a draft token
+        return self._data[:, _CHAIN_TRIALS]
+
+    @property
+    def branch_hits(self) -> np.ndarray:  # [R]: decayed accepted branch tokens
+        return self._data[:, _BRANCH_HITS]
+
+    @property
+    def branch_trials(self) -> np.ndarray:  # [R]: decayed verified branch tokens
+        return self._data[:, _BRANCH_TRIALS]
+
+    @property
+    def held_trials(self) -> np.ndarray:  # [R]: a supply's trials (the same at every position)
+        return self._data[:, _HELD_TRIALS]
+
+    @property
+    def at_hits(self) -> np.ndarray:  # [R, K]: each position's own accepted tests
+        return self._data[:, self._at]
+
+    @property
+    def at_trials(self) -> np.ndarray:  # [R, K]: each position's own tests
+        return self._data[:, self._tried]
+
+    @property
+    def held_hits(self) -> np.ndarray:  # [R, K]: each position's takes that held it
+        return self._data[:, self._held]
 
     def reset(self, rows: np.ndarray | int, k_init: int | None = None) -> None:
         """Rows back to the priors (a new session in the slot)."""
@@ -76,12 +117,7 @@ class DraftRates:
     def holds(self, rows: np.ndarray, ks: np.ndarray) -> np.ndarray:
         """[B, max(ks)]: the chance that row b's draft holds its 1st..ks[b]-th token when taken
         (non-increasing along a row), 0 past ks[b] (ks cut to k_max)."""
-        ks = np.minimum(ks, self.k_max)
-        width = int(ks.max(initial=0))
-        # ``take``: a row gather in a fraction of fancy indexing's time on these small arrays
-        supply = self.held_hits.take(rows, 0)[:, :width] / self.held_trials.take(rows, 0)[:, :width]
-        held = np.minimum.accumulate(supply, axis=1) if width else supply
-        return np.where(np.arange(width)[None] < ks[:, None], held, 0.0)
+        return self.gains_holds(rows, ks)[1]
 
     def gains(self, rows: np.ndarray, ks: np.ndarray) -> np.ndarray:
         """[B, max(ks)]: the expected accepted tokens of row b's 1st..ks[b]-th draft token
@@ -90,11 +126,17 @@ class DraftRates:
 
     def gains_holds(self, rows: np.ndarray, ks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``gains`` and ``holds`` at once (the gains are weighed by the holds)."""
-        held = self.holds(rows, ks)
-        width = held.shape[1]
-        alpha = self.alpha(rows)[:, None]
-        rate = (self.at_hits.take(rows, 0)[:, :width] + POSITION_PRIOR * alpha) / \
-            (self.at_trials.take(rows, 0)[:, :width] + POSITION_PRIOR)
+        ks = np.minimum(ks, self.k_max)
+        width = int(ks.max(initial=0))
+        # ``take``: a row gather in a fraction of fancy indexing's time on these small arrays
+        b = self._data.take(rows, 0)  # [B, C]
+        held_from, at_from, tried_from = self._held.start, self._at.start, self._tried.start
+        supply = b[:, held_from:held_from + width] / b[:, _HELD_TRIALS, None]
+        held = np.minimum.accumulate(supply, axis=1) if width else supply
+        held *= self._below_ones.take(ks, 0)[:, :width]  # 0 past ks[b] (supplies are >= 0)
+        alpha = b[:, _CHAIN_HITS, None] / b[:, _CHAIN_TRIALS, None]
+        rate = (b[:, at_from:at_from + width] + POSITION_PRIOR * alpha) / \
+            (b[:, tried_from:tried_from + width] + POSITION_PRIOR)
         return rate.cumprod(1) * held, held
 
     def supplied(self, rows: np.ndarray, asked: np.ndarray, got: np.ndarray) -> None:
@@ -102,39 +144,45 @@ class DraftRates:
         positions not asked for are taken to hold as the last one asked did (so that a few
         short takes do not cap a session's width for good: the positions past them are never
         asked); a row that asked nothing says nothing."""
-        if not asked.all():
+        if np.count_nonzero(asked) < len(asked):
             on = asked > 0
             rows, asked, got = rows[on], asked[on], got[on]
             if not len(rows):
                 return
-        j = self._positions
-        asked_j = j < asked[:, None]
-        hits = self.held_hits.take(rows, 0)
-        trials = DECAY * self.held_trials.take(rows, 0) + 1.0  # every position: one more trial
-        last = np.minimum(asked, self.k_max) - 1  # [B]: the last position asked
-        at = np.arange(len(rows))
-        last_rate = (DECAY * hits[at, last] + (last < got)) / trials[at, last]
-        self.held_hits[rows] = DECAY * hits + np.where(asked_j, j < got[:, None],
-                                                       last_rate[:, None])
-        self.held_trials[rows] = trials
+        K = self.k_max
+        b = self._data.take(rows, 0)  # [B, C]
+        hits = b[:, self._held]  # [B, K] (a view of b)
+        trials = DECAY * b[:, _HELD_TRIALS] + 1.0  # [B]: every position, one more trial
+        asked = np.minimum(asked, K)  # [B]: the positions asked (the last: asked - 1)
+        last_rate = (DECAY * b[np.arange(len(rows)), self._held.start - 1 + asked] +
+                     (asked <= got)) / trials
+        held = np.where(self._below.take(asked, 0), self._below_ones.take(np.minimum(got, K), 0),
+                        last_rate[:, None])  # held where asked, else as the last asked
+        hits *= DECAY
+        hits += held
+        b[:, _HELD_TRIALS] = trials
+        self._data[rows] = b
 
     def update(self, rows: np.ndarray, drafted: np.ndarray, accepted: np.ndarray) -> None:
         """Record verifications: row b verified ``drafted[b]`` draft tokens, of which
         ``accepted[b]`` passed (a rejection ends a test: positions past the first miss get no
         trial); its next length follows the schedule. A row that drafted nothing: unchanged."""
-        if not drafted.all():
+        if np.count_nonzero(drafted) < len(drafted):
             on = drafted > 0
             rows, drafted, accepted = rows[on], drafted[on], accepted[on]
             if not len(rows):
                 return
-        self.chain_hits[rows] = DECAY * self.chain_hits[rows] + accepted
-        self.chain_trials[rows] = DECAY * self.chain_trials[rows] + accepted + \
-            (accepted < drafted)
-        j = self._positions
-        tried = (j < drafted[:, None]) & (j <= accepted[:, None])
-        hits, trials = self.at_hits.take(rows, 0), self.at_trials.take(rows, 0)
-        self.at_hits[rows] = np.where(tried, DECAY * hits + (j < accepted[:, None]), hits)
-        self.at_trials[rows] = np.where(tried, DECAY * trials + 1.0, trials)
+        K = self.k_max
+        b = self._data.take(rows, 0)  # [B, C]
+        b[:, _CHAIN_HITS] = DECAY * b[:, _CHAIN_HITS] + accepted
+        b[:, _CHAIN_TRIALS] = DECAY * b[:, _CHAIN_TRIALS] + accepted + (accepted < drafted)
+        # tested: the positions drafted up to the first miss
+        tried = self._below.take(np.minimum(np.minimum(drafted, accepted + 1), K), 0)
+        hits, trials = b[:, self._at], b[:, self._tried]  # [B, K] views of b
+        passed = self._below_ones.take(np.minimum(accepted, K), 0)
+        np.copyto(hits, DECAY * hits + passed, where=tried)
+        np.copyto(trials, DECAY * trials + 1.0, where=tried)
+        self._data[rows] = b
         if self.adaptive:
             k = self.k[rows]
             self.k[rows] = np.where(accepted == drafted, np.minimum(self.k_max, k + 2),

@@ -81,8 +81,13 @@ class BigramTable:
             else:
                 touch(a)
             counts = entry.counts
-            seen = counts.get(b)
             top = entry.top
+            entry.total += 1
+            if b == top:  # the most counted follower counted again (most pairs): it stays
+                n = counts[b] = counts[b] + 1
+                entry.share = n / entry.total
+                continue
+            seen = counts.get(b)
             if seen is not None:
                 n = counts[b] = seen + 1
             else:
@@ -92,11 +97,10 @@ class BigramTable:
                     if gone == top:  # all counted alike: the first went, which was the top
                         top = None
                 n = counts[b] = 1
-            entry.total += 1
-            # the top kept as it changes where that is plain (it, or a follower now counted
-            # above it); a tie with it is left to the next read (the first of equals in the
+            # the top kept as it changes where that is plain (a follower now counted above
+            # it); a tie with it is left to the next read (the first of equals in the
             # followers' order wins): a draft reads a leader's top more often than it changes
-            if top is not None and top != b and n >= counts[top]:
+            if top is not None and n >= counts[top]:
                 top = b if n > counts[top] else None
             entry.top = top
             if top is not None:
