@@ -171,12 +171,15 @@ def _timed(engine, times: dict[str, float], cpu: dict[str, float]) -> None:
     for stage, attr in names.items():
         inner = getattr(engine, attr)
 
+        # the thread's CPU clock (a system call: ~2 us here) read outside the wall's window
         def timed(*a, _inner=inner, _stage=stage, **kw):
-            t0, c0 = time.perf_counter(), time.thread_time()
+            c0 = time.thread_time()
+            t0 = time.perf_counter()
             try:
                 return _inner(*a, **kw)
             finally:
-                times[_stage] += time.perf_counter() - t0
+                t1 = time.perf_counter()
+                times[_stage] += t1 - t0
                 cpu[_stage] += time.thread_time() - c0
 
         setattr(engine, attr, timed)
@@ -215,10 +218,6 @@ def measure(store: str, drafter: str, n: int, new_tokens: int, right: float,
             return time.perf_counter() - t0, sum(len(r.token_ids) for r in results), results
 
         _warm_up(engine, run)
-        times: dict[str, float] = defaultdict(float)
-        cpu: dict[str, float] = defaultdict(float)
-        _timed(engine, times, cpu)
-        runner.runner_s = runner.runner_cpu_s = 0.0
         counted = {"steps": 0, "session_steps": 0}
         step = engine.step
 
@@ -229,40 +228,69 @@ def measure(store: str, drafter: str, n: int, new_tokens: int, right: float,
 
         engine.step = counting_step
         drafter_clock = _cpu_clock(engine.worker)
-        cpu0 = time.thread_time(), _cpu_s(drafter_clock)
-        wall, tokens, results = run()
-        verifier_cpu = time.thread_time() - cpu0[0] - runner.runner_cpu_s
-        drafter_cpu = _cpu_s(drafter_clock) - cpu0[1] if drafter_clock is not None else None
+
+        def timed_run() -> dict:
+            counted["steps"] = counted["session_steps"] = 0
+            runner.runner_s = runner.runner_cpu_s = 0.0
+            cpu0 = time.thread_time(), _cpu_s(drafter_clock)
+            wall, tokens, results = run()
+            return {"wall": wall, "tokens": tokens, "results": results, **counted,
+                    "runner_s": runner.runner_s, "runner_cpu_s": runner.runner_cpu_s,
+                    "verifier_cpu": time.thread_time() - cpu0[0] - runner.runner_cpu_s,
+                    "drafter_cpu": _cpu_s(drafter_clock) - cpu0[1]
+                    if drafter_clock is not None else None}
+
+        # the host's total from a run with no stopwatch in the engine (a stage's two clock
+        # reads and its wrapper cost ~4 us a stage and step here: ~30 us a step, a tenth of
+        # one session's host work); the stages from a second run, drafting from the same table
+        state = engine.drafter.snapshot() if engine.drafter is not None else None
+        plain = timed_run()
+        if state is not None:
+            engine.drafter.restore(state)
+        finish = getattr(engine.store, "finish_recording", None)
+        if finish is not None:  # the first run's closed sessions recorded before the second
+            finish()
+        times: dict[str, float] = defaultdict(float)
+        cpu: dict[str, float] = defaultdict(float)
+        _timed(engine, times, cpu)
+        staged = timed_run()
     finally:
         engine.close()
         close()
         thaw_heap()  # this engine's objects collectable again
-    steps, sess = max(1, counted["steps"]), max(1, counted["session_steps"])
+    steps, sess = max(1, plain["steps"]), max(1, plain["session_steps"])
+    staged_steps = max(1, staged["steps"])
     # deciding runs inside the verify stage (the verdicts decided as they are read): each
     # stage's figure is its own
     times["verify"] -= times["decide"]
     cpu["verify"] -= cpu["decide"]
     # the runner answers inside the verify stage: its time is its own column, the stage's the
     # host part alone (wall and CPU alike)
-    times["verify"] -= runner.runner_s
-    cpu["verify"] -= runner.runner_cpu_s
-    stage_us = {k: 1e6 * times[k] / steps for k in STAGES}
-    stage_us["runner"] = 1e6 * runner.runner_s / steps
-    stage_cpu_us = {k: 1e6 * cpu[k] / steps for k in STAGES}
-    host_s = wall - runner.runner_s
+    times["verify"] -= staged["runner_s"]
+    cpu["verify"] -= staged["runner_cpu_s"]
+    stage_us = {k: 1e6 * times[k] / staged_steps for k in STAGES}
+    stage_us["runner"] = 1e6 * staged["runner_s"] / staged_steps
+    stage_cpu_us = {k: 1e6 * cpu[k] / staged_steps for k in STAGES}
+    host_s = plain["wall"] - plain["runner_s"]
+    results, wall, tokens = plain["results"], plain["wall"], plain["tokens"]
     drafted = sum(r.stats.draft_tokens for r in results)
     accepted = sum(r.stats.accepted_tokens for r in results)
-    return {"store": store, "drafter": drafter, "sessions": n, "steps": counted["steps"],
+    return {"store": store, "drafter": drafter, "sessions": n, "steps": plain["steps"],
             "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall if wall else None,
             "us_per_step": stage_us, "cpu_us_per_step": stage_cpu_us,
             "host_us_per_step": 1e6 * host_s / steps,
             "host_us_per_session_step": 1e6 * host_s / sess,
-            "us_per_session_step": {k: v * steps / sess for k, v in stage_us.items()},
+            # the stages' run: its steps, and its host time a step with the stopwatches in it
+            "staged_steps": staged["steps"],
+            "staged_host_us_per_step":
+                1e6 * (staged["wall"] - staged["runner_s"]) / staged_steps,
+            "us_per_session_step": {k: v * staged_steps / max(1, staged["session_steps"])
+                                    for k, v in stage_us.items()},
             # CPU time: the verifier's thread (the runner's answers left out) and the in-process
             # drafting thread (None without one, or where threads' clocks cannot be read)
-            "verifier_cpu_us_per_session_step": 1e6 * verifier_cpu / sess,
-            "drafter_cpu_us_per_session_step":
-                None if drafter_cpu is None else 1e6 * drafter_cpu / sess,
+            "verifier_cpu_us_per_session_step": 1e6 * plain["verifier_cpu"] / sess,
+            "drafter_cpu_us_per_session_step": None if plain["drafter_cpu"] is None
+            else 1e6 * plain["drafter_cpu"] / sess,
             "acceptance_rate": accepted / drafted if drafted else None}
 
 
