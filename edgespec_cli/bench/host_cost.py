@@ -353,7 +353,8 @@ def format_table(report: dict) -> str:
             f"{'us/sess-step':>12} {'cpu: verifier':>13} {'drafter':>7}  "
             + " ".join(f"{s:>7}" for s in (*STAGES, "runner")))
     lines = [head, "(us/sess-step: wall; cpu: each thread's CPU microseconds a session-step; "
-                   "stage columns: wall microseconds a step)"]
+                   "stage columns: wall microseconds a step, from a second run with a stopwatch "
+                   "around each stage, the totals from one without)"]
     for r in report["results"]:
         us = r["us_per_step"]
         lines.append(
