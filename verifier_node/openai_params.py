@@ -7,8 +7,8 @@ parts ``text`` and ``image_url`` (an image as a ``data:`` URL, for a vision-lang
 ``image_parts``), ``max_tokens`` / ``max_completion_tokens``, ``temperature`` (default 1, as
 OpenAI's), ``top_p``, ``top_k`` (an extension), ``verify`` (an extension: "exact", or "loose" /
 "pad" where the verifier was started with ``--verify loose`` / ``--verify pad:DIR``), ``seed``,
-``stop`` (a string or up to 4), ``n`` (1-16 choices, a session each), ``stream``,
-``stream_options.include_usage``,
+``stop`` (a string or up to 4), ``n`` (1-16 choices, a session each, their prompt
+prefilled once), ``stream``, ``stream_options.include_usage``,
 ``logprobs`` (chat: a boolean, with ``top_logprobs`` 0-20 alternatives; completions: 0-20
 alternatives; ``logprob_shapes`` gives the answers' shapes), ``presence_penalty``,
 ``frequency_penalty`` and ``logit_bias`` (``edgespec.verify.logit_adjust``), and the

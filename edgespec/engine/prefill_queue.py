@@ -20,6 +20,15 @@ scoring requests is prefilled together, within the step's budget, like any other
 A shared forward that raises is retried one part at a time, so that a failure fails only the
 session it concerns (a reader keeps a part's logprobs by its first position: a part read
 twice is read the same).
+
+A prompt identical to one already waiting (the ``n`` choices of a request, the same prompt sent
+twice at once) is not prefilled again: it waits for the first, and when that one's prompt is
+all in, its keys and values are copied into the other's slot (``copy_prompt``: one device copy
+a layer, no forward). They are the bits its own prefill would write, since a token's keys and
+values depend only on the tokens before it (the kernels are batch-invariant and the parts cut
+at fixed positions). If the first fails or is cancelled, the next of its copies is prefilled
+in its place. A writer without ``copy_prompt`` prefills every prompt; a prompt whose logits
+are read is always prefilled itself.
 """
 
 from __future__ import annotations
@@ -48,6 +57,15 @@ class PromptWriter(Protocol):
     def rollback(self, slot: int, length: int) -> None: ...
 
 
+class PromptCopier(Protocol):
+    """What a writer that can share a prompt's prefill offers besides (``TargetRunner``)."""
+
+    def copy_prompt(self, src: int, dst: int, length: int) -> None:
+        """Slot ``dst`` holds the first ``length`` positions of slot ``src``'s keys and
+        values, and that length."""
+        ...
+
+
 class PartReader(Protocol):
     """What reads a waiting prompt's logits as its parts are written
     (``scoring.PromptScorer``)."""
@@ -70,6 +88,9 @@ class WaitingPrompt:
     done: int = 0  # prefilled so far
     began: float = 0.0  # perf_counter when admitted
     reader: PartReader | None = None
+    # an earlier waiting prompt of the same tokens: this one's keys and values are copied from
+    # its slot once its prompt is all in (None: prefilled itself)
+    leader: "WaitingPrompt | None" = None
 
 
 @dataclass
@@ -79,6 +100,7 @@ class PrefillProgress:
     ready: list[ActiveSession]  # prompts all in: to run from this step on
     failed: list[tuple[ActiveSession, Exception]]
     tokens: int = 0  # prompt tokens prefilled
+    copied: int = 0  # prompt tokens copied from an identical prompt's slot, not prefilled
     # the ready sessions' readers (those whose prompt's logits were read), by id(act)
     readers: dict[int, PartReader] = field(default_factory=dict)
 
@@ -87,7 +109,12 @@ class PrefillQueue:
     def __init__(self, target: PromptWriter, chunk: int):
         self.target, self.chunk = target, chunk
         self.waiting: list[WaitingPrompt] = []
-        self.tokens_left = 0  # prompt tokens still to prefill (read by other threads)
+        # prompt tokens still to prefill, copies of a waiting prompt included until they are in
+        # (an estimate for admission pacing; read by other threads)
+        self.tokens_left = 0
+        # identical prompts share one prefill where the writer can copy a slot's prompt
+        self.copier: PromptCopier | None = target if callable(
+            getattr(target, "copy_prompt", None)) else None  # type: ignore[assignment]
 
     def __len__(self) -> int:
         return len(self.waiting)
@@ -99,18 +126,32 @@ class PrefillQueue:
     def add(self, act: ActiveSession, tokens: list[int], reader: PartReader | None = None
             ) -> None:
         """Queue a session's prompt; ``reader``: what reads its logits (its parts then end at
-        multiples of ``reader.chunk``, not of the queue's)."""
-        self.waiting.append(WaitingPrompt(act, tokens, began=time.perf_counter(), reader=reader))
+        multiples of ``reader.chunk``, not of the queue's). A prompt read by no reader and the
+        same as one waiting (itself prefilled) waits for that one's, to be copied."""
+        w = WaitingPrompt(act, tokens, began=time.perf_counter(), reader=reader)
+        if reader is None and self.copier is not None and tokens:
+            w.leader = next((o for o in self.waiting if o.leader is None and o.reader is None
+                             and o.tokens == tokens), None)
+        self.waiting.append(w)
         self.tokens_left += len(tokens)
 
     def remove(self, act: ActiveSession) -> bool:
-        """Forget a waiting session (cancelled, failed); False if it is not here."""
+        """Forget a waiting session (cancelled, failed); False if it is not here. Its copies
+        wait for the first of them instead, which is prefilled itself."""
         for i, w in enumerate(self.waiting):
             if w.act is act:
                 del self.waiting[i]
                 self.tokens_left -= len(w.tokens) - w.done
+                self._promote(w)
                 return True
         return False
+
+    def _promote(self, gone: WaitingPrompt) -> None:
+        """The prompts waiting to copy ``gone``'s (which left the queue without its prompt
+        in): the first is prefilled itself, the others copy its."""
+        copies = [w for w in self.waiting if w.leader is gone]
+        for w in copies:
+            w.leader = copies[0] if w is not copies[0] else None
 
     def advance(self, budget: int | None) -> PrefillProgress:
         """Prefill up to ``budget`` prompt tokens (None: every waiting prompt to its end), the
@@ -123,6 +164,8 @@ class PrefillQueue:
         while self.waiting:
             parts: list[tuple[WaitingPrompt, int]] = []  # (prompt, its part's end)
             for w in self.waiting:
+                if w.leader is not None:  # copied from its leader's slot once that is in
+                    continue
                 chunk = self.chunk if w.reader is None else w.reader.chunk
                 end = min(len(w.tokens), (w.done // chunk + 1) * chunk)
                 if left is not None and moved and end - w.done > left:
@@ -139,6 +182,7 @@ class PrefillQueue:
                     self.waiting.remove(w)
                     self.tokens_left -= len(w.tokens) - w.done
                     out.failed.append((w.act, RuntimeError("its prompt's prefill failed")))
+                    self._promote(w)
                     continue
                 out.tokens += end - w.done
                 self.tokens_left -= end - w.done
@@ -149,9 +193,30 @@ class PrefillQueue:
                     out.ready.append(w.act)
                     if w.reader is not None:
                         out.readers[id(w.act)] = w.reader
+                    self._copy_to_copies(w, out)
             if left is not None and left <= 0:
                 break
         return out
+
+    def _copy_to_copies(self, w: WaitingPrompt, out: PrefillProgress) -> None:
+        """``w``'s prompt is all in: the prompts waiting for it take its keys and values and
+        are ready; one whose copy fails is prefilled itself."""
+        copier = self.copier
+        for c in [c for c in self.waiting if c.leader is w]:
+            try:
+                assert copier is not None  # a prompt waits for another's only then (``add``)
+                copier.copy_prompt(w.act.slot, c.act.slot, len(w.tokens))
+            except Exception:
+                log.exception("copying the prompt of session %s into session %s failed; "
+                              "prefilling it", w.act.sid, c.act.sid)
+                c.leader = None
+                continue
+            self.waiting.remove(c)
+            self.tokens_left -= len(c.tokens)
+            out.copied += len(c.tokens)
+            c.done = len(c.tokens)
+            c.act.stats.prefill_s = time.perf_counter() - c.began
+            out.ready.append(c.act)
 
     def _write(self, parts: list[tuple[WaitingPrompt, int]]) -> list[WaitingPrompt]:
         """One shared write of the parts; if it raises, each part alone, from where its slot

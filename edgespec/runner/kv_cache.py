@@ -175,6 +175,17 @@ class KVCache:
         self.k[layer][idx] = k
         self.v[layer][idx + (slice(0, self.head_dim),)] = v
 
+    def copy_prefix(self, src: int, dst: int, length: int) -> None:
+        """Slot ``dst`` holds slot ``src``'s first ``length`` positions (keys and values, in
+        every layer: one copy a layer, queued on the device without a wait) and that length."""
+        if not 0 <= length <= self.lengths[src]:
+            raise ValueError(f"slot {src} holds {self.lengths[src]} positions, not {length}")
+        if src == dst or dst in self._free:
+            raise ValueError(f"cannot copy slot {src}'s positions into slot {dst}")
+        for cache in self.k + self.v:
+            cache[dst, :, :length] = cache[src, :, :length]
+        self.lengths[dst] = length
+
     def move_many(self, slots: list[int], src: list[int], dst: list[int]) -> None:
         """Copy keys/values between positions of slots: entry i copies position ``src[i]`` of
         slot ``slots[i]`` to ``dst[i]``, in every layer, one indexed copy a layer (every source

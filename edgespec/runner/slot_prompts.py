@@ -113,6 +113,13 @@ class SlotPrompts:
             self.commit(slot, i + len(part))
 
     @torch.inference_mode()
+    def copy_prompt(self, src: int, dst: int, length: int) -> None:
+        """Slot ``dst`` holds slot ``src``'s first ``length`` prompt positions, as a prefill of
+        the same tokens would write them (a token's keys and values depend only on the tokens
+        before it): an identical prompt's prefill shared (``PrefillQueue``)."""
+        self.cache.copy_prefix(src, dst, length)
+
+    @torch.inference_mode()
     def prefill_parts(self, slots: Sequence[int], parts: Sequence[list[int]],
                       reads: Sequence[ReadLogits | None] | None = None) -> None:
         """Each slot's ``part`` of its prompt written after what the slot holds, in shared

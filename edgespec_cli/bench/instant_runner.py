@@ -63,6 +63,9 @@ class InstantRunner:
         for slot, part in zip(slots, parts):
             self.cache.commit(slot, self.cache.lengths[slot] + len(part))
 
+    def copy_prompt(self, src: int, dst: int, length: int) -> None:
+        self.cache.copy_prefix(src, dst, length)
+
     def rollback(self, slot: int, length: int) -> None:
         self.cache.rollback(slot, length)
 
