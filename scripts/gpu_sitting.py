@@ -75,7 +75,8 @@ from sitting_tables import format_tables  # noqa: E402
 CUDA_TESTS = ["tests/test_fused_kernels.py", "tests/test_step_graphs.py",
               "tests/test_fused_runner.py", "tests/test_batch_invariance.py",
               "tests/test_invariance_probes.py", "tests/test_verification.py",
-              "tests/test_cuda_lossless.py", "tests/test_gemm_plan.py"]
+              "tests/test_cuda_lossless.py", "tests/test_gemm_plan.py",
+              "tests/test_shared_prefill.py"]
 CUDA_SELECT = "cuda or host_keyed_choice or fused or slot_attention or rms_norm or silu or rope"
 FORWARD_SHAPES = ((1, 1), (8, 5), (64, 1), (64, 9))
 CONTEXT = 300

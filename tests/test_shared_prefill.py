@@ -129,10 +129,9 @@ def test_a_writer_that_cannot_copy_prefills_every_prompt():
     assert writer.calls == [[(0, 3), (1, 3), (2, 3)]] and step.copied == 0
 
 
-def test_a_copied_prompt_holds_the_bits_its_own_prefill_writes(tiny):
+def _copies_hold_own_prefill_bits(runner: TargetRunner) -> None:
     """The same prompt prefilled in a slot of its own (with another prompt beside it) and
     copied from a slot that prefilled it: every layer's keys and values, bit for bit."""
-    runner = TargetRunner(tiny.model, n_slots=4, max_len=96)
     prompt = [1] + [3 + (7 * i) % 50 for i in range(70)]
     other = [1] + [4 + (5 * i) % 40 for i in range(33)]
     queue = PrefillQueue(runner, chunk=32)
@@ -142,7 +141,8 @@ def test_a_copied_prompt_holds_the_bits_its_own_prefill_writes(tiny):
         acts.append(ActiveSession(f"s{slot}", Request(tokens + [9], 4), slot, DraftLength(4)))
         queue.add(acts[-1], tokens)
     while queue.waiting:
-        queue.advance(40)
+        assert queue.advance(40).tokens <= 40 + 32
+    assert acts[1] not in [w.act for w in queue.waiting]
     alone = runner.new_slot()  # the prompt's own prefill, in a forward with no other prompt
     runner.prefill(alone, prompt, chunk=32)
     n = len(prompt)
@@ -150,6 +150,20 @@ def test_a_copied_prompt_holds_the_bits_its_own_prefill_writes(tiny):
     for cache in runner.cache.k + runner.cache.v:
         assert torch.equal(cache[acts[1].slot, :, :n], cache[alone, :, :n])
         assert torch.equal(cache[acts[0].slot, :, :n], cache[alone, :, :n])
+
+
+def test_a_copied_prompt_holds_the_bits_its_own_prefill_writes(tiny):
+    _copies_hold_own_prefill_bits(TargetRunner(tiny.model, n_slots=4, max_len=96))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="no CUDA device here: scripts/gpu_sitting.sh runs it on a GPU machine")
+def test_on_cuda_a_copied_prompt_holds_the_bits_its_own_prefill_writes():
+    """The same on a GPU, the runner as it serves there (fused kernels, graphs), bfloat16."""
+    from edgespec.models.shapes import random_model
+
+    model = random_model("135m", "cuda", "bfloat16", layers=4)
+    _copies_hold_own_prefill_bits(TargetRunner(model, n_slots=4, max_len=256))
 
 
 @pytest.mark.parametrize("draft", ["none", "mag"])
