@@ -75,6 +75,24 @@ def test_a_cancelled_first_prompt_leaves_its_copies_to_the_next_of_them():
     assert step.ready == [b, c] and queue.tokens_left == 0
 
 
+def test_a_prompt_added_later_copies_whichever_of_its_kind_is_prefilled_now():
+    """After the first is cancelled, a newcomer copies the prompt prefilled in its place;
+    after that one is in (and copied), a newcomer is prefilled itself."""
+    writer = CopyingWriter()
+    queue = PrefillQueue(writer, chunk=4)
+    prompt = [1, 2, 3, 4, 5]
+    a, b, c = _add(queue, 0, prompt), _add(queue, 1, prompt), _add(queue, 2, prompt)
+    queue.remove(b)  # a copy cancelled: a still leads c
+    queue.remove(a)  # the first cancelled: c is prefilled in its place
+    d = _add(queue, 3, prompt)
+    step = queue.advance(None)
+    assert writer.calls == [[(2, 4)], [(2, 1)]] and writer.copies == [(2, 3, 5)]
+    assert step.ready == [c, d]
+    e = _add(queue, 4, prompt)
+    assert queue.advance(None).ready == [e] and writer.calls[-1] == [(4, 1)]
+    assert len(writer.copies) == 1 and queue.tokens_left == 0
+
+
 def test_a_failed_first_prefill_fails_alone_and_the_next_copy_is_prefilled():
     writer = CopyingWriter(fail_slots={0})
     queue = PrefillQueue(writer, chunk=8)

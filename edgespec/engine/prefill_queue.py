@@ -91,6 +91,8 @@ class WaitingPrompt:
     # an earlier waiting prompt of the same tokens: this one's keys and values are copied from
     # its slot once its prompt is all in (None: prefilled itself)
     leader: "WaitingPrompt | None" = None
+    copies: "list[WaitingPrompt]" = field(default_factory=list)  # those it leads, in order
+    key: tuple[int, ...] | None = None  # its tokens, where other prompts may copy its
 
 
 @dataclass
@@ -115,6 +117,7 @@ class PrefillQueue:
         # identical prompts share one prefill where the writer can copy a slot's prompt
         self.copier: PromptCopier | None = target if callable(
             getattr(target, "copy_prompt", None)) else None  # type: ignore[assignment]
+        self._firsts: dict[tuple[int, ...], WaitingPrompt] = {}  # tokens -> the one prefilled
 
     def __len__(self) -> int:
         return len(self.waiting)
@@ -130,8 +133,13 @@ class PrefillQueue:
         same as one waiting (itself prefilled) waits for that one's, to be copied."""
         w = WaitingPrompt(act, tokens, began=time.perf_counter(), reader=reader)
         if reader is None and self.copier is not None and tokens:
-            w.leader = next((o for o in self.waiting if o.leader is None and o.reader is None
-                             and o.tokens == tokens), None)
+            key = tuple(tokens)
+            first = self._firsts.get(key)
+            if first is None:
+                w.key, self._firsts[key] = key, w
+            else:
+                w.leader = first
+                first.copies.append(w)
         self.waiting.append(w)
         self.tokens_left += len(tokens)
 
@@ -142,16 +150,25 @@ class PrefillQueue:
             if w.act is act:
                 del self.waiting[i]
                 self.tokens_left -= len(w.tokens) - w.done
+                if w.leader is not None:
+                    w.leader.copies.remove(w)
                 self._promote(w)
                 return True
         return False
 
     def _promote(self, gone: WaitingPrompt) -> None:
-        """The prompts waiting to copy ``gone``'s (which left the queue without its prompt
-        in): the first is prefilled itself, the others copy its."""
-        copies = [w for w in self.waiting if w.leader is gone]
-        for w in copies:
-            w.leader = copies[0] if w is not copies[0] else None
+        """``gone`` left the queue without its prompt in: the first of its copies is
+        prefilled itself instead, and the others copy that one's."""
+        if gone.key is not None and self._firsts.get(gone.key) is gone:
+            del self._firsts[gone.key]
+        if not gone.copies:
+            return
+        first, *rest = gone.copies
+        first.leader, first.copies, first.key = None, rest, gone.key
+        for w in rest:
+            w.leader = first
+        if gone.key is not None:
+            self._firsts[gone.key] = first
 
     def advance(self, budget: int | None) -> PrefillProgress:
         """Prefill up to ``budget`` prompt tokens (None: every waiting prompt to its end), the
@@ -202,14 +219,17 @@ class PrefillQueue:
         """``w``'s prompt is all in: the prompts waiting for it take its keys and values and
         are ready; one whose copy fails is prefilled itself."""
         copier = self.copier
-        for c in [c for c in self.waiting if c.leader is w]:
+        if w.key is not None and self._firsts.get(w.key) is w:
+            del self._firsts[w.key]
+        copies, w.copies = w.copies, []
+        for c in copies:
+            c.leader = None
             try:
                 assert copier is not None  # a prompt waits for another's only then (``add``)
                 copier.copy_prompt(w.act.slot, c.act.slot, len(w.tokens))
             except Exception:
                 log.exception("copying the prompt of session %s into session %s failed; "
                               "prefilling it", w.act.sid, c.act.sid)
-                c.leader = None
                 continue
             self.waiting.remove(c)
             self.tokens_left -= len(c.tokens)

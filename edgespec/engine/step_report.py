@@ -37,7 +37,7 @@ def step_report(accepted: Sequence[int], drafted: Sequence[int], sessions: int, 
     """The report of a step whose applied verdicts accepted ``accepted[i]`` of ``drafted[i]``
     draft tokens (one entry per session that committed); ``depths[i]``: the longest path of
     its draft (a tree's, branches included; default ``drafted``), what positions count."""
-    return StepReport(sessions, tokens, sum(1 for d in drafted if d), sum(drafted),
+    return StepReport(sessions, tokens, sum(map(bool, drafted)), sum(drafted),
                       sum(accepted), _per_position(accepted), take_s, forward_s, commit_s,
                       _per_position(drafted if depths is None else depths))
 

@@ -132,7 +132,7 @@ class VerifyBatch:
         copy)."""
         n = len(params)
         greedy = [p.greedy for p in params]
-        if all(greedy) and all(m == "exact" for m in modes):  # the common case: no copy at all
+        if all(greedy) and modes.count("exact") == n:  # the common case: no copy at all
             starts_t = kv_lengths + 1 if kv_lengths is not None else \
                 to_device([np.array(starts, dtype=np.int64)], nodes.device, torch.long)[0]
             return cls(tokens=nodes, parents=parents, depths=depths, counts=counts,
