@@ -240,11 +240,12 @@ class SpecEngine(StepDrafts):
         judged = self._verify(drafts)
         t2 = time.perf_counter() - self._decide_s  # the forward and verification alone
         self.prefill_s += self._settle_prefill()  # waited for with the verdicts
-        width = sum(d.width for d in drafts)
+        widths = [d.width for d in drafts]
+        width = sum(widths)
         # a claimed forward ran during the last step; a launching step's holds the next one's
         # launch
         if not async_prefill and claim is None and self.ahead.launched == launched:
-            self.cost.observe(len(drafts), max(d.width for d in drafts), t2 - t1)  # padded
+            self.cost.observe(len(drafts), max(widths), t2 - t1)  # padded
         decided = [d for d in judged if d is not None]  # None: its forward failed, alone
         if self.cfg.auto:  # each source's proposal, judged
             for d in decided:

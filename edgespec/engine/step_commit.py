@@ -136,10 +136,11 @@ class StepCommit(SessionLifecycle):
         """The draft lengths learn the step's verdicts, all sessions in one go: the chain's
         own acceptance, the branches'. A step that verified no draft token (a server serving
         alone, or drafts that did not pay) teaches nothing: its rows are not read."""
-        if not any(d.draft.tokens or d.draft.branch_tokens for d in applied):
+        drafted = [len(d.draft.tokens) for d in applied]
+        if not any(drafted) and not any(d.draft.branch_tokens for d in applied):
             return
         rows, B = self._rows_of([d.act for d in applied]), len(applied)
-        rows.record("update", np.fromiter((len(d.draft.tokens) for d in applied), np.int64, B),
+        rows.record("update", np.array(drafted, dtype=np.int64),
                     np.fromiter((d.verdict.n_accepted for d in applied), np.int64, B))
         # a row verified branch tokens; a fill's are the verifier's, not the drafter's: they
         # teach the drafter's branches nothing
