@@ -77,7 +77,8 @@ def test_a_cancelled_first_prompt_leaves_its_copies_to_the_next_of_them():
 
 def test_a_prompt_added_later_copies_whichever_of_its_kind_is_prefilled_now():
     """After the first is cancelled, a newcomer copies the prompt prefilled in its place;
-    after that one is in (and copied), a newcomer is prefilled itself."""
+    once that one is in, a newcomer copies a running session's slot; once every session of
+    the prompt ended, a newcomer is prefilled itself."""
     writer = CopyingWriter()
     queue = PrefillQueue(writer, chunk=4)
     prompt = [1, 2, 3, 4, 5]
@@ -88,9 +89,17 @@ def test_a_prompt_added_later_copies_whichever_of_its_kind_is_prefilled_now():
     step = queue.advance(None)
     assert writer.calls == [[(2, 4)], [(2, 1)]] and writer.copies == [(2, 3, 5)]
     assert step.ready == [c, d]
+    # c and d run on: a newcomer of the same prompt is copied from c's slot, no prefill
     e = _add(queue, 4, prompt)
-    assert queue.advance(None).ready == [e] and writer.calls[-1] == [(4, 1)]
-    assert len(writer.copies) == 1 and queue.tokens_left == 0
+    calls = len(writer.calls)
+    assert queue.advance(None).ready == [e] and writer.copies[-1] == (2, 4, 5)
+    assert len(writer.calls) == calls
+    # every session of that prompt ended (their slots may hold other sessions now): prefilled
+    for act in (c, d, e):
+        act.finish = "stop"
+    f = _add(queue, 5, prompt)
+    assert queue.advance(None).ready == [f] and writer.calls[-1] == [(5, 1)]
+    assert len(writer.copies) == 2 and queue.tokens_left == 0
 
 
 def test_a_failed_first_prefill_fails_alone_and_the_next_copy_is_prefilled():
@@ -217,3 +226,50 @@ def test_n_choices_of_one_prompt_decode_as_target_only(tiny, draft):
     assert shared_tokens == len(prompt) - 1 and own_tokens == 4 * (len(prompt) - 1)
     assert shared == own
     assert shared[0] == shared[1] == hf_greedy(tiny.model, prompt, 20)
+
+
+def test_a_failed_copy_from_a_running_session_is_prefilled():
+    writer = CopyingWriter(fail_copies={1})
+    queue = PrefillQueue(writer, chunk=8)
+    prompt = [1, 2, 3]
+    a = _add(queue, 0, prompt)
+    assert queue.advance(None).ready == [a]
+    b = _add(queue, 1, prompt)  # a runs: b is to copy its slot, and that copy fails
+    assert queue.advance(None).ready == [b] and writer.copies == []
+    assert writer.calls[-1] == [(1, 3)] and queue.tokens_left == 0
+
+
+def test_a_choice_a_step_later_copies_the_running_sessions_prompt(tiny):
+    """A second choice of a prompt reaching the engine after the first's prompt is in (as an
+    HTTP request's choices can, a step apart) copies the running session's slot: one prefill,
+    and both outputs what each gets with prefills of its own, the greedy one the model's."""
+    from edgespec.drafters import build_drafter
+
+    prompt = [1] + [4 + (13 * i) % 51 for i in range(40)]
+
+    def run(share: bool) -> tuple[list[int], list[int], int, int]:
+        runner = TargetRunner(tiny.model, n_slots=4, max_len=128)
+        if not share:
+            runner.copy_prompt = None
+        cfg = EngineConfig(max_sessions=4, max_context=128, prefill_budget=64)
+        with SpecEngine(runner, build_drafter("mag"), cfg, stop_ids={2}) as engine:
+            seen = []
+            advance = engine.prefilling.advance
+            engine.prefilling.advance = lambda b: (lambda p: seen.append(p) or p)(advance(b))
+            [a] = engine.admit([Admission(Request(list(prompt), 20))])
+            engine.step()
+            engine.step()
+            assert a in engine.active and a.output
+            [b] = engine.admit([Admission(Request(list(prompt), 20,
+                                                  SamplingParams(temperature=0.8, seed=5)))])
+            while engine.sessions:
+                engine.step()
+            return (a.output, b.output, sum(p.tokens for p in seen),
+                    sum(p.copied for p in seen))
+
+    a_shared, b_shared, prefilled, copied = run(True)
+    a_own, b_own, own_prefilled, own_copied = run(False)
+    assert (prefilled, copied) == (len(prompt) - 1, len(prompt) - 1)
+    assert (own_prefilled, own_copied) == (2 * (len(prompt) - 1), 0)
+    assert (a_shared, b_shared) == (a_own, b_own)
+    assert a_shared == hf_greedy(tiny.model, prompt, 20)

@@ -27,8 +27,11 @@ all in, its keys and values are copied into the other's slot (``copy_prompt``: o
 a layer, no forward). They are the bits its own prefill would write, since a token's keys and
 values depend only on the tokens before it (the kernels are batch-invariant and the parts cut
 at fixed positions). If the first fails or is cancelled, the next of its copies is prefilled
-in its place. A writer without ``copy_prompt`` prefills every prompt; a prompt whose logits
-are read is always prefilled itself.
+in its place. A prompt identical to one this queue put in whose session still runs (choices
+that reached the engine a step apart) is copied from that session's slot at the next
+``advance``: a running session's prompt positions are never written again. A writer without
+``copy_prompt`` prefills every prompt; a prompt whose logits are read is always prefilled
+itself (its parts are cut at its reader's chunk) and is no source either.
 """
 
 from __future__ import annotations
@@ -45,6 +48,8 @@ if TYPE_CHECKING:
     import torch
 
 log = logging.getLogger("edgespec.engine.prefill_queue")
+
+SOURCES_SWEPT = 256  # prompts remembered as sources before the ended sessions' are swept out
 
 
 class PromptWriter(Protocol):
@@ -93,6 +98,9 @@ class WaitingPrompt:
     leader: "WaitingPrompt | None" = None
     copies: "list[WaitingPrompt]" = field(default_factory=list)  # those it leads, in order
     key: tuple[int, ...] | None = None  # its tokens, where other prompts may copy its
+    # a running session whose slot holds these tokens' keys and values: copied at the next
+    # ``advance`` (None: not so)
+    source: ActiveSession | None = None
 
 
 @dataclass
@@ -118,6 +126,10 @@ class PrefillQueue:
         self.copier: PromptCopier | None = target if callable(
             getattr(target, "copy_prompt", None)) else None  # type: ignore[assignment]
         self._firsts: dict[tuple[int, ...], WaitingPrompt] = {}  # tokens -> the one prefilled
+        # tokens -> a session whose prompt this queue put in (prefilled or copied), while it
+        # runs (an ended one's entry is dropped when met, and in a sweep past SOURCES_SWEPT)
+        self._sources: dict[tuple[int, ...], ActiveSession] = {}
+        self._sourced: list[WaitingPrompt] = []  # waiting prompts with a ``source``
 
     def __len__(self) -> int:
         return len(self.waiting)
@@ -134,14 +146,23 @@ class PrefillQueue:
         w = WaitingPrompt(act, tokens, began=time.perf_counter(), reader=reader)
         if reader is None and self.copier is not None and tokens:
             key = tuple(tokens)
-            first = self._firsts.get(key)
-            if first is None:
-                w.key, self._firsts[key] = key, w
+            source = self._sources.get(key) if key not in self._firsts else None
+            if source is not None and source.finish is None:
+                w.source = source
+                self._sourced.append(w)
             else:
-                w.leader = first
-                first.copies.append(w)
+                self._lead_or_follow(w, key)
         self.waiting.append(w)
         self.tokens_left += len(tokens)
+
+    def _lead_or_follow(self, w: WaitingPrompt, key: tuple[int, ...]) -> None:
+        """``w`` copies the waiting prompt of its tokens prefilled itself, or is that one."""
+        first = self._firsts.get(key)
+        if first is None:
+            w.key, self._firsts[key] = key, w
+        else:
+            w.leader = first
+            first.copies.append(w)
 
     def remove(self, act: ActiveSession) -> bool:
         """Forget a waiting session (cancelled, failed); False if it is not here. Its copies
@@ -152,6 +173,8 @@ class PrefillQueue:
                 self.tokens_left -= len(w.tokens) - w.done
                 if w.leader is not None:
                     w.leader.copies.remove(w)
+                if w.source is not None:
+                    self._sourced.remove(w)
                 self._promote(w)
                 return True
         return False
@@ -176,6 +199,8 @@ class PrefillQueue:
         chunk or at its prompt's end) a pass, one shared write a pass, until a part does not
         fit what is left; at least one part whatever the budget."""
         out = PrefillProgress([], [])
+        if self._sourced:
+            self._copy_from_running(out)
         left = budget
         moved = False  # a part was taken this step: the next must fit the budget
         while self.waiting:
@@ -210,33 +235,69 @@ class PrefillQueue:
                     out.ready.append(w.act)
                     if w.reader is not None:
                         out.readers[id(w.act)] = w.reader
-                    self._copy_to_copies(w, out)
+                    else:
+                        self._copy_to_copies(w, out)
             if left is not None and left <= 0:
                 break
         return out
 
     def _copy_to_copies(self, w: WaitingPrompt, out: PrefillProgress) -> None:
         """``w``'s prompt is all in: the prompts waiting for it take its keys and values and
-        are ready; one whose copy fails is prefilled itself."""
-        copier = self.copier
+        are ready; one whose copy fails is prefilled itself. It is a source from now on."""
         if w.key is not None and self._firsts.get(w.key) is w:
             del self._firsts[w.key]
         copies, w.copies = w.copies, []
+        if self.copier is None:
+            return
+        key = w.key or tuple(w.tokens)
+        self._add_source(key, w.act)
         for c in copies:
             c.leader = None
-            try:
-                assert copier is not None  # a prompt waits for another's only then (``add``)
-                copier.copy_prompt(w.act.slot, c.act.slot, len(w.tokens))
-            except Exception:
-                log.exception("copying the prompt of session %s into session %s failed; "
-                              "prefilling it", w.act.sid, c.act.sid)
+            self._copied(c, w.act, key, out)
+
+    def _copy_from_running(self, out: PrefillProgress) -> None:
+        """The prompts whose tokens a running session's slot holds, copied from it; one
+        whose source ended meanwhile, or whose copy fails, is prefilled (or copies the
+        waiting prompt of its tokens that is)."""
+        sourced, self._sourced = self._sourced, []
+        for w in sourced:
+            source, w.source = w.source, None
+            assert source is not None  # listed in ``_sourced`` only then
+            key = tuple(w.tokens)
+            if source.finish is None and self._copied(w, source, key, out):
                 continue
-            self.waiting.remove(c)
-            self.tokens_left -= len(c.tokens)
-            out.copied += len(c.tokens)
-            c.done = len(c.tokens)
-            c.act.stats.prefill_s = time.perf_counter() - c.began
-            out.ready.append(c.act)
+            if self._sources.get(key) is source:
+                del self._sources[key]
+            self._lead_or_follow(w, key)
+
+    def _copied(self, c: WaitingPrompt, source: ActiveSession, key: tuple[int, ...],
+                out: PrefillProgress) -> bool:
+        """``c`` given ``source``'s slot's first positions (``c``'s tokens): ready, or False
+        where the copy failed (logged)."""
+        try:
+            assert self.copier is not None  # a prompt copies another's only then (``add``)
+            self.copier.copy_prompt(source.slot, c.act.slot, len(c.tokens))
+        except Exception:
+            log.exception("copying the prompt of session %s into session %s failed; "
+                          "prefilling it", source.sid, c.act.sid)
+            return False
+        self.waiting.remove(c)
+        self.tokens_left -= len(c.tokens)
+        out.copied += len(c.tokens)
+        c.done = len(c.tokens)
+        c.act.stats.prefill_s = time.perf_counter() - c.began
+        out.ready.append(c.act)
+        self._add_source(key, c.act)
+        return True
+
+    def _add_source(self, key: tuple[int, ...], act: ActiveSession) -> None:
+        """``act``'s slot holds ``key``'s prompt: a source while it runs (one a prompt: a
+        running one is kept). Ended sessions' entries are swept once there are many."""
+        held = self._sources.get(key)
+        if held is None or held.finish is not None:
+            self._sources[key] = act
+        if len(self._sources) > SOURCES_SWEPT:
+            self._sources = {k: a for k, a in self._sources.items() if a.finish is None}
 
     def _write(self, parts: list[tuple[WaitingPrompt, int]]) -> list[WaitingPrompt]:
         """One shared write of the parts; if it raises, each part alone, from where its slot
