@@ -152,6 +152,11 @@ def _reference_runner():
                 self.seq.pop(slot, None)
             super().prefill_parts(slots, parts, reads=reads)
 
+        def copy_prompt(self, src, dst, length):  # an identical prompt's prefill shared
+            self.fed[dst] = list(self.fed[src][:length])
+            self.seq.pop(dst, None)
+            super().copy_prompt(src, dst, length)
+
         def free_slot(self, slot):
             self.fed.pop(slot, None)
             self.seq.pop(slot, None)
