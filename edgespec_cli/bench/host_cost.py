@@ -35,7 +35,7 @@ import sys
 import time
 from collections import defaultdict
 from pathlib import Path
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Callable, TypeVar, cast
 
 from edgespec.config import ConfigError, EngineConfig
 
@@ -44,6 +44,7 @@ from .instant_runner import VOCAB, InstantRunner
 if TYPE_CHECKING:  # torch is imported where it runs: the parser is built without it
     from edgespec.runner.target_runner import TargetRunner
 
+T = TypeVar("T")
 STAGES = ("plan", "take", "propose", "verify", "decide", "place", "commit")
 
 
@@ -149,18 +150,20 @@ def _engine(store: str, drafter: str, n: int, right: float, wait_ms: float = 0.0
     return SpecEngine(target, built, cfg, set()), runner, lambda: None
 
 
-def _warm_up(engine, run) -> None:
-    """One run of the same size, the drafter's learned tables put back afterwards (the timed
-    run must not draft from what the warm-up taught it), the warm-up's closed sessions recorded
-    in the Redis store's fleet table (not while the timed run's steps use Redis)."""
+def _tables_kept(engine, run: Callable[[], T]) -> T:
+    """``run()``, then the drafter's learned tables put back as they were before it (the next
+    run must not draft from what this one taught it) and the run's closed sessions recorded in
+    the Redis store's fleet table (not while the next run's steps use Redis). The warm-up, and
+    the run of the host's totals before the run of the stages."""
     drafter = engine.drafter
     state = drafter.snapshot() if drafter is not None else None
-    run()
+    out = run()
     if drafter is not None:
         drafter.restore(state)
     finish = getattr(engine.store, "finish_recording", None)
-    if finish is not None:  # the Redis store: its fleet table taught before the timed run
+    if finish is not None:  # the Redis store: its fleet table taught before the next run
         finish()
+    return out
 
 
 def _timed(engine, times: dict[str, float], cpu: dict[str, float]) -> None:
@@ -217,7 +220,7 @@ def measure(store: str, drafter: str, n: int, new_tokens: int, right: float,
             results = engine.generate_many(reqs)
             return time.perf_counter() - t0, sum(len(r.token_ids) for r in results), results
 
-        _warm_up(engine, run)
+        _tables_kept(engine, run)  # the warm-up
         counted = {"steps": 0, "session_steps": 0}
         step = engine.step
 
@@ -243,13 +246,7 @@ def measure(store: str, drafter: str, n: int, new_tokens: int, right: float,
         # the host's total from a run with no stopwatch in the engine (a stage's two clock
         # reads and its wrapper cost ~4 us a stage and step here: ~30 us a step, a tenth of
         # one session's host work); the stages from a second run, drafting from the same table
-        state = engine.drafter.snapshot() if engine.drafter is not None else None
-        plain = timed_run()
-        if state is not None:
-            engine.drafter.restore(state)
-        finish = getattr(engine.store, "finish_recording", None)
-        if finish is not None:  # the first run's closed sessions recorded before the second
-            finish()
+        plain = _tables_kept(engine, timed_run)
         times: dict[str, float] = defaultdict(float)
         cpu: dict[str, float] = defaultdict(float)
         _timed(engine, times, cpu)
