@@ -46,13 +46,13 @@ __all__ = ["BigramTable", "MaGDrafter", "MaGSession", "TokenArray", "longest_suf
 class _Followers:
     __slots__ = ("counts", "total", "top", "share")
 
-    def __init__(self) -> None:
-        self.counts: dict[int, int] = {}  # at most max_followers entries
-        self.total = 0  # every observation, evicted followers' included
+    def __init__(self, first: int) -> None:  # a leader seen once, followed by ``first``
+        self.counts: dict[int, int] = {first: 1}  # at most max_followers entries
+        self.total = 1  # every observation, evicted followers' included
         # the most counted follower (the first of equals), None where not known until read:
         # kept by ``observe`` where that is plain, else found by the next read
-        self.top: int | None = None
-        self.share = 0.0  # the top's share of ``total``, read with it
+        self.top: int | None = first
+        self.share = 1.0  # the top's share of ``total``, read with it
 
 
 class BigramTable:
@@ -74,12 +74,12 @@ class BigramTable:
         max_leaders, max_followers = self.max_leaders, self.max_followers
         for a, b in zip(tokens, tokens[1:]):
             entry = get(a)
-            if entry is None:
-                entry = table[a] = _Followers()
+            if entry is None:  # a new leader (most of a prompt's): its first follower its top
+                table[a] = _Followers(b)
                 if len(table) > max_leaders:
                     table.popitem(last=False)
-            else:
-                touch(a)
+                continue
+            touch(a)
             counts = entry.counts
             top = entry.top
             entry.total += 1
