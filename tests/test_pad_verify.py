@@ -76,7 +76,7 @@ def test_the_device_rule_is_the_oracles_over_random_trees(sampled):
             want = verify_tree(logits[b, :1 + len(tree)], tree, params[b], starts[b], row_keep)
             flags = want.lenient if modes[b] == "pad" else [0] * len(want.path)
             assert (out.paths[b], out.tokens[b], out.lenient[b]) == \
-                (want.path, want.token, flags), (trial, b, modes[b])
+                (tuple(want.path), want.token, tuple(flags)), (trial, b, modes[b])
 
 
 def test_a_pad_row_without_a_rule_is_verified_exactly():
@@ -84,9 +84,9 @@ def test_a_pad_row_without_a_rule_is_verified_exactly():
     logits[0, :, 2] = 5.0  # the target chooses 2 everywhere
     vb = VerifyBatch.build([([1, 2], [-1, 0])], [5], [SamplingParams()], ["pad"])
     out = verify_step(logits, vb)
-    assert (out.paths, out.tokens, out.lenient) == ([[]], [2], [[]])
+    assert (out.paths, out.tokens, out.lenient) == ([()], [2], [()])
     out = verify_step(logits, vb, lenient=lambda lg, t, p: torch.ones_like(t, dtype=torch.bool))
-    assert (out.paths, out.tokens, out.lenient) == ([[0, 1]], [2], [[1, 0]])
+    assert (out.paths, out.tokens, out.lenient) == ([(0, 1)], [2], [(1, 0)])
 
 
 def test_loose_and_pad_rows_keep_their_own_rules_in_one_batch():
@@ -102,8 +102,8 @@ def test_loose_and_pad_rows_keep_their_own_rules_in_one_batch():
                            [SamplingParams(), SamplingParams()], ["loose", "pad"])
     never = lambda lg, t, p: torch.zeros_like(t, dtype=torch.bool)  # noqa: E731
     out = verify_step(logits, vb, LooseParams(entropy=1.0, window=2), lenient=never)
-    assert (out.paths, out.tokens) == ([[0, 1, 2], []], [1, 2])
-    assert out.lenient == [[1, 0, 0], []]  # the loose row's mismatch counts as lenient too
+    assert (out.paths, out.tokens) == ([(0, 1, 2), ()], [1, 2])
+    assert out.lenient == [(1, 0, 0), ()]  # the loose row's mismatch counts as lenient too
 
 
 def test_a_sampled_pad_row_keeps_no_token_its_filters_remove():
@@ -113,7 +113,7 @@ def test_a_sampled_pad_row_keeps_no_token_its_filters_remove():
                                                               seed=3)], ["pad"])
     always = lambda lg, t, p: torch.ones_like(t, dtype=torch.bool)  # noqa: E731
     out = verify_step(logits, vb, lenient=always)
-    assert (out.paths, out.tokens) == ([[]], [4])
+    assert (out.paths, out.tokens) == ([()], [4])
 
 
 def test_the_classifier_rule_reads_the_parents_position(runner, tmp_path):

@@ -84,7 +84,7 @@ def test_one_call_gives_each_rows_own_verdict(params):
         out = verify_step(logits, vb)
         for b, t in enumerate(trees):
             ref = verify_tree(logits[b, :1 + len(t)], t, params, starts[b])
-            assert (out.paths[b], out.tokens[b]) == (ref.path, ref.token)
+            assert (out.paths[b], out.tokens[b]) == (tuple(ref.path), ref.token)
 
 
 def _random_chains(rng: random.Random, settings: list[SamplingParams], most: int,
@@ -126,7 +126,7 @@ def test_a_batch_of_chains_gives_each_rows_own_verdict():
         out = verify_step(logits, vb, propose=propose)
         for b, t in enumerate(chains):
             ref = verify_tree(logits[b, :1 + len(t)], t, params[b], starts[b])
-            assert (out.paths[b], out.tokens[b]) == (ref.path, ref.token)
+            assert (out.paths[b], out.tokens[b]) == (tuple(ref.path), ref.token)
             assert out.proposals[b] == [len(ref.path), ref.token]
         general = VerifyBatch.build(drafts, starts, params, ["exact"] * len(chains))
         general.chains = False  # the trees' path over the same rows
@@ -154,7 +154,7 @@ def test_exact_chains_judged_on_the_host_as_on_the_device():
             (device.paths, device.tokens, device.lenient)
         for b, t in enumerate(chains):
             ref = verify_tree(logits[b, :1 + len(t)], t, params[b], starts[b])
-            assert (host.paths[b], host.tokens[b]) == (ref.path, ref.token)
+            assert (host.paths[b], host.tokens[b]) == (tuple(ref.path), ref.token)
 
 
 def test_rows_with_their_own_settings_and_modes_in_one_call():
@@ -191,7 +191,7 @@ def test_rows_with_their_own_settings_and_modes_in_one_call():
                 assert (len(out.paths[b]), out.tokens[b]) == (n, token), (b, p)
             else:
                 ref = verify_tree(logits[b, :1 + len(t)], t, p, starts[b])
-                assert (out.paths[b], out.tokens[b]) == (ref.path, ref.token), (b, p)
+                assert (out.paths[b], out.tokens[b]) == (tuple(ref.path), ref.token), (b, p)
 
 
 def test_siblings_holding_the_same_token_give_one_path():
@@ -203,7 +203,7 @@ def test_siblings_holding_the_same_token_give_one_path():
     vb = VerifyBatch.build([(tree.tokens, tree.parents)], [3], [SamplingParams()], ["exact"])
     out = verify_step(logits, vb)
     ref = verify_tree(logits[0], tree, SamplingParams(), 3)
-    assert out.paths == [ref.path] == [[0, 2]] and out.tokens == [ref.token]
+    assert out.paths == [tuple(ref.path)] == [(0, 2)] and out.tokens == [ref.token]
 
 
 def test_sampled_choices_equal_the_host_keyed_choice():

@@ -95,15 +95,20 @@ def row_decisions(drafts: Sequence[StepDraft], nodes: Sequence[tuple[Sequence[in
     for d, (tokens, _), path, token, kept in zip(drafts, nodes, out.paths, out.tokens,
                                                  out.lenient):
         act = d.act
+        room = act.req.max_new_tokens - len(act.output)
         if not d.branches:  # a chain: its path is its first nodes, all the drafter's
             verdict = Verdict(act.sid, d.epoch, d.start, len(path), token, wanted=act.wanted)
+            new = [*d.tokens[:len(path)], token]
+            if len(new) < room and (not stop_ids or stop_ids.isdisjoint(new)):
+                # nothing to cut (most rows): ``decide``'s answer, without its checks
+                decided.append(Decision(d, verdict, tuple(path), tuple(kept), new))
+                continue
         else:  # a branch's nodes (even one that extends the chain) follow the chain's
             n = bisect_left(path, len(d.tokens))  # the path's chain nodes come first
             branch = tuple(tokens[i] for i in path[n:])
             verdict = Verdict(act.sid, d.epoch, d.start, n, token, branch=branch,
                               own_branch=bool(branch) and not d.kept_branch(n, branch),
                               wanted=act.wanted)
-        room = act.req.max_new_tokens - len(act.output)
         decided.append(decide(d, verdict, room, stop_ids, tuple(path), tuple(kept)))
     return decided
 

@@ -178,13 +178,14 @@ def _greedy_exact_rows(n: int, device: torch.device) -> dict[str, torch.Tensor]:
 @dataclass(frozen=True)
 class VerifyOutcome:
     """Per row: the accepted path (node indices, root's child first), the token the target
-    emits after it, and which of the path's nodes only a lossy rule kept."""
+    emits after it, and which of the path's nodes only a lossy rule kept (tuples: a chain's
+    are shared between rows and steps)."""
 
-    paths: list[list[int]]
+    paths: list[tuple[int, ...]]
     tokens: list[int]
     proposals: list[list[int]] = field(default_factory=list)  # a proposer's next drafts
     # per row, one flag (0/1) per path node: 1 where the exact rule would have rejected it
-    lenient: list[list[int]] = field(default_factory=list)
+    lenient: list[tuple[int, ...]] = field(default_factory=list)
 
 
 # drafts the next step on the device from a step's decisions: (accepted [B, N] bool, emitted
@@ -327,9 +328,9 @@ def _verify_adjusted(logits: torch.Tensor, vb: VerifyBatch, loose: LooseParams |
     if propose is not None:
         parts.append(propose(accepted, token[:, 0]))
     host = to_host(torch.cat(parts, 1)).tolist()  # the step's one sync
-    return VerifyOutcome([r[2:2 + r[1]] for r in host], [r[0] for r in host],
+    return VerifyOutcome([tuple(r[2:2 + r[1]]) for r in host], [r[0] for r in host],
                          [r[2 + 2 * N:] for r in host] if propose is not None else [],
-                         [r[2 + N:2 + N + r[1]] for r in host])
+                         [tuple(r[2 + N:2 + N + r[1]]) for r in host])
 
 
 def decode_choices(logits: torch.Tensor, vb: VerifyBatch) -> torch.Tensor:
@@ -382,8 +383,16 @@ def _chains_outcome(counts: list[int], tokens: list[int], proposals: list[list[i
                     ) -> VerifyOutcome:
     """Exact chains' outcome from each row's accepted count and emitted token: a chain's
     path is its first nodes, none kept by a lossy rule."""
-    return VerifyOutcome([list(range(c)) for c in counts], tokens, proposals,
-                         [[0] * c for c in counts])
+    paths, kept = _CHAIN_PATHS, _NONE_KEPT
+    if max(counts, default=0) >= len(paths):  # past the tables (not a step's widths)
+        return VerifyOutcome([tuple(range(c)) for c in counts], tokens, proposals,
+                             [(0,) * c for c in counts])
+    return VerifyOutcome([paths[c] for c in counts], tokens, proposals, [kept[c] for c in counts])
+
+
+# a chain's accepted path, and its lossy-kept flags (none), by its length: shared, read-only
+_CHAIN_PATHS = [tuple(range(c)) for c in range(65)]
+_NONE_KEPT = [(0,) * c for c in range(65)]
 
 
 def _accepted_in_tree(match: torch.Tensor, exact: torch.Tensor, tokens: torch.Tensor,
