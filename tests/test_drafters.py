@@ -293,6 +293,25 @@ def test_a_mag_sessions_drafts_follow_its_tokens_through_rollbacks(monkeypatch):
                 s.retract(rng.randint(1, len(s.tokens)))
 
 
+def test_a_full_bigram_table_forgets_its_least_recently_used_leaders_a_batch_at_once():
+    """A table that overflows forgets its least recently used leaders (a use: observed with a
+    follower, or read), enough to make room for ``max_leaders // FORGET_SHARE`` more, so that
+    it never holds more than ``max_leaders``."""
+    from edgespec.drafters.mag import BigramTable
+
+    t = BigramTable(max_leaders=64, max_followers=2)
+    for leader in range(64):
+        t.observe([leader, 1])
+    assert t.best(0) == (1, 1.0) and t.chain(1, 1, 0.0) == [1]  # 0 and 1 used again
+    t.observe([64, 1])  # a 65th leader: the five least recently used of the others go
+    assert len(t) == 64 - 64 // BigramTable.FORGET_SHARE
+    assert [a for a in range(65) if not t.followers(a)] == [2, 3, 4, 5, 6]
+    for leader in range(100, 200):
+        t.observe([leader, 2])
+        assert len(t) <= 64
+    assert t.best(199) == (2, 1.0) and t.best(3) == (None, 0.0)
+
+
 def test_a_bigram_tables_best_follows_what_it_observes():
     """``best`` (kept by ``observe`` where plain, else found when read) is the most counted
     follower, the first of equals, and its share, after every observation, eviction and ties
@@ -342,4 +361,5 @@ def test_a_bigram_chain_is_best_read_token_by_token():
         twin = copy.deepcopy(table)
         token, k, bar = rng.randrange(18), rng.randint(0, 12), rng.choice([0.0, 0.3, 0.5, 0.7])
         assert table.chain(token, k, bar) == by_best(twin, token, k, bar)
-        assert list(table._followers) == list(twin._followers)  # the same recency order
+        recency = [(a, e.used) for a, e in table._followers.items()]
+        assert recency == [(a, e.used) for a, e in twin._followers.items()]  # the same uses

@@ -12,8 +12,9 @@ verifier confirmed (the tokens before a fix). So a device that serves many reque
 learns that kind's frequent continuations. A bigram is proposed only when that follower made up
 at least ``bigram_min_share`` of the token's observed followers, so rare guesses cost no
 verification width. The table is bounded, however long the drafter lives: at most
-``max_bigram_leaders`` tokens (the least recently seen is forgotten first), each with at most
-``max_bigram_followers`` followers (a new follower replaces the least counted one).
+``max_bigram_leaders`` tokens (the least recently seen are forgotten first, a sixteenth of the
+table at once when it is full), each with at most ``max_bigram_followers`` followers (a new
+follower replaces the least counted one).
 
 Drafting only where acceptance is likely: a suffix match of n tokens proposes at most
 ``n * tokens_per_match_token`` tokens, so a one-token match (weak evidence) sends a short draft
@@ -31,7 +32,7 @@ half ``bigram_min_share``, one per position, the first positions first.
 from __future__ import annotations
 
 import copy
-from collections import OrderedDict
+import heapq
 
 
 from ..config import SamplingParams
@@ -44,42 +45,63 @@ __all__ = ["BigramTable", "MaGDrafter", "MaGSession", "TokenArray", "longest_suf
 
 
 class _Followers:
-    __slots__ = ("counts", "total", "top", "share")
+    __slots__ = ("counts", "total", "top", "share", "used")
 
-    def __init__(self, first: int) -> None:  # a leader seen once, followed by ``first``
+    def __init__(self, first: int, used: int) -> None:  # a leader seen once, with ``first``
         self.counts: dict[int, int] = {first: 1}  # at most max_followers entries
         self.total = 1  # every observation, evicted followers' included
         # the most counted follower (the first of equals), None where not known until read:
         # kept by ``observe`` where that is plain, else found by the next read
         self.top: int | None = first
         self.share = 1.0  # the top's share of ``total``, read with it
+        self.used = used  # the table's use count at its last use (observed or read)
 
 
 class BigramTable:
-    """Follower counts per leader token, bounded: at most ``max_leaders`` leaders (least recently
-    used evicted) and ``max_followers`` followers per leader (least counted evicted)."""
+    """Follower counts per leader token, bounded: at most ``max_leaders`` leaders (the least
+    recently used forgotten first) and ``max_followers`` followers per leader (the least
+    counted evicted). A leader's last use is a stamp from a count of uses, not its place in
+    an ordered dict: a use (several a session-step: each observed pair, each read of a chain)
+    is one attribute set where moving an entry to a dict's end was a call. A table that
+    overflows forgets its least recently used leaders at once, found in one pass over the
+    stamps, down to ``max_leaders - max_leaders // FORGET_SHARE`` (all but one: a table of
+    fewer than FORGET_SHARE leaders forgets one at a time)."""
+
+    FORGET_SHARE = 16
 
     def __init__(self, max_leaders: int = 16384, max_followers: int = 8) -> None:
         if max_leaders < 1 or max_followers < 1:
             raise ValueError("a bigram table needs room for at least one leader and follower")
         self.max_leaders, self.max_followers = max_leaders, max_followers
-        self._followers: OrderedDict[int, _Followers] = OrderedDict()
+        self._followers: dict[int, _Followers] = {}
+        self._uses = 0  # leaders' uses so far: a leader's ``used`` is the count at its last
 
     def __len__(self) -> int:
         return len(self._followers)
 
+    def _forget(self) -> None:
+        """Drop the least recently used leaders: back within ``max_leaders``, with room for
+        ``max_leaders // FORGET_SHARE`` more."""
+        table = self._followers
+        gone = len(table) - self.max_leaders + self.max_leaders // self.FORGET_SHARE
+        oldest = heapq.nsmallest(gone, table.items(), key=lambda kv: kv[1].used)
+        for leader, _ in oldest:
+            del table[leader]
+
     def observe(self, tokens: list[int]) -> None:
         table = self._followers
-        get, touch = table.get, table.move_to_end  # bound once: a pair costs a few lookups
+        get = table.get  # bound once: a pair costs a few lookups
         max_leaders, max_followers = self.max_leaders, self.max_followers
+        uses = self._uses
         for a, b in zip(tokens, tokens[1:]):
+            uses += 1
             entry = get(a)
             if entry is None:  # a new leader (most of a prompt's): its first follower its top
-                table[a] = _Followers(b)
+                table[a] = _Followers(b, uses)
                 if len(table) > max_leaders:
-                    table.popitem(last=False)
+                    self._forget()
                 continue
-            touch(a)
+            entry.used = uses
             counts = entry.counts
             top = entry.top
             entry.total += 1
@@ -105,6 +127,7 @@ class BigramTable:
             entry.top = top
             if top is not None:
                 entry.share = counts[top] / entry.total
+        self._uses = uses
 
     def followers(self, token: int) -> dict[int, int]:
         entry = self._followers.get(token)
@@ -115,7 +138,8 @@ class BigramTable:
         entry = self._followers.get(token)
         if entry is None or not entry.counts:
             return None, 0.0
-        self._followers.move_to_end(token)
+        self._uses += 1
+        entry.used = self._uses
         nxt = entry.top
         if nxt is None:
             nxt = entry.top = max(entry.counts, key=entry.counts.__getitem__)
@@ -126,8 +150,8 @@ class BigramTable:
         """Up to k tokens, each the most frequent follower (``best``) of the one before,
         starting after ``token``: the chain ends before a follower whose share is below
         ``min_share``. Each leader read counts as a use of it, as ``best``'s does."""
-        table = self._followers
-        get, touch = table.get, table.move_to_end
+        get = self._followers.get
+        uses = self._uses
         out: list[int] = []
         for _ in range(k):
             entry = get(token)
@@ -140,11 +164,13 @@ class BigramTable:
                     break
                 nxt = entry.top = max(counts, key=counts.__getitem__)
                 entry.share = counts[nxt] / entry.total
-            touch(token)
+            uses += 1
+            entry.used = uses
             if entry.share < min_share:
                 break
             out.append(nxt)
             token = nxt
+        self._uses = uses
         return out
 
     def runner_up(self, token: int, besides: int) -> tuple[int | None, float]:
