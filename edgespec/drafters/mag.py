@@ -45,15 +45,14 @@ __all__ = ["BigramTable", "MaGDrafter", "MaGSession", "TokenArray", "longest_suf
 
 
 class _Followers:
-    __slots__ = ("counts", "total", "top", "share", "used")
+    __slots__ = ("counts", "total", "top", "used")
 
     def __init__(self, first: int, used: int) -> None:  # a leader seen once, with ``first``
         self.counts: dict[int, int] = {first: 1}  # at most max_followers entries
         self.total = 1  # every observation, evicted followers' included
         # the most counted follower (the first of equals), None where not known until read:
         # kept by ``observe`` where that is plain, else found by the next read
-        self.top: int | None = first
-        self.share = 1.0  # the top's share of ``total``, read with it
+        self.top: int | None = first  # its share of ``total``: computed where it is read
         self.used = used  # the table's use count at its last use (observed or read)
 
 
@@ -106,8 +105,7 @@ class BigramTable:
             top = entry.top
             entry.total += 1
             if b == top:  # the most counted follower counted again (most pairs): it stays
-                n = counts[b] = counts[b] + 1
-                entry.share = n / entry.total
+                counts[b] += 1
                 continue
             seen = counts.get(b)
             if seen is not None:
@@ -125,8 +123,6 @@ class BigramTable:
             if top is not None and n >= counts[top]:
                 top = b if n > counts[top] else None
             entry.top = top
-            if top is not None:
-                entry.share = counts[top] / entry.total
         self._uses = uses
 
     def followers(self, token: int) -> dict[int, int]:
@@ -140,11 +136,10 @@ class BigramTable:
             return None, 0.0
         self._uses += 1
         entry.used = self._uses
-        nxt = entry.top
+        counts, nxt = entry.counts, entry.top
         if nxt is None:
-            nxt = entry.top = max(entry.counts, key=entry.counts.__getitem__)
-            entry.share = entry.counts[nxt] / entry.total
-        return nxt, entry.share
+            nxt = entry.top = max(counts, key=counts.__getitem__)
+        return nxt, counts[nxt] / entry.total
 
     def chain(self, token: int, k: int, min_share: float) -> list[int]:
         """Up to k tokens, each the most frequent follower (``best``) of the one before,
@@ -157,16 +152,14 @@ class BigramTable:
             entry = get(token)
             if entry is None:
                 break
-            nxt = entry.top
+            counts, nxt = entry.counts, entry.top
             if nxt is None:
-                counts = entry.counts
                 if not counts:
                     break
                 nxt = entry.top = max(counts, key=counts.__getitem__)
-                entry.share = counts[nxt] / entry.total
             uses += 1
             entry.used = uses
-            if entry.share < min_share:
+            if counts[nxt] / entry.total < min_share:
                 break
             out.append(nxt)
             token = nxt
