@@ -116,7 +116,9 @@ class StepDrafts(StepCommit):
         for want, t in zip(wants, taken):
             act = acts[want.session_id]
             if act.drafter and want.k > 0 and isinstance(t, TakenDraft) and t.drafting:
-                c = counts.setdefault(act.drafter, [0, 0, 0, 0, False, 0, 0, 0, 0])
+                c = counts.get(act.drafter)
+                if c is None:
+                    c = counts[act.drafter] = [0, 0, 0, 0, False, 0, 0, 0, 0]
                 c[0] += 1
                 c[1] += t.ready
                 c[2] += bool(t.tokens)
