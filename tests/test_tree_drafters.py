@@ -39,9 +39,11 @@ def check_tree(draft: Draft, chain: list[int], k: int, width: int) -> None:
 
 
 def learned(drafter):
-    """What a drafter has learned, in LRU order (so a touched leader shows)."""
+    """What a drafter has learned, with each leader's recency (so a touched leader shows:
+    MaG's stamp of its last use, Cacheback's place in its LRU order)."""
     if isinstance(drafter, MaGDrafter):
-        return [(a, dict(e.counts), e.total) for a, e in drafter.bigrams._followers.items()]
+        return [(a, dict(e.counts), e.total, e.used)
+                for a, e in drafter.bigrams._followers.items()]
     if isinstance(drafter, CachebackDrafter):
         return [list(drafter.table._followers.items()),
                 list(drafter.fleet_mirror._followers.items())]

@@ -263,8 +263,9 @@ class LocalSessionStore:
             states = [self.sessions.get(w.session_id) for w in wants]
             until = {w.session_id: w.waits_until(deadline, now) for st, w in zip(states, wants)
                      if st is not None and w.wait and not st.draft_ready(w.k)}
-            self._awaited = {w.session_id: w.k for w in wants if w.session_id in until} \
-                if until else {}
+            self._awaited = {}
+            if until:  # a draft to wait for (never when drafted inline)
+                self._awaited = {w.session_id: w.k for w in wants if w.session_id in until}
             while self._awaited:
                 now = time.monotonic()
                 for sid in [s for s in self._awaited if until[s] <= now]:

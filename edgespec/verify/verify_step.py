@@ -178,8 +178,8 @@ def _greedy_exact_rows(n: int, device: torch.device) -> dict[str, torch.Tensor]:
 @dataclass(frozen=True)
 class VerifyOutcome:
     """Per row: the accepted path (node indices, root's child first), the token the target
-    emits after it, and which of the path's nodes only a lossy rule kept (tuples: a chain's
-    are shared between rows and steps)."""
+    emits after it, and which of the path's nodes only a lossy rule kept (tuples, read-only:
+    a chain's are shared between rows and steps)."""
 
     paths: list[tuple[int, ...]]
     tokens: list[int]
