@@ -53,6 +53,14 @@ class DraftRates:
         # gathered: a broadcast comparison costs several times a gather on these shapes)
         self._below = np.arange(K + 1)[:, None] > np.arange(K)[None]
         self._below_ones = self._below.astype(np.float64)  # the same as 1.0 and 0.0
+        # a new session's row: the chain's prior, no position tested yet, every position's
+        # supply held from one trial, the branches' prior
+        self._prior = np.zeros(_POSITIONS + 3 * K)
+        self._prior[[_CHAIN_HITS, _CHAIN_TRIALS]] = prior_alpha * prior_trials, prior_trials
+        self._prior[self._held] = 1.0
+        self._prior[_HELD_TRIALS] = 1.0
+        self._prior[[_BRANCH_HITS, _BRANCH_TRIALS]] = (BRANCH_PRIOR[0] * BRANCH_PRIOR[1],
+                                                        BRANCH_PRIOR[1])
         self.reset(np.arange(n))
 
     @property
@@ -95,14 +103,7 @@ class DraftRates:
     def reset(self, rows: np.ndarray | int, k_init: int | None = None) -> None:
         """Rows back to the priors (a new session in the slot)."""
         k = self.k_max if k_init is None else max(self.k_min, min(self.k_max, k_init))
-        self.chain_hits[rows] = self.prior_alpha * self.prior_trials
-        self.chain_trials[rows] = self.prior_trials
-        self.at_hits[rows] = 0.0  # a position's own rate: its hits and trials
-        self.at_trials[rows] = 0.0
-        self.held_hits[rows] = 1.0  # a position's supply: held when asked, from one trial
-        self.held_trials[rows] = 1.0
-        self.branch_hits[rows] = BRANCH_PRIOR[0] * BRANCH_PRIOR[1]
-        self.branch_trials[rows] = BRANCH_PRIOR[1]
+        self._data[rows] = self._prior  # one write of the priors' row (``__init__``)
         self.k[rows] = k
         self.generation[rows] += 1
 
