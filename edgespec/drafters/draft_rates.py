@@ -53,6 +53,16 @@ class DraftRates:
         # gathered: a broadcast comparison costs several times a gather on these shapes)
         self._below = np.arange(K + 1)[:, None] > np.arange(K)[None]
         self._below_ones = self._below.astype(np.float64)  # the same as 1.0 and 0.0
+        # [K + 1, 2K]: for ``update``'s positions' hits and trials side by side (``_at``, then
+        # ``_tried``): row m tests positions 0..m-1 of both; adds 1.0 to the hits of 0..m-1
+        # and to every trial (masked by the test)
+        self._tested = np.concatenate([self._below, self._below], 1)
+        self._passed_or_tried = np.concatenate([self._below_ones, np.ones((K + 1, K))], 1)
+        # [2(K + 1)]: the next length after a draft of length k, index k after a rejection,
+        # K + 1 + k after a full accept (the schedule: 1 shorter, or 2 longer)
+        lengths = np.arange(K + 1)
+        self._k_next = np.concatenate([np.maximum(k_min, lengths - 1),
+                                       np.minimum(k_max, lengths + 2)])
         # a new session's row: the chain's prior, no position tested yet, every position's
         # supply held from one trial, the branches' prior
         self._prior = np.zeros(_POSITIONS + 3 * K)
@@ -175,19 +185,19 @@ class DraftRates:
                 return
         K = self.k_max
         b = self._data.take(rows, 0)  # [B, C]
-        b[:, _CHAIN_HITS] = DECAY * b[:, _CHAIN_HITS] + accepted
-        b[:, _CHAIN_TRIALS] = DECAY * b[:, _CHAIN_TRIALS] + accepted + (accepted < drafted)
-        # tested: the positions drafted up to the first miss
-        tried = self._below.take(np.minimum(np.minimum(drafted, accepted + 1), K), 0)
-        hits, trials = b[:, self._at], b[:, self._tried]  # [B, K] views of b
-        passed = self._below_ones.take(np.minimum(accepted, K), 0)
-        np.copyto(hits, DECAY * hits + passed, where=tried)
-        np.copyto(trials, DECAY * trials + 1.0, where=tried)
+        chain = b[:, _CHAIN_HITS:_CHAIN_TRIALS + 1]  # [B, 2]: hits, trials (a view of b)
+        chain *= DECAY
+        chain += accepted[:, None]
+        b[:, _CHAIN_TRIALS] += accepted < drafted  # a miss: one more trial
+        # the positions' hits and trials side by side, each tested up to the first miss
+        tested = self._tested.take(np.minimum(np.minimum(drafted, accepted + 1), K), 0)
+        positions = b[:, self._at.start:self._tried.stop]  # [B, 2K] (a view of b)
+        added = self._passed_or_tried.take(np.minimum(accepted, K), 0)  # [B, 2K]
+        np.copyto(positions, DECAY * positions + added, where=tested)
         self._data[rows] = b
         if self.adaptive:
-            k = self.k[rows]
-            self.k[rows] = np.where(accepted == drafted, np.minimum(self.k_max, k + 2),
-                                    np.maximum(self.k_min, k - 1))
+            full = self.k.take(rows) + (K + 1) * (accepted == drafted)
+            self.k[rows] = self._k_next.take(full)
 
     def update_branches(self, rows: np.ndarray, verified: np.ndarray,
                         accepted: np.ndarray) -> None:
