@@ -52,7 +52,8 @@ def test_identical_prompts_are_prefilled_once_and_copied_when_the_first_is_in():
     same, other = [1, 5, 6, 7, 8, 9], [1, 5, 6, 7, 8, 4]
     a, b, c, d = (_add(queue, 0, same), _add(queue, 1, other), _add(queue, 2, same),
                   _add(queue, 3, same))
-    assert queue.tokens_left == 24  # the copies' tokens counted until they are in
+    assert queue.tokens_left == 12  # a's and b's: c and d copy a's, no prefill of theirs
+    assert queue.shared_keys() == {tuple(same), tuple(other)}
     step = queue.advance(8)  # a's and b's first parts
     assert writer.calls == [[(0, 4), (1, 4)]] and step.ready == [] and writer.copies == []
     step = queue.advance(8)  # their ends: a's in, so c and d take it
@@ -69,7 +70,9 @@ def test_a_cancelled_first_prompt_leaves_its_copies_to_the_next_of_them():
     prompt = [1, 2, 3, 4, 5]
     a, b, c = _add(queue, 0, prompt), _add(queue, 1, prompt), _add(queue, 2, prompt)
     queue.advance(4)
+    assert queue.tokens_left == 1  # a's last token: b and c copy it
     assert queue.remove(a)
+    assert queue.tokens_left == 5  # b is prefilled in a's place, from the start
     step = queue.advance(None)  # b prefilled from the start, c copies b's
     assert writer.calls[1:] == [[(1, 4)], [(1, 1)]] and writer.copies == [(1, 2, 5)]
     assert step.ready == [b, c] and queue.tokens_left == 0
@@ -94,9 +97,11 @@ def test_a_prompt_added_later_copies_whichever_of_its_kind_is_prefilled_now():
     calls = len(writer.calls)
     assert queue.advance(None).ready == [e] and writer.copies[-1] == (2, 4, 5)
     assert len(writer.calls) == calls
+    assert queue.shared_keys() == {tuple(prompt)}  # running: a newcomer copies its slot
     # every session of that prompt ended (their slots may hold other sessions now): prefilled
     for act in (c, d, e):
         act.finish = "stop"
+    assert queue.shared_keys() == set()
     f = _add(queue, 5, prompt)
     assert queue.advance(None).ready == [f] and writer.calls[-1] == [(5, 1)]
     assert len(writer.copies) == 2 and queue.tokens_left == 0
@@ -273,3 +278,29 @@ def test_a_choice_a_step_later_copies_the_running_sessions_prompt(tiny):
     assert (own_prefilled, own_copied) == (2 * (len(prompt) - 1), 0)
     assert (a_shared, b_shared) == (a_own, b_own)
     assert a_shared == hf_greedy(tiny.model, prompt, 20)
+
+
+def test_the_pace_counts_a_prompt_the_queue_copies_once(tiny):
+    """Admission pacing (``Scheduler._prompts_ahead``) counts the prefill a deadline waits for
+    as the queue does it: a prompt identical to one waiting, running or pending once, a prompt
+    whose logits are read (it is prefilled itself) and another prompt in full."""
+    from verifier_node.scheduler import Scheduler
+    from verifier_node.tickets import Ticket
+
+    runner = TargetRunner(tiny.model, n_slots=6, max_len=160)
+    prompt, other = [1, 5, 6, 7] * 10, [3, 4] * 8
+    with SpecEngine(runner, None, EngineConfig(max_sessions=6, max_context=160), set()) as engine:
+        sched = Scheduler(engine, max_queue=8)  # not started: submitted tickets stay pending
+        for _ in range(3):  # a request's three choices
+            sched.submit(Ticket(Request(list(prompt), 4), None))
+        assert sched._prompts_ahead(Request(list(prompt), 4)) == 40  # one prefill of four
+        assert sched._prompts_ahead(Request(list(prompt), 4, prompt_logprobs=1)) == 80
+        assert sched._prompts_ahead(Request(list(other), 4)) == 40 + 16
+        engine.admit([Admission(Request(list(prompt), 4)) for _ in range(2)])
+        # the queue prefills the first's 39 (its last token is the first step's): the pending
+        # three and a fourth copy it
+        assert engine.prefilling.tokens_left == 39
+        assert sched._prompts_ahead(Request(list(prompt), 4)) == 39
+        engine.step()  # prefilled and running: a newcomer copies a running session's slot
+        assert engine.prefilling.tokens_left == 0
+        assert sched._prompts_ahead(Request(list(prompt), 4)) == 0

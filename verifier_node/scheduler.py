@@ -23,7 +23,7 @@ from collections import deque
 from typing import NamedTuple
 
 from edgespec.config import ConfigError
-from edgespec.engine.spec_engine import Admission, Result, SessionFailed, SpecEngine
+from edgespec.engine.spec_engine import Admission, Request, Result, SessionFailed, SpecEngine
 from edgespec.protocol.request_stats import Stats
 from edgespec.protocol.contract import StoreUnavailable
 
@@ -152,9 +152,7 @@ class Scheduler(threading.Thread):
         req = ticket.request
         ahead = sum(max(0, t.request.max_new_tokens - len(t.tokens))
                     for t in self._tickets.values())
-        prompts = len(req.prompt_ids) + len(req.committed) + sum(
-            len(t.request.prompt_ids) + len(t.request.committed) for t in self._pending) + \
-            self.engine.prefilling.tokens_left  # admitted, their prefill still to come
+        prompts = self._prompts_ahead(req)
         batch = min(self.engine.cfg.max_sessions, len(self._tickets) + 1)
         verdict = self.pace.verdict(max(0, req.max_new_tokens - len(req.committed)), ahead,
                                     prompts, deadline_s, batch)
@@ -162,6 +160,24 @@ class Scheduler(threading.Thread):
             if self.metrics is not None:
                 self.metrics.refused_for_pace()
             raise TooSlowForDeadline(verdict)
+
+    def _prompts_ahead(self, req: Request) -> int:
+        """Prompt tokens to prefill before ``req``'s first token, its own included (the lock
+        held): the prefill queue's, then the pending tickets' and ``req``'s, where a prompt the
+        queue would copy (the same tokens as one counted, as waiting, running or pending, its
+        logits read by no one, no image) counts once: the queue prefills it once (the ``n``
+        choices of a request arrive as ``n`` tickets)."""
+        queue = self.engine.prefilling
+        total = queue.tokens_left  # admitted, their prefill still to come
+        seen = queue.shared_keys()
+        for r in [*(t.request for t in self._pending), req]:
+            if queue.copier is not None and r.prompt_logprobs is None and r.images is None:
+                key = tuple((r.prompt_ids + r.committed)[:-1])  # what the queue is given
+                if key and key in seen:
+                    continue
+                seen.add(key)
+            total += len(r.prompt_ids) + len(r.committed)
+        return total
 
     def ticket(self, session_id: str) -> Ticket | None:
         with self._lock:

@@ -119,9 +119,6 @@ class PrefillQueue:
     def __init__(self, target: PromptWriter, chunk: int):
         self.target, self.chunk = target, chunk
         self.waiting: list[WaitingPrompt] = []
-        # prompt tokens still to prefill, copies of a waiting prompt included until they are in
-        # (an estimate for admission pacing; read by other threads)
-        self.tokens_left = 0
         # identical prompts share one prefill where the writer can copy a slot's prompt
         self.copier: PromptCopier | None = target if callable(
             getattr(target, "copy_prompt", None)) else None  # type: ignore[assignment]
@@ -138,6 +135,24 @@ class PrefillQueue:
     def sessions(self) -> list[ActiveSession]:
         return [w.act for w in self.waiting]
 
+    @property
+    def tokens_left(self) -> int:
+        """Prompt tokens still to prefill: the waiting prompts' that will be prefilled, not
+        those to be copied from another's slot (an estimate for admission pacing, read by
+        other threads: from a copy of the list)."""
+        return sum(len(w.tokens) - w.done for w in list(self.waiting)
+                   if w.leader is None and w.source is None)
+
+    def shared_keys(self) -> set[tuple[int, ...]]:
+        """The prompts (as ``add`` is given them) a newcomer would copy rather than prefill:
+        those waiting to be prefilled, and those of running sessions this queue put in (none
+        where the writer cannot copy). Read by other threads: from copies, as the
+        interpreter makes them whole."""
+        if self.copier is None:
+            return set()
+        running = dict(self._sources)
+        return set(self._firsts) | {k for k, act in running.items() if act.finish is None}
+
     def add(self, act: ActiveSession, tokens: list[int], reader: PartReader | None = None
             ) -> None:
         """Queue a session's prompt; ``reader``: what reads its logits (its parts then end at
@@ -153,7 +168,6 @@ class PrefillQueue:
             else:
                 self._lead_or_follow(w, key)
         self.waiting.append(w)
-        self.tokens_left += len(tokens)
 
     def _lead_or_follow(self, w: WaitingPrompt, key: tuple[int, ...]) -> None:
         """``w`` copies the waiting prompt of its tokens prefilled itself, or is that one."""
@@ -170,7 +184,6 @@ class PrefillQueue:
         for i, w in enumerate(self.waiting):
             if w.act is act:
                 del self.waiting[i]
-                self.tokens_left -= len(w.tokens) - w.done
                 if w.leader is not None:
                     w.leader.copies.remove(w)
                 if w.source is not None:
@@ -222,12 +235,10 @@ class PrefillQueue:
             for w, end in parts:
                 if w in failed:
                     self.waiting.remove(w)
-                    self.tokens_left -= len(w.tokens) - w.done
                     out.failed.append((w.act, RuntimeError("its prompt's prefill failed")))
                     self._promote(w)
                     continue
                 out.tokens += end - w.done
-                self.tokens_left -= end - w.done
                 w.done = end
                 if w.done >= len(w.tokens):
                     self.waiting.remove(w)
@@ -282,7 +293,6 @@ class PrefillQueue:
                           "prefilling it", source.sid, c.act.sid)
             return False
         self.waiting.remove(c)
-        self.tokens_left -= len(c.tokens)
         out.copied += len(c.tokens)
         c.done = len(c.tokens)
         c.act.stats.prefill_s = time.perf_counter() - c.began
