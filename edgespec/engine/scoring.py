@@ -39,7 +39,6 @@ class ScoredStep:
 
     drafts: list[StepDraft]  # as verified: a row whose draft held an id past the vocabulary
     # goes without it
-    nodes: list[tuple[Sequence[int], Sequence[int]]]  # each row's draft (tokens, parents)
     rows: StepRows
     scored: Scored  # logits [B, 1 + N, V] float32, features [B, 1 + N, H]
     batch: VerifyBatch
@@ -49,7 +48,7 @@ class ScoredStep:
 def score_step(target: "TargetRunner", drafts: list[StepDraft], pad: "PadVerifier | None"
                ) -> ScoredStep:
     """One forward over the batch: as trees when a row branches, else as chains."""
-    nodes, shape = _shape(drafts)
+    shape = _shape(drafts)
     outside = shape.rows_outside(target.vocab_size)
     if outside:  # a store let an id past: that row is verified without its draft
         log.warning("drafts of %d session(s) held token ids outside the vocabulary: "
@@ -57,7 +56,7 @@ def score_step(target: "TargetRunner", drafts: list[StepDraft], pad: "PadVerifie
         drafts = [replace(d, tokens=(), branches=(), head_offer=(), fill_offer=()) if i in outside
                   else d
                   for i, d in enumerate(drafts)]
-        nodes, shape = _shape(drafts)
+        shape = _shape(drafts)
     acts = [d.act for d in drafts]
     slots = [a.slot for a in acts]
     lengths = target.cache.lengths
@@ -71,29 +70,26 @@ def score_step(target: "TargetRunner", drafts: list[StepDraft], pad: "PadVerifie
     params = [a.req.params for a in acts]
     batch = VerifyBatch.of_rows(rows, [d.start for d in drafts], params, modes)
     if any(p.adjusts_logits for p in params):  # penalties, logit bias: at every position
-        batch.adjust = step_adjust([a.output for a in acts], nodes, params, target.device)
-    return ScoredStep(drafts, nodes, rows, scored, batch, pad)
+        batch.adjust = step_adjust([a.output for a in acts], [d.nodes() for d in drafts],
+                                   params, target.device)
+    return ScoredStep(drafts, rows, scored, batch, pad)
 
 
-def _shape(drafts: list[StepDraft]
-           ) -> tuple[list[tuple[Sequence[int], Sequence[int]]], DraftShape]:
-    """Each row's draft as (tokens, parents), and the step's ``DraftShape`` of them (laid out
-    as chains when no row branches)."""
-    nodes = [d.nodes() for d in drafts]
+def _shape(drafts: list[StepDraft]) -> DraftShape:
+    """The step's ``DraftShape`` of its rows' drafts: laid out as chains, from their tokens,
+    when no row branches, else as trees from each row's (tokens, parents)."""
     if any(d.branches for d in drafts):
-        return nodes, DraftShape.of(nodes)
-    return nodes, DraftShape.of_chains([d.tokens for d in drafts])
+        return DraftShape.of([d.nodes() for d in drafts])
+    return DraftShape.of_chains([d.tokens for d in drafts])
 
 
-def row_decisions(drafts: Sequence[StepDraft], nodes: Sequence[tuple[Sequence[int], Sequence[int]]],
-                  out: VerifyOutcome, stop_ids: Set[int]) -> list[Decision]:
+def row_decisions(drafts: Sequence[StepDraft], out: VerifyOutcome, stop_ids: Set[int]
+                  ) -> list[Decision]:
     """Each row's verdict from the verification's outcome, decided in the same pass: the
     accepted path's chain tokens, then its branch, then the target's token, cut where the
-    session's output ends (``decisions.decide``), the path and its lossy-kept flags beside it.
-    ``nodes``: each row's draft as (tokens, parents) (``ScoredStep.nodes``)."""
+    session's output ends (``decisions.decide``), the path and its lossy-kept flags beside it."""
     decided = []
-    for d, (tokens, _), path, token, kept in zip(drafts, nodes, out.paths, out.tokens,
-                                                 out.lenient):
+    for d, path, token, kept in zip(drafts, out.paths, out.tokens, out.lenient):
         act = d.act
         room = act.req.max_new_tokens - len(act.output)
         if not d.branches:  # a chain: its path is its first nodes, all the drafter's
@@ -105,6 +101,7 @@ def row_decisions(drafts: Sequence[StepDraft], nodes: Sequence[tuple[Sequence[in
                 continue
         else:  # a branch's nodes (even one that extends the chain) follow the chain's
             n = bisect_left(path, len(d.tokens))  # the path's chain nodes come first
+            tokens = d.nodes()[0]
             branch = tuple(tokens[i] for i in path[n:])
             verdict = Verdict(act.sid, d.epoch, d.start, n, token, branch=branch,
                               own_branch=bool(branch) and not d.kept_branch(n, branch),

@@ -341,8 +341,7 @@ class SpecEngine(StepDrafts):
             self.ahead.launch(drafts, choices)
         tokens = readback.wait().tolist()
         t0 = time.perf_counter()
-        decided = row_decisions(drafts, [((), ())] * len(drafts), decode_outcome(tokens),
-                                self.stop_ids)
+        decided = row_decisions(drafts, decode_outcome(tokens), self.stop_ids)
         self._decide_s += time.perf_counter() - t0
         return decided
 
@@ -369,7 +368,7 @@ class SpecEngine(StepDrafts):
 
     def _decide(self, step: ScoredStep, out: VerifyOutcome) -> list[Decision]:
         """Each row's verdict, cut where its output ends, in one pass (``row_decisions``)."""
-        return row_decisions(step.drafts, step.nodes, out, self.stop_ids)
+        return row_decisions(step.drafts, out, self.stop_ids)
 
     # -- whole generations ---------------------------------------------------------------------
     def generate_many(self, requests: list[Request]) -> list[Result]:
