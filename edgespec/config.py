@@ -6,6 +6,7 @@ import math
 import numbers
 import os
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 from pathlib import Path
 
 CACHE_ENV = "EDGESPEC_CACHE_DIR"
@@ -88,11 +89,21 @@ class SamplingParams:
                                   f"{str(value)[:20]!r}")
             object.__setattr__(self, name, float(value))
         object.__setattr__(self, "logit_bias", logit_bias_pairs(self.logit_bias))
+        # read for every session of every step: plain attributes, not fields (not compared,
+        # shown or sent; made again by ``replace``), set once here rather than properties
+        object.__setattr__(self, "greedy", self.temperature == 0)
+        object.__setattr__(self, "adjusts_logits", bool(
+            self.presence_penalty or self.frequency_penalty or self.logit_bias))
 
-    @property
-    def adjusts_logits(self) -> bool:
-        """Whether a penalty or a bias moves the target's logits before they are sampled."""
-        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias)
+    if TYPE_CHECKING:  # what the type checker sees of the two attributes set above
+        @property
+        def greedy(self) -> bool:
+            """Whether the token is the target's most likely one (temperature 0)."""
+
+        @property
+        def adjusts_logits(self) -> bool:
+            """Whether a penalty or a bias moves the target's logits before they are
+            sampled."""
 
     def _check_basic(self) -> None:
         for name, kind in (("temperature", numbers.Real), ("top_k", numbers.Integral),
@@ -112,9 +123,6 @@ class SamplingParams:
         if self.seed is not None and not -(1 << 63) <= self.seed < (1 << 63):
             raise ConfigError("seed must fit in 64 bits (signed)")
 
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
 
 
 MAX_LOGIT_BIAS = 300  # the most tokens a request's logit_bias may move (OpenAI's limit)
