@@ -114,7 +114,7 @@ def with_logprobs(logits: torch.Tensor, decided: list[Decision]) -> list[Decisio
     """``decided`` with each row whose session asked for logprobs (``Request.logprobs``)
     given its emitted tokens' (``verify.token_logprobs``), read in one call from the step's
     logits [B, T, V]; the rest as they are. A step with no such row returns at once."""
-    asked = [i for i, d in enumerate(decided) if d.act.logprobs is not None]
+    asked = [i for i, d in enumerate(decided) if d.draft.act.logprobs is not None]
     if not asked:
         return decided
     picks = [LogprobPick(i, emitted_columns(decided[i].path, len(decided[i].new)),

@@ -139,7 +139,7 @@ class StepCommit(SessionLifecycle):
         drafted = [len(d.draft.tokens) for d in applied]
         if not any(drafted) and not any(d.draft.branch_tokens for d in applied):
             return
-        rows, B = self._rows_of([d.act for d in applied]), len(applied)
+        rows, B = self._rows_of([d.draft.act for d in applied]), len(applied)
         rows.record("update", np.array(drafted, dtype=np.int64),
                     np.fromiter((d.verdict.n_accepted for d in applied), np.int64, B))
         # a row verified branch tokens; a fill's are the verifier's, not the drafter's: they
