@@ -80,27 +80,30 @@ class StepDraft:
     """The draft's longest path: the most draft tokens one accepted path can hold."""
     width: int = field(init=False, repr=False, compare=False)
     """Tokens the row puts in the forward: the session's last token and the draft."""
-    _nodes: tuple[Sequence[int], Sequence[int]] = field(init=False, repr=False, compare=False)
+    _nodes: tuple[Sequence[int], Sequence[int]] | None = field(init=False, repr=False,
+                                                               compare=False)
 
     def __post_init__(self) -> None:
         n = len(self.tokens)
+        # set once, here (the class is frozen to the type checker, not at run time)
         if self.branches:
             tree = tree_of_draft(list(self.tokens), list(self.branches))
-            nodes: tuple[Sequence[int], Sequence[int]] = (tree.tokens, tree.parents)
+            self._nodes = (tree.tokens, tree.parents)  # type: ignore[misc]
+            drafted = len(tree.tokens)
             depth = max([n] + [b.at + len(b.tokens) for b in self.branches])
-        else:
-            nodes, depth = (self.tokens, range(-1, n - 1)), n
-        drafted = len(nodes[0])
-        # set once, here (the class is frozen to the type checker, not at run time)
-        self._nodes = nodes  # type: ignore[misc]
+            self.depth = depth  # type: ignore[misc]
+        else:  # a chain's nodes are made when asked for (a step of chains does not)
+            self._nodes = None  # type: ignore[misc]
+            drafted = self.depth = n  # type: ignore[misc]
         self.branch_tokens = drafted - n  # type: ignore[misc]
         self.drafted = drafted  # type: ignore[misc]
-        self.depth = depth  # type: ignore[misc]
         self.width = 1 + drafted  # type: ignore[misc]
 
     def nodes(self) -> tuple[Sequence[int], Sequence[int]]:
         """The row's draft as (tokens, parents): the chain's nodes first, then the branches'
         (``tree_of_draft``); a chain's without building a tree."""
+        if self._nodes is None:
+            return self.tokens, range(-1, len(self.tokens) - 1)
         return self._nodes
 
     def kept_branch(self, n: int, branch: Sequence[int]) -> bool:

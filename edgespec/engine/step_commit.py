@@ -210,5 +210,6 @@ class StepCommit(SessionLifecycle):
 def report_of(applied: list[Decision], sessions: int, tokens: int, take_s: float,
               forward_s: float, commit_s: float) -> StepReport:
     """The step's ``StepReport`` from the decisions it applied."""
-    return step_report([d.accepted for d in applied], [d.draft.drafted for d in applied], sessions,
+    return step_report([d.verdict.n_accepted + len(d.verdict.branch) for d in applied],
+                       [d.draft.drafted for d in applied], sessions,
                        tokens, take_s, forward_s, commit_s, [d.draft.depth for d in applied])
