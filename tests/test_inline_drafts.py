@@ -160,6 +160,48 @@ def test_a_drafter_failing_on_one_session_costs_it_its_drafts_only(setup):
     assert drafter.closed == drafter.opened  # the failed one too, and every ended one
 
 
+class PastTheVocabulary(MaGDrafter):
+    """MaG that drafts one id past the target's vocabulary in each session's first draft,
+    declaring its ids its sessions' own (``context_ids``) or not."""
+
+    def __init__(self, context_ids: bool, vocab: int):
+        super().__init__()
+        self.context_ids, self.vocab = context_ids, vocab
+
+    def open(self, tokens, params):
+        s = super().open(tokens, params)
+        vocab, first = self.vocab, [True]
+
+        class Session(MaGSession):
+            def propose_tree(self, k, width):
+                d = super().propose_tree(k, width)
+                if d.tokens and first:  # its first draft: a token its context never held
+                    first.pop()
+                    d.tokens[0] = self.tokens[-len(d.tokens)] = vocab + 3
+                return d
+
+        s.__class__ = Session
+        return s
+
+
+@pytest.mark.parametrize("context_ids", [False, True])
+def test_a_drafters_ids_past_the_vocabulary_never_reach_the_output(setup, context_ids, caplog):
+    """Drafting inline, a drafter's ids are checked where they enter the store unless it
+    declares them its sessions' own (``Drafter.context_ids``: MaG's are): undeclared, a bad
+    id costs its session its drafts; declared wrongly, the forward's own guard verifies the
+    row without its draft. Either way the output is target-only's."""
+    runner, refs = setup
+    drafter = PastTheVocabulary(context_ids, runner.vocab_size)
+    with SpecEngine(runner, drafter, EngineConfig(**FIXED), stop_ids={2}) as engine:
+        results = engine.generate_many([Request(p, 40) for p in PROMPTS])
+    assert [r.token_ids for r in results] == refs
+    if not context_ids:  # refused by the store: every session decoded alone
+        assert all(r.stats.draft_tokens == 0 for r in results)
+    else:  # let in, dropped by the forward's guard for one step: the sessions draft on
+        assert "outside the vocabulary" in caplog.text
+        assert sum(r.stats.accepted_tokens for r in results) > 0
+
+
 def test_ended_sessions_draft_sessions_are_closed_while_others_run(setup):
     runner, refs = setup
     drafter = CountingMaG()

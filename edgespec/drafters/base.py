@@ -107,6 +107,11 @@ class Drafter(ABC):
     # sessions' chunks ``propose_many`` drafts together, a token of each a forward (a llama.cpp
     # drafter's sequences of one context); 1: one session at a time
     batch_jobs: int = 1
+    # every token it drafts is one of the tokens it was given (its sessions' prompts and
+    # verified output, checked where they entered): drafting in the verifier's own thread
+    # (``engine.inline_drafts``), its drafts enter the store unchecked (the forward's own
+    # guard, ``DraftShape.rows_outside``, still stands). A board's drafts are always checked.
+    context_ids: bool = False
 
     @abstractmethod
     def open(self, tokens: list[int], params: SamplingParams) -> DraftSession:

@@ -240,6 +240,7 @@ class MaGSession(DraftSession):
 class MaGDrafter(Drafter):
     name = "mag"
     cheap = True
+    context_ids = True  # its drafts are its sessions' own tokens and the pairs it counted
 
     def __init__(self, max_ngram: int = 8, min_ngram: int = 1, tokens_per_match_token: int = 2,
                  bigram_min_share: float = 0.5, max_bigram_leaders: int = 16384,

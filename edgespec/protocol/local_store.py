@@ -73,13 +73,14 @@ class SessionState:
         return len(self.prompt) + self.max_new_tokens if self.max_new_tokens > 0 else None
 
     def push_draft(self, epoch: int, start: int, tokens: list[int], idle: bool = False,
-                   window: int = 1 << 30, branches=()) -> int:
+                   window: int = 1 << 30, branches=(), checked: bool = False) -> int:
         """Append a drafted chunk; returns how many tokens were kept (the window bounds it).
         ``branches``: alternatives to the chunk's tokens (``at`` relative to the chunk). Token
         ids are checked here, where drafts enter, and trusted by the verifier afterwards: an id
         outside the vocabulary raises ValueError (the drafting loop then stops drafting for
-        the session, which the verifier decodes alone)."""
-        if self.vocab_size is not None:
+        the session, which the verifier decodes alone). ``checked``: ids known to be checked
+        already (an in-process drafter of ``Drafter.context_ids``, drafting inline)."""
+        if self.vocab_size is not None and not checked:
             check_draft_ids(tokens, self.vocab_size)
             if branches:
                 check_draft_ids([t for b in branches for t in b.tokens], self.vocab_size)
