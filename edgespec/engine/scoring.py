@@ -87,7 +87,8 @@ def row_decisions(drafts: Sequence[StepDraft], out: VerifyOutcome, stop_ids: Set
                   ) -> list[Decision]:
     """Each row's verdict from the verification's outcome, decided in the same pass: the
     accepted path's chain tokens, then its branch, then the target's token, cut where the
-    session's output ends (``decisions.decide``), the path and its lossy-kept flags beside it."""
+    session's output ends (``decisions.decide``), the path and its lossy-kept flags beside it
+    (the outcome's tuples, kept as they are)."""
     decided = []
     for d, path, token, kept in zip(drafts, out.paths, out.tokens, out.lenient):
         act = d.act
@@ -97,7 +98,7 @@ def row_decisions(drafts: Sequence[StepDraft], out: VerifyOutcome, stop_ids: Set
             new = [*d.tokens[:len(path)], token]
             if len(new) < room and (not stop_ids or stop_ids.isdisjoint(new)):
                 # nothing to cut (most rows): ``decide``'s answer, without its checks
-                decided.append(Decision(d, verdict, tuple(path), tuple(kept), new))
+                decided.append(Decision(d, verdict, path, kept, new))
                 continue
         else:  # a branch's nodes (even one that extends the chain) follow the chain's
             n = bisect_left(path, len(d.tokens))  # the path's chain nodes come first
@@ -106,7 +107,7 @@ def row_decisions(drafts: Sequence[StepDraft], out: VerifyOutcome, stop_ids: Set
             verdict = Verdict(act.sid, d.epoch, d.start, n, token, branch=branch,
                               own_branch=bool(branch) and not d.kept_branch(n, branch),
                               wanted=act.wanted)
-        decided.append(decide(d, verdict, room, stop_ids, tuple(path), tuple(kept)))
+        decided.append(decide(d, verdict, room, stop_ids, path, kept))
     return decided
 
 

@@ -134,24 +134,29 @@ class SessionState:
         if v.epoch != self.epoch:
             raise StaleChunkError(f"verdict for epoch {v.epoch}, session is at epoch "
                                   f"{self.epoch}")
-        n = v.n_accepted
-        if n > len(self.draft):
-            raise StaleChunkError(f"accepted {n} of a {len(self.draft)}-token draft")
-        branch = tuple(v.branch)
+        n, draft = v.n_accepted, self.draft
+        if n > len(draft):
+            raise StaleChunkError(f"accepted {n} of a {len(draft)}-token draft")
+        branch = tuple(v.branch) if v.branch else ()
         if branch and not v.own_branch and not any(
                 b.at == n and b.tokens[:len(branch)] == branch for b in self.branches):
             raise StaleChunkError("the verdict accepted a branch the draft does not hold")
-        self.committed.extend([*self.draft[:n], *branch, v.token])
+        committed = self.committed
+        if n:
+            committed.extend(draft[:n])
+        if branch:
+            committed.extend(branch)
+        committed.append(v.token)
         self.end += n + len(branch) + 1  # ``v.end``: its start was this end (checked above)
-        held = not branch and len(self.draft) > n and self.draft[n] == v.token
+        held = not branch and len(draft) > n and draft[n] == v.token
         fix = None
         if held:
-            del self.draft[: n + 1]
+            del draft[: n + 1]
             if self.branches:
                 self.branches = [Branch(b.at - n - 1, b.tokens) for b in self.branches
                                  if b.at > n]
         else:
-            self.draft.clear()
+            draft.clear()
             self.branches = []
             self.epoch += 1
             self.drafter_idle = False
