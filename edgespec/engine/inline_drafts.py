@@ -57,6 +57,7 @@ class InlineDrafts:
         self.context_ids = drafter.context_ids  # its drafts' ids need no check (``Drafter``)
         self.window, self.tree_width = cfg.window, cfg.tree_width
         self.sessions: dict[str, _Inline] = {}
+        self._closed_seen = 0  # the store's count of closed sessions at the last sweep
 
     def draft(self, wants: Sequence[DraftWant]) -> None:
         """Each session asked for k > 0 tokens and holding fewer gets its store's draft
@@ -96,8 +97,10 @@ class InlineDrafts:
                                 "decodes it alone", w.session_id, exc)
                     state.has_drafter = False
                     self._close(w.session_id)
-            for sid in [s for s in self.sessions if s not in store.sessions]:
-                self._close(sid)  # ended (a few microseconds a step at 64 sessions)
+            if store.closed != self._closed_seen:  # sessions ended since the last look
+                self._closed_seen = store.closed
+                for sid in [s for s in self.sessions if s not in sessions]:
+                    self._close(sid)
 
     def _draft_one(self, sid: str, state: SessionState, k: int) -> None:
         s = self._synced(sid, state)

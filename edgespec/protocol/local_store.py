@@ -198,6 +198,7 @@ class LocalSessionStore:
         self.vocab_size = vocab_size  # the target's: draft ids are checked against it
         self.changed: set[str] | None = None  # kept once a drafter reads it (``read_changes``)
         self._awaited: dict[str, int] = {}  # session -> the draft length the verifier waits for
+        self.closed = 0  # sessions closed so far (a reader of ``sessions`` knows when to look)
 
     def read_changes(self) -> set[str]:
         """Under the lock: the sessions created, committed or closed since the last call (the
@@ -318,6 +319,7 @@ class LocalSessionStore:
                 if state is not None:
                     state.done = True
                     closed.append(state)
+                    self.closed += 1
                 self._record(session_id)
                 self._draft_moved(session_id)
             self.cond.notify_all()
