@@ -3,6 +3,7 @@
 import math
 from collections import Counter
 
+import numpy as np
 import pytest
 import torch
 from conftest import hf_greedy, hf_keyed_sampled
@@ -147,11 +148,14 @@ def test_bad_requests_are_refused_without_disturbing_the_engine(setup):
         with pytest.raises(ConfigError, match="context limit"):
             engine.generate(Request([1] * 250, 10))
         for ids in ([1, 10**6], [-1, 1], [1, runner.vocab_size], [1, float("nan")],
-                    [runner.vocab_size, None]):
+                    [runner.vocab_size, None], [1, True], [1, 2.0], [1, 2.5], [1, "2"]):
             with pytest.raises(ConfigError, match="token ids"):
                 engine.generate(Request(ids, 5))
         assert runner.cache.free_slots == free
         assert engine.generate(Request(PROMPTS[0], 40)).token_ids == refs[0]
+        # NumPy's integers are ids too, made plain ints at admission: MaG's drafts copy them
+        out = engine.generate(Request([np.int64(t) for t in PROMPTS[0]], 40))
+        assert out.token_ids == refs[0] and {type(t) for t in out.token_ids} == {int}
 
 
 # -- sampling: the engine's output follows the target's distribution ----------------------------

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import numbers
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -35,6 +36,22 @@ def output_room(max_len: int, prompt_len: int, max_draft: int) -> int:
     past its output, so that much of the slot stays free however far the output has come (a
     step's rows are all as wide as its widest)."""
     return max_len - prompt_len - max_draft - 1
+
+
+def check_id_kinds(req: Request, vocab: int) -> None:
+    """A request's prompt and committed ids, id by id (``plain_ids_in_range`` said no): each
+    an integer in [0, vocab), else ConfigError naming the part that holds it (a re-created
+    session's output is the client's); integers of other kinds (NumPy's) made plain ints
+    here, so that no later part (a drafter copying the prompt, an output) holds another kind."""
+    for part, what in ((req.prompt_ids, "prompt"), (req.committed, "committed (output)")):
+        for t in part:
+            if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+                raise ConfigError(f"{what} token ids must be integers, got "
+                                  f"{type(t).__name__} {str(t)[:20]!r}")
+            if not 0 <= t < vocab:
+                raise ConfigError(f"{what} token ids must be in [0, {vocab})")
+    req.prompt_ids = [int(t) for t in req.prompt_ids]
+    req.committed = [int(t) for t in req.committed]
 
 
 class SessionLifecycle:
@@ -86,13 +103,8 @@ class SessionLifecycle:
                 f"exceeds the context limit ({self.target.max_len}): at most {room} new tokens "
                 f"fit")
         vocab = self.target.vocab_size
-        ids = req.prompt_ids + req.committed
-        # else id by id (any number kind; a NaN compares false both ways: refused)
-        if not plain_ids_in_range(ids, vocab) and any(not 0 <= t < vocab for t in ids):
-            # named by the part that holds one: a re-created session's output is the client's
-            what = "prompt" if any(not 0 <= t < vocab for t in req.prompt_ids) else \
-                "committed (output)"
-            raise ConfigError(f"{what} token ids must be in [0, {vocab})")
+        if not plain_ids_in_range(req.prompt_ids + req.committed, vocab):
+            check_id_kinds(req, vocab)
         if any(t >= vocab for t, _ in req.params.logit_bias):
             raise ConfigError(f"logit_bias token ids must be in [0, {vocab})")
         if req.committed and len(req.committed) >= req.max_new_tokens:
