@@ -171,9 +171,9 @@ class Scheduler(threading.Thread):
         total = queue.tokens_left  # admitted, their prefill still to come
         seen = queue.shared_keys()
         for r in [*(t.request for t in self._pending), req]:
-            if queue.copier is not None and r.prompt_logprobs is None and r.images is None:
-                key = tuple((r.prompt_ids + r.committed)[:-1])  # what the queue is given
-                if key and key in seen:
+            key = self.engine.prefill_key(r)
+            if key is not None:
+                if key in seen:
                     continue
                 seen.add(key)
             total += len(r.prompt_ids) + len(r.committed)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import numbers
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -16,7 +15,8 @@ from typing import Any
 from ..config import ConfigError, EngineConfig, is_lossy, session_verify_mode
 from ..drafters import DraftLength
 from ..drafters.draft_rates import DraftRates
-from ..protocol.contract import SessionStore, StoreUnavailable, plain_ids_in_range
+from ..protocol.contract import (SessionStore, StoreUnavailable, is_token_id,
+                                 plain_ids_in_range)
 from ..protocol.lineage import Lineage
 from ..runner.host_transfers import DeviceSpan
 from ..runner.target_runner import TargetRunner
@@ -38,18 +38,23 @@ def output_room(max_len: int, prompt_len: int, max_draft: int) -> int:
     return max_len - prompt_len - max_draft - 1
 
 
+def prefill_ids(req: Request) -> list[int]:
+    """The tokens a session's prefill writes: its prompt and committed tokens but the last
+    (the first step's own)."""
+    return (req.prompt_ids + req.committed)[:-1]
+
+
 def check_id_kinds(req: Request, vocab: int) -> None:
     """A request's prompt and committed ids, id by id (``plain_ids_in_range`` said no): each
-    an integer in [0, vocab), else ConfigError naming the part that holds it (a re-created
-    session's output is the client's); integers of other kinds (NumPy's) made plain ints
-    here, so that no later part (a drafter copying the prompt, an output) holds another kind."""
+    a token id (``contract.is_token_id``: an integer in [0, vocab)), else ConfigError naming
+    the part that holds it (a re-created session's output is the client's); integers of other
+    kinds (NumPy's) made plain ints here, so that no later part (a drafter copying the prompt,
+    an output) holds another kind."""
     for part, what in ((req.prompt_ids, "prompt"), (req.committed, "committed (output)")):
         for t in part:
-            if isinstance(t, bool) or not isinstance(t, numbers.Integral):
-                raise ConfigError(f"{what} token ids must be integers, got "
+            if not is_token_id(t, vocab):
+                raise ConfigError(f"{what} token ids must be in [0, {vocab}), integers, got "
                                   f"{type(t).__name__} {str(t)[:20]!r}")
-            if not 0 <= t < vocab:
-                raise ConfigError(f"{what} token ids must be in [0, {vocab})")
     req.prompt_ids = [int(t) for t in req.prompt_ids]
     req.committed = [int(t) for t in req.committed]
 
@@ -166,7 +171,7 @@ class SessionLifecycle:
         verify = self.validate(req)
         slot = self.target.new_slot()
         t0 = time.perf_counter()
-        ids = (req.prompt_ids + req.committed)[:-1]
+        ids = prefill_ids(req)
         sid = e.session_id or f"local-{next(self._ids)}"
         drafter = e.device if self.drafter is None else self.drafter.name
         if req.max_new_tokens == 0:  # its prompt alone: nothing to draft for
@@ -207,6 +212,16 @@ class SessionLifecycle:
                 req.prompt_ids, req.prompt_logprobs, min(self.prefilling.chunk, SCORED_CHUNK))
             self.prefilling.add(act, ids, scorer)
         return act
+
+    def prefill_key(self, req: Request) -> tuple[int, ...] | None:
+        """What the prefill queue would know ``req``'s prompt by, to share its prefill with
+        an identical one's (``PrefillQueue.shared_keys``), or None where it would prefill it
+        alone: a writer that cannot copy, an image prompt (prefilled at admission), its
+        logits read, nothing to prefill."""
+        if self.prefilling.copier is None or req.images is not None or \
+                req.prompt_logprobs is not None:
+            return None
+        return tuple(prefill_ids(req)) or None
 
     def _start(self, act: ActiveSession) -> None:
         """A session whose prompt is all in joins the running batch."""

@@ -64,19 +64,23 @@ def plain_ids_in_range(ids: Sequence, vocab_size: int) -> bool:
         max(ids) < vocab_size
 
 
+def is_token_id(t: object, vocab_size: int) -> bool:
+    """Whether ``t`` is a token id: an integer (a plain int or another kind, NumPy's; a bool
+    is not) in [0, vocab_size). The id-by-id rule behind ``plain_ids_in_range``'s fast path."""
+    if type(t) is int:  # the common case, without the ABC check
+        return 0 <= t < vocab_size
+    return isinstance(t, numbers.Integral) and not isinstance(t, bool) and \
+        0 <= int(t) < vocab_size
+
+
 def check_draft_ids(tokens: Sequence[int], vocab_size: int) -> None:
     """Refuse (ValueError) draft token ids outside [0, vocab_size): the check every store
     applies where drafts enter (the local store on a push, the cache service on a chunk)."""
     if plain_ids_in_range(tokens, vocab_size):
         return
     for t in tokens:
-        if type(t) is int:  # the common case, without the ABC check (a bool is not an int here)
-            if 0 <= t < vocab_size:
-                continue
-        elif isinstance(t, numbers.Integral) and not isinstance(t, bool) and \
-                0 <= int(t) < vocab_size:
-            continue
-        raise ValueError(f"draft token ids must be in [0, {vocab_size}), got {t!r}")
+        if not is_token_id(t, vocab_size):
+            raise ValueError(f"draft token ids must be in [0, {vocab_size}), got {t!r}")
 
 
 def spine_length(parents: Sequence[int]) -> int:
