@@ -124,7 +124,6 @@ class SamplingParams:
             raise ConfigError("seed must fit in 64 bits (signed)")
 
 
-
 MAX_LOGIT_BIAS = 300  # the most tokens a request's logit_bias may move (OpenAI's limit)
 
 

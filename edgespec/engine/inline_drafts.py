@@ -54,7 +54,6 @@ class InlineDrafts:
 
     def __init__(self, drafter: Drafter, store: LocalSessionStore, cfg: EngineConfig):
         self.drafter, self.store = drafter, store
-        self.context_ids = drafter.context_ids  # its drafts' ids need no check (``Drafter``)
         self.window, self.tree_width = cfg.window, cfg.tree_width
         self.sessions: dict[str, _Inline] = {}
         self._closed_seen = 0  # the store's count of closed sessions at the last sweep
@@ -109,7 +108,7 @@ class InlineDrafts:
         start = state.end + len(state.draft)
         d = s.propose_tree(k - len(state.draft), self.tree_width)
         kept = state.push_draft(state.epoch, start, d.tokens, idle=True, window=self.window,
-                                branches=d.branches, checked=self.context_ids)
+                                branches=d.branches, checked=self.drafter.context_ids)
         if kept < len(d.tokens):  # the window cut it: the session holds what the store does
             s.retract(start + kept)
 

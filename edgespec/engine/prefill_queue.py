@@ -97,7 +97,7 @@ class WaitingPrompt:
     # its slot once its prompt is all in (None: prefilled itself)
     leader: "WaitingPrompt | None" = None
     copies: "list[WaitingPrompt]" = field(default_factory=list)  # those it leads, in order
-    key: tuple[int, ...] | None = None  # its tokens, where other prompts may copy its
+    key: tuple[int, ...] | None = None  # its tokens, where its prefill may be shared
     # a running session whose slot holds these tokens' keys and values: copied at the next
     # ``advance`` (None: not so)
     source: ActiveSession | None = None
@@ -160,7 +160,7 @@ class PrefillQueue:
         same as one waiting (itself prefilled) waits for that one's, to be copied."""
         w = WaitingPrompt(act, tokens, began=time.perf_counter(), reader=reader)
         if reader is None and self.copier is not None and tokens:
-            key = tuple(tokens)
+            key = w.key = tuple(tokens)
             source = self._sources.get(key) if key not in self._firsts else None
             if source is not None and source.finish is None:
                 w.source = source
@@ -272,9 +272,8 @@ class PrefillQueue:
         waiting prompt of its tokens that is)."""
         sourced, self._sourced = self._sourced, []
         for w in sourced:
-            source, w.source = w.source, None
-            assert source is not None  # listed in ``_sourced`` only then
-            key = tuple(w.tokens)
+            source, w.source, key = w.source, None, w.key
+            assert source is not None and key is not None  # listed in ``_sourced`` only then
             if source.finish is None and self._copied(w, source, key, out):
                 continue
             if self._sources.get(key) is source:
