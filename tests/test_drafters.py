@@ -252,8 +252,10 @@ def test_the_listed_suffix_match_follows_its_list_and_gives_the_arrays_answer(sc
             del tokens[length - 1:]
             tokens.extend(tail)
         index = places.of(tokens)
-        assert {t: p for t, p in index.items() if p} == \
-            {t: [i for i, u in enumerate(tokens) if u == t] for t in set(tokens)}
+        asked = set(tokens) | set(range(60))  # and tokens it never held
+        assert {t: index.places(t) for t in asked} == \
+            {t: [i for i, u in enumerate(tokens) if u == t] for t in asked}
+        assert set(index.last) == set(tokens)  # a token cut away is unlinked
         top, low = rng.randint(1, 9), 1
         low = rng.randint(1, top)
         want = longest_suffix_match(np.asarray(tokens, dtype=np.int64), top, low)

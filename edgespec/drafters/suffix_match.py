@@ -107,70 +107,90 @@ def _match_together(arr: np.ndarray, ends: np.ndarray, top: int) -> tuple[int, i
 
 
 class TokenPlaces:
-    """Each token's positions in a session's list, ascending, kept beside the list as
-    ``TokenArray`` keeps its array: what was appended since the last read is indexed, a
-    rollback it is told of (``cut``) drops the positions past it, and a list changed behind its
-    back is indexed again whole when that shows in its last indexed token (and ``array``, the
-    same list's ``TokenArray`` if it has one, read less often, is then read again whole too)."""
+    """Each token's positions in a session's list, kept beside the list as ``TokenArray`` keeps
+    its array, as links: ``last[t]``, the last position holding t, and ``before[i]``, the
+    position before i holding the same token (-1 where none). A match walks a token's places
+    most recent first, as it compares them; appending a token is two writes, and a closed
+    session's index is a dict of ints and a list (a list per token cost a sixtieth of a
+    session-step to free, bench-host at 64 sessions). What was appended since the last read is
+    indexed, a rollback it is told of (``cut``) unlinks the positions past it, and a list
+    changed behind its back is indexed again whole when that shows in its last indexed token
+    (and ``array``, the same list's ``TokenArray`` if it has one, read less often, is then read
+    again whole too)."""
 
     def __init__(self, array: TokenArray | None = None) -> None:
-        self._places: dict[int, list[int]] = {}
+        self.last: dict[int, int] = {}
+        self.before: list[int] = []  # [len(indexed)]: the previous place of each one's token
         self._mirror: list[int] = []  # the tokens indexed, in order
         self._array = array
 
     def cut(self, length: int) -> None:
         """The list was cut to ``length`` tokens."""
-        mirror, places = self._mirror, self._places
+        mirror, before, last = self._mirror, self.before, self.last
         while len(mirror) > length:
-            places[mirror.pop()].pop()  # its position is the last of its token's
+            token, prev = mirror.pop(), before.pop()
+            if prev < 0:
+                del last[token]
+            else:
+                last[token] = prev
 
-    def of(self, tokens: list[int]) -> dict[int, list[int]]:
-        """token -> its ascending positions in ``tokens``; valid until the next call."""
-        mirror, places = self._mirror, self._places
+    def of(self, tokens: list[int]) -> TokenPlaces:
+        """This index, brought up to ``tokens``; valid until the next call."""
+        mirror, before, last = self._mirror, self.before, self.last
         n = len(mirror)
         if n > len(tokens) or (n and mirror[-1] != tokens[n - 1]):
-            self._mirror, self._places = mirror, places = [], {}
+            self._mirror, self.before, self.last = mirror, before, last = [], [], {}
             n = 0
             if self._array is not None:
                 self._array.cut(0)
-        get = places.get
+        get, link = last.get, before.append
         for i, token in enumerate(tokens[n:], n):
-            where = get(token)
-            if where is None:
-                places[token] = [i]
-            else:
-                where.append(i)
+            link(get(token, -1))
+            last[token] = i
         mirror.extend(tokens[n:])
-        return places
+        return self
+
+    def places(self, token: int) -> list[int]:
+        """``token``'s positions, ascending."""
+        out, e, before = [], self.last.get(token, -1), self.before
+        while e >= 0:
+            out.append(e)
+            e = before[e]
+        return out[::-1]
 
 
-def listed_suffix_match(tokens: list[int], places: dict[int, list[int]], max_ngram: int,
+def listed_suffix_match(tokens: list[int], places: TokenPlaces, max_ngram: int,
                         min_ngram: int, array: Callable[[], np.ndarray]) -> tuple[int, int]:
-    """``longest_suffix_match`` of ``tokens`` (non-empty), from their ``TokenPlaces``: up to
-    ``SCAN_CANDIDATES`` earlier places of the last token are compared one by one on the list;
-    more are narrowed together on ``array()`` (the tokens as an array)."""
+    """``longest_suffix_match`` of ``tokens`` (non-empty), from their ``TokenPlaces``: the
+    earlier places of the last token are compared one by one on the list, most recent first,
+    up to ``SCAN_CANDIDATES`` of them; where more are left to compare, all are narrowed
+    together on ``array()`` (the tokens as an array)."""
     length = len(tokens)
     top = min(max_ngram, length - 1)
     if top < min_ngram:
         return 0, -1
-    ends = places[tokens[-1]]  # its last entry is length - 1 itself
-    if len(ends) - 1 > SCAN_CANDIDATES:
-        n, end = _match_together(array(), np.asarray(ends[:-1], dtype=np.int64), top)
-    else:
-        last = length - 1
-        n, end = 0, -1
-        for i in range(len(ends) - 2, -1, -1):
-            e = ends[i]
-            if e + 1 <= n:  # ascending candidates: no earlier run can be longer
+    last = length - 1
+    before = places.before
+    e = before[last]  # the last token's place before its own
+    n, end, scanned = 0, -1, 0
+    while e >= 0:
+        if e + 1 <= n:  # no earlier run can be longer
+            break
+        if scanned == SCAN_CANDIDATES:  # many: narrowed together, from the start
+            arr = array()
+            ends = (arr[:last] == arr[last]).nonzero()[0]
+            n, end = _match_together(arr, ends, top)
+            break
+        scanned += 1
+        limit = min(top, e + 1)
+        m = 1  # tokens[e] == tokens[last]
+        while m < limit and tokens[e - m] == tokens[last - m]:
+            m += 1
+        if m > n:
+            n, end = m, e
+            if n == top:
                 break
-            limit = min(top, e + 1)
-            m = 1  # tokens[e] == tokens[last]
-            while m < limit and tokens[e - m] == tokens[last - m]:
-                m += 1
-            if m > n:
-                n, end = m, e
-                if n == top:
-                    break
+        e = before[e]
     if n < min_ngram:
         return 0, -1
     return n, end - n + 1
