@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import numbers
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING
 from pathlib import Path
 
@@ -89,8 +89,26 @@ class SamplingParams:
                                   f"{str(value)[:20]!r}")
             object.__setattr__(self, name, float(value))
         object.__setattr__(self, "logit_bias", logit_bias_pairs(self.logit_bias))
+        self._derive()
+
+    def __getstate__(self) -> dict:
+        """The fields alone: the two attributes derived from them are made again on arrival
+        (``__setstate__``), so a pickle is the same whichever version sent it."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    def __setstate__(self, state: dict) -> None:
+        """A pickled instance, from this version or an older one (a Ray cluster upgraded a
+        replica at a time): an older one sent no ``greedy`` or ``adjusts_logits`` (they were
+        properties), or sent them with the fields; they are derived here from the fields. A
+        field the sender did not have takes its default."""
+        for f in fields(self):
+            object.__setattr__(self, f.name, state.get(f.name, f.default))
+        self._derive()
+
+    def _derive(self) -> None:
         # read for every session of every step: plain attributes, not fields (not compared,
-        # shown or sent; made again by ``replace``), set once here rather than properties
+        # shown or sent; made again by ``replace`` and on unpickling), set once here rather
+        # than properties
         object.__setattr__(self, "greedy", self.temperature == 0)
         object.__setattr__(self, "adjusts_logits", bool(
             self.presence_penalty or self.frequency_penalty or self.logit_bias))

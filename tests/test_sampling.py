@@ -70,6 +70,46 @@ def test_sampling_params_are_validated():
         SamplingParams(top_k=-2)
 
 
+class _OlderSamplingParams:
+    """What an older version's ``SamplingParams`` pickled as (its ``greedy`` and
+    ``adjusts_logits`` were properties, so its state held the fields alone, and the older
+    still had no penalties): unpickled by this version's class."""
+
+    def __init__(self, **state):
+        self.state = state
+
+    def __reduce__(self):
+        import copyreg
+
+        return copyreg._reconstructor, (SamplingParams, object, None), self.state
+
+
+@pytest.mark.parametrize("state, greedy, adjusts", [
+    ({"temperature": 0.0, "top_k": 0, "top_p": 1.0, "seed": None}, True, False),
+    ({"temperature": 0.7, "top_k": 5, "top_p": 0.9, "seed": 3, "presence_penalty": 0.5,
+      "frequency_penalty": 0.0, "logit_bias": ()}, False, True),
+    # a sender that pickled the derived attributes with the fields, and wrong ones
+    ({"temperature": 0.7, "top_k": 0, "top_p": 1.0, "seed": None, "greedy": True,
+      "adjusts_logits": True}, False, False),
+], ids=["older", "with-penalty", "stale-attributes"])
+def test_sampling_params_from_another_versions_pickle_derive_their_attributes(state, greedy,
+                                                                              adjusts):
+    """A replica of a Ray cluster upgraded one at a time receives another version's pickled
+    ``SamplingParams``: the attributes derived from the fields (``greedy``,
+    ``adjusts_logits``), read every step, are made from the fields on arrival, a field the
+    sender lacked takes its default, and the value equals one made here."""
+    import pickle
+
+    got = pickle.loads(pickle.dumps(_OlderSamplingParams(**state)))
+    assert isinstance(got, SamplingParams)
+    assert (got.greedy, got.adjusts_logits) == (greedy, adjusts)
+    fields_only = {k: v for k, v in state.items() if k not in ("greedy", "adjusts_logits")}
+    assert got == SamplingParams(**fields_only) and hash(got) == hash(SamplingParams(**fields_only))
+    assert pickle.loads(pickle.dumps(got)) == got  # and this version's own pickle: the fields
+    assert set(got.__getstate__()) == {"temperature", "top_k", "top_p", "seed",
+                                       "presence_penalty", "frequency_penalty", "logit_bias"}
+
+
 def test_with_session_seed_fixes_a_seed_only_for_unseeded_sampling():
     greedy, seeded = SamplingParams(), SamplingParams(temperature=1.0, seed=9)
     assert with_session_seed(greedy) is greedy and with_session_seed(seeded) is seeded
