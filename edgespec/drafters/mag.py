@@ -188,7 +188,7 @@ class MaGSession(DraftSession):
     def propose(self, k: int) -> Draft:
         out, _ = self._chain(k)
         self.tokens.extend(out)
-        return Draft(tokens=out)
+        return Draft(out)
 
     def propose_tree(self, k: int, width: int) -> Draft:
         if width <= 1:

@@ -107,8 +107,9 @@ class InlineDrafts:
             return
         start = state.end + len(state.draft)
         d = s.propose_tree(k - len(state.draft), self.tree_width)
-        kept = state.push_draft(state.epoch, start, d.tokens, idle=True, window=self.window,
-                                branches=d.branches, checked=self.drafter.context_ids)
+        # (idle, window, branches, checked) positional: a call in three of a step's sessions
+        kept = state.push_draft(state.epoch, start, d.tokens, True, self.window, d.branches,
+                                self.drafter.context_ids)
         if kept < len(d.tokens):  # the window cut it: the session holds what the store does
             s.retract(start + kept)
 

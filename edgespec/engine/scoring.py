@@ -94,7 +94,10 @@ def row_decisions(drafts: Sequence[StepDraft], out: VerifyOutcome, stop_ids: Set
         act = d.act
         room = act.req.max_new_tokens - len(act.output)
         if not d.branches:  # a chain: its path is its first nodes, all the drafter's
-            verdict = Verdict(act.sid, d.epoch, d.start, len(path), token, wanted=act.wanted)
+            # positional to ``wanted`` (no finish reason, branch or own branch): keywords
+            # cost a verdict a quarter more, made for every row of every step
+            verdict = Verdict(act.sid, d.epoch, d.start, len(path), token, "", (), False,
+                              act.wanted)
             new = [*d.tokens[:len(path)], token]
             if len(new) < room and (not stop_ids or stop_ids.isdisjoint(new)):
                 # nothing to cut (most rows): ``decide``'s answer, without its checks

@@ -92,7 +92,8 @@ class StepDrafts(StepCommit):
                                              if a.drafter and k > 0 and w > 0})
         for a, told in zip(acts, told_wants(ks, self.prober, self.cfg.adaptive, notice)):
             a.wanted = told
-        return [DraftWant(a.sid, k, b, wait=k > 0 and w > 0 and a.drafter not in skip, wait_s=w)
+        # (wait, wait_s) positional: a session's ask is made every step
+        return [DraftWant(a.sid, k, b, k > 0 and w > 0 and a.drafter not in skip, w)
                 for a, k, b, w in zip(acts, ks, budgets, worth)]
 
     @staticmethod

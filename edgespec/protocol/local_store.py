@@ -112,13 +112,15 @@ class SessionState:
         """Up to k draft tokens, and branches hanging from them of at most ``branch_budget``
         tokens in all."""
         if k <= 0:  # nothing asked: no branch can hang from an empty spine, and it is ready
-            return TakenDraft(self.epoch, self.end, [], [], ready=True)
+            return TakenDraft(self.epoch, self.end, [], [], True)  # ready
         spine = self.draft[:k]  # ready: ``draft_ready``, inline (a call a session and step)
+        # positional (ready, drafting): a keyword costs this call a third more, and it is
+        # made for every session of every step
         return TakenDraft(self.epoch, self.end, spine,
                           take_branches(self.branches, len(spine), branch_budget)
                           if self.branches else [],
-                          ready=not self.has_drafter or self.drafter_idle or len(spine) >= k,
-                          drafting=self.has_drafter)
+                          not self.has_drafter or self.drafter_idle or len(spine) >= k,
+                          self.has_drafter)
 
     def is_replay(self, v: Verdict) -> bool:
         """Whether ``v`` already landed (its commit's reply was lost): the session ends where
