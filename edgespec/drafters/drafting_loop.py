@@ -311,7 +311,8 @@ def lead_cap(wanted: int | None, window: int) -> int:
         return window
     if wanted <= 0:
         return 0
-    return min(window, 2 * wanted + LEAD_SLACK)
+    cap = 2 * wanted + LEAD_SLACK  # (compared here, not by min(): a call a session and step)
+    return cap if cap < window else window
 
 
 def _pop_job(queue: list[Job], channel: DraftChannel, book: DraftBook) -> Job | None:

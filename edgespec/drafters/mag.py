@@ -215,7 +215,9 @@ class MaGSession(DraftSession):
         n, p = listed_suffix_match(tokens, self._places.of(tokens), d.max_ngram, d.min_ngram,
                                    lambda: self._array.of(tokens))
         if n:
-            limit = min(k, n * d.tokens_per_match_token)
+            limit = n * d.tokens_per_match_token
+            if limit > k:
+                limit = k
             return tokens[p + n: p + n + limit], True
         return (d.bigrams.chain(tokens[-1], k, d.bigram_min_share) if tokens else []), False
 

@@ -32,7 +32,8 @@ class TokenArray:
 
     def cut(self, length: int) -> None:
         """The list was cut to ``length`` tokens."""
-        self._n = min(self._n, length)
+        if length < self._n:
+            self._n = length
 
     def of(self, tokens: list[int]) -> np.ndarray:
         """[len(tokens)] int64: ``tokens``, a view valid until the next call."""
@@ -165,11 +166,12 @@ def listed_suffix_match(tokens: list[int], places: TokenPlaces, max_ngram: int,
     earlier places of the last token are compared one by one on the list, most recent first,
     up to ``SCAN_CANDIDATES`` of them; where more are left to compare, all are narrowed
     together on ``array()`` (the tokens as an array)."""
-    length = len(tokens)
-    top = min(max_ngram, length - 1)
+    last = len(tokens) - 1
+    # (conditionals, not min(): builtins.min parses its keywords on every call, five times
+    # the comparison, and this runs for every drafting call and candidate)
+    top = max_ngram if max_ngram < last else last
     if top < min_ngram:
         return 0, -1
-    last = length - 1
     before = places.before
     e = before[last]  # the last token's place before its own
     n, end, scanned = 0, -1, 0
@@ -182,7 +184,7 @@ def listed_suffix_match(tokens: list[int], places: TokenPlaces, max_ngram: int,
             n, end = _match_together(arr, ends, top)
             break
         scanned += 1
-        limit = min(top, e + 1)
+        limit = top if top <= e else e + 1
         m = 1  # tokens[e] == tokens[last]
         while m < limit and tokens[e - m] == tokens[last - m]:
             m += 1

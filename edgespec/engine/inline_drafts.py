@@ -87,8 +87,11 @@ class InlineDrafts:
                 # a chain to the window: a call costs about the same however long its draft,
                 # and a step that accepts the ask and the guess leaves the rest for the next,
                 # which then needs no call
-                k = max(w.k + 1, window) if chains else w.k
-                k = min(k, output_room(state.output_end, state.end))
+                # (compared, not max() and min(): a call each of the step's sessions)
+                k = w.k if not chains else w.k + 1 if w.k >= window else window
+                room = output_room(state.output_end, state.end)
+                if room < k:
+                    k = room
                 try:
                     self._draft_one(w.session_id, state, k)
                 except Exception as exc:  # a broken drafter costs speed, never the session

@@ -105,7 +105,7 @@ def told_wants(ks: Sequence[int], prober: Prober, adaptive: bool, notice: int = 
     if adaptive and max(ks, default=0) == 0 and prober.since > 0 and \
             not prober.due_within(notice):
         return [0] * len(ks)
-    return [max(1, k) for k in ks]
+    return [k if k > 1 else 1 for k in ks]  # (not max(1, k): a call a session and step)
 
 
 def plan_branch_budgets(acts: Sequence[ActiveSession], ks: Sequence[int], cfg: EngineConfig,

@@ -91,7 +91,11 @@ class SessionState:
         expected = self.end + len(self.draft)
         if start != expected:
             raise StaleChunkError(f"chunk starts at {start}, the draft ends at {expected}")
-        keep = max(0, min(len(tokens), window - len(self.draft)))
+        keep = window - len(self.draft)  # (compared, not min() and max(): a hot call)
+        if keep > len(tokens):
+            keep = len(tokens)
+        elif keep < 0:
+            keep = 0
         if keep:
             self.draft.extend(tokens[:keep])
             room = MAX_BRANCHES - len(self.branches)
