@@ -341,6 +341,7 @@ class SessionLifecycle:
         """A session's last stats, its slot freed; the store not told."""
         act.stats.tokens = len(act.output) - len(act.req.committed)
         act.stats.elapsed_s = time.perf_counter() - act.stats.start
+        act.stats.settle()
         self._drop(act)
 
     def _finish(self, act: ActiveSession) -> None:
