@@ -115,21 +115,28 @@ class StepDrafts(StepCommit):
         # drafter is not there (gone: its draft is ready, as waiting would give nothing)
         counts: dict[str, list] = {}
         for want, t in zip(wants, taken):
+            if want.k <= 0 or not isinstance(t, TakenDraft) or not t.drafting:
+                continue
             act = acts[want.session_id]
-            if act.drafter and want.k > 0 and isinstance(t, TakenDraft) and t.drafting:
-                c = counts.get(act.drafter)
-                if c is None:
-                    c = counts[act.drafter] = [0, 0, 0, 0, False, 0, 0, 0, 0]
-                c[0] += 1
-                c[1] += t.ready
-                c[2] += bool(t.tokens)
-                c[3] += t.ready or bool(t.tokens)
-                c[4] = c[4] or want.wait
-                if not t.tokens:
-                    c[5 if not act.board_drafted else 7 if act.board_empty else
-                      6 if act.fixed else 8] += 1
-                act.board_drafted = act.board_drafted or bool(t.tokens)
-                act.board_empty = not t.tokens
+            drafter = act.drafter
+            if not drafter:
+                continue
+            c = counts.get(drafter)
+            if c is None:
+                c = counts[drafter] = [0, 0, 0, 0, False, 0, 0, 0, 0]
+            c[0] += 1
+            c[1] += t.ready
+            if t.tokens:  # a draft: useful, ready or not
+                c[2] += 1
+                c[3] += 1
+                act.board_drafted, act.board_empty = True, False
+            else:
+                c[3] += t.ready
+                c[5 if not act.board_drafted else 7 if act.board_empty else
+                  6 if act.fixed else 8] += 1
+                act.board_empty = True
+            if want.wait:
+                c[4] = True
         for drafter, (n, n_ready, n_drafts, n_useful, waited, *empty) in counts.items():
             self.lateness.record(drafter, n_ready == n, waited, (n, n_ready, n_drafts),
                                  useful=n_useful == n, waited_s=wait_s if waited else 0.0,
