@@ -101,10 +101,10 @@ class StepDrafts(StepCommit):
         """Ask no session for a draft, and tell every drafter to rest (``Commit.wanted`` 0)."""
         for a in acts:
             a.wanted = 0
-        return [DraftWant(a.sid, 0, wait=False) for a in acts]
+        return [DraftWant(a.sid, 0, 0, False) for a in acts]  # (branch_budget, wait)
 
-    def _record_lateness(self, wants: list[DraftWant], taken: list, acts: dict,
-                         wait_s: float) -> None:
+    def _record_lateness(self, wants: list[DraftWant], taken: list,
+                         acts: list[ActiveSession], wait_s: float) -> None:
         """Each drafter's step: were all its sessions' drafts ready when taken? And how many
         of its sessions had a ready draft, and a draft at all, and why the others held none
         (``EmptyDrafts``); ``wait_s``: the take's time, counted for each drafter a draft of
@@ -114,10 +114,9 @@ class StepDrafts(StepCommit):
         # draft says nothing of its drafter (its empty draft is trivially ready), nor one whose
         # drafter is not there (gone: its draft is ready, as waiting would give nothing)
         counts: dict[str, list] = {}
-        for want, t in zip(wants, taken):
+        for act, want, t in zip(acts, wants, taken):
             if want.k <= 0 or not isinstance(t, TakenDraft) or not t.drafting:
                 continue
-            act = acts[want.session_id]
             drafter = act.drafter
             if not drafter:
                 continue
@@ -144,8 +143,9 @@ class StepDrafts(StepCommit):
 
     def _take(self, wants: list[DraftWant]) -> list[tuple[ActiveSession, TakenDraft]]:
         """The store's drafts (it waits up to the deadline); a session the store lost, or
-        holds at another position, fails alone."""
-        acts = {a.sid: a for a in self.active}
+        holds at another position, fails alone. ``wants``: ``_plan``'s, one a planned
+        session (``_step_acts``), in their order."""
+        acts = self._step_acts
         if self.inline is not None:  # drafted here, now: the take finds them ready
             self.inline.draft(wants)
         t0 = time.perf_counter()  # the take's wait, as a drafter's lateness counts it
@@ -154,8 +154,7 @@ class StepDrafts(StepCommit):
         taken = self.store.take_when_ready(wants, deadline)
         self._record_lateness(wants, taken, acts, time.perf_counter() - t0)
         out, asked = [], []
-        for want, t in zip(wants, taken):
-            act = acts[want.session_id]
+        for act, want, t in zip(acts, wants, taken):
             if isinstance(t, Exception):
                 self.fail(act, SessionFailed(str(t)))
             elif t.start != act.end:
