@@ -66,7 +66,7 @@ def test_a_session_asked_no_draft_says_nothing_of_its_board(tiny):
                     EngineConfig()) as engine:
         act = engine.add(Request([1, 5, 6], 4))
         act.drafter = "board"
-        acts = {act.sid: act}
+        acts = [act]  # the planned sessions, beside their asks
         engine._record_lateness([DraftWant(act.sid, 0, wait=False)],
                                 [TakenDraft(0, act.end, [])], acts, 0.5)
         assert "board" not in engine.lateness.snapshot()
@@ -90,7 +90,7 @@ def test_a_boards_empty_drafts_are_counted_by_what_came_before(tiny):
                     EngineConfig()) as engine:
         act = engine.add(Request([1, 5, 6], 4))
         act.drafter = "board"
-        acts = {act.sid: act}
+        acts = [act]  # the planned sessions, beside their asks
 
         def step(k: int, tokens: list[int], fixed: bool = False) -> tuple[int, int, int, int]:
             act.fixed = fixed  # what the commit before this step told

@@ -87,9 +87,11 @@ class StepDrafts(StepCommit):
         else:
             worth = [wait_s] * len(acts)
         # a late drafter's turn to be waited for comes on a step that would wait for its
-        # drafts: one that asks it for some, worth a wait
+        # drafts: one that asks it for some, worth a wait (none without a deadline: every
+        # worth is then 0)
         skip = self.lateness.not_waited_for({a.drafter for a, k, w in zip(acts, ks, worth)
-                                             if a.drafter and k > 0 and w > 0})
+                                             if a.drafter and k > 0 and w > 0}) \
+            if wait_s > 0 else set()
         for a, told in zip(acts, told_wants(ks, self.prober, self.cfg.adaptive, notice)):
             a.wanted = told
         # (wait, wait_s) positional: a session's ask is made every step
