@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import numbers
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
 from typing import TYPE_CHECKING
 from pathlib import Path
 
@@ -92,9 +92,12 @@ class SamplingParams:
         self._derive()
 
     def __getstate__(self) -> dict:
-        """The fields alone: the two attributes derived from them are made again on arrival
-        (``__setstate__``), so a pickle is the same whichever version sent it."""
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        """The fields, and the two attributes derived from them: this version's receiver
+        derives them again on arrival (``__setstate__``); an earlier one that kept them as
+        plain attributes without that (533ab8c to 764be20) reads them from the pickle."""
+        state = {f.name: getattr(self, f.name) for f in fields(self)}
+        state.update(greedy=self.greedy, adjusts_logits=self.adjusts_logits)
+        return state
 
     def __setstate__(self, state: dict) -> None:
         """A pickled instance, from this version or an older one (a Ray cluster upgraded a
@@ -102,7 +105,11 @@ class SamplingParams:
         properties), or sent them with the fields; they are derived here from the fields. A
         field the sender did not have takes its default."""
         for f in fields(self):
-            object.__setattr__(self, f.name, state.get(f.name, f.default))
+            if f.name in state:
+                value = state[f.name]
+            else:  # (every field has a default: SamplingParams() is greedy decoding)
+                value = f.default_factory() if f.default is MISSING else f.default  # type: ignore[operator]
+            object.__setattr__(self, f.name, value)
         self._derive()
 
     def _derive(self) -> None:

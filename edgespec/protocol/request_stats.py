@@ -74,7 +74,8 @@ class Stats:
     def settle(self) -> None:
         """Count the steps recorded since the last call into ``accepted_per_pos`` (the engine
         calls it when the session ends; ``to_dict`` too): a draft that accepted n tokens adds
-        one at each position below n, and the list is as long as the longest draft."""
+        one at each position below n, and the list is as long as the longest draft. (A copy
+        by ``dataclasses.replace`` starts with no step recorded: settle before.)"""
         runs = self.__dict__.get("_accepted_runs")  # none in another version's pickle
         if runs is None:
             return
