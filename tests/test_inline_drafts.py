@@ -85,13 +85,15 @@ def test_inline_is_the_in_process_default_for_cheap_drafters_only(tiny, tiny_dra
 
 def test_an_inline_step_of_chains_weighs_no_wait(looping, setup, monkeypatch):
     """Drafted right before the take, every draft is ready when taken: the adaptive planner
-    (its widths, its probes) weighs no wait for it (``wait_worth`` is never called), and the
-    output stays target-only's. With a drafting thread the waits are weighed."""
+    (its widths, its probes) weighs no wait for it (``wait_worth`` is never called), no ask
+    says to wait (the drafter's deadline notwithstanding), and the output stays target-only's.
+    With a drafting thread the waits are weighed and asked for."""
     import edgespec.engine.step_drafts as step_drafts
+    from edgespec.protocol.local_store import LocalSessionStore
 
     runner, refs = setup
-    weighed = []
-    real = step_drafts.wait_worth
+    weighed, waits = [], []
+    real, take = step_drafts.wait_worth, LocalSessionStore.take_when_ready
     me = threading.get_ident()  # another test's engine left running here weighs its own waits
 
     def counting(*a, **k):
@@ -99,13 +101,21 @@ def test_an_inline_step_of_chains_weighs_no_wait(looping, setup, monkeypatch):
             weighed.append(1)
         return real(*a, **k)
 
+    def taking(store, wants, wait_s):
+        if threading.get_ident() == me:
+            waits.extend(w.wait for w in wants if w.k > 0)
+        return take(store, wants, wait_s)
+
     monkeypatch.setattr(step_drafts, "wait_worth", counting)
-    cfg = EngineConfig(max_draft=4, window=8, chunk=2)
+    monkeypatch.setattr(LocalSessionStore, "take_when_ready", taking)
+    cfg = EngineConfig(max_draft=4, window=8, chunk=2, draft_wait_ms=50)
     results = _generate(runner, build_drafter("mag"), cfg)
     assert [r.token_ids for r in results] == refs and not weighed
+    assert waits and not any(waits)  # asks were made, none to wait for
+    waits.clear()
     threaded = EngineConfig(max_draft=4, window=8, chunk=2, draft_inline=False)
     results = _generate(runner, build_drafter("mag"), threaded)
-    assert [r.token_ids for r in results] == refs and weighed
+    assert [r.token_ids for r in results] == refs and weighed and any(waits)
 
 
 @pytest.mark.slow

@@ -74,7 +74,9 @@ class StepDrafts(StepCommit):
         else:
             budgets = plan_branch_budgets(acts, ks, self.cfg, self.cost, self.target.max_len,
                                           gains)
-        wait_s = self.wait_ms / 1000
+        # settled drafts are never waited for (each is ready when taken): their asks say no
+        # wait, so that the take looks at none of them and no drafter's lateness counts one
+        wait_s = 0.0 if settled else self.wait_ms / 1000
         # a probe is waited for (it measures); no wait (0 s) is worth weighing
         if self.cfg.adaptive and not self.prober.probing and wait_s > 0 and not settled:
             # a board drafting anew after a fix holds nothing yet: without a wait its session
