@@ -178,11 +178,8 @@ def listed_suffix_match(tokens: list[int], places: TokenPlaces, max_ngram: int,
     while e >= 0:
         if e + 1 <= n:  # no earlier run can be longer
             break
-        if scanned == SCAN_CANDIDATES:  # many: narrowed together, from the start
-            arr = array()
-            ends = (arr[:last] == arr[last]).nonzero()[0]
-            n, end = _match_together(arr, ends, top)
-            break
+        if scanned == SCAN_CANDIDATES:  # many: the array's match (narrowed together)
+            return longest_suffix_match(array(), max_ngram, min_ngram)
         scanned += 1
         limit = top if top <= e else e + 1
         m = 1  # tokens[e] == tokens[last]

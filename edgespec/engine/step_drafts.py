@@ -78,7 +78,7 @@ class StepDrafts(StepCommit):
         # wait, so that the take looks at none of them and no drafter's lateness counts one
         wait_s = 0.0 if settled else self.wait_ms / 1000
         # a probe is waited for (it measures); no wait (0 s) is worth weighing
-        if self.cfg.adaptive and not self.prober.probing and wait_s > 0 and not settled:
+        if self.cfg.adaptive and not self.prober.probing and wait_s > 0:
             # a board drafting anew after a fix holds nothing yet: without a wait its session
             # decodes one token this step; its draft is worth the wait the planner weighs
             # (less than a forward, once the forward's cost is fitted), however short the

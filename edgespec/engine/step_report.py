@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from ..protocol.frozen_value import frozen_value
+from ..protocol.request_stats import reaching
 
 
 @frozen_value
@@ -51,8 +52,4 @@ def _per_position(lengths: Sequence[int]) -> tuple[int, ...]:
     for n in lengths:
         if n > 0:
             ending[n] += 1
-    out, reach = [0] * top, 0
-    for i in range(top, 0, -1):  # those reaching past position i - 1: lengths of i or more
-        reach += ending[i]
-        out[i - 1] = reach
-    return tuple(out)
+    return tuple(reaching(ending))

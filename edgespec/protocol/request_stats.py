@@ -11,7 +11,19 @@ rejected.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
+
+
+def reaching(ending: Sequence[int]) -> list[int]:
+    """[#(n > 0), #(n > 1), ...] of lengths counted by their value (``ending[n]``: how many
+    are n), as long as the longest counted: position i's count is the lengths of i + 1 or more.
+    """
+    out, reach = [0] * max(0, len(ending) - 1), 0
+    for i in range(len(ending) - 1, 0, -1):
+        reach += ending[i]
+        out[i - 1] = reach
+    return out
 
 
 @dataclass
@@ -82,10 +94,8 @@ class Stats:
         per_pos = self.accepted_per_pos
         if len(per_pos) < self._deepest:
             per_pos.extend([0] * (self._deepest - len(per_pos)))
-        reach = 0  # the drafts that accepted more than n - 1 tokens
-        for n in range(len(runs) - 1, 0, -1):
-            reach += runs[n]
-            per_pos[n - 1] += reach
+        for i, n in enumerate(reaching(runs)):  # the drafts that accepted more than i tokens
+            per_pos[i] += n
         runs.clear()
 
     @property
