@@ -11,7 +11,7 @@ import pytest
 import torch
 from cli_inprocess import run_cli
 
-from edgespec_cli.bench.host_cost import STAGES, drafter_options, measure
+from edgespec_cli.bench.host_cost import PLAIN_RUNS, STAGES, drafter_options, measure
 from edgespec_cli.bench.instant_runner import InstantRunner
 
 
@@ -71,6 +71,13 @@ def test_bench_host_command_writes_its_table_and_json(tmp_path):
     assert (row["store"], row["drafter"], row["sessions"]) == ("local", "mag", 2)
     runs = row["tokens_per_s_runs"]  # the median run's figures, every run's beside them
     assert len(runs) == 3 and row["tokens_per_s"] == sorted(runs)[1]
+    # the host figure is the median of its engine's plain runs, each repeat's beside them
+    plains = row["host_us_per_session_step_runs"]
+    assert len(plains) == PLAIN_RUNS and plains == sorted(plains)
+    assert row["host_us_per_session_step"] == pytest.approx(plains[PLAIN_RUNS // 2])
+    assert len(row["host_us_per_session_step_repeats"]) == 3
+    assert row["host_us_per_session_step"] in row["host_us_per_session_step_repeats"]
+    assert "host us/sess-step of each repeat" in r.stdout
     bad = run_cli("bench-host", "--stores", "disk")
     assert bad.returncode == 2 and "--stores" in bad.stderr
     assert run_cli("bench-host", "--repeats", "0").returncode == 2

@@ -106,6 +106,13 @@ def test_chains_run_as_chains_unless_a_tree_forward_is_asked_for():
     assert forced.ancestors.shape == (2, 4, 4)
     empty = StepRows.build([0], [3], [9], DraftShape.of([([], [])]), "cpu")
     assert empty.width == 1 and empty.tokens.tolist() == [[9]]
+    # a chain's token t sits at depth t in every row (the host's copy, shared by the steps of
+    # a shape: read-only), a forced tree's at its node's depth (padding 0)
+    again = StepRows.build([1, 0], [4, 8], [3, 4], shape, "cpu")
+    for rows in (chains, again):
+        assert rows.host.depth.tolist() == [[0, 1, 2, 3]] * 2
+        assert not rows.host.depth.flags.writeable
+    assert forced.host.depth.tolist() == [[0, 1, 2, 3], [0, 0, 0, 0]]
 
 
 def test_the_rows_reach_the_device_in_one_copy_per_kind(monkeypatch):

@@ -225,7 +225,7 @@ class RowsOf:
         first = lengths[0].table if lengths else None
         if all(dl.table is first for dl in lengths):
             self.groups = [] if first is None else \
-                [(first, np.fromiter((dl.row for dl in lengths), np.int64, len(lengths)),
+                [(first, np.array([dl.row for dl in lengths], dtype=np.int64),
                   np.arange(len(lengths)))]
             return
         by: dict[int, tuple[DraftRates, list[int], list[int]]] = {}

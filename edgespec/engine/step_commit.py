@@ -141,7 +141,7 @@ class StepCommit(SessionLifecycle):
             return
         rows, B = self._rows_of([d.draft.act for d in applied]), len(applied)
         rows.record("update", np.array(drafted, dtype=np.int64),
-                    np.fromiter((d.verdict.n_accepted for d in applied), np.int64, B))
+                    np.array([d.verdict.n_accepted for d in applied], dtype=np.int64))
         # a row verified branch tokens; a fill's are the verifier's, not the drafter's: they
         # teach the drafter's branches nothing
         if any(d.draft.branch_tokens and not d.draft.fill_offer for d in applied):

@@ -33,7 +33,7 @@ def session_gains(acts: Sequence[ActiveSession], rows: RowsOf | None = None,
 def lead_caps(acts: Sequence[ActiveSession], window: int) -> np.ndarray:
     """[B]: ``drafting_loop.lead_cap`` of each session: what its drafter holds ahead after the
     last ask (the whole window when none was made)."""
-    return np.fromiter((lead_cap(a.wanted, window) for a in acts), np.int64, len(acts))
+    return np.array([lead_cap(a.wanted, window) for a in acts], dtype=np.int64)
 
 
 def output_caps(acts: Sequence[ActiveSession]) -> np.ndarray:
@@ -42,8 +42,8 @@ def output_caps(acts: Sequence[ActiveSession]) -> np.ndarray:
     there would be cut to it), so no step verifies a chain past a request's end. A loosely
     verified session is not capped: its drafts past the end may confirm a mismatch before it
     (``verify.loose``'s window)."""
-    return np.fromiter((a.req.max_new_tokens - len(a.output) - 1 if a.verify != "loose"
-                        else 1 << 30 for a in acts), np.int64, len(acts))
+    return np.array([a.req.max_new_tokens - len(a.output) - 1 if a.verify != "loose"
+                     else 1 << 30 for a in acts], dtype=np.int64)
 
 
 def cap_to_budget(ks: np.ndarray, budget: int) -> np.ndarray:

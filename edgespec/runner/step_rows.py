@@ -225,7 +225,7 @@ class StepRows:
         if tail_h is not None:
             tail = TailKeys(on_dev[tail_at], on_dev[tail_at + 1], on_dev[tail_at + 2], flags[-1],
                             on_dev[tail_at + 3], tail_h.n_blocks)
-        depth_h = shape.depths[:, :T] if is_tree else np.broadcast_to(np.arange(T), (B, T))
+        depth_h = shape.depths[:, :T] if is_tree else _chain_depths(B, T)
         host = StepHost(tokens, start_h, slot_h, depth_h, path_h, shape.nodes, shape.counts)
         return cls(list(slots), list(starts), T, is_tree, on_dev[6], on_dev[5], on_dev[0],
                    on_dev[1], on_dev[2], on_dev[3], on_dev[4],
@@ -239,6 +239,14 @@ class StepRows:
         forward; a graph bucket copies them into its inputs after its host copy."""
         self.tokens[:, 0].copy_(roots)
         return replace(self, device_roots=roots)
+
+
+@functools.lru_cache(maxsize=256)
+def _chain_depths(B: int, T: int) -> np.ndarray:
+    """[B, T] int64, read-only: row t of a chain at depth t, for every row (``StepHost.depth``
+    of a step of chains), made once per batch shape (``np.broadcast_to`` costs ~3 us a call,
+    a step's; this cache's lookup a thirtieth of that)."""
+    return np.broadcast_to(np.arange(T, dtype=np.int64), (B, T))
 
 
 @frozen_value

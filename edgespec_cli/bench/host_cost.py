@@ -13,7 +13,8 @@ Redis, target-only: no board drafts through it here).
 
 Per setting (store x drafter x sessions) it runs ``generate_many`` of that many prompts,
 ``--new-tokens`` each, after a warm-up of the same size, ``--repeats`` times (the run of
-median tokens per second is reported, every run's tokens per second beside it), with torch on
+median tokens per second is reported, every run's tokens per second beside it; each repeat's
+host figures are its engine's median of ``PLAIN_RUNS`` runs), with torch on
 one thread, and times each stage of every step by wrapping the engine's own stage methods:
 microseconds a step and a session-step for plan, take, propose, verify (rows + the runner's
 answer + the verification's host part; the runner's own time is reported apart as
@@ -46,6 +47,7 @@ if TYPE_CHECKING:  # torch is imported where it runs: the parser is built withou
 
 T = TypeVar("T")
 STAGES = ("plan", "take", "propose", "verify", "decide", "place", "commit")
+PLAIN_RUNS = 5  # runs timed without stopwatches per engine: the median's is reported
 
 
 def add_bench_host_args(p) -> None:
@@ -243,10 +245,15 @@ def measure(store: str, drafter: str, n: int, new_tokens: int, right: float,
                     "drafter_cpu": _cpu_s(drafter_clock) - cpu0[1]
                     if drafter_clock is not None else None}
 
-        # the host's total from a run with no stopwatch in the engine (a stage's two clock
+        # the host's total from runs with no stopwatch in the engine (a stage's two clock
         # reads and its wrapper cost ~4 us a stage and step here: ~30 us a step, a tenth of
-        # one session's host work); the stages from a second run, drafting from the same table
-        plain = _tables_kept(engine, timed_run)
+        # one session's host work): the run of median host time a session-step of
+        # PLAIN_RUNS, each drafting from the same tables (one run of 64 sessions is ~20 ms:
+        # alone, a moment's noise on a shared machine moves it by a tenth); the stages from
+        # one more run
+        plains = [_tables_kept(engine, timed_run) for _ in range(PLAIN_RUNS)]
+        plains.sort(key=_host_per_session_step)
+        plain = plains[len(plains) // 2]
         times: dict[str, float] = defaultdict(float)
         cpu: dict[str, float] = defaultdict(float)
         _timed(engine, times, cpu)
@@ -277,6 +284,8 @@ def measure(store: str, drafter: str, n: int, new_tokens: int, right: float,
             "us_per_step": stage_us, "cpu_us_per_step": stage_cpu_us,
             "host_us_per_step": 1e6 * host_s / steps,
             "host_us_per_session_step": 1e6 * host_s / sess,
+            # every plain run's, ascending (the figure above is their median)
+            "host_us_per_session_step_runs": [1e6 * _host_per_session_step(p) for p in plains],
             # the stages' run: its steps, and its host time a step with the stopwatches in it
             "staged_steps": staged["steps"],
             "staged_host_us_per_step":
@@ -291,13 +300,19 @@ def measure(store: str, drafter: str, n: int, new_tokens: int, right: float,
             "acceptance_rate": accepted / drafted if drafted else None}
 
 
+def _host_per_session_step(run: dict) -> float:
+    """A run's host seconds a session-step: its wall less the runner's answers."""
+    return (run["wall"] - run["runner_s"]) / max(1, run["session_steps"])
+
+
 def median_run(runs: list[dict]) -> dict:
     """Of a setting's runs, the one of median tokens per second (the upper of two middles),
     with every run's tokens per second beside it: on a shared machine one run of a few
     hundred steps moves by half."""
     ordered = sorted(runs, key=lambda r: r["tokens_per_s"] or 0.0)
     return {**ordered[len(ordered) // 2],
-            "tokens_per_s_runs": [r["tokens_per_s"] for r in runs]}
+            "tokens_per_s_runs": [r["tokens_per_s"] for r in runs],
+            "host_us_per_session_step_repeats": [r["host_us_per_session_step"] for r in runs]}
 
 
 def _cpu_clock(worker) -> int | None:
@@ -361,6 +376,12 @@ def format_table(report: dict) -> str:
             f"{r['verifier_cpu_us_per_session_step']:>13.1f} "
             f"{_or_dash(r['drafter_cpu_us_per_session_step']):>7}  "
             + " ".join(f"{us[s]:>7.0f}" for s in (*STAGES, "runner")))
+    lines += ["", f"host us/sess-step of each repeat (each the median of its engine's "
+                  f"{PLAIN_RUNS} runs; the table's is the repeat of median tokens/s)"]
+    for r in report["results"]:
+        each = r.get("host_us_per_session_step_repeats") or [r["host_us_per_session_step"]]
+        lines.append(f"{r['store']:<6} {r['drafter']:<14} {r['sessions']:>4}  "
+                     + " ".join(f"{x:.1f}" for x in each))
     lines += ["", "the verifier thread's CPU microseconds a step, by stage (in process the "
                   "wall above also holds the drafting thread's turns; verify: its host part)",
               f"{'store':<6} {'drafter':<14} {'sess':>4}  " + " ".join(f"{s:>7}" for s in STAGES)]
