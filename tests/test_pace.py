@@ -42,19 +42,42 @@ def test_nothing_is_refused_before_the_pace_is_measured_or_without_a_deadline():
 
 def test_the_estimate_counts_the_work_ahead_and_the_call_alone():
     pace = _paced(rate=100, session_rate=25)  # 4 sessions a step, 25 tokens/s each
+    free = pace.verdict(new_tokens=50, ahead_tokens=0, ahead_prompts=0, deadline_s=10)
+    assert free.admit and free.estimate_s == pytest.approx(2.0)  # alone: 50 / 25 = 2 s
     ok = pace.verdict(new_tokens=50, ahead_tokens=100, ahead_prompts=0, deadline_s=10)
-    assert ok.admit and ok.estimate_s == pytest.approx(2.0)  # alone: 50 / 25 = 2 s
+    assert ok.admit and ok.estimate_s == pytest.approx(3.0)  # a slot in 1 s, then 2 s
     busy = pace.verdict(new_tokens=50, ahead_tokens=950, ahead_prompts=0, deadline_s=10)
-    assert not busy.admit and busy.estimate_s == pytest.approx(10.0)  # 1000 / 100
-    assert busy.retry_after_s == pytest.approx(10.0 - SAFETY * 10)
-    assert "retry after 2.0 s" in busy.reason() and "950 tokens" in busy.reason()
+    assert not busy.admit and busy.estimate_s == pytest.approx(11.5)  # 9.5 + 2
+    assert busy.retry_after_s == pytest.approx(11.5 - SAFETY * 10)
+    assert "retry after 3.5 s" in busy.reason() and "950 tokens" in busy.reason()
     # one that cannot make it even alone is told to change the call, not to wait
     alone = pace.verdict(new_tokens=500, ahead_tokens=0, ahead_prompts=0, deadline_s=10)
     assert not alone.admit and "even alone" in alone.reason() and alone.retry_after_s == 0
     # refused within its deadline but past the margin: the reason says the margin
-    close = pace.verdict(new_tokens=50, ahead_tokens=850, ahead_prompts=0, deadline_s=10)
-    assert not close.admit and close.estimate_s == pytest.approx(9.0)
+    close = pace.verdict(new_tokens=50, ahead_tokens=750, ahead_prompts=0, deadline_s=10)
+    assert not close.admit and close.estimate_s == pytest.approx(9.5)
     assert f"past the 8.0 s ({SAFETY:.0%} of its deadline)" in close.reason()
+
+
+def test_a_new_call_waits_only_for_the_sessions_it_needs_a_slot_from():
+    """The tokens before a call (``Scheduler._tokens_before_a_slot``): none while a KV slot is
+    free, however long the running sessions' outputs; else what every session generates until
+    the shortest ones, as many as the slots it lacks, have ended."""
+    from types import SimpleNamespace
+
+    from verifier_node.scheduler import Scheduler
+
+    def before(slots: int, lefts: list[int]) -> int:
+        tickets = {str(i): _queued_ticket(n) for i, n in enumerate(lefts)}
+        fake = SimpleNamespace(_tickets=tickets,
+                               engine=SimpleNamespace(cfg=SimpleNamespace(max_sessions=slots)))
+        return Scheduler._tokens_before_a_slot(fake)
+
+    assert before(8, [1900, 1900]) == 0  # 6 slots free: it runs beside them
+    assert before(2, [400]) == 0
+    assert before(2, [400, 100]) == 200  # the 100-token one ends first: 100 of each
+    assert before(2, [400, 100, 300]) == 700  # two must end: 100 + 300 + 300
+    assert before(1, []) == 0
 
 
 def test_prefills_ahead_count_at_the_measured_prefill_rate():
@@ -97,14 +120,18 @@ def test_a_call_the_pace_cannot_serve_in_time_is_refused_at_once_and_others_are_
         assert refused == 1
         with edgespec.Client(addr, timeout=10) as client:
             srv.scheduler.pace = _paced(rate=20, session_rate=20)
-            with srv.scheduler._lock:  # work ahead of it: 400 tokens of a session queued
+            with srv.scheduler._lock:  # a long session ahead, one of the two slots free
                 srv.scheduler._tickets["ahead"] = _queued_ticket(400)
-            try:
-                with pytest.raises(edgespec.Overloaded) as over:  # 410 tokens at 20/s: 20 s
+            try:  # admitted: its 10 tokens come beside the other's (0.5 s at 20/s)
+                assert client.generate(prompt_ids=[1, 5, 6], max_new_tokens=10).token_ids
+                with srv.scheduler._lock:  # both slots taken: it waits for one to end
+                    srv.scheduler._tickets["ahead too"] = _queued_ticket(400)
+                with pytest.raises(edgespec.Overloaded) as over:  # 800 tokens at 40/s: 20 s
                     client.generate(prompt_ids=[1, 5, 6], max_new_tokens=10)
             finally:
                 with srv.scheduler._lock:
-                    del srv.scheduler._tickets["ahead"]
+                    srv.scheduler._tickets.pop("ahead", None)
+                    srv.scheduler._tickets.pop("ahead too", None)
             assert over.value.retry_after_s is not None and over.value.retry_after_s > 0
             srv.scheduler.pace = _paced(rate=20, session_rate=10)
         with edgespec.Client(addr, timeout=None) as client:  # no deadline: admitted
@@ -128,5 +155,5 @@ def test_the_rate_is_projected_to_the_batch_a_call_joins_by_the_forward_cost():
     flat = _paced(rate=2, session_rate=2)
     assert flat.rates_at(8) == (pytest.approx(16), pytest.approx(2))
     # the verdict reads the rate at the batch it is told
-    assert pace.verdict(10, 100, 0, deadline_s=25, batch=8).admit  # 110 / 6.67 = 16.5 s
-    assert not pace.verdict(10, 100, 0, deadline_s=25, batch=1).admit  # 110 / 2 = 55 s
+    assert pace.verdict(10, 100, 0, deadline_s=40, batch=8).admit  # 100 / 6.67 + 10 / 0.83
+    assert not pace.verdict(10, 100, 0, deadline_s=40, batch=1).admit  # 100 / 2 + 10 / 2

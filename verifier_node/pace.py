@@ -9,10 +9,15 @@ forward cost, ``fixed + per_token * rows``, scales the step time: a batch of 8 d
 all than the lone session a quiet verifier measured). ``Pace.verdict`` estimates when a new call
 would finish:
 
-    finish ~ max((tokens ahead + its own) / rate(n), its own / session_rate(n)) + prefills ahead
+    finish ~ tokens ahead / rate(n) + its own / session_rate(n) + prefills ahead
 
-where "tokens ahead" is what every queued and running session may still generate (its
-``max_new_tokens`` less what it has: an upper bound, so the estimate errs towards refusing).
+where "tokens ahead" is what the queued and running sessions generate before the call gets a
+KV slot: none while a slot is free (its tokens come beside theirs, each step one or more for
+every session: a batched verifier serves the call at ``session_rate(n)``, n the batch it joins);
+else, every session advancing together, what they all generate until as many of them as the
+slots it lacks have ended, the shortest first (``Scheduler._tokens_before_a_slot``; each
+session's ``max_new_tokens`` less what it has: an upper bound, so the estimate errs towards
+refusing).
 A call whose estimate exceeds ``SAFETY`` of its deadline is refused at once
 (RESOURCE_EXHAUSTED, with a retry-after: the time the work ahead needs to drain that far).
 Before the first steps are measured nothing is refused by pace (the queue's depth still is);
@@ -45,8 +50,9 @@ class PaceVerdict:
     def reason(self) -> str:
         deadline = self.deadline_s or 0
         said = (f"a call with a {deadline:.1f} s deadline would finish in about "
-                f"{self.estimate_s or 0:.1f} s ({self.ahead_tokens} tokens may come before it, "
-                f"at the measured {self.rate:.1f} tokens/s), past the {SAFETY * deadline:.1f} s "
+                f"{self.estimate_s or 0:.1f} s ({self.ahead_tokens} tokens may come before a "
+                f"KV slot is free for it, at the measured {self.rate:.1f} tokens/s, then "
+                f"{self.alone_s:.1f} s of its own), past the {SAFETY * deadline:.1f} s "
                 f"({SAFETY:.0%} of its deadline) a call is admitted within")
         if self.alone_s > SAFETY * deadline:
             return (f"{said}; even alone it needs about {self.alone_s:.1f} s: ask for fewer "
@@ -117,7 +123,8 @@ class Pace:
     def verdict(self, new_tokens: int, ahead_tokens: int, ahead_prompts: int,
                 deadline_s: float | None, batch: float | None = None) -> PaceVerdict:
         """Whether a call that may generate ``new_tokens`` finishes within ``deadline_s`` (None:
-        no deadline, always admitted) behind ``ahead_tokens`` still to generate and
+        no deadline, always admitted) behind ``ahead_tokens`` the batch generates before the
+        call gets a slot (0: one is free) and
         ``ahead_prompts`` prompt tokens (its own included) still to prefill, running among
         ``batch`` sessions a step (None: as many as measured)."""
         with self._lock:
@@ -129,7 +136,7 @@ class Pace:
             return PaceVerdict(True, None, deadline_s)
         prefill = ahead_prompts / pre if pre > 0 else 0.0
         alone = new_tokens / single
-        estimate = max((ahead_tokens + new_tokens) / rate, alone) + prefill
+        estimate = ahead_tokens / rate + alone + prefill  # a slot, then its own tokens
         if estimate <= SAFETY * deadline_s:
             return PaceVerdict(True, estimate, deadline_s, alone_s=alone, rate=rate,
                                ahead_tokens=ahead_tokens)

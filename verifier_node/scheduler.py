@@ -150,8 +150,7 @@ class Scheduler(threading.Thread):
     def _check_pace(self, ticket: Ticket, deadline_s: float) -> None:
         """Raise TooSlowForDeadline when ``ticket`` would not finish in time (the lock held)."""
         req = ticket.request
-        ahead = sum(max(0, t.request.max_new_tokens - len(t.tokens))
-                    for t in self._tickets.values())
+        ahead = self._tokens_before_a_slot()
         prompts = self._prompts_ahead(req)
         batch = min(self.engine.cfg.max_sessions, len(self._tickets) + 1)
         verdict = self.pace.verdict(max(0, req.max_new_tokens - len(req.committed)), ahead,
@@ -160,6 +159,22 @@ class Scheduler(threading.Thread):
             if self.metrics is not None:
                 self.metrics.refused_for_pace()
             raise TooSlowForDeadline(verdict)
+
+    def _tokens_before_a_slot(self) -> int:
+        """Tokens the running and queued sessions generate before a new call gets a KV slot
+        (the lock held). None while a slot is free: the call's tokens come beside theirs, in
+        the same steps (``Pace.verdict`` reads its own pace at the batch it joins). Else it
+        waits until as many of them have ended as the slots it lacks, the shortest first,
+        while every one of them advances a token a step: what they all generate until then.
+        Each may still generate its ``max_new_tokens`` less what it has (an upper bound: the
+        estimate errs towards refusing)."""
+        left = sorted(max(0, t.request.max_new_tokens - len(t.tokens))
+                      for t in self._tickets.values())
+        short = len(left) + 1 - self.engine.cfg.max_sessions  # sessions to end first
+        if short <= 0:
+            return 0
+        until = left[short - 1]
+        return sum(n if n < until else until for n in left)
 
     def _prompts_ahead(self, req: Request) -> int:
         """Prompt tokens to prefill before ``req``'s first token, its own included (the lock
