@@ -72,10 +72,26 @@ def test_a_cancelled_first_prompt_leaves_its_copies_to_the_next_of_them():
     queue.advance(4)
     assert queue.tokens_left == 1  # a's last token: b and c copy it
     assert queue.remove(a)
-    assert queue.tokens_left == 5  # b is prefilled in a's place, from the start
-    step = queue.advance(None)  # b prefilled from the start, c copies b's
-    assert writer.calls[1:] == [[(1, 4)], [(1, 1)]] and writer.copies == [(1, 2, 5)]
+    # b is prefilled in a's place, from what a had in (copied from a's slot, still held)
+    assert writer.copies == [(0, 1, 4)] and queue.tokens_left == 1
+    step = queue.advance(None)  # b's last token, then c copies b's
+    assert writer.calls[1:] == [[(1, 1)]] and writer.copies[1:] == [(1, 2, 5)]
     assert step.ready == [b, c] and queue.tokens_left == 0
+
+
+def test_a_cancelled_first_with_nothing_in_or_a_failed_hand_over_leaves_a_prefill_from_0():
+    writer = CopyingWriter(fail_copies={1})
+    queue = PrefillQueue(writer, chunk=4)
+    prompt = [1, 2, 3, 4, 5]
+    a, b, c = _add(queue, 0, prompt), _add(queue, 1, prompt), _add(queue, 2, prompt)
+    queue.advance(4)
+    assert queue.remove(a)  # b's copy of a's part fails: b is prefilled from the start
+    assert writer.copies == [] and queue.tokens_left == 5
+    d, e = _add(queue, 3, [7, 8]), _add(queue, 4, [7, 8])
+    assert queue.remove(d)  # nothing of d's in: e is prefilled, nothing copied
+    step = queue.advance(None)
+    assert writer.copies == [(1, 2, 5)] and set(step.ready) == {b, c, e}
+    assert writer.lengths[1] == 5 and writer.lengths[4] == 2
 
 
 def test_a_prompt_added_later_copies_whichever_of_its_kind_is_prefilled_now():
@@ -186,6 +202,33 @@ def _copies_hold_own_prefill_bits(runner: TargetRunner) -> None:
 
 def test_a_copied_prompt_holds_the_bits_its_own_prefill_writes(tiny):
     _copies_hold_own_prefill_bits(TargetRunner(tiny.model, n_slots=4, max_len=96))
+
+
+def test_a_prompt_handed_a_cancelled_first_s_part_holds_its_own_prefill_s_bits(tiny):
+    """The first of three identical prompts cancelled after its first part: the next goes on
+    from the part it is handed, the third copies that one's; both hold, bit for bit, what the
+    prompt's own prefill writes."""
+    runner = TargetRunner(tiny.model, n_slots=5, max_len=96)
+    prompt = [1] + [3 + (7 * i) % 50 for i in range(70)]
+    queue = PrefillQueue(runner, chunk=32)
+    acts = []
+    for _ in range(3):
+        slot = runner.new_slot()
+        acts.append(ActiveSession(f"s{slot}", Request(prompt + [9], 4), slot, DraftLength(4)))
+        queue.add(acts[-1], prompt)
+    assert queue.advance(32).tokens == 32
+    assert queue.remove(acts[0])
+    runner.free_slot(acts[0].slot)
+    assert queue.tokens_left == len(prompt) - 32  # the rest of it, once
+    while queue.waiting:
+        queue.advance(32)
+    alone = runner.new_slot()
+    runner.prefill(alone, prompt, chunk=32)
+    n = len(prompt)
+    for act in acts[1:]:
+        assert runner.cache.lengths[act.slot] == n
+        for cache in runner.cache.k + runner.cache.v:
+            assert torch.equal(cache[act.slot, :, :n], cache[alone, :, :n])
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(),

@@ -27,11 +27,14 @@ all in, its keys and values are copied into the other's slot (``copy_prompt``: o
 a layer, no forward). They are the bits its own prefill would write, since a token's keys and
 values depend only on the tokens before it (the kernels are batch-invariant and the parts cut
 at fixed positions). If the first fails or is cancelled, the next of its copies is prefilled
-in its place. A prompt identical to one this queue put in whose session still runs (choices
-that reached the engine a step apart) is copied from that session's slot at the next
-``advance``: a running session's prompt positions are never written again. A writer without
-``copy_prompt`` prefills every prompt; a prompt whose logits are read is always prefilled
-itself (its parts are cut at its reader's chunk) and is no source either.
+in its place; a cancelled first hands it what it had prefilled (copied from its slot before
+the slot is freed), so its prefill goes on from there: a client that leaves during a long
+prompt's prefill costs the others waiting for the same prompt nothing. A prompt identical to
+one this queue put in whose session still runs (choices that reached the engine a step apart)
+is copied from that session's slot at the next ``advance``: a running session's prompt
+positions are never written again. A writer without ``copy_prompt`` prefills every prompt; a
+prompt whose logits are read is always prefilled itself (its parts are cut at its reader's
+chunk) and is no source either.
 """
 
 from __future__ import annotations
@@ -189,8 +192,27 @@ class PrefillQueue:
                 if w.source is not None:
                     self._sourced.remove(w)
                 self._promote(w)
+                self._hand_over(w)
                 return True
         return False
+
+    def _hand_over(self, gone: WaitingPrompt) -> None:
+        """``gone`` left with part of its prompt in (``remove``: its slot is freed after
+        this): the copy prefilled in its place (``_promote``) takes those positions from its
+        slot and goes on from there. They end at a multiple of the chunk, where that copy's
+        own parts would be cut, so they are the bits its own prefill would write. A failed
+        copy is logged; the copy is then prefilled from the start."""
+        if not gone.done or not gone.copies or self.copier is None:
+            return
+        first = gone.copies[0]
+        try:
+            self.copier.copy_prompt(gone.act.slot, first.act.slot, gone.done)
+        except Exception:
+            log.exception("copying the prefilled part of session %s's prompt into session "
+                          "%s failed; prefilling it from the start", gone.act.sid,
+                          first.act.sid)
+            return
+        first.done = gone.done
 
     def _promote(self, gone: WaitingPrompt) -> None:
         """``gone`` left the queue without its prompt in: the first of its copies is
