@@ -51,6 +51,8 @@ from edgespec.sdk.request import check_timeout
     (dict(messages=[{"role": "user", "content": "\ud800"}]), "messages[0]['content'] holds"),
     (dict(messages=[{"role": "us\ud800er", "content": "hi"}]), "messages[0]['role'] holds"),
     (dict(messages=[{"role": "user", "content": "hi"}], raw=True), "raw=True sends a prompt"),
+    # a key the wire would drop (HTTP refuses it too: it would change the prompt); None is none
+    (dict(messages=[{"role": "user", "content": "hi", "name": "b"}]), "holds 'name'"),
     (dict(prompt="x", images="photo.png"), "images must be a list"),
     (dict(prompt="x", images=b"\x89PNG"), "images must be a list"),
 ])
@@ -190,3 +192,8 @@ def test_an_option_a_generation_does_not_have_is_named_with_the_one_it_may_mean(
     with pytest.raises(TypeError, match=r"'zzz'.*options: .*max_new_tokens.*timeout"):
         list(client.stream("x", zzz=1))
     client.close()
+
+
+def test_a_message_s_none_valued_keys_are_none_given():
+    req = build_request(messages=[{"role": "user", "content": "hi", "name": None}])
+    assert [(m.role, m.content) for m in req.messages] == [("user", "hi")]

@@ -89,6 +89,13 @@ def check_messages(messages) -> None:
                                  "strings")
         wire_text(m["role"], f"messages[{i}]['role']")
         wire_text(m["content"], f"messages[{i}]['content']")
+        # the wire carries a message's role and content alone: a key besides them (OpenAI's
+        # 'name', say) would be dropped on the way, and the prompt be other than the caller's
+        extra = sorted(str(k)[:40] for k, v in m.items()
+                       if k not in ("role", "content") and v is not None)
+        if extra:
+            raise InvalidRequest(f"messages[{i}] holds {', '.join(map(repr, extra))}: a "
+                                 "message carries a 'role' and a 'content' alone")
 
 
 def check_wire_float(name: str, value: float) -> None:
