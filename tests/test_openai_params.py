@@ -185,3 +185,11 @@ def test_a_content_parts_unknown_field_is_refused_by_name(part, param):
     p = parse_request(chat({"role": "user", "content": [{"type": "text", "text": "hi",
                                                           "bogus": None}]}), True, MODEL)
     assert p.generation.messages == [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize("part", [{"text": "hi"}, "hi", 5, None])
+def test_a_content_part_without_a_type_is_told_to_have_one(part):
+    with pytest.raises(ApiError) as e:
+        parse_request(chat({"role": "user", "content": [part]}), True, MODEL)
+    assert e.value.status == 400 and e.value.param == "messages[0].content[0]"
+    assert "must be an object with a 'type'" in str(e.value)

@@ -74,6 +74,9 @@ def parts_content(i: int, parts: list, images: list[bytes]) -> str:
                 spec = spec.get("url")
             images.append(image_from_url(spec, f"{where}.image_url.url"))
             text.append(IMAGE_MARK)
+        elif not isinstance(part, dict) or "type" not in part:
+            raise _bad(f"'{where}' must be an object with a 'type' (text or image_url)",
+                       where)
         else:
             raise _bad(f"'{where}' is a {str(kind)[:40]!r} part: the content parts taken are "
                        "text and image_url", "messages")
