@@ -224,6 +224,9 @@ def test_a_client_holding_the_whole_output_gets_the_end_and_no_more_tokens(verif
     (dict(prompt_ids=PROMPT, committed=[-1], lost_session_id=SID_A), r"^committed \(output\)"),
     (dict(prompt_ids=[1 << 20], committed=[5], lost_session_id=SID_A), r"^prompt token ids"),
     (dict(prompt_ids=PROMPT, committed=[5], lost_session_id="x:y"), "session id"),
+    # an output that ended at a stop token (2) before its last: no session produced it
+    (dict(prompt_ids=PROMPT, committed=[5, 2, 6], lost_session_id=SID_A),
+     "stop token at 1, before their end"),
 ])
 def test_bad_recreations_are_refused(verifier_parts, kw, said):
     with pytest.raises(ConfigError, match=said):
@@ -237,6 +240,23 @@ def test_a_resume_from_below_zero_is_refused_not_read_as_zero():
         generation_request(pb.GenerateRequest(resume_session_id=SID_A, resume_from=-1))
     assert generation_request(pb.GenerateRequest(resume_session_id=SID_A, resume_from=0)) \
         .resume_session_id == SID_A
+
+
+@pytest.mark.parametrize("kw,said", [
+    (dict(prompt="hi", committed_ids=[5, 6]), "committed_ids go with lost_session_id"),
+    (dict(prompt="hi", resume_from=3), "resume_from goes with resume_session_id"),
+    (dict(messages=[pb.ChatMessage(role="user", content="hi")], raw=True),
+     "messages always go through the chat template"),
+])
+def test_a_field_without_the_one_it_goes_with_is_refused_on_the_wire(kw, said):
+    """A client other than the SDK may send them alone: refused, not read as something else
+    (committed ids alone were taken for output a new session already had)."""
+    from verifier_node.service import generation_request
+
+    with pytest.raises(ConfigError, match=said):
+        generation_request(pb.GenerateRequest(**kw))
+    assert generation_request(pb.GenerateRequest(prompt="hi", committed_ids=[5],
+                                                 lost_session_id=SID_A)).committed == [5]
 
 
 # -- a real serve killed mid-generation ------------------------------------------------------------

@@ -199,6 +199,11 @@ class Admission:
                 held = checked_lineage(g.kernel_set, g.kernels_differ_from, len(g.committed))
             except ValueError as e:
                 raise ConfigError(str(e)) from None
+            stops = self.scheduler.engine.stop_ids
+            early = next((i for i, t in enumerate(g.committed[:-1]) if t in stops), None)
+            if early is not None:  # the output it re-creates ended there: no session does so
+                raise ConfigError(f"committed_ids hold a stop token at {early}, before their "
+                                  f"end: the session they re-create ended there")
             log.info("re-creating session %s (lost by the cache) from %d tokens the client "
                      "holds", shown(lost), len(g.committed))
             request.lineage = held  # a client holding its whole output: nothing decoded here

@@ -57,6 +57,16 @@ def generation_request(req: pb.GenerateRequest) -> GenerationRequest:
     if req.prompt_only and req.committed_ids:
         raise ConfigError("prompt_only has no output: a re-created prompt alone holds no "
                           "committed_ids")
+    # fields that go with others, refused alone rather than read as something else
+    if req.committed_ids and not req.lost_session_id:
+        raise ConfigError("committed_ids go with lost_session_id: they are the output a "
+                          "client holds of a session the cache lost, re-created from them")
+    if req.resume_from and not req.resume_session_id:
+        raise ConfigError("resume_from goes with resume_session_id (the output tokens the "
+                          "client already holds of the session it resumes)")
+    if req.raw and req.messages:
+        raise ConfigError("raw sends a prompt as it is: messages always go through the chat "
+                          "template")
     return GenerationRequest(
         prompt=req.prompt if req.HasField("prompt") else None, raw=req.raw,
         messages=[{"role": m.role, "content": m.content} for m in req.messages],
