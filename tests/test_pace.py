@@ -61,22 +61,30 @@ def test_the_estimate_counts_the_work_ahead_and_the_call_alone():
 
 def test_a_new_call_waits_only_for_the_sessions_it_needs_a_slot_from():
     """The tokens before a call (``Scheduler._tokens_before_a_slot``): none while a KV slot is
-    free, however long the running sessions' outputs; else what every session generates until
-    the shortest ones, as many as the slots it lacks, have ended."""
+    free, however long the running sessions' outputs; else, every slot busy until the call's
+    frees, the running sessions' ends played out and the queued tickets run in order, each
+    once a slot frees (not beside the running ones)."""
+    from collections import deque
     from types import SimpleNamespace
 
     from verifier_node.scheduler import Scheduler
 
-    def before(slots: int, lefts: list[int]) -> int:
-        tickets = {str(i): _queued_ticket(n) for i, n in enumerate(lefts)}
-        fake = SimpleNamespace(_tickets=tickets,
-                               engine=SimpleNamespace(cfg=SimpleNamespace(max_sessions=slots)))
+    def before(slots: int, running: list[int], queued: list[int] = ()) -> int:
+        run = [_queued_ticket(n) for n in running]
+        wait = [_queued_ticket(n) for n in queued]
+        fake = SimpleNamespace(
+            _tickets={str(i): t for i, t in enumerate(run + wait)}, _pending=deque(wait),
+            engine=SimpleNamespace(cfg=SimpleNamespace(max_sessions=slots)))
         return Scheduler._tokens_before_a_slot(fake)
 
     assert before(8, [1900, 1900]) == 0  # 6 slots free: it runs beside them
     assert before(2, [400]) == 0
-    assert before(2, [400, 100]) == 200  # the 100-token one ends first: 100 of each
-    assert before(2, [400, 100, 300]) == 700  # two must end: 100 + 300 + 300
+    assert before(2, [], [50]) == 0  # the queued one takes a free slot, one is left
+    assert before(2, [400, 100]) == 2 * 100  # the 100-token one ends first
+    # the queued 300 starts at step 100, when the first slot frees: the call's frees at 400
+    assert before(2, [400, 100], [300]) == 2 * 400
+    # queued ones run one after another in the one slot that frees: 100 + 4 x 100 steps
+    assert before(2, [10_000, 100], [100] * 4) == 2 * 500
     assert before(1, []) == 0
 
 

@@ -14,8 +14,8 @@ would finish:
 where "tokens ahead" is what the queued and running sessions generate before the call gets a
 KV slot: none while a slot is free (its tokens come beside theirs, each step one or more for
 every session: a batched verifier serves the call at ``session_rate(n)``, n the batch it joins);
-else, every session advancing together, what they all generate until as many of them as the
-slots it lacks have ended, the shortest first (``Scheduler._tokens_before_a_slot``; each
+else, every slot busy until one frees for it: the running sessions' ends played out, each
+freed slot taken by the next queued ticket in order (``Scheduler._tokens_before_a_slot``; each
 session's ``max_new_tokens`` less what it has: an upper bound, so the estimate errs towards
 refusing).
 A call whose estimate exceeds ``SAFETY`` of its deadline is refused at once

@@ -16,6 +16,7 @@ The loop never dies of an exception.
 from __future__ import annotations
 
 import contextlib
+import heapq
 import logging
 import threading
 import time
@@ -161,20 +162,31 @@ class Scheduler(threading.Thread):
             raise TooSlowForDeadline(verdict)
 
     def _tokens_before_a_slot(self) -> int:
-        """Tokens the running and queued sessions generate before a new call gets a KV slot
-        (the lock held). None while a slot is free: the call's tokens come beside theirs, in
-        the same steps (``Pace.verdict`` reads its own pace at the batch it joins). Else it
-        waits until as many of them have ended as the slots it lacks, the shortest first,
-        while every one of them advances a token a step: what they all generate until then.
-        Each may still generate its ``max_new_tokens`` less what it has (an upper bound: the
-        estimate errs towards refusing)."""
-        left = sorted(max(0, t.request.max_new_tokens - len(t.tokens))
-                      for t in self._tickets.values())
-        short = len(left) + 1 - self.engine.cfg.max_sessions  # sessions to end first
-        if short <= 0:
-            return 0
-        until = left[short - 1]
-        return sum(n if n < until else until for n in left)
+        """Tokens the batch generates before a new call gets a KV slot (the lock held), every
+        running session a token a step: none while a slot is free (the call's tokens come
+        beside theirs, in the same steps; ``Pace.verdict`` reads its pace at the batch it
+        joins). Else, the running sessions' ends played out, each freed slot taken by the
+        next queued ticket in order (queued ones run only once a slot frees, not beside the
+        others): the call's slot frees at step t, every slot busy until then, so ``slots *
+        t``. Each session may still generate its ``max_new_tokens`` less what it has (an
+        upper bound: the estimate errs towards refusing)."""
+        slots = self.engine.cfg.max_sessions
+        queued = {id(t) for t in self._pending}
+        ends = [_left(t) for t in self._tickets.values() if id(t) not in queued]
+        heapq.heapify(ends)
+        waiting = deque(_left(t) for t in self._pending)
+        free = slots - len(ends)
+        while free > 0 and waiting:  # a queued ticket not yet moved to a free slot
+            heapq.heappush(ends, waiting.popleft())
+            free -= 1
+        t = 0
+        while free <= 0 and ends:
+            t = heapq.heappop(ends)  # a slot frees at step t
+            if waiting:
+                heapq.heappush(ends, t + waiting.popleft())
+            else:
+                free += 1
+        return slots * t
 
     def _prompts_ahead(self, req: Request) -> int:
         """Prompt tokens to prefill before ``req``'s first token, its own included (the lock
@@ -423,3 +435,8 @@ class Scheduler(threading.Thread):
                     self.engine.cancel(sid, reason)
                 except Exception:
                     log.exception("ending cancelled session %s failed", sid)
+
+
+def _left(t: Ticket) -> int:
+    """Tokens ``t``'s session may still generate."""
+    return max(0, t.request.max_new_tokens - len(t.tokens))
