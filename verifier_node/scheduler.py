@@ -150,12 +150,10 @@ class Scheduler(threading.Thread):
 
     def _check_pace(self, ticket: Ticket, deadline_s: float) -> None:
         """Raise TooSlowForDeadline when ``ticket`` would not finish in time (the lock held)."""
-        req = ticket.request
         ahead = self._tokens_before_a_slot()
-        prompts = self._prompts_ahead(req)
+        prompts = self._prompts_ahead(ticket.request)
         batch = min(self.engine.cfg.max_sessions, len(self._tickets) + 1)
-        verdict = self.pace.verdict(max(0, req.max_new_tokens - len(req.committed)), ahead,
-                                    prompts, deadline_s, batch)
+        verdict = self.pace.verdict(_left(ticket), ahead, prompts, deadline_s, batch)
         if not verdict.admit:
             if self.metrics is not None:
                 self.metrics.refused_for_pace()

@@ -283,7 +283,7 @@ def measure(store: str, drafter: str, n: int, new_tokens: int, right: float,
             "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall if wall else None,
             "us_per_step": stage_us, "cpu_us_per_step": stage_cpu_us,
             "host_us_per_step": 1e6 * host_s / steps,
-            "host_us_per_session_step": 1e6 * host_s / sess,
+            "host_us_per_session_step": 1e6 * _host_per_session_step(plain),
             # every plain run's, ascending (the figure above is their median)
             "host_us_per_session_step_runs": [1e6 * _host_per_session_step(p) for p in plains],
             # the stages' run: its steps, and its host time a step with the stopwatches in it
@@ -379,9 +379,8 @@ def format_table(report: dict) -> str:
     lines += ["", f"host us/sess-step of each repeat (each the median of its engine's "
                   f"{PLAIN_RUNS} runs; the table's is the repeat of median tokens/s)"]
     for r in report["results"]:
-        each = r.get("host_us_per_session_step_repeats") or [r["host_us_per_session_step"]]
         lines.append(f"{r['store']:<6} {r['drafter']:<14} {r['sessions']:>4}  "
-                     + " ".join(f"{x:.1f}" for x in each))
+                     + " ".join(f"{x:.1f}" for x in r["host_us_per_session_step_repeats"]))
     lines += ["", "the verifier thread's CPU microseconds a step, by stage (in process the "
                   "wall above also holds the drafting thread's turns; verify: its host part)",
               f"{'store':<6} {'drafter':<14} {'sess':>4}  " + " ".join(f"{s:>7}" for s in STAGES)]
