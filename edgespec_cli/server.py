@@ -327,8 +327,11 @@ class EdgespecServer:
         self.why_not_serving = STOPPING  # health says why, to a status read during the drain
         self._set_health(False)
         if self.scheduler:
+            t0 = time.monotonic()
             if not self.scheduler.drain(timeout, self._abort_drain):
-                log.warning("drain timed out after %.0fs; failing the sessions left", timeout)
+                why = "a third signal ended it" if self._abort_drain.is_set() else "it timed out"
+                log.warning("drain ended after %.1fs (%s); failing the sessions left",
+                            time.monotonic() - t0, why)
             self.scheduler.stop()
             self.scheduler.engine.close()  # its drafter thread and head learner, if any
         if self.cache:

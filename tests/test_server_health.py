@@ -328,6 +328,81 @@ def test_a_drain_can_be_ended_while_sessions_run(server, monkeypatch):
 
 
 
+def test_a_drain_ended_by_a_third_signal_says_so_and_not_that_it_timed_out(tiny_dir,
+                                                                           monkeypatch, caplog):
+    """The log of a drain a third Ctrl-C ends names the signal and the time it really took,
+    where it said "timed out after 30s" a moment after the first signal."""
+    import logging
+
+    import edgespec
+
+    srv = EdgespecServer(ServerOptions(
+        listen="127.0.0.1:0", model=str(tiny_dir), max_drafters=1, drain_timeout_s=300,
+        engine=EngineConfig(max_sessions=2, max_context=256))).start()
+    release = _hold_steps_once_a_session_has_tokens(srv, monkeypatch)  # the drain waits
+    client = edgespec.Client(f"127.0.0.1:{srv.port}", timeout=300, max_resumes=0)
+    stream = client.stream("hello", max_new_tokens=200, raw=True)
+    first = threading.Thread(target=lambda: next(iter(stream)), daemon=True)
+    stopping = threading.Thread(target=srv.stop, daemon=True)
+    caplog.set_level(logging.WARNING, logger="edgespec")
+    try:
+        first.start()
+        first.join(120)
+        assert not first.is_alive()  # the first tokens came: the session runs, held
+        srv._abort_drain.set()  # what the third signal sets (``wait``'s handler)
+        stopping.start()
+        deadline = time.monotonic() + 120
+        while not any("drain ended" in r.getMessage() for r in caplog.records) \
+                and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        release.set()
+        if stopping.ident is None:
+            srv.stop(drain_timeout_s=0)
+        stopping.join(120)
+        client.close()
+    assert not stopping.is_alive()
+    said = [r.getMessage() for r in caplog.records if "drain ended" in r.getMessage()]
+    assert len(said) == 1 and "a third signal ended it" in said[0], said
+    assert "timed out" not in said[0]
+
+
+def test_an_http_request_while_the_model_loads_is_told_when_to_come_back(tiny_dir):
+    """Between the HTTP port's opening and the model's load (``__init__`` until ``start``):
+    503 "loading" with ``Retry-After``, which the official client reads (it waits that long
+    before its retry); /health says 503 too. Once started, the same call is answered."""
+    import urllib.error
+    import urllib.request
+
+    import openai
+
+    from verifier_node.http_api import LOADING_RETRY_S
+
+    srv = EdgespecServer(ServerOptions(
+        listen="127.0.0.1:0", http_port=0, model=str(tiny_dir), max_drafters=1,
+        engine=EngineConfig(max_sessions=2, max_context=256)))
+    started = False
+    try:
+        api = openai.OpenAI(base_url=f"http://127.0.0.1:{srv.http_port}/v1", api_key="unused",
+                            max_retries=0, timeout=60)
+        with pytest.raises(openai.InternalServerError) as refused:
+            api.models.list()
+        assert refused.value.status_code == 503
+        assert refused.value.response.headers["retry-after"] == str(int(LOADING_RETRY_S))
+        assert "still loading" in refused.value.message
+        with pytest.raises(urllib.error.HTTPError) as health:
+            urllib.request.urlopen(f"http://127.0.0.1:{srv.http_port}/health", timeout=60)
+        assert health.value.code == 503
+        srv.start()
+        started = True
+        assert [m.id for m in api.models.list().data]  # the model, once loaded
+    finally:
+        if started:
+            srv.stop(drain_timeout_s=0)
+        else:  # never started: its ports and store closed all the same
+            srv.start().stop(drain_timeout_s=0)
+
+
 def test_a_started_server_has_frozen_its_startup_heap_out_of_the_collector(tiny_dir):
     """``start`` moves what is alive (the model, the libraries) into the collector's permanent
     generation (``edgespec.runner.process_heap``): a collection then walks only what serving

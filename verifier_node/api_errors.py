@@ -10,6 +10,7 @@ the client get a 500 for a request that deserved a 4xx."""
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 from starlette.requests import Request
@@ -27,22 +28,28 @@ class AsciiJSONResponse(JSONResponse):
 class ApiError(Exception):
     """``retry``: False where sending the request again would undo what ended it (a session an
     operator cancelled): the response says ``x-should-retry: false``, which OpenAI's SDKs obey
-    (they retry a 5xx otherwise)."""
+    (they retry a 5xx otherwise). ``retry_after_s``: when to send it again, said in a
+    ``Retry-After`` header (whole seconds, rounded up), which OpenAI's SDKs wait for (up to a
+    minute) before their retry; None: not said (they back off by themselves)."""
 
     def __init__(self, status: int, message: str, kind: str, param: str | None = None,
-                 code: str | None = None, retry: bool = True):
+                 code: str | None = None, retry: bool = True,
+                 retry_after_s: float | None = None):
         super().__init__(message)
         self.status, self.kind, self.param, self.code = status, kind, param, code
-        self.retry = retry
+        self.retry, self.retry_after_s = retry, retry_after_s
         self.close = False  # True: the response closes the connection (its request unread)
 
 
 def error_response(status: int, message: str, kind: str, param: str | None = None,
                    code: str | None = None, retry: bool = True,
-                   close: bool = False) -> JSONResponse:
+                   close: bool = False, retry_after_s: float | None = None) -> JSONResponse:
     """OpenAI's error body (``retry`` False: with ``x-should-retry: false``; ``close``: with
-    ``connection: close``, so the server closes the connection once it is sent)."""
+    ``connection: close``, so the server closes the connection once it is sent;
+    ``retry_after_s``: with ``Retry-After``, in whole seconds, at least 1)."""
     headers = {} if retry else {"x-should-retry": "false"}
+    if retry and retry_after_s is not None and retry_after_s > 0:
+        headers["retry-after"] = str(max(1, math.ceil(retry_after_s)))
     if close:
         headers["connection"] = "close"
     return AsciiJSONResponse({"error": {"message": message, "type": kind, "param": param,

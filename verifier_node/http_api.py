@@ -17,8 +17,9 @@ JSON, bad parameters or a prompt over the context limit, 401 without the bearer 
 server has one), 404 for an unknown model or route (a route of /v1 asked for without it, as a
 client whose base_url lacks /v1 does, gets a hint saying so), 413 for a request body over
 ``max_request_bytes`` (refused before it is read whole: ``body_limit``), 429 when the verifier
-is overloaded, 503 while it drains. A client that disconnects mid-stream cancels its session;
-one that disconnects before its request body arrived whole is logged (INFO) and left, no error.
+is overloaded, 503 while it loads (with ``Retry-After: 5``) or drains. A client that
+disconnects mid-stream cancels its session; one that disconnects before its request body
+arrived whole is logged (INFO) and left, no error.
 """
 
 from __future__ import annotations
@@ -52,6 +53,11 @@ from .tickets import QueueFull, ShuttingDown, Ticket
 
 
 log = logging.getLogger("edgespec.http")
+
+# the Retry-After of a request sent while the model loads: OpenAI's SDKs try a request three
+# times, so their third try comes ~10 s after the first (a small model's load on a CPU), where
+# their own back-off gives up after about two
+LOADING_RETRY_S = 5.0
 
 
 @dataclass
@@ -89,7 +95,7 @@ def make_app(state: ServingState, token: str | None = None,
     def ready() -> Admission:
         if state.admission is None:
             raise ApiError(503, "the model is still loading", "service_unavailable",
-                           code="loading")
+                           code="loading", retry_after_s=LOADING_RETRY_S)
         return state.admission
 
     @app.api_route("/health", methods=["GET", "HEAD"])  # a load balancer's probe may be HEAD
@@ -164,7 +170,7 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def _api_error(request, exc: ApiError):
         return error_response(exc.status, str(exc), exc.kind, exc.param, exc.code, exc.retry,
-                              exc.close)
+                              exc.close, exc.retry_after_s)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request, exc: StarletteHTTPException):
