@@ -72,6 +72,17 @@ MAX_CHUNKS_A_MESSAGE = 256  # chunks queued together sent as one DraftChunks (th
 ACK_EVERY = 8  # one chunk in this many asks the cache for its ack when stored (DraftChunk.quiet)
 
 
+def _fix_of(code: grpc.StatusCode) -> str:
+    """What the drafter's user changes for a refusal of its token, said after the cache's
+    reason (the cache's message is the same for every caller)."""
+    if code == grpc.StatusCode.UNAUTHENTICATED:
+        return ("; give the drafter the server's --auth-token (or, where the server has "
+                "--device-tokens, this device's token) with --auth-token or $EDGESPEC_AUTH_TOKEN")
+    if code == grpc.StatusCode.PERMISSION_DENIED:
+        return "; where the server has --device-tokens, give the drafter this device's token"
+    return ""
+
+
 def next_backoff(delay: float, error: grpc.RpcError | None, backoff_max_s: float,
                  jitter: float | None = None) -> tuple[float, float]:
     """After a link ended: (seconds to wait before attaching again, the backoff for the next
@@ -219,7 +230,7 @@ class DrafterAgent(CacheMessages):
                     break  # stop() cancelled the stream
                 if e.code() in FATAL:
                     raise ConfigError(f"the cache refused drafter {self.device_id!r}: "
-                                      f"{e.details()}") from None
+                                      f"{e.details()}{_fix_of(e.code())}") from None
                 found = probe(self.cache)[0] if not self.attaches and \
                     e.code() == grpc.StatusCode.UNAVAILABLE else None
                 if found == "answered":

@@ -52,6 +52,12 @@ def logit_bias_arg(text: str) -> tuple[tuple[int, float], ...]:
     return tuple(pairs)
 
 
+# SamplingParams' fields as generate's options name them (its errors name the fields)
+_SAMPLING_FLAGS = {"temperature": "--temperature", "top_k": "--top-k", "top_p": "--top-p",
+                   "seed": "--seed", "presence_penalty": "--presence-penalty",
+                   "frequency_penalty": "--frequency-penalty", "logit_bias": "--logit-bias"}
+
+
 def cmd_generate(args) -> int:
     from edgespec.engine.local import LocalGenerator, print_stream
     from edgespec.models.images import read_image_file
@@ -60,9 +66,15 @@ def cmd_generate(args) -> int:
     if args.max_new_tokens < 0 or (args.max_new_tokens == 0 and args.prompt_logprobs is None):
         raise ConfigError(f"--max-new-tokens must be >= 1 (0 only with --prompt-logprobs: the "
                           f"prompt scored alone), got {args.max_new_tokens}")
-    params = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed,
-                            args.presence_penalty, args.frequency_penalty,
-                            logit_bias_arg(args.logit_bias))
+    try:
+        params = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed,
+                                args.presence_penalty, args.frequency_penalty,
+                                logit_bias_arg(args.logit_bias))
+    except ConfigError as e:  # named as the SDK names them: said with the option's name
+        field = str(e).split(" ", 1)[0].rstrip(":")
+        if field not in _SAMPLING_FLAGS:
+            raise
+        raise ConfigError(_SAMPLING_FLAGS[field] + str(e)[len(field):]) from None
     for option, k in (("--logprobs", args.logprobs), ("--prompt-logprobs", args.prompt_logprobs)):
         if k is not None:
             if not args.json:

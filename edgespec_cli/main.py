@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
+import os
 import signal
 import sys
 
@@ -252,6 +253,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("edgespec: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # what read the output stopped (`| head`): quiet, as SIGPIPE ends
+        # a Unix tool; stdout pointed at nothing, so that the interpreter's flush at exit
+        # does not raise again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + 13
 
 
 if __name__ == "__main__":

@@ -274,6 +274,7 @@ class EdgespecServer:
     def _start_http(self, port: int) -> None:
         import uvicorn
 
+        from edgespec.wire.reachability import why_not_listening
         from verifier_node.body_limit import default_max_request_bytes
         from verifier_node.http_api import ServingState, make_app
 
@@ -296,7 +297,9 @@ class EdgespecServer:
         thread.start()
         while not http.started:
             if not thread.is_alive():
-                raise ConfigError(f"cannot serve HTTP on {self.opts.http_host}:{port}")
+                why = why_not_listening(self.opts.http_host, port, "--http-port",
+                                        "--http-host")
+                raise ConfigError(f"cannot serve HTTP on {self.opts.http_host}:{port}{why}")
             time.sleep(0.02)
         self.http_port = http.servers[0].sockets[0].getsockname()[1]
         self._http_thread = thread

@@ -138,6 +138,9 @@ def cmd_status(args: argparse.Namespace) -> int:
         while True:
             try:
                 st = client.status()
+            except edgespec.Unauthenticated as e:  # a fixable mistake: waiting cannot end it
+                raise ConfigError(f"{args.address} refused the call: {e}; give the server's "
+                                  "token with --auth-token or $EDGESPEC_AUTH_TOKEN") from None
             except edgespec.EdgespecError as e:
                 print(f"edgespec: error: cannot read the status of {args.address}: {e}",
                       file=sys.stderr, flush=True)
@@ -148,7 +151,7 @@ def cmd_status(args: argparse.Namespace) -> int:
             if args.json:
                 print(json.dumps(st), flush=True)
             else:
-                if args.watch:
+                if args.watch and sys.stdout.isatty():  # a pipe or a file: one after another
                     sys.stdout.write("\033[H\033[2J")
                 print(render(st), flush=True)
             if not args.watch:

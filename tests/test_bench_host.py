@@ -83,6 +83,15 @@ def test_bench_host_command_writes_its_table_and_json(tmp_path):
     assert run_cli("bench-host", "--repeats", "0").returncode == 2
     bad = run_cli("bench-host", "--drafters", "mag;mag@threads")  # read as a drafter's name
     assert bad.returncode == 2 and "mag@threads" in bad.stderr and "host us/step" not in bad.stdout
+    # ',' separates them too where the list has no ';' (as bench's --drafters)
+    from argparse import Namespace
+
+    from edgespec_cli.bench.host_cost import _settings
+
+    given = Namespace(sessions="1", stores="local", new_tokens=8, repeats=1, right=0.9)
+    assert _settings(Namespace(**vars(given), drafters="none,mag@tree2")) == \
+        _settings(Namespace(**vars(given), drafters="none;mag@tree2")) == \
+        [("local", "none", 1), ("local", "mag@tree2", 1)]
     assert drafter_options("mag@tree4@thread") == ("mag", 4, False)
     assert drafter_options("mag@thread@tree2") == ("mag", 2, False)
     assert drafter_options("mag+cacheback") == ("mag+cacheback", 1, True)

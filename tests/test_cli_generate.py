@@ -84,7 +84,12 @@ def test_generate_penalties_and_logit_bias_are_target_onlys(tiny_dir):
     (("--logit-bias", "x=1"), "--logit-bias takes ID=BIAS pairs"),
     (("--logit-bias", "1_0=1"), "--logit-bias takes ID=BIAS pairs"),
     (("--logit-bias", "5=200"), "the bias of token 5 must be a number in"),
-    (("--presence-penalty", "3"), "presence_penalty must be a number in"),
+    (("--presence-penalty", "3"), "--presence-penalty must be a number in"),
+    (("--logit-bias", "5=200"), "--logit-bias: the bias of token 5"),
+    (("--top-p", "1.5"), "--top-p must be in (0, 1]"),
+    (("--top-k", "-3"), "--top-k must be in"),
+    (("--temperature", "-1"), "--temperature must be finite"),
+    (("--json", "--logprobs", "50"), "(the alternatives a token gets), got 50"),
     (("--max-new-tokens", "0"), "0 only with --prompt-logprobs"),
     (("--max-new-tokens", "-1", "--prompt-logprobs", "1", "--json"), "must be >= 1"),
 ])

@@ -103,6 +103,17 @@ def test_device_tokens_are_good_for_the_draft_cache_only(secured):
     assert code_of(lambda: stub.Cancel(req, timeout=WAIT_S)) == grpc.StatusCode.UNAUTHENTICATED
 
 
+@pytest.mark.parametrize("token, says", [(None, "--auth-token"), (SHARED, "--device-tokens")])
+def test_a_drafter_refused_for_its_token_stops_saying_which_token_to_give(secured, token, says):
+    """The cache's refusal is the same for every caller; the drafter adds what its user gives:
+    no token (UNAUTHENTICATED), or the shared one where devices have their own
+    (PERMISSION_DENIED). It stops (``run`` raises: the command exits 2) rather than retry."""
+    agent = DrafterAgent(secured.address, "dev-a", SlotDrafter(), token=token)
+    with pytest.raises(ConfigError, match="refused drafter 'dev-a'") as e:
+        agent.run()
+    assert says in str(e.value)
+
+
 def test_mutual_tls_admits_clients_with_a_certificate_of_the_ca_only(store, pki):
     d = pki
     c = Cache(store, tls=(str(d / "server.pem"), str(d / "server.key"), str(d / "ca.pem")))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
 import re
 import signal
 import subprocess
@@ -309,6 +310,19 @@ def test_status_command_after_a_generation(server, api):
     fingerprint = st["runner"]["kernel_set"]
     assert re.fullmatch(r"[0-9a-f]{16}", fingerprint) and done.system_fingerprint == fingerprint
     assert f"kernel set {fingerprint}: eager kernels, packed products" in r.stdout
+    # into a pipe whose reader has gone (`| head -n 0`): the read end closed before the command
+    # starts, so its first write surely fails; quiet, SIGPIPE's status, as a Unix tool's
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        piped = subprocess.run(cmd, stdout=write, stderr=subprocess.PIPE, text=True,
+                               timeout=120)
+    finally:
+        os.close(write)
+    assert piped.returncode == 141 and piped.stderr == "", piped.stderr
+    # no token: a fixable mistake (2), the message naming what to give
+    r = subprocess.run(cmd[:-2], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--auth-token" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_a_client_that_disconnects_cancels_its_session(looping_dir, tmp_path):

@@ -64,6 +64,8 @@ def api(server):
     (dict(presence_penalty=2.5), 400, "presence_penalty"),
     (dict(frequency_penalty="1"), 400, "frequency_penalty"),
     (dict(prompt=""), 400, "prompt"),
+    (dict(verify="loose"), 400, "verify"),  # a lossy mode this verifier was not started in
+    (dict(verify="sloppy"), 400, "verify"),
     (dict(prompt="a" * 200_000), 400, None),
     (dict(max_tokens=10 ** 400), 400, "max_tokens"),
     (dict(seed=2 ** 64, temperature=1), 400, "seed"),

@@ -276,3 +276,33 @@ def test_the_status_command_refuses_an_address_without_a_port():
     got = run_cli("status", "--address", "127.0.0.1")
     assert got.returncode == 2 and "--address" in got.stderr
     assert "the port included" in got.stderr
+
+
+def test_a_port_in_use_or_an_address_not_here_is_said_in_the_error():
+    """gRPC and uvicorn say why they cannot listen only in a log line of their own: the
+    error names it (a port in use, an address this machine lacks) and the option to change."""
+    import grpc
+
+    from concurrent import futures
+
+    from edgespec.config import ConfigError
+    from edgespec.wire.convert import bind
+    from edgespec.wire.reachability import why_not_listening
+
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))
+    held.listen()
+    port = held.getsockname()[1]
+    server = grpc.server(futures.ThreadPoolExecutor(1))
+    try:
+        with pytest.raises(ConfigError, match="the port is in use") as e:
+            bind(server, f"127.0.0.1:{port}")
+        assert "another port" in str(e.value) and "--listen" in str(e.value)
+        assert "--http-port" in why_not_listening("127.0.0.1", port, "--http-port",
+                                                  "--http-host")
+    finally:
+        server.stop(0)
+        held.close()
+    # TEST-NET-1 (RFC 5737): an address no machine of the suite's has
+    assert "--http-host" in why_not_listening("192.0.2.1", 0, "--http-port", "--http-host")
+    assert why_not_listening("127.0.0.1", 0, "--listen") == ""  # a free port: no reason

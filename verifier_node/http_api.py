@@ -262,6 +262,8 @@ async def _admit(admission: Admission, generation, chat: bool) -> Ticket:
         # its tokens or its length alone (a limit too large for the prompt names neither)
         about = str(e).startswith(("prompt token ids", "prompt (", "the prompt")) and \
             "max_new_tokens" not in str(e)
+        if "verification is off on this verifier" in str(e):  # a lossy mode not served here
+            raise _refused(e, "verify") from None
         raise _refused(e, ("messages" if chat else "prompt") if about else None) from None
     except (SessionNotFound, DrafterMissing) as e:
         raise ApiError(400, str(e), "invalid_request_error") from None

@@ -86,8 +86,11 @@ def resolve_model_path(spec: str) -> tuple[Path, str | None]:
         return path.parent, path.name
     if path.is_dir() and (path / "config.json").exists():
         return path, None
+    # what is there, where something is: a folder without the config, a file of another kind
+    found = ("is a folder without config.json" if path.is_dir() else
+             "is not a .gguf file" if path.exists() else "not found")
     raise ConfigError(
-        f"model {spec!r} not found: give 'default', a transformers model directory "
+        f"model {spec!r} {found}: give 'default', a transformers model directory "
         "(with config.json) or a .gguf file"
     )
 

@@ -29,5 +29,6 @@ def check_top_logprobs(k: int | None, name: str = "logprobs") -> None:
     if k is None:
         return
     if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_TOP_LOGPROBS:
+        unset = "" if name.startswith("--") else " or None"  # a flag is left out instead
         raise ConfigError(f"{name} must be an integer in [0, {MAX_TOP_LOGPROBS}] (the "
-                         f"alternatives a token gets) or None, got {k!r}")
+                          f"alternatives a token gets){unset}, got {k!r}")

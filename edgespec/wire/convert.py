@@ -348,7 +348,11 @@ def bind(server: grpc.Server, address: str, tls_cert: str | None = None,
     except RuntimeError:  # newer grpc raises where older returned 0
         port = 0
     if port == 0:
-        raise ConfigError(f"cannot listen on {address}")
+        from .reachability import split_address, why_not_listening
+
+        split = split_address(address)
+        why = why_not_listening(*split, "--listen") if split else ""
+        raise ConfigError(f"cannot listen on {address}{why}")
     return port
 
 

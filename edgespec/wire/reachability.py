@@ -264,3 +264,33 @@ def check_address(address: str, option: str) -> None:
         raise ConfigError(f"{option} {address!r}: give HOST:PORT, the port included ({example})")
     if not 0 <= split[1] <= 65535:  # gRPC would take the port modulo 65536: another one
         raise ConfigError(f"{option} {address!r}: the port must be in 0-65535 ({example})")
+
+
+def why_not_listening(host: str, port: int, option: str, host_option: str | None = None
+                      ) -> str:
+    """Why a server cannot listen on ``host:port``, found by binding a plain socket there (gRPC
+    and uvicorn say it only in a log line of their own): the port in use, an address this
+    machine lacks, a port that needs privileges; "" where the bind works or the reason is
+    another. ``option``: what sets the port (and the host, unless ``host_option`` does)."""
+    import errno
+
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
+                                   flags=socket.AI_PASSIVE)
+    except OSError:
+        return f": the host {host!r} does not resolve"
+    family, kind, proto, _, where = infos[0]
+    try:
+        with socket.socket(family, kind, proto) as s:
+            s.bind(where)
+    except OSError as e:
+        if e.errno == errno.EADDRINUSE:
+            return (f": the port is in use (another server, an edgespec serve still running?); "
+                    f"stop it or give {option} another port")
+        if e.errno == errno.EADDRNOTAVAIL:
+            return (f": this machine has no address {host} (give {host_option or option} one "
+                    f"of its own)")
+        if e.errno == errno.EACCES:
+            return f": port {port} needs privileges (give {option} a port above 1023)"
+        return f": {e.strerror}"
+    return ""

@@ -54,7 +54,9 @@ def add_bench_host_args(p) -> None:
     p.add_argument("--sessions", default="1,8,64,256", metavar="N[,N...]",
                    help="sessions decoded together (default: %(default)s)")
     p.add_argument("--drafters", default="none;mag;mag+cacheback;mag@tree4", metavar="LIST",
-                   help="';'-separated drafters of the in-process store (SPEC@treeN: token "
+                   help="';'-separated drafters of the in-process store (','-separated where "
+                        "the list has no ';': a list with a cascade, whose members are "
+                        "','-separated, needs ';'; SPEC@treeN: token "
                         "trees of width N; SPEC@thread: a cheap drafter in its drafting "
                         "thread, not in the verifier's) (default: %(default)s)")
     p.add_argument("--stores", default="local,redis", metavar="LIST",
@@ -89,7 +91,9 @@ def _settings(args) -> list[tuple[str, str, int]]:
         raise ConfigError("--new-tokens must be >= 1")
     if args.repeats < 1:
         raise ConfigError("--repeats must be >= 1")
-    drafters = [d.strip() for d in args.drafters.split(";") if d.strip()]
+    from .methods import split_drafters
+
+    drafters = split_drafters(args.drafters)
     if not drafters:
         raise ConfigError("--drafters names no drafter (give none, mag, ...; ';'-separated)")
     from edgespec.drafters.spec_check import check_drafter_arg
