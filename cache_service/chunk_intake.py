@@ -29,6 +29,35 @@ if TYPE_CHECKING:  # prometheus_client is needed only where metrics are kept
 log = logging.getLogger("edgespec.cache")
 
 MAX_BATCH_CHUNKS = 256  # chunks in one DraftChunks (the ones beyond are refused)
+# a board's refused chunks the cache checks a second, after a burst: past them its stream is
+# read more slowly (a refusal cost ~90 us of the server's CPU, most of them a Redis script's
+# round trip: a board flooding refusals at 10,000 a second took 93% of a core and doubled
+# everyone's latency). An honest board's refusals are a fix's stale chunks, a few a session-step
+REFUSALS_PER_S = 512.0
+REFUSAL_BURST = 2048.0
+
+
+class RefusalPace:
+    """A token bucket of one stream's refusals: ``after(n)`` counts n more refusals and says
+    how long to wait before reading the stream again (0: at once). Waiting leaves the board's
+    messages unread, so gRPC's flow control holds the board back: its refusals cost the server
+    at most ``rate`` a second, whatever it sends, and nobody else's chunks wait for them."""
+
+    def __init__(self, rate: float = REFUSALS_PER_S, burst: float = REFUSAL_BURST,
+                 clock=time.monotonic):
+        self.rate, self.burst, self.clock = rate, burst, clock
+        self.allowance, self.at = burst, clock()
+        self.held = 0  # the times it has asked for a wait
+
+    def after(self, refused: int) -> float:
+        now = self.clock()
+        self.allowance = min(self.burst, self.allowance + (now - self.at) * self.rate)
+        self.at = now
+        self.allowance -= refused
+        if self.allowance >= 0:
+            return 0.0
+        self.held += 1
+        return -self.allowance / self.rate
 
 
 class ChunkIntake:
@@ -38,6 +67,7 @@ class ChunkIntake:
         device's session is PERMISSION_DENIED, else FAILED_PRECONDITION)."""
         self.store, self.window, self.per_device, self.metrics = store, window, per_device, metrics
         self.batcher = ChunkBatcher(store)
+        self.refusal_pace = RefusalPace  # each stream's own, made as it is read
 
     def refused(self, e: ChunkRefused) -> None:
         """Count a refused chunk (stored ones are counted where they are stored)."""
@@ -95,6 +125,8 @@ class ChunkIntake:
         """An Attach stream's reader thread: its chunks stored and answered until the stream
         ends (``stop`` set, ``out`` ended); a Redis failure goes into ``lost`` (the stream then
         ends UNAVAILABLE), ``heard`` holds when the drafter last sent anything."""
+        pace = self.refusal_pace()
+        ok = grpc.StatusCode.OK.value[0]
         try:
             for msg in it:
                 heard[0] = time.monotonic()  # a chunk or a heartbeat: the drafter is there
@@ -107,6 +139,15 @@ class ChunkIntake:
                     continue
                 if not all(out.put(pb.CacheMessage(ack=ack)) for ack in acks):
                     break  # the stream ended, or the drafter reads nothing of it
+                wait = pace.after(sum(a.code != ok for a in acks))
+                if wait:
+                    if pace.held == 1:
+                        log.warning("drafter %s: its chunks are refused faster than %.0f a "
+                                    "second; its stream is read no faster than that",
+                                    device, pace.rate)
+                    if stop.wait(wait):
+                        break
+                    heard[0] = time.monotonic()  # its silence meanwhile is the cache's doing
         except grpc.RpcError:
             pass  # the drafter went away
         except redis.RedisError as e:

@@ -108,6 +108,11 @@ class EdgespecServer:
             from cache_service.credentials import DeviceCredentials
 
             self.credentials = DeviceCredentials.load(opts.device_tokens)
+        elif "cache" in opts.roles and resolve_token(opts.auth_token):
+            log.warning("drafters attach with the clients' token (no --device-tokens): a board "
+                        "can call what a client can for the sessions it drafts for (cancel "
+                        "them, read their output); give boards you do not trust their own "
+                        "tokens with --device-tokens")
         self.server = make_server(workers, resolve_token(opts.auth_token),
                                   _stream_limits(opts), self.credentials)
         self.redis = RedisHandle(opts.redis_url, expose=opts.expose_redis)
@@ -313,10 +318,11 @@ class EdgespecServer:
         if self.scheduler:
             self.scheduler.start()
         self.server.start()
+        # health's verdict first, then the HTTP API's: /health and /v1/models turn ready at once
+        self._set_health(self.healthy())
         if self.http is not None:
             self.http_state.model_name = self.model_name
             self.http_state.admission = self.admission
-        self._set_health(self.healthy())
         threading.Thread(target=self._monitor, daemon=True, name="health-monitor").start()
         log.info("serving %s on port %d (redis: %s)", ", ".join(self.opts.roles), self.port,
                  "embedded" if self.redis.embedded else shown_url(self.redis.url))

@@ -6,9 +6,11 @@ certificate of the CA only."""
 
 from __future__ import annotations
 
+import logging
 from concurrent import futures
 
 import grpc
+
 import pytest
 
 from cache_service.credentials import DeviceCredentials
@@ -144,3 +146,24 @@ def test_mutual_tls_admits_clients_with_a_certificate_of_the_ca_only(store, pki)
         with pytest.raises(ConfigError, match="not a PEM certificate and its private key"):
             bind(grpc.server(futures.ThreadPoolExecutor(1)), "127.0.0.1:0", str(d / cert),
                  str(d / key))
+
+
+def test_a_cache_with_a_shared_token_and_no_device_tokens_says_what_boards_can_do(tmp_path,
+                                                                                 caplog):
+    """Boards that attach with the clients' token can call what a client can: ``serve`` says
+    so once at start, and says nothing once each device has its own token."""
+    from edgespec_cli.server import EdgespecServer, ServerOptions
+
+    tokens = tmp_path / "devices.txt"
+    tokens.write_text("".join(f"{d}: {t}\n" for d, t in TOKENS.items()))
+    said = {}
+    for case, extra in (("shared", {}), ("devices", {"device_tokens": str(tokens)})):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="edgespec.server"):
+            srv = EdgespecServer(ServerOptions(listen="127.0.0.1:0", roles=("cache",),
+                                               auth_token=SHARED, **extra))
+        srv.start().stop(drain_timeout_s=0)
+        said[case] = [r.getMessage() for r in caplog.records if "--device-tokens" in
+                      r.getMessage()]
+    assert len(said["shared"]) == 1 and "cancel" in said["shared"][0]
+    assert said["devices"] == []
