@@ -35,17 +35,21 @@ MAX_BATCH_CHUNKS = 256  # chunks in one DraftChunks (the ones beyond are refused
 # everyone's latency). An honest board's refusals are a fix's stale chunks, a few a session-step
 REFUSALS_PER_S = 512.0
 REFUSAL_BURST = 2048.0
+MAX_REFUSAL_WAIT_S = 5.0  # the debt a message may run up (300,000 chunks in one: not 10 min)
 
 
 class RefusalPace:
     """A token bucket of one stream's refusals: ``after(n)`` counts n more refusals and says
     how long to wait before reading the stream again (0: at once). Waiting leaves the board's
     messages unread, so gRPC's flow control holds the board back: its refusals cost the server
-    at most ``rate`` a second, whatever it sends, and nobody else's chunks wait for them."""
+    at most ``rate`` a second, whatever it sends, and nobody else's chunks wait for them. A
+    message's refusals owe at most ``max_wait_s`` (one of 300,000 chunks, the ones past a
+    message's 256 refused without a look, would otherwise hold its stream ten minutes)."""
 
     def __init__(self, rate: float = REFUSALS_PER_S, burst: float = REFUSAL_BURST,
-                 clock=time.monotonic):
+                 clock=time.monotonic, max_wait_s: float = MAX_REFUSAL_WAIT_S):
         self.rate, self.burst, self.clock = rate, burst, clock
+        self.most_owed = rate * max_wait_s
         self.allowance, self.at = burst, clock()
         self.held = 0  # the times it has asked for a wait
 
@@ -53,7 +57,7 @@ class RefusalPace:
         now = self.clock()
         self.allowance = min(self.burst, self.allowance + (now - self.at) * self.rate)
         self.at = now
-        self.allowance -= refused
+        self.allowance = max(self.allowance - refused, -self.most_owed)
         if self.allowance >= 0:
             return 0.0
         self.held += 1

@@ -38,6 +38,9 @@ def test_the_pace_lets_a_burst_through_then_asks_for_the_time_its_refusals_take(
     assert pace.after(1) == 0.5
     assert pace.after(0) == 0.5  # still owed: no time has passed
     assert pace.held == 3
+    assert pace.after(10 ** 6) == 5.0  # one message owes at most max_wait_s
+    clock.now += 5.0
+    assert pace.after(0) == 0.0
 
 
 def test_a_board_flooding_refused_chunks_is_held_back_and_nobody_else_waits(cache, store,
