@@ -8,6 +8,7 @@ that carries its status code.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
@@ -72,6 +73,11 @@ class ChunkIntake:
         self.store, self.window, self.per_device, self.metrics = store, window, per_device, metrics
         self.batcher = ChunkBatcher(store)
         self.refusal_pace = RefusalPace  # each stream's own, made as it is read
+        # PushDraft's, every caller's together: its device is the caller's word (no token of
+        # its own), so a flood under many names is paced as one
+        self.push_pace = RefusalPace()
+        self._push_lock = threading.Lock()
+        self._push_warned = False  # said once, the first time it refuses unchecked
 
     def refused(self, e: ChunkRefused) -> None:
         """Count a refused chunk (stored ones are counted where they are stored)."""
@@ -80,8 +86,27 @@ class ChunkIntake:
 
     def push_one(self, device: str, chunk: pb.DraftChunk, vocab: int) -> pb.ChunkAck:
         """``PushDraft``'s chunk, stored in a round trip of its own; raises ``ChunkRefused``
-        (not counted: the caller counts what it refuses)."""
-        ack = check_and_push(self.store, device, chunk, vocab, self.window, self.per_device)
+        (not counted: the caller counts what it refuses). While pushed chunks are refused
+        faster than ``push_pace`` allows, each is refused unchecked (RESOURCE_EXHAUSTED)."""
+        with self._push_lock:
+            owed = self.push_pace.after(0)
+            first = owed > 0 and not self._push_warned
+            self._push_warned = self._push_warned or owed > 0
+        if owed:
+            if first:
+                log.warning("pushed chunks are refused faster than %.0f a second: PushDraft "
+                            "refuses every chunk unchecked while that lasts",
+                            self.push_pace.rate)
+            raise ChunkRefused(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               f"pushed chunks are refused faster than "
+                               f"{self.push_pace.rate:.0f} a second: none is checked for "
+                               f"{owed:.1f} s")
+        try:
+            ack = check_and_push(self.store, device, chunk, vocab, self.window, self.per_device)
+        except ChunkRefused:
+            with self._push_lock:
+                self.push_pace.after(1)
+            raise
         if self.metrics is not None:
             self.metrics.chunk_stored(ack.kept)
         return ack

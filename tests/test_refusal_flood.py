@@ -64,3 +64,26 @@ def test_a_board_flooding_refused_chunks_is_held_back_and_nobody_else_waits(cach
     assert len(said) == 1 and "drafter evil" in said[0], said
     for s in (evil, honest):
         s.close()
+
+
+def test_pushed_chunks_refused_too_fast_are_refused_unchecked_for_a_while(cache, store, caplog):
+    """PushDraft's refusals share one pace (its device is the caller's word): past it, every
+    pushed chunk, an honest one too, is refused RESOURCE_EXHAUSTED without a look at the
+    store, and the cache says so once."""
+    from cache_harness import code_of
+
+    # a refill of one refusal a hundred seconds: nothing refills within the test
+    cache.service.intake.push_pace = RefusalPace(rate=0.01, burst=3.0)
+    store.create("s1", [1, 2, 3], SamplingParams(), "dev1")
+    caplog.set_level(logging.WARNING, logger="edgespec.cache")
+    unknown = pb.DraftChunk(session_id="nope", epoch=0, start=3, tokens=[5])
+    codes = [code_of(lambda: cache.push(unknown, device="dev1")) for _ in range(4)]
+    assert codes == [grpc.StatusCode.NOT_FOUND] * 4  # the burst, and one past it, checked
+    honest = pb.DraftChunk(session_id="s1", epoch=0, start=3, tokens=[5])
+    for _ in range(2):
+        assert code_of(lambda: cache.push(honest, device="dev1")) == \
+            grpc.StatusCode.RESOURCE_EXHAUSTED
+    said = [r.getMessage() for r in caplog.records if "PushDraft refuses" in r.getMessage()]
+    assert len(said) == 1
+    cache.service.intake.push_pace = RefusalPace()  # a fresh pace: checked and stored again
+    assert cache.push(honest, device="dev1").kept == 1
