@@ -8,7 +8,6 @@ that carries its status code.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
@@ -21,6 +20,7 @@ from edgespec.v1 import edgespec_pb2 as pb
 from .chunk_batcher import ChunkBatcher
 from .chunk_checks import ChunkRefused, check_and_push, checked_chunk, chunk_ack
 from .drafter_outbox import DrafterOutbox
+from .refusal_pace import RefusalPaces
 from .store import RedisSessionStore
 from .store_records import ChunkPush
 
@@ -30,41 +30,6 @@ if TYPE_CHECKING:  # prometheus_client is needed only where metrics are kept
 log = logging.getLogger("edgespec.cache")
 
 MAX_BATCH_CHUNKS = 256  # chunks in one DraftChunks (the ones beyond are refused)
-# a board's refused chunks the cache checks a second, after a burst: past them its stream is
-# read more slowly (a refusal cost ~90 us of the server's CPU, most of them a Redis script's
-# round trip: a board flooding refusals at 10,000 a second took 93% of a core and doubled
-# everyone's latency). An honest board's refusals are a fix's stale chunks, a few a session-step
-REFUSALS_PER_S = 512.0
-REFUSAL_BURST = 2048.0
-MAX_REFUSAL_WAIT_S = 5.0  # the debt a message may run up (300,000 chunks in one: not 10 min)
-
-
-class RefusalPace:
-    """A token bucket of one stream's refusals: ``after(n)`` counts n more refusals and says
-    how long to wait before reading the stream again (0: at once). Waiting leaves the board's
-    messages unread, so gRPC's flow control holds the board back: its refusals cost the server
-    at most ``rate`` a second, whatever it sends, and nobody else's chunks wait for them. A
-    message's refusals owe at most ``max_wait_s`` (one of 300,000 chunks, the ones past a
-    message's 256 refused without a look, would otherwise hold its stream ten minutes)."""
-
-    def __init__(self, rate: float = REFUSALS_PER_S, burst: float = REFUSAL_BURST,
-                 clock=time.monotonic, max_wait_s: float = MAX_REFUSAL_WAIT_S):
-        self.rate, self.burst, self.clock = rate, burst, clock
-        self.most_owed = rate * max_wait_s
-        self.allowance, self.at = burst, clock()
-        self.held = 0  # the times it has asked for a wait
-
-    def after(self, refused: int) -> float:
-        now = self.clock()
-        self.allowance = min(self.burst, self.allowance + (now - self.at) * self.rate)
-        self.at = now
-        self.allowance = max(self.allowance - refused, -self.most_owed)
-        if self.allowance >= 0:
-            return 0.0
-        self.held += 1
-        return -self.allowance / self.rate
-
-
 class ChunkIntake:
     def __init__(self, store: RedisSessionStore, window: int, per_device: bool,
                  metrics: CacheMetrics | None):
@@ -72,12 +37,9 @@ class ChunkIntake:
         device's session is PERMISSION_DENIED, else FAILED_PRECONDITION)."""
         self.store, self.window, self.per_device, self.metrics = store, window, per_device, metrics
         self.batcher = ChunkBatcher(store)
-        self.refusal_pace = RefusalPace  # each stream's own, made as it is read
-        # PushDraft's, every caller's together: its device is the caller's word (no token of
-        # its own), so a flood under many names is paced as one
-        self.push_pace = RefusalPace()
-        self._push_lock = threading.Lock()
-        self._push_warned = False  # said once, the first time it refuses unchecked
+        # each board's, by device, its streams' and its pushes' together; without device
+        # tokens a pushed chunk's device is the caller's word: PushDraft's callers share one
+        self.paces = RefusalPaces()
 
     def refused(self, e: ChunkRefused) -> None:
         """Count a refused chunk (stored ones are counted where they are stored)."""
@@ -88,28 +50,28 @@ class ChunkIntake:
         """``PushDraft``'s chunk, stored in a round trip of its own; raises ``ChunkRefused``
         (not counted: the caller counts what it refuses). While pushed chunks are refused
         faster than ``push_pace`` allows, each is refused unchecked (RESOURCE_EXHAUSTED)."""
-        with self._push_lock:
-            owed = self.push_pace.after(0)
-            first = owed > 0 and not self._push_warned
-            self._push_warned = self._push_warned or owed > 0
+        key = device if self.per_device else ""
+        owed, first = self.paces.after(key, 0)
+        self._say_pushes_held(first, key)
         if owed:
-            if first:
-                log.warning("pushed chunks are refused faster than %.0f a second: PushDraft "
-                            "refuses every chunk unchecked while that lasts",
-                            self.push_pace.rate)
             raise ChunkRefused(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                f"pushed chunks are refused faster than "
-                               f"{self.push_pace.rate:.0f} a second: none is checked for "
+                               f"{self.paces.of(key).rate:.0f} a second: none is checked for "
                                f"{owed:.1f} s")
         try:
             ack = check_and_push(self.store, device, chunk, vocab, self.window, self.per_device)
         except ChunkRefused:
-            with self._push_lock:
-                self.push_pace.after(1)
+            self._say_pushes_held(self.paces.after(key, 1)[1], key)
             raise
         if self.metrics is not None:
             self.metrics.chunk_stored(ack.kept)
         return ack
+
+    def _say_pushes_held(self, first: bool, key: str) -> None:
+        if first:  # once a board (or, without device tokens, once for every caller)
+            log.warning("pushed chunks%s are refused faster than %.0f a second: PushDraft "
+                        "refuses them unchecked while that lasts",
+                        f" of drafter {key}" if key else "", self.paces.of(key).rate)
 
     def store_chunks(self, device: str, chunks: Iterable[pb.DraftChunk], vocab: int
                      ) -> list[pb.ChunkAck]:
@@ -154,7 +116,6 @@ class ChunkIntake:
         """An Attach stream's reader thread: its chunks stored and answered until the stream
         ends (``stop`` set, ``out`` ended); a Redis failure goes into ``lost`` (the stream then
         ends UNAVAILABLE), ``heard`` holds when the drafter last sent anything."""
-        pace = self.refusal_pace()
         ok = grpc.StatusCode.OK.value[0]
         try:
             for msg in it:
@@ -168,15 +129,17 @@ class ChunkIntake:
                     continue
                 if not all(out.put(pb.CacheMessage(ack=ack)) for ack in acks):
                     break  # the stream ended, or the drafter reads nothing of it
-                wait = pace.after(sum(a.code != ok for a in acks))
+                wait, first = self.paces.after(device, sum(a.code != ok for a in acks))
                 if wait:
-                    if pace.held == 1:
+                    if first:
                         log.warning("drafter %s: its chunks are refused faster than %.0f a "
                                     "second; its stream is read no faster than that",
-                                    device, pace.rate)
+                                    device, self.paces.of(device).rate)
+                    # its silence while unread is the cache's doing, not the board's
+                    heard[0] = time.monotonic() + wait
                     if stop.wait(wait):
                         break
-                    heard[0] = time.monotonic()  # its silence meanwhile is the cache's doing
+                    heard[0] = time.monotonic()
         except grpc.RpcError:
             pass  # the drafter went away
         except redis.RedisError as e:

@@ -302,8 +302,10 @@ class EdgespecServer:
         thread.start()
         while not http.started:
             if not thread.is_alive():
-                why = why_not_listening(self.opts.http_host, port, "--http-port",
-                                        "--http-host")
+                why = (f": the server's gRPC port (--listen) is {port}: give --http-port "
+                       f"another" if port == self.port else
+                       why_not_listening(self.opts.http_host, port, "--http-port",
+                                         "--http-host"))
                 raise ConfigError(f"cannot serve HTTP on {self.opts.http_host}:{port}{why}")
             time.sleep(0.02)
         self.http_port = http.servers[0].sockets[0].getsockname()[1]

@@ -95,14 +95,16 @@ def cache(store):
 class Stream:
     """A hand-driven Attach stream: register, send chunks, read what the cache sends."""
 
-    def __init__(self, channel, device, token=None, batches=False):
+    def __init__(self, channel, device, token=None, batches=False, heartbeat_ms=0):
         """``batches``: it reads CacheBatch (each batch's messages go to ``inbox`` one by one,
         and ``batches_heard`` counts the batches); else, as an older board, it is never sent
-        one (a batch read fails the test)."""
+        one (a batch read fails the test). ``heartbeat_ms``: the interval it announces (the
+        cache detaches it after three of silence; 0: never), not one it keeps by itself."""
         self.batches, self.batches_heard = batches, 0
         self.out: queue.Queue = queue.Queue()
-        self.out.put(pb.DrafterMessage(register=pb.Register(device_id=device, draft_model="test",
-                                                            max_sessions=4, batches=batches)))
+        self.out.put(pb.DrafterMessage(register=pb.Register(
+            device_id=device, draft_model="test", max_sessions=4, batches=batches,
+            heartbeat_ms=heartbeat_ms)))
         self.call = pb_grpc.DraftCacheStub(channel).Attach(iter(self.out.get, None),
                                                             metadata=auth_metadata(token))
         self.inbox: queue.Queue = queue.Queue()

@@ -92,6 +92,9 @@ def test_bench_host_command_writes_its_table_and_json(tmp_path):
     assert _settings(Namespace(**vars(given), drafters="none,mag@tree2")) == \
         _settings(Namespace(**vars(given), drafters="none;mag@tree2")) == \
         [("local", "none", 1), ("local", "mag@tree2", 1)]
+    # a cascade alone is one drafter: its members' ',' separates nothing
+    assert _settings(Namespace(**vars(given), drafters="cascade:mag,cacheback")) == \
+        [("local", "cascade:mag,cacheback", 1)]
     assert drafter_options("mag@tree4@thread") == ("mag", 4, False)
     assert drafter_options("mag@thread@tree2") == ("mag", 2, False)
     assert drafter_options("mag+cacheback") == ("mag+cacheback", 1, True)

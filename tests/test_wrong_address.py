@@ -306,3 +306,5 @@ def test_a_port_in_use_or_an_address_not_here_is_said_in_the_error():
     # TEST-NET-1 (RFC 5737): an address no machine of the suite's has
     assert "--http-host" in why_not_listening("192.0.2.1", 0, "--http-port", "--http-host")
     assert why_not_listening("127.0.0.1", 0, "--listen") == ""  # a free port: no reason
+    # a name IDNA refuses raises UnicodeError, not OSError: said, not a traceback
+    assert "does not resolve" in why_not_listening("a..b", 5000, "--listen")

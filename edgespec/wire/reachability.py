@@ -277,12 +277,14 @@ def why_not_listening(host: str, port: int, option: str, host_option: str | None
     try:
         infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
                                    flags=socket.AI_PASSIVE)
-    except OSError:
+    except (OSError, UnicodeError, ValueError):  # a name IDNA refuses (a..b) raises the latter
         return f": the host {host!r} does not resolve"
     family, kind, proto, _, where = infos[0]
     try:
         with socket.socket(family, kind, proto) as s:
             s.bind(where)
+    except (UnicodeError, ValueError):
+        return ""
     except OSError as e:
         if e.errno == errno.EADDRINUSE:
             return (f": the port is in use (another server, an edgespec serve still running?); "

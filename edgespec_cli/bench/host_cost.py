@@ -55,8 +55,8 @@ def add_bench_host_args(p) -> None:
                    help="sessions decoded together (default: %(default)s)")
     p.add_argument("--drafters", default="none;mag;mag+cacheback;mag@tree4", metavar="LIST",
                    help="';'-separated drafters of the in-process store (','-separated where "
-                        "the list has no ';': a list with a cascade, whose members are "
-                        "','-separated, needs ';'; SPEC@treeN: token "
+                        "the list has no ';' and no cascade, whose members are ','-separated; "
+                        "SPEC@treeN: token "
                         "trees of width N; SPEC@thread: a cheap drafter in its drafting "
                         "thread, not in the verifier's) (default: %(default)s)")
     p.add_argument("--stores", default="local,redis", metavar="LIST",

@@ -42,8 +42,8 @@ class MethodPlan:
 
 def split_drafters(text: str) -> list[str]:
     """``--drafters``' list: ';'-separated (a cascade's members are ','-separated), or
-    ','-separated when there is no ';'."""
-    sep = ";" if ";" in text else ","
+    ','-separated when there is no ';' and no cascade (``cascade:a,b`` alone is one drafter)."""
+    sep = ";" if ";" in text or "cascade:" in text else ","
     return [d.strip() for d in text.split(sep) if d.strip()]
 
 
