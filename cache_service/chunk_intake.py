@@ -30,6 +30,8 @@ if TYPE_CHECKING:  # prometheus_client is needed only where metrics are kept
 log = logging.getLogger("edgespec.cache")
 
 MAX_BATCH_CHUNKS = 256  # chunks in one DraftChunks (the ones beyond are refused)
+
+
 class ChunkIntake:
     def __init__(self, store: RedisSessionStore, window: int, per_device: bool,
                  metrics: CacheMetrics | None):
@@ -49,7 +51,8 @@ class ChunkIntake:
     def push_one(self, device: str, chunk: pb.DraftChunk, vocab: int) -> pb.ChunkAck:
         """``PushDraft``'s chunk, stored in a round trip of its own; raises ``ChunkRefused``
         (not counted: the caller counts what it refuses). While pushed chunks are refused
-        faster than ``push_pace`` allows, each is refused unchecked (RESOURCE_EXHAUSTED)."""
+        faster than their pace allows (``paces``: the device's with device tokens, else every
+        caller's together), each is refused unchecked (RESOURCE_EXHAUSTED)."""
         key = device if self.per_device else ""
         owed, first = self.paces.after(key, 0)
         self._say_pushes_held(first, key)

@@ -31,7 +31,6 @@ class RefusalPace:
         self.most_owed = rate * max_wait_s
         self.allowance, self.at = burst, clock()
         self.held = 0  # the times it has asked for a wait
-        self.warned = False  # whether the cache has said it holds this board back
 
     def after(self, refused: int) -> float:
         now = self.clock()
@@ -55,18 +54,19 @@ class RefusalPaces:
 
     def of(self, key: str) -> RefusalPace:
         with self._lock:
-            pace = self._paces.get(key)
-            if pace is None:
-                if len(self._paces) >= MAX_PACES:
-                    del self._paces[next(iter(self._paces))]
-                pace = self._paces[key] = self.make()
-            return pace
+            return self._of(key)
+
+    def _of(self, key: str) -> RefusalPace:  # the lock held
+        pace = self._paces.get(key)
+        if pace is None:
+            if len(self._paces) >= MAX_PACES:
+                del self._paces[next(iter(self._paces))]
+            pace = self._paces[key] = self.make()
+        return pace
 
     def after(self, key: str, refused: int) -> tuple[float, bool]:
         """(how long to hold ``key``'s board back, whether this is the first time it is)."""
-        pace = self.of(key)
         with self._lock:
+            pace = self._of(key)
             wait = pace.after(refused)
-            first = wait > 0 and not pace.warned
-            pace.warned = pace.warned or wait > 0
-        return wait, first
+            return wait, wait > 0 and pace.held == 1

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import fields
 
 from edgespec.config import ConfigError, SamplingParams
 from edgespec.drafters import DRAFTER_HELP
@@ -52,12 +53,6 @@ def logit_bias_arg(text: str) -> tuple[tuple[int, float], ...]:
     return tuple(pairs)
 
 
-# SamplingParams' fields as generate's options name them (its errors name the fields)
-_SAMPLING_FLAGS = {"temperature": "--temperature", "top_k": "--top-k", "top_p": "--top-p",
-                   "seed": "--seed", "presence_penalty": "--presence-penalty",
-                   "frequency_penalty": "--frequency-penalty", "logit_bias": "--logit-bias"}
-
-
 def cmd_generate(args) -> int:
     from edgespec.engine.local import LocalGenerator, print_stream
     from edgespec.models.images import read_image_file
@@ -70,11 +65,11 @@ def cmd_generate(args) -> int:
         params = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed,
                                 args.presence_penalty, args.frequency_penalty,
                                 logit_bias_arg(args.logit_bias))
-    except ConfigError as e:  # named as the SDK names them: said with the option's name
+    except ConfigError as e:  # its errors name a field: said with the option's name
         field = str(e).split(" ", 1)[0].rstrip(":")
-        if field not in _SAMPLING_FLAGS:
+        if field not in {f.name for f in fields(SamplingParams)}:
             raise
-        raise ConfigError(_SAMPLING_FLAGS[field] + str(e)[len(field):]) from None
+        raise ConfigError(f"--{field.replace('_', '-')}{str(e)[len(field):]}") from None
     for option, k in (("--logprobs", args.logprobs), ("--prompt-logprobs", args.prompt_logprobs)):
         if k is not None:
             if not args.json:
