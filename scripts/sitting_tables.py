@@ -58,9 +58,11 @@ def format_tables(d: dict) -> str:
     if d.get("decode"):  # graphed steps by attention kernel, at two context lengths
         keys = sorted({k for e in d["decode"].values() for r in e.values() for k in r
                        if k.endswith("_ms")}, key=lambda k: (k.split("@")[0] != "1x1", k))
+        refused = any("refused" in r for e in d["decode"].values() for r in e.values())
         lines += _table(["shape", "attention"] + [k.removesuffix("_ms") + " ms" for k in keys]
-                        + ["graphs failed"],
+                        + ["graphs failed"] + (["refused at start"] if refused else []),
                         [[shape, kernel] + [r.get(k) for k in keys] + [r.get("graphs_failed")]
+                         + ([r.get("refused")] if refused else [])
                          for shape, e in d["decode"].items() for kernel, r in e.items()])
     if d.get("exactness"):  # the runner's step against the same model's on cuBLAS + SDPA
         lines += _table(["shape", "step", "cuBLAS + SDPA ms (graphed)", "runner ms",

@@ -188,6 +188,20 @@ def _three_sessions(layout, keys: int, starts: list[int], seed: int):
             torch.tensor(starts, device=DEV))
 
 
+def _split_bits_or_refused(same: bool, layout) -> None:
+    """A row that split and chunks gave other bits: never under the interpreter (the design's
+    claim); on a GPU that is the sitting's question (its attention stage records the answer),
+    and where they differ the start probe must refuse ``split-decode`` for the layout, so that
+    no runner serves a row's bits that depend on the step's width."""
+    if same:
+        return
+    assert DEV == "cuda", "split and chunks gave other bits under the interpreter"
+    nh, kvh, hd = layout
+    assert fap.probe_slot_attention(torch.float32, DEV, nh, kvh, hd,
+                                    kernel="split-decode") is not None, \
+        "split and chunks differ here, and the start probe would serve split-decode"
+
+
 @pytest.mark.parametrize("kernel", fa.ATTENTION_KERNELS)
 @pytest.mark.parametrize("layout,tree_at", [(LAYOUTS[0], 130), (LAYOUTS[1], 62)])
 def test_slot_attention_row_bits_do_not_depend_on_the_call(kernel, layout, tree_at):
@@ -204,7 +218,11 @@ def test_slot_attention_row_bits_do_not_depend_on_the_call(kernel, layout, tree_
     for b in range(3):
         for t in range(T):
             one = fk.FusedStep.chains(slots[b:b + 1], starts[b:b + 1] + t, 1)
-            assert torch.equal(attend(q[b * T + t:b * T + t + 1], one)[0], many[b * T + t])
+            same = torch.equal(attend(q[b * T + t:b * T + t + 1], one)[0], many[b * T + t])
+            if kernel == "split-decode":  # alone: split; among wider rows: chunks
+                _split_bits_or_refused(same, layout)
+            else:
+                assert same
     # a tree whose nodes hang off different ancestors, each node against its chain (from a
     # root at 62, the chains of nodes two deep start in the next key block)
     parents = [-1, 0, 0, 2, 1, 3]
@@ -218,7 +236,10 @@ def test_slot_attention_row_bits_do_not_depend_on_the_call(kernel, layout, tree_
                 v_cache[0, :, st + node]
         chain = attend(q[t:t + 1], fk.FusedStep.chains(slots[:1], starts[:1] + len(along) - 1,
                                                        1), chain_k, chain_v)
-        assert torch.equal(tree[t], chain[0])
+        if kernel == "split-decode":  # the tree: chunks; its chain decoded: split
+            _split_bits_or_refused(torch.equal(tree[t], chain[0]), layout)
+        else:
+            assert torch.equal(tree[t], chain[0])
 
 
 @pytest.mark.parametrize("layout", [LAYOUTS[0], LAYOUTS[1]])
@@ -227,7 +248,8 @@ def test_the_chunks_kernel_gives_the_split_kernel_s_bits_in_one_program(layout):
     merged into the running state as the split kernel's merge does) gives every row the split
     kernel's bits (chunk programs in parallel, merged by a second kernel, in wider tiles):
     chains crossing chunks 1 and 2 and within chunk 0, and a tree rooted below a chunk's end.
-    Then a runner may take either by the step (the GPU sitting times both)."""
+    Then a runner may take either by the step (the GPU sitting times both); on a GPU where
+    they differ, the start probe refuses split-decode."""
     nh, kvh, hd = layout
     k_cache, v_cache, q, slots, starts = _three_sessions(layout, 640, [253, 509, 40], 31)
     T = 6
@@ -237,7 +259,7 @@ def test_the_chunks_kernel_gives_the_split_kernel_s_bits_in_one_program(layout):
                 for kernel in ("chunks", "split")]
 
     chunks, split = both(q, fk.FusedStep.chains(slots, starts, T))
-    assert torch.equal(chunks[:3 * T], split[:3 * T])
+    _split_bits_or_refused(torch.equal(chunks[:3 * T], split[:3 * T]), layout)
     for b in range(3):
         st = int(starts[b])
         ref = _attention_ref(q[b * T + T - 1].view(nh, hd), k_cache, v_cache, b,
@@ -245,7 +267,7 @@ def test_the_chunks_kernel_gives_the_split_kernel_s_bits_in_one_program(layout):
         torch.testing.assert_close(chunks[b * T + T - 1].view(nh, hd), ref, rtol=1e-5,
                                    atol=1e-5)
     tree_chunks, tree_split = both(q[:T], _tree_step([0], [254], [[-1, 0, 0, 2, 1, 3]]))
-    assert torch.equal(tree_chunks[:T], tree_split[:T])
+    _split_bits_or_refused(torch.equal(tree_chunks[:T], tree_split[:T]), layout)
 
 
 def test_split_decode_runs_the_split_kernel_for_one_token_a_row_and_chunks_for_wider(

@@ -54,6 +54,18 @@ def test_the_decode_table_has_each_attention_kernel_at_each_context():
     assert _rows(md, "8b")[1][:5] == ["8b", "split", "6.0", "6.4", "19.0"]
 
 
+def test_a_kernel_its_start_probe_refused_is_a_row_saying_why():
+    decode = {"8b": {"tiles": {"1x1@300_ms": 6.1, "graphs_failed": None},
+                     "split-decode": {"refused": "the fused attention is not batch-invariant "
+                                                 "here (split-decode: query 0 differs)"}}}
+    md = format_tables(_sitting(decode=decode))
+    assert "| graphs failed | refused at start |" in md
+    tiles, refused = _rows(md, "8b")
+    assert tiles[:3] == ["8b", "tiles", "6.1"] and tiles[-1] == "-"
+    assert refused[:3] == ["8b", "split-decode", "-"]
+    assert refused[-1].startswith("the fused attention is not batch-invariant")
+
+
 def test_the_exactness_table_gives_the_runner_over_cublas_and_sdpa():
     exactness = {"8b": {"1x1": {"plain_ms": 5.0, "runner_ms": 6.0, "cost_of_exactness": 0.2},
                         "64x9": {"plain_ms": 12.0}}}
