@@ -22,8 +22,6 @@ def test_fleet_settings_parse_and_bad_ones_are_refused():
             parse_fleets(bad)
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores")
 def test_the_chunks_the_cache_refused_are_counted_by_code_between_two_scrapes():
     from edgespec_cli.bench.edge_report import refused_chunks
 
@@ -38,6 +36,8 @@ def test_the_chunks_the_cache_refused_are_counted_by_code_between_two_scrapes():
     assert refused_chunks(before, before) == {}
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores")
 def test_edge_drafting_against_the_server_alone_as_processes(looping_dir, tmp_path):
     out = tmp_path / "bench-edge.json"
     r = subprocess.run(

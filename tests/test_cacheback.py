@@ -184,8 +184,7 @@ def cacheback_cluster(looping_dir, tmp_path_factory):
     drafter = start_drafter(address, "cb-1", tmp, "cacheback", token="tok")
     drafter.wait_for("attached to")
     yield address
-    drafter.stop()
-    serve.stop()
+    assert (drafter.stop(), serve.stop()) == (0, 0)
 
 
 @pytest.mark.slow  # a serve process and drafters

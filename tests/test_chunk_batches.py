@@ -99,6 +99,7 @@ def test_chunks_pushed_while_a_call_is_in_flight_go_together_in_the_next(store, 
     deadline = time.monotonic() + 30
     while batcher._queue.qsize() < len(others) and time.monotonic() < deadline:
         time.sleep(0.01)
+    assert batcher._queue.qsize() == len(others), "the pushers' chunks never all queued"
     release.set()
     for t in [first, *others]:
         t.join(30)

@@ -51,9 +51,9 @@ def cluster(looping_dir, tiny_draft_dir, tmp_path_factory):
         d.wait_for("attached to")
     state = {"address": address, "serve": serve, "drafters": drafters, "model": looping_dir}
     yield state
-    for d in drafters.values():
-        d.stop()
-    state["serve"].stop()
+    codes = {name: d.stop() for name, d in drafters.items()}
+    codes["serve"] = state["serve"].stop()
+    assert set(codes.values()) == {0}, codes
 
 
 @pytest.fixture(scope="module")

@@ -100,9 +100,9 @@ def cluster(looping_dir, tmp_path_factory):
     state["drafter"].popen.send_signal(signal.SIGSTOP)
     yield state
     state["drafter"].popen.send_signal(signal.SIGCONT)
-    for name in ("drafter", "cache", "verifier"):
-        state[name].stop()
+    codes = {name: state[name].stop() for name in ("drafter", "cache", "verifier")}
     state["redis"].stop()
+    assert set(codes.values()) == {0}, codes
 
 
 @pytest.fixture(scope="module")

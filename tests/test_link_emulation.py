@@ -89,7 +89,7 @@ def round_trip(sock: socket.socket, message: bytes) -> float:
     return time.monotonic() - start
 
 
-def wait_until(condition, timeout_s: float = 5.0) -> bool:
+def wait_until(condition, timeout_s: float = 60.0) -> bool:
     deadline = time.monotonic() + timeout_s
     while not condition():
         if time.monotonic() > deadline:
@@ -119,9 +119,11 @@ def test_byte_order_survives_heavy_jitter(echo_address):
 
 def test_round_trip_takes_at_least_the_rtt_and_setup_one_more(echo_address):
     with LinkProxy(echo_address, LinkProfile(rtt_ms=100), seed=1) as proxy:
+        start = time.monotonic()  # before the connect: the handshake's wait starts at accept
         with connect(proxy.address) as sock:
             # the first bytes wait for the emulated handshake (one RTT), then a round trip
-            assert round_trip(sock, b"hello") >= 0.2 - SLACK_S
+            round_trip(sock, b"hello")
+            assert time.monotonic() - start >= 0.2 - SLACK_S
             assert round_trip(sock, b"again") >= 0.1 - SLACK_S
 
 

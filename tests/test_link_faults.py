@@ -134,19 +134,32 @@ def test_a_slow_board_link_costs_no_output(server, reference):
 
 
 @pytest.mark.parametrize("fault", ["abandon", "blackhole", "reset", "refuse", "slow"])
-def test_an_sdk_stream_survives_its_link_failing(server, reference, fault):
+def test_an_sdk_stream_survives_its_link_failing(server, reference, fault, monkeypatch):
     """A client's link failing mid-stream: an abandoned or blackholed connection is noticed by
     keepalive, a reset or refused one at once, and the SDK resumes the session on a new
     connection (a blackhole or a refusal healed 4 s later), token for token; a slow link only
-    slows it."""
+    slows it. Once the session has output, its steps wait for the fault: the rest of the
+    answer cannot reach the first connection before the fault does, however the machine
+    schedules the two."""
+    engine, applied = server.scheduler.engine, threading.Event()
+    score_rows = engine.target.score_rows
+
+    def held(*a, **k):
+        if not applied.is_set() and any(act.output for act in engine.active):
+            applied.wait(WAIT_S)
+        return score_rows(*a, **k)
+
+    monkeypatch.setattr(engine.target, "score_rows", held)
     with FaultyLink(f"127.0.0.1:{server.port}") as link:
         got: list[int] = []
         with edgespec.Client(link.address, timeout=WAIT_S) as client:
             stream = client.stream(prompt_ids=PROMPT, max_new_tokens=N, temperature=0)
             for piece in stream:
                 got.extend(piece.token_ids)
-                if got and link.connections == 1 and link.mode == "pass" and len(got) < N:
+                if got and not applied.is_set():
+                    assert len(got) < N and link.connections == 1
                     link.apply(fault, delay_s=0.02)
+                    applied.set()
                     if fault in ("blackhole", "refuse", "slow"):
                         threading.Timer(4.0, link.heal).start()
         assert got == reference

@@ -176,7 +176,8 @@ def test_ray_up_onprem_yaml_then_deploy_on_loopback(looping_dir, looping):
                                       device_id="plain-board")
             assert res.token_ids == ref and res.device_id == "plain-board"
         finally:
-            plain.stop()
+            plain_code = plain.stop()
+        assert plain_code == 0, "the plain drafter did not exit cleanly on SIGTERM"
 
         undeploy = _run([sys.executable, "-m", "edgespec_cli", "deploy", "--address", address,
                          "--down"], es_env, log, timeout=120)

@@ -66,7 +66,8 @@ def test_boards_whose_every_chunk_is_overtaken_get_drafts_verified(looping_dir, 
         for d, board in boards.items():
             board.terminate()
             codes[d] = board.wait(timeout=60)
-        serve.stop()
+        serve_code = serve.stop()
+    assert serve_code == 0, serve.text()[-3000:]
     for i, (res, ref) in enumerate(zip(results, refs)):
         assert res.token_ids == ref and res.device_id == devices[i]
     for d in devices:

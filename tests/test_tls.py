@@ -36,7 +36,8 @@ def test_tls_server_serves_trusting_clients_only(certs, tiny_dir, tmp_path):
             with pytest.raises(edgespec.EdgespecError):
                 plain.generate(prompt_ids=[1, 10, 11, 12], max_new_tokens=8)
     finally:
-        serve.stop()
+        code = serve.stop()
+    assert code == 0
 
 
 def test_tls_needs_both_certificate_and_key(tiny_dir, certs):

@@ -35,8 +35,7 @@ def server(vlm_dir, tmp_path_factory):
     board = start_drafter(address, "board-1", tmp, "mag", token=TOKEN)
     board.wait_for("attached to")
     yield {"address": address, "base": f"http://127.0.0.1:{http_port}"}
-    board.stop()
-    assert serve.stop() == 0
+    assert (board.stop(), serve.stop()) == (0, 0)
 
 
 @pytest.fixture(scope="module")
