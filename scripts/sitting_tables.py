@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+from sitting_goals import goal_rows
+
 
 def _table(head: list[str], rows: list[list]) -> list[str]:
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -18,6 +20,14 @@ def format_tables(d: dict) -> str:
              "as `edgespec bench-forward --shape SHAPE --device cuda` runs it alone).", ""]
     if d.get("mismatches"):
         lines += ["**Mismatches:** " + "; ".join(d["mismatches"]), ""]
+    goals = goal_rows(d)
+    # each goal judged where it was measured (a dry run's figures are the interpreter's)
+    if not d.get("dry_run") and any(g.met is not None for g in goals):
+        lines += ["Goals (issues 43 and 42), as this sitting measured them:", ""]
+        lines += _table(["issue", "goal", "shape", "measured", "met"],
+                        [[g.issue, g.goal, g.shape, g.measured,
+                          "not measured" if g.met is None else "yes" if g.met else "**no**"]
+                         for g in goals])
     if d.get("attention"):
         rows = []
         kernels = list(next(iter(d["attention"].values()))["probe"])
