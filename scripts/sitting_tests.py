@@ -39,20 +39,24 @@ def stage_tests(s, timeout_s: float, workers: int = 0) -> None:
     if workers > 0:
         cmd[3:3] = ["-n", str(workers)]
     say("   " + " ".join(cmd))
+    # a process group of its own: pytest and its xdist workers, signalled together
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         text, _ = proc.communicate(timeout=timeout_s)
         rc = proc.returncode
     except subprocess.TimeoutExpired:
         # interrupted as Ctrl-C would: pytest stops its workers and still prints the failures
         # and the counts of what ran (a kill left no summary to read)
-        proc.send_signal(signal.SIGINT)
+        os.killpg(proc.pid, signal.SIGINT)
         try:
             text, _ = proc.communicate(timeout=INTERRUPT_GRACE_S)
         except subprocess.TimeoutExpired:
-            proc.kill()
-            text, _ = proc.communicate()
+            os.killpg(proc.pid, signal.SIGKILL)  # the workers too: none holds the pipe open
+            try:
+                text, _ = proc.communicate(timeout=10)
+            except subprocess.TimeoutExpired:
+                text = "(no output: the tests did not end when killed)"
         text, rc = f"{text}\ntimed out after {timeout_s:.0f} s", 124
     (s.out / "tests.log").write_text(text)  # every failure's traceback and captured log
     tail = text.strip().splitlines()

@@ -154,14 +154,17 @@ def test_an_sdk_stream_survives_its_link_failing(server, reference, fault, monke
         got: list[int] = []
         with edgespec.Client(link.address, timeout=WAIT_S) as client:
             stream = client.stream(prompt_ids=PROMPT, max_new_tokens=N, temperature=0)
-            for piece in stream:
-                got.extend(piece.token_ids)
-                if got and not applied.is_set():
-                    assert len(got) < N and link.connections == 1
-                    link.apply(fault, delay_s=0.02)
-                    applied.set()
-                    if fault in ("blackhole", "refuse", "slow"):
-                        threading.Timer(4.0, link.heal).start()
+            try:
+                for piece in stream:
+                    got.extend(piece.token_ids)
+                    if got and not applied.is_set():
+                        assert len(got) < N and link.connections == 1
+                        link.apply(fault, delay_s=0.02)
+                        applied.set()
+                        if fault in ("blackhole", "refuse", "slow"):
+                            threading.Timer(4.0, link.heal).start()
+            finally:
+                applied.set()  # a failure here leaves no step held
         assert got == reference
         if fault != "slow":
             assert link.connections >= 2  # resumed on a new connection

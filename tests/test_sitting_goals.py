@@ -75,6 +75,11 @@ def test_the_one_stream_goal_reads_the_last_compiled_generate_when_this_sitting_
                  hf_reference=ref)
     row = next(r for r in goal_rows(d) if r.goal.startswith("one stream"))
     assert row.met is True and row.measured == "2.00x" and ref["from"] in row.goal
+    older = {k: v for k, v in d.items() if k != "hf_reference"}  # a sitting before the key
+    assert next(r for r in goal_rows(older) if r.goal.startswith("one stream")).met is True
+    other_card = {**d, "gpu": "NVIDIA H100 80GB HBM3"}  # another card's figures judge nothing
+    row = next(r for r in goal_rows(other_card) if r.goal.startswith("one stream"))
+    assert (row.met, row.measured) == (None, "-")
 
 
 def test_the_long_context_goal_reads_the_kernel_the_default_runner_served():
