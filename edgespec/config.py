@@ -56,6 +56,11 @@ class EmptyPrompt(ConfigError):
         super().__init__(self.MESSAGE)
 
 
+class LossyModeOff(ConfigError):
+    """A request asking for a lossy verification mode (loose, PAD) that its verifier's operator
+    did not start it in (``session_verify_mode``)."""
+
+
 class CacheFullError(ConfigError):
     """No free slot, or a session would grow past its slot's length (a KV cache, a llama.cpp
     context pool)."""
@@ -266,7 +271,7 @@ def session_verify_mode(requested: str, configured: str) -> str:
                           f"{str(requested)[:20]!r}")
     if is_lossy(requested) and configured != requested:
         flag = "--verify loose" if requested == "loose" else "--verify pad:DIR"
-        raise ConfigError(f"{requested} (lossy) verification is off on this verifier: its "
+        raise LossyModeOff(f"{requested} (lossy) verification is off on this verifier: its "
                           f"operator must start it with {flag}")
     return requested or configured
 

@@ -39,7 +39,7 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from edgespec.config import ConfigError, EmptyPrompt
+from edgespec.config import ConfigError, EmptyPrompt, LossyModeOff
 from edgespec.protocol.contract import StoreUnavailable
 from edgespec.verify.keyed_noise import seed_after
 
@@ -258,12 +258,12 @@ async def _admit(admission: Admission, generation, chat: bool) -> Ticket:
     except EmptyPrompt as e:
         raise ApiError(400, str(e), "invalid_request_error",
                        "messages" if chat else "prompt") from None
+    except LossyModeOff as e:  # a lossy mode not served here
+        raise _refused(e, "verify") from None
     except ConfigError as e:
         # its tokens or its length alone (a limit too large for the prompt names neither)
         about = str(e).startswith(("prompt token ids", "prompt (", "the prompt")) and \
             "max_new_tokens" not in str(e)
-        if "verification is off on this verifier" in str(e):  # a lossy mode not served here
-            raise _refused(e, "verify") from None
         raise _refused(e, ("messages" if chat else "prompt") if about else None) from None
     except (SessionNotFound, DrafterMissing) as e:
         raise ApiError(400, str(e), "invalid_request_error") from None
