@@ -2,7 +2,7 @@
 43's wide verification step, decode at 300 and 4,096 keys, the 64 x 1 step, the cost of
 exactness, one stream against transformers' compiled ``generate``, and every output identical;
 issue 42's fleet on the GPU (32 sessions batched against one a forward, 64 sessions' target-only
-decoding against the graphed 64 x 1 step). ``sitting_tables`` renders them as the report's last
+decoding against the graphed 64 x 1 step). ``sitting_tables`` renders them as the report's first
 table, so a sitting says at once which goals it met, which it missed and which it did not
 measure (a stage skipped or cut by the deadline: "not measured", never a verdict).
 
