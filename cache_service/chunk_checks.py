@@ -107,8 +107,8 @@ def checked_chunk(store: RedisSessionStore, device: str, chunk: pb.DraftChunk, v
         check_draft_ids(chunk.tokens, vocab)  # the chain's and the branches' nodes
     except ValueError as e:
         raise ChunkRefused(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
-    return store.chunk_push(sid, chunk.epoch, chunk.start, tokens, chunk.idle, window, branches,
-                            device)
+    return ChunkPush.of(sid, chunk.epoch, chunk.start, tokens, chunk.idle, window, branches,
+                        device)
 
 
 def chunk_ack(chunk: pb.DraftChunk, checked: ChunkPush, outcome: PushResult | StoreError,

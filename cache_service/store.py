@@ -24,7 +24,7 @@ from edgespec.config import SamplingParams
 from edgespec.protocol.lineage import Lineage
 from edgespec.protocol.contract import (MAX_BRANCHES, Branch, CommitOutcome, DraftWant, Fix,
                                SessionVanished, StoreUnavailable, TakenDraft, Verdict,
-                               chunk_branches, take_branches)
+                               take_branches)
 
 from .chunk_waker import ChunkWaker
 from .codec import (InboxEvent, KeyLayout, pack_tokens, params_from_json, params_to_json,
@@ -321,8 +321,8 @@ class RedisSessionStore:
         """Append a chunk (``branches``: alternatives to its tokens, ``at`` relative to it);
         ``device`` given: only if the session is that device's (else ``StoreError`` of kind
         "device"), checked in the same script."""
-        return self.push_chunk(self.chunk_push(sid, epoch, start, tokens, idle, window, branches,
-                                               device))
+        return self.push_chunk(ChunkPush.of(sid, epoch, start, tokens, idle, window, branches,
+                                            device))
 
     def push_chunk(self, chunk: ChunkPush) -> PushResult:
         """``push_many`` of one chunk; raises its ``StoreError`` when refused."""
@@ -330,15 +330,6 @@ class RedisSessionStore:
         if isinstance(res, StoreError):
             raise res
         return res
-
-    @staticmethod
-    def chunk_push(sid: str, epoch: int, start: int, tokens: list[int], idle: bool, window: int,
-                   branches=(), device: str = "") -> ChunkPush:
-        """``push``'s arguments as ``push_many`` takes them (branches stored by absolute
-        position: the draft's start moves)."""
-        brs = tuple((start + b.at, pack_tokens([start + b.at, *b.tokens]))
-                    for b in chunk_branches(tokens, branches, len(tokens)))
-        return ChunkPush(sid, epoch, start, pack_tokens(tokens), idle, window, brs, device)
 
     def push_many(self, chunks: Sequence[ChunkPush]) -> list[PushResult | StoreError]:
         """Append several chunks in one round trip, in order, each as ``push`` would: its

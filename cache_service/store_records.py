@@ -7,10 +7,11 @@ chunk's outcome, a refusal).
 from __future__ import annotations
 
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from edgespec.config import SamplingParams
-from edgespec.protocol.contract import Verdict
+from edgespec.protocol.contract import Branch, Verdict, chunk_branches
 from edgespec.protocol.lineage import Lineage
 
 from .codec import pack_tokens
@@ -89,6 +90,15 @@ class ChunkPush:
     window: int
     branches: tuple[tuple[int, bytes], ...] = ()
     device: str = ""  # given: stored only if the session is this device's
+
+    @classmethod
+    def of(cls, sid: str, epoch: int, start: int, tokens: list[int], idle: bool, window: int,
+           branches: Sequence[Branch] = (), device: str = "") -> ChunkPush:
+        """A chunk from ``push``'s arguments (``branches``' ``at`` relative to the chunk, stored
+        by absolute position: the draft's start moves)."""
+        brs = tuple((start + b.at, pack_tokens([start + b.at, *b.tokens]))
+                    for b in chunk_branches(tokens, branches, len(tokens)))
+        return cls(sid, epoch, start, pack_tokens(tokens), idle, window, brs, device)
 
 
 def packed_chunk(c: ChunkPush, max_branches: int) -> bytes:

@@ -47,7 +47,8 @@ from edgespec.protocol.ids import check_device_id
 from edgespec.wire.trees import TREE_VERSION, tree_to_wire
 from edgespec.v1 import edgespec_pb2 as pb
 from edgespec.v1 import edgespec_pb2_grpc as pb_grpc
-from edgespec.wire.convert import (REPLACED_STREAM, auth_metadata, make_channel, retry_after_s)
+from edgespec.wire.convert import REPLACED_STREAM, auth_metadata, retry_after_s
+from edgespec.wire.channels import make_channel
 from edgespec.wire.keepalive import heartbeat_interval_s
 from edgespec.wire.reachability import check_address, probe
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 from edgespec.protocol.fleet_table import MAX_ORDER, FleetEntry, FleetPull
 from edgespec.v1 import edgespec_pb2 as pb
 from edgespec.v1 import edgespec_pb2_grpc as pb_grpc
-from edgespec.wire.convert import auth_metadata, make_channel
+from edgespec.wire.convert import auth_metadata
+from edgespec.wire.channels import make_channel
 
 
 class RemoteFleetTable:

@@ -27,7 +27,7 @@ sampling seed, the verifier's choice when none was given). Failures raise subcla
 ``EdgespecError`` named after their gRPC status.
 
 The client makes its own gRPC channel (``client.channel``) with edgespec's message limits and a
-reconnect backoff of 0.2 s up to 2 s (``edgespec.wire.convert.CHANNEL_OPTIONS``), and keepalive
+reconnect backoff of 0.2 s up to 2 s (``edgespec.wire.channels.CHANNEL_OPTIONS``), and keepalive
 pings (10 s of silence, 5 s to answer: ``edgespec.wire.keepalive``), so a connection that went
 silent mid-call is noticed and the call resumed on a new one. To tune it,
 pass ``channel_options``, ``(name, value)`` pairs of gRPC channel arguments, rather than
@@ -55,7 +55,8 @@ from .sdk.request import build_request, check_client_args, check_session_id, che
 from .sdk.stream import Collector, GenerateResult, Resumer, StreamPiece
 from .v1 import edgespec_pb2 as pb
 from .v1 import edgespec_pb2_grpc as pb_grpc
-from .wire.convert import auth_metadata, make_channel, message_as_dict
+from .wire.convert import auth_metadata, message_as_dict
+from .wire.channels import make_channel
 from .wire.reachability import STARTING_WAIT_S, ConnectWatch, unreachable_reason_aio
 
 __all__ = ["AsyncClient", "Cancelled", "Client", "DeadlineExceeded", "EdgespecError",

@@ -32,7 +32,8 @@ from prometheus_client import CollectorRegistry
 from edgespec.config import ConfigError, EngineConfig
 from edgespec.wire.request_parsing import add_servicer
 from edgespec.v1 import edgespec_pb2_grpc as pb_grpc
-from edgespec.wire.convert import bind, make_server, resolve_token
+from edgespec.wire.convert import resolve_token
+from edgespec.wire.channels import bind, make_server
 
 if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer

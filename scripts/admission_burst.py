@@ -64,7 +64,7 @@ def main() -> int:
     args = p.parse_args()
 
     from edgespec.runner.cpu_kind import cpu_kind
-    from edgespec.wire.convert import free_port
+    from edgespec.wire.channels import free_port
 
     port = free_port()
     address = f"127.0.0.1:{port}"

@@ -1,5 +1,5 @@
 """The target's greedy choice on the CPU: torch's ``argmax`` over the vocabulary against NumPy's
-(``edgespec.verify.verify_step.last_argmax``, what the verification runs on the CPU), on float32
+(``edgespec.verify.target_choice.last_argmax``, what the verification runs on the CPU), on float32
 logits of a step's shapes: rows x positions x vocabulary, at bench-host's 512-token vocabulary
 and the default model's 49,152. Both give the same indices (checked here on every shape, and in
 tests/test_verification.py on ties and NaNs). Torch on one thread (set here); the best of
@@ -22,7 +22,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from edgespec.verify.verify_step import last_argmax  # noqa: E402
+from edgespec.verify.target_choice import last_argmax  # noqa: E402
 
 SHAPES = [(1, 1, 512), (64, 1, 512), (64, 5, 512), (1, 1, 49152), (1, 5, 49152),
           (16, 5, 49152), (64, 5, 49152)]

@@ -40,7 +40,7 @@ def p95(xs: list[float]) -> float | None:
 
 class Soak:
     def __init__(self, args):
-        from edgespec.wire.convert import free_port
+        from edgespec.wire.channels import free_port
         from edgespec_cli.deployment.link_faults import FaultyLink
 
         self.args = args

@@ -23,7 +23,8 @@ from edgespec.drafters import Draft, Drafter, DraftSession
 from edgespec.runner.kv_cache import CacheFullError
 from edgespec.v1 import edgespec_pb2 as pb
 from edgespec.v1 import edgespec_pb2_grpc as pb_grpc
-from edgespec.wire.convert import TokenAuthInterceptor, auth_metadata, bind
+from edgespec.wire.convert import TokenAuthInterceptor, auth_metadata
+from edgespec.wire.channels import bind
 
 VOCAB = 100
 SAMPLED = SamplingParams(temperature=1.0, seed=3)

@@ -12,7 +12,7 @@ from pathlib import Path
 import openai
 from conftest import hf_greedy
 
-from edgespec.wire.convert import free_port
+from edgespec.wire.channels import free_port
 from procs import Proc, start_serve
 
 

@@ -23,7 +23,8 @@ from edgespec.config import LooseParams, SamplingParams
 from edgespec.verify.keyed_noise import keyed_choice, seed_of
 from edgespec.verify.loose import row_entropy
 from edgespec.verify.trees import DraftTree
-from edgespec.verify.verify_step import VerifyBatch, top_p_drop, verify_step
+from edgespec.verify.verify_step import VerifyBatch, verify_step
+from edgespec.verify.target_choice import top_p_drop
 
 
 def filtered_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -15,7 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import edgespec
 
-from edgespec.wire.convert import free_port
+from edgespec.wire.channels import free_port
 
 
 class Proc:

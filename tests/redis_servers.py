@@ -15,7 +15,7 @@ import time
 import pytest
 import redis
 
-from edgespec.wire.convert import free_port
+from edgespec.wire.channels import free_port
 
 SYSTEM_REDIS = "/usr/bin/redis-server"
 

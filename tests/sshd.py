@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-from edgespec.wire.convert import free_port
+from edgespec.wire.channels import free_port
 
 SSHD = "/usr/sbin/sshd"
 

@@ -20,7 +20,7 @@ from edgespec.config import ConfigError, SamplingParams
 from edgespec.protocol.contract import Verdict
 from edgespec.v1 import edgespec_pb2 as pb
 from edgespec.v1 import edgespec_pb2_grpc as pb_grpc
-from edgespec.wire.convert import bind, free_port
+from edgespec.wire.channels import bind, free_port
 
 # the in-process cache: its fixtures (used by name) and helpers
 from cache_harness import (  # noqa: F401

@@ -15,6 +15,7 @@ from redis_store import attach, store  # noqa: F401
 from cache_service import chunk_batcher
 from cache_service.chunk_batcher import ChunkBatcher
 from cache_service.store import StoreError
+from cache_service.store_records import ChunkPush
 from edgespec.config import SamplingParams
 from edgespec.protocol.contract import Branch, DraftWant
 
@@ -22,7 +23,7 @@ PROMPT = [1, 2, 3]
 
 
 def _chunk(store, sid, epoch, start, tokens, device="", branches=()):
-    return store.chunk_push(sid, epoch, start, tokens, False, 8, branches, device)
+    return ChunkPush.of(sid, epoch, start, tokens, False, 8, branches, device)
 
 
 def _draft(store, sid):
@@ -150,7 +151,7 @@ def test_a_chunk_whose_numbers_do_not_fit_the_script_is_refused_alone(store):
     for sid in ("a", "b"):
         store.create(sid, PROMPT, SamplingParams(), None)
     past = (1 << 31) - 1
-    bad = store.chunk_push("b", 0, past, [4, 5], False, 8, [Branch(1, (9,))])
+    bad = ChunkPush.of("b", 0, past, [4, 5], False, 8, [Branch(1, (9,))])
     out = store.push_many([_chunk(store, "a", 0, 3, [4]), bad, _chunk(store, "a", 0, 4, [5])])
     assert isinstance(out[1], StoreError) and out[1].kind == "error"
     assert [(o.kept, o.committed_end) for o in (out[0], out[2])] == [(1, 3), (1, 3)]

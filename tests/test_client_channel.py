@@ -13,7 +13,7 @@ import pytest
 import edgespec
 from edgespec.v1 import edgespec_pb2 as pb
 from edgespec.v1 import edgespec_pb2_grpc as pb_grpc
-from edgespec.wire.convert import CHANNEL_OPTIONS, make_channel
+from edgespec.wire.channels import CHANNEL_OPTIONS, make_channel
 
 BIG_MODEL_NAME = "m" * 5000  # a Status answer of more than 4 KB
 

@@ -19,7 +19,8 @@ from drafter_node.agent import DrafterAgent
 from edgespec.config import ConfigError, SamplingParams
 from edgespec.v1 import edgespec_pb2 as pb
 from edgespec.v1 import edgespec_pb2_grpc as pb_grpc
-from edgespec.wire.convert import TokenAuthInterceptor, auth_metadata, bind, make_channel
+from edgespec.wire.convert import TokenAuthInterceptor, auth_metadata
+from edgespec.wire.channels import bind, make_channel
 
 # the in-process cache: its fixtures (used by name) and helpers
 from cache_harness import (  # noqa: F401

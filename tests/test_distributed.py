@@ -321,7 +321,7 @@ def test_verifier_and_cache_run_as_separate_processes(external_redis, looping_di
     import redis as redis_lib
 
     from procs import Proc, wait_healthy
-    from edgespec.wire.convert import free_port
+    from edgespec.wire.channels import free_port
 
     redis_lib.Redis.from_url(external_redis).flushdb()
     v_addr, c_addr = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"

@@ -34,7 +34,8 @@ from cache_service.store import RedisSessionStore
 from drafter_node.agent import BACKOFF_START_S, MIN_RETRY_S, next_backoff
 from edgespec.v1 import edgespec_pb2 as pb
 from edgespec.v1 import edgespec_pb2_grpc as pb_grpc
-from edgespec.wire.convert import RETRY_AFTER_MD, bind, free_port, retry_after_s
+from edgespec.wire.convert import RETRY_AFTER_MD, retry_after_s
+from edgespec.wire.channels import bind, free_port
 from procs import start_drafter, start_serve, wait_healthy
 from redis_servers import SYSTEM_REDIS
 

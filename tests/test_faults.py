@@ -26,7 +26,8 @@ import edgespec
 from cache_service.redis_conn import embedded_redis_binary
 from edgespec.v1 import edgespec_pb2 as pb
 from edgespec.v1 import edgespec_pb2_grpc as pb_grpc
-from edgespec.wire.convert import auth_metadata, free_port
+from edgespec.wire.convert import auth_metadata
+from edgespec.wire.channels import free_port
 from procs import (FROZEN_DRAFTER_ENV, Proc, Streamer, health_status, start_drafter,
                    wait_health, wait_healthy)
 

@@ -21,7 +21,7 @@ import edgespec  # noqa: E402
 from edgespec_cli.deployment import cluster  # noqa: E402
 from edgespec_cli.deployment import placement as fleet  # noqa: E402
 from edgespec.config import ConfigError  # noqa: E402
-from edgespec.wire.convert import free_port  # noqa: E402
+from edgespec.wire.channels import free_port  # noqa: E402
 
 pytestmark = pytest.mark.slow  # processes, servers or long sweeps: not the fast tier
 

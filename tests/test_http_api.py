@@ -21,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from edgespec.config import DEFAULT_MODEL_NAME
 from edgespec.models.loading import encode_prompt
-from edgespec.wire.convert import free_port
+from edgespec.wire.channels import free_port
 from http_harness import (MESSAGES, N, PROMPT, TOKEN, call, http_server, openai_client,
                           reference)
 from procs import FROZEN_DRAFTER_ENV, start_drafter, start_serve

@@ -56,7 +56,7 @@ def test_a_client_ca_that_is_not_a_certificate_is_refused_naming_it(pki, tmp_pat
     from concurrent import futures
 
     from edgespec.config import ConfigError
-    from edgespec.wire.convert import bind
+    from edgespec.wire.channels import bind
 
     junk = tmp_path / "junk.pem"
     junk.write_text("not a certificate\n")

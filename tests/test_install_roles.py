@@ -124,7 +124,7 @@ def test_a_fleet_of_torchless_roles_is_lossless(board, external_redis, looping_d
 
     from conftest import hf_greedy
     from procs import Proc, wait_healthy
-    from edgespec.wire.convert import free_port
+    from edgespec.wire.channels import free_port
 
     redis_lib.Redis.from_url(external_redis).flushdb()
     v_addr, c_addr = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"

@@ -79,7 +79,7 @@ def test_the_dtype_choice_under_an_older_isa_is_exact_and_says_why(setting):
         "import logging, sys, torch\n"
         "logging.basicConfig(level=logging.INFO, stream=sys.stdout)\n"
         "from edgespec.config import ConfigError\n"
-        "from edgespec.runner.dtype_probe import exact_here, resolve_dtype\n"
+        "from edgespec.runner.dtype_choice import exact_here, resolve_dtype\n"
         "for threads in (1, 2, 8):\n"
         "    torch.set_num_threads(threads)\n"
         "    chosen = resolve_dtype('auto')\n"

@@ -150,7 +150,7 @@ def wait_detached(channel, device: str) -> None:
 
 
 def test_the_router_refuses_malformed_requests_too():
-    from edgespec.wire.convert import free_port
+    from edgespec.wire.channels import free_port
     from verifier_node.router import VerifierRouter
 
     router = VerifierRouter("127.0.0.1:0", [f"127.0.0.1:{free_port()}"]).start()

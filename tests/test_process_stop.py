@@ -10,7 +10,7 @@ import sys
 
 from procs import start_drafter
 
-from edgespec.wire.convert import free_port
+from edgespec.wire.channels import free_port
 
 
 def test_sigusr1_prints_every_threads_stack_and_the_drafter_goes_on(tmp_path):

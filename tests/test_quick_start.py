@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from edgespec.wire.convert import free_port
+from edgespec.wire.channels import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.slow

@@ -24,7 +24,7 @@ import pytest
 import yaml
 from conftest import hf_greedy
 
-from edgespec.wire.convert import free_port
+from edgespec.wire.channels import free_port
 from procs import Proc
 from sshd import (RAY_LOOPBACK_ENV, LoopbackSshd, SshdUnavailable, close_ssh_masters,
                   loopback_config)

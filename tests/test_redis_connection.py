@@ -17,7 +17,7 @@ from edgespec.config import ConfigError
 
 def test_a_redis_password_never_shows_in_errors_or_logs():
     from cache_service.redis_conn import RedisHandle, shown_url
-    from edgespec.wire.convert import free_port
+    from edgespec.wire.channels import free_port
 
     assert shown_url("redis://:s3cret@10.0.0.2:6379/0") == "redis://:***@10.0.0.2:6379/0"
     assert shown_url("rediss://app:p%40ss@cache:6380") == "rediss://app:***@cache:6380"

@@ -16,7 +16,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 import edgespec
 from edgespec.v1 import edgespec_pb2 as pb
 from edgespec.v1 import edgespec_pb2_grpc as pb_grpc
-from edgespec.wire.convert import bind, free_port, retry_after_metadata
+from edgespec.wire.convert import retry_after_metadata
+from edgespec.wire.channels import bind, free_port
 from procs import wait_health
 from verifier_node.router import VERIFIER_SERVICE, VerifierRouter
 

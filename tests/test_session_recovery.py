@@ -32,7 +32,7 @@ from edgespec.engine.spec_engine import Request, SpecEngine
 from edgespec.models.loading import stop_token_ids
 from edgespec.runner.target_runner import TargetRunner
 from edgespec.v1 import edgespec_pb2 as pb
-from edgespec.wire.convert import free_port
+from edgespec.wire.channels import free_port
 from procs import FROZEN_DRAFTER_ENV, Streamer, start_drafter, start_serve
 from verifier_node.admission import GenerationRequest, SessionNotFound
 

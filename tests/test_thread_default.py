@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from edgespec.config import ConfigError
-from edgespec.runner import dtype_probe, threads
+from edgespec.runner import dtype_choice, threads
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -46,14 +46,14 @@ def test_fewer_threads_halve_down_to_one():
 def test_a_default_count_steps_down_to_the_highest_at_which_the_dtype_is_exact(
         monkeypatch, caplog, restore_threads):
     monkeypatch.setattr(threads, "default_threads", lambda: 8)
-    monkeypatch.setattr(dtype_probe, "exact_here", _exact_up_to(3))
+    monkeypatch.setattr(dtype_choice, "exact_here", _exact_up_to(3))
     probed = []
-    exact = dtype_probe.exact_here
-    monkeypatch.setattr(dtype_probe, "exact_here", lambda name, device="cpu": probed.append(
+    exact = dtype_choice.exact_here
+    monkeypatch.setattr(dtype_choice, "exact_here", lambda name, device="cpu": probed.append(
         (name, torch.get_num_threads())) or exact(name, device))
     assert threads.set_threads(None) == 8 and threads.threads_adjustable()
     with caplog.at_level(logging.WARNING, logger="edgespec.dtype"):
-        assert dtype_probe.resolve_dtype("auto") == "float32"
+        assert dtype_choice.resolve_dtype("auto") == "float32"
     # 8 and 4 fail, 2 passes, then 3 (between 2 and the last failure) passes: served at 3
     assert [n for name, n in probed if name == "float32"] == [8, 4, 2, 3]
     assert torch.get_num_threads() == 3 and threads.threads_in_use() == 3
@@ -61,21 +61,21 @@ def test_a_default_count_steps_down_to_the_highest_at_which_the_dtype_is_exact(
     assert "no dtype is batch-invariant here at 8 threads" in said and "serving at 3" in said
     # settled: a later resolve in the process refuses rather than move the runner built at 3
     assert not threads.threads_adjustable()
-    monkeypatch.setattr(dtype_probe, "exact_here", _exact_up_to(2))
+    monkeypatch.setattr(dtype_choice, "exact_here", _exact_up_to(2))
     with pytest.raises(ConfigError, match="at 3 threads .*fewer --threads may pass"):
-        dtype_probe.resolve_dtype("float32")
+        dtype_choice.resolve_dtype("float32")
     assert torch.get_num_threads() == 3
     # a dtype by name steps down the same way from a fresh default
     threads.set_threads(None)
-    assert dtype_probe.resolve_dtype("float32") == "float32" and torch.get_num_threads() == 2
+    assert dtype_choice.resolve_dtype("float32") == "float32" and torch.get_num_threads() == 2
     assert "dtype float32 is not batch-invariant here at 8 threads" in caplog.text
 
 
 def test_a_default_served_as_it_is_is_settled_too(monkeypatch, restore_threads):
     monkeypatch.setattr(threads, "default_threads", lambda: 4)
-    monkeypatch.setattr(dtype_probe, "exact_here", _exact_up_to(4))
+    monkeypatch.setattr(dtype_choice, "exact_here", _exact_up_to(4))
     threads.set_threads(None)
-    assert dtype_probe.resolve_dtype("auto") == "float32" and torch.get_num_threads() == 4
+    assert dtype_choice.resolve_dtype("auto") == "float32" and torch.get_num_threads() == 4
     assert not threads.threads_adjustable()
 
 
@@ -87,51 +87,51 @@ def test_an_interrupted_step_down_leaves_the_count_as_it_was(monkeypatch, restor
             raise KeyboardInterrupt
         return False
 
-    monkeypatch.setattr(dtype_probe, "exact_here", probe)
+    monkeypatch.setattr(dtype_choice, "exact_here", probe)
     threads.set_threads(None)
     with pytest.raises(KeyboardInterrupt):
-        dtype_probe.resolve_dtype("float32")
+        dtype_choice.resolve_dtype("float32")
     assert torch.get_num_threads() == 8 and threads.threads_in_use() == 8
 
 
 def test_a_count_the_user_gave_is_refused_never_changed(monkeypatch, restore_threads):
-    monkeypatch.setattr(dtype_probe, "exact_here", _exact_up_to(2))
+    monkeypatch.setattr(dtype_choice, "exact_here", _exact_up_to(2))
     threads.set_threads(8)
     assert not threads.threads_adjustable()
     with pytest.raises(ConfigError, match="at 8 threads .*fewer --threads may pass"):
-        dtype_probe.resolve_dtype("auto")
+        dtype_choice.resolve_dtype("auto")
     assert torch.get_num_threads() == 8
     monkeypatch.setenv("EDGESPEC_THREADS", "8")  # the environment's count is the user's too
     threads.set_threads(None)
     with pytest.raises(ConfigError, match="dtype float32 is not batch-invariant .* 8 threads"):
-        dtype_probe.resolve_dtype("float32")
+        dtype_choice.resolve_dtype("float32")
     assert torch.get_num_threads() == 8
 
 
 def test_a_count_set_in_torch_since_the_default_is_not_changed(monkeypatch, restore_threads):
     monkeypatch.setattr(threads, "default_threads", lambda: 4)
-    monkeypatch.setattr(dtype_probe, "exact_here", _exact_up_to(2))
+    monkeypatch.setattr(dtype_choice, "exact_here", _exact_up_to(2))
     threads.set_threads(None)
     torch.set_num_threads(8)  # a library user's own count
     assert not threads.threads_adjustable()
     with pytest.raises(ConfigError, match="at 8 threads"):
-        dtype_probe.resolve_dtype("auto")
+        dtype_choice.resolve_dtype("auto")
     assert torch.get_num_threads() == 8
 
 
 def test_where_no_count_passes_the_default_is_kept_and_the_refusal_names_every_count(
         monkeypatch, restore_threads):
     monkeypatch.setattr(threads, "default_threads", lambda: 8)
-    monkeypatch.setattr(dtype_probe, "exact_here", lambda name, device="cpu": False)
+    monkeypatch.setattr(dtype_choice, "exact_here", lambda name, device="cpu": False)
     threads.set_threads(None)
     with pytest.raises(ConfigError, match=r"at 8 threads \(nor at 4, 2, 1 threads\): ") as e:
-        dtype_probe.resolve_dtype("auto")
+        dtype_choice.resolve_dtype("auto")
     assert "fewer --threads" not in str(e.value)  # they were tried
     assert torch.get_num_threads() == 8 and threads.threads_in_use() == 8
     with pytest.raises(ConfigError, match=r"float32 .* at 8 threads \(nor at 4, 2, 1 threads\) "
                                           r"\(its probe failed\).*use --dtype auto$"):
         threads.set_threads(None)
-        dtype_probe.resolve_dtype("float32")
+        dtype_choice.resolve_dtype("float32")
 
 
 def _flags() -> set[str]:
@@ -153,14 +153,14 @@ def test_a_laptops_avx2_products_get_a_default_they_are_exact_at():
     code = (
         "import logging, sys, torch\n"
         "logging.basicConfig(level=logging.WARNING, stream=sys.stdout)\n"
-        "from edgespec.runner import dtype_probe, threads\n"
+        "from edgespec.runner import dtype_choice, threads\n"
         "threads.default_threads = lambda: 8\n"
         "threads.set_threads(None)\n"
-        "chosen = dtype_probe.resolve_dtype('auto')\n"
+        "chosen = dtype_choice.resolve_dtype('auto')\n"
         "served = torch.get_num_threads()\n"
-        "assert dtype_probe.exact_here(chosen), (chosen, served)\n"
+        "assert dtype_choice.exact_here(chosen), (chosen, served)\n"
         "torch.set_num_threads(8)\n"
-        "at8 = any(dtype_probe.exact_here(d) for d in ('float32', 'bfloat16'))\n"
+        "at8 = any(dtype_choice.exact_here(d) for d in ('float32', 'bfloat16'))\n"
         "print('served', chosen, served, 'exact at 8:', at8)\n")
     env = {**os.environ, "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2",
            "ATEN_CPU_CAPABILITY": "avx2"}

@@ -23,7 +23,7 @@ from edgespec.config import EngineConfig, SamplingParams
 from edgespec.engine.spec_engine import Request, SpecEngine
 from edgespec.runner.target_runner import TargetRunner
 from edgespec.v1 import edgespec_pb2_grpc as pb_grpc
-from edgespec.wire.convert import bind
+from edgespec.wire.channels import bind
 
 PROMPTS = [[1, 10, 11, 12, 13, 10, 11, 12, 13, 10], [1, 50, 51, 52, 53, 54, 55, 56],
            [1, 30, 31, 30, 31, 30]]

@@ -22,7 +22,8 @@ from edgespec.runner.target_runner import TargetRunner
 from edgespec.verify.trees import DraftTree
 from oracles import verify_tree
 from edgespec.runner.host_transfers import HostCopy
-from edgespec.verify.verify_step import NUMPY_ARGMAX_FROM, VerifyBatch, last_argmax, verify_step
+from edgespec.verify.verify_step import VerifyBatch, verify_step
+from edgespec.verify.target_choice import NUMPY_ARGMAX_FROM, last_argmax
 
 V = 40
 
@@ -400,7 +401,7 @@ def test_top_p_and_top_k_filtering_gives_a_row_its_bits_in_any_batch(device):
     logits = (torch.randn(rows, cols, V, generator=g) * 8).round() / 4  # many exact ties
     params = [SamplingParams(temperature=0.8, top_p=0.9, top_k=[0, 50][b % 2], seed=b)
               for b in range(rows)]
-    from edgespec.verify.verify_step import filter_scores
+    from edgespec.verify.target_choice import filter_scores
 
     def scores(rows: int, cols: int) -> torch.Tensor:
         vb = VerifyBatch.build([([], [])] * rows, [0] * rows, params[:rows], ["exact"] * rows,
@@ -417,7 +418,7 @@ def test_top_p_cuts_tied_scores_together_whatever_their_ids():
     tied ids: shuffling the vocabulary shuffles the decisions, and a tie run that straddles the
     top_p mass is kept whole. The drafter's NumPy rule makes the same cut."""
     from edgespec.drafters.token_choice import processed_scores
-    from edgespec.verify.verify_step import top_p_drop
+    from edgespec.verify.target_choice import top_p_drop
 
     g = torch.Generator().manual_seed(9)
     scores = (torch.randn(16, 4000, generator=g) * 6).round() / 4  # runs of equal scores

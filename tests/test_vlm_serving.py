@@ -16,7 +16,7 @@ from vlm_models import png, vlm_greedy, vlm_keyed
 
 from edgespec.config import SamplingParams
 from edgespec.models.images import MAX_IMAGE_BYTES, decode_images
-from edgespec.wire.convert import free_port
+from edgespec.wire.channels import free_port
 from procs import start_drafter, start_serve
 
 pytestmark = pytest.mark.slow  # processes and servers: not the fast tier

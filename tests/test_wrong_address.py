@@ -14,7 +14,7 @@ import pytest
 
 import edgespec
 from edgespec.wire.reachability import describe_failure, split_address
-from edgespec.wire.convert import free_port
+from edgespec.wire.channels import free_port
 
 
 @pytest.fixture()
@@ -260,7 +260,7 @@ def test_a_listen_address_grpc_would_read_as_another_is_refused_naming_it(addres
     import grpc
 
     from edgespec.config import ConfigError
-    from edgespec.wire.convert import bind
+    from edgespec.wire.channels import bind
 
     from concurrent import futures
 
@@ -288,7 +288,7 @@ def test_a_port_in_use_or_an_address_not_here_is_said_in_the_error():
     from concurrent import futures
 
     from edgespec.config import ConfigError
-    from edgespec.wire.convert import bind
+    from edgespec.wire.channels import bind
     from edgespec.wire.reachability import why_not_listening
 
     held = socket.socket()

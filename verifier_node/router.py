@@ -36,7 +36,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from edgespec.wire.request_parsing import add_servicer
 from edgespec.v1 import edgespec_pb2 as pb
 from edgespec.v1 import edgespec_pb2_grpc as pb_grpc
-from edgespec.wire.convert import auth_metadata, bind, make_channel, make_server, resolve_token
+from edgespec.wire.convert import auth_metadata, resolve_token
+from edgespec.wire.channels import bind, make_channel, make_server
 
 from .metrics import acceptance
 

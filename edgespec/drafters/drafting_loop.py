@@ -54,12 +54,14 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Callable, Protocol, Sequence
+from typing import Callable, Protocol
 
-from . import Draft, Drafter, DraftSession
+from . import Draft, Drafter
 # the book's classes, also reachable from here (agents and tests import them with the loop)
 from .draft_book import DraftBook, DraftTarget, close_drafts
 from .drafting_turn import ALONE_TURNS, Job, do_turn
+# what a draft session holds ahead, also reachable from here (as the book's classes)
+from .draft_lead import LEAD_SLACK, apply_fix, fix_draft, lead_cap, lead_room, output_room
 
 __all__ = ["AHEAD_CHUNK", "LEAD_SLACK", "DraftBook", "DraftChannel", "DraftTarget",
            "apply_fix", "close_drafts", "lead_cap", "lead_room", "output_room",
@@ -67,7 +69,6 @@ __all__ = ["AHEAD_CHUNK", "LEAD_SLACK", "DraftBook", "DraftChannel", "DraftTarge
 
 log = logging.getLogger("edgespec.drafting")
 
-LEAD_SLACK = 2  # drafted beyond twice what the verifier asks, so that its ask can grow
 # a chunk drafted beyond the verifier's next ask (for the step after, should this one accept
 # it all) is this short, so that a fix arriving meanwhile waits for little of it
 AHEAD_CHUNK = 2
@@ -159,34 +160,6 @@ def run_drafting(drafter: Drafter, channel: DraftChannel, book: DraftBook,
         close_drafts(retired)
 
 
-def apply_fix(draft: DraftSession, position: int, tokens: Sequence[int]) -> int:
-    """Roll ``draft`` back to ``position`` and append ``tokens``, except where it already
-    holds them: it is rolled back only from the first token that differs. Returns how many of
-    its tokens beyond the fix it keeps (drafted under the same prefix: still a draft)."""
-    return _fix_draft(draft, position, tokens)[0]
-
-
-def _fix_draft(draft: DraftSession, position: int, tokens: Sequence[int]) -> tuple[int, int]:
-    """``apply_fix``: (tokens kept beyond the fix, the position the session was rolled back to
-    or, when nothing was rolled back, the fix's end)."""
-    agree = _agreement(draft.tokens, position, tokens)
-    if agree == len(tokens):
-        draft.confirm(position + len(tokens))  # verified as the session holds them
-        return len(draft.tokens) - position - len(tokens), position + agree
-    draft.rollback(position + agree)
-    draft.append(list(tokens[agree:]))
-    return 0, position + agree
-
-
-def _agreement(have: Sequence[int], position: int, tokens: Sequence[int]) -> int:
-    """How many of ``tokens`` ``have`` already holds from ``position`` on."""
-    agree = 0
-    while agree < len(tokens) and position + agree < len(have) and \
-            have[position + agree] == tokens[agree]:
-        agree += 1
-    return agree
-
-
 def _apply_fixes(sid: str, t: DraftTarget, channel: DraftChannel, book: DraftBook) -> None:
     """Under the lock: the fixes received, in order (``apply_fix``); what a fix kept is held
     for sending again, what it threw away of the unsent tokens is counted."""
@@ -194,7 +167,7 @@ def _apply_fixes(sid: str, t: DraftTarget, channel: DraftChannel, book: DraftBoo
     try:
         for position, tokens in t.fixes:
             before = len(t.draft.tokens)
-            kept, cut = _fix_draft(t.draft, position, tokens)
+            kept, cut = fix_draft(t.draft, position, tokens)
             t.overtaken = cut == position + len(tokens)  # it held the fix's tokens
             if kept:
                 book.counts.tokens_kept += kept
@@ -285,34 +258,6 @@ def _plan_round(channel: DraftChannel, book: DraftBook, together: int = 1) -> li
         if first and lead == 0 and not job.target.overtaken:
             job.n = min(job.n, channel.first_chunk)
     return [job for _, job in reversed(chunks)] + opening[::-1]
-
-
-def lead_room(t: DraftTarget, window: int) -> int:
-    """How far ahead of its committed end a session is drafted: its ``lead_cap``, and never to
-    where its output ends (``output_room``)."""
-    return min(lead_cap(t.wanted, window), output_room(t.output_end, t.committed_end))
-
-
-def output_room(output_end: int | None, committed_end: int) -> int:
-    """Tokens a session may be drafted ahead of ``committed_end`` before its output ends: a
-    token drafted at ``output_end`` - 1 or beyond would be cut to the step's own token, or past
-    the output, if a step took it (the verifier asks for none). Unbounded when not said."""
-    return (1 << 30) if output_end is None else output_end - 1 - committed_end
-
-
-def lead_cap(wanted: int | None, window: int) -> int:
-    """How far ahead of the committed end to draft a session whose last step asked ``wanted``
-    draft tokens of it: enough for the next step's ask after a commit that moved the end by up
-    to wanted + 1, plus LEAD_SLACK (room for the next ask to grow); the whole window when the
-    verifier did not say. Drafting further ahead only sends tokens no step will use, on the
-    board's time. ``wanted`` 0: the verifier rests the session's drafts (its planner wants
-    none and no probe is near; ``step_planning.told_wants``): nothing ahead."""
-    if wanted is None:
-        return window
-    if wanted <= 0:
-        return 0
-    cap = 2 * wanted + LEAD_SLACK  # (compared here, not by min(): a call a session and step)
-    return cap if cap < window else window
 
 
 def _pop_job(queue: list[Job], channel: DraftChannel, book: DraftBook) -> Job | None:

@@ -55,7 +55,7 @@ def keyed_noise(seed: int, pos: int, vocab: int) -> np.ndarray:
 
 def processed_scores(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     """log q up to a constant: temperature-scaled logits [V] with the tokens top-k and top-p
-    remove at -inf (float64 [V]), the target's rules (``verify_step.filter_scores``)."""
+    remove at -inf (float64 [V]), the target's rules (``target_choice.filter_scores``)."""
     scores = np.asarray(logits, dtype=np.float64).reshape(-1) / max(params.temperature, 1e-5)
     if params.top_k and params.top_k < scores.shape[0]:
         kth = np.partition(scores, -params.top_k)[-params.top_k]

@@ -13,7 +13,7 @@ The fill joins the row as a ``HeadBranch`` from the committed end, as a draft he
 does: it is verified exactly as a board's draft is (as exact as the session's verification
 mode; a session verified loosely, chains only, gets none), and what it gets accepted is committed
 as the verifier's own branch, a fix to the board (which keeps a redraft that agrees with it:
-``drafting_loop.apply_fix``). A board's draft, when it has one, is never replaced.
+``draft_lead.apply_fix``). A board's draft, when it has one, is never replaced.
 
 Each session's draft session follows the session's committed tokens: opened on them the first
 time the session needs a fill, then told what was committed since (learnt: ``confirm``) after

@@ -12,7 +12,7 @@ are with the thread; only when the drafting happens changes.
 
 Each session keeps its draft session (``Drafter.open`` on its prompt and committed tokens) in
 step with the store as a drafting loop does: the store's fixes applied in order
-(``drafting_loop.apply_fix``: a fix that agrees with the draft keeps it and lets it learn the
+(``draft_lead.apply_fix``: a fix that agrees with the draft keeps it and lets it learn the
 confirmed tokens), the tokens committed without a fix confirmed to it (``confirm``: it learns
 them as a fix's), then cut back, without learning, to the end of the draft the store holds.
 It drafts chains past the step's ask, to the whole window (``draft``): a whole draft
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 from ..config import EngineConfig
 from ..drafters import Drafter, DraftSession
-from ..drafters.drafting_loop import apply_fix, output_room
+from ..drafters.draft_lead import apply_fix, output_room
 from ..protocol.contract import DraftWant
 from ..protocol.local_store import LocalSessionStore, SessionState
 
@@ -65,7 +65,7 @@ class InlineDrafts:
         step's own token, so a step that accepts the whole draft and whose token the guess
         holds commits without a fix (the draft session goes on as it stands), and the rest
         serves the next steps without a call. A board keeps a shorter lead
-        (``drafting_loop.lead_cap``: 2k + 2), since what it drafts that no step uses costs its
+        (``draft_lead.lead_cap``: 2k + 2), since what it drafts that no step uses costs its
         core and its link; here such a token costs a step of the drafter's chain, while a
         call costs its fixed part (the store's fixes applied, the suffix match) whatever its
         length: bench-host, 64 sessions with MaG, 36 calls a step -> 21 at the window, host

@@ -11,7 +11,7 @@ import numpy as np
 from ..config import EngineConfig, verifies_trees
 from ..drafters.adaptive import Prober
 from ..drafters.draft_rates import RowsOf
-from ..drafters.drafting_loop import lead_cap
+from ..drafters.draft_lead import lead_cap
 from .draft_planner import BatchGains, ForwardCost, allocate, allocate_branches, probe_every
 from .generation import ActiveSession
 
@@ -31,7 +31,7 @@ def session_gains(acts: Sequence[ActiveSession], rows: RowsOf | None = None,
 
 
 def lead_caps(acts: Sequence[ActiveSession], window: int) -> np.ndarray:
-    """[B]: ``drafting_loop.lead_cap`` of each session: what its drafter holds ahead after the
+    """[B]: ``draft_lead.lead_cap`` of each session: what its drafter holds ahead after the
     last ask (the whole window when none was made)."""
     return np.array([lead_cap(a.wanted, window) for a in acts], dtype=np.int64)
 
@@ -90,7 +90,7 @@ def plan_drafts(acts: Sequence[ActiveSession], cfg: EngineConfig, cost: ForwardC
 
 def told_wants(ks: Sequence[int], prober: Prober, adaptive: bool, notice: int = 2
                ) -> list[int]:
-    """What each session's drafter is told the step asked of it (``drafting_loop.lead_cap``
+    """What each session's drafter is told the step asked of it (``draft_lead.lead_cap``
     reads it to size the drafter's lead): its ``ks`` at least 1, so that a session asked none
     in a batch that drafts keeps a short lead (its next ask grows from it); but 0 for every
     session when the adaptive planner wanted no draft this step (``plan_drafts``' ``prober``

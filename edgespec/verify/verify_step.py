@@ -20,7 +20,7 @@ token after a rejection, or the *bonus* token after a full accept.
 The noise is ``edgespec.verify.keyed_noise``'s: a function of (seed, pos, x) alone.
 
 p is always the target's *processed* distribution (penalties and logit bias, then temperature,
-top-k, top-p applied: ``logit_adjust``, ``filter_scores``), so the
+top-k, top-p applied: ``logit_adjust``, ``target_choice.filter_scores``), so the
 output follows exactly what target-only sampling would draw from; tokens with p = 0 never win.
 
 ``VerifyBatch`` is built once per step from the drafts (host data) and moved to the device;
@@ -51,9 +51,10 @@ import torch
 from ..config import LooseParams, SamplingParams
 from ..runner.host_transfers import to_device, to_host
 from ..runner.step_rows import DraftShape, StepRows
-from .keyed_noise import _signed, gumbel_of_keys, position_keys, seed_of
+from .keyed_noise import _signed, seed_of
 from .logit_adjust import LogitAdjust, adjusted_in_place
 from .loose import loose_accepts
+from .target_choice import target_choices
 
 
 @dataclass
@@ -201,89 +202,6 @@ class LenientRule(Protocol):
 
     def __call__(self, logits: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor
                  ) -> torch.Tensor: ...
-
-
-def filter_scores(logits: torch.Tensor, vb: VerifyBatch) -> torch.Tensor:
-    """Each row's processed log-probabilities up to a constant (temperature, top-k, top-p; -inf
-    where removed): logits [B, R, V] -> float32 [B, R, V]; tests hold it to the one-row oracle
-    (tests/oracles.py ``filtered_logits``)."""
-    x = logits.float() / vb.temperature[:, None, None]
-    V = x.shape[-1]
-    if vb.max_top_k:
-        k = vb.top_k.clamp(0, V)
-        kmax = min(V, vb.max_top_k)  # each row's k-th largest, from one top-kmax
-        kth = torch.topk(x, kmax, dim=-1).values.gather(
-            -1, (k - 1).clamp(0, kmax - 1)[:, None, None].expand(-1, x.shape[1], 1))
-        on = ((k > 0) & (k < V))[:, None, None]
-        x = x.masked_fill(on & (x < kth), float("-inf"))
-    if vb.any_top_p:
-        drop = top_p_drop(x, vb.top_p[:, None]) & (vb.top_p < 1.0)[:, None, None]
-        x = x.masked_fill(drop, float("-inf"))
-    return x
-
-
-def top_p_drop(scores: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Which tokens top-p removes: scores [..., V] float32, top_p [...] -> bool [..., V].
-
-    A token goes when the tokens scored strictly above it already hold top_p of the mass; tied
-    scores stay or go together. The rule reads only the sorted scores' values, never the order
-    the sort gave tied ids (sorts differ there by row count on CUDA, and bfloat16 logits tie
-    often), and the cut is a score compared with each token's own, so a row gets the same
-    decision alone or among any rows."""
-    sorted_x = torch.sort(scores, dim=-1, descending=True).values
-    probs = sorted_x.softmax(-1)
-    before = _row_cumsum(probs) - probs  # the mass ranked ahead of each sorted position
-    V = scores.shape[-1]
-    pos = torch.arange(V, device=scores.device)
-    new_run = torch.ones_like(sorted_x, dtype=torch.bool)
-    new_run[..., 1:] = sorted_x[..., 1:] != sorted_x[..., :-1]
-    run_start = torch.where(new_run, pos, 0).cummax(-1).values  # each tie run's first position
-    kept = (before.gather(-1, run_start) < top_p[..., None]).sum(-1, keepdim=True)
-    cut = sorted_x.gather(-1, (kept - 1).clamp_min(0))  # the lowest score kept
-    return scores < cut
-
-
-def _row_cumsum(x: torch.Tensor) -> torch.Tensor:
-    """Running sums along the last dim, each row's bits independent of how many rows there are:
-    CUDA scans a lone row with a device-wide kernel (another summation order) and many rows
-    row by row, so a lone row is scanned beside a copy of itself."""
-    if x.device.type == "cuda" and x.numel() == x.shape[-1]:
-        return x.reshape(1, -1).expand(2, -1).cumsum(-1)[:1].reshape(x.shape)
-    return x.cumsum(-1)
-
-
-NUMPY_ARGMAX_FROM = 4096  # elements: a CPU argmax this large goes to NumPy (``last_argmax``)
-
-
-def last_argmax(x: torch.Tensor) -> torch.Tensor:
-    """``x.argmax(-1)``: x [..., V] -> long [...], the first index of each row's largest
-    value (a NaN counts as the largest). On the CPU by NumPy, whose argmax is vectorised:
-    torch's took 0.65 ms for 5 positions of a 49,152-token vocabulary and 38 ms for 64 rows
-    of them on one core, NumPy's 0.03 and 7 ms; the answer is the same, an index, exact
-    (tests/test_verification.py holds the two to each other on ties and NaNs). Below
-    ``NUMPY_ARGMAX_FROM`` elements torch's is the quicker (one row of 512: 3-5 against 4-9 us;
-    ``scripts/argmax_bench.py``)."""
-    if x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64) and \
-            x.numel() >= NUMPY_ARGMAX_FROM:
-        return torch.from_numpy(np.argmax(x.detach().numpy(), axis=-1).astype(np.int64,
-                                                                             copy=False))
-    return x.argmax(-1)
-
-
-def target_choices(logits: torch.Tensor, vb: VerifyBatch) -> tuple[torch.Tensor, torch.Tensor]:
-    """The target's own token after the root and after every node: greedy rows the argmax,
-    sampled rows the keyed Gumbel-max sample at the row's absolute position. Returns
-    (choices [B, R] long, scores [B, R, V]: what the choice was taken over)."""
-    if not vb.any_sampled:
-        return last_argmax(logits), logits
-    scores = filter_scores(logits, vb)
-    pos = vb.starts[:, None] + vb.depths[:, : logits.shape[1]]  # [B, R]
-    keys = position_keys(vb.seeds[:, None], pos)[..., None]  # [B, R, 1]
-    ids = torch.arange(logits.shape[-1], device=logits.device)
-    sampled = last_argmax(scores.double() + gumbel_of_keys(keys, ids))
-    choices = torch.where(vb.greedy[:, None], last_argmax(logits), sampled)
-    scores = torch.where(vb.greedy[:, None, None], logits.float(), scores)
-    return choices, scores
 
 
 def verify_step(logits: torch.Tensor, vb: VerifyBatch, loose: LooseParams | None = None,

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from edgespec.config import ConfigError, SamplingParams
 from edgespec.runner.cpu_kind import cpu_kind
-from edgespec.wire.convert import free_port
+from edgespec.wire.channels import free_port
 from .run import add_question_args, load_questions
 
 

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from edgespec.config import ConfigError
 from edgespec.runner.cpu_kind import cpu_kind
-from edgespec.wire.convert import free_port
+from edgespec.wire.channels import free_port
 from verifier_node.metrics import MAX_POSITIONS
 
 from ..deployment.cpu_share import pin_pid, pin_process, process_tree_cpu_s, split_cpus

@@ -146,7 +146,8 @@ def profile_forward(runner, B: int, T: int, repeat: int) -> dict[str, float]:
 def run_bench_forward(args) -> int:
     from edgespec_cli.cli_args import positive_ints, set_threads, threads_in_use
     from edgespec.runner.cpu_kind import cpu_kind
-    from edgespec.runner.dtype_probe import DTYPES, exact_here, resolve_dtype
+    from edgespec.runner.dtype_probe import DTYPES, exact_here
+    from edgespec.runner.dtype_choice import resolve_dtype
     from edgespec.models.loading import load_model
     from edgespec.models.shapes import random_model, shape_named
 

@@ -222,7 +222,8 @@ def _wait_serving(endpoint: str, token: str | None, deadline: float) -> None:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from edgespec.wire.convert import auth_metadata, make_channel
+    from edgespec.wire.convert import auth_metadata
+    from edgespec.wire.channels import make_channel
 
     channel = make_channel(endpoint)
     try:
