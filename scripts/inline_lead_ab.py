@@ -5,7 +5,7 @@ writes every run's figures as JSON. The leads (the ``lead_cap`` that ``engine.in
 reads, replaced):
 
 - ``none``: the ask and one token past it (the thirteenth session's);
-- ``board``: the lead a board keeps, 2k + 2 within the window (``drafting_loop.lead_cap``; the
+- ``board``: the lead a board keeps, 2k + 2 within the window (``draft_lead.lead_cap``; the
   eighteenth session's, and the product's);
 - ``twice``: 4k + 4 within the window (tried in the thirty-eighth session, not kept: it cut
   host work and drafted worse chains on real text).
@@ -25,7 +25,7 @@ import sys
 import torch
 
 import edgespec.engine.inline_drafts as inline
-from edgespec.drafters.drafting_loop import lead_cap
+from edgespec.drafters.draft_lead import lead_cap
 from edgespec_cli.bench.host_cost import measure
 
 LEADS = {"none": lambda wanted, window: 0, "board": lead_cap,
@@ -33,6 +33,10 @@ LEADS = {"none": lambda wanted, window: 0, "board": lead_cap,
 
 
 def main() -> None:
+    if not hasattr(inline, "lead_cap"):  # replacing it would change nothing: say so, not a tie
+        sys.exit("inline_lead_ab: engine.inline_drafts reads no lead_cap any more (it drafts "
+                 "chains to the window, docs/measured/fleet-host); this script reproduces the "
+                 "figures of the sessions that compared leads, with their code (git history)")
     torch.set_num_threads(1)
     rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 6
     out_path = sys.argv[2] if len(sys.argv) > 2 else "inline-lead-ab.json"

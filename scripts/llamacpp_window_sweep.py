@@ -25,7 +25,7 @@ from edgespec.runner.threads import set_threads  # noqa: E402
 set_threads(1)
 
 from edgespec.config import SamplingParams  # noqa: E402
-from edgespec.drafters.drafting_loop import apply_fix  # noqa: E402
+from edgespec.drafters.draft_lead import apply_fix  # noqa: E402
 from edgespec.drafters.llamacpp import LlamaCppDrafter  # noqa: E402
 from edgespec.engine.local import LocalGenerator  # noqa: E402
 from edgespec_cli.bench.edge_vs_server import _encode  # noqa: E402
