@@ -46,7 +46,7 @@ from edgespec.verify.keyed_noise import seed_after
 from .admission import Admission, DrafterMissing, SessionNotFound
 from .api_errors import missing_v1_hint
 from .body_limit import BODY_TIMEOUT_S, MIN_BYTES, BodyLimit
-from .http_choice import CLIENT_CLOSED, ChoiceRun, stream_choices, whole_choices
+from .http_choice import CLIENT_CLOSED, ChoiceRun, echo_texts, stream_choices, whole_choices
 from .logprob_shapes import LogprobShapes
 from .openai_params import ApiError, error_response, parse_request
 from .tickets import QueueFull, ShuttingDown, Ticket
@@ -141,9 +141,18 @@ def make_app(state: ServingState, token: str | None = None,
         tickets = await _admit_choices(admission, params, chat, choices_lock)
         if params.generation.logprobs is not None and state.shapes is None:
             state.shapes = LogprobShapes(admission.tokenizer)
+        echoes: list = [None] * len(tickets)
+        if params.echo and not chat:  # the prompts' texts, off the event loop
+            try:
+                echoes = await anyio.to_thread.run_sync(
+                    echo_texts, admission.tokenizer, [t.request.prompt_ids for t in tickets])
+            except BaseException:  # no response will follow these sessions: they end here
+                for t in tickets:
+                    admission.scheduler.cancel(t.session_id)
+                raise
         runs = [ChoiceRun(admission, t, params, chat, model_name, state.shapes, i,
-                          prompt_index=i // params.n)
-                for i, t in enumerate(tickets)]
+                          prompt_index=i // params.n, echo=echo)
+                for i, (t, echo) in enumerate(zip(tickets, echoes))]
         for run in runs[1:]:  # one response: the first choice's id and time
             run.id, run.created = runs[0].id, runs[0].created
         if params.stream:  # a client gone before the stream's first read: cancelled after

@@ -11,6 +11,7 @@ import logging
 import time
 from bisect import bisect_left
 
+import anyio
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
@@ -33,7 +34,8 @@ class ChoiceRun:
     its response (a request with ``n`` > 1 has one a choice, all under the first's ``id``)."""
 
     def __init__(self, admission: Admission, ticket: Ticket, params, chat: bool, model: str,
-                 shapes: LogprobShapes | None = None, index: int = 0, prompt_index: int = 0):
+                 shapes: LogprobShapes | None = None, index: int = 0, prompt_index: int = 0,
+                 echo: tuple[str, list[int]] | None = None):
         self.admission, self.ticket, self.p, self.chat, self.model = (admission, ticket, params,
                                                                       chat, model)
         self.index = index
@@ -42,11 +44,13 @@ class ChoiceRun:
         self.created = int(time.time())
         self.pieces: list[str] = []
         # completions' ``echo``: the prompt's text as a stream of its tokens writes it, where
-        # each of its tokens begins in it; the output's text then continues that stream (a
-        # tokenizer that writes a word's leading space only after a text's start, a character
-        # split between the prompt and the output)
-        self.echo: tuple[str, list[int]] | None = None if chat or not params.echo else \
-            decoded(admission.tokenizer, ticket.request.prompt_ids)
+        # each of its tokens begins in it (``echo_texts``, decoded off the event loop); the
+        # output's text then continues that stream (a tokenizer that writes a word's leading
+        # space only after a text's start, a character split between the prompt and the output)
+        if not chat and params.echo and echo is None:
+            raise ValueError("an echoed choice needs its prompt's text (echo_texts)")
+        self.echo = None if chat or not params.echo else echo
+        self._echoed_logprobs: dict | None = None  # ``echo_logprobs``'s, once read
         self.text = TextStream(admission.tokenizer, self.pieces.append,
                                shown_ids=ticket.request.prompt_ids if self.echo else ())
         self.completion_tokens = 0
@@ -166,20 +170,23 @@ class ChoiceRun:
             return {"index": self.index, "delta": delta, "logprobs": logprobs,
                     "finish_reason": finish}
         if first and self.echo is not None:  # the prompt, then the completion's first text
-            text, logprobs = self.echo[0] + (text or ""), joined(self._echo_logprobs(), logprobs)
+            text, logprobs = self.echo[0] + (text or ""), joined(self._echoed_logprobs, logprobs)
         return {"index": self.index, "text": text or "", "logprobs": logprobs,
                 "finish_reason": finish}
 
-    def _echo_logprobs(self) -> dict | None:
-        """The echoed prompt's logprobs (with ``logprobs``), read once its prompt was in: a
-        first chunk or a whole answer comes after that."""
-        if self.logprobs is None or self.echo is None:
-            return None
+    async def _read_echo_logprobs(self) -> None:
+        """The echoed prompt's logprobs (with ``logprobs``), read once its prompt was in (a
+        first chunk or a whole answer comes after that), in a worker thread: a long prompt's
+        tokens' texts and alternatives would hold the event loop, and every other client and
+        /health with it."""
+        if self.logprobs is None or self.echo is None or self._echoed_logprobs is not None:
+            return
         prompt = self.ticket.request.prompt_ids
         entries = self.ticket.prompt_logprobs
         if entries is None or len(entries) != len(prompt) - 1:  # a guard, never sent short
             raise ApiError(500, "the prompt's logprobs were not read", "server_error")
-        return self.logprobs.shapes.echoed(prompt, entries, self.echo[1])
+        self._echoed_logprobs = await anyio.to_thread.run_sync(
+            self.logprobs.shapes.echoed, prompt, entries, self.echo[1])
 
     def _chunk(self, choices: list, **extra) -> str:
         obj = {"id": self.id, "object": "chat.completion.chunk" if self.chat
@@ -193,9 +200,12 @@ class ChoiceRun:
         first = True
         async for text in self._events():
             if text or first:
+                if first:
+                    await self._read_echo_logprobs()
                 yield self._chunk([self._choice(text, None, first)])
                 first = False
         if first:  # no text at all (an end of sequence first): the role is still said
+            await self._read_echo_logprobs()
             yield self._chunk([self._choice("", None, True)])
         yield self._chunk([self._choice(None, self.finish_reason)], edgespec=self._stats())
 
@@ -207,9 +217,25 @@ class ChoiceRun:
             return {"index": self.index, "message": {"role": "assistant", "content": text},
                     "logprobs": logprobs, "finish_reason": self.finish_reason}, self._stats()
         if self.echo is not None:
-            text, logprobs = self.echo[0] + text, joined(self._echo_logprobs(), logprobs)
+            await self._read_echo_logprobs()
+            text, logprobs = self.echo[0] + text, joined(self._echoed_logprobs, logprobs)
         return {"index": self.index, "text": text, "logprobs": logprobs,
                 "finish_reason": self.finish_reason}, self._stats()
+
+
+def echo_texts(tokenizer, prompts: list[list[int]]) -> list[tuple[str, list[int]]]:
+    """``decoded`` of each prompt, each distinct prompt decoded once (the ``n`` choices of a
+    prompt share it). Run it in a worker thread: decoding a prompt token by token costs a few
+    tokenizer calls a token, seconds for a batch of long prompts, which on the event loop
+    would hold every other client and /health."""
+    texts: dict[tuple[int, ...], tuple[str, list[int]]] = {}
+    out = []
+    for ids in prompts:
+        key = tuple(ids)
+        if key not in texts:
+            texts[key] = decoded(tokenizer, ids)
+        out.append(texts[key])
+    return out
 
 
 def decoded(tokenizer, ids: list[int]) -> tuple[str, list[int]]:
