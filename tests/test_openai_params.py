@@ -62,6 +62,7 @@ def test_penalties_and_logit_bias_become_sampling_settings():
     (dict(logit_bias={"\u0663": 1}), "logit_bias"),  # a digit, not an ASCII one
     (dict(logit_bias={str(i): 1 for i in range(301)}), "logit_bias"),
     (dict(logit_bias={"5": 1, "05": 2}), "logit_bias"),  # one token twice
+    (dict(top_k=1 << 40), "top_k"), (dict(top_k=1 << 31), "top_k"), (dict(top_k=-1), "top_k"),
 ])
 def test_bad_penalties_and_logit_bias_are_refused_by_name(kw, param):
     with pytest.raises(ApiError) as e:

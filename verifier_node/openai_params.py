@@ -218,7 +218,7 @@ def parse_request(body, chat: bool, model_name: str) -> OpenAIParams:
         seed = _number(body, "seed", None, int, -(1 << 63), (1 << 63) - 1)
     try:
         g.params = SamplingParams(_number(body, "temperature", 1.0, float, 0, 2),
-                                  _number(body, "top_k", 0, int, 0),
+                                  _number(body, "top_k", 0, int, 0, (1 << 31) - 1),
                                   _number(body, "top_p", 1.0, float, 0, 1, low_open=True), seed,
                                   _number(body, "presence_penalty", 0.0, float, -2, 2),
                                   _number(body, "frequency_penalty", 0.0, float, -2, 2),
