@@ -245,6 +245,8 @@ def test_a_resume_from_below_zero_is_refused_not_read_as_zero():
 @pytest.mark.parametrize("kw,said", [
     (dict(prompt="hi", committed_ids=[5, 6]), "committed_ids go with lost_session_id"),
     (dict(prompt="hi", resume_from=3), "resume_from goes with resume_session_id"),
+    (dict(prompt="hi", kernel_set="k1"), "kernel_set and kernels_differ_from go with"),
+    (dict(prompt="hi", kernels_differ_from=4), "kernel_set and kernels_differ_from go with"),
     (dict(messages=[pb.ChatMessage(role="user", content="hi")], raw=True),
      "messages always go through the chat template"),
 ])
@@ -257,6 +259,8 @@ def test_a_field_without_the_one_it_goes_with_is_refused_on_the_wire(kw, said):
         generation_request(pb.GenerateRequest(**kw))
     assert generation_request(pb.GenerateRequest(prompt="hi", committed_ids=[5],
                                                  lost_session_id=SID_A)).committed == [5]
+    assert generation_request(pb.GenerateRequest(resume_session_id=SID_A, kernel_set="k1")) \
+        .kernel_set == "k1"
 
 
 # -- a real serve killed mid-generation ------------------------------------------------------------

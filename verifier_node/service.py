@@ -61,6 +61,11 @@ def generation_request(req: pb.GenerateRequest) -> GenerationRequest:
     if req.committed_ids and not req.lost_session_id:
         raise ConfigError("committed_ids go with lost_session_id: they are the output a "
                           "client holds of a session the cache lost, re-created from them")
+    if (req.kernel_set or req.kernels_differ_from) and not (req.resume_session_id
+                                                            or req.lost_session_id):
+        raise ConfigError("kernel_set and kernels_differ_from go with resume_session_id or "
+                          "lost_session_id: they say which kernels decoded the output a "
+                          "client holds of a session it resumes or re-creates")
     if req.resume_from and not req.resume_session_id:
         raise ConfigError("resume_from goes with resume_session_id (the output tokens the "
                           "client already holds of the session it resumes)")
