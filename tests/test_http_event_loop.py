@@ -1,6 +1,7 @@
-"""The HTTP server's event loop does none of a request's per-token work: a completions request
-with ``echo`` has its prompts' texts decoded, and with ``logprobs`` its echoed prompt's logprobs
-shaped, in worker threads, each distinct prompt decoded once however many choices share it.
+"""The HTTP server's event loop does none of a request's heavy work: a completions request with
+``echo`` has its prompts' texts decoded (each distinct prompt once however many choices share
+it), with ``logprobs`` each choice's echoed prompt logprobs shaped, and a whole response's JSON
+rendered, in worker threads.
 (On the loop, a batch of long echoed prompts held every other client and /health for as long as
 its decoding took: a second at 80 choices of 1,000 tokens.) The composed server in process
 (real gRPC and HTTP on loopback, the embedded Redis, the tiny model), read over plain HTTP."""
@@ -37,10 +38,10 @@ def _post(port: int, body: dict) -> tuple[int, bytes]:
 @pytest.fixture()
 def threads_seen(monkeypatch):
     """The threads that built the choices, decoded prompts and shaped echoed logprobs."""
-    seen: dict[str, list] = {"choice": [], "decoded": [], "echoed": []}
+    seen: dict[str, list] = {"choice": [], "decoded": [], "echoed": [], "rendered": []}
     here = threading.current_thread
-    init, decoded, echoed = (http_choice.ChoiceRun.__init__, http_choice.decoded,
-                             LogprobShapes.echoed)
+    init, decoded, echoed, render = (http_choice.ChoiceRun.__init__, http_choice.decoded,
+                                     LogprobShapes.echoed, http_choice._json_body)
 
     def choice_init(self, *a, **k):
         seen["choice"].append(here().name)
@@ -54,7 +55,12 @@ def threads_seen(monkeypatch):
         seen["echoed"].append(here().name)
         return echoed(self, *a)
 
+    def rendered(body):
+        seen["rendered"].append(here().name)
+        return render(body)
+
     monkeypatch.setattr(http_choice.ChoiceRun, "__init__", choice_init)
+    monkeypatch.setattr(http_choice, "_json_body", rendered)
     monkeypatch.setattr(http_choice, "decoded", decode)
     monkeypatch.setattr(LogprobShapes, "echoed", shape)
     return seen
@@ -95,3 +101,5 @@ def test_echoed_prompts_are_decoded_once_each_and_off_the_event_loop(tiny_dir, t
     # every echoed choice's prompt logprobs: the batch's six, the stream's three
     assert len(threads_seen["echoed"]) == len(PROMPTS) * CHOICES + CHOICES
     assert LOOP_THREAD not in threads_seen["echoed"]
+    # the whole response's JSON (six choices' prompts and logprobs) rendered off the loop too
+    assert len(threads_seen["rendered"]) == 1 and LOOP_THREAD not in threads_seen["rendered"]

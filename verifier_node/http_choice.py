@@ -13,7 +13,7 @@ from bisect import bisect_left
 
 import anyio
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from edgespec.config import is_lossy
 from edgespec.models.text_stream import TextStream
@@ -199,15 +199,23 @@ class ChoiceRun:
         with the ``edgespec`` figures. Raises ApiError where its generation failed."""
         first = True
         async for text in self._events():
-            if text or first:
-                if first:
-                    await self._read_echo_logprobs()
-                yield self._chunk([self._choice(text, None, first)])
+            if first:
+                yield await self._first_chunk(text)
                 first = False
+            elif text:
+                yield self._chunk([self._choice(text, None)])
         if first:  # no text at all (an end of sequence first): the role is still said
-            await self._read_echo_logprobs()
-            yield self._chunk([self._choice("", None, True)])
+            yield await self._first_chunk("")
         yield self._chunk([self._choice(None, self.finish_reason)], edgespec=self._stats())
+
+    async def _first_chunk(self, text: str) -> str:
+        """The first chunk: with an echo, the prompt's text and logprobs before the completion's
+        first text, rendered in a worker thread (a long prompt's JSON would hold the loop)."""
+        await self._read_echo_logprobs()
+        choice = self._choice(text, None, True)
+        if self.echo is None:
+            return self._chunk([choice])
+        return await anyio.to_thread.run_sync(self._chunk, [choice])
 
     async def whole(self) -> tuple[dict, dict]:
         """The choice whole, and its ``edgespec`` figures."""
@@ -324,11 +332,21 @@ async def whole_choices(runs: list[ChoiceRun], request: Request) -> Response:
         raise
     first = runs[0]
     stats = [s for _, s in answers]
-    return JSONResponse({"id": first.id, "object": "chat.completion" if first.chat
-                         else "text_completion", "created": first.created,
-                         "model": first.model, "system_fingerprint": first.admission.kernels,
-                         "choices": [c for c, _ in answers], "usage": _usage(runs),
-                         "edgespec": stats[0] if len(stats) == 1 else stats})
+    body = {"id": first.id, "object": "chat.completion" if first.chat else "text_completion",
+            "created": first.created, "model": first.model,
+            "system_fingerprint": first.admission.kernels,
+            "choices": [c for c, _ in answers], "usage": _usage(runs),
+            "edgespec": stats[0] if len(stats) == 1 else stats}
+    # rendered in a worker thread: n choices of long echoed prompts with their logprobs make
+    # megabytes of JSON, which on the event loop would hold every other client and /health
+    return Response(await anyio.to_thread.run_sync(_json_body, body),
+                    media_type="application/json")
+
+
+def _json_body(body: dict) -> bytes:
+    """``body`` as JSONResponse renders it (compact, UTF-8, no NaN)."""
+    return json.dumps(body, ensure_ascii=False, allow_nan=False, indent=None,
+                      separators=(",", ":")).encode("utf-8")
 
 
 def _usage(runs: list[ChoiceRun]) -> dict:
