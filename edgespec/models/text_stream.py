@@ -16,8 +16,11 @@ with U+FFFD: not inside a character's bytes, nor inside a run of byte tokens; no
 special token), so its text is the whole output's from there on. A stream resumed after n
 tokens (``shown_ids``) therefore knows exactly what its reader has. Where that cannot hold: text
 held back for more than ``MAX_WINDOW`` tokens (invalid bytes, a run of U+FFFD) is written as it
-then decodes, and a byte-fallback tokenizer may decode a run of byte tokens holding an invalid
-byte to more U+FFFDs than were written. Text is decoded without the tokenizer's clean-up of
+then decodes, and an invalid byte run (bytes that make no character) may be resumed with a
+U+FFFD more or fewer than an unbroken stream writes for it (a byte-fallback tokenizer's run of
+byte tokens holding an invalid byte; once in 300 random token sequences of a byte-level one):
+the token ids are exact, only the replacement characters of bytes that are no text differ.
+Text is decoded without the tokenizer's clean-up of
 spaces: the clean-up rewrites text already written (``"Bob 's"`` becomes ``"Bob's"`` once the
 ``s`` comes), which a stream cannot take back.
 """
