@@ -60,22 +60,16 @@ def test_the_estimate_counts_the_work_ahead_and_the_call_alone():
 
 
 def test_a_new_call_waits_only_for_the_sessions_it_needs_a_slot_from():
-    """The tokens before a call (``Scheduler._tokens_before_a_slot``): none while a KV slot is
+    """The tokens before a call (``pace.tokens_before_a_slot``): none while a KV slot is
     free, however long the running sessions' outputs; else, every slot busy until the call's
     frees, the running sessions' ends played out and the queued tickets run in order, each
-    once a slot frees (not beside the running ones)."""
-    from collections import deque
-    from types import SimpleNamespace
-
-    from verifier_node.scheduler import Scheduler
+    once a slot frees (not beside the running ones). Each session's tokens left are its
+    ticket's (``tokens_left``)."""
+    from verifier_node.pace import tokens_before_a_slot, tokens_left
 
     def before(slots: int, running: list[int], queued: list[int] = ()) -> int:
-        run = [_queued_ticket(n) for n in running]
-        wait = [_queued_ticket(n) for n in queued]
-        fake = SimpleNamespace(
-            _tickets={str(i): t for i, t in enumerate(run + wait)}, _pending=deque(wait),
-            engine=SimpleNamespace(cfg=SimpleNamespace(max_sessions=slots)))
-        return Scheduler._tokens_before_a_slot(fake)
+        return tokens_before_a_slot(slots, [tokens_left(_queued_ticket(n)) for n in running],
+                                    [tokens_left(_queued_ticket(n)) for n in queued])
 
     assert before(8, [1900, 1900]) == 0  # 6 slots free: it runs beside them
     assert before(2, [400]) == 0

@@ -324,9 +324,10 @@ def test_a_choice_a_step_later_copies_the_running_sessions_prompt(tiny):
 
 
 def test_the_pace_counts_a_prompt_the_queue_copies_once(tiny):
-    """Admission pacing (``Scheduler._prompts_ahead``) counts the prefill a deadline waits for
+    """Admission pacing (``pace.prompts_ahead``) counts the prefill a deadline waits for
     as the queue does it: a prompt identical to one waiting, running or pending once, a prompt
     whose logits are read (it is prefilled itself) and another prompt in full."""
+    from verifier_node.pace import prompts_ahead
     from verifier_node.scheduler import Scheduler
     from verifier_node.tickets import Ticket
 
@@ -336,14 +337,19 @@ def test_the_pace_counts_a_prompt_the_queue_copies_once(tiny):
         sched = Scheduler(engine, max_queue=8)  # not started: submitted tickets stay pending
         for _ in range(3):  # a request's three choices
             sched.submit(Ticket(Request(list(prompt), 4), None))
-        assert sched._prompts_ahead(Request(list(prompt), 4)) == 40  # one prefill of four
-        assert sched._prompts_ahead(Request(list(prompt), 4, prompt_logprobs=1)) == 80
-        assert sched._prompts_ahead(Request(list(other), 4)) == 40 + 16
+        pending = [t.request for t in sched._pending]
+
+        def ahead(request: Request) -> int:
+            return prompts_ahead(engine, pending, request)
+
+        assert ahead(Request(list(prompt), 4)) == 40  # one prefill of four
+        assert ahead(Request(list(prompt), 4, prompt_logprobs=1)) == 80
+        assert ahead(Request(list(other), 4)) == 40 + 16
         engine.admit([Admission(Request(list(prompt), 4)) for _ in range(2)])
         # the queue prefills the first's 39 (its last token is the first step's): the pending
         # three and a fourth copy it
         assert engine.prefilling.tokens_left == 39
-        assert sched._prompts_ahead(Request(list(prompt), 4)) == 39
+        assert ahead(Request(list(prompt), 4)) == 39
         engine.step()  # prefilled and running: a newcomer copies a running session's slot
         assert engine.prefilling.tokens_left == 0
-        assert sched._prompts_ahead(Request(list(prompt), 4)) == 0
+        assert ahead(Request(list(prompt), 4)) == 0

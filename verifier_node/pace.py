@@ -15,7 +15,7 @@ where "tokens ahead" is what the queued and running sessions generate before the
 KV slot: none while a slot is free (its tokens come beside theirs, each step one or more for
 every session: a batched verifier serves the call at ``session_rate(n)``, n the batch it joins);
 else, every slot busy until one frees for it: the running sessions' ends played out, each
-freed slot taken by the next queued ticket in order (``Scheduler._tokens_before_a_slot``; each
+freed slot taken by the next queued ticket in order (``tokens_before_a_slot``; each
 session's ``max_new_tokens`` less what it has: an upper bound, so the estimate errs towards
 refusing).
 A call whose estimate exceeds ``SAFETY`` of its deadline is refused at once
@@ -26,8 +26,10 @@ a resumed session is never refused by pace (it already counts).
 
 from __future__ import annotations
 
+import heapq
 import threading
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 SAFETY = 0.8  # admit when the estimate is within this share of the deadline
@@ -144,3 +146,53 @@ class Pace:
         # call would not fit even alone (waiting cannot help it)
         retry = 0.0 if alone > SAFETY * deadline_s else max(0.5, estimate - SAFETY * deadline_s)
         return PaceVerdict(False, estimate, deadline_s, retry, alone, rate, ahead_tokens)
+
+
+def tokens_left(ticket) -> int:
+    """Tokens a ticket's session may still generate (an upper bound: its ``max_new_tokens``
+    less what it has)."""
+    return max(0, ticket.request.max_new_tokens - len(ticket.tokens))
+
+
+def tokens_before_a_slot(slots: int, running: Sequence[int], queued: Sequence[int]) -> int:
+    """Tokens the batch generates before a new call gets one of ``slots`` KV slots, every
+    running session a token a step: ``running``, the tokens each running session may still
+    generate; ``queued``, each queued ticket's, in queue order. None while a slot is free (the
+    call's tokens come beside theirs, in the same steps; ``Pace.verdict`` reads its pace at the
+    batch it joins). Else, the running sessions' ends played out, each freed slot taken by the
+    next queued ticket in order (queued ones run only once a slot frees, not beside the
+    others): the call's slot frees at step t, every slot busy until then, so ``slots * t``."""
+    ends = list(running)
+    heapq.heapify(ends)
+    waiting = deque(queued)
+    free = slots - len(ends)
+    while free > 0 and waiting:  # a queued ticket not yet moved to a free slot
+        heapq.heappush(ends, waiting.popleft())
+        free -= 1
+    t = 0
+    while free <= 0 and ends:
+        t = heapq.heappop(ends)  # a slot frees at step t
+        if waiting:
+            heapq.heappush(ends, t + waiting.popleft())
+        else:
+            free += 1
+    return slots * t
+
+
+def prompts_ahead(engine, pending: Iterable, request) -> int:
+    """Prompt tokens to prefill before ``request``'s first token, its own included: the
+    engine's prefill queue's, then the ``pending`` requests' (queued for a slot, in order) and
+    ``request``'s, where a prompt the queue would copy (the same tokens as one counted, as
+    waiting, running or pending, its logits read by no one, no image) counts once: the queue
+    prefills it once (the ``n`` choices of a request arrive as ``n`` tickets)."""
+    queue = engine.prefilling
+    total = queue.tokens_left  # admitted, their prefill still to come
+    seen = queue.shared_keys()
+    for r in [*pending, request]:
+        key = engine.prefill_key(r)
+        if key is not None:
+            if key in seen:
+                continue
+            seen.add(key)
+        total += len(r.prompt_ids) + len(r.committed)
+    return total

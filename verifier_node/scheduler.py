@@ -16,7 +16,6 @@ The loop never dies of an exception.
 from __future__ import annotations
 
 import contextlib
-import heapq
 import logging
 import threading
 import time
@@ -24,11 +23,11 @@ from collections import deque
 from typing import NamedTuple
 
 from edgespec.config import ConfigError
-from edgespec.engine.spec_engine import Admission, Request, Result, SessionFailed, SpecEngine
+from edgespec.engine.spec_engine import Admission, Result, SessionFailed, SpecEngine
 from edgespec.protocol.request_stats import Stats
 from edgespec.protocol.contract import StoreUnavailable
 
-from .pace import Pace
+from .pace import Pace, prompts_ahead, tokens_before_a_slot, tokens_left
 from .tickets import QueueFull, ShuttingDown, Ticket, TooSlowForDeadline
 
 log = logging.getLogger("edgespec.verifier")
@@ -150,59 +149,19 @@ class Scheduler(threading.Thread):
 
     def _check_pace(self, ticket: Ticket, deadline_s: float) -> None:
         """Raise TooSlowForDeadline when ``ticket`` would not finish in time (the lock held)."""
-        ahead = self._tokens_before_a_slot()
-        prompts = self._prompts_ahead(ticket.request)
+        queued = {id(t) for t in self._pending}
+        ahead = tokens_before_a_slot(
+            self.engine.cfg.max_sessions,
+            [tokens_left(t) for t in self._tickets.values() if id(t) not in queued],
+            [tokens_left(t) for t in self._pending])
+        prompts = prompts_ahead(self.engine, [t.request for t in self._pending],
+                                ticket.request)
         batch = min(self.engine.cfg.max_sessions, len(self._tickets) + 1)
-        verdict = self.pace.verdict(_left(ticket), ahead, prompts, deadline_s, batch)
+        verdict = self.pace.verdict(tokens_left(ticket), ahead, prompts, deadline_s, batch)
         if not verdict.admit:
             if self.metrics is not None:
                 self.metrics.refused_for_pace()
             raise TooSlowForDeadline(verdict)
-
-    def _tokens_before_a_slot(self) -> int:
-        """Tokens the batch generates before a new call gets a KV slot (the lock held), every
-        running session a token a step: none while a slot is free (the call's tokens come
-        beside theirs, in the same steps; ``Pace.verdict`` reads its pace at the batch it
-        joins). Else, the running sessions' ends played out, each freed slot taken by the
-        next queued ticket in order (queued ones run only once a slot frees, not beside the
-        others): the call's slot frees at step t, every slot busy until then, so ``slots *
-        t``. Each session may still generate its ``max_new_tokens`` less what it has (an
-        upper bound: the estimate errs towards refusing)."""
-        slots = self.engine.cfg.max_sessions
-        queued = {id(t) for t in self._pending}
-        ends = [_left(t) for t in self._tickets.values() if id(t) not in queued]
-        heapq.heapify(ends)
-        waiting = deque(_left(t) for t in self._pending)
-        free = slots - len(ends)
-        while free > 0 and waiting:  # a queued ticket not yet moved to a free slot
-            heapq.heappush(ends, waiting.popleft())
-            free -= 1
-        t = 0
-        while free <= 0 and ends:
-            t = heapq.heappop(ends)  # a slot frees at step t
-            if waiting:
-                heapq.heappush(ends, t + waiting.popleft())
-            else:
-                free += 1
-        return slots * t
-
-    def _prompts_ahead(self, req: Request) -> int:
-        """Prompt tokens to prefill before ``req``'s first token, its own included (the lock
-        held): the prefill queue's, then the pending tickets' and ``req``'s, where a prompt the
-        queue would copy (the same tokens as one counted, as waiting, running or pending, its
-        logits read by no one, no image) counts once: the queue prefills it once (the ``n``
-        choices of a request arrive as ``n`` tickets)."""
-        queue = self.engine.prefilling
-        total = queue.tokens_left  # admitted, their prefill still to come
-        seen = queue.shared_keys()
-        for r in [*(t.request for t in self._pending), req]:
-            key = self.engine.prefill_key(r)
-            if key is not None:
-                if key in seen:
-                    continue
-                seen.add(key)
-            total += len(r.prompt_ids) + len(r.committed)
-        return total
 
     def ticket(self, session_id: str) -> Ticket | None:
         with self._lock:
@@ -433,8 +392,3 @@ class Scheduler(threading.Thread):
                     self.engine.cancel(sid, reason)
                 except Exception:
                     log.exception("ending cancelled session %s failed", sid)
-
-
-def _left(t: Ticket) -> int:
-    """Tokens ``t``'s session may still generate."""
-    return max(0, t.request.max_new_tokens - len(t.tokens))
