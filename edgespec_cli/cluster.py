@@ -75,7 +75,12 @@ def _add_server(p: argparse.ArgumentParser, roles: tuple[str, ...]) -> None:
                         "(default: %(default)s)")
     p.add_argument("--redis-url", metavar="URL", default=None,
                    help="external Redis (redis://host:port/db or unix:///socket); default: "
-                        "$EDGESPEC_REDIS_URL, else an embedded redis-server")
+                        "$EDGESPEC_REDIS_URL, else an embedded redis-server"
+                   if len(roles) > 1 else
+                   "the Redis (redis://host:port/db or unix:///socket) this role shares with "
+                   f"the edgespec {'cache' if roles == ('verifier',) else 'verifier'} (its "
+                   "sessions live there); default: $EDGESPEC_REDIS_URL, required (an "
+                   "embedded one would be this process's alone)")
     p.add_argument("--max-drafters", type=int, default=64,
                    help="drafters attached at once; more are refused with RESOURCE_EXHAUSTED "
                         "(default: %(default)s)")

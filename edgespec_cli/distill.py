@@ -60,7 +60,7 @@ def add_distill_command(sub) -> None:
                    help="Spec-Bench questions per category never trained on, the first N; "
                         "bench's default subset is the first 1 (default: %(default)s)")
     p.add_argument("--samples", type=int, default=1,
-                   help="sampled responses per prompt, besides the greedy one "
+                   help="sampled responses per prompt (at least 1), besides the greedy one "
                         "(default: %(default)s)")
     p.add_argument("--temperature", metavar="T", type=float, default=0.8,
                    help="temperature of the sampled responses (default: %(default)s)")
@@ -123,6 +123,11 @@ def run_distill(args) -> int:
                           f"{', '.join(CATEGORIES)}")
     if Path(args.out).exists() and not Path(args.out).is_dir():
         raise ConfigError(f"--out {args.out} is a file: give a folder")
+    if not args.no_harvest:  # the prompt files read before the model loads
+        from .distill_data import read_prompt_file
+
+        for path in args.prompts:
+            read_prompt_file(path)
     deadline = None if args.max_minutes is None else time.monotonic() + 60 * args.max_minutes
     out = Path(args.out)
     command = "edgespec " + " ".join(shlex.quote(a) for a in sys.argv[1:])

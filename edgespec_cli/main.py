@@ -208,7 +208,7 @@ def _add_benchmarks(sub) -> None:
                         description="Answer a task's test problems (never labelled) with "
                                     "target-only decoding, exact speculative decoding and PAD "
                                     "at each sigma, with the same drafter, in one run: "
-                                    "accuracy (95%% interval), answers identical to "
+                                    "accuracy (95% interval), answers identical to "
                                     "target-only, acceptance length, tokens/s and speed-ups; "
                                     "a table, a JSON file and a plot.")
     from .bench.pad_utility import add_bench_pad_args, run_bench_pad

@@ -15,6 +15,9 @@ def task_sets(args, split: str, n: int) -> list:
 
     if args.tasks_file:
         return [file_problems(args.tasks_file, args.scorer or "exact", split)]
+    if args.task != "all" and args.task not in FAMILIES:
+        raise ConfigError(f"unknown task {args.task!r}: give one of {', '.join(FAMILIES)} or "
+                          "all")
     names = list(FAMILIES) if args.task == "all" else [args.task]
     return [family_problems(name, split, n, args.seed) for name in names]
 
@@ -83,6 +86,12 @@ def label_task(args, target, tasks, folder: Path, command: str, deadline, say) -
             say(f"labels: {tasks.name} grows from {old.problems} to {info.problems} problems "
                 "(the first ones are the same)")
             info.save(folder)
+        elif not args.tasks_file and info.problems > old.problems and replace(
+                old, problems=info.problems, command="") == replace(info, command=""):
+            raise ConfigError(f"{folder} holds {old.problems} problems labelled in shards of "
+                              f"{old.per_shard}: its last shard is not whole, so a larger "
+                              "--problems cannot continue it (a run grows from a multiple of "
+                              "--per-shard); give another --out")
         elif replace(old, command="") != replace(info, command=""):
             raise ConfigError(f"{folder} holds labels made otherwise ({old.command!r}); give "
                               "another --out or the same labelling options (a generated task "
@@ -111,7 +120,7 @@ def _check_labels_target(folder: Path, target) -> None:
 
 def label_and_train(args, target, out: Path, command: str, deadline, say) -> dict | None:
     """Label every task, then train; the classifier's manifest as a dict, or None when stopped
-    by the deadline or without enough labels."""
+    by the deadline or already trained; TooFewLabels (said) without enough labels."""
     import torch
 
     from edgespec.pad.classifier import MANIFEST, PadConfig, PadManifest, save_classifier
@@ -153,7 +162,7 @@ def label_and_train(args, target, out: Path, command: str, deadline, say) -> dic
         model, report = train_classifier(cands, cfg, settings)
     except TooFewLabels as e:
         say(f"no classifier: {e}")
-        return None
+        raise
     # the labels' fingerprint is this target's: label_task refused any other
     manifest = PadManifest(cfg, info.target, target.name,
                            {"tasks": counts, "drafter": info.drafter, "rollouts": info.rollouts,

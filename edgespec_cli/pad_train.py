@@ -42,7 +42,8 @@ def add_pad_train_command(sub) -> None:
                     "problems with exact answers, where a drafter's greedy token differs from "
                     "the target's, sample continuations from each and score them; then train "
                     "the pivot classifier on the target's hidden state there (OUT/classifier). "
-                    "Resumable: run the same command again after a stop.")
+                    "Resumable: run the same command again after a stop. Exits 1 where too "
+                    "few labels were made to train a classifier (the labels are kept).")
     p.add_argument("--out", metavar="DIR", default=None,
                    help="where the labels and the classifier go (needed unless --measure)")
     src = p.add_mutually_exclusive_group()
@@ -56,8 +57,9 @@ def add_pad_train_command(sub) -> None:
                    help="with --tasks-file: exact, number or regex:PATTERN (default: exact)")
     p.add_argument("--problems", type=int, default=200,
                    help="train problems to label, per family; a larger N on a finished or "
-                        "stopped run continues it (its first problems are the same) and "
-                        "trains the classifier again (default: %(default)s)")
+                        "stopped run whose N was a multiple of --per-shard continues it (its "
+                        "first problems are the same) and trains the classifier again "
+                        "(default: %(default)s)")
     p.add_argument("--drafter", metavar="SPEC", default="layers:28",
                    help="the drafter whose mismatches are labelled: layers:L (the target's "
                         "first L layers) or model:PATH (a small model, same tokenizer); its "
@@ -143,8 +145,13 @@ def run_pad_train(args) -> int:
 
     deadline = None if args.max_minutes is None else time.monotonic() + 60 * args.max_minutes
     command = "edgespec " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-    report = label_and_train(args, target, Path(args.out), command, deadline, say)
-    if report is not None:
+    from edgespec.pad.training import TooFewLabels
+
+    try:
+        report = label_and_train(args, target, Path(args.out), command, deadline, say)
+    except TooFewLabels:  # said; the labels are kept for a run that labels more
+        return 1
+    if report is not None:  # None: stopped by --max-minutes (resumable), or already trained
         say(json.dumps(report))
     return 0
 

@@ -120,6 +120,8 @@ def _link(d: dict) -> str:
 def cmd_status(args: argparse.Namespace) -> int:
     import os
 
+    import grpc
+
     import edgespec
     from edgespec.config import ConfigError
 
@@ -142,7 +144,12 @@ def cmd_status(args: argparse.Namespace) -> int:
                 raise ConfigError(f"{args.address} refused the call: {e}; give the server's "
                                   "token with --auth-token or $EDGESPEC_AUTH_TOKEN") from None
             except edgespec.EdgespecError as e:
-                print(f"edgespec: error: cannot read the status of {args.address}: {e}",
+                why = str(e)
+                if e.code == grpc.StatusCode.UNIMPLEMENTED:  # no Verifier service there
+                    why = ("it answers gRPC but serves no verifier (an edgespec cache's "
+                           "port? status reads a verifier's: edgespec serve or edgespec "
+                           "verifier)")
+                print(f"edgespec: error: cannot read the status of {args.address}: {why}",
                       file=sys.stderr, flush=True)
                 if not args.watch:
                     return 1

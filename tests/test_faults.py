@@ -95,6 +95,7 @@ def cluster(looping_dir, tmp_path_factory):
                            state["redis"].url, "--auth-token", TOKEN], tmp / "cache.log",
                           env=FROZEN_DRAFTER_ENV)
     wait_healthy(cache_address)
+    state["cache_address"] = cache_address
     state["drafter"] = start_drafter(cache_address, "frozen", tmp, "mag", token=TOKEN,
                                      env=FROZEN_DRAFTER_ENV)
     state["drafter"].wait_for("attached to")
@@ -172,6 +173,17 @@ def test_redis_restart_costs_a_pause_not_sessions(cluster, refs, sampled_ref):
         r.stdout + r.stderr
     cluster["redis"].start()
     wait_health(cluster["address"], health_pb2.HealthCheckResponse.SERVING)
+
+
+def test_status_pointed_at_the_cache_says_it_serves_no_verifier(cluster):
+    """``edgespec status`` reads a verifier's Status; a cache's port answers gRPC without that
+    service: said in words, not as gRPC's UNIMPLEMENTED."""
+    r = subprocess.run([sys.executable, "-m", "edgespec_cli", "status", "--address",
+                        cluster["cache_address"], "--auth-token", TOKEN, "--timeout", "30"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "serves no verifier (an edgespec cache's port?" in r.stderr, \
+        r.stdout + r.stderr
+    assert "UNIMPLEMENTED" not in r.stderr
 
 
 def test_verifier_killed_mid_generation_clients_resume_identically(cluster, refs,

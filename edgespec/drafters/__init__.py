@@ -62,7 +62,9 @@ def parse_drafter_spec(spec: str | None, allowed: tuple[str, ...] = tuple(FORMS)
                            head=head if form == "head" else f"imitation:{head}")
     kind, _, arg = spec.partition(":")
     if kind not in allowed or (kind in _NO_ARG and arg):
-        raise ConfigError(f"unknown drafter {spec!r}; use "
+        what = "not a drafter this command runs" if kind in FORMS and not (
+            kind in _NO_ARG and arg) else "unknown drafter"
+        raise ConfigError(f"{what} {spec!r}; use "
                           f"{' | '.join(FORMS[k] for k in allowed if k in FORMS)}")
     if kind == "layers" and not arg.isdigit():
         raise ConfigError(f"layers:L needs an integer L, got {arg!r}")

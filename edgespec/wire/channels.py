@@ -43,6 +43,8 @@ def check_tls_pair(cert: str, key: str) -> None:
     certificate's (gRPC says only that it cannot listen, the reason on its own stderr)."""
     import ssl
 
+    for option, path in (("--tls-cert", cert), ("--tls-key", key)):
+        _read(path, option)  # the file named where it cannot be read (ssl says only errno 2)
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     context.set_ciphers("DEFAULT:@SECLEVEL=0")  # the pair's form, not OpenSSL's key policy
     try:
@@ -146,9 +148,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _read(path: str) -> bytes:
+def _read(path: str, option: str = "") -> bytes:
     try:
         with open(path, "rb") as f:
             return f.read()
     except OSError as e:
-        raise ConfigError(f"cannot read {path}: {e.strerror}") from None
+        raise ConfigError(f"{option + ': ' if option else ''}cannot read {path}: "
+                          f"{e.strerror}") from None

@@ -161,6 +161,10 @@ def run_bench_pad(args) -> int:
             not (resolve_classifier_dir(args.classifier) / "pad.json").exists():  # the load
         raise ConfigError(f"--classifier {args.classifier}: not a PAD classifier folder (no "
                           "pad.json; make one with edgespec pad-train)")
+    file_tasks = None
+    if args.tasks_file:  # read and checked before the model loads
+        file_tasks = file_problems(args.tasks_file, args.scorer, "test")
+        file_tasks = replace(file_tasks, problems=file_tasks.problems[:args.problems])
     threads = set_threads(args.threads)
     print(f"bench-pad: torch threads {threads}", file=sys.stderr, flush=True)
     cfg = EngineConfig(max_sessions=1)
@@ -168,9 +172,8 @@ def run_bench_pad(args) -> int:
     folder = resolve_classifier_dir(args.classifier, gen.target.name)
     manifest = PadManifest.read(folder)
     trained_on = ",".join(manifest.labels.get("tasks", {}))  # the families it was labelled on
-    if args.tasks_file:
-        tasks = file_problems(args.tasks_file, args.scorer, "test")
-        tasks = replace(tasks, problems=tasks.problems[:args.problems])
+    if file_tasks is not None:
+        tasks = file_tasks
     else:
         tasks = family_problems(args.task or trained_on.split(",")[0] or "extract", "test",
                                 args.problems, args.seed)
