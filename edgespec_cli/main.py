@@ -30,6 +30,10 @@ import os
 import signal
 import sys
 
+# gRPC's core logs at INFO by default (a failed TLS handshake, say) beside the one-line errors
+# that say the same in words; set before gRPC starts (GRPC_VERBOSITY=debug shows them again)
+os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+
 from edgespec import __version__
 from edgespec_cli.cli_args import (SERVER_CORES_THREADS, add_engine_args, add_model_args,
                                 add_threads_arg, check_output_files)

@@ -291,20 +291,37 @@ def test_a_port_in_use_or_an_address_not_here_is_said_in_the_error():
     from edgespec.wire.channels import bind
     from edgespec.wire.reachability import why_not_listening
 
+    from edgespec.wire.reachability import port_in_use
+
     held = socket.socket()
     held.bind(("127.0.0.1", 0))
     held.listen()
     port = held.getsockname()[1]
     server = grpc.server(futures.ThreadPoolExecutor(1))
     try:
+        assert port_in_use("127.0.0.1", port)
         with pytest.raises(ConfigError, match="the port is in use") as e:
             bind(server, f"127.0.0.1:{port}")
         assert "another port" in str(e.value) and "--listen" in str(e.value)
         assert "--http-port" in why_not_listening("127.0.0.1", port, "--http-port",
                                                   "--http-host")
+        # said in one line, before gRPC logs one of its own (its bind is never tried)
+        r = subprocess.run([sys.executable, "-m", "edgespec_cli", "serve", "--listen",
+                            f"127.0.0.1:{port}"], capture_output=True, text=True, timeout=300)
+        assert r.returncode == 2 and "the port is in use" in r.stderr, r.stderr
+        assert "add_port" not in r.stderr and "Failed to add port" not in r.stderr, r.stderr
     finally:
         server.stop(0)
         held.close()
+    # a port whose last connection closed here (TIME_WAIT) is free to gRPC, and so here
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    client = socket.create_connection(("127.0.0.1", port))
+    accepted, _ = listener.accept()
+    accepted.close()  # the server's side closes first: its port holds a TIME_WAIT
+    client.close()
+    listener.close()
+    assert not port_in_use("127.0.0.1", port)
     # TEST-NET-1 (RFC 5737): an address no machine of the suite's has
     assert "--http-host" in why_not_listening("192.0.2.1", 0, "--http-port", "--http-host")
     assert why_not_listening("127.0.0.1", 0, "--listen") == ""  # a free port: no reason

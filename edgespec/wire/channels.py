@@ -75,9 +75,12 @@ def bind(server: grpc.Server, address: str, tls_cert: str | None = None,
     """Listen on ``address``; TLS when a certificate and key are given, mutual TLS when
     ``client_ca`` is given too (every client must present a certificate signed by that CA).
     Returns the port."""
-    from .reachability import check_address
+    from .reachability import check_address, port_in_use, split_address, why_not_listening
 
     check_address(address, "--listen")  # gRPC reads a port past 65535, or none, as another
+    split = split_address(address)
+    if split is not None and split[1] and port_in_use(*split):  # said before gRPC's log line
+        raise ConfigError(f"cannot listen on {address}{why_not_listening(*split, '--listen')}")
     if bool(tls_cert) != bool(tls_key):
         raise ConfigError("TLS needs both --tls-cert and --tls-key")
     if client_ca and not tls_cert:
@@ -97,9 +100,6 @@ def bind(server: grpc.Server, address: str, tls_cert: str | None = None,
     except RuntimeError:  # newer grpc raises where older returned 0
         port = 0
     if port == 0:
-        from .reachability import split_address, why_not_listening
-
-        split = split_address(address)
         why = why_not_listening(*split, "--listen") if split else ""
         raise ConfigError(f"cannot listen on {address}{why}")
     return port

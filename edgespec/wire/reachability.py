@@ -266,6 +266,30 @@ def check_address(address: str, option: str) -> None:
         raise ConfigError(f"{option} {address!r}: the port must be in 0-65535 ({example})")
 
 
+def port_in_use(host: str, port: int) -> bool:
+    """Whether a server already listens on ``host:port``, as gRPC's own bind would find it
+    (SO_REUSEADDR set, as gRPC sets it: a port held only by closed connections is free), so
+    that the one-line error comes before gRPC logs a line of its own."""
+    import errno
+
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
+                                   flags=socket.AI_PASSIVE)
+    except (OSError, UnicodeError, ValueError):
+        return False  # gRPC says what it finds
+    for family, kind, proto, _, where in infos:
+        try:
+            with socket.socket(family, kind, proto) as s:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                s.bind(where)
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                return True
+        except (UnicodeError, ValueError):
+            pass
+    return False
+
+
 def why_not_listening(host: str, port: int, option: str, host_option: str | None = None
                       ) -> str:
     """Why a server cannot listen on ``host:port``, found by binding a plain socket there (gRPC
