@@ -22,12 +22,11 @@ def task_sets(args, split: str, n: int) -> list:
     return [family_problems(name, split, n, args.seed) for name in names]
 
 
-def _grows(args, old, new) -> bool:
-    """Whether labels ``old`` (a ``LabelInfo``) continue as ``new``: a generated family with
-    more problems and otherwise the same options (its first problems are the same whatever
-    the count: ``family_problems``), its last shard whole."""
+def _asks_more(args, old, new) -> bool:
+    """Whether labels ``new`` (a ``LabelInfo``) ask for more problems of ``old``'s generated
+    family with otherwise the same options (its first problems are the same whatever the
+    count: ``family_problems``): ``old`` grows into ``new`` where its last shard is whole."""
     return (not args.tasks_file and new.problems > old.problems
-            and old.problems % old.per_shard == 0
             and replace(old, problems=new.problems, command="") == replace(new, command=""))
 
 
@@ -82,16 +81,15 @@ def label_task(args, target, tasks, folder: Path, command: str, deadline, say) -
                      command)
     if (folder / "labels.json").exists():
         old = LabelInfo.load(folder)
-        if _grows(args, old, info):
+        if _asks_more(args, old, info):
+            if old.problems % old.per_shard:
+                raise ConfigError(f"{folder} holds {old.problems} problems labelled in shards "
+                                  f"of {old.per_shard}: its last shard is not whole, so a "
+                                  "larger --problems cannot continue it (a run grows from a "
+                                  "multiple of --per-shard); give another --out")
             say(f"labels: {tasks.name} grows from {old.problems} to {info.problems} problems "
                 "(the first ones are the same)")
             info.save(folder)
-        elif not args.tasks_file and info.problems > old.problems and replace(
-                old, problems=info.problems, command="") == replace(info, command=""):
-            raise ConfigError(f"{folder} holds {old.problems} problems labelled in shards of "
-                              f"{old.per_shard}: its last shard is not whole, so a larger "
-                              "--problems cannot continue it (a run grows from a multiple of "
-                              "--per-shard); give another --out")
         elif replace(old, command="") != replace(info, command=""):
             raise ConfigError(f"{folder} holds labels made otherwise ({old.command!r}); give "
                               "another --out or the same labelling options (a generated task "

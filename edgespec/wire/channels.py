@@ -43,8 +43,6 @@ def check_tls_pair(cert: str, key: str) -> None:
     certificate's (gRPC says only that it cannot listen, the reason on its own stderr)."""
     import ssl
 
-    for option, path in (("--tls-cert", cert), ("--tls-key", key)):
-        _read(path, option)  # the file named where it cannot be read (ssl says only errno 2)
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     context.set_ciphers("DEFAULT:@SECLEVEL=0")  # the pair's form, not OpenSSL's key policy
     try:
@@ -53,6 +51,8 @@ def check_tls_pair(cert: str, key: str) -> None:
         raise ConfigError(f"--tls-cert {cert} and --tls-key {key} are not a PEM certificate "
                           f"and its private key ({e.reason or e})") from None
     except OSError as e:
+        for option, path in (("--tls-cert", cert), ("--tls-key", key)):
+            _read(path, option)  # the file that cannot be read, named (ssl gives only errno 2)
         raise ConfigError(f"cannot read the TLS certificate or key: {e}") from None
 
 

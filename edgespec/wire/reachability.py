@@ -266,57 +266,61 @@ def check_address(address: str, option: str) -> None:
         raise ConfigError(f"{option} {address!r}: the port must be in 0-65535 ({example})")
 
 
+def _bind_results(host: str, port: int, reuse: bool = False) -> list[OSError | None] | None:
+    """A plain socket bound at each address ``host:port`` resolves to, in order (SO_REUSEADDR
+    set where ``reuse``, as gRPC sets it): the OSError of each that failed, None where it bound;
+    None where the host does not resolve (a name IDNA refuses, a..b, raises UnicodeError)."""
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
+                                   flags=socket.AI_PASSIVE)
+    except (OSError, UnicodeError, ValueError):
+        return None
+    results: list[OSError | None] = []
+    for family, kind, proto, _, where in infos:
+        try:
+            with socket.socket(family, kind, proto) as s:
+                if reuse:
+                    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                s.bind(where)
+        except OSError as e:
+            results.append(e)
+            continue
+        except (UnicodeError, ValueError):
+            pass
+        results.append(None)
+    return results
+
+
 def port_in_use(host: str, port: int) -> bool:
     """Whether a server already listens on ``host:port``, as gRPC's own bind would find it
     (SO_REUSEADDR set, as gRPC sets it: a port held only by closed connections is free), so
     that the one-line error comes before gRPC logs a line of its own."""
     import errno
 
-    try:
-        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
-                                   flags=socket.AI_PASSIVE)
-    except (OSError, UnicodeError, ValueError):
-        return False  # gRPC says what it finds
-    for family, kind, proto, _, where in infos:
-        try:
-            with socket.socket(family, kind, proto) as s:
-                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                s.bind(where)
-        except OSError as e:
-            if e.errno == errno.EADDRINUSE:
-                return True
-        except (UnicodeError, ValueError):
-            pass
-    return False
+    results = _bind_results(host, port, reuse=True)  # a host that does not resolve: gRPC says
+    return any(e is not None and e.errno == errno.EADDRINUSE for e in results or ())
 
 
 def why_not_listening(host: str, port: int, option: str, host_option: str | None = None
                       ) -> str:
-    """Why a server cannot listen on ``host:port``, found by binding a plain socket there (gRPC
-    and uvicorn say it only in a log line of their own): the port in use, an address this
-    machine lacks, a port that needs privileges; "" where the bind works or the reason is
-    another. ``option``: what sets the port (and the host, unless ``host_option`` does)."""
+    """Why a server cannot listen on ``host:port``, found by binding a plain socket at its
+    first address (gRPC and uvicorn say it only in a log line of their own): the port in use,
+    an address this machine lacks, a port that needs privileges; "" where the bind works or
+    the reason is another. ``option``: what sets the port (and the host, unless
+    ``host_option`` does)."""
     import errno
 
-    try:
-        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
-                                   flags=socket.AI_PASSIVE)
-    except (OSError, UnicodeError, ValueError):  # a name IDNA refuses (a..b) raises the latter
+    results = _bind_results(host, port)
+    if results is None:
         return f": the host {host!r} does not resolve"
-    family, kind, proto, _, where = infos[0]
-    try:
-        with socket.socket(family, kind, proto) as s:
-            s.bind(where)
-    except (UnicodeError, ValueError):
+    e = results[0]
+    if e is None:
         return ""
-    except OSError as e:
-        if e.errno == errno.EADDRINUSE:
-            return (f": the port is in use (another server, an edgespec serve still running?); "
-                    f"stop it or give {option} another port")
-        if e.errno == errno.EADDRNOTAVAIL:
-            return (f": this machine has no address {host} (give {host_option or option} one "
-                    f"of its own)")
-        if e.errno == errno.EACCES:
-            return f": port {port} needs privileges (give {option} a port above 1023)"
-        return f": {e.strerror}"
-    return ""
+    if e.errno == errno.EADDRINUSE:
+        return (f": the port is in use (another server, an edgespec serve still running?); "
+                f"stop it or give {option} another port")
+    if e.errno == errno.EADDRNOTAVAIL:
+        return f": this machine has no address {host} (give {host_option or option} one of its own)"
+    if e.errno == errno.EACCES:
+        return f": port {port} needs privileges (give {option} a port above 1023)"
+    return f": {e.strerror}"
