@@ -32,15 +32,29 @@ def _asks_more(args, old, new) -> bool:
 
 def labels_grow(args, sets, out: Path) -> bool:
     """Whether a generated task's saved labels cover fewer problems than asked (the run
-    grows)."""
+    grows); ConfigError where they cannot grow (``_refuse_partial_growth``), before the
+    classifier is set aside for a growth that would be refused."""
     from edgespec.pad.labels import MANIFEST, LabelInfo
 
     for tasks in sets:
         folder = out / "labels" / tasks.name
-        if not args.tasks_file and (folder / MANIFEST).exists() and \
-                LabelInfo.load(folder).problems < len(tasks.problems):
+        if args.tasks_file or not (folder / MANIFEST).exists():
+            continue
+        old = LabelInfo.load(folder)
+        if old.problems < len(tasks.problems):
+            _refuse_partial_growth(folder, old)
             return True
     return False
+
+
+def _refuse_partial_growth(folder: Path, old) -> None:
+    """ConfigError where labels ``old`` (a ``LabelInfo``) end in a shard that is not whole: a
+    run grows only from a multiple of --per-shard."""
+    if old.problems % old.per_shard:
+        raise ConfigError(f"{folder} holds {old.problems} problems labelled in shards of "
+                          f"{old.per_shard}: its last shard is not whole, so a larger "
+                          "--problems cannot continue it (a run grows from a multiple of "
+                          "--per-shard); give another --out")
 
 
 def set_aside_for_growth(out: Path, say) -> None:
@@ -82,11 +96,7 @@ def label_task(args, target, tasks, folder: Path, command: str, deadline, say) -
     if (folder / "labels.json").exists():
         old = LabelInfo.load(folder)
         if _asks_more(args, old, info):
-            if old.problems % old.per_shard:
-                raise ConfigError(f"{folder} holds {old.problems} problems labelled in shards "
-                                  f"of {old.per_shard}: its last shard is not whole, so a "
-                                  "larger --problems cannot continue it (a run grows from a "
-                                  "multiple of --per-shard); give another --out")
+            _refuse_partial_growth(folder, old)
             say(f"labels: {tasks.name} grows from {old.problems} to {info.problems} problems "
                 "(the first ones are the same)")
             info.save(folder)

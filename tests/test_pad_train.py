@@ -114,6 +114,16 @@ def test_a_generated_task_grows_with_a_larger_problems_count(tiny_dir, tmp_path)
     other = run(6, "--rollouts", 3)
     assert other.returncode != 0 and "made otherwise" in other.stderr
     assert LabelInfo.load(folder).problems == 4
+    # a run whose last shard is not whole cannot grow: refused, saying why, and the classifier
+    # it made stays where it is
+    out, folder = tmp_path / "partial", tmp_path / "partial" / "labels" / "arith"
+    assert run(3).returncode == 1  # 3 problems in shards of 2: its last shard holds 1
+    (out / "classifier").mkdir(exist_ok=True)
+    (out / "classifier" / "pad.json").write_text("{}")
+    refused = run(4)
+    assert refused.returncode == 2 and "its last shard is not whole" in refused.stderr
+    assert (out / "classifier" / "pad.json").exists() and not (out / "classifier.previous").exists()
+    assert LabelInfo.load(folder).problems == 3
 
 
 def test_measure_and_bad_input(tiny_dir, tmp_path):
