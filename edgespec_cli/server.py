@@ -280,7 +280,7 @@ class EdgespecServer:
     def _start_http(self, port: int) -> None:
         import uvicorn
 
-        from edgespec.wire.reachability import why_not_listening
+        from edgespec.wire.reachability import port_in_use, why_not_listening
         from verifier_node.body_limit import default_max_request_bytes
         from verifier_node.http_api import ServingState, make_app
 
@@ -296,6 +296,10 @@ class EdgespecServer:
             import ssl
 
             tls.update(ssl_ca_certs=self.opts.tls_client_ca, ssl_cert_reqs=ssl.CERT_REQUIRED)
+        if port and port_in_use(self.opts.http_host, port):  # said before uvicorn logs it
+            raise ConfigError(f"cannot serve HTTP on {self.opts.http_host}:{port}"
+                              + why_not_listening(self.opts.http_host, port, "--http-port",
+                                                  "--http-host"))
         self.http = http = uvicorn.Server(uvicorn.Config(
             app, host=self.opts.http_host, port=port, log_level="warning",
             lifespan="off", timeout_graceful_shutdown=5, **tls))

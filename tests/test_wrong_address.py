@@ -310,6 +310,12 @@ def test_a_port_in_use_or_an_address_not_here_is_said_in_the_error():
                             f"127.0.0.1:{port}"], capture_output=True, text=True, timeout=300)
         assert r.returncode == 2 and "the port is in use" in r.stderr, r.stderr
         assert "add_port" not in r.stderr and "Failed to add port" not in r.stderr, r.stderr
+        # the HTTP API's port too, before uvicorn logs its own line
+        r = subprocess.run([sys.executable, "-m", "edgespec_cli", "serve", "--listen",
+                            "127.0.0.1:0", "--http-port", str(port)],
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 2 and "the port is in use" in r.stderr, r.stderr
+        assert "--http-port" in r.stderr and "attempting to bind" not in r.stderr, r.stderr
     finally:
         server.stop(0)
         held.close()
