@@ -30,10 +30,11 @@ def _asks_more(args, old, new) -> bool:
             and replace(old, problems=new.problems, command="") == replace(new, command=""))
 
 
-def labels_grow(args, sets, out: Path) -> bool:
+def labels_grow(args, target, sets, out: Path) -> bool:
     """Whether a generated task's saved labels cover fewer problems than asked (the run
-    grows); ConfigError where they cannot grow (``_refuse_partial_growth``), before the
-    classifier is set aside for a growth that would be refused."""
+    grows); ConfigError where they cannot grow (made by another target or with other options,
+    or ``_refuse_partial_growth``), before the classifier is set aside for a growth that
+    would be refused."""
     from edgespec.pad.labels import MANIFEST, LabelInfo
 
     for tasks in sets:
@@ -42,9 +43,31 @@ def labels_grow(args, sets, out: Path) -> bool:
             continue
         old = LabelInfo.load(folder)
         if old.problems < len(tasks.problems):
+            _check_labels_target(folder, target)
+            if _made_otherwise(args, tasks.name, tasks.scorer.name, old):
+                _refuse_made_otherwise(folder, old)
             _refuse_partial_growth(folder, old)
             return True
     return False
+
+
+# the labelling options a LabelInfo keeps as the command gave them (the rest: the target's)
+_OPTIONS = ("tap", "drafter", "per_shard", "rollouts", "temperature", "max_new_tokens",
+            "max_candidates", "skip_at", "seed")
+
+
+def _made_otherwise(args, task: str, scorer: str, old) -> bool:
+    """Whether labels ``old`` (a ``LabelInfo``) were made with labelling options other than
+    ``args``' for ``task`` (its problem count aside)."""
+    return (old.task != task or old.scorer != scorer
+            or any(getattr(old, k) != getattr(args, k) for k in _OPTIONS))
+
+
+def _refuse_made_otherwise(folder: Path, old) -> None:
+    raise ConfigError(f"{folder} holds labels made otherwise ({old.command!r}); give "
+                      "another --out or the same labelling options (a generated task "
+                      "may grow: a larger --problems continues it when its last shard "
+                      "is whole)")
 
 
 def _refuse_partial_growth(folder: Path, old) -> None:
@@ -101,10 +124,7 @@ def label_task(args, target, tasks, folder: Path, command: str, deadline, say) -
                 "(the first ones are the same)")
             info.save(folder)
         elif replace(old, command="") != replace(info, command=""):
-            raise ConfigError(f"{folder} holds labels made otherwise ({old.command!r}); give "
-                              "another --out or the same labelling options (a generated task "
-                              "may grow: a larger --problems continues it when its last shard "
-                              "is whole)")
+            _refuse_made_otherwise(folder, old)
     else:
         info.save(folder)
     drafter = drafter_runner(args.drafter, target, runner, max_len, target.dtype)
@@ -135,7 +155,7 @@ def label_and_train(args, target, out: Path, command: str, deadline, say) -> dic
     from edgespec.pad.labels import Candidates, load_labels
     from edgespec.pad.training import TooFewLabels, TrainSettings, train_classifier
     sets = task_sets(args, "train", args.problems)
-    if not args.no_label and labels_grow(args, sets, out):
+    if not args.no_label and labels_grow(args, target, sets, out):
         set_aside_for_growth(out, say)
     if (out / "classifier" / MANIFEST).exists():
         say(f"classifier already in {out / 'classifier'}")

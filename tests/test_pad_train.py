@@ -4,6 +4,7 @@ draft model, the labels' utilities on disk, a classifier saved with the target's
 loads for its target; ``--measure``; bad input refused with one line."""
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -111,9 +112,13 @@ def test_a_generated_task_grows_with_a_larger_problems_count(tiny_dir, tmp_path)
     info = LabelInfo.load(folder)
     assert info.problems == 4 and finished_shards(folder, info) == 2
     assert (folder / "shard-00000.safetensors").read_bytes() == shard0  # kept, not redone
-    other = run(6, "--rollouts", 3)
-    assert other.returncode != 0 and "made otherwise" in other.stderr
+    (out / "classifier").mkdir()  # as if the grown run had trained one
+    (out / "classifier" / "pad.json").write_text("{}")
+    other = run(6, "--rollouts", 3)  # refused before the classifier is set aside
+    assert other.returncode == 2 and "made otherwise" in other.stderr, other.stderr
+    assert (out / "classifier" / "pad.json").exists()  # where it was
     assert LabelInfo.load(folder).problems == 4
+    shutil.rmtree(out / "classifier")
     # a run whose last shard is not whole cannot grow: refused, saying why, and the classifier
     # it made stays where it is
     out, folder = tmp_path / "partial", tmp_path / "partial" / "labels" / "arith"
