@@ -89,7 +89,8 @@ class KeyLayout:
 
 
 # the fields of a commit event, in the order the commit script (store_lua.COMMIT_LUA) writes
-# them; assign and close events carry the first two (tests/test_cache_store.py reads the script)
+# them; assign and close events carry the first two (tests/test_cache_store_inbox.py reads
+# the script)
 COMMIT_FIELDS = ("t", "sid", "epoch", "end", "fix", "tok", "pos", "more", "want")
 
 

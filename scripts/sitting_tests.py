@@ -16,9 +16,10 @@ from pathlib import Path
 from sitting_common import say
 
 ROOT = Path(__file__).resolve().parents[1]
-CUDA_TESTS = ["tests/test_fused_kernels.py", "tests/test_step_graphs.py",
-              "tests/test_fused_runner.py", "tests/test_batch_invariance.py",
-              "tests/test_invariance_probes.py", "tests/test_verification.py",
+CUDA_TESTS = ["tests/test_fused_kernels.py", "tests/test_fused_attention.py",
+              "tests/test_step_graphs.py", "tests/test_fused_runner.py",
+              "tests/test_batch_invariance.py", "tests/test_invariance_probes.py",
+              "tests/test_verification.py", "tests/test_verification_syncs.py",
               "tests/test_cuda_lossless.py", "tests/test_gemm_plan.py",
               "tests/test_shared_prefill.py"]
 CUDA_SELECT = "cuda or host_keyed_choice or fused or slot_attention or rms_norm or silu or rope"
@@ -32,7 +33,7 @@ def stage_tests(s, timeout_s: float, workers: int = 0) -> None:
         [p for p in (os.environ.get("PYTHONPATH"), str(ROOT)) if p]))
     if s.dry:
         env.update(EDGESPEC_LOSSLESS_DEVICE="cpu", EDGESPEC_LOSSLESS_LAYERS="1")
-        select = ["tests/test_fused_kernels.py"]
+        select = ["tests/test_fused_kernels.py", "tests/test_fused_attention.py"]
     else:
         select = [*CUDA_TESTS, "-k", CUDA_SELECT]
     cmd = [sys.executable, "-m", "pytest", "-q", "-rfEs", "-p", "no:cacheprovider", *select]

@@ -1,6 +1,8 @@
 """A live ``edgespec serve --http-port`` for the HTTP API's tests (``test_http_api``,
-``test_http_refusals``): the server (with a MaG board attached, or none), the official
-``openai`` client on it, one plain HTTP call, and the target-only reference of a prompt."""
+``test_http_finish_and_metrics``, ``test_http_refusals``): the server (with a MaG board attached,
+or none), the official ``openai`` client on it, one plain HTTP call, and the target-only
+reference of a prompt. Its ``server`` and ``api`` fixtures (the default server, a board
+attached) are imported into the modules that share them."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import openai
+import pytest
 from conftest import hf_greedy
 
 from edgespec.wire.channels import free_port
@@ -77,6 +80,17 @@ def openai_client(server: dict) -> openai.OpenAI:
                            timeout=120)
     client.model_id = client.models.list().data[0].id
     return client
+
+
+@pytest.fixture(scope="module")
+def server(looping_dir, tmp_path_factory):
+    with http_server(looping_dir, tmp_path_factory.mktemp("http")) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def api(server):
+    return openai_client(server)
 
 
 def reference(looping, ids, n=N) -> tuple[list[int], str]:

@@ -18,6 +18,13 @@ import edgespec
 from edgespec.wire.channels import free_port
 
 
+def edgespec(*args, timeout=300):
+    """``python -m edgespec_cli ARGS`` run to its end: its exit status, stdout and stderr."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    return subprocess.run([sys.executable, "-m", "edgespec_cli", *map(str, args)],
+                          capture_output=True, text=True, timeout=timeout, env=env)
+
+
 class Proc:
     """``python -m edgespec_cli ARGS`` logging to a file; ``python``: another environment's
     interpreter (default: this one's)."""

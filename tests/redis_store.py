@@ -1,6 +1,6 @@
 """The Redis-backed session store on a flushed database of a real Redis (embedded and external:
 the ``redis_url`` fixture's two), for the store's tests (``test_cache_store``, ``test_cache_waits``,
-``test_cache_store_faults``); its fixture is imported into them."""
+``test_cache_store_inbox``, ``test_cache_store_faults``); its fixture is imported into them."""
 
 import pytest
 

@@ -89,7 +89,7 @@ def test_ragged_chains_have_the_bits_of_one_at_a_time(small):
 def test_a_tree_node_has_the_bits_of_its_chain(small):
     """Node 2 hangs from node 0 (a branch stored out of decoding order): its logits are those
     of the chain root, node 0, node 2 verified as a chain (the rows kernel's tree nodes:
-    test_fused_kernels, bit for bit against their chains)."""
+    test_fused_attention, bit for bit against their chains)."""
     runner = _fused(small.model)
     rng = random.Random(2)
     _prefill(runner, 1, rng, 61)  # the root's position crosses into the next key block
@@ -181,7 +181,7 @@ def test_where_the_tiles_vary_the_runner_serves_with_the_rows_kernel(small, monk
 
 def test_a_tiles_kernel_that_does_not_run_here_leaves_the_rows_kernel(small, monkeypatch,
                                                                       caplog):
-    def probe(*a, kernel):  # the rows kernel's own probe: test_fused_kernels runs it
+    def probe(*a, kernel):  # the rows kernel's own probe: test_fused_attention runs it
         if kernel == "tiles":
             raise RuntimeError("out of resources: shared memory")
         return None

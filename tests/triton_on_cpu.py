@@ -15,7 +15,8 @@ interpreter gaps:
 kernels call ``require_triton()`` (skipped where Triton is not installed).
 
 It also patches the language for a jit helper called inside a kernel once a launch, not at
-every call (the same kernels, a fifth less time)."""
+every call (the same kernels, a fifth less time), and gives the kernels' tests their inputs: the
+device (``DEV``), the dtypes they are held in (``DTYPES``) and seeded random tensors there."""
 
 from __future__ import annotations
 
@@ -91,6 +92,15 @@ if HAVE_TRITON and INTERPRETED:
 
     _interpreter.GridExecutor.__call__ = _counted_launch
     _interpreter.InterpretedFunction.__call__ = _device_call
+
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _rand(*shape, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g).to(DEV, dtype)
 
 
 def require_triton() -> None:
