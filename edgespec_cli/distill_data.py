@@ -3,30 +3,20 @@ ones, and the user's JSONL files) and the harvest of the target's responses to t
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import replace
 from collections import defaultdict
 from pathlib import Path
 
 from edgespec.config import ConfigError
+from edgespec.jsonl_file import jsonl_rows
 
 
 def read_prompt_file(path: str) -> list[dict]:
     """A JSONL file's requests: {"prompt": TEXT}, {"messages": [...]} or {"turns": [...]}
     (the first turn) per line; blank lines are skipped."""
-    try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
-    except OSError as e:
-        raise ConfigError(f"cannot read the prompt file {path}: {e.strerror}") from None
     out = []
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            raise ConfigError(f"{path}:{n}: not a JSON object") from None
+    for n, row in jsonl_rows(path, "the prompt file"):
         if isinstance(row, dict) and isinstance(row.get("messages"), list):
             out.append({"messages": row["messages"]})
         elif isinstance(row, dict) and isinstance(row.get("prompt"), str):

@@ -17,9 +17,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 LAYERS = {"edgespec": 0, "cache_service": 1, "drafter_node": 1, "verifier_node": 1,
           "edgespec_cli": 2}
-EDGESPEC_ORDER = [("config", "v1"), ("protocol",), ("wire",), ("runner",), ("verify",),
-                  ("models",), ("heads",), ("drafters",), ("pad",), ("engine",), ("sdk",),
-                  ("client", "")]
+EDGESPEC_ORDER = [("config", "jsonl_file", "v1"), ("protocol",), ("wire",), ("runner",),
+                  ("verify",), ("models",), ("heads",), ("drafters",), ("pad",), ("engine",),
+                  ("sdk",), ("client", "")]
 
 
 def _module_name(path: Path) -> str:

@@ -63,6 +63,21 @@ def test_a_users_file_is_split_by_the_same_rule(tmp_path):
     path.write_text('{"prompt": "no answer"}\n')
     with pytest.raises(ConfigError, match='needs "prompt"'):
         file_problems(str(path), "exact", "train")
+    # the reader the tasks and prompt files share: a line's number in its errors, the file named
+    from edgespec.jsonl_file import jsonl_rows
+    from edgespec_cli.distill_data import read_prompt_file
+
+    path.write_text('{"prompt": "a", "answer": 1}\n\n{"prompt": "b"\n')
+    for read in (lambda: file_problems(str(path), "exact", "train"),
+                 lambda: read_prompt_file(str(path))):
+        with pytest.raises(ConfigError, match=r"tasks.jsonl:3: not a JSON object"):
+            read()
+    path.write_text('{"prompt": "a"}\n\n  \n["b"]\n')
+    assert list(jsonl_rows(str(path), "x")) == [(1, {"prompt": "a"}), (4, ["b"])]
+    with pytest.raises(ConfigError, match="cannot read the tasks file .*missing"):
+        file_problems(str(tmp_path / "missing"), "exact", "train")
+    with pytest.raises(ConfigError, match="cannot read the prompt file .*missing"):
+        read_prompt_file(str(tmp_path / "missing"))
 
 
 def test_scorers():

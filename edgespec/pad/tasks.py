@@ -20,13 +20,12 @@ Families (each tuned so that SmolLM2-135M-Instruct, greedy, is right on 30-90% o
 from __future__ import annotations
 
 import hashlib
-import json
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 from ..config import ConfigError
+from ..jsonl_file import jsonl_rows
 from .scoring import Scorer
 
 SPLITS = ("train", "test")
@@ -130,18 +129,8 @@ def family_problems(name: str, split: str, n: int, seed: int = 0) -> TaskSet:
 
 def file_problems(path: str, scorer: str, split: str) -> TaskSet:
     """A JSONL file's problems ({"prompt": TEXT, "answer": TEXT} a line) in ``split``."""
-    try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
-    except OSError as e:
-        raise ConfigError(f"cannot read the tasks file {path}: {e.strerror}") from None
     out = []
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            raise ConfigError(f"{path}:{n}: not a JSON object") from None
+    for n, row in jsonl_rows(path, "the tasks file"):
         if not (isinstance(row, dict) and isinstance(row.get("prompt"), str)
                 and isinstance(row.get("answer"), (str, int, float))):
             raise ConfigError(f'{path}:{n}: a line needs "prompt" (text) and "answer"')
