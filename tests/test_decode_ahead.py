@@ -181,9 +181,10 @@ def test_verdicts_kept_while_the_store_is_down_commit_first_and_the_steps_run_on
 
 
 def test_a_failed_wait_retries_each_session_alone_from_its_own_forward(runner, refs,
-                                                                        monkeypatch):
+                                                                        monkeypatch, caplog):
     """The batch's wait raising after the next step was launched: the launch is dropped, each
-    session verified alone (none failed), and the outputs are target-only's."""
+    session verified alone (none failed, the batch's failure logged and counted), and the
+    outputs are target-only's."""
     import edgespec.engine.spec_engine as spec_engine
 
     real, calls = spec_engine.HostCopy, {"n": 0}
@@ -196,11 +197,23 @@ def test_a_failed_wait_retries_each_session_alone_from_its_own_forward(runner, r
             return super().wait()
 
     monkeypatch.setattr(spec_engine, "HostCopy", FailingOnce)
+    failures = []
     with _engine(runner) as engine:
+        step = engine.step
+
+        def counting_step():
+            report = step()
+            failures.append(engine.forwards_failed)
+            return report
+
+        engine.step = counting_step
         results = engine.generate_many([Request(p, n) for p, n in zip(PROMPTS, NEW)])
         assert [r.token_ids for r in results] == refs
         assert engine.ahead.dropped >= 1 and engine.ahead.claimed > 5
     assert calls["n"] > 5
+    assert failures.count(1) == 1 and sum(failures) == 1  # the batch's forward, one step's
+    assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == \
+        [f"the verification forward of {len(PROMPTS)} sessions failed; each is verified alone"]
 
 
 def test_off_by_default_on_a_cpu_and_never_with_drafts(runner, refs):

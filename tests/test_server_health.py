@@ -55,6 +55,9 @@ def test_health_is_not_serving_while_every_step_fails_and_serving_after_one_succ
         _wait_status(server.port, NOT_SERVING)
         assert f"the last {FAILING_STEPS} verification steps failed" in \
             pb_grpc.VerifierStub(ch).Status(pb.StatusRequest(), timeout=30).unhealthy_reason
+        # the forwards that raised are counted (a step that raised ran none to count)
+        failed = server.registry.get_sample_value("edgespec:forward_failures_total")
+        assert failed == 0 if where == "step" else failed >= FAILING_STEPS
         delattr(faulty, method)  # the fault gone: the class's method again
         got = list(stub.Generate(pb.GenerateRequest(prompt_ids=[1, 5, 6], max_new_tokens=4),
                                  timeout=60))

@@ -138,6 +138,8 @@ def test_cuda_engine_steps_wait_for_the_device_only_for_their_verdicts(tiny, mon
                                           for p in prompts[5:]])
             with implicit_syncs_refused(runner.device):
                 engine.step()
+            # a refused wait in a batch's path would be retried a session at a time: none
+            assert engine.forwards_failed == 0, steps
             steps += 1
     assert [s.finish in ("length", "stop") for s in sessions] == [True] * 8
     assert runner.graphs.replays > 0
@@ -178,6 +180,7 @@ def test_cuda_decode_steps_run_ahead_wait_only_for_their_verdicts(tiny, params, 
                                               for p in prompts[5:]])
                 with implicit_syncs_refused(runner.device):
                     engine.step()
+                assert engine.forwards_failed == 0, steps  # none retried a session at a time
                 steps += 1
             assert (engine.ahead.claimed > 0) == (ahead is None)
         assert [s.finish in ("length", "stop") for s in sessions] == [True] * 8

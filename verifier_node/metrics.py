@@ -18,7 +18,9 @@ histograms: ``edgespec:time_to_first_token_seconds``, ``edgespec:inter_token_lat
 ``edgespec:rested_steps_total`` (steps whose drafters rested: drafting measured slower than
 resting at that batch size, ``edgespec.engine.drafting_worth``),
 ``edgespec:steps_run_ahead_total`` (steps whose forward was launched during the step before,
-``edgespec.engine.decode_ahead``: their ``forward`` phase is the wait for their verdicts).
+``edgespec.engine.decode_ahead``: their ``forward`` phase is the wait for their verdicts),
+``edgespec:forward_failures_total`` (forwards that raised: a batch's, whose sessions are then
+verified one by one, a session's alone, a prefill's).
 Gauges read at scrape time:
 ``edgespec:num_requests_running``, ``edgespec:num_requests_waiting``,
 ``edgespec:num_requests_prefilling``, ``edgespec:kv_slots_free``. The server's cost:
@@ -96,6 +98,10 @@ class VerifierMetrics:
         self.steps_run_ahead = Counter("edgespec:steps_run_ahead",
                                        "Verification steps whose forward was launched during "
                                        "the step before (decode steps run ahead)", registry=r)
+        self.forward_failures = Counter("edgespec:forward_failures",
+                                        "Forwards that raised: a batch's (its sessions then "
+                                        "verified one by one), a session's alone, a prefill's",
+                                        registry=r)
         self.num_drafts = Counter("edgespec:spec_decode_num_drafts",
                                   "Verified non-empty drafts", registry=r)
         self.draft_tokens = Counter("edgespec:spec_decode_num_draft_tokens",

@@ -224,6 +224,8 @@ class Scheduler(threading.Thread):
                         self._count_failing_step()
                     else:
                         self._failed_steps = 0
+                    if self.engine.forwards_failed and self.metrics is not None:
+                        self.metrics.forward_failures.inc(self.engine.forwards_failed)
                     if report is not None:  # a step that verified nothing says nothing of pace
                         # the step's prefill is the pace's prefill rate's (``_prefilled``)
                         took = time.monotonic() - began - self.engine.prefill_s

@@ -28,13 +28,13 @@ from typing import Any
 
 import torch
 
-from ..config import (EngineConfig, verifies_trees)
+from ..config import EngineConfig, verifies_trees
 from ..drafters import Drafter
 from ..drafters.adaptive import Prober
 from ..drafters.draft_rates import DraftRates, RowsOf
 from ..heads.proposer import HeadProposer, VerifierHead
 from ..pad.verify_rule import PadVerifier
-from ..protocol.contract import (Proposer, SessionStore)
+from ..protocol.contract import Proposer, SessionStore
 from ..models.vision import VisionModel
 from ..protocol.fleet_table import FleetTable
 from ..protocol.local_store import LocalSessionStore
@@ -51,7 +51,7 @@ from .prefill_queue import PrefillQueue
 from .generation import ActiveSession, Admission, Request, Result, SessionFailed
 from .lateness import Lateness
 from .decisions import Decision
-from .proposals import (DrafterProposer, StepDraft)
+from .proposals import DrafterProposer, StepDraft
 from .scoring import ScoredStep, row_decisions, score_step, with_logprobs
 from .step_commit import report_of
 from .step_drafts import StepDrafts
@@ -79,9 +79,7 @@ class SpecEngine(StepDrafts):
         which refuses images."""
         if store is not None and drafter is not None:
             raise ValueError("give a local drafter or an external store, not both")
-        self.target = target
-        self.vision = vision
-        self.drafter = drafter
+        self.target, self.vision, self.drafter = target, vision, drafter
         self.cfg = config or EngineConfig()
         if head is None and self.cfg.head.startswith(IMITATION):
             from ..heads.imitation import load_imitation
@@ -97,9 +95,8 @@ class SpecEngine(StepDrafts):
         # a draft head drafting from the verification forward's features, or the target
         # drafting for itself through an imitation network
         self.head = head
-        self.pad: PadVerifier | None = None  # PAD's classifier (--verify pad:DIR)
-        if self.cfg.verify == "pad":
-            self.pad = PadVerifier.load(self.cfg.pad, target)
+        self.pad: PadVerifier | None = (  # PAD's classifier (--verify pad:DIR)
+            PadVerifier.load(self.cfg.pad, target) if self.cfg.verify == "pad" else None)
         self.proposers: list[Proposer] = [DrafterProposer()]  # the sources of each step's drafts
         if head is not None:
             self.proposers.append(head)
@@ -171,12 +168,16 @@ class SpecEngine(StepDrafts):
 
     @property
     def faulted(self) -> bool:
-        """Whether the last step had a forward raise (the batch's, then each session's alone,
-        or a prefill's) and no verification forward run: its sessions failed one by one, as a
-        device fault would fail them all (a prefill that ran does not clear it: a fault of
-        the verification's kernels alone fails every session all the same). The scheduler's
-        health counts such steps as failing steps."""
+        """Whether the last step had a forward raise and no verification forward run: its
+        sessions failed one by one, as a device fault fails them all (a prefill that ran does
+        not clear it). The scheduler's health counts such steps as failing steps."""
         return self._forwards_failed > 0 and self._forwards_ok == 0
+
+    @property
+    def forwards_failed(self) -> int:
+        """The last step's forwards that raised: the batch's (its sessions then verified one
+        by one), a session's alone, a prefill's (``edgespec:forward_failures_total``)."""
+        return self._forwards_failed
 
     @property
     def free_slots(self) -> int:
@@ -294,6 +295,8 @@ class SpecEngine(StepDrafts):
                 log.exception("verification of session %s failed", act.sid)
                 self.fail(act, SessionFailed("verification failed"))
                 return [None]
+            log.warning("the verification forward of %d sessions failed; each is verified "
+                        "alone", len(drafts), exc_info=True)
         out: list[Decision | None] = []
         for d in drafts:
             out.extend(self._verify([d]))
