@@ -300,3 +300,24 @@ def test_once_the_store_is_unreachable_the_rest_of_a_batch_is_not_tried(engine, 
     got = engine.admit([Admission(Request(p, 4)) for p in _prompts(3, seed=9)])
     assert len(tried) == 1 and all(isinstance(g, StoreUnavailable) for g in got)
     assert engine.sessions == [] and engine.free_slots == 6
+
+
+def test_a_prefill_whose_report_raised_is_not_reported_again(tiny, engine):
+    """The prefill reports (``on_prefill``: the scheduler's pace) are taken before they are
+    made: one that raised is not made again at every later step, and the others are made once
+    each."""
+    reports: list[int] = []
+
+    def on_prefill(tokens: int, seconds: float) -> None:
+        reports.append(tokens)
+        if len(reports) == 1:
+            raise RuntimeError("a pace that broke")
+
+    engine.on_prefill = on_prefill
+    first, second = _prompts(2, seed=3)
+    engine.admit([Admission(Request(first, 4))])
+    with pytest.raises(RuntimeError, match="a pace that broke"):
+        engine.step()  # its prefill's report raised
+    engine.admit([Admission(Request(second, 4))])
+    _run(engine)
+    assert reports == [len(first) - 1, len(second) - 1]  # (a prompt's last token: its first step's)

@@ -295,14 +295,14 @@ class SessionLifecycle:
     def _settle_prefill(self) -> float:
         """The prefills queued since the last settle reported (``on_prefill``) with the
         device's seconds for each (read without a wait after the step's verdicts; before
-        them, waiting for the prefill); returns their sum."""
-        total = 0.0
-        for tokens, span in self._unwaited_prefill:
+        them, waiting for the prefill); returns their sum. Each is taken before it is
+        reported: one whose report raises is not reported again at every later step."""
+        total, pending, self._unwaited_prefill = 0.0, self._unwaited_prefill, []
+        for tokens, span in pending:
             seconds = span.seconds()
             total += seconds
             if self.on_prefill is not None:
                 self.on_prefill(tokens, seconds)
-        self._unwaited_prefill = []
         return total
 
     @property
