@@ -128,9 +128,8 @@ class SpecEngine(StepDrafts):
         self._asks: list[int] = []  # each taken draft's ask (``_take``), in their order
         self._ids = itertools.count()
         wait_ms = self.cfg.draft_wait_ms
-        if wait_ms is None:
-            wait_ms = drafter.wait_ms if drafter else self.store.wait_ms
-        self.wait_ms: float = wait_ms
+        self.wait_ms: float = wait_ms if wait_ms is not None else \
+            drafter.wait_ms if drafter else self.store.wait_ms
         self.active: list[ActiveSession] = []
         # admitted sessions whose prompts are being prefilled, a budget a step (prefill_queue)
         self.prefilling = PrefillQueue(target, min(PREFILL_CHUNK, self.cfg.prefill_budget))
@@ -162,8 +161,7 @@ class SpecEngine(StepDrafts):
         # decode steps launched a step ahead (``decode_ahead``): on where a forward runs apart
         # from the host (CUDA)
         ahead = self.cfg.decode_ahead
-        self.ahead = DecodeAhead(target, target.device.type == "cuda" if ahead is None
-                                 else ahead)
+        self.ahead = DecodeAhead(target, target.device.type == "cuda" if ahead is None else ahead)
         self._claim: Claim | None = None  # this step's share of the forward run ahead
 
     @property
@@ -280,8 +278,10 @@ class SpecEngine(StepDrafts):
                    for d in drafts)
 
     def _verify(self, drafts: list[StepDraft]) -> Sequence[Decision | None]:
-        """One forward over the batch, each row's verdict decided; if it fails, each session
-        alone, so that a failure fails only the session it concerns (None marks those)."""
+        """One forward over the batch (or its share of one run ahead), each row's verdict
+        decided; if it fails, each session by a forward of its own, so that a failure fails
+        only the session it concerns (None marks those)."""
+        ran_ahead = self._claim is not None
         try:
             decided = self._forward_and_verify(drafts)
             self._forwards_ok += 1
@@ -290,13 +290,13 @@ class SpecEngine(StepDrafts):
             self._forwards_failed += 1
             self._claim = None  # each session again by a forward of its own
             self.ahead.drop()  # launched from the choices of the batch that failed
-            if len(drafts) == 1:
+            if len(drafts) == 1 and not ran_ahead:
                 act = drafts[0].act
                 log.exception("verification of session %s failed", act.sid)
                 self.fail(act, SessionFailed("verification failed"))
                 return [None]
-            log.warning("the verification forward of %d sessions failed; each is verified "
-                        "alone", len(drafts), exc_info=True)
+            log.warning("the verification of %d session(s) failed; each is verified by a "
+                        "forward of its own", len(drafts), exc_info=True)
         out: list[Decision | None] = []
         for d in drafts:
             out.extend(self._verify([d]))
