@@ -18,7 +18,7 @@ import edgespec
 from edgespec.wire.channels import free_port
 
 
-def edgespec(*args, timeout=300):
+def run_edgespec(*args, timeout=300):
     """``python -m edgespec_cli ARGS`` run to its end: its exit status, stdout and stderr."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     return subprocess.run([sys.executable, "-m", "edgespec_cli", *map(str, args)],

@@ -11,7 +11,7 @@ import json
 import pytest
 from cli_inprocess import run_cli
 from conftest import hf_greedy
-from procs import edgespec
+from procs import run_edgespec as edgespec
 
 from edgespec.models.loading import encode_prompt
 

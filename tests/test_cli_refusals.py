@@ -9,7 +9,7 @@ import re
 
 import pytest
 from cli_inprocess import run_cli
-from procs import edgespec
+from procs import run_edgespec as edgespec
 
 pytestmark = pytest.mark.slow  # processes, servers or long sweeps: not the fast tier
 

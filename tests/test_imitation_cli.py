@@ -7,7 +7,7 @@ import json
 import pytest
 
 from conftest import hf_greedy
-from procs import edgespec
+from procs import run_edgespec as edgespec
 from test_distill_cli import PROMPTS
 
 from edgespec.models.loading import encode_prompt

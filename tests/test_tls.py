@@ -41,7 +41,7 @@ def test_tls_server_serves_trusting_clients_only(certs, tiny_dir, tmp_path):
 
 
 def test_tls_needs_both_certificate_and_key(tiny_dir, certs):
-    from procs import edgespec as run_cli
+    from procs import run_edgespec as run_cli
 
     r = run_cli("serve", "--model", tiny_dir, "--tls-cert", certs[0], "--listen", "127.0.0.1:0")
     assert r.returncode == 2 and "--tls-key" in r.stderr
