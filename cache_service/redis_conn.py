@@ -22,7 +22,7 @@ import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from typing import Any, Callable
+from typing import Any
 from urllib.parse import parse_qsl, quote, urlencode, urlsplit
 
 import redis
@@ -81,29 +81,36 @@ def shown_url(url: str) -> str:
 _LAUNCHER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="embedded-redis")
 
 
-def _parent_death_signal() -> Callable[[], None] | None:
-    """What the child runs between fork and exec (``preexec_fn``) so that Linux SIGTERMs the
-    embedded server when its parent dies: a killed edgespec process leaves no redis-server
-    behind. libc's ``prctl`` is looked up here, in the parent: the child of a process with
-    threads may only call what needs no lock another thread could have held at the fork
-    (an import or a library load there crashed a child now and then). None where there is no
-    such call (not Linux)."""
+# what a process runs before it becomes the embedded redis-server (``_with_parent_death_signal``):
+# argv[1] the signal, argv[2] the pid it must be a child of, argv[3:] the server's command
+_ASK_DEATH_SIGNAL_THEN_EXEC = (
+    "import ctypes, os, sys\n"
+    "ctypes.CDLL(None, use_errno=True).prctl(1, int(sys.argv[1]))  # PR_SET_PDEATHSIG\n"
+    "if os.getppid() != int(sys.argv[2]):  # the parent died before the signal was asked for\n"
+    "    os.kill(os.getpid(), int(sys.argv[1]))\n"
+    "os.execvp(sys.argv[3], sys.argv[3:])\n")
+
+
+def _with_parent_death_signal(cmd: list[str]) -> list[str]:
+    """``cmd`` started so that Linux SIGTERMs it when its parent dies (a killed edgespec
+    process leaves no redis-server behind): through a Python that asks for the signal
+    (``prctl``) and then becomes ``cmd`` (``execvp``: the same process, the signal kept). Not
+    a ``preexec_fn``: a child forked to run one runs the fork handlers of every library the
+    parent loaded, and gRPC's, restarting its threads in the child, deadlocked one now and
+    then; a process started without one is spawned (vfork) and runs none. ``cmd`` alone where
+    there is no such call (not Linux)."""
     import ctypes
     import signal
+    import sys
 
     try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
+        ctypes.CDLL(None).prctl
     except (OSError, AttributeError):
-        return None
-    prctl.argtypes, prctl.restype = [ctypes.c_int, ctypes.c_ulong], ctypes.c_int
-    sig, parent = int(signal.SIGTERM), os.getpid()
-
-    def set_in_child() -> None:
-        prctl(1, sig)  # PR_SET_PDEATHSIG
-        if os.getppid() != parent:  # the parent died before the signal was asked for
-            os.kill(os.getpid(), sig)
-
-    return set_in_child
+        return cmd
+    if not sys.executable:
+        return cmd
+    return [sys.executable, "-I", "-S", "-c", _ASK_DEATH_SIGNAL_THEN_EXEC,
+            str(int(signal.SIGTERM)), str(os.getpid()), *cmd]
 
 
 @dataclass(frozen=True)
@@ -248,14 +255,12 @@ class RedisHandle:
                 f.write(f"requirepass {self.expose.password}\n")
             network = [conf, "--port", str(self.expose.port), "--bind", self.expose.host]
             data_dir = self.expose.data_dir
-        pdeathsig = _parent_death_signal()
+        cmd = _with_parent_death_signal(
+            [embedded_redis_binary(), *network, "--unixsocket", sock, "--unixsocketperm", "700",
+             "--save", "", "--appendonly", "yes", "--appendfsync", "everysec", "--dir", data_dir])
         for attempt in range(attempts):
             with open(log_path, "ab") as out:
-                self.proc = subprocess.Popen(
-                    [embedded_redis_binary(), *network, "--unixsocket", sock,
-                     "--unixsocketperm", "700", "--save", "", "--appendonly", "yes",
-                     "--appendfsync", "everysec", "--dir", data_dir],
-                    stdout=out, stderr=subprocess.STDOUT, preexec_fn=pdeathsig)
+                self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
             deadline = time.monotonic() + 30
             while time.monotonic() < deadline and self.proc.poll() is None:
                 try:

@@ -57,11 +57,35 @@ def test_an_embedded_redis_restarted_from_a_thread_outlives_that_thread():
         handle.close()
 
 
+def test_an_embedded_redis_is_spawned_not_forked_with_code_for_the_child():
+    """The embedded server's process is spawned: a fork with code to run in the child before
+    the server (a ``preexec_fn``) runs every loaded library's fork handlers in it, and gRPC's,
+    restarting its threads there, deadlocked a child now and then. Python's own fork hooks
+    (``os.register_at_fork``) see such forks; none comes from the launching thread."""
+    import os
+    import threading
+
+    forks: list[str] = []
+    os.register_at_fork(before=lambda: forks.append(threading.current_thread().name))
+    handle = RedisHandle()
+    try:
+        assert handle.client.ping() and handle.proc.poll() is None
+        handle.proc.kill()  # and a restart, from another thread
+        handle.proc.wait()
+        restart = threading.Thread(target=handle.ensure_running)
+        restart.start()
+        restart.join()
+        assert handle.client.ping()
+    finally:
+        handle.close()
+    assert not [name for name in forks if name.startswith("embedded-redis")]
+
+
 def test_an_embedded_redis_dies_with_the_process_that_started_it_from_a_busy_process():
     """A process killed outright leaves no redis-server behind (the child's parent-death
     signal), and the child is started safely from a process whose other threads are busy
-    importing and allocating at the fork (the signal is set up in the parent: the child runs
-    no import). Several starts, each from a fresh process."""
+    importing and allocating as it starts (it is spawned: the signal is asked for by the
+    spawned process before it becomes the server). Several starts, each from a fresh process."""
     import os
     import select
     import subprocess
