@@ -9,17 +9,12 @@ llama-cpp-python (the optional llamacpp extra)."""
 import pytest
 
 from edgespec.config import ConfigError, SamplingParams
+from llamacpp_harness import llama_cpp  # noqa: F401  (the fixture: skips without it)
 
 pytestmark = [pytest.mark.real_model, pytest.mark.slow]
 
 GREEDY = SamplingParams()
 SEEDED = SamplingParams(temperature=0.8, top_p=0.95, seed=5)
-
-
-@pytest.fixture(scope="module")
-def llama_cpp():
-    return pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (the "
-                               "optional llamacpp extra)")
 
 
 @pytest.fixture(scope="module")
