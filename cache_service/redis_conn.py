@@ -81,6 +81,7 @@ def shown_url(url: str) -> str:
 _LAUNCHER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="embedded-redis")
 
 
+CANNOT_RUN = 127  # the wrapper's exit status where the server's binary cannot be run (a shell's)
 # what a process runs before it becomes the embedded redis-server (``_with_parent_death_signal``):
 # argv[1] the signal, argv[2] the pid it must be a child of, argv[3:] the server's command
 _ASK_DEATH_SIGNAL_THEN_EXEC = (
@@ -88,7 +89,11 @@ _ASK_DEATH_SIGNAL_THEN_EXEC = (
     "ctypes.CDLL(None, use_errno=True).prctl(1, int(sys.argv[1]))  # PR_SET_PDEATHSIG\n"
     "if os.getppid() != int(sys.argv[2]):  # the parent died before the signal was asked for\n"
     "    os.kill(os.getpid(), int(sys.argv[1]))\n"
-    "os.execvp(sys.argv[3], sys.argv[3:])\n")
+    "try:\n"
+    "    os.execvp(sys.argv[3], sys.argv[3:])\n"
+    "except OSError as e:  # said in one line\n"
+    "    sys.stderr.write(f'cannot run {sys.argv[3]}: {e.strerror}\\n')\n"
+    "    os._exit(" + str(CANNOT_RUN) + ")\n")
 
 
 def _with_parent_death_signal(cmd: list[str]) -> list[str]:
@@ -270,6 +275,8 @@ class RedisHandle:
                     time.sleep(0.05)
             if self.proc.poll() is None:
                 return  # alive but slow (a loaded machine): the first command will wait
+            if self.proc.returncode == CANNOT_RUN:
+                break  # the binary cannot be run: trying again would say the same
             log.warning("the embedded redis-server exited at start (attempt %d of %d)",
                         attempt + 1, attempts)
         with open(log_path, "rb") as f:

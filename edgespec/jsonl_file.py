@@ -18,6 +18,9 @@ def jsonl_rows(path: str, what: str) -> Iterator[tuple[int, object]]:
         lines = Path(path).read_text(encoding="utf-8").splitlines()
     except OSError as e:
         raise ConfigError(f"cannot read {what} {path}: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"cannot read {what} {path}: not UTF-8 text (byte {e.start})") \
+            from None
     for n, line in enumerate(lines, 1):
         if not line.strip():
             continue

@@ -3,7 +3,7 @@ validate and save the pivot classifier."""
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path
 
 from edgespec.config import ConfigError
@@ -37,7 +37,8 @@ def labels_grow(args, target, sets, out: Path) -> bool:
     would be refused."""
     from edgespec.pad.labels import MANIFEST, LabelInfo
 
-    for tasks in sets:
+    grows = False
+    for tasks in sets:  # every task checked: one refused after another grew would come late
         folder = out / "labels" / tasks.name
         if args.tasks_file or not (folder / MANIFEST).exists():
             continue
@@ -47,20 +48,22 @@ def labels_grow(args, target, sets, out: Path) -> bool:
             if _made_otherwise(args, tasks.name, tasks.scorer.name, old):
                 _refuse_made_otherwise(folder, old)
             _refuse_partial_growth(folder, old)
-            return True
-    return False
+            grows = True
+    return grows
 
 
-# the labelling options a LabelInfo keeps as the command gave them (the rest: the target's)
-_OPTIONS = ("tap", "drafter", "per_shard", "rollouts", "temperature", "max_new_tokens",
-            "max_candidates", "skip_at", "seed")
+# what a LabelInfo holds that is not a labelling option of the command's own name (the target's
+# figures, the task, the count that grows, the command): every other field is one
+_NOT_OPTIONS = {"target", "target_name", "hidden", "tap_layers", "task", "scorer", "problems",
+                "command"}
 
 
 def _made_otherwise(args, task: str, scorer: str, old) -> bool:
     """Whether labels ``old`` (a ``LabelInfo``) were made with labelling options other than
     ``args``' for ``task`` (its problem count aside)."""
     return (old.task != task or old.scorer != scorer
-            or any(getattr(old, k) != getattr(args, k) for k in _OPTIONS))
+            or any(getattr(old, f.name) != getattr(args, f.name) for f in fields(old)
+                   if f.name not in _NOT_OPTIONS))
 
 
 def _refuse_made_otherwise(folder: Path, old) -> None:

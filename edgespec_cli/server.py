@@ -296,10 +296,13 @@ class EdgespecServer:
             import ssl
 
             tls.update(ssl_ca_certs=self.opts.tls_client_ca, ssl_cert_reqs=ssl.CERT_REQUIRED)
-        if port and port_in_use(self.opts.http_host, port):  # said before uvicorn logs it
-            raise ConfigError(f"cannot serve HTTP on {self.opts.http_host}:{port}"
-                              + why_not_listening(self.opts.http_host, port, "--http-port",
-                                                  "--http-host"))
+        where = f"cannot serve HTTP on {self.opts.http_host}:{port}"
+        if port and port == self.port:  # (each said before uvicorn logs a line of its own)
+            raise ConfigError(f"{where}: the server's gRPC port (--listen) is {port}: give "
+                              "--http-port another")
+        if port and port_in_use(self.opts.http_host, port):
+            raise ConfigError(where + why_not_listening(self.opts.http_host, port,
+                                                        "--http-port", "--http-host"))
         self.http = http = uvicorn.Server(uvicorn.Config(
             app, host=self.opts.http_host, port=port, log_level="warning",
             lifespan="off", timeout_graceful_shutdown=5, **tls))
@@ -307,11 +310,8 @@ class EdgespecServer:
         thread.start()
         while not http.started:
             if not thread.is_alive():
-                why = (f": the server's gRPC port (--listen) is {port}: give --http-port "
-                       f"another" if port == self.port else
-                       why_not_listening(self.opts.http_host, port, "--http-port",
-                                         "--http-host"))
-                raise ConfigError(f"cannot serve HTTP on {self.opts.http_host}:{port}{why}")
+                raise ConfigError(where + why_not_listening(self.opts.http_host, port,
+                                                            "--http-port", "--http-host"))
             time.sleep(0.02)
         self.http_port = http.servers[0].sockets[0].getsockname()[1]
         self._http_thread = thread

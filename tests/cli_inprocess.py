@@ -2,7 +2,7 @@
 function ``python -m edgespec_cli`` exits with, its stdout and stderr captured. It spares each
 command a new interpreter that imports torch and transformers again (seconds per call), for tests
 about what a command does rather than about the process; those keep a real subprocess
-(tests/procs.py's ``edgespec``).
+(tests/procs.py's ``run_edgespec``).
 
 What a command changes in the process is put back afterwards: torch's thread count and the one
 edgespec's thread policy recorded, the global RNGs (training seeds them), the root logger's

@@ -217,7 +217,29 @@ def test_a_failed_wait_retries_each_session_alone_from_its_own_forward(runner, r
     assert failures.count(1) == 1 and sum(failures) == 1  # the batch's forward, one step's
     assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == \
         [f"the verification of {sessions} session(s) failed; each is verified by a forward "
-         "of its own"]
+         "of its own (not said again until a batch's forward runs)"]
+
+
+def test_a_streak_of_failing_batches_is_said_once_and_counted_each_time(runner, refs, caplog):
+    """A fault that fails each batch's forward and no session's own (a batch too large for the
+    device, say): every session decoded by forwards of its own, as target-only; the warning
+    said once for the streak, every failure counted (``forwards_failed``)."""
+    with _engine(runner, ahead=False) as engine:
+        forward, failed = engine._forward_and_verify, []
+
+        def failing_batches(drafts):
+            if len(drafts) > 1:
+                raise RuntimeError("out of memory at this batch size")
+            return forward(drafts)
+
+        engine._forward_and_verify = failing_batches
+        step = engine.step
+        engine.step = lambda: (step(), failed.append(engine.forwards_failed))[0]
+        results = engine.generate_many([Request(p, n) for p, n in zip(PROMPTS, NEW)])
+    assert [r.token_ids for r in results] == refs
+    assert sum(failed) > 3 and set(failed) == {0, 1}  # a batch a step, while two run
+    warned = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warned) == 1 and "not said again" in warned[0].getMessage()
 
 
 def test_off_by_default_on_a_cpu_and_never_with_drafts(runner, refs):

@@ -78,6 +78,9 @@ def test_a_users_file_is_split_by_the_same_rule(tmp_path):
         file_problems(str(tmp_path / "missing"), "exact", "train")
     with pytest.raises(ConfigError, match="cannot read the prompt file .*missing"):
         read_prompt_file(str(tmp_path / "missing"))
+    path.write_bytes(b'{"prompt": "caf\xe9"}\n')  # Latin-1, not UTF-8
+    with pytest.raises(ConfigError, match="not UTF-8 text"):
+        list(jsonl_rows(str(path), "the tasks file"))
 
 
 def test_scorers():

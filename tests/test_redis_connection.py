@@ -81,6 +81,19 @@ def test_an_embedded_redis_is_spawned_not_forked_with_code_for_the_child():
     assert not [name for name in forks if name.startswith("embedded-redis")]
 
 
+def test_an_embedded_redis_server_that_cannot_run_is_said_once(monkeypatch, tmp_path):
+    """A server binary that cannot be run (gone, say) is one line in the error, naming it, and
+    not tried again: the same would follow."""
+    import cache_service.redis_conn as redis_conn
+
+    missing = str(tmp_path / "no such" / "redis-server")
+    monkeypatch.setattr(redis_conn, "embedded_redis_binary", lambda: missing)
+    with pytest.raises(ConfigError) as e:
+        RedisHandle()
+    assert str(e.value).count(f"cannot run {missing}: No such file or directory") == 1, e.value
+    assert "Traceback" not in str(e.value)
+
+
 def test_an_embedded_redis_dies_with_the_process_that_started_it_from_a_busy_process():
     """A process killed outright leaves no redis-server behind (the child's parent-death
     signal), and the child is started safely from a process whose other threads are busy

@@ -293,6 +293,7 @@ def test_a_port_in_use_or_an_address_not_here_is_said_in_the_error():
 
     from edgespec.wire.reachability import port_in_use
 
+    free = free_port()
     held = socket.socket()
     held.bind(("127.0.0.1", 0))
     held.listen()
@@ -316,6 +317,11 @@ def test_a_port_in_use_or_an_address_not_here_is_said_in_the_error():
                            capture_output=True, text=True, timeout=300)
         assert r.returncode == 2 and "the port is in use" in r.stderr, r.stderr
         assert "--http-port" in r.stderr and "attempting to bind" not in r.stderr, r.stderr
+        # the gRPC port itself: said as such
+        r = subprocess.run([sys.executable, "-m", "edgespec_cli", "serve", "--listen",
+                            f"127.0.0.1:{free}", "--http-port", str(free)],
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 2 and "the server's gRPC port (--listen) is" in r.stderr, r.stderr
     finally:
         server.stop(0)
         held.close()

@@ -19,8 +19,8 @@ histograms: ``edgespec:time_to_first_token_seconds``, ``edgespec:inter_token_lat
 resting at that batch size, ``edgespec.engine.drafting_worth``),
 ``edgespec:steps_run_ahead_total`` (steps whose forward was launched during the step before,
 ``edgespec.engine.decode_ahead``: their ``forward`` phase is the wait for their verdicts),
-``edgespec:forward_failures_total`` (forwards that raised: a batch's, whose sessions are then
-verified one by one, a session's alone, a prefill's).
+``edgespec:forward_failures_total`` (a step's forwards that raised: a batch's, whose sessions
+are then verified one by one, a session's alone, a prefill's).
 Gauges read at scrape time:
 ``edgespec:num_requests_running``, ``edgespec:num_requests_waiting``,
 ``edgespec:num_requests_prefilling``, ``edgespec:kv_slots_free``. The server's cost:

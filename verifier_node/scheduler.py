@@ -219,13 +219,15 @@ class Scheduler(threading.Thread):
                 if self.engine.sessions:  # running, or waiting for their prompts' prefill
                     self._step_tokens = 0
                     with self._watched() as began:
-                        report = self.engine.step()
+                        try:
+                            report = self.engine.step()
+                        finally:  # a step that raised counts its forwards that raised too
+                            if self.engine.forwards_failed and self.metrics is not None:
+                                self.metrics.forward_failures.inc(self.engine.forwards_failed)
                     if self.engine.faulted:  # every forward raised: its sessions failed alone
                         self._count_failing_step()
                     else:
                         self._failed_steps = 0
-                    if self.engine.forwards_failed and self.metrics is not None:
-                        self.metrics.forward_failures.inc(self.engine.forwards_failed)
                     if report is not None:  # a step that verified nothing says nothing of pace
                         # the step's prefill is the pace's prefill rate's (``_prefilled``)
                         took = time.monotonic() - began - self.engine.prefill_s

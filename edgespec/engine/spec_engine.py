@@ -8,13 +8,10 @@ verifies every active session in one forward pass, commits, and publishes fixes.
 whose draft is empty is decoded one token by the verifier alone, so drafting can only cost the
 verification width, never correctness.
 
-Token trees: a draft may carry branches (``tree_width`` > 1 for the in-process drafter, or a
-remote drafter's tree chunks). The step then gives each session a share of the batch's token
-budget left after the chains (at most ``tree_nodes``), and a batch where any session has
-branches is run as one tree forward (``TargetRunner.score_rows``, chains as trees). Every
-step, chains and trees alike, is verified by one call on the device
-(``edgespec.verify.verify_step.verify_step``); a tree's accepted path has its keys/values compacted
-into place.
+Token trees: a draft may carry branches (``tree_width`` > 1, or a remote drafter's tree
+chunks), each session a share of the batch's token budget left after the chains (at most
+``tree_nodes``); a batch with branches is one tree forward, verified, as chains are, by one call
+on the device (``verify_step``), a tree's accepted path then compacted into place.
 """
 
 from __future__ import annotations
@@ -156,10 +153,10 @@ class SpecEngine(StepDrafts):
         # this step's verification forwards that ran, and its forwards (prefill included) that
         # raised: a step with a failure and no verification that ran is ``faulted``
         self._forwards_ok = self._forwards_failed = 0
+        self._batch_failing = False  # the last batch forward raised (its warning said once)
         # the head's moves of this step's verified batches, made once their paths are placed
         self._head_pending: list[tuple[list[str], Any, list[int], list[list[int]]]] = []
-        # decode steps launched a step ahead (``decode_ahead``): on where a forward runs apart
-        # from the host (CUDA)
+        # decode steps launched a step ahead (``decode_ahead``): on CUDA, apart from the host
         ahead = self.cfg.decode_ahead
         self.ahead = DecodeAhead(target, target.device.type == "cuda" if ahead is None else ahead)
         self._claim: Claim | None = None  # this step's share of the forward run ahead
@@ -285,6 +282,7 @@ class SpecEngine(StepDrafts):
         try:
             decided = self._forward_and_verify(drafts)
             self._forwards_ok += 1
+            self._batch_failing &= len(drafts) == 1  # a batch's forward ran: the streak ends
             return decided
         except Exception:
             self._forwards_failed += 1
@@ -295,8 +293,10 @@ class SpecEngine(StepDrafts):
                 log.exception("verification of session %s failed", act.sid)
                 self.fail(act, SessionFailed("verification failed"))
                 return [None]
-            log.warning("the verification of %d session(s) failed; each is verified by a "
-                        "forward of its own", len(drafts), exc_info=True)
+            (log.debug if self._batch_failing else log.warning)(  # once a streak: counted
+                "the verification of %d session(s) failed; each is verified by a forward of its "
+                "own (not said again until a batch's forward runs)", len(drafts), exc_info=True)
+            self._batch_failing = True
         out: list[Decision | None] = []
         for d in drafts:
             out.extend(self._verify([d]))
