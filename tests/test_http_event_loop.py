@@ -41,7 +41,7 @@ def threads_seen(monkeypatch):
     seen: dict[str, list] = {"choice": [], "decoded": [], "echoed": [], "rendered": []}
     here = threading.current_thread
     init, decoded, echoed, render = (http_choice.ChoiceRun.__init__, http_choice.decoded,
-                                     LogprobShapes.echoed, http_choice._json_body)
+                                     LogprobShapes.echoed, http_choice.JSONResponse)
 
     def choice_init(self, *a, **k):
         seen["choice"].append(here().name)
@@ -60,7 +60,7 @@ def threads_seen(monkeypatch):
         return render(body)
 
     monkeypatch.setattr(http_choice.ChoiceRun, "__init__", choice_init)
-    monkeypatch.setattr(http_choice, "_json_body", rendered)
+    monkeypatch.setattr(http_choice, "JSONResponse", rendered)
     monkeypatch.setattr(http_choice, "decoded", decode)
     monkeypatch.setattr(LogprobShapes, "echoed", shape)
     return seen

@@ -13,7 +13,7 @@ from bisect import bisect_left
 
 import anyio
 from fastapi import Request
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 
 from edgespec.config import is_lossy
 from edgespec.models.text_stream import TextStream
@@ -337,16 +337,10 @@ async def whole_choices(runs: list[ChoiceRun], request: Request) -> Response:
             "system_fingerprint": first.admission.kernels,
             "choices": [c for c, _ in answers], "usage": _usage(runs),
             "edgespec": stats[0] if len(stats) == 1 else stats}
-    # rendered in a worker thread: n choices of long echoed prompts with their logprobs make
-    # megabytes of JSON, which on the event loop would hold every other client and /health
-    return Response(await anyio.to_thread.run_sync(_json_body, body),
-                    media_type="application/json")
-
-
-def _json_body(body: dict) -> bytes:
-    """``body`` as JSONResponse renders it (compact, UTF-8, no NaN)."""
-    return json.dumps(body, ensure_ascii=False, allow_nan=False, indent=None,
-                      separators=(",", ":")).encode("utf-8")
+    # rendered (the response made) in a worker thread: n choices of long echoed prompts with
+    # their logprobs make megabytes of JSON, which on the event loop would hold every other
+    # client and /health
+    return await anyio.to_thread.run_sync(JSONResponse, body)
 
 
 def _usage(runs: list[ChoiceRun]) -> dict:
