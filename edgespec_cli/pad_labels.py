@@ -121,8 +121,7 @@ def label_task(args, target, tasks, folder: Path, command: str, deadline, say) -
                      command)
     if (folder / "labels.json").exists():
         old = LabelInfo.load(folder)
-        if _asks_more(args, old, info):
-            _refuse_partial_growth(folder, old)
+        if _asks_more(args, old, info):  # a growth ``labels_grow`` allowed (a whole last shard)
             say(f"labels: {tasks.name} grows from {old.problems} to {info.problems} problems "
                 "(the first ones are the same)")
             info.save(folder)
