@@ -105,7 +105,10 @@ def test_products_of_a_fixed_width_give_the_bits_they_give_here_and_pass_the_pro
     kernel = attention_kernel(dtype, "cpu", kvh, grp, hd)
     if kernel is not None and kernel.max_cols == 256:  # one product is exact here: so is this
         assert torch.equal(fixed, one)
-    assert probe_invariance(dtype, "cpu", 16, kvh, grp, hd, max_cols=16)
+    # in the products the runner takes for this dtype here: float32 where bfloat16 is emulated
+    # (oneDNN's emulated bfloat16 products are not row-invariant: ``dtype_probe``; an AVX2 EPYC)
+    products = kernel.products if kernel is not None else None
+    assert probe_invariance(dtype, "cpu", 16, kvh, grp, hd, products=products, max_cols=16)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
