@@ -74,20 +74,21 @@ def _within_positions(start: int, chain: list[int]) -> list[int]:
 
 
 def check_and_push(store: RedisSessionStore, device: str, chunk: pb.DraftChunk, vocab: int,
-                   window: int, per_device: bool) -> pb.ChunkAck:
+                   window: int, per_device: bool) -> tuple[pb.ChunkAck, bool]:
     """Store ``device``'s chunk (its draft for one of its sessions) once it is checked, or raise
     ``ChunkRefused`` with the status code the drafter is answered with. What the chunk holds is
     checked here, before any round trip; that the session exists and is the device's, with the
     push, in one script. ``per_device``: the cache knows the device by its token (a session of
     another device's is PERMISSION_DENIED, else FAILED_PRECONDITION). A round trip of its own
-    (an Attach stream's chunks are stored together: ``chunk_intake``)."""
+    (an Attach stream's chunks are stored together: ``chunk_intake``). Returns its ack and
+    whether it told the verifier anything (``PushResult.news``)."""
     checked = checked_chunk(store, device, chunk, vocab, window)
     res: PushResult | StoreError
     try:
         res = store.push_chunk(checked)
     except StoreError as e:
         res = e
-    return chunk_ack(chunk, checked, res, per_device)
+    return chunk_ack(chunk, checked, res, per_device), getattr(res, "news", True)
 
 
 def checked_chunk(store: RedisSessionStore, device: str, chunk: pb.DraftChunk, vocab: int,

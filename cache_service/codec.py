@@ -19,8 +19,8 @@ Keys (prefix ``es:`` by default):
     es:target             hash: the verifier's model, tokenizer fingerprint, vocabulary, window
     es:health             string with a short TTL: a server's health probe, written every 5 s
                           (a Redis that refuses writes, full or read-only, serves nothing)
-    es:wake               pub/sub channel: a message per pushed chunk (its session's key)
-                          wakes the verifier
+    es:wake               pub/sub channel: a message per pushed chunk with news (tokens kept,
+                          or its drafter newly idle), its session's key, wakes the verifier
     es:cb:f, es:cb:lru, es:cb:v   the fleet-wide Cacheback table (``cache_service.fleet_table``),
                           taught every session's output when the verifier closes it
 """

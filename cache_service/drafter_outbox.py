@@ -7,7 +7,8 @@ per chunk without end. ``DrafterOutbox`` holds at most ``MAX_PENDING`` messages;
 finds it full waits (the reader then stops reading chunks, and gRPC's flow control holds the
 drafter's sends back), and once the drafter has read nothing for ``STUCK_S`` the stream is
 cancelled: the drafter is detached, as one gone silent is, and its sessions are verified
-without its drafts until it attaches again.
+without its drafts until it attaches again. ``with_queued``: a message to send and what else is
+queued behind it, as one CacheBatch.
 """
 
 from __future__ import annotations
@@ -18,11 +19,14 @@ import threading
 import time
 from typing import Any, Callable
 
+from edgespec.v1 import edgespec_pb2 as pb
+
 log = logging.getLogger("edgespec.cache")
 
 MAX_PENDING = 1024  # messages queued for one drafter's stream
 STUCK_S = 30.0  # how long a full outbox waits for the drafter to read before detaching it
 _POLL_S = 0.25
+MAX_SEND_BATCH = 256  # queued messages sent to a board in one CacheBatch
 
 
 class DrafterOutbox:
@@ -90,3 +94,15 @@ class DrafterOutbox:
             if got[-1] is None:
                 break
         return got
+
+
+def with_queued(msg: pb.CacheMessage, out: DrafterOutbox) -> tuple[pb.CacheMessage, bool]:
+    """``msg`` and what else ``out`` holds for the board, as one CacheBatch (``msg`` itself when
+    nothing else is queued), and whether the stream ends after it."""
+    more = out.get_queued(MAX_SEND_BATCH - 1)
+    ended = bool(more) and more[-1] is None
+    if ended:
+        more.pop()
+    if not more:
+        return msg, ended
+    return pb.CacheMessage(batch=pb.CacheBatch(messages=[msg, *more])), ended

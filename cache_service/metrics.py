@@ -53,6 +53,6 @@ class CacheMetrics:
         self.chunks.labels("ok", grpc.StatusCode.OK.name).inc()
         self.draft_tokens.inc(kept)
 
-    def chunk_refused(self, code: grpc.StatusCode) -> None:
+    def chunk_refused(self, code: grpc.StatusCode, n: int = 1) -> None:
         name = code.name if isinstance(code, grpc.StatusCode) else "UNKNOWN"
-        self.chunks.labels("refused", name).inc()
+        self.chunks.labels("refused", name).inc(n)

@@ -47,8 +47,9 @@ from .chunk_checks import DEVICE_METADATA, ChunkRefused
 from .chunk_intake import ChunkIntake
 from .codec import InboxEvent
 from .credentials import DeviceCredentials
-from .drafter_outbox import DrafterOutbox
+from .drafter_outbox import DrafterOutbox, with_queued
 from .inbox_reader import InboxReader, Subscription
+from .register_wait import RegisterWait
 from .store import RedisSessionStore
 
 if TYPE_CHECKING:  # prometheus_client is needed only where metrics are kept
@@ -61,20 +62,7 @@ MAX_DEVICE_SESSIONS = 1 << 16
 # A drafter refused while the cache's Redis recovers (or before a verifier registered the target)
 # is asked to come back after this long instead of backing off for seconds.
 RETRY_AFTER_MS = 500
-MAX_SEND_BATCH = 256  # queued messages sent to a board in one CacheBatch
 SHUTTING_DOWN = "the cache is shutting down"  # UNAVAILABLE: the drafter attaches again
-
-
-def with_queued(msg: pb.CacheMessage, out: DrafterOutbox) -> tuple[pb.CacheMessage, bool]:
-    """``msg`` and what else ``out`` holds for the board, as one CacheBatch (``msg`` itself when
-    nothing else is queued), and whether the stream ends after it."""
-    more = out.get_queued(MAX_SEND_BATCH - 1)
-    ended = bool(more) and more[-1] is None
-    if ended:
-        more.pop()
-    if not more:
-        return msg, ended
-    return pb.CacheMessage(batch=pb.CacheBatch(messages=[msg, *more])), ended
 
 
 class DraftCacheService(pb_grpc.DraftCacheServicer):
@@ -86,6 +74,7 @@ class DraftCacheService(pb_grpc.DraftCacheServicer):
         self.store, self.window, self.chunk, self.poll_ms = store, window, chunk, poll_ms
         self.heartbeat_s = heartbeat_interval_s()  # Heartbeats it sends each Attach stream
         self.credentials = credentials
+        self.registering = RegisterWait()  # each Attach stream's wait for its Register
         # the chunks' checks and stores (``metrics`` is its: a caller may set it later)
         self.intake = ChunkIntake(store, window, credentials is not None, metrics)
         self._lock = threading.Lock()
@@ -163,7 +152,7 @@ class DraftCacheService(pb_grpc.DraftCacheServicer):
                         check_device_id(device)
                     except ConfigError as e:
                         raise ChunkRefused(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
-            return self.intake.push_one(device, request, self._vocab())
+            return self.intake.push_one(device, request, self._vocab)
         except ChunkRefused as e:
             self.intake.refused(e)
             context.abort(e.code, str(e))
@@ -215,7 +204,11 @@ class DraftCacheService(pb_grpc.DraftCacheServicer):
     def Attach(self, request_iterator, context):
         if self._stopping.is_set():  # nothing registered, nothing written: attach elsewhere
             context.abort(grpc.StatusCode.UNAVAILABLE, SHUTTING_DOWN)
-        first = next(request_iterator, None)
+        first = self.registering.first_message(
+            request_iterator, context,
+            self._token_device(context) if self.credentials is not None else None)
+        if first is False:  # over without a Register (none in time, replaced, gone)
+            return
         if first is None or not first.HasField("register"):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first message must be Register")
         reg = first.register

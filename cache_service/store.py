@@ -349,8 +349,9 @@ class RedisSessionStore:
         answers = iter(replies)
         for i, o in enumerate(out):
             if o is None:
-                a, b = next(answers)
-                out[i] = PushResult(int(a), int(b)) if int(a) >= 0 else StoreError(int(a), b)
+                a, b, *news = next(answers)  # (kept, committed end, news), or a refusal's
+                out[i] = PushResult(int(a), int(b), bool(int(news[0]))) if int(a) >= 0 \
+                    else StoreError(int(a), b)
         return out  # type: ignore[return-value]  # every chunk answered by now
 
     def session_device(self, sid: str) -> str | None:

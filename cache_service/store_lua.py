@@ -64,11 +64,13 @@ local function push(base, epoch, start, tokens, idle, window, maxbr, device, brs
   end
   idle = tostring(idle)
   redis.call('HSET', base, 'idle', idle)
-  -- wake the verifier only for news: kept tokens or a changed idle flag (an empty chunk
-  -- repeated in a loop must not keep it re-reading); the message names the session's key, so a
-  -- waiting verifier reads again only the sessions that moved
-  if keep > 0 or h[3] ~= idle then redis.call('PUBLISH', wake, base) end
-  return {keep, endpos}
+  -- wake the verifier only for news, what may make a draft it waits for ready: kept tokens, or
+  -- the drafter saying it has no more (an empty chunk repeated in a loop, or one flipping the
+  -- flag back, must not keep it re-reading); the message names the session's key, so a waiting
+  -- verifier reads again only the sessions that moved. The cache paces chunks with no news.
+  local news = keep > 0 or (idle == '1' and h[3] ~= '1')
+  if news then redis.call('PUBLISH', wake, base) end
+  return {keep, endpos, news and 1 or 0}
 end
 local out, p = {}, 1
 while p <= #chunks do

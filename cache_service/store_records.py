@@ -33,6 +33,9 @@ class StoreError(Exception):
 class PushResult:
     kept: int
     committed_end: int
+    # the chunk told the verifier something: tokens kept, or its drafter newly idle (one with
+    # none, repeated, costs the cache a round trip for nothing: paced as a refusal is)
+    news: bool = True
 
 
 # a verdict's numbers as COMMIT_MANY_LUA unpacks them: epoch, accepted, token, done, start,

@@ -43,7 +43,7 @@ def one_repeat(store: RedisSessionStore, sid: str, chunks: int, tokens: int,
         chunk = pb.DraftChunk(session_id=sid, epoch=epoch, start=start,
                               tokens=[(7 * (start + j)) % VOCAB for j in range(tokens)])
         c0, w0 = time.thread_time(), time.perf_counter()
-        ack = check_and_push(store, DEVICE, chunk, VOCAB, WINDOW, per_device=False)
+        ack, _ = check_and_push(store, DEVICE, chunk, VOCAB, WINDOW, per_device=False)
         cpu += time.thread_time() - c0
         wall += time.perf_counter() - w0
         assert ack.kept == tokens, ack

@@ -7,6 +7,7 @@ certificate of the CA only."""
 from __future__ import annotations
 
 import logging
+import queue
 from concurrent import futures
 
 import grpc
@@ -24,8 +25,8 @@ from edgespec.wire.channels import bind, make_channel
 
 # the in-process cache: its fixtures (used by name) and helpers
 from cache_harness import (  # noqa: F401
-    WAIT_S, Cache, SlotDrafter, Stream, cache, code_of, draft_len, redis_handle, start_agent,
-    store)
+    WAIT_S, Cache, SlotDrafter, Stream, cache, code_of, draft_len, eventually, redis_handle,
+    start_agent, store)
 
 TOKENS = {"dev-a": "token-a-0123456789", "dev-b": "token-b-0123456789"}
 SHARED = "shared-0123456789"
@@ -168,3 +169,30 @@ def test_a_cache_with_a_shared_token_and_no_device_tokens_says_what_boards_can_d
                       r.getMessage()]
     assert len(said["shared"]) == 1 and "cancel" in said["shared"][0]
     assert said["devices"] == []
+
+
+def test_a_device_token_holds_one_stream_waiting_for_its_register(secured):
+    """A token's holder opening silent Attach streams (found by a hostile board's probe: four
+    of them kept every other board out of a cache of four slots): each new one ends the wait
+    of the one before, so a device holds at most one unregistered stream, however long the
+    wait for a Register is."""
+    secured.service.registering.wait_s = 10 * WAIT_S  # no deadline ends a wait in this test
+    meta = auth_metadata(TOKENS["dev-a"])
+    silent: list[queue.Queue] = [queue.Queue(), queue.Queue()]
+    calls = []
+    for q in silent:  # the second opened once the first waits
+        eventually(lambda: calls == [] or "dev-a" in secured.service.registering.waiting(),
+                   "the first stream waiting for its Register")
+        calls.append(pb_grpc.DraftCacheStub(secured.channel).Attach(
+            iter(q.get, None), metadata=meta, timeout=WAIT_S))
+    with pytest.raises(grpc.RpcError) as e:
+        next(calls[0])  # replaced by the second
+    assert e.value.code() == grpc.StatusCode.CANCELLED
+    other = Stream(secured.channel, "dev-b", token=TOKENS["dev-b"])  # another device's own
+    other.next("registered")
+    other.close()
+    silent[1].put(pb.DrafterMessage(register=pb.Register(device_id="dev-a", draft_model="m")))
+    assert next(calls[1]).WhichOneof("kind") == "registered"  # the newest registers as ever
+    calls[1].cancel()
+    for q in silent:
+        q.put(None)

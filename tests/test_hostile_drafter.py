@@ -6,6 +6,7 @@ per-device tokens and mutual TLS: ``test_device_credentials``; the agent's side:
 
 from __future__ import annotations
 
+import logging
 import queue
 
 import grpc
@@ -19,7 +20,8 @@ from edgespec.v1 import edgespec_pb2_grpc as pb_grpc
 
 # the in-process cache: its fixtures (used by name) and helpers
 from cache_harness import (  # noqa: F401
-    SAMPLED, VOCAB, Cache, Stream, cache, code_of, draft_len, eventually, redis_handle, store)
+    SAMPLED, VOCAB, WAIT_S, Cache, Stream, cache, code_of, draft_len, eventually, redis_handle,
+    store)
 
 
 # -- 1. an old drafter's q' (a removed field) is skipped, not refused -----------------------------
@@ -216,3 +218,21 @@ def test_a_tree_chunk_stores_its_chain_and_branches(cache, store):
     (taken,) = store.take_when_ready([DraftWant("s1", 3, 8)], 0)
     assert taken.tokens == [5, 6, 7]
     assert taken.branches == [Branch(1, (8, 9)), Branch(0, (4,))]
+
+
+def test_a_stream_that_never_registers_is_closed_and_frees_its_slot(cache, store, caplog):
+    """An Attach stream that sends nothing would hold an attach slot (``--max-drafters``)
+    forever, whatever token it holds: it gets ``RegisterWait.wait_s`` to register."""
+    cache.service.registering.wait_s = 0.5
+    caplog.set_level(logging.WARNING, logger="edgespec.cache")
+    silent: queue.Queue = queue.Queue()
+    call = pb_grpc.DraftCacheStub(cache.channel).Attach(iter(silent.get, None), timeout=WAIT_S)
+    with pytest.raises(grpc.RpcError) as e:
+        next(call)
+    assert e.value.code() == grpc.StatusCode.CANCELLED
+    said = [r.getMessage() for r in caplog.records if "sent no Register" in r.getMessage()]
+    assert len(said) == 1, said
+    silent.put(None)
+    honest = Stream(cache.channel, "dev1")  # one that registers at once is served as ever
+    assert honest.next("registered").window == 8
+    honest.close()

@@ -11,8 +11,8 @@ import threading
 import grpc
 
 from cache_service import chunk_intake
-from cache_service.drafter_outbox import DrafterOutbox
-from cache_service.service import with_queued
+from cache_service.drafter_outbox import DrafterOutbox, with_queued
+from cache_service.refusal_pace import RefusalPace, RefusalPaces
 from drafter_node.agent import outgoing_messages
 from edgespec.config import SamplingParams
 from edgespec.v1 import edgespec_pb2 as pb
@@ -47,17 +47,27 @@ def test_a_boards_draftchunks_are_stored_and_answered_each_as_if_alone(cache, st
     s.close()
 
 
-def test_chunks_beyond_what_a_message_holds_are_refused(cache, store, monkeypatch):
+def test_chunks_beyond_what_a_message_holds_are_refused_unread_with_one_ack(cache, store,
+                                                                           monkeypatch):
+    """Found by a hostile board's probe: two million empty chunks fit in one 4 MiB message,
+    and an ack for each cost 14 s of the server's CPU and a gigabyte. The ones past
+    ``MAX_BATCH_CHUNKS`` get one ack between them, and count against the board's pace."""
     monkeypatch.setattr(chunk_intake, "MAX_BATCH_CHUNKS", 2)
+    intake = cache.service.intake
+    intake.paces = RefusalPaces(lambda: RefusalPace(rate=0.01, burst=3.0, max_wait_s=0.5))
     for sid in ("s1", "s2", "s3"):
         store.create(sid, [1, 2, 3], SamplingParams(), "dev1")
     s = Stream(cache.channel, "dev1", batches=True)
     s.next("registered")
     s.out.put(_chunks(*(pb.DraftChunk(session_id=sid, epoch=0, start=3, tokens=[5])
-                        for sid in ("s1", "s2", "s3"))))
-    acks = sorted((a.session_id, a.code) for a in (s.next("ack") for _ in range(3)))
-    assert acks == [("s1", OK), ("s2", OK), ("s3", grpc.StatusCode.INVALID_ARGUMENT.value[0])]
-    assert [draft_len(store, sid) for sid in ("s1", "s2", "s3")] == [1, 1, 0]
+                        for sid in ("s1", "s2", "s3", "s4", "s5", "s6"))))
+    s.send(pb.DraftChunk(session_id="s3", epoch=0, start=3, tokens=[7]))  # the next message
+    acks = [s.next("ack") for _ in range(4)]
+    assert [(a.session_id, a.code) for a in acks] == [
+        ("s1", OK), ("s2", OK), ("s3", grpc.StatusCode.INVALID_ARGUMENT.value[0]), ("s3", OK)]
+    assert "the 4 past them are refused unread" in acks[2].message
+    assert [draft_len(store, sid) for sid in ("s1", "s2", "s3")] == [1, 1, 1]
+    assert intake.paces.of("dev1").held == 1  # four refused past a burst of three
     s.close()
 
 

@@ -136,3 +136,54 @@ def test_pushed_chunks_refused_too_fast_are_refused_unchecked_for_a_while(cache,
     assert len(said) == 1
     cache.service.intake.paces = RefusalPaces()  # a fresh pace: checked and stored again
     assert cache.push(honest, device="dev1").kept == 1
+
+
+def _empty(idle: bool, quiet: bool = True) -> pb.DraftChunk:
+    return pb.DraftChunk(session_id="s1", epoch=0, start=3, tokens=[], idle=idle, quiet=quiet)
+
+
+def test_chunks_that_tell_nothing_are_paced_as_refusals_and_wake_no_verifier(cache, store):
+    """A board flipping its own session's idle flag with empty chunks (found by a hostile
+    board's probe: 22,810 such chunks a second, never paced, each waking every verifier) is
+    paced as a refusing one: only a chunk that keeps tokens or says the drafter is newly idle
+    is news, and only news wakes a verifier."""
+    intake = cache.service.intake
+    intake.paces = RefusalPaces(lambda: RefusalPace(rate=0.01, burst=2.0, max_wait_s=1.0))
+    store.create("s1", [1, 2, 3], SamplingParams(), "evil")
+    wakes = store.redis.pubsub(ignore_subscribe_messages=True)
+    wakes.subscribe(store.keys.wake)
+    evil = Stream(cache.channel, "evil")
+    evil.next("registered")
+    evil.next("assignment")
+    for idle in (True, False, True, False, False):  # news, none, news, none, none
+        evil.send(_empty(idle))
+    evil.send(pb.DraftChunk(session_id="s1", epoch=0, start=3, tokens=[5]))  # news
+    ack = evil.next("ack")  # read after the five before it (a stream's chunks in order)
+    assert (ack.code, ack.kept) == (grpc.StatusCode.OK.value[0], 1)
+    assert intake.paces.of("evil").held >= 1  # three with no news, past a burst of two
+    heard = []
+    deadline = time.monotonic() + 2.0  # the script published before it answered the push
+    while time.monotonic() < deadline and len(heard) < 3:
+        msg = wakes.get_message(timeout=0.1)
+        if msg is not None:
+            heard.append(msg["data"])
+    assert heard == [store.keys.session("s1")[0].encode()] * 3  # the idle flips: once each way
+    wakes.close()
+    evil.close()
+
+
+def test_pushed_chunks_with_no_news_are_paced_and_the_refused_read_nothing(cache, store,
+                                                                           monkeypatch):
+    """PushDraft: an empty chunk that leaves the session as it was counts against the pace;
+    past it, a chunk is refused before the cache reads anything from Redis (the target's
+    vocabulary included)."""
+    cache.service.intake.paces = RefusalPaces(lambda: RefusalPace(rate=0.01, burst=2.0))
+    store.create("s1", [1, 2, 3], SamplingParams(), "dev1")
+    reads = []
+    vocab = cache.service._vocab
+    monkeypatch.setattr(cache.service, "_vocab", lambda: reads.append(1) or vocab())
+    for _ in range(3):  # not idle already: each tells nothing (the third runs past the burst)
+        assert cache.push(_empty(False, quiet=False), device="dev1").kept == 0
+    assert code_of(lambda: cache.push(_empty(True), device="dev1")) == \
+        grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert len(reads) == 3  # the refused push read no vocabulary
