@@ -15,7 +15,9 @@ import pytest
 
 from http_harness import MESSAGES, N, PROMPT, TOKEN, call, http_server, openai_client, reference
 
+from edgespec.config import SamplingParams
 from edgespec.models.loading import encode_prompt
+from edgespec.verify.keyed_noise import seed_after
 
 pytestmark = pytest.mark.slow  # processes, servers or long sweeps: not the fast tier
 
@@ -160,7 +162,8 @@ def test_choices_are_admitted_only_where_all_fit(looping):
     with pytest.raises(ApiError) as e:
         asyncio.run(_admit_choices(admission, params, True, asyncio.Lock()))
     assert e.value.status == 429 and admitted == []
-    # a batch of two prompts, one choice each: the same, once both prompts are checked
+    # a batch of two prompts, one choice each: the same, before any prompt is encoded (a
+    # request refused for room costs no prompt's work)
     checked = []
     admission.checked_prompt = lambda g: checked.append(g) or [1, 2]
     from verifier_node.admission import GenerationRequest
@@ -170,4 +173,21 @@ def test_choices_are_admitted_only_where_all_fit(looping):
                             batch=[prompt])
     with pytest.raises(ApiError) as e:
         asyncio.run(_admit_choices(admission, batch, False, asyncio.Lock()))
-    assert e.value.status == 429 and admitted == [] and len(checked) == 2
+    assert e.value.status == 429 and admitted == [] and checked == []
+
+
+def test_the_choices_of_one_prompt_share_its_encoding(looping):
+    """n choices of a prompt: it is encoded once (a prompt with images decoded once, where
+    each choice decoded them again: n = 3 cost three times one's seconds), each choice
+    admitted with it, choice i with the request's seed + i."""
+    from verifier_node.admission import GenerationRequest
+    from verifier_node.http_api import _admit_choices
+
+    encodes, admitted = [], []
+    admission = SimpleNamespace(scheduler=_Scheduler(room=3), admit=admitted.append,
+                                prompt_ids=lambda g: encodes.append(g) or ([5, 6, 7], None))
+    prompt = GenerationRequest(prompt="hi", params=SamplingParams(seed=7))
+    params = SimpleNamespace(n=3, generation=prompt, generations=[prompt], batch=[])
+    asyncio.run(_admit_choices(admission, params, True, asyncio.Lock()))
+    assert len(encodes) == 1 and [g.encoded for g in admitted] == [([5, 6, 7], None)] * 3
+    assert [g.params.seed for g in admitted] == [7, seed_after(7, 1), seed_after(7, 2)]

@@ -3,7 +3,8 @@
 it), with ``logprobs`` each choice's echoed prompt logprobs shaped, and a whole response's JSON
 rendered, in worker threads.
 (On the loop, a batch of long echoed prompts held every other client and /health for as long as
-its decoding took: a second at 80 choices of 1,000 tokens.) The composed server in process
+its decoding took: a second at 80 choices of 1,000 tokens.) Request bodies are parsed off it
+too. The composed server in process
 (real gRPC and HTTP on loopback, the embedded Redis, the tiny model), read over plain HTTP."""
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ import pytest
 
 from edgespec.config import EngineConfig
 from edgespec_cli.server import EdgespecServer, ServerOptions
-from verifier_node import http_choice
+from verifier_node import http_api, http_choice
+from verifier_node.openai_params import parse_request
 from verifier_node.logprob_shapes import LogprobShapes
 
 LOOP_THREAD = "http"  # the thread uvicorn's event loop runs in (``EdgespecServer``)
@@ -38,7 +40,8 @@ def _post(port: int, body: dict) -> tuple[int, bytes]:
 @pytest.fixture()
 def threads_seen(monkeypatch):
     """The threads that built the choices, decoded prompts and shaped echoed logprobs."""
-    seen: dict[str, list] = {"choice": [], "decoded": [], "echoed": [], "rendered": []}
+    seen: dict[str, list] = {"choice": [], "decoded": [], "echoed": [], "rendered": [],
+                             "parsed": []}
     here = threading.current_thread
     init, decoded, echoed, render = (http_choice.ChoiceRun.__init__, http_choice.decoded,
                                      LogprobShapes.echoed, http_choice.JSONResponse)
@@ -59,6 +62,11 @@ def threads_seen(monkeypatch):
         seen["rendered"].append(here().name)
         return render(body)
 
+    def parse(*a):
+        seen["parsed"].append(here().name)
+        return parse_request(*a)
+
+    monkeypatch.setattr(http_api, "parse_request", parse)
     monkeypatch.setattr(http_choice.ChoiceRun, "__init__", choice_init)
     monkeypatch.setattr(http_choice, "JSONResponse", rendered)
     monkeypatch.setattr(http_choice, "decoded", decode)
@@ -103,3 +111,6 @@ def test_echoed_prompts_are_decoded_once_each_and_off_the_event_loop(tiny_dir, t
     assert LOOP_THREAD not in threads_seen["echoed"]
     # the whole response's JSON (six choices' prompts and logprobs) rendered off the loop too
     assert len(threads_seen["rendered"]) == 1 and LOOP_THREAD not in threads_seen["rendered"]
+    # and each request body parsed off it (a body of millions of values within the body limit
+    # held /health and every stream for seconds)
+    assert len(threads_seen["parsed"]) == 2 and LOOP_THREAD not in threads_seen["parsed"]

@@ -151,3 +151,28 @@ def test_streamed_logprobs_go_with_the_chunk_their_text_begins_in(tokenizer):
     assert given + len(last["logprobs"]["content"]) == run.completion_tokens
     assert run.completion_tokens == len(tokenizer.encode("one, two, three, four",
                                                           add_special_tokens=False))
+
+
+def test_a_stream_searches_for_its_stops_only_where_one_may_begin(tokenizer, monkeypatch):
+    """Each token's search for the stop strings starts where a stop could begin in the text
+    that came with it (a search of the whole text at every token cost a 32,768-token output
+    seconds on the event loop), and still cuts the text where the first stop begins, across
+    tokens."""
+    from verifier_node import http_choice
+
+    searched = []
+    find = http_choice._find_stop
+
+    def recorded(text, stops, since=0):
+        searched.append((len(text), since))
+        return find(text, stops, since)
+
+    monkeypatch.setattr(http_choice, "_find_stop", recorded)
+    whole = "one two three " * 200 + "three STOP here"
+    output = tokenizer.encode(whole, add_special_tokens=False)
+    stops = ["@@", "three STOP"]
+    assert _text(tokenizer, output, stops) == (whole[:whole.find("three STOP")], "stop")
+    hold = len("three STOP") - 1
+    assert len(searched) > 500 and searched[0][1] == 0
+    for (before, _), (_, since) in zip(searched, searched[1:]):
+        assert since == max(0, before - hold)

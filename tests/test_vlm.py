@@ -116,6 +116,18 @@ def test_bad_images_are_refused_with_the_reason():
         decode_images([_solid(5000, 4000)])
     with pytest.raises(ImageRefused, match="not an image in one of"):  # TIFF is not taken
         decode_images([png(1, fmt="TIFF")])
+    # images each within the limit, more pixels than a request takes together: refused from
+    # their headers, none decoded (eight of 4096x4096 cost a server 6 s and a gigabyte)
+    import PIL.Image
+
+    decoded, big = [], _solid(3000, 3000)
+    load = PIL.Image.Image.load
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(PIL.Image.Image, "load", lambda im: decoded.append(im) or load(im))
+        with pytest.raises(ImageRefused, match=f"{2 * 3000 * 3000} pixels together"):
+            decode_images([big, big])
+    assert decoded == []
+    assert len(decode_images([_solid(2048, 2048)] * 4)) == 4  # at the limit: taken
     assert [im.mode for im in decode_images([png(1, fmt="WEBP"), png(2, fmt="BMP")])] == \
         ["RGB", "RGB"]
 

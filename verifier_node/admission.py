@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 from dataclasses import dataclass, field
 
 from edgespec.config import ConfigError, EmptyPrompt, SamplingParams, is_lossy
@@ -27,13 +28,14 @@ from edgespec.models.vision import ImageInput
 from edgespec.verify.keyed_noise import with_session_seed
 
 from .scheduler import Scheduler
-from .tickets import Ticket
+from .tickets import QueueFull, Ticket
 
 log = logging.getLogger("edgespec.verifier")
 
 # A prompt longer than this many characters per context token cannot fit: refused before the
 # tokenizer spends seconds on it.
 MAX_CHARS_PER_TOKEN = 64
+VISION_ENCODES = 2  # prompts with images encoded at once (``Admission``)
 
 
 @dataclass
@@ -71,6 +73,9 @@ class GenerationRequest:
     # no new tokens: the prompt prefilled alone (scored with ``prompt_logprobs``) and the
     # session ended (the completions' ``echo`` with ``max_tokens`` 0); ``max_new_tokens`` unread
     prompt_only: bool = False
+    # the prompt as ``Admission.prompt_ids`` gives it, already (a request's n choices: their
+    # prompt encoded and its images decoded once); None: encoded at admission
+    encoded: tuple[list[int], ImageInput | None] | None = None
 
 
 class SessionNotFound(Exception):
@@ -90,11 +95,16 @@ class Admission:
         self.max_len = scheduler.engine.target.max_len
         self.vision = scheduler.engine.vision  # a vision-language target's VLM, else None
         self.kernels = scheduler.engine.target.kernel_set.fingerprint
+        # prompts with images encoded at once, at most: their decoding and the processor's
+        # work, not every worker thread's (eight requests at the image limits held 9 GB)
+        self._vision_encodes = threading.BoundedSemaphore(VISION_ENCODES)
 
     def prompt_ids(self, g: GenerationRequest) -> tuple[list[int], ImageInput | None]:
         """The request's prompt as token ids, with its images as the vision encoder takes them
         (None without images); one of zero tokens is refused (EmptyPrompt), an empty message
         through the chat template is not zero tokens."""
+        if g.encoded is not None:  # encoded once for several sessions: each its own list
+            return list(g.encoded[0]), g.encoded[1]
         ids, images = self._encode(g)
         if not ids:
             raise EmptyPrompt()
@@ -124,10 +134,11 @@ class Admission:
                               f"({self.max_len} tokens)")
         try:
             if self.vision is not None:  # through the processor: image marks expanded
-                pictures = decode_images(g.images)
-                if g.messages:
-                    return self.vision.encode(messages=g.messages, images=pictures)
-                return self.vision.encode(g.prompt or "", raw=g.raw, images=pictures)
+                with self._vision_encodes:  # each up to ~0.5 GB and a second of CPU
+                    pictures = decode_images(g.images)
+                    if g.messages:
+                        return self.vision.encode(messages=g.messages, images=pictures)
+                    return self.vision.encode(g.prompt or "", raw=g.raw, images=pictures)
             if g.messages:
                 return encode_prompt(self.tokenizer, messages=g.messages), None
             return encode_prompt(self.tokenizer, g.prompt or "", raw=g.raw), None
@@ -180,6 +191,10 @@ class Admission:
         return Ticket(request, device, **kw)
 
     def _new_ticket(self, g: GenerationRequest) -> Ticket:
+        if g.images and g.encoded is None and self.scheduler.room() < 1:
+            # refused before its images are decoded (asked again when it is queued)
+            raise QueueFull(f"{self.scheduler.capacity} sessions are running and waiting (its "
+                            "images were not decoded)")
         ids, images = self.prompt_ids(g)
         if g.max_new_tokens < 0:
             raise ConfigError("max_new_tokens must be >= 0 (0: the server's default)")

@@ -26,10 +26,11 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import json
 import logging
 import time
 from dataclasses import dataclass, replace
-from typing import Callable
+from typing import Callable, TypeVar
 
 import anyio
 from fastapi import FastAPI, Request
@@ -43,7 +44,7 @@ from edgespec.config import ConfigError, EmptyPrompt, LossyModeOff
 from edgespec.protocol.contract import StoreUnavailable
 from edgespec.verify.keyed_noise import seed_after
 
-from .admission import Admission, DrafterMissing, SessionNotFound
+from .admission import Admission, DrafterMissing, GenerationRequest, SessionNotFound
 from .api_errors import missing_v1_hint
 from .body_limit import BODY_TIMEOUT_S, MIN_BYTES, BodyLimit
 from .http_choice import CLIENT_CLOSED, ChoiceRun, echo_texts, stream_choices, whole_choices
@@ -53,6 +54,7 @@ from .tickets import QueueFull, ShuttingDown, Ticket
 
 
 log = logging.getLogger("edgespec.http")
+T = TypeVar("T")
 
 # the Retry-After of a request sent while the model loads: OpenAI's SDKs try a request three
 # times, so their third try comes ~10 s after the first (a small model's load on a CPU), where
@@ -130,14 +132,14 @@ def make_app(state: ServingState, token: str | None = None,
         check_auth(request)
         admission, model_name = ready(), state.model_name
         try:
-            body = await request.json()
+            raw = await request.body()
         except ClientDisconnect:  # gone before its body came whole: no one to answer, no session
             log.info("a client of %s disconnected before its request body arrived whole",
                      request.url.path)
             return Response(status_code=CLIENT_CLOSED)
-        except (ValueError, RecursionError):  # bad JSON, bad UTF-8, absurd nesting
-            raise ApiError(400, "the request body is not valid JSON", "invalid_request_error")
-        params = parse_request(body, chat, model_name)
+        # parsed and read off the event loop: a body of millions of values (within the body
+        # limit) took seconds, every other client's stream and /health stalled meanwhile
+        params = await anyio.to_thread.run_sync(_parsed_request, raw, chat, model_name)
         tickets = await _admit_choices(admission, params, chat, choices_lock)
         if params.generation.logprobs is not None and state.shapes is None:
             state.shapes = LogprobShapes(admission.tokenizer)
@@ -205,8 +207,6 @@ async def _admit_choices(admission: Admission, params, chat: bool, lock: asyncio
     if total == 1:
         return [await _admit(admission, params.generation, chat)]
     prompts = params.generations
-    if params.batch:  # every prompt checked before any is admitted
-        prompts = await anyio.to_thread.run_sync(_encoded_batch, admission, prompts)
     scheduler = admission.scheduler
     what = f"n = {params.n} choices" if not params.batch else \
         f"{len(params.generations)} prompts x n = {params.n} choices"
@@ -214,6 +214,14 @@ async def _admit_choices(admission: Admission, params, chat: bool, lock: asyncio
         raise ApiError(400, f"{what} is more sessions than this verifier holds "
                             f"({scheduler.capacity}: running and waiting)",
                        "invalid_request_error", "n" if not params.batch else "prompt")
+    if scheduler.room() < total:  # before the prompts' work (asked again under the lock)
+        raise ApiError(429, f"the verifier is overloaded: no room for {what}",
+                       "rate_limit_error", code="overloaded")
+    if params.batch:  # every prompt checked before any is admitted
+        prompts = await anyio.to_thread.run_sync(_encoded_batch, admission, prompts)
+    elif prompts[0].prompt_ids is None:  # n choices of one prompt: encoded (images decoded) once
+        prompts = [replace(prompts[0], encoded=await _admitted(admission.prompt_ids,
+                                                               prompts[0], chat))]
     async with lock:
         if scheduler.room() < total:
             raise ApiError(429, f"the verifier is overloaded: no room for {what}",
@@ -232,6 +240,15 @@ async def _admit_choices(admission: Admission, params, chat: bool, lock: asyncio
                 scheduler.cancel(t.session_id)
             raise
     return tickets
+
+
+def _parsed_request(raw: bytes, chat: bool, model_name: str):
+    """A request body's ``parse_request``, or the 400 of a body that is not JSON."""
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError):  # bad JSON, bad UTF-8, absurd nesting
+        raise ApiError(400, "the request body is not valid JSON", "invalid_request_error")
+    return parse_request(body, chat, model_name)
 
 
 def _encoded_batch(admission: Admission, prompts: list) -> list:
@@ -262,8 +279,15 @@ def _cancel_never_read(runs: list[ChoiceRun]) -> None:
 
 async def _admit(admission: Admission, generation, chat: bool) -> Ticket:
     """The request admitted (its ticket), or the ApiError that says why not."""
+    return await _admitted(admission.admit, generation, chat)
+
+
+async def _admitted(call: Callable[[GenerationRequest], T], generation: GenerationRequest,
+                    chat: bool) -> T:
+    """``call(generation)``, an admission's step, in a worker thread; the ApiError that says
+    why it refused the request."""
     try:
-        return await anyio.to_thread.run_sync(admission.admit, generation)
+        return await anyio.to_thread.run_sync(call, generation)
     except EmptyPrompt as e:
         raise ApiError(400, str(e), "invalid_request_error",
                        "messages" if chat else "prompt") from None

@@ -55,7 +55,7 @@ class ChoiceRun:
                                shown_ids=ticket.request.prompt_ids if self.echo else ())
         self.completion_tokens = 0
         self.finish_reason: str | None = None
-        self.shown = ""  # text already sent (or decided) before any stop string
+        self.shown = 0  # characters of the text already sent (or decided) before any stop
         self.starts: list[int] = []  # where each token read begins in the output's text
         self.read = False  # the response began reading the ticket (``_events``)
         # the logprobs asked for, each sent with the chunk its token's text begins in
@@ -93,15 +93,17 @@ class ChoiceRun:
                             cursor += 1
                             self.starts.append(len(full))
                             self.text([tok])
+                            # a stop string not in the text so far ends in what comes now
+                            since = max(0, len(full) - hold)
                             full += "".join(self.pieces)
                             self.pieces.clear()
-                            cut = _find_stop(full, self.p.stop)
+                            cut = _find_stop(full, self.p.stop, since)
                             if cut is not None:
                                 break
                         self.completion_tokens = cursor
                         if cut is not None:
                             self.finish_reason = "stop"
-                            piece, self.shown = full[len(self.shown):cut], full[:cut]
+                            piece, self.shown = full[self.shown:cut], cut
                             yield piece
                             self.admission.scheduler.cancel(t.session_id, reason="stop")
                             while not t.ended:  # for its stats; the cancel ends it promptly
@@ -112,8 +114,8 @@ class ChoiceRun:
                         # held back even once the result is in: the flush below may add to
                         # the text a stop string begins in
                         safe = len(full) - hold if error is None else len(full)
-                        if safe > len(self.shown):
-                            piece, self.shown = full[len(self.shown):safe], full[:safe]
+                        if safe > self.shown:
+                            piece, self.shown = full[self.shown:safe], safe
                             yield piece
                         continue
                     if isinstance(error, ShuttingDown):  # the SDK resumes such a session by
@@ -130,12 +132,13 @@ class ChoiceRun:
                                        "server_error", retry=False)
                     if result is not None:
                         self.text.flush()  # an output that ends mid-character: its last bytes
+                        since = max(0, len(full) - hold)
                         full += "".join(self.pieces)
                         self.pieces.clear()
-                        cut = _find_stop(full, self.p.stop)  # a stop the flushed text ends
+                        cut = _find_stop(full, self.p.stop, since)  # one the flushed text ends
                         end = len(full) if cut is None else cut
-                        if end > len(self.shown):
-                            piece, self.shown = full[len(self.shown):end], full[:end]
+                        if end > self.shown:
+                            piece, self.shown = full[self.shown:end], end
                             yield piece
                         self.finish_reason = result.finish_reason if cut is None else "stop"
                         return
@@ -163,7 +166,7 @@ class ChoiceRun:
         logprobs = None
         if self.logprobs is not None:
             logprobs = self.logprobs.upto(self.completion_tokens if finish is not None
-                                          else bisect_left(self.starts, len(self.shown)))
+                                          else bisect_left(self.starts, self.shown))
         if self.chat:
             delta = {"role": "assistant", "content": text or ""} if first else \
                 ({"content": text} if text else {})
@@ -261,9 +264,11 @@ def decoded(tokenizer, ids: list[int]) -> tuple[str, list[int]]:
     return text, starts
 
 
-def _find_stop(text: str, stops: list[str]) -> int | None:
-    """Where the earliest stop string begins in ``text``, or None."""
-    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+def _find_stop(text: str, stops: list[str], since: int = 0) -> int | None:
+    """Where the earliest stop string begins in ``text`` from ``since`` on, or None (a stream
+    searches only where one may begin in what came since its last search: a search of the
+    whole text at every token was quadratic in the output, on the event loop)."""
+    hits = [i for i in (text.find(s, since) for s in stops) if i >= 0]
     return min(hits) if hits else None
 
 

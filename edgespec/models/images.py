@@ -8,8 +8,10 @@ the front doors answer it as a bad request) that names the image and what is wro
 - more than ``MAX_IMAGES`` images, or more than ``MAX_IMAGE_BYTES`` of them in all (what keeps a
   request inside one gRPC message, ``edgespec.wire.convert.MAX_MESSAGE_BYTES``);
 - a file that is no image in one of ``FORMATS``, or that is truncated or corrupt;
-- an image of more than ``MAX_IMAGE_PIXELS`` pixels (read from the header, before decoding: a
-  small file that decodes to gigabytes is refused without being decoded).
+- an image of more than ``MAX_IMAGE_PIXELS`` pixels, or images of more than
+  ``MAX_REQUEST_PIXELS`` together (read from the headers, before any is decoded: a small file
+  that decodes to gigabytes is refused without being decoded; eight 75 KB single-colour PNGs of
+  4096x4096 pixels each cost a server 6 s of CPU and a gigabyte before the request limit).
 
 Nothing here fetches anything: a remote URL is the HTTP API's to refuse (``verifier_node``).
 """
@@ -25,6 +27,7 @@ from ..config import ConfigError
 MAX_IMAGES = 8  # per request
 MAX_IMAGE_BYTES = 3 << 20  # encoded bytes of a request's images together (a gRPC message: 4 MiB)
 MAX_IMAGE_PIXELS = 4096 * 4096  # width x height of one image
+MAX_REQUEST_PIXELS = 4096 * 4096  # of a request's images together
 FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")  # what Pillow may decode
 
 
@@ -48,6 +51,15 @@ def check_image_bytes(images: list[bytes]) -> None:
 
 def decode_image(data: bytes, index: int = 0) -> Any:
     """One encoded image file as an RGB ``PIL.Image.Image`` (ImageRefused if it is none)."""
+    return _opened(data, index, decode=True)
+
+
+def image_pixels(data: bytes, index: int = 0) -> int:
+    """An encoded image's pixels, read from its header (ImageRefused, as ``decode_image``)."""
+    return _opened(data, index, decode=False)
+
+
+def _opened(data: bytes, index: int, decode: bool) -> Any:
     from PIL import Image, UnidentifiedImageError
 
     what = f"image {index}"
@@ -59,6 +71,8 @@ def decode_image(data: bytes, index: int = 0) -> Any:
                                    f"{MAX_IMAGE_PIXELS} pixels are taken (4096x4096)")
             if width < 1 or height < 1:
                 raise ImageRefused(f"{what} has no pixels ({width}x{height})")
+            if not decode:
+                return width * height
             img.load()
             return img.convert("RGB")
     except ImageRefused:
@@ -72,8 +86,14 @@ def decode_image(data: bytes, index: int = 0) -> Any:
 
 
 def decode_images(images: list[bytes]) -> list[Any]:
-    """A request's encoded images, checked and decoded in order (ImageRefused)."""
+    """A request's encoded images, checked (every header before any is decoded) and decoded in
+    order (ImageRefused)."""
     check_image_bytes(images)
+    pixels = sum(image_pixels(b, i) for i, b in enumerate(images))
+    if pixels > MAX_REQUEST_PIXELS:
+        raise ImageRefused(f"the images are {pixels} pixels together: a request takes at most "
+                           f"{MAX_REQUEST_PIXELS} (one of 4096x4096, or four of 2048x2048); "
+                           "send them smaller")
     return [decode_image(b, i) for i, b in enumerate(images)]
 
 
