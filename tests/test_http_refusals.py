@@ -258,6 +258,36 @@ def test_an_oversized_body_is_a_413_and_the_server_goes_on(server, api):
     assert r.choices[0].message.content and call("GET", server["base"] + "/health")[0] == 200
 
 
+def test_a_body_of_more_values_than_any_request_needs_is_a_413_before_it_is_parsed(server,
+                                                                                   api):
+    """Parsing JSON holds the interpreter's lock wherever it runs (a 20 MB body of 7 million
+    empty lists stalled every stream and /health 2 s): a body with more commas and colons than
+    a batch of token-id prompts filling the context is refused unparsed; the most such a batch
+    holds passes."""
+    import re
+
+    from verifier_node import http_api
+
+    code, reply = call("POST", server["base"] + "/v1/chat/completions",
+                       {"model": api.model_id,
+                        "messages": [{"role": "user", "content": "a" * 900_000}]},
+                       {"Authorization": f"Bearer {TOKEN}"})
+    context = int(re.search(r"context limit \((\d+)", reply["error"]["message"]).group(1))
+    most = http_api.most_values(context)
+    assert 3 * most < MAX_BODY  # what follows is within the server's body limit
+    raw = (b'{"model": "m", "messages": [], "metadata": [' + b",".join([b"[]"] * most)
+           + b"]}")  # parsed, a 400 for its model and its empty messages
+    code, reply = call("POST", server["base"] + "/v1/chat/completions", raw=raw,
+                       headers={"Authorization": f"Bearer {TOKEN}"})
+    assert code == 413 and "JSON separators" in reply["error"]["message"], reply
+    assert reply["error"]["code"] == "request_too_large"
+    assert call("GET", server["base"] + "/health")[0] == 200
+    batch = json.dumps({"model": "m", "max_tokens": 1, "logit_bias": {str(i): 1 for i in
+                                                                         range(300)},
+                        "prompt": [[1] * context] * http_api.MAX_PROMPTS}).encode()
+    assert batch.count(b",") + batch.count(b":") <= most
+
+
 def test_the_default_body_limit_fits_the_longest_prompt_admitted():
     """Without --max-request-bytes, a chat request whose prompt has the most characters the
     verifier admits (MAX_CHARS_PER_TOKEN a context token), each escaped at its longest in

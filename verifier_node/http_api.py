@@ -49,7 +49,7 @@ from .api_errors import missing_v1_hint
 from .body_limit import BODY_TIMEOUT_S, MIN_BYTES, BodyLimit
 from .http_choice import CLIENT_CLOSED, ChoiceRun, echo_texts, stream_choices, whole_choices
 from .logprob_shapes import LogprobShapes
-from .openai_params import ApiError, error_response, parse_request
+from .openai_params import MAX_PROMPTS, ApiError, error_response, parse_request
 from .tickets import QueueFull, ShuttingDown, Ticket
 
 
@@ -139,7 +139,8 @@ def make_app(state: ServingState, token: str | None = None,
             return Response(status_code=CLIENT_CLOSED)
         # parsed and read off the event loop: a body of millions of values (within the body
         # limit) took seconds, every other client's stream and /health stalled meanwhile
-        params = await anyio.to_thread.run_sync(_parsed_request, raw, chat, model_name)
+        params = await anyio.to_thread.run_sync(_parsed_request, raw, chat, model_name,
+                                                most_values(admission.max_len))
         tickets = await _admit_choices(admission, params, chat, choices_lock)
         if params.generation.logprobs is not None and state.shapes is None:
             state.shapes = LogprobShapes(admission.tokenizer)
@@ -242,8 +243,23 @@ async def _admit_choices(admission: Admission, params, chat: bool, lock: asyncio
     return tickets
 
 
-def _parsed_request(raw: bytes, chat: bool, model_name: str):
-    """A request body's ``parse_request``, or the 400 of a body that is not JSON."""
+def most_values(max_context: int) -> int:
+    """The most separators (commas and colons) a request body may hold: those of a batch of
+    ``MAX_PROMPTS`` prompts of token ids filling the context, and room for the rest. Parsing
+    JSON holds the interpreter's lock however many values it makes: a 20 MB body of 7 million
+    empty lists stalled every stream and /health 2 s, in a worker thread as on the loop."""
+    return MAX_PROMPTS * max_context + (1 << 16)
+
+
+def _parsed_request(raw: bytes, chat: bool, model_name: str, max_values: int):
+    """A request body's ``parse_request``; the 400 of a body that is not JSON, the 413 of one
+    of more values than any request needs (counted before it is parsed: a few ms)."""
+    values = raw.count(b",") + raw.count(b":")
+    if values > max_values:
+        raise ApiError(413, f"the request body holds {values} JSON separators: a request needs "
+                            f"at most {max_values} here ({MAX_PROMPTS} prompts of token ids "
+                            "filling the context)", "invalid_request_error",
+                       code="request_too_large")
     try:
         body = json.loads(raw)
     except (ValueError, RecursionError):  # bad JSON, bad UTF-8, absurd nesting
