@@ -191,3 +191,39 @@ def test_the_choices_of_one_prompt_share_its_encoding(looping):
     asyncio.run(_admit_choices(admission, params, True, asyncio.Lock()))
     assert len(encodes) == 1 and [g.encoded for g in admitted] == [([5, 6, 7], None)] * 3
     assert [g.params.seed for g in admitted] == [7, seed_after(7, 1), seed_after(7, 2)]
+
+
+def test_requests_with_images_take_turns_on_the_event_loop_not_in_worker_threads():
+    """A request with images to decode waits for its turn (two at once) on the event loop:
+    waiting in a worker thread, image requests held the threads every other request needs
+    (a text request's body parse waited 4 s behind 200 of them)."""
+    import threading
+
+    from verifier_node.admission import GenerationRequest, VISION_ENCODES
+    from verifier_node.http_api import _admitted
+
+    inside, most, release = [0], [0], threading.Event()
+    lock = threading.Lock()
+
+    def decode(g):
+        with lock:
+            inside[0] += 1
+            most[0] = max(most[0], inside[0])
+        release.wait(30)
+        with lock:
+            inside[0] -= 1
+        return g.prompt
+
+    async def run():
+        images = [asyncio.create_task(_admitted(decode, GenerationRequest(
+            prompt=f"p{i}", images=[b"png"]), True)) for i in range(6)]
+        while inside[0] < VISION_ENCODES:
+            await asyncio.sleep(0.01)
+        text = await _admitted(lambda g: g.prompt, GenerationRequest(prompt="text"), True)
+        held = most[0]
+        release.set()
+        return text, held, await asyncio.gather(*images)
+
+    text, held, done = asyncio.run(asyncio.wait_for(run(), 60))
+    assert text == "text" and held == VISION_ENCODES  # the other four waited on the loop
+    assert done == [f"p{i}" for i in range(6)] and most[0] == VISION_ENCODES

@@ -29,6 +29,7 @@ import hmac
 import json
 import logging
 import time
+import weakref
 from dataclasses import dataclass, replace
 from typing import Callable, TypeVar
 
@@ -44,7 +45,8 @@ from edgespec.config import ConfigError, EmptyPrompt, LossyModeOff
 from edgespec.protocol.contract import StoreUnavailable
 from edgespec.verify.keyed_noise import seed_after
 
-from .admission import Admission, DrafterMissing, GenerationRequest, SessionNotFound
+from .admission import (VISION_ENCODES, Admission, DrafterMissing, GenerationRequest,
+                        SessionNotFound)
 from .api_errors import missing_v1_hint
 from .body_limit import BODY_TIMEOUT_S, MIN_BYTES, BodyLimit
 from .http_choice import CLIENT_CLOSED, ChoiceRun, echo_texts, stream_choices, whole_choices
@@ -55,6 +57,8 @@ from .tickets import QueueFull, ShuttingDown, Ticket
 
 log = logging.getLogger("edgespec.http")
 T = TypeVar("T")
+# each event loop's turns of image decoding (``_image_turns``)
+_IMAGE_TURNS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 # the Retry-After of a request sent while the model loads: OpenAI's SDKs try a request three
 # times, so their third try comes ~10 s after the first (a small model's load on a CPU), where
@@ -298,11 +302,26 @@ async def _admit(admission: Admission, generation, chat: bool) -> Ticket:
     return await _admitted(admission.admit, generation, chat)
 
 
+def _image_turns() -> asyncio.Semaphore:
+    """This event loop's turns of image decoding (``VISION_ENCODES`` at once): a request with
+    images waits for one here, on the loop, not in a worker thread (the worker threads every
+    request needs, 40, were held by image requests waiting for their two turns)."""
+    loop = asyncio.get_running_loop()
+    turns = _IMAGE_TURNS.get(loop)
+    if turns is None:
+        turns = _IMAGE_TURNS[loop] = asyncio.Semaphore(VISION_ENCODES)
+    return turns
+
+
 async def _admitted(call: Callable[[GenerationRequest], T], generation: GenerationRequest,
                     chat: bool) -> T:
-    """``call(generation)``, an admission's step, in a worker thread; the ApiError that says
-    why it refused the request."""
+    """``call(generation)``, an admission's step, in a worker thread (a request with images
+    to decode once it has its turn, ``_image_turns``); the ApiError that says why it refused
+    the request."""
     try:
+        if generation.images and generation.encoded is None:
+            async with _image_turns():
+                return await anyio.to_thread.run_sync(call, generation)
         return await anyio.to_thread.run_sync(call, generation)
     except EmptyPrompt as e:
         raise ApiError(400, str(e), "invalid_request_error",

@@ -27,7 +27,7 @@ from ..config import ConfigError
 MAX_IMAGES = 8  # per request
 MAX_IMAGE_BYTES = 3 << 20  # encoded bytes of a request's images together (a gRPC message: 4 MiB)
 MAX_IMAGE_PIXELS = 4096 * 4096  # width x height of one image
-MAX_REQUEST_PIXELS = 4096 * 4096  # of a request's images together
+MAX_REQUEST_PIXELS = 2 * 4096 * 4096  # of a request's images together (two 12 MP photos fit)
 FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")  # what Pillow may decode
 
 
@@ -92,7 +92,7 @@ def decode_images(images: list[bytes]) -> list[Any]:
     pixels = sum(image_pixels(b, i) for i, b in enumerate(images))
     if pixels > MAX_REQUEST_PIXELS:
         raise ImageRefused(f"the images are {pixels} pixels together: a request takes at most "
-                           f"{MAX_REQUEST_PIXELS} (one of 4096x4096, or four of 2048x2048); "
+                           f"{MAX_REQUEST_PIXELS} (two of 4096x4096, or eight of 2048x2048); "
                            "send them smaller")
     return [decode_image(b, i) for i, b in enumerate(images)]
 
