@@ -19,6 +19,7 @@ import threading
 import grpc
 
 from edgespec.v1 import edgespec_pb2 as pb
+from edgespec.wire.request_parsing import MalformedRequest
 
 log = logging.getLogger("edgespec.cache")
 
@@ -52,8 +53,10 @@ class RegisterWait:
                 older.cancel()
         late = threading.Event()
 
-        def give_up() -> None:
+        def give_up() -> None:  # said before the call ends: its client hears it after
             late.set()
+            log.warning("an Attach stream from %s sent no Register within %.0f s: closed",
+                        context.peer() or "?", self.wait_s)
             context.cancel()
 
         timer = threading.Timer(self.wait_s, give_up)
@@ -61,6 +64,8 @@ class RegisterWait:
         timer.start()
         try:
             first = next(it, None)
+        except MalformedRequest:  # the call already ended INVALID_ARGUMENT, saying why
+            raise
         except grpc.RpcError:  # cancelled: by the timer, a newer stream, or its client leaving
             first = None
         finally:
@@ -69,10 +74,6 @@ class RegisterWait:
                 with self._lock:
                     if self._waiting.get(device) is context:
                         del self._waiting[device]
-        if late.is_set():
-            log.warning("an Attach stream from %s sent no Register within %.0f s: closed",
-                        context.peer() or "?", self.wait_s)
-            return False
-        if first is None and not context.is_active():
+        if late.is_set() or (first is None and not context.is_active()):
             return False
         return first

@@ -33,6 +33,7 @@ class CacheMessages:
 
     cache: str
     device_id: str
+    max_sessions: int  # sessions drafted for at once (0: no limit)
     drafter: Drafter
     book: DraftBook
     cond: threading.Condition
@@ -108,12 +109,23 @@ class CacheMessages:
         try:
             params = params_from_pb(a.sampling)
             self._check_ids(a.tokens)
+            self._check_room(a.session_id)
         except ConfigError as e:  # not a session this drafter can draft for
             self.book.assign(a.session_id, list(a.tokens), SamplingParams(), a.epoch)
             self._refuse_session(a.session_id, len(a.tokens), str(e))
             return
         self.book.assign(a.session_id, list(a.tokens), params, a.epoch,
                          a.output_end if a.HasField("output_end") else None)
+
+    def _check_room(self, sid: str) -> None:
+        """A session beyond ``max_sessions`` drafted for at once (0: no limit) is refused: a
+        cache that assigns more than the board registered for (a hostile one sent 30 sessions
+        of 1.3M tokens to a board of 8: 1.5 GB) does not fill the board's memory."""
+        if self.max_sessions > 0 and sum(
+                1 for s, t in self.book.targets.items()
+                if s != sid and not t.refused) >= self.max_sessions:
+            raise ConfigError(f"the cache assigned more sessions than this board drafts for "
+                              f"at once (--max-sessions {self.max_sessions})")
 
     def _check_ids(self, tokens) -> None:
         """Token ids the cache sends are the target's: outside its vocabulary, no drafter's

@@ -83,7 +83,7 @@ class Cache:
         if self.channel is not None:
             self.channel.close()
         self.service.stop()
-        self.server.stop(0)
+        self.server.stop(0).wait()  # its port free once this returns (a test binds it again)
 
 
 @pytest.fixture()

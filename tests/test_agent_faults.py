@@ -87,6 +87,33 @@ def test_agent_refuses_a_session_whose_ids_are_outside_the_vocabulary(cache, sto
         t.join(WAIT_S)
 
 
+def test_agent_drafts_for_no_more_sessions_than_it_registered_for(cache, store):
+    """A cache that assigns more sessions than the board's ``max_sessions`` (a hostile one
+    sent a board of 8 sessions thirty of 1.3M tokens each: 1.5 GB) gets the ones beyond
+    refused (an idle chunk each: the verifier decodes them alone), whatever the drafter could
+    open; a session that ends makes room again."""
+    drafter = SlotDrafter(slots=8)  # it could open more: the board's limit refuses them
+    agent = DrafterAgent(cache.address, "edge-1", drafter, window=4, chunk=2, max_sessions=2)
+    t = start_agent(agent)
+    try:
+        idle = lambda sid: store.redis.hget(store.keys.session(sid)[0], "idle") == b"1"  # noqa: E731
+        for sid in ("s1", "s2"):
+            store.create(sid, [1, 2, 3], SamplingParams(), "edge-1")
+        eventually(lambda: draft_len(store, "s1") > 0 and draft_len(store, "s2") > 0,
+                   "drafts for the two sessions it holds")
+        store.create("s3", [1, 2, 3], SamplingParams(), "edge-1")
+        eventually(lambda: idle("s3"), "an idle chunk for s3, beyond the board's two")
+        assert agent.refused == 1 and drafter.open_now == 2 and draft_len(store, "s3") == 0
+        store.close("s1")
+        eventually(lambda: drafter.open_now == 1, "s1's session closed")
+        store.create("s4", [1, 2, 3], SamplingParams(), "edge-1")
+        eventually(lambda: draft_len(store, "s4") > 0, "drafts for s4 in s1's room")
+        assert t.is_alive() and agent.refused == 1
+    finally:
+        agent.stop()
+        t.join(WAIT_S)
+
+
 class OutOfOrderCache(pb_grpc.DraftCacheServicer):
     """A cache that, on a drafter's first attach, sends an assignment before ``registered``;
     on the next ones behaves, and collects the chunks it gets."""

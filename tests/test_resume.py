@@ -246,3 +246,24 @@ def test_a_record_without_an_output_limit_is_not_resumed_as_a_prompt_alone(verif
     with pytest.raises(SessionNotFound, match="send the request again"):
         admission.admit(GenerationRequest(resume_session_id="s7"))
     assert not engine.sessions
+
+
+def test_a_re_created_session_longer_than_the_context_is_refused_before_any_work(
+        verifier_parts):
+    """``committed_ids`` past the context limit (found by a hostile client's probe: three
+    million of them, with max_new_tokens 1, were answered as a whole output after seconds of
+    copies and scans each, 2.5 GB across 12 callers) are refused at once, as a prompt is."""
+    import pytest
+
+    from edgespec.config import ConfigError
+
+    store, engine, sched, admission = verifier_parts
+    limit = engine.target.max_len
+    committed = [10] * (limit - len(PROMPT) + 1)
+    with pytest.raises(ConfigError, match="exceed the context limit"):
+        admission.admit(GenerationRequest(prompt_ids=PROMPT, max_new_tokens=1,
+                                          committed=committed, lost_session_id="ab" * 16))
+    # the most that fits: answered as a session whose client holds its whole output
+    held = admission.admit(GenerationRequest(prompt_ids=PROMPT, max_new_tokens=1,
+                                             committed=committed[1:], lost_session_id="ab" * 16))
+    assert held.ended and held.result.finish_reason == "length"

@@ -210,6 +210,11 @@ class Admission:
         request = self._request(g, ids, images)
         request.params = with_session_seed(g.params)
         if lost:
+            if len(ids) + len(g.committed) > self.max_len:  # before any work on them (a
+                # client holding its whole output is answered without the engine's checks)
+                raise ConfigError(f"the prompt ({len(ids)} tokens) and committed_ids "
+                                  f"({len(g.committed)}) exceed the context limit "
+                                  f"({self.max_len})")
             try:
                 held = checked_lineage(g.kernel_set, g.kernels_differ_from, len(g.committed))
             except ValueError as e:
