@@ -34,6 +34,7 @@ from edgespec.runner.target_runner import TargetRunner
 from edgespec.v1 import edgespec_pb2 as pb
 from edgespec.wire.channels import free_port
 from procs import FROZEN_DRAFTER_ENV, Streamer, start_drafter, start_serve
+from server_harness import server  # noqa: F401  (the in-process server, used by name)
 from verifier_node.admission import GenerationRequest, SessionNotFound
 
 pytestmark = pytest.mark.slow  # processes, servers or long sweeps: not the fast tier
@@ -231,6 +232,23 @@ def test_a_client_holding_the_whole_output_gets_the_end_and_no_more_tokens(verif
 def test_bad_recreations_are_refused(verifier_parts, kw, said):
     with pytest.raises(ConfigError, match=said):
         verifier_parts[3].admit(GenerationRequest(max_new_tokens=8, **kw))
+
+
+def test_committed_ids_past_the_context_are_refused_on_the_wire_before_any_work(server):
+    """A re-creation holding more tokens than a session can (found by a hostile client's
+    probe: three million committed_ids with max_new_tokens 1 were answered as a whole output
+    after seconds of copies and scans each) is refused INVALID_ARGUMENT from their count."""
+    from edgespec.v1 import edgespec_pb2_grpc as pb_grpc
+
+    limit = server.verifier_service.admission.max_len
+    with grpc.insecure_channel(f"127.0.0.1:{server.port}") as ch:
+        stub = pb_grpc.VerifierStub(ch)
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.Generate(pb.GenerateRequest(
+                prompt="hi", max_new_tokens=1, lost_session_id=SID_A,
+                committed_ids=[5] * (limit + 1)), timeout=60))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "exceed the context limit" in e.value.details()
 
 
 def test_a_resume_from_below_zero_is_refused_not_read_as_zero():

@@ -169,6 +169,10 @@ class VerifierService(pb_grpc.VerifierServicer):
                     del self._resuming[sid]
 
     def _generate(self, request, context):
+        if len(request.committed_ids) > self.admission.max_len:  # before they are copied
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"committed_ids ({len(request.committed_ids)}) exceed the context "
+                          f"limit ({self.admission.max_len})")
         try:
             left = context.time_remaining()  # about 2**63 s when the call has no deadline
             ticket = self.admission.admit(generation_request(request),
