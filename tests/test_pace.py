@@ -12,7 +12,7 @@ from edgespec.config import EngineConfig
 from edgespec.v1 import edgespec_pb2 as pb
 from edgespec.v1 import edgespec_pb2_grpc as pb_grpc
 from edgespec.wire.convert import retry_after_s
-from verifier_node.pace import MIN_STEPS, SAFETY, Pace
+from verifier_node.pace import MIN_STEPS, SAFETY, STALE_S, Pace
 
 
 def _paced(rate: float, session_rate: float, prefill_rate: float = 0.0) -> Pace:
@@ -96,6 +96,24 @@ def test_the_averages_follow_the_machine():
     for _ in range(20):
         pace.step(100, 1, 1.0)
     assert slow == pytest.approx(10) and pace.rate > 95
+
+
+def test_an_idle_verifier_whose_pace_is_old_measures_again():
+    """The pace updates only as steps run: after a slow spell (found by a hostile client's
+    flood: 0.2 tokens/s measured, every 30 s call refused "even alone" while none ran), an
+    idle verifier whose last step is older than STALE_S admits a call with nothing ahead of
+    it; one with work ahead, or beside a running session, is judged as measured."""
+    clock = [100.0]
+    pace = Pace(clock=lambda: clock[0])
+    for _ in range(MIN_STEPS):
+        pace.step(1, 1, 5.0)  # 0.2 tokens a second
+    assert "even alone" in pace.verdict(26, 0, 0, deadline_s=30, batch=1).reason()
+    clock[0] += STALE_S + 1
+    assert pace.verdict(26, 0, 0, deadline_s=30, batch=1).admit  # idle, old: measured again
+    assert not pace.verdict(26, 0, 0, deadline_s=30, batch=2).admit  # a session running
+    assert not pace.verdict(26, 40, 0, deadline_s=30, batch=1).admit  # work ahead of it
+    pace.step(1, 1, 5.0)  # a step measured as slow as before: refused again at once
+    assert not pace.verdict(26, 0, 0, deadline_s=30, batch=1).admit
 
 
 @pytest.mark.slow

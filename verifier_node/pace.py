@@ -21,13 +21,18 @@ refusing).
 A call whose estimate exceeds ``SAFETY`` of its deadline is refused at once
 (RESOURCE_EXHAUSTED, with a retry-after: the time the work ahead needs to drain that far).
 Before the first steps are measured nothing is refused by pace (the queue's depth still is);
-a resumed session is never refused by pace (it already counts).
+a resumed session is never refused by pace (it already counts). The pace is measured only as
+steps run: an idle verifier whose last step is more than ``STALE_S`` old admits a call with
+nothing ahead of it whatever its estimate, and measures again (after a slow spell, a flood that
+left it at 0.2 tokens/s, every call with a 30 s deadline was refused "even alone", and as none
+ran, none ever would have been admitted again).
 """
 
 from __future__ import annotations
 
 import heapq
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -35,6 +40,7 @@ from dataclasses import dataclass
 SAFETY = 0.8  # admit when the estimate is within this share of the deadline
 ALPHA = 0.2  # weight of the newest step in the moving averages
 MIN_STEPS = 3  # steps measured before pace refuses anything
+STALE_S = 15.0  # an idle verifier's pace older than this is measured again by the next call
 
 
 @dataclass(frozen=True)
@@ -66,10 +72,13 @@ class Pace:
     """Moving averages of the verifier's speed, fed by the scheduler thread and read by the
     handler threads."""
 
-    def __init__(self, cost_fit: Callable[[], tuple[float, float] | None] | None = None):
+    def __init__(self, cost_fit: Callable[[], tuple[float, float] | None] | None = None,
+                 clock: Callable[[], float] = time.monotonic):
         """``cost_fit``: the engine's forward cost model, ``() -> (fixed, per_row) seconds``
         (``draft_planner.ForwardCost.fit``); None: a step costs the same at any batch."""
         self._lock = threading.Lock()
+        self._clock = clock
+        self.stepped_at = 0.0  # when the last step was measured (``clock``)
         self.cost_fit = cost_fit
         self.rate = 0.0  # committed tokens a second, all sessions together (as measured)
         self.session_rate = 0.0  # committed tokens a second, one session (as measured)
@@ -97,6 +106,7 @@ class Pace:
             if rows:
                 self.rows_per_session = self._mix(self.rows_per_session, rows / sessions)
             self.steps += 1
+            self.stepped_at = self._clock()
 
     def rates_at(self, batch: float) -> tuple[float, float]:
         """(all sessions', one session's) committed tokens a second with ``batch`` sessions a
@@ -131,6 +141,7 @@ class Pace:
         ``batch`` sessions a step (None: as many as measured)."""
         with self._lock:
             pre, steps, measured = self.prefill_rate, self.steps, self.sessions
+            stale = self._clock() - self.stepped_at > STALE_S
         if deadline_s is None or steps < MIN_STEPS:
             return PaceVerdict(True, None, deadline_s)
         rate, single = self.rates_at(batch or measured)
@@ -139,7 +150,9 @@ class Pace:
         prefill = ahead_prompts / pre if pre > 0 else 0.0
         alone = new_tokens / single
         estimate = ahead_tokens / rate + alone + prefill  # a slot, then its own tokens
-        if estimate <= SAFETY * deadline_s:
+        # idle (nothing running or queued: a batch of one, no tokens ahead) since a step long
+        # ago: its measure may be a slow spell's, which no step runs to correct
+        if estimate <= SAFETY * deadline_s or (stale and batch == 1 and ahead_tokens == 0):
             return PaceVerdict(True, estimate, deadline_s, alone_s=alone, rate=rate,
                                ahead_tokens=ahead_tokens)
         # the work ahead must shrink by what does not fit: at ``rate``, that long; none where the
