@@ -88,7 +88,9 @@ def check_and_push(store: RedisSessionStore, device: str, chunk: pb.DraftChunk, 
         res = store.push_chunk(checked)
     except StoreError as e:
         res = e
-    return chunk_ack(chunk, checked, res, per_device), getattr(res, "news", True)
+    ack = chunk_ack(chunk, checked, res, per_device)
+    assert isinstance(res, PushResult)  # chunk_ack raised for a refusal
+    return ack, res.news
 
 
 def checked_chunk(store: RedisSessionStore, device: str, chunk: pb.DraftChunk, vocab: int,

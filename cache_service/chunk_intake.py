@@ -23,7 +23,7 @@ from .chunk_checks import ChunkRefused, check_and_push, checked_chunk, chunk_ack
 from .drafter_outbox import DrafterOutbox
 from .refusal_pace import RefusalPaces
 from .store import RedisSessionStore
-from .store_records import ChunkPush
+from .store_records import ChunkPush, PushResult
 
 if TYPE_CHECKING:  # prometheus_client is needed only where metrics are kept
     from .metrics import CacheMetrics
@@ -53,10 +53,10 @@ class ChunkIntake:
         # tokens a pushed chunk's device is the caller's word: PushDraft's callers share one
         self.paces = RefusalPaces()
 
-    def refused(self, e: ChunkRefused) -> None:
-        """Count a refused chunk (stored ones are counted where they are stored)."""
+    def refused(self, e: ChunkRefused, n: int = 1) -> None:
+        """Count ``n`` refused chunks (stored ones are counted where they are stored)."""
         if self.metrics is not None:
-            self.metrics.chunk_refused(e.code)
+            self.metrics.chunk_refused(e.code, n)
 
     def push_one(self, device: str, chunk: pb.DraftChunk, vocab: Callable[[], int]
                  ) -> pb.ChunkAck:
@@ -120,7 +120,8 @@ class ChunkIntake:
                 continue
             if self.metrics is not None:
                 self.metrics.chunk_stored(ack.kept)
-            idle += not outcome.news  # type: ignore[union-attr]  # stored: a PushResult
+            assert isinstance(outcome, PushResult)  # chunk_ack raised for a refusal
+            idle += not outcome.news
             if not chunk.quiet:  # stored: the drafter asked for no ack (a refusal has one)
                 acks[i] = ack
         out = [a for a in acks if a is not None]
@@ -136,8 +137,7 @@ class ChunkIntake:
 
     def _refusal(self, chunk: pb.DraftChunk, e: ChunkRefused, n: int = 1) -> pb.ChunkAck:
         """The ack refusing ``chunk`` (``n``: the chunks it answers for, counted refused)."""
-        if self.metrics is not None:
-            self.metrics.chunk_refused(e.code, n)
+        self.refused(e, n)
         sid = chunk.session_id
         if e.code == grpc.StatusCode.INVALID_ARGUMENT and len(sid) > 64:
             sid = ""  # never echo a huge id back

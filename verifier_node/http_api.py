@@ -215,13 +215,17 @@ async def _admit_choices(admission: Admission, params, chat: bool, lock: asyncio
     scheduler = admission.scheduler
     what = f"n = {params.n} choices" if not params.batch else \
         f"{len(params.generations)} prompts x n = {params.n} choices"
+
+    def no_room() -> ApiError:  # asked before the prompts' work, and again under the lock
+        return ApiError(429, f"the verifier is overloaded: no room for {what}",
+                        "rate_limit_error", code="overloaded")
+
     if total > scheduler.capacity:
         raise ApiError(400, f"{what} is more sessions than this verifier holds "
                             f"({scheduler.capacity}: running and waiting)",
                        "invalid_request_error", "n" if not params.batch else "prompt")
-    if scheduler.room() < total:  # before the prompts' work (asked again under the lock)
-        raise ApiError(429, f"the verifier is overloaded: no room for {what}",
-                       "rate_limit_error", code="overloaded")
+    if scheduler.room() < total:
+        raise no_room()
     if params.batch:  # every prompt checked before any is admitted
         prompts = await anyio.to_thread.run_sync(_encoded_batch, admission, prompts)
     elif prompts[0].prompt_ids is None:  # n choices of one prompt: encoded (images decoded) once
@@ -229,8 +233,7 @@ async def _admit_choices(admission: Admission, params, chat: bool, lock: asyncio
                                                                prompts[0], chat))]
     async with lock:
         if scheduler.room() < total:
-            raise ApiError(429, f"the verifier is overloaded: no room for {what}",
-                           "rate_limit_error", code="overloaded")
+            raise no_room()
         tickets: list[Ticket] = []
         try:
             for prompt in prompts:  # OpenAI's order: a prompt's choices together
