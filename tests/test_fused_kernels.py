@@ -72,12 +72,15 @@ def _rotate_ref(x, cos, sin):  # x [..., hd] float32
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_rope_write_kv_rotates_and_writes_each_row_into_its_slot(dtype):
-    nh, kvh, hd, cap = 4, 2, 16, 128
+@pytest.mark.parametrize("nh,kvh", [(4, 2), (3, 1)])  # a program holds a row's heads, padded
+# to a power of two: 8 heads fill it, 5 leave three padding heads that must write nothing
+def test_rope_write_kv_rotates_and_writes_each_row_into_its_slot(dtype, nh, kvh):
+    hd, cap = 16, 128
     B, T = 2, 3
     qkv = _rand(B * T, (nh + 2 * kvh) * hd, dtype=dtype)
     cos, sin = _tables(cap, hd, dtype)
-    k_cache, v_cache = (torch.zeros(4, kvh, cap, hd, dtype=dtype, device=DEV) for _ in range(2))
+    k_cache, v_cache = (torch.full((4, kvh, cap, hd), 7.0, dtype=dtype, device=DEV)
+                        for _ in range(2))  # 7: what no write leaves (a padding head's is 0)
     slots = torch.tensor([3, 1], device=DEV)
     starts = torch.tensor([10, 70], device=DEV)
     depth = torch.tensor([[0, 1, 1], [0, 1, 2]], dtype=torch.int32, device=DEV)  # row 0: a tree
@@ -101,7 +104,8 @@ def test_rope_write_kv_rotates_and_writes_each_row_into_its_slot(dtype):
     written = torch.zeros_like(k_cache[..., 0], dtype=torch.bool)
     for b in range(B):
         written[int(slots[b]), :, int(starts[b]):int(starts[b]) + T] = True
-    assert torch.count_nonzero(k_cache[..., 0][~written]) == 0  # nothing else touched
+    for cache in (k_cache, v_cache):  # nothing else touched
+        assert bool((cache[~written] == 7.0).all())
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

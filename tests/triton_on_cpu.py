@@ -67,6 +67,22 @@ if HAVE_TRITON and INTERPRETED:
 
     _interpreter.InterpreterBuilder.create_dot = _dot_in_order
 
+    # The interpreter builds a table of 19 dtypes at every lookup of an element's NumPy type
+    # (several lookups an operation, in every program): a sixteenth of these tests' time. The
+    # scalar types are the language's singletons, so one table, by identity, answers the same.
+    _np_dtype = _interpreter._get_np_dtype
+    _by_id = {id(t): _np_dtype(t) for t in (
+        tl.int1, tl.float16, tl.float32, tl.float64, tl.int8, tl.uint8, tl.int16, tl.uint16,
+        tl.int32, tl.uint32, tl.int64, tl.uint64, tl.bfloat16)}
+    _block = tl.block_type
+
+    def _known_np_dtype(tt_dtype):  # pointers (and blocks of them) by the interpreter's own
+        element = tt_dtype.element_ty if type(tt_dtype) is _block else tt_dtype
+        got = _by_id.get(id(element))
+        return _np_dtype(tt_dtype) if got is None else got
+
+    _interpreter._get_np_dtype = _known_np_dtype
+
     # Triton re-patches the language (``inspect.getmembers`` over its modules) at every call of
     # a jit helper inside a kernel, in every program: a fifth of these tests' time. Once a launch
     # is enough: nothing restores those patches before the launch ends.

@@ -13,7 +13,7 @@ launches: four cuBLAS products (``Linear.tiles``), four of these kernels and the
 - ``FusedStep``: a step's slots, starts, depths and tree paths as every kernel reads them.
 
 Batch invariance (a row's bits do not depend on what else is in the call) is structural: one
-program per row (norm, SiLU) or per row and head (rotary), every block shape a compile-time
+program per row (norm, SiLU, rotary: all its heads at once), every block shape a compile-time
 constant of the model, reductions over fixed shapes in a fixed order, and no integer that
 varies with the batch is specialised on (``do_not_specialize``), so every call runs the same
 binary. The start check and the GPU sweep prove it on the device. With ``TRITON_INTERPRET=1``
@@ -75,33 +75,34 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
 def _rope_write_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, slot_ptr, start_ptr, depth_ptr, T,
                           q_ptr, k_cache_ptr, v_cache_ptr,
                           ks_slot, ks_head, ks_pos, vs_slot, vs_head, vs_pos,
-                          NH: tl.constexpr, KVH: tl.constexpr, HD: tl.constexpr):
+                          NH: tl.constexpr, KVH: tl.constexpr, HD: tl.constexpr,
+                          HEADS: tl.constexpr):
+    # one program a row, every head of it at once ([HEADS, HD], HEADS the heads' count
+    # rounded up to a power of two): each element's arithmetic is a head's alone, so a head's
+    # bits are those of a program of its own
     row = tl.program_id(0)  # b * T + t
-    head = tl.program_id(1)  # q heads, then k heads, then v heads
     b = row // T
     t = row % T
-    d = tl.arange(0, HD)
-    src = qkv_ptr + row * ((NH + 2 * KVH) * HD) + head * HD
-    x = tl.load(src + d)
+    h = tl.arange(0, HEADS)[:, None]  # q heads, then k heads, then v heads
+    d = tl.arange(0, HD)[None, :]
+    real = h < NH + 2 * KVH
+    src = qkv_ptr + row * ((NH + 2 * KVH) * HD) + h * HD
+    x = tl.load(src + d, mask=real, other=0.0)
     slot = tl.load(slot_ptr + b)
     start = tl.load(start_ptr + b)
     stored = start + t  # row t of a step is stored at the slot's length + t
-    if head < NH + KVH:
-        pos = start + tl.load(depth_ptr + row)  # rotary position: by depth (trees)
-        half: tl.constexpr = HD // 2
-        partner = tl.load(src + (d + half) % HD).to(tl.float32)
-        rotated = tl.where(d < half, -partner, partner)
-        c = tl.load(cos_ptr + pos * HD + d).to(tl.float32)
-        s = tl.load(sin_ptr + pos * HD + d).to(tl.float32)
-        y = (x.to(tl.float32) * c + rotated * s).to(q_ptr.dtype.element_ty)
-        if head < NH:
-            tl.store(q_ptr + row * (NH * HD) + head * HD + d, y)
-        else:
-            dst = k_cache_ptr + slot * ks_slot + (head - NH) * ks_head + stored * ks_pos
-            tl.store(dst + d, y)
-    else:
-        dst = v_cache_ptr + slot * vs_slot + (head - NH - KVH) * vs_head + stored * vs_pos
-        tl.store(dst + d, x)
+    pos = start + tl.load(depth_ptr + row)  # rotary position: by depth (trees)
+    half: tl.constexpr = HD // 2
+    partner = tl.load(src + (d + half) % HD, mask=real, other=0.0).to(tl.float32)
+    rotated = tl.where(d < half, -partner, partner)
+    c = tl.load(cos_ptr + pos * HD + d).to(tl.float32)
+    s = tl.load(sin_ptr + pos * HD + d).to(tl.float32)
+    y = (x.to(tl.float32) * c + rotated * s).to(q_ptr.dtype.element_ty)
+    tl.store(q_ptr + row * (NH * HD) + h * HD + d, y, mask=h < NH)
+    kv = k_cache_ptr + slot * ks_slot + (h - NH) * ks_head + stored * ks_pos
+    tl.store(kv + d, y, mask=(h >= NH) & (h < NH + KVH))
+    vv = v_cache_ptr + slot * vs_slot + (h - NH - KVH) * vs_head + stored * vs_pos
+    tl.store(vv + d, x, mask=(h >= NH + KVH) & real)
 
 
 def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: "FusedStep",
@@ -115,11 +116,12 @@ def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step:
     if q_out is None:
         q_out = torch.empty(padded_rows(R), n_heads * head_dim, dtype=qkv.dtype,
                             device=qkv.device)
-    _rope_write_kv_kernel[(R, n_heads + 2 * kv_heads)](
+    heads = triton.next_power_of_2(n_heads + 2 * kv_heads)
+    _rope_write_kv_kernel[(R,)](
         qkv, cos, sin, step.slots, step.starts, step.depth, step.width, q_out, k_cache, v_cache,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        NH=n_heads, KVH=kv_heads, HD=head_dim, num_warps=1)
+        NH=n_heads, KVH=kv_heads, HD=head_dim, HEADS=heads, num_warps=_warps(heads * head_dim))
     return q_out
 
 
