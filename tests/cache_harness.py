@@ -155,6 +155,11 @@ def draft_len(store, sid) -> int:
     return store.redis.strlen(store.keys.session(sid)[2]) // 4
 
 
+def drafter_idle(store, sid) -> bool:
+    """Whether the session's drafter last said it has nothing more (an idle chunk)."""
+    return store.redis.hget(store.keys.session(sid)[0], "idle") == b"1"
+
+
 # -- 4. mutual TLS --------------------------------------------------------------------------------
 class SlotDrafter(Drafter):
     """A drafter with ``slots`` sessions at most (``open`` beyond them raises CacheFullError, as

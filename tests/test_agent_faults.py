@@ -24,8 +24,8 @@ from edgespec.wire.channels import bind, free_port
 
 # the in-process cache: its fixtures (used by name) and helpers
 from cache_harness import (  # noqa: F401
-    VOCAB, WAIT_S, Cache, SlotDrafter, cache, draft_len, eventually, redis_handle, start_agent,
-    store)
+    VOCAB, WAIT_S, Cache, SlotDrafter, cache, draft_len, drafter_idle, eventually, redis_handle,
+    start_agent, store)
 
 
 # -- 3. the agent refuses what its drafter cannot do, and lives on --------------------------------
@@ -34,15 +34,14 @@ def test_agent_refuses_a_session_its_drafter_cannot_open_and_keeps_serving(cache
     agent = DrafterAgent(cache.address, "edge-1", drafter, window=4, chunk=2, max_sessions=1)
     t = start_agent(agent)
     try:
-        idle = lambda sid: store.redis.hget(store.keys.session(sid)[0], "idle") == b"1"  # noqa: E731
         store.create("s1", [1, 2, 3], SamplingParams(), "edge-1")
         eventually(lambda: draft_len(store, "s1") > 0, "drafts for s1")
         store.create("s2", [1, 2, 3], SamplingParams(), "edge-1")  # pinned beyond capacity
-        eventually(lambda: idle("s2"), "an idle chunk for the refused s2")
+        eventually(lambda: drafter_idle(store, "s2"), "an idle chunk for the refused s2")
         assert t.is_alive() and agent.refused == 1
         # the verifier decodes s2 alone: its fix resets the idle flag, the agent sets it again
         store.commit_many([Verdict(session_id="s2", epoch=0, start=3, n_accepted=0, token=9)])
-        eventually(lambda: idle("s2")
+        eventually(lambda: drafter_idle(store, "s2")
                    and store.redis.hget(store.keys.session("s2")[0], "epoch") == b"1",
                    "an idle chunk for s2 after its fix")
         store.close("s1")
@@ -52,7 +51,8 @@ def test_agent_refuses_a_session_its_drafter_cannot_open_and_keeps_serving(cache
         store.close("s3")
         eventually(lambda: drafter.open_now == 0, "s3's slot freed")
         store.create("s4", [99, 2, 3], SamplingParams(), "edge-1")  # propose raises
-        eventually(lambda: idle("s4"), "an idle chunk for s4 whose drafting failed")
+        eventually(lambda: drafter_idle(store, "s4"),
+                   "an idle chunk for s4 whose drafting failed")
         assert t.is_alive() and agent.refused == 2 and drafter.open_now == 0
         store.create("s5", [1, 2, 3], SamplingParams(), "edge-1")
         eventually(lambda: draft_len(store, "s5") > 0, "drafts for s5")
@@ -69,14 +69,14 @@ def test_agent_refuses_a_session_whose_ids_are_outside_the_vocabulary(cache, sto
     agent = DrafterAgent(cache.address, "edge-1", drafter, window=4, chunk=2)
     t = start_agent(agent)
     try:
-        idle = lambda sid: store.redis.hget(store.keys.session(sid)[0], "idle") == b"1"  # noqa: E731
         store.create("s1", [1, 2, VOCAB + 50], SamplingParams(), "edge-1")
-        eventually(lambda: idle("s1"), "an idle chunk for s1, assigned ids outside the vocabulary")
+        eventually(lambda: drafter_idle(store, "s1"),
+                   "an idle chunk for s1, assigned ids outside the vocabulary")
         store.create("s2", [1, 2, 3], SamplingParams(), "edge-1")
         eventually(lambda: draft_len(store, "s2") > 0, "drafts for s2")
         store.commit_many([Verdict(session_id="s2", epoch=0, start=3, n_accepted=0,
                                    token=VOCAB + 7)])  # a fix with an id outside it
-        eventually(lambda: idle("s2")
+        eventually(lambda: drafter_idle(store, "s2")
                    and store.redis.hget(store.keys.session("s2")[0], "epoch") == b"1",
                    "an idle chunk for s2 after its fix, under the fix's epoch")
         store.create("s3", [1, 2, 3], SamplingParams(), "edge-1")
@@ -96,13 +96,13 @@ def test_agent_drafts_for_no_more_sessions_than_it_registered_for(cache, store):
     agent = DrafterAgent(cache.address, "edge-1", drafter, window=4, chunk=2, max_sessions=2)
     t = start_agent(agent)
     try:
-        idle = lambda sid: store.redis.hget(store.keys.session(sid)[0], "idle") == b"1"  # noqa: E731
         for sid in ("s1", "s2"):
             store.create(sid, [1, 2, 3], SamplingParams(), "edge-1")
         eventually(lambda: draft_len(store, "s1") > 0 and draft_len(store, "s2") > 0,
                    "drafts for the two sessions it holds")
         store.create("s3", [1, 2, 3], SamplingParams(), "edge-1")
-        eventually(lambda: idle("s3"), "an idle chunk for s3, beyond the board's two")
+        eventually(lambda: drafter_idle(store, "s3"),
+                   "an idle chunk for s3, beyond the board's two")
         assert agent.refused == 1 and drafter.open_now == 2 and draft_len(store, "s3") == 0
         store.close("s1")
         eventually(lambda: drafter.open_now == 1, "s1's session closed")
