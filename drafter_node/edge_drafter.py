@@ -25,6 +25,13 @@ def build_edge_drafter(spec: str, max_sessions: int = 8, max_context: int = 2048
     return drafter, prints.pop() if prints else ""
 
 
+def runs_torch(spec: str) -> bool:
+    """Whether the drafter ``spec`` names runs a model in torch (a ``model:`` drafter, alone or
+    in a cascade): MaG, Cacheback and llama.cpp do not, so their process need not import it."""
+    parsed = check_drafter_arg(spec, allowed=EDGE_KINDS)
+    return any(m.kind == "model" for m in parsed.members or (parsed,))
+
+
 def _fingerprint(spec: DrafterSpec) -> str:
     """The tokenizer fingerprint a drafter registers with (transformers reads the tokenizer;
     torch is not needed for it: a llama.cpp board has none)."""

@@ -195,7 +195,7 @@ def cmd_server(args) -> int:
 
 
 def cmd_drafter(args) -> int:
-    from drafter_node.edge_drafter import build_edge_drafter
+    from drafter_node.edge_drafter import build_edge_drafter, runs_torch
     from drafter_node.agent import DrafterAgent
 
     from edgespec_cli.cli_args import check_drafter_arg, set_threads
@@ -211,7 +211,7 @@ def cmd_drafter(args) -> int:
     check_port(args.metrics_port, "--metrics-port")
     check_at_least(args, ("window", "chunk", "max_sessions", "max_context"), 1)  # before loading
     check_at_least(args, ("context_window",), 0)  # a model
-    set_threads(args.threads)
+    set_threads(args.threads, torch_too=runs_torch(args.drafter))
     configure_logging(args.log_level)
     metrics = None
     if args.metrics_port is not None:  # before loading a model: a busy port fails at once

@@ -3,7 +3,8 @@ one is what a process runs at unless told, and on a laptop's CPU (MKL's AVX2 pat
 products split their rows by the thread count from 4 threads on, so that default would refuse
 to start (``edgespec.runner.thread_step_down``). A count the user gave (``--threads``,
 ``$EDGESPEC_THREADS``), set in torch, or already serving a model is never changed: it is
-refused, with the hint that fewer threads may pass."""
+refused, with the hint that fewer threads may pass. A drafter that runs no model in torch
+(MaG, Cacheback, llama.cpp) keeps its count without importing torch."""
 
 from __future__ import annotations
 
@@ -174,3 +175,54 @@ def test_a_laptops_avx2_products_get_a_default_they_are_exact_at():
     assert (int(served) == 8) == (at8 == "True"), line
     if int(served) < 8:
         assert f"serving at {served} threads" in r.stdout, r.stdout
+
+
+def test_only_a_drafter_that_runs_a_model_in_torch_imports_it(tiny_dir):
+    """MaG, Cacheback and llama.cpp run no torch: their count is kept (llama.cpp reads it) and
+    torch is left unimported; where torch is imported already, its count is set all the same;
+    a model drafter, alone or in a cascade, gets torch and the count."""
+    code = (
+        "import sys\n"
+        "from drafter_node.edge_drafter import runs_torch\n"
+        "from edgespec.runner import threads\n"
+        "for spec in ('mag', 'cacheback', 'mag+cacheback', 'llamacpp:default'):\n"
+        "    assert not runs_torch(spec), spec\n"
+        "assert threads.set_threads(2, torch_too=False) == 2 and threads.threads_in_use() == 2\n"
+        "assert 'torch' not in sys.modules\n"
+        f"for spec in ('model:{tiny_dir}', 'cascade:model:{tiny_dir},mag'):\n"
+        "    assert runs_torch(spec), spec\n"
+        "import torch\n"
+        "threads.set_threads(1, torch_too=False)\n"
+        "assert torch.get_num_threads() == 1\n"
+        "threads.set_threads(2, torch_too=True)\n"
+        "assert torch.get_num_threads() == 2\n"
+        "print('ok')\n")
+    env = {k: v for k, v in os.environ.items() if k != "EDGESPEC_THREADS"}
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
+
+
+def test_a_mag_board_starts_without_importing_torch():
+    """``edgespec drafter --drafter mag`` where torch is installed: up to its first attach (to
+    a port nothing listens at) no module of torch is imported (Python's import log)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-X", "importtime", "-m", "edgespec_cli", "drafter", "--cache",
+         "127.0.0.1:9", "--device-id", "board-1", "--drafter", "mag+cacheback"],
+        cwd=ROOT, stderr=subprocess.PIPE, text=True,
+        env={k: v for k, v in os.environ.items() if k != "EDGESPEC_THREADS"})
+    imported = []
+    try:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            if "attaching to 127.0.0.1:9" in line:
+                break
+            if line.startswith("import time:"):
+                imported.append(line.rsplit("|", 1)[-1].strip())
+        else:
+            raise AssertionError(f"the drafter exited ({proc.wait()}) before attaching")
+    finally:
+        proc.kill()
+        proc.wait()
+    assert "numpy" in imported and "drafter_node.agent" in imported  # the log was read
+    assert not [m for m in imported if m == "torch" or m.startswith("torch.")]

@@ -4,6 +4,7 @@ process without torch (a board running llama.cpp) reads for its own threads."""
 from __future__ import annotations
 
 import os
+import sys
 
 from ..config import ConfigError
 
@@ -66,10 +67,13 @@ def fewer_threads(n: int) -> list[int]:
     return out
 
 
-def set_threads(n: int | None, by_user: bool | None = None) -> int:
+def set_threads(n: int | None, by_user: bool | None = None, torch_too: bool = True) -> int:
     """Apply the thread policy; returns the count in use. ``by_user``: whether ``n`` is the
     user's (default: whether it was given, or ``$EDGESPEC_THREADS`` set); a count derived from
-    a placement (a verifier's cores) is a default too."""
+    a placement (a verifier's cores) is a default too. ``torch_too``: whether this process
+    runs a model in torch; a drafter of MaG, Cacheback or llama.cpp does not, and then torch's
+    count is set only where torch is already imported (importing it for the count alone was
+    about 2 s of such a drafter's start where torch is installed)."""
     env = os.environ.get("EDGESPEC_THREADS") or ""
     given = n is not None or bool(env)
     if n is None:
@@ -82,6 +86,8 @@ def set_threads(n: int | None, by_user: bool | None = None) -> int:
     global _threads, _adjustable
     _threads = n  # what threads_in_use tells llama.cpp, which a board runs without torch
     _adjustable = not (given if by_user is None else by_user)
+    if not torch_too and "torch" not in sys.modules:
+        return n
     try:
         import torch
     except ImportError:  # a core install (no model runs in torch here)

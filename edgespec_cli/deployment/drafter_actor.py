@@ -15,7 +15,8 @@ import logging
 import os
 import threading
 
-from drafter_node.edge_drafter import build_edge_drafter
+from drafter_node.edge_drafter import build_edge_drafter, runs_torch
+from edgespec.config import ConfigError
 from edgespec_cli.cli_args import configure_logging, set_threads
 
 from .device_emulation import SlowedDrafter
@@ -40,7 +41,11 @@ class DrafterActor:
 
         pin_process(cpus)  # a simulated board's cores, apart from the server's
         configure_logging()
-        set_threads(threads)
+        try:
+            uses_torch = runs_torch(drafter)
+        except ConfigError:  # a wrong spec: the build below says so, as before
+            uses_torch = True
+        set_threads(threads, torch_too=uses_torch)
         self.cache, self.device_id, self.spec, self.profile = cache, device_id, drafter, profile
         self.proxy = self.faults = None
         address = cache
