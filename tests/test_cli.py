@@ -163,3 +163,19 @@ def test_an_empty_prompt_generates_and_a_prompt_of_zero_tokens_is_refused(tiny, 
     assert r.returncode == 2, r.stderr
     assert r.stderr.strip().splitlines()[-1] == "edgespec: error: the prompt is empty"
     assert "Traceback" not in r.stderr
+
+
+def test_the_command_exits_with_mains_status_its_exit_handlers_run_and_its_heap_frozen():
+    """``run`` (the ``edgespec`` script's and ``python -m edgespec_cli``'s entry): main's return
+    is the exit status, and what is alive then is frozen out of the collector before the
+    interpreter tears down (its exit handlers still run)."""
+    import subprocess
+    import sys
+
+    code = ("import atexit, gc\n"
+            "from edgespec_cli import main as cli\n"
+            "cli.main = lambda: 3\n"
+            "atexit.register(lambda: print('frozen', gc.get_freeze_count() > 0, flush=True))\n"
+            "cli.run()\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert (r.returncode, r.stdout.strip()) == (3, "frozen True"), r.stderr
