@@ -116,8 +116,10 @@ def add_simulate_parser(sub) -> argparse.ArgumentParser:
                         "(forward nothing, sockets open), abandon (the server's side closed, the "
                         "board's left open and silent), reset, refuse (nothing listens), slow "
                         "(0.2 s a chunk); START and DURATION in seconds from the first request; "
-                        "LINKS drafters (default), clients or all; DEVICE an index (default: "
-                        "every device). E.g. blackhole@10+20,abandon@40:clients/0")
+                        "LINKS drafters (default), clients or all (the server-only run has no "
+                        "board: there all breaks the clients' links and drafters none); DEVICE "
+                        "an index (default: every device). E.g. "
+                        "blackhole@10+20,abandon@40:clients/0")
     s.add_argument("--device", metavar="D", default="cpu",
                    help="where the verifier runs: cpu, cuda or cuda:N (on a GPU its actor asks "
                         "Ray for one; the losslessness check decodes there too) "

@@ -243,18 +243,25 @@ class FleetRun:
         for at, f, breaking in sorted(timeline, key=lambda e: e[0]):
             if done.wait(max(0.0, started + at - time.monotonic())):
                 return
+            links = self._links_here(f.links)
+            if links is None:  # the server alone: no board, so no drafter's link to break
+                if breaking:
+                    self.progress(f"simulate: {f.describe()}: no board's link in this run")
+                continue
             devices = range(len(self.profiles)) if f.device is None else [f.device]
             for dev in devices:
                 if dev >= len(self.profiles):
                     continue
                 try:
-                    self._set_fault(dev, f.links, f.fault if breaking else None)
+                    self._set_fault(dev, links, f.fault if breaking else None)
                 except Exception as e:  # an actor gone: the run goes on, the log says
                     log.warning("link fault on device %d failed: %s", dev, e)
             now = time.monotonic() - started
             if breaking:
-                self.progress(f"simulate: {f.describe()} (at {now:.1f} s)")
-                self._applied.append({"fault": f.fault, "links": f.links, "device": f.device,
+                said = f.describe() if links == f.links else \
+                    f"{f.describe()}: the clients' links (no board in this run)"
+                self.progress(f"simulate: {said} (at {now:.1f} s)")
+                self._applied.append({"fault": f.fault, "links": links, "device": f.device,
                                       "at_s": now, "healed_at_s": None})
             else:
                 for rec in self._applied:
@@ -262,6 +269,14 @@ class FleetRun:
                             rec["healed_at_s"] is None:
                         rec["healed_at_s"] = now
                 self.progress(f"simulate: healed {f.fault} (at {now:.1f} s)")
+
+    def _links_here(self, links: str) -> str | None:
+        """The links a fault on ``links`` breaks in this run: the server alone
+        (``server-only``) has its clients' links and no board's, so ``all`` breaks the
+        clients' and ``drafters`` none (None)."""
+        if self.batching != SERVER_ONLY:
+            return links
+        return None if links == "drafters" else "clients"
 
     def _set_fault(self, dev: int, links: str, fault: str | None) -> None:
         if links in ("clients", "all"):
