@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from edgespec.drafters.spec_check import check_drafter_arg
 from edgespec.config import ConfigError
-from edgespec.drafters import EDGE_KINDS, Drafter, DrafterSpec, build_drafter
+from edgespec.drafters import EDGE_KINDS, Drafter, DrafterSpec, build_drafter, parse_drafter_spec
 
 
 def build_edge_drafter(spec: str, max_sessions: int = 8, max_context: int = 2048,
@@ -27,8 +27,9 @@ def build_edge_drafter(spec: str, max_sessions: int = 8, max_context: int = 2048
 
 def runs_torch(spec: str) -> bool:
     """Whether the drafter ``spec`` names runs a model in torch (a ``model:`` drafter, alone or
-    in a cascade): MaG, Cacheback and llama.cpp do not, so their process need not import it."""
-    parsed = check_drafter_arg(spec, allowed=EDGE_KINDS)
+    in a cascade): MaG, Cacheback and llama.cpp do not, so their process need not import it.
+    Reads the spec's form alone (no file, no import); ConfigError where the form is wrong."""
+    parsed = parse_drafter_spec(spec, EDGE_KINDS)
     return any(m.kind == "model" for m in parsed.members or (parsed,))
 
 

@@ -46,10 +46,10 @@ def board(tmp_path_factory) -> Path:
     (home / "edgespec-src").symlink_to(REPO)
     env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")}
     env.update(HOME=str(home), PIP_CACHE_DIR=_pip_cache() or str(home / ".pip-cache"))
-    # pip's bytecode pass over every installed file (Ray's thousands) off: the board's modules
-    # compile as they are imported instead (the install 57 -> 38 s on a 2-core Zen 3). pip reads
-    # a --no-* option's variable as the value of the option it negates: "0" means --no-compile
-    env["PIP_NO_COMPILE"] = "0"
+    # pip's bytecode pass over every installed file (Ray's thousands) off (--compile's
+    # variable): the board's modules compile as they are imported instead (the install 57 ->
+    # 38 s on a 2-core Zen 3)
+    env["PIP_COMPILE"] = "0"
     env["PATH"] = os.pathsep.join(p for p in env["PATH"].split(os.pathsep)
                                   if not p.startswith(sys.prefix))
     for command in commands:

@@ -271,3 +271,49 @@ def test_bad_partition_schedules_are_refused_with_the_reason(text, message):
 
     with pytest.raises(ConfigError, match=message):
         parse_fault_schedule(text)
+
+
+def _schedule_run(batching: str, schedule: str):
+    """A simulate run's fault schedule with the links' side recorded, not applied (no Ray):
+    the run's ``_set_fault`` calls and its progress lines."""
+    import shutil
+    from types import SimpleNamespace
+
+    from edgespec_cli.deployment.link_faults import parse_fault_schedule
+    from edgespec_cli.simulate.run import FleetRun
+
+    said: list[str] = []
+    run = FleetRun(None, SimpleNamespace(link_faults=parse_fault_schedule(schedule)),
+                   [None, None], batching, [], progress=said.append)
+    shutil.rmtree(run._tmp, ignore_errors=True)
+    calls: list[tuple] = []
+    run._set_fault = lambda dev, links, fault: calls.append((dev, links, fault))
+    return run, calls, said
+
+
+def test_the_server_only_run_breaks_its_clients_links_alone():
+    """The server alone has no board: ``all`` breaks the clients' links (recorded so), and a
+    drafters' fault breaks and records nothing, said in the progress."""
+    run, calls, said = _schedule_run("server-only", "reset@0:all,blackhole@0+1:drafters")
+    run._break_links(time.monotonic() - 100, threading.Event())
+    assert calls == [(0, "clients", "reset"), (1, "clients", "reset")]
+    assert [(a["fault"], a["links"]) for a in run._applied] == [("reset", "clients")]
+    assert any("no board's link in this run" in s for s in said)
+
+
+def test_a_heal_ends_its_own_fault_not_one_of_the_same_kind_on_other_links():
+    run, calls, _ = _schedule_run("on", "blackhole@0+1:drafters,blackhole@0+1000:all")
+    done = threading.Event()
+    breaker = threading.Thread(target=run._break_links, args=(time.monotonic() - 100, done))
+    breaker.start()
+    try:  # the drafters' heal (due) comes before the wait for the other's (900 s away)
+        deadline = time.monotonic() + 60
+        while (len(run._applied) < 2 or run._applied[0]["healed_at_s"] is None) and \
+                time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        done.set()
+        breaker.join(10)
+    assert [(a["links"], a["healed_at_s"] is not None) for a in run._applied] == [
+        ("drafters", True), ("all", False)]
+    assert (0, "drafters", None) in calls and (0, "all", None) not in calls

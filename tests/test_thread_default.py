@@ -12,6 +12,7 @@ import logging
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -212,6 +213,8 @@ def test_a_mag_board_starts_without_importing_torch():
         cwd=ROOT, stderr=subprocess.PIPE, text=True,
         env={k: v for k, v in os.environ.items() if k != "EDGESPEC_THREADS"})
     imported = []
+    watchdog = threading.Timer(120, proc.kill)  # a drafter that never says it attaches
+    watchdog.start()
     try:
         assert proc.stderr is not None
         for line in proc.stderr:
@@ -222,7 +225,28 @@ def test_a_mag_board_starts_without_importing_torch():
         else:
             raise AssertionError(f"the drafter exited ({proc.wait()}) before attaching")
     finally:
+        watchdog.cancel()
         proc.kill()
         proc.wait()
     assert "numpy" in imported and "drafter_node.agent" in imported  # the log was read
     assert not [m for m in imported if m == "torch" or m.startswith("torch.")]
+
+
+def test_the_fleets_drafter_actor_imports_torch_only_for_a_model():
+    """The Ray drafter actor's constructor (no Ray needed to call it): MaG leaves torch
+    unimported; a model drafter on a board without torch says why in its ``error`` (as any
+    drafter that cannot be built), where the actor's constructor must not raise."""
+    code = (
+        "import sys\n"
+        "from edgespec_cli.deployment.drafter_actor import DrafterActor\n"
+        "a = DrafterActor('127.0.0.1:9', 'board-1', 'mag+cacheback')\n"
+        "assert a.error is None and 'torch' not in sys.modules, a.error\n"
+        "a.stop()\n"
+        "sys.modules['torch'] = None  # a board without torch\n"
+        "b = DrafterActor('127.0.0.1:9', 'board-2', 'cascade:mag,model:/nowhere')\n"
+        "assert b.error and b.agent is None, b.error\n"
+        "print('ok')\n")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                       timeout=120, env={k: v for k, v in os.environ.items()
+                                         if k != "EDGESPEC_THREADS"})
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]

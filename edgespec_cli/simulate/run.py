@@ -266,7 +266,7 @@ class FleetRun:
             else:
                 for rec in self._applied:
                     if rec["fault"] == f.fault and rec["device"] == f.device and \
-                            rec["healed_at_s"] is None:
+                            rec["links"] == links and rec["healed_at_s"] is None:
                         rec["healed_at_s"] = now
                 self.progress(f"simulate: healed {f.fault} (at {now:.1f} s)")
 
