@@ -89,8 +89,10 @@ def health_status(address: str, service: str = "", tls_ca=None, timeout: float =
 
 
 def wait_health(address: str, status: int = health_pb2.HealthCheckResponse.SERVING,
-                timeout: float = 60, tls_ca=None, service: str = "") -> None:
-    """Poll until the server reports ``status`` (calls that fail meanwhile are retried)."""
+                timeout: float = 60, tls_ca=None, service: str = "",
+                alive: subprocess.Popen | None = None) -> None:
+    """Poll until the server reports ``status`` (calls that fail meanwhile are retried);
+    ``alive``: the server's process, whose exit ends the wait at once (TimeoutError)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
@@ -98,12 +100,16 @@ def wait_health(address: str, status: int = health_pb2.HealthCheckResponse.SERVI
                 return
         except grpc.RpcError:
             pass
+        if alive is not None and alive.poll() is not None:
+            raise TimeoutError(f"{address}: the server exited ({alive.returncode}) before it "
+                               f"reported health status {status}")
         time.sleep(0.2)
     raise TimeoutError(f"{address} never reported health status {status}")
 
 
-def wait_healthy(address: str, timeout: float = 60, tls_ca=None) -> None:
-    wait_health(address, timeout=timeout, tls_ca=tls_ca)
+def wait_healthy(address: str, timeout: float = 60, tls_ca=None,
+                 alive: subprocess.Popen | None = None) -> None:
+    wait_health(address, timeout=timeout, tls_ca=tls_ca, alive=alive)
 
 
 # A drafter frozen with SIGSTOP that must stay attached, its sessions waited for at every step
@@ -128,7 +134,7 @@ def start_serve(model_dir, tmp_path, redis_url=None, port=None, token="s3cret",
         args += ["--redis-url", redis_url]
     proc = Proc(args, tmp_path / f"serve-{port}-{time.monotonic_ns()}.log", env=env)
     try:
-        wait_healthy(address, tls_ca=tls_ca)
+        wait_healthy(address, tls_ca=tls_ca, alive=proc.popen)
     except TimeoutError:
         proc.stop()
         raise TimeoutError(f"serve did not become healthy:\n{proc.text()}") from None

@@ -8,6 +8,8 @@ reconnects and keepalive; a free loopback port.
 from __future__ import annotations
 
 import socket
+import threading
+from collections import deque
 from collections.abc import Sequence
 from concurrent import futures
 from typing import Any
@@ -141,11 +143,23 @@ def make_channel(address: str, tls_ca: str | None = None, tls: bool = False,
     return mod.insecure_channel(address, options=args)
 
 
+_handed_out: deque[int] = deque(maxlen=64)  # the ports ``free_port`` gave lately
+_handing_out = threading.Lock()
+
+
 def free_port() -> int:
-    """A TCP port on loopback that nothing listens on right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port on loopback that nothing listens on right now, and none of the last 64 this
+    process was given: the kernel may hand a port it has just freed out again, so two asked
+    for in a row (a server's gRPC and HTTP ports) came back the same now and then."""
+    with _handing_out:
+        for _ in range(100):
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            if port not in _handed_out:
+                break
+        _handed_out.append(port)
+        return port
 
 
 def _read(path: str, option: str = "") -> bytes:
