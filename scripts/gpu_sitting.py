@@ -64,14 +64,13 @@ if "--dry-run" in sys.argv:  # Triton's interpreter, as the tests run it on a CP
 
 import torch  # noqa: E402
 
-from edgespec.config import ConfigError  # noqa: E402
 from edgespec.models.shapes import SHAPES, random_model  # noqa: E402
 from edgespec.runner.target_runner import TargetRunner  # noqa: E402
 from sitting_attention import stage_attention  # noqa: E402
 from sitting_common import (  # noqa: E402
-    alone_equal, chain_rows, event_median_ms, free_device_memory, graphed_median_ms,
-    profile_kernels, runner_for, say)
-from sitting_exactness import stage_exactness  # noqa: E402
+    CONTEXT, LONG_CONTEXT, alone_equal, chain_rows, event_median_ms, free_device_memory,
+    graphed_median_ms, profile_kernels, runner_for, say)
+from sitting_steps import stage_breakdown, stage_decode, stage_plain  # noqa: E402
 from sitting_gemm import ROWS, stage_gemm  # noqa: E402
 from sitting_goals import hf_reference  # noqa: E402
 from sitting_serving import stage_e2e, stage_fleet, stage_hf  # noqa: E402
@@ -79,8 +78,6 @@ from sitting_tables import format_tables  # noqa: E402
 from sitting_tests import INTERRUPT_GRACE_S, stage_tests  # noqa: E402
 
 FORWARD_SHAPES = ((1, 1), (8, 5), (64, 1), (64, 9))
-CONTEXT = 300
-LONG_CONTEXT = 4096  # decode's keys where one program a head walking them all shows
 
 
 class Sitting:
@@ -198,81 +195,6 @@ def time_against_eager(s: Sitting, shape: str, graphed: TargetRunner, eager: Tar
         say(f"   {shape} {B} x {T}: graphed {row['ms']:.2f} ms, eager {row['eager_ms']:.2f} ms, "
             f"bits equal {same}, kernels {row.get('graph_kernels')} busy "
             f"{row.get('graph_busy_us')} us")
-
-
-DECODE_KERNELS = ("tiles", "split", "chunks", "split-decode")  # decode timed with each
-
-
-def stage_decode(s: Sitting, shape: str, model) -> None:
-    """Decode (1 x 1, graphed) at 300 and 4,096 keys, and the 64 x 9 step at 300, on a runner
-    of each attention kernel in ``DECODE_KERNELS``: the tiles walk a slot's keys in one
-    program a kv head, the split kernel in chunks of 256 merged in order by a second kernel,
-    the chunks kernel the same chunks in turn in the tiles' one program (the split's bits),
-    split-decode split for one token a row and chunks for wider steps."""
-    out = s.data.setdefault("decode", {}).setdefault(shape, {})
-    for kernel in DECODE_KERNELS:
-        try:
-            out[kernel] = _decode_times(s, model, kernel)
-        except ConfigError as e:  # its start probe refused it here (split-decode: where chunks
-            out[kernel] = {"refused": str(e)}  # and split differ): what it found, not a break
-        say(f"   {shape} {kernel}: " + ", ".join(f"{k} {v}" for k, v in out[kernel].items()))
-        free_device_memory(s.device)
-
-
-def _decode_times(s: Sitting, model, kernel: str) -> dict:
-    contexts = (CONTEXT, LONG_CONTEXT) if not s.dry else (20, 300)
-    wide = (64, 9) if not s.dry else (2, 5)
-    repeat = 20 if not s.dry else 1
-    g = torch.Generator().manual_seed(1)
-    runner = runner_for(s, model, wide[0], contexts[-1] + 32, graphs=True,
-                        attention_kernel=kernel)
-    row: dict = {}
-    for _ in range(wide[0]):
-        runner.new_slot()
-    prompt = torch.randint(3, runner.vocab_size, (contexts[-1],), generator=g).tolist()
-    for context in contexts:  # slot 0 at each context
-        runner.prefill(0, prompt[:context])
-        one = chain_rows(runner, 1, 1)
-        row[f"1x1@{context}_ms"] = round(event_median_ms(lambda: runner.score_rows(one),
-                                                         s.device, repeat), 3)
-    runner.prefill(0, prompt[:contexts[0]])
-    for slot in range(1, wide[0]):
-        runner.prefill(slot, torch.randint(3, runner.vocab_size, (contexts[0],),
-                                           generator=g).tolist())
-    rows = chain_rows(runner, *wide)
-    row[f"{wide[0]}x{wide[1]}_ms"] = round(event_median_ms(lambda: runner.score_rows(rows),
-                                                            s.device, repeat), 3)
-    row["graphs_failed"] = runner.graphs.state().failed if runner.graphs else "no graphs"
-    return row
-
-
-def stage_plain(s: Sitting, shape: str, model) -> None:
-    """The cost of exactness: the same model's step on cuBLAS and SDPA, graphed, against the
-    runner's (``sitting_exactness``; after ``decode``, whose runner times it reads)."""
-    context = CONTEXT if not s.dry else 20
-    sizes = ((1, 1), (64, 9)) if not s.dry else ((1, 1), (2, 5))
-    runner = runner_for(s, model, 1, context + 32, graphs=False)
-    stage_exactness(s, shape, runner, sizes, context,
-                    lambda fn: graphed_median_ms(fn, s.device, 20 if not s.dry else 1))
-    del runner
-    free_device_memory(s.device)
-
-
-def stage_breakdown(s: Sitting, shape: str, model) -> None:
-    """Where a graphed step's GPU time goes: kernels by name at 1 x 1 and 64 x 9."""
-    sizes = ((1, 1), (64, 9)) if not s.dry else ((1, 1), (2, 5))
-    context = CONTEXT if not s.dry else 20
-    top = max(b for b, _ in sizes)
-    runner = runner_for(s, model, top, context + 32, graphs=True)
-    g = torch.Generator().manual_seed(0)
-    for slot in range(top):
-        runner.new_slot()
-        runner.prefill(slot, torch.randint(3, runner.vocab_size, (context,), generator=g).tolist())
-    out = s.data.setdefault("breakdown", {}).setdefault(shape, {})
-    for B, T in sizes:
-        rows = chain_rows(runner, B, T)
-        out[f"{B}x{T}"] = profile_kernels(lambda: runner.score_rows(rows), s.device)
-        say(f"   {shape} {B} x {T}: {json.dumps(out[f'{B}x{T}'].get('top', [])[:5])}")
 
 
 def main() -> int:

@@ -13,6 +13,9 @@ import torch
 from edgespec.runner.step_rows import DraftShape, StepRows
 from edgespec.runner.target_runner import TargetRunner
 
+CONTEXT = 300  # the cached keys of each session in the stages' steps
+LONG_CONTEXT = 4096  # decode's keys where one program a head walking them all shows
+
 
 def say(msg: str) -> None:
     print(msg, flush=True)
