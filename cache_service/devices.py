@@ -88,10 +88,12 @@ class DeviceRegistry:
             pipe.expire(self.keys.sessions(device), self.ttl_s)
         pipe.zadd(self.keys.seen, {device: now for device in devices})
 
-    def mark_gone(self, device: str) -> None:
+    def mark_gone(self, device: str, seen_at: float | None = None) -> None:
+        """The device's stream ended: not alive; last seen alive at ``seen_at`` (wall-clock
+        seconds; None: now, a stream that ended while the drafter was heard)."""
         pipe = self.redis.pipeline(transaction=False)
         pipe.delete(self.keys.alive(device))
-        pipe.zadd(self.keys.seen, {device: time.time()})
+        pipe.zadd(self.keys.seen, {device: time.time() if seen_at is None else seen_at})
         pipe.execute()
 
     def is_alive(self, device: str) -> bool:

@@ -253,6 +253,7 @@ class DraftCacheService(pb_grpc.DraftCacheServicer):
         out = DrafterOutbox(device, stop, context.cancel)  # bounded: one that never reads
         lost: list[str] = []  # why the cache ended the stream (its Redis failed or restarted)
         events: Subscription | None = None  # its inbox's reading, once subscribed
+        seen_at: float | None = None  # when it was last heard, where it fell silent
         context.add_callback(stop.set)
         if self.metrics is not None:
             self.metrics.attach(device)
@@ -287,12 +288,16 @@ class DraftCacheService(pb_grpc.DraftCacheServicer):
             silent_s = max(1.0, SILENT_HEARTBEATS * beat_ms / 1000) if beat_ms else 0.0
             beat_at = time.monotonic() + self.heartbeat_s
             yield from opening
+            silence = ""  # why the stream ended for the drafter's silence, if it did
             while not stop.is_set():
                 now = time.monotonic()
                 if silent_s and now - heard[0] > silent_s:
-                    log.warning("drafter %s: heard nothing for %.1f s (it sends a heartbeat "
-                                "every %.1f s): detaching it", device, now - heard[0],
-                                beat_ms / 1000)
+                    silence = (f"heard nothing from drafter {device!r} for "
+                               f"{now - heard[0]:.1f} s (it said it sends a heartbeat every "
+                               f"{beat_ms / 1000:g} s): detached it")
+                    log.warning("%s", silence)
+                    # its last sign of life, not this moment, is when it was last seen alive
+                    seen_at = time.time() - (now - heard[0])
                     break
                 if now >= beat_at:
                     beat_at = now + self.heartbeat_s
@@ -323,6 +328,8 @@ class DraftCacheService(pb_grpc.DraftCacheServicer):
             if replaced_by is not None and not self._stopping.is_set():
                 context.abort(grpc.StatusCode.ABORTED, f"{REPLACED_STREAM}: drafter {device!r} "
                                                        f"attached again from {replaced_by}")
+            if silence:  # an error, not a clean end: the board (if it lives) says why
+                context.abort(grpc.StatusCode.UNAVAILABLE, silence)
         finally:
             stop.set()
             if events is not None:
@@ -335,7 +342,7 @@ class DraftCacheService(pb_grpc.DraftCacheServicer):
                     self._peer.pop(device, None)
                     self._context.pop(device, None)
                     try:
-                        self.store.devices.mark_gone(device)
+                        self.store.devices.mark_gone(device, seen_at)
                     except (redis.RedisError, OSError, ValueError, AttributeError) as e:
                         # its alive mark expires by itself; ValueError, AttributeError: the
                         # client's socket was closed under it (the cache shutting down: seen in a

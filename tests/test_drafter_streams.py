@@ -147,6 +147,26 @@ def test_a_device_generation_is_dropped_when_its_stream_ends(cache, store):
                and not store.devices.is_alive("dev1"), "the generation dropped, the device gone")
 
 
+def test_a_silent_drafter_is_detached_with_an_error_and_listed_as_last_seen_when_heard(cache,
+                                                                                        store):
+    """A board that announces a heartbeat of 0.3 s and sends nothing after its registration is
+    detached after three of them (at least 1 s): its stream ends UNAVAILABLE saying why (a
+    clean end read as the cache closing it), and the listing's last-seen time is counted from
+    when it was last heard, not from when the cache gave up on it."""
+    s = Stream(cache.channel, "mute", heartbeat_ms=300)
+    s.next("registered")
+    with pytest.raises(grpc.RpcError) as ended:
+        s.next("a message after the detach")
+    assert ended.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "heard nothing from drafter 'mute'" in ended.value.details()
+    assert "heartbeat every 0.3 s" in ended.value.details()
+    eventually(lambda: not store.devices.is_alive("mute"), "the silent board marked gone")
+    listed = {d.device_id: d for d in store.devices.listing()}["mute"]
+    assert not listed.attached
+    assert listed.last_seen_s >= 0.9  # silent for at least the 1 s the cache waited
+    s.close()
+
+
 # -- 2. inbox event names -------------------------------------------------------------------------
 def test_inbox_events_assign_commit_close_reach_the_drafter(cache, store):
     s = Stream(cache.channel, "dev1")

@@ -194,3 +194,13 @@ def test_a_content_part_without_a_type_is_told_to_have_one(part):
         parse_request(chat({"role": "user", "content": [part]}), True, MODEL)
     assert e.value.status == 400 and e.value.param == "messages[0].content[0]"
     assert "must be an object with a 'type'" in str(e.value)
+
+
+def test_a_content_part_of_an_unknown_type_names_its_type_field():
+    """(A hostile probe's: the refusal named ``messages`` alone, where every other part's
+    refusal names the part.)"""
+    with pytest.raises(ApiError) as e:
+        parse_request(chat({"role": "user", "content": [
+            {"type": "text", "text": "hi"}, {"type": "audio", "audio": "x"}]}), True, MODEL)
+    assert e.value.status == 400 and e.value.param == "messages[0].content[1].type"
+    assert "'audio' part" in str(e.value)

@@ -264,6 +264,6 @@ def test_a_re_created_session_longer_than_the_context_is_refused_before_any_work
         admission.admit(GenerationRequest(prompt_ids=PROMPT, max_new_tokens=1,
                                           committed=committed, lost_session_id="ab" * 16))
     # the most that fits: answered as a session whose client holds its whole output
-    held = admission.admit(GenerationRequest(prompt_ids=PROMPT, max_new_tokens=1,
+    held = admission.admit(GenerationRequest(prompt_ids=PROMPT, max_new_tokens=len(committed) - 1,
                                              committed=committed[1:], lost_session_id="ab" * 16))
     assert held.ended and held.result.finish_reason == "length"

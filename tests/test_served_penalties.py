@@ -92,6 +92,7 @@ def test_bad_settings_are_refused(server, api):
         api.chat.completions.create(model=api.model_id, messages=MESSAGES, max_tokens=2,
                                     logit_bias={"100000000": 5})
     assert "logit_bias token ids must be in" in str(e.value)
+    assert e.value.body["param"] == "logit_bias"  # named, as its other refusals are
     with Client(server["address"], token=TOKEN, timeout=120) as client:
         with pytest.raises(InvalidRequest, match="presence_penalty must be a number in"):
             client.generate("hi", presence_penalty=2.5)

@@ -228,6 +228,9 @@ def test_a_client_holding_the_whole_output_gets_the_end_and_no_more_tokens(verif
     # an output that ended at a stop token (2) before its last: no session produced it
     (dict(prompt_ids=PROMPT, committed=[5, 2, 6], lost_session_id=SID_A),
      "stop token at 1, before their end"),
+    # more output than the session could give (a hostile probe's: answered as a whole output)
+    (dict(prompt_ids=PROMPT, committed=[5] * 9, lost_session_id=SID_A),
+     r"committed_ids \(9\) are more than the max_new_tokens \(8\)"),
 ])
 def test_bad_recreations_are_refused(verifier_parts, kw, said):
     with pytest.raises(ConfigError, match=said):
@@ -249,6 +252,39 @@ def test_committed_ids_past_the_context_are_refused_on_the_wire_before_any_work(
                 committed_ids=[5] * (limit + 1)), timeout=60))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "exceed the context limit" in e.value.details()
+
+
+def test_a_resume_counting_more_than_the_session_can_give_is_refused(verifier_parts, server):
+    """A client saying it holds more output tokens than the session has or can have (a hostile
+    probe's resume_from of 2**31 - 1 on a finished 20-token session was answered as a finished
+    stream of no tokens) is refused INVALID_ARGUMENT, on the wire too; up to the output is
+    served as before."""
+    from edgespec.v1 import edgespec_pb2_grpc as pb_grpc
+    from verifier_node.service import resume_count_refused
+
+    admission = verifier_parts[3]
+    running = admission.admit(GenerationRequest(prompt_ids=PROMPT, max_new_tokens=6))
+    assert resume_count_refused(6, running) is None  # ahead of the cache: the client's count
+    assert "past its output limit of 6 tokens" in resume_count_refused(7, running)
+    done = admission.admit(GenerationRequest(prompt_ids=PROMPT, max_new_tokens=6,
+                                             committed=[5, 6, 2], lost_session_id=SID_A))
+    assert done.ended and resume_count_refused(3, done) is None
+    assert "past the output of 3 tokens it ended with" in resume_count_refused(4, done)
+    with grpc.insecure_channel(f"127.0.0.1:{server.port}") as ch:
+        stub = pb_grpc.VerifierStub(ch)
+        first = list(stub.Generate(pb.GenerateRequest(prompt_ids=PROMPT, max_new_tokens=4),
+                                   timeout=120))
+        sid, out = first[0].session_id, [t for r in first for t in r.token_ids]
+        assert first[-1].finished and len(out) == 4
+        for past in (5, 2 ** 31 - 1):
+            with pytest.raises(grpc.RpcError) as e:
+                list(stub.Generate(pb.GenerateRequest(resume_session_id=sid, resume_from=past),
+                                   timeout=60))
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert f"resume_from {past} is past the output of 4 tokens" in e.value.details()
+        again = list(stub.Generate(pb.GenerateRequest(resume_session_id=sid, resume_from=2),
+                                   timeout=60))
+        assert [t for r in again for t in r.token_ids] == out[2:] and again[-1].finished
 
 
 def test_a_resume_from_below_zero_is_refused_not_read_as_zero():

@@ -215,6 +215,10 @@ class Admission:
                 raise ConfigError(f"the prompt ({len(ids)} tokens) and committed_ids "
                                   f"({len(g.committed)}) exceed the context limit "
                                   f"({self.max_len})")
+            if g.max_new_tokens and len(g.committed) > g.max_new_tokens:
+                raise ConfigError(f"committed_ids ({len(g.committed)}) are more than the "
+                                  f"max_new_tokens ({g.max_new_tokens}) of the session they "
+                                  f"re-create")
             try:
                 held = checked_lineage(g.kernel_set, g.kernels_differ_from, len(g.committed))
             except ValueError as e:

@@ -335,7 +335,9 @@ async def _admitted(call: Callable[[GenerationRequest], T], generation: Generati
         # its tokens or its length alone (a limit too large for the prompt names neither)
         about = str(e).startswith(("prompt token ids", "prompt (", "the prompt")) and \
             "max_new_tokens" not in str(e)
-        raise _refused(e, ("messages" if chat else "prompt") if about else None) from None
+        param = ("messages" if chat else "prompt") if about else \
+            "logit_bias" if str(e).startswith("logit_bias") else None  # its ids past the vocab
+        raise _refused(e, param) from None
     except (SessionNotFound, DrafterMissing) as e:
         raise ApiError(400, str(e), "invalid_request_error") from None
     except QueueFull as e:

@@ -79,7 +79,7 @@ def parts_content(i: int, parts: list, images: list[bytes]) -> str:
                        where)
         else:
             raise _bad(f"'{where}' is a {str(kind)[:40]!r} part: the content parts taken are "
-                       "text and image_url", "messages")
+                       "text and image_url", f"{where}.type")
     return "".join(text)
 
 

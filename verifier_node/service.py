@@ -87,6 +87,19 @@ def generation_request(req: pb.GenerateRequest) -> GenerationRequest:
         prompt_only=req.prompt_only)
 
 
+def resume_count_refused(resume_from: int, ticket: Ticket) -> str | None:
+    """Why a resume's ``resume_from`` (the output tokens the client says it holds) is more than
+    any client of the session can hold, or None: past the output of a session that ended, or
+    past its output limit. (More than the cache holds of a running session is fine: the cache
+    may have lost its last second, and the client's count wins.)"""
+    limit, out = ticket.request.max_new_tokens, len(ticket.tokens)
+    past = (f"the output of {out} tokens it ended with" if ticket.ended and resume_from > out
+            else f"its output limit of {limit} tokens" if limit and resume_from > limit
+            else None)
+    return f"resume_from {resume_from} is past {past}: it counts the output tokens the " \
+        "client already holds of the session" if past else None
+
+
 PROMPT_LOGPROBS_PER_REPLY = 2048  # entries: about 600 KB with 20 alternatives (4 MiB a message)
 
 
@@ -201,6 +214,9 @@ class VerifierService(pb_grpc.VerifierServicer):
         # A re-created session (the cache lost it) starts after the tokens the client holds.
         cursor = (request.resume_from if request.resume_session_id
                   else len(request.committed_ids))
+        why = resume_count_refused(cursor, ticket) if request.resume_session_id else None
+        if why:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, why)
         with self.admission.follow(ticket):
             yield from self._follow(ticket, cursor, request, context)
 
