@@ -12,8 +12,9 @@ without it until it is back.
 
 Above the transport, a drafter's Attach stream carries an application ``Heartbeat`` both ways
 every ``EDGESPEC_HEARTBEAT_S`` (2 s): each end announces its interval when the stream opens, and
-the other ends the stream (the cache: marks the board detached; the board: attaches again) after
-``SILENT_HEARTBEATS`` intervals without hearing anything. This catches what keepalive cannot: a
+the other ends the stream (the cache: UNAVAILABLE, saying why, and marks the board detached, last
+seen when last heard; the board: attaches again) after ``SILENT_HEARTBEATS`` intervals without
+hearing anything. This catches what keepalive cannot: a
 proxy between the two that answers pings itself while the far side is gone.
 
 Defaults suit a flaky edge link: a ping every 10 s of silence, 5 s to answer, so a silent link is
