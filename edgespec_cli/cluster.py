@@ -168,6 +168,10 @@ def cmd_server(args) -> int:
     check_port(getattr(args, "http_port", None), "--http-port")
     check_at_least(args, ("max_request_bytes",), 1)
     check_within(args, ("request_body_timeout",), 0)
+    from edgespec.wire.convert import check_token, resolve_token
+
+    if resolve_token(args.auth_token) is not None:  # one no client could send
+        check_token(resolve_token(args.auth_token), "--auth-token (or $EDGESPEC_AUTH_TOKEN)")
     opts = ServerOptions(listen=args.listen, roles=args.roles,
                          model=getattr(args, "model", "default"),
                          device=getattr(args, "device", "cpu"),
@@ -201,10 +205,14 @@ def cmd_drafter(args) -> int:
     from edgespec_cli.cli_args import check_drafter_arg, set_threads
     from edgespec.drafters import EDGE_KINDS
     from edgespec.protocol.ids import check_device_id
+    from edgespec.wire.convert import check_token
     from edgespec.wire.reachability import check_address
 
     check_device_id(args.device_id)  # before loading a model
     check_address(args.cache, "--cache")
+    token = args.auth_token or os.environ.get("EDGESPEC_AUTH_TOKEN")
+    if token is not None:  # one gRPC refuses to send: refused once, not retried for ever
+        check_token(token, "--auth-token (or $EDGESPEC_AUTH_TOKEN)")
     if bool(args.tls_cert) != bool(args.tls_key):
         raise ConfigError("a client certificate needs both --tls-cert and --tls-key")
     check_drafter_arg(args.drafter, allowed=EDGE_KINDS)
@@ -232,7 +240,7 @@ def cmd_drafter(args) -> int:
     drafter, fingerprint = build_edge_drafter(args.drafter, args.max_sessions, args.max_context,
                                               args.device, args.dtype, args.context_window)
     agent = DrafterAgent(args.cache, args.device_id, drafter, fingerprint, args.window,
-                         args.chunk, args.auth_token or os.environ.get("EDGESPEC_AUTH_TOKEN"),
+                         args.chunk, token,
                          args.tls_ca, args.tls, args.max_sessions, tls_cert=args.tls_cert,
                          tls_key=args.tls_key, metrics=metrics, tree_width=args.tree_width,
                          pace=not args.no_pace)

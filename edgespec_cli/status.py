@@ -131,11 +131,14 @@ def cmd_status(args: argparse.Namespace) -> int:
             raise ConfigError(f"--{name} takes seconds > 0, got {value}")
     if bool(args.tls_cert) != bool(args.tls_key):
         raise ConfigError("a client certificate needs both --tls-cert and --tls-key")
+    from edgespec.wire.convert import check_token
     from edgespec.wire.reachability import check_address
 
     check_address(args.address, "--address")
-    with edgespec.Client(args.address, token=args.auth_token or os.environ.get(
-            "EDGESPEC_AUTH_TOKEN"), tls_ca=args.tls_ca, tls=args.tls,
+    token = args.auth_token or os.environ.get("EDGESPEC_AUTH_TOKEN")
+    if token is not None:
+        check_token(token, "--auth-token (or $EDGESPEC_AUTH_TOKEN)")
+    with edgespec.Client(args.address, token=token, tls_ca=args.tls_ca, tls=args.tls,
             tls_cert=args.tls_cert, tls_key=args.tls_key, timeout=args.timeout) as client:
         while True:
             try:

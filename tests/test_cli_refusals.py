@@ -91,6 +91,12 @@ def test_bad_options_give_one_readable_line(tiny_dir, args, message):
     (["pad-train", "--temperature", "nan", "--out", "OUT"], "--temperature"),
     (["pad-train", "--low", "0.9", "--high", "0.1", "--out", "OUT"], "--low"),
     (["pad-train", "--train-steps", "0", "--out", "OUT"], "--train-steps"),
+    # a token no gRPC header carries: status printed a traceback, a drafter retried for ever
+    (["status", "--auth-token", "t\u00f6k"], "--auth-token (or $EDGESPEC_AUTH_TOKEN) must be"),
+    (["drafter", "--cache", "127.0.0.1:1", "--device-id", "d", "--auth-token", "a\nb"],
+     "printable ASCII"),
+    (["serve", "--auth-token", "t\u00f6k"], "--auth-token (or $EDGESPEC_AUTH_TOKEN) must be"),
+    (["bench-net", "--max-new-tokens", "0"], "--max-new-tokens"),  # after its server started
 ])
 def test_other_commands_bad_options_give_one_readable_line(args, message, tmp_path,
                                                           monkeypatch):

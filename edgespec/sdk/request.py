@@ -11,7 +11,7 @@ from ..config import VERIFY_MODES, ConfigError, EmptyPrompt, SamplingParams
 from ..models.images import check_image_bytes, image_bytes
 from ..protocol.token_logprob import check_top_logprobs
 from ..v1 import edgespec_pb2 as pb
-from ..wire.convert import params_to_pb, unencodable_text
+from ..wire.convert import check_token, params_to_pb, unencodable_text
 from ..wire.reachability import check_address
 from .errors import InvalidRequest
 
@@ -38,10 +38,11 @@ def check_client_args(address, token) -> None:
         check_address(address, "address")
     except ConfigError as e:
         raise InvalidRequest(str(e)) from None
-    if token is not None and (not isinstance(token, str) or not token or
-                              not all(" " <= c <= "~" for c in token)):
-        raise InvalidRequest("token must be a non-empty string of printable ASCII characters "
-                             "(what a gRPC header carries)")
+    if token is not None:
+        try:
+            check_token(token)
+        except ConfigError as e:
+            raise InvalidRequest(str(e)) from None
 
 
 def check_session_id(session_id) -> str:

@@ -189,6 +189,15 @@ def resolve_token(token: str | None) -> str | None:
     return token or os.environ.get(AUTH_ENV) or None
 
 
+def check_token(token, what: str = "token") -> None:
+    """A token an ``authorization`` header can carry (non-empty printable ASCII), else a
+    ConfigError naming ``what``: gRPC refuses any other on every call, which a client that
+    retries would read as an outage and retry for ever."""
+    if not isinstance(token, str) or not token or not all(" " <= c <= "~" for c in token):
+        raise ConfigError(f"{what} must be a non-empty string of printable ASCII characters "
+                          "(what a gRPC header carries)")
+
+
 def auth_metadata(token: str | None) -> list[tuple[str, str]]:
     return [("authorization", f"Bearer {token}")] if token else []
 

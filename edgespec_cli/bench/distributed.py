@@ -9,11 +9,15 @@ both, their ratio, and where a distributed step's time goes: taking drafts from 
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from edgespec.config import ConfigError, SamplingParams
@@ -27,7 +31,8 @@ def add_bench_net_args(p) -> None:
     p.add_argument("--max-new-tokens", type=int, default=128,
                    help="most tokens generated per prompt (default: %(default)s)")
     p.add_argument("--drafter", metavar="SPEC", default="mag",
-                   help="the drafter process's drafter: mag | model:PATH (default: %(default)s)")
+                   help="the drafter process's drafter, as edgespec drafter's --drafter takes "
+                        "it (default: %(default)s)")
     p.add_argument("--json", dest="json_out", default="bench-results/bench-net.json",
                    metavar="FILE",
                    help="where to write the JSON results (default: %(default)s)")
@@ -39,6 +44,29 @@ def spawn_edgespec(args: list, log: Path) -> subprocess.Popen:
         return subprocess.Popen([sys.executable, "-m", "edgespec_cli", *map(str, args)],
                                 stdout=out, stderr=subprocess.STDOUT,
                                 env=dict(os.environ, PYTHONUNBUFFERED="1"))
+
+
+def stops_its_processes_on_sigterm(run: Callable[..., int]) -> Callable[..., int]:
+    """``run`` (a command that starts ``edgespec`` processes and stops them in ``finally``
+    blocks) with SIGTERM raising SystemExit(143) while it runs: Python's default for SIGTERM
+    ends the interpreter without running those blocks, leaving the processes running (a
+    ``bench-net`` killed so left its server holding its port)."""
+
+    @functools.wraps(run)
+    def wrapped(*args, **kwargs) -> int:
+        if threading.current_thread() is not threading.main_thread():  # no handler there
+            return run(*args, **kwargs)
+
+        def exit_now(signum, _frame):
+            raise SystemExit(128 + signum)
+
+        before = signal.signal(signal.SIGTERM, exit_now)
+        try:
+            return run(*args, **kwargs)
+        finally:
+            signal.signal(signal.SIGTERM, before)
+
+    return wrapped
 
 
 def wait_for_line(log: Path, needle: str, proc: subprocess.Popen, timeout: float = 180
@@ -84,6 +112,7 @@ def _per_step_ms(stats: dict, key: str) -> float:
     return 1000 * stats[key] / stats["steps"] if stats["steps"] else 0.0
 
 
+@stops_its_processes_on_sigterm
 def run_bench_net(args) -> int:
     import edgespec
 
@@ -95,6 +124,8 @@ def run_bench_net(args) -> int:
 
     check_model_arg(args.model)
     check_drafter_arg(args.drafter, allowed=EDGE_KINDS)  # a board's: before any process starts
+    if args.max_new_tokens < 1:  # 0 on the wire would be the server's default
+        raise ConfigError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     engine_config(args, 2)  # its options (--max-draft, --window ...) too
     set_threads(args.threads)
     questions = load_questions(args.categories, args.per_category, False)
@@ -112,10 +143,10 @@ def run_bench_net(args) -> int:
     serve_log, drafter_log = out_dir / "bench-net-serve.log", out_dir / "bench-net-drafter.log"
     print(f"starting edgespec serve on {address} and one drafter ({args.drafter})",
           file=sys.stderr, flush=True)
-    serve = spawn_edgespec(["serve", "--listen", address, "--max-sessions", "2", *common,
-                            *serve_engine_args(args)], serve_log)
-    drafter = None
-    try:
+    serve = drafter = None
+    try:  # the processes started in it, stopped in its ``finally`` (SIGTERM too)
+        serve = spawn_edgespec(["serve", "--listen", address, "--max-sessions", "2", *common,
+                                *serve_engine_args(args)], serve_log)
         wait_for_line(serve_log, "listening on", serve)
         drafter = spawn_edgespec(["drafter", "--cache", address, "--device-id", "bench",
                           "--drafter", args.drafter], drafter_log)

@@ -29,7 +29,7 @@ from edgespec.wire.channels import free_port
 from verifier_node.metrics import MAX_POSITIONS
 
 from ..deployment.cpu_share import pin_pid, pin_process, process_tree_cpu_s, split_cpus
-from .distributed import spawn_edgespec, wait_for_line
+from .distributed import spawn_edgespec, stops_its_processes_on_sigterm, wait_for_line
 from .edge_report import (board_figures, compare_runs, delta, format_table, plot_report,
                           refused_chunks, scrape)
 from .run import add_question_args, load_questions
@@ -99,6 +99,7 @@ class _Proc:
                 self.popen.kill()
 
 
+@stops_its_processes_on_sigterm
 def run_bench_edge(args) -> int:
     from edgespec_cli.cli_args import check_model_arg
 
