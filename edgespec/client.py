@@ -49,6 +49,7 @@ from typing import Any
 
 import grpc
 
+from .config import ConfigError
 from .sdk.errors import (Cancelled, DeadlineExceeded, EdgespecError, InvalidRequest, NotFound,
                          Overloaded, PreconditionFailed, Unauthenticated, Unavailable, translate)
 from .sdk.request import build_request, check_client_args, check_session_id, check_timeout
@@ -64,6 +65,15 @@ __all__ = ["AsyncClient", "Cancelled", "Client", "DeadlineExceeded", "EdgespecEr
            "StreamPiece", "Unauthenticated", "Unavailable", "build_request"]
 
 
+def client_channel(*args, **kwargs):
+    """``make_channel``'s channel; its refusals (a TLS file that cannot be read) as the SDK's
+    ``InvalidRequest``, an ``EdgespecError`` as every error the SDK raises."""
+    try:
+        return make_channel(*args, **kwargs)
+    except ConfigError as e:
+        raise InvalidRequest(str(e)) from None
+
+
 class Client:
     """``max_resumes``: how often a broken stream is resumed (0: never). ``tls_cert`` and
     ``tls_key``: a client certificate for a server that requires one (``--tls-client-ca``).
@@ -74,9 +84,9 @@ class Client:
                  tls_ca: str | None = None, tls: bool = False, timeout: float | None = None,
                  max_resumes: int = 8, tls_cert: str | None = None, tls_key: str | None = None,
                  channel_options: Sequence[tuple[str, Any]] = ()):
-        check_client_args(address, token)  # before any channel is made
-        self.channel = make_channel(address, tls_ca, tls, client_cert=tls_cert,
-                                    client_key=tls_key, options=channel_options)
+        check_client_args(address, token, max_resumes, channel_options)  # before a channel
+        self.channel = client_channel(address, tls_ca, tls, client_cert=tls_cert,
+                                      client_key=tls_key, options=channel_options)
         self._watch = ConnectWatch(self.channel, address, tls=bool(tls or tls_ca or tls_cert))
         self._reached = False  # the channel connected once: calls wait for restarts after
         self.stub = pb_grpc.VerifierStub(self.channel)
@@ -187,10 +197,10 @@ class AsyncClient:
                  tls_ca: str | None = None, tls: bool = False, timeout: float | None = None,
                  max_resumes: int = 8, tls_cert: str | None = None, tls_key: str | None = None,
                  channel_options: Sequence[tuple[str, Any]] = ()):
-        check_client_args(address, token)  # before any channel is made
+        check_client_args(address, token, max_resumes, channel_options)  # before a channel
         timeout = check_timeout(timeout, "the client's timeout")
-        self.channel = make_channel(address, tls_ca, tls, aio=True, client_cert=tls_cert,
-                                    client_key=tls_key, options=channel_options)
+        self.channel = client_channel(address, tls_ca, tls, aio=True, client_cert=tls_cert,
+                                      client_key=tls_key, options=channel_options)
         self.address = address
         self._tls = bool(tls or tls_ca or tls_cert)
         self._reached = False

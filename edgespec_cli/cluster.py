@@ -83,7 +83,7 @@ def _add_server(p: argparse.ArgumentParser, roles: tuple[str, ...]) -> None:
                    "embedded one would be this process's alone)")
     p.add_argument("--max-drafters", type=int, default=64,
                    help="drafters attached at once; more are refused with RESOURCE_EXHAUSTED "
-                        "(default: %(default)s)")
+                        "(0: none, the verifier decodes alone; default: %(default)s)")
     p.add_argument("--metrics-port", metavar="PORT", type=int, default=None,
                    help="serve Prometheus /metrics on this port (the verifier also serves them "
                         "on --http-port) (default: none)")

@@ -138,8 +138,13 @@ def cmd_status(args: argparse.Namespace) -> int:
     token = args.auth_token or os.environ.get("EDGESPEC_AUTH_TOKEN")
     if token is not None:
         check_token(token, "--auth-token (or $EDGESPEC_AUTH_TOKEN)")
-    with edgespec.Client(args.address, token=token, tls_ca=args.tls_ca, tls=args.tls,
-            tls_cert=args.tls_cert, tls_key=args.tls_key, timeout=args.timeout) as client:
+    try:
+        client = edgespec.Client(args.address, token=token, tls_ca=args.tls_ca, tls=args.tls,
+                                 tls_cert=args.tls_cert, tls_key=args.tls_key,
+                                 timeout=args.timeout)
+    except edgespec.InvalidRequest as e:  # a TLS file it cannot read, say: an option to fix
+        raise ConfigError(str(e)) from None
+    with client:
         while True:
             try:
                 st = client.status()

@@ -156,6 +156,30 @@ def test_a_client_with_an_address_or_token_grpc_would_misread_is_refused_at_once
         assert needle in str(e.value)
 
 
+@pytest.mark.parametrize("kw,needle", [
+    (dict(address="127.0.0.1:0"), "port 0 is a listener's"),
+    (dict(max_resumes=-1), "max_resumes must be an integer >= 0"),
+    (dict(max_resumes=1.5), "max_resumes must be an integer >= 0"),
+    (dict(max_resumes=True), "max_resumes must be an integer >= 0"),
+    (dict(channel_options=[("grpc.keepalive_time_ms",)]), "(name, value) pairs"),
+    (dict(channel_options=5), "(name, value) pairs"),
+    (dict(tls_ca="/nonexistent/ca.pem"), "cannot read /nonexistent/ca.pem"),
+])
+def test_a_clients_other_settings_are_refused_as_the_sdks_errors(kw, needle):
+    """(A newcomer's probe's: a negative max_resumes and port 0 were taken, a malformed option
+    raised a bare ValueError, an unreadable CA file the command line's ConfigError: every
+    refusal the SDK makes is an EdgespecError.)"""
+    from edgespec.client import AsyncClient, Client
+
+    kw = {"address": "127.0.0.1:50051", **kw}
+    for make in (Client, AsyncClient):
+        with pytest.raises(InvalidRequest) as e:
+            make(**kw)
+        assert needle in str(e.value)
+    Client("127.0.0.1:50051", max_resumes=0,
+           channel_options=[("grpc.keepalive_time_ms", 30000)]).close()
+
+
 @pytest.mark.parametrize("session_id,needle", [(5, "session_id must be a string"),
                                                ("s\ud800", "session_id holds")])
 def test_cancelling_an_id_the_wire_cannot_carry_is_an_invalid_request(session_id, needle):

@@ -38,7 +38,7 @@ from edgespec.wire.convert import (logprobs_to_pb, params_from_pb, params_to_pb,
 
 from .admission import Admission, DrafterMissing, GenerationRequest, SessionNotFound
 from .metrics import acceptance
-from .tickets import QueueFull, ShuttingDown, Ticket
+from .tickets import QueueFull, ShuttingDown, Ticket, TooSlowForDeadline
 
 log = logging.getLogger("edgespec.verifier")
 
@@ -199,7 +199,10 @@ class VerifierService(pb_grpc.VerifierServicer):
         except QueueFull as e:
             if e.retry_after_s:
                 context.set_trailing_metadata(retry_after_metadata(e.retry_after_s * 1000))
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"verifier overloaded: {e}")
+            # a deadline the measured pace cannot meet is not always load: said as it is
+            said = "cannot finish within its deadline" if isinstance(e, TooSlowForDeadline) \
+                else "verifier overloaded"
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{said}: {e}")
         except ShuttingDown as e:
             # marked, so that the SDK fails a new call at once instead of retrying until its
             # deadline (a draining verifier admits nothing new until it has stopped)

@@ -28,16 +28,31 @@ def wire_text(value: str, what: str) -> str:
     return value
 
 
-def check_client_args(address, token) -> None:
-    """A client's ``address`` and ``token``, before a channel is made: an address gRPC would
-    misread (a scheme, no port, a port past 65535, which it takes modulo 65536) and a token
-    gRPC metadata cannot carry (printable ASCII only) are ``InvalidRequest``."""
+def check_client_args(address, token, max_resumes=0, channel_options=()) -> None:
+    """A client's settings, before a channel is made: an address gRPC would misread (a scheme,
+    no port, a port past 65535, which it takes modulo 65536) or no server listens at (port 0),
+    a token gRPC metadata cannot carry (printable ASCII only), a ``max_resumes`` that is not a
+    count and ``channel_options`` that are not (name, value) pairs are ``InvalidRequest``."""
     if not isinstance(address, str):
         raise InvalidRequest(f"address must be a string HOST:PORT, got {type(address).__name__}")
     try:
         check_address(address, "address")
     except ConfigError as e:
         raise InvalidRequest(str(e)) from None
+    if address.endswith(":0") and not address.startswith(("unix:", "unix-abstract:")):
+        raise InvalidRequest(f"address {address!r}: port 0 is a listener's request for any "
+                             "free port; give the port the server listens on")
+    if isinstance(max_resumes, bool) or not isinstance(max_resumes, int) or max_resumes < 0:
+        raise InvalidRequest(f"max_resumes must be an integer >= 0 (0: never resume), got "
+                             f"{max_resumes!r}")
+    try:
+        pairs = list(channel_options)
+    except TypeError:
+        pairs = None
+    if pairs is None or any(not isinstance(o, (tuple, list)) or len(o) != 2 or
+                            not isinstance(o[0], str) for o in pairs):
+        raise InvalidRequest("channel_options must be (name, value) pairs of gRPC channel "
+                             "arguments, e.g. [(\"grpc.keepalive_time_ms\", 30000)]")
     if token is not None:
         try:
             check_token(token)
