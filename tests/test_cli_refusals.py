@@ -97,6 +97,7 @@ def test_bad_options_give_one_readable_line(tiny_dir, args, message):
      "printable ASCII"),
     (["serve", "--auth-token", "t\u00f6k"], "--auth-token (or $EDGESPEC_AUTH_TOKEN) must be"),
     (["bench-net", "--max-new-tokens", "0"], "--max-new-tokens"),  # after its server started
+    (["bench-burst", "--drafter", "bogus"], "unknown drafter"),  # after a whole mode ran
 ])
 def test_other_commands_bad_options_give_one_readable_line(args, message, tmp_path,
                                                           monkeypatch):

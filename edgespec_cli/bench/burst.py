@@ -308,6 +308,9 @@ def run_bench_burst(args) -> int:
         check_top_logprobs(args.prompt_logprobs, "--prompt-logprobs")
     if args.prefill_budget is not None and args.prefill_budget < 1:  # before any mode runs
         raise ConfigError(f"--prefill-budget must be >= 1, got {args.prefill_budget}")
+    from edgespec.drafters.spec_check import check_drafter_arg
+
+    check_drafter_arg(args.drafter)  # before the model loads and a mode runs (was after one)
     threads = set_threads(args.threads)
     loaded = load_model(args.model, args.device, args.dtype)
     threads = threads_in_use() or threads  # a default lowered where the dtype was not exact
