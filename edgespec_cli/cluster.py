@@ -205,12 +205,12 @@ def cmd_drafter(args) -> int:
     from edgespec_cli.cli_args import check_drafter_arg, set_threads
     from edgespec.drafters import EDGE_KINDS
     from edgespec.protocol.ids import check_device_id
-    from edgespec.wire.convert import check_token
+    from edgespec.wire.convert import check_token, resolve_token
     from edgespec.wire.reachability import check_address
 
     check_device_id(args.device_id)  # before loading a model
     check_address(args.cache, "--cache")
-    token = args.auth_token or os.environ.get("EDGESPEC_AUTH_TOKEN")
+    token = resolve_token(args.auth_token)  # an empty one (a variable set to "") is none
     if token is not None:  # one gRPC refuses to send: refused once, not retried for ever
         check_token(token, "--auth-token (or $EDGESPEC_AUTH_TOKEN)")
     if bool(args.tls_cert) != bool(args.tls_key):

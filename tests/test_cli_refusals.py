@@ -109,6 +109,17 @@ def test_other_commands_bad_options_give_one_readable_line(args, message, tmp_pa
     assert message in r.stderr and "Traceback" not in r.stderr
 
 
+def test_an_empty_token_variable_is_no_token_and_a_bad_one_is_refused(monkeypatch):
+    """$EDGESPEC_AUTH_TOKEN set to "" means no token (as serve reads it), not a token to
+    refuse; one gRPC cannot carry is refused as --auth-token's would be."""
+    monkeypatch.setenv("EDGESPEC_AUTH_TOKEN", "")
+    r = run_cli("status", "--address", "127.0.0.1:1", "--timeout", "0.5")
+    assert r.returncode == 1 and "nothing is listening" in r.stderr  # called, without one
+    monkeypatch.setenv("EDGESPEC_AUTH_TOKEN", "t\u00f6k")
+    r = run_cli("status", "--address", "127.0.0.1:1", "--timeout", "0.5")
+    assert r.returncode == 2 and "$EDGESPEC_AUTH_TOKEN) must be" in r.stderr
+
+
 @pytest.mark.parametrize("cmd,dest,value", [
     ("simulate", "plot", "figs/run.v2"),  # simulate's --plot is a folder, dots and all
     ("simulate", "plot", "."),

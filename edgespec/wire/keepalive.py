@@ -14,8 +14,8 @@ Above the transport, a drafter's Attach stream carries an application ``Heartbea
 every ``EDGESPEC_HEARTBEAT_S`` (2 s): each end announces its interval when the stream opens, and
 the other ends the stream (the cache: UNAVAILABLE, saying why, and marks the board detached, last
 seen when last heard; the board: attaches again) after ``SILENT_HEARTBEATS`` intervals without
-hearing anything. This catches what keepalive cannot: a
-proxy between the two that answers pings itself while the far side is gone.
+hearing anything. This catches what keepalive cannot: a proxy between the two that answers pings
+itself while the far side is gone.
 
 Defaults suit a flaky edge link: a ping every 10 s of silence, 5 s to answer, so a silent link is
 noticed within about 15 s, at the cost of one 17-byte frame each way every 10 s (nothing while
