@@ -84,9 +84,9 @@ class Client:
                  tls_ca: str | None = None, tls: bool = False, timeout: float | None = None,
                  max_resumes: int = 8, tls_cert: str | None = None, tls_key: str | None = None,
                  channel_options: Sequence[tuple[str, Any]] = ()):
-        check_client_args(address, token, max_resumes, channel_options)  # before a channel
+        options = check_client_args(address, token, max_resumes, channel_options)  # first
         self.channel = client_channel(address, tls_ca, tls, client_cert=tls_cert,
-                                      client_key=tls_key, options=channel_options)
+                                      client_key=tls_key, options=options)
         self._watch = ConnectWatch(self.channel, address, tls=bool(tls or tls_ca or tls_cert))
         self._reached = False  # the channel connected once: calls wait for restarts after
         self.stub = pb_grpc.VerifierStub(self.channel)
@@ -197,10 +197,10 @@ class AsyncClient:
                  tls_ca: str | None = None, tls: bool = False, timeout: float | None = None,
                  max_resumes: int = 8, tls_cert: str | None = None, tls_key: str | None = None,
                  channel_options: Sequence[tuple[str, Any]] = ()):
-        check_client_args(address, token, max_resumes, channel_options)  # before a channel
+        options = check_client_args(address, token, max_resumes, channel_options)  # first
         timeout = check_timeout(timeout, "the client's timeout")
         self.channel = client_channel(address, tls_ca, tls, aio=True, client_cert=tls_cert,
-                                      client_key=tls_key, options=channel_options)
+                                      client_key=tls_key, options=options)
         self.address = address
         self._tls = bool(tls or tls_ca or tls_cert)
         self._reached = False

@@ -170,8 +170,9 @@ def cmd_server(args) -> int:
     check_within(args, ("request_body_timeout",), 0)
     from edgespec.wire.convert import check_token, resolve_token
 
-    if resolve_token(args.auth_token) is not None:  # one no client could send
-        check_token(resolve_token(args.auth_token), "--auth-token (or $EDGESPEC_AUTH_TOKEN)")
+    token = resolve_token(args.auth_token)
+    if token is not None:  # one no client could send
+        check_token(token, "--auth-token (or $EDGESPEC_AUTH_TOKEN)")
     opts = ServerOptions(listen=args.listen, roles=args.roles,
                          model=getattr(args, "model", "default"),
                          device=getattr(args, "device", "cpu"),

@@ -118,7 +118,6 @@ def _link(d: dict) -> str:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-
     import grpc
 
     import edgespec

@@ -26,7 +26,8 @@ COMMAND = textwrap.dedent("""
 
     @stops_its_processes_on_sigterm
     def run():
-        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"],
+                                 stdout=subprocess.DEVNULL)  # the pipe ends with the command
         try:
             print(child.pid, flush=True)
             child.wait()
@@ -38,6 +39,13 @@ COMMAND = textwrap.dedent("""
 
     sys.exit(run())
 """)
+
+
+def _stop(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 def _gone(pid: int, timeout: float = 60.0) -> bool:
@@ -53,6 +61,7 @@ def _gone(pid: int, timeout: float = 60.0) -> bool:
 
 def test_sigterm_stops_the_commands_processes_and_exits_143():
     proc = subprocess.Popen([sys.executable, "-c", COMMAND], stdout=subprocess.PIPE, text=True)
+    child = None
     try:
         child = int(proc.stdout.readline())  # the child runs: the command waits on it
         proc.send_signal(signal.SIGTERM)
@@ -62,6 +71,30 @@ def test_sigterm_stops_the_commands_processes_and_exits_143():
     finally:
         if proc.poll() is None:
             proc.kill()
+        if child is not None:
+            _stop(child)
+
+
+def test_a_second_sigterm_does_not_cut_the_cleanup_short():
+    """The first SIGTERM starts the command's cleanup; one more while it runs is ignored."""
+    code = COMMAND.replace("        child.terminate()\n",
+                           "        import os, signal\n"
+                           "        os.kill(os.getpid(), signal.SIGTERM)\n"
+                           "        child.terminate()\n")
+    assert code != COMMAND
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    child = None
+    try:
+        child = int(proc.stdout.readline())
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 143
+        assert proc.stdout.read().strip() == "stopped"
+        assert _gone(child)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        if child is not None:
+            _stop(child)
 
 
 def test_the_sigterm_handler_is_the_callers_again_after_the_command():
@@ -80,5 +113,6 @@ def test_the_sigterm_handler_is_the_callers_again_after_the_command():
 
 @pytest.mark.parametrize("command", [run_bench_net, run_bench_edge])
 def test_the_commands_that_start_processes_stop_them_on_sigterm(command):
-    assert command.__wrapped__ is not None  # stops_its_processes_on_sigterm's
-    assert command.__name__.startswith("run_bench_")
+    wrapper = stops_its_processes_on_sigterm(lambda: 0)
+    assert command.__code__ is wrapper.__code__  # this decorator's wrapper, not another's
+    assert command.__wrapped__.__name__ == command.__name__

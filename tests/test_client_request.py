@@ -180,6 +180,18 @@ def test_a_clients_other_settings_are_refused_as_the_sdks_errors(kw, needle):
            channel_options=[("grpc.keepalive_time_ms", 30000)]).close()
 
 
+def test_channel_options_are_read_once_whatever_their_kind():
+    """An iterator of pairs is read by the check and what it read is what the channel gets
+    (a review's find: the check used it up, and the channel got none); a mapping's items as
+    pairs (it was taken before the check)."""
+    from edgespec.sdk.request import check_client_args
+
+    want = [("grpc.keepalive_time_ms", 30000), ("grpc.enable_retries", 0)]
+    assert check_client_args("127.0.0.1:50051", None, 8, iter(want)) == want
+    assert check_client_args("127.0.0.1:50051", None, 8, dict(want)) == want
+    assert check_client_args("127.0.0.1:50051", None, 8, ()) == []
+
+
 @pytest.mark.parametrize("session_id,needle", [(5, "session_id must be a string"),
                                                ("s\ud800", "session_id holds")])
 def test_cancelling_an_id_the_wire_cannot_carry_is_an_invalid_request(session_id, needle):

@@ -60,6 +60,53 @@ def test_an_orphan_cancel_does_not_end_a_session_a_client_resumed(verifier_parts
     assert ticket.result.finish_reason == "cancelled" and not engine.sessions
 
 
+class _Aborted(Exception):
+    """What a gRPC handler's ``context.abort`` raises, here."""
+
+
+class _Context:
+    """The parts of a handler's context ``VerifierService.Generate`` uses."""
+
+    def abort(self, code, details):
+        raise _Aborted(code, details)
+
+    def time_remaining(self):
+        return None
+
+    def is_active(self):
+        return True
+
+    def set_trailing_metadata(self, metadata):
+        pass
+
+
+def test_a_refused_resume_leaves_the_session_cancellable_when_its_reader_leaves(verifier_parts):
+    """A resume counting more output than the session can give is refused after admission
+    took its claim on the running session: the refusal gives the claim back, so the session is
+    still cancelled when its own reader leaves (a review's find: the claim stayed, and every
+    orphan cancel of the session was void from then on; it decoded for nobody)."""
+    import grpc
+
+    from verifier_node.service import VerifierService
+
+    _, engine, sched, admission = verifier_parts
+    service = VerifierService(admission)
+    ticket = admission.admit(GenerationRequest(prompt_ids=PROMPT, max_new_tokens=6))
+    sched._admit()
+    with admission.follow(ticket):
+        try:
+            list(service.Generate(pb.GenerateRequest(resume_session_id=ticket.session_id,
+                                                     resume_from=7), _Context()))
+        except _Aborted as e:
+            assert e.args[0] == grpc.StatusCode.INVALID_ARGUMENT
+            assert "past its output limit of 6 tokens" in e.args[1]
+        else:
+            raise AssertionError("the resume was not refused")
+        assert ticket.claims == 0 and not ticket.ended
+    sched._apply_cancels()  # its reader left: the session is cancelled, its slot freed
+    assert ticket.result.finish_reason == "cancelled" and not engine.sessions
+
+
 def test_an_orphan_cancel_applied_before_the_resumed_stream_follows_is_void(verifier_parts):
     """The loop may apply the first stream's orphan cancel after the resume got the running
     ticket but before its handler follows it: the resume voids it all the same."""

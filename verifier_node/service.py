@@ -217,10 +217,11 @@ class VerifierService(pb_grpc.VerifierServicer):
         # A re-created session (the cache lost it) starts after the tokens the client holds.
         cursor = (request.resume_from if request.resume_session_id
                   else len(request.committed_ids))
-        why = resume_count_refused(cursor, ticket) if request.resume_session_id else None
-        if why:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, why)
-        with self.admission.follow(ticket):
+        with self.admission.follow(ticket):  # refused inside: its claim taken up, and a
+            # session no reader follows any more cancelled, as when a reader leaves
+            why = resume_count_refused(cursor, ticket) if request.resume_session_id else None
+            if why:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, why)
             yield from self._follow(ticket, cursor, request, context)
 
     def _follow(self, ticket: Ticket, cursor: int, request, context):

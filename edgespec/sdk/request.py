@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import operator
 import struct
+from collections.abc import Mapping
 
 from ..config import VERIFY_MODES, ConfigError, EmptyPrompt, SamplingParams
 from ..models.images import check_image_bytes, image_bytes
@@ -28,11 +29,12 @@ def wire_text(value: str, what: str) -> str:
     return value
 
 
-def check_client_args(address, token, max_resumes=0, channel_options=()) -> None:
+def check_client_args(address, token, max_resumes=0, channel_options=()) -> list:
     """A client's settings, before a channel is made: an address gRPC would misread (a scheme,
     no port, a port past 65535, which it takes modulo 65536) or no server listens at (port 0),
     a token gRPC metadata cannot carry (printable ASCII only), a ``max_resumes`` that is not a
-    count and ``channel_options`` that are not (name, value) pairs are ``InvalidRequest``."""
+    count and ``channel_options`` that are not (name, value) pairs are ``InvalidRequest``.
+    Returns the options as a list of pairs (a mapping's items; an iterator read once here)."""
     if not isinstance(address, str):
         raise InvalidRequest(f"address must be a string HOST:PORT, got {type(address).__name__}")
     try:
@@ -46,7 +48,8 @@ def check_client_args(address, token, max_resumes=0, channel_options=()) -> None
         raise InvalidRequest(f"max_resumes must be an integer >= 0 (0: never resume), got "
                              f"{max_resumes!r}")
     try:
-        pairs = list(channel_options)
+        pairs = list(channel_options.items() if isinstance(channel_options, Mapping)
+                     else channel_options)
     except TypeError:
         pairs = None
     if pairs is None or any(not isinstance(o, (tuple, list)) or len(o) != 2 or
@@ -58,6 +61,7 @@ def check_client_args(address, token, max_resumes=0, channel_options=()) -> None
             check_token(token)
         except ConfigError as e:
             raise InvalidRequest(str(e)) from None
+    return pairs
 
 
 def check_session_id(session_id) -> str:

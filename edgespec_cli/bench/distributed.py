@@ -58,13 +58,14 @@ def stops_its_processes_on_sigterm(run: Callable[..., int]) -> Callable[..., int
             return run(*args, **kwargs)
 
         def exit_now(signum, _frame):
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one cuts no cleanup short
             raise SystemExit(128 + signum)
 
         before = signal.signal(signal.SIGTERM, exit_now)
         try:
             return run(*args, **kwargs)
-        finally:
-            signal.signal(signal.SIGTERM, before)
+        finally:  # None: a handler set outside Python, which cannot be set back
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if before is None else before)
 
     return wrapped
 
@@ -191,7 +192,11 @@ def run_bench_net(args) -> int:
         for p in (drafter, serve):
             if p is not None and p.poll() is None:
                 p.terminate()
-                p.wait(timeout=30)
+                try:
+                    p.wait(timeout=30)
+                except subprocess.TimeoutExpired:  # a drain that outlasts its wait
+                    p.kill()
+                    p.wait()
     report = _summarize(rows)
     report["config"] = {"model": args.model, "drafter": args.drafter,
                         "max_new_tokens": args.max_new_tokens, "questions": len(rows),

@@ -157,12 +157,13 @@ def _measure_fleet(args, split, threads: int, sessions: int, boards: int, questi
     port, metrics_port = free_port(), free_port()
     address = f"127.0.0.1:{port}"
     tag = f"{sessions}x{boards}"
-    serve = _Proc(["serve", "--listen", address, "--model", args.model, "--dtype", args.dtype,
-                   "--device", args.device, "--threads", threads, "--max-sessions", sessions,
-                   "--metrics-port", metrics_port, *args.serve_arg],
-                  out_dir / f"bench-edge-{tag}-serve.log", split.server)
-    procs: list[_Proc] = []
+    serve: _Proc | None = None
+    procs: list[_Proc] = []  # the boards'; each process stopped in the ``finally``
     try:
+        serve = _Proc(["serve", "--listen", address, "--model", args.model, "--dtype",
+                       args.dtype, "--device", args.device, "--threads", threads,
+                       "--max-sessions", sessions, "--metrics-port", metrics_port,
+                       *args.serve_arg], out_dir / f"bench-edge-{tag}-serve.log", split.server)
         serve.wait_for("listening on")
         with edgespec.Client(address, timeout=900) as client:
             ids = _fitting(_encode(args.model, [q["prompt"] for q in questions]),
@@ -189,8 +190,9 @@ def _measure_fleet(args, split, threads: int, sessions: int, boards: int, questi
             edge = _serve_requests(client, ids, sessions, args.max_new_tokens, devices, serve,
                                    metrics_port, list(zip(devices, board_ports, procs)))
     finally:
-        for p in [*procs, serve]:
-            p.stop()
+        for proc in [*procs, serve]:
+            if proc is not None:
+                proc.stop()
     return compare_runs(sessions, boards, alone, edge, split)
 
 
