@@ -59,8 +59,10 @@ def _gone(pid: int, timeout: float = 60.0) -> bool:
     return False
 
 
-def test_sigterm_stops_the_commands_processes_and_exits_143():
-    proc = subprocess.Popen([sys.executable, "-c", COMMAND], stdout=subprocess.PIPE, text=True)
+def _terminate_while_it_waits(command: str) -> None:
+    """Run ``command``, send it SIGTERM once its child runs, and hold it to exiting 143 after
+    its cleanup ran, its child gone."""
+    proc = subprocess.Popen([sys.executable, "-c", command], stdout=subprocess.PIPE, text=True)
     child = None
     try:
         child = int(proc.stdout.readline())  # the child runs: the command waits on it
@@ -75,6 +77,10 @@ def test_sigterm_stops_the_commands_processes_and_exits_143():
             _stop(child)
 
 
+def test_sigterm_stops_the_commands_processes_and_exits_143():
+    _terminate_while_it_waits(COMMAND)
+
+
 def test_a_second_sigterm_does_not_cut_the_cleanup_short():
     """The first SIGTERM starts the command's cleanup; one more while it runs is ignored."""
     code = COMMAND.replace("        child.terminate()\n",
@@ -82,19 +88,7 @@ def test_a_second_sigterm_does_not_cut_the_cleanup_short():
                            "        os.kill(os.getpid(), signal.SIGTERM)\n"
                            "        child.terminate()\n")
     assert code != COMMAND
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
-    child = None
-    try:
-        child = int(proc.stdout.readline())
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=60) == 143
-        assert proc.stdout.read().strip() == "stopped"
-        assert _gone(child)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        if child is not None:
-            _stop(child)
+    _terminate_while_it_waits(code)
 
 
 def test_the_sigterm_handler_is_the_callers_again_after_the_command():
