@@ -168,11 +168,9 @@ def cmd_server(args) -> int:
     check_port(getattr(args, "http_port", None), "--http-port")
     check_at_least(args, ("max_request_bytes",), 1)
     check_within(args, ("request_body_timeout",), 0)
-    from edgespec.wire.convert import check_token, resolve_token
+    from edgespec.wire.convert import resolve_token
 
-    token = resolve_token(args.auth_token)
-    if token is not None:  # one no client could send
-        check_token(token, "--auth-token (or $EDGESPEC_AUTH_TOKEN)")
+    resolve_token(args.auth_token)  # one no client could send: refused before the model loads
     opts = ServerOptions(listen=args.listen, roles=args.roles,
                          model=getattr(args, "model", "default"),
                          device=getattr(args, "device", "cpu"),
@@ -206,14 +204,12 @@ def cmd_drafter(args) -> int:
     from edgespec_cli.cli_args import check_drafter_arg, set_threads
     from edgespec.drafters import EDGE_KINDS
     from edgespec.protocol.ids import check_device_id
-    from edgespec.wire.convert import check_token, resolve_token
+    from edgespec.wire.convert import resolve_token
     from edgespec.wire.reachability import check_address
 
     check_device_id(args.device_id)  # before loading a model
     check_address(args.cache, "--cache")
-    token = resolve_token(args.auth_token)  # an empty one (a variable set to "") is none
-    if token is not None:  # one gRPC refuses to send: refused once, not retried for ever
-        check_token(token, "--auth-token (or $EDGESPEC_AUTH_TOKEN)")
+    token = resolve_token(args.auth_token)  # one gRPC cannot send: refused, not retried
     if bool(args.tls_cert) != bool(args.tls_key):
         raise ConfigError("a client certificate needs both --tls-cert and --tls-key")
     check_drafter_arg(args.drafter, allowed=EDGE_KINDS)

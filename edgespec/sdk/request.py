@@ -13,7 +13,7 @@ from ..models.images import check_image_bytes, image_bytes
 from ..protocol.token_logprob import check_top_logprobs
 from ..v1 import edgespec_pb2 as pb
 from ..wire.convert import check_token, params_to_pb, unencodable_text
-from ..wire.reachability import check_address
+from ..wire.reachability import check_address, split_address
 from .errors import InvalidRequest
 
 __all__ = ["build_request", "check_client_args", "check_messages", "check_session_id",
@@ -41,7 +41,8 @@ def check_client_args(address, token, max_resumes=0, channel_options=()) -> list
         check_address(address, "address")
     except ConfigError as e:
         raise InvalidRequest(str(e)) from None
-    if address.endswith(":0") and not address.startswith(("unix:", "unix-abstract:")):
+    split = split_address(address)
+    if split is not None and split[1] == 0:
         raise InvalidRequest(f"address {address!r}: port 0 is a listener's request for any "
                              "free port; give the port the server listens on")
     if isinstance(max_resumes, bool) or not isinstance(max_resumes, int) or max_resumes < 0:

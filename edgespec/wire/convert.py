@@ -185,8 +185,14 @@ def refusal_metadata(why: str) -> tuple[tuple[str, str], ...]:
 
 
 # -- authentication -----------------------------------------------------------------------------
-def resolve_token(token: str | None) -> str | None:
-    return token or os.environ.get(AUTH_ENV) or None
+def resolve_token(token: str | None,
+                  what: str = "--auth-token (or $EDGESPEC_AUTH_TOKEN)") -> str | None:
+    """The token given, else $EDGESPEC_AUTH_TOKEN's, else None (an empty one is none); one no
+    header can carry is refused (``check_token``, naming ``what``)."""
+    resolved = token or os.environ.get(AUTH_ENV) or None
+    if resolved is not None:
+        check_token(resolved, what)
+    return resolved
 
 
 def check_token(token, what: str = "token") -> None:
