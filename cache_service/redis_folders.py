@@ -91,7 +91,7 @@ def sweep_orphaned_folders(root: str | None = None) -> list[str]:
     """Remove this user's orphaned embedded-Redis folders under ``root`` (the temporary
     folder by default); the paths removed. A folder that cannot be read or removed is left."""
     root = root or tempfile.gettempdir()
-    removed = []
+    removed: list[str] = []
     try:
         entries = list(os.scandir(root))
     except OSError:
