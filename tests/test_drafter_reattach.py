@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import queue
+import shutil
 import signal
 import subprocess
 import tempfile
@@ -186,6 +187,7 @@ class RestartableRedis:
         if self.proc.poll() is None:
             self.proc.terminate()
             self.proc.wait(timeout=WAIT_S)
+        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 def test_drafters_draft_again_after_redis_is_killed_and_restarted(looping, looping_dir,
