@@ -268,7 +268,12 @@ class RedisHandle:
              "--save", "", "--appendonly", "yes", "--appendfsync", "everysec", "--dir", data_dir])
         for attempt in range(attempts):
             with open(log_path, "ab") as out:
-                self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+                # a session of its own: the signals a terminal's Ctrl-C or a group kill send to
+                # every process of the owner's group would stop it at once, and the owner's drain
+                # would then have no Redis to commit its sessions to; it stops with its owner
+                # (``close``, or the parent-death signal)
+                self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
+                                             start_new_session=True)
             deadline = time.monotonic() + 30
             while time.monotonic() < deadline and self.proc.poll() is None:
                 try:

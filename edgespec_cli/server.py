@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2_grpc
 from prometheus_client import CollectorRegistry
 
 from edgespec.config import ConfigError, EngineConfig
@@ -34,6 +34,7 @@ from edgespec.wire.request_parsing import add_servicer
 from edgespec.v1 import edgespec_pb2_grpc as pb_grpc
 from edgespec.wire.convert import resolve_token
 from edgespec.wire.channels import bind, make_server
+from edgespec_cli.server_health import STOPPING, ServerHealth
 
 if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer
@@ -52,10 +53,6 @@ VERIFIER_SERVICE = "edgespec.v1.Verifier"
 CACHE_SERVICE = "edgespec.v1.DraftCache"
 
 
-# health writes a key to Redis this often (every tick while it refuses them): a Redis that answers
-# pings may refuse writes; a write a tick would cost an idle Redis an AOF fsync a second
-WRITE_PROBE_S = 5.0
-STOPPING = "draining: the server is stopping"  # health's reason from SIGTERM on
 RESERVE_THREADS = 16  # for health checks, Cancel and unary pushes when every stream is busy
 
 
@@ -92,7 +89,7 @@ class ServerOptions:
         return (self.engine or EngineConfig()).max_sessions + self.max_queue
 
 
-class EdgespecServer:
+class EdgespecServer(ServerHealth):
     def __init__(self, opts: ServerOptions):
         from cache_service.redis_conn import RedisHandle
         from cache_service.store import RedisSessionStore
@@ -131,6 +128,9 @@ class EdgespecServer:
         self.verifier_service: VerifierService | None = None
         self._services = [""]
         self._stopping = threading.Event()
+        self._redis_closing = threading.Event()  # the monitor's end: Redis is closed next
+        self._monitor_thread = threading.Thread(target=self._monitor, daemon=True,
+                                                name="health-monitor")
         self._abort_drain = threading.Event()  # a third signal: stop waiting for sessions
         self._drain_until = 0.0
         self._serving: bool | None = None
@@ -225,58 +225,6 @@ class EdgespecServer:
         add_servicer(pb_grpc.add_DraftCacheServicer_to_server, self.cache, self.server)
         self._services.append(CACHE_SERVICE)
 
-    # -- health ---------------------------------------------------------------------------------
-    def healthy(self) -> bool:
-        """Whether to serve; ``why_not_serving`` says why not, in words."""
-        self.why_not_serving = self._why_not()
-        return self.why_not_serving is None
-
-    def _why_not(self) -> str | None:
-        if self._stopping.is_set():
-            return STOPPING
-        self._redis_ok = self.redis.reachable()
-        if self.scheduler is not None and self.scheduler.unhealthy_reason is not None:
-            return self.scheduler.unhealthy_reason
-        if not self._redis_ok:
-            return f"its Redis does not answer ({self.redis.last_error})"
-        now = time.monotonic()
-        if now - self._write_probed >= WRITE_PROBE_S or self._writes_refused is not None:
-            self._write_probed = now
-            took = self.redis.writable(self.store.keys.health)
-            self._writes_refused = None if took else self.redis.last_error
-        if self._writes_refused is not None:
-            return f"its Redis refuses writes ({self._writes_refused})"
-        return None
-
-    def _set_health(self, serving: bool) -> None:
-        if serving == self._serving:
-            return
-        self._serving = serving
-        status = (health_pb2.HealthCheckResponse.SERVING if serving
-                  else health_pb2.HealthCheckResponse.NOT_SERVING)
-        for name in self._services:
-            self.health.set(name, status)
-        log.info("health: %s", "SERVING" if serving else
-                 f"NOT_SERVING ({self.why_not_serving or 'no reason given'})")
-
-    def _monitor(self) -> None:
-        while not self._stopping.wait(0.5):
-            if self.redis.exited:  # not serving while it restarts (up to 3 x 30 s)
-                self.why_not_serving = "its embedded Redis exited: restarting it"
-                self._set_health(False)
-            try:
-                self.redis.ensure_running()
-            except Exception as e:  # it will be tried again at the next tick
-                log.error("restarting the embedded Redis failed: %s", e)
-            healthy = self.healthy()
-            if healthy and self.scheduler is not None:
-                try:  # a Redis that restarted without persistence forgot the target
-                    self.store.ensure_target(self.target_info)
-                except Exception as e:
-                    healthy = False
-                    self.why_not_serving = f"cannot register the target in Redis ({e})"
-            self._set_health(healthy)
-
     def _start_http(self, port: int) -> None:
         import uvicorn
 
@@ -330,7 +278,7 @@ class EdgespecServer:
         if self.http is not None:
             self.http_state.model_name = self.model_name
             self.http_state.admission = self.admission
-        threading.Thread(target=self._monitor, daemon=True, name="health-monitor").start()
+        self._monitor_thread.start()
         log.info("serving %s on port %d (redis: %s)", ", ".join(self.opts.roles), self.port,
                  "embedded" if self.redis.embedded else shown_url(self.redis.url))
         return self
@@ -358,6 +306,9 @@ class EdgespecServer:
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
         self.server.stop(grace=2.0).wait(5)
+        self._redis_closing.set()
+        if self._monitor_thread.is_alive():
+            self._monitor_thread.join(10)
         self.store.shutdown()
         self.redis.close()
         from edgespec.runner.process_heap import thaw_heap

@@ -30,13 +30,14 @@ class Proc:
     interpreter (default: this one's)."""
 
     def __init__(self, args: list[str], log_path, env: dict | None = None,
-                 python: str = sys.executable):
+                 python: str = sys.executable, new_session: bool = False):
         self.args = args
         self.log_path = log_path
         self.log = open(log_path, "w")
         self.popen = subprocess.Popen([python, "-m", "edgespec_cli", *map(str, args)],
                                   stdout=self.log, stderr=subprocess.STDOUT,
-                                  env=dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})))
+                                  env=dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})),
+                                  start_new_session=new_session)
 
     def text(self) -> str:
         with open(self.log_path) as f:
@@ -122,9 +123,10 @@ FROZEN_DRAFTER_ENV = {"EDGESPEC_HEARTBEAT_S": "3600", "EDGESPEC_KEEPALIVE_S": "3
 
 def start_serve(model_dir, tmp_path, redis_url=None, port=None, token="s3cret",
                 extra=(), tls_ca=None, env: dict | None = None,
-                fill: str = "none") -> tuple[Proc, str]:
+                fill: str = "none", new_session: bool = False) -> tuple[Proc, str]:
     """``edgespec serve`` on loopback, healthy. ``fill``: its ``--fill-drafts`` (none unless
-    said: the tests through it assert on what the boards' own drafts do)."""
+    said: the tests through it assert on what the boards' own drafts do). ``new_session``: in
+    a session and process group of its own (a test may signal its whole group)."""
     port = port or free_port()
     address = f"127.0.0.1:{port}"
     args = ["serve", "--listen", address, "--model", model_dir, "--auth-token", token,
@@ -132,7 +134,8 @@ def start_serve(model_dir, tmp_path, redis_url=None, port=None, token="s3cret",
             "--dtype", "float32", "--fill-drafts", fill, *extra]
     if redis_url:
         args += ["--redis-url", redis_url]
-    proc = Proc(args, tmp_path / f"serve-{port}-{time.monotonic_ns()}.log", env=env)
+    proc = Proc(args, tmp_path / f"serve-{port}-{time.monotonic_ns()}.log", env=env,
+                new_session=new_session)
     try:
         wait_healthy(address, tls_ca=tls_ca, alive=proc.popen)
     except TimeoutError:
@@ -187,3 +190,18 @@ def process_alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def child_pids(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (from /proc)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:  # exited meanwhile
+                continue
+            if int(fields[1]) == pid:
+                out.append(int(entry))
+    return out
