@@ -21,7 +21,7 @@ from procs import (FROZEN_DRAFTER_ENV, Streamer, child_pids, process_alive, star
 pytestmark = pytest.mark.slow  # processes
 
 TOKEN = "gr0up"
-N = 100  # tokens: >= 5 s with the frozen board's sessions waited for 50 ms a step
+N = 60  # tokens: >= 3 s with the frozen board's sessions waited for 50 ms a step
 PROMPT = [1, 10, 11, 12, 13, 10, 11]
 
 
