@@ -66,7 +66,7 @@ def _socket_answers(path: str) -> bool:
     return True
 
 
-def is_orphan(path: str, now: float | None = None) -> bool:
+def is_orphan(path: str) -> bool:
     """Whether the embedded-Redis folder ``path`` belongs to no live process and no server."""
     try:
         with open(os.path.join(path, OWNER_FILE)) as f:
@@ -79,7 +79,7 @@ def is_orphan(path: str, now: float | None = None) -> bool:
         return False
     if owner is None:
         try:
-            age = (time.time() if now is None else now) - os.stat(path).st_mtime
+            age = time.time() - os.stat(path).st_mtime
         except OSError:
             return False
         if age < UNOWNED_GRACE_S:

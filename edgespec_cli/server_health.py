@@ -88,20 +88,21 @@ class ServerHealth:
         # draining: a dead embedded Redis is still restarted (a signal to every process of the
         # service, systemd's default stop, reaches it too), so that the drain can commit
         while not self._redis_closing.wait(0.5):
-            try:
-                self.redis.ensure_running()
-            except Exception as e:
-                log.error("restarting the embedded Redis failed: %s", e)
+            self._keep_redis_running()
+
+    def _keep_redis_running(self) -> None:
+        """Restart the embedded Redis if it died; a failed restart is tried at the next tick."""
+        try:
+            self.redis.ensure_running()
+        except Exception as e:
+            log.error("restarting the embedded Redis failed: %s", e)
 
     def _watch_health(self) -> None:
         while not self._stopping.wait(0.5):
             if self.redis.exited:  # not serving while it restarts (up to 3 x 30 s)
                 self.why_not_serving = "its embedded Redis exited: restarting it"
                 self._set_health(False)
-            try:
-                self.redis.ensure_running()
-            except Exception as e:  # it will be tried again at the next tick
-                log.error("restarting the embedded Redis failed: %s", e)
+            self._keep_redis_running()
             healthy = self.healthy()
             if healthy and self.scheduler is not None:
                 try:  # a Redis that restarted without persistence forgot the target
