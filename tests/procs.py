@@ -182,14 +182,21 @@ class Streamer(threading.Thread):
             self.first.set()
 
 
+def _stat_fields(pid: int) -> list[str] | None:
+    """The fields of ``/proc/PID/stat`` after the command's name (state, parent pid, ...), or
+    None where there is no such process."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except OSError:  # exited (or never was)
+        return None
+
+
 def process_alive(pid: int) -> bool:
     """Whether ``pid`` is a process that has not exited (a zombie, exited but not yet reaped
     by init, counts as gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
+    fields = _stat_fields(pid)
+    return fields is not None and fields[0] != "Z"
 
 
 def child_pids(pid: int) -> list[int]:
@@ -197,11 +204,7 @@ def child_pids(pid: int) -> list[int]:
     out = []
     for entry in os.listdir("/proc"):
         if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:  # exited meanwhile
-                continue
-            if int(fields[1]) == pid:
+            fields = _stat_fields(int(entry))
+            if fields is not None and int(fields[1]) == pid:
                 out.append(int(entry))
     return out

@@ -55,18 +55,18 @@ def test_a_killed_processs_embedded_redis_folder_is_swept_by_the_next_start(monk
         unowned_old = folder("old", None)
         old = time.time() - UNOWNED_GRACE_S - 60
         os.utime(unowned_old, (old, old))
-        not_ours = folder("other", "not a pid")
-        os.utime(not_ours, (old, old))
+        unreadable = folder("unreadable", "not a pid")  # a record that names no process
+        os.utime(unreadable, (old, old))
         unrelated = os.path.join(root, "edgespec-other-thing")
         os.mkdir(unrelated)
 
         handle = RedisHandle()
         assert handle.client.ping()
         assert not os.path.exists(killed_folder)
-        assert not os.path.exists(unowned_old) and not os.path.exists(not_ours)
+        assert not os.path.exists(unowned_old) and not os.path.exists(unreadable)
         for kept in (live_owner, unowned_new, unrelated, handle._tmp.name):
             assert os.path.isdir(kept), kept
-        # a second start keeps the first's folder: its owner lives and its socket answers
+        # a second start keeps the first's folder: its owner is the starting process
         second = RedisHandle()
         try:
             assert os.path.isdir(handle._tmp.name) and handle.client.ping()
