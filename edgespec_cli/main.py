@@ -40,6 +40,7 @@ from edgespec_cli.cli_args import (SERVER_CORES_THREADS, add_engine_args, add_mo
                                 add_threads_arg, check_output_files)
 from edgespec_cli.generate_cmd import add_generate
 from edgespec.config import ConfigError
+from edgespec.runner.kernel_caches import bound_kernel_caches
 
 
 def cmd_models(args) -> int:
@@ -234,6 +235,9 @@ def main(argv: list[str] | None = None) -> int:
             faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)
         except (AttributeError, ValueError, OSError):
             pass  # a stderr that is not a file (main called in a process that captures it)
+    # before any command runs a oneDNN product: the caches read their bound once (a value in
+    # the environment is the user's)
+    bound_kernel_caches()
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.cmd is None:  # a usage error like any other (status 2), with the commands listed

@@ -176,10 +176,13 @@ class EdgespecServer(ServerHealth):
 
         from edgespec.engine.spec_engine import SpecEngine
         from edgespec.models.loading import load_model, stop_token_ids, tokenizer_fingerprint
+        from edgespec.runner.kernel_caches import kernel_caches_in_effect
         from edgespec.runner.target_runner import TargetRunner
 
         cfg = self.engine_cfg
         target = load_model(self.opts.model, self.opts.device, self.opts.dtype)
+        if not self.opts.device.startswith("cuda"):
+            log.info("%s", kernel_caches_in_effect().describe())
         runner = TargetRunner(target.model, n_slots=cfg.max_sessions, max_len=cfg.max_context,
                               graphs=cfg.cuda_graphs)
         engine = SpecEngine(runner, None, cfg, stop_token_ids(target), store=self.store,

@@ -24,11 +24,13 @@ class VerifierActor:
         ``threads`` says otherwise (a simulated fleet's server side)."""
         from edgespec_cli.cli_args import configure_logging, set_threads
         from edgespec.config import EngineConfig
+        from edgespec.runner.kernel_caches import bound_kernel_caches
         from edgespec_cli.server import EdgespecServer, ServerOptions
 
         from .cpu_share import pin_process
         from .cluster import where
 
+        bound_kernel_caches()  # as the commands do, before this worker's first product
         pin_process(cpus)
         configure_logging()
         # a count derived from its cores is a default: lowered where no dtype is exact at it;
