@@ -53,8 +53,9 @@ NUMERIC_CODE = {
 # time (a change to what they choose shows in the kernel set's other fields)
 NO_STEP_ARITHMETIC = ("attention_probe", "check_cache", "cpu_kind", "cpu_time", "dtype_choice",
                       "dtype_memo", "dtype_probe", "fused_attention_probe", "host_transfers",
-                      "kernel_set", "kv_cache", "model_support", "process_heap", "start_check",
-                      "step_graphs", "step_rows", "thread_step_down", "threads")
+                      "kernel_caches", "kernel_set", "kv_cache", "model_support",
+                      "process_heap", "start_check", "step_graphs", "step_rows",
+                      "thread_step_down", "threads")
 
 
 @dataclass(frozen=True)
