@@ -6,14 +6,16 @@ about what a command does rather than about the process; those keep a real subpr
 
 What a command changes in the process is put back afterwards: torch's thread count and the one
 edgespec's thread policy recorded, the global RNGs (training seeds them), the root logger's
-handlers and level, standard input and ``sys.argv`` (``["edgespec", *ARGS]`` meanwhile, as the
-commands that record their command line read it)."""
+handlers and level, standard input, ``sys.argv`` (``["edgespec", *ARGS]`` meanwhile, as the
+commands that record their command line read it) and the oneDNN cache bounds main sets in the
+environment."""
 
 from __future__ import annotations
 
 import contextlib
 import io
 import logging
+import os
 import random
 import subprocess
 import sys
@@ -26,6 +28,7 @@ def run_cli(*args, stdin: str | None = None) -> subprocess.CompletedProcess:
     import torch
 
     from edgespec.runner import threads
+    from edgespec.runner.kernel_caches import CAPACITY_VARIABLES
     from edgespec_cli.main import main
 
     argv = [str(a) for a in args]
@@ -34,6 +37,7 @@ def run_cli(*args, stdin: str | None = None) -> subprocess.CompletedProcess:
     saved = (torch.get_num_threads(), threads._threads, threads._adjustable,
              torch.get_rng_state(),
              random.getstate(), root.handlers[:], root.level, sys.stdin, sys.argv)
+    saved_env = {name: os.environ.get(name) for name in CAPACITY_VARIABLES}  # main bounds them
     try:
         sys.argv = ["edgespec", *argv]
         if stdin is not None:
@@ -53,4 +57,9 @@ def run_cli(*args, stdin: str | None = None) -> subprocess.CompletedProcess:
             if h not in handlers:
                 root.removeHandler(h)
         root.setLevel(level)
+        for name, value in saved_env.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
     return subprocess.CompletedProcess(["edgespec", *argv], code, out.getvalue(), err.getvalue())

@@ -54,8 +54,22 @@ CHAT_TEMPLATE = (
 
 # The README's test command runs the suite on two pytest-xdist workers (`-n 2`): the suite waits
 # on processes, servers and sockets for much of its time, so a second worker fills the idle core.
-# Tests go to the workers one by one (xdist's default), so a module's fixtures may be built on
-# both, and tests of different modules run at once (servers on free ports, Ray clusters included).
+# Tests of different modules run at once (servers on free ports, Ray clusters included), and a
+# module's fixtures may be built on both workers.
+
+
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist's: unknown to pytest without it
+def pytest_xdist_make_scheduler(config, log):
+    """Work stealing where the distribution is xdist's default (``load``, which hands tests out
+    in small batches, so a module's fixture, a served model or a Ray cluster, often started on
+    both workers): each worker takes half of the tests in order and then steals from the
+    other's queue. Measured in docs/measured/cpu-kinds/README.md; ``--dist`` given otherwise
+    is kept."""
+    from xdist.scheduler import WorkStealingScheduling
+
+    if config.getvalue("dist") == "load":
+        return WorkStealingScheduling(config, log)
+    return None
 
 
 def hf_greedy(model, ids: list[int], n: int, eos=(2,)) -> list[int]:

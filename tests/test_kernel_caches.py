@@ -13,7 +13,8 @@ import textwrap
 
 import pytest
 
-from edgespec.runner.kernel_caches import CAPACITY_VARIABLES, CACHE_ENTRIES, bound_kernel_caches
+from edgespec.runner.kernel_caches import (CACHE_ENTRIES, CAPACITY_VARIABLES,
+                                           LEGACY_PRIMITIVE_VARIABLE, bound_kernel_caches)
 
 # the packed product over 2..599 rows: a shape each, a kernel built for each, as a server's
 # varied steps and prompts build them; prints the growth of the process's resident memory in MB
@@ -40,7 +41,8 @@ SHAPES = textwrap.dedent("""
 
 
 def _shapes(env: dict) -> tuple[str, str, int]:
-    base = {k: v for k, v in os.environ.items() if k not in CAPACITY_VARIABLES}
+    base = {k: v for k, v in os.environ.items()
+            if k not in (*CAPACITY_VARIABLES, LEGACY_PRIMITIVE_VARIABLE)}
     done = subprocess.run([sys.executable, "-c", SHAPES], capture_output=True, text=True,
                           timeout=300, env={**base, **env})
     assert done.returncode == 0, done.stderr[-3000:]
@@ -48,7 +50,16 @@ def _shapes(env: dict) -> tuple[str, str, int]:
     return ideep, primitives, int(grown)
 
 
+def _packed_products() -> bool:
+    import torch
+
+    from edgespec.runner.linear import _mkldnn_ok
+
+    return _mkldnn_ok(torch.ones(1, 1))
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
+@pytest.mark.skipif(not _packed_products(), reason="this torch has no oneDNN packed products")
 def test_the_bound_keeps_a_process_of_many_shapes_small_and_the_users_value_is_kept():
     ideep, primitives, bounded = _shapes({})
     assert (ideep, primitives) == (str(CACHE_ENTRIES), str(CACHE_ENTRIES))
@@ -65,6 +76,23 @@ def test_bound_kernel_caches_sets_what_is_unset_and_keeps_the_rest(monkeypatch):
     assert (bounds.ideep, bounds.primitives) == ("32", "512")
     assert os.environ[CAPACITY_VARIABLES[0]] == "32"
     assert "32 entries (ideep" in bounds.describe() and "512 (primitives" in bounds.describe()
+    # oneDNN's older spelling is the user's value too: not hidden behind the newer one
+    for name in CAPACITY_VARIABLES:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv(LEGACY_PRIMITIVE_VARIABLE, "300")
+    bounds = bound_kernel_caches(32)
+    assert (bounds.ideep, bounds.primitives) == ("32", "300")
+    assert CAPACITY_VARIABLES[1] not in os.environ
+
+
+def test_importing_the_command_line_runs_no_product():
+    """The bound is set in main(): the module's imports must not have run a oneDNN product
+    (they do not import torch at all)."""
+    done = subprocess.run([sys.executable, "-c", "import sys, edgespec_cli.main; "
+                           "print('torch' in sys.modules)"], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "False"
 
 
 def test_the_command_line_bounds_the_caches_before_its_command_runs():
@@ -78,7 +106,8 @@ def test_the_command_line_bounds_the_caches_before_its_command_runs():
         print(os.environ.get("LRU_CACHE_CAPACITY"),
               os.environ.get("ONEDNN_PRIMITIVE_CACHE_CAPACITY"), file=sys.stderr)
     """)
-    base = {k: v for k, v in os.environ.items() if k not in CAPACITY_VARIABLES}
+    base = {k: v for k, v in os.environ.items()
+            if k not in (*CAPACITY_VARIABLES, LEGACY_PRIMITIVE_VARIABLE)}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=300, env=base)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -11,7 +11,7 @@ bound alone still grew. docs/serving.md ("Memory on a CPU") has the figures.
 
 Both caches read their capacity from the environment once, at their first use, so the bound
 is set before the process runs its first product: ``edgespec``'s commands set it at start and
-the Ray roles in their actor before loading the model. A value already in the environment is
+the Ray verifier and drafter actors before they load a model. A value already in the environment is
 the user's and is kept (``LRU_CACHE_CAPACITY=1024 ONEDNN_PRIMITIVE_CACHE_CAPACITY=1024`` is
 oneDNN's own default).
 """
@@ -24,6 +24,8 @@ from dataclasses import dataclass
 CACHE_ENTRIES = 64  # each cache's bound unless the environment says otherwise
 # ideep's cache (PyTorch's packed-weight products) and oneDNN's primitive cache
 CAPACITY_VARIABLES = ("LRU_CACHE_CAPACITY", "ONEDNN_PRIMITIVE_CACHE_CAPACITY")
+# oneDNN's older spelling of the second, which it reads where the first is unset: the user's too
+LEGACY_PRIMITIVE_VARIABLE = "DNNL_PRIMITIVE_CACHE_CAPACITY"
 
 
 @dataclass(frozen=True)
@@ -44,8 +46,9 @@ def bound_kernel_caches(entries: int = CACHE_ENTRIES) -> KernelCacheBounds:
     """Set each cache's capacity to ``entries`` where the environment does not already hold
     one; returns the capacities now in the environment. Takes effect only in a process that has
     not run a oneDNN product yet (the caches read it once)."""
-    for name in CAPACITY_VARIABLES:
-        os.environ.setdefault(name, str(entries))
+    os.environ.setdefault(CAPACITY_VARIABLES[0], str(entries))
+    if LEGACY_PRIMITIVE_VARIABLE not in os.environ:
+        os.environ.setdefault(CAPACITY_VARIABLES[1], str(entries))
     return kernel_caches_in_effect()
 
 
@@ -53,4 +56,5 @@ def kernel_caches_in_effect() -> KernelCacheBounds:
     """The capacities the environment holds (what the caches read, if it held them before the
     process's first product)."""
     return KernelCacheBounds(ideep=os.environ.get(CAPACITY_VARIABLES[0]),
-                             primitives=os.environ.get(CAPACITY_VARIABLES[1]))
+                             primitives=os.environ.get(CAPACITY_VARIABLES[1],
+                                                       os.environ.get(LEGACY_PRIMITIVE_VARIABLE)))

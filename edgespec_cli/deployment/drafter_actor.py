@@ -37,8 +37,11 @@ class DrafterActor:
                  cpus: tuple[int, ...] | None = None):
         from drafter_node.agent import DrafterAgent
 
+        from edgespec.runner.kernel_caches import bound_kernel_caches
+
         from .cpu_share import pin_process
 
+        bound_kernel_caches()  # a model drafter's products, as the commands bound theirs
         pin_process(cpus)  # a simulated board's cores, apart from the server's
         configure_logging()
         try:
