@@ -15,7 +15,7 @@ import signal
 import pytest
 
 from conftest import hf_greedy
-from edgespec.runner.kernel_caches import CACHE_ENTRIES
+from edgespec.runner.kernel_caches import CACHE_ENTRIES, CAPACITY_VARIABLES
 from procs import (FROZEN_DRAFTER_ENV, Streamer, child_pids, process_alive, start_drafter,
                    start_serve)
 
@@ -57,7 +57,7 @@ def test_a_stop_signal_to_every_process_of_the_server_still_drains(looping, loop
         assert stream.error is None, (stream.error, serve.text())
         assert stream.ids == ref
         assert "timed out" not in serve.text()  # the drain ended with its sessions
-        entries = os.environ.get("LRU_CACHE_CAPACITY", str(CACHE_ENTRIES))  # the user's, or ours
+        entries = os.environ.get(CAPACITY_VARIABLES[0], str(CACHE_ENTRIES))  # the user's, or ours
         assert f"oneDNN kernel caches: {entries} entries" in serve.text()
         # the server closed its Redis (a restarted one too): its folder went, no server holds
         # its socket

@@ -40,11 +40,15 @@ SHAPES = textwrap.dedent("""
 """)
 
 
-def _shapes(env: dict) -> tuple[str, str, int]:
-    base = {k: v for k, v in os.environ.items()
+def _env_without_bounds() -> dict[str, str]:
+    """This process's environment without any cache bound (the user's or one main set)."""
+    return {k: v for k, v in os.environ.items()
             if k not in (*CAPACITY_VARIABLES, LEGACY_PRIMITIVE_VARIABLE)}
+
+
+def _shapes(env: dict) -> tuple[str, str, int]:
     done = subprocess.run([sys.executable, "-c", SHAPES], capture_output=True, text=True,
-                          timeout=300, env={**base, **env})
+                          timeout=300, env={**_env_without_bounds(), **env})
     assert done.returncode == 0, done.stderr[-3000:]
     ideep, primitives, grown = done.stdout.split()
     return ideep, primitives, int(grown)
@@ -106,9 +110,7 @@ def test_the_command_line_bounds_the_caches_before_its_command_runs():
         print(os.environ.get("LRU_CACHE_CAPACITY"),
               os.environ.get("ONEDNN_PRIMITIVE_CACHE_CAPACITY"), file=sys.stderr)
     """)
-    base = {k: v for k, v in os.environ.items()
-            if k not in (*CAPACITY_VARIABLES, LEGACY_PRIMITIVE_VARIABLE)}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=300, env=base)
+                          timeout=300, env=_env_without_bounds())
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stderr.split()[-2:] == [str(CACHE_ENTRIES)] * 2
