@@ -289,10 +289,18 @@ def pki(tmp_path_factory):
         pytest.skip("openssl is needed to make test certificates (apt-get install openssl)")
     d = tmp_path_factory.mktemp("mtls")
     ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    # a CA as Python 3.13's strict verification (``ssl.create_default_context`` sets
+    # VERIFY_X509_STRICT) wants it: a key usage, critical basic constraints; the leaves name
+    # their issuer's key (without these a 3.13 client refuses the server: "CA cert does not
+    # include key usage extension")
     _openssl("req", "-x509", *ec, "-days", "1", "-subj", "/CN=edgespec-test-ca",
+             "-addext", "basicConstraints=critical,CA:TRUE",
+             "-addext", "keyUsage=critical,keyCertSign,cRLSign",
              "-keyout", d / "ca.key", "-out", d / "ca.pem")
-    (d / "server.ext").write_text("subjectAltName=IP:127.0.0.1\nextendedKeyUsage=serverAuth\n")
-    (d / "client.ext").write_text("extendedKeyUsage=clientAuth\n")
+    leaf = "authorityKeyIdentifier=keyid\nsubjectKeyIdentifier=hash\n"
+    (d / "server.ext").write_text(
+        f"{leaf}subjectAltName=IP:127.0.0.1\nextendedKeyUsage=serverAuth\n")
+    (d / "client.ext").write_text(f"{leaf}extendedKeyUsage=clientAuth\n")
     for who in ("server", "client"):
         _openssl("req", *ec, "-subj", f"/CN={who}", "-keyout", d / f"{who}.key",
                  "-out", d / f"{who}.csr")
