@@ -17,7 +17,10 @@ import pytest
 from packaging.markers import default_environment
 from packaging.requirements import Requirement
 
-tomllib = pytest.importorskip("tomllib", reason="tomllib is Python 3.11's")
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: tomli, which pytest itself needs there
+    import tomli as tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 # the Triton that PyPI's CUDA builds of torch pin: 2.11.0 (the GPU sittings' torch) and 2.13.0
