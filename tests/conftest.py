@@ -292,11 +292,14 @@ def pki(tmp_path_factory):
     # a CA as Python 3.13's strict verification (``ssl.create_default_context`` sets
     # VERIFY_X509_STRICT) wants it: a key usage, critical basic constraints; the leaves name
     # their issuer's key (without these a 3.13 client refuses the server: "CA cert does not
-    # include key usage extension")
-    _openssl("req", "-x509", *ec, "-days", "1", "-subj", "/CN=edgespec-test-ca",
-             "-addext", "basicConstraints=critical,CA:TRUE",
-             "-addext", "keyUsage=critical,keyCertSign,cRLSign",
-             "-keyout", d / "ca.key", "-out", d / "ca.pem")
+    # include key usage extension"). Self-signed from a request with exactly these extensions:
+    # ``req -x509`` adds its config's too, and OpenSSL 1.1.1's ``-addext`` then doubles one
+    (d / "ca.ext").write_text("basicConstraints=critical,CA:TRUE\n"
+                              "keyUsage=critical,keyCertSign,cRLSign\nsubjectKeyIdentifier=hash\n")
+    _openssl("req", *ec, "-subj", "/CN=edgespec-test-ca", "-keyout", d / "ca.key",
+             "-out", d / "ca.csr")
+    _openssl("x509", "-req", "-in", d / "ca.csr", "-signkey", d / "ca.key", "-days", "1",
+             "-extfile", d / "ca.ext", "-out", d / "ca.pem")
     leaf = "authorityKeyIdentifier=keyid\nsubjectKeyIdentifier=hash\n"
     (d / "server.ext").write_text(
         f"{leaf}subjectAltName=IP:127.0.0.1\nextendedKeyUsage=serverAuth\n")
