@@ -15,6 +15,7 @@ import re
 from pathlib import Path
 
 from packaging.requirements import Requirement
+from test_readme import _first_commands
 
 try:
     import tomllib
@@ -35,8 +36,8 @@ def _triton() -> Requirement:
 
 
 def _readme_test_torch() -> str:
-    """The torch version the README's test command installs (its second bash block)."""
-    test = re.findall(r"```bash\n(.+?)\n```", (ROOT / "README.md").read_text())[1]
+    """The torch version the README's test command installs."""
+    _, test = _first_commands()
     found = re.search(r"pip install torch==([0-9.]+)", test)
     assert found, f"the README's test command installs no pinned torch: {test}"
     return found.group(1)
