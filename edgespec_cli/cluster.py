@@ -187,7 +187,9 @@ def cmd_server(args) -> int:
                          http_body_timeout_s=getattr(args, "request_body_timeout", 60.0),
                          metrics_port=args.metrics_port, metrics_host=args.metrics_host,
                          engine=engine)
-    server = EdgespecServer(opts).start()
+    server = EdgespecServer(opts)
+    server.catch_stop_signals()  # before health says SERVING
+    server.start()
     host = args.listen.rsplit(":", 1)[0]
     http = (f", HTTP API on http://{opts.http_host}:{server.http_port}/v1"
             if server.http_port else "")

@@ -132,6 +132,8 @@ class EdgespecServer(ServerHealth):
         self._monitor_thread = threading.Thread(target=self._monitor, daemon=True,
                                                 name="health-monitor")
         self._abort_drain = threading.Event()  # a third signal: stop waiting for sessions
+        self._stop_signalled = threading.Event()  # the first signal: drain, then stop
+        self._signals_caught = False
         self._drain_until = 0.0
         self._serving: bool | None = None
         self.why_not_serving: str | None = "not started"  # what health last said, in words
@@ -318,17 +320,18 @@ class EdgespecServer(ServerHealth):
 
         thaw_heap()  # what start froze: collectable again once the server is gone
 
-    def wait(self) -> None:
-        """Block until SIGINT/SIGTERM, then drain and stop. A second signal says what the drain
-        has left; a third ends it (the sessions left fail, resumable elsewhere)."""
-        stop = threading.Event()
+    def catch_stop_signals(self) -> None:
+        """From now on SIGINT/SIGTERM drain (see ``wait``). Called before ``start`` by the
+        commands: health says SERVING from within ``start``, and a supervisor may stop the
+        process as soon as it sees that; a signal before ``wait`` then still drains, where
+        Python's default would kill the process mid-start (exit -15, nothing drained)."""
         signals = 0
 
         def on_signal(*_) -> None:
             nonlocal signals
             signals += 1
             if signals == 1:
-                stop.set()
+                self._stop_signalled.set()
             elif signals == 2:
                 left = self.scheduler.sessions_left() if self.scheduler else 0
                 log.warning("still draining: %d session(s) left, up to %.0fs more; signal again "
@@ -340,6 +343,14 @@ class EdgespecServer(ServerHealth):
 
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, on_signal)
+        self._signals_caught = True
+
+    def wait(self) -> None:
+        """Block until SIGINT/SIGTERM, then drain and stop. A second signal says what the drain
+        has left; a third ends it (the sessions left fail, resumable elsewhere)."""
+        if not self._signals_caught:
+            self.catch_stop_signals()
+        stop = self._stop_signalled
         stop.wait()
         log.info("shutting down: draining for up to %.0fs (signal twice more to stop at once)",
                  self.opts.drain_timeout_s)
