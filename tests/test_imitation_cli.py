@@ -1,18 +1,20 @@
 """``edgespec distill --kinds imitation`` and ``--drafter imitation:DIR`` on the command line, on
 a tiny model: a network made from a prompt file after a stop and a resume, its manifest naming
-its exit layer, used by generate losslessly; bad input refused with one line."""
+its exit layer, used by generate losslessly; bad input refused with one line. The commands run in
+this process (tests/cli_inprocess.py), as test_distill_cli's do: each spares a new interpreter's
+import of torch and transformers."""
 
 import json
 
 import pytest
 
+from cli_inprocess import run_cli as edgespec
 from conftest import hf_greedy
-from procs import run_edgespec as edgespec
 from test_distill_cli import PROMPTS
 
 from edgespec.models.loading import encode_prompt
 
-pytestmark = pytest.mark.slow  # processes: not the fast tier
+pytestmark = pytest.mark.slow  # training: not the fast tier
 
 
 def _distill(tmp_path, model, *extra):
