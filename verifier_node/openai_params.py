@@ -28,6 +28,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 from edgespec.config import VERIFY_MODES, ConfigError, SamplingParams, logit_bias_pairs
+from edgespec.models.chat_prompt import CHAT_ROLES
 from edgespec.protocol.token_logprob import MAX_TOP_LOGPROBS
 from edgespec.wire.convert import unencodable_text
 
@@ -58,7 +59,7 @@ SAMPLING = {"max_tokens", "max_completion_tokens", "temperature", "top_p", "top_
 MAX_STOP = 4
 MAX_N = 16  # choices a request may ask for: each is a session, with a KV slot of its own
 MAX_PROMPTS = 64  # prompts a completions request may batch (each a session a choice)
-ROLES = ("system", "developer", "user", "assistant", "tool")  # OpenAI's chat roles
+ROLES = CHAT_ROLES  # OpenAI's chat roles (every surface takes these alone)
 
 
 def _bad(message: str, param: str | None = None) -> ApiError:

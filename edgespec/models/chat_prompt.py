@@ -16,9 +16,14 @@ the markers of turns only where the template put them; only where a piece meets 
 may its tokens differ from what one call would give (a piece is encoded on its own).
 
 A template that does not place a message's text verbatim (one that trims it, say) cannot be
-rendered so: such a conversation is refused, the message and the token named. So is a role
-holding a special token's text (the SDK and gRPC pass roles on as given): a role is the
-template's text.
+rendered so: such a conversation is refused, the message and the token named.
+
+A role is the template's own text, and some templates write it inside a special token's
+delimiters (Phi-3's ``<|{{ role }}|>``), so a role's text could form special tokens with the
+template's, which no check of the role alone can see (``end|><|system`` renders
+``<|end|><|system|>``). Every surface therefore takes OpenAI's chat roles alone (``CHAT_ROLES``:
+the HTTP API's, the SDK's and gRPC's alike), ``developer`` given to the template as ``system``
+(``chat_roles``).
 
 A tokenizer call sets whether special tokens are split on the tokenizer it is given, then
 encodes (transformers' fast tokenizers): two threads encoding through one tokenizer, one of them
@@ -34,6 +39,8 @@ import threading
 import weakref
 
 from ..config import ConfigError
+
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")  # OpenAI's chat roles
 
 # a message's text stands in the template's output as this; private-use characters no template
 # writes and no special token holds
@@ -81,15 +88,25 @@ def _ids(tokenizer, text: str, split: bool) -> list[int]:
     return [int(t) for t in out["input_ids"]]
 
 
+def chat_roles(messages: list[dict]) -> list[dict]:
+    """``messages`` with each role checked: one of ``CHAT_ROLES`` (another is refused by name),
+    OpenAI's ``developer`` read as ``system`` (newer OpenAI models' system messages: a chat
+    template knows ``system``)."""
+    for i, m in enumerate(messages):
+        role = m.get("role")
+        if role not in CHAT_ROLES:
+            shown = repr(role[:40]) if isinstance(role, str) else type(role).__name__
+            raise ConfigError(f"messages[{i}] has the unknown role {shown}: the roles are "
+                              f"{', '.join(CHAT_ROLES)}")
+    return [{**m, "role": "system"} if m["role"] == "developer" else m for m in messages]
+
+
 def encode_chat(tokenizer, messages: list[dict]) -> list[int]:
     """Token ids of ``messages`` through the tokenizer's chat template, a generation prompt
-    added; special tokens' text in a message read as text (the module's docstring)."""
+    added; roles checked (``chat_roles``); special tokens' text in a message read as text (the
+    module's docstring)."""
+    messages = chat_roles(messages)
     specials = special_texts(tokenizer)
-    for i, m in enumerate(messages):
-        token = special_text_in(str(m.get("role", "")), specials)
-        if token is not None:
-            raise ConfigError(f"messages[{i}].role holds {token!r}, a special token of this "
-                              f"model: a role is the chat template's text")
     texts = {i: m["content"] for i, m in enumerate(messages) if isinstance(m.get("content"), str)}
     found = [(i, s) for i, t in texts.items() if (s := special_text_in(t, specials)) is not None]
     if not found:

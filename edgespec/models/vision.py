@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config import ConfigError
-from .chat_prompt import special_text_in, special_texts
+from .chat_prompt import chat_roles, special_text_in, special_texts
 from .images import ImageRefused
 
 VISION_TYPES = ("idefics3", "smolvlm")  # transformers model types served this way
@@ -95,6 +95,8 @@ class VisionModel:
         with ``raw``; ``messages``: a conversation, contents as text with ``<image>`` marks."""
         if (prompt is None) == (messages is None):
             raise ConfigError("give a prompt or messages")
+        if messages is not None:
+            messages = chat_roles(messages)
         images = list(images)
         texts = [prompt or ""] if messages is None else [str(m["content"]) for m in messages]
         marks = sum(t.count(self.mark) for t in texts)
