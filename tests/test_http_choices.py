@@ -174,6 +174,13 @@ def test_choices_are_admitted_only_where_all_fit(looping):
     with pytest.raises(ApiError) as e:
         asyncio.run(_admit_choices(admission, batch, False, asyncio.Lock()))
     assert e.value.status == 429 and admitted == [] and checked == []
+    from verifier_node.api_errors import error_response
+    from verifier_node.http_api import OVERLOADED_RETRY_S
+
+    assert e.value.retry_after_s == OVERLOADED_RETRY_S  # said in a Retry-After header
+    sent = error_response(e.value.status, str(e.value), e.value.kind, e.value.param,
+                          e.value.code, e.value.retry, retry_after_s=e.value.retry_after_s)
+    assert sent.headers["retry-after"] == "1"
 
 
 def test_the_choices_of_one_prompt_share_its_encoding(looping):
@@ -227,3 +234,20 @@ def test_requests_with_images_take_turns_on_the_event_loop_not_in_worker_threads
     text, held, done = asyncio.run(asyncio.wait_for(run(), 60))
     assert text == "text" and held == VISION_ENCODES  # the other four waited on the loop
     assert done == [f"p{i}" for i in range(6)] and most[0] == VISION_ENCODES
+
+
+def test_a_full_queue_is_a_429_that_says_when_to_retry():
+    """Admission's QueueFull (every slot running, the queue full) answers 429 ``overloaded``
+    with a Retry-After, as a request refused for its choices' room does."""
+    from verifier_node.admission import GenerationRequest
+    from verifier_node.http_api import OVERLOADED_RETRY_S, _admitted
+    from verifier_node.openai_params import ApiError
+    from verifier_node.tickets import QueueFull
+
+    def full(_g):
+        raise QueueFull("8 sessions are running and 64 waiting")
+
+    with pytest.raises(ApiError) as e:
+        asyncio.run(_admitted(full, GenerationRequest(prompt="hi"), True))
+    assert (e.value.status, e.value.code) == (429, "overloaded")
+    assert e.value.retry_after_s == OVERLOADED_RETRY_S and "64 waiting" in str(e.value)

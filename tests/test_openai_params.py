@@ -70,6 +70,20 @@ def test_bad_penalties_and_logit_bias_are_refused_by_name(kw, param):
     assert e.value.status == 400 and e.value.param == param
 
 
+@pytest.mark.parametrize("name", ["max_tokens", "max_completion_tokens"])
+@pytest.mark.parametrize("value,said", [(1e308, "must be <= 2147483647, got 1e+308"),
+                                        (1 << 31, "must be <= 2147483647, got 2147483648"),
+                                        (-1e308, "must be >= 1, got -1e+308"),
+                                        (-2.0, "must be >= 1, got -2.0")])
+def test_a_token_limit_out_of_range_is_refused_by_name_as_given(name, value, said):
+    """A limit past the wire's int32, or below 1, is refused naming the parameter, the value
+    shown as the request wrote it (-1e308 was shown as its 309 digits)."""
+    with pytest.raises(ApiError) as e:
+        parse_request(chat(**{name: value}), True, MODEL)
+    assert e.value.status == 400 and e.value.param == name
+    assert f"'{name}' {said}" in str(e.value)
+
+
 def test_chat_logprobs_false_or_zero_is_none():
     for value in (False, 0, None):
         assert parse_request(chat(logprobs=value), True, MODEL).generation.logprobs is None

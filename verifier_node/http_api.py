@@ -64,6 +64,10 @@ _IMAGE_TURNS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 # times, so their third try comes ~10 s after the first (a small model's load on a CPU), where
 # their own back-off gives up after about two
 LOADING_RETRY_S = 5.0
+# the Retry-After of a request refused for room (429): a slot frees as a session ends, which a
+# client cannot see; a second is about OpenAI's SDKs' own first back-off, and a client that
+# does not back off by itself (curl's --retry, a proxy) reads it
+OVERLOADED_RETRY_S = 1.0
 
 
 @dataclass
@@ -218,7 +222,7 @@ async def _admit_choices(admission: Admission, params, chat: bool, lock: asyncio
 
     def no_room() -> ApiError:  # asked before the prompts' work, and again under the lock
         return ApiError(429, f"the verifier is overloaded: no room for {what}",
-                        "rate_limit_error", code="overloaded")
+                        "rate_limit_error", code="overloaded", retry_after_s=OVERLOADED_RETRY_S)
 
     if total > scheduler.capacity:
         raise ApiError(400, f"{what} is more sessions than this verifier holds "
@@ -342,7 +346,7 @@ async def _admitted(call: Callable[[GenerationRequest], T], generation: Generati
         raise ApiError(400, str(e), "invalid_request_error") from None
     except QueueFull as e:
         raise ApiError(429, f"the verifier is overloaded: {e}", "rate_limit_error",
-                       code="overloaded") from None
+                       code="overloaded", retry_after_s=OVERLOADED_RETRY_S) from None
     except ShuttingDown as e:
         raise ApiError(503, str(e), "service_unavailable") from None
     except (StoreUnavailable, OSError) as e:

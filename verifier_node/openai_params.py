@@ -57,6 +57,7 @@ SAMPLING = {"max_tokens", "max_completion_tokens", "temperature", "top_p", "top_
             "stop", "n", "verify", "logprobs", "presence_penalty", "frequency_penalty",
             "logit_bias"}
 MAX_STOP = 4
+MAX_WIRE_INT = (1 << 31) - 1  # the gRPC request's int32 (a token count: max_new_tokens)
 MAX_N = 16  # choices a request may ask for: each is a session, with a KV slot of its own
 MAX_PROMPTS = 64  # prompts a completions request may batch (each a session a choice)
 ROLES = CHAT_ROLES  # OpenAI's chat roles (every surface takes these alone)
@@ -100,7 +101,8 @@ def _number(body: dict, name: str, default, kind=float, low=None, high=None,
         raise _bad(what, name)
     below = low is not None and (value <= low if low_open else value < low)
     if below or (high is not None and value > high):
-        bounds = f"in {'(' if low_open else '['}{low}, {high}]" if high is not None else \
+        bounds = f"<= {high}" if low is None else \
+            f"in {'(' if low_open else '['}{low}, {high}]" if high is not None else \
             f"{'>' if low_open else '>='} {low}"
         raise _bad(f"'{name}' must be {bounds}, got {value}", name)
     return kind(value)
@@ -209,8 +211,8 @@ def parse_request(body, chat: bool, model_name: str) -> OpenAIParams:
     g = GenerationRequest()
     rest = _prompt(body, chat, g)  # a completions batch's prompts after the first
     # each checked, if given; >= 1, or 0 with echo (below)
-    newer = _number(body, "max_completion_tokens", None, int)
-    older = _number(body, "max_tokens", None, int)
+    newer = _number(body, "max_completion_tokens", None, int, high=MAX_WIRE_INT)
+    older = _number(body, "max_tokens", None, int, high=MAX_WIRE_INT)
     limit = newer if newer is not None else older  # the newer name wins where both are given
     g.max_new_tokens = 0 if limit is None else limit
     n = _number(body, "n", 1, int, 1, MAX_N)
@@ -239,7 +241,7 @@ def parse_request(body, chat: bool, model_name: str) -> OpenAIParams:
     for name, given in (("max_completion_tokens", newer), ("max_tokens", older)):
         if given is not None and (given < 0 or (given == 0 and not echo)):
             with_echo = "" if chat else " (0 only with echo: the prompt alone)"
-            raise _bad(f"'{name}' must be >= 1{with_echo}, got {given}", name)
+            raise _bad(f"'{name}' must be >= 1{with_echo}, got {body[name]}", name)
     if limit == 0:  # the limit in force: the newer name's where both are given
         g.prompt_only = True  # the prompt scored (with logprobs) and echoed, no completion
     stop = body.get("stop")
