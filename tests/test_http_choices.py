@@ -251,3 +251,25 @@ def test_a_full_queue_is_a_429_that_says_when_to_retry():
         asyncio.run(_admitted(full, GenerationRequest(prompt="hi"), True))
     assert (e.value.status, e.value.code) == (429, "overloaded")
     assert e.value.retry_after_s == OVERLOADED_RETRY_S and "64 waiting" in str(e.value)
+
+
+def test_a_whole_response_is_rendered_a_choice_at_a_time_with_jsonresponses_bytes():
+    """``rendered`` gives JSONResponse's bytes (a JSON encoder's call holds the interpreter's
+    lock throughout: one call over a 17 MB response held /health a second)."""
+    from fastapi.responses import JSONResponse
+
+    from verifier_node.http_choice import rendered
+
+    choice = {"index": 0, "text": 'a "choices":[] \u00e9\u4e2d\U0001f600 \\',
+              "finish_reason": "length",
+              "logprobs": {"tokens": ["x", "\u0000"], "token_logprobs": [-0.5, -1e-30],
+                           "top_logprobs": [{"x": -0.5}, {}]}}
+    body = {"id": "cmpl-1", "object": "text_completion", "created": 1, "model": "m\u00e9",
+            "system_fingerprint": "k", "choices": [choice, {**choice, "index": 1}],
+            "usage": {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7},
+            "edgespec": [{"choices": []}, {"tokens": 2}]}
+    for b in (body, {**body, "choices": [choice]}):
+        got = rendered(b)
+        assert got.body == JSONResponse(b).body
+        assert got.media_type == "application/json"
+        assert json.loads(got.body) == b

@@ -13,7 +13,7 @@ from bisect import bisect_left
 
 import anyio
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from edgespec.config import is_lossy
 from edgespec.models.text_stream import TextStream
@@ -345,7 +345,24 @@ async def whole_choices(runs: list[ChoiceRun], request: Request) -> Response:
     # rendered (the response made) in a worker thread: n choices of long echoed prompts with
     # their logprobs make megabytes of JSON, which on the event loop would hold every other
     # client and /health
-    return await anyio.to_thread.run_sync(JSONResponse, body)
+    return await anyio.to_thread.run_sync(rendered, body)
+
+
+def rendered(body: dict) -> Response:
+    """``JSONResponse(body)``, the same bytes, its choices rendered one at a time: a JSON
+    encoder's call holds the interpreter's lock throughout, so one call over a response of 64
+    echoed 511-token prompts with 20 logprobs a token (17 MB) held the event loop, and
+    ``/health`` with it, for a second; between two choices' calls the loop takes its turn."""
+    def dumps(obj) -> str:  # as JSONResponse renders
+        return json.dumps(obj, ensure_ascii=False, allow_nan=False, indent=None,
+                          separators=(",", ":"))
+
+    # the key at the top level, unescaped: any such text inside a string value is escaped
+    empty = '"choices":[]'
+    head, found, tail = dumps({**body, "choices": []}).partition(empty)
+    assert found, "the body has no choices"
+    text = head + '"choices":[' + ",".join(dumps(c) for c in body["choices"]) + "]" + tail
+    return Response(text.encode("utf-8"), media_type="application/json")
 
 
 def _usage(runs: list[ChoiceRun]) -> dict:
