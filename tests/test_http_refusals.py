@@ -140,7 +140,7 @@ def test_a_text_part_that_is_not_a_string_is_refused(server, api, text):
             "messages": [{"role": "user", "content": [{"type": "text", "text": text}]}]}
     code, reply = call("POST", server["base"] + "/v1/chat/completions", body,
                        {"Authorization": f"Bearer {TOKEN}"})
-    assert code == 400 and reply["error"]["param"] == "messages[0].content[0].text"
+    assert code == 400 and reply["error"]["param"] == "messages.[0].content.[0].text"
 
 
 @pytest.mark.parametrize("kw", [dict(top_logprobs=0), dict(best_of=1.0), dict(presence_penalty=0),

@@ -185,11 +185,11 @@ def test_a_stream_option_edgespec_does_not_honour_is_refused_by_name(options, pa
 
 
 @pytest.mark.parametrize("part,param", [
-    ({"type": "text", "text": "hi", "bogus": 5}, "messages[0].content[0].bogus"),
+    ({"type": "text", "text": "hi", "bogus": 5}, "messages.[0].content.[0].bogus"),
     ({"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA", "size": 2}},
-     "messages[0].content[0].image_url.size"),
+     "messages.[0].content.[0].image_url.size"),
     ({"type": "image_url", "image_url": "data:image/png;base64,AAAA", "text": "x"},
-     "messages[0].content[0].text"),
+     "messages.[0].content.[0].text"),
 ])
 def test_a_content_parts_unknown_field_is_refused_by_name(part, param):
     """A content part holds its type's fields (a null one aside): another would be silently
@@ -206,7 +206,7 @@ def test_a_content_parts_unknown_field_is_refused_by_name(part, param):
 def test_a_content_part_without_a_type_is_told_to_have_one(part):
     with pytest.raises(ApiError) as e:
         parse_request(chat({"role": "user", "content": [part]}), True, MODEL)
-    assert e.value.status == 400 and e.value.param == "messages[0].content[0]"
+    assert e.value.status == 400 and e.value.param == "messages.[0].content.[0]"
     assert "must be an object with a 'type'" in str(e.value)
 
 
@@ -216,5 +216,5 @@ def test_a_content_part_of_an_unknown_type_names_its_type_field():
     with pytest.raises(ApiError) as e:
         parse_request(chat({"role": "user", "content": [
             {"type": "text", "text": "hi"}, {"type": "audio", "audio": "x"}]}), True, MODEL)
-    assert e.value.status == 400 and e.value.param == "messages[0].content[1].type"
+    assert e.value.status == 400 and e.value.param == "messages.[0].content.[1].type"
     assert "'audio' part" in str(e.value)

@@ -123,7 +123,7 @@ def test_bad_images_over_http_are_refused_with_the_reason(api):
     err = _refusal(api, _image_part("https://example.com/cat.png"),
                    "remote image URLs are refused .*data:image/png;base64")
     assert err.body["code"] == "image_url_not_inline"
-    assert err.body["param"] == "messages[0].content[0].image_url.url"
+    assert err.body["param"] == "messages.[0].content.[0].image_url.url"
     _refusal(api, _image_part("data:image/png;base64,@@not base64@@"), "not valid base64")
     _refusal(api, _image_part("data:text/plain;base64,aGk="), "not an image")
     _refusal(api, _image_part(data_url(b"hello, no image here")),

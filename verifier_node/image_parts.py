@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import re
 
 from edgespec.models.images import MAX_IMAGE_BYTES
 
@@ -21,8 +22,14 @@ IMAGE_MARK = "<image>"  # the processor's image mark (SmolVLM / Idefics3)
 DETAILS = (None, "auto", "low", "high")  # OpenAI's detail hint: accepted, not used
 
 
+def openai_param(path: str) -> str:
+    """``messages[0].content[1].text`` as OpenAI's errors name a parameter:
+    ``messages.[0].content.[1].text`` (the messages say the first form)."""
+    return re.sub(r"(?<!\.)\[", ".[", path)
+
+
 def _bad(message: str, param: str) -> ApiError:
-    return ApiError(400, message, "invalid_request_error", param)
+    return ApiError(400, message, "invalid_request_error", openai_param(param))
 
 
 def image_from_url(url: object, param: str) -> bytes:
@@ -35,8 +42,8 @@ def image_from_url(url: object, param: str) -> bytes:
         what = f"a {scheme} URL" if scheme else "a URL without the data: scheme"
         raise ApiError(400, f"'{param}' is {what}: remote image URLs are refused (this server "
                             "fetches nothing); send the image inline as a data: URL, "
-                            "data:image/png;base64,...", "invalid_request_error", param,
-                       "image_url_not_inline")
+                            "data:image/png;base64,...", "invalid_request_error",
+                       openai_param(param), "image_url_not_inline")
     media, _, encoding = head[5:].partition(";")
     if not comma or encoding.lower() != "base64":
         raise _bad(f"'{param}' must be a base64 data: URL (data:image/png;base64,...)", param)
