@@ -84,6 +84,22 @@ def test_a_token_limit_out_of_range_is_refused_by_name_as_given(name, value, sai
     assert f"'{name}' {said}" in str(e.value)
 
 
+@pytest.mark.parametrize("name,value", [("user", 7), ("user", ["a"]), ("metadata", "x"),
+                                        ("store", 1), ("service_tier", {}),
+                                        ("parallel_tool_calls", "abc"),
+                                        ("parallel_tool_calls", 1e308)])
+def test_an_ignored_hint_of_the_wrong_type_is_refused_by_name(name, value):
+    """The hints edgespec ignores are still checked for their type, on both endpoints (the
+    completions endpoint took any ``parallel_tool_calls``)."""
+    for body, is_chat in ((chat(**{name: value}), True), (completion(**{name: value}), False)):
+        with pytest.raises(ApiError) as e:
+            parse_request(body, is_chat, MODEL)
+        assert e.value.status == 400 and e.value.param == name
+    good = {"user": "u-1", "metadata": {"k": "v"}, "store": False, "service_tier": "auto",
+            "parallel_tool_calls": True}
+    assert parse_request(chat(**good), True, MODEL).generation.max_new_tokens == 0
+
+
 def test_chat_logprobs_false_or_zero_is_none():
     for value in (False, 0, None):
         assert parse_request(chat(logprobs=value), True, MODEL).generation.logprobs is None

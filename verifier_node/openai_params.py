@@ -15,7 +15,7 @@ alternatives; ``logprob_shapes`` gives the answers' shapes), ``presence_penalty`
 completions' ``echo`` (the prompt's text before the completion's, with its tokens' logprobs
 where ``logprobs`` is given).
 Ignored, as OpenAI documents them as optional hints or bookkeeping: ``user``, ``metadata``,
-``store``, ``service_tier``, ``parallel_tool_calls``. Accepted only at their neutral value:
+``store``, ``service_tier``, ``parallel_tool_calls`` (each of its type, else refused by name). Accepted only at their neutral value:
 chat's ``echo`` false, ``best_of`` 1, ``tools`` empty. A message's fields besides
 ``role`` and ``content`` are accepted only null (``tool_calls`` and ``annotations`` also
 empty), as an echoed assistant message carries them: a ``name``, say, is refused. Anything
@@ -40,6 +40,11 @@ __all__ = ["ApiError", "OpenAIParams", "error_response", "parse_request"]
 
 IGNORED = {"model", "user", "metadata", "store", "service_tier", "parallel_tool_calls",
            "stream", "stream_options"}
+# the ignored hints' types (OpenAI's): a value of another type is refused by name, as OpenAI's
+# API refuses it, not ignored
+IGNORED_TYPES: dict[str, tuple[type, str]] = {
+    "user": (str, "a string"), "metadata": (dict, "an object"), "store": (bool, "a boolean"),
+    "service_tier": (str, "a string"), "parallel_tool_calls": (bool, "a boolean")}
 NEUTRAL: dict[str, tuple] = {
     "echo": (False, None), "best_of": (1, None), "suffix": (None, ""),
     "response_format": (None, {"type": "text"}),
@@ -205,6 +210,9 @@ def parse_request(body, chat: bool, model_name: str) -> OpenAIParams:
     for name in body:
         if name not in known:
             raise _bad(f"'{name[:80]}' is not supported by edgespec", name[:80])
+    for name, (kind, what) in IGNORED_TYPES.items():
+        if body.get(name) is not None and not isinstance(body[name], kind):
+            raise _bad(f"'{name}' must be {what}", name)
     for name, neutral in (NEUTRAL if chat else COMPLETIONS_NEUTRAL).items():
         if name in body and not _is_neutral(body[name], neutral):
             raise _bad(f"'{name}' is not supported by edgespec (only its default)", name)
