@@ -347,6 +347,34 @@ def test_a_body_that_does_not_arrive_in_time_is_answered_408_and_its_connection_
     assert log.count("Traceback") == tracebacks and log.count("HTTP request failed") == failures
 
 
+def test_a_request_with_both_lengths_is_refused_and_what_it_smuggles_is_not_served(server,
+                                                                                   api):
+    """Transfer-Encoding and Content-Length together (RFC 9112 6.1): a 400 with ``connection:
+    close``, its body unread, so a second request hidden in it (where a proxy reading the
+    Content-Length would see none) is never served; the server serves on."""
+    hidden = json.dumps({"model": api.model_id, "messages": MESSAGES, "max_tokens": 3}).encode()
+    inner = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+             f"Authorization: Bearer {TOKEN}\r\nContent-Type: application/json\r\n"
+             f"Content-Length: {len(hidden)}\r\n\r\n").encode() + hidden
+    body = b"0\r\n\r\n" + inner  # the chunked body ends at once; the rest is the second
+    head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            f"Authorization: Bearer {TOKEN}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\nTransfer-Encoding: chunked\r\n\r\n").encode()
+    with socket.create_connection(_host_port(server), timeout=120) as sock:
+        sock.sendall(head + body)
+        reply = b""
+        while chunk := sock.recv(65536):  # to the server's close
+            reply += chunk
+    assert reply.count(b"HTTP/1.1 ") == 1 and reply.startswith(b"HTTP/1.1 400"), reply[:300]
+    headers = b"\r\n" + reply.partition(b"\r\n\r\n")[0].lower() + b"\r\n"
+    assert b"\r\nconnection: close\r\n" in headers
+    error = json.loads(reply.partition(b"\r\n\r\n")[2])["error"]
+    assert error["code"] == "ambiguous_length"
+    r = api.chat.completions.create(model=api.model_id, messages=MESSAGES, max_tokens=5,
+                                    temperature=0)
+    assert r.choices[0].message.content
+
+
 def test_chat_max_tokens_zero_is_refused_without_the_echo_hint(server, api):
     """Chat has no echo: its refusal of max_tokens 0 says >= 1 and points nowhere else."""
     code, reply = call("POST", server["base"] + "/v1/chat/completions",

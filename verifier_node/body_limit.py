@@ -5,7 +5,10 @@ a deadline for a body to arrive.
 cap is answered 413 at once, its body unread; one without it (``Transfer-Encoding: chunked``)
 has its body counted as the app reads it and is answered 413 as soon as the count passes the
 cap, so no more than the cap and one chunk is ever held. uvicorn discards the rest of such a
-body, and the connection and the server go on serving.
+body, and the connection and the server go on serving. A request with both a
+``Transfer-Encoding`` and a ``Content-Length`` is answered 400 with ``connection: close``, its
+body unread: what follows it on the connection depends on which length a reader believes (the
+RFC's sign of request smuggling), so nothing after it is served.
 
 The default cap (``default_max_request_bytes``) fits the longest prompt the verifier admits
 (``MAX_CHARS_PER_TOKEN`` characters per context token) with every character JSON-escaped at
@@ -47,6 +50,15 @@ class BodyTooLarge(ApiError):
                          code="request_too_large")
 
 
+class BothLengths(ApiError):
+    def __init__(self) -> None:
+        super().__init__(400, "the request has both Transfer-Encoding and Content-Length: "
+                              "send one (RFC 9112 6.1: a proxy that reads the other would see "
+                              "other requests on the connection)", "invalid_request_error",
+                         code="ambiguous_length")
+        self.close = True  # the RFC's "MUST close the connection after responding"
+
+
 class BodyTimedOut(ApiError):
     def __init__(self, timeout_s: float):
         super().__init__(408, f"the request body did not arrive whole within {timeout_s:g} s of "
@@ -68,6 +80,13 @@ def declared_length(scope: Scope) -> int | None:
     return None
 
 
+def has_both_lengths(scope: Scope) -> bool:
+    """Whether the request has both a Transfer-Encoding and a Content-Length (uvicorn's HTTP
+    parser reads the chunks and goes on serving the connection after them)."""
+    names = {name for name, _ in scope["headers"]}
+    return b"transfer-encoding" in names and b"content-length" in names
+
+
 class BodyLimit:
     """``max_bytes``: the largest body; ``timeout_s``: the time a body has to arrive whole after
     its headers (None or 0: no limit)."""
@@ -82,6 +101,11 @@ class BodyLimit:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
+            return
+        if has_both_lengths(scope):  # its body unread: the connection is closed after
+            e = BothLengths()
+            await error_response(e.status, str(e), e.kind, code=e.code,
+                                 close=True)(scope, receive, send)
             return
         declared = declared_length(scope)
         if declared is not None and declared > self.max_bytes:
