@@ -15,12 +15,12 @@ alternatives; ``logprob_shapes`` gives the answers' shapes), ``presence_penalty`
 completions' ``echo`` (the prompt's text before the completion's, with its tokens' logprobs
 where ``logprobs`` is given).
 Ignored, as OpenAI documents them as optional hints or bookkeeping: ``user``, ``metadata``,
-``store``, ``service_tier``, ``parallel_tool_calls`` (each of its type, else refused by name). Accepted only at their neutral value:
-chat's ``echo`` false, ``best_of`` 1, ``tools`` empty. A message's fields besides
-``role`` and ``content`` are accepted only null (``tool_calls`` and ``annotations`` also
-empty), as an echoed assistant message carries them: a ``name``, say, is refused. Anything
-else is refused by name, so a client never silently gets a different behaviour from the one it
-asked for."""
+``store``, ``service_tier``, ``parallel_tool_calls`` (each of its type, else refused by
+name). Accepted only at their neutral value: chat's ``echo`` false, ``best_of`` 1, ``tools``
+empty. A message's fields besides ``role`` and ``content`` are accepted only null
+(``tool_calls`` and ``annotations`` also empty), as an echoed assistant message carries them:
+a ``name``, say, is refused. Anything else is refused by name, so a client never silently gets
+a different behaviour from the one it asked for."""
 
 from __future__ import annotations
 
