@@ -103,8 +103,8 @@ class BodyLimit:
             await self.app(scope, receive, send)
             return
         if has_both_lengths(scope):  # its body unread: the connection is closed after
-            e = BothLengths()
-            await error_response(e.status, str(e), e.kind, code=e.code,
+            both = BothLengths()
+            await error_response(both.status, str(both), both.kind, code=both.code,
                                  close=True)(scope, receive, send)
             return
         declared = declared_length(scope)
