@@ -52,7 +52,8 @@ def add_distill_command(sub) -> None:
                         "(default: %(default)s)")
     p.add_argument("--prompts", nargs="*", default=[], metavar="FILE",
                    help="JSONL prompt files: a line is {\"prompt\": TEXT}, {\"messages\": "
-                        "[...]} (chat messages) or {\"turns\": [TEXT, ...]} (the first turn)")
+                        "[...]} (chat messages, OpenAI's roles) or {\"turns\": [TEXT, ...]} "
+                        "(the first turn)")
     p.add_argument("--no-spec-bench", action="store_true",
                    help="leave out the Spec-Bench questions (by default they are used, except "
                         "the first --hold-out of each category, which benchmarks use)")

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from edgespec.config import ConfigError
 from edgespec.jsonl_file import jsonl_rows
+from edgespec.models.chat_prompt import chat_roles
 
 
 def read_prompt_file(path: str) -> list[dict]:
@@ -18,14 +19,34 @@ def read_prompt_file(path: str) -> list[dict]:
     out = []
     for n, row in jsonl_rows(path, "the prompt file"):
         if isinstance(row, dict) and isinstance(row.get("messages"), list):
-            out.append({"messages": row["messages"]})
+            if not all(isinstance(m, dict) for m in row["messages"]):
+                raise ConfigError(f"{path}:{n}: each message is an object with a \"role\" "
+                                  "and a \"content\"")
+            try:  # before the model loads (ShareGPT's roles, "human" and "gpt", say)
+                chat_roles(row["messages"])
+            except ConfigError as e:
+                raise ConfigError(f"{path}:{n}: {e}") from None
+            out.append({"messages": row["messages"], "line": n})
         elif isinstance(row, dict) and isinstance(row.get("prompt"), str):
-            out.append({"prompt": row["prompt"]})
+            out.append({"prompt": row["prompt"], "line": n})
         elif isinstance(row, dict) and isinstance(row.get("turns"), list) and row["turns"]:
-            out.append({"prompt": str(row["turns"][0])})
+            out.append({"prompt": str(row["turns"][0]), "line": n})
         else:
             raise ConfigError(f"{path}:{n}: a line needs \"prompt\", \"messages\" or \"turns\"")
     return out
+
+
+def _encoded(tokenizer, request: dict) -> list[int]:
+    """A request's prompt ids; a prompt file's line its chat template refuses names the file
+    and the line (a special token's text it cannot keep text, say)."""
+    from edgespec.models.loading import encode_prompt
+
+    try:
+        return encode_prompt(tokenizer, request.get("prompt"), messages=request.get("messages"))
+    except ConfigError as e:
+        if "line" not in request:
+            raise
+        raise ConfigError(f"{request['tag']}:{request['line']}: {e}") from None
 
 
 def spec_bench_training_prompts(hold_out: int) -> list[dict]:
@@ -45,7 +66,6 @@ def distill_work(args, tokenizer) -> tuple[list, list[str]]:
     """The harvest's work list (``heads.harvest.WorkItem``s, each tagged with its prompt's
     Spec-Bench category or file) and the prompts' sources, from the distill options."""
     from edgespec.heads.harvest import work_list
-    from edgespec.models.loading import encode_prompt
 
     requests = [] if args.no_spec_bench else spec_bench_training_prompts(args.hold_out)
     sources = [] if args.no_spec_bench else [f"spec-bench minus the first {args.hold_out} "
@@ -55,8 +75,7 @@ def distill_work(args, tokenizer) -> tuple[list, list[str]]:
         sources.append(path)
     if not requests:
         raise ConfigError("no prompts: give --prompts FILE or leave Spec-Bench on")
-    encoded = [(encode_prompt(tokenizer, r.get("prompt"), messages=r.get("messages")), r["tag"])
-               for r in requests]
+    encoded = [(_encoded(tokenizer, r), r["tag"]) for r in requests]
     kept = [(p, tag) for p, tag in encoded if len(p) <= args.max_prompt_tokens]
     if not kept:
         raise ConfigError(f"every prompt is longer than --max-prompt-tokens "

@@ -279,7 +279,8 @@ class EdgespecServer(ServerHealth):
             self.scheduler.start()
         self.server.start()
         # health's verdict first, then the HTTP API's: /health and /v1/models turn ready at once
-        self._set_health(self.healthy())
+        # (a stop signalled during start drains at once: health never says SERVING then)
+        self._set_health(self.healthy() and not self._stop_signalled.is_set())
         if self.http is not None:
             self.http_state.model_name = self.model_name
             self.http_state.admission = self.admission
@@ -324,7 +325,8 @@ class EdgespecServer(ServerHealth):
         """From now on SIGINT/SIGTERM drain (see ``wait``). Called before ``start`` by the
         commands: health says SERVING from within ``start``, and a supervisor may stop the
         process as soon as it sees that; a signal before ``wait`` then still drains, where
-        Python's default would kill the process mid-start (exit -15, nothing drained)."""
+        Python's defaults would end the process mid-start (SIGTERM: exit -15; SIGINT: a
+        KeyboardInterrupt), nothing drained."""
         signals = 0
 
         def on_signal(*_) -> None:

@@ -65,6 +65,12 @@ def test_bad_heads_and_bad_input_are_refused_with_one_line(tiny_dir, tmp_path):
     r = edgespec("distill", "--model", tiny_dir, "--out", tmp_path / "o2", "--no-spec-bench",
                  "--prompts", bad)
     assert r.returncode == 2 and 'needs "prompt"' in r.stderr
+    # a ShareGPT-style role: refused with the file and line, before the model loads
+    bad.write_text('{"prompt": "ok"}\n{"messages": [{"role": "human", "content": "hi"}]}\n')
+    r = edgespec("distill", "--model", tiny_dir, "--out", tmp_path / "o2", "--no-spec-bench",
+                 "--prompts", bad)
+    assert r.returncode == 2 and f"{bad}:2: messages[0] has the unknown role 'human'" in \
+        r.stderr, r.stderr
     r = edgespec("distill", "--model", tiny_dir, "--out", tmp_path / "o3", "--kinds", "medusa")
     assert r.returncode == 2 and "unknown head kind" in r.stderr
     r = edgespec("generate", "abc", "--model", tiny_dir, "--learn")

@@ -268,7 +268,8 @@ def test_a_whole_response_is_rendered_a_choice_at_a_time_with_jsonresponses_byte
             "system_fingerprint": "k", "choices": [choice, {**choice, "index": 1}],
             "usage": {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7},
             "edgespec": [{"choices": []}, {"tokens": 2}]}
-    for b in (body, {**body, "choices": [choice]}):
+    nested_first = {"meta": {"choices": []}, **body}  # the key inside a value, before it
+    for b in (body, {**body, "choices": [choice]}, {**body, "choices": []}, nested_first):
         got = rendered(b)
         assert got.body == JSONResponse(b).body
         assert got.media_type == "application/json"

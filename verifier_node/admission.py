@@ -144,7 +144,7 @@ class Admission:
             return encode_prompt(self.tokenizer, g.prompt or "", raw=g.raw), None
         except ConfigError:
             raise
-        except Exception as e:  # the chat template refused the conversation (roles, say)
+        except Exception as e:  # the chat template refused the conversation (turns out of order)
             raise ConfigError(f"the prompt cannot be encoded: {str(e)[:200]}") from None
 
     def checked_prompt(self, g: GenerationRequest) -> list[int]:

@@ -105,7 +105,7 @@ class BodyLimit:
         if has_both_lengths(scope):  # its body unread: the connection is closed after
             both = BothLengths()
             await error_response(both.status, str(both), both.kind, code=both.code,
-                                 close=True)(scope, receive, send)
+                                 close=both.close)(scope, receive, send)
             return
         declared = declared_length(scope)
         if declared is not None and declared > self.max_bytes:

@@ -97,5 +97,6 @@ def _only_fields(obj: dict, known: tuple[str, ...], where: str) -> None:
     """Refuse, by name, a field of ``obj`` other than ``known`` that is not null."""
     for key, value in obj.items():
         if key not in known and value is not None:
-            name = f"{where}.{str(key)[:40]}"
-            raise _bad(f"'{name}' is not supported", name)
+            name = f"{where}.{str(key)[:40]}"  # the client's key as it wrote it
+            raise ApiError(400, f"'{name}' is not supported", "invalid_request_error",
+                           f"{openai_param(where)}.{str(key)[:40]}")
