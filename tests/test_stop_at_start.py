@@ -5,6 +5,7 @@ default and killed the process (exit -15, nothing drained, the embedded Redis's 
 
 from __future__ import annotations
 
+import re
 import signal
 
 import pytest
@@ -21,4 +22,35 @@ def test_a_signal_as_soon_as_health_says_serving_drains_and_exits_0(looping_dir,
     assert serve.popen.wait(timeout=120) == 0, serve.text()
     serve.stop()
     assert "shutting down: draining" in serve.text()
-    assert "stopped" in serve.text()
+    assert re.search(r" edgespec\.server INFO stopped$", serve.text(), re.M), serve.text()
+
+
+class _Started(Exception):
+    pass
+
+
+def test_the_command_catches_stop_signals_before_the_server_starts(looping_dir, monkeypatch):
+    """In order, not by how a race falls: the handler a started server's health runs under is
+    the drain's, set before ``start`` (its SERVING), not Python's default."""
+    from edgespec_cli.server import EdgespecServer
+    from cli_inprocess import run_cli
+
+    seen = []
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+    def start(self):
+        seen.append({sig: signal.getsignal(sig) for sig in saved})
+        self.stop(drain_timeout_s=0)  # what __init__ made: its Redis, its threads
+        raise _Started
+
+    monkeypatch.setattr(EdgespecServer, "start", start)
+    try:
+        with pytest.raises(_Started):
+            run_cli("serve", "--listen", "127.0.0.1:0", "--model", looping_dir, "--dtype",
+                    "float32", "--max-sessions", 2, "--max-context", 256, "--threads", 1)
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+    assert len(seen) == 1
+    for sig, handler in seen[0].items():
+        assert handler not in (signal.SIG_DFL, signal.default_int_handler, saved[sig]), sig
