@@ -44,7 +44,7 @@ def threads_seen(monkeypatch):
                              "parsed": []}
     here = threading.current_thread
     init, decoded, echoed, render = (http_choice.ChoiceRun.__init__, http_choice.decoded,
-                                     LogprobShapes.echoed, http_choice.JSONResponse)
+                                     LogprobShapes.echoed, http_choice.rendered)
 
     def choice_init(self, *a, **k):
         seen["choice"].append(here().name)
@@ -68,7 +68,7 @@ def threads_seen(monkeypatch):
 
     monkeypatch.setattr(http_api, "parse_request", parse)
     monkeypatch.setattr(http_choice.ChoiceRun, "__init__", choice_init)
-    monkeypatch.setattr(http_choice, "JSONResponse", rendered)
+    monkeypatch.setattr(http_choice, "rendered", rendered)
     monkeypatch.setattr(http_choice, "decoded", decode)
     monkeypatch.setattr(LogprobShapes, "echoed", shape)
     return seen
