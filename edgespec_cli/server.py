@@ -352,8 +352,7 @@ class EdgespecServer(ServerHealth):
         has left; a third ends it (the sessions left fail, resumable elsewhere)."""
         if not self._signals_caught:
             self.catch_stop_signals()
-        stop = self._stop_signalled
-        stop.wait()
+        self._stop_signalled.wait()
         log.info("shutting down: draining for up to %.0fs (signal twice more to stop at once)",
                  self.opts.drain_timeout_s)
         self.stop()

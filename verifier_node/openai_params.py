@@ -65,7 +65,6 @@ MAX_STOP = 4
 MAX_WIRE_INT = (1 << 31) - 1  # the gRPC request's int32 (a token count: max_new_tokens)
 MAX_N = 16  # choices a request may ask for: each is a session, with a KV slot of its own
 MAX_PROMPTS = 64  # prompts a completions request may batch (each a session a choice)
-ROLES = CHAT_ROLES  # OpenAI's chat roles (every surface takes these alone)
 
 
 def _bad(message: str, param: str | None = None) -> ApiError:
@@ -127,9 +126,9 @@ def _message(i: int, m, images: list[bytes]) -> dict:
     parts: text, and images as <image> marks, their bytes appended to ``images``)."""
     if not isinstance(m, dict) or not isinstance(m.get("role"), str):
         raise _bad("each message needs a 'role' and a 'content'", "messages")
-    if m["role"] not in ROLES:
+    if m["role"] not in CHAT_ROLES:
         raise ApiError(400, f"messages[{i}] has the unknown role '{m['role'][:40]}': the roles "
-                            f"are {', '.join(ROLES)}", "invalid_request_error",
+                            f"are {', '.join(CHAT_ROLES)}", "invalid_request_error",
                        f"messages.[{i}].role", "invalid_value")
     for key, value in m.items():
         if key in ("role", "content"):
