@@ -19,7 +19,10 @@
 Errors the user can fix (a bad option, a missing model, an over-long prompt) print one readable
 line to stderr and exit with status 2; ``edgespec`` with no command prints the list of commands
 to stderr and exits with status 2 too. SIGUSR1 prints every thread's stack to stderr and the
-command goes on (``faulthandler``): what a process that will not stop is doing.
+command goes on (``faulthandler``): what a process that will not stop is doing. SIGTERM ends a
+command as Ctrl-C does, its cleanup run (an embedded Redis stopped and its folder removed, Ray
+shut down), with ``edgespec: terminated`` and status 143, where the command has no handler of
+its own: a server's drains once its model is loaded, a drafter's stops once its model is.
 """
 
 from __future__ import annotations
@@ -229,6 +232,29 @@ def _add_benchmarks(sub) -> None:
 MODELS_EXTRA = ("torch", "transformers", "accelerate", "gguf")
 
 
+class Terminated(BaseException):
+    """SIGTERM, raised in the main thread as KeyboardInterrupt is for SIGINT: the command's
+    ``finally`` blocks and context managers run before main answers 143 (Python's default
+    ended the process on the spot: a server loading its model left its embedded Redis's
+    folder behind and said nothing)."""
+
+
+def _terminate(signum, frame) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one cuts no cleanup short
+    raise Terminated
+
+
+def _catch_sigterm():
+    """``_terminate`` as SIGTERM's handler where it has Python's default (a program that runs
+    main with a handler of its own keeps it); the handler it replaced, else None."""
+    try:
+        if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+            return None
+        return signal.signal(signal.SIGTERM, _terminate)
+    except ValueError:  # not the main thread: signals are not this call's to catch
+        return None
+
+
 def main(argv: list[str] | None = None) -> int:
     if hasattr(signal, "SIGUSR1"):  # `kill -USR1 PID`: every thread's stack, and go on
         try:
@@ -243,6 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd is None:  # a usage error like any other (status 2), with the commands listed
         parser.print_help(sys.stderr)
         return 2
+    before = _catch_sigterm()
     try:
         check_output_files(args)
         return args.func(args)
@@ -262,11 +289,17 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("edgespec: interrupted", file=sys.stderr)
         return 130
+    except Terminated:
+        print("edgespec: terminated", file=sys.stderr)
+        return 128 + signal.SIGTERM
     except BrokenPipeError:  # what read the output stopped (`| head`): quiet, as SIGPIPE ends
         # a Unix tool; stdout pointed at nothing, so that the interpreter's flush at exit
         # does not raise again
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 128 + 13
+    finally:
+        if before is not None:  # main called in a process that goes on: its handler back
+            signal.signal(signal.SIGTERM, before)
 
 
 def run() -> None:

@@ -54,3 +54,39 @@ def test_the_command_catches_stop_signals_before_the_server_starts(looping_dir, 
     assert len(seen) == 1
     for sig, handler in seen[0].items():
         assert handler not in (signal.SIG_DFL, signal.default_int_handler, saved[sig]), sig
+
+
+def test_sigterm_while_the_model_loads_ends_the_command_with_its_cleanup(
+        looping_dir, monkeypatch, tmp_path):
+    """Before the server's drain handler is set (its model loading), SIGTERM ends the command
+    as Ctrl-C would: 143, one line, the embedded Redis stopped and its folder removed (Python's
+    default ended the process on the spot, the folder left behind). The handler main set is
+    called directly, in the load, as the interpreter would call it: no signal is sent to the
+    test's process."""
+    import tempfile
+
+    import edgespec.models.loading as loading
+    from cli_inprocess import run_cli
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where the Redis's folder goes
+    folders: list[list[str]] = []
+
+    def load_model(*args, **kwargs):
+        folders.append([p.name for p in tmp_path.glob("edgespec-redis-*")])
+        handler = signal.getsignal(signal.SIGTERM)
+        assert callable(handler), f"SIGTERM's handler while the model loads: {handler!r}"
+        handler(signal.SIGTERM, None)
+        raise AssertionError("the handler returned")
+
+    monkeypatch.setattr(loading, "load_model", load_model)
+    before = signal.signal(signal.SIGTERM, signal.SIG_DFL)  # what a command starts with
+    try:
+        r = run_cli("serve", "--listen", "127.0.0.1:0", "--model", looping_dir, "--dtype",
+                    "float32", "--max-sessions", 2, "--max-context", 256, "--threads", 1)
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # main put it back
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert r.returncode == 143, r.stderr
+    assert r.stderr.strip().endswith("edgespec: terminated"), r.stderr
+    assert len(folders) == 1 and len(folders[0]) == 1  # the Redis was running when it came
+    assert not list(tmp_path.glob("edgespec-redis-*"))  # and its folder is gone
