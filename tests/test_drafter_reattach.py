@@ -32,7 +32,8 @@ import edgespec
 from cache_service.redis_conn import RedisHandle, embedded_redis_binary
 from cache_service.service import RETRY_AFTER_MS, DraftCacheService
 from cache_service.store import RedisSessionStore
-from drafter_node.agent import BACKOFF_START_S, MIN_RETRY_S, next_backoff
+from drafter_node.agent import (BACKOFF_START_S, FIRST_ATTACH_BACKOFF_MAX_S, MIN_RETRY_S,
+                                next_backoff)
 from edgespec.v1 import edgespec_pb2 as pb
 from edgespec.v1 import edgespec_pb2_grpc as pb_grpc
 from edgespec.wire.convert import RETRY_AFTER_MD, retry_after_s
@@ -75,6 +76,24 @@ def test_a_hinted_refusal_is_retried_after_the_hint_and_resets_the_backoff():
     low, _ = next_backoff(1.0, hinted, 10.0, jitter=0.0)
     high, _ = next_backoff(1.0, hinted, 10.0, jitter=1.0)
     assert low == pytest.approx(0.4) and high == pytest.approx(0.6)  # +-20%
+
+
+def test_a_board_never_attached_retries_at_least_once_a_second():
+    """Started beside a server that is loading its model (nothing listens yet), a board's
+    backoff stops doubling at FIRST_ATTACH_BACKOFF_MAX_S, so that it attaches within about a
+    second of the server's ready (a 10 s cap left it out of the first requests); once it has
+    attached, an outage's backoff doubles to the configured cap, and a hint is honoured as
+    before."""
+    assert FIRST_ATTACH_BACKOFF_MAX_S == 1.0
+    delay, waits = BACKOFF_START_S, []
+    for _ in range(8):
+        wait, delay = next_backoff(delay, _Err(), 10.0, jitter=0.5, attached_before=False)
+        waits.append(wait)
+    assert waits[:3] == pytest.approx([0.2, 0.4, 0.8]) and max(waits) == pytest.approx(1.0)
+    assert next_backoff(1.0, _Err(), 10.0, jitter=0.5, attached_before=True) == (1.0, 2.0)
+    assert next_backoff(0.4, _Err(), 0.5, jitter=0.5, attached_before=False) == (0.4, 0.5)
+    hinted = _Err(((RETRY_AFTER_MD, "3000"),))  # a live cache's hint: not cut to the cap
+    assert next_backoff(1.0, hinted, 10.0, jitter=0.5, attached_before=False)[0] == 3.0
 
 
 @pytest.mark.parametrize("value,want", [("250", 0.25), ("0", 0.0), ("nan", None),
