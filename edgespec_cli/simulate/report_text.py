@@ -66,15 +66,17 @@ def run_block(s: dict) -> list[str]:
         + (f", draft tokens sent {s['draft_tokens_sent']}, wasted {s['draft_tokens_wasted']}"
            if s.get("draft_tokens_sent") is not None else ""),
         *cpu_lines(s.get("cpu")),
-        f"  {'device':<16} {'profile':<12} {'share/s':>8} {'decode/s':>9} {'accept':>7} "
-        f"{'mean_len':>8} {'sent':>6} {'wasted':>6} {'errors':>6}",
+        # b.accept: the board's own draft tokens accepted / verified; tok/step: its sessions'
+        # tokens a verification step, every draft's (the verifier's fill drafts too)
+        f"  {'device':<16} {'profile':<12} {'share/s':>8} {'decode/s':>9} {'b.accept':>8} "
+        f"{'tok/step':>8} {'sent':>6} {'wasted':>6} {'errors':>6}",
     ]
     for d in s["per_device"]:
         lines.append(
             f"  {d['device_id']:<16} {d['profile']:<12} "
             f"{fmt(d['share_tokens_per_s'], digits=2):>8} "
             f"{fmt(d['decode_tokens_per_s'], digits=2):>9} "
-            f"{fmt(d['acceptance_rate'], digits=3):>7} "
+            f"{fmt(d['acceptance_rate'], digits=3):>8} "
             f"{fmt(d['mean_acceptance_length'], digits=2):>8} "
             f"{_count(d.get('draft_tokens_sent')):>6} {_count(d.get('draft_tokens_wasted')):>6} "
             f"{d['errors']:>6}")
