@@ -295,7 +295,8 @@ async def stream_choices(runs: list[ChoiceRun], include_usage: bool):
         while done < len(runs):
             item = await queue.get()
             if isinstance(item, ApiError):
-                error = {"error": {"message": str(item), "type": item.kind}}
+                error = {"error": {"message": str(item), "type": item.kind,
+                                   "param": item.param, "code": item.code}}  # the body's shape
                 yield f"data: {json.dumps(error)}\n\n"
                 break
             if item is None:
