@@ -70,6 +70,25 @@ def test_something_listening_that_is_not_grpc_is_told_apart():
         assert "accepts connections" in describe_failure(address)
 
 
+def test_an_http_port_given_for_the_grpc_one_is_named_as_the_likely_mistake():
+    """The SDK pointed at the server's --http-port (an HTTP/1.1 server answers the probe): one
+    error naming the likely mix-up, as the drafter's does, at once."""
+    import http.server
+    import threading
+
+    httpd = http.server.HTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        with edgespec.Client(f"127.0.0.1:{httpd.server_port}", timeout=60) as client:
+            with pytest.raises(edgespec.Unavailable) as e:
+                client.generate("hi")
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+    assert "answers but not as a gRPC server: the server's --http-port or --metrics-port" \
+        in str(e.value), str(e.value)
+
+
 @pytest.mark.parametrize("address,parts", [
     ("127.0.0.1:50051", ("127.0.0.1", 50051)), ("[::1]:7", ("::1", 7)),
     ("dns:///example.org:443", ("example.org", 443)), ("unix:/tmp/sock", None),

@@ -179,8 +179,9 @@ class _Waiting:
             return (f"{addr} speaks TLS but the TLS handshake keeps failing: is its certificate "
                     "signed by the CA given (--tls-ca), and for this host name?")
         if kind == "answered":
-            return (f"{addr} answers but not as a gRPC server: not an edgespec server (or a "
-                    "TLS mismatch)?")
+            return (f"{addr} answers but not as a gRPC server: the server's --http-port or "
+                    "--metrics-port (give its gRPC address, serve's --listen), another "
+                    "program, or a TLS mismatch?")
         if not self.told:
             self.told = True
             what = "the server to start serving" if kind in ("silent", "h2") else "a server"
