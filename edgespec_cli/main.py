@@ -311,6 +311,10 @@ def run() -> None:
     ``weakref.finalize``) run as before and objects freed by their last reference are freed;
     garbage held only by a reference cycle is left to the process's end uncollected (its
     ``__del__`` not run), so no command's cleanup may rest on a cycle's collection at exit."""
+    if not sys.stderr.isatty():  # a log file or a pipe: transformers' weight-loading bar
+        # (a line rewritten 272 times a load) only clutters it; a terminal keeps it (a large
+        # model's load is long); HF_HUB_DISABLE_PROGRESS_BARS=0 asks for it anyway
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     code = main()
     gc.freeze()
     sys.exit(code)

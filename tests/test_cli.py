@@ -37,6 +37,7 @@ def test_generate_streams_text_and_reports_stats(tiny_dir):
                  "--temperature", 0.8, "--top-k", 20, "--seed", 1)
     assert r.returncode == 0, r.stderr
     assert "tok/s" in r.stderr and "mean acceptance length" in r.stderr
+    assert "Loading weights" not in r.stderr  # transformers' bar kept out of a pipe or a log
 
 
 def test_bench_writes_summary_json(tiny_dir, tmp_path):
