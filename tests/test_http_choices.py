@@ -145,7 +145,7 @@ def test_a_choice_that_fails_by_a_bug_ends_the_stream_with_an_error_and_its_sess
     assert events[-1] == "data: [DONE]\n\n"
     error = json.loads(events[-2][len("data: "):])
     assert error == {"error": {"message": "generation failed: internal error",
-                               "type": "server_error", "param": None, "code": None}}  # a body's shape
+                               "type": "server_error", "param": None, "code": None}}
     assert admission.scheduler.cancelled == [runs[1].ticket.session_id]
 
 
