@@ -64,12 +64,14 @@ log = logging.getLogger("edgespec.drafter")
 FATAL = {grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.FAILED_PRECONDITION,
          grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.PERMISSION_DENIED}
 BACKOFF_START_S = 0.2
-# before a board's first attach its backoff stops doubling here: a board started beside a
-# server that is loading its model (nothing listens yet) attaches within about a second of the
-# server's ready, where a 10 s cap left it out of the first requests; a refused connection costs
-# the server nothing. Once attached, an outage's backoff grows to ``backoff_max_s``, so that
-# a fleet does not storm a restarting cache
+# in its first FAST_START_S, until its first attach, a board's backoff for a cache that does not
+# answer (UNAVAILABLE) stops doubling here: one started beside a server that is loading its
+# model attaches within about a second of the server's ready, where a 10 s cap left it out of
+# the first requests. Past that window, after a first attach, and for a cache that answers (a
+# refusal: full, say), the backoff grows to ``backoff_max_s``, so that a fleet rebooted with
+# its server does not keep a starting cache's port busy for long
 FIRST_ATTACH_BACKOFF_MAX_S = 1.0
+FAST_START_S = 60.0
 STILL_UNREACHABLE_LOG_S = 30.0  # while the cache stays unreachable, say so this often
 MIN_RETRY_S = 0.1  # the shortest wait a retry hint may ask for
 STEADY_LINK_S = 10.0  # a link that lasted this long resets the backoff when it ends
@@ -91,20 +93,22 @@ def _fix_of(code: grpc.StatusCode) -> str:
 
 
 def next_backoff(delay: float, error: grpc.RpcError | None, backoff_max_s: float,
-                 jitter: float | None = None, attached_before: bool = True
+                 jitter: float | None = None, starting: bool = False
                  ) -> tuple[float, float]:
     """After a link ended: (seconds to wait before attaching again, the backoff for the next
     failure). A refusal that carries a retry hint (a live cache, refusing for now) is retried
     after the hint (at most ``backoff_max_s``) and resets the backoff; anything else (no cache
-    answering, a stream that ended) waits ``delay`` and doubles it up to ``backoff_max_s``,
-    or up to ``FIRST_ATTACH_BACKOFF_MAX_S`` while the board has never attached
-    (``attached_before`` False). Both waits are jittered by +-20% (``jitter`` in [0, 1];
+    answering, a stream that ended, a refusal) waits ``delay`` and doubles it up to
+    ``backoff_max_s``, or, where nothing answered (UNAVAILABLE, or a stream that ended) while
+    ``starting`` (no attach yet, in the agent's first ``FAST_START_S``), up to
+    ``FIRST_ATTACH_BACKOFF_MAX_S``. Both waits are jittered by +-20% (``jitter`` in [0, 1];
     None: random)."""
     factor = 0.8 + 0.4 * (random.random() if jitter is None else jitter)
     hint = retry_after_s(error) if error is not None else None
     if hint is not None:  # a hint of 0 from a broken cache: never a reconnect loop
         return min(backoff_max_s, max(MIN_RETRY_S, hint)) * factor, BACKOFF_START_S
-    cap = backoff_max_s if attached_before else min(backoff_max_s, FIRST_ATTACH_BACKOFF_MAX_S)
+    fast = starting and (error is None or error.code() == grpc.StatusCode.UNAVAILABLE)
+    cap = min(backoff_max_s, FIRST_ATTACH_BACKOFF_MAX_S) if fast else backoff_max_s
     return delay * factor, min(cap, delay * 2)
 
 
@@ -229,7 +233,7 @@ class DrafterAgent(CacheMessages):
             drafting.join()
 
     def _attach_until_stopped(self) -> None:
-        delay = BACKOFF_START_S
+        delay, started = BACKOFF_START_S, time.monotonic()
         replaced_at: float | None = None  # when the cache last said another took the id over
         while not self.stopping.is_set():
             error, why = None, None
@@ -283,8 +287,9 @@ class DrafterAgent(CacheMessages):
                 delay = BACKOFF_START_S  # (not after links a cache closes at once: no loop)
             if replaced_at is not None and time.monotonic() - replaced_at >= REPLACED_FORGOTTEN_S:
                 replaced_at = None  # a board that kept its link since: a replacement is news
-            wait, delay = next_backoff(delay, error, self.backoff_max_s,
-                                       attached_before=self.attaches > 0)
+            wait, delay = next_backoff(
+                delay, error, self.backoff_max_s,
+                starting=not self.attaches and time.monotonic() - started < FAST_START_S)
             if not self.stopping.is_set():
                 self._log_retry(error, wait, attached=self.attaches > attaches, why=why)
             if self.stopping.wait(wait):

@@ -39,6 +39,8 @@ import sys
 os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
 from edgespec import __version__
+from edgespec_cli.terminated import STATUS as TERMINATED_STATUS
+from edgespec_cli.terminated import Terminated, catch_sigterm
 from edgespec_cli.cli_args import (SERVER_CORES_THREADS, add_engine_args, add_model_args,
                                 add_threads_arg, check_output_files)
 from edgespec_cli.generate_cmd import add_generate
@@ -232,30 +234,10 @@ def _add_benchmarks(sub) -> None:
 MODELS_EXTRA = ("torch", "transformers", "accelerate", "gguf")
 
 
-class Terminated(BaseException):
-    """SIGTERM, raised in the main thread as KeyboardInterrupt is for SIGINT: the command's
-    ``finally`` blocks and context managers run before main answers 143 (Python's default
-    ended the process on the spot: a server loading its model left its embedded Redis's
-    folder behind and said nothing)."""
-
-
-def _terminate(signum, frame) -> None:
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one cuts no cleanup short
-    raise Terminated
-
-
-def _catch_sigterm():
-    """``_terminate`` as SIGTERM's handler where it has Python's default (a program that runs
-    main with a handler of its own keeps it); the handler it replaced, else None."""
-    try:
-        if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
-            return None
-        return signal.signal(signal.SIGTERM, _terminate)
-    except ValueError:  # not the main thread: signals are not this call's to catch
-        return None
-
-
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, restore_sigterm: bool = True) -> int:
+    """The command ``argv`` names, run: its exit status. ``restore_sigterm``: SIGTERM's handler
+    put back as it was when main returns (main called in a process that goes on; ``run`` does
+    not, so that a signal during the interpreter's exit still finds it ignored once one came)."""
     if hasattr(signal, "SIGUSR1"):  # `kill -USR1 PID`: every thread's stack, and go on
         try:
             faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)
@@ -269,8 +251,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd is None:  # a usage error like any other (status 2), with the commands listed
         parser.print_help(sys.stderr)
         return 2
-    before = _catch_sigterm()
+    before = None
     try:
+        before = catch_sigterm()
         check_output_files(args)
         return args.func(args)
     except ConfigError as e:
@@ -291,14 +274,14 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except Terminated:
         print("edgespec: terminated", file=sys.stderr)
-        return 128 + signal.SIGTERM
+        return TERMINATED_STATUS
     except BrokenPipeError:  # what read the output stopped (`| head`): quiet, as SIGPIPE ends
         # a Unix tool; stdout pointed at nothing, so that the interpreter's flush at exit
         # does not raise again
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 128 + 13
     finally:
-        if before is not None:  # main called in a process that goes on: its handler back
+        if before is not None and restore_sigterm:
             signal.signal(signal.SIGTERM, before)
 
 
@@ -311,11 +294,12 @@ def run() -> None:
     ``weakref.finalize``) run as before and objects freed by their last reference are freed;
     garbage held only by a reference cycle is left to the process's end uncollected (its
     ``__del__`` not run), so no command's cleanup may rest on a cycle's collection at exit."""
-    if not sys.stderr.isatty():  # a log file or a pipe: transformers' weight-loading bar
-        # (a line rewritten 272 times a load) only clutters it; a terminal keeps it (a large
-        # model's load is long); HF_HUB_DISABLE_PROGRESS_BARS=0 asks for it anyway
+    if sys.stderr is None or not sys.stderr.isatty():
+        # a log file or a pipe: transformers' bar for the weights (a line rewritten 272 times a
+        # load) only clutters it; a terminal keeps it (a large model's load is long);
+        # HF_HUB_DISABLE_PROGRESS_BARS=0 asks for it anyway
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    code = main()
+    code = main(restore_sigterm=False)
     gc.freeze()
     sys.exit(code)
 

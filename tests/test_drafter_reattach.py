@@ -32,8 +32,8 @@ import edgespec
 from cache_service.redis_conn import RedisHandle, embedded_redis_binary
 from cache_service.service import RETRY_AFTER_MS, DraftCacheService
 from cache_service.store import RedisSessionStore
-from drafter_node.agent import (BACKOFF_START_S, FIRST_ATTACH_BACKOFF_MAX_S, MIN_RETRY_S,
-                                next_backoff)
+from drafter_node.agent import (BACKOFF_START_S, FAST_START_S, FIRST_ATTACH_BACKOFF_MAX_S,
+                                MIN_RETRY_S, next_backoff)
 from edgespec.v1 import edgespec_pb2 as pb
 from edgespec.v1 import edgespec_pb2_grpc as pb_grpc
 from edgespec.wire.convert import RETRY_AFTER_MD, retry_after_s
@@ -48,11 +48,11 @@ WAIT_S = 30  # how long a test waits for something that must happen (never a tim
 
 
 class _Err(grpc.RpcError):
-    def __init__(self, trailing=()):
-        self._trailing = trailing
+    def __init__(self, trailing=(), code=grpc.StatusCode.UNAVAILABLE):
+        self._trailing, self._code = trailing, code
 
     def code(self):
-        return grpc.StatusCode.UNAVAILABLE
+        return self._code
 
     def details(self):
         return "test"
@@ -78,22 +78,58 @@ def test_a_hinted_refusal_is_retried_after_the_hint_and_resets_the_backoff():
     assert low == pytest.approx(0.4) and high == pytest.approx(0.6)  # +-20%
 
 
-def test_a_board_never_attached_retries_at_least_once_a_second():
-    """Started beside a server that is loading its model (nothing listens yet), a board's
-    backoff stops doubling at FIRST_ATTACH_BACKOFF_MAX_S, so that it attaches within about a
-    second of the server's ready (a 10 s cap left it out of the first requests); once it has
-    attached, an outage's backoff doubles to the configured cap, and a hint is honoured as
-    before."""
-    assert FIRST_ATTACH_BACKOFF_MAX_S == 1.0
+def test_a_starting_board_retries_a_silent_cache_at_least_once_a_second():
+    """Started beside a server that is loading its model (nothing answers yet), a board that
+    has not attached, in its first FAST_START_S, stops doubling its backoff at
+    FIRST_ATTACH_BACKOFF_MAX_S, so that it attaches within about a second of the server's ready
+    (a 10 s cap left it out of the first requests). A cache that answers with a refusal (full:
+    RESOURCE_EXHAUSTED), and any failure past the start, back off to the configured cap; a hint
+    is honoured as before."""
+    assert FIRST_ATTACH_BACKOFF_MAX_S == 1.0 and FAST_START_S == 60.0
     delay, waits = BACKOFF_START_S, []
     for _ in range(8):
-        wait, delay = next_backoff(delay, _Err(), 10.0, jitter=0.5, attached_before=False)
+        wait, delay = next_backoff(delay, _Err(), 10.0, jitter=0.5, starting=True)
         waits.append(wait)
     assert waits[:3] == pytest.approx([0.2, 0.4, 0.8]) and max(waits) == pytest.approx(1.0)
-    assert next_backoff(1.0, _Err(), 10.0, jitter=0.5, attached_before=True) == (1.0, 2.0)
-    assert next_backoff(0.4, _Err(), 0.5, jitter=0.5, attached_before=False) == (0.4, 0.5)
+    assert next_backoff(1.0, None, 10.0, jitter=0.5, starting=True) == (1.0, 1.0)
+    assert next_backoff(1.0, _Err(), 10.0, jitter=0.5) == (1.0, 2.0)  # not starting
+    assert next_backoff(0.4, _Err(), 0.5, jitter=0.5, starting=True) == (0.4, 0.5)
+    full = _Err(code=grpc.StatusCode.RESOURCE_EXHAUSTED)  # a cache that answers: no hurry
+    assert next_backoff(1.0, full, 10.0, jitter=0.5, starting=True) == (1.0, 2.0)
     hinted = _Err(((RETRY_AFTER_MD, "3000"),))  # a live cache's hint: not cut to the cap
-    assert next_backoff(1.0, hinted, 10.0, jitter=0.5, attached_before=False)[0] == 3.0
+    assert next_backoff(1.0, hinted, 10.0, jitter=0.5, starting=True)[0] == 3.0
+
+
+@pytest.mark.parametrize("starting", [True, False])
+def test_the_agent_retries_fast_only_while_it_starts(monkeypatch, starting):
+    """The agent's own loop, against an address nothing listens at: in its first
+    FAST_START_S, never attached, its waits stop at FIRST_ATTACH_BACKOFF_MAX_S; past that
+    window they double on (scaled down: the decisions, not their timing, are what is read)."""
+    import threading
+
+    import drafter_node.agent as agent_mod
+    from cache_harness import SlotDrafter
+
+    monkeypatch.setattr(agent_mod, "BACKOFF_START_S", 0.01)
+    monkeypatch.setattr(agent_mod, "FIRST_ATTACH_BACKOFF_MAX_S", 0.05)
+    monkeypatch.setattr(agent_mod, "FAST_START_S", 600.0 if starting else 0.0)
+    waits: list[float] = []
+    agent = agent_mod.DrafterAgent(f"127.0.0.1:{free_port()}", "edge-starting", SlotDrafter())
+    monkeypatch.setattr(agent, "_log_retry", lambda error, wait, **_: waits.append(wait))
+    t = threading.Thread(target=agent.run, daemon=True)
+    t.start()
+    try:
+        deadline = time.monotonic() + WAIT_S
+        while len(waits) < 6 and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        agent.stop()
+        t.join(WAIT_S)
+    assert len(waits) >= 6 and agent.attaches == 0
+    if starting:
+        assert max(waits) <= 0.05 * 1.2
+    else:
+        assert max(waits) > 0.05 * 1.2  # 0.01 doubled five times: 0.32, jittered
 
 
 @pytest.mark.parametrize("value,want", [("250", 0.25), ("0", 0.0), ("nan", None),

@@ -23,6 +23,7 @@ from pathlib import Path
 from edgespec.config import ConfigError, SamplingParams
 from edgespec.runner.cpu_kind import cpu_kind
 from edgespec.wire.channels import free_port
+from ..terminated import raise_terminated
 from .run import add_question_args, load_questions
 
 
@@ -48,20 +49,16 @@ def spawn_edgespec(args: list, log: Path) -> subprocess.Popen:
 
 def stops_its_processes_on_sigterm(run: Callable[..., int]) -> Callable[..., int]:
     """``run`` (a command that starts ``edgespec`` processes and stops them in ``finally``
-    blocks) with SIGTERM raising SystemExit(143) while it runs: Python's default for SIGTERM
-    ends the interpreter without running those blocks, leaving the processes running (a
-    ``bench-net`` killed so left its server holding its port)."""
+    blocks) with SIGTERM raising ``Terminated`` while it runs, whatever handler the program
+    that called it has: Python's default for SIGTERM ends the interpreter without running
+    those blocks, leaving the processes running (a ``bench-net`` killed so left its server
+    holding its port); ``main`` then says so and answers 143."""
 
     @functools.wraps(run)
     def wrapped(*args, **kwargs) -> int:
         if threading.current_thread() is not threading.main_thread():  # no handler there
             return run(*args, **kwargs)
-
-        def exit_now(signum, _frame):
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one cuts no cleanup short
-            raise SystemExit(128 + signum)
-
-        before = signal.signal(signal.SIGTERM, exit_now)
+        before = signal.signal(signal.SIGTERM, raise_terminated)
         try:
             return run(*args, **kwargs)
         finally:  # None: a handler set outside Python, which cannot be set back

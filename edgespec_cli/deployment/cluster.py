@@ -73,9 +73,12 @@ def connect(address: str | None, namespace: str = NAMESPACE) -> None:
         return
     if address and address != "auto" and "://" not in address:
         _check_reachable(address)  # ray.init would retry an absent cluster forever
+    from ..terminated import keeping_sigterm
+
     try:
-        ray.init(address=address or "auto", namespace=namespace, log_to_driver=False,
-                 logging_level=logging.WARNING, configure_logging=False)
+        with keeping_sigterm():  # ray.init's handler would exit 15, no cleanup line
+            ray.init(address=address or "auto", namespace=namespace, log_to_driver=False,
+                     logging_level=logging.WARNING, configure_logging=False)
     except (ConnectionError, RuntimeError, ValueError) as e:
         target = address or "this machine (auto)"
         raise FleetError(f"no Ray cluster at {target}: {str(e).splitlines()[0][:200]}\n"

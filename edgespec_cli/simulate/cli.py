@@ -54,13 +54,15 @@ def start_ray(address: str | None) -> None:
     import ray
 
     from ..deployment import cluster
+    from ..terminated import keeping_sigterm
 
     if address:
         cluster.connect(address, namespace="edgespec-simulate")
         return
     print("simulate: starting a local Ray cluster", file=sys.stderr, flush=True)
-    ray.init(namespace="edgespec-simulate", include_dashboard=False, log_to_driver=False,
-             configure_logging=False, logging_level=logging.WARNING)
+    with keeping_sigterm():  # ray.init's handler would exit 15 without the cleanup's line
+        ray.init(namespace="edgespec-simulate", include_dashboard=False, log_to_driver=False,
+                 configure_logging=False, logging_level=logging.WARNING)
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
