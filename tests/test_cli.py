@@ -175,7 +175,7 @@ def test_the_command_exits_with_mains_status_its_exit_handlers_run_and_its_heap_
 
     code = ("import atexit, gc\n"
             "from edgespec_cli import main as cli\n"
-            "cli.main = lambda: 3\n"
+            "cli.main = lambda **kw: 3\n"
             "atexit.register(lambda: print('frozen', gc.get_freeze_count() > 0, flush=True))\n"
             "cli.run()\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
