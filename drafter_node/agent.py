@@ -53,6 +53,7 @@ from edgespec.wire.keepalive import heartbeat_interval_s
 from edgespec.wire.reachability import check_address, probe
 
 from .cache_messages import CacheMessages
+from .first_attach import settings_refusal
 from .fleet_client import RemoteFleetTable
 from .liveness import Liveness
 
@@ -234,6 +235,7 @@ class DrafterAgent(CacheMessages):
 
     def _attach_until_stopped(self) -> None:
         delay, started = BACKOFF_START_S, time.monotonic()
+        closed_since: float | None = None  # a TLS cache first found up (probes in a row)
         replaced_at: float | None = None  # when the cache last said another took the id over
         while not self.stopping.is_set():
             error, why = None, None
@@ -248,17 +250,14 @@ class DrafterAgent(CacheMessages):
                                       f"{e.details()}{_fix_of(e.code())}") from None
                 found = probe(self.cache)[0] if not self.attaches and \
                     e.code() == grpc.StatusCode.UNAVAILABLE else None
-                if found == "answered":
-                    # something that is not HTTP/2 answers there: a wrong port, not an outage
-                    # (once attached, such an answer is waited out as anything else)
-                    raise ConfigError(f"{self.cache} answers, but not as a gRPC server: the "
-                                      f"server's --http-port or --metrics-port? give --cache "
-                                      f"the cache's gRPC address (serve's --listen)") from None
-                if found == "h2" and (self.tls or self.tls_ca or self.tls_cert):
-                    # a plaintext gRPC server: every TLS handshake fails, forever
-                    raise ConfigError(f"the cache at {self.cache} serves plaintext gRPC, this "
-                                      f"drafter TLS: a TLS mismatch (drop --tls/--tls-ca, or "
-                                      f"start the cache with --tls-cert)") from None
+                now = time.monotonic()
+                closed_since = (closed_since or now) if found == "closed" else None
+                why_not = settings_refusal(
+                    self.cache, found, bool(self.tls or self.tls_ca or self.tls_cert),
+                    now - closed_since if closed_since else 0.0,
+                    str(e.details())) if found else None
+                if why_not is not None:
+                    raise ConfigError(why_not) from None
                 if e.code() == grpc.StatusCode.ABORTED and \
                         str(e.details()).startswith(REPLACED_STREAM):
                     # only this process reads this stream: another took the id over. Once is

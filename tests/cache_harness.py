@@ -198,3 +198,26 @@ def start_agent(agent: DrafterAgent) -> threading.Thread:
     t.start()
     assert agent.connected.wait(WAIT_S)
     return t
+
+
+def what_ends_the_first_attach(agent) -> BaseException:
+    """Run ``agent`` until it ends by itself (failing the test if it keeps retrying); what
+    ended it."""
+    errors: list[BaseException] = []
+
+    def run():
+        try:
+            agent.run()
+        except BaseException as e:  # noqa: BLE001 (the test reads what ended the agent)
+            errors.append(e)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    try:
+        t.join(WAIT_S)
+        assert not t.is_alive(), "the agent kept retrying an address that can never work"
+    finally:
+        agent.stop()
+        t.join(WAIT_S)
+    assert len(errors) == 1
+    return errors[0]

@@ -25,7 +25,7 @@ from edgespec.wire.channels import bind, free_port
 # the in-process cache: its fixtures (used by name) and helpers
 from cache_harness import (  # noqa: F401
     VOCAB, WAIT_S, Cache, SlotDrafter, cache, draft_len, drafter_idle, eventually, redis_handle,
-    start_agent, store)
+    start_agent, store, what_ends_the_first_attach)
 
 
 # -- 3. the agent refuses what its drafter cannot do, and lives on --------------------------------
@@ -277,29 +277,6 @@ def test_two_drafters_with_one_device_id_end_with_one_attached_and_one_stopped(c
     assert len(errors) == 1  # the other ended by stop(), not refused
 
 
-def _what_ends_the_first_attach(agent: DrafterAgent) -> BaseException:
-    """Run ``agent`` until it ends by itself (failing the test if it keeps retrying); what
-    ended it."""
-    errors: list[BaseException] = []
-
-    def run():
-        try:
-            agent.run()
-        except BaseException as e:  # noqa: BLE001 (the test reads what ended the agent)
-            errors.append(e)
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    try:
-        t.join(WAIT_S)
-        assert not t.is_alive(), "the agent kept retrying an address that can never work"
-    finally:
-        agent.stop()
-        t.join(WAIT_S)
-    assert len(errors) == 1
-    return errors[0]
-
-
 def test_an_agent_pointed_at_an_http_port_stops_saying_so():
     """A board given the server's HTTP port retried for ever, logging gRPC's "Trying to
     connect an http1.x server": a ConfigError naming the likely mix-up, at its first attach."""
@@ -310,7 +287,7 @@ def test_an_agent_pointed_at_an_http_port_stops_saying_so():
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     address = f"127.0.0.1:{httpd.server_address[1]}"
     try:
-        error = _what_ends_the_first_attach(
+        error = what_ends_the_first_attach(
             DrafterAgent(address, "edge-http", SlotDrafter(), backoff_max_s=0.2))
         assert isinstance(error, ConfigError)
         assert "answers, but not as a gRPC server: the server's --http-port" in str(error)
@@ -323,7 +300,7 @@ def test_an_agent_with_tls_pointed_at_a_plaintext_cache_stops_saying_so(cache):
     """Every TLS handshake with a plaintext gRPC cache fails, for ever: the board retried,
     logging gRPC's handshake errors; now its first attach ends in a ConfigError naming the
     mismatch (as ``edgespec status`` does)."""
-    error = _what_ends_the_first_attach(
+    error = what_ends_the_first_attach(
         DrafterAgent(cache.address, "edge-tls", SlotDrafter(), tls=True, backoff_max_s=0.2))
     assert isinstance(error, ConfigError)
     assert "serves plaintext gRPC" in str(error) and "TLS mismatch" in str(error)

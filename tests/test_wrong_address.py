@@ -70,6 +70,22 @@ def test_something_listening_that_is_not_grpc_is_told_apart():
         assert "accepts connections" in describe_failure(address)
 
 
+def test_a_tls_server_that_loaded_its_model_for_long_is_not_a_certificate_problem():
+    """A TLS client started beside a TLS server: the port is silent while the model loads,
+    then the server closes plaintext probes (it is up) and the client's channel connects within
+    its reconnect backoff. The grace for a failing handshake runs from that first answer, not
+    from the call's start (a load over 10 s was called a certificate problem at once)."""
+    from edgespec.wire.reachability import CONNECT_GRACE_S, _Waiting
+
+    waiting = _Waiting("127.0.0.1:1", tls=True, timeout=None)
+    for spent in (2.0, 12.0, 30.0):
+        assert waiting.saw("silent", "loading", spent) is None
+    assert waiting.saw("closed", "up", 32.0) is None  # up at last: its handshake gets a grace
+    assert waiting.saw("closed", "up", 32.0 + CONNECT_GRACE_S - 1) is None
+    failure = waiting.saw("closed", "up", 32.0 + CONNECT_GRACE_S)
+    assert failure is not None and "TLS handshake keeps failing" in failure
+
+
 def test_an_http_port_given_for_the_grpc_one_is_named_as_the_likely_mistake():
     """The SDK pointed at the server's --http-port (an HTTP/1.1 server answers the probe): one
     error naming the likely mix-up, as the drafter's does, at once."""

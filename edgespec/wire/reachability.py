@@ -18,7 +18,8 @@ probes the address (``probe``: one TCP connection sending the HTTP/2 preface) ev
   connection (a TLS server) reached by a plaintext channel, or something that answers but not
   HTTP/2: a mismatch, said at once;
 - a TLS server that a TLS channel cannot complete a handshake with: retried for
-  ``CONNECT_GRACE_S``, then called a certificate problem.
+  ``CONNECT_GRACE_S`` from when it was first seen up (silent while it loads its model: waited
+  for), then called a certificate problem.
 
 When the wait ends without a connection the client says why in words, with the seconds waited.
 """
@@ -149,6 +150,7 @@ class _Waiting:
         self.why = f"{address} did not connect"
         self.told = False
         self.starting = False  # its port was seen open: a server loading its model
+        self.closed_since: float | None = None  # when a TLS server was first seen up, in a row
 
     @property
     def limit(self) -> float:
@@ -168,6 +170,9 @@ class _Waiting:
         """A failure sentence to give up with, or None to wait on (logged once)."""
         self.why = why
         self.starting = self.starting or kind in ("silent", "h2")
+        closed_since = self.closed_since = (
+            (spent if self.closed_since is None else self.closed_since)
+            if kind == "closed" else None)
         addr = self.address
         if kind == "h2" and self.tls:
             return (f"{addr} serves gRPC without TLS: a TLS mismatch (drop --tls/--tls-ca, or "
@@ -175,7 +180,9 @@ class _Waiting:
         if kind == "closed" and not self.tls:
             return (f"{addr} closes a plaintext HTTP/2 connection: a TLS server (give --tls or "
                     "--tls-ca) or not an edgespec server?")
-        if kind == "closed" and spent >= CONNECT_GRACE_S:
+        # the grace runs from when the server was first seen up: one that loaded its model
+        # for longer (silent meanwhile) is not a certificate problem at its first answer
+        if closed_since is not None and spent - closed_since >= CONNECT_GRACE_S:
             return (f"{addr} speaks TLS but the TLS handshake keeps failing: is its certificate "
                     "signed by the CA given (--tls-ca), and for this host name?")
         if kind == "answered":
