@@ -236,6 +236,8 @@ def cmd_drafter(args) -> int:
                               f"{args.metrics_port}: {e}") from None
         print(f"edgespec: drafter metrics on http://{args.metrics_host}:{httpd.server_port}"
               "/metrics", file=sys.stderr, flush=True)
+    print(f"edgespec: drafter {args.device_id}: loading {args.drafter}", file=sys.stderr,
+          flush=True)  # (a model drafter loads for seconds before it attaches)
     drafter, fingerprint = build_edge_drafter(args.drafter, args.max_sessions, args.max_context,
                                               args.device, args.dtype, args.context_window)
     agent = DrafterAgent(args.cache, args.device_id, drafter, fingerprint, args.window,
@@ -257,6 +259,7 @@ def cmd_drafter(args) -> int:
         agent.run()
     except KeyboardInterrupt:
         agent.stop()
+    print(f"edgespec: drafter {args.device_id} stopped", file=sys.stderr, flush=True)
     return 0
 
 
