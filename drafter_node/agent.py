@@ -53,7 +53,7 @@ from edgespec.wire.keepalive import heartbeat_interval_s
 from edgespec.wire.reachability import check_address, probe
 
 from .cache_messages import CacheMessages
-from .first_attach import settings_refusal
+from .first_attach import handshake_hint, settings_refusal
 from .fleet_client import RemoteFleetTable
 from .liveness import Liveness
 
@@ -235,7 +235,6 @@ class DrafterAgent(CacheMessages):
 
     def _attach_until_stopped(self) -> None:
         delay, started = BACKOFF_START_S, time.monotonic()
-        closed_since: float | None = None  # a TLS cache first found up (probes in a row)
         replaced_at: float | None = None  # when the cache last said another took the id over
         while not self.stopping.is_set():
             error, why = None, None
@@ -250,12 +249,9 @@ class DrafterAgent(CacheMessages):
                                       f"{e.details()}{_fix_of(e.code())}") from None
                 found = probe(self.cache)[0] if not self.attaches and \
                     e.code() == grpc.StatusCode.UNAVAILABLE else None
-                now = time.monotonic()
-                closed_since = (closed_since or now) if found == "closed" else None
                 why_not = settings_refusal(
-                    self.cache, found, bool(self.tls or self.tls_ca or self.tls_cert),
-                    now - closed_since if closed_since else 0.0,
-                    str(e.details())) if found else None
+                    self.cache, found, bool(self.tls or self.tls_ca or self.tls_cert)) \
+                    if found else None
                 if why_not is not None:
                     raise ConfigError(why_not) from None
                 if e.code() == grpc.StatusCode.ABORTED and \
@@ -301,6 +297,9 @@ class DrafterAgent(CacheMessages):
         ``STILL_UNREACHABLE_LOG_S`` while it lasts."""
         why = why or (f"{error.code().name}: {error.details()}" if error is not None
                       else "the cache closed the stream")
+        hint = handshake_hint(why) if self.tls or self.tls_ca or self.tls_cert else None
+        if hint:  # the board's own TLS handshake failed: what to check, with the error
+            why = f"{why}; {hint}"
         now = time.monotonic()
         if attached:
             self._outage_since = None  # a failed re-attach starts an outage (said at once)

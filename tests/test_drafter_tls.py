@@ -1,29 +1,39 @@
-"""A board and a TLS cache that can never agree stop at the first attach with one line (the
-``edgespec drafter`` command's status 2), where they retried for ever: a plaintext board at a
-TLS cache (the cache closes its connections unanswered), and a TLS board whose handshake keeps
-failing (a certificate the board does not trust), after the same grace the SDK gives one. A
-board that trusts the certificate gets through."""
+"""A board and a TLS cache: a plaintext board at a cache that completes a TLS handshake stops at
+its first attach with one line (the ``edgespec drafter`` command's status 2), where it retried
+for ever. Nothing less sure stops a board: something that closes plaintext connections without
+being TLS (a forwarder whose backend is down), a TLS board whose handshake fails (it retries,
+saying what to check), and a trusting board that a TLS cache refuses UNAVAILABLE (draining, no
+verifier yet) all retry."""
 
 from __future__ import annotations
 
+import logging
 import shutil
+import socket
 import subprocess
+import threading
 from concurrent import futures
 
 import grpc
 import pytest
 
-from cache_harness import SlotDrafter, what_ends_the_first_attach
+from cache_harness import WAIT_S, SlotDrafter, what_ends_the_first_attach
 from drafter_node.agent import DrafterAgent
 from edgespec.config import ConfigError
+from edgespec.wire.reachability import probe, speaks_tls
 
-pytestmark = pytest.mark.slow  # a server and handshakes
+pytestmark = pytest.mark.slow  # servers and handshakes
+
+
+def _abort_attach(requests, context):
+    context.abort(grpc.StatusCode.UNAVAILABLE, "no verifier has registered a target yet")
 
 
 @pytest.fixture(scope="module")
-def tls_server(tmp_path_factory):
-    """A gRPC server speaking TLS with a self-signed certificate for 127.0.0.1 (no service:
-    what is read is the handshake), and the certificate's path."""
+def tls_cache(tmp_path_factory):
+    """A gRPC server speaking TLS with a self-signed certificate for 127.0.0.1, whose draft
+    cache refuses every Attach UNAVAILABLE as a cache with no target yet does; its address and
+    the certificate's path."""
     if shutil.which("openssl") is None:
         pytest.skip("openssl is needed to make a test certificate (apt-get install openssl)")
     d = tmp_path_factory.mktemp("tls")
@@ -31,7 +41,10 @@ def tls_server(tmp_path_factory):
                     "-subj", "/CN=localhost", "-addext", "subjectAltName=IP:127.0.0.1",
                     "-keyout", d / "key.pem", "-out", d / "cert.pem"],
                    check=True, capture_output=True)
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
+        "edgespec.v1.DraftCache",
+        {"Attach": grpc.stream_stream_rpc_method_handler(_abort_attach)})])
     creds = grpc.ssl_server_credentials([((d / "key.pem").read_bytes(),
                                           (d / "cert.pem").read_bytes())])
     port = server.add_secure_port("127.0.0.1:0", creds)
@@ -40,43 +53,90 @@ def tls_server(tmp_path_factory):
     server.stop(0)
 
 
-def test_a_plaintext_board_at_a_tls_cache_stops_saying_so(tls_server):
-    address, _ = tls_server
+@pytest.fixture()
+def closes_unanswered():
+    """A TCP server that accepts each connection and closes it at once, as a forwarder whose
+    backend is not up does: not TLS."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    done = threading.Event()
+
+    def serve():
+        while not done.is_set():
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            conn.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    yield f"127.0.0.1:{listener.getsockname()[1]}"
+    done.set()
+    listener.close()
+
+
+def _retries(agent: DrafterAgent, n: int) -> list[str]:
+    """Run ``agent`` until it has retried ``n`` times (failing the test if it stops first);
+    what it logged for each retry."""
+    seen: list[str] = []
+    log_retry = agent._log_retry
+
+    def counted(error, wait, **kw):
+        log_retry(error, wait, **kw)
+        seen.append("" if error is None else str(error.details()))
+
+    agent._log_retry = counted  # type: ignore[method-assign]
+    errors: list[BaseException] = []
+
+    def run():
+        try:
+            agent.run()
+        except BaseException as e:  # noqa: BLE001 (the test reads what ended the agent)
+            errors.append(e)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    try:
+        for _ in range(WAIT_S * 20):
+            if len(seen) >= n or not t.is_alive():
+                break
+            t.join(0.05)
+    finally:
+        agent.stop()
+        t.join(WAIT_S)
+    assert not errors, f"the agent stopped: {errors}"
+    assert len(seen) >= n
+    return seen
+
+
+def test_a_plaintext_board_at_a_tls_cache_stops_saying_so(tls_cache):
+    address, _ = tls_cache
+    assert probe(address)[0] == "closed" and speaks_tls(address)
     error = what_ends_the_first_attach(DrafterAgent(address, "edge-plain", SlotDrafter(),
                                                     backoff_max_s=0.2))
     assert isinstance(error, ConfigError)
-    assert "closes a plaintext connection without answering: a TLS server? give the drafter " \
-           "--tls" in str(error)
+    assert "speaks TLS, this drafter plaintext: give the drafter --tls" in str(error)
 
 
-def test_a_tls_board_that_does_not_trust_the_certificate_stops_after_the_grace(
-        tls_server, monkeypatch):
-    import edgespec.wire.reachability as reachability
-
-    import drafter_node.first_attach as first_attach
-
-    monkeypatch.setattr(first_attach, "CONNECT_GRACE_S", 0.5)  # the SDK's 10 s, scaled down
-    assert reachability.CONNECT_GRACE_S == 10.0
-    address, _ = tls_server
-    error = what_ends_the_first_attach(DrafterAgent(address, "edge-untrusting", SlotDrafter(),
-                                                    tls=True, backoff_max_s=0.2))
-    assert isinstance(error, ConfigError)
-    assert "speaks TLS but the TLS handshake keeps failing" in str(error)
-    assert "--tls-ca" in str(error)
+def test_something_that_closes_connections_without_tls_is_waited_for(closes_unanswered):
+    assert probe(closes_unanswered)[0] == "closed" and not speaks_tls(closes_unanswered)
+    _retries(DrafterAgent(closes_unanswered, "edge-forwarded", SlotDrafter(),
+                          backoff_max_s=0.2), 4)
 
 
-def test_a_board_that_trusts_the_certificate_is_not_refused(tls_server):
-    """Its handshake succeeds: no settings error ends it (the test server has no draft cache,
-    so its attach fails otherwise, and it retries)."""
-    from drafter_node.first_attach import settings_refusal
-    from edgespec.wire.reachability import probe
+def test_a_tls_board_whose_handshake_fails_retries_saying_what_to_check(tls_cache, caplog):
+    caplog.set_level(logging.WARNING, logger="edgespec.drafter")
+    address, _ = tls_cache  # its certificate is not among the system's roots
+    seen = _retries(DrafterAgent(address, "edge-untrusting", SlotDrafter(), tls=True,
+                                 backoff_max_s=0.2), 4)
+    assert all("handshake failed" in s.lower() for s in seen), seen
+    warning = next(r.getMessage() for r in caplog.records if r.name == "edgespec.drafter")
+    assert "is the cache's certificate signed by the CA given (--tls-ca" in warning
 
-    address, cert = tls_server
-    found, _ = probe(address)
-    assert found == "closed"  # what a plaintext probe of a TLS server sees
-    assert settings_refusal(address, found, tls=True, closed_for_s=0.0, details="") is None
-    channel = grpc.secure_channel(address, grpc.ssl_channel_credentials(cert.read_bytes()))
-    try:
-        grpc.channel_ready_future(channel).result(timeout=30)  # the handshake the board makes
-    finally:
-        channel.close()
+
+def test_a_trusting_board_refused_unavailable_by_a_tls_cache_retries(tls_cache):
+    """Its handshake succeeds and the cache refuses it for now (no verifier yet): an outage,
+    however long it lasts."""
+    address, cert = tls_cache
+    seen = _retries(DrafterAgent(address, "edge-trusting", SlotDrafter(), tls_ca=str(cert),
+                                 backoff_max_s=0.2), 4)
+    assert all("no verifier has registered a target yet" in s for s in seen), seen

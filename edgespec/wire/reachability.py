@@ -245,6 +245,28 @@ def probe(address: str) -> tuple[Probe, str]:
     return "answered", f"{address} answers, but not as a gRPC server"
 
 
+def speaks_tls(address: str) -> bool:
+    """Whether a TLS handshake with ``address`` completes (the certificate not checked, ALPN
+    h2 offered, as gRPC does): what tells a TLS server apart from anything else that closes a
+    plaintext connection unanswered (a TCP forwarder whose backend is not up yet, a server
+    resetting the connections queued as it stops)."""
+    import ssl
+
+    host_port = split_address(address)
+    if host_port is None:
+        return False
+    context = ssl.create_default_context()
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    context.set_alpn_protocols(["h2"])
+    try:
+        with socket.create_connection(host_port, timeout=PROBE_TIMEOUT_S) as conn:
+            with context.wrap_socket(conn, server_hostname=host_port[0]):
+                return True
+    except (ssl.SSLError, OSError):
+        return False
+
+
 def split_address(address: str) -> tuple[str, int] | None:
     """``host:port``, ``[v6]:port`` or ``dns:///host:port`` as (host, port); None for other
     forms (unix sockets, ...)."""
