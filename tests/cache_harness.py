@@ -200,9 +200,9 @@ def start_agent(agent: DrafterAgent) -> threading.Thread:
     return t
 
 
-def what_ends_the_first_attach(agent) -> BaseException:
-    """Run ``agent`` until it ends by itself (failing the test if it keeps retrying); what
-    ended it."""
+def run_agent(agent) -> tuple[threading.Thread, list[BaseException]]:
+    """``agent.run()`` on a thread of its own, started; the thread, and the list that gets
+    what ended the run if it raised."""
     errors: list[BaseException] = []
 
     def run():
@@ -213,6 +213,13 @@ def what_ends_the_first_attach(agent) -> BaseException:
 
     t = threading.Thread(target=run, daemon=True)
     t.start()
+    return t, errors
+
+
+def what_ends_the_first_attach(agent) -> BaseException:
+    """Run ``agent`` until it ends by itself (failing the test if it keeps retrying); what
+    ended it."""
+    t, errors = run_agent(agent)
     try:
         t.join(WAIT_S)
         assert not t.is_alive(), "the agent kept retrying an address that can never work"
@@ -221,3 +228,18 @@ def what_ends_the_first_attach(agent) -> BaseException:
         t.join(WAIT_S)
     assert len(errors) == 1
     return errors[0]
+
+
+def self_signed_certificate(folder) -> tuple:
+    """A certificate for 127.0.0.1 that is its own CA, and its key, written in ``folder``
+    (skips the test where openssl is missing): (cert.pem, key.pem)."""
+    import shutil
+    import subprocess
+
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is needed to make a test certificate (apt-get install openssl)")
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                    "-subj", "/CN=localhost", "-addext", "subjectAltName=IP:127.0.0.1",
+                    "-keyout", folder / "key.pem", "-out", folder / "cert.pem"],
+                   check=True, capture_output=True)
+    return folder / "cert.pem", folder / "key.pem"

@@ -8,16 +8,15 @@ verifier yet) all retry."""
 from __future__ import annotations
 
 import logging
-import shutil
 import socket
-import subprocess
 import threading
 from concurrent import futures
 
 import grpc
 import pytest
 
-from cache_harness import WAIT_S, SlotDrafter, what_ends_the_first_attach
+from cache_harness import (WAIT_S, SlotDrafter, run_agent, self_signed_certificate,
+                           what_ends_the_first_attach)
 from drafter_node.agent import DrafterAgent
 from edgespec.config import ConfigError
 from edgespec.wire.reachability import probe, speaks_tls
@@ -34,22 +33,15 @@ def tls_cache(tmp_path_factory):
     """A gRPC server speaking TLS with a self-signed certificate for 127.0.0.1, whose draft
     cache refuses every Attach UNAVAILABLE as a cache with no target yet does; its address and
     the certificate's path."""
-    if shutil.which("openssl") is None:
-        pytest.skip("openssl is needed to make a test certificate (apt-get install openssl)")
-    d = tmp_path_factory.mktemp("tls")
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-                    "-subj", "/CN=localhost", "-addext", "subjectAltName=IP:127.0.0.1",
-                    "-keyout", d / "key.pem", "-out", d / "cert.pem"],
-                   check=True, capture_output=True)
+    cert, key = self_signed_certificate(tmp_path_factory.mktemp("tls"))
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
     server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
         "edgespec.v1.DraftCache",
         {"Attach": grpc.stream_stream_rpc_method_handler(_abort_attach)})])
-    creds = grpc.ssl_server_credentials([((d / "key.pem").read_bytes(),
-                                          (d / "cert.pem").read_bytes())])
+    creds = grpc.ssl_server_credentials([(key.read_bytes(), cert.read_bytes())])
     port = server.add_secure_port("127.0.0.1:0", creds)
     server.start()
-    yield f"127.0.0.1:{port}", d / "cert.pem"
+    yield f"127.0.0.1:{port}", cert
     server.stop(0)
 
 
@@ -85,16 +77,7 @@ def _retries(agent: DrafterAgent, n: int) -> list[str]:
         seen.append("" if error is None else str(error.details()))
 
     agent._log_retry = counted  # type: ignore[method-assign]
-    errors: list[BaseException] = []
-
-    def run():
-        try:
-            agent.run()
-        except BaseException as e:  # noqa: BLE001 (the test reads what ended the agent)
-            errors.append(e)
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
+    t, errors = run_agent(agent)
     try:
         for _ in range(WAIT_S * 20):
             if len(seen) >= n or not t.is_alive():

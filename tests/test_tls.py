@@ -1,12 +1,10 @@
 """TLS switched on with certificate paths: a client that trusts the CA gets through, a
 plaintext client does not."""
 
-import shutil
-import subprocess
-
 import pytest
 
 import edgespec
+from cache_harness import self_signed_certificate
 from procs import start_serve
 
 pytestmark = pytest.mark.slow  # processes, servers or long sweeps: not the fast tier
@@ -14,14 +12,7 @@ pytestmark = pytest.mark.slow  # processes, servers or long sweeps: not the fast
 
 @pytest.fixture(scope="module")
 def certs(tmp_path_factory):
-    if shutil.which("openssl") is None:
-        pytest.skip("openssl is needed to make a test certificate (apt-get install openssl)")
-    d = tmp_path_factory.mktemp("tls")
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-                    "-subj", "/CN=localhost", "-addext", "subjectAltName=IP:127.0.0.1",
-                    "-keyout", d / "key.pem", "-out", d / "cert.pem"],
-                   check=True, capture_output=True)
-    return d / "cert.pem", d / "key.pem"
+    return self_signed_certificate(tmp_path_factory.mktemp("tls"))
 
 
 def test_tls_server_serves_trusting_clients_only(certs, tiny_dir, tmp_path):
