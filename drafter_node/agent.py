@@ -173,6 +173,7 @@ class DrafterAgent(CacheMessages):
         self.jobs_at_once = max(1, drafter.batch_jobs)
         self.token, self.tls_ca, self.tls = token, tls_ca, tls
         self.tls_cert, self.tls_key = tls_cert, tls_key
+        self.speaks_tls = bool(tls or tls_ca or tls_cert)  # how make_channel connects
         self.max_sessions = max_sessions
         self.backoff_max_s = backoff_max_s
         self.metrics = metrics
@@ -249,8 +250,7 @@ class DrafterAgent(CacheMessages):
                                       f"{e.details()}{_fix_of(e.code())}") from None
                 found = probe(self.cache)[0] if not self.attaches and \
                     e.code() == grpc.StatusCode.UNAVAILABLE else None
-                why_not = settings_refusal(
-                    self.cache, found, bool(self.tls or self.tls_ca or self.tls_cert)) \
+                why_not = settings_refusal(self.cache, found, self.speaks_tls) \
                     if found else None
                 if why_not is not None:
                     raise ConfigError(why_not) from None
@@ -297,7 +297,7 @@ class DrafterAgent(CacheMessages):
         ``STILL_UNREACHABLE_LOG_S`` while it lasts."""
         why = why or (f"{error.code().name}: {error.details()}" if error is not None
                       else "the cache closed the stream")
-        hint = handshake_hint(why) if self.tls or self.tls_ca or self.tls_cert else None
+        hint = handshake_hint(why) if self.speaks_tls else None
         if hint:  # the board's own TLS handshake failed: what to check, with the error
             why = f"{why}; {hint}"
         now = time.monotonic()
