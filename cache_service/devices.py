@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import redis
 
-from .codec import KeyLayout, raises_store_unavailable, text
+from .codec import InboxEvent, KeyLayout, raises_store_unavailable, text
 from .store_lua import LIVE_SESSIONS_LUA, PRUNE_LUA
 
 
@@ -99,6 +99,14 @@ class DeviceRegistry:
     def is_alive(self, device: str) -> bool:
         return bool(device) and bool(self.redis.exists(self.keys.alive(device)))
 
+    @raises_store_unavailable
+    def alive_many(self, devices: list[str]) -> list[bool]:
+        """``is_alive`` of each device, in one round trip."""
+        pipe = self.redis.pipeline(transaction=False)
+        for device in devices:
+            pipe.exists(self.keys.alive(device))
+        return [bool(up) for up in pipe.execute()]
+
     def prune(self, now: float | None = None, keep_s: float | None = None,
               forget: int = 256, limit: int = 256) -> list[str]:
         """Forget drafters not alive and not seen for ``keep_s`` (default ``max_idle_s``): their
@@ -182,6 +190,40 @@ class DeviceRegistry:
             with self._lock:
                 if self._reserved[device] > 0:
                     self._reserved[device] -= 1
+
+    def hand_over(self, sid: str, device: str, previous: str, inbox_maxlen: int) -> bool:
+        """Session ``sid``, running and drafted by ``previous`` ("": by none), drafted by
+        ``device`` from now on, atomically: its owner field, both drafters' session sets, an
+        assignment in ``device``'s inbox (it drafts from the session's committed end, as for
+        a new session) and a close in ``previous``'s (a board that comes back drops it; the
+        push script refuses its chunks: the session is no longer its). The draft held is
+        dropped (a chunk of ``device`` starts at the committed end) and the rest it was told
+        of forgotten. False, changing nothing, where the session is gone, done, or no longer
+        ``previous``'s (a step or another hand-over moved it meanwhile)."""
+        h, _, draft, branches = self.keys.session(sid)
+        with self.redis.pipeline(transaction=True) as pipe:
+            try:
+                pipe.watch(h)
+                owner, done = pipe.hmget(h, "device", "done")
+                if owner is None or text(owner) != previous or text(done or b"0") == "1":
+                    return False
+                pipe.multi()
+                pipe.hset(h, mapping={"device": device, "idle": 0})
+                pipe.hdel(h, "rest", "hush", "hushep")
+                pipe.set(draft, b"", keepttl=True)
+                pipe.delete(branches)
+                if previous:
+                    pipe.srem(self.keys.sessions(previous), sid)
+                    pipe.xadd(self.keys.inbox(previous), InboxEvent("close", sid).fields(),
+                              maxlen=inbox_maxlen, approximate=True)
+                pipe.sadd(self.keys.sessions(device), sid)
+                pipe.expire(self.keys.sessions(device), self.ttl_s)
+                pipe.xadd(self.keys.inbox(device), InboxEvent("assign", sid).fields(),
+                          maxlen=inbox_maxlen, approximate=True)
+                pipe.execute()
+                return True
+            except redis.WatchError:  # the session moved meanwhile
+                return False
 
     def sessions_of(self, device: str) -> list[str]:
         """The device's sessions that still exist and are not done (stale ones are dropped)."""

@@ -354,6 +354,16 @@ class RedisSessionStore:
                     else StoreError(int(a), b)
         return out  # type: ignore[return-value]  # every chunk answered by now
 
+    @raises_store_unavailable
+    def hand_over(self, sid: str, device: str, previous: str = "") -> bool:
+        """``DeviceRegistry.hand_over``: a running session of this verifier's drafted by
+        ``device`` from now on (it had ``previous``, "" for none). False where it moved."""
+        if not self.devices.hand_over(sid, device, previous, self.inbox_maxlen):
+            return False
+        with self._lock:
+            self._device_of[sid] = device
+        return True
+
     def session_device(self, sid: str) -> str | None:
         dev = self.redis.hget(self.keys.session(sid)[0], "device")
         return None if dev is None else text(dev)

@@ -171,6 +171,7 @@ class Admission:
         ticket = self._resume_ticket(g) if g.resume_session_id else self._new_ticket(g)
         if ticket.ended:
             return ticket
+        ticket.pinned = bool(g.device_id)  # (a resume from the SDK names it again)
         got: Ticket | None = None  # stays None if the scheduler refuses it
         try:
             got = self.scheduler.submit(ticket, None if resumed else deadline_s)

@@ -27,6 +27,7 @@ from edgespec.engine.spec_engine import Admission, Result, SessionFailed, SpecEn
 from edgespec.protocol.request_stats import Stats
 from edgespec.protocol.contract import StoreUnavailable
 
+from .handover import Handover
 from .pace import Pace, prompts_ahead, tokens_before_a_slot, tokens_left
 from .tickets import QueueFull, ShuttingDown, Ticket, TooSlowForDeadline
 
@@ -70,6 +71,8 @@ class Scheduler(threading.Thread):
         self.pace = Pace(engine.cost.fit)
         engine.on_prefill = self._prefilled  # what each step's chunked prefill did
         self._step_tokens = 0  # committed during the step running now
+        self.handover = Handover(engine.store, lambda: self._tickets, metrics) \
+            if Handover.possible(engine.store) and engine.drafter is None else None
 
     # -- called from handler threads ------------------------------------------------------------
     @property
@@ -217,6 +220,8 @@ class Scheduler(threading.Thread):
                 with self._watched():  # an image prompt is prefilled here, alone
                     self._admit()
                 if self.engine.sessions:  # running, or waiting for their prompts' prefill
+                    if self.handover is not None:  # boards for those without (a second apart)
+                        self.handover.run(self.engine.sessions)
                     self._step_tokens = 0
                     with self._watched() as began:
                         try:

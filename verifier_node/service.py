@@ -263,9 +263,13 @@ class VerifierService(pb_grpc.VerifierServicer):
                     text.flush()
                 if prompt_due:
                     yield from prompt_logprobs_replies(sid, ticket)
+                # the drafter again (one may have taken the session over since the first
+                # response), with prompt_tokens: a client keeps the last response carrying them
                 yield pb.GenerateResponse(session_id=sid, finished=True,
                                           finish_reason=res.finish_reason,
-                                          stats=stats_to_pb(res.stats), text="".join(pieces))
+                                          stats=stats_to_pb(res.stats), text="".join(pieces),
+                                          device_id=ticket.device or "",
+                                          prompt_tokens=len(ticket.request.prompt_ids))
                 return
             if ticket.error is not None:
                 self._abort_for(ticket.error, sid, context)

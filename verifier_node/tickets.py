@@ -75,6 +75,8 @@ class Ticket:
     listeners: list = field(default_factory=list)
     # a resumed or re-created session that changes kernel sets here (``protocol.lineage``)
     kernels_switched: bool = False
+    # its caller named its drafter (``device_id``): never handed to another (``handover``)
+    pinned: bool = False
 
     def __post_init__(self) -> None:
         self.tokens = list(self.request.committed)

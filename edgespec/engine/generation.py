@@ -103,6 +103,14 @@ class ActiveSession:
         self.board_drafted = False
         self.board_empty = False
 
+    def hand_to(self, drafter: str) -> None:
+        """Its drafts asked of ``drafter`` from now on (the verifier handed it over: it had no
+        board, or its board was gone): what its board's drafts showed and its draft length
+        start again, as a new session's."""
+        self.drafter = drafter
+        self.board_drafted = self.board_empty = self.fixed = False
+        self.draft_len = DraftLength.of_row(self.draft_len.table, self.draft_len.row)
+
     @property
     def end(self) -> int:
         """Position after the last committed token."""

@@ -134,6 +134,8 @@ class Resumer:
             return self.recreate_request()
         resume = pb.GenerateRequest(resume_session_id=self.session_id,
                                     resume_from=self.received)
+        if self.req.device_id:  # pinned to its board: not handed to another after the break
+            resume.device_id = self.req.device_id
         if self.req.HasField("logprobs"):  # the tokens after the break get theirs
             resume.logprobs = self.req.logprobs
         if self.wants_prompt_logprobs:  # not had yet: the verifier prefilling it scores them

@@ -1,0 +1,219 @@
+"""Running sessions handed to an attached drafter (``verifier_node.handover``): a session admitted
+with no board, and one whose board has been gone for ``after_s``, go to a board that attached
+later; the cache's owner, session sets and inboxes move in one transaction; the old board's
+chunks are refused; pinned sessions and those near their end stay; the output is target-only's
+whatever the hand-over. Real Redis, real gRPC, a real drafter agent; the engine stepped here,
+so that nothing depends on how a race falls."""
+
+from __future__ import annotations
+
+import threading
+from concurrent import futures
+
+import grpc
+import pytest
+from cache_harness import Stream, eventually
+from conftest import hf_greedy
+
+from cache_service.codec import text
+from cache_service.redis_conn import RedisHandle
+from cache_service.service import DraftCacheService
+from cache_service.store import RedisSessionStore
+from cache_service.store_records import StoreError
+from drafter_node.agent import DrafterAgent
+from edgespec.config import EngineConfig, SamplingParams
+from edgespec.drafters import Draft, Drafter, DraftSession
+from edgespec.engine.spec_engine import Request, SpecEngine
+from edgespec.protocol.local_store import LocalSessionStore
+from edgespec.runner.target_runner import TargetRunner
+from edgespec.v1 import edgespec_pb2_grpc as pb_grpc
+from edgespec.wire.channels import bind
+from verifier_node.handover import MIN_TOKENS_LEFT, Handover
+from verifier_node.scheduler import Scheduler
+from verifier_node.tickets import Ticket
+
+PROMPTS = [[1, 10, 11, 12, 13, 10, 11, 12, 13, 10], [1, 50, 51, 52, 53, 54, 55, 56]]
+N = 40
+
+
+class KnownOutputDrafter(Drafter):
+    """Drafts the known continuation of whatever its session holds (opened at any point of a
+    session: a board handed one mid-way drafts from its committed end)."""
+
+    name = "known"
+
+    def __init__(self, fulls: list[list[int]]):
+        self.fulls = fulls
+
+    def open(self, tokens, params):
+        return _KnownSession(self, tokens, params)
+
+
+class _KnownSession(DraftSession):
+    def __init__(self, drafter, tokens, params):
+        super().__init__(tokens, params)
+        self.drafter = drafter
+
+    def propose(self, k):
+        n = len(self.tokens)
+        for full in self.drafter.fulls:
+            if full[:n] == self.tokens:
+                out = full[n:n + k]
+                self.tokens.extend(out)
+                return Draft(out)
+        return Draft()
+
+
+@pytest.fixture()
+def fleet(tiny):
+    """An embedded Redis, the draft cache on loopback, a verifier engine over its store."""
+    handle = RedisHandle()
+    store = RedisSessionStore(handle.client, prefix="ho:", ttl_s=60)
+    runner = TargetRunner(tiny.model, n_slots=4, max_len=128)
+    store.set_target({"model": "tiny", "fingerprint": "", "vocab_size": runner.vocab_size,
+                      "window": 8, "chunk": 4})
+    server = grpc.server(futures.ThreadPoolExecutor(8))
+    service = DraftCacheService(store, window=8, chunk=4, poll_ms=100)
+    pb_grpc.add_DraftCacheServicer_to_server(service, server)
+    port = bind(server, "127.0.0.1:0")
+    server.start()
+    cfg = EngineConfig(adaptive=False, draft_wait_ms=5000, fill_drafts="none")
+    engine = SpecEngine(runner, None, cfg, stop_ids={2}, store=store)
+    yield {"address": f"127.0.0.1:{port}", "store": store, "engine": engine,
+           "channel": grpc.insecure_channel(f"127.0.0.1:{port}")}
+    service.stop()
+    server.stop(0)
+    store.shutdown()
+    handle.close()
+
+
+def _attach(address: str, device: str, drafter: Drafter):
+    agent = DrafterAgent(address, device, drafter, window=8, chunk=4)
+    thread = threading.Thread(target=agent.run, daemon=True)
+    thread.start()
+    eventually(agent.connected.is_set, f"{device} attached")
+    return agent, thread
+
+
+def _admit(engine, prompts, device=None, n=N, pinned=False):
+    tickets = {}
+    for p in prompts:
+        sid = f"s{len(engine.active)}"
+        engine.add(Request(p, n, SamplingParams()), session_id=sid, device=device)
+        t = Ticket(Request(p, n, SamplingParams()), device, session_id=sid)
+        t.pinned = pinned
+        tickets[sid] = t
+    return tickets
+
+
+def _inbox(store, device: str) -> list[str]:
+    """The kinds of the events in ``device``'s inbox, oldest first."""
+    return [text(fields[b"t"]) for _, fields in store.redis.xrange(store.keys.inbox(device))]
+
+
+def test_sessions_admitted_with_no_board_go_to_a_board_that_attaches_later(fleet, tiny):
+    engine, store = fleet["engine"], fleet["store"]
+    refs = {tuple(p): hf_greedy(tiny.model, p, N) for p in PROMPTS}
+    tickets = _admit(engine, PROMPTS)
+    for _ in range(3):  # the server decodes them alone meanwhile
+        engine.step()
+    assert all(not a.drafter for a in engine.active)
+    handover = Handover(store, lambda: tickets)
+    assert handover.run(engine.sessions, now=0.0) == 0  # no board attached: nothing moves
+    agent, thread = _attach(fleet["address"], "board-late",
+                            KnownOutputDrafter([p + refs[tuple(p)] for p in PROMPTS]))
+    try:
+        assert handover.run(engine.sessions, now=0.5) == 0  # once a second at most
+        assert handover.run(engine.sessions, now=1.0) == len(PROMPTS)
+        for act in engine.active:
+            assert act.drafter == "board-late"
+            assert tickets[act.sid].device == "board-late"
+            assert store.session_device(act.sid) == "board-late"
+        assert sorted(store.devices.sessions_of("board-late")) == sorted(tickets)
+        assert _inbox(store, "board-late") == ["assign"] * len(PROMPTS)
+        acts = list(engine.active)
+        while engine.active:
+            engine.step()
+    finally:
+        agent.stop()
+        thread.join(timeout=10)
+    for p, act in zip(PROMPTS, acts):
+        ref = refs[tuple(p)]
+        assert act.output == ref[:len(act.output)] and (len(act.output) == N
+                                                        or act.output[-1] == 2)
+        assert act.stats.drafter_tokens > 0  # the board drafted for it once handed over
+    assert agent.refused == 0
+
+
+def test_a_session_whose_board_is_gone_goes_to_another_after_the_wait(fleet, tiny):
+    engine, store = fleet["engine"], fleet["store"]
+    refs = {tuple(p): hf_greedy(tiny.model, p, N) for p in PROMPTS[:1]}
+    old = Stream(fleet["channel"], "board-old")  # a hand-driven board that then goes away
+    eventually(lambda: store.devices.is_alive("board-old"), "board-old attached")
+    tickets = _admit(engine, PROMPTS[:1], device="board-old")
+    [sid] = tickets
+    engine.step()
+    old.close()
+    eventually(lambda: not store.devices.is_alive("board-old"), "board-old marked gone")
+    agent, thread = _attach(fleet["address"], "board-new",
+                            KnownOutputDrafter([p + refs[tuple(p)] for p in PROMPTS[:1]]))
+    try:
+        handover = Handover(store, lambda: tickets, after_s=30.0)
+        assert handover.run(engine.sessions, now=100.0) == 0  # first seen gone now
+        assert handover.run(engine.sessions, now=129.0) == 0  # gone for 29 s: it stays
+        assert store.session_device(sid) == "board-old"
+        assert handover.run(engine.sessions, now=130.0) == 1
+        assert store.session_device(sid) == "board-new"
+        assert sid not in store.devices.sessions_of("board-old")
+        assert _inbox(store, "board-old")[-1] == "close"
+        assert _inbox(store, "board-new") == ["assign"]
+        epoch = int(store.redis.hget(store.keys.session(sid)[0], "epoch"))
+        end = len(PROMPTS[0]) + len(engine.active[0].output)
+        with pytest.raises(StoreError) as refused:  # the old board's: no longer its session
+            store.push(sid, epoch, end, [5], False, 8, device="board-old")
+        assert refused.value.kind == "device"
+        [act] = engine.active
+        while engine.active:
+            engine.step()
+    finally:
+        agent.stop()
+        thread.join(timeout=10)
+    ref = refs[tuple(PROMPTS[0])]
+    assert act.output == ref[:len(act.output)]
+    assert act.stats.drafter_tokens > 0
+
+
+def test_pinned_sessions_and_sessions_near_their_end_are_not_handed_over(fleet, tiny):
+    engine, store = fleet["engine"], fleet["store"]
+    pinned = _admit(engine, PROMPTS[:1], pinned=True)
+    short = _admit(engine, PROMPTS[1:], n=MIN_TOKENS_LEFT - 1)
+    tickets = {**pinned, **short}
+    agent, thread = _attach(fleet["address"], "board-idle", KnownOutputDrafter([]))
+    try:
+        assert Handover(store, lambda: tickets).run(engine.sessions, now=0.0) == 0
+        assert all(not a.drafter for a in engine.active)
+        assert all(store.session_device(s) == "" for s in tickets)
+    finally:
+        agent.stop()
+        thread.join(timeout=10)
+
+
+def test_the_cache_hands_over_only_what_is_still_the_previous_drafters(fleet):
+    store = fleet["store"]
+    store.create("x", [1, 2, 3], SamplingParams(), "board-a", 20)
+    assert not store.hand_over("x", "board-b", previous="")  # not boardless: moved meanwhile
+    assert not store.hand_over("gone", "board-b", previous="")  # no such session
+    assert store.hand_over("x", "board-b", previous="board-a")
+    assert store.session_device("x") == "board-b"
+    assert store.devices.sessions_of("board-a") == []
+    assert store.devices.sessions_of("board-b") == ["x"]
+    store.close("x")
+    assert not store.hand_over("x", "board-c", previous="board-b")  # ended
+
+
+def test_a_scheduler_hands_over_only_over_a_cache_that_boards_attach_to(fleet, tiny):
+    assert isinstance(Scheduler(fleet["engine"]).handover, Handover)
+    runner = TargetRunner(tiny.model, n_slots=2, max_len=64)
+    local = SpecEngine(runner, None, EngineConfig(), stop_ids={2},
+                       store=LocalSessionStore())
+    assert Scheduler(local).handover is None

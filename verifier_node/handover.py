@@ -1,0 +1,126 @@
+"""Running sessions handed to a drafter that can draft for them: a session admitted while no
+board had room (the server decodes it alone), and a session whose board has been gone for
+``HANDOVER_AFTER_S`` (it would stay assigned to a board that may never come back), are handed
+to the attached drafter with the fewest sessions below its limit, once a second at most, by
+the scheduler's thread between steps.
+
+The hand-over (``RedisSessionStore.hand_over``) moves the session's owner in the cache in one
+transaction: the new board is assigned it (it drafts from the committed end, as for a new
+session), the old one, if any, is told it closed, and the old board's chunks are refused from
+then on. The engine then asks the new board for drafts (``ActiveSession.hand_to``). The output
+is the same either way: drafts only decide how many tokens a step verifies. A session pinned to
+a board (``device_id``) is never handed over, nor one with fewer than ``MIN_TOKENS_LEFT``
+tokens to go. The store of a server without boards (in process) has no hand-over: nothing to do.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from edgespec.engine.generation import ActiveSession
+from edgespec.protocol.contract import StoreUnavailable
+
+from .tickets import Ticket
+
+log = logging.getLogger("edgespec.verifier")
+
+HANDOVER_EVERY_S = 1.0  # how often the running sessions are looked over
+HANDOVER_AFTER_S = 30.0  # a board gone this long no longer drafts for its sessions
+MIN_TOKENS_LEFT = 16  # a session closer to its end than this stays as it is
+
+
+@dataclass
+class Candidate:
+    """A running session to hand over, and why: "no_board" or "board_gone"."""
+
+    act: ActiveSession
+    ticket: Ticket
+    reason: str
+
+
+class Handover:
+    """Hands the scheduler's running sessions over to attached drafters (``run``, between
+    steps; the caller's thread owns the engine)."""
+
+    def __init__(self, store, tickets: Callable[[], dict[str, Ticket]], metrics=None,
+                 after_s: float = HANDOVER_AFTER_S, every_s: float = HANDOVER_EVERY_S):
+        self.store, self.tickets, self.metrics = store, tickets, metrics
+        self.after_s, self.every_s = after_s, every_s
+        self._next_at = 0.0
+        self._gone_since: dict[str, float] = {}  # drafter -> when it was first seen gone
+        self._said_down = False
+
+    @staticmethod
+    def possible(store) -> bool:
+        """Whether ``store`` can hand sessions over (a cache boards attach to)."""
+        return callable(getattr(store, "hand_over", None)) and hasattr(store, "devices")
+
+    def run(self, sessions: Iterable[ActiveSession], now: float | None = None) -> int:
+        """Hand over what is due, at most once every ``every_s``; returns how many were."""
+        now = time.monotonic() if now is None else now
+        if now < self._next_at:
+            return 0
+        self._next_at = now + self.every_s
+        try:
+            found = self.candidates(list(sessions), now)
+            done = self._hand_over(found) if found else 0
+        except (StoreUnavailable, OSError) as e:  # the step says it; tried again later
+            if not self._said_down:
+                log.warning("cannot hand sessions over to drafters now: %s", e)
+            self._said_down = True
+            return 0
+        self._said_down = False
+        return done
+
+    def candidates(self, sessions: list[ActiveSession], now: float) -> list[Candidate]:
+        """The running sessions to hand over: those without a drafter first, in admission
+        order, then those whose drafter has been gone for ``after_s``."""
+        tickets = self.tickets()
+        boardless: list[Candidate] = []
+        boarded: list[Candidate] = []
+        for act in sessions:
+            t = tickets.get(act.sid)
+            if t is None or t.pinned or act.finish is not None or act.req.max_new_tokens - \
+                    len(act.output) < MIN_TOKENS_LEFT:
+                continue
+            (boarded if act.drafter else boardless).append(Candidate(act, t, "no_board"))
+        return boardless + self._orphans(boarded, now)
+
+    def _orphans(self, boarded: list[Candidate], now: float) -> list[Candidate]:
+        """Of ``boarded``, those whose drafter has not been attached for ``after_s``."""
+        drafters = sorted({c.act.drafter for c in boarded})
+        alive = self.store.devices.alive_many(drafters) if drafters else []
+        since: dict[str, float] = {}
+        for d, up in zip(drafters, alive):
+            if not up:
+                since[d] = self._gone_since.get(d, now)
+        self._gone_since = since  # drafters back, or with no session here, forgotten
+        return [Candidate(c.act, c.ticket, "board_gone") for c in boarded
+                if c.act.drafter in since and now - since[c.act.drafter] >= self.after_s]
+
+    def _hand_over(self, found: list[Candidate]) -> int:
+        done = 0
+        for c in found:
+            device = self.store.devices.pick()  # reserved until given back below
+            if device is None:  # no attached drafter has room: the rest wait too
+                break
+            try:
+                if device == c.act.drafter:  # its own drafter came back meanwhile
+                    continue
+                if not self.store.hand_over(c.act.sid, device, c.act.drafter):
+                    continue  # ended or moved meanwhile
+            finally:
+                self.store.devices.release(device)  # the session set counts it now
+            previous = c.act.drafter
+            c.act.hand_to(device)
+            c.ticket.device = device
+            done += 1
+            if self.metrics is not None:
+                self.metrics.handed_over.labels(c.reason).inc()
+            log.info("session %s handed to drafter %s (%s)", c.act.sid, device,
+                     "it had none" if not previous else
+                     f"drafter {previous} gone for {self.after_s:.0f} s or more")
+        return done
