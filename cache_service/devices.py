@@ -10,6 +10,7 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import redis
 
@@ -28,6 +29,22 @@ class DeviceInfo:
     sessions: int
     max_sessions: int
     last_seen_s: float  # 0 while attached
+
+
+class HandOver(NamedTuple):
+    """What a hand-over found: the session's drafter after it ("" for none; None: gone, done,
+    or changed while it looked, for a retry to decide), and whether this call moved it."""
+
+    owner: str | None
+    moved: bool = False
+
+
+def registered_limit(raw) -> int:
+    """A drafter's own ``max_sessions`` from its registration (unsaid or unreadable: none)."""
+    try:
+        return int(json.loads(raw).get("max_sessions") or 0) or 1 << 30
+    except (ValueError, TypeError, AttributeError):
+        return 1 << 30
 
 
 class DeviceRegistry:
@@ -152,10 +169,7 @@ class DeviceRegistry:
             best, best_load = None, None
             for dev in alive:
                 load = loads[dev] + self._reserved[dev]
-                try:
-                    limit = int(json.loads(regs[dev]).get("max_sessions") or 0) or 1 << 30
-                except (ValueError, TypeError, AttributeError):
-                    limit = 1 << 30
+                limit = registered_limit(regs[dev])
                 if load < limit and (best_load is None or load < best_load):
                     best, best_load = dev, load
             if best is not None:
@@ -191,22 +205,29 @@ class DeviceRegistry:
                 if self._reserved[device] > 0:
                     self._reserved[device] -= 1
 
-    def hand_over(self, sid: str, device: str, previous: str, inbox_maxlen: int) -> bool:
+    def hand_over(self, sid: str, device: str, previous: str, inbox_maxlen: int
+                  ) -> HandOver:
         """Session ``sid``, running and drafted by ``previous`` ("": by none), drafted by
         ``device`` from now on, atomically: its owner field, both drafters' session sets, an
         assignment in ``device``'s inbox (it drafts from the session's committed end, as for
-        a new session) and a close in ``previous``'s (a board that comes back drops it; the
-        push script refuses its chunks: the session is no longer its). The draft held is
-        dropped (a chunk of ``device`` starts at the committed end) and the rest it was told
-        of forgotten. False, changing nothing, where the session is gone, done, or no longer
-        ``previous``'s (a step or another hand-over moved it meanwhile)."""
+        a new session) and, where ``previous`` is still registered, a close in its inbox (a
+        board that comes back drops it; the push script refuses its chunks: the session is no
+        longer its). The draft held is dropped (a chunk of ``device`` starts at the committed
+        end) and the rest it was told of forgotten. Nothing changes where the session is gone
+        or done, is no longer ``previous``'s (another replica's hand-over, or this one's whose
+        reply was lost), or ``device`` holds its ``max_sessions`` (checked in the transaction:
+        replicas handing sessions to one board at once stay within its limit)."""
         h, _, draft, branches = self.keys.session(sid)
+        mine = self.keys.sessions(device)
         with self.redis.pipeline(transaction=True) as pipe:
             try:
-                pipe.watch(h)
+                pipe.watch(h, mine)
                 owner, done = pipe.hmget(h, "device", "done")
-                if owner is None or text(owner) != previous or text(done or b"0") == "1":
-                    return False
+                if owner is None or text(done or b"0") == "1":
+                    return HandOver(None)
+                if text(owner) != previous or pipe.scard(mine) >= self._limit(device):
+                    return HandOver(text(owner))
+                registered = bool(previous) and bool(pipe.hexists(self.keys.devices, previous))
                 pipe.multi()
                 pipe.hset(h, mapping={"device": device, "idle": 0})
                 pipe.hdel(h, "rest", "hush", "hushep")
@@ -214,16 +235,20 @@ class DeviceRegistry:
                 pipe.delete(branches)
                 if previous:
                     pipe.srem(self.keys.sessions(previous), sid)
+                if registered:  # (an inbox written after its prune would never expire)
                     pipe.xadd(self.keys.inbox(previous), InboxEvent("close", sid).fields(),
                               maxlen=inbox_maxlen, approximate=True)
-                pipe.sadd(self.keys.sessions(device), sid)
-                pipe.expire(self.keys.sessions(device), self.ttl_s)
+                pipe.sadd(mine, sid)
+                pipe.expire(mine, self.ttl_s)
                 pipe.xadd(self.keys.inbox(device), InboxEvent("assign", sid).fields(),
                           maxlen=inbox_maxlen, approximate=True)
                 pipe.execute()
-                return True
-            except redis.WatchError:  # the session moved meanwhile
-                return False
+                return HandOver(device, True)
+            except redis.WatchError:  # the session or the board's set changed meanwhile
+                return HandOver(None)
+
+    def _limit(self, device: str) -> int:
+        return registered_limit(self.redis.hget(self.keys.devices, device))
 
     def sessions_of(self, device: str) -> list[str]:
         """The device's sessions that still exist and are not done (stale ones are dropped)."""

@@ -29,7 +29,7 @@ from edgespec.protocol.contract import (MAX_BRANCHES, Branch, CommitOutcome, Dra
 from .chunk_waker import ChunkWaker
 from .codec import (InboxEvent, KeyLayout, pack_tokens, params_from_json, params_to_json,
                     raises_store_unavailable, text, unpack_tokens)
-from .devices import DeviceRegistry
+from .devices import DeviceRegistry, HandOver
 from .fleet_recorder import FleetRecorder
 from .fleet_table import RedisFleetTable
 from .store_lua import COMMIT_MANY_LUA, PUSH_MANY_LUA, TAKE_MANY_LUA
@@ -355,14 +355,14 @@ class RedisSessionStore:
         return out  # type: ignore[return-value]  # every chunk answered by now
 
     @raises_store_unavailable
-    def hand_over(self, sid: str, device: str, previous: str = "") -> bool:
-        """``DeviceRegistry.hand_over``: a running session of this verifier's drafted by
-        ``device`` from now on (it had ``previous``, "" for none). False where it moved."""
-        if not self.devices.hand_over(sid, device, previous, self.inbox_maxlen):
-            return False
-        with self._lock:
-            self._device_of[sid] = device
-        return True
+    def hand_over(self, sid: str, device: str, previous: str = "") -> HandOver:
+        """``DeviceRegistry.hand_over`` of a session this verifier runs (its close then goes
+        to the drafter the cache names)."""
+        got = self.devices.hand_over(sid, device, previous, self.inbox_maxlen)
+        if got.owner is not None:
+            with self._lock:
+                self._device_of[sid] = got.owner
+        return got
 
     def session_device(self, sid: str) -> str | None:
         dev = self.redis.hget(self.keys.session(sid)[0], "device")

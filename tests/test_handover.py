@@ -200,15 +200,57 @@ def test_pinned_sessions_and_sessions_near_their_end_are_not_handed_over(fleet, 
 
 def test_the_cache_hands_over_only_what_is_still_the_previous_drafters(fleet):
     store = fleet["store"]
+    store.devices.register("board-b", {"max_sessions": 1})
     store.create("x", [1, 2, 3], SamplingParams(), "board-a", 20)
-    assert not store.hand_over("x", "board-b", previous="")  # not boardless: moved meanwhile
-    assert not store.hand_over("gone", "board-b", previous="")  # no such session
-    assert store.hand_over("x", "board-b", previous="board-a")
+    # moved meanwhile (not boardless): nothing changes, the drafter it has is told
+    assert store.hand_over("x", "board-b", previous="") == ("board-a", False)
+    assert store.hand_over("gone", "board-b", previous="") == (None, False)  # no such session
+    assert store.hand_over("x", "board-b", previous="board-a") == ("board-b", True)
     assert store.session_device("x") == "board-b"
     assert store.devices.sessions_of("board-a") == []
     assert store.devices.sessions_of("board-b") == ["x"]
+    # board-b holds its max_sessions (1): another replica's hand-over cannot overfill it
+    store.create("y", [1, 2, 3], SamplingParams(), None, 20)
+    assert store.hand_over("y", "board-b", previous="") == ("", False)
+    assert store.session_device("y") == ""
     store.close("x")
-    assert not store.hand_over("x", "board-c", previous="board-b")  # ended
+    assert store.hand_over("x", "board-c", previous="board-b") == (None, False)  # ended
+    assert store.hand_over("y", "board-b", previous="") == ("board-b", True)  # room again
+
+
+def test_a_session_another_replica_handed_over_is_followed_here(fleet, tiny):
+    """The cache already names a drafter this engine does not (another replica handed it
+    over, or this one's hand-over whose reply was lost): the engine asks that drafter."""
+    engine, store = fleet["engine"], fleet["store"]
+    tickets = _admit(engine, PROMPTS[:1])
+    [sid] = tickets
+    agent, thread = _attach(fleet["address"], "board-x", KnownOutputDrafter([]))
+    try:
+        assert store.hand_over(sid, "board-x", previous="").moved  # not via the engine
+        assert engine.active[0].drafter == ""
+        assert Handover(store, lambda: tickets).run(engine.sessions, now=0.0) == 0
+        assert engine.active[0].drafter == "board-x" and tickets[sid].device == "board-x"
+    finally:
+        agent.stop()
+        thread.join(timeout=10)
+
+
+def test_a_pin_is_kept_only_where_its_board_took_the_session(verifier_parts):
+    from verifier_node.admission import GenerationRequest
+
+    store, engine, sched, admission = verifier_parts
+    store.devices.register("b1", {"max_sessions": 4})
+    store.devices.mark_alive("b1", ttl_ms=60_000)
+    pinned = admission.admit(GenerationRequest(prompt="hi", device_id="b1", max_new_tokens=32))
+    free = admission.admit(GenerationRequest(prompt="hi", max_new_tokens=32))
+    assert pinned.pinned and pinned.device == "b1"
+    assert not free.pinned and free.device == "b1"  # picked, not asked for
+    # a resume of the running session that names no device leaves its pin as it was
+    again = admission.admit(GenerationRequest(resume_session_id=pinned.session_id))
+    assert again is pinned and again.pinned
+    again = admission.admit(GenerationRequest(resume_session_id=free.session_id,
+                                              device_id="b1"))
+    assert again is free and not again.pinned
 
 
 def test_a_scheduler_hands_over_only_over_a_cache_that_boards_attach_to(fleet, tiny):

@@ -171,7 +171,9 @@ class Admission:
         ticket = self._resume_ticket(g) if g.resume_session_id else self._new_ticket(g)
         if ticket.ended:
             return ticket
-        ticket.pinned = bool(g.device_id)  # (a resume from the SDK names it again)
+        if not ticket.submitted:  # new here, not the running ticket a resume found: pinned
+            # where its device_id took (the SDK's resume names it again)
+            ticket.pinned = bool(g.device_id) and ticket.device == g.device_id
         got: Ticket | None = None  # stays None if the scheduler refuses it
         try:
             got = self.scheduler.submit(ticket, None if resumed else deadline_s)

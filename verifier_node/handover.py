@@ -21,7 +21,6 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from edgespec.engine.generation import ActiveSession
-from edgespec.protocol.contract import StoreUnavailable
 
 from .tickets import Ticket
 
@@ -30,6 +29,7 @@ log = logging.getLogger("edgespec.verifier")
 HANDOVER_EVERY_S = 1.0  # how often the running sessions are looked over
 HANDOVER_AFTER_S = 30.0  # a board gone this long no longer drafts for its sessions
 MIN_TOKENS_LEFT = 16  # a session closer to its end than this stays as it is
+MAX_PER_RUN = 16  # sessions handed over at once: a pause of the loop of a few milliseconds
 
 
 @dataclass
@@ -59,17 +59,19 @@ class Handover:
         return callable(getattr(store, "hand_over", None)) and hasattr(store, "devices")
 
     def run(self, sessions: Iterable[ActiveSession], now: float | None = None) -> int:
-        """Hand over what is due, at most once every ``every_s``; returns how many were."""
+        """Hand over what is due, at most once every ``every_s`` and ``MAX_PER_RUN`` at a time;
+        returns how many were. A failure here fails no session: it is logged (once while it
+        lasts) and tried again later."""
         now = time.monotonic() if now is None else now
         if now < self._next_at:
             return 0
         self._next_at = now + self.every_s
         try:
             found = self.candidates(list(sessions), now)
-            done = self._hand_over(found) if found else 0
-        except (StoreUnavailable, OSError) as e:  # the step says it; tried again later
+            done = self._hand_over(found[:MAX_PER_RUN]) if found else 0
+        except Exception as e:  # the cache unreachable (the step says it), or a bug of its own
             if not self._said_down:
-                log.warning("cannot hand sessions over to drafters now: %s", e)
+                log.warning("cannot hand sessions over to drafters now: %r", e)
             self._said_down = True
             return 0
         self._said_down = False
@@ -104,23 +106,28 @@ class Handover:
     def _hand_over(self, found: list[Candidate]) -> int:
         done = 0
         for c in found:
+            act, previous = c.act, c.act.drafter
             device = self.store.devices.pick()  # reserved until given back below
             if device is None:  # no attached drafter has room: the rest wait too
                 break
             try:
-                if device == c.act.drafter:  # its own drafter came back meanwhile
+                if device == previous:  # its own board is back
                     continue
-                if not self.store.hand_over(c.act.sid, device, c.act.drafter):
-                    continue  # ended or moved meanwhile
+                got = self.store.hand_over(act.sid, device, previous)
             finally:
-                self.store.devices.release(device)  # the session set counts it now
-            previous = c.act.drafter
-            c.act.hand_to(device)
-            c.ticket.device = device
+                self.store.devices.release(device)  # its session set counts it now
+            if got.owner is None or got.owner == previous:  # ended, or unsure, or the board
+                continue  # full: looked at again a second later
+            # ``device``, or a drafter another replica, or this one's hand-over whose reply was
+            # lost, gave it: the engine follows the cache
+            act.hand_to(got.owner)
+            c.ticket.device = got.owner
+            if not got.moved:
+                continue
             done += 1
             if self.metrics is not None:
                 self.metrics.handed_over.labels(c.reason).inc()
-            log.info("session %s handed to drafter %s (%s)", c.act.sid, device,
+            log.info("session %s handed to drafter %s (%s)", act.sid, device,
                      "it had none" if not previous else
                      f"drafter {previous} gone for {self.after_s:.0f} s or more")
         return done

@@ -220,8 +220,8 @@ class Scheduler(threading.Thread):
                 with self._watched():  # an image prompt is prefilled here, alone
                     self._admit()
                 if self.engine.sessions:  # running, or waiting for their prompts' prefill
-                    if self.handover is not None:  # boards for those without (a second apart)
-                        self.handover.run(self.engine.sessions)
+                    if self.handover is not None and not self.engine.commits_undelivered:
+                        self.handover.run(self.engine.sessions)  # (verdicts sent as taken)
                     self._step_tokens = 0
                     with self._watched() as began:
                         try:

@@ -107,7 +107,7 @@ class ActiveSession:
         """Its drafts asked of ``drafter`` from now on (the verifier handed it over: it had no
         board, or its board was gone): what its board's drafts showed and its draft length
         start again, as a new session's."""
-        self.drafter = drafter
+        self.drafter, self.wanted = drafter, None
         self.board_drafted = self.board_empty = self.fixed = False
         self.draft_len = DraftLength.of_row(self.draft_len.table, self.draft_len.row)
 

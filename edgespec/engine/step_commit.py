@@ -84,6 +84,12 @@ class StepCommit(SessionLifecycle):
                     placed = [d for d in placed if d.act.sid not in failed]
         return placed
 
+    @property
+    def commits_undelivered(self) -> bool:
+        """A step's verdicts wait for the store (their commit raised): the next step sends
+        them first, as they were."""
+        return bool(self._undelivered)
+
     def _commit(self, decided: list[Decision], take_s: float = 0.0, forward_s: float = 0.0
                 ) -> list[Decision]:
         """Commit verdicts in the store, then apply the ones it took, each session's stats
