@@ -153,6 +153,13 @@ class DeviceRegistry:
 
         The pick is reserved until ``create`` registers the session, so concurrent requests
         spread over the fleet instead of all choosing the same least-loaded device."""
+        got = self.pick_many(1)
+        return got[0] if got else None
+
+    @raises_store_unavailable
+    def pick_many(self, n: int) -> list[str]:
+        """Up to ``n`` picks over one reading of the fleet, each as ``pick``'s with the ones
+        before it counted (each reserved: ``release`` each)."""
         now = time.time()
         self.prune(now)
         regs = {text(d): raw for d, raw in self.redis.hgetall(self.keys.devices).items()}
@@ -165,16 +172,20 @@ class DeviceRegistry:
         if dead:  # registrations from before last-seen marks start ageing now
             self.redis.zadd(self.keys.seen, {dev: now for dev in dead}, nx=True)
         loads = dict(zip(alive, (len(s) for s in self.live_sessions(alive))))
+        limits = {dev: registered_limit(regs[dev]) for dev in alive}
+        out: list[str] = []
         with self._lock:
-            best, best_load = None, None
-            for dev in alive:
-                load = loads[dev] + self._reserved[dev]
-                limit = registered_limit(regs[dev])
-                if load < limit and (best_load is None or load < best_load):
-                    best, best_load = dev, load
-            if best is not None:
+            while len(out) < n:
+                best, best_load = None, None
+                for dev in alive:
+                    load = loads[dev] + self._reserved[dev]
+                    if load < limits[dev] and (best_load is None or load < best_load):
+                        best, best_load = dev, load
+                if best is None:
+                    break
                 self._reserved[best] += 1
-            return best
+                out.append(best)
+        return out
 
     def listing(self) -> list[DeviceInfo]:
         """Every registered drafter: attached or not, its load and when it was last seen."""

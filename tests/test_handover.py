@@ -218,6 +218,22 @@ def test_the_cache_hands_over_only_what_is_still_the_previous_drafters(fleet):
     assert store.hand_over("y", "board-b", previous="") == ("board-b", True)  # room again
 
 
+def test_one_reading_of_the_fleet_picks_many_within_each_boards_limit(fleet):
+    devices = fleet["store"].devices
+    for name, limit in (("small", 1), ("big", 3)):
+        devices.register(name, {"max_sessions": limit})
+        devices.mark_alive(name, ttl_ms=60_000)
+    devices.register("away", {"max_sessions": 8})
+    devices.mark_gone("away")  # registered, not attached
+    got = devices.pick_many(10)
+    assert sorted(got) == ["big", "big", "big", "small"]  # each limit, no more
+    assert got[0] in ("big", "small") and got[1] != got[0]  # the least loaded first
+    assert devices.pick() is None  # all reserved
+    for d in got:
+        devices.release(d)
+    assert devices.pick() is not None
+
+
 def test_a_session_another_replica_handed_over_is_followed_here(fleet, tiny):
     """The cache already names a drafter this engine does not (another replica handed it
     over, or this one's hand-over whose reply was lost): the engine asks that drafter."""

@@ -104,30 +104,31 @@ class Handover:
                 if c.act.drafter in since and now - since[c.act.drafter] >= self.after_s]
 
     def _hand_over(self, found: list[Candidate]) -> int:
+        """``found`` handed to the drafters one reading of the fleet picks (no room: the rest
+        wait for a later run)."""
+        picked = self.store.devices.pick_many(len(found))  # each reserved until given back
         done = 0
-        for c in found:
-            act, previous = c.act, c.act.drafter
-            device = self.store.devices.pick()  # reserved until given back below
-            if device is None:  # no attached drafter has room: the rest wait too
-                break
-            try:
+        try:
+            for c, device in zip(found, picked):
+                act, previous = c.act, c.act.drafter
                 if device == previous:  # its own board is back
                     continue
                 got = self.store.hand_over(act.sid, device, previous)
-            finally:
-                self.store.devices.release(device)  # its session set counts it now
-            if got.owner is None or got.owner == previous:  # ended, or unsure, or the board
-                continue  # full: looked at again a second later
-            # ``device``, or a drafter another replica, or this one's hand-over whose reply was
-            # lost, gave it: the engine follows the cache
-            act.hand_to(got.owner)
-            c.ticket.device = got.owner
-            if not got.moved:
-                continue
-            done += 1
-            if self.metrics is not None:
-                self.metrics.handed_over.labels(c.reason).inc()
-            log.info("session %s handed to drafter %s (%s)", act.sid, device,
-                     "it had none" if not previous else
-                     f"drafter {previous} gone for {self.after_s:.0f} s or more")
+                if got.owner is None or got.owner == previous:  # ended, or unsure, or the
+                    continue  # board full: looked at again a second later
+                # ``device``, or a drafter another replica, or this one's hand-over whose
+                # reply was lost, gave it: the engine follows the cache
+                act.hand_to(got.owner)
+                c.ticket.device = got.owner
+                if not got.moved:
+                    continue
+                done += 1
+                if self.metrics is not None:
+                    self.metrics.handed_over.labels(c.reason).inc()
+                log.info("session %s handed to drafter %s (%s)", act.sid, device,
+                         "it had none" if not previous else
+                         f"drafter {previous} gone for {self.after_s:.0f} s or more")
+        finally:
+            for device in picked:  # the session sets count those handed over now
+                self.store.devices.release(device)
         return done
