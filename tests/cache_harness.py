@@ -6,6 +6,7 @@ share. Its fixtures are imported into the test modules that use them."""
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
@@ -191,6 +192,39 @@ class _SlotSession(DraftSession):
 
     def close(self):
         self.drafter.open_now -= 1
+
+
+@contextlib.contextmanager
+def engine_over_cache(model, prefix: str):
+    """An embedded Redis, the draft cache on loopback and a verifier engine (4 slots of 128
+    tokens, boards' drafts waited for up to 5 s, none filled) over its store, stepped by the
+    test: a dict of its ``address``, ``store``, ``engine``, ``runner`` and a ``channel``."""
+    from edgespec.config import EngineConfig
+    from edgespec.engine.spec_engine import SpecEngine
+    from edgespec.runner.target_runner import TargetRunner
+
+    handle = RedisHandle()
+    store = RedisSessionStore(handle.client, prefix=prefix, ttl_s=60)
+    runner = TargetRunner(model, n_slots=4, max_len=128)
+    store.set_target({"model": "tiny", "fingerprint": "", "vocab_size": runner.vocab_size,
+                      "window": 8, "chunk": 4})
+    server = grpc.server(futures.ThreadPoolExecutor(8))
+    service = DraftCacheService(store, window=8, chunk=4, poll_ms=100)
+    pb_grpc.add_DraftCacheServicer_to_server(service, server)
+    address = f"127.0.0.1:{bind(server, '127.0.0.1:0')}"
+    server.start()
+    cfg = EngineConfig(adaptive=False, draft_wait_ms=5000, fill_drafts="none")  # boards' own
+    engine = SpecEngine(runner, None, cfg, stop_ids={2}, store=store)
+    channel = grpc.insecure_channel(address)
+    try:
+        yield {"address": address, "store": store, "engine": engine, "runner": runner,
+               "channel": channel}
+    finally:
+        channel.close()
+        service.stop()
+        server.stop(0)
+        store.shutdown()
+        handle.close()
 
 
 def start_agent(agent: DrafterAgent) -> threading.Thread:

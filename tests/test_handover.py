@@ -7,18 +7,12 @@ so that nothing depends on how a race falls."""
 
 from __future__ import annotations
 
-import threading
-from concurrent import futures
 
-import grpc
 import pytest
-from cache_harness import Stream, eventually
+from cache_harness import Stream, engine_over_cache, eventually, start_agent
 from conftest import hf_greedy
 
 from cache_service.codec import text
-from cache_service.redis_conn import RedisHandle
-from cache_service.service import DraftCacheService
-from cache_service.store import RedisSessionStore
 from cache_service.store_records import StoreError
 from drafter_node.agent import DrafterAgent
 from edgespec.config import EngineConfig, SamplingParams
@@ -26,8 +20,6 @@ from edgespec.drafters import Draft, Drafter, DraftSession
 from edgespec.engine.spec_engine import Request, SpecEngine
 from edgespec.protocol.local_store import LocalSessionStore
 from edgespec.runner.target_runner import TargetRunner
-from edgespec.v1 import edgespec_pb2_grpc as pb_grpc
-from edgespec.wire.channels import bind
 from verifier_node.handover import MIN_TOKENS_LEFT, Handover
 from verifier_node.scheduler import Scheduler
 from verifier_node.tickets import Ticket
@@ -67,32 +59,13 @@ class _KnownSession(DraftSession):
 @pytest.fixture()
 def fleet(tiny):
     """An embedded Redis, the draft cache on loopback, a verifier engine over its store."""
-    handle = RedisHandle()
-    store = RedisSessionStore(handle.client, prefix="ho:", ttl_s=60)
-    runner = TargetRunner(tiny.model, n_slots=4, max_len=128)
-    store.set_target({"model": "tiny", "fingerprint": "", "vocab_size": runner.vocab_size,
-                      "window": 8, "chunk": 4})
-    server = grpc.server(futures.ThreadPoolExecutor(8))
-    service = DraftCacheService(store, window=8, chunk=4, poll_ms=100)
-    pb_grpc.add_DraftCacheServicer_to_server(service, server)
-    port = bind(server, "127.0.0.1:0")
-    server.start()
-    cfg = EngineConfig(adaptive=False, draft_wait_ms=5000, fill_drafts="none")
-    engine = SpecEngine(runner, None, cfg, stop_ids={2}, store=store)
-    yield {"address": f"127.0.0.1:{port}", "store": store, "engine": engine,
-           "channel": grpc.insecure_channel(f"127.0.0.1:{port}")}
-    service.stop()
-    server.stop(0)
-    store.shutdown()
-    handle.close()
+    with engine_over_cache(tiny.model, "ho:") as parts:
+        yield parts
 
 
 def _attach(address: str, device: str, drafter: Drafter):
     agent = DrafterAgent(address, device, drafter, window=8, chunk=4)
-    thread = threading.Thread(target=agent.run, daemon=True)
-    thread.start()
-    eventually(agent.connected.is_set, f"{device} attached")
-    return agent, thread
+    return agent, start_agent(agent)
 
 
 def _admit(engine, prompts, device=None, n=N, pinned=False):

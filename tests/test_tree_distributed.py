@@ -8,22 +8,16 @@ from __future__ import annotations
 
 import threading
 import time
-from concurrent import futures
 
 import grpc
 import pytest
+from cache_harness import engine_over_cache
 from conftest import hf_greedy, hf_keyed_sampled
 from tree_oracle import OracleTreeDrafter
 
-from cache_service.redis_conn import RedisHandle
-from cache_service.service import DraftCacheService
-from cache_service.store import RedisSessionStore
 from drafter_node.agent import DrafterAgent
-from edgespec.config import EngineConfig, SamplingParams
-from edgespec.engine.spec_engine import Request, SpecEngine
-from edgespec.runner.target_runner import TargetRunner
-from edgespec.v1 import edgespec_pb2_grpc as pb_grpc
-from edgespec.wire.channels import bind
+from edgespec.config import SamplingParams
+from edgespec.engine.spec_engine import Request
 
 PROMPTS = [[1, 10, 11, 12, 13, 10, 11, 12, 13, 10], [1, 50, 51, 52, 53, 54, 55, 56],
            [1, 30, 31, 30, 31, 30]]
@@ -32,24 +26,8 @@ PROMPTS = [[1, 10, 11, 12, 13, 10, 11, 12, 13, 10], [1, 50, 51, 52, 53, 54, 55, 
 @pytest.fixture()
 def fleet(tiny):
     """An embedded Redis, the draft cache on loopback, and a verifier engine over the store."""
-    handle = RedisHandle()
-    store = RedisSessionStore(handle.client, prefix="tree:", ttl_s=60)
-    runner = TargetRunner(tiny.model, n_slots=4, max_len=128)
-    store.set_target({"model": "tiny", "fingerprint": "", "vocab_size": runner.vocab_size,
-                      "window": 8, "chunk": 4})
-    server = grpc.server(futures.ThreadPoolExecutor(8))
-    service = DraftCacheService(store, window=8, chunk=4, poll_ms=100)
-    pb_grpc.add_DraftCacheServicer_to_server(service, server)
-    port = bind(server, "127.0.0.1:0")
-    server.start()
-    cfg = EngineConfig(adaptive=False, draft_wait_ms=5000, fill_drafts="none")  # boards' own
-    engine = SpecEngine(runner, None, cfg, stop_ids={2}, store=store)
-    state = {"address": f"127.0.0.1:{port}", "store": store, "engine": engine, "runner": runner}
-    yield state
-    service.stop()
-    server.stop(0)
-    store.shutdown()
-    handle.close()
+    with engine_over_cache(tiny.model, "tree:") as parts:
+        yield parts
 
 
 def _attach(address, drafter, tree_width=3):
