@@ -9,6 +9,7 @@ from __future__ import annotations
 
 
 import pytest
+from prometheus_client import CollectorRegistry
 from cache_harness import Stream, engine_over_cache, eventually, start_agent
 from conftest import hf_greedy
 
@@ -20,7 +21,9 @@ from edgespec.drafters import Draft, Drafter, DraftSession
 from edgespec.engine.spec_engine import Request, SpecEngine
 from edgespec.protocol.local_store import LocalSessionStore
 from edgespec.runner.target_runner import TargetRunner
+from edgespec.v1 import edgespec_pb2 as pb
 from verifier_node.handover import MIN_TOKENS_LEFT, Handover
+from verifier_node.metrics import VerifierMetrics
 from verifier_node.scheduler import Scheduler
 from verifier_node.tickets import Ticket
 
@@ -125,13 +128,18 @@ def test_a_session_whose_board_is_gone_goes_to_another_after_the_wait(fleet, tin
     eventually(lambda: store.devices.is_alive("board-old"), "board-old attached")
     tickets = _admit(engine, PROMPTS[:1], device="board-old")
     [sid] = tickets
+    ref = refs[tuple(PROMPTS[0])]
+    old.send(pb.DraftChunk(session_id=sid, epoch=0, start=len(PROMPTS[0]), tokens=ref[:4],
+                           idle=True))  # its one draft, right: the first step takes it
     engine.step()
+    assert engine.active[0].stats.drafter_tokens == 4
     old.close()
     eventually(lambda: not store.devices.is_alive("board-old"), "board-old marked gone")
     agent, thread = _attach(fleet["address"], "board-new",
                             KnownOutputDrafter([p + refs[tuple(p)] for p in PROMPTS[:1]]))
     try:
-        handover = Handover(store, lambda: tickets, after_s=30.0)
+        metrics = VerifierMetrics(CollectorRegistry())
+        handover = Handover(store, lambda: tickets, metrics, after_s=30.0)
         assert handover.run(engine.sessions, now=100.0) == 0  # first seen gone now
         assert handover.run(engine.sessions, now=129.0) == 0  # gone for 29 s: it stays
         assert store.session_device(sid) == "board-old"
@@ -151,9 +159,14 @@ def test_a_session_whose_board_is_gone_goes_to_another_after_the_wait(fleet, tin
     finally:
         agent.stop()
         thread.join(timeout=10)
-    ref = refs[tuple(PROMPTS[0])]
     assert act.output == ref[:len(act.output)]
-    assert act.stats.drafter_tokens > 0
+    assert act.stats.drafter_tokens > 4
+    # each board credited with its own drafts: the first with the one before the hand-over
+    metrics.finished(tickets[sid].device, act.stats, "length", 1.0, tickets[sid].credited)
+    assert metrics.device_draft_counts("board-old") == (1, 4, 4)
+    drafts, drafted, accepted = metrics.device_draft_counts("board-new")
+    assert (drafts + 1, drafted + 4, accepted + 4) == (
+        act.stats.drafter_drafts, act.stats.drafter_tokens, act.stats.drafter_accepted)
 
 
 def test_pinned_sessions_and_sessions_near_their_end_are_not_handed_over(fleet, tiny):

@@ -117,7 +117,11 @@ class Handover:
                 if got.owner is None or got.owner == previous:  # ended, or unsure, or the
                     continue  # board full: looked at again a second later
                 # ``device``, or a drafter another replica, or this one's hand-over whose
-                # reply was lost, gave it: the engine follows the cache
+                # reply was lost, gave it: the engine follows the cache, and the board it had
+                # is credited with its drafts so far
+                if self.metrics is not None:
+                    c.ticket.credited = self.metrics.credit_device(previous, act.stats,
+                                                                   c.ticket.credited)
                 act.hand_to(got.owner)
                 c.ticket.device = got.owner
                 if not got.moved:

@@ -307,7 +307,10 @@ class VerifierMetrics:
             while self._recent and self._recent[0][0] < now - 60:
                 self._recent.popleft()
 
-    def finished(self, device: str | None, stats, reason: str, latency_s: float) -> None:
+    def finished(self, device: str | None, stats, reason: str, latency_s: float,
+                 credited: tuple[int, ...] = ()) -> None:
+        """A session ended well; ``credited``: its drafts already counted for the boards it
+        had before ``device`` (``credit_device``)."""
         self.success.labels(reason).inc()
         self.e2e.observe(latency_s)
         self.head_tokens.inc(stats.head_tokens)
@@ -321,20 +324,28 @@ class VerifierMetrics:
         with self._lock:
             self._head[0] += stats.head_tokens
             self._head[1] += stats.head_accepted
-        if device and stats.num_drafts:
+        self.credit_device(device, stats, credited)
+
+    def credit_device(self, device: str | None, stats, credited: tuple[int, ...] = ()
+                      ) -> tuple[int, ...]:
+        """``device``'s share of a session's drafts: its ``stats``' board figures (drafts,
+        tokens, accepted, fill tokens, fill accepted) less those ``credited`` to the session's
+        earlier boards (it was handed over); returns the figures credited so far."""
+        now = (stats.drafter_drafts, stats.drafter_tokens, stats.drafter_accepted,
+               stats.fill_tokens, stats.fill_accepted)
+        drafts, tokens, accepted, fill_tokens, fill_accepted = (
+            a - b for a, b in zip(now, credited or (0,) * len(now)))
+        if device and (drafts or fill_tokens):
             # drafters may choose their ids: the series stay bounded, a device past the first
-            # MAX_DEVICES counted under "other" (its own figures still in Status)
+            # MAX_DEVICES counted under "other" (its own figures still in Status); the board's
+            # own drafts and the verifier's fills for its empty ones counted apart
             label = self.device_labels.of(device)
-            # the board's own drafts: the verifier's (its head's, its fills for the board's
-            # empty ones) counted apart
-            drafts, tokens = stats.drafter_drafts, stats.drafter_tokens
-            accepted = stats.drafter_accepted
             self.device_drafts.labels(label).inc(drafts)
             self.device_draft_tokens.labels(label).inc(tokens)
             self.device_accepted.labels(label).inc(accepted)
-            if stats.fill_tokens:
-                self.fill_tokens.labels(label).inc(stats.fill_tokens)
-                self.fill_accepted.labels(label).inc(stats.fill_accepted)
+            if fill_tokens:
+                self.fill_tokens.labels(label).inc(fill_tokens)
+                self.fill_accepted.labels(label).inc(fill_accepted)
             with self._lock:
                 agg = self._by_device.get(device)
                 if agg is None:
@@ -346,6 +357,7 @@ class VerifierMetrics:
                 agg[0] += drafts
                 agg[1] += tokens
                 agg[2] += accepted
+        return now
 
     def failed(self) -> None:
         self.failure.inc()

@@ -77,6 +77,8 @@ class Ticket:
     kernels_switched: bool = False
     # its caller named its drafter (``device_id``): never handed to another (``handover``)
     pinned: bool = False
+    # its drafts counted for the boards it had before ``device`` (``credit_device``)
+    credited: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         self.tokens = list(self.request.committed)
