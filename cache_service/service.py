@@ -254,6 +254,7 @@ class DraftCacheService(pb_grpc.DraftCacheServicer):
         lost: list[str] = []  # why the cache ended the stream (its Redis failed or restarted)
         events: Subscription | None = None  # its inbox's reading, once subscribed
         seen_at: float | None = None  # when it was last heard, where it fell silent
+        heard: list[float] = []  # when the drafter last sent anything (monotonic), once read
         context.add_callback(stop.set)
         if self.metrics is not None:
             self.metrics.attach(device)
@@ -277,7 +278,7 @@ class DraftCacheService(pb_grpc.DraftCacheServicer):
                         opening.append(msg)
             except redis.RedisError as e:
                 self._refuse_for_now(context, f"the cache's Redis is unreachable: {e}")
-            heard = [time.monotonic()]  # when the drafter last sent anything
+            heard.append(time.monotonic())
             threading.Thread(target=self.intake.read_stream, daemon=True, name=f"chunks-{device}",
                              args=(request_iterator, device, vocab, out, stop, lost,
                                    heard)).start()
@@ -336,6 +337,9 @@ class DraftCacheService(pb_grpc.DraftCacheServicer):
                 self._inboxes.remove(events)
             if self.metrics is not None:
                 self.metrics.detach()
+            if seen_at is None and heard:  # its stream ended otherwise (closed by the board,
+                # or by gRPC's keepalive on a link gone silent): seen when last heard too
+                seen_at = time.time() - (time.monotonic() - heard[0])
             with self._lock:  # mark_gone under the lock: a newer stream cannot slip in between
                 if self._generation.get(device) == gen:
                     del self._generation[device]
@@ -348,7 +352,8 @@ class DraftCacheService(pb_grpc.DraftCacheServicer):
                         # client's socket was closed under it (the cache shutting down: seen in a
                         # soak, and as redis-py reading a connection whose buffer it had dropped)
                         log.warning("drafter %s: cannot mark it gone: %s", device, e)
-                    log.info("drafter %s detached", device)
+                    log.info("drafter %s detached (last heard %.1f s before)", device,
+                             max(0.0, time.time() - seen_at) if seen_at is not None else 0.0)
             with self._streams_done:
                 self._streams.pop(stop, None)
                 self._streams_done.notify_all()

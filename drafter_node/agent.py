@@ -346,6 +346,10 @@ class DrafterAgent(CacheMessages):
                     self._apply_batch(msg.batch, link)
                 else:
                     self._apply(msg)
+        except grpc.RpcError:
+            if link.gave_up and not self.stopping.is_set():  # its own cancel: said as why
+                raise ConnectionError(link.gave_up) from None
+            raise
         finally:
             link.stop()
             out.put(None)

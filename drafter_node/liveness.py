@@ -24,6 +24,7 @@ class Liveness(threading.Thread):
         self.call, self.out, self.beat_s, self.cache = call, out, beat_s, cache
         self.last_heard = time.monotonic()
         self.silent_s = 0.0  # until the cache says its interval (an older cache: never)
+        self.gave_up: str | None = None  # why it cancelled the stream, if it did
         self._done = threading.Event()
         self.start()
 
@@ -45,7 +46,9 @@ class Liveness(threading.Thread):
                 self.out.put(pb.DrafterMessage(heartbeat=pb.Heartbeat(
                     sent_unix_ms=int(time.time() * 1000))))
             if self.silent_s and now - self.last_heard > self.silent_s:
-                log.warning("heard nothing from the cache at %s for %.1f s: attaching again",
-                            self.cache, now - self.last_heard)
+                # the agent logs the lost link with this reason (not the CANCELLED its own
+                # cancel raises) and attaches again
+                self.gave_up = (f"heard nothing from the cache at {self.cache} for "
+                                f"{now - self.last_heard:.1f} s")
                 self.call.cancel()
                 return

@@ -9,6 +9,8 @@ the abandon tests fail then. No timing assertions: waits have generous bounds (`
 
 from __future__ import annotations
 
+import logging
+
 import threading
 import time
 
@@ -231,7 +233,9 @@ def heartbeat_only(monkeypatch, tiny_dir):
     srv.stop(drain_timeout_s=0)
 
 
-def test_the_attach_heartbeat_notices_a_silent_link_without_keepalive(heartbeat_only, reference):
+def test_the_attach_heartbeat_notices_a_silent_link_without_keepalive(heartbeat_only, reference,
+                                                                     caplog):
+    caplog.set_level(logging.WARNING, logger="edgespec.drafter")
     server = heartbeat_only
     board = Board(server, "board-hb")
     try:
@@ -243,6 +247,10 @@ def test_the_attach_heartbeat_notices_a_silent_link_without_keepalive(heartbeat_
         board.link.heal()
         eventually(lambda: board.agent.attaches > attaches and board.attached(),
                    "the board attaching again after its heartbeat went unanswered")
+        # the board says why it dropped the stream, not the CANCELLED its own cancel raised
+        lost = [r.getMessage() for r in caplog.records if "lost (" in r.getMessage()]
+        assert any("lost (heard nothing from the cache at" in m for m in lost), lost
+        assert not any("CANCELLED" in m for m in lost), lost
         out = generate(f"127.0.0.1:{server.port}", device_id="board-hb")
         assert out.token_ids == reference and out.stats.get("num_drafts", 0) > 0
     finally:
