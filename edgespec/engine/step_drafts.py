@@ -156,7 +156,8 @@ class StepDrafts(StepCommit):
         # the deadline for drafts on their way, or longer for a draft worth more (a fix's)
         deadline = max([self.wait_ms / 1000, *(w.wait_s or 0.0 for w in wants if w.wait)])
         taken = self.store.take_when_ready(wants, deadline)
-        self._record_lateness(wants, taken, acts, time.perf_counter() - t0)
+        if self.inline is None:  # drafted here, each draft ready when taken: nothing to learn
+            self._record_lateness(wants, taken, acts, time.perf_counter() - t0)
         out, asked = [], []
         for act, want, t in zip(acts, wants, taken):
             if isinstance(t, Exception):

@@ -299,7 +299,8 @@ class LocalSessionStore:
                 try:
                     if state is None:
                         raise StaleChunkError(f"unknown session {v.session_id}")
-                    if state.is_replay(v):
+                    # (a verdict at the session's end, the common one, is no replay: not asked)
+                    if v.start != state.end and state.is_replay(v):
                         out.append(APPLIED)
                         continue
                     fix = state.commit(v)
