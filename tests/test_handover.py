@@ -19,6 +19,7 @@ from drafter_node.agent import DrafterAgent
 from edgespec.config import EngineConfig, SamplingParams
 from edgespec.drafters import Draft, Drafter, DraftSession
 from edgespec.engine.spec_engine import Request, SpecEngine
+from edgespec.protocol.contract import StoreUnavailable
 from edgespec.protocol.local_store import LocalSessionStore
 from edgespec.runner.target_runner import TargetRunner
 from edgespec.v1 import edgespec_pb2 as pb
@@ -94,13 +95,24 @@ def test_sessions_admitted_with_no_board_go_to_a_board_that_attaches_later(fleet
     for _ in range(3):  # the server decodes them alone meanwhile
         engine.step()
     assert all(not a.drafter for a in engine.active)
-    handover = Handover(store, lambda: tickets)
-    assert handover.run(engine.sessions, now=0.0) == 0  # no board attached: nothing moves
+    handover = Handover(engine, lambda: tickets)
+    assert handover.run(now=0.0) == 0  # no board attached: nothing moves
     agent, thread = _attach(fleet["address"], "board-late",
                             KnownOutputDrafter([p + refs[tuple(p)] for p in PROMPTS]))
     try:
-        assert handover.run(engine.sessions, now=0.5) == 0  # once a second at most
-        assert handover.run(engine.sessions, now=1.0) == len(PROMPTS)
+        assert handover.run(now=0.5) == 0  # once a second at most
+        # a step whose commit Redis did not take keeps its verdicts for the next step: no
+        # hand-over meanwhile (it drops the draft a kept verdict may have accepted)
+        commit_many = store.commit_many
+        store.commit_many = lambda verdicts: (_ for _ in ()).throw(StoreUnavailable("down"))
+        with pytest.raises(StoreUnavailable):
+            engine.step()
+        store.commit_many = commit_many
+        assert engine.commits_undelivered
+        assert handover.run(now=1.0) == 0
+        engine.step()  # the kept verdicts land
+        assert not engine.commits_undelivered
+        assert handover.run(now=2.0) == len(PROMPTS)
         for act in engine.active:
             assert act.drafter == "board-late"
             assert tickets[act.sid].device == "board-late"
@@ -139,11 +151,11 @@ def test_a_session_whose_board_is_gone_goes_to_another_after_the_wait(fleet, tin
                             KnownOutputDrafter([p + refs[tuple(p)] for p in PROMPTS[:1]]))
     try:
         metrics = VerifierMetrics(CollectorRegistry())
-        handover = Handover(store, lambda: tickets, metrics, after_s=30.0)
-        assert handover.run(engine.sessions, now=100.0) == 0  # first seen gone now
-        assert handover.run(engine.sessions, now=129.0) == 0  # gone for 29 s: it stays
+        handover = Handover(engine, lambda: tickets, metrics, after_s=30.0)
+        assert handover.run(now=100.0) == 0  # first seen gone now
+        assert handover.run(now=129.0) == 0  # gone for 29 s: it stays
         assert store.session_device(sid) == "board-old"
-        assert handover.run(engine.sessions, now=130.0) == 1
+        assert handover.run(now=130.0) == 1
         assert store.session_device(sid) == "board-new"
         assert sid not in store.devices.sessions_of("board-old")
         assert _inbox(store, "board-old")[-1] == "close"
@@ -176,7 +188,7 @@ def test_pinned_sessions_and_sessions_near_their_end_are_not_handed_over(fleet, 
     tickets = {**pinned, **short}
     agent, thread = _attach(fleet["address"], "board-idle", KnownOutputDrafter([]))
     try:
-        assert Handover(store, lambda: tickets).run(engine.sessions, now=0.0) == 0
+        assert Handover(engine, lambda: tickets).run(now=0.0) == 0
         assert all(not a.drafter for a in engine.active)
         assert all(store.session_device(s) == "" for s in tickets)
     finally:
@@ -230,7 +242,7 @@ def test_a_session_another_replica_handed_over_is_followed_here(fleet, tiny):
     try:
         assert store.hand_over(sid, "board-x", previous="").moved  # not via the engine
         assert engine.active[0].drafter == ""
-        assert Handover(store, lambda: tickets).run(engine.sessions, now=0.0) == 0
+        assert Handover(engine, lambda: tickets).run(now=0.0) == 0
         assert engine.active[0].drafter == "board-x" and tickets[sid].device == "board-x"
     finally:
         agent.stop()

@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from edgespec.engine.generation import ActiveSession
+from edgespec.engine.spec_engine import SpecEngine
 
 from .tickets import Ticket
 
@@ -45,29 +47,36 @@ class Handover:
     """Hands the scheduler's running sessions over to attached drafters (``run``, between
     steps; the caller's thread owns the engine)."""
 
-    def __init__(self, store, tickets: Callable[[], dict[str, Ticket]], metrics=None,
-                 after_s: float = HANDOVER_AFTER_S, every_s: float = HANDOVER_EVERY_S):
-        self.store, self.tickets, self.metrics = store, tickets, metrics
+    def __init__(self, engine: SpecEngine, tickets: Callable[[], dict[str, Ticket]],
+                 metrics=None, after_s: float = HANDOVER_AFTER_S,
+                 every_s: float = HANDOVER_EVERY_S):
+        self.engine = engine
+        self.store: Any = engine.store  # a cache's (``possible``): its drafters, its hand-over
+        self.tickets, self.metrics = tickets, metrics
         self.after_s, self.every_s = after_s, every_s
         self._next_at = 0.0
         self._gone_since: dict[str, float] = {}  # drafter -> when it was first seen gone
         self._said_down = False
 
     @staticmethod
-    def possible(store) -> bool:
-        """Whether ``store`` can hand sessions over (a cache boards attach to)."""
-        return callable(getattr(store, "hand_over", None)) and hasattr(store, "devices")
+    def possible(engine: SpecEngine) -> bool:
+        """Whether ``engine`` can hand sessions over: its store a cache boards attach to, and
+        no drafter of its own."""
+        store = engine.store
+        return engine.drafter is None and callable(getattr(store, "hand_over", None)) and \
+            hasattr(store, "devices")
 
-    def run(self, sessions: Iterable[ActiveSession], now: float | None = None) -> int:
-        """Hand over what is due, at most once every ``every_s`` and ``MAX_PER_RUN`` at a time;
-        returns how many were. A failure here fails no session: it is logged (once while it
-        lasts) and tried again later."""
+    def run(self, now: float | None = None) -> int:
+        """Hand the engine's running sessions over where due, at most once every ``every_s``
+        and ``MAX_PER_RUN`` at a time; returns how many were. Nothing while a step's verdicts
+        wait for the store (a hand-over drops the draft a kept verdict accepted). A failure here
+        fails no session: it is logged (once while it lasts) and tried again later."""
         now = time.monotonic() if now is None else now
-        if now < self._next_at:
+        if now < self._next_at or self.engine.commits_undelivered:
             return 0
         self._next_at = now + self.every_s
         try:
-            found = self.candidates(list(sessions), now)
+            found = self.candidates(list(self.engine.sessions), now)
             done = self._hand_over(found[:MAX_PER_RUN]) if found else 0
         except Exception as e:  # the cache unreachable (the step says it), or a bug of its own
             if not self._said_down:

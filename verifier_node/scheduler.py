@@ -71,8 +71,8 @@ class Scheduler(threading.Thread):
         self.pace = Pace(engine.cost.fit)
         engine.on_prefill = self._prefilled  # what each step's chunked prefill did
         self._step_tokens = 0  # committed during the step running now
-        self.handover = Handover(engine.store, lambda: self._tickets, metrics) \
-            if Handover.possible(engine.store) and engine.drafter is None else None
+        self.handover = Handover(engine, lambda: self._tickets, metrics) \
+            if Handover.possible(engine) else None
 
     # -- called from handler threads ------------------------------------------------------------
     @property
@@ -220,8 +220,8 @@ class Scheduler(threading.Thread):
                 with self._watched():  # an image prompt is prefilled here, alone
                     self._admit()
                 if self.engine.sessions:  # running, or waiting for their prompts' prefill
-                    if self.handover is not None and not self.engine.commits_undelivered:
-                        self.handover.run(self.engine.sessions)  # (verdicts sent as taken)
+                    if self.handover is not None:  # boards for those without (a second apart)
+                        self.handover.run()
                     self._step_tokens = 0
                     with self._watched() as began:
                         try:
