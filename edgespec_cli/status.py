@@ -62,7 +62,9 @@ def render(st: dict) -> str:
             "link")
     rows = [head] + [(d["device_id"], d["draft_model"], "yes" if d["attached"] else "no",
                       f"{d['sessions']}/{d['max_sessions'] or '-'}",
-                      f"{d['acceptance_rate']:.2f}", f"{d['mean_acceptance_length']:.2f}",
+                      # counted as its sessions end: none ended yet is no figure, not 0
+                      *((f"{d['acceptance_rate']:.2f}", f"{d['mean_acceptance_length']:.2f}")
+                        if int(d.get("finished_drafts") or 0) else ("-", "-")),
                       "now" if d["attached"] else f"{d['last_seen_s']:.0f}s ago", _link(d))
                      for d in st["drafters"]]
     if len(rows) == 1:

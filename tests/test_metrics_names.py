@@ -376,3 +376,21 @@ def test_steps_of_one_token_a_row_are_counted_by_rows():
     m.step(step_report([0], [0], sessions=1, tokens=1, take_s=0.0, forward_s=0.0, commit_s=0.1))
     m.step(step_report([0], [0], sessions=1, tokens=1, take_s=0.0, forward_s=0.2, commit_s=0.0))
     assert m.plain_by_rows == {2: [3, pytest.approx(0.03)], 1: [1, 0.2]}
+
+
+def test_a_boards_acceptance_is_shown_once_one_of_its_sessions_ended():
+    """``edgespec status``'s acceptance columns: counted as a board's sessions end, so a
+    board none of whose sessions has ended shows no figure ("-"), not an acceptance of 0."""
+    from edgespec_cli.status import render
+
+    base = {"model": "m", "version": "v", "healthy": True, "active_sessions": 1,
+            "queued_sessions": 0, "free_kv_slots": 1, "kv_slots": 2,
+            "tokens_per_s_last_minute": 0.0}
+    board = {"device_id": "b1", "draft_model": "mag", "attached": True, "sessions": 1,
+             "max_sessions": 4, "acceptance_rate": 0.0, "mean_acceptance_length": 1.0,
+             "last_seen_s": 0.0}
+    fresh = render(dict(base, drafters=[board])).splitlines()[-1].split()
+    assert fresh[:6] == ["b1", "mag", "yes", "1/4", "-", "-"]
+    ended = dict(board, acceptance_rate=0.5, mean_acceptance_length=2.5, finished_drafts="3")
+    assert render(dict(base, drafters=[ended])).splitlines()[-1].split()[4:6] == ["0.50",
+                                                                                 "2.50"]
