@@ -247,10 +247,10 @@ def test_the_attach_heartbeat_notices_a_silent_link_without_keepalive(heartbeat_
         board.link.heal()
         eventually(lambda: board.agent.attaches > attaches and board.attached(),
                    "the board attaching again after its heartbeat went unanswered")
-        # the board says why it dropped the stream, not the CANCELLED its own cancel raised
+        # the board says why it lost the link (its own watch's silence, or the cache's reason
+        # where the healed link brought that first), never the CANCELLED its own cancel raised
         lost = [r.getMessage() for r in caplog.records if "lost (" in r.getMessage()]
-        assert any("lost (heard nothing from the cache at" in m for m in lost), lost
-        assert not any("CANCELLED" in m for m in lost), lost
+        assert lost and all("heard nothing from" in m for m in lost), lost
         out = generate(f"127.0.0.1:{server.port}", device_id="board-hb")
         assert out.token_ids == reference and out.stats.get("num_drafts", 0) > 0
     finally:
@@ -325,3 +325,25 @@ def test_a_heal_ends_its_own_fault_not_one_of_the_same_kind_on_other_links():
     assert [(a["links"], a["healed_at_s"] is not None) for a in run._applied] == [
         ("drafters", True), ("all", False)]
     assert (0, "drafters", None) in calls and (0, "all", None) not in calls
+
+
+def test_a_boards_watch_says_why_it_drops_a_silent_stream():
+    """The board's heartbeat watch cancels a stream the cache has been silent on for three
+    of the cache's intervals, and keeps why (``gave_up``), which the agent logs as the lost
+    link's reason in place of the CANCELLED its own cancel raises."""
+    import queue
+
+    from drafter_node.liveness import Liveness
+    from edgespec.v1 import edgespec_pb2 as pb
+
+    cancelled = threading.Event()
+    call = type("Call", (), {"cancel": lambda self: cancelled.set()})()
+    link = Liveness(call, queue.Queue(), 0.1, "cache:1")
+    try:
+        assert link.gave_up is None
+        link.heard(pb.CacheMessage(registered=pb.Registered(heartbeat_ms=100)))
+        assert cancelled.wait(WAIT_S)  # (three 0.1 s intervals: at least 1 s of silence)
+        assert link.gave_up is not None
+        assert link.gave_up.startswith("heard nothing from the cache at cache:1 for ")
+    finally:
+        link.stop()
