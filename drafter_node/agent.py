@@ -346,8 +346,11 @@ class DrafterAgent(CacheMessages):
                     self._apply_batch(msg.batch, link)
                 else:
                     self._apply(msg)
-        except grpc.RpcError:
-            if link.gave_up and not self.stopping.is_set():  # its own cancel: said as why
+        except grpc.RpcError as e:
+            # its own cancel, for the cache's silence: said as why (any other status, the
+            # cache's own, is handled as it says: a retry hint, a replaced stream, ...)
+            if link.gave_up and e.code() == grpc.StatusCode.CANCELLED and \
+                    not self.stopping.is_set():
                 raise ConnectionError(link.gave_up) from None
             raise
         finally:

@@ -62,9 +62,11 @@ def render(st: dict) -> str:
             "link")
     rows = [head] + [(d["device_id"], d["draft_model"], "yes" if d["attached"] else "no",
                       f"{d['sessions']}/{d['max_sessions'] or '-'}",
-                      # counted as its sessions end: none ended yet is no figure, not 0
+                      # counted as its sessions end: none ended yet is no figure, not 0 (an
+                      # older server or replica says no finished_drafts: its rate is read)
                       *((f"{d['acceptance_rate']:.2f}", f"{d['mean_acceptance_length']:.2f}")
-                        if int(d.get("finished_drafts") or 0) else ("-", "-")),
+                        if int(d.get("finished_drafts") or 0) or d['acceptance_rate']
+                        else ("-", "-")),
                       "now" if d["attached"] else f"{d['last_seen_s']:.0f}s ago", _link(d))
                      for d in st["drafters"]]
     if len(rows) == 1:

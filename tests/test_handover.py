@@ -174,7 +174,8 @@ def test_a_session_whose_board_is_gone_goes_to_another_after_the_wait(fleet, tin
     assert act.output == ref[:len(act.output)]
     assert act.stats.drafter_tokens > 4
     # each board credited with its own drafts: the first with the one before the hand-over
-    metrics.finished(tickets[sid].device, act.stats, "length", 1.0, tickets[sid].credited)
+    assert metrics.device_draft_counts("board-old") == (0, 0, 0)  # credited as it finishes
+    metrics.finished(tickets[sid].device, act.stats, "length", 1.0, tickets[sid].earlier_boards)
     assert metrics.device_draft_counts("board-old") == (1, 4, 4)
     drafts, drafted, accepted = metrics.device_draft_counts("board-new")
     assert (drafts + 1, drafted + 4, accepted + 4) == (

@@ -394,3 +394,27 @@ def test_a_boards_acceptance_is_shown_once_one_of_its_sessions_ended():
     ended = dict(board, acceptance_rate=0.5, mean_acceptance_length=2.5, finished_drafts="3")
     assert render(dict(base, drafters=[ended])).splitlines()[-1].split()[4:6] == ["0.50",
                                                                                  "2.50"]
+    # an older server (or a router pooling older replicas) says no finished_drafts: its
+    # figures are read as they are
+    older = dict(board, acceptance_rate=0.5, mean_acceptance_length=2.5, finished_drafts=0)
+    assert render(dict(base, drafters=[older])).splitlines()[-1].split()[4:6] == ["0.50",
+                                                                                 "2.50"]
+
+
+def test_each_board_of_a_session_handed_over_is_credited_with_its_own_drafts():
+    """A finished session's board figures split over the boards it had: each earlier one its
+    share as the hand-over found it (a boardless start counts for no board), the last the
+    rest."""
+    from edgespec.protocol.request_stats import Stats
+
+    reg = CollectorRegistry()
+    m = VerifierMetrics(reg)
+    stats = Stats(num_drafts=6, drafter_drafts=5, drafter_tokens=20, drafter_accepted=12,
+                  fill_tokens=3, fill_accepted=1)
+    m.finished("b2", stats, "length", 1.0, [("", (0, 0, 0, 0, 0)), ("b1", (2, 8, 5, 1, 0))])
+    assert m.device_draft_counts("b1") == (2, 8, 5)
+    assert m.device_draft_counts("b2") == (3, 12, 7)
+    assert value(reg, "edgespec:fill_draft_tokens_total", device="b1") == 1
+    assert value(reg, "edgespec:fill_draft_tokens_total", device="b2") == 2
+    m.finished("b3", stats, "length", 1.0)  # never handed over: all its own
+    assert m.device_draft_counts("b3") == (5, 20, 12)

@@ -24,6 +24,7 @@ from typing import Any
 from edgespec.engine.generation import ActiveSession
 from edgespec.engine.spec_engine import SpecEngine
 
+from .metrics import board_figures
 from .tickets import Ticket
 
 log = logging.getLogger("edgespec.verifier")
@@ -127,10 +128,11 @@ class Handover:
                     continue  # board full: looked at again a second later
                 # ``device``, or a drafter another replica, or this one's hand-over whose
                 # reply was lost, gave it: the engine follows the cache, and the board it had
-                # is credited with its drafts so far
-                if self.metrics is not None:
-                    c.ticket.credited = self.metrics.credit_device(previous, act.stats,
-                                                                   c.ticket.credited)
+                # keeps its share of the drafts so far (credited if the session finishes)
+                share = board_figures(act.stats)
+                for _, earlier in c.ticket.earlier_boards:
+                    share = tuple(a - b for a, b in zip(share, earlier))
+                c.ticket.earlier_boards.append((previous, share))
                 act.hand_to(got.owner)
                 c.ticket.device = got.owner
                 if not got.moved:

@@ -64,6 +64,7 @@ import threading
 import time
 from collections import Counter as Counter_
 from collections import OrderedDict, deque
+from collections.abc import Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 
@@ -308,9 +309,10 @@ class VerifierMetrics:
                 self._recent.popleft()
 
     def finished(self, device: str | None, stats, reason: str, latency_s: float,
-                 credited: tuple[int, ...] = ()) -> None:
-        """A session ended well; ``credited``: its drafts already counted for the boards it
-        had before ``device`` (``credit_device``)."""
+                 earlier: Sequence[tuple[str, tuple[int, ...]]] = ()) -> None:
+        """A session ended well. ``earlier``: the boards it had before ``device`` (it was
+        handed over), each with its share of the session's board figures (``board_figures``)
+        as the hand-over found it: each board credited with its own, ``device`` the rest."""
         self.success.labels(reason).inc()
         self.e2e.observe(latency_s)
         self.head_tokens.inc(stats.head_tokens)
@@ -324,17 +326,15 @@ class VerifierMetrics:
         with self._lock:
             self._head[0] += stats.head_tokens
             self._head[1] += stats.head_accepted
-        self.credit_device(device, stats, credited)
+        rest = board_figures(stats)
+        for board, share in earlier:
+            self._credit_device(board, *share)
+            rest = tuple(a - b for a, b in zip(rest, share))
+        self._credit_device(device, *rest)
 
-    def credit_device(self, device: str | None, stats, credited: tuple[int, ...] = ()
-                      ) -> tuple[int, ...]:
-        """``device``'s share of a session's drafts: its ``stats``' board figures (drafts,
-        tokens, accepted, fill tokens, fill accepted) less those ``credited`` to the session's
-        earlier boards (it was handed over); returns the figures credited so far."""
-        now = (stats.drafter_drafts, stats.drafter_tokens, stats.drafter_accepted,
-               stats.fill_tokens, stats.fill_accepted)
-        drafts, tokens, accepted, fill_tokens, fill_accepted = (
-            a - b for a, b in zip(now, credited or (0,) * len(now)))
+    def _credit_device(self, device: str | None, drafts: int, tokens: int, accepted: int,
+                       fill_tokens: int, fill_accepted: int) -> None:
+        """``device``'s share of a finished session's drafts (``board_figures``)."""
         if device and (drafts or fill_tokens):
             # drafters may choose their ids: the series stay bounded, a device past the first
             # MAX_DEVICES counted under "other" (its own figures still in Status); the board's
@@ -357,7 +357,6 @@ class VerifierMetrics:
                 agg[0] += drafts
                 agg[1] += tokens
                 agg[2] += accepted
-        return now
 
     def failed(self) -> None:
         self.failure.inc()
@@ -391,6 +390,13 @@ class VerifierMetrics:
         with self._lock:
             drafts, drafted, accepted = self._by_device.get(device, (0, 0, 0))
         return drafts, drafted, accepted
+
+
+def board_figures(stats) -> tuple[int, ...]:
+    """A session's board figures: its board's drafts verified, their tokens, those accepted,
+    and the verifier's fill tokens for its empty drafts, those accepted."""
+    return (stats.drafter_drafts, stats.drafter_tokens, stats.drafter_accepted,
+            stats.fill_tokens, stats.fill_accepted)
 
 
 def acceptance(drafts: int, drafted: int, accepted: int) -> tuple[float, float]:

@@ -376,7 +376,7 @@ class Scheduler(threading.Thread):
         assert result is not None  # a session ends with a result or an error
         if self.metrics is not None:
             self.metrics.finished(t.device, result.stats, result.finish_reason,
-                                  time.monotonic() - t.created, t.credited)
+                                  time.monotonic() - t.created, t.earlier_boards)
         t.finish(result)
 
     def _apply_cancels(self) -> None:

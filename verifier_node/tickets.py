@@ -77,8 +77,9 @@ class Ticket:
     kernels_switched: bool = False
     # its caller named its drafter (``device_id``): never handed to another (``handover``)
     pinned: bool = False
-    # its drafts counted for the boards it had before ``device`` (``credit_device``)
-    credited: tuple[int, ...] = ()
+    # the boards it had before ``device`` (handed over), each with its share of the board
+    # figures (``metrics.board_figures``): credited when it finishes
+    earlier_boards: list[tuple[str, tuple[int, ...]]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.tokens = list(self.request.committed)
