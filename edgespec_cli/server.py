@@ -352,7 +352,11 @@ class EdgespecServer(ServerHealth):
         has left; a third ends it (the sessions left fail, resumable elsewhere)."""
         if not self._signals_caught:
             self.catch_stop_signals()
-        self._stop_signalled.wait()
+        # woken every second: a signal's Python handler runs in this thread only when it runs
+        # bytecode, and a wait with no timeout may sleep through a signal another thread took
+        # (a SIGINT once went unanswered so in the suite; the next one drained)
+        while not self._stop_signalled.wait(timeout=1.0):
+            pass
         log.info("shutting down: draining for up to %.0fs (signal twice more to stop at once)",
                  self.opts.drain_timeout_s)
         self.stop()
