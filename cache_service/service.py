@@ -340,7 +340,7 @@ class DraftCacheService(pb_grpc.DraftCacheServicer):
             if seen_at is None and heard:  # its stream ended otherwise (closed by the board,
                 # or by gRPC's keepalive on a link gone silent): seen when last heard too
                 # (never later than now: a paced stream's mark is set ahead, chunk_intake)
-                seen_at = min(time.time(), time.time() - (time.monotonic() - heard[0]))
+                seen_at = time.time() - max(0.0, time.monotonic() - heard[0])
             with self._lock:  # mark_gone under the lock: a newer stream cannot slip in between
                 if self._generation.get(device) == gen:
                     del self._generation[device]

@@ -24,7 +24,7 @@ from typing import Any
 from edgespec.engine.generation import ActiveSession
 from edgespec.engine.spec_engine import SpecEngine
 
-from .metrics import board_figures
+from .metrics import board_share
 from .tickets import Ticket
 
 log = logging.getLogger("edgespec.verifier")
@@ -98,7 +98,10 @@ class Handover:
             if t is None or t.pinned or act.finish is not None or act.req.max_new_tokens - \
                     len(act.output) < MIN_TOKENS_LEFT:
                 continue
-            (boarded if act.drafter else boardless).append(Candidate(act, t, "no_board"))
+            if act.drafter:
+                boarded.append(Candidate(act, t, "board_gone"))
+            else:
+                boardless.append(Candidate(act, t, "no_board"))
         return boardless + self._orphans(boarded, now)
 
     def _orphans(self, boarded: list[Candidate], now: float) -> list[Candidate]:
@@ -110,7 +113,7 @@ class Handover:
             if not up:
                 since[d] = self._gone_since.get(d, now)
         self._gone_since = since  # drafters back, or with no session here, forgotten
-        return [Candidate(c.act, c.ticket, "board_gone") for c in boarded
+        return [c for c in boarded
                 if c.act.drafter in since and now - since[c.act.drafter] >= self.after_s]
 
     def _hand_over(self, found: list[Candidate]) -> int:
@@ -129,10 +132,8 @@ class Handover:
                 # ``device``, or a drafter another replica, or this one's hand-over whose
                 # reply was lost, gave it: the engine follows the cache, and the board it had
                 # keeps its share of the drafts so far (credited if the session finishes)
-                share = board_figures(act.stats)
-                for _, earlier in c.ticket.earlier_boards:
-                    share = tuple(a - b for a, b in zip(share, earlier))
-                c.ticket.earlier_boards.append((previous, share))
+                c.ticket.earlier_boards.append(
+                    (previous, board_share(act.stats, c.ticket.earlier_boards)))
                 act.hand_to(got.owner)
                 c.ticket.device = got.owner
                 if not got.moved:

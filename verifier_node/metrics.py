@@ -326,11 +326,9 @@ class VerifierMetrics:
         with self._lock:
             self._head[0] += stats.head_tokens
             self._head[1] += stats.head_accepted
-        rest = board_figures(stats)
         for board, share in earlier:
             self._credit_device(board, *share)
-            rest = tuple(a - b for a, b in zip(rest, share))
-        self._credit_device(device, *rest)
+        self._credit_device(device, *board_share(stats, earlier))
 
     def _credit_device(self, device: str | None, drafts: int, tokens: int, accepted: int,
                        fill_tokens: int, fill_accepted: int) -> None:
@@ -397,6 +395,16 @@ def board_figures(stats) -> tuple[int, ...]:
     and the verifier's fill tokens for its empty drafts, those accepted."""
     return (stats.drafter_drafts, stats.drafter_tokens, stats.drafter_accepted,
             stats.fill_tokens, stats.fill_accepted)
+
+
+def board_share(stats, earlier: Sequence[tuple[str, tuple[int, ...]]] = ()
+                ) -> tuple[int, ...]:
+    """The session's ``board_figures`` less the shares of its ``earlier`` boards: its current
+    board's (the one it has, or is handed from)."""
+    rest = board_figures(stats)
+    for _, share in earlier:
+        rest = tuple(a - b for a, b in zip(rest, share))
+    return rest
 
 
 def acceptance(drafts: int, drafted: int, accepted: int) -> tuple[float, float]:
