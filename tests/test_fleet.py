@@ -13,6 +13,7 @@ import time
 
 import pytest
 from conftest import free_port_run, hf_greedy
+from ray_nodes import add_node
 
 pytest.importorskip("ray", reason="ray is not installed (pip install -e '.[fleet]', or the "
                            "test extra)")
@@ -36,47 +37,16 @@ def edgespec_cli(*args, timeout=300, cache=None) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=timeout, env=env)
 
 
-NODE_START_TRIES = 3
-
-
-def _add_node(nodes, **args):
-    """A node of the local cluster (the first: its head), its start tried again (up to
-    ``NODE_START_TRIES`` in all) if Ray gave up on it: a raylet on a loaded 2-core machine can
-    take longer than Ray's fixed 30 s to register (seen in full-suite runs: the head's first try
-    failed in both of one day's runs, and with a second job beside the suite the retry too; this
-    fixture's four nodes take 20-30 s in all when it does not). A try that failed leaves its
-    processes running (its GCS served nothing until the suite ended, 7 minutes later, loading
-    the machine the retry needed): they are ended before the next try."""
-    import psutil
-
-    me = psutil.Process()
-    for tries_left in range(NODE_START_TRIES - 1, -1, -1):
-        before = {p.pid for p in me.children(recursive=True)}
-        try:
-            return nodes.add_node(**args)
-        except Exception as e:
-            if tries_left == 0 or ("timed out during startup" not in str(e)
-                                   and "Timed out waiting for file" not in str(e)):
-                raise
-            left = [p for p in me.children(recursive=True) if p.pid not in before]
-            for p in left:
-                try:
-                    p.kill()
-                except psutil.NoSuchProcess:  # ended between the listing and the kill
-                    pass
-            psutil.wait_procs(left, timeout=10)
-
-
 @pytest.fixture(scope="module")
 def ray_cluster():
     from ray.cluster_utils import Cluster
 
     nodes = Cluster(initialize_head=False)
-    _add_node(nodes, num_cpus=1, resources={"verifier": 1}, include_dashboard=False,
+    add_node(nodes, num_cpus=1, resources={"verifier": 1}, include_dashboard=False,
               node_ip_address="127.0.0.1")
-    boards = [_add_node(nodes, num_cpus=1, resources={"edge": 1}, node_ip_address="127.0.0.1")
+    boards = [add_node(nodes, num_cpus=1, resources={"edge": 1}, node_ip_address="127.0.0.1")
               for _ in range(2)]
-    plain = _add_node(nodes, num_cpus=1, node_ip_address="127.0.0.1")
+    plain = add_node(nodes, num_cpus=1, node_ip_address="127.0.0.1")
     nodes.wait_for_nodes()
     yield {"cluster": nodes, "address": nodes.address,
            "head": nodes.head_node.node_id, "boards": {b.node_id for b in boards},

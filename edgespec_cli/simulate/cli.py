@@ -60,9 +60,11 @@ def start_ray(address: str | None) -> None:
         cluster.connect(address, namespace="edgespec-simulate")
         return
     print("simulate: starting a local Ray cluster", file=sys.stderr, flush=True)
+    # "local": a cluster of its own. With no address, ray.init joins the cluster a `ray start`
+    # on this machine last recorded (/tmp/ray), and that cluster's stop cancels the fleet.
     with keeping_sigterm():  # ray.init's handler would exit 15 without the cleanup's line
-        ray.init(namespace="edgespec-simulate", include_dashboard=False, log_to_driver=False,
-                 configure_logging=False, logging_level=logging.WARNING)
+        ray.init(address="local", namespace="edgespec-simulate", include_dashboard=False,
+                 log_to_driver=False, configure_logging=False, logging_level=logging.WARNING)
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:

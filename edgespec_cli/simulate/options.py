@@ -82,7 +82,8 @@ def add_simulate_parser(sub) -> argparse.ArgumentParser:
                         "(default: %(default)s)")
     s.add_argument("--address", default=None, metavar="HEAD:PORT",
                    help="join this Ray cluster (its head's IP and Ray port, e.g. 10.8.0.1:6380) "
-                        "instead of starting a local one")
+                        "instead of starting a local one of its own (without it, simulate "
+                        "never joins a cluster already running here)")
     s.add_argument("--find-capacity", action="store_true",
                    help="add devices until the slowest one's tokens/s falls below --slo; "
                         "report the capacity with batching on and off")

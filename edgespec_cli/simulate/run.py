@@ -88,6 +88,15 @@ def deal(n_requests: int, n_devices: int) -> list[list[int]]:
     return out
 
 
+def ray_reason(e: BaseException) -> str:
+    """A Ray error in a line: an actor's death says what ended it on the lines after its
+    first one and its tab-indented details (the last alone, "never ran", does not say why)."""
+    lines = [ln.strip() for ln in str(e).strip().splitlines()
+             if ln.strip() and not ln.startswith("\t")]
+    said = " ".join(lines[1:] if len(lines) > 1 else lines)
+    return said[:400] or type(e).__name__
+
+
 class FleetRun:
     """Place the roles for one run, drive the clients, collect the records, remove the roles."""
 
@@ -166,8 +175,7 @@ class FleetRun:
                 address, verifier = self._place()
             except (RayError, TimeoutError) as e:
                 raise FleetError(f"the fleet for batching {self.batching} with {n} device(s) "
-                                 f"did not start: {str(e).strip().splitlines()[-1][:300]}") \
-                    from None
+                                 f"did not start: {ray_reason(e)}") from None
             for i, p in enumerate(self.profiles):  # one by one: each is stopped if one fails
                 self._proxies.append(
                     LinkProxy(address, p.link, seed=self.s.seed * 10_000 + 5_000 + i).start())
