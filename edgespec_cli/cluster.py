@@ -111,6 +111,12 @@ def _add_server(p: argparse.ArgumentParser, roles: tuple[str, ...]) -> None:
         p.add_argument("--max-queue", type=int, default=64,
                        help="requests waiting for a slot before RESOURCE_EXHAUSTED "
                             "(default: %(default)s)")
+        p.add_argument("--handover-after", metavar="S", type=float, default=30.0,
+                       help="seconds a board may be gone (detached) before its running sessions "
+                            "are handed to another attached board with room; sessions admitted "
+                            "while no board had room go to a board as one attaches. 0: no "
+                            "session is handed over, each stays with the board it was admitted "
+                            "with, or with the server alone (default: %(default)s)")
         p.add_argument("--http-port", metavar="PORT", type=int, default=None,
                        help="serve the OpenAI-compatible HTTP API, /health and /metrics on this "
                             "port (default: none)")
@@ -167,7 +173,7 @@ def cmd_server(args) -> int:
     check_port(getattr(args, "metrics_port", None), "--metrics-port")
     check_port(getattr(args, "http_port", None), "--http-port")
     check_at_least(args, ("max_request_bytes",), 1)
-    check_within(args, ("request_body_timeout",), 0)
+    check_within(args, ("request_body_timeout", "handover_after"), 0)
     from edgespec.wire.convert import resolve_token
 
     resolve_token(args.auth_token)  # one no client could send: refused before the model loads
@@ -181,6 +187,7 @@ def cmd_server(args) -> int:
                          max_queue=getattr(args, "max_queue", 64),
                          session_ttl_s=args.session_ttl, fleet_leaders=args.fleet_table,
                          drain_timeout_s=args.drain_timeout,
+                         handover_after_s=getattr(args, "handover_after", 30.0),
                          http_port=getattr(args, "http_port", None),
                          http_host=getattr(args, "http_host", "127.0.0.1"),
                          http_max_request_bytes=getattr(args, "max_request_bytes", None),

@@ -75,6 +75,7 @@ class ServerOptions:
     fleet_leaders: int = 1 << 17  # the fleet-wide Cacheback table's bound; 0: no table
     default_max_new_tokens: int = 128
     drain_timeout_s: float = 30.0
+    handover_after_s: float = 30.0  # a board gone this long: its sessions to another (0: never)
     http_port: int | None = None  # the OpenAI-compatible API and /metrics (verifier roles)
     http_host: str = "127.0.0.1"
     http_max_request_bytes: int | None = None  # None: fits the longest prompt (body_limit)
@@ -198,7 +199,8 @@ class EdgespecServer(ServerHealth):
 
         self.model_name = target.name
         self.metrics = VerifierMetrics(self.registry)
-        self.scheduler = Scheduler(engine, max_queue=self.opts.max_queue, metrics=self.metrics)
+        self.scheduler = Scheduler(engine, max_queue=self.opts.max_queue, metrics=self.metrics,
+                                   handover_after_s=self.opts.handover_after_s)
         self.metrics.bind_load(self.scheduler.load, lambda: runner.cache.free_slots,
                                self.scheduler.prefilling)
         self.metrics.bind_links(engine.lateness.snapshot)

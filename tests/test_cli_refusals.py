@@ -161,11 +161,12 @@ def test_serve_refuses_a_request_body_limit_under_one_byte(tiny_dir):
     assert r.returncode == 2 and "--max-request-bytes must be >= 1, got 0" in r.stderr
 
 
-@pytest.mark.parametrize("value", ["-1", "nan"])
-def test_serve_refuses_a_request_body_timeout_below_zero_or_not_a_number(tiny_dir, value):
-    r = edgespec("serve", "--model", tiny_dir, "--listen", "127.0.0.1:0",
-                 "--request-body-timeout", value, timeout=120)
-    assert r.returncode == 2 and "--request-body-timeout" in r.stderr
+@pytest.mark.parametrize("option", ["--request-body-timeout", "--handover-after"])
+@pytest.mark.parametrize("value", ["-1", "nan", "inf"])
+def test_serve_refuses_seconds_below_zero_or_not_finite(tiny_dir, option, value):
+    r = edgespec("serve", "--model", tiny_dir, "--listen", "127.0.0.1:0", option, value,
+                 timeout=120)
+    assert r.returncode == 2 and f"{option} must be finite and >= 0, got" in r.stderr
     assert "Traceback" not in r.stderr
 
 

@@ -269,8 +269,24 @@ def test_a_pin_is_kept_only_where_its_board_took_the_session(verifier_parts):
 
 
 def test_a_scheduler_hands_over_only_over_a_cache_that_boards_attach_to(fleet, tiny):
-    assert isinstance(Scheduler(fleet["engine"]).handover, Handover)
+    assert Scheduler(fleet["engine"]).handover.after_s == 30.0  # serve's --handover-after
+    assert Scheduler(fleet["engine"], handover_after_s=2.5).handover.after_s == 2.5
+    assert Scheduler(fleet["engine"], handover_after_s=0).handover is None  # 0: never
     runner = TargetRunner(tiny.model, n_slots=2, max_len=64)
     local = SpecEngine(runner, None, EngineConfig(), stop_ids={2},
                        store=LocalSessionStore())
     assert Scheduler(local).handover is None
+
+
+@pytest.mark.parametrize("after_s", [0.0, 4.0])
+def test_serves_handover_after_reaches_its_scheduler(tiny_dir, after_s):
+    from edgespec_cli.server import EdgespecServer, ServerOptions
+
+    srv = EdgespecServer(ServerOptions(listen="127.0.0.1:0", model=str(tiny_dir),
+                                       handover_after_s=after_s,
+                                       engine=EngineConfig(max_sessions=2, max_context=256)))
+    try:
+        handover = srv.scheduler.handover
+        assert handover is None if after_s == 0 else handover.after_s == after_s
+    finally:
+        srv.stop(drain_timeout_s=0)

@@ -1,6 +1,7 @@
 """Running sessions handed to a drafter that can draft for them: a session admitted while no
 board had room (the server decodes it alone), and a session whose board has been gone for
-``HANDOVER_AFTER_S`` (it would stay assigned to a board that may never come back), are handed
+``after_s`` (``serve --handover-after``, ``HANDOVER_AFTER_S`` by default: it would stay assigned
+to a board that may never come back; 0 turns the hand-over off), are handed
 to the attached drafter with the fewest sessions below its limit, once a second at most, by
 the scheduler's thread between steps.
 

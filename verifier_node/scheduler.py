@@ -27,7 +27,7 @@ from edgespec.engine.spec_engine import Admission, Result, SessionFailed, SpecEn
 from edgespec.protocol.request_stats import Stats
 from edgespec.protocol.contract import StoreUnavailable
 
-from .handover import Handover
+from .handover import HANDOVER_AFTER_S, Handover
 from .pace import Pace, prompts_ahead, tokens_before_a_slot, tokens_left
 from .tickets import QueueFull, ShuttingDown, Ticket, TooSlowForDeadline
 
@@ -49,8 +49,11 @@ class _Cancel(NamedTuple):
 
 
 class Scheduler(threading.Thread):
-    def __init__(self, engine: SpecEngine, max_queue: int = 64, metrics=None):
-        """``metrics``: a ``verifier_node.metrics.VerifierMetrics`` (or None)."""
+    def __init__(self, engine: SpecEngine, max_queue: int = 64, metrics=None,
+                 handover_after_s: float = HANDOVER_AFTER_S):
+        """``metrics``: a ``verifier_node.metrics.VerifierMetrics`` (or None);
+        ``handover_after_s``: how long a board is gone before its sessions are handed to
+        another (``Handover``; 0: no session is ever handed over)."""
         super().__init__(daemon=True, name="verifier-scheduler")
         self.engine = engine
         self.metrics = metrics
@@ -71,8 +74,9 @@ class Scheduler(threading.Thread):
         self.pace = Pace(engine.cost.fit)
         engine.on_prefill = self._prefilled  # what each step's chunked prefill did
         self._step_tokens = 0  # committed during the step running now
-        self.handover = Handover(engine, lambda: self._tickets, metrics) \
-            if Handover.possible(engine) else None
+        self.handover = Handover(engine, lambda: self._tickets, metrics,
+                                 after_s=handover_after_s) \
+            if handover_after_s > 0 and Handover.possible(engine) else None
 
     # -- called from handler threads ------------------------------------------------------------
     @property
