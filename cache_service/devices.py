@@ -31,9 +31,12 @@ class DeviceInfo:
     last_seen_s: float  # 0 while attached
 
 
+HAND_OVER_TRIES = 3  # transactions a hand-over tries while its watched keys change under it
+
+
 class HandOver(NamedTuple):
-    """What a hand-over found: the session's drafter after it ("" for none; None: gone, done,
-    or changed while it looked, for a retry to decide), and whether this call moved it."""
+    """What a hand-over found: the session's drafter after it ("" for none; None: the session
+    is gone or done), and whether this call moved it."""
 
     owner: str | None
     moved: bool = False
@@ -230,33 +233,43 @@ class DeviceRegistry:
         replicas handing sessions to one board at once stay within its limit)."""
         h, _, draft, branches = self.keys.session(sid)
         mine = self.keys.sessions(device)
-        with self.redis.pipeline(transaction=True) as pipe:
-            try:
-                pipe.watch(h, mine)
-                owner, done = pipe.hmget(h, "device", "done")
-                if owner is None or text(done or b"0") == "1":
-                    return HandOver(None)
-                if text(owner) != previous or pipe.scard(mine) >= self._limit(device):
-                    return HandOver(text(owner))
-                registered = bool(previous) and bool(pipe.hexists(self.keys.devices, previous))
-                pipe.multi()
-                pipe.hset(h, mapping={"device": device, "idle": 0})
-                pipe.hdel(h, "rest", "hush", "hushep")
-                pipe.set(draft, b"", keepttl=True)
-                pipe.delete(branches)
-                if previous:
-                    pipe.srem(self.keys.sessions(previous), sid)
-                if registered:  # (an inbox written after its prune would never expire)
-                    pipe.xadd(self.keys.inbox(previous), InboxEvent("close", sid).fields(),
+        for _ in range(HAND_OVER_TRIES):
+            with self.redis.pipeline(transaction=True) as pipe:
+                try:
+                    pipe.watch(h, mine)
+                    owner, done = pipe.hmget(h, "device", "done")
+                    if owner is None or text(done or b"0") == "1":
+                        return HandOver(None)
+                    if text(owner) != previous or pipe.scard(mine) >= self._limit(device):
+                        return HandOver(text(owner))
+                    registered = bool(previous) and \
+                        bool(pipe.hexists(self.keys.devices, previous))
+                    pipe.multi()
+                    pipe.hset(h, mapping={"device": device, "idle": 0})
+                    pipe.hdel(h, "rest", "hush", "hushep")
+                    pipe.set(draft, b"", keepttl=True)
+                    pipe.delete(branches)
+                    if previous:
+                        pipe.srem(self.keys.sessions(previous), sid)
+                    if registered:  # (an inbox written after its prune would never expire)
+                        pipe.xadd(self.keys.inbox(previous), InboxEvent("close", sid).fields(),
+                                  maxlen=inbox_maxlen, approximate=True)
+                    pipe.sadd(mine, sid)
+                    pipe.expire(mine, self.ttl_s)
+                    pipe.xadd(self.keys.inbox(device), InboxEvent("assign", sid).fields(),
                               maxlen=inbox_maxlen, approximate=True)
-                pipe.sadd(mine, sid)
-                pipe.expire(mine, self.ttl_s)
-                pipe.xadd(self.keys.inbox(device), InboxEvent("assign", sid).fields(),
-                          maxlen=inbox_maxlen, approximate=True)
-                pipe.execute()
-                return HandOver(device, True)
-            except redis.WatchError:  # the session or the board's set changed meanwhile
-                return HandOver(None)
+                    pipe.execute()
+                    return HandOver(device, True)
+                except redis.WatchError:
+                    pass
+            # a watched key changed meanwhile (a commit, a board's set refreshed: its EXPIRE
+            # counts), or EXEC's reply was lost (redis-py raises WatchError for a connection
+            # lost while watching: the transaction may have run): the owner the cache holds
+            # now says which; still ``previous``'s, it is tried again
+            owner = self.redis.hget(h, "device")
+            if owner is None or text(owner) != previous:
+                return HandOver(None if owner is None else text(owner))
+        return HandOver(previous)  # changed under every try: a later run tries again
 
     def _limit(self, device: str) -> int:
         return registered_limit(self.redis.hget(self.keys.devices, device))

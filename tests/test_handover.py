@@ -217,6 +217,42 @@ def test_the_cache_hands_over_only_what_is_still_the_previous_drafters(fleet):
     assert store.hand_over("y", "board-b", previous="") == ("board-b", True)  # room again
 
 
+def test_a_hand_over_whose_watched_keys_change_under_it_reads_what_the_cache_holds(fleet,
+                                                                                   monkeypatch):
+    """Between the WATCH and the EXEC: a routine refresh of the board's set (its EXPIRE aborts
+    the transaction) is tried again; another hand-over of the session (another replica's, or
+    this one's whose EXEC reply was lost: redis-py raises WatchError for both) is followed."""
+    store = fleet["store"]
+    devices = store.devices
+    devices.register("board-b", {"max_sessions": 4})
+    devices.register("board-c", {"max_sessions": 4})
+    store.create("w", [1, 2, 3], SamplingParams(), "board-b", 20)  # board-b's set exists
+    store.create("x", [1, 2, 3], SamplingParams(), "board-a", 20)
+    limit, meddled = devices._limit, []
+
+    def refresh_once(device):  # read inside the transaction, after the WATCH
+        if not meddled:
+            meddled.append(device)
+            store.redis.expire(store.keys.sessions(device), 600)  # watched: EXEC fails
+        return limit(device)
+
+    monkeypatch.setattr(devices, "_limit", refresh_once)
+    assert store.hand_over("x", "board-b", previous="board-a") == ("board-b", True)
+    assert meddled == ["board-b"] and sorted(devices.sessions_of("board-b")) == ["w", "x"]
+
+    meddled.clear()
+
+    def moved_meanwhile(device):
+        if not meddled:
+            meddled.append(device)
+            store.redis.hset(store.keys.session("x")[0], "device", "board-c")
+        return limit(device)
+
+    monkeypatch.setattr(devices, "_limit", moved_meanwhile)
+    assert store.hand_over("x", "board-c", previous="board-b") == ("board-c", False)
+    assert store.session_device("x") == "board-c"
+
+
 def test_one_reading_of_the_fleet_picks_many_within_each_boards_limit(fleet):
     devices = fleet["store"].devices
     for name, limit in (("small", 1), ("big", 3)):

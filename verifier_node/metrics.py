@@ -201,8 +201,8 @@ class VerifierMetrics:
             "output differs from either's target-only decoding from that position", registry=r)
         self.handed_over = Counter(
             "edgespec:sessions_handed_over", "Running sessions handed to an attached drafter: "
-            "admitted while none had room (no_board), or their drafter gone for 30 s "
-            "(board_gone)", ["reason"], registry=r)
+            "admitted while none had room (no_board), or their drafter gone for "
+            "--handover-after, 30 s by default (board_gone)", ["reason"], registry=r)
         self._recent: deque[tuple[float, int]] = deque()  # (time, tokens) for throughput
         # device -> [drafts, drafted, accepted], the most recently finished last
         self._by_device: OrderedDict[str, list[int]] = OrderedDict()

@@ -225,7 +225,8 @@ class Scheduler(threading.Thread):
                     self._admit()
                 if self.engine.sessions:  # running, or waiting for their prompts' prefill
                     if self.handover is not None:  # boards for those without (a second apart)
-                        self.handover.run()
+                        with self._watched():  # a hung cache holds the loop here too
+                            self.handover.run()
                     self._step_tokens = 0
                     with self._watched() as began:
                         try:
