@@ -116,7 +116,7 @@ def wait_healthy(address: str, timeout: float = 60, tls_ca=None,
 # A drafter frozen with SIGSTOP that must stay attached, its sessions waited for at every step
 # (tests that make "mid-generation" structural): the liveness checks that would detach it, and
 # the lateness rule that would stop waiting for it, put out of reach. The verifier also needs
-# ``--late-after 0``.
+# ``--late-after 0`` and ``--keep-drafting`` (else drafting-worth rests a board that slow).
 FROZEN_DRAFTER_ENV = {"EDGESPEC_HEARTBEAT_S": "3600", "EDGESPEC_KEEPALIVE_S": "3600",
                       "EDGESPEC_KEEPALIVE_TIMEOUT_S": "3600"}
 

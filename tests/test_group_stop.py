@@ -32,7 +32,7 @@ def test_a_stop_signal_to_every_process_of_the_server_still_drains(looping, loop
     ref = hf_greedy(looping.model, PROMPT, N)
     serve, address = start_serve(looping_dir, tmp_path, token=TOKEN, new_session=True,
                                  env=FROZEN_DRAFTER_ENV,
-                                 extra=["--draft-wait-ms", 50, "--late-after", 0,
+                                 extra=["--draft-wait-ms", 50, "--late-after", 0, "--keep-drafting",
                                         "--drain-timeout", 90])
     drafter = start_drafter(address, "frozen", tmp_path, token=TOKEN, env=FROZEN_DRAFTER_ENV)
     stream = None

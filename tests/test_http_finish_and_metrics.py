@@ -174,7 +174,7 @@ def test_a_client_that_disconnects_cancels_its_session(looping_dir, tmp_path):
     http_port = free_port()
     serve, address = start_serve(looping_dir, tmp_path, token=TOKEN, extra=[
         "--http-port", http_port, "--draft-wait-ms", 50, "--max-context", 4096,
-        "--late-after", 0], env=FROZEN_DRAFTER_ENV)
+        "--late-after", 0, "--keep-drafting"], env=FROZEN_DRAFTER_ENV)
     frozen = start_drafter(address, "frozen", tmp_path, "mag", token=TOKEN,
                            env=FROZEN_DRAFTER_ENV)
     try:

@@ -322,7 +322,8 @@ def test_serve_killed_mid_generation_streams_complete_as_target_only(looping, lo
                                                                      tmp_path):
     port = free_port()
     serve, address = start_serve(looping_dir, tmp_path, port=port, token=TOKEN,
-                                 extra=["--draft-wait-ms", 2000, "--late-after", 0],
+                                 extra=["--draft-wait-ms", 2000, "--late-after", 0,
+                                        "--keep-drafting"],
                                  env=FROZEN_DRAFTER_ENV)
     drafter = start_drafter(address, "frozen", tmp_path, token=TOKEN, env=FROZEN_DRAFTER_ENV)
     restarted = None
