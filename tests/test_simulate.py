@@ -114,35 +114,26 @@ def _run(n: int, rate: float) -> RunRecord:
     return RunRecord("on", n, 0.0, 10 / rate, reqs, {n: 1})
 
 
-def test_simulate_starts_a_cluster_of_its_own_beside_one_running_here(looping_dir, tmp_path):
+def test_simulate_starts_a_cluster_of_its_own_beside_one_running_here(tmp_path):
     """A Ray cluster already running on the machine (recorded in /tmp/ray by `ray start`, or by
-    another test's) is not joined: simulate starts its own, and the other's stop cannot cancel
-    its actors (a CI run failed so: "The actor never ran - it was cancelled ...")."""
-    import ray
-    from ray._private import state  # the GCS's job table: each driver with its pid
+    another test's) is not joined: simulate starts its own (``start_ray``, as ``cmd_simulate``
+    calls it), and the other's stop cannot cancel its actors (a CI run failed so: "The actor
+    never ran - it was cancelled ...")."""
     from ray.cluster_utils import Cluster
     from ray_nodes import add_node
 
     nodes = Cluster(initialize_head=False)
     add_node(nodes, num_cpus=1, include_dashboard=False, node_ip_address="127.0.0.1")
     try:
-        with open(tmp_path / "simulate.log", "w") as log:
-            p = subprocess.Popen(
-                [sys.executable, "-m", "edgespec_cli", "simulate", "--model", str(looping_dir),
-                 "--devices", "1", "--requests", "1", "--max-new-tokens", "8",
-                 "--batching", "on", "--timeout", "300", "--json", str(tmp_path / "r.json")],
-                stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "HOME": str(tmp_path)})
-            rc = p.wait(timeout=600)
-        said = (tmp_path / "simulate.log").read_text()
-        assert rc == 0, said[-3000:]
-        assert json.loads((tmp_path / "r.json").read_text())["lossless"]["ok"], said
-        ray.init(address=nodes.address, log_to_driver=False)
-        try:
-            drivers = {j["DriverPid"] for j in state.jobs()}
-        finally:
-            ray.shutdown()
-        assert os.getpid() in drivers  # the table names the drivers that joined it
-        assert p.pid not in drivers
+        r = subprocess.run(
+            [sys.executable, "-c", "import ray; from edgespec_cli.simulate.cli import start_ray; "
+             "start_ray(None); print('joined', ray.get_runtime_context().gcs_address)"],
+            capture_output=True, text=True, timeout=300,
+            env={**os.environ, "HOME": str(tmp_path), "RAY_USAGE_STATS_ENABLED": "0"})
+        assert r.returncode == 0, r.stderr[-3000:]
+        joined = r.stdout.split("joined ")[-1].strip()
+        assert joined and joined != nodes.address, (joined, nodes.address)
+        assert "starting a local Ray cluster" in r.stderr
     finally:
         nodes.shutdown()
 
