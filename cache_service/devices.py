@@ -231,45 +231,48 @@ class DeviceRegistry:
         or done, is no longer ``previous``'s (another replica's hand-over, or this one's whose
         reply was lost), or ``device`` holds its ``max_sessions`` (checked in the transaction:
         replicas handing sessions to one board at once stay within its limit)."""
+        for _ in range(HAND_OVER_TRIES):
+            try:
+                return self._hand_over_once(sid, device, previous, inbox_maxlen)
+            except redis.WatchError:
+                # a watched key changed meanwhile (a commit, a board's set refreshed: its
+                # EXPIRE counts), or EXEC's reply was lost (redis-py raises WatchError for a
+                # connection lost while watching: the transaction may have run): the next try
+                # reads the owner the cache holds now
+                continue
+        owner = self.redis.hget(self.keys.session(sid)[0], "device")  # changed under every try
+        return HandOver(None if owner is None else text(owner))
+
+    def _hand_over_once(self, sid: str, device: str, previous: str, inbox_maxlen: int
+                        ) -> HandOver:
+        """``hand_over``'s transaction, tried once (raises ``redis.WatchError`` where a watched
+        key changed before it ran)."""
         h, _, draft, branches = self.keys.session(sid)
         mine = self.keys.sessions(device)
-        for _ in range(HAND_OVER_TRIES):
-            with self.redis.pipeline(transaction=True) as pipe:
-                try:
-                    pipe.watch(h, mine)
-                    owner, done = pipe.hmget(h, "device", "done")
-                    if owner is None or text(done or b"0") == "1":
-                        return HandOver(None)
-                    if text(owner) != previous or pipe.scard(mine) >= self._limit(device):
-                        return HandOver(text(owner))
-                    registered = bool(previous) and \
-                        bool(pipe.hexists(self.keys.devices, previous))
-                    pipe.multi()
-                    pipe.hset(h, mapping={"device": device, "idle": 0})
-                    pipe.hdel(h, "rest", "hush", "hushep")
-                    pipe.set(draft, b"", keepttl=True)
-                    pipe.delete(branches)
-                    if previous:
-                        pipe.srem(self.keys.sessions(previous), sid)
-                    if registered:  # (an inbox written after its prune would never expire)
-                        pipe.xadd(self.keys.inbox(previous), InboxEvent("close", sid).fields(),
-                                  maxlen=inbox_maxlen, approximate=True)
-                    pipe.sadd(mine, sid)
-                    pipe.expire(mine, self.ttl_s)
-                    pipe.xadd(self.keys.inbox(device), InboxEvent("assign", sid).fields(),
-                              maxlen=inbox_maxlen, approximate=True)
-                    pipe.execute()
-                    return HandOver(device, True)
-                except redis.WatchError:
-                    pass
-            # a watched key changed meanwhile (a commit, a board's set refreshed: its EXPIRE
-            # counts), or EXEC's reply was lost (redis-py raises WatchError for a connection
-            # lost while watching: the transaction may have run): the owner the cache holds
-            # now says which; still ``previous``'s, it is tried again
-            owner = self.redis.hget(h, "device")
-            if owner is None or text(owner) != previous:
-                return HandOver(None if owner is None else text(owner))
-        return HandOver(previous)  # changed under every try: a later run tries again
+        with self.redis.pipeline(transaction=True) as pipe:
+            pipe.watch(h, mine)
+            owner, done = pipe.hmget(h, "device", "done")
+            if owner is None or text(done or b"0") == "1":
+                return HandOver(None)
+            if text(owner) != previous or pipe.scard(mine) >= self._limit(device):
+                return HandOver(text(owner))
+            registered = bool(previous) and bool(pipe.hexists(self.keys.devices, previous))
+            pipe.multi()
+            pipe.hset(h, mapping={"device": device, "idle": 0})
+            pipe.hdel(h, "rest", "hush", "hushep")
+            pipe.set(draft, b"", keepttl=True)
+            pipe.delete(branches)
+            if previous:
+                pipe.srem(self.keys.sessions(previous), sid)
+            if registered:  # (an inbox written after its prune would never expire)
+                pipe.xadd(self.keys.inbox(previous), InboxEvent("close", sid).fields(),
+                          maxlen=inbox_maxlen, approximate=True)
+            pipe.sadd(mine, sid)
+            pipe.expire(mine, self.ttl_s)
+            pipe.xadd(self.keys.inbox(device), InboxEvent("assign", sid).fields(),
+                      maxlen=inbox_maxlen, approximate=True)
+            pipe.execute()
+            return HandOver(device, True)
 
     def _limit(self, device: str) -> int:
         return registered_limit(self.redis.hget(self.keys.devices, device))
