@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 from prometheus_client import CollectorRegistry
-from cache_harness import Stream, engine_over_cache, eventually, start_agent
+from cache_harness import Stream, draft_len, engine_over_cache, eventually, start_agent
 from conftest import hf_greedy
 
 from cache_service.codec import text
@@ -143,6 +143,8 @@ def test_a_session_whose_board_is_gone_goes_to_another_after_the_wait(fleet, tin
     ref = refs[tuple(PROMPTS[0])]
     old.send(pb.DraftChunk(session_id=sid, epoch=0, start=len(PROMPTS[0]), tokens=ref[:4],
                            idle=True))  # its one draft, right: the first step takes it
+    # in the cache before the step (the stream's chunk and the step's take otherwise race)
+    eventually(lambda: draft_len(store, sid) == 4, "the board's draft in the cache")
     engine.step()
     assert engine.active[0].stats.drafter_tokens == 4
     old.close()
